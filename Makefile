@@ -1,0 +1,48 @@
+# ftkit: `make demo` runs the main job, `make test` runs every test. Both do all set-up they need (as root).
+SHELL   := /bin/bash
+GO      ?= go
+PKG     := github.com/ftkit/ftkit
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
+LDFLAGS := -X $(PKG)/internal/version.Version=$(VERSION)
+BIN     := bin
+CMDS    := ftctl ftagent ftwrap
+# The tests' own parallelism: two packages at a time fits the 2-core machines this runs on.
+TESTFLAGS ?= -count=1 -p 2 -timeout 20m
+
+.PHONY: all setup build test unit lint generate check-generate demo bench clean
+
+all: build
+
+setup:
+	@scripts/setup.sh
+
+build: setup
+	@mkdir -p $(BIN)
+	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/ ./cmd/... ./testdata/ringstencil ./bench/ftbench
+
+lint: setup
+	$(GO) vet ./...
+	$(GO) tool staticcheck ./...
+
+# Regenerate the bpf2go output; `check-generate` fails if the committed files differ from a fresh run.
+generate: setup
+	$(GO) generate ./...
+
+check-generate: generate
+	@git diff --exit-code -- ebpfprobes bpf || { echo "generated eBPF files are stale: run 'make generate' and commit"; exit 1; }
+
+test: build lint check-generate
+	$(GO) test $(TESTFLAGS) ./...
+
+# Pure unit tests only (no root, no kernel): quick feedback while editing.
+unit:
+	$(GO) test -count=1 -short ./...
+
+demo: build
+	@scripts/demo.sh
+
+bench: build
+	$(BIN)/ftbench --out bench/results
+
+clean:
+	rm -rf $(BIN)

@@ -1,0 +1,252 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"net/netip"
+	"os"
+	"os/exec"
+	"runtime"
+	"strings"
+	"syscall"
+	"text/tabwriter"
+
+	"github.com/spf13/cobra"
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/internal/cli"
+	"github.com/ftkit/ftkit/lab"
+)
+
+// labFlags are shared by every `ftctl lab` subcommand.
+type labFlags struct {
+	id       string
+	stateDir string
+	logs     *cli.LogFlags
+}
+
+func (f *labFlags) options(stderr io.Writer) (lab.Options, error) {
+	log, err := f.logs.Logger(stderr)
+	if err != nil {
+		return lab.Options{}, err
+	}
+	return lab.Options{StateDir: f.stateDir, Logger: log}, nil
+}
+
+func (f *labFlags) open(stderr io.Writer) (*lab.Lab, error) {
+	opts, err := f.options(stderr)
+	if err != nil {
+		return nil, err
+	}
+	l, err := lab.Open(f.id, opts)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, cli.WithCode(cli.ExitNotFound, fmt.Errorf("%w; start one with `ftctl lab up`", err))
+	}
+	return l, err
+}
+
+func requireRoot() error {
+	if os.Geteuid() != 0 {
+		return cli.WithCode(cli.ExitUnavailable, errors.New("the lab needs root (network namespaces, veth, bridge): run with sudo"))
+	}
+	return nil
+}
+
+func newLabCmd(logs *cli.LogFlags) *cobra.Command {
+	f := &labFlags{logs: logs}
+	cmd := &cobra.Command{
+		Use:   "lab",
+		Short: "A local cluster of network-namespace hosts for demos and tests",
+		Long: `The lab builds a small cluster on this machine: a bridge, and one network namespace per host
+(node1..nodeN, spare1..spareS), each with a veth on the bridge and an address in a private subnet
+that exists only inside the lab. Processes run in a host with ` + "`ftctl lab exec`" + ` (network
+namespace only, like nsenter --net: CRIU needs the real mount tree). ` + "`ftctl lab crash`" + ` is a
+power cut of one host. Everything needs root.`,
+		PersistentPreRunE: func(*cobra.Command, []string) error { return requireRoot() },
+		Args:              cli.Args(cobra.NoArgs), // so that `ftctl lab bogus` is an unknown command
+		RunE:              func(cmd *cobra.Command, _ []string) error { return cmd.Help() },
+	}
+	cmd.PersistentFlags().StringVar(&f.id, "id", lab.DefaultID, "lab id; labs other than the default prefix their namespaces with it")
+	cmd.PersistentFlags().StringVar(&f.stateDir, "state-dir", lab.DefaultStateDir, "where lab state files live")
+	cmd.AddCommand(newLabUpCmd(f), newLabExecCmd(f), newLabCrashCmd(f), newLabStatusCmd(f), newLabDownCmd(f))
+	return cmd
+}
+
+func newLabUpCmd(f *labFlags) *cobra.Command {
+	var nodes, spares int
+	var subnet string
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "up",
+		Short: "Create the lab's bridge and hosts",
+		Long: `Create the bridge and one network namespace per host, with addresses in --subnet (nodes from .11,
+spares from .101). Refuses if a lab with this id exists or the subnet is in use on this machine.`,
+		Args: cli.Args(cobra.NoArgs),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			prefix, err := netip.ParsePrefix(subnet)
+			if err != nil {
+				return cli.Usagef("--subnet %q: %v", subnet, err)
+			}
+			opts, err := f.options(cmd.ErrOrStderr())
+			if err != nil {
+				return err
+			}
+			l, err := lab.Up(cmd.Context(), lab.Config{ID: f.id, Nodes: nodes, Spares: spares, Subnet: prefix}, opts)
+			if errors.Is(err, lab.ErrExists) || errors.Is(err, lab.ErrSubnetInUse) {
+				return cli.WithCode(cli.ExitUnavailable, err)
+			}
+			if err != nil {
+				return err
+			}
+			return printStatus(cmd.OutOrStdout(), l.Status(), asJSON)
+		},
+	}
+	cmd.Flags().IntVar(&nodes, "nodes", 3, "number of compute hosts")
+	cmd.Flags().IntVar(&spares, "spares", 1, "number of spare hosts")
+	cmd.Flags().StringVar(&subnet, "subnet", lab.DefaultSubnet.String(), "private IPv4 subnet (/8 to /24) that exists only inside the lab")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+func newLabExecCmd(f *labFlags) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "exec HOST -- CMD [ARGS...]",
+		Short: "Run a command inside a host's network namespace",
+		Long: `Run CMD inside HOST's network namespace with this process's mount namespace, stdio and environment
+(nsenter --net semantics). ftctl replaces itself with CMD, so CMD's exit status is ftctl's.`,
+		Args: cli.Args(cobra.MinimumNArgs(2)),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			l, err := f.open(cmd.ErrOrStderr())
+			if err != nil {
+				return err
+			}
+			path, err := l.NetnsPath(args[0])
+			if err != nil {
+				return cli.WithCode(cli.ExitNotFound, err)
+			}
+			argv := args[1:]
+			if argv[0] == "--" { // flag parsing stopped at HOST, so cobra left the separator in place
+				argv = argv[1:]
+			}
+			if len(argv) == 0 {
+				return cli.Usagef("no command given after %s --", args[0])
+			}
+			return execInNetns(path, argv)
+		},
+	}
+	cmd.Flags().SetInterspersed(false) // everything after HOST belongs to CMD
+	return cmd
+}
+
+// execInNetns replaces this process with argv[0] running in the network namespace at path.
+func execInNetns(path string, argv []string) error {
+	bin, err := exec.LookPath(argv[0])
+	if err != nil {
+		return cli.WithCode(127, fmt.Errorf("command %q: %w", argv[0], err))
+	}
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("open %s: %w", path, err)
+	}
+	// execve keeps the calling thread's namespaces, so the thread that joins the namespace must exec.
+	runtime.LockOSThread()
+	if err := unix.Setns(fd, unix.CLONE_NEWNET); err != nil {
+		return fmt.Errorf("enter %s: %w", path, err)
+	}
+	unix.Close(fd)
+	err = syscall.Exec(bin, argv, os.Environ())
+	return cli.WithCode(126, fmt.Errorf("exec %s: %w", bin, err))
+}
+
+func newLabCrashCmd(f *labFlags) *cobra.Command {
+	return &cobra.Command{
+		Use:   "crash HOST",
+		Short: "Fail-stop a host: SIGKILL everything in it, then delete its namespace and veth",
+		Long: `Power-cut HOST: every process in its network namespace (its agent included) is SIGKILLed, then the
+namespace and its veth are deleted. Nothing on the host survives.`,
+		Args: cli.Args(cobra.ExactArgs(1)),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			l, err := f.open(cmd.ErrOrStderr())
+			if err != nil {
+				return err
+			}
+			if _, err := l.Host(args[0]); err != nil {
+				return cli.WithCode(cli.ExitNotFound, err)
+			}
+			if err := l.Crash(cmd.Context(), args[0]); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "%s crashed\n", args[0])
+			return nil
+		},
+	}
+}
+
+func newLabStatusCmd(f *labFlags) *cobra.Command {
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "status",
+		Short: "Show the lab's hosts as the kernel sees them",
+		Args:  cli.Args(cobra.NoArgs),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			l, err := f.open(cmd.ErrOrStderr())
+			if err != nil {
+				return err
+			}
+			return printStatus(cmd.OutOrStdout(), l.Status(), asJSON)
+		},
+	}
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+func newLabDownCmd(f *labFlags) *cobra.Command {
+	return &cobra.Command{
+		Use:   "down",
+		Short: "Remove everything the lab created (safe to run twice)",
+		Args:  cli.Args(cobra.NoArgs),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			l, err := f.open(cmd.ErrOrStderr())
+			if errors.Is(err, fs.ErrNotExist) {
+				fmt.Fprintf(cmd.OutOrStdout(), "lab %s is not up\n", f.id)
+				return nil
+			}
+			if err != nil {
+				return err
+			}
+			if err := l.Down(cmd.Context()); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "lab %s is down\n", f.id)
+			return nil
+		},
+	}
+}
+
+func printStatus(w io.Writer, s lab.Status, asJSON bool) error {
+	if asJSON {
+		return cli.PrintJSON(w, s)
+	}
+	fmt.Fprintf(w, "lab %s  subnet %s  bridge %s  %s\n", s.ID, s.Subnet, s.Bridge, s.Phase)
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "HOST\tROLE\tADDRESS\tNAMESPACE\tSTATE\tPROCESSES\tADDRESSES NOW")
+	for _, h := range s.Hosts {
+		state := "up"
+		switch {
+		case h.Crashed:
+			state = "crashed"
+		case !h.Exists:
+			state = "missing"
+		case !h.LinkUp:
+			state = "link-down"
+		}
+		now := make([]string, len(h.Addrs))
+		for i, a := range h.Addrs {
+			now[i] = a.Addr().String()
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\n", h.Name, h.Role, h.Addr.Addr(), h.Namespace, state, h.Processes, strings.Join(now, ","))
+	}
+	return tw.Flush()
+}

@@ -1,0 +1,71 @@
+// Command ftctl is the operator's CLI for ftkit: cluster status, snapshots, checkpoints, fail-over, and the
+// local lab of network-namespace hosts.
+package main
+
+import (
+	"fmt"
+	"os"
+	"text/tabwriter"
+
+	"github.com/spf13/cobra"
+
+	"github.com/ftkit/ftkit/internal/cli"
+	"github.com/ftkit/ftkit/internal/version"
+)
+
+func main() { os.Exit(cli.Main(newRoot())) }
+
+func newRoot() *cobra.Command {
+	var logs cli.LogFlags
+	root := &cobra.Command{
+		Use:   "ftctl",
+		Short: "Operate ftkit: transparent fault tolerance for socket-based parallel programs",
+		Long: `ftctl is the operator's CLI for ftkit.
+
+ftkit protects unmodified socket-based parallel programs (MPI over TCP, pipelines of TCP services):
+when a node dies, only its processes roll back, restored from their last snapshot on a spare host,
+and the bytes their peers had sent them since are replayed from the peers' sender-side logs.
+
+Exit codes: 0 success, 1 failure, 2 bad command line, 3 not found, 4 precondition missing
+(not root, CRIU too old, lab already up).`,
+		Version: version.Ftkit(),
+	}
+	logs.Register(root)
+	root.AddCommand(newVersionCmd(), newLabCmd(&logs))
+	return root
+}
+
+func newVersionCmd() *cobra.Command {
+	var asJSON bool
+	var criuPath string
+	cmd := &cobra.Command{
+		Use:   "version",
+		Short: "Print the versions of ftkit, Go, CRIU and the kernel",
+		Long: `Print the versions of ftkit, the Go toolchain it was built with, the CRIU binary it would use
+(asked over CRIU's RPC, so this needs root) and the running kernel. A missing or too old CRIU is reported,
+not treated as a failure.`,
+		Args: cli.Args(cobra.NoArgs),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			info := version.Collect(criuPath)
+			if asJSON {
+				return cli.PrintJSON(cmd.OutOrStdout(), info)
+			}
+			w := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
+			fmt.Fprintf(w, "ftkit\t%s\n", info.Ftkit)
+			fmt.Fprintf(w, "go\t%s\n", info.Go)
+			switch {
+			case info.CRIUError != "" && info.CRIU != "":
+				fmt.Fprintf(w, "criu\t%s (%s) UNUSABLE: %s\n", info.CRIU, info.CRIUPath, info.CRIUError)
+			case info.CRIUError != "":
+				fmt.Fprintf(w, "criu\tUNUSABLE: %s\n", info.CRIUError)
+			default:
+				fmt.Fprintf(w, "criu\t%s (%s)\n", info.CRIU, info.CRIUPath)
+			}
+			fmt.Fprintf(w, "kernel\t%s\n", info.Kernel)
+			return w.Flush()
+		},
+	}
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	cmd.Flags().StringVar(&criuPath, "criu", "", "CRIU binary (default /usr/local/sbin/criu, then PATH)")
+	return cmd
+}

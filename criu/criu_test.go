@@ -1,0 +1,115 @@
+package criu
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/checkpoint-restore/go-criu/v7/rpc"
+	"google.golang.org/protobuf/proto"
+)
+
+// TestMain lets the test binary play a CRIU of any version: go-criu runs `criu swrk FD` and asks for
+// the version over the inherited socket.
+func TestMain(m *testing.M) {
+	if v := os.Getenv("FTKIT_FAKE_CRIU_VERSION"); v != "" && len(os.Args) == 3 && os.Args[1] == "swrk" {
+		os.Exit(fakeSwrk(v, os.Args[2]))
+	}
+	os.Exit(m.Run())
+}
+
+func fakeSwrk(version, fdArg string) int {
+	fd, err := strconv.Atoi(fdArg)
+	if err != nil {
+		return 2
+	}
+	sk := os.NewFile(uintptr(fd), "swrk")
+	buf := make([]byte, 4096)
+	if _, err := sk.Read(buf); err != nil {
+		return 3
+	}
+	parts := strings.Split(version, ".")
+	num := func(i int) *int32 { n, _ := strconv.Atoi(parts[i]); return proto.Int32(int32(n)) }
+	resp, _ := proto.Marshal(&rpc.CriuResp{
+		Type:    rpc.CriuReqType_VERSION.Enum(),
+		Success: proto.Bool(true),
+		Version: &rpc.CriuVersion{MajorNumber: num(0), MinorNumber: num(1), Sublevel: num(2)},
+	})
+	if _, err := sk.Write(resp); err != nil {
+		return 4
+	}
+	return 0
+}
+
+func TestVersionString(t *testing.T) {
+	for v, want := range map[Version]string{40201: "4.2.1", 31701: "3.17.1", 40200: "4.2.0", 100000: "10.0.0"} {
+		if got := v.String(); got != want {
+			t.Errorf("Version(%d) = %q, want %q", int(v), got, want)
+		}
+	}
+}
+
+func TestRequireVersions(t *testing.T) {
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		fake    string
+		wantErr string
+	}{
+		{fake: "3.17.1", wantErr: "is CRIU 3.17.1, ftkit needs 4.2.0 or newer (4.2.1 is tested): run `make setup`"},
+		{fake: "4.1.1", wantErr: "is CRIU 4.1.1, ftkit needs 4.2.0"},
+		{fake: "4.2.1"},
+		{fake: "5.0.0"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.fake, func(t *testing.T) {
+			t.Setenv("FTKIT_FAKE_CRIU_VERSION", tt.fake)
+			_, v, err := Require(self)
+			if v.String() != tt.fake {
+				t.Errorf("version %s, want %s", v, tt.fake)
+			}
+			if tt.wantErr == "" {
+				if err != nil {
+					t.Fatal(err)
+				}
+				return
+			}
+			if !errors.Is(err, ErrTooOld) || !strings.Contains(err.Error(), tt.wantErr) {
+				t.Fatalf("err = %v, want ErrTooOld saying %q", err, tt.wantErr)
+			}
+		})
+	}
+}
+
+// A binary that is not CRIU must give a clear error, not a version.
+func TestRequireRejectsNonCriu(t *testing.T) {
+	fake := filepath.Join(t.TempDir(), "criu")
+	if err := os.WriteFile(fake, []byte("#!/bin/sh\nexit 1\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := Require(fake); err == nil {
+		t.Fatal("Require accepted a binary that is not CRIU")
+	}
+	if _, err := FindBinary(filepath.Join(t.TempDir(), "missing")); err == nil {
+		t.Fatal("FindBinary accepted a missing path")
+	}
+}
+
+func TestRequireInstalled(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("SKIPPED: asking CRIU for its version needs root")
+	}
+	bin, v, err := Require("")
+	if err != nil {
+		t.Fatalf("installed CRIU not usable: %v", err)
+	}
+	if v < MinVersion || errors.Is(err, ErrTooOld) {
+		t.Fatalf("%s reports %s", bin, v)
+	}
+	t.Logf("%s is CRIU %s", bin, v)
+}

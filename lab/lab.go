@@ -1,0 +1,338 @@
+package lab
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"net/netip"
+	"os"
+	"os/exec"
+	"time"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+)
+
+// killTimeout bounds how long a crash or teardown waits for SIGKILLed processes to disappear.
+const killTimeout = 10 * time.Second
+
+// Lab is a handle on a lab that exists on this machine.
+type Lab struct {
+	store stateStore
+	log   *slog.Logger
+	st    State
+}
+
+// Options locate the state directory and the logger; the zero value uses DefaultStateDir and slog's default.
+type Options struct {
+	StateDir string
+	Logger   *slog.Logger
+}
+
+func (o Options) store() stateStore {
+	if o.StateDir == "" {
+		return stateStore{dir: DefaultStateDir}
+	}
+	return stateStore{dir: o.StateDir}
+}
+
+func (o Options) logger() *slog.Logger {
+	if o.Logger == nil {
+		return slog.Default()
+	}
+	return o.Logger
+}
+
+// ErrExists means a lab with that id, or one of its namespaces or links, already exists.
+var ErrExists = errors.New("lab already exists")
+
+// ErrSubnetInUse means the requested subnet overlaps another lab or an address of this machine.
+var ErrSubnetInUse = errors.New("subnet in use")
+
+// Up creates the lab described by cfg. On failure it removes whatever it created.
+func Up(ctx context.Context, cfg Config, opts Options) (*Lab, error) {
+	plan, err := NewPlan(cfg)
+	if err != nil {
+		return nil, err
+	}
+	l := &Lab{store: opts.store(), log: opts.logger().With("lab", plan.ID), st: State{Plan: plan, Phase: PhaseCreating}}
+	err = l.store.locked(func() error {
+		if err := l.checkFree(); err != nil {
+			return err
+		}
+		// Written before anything is created, so that Down can undo a half-done Up after a crash.
+		return l.store.save(l.st)
+	})
+	if err != nil {
+		return nil, err
+	}
+	if err := l.create(ctx); err != nil {
+		if derr := l.Down(context.WithoutCancel(ctx)); derr != nil {
+			err = errors.Join(err, fmt.Errorf("cleaning up the half-created lab: %w", derr))
+		}
+		return nil, err
+	}
+	l.st.Phase = PhaseUp
+	if err := l.store.save(l.st); err != nil {
+		return nil, err
+	}
+	return l, nil
+}
+
+// checkFree refuses a lab whose id, namespaces, links or subnet are taken. Called with the store locked.
+func (l *Lab) checkFree() error {
+	labs, err := l.store.all()
+	if err != nil {
+		return err
+	}
+	for _, other := range labs {
+		if other.ID == l.st.ID {
+			return fmt.Errorf("%w: lab %q is already up (state %s); run `ftctl lab down` first", ErrExists, l.st.ID, l.store.path(l.st.ID))
+		}
+		if other.Subnet.Overlaps(l.st.Subnet) {
+			return fmt.Errorf("%w: %s overlaps lab %q's %s; pick another with --subnet", ErrSubnetInUse, l.st.Subnet, other.ID, other.Subnet)
+		}
+	}
+	addrs, err := netlink.AddrList(nil, netlink.FAMILY_V4)
+	if err != nil {
+		return fmt.Errorf("list this machine's addresses: %w", err)
+	}
+	for _, a := range addrs {
+		ip, _ := netip.AddrFromSlice(a.IP.To4())
+		ones, _ := a.Mask.Size()
+		if p := netip.PrefixFrom(ip, ones); p.Overlaps(l.st.Subnet) {
+			return fmt.Errorf("%w: %s overlaps %s on interface index %d of this machine; pick another with --subnet", ErrSubnetInUse, l.st.Subnet, p, a.LinkIndex)
+		}
+	}
+	if _, err := netlink.LinkByName(l.st.Bridge); err == nil {
+		return fmt.Errorf("%w: link %s exists; remove it or run `ftctl lab down --id %s`", ErrExists, l.st.Bridge, l.st.ID)
+	}
+	for _, h := range l.st.Hosts {
+		if _, err := os.Stat(NetnsPath(h.Namespace)); err == nil {
+			return fmt.Errorf("%w: network namespace %s exists; remove it with `ip netns delete %s`", ErrExists, h.Namespace, h.Namespace)
+		}
+		if _, err := netlink.LinkByName(h.Veth); err == nil {
+			return fmt.Errorf("%w: link %s exists; remove it with `ip link delete %s`", ErrExists, h.Veth, h.Veth)
+		}
+	}
+	return nil
+}
+
+func (l *Lab) create(ctx context.Context) error {
+	br := &netlink.Bridge{LinkAttrs: netlink.LinkAttrs{Name: l.st.Bridge}}
+	if err := netlink.LinkAdd(br); err != nil {
+		return fmt.Errorf("create bridge %s: %w", l.st.Bridge, err)
+	}
+	if err := netlink.LinkSetUp(br); err != nil {
+		return fmt.Errorf("bring up bridge %s: %w", l.st.Bridge, err)
+	}
+	for _, h := range l.st.Hosts {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		if err := l.createHost(br, h); err != nil {
+			return fmt.Errorf("create host %s: %w", h.Name, err)
+		}
+		l.log.Debug("host up", "host", h.Name, "addr", h.Addr, "netns", h.Namespace)
+	}
+	return nil
+}
+
+// createHost adds the namespace and a veth pair whose inner end becomes eth0 with the host's address.
+func (l *Lab) createHost(br *netlink.Bridge, h Host) error {
+	if err := createNamedNetns(h.Namespace); err != nil {
+		return err
+	}
+	ns, err := netns.GetFromPath(NetnsPath(h.Namespace))
+	if err != nil {
+		return fmt.Errorf("open namespace: %w", err)
+	}
+	defer ns.Close()
+	// The peer gets a temporary root-namespace name; it is renamed to eth0 once inside the host.
+	peer := h.Veth + "p"
+	veth := &netlink.Veth{
+		LinkAttrs: netlink.LinkAttrs{Name: h.Veth, MasterIndex: br.Index},
+		PeerName:  peer,
+	}
+	if err := netlink.LinkAdd(veth); err != nil {
+		return fmt.Errorf("create veth %s: %w", h.Veth, err)
+	}
+	peerLink, err := netlink.LinkByName(peer)
+	if err != nil {
+		return fmt.Errorf("find veth peer %s: %w", peer, err)
+	}
+	if err := netlink.LinkSetNsFd(peerLink, int(ns)); err != nil {
+		return fmt.Errorf("move %s into %s: %w", peer, h.Namespace, err)
+	}
+	if err := netlink.LinkSetUp(veth); err != nil {
+		return fmt.Errorf("bring up %s: %w", h.Veth, err)
+	}
+	nh, err := netlink.NewHandleAt(ns)
+	if err != nil {
+		return fmt.Errorf("netlink handle in %s: %w", h.Namespace, err)
+	}
+	defer nh.Close()
+	lo, err := nh.LinkByName("lo")
+	if err != nil {
+		return fmt.Errorf("find lo: %w", err)
+	}
+	if err := nh.LinkSetUp(lo); err != nil {
+		return fmt.Errorf("bring up lo: %w", err)
+	}
+	inner, err := nh.LinkByName(peer)
+	if err != nil {
+		return fmt.Errorf("find %s inside: %w", peer, err)
+	}
+	if err := nh.LinkSetName(inner, "eth0"); err != nil {
+		return fmt.Errorf("rename %s to eth0: %w", peer, err)
+	}
+	addr, err := netlink.ParseAddr(h.Addr.String())
+	if err != nil {
+		return err
+	}
+	if err := nh.AddrAdd(inner, addr); err != nil {
+		return fmt.Errorf("add %s to eth0: %w", h.Addr, err)
+	}
+	if err := nh.LinkSetUp(inner); err != nil {
+		return fmt.Errorf("bring up eth0: %w", err)
+	}
+	return nil
+}
+
+// Open returns the lab with the given id ("" for DefaultID).
+func Open(id string, opts Options) (*Lab, error) {
+	if id == "" {
+		id = DefaultID
+	}
+	store := opts.store()
+	st, err := store.load(id)
+	if err != nil {
+		return nil, err
+	}
+	return &Lab{store: store, log: opts.logger().With("lab", id), st: st}, nil
+}
+
+// List returns the state of every lab on this machine.
+func List(opts Options) ([]State, error) {
+	return opts.store().all()
+}
+
+// State returns a copy of the lab's recorded state.
+func (l *Lab) State() State {
+	st := l.st
+	st.Hosts = append([]Host(nil), l.st.Hosts...)
+	return st
+}
+
+// Host returns the host by name.
+func (l *Lab) Host(name string) (Host, error) { return l.st.Host(name) }
+
+// NetnsPath is the namespace file of a host, for nsenter-style entry by other tools.
+func (l *Lab) NetnsPath(host string) (string, error) {
+	h, err := l.live(host)
+	if err != nil {
+		return "", err
+	}
+	return NetnsPath(h.Namespace), nil
+}
+
+// live returns a host that exists and has not crashed.
+func (l *Lab) live(name string) (Host, error) {
+	h, err := l.st.Host(name)
+	if err != nil {
+		return Host{}, err
+	}
+	if h.Crashed {
+		return Host{}, fmt.Errorf("host %s of lab %s has crashed; it no longer exists", name, l.st.ID)
+	}
+	return h, nil
+}
+
+// Do runs fn on a thread inside host's network namespace.
+func (l *Lab) Do(host string, fn func() error) error {
+	p, err := l.NetnsPath(host)
+	if err != nil {
+		return err
+	}
+	return InNetns(p, fn)
+}
+
+// Start starts cmd inside host's network namespace (host mount namespace, nsenter --net semantics).
+func (l *Lab) Start(host string, cmd *exec.Cmd) error {
+	return l.Do(host, cmd.Start)
+}
+
+// Crash is a fail-stop of a whole host: every process in its namespace is SIGKILLed, then the namespace
+// and its veth are deleted. Nothing on the host survives.
+func (l *Lab) Crash(ctx context.Context, name string) error {
+	return l.store.locked(func() error {
+		st, err := l.store.load(l.st.ID)
+		if err != nil {
+			return err
+		}
+		l.st = st
+		h, err := l.live(name)
+		if err != nil {
+			return err
+		}
+		if err := removeHost(ctx, h); err != nil {
+			return fmt.Errorf("crash %s: %w", name, err)
+		}
+		for i := range l.st.Hosts {
+			if l.st.Hosts[i].Name == name {
+				l.st.Hosts[i].Crashed = true
+			}
+		}
+		l.log.Info("host crashed", "host", name)
+		return l.store.save(l.st)
+	})
+}
+
+// removeHost cuts the host's veth, kills its processes and deletes its namespace; what is already gone is
+// fine. The veth goes first because it is deleted synchronously, while a namespace's own links disappear
+// later, from a kernel work queue.
+func removeHost(ctx context.Context, h Host) error {
+	var errs []error
+	if link, err := netlink.LinkByName(h.Veth); err == nil {
+		if err := netlink.LinkDel(link); err != nil && !errors.Is(err, unix.ENODEV) {
+			errs = append(errs, fmt.Errorf("delete veth %s: %w", h.Veth, err))
+		}
+	}
+	if err := killNetns(ctx, NetnsPath(h.Namespace), killTimeout); err != nil {
+		errs = append(errs, err)
+	}
+	if err := deleteNamedNetns(h.Namespace); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+// Down removes everything the lab created. It is safe to call twice and after a half-done Up.
+func (l *Lab) Down(ctx context.Context) error {
+	return l.store.locked(func() error {
+		if st, err := l.store.load(l.st.ID); err == nil {
+			l.st = st
+		} else if errors.Is(err, fs.ErrNotExist) {
+			return nil // already down
+		}
+		var errs []error
+		for _, h := range l.st.Hosts {
+			if err := removeHost(ctx, h); err != nil {
+				errs = append(errs, fmt.Errorf("host %s: %w", h.Name, err))
+			}
+		}
+		if link, err := netlink.LinkByName(l.st.Bridge); err == nil {
+			if err := netlink.LinkDel(link); err != nil && !errors.Is(err, unix.ENODEV) {
+				errs = append(errs, fmt.Errorf("delete bridge %s: %w", l.st.Bridge, err))
+			}
+		}
+		if len(errs) > 0 {
+			return fmt.Errorf("lab %s is partly down (state kept, run down again): %w", l.st.ID, errors.Join(errs...))
+		}
+		l.log.Debug("lab down")
+		return l.store.remove(l.st.ID)
+	})
+}

@@ -1,0 +1,145 @@
+package lab_test
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net"
+	"os"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/lab"
+	"github.com/ftkit/ftkit/lab/labtest"
+	"github.com/vishvananda/netlink"
+)
+
+// roundTrip writes one line on conn and checks that the echo server returns it.
+func roundTrip(t *testing.T, conn net.Conn, msg string) {
+	t.Helper()
+	conn.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := fmt.Fprintln(conn, msg); err != nil {
+		t.Fatalf("write %q: %v", msg, err)
+	}
+	got, err := bufio.NewReader(conn).ReadString('\n')
+	if err != nil || strings.TrimSpace(got) != msg {
+		t.Fatalf("echo of %q = %q, %v", msg, got, err)
+	}
+}
+
+func TestLabCrossHostAndCrash(t *testing.T) {
+	l := labtest.New(t, 3, 1)
+	st := l.State()
+	n3, _ := l.Host("node3")
+
+	// Sockets are bound to the namespace they are created in, so the listener and the client socket
+	// live in node3 and node1 while this test's goroutines use them from any thread.
+	var ln net.Listener
+	if err := l.Do("node3", func() (err error) {
+		ln, err = net.Listen("tcp", n3.Addr.Addr().String()+":7000")
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() { defer c.Close(); bufio.NewReader(c).WriteTo(c) }()
+		}
+	}()
+	var conn net.Conn
+	if err := l.Do("node1", func() (err error) {
+		conn, err = net.DialTimeout("tcp", n3.Addr.Addr().String()+":7000", 5*time.Second)
+		return err
+	}); err != nil {
+		t.Fatalf("node1 -> node3: %v", err)
+	}
+	defer conn.Close()
+	roundTrip(t, conn, "before crash")
+
+	if err := l.Crash(context.Background(), "node2"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(lab.NetnsPath(st.Hosts[1].Namespace)); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("node2's namespace still exists after crash: %v", err)
+	}
+	if _, err := netlink.LinkByName(st.Hosts[1].Veth); err == nil {
+		t.Errorf("node2's veth %s still exists after crash", st.Hosts[1].Veth)
+	}
+	if err := l.Crash(context.Background(), "node2"); err == nil {
+		t.Error("crashing node2 twice succeeded")
+	}
+	roundTrip(t, conn, "after crash")
+
+	s := l.Status()
+	for _, h := range s.Hosts {
+		if wantExists := h.Name != "node2"; h.Exists != wantExists || h.Crashed == wantExists {
+			t.Errorf("status of %s: exists=%v crashed=%v", h.Name, h.Exists, h.Crashed)
+		}
+		if h.Exists && (!h.LinkUp || len(h.Addrs) != 1 || h.Addrs[0] != h.Addr) {
+			t.Errorf("status of %s: link up %v addrs %v, want %s", h.Name, h.LinkUp, h.Addrs, h.Addr)
+		}
+	}
+}
+
+func TestLabRefusesDuplicates(t *testing.T) {
+	l := labtest.New(t, 1, 0)
+	st := l.State()
+	_, err := lab.Up(context.Background(), lab.Config{ID: st.ID, Nodes: 1, Subnet: st.Subnet}, lab.Options{})
+	if !errors.Is(err, lab.ErrExists) {
+		t.Fatalf("second lab with the same id: %v, want ErrExists", err)
+	}
+	_, err = lab.Up(context.Background(), lab.Config{ID: "x" + st.ID[1:], Nodes: 1, Subnet: st.Subnet}, lab.Options{})
+	if !errors.Is(err, lab.ErrSubnetInUse) {
+		t.Fatalf("second lab on the same subnet: %v, want ErrSubnetInUse", err)
+	}
+}
+
+func TestLabDownRemovesEverything(t *testing.T) {
+	labtest.RequireRoot(t)
+	ctx := context.Background()
+	l, err := lab.Up(ctx, lab.Config{ID: "tdown", Nodes: 2, Spares: 1, Subnet: lab.DefaultSubnet}, lab.Options{StateDir: t.TempDir()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := l.State()
+	t.Cleanup(func() { l.Down(ctx) })
+	// A process left running inside a host must not keep anything alive.
+	if err := l.Do("node1", func() error { return startSleeper(t) }); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Down(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Down(ctx); err != nil {
+		t.Fatalf("second down: %v", err)
+	}
+	for _, h := range st.Hosts {
+		if _, err := os.Stat(lab.NetnsPath(h.Namespace)); !errors.Is(err, fs.ErrNotExist) {
+			t.Errorf("namespace %s left behind", h.Namespace)
+		}
+		if _, err := netlink.LinkByName(h.Veth); err == nil {
+			t.Errorf("veth %s left behind", h.Veth)
+		}
+	}
+	if _, err := netlink.LinkByName(st.Bridge); err == nil {
+		t.Errorf("bridge %s left behind", st.Bridge)
+	}
+}
+// startSleeper starts a long sleep in the caller's network namespace; the lab must kill it.
+func startSleeper(t *testing.T) error {
+	cmd := exec.Command("sleep", "300")
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	go cmd.Wait() // reap it once the lab kills it
+	return nil
+}

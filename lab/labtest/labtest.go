@@ -1,0 +1,48 @@
+// Package labtest gives end-to-end tests a lab of their own, removed when the test ends, pass or fail.
+package labtest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net/netip"
+	"os"
+	"testing"
+
+	"github.com/ftkit/ftkit/lab"
+)
+
+// RequireRoot skips a privileged test loudly when not run as root (CI and `make test` run as root).
+func RequireRoot(t testing.TB) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("SKIPPED: this end-to-end test needs root (network namespaces); run `make test` as root")
+	}
+}
+
+// New brings up a lab with a fresh id and a free 10.2xx.y.0/24 subnet and registers its teardown.
+func New(t testing.TB, nodes, spares int) *lab.Lab {
+	t.Helper()
+	RequireRoot(t)
+	ctx := context.Background()
+	for try := 0; try < 20; try++ {
+		id := fmt.Sprintf("t%06x", rand.Uint32()&0xffffff)
+		subnet := netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(210 + rand.IntN(40)), byte(rand.IntN(256)), 0}), 24)
+		l, err := lab.Up(ctx, lab.Config{ID: id, Nodes: nodes, Spares: spares, Subnet: subnet}, lab.Options{})
+		if errors.Is(err, lab.ErrSubnetInUse) || errors.Is(err, lab.ErrExists) {
+			continue
+		}
+		if err != nil {
+			t.Fatalf("lab up: %v", err)
+		}
+		t.Cleanup(func() {
+			if err := l.Down(context.Background()); err != nil {
+				t.Errorf("lab down: %v", err)
+			}
+		})
+		return l
+	}
+	t.Fatal("no free lab id and subnet after 20 tries; are stale labs left? run `ftctl lab status`")
+	return nil
+}

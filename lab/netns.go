@@ -1,0 +1,164 @@
+package lab
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"time"
+
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+)
+
+// NetnsDir is where named network namespaces are bind-mounted (the `ip netns` convention).
+const NetnsDir = "/var/run/netns"
+
+// NetnsPath is the bind-mount path of a named namespace.
+func NetnsPath(name string) string { return filepath.Join(NetnsDir, name) }
+
+// InNetns runs fn on an OS thread that has joined the network namespace at path. Processes started from
+// fn (os/exec forks from the calling thread) inherit that namespace, with the host's mount namespace:
+// `nsenter --net` semantics, which CRIU needs (`ip netns exec` remounts /sys and breaks CRIU).
+func InNetns(path string, fn func() error) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		// If anything below fails to restore the original namespace, the goroutine exits still locked
+		// and the runtime discards the thread instead of reusing a thread in the wrong namespace.
+		orig, err := netns.Get()
+		if err != nil {
+			errc <- fmt.Errorf("get current network namespace: %w", err)
+			return
+		}
+		defer orig.Close()
+		target, err := netns.GetFromPath(path)
+		if err != nil {
+			errc <- fmt.Errorf("open network namespace %s: %w", path, err)
+			return
+		}
+		defer target.Close()
+		if err := netns.Set(target); err != nil {
+			errc <- fmt.Errorf("enter network namespace %s: %w", path, err)
+			return
+		}
+		ferr := fn()
+		if err := netns.Set(orig); err == nil {
+			runtime.UnlockOSThread()
+		}
+		errc <- ferr
+	}()
+	return <-errc
+}
+
+// createNamedNetns makes a new named namespace without moving the calling goroutine's thread into it.
+func createNamedNetns(name string) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		orig, err := netns.Get()
+		if err != nil {
+			errc <- err
+			return
+		}
+		defer orig.Close()
+		h, err := netns.NewNamed(name) // switches this thread into the new namespace
+		if err != nil {
+			errc <- fmt.Errorf("create network namespace %s: %w", name, err)
+			return
+		}
+		h.Close()
+		if err := netns.Set(orig); err == nil {
+			runtime.UnlockOSThread()
+		}
+		errc <- nil
+	}()
+	return <-errc
+}
+
+// deleteNamedNetns unmounts and removes a named namespace; a missing one is not an error.
+func deleteNamedNetns(name string) error {
+	p := NetnsPath(name)
+	if err := unix.Unmount(p, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
+		return fmt.Errorf("unmount %s: %w", p, err)
+	}
+	if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("remove %s: %w", p, err)
+	}
+	return nil
+}
+
+// netnsIno identifies a namespace by the inode of its nsfs file.
+func netnsIno(path string) (uint64, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		return 0, err
+	}
+	return st.Ino, nil
+}
+
+// PIDsInNetns lists the processes whose network namespace is the one at path.
+func PIDsInNetns(path string) ([]int, error) {
+	ino, err := netnsIno(path)
+	if err != nil {
+		return nil, fmt.Errorf("stat network namespace %s: %w", path, err)
+	}
+	return pidsInNetnsIno(ino)
+}
+
+func pidsInNetnsIno(ino uint64) ([]int, error) {
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return nil, fmt.Errorf("list /proc: %w", err)
+	}
+	self := os.Getpid()
+	var pids []int
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil || pid == self {
+			continue
+		}
+		var st unix.Stat_t
+		// Processes exit while we scan and zombies have no namespace: skip whatever cannot be read.
+		if unix.Stat("/proc/"+e.Name()+"/ns/net", &st) != nil {
+			continue
+		}
+		if st.Ino == ino {
+			pids = append(pids, pid)
+		}
+	}
+	return pids, nil
+}
+
+// killNetns SIGKILLs every process in the namespace until none is left, like a power cut: processes that
+// fork while we scan are caught by the next round.
+func killNetns(ctx context.Context, path string, timeout time.Duration) error {
+	ino, err := netnsIno(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("stat network namespace %s: %w", path, err)
+	}
+	deadline := time.Now().Add(timeout)
+	for {
+		pids, err := pidsInNetnsIno(ino)
+		if err != nil {
+			return err
+		}
+		if len(pids) == 0 {
+			return nil
+		}
+		if ctx.Err() != nil || time.Now().After(deadline) {
+			return fmt.Errorf("processes %v in %s survive SIGKILL after %s (stuck in the kernel?); check `ps -o pid,stat,wchan -p ...`", pids, path, timeout)
+		}
+		for _, pid := range pids {
+			_ = unix.Kill(pid, unix.SIGKILL) // ESRCH: already gone
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
