@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"time"
 
 	"github.com/vishvananda/netlink"
@@ -324,6 +325,11 @@ func (l *Lab) Down(ctx context.Context) error {
 				errs = append(errs, fmt.Errorf("host %s: %w", h.Name, err))
 			}
 		}
+		for _, d := range l.st.Dirs {
+			if err := removeTree(d); err != nil {
+				errs = append(errs, err)
+			}
+		}
 		if link, err := netlink.LinkByName(l.st.Bridge); err == nil {
 			if err := netlink.LinkDel(link); err != nil && !errors.Is(err, unix.ENODEV) {
 				errs = append(errs, fmt.Errorf("delete bridge %s: %w", l.st.Bridge, err))
@@ -335,4 +341,55 @@ func (l *Lab) Down(ctx context.Context) error {
 		l.log.Debug("lab down")
 		return l.store.remove(l.st.ID)
 	})
+}
+
+// AddCleanup records a directory that Down must remove after the lab's processes are dead. A directory
+// under a cgroup2 mount is removed bottom-up with rmdir, as cgroups require.
+func (l *Lab) AddCleanup(dir string) error {
+	return l.store.locked(func() error {
+		st, err := l.store.load(l.st.ID)
+		if err != nil {
+			return err
+		}
+		for _, d := range st.Dirs {
+			if d == dir {
+				return nil
+			}
+		}
+		st.Dirs = append(st.Dirs, dir)
+		l.st = st
+		return l.store.save(st)
+	})
+}
+
+// removeTree removes a directory tree; cgroup directories cannot hold files, so they are rmdir'ed
+// deepest first.
+func removeTree(dir string) error {
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			return nil
+		}
+		return fmt.Errorf("remove %s: %w", dir, err)
+	}
+	if st.Type != unix.CGROUP2_SUPER_MAGIC {
+		if err := os.RemoveAll(dir); err != nil {
+			return fmt.Errorf("remove %s: %w", dir, err)
+		}
+		return nil
+	}
+	var dirs []string
+	filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err == nil && d.IsDir() {
+			dirs = append(dirs, p)
+		}
+		return nil
+	})
+	var errs []error
+	for i := len(dirs) - 1; i >= 0; i-- {
+		if err := unix.Rmdir(dirs[i]); err != nil && !errors.Is(err, unix.ENOENT) {
+			errs = append(errs, fmt.Errorf("remove cgroup %s: %w", dirs[i], err))
+		}
+	}
+	return errors.Join(errs...)
 }

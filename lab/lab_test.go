@@ -134,6 +134,7 @@ func TestLabDownRemovesEverything(t *testing.T) {
 		t.Errorf("bridge %s left behind", st.Bridge)
 	}
 }
+
 // startSleeper starts a long sleep in the caller's network namespace; the lab must kill it.
 func startSleeper(t *testing.T) error {
 	cmd := exec.Command("sleep", "300")

@@ -11,6 +11,8 @@ import (
 	"strings"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/internal/atomicfile"
 )
 
 // DefaultStateDir holds one JSON file per lab. It is on tmpfs on purpose: a reboot removes the namespaces,
@@ -29,6 +31,9 @@ const (
 type State struct {
 	Plan
 	Phase Phase `json:"phase"`
+	// Dirs are removed (recursively) by Down once every process of the lab is dead: agent state, job
+	// directories, cgroup trees registered with AddCleanup.
+	Dirs []string `json:"dirs,omitempty"`
 }
 
 // stateStore reads and writes lab state files under one directory, serialised by an flock so that two
@@ -70,32 +75,9 @@ func (s stateStore) load(id string) (State, error) {
 	return st, nil
 }
 
-// save writes the state atomically (temp file, fsync, rename) so a crash never leaves a torn file.
+// save writes the state atomically so a crash never leaves a torn file.
 func (s stateStore) save(st State) error {
-	b, err := json.MarshalIndent(st, "", "  ")
-	if err != nil {
-		return err
-	}
-	tmp := s.path(st.ID) + ".tmp"
-	f, err := os.OpenFile(tmp, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o644)
-	if err != nil {
-		return fmt.Errorf("write lab state: %w", err)
-	}
-	if _, err := f.Write(append(b, '\n')); err != nil {
-		f.Close()
-		return fmt.Errorf("write lab state: %w", err)
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return fmt.Errorf("sync lab state: %w", err)
-	}
-	if err := f.Close(); err != nil {
-		return fmt.Errorf("close lab state: %w", err)
-	}
-	if err := os.Rename(tmp, s.path(st.ID)); err != nil {
-		return fmt.Errorf("publish lab state: %w", err)
-	}
-	return nil
+	return atomicfile.WriteJSON(s.path(st.ID), st)
 }
 
 func (s stateStore) remove(id string) error {

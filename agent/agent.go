@@ -1,0 +1,252 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/criu"
+)
+
+// Agent protects the jobs of one host.
+type Agent struct {
+	cfg  Config
+	log  *slog.Logger
+	criu criu.Client
+	self string // this executable, run as `shim` for each job
+	jobs jobStore
+
+	mu      sync.Mutex
+	byID    map[string]*Job
+	changed chan struct{} // closed and replaced whenever a job changes, for long-polling clients
+}
+
+// New checks the host (root, CRIU 4.2 or newer, cgroup v2) and prepares the agent's directories.
+func New(cfg Config, log *slog.Logger) (*Agent, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	if os.Geteuid() != 0 {
+		return nil, errors.New("ftagent must run as root (CRIU, eBPF, cgroups)")
+	}
+	bin, v, err := criu.Require(cfg.CRIU)
+	if err != nil {
+		return nil, err
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return nil, fmt.Errorf("find own executable for job shims: %w", err)
+	}
+	a := &Agent{
+		cfg: cfg, log: log.With("node", cfg.Name), criu: criu.Client{Binary: bin}, self: self,
+		jobs: jobStore{dir: filepath.Join(cfg.StateDir, "jobs")},
+		byID: map[string]*Job{}, changed: make(chan struct{}),
+	}
+	for _, d := range []string{a.jobs.dir, cfg.JobsDir, cfg.CgroupParent, filepath.Dir(cfg.Socket)} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return nil, fmt.Errorf("create %s: %w", d, err)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(cfg.CgroupParent, "cgroup.controllers")); err != nil {
+		return nil, fmt.Errorf("cgroup_parent %s is not in a cgroup v2 hierarchy: %w", cfg.CgroupParent, err)
+	}
+	a.log.Info("agent ready", "criu", bin, "criu_version", v.String())
+	return a, nil
+}
+
+// notify wakes long-polling clients; call with a.mu held.
+func (a *Agent) notify() {
+	close(a.changed)
+	a.changed = make(chan struct{})
+}
+
+// adopt loads the job records a previous agent left and finds out what became of each job.
+func (a *Agent) adopt() error {
+	jobs, err := a.jobs.all()
+	for _, j := range jobs {
+		if j.Node != a.cfg.Name {
+			continue
+		}
+		a.byID[j.ID] = j
+		if j.State == JobRunning {
+			a.log.Info("adopted job", "job", j.ID, "pid", j.PID)
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("adopt jobs: %w", err)
+	}
+	return nil
+}
+
+// StartJob creates a job and starts its program under a shim.
+func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*Job, error) {
+	if len(spec.Argv) == 0 {
+		return nil, errors.New("no program given")
+	}
+	if spec.Interval != "" {
+		var iv Interval
+		if err := iv.UnmarshalText([]byte(spec.Interval)); err != nil {
+			return nil, err
+		}
+	}
+	if spec.Name == "" {
+		spec.Name = defaultJobName(spec.Argv)
+	}
+	id, err := newJobID(spec.Name)
+	if err != nil {
+		return nil, err
+	}
+	if spec.Dir == "" {
+		spec.Dir = "/"
+	}
+	j := &Job{
+		ID: id, Spec: spec, UID: uid, GID: gid, Node: a.cfg.Name, State: JobRunning,
+		Created: time.Now().UTC(), Cgroup: filepath.Join(a.cfg.CgroupParent, id), Dir: filepath.Join(a.cfg.JobsDir, id),
+	}
+	if err := os.MkdirAll(j.Dir, 0o755); err != nil {
+		return nil, fmt.Errorf("create job directory: %w", err)
+	}
+	if err := os.Chown(j.Dir, int(uid), int(gid)); err != nil {
+		return nil, fmt.Errorf("hand job directory to uid %d: %w", uid, err)
+	}
+	if err := os.Mkdir(j.Cgroup, 0o755); err != nil {
+		return nil, fmt.Errorf("create job cgroup: %w", err)
+	}
+	pid, err := startShim(ctx, a.self, ShimSpec{
+		JobID: id, Mode: ShimStart, Argv: spec.Argv, Env: spec.Env, Dir: spec.Dir, UID: uid, GID: gid,
+		Stdout: j.StdoutPath(), Stderr: j.StderrPath(), Cgroup: j.Cgroup, ExitFile: j.ExitPath(), Node: a.cfg.Name,
+	}, a.shimLog(id))
+	if err != nil {
+		os.Remove(j.Cgroup)
+		return nil, err
+	}
+	j.PID = pid
+	if err := a.jobs.save(j); err != nil {
+		return nil, err
+	}
+	a.mu.Lock()
+	a.byID[id] = j
+	a.notify()
+	a.mu.Unlock()
+	a.log.Info("job started", "job", id, "pid", pid, "argv", spec.Argv, "uid", uid)
+	return j, nil
+}
+
+func (a *Agent) shimLog(id string) string { return filepath.Join(a.jobs.dir, id+".shim.log") }
+
+// Jobs returns copies of the jobs of this host that uid may see (every job for root).
+func (a *Agent) Jobs(uid uint32) []Job {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	var out []Job
+	for _, j := range a.byID {
+		if uid == 0 || j.UID == uid {
+			out = append(out, *j)
+		}
+	}
+	sortJobs(out)
+	return out
+}
+
+// ErrNoJob means the job does not exist on this host, or the caller may not see it.
+var ErrNoJob = errors.New("no such job")
+
+// Job returns a copy of one job and a channel that is closed at its next change.
+func (a *Agent) Job(id string, uid uint32) (Job, <-chan struct{}, error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	j, ok := a.byID[id]
+	if !ok || (uid != 0 && j.UID != uid) {
+		return Job{}, nil, fmt.Errorf("%w: %s on %s", ErrNoJob, id, a.cfg.Name)
+	}
+	return *j, a.changed, nil
+}
+
+// watchJobs notices jobs that end: the shim writes the exit record; a job whose process is gone without
+// one is lost (its shim was killed too).
+func (a *Agent) watchJobs(ctx context.Context) {
+	tick := time.NewTicker(200 * time.Millisecond)
+	defer tick.Stop()
+	gone := map[string]time.Time{}
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		a.mu.Lock()
+		var running []*Job
+		for _, j := range a.byID {
+			if j.State == JobRunning {
+				running = append(running, j)
+			}
+		}
+		a.mu.Unlock()
+		for _, j := range running {
+			st, err := ReadExit(j.ExitPath())
+			switch {
+			case err == nil:
+				a.finish(j, JobExited, st)
+				delete(gone, j.ID)
+			case !errors.Is(err, fs.ErrNotExist):
+				a.log.Warn("unreadable exit record", "job", j.ID, "err", err)
+			case !alive(j.PID):
+				// The shim writes the record right after the job exits; give it a moment.
+				if first, seen := gone[j.ID]; !seen {
+					gone[j.ID] = time.Now()
+				} else if time.Since(first) > 2*time.Second {
+					a.finish(j, JobLost, nil)
+					delete(gone, j.ID)
+				}
+			}
+		}
+	}
+}
+
+func (a *Agent) finish(j *Job, state JobState, st *ExitStatus) {
+	a.mu.Lock()
+	j.State, j.Exit = state, st
+	err := a.jobs.save(j)
+	a.notify()
+	a.mu.Unlock()
+	if err != nil {
+		a.log.Error("save job record", "job", j.ID, "err", err)
+	}
+	if err := os.Remove(j.Cgroup); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		a.log.Warn("remove job cgroup", "job", j.ID, "err", err)
+	}
+	if st != nil {
+		a.log.Info("job ended", "job", j.ID, "code", st.Code, "signal", st.Signal)
+	} else {
+		a.log.Warn("job lost: its process is gone and left no exit record", "job", j.ID)
+	}
+}
+
+func alive(pid int) bool {
+	return pid > 0 && unix.Kill(pid, 0) != unix.ESRCH
+}
+
+// Run adopts the jobs a previous agent left, then serves until ctx ends. Jobs keep running when the agent
+// stops: their shims are independent processes.
+func (a *Agent) Run(ctx context.Context) error {
+	if err := a.adopt(); err != nil {
+		a.log.Error("some job records could not be read", "err", err)
+	}
+	srv, err := a.serveLocal(ctx)
+	if err != nil {
+		return err
+	}
+	defer srv.Close()
+	go a.watchJobs(ctx)
+	<-ctx.Done()
+	a.log.Info("agent stopping; jobs keep running under their shims")
+	return nil
+}

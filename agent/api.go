@@ -1,0 +1,230 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"sort"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/internal/version"
+)
+
+// The local API is HTTP/JSON on a unix socket. Callers are identified by SO_PEERCRED, never by anything
+// they send: root may do anything, another uid sees and acts on its own jobs only.
+
+type credKey struct{}
+
+// peerCred reads the connecting process's credentials from a unix socket.
+func peerCred(c net.Conn) (*unix.Ucred, error) {
+	uc, ok := c.(*net.UnixConn)
+	if !ok {
+		return nil, errors.New("not a unix socket")
+	}
+	raw, err := uc.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	var cred *unix.Ucred
+	var cerr error
+	if err := raw.Control(func(fd uintptr) {
+		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return nil, err
+	}
+	return cred, cerr
+}
+
+func callerOf(r *http.Request) *unix.Ucred {
+	c, _ := r.Context().Value(credKey{}).(*unix.Ucred)
+	return c
+}
+
+// Status is what GET /v1/status returns.
+type Status struct {
+	Node      string   `json:"node"`
+	Role      Role     `json:"role"`
+	Protector string   `json:"protector,omitempty"`
+	Mode      Mode     `json:"mode"`
+	Interval  string   `json:"interval"`
+	Members   []Member `json:"members"`
+	Jobs      []Job    `json:"jobs"`
+	Version   string   `json:"version"`
+	CRIU      string   `json:"criu"`
+}
+
+func (a *Agent) status(uid uint32) Status {
+	self, _ := a.cfg.Member(a.cfg.Name)
+	s := Status{
+		Node: a.cfg.Name, Role: self.Role, Mode: a.cfg.Checkpoint.Mode, Interval: a.cfg.Checkpoint.Interval.String(),
+		Members: a.cfg.Cluster.Members, Jobs: a.Jobs(uid), Version: version.Ftkit(), CRIU: a.criu.Binary,
+	}
+	if p, ok := a.cfg.Protector(a.cfg.Name, nil); ok {
+		s.Protector = p.Name
+	}
+	return s
+}
+
+func (a *Agent) routes() *http.ServeMux {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /v1/status", func(w http.ResponseWriter, r *http.Request) {
+		writeJSON(w, http.StatusOK, a.status(callerOf(r).Uid))
+	})
+	mux.HandleFunc("GET /v1/jobs", func(w http.ResponseWriter, r *http.Request) {
+		writeJSON(w, http.StatusOK, a.Jobs(callerOf(r).Uid))
+	})
+	mux.HandleFunc("POST /v1/jobs", func(w http.ResponseWriter, r *http.Request) {
+		var spec JobSpec
+		if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<20)).Decode(&spec); err != nil {
+			writeError(w, http.StatusBadRequest, fmt.Errorf("job spec: %w", err))
+			return
+		}
+		c := callerOf(r)
+		j, err := a.StartJob(r.Context(), spec, c.Uid, c.Gid)
+		if err != nil {
+			writeError(w, http.StatusUnprocessableEntity, err)
+			return
+		}
+		writeJSON(w, http.StatusCreated, j)
+	})
+	mux.HandleFunc("GET /v1/jobs/{id}", func(w http.ResponseWriter, r *http.Request) {
+		j, _, err := a.Job(r.PathValue("id"), callerOf(r).Uid)
+		if err != nil {
+			writeError(w, http.StatusNotFound, err)
+			return
+		}
+		writeJSON(w, http.StatusOK, j)
+	})
+	// Long poll: returns when the job is no longer running, or after ?timeout= (default 30s) with its state.
+	mux.HandleFunc("GET /v1/jobs/{id}/wait", func(w http.ResponseWriter, r *http.Request) {
+		timeout := 30 * time.Second
+		if t := r.URL.Query().Get("timeout"); t != "" {
+			d, err := time.ParseDuration(t)
+			if err != nil || d <= 0 || d > 10*time.Minute {
+				writeError(w, http.StatusBadRequest, fmt.Errorf("timeout %q: use a duration up to 10m", t))
+				return
+			}
+			timeout = d
+		}
+		deadline := time.After(timeout)
+		for {
+			j, changed, err := a.Job(r.PathValue("id"), callerOf(r).Uid)
+			if err != nil {
+				writeError(w, http.StatusNotFound, err)
+				return
+			}
+			if j.State != JobRunning {
+				writeJSON(w, http.StatusOK, j)
+				return
+			}
+			select {
+			case <-changed:
+			case <-deadline:
+				writeJSON(w, http.StatusOK, j)
+				return
+			case <-r.Context().Done():
+				return
+			}
+		}
+	})
+	mux.HandleFunc("POST /v1/jobs/{id}/signal", func(w http.ResponseWriter, r *http.Request) {
+		var req struct {
+			Signal int `json:"signal"`
+		}
+		if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 4096)).Decode(&req); err != nil || req.Signal <= 0 || req.Signal > 64 {
+			writeError(w, http.StatusBadRequest, errors.New("signal: give a signal number from 1 to 64"))
+			return
+		}
+		j, _, err := a.Job(r.PathValue("id"), callerOf(r).Uid)
+		if err != nil {
+			writeError(w, http.StatusNotFound, err)
+			return
+		}
+		if j.State != JobRunning {
+			writeError(w, http.StatusConflict, fmt.Errorf("job %s is %s", j.ID, j.State))
+			return
+		}
+		if err := unix.Kill(j.PID, unix.Signal(req.Signal)); err != nil {
+			writeError(w, http.StatusInternalServerError, fmt.Errorf("signal job %s: %w", j.ID, err))
+			return
+		}
+		w.WriteHeader(http.StatusNoContent)
+	})
+	return mux
+}
+
+// serveLocal listens on the configured unix socket until ctx ends.
+func (a *Agent) serveLocal(ctx context.Context) (*http.Server, error) {
+	path := a.cfg.Socket
+	// A socket file left by a crashed agent: remove it only if nobody answers on it.
+	if c, err := net.Dial("unix", path); err == nil {
+		c.Close()
+		return nil, fmt.Errorf("another agent is serving %s; stop it first", path)
+	}
+	os.Remove(path)
+	ln, err := net.Listen("unix", path)
+	if err != nil {
+		return nil, fmt.Errorf("listen on %s: %w", path, err)
+	}
+	// Anyone may connect; what they may do is decided per request from SO_PEERCRED.
+	if err := os.Chmod(path, 0o666); err != nil {
+		ln.Close()
+		return nil, err
+	}
+	srv := &http.Server{
+		Handler:           a.routes(),
+		ReadHeaderTimeout: 10 * time.Second,
+		BaseContext:       func(net.Listener) context.Context { return ctx },
+		ConnContext: func(ctx context.Context, c net.Conn) context.Context {
+			cred, err := peerCred(c)
+			if err != nil {
+				// No credentials, no access: the handler sees nil and the request is refused below.
+				return ctx
+			}
+			return context.WithValue(ctx, credKey{}, cred)
+		},
+	}
+	srv.Handler = requireCred(srv.Handler)
+	go func() {
+		if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			a.log.Error("local API stopped", "err", err)
+		}
+	}()
+	a.log.Info("local API listening", "socket", path)
+	return srv, nil
+}
+
+func requireCred(h http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if callerOf(r) == nil {
+			writeError(w, http.StatusForbidden, errors.New("caller credentials unavailable"))
+			return
+		}
+		h.ServeHTTP(w, r)
+	})
+}
+
+// apiError is the body of every non-2xx answer.
+type apiError struct {
+	Error string `json:"error"`
+}
+
+func writeJSON(w http.ResponseWriter, code int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(code)
+	json.NewEncoder(w).Encode(v)
+}
+
+func writeError(w http.ResponseWriter, code int, err error) {
+	writeJSON(w, code, apiError{Error: err.Error()})
+}
+
+func sortJobs(js []Job) {
+	sort.Slice(js, func(a, b int) bool { return js[a].Created.Before(js[b].Created) })
+}

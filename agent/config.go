@@ -1,0 +1,240 @@
+// Package agent is ftkit's node daemon: it protects the jobs of one host (snapshots, shipping to the
+// protector, the eBPF log) and serves the local API that ftctl and ftwrap use.
+package agent
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"time"
+
+	"github.com/pelletier/go-toml/v2"
+)
+
+// Role is what a cluster member is for.
+type Role string
+
+const (
+	RoleNode  Role = "node"
+	RoleSpare Role = "spare"
+)
+
+// Mode is how a host's jobs are snapshotted.
+type Mode string
+
+const (
+	Uncoordinated   Mode = "uncoordinated"
+	SemiCoordinated Mode = "semi-coordinated"
+)
+
+// Duration is a time.Duration written as "500ms" in TOML.
+type Duration struct{ time.Duration }
+
+func (d *Duration) UnmarshalText(b []byte) error {
+	v, err := time.ParseDuration(string(b))
+	if err != nil {
+		return err
+	}
+	d.Duration = v
+	return nil
+}
+
+func (d Duration) MarshalText() ([]byte, error) { return []byte(d.String()), nil }
+
+// Interval is a checkpoint interval: fixed, or Auto (Daly's optimum from measured cost and MTBF).
+type Interval struct {
+	Auto  bool
+	Fixed time.Duration
+}
+
+func (i *Interval) UnmarshalText(b []byte) error {
+	if string(b) == "auto" {
+		*i = Interval{Auto: true}
+		return nil
+	}
+	d, err := time.ParseDuration(string(b))
+	if err != nil {
+		return fmt.Errorf("interval %q: use a duration like 60s, or auto", b)
+	}
+	*i = Interval{Fixed: d}
+	return nil
+}
+
+func (i Interval) MarshalText() ([]byte, error) {
+	if i.Auto {
+		return []byte("auto"), nil
+	}
+	return []byte(i.Fixed.String()), nil
+}
+
+func (i Interval) String() string { b, _ := i.MarshalText(); return string(b) }
+
+// Member is one host of the cluster.
+type Member struct {
+	Name    string         `toml:"name"`
+	Address netip.AddrPort `toml:"address"`
+	Role    Role           `toml:"role"`
+}
+
+// Config is the agent's configuration file; docs/agent.example.toml documents every key.
+type Config struct {
+	Name       string `toml:"name"`
+	StateDir   string `toml:"state_dir"`
+	Socket     string `toml:"socket"`
+	CRIU       string `toml:"criu"`
+	JobsDir    string `toml:"jobs_dir"`
+	CgroupParent string `toml:"cgroup_parent"`
+	Cluster    struct {
+		Listen  netip.AddrPort `toml:"listen"`
+		CA      string         `toml:"ca"`
+		Cert    string         `toml:"cert"`
+		Key     string         `toml:"key"`
+		Members []Member       `toml:"member"`
+	} `toml:"cluster"`
+	Checkpoint struct {
+		Mode     Mode     `toml:"mode"`
+		Interval Interval `toml:"interval"`
+		MTBF     Duration `toml:"mtbf"`
+		Keep     int      `toml:"keep"`
+	} `toml:"checkpoint"`
+	Heartbeat struct {
+		Interval Duration `toml:"interval"`
+		Timeout  Duration `toml:"timeout"`
+	} `toml:"heartbeat"`
+}
+
+// Defaults returns a Config with every default filled in.
+func Defaults() Config {
+	var c Config
+	c.StateDir = "/var/lib/ftkit"
+	c.Socket = "/run/ftkit/agent.sock"
+	c.JobsDir = "/var/lib/ftkit/jobs"
+	c.CgroupParent = "/sys/fs/cgroup/unified/ftkit"
+	c.Checkpoint.Mode = Uncoordinated
+	c.Checkpoint.Interval = Interval{Fixed: 60 * time.Second}
+	c.Checkpoint.MTBF = Duration{24 * time.Hour}
+	c.Checkpoint.Keep = 3
+	c.Heartbeat.Interval = Duration{500 * time.Millisecond}
+	c.Heartbeat.Timeout = Duration{3 * time.Second}
+	return c
+}
+
+// LoadConfig reads and validates a configuration file; unknown keys are errors (a typo must not silently
+// fall back to a default).
+func LoadConfig(path string) (Config, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return Config{}, fmt.Errorf("read agent config: %w", err)
+	}
+	c, err := ParseConfig(b)
+	if err != nil {
+		return Config{}, fmt.Errorf("agent config %s: %w", path, err)
+	}
+	return c, nil
+}
+
+// ParseConfig decodes and validates a configuration.
+func ParseConfig(b []byte) (Config, error) {
+	c := Defaults()
+	dec := toml.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&c); err != nil {
+		var sme *toml.StrictMissingError
+		if errors.As(err, &sme) {
+			return Config{}, fmt.Errorf("unknown key: %s", sme.String())
+		}
+		var de *toml.DecodeError
+		if errors.As(err, &de) {
+			row, col := de.Position()
+			return Config{}, fmt.Errorf("line %d column %d: %s", row, col, de.Error())
+		}
+		return Config{}, err
+	}
+	return c, c.Validate()
+}
+
+// Validate checks the configuration for mistakes an operator can fix.
+func (c Config) Validate() error {
+	var errs []error
+	if c.Name == "" {
+		errs = append(errs, errors.New("name: this host's member name is required"))
+	}
+	if c.StateDir == "" || c.JobsDir == "" || c.Socket == "" || c.CgroupParent == "" {
+		errs = append(errs, errors.New("state_dir, jobs_dir, socket and cgroup_parent must not be empty"))
+	}
+	seenName, seenAddr := map[string]bool{}, map[netip.AddrPort]bool{}
+	self := false
+	nodes := 0
+	for i, m := range c.Cluster.Members {
+		switch {
+		case m.Name == "":
+			errs = append(errs, fmt.Errorf("cluster.member %d: name is required", i+1))
+		case seenName[m.Name]:
+			errs = append(errs, fmt.Errorf("cluster.member %q appears twice", m.Name))
+		case !m.Address.IsValid():
+			errs = append(errs, fmt.Errorf("cluster.member %q: address must be ip:port", m.Name))
+		case seenAddr[m.Address]:
+			errs = append(errs, fmt.Errorf("cluster.member %q: address %s is used twice", m.Name, m.Address))
+		case m.Role != RoleNode && m.Role != RoleSpare:
+			errs = append(errs, fmt.Errorf("cluster.member %q: role %q: use node or spare", m.Name, m.Role))
+		}
+		seenName[m.Name], seenAddr[m.Address] = true, true
+		self = self || m.Name == c.Name
+		if m.Role == RoleNode {
+			nodes++
+		}
+	}
+	if len(c.Cluster.Members) > 0 && !self {
+		errs = append(errs, fmt.Errorf("name %q is not a cluster.member", c.Name))
+	}
+	if len(c.Cluster.Members) > 0 && nodes < 2 {
+		errs = append(errs, errors.New("cluster: a protection ring needs at least 2 members with role node"))
+	}
+	switch c.Checkpoint.Mode {
+	case Uncoordinated, SemiCoordinated:
+	default:
+		errs = append(errs, fmt.Errorf("checkpoint.mode %q: use uncoordinated or semi-coordinated", c.Checkpoint.Mode))
+	}
+	if !c.Checkpoint.Interval.Auto && c.Checkpoint.Interval.Fixed < time.Second {
+		errs = append(errs, fmt.Errorf("checkpoint.interval %s: use at least 1s, or auto", c.Checkpoint.Interval.Fixed))
+	}
+	if c.Checkpoint.Interval.Auto && c.Checkpoint.MTBF.Duration <= 0 {
+		errs = append(errs, errors.New("checkpoint.mtbf must be positive when checkpoint.interval is auto"))
+	}
+	if c.Checkpoint.Keep < 1 {
+		errs = append(errs, fmt.Errorf("checkpoint.keep %d: keep at least 1 snapshot", c.Checkpoint.Keep))
+	}
+	if c.Heartbeat.Interval.Duration <= 0 || c.Heartbeat.Timeout.Duration <= c.Heartbeat.Interval.Duration {
+		errs = append(errs, fmt.Errorf("heartbeat: timeout (%s) must be longer than a positive interval (%s)", c.Heartbeat.Timeout, c.Heartbeat.Interval))
+	}
+	return errors.Join(errs...)
+}
+
+// Member returns the member with the given name.
+func (c Config) Member(name string) (Member, bool) {
+	for _, m := range c.Cluster.Members {
+		if m.Name == name {
+			return m, true
+		}
+	}
+	return Member{}, false
+}
+
+// Protector is the next node after name in ring order (the order of node members in the file), skipping
+// the names in down. It returns false if no other node is left.
+func (c Config) Protector(name string, down map[string]bool) (Member, bool) {
+	var ring []Member
+	for _, m := range c.Cluster.Members {
+		if m.Role == RoleNode && (!down[m.Name] || m.Name == name) {
+			ring = append(ring, m)
+		}
+	}
+	for i, m := range ring {
+		if m.Name == name && len(ring) > 1 {
+			return ring[(i+1)%len(ring)], true
+		}
+	}
+	return Member{}, false
+}

@@ -1,0 +1,142 @@
+package agent
+
+import (
+	"os"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestExampleConfigParses(t *testing.T) {
+	c, err := LoadConfig("../docs/agent.example.toml")
+	if err != nil {
+		t.Fatalf("the documented example must stay valid: %v", err)
+	}
+	if c.Name != "node1" || len(c.Cluster.Members) != 4 || c.Cluster.Members[3].Role != RoleSpare {
+		t.Fatalf("parsed %+v", c)
+	}
+	if c.Checkpoint.Interval.Fixed != 60*time.Second || c.Heartbeat.Timeout.Duration != 3*time.Second {
+		t.Fatalf("durations: %+v %+v", c.Checkpoint, c.Heartbeat)
+	}
+	if got := c.Cluster.Listen.String(); got != "10.201.0.11:7420" {
+		t.Fatalf("listen %s", got)
+	}
+}
+
+const minimal = `
+name = "a"
+[[cluster.member]]
+name = "a"
+address = "10.0.0.1:1"
+role = "node"
+[[cluster.member]]
+name = "b"
+address = "10.0.0.2:1"
+role = "node"
+`
+
+func TestParseConfigErrors(t *testing.T) {
+	tests := []struct {
+		name    string
+		extra   string
+		replace [2]string
+		wantErr string
+	}{
+		{name: "minimal is valid"},
+		{name: "auto interval", extra: "[checkpoint]\ninterval = \"auto\"\n"},
+		{name: "unknown key", extra: "colour = \"red\"\n", wantErr: "colour"},
+		{name: "bad interval", extra: "[checkpoint]\ninterval = \"often\"\n", wantErr: "use a duration like 60s, or auto"},
+		{name: "short interval", extra: "[checkpoint]\ninterval = \"10ms\"\n", wantErr: "at least 1s"},
+		{name: "bad mode", extra: "[checkpoint]\nmode = \"global\"\n", wantErr: "checkpoint.mode"},
+		{name: "keep zero", extra: "[checkpoint]\nkeep = 0\n", wantErr: "keep at least 1"},
+		{name: "heartbeat", extra: "[heartbeat]\ninterval = \"2s\"\ntimeout = \"1s\"\n", wantErr: "heartbeat"},
+		{name: "not a member", replace: [2]string{`name = "a"` + "\n[[", `name = "z"` + "\n[["}, wantErr: `name "z" is not a cluster.member`},
+		{name: "bad address", replace: [2]string{"10.0.0.2:1", "10.0.0.2"}, wantErr: "line 9"},
+		{name: "duplicate address", replace: [2]string{"10.0.0.2:1", "10.0.0.1:1"}, wantErr: "used twice"},
+		{name: "bad role", replace: [2]string{`role = "node"` + "\n[[", `role = "boss"` + "\n[["}, wantErr: `role "boss"`},
+		{name: "one node", replace: [2]string{`name = "b"` + "\naddress = \"10.0.0.2:1\"\nrole = \"node\"", `name = "b"` + "\naddress = \"10.0.0.2:1\"\nrole = \"spare\""}, wantErr: "at least 2 members with role node"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			src := minimal
+			if tt.replace[0] != "" {
+				if !strings.Contains(src, tt.replace[0]) {
+					t.Fatalf("test bug: %q not in the config", tt.replace[0])
+				}
+				src = strings.Replace(src, tt.replace[0], tt.replace[1], 1)
+			}
+			// Top-level keys must come before the first table; tables may follow the members.
+			if strings.HasPrefix(tt.extra, "[") {
+				src += tt.extra
+			} else {
+				src = tt.extra + src
+			}
+			_, err := ParseConfig([]byte(src))
+			if tt.wantErr == "" {
+				if err != nil {
+					t.Fatal(err)
+				}
+				return
+			}
+			if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+				t.Fatalf("err = %v, want it to mention %q", err, tt.wantErr)
+			}
+		})
+	}
+}
+
+func TestProtectorRing(t *testing.T) {
+	c, err := ParseConfig([]byte(minimal + `
+[[cluster.member]]
+name = "s"
+address = "10.0.0.9:1"
+role = "spare"
+[[cluster.member]]
+name = "c"
+address = "10.0.0.3:1"
+role = "node"
+`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		name string
+		down []string
+		want string
+		ok   bool
+	}{
+		{name: "a", want: "b", ok: true},
+		{name: "b", want: "c", ok: true},
+		{name: "c", want: "a", ok: true}, // the ring wraps; spares are not in it
+		{name: "a", down: []string{"b"}, want: "c", ok: true},
+		{name: "c", down: []string{"a", "b"}, ok: false},
+		{name: "s", ok: false},
+	}
+	for _, tt := range tests {
+		down := map[string]bool{}
+		for _, d := range tt.down {
+			down[d] = true
+		}
+		m, ok := c.Protector(tt.name, down)
+		if ok != tt.ok || m.Name != tt.want {
+			t.Errorf("Protector(%s, down=%v) = %q, %v; want %q, %v", tt.name, tt.down, m.Name, ok, tt.want, tt.ok)
+		}
+	}
+}
+
+func TestLoadConfigMissingFile(t *testing.T) {
+	_, err := LoadConfig(t.TempDir() + "/nope.toml")
+	if err == nil || !os.IsNotExist(errorsUnwrapAll(err)) {
+		t.Fatalf("err = %v", err)
+	}
+}
+
+func errorsUnwrapAll(err error) error {
+	for {
+		u, ok := err.(interface{ Unwrap() error })
+		if !ok {
+			return err
+		}
+		err = u.Unwrap()
+	}
+}

@@ -1,0 +1,267 @@
+package agent
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/criu"
+	"github.com/ftkit/ftkit/internal/atomicfile"
+)
+
+// A shim is the parent of one job, like containerd's shim: the agent starts it detached (its own session),
+// so the job survives an agent crash and its exit status is still recorded. The shim is a child subreaper,
+// and CRIU restores with rst_sibling, so a restored tree becomes the shim's child just like a started one.
+
+// ShimMode says whether the shim starts a program or restores a snapshot.
+type ShimMode string
+
+const (
+	ShimStart   ShimMode = "start"
+	ShimRestore ShimMode = "restore"
+)
+
+// ShimSpec is what the agent hands a shim on its standard input.
+type ShimSpec struct {
+	JobID     string   `json:"job_id"`
+	Mode      ShimMode `json:"mode"`
+	Argv      []string `json:"argv,omitempty"`
+	Env       []string `json:"env,omitempty"`
+	Dir       string   `json:"dir,omitempty"`
+	UID       uint32   `json:"uid"`
+	GID       uint32   `json:"gid"`
+	Stdout    string   `json:"stdout"`
+	Stderr    string   `json:"stderr"`
+	Cgroup    string   `json:"cgroup"` // cgroup v2 directory the job runs in
+	ImagesDir string   `json:"images_dir,omitempty"`
+	CRIU      string   `json:"criu,omitempty"`
+	ExitFile  string   `json:"exit_file"`
+	Node      string   `json:"node"`
+}
+
+// ShimReport is the shim's one line on standard output: the job's host PID, or why it could not start.
+type ShimReport struct {
+	PID   int    `json:"pid,omitempty"`
+	Error string `json:"error,omitempty"`
+}
+
+// ExitStatus is how a job ended, written by its shim to the job's exit file.
+type ExitStatus struct {
+	Code   int       `json:"code"`             // exit code, or 128+signal as shells report it
+	Signal string    `json:"signal,omitempty"` // set when the job was killed by a signal
+	Time   time.Time `json:"time"`
+	Node   string    `json:"node"`
+}
+
+// RunShim is the body of `ftagent shim`: read the spec, start or restore the job, report its PID, wait for
+// it and record how it ended. It returns the shim's exit code.
+func RunShim(ctx context.Context, in io.Reader, out io.Writer) int {
+	var spec ShimSpec
+	report := func(r ShimReport) {
+		b, _ := json.Marshal(r)
+		out.Write(append(b, '\n'))
+		if c, ok := out.(io.Closer); ok {
+			c.Close()
+		}
+	}
+	if err := json.NewDecoder(in).Decode(&spec); err != nil {
+		report(ShimReport{Error: fmt.Sprintf("read shim spec: %v", err)})
+		return 2
+	}
+	if err := unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0); err != nil {
+		report(ShimReport{Error: fmt.Sprintf("become child subreaper: %v", err)})
+		return 1
+	}
+	var pid int
+	var err error
+	switch spec.Mode {
+	case ShimStart:
+		pid, err = startJob(spec)
+	case ShimRestore:
+		pid, err = criu.Client{Binary: spec.CRIU}.Restore(ctx, criu.RestoreOptions{ImagesDir: spec.ImagesDir})
+	default:
+		err = fmt.Errorf("unknown shim mode %q", spec.Mode)
+	}
+	if err != nil {
+		report(ShimReport{Error: err.Error()})
+		return 1
+	}
+	report(ShimReport{PID: pid})
+	st := waitJob(pid)
+	st.Node = spec.Node
+	if err := atomicfile.WriteJSON(spec.ExitFile, st); err != nil {
+		fmt.Fprintf(os.Stderr, "shim: record exit status of job %s: %v\n", spec.JobID, err)
+		return 1
+	}
+	return 0
+}
+
+// startJob starts the program as the init of a new PID namespace (so that its restore never collides with
+// PIDs elsewhere) and leader of a new session (CRIU refuses a session leader outside the namespace), in
+// the job's cgroup, with stdin from /dev/null and output appended to the job's files.
+func startJob(spec ShimSpec) (int, error) {
+	if len(spec.Argv) == 0 {
+		return 0, errors.New("no program to run")
+	}
+	null, err := os.Open(os.DevNull)
+	if err != nil {
+		return 0, err
+	}
+	defer null.Close()
+	// O_APPEND: after a restore truncates a file back to its snapshot size, the job's writes land at the end.
+	open := func(p string) (*os.File, error) {
+		f, err := os.OpenFile(p, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
+		if err != nil {
+			return nil, fmt.Errorf("open job output: %w", err)
+		}
+		return f, f.Chown(int(spec.UID), int(spec.GID))
+	}
+	stdout, err := open(spec.Stdout)
+	if err != nil {
+		return 0, err
+	}
+	defer stdout.Close()
+	stderr, err := open(spec.Stderr)
+	if err != nil {
+		return 0, err
+	}
+	defer stderr.Close()
+	cg, err := os.Open(spec.Cgroup)
+	if err != nil {
+		return 0, fmt.Errorf("open job cgroup: %w", err)
+	}
+	defer cg.Close()
+	path, err := lookPath(spec.Argv[0], spec.Env, spec.Dir)
+	if err != nil {
+		return 0, err
+	}
+	cmd := &exec.Cmd{
+		Path: path, Args: spec.Argv, Env: spec.Env, Dir: spec.Dir,
+		Stdin: null, Stdout: stdout, Stderr: stderr,
+		SysProcAttr: &syscall.SysProcAttr{
+			Cloneflags:  syscall.CLONE_NEWPID,
+			Setsid:      true,
+			Credential:  &syscall.Credential{Uid: spec.UID, Gid: spec.GID, NoSetGroups: spec.UID == 0},
+			UseCgroupFD: true,
+			CgroupFD:    int(cg.Fd()),
+		},
+	}
+	if err := cmd.Start(); err != nil {
+		return 0, fmt.Errorf("start %s: %w", spec.Argv[0], err)
+	}
+	return cmd.Process.Pid, nil
+}
+
+// lookPath resolves argv[0] with the job's own PATH, relative to its working directory.
+func lookPath(name string, env []string, dir string) (string, error) {
+	if filepath.IsAbs(name) {
+		return name, nil
+	}
+	if filepath.Base(name) != name { // relative path such as ./prog
+		return filepath.Join(dir, name), nil
+	}
+	pathEnv := ""
+	for _, kv := range env {
+		if len(kv) > 5 && kv[:5] == "PATH=" {
+			pathEnv = kv[5:]
+		}
+	}
+	for _, d := range filepath.SplitList(pathEnv) {
+		p := filepath.Join(d, name)
+		if st, err := os.Stat(p); err == nil && !st.IsDir() && st.Mode()&0o111 != 0 {
+			return p, nil
+		}
+	}
+	return "", fmt.Errorf("program %q not found in the job's PATH %q", name, pathEnv)
+}
+
+// waitJob reaps children until the job's root exits. As a subreaper the shim may also inherit other
+// orphans (a CRIU helper, say); they are reaped and ignored.
+func waitJob(pid int) ExitStatus {
+	for {
+		var ws unix.WaitStatus
+		got, err := unix.Wait4(-1, &ws, 0, nil)
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil { // ECHILD: the job is gone without us seeing it (cannot happen for our own child)
+			return ExitStatus{Code: 255, Signal: "lost", Time: time.Now().UTC()}
+		}
+		if got != pid {
+			continue
+		}
+		st := ExitStatus{Time: time.Now().UTC()}
+		switch {
+		case ws.Exited():
+			st.Code = ws.ExitStatus()
+		case ws.Signaled():
+			st.Code = 128 + int(ws.Signal())
+			st.Signal = unix.SignalName(ws.Signal())
+		default:
+			continue
+		}
+		return st
+	}
+}
+
+// startShim launches `SELF shim` detached from the agent and waits for its report.
+func startShim(ctx context.Context, self string, spec ShimSpec, logPath string) (int, error) {
+	in, err := json.Marshal(spec)
+	if err != nil {
+		return 0, err
+	}
+	logf, err := os.OpenFile(logPath, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
+	if err != nil {
+		return 0, fmt.Errorf("open shim log: %w", err)
+	}
+	defer logf.Close()
+	cmd := exec.Command(self, "shim")
+	cmd.Stdin = bytes.NewReader(in)
+	cmd.Stderr = logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true} // survives the agent's process group being killed
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return 0, err
+	}
+	if err := cmd.Start(); err != nil {
+		return 0, fmt.Errorf("start shim: %w", err)
+	}
+	go cmd.Wait() // reap the shim when it ends while this agent lives; after a restart, init does
+	type result struct {
+		r   ShimReport
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		line, err := bufio.NewReader(stdout).ReadBytes('\n')
+		var r ShimReport
+		if err == nil {
+			err = json.Unmarshal(line, &r)
+		}
+		done <- result{r, err}
+	}()
+	select {
+	case res := <-done:
+		if res.err != nil {
+			return 0, fmt.Errorf("shim of job %s gave no report (see %s): %w", spec.JobID, logPath, res.err)
+		}
+		if res.r.Error != "" {
+			return 0, fmt.Errorf("job %s: %s", spec.JobID, res.r.Error)
+		}
+		return res.r.PID, nil
+	case <-ctx.Done():
+		cmd.Process.Kill()
+		return 0, fmt.Errorf("job %s: %w", spec.JobID, ctx.Err())
+	}
+}

@@ -1,0 +1,78 @@
+// Command ftagent is ftkit's privileged node daemon: it runs the jobs of its host under protection, snapshots
+// them with CRIU, ships the snapshots to its protector, and restores jobs after a failure.
+package main
+
+import (
+	"context"
+	"errors"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/spf13/cobra"
+
+	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/criu"
+	"github.com/ftkit/ftkit/internal/cli"
+	"github.com/ftkit/ftkit/internal/version"
+)
+
+func main() { os.Exit(cli.Main(newRoot())) }
+
+func newRoot() *cobra.Command {
+	var logs cli.LogFlags
+	var configPath string
+	root := &cobra.Command{
+		Use:   "ftagent --config FILE",
+		Short: "ftkit's node daemon",
+		Long: `ftagent protects the jobs of one host: it starts them under a shim (so they survive an agent restart),
+snapshots them with CRIU, ships the snapshots to its protector (the next node of the ring), and serves the
+local API that ftctl and ftwrap use on a unix socket.
+
+It must run as root, in the network namespace of the host it protects, with CRIU 4.2 or newer.
+The configuration file is documented in docs/agent.example.toml. SIGINT or SIGTERM stop the agent;
+its jobs keep running and the next agent adopts them.`,
+		Version: version.Ftkit(),
+		Args:    cli.Args(cobra.NoArgs),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			log, err := logs.Logger(cmd.ErrOrStderr())
+			if err != nil {
+				return err
+			}
+			if configPath == "" {
+				return cli.Usagef("--config is required")
+			}
+			cfg, err := agent.LoadConfig(configPath)
+			if err != nil {
+				return cli.WithCode(cli.ExitUsage, err)
+			}
+			a, err := agent.New(cfg, log)
+			if errors.Is(err, criu.ErrTooOld) {
+				return cli.WithCode(cli.ExitUnavailable, err)
+			}
+			if err != nil {
+				return err
+			}
+			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
+			defer stop()
+			return a.Run(ctx)
+		},
+	}
+	logs.Register(root)
+	root.Flags().StringVarP(&configPath, "config", "c", "/etc/ftkit/agent.toml", "configuration file")
+	root.AddCommand(&cobra.Command{
+		Use:    "shim",
+		Short:  "Internal: the parent process of one job (started by the agent)",
+		Hidden: true,
+		Args:   cli.Args(cobra.NoArgs),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			// The shim outlives the agent, so it ignores the signals aimed at the agent's terminal.
+			signal.Ignore(syscall.SIGHUP, syscall.SIGINT)
+			if code := agent.RunShim(context.Background(), os.Stdin, os.Stdout); code != 0 {
+				return cli.WithCode(code, errors.New("shim failed"))
+			}
+			return nil
+		},
+	})
+	return root
+}

@@ -1,0 +1,207 @@
+// Command ftwrap puts an existing program under ftkit's protection and runs it:
+//
+//	ftwrap [--name JOB] [--interval D|auto] [--] PROG [ARGS...]
+//
+// The local agent starts PROG (own PID namespace, own cgroup, stdin from /dev/null, output to files in the
+// job directory); ftwrap copies that output to its own stdout and stderr and exits with PROG's status, also
+// when PROG was restored on another host in the meantime.
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/internal/cli"
+	"github.com/ftkit/ftkit/internal/version"
+)
+
+func main() { os.Exit(cli.Main(newRoot())) }
+
+func newRoot() *cobra.Command {
+	var logs cli.LogFlags
+	var name, interval, socket string
+	root := &cobra.Command{
+		Use:   "ftwrap [flags] [--] PROG [ARGS...]",
+		Short: "Run a program under ftkit's protection",
+		Long: `ftwrap asks the local ftkit agent to run PROG under protection, then follows it: PROG's output is
+copied to ftwrap's stdout and stderr, and ftwrap exits with PROG's exit status (128+N if a signal N
+killed it). PROG runs in its own PID namespace and cgroup with stdin from /dev/null; it needs no
+relinking and no LD_PRELOAD. If PROG's node fails, PROG is restored elsewhere from its last snapshot
+and ftwrap keeps following it through the job directory.
+
+The agent is found at --socket, else $FTKIT_AGENT_SOCKET, else ` + agent.DefaultSocket + `.
+Exit codes other than PROG's: 2 bad command line, 4 agent unreachable, 125 the job could not be
+started, 255 the job was lost without an exit status.`,
+		Version: version.Ftkit(),
+		Args:    cli.Args(cobra.MinimumNArgs(1)),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			log, err := logs.Logger(cmd.ErrOrStderr())
+			if err != nil {
+				return err
+			}
+			if socket == "" {
+				socket = os.Getenv("FTKIT_AGENT_SOCKET")
+			}
+			if socket == "" {
+				socket = agent.DefaultSocket
+			}
+			cwd, err := os.Getwd()
+			if err != nil {
+				return err
+			}
+			return wrap(cmd.Context(), log, agent.NewClient(socket),
+				agent.JobSpec{Name: name, Argv: args, Env: os.Environ(), Dir: cwd, Interval: interval})
+		},
+	}
+	logs.Register(root)
+	root.Flags().StringVar(&name, "name", "", "job name (default: the program's base name)")
+	root.Flags().StringVar(&interval, "interval", "", "checkpoint interval: a duration such as 30s, or auto (default: the agent's)")
+	root.Flags().StringVar(&socket, "socket", "", "the local agent's socket")
+	root.Flags().SetInterspersed(false) // flags after PROG belong to PROG
+	return root
+}
+
+func wrap(ctx context.Context, log *slog.Logger, c *agent.Client, spec agent.JobSpec) error {
+	job, err := c.StartJob(ctx, spec)
+	if errors.Is(err, agent.ErrAgentUnavailable) {
+		return cli.WithCode(cli.ExitUnavailable, err)
+	}
+	if err != nil {
+		return cli.WithCode(125, err)
+	}
+	log.Debug("job started", "job", job.ID, "node", job.Node, "pid", job.PID)
+
+	// Ctrl-C and SIGTERM go to the job; a second one kills it.
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
+	defer signal.Stop(sigs)
+
+	ctx, stop := context.WithCancel(ctx)
+	defer stop()
+	outDone := follow(ctx, job.StdoutPath(), os.Stdout)
+	errDone := follow(ctx, job.StderrPath(), os.Stderr)
+	st, err := waitExit(ctx, log, c, job, sigs)
+	// Let the followers copy what the job wrote before it exited, then stop them.
+	stop()
+	<-outDone
+	<-errDone
+	if err != nil {
+		return err
+	}
+	if st.Code != 0 {
+		return cli.WithCode(st.Code, fmt.Errorf("job %s exited with status %d%s", job.ID, st.Code, sigSuffix(st)))
+	}
+	return nil
+}
+
+func sigSuffix(st *agent.ExitStatus) string {
+	if st.Signal == "" {
+		return ""
+	}
+	return " (" + st.Signal + ")"
+}
+
+// waitExit waits for the job's exit record. The record is written by whichever shim runs the job, on
+// whichever host, so ftwrap keeps waiting when its agent goes away with a failed node; the agent, while
+// reachable, tells us if the job was lost.
+func waitExit(ctx context.Context, log *slog.Logger, c *agent.Client, job agent.Job, sigs <-chan os.Signal) (*agent.ExitStatus, error) {
+	exitPath := job.ExitPath()
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
+	agentDown := false
+	lastPoll := time.Time{}
+	signals := 0
+	for {
+		if st, err := agent.ReadExit(exitPath); err == nil {
+			if st.Node != job.Node {
+				log.Info("job ended on another host", "job", job.ID, "node", st.Node)
+			}
+			return st, nil
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case s := <-sigs:
+			signals++
+			sig := s.(syscall.Signal)
+			if signals > 1 {
+				sig = syscall.SIGKILL
+			}
+			if err := c.Signal(ctx, job.ID, sig); err != nil {
+				log.Warn("could not signal the job", "job", job.ID, "err", err)
+			}
+		case <-tick.C:
+		}
+		if time.Since(lastPoll) < 2*time.Second {
+			continue
+		}
+		lastPoll = time.Now()
+		j, err := c.Job(ctx, job.ID)
+		switch {
+		case err != nil && !agentDown:
+			agentDown = true
+			log.Warn("the job's agent is unreachable; following the job through its directory until it ends, wherever it is restored",
+				"job", job.ID, "dir", job.Dir, "err", err)
+		case err == nil && j.State == agent.JobLost:
+			return nil, cli.WithCode(255, fmt.Errorf("job %s was lost on %s without an exit status", job.ID, j.Node))
+		case err == nil:
+			agentDown = false
+		}
+	}
+}
+
+// follow copies a growing file to w until ctx ends and the file has been read to its end. A restore
+// truncates the file back to its size at the snapshot and the job writes those bytes again; they were
+// printed already, so follow resumes at the first byte it has not printed.
+func follow(ctx context.Context, path string, w io.Writer) <-chan struct{} {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		var printed int64
+		buf := make([]byte, 64<<10)
+		for {
+			n := copyFrom(path, printed, buf, w)
+			printed += n
+			if n > 0 {
+				continue
+			}
+			select {
+			case <-ctx.Done():
+				printed += copyFrom(path, printed, buf, w) // what was written just before the end
+				return
+			case <-time.After(50 * time.Millisecond):
+			}
+		}
+	}()
+	return done
+}
+
+// copyFrom copies path's bytes from offset on to w and returns how many it copied.
+func copyFrom(path string, offset int64, buf []byte, w io.Writer) int64 {
+	f, err := os.Open(path)
+	if err != nil {
+		return 0
+	}
+	defer f.Close()
+	var total int64
+	for {
+		n, err := f.ReadAt(buf, offset+total)
+		if n > 0 {
+			w.Write(buf[:n])
+			total += int64(n)
+		}
+		if err != nil {
+			return total
+		}
+	}
+}

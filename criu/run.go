@@ -1,0 +1,191 @@
+package criu
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	gocriu "github.com/checkpoint-restore/go-criu/v7"
+	"github.com/checkpoint-restore/go-criu/v7/crit"
+	"github.com/checkpoint-restore/go-criu/v7/rpc"
+	"google.golang.org/protobuf/proto"
+)
+
+// Client runs CRIU requests with one binary. The caller's thread must already be in the job's network
+// namespace: CRIU (criu swrk) is forked from it, and CRIU dumps and restores TCP sockets in the namespace
+// it runs in.
+type Client struct {
+	Binary string
+}
+
+// DumpOptions are the knobs ftkit uses; everything else is fixed by the design (TCP established
+// connections, nftables network lock, a job that is its own session and PID namespace).
+type DumpOptions struct {
+	PID          int    // host PID of the root of the tree (the job's PID-namespace init)
+	ImagesDir    string // empty directory to write the images to
+	LeaveRunning bool   // snapshot and keep running (the uncoordinated case)
+	// FreezeCgroup is the job's cgroup v2 directory when the caller froze it (semi-coordinated); CRIU
+	// then uses the freezer instead of stopping tasks one by one, and leaves the cgroup as it found it.
+	FreezeCgroup string
+}
+
+// DumpStats are CRIU's own measurements of a dump (stats-dump), in microseconds and pages.
+type DumpStats struct {
+	FreezingUS   uint32 `json:"freezing_us"`
+	FrozenUS     uint32 `json:"frozen_us"`
+	MemdumpUS    uint32 `json:"memdump_us"`
+	MemwriteUS   uint32 `json:"memwrite_us"`
+	PagesScanned uint64 `json:"pages_scanned"`
+	PagesWritten uint64 `json:"pages_written"`
+}
+
+// logFile is written inside the images directory so that a failed dump or restore can be diagnosed later.
+const (
+	dumpLog    = "dump.log"
+	restoreLog = "restore.log"
+)
+
+// Dump snapshots the process tree rooted at opts.PID into opts.ImagesDir.
+func (c Client) Dump(ctx context.Context, opts DumpOptions) (DumpStats, error) {
+	dir, err := os.Open(opts.ImagesDir)
+	if err != nil {
+		return DumpStats{}, fmt.Errorf("open images dir: %w", err)
+	}
+	defer dir.Close()
+	req := &rpc.CriuOpts{
+		Pid:            proto.Int32(int32(opts.PID)),
+		ImagesDirFd:    proto.Int32(int32(dir.Fd())),
+		LogLevel:       proto.Int32(4),
+		LogFile:        proto.String(dumpLog),
+		LeaveRunning:   proto.Bool(opts.LeaveRunning),
+		TcpEstablished: proto.Bool(true),
+		NetworkLock:    rpc.CriuNetworkLockMethod_NFTABLES.Enum(),
+		FileLocks:      proto.Bool(true),
+		ManageCgroups:  proto.Bool(true),
+	}
+	if opts.FreezeCgroup != "" {
+		req.FreezeCgroup = proto.String(opts.FreezeCgroup)
+	}
+	if t := timeoutSeconds(ctx); t > 0 {
+		req.Timeout = proto.Uint32(t)
+	}
+	cr := gocriu.MakeCriu()
+	cr.SetCriuPath(c.Binary)
+	if err := run(ctx, func() error { return cr.Dump(req, nil) }); err != nil {
+		return DumpStats{}, fmt.Errorf("criu dump of pid %d: %w%s", opts.PID, err, logTail(filepath.Join(opts.ImagesDir, dumpLog)))
+	}
+	st, err := crit.GetDumpStats(opts.ImagesDir)
+	if err != nil {
+		return DumpStats{}, fmt.Errorf("read CRIU dump stats: %w", err)
+	}
+	return DumpStats{
+		FreezingUS: st.GetFreezingTime(), FrozenUS: st.GetFrozenTime(),
+		MemdumpUS: st.GetMemdumpTime(), MemwriteUS: st.GetMemwriteTime(),
+		PagesScanned: st.GetPagesScanned(), PagesWritten: st.GetPagesWritten(),
+	}, nil
+}
+
+// RestoreOptions describe a restore.
+type RestoreOptions struct {
+	ImagesDir string
+	// Notify, if set, is told about CRIU's restore stages (the restorer guards the network around them).
+	Notify gocriu.Notify
+}
+
+// Restore recreates the tree from opts.ImagesDir as a child of the calling process (CRIU's rst_sibling:
+// the caller, a subreaper, can then wait for it) and returns the new host PID of its root.
+func (c Client) Restore(ctx context.Context, opts RestoreOptions) (int, error) {
+	dir, err := os.Open(opts.ImagesDir)
+	if err != nil {
+		return 0, fmt.Errorf("open images dir: %w", err)
+	}
+	defer dir.Close()
+	req := &rpc.CriuOpts{
+		ImagesDirFd:       proto.Int32(int32(dir.Fd())),
+		LogLevel:          proto.Int32(4),
+		LogFile:           proto.String(restoreLog),
+		TcpEstablished:    proto.Bool(true),
+		FileLocks:         proto.Bool(true),
+		RstSibling:        proto.Bool(true),
+		ManageCgroups:     proto.Bool(true),
+		ManageCgroupsMode: rpc.CriuCgMode_SOFT.Enum(),
+	}
+	nfy := &pidNotify{Notify: opts.Notify}
+	if nfy.Notify == nil {
+		nfy.Notify = gocriu.NoNotify{}
+	}
+	cr := gocriu.MakeCriu()
+	cr.SetCriuPath(c.Binary)
+	if err := run(ctx, func() error { return cr.Restore(req, nfy) }); err != nil {
+		return 0, fmt.Errorf("criu restore from %s: %w%s", opts.ImagesDir, err, logTail(filepath.Join(opts.ImagesDir, restoreLog)))
+	}
+	if nfy.pid <= 0 {
+		return 0, errors.New("criu restore reported no pid for the restored tree")
+	}
+	return int(nfy.pid), nil
+}
+
+// pidNotify learns the restored root's PID from CRIU's post-restore notification.
+type pidNotify struct {
+	gocriu.Notify
+	pid int32
+}
+
+func (n *pidNotify) PostRestore(pid int32) error {
+	n.pid = pid
+	return n.Notify.PostRestore(pid)
+}
+
+// run executes a blocking go-criu call, returning early with ctx's error if ctx ends first. CRIU itself is
+// bounded by the Timeout option; the call is left to finish in the background.
+func run(ctx context.Context, call func() error) error {
+	done := make(chan error, 1)
+	go func() { done <- call() }()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func timeoutSeconds(ctx context.Context) uint32 {
+	dl, ok := ctx.Deadline()
+	if !ok {
+		return 0
+	}
+	s := time.Until(dl).Seconds()
+	if s < 1 {
+		return 1
+	}
+	return uint32(s)
+}
+
+// logTail returns the last error lines of a CRIU log, for error messages.
+func logTail(path string) string {
+	f, err := os.Open(path)
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	var lines []string
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		if l := sc.Text(); strings.Contains(l, "Error") || strings.Contains(l, "error") {
+			lines = append(lines, l)
+			if len(lines) > 6 {
+				lines = lines[1:]
+			}
+		}
+	}
+	if len(lines) == 0 {
+		return " (see " + path + ")"
+	}
+	return "\n  " + strings.Join(lines, "\n  ") + "\n  (full log: " + path + ")"
+}

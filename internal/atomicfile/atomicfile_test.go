@@ -1,0 +1,47 @@
+package atomicfile
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+)
+
+func TestWriteFileReplacesWithoutLeftovers(t *testing.T) {
+	dir := t.TempDir()
+	p := filepath.Join(dir, "state.json")
+	for _, content := range []string{"first", "second, longer"} {
+		if err := WriteFile(p, []byte(content), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		got, err := os.ReadFile(p)
+		if err != nil || string(got) != content {
+			t.Fatalf("read back %q, %v; want %q", got, err, content)
+		}
+	}
+	if st, _ := os.Stat(p); st.Mode().Perm() != 0o600 {
+		t.Errorf("mode %v, want 0600", st.Mode().Perm())
+	}
+	entries, _ := os.ReadDir(dir)
+	if len(entries) != 1 {
+		t.Errorf("temporary files left behind: %v", entries)
+	}
+}
+
+func TestWriteFileMissingDir(t *testing.T) {
+	if err := WriteFile(filepath.Join(t.TempDir(), "no", "such", "f"), nil, 0o644); err == nil {
+		t.Fatal("write into a missing directory succeeded")
+	}
+}
+
+func TestWriteJSON(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "v.json")
+	if err := WriteJSON(p, map[string]int{"a": 1}); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := os.ReadFile(p); string(got) != "{\n  \"a\": 1\n}\n" {
+		t.Fatalf("got %q", got)
+	}
+	if err := WriteJSON(p, func() {}); err == nil {
+		t.Fatal("encoding a func succeeded")
+	}
+}

@@ -1,0 +1,187 @@
+// Package labcluster runs an ftkit agent inside every host of a lab: configuration, directories, start,
+// readiness, and restart (for tests that kill an agent). Lab teardown removes all of it.
+package labcluster
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"github.com/pelletier/go-toml/v2"
+
+	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/lab"
+)
+
+// AgentPort is the cluster port of every lab agent.
+const AgentPort = 7420
+
+// Options shape the agents' configuration.
+type Options struct {
+	AgentBin string // path to ftagent
+	Interval string // checkpoint interval ("" = 60s)
+	Mode     agent.Mode
+	Keep     int
+	LogLevel string // ftagent --log-level ("" = info)
+}
+
+// Cluster is a lab whose hosts each run an agent.
+type Cluster struct {
+	Lab     *lab.Lab
+	opts    Options
+	runDir  string // sockets, configs, logs: /run/ftkit/labs/<id>.d
+	dataDir string // state and job directories: /var/lib/ftkit/labs/<id>
+	agents  map[string]*runningAgent
+}
+
+type runningAgent struct {
+	cmd  *exec.Cmd
+	done chan struct{} // closed once the agent process has been reaped
+}
+
+// Paths of a lab's agent files, derived from the lab id so that ftctl can find them in a later run.
+func runDir(id string) string  { return filepath.Join(lab.DefaultStateDir, id+".d") }
+func dataDir(id string) string { return filepath.Join("/var/lib/ftkit/labs", id) }
+func cgroupDir(id string) string {
+	return filepath.Join("/sys/fs/cgroup/unified/ftkit", "lab-"+id)
+}
+
+// Socket is the local API socket of host's agent in lab id.
+func Socket(id, host string) string { return filepath.Join(runDir(id), host, "agent.sock") }
+
+// JobsDir is the lab's cluster-wide job directory (one file system, like a shared home on a cluster).
+func JobsDir(id string) string { return filepath.Join(dataDir(id), "jobs") }
+
+// Start writes every host's configuration and starts the agents, then waits until each answers.
+func Start(ctx context.Context, l *lab.Lab, opts Options) (*Cluster, error) {
+	st := l.State()
+	c := &Cluster{Lab: l, opts: opts, runDir: runDir(st.ID), dataDir: dataDir(st.ID), agents: map[string]*runningAgent{}}
+	for _, d := range []string{c.runDir, c.dataDir, cgroupDir(st.ID)} {
+		if err := l.AddCleanup(d); err != nil {
+			return nil, err
+		}
+	}
+	for _, h := range st.Hosts {
+		if err := c.writeConfig(st, h); err != nil {
+			return nil, fmt.Errorf("configure agent on %s: %w", h.Name, err)
+		}
+	}
+	for _, h := range st.Hosts {
+		if h.Crashed {
+			continue
+		}
+		if err := c.StartAgent(ctx, h.Name); err != nil {
+			return nil, err
+		}
+	}
+	return c, nil
+}
+
+// Config builds the agent configuration of one lab host.
+func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
+	cfg := agent.Defaults()
+	cfg.Name = h.Name
+	cfg.StateDir = filepath.Join(c.dataDir, h.Name)
+	cfg.JobsDir = JobsDir(st.ID)
+	cfg.Socket = Socket(st.ID, h.Name)
+	cfg.CgroupParent = cgroupDir(st.ID)
+	cfg.Cluster.Listen = netip.AddrPortFrom(h.Addr.Addr(), AgentPort)
+	for _, m := range st.Hosts {
+		role := agent.RoleNode
+		if m.Role == lab.RoleSpare {
+			role = agent.RoleSpare
+		}
+		cfg.Cluster.Members = append(cfg.Cluster.Members, agent.Member{Name: m.Name, Address: netip.AddrPortFrom(m.Addr.Addr(), AgentPort), Role: role})
+	}
+	if c.opts.Interval != "" {
+		cfg.Checkpoint.Interval.UnmarshalText([]byte(c.opts.Interval))
+	}
+	if c.opts.Mode != "" {
+		cfg.Checkpoint.Mode = c.opts.Mode
+	}
+	if c.opts.Keep > 0 {
+		cfg.Checkpoint.Keep = c.opts.Keep
+	}
+	return cfg
+}
+
+func (c *Cluster) hostDir(host string) string { return filepath.Join(c.runDir, host) }
+
+// ConfigPath is where host's agent configuration is written.
+func (c *Cluster) ConfigPath(host string) string { return filepath.Join(c.hostDir(host), "agent.toml") }
+
+// LogPath is host's agent log.
+func (c *Cluster) LogPath(host string) string { return filepath.Join(c.hostDir(host), "agent.log") }
+
+func (c *Cluster) writeConfig(st lab.State, h lab.Host) error {
+	cfg := c.config(st, h)
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	if err := os.MkdirAll(c.hostDir(h.Name), 0o755); err != nil {
+		return err
+	}
+	b, err := toml.Marshal(cfg)
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(c.ConfigPath(h.Name), b, 0o644)
+}
+
+// StartAgent starts host's agent inside the host's network namespace and waits until it answers.
+func (c *Cluster) StartAgent(ctx context.Context, host string) error {
+	logf, err := os.OpenFile(c.LogPath(host), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
+	if err != nil {
+		return err
+	}
+	defer logf.Close()
+	level := c.opts.LogLevel
+	if level == "" {
+		level = "info"
+	}
+	cmd := exec.Command(c.opts.AgentBin, "--config", c.ConfigPath(host), "--log-level", level)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true} // a daemon: not in the caller's process group
+	if err := c.Lab.Start(host, cmd); err != nil {
+		return fmt.Errorf("start agent on %s: %w", host, err)
+	}
+	ra := &runningAgent{cmd: cmd, done: make(chan struct{})}
+	c.agents[host] = ra
+	go func() { cmd.Wait(); close(ra.done) }()
+	ctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+	defer cancel()
+	cl := c.Client(host)
+	for {
+		if _, err := cl.Status(ctx); err == nil {
+			return nil
+		} else if ctx.Err() != nil {
+			return fmt.Errorf("agent on %s did not answer within 15s (log: %s): %w", host, c.LogPath(host), err)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// KillAgent SIGKILLs host's agent (as a crash of the daemon alone would) and waits until it is gone.
+func (c *Cluster) KillAgent(host string) error {
+	ra, ok := c.agents[host]
+	if !ok {
+		return fmt.Errorf("no agent of %s was started by this process", host)
+	}
+	if err := ra.cmd.Process.Kill(); err != nil && !errors.Is(err, os.ErrProcessDone) {
+		return err
+	}
+	<-ra.done
+	delete(c.agents, host)
+	return nil
+}
+
+// Client returns a local-API client for host's agent.
+func (c *Cluster) Client(host string) *agent.Client {
+	return agent.NewClient(Socket(c.Lab.State().ID, host))
+}
