@@ -80,13 +80,13 @@ type Member struct {
 
 // Config is the agent's configuration file; docs/agent.example.toml documents every key.
 type Config struct {
-	Name       string `toml:"name"`
-	StateDir   string `toml:"state_dir"`
-	Socket     string `toml:"socket"`
-	CRIU       string `toml:"criu"`
-	JobsDir    string `toml:"jobs_dir"`
+	Name         string `toml:"name"`
+	StateDir     string `toml:"state_dir"`
+	Socket       string `toml:"socket"`
+	CRIU         string `toml:"criu"`
+	JobsDir      string `toml:"jobs_dir"`
 	CgroupParent string `toml:"cgroup_parent"`
-	Cluster    struct {
+	Cluster      struct {
 		Listen  netip.AddrPort `toml:"listen"`
 		CA      string         `toml:"ca"`
 		Cert    string         `toml:"cert"`
