@@ -13,6 +13,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/ckpt/interval"
 	"github.com/ftkit/ftkit/criu"
 )
 
@@ -24,9 +26,15 @@ type Agent struct {
 	self string // this executable, run as `shim` for each job
 	jobs jobStore
 
-	mu      sync.Mutex
-	byID    map[string]*Job
-	changed chan struct{} // closed and replaced whenever a job changes, for long-polling clients
+	store       *ckpt.Store // this host's snapshots and the replicas it keeps for the nodes it protects
+	criuVersion criu.Version
+
+	mu       sync.Mutex
+	byID     map[string]*Job
+	policies map[string]*interval.Policy // by job id ("" for the host in semi-coordinated mode)
+	changed  chan struct{}               // closed and replaced whenever a job changes, for long-polling clients
+
+	ckptMu sync.Mutex // one checkpoint (or host-wide freeze) at a time
 }
 
 // New checks the host (root, CRIU 4.2 or newer, cgroup v2) and prepares the agent's directories.
@@ -48,7 +56,8 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 	a := &Agent{
 		cfg: cfg, log: log.With("node", cfg.Name), criu: criu.Client{Binary: bin}, self: self,
 		jobs: jobStore{dir: filepath.Join(cfg.StateDir, "jobs")},
-		byID: map[string]*Job{}, changed: make(chan struct{}),
+		byID: map[string]*Job{}, policies: map[string]*interval.Policy{}, changed: make(chan struct{}),
+		criuVersion: v,
 	}
 	for _, d := range []string{a.jobs.dir, cfg.JobsDir, cfg.CgroupParent, filepath.Dir(cfg.Socket)} {
 		if err := os.MkdirAll(d, 0o755); err != nil {
@@ -57,6 +66,10 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 	}
 	if _, err := os.Stat(filepath.Join(cfg.CgroupParent, "cgroup.controllers")); err != nil {
 		return nil, fmt.Errorf("cgroup_parent %s is not in a cgroup v2 hierarchy: %w", cfg.CgroupParent, err)
+	}
+	a.store, err = ckpt.Open(filepath.Join(cfg.StateDir, "snapshots"), ckpt.Options{Node: cfg.Name, Logger: a.log})
+	if err != nil {
+		return nil, err
 	}
 	a.log.Info("agent ready", "criu", bin, "criu_version", v.String())
 	return a, nil
@@ -245,7 +258,13 @@ func (a *Agent) Run(ctx context.Context) error {
 		return err
 	}
 	defer srv.Close()
+	cl, err := a.serveCluster(ctx)
+	if err != nil {
+		return err
+	}
+	defer cl.Close()
 	go a.watchJobs(ctx)
+	go a.schedule(ctx)
 	<-ctx.Done()
 	a.log.Info("agent stopping; jobs keep running under their shims")
 	return nil

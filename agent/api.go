@@ -133,6 +133,31 @@ func (a *Agent) routes() *http.ServeMux {
 			}
 		}
 	})
+	mux.HandleFunc("POST /v1/checkpoint", func(w http.ResponseWriter, r *http.Request) {
+		var req CheckpointRequest
+		if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<20)).Decode(&req); err != nil {
+			writeError(w, http.StatusBadRequest, fmt.Errorf("checkpoint request: %w", err))
+			return
+		}
+		res, err := a.Checkpoint(r.Context(), req.Jobs, callerOf(r).Uid)
+		if errors.Is(err, ErrNoJob) {
+			writeError(w, http.StatusNotFound, err)
+			return
+		}
+		if err != nil && len(res) == 0 {
+			writeError(w, http.StatusInternalServerError, err)
+			return
+		}
+		writeJSON(w, http.StatusOK, CheckpointReply{Results: res, Error: errString(err)})
+	})
+	mux.HandleFunc("GET /v1/snapshots", func(w http.ResponseWriter, r *http.Request) {
+		ms, err := a.Snapshots(r.URL.Query().Get("job"), callerOf(r).Uid)
+		if err != nil {
+			writeError(w, http.StatusInternalServerError, err)
+			return
+		}
+		writeJSON(w, http.StatusOK, ms)
+	})
 	mux.HandleFunc("POST /v1/jobs/{id}/signal", func(w http.ResponseWriter, r *http.Request) {
 		var req struct {
 			Signal int `json:"signal"`
@@ -227,4 +252,22 @@ func writeError(w http.ResponseWriter, code int, err error) {
 
 func sortJobs(js []Job) {
 	sort.Slice(js, func(a, b int) bool { return js[a].Created.Before(js[b].Created) })
+}
+
+// CheckpointRequest asks for snapshots of the given jobs now (all of the host's if empty).
+type CheckpointRequest struct {
+	Jobs []string `json:"jobs,omitempty"`
+}
+
+// CheckpointReply lists the snapshots taken; Error reports the jobs that failed, if any.
+type CheckpointReply struct {
+	Results []SnapshotResult `json:"results"`
+	Error   string           `json:"error,omitempty"`
+}
+
+func errString(err error) string {
+	if err == nil {
+		return ""
+	}
+	return err.Error()
 }

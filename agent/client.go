@@ -11,6 +11,8 @@ import (
 	"net/url"
 	"syscall"
 	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
 )
 
 // DefaultSocket is where ftctl and ftwrap look for the local agent unless FTKIT_AGENT_SOCKET or a flag
@@ -105,4 +107,16 @@ func (c *Client) Wait(ctx context.Context, id string, timeout time.Duration) (Jo
 // Signal sends a signal to the job's root process.
 func (c *Client) Signal(ctx context.Context, id string, sig syscall.Signal) error {
 	return c.do(ctx, http.MethodPost, "/v1/jobs/"+url.PathEscape(id)+"/signal", map[string]int{"signal": int(sig)}, nil)
+}
+
+// Checkpoint snapshots jobs now (all of the host's if none are named).
+func (c *Client) Checkpoint(ctx context.Context, jobs ...string) (CheckpointReply, error) {
+	var r CheckpointReply
+	return r, c.do(ctx, http.MethodPost, "/v1/checkpoint", CheckpointRequest{Jobs: jobs}, &r)
+}
+
+// Snapshots lists the snapshots this host holds (its own and the replicas it keeps), newest first.
+func (c *Client) Snapshots(ctx context.Context, job string) ([]*ckpt.Manifest, error) {
+	var ms []*ckpt.Manifest
+	return ms, c.do(ctx, http.MethodGet, "/v1/snapshots?job="+url.QueryEscape(job), nil, &ms)
 }

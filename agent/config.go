@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/pelletier/go-toml/v2"
+
+	"github.com/ftkit/ftkit/ckpt"
 )
 
 // Role is what a cluster member is for.
@@ -21,12 +23,12 @@ const (
 	RoleSpare Role = "spare"
 )
 
-// Mode is how a host's jobs are snapshotted.
-type Mode string
+// Mode is how a host's jobs are snapshotted; it is recorded in every snapshot's manifest.
+type Mode = ckpt.Mode
 
 const (
-	Uncoordinated   Mode = "uncoordinated"
-	SemiCoordinated Mode = "semi-coordinated"
+	Uncoordinated   = ckpt.ModeUncoordinated
+	SemiCoordinated = ckpt.ModeSemiCoordinated
 )
 
 // Duration is a time.Duration written as "500ms" in TOML.

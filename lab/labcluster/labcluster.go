@@ -16,6 +16,7 @@ import (
 	"github.com/pelletier/go-toml/v2"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/internal/clustertls"
 	"github.com/ftkit/ftkit/lab"
 )
 
@@ -38,6 +39,7 @@ type Cluster struct {
 	runDir  string // sockets, configs, logs: /run/ftkit/labs/<id>.d
 	dataDir string // state and job directories: /var/lib/ftkit/labs/<id>
 	agents  map[string]*runningAgent
+	tls     map[string]clustertls.Config
 }
 
 type runningAgent struct {
@@ -61,11 +63,26 @@ func JobsDir(id string) string { return filepath.Join(dataDir(id), "jobs") }
 // Start writes every host's configuration and starts the agents, then waits until each answers.
 func Start(ctx context.Context, l *lab.Lab, opts Options) (*Cluster, error) {
 	st := l.State()
-	c := &Cluster{Lab: l, opts: opts, runDir: runDir(st.ID), dataDir: dataDir(st.ID), agents: map[string]*runningAgent{}}
+	c := &Cluster{Lab: l, opts: opts, runDir: runDir(st.ID), dataDir: dataDir(st.ID), agents: map[string]*runningAgent{}, tls: map[string]clustertls.Config{}}
 	for _, d := range []string{c.runDir, c.dataDir, cgroupDir(st.ID)} {
 		if err := l.AddCleanup(d); err != nil {
 			return nil, err
 		}
+	}
+	ca, err := clustertls.NewCA("ftkit-lab-"+st.ID, 30*24*time.Hour)
+	if err != nil {
+		return nil, err
+	}
+	for _, h := range st.Hosts {
+		cert, key, err := ca.Issue(h.Name, []netip.Addr{h.Addr.Addr()}, 29*24*time.Hour)
+		if err != nil {
+			return nil, err
+		}
+		tlsCfg, err := clustertls.WriteFiles(filepath.Join(c.runDir, "pki"), h.Name, ca.CertPEM(), cert, key)
+		if err != nil {
+			return nil, err
+		}
+		c.tls[h.Name] = tlsCfg
 	}
 	for _, h := range st.Hosts {
 		if err := c.writeConfig(st, h); err != nil {
@@ -92,6 +109,8 @@ func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
 	cfg.Socket = Socket(st.ID, h.Name)
 	cfg.CgroupParent = cgroupDir(st.ID)
 	cfg.Cluster.Listen = netip.AddrPortFrom(h.Addr.Addr(), AgentPort)
+	tc := c.tls[h.Name]
+	cfg.Cluster.CA, cfg.Cluster.Cert, cfg.Cluster.Key = tc.CAFile, tc.CertFile, tc.KeyFile
 	for _, m := range st.Hosts {
 		role := agent.RoleNode
 		if m.Role == lab.RoleSpare {

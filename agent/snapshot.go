@@ -1,0 +1,268 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/ckpt/ship"
+	"github.com/ftkit/ftkit/criu"
+	"github.com/ftkit/ftkit/criu/image"
+	"github.com/ftkit/ftkit/internal/atomicfile"
+	"github.com/ftkit/ftkit/internal/version"
+)
+
+// Layout of a snapshot directory (the ckpt store adds manifest.json and the checksums).
+const (
+	snapImages  = "images"   // CRIU's images
+	snapOutputs = "outputs"  // the job's output files, up to their sizes at the dump
+	snapJob     = "job.json" // the job record, so that any host can restore the job
+)
+
+// SnapshotResult describes one snapshot taken by this agent.
+type SnapshotResult struct {
+	Manifest *ckpt.Manifest `json:"manifest"`
+	Shipped  bool           `json:"shipped"`
+	ShipErr  string         `json:"ship_error,omitempty"`
+}
+
+// Snapshot dumps one running job and keeps the job running (uncoordinated). If frozenCgroup is set, the
+// caller froze the job's cgroup (semi-coordinated) and CRIU dumps it frozen and leaves it frozen.
+func (a *Agent) snapshot(ctx context.Context, j Job, frozen bool) (*ckpt.Manifest, error) {
+	p, err := a.store.Begin(j.ID)
+	if err != nil {
+		return nil, err
+	}
+	committed := false
+	defer func() {
+		if !committed {
+			p.Abort()
+		}
+	}()
+	images := filepath.Join(p.Dir(), snapImages)
+	if err := os.Mkdir(images, 0o700); err != nil {
+		return nil, err
+	}
+	opts := criu.DumpOptions{PID: j.PID, ImagesDir: images, LeaveRunning: true}
+	if frozen {
+		opts.FreezeCgroup = j.Cgroup
+	}
+	start := time.Now()
+	stats, err := a.criu.Dump(ctx, opts)
+	took := time.Since(start)
+	if err != nil {
+		return nil, err
+	}
+	conns, err := image.TCPConnections(images)
+	if err != nil {
+		return nil, fmt.Errorf("read TCP state from the images: %w", err)
+	}
+	files, err := image.RegularFiles(images)
+	if err != nil {
+		return nil, fmt.Errorf("read open files from the images: %w", err)
+	}
+	info := ckpt.Info{
+		CRIUVersion: a.criuVersion.String(), KernelRelease: version.KernelRelease(), Mode: a.cfg.Checkpoint.Mode,
+		DumpDuration: took,
+		Stats: ckpt.DumpStats{
+			FreezingTime: us(stats.FreezingUS), FrozenTime: us(stats.FrozenUS), MemdumpTime: us(stats.MemdumpUS),
+			MemwriteTime: us(stats.MemwriteUS), PagesScanned: stats.PagesScanned, PagesWritten: stats.PagesWritten,
+		},
+	}
+	for _, c := range conns {
+		info.Conns = append(info.Conns, ckpt.Conn{
+			Local: c.Local, Remote: c.Remote, Inode: uint64(c.Inode), InqSeq: c.InqSeq, InqLen: c.InqLen,
+			OutqSeq: c.OutqSeq, OutqLen: c.OutqLen, Timestamp: c.Timestamp,
+		})
+	}
+	for _, f := range files {
+		if f.HasSize {
+			info.OpenFiles = append(info.OpenFiles, ckpt.OpenFile{Path: f.Path, Size: int64(f.Size)})
+		}
+	}
+	// The job's own output files travel with the snapshot: a host without the job directory (no shared
+	// file system) recreates them before restoring.
+	if err := a.copyOutputs(j, info.OpenFiles, filepath.Join(p.Dir(), snapOutputs)); err != nil {
+		return nil, err
+	}
+	if err := atomicfile.WriteJSON(filepath.Join(p.Dir(), snapJob), j); err != nil {
+		return nil, err
+	}
+	m, err := p.Commit(ctx, info)
+	if err != nil {
+		return nil, err
+	}
+	committed = true
+	a.log.Info("snapshot taken", "job", j.ID, "snapshot", m.ID, "dump_ms", took.Milliseconds(),
+		"frozen_ms", info.Stats.FrozenTime.Milliseconds(), "pages_written", stats.PagesWritten,
+		"bytes", m.TotalSize(), "tcp_conns", len(conns))
+	return m, nil
+}
+
+func us(v uint32) time.Duration { return time.Duration(v) * time.Microsecond }
+
+// copyOutputs copies the first Size bytes of each open file inside the job directory. The job appends
+// only, so those bytes no longer change while it keeps running.
+func (a *Agent) copyOutputs(j Job, files []ckpt.OpenFile, dst string) error {
+	for _, f := range files {
+		rel, err := filepath.Rel(j.Dir, f.Path)
+		if err != nil || strings.HasPrefix(rel, "..") || rel == "." {
+			continue // not the job's own output: it must exist on the restoring host
+		}
+		if err := os.MkdirAll(filepath.Dir(filepath.Join(dst, rel)), 0o700); err != nil {
+			return err
+		}
+		if err := copyPrefix(f.Path, filepath.Join(dst, rel), f.Size); err != nil {
+			return fmt.Errorf("copy job output %s: %w", f.Path, err)
+		}
+	}
+	return nil
+}
+
+func copyPrefix(src, dst string, n int64) error {
+	in, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	out, err := os.OpenFile(dst, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o600)
+	if err != nil {
+		return err
+	}
+	if _, err := io.CopyN(out, in, n); err != nil {
+		out.Close()
+		return fmt.Errorf("file shorter than its size at the dump (%d bytes): %w", n, err)
+	}
+	return out.Close()
+}
+
+// shipToProtector streams a committed snapshot to this node's protector and records the replica.
+func (a *Agent) shipToProtector(ctx context.Context, m *ckpt.Manifest) (*ckpt.Manifest, error) {
+	prot, ok := a.cfg.Protector(a.cfg.Name, a.downMembers())
+	if !ok {
+		return m, errors.New("no protector: this node is alone in the ring")
+	}
+	c, err := a.dialPeer(ctx, prot.Name, opSnapshot)
+	if err != nil {
+		return m, fmt.Errorf("ship %s to protector %s: %w", m.ID, prot.Name, err)
+	}
+	defer c.Close()
+	sent, err := ship.Send(ctx, c, a.store, m.Job, m.ID, ship.SendOptions{Peer: prot.Name, Logger: a.log})
+	if err != nil {
+		return m, fmt.Errorf("ship %s to protector %s: %w", m.ID, prot.Name, err)
+	}
+	a.log.Info("snapshot shipped", "job", m.Job, "snapshot", m.ID, "protector", prot.Name, "bytes", sent.Bytes,
+		"wire_bytes", sent.WireBytes, "ms", sent.Duration.Milliseconds(),
+		"mb_per_s", float64(sent.Bytes)/1e6/max(sent.Duration.Seconds(), 1e-6))
+	return sent.Manifest, nil
+}
+
+// downMembers are the members this agent currently believes failed (none until failure detection runs).
+func (a *Agent) downMembers() map[string]bool { return nil }
+
+// Checkpoint snapshots the given running jobs now (all of this host's if ids is empty), ships each
+// snapshot, and prunes old ones. In semi-coordinated mode all of them are frozen together first.
+func (a *Agent) Checkpoint(ctx context.Context, ids []string, uid uint32) ([]SnapshotResult, error) {
+	var jobs []Job
+	for _, j := range a.Jobs(uid) {
+		if j.State == JobRunning && (len(ids) == 0 || contains(ids, j.ID)) {
+			jobs = append(jobs, j)
+		}
+	}
+	if len(ids) > 0 && len(jobs) != len(ids) {
+		return nil, fmt.Errorf("%w: some of %v are not running on %s", ErrNoJob, ids, a.cfg.Name)
+	}
+	a.ckptMu.Lock()
+	defer a.ckptMu.Unlock()
+	var manifests []*ckpt.Manifest
+	var errs []error
+	if a.cfg.Checkpoint.Mode == SemiCoordinated {
+		ms, err := a.semiCoordinated(ctx, jobs)
+		manifests, errs = ms, append(errs, err)
+	} else {
+		for _, j := range jobs {
+			m, err := a.snapshot(ctx, j, false)
+			if err != nil {
+				errs = append(errs, fmt.Errorf("job %s: %w", j.ID, err))
+				continue
+			}
+			a.policyFor(j.ID).Observe(time.Duration(m.DumpDuration))
+			manifests = append(manifests, m)
+		}
+	}
+	var out []SnapshotResult
+	for _, m := range manifests {
+		res := SnapshotResult{Manifest: m}
+		shipped, err := a.shipToProtector(ctx, m)
+		if err != nil {
+			res.ShipErr = err.Error()
+			a.log.Warn("snapshot not replicated", "job", m.Job, "snapshot", m.ID, "err", err)
+		} else {
+			res.Manifest, res.Shipped = shipped, true
+			if pruned, err := a.store.Prune(ctx, m.Job, a.cfg.Checkpoint.Keep); err != nil {
+				a.log.Warn("prune snapshots", "job", m.Job, "err", err)
+			} else if len(pruned) > 0 {
+				a.log.Debug("pruned snapshots", "job", m.Job, "ids", pruned)
+			}
+		}
+		out = append(out, res)
+	}
+	return out, errors.Join(errs...)
+}
+
+func contains(list []string, s string) bool {
+	for _, v := range list {
+		if v == s {
+			return true
+		}
+	}
+	return false
+}
+
+// Snapshots lists the snapshots held on this host, newest first: its jobs' own and the replicas it keeps
+// as a protector. A non-root caller sees only snapshots of its own jobs.
+func (a *Agent) Snapshots(job string, uid uint32) ([]*ckpt.Manifest, error) {
+	jobs := []string{job}
+	if job == "" {
+		var err error
+		if jobs, err = a.store.Jobs(); err != nil {
+			return nil, err
+		}
+	}
+	var out []*ckpt.Manifest
+	for _, jid := range jobs {
+		ids, err := a.store.List(jid, "")
+		if err != nil {
+			return nil, err
+		}
+		for _, id := range ids {
+			m, err := a.store.Manifest(jid, id)
+			if err != nil {
+				a.log.Warn("unreadable snapshot manifest", "job", jid, "snapshot", id, "err", err)
+				continue
+			}
+			if uid != 0 && !a.ownsSnapshot(m, uid) {
+				continue
+			}
+			out = append(out, m)
+		}
+	}
+	return out, nil
+}
+
+// ownsSnapshot reports whether the job record inside the snapshot belongs to uid.
+func (a *Agent) ownsSnapshot(m *ckpt.Manifest, uid uint32) bool {
+	b, err := os.ReadFile(filepath.Join(a.store.Path(m.Job, m.ID), snapJob))
+	if err != nil {
+		return false
+	}
+	var j Job
+	return json.Unmarshal(b, &j) == nil && j.UID == uid
+}

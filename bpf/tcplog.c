@@ -1,0 +1,285 @@
+//go:build ignore
+
+// tcplog.c: sender-side log of the TCP payload bytes of protected flows.
+//
+// A TCX egress program. For every IPv4 TCP segment with payload that belongs
+// to a protected flow it writes one ring buffer record (layout below, decoded
+// by netlog.DecodeRecord) holding the whole payload, keyed by TCP sequence
+// number. It never modifies a packet. Facts this design rests on are in
+// /work/shared/notes/ebpf-logging.md.
+//
+// Lossless by backpressure: when a payload cannot be logged (ring buffer
+// full, record larger than the ring, copy error) the segment is dropped
+// (TCX_DROP == TC_ACT_SHOT) and counted. TCP retransmits it later and it is
+// logged then, so the log never has a hole; it may hold the same bytes twice
+// (retransmissions), which the consumer dedupes by sequence range.
+//
+// Which flows are protected:
+//  1. bpf_skb_cgroup_id(skb): the cgroup v2 id of the sending socket. This
+//     works at TCX egress of the veth inside the sender's network namespace
+//     (measured by the end-to-end test: records carry the id of the cgroup
+//     the sender was started in): locally generated TCP skbs still own their
+//     socket (skb->sk, set by tcp_transmit_skb) until the driver's xmit, and
+//     TC egress runs before it. Note the id is the cgroup of the socket, fixed
+//     when the socket was created (accepted sockets inherit the listener's),
+//     not the cgroup of the thread that writes.
+//  2. A map of local ports / exact 4-tuples (also tested end to end), for
+//     skbs that carry no socket, where bpf_skb_cgroup_id returns 0. From the
+//     kernel source, not measured here: traffic forwarded by this host (a
+//     container's packets leaving the host's physical NIC: the skb is
+//     orphaned when it crosses the veth into another netns), and packets
+//     sent without a full socket (RST/ACK from TIME_WAIT, no payload anyway).
+//
+// Retransmissions cannot be identified in TC (there is no flag on the skb).
+// What we count instead, cheaply, is "seq regressions": logged segments whose
+// first sequence number is below the highest logged end for their flow, from
+// a small LRU map. That counts RTO/fast retransmits and TLP probes of bytes
+// already logged (our own backpressure drops are not logged, so their
+// retransmission does not count). The update is not atomic across CPUs: the
+// counter is a diagnostic, not an exact number.
+//
+// IPv4 only, Ethernet framing (optionally one in-frame 802.1Q tag); the Go
+// loader refuses non-Ethernet devices. IP fragments of a protected flow cannot
+// be logged correctly (later fragments carry no TCP header) and are passed and
+// counted: local TCP sets DF, so they appear only if PMTU discovery is off.
+
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+
+#define ETH_HLEN 14
+#define VLAN_HLEN 4
+#define ETH_P_IP 0x0800
+#define ETH_P_8021Q 0x8100
+#define IPPROTO_TCP 6
+#define IP_MF 0x2000
+#define IP_OFFSET 0x1fff
+#define BPF_ANY 0
+
+// Pass: TCX_NEXT lets programs attached after us run and decide; if there is
+// none the packet is sent (same as TC_ACT_OK).
+#define VERDICT_PASS ((int)TCX_NEXT)
+// Drop for backpressure: TCX_DROP is TC_ACT_SHOT.
+#define VERDICT_DROP ((int)TCX_DROP)
+
+char __license[] SEC("license") = "Dual BSD/GPL";
+
+// The record header. Exact little-endian layout, packed (36 bytes, no padding),
+// followed by len payload bytes. netlog.DecodeRecord decodes exactly this:
+// change both together.
+struct record_hdr {
+	__be32 saddr;     // network byte order, as in the IP header
+	__be32 daddr;     // network byte order
+	__be16 sport;     // network byte order, as in the TCP header
+	__be16 dport;     // network byte order
+	__u32 seq;        // host order: sequence number of the first payload byte
+	__u32 len;        // payload length
+	__u64 cgroup_id;  // bpf_skb_cgroup_id, 0 when the skb has no socket
+	__u64 ktime_ns;   // bpf_ktime_get_ns at logging
+} __attribute__((packed));
+
+_Static_assert(sizeof(struct record_hdr) == 36, "record header must be 36 bytes");
+
+// flow_key is the key of protected_flows and flow_high. In protected_flows a
+// key with only sport set (saddr, daddr, dport zero) protects a local port.
+struct flow_key {
+	__be32 saddr;
+	__be32 daddr;
+	__be16 sport;
+	__be16 dport;
+};
+
+// Per-CPU counters; the loader sums them over CPUs.
+struct counters {
+	__u64 packets_logged;     // records written
+	__u64 bytes_logged;       // payload bytes written
+	__u64 drops_backpressure; // dropped: ring buffer had no room
+	__u64 drops_oversize;     // dropped: record can never fit the ring (grow the ring!)
+	__u64 drops_error;        // dropped: dynptr setup/copy failed
+	__u64 seq_regressions;    // logged segments starting below the flow's highest logged end
+	__u64 fragments_passed;   // IP fragments of a protected socket, not logged
+};
+
+// Set by the loader before load: the ring buffer size in bytes.
+volatile const __u32 ring_size = 0;
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 1 << 24); // the loader overrides this
+} events SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u64);  // cgroup v2 id (the cgroup directory's inode number)
+	__type(value, __u8); // unused
+} protected_cgroups SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct flow_key);
+	__type(value, __u8); // unused
+} protected_flows SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct flow_key);
+	__type(value, __u32); // highest logged end sequence number (seq + len)
+} flow_high SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct counters);
+} stats SEC(".maps");
+
+// kfuncs: bpftool 7.1's vmlinux.h has no prototypes for them.
+extern int bpf_dynptr_from_skb(struct __sk_buff *skb, __u64 flags,
+			       struct bpf_dynptr *ptr__uninit) __ksym;
+extern int bpf_dynptr_copy(struct bpf_dynptr *dst_ptr, __u32 dst_off,
+			   struct bpf_dynptr *src_ptr, __u32 src_off, __u32 size) __ksym;
+
+static __always_inline struct counters *get_counters(void)
+{
+	__u32 zero = 0;
+	return bpf_map_lookup_elem(&stats, &zero);
+}
+
+static __always_inline int is_protected(__u64 cgid, struct flow_key *fk)
+{
+	if (cgid && bpf_map_lookup_elem(&protected_cgroups, &cgid))
+		return 1;
+	if (bpf_map_lookup_elem(&protected_flows, fk))
+		return 1;
+	struct flow_key port = { .sport = fk->sport };
+	return bpf_map_lookup_elem(&protected_flows, &port) != 0;
+}
+
+// note_seq counts a sequence regression and raises the flow's highest end.
+static __always_inline void note_seq(struct counters *c, struct flow_key *fk, __u32 seq, __u32 len)
+{
+	__u32 end = seq + len;
+	__u32 *high = bpf_map_lookup_elem(&flow_high, fk);
+	if (!high) {
+		bpf_map_update_elem(&flow_high, fk, &end, BPF_ANY);
+		return;
+	}
+	if ((__s32)(seq - *high) < 0)
+		c->seq_regressions++;
+	if ((__s32)(end - *high) > 0)
+		*high = end;
+}
+
+SEC("tcx/egress")
+int tcplog_egress(struct __sk_buff *skb)
+{
+	if (skb->protocol != bpf_htons(ETH_P_IP))
+		return VERDICT_PASS;
+
+	// Headers are read with bpf_skb_load_bytes, which works whether or not
+	// they sit in the linear part of the skb.
+	__u32 nh = ETH_HLEN;
+	__be16 proto;
+	if (bpf_skb_load_bytes(skb, 12, &proto, sizeof(proto)))
+		return VERDICT_PASS;
+	if (proto == bpf_htons(ETH_P_8021Q)) {
+		if (bpf_skb_load_bytes(skb, 16, &proto, sizeof(proto)))
+			return VERDICT_PASS;
+		nh += VLAN_HLEN;
+	}
+	if (proto != bpf_htons(ETH_P_IP))
+		return VERDICT_PASS;
+
+	struct iphdr ip;
+	if (bpf_skb_load_bytes(skb, nh, &ip, sizeof(ip)))
+		return VERDICT_PASS;
+	if (ip.version != 4 || ip.ihl < 5 || ip.protocol != IPPROTO_TCP)
+		return VERDICT_PASS;
+	__u32 iphl = ip.ihl * 4;
+
+	__u64 cgid = bpf_skb_cgroup_id(skb);
+	if (ip.frag_off & bpf_htons(IP_MF | IP_OFFSET)) {
+		if (cgid && bpf_map_lookup_elem(&protected_cgroups, &cgid)) {
+			struct counters *c = get_counters();
+			if (c)
+				c->fragments_passed++;
+		}
+		return VERDICT_PASS;
+	}
+
+	struct tcphdr tcp;
+	if (bpf_skb_load_bytes(skb, nh + iphl, &tcp, sizeof(tcp)))
+		return VERDICT_PASS;
+	__u32 tcphl = tcp.doff * 4;
+	if (tcphl < sizeof(tcp))
+		return VERDICT_PASS;
+
+	// The IP length, not skb->len, bounds the payload; BIG TCP GSO packets
+	// (> 64 KiB) carry tot_len 0 and are sized from skb->len.
+	__u32 iplen = bpf_ntohs(ip.tot_len);
+	if (iplen == 0)
+		iplen = skb->len - nh;
+	if (iplen <= iphl + tcphl || nh + iplen > skb->len)
+		return VERDICT_PASS; // no payload (pure ACK, bare SYN/FIN/RST) or malformed
+	__u32 len = iplen - iphl - tcphl;
+	__u32 off = nh + iphl + tcphl;
+
+	struct flow_key fk = {
+		.saddr = ip.saddr,
+		.daddr = ip.daddr,
+		.sport = tcp.source,
+		.dport = tcp.dest,
+	};
+	if (!is_protected(cgid, &fk))
+		return VERDICT_PASS;
+
+	struct counters *c = get_counters();
+	if (!c)
+		return VERDICT_PASS; // cannot happen: a 1-entry array always has key 0
+
+	// The ring holds a record plus its 8-byte kernel header, rounded up to 8;
+	// a bigger one can never be reserved and its segment would be dropped
+	// forever. Count it apart so the stall has a name.
+	__u64 need = ((__u64)sizeof(struct record_hdr) + len + 8 + 7) & ~7ULL;
+	if (need > ring_size) {
+		c->drops_oversize++;
+		return VERDICT_DROP;
+	}
+
+	struct record_hdr hdr = {
+		.saddr = ip.saddr,
+		.daddr = ip.daddr,
+		.sport = tcp.source,
+		.dport = tcp.dest,
+		.seq = bpf_ntohl(tcp.seq),
+		.len = len,
+		.cgroup_id = cgid,
+		.ktime_ns = bpf_ktime_get_ns(),
+	};
+
+	struct bpf_dynptr rec, pkt;
+	if (bpf_ringbuf_reserve_dynptr(&events, sizeof(hdr) + len, 0, &rec)) {
+		// The verifier wants the failed dynptr released too.
+		bpf_ringbuf_discard_dynptr(&rec, 0);
+		c->drops_backpressure++;
+		return VERDICT_DROP;
+	}
+	// One copy from the skb (linear part and page frags alike) straight
+	// into the reserved record.
+	if (bpf_dynptr_write(&rec, 0, &hdr, sizeof(hdr), 0) ||
+	    bpf_dynptr_from_skb(skb, 0, &pkt) ||
+	    bpf_dynptr_copy(&rec, sizeof(hdr), &pkt, off, len)) {
+		bpf_ringbuf_discard_dynptr(&rec, 0);
+		c->drops_error++;
+		return VERDICT_DROP;
+	}
+	bpf_ringbuf_submit_dynptr(&rec, 0);
+
+	c->packets_logged++;
+	c->bytes_logged += len;
+	note_seq(c, &fk, hdr.seq, len);
+	return VERDICT_PASS;
+}

@@ -1,0 +1,96 @@
+package ship
+
+import (
+	"context"
+	"io"
+	"sync"
+	"time"
+)
+
+// DefaultIdleTimeout is how long either side waits for the peer to make
+// progress before giving up, when the connection supports deadlines.
+const DefaultIdleTimeout = 2 * time.Minute
+
+type deadliner interface {
+	SetDeadline(time.Time) error
+}
+
+// guard maps context cancellation and an idle timeout onto connection
+// deadlines. A plain io.ReadWriter without deadlines gets neither; the
+// caller must then close it to unblock a transfer.
+type guard struct {
+	d         deadliner
+	idle      time.Duration
+	mu        sync.Mutex
+	cancelled bool
+	stop      func() bool
+}
+
+func newGuard(ctx context.Context, rw io.ReadWriter, idle time.Duration) *guard {
+	g := &guard{idle: idle}
+	if g.idle <= 0 {
+		g.idle = DefaultIdleTimeout
+	}
+	d, ok := rw.(deadliner)
+	if !ok {
+		return g
+	}
+	g.d = d
+	g.stop = context.AfterFunc(ctx, func() {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		g.cancelled = true
+		g.d.SetDeadline(time.Unix(1, 0))
+	})
+	g.arm()
+	return g
+}
+
+// arm pushes the deadline one idle period ahead, unless cancelled.
+func (g *guard) arm() {
+	if g.d == nil {
+		return
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if !g.cancelled {
+		g.d.SetDeadline(time.Now().Add(g.idle))
+	}
+}
+
+// release stops watching the context and clears the deadline, so the
+// caller can keep using the connection.
+func (g *guard) release() {
+	if g.d == nil {
+		return
+	}
+	g.stop()
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.d.SetDeadline(time.Time{})
+}
+
+// armedWriter re-arms the deadline before every write.
+type armedWriter struct {
+	w io.Writer
+	g *guard
+	n int64
+}
+
+func (a *armedWriter) Write(p []byte) (int, error) {
+	a.g.arm()
+	n, err := a.w.Write(p)
+	a.n += int64(n)
+	return n, err
+}
+
+// armedReader re-arms the deadline before every read.
+type armedReader struct {
+	r io.Reader
+	g *guard
+}
+
+func (a *armedReader) Read(p []byte) (int, error) {
+	a.g.arm()
+	return a.r.Read(p)
+}

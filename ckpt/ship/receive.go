@@ -1,0 +1,375 @@
+package ship
+
+import (
+	"bufio"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"hash"
+	"io"
+	"log/slog"
+	"os"
+	"path"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/pierrec/lz4/v4"
+)
+
+// DefaultMaxSnapshotBytes bounds the uncompressed size of one received snapshot.
+const DefaultMaxSnapshotBytes int64 = 256 << 30
+
+// ReceiveOptions configure Receive.
+type ReceiveOptions struct {
+	// Peer is the sender's node name as authenticated by the caller (from
+	// its TLS certificate). It is recorded as the replica holder of what is
+	// received; empty records none.
+	Peer string
+	// Authorize, if set, may refuse a snapshot by its manifest before any
+	// file is transferred (e.g. FromNode(peer) on a protector).
+	Authorize func(*ckpt.Manifest) error
+	// MaxSnapshotBytes bounds the sum of file sizes; 0 means DefaultMaxSnapshotBytes.
+	MaxSnapshotBytes int64
+	// IdleTimeout bounds waiting for the sender (connections with deadlines
+	// only); 0 means DefaultIdleTimeout.
+	IdleTimeout time.Duration
+	Logger      *slog.Logger
+}
+
+// Received describes one completed incoming transfer.
+type Received struct {
+	Manifest *ckpt.Manifest
+	// AlreadyHad is true when a verified copy was already in the store and
+	// no file was transferred.
+	AlreadyHad bool
+	Bytes      int64 // snapshot bytes written
+	WireBytes  int64 // bytes read from the connection
+	Duration   time.Duration
+}
+
+// Receive reads one snapshot transfer from conn into store, verifies it,
+// commits it, and acknowledges. It returns io.EOF if the sender closed the
+// connection cleanly before starting a transfer, so a caller can loop:
+//
+//	for { if _, err := ship.Receive(ctx, conn, store, opts); err != nil { break } }
+//
+// On any failure the pending copy is discarded, the sender gets a NACK with
+// the reason when the stream still allows it, and nothing becomes visible.
+func Receive(ctx context.Context, conn io.ReadWriter, store *ckpt.Store, opts ReceiveOptions) (*Received, error) {
+	start := time.Now()
+	log := opts.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	if opts.MaxSnapshotBytes <= 0 {
+		opts.MaxSnapshotBytes = DefaultMaxSnapshotBytes
+	}
+	g := newGuard(ctx, conn, opts.IdleTimeout)
+	defer g.release()
+	fr := newFrameReader(&armedReader{r: conn, g: g})
+	bw := bufio.NewWriterSize(&armedWriter{w: conn, g: g}, 4096)
+	reply := func(t frameType, payload []byte) error {
+		if err := writeFrame(bw, t, payload); err != nil {
+			return err
+		}
+		return bw.Flush()
+	}
+
+	t, p, err := fr.next()
+	if err == io.EOF {
+		return nil, io.EOF
+	}
+	if err != nil {
+		return nil, wrapCtx(ctx, "receive snapshot: read HELLO", err)
+	}
+	if t != frameHello {
+		err = protoErr("stream starts with %v, want HELLO", t)
+	} else {
+		err = checkHello(p)
+	}
+	if err != nil {
+		reply(frameNack, reason(err))
+		return nil, fmt.Errorf("receive snapshot: %w", err)
+	}
+
+	rc := &receiver{ctx: ctx, fr: fr, store: store, opts: opts, log: log}
+	res, err := rc.run(reply)
+	if err != nil {
+		if rc.pending != nil {
+			if aerr := rc.pending.Abort(); aerr != nil {
+				log.Warn("could not discard failed incoming snapshot", "err", aerr)
+			}
+		}
+		err = wrapCtx(ctx, "receive snapshot", err)
+		if !rc.peerAborted {
+			if rerr := reply(frameNack, reason(err)); rerr == nil {
+				drain(conn, g)
+			}
+		}
+		log.Warn("incoming snapshot refused", "err", err)
+		return nil, err
+	}
+	res.WireBytes = fr.n
+	res.Duration = time.Since(start)
+	log.Info("snapshot received", "job", res.Manifest.Job, "id", res.Manifest.ID,
+		"bytes", res.Bytes, "wire_bytes", res.WireBytes, "already_had", res.AlreadyHad, "duration", res.Duration)
+	return res, nil
+}
+
+// drain discards what the sender is still sending, briefly, so our NACK is
+// read before the connection closes (closing with unread data sends a RST
+// that can destroy the NACK in flight).
+func drain(conn io.ReadWriter, g *guard) {
+	if g.d == nil {
+		return
+	}
+	g.mu.Lock()
+	if !g.cancelled {
+		g.d.SetDeadline(time.Now().Add(2 * time.Second))
+	}
+	g.mu.Unlock()
+	io.Copy(io.Discard, io.LimitReader(conn, 64<<20))
+}
+
+func wrapCtx(ctx context.Context, what string, err error) error {
+	if ctx.Err() != nil && !errors.Is(err, ctx.Err()) {
+		return fmt.Errorf("%s: %w (%v)", what, ctx.Err(), err)
+	}
+	return fmt.Errorf("%s: %w", what, err)
+}
+
+type receiver struct {
+	ctx         context.Context
+	fr          *frameReader
+	store       *ckpt.Store
+	opts        ReceiveOptions
+	log         *slog.Logger
+	pending     *ckpt.Pending
+	peerAborted bool
+}
+
+func (rc *receiver) run(reply func(frameType, []byte) error) (*Received, error) {
+	t, p, err := rc.fr.next()
+	if err != nil {
+		return nil, fmt.Errorf("read MANIFEST: %w", err)
+	}
+	if t != frameManifest {
+		return nil, protoErr("got %v, want MANIFEST", t)
+	}
+	m, err := ckpt.DecodeManifest(p)
+	if err != nil {
+		return nil, err
+	}
+	if rc.opts.Authorize != nil {
+		if err := rc.opts.Authorize(m); err != nil {
+			return nil, fmt.Errorf("snapshot %s/%s not authorized: %w", m.Job, m.ID, err)
+		}
+	}
+	if total := m.TotalSize(); total > rc.opts.MaxSnapshotBytes {
+		return nil, fmt.Errorf("snapshot %s/%s is %d bytes, more than the %d this receiver accepts", m.Job, m.ID, total, rc.opts.MaxSnapshotBytes)
+	}
+
+	if have, err := rc.store.Manifest(m.Job, m.ID); err == nil {
+		if _, verr := rc.store.Verify(rc.ctx, m.Job, m.ID); verr == nil && sameFiles(have, m) {
+			if err := reply(frameHave, []byte(rc.store.Node())); err != nil {
+				return nil, err
+			}
+			return &Received{Manifest: have, AlreadyHad: true}, nil
+		}
+	}
+	if _, err := os.Lstat(rc.store.Path(m.Job, m.ID)); err == nil {
+		// A damaged or different local copy: replace it with the sender's.
+		rc.log.Warn("replacing damaged local copy of snapshot", "job", m.Job, "id", m.ID)
+		if err := rc.store.Delete(m.Job, m.ID); err != nil {
+			return nil, err
+		}
+	}
+	rc.pending, err = rc.store.BeginReceive(m)
+	if err != nil {
+		return nil, err
+	}
+	root, err := os.OpenRoot(rc.pending.Dir())
+	if err != nil {
+		return nil, fmt.Errorf("open pending dir: %w", err)
+	}
+	defer root.Close()
+	if err := reply(frameAccept, nil); err != nil {
+		return nil, err
+	}
+
+	var written int64
+	zr := lz4.NewReader(nil)
+	h := sha256.New()
+	for _, want := range m.Files {
+		if err := rc.ctx.Err(); err != nil {
+			return nil, err
+		}
+		n, err := rc.receiveFile(root, zr, h, want)
+		written += n
+		if err != nil {
+			return nil, err
+		}
+	}
+	t, p, err = rc.fr.next()
+	if err != nil {
+		return nil, fmt.Errorf("read DONE: %w", err)
+	}
+	if t == frameAbort {
+		rc.peerAborted = true
+		return nil, fmt.Errorf("sender aborted: %s", sanitize(p))
+	}
+	if t != frameDone {
+		return nil, protoErr("got %v after the last file, want DONE", t)
+	}
+	got, err := rc.pending.CommitReceived(rc.ctx, rc.opts.Peer)
+	if err != nil {
+		return nil, err
+	}
+	rc.pending = nil
+	if err := reply(frameOK, []byte(rc.store.Node())); err != nil {
+		// Committed but the sender will not record us as a replica; it
+		// will resend and get HAVE.
+		return nil, fmt.Errorf("snapshot committed but acknowledging failed: %w", err)
+	}
+	return &Received{Manifest: got, Bytes: written}, nil
+}
+
+// FromNode is an Authorize policy for a protector: the connection's
+// authenticated peer may only push snapshots taken on that same node.
+func FromNode(peer string) func(*ckpt.Manifest) error {
+	return func(m *ckpt.Manifest) error {
+		if m.Node != peer {
+			return fmt.Errorf("peer %q may not send snapshots of node %q", peer, m.Node)
+		}
+		return nil
+	}
+}
+
+func sameFiles(a, b *ckpt.Manifest) bool {
+	if len(a.Files) != len(b.Files) {
+		return false
+	}
+	for i := range a.Files {
+		if a.Files[i] != b.Files[i] {
+			return false
+		}
+	}
+	return true
+}
+
+func (rc *receiver) receiveFile(root *os.Root, zr *lz4.Reader, h hash.Hash, want ckpt.FileEntry) (int64, error) {
+	t, p, err := rc.fr.next()
+	if err != nil {
+		return 0, fmt.Errorf("read FILE %s: %w", want.Name, err)
+	}
+	if t == frameAbort {
+		rc.peerAborted = true
+		return 0, fmt.Errorf("sender aborted: %s", sanitize(p))
+	}
+	if t != frameFile {
+		return 0, protoErr("got %v, want FILE %s", t, want.Name)
+	}
+	name, size, err := parseFile(p)
+	if err != nil {
+		return 0, err
+	}
+	if name != want.Name || size != want.Size {
+		return 0, protoErr("got FILE %q (%d bytes), manifest order wants %q (%d bytes)", name, size, want.Name, want.Size)
+	}
+	if dir := path.Dir(name); dir != "." {
+		if err := root.MkdirAll(dir, 0o755); err != nil {
+			return 0, fmt.Errorf("create directory for %s: %w", name, err)
+		}
+	}
+	f, err := root.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+	if err != nil {
+		return 0, fmt.Errorf("create %s: %w", name, err)
+	}
+	defer f.Close()
+	h.Reset()
+	dr := &dataReader{rc: rc}
+	zr.Reset(dr)
+	lw := &limitedWriter{w: f, h: h, left: size}
+	n, err := io.Copy(lw, zr)
+	if err != nil {
+		if lw.over {
+			return n, fmt.Errorf("file %s decompresses to more than the %d bytes in the manifest", name, size)
+		}
+		if dr.err != nil {
+			return n, dr.err
+		}
+		return n, fmt.Errorf("file %s: decompress: %w", name, err)
+	}
+	if !dr.ended {
+		return n, protoErr("file %s: compressed data ended before END", name)
+	}
+	if n != size {
+		return n, fmt.Errorf("file %s: %w (got %d bytes, manifest says %d)", name, ckpt.ErrTruncated, n, size)
+	}
+	if got := hex.EncodeToString(h.Sum(nil)); got != want.SHA256 {
+		return n, fmt.Errorf("file %s: %w (sha256 differs from the manifest)", name, ckpt.ErrCorrupt)
+	}
+	return n, f.Close()
+}
+
+// dataReader yields the payloads of DATA frames up to the END frame.
+type dataReader struct {
+	rc    *receiver
+	cur   []byte
+	ended bool
+	err   error
+}
+
+func (d *dataReader) Read(p []byte) (int, error) {
+	for len(d.cur) == 0 {
+		if d.ended {
+			return 0, io.EOF
+		}
+		if d.err != nil {
+			return 0, d.err
+		}
+		t, payload, err := d.rc.fr.next()
+		switch {
+		case err == io.EOF:
+			d.err = io.ErrUnexpectedEOF
+		case err != nil:
+			d.err = err
+		case t == frameData:
+			d.cur = payload
+		case t == frameEnd:
+			d.ended = true
+		case t == frameAbort:
+			d.rc.peerAborted = true
+			d.err = fmt.Errorf("sender aborted: %s", sanitize(payload))
+		default:
+			d.err = protoErr("got %v inside file data", t)
+		}
+	}
+	n := copy(p, d.cur)
+	d.cur = d.cur[n:]
+	return n, nil
+}
+
+// limitedWriter writes and hashes at most left bytes; more is an error, so a
+// decompression bomb cannot fill the disk.
+type limitedWriter struct {
+	w    io.Writer
+	h    hash.Hash
+	left int64
+	over bool
+}
+
+var errTooLong = errors.New("file longer than the manifest says")
+
+func (l *limitedWriter) Write(p []byte) (int, error) {
+	if int64(len(p)) > l.left {
+		l.over = true
+		return 0, errTooLong
+	}
+	n, err := l.w.Write(p)
+	l.h.Write(p[:n])
+	l.left -= int64(n)
+	return n, err
+}

@@ -1,0 +1,647 @@
+package ship
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"math/rand/v2"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/pierrec/lz4/v4"
+)
+
+// memoryPages returns n bytes that look like a process's memory: 4 KiB
+// pages, ~40% zero, ~30% random (heap with compressed or encrypted data),
+// ~30% text-like.
+func memoryPages(n int, seed uint64) []byte {
+	rng := rand.New(rand.NewPCG(seed, 1))
+	words := strings.Fields("the quick brown fox MPI_Send rank iteration residual 0.000123 matrix " +
+		"halo exchange converged solver /usr/lib/x86_64-linux-gnu/libc.so.6 LD_LIBRARY_PATH=/opt/lib " +
+		"error warning info timestamp=1763820000 node-17 tcp 10.0.0.17:40000")
+	out := make([]byte, n)
+	for off := 0; off < n; off += 4096 {
+		page := out[off:min(off+4096, n)]
+		switch r := rng.IntN(10); {
+		case r < 4: // zero page
+		case r < 7:
+			for i := range page {
+				page[i] = byte(rng.Uint32())
+			}
+		default:
+			var b bytes.Buffer
+			for b.Len() < len(page) {
+				b.WriteString(words[rng.IntN(len(words))])
+				b.WriteByte(' ')
+			}
+			copy(page, b.Bytes())
+		}
+	}
+	return out
+}
+
+func testInfo() ckpt.Info {
+	return ckpt.Info{
+		CRIUVersion: "4.2.1", KernelRelease: "6.18.0", Mode: ckpt.ModeUncoordinated,
+		Conns: []ckpt.Conn{{
+			Local:  netip.MustParseAddrPort("10.0.0.1:40000"),
+			Remote: netip.MustParseAddrPort("10.0.0.2:5000"),
+			Inode:  77, InqSeq: 1000, InqLen: 5, OutqSeq: 2000, OutqLen: 0,
+		}},
+	}
+}
+
+func openStore(t testing.TB, node string) *ckpt.Store {
+	t.Helper()
+	s, err := ckpt.Open(t.TempDir(), ckpt.Options{Node: node})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+func makeSnapshot(t testing.TB, s *ckpt.Store, job string, files map[string][]byte) *ckpt.Manifest {
+	t.Helper()
+	p, err := s.Begin(job)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, data := range files {
+		path := filepath.Join(p.Dir(), filepath.FromSlash(name))
+		if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(path, data, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	m, err := p.Commit(context.Background(), testInfo())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+func smallFiles() map[string][]byte {
+	return map[string][]byte{
+		"pages-1.img":       memoryPages(2<<20+123, 1),
+		"pagemap-1.img":     []byte("pagemap entries"),
+		"inventory.img":     {},
+		"tcp-stream-77.img": bytes.Repeat([]byte("q"), 5000),
+		"sub/dir/out.txt":   []byte("nested"),
+	}
+}
+
+// serveTCP accepts one connection and runs Receive on it until the sender
+// closes; results go to the returned channel.
+type recvResult struct {
+	res []*Received
+	err error
+}
+
+func serveTCP(t *testing.T, store *ckpt.Store, opts ReceiveOptions) (string, <-chan recvResult) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	out := make(chan recvResult, 1)
+	go func() {
+		conn, err := ln.Accept()
+		if err != nil {
+			out <- recvResult{err: err}
+			return
+		}
+		defer conn.Close()
+		var rr recvResult
+		for {
+			r, err := Receive(context.Background(), conn, store, opts)
+			if err == io.EOF {
+				break
+			}
+			if err != nil {
+				rr.err = err
+				break
+			}
+			rr.res = append(rr.res, r)
+		}
+		out <- rr
+	}()
+	return ln.Addr().String(), out
+}
+
+func dial(t *testing.T, addr string) net.Conn {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+func noLeftovers(t *testing.T, s *ckpt.Store, job string) {
+	t.Helper()
+	ents, err := os.ReadDir(filepath.Join(s.Root(), job))
+	if err != nil && !os.IsNotExist(err) {
+		t.Fatal(err)
+	}
+	for _, e := range ents {
+		if strings.HasPrefix(e.Name(), ".") {
+			t.Errorf("leftover %s in %s", e.Name(), job)
+		}
+	}
+}
+
+func TestShipLoopbackTCP(t *testing.T) {
+	origin := openStore(t, "node1")
+	prot := openStore(t, "prot")
+	m1 := makeSnapshot(t, origin, "lu", smallFiles())
+	m2 := makeSnapshot(t, origin, "lu", map[string][]byte{"pages-1.img": memoryPages(300<<10, 2)})
+	addr, results := serveTCP(t, prot, ReceiveOptions{Peer: "node1", Authorize: FromNode("node1")})
+	conn := dial(t, addr)
+	ctx := context.Background()
+
+	// Two snapshots over one connection, then the first again (already there).
+	s1, err := Send(ctx, conn, origin, "lu", m1.ID, SendOptions{Peer: "prot"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s1.Bytes != m1.TotalSize() || s1.AlreadyPresent {
+		t.Errorf("sent %d bytes (already=%v), snapshot has %d", s1.Bytes, s1.AlreadyPresent, m1.TotalSize())
+	}
+	if s1.WireBytes >= s1.Bytes {
+		t.Errorf("no compression: %d wire bytes for %d", s1.WireBytes, s1.Bytes)
+	}
+	if !slices.Equal(s1.Manifest.Replicas, []string{"prot"}) {
+		t.Errorf("origin replicas %v", s1.Manifest.Replicas)
+	}
+	if _, err := Send(ctx, conn, origin, "lu", m2.ID, SendOptions{Peer: "prot"}); err != nil {
+		t.Fatal(err)
+	}
+	again, err := Send(ctx, conn, origin, "lu", m1.ID, SendOptions{Peer: "prot"})
+	if err != nil || !again.AlreadyPresent {
+		t.Fatalf("resend: %+v %v", again, err)
+	}
+	conn.Close()
+	rr := <-results
+	if rr.err != nil {
+		t.Fatalf("receiver: %v", rr.err)
+	}
+	if len(rr.res) != 3 || !rr.res[2].AlreadyHad || rr.res[0].Bytes != m1.TotalSize() {
+		t.Errorf("receiver results %+v", rr.res)
+	}
+
+	for _, m := range []*ckpt.Manifest{m1, m2} {
+		got, err := prot.Verify(ctx, "lu", m.ID)
+		if err != nil {
+			t.Fatalf("protector copy: %v", err)
+		}
+		if !slices.Equal(got.Files, m.Files) || got.Conns[0] != m.Conns[0] || got.Parent != m.Parent {
+			t.Errorf("protector manifest differs")
+		}
+		if !slices.Equal(got.Replicas, []string{"node1"}) {
+			t.Errorf("protector replicas %v", got.Replicas)
+		}
+		b, _ := os.ReadFile(filepath.Join(prot.Path("lu", m.ID), "pages-1.img"))
+		want, _ := os.ReadFile(filepath.Join(origin.Path("lu", m.ID), "pages-1.img"))
+		if !bytes.Equal(b, want) {
+			t.Errorf("pages differ")
+		}
+	}
+	if latest, err := prot.Latest("lu", "node1"); err != nil || latest.ID != m2.ID {
+		t.Errorf("protector Latest(lu,node1) = %v %v", latest, err)
+	}
+	noLeftovers(t, prot, "lu")
+
+	// After node1 fails, the protector forwards its copy to a spare.
+	spare := openStore(t, "spare")
+	addr, results = serveTCP(t, spare, ReceiveOptions{Peer: "prot"})
+	conn = dial(t, addr)
+	fwd, err := Send(ctx, conn, prot, "lu", m2.ID, SendOptions{Peer: "spare"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.Equal(fwd.Manifest.Replicas, []string{"node1", "spare"}) {
+		t.Errorf("protector replicas after forwarding %v", fwd.Manifest.Replicas)
+	}
+	conn.Close()
+	if rr := <-results; rr.err != nil {
+		t.Fatal(rr.err)
+	}
+	got, err := spare.Verify(ctx, "lu", m2.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.Node != "node1" || !slices.Equal(got.Replicas, []string{"prot"}) {
+		t.Errorf("spare copy: node %s replicas %v", got.Node, got.Replicas)
+	}
+}
+
+func TestShipRefusals(t *testing.T) {
+	tests := []struct {
+		name      string
+		recv      ReceiveOptions
+		damage    func(dir string)
+		wantLocal error  // error kind on the sender for local damage
+		wantMsg   string // in the sender's error
+	}{
+		{name: "peer not allowed", recv: ReceiveOptions{Peer: "node9", Authorize: FromNode("node9")}, wantMsg: `peer "node9" may not send snapshots of node "node1"`},
+		{name: "too big", recv: ReceiveOptions{MaxSnapshotBytes: 1000}, wantMsg: "more than the 1000 this receiver accepts"},
+		{name: "local corrupt", damage: func(dir string) {
+			p := filepath.Join(dir, "pages-1.img")
+			b, _ := os.ReadFile(p)
+			b[len(b)/2] ^= 0xff
+			os.WriteFile(p, b, 0o644)
+		}, wantLocal: ckpt.ErrCorrupt, wantMsg: "pages-1.img"},
+		{name: "local truncated", damage: func(dir string) {
+			os.Truncate(filepath.Join(dir, "tcp-stream-77.img"), 100)
+		}, wantLocal: ckpt.ErrTruncated, wantMsg: "tcp-stream-77.img"},
+		{name: "local missing", damage: func(dir string) {
+			os.Remove(filepath.Join(dir, "sub/dir/out.txt"))
+		}, wantLocal: ckpt.ErrMissing, wantMsg: "sub/dir/out.txt"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			origin := openStore(t, "node1")
+			prot := openStore(t, "prot")
+			m := makeSnapshot(t, origin, "job", smallFiles())
+			if tc.damage != nil {
+				tc.damage(origin.Path("job", m.ID))
+			}
+			addr, results := serveTCP(t, prot, tc.recv)
+			conn := dial(t, addr)
+			_, err := Send(context.Background(), conn, origin, "job", m.ID, SendOptions{Peer: "prot"})
+			if err == nil {
+				t.Fatal("Send succeeded")
+			}
+			if !strings.Contains(err.Error(), tc.wantMsg) {
+				t.Errorf("error %q lacks %q", err, tc.wantMsg)
+			}
+			if tc.wantLocal != nil {
+				if !errors.Is(err, tc.wantLocal) {
+					t.Errorf("error %v is not %v", err, tc.wantLocal)
+				}
+			} else if _, ok := errors.AsType[*RemoteError](err); !ok {
+				t.Errorf("error %v is not a RemoteError", err)
+			}
+			conn.Close()
+			if rr := <-results; rr.err == nil {
+				t.Error("receiver reported success")
+			}
+			if ids, _ := prot.List("job", ""); len(ids) != 0 {
+				t.Errorf("protector has %v", ids)
+			}
+			noLeftovers(t, prot, "job")
+			if got, _ := origin.Manifest("job", m.ID); got != nil && got.Replicated() {
+				t.Errorf("replica recorded without an acknowledgement: %v", got.Replicas)
+			}
+		})
+	}
+}
+
+func TestSendHonoursContext(t *testing.T) {
+	origin := openStore(t, "node1")
+	m := makeSnapshot(t, origin, "job", smallFiles())
+	// A "protector" that accepts and never answers.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		c, err := ln.Accept()
+		if err == nil {
+			io.Copy(io.Discard, c)
+			c.Close()
+		}
+	}()
+	conn := dial(t, ln.Addr().String())
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	_, err = Send(ctx, conn, origin, "job", m.ID, SendOptions{Peer: "prot"})
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("Send = %v, want deadline exceeded", err)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Errorf("Send took %v after the context ended", d)
+	}
+}
+
+// streamParts builds a transfer by hand so tests can break it.
+type streamParts struct {
+	hello    []byte
+	manifest []byte
+	files    [][]byte // each FILE..END, in order
+	done     []byte
+}
+
+func frame(t frameType, p []byte) []byte {
+	var b bytes.Buffer
+	writeFrame(&b, t, p)
+	return b.Bytes()
+}
+
+func compress(data []byte) []byte {
+	var b bytes.Buffer
+	zw := lz4.NewWriter(&b)
+	zw.Write(data)
+	zw.Close()
+	return b.Bytes()
+}
+
+func fileFrames(name string, size int64, compressed []byte) []byte {
+	var b bytes.Buffer
+	b.Write(frame(frameFile, filePayload(name, size)))
+	for len(compressed) > 0 {
+		k := min(len(compressed), 1000)
+		b.Write(frame(frameData, compressed[:k]))
+		compressed = compressed[k:]
+	}
+	b.Write(frame(frameEnd, nil))
+	return b.Bytes()
+}
+
+func validStream(t testing.TB, m *ckpt.Manifest, files map[string][]byte) streamParts {
+	mb, err := m.Encode()
+	if err != nil {
+		t.Fatal(err)
+	}
+	sp := streamParts{hello: frame(frameHello, helloPayload()), manifest: frame(frameManifest, mb), done: frame(frameDone, nil)}
+	for _, f := range m.Files {
+		sp.files = append(sp.files, fileFrames(f.Name, f.Size, compress(files[f.Name])))
+	}
+	return sp
+}
+
+func (sp streamParts) bytes() []byte {
+	b := slices.Concat(sp.hello, sp.manifest)
+	for _, f := range sp.files {
+		b = append(b, f...)
+	}
+	return append(b, sp.done...)
+}
+
+type fakeConn struct {
+	io.Reader
+	out bytes.Buffer
+}
+
+func (f *fakeConn) Write(p []byte) (int, error) { return f.out.Write(p) }
+
+// hostileManifest is a small manifest (origin "node1") for crafted streams.
+func hostileManifest(t testing.TB) (*ckpt.Manifest, map[string][]byte) {
+	origin := openStore(t, "node1")
+	files := map[string][]byte{"a.img": []byte("hello hello hello"), "d/b.img": bytes.Repeat([]byte{0}, 10000)}
+	return makeSnapshot(t, origin, "job", files), files
+}
+
+func TestReceiveHostileStreams(t *testing.T) {
+	m, files := hostileManifest(t)
+	tests := []struct {
+		name   string
+		stream func(sp streamParts) []byte
+		want   string
+	}{
+		{"valid", func(sp streamParts) []byte { return sp.bytes() }, ""},
+		{"bad magic", func(sp streamParts) []byte { sp.hello = frame(frameHello, []byte("HTTP/1.1 2")); return sp.bytes() }, "bad HELLO"},
+		{"future version", func(sp streamParts) []byte {
+			sp.hello = frame(frameHello, append(helloMagic[:], 0, 9))
+			return sp.bytes()
+		}, "version 9"},
+		{"unknown frame", func(sp streamParts) []byte { sp.manifest = []byte{99, 0, 0, 0, 0}; return sp.bytes() }, "unknown frame"},
+		{"huge length", func(sp streamParts) []byte {
+			sp.files[0] = []byte{byte(frameFile), 0xff, 0xff, 0xff, 0xff}
+			return sp.bytes()
+		}, "exceeds"},
+		{"huge data frame", func(sp streamParts) []byte {
+			sp.files[0] = slices.Concat(frame(frameFile, filePayload("a.img", 17)), []byte{byte(frameData), 0, 0x20, 0, 0})
+			return sp.bytes()
+		}, "exceeds"},
+		{"corrupt manifest", func(sp streamParts) []byte { sp.manifest[40] ^= 1; return sp.bytes() }, "manifest"},
+		{"path traversal", func(sp streamParts) []byte {
+			sp.files[0] = fileFrames("../../escape.img", 17, compress(files["a.img"]))
+			return sp.bytes()
+		}, "file name"},
+		{"absolute path", func(sp streamParts) []byte {
+			sp.files[0] = fileFrames("/tmp/escape.img", 17, compress(files["a.img"]))
+			return sp.bytes()
+		}, "file name"},
+		{"wrong order", func(sp streamParts) []byte { sp.files[0], sp.files[1] = sp.files[1], sp.files[0]; return sp.bytes() }, "manifest order"},
+		{"wrong content", func(sp streamParts) []byte {
+			sp.files[0] = fileFrames("a.img", 17, compress([]byte("hellO hello hello")))
+			return sp.bytes()
+		}, "sha256"},
+		{"short content", func(sp streamParts) []byte {
+			sp.files[0] = fileFrames("a.img", 17, compress([]byte("hello")))
+			return sp.bytes()
+		}, "truncated"},
+		{"decompression bomb", func(sp streamParts) []byte {
+			sp.files[1] = fileFrames("d/b.img", 10000, compress(make([]byte, 50<<20)))
+			return sp.bytes()
+		}, "more than the 10000 bytes"},
+		{"garbage instead of lz4", func(sp streamParts) []byte {
+			sp.files[0] = fileFrames("a.img", 17, []byte("definitely not lz4"))
+			return sp.bytes()
+		}, "decompress"},
+		{"trailing garbage after lz4", func(sp streamParts) []byte {
+			sp.files[0] = fileFrames("a.img", 17, append(compress(files["a.img"]), 1, 2, 3, 4, 5, 6, 7))
+			return sp.bytes()
+		}, "decompress"},
+		{"truncated mid-file", func(sp streamParts) []byte { b := sp.bytes(); return b[:len(sp.hello)+len(sp.manifest)+30] }, "EOF"},
+		{"missing DONE", func(sp streamParts) []byte { sp.done = nil; return sp.bytes() }, "DONE"},
+		{"frame inside data", func(sp streamParts) []byte {
+			sp.files[0] = slices.Concat(frame(frameFile, filePayload("a.img", 17)), frame(frameDone, nil))
+			return sp.bytes()
+		}, "inside file data"},
+		{"sender abort", func(sp streamParts) []byte {
+			sp.files[1] = slices.Concat(frame(frameFile, filePayload("d/b.img", 10000)), frame(frameAbort, []byte("disk on fire\x1b[2J")))
+			return sp.bytes()
+		}, "sender aborted: disk on fire?[2J"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			prot := openStore(t, "prot")
+			conn := &fakeConn{Reader: bytes.NewReader(tc.stream(validStream(t, m, files)))}
+			res, err := Receive(context.Background(), conn, prot, ReceiveOptions{})
+			ids, _ := prot.List("job", "")
+			if tc.want == "" {
+				if err != nil {
+					t.Fatalf("valid stream refused: %v", err)
+				}
+				if len(ids) != 1 || res.Bytes != m.TotalSize() || !bytes.Contains(conn.out.Bytes(), frame(frameOK, []byte("prot"))) {
+					t.Errorf("ids %v res %+v", ids, res)
+				}
+				return
+			}
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("Receive = %v, want error containing %q", err, tc.want)
+			}
+			if len(ids) != 0 {
+				t.Errorf("snapshot visible after refusal: %v", ids)
+			}
+			noLeftovers(t, prot, "job")
+			if tc.name != "sender abort" && !bytes.Contains(conn.out.Bytes(), []byte{byte(frameNack)}) {
+				t.Errorf("no NACK sent: %q", conn.out.Bytes())
+			}
+			assertConfined(t, prot)
+		})
+	}
+}
+
+// memStore opens a store on tmpfs when there is one: the fuzzer is
+// otherwise bound by directory fsyncs on disk.
+func memStore(t *testing.T, node string) *ckpt.Store {
+	t.Helper()
+	parent, err := os.MkdirTemp("/dev/shm", "ckpt-fuzz-")
+	if err != nil {
+		return openStore(t, node)
+	}
+	t.Cleanup(func() { os.RemoveAll(parent) })
+	s, err := ckpt.Open(filepath.Join(parent, "store"), ckpt.Options{Node: node})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// assertConfined checks that nothing was written next to the store's root.
+func assertConfined(t *testing.T, s *ckpt.Store) {
+	t.Helper()
+	ents, err := os.ReadDir(filepath.Dir(s.Root()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range ents {
+		if filepath.Join(filepath.Dir(s.Root()), e.Name()) != s.Root() {
+			t.Errorf("file %s written outside the store", e.Name())
+		}
+	}
+}
+
+func TestReceiveReplacesDamagedCopy(t *testing.T) {
+	m, files := hostileManifest(t)
+	prot := openStore(t, "prot")
+	stream := validStream(t, m, files).bytes()
+	if _, err := Receive(context.Background(), &fakeConn{Reader: bytes.NewReader(stream)}, prot, ReceiveOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	os.Truncate(filepath.Join(prot.Path("job", m.ID), "a.img"), 3)
+	res, err := Receive(context.Background(), &fakeConn{Reader: bytes.NewReader(stream)}, prot, ReceiveOptions{})
+	if err != nil || res.AlreadyHad {
+		t.Fatalf("re-receive over a damaged copy: %+v %v", res, err)
+	}
+	if _, err := prot.Verify(context.Background(), "job", m.ID); err != nil {
+		t.Error(err)
+	}
+}
+
+func FuzzFrameReader(f *testing.F) {
+	f.Add(frame(frameHello, helloPayload()))
+	f.Add(slices.Concat(frame(frameFile, filePayload("a/b.img", 3)), frame(frameData, []byte{1, 2, 3}), frame(frameEnd, nil)))
+	f.Add([]byte{byte(frameData), 0xff, 0xff, 0xff, 0xff})
+	f.Fuzz(func(t *testing.T, data []byte) {
+		fr := newFrameReader(bytes.NewReader(data))
+		for {
+			typ, p, err := fr.next()
+			if err != nil {
+				return
+			}
+			if len(p) > maxPayload(typ) {
+				t.Fatalf("%v payload of %d bytes passed the %d limit", typ, len(p), maxPayload(typ))
+			}
+			if fr.n > int64(len(data)) {
+				t.Fatalf("consumed %d of %d bytes", fr.n, len(data))
+			}
+			if typ == frameFile {
+				if name, _, err := parseFile(p); err == nil && ckpt.ValidFileName(name) != nil {
+					t.Fatalf("parseFile accepted %q", name)
+				}
+			}
+		}
+	})
+}
+
+// FuzzReceive feeds a valid HELLO+MANIFEST followed by fuzzed file frames to
+// the receiver: whatever it accepts must verify, and a refusal must leave
+// nothing behind.
+func FuzzReceive(f *testing.F) {
+	m, files := hostileManifest(f)
+	sp := validStream(f, m, files)
+	prefix := slices.Concat(sp.hello, sp.manifest)
+	f.Add(slices.Concat(slices.Concat(sp.files...), sp.done))
+	f.Add(sp.files[0])
+	f.Fuzz(func(t *testing.T, data []byte) {
+		prot := memStore(t, "prot")
+		conn := &fakeConn{Reader: bytes.NewReader(slices.Concat(prefix, data))}
+		_, err := Receive(context.Background(), conn, prot, ReceiveOptions{})
+		ids, _ := prot.List("job", "")
+		if err == nil {
+			if _, verr := prot.Verify(context.Background(), "job", m.ID); verr != nil {
+				t.Fatalf("accepted a snapshot that does not verify: %v", verr)
+			}
+			return
+		}
+		if len(ids) != 0 {
+			t.Fatalf("refused stream left snapshot %v", ids)
+		}
+		noLeftovers(t, prot, "job")
+		assertConfined(t, prot)
+	})
+}
+
+// A protector that refuses mid-stream (say, its disk filled) must stop the
+// sender early with its reason, not after the last byte.
+func TestSendStopsOnEarlyNack(t *testing.T) {
+	origin := openStore(t, "node1")
+	m := makeSnapshot(t, origin, "job", map[string][]byte{"pages-1.img": memoryPages(64<<20, 9)})
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	read := make(chan int64, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		fr := newFrameReader(c)
+		fr.next() // HELLO
+		fr.next() // MANIFEST
+		writeFrame(c, frameAccept, nil)
+		for fr.n < 1<<20 {
+			if _, _, err := fr.next(); err != nil {
+				return
+			}
+		}
+		writeFrame(c, frameNack, []byte("no space left on device"))
+		c.(*net.TCPConn).CloseWrite()
+		n, _ := io.Copy(io.Discard, c)
+		read <- fr.n + n
+	}()
+	conn := dial(t, ln.Addr().String())
+	_, err = Send(context.Background(), conn, origin, "job", m.ID, SendOptions{Peer: "prot"})
+	rerr, ok := errors.AsType[*RemoteError](err)
+	if !ok || rerr.Reason != "no space left on device" {
+		t.Fatalf("Send = %v, want the protector's reason", err)
+	}
+	conn.Close()
+	if n := <-read; n > m.TotalSize()/2 {
+		t.Errorf("sender pushed %d bytes after being refused at 1 MiB", n)
+	}
+	if got, _ := origin.Manifest("job", m.ID); got.Replicated() {
+		t.Error("replica recorded after a NACK")
+	}
+}

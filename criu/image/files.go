@@ -1,0 +1,151 @@
+package image
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"github.com/checkpoint-restore/go-criu/v7/crit/images/fdinfo"
+	"google.golang.org/protobuf/proto"
+)
+
+const filesName = "files.img"
+
+// Linux socket constants as CRIU stores them in InetSkEntry.
+const (
+	afInet        = 2
+	afInet6       = 10
+	ipprotoTCP    = 6
+	tcpEstablish  = 1
+	tcpFinWait1   = 4
+	tcpFinWait2   = 5
+	sockStreamTyp = 1
+)
+
+// filesImage is a decoded files.img. raw keeps every entry as CRIU wrote it;
+// only entries replaced by an edit are re-marshalled on encode.
+type filesImage struct {
+	raw     [][]byte
+	entries []*fdinfo.FileEntry
+}
+
+func readFiles(dir string) (*filesImage, error) {
+	b, err := os.ReadFile(filepath.Join(dir, filesName))
+	if err != nil {
+		return nil, fmt.Errorf("read CRIU image: %w", err)
+	}
+	return decodeFiles(filesName, b)
+}
+
+func decodeFiles(name string, b []byte) (*filesImage, error) {
+	rest, err := readMagic(name, b, magicFiles)
+	if err != nil {
+		return nil, err
+	}
+	f := &filesImage{}
+	// AllowPartial: an entry whose type is newer than go-criu's fd_types enum
+	// (e.g. PIDFD) parses with its type as an unknown field, so the required
+	// field looks unset. Such entries are kept raw and never interpreted.
+	opts := proto.UnmarshalOptions{AllowPartial: true}
+	for off := 8; len(rest) > 0; {
+		var payload []byte
+		payload, rest, err = nextEntry(name, rest, off)
+		if err != nil {
+			return nil, err
+		}
+		e := &fdinfo.FileEntry{}
+		if err := opts.Unmarshal(payload, e); err != nil {
+			return nil, fmt.Errorf("image %s: FileEntry #%d at offset %d: %v: %w", name, len(f.entries), off, err, ErrFormat)
+		}
+		f.raw = append(f.raw, payload)
+		f.entries = append(f.entries, e)
+		off += 4 + len(payload)
+	}
+	return f, nil
+}
+
+func (f *filesImage) encode() []byte {
+	n := 8
+	for _, r := range f.raw {
+		n += 4 + len(r)
+	}
+	buf := appendHeader(make([]byte, 0, n), magicFiles)
+	for _, r := range f.raw {
+		buf = appendEntry(buf, r)
+	}
+	return buf
+}
+
+// replace re-marshals entry i after an edit changed it.
+func (f *filesImage) replace(i int) error {
+	b, err := proto.Marshal(f.entries[i])
+	if err != nil {
+		return fmt.Errorf("image %s: marshal FileEntry #%d: %w", filesName, i, err)
+	}
+	f.raw[i] = b
+	return nil
+}
+
+// tcpSockets returns the indexes of the entries that are TCP sockets.
+func (f *filesImage) tcpSockets() []int {
+	var idx []int
+	for i, e := range f.entries {
+		if e.GetType() == fdinfo.FdTypes_INETSK && e.GetIsk().GetProto() == ipprotoTCP && e.GetIsk().GetType() == sockStreamTyp {
+			idx = append(idx, i)
+		}
+	}
+	return idx
+}
+
+// tcpSocket finds the TCP socket with this inode.
+func (f *filesImage) tcpSocket(inode uint32) (int, error) {
+	found := -1
+	for _, i := range f.tcpSockets() {
+		if f.entries[i].GetIsk().GetIno() != inode {
+			continue
+		}
+		if found >= 0 {
+			return 0, fmt.Errorf("image %s: two TCP sockets with inode %d (entries #%d and #%d): %w", filesName, inode, found, i, ErrFormat)
+		}
+		found = i
+	}
+	if found < 0 {
+		return 0, fmt.Errorf("image %s: no TCP socket with inode %d (%#x) in this dump", filesName, inode, inode)
+	}
+	return found, nil
+}
+
+// RegFile is a regular file the dumped processes had open or mapped. CRIU
+// refuses to restore it if its size on disk differs from Size.
+type RegFile struct {
+	ID      uint32 // CRIU file id (fdinfo entries refer to it)
+	Path    string // path as CRIU recorded it
+	Size    uint64 // size at dump time; valid if HasSize
+	HasSize bool
+	Flags   uint32 // open(2) flags
+	Pos     uint64 // file offset
+}
+
+// RegularFiles lists the regular files recorded in dir/files.img, in image order.
+func RegularFiles(dir string) ([]RegFile, error) {
+	f, err := readFiles(dir)
+	if err != nil {
+		return nil, err
+	}
+	var out []RegFile
+	for i, e := range f.entries {
+		if e.GetType() != fdinfo.FdTypes_REG {
+			continue
+		}
+		r := e.GetReg()
+		if r == nil {
+			return nil, fmt.Errorf("image %s: FileEntry #%d has type REG but no field reg: %w", filesName, i, ErrFormat)
+		}
+		out = append(out, RegFile{
+			ID: r.GetId(), Path: r.GetName(),
+			Size: r.GetSize(), HasSize: r.Size != nil,
+			Flags: r.GetFlags(), Pos: r.GetPos(),
+		})
+	}
+	return out, nil
+}

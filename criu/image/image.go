@@ -1,0 +1,122 @@
+// Package image reads and edits the two CRIU 4.x image files ftkit needs to
+// move a TCP endpoint: tcp-stream-<ino>.img (one TcpStreamEntry, then the raw
+// receive queue, then the raw send queue) and files.img (one FileEntry per
+// open file, inet sockets and regular files among them).
+//
+// Messages are the go-criu v7 protobufs; the framing is parsed here instead of
+// with go-criu's crit because crit allocates whatever length an image claims
+// and does not check short reads, and these bytes arrive over the network.
+// Every length is checked against the bytes actually present before use.
+//
+// Fields written by CRIU versions newer than go-criu's protos are kept as
+// protobuf unknown fields and written back unchanged. files.img entries that
+// are not edited are written back byte for byte, so entry types go-criu does
+// not know (pidfd, ...) survive too.
+package image
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+)
+
+// Image magics from CRIU's criu/include/magic.h (go-criu's magic package has
+// the same values; magic_test.go checks that).
+const (
+	magicImgCommon = 0x54564319
+	magicTCPStream = 0x51465506
+	magicFiles     = 0x56303138
+)
+
+// ErrFormat marks an image that is truncated, corrupt or not the expected
+// kind. The image is left untouched; re-take the dump or re-fetch the image.
+var ErrFormat = errors.New("malformed CRIU image")
+
+// ErrInconsistent marks an edit refused because the resulting image would be
+// rejected by CRIU or the kernel at restore time. Nothing was written.
+var ErrInconsistent = errors.New("edit would make the CRIU image inconsistent")
+
+// readMagic checks the two leading magic words of an image and returns the
+// bytes that follow them.
+func readMagic(name string, b []byte, want uint32) ([]byte, error) {
+	if len(b) < 8 {
+		return nil, fmt.Errorf("image %s: %d bytes, too short for the 8-byte magic header: %w", name, len(b), ErrFormat)
+	}
+	common, kind := binary.LittleEndian.Uint32(b), binary.LittleEndian.Uint32(b[4:])
+	if common != magicImgCommon || kind != want {
+		return nil, fmt.Errorf("image %s: magic %#x/%#x, want %#x/%#x: %w",
+			name, common, kind, uint32(magicImgCommon), want, ErrFormat)
+	}
+	return b[8:], nil
+}
+
+// nextEntry splits one size-prefixed protobuf entry off b. off is b's offset
+// in the file, for error messages.
+func nextEntry(name string, b []byte, off int) (payload, rest []byte, err error) {
+	if len(b) < 4 {
+		return nil, nil, fmt.Errorf("image %s: offset %d: %d bytes left, too short for an entry size: %w", name, off, len(b), ErrFormat)
+	}
+	n := binary.LittleEndian.Uint32(b)
+	if uint64(n) > uint64(len(b)-4) {
+		return nil, nil, fmt.Errorf("image %s: offset %d: entry claims %d bytes, only %d follow: %w", name, off, n, len(b)-4, ErrFormat)
+	}
+	return b[4 : 4+n], b[4+n:], nil
+}
+
+func appendHeader(buf []byte, kind uint32) []byte {
+	buf = binary.LittleEndian.AppendUint32(buf, magicImgCommon)
+	return binary.LittleEndian.AppendUint32(buf, kind)
+}
+
+func appendEntry(buf, payload []byte) []byte {
+	buf = binary.LittleEndian.AppendUint32(buf, uint32(len(payload)))
+	return append(buf, payload...)
+}
+
+// writeFileAtomic replaces path with data so that a crash leaves either the
+// old or the new image, never a mix: temp file in the same directory, fsync,
+// rename, fsync of the directory.
+func writeFileAtomic(path string, data []byte) (err error) {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return fmt.Errorf("stat image before rewrite: %w", err)
+	}
+	dir := filepath.Dir(path)
+	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".*.tmp")
+	if err != nil {
+		return fmt.Errorf("create temp file next to %s: %w", path, err)
+	}
+	tmp := f.Name()
+	defer func() {
+		if err != nil {
+			f.Close()
+			os.Remove(tmp)
+		}
+	}()
+	if _, err = f.Write(data); err != nil {
+		return fmt.Errorf("write %s: %w", tmp, err)
+	}
+	if err = f.Chmod(fi.Mode().Perm()); err != nil {
+		return fmt.Errorf("chmod %s: %w", tmp, err)
+	}
+	if err = f.Sync(); err != nil {
+		return fmt.Errorf("fsync %s: %w", tmp, err)
+	}
+	if err = f.Close(); err != nil {
+		return fmt.Errorf("close %s: %w", tmp, err)
+	}
+	if err = os.Rename(tmp, path); err != nil {
+		return fmt.Errorf("rename %s over %s: %w", tmp, path, err)
+	}
+	d, err := os.Open(dir)
+	if err != nil {
+		return fmt.Errorf("open %s to fsync the rename: %w", dir, err)
+	}
+	defer d.Close()
+	if err = d.Sync(); err != nil {
+		return fmt.Errorf("fsync directory %s after renaming %s: %w", dir, path, err)
+	}
+	return nil
+}

@@ -1,0 +1,11 @@
+// Package ebpfprobes loads and attaches ftkit's eBPF programs.
+//
+// TCPLogger is the sender-side log of inter-node TCP bytes: a TCX egress
+// program (C source in bpf/tcplog.c) copies the payload of every TCP segment
+// that belongs to a protected flow into a BPF ring buffer, keyed by sequence
+// number, and drops the segment when the ring is full so that TCP retransmits
+// it and the log never has a hole. Records are read raw; netlog decodes them.
+//
+// Everything here needs root (CAP_BPF, CAP_NET_ADMIN) and Linux 6.6+ (TCX,
+// dynptr kfuncs).
+package ebpfprobes

@@ -1,0 +1,354 @@
+//go:build linux
+
+package ebpfprobes
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"os"
+	"sync"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"github.com/cilium/ebpf/ringbuf"
+	"github.com/vishvananda/netlink"
+)
+
+// RecordHeaderLen is the size of the fixed header of a ring buffer record:
+// saddr u32, daddr u32, sport u16, dport u16 (addresses and ports in network
+// byte order), seq u32, len u32, cgroup_id u64, ktime_ns u64, all packed and
+// little-endian, followed by len payload bytes. netlog.DecodeRecord decodes it.
+const RecordHeaderLen = 36
+
+// DefaultRingBufferSize is used when TCPLoggerOptions.RingBufferSize is 0.
+const DefaultRingBufferSize = 64 << 20
+
+// ErrClosed is returned by Read after Close.
+var ErrClosed = os.ErrClosed
+
+// TCPLoggerOptions configure NewTCPLogger.
+type TCPLoggerOptions struct {
+	// RingBufferSize in bytes: a power of two and a multiple of the page
+	// size (the kernel's rules for BPF ring buffers). It bounds how far the
+	// reader may fall behind before segments are dropped for backpressure,
+	// and it must hold the largest segment plus 44 bytes: 64 KiB covers GSO
+	// on a 1500-byte MTU, BIG TCP needs more. 0 means DefaultRingBufferSize.
+	RingBufferSize int
+	// Logger receives attach/detach events; nil discards them.
+	Logger *slog.Logger
+}
+
+// Counters are the program's counters summed over all CPUs.
+type Counters struct {
+	PacketsLogged     uint64 // records written
+	BytesLogged       uint64 // payload bytes written
+	DropsBackpressure uint64 // segments dropped because the ring buffer was full
+	DropsOversize     uint64 // segments dropped because their record can never fit the ring
+	DropsError        uint64 // segments dropped because copying them failed
+	SeqRegressions    uint64 // logged segments starting below the flow's highest logged byte (retransmissions, approximate)
+	FragmentsPassed   uint64 // IP fragments of protected sockets, passed unlogged (a hole: PMTU discovery is off)
+}
+
+// Flow is an IPv4 TCP flow as seen on egress: Src is the local (sending) end.
+type Flow struct {
+	Src, Dst netip.AddrPort
+}
+
+// tcplogLoaded holds only the objects the logger uses: LoadAndAssign loads
+// exactly these (and the maps the program references), nothing else in the ELF.
+type tcplogLoaded struct {
+	Program          *ebpf.Program `ebpf:"tcplog_egress"`
+	Events           *ebpf.Map     `ebpf:"events"`
+	ProtectedCgroups *ebpf.Map     `ebpf:"protected_cgroups"`
+	ProtectedFlows   *ebpf.Map     `ebpf:"protected_flows"`
+	Stats            *ebpf.Map     `ebpf:"stats"`
+}
+
+// TCPLogger is the loaded TCX egress logger. Attach, Protect*, Counters and
+// Close may be called from any goroutine; Read has a single consumer.
+type TCPLogger struct {
+	log  *slog.Logger
+	objs tcplogLoaded
+	rd   *ringbuf.Reader
+
+	mu    sync.Mutex // guards links
+	links []link.Link
+
+	// Read's state: only the reading goroutine touches these.
+	rec         ringbuf.Record
+	watchedDone <-chan struct{}
+	stopWatch   func() bool
+}
+
+// NewTCPLogger loads the logger's program and maps into the kernel. Nothing
+// is logged until Attach and Protect/ProtectPort/ProtectFlow.
+func NewTCPLogger(opts TCPLoggerOptions) (*TCPLogger, error) {
+	log := opts.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	size := opts.RingBufferSize
+	if size == 0 {
+		size = DefaultRingBufferSize
+	}
+	page := os.Getpagesize()
+	if size < page || size&(size-1) != 0 || size > 1<<31 {
+		return nil, fmt.Errorf("tcplog: ring buffer size %d: must be a power of two between the page size (%d) and 2 GiB, for example %d",
+			size, page, DefaultRingBufferSize)
+	}
+
+	spec, err := loadTcplog()
+	if err != nil {
+		return nil, fmt.Errorf("tcplog: parse embedded BPF object: %w", err)
+	}
+	spec.Maps[tcplogMapEvents].MaxEntries = uint32(size)
+	if err := spec.Variables[tcplogVarRingSize].Set(uint32(size)); err != nil {
+		return nil, fmt.Errorf("tcplog: set ring_size: %w", err)
+	}
+
+	l := &TCPLogger{log: log}
+	if err := spec.LoadAndAssign(&l.objs, nil); err != nil {
+		var ve *ebpf.VerifierError
+		if errors.As(err, &ve) {
+			log.Error("tcplog: verifier rejected the program", "log", fmt.Sprintf("%+v", ve))
+		}
+		return nil, fmt.Errorf("tcplog: load BPF program and maps (needs root, Linux 6.6+ with BTF): %w", err)
+	}
+	l.rd, err = ringbuf.NewReader(l.objs.Events)
+	if err != nil {
+		l.closeObjects()
+		return nil, fmt.Errorf("tcplog: open ring buffer reader: %w", err)
+	}
+	log.Debug("tcplog: loaded", "ring_bytes", size)
+	return l, nil
+}
+
+// Attach attaches the logger to the egress of interface ifindex, first in the
+// TCX chain so that no other program's verdict can hide a segment from it.
+// The interface is looked up in the calling thread's network namespace: enter
+// the right one first (runtime.LockOSThread + netns.Set).
+func (l *TCPLogger) Attach(ifindex int) error {
+	nl, err := netlink.LinkByIndex(ifindex)
+	if err != nil {
+		return fmt.Errorf("tcplog: look up interface %d in this thread's network namespace: %w", ifindex, err)
+	}
+	attrs := nl.Attrs()
+	// The program parses an Ethernet header at the start of the frame.
+	if attrs.EncapType != "ether" && attrs.EncapType != "loopback" {
+		return fmt.Errorf("tcplog: interface %s (%d) has link type %q: only Ethernet devices are supported", attrs.Name, ifindex, attrs.EncapType)
+	}
+	lk, err := link.AttachTCX(link.TCXOptions{
+		Interface: ifindex,
+		Program:   l.objs.Program,
+		Attach:    ebpf.AttachTCXEgress,
+		Anchor:    link.Head(),
+	})
+	if err != nil {
+		return fmt.Errorf("tcplog: attach TCX egress to %s (%d) (needs Linux 6.6+): %w", attrs.Name, ifindex, err)
+	}
+	l.mu.Lock()
+	l.links = append(l.links, lk)
+	l.mu.Unlock()
+	l.log.Info("tcplog: attached", "ifname", attrs.Name, "ifindex", ifindex)
+	return nil
+}
+
+// Protect logs the flows of sockets created in cgroup v2 cgroupID (the inode
+// number of the cgroup's directory). A socket's cgroup is the one its creator
+// was in when it was created; accepted sockets inherit the listener's.
+func (l *TCPLogger) Protect(cgroupID uint64) error {
+	if err := l.objs.ProtectedCgroups.Put(cgroupID, uint8(1)); err != nil {
+		return fmt.Errorf("tcplog: protect cgroup %d (at most 1024 cgroups): %w", cgroupID, err)
+	}
+	return nil
+}
+
+// Unprotect stops logging cgroupID. Unprotecting an unknown cgroup is not an error.
+func (l *TCPLogger) Unprotect(cgroupID uint64) error {
+	if err := l.objs.ProtectedCgroups.Delete(cgroupID); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		return fmt.Errorf("tcplog: unprotect cgroup %d: %w", cgroupID, err)
+	}
+	return nil
+}
+
+// ProtectPort logs every segment sent from local TCP port port, whatever its
+// socket's cgroup. Use it (or ProtectFlow) where skbs carry no socket, such
+// as forwarded traffic.
+func (l *TCPLogger) ProtectPort(port uint16) error {
+	if err := l.objs.ProtectedFlows.Put(portKey(port), uint8(1)); err != nil {
+		return fmt.Errorf("tcplog: protect local port %d (at most 4096 ports and flows): %w", port, err)
+	}
+	return nil
+}
+
+// UnprotectPort undoes ProtectPort.
+func (l *TCPLogger) UnprotectPort(port uint16) error {
+	if err := l.objs.ProtectedFlows.Delete(portKey(port)); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		return fmt.Errorf("tcplog: unprotect local port %d: %w", port, err)
+	}
+	return nil
+}
+
+// ProtectFlow logs the segments of one IPv4 flow, whatever its socket's cgroup.
+func (l *TCPLogger) ProtectFlow(f Flow) error {
+	k, err := flowKey(f)
+	if err != nil {
+		return err
+	}
+	if err := l.objs.ProtectedFlows.Put(k, uint8(1)); err != nil {
+		return fmt.Errorf("tcplog: protect flow %v->%v (at most 4096 ports and flows): %w", f.Src, f.Dst, err)
+	}
+	return nil
+}
+
+// UnprotectFlow undoes ProtectFlow.
+func (l *TCPLogger) UnprotectFlow(f Flow) error {
+	k, err := flowKey(f)
+	if err != nil {
+		return err
+	}
+	if err := l.objs.ProtectedFlows.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		return fmt.Errorf("tcplog: unprotect flow %v->%v: %w", f.Src, f.Dst, err)
+	}
+	return nil
+}
+
+// Counters sums the per-CPU counters.
+func (l *TCPLogger) Counters() (Counters, error) {
+	var per []tcplogCounters
+	if err := l.objs.Stats.Lookup(uint32(0), &per); err != nil {
+		return Counters{}, fmt.Errorf("tcplog: read counters: %w", err)
+	}
+	var c Counters
+	for _, p := range per {
+		c.PacketsLogged += p.PacketsLogged
+		c.BytesLogged += p.BytesLogged
+		c.DropsBackpressure += p.DropsBackpressure
+		c.DropsOversize += p.DropsOversize
+		c.DropsError += p.DropsError
+		c.SeqRegressions += p.SeqRegressions
+		c.FragmentsPassed += p.FragmentsPassed
+	}
+	return c, nil
+}
+
+// Pending returns how many bytes of records wait in the ring buffer.
+func (l *TCPLogger) Pending() int {
+	return l.rd.AvailableBytes()
+}
+
+// Read returns the next raw record (RecordHeaderLen bytes of header, then the
+// payload), blocking until one arrives. The slice is reused: it is valid only
+// until the next Read. Read copies each record once, out of the shared ring,
+// which frees its space for the kernel; there is no cheaper way in
+// cilium/ebpf. Only one goroutine may call Read.
+//
+// When ctx is done, Read still returns the records already in the ring, then
+// ctx.Err(): cancel the context after detaching to drain the log. After
+// Close it returns an error wrapping ErrClosed.
+func (l *TCPLogger) Read(ctx context.Context) ([]byte, error) {
+	if ctx.Err() != nil {
+		// A flush makes ReadInto return what is in the ring and then
+		// ErrFlushed instead of blocking.
+		if err := l.rd.Flush(); err != nil {
+			return nil, fmt.Errorf("tcplog: read: %w", ErrClosed)
+		}
+	} else {
+		l.watch(ctx)
+	}
+	for {
+		err := l.rd.ReadInto(&l.rec)
+		switch {
+		case err == nil:
+			return l.rec.RawSample, nil
+		case errors.Is(err, ringbuf.ErrFlushed):
+			if ctx.Err() != nil {
+				return nil, ctx.Err()
+			}
+			// A flush left over from an earlier context: keep waiting.
+		case errors.Is(err, os.ErrClosed):
+			return nil, fmt.Errorf("tcplog: read: %w", ErrClosed)
+		default:
+			return nil, fmt.Errorf("tcplog: read ring buffer: %w", err)
+		}
+	}
+}
+
+// watch makes the cancellation of ctx interrupt a blocked ReadInto. It uses
+// Flush: ringbuf.Reader.SetDeadline deadlocks while ReadInto is blocked. One
+// registration serves every Read with the same context.
+func (l *TCPLogger) watch(ctx context.Context) {
+	done := ctx.Done()
+	if done == nil || done == l.watchedDone {
+		return
+	}
+	if l.stopWatch != nil {
+		l.stopWatch()
+	}
+	rd := l.rd
+	l.watchedDone = done
+	l.stopWatch = context.AfterFunc(ctx, func() { _ = rd.Flush() })
+}
+
+// Close detaches the program from every interface, interrupts Read and
+// frees the program and maps. Segments are no longer logged after it.
+func (l *TCPLogger) Close() error {
+	var errs []error
+	l.mu.Lock()
+	for _, lk := range l.links {
+		if err := lk.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("tcplog: detach: %w", err))
+		}
+	}
+	l.links = nil
+	l.mu.Unlock()
+	if err := l.rd.Close(); err != nil {
+		errs = append(errs, fmt.Errorf("tcplog: close ring buffer reader: %w", err))
+	}
+	if err := l.closeObjects(); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+func (l *TCPLogger) closeObjects() error {
+	var errs []error
+	for _, c := range []interface{ Close() error }{l.objs.Program, l.objs.Events, l.objs.ProtectedCgroups, l.objs.ProtectedFlows, l.objs.Stats} {
+		if err := c.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("tcplog: close BPF object: %w", err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// portKey is the protected_flows key that matches every segment sent from a
+// local port: only sport set, in network byte order.
+func portKey(port uint16) tcplogFlowKey {
+	return tcplogFlowKey{Sport: htons(port)}
+}
+
+func flowKey(f Flow) (tcplogFlowKey, error) {
+	src, dst := f.Src.Addr().Unmap(), f.Dst.Addr().Unmap()
+	if !src.Is4() || !dst.Is4() {
+		return tcplogFlowKey{}, fmt.Errorf("tcplog: flow %v->%v: only IPv4 flows are logged", f.Src, f.Dst)
+	}
+	s, d := src.As4(), dst.As4()
+	return tcplogFlowKey{
+		// The kernel compares raw header bytes; reading them as a native
+		// (little-endian) uint32 reproduces what the program stores.
+		Saddr: binary.NativeEndian.Uint32(s[:]),
+		Daddr: binary.NativeEndian.Uint32(d[:]),
+		Sport: htons(f.Src.Port()),
+		Dport: htons(f.Dst.Port()),
+	}, nil
+}
+
+// htons converts to network byte order as a native uint16 (the generated
+// code builds only for little-endian targets).
+func htons(v uint16) uint16 {
+	return v<<8 | v>>8
+}

@@ -1,0 +1,209 @@
+package netlog
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"strings"
+	"testing"
+	"time"
+)
+
+// textStream is a compressible stream (lz4 shrinks it about 3x).
+func textStream(n int) []byte {
+	words := strings.Fields("the quick brown fox jumps over a lazy dog while MPI ranks exchange halo rows of doubles")
+	r := testStream(11, n)
+	var b bytes.Buffer
+	for i := 0; b.Len() < n; i++ {
+		b.WriteString(words[int(r[i%len(r)])%len(words)])
+		b.WriteByte(' ')
+	}
+	return b.Bytes()[:n]
+}
+
+func appendAll(t testing.TB, s *Store, isn uint32, stream []byte, seg int) {
+	t.Helper()
+	for off := 0; off < len(stream); off += seg {
+		if err := s.Append(isn+uint32(off), stream[off:min(off+seg, len(stream))]); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func mustBytes(t testing.TB, s *Store, from, to uint64) []byte {
+	t.Helper()
+	b, err := s.Bytes(from, to)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
+
+func TestAgeCompresses(t *testing.T) {
+	const slab = 4096
+	s := newTestStore(t, Options{SlabSize: slab, CompressAfter: time.Minute})
+	stream := textStream(64*slab + 100)
+	isn := uint32(1<<32 - 5*slab) // slab-aligned, and the stream crosses the wrap
+	base := AnchorEpoch | uint64(isn)
+	appendAll(t, s, isn, stream, 1448)
+
+	// Nothing is old enough yet.
+	r, err := s.Age(context.Background(), time.Now())
+	if err != nil || r.Compressed != 0 {
+		t.Fatalf("early age: %+v %v", r, err)
+	}
+	r, err = s.Age(context.Background(), time.Now().Add(time.Hour))
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := s.Stats()
+	// isn is slab-aligned here, so 64 full slabs are sealed; the 100-byte tail is not.
+	if r.Compressed != 64 || st.CompressedSlabs != 64 || st.RAMSlabs != 1 || st.CompressedRawBytes != 64*slab {
+		t.Fatalf("report %+v stats %+v", r, st)
+	}
+	if st.CompressedBytes*2 > st.CompressedRawBytes || st.CompressedBytes != r.CompressedTo {
+		t.Fatalf("lz4 kept %d of %d bytes", st.CompressedBytes, st.CompressedRawBytes)
+	}
+	// Reads reassemble across compressed and raw slabs, at any alignment.
+	for _, rg := range [][2]int{{0, len(stream)}, {slab - 7, 3*slab + 9}, {63*slab + 50, len(stream)}, {5, 6}} {
+		if got := mustBytes(t, s, base+uint64(rg[0]), base+uint64(rg[1])); !bytes.Equal(got, stream[rg[0]:rg[1]]) {
+			t.Fatalf("range %v differs after compression", rg)
+		}
+	}
+	var w bytes.Buffer
+	if _, err := s.WriteRange(context.Background(), &w, base, base+uint64(len(stream))); err != nil || !bytes.Equal(w.Bytes(), stream) {
+		t.Fatalf("WriteRange after compression: %v", err)
+	}
+	// A retransmission into compressed slabs is verified against them, and a corrupt one
+	// is caught.
+	if err := s.Append(isn+3*slab-10, stream[3*slab-10:3*slab+2000]); err != nil {
+		t.Fatal(err)
+	}
+	bad := bytes.Clone(stream[2*slab : 3*slab])
+	bad[100] ^= 1
+	var ce *ConflictError
+	if err := s.Append(isn+2*slab, bad); !errors.As(err, &ce) || ce.From != base+2*slab+100 {
+		t.Fatalf("corrupt retransmission into a compressed slab: %v", err)
+	}
+	// Trim frees compressed slabs too.
+	if _, err := s.Trim(isn + 60*slab); err != nil {
+		t.Fatal(err)
+	}
+	if st := s.Stats(); st.CompressedSlabs != 4 || st.CompressedRawBytes != 4*slab {
+		t.Fatalf("after trim: %+v", st)
+	}
+}
+
+func TestAgeIncompressibleAndPressure(t *testing.T) {
+	const slab = 4096
+	s := newTestStore(t, Options{SlabSize: slab, CompressAboveRAM: 8 * slab})
+	random := testStream(5, 16*slab)
+	appendAll(t, s, 0, random, 65536)
+	r, err := s.Age(context.Background(), time.Now())
+	if err != nil || r.Compressed != 0 || r.Incompressible != 8 {
+		t.Fatalf("random data under pressure: %+v %v", r, err)
+	}
+	// Still under pressure: the other 8 are tried, then nothing is retried.
+	if r, _ := s.Age(context.Background(), time.Now()); r.Incompressible != 8 {
+		t.Fatalf("second pass: %+v", r)
+	}
+	if r, _ := s.Age(context.Background(), time.Now()); r.Incompressible != 0 || s.Stats().RAMSlabs != 16 {
+		t.Fatalf("incompressible slabs retried: %+v", r)
+	}
+	// Pressure compresses young compressible slabs, oldest first, until under the mark.
+	s2 := newTestStore(t, Options{SlabSize: slab, CompressAboveRAM: 8 * slab})
+	appendAll(t, s2, 0, textStream(16*slab), 65536)
+	r, err = s2.Age(context.Background(), time.Now())
+	if err != nil || r.Compressed != 8 {
+		t.Fatalf("text under pressure: %+v %v", r, err)
+	}
+	if st := s2.Stats(); st.RAMBytes > 8*slab+st.PooledBytes {
+		t.Fatalf("RAM %d still above the mark: %+v", st.RAMBytes, st)
+	}
+}
+
+func TestSpill(t *testing.T) {
+	const slab = 4096
+	dir := t.TempDir() // a real disk: fsync must work there
+	s := newTestStore(t, Options{SlabSize: slab, CompressAfter: time.Nanosecond, SpillDir: dir, SpillAboveRAM: 4 * slab})
+	stream := textStream(40*slab + 10)
+	isn := uint32(12345 * slab)
+	base := AnchorEpoch | uint64(isn)
+	appendAll(t, s, isn, stream[:20*slab], 1448)
+	// The first pass compresses; memory is still above 4 slabs, so it spills too.
+	r, err := s.Age(context.Background(), time.Now().Add(time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := s.Stats()
+	if r.Spilled == 0 || st.SpilledSlabs != int64(r.Spilled) || st.MemoryBytes() > 4*slab {
+		t.Fatalf("report %+v stats %+v", r, st)
+	}
+	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
+		t.Fatalf("spill file left a name in %s: %v", dir, entries)
+	}
+	// Raw slabs spill too (compression disabled by incompressible data).
+	appendAll(t, s, isn+20*slab, stream[20*slab:], 1448)
+	if _, err := s.Age(context.Background(), time.Now().Add(time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	if got := mustBytes(t, s, base, base+uint64(len(stream))); !bytes.Equal(got, stream) {
+		t.Fatal("bytes differ after spilling")
+	}
+	if err := s.Append(isn+slab, stream[slab:5*slab]); err != nil { // retransmission over spilled slabs
+		t.Fatalf("duplicate over spilled slabs: %v", err)
+	}
+	f := s.env.spill
+	fi, err := f.f.Stat()
+	if err != nil || fi.Size() == 0 {
+		t.Fatalf("spill file size %v %v", fi, err)
+	}
+
+	// Corrupt one spilled slab on disk: the read fails loudly, never returns other bytes.
+	s.mu.RLock()
+	ref := *s.slabAt(base>>12 + 2).spill
+	s.mu.RUnlock()
+	orig := make([]byte, 1)
+	if _, err := f.f.ReadAt(orig, ref.off+int64(ref.n)/2); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.f.WriteAt([]byte{orig[0] ^ 0xFF}, ref.off+int64(ref.n)/2); err != nil {
+		t.Fatal(err)
+	}
+	_, err = s.Bytes(base+2*slab, base+2*slab+10)
+	if err == nil || errors.Is(err, ErrHole) || errors.Is(err, ErrTrimmed) {
+		t.Fatalf("corrupted spill read: %v, want a checksum or decode error", err)
+	}
+	t.Logf("corrupted spill read fails with: %v", err)
+	f.f.WriteAt(orig, ref.off+int64(ref.n)/2)
+
+	// Trim releases spill space; trimming everything empties the file.
+	before := s.Stats().SpilledBytes
+	if _, err := s.Trim(isn + 10*slab); err != nil {
+		t.Fatal(err)
+	}
+	if after := s.Stats().SpilledBytes; after >= before {
+		t.Fatalf("trim kept spilled bytes: %d -> %d", before, after)
+	}
+	if _, err := s.Trim(isn + uint32(len(stream))); err != nil {
+		t.Fatal(err)
+	}
+	st = s.Stats()
+	fi, _ = f.f.Stat()
+	if st.SpilledBytes != 0 || st.SpilledSlabs != 0 || st.RetainedBytes != 0 || fi.Size() != 0 {
+		t.Fatalf("after trimming everything: %+v, file %d bytes", st, fi.Size())
+	}
+}
+
+func TestSpillRequiresWritableDir(t *testing.T) {
+	s := newTestStore(t, Options{SlabSize: 256, SpillDir: "/nonexistent/netlog", SpillAboveRAM: 1})
+	appendAll(t, s, 0, textStream(4096), 256)
+	if _, err := s.Age(context.Background(), time.Now()); err == nil {
+		t.Fatal("spilling into a missing directory succeeded")
+	}
+	// Nothing was lost.
+	if got := mustBytes(t, s, AnchorEpoch, AnchorEpoch+4096); !bytes.Equal(got, textStream(4096)) {
+		t.Fatal("bytes lost after a failed spill")
+	}
+}

@@ -1,0 +1,290 @@
+package netlog
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/netip"
+	"slices"
+	"sync"
+	"time"
+)
+
+// Log is the sender-side byte log of one node: a Store per connection, all sharing one slab
+// pool, one memory meter and one spill file. One goroutine (the ring-buffer consumer) calls
+// Append; any number of others may read, trim, age and remove concurrently.
+type Log struct {
+	env    *env
+	mu     sync.RWMutex
+	closed bool
+	stores map[Conn]*Store
+}
+
+// NewLog returns an empty log.
+func NewLog(opt Options) (*Log, error) {
+	e, err := newEnv(opt)
+	if err != nil {
+		return nil, err
+	}
+	return &Log{env: e, stores: make(map[Conn]*Store)}, nil
+}
+
+// key normalises a Conn so an IPv4-mapped IPv6 address and its IPv4 form name one store.
+func key(c Conn) Conn {
+	return Conn{
+		Src: netip.AddrPortFrom(c.Src.Addr().Unmap(), c.Src.Port()),
+		Dst: netip.AddrPortFrom(c.Dst.Addr().Unmap(), c.Dst.Port()),
+	}
+}
+
+func (l *Log) lookup(c Conn) (*Store, error) {
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	if l.closed {
+		return nil, ErrClosed
+	}
+	st := l.stores[key(c)]
+	if st == nil {
+		return nil, fmt.Errorf("netlog %v: %w", c, ErrUnknownConn)
+	}
+	return st, nil
+}
+
+func (l *Log) lookupOrCreate(c Conn) (*Store, error) {
+	k := key(c)
+	l.mu.RLock()
+	st, closed := l.stores[k], l.closed
+	l.mu.RUnlock()
+	if closed {
+		return nil, ErrClosed
+	}
+	if st != nil {
+		return st, nil
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closed {
+		return nil, ErrClosed
+	}
+	if st = l.stores[k]; st == nil {
+		st = newLogStore(l.env)
+		l.stores[k] = st
+	}
+	return st, nil
+}
+
+// Append logs one captured segment, creating the connection's store on its first bytes.
+// Segments without payload are ignored. A conflict is returned as a *ConflictError (wrapped
+// with the connection) and nothing of the segment is stored; the log stays usable.
+func (l *Log) Append(rec Record) error {
+	if len(rec.Payload) == 0 {
+		return nil
+	}
+	for {
+		st, err := l.lookupOrCreate(rec.Conn)
+		if err != nil {
+			return err
+		}
+		err = st.Append(rec.Seq, rec.Payload)
+		if errors.Is(err, ErrClosed) {
+			continue // Remove raced with us: the next lookup makes a fresh store (or sees the Log closed)
+		}
+		if err != nil {
+			return fmt.Errorf("netlog %v: %w", rec.Conn, err)
+		}
+		return nil
+	}
+}
+
+// SetBase anchors conn's store at seq (see Store.SetBase), creating the store if needed.
+func (l *Log) SetBase(conn Conn, seq uint32) (uint64, error) {
+	st, err := l.lookupOrCreate(conn)
+	if err != nil {
+		return 0, err
+	}
+	abs, err := st.SetBase(seq)
+	if err != nil {
+		return 0, fmt.Errorf("netlog %v: %w", conn, err)
+	}
+	return abs, nil
+}
+
+// Unwrap returns the absolute sequence conn's store gives the wire sequence seq.
+func (l *Log) Unwrap(conn Conn, seq uint32) (uint64, error) {
+	st, err := l.lookup(conn)
+	if err != nil {
+		return 0, err
+	}
+	return st.Unwrap(seq), nil
+}
+
+// Range returns a copy of the bytes conn sent in [from, to) (absolute sequence numbers).
+func (l *Log) Range(conn Conn, from, to uint64) ([]byte, error) {
+	st, err := l.lookup(conn)
+	if err != nil {
+		return nil, err
+	}
+	b, err := st.Bytes(from, to)
+	if err != nil {
+		return nil, fmt.Errorf("netlog %v: %w", conn, err)
+	}
+	return b, nil
+}
+
+// WriteRange streams the bytes conn sent in [from, to) to w (see Store.WriteRange).
+func (l *Log) WriteRange(ctx context.Context, w io.Writer, conn Conn, from, to uint64) (int64, error) {
+	st, err := l.lookup(conn)
+	if err != nil {
+		return 0, err
+	}
+	n, err := st.WriteRange(ctx, w, from, to)
+	if err != nil {
+		return n, fmt.Errorf("netlog %v: %w", conn, err)
+	}
+	return n, nil
+}
+
+// Trim drops the bytes conn sent before wire sequence seq (the receiver's snapshot inq_seq)
+// and returns the absolute trim point.
+func (l *Log) Trim(conn Conn, seq uint32) (uint64, error) {
+	st, err := l.lookup(conn)
+	if err != nil {
+		return 0, err
+	}
+	return st.Trim(seq)
+}
+
+// Bounds returns conn's live bounds.
+func (l *Log) Bounds(conn Conn) (Bounds, error) {
+	st, err := l.lookup(conn)
+	if err != nil {
+		return Bounds{}, err
+	}
+	return st.Bounds(), nil
+}
+
+// Store returns conn's store, for callers that make many calls on one connection.
+func (l *Log) Store(conn Conn) (*Store, error) { return l.lookup(conn) }
+
+// Conns lists the connections in the log, sorted.
+func (l *Log) Conns() []Conn {
+	l.mu.RLock()
+	out := make([]Conn, 0, len(l.stores))
+	for c := range l.stores {
+		out = append(out, c)
+	}
+	l.mu.RUnlock()
+	slices.SortFunc(out, func(a, b Conn) int {
+		if c := a.Src.Compare(b.Src); c != 0 {
+			return c
+		}
+		return a.Dst.Compare(b.Dst)
+	})
+	return out
+}
+
+// Remove frees conn's store and forgets the connection (it closed and its peer checkpointed
+// past the last byte). A segment that arrives later starts a new store.
+func (l *Log) Remove(conn Conn) error {
+	k := key(conn)
+	l.mu.Lock()
+	st := l.stores[k]
+	delete(l.stores, k)
+	l.mu.Unlock()
+	if st == nil {
+		return fmt.Errorf("netlog %v: %w", conn, ErrUnknownConn)
+	}
+	return st.Close()
+}
+
+// Stats returns the node-wide accounting: the sums over all stores plus the pool.
+func (l *Log) Stats() Stats {
+	st := l.env.meter.snapshot()
+	l.mu.RLock()
+	st.Conns = len(l.stores)
+	l.mu.RUnlock()
+	return st
+}
+
+// ConnStats returns the accounting of one connection.
+func (l *Log) ConnStats(conn Conn) (Stats, error) {
+	st, err := l.lookup(conn)
+	if err != nil {
+		return Stats{}, err
+	}
+	return st.Stats(), nil
+}
+
+// Age compresses aged slabs of every store (Options.CompressAfter, CompressAboveRAM) and,
+// if the log's memory still exceeds Options.SpillAboveRAM, spills the oldest sealed slabs of
+// the largest stores first. Run it periodically from a maintenance goroutine.
+func (l *Log) Age(ctx context.Context, now time.Time) (AgeReport, error) {
+	l.mu.RLock()
+	stores := make([]*Store, 0, len(l.stores))
+	for _, st := range l.stores {
+		stores = append(stores, st)
+	}
+	l.mu.RUnlock()
+
+	var r AgeReport
+	var a ager
+	for _, st := range stores {
+		sr, err := st.compress(ctx, now, &a)
+		r.add(sr)
+		if err != nil {
+			return r, err
+		}
+	}
+	if l.env.spillExcess(&l.env.meter) <= 0 {
+		return r, nil
+	}
+	l.env.pool.drain()
+	type sized struct {
+		st  *Store
+		mem int64
+	}
+	bySize := make([]sized, len(stores))
+	for i, st := range stores { // read once: the sort needs stable keys while appends go on
+		bySize[i] = sized{st, st.own.ram.Load() + st.own.comp.Load()}
+	}
+	slices.SortFunc(bySize, func(a, b sized) int { return cmp.Compare(b.mem, a.mem) })
+	for _, z := range bySize {
+		st := z.st
+		over := l.env.spillExcess(&l.env.meter)
+		if over <= 0 {
+			break
+		}
+		sr, err := st.spillSlabs(ctx, over)
+		r.add(sr)
+		if err != nil {
+			return r, fmt.Errorf("netlog: %w", err)
+		}
+	}
+	if r.Spilled > 0 {
+		l.env.log.Info("netlog spilled slabs to disk", "slabs", r.Spilled, "bytes", r.SpilledBytes, "freed", r.SpillFreedBytes)
+	}
+	return r, nil
+}
+
+// Close frees every store and removes the spill file.
+func (l *Log) Close() error {
+	l.mu.Lock()
+	if l.closed {
+		l.mu.Unlock()
+		return nil
+	}
+	l.closed = true
+	stores := l.stores
+	l.stores = nil
+	l.mu.Unlock()
+	for _, st := range stores {
+		st.Close()
+	}
+	l.env.pool.drain()
+	if err := l.env.closeSpill(); err != nil {
+		return fmt.Errorf("close netlog: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,292 @@
+package netlog
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"net/netip"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+func newTestLog(t testing.TB, opt Options) *Log {
+	t.Helper()
+	if opt.Logger == nil {
+		opt.Logger = slog.New(slog.NewTextHandler(t.Output(), nil))
+	}
+	l, err := NewLog(opt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	return l
+}
+
+func testConn(i int) Conn {
+	return Conn{
+		Src: netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 0, 0, 1}), uint16(40000+i)),
+		Dst: netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 0, 0, 2}), 5201),
+	}
+}
+
+// decoded runs a record through the ring-buffer encoding, as the consumer will see it.
+func decoded(t testing.TB, c Conn, seq uint32, p []byte) Record {
+	b, err := AppendRecord(nil, Record{Conn: c, Seq: seq, Payload: p, CgroupID: 7})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := DecodeRecord(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+func TestLogBasics(t *testing.T) {
+	l := newTestLog(t, Options{SlabSize: 1024})
+	a, b := testConn(1), testConn(2)
+	sa, sb := testStream(1, 5000), testStream(2, 3000)
+	for off := 0; off < len(sa); off += 700 {
+		if err := l.Append(decoded(t, a, 100+uint32(off), sa[off:min(off+700, len(sa))])); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := l.Append(decoded(t, b, 0xFFFFFF00, sb)); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Append(Record{Conn: b, Seq: 5}); err != nil { // a pure ACK
+		t.Fatal(err)
+	}
+	// An IPv4-mapped IPv6 spelling names the same connection.
+	mapped := Conn{Src: netip.MustParseAddrPort("[::ffff:10.0.0.1]:40002"), Dst: netip.MustParseAddrPort("[::ffff:10.0.0.2]:5201")}
+	bb, err := l.Bounds(mapped)
+	if err != nil || bb.Contiguous-bb.First != 3000 {
+		t.Fatalf("bounds via mapped address: %+v %v", bb, err)
+	}
+	got, err := l.Range(b, bb.First, bb.Contiguous)
+	if err != nil || !bytes.Equal(got, sb) {
+		t.Fatalf("range of b: %v", err)
+	}
+	abs, err := l.Unwrap(a, 100)
+	if err != nil || abs != AnchorEpoch|100 {
+		t.Fatalf("unwrap: %d %v", abs, err)
+	}
+	var w bytes.Buffer
+	if n, err := l.WriteRange(context.Background(), &w, a, abs+1000, abs+4000); err != nil || n != 3000 || !bytes.Equal(w.Bytes(), sa[1000:4000]) {
+		t.Fatalf("write range: %d %v", n, err)
+	}
+	if conns := l.Conns(); len(conns) != 2 || conns[0] != a || conns[1] != b {
+		t.Fatalf("conns %v", conns)
+	}
+	st := l.Stats()
+	ca, _ := l.ConnStats(a)
+	cb, _ := l.ConnStats(b)
+	if st.Conns != 2 || st.RetainedBytes != 8000 || st.RetainedBytes != ca.RetainedBytes+cb.RetainedBytes || st.RAMBytes != ca.RAMBytes+cb.RAMBytes {
+		t.Fatalf("log stats %+v, conn stats %+v %+v", st, ca, cb)
+	}
+	// Trim takes the receiver's 32-bit inq_seq.
+	if abs, err := l.Trim(a, 100+2500); err != nil || abs != AnchorEpoch|2600 {
+		t.Fatalf("trim: %d %v", abs, err)
+	}
+	if _, err := l.Range(a, AnchorEpoch|2599, AnchorEpoch|2700); !errors.Is(err, ErrTrimmed) {
+		t.Fatalf("range below trim: %v", err)
+	}
+	// A conflict names the connection and keeps the log usable.
+	bad := bytes.Clone(sa[3000:3100])
+	bad[0]++
+	if err := l.Append(decoded(t, a, 3100, bad)); !errors.Is(err, ErrConflict) {
+		t.Fatalf("conflict: %v", err)
+	} else {
+		t.Logf("conflict error reads: %v", err)
+	}
+	if _, err := l.Range(testConn(9), 0, 1); !errors.Is(err, ErrUnknownConn) {
+		t.Fatalf("unknown conn: %v", err)
+	}
+	// SetBase on a new connection, then Remove.
+	c := testConn(3)
+	if abs, err := l.SetBase(c, 77); err != nil || abs != AnchorEpoch|77 {
+		t.Fatalf("set base: %d %v", abs, err)
+	}
+	if _, err := l.SetBase(c, 78); !errors.Is(err, ErrAnchored) {
+		t.Fatalf("second set base: %v", err)
+	}
+	if err := l.Remove(a); err != nil {
+		t.Fatal(err)
+	}
+	if st := l.Stats(); st.Conns != 2 || st.RetainedBytes != 3000 {
+		t.Fatalf("after remove: %+v", st)
+	}
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Append(decoded(t, a, 1, []byte{1})); !errors.Is(err, ErrClosed) {
+		t.Fatalf("append after close: %v", err)
+	}
+}
+
+// TestLogConcurrent runs the real topology: one ring-buffer consumer appending segments of
+// several connections (with retransmissions), readers checking every byte they get against
+// the streams, and a GC goroutine trimming, aging (compress + spill) and removing. Run with
+// -race.
+func TestLogConcurrent(t *testing.T) {
+	const (
+		conns = 3
+		size  = 3 << 20
+		slab  = 64 << 10
+	)
+	l := newTestLog(t, Options{SlabSize: slab, CompressAfter: time.Nanosecond, SpillDir: fastSpillDir(t), SpillAboveRAM: 4 * slab})
+	streams := make([][]byte, conns)
+	isns := make([]uint32, conns)
+	for i := range streams {
+		streams[i] = textStream(size)
+		streams[i][i] = byte(i) // distinct streams
+		isns[i] = uint32(0xFFFFFFFF - i*1_000_003)
+	}
+	var done atomic.Bool
+	var trims, ages, spilled atomic.Int64
+	var wg sync.WaitGroup
+	errc := make(chan error, 16)
+	fail := func(err error) {
+		select {
+		case errc <- err:
+		default:
+		}
+	}
+
+	wg.Add(1)
+	go func() { // the ring-buffer consumer
+		defer wg.Done()
+		defer done.Store(true)
+		r := rand.New(rand.NewPCG(1, 2))
+		offs := make([]int, conns)
+		for k := 0; ; k++ {
+			if k%32 == 31 { // let a GC pass run in between, however the scheduler feels
+				for seen := ages.Load(); ages.Load() == seen && len(errc) == 0; {
+					time.Sleep(100 * time.Microsecond)
+				}
+			}
+			i := r.IntN(conns)
+			if offs[i] >= size {
+				if offs[0] >= size && offs[1] >= size && offs[2] >= size {
+					return
+				}
+				continue
+			}
+			n := min(size-offs[i], []int{1448, 65160, 9000}[r.IntN(3)])
+			off := offs[i]
+			if r.IntN(10) == 0 && off > 100000 { // retransmission
+				off -= r.IntN(100000)
+				n = min(n, offs[i]-off)
+			} else {
+				offs[i] += n
+			}
+			if err := l.Append(decoded(t, testConn(i), isns[i]+uint32(off), streams[i][off:off+n])); err != nil {
+				fail(fmt.Errorf("append conn %d at %d: %w", i, off, err))
+				return
+			}
+		}
+	}()
+
+	for reader := 0; reader < 2; reader++ {
+		wg.Add(1)
+		go func() { // query API: whatever it gets must be the stream's bytes
+			defer wg.Done()
+			r := rand.New(rand.NewPCG(uint64(reader), 9))
+			for !done.Load() {
+				i := r.IntN(conns)
+				b, err := l.Bounds(testConn(i))
+				if errors.Is(err, ErrUnknownConn) {
+					continue
+				}
+				if err != nil || b.Contiguous == b.First {
+					continue
+				}
+				from := b.First + uint64(r.IntN(int(b.Contiguous-b.First)))
+				to := min(b.Contiguous, from+uint64(r.IntN(3*slab)))
+				got, err := l.Range(testConn(i), from, to)
+				if errors.Is(err, ErrTrimmed) {
+					continue // GC overtook us
+				}
+				if err != nil {
+					fail(fmt.Errorf("range conn %d [%d, %d): %w", i, from, to, err))
+					return
+				}
+				off := int(from - (AnchorEpoch | uint64(isns[i])))
+				if !bytes.Equal(got, streams[i][off:off+len(got)]) {
+					fail(fmt.Errorf("range conn %d [%d, %d) differs from the stream", i, from, to))
+					return
+				}
+				_ = l.Stats()
+			}
+		}()
+	}
+
+	wg.Add(1)
+	go func() { // GC: trim behind the contiguous point, age, spill
+		defer wg.Done()
+		for !done.Load() {
+			for i := 0; i < conns; i++ {
+				b, err := l.Bounds(testConn(i))
+				if err != nil || b.Contiguous-b.First < 4*slab {
+					continue
+				}
+				if _, err := l.Trim(testConn(i), Wire(b.Contiguous-2*slab)); err != nil {
+					fail(err)
+					return
+				}
+				trims.Add(1)
+			}
+			r, err := l.Age(context.Background(), time.Now().Add(time.Second))
+			if err != nil {
+				fail(fmt.Errorf("age: %w", err))
+				return
+			}
+			spilled.Add(int64(r.Spilled))
+			ages.Add(1)
+			time.Sleep(time.Millisecond)
+		}
+	}()
+	wg.Wait()
+	close(errc)
+	for err := range errc {
+		t.Fatal(err)
+	}
+	// Everything retained at the end is the streams' tails, from every form of storage.
+	if _, err := l.Age(context.Background(), time.Now().Add(time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < conns; i++ {
+		b, err := l.Bounds(testConn(i))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if b.Last != (AnchorEpoch|uint64(isns[i]))+size || b.Contiguous != b.Last {
+			t.Fatalf("conn %d bounds %+v", i, b)
+		}
+		got, err := l.Range(testConn(i), b.First, b.Last)
+		if err != nil || !bytes.Equal(got, streams[i][size-len(got):]) {
+			t.Fatalf("conn %d final range: %v", i, err)
+		}
+	}
+	st := l.Stats()
+	if trims.Load() < 10 || ages.Load() < 10 || spilled.Load() == 0 {
+		t.Fatalf("GC ran only %d trims and %d age passes spilling %d slabs: the test did not interleave", trims.Load(), ages.Load(), spilled.Load())
+	}
+	t.Logf("final stats: %+v; %d trims, %d age passes, %d slabs spilled during the run", st, trims.Load(), ages.Load(), spilled.Load())
+	if st.Conflicts != 0 || st.DuplicateBytes == 0 {
+		t.Fatalf("stats %+v", st)
+	}
+	for i := 0; i < conns; i++ {
+		if err := l.Remove(testConn(i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if st := l.Stats(); st.RetainedBytes != 0 || st.RAMBytes != 0 || st.CompressedBytes != 0 || st.SpilledBytes != 0 {
+		t.Fatalf("after removing everything: %+v", st)
+	}
+}

@@ -1,0 +1,724 @@
+package netlog
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"math"
+	"sync"
+	"time"
+
+	"github.com/pierrec/lz4/v4"
+)
+
+// minBuf is the first allocation for a slab of a connection that has not yet sent a slab's
+// worth: small connections (control traffic, barriers) must not cost a MiB each.
+const minBuf = 4096
+
+// Store is the log of the bytes one TCP sender transmitted on one connection, keyed by
+// absolute sequence number. It is safe for one appending goroutine and any number of
+// readers, trimmers and agers at once.
+type Store struct {
+	env        *env
+	own        meter
+	standalone bool // owns env (NewStore): report the pool in Stats, close the spill file
+
+	mu       sync.RWMutex
+	closed   bool
+	u        Unwrapper
+	base     uint64 // abs of the anchor
+	floor    uint64 // bytes below were trimmed or precede the base
+	first    uint64 // lowest retained byte, valid when retained > 0
+	contig   uint64 // [first, contig) is retained
+	last     uint64 // one past the highest retained byte
+	retained int64
+	bulk     bool // has logged at least a slab: allocate whole slabs from now on
+	slab0    uint64
+	slabs    []*slab // slabs[i] covers window slab0+i; nil where nothing is held
+}
+
+// NewStore returns an empty standalone store. Stores inside a Log are made by the Log and
+// share its pool, meter and spill file.
+func NewStore(opt Options) (*Store, error) {
+	e, err := newEnv(opt)
+	if err != nil {
+		return nil, err
+	}
+	return &Store{env: e, standalone: true}, nil
+}
+
+func newLogStore(e *env) *Store { return &Store{env: e} }
+
+// add updates a counter in the store's meter and in the shared (Log-wide) one.
+func (s *Store) add(c counter, d int64) {
+	s.own.field(c).Add(d)
+	if !s.standalone {
+		s.env.meter.field(c).Add(d)
+	}
+}
+
+// totals is the meter that thresholds are checked against: the Log's, or the store's own.
+func (s *Store) totals() *meter {
+	if s.standalone {
+		return &s.own
+	}
+	return &s.env.meter
+}
+
+// SetBase anchors the store so that seq (e.g. a snapshot's inq_seq) maps to AnchorEpoch|seq,
+// and drops anything offered below it. It fails with ErrAnchored once the store has seen a
+// segment or a Trim; use Trim then.
+func (s *Store) SetBase(seq uint32) (uint64, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return 0, ErrClosed
+	}
+	if s.u.Anchored() {
+		return 0, fmt.Errorf("set base to seq %d: %w at abs %d (wire %d); use Trim to drop older bytes", seq, ErrAnchored, s.base, Wire(s.base))
+	}
+	s.base = s.u.Anchor(seq)
+	s.floor, s.first, s.contig, s.last = s.base, s.base, s.base, s.base
+	return s.base, nil
+}
+
+// Unwrap returns the absolute sequence the store gives seq now (see Unwrapper.Peek).
+func (s *Store) Unwrap(seq uint32) uint64 {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.u.Peek(seq)
+}
+
+// Append logs payload p whose first byte has TCP sequence seq. Bytes already logged are
+// compared, not stored again; bytes below the trim point are dropped. If any offered byte
+// differs from a logged one, nothing of p is stored and a *ConflictError is returned.
+// p is copied; the caller may reuse it.
+func (s *Store) Append(seq uint32, p []byte) error {
+	if len(p) == 0 {
+		return nil // pure ACKs and FINs carry no bytes and must not anchor the store
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return ErrClosed
+	}
+	if !s.u.Anchored() {
+		s.base = s.u.Anchor(seq)
+	}
+	return s.appendAbs(s.u.Unwrap(seq), p)
+}
+
+func (s *Store) appendAbs(a uint64, p []byte) error {
+	b := a + uint64(len(p))
+	if b <= s.floor {
+		s.add(cBelow, int64(len(p)))
+		return nil
+	}
+	if a < s.floor {
+		d := s.floor - a
+		s.add(cBelow, int64(d))
+		p = p[d:]
+		a = s.floor
+	}
+	if s.retained > 0 && a < s.last {
+		if err := s.compare(a, p); err != nil {
+			s.add(cConflicts, 1)
+			return err
+		}
+	}
+	s.u.Observe(b)
+	return s.write(a, p)
+}
+
+// compare checks p against the bytes already logged over [a, a+len(p)).
+func (s *Store) compare(a uint64, p []byte) error {
+	var cerr *ConflictError
+	var scratch *[]byte
+	defer func() {
+		if scratch != nil {
+			s.env.scratch.Put(scratch)
+		}
+	}()
+	pos, rest := a, p
+	for len(rest) > 0 {
+		idx, off := pos>>s.env.shift, uint32(pos&uint64(s.env.size-1))
+		n := min(uint32(len(rest)), s.env.size-off)
+		if sl := s.slabAt(idx); sl != nil && len(sl.spans) > 0 {
+			data := sl.buf
+			if data == nil && sl.gapBytes(off, off+n) < n { // overlaps a compressed or spilled slab
+				if scratch == nil {
+					scratch = s.env.scratch.Get().(*[]byte)
+				}
+				var err error
+				if data, err = s.env.decode(sl.comp, sl.spill, sl.rawLen, sl.crc, *scratch); err != nil {
+					return fmt.Errorf("compare retransmitted bytes at abs %d with the log: %w", pos, err)
+				}
+			}
+			for i := sl.firstSpanAfter(off); i < len(sl.spans) && sl.spans[i].lo < off+n; i++ {
+				lo, hi := max(off, sl.spans[i].lo), min(off+n, sl.spans[i].hi)
+				have, offered := data[lo-sl.bufLo:hi-sl.bufLo], rest[lo-off:hi-off]
+				if bytes.Equal(have, offered) {
+					continue
+				}
+				start := s.windowStart(idx)
+				f, l := firstDiff(have, offered), lastDiff(have, offered)
+				if cerr == nil {
+					cerr = &ConflictError{From: start + uint64(lo) + uint64(f), SegFrom: a, SegTo: a + uint64(len(p)),
+						Existing: have[f], Offered: offered[f]}
+				}
+				cerr.To = start + uint64(lo) + uint64(l) + 1
+			}
+		}
+		pos += uint64(n)
+		rest = rest[n:]
+	}
+	if cerr != nil {
+		return cerr
+	}
+	return nil
+}
+
+func firstDiff(a, b []byte) int {
+	for i := range a {
+		if a[i] != b[i] {
+			return i
+		}
+	}
+	return -1
+}
+
+func lastDiff(a, b []byte) int {
+	for i := len(a) - 1; i >= 0; i-- {
+		if a[i] != b[i] {
+			return i
+		}
+	}
+	return -1
+}
+
+func (s *Store) windowStart(idx uint64) uint64 { return idx << s.env.shift }
+
+// slabAt returns the slab of window idx, or nil.
+func (s *Store) slabAt(idx uint64) *slab {
+	if idx < s.slab0 || idx-s.slab0 >= uint64(len(s.slabs)) {
+		return nil
+	}
+	return s.slabs[idx-s.slab0]
+}
+
+// slabFor returns the slab of window idx, creating it (and table entries) if needed.
+func (s *Store) slabFor(idx uint64) *slab {
+	switch {
+	case len(s.slabs) == 0:
+		s.slab0 = idx
+		s.slabs = append(s.slabs, nil)
+	case idx < s.slab0: // bytes older than anything held: rare, so a copy is fine
+		grown := make([]*slab, uint64(len(s.slabs))+s.slab0-idx)
+		copy(grown[s.slab0-idx:], s.slabs)
+		s.slabs, s.slab0 = grown, idx
+	case idx-s.slab0 >= uint64(len(s.slabs)):
+		for idx-s.slab0 >= uint64(len(s.slabs)) {
+			s.slabs = append(s.slabs, nil)
+		}
+	}
+	sl := s.slabs[idx-s.slab0]
+	if sl == nil {
+		sl = &slab{idx: idx, spans: make([]span, 0, 2)}
+		s.slabs[idx-s.slab0] = sl
+	}
+	return sl
+}
+
+// write stores the not-yet-present bytes of p at [a, a+len(p)) and updates the bounds.
+func (s *Store) write(a uint64, p []byte) error {
+	b := a + uint64(len(p))
+	wasEmpty := s.retained == 0
+	oldFirst, oldContig := s.first, s.contig
+	var stored int64
+	pos, rest := a, p
+	for len(rest) > 0 {
+		idx, off := pos>>s.env.shift, uint32(pos&uint64(s.env.size-1))
+		n := min(uint32(len(rest)), s.env.size-off)
+		sl := s.slabFor(idx)
+		got, err := s.fill(sl, off, rest[:n])
+		stored += int64(got)
+		if err != nil {
+			return err
+		}
+		pos += uint64(n)
+		rest = rest[n:]
+	}
+	s.add(cDup, int64(len(p))-stored)
+	if stored == 0 {
+		return nil
+	}
+	s.add(cAppended, stored)
+	s.add(cRetained, stored)
+	s.retained += stored
+	if !s.bulk && s.own.appended.Load() >= int64(s.env.size) {
+		s.bulk = true
+	}
+	switch {
+	case wasEmpty:
+		s.first, s.last = a, b
+		s.contig = s.extend(a)
+	case a < oldFirst:
+		s.first = a
+		s.last = max(s.last, b)
+		if b >= oldFirst {
+			s.contig = s.extend(oldContig)
+		} else {
+			s.contig = s.extend(a)
+		}
+	default:
+		s.last = max(s.last, b)
+		if a <= oldContig && b > oldContig {
+			s.contig = s.extend(oldContig)
+		}
+	}
+	return nil
+}
+
+// fill copies the bytes of p (at window offset off) that sl lacks and returns their count.
+func (s *Store) fill(sl *slab, off uint32, p []byte) (uint32, error) {
+	end := off + uint32(len(p))
+	missing := sl.gapBytes(off, end)
+	if missing == 0 {
+		return 0, nil
+	}
+	if sl.buf == nil && (sl.comp != nil || sl.spill != nil) {
+		// A compressed or spilled slab is sealed: no byte above the trim point is missing,
+		// and appendAbs clipped p at the trim point. Reaching here is a bug, not bad input.
+		return 0, fmt.Errorf("%w: %d bytes missing in sealed slab %d at offset %d", errInternal, missing, sl.idx, off)
+	}
+	s.ensureBuf(sl, off, end)
+	cur := off
+	for i := sl.firstSpanAfter(off); i < len(sl.spans) && sl.spans[i].lo < end; i++ {
+		if sp := sl.spans[i]; sp.lo > cur {
+			copy(sl.buf[cur-sl.bufLo:sp.lo-sl.bufLo], p[cur-off:sp.lo-off])
+			cur = sp.hi
+		} else {
+			cur = max(cur, sp.hi)
+		}
+	}
+	if cur < end {
+		copy(sl.buf[cur-sl.bufLo:end-sl.bufLo], p[cur-off:])
+	}
+	sl.addSpan(off, end)
+	sl.valid += missing
+	if sl.sealedAt.IsZero() && s.sealed(sl) {
+		sl.sealedAt = time.Now()
+	}
+	return missing, nil
+}
+
+// ensureBuf makes sl.buf cover window offsets [lo, hi).
+func (s *Store) ensureBuf(sl *slab, lo, hi uint32) {
+	have := uint32(len(sl.buf))
+	if sl.buf != nil && lo >= sl.bufLo && hi <= sl.bufLo+have {
+		return
+	}
+	nlo, nhi := lo, hi
+	if sl.buf != nil {
+		nlo, nhi = min(nlo, sl.bufLo), max(nhi, sl.bufLo+have)
+	}
+	size := s.env.size
+	n := max(minBuf, 2*have, nhi-nlo)
+	if s.bulk || n >= size/2 {
+		n = size
+	} else {
+		n = nextPow2(n)
+	}
+	var nb []byte
+	var blo uint32
+	if n == size {
+		nb = s.env.pool.get(size)
+	} else {
+		nb = make([]byte, n)
+		blo = min(nlo, size-n)
+	}
+	if sl.buf != nil {
+		copy(nb[sl.bufLo-blo:], sl.buf)
+		s.add(cRAM, -int64(have))
+		s.add(cRAMSlabs, -1)
+	}
+	sl.buf, sl.bufLo, sl.rawLen = nb, blo, n
+	s.add(cRAM, int64(n))
+	s.add(cRAMSlabs, 1)
+}
+
+func nextPow2(n uint32) uint32 {
+	p := uint32(1)
+	for p < n {
+		p <<= 1
+	}
+	return p
+}
+
+// sealed reports whether every byte of sl above the trim point is present.
+func (s *Store) sealed(sl *slab) bool {
+	start := s.windowStart(sl.idx)
+	var floorOff uint32
+	if s.floor > start {
+		floorOff = uint32(min(s.floor-start, uint64(s.env.size)))
+	}
+	return sl.valid == s.env.size-floorOff
+}
+
+// extend returns the end of the run of present bytes starting at pos (pos if absent).
+func (s *Store) extend(pos uint64) uint64 { return s.extendTo(pos, math.MaxUint64) }
+
+// extendTo is extend that may stop once it reaches limit.
+func (s *Store) extendTo(pos, limit uint64) uint64 {
+	for pos < limit {
+		idx := pos >> s.env.shift
+		sl := s.slabAt(idx)
+		if sl == nil {
+			return pos
+		}
+		off := uint32(pos & uint64(s.env.size-1))
+		hi := sl.coverEnd(off)
+		if hi == off {
+			return pos
+		}
+		pos = s.windowStart(idx) + uint64(hi)
+		if hi < s.env.size {
+			return pos
+		}
+	}
+	return pos
+}
+
+// nextPresent returns the first present byte at or after pos, or limit if none is below it.
+func (s *Store) nextPresent(pos, limit uint64) uint64 {
+	if pos >= s.last || s.retained == 0 {
+		return limit
+	}
+	limit = min(limit, s.last)
+	for pos < limit {
+		idx := pos >> s.env.shift
+		if idx < s.slab0 {
+			pos = s.windowStart(s.slab0)
+			continue
+		}
+		if sl := s.slabAt(idx); sl != nil {
+			off := uint32(pos & uint64(s.env.size-1))
+			if i := sl.firstSpanAfter(off); i < len(sl.spans) {
+				return min(max(pos, s.windowStart(idx)+uint64(sl.spans[i].lo)), limit)
+			}
+		}
+		pos = s.windowStart(idx + 1)
+	}
+	return limit
+}
+
+// check returns nil if all of [from, to) is retained, else a *RangeError naming the first
+// missing run. The caller holds s.mu.
+func (s *Store) check(from, to uint64) error {
+	if s.closed {
+		return ErrClosed
+	}
+	if from == to {
+		return nil
+	}
+	if from < s.floor {
+		return &RangeError{Kind: ErrTrimmed, From: from, To: min(to, s.floor)}
+	}
+	if e := s.extendTo(from, to); e < to {
+		return &RangeError{Kind: ErrHole, From: e, To: s.nextPresent(e, to)}
+	}
+	return nil
+}
+
+// Check reports whether [from, to) can be served, without reading it.
+func (s *Store) Check(from, to uint64) error {
+	if from > to {
+		return fmt.Errorf("check range [%d, %d): from is after to", from, to)
+	}
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.check(from, to)
+}
+
+// readPart copies bytes from pos into dst, stopping at the end of dst or of pos's slab, and
+// returns how many it copied. Compressed and spilled slabs are decoded outside the lock.
+func (s *Store) readPart(dst []byte, pos uint64) (int, error) {
+	idx := pos >> s.env.shift
+	off := uint32(pos & uint64(s.env.size-1))
+	n := min(uint32(min(len(dst), math.MaxUint32)), s.env.size-off)
+	s.mu.RLock()
+	if err := s.check(pos, pos+uint64(n)); err != nil {
+		s.mu.RUnlock()
+		return 0, err
+	}
+	sl := s.slabAt(idx)
+	if sl.buf != nil {
+		copy(dst[:n], sl.buf[off-sl.bufLo:])
+		s.mu.RUnlock()
+		return int(n), nil
+	}
+	// comp and spill never change once set, so they can be used after unlocking.
+	comp, ref, rawLen, bufLo, crc := sl.comp, sl.spill, sl.rawLen, sl.bufLo, sl.crc
+	s.mu.RUnlock()
+
+	scratch := s.env.scratch.Get().(*[]byte)
+	defer s.env.scratch.Put(scratch)
+	raw, err := s.env.decode(comp, ref, rawLen, crc, *scratch)
+	if err != nil {
+		// A Trim between unlocking and reading may have released the spilled region.
+		s.mu.RLock()
+		defer s.mu.RUnlock()
+		if cerr := s.check(pos, pos+uint64(n)); cerr != nil {
+			return 0, cerr
+		}
+		return 0, fmt.Errorf("read logged bytes at abs %d: %w", pos, err)
+	}
+	copy(dst[:n], raw[off-bufLo:])
+	return int(n), nil
+}
+
+// decode expands a compressed or spilled slab into dst and verifies its checksum.
+func (e *env) decode(comp []byte, ref *spillRef, rawLen, crc uint32, dst []byte) ([]byte, error) {
+	out := dst[:rawLen]
+	if ref != nil {
+		e.spillMu.Lock()
+		f := e.spill
+		e.spillMu.Unlock()
+		if f == nil {
+			return nil, ErrClosed
+		}
+		if ref.comp {
+			comp = make([]byte, ref.n)
+		} else {
+			comp = nil
+		}
+		target := out
+		if comp != nil {
+			target = comp
+		}
+		if err := f.readAt(target, ref.off); err != nil {
+			return nil, err
+		}
+		crc = ref.crc
+	}
+	if comp != nil {
+		n, err := lz4.UncompressBlock(comp, out)
+		if err != nil || n != int(rawLen) {
+			return nil, fmt.Errorf("lz4-decode logged slab: got %d of %d bytes: %v", n, rawLen, err)
+		}
+	}
+	if got := crc32.Checksum(out, castagnoli); got != crc {
+		return nil, fmt.Errorf("logged slab checksum mismatch (crc32c %#08x, want %#08x): spill file or memory corrupted", got, crc)
+	}
+	return out, nil
+}
+
+// Bytes returns a copy of the logged bytes [from, to). A range that is not fully retained
+// fails with a *RangeError (ErrHole or ErrTrimmed) naming the first missing run.
+func (s *Store) Bytes(from, to uint64) ([]byte, error) {
+	if err := s.Check(from, to); err != nil {
+		return nil, err
+	}
+	out := make([]byte, to-from)
+	for done := 0; done < len(out); {
+		n, err := s.readPart(out[done:], from+uint64(done))
+		if err != nil {
+			return nil, err
+		}
+		done += n
+	}
+	return out, nil
+}
+
+// WriteRange streams the logged bytes [from, to) to w, one slab at a time, without holding
+// the store's lock while w blocks. The whole range is checked first, so a missing range
+// writes nothing; only a concurrent Trim of the range can end the stream early.
+func (s *Store) WriteRange(ctx context.Context, w io.Writer, from, to uint64) (int64, error) {
+	if err := s.Check(from, to); err != nil {
+		return 0, err
+	}
+	bufp := s.env.scratch.Get().(*[]byte)
+	defer s.env.scratch.Put(bufp)
+	var written int64
+	for pos := from; pos < to; {
+		if err := ctx.Err(); err != nil {
+			return written, fmt.Errorf("stream logged bytes at abs %d: %w", pos, err)
+		}
+		n, err := s.readPart((*bufp)[:min(to-pos, uint64(s.env.size))], pos)
+		if err != nil {
+			return written, err
+		}
+		m, err := w.Write((*bufp)[:n])
+		written += int64(m)
+		if err != nil {
+			return written, fmt.Errorf("stream logged bytes at abs %d: %w", pos, err)
+		}
+		pos += uint64(n)
+	}
+	return written, nil
+}
+
+// Trim drops every byte before seq (a 32-bit sequence, unwrapped by the store: typically
+// the receiver's snapshot inq_seq) and frees the slabs wholly below it. On a store that has
+// seen nothing yet it anchors the store at seq. It returns the absolute trim point.
+func (s *Store) Trim(seq uint32) (uint64, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return 0, ErrClosed
+	}
+	if !s.u.Anchored() {
+		s.base = s.u.Anchor(seq)
+	}
+	abs := s.u.Unwrap(seq)
+	s.trimAbs(abs)
+	return abs, nil
+}
+
+// TrimAbs is Trim with an absolute sequence.
+func (s *Store) TrimAbs(abs uint64) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return ErrClosed
+	}
+	if !s.u.Anchored() {
+		return fmt.Errorf("trim at abs %d: the store has no anchor yet, so abs values mean nothing to it; use Trim or SetBase with a wire sequence", abs)
+	}
+	s.trimAbs(abs)
+	return nil
+}
+
+func (s *Store) trimAbs(t uint64) {
+	if t <= s.floor {
+		return
+	}
+	s.floor = t
+	s.u.Observe(t)
+	for len(s.slabs) > 0 && s.windowStart(s.slab0+1) <= t {
+		if sl := s.slabs[0]; sl != nil {
+			s.drop(sl)
+		}
+		s.slabs[0] = nil
+		s.slabs = s.slabs[1:]
+		s.slab0++
+	}
+	if sl := s.slabAt(t >> s.env.shift); sl != nil {
+		removed := int64(sl.clipBelow(uint32(t & uint64(s.env.size-1))))
+		s.retained -= removed
+		s.add(cRetained, -removed)
+		switch {
+		case sl.valid == 0: // nothing left above the trim point: free it now, not a slab later
+			s.drop(sl)
+			s.slabs[sl.idx-s.slab0] = nil
+		case sl.sealedAt.IsZero() && s.sealed(sl):
+			sl.sealedAt = time.Now()
+		}
+	}
+	for len(s.slabs) > 0 && s.slabs[0] == nil { // keep the table's head on a real slab
+		s.slabs = s.slabs[1:]
+		s.slab0++
+	}
+	if len(s.slabs) == 0 {
+		s.slabs = nil // let the backing array go
+	}
+	switch {
+	case s.retained == 0:
+		s.first, s.contig, s.last = t, t, t
+	case t <= s.first:
+	case t < s.contig:
+		s.first = t
+	default:
+		s.first = s.nextPresent(t, s.last)
+		s.contig = s.extend(s.first)
+	}
+}
+
+// drop releases a slab's memory and spill region. The caller holds s.mu for writing.
+func (s *Store) drop(sl *slab) {
+	s.retained -= int64(sl.valid)
+	s.add(cRetained, -int64(sl.valid))
+	switch {
+	case sl.buf != nil:
+		s.add(cRAM, -int64(len(sl.buf)))
+		s.add(cRAMSlabs, -1)
+		if !sl.busy && uint32(len(sl.buf)) == s.env.size {
+			s.env.pool.put(sl.buf)
+		}
+	case sl.comp != nil:
+		s.add(cComp, -int64(len(sl.comp)))
+		s.add(cCompRaw, -int64(sl.rawLen))
+		s.add(cCompSlabs, -1)
+	case sl.spill != nil:
+		s.add(cSpill, -int64(sl.spill.n))
+		s.add(cSpillRaw, -int64(sl.rawLen))
+		s.add(cSpillSlabs, -1)
+		s.env.spillMu.Lock()
+		f := s.env.spill
+		s.env.spillMu.Unlock()
+		if f != nil {
+			f.release(sl.spill.off, sl.spill.n)
+		}
+	}
+	sl.buf, sl.comp, sl.spill, sl.spans, sl.valid = nil, nil, nil, nil, 0
+	sl.dropped = true
+}
+
+// Bounds describes what a store holds, in absolute sequence numbers.
+type Bounds struct {
+	Anchored   bool
+	Base       uint64 // abs of the anchor: the first sequence seen, or the one given to SetBase
+	Floor      uint64 // bytes below were trimmed or precede SetBase's base (0: none dropped)
+	First      uint64 // lowest retained byte
+	Contiguous uint64 // every byte of [First, Contiguous) is retained
+	Last       uint64 // one past the highest retained byte
+	Retained   int64  // bytes retained; Last-First minus the holes
+}
+
+// Bounds returns the store's live bounds. With nothing retained, First, Contiguous and
+// Last all equal the trim point.
+func (s *Store) Bounds() Bounds {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return Bounds{Anchored: s.u.Anchored(), Base: s.base, Floor: s.floor,
+		First: s.first, Contiguous: s.contig, Last: s.last, Retained: s.retained}
+}
+
+// Stats returns the store's memory accounting and counters.
+func (s *Store) Stats() Stats {
+	st := s.own.snapshot()
+	st.Conns = 1
+	if s.standalone {
+		st.PooledBytes = s.env.meter.pooled.Load()
+	}
+	return st
+}
+
+// Close frees everything the store holds. Later calls fail with ErrClosed.
+func (s *Store) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	for _, sl := range s.slabs {
+		if sl != nil {
+			s.drop(sl)
+		}
+	}
+	s.slabs = nil
+	s.mu.Unlock()
+	if s.standalone {
+		s.env.pool.drain()
+		if err := s.env.closeSpill(); err != nil {
+			return fmt.Errorf("close netlog store: %w", err)
+		}
+	}
+	return nil
+}
+
+var errInternal = errors.New("netlog internal error")

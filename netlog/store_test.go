@@ -1,0 +1,322 @@
+package netlog
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"math"
+	"math/rand/v2"
+	"testing"
+)
+
+func newTestStore(t testing.TB, opt Options) *Store {
+	t.Helper()
+	s, err := NewStore(opt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	return s
+}
+
+// testStream returns n pseudo-random bytes; byte i is the sender's byte at offset i.
+func testStream(seed uint64, n int) []byte {
+	r := rand.New(rand.NewPCG(seed, seed^0x9E3779B97F4A7C15))
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte(r.Uint32())
+	}
+	return b
+}
+
+type op struct {
+	trim     bool // Trim at off instead of appending
+	off, n   int  // relative to the base sequence
+	flip     []int
+	conflict [2]int // expected ConflictError [From, To) relative, when flip is set
+}
+
+func seg(off, n int) op { return op{off: off, n: n} }
+
+func TestStoreOverlaps(t *testing.T) {
+	const slab = 256
+	tests := []struct {
+		name                  string
+		ops                   []op
+		first, contig, last   int
+		retained, appended    int
+		dup, below, conflicts int
+		holes                 [][2]int // ranges expected to fail with ErrHole, [From, To) relative
+	}{
+		{name: "single segment", ops: []op{seg(0, 100)}, contig: 100, last: 100, retained: 100, appended: 100},
+		{name: "exact duplicate", ops: []op{seg(0, 100), seg(0, 100)}, contig: 100, last: 100, retained: 100, appended: 100, dup: 100},
+		{name: "duplicate prefix", ops: []op{seg(0, 100), seg(0, 40)}, contig: 100, last: 100, retained: 100, appended: 100, dup: 40},
+		{name: "duplicate suffix", ops: []op{seg(0, 100), seg(60, 40)}, contig: 100, last: 100, retained: 100, appended: 100, dup: 40},
+		{name: "overlap then extend", ops: []op{seg(0, 100), seg(50, 100)}, contig: 150, last: 150, retained: 150, appended: 150, dup: 50},
+		{name: "new prefix overlapping old", ops: []op{seg(50, 100), seg(0, 100)}, first: 0, contig: 150, last: 150, retained: 150, appended: 150, dup: 50},
+		{name: "contained", ops: []op{seg(0, 300), seg(100, 100)}, contig: 300, last: 300, retained: 300, appended: 300, dup: 100},
+		{name: "containing", ops: []op{seg(100, 100), seg(0, 300)}, contig: 300, last: 300, retained: 300, appended: 300, dup: 100},
+		{name: "spanning several slabs", ops: []op{seg(10, 1000), seg(100, 800), seg(500, 1000)}, first: 10, contig: 1500, last: 1500, retained: 1490, appended: 1490, dup: 800 + 510},
+		{name: "GSO-sized segment over many slabs", ops: []op{seg(0, 65536), seg(1448, 1448), seg(65536-100, 200)}, contig: 65636, last: 65636, retained: 65636, appended: 65636, dup: 1448 + 100},
+		{name: "out-of-order fills a hole", ops: []op{seg(0, 100), seg(200, 100), seg(100, 100)}, contig: 300, last: 300, retained: 300, appended: 300},
+		{name: "hole left open", ops: []op{seg(0, 100), seg(200, 100)}, contig: 100, last: 300, retained: 200, appended: 200,
+			holes: [][2]int{{100, 200}}},
+		{name: "hole across slab boundaries", ops: []op{seg(0, 100), seg(900, 100)}, contig: 100, last: 1000, retained: 200, appended: 200,
+			holes: [][2]int{{100, 900}}},
+		{name: "one segment fills several holes", ops: []op{seg(0, 10), seg(20, 10), seg(40, 10), seg(600, 10), seg(0, 700)}, contig: 700, last: 700, retained: 700, appended: 700, dup: 40},
+		{name: "arrival before the first byte, not touching", ops: []op{seg(500, 100), seg(100, 100)}, first: 100, contig: 200, last: 600, retained: 200, appended: 200,
+			holes: [][2]int{{200, 500}}},
+		{name: "arrival before the first byte, touching", ops: []op{seg(500, 100), seg(300, 200)}, first: 300, contig: 600, last: 600, retained: 300, appended: 300},
+		{name: "retransmission from before the anchor", ops: []op{seg(0, 100), seg(-50, 100)}, first: -50, contig: 100, last: 100, retained: 150, appended: 150, dup: 50},
+		{name: "conflicting byte", ops: []op{seg(0, 100), {off: 50, n: 100, flip: []int{60}, conflict: [2]int{60, 61}}},
+			contig: 100, last: 100, retained: 100, appended: 100, conflicts: 1},
+		{name: "conflicts across slabs", ops: []op{seg(0, 1000), {off: 0, n: 1200, flip: []int{70, 600, 999}, conflict: [2]int{70, 1000}}},
+			contig: 1000, last: 1000, retained: 1000, appended: 1000, conflicts: 1},
+		{name: "conflict in a later overlap of the segment", ops: []op{seg(0, 10), seg(20, 10), {off: 0, n: 30, flip: []int{25}, conflict: [2]int{25, 26}}},
+			contig: 10, last: 30, retained: 20, appended: 20, conflicts: 1, holes: [][2]int{{10, 20}}},
+		{name: "flip in a hole is not a conflict", ops: []op{seg(0, 10), seg(20, 10), {off: 0, n: 30, flip: []int{15}}},
+			contig: 30, last: 30, retained: 30, appended: 30, dup: 20},
+		{name: "trim then retransmission below it", ops: []op{seg(0, 600), {trim: true, off: 300}, seg(200, 200)},
+			first: 300, contig: 600, last: 600, retained: 300, appended: 600, dup: 100, below: 100},
+		{name: "trim inside a hole", ops: []op{seg(0, 100), seg(700, 100), {trim: true, off: 300}},
+			first: 700, contig: 800, last: 800, retained: 100, appended: 200, holes: [][2]int{{300, 700}}},
+		{name: "trim past everything", ops: []op{seg(0, 600), {trim: true, off: 1000}, seg(990, 20)},
+			first: 1000, contig: 1010, last: 1010, retained: 10, appended: 610, below: 10},
+	}
+	for _, isn := range []uint32{1000, math.MaxUint32 - 400} { // the second crosses the wrap
+		for _, tt := range tests {
+			t.Run(tt.name, func(t *testing.T) {
+				s := newTestStore(t, Options{SlabSize: slab})
+				stream := testStream(uint64(len(tt.name)), 70000)
+				const pre = 1000 // stream offset of the base sequence; ops may go below it
+				want := bytes.Clone(stream)
+				// The store anchors on the first segment: relative offset 0 is where the
+				// anchor's epoch puts isn, whichever offset came first.
+				first := tt.ops[0].off
+				base := (AnchorEpoch | uint64(isn+uint32(int32(first)))) - uint64(int64(first))
+				for i, o := range tt.ops {
+					seq := isn + uint32(int32(o.off))
+					if o.trim {
+						if _, err := s.Trim(seq); err != nil {
+							t.Fatal(err)
+						}
+						continue
+					}
+					p := bytes.Clone(stream[pre+o.off : pre+o.off+o.n])
+					for _, f := range o.flip {
+						p[f-o.off] ^= 0x5A
+					}
+					err := s.Append(seq, p)
+					if o.conflict != [2]int{} {
+						var ce *ConflictError
+						if !errors.As(err, &ce) || !errors.Is(err, ErrConflict) {
+							t.Fatalf("op %d: err = %v, want a ConflictError", i, err)
+						}
+						if want := [2]uint64{base + uint64(int64(o.conflict[0])), base + uint64(int64(o.conflict[1]))}; [2]uint64{ce.From, ce.To} != want {
+							t.Fatalf("op %d: conflict [%d, %d), want %v (base %d)", i, ce.From, ce.To, want, base)
+						}
+						if ce.Existing == ce.Offered {
+							t.Fatalf("op %d: conflict reports equal bytes %#x", i, ce.Existing)
+						}
+						continue
+					}
+					if err != nil {
+						t.Fatalf("op %d: %v", i, err)
+					}
+					for _, f := range o.flip { // stored where it filled a hole
+						want[pre+f] ^= 0x5A
+					}
+				}
+				rel := func(v int) uint64 { return base + uint64(int64(v)) }
+				b := s.Bounds()
+				if b.Base != AnchorEpoch|uint64(isn+uint32(int32(first))) || b.First != rel(tt.first) || b.Contiguous != rel(tt.contig) || b.Last != rel(tt.last) || b.Retained != int64(tt.retained) {
+					t.Fatalf("bounds %+v (relative first %d contig %d last %d), want first %d contig %d last %d retained %d",
+						b, int64(b.First-base), int64(b.Contiguous-base), int64(b.Last-base), tt.first, tt.contig, tt.last, tt.retained)
+				}
+				st := s.Stats()
+				if st.AppendedBytes != int64(tt.appended) || st.DuplicateBytes != int64(tt.dup) || st.BelowFloorBytes != int64(tt.below) ||
+					st.Conflicts != int64(tt.conflicts) || st.RetainedBytes != int64(tt.retained) {
+					t.Fatalf("stats %+v, want appended %d dup %d below %d conflicts %d retained %d", st, tt.appended, tt.dup, tt.below, tt.conflicts, tt.retained)
+				}
+				got, err := s.Bytes(b.First, b.Contiguous)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if !bytes.Equal(got, want[pre+tt.first:pre+tt.contig]) {
+					t.Fatal("contiguous range differs from the stream")
+				}
+				var w bytes.Buffer
+				if n, err := s.WriteRange(context.Background(), &w, b.First, b.Contiguous); err != nil || n != int64(len(got)) || !bytes.Equal(w.Bytes(), got) {
+					t.Fatalf("WriteRange: n %d err %v, equal %v", n, err, bytes.Equal(w.Bytes(), got))
+				}
+				for _, h := range tt.holes {
+					_, err := s.Bytes(rel(h[0]), rel(h[1]+5))
+					var re *RangeError
+					if !errors.As(err, &re) || !errors.Is(err, ErrHole) {
+						t.Fatalf("hole %v: err = %v, want ErrHole", h, err)
+					}
+					if re.From != rel(h[0]) || re.To != rel(h[1]) {
+						t.Fatalf("hole reported as [%d, %d), want %v", int64(re.From-base), int64(re.To-base), h)
+					}
+				}
+				if _, err := s.Bytes(b.Last, b.Last+1); !errors.Is(err, ErrHole) {
+					t.Fatalf("byte past the end: err = %v, want ErrHole", err)
+				}
+				if b.Floor > 0 {
+					_, err := s.Bytes(b.Floor-1, b.Floor+1)
+					var re *RangeError
+					if !errors.As(err, &re) || !errors.Is(err, ErrTrimmed) || re.From != b.Floor-1 || re.To != b.Floor {
+						t.Fatalf("range across the trim point: err = %v, want ErrTrimmed [floor-1, floor)", err)
+					}
+				}
+			})
+		}
+	}
+}
+
+func TestStoreSetBase(t *testing.T) {
+	s := newTestStore(t, Options{SlabSize: 256})
+	inq := uint32(math.MaxUint32 - 10)
+	base, err := s.SetBase(inq)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if base != AnchorEpoch|uint64(inq) {
+		t.Fatalf("base %#x", base)
+	}
+	if _, err := s.SetBase(5); !errors.Is(err, ErrAnchored) {
+		t.Fatalf("second SetBase: %v, want ErrAnchored", err)
+	}
+	stream := testStream(7, 200)
+	// A retransmission straddling the base: only the part at or after it is kept.
+	if err := s.Append(inq-50, stream[50:150]); err != nil {
+		t.Fatal(err)
+	}
+	b := s.Bounds()
+	if b.Floor != base || b.First != base || b.Contiguous != base+50 || b.Retained != 50 {
+		t.Fatalf("bounds %+v", b)
+	}
+	if st := s.Stats(); st.BelowFloorBytes != 50 {
+		t.Fatalf("below-floor bytes %d, want 50", st.BelowFloorBytes)
+	}
+	got, err := s.Bytes(base, base+50)
+	if err != nil || !bytes.Equal(got, stream[100:150]) {
+		t.Fatalf("read back: %v", err)
+	}
+	if _, err := s.Bytes(base-1, base+1); !errors.Is(err, ErrTrimmed) {
+		t.Fatalf("before the base: %v, want ErrTrimmed", err)
+	}
+}
+
+func TestStoreEmptyAndInvalid(t *testing.T) {
+	s := newTestStore(t, Options{})
+	if err := s.Append(5, nil); err != nil {
+		t.Fatal(err)
+	}
+	if b := s.Bounds(); b.Anchored {
+		t.Fatal("an empty segment anchored the store")
+	}
+	if _, err := s.Bytes(10, 5); err == nil {
+		t.Fatal("reversed range accepted")
+	}
+	if got, err := s.Bytes(10, 10); err != nil || len(got) != 0 {
+		t.Fatalf("empty range: %v %v", got, err)
+	}
+	if _, err := s.Bytes(AnchorEpoch, AnchorEpoch+1); !errors.Is(err, ErrHole) {
+		t.Fatalf("read from an empty store: %v, want ErrHole", err)
+	}
+	if err := s.TrimAbs(AnchorEpoch); err == nil {
+		t.Fatal("TrimAbs on an unanchored store accepted")
+	}
+	for _, bad := range []Options{{SlabSize: 1000}, {SlabSize: 128}, {SpillAboveRAM: 1}, {CompressAfter: -1}} {
+		if _, err := NewStore(bad); err == nil {
+			t.Fatalf("options %+v accepted", bad)
+		}
+	}
+	s.Close()
+	if err := s.Append(1, []byte{1}); !errors.Is(err, ErrClosed) {
+		t.Fatalf("append after close: %v", err)
+	}
+}
+
+// TestStoreTrimReleasesSlabs checks that Trim gives slab memory back and that a contiguous
+// stream reuses pooled slabs instead of allocating.
+func TestStoreTrimReleasesSlabs(t *testing.T) {
+	const slab = 4096
+	s := newTestStore(t, Options{SlabSize: slab, PoolSlabs: 2})
+	stream := testStream(3, 64*slab)
+	isn := uint32(math.MaxUint32 - 3*slab) // wrap inside the test
+	for off := 0; off < len(stream); off += 1448 {
+		end := min(off+1448, len(stream))
+		if err := s.Append(isn+uint32(off), stream[off:end]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	st := s.Stats()
+	// The first slab is partial (the ISN is mid-window), the last one too.
+	if st.RAMSlabs != 65 || st.RAMBytes > 65*slab || st.RetainedBytes != int64(len(stream)) {
+		t.Fatalf("after append: %+v", st)
+	}
+	abs, err := s.Trim(isn + uint32(60*slab))
+	if err != nil {
+		t.Fatal(err)
+	}
+	st = s.Stats()
+	if st.RetainedBytes != 4*slab || st.RAMSlabs > 5 || st.RAMBytes > 5*slab || st.PooledBytes != 2*slab {
+		t.Fatalf("after trim: %+v", st)
+	}
+	if b := s.Bounds(); b.First != abs || b.Contiguous != abs+4*slab || b.Floor != abs {
+		t.Fatalf("bounds after trim: %+v (trim abs %d)", b, abs)
+	}
+	got, err := s.Bytes(abs, abs+4*slab)
+	if err != nil || !bytes.Equal(got, stream[60*slab:]) {
+		t.Fatalf("read after trim: %v", err)
+	}
+	if _, err := s.Trim(isn + uint32(len(stream))); err != nil {
+		t.Fatal(err)
+	}
+	if st := s.Stats(); st.RAMBytes != 0 || st.RAMSlabs != 0 || st.RetainedBytes != 0 {
+		t.Fatalf("after trimming everything: %+v", st)
+	}
+}
+
+// TestStoreSmallConnection checks that a connection sending a few bytes does not cost a slab.
+func TestStoreSmallConnection(t *testing.T) {
+	s := newTestStore(t, Options{}) // 1 MiB slabs
+	if err := s.Append(12345, []byte("barrier")); err != nil {
+		t.Fatal(err)
+	}
+	if st := s.Stats(); st.RAMBytes != minBuf {
+		t.Fatalf("a 7-byte connection holds %d bytes of RAM, want %d", st.RAMBytes, minBuf)
+	}
+	big := testStream(1, 100000)
+	if err := s.Append(12345+7, big); err != nil {
+		t.Fatal(err)
+	}
+	st := s.Stats()
+	if st.RAMBytes != 131072 {
+		t.Fatalf("after 100 KB: %d bytes of RAM, want 131072", st.RAMBytes)
+	}
+	got, err := s.Bytes(AnchorEpoch|12345, AnchorEpoch|12345+100007)
+	if err != nil || string(got[:7]) != "barrier" || !bytes.Equal(got[7:], big) {
+		t.Fatalf("read back: %v", err)
+	}
+}
+
+func TestAppendAllocations(t *testing.T) {
+	s := newTestStore(t, Options{})
+	p := testStream(9, 1448)
+	seq := uint32(0)
+	for i := 0; i < 2000; i++ { // reach the bulk regime and a full slab
+		s.Append(seq, p)
+		seq += 1448
+	}
+	allocs := testing.AllocsPerRun(1000, func() {
+		s.Append(seq, p)
+		seq += 1448
+	})
+	// One 1 MiB slab per 724 segments; everything else must not allocate.
+	if allocs > 0.01 {
+		t.Fatalf("%.4f allocations per 1448-byte append", allocs)
+	}
+}
