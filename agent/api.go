@@ -13,6 +13,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/internal/version"
 )
 
@@ -157,6 +158,24 @@ func (a *Agent) routes() *http.ServeMux {
 			return
 		}
 		writeJSON(w, http.StatusOK, ms)
+	})
+	mux.HandleFunc("POST /v1/restore", func(w http.ResponseWriter, r *http.Request) {
+		var req RestoreRequest
+		if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 1<<20)).Decode(&req); err != nil || req.Snapshot == "" {
+			writeError(w, http.StatusBadRequest, fmt.Errorf("restore request needs a snapshot id: %v", err))
+			return
+		}
+		j, err := a.Restore(r.Context(), req, callerOf(r).Uid)
+		switch {
+		case errors.Is(err, ErrNoJob) || errors.Is(err, ckpt.ErrNotFound):
+			writeError(w, http.StatusNotFound, err)
+		case errors.Is(err, ErrCorruptSnapshot) || errors.Is(err, ErrJobAlive):
+			writeError(w, http.StatusConflict, err)
+		case err != nil:
+			writeError(w, http.StatusInternalServerError, err)
+		default:
+			writeJSON(w, http.StatusOK, j)
+		}
 	})
 	mux.HandleFunc("POST /v1/jobs/{id}/signal", func(w http.ResponseWriter, r *http.Request) {
 		var req struct {

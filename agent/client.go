@@ -120,3 +120,9 @@ func (c *Client) Snapshots(ctx context.Context, job string) ([]*ckpt.Manifest, e
 	var ms []*ckpt.Manifest
 	return ms, c.do(ctx, http.MethodGet, "/v1/snapshots?job="+url.QueryEscape(job), nil, &ms)
 }
+
+// Restore restores a job on this agent's host from a snapshot.
+func (c *Client) Restore(ctx context.Context, req RestoreRequest) (Job, error) {
+	var j Job
+	return j, c.do(ctx, http.MethodPost, "/v1/restore", req, &j)
+}

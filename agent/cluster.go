@@ -2,10 +2,10 @@ package agent
 
 import (
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"crypto/tls"
 	"io"
 	"net"
 	"time"
@@ -24,6 +24,7 @@ type clusterOp string
 const (
 	opPing     clusterOp = "ping"     // liveness and the peer's running jobs
 	opSnapshot clusterOp = "snapshot" // the caller ships a snapshot to us (we are its protector)
+	opFetch    clusterOp = "fetch"    // the caller asks for a snapshot we hold (to restore it)
 )
 
 type clusterRequest struct {
@@ -124,13 +125,17 @@ func (a *Agent) handleCluster(ctx context.Context, c net.Conn) {
 		}
 		writeHeader(c, PingReply{Node: a.cfg.Name, Jobs: jobs})
 	case opSnapshot:
-		got, err := ship.Receive(ctx, c, a.store, ship.ReceiveOptions{Peer: peer, Logger: a.log})
+		got, err := ship.Receive(ctx, c, a.store, ship.ReceiveOptions{Peer: peer, Authorize: ship.FromNode(peer), Logger: a.log})
 		if err != nil {
 			a.log.Warn("snapshot from peer refused", "peer", peer, "err", err)
 			return
 		}
 		a.log.Info("replica stored", "peer", peer, "job", got.Manifest.Job, "snapshot", got.Manifest.ID,
 			"bytes", got.Bytes, "wire_bytes", got.WireBytes, "ms", got.Duration.Milliseconds())
+	case opFetch:
+		if err := a.serveFetch(ctx, c, peer); err != nil {
+			a.log.Warn("snapshot fetch failed", "peer", peer, "err", err)
+		}
 	default:
 		a.log.Warn("unknown cluster operation", "peer", peer, "op", req.Op)
 	}

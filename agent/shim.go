@@ -119,9 +119,10 @@ func startJob(spec ShimSpec) (int, error) {
 		return 0, err
 	}
 	defer null.Close()
-	// O_APPEND: after a restore truncates a file back to its snapshot size, the job's writes land at the end.
+	// Not O_APPEND: CRIU records no size for O_WRONLY|O_APPEND files (it takes them for logs), and the
+	// recovery contract needs the size to truncate back to. The restored offset then equals that size.
 	open := func(p string) (*os.File, error) {
-		f, err := os.OpenFile(p, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
+		f, err := os.OpenFile(p, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o644)
 		if err != nil {
 			return nil, fmt.Errorf("open job output: %w", err)
 		}

@@ -23,6 +23,7 @@ type guard struct {
 	idle      time.Duration
 	mu        sync.Mutex
 	cancelled bool
+	allowance time.Duration // extra wait while the peer does heavy work
 	stop      func() bool
 }
 
@@ -54,8 +55,23 @@ func (g *guard) arm() {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if !g.cancelled {
-		g.d.SetDeadline(time.Now().Add(g.idle))
+		g.d.SetDeadline(time.Now().Add(g.idle + g.allowance))
 	}
+}
+
+// allow adds d to every deadline from now on (0 to stop), for waits that
+// cover work on the peer proportional to the snapshot size.
+func (g *guard) allow(d time.Duration) {
+	g.mu.Lock()
+	g.allowance = d
+	g.mu.Unlock()
+	g.arm()
+}
+
+// hashAllowance is how long a peer may need to hash and fsync size bytes,
+// at a conservative 50 MB/s.
+func hashAllowance(size int64) time.Duration {
+	return time.Duration(size/(50<<20)+1) * time.Second
 }
 
 // release stops watching the context and clears the deadline, so the

@@ -56,7 +56,8 @@ type Received struct {
 //	for { if _, err := ship.Receive(ctx, conn, store, opts); err != nil { break } }
 //
 // On any failure the pending copy is discarded, the sender gets a NACK with
-// the reason when the stream still allows it, and nothing becomes visible.
+// the reason when the stream still allows it, and nothing becomes visible;
+// the caller must then close conn.
 func Receive(ctx context.Context, conn io.ReadWriter, store *ckpt.Store, opts ReceiveOptions) (*Received, error) {
 	start := time.Now()
 	log := opts.Logger
@@ -127,7 +128,7 @@ func drain(conn io.ReadWriter, g *guard) {
 	}
 	g.mu.Lock()
 	if !g.cancelled {
-		g.d.SetDeadline(time.Now().Add(2 * time.Second))
+		g.d.SetDeadline(time.Now().Add(min(2*time.Second, g.idle)))
 	}
 	g.mu.Unlock()
 	io.Copy(io.Discard, io.LimitReader(conn, 64<<20))

@@ -52,7 +52,8 @@ func (e *RemoteError) Error() string { return "protector refused the snapshot: "
 // conn, waits for its acknowledgement, and only then records opts.Peer as a
 // replica in the local manifest. Files are hashed while read; a local file
 // that no longer matches its manifest aborts the transfer with a
-// *ckpt.VerifyError.
+// *ckpt.VerifyError. Several snapshots may be sent over one connection one
+// after another, but after any error the caller must close it.
 func Send(ctx context.Context, conn io.ReadWriter, store *ckpt.Store, job, id string, opts SendOptions) (*Sent, error) {
 	start := time.Now()
 	if err := ckpt.ValidName(opts.Peer); err != nil {
@@ -92,7 +93,10 @@ func Send(ctx context.Context, conn io.ReadWriter, store *ckpt.Store, job, id st
 	if err := bw.Flush(); err != nil {
 		return fail("write manifest", err)
 	}
+	// The protector verifies an existing copy before answering.
+	g.allow(hashAllowance(m.TotalSize()))
 	t, p, err := fr.next()
+	g.allow(0)
 	if err != nil {
 		return fail("read reply to manifest", err)
 	}
@@ -170,6 +174,8 @@ func Send(ctx context.Context, conn io.ReadWriter, store *ckpt.Store, job, id st
 	if err := bw.Flush(); err != nil {
 		return fail("write DONE", err)
 	}
+	// The protector re-hashes and fsyncs everything before it answers.
+	g.allow(hashAllowance(m.TotalSize()))
 	var r replyFrame
 	select {
 	case r = <-replies:

@@ -645,3 +645,52 @@ func TestSendStopsOnEarlyNack(t *testing.T) {
 		t.Error("replica recorded after a NACK")
 	}
 }
+
+func TestIdleTimeouts(t *testing.T) {
+	origin := openStore(t, "node1")
+	m := makeSnapshot(t, origin, "job", smallFiles())
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	recvErr := make(chan error, 1)
+	go func() {
+		// First connection: a protector that reads but never answers.
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		go func() { io.Copy(io.Discard, c); c.Close() }()
+		// Second connection: a receiver facing a sender that stalls after HELLO.
+		c2, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c2.Close()
+		_, err = Receive(context.Background(), c2, openStore(t, "prot"), ReceiveOptions{IdleTimeout: 200 * time.Millisecond})
+		recvErr <- err
+	}()
+
+	start := time.Now()
+	conn := dial(t, ln.Addr().String())
+	_, err = Send(context.Background(), conn, origin, "job", m.ID, SendOptions{Peer: "prot", IdleTimeout: 200 * time.Millisecond})
+	if !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Errorf("Send to a silent protector = %v, want a deadline error", err)
+	}
+	// 200 ms idle plus the 1 s allowance for verifying a small snapshot.
+	if d := time.Since(start); d > 3*time.Second {
+		t.Errorf("Send gave up after %v", d)
+	}
+
+	stalled := dial(t, ln.Addr().String())
+	writeFrame(stalled, frameHello, helloPayload())
+	select {
+	case err := <-recvErr:
+		if !errors.Is(err, os.ErrDeadlineExceeded) {
+			t.Errorf("Receive from a stalled sender = %v, want a deadline error", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("Receive did not time out")
+	}
+}

@@ -84,21 +84,29 @@ func (s *tcpStream) encode() ([]byte, error) {
 // occupy sequence numbers [old inq_seq, new inq_seq), mod 2^32.
 func (s *tcpStream) appendReceive(name string, data []byte) error {
 	e := s.entry
-	total := uint64(len(s.inq)) + uint64(len(data))
-	if total > maxQueue {
-		return fmt.Errorf("image %s: field inq_len would be %d bytes (%d queued + %d injected), over the %d limit of the sequence space: %w",
-			name, total, len(s.inq), len(data), maxQueue, ErrInconsistent)
+	total, err := newQueueLen(name, "inq_len", uint64(len(s.inq)), uint64(len(data)))
+	if err != nil {
+		return err
 	}
 	s.inq = slices.Concat(s.inq, data) // never append into the decoded file buffer
-	n := uint32(len(data))
-	e.InqLen = proto.Uint32(uint32(total))
-	e.InqSeq = proto.Uint32(e.GetInqSeq() + n) // wraps mod 2^32, as TCP does
+	e.InqLen = proto.Uint32(total)
+	e.InqSeq = proto.Uint32(e.GetInqSeq() + uint32(len(data))) // wraps mod 2^32, as TCP does
 	// rcv_wup is where the receiver last advertised its window; moving it to
 	// rcv_nxt re-opens the full rcv_wnd after the injected bytes.
 	if e.RcvWup != nil {
 		e.RcvWup = proto.Uint32(e.GetInqSeq())
 	}
 	return nil
+}
+
+// newQueueLen is the length of a queue of have bytes after adding add, or an
+// error if that leaves the sequence space the kernel can compare in.
+func newQueueLen(name, field string, have, add uint64) (uint32, error) {
+	if have+add > maxQueue || add > maxQueue {
+		return 0, fmt.Errorf("image %s: field %s would be %d bytes (%d + %d added), over the %d a TCP queue can span in 2^32 sequence numbers: %w",
+			name, field, have+add, have, add, maxQueue, ErrInconsistent)
+	}
+	return uint32(have + add), nil
 }
 
 // seqAfter reports whether sequence number a is after b, mod 2^32 (the

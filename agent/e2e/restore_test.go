@@ -1,0 +1,133 @@
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/lab/labcluster"
+)
+
+// startWrapped starts ftwrap for argv on host and returns it with the job id once the agent lists it.
+func startWrapped(t *testing.T, c *labcluster.Cluster, host, name string, argv ...string) (*exec.Cmd, *bytes.Buffer, string) {
+	t.Helper()
+	cmd := ftwrap(c, host, append([]string{"--name", name, "--"}, argv...)...)
+	var out bytes.Buffer
+	cmd.Stdout = &out
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		jobs, _ := c.Client(host).Jobs(context.Background())
+		for _, j := range jobs {
+			if j.Spec.Name == name {
+				return cmd, &out, j.ID
+			}
+		}
+	}
+	t.Fatalf("job %s did not appear on %s", name, host)
+	return nil, nil, ""
+}
+
+func waitCmd(t *testing.T, cmd *exec.Cmd, timeout time.Duration) error {
+	t.Helper()
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	select {
+	case err := <-done:
+		return err
+	case <-time.After(timeout):
+		cmd.Process.Kill()
+		return fmt.Errorf("still running after %s", timeout)
+	}
+}
+
+func TestCrashAndRestoreOnSpare(t *testing.T) {
+	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
+	ctx := context.Background()
+
+	// What a failure-free run prints.
+	memArgs := []string{bins.Memcounter, "--mb", "64", "--steps", "300", "--delay", "50ms"}
+	want, err := exec.Command(memArgs[0], append(append([]string{}, memArgs[1:]...), "--delay", "0s")...).Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wantCount strings.Builder
+	for i := 0; i < 400; i++ {
+		fmt.Fprintln(&wantCount, i)
+	}
+
+	memCmd, memOut, memJob := startWrapped(t, c, "node1", "mem", memArgs...)
+	cntCmd, cntOut, cntJob := startWrapped(t, c, "node1", "count", "sh", "-c",
+		`i=0; while [ $i -lt 400 ]; do echo $i; i=$((i+1)); sleep 0.03; done`)
+
+	latest := map[string]string{}
+	for round := 0; round < 3; round++ {
+		time.Sleep(400 * time.Millisecond)
+		reply, err := c.Client("node1").Checkpoint(ctx, memJob, cntJob)
+		if err != nil || reply.Error != "" || len(reply.Results) != 2 {
+			t.Fatalf("checkpoint round %d: %+v, %v", round, reply, err)
+		}
+		for _, r := range reply.Results {
+			if !r.Shipped {
+				t.Fatalf("snapshot %s not replicated: %s", r.Manifest.ID, r.ShipErr)
+			}
+			latest[r.Manifest.Job] = r.Manifest.ID
+			t.Logf("round %d: job %s snapshot %s, %.1f MB, frozen %s", round, r.Manifest.Job, r.Manifest.ID,
+				float64(r.Manifest.TotalSize())/1e6, r.Manifest.Stats.FrozenTime)
+		}
+	}
+	time.Sleep(300 * time.Millisecond) // output past the last snapshot, which the restored jobs write again
+	if err := c.Lab.Crash(ctx, "node1"); err != nil {
+		t.Fatal(err)
+	}
+
+	for _, job := range []string{memJob, cntJob} {
+		start := time.Now()
+		j, err := c.Client("spare1").Restore(ctx, agent.RestoreRequest{Snapshot: latest[job], Job: job})
+		if err != nil {
+			t.Fatalf("restore %s on spare1: %v", job, err)
+		}
+		if j.Node != "spare1" || j.Restored != latest[job] {
+			t.Fatalf("restored job %+v", j)
+		}
+		t.Logf("job %s restored on spare1 from %s in %s", job, latest[job], time.Since(start))
+	}
+	if err := waitCmd(t, memCmd, 60*time.Second); err != nil {
+		t.Fatalf("ftwrap of the memory job: %v", err)
+	}
+	if err := waitCmd(t, cntCmd, 60*time.Second); err != nil {
+		t.Fatalf("ftwrap of the counter job: %v", err)
+	}
+	if memOut.String() != string(want) {
+		t.Errorf("memory job output differs from a failure-free run:\n got %d bytes\nwant %d bytes\n%s", memOut.Len(), len(want), firstDiff(memOut.String(), string(want)))
+	}
+	if cntOut.String() != wantCount.String() {
+		t.Errorf("counter output has a gap or a repeated line:\n%s", firstDiff(cntOut.String(), wantCount.String()))
+	}
+	// The output files themselves, not just what ftwrap printed, continue without a gap.
+	got, err := os.ReadFile(filepath.Join(labcluster.JobsDir(c.Lab.State().ID), cntJob, "stdout"))
+	if err != nil || string(got) != wantCount.String() {
+		t.Errorf("counter's output file after restore: %v\n%s", err, firstDiff(string(got), wantCount.String()))
+	}
+}
+
+func firstDiff(got, want string) string {
+	g, w := strings.Split(got, "\n"), strings.Split(want, "\n")
+	for i := 0; i < len(g) && i < len(w); i++ {
+		if g[i] != w[i] {
+			return fmt.Sprintf("line %d: got %q, want %q", i+1, g[i], w[i])
+		}
+	}
+	return fmt.Sprintf("got %d lines, want %d", len(g), len(w))
+}
+

@@ -1,0 +1,262 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/ckpt/ship"
+)
+
+// RestoreRequest asks an agent to restore a job on its host from a snapshot.
+type RestoreRequest struct {
+	Snapshot string `json:"snapshot"`         // snapshot id
+	Job      string `json:"job,omitempty"`    // job id; found from the snapshot id if empty
+	Force    bool   `json:"force,omitempty"`  // restore even if the job's node answers and runs it
+	Source   string `json:"source,omitempty"` // member to fetch the snapshot from if this host lacks it
+}
+
+// ErrCorruptSnapshot means the snapshot failed verification; the error names the file and the next older
+// snapshot that verifies.
+var ErrCorruptSnapshot = errors.New("snapshot failed verification")
+
+// ErrJobAlive means the job still runs on its node, so restoring it would run it twice.
+var ErrJobAlive = errors.New("job still running")
+
+// Restore restores a job on this host from a snapshot: the manual restore of a job whose node is gone
+// (the automatic fail-over with log replay lives in the restorer).
+func (a *Agent) Restore(ctx context.Context, req RestoreRequest, uid uint32) (*Job, error) {
+	if req.Job == "" {
+		req.Job = a.findJobOfSnapshot(ctx, req.Snapshot)
+		if req.Job == "" {
+			return nil, fmt.Errorf("%w: snapshot %s is not held by %s or any member that answers; name the job with --job", ckpt.ErrNotFound, req.Snapshot, a.cfg.Name)
+		}
+	}
+	if _, err := a.store.Manifest(req.Job, req.Snapshot); errors.Is(err, ckpt.ErrNotFound) || errors.Is(err, fs.ErrNotExist) {
+		if err := a.fetch(ctx, req.Job, req.Snapshot, req.Source); err != nil {
+			return nil, err
+		}
+	}
+	m, err := a.store.Verify(ctx, req.Job, req.Snapshot)
+	if err != nil {
+		return nil, a.corrupt(ctx, req, err)
+	}
+	var j Job
+	b, err := os.ReadFile(filepath.Join(a.store.Path(m.Job, m.ID), snapJob))
+	if err == nil {
+		err = json.Unmarshal(b, &j)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("snapshot %s has no usable job record: %w", m.ID, err)
+	}
+	if uid != 0 && j.UID != uid {
+		return nil, fmt.Errorf("%w: job %s belongs to uid %d", ErrNoJob, j.ID, j.UID)
+	}
+	if !req.Force {
+		if err := a.refuseIfAlive(ctx, j); err != nil {
+			return nil, err
+		}
+	}
+	work := filepath.Join(a.cfg.StateDir, "restore", m.Job+"-"+m.ID)
+	if err := linkTree(filepath.Join(a.store.Path(m.Job, m.ID), snapImages), work); err != nil {
+		return nil, fmt.Errorf("prepare images for restore: %w", err)
+	}
+	defer os.RemoveAll(work)
+	if err := a.restoreOutputs(m, j); err != nil {
+		return nil, err
+	}
+	start := time.Now()
+	pid, err := startShim(ctx, a.self, ShimSpec{
+		JobID: j.ID, Mode: ShimRestore, ImagesDir: work, CRIU: a.criu.Binary, ExitFile: j.ExitPath(), Node: a.cfg.Name,
+	}, a.shimLog(j.ID))
+	if err != nil {
+		return nil, err
+	}
+	j.Node, j.PID, j.State, j.Exit, j.Restored = a.cfg.Name, pid, JobRunning, nil, m.ID
+	if err := a.jobs.save(&j); err != nil {
+		return nil, err
+	}
+	a.mu.Lock()
+	a.byID[j.ID] = &j
+	a.notify()
+	a.mu.Unlock()
+	a.log.Info("job restored", "job", j.ID, "snapshot", m.ID, "from_node", m.Node, "pid", pid, "restore_ms", time.Since(start).Milliseconds())
+	return &j, nil
+}
+
+// corrupt turns a verification failure into an error that names the next older snapshot that verifies.
+func (a *Agent) corrupt(ctx context.Context, req RestoreRequest, verr error) error {
+	ids, _ := a.store.List(req.Job, "")
+	older := false
+	for _, id := range ids {
+		if id == req.Snapshot {
+			older = true
+			continue
+		}
+		if older {
+			if _, err := a.store.Verify(ctx, req.Job, id); err == nil {
+				return fmt.Errorf("%w: %v; the next older verified snapshot is %s: restore that one with `ftctl restore --snapshot %s`", ErrCorruptSnapshot, verr, id, id)
+			}
+		}
+	}
+	return fmt.Errorf("%w: %v; no older snapshot of job %s verifies on %s", ErrCorruptSnapshot, verr, req.Job, a.cfg.Name)
+}
+
+// refuseIfAlive asks the job's node whether it still runs the job.
+func (a *Agent) refuseIfAlive(ctx context.Context, j Job) error {
+	if j.Node == a.cfg.Name {
+		if cur, _, err := a.Job(j.ID, 0); err == nil && cur.State == JobRunning {
+			return fmt.Errorf("%w: job %s runs on this host (pid %d)", ErrJobAlive, j.ID, cur.PID)
+		}
+		return nil
+	}
+	pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	r, err := a.Ping(pctx, j.Node)
+	if err != nil {
+		return nil // the node does not answer: that is the case manual restore is for
+	}
+	if contains(r.Jobs, j.ID) {
+		return fmt.Errorf("%w: job %s still runs on %s, which answers; stop it first, or force", ErrJobAlive, j.ID, j.Node)
+	}
+	return nil
+}
+
+// findJobOfSnapshot looks for the job a snapshot id belongs to, locally.
+func (a *Agent) findJobOfSnapshot(ctx context.Context, id string) string {
+	jobs, _ := a.store.Jobs()
+	for _, job := range jobs {
+		if _, err := a.store.Manifest(job, id); err == nil {
+			return job
+		}
+	}
+	return ""
+}
+
+// fetch copies a snapshot from the member that holds it: source if given, else the snapshot's node's
+// protector (where replicas live), else any member that has it.
+func (a *Agent) fetch(ctx context.Context, job, id, source string) error {
+	sid, err := ckpt.ParseID(id)
+	if err != nil {
+		return err
+	}
+	var candidates []string
+	if source != "" {
+		candidates = []string{source}
+	} else {
+		if p, ok := a.cfg.Protector(sid.Node, nil); ok {
+			candidates = append(candidates, p.Name)
+		}
+		for _, m := range a.cfg.Cluster.Members {
+			if m.Name != a.cfg.Name && !contains(candidates, m.Name) {
+				candidates = append(candidates, m.Name)
+			}
+		}
+	}
+	var errs []error
+	for _, from := range candidates {
+		err := a.fetchFrom(ctx, from, job, id)
+		if err == nil {
+			return nil
+		}
+		errs = append(errs, fmt.Errorf("%s: %w", from, err))
+	}
+	return fmt.Errorf("fetch snapshot %s of job %s: %w", id, job, errors.Join(errs...))
+}
+
+type fetchRequest struct {
+	Job string `json:"job"`
+	ID  string `json:"id"`
+}
+
+func (a *Agent) fetchFrom(ctx context.Context, from, job, id string) error {
+	fctx, cancel := context.WithTimeout(ctx, 10*time.Minute)
+	defer cancel()
+	c, err := a.dialPeer(fctx, from, opFetch)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	if err := writeHeader(c, fetchRequest{Job: job, ID: id}); err != nil {
+		return err
+	}
+	got, err := ship.Receive(fctx, c, a.store, ship.ReceiveOptions{Peer: from, Logger: a.log})
+	if err != nil {
+		return err
+	}
+	a.log.Info("snapshot fetched", "job", job, "snapshot", id, "from", from, "bytes", got.Bytes, "ms", got.Duration.Milliseconds())
+	return nil
+}
+
+// serveFetch ships a snapshot this host holds to the member that asked for it.
+func (a *Agent) serveFetch(ctx context.Context, c io.ReadWriter, peer string) error {
+	var req fetchRequest
+	if err := readHeader(c, &req); err != nil {
+		return err
+	}
+	_, err := ship.Send(ctx, c, a.store, req.Job, req.ID, ship.SendOptions{Peer: peer, Logger: a.log})
+	return err
+}
+
+// restoreOutputs puts each regular file the job had open back to its size at the snapshot: a longer file
+// is truncated (the restored job writes those bytes again), a shorter or missing one of the job's own
+// outputs is rewritten from the copy in the snapshot. CRIU refuses a file whose size differs.
+func (a *Agent) restoreOutputs(m *ckpt.Manifest, j Job) error {
+	snapDir := a.store.Path(m.Job, m.ID)
+	for _, f := range m.OpenFiles {
+		st, err := os.Stat(f.Path)
+		switch {
+		case err == nil && st.Size() >= f.Size:
+			if err := os.Truncate(f.Path, f.Size); err != nil {
+				return fmt.Errorf("truncate %s to its snapshot size %d: %w", f.Path, f.Size, err)
+			}
+			continue
+		case err != nil && !errors.Is(err, fs.ErrNotExist):
+			return fmt.Errorf("stat %s: %w", f.Path, err)
+		}
+		rel, rerr := filepath.Rel(j.Dir, f.Path)
+		if rerr != nil || strings.HasPrefix(rel, "..") {
+			return fmt.Errorf("%s is missing or shorter than at the snapshot (%d bytes) and is not the job's own output; put it back and retry", f.Path, f.Size)
+		}
+		if err := os.MkdirAll(filepath.Dir(f.Path), 0o755); err != nil {
+			return err
+		}
+		if err := copyPrefix(filepath.Join(snapDir, snapOutputs, rel), f.Path, f.Size); err != nil {
+			return fmt.Errorf("recreate %s from the snapshot: %w", f.Path, err)
+		}
+		os.Chown(f.Path, int(j.UID), int(j.GID))
+	}
+	return nil
+}
+
+// linkTree hard-links (or copies, across file systems) every file of src into a fresh dst, so that
+// CRIU's restore log and image edits never touch the verified snapshot.
+func linkTree(src, dst string) error {
+	os.RemoveAll(dst)
+	return filepath.WalkDir(src, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(src, p)
+		target := filepath.Join(dst, rel)
+		if d.IsDir() {
+			return os.MkdirAll(target, 0o700)
+		}
+		if err := os.Link(p, target); err == nil {
+			return nil
+		}
+		st, err := d.Info()
+		if err != nil {
+			return err
+		}
+		return copyPrefix(p, target, st.Size())
+	})
+}
