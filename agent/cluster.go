@@ -25,6 +25,7 @@ const (
 	opPing     clusterOp = "ping"     // liveness and the peer's running jobs
 	opSnapshot clusterOp = "snapshot" // the caller ships a snapshot to us (we are its protector)
 	opFetch    clusterOp = "fetch"    // the caller asks for a snapshot we hold (to restore it)
+	opLocate   clusterOp = "locate"   // which job does a snapshot id we hold belong to
 )
 
 type clusterRequest struct {
@@ -132,6 +133,12 @@ func (a *Agent) handleCluster(ctx context.Context, c net.Conn) {
 		}
 		a.log.Info("replica stored", "peer", peer, "job", got.Manifest.Job, "snapshot", got.Manifest.ID,
 			"bytes", got.Bytes, "wire_bytes", got.WireBytes, "ms", got.Duration.Milliseconds())
+	case opLocate:
+		var req fetchRequest
+		if err := readHeader(c, &req); err != nil {
+			return
+		}
+		writeHeader(c, fetchRequest{ID: req.ID, Job: a.localJobOfSnapshot(req.ID)})
 	case opFetch:
 		if err := a.serveFetch(ctx, c, peer); err != nil {
 			a.log.Warn("snapshot fetch failed", "peer", peer, "err", err)

@@ -130,8 +130,26 @@ func (a *Agent) refuseIfAlive(ctx context.Context, j Job) error {
 	return nil
 }
 
-// findJobOfSnapshot looks for the job a snapshot id belongs to, locally.
+// findJobOfSnapshot finds the job a snapshot id belongs to: here, else at the members that answer.
 func (a *Agent) findJobOfSnapshot(ctx context.Context, id string) string {
+	if job := a.localJobOfSnapshot(id); job != "" {
+		return job
+	}
+	for _, m := range a.cfg.Cluster.Members {
+		if m.Name == a.cfg.Name {
+			continue
+		}
+		lctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+		job := a.remoteJobOfSnapshot(lctx, m.Name, id)
+		cancel()
+		if job != "" {
+			return job
+		}
+	}
+	return ""
+}
+
+func (a *Agent) localJobOfSnapshot(id string) string {
 	jobs, _ := a.store.Jobs()
 	for _, job := range jobs {
 		if _, err := a.store.Manifest(job, id); err == nil {
@@ -139,6 +157,22 @@ func (a *Agent) findJobOfSnapshot(ctx context.Context, id string) string {
 		}
 	}
 	return ""
+}
+
+func (a *Agent) remoteJobOfSnapshot(ctx context.Context, member, id string) string {
+	c, err := a.dialPeer(ctx, member, opLocate)
+	if err != nil {
+		return ""
+	}
+	defer c.Close()
+	if dl, ok := ctx.Deadline(); ok {
+		c.SetDeadline(dl)
+	}
+	var r fetchRequest
+	if writeHeader(c, fetchRequest{ID: id}) != nil || readHeader(c, &r) != nil {
+		return ""
+	}
+	return r.Job
 }
 
 // fetch copies a snapshot from the member that holds it: source if given, else the snapshot's node's

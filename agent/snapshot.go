@@ -143,22 +143,46 @@ func copyPrefix(src, dst string, n int64) error {
 	return out.Close()
 }
 
-// shipToProtector streams a committed snapshot to this node's protector and records the replica.
+// shipToProtector streams a committed snapshot to this node's protector and records the replica. If the
+// protector does not answer, the next node of the ring takes its place, so the ring re-forms around a
+// member that left.
 func (a *Agent) shipToProtector(ctx context.Context, m *ckpt.Manifest) (*ckpt.Manifest, error) {
-	prot, ok := a.cfg.Protector(a.cfg.Name, a.downMembers())
-	if !ok {
-		return m, errors.New("no protector: this node is alone in the ring")
+	down := map[string]bool{}
+	for k, v := range a.downMembers() {
+		down[k] = v
 	}
-	c, err := a.dialPeer(ctx, prot.Name, opSnapshot)
+	var errs []error
+	for {
+		prot, ok := a.cfg.Protector(a.cfg.Name, down)
+		if !ok {
+			errs = append(errs, errors.New("no other node left in the ring"))
+			return m, fmt.Errorf("ship %s: %w", m.ID, errors.Join(errs...))
+		}
+		shipped, err := a.shipTo(ctx, prot.Name, m)
+		if err == nil {
+			return shipped, nil
+		}
+		errs = append(errs, err)
+		var remote *ship.RemoteError
+		if errors.As(err, &remote) || ctx.Err() != nil {
+			return m, errors.Join(errs...) // the protector answered and refused: do not go around it
+		}
+		a.log.Warn("protector unreachable; trying the next node of the ring", "protector", prot.Name, "err", err)
+		down[prot.Name] = true
+	}
+}
+
+func (a *Agent) shipTo(ctx context.Context, peer string, m *ckpt.Manifest) (*ckpt.Manifest, error) {
+	c, err := a.dialPeer(ctx, peer, opSnapshot)
 	if err != nil {
-		return m, fmt.Errorf("ship %s to protector %s: %w", m.ID, prot.Name, err)
+		return m, fmt.Errorf("ship %s to %s: %w", m.ID, peer, err)
 	}
 	defer c.Close()
-	sent, err := ship.Send(ctx, c, a.store, m.Job, m.ID, ship.SendOptions{Peer: prot.Name, Logger: a.log})
+	sent, err := ship.Send(ctx, c, a.store, m.Job, m.ID, ship.SendOptions{Peer: peer, Logger: a.log})
 	if err != nil {
-		return m, fmt.Errorf("ship %s to protector %s: %w", m.ID, prot.Name, err)
+		return m, fmt.Errorf("ship %s to %s: %w", m.ID, peer, err)
 	}
-	a.log.Info("snapshot shipped", "job", m.Job, "snapshot", m.ID, "protector", prot.Name, "bytes", sent.Bytes,
+	a.log.Info("snapshot shipped", "job", m.Job, "snapshot", m.ID, "protector", peer, "bytes", sent.Bytes,
 		"wire_bytes", sent.WireBytes, "ms", sent.Duration.Milliseconds(),
 		"mb_per_s", float64(sent.Bytes)/1e6/max(sent.Duration.Seconds(), 1e-6))
 	return sent.Manifest, nil

@@ -37,7 +37,8 @@ type Options struct {
 	// 0 disables spilling.
 	SpillAboveRAM int64
 
-	// Logger receives warnings (conflicts, spill failures); nil means slog.Default().
+	// Logger receives a notice whenever Age spills to disk; nil means slog.Default().
+	// Conflicts and failures are returned as errors, not logged.
 	Logger *slog.Logger
 }
 

@@ -52,21 +52,15 @@ func NewStore(opt Options) (*Store, error) {
 
 func newLogStore(e *env) *Store { return &Store{env: e} }
 
-// add updates a counter in the store's meter and in the shared (Log-wide) one.
+// add updates a counter in the store's meter and in the shared one (the Log's totals, or
+// for a standalone store its own totals plus the pool).
 func (s *Store) add(c counter, d int64) {
 	s.own.field(c).Add(d)
-	if !s.standalone {
-		s.env.meter.field(c).Add(d)
-	}
+	s.env.meter.field(c).Add(d)
 }
 
-// totals is the meter that thresholds are checked against: the Log's, or the store's own.
-func (s *Store) totals() *meter {
-	if s.standalone {
-		return &s.own
-	}
-	return &s.env.meter
-}
+// totals is the meter that thresholds are checked against.
+func (s *Store) totals() *meter { return &s.env.meter }
 
 // SetBase anchors the store so that seq (e.g. a snapshot's inq_seq) maps to AnchorEpoch|seq,
 // and drops anything offered below it. It fails with ErrAnchored once the store has seen a
@@ -125,7 +119,9 @@ func (s *Store) appendAbs(a uint64, p []byte) error {
 	}
 	if s.retained > 0 && a < s.last {
 		if err := s.compare(a, p); err != nil {
-			s.add(cConflicts, 1)
+			if errors.Is(err, ErrConflict) {
+				s.add(cConflicts, 1)
+			}
 			return err
 		}
 	}
@@ -251,7 +247,9 @@ func (s *Store) write(a uint64, p []byte) error {
 		pos += uint64(n)
 		rest = rest[n:]
 	}
-	s.add(cDup, int64(len(p))-stored)
+	if dup := int64(len(p)) - stored; dup > 0 {
+		s.add(cDup, dup)
+	}
 	if stored == 0 {
 		return nil
 	}

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -8,6 +9,7 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"runtime"
 	"strings"
 	"syscall"
@@ -16,8 +18,10 @@ import (
 	"github.com/spf13/cobra"
 	"golang.org/x/sys/unix"
 
+	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/lab"
+	"github.com/ftkit/ftkit/lab/labcluster"
 )
 
 // labFlags are shared by every `ftctl lab` subcommand.
@@ -76,8 +80,8 @@ power cut of one host. Everything needs root.`,
 
 func newLabUpCmd(f *labFlags) *cobra.Command {
 	var nodes, spares int
-	var subnet string
-	var asJSON bool
+	var subnet, agentBin, interval, mode string
+	var noAgents, asJSON bool
 	cmd := &cobra.Command{
 		Use:   "up",
 		Short: "Create the lab's bridge and hosts",
@@ -100,9 +104,21 @@ spares from .101). Refuses if a lab with this id exists or the subnet is in use 
 			if err != nil {
 				return err
 			}
+			if !noAgents {
+				if err := startAgents(cmd.Context(), l, agentBin, interval, mode); err != nil {
+					if derr := l.Down(context.WithoutCancel(cmd.Context())); derr != nil {
+						err = errors.Join(err, derr)
+					}
+					return err
+				}
+			}
 			return printStatus(cmd.OutOrStdout(), l.Status(), asJSON)
 		},
 	}
+	cmd.Flags().BoolVar(&noAgents, "no-agents", false, "do not start an ftagent in each host")
+	cmd.Flags().StringVar(&agentBin, "agent-bin", "", "ftagent binary (default: next to ftctl, then PATH)")
+	cmd.Flags().StringVar(&interval, "interval", "60s", "the agents' checkpoint interval: a duration, or auto")
+	cmd.Flags().StringVar(&mode, "mode", string(agent.Uncoordinated), "the agents' checkpoint mode: uncoordinated or semi-coordinated")
 	cmd.Flags().IntVar(&nodes, "nodes", 3, "number of compute hosts")
 	cmd.Flags().IntVar(&spares, "spares", 1, "number of spare hosts")
 	cmd.Flags().StringVar(&subnet, "subnet", lab.DefaultSubnet.String(), "private IPv4 subnet (/8 to /24) that exists only inside the lab")
@@ -133,12 +149,41 @@ func newLabExecCmd(f *labFlags) *cobra.Command {
 			if len(argv) == 0 {
 				return cli.Usagef("no command given after %s --", args[0])
 			}
+			// Programs in a host (ftwrap, ftctl) find that host's agent.
+			if os.Getenv("FTKIT_AGENT_SOCKET") == "" {
+				sock := labcluster.Socket(l.State().ID, args[0])
+				if _, err := os.Stat(sock); err == nil {
+					os.Setenv("FTKIT_AGENT_SOCKET", sock)
+				}
+			}
 			return execInNetns(path, argv)
 		},
 	}
 	cmd.Flags().SetInterspersed(false) // everything after HOST belongs to CMD
 	return cmd
 }
+
+// startAgents runs an ftagent in every host of the lab.
+func startAgents(ctx context.Context, l *lab.Lab, bin, interval, mode string) error {
+	if bin == "" {
+		if self, err := os.Executable(); err == nil {
+			if p := filepath.Join(filepath.Dir(self), "ftagent"); fileExists(p) {
+				bin = p
+			}
+		}
+	}
+	if bin == "" {
+		p, err := exec.LookPath("ftagent")
+		if err != nil {
+			return cli.WithCode(cli.ExitUnavailable, errors.New("no ftagent binary next to ftctl or on PATH: run `make build`, or pass --agent-bin (or --no-agents)"))
+		}
+		bin = p
+	}
+	_, err := labcluster.Start(ctx, l, labcluster.Options{AgentBin: bin, Interval: interval, Mode: agent.Mode(mode)})
+	return err
+}
+
+func fileExists(p string) bool { _, err := os.Stat(p); return err == nil }
 
 // execInNetns replaces this process with argv[0] running in the network namespace at path.
 func execInNetns(path string, argv []string) error {

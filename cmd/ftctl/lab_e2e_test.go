@@ -102,7 +102,7 @@ func TestLabEndToEnd(t *testing.T) {
 	}
 
 	var up lab.Status
-	if err := json.Unmarshal([]byte(run("up", "--nodes", "3", "--spares", "1", "--subnet", subnet, "--json")), &up); err != nil {
+	if err := json.Unmarshal([]byte(run("up", "--no-agents", "--nodes", "3", "--spares", "1", "--subnet", subnet, "--json")), &up); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {

@@ -31,6 +31,11 @@ Exit codes: 0 success, 1 failure, 2 bad command line, 3 not found, 4 preconditio
 		Version: version.Ftkit(),
 	}
 	logs.Register(root)
+	t := &target{}
+	for _, c := range []*cobra.Command{newStatusCmd(t), newSnapshotsCmd(t), newCheckpointCmd(t), newRestoreCmd(t)} {
+		t.register(c)
+		root.AddCommand(c)
+	}
 	root.AddCommand(newVersionCmd(), newLabCmd(&logs))
 	return root
 }

@@ -62,6 +62,12 @@ func JobsDir(id string) string { return filepath.Join(dataDir(id), "jobs") }
 
 // Start writes every host's configuration and starts the agents, then waits until each answers.
 func Start(ctx context.Context, l *lab.Lab, opts Options) (*Cluster, error) {
+	if opts.Interval != "" {
+		var iv agent.Interval
+		if err := iv.UnmarshalText([]byte(opts.Interval)); err != nil {
+			return nil, err
+		}
+	}
 	st := l.State()
 	c := &Cluster{Lab: l, opts: opts, runDir: runDir(st.ID), dataDir: dataDir(st.ID), agents: map[string]*runningAgent{}, tls: map[string]clustertls.Config{}}
 	for _, d := range []string{c.runDir, c.dataDir, cgroupDir(st.ID)} {

@@ -1,0 +1,358 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"os"
+	"sort"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/internal/cli"
+	"github.com/ftkit/ftkit/lab"
+	"github.com/ftkit/ftkit/lab/labcluster"
+)
+
+// target says which agents a command talks to: one socket, or every live host of a lab.
+type target struct {
+	socket string
+	labID  string
+	host   string
+}
+
+func (t *target) register(cmd *cobra.Command) {
+	cmd.PersistentFlags().StringVar(&t.socket, "socket", "", "agent socket (default $FTKIT_AGENT_SOCKET, else "+agent.DefaultSocket+")")
+	cmd.PersistentFlags().StringVar(&t.labID, "lab", "", "talk to the agents of this local lab (default: the lab "+lab.DefaultID+" if it is up)")
+	cmd.PersistentFlags().StringVar(&t.host, "host", "", "with a lab: only this host's agent")
+}
+
+type hostClient struct {
+	host   string
+	client *agent.Client
+}
+
+// clients resolves the target to agent clients.
+func (t *target) clients() ([]hostClient, error) {
+	sock := t.socket
+	if sock == "" && t.labID == "" && t.host == "" {
+		sock = os.Getenv("FTKIT_AGENT_SOCKET")
+	}
+	if sock != "" {
+		return []hostClient{{host: "", client: agent.NewClient(sock)}}, nil
+	}
+	id := t.labID
+	if id == "" {
+		id = lab.DefaultID
+	}
+	l, err := lab.Open(id, lab.Options{})
+	if err != nil {
+		if t.labID == "" && t.host == "" {
+			return []hostClient{{host: "", client: agent.NewClient(agent.DefaultSocket)}}, nil
+		}
+		return nil, cli.WithCode(cli.ExitNotFound, err)
+	}
+	var out []hostClient
+	for _, h := range l.State().Hosts {
+		if h.Crashed || (t.host != "" && h.Name != t.host) {
+			continue
+		}
+		out = append(out, hostClient{host: h.Name, client: agent.NewClient(labcluster.Socket(id, h.Name))})
+	}
+	if len(out) == 0 {
+		return nil, cli.WithCode(cli.ExitNotFound, fmt.Errorf("lab %s has no live host %q", id, t.host))
+	}
+	return out, nil
+}
+
+// one resolves the target to exactly one agent.
+func (t *target) one() (hostClient, error) {
+	cs, err := t.clients()
+	if err != nil {
+		return hostClient{}, err
+	}
+	if len(cs) > 1 {
+		return hostClient{}, cli.Usagef("several agents answer for this lab: pick one with --host")
+	}
+	return cs[0], nil
+}
+
+func agentErr(err error) error {
+	switch {
+	case errors.Is(err, agent.ErrAgentUnavailable):
+		return cli.WithCode(cli.ExitUnavailable, err)
+	case errors.Is(err, agent.ErrNoJob):
+		return cli.WithCode(cli.ExitNotFound, err)
+	}
+	return err
+}
+
+func newStatusCmd(t *target) *cobra.Command {
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "status",
+		Short: "Hosts, roles, protectors, jobs and their last snapshots",
+		Long: `Show each agent's host (role, protector) and jobs: state, PID, and the last snapshot of each job
+with its age, size and where its replicas live. With a local lab up, every live host is shown.`,
+		Args: cli.Args(cobra.NoArgs),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			cs, err := t.clients()
+			if err != nil {
+				return err
+			}
+			type hostStatus struct {
+				agent.Status
+				Snapshots []*ckpt.Manifest `json:"snapshots"`
+				Error     string           `json:"error,omitempty"`
+			}
+			var all []hostStatus
+			var snaps []*ckpt.Manifest
+			for _, c := range cs {
+				st, err := c.client.Status(cmd.Context())
+				if err != nil {
+					all = append(all, hostStatus{Status: agent.Status{Node: c.host}, Error: err.Error()})
+					continue
+				}
+				ms, _ := c.client.Snapshots(cmd.Context(), "")
+				snaps = append(snaps, ms...)
+				all = append(all, hostStatus{Status: st, Snapshots: ms})
+			}
+			if asJSON {
+				return cli.PrintJSON(cmd.OutOrStdout(), all)
+			}
+			w := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
+			fmt.Fprintln(w, "HOST\tROLE\tPROTECTOR\tMODE\tINTERVAL\tJOBS\tAGENT")
+			for _, h := range all {
+				if h.Error != "" {
+					fmt.Fprintf(w, "%s\t-\t-\t-\t-\t-\tunreachable: %s\n", h.Node, h.Error)
+					continue
+				}
+				running := 0
+				for _, j := range h.Jobs {
+					if j.State == agent.JobRunning {
+						running++
+					}
+				}
+				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%d running\tok\n", h.Node, h.Role, dash(h.Protector), h.Mode, h.Interval, running)
+			}
+			w.Flush()
+			fmt.Fprintln(cmd.OutOrStdout())
+			w = tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
+			fmt.Fprintln(w, "JOB\tHOST\tSTATE\tPID\tLAST SNAPSHOT\tAGE\tSIZE\tREPLICAS")
+			for _, h := range all {
+				for _, j := range h.Jobs {
+					state := string(j.State)
+					if j.Exit != nil {
+						state = fmt.Sprintf("exited(%d)", j.Exit.Code)
+					}
+					last := latestOf(snaps, j.ID, h.Node)
+					if last == nil {
+						fmt.Fprintf(w, "%s\t%s\t%s\t%d\t-\t-\t-\t-\n", j.ID, h.Node, state, j.PID)
+						continue
+					}
+					fmt.Fprintf(w, "%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\n", j.ID, h.Node, state, j.PID, last.ID,
+						time.Since(last.Created).Round(time.Second), humanBytes(last.TotalSize()), dash(strings.Join(last.Replicas, ",")))
+				}
+			}
+			return w.Flush()
+		},
+	}
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+// latestOf is the newest snapshot of job taken on node.
+func latestOf(ms []*ckpt.Manifest, job, node string) *ckpt.Manifest {
+	var best *ckpt.Manifest
+	for _, m := range ms {
+		if m.Job == job && m.Node == node && (best == nil || m.Created.After(best.Created)) {
+			best = m
+		}
+	}
+	return best
+}
+
+func dash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
+}
+
+func humanBytes(n int64) string {
+	switch {
+	case n >= 1<<30:
+		return fmt.Sprintf("%.1f GiB", float64(n)/(1<<30))
+	case n >= 1<<20:
+		return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20))
+	case n >= 1<<10:
+		return fmt.Sprintf("%.1f KiB", float64(n)/(1<<10))
+	}
+	return fmt.Sprintf("%d B", n)
+}
+
+func newSnapshotsCmd(t *target) *cobra.Command {
+	var asJSON bool
+	var job string
+	cmd := &cobra.Command{
+		Use:   "snapshots",
+		Short: "List the snapshots each host holds (its own and the replicas it keeps)",
+		Args:  cli.Args(cobra.NoArgs),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			cs, err := t.clients()
+			if err != nil {
+				return err
+			}
+			type held struct {
+				Host string `json:"host"`
+				*ckpt.Manifest
+			}
+			var all []held
+			for _, c := range cs {
+				ms, err := c.client.Snapshots(cmd.Context(), job)
+				if err != nil {
+					return agentErr(fmt.Errorf("%s: %w", c.host, err))
+				}
+				for _, m := range ms {
+					all = append(all, held{Host: c.host, Manifest: m})
+				}
+			}
+			sort.SliceStable(all, func(i, j int) bool { return all[i].Created.After(all[j].Created) })
+			if asJSON {
+				return cli.PrintJSON(cmd.OutOrStdout(), all)
+			}
+			w := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
+			fmt.Fprintln(w, "SNAPSHOT\tJOB\tTAKEN ON\tHELD BY\tAGE\tSIZE\tFROZEN\tDUMP\tTCP\tREPLICAS")
+			for _, h := range all {
+				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%s\n", h.ID, h.Job, h.Node, dash(h.Host),
+					time.Since(h.Created).Round(time.Second), humanBytes(h.TotalSize()),
+					h.Stats.FrozenTime.Round(time.Millisecond), h.DumpDuration.Round(time.Millisecond), len(h.Conns),
+					dash(strings.Join(h.Replicas, ",")))
+			}
+			return w.Flush()
+		},
+	}
+	cmd.Flags().StringVar(&job, "job", "", "only this job")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+func newCheckpointCmd(t *target) *cobra.Command {
+	var asJSON bool
+	var jobs []string
+	cmd := &cobra.Command{
+		Use:   "checkpoint",
+		Short: "Snapshot jobs now and ship the snapshots to the protector",
+		Long: `Snapshot running jobs now (every job of the chosen hosts, or --job), ship each snapshot to its
+host's protector, and prune old snapshots. In semi-coordinated mode a host's jobs are frozen together.`,
+		Args: cli.Args(cobra.NoArgs),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			cs, err := t.clients()
+			if err != nil {
+				return err
+			}
+			var all []agent.SnapshotResult
+			var errs []error
+			for _, c := range cs {
+				mine := jobs
+				if len(jobs) > 0 && len(cs) > 1 {
+					// With several hosts, ask each only for the named jobs it runs.
+					mine = nil
+					js, err := c.client.Jobs(cmd.Context())
+					if err != nil {
+						errs = append(errs, fmt.Errorf("%s: %w", c.host, err))
+						continue
+					}
+					for _, j := range js {
+						for _, want := range jobs {
+							if j.ID == want && j.State == agent.JobRunning {
+								mine = append(mine, want)
+							}
+						}
+					}
+					if len(mine) == 0 {
+						continue
+					}
+				}
+				reply, err := c.client.Checkpoint(cmd.Context(), mine...)
+				if err != nil {
+					errs = append(errs, fmt.Errorf("%s: %w", c.host, err))
+					continue
+				}
+				if reply.Error != "" {
+					errs = append(errs, fmt.Errorf("%s: %s", c.host, reply.Error))
+				}
+				all = append(all, reply.Results...)
+			}
+			if asJSON {
+				if err := cli.PrintJSON(cmd.OutOrStdout(), all); err != nil {
+					return err
+				}
+			} else {
+				for _, r := range all {
+					where := "replicated on " + strings.Join(r.Manifest.Replicas, ",")
+					if !r.Shipped {
+						where = "NOT replicated: " + r.ShipErr
+					}
+					fmt.Fprintf(cmd.OutOrStdout(), "%s  job %s  %s  frozen %s  %s\n", r.Manifest.ID, r.Manifest.Job,
+						humanBytes(r.Manifest.TotalSize()), r.Manifest.Stats.FrozenTime.Round(time.Millisecond), where)
+				}
+			}
+			if len(all) == 0 && len(errs) == 0 {
+				return cli.WithCode(cli.ExitNotFound, errors.New("no running job to snapshot"))
+			}
+			return agentErr(errors.Join(errs...))
+		},
+	}
+	cmd.Flags().StringSliceVar(&jobs, "job", nil, "job id (repeatable; default: every running job)")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+func newRestoreCmd(t *target) *cobra.Command {
+	var req agent.RestoreRequest
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "restore --snapshot ID [--host HOST]",
+		Short: "Restore a job from a snapshot on a host (manual fail-over)",
+		Long: `Restore a job on the chosen host from a snapshot. The host's agent fetches the snapshot from a member
+that holds it (the snapshot's node's protector first) if it lacks it, verifies every file's sha256
+(a corrupt snapshot is refused and the next older verified one is named), puts the job's output files
+back to their sizes at the snapshot, and restores the job with CRIU. It refuses if the job's node
+still answers and runs the job, unless --force. Jobs with live TCP peers need the automatic
+fail-over with log replay; this command restores the job's own state only.`,
+		Args: cli.Args(cobra.NoArgs),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if req.Snapshot == "" {
+				return cli.Usagef("--snapshot is required (see `ftctl snapshots`)")
+			}
+			c, err := t.one()
+			if err != nil {
+				return err
+			}
+			ctx, cancel := context.WithTimeout(cmd.Context(), 15*time.Minute)
+			defer cancel()
+			j, err := c.client.Restore(ctx, req)
+			if err != nil {
+				return agentErr(err)
+			}
+			if asJSON {
+				return cli.PrintJSON(cmd.OutOrStdout(), j)
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "job %s restored on %s from %s (pid %d)\n", j.ID, j.Node, j.Restored, j.PID)
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&req.Snapshot, "snapshot", "", "snapshot id")
+	cmd.Flags().StringVar(&req.Job, "job", "", "job id (found from the snapshot if omitted)")
+	cmd.Flags().StringVar(&req.Source, "from", "", "member to fetch the snapshot from (default: the snapshot's protector, then any member)")
+	cmd.Flags().BoolVar(&req.Force, "force", false, "restore even if the job's node answers and still runs it")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
