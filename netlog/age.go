@@ -51,6 +51,9 @@ func (s *Store) Age(ctx context.Context, now time.Time) (AgeReport, error) {
 		if over = s.env.spillExcess(s.totals()); over > 0 {
 			sr, err := s.spillSlabs(ctx, over)
 			r.add(sr)
+			if sr.Spilled > 0 {
+				s.env.log.Info("netlog spilled slabs to disk", "slabs", sr.Spilled, "bytes", sr.SpilledBytes, "freed", sr.SpillFreedBytes)
+			}
 			return r, err
 		}
 	}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"log/slog"
 	"math"
 	"math/rand/v2"
 	"testing"
@@ -11,6 +12,9 @@ import (
 
 func newTestStore(t testing.TB, opt Options) *Store {
 	t.Helper()
+	if opt.Logger == nil {
+		opt.Logger = slog.New(slog.NewTextHandler(t.Output(), nil))
+	}
 	s, err := NewStore(opt)
 	if err != nil {
 		t.Fatal(err)

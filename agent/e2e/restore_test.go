@@ -130,4 +130,3 @@ func firstDiff(got, want string) string {
 	}
 	return fmt.Sprintf("got %d lines, want %d", len(g), len(w))
 }
-
