@@ -18,7 +18,7 @@ setup:
 
 build: setup
 	@mkdir -p $(BIN)
-	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/ ./cmd/... ./testdata/ringstencil ./bench/ftbench
+	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/ ./cmd/... ./testdata/ringstencil ./testdata/memcounter ./bench/ftbench
 
 lint: setup
 	$(GO) vet ./...

@@ -248,7 +248,9 @@ func (a *Agent) restoreOutputs(m *ckpt.Manifest, j Job) error {
 	for _, f := range m.OpenFiles {
 		st, err := os.Stat(f.Path)
 		switch {
-		case err == nil && st.Size() >= f.Size:
+		case err == nil && st.Size() == f.Size:
+			continue
+		case err == nil && st.Size() > f.Size:
 			if err := os.Truncate(f.Path, f.Size); err != nil {
 				return fmt.Errorf("truncate %s to its snapshot size %d: %w", f.Path, f.Size, err)
 			}

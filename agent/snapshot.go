@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
@@ -31,6 +32,10 @@ type SnapshotResult struct {
 	Manifest *ckpt.Manifest `json:"manifest"`
 	Shipped  bool           `json:"shipped"`
 	ShipErr  string         `json:"ship_error,omitempty"`
+	// Shipping cost: snapshot bytes, bytes on the wire (lz4), and wall time.
+	ShipBytes    int64         `json:"ship_bytes,omitempty"`
+	ShipWire     int64         `json:"ship_wire_bytes,omitempty"`
+	ShipDuration time.Duration `json:"ship_duration_ns,omitempty"`
 }
 
 // Snapshot dumps one running job and keeps the job running (uncoordinated). If frozenCgroup is set, the
@@ -82,8 +87,11 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen bool) (*ckpt.Manifes
 			OutqSeq: c.OutqSeq, OutqLen: c.OutqLen, Timestamp: c.Timestamp,
 		})
 	}
+	// Only files the job opened for writing are part of the recovery contract (restore truncates them
+	// back). Read-only files, the job's binaries and libraries among them, must never be touched: CRIU
+	// checks their sizes itself.
 	for _, f := range files {
-		if f.HasSize {
+		if f.HasSize && f.Flags&syscall.O_ACCMODE != syscall.O_RDONLY {
 			info.OpenFiles = append(info.OpenFiles, ckpt.OpenFile{Path: f.Path, Size: int64(f.Size)})
 		}
 	}
@@ -146,7 +154,7 @@ func copyPrefix(src, dst string, n int64) error {
 // shipToProtector streams a committed snapshot to this node's protector and records the replica. If the
 // protector does not answer, the next node of the ring takes its place, so the ring re-forms around a
 // member that left.
-func (a *Agent) shipToProtector(ctx context.Context, m *ckpt.Manifest) (*ckpt.Manifest, error) {
+func (a *Agent) shipToProtector(ctx context.Context, m *ckpt.Manifest) (*ship.Sent, error) {
 	down := map[string]bool{}
 	for k, v := range a.downMembers() {
 		down[k] = v
@@ -156,36 +164,36 @@ func (a *Agent) shipToProtector(ctx context.Context, m *ckpt.Manifest) (*ckpt.Ma
 		prot, ok := a.cfg.Protector(a.cfg.Name, down)
 		if !ok {
 			errs = append(errs, errors.New("no other node left in the ring"))
-			return m, fmt.Errorf("ship %s: %w", m.ID, errors.Join(errs...))
+			return nil, fmt.Errorf("ship %s: %w", m.ID, errors.Join(errs...))
 		}
-		shipped, err := a.shipTo(ctx, prot.Name, m)
+		sent, err := a.shipTo(ctx, prot.Name, m)
 		if err == nil {
-			return shipped, nil
+			return sent, nil
 		}
 		errs = append(errs, err)
 		var remote *ship.RemoteError
 		if errors.As(err, &remote) || ctx.Err() != nil {
-			return m, errors.Join(errs...) // the protector answered and refused: do not go around it
+			return nil, errors.Join(errs...) // the protector answered and refused: do not go around it
 		}
 		a.log.Warn("protector unreachable; trying the next node of the ring", "protector", prot.Name, "err", err)
 		down[prot.Name] = true
 	}
 }
 
-func (a *Agent) shipTo(ctx context.Context, peer string, m *ckpt.Manifest) (*ckpt.Manifest, error) {
+func (a *Agent) shipTo(ctx context.Context, peer string, m *ckpt.Manifest) (*ship.Sent, error) {
 	c, err := a.dialPeer(ctx, peer, opSnapshot)
 	if err != nil {
-		return m, fmt.Errorf("ship %s to %s: %w", m.ID, peer, err)
+		return nil, fmt.Errorf("ship %s to %s: %w", m.ID, peer, err)
 	}
 	defer c.Close()
 	sent, err := ship.Send(ctx, c, a.store, m.Job, m.ID, ship.SendOptions{Peer: peer, Logger: a.log})
 	if err != nil {
-		return m, fmt.Errorf("ship %s to %s: %w", m.ID, peer, err)
+		return nil, fmt.Errorf("ship %s to %s: %w", m.ID, peer, err)
 	}
 	a.log.Info("snapshot shipped", "job", m.Job, "snapshot", m.ID, "protector", peer, "bytes", sent.Bytes,
 		"wire_bytes", sent.WireBytes, "ms", sent.Duration.Milliseconds(),
 		"mb_per_s", float64(sent.Bytes)/1e6/max(sent.Duration.Seconds(), 1e-6))
-	return sent.Manifest, nil
+	return sent, nil
 }
 
 // downMembers are the members this agent currently believes failed (none until failure detection runs).
@@ -224,12 +232,13 @@ func (a *Agent) Checkpoint(ctx context.Context, ids []string, uid uint32) ([]Sna
 	var out []SnapshotResult
 	for _, m := range manifests {
 		res := SnapshotResult{Manifest: m}
-		shipped, err := a.shipToProtector(ctx, m)
+		sent, err := a.shipToProtector(ctx, m)
 		if err != nil {
 			res.ShipErr = err.Error()
 			a.log.Warn("snapshot not replicated", "job", m.Job, "snapshot", m.ID, "err", err)
 		} else {
-			res.Manifest, res.Shipped = shipped, true
+			res.Manifest, res.Shipped = sent.Manifest, true
+			res.ShipBytes, res.ShipWire, res.ShipDuration = sent.Bytes, sent.WireBytes, sent.Duration
 			if pruned, err := a.store.Prune(ctx, m.Job, a.cfg.Checkpoint.Keep); err != nil {
 				a.log.Warn("prune snapshots", "job", m.Job, "err", err)
 			} else if len(pruned) > 0 {

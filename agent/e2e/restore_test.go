@@ -82,6 +82,12 @@ func TestCrashAndRestoreOnSpare(t *testing.T) {
 				t.Fatalf("snapshot %s not replicated: %s", r.Manifest.ID, r.ShipErr)
 			}
 			latest[r.Manifest.Job] = r.Manifest.ID
+			// Restore truncates the files listed here: only the job's outputs, never a binary it runs.
+			for _, f := range r.Manifest.OpenFiles {
+				if !strings.HasPrefix(f.Path, labcluster.JobsDir(c.Lab.State().ID)+"/") {
+					t.Errorf("snapshot %s would truncate %s, which is not one of the job's outputs", r.Manifest.ID, f.Path)
+				}
+			}
 			t.Logf("round %d: job %s snapshot %s, %.1f MB, frozen %s", round, r.Manifest.Job, r.Manifest.ID,
 				float64(r.Manifest.TotalSize())/1e6, r.Manifest.Stats.FrozenTime)
 		}

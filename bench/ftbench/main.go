@@ -44,7 +44,8 @@ type Result struct {
 type benchmark func(ctx context.Context, log *slog.Logger) (metrics []Metric, settings any, err error)
 
 var benchmarks = map[string]benchmark{
-	"lab": benchLab,
+	"lab":      benchLab,
+	"snapshot": benchSnapshot,
 }
 
 func main() {

@@ -1,0 +1,114 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"sort"
+	"time"
+
+	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/lab"
+	"github.com/ftkit/ftkit/lab/labcluster"
+)
+
+// benchSnapshot measures what a snapshot costs a job (frozen time, dump wall time) for 100 MB and 1 GB of
+// resident memory, the lz4 compression ratio on the wire, and shipping throughput to the protector.
+func benchSnapshot(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
+	binDir, err := ownDir()
+	if err != nil {
+		return nil, nil, err
+	}
+	l, err := lab.Up(ctx, lab.Config{ID: "fbsnap", Nodes: 2, Subnet: netip.MustParsePrefix("10.248.0.0/24")}, lab.Options{Logger: log})
+	if err != nil {
+		return nil, nil, err
+	}
+	defer l.Down(context.WithoutCancel(ctx))
+	c, err := labcluster.Start(ctx, l, labcluster.Options{AgentBin: filepath.Join(binDir, "ftagent"), Interval: "1h", Keep: 1, LogLevel: "warn"})
+	if err != nil {
+		return nil, nil, err
+	}
+	const rounds = 3
+	sizes := []int{100, 1024}
+	var metrics []Metric
+	for _, mb := range sizes {
+		job, err := c.Client("node1").StartJob(ctx, agent.JobSpec{
+			Name: fmt.Sprintf("mem%d", mb),
+			Argv: []string{filepath.Join(binDir, "memcounter"), "--mb", fmt.Sprint(mb), "--steps", "1000000", "--delay", "100ms"},
+		})
+		if err != nil {
+			return nil, nil, err
+		}
+		// Wait until the job has filled its memory (it prints its first step after the fill).
+		if err := waitOutput(ctx, job.StdoutPath(), 2*time.Minute); err != nil {
+			return nil, nil, err
+		}
+		var frozen, dump, ship []float64
+		var bytes, wire, shipNs float64
+		for r := 0; r < rounds; r++ {
+			reply, err := c.Client("node1").Checkpoint(ctx, job.ID)
+			if err != nil || len(reply.Results) != 1 || !reply.Results[0].Shipped {
+				return nil, nil, fmt.Errorf("checkpoint of the %d MB job: %+v, %v", mb, reply, err)
+			}
+			res := reply.Results[0]
+			frozen = append(frozen, res.Manifest.Stats.FrozenTime.Seconds()*1000)
+			dump = append(dump, res.Manifest.DumpDuration.Seconds()*1000)
+			ship = append(ship, float64(res.ShipBytes)/1e6/res.ShipDuration.Seconds())
+			bytes += float64(res.ShipBytes)
+			wire += float64(res.ShipWire)
+			shipNs += float64(res.ShipDuration)
+			log.Info("snapshot", "mb", mb, "round", r, "frozen_ms", frozen[r], "dump_ms", dump[r], "ship_mb_s", ship[r])
+		}
+		c.Client("node1").Signal(ctx, job.ID, 9)
+		p := fmt.Sprintf("%dMB_", mb)
+		metrics = append(metrics,
+			Metric{Name: p + "frozen_median", Value: median(frozen), Unit: "ms"},
+			Metric{Name: p + "dump_wall_median", Value: median(dump), Unit: "ms"},
+			Metric{Name: p + "frozen_per_100MB", Value: median(frozen) * 100 / float64(mb), Unit: "ms"},
+			Metric{Name: p + "dump_wall_per_100MB", Value: median(dump) * 100 / float64(mb), Unit: "ms"},
+			Metric{Name: p + "snapshot_size", Value: bytes / rounds / 1e6, Unit: "MB"},
+			Metric{Name: p + "compression_ratio", Value: bytes / wire, Unit: "x"},
+			Metric{Name: p + "ship_throughput_median", Value: median(ship), Unit: "MB/s"},
+		)
+	}
+	return metrics, map[string]any{"rounds": rounds, "sizes_mb": sizes, "content": "per page 40% zero, 30% random, 30% text (testdata/memcounter)",
+		"link": "veth + bridge between two lab namespaces, mutual TLS, lz4"}, nil
+}
+
+func ownDir() (string, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return "", err
+	}
+	return filepath.Dir(self), nil
+}
+
+func waitOutput(ctx context.Context, path string, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for time.Now().Before(deadline) {
+		if st, err := os.Stat(path); err == nil && st.Size() > 0 {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	return fmt.Errorf("no output in %s after %s", path, timeout)
+}
+
+func median(v []float64) float64 {
+	s := append([]float64(nil), v...)
+	sort.Float64s(s)
+	if len(s) == 0 {
+		return 0
+	}
+	if len(s)%2 == 1 {
+		return s[len(s)/2]
+	}
+	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+}
