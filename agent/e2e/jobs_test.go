@@ -7,11 +7,14 @@ import (
 	"errors"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
+	"syscall"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/lab/labcluster"
 	"github.com/ftkit/ftkit/lab/labtest"
 )
@@ -19,10 +22,23 @@ import (
 var bins labcluster.Binaries
 
 func TestMain(m *testing.M) {
+	if sock := os.Getenv("FTKIT_E2E_LIST_JOBS"); sock != "" {
+		// Re-executed as another user: list the jobs that user may see.
+		jobs, err := agent.NewClient(sock).Jobs(context.Background())
+		if err != nil {
+			println(err.Error())
+			os.Exit(1)
+		}
+		for _, j := range jobs {
+			println(j.ID)
+		}
+		os.Exit(0)
+	}
 	dir, err := os.MkdirTemp("", "ftkit-e2e-bin")
 	if err != nil {
 		panic(err)
 	}
+	os.Chmod(dir, 0o755) // tests run ftwrap as other users too
 	bins, err = labcluster.Build(context.Background(), dir)
 	code := 0
 	if err != nil {
@@ -106,6 +122,15 @@ func TestAgentRestartAdoptsJob(t *testing.T) {
 		t.Fatal(err)
 	}
 	time.Sleep(500 * time.Millisecond)
+	jobs, err := c.Client("node2").Jobs(context.Background())
+	if err != nil || len(jobs) != 1 {
+		t.Fatalf("jobs before the restart: %v, %v", jobs, err)
+	}
+	reply, err := c.Client("node2").Checkpoint(context.Background(), jobs[0].ID)
+	if err != nil || len(reply.Results) != 1 {
+		t.Fatalf("checkpoint before the restart: %+v, %v", reply, err)
+	}
+	snap := reply.Results[0].Manifest.ID
 	if err := c.KillAgent("node2"); err != nil {
 		t.Fatal(err)
 	}
@@ -113,7 +138,10 @@ func TestAgentRestartAdoptsJob(t *testing.T) {
 	if err := c.StartAgent(context.Background(), "node2"); err != nil {
 		t.Fatal(err)
 	}
-	jobs, err := c.Client("node2").Jobs(context.Background())
+	if ms, err := c.Client("node2").Snapshots(context.Background(), ""); err != nil || len(ms) != 1 || ms[0].ID != snap {
+		t.Errorf("after restart the agent lists snapshots %v, %v; want %s", ms, err, snap)
+	}
+	jobs, err = c.Client("node2").Jobs(context.Background())
 	if err != nil || len(jobs) != 1 || jobs[0].State != "running" {
 		t.Fatalf("after restart the agent has jobs %+v, %v; want the running job adopted", jobs, err)
 	}
@@ -130,5 +158,57 @@ func TestAgentRestartAdoptsJob(t *testing.T) {
 	j, err := c.Client("node2").Wait(context.Background(), jobs[0].ID, 5*time.Second)
 	if err != nil || j.State != "exited" || j.Exit.Code != 0 {
 		t.Errorf("adopted job after exit: %+v, %v", j, err)
+	}
+}
+
+// The local API identifies callers by SO_PEERCRED: a user's job runs as that user, and a user sees and
+// acts on its own jobs only, while root sees everything.
+func TestPeerCredentials(t *testing.T) {
+	c := newCluster(t, 2, 0, labcluster.Options{})
+	const nobody = 65534
+	cmd := ftwrap(c, "node1", "--name", "mine", "--", "sh", "-c", "id -u; sleep 3")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: nobody, Gid: nobody}}
+	cmd.Dir = "/"
+	var out bytes.Buffer
+	cmd.Stdout = &out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	rootJob := ftwrap(c, "node1", "--name", "roots", "--", "sleep", "3")
+	if err := rootJob.Start(); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(time.Second)
+	// Ask the agent as nobody: only nobody's job is listed.
+	// The test binary lives in a directory other users cannot enter: run a copy from the shared bin dir.
+	self, _ := os.Executable()
+	data, err := os.ReadFile(self)
+	if err != nil {
+		t.Fatal(err)
+	}
+	selfCopy := filepath.Join(bins.Dir, "e2e-self")
+	if err := os.WriteFile(selfCopy, data, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	list := exec.Command(selfCopy, "-test.run=^$")
+	list.Env = append(os.Environ(), "FTKIT_E2E_LIST_JOBS="+labcluster.Socket(c.Lab.State().ID, "node1"))
+	list.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: nobody, Gid: nobody}}
+	got, err := list.CombinedOutput()
+	if err != nil {
+		t.Fatalf("listing as nobody: %v\n%s", err, got)
+	}
+	if !strings.Contains(string(got), "mine-") || strings.Contains(string(got), "roots-") {
+		t.Errorf("nobody sees jobs %q; want only its own", got)
+	}
+	all, err := c.Client("node1").Jobs(context.Background())
+	if err != nil || len(all) != 2 {
+		t.Errorf("root sees %d jobs, want 2 (%v)", len(all), err)
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	rootJob.Wait()
+	if strings.TrimSpace(out.String()) != "65534" {
+		t.Errorf("the job of uid %d ran as uid %q", nobody, out.String())
 	}
 }

@@ -31,6 +31,7 @@ func (t *target) register(cmd *cobra.Command) {
 	cmd.PersistentFlags().StringVar(&t.socket, "socket", "", "agent socket (default $FTKIT_AGENT_SOCKET, else "+agent.DefaultSocket+")")
 	cmd.PersistentFlags().StringVar(&t.labID, "lab", "", "talk to the agents of this local lab (default: the lab "+lab.DefaultID+" if it is up)")
 	cmd.PersistentFlags().StringVar(&t.host, "host", "", "with a lab: only this host's agent")
+	cmd.PersistentFlags().StringVar(&t.host, "node", "", "same as --host")
 }
 
 type hostClient struct {

@@ -75,6 +75,10 @@ func Start(ctx context.Context, l *lab.Lab, opts Options) (*Cluster, error) {
 			return nil, err
 		}
 	}
+	// Other users reach their host's agent socket through runDir; only the pki directory inside is private.
+	if err := os.MkdirAll(c.runDir, 0o755); err != nil {
+		return nil, err
+	}
 	ca, err := clustertls.NewCA("ftkit-lab-"+st.ID, 30*24*time.Hour)
 	if err != nil {
 		return nil, err
