@@ -2,25 +2,13 @@ package ckpt
 
 import (
 	"errors"
-	"fmt"
 	"os"
 	"path/filepath"
 
 	"golang.org/x/sys/unix"
-)
 
-// syncDir makes a directory's entries (creations, renames, removals) durable.
-func syncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return fmt.Errorf("open directory %s to fsync: %w", dir, err)
-	}
-	defer d.Close()
-	if err := d.Sync(); err != nil {
-		return fmt.Errorf("fsync directory %s: %w", dir, err)
-	}
-	return nil
-}
+	"github.com/ftkit/ftkit/internal/atomicfile"
+)
 
 // lockDir opens dir and takes an exclusive flock on it. The kernel drops the
 // lock when the process dies, which is how Open tells a crashed writer's
@@ -72,7 +60,7 @@ func removeHidden(path, hiddenName string) error {
 	if err := os.Rename(path, hidden); err != nil {
 		return err
 	}
-	if err := syncDir(dir); err != nil {
+	if err := atomicfile.SyncDir(dir); err != nil {
 		return err
 	}
 	return os.RemoveAll(hidden)

@@ -13,6 +13,8 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/ftkit/ftkit/internal/atomicfile"
 )
 
 // Pending is a snapshot being written into a hidden temp directory. Exactly
@@ -116,7 +118,7 @@ func (s *Store) ensureJobDir(job string) error {
 	if err != nil {
 		return fmt.Errorf("create job directory %s: %w", dir, err)
 	}
-	return syncDir(s.root)
+	return atomicfile.SyncDir(s.root)
 }
 
 func (p *Pending) create() error {
@@ -285,11 +287,11 @@ func (p *Pending) commit(ctx context.Context, build func([]FileEntry) (*Manifest
 	// Deepest directories first, so every entry is durable before its parent.
 	slices.SortFunc(dirs, func(a, b string) int { return strings.Count(b, "/") - strings.Count(a, "/") })
 	for _, d := range dirs {
-		if err := syncDir(filepath.Join(p.dir, filepath.FromSlash(d))); err != nil {
+		if err := atomicfile.SyncDir(filepath.Join(p.dir, filepath.FromSlash(d))); err != nil {
 			return nil, fmt.Errorf("commit snapshot %s/%s: %w", p.job, p.id, err)
 		}
 	}
-	if err := syncDir(p.dir); err != nil {
+	if err := atomicfile.SyncDir(p.dir); err != nil {
 		return nil, fmt.Errorf("commit snapshot %s/%s: %w", p.job, p.id, err)
 	}
 	if crash("before-rename") {
@@ -311,7 +313,7 @@ func (p *Pending) commit(ctx context.Context, build func([]FileEntry) (*Manifest
 	if crash("after-rename") {
 		return nil, errSimulatedCrash
 	}
-	if err := syncDir(filepath.Dir(final)); err != nil {
+	if err := atomicfile.SyncDir(filepath.Dir(final)); err != nil {
 		// The snapshot is complete and visible; only its durability is in doubt.
 		return m, fmt.Errorf("commit snapshot %s/%s: %w (the snapshot is in place but may not survive a power loss)", p.job, p.id, err)
 	}

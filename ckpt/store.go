@@ -13,6 +13,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/ftkit/ftkit/internal/atomicfile"
 )
 
 const (
@@ -326,5 +328,5 @@ func writeManifest(dir string, m *Manifest) error {
 	if err := os.Rename(tmp, filepath.Join(dir, ManifestName)); err != nil {
 		return fmt.Errorf("replace manifest in %s: %w", dir, err)
 	}
-	return syncDir(dir)
+	return atomicfile.SyncDir(dir)
 }

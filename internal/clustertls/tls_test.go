@@ -6,6 +6,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ftkit/ftkit/internal/atomicfile"
 )
 
 func TestHandshake(t *testing.T) {
@@ -209,7 +211,7 @@ func TestRotationWithoutRestart(t *testing.T) {
 	if _, err := WriteFiles(dirOf(srv), "node1", bundle, certPEM, keyPEM); err != nil {
 		t.Fatal(err)
 	}
-	if err := writeFileAtomic(client.CAFile, bundle, 0o644); err != nil {
+	if err := atomicfile.WriteFile(client.CAFile, bundle, 0o644); err != nil {
 		t.Fatal(err)
 	}
 	if r := clientExchange(t, addr, "node1", client); r.err != nil {
@@ -218,7 +220,7 @@ func TestRotationWithoutRestart(t *testing.T) {
 	recvResult(t, results)
 
 	// Step 2: the server drops the old CA, so the old-CA client is refused.
-	if err := writeFileAtomic(srv.CAFile, newCA.CertPEM(), 0o644); err != nil {
+	if err := atomicfile.WriteFile(srv.CAFile, newCA.CertPEM(), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	_ = clientExchange(t, addr, "node1", client)
