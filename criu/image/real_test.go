@@ -12,15 +12,14 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime"
-	"strings"
 	"syscall"
 	"testing"
 	"time"
 
-	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/ftkit/ftkit/lab/labtest"
 )
 
 const (
@@ -161,80 +160,6 @@ func writeJSON(path string, v any) error {
 	return os.Rename(path+".tmp", path)
 }
 
-// newNetns creates a named network namespace with lo up and removes it (and
-// any nft table CRIU left in it) when the test ends.
-func newNetns(t *testing.T, name string) string {
-	t.Helper()
-	errc := make(chan error, 1)
-	var ns netns.NsHandle
-	go func() {
-		// NewNamed switches the calling thread into the new namespace. If
-		// switching back fails the goroutine exits with the thread still
-		// locked, so the runtime discards that thread.
-		runtime.LockOSThread()
-		orig, err := netns.Get()
-		if err != nil {
-			errc <- err
-			return
-		}
-		defer orig.Close()
-		ns, err = netns.NewNamed(name)
-		if err != nil {
-			errc <- err
-			return
-		}
-		if err := netns.Set(orig); err != nil {
-			errc <- fmt.Errorf("switch back to the original netns: %w", err)
-			return
-		}
-		runtime.UnlockOSThread()
-		errc <- nil
-	}()
-	if err := <-errc; err != nil {
-		netns.DeleteNamed(name)
-		t.Fatalf("create netns %s: %v", name, err)
-	}
-	path := "/var/run/netns/" + name
-	t.Cleanup(func() {
-		deleteCRIUTables(t, path)
-		ns.Close()
-		if err := netns.DeleteNamed(name); err != nil {
-			t.Errorf("delete netns %s: %v", name, err)
-		}
-	})
-	h, err := netlink.NewHandleAt(ns)
-	if err != nil {
-		t.Fatalf("netlink handle in %s: %v", name, err)
-	}
-	defer h.Close()
-	lo, err := h.LinkByName("lo")
-	if err == nil {
-		err = h.LinkSetUp(lo)
-	}
-	if err != nil {
-		t.Fatalf("bring lo up in %s: %v", name, err)
-	}
-	return path
-}
-
-// deleteCRIUTables removes the inet CRIU-<runid> tables a dump with
-// --network-lock nftables may leave in the namespace.
-func deleteCRIUTables(t *testing.T, nsPath string) {
-	out, err := exec.Command("nsenter", "--net="+nsPath, "nft", "list", "tables").CombinedOutput()
-	if err != nil {
-		t.Errorf("nft list tables in %s: %v: %s", nsPath, err, out)
-		return
-	}
-	for _, line := range strings.Split(string(out), "\n") {
-		f := strings.Fields(line)
-		if len(f) == 3 && f[0] == "table" && strings.HasPrefix(f[2], "CRIU-") {
-			if out, err := exec.Command("nsenter", "--net="+nsPath, "nft", "delete", "table", f[1], f[2]).CombinedOutput(); err != nil {
-				t.Errorf("nft delete table %s %s: %v: %s", f[1], f[2], err, out)
-			}
-		}
-	}
-}
-
 func waitFile(t *testing.T, path string, timeout time.Duration, why string) []byte {
 	t.Helper()
 	for deadline := time.Now().Add(timeout); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
@@ -280,7 +205,11 @@ func TestRealDumpEditRestore(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 
-	nsPath := newNetns(t, fmt.Sprintf("ftkit-img-%d", os.Getpid()))
+	// A one-host lab: its own network namespace (lo up), removed with everything in it when the test ends.
+	nsPath, err := labtest.New(t, 1, 0).NetnsPath("node1")
+	if err != nil {
+		t.Fatal(err)
+	}
 	work := t.TempDir()
 	imgDir := filepath.Join(work, "img")
 	if err := os.Mkdir(imgDir, 0o700); err != nil {
