@@ -1,0 +1,176 @@
+// Package controller is the dynamic resource controller of a node's sender-side log (seed 004's FTM
+// controller, adapted to sender-based logging): it keeps the log's memory under a cap without ever
+// dropping logged bytes.
+//
+// Logged bytes destined for node Q can be freed only once Q's snapshot covers their receipt. So when the
+// log crosses its high watermark, the controller asks the destination nodes that hold the oldest logged
+// bytes to snapshot now; their snapshots let this node trim. Spilling to disk is the last resort, used
+// only if memory is still high after those snapshots had time to complete. At the cap itself the
+// controller pauses the log's consumer: the eBPF probe then drops egress packets on a full ring buffer and
+// TCP retransmits them later, so senders slow down instead of bytes being lost.
+//
+// The package holds only decisions; the agent feeds it measurements and carries out its actions.
+package controller
+
+import (
+	"errors"
+	"fmt"
+	"sort"
+	"time"
+)
+
+// Config bounds the log's memory.
+type Config struct {
+	Cap  int64   // bytes of RAM the log may hold; never exceeded
+	High float64 // fraction of Cap at which snapshots are requested (default 0.8)
+	Low  float64 // fraction of Cap the controller aims for (default 0.6)
+	// Cooldown is how long a snapshot request to one node stands before it is repeated (default 30 s).
+	Cooldown time.Duration
+	// SpillGrace is how long memory may stay above High, with requests outstanding, before spilling
+	// (default 10 s: a snapshot and its shipping normally finish well within it).
+	SpillGrace time.Duration
+}
+
+func (c Config) withDefaults() (Config, error) {
+	if c.High == 0 {
+		c.High = 0.8
+	}
+	if c.Low == 0 {
+		c.Low = 0.6
+	}
+	if c.Cooldown == 0 {
+		c.Cooldown = 30 * time.Second
+	}
+	if c.SpillGrace == 0 {
+		c.SpillGrace = 10 * time.Second
+	}
+	switch {
+	case c.Cap <= 0:
+		return c, errors.New("log memory cap must be positive")
+	case !(0 < c.Low && c.Low < c.High && c.High <= 1):
+		return c, fmt.Errorf("watermarks must satisfy 0 < low (%.2f) < high (%.2f) <= 1", c.Low, c.High)
+	}
+	return c, nil
+}
+
+// Destination is what the log holds for one receiving node.
+type Destination struct {
+	Node   string
+	Bytes  int64     // logged bytes in RAM destined for Node
+	Oldest time.Time // when the oldest of them was logged
+}
+
+// State is one measurement.
+type State struct {
+	Now          time.Time
+	Memory       int64 // bytes of RAM the log holds
+	Destinations []Destination
+	CanSpill     bool // a spill directory with room is configured
+}
+
+// Action is what the agent must do now.
+type Action struct {
+	RequestSnapshots []string // ask these nodes to snapshot now, oldest logged bytes first
+	SpillBytes       int64    // move this many bytes of the oldest log data to disk
+	Pause            bool     // stop consuming the probe's ring buffer (TCP backpressure) until false
+}
+
+// EventKind names a controller decision.
+type EventKind string
+
+const (
+	EventHigh     EventKind = "above-high-watermark"
+	EventRequest  EventKind = "snapshot-requested"
+	EventSpill    EventKind = "spill"
+	EventPause    EventKind = "pause-consumer"
+	EventResume   EventKind = "resume-consumer"
+	EventRelieved EventKind = "below-low-watermark"
+)
+
+// Event is a decision worth logging and showing in `ftctl status`.
+type Event struct {
+	Time   time.Time `json:"time"`
+	Kind   EventKind `json:"kind"`
+	Node   string    `json:"node,omitempty"`
+	Bytes  int64     `json:"bytes,omitempty"`
+	Memory int64     `json:"memory"`
+}
+
+// Controller decides, one measurement at a time.
+type Controller struct {
+	cfg           Config
+	lastRequest   map[string]time.Time
+	pressureSince time.Time // zero when not above High
+	paused        bool
+}
+
+// New returns a controller for cfg.
+func New(cfg Config) (*Controller, error) {
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	return &Controller{cfg: cfg, lastRequest: map[string]time.Time{}}, nil
+}
+
+// Config returns the effective configuration.
+func (c *Controller) Config() Config { return c.cfg }
+
+// Step takes a measurement and returns the actions to take and the events to record.
+func (c *Controller) Step(s State) (Action, []Event) {
+	var a Action
+	var ev []Event
+	high := int64(float64(c.cfg.Cap) * c.cfg.High)
+	low := int64(float64(c.cfg.Cap) * c.cfg.Low)
+	emit := func(k EventKind, node string, bytes int64) {
+		ev = append(ev, Event{Time: s.Now, Kind: k, Node: node, Bytes: bytes, Memory: s.Memory})
+	}
+
+	// Pause at the cap, resume once back under the high watermark (hysteresis avoids flapping).
+	switch {
+	case !c.paused && s.Memory >= c.cfg.Cap:
+		c.paused = true
+		emit(EventPause, "", 0)
+	case c.paused && s.Memory < high:
+		c.paused = false
+		emit(EventResume, "", 0)
+	}
+	a.Pause = c.paused
+
+	if s.Memory < high {
+		if !c.pressureSince.IsZero() && s.Memory <= low {
+			c.pressureSince = time.Time{}
+			emit(EventRelieved, "", 0)
+		}
+		return a, ev
+	}
+	if c.pressureSince.IsZero() {
+		c.pressureSince = s.Now
+		emit(EventHigh, "", 0)
+	}
+
+	// Ask the nodes holding the oldest bytes to snapshot, until what they hold covers the excess over Low.
+	dests := append([]Destination(nil), s.Destinations...)
+	sort.SliceStable(dests, func(i, j int) bool { return dests[i].Oldest.Before(dests[j].Oldest) })
+	need := s.Memory - low
+	var covered int64
+	for _, d := range dests {
+		if covered >= need || d.Bytes == 0 {
+			continue
+		}
+		covered += d.Bytes
+		if last, ok := c.lastRequest[d.Node]; ok && s.Now.Sub(last) < c.cfg.Cooldown {
+			continue // already asked; its snapshot is on its way
+		}
+		c.lastRequest[d.Node] = s.Now
+		a.RequestSnapshots = append(a.RequestSnapshots, d.Node)
+		emit(EventRequest, d.Node, d.Bytes)
+	}
+
+	// Still high after the grace period: spill down to Low.
+	if s.CanSpill && s.Now.Sub(c.pressureSince) >= c.cfg.SpillGrace {
+		a.SpillBytes = s.Memory - low
+		emit(EventSpill, "", a.SpillBytes)
+	}
+	return a, ev
+}
