@@ -35,6 +35,8 @@ type Agent struct {
 	changed  chan struct{}               // closed and replaced whenever a job changes, for long-polling clients
 
 	ckptMu sync.Mutex // one checkpoint (or host-wide freeze) at a time
+
+	netlog *logState // nil when the sender-side log is disabled
 }
 
 // New checks the host (root, CRIU 4.2 or newer, cgroup v2) and prepares the agent's directories.
@@ -71,6 +73,11 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 	if err != nil {
 		return nil, err
 	}
+	if cfg.Log.Enabled {
+		if err := a.startLog(); err != nil {
+			return nil, err
+		}
+	}
 	a.log.Info("agent ready", "criu", bin, "criu_version", v.String())
 	return a, nil
 }
@@ -90,6 +97,7 @@ func (a *Agent) adopt() error {
 		}
 		a.byID[j.ID] = j
 		if j.State == JobRunning {
+			a.protect(j)
 			a.log.Info("adopted job", "job", j.ID, "pid", j.PID)
 		}
 	}
@@ -133,11 +141,14 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 	if err := os.Mkdir(j.Cgroup, 0o755); err != nil {
 		return nil, fmt.Errorf("create job cgroup: %w", err)
 	}
+	// Logged from its first byte: the cgroup is protected before the job can open a socket.
+	a.protect(j)
 	pid, err := startShim(ctx, a.self, ShimSpec{
 		JobID: id, Mode: ShimStart, Argv: spec.Argv, Env: spec.Env, Dir: spec.Dir, UID: uid, GID: gid,
 		Stdout: j.StdoutPath(), Stderr: j.StderrPath(), Cgroup: j.Cgroup, ExitFile: j.ExitPath(), Node: a.cfg.Name,
 	}, a.shimLog(id))
 	if err != nil {
+		a.unprotect(j)
 		os.Remove(j.Cgroup)
 		return nil, err
 	}
@@ -233,6 +244,7 @@ func (a *Agent) finish(j *Job, state JobState, st *ExitStatus) {
 	if err != nil {
 		a.log.Error("save job record", "job", j.ID, "err", err)
 	}
+	a.unprotect(j)
 	if err := os.Remove(j.Cgroup); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		a.log.Warn("remove job cgroup", "job", j.ID, "err", err)
 	}
@@ -265,6 +277,10 @@ func (a *Agent) Run(ctx context.Context) error {
 	defer cl.Close()
 	go a.watchJobs(ctx)
 	go a.schedule(ctx)
+	go a.controlLog(ctx)
+	if a.netlog != nil {
+		defer a.netlog.cap.Close()
+	}
 	<-ctx.Done()
 	a.log.Info("agent stopping; jobs keep running under their shims")
 	return nil

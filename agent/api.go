@@ -49,15 +49,16 @@ func callerOf(r *http.Request) *unix.Ucred {
 
 // Status is what GET /v1/status returns.
 type Status struct {
-	Node      string   `json:"node"`
-	Role      Role     `json:"role"`
-	Protector string   `json:"protector,omitempty"`
-	Mode      Mode     `json:"mode"`
-	Interval  string   `json:"interval"`
-	Members   []Member `json:"members"`
-	Jobs      []Job    `json:"jobs"`
-	Version   string   `json:"version"`
-	CRIU      string   `json:"criu"`
+	Node      string     `json:"node"`
+	Role      Role       `json:"role"`
+	Protector string     `json:"protector,omitempty"`
+	Mode      Mode       `json:"mode"`
+	Interval  string     `json:"interval"`
+	Members   []Member   `json:"members"`
+	Jobs      []Job      `json:"jobs"`
+	Version   string     `json:"version"`
+	CRIU      string     `json:"criu"`
+	Log       *LogStatus `json:"log,omitempty"`
 }
 
 func (a *Agent) status(uid uint32) Status {
@@ -65,6 +66,7 @@ func (a *Agent) status(uid uint32) Status {
 	s := Status{
 		Node: a.cfg.Name, Role: self.Role, Mode: a.cfg.Checkpoint.Mode, Interval: a.cfg.Checkpoint.Interval.String(),
 		Members: a.cfg.Cluster.Members, Jobs: a.Jobs(uid), Version: version.Ftkit(), CRIU: a.criu.Binary,
+		Log: a.logStatus(),
 	}
 	if p, ok := a.cfg.Protector(a.cfg.Name, nil); ok {
 		s.Protector = p.Name
@@ -176,6 +178,13 @@ func (a *Agent) routes() *http.ServeMux {
 		default:
 			writeJSON(w, http.StatusOK, j)
 		}
+	})
+	mux.HandleFunc("GET /v1/log/conns", func(w http.ResponseWriter, r *http.Request) {
+		if callerOf(r).Uid != 0 {
+			writeError(w, http.StatusForbidden, errors.New("the log holds every job's traffic: root only"))
+			return
+		}
+		writeJSON(w, http.StatusOK, a.LoggedConns())
 	})
 	mux.HandleFunc("POST /v1/jobs/{id}/signal", func(w http.ResponseWriter, r *http.Request) {
 		var req struct {

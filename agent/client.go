@@ -126,3 +126,9 @@ func (c *Client) Restore(ctx context.Context, req RestoreRequest) (Job, error) {
 	var j Job
 	return j, c.do(ctx, http.MethodPost, "/v1/restore", req, &j)
 }
+
+// LoggedConns lists the connections in the host's sender-side log (root only).
+func (c *Client) LoggedConns(ctx context.Context) ([]LoggedConn, error) {
+	var cs []LoggedConn
+	return cs, c.do(ctx, http.MethodGet, "/v1/log/conns", nil, &cs)
+}

@@ -26,6 +26,10 @@ const (
 	opSnapshot clusterOp = "snapshot" // the caller ships a snapshot to us (we are its protector)
 	opFetch    clusterOp = "fetch"    // the caller asks for a snapshot we hold (to restore it)
 	opLocate   clusterOp = "locate"   // which job does a snapshot id we hold belong to
+	// Sender-side log.
+	opTrim          clusterOp = "trim"           // the caller's snapshot covers these receive points: drop older log data
+	opLogRange      clusterOp = "log-range"      // bytes we logged on a connection from a sequence number on
+	opCheckpointNow clusterOp = "checkpoint-now" // the caller's log is under pressure: snapshot our jobs
 )
 
 type clusterRequest struct {
@@ -139,6 +143,17 @@ func (a *Agent) handleCluster(ctx context.Context, c net.Conn) {
 			return
 		}
 		writeHeader(c, fetchRequest{ID: req.ID, Job: a.localJobOfSnapshot(req.ID)})
+	case opTrim:
+		a.serveTrim(c, peer)
+	case opLogRange:
+		a.serveLogRange(ctx, c)
+	case opCheckpointNow:
+		a.log.Info("snapshot requested by a sender whose log is under pressure", "peer", peer)
+		go func() {
+			if _, err := a.Checkpoint(context.WithoutCancel(ctx), nil, 0); err != nil {
+				a.log.Warn("requested snapshot failed", "err", err)
+			}
+		}()
 	case opFetch:
 		if err := a.serveFetch(ctx, c, peer); err != nil {
 			a.log.Warn("snapshot fetch failed", "peer", peer, "err", err)

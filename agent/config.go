@@ -105,6 +105,18 @@ type Config struct {
 		Interval Duration `toml:"interval"`
 		Timeout  Duration `toml:"timeout"`
 	} `toml:"heartbeat"`
+	Log LogConfig `toml:"log"`
+}
+
+// LogConfig configures the sender-side log of the bytes this host's jobs send to other hosts.
+type LogConfig struct {
+	Enabled   bool    `toml:"enabled"`
+	Interface string  `toml:"interface"`  // egress interface; empty: the one holding cluster.listen's address
+	RingMiB   int     `toml:"ring_mib"`   // eBPF ring buffer (power of two); full means TCP backpressure, never loss
+	MemoryMiB int     `toml:"memory_mib"` // cap on the log's RAM; 0: 10% of this host's memory
+	High      float64 `toml:"high"`       // fraction of the cap at which destination nodes are asked to snapshot
+	Low       float64 `toml:"low"`        // fraction of the cap the controller aims for
+	SpillDir  string  `toml:"spill_dir"`  // last resort when snapshots do not free enough; empty: never spill
 }
 
 // Defaults returns a Config with every default filled in.
@@ -120,6 +132,7 @@ func Defaults() Config {
 	c.Checkpoint.Keep = 3
 	c.Heartbeat.Interval = Duration{500 * time.Millisecond}
 	c.Heartbeat.Timeout = Duration{3 * time.Second}
+	c.Log = LogConfig{Enabled: true, RingMiB: 64, High: 0.8, Low: 0.6}
 	return c
 }
 
@@ -210,6 +223,14 @@ func (c Config) Validate() error {
 	}
 	if c.Heartbeat.Interval.Duration <= 0 || c.Heartbeat.Timeout.Duration <= c.Heartbeat.Interval.Duration {
 		errs = append(errs, fmt.Errorf("heartbeat: timeout (%s) must be longer than a positive interval (%s)", c.Heartbeat.Timeout, c.Heartbeat.Interval))
+	}
+	if c.Log.Enabled {
+		if c.Log.RingMiB <= 0 || c.Log.RingMiB&(c.Log.RingMiB-1) != 0 {
+			errs = append(errs, fmt.Errorf("log.ring_mib %d: use a power of two", c.Log.RingMiB))
+		}
+		if c.Log.MemoryMiB < 0 || !(0 < c.Log.Low && c.Log.Low < c.Log.High && c.Log.High <= 1) {
+			errs = append(errs, fmt.Errorf("log: memory_mib must be >= 0 and 0 < low (%.2f) < high (%.2f) <= 1", c.Log.Low, c.Log.High))
+		}
 	}
 	return errors.Join(errs...)
 }

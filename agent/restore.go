@@ -74,6 +74,7 @@ func (a *Agent) Restore(ctx context.Context, req RestoreRequest, uid uint32) (*J
 		return nil, err
 	}
 	start := time.Now()
+	a.protect(&j)
 	pid, err := startShim(ctx, a.self, ShimSpec{
 		JobID: j.ID, Mode: ShimRestore, ImagesDir: work, CRIU: a.criu.Binary, ExitFile: j.ExitPath(), Node: a.cfg.Name,
 	}, a.shimLog(j.ID))

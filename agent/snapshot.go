@@ -239,6 +239,8 @@ func (a *Agent) Checkpoint(ctx context.Context, ids []string, uid uint32) ([]Sna
 		} else {
 			res.Manifest, res.Shipped = sent.Manifest, true
 			res.ShipBytes, res.ShipWire, res.ShipDuration = sent.Bytes, sent.WireBytes, sent.Duration
+			// Durable on the protector: the senders may now drop what this snapshot has received.
+			a.announceReceivePoints(ctx, m)
 			if pruned, err := a.store.Prune(ctx, m.Job, a.cfg.Checkpoint.Keep); err != nil {
 				a.log.Warn("prune snapshots", "job", m.Job, "err", err)
 			} else if len(pruned) > 0 {

@@ -1,0 +1,81 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/lab/labcluster"
+)
+
+// Sender-based logging's garbage collection across agents: once a receiver's snapshot is durable on its
+// protector, each sender's log for that connection starts exactly at the snapshot's receive point.
+func TestLogTrimmedAtReceiverSnapshot(t *testing.T) {
+	c := newCluster(t, 3, 0, labcluster.Options{Interval: "1h"})
+	ctx := context.Background()
+	st := c.Lab.State()
+	peers := ""
+	for i, h := range st.Hosts {
+		if i > 0 {
+			peers += ","
+		}
+		peers += h.Addr.Addr().String() + ":7500"
+	}
+	jobOf := map[string]string{}
+	for r, h := range st.Hosts {
+		_, _, job := startWrapped(t, c, h.Name, fmt.Sprintf("rank%d", r), bins.Ringstencil, "--rank", fmt.Sprint(r),
+			"--peers", peers, "--iters", "1000000", "--block", "16384", "--delay", "5ms")
+		jobOf[h.Name] = job
+	}
+	time.Sleep(2 * time.Second)
+
+	// node1 logs what its rank sends to node2 and node3, and nothing else.
+	before, err := c.Client("node1").LoggedConns(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dsts := map[string]bool{}
+	for _, lc := range before {
+		dsts[lc.DstNode] = true
+		if lc.Retained == 0 || lc.Trimmed {
+			t.Errorf("node1's log of %s -> %s: %+v", lc.Src, lc.Dst, lc)
+		}
+	}
+	if len(before) != 2 || !dsts["node2"] || !dsts["node3"] {
+		t.Fatalf("node1 logs %+v; want one connection to node2 and one to node3", before)
+	}
+
+	reply, err := c.Client("node2").Checkpoint(ctx, jobOf["node2"])
+	if err != nil || len(reply.Results) != 1 || !reply.Results[0].Shipped {
+		t.Fatalf("checkpoint of node2's rank: %+v, %v", reply, err)
+	}
+	m := reply.Results[0].Manifest
+	var inq uint32
+	found := false
+	for _, conn := range m.Conns {
+		if conn.Remote.Addr() == st.Hosts[0].Addr.Addr() {
+			inq, found = conn.InqSeq, true
+		}
+	}
+	if !found {
+		t.Fatalf("node2's snapshot has no connection from node1: %+v", m.Conns)
+	}
+	after, err := c.Client("node1").LoggedConns(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, lc := range after {
+		if lc.DstNode != "node2" {
+			continue
+		}
+		if !lc.Trimmed || lc.First != inq {
+			t.Errorf("node1's log to node2 starts at %d (trimmed %v); node2's snapshot received up to %d", lc.First, lc.Trimmed, inq)
+		}
+		if int32(lc.Contiguous-lc.First) < 0 {
+			t.Errorf("log to node2 has no contiguous range after the trim point: %+v", lc)
+		}
+		return
+	}
+	t.Fatalf("node1's log lost its connection to node2: %+v", after)
+}

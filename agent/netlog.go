@@ -1,0 +1,386 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/vishvananda/netlink"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/netlog/capture"
+	"github.com/ftkit/ftkit/netlog/controller"
+)
+
+// logState is the agent's sender-side log: the eBPF capture, its resource controller, and recent events.
+type logState struct {
+	cap  *capture.Capture
+	ctl  *controller.Controller
+	mu   sync.Mutex
+	ev   []controller.Event   // the last maxEvents decisions, for `ftctl status`
+	seen map[string]time.Time // destination node -> when its log data was last trimmed (or first seen)
+}
+
+const maxEvents = 50
+
+// startLog attaches the probe to the cluster interface (in this agent's network namespace).
+func (a *Agent) startLog() error {
+	lc := a.cfg.Log
+	iface := lc.Interface
+	if iface == "" {
+		var err error
+		if iface, err = interfaceOf(a.cfg.Cluster.Listen.Addr()); err != nil {
+			return err
+		}
+	}
+	capMiB := lc.MemoryMiB
+	if capMiB == 0 {
+		capMiB = int(memTotalMiB() / 10)
+	}
+	capBytes := int64(capMiB) << 20
+	opts := netlog.Options{Logger: a.log}
+	if lc.SpillDir != "" {
+		opts.SpillDir = lc.SpillDir
+		opts.SpillAboveRAM = int64(float64(capBytes) * lc.Low)
+	}
+	c, err := capture.New(capture.Options{Interface: iface, RingBufferSize: lc.RingMiB << 20, Log: opts, Logger: a.log})
+	if err != nil {
+		return fmt.Errorf("start the sender-side log on %s: %w", iface, err)
+	}
+	ctl, err := controller.New(controller.Config{Cap: capBytes, High: lc.High, Low: lc.Low})
+	if err != nil {
+		c.Close()
+		return err
+	}
+	a.netlog = &logState{cap: c, ctl: ctl, seen: map[string]time.Time{}}
+	a.log.Info("sender-side log attached", "interface", iface, "ring_mib", lc.RingMiB, "memory_cap_mib", capMiB)
+	return nil
+}
+
+// interfaceOf names the interface that holds addr in this network namespace.
+func interfaceOf(addr netip.Addr) (string, error) {
+	addrs, err := netlink.AddrList(nil, netlink.FAMILY_ALL)
+	if err != nil {
+		return "", err
+	}
+	for _, x := range addrs {
+		if ip, ok := netip.AddrFromSlice(x.IP); ok && ip.Unmap() == addr {
+			l, err := netlink.LinkByIndex(x.LinkIndex)
+			if err != nil {
+				return "", err
+			}
+			return l.Attrs().Name, nil
+		}
+	}
+	return "", fmt.Errorf("no interface holds the cluster address %s; set log.interface", addr)
+}
+
+func memTotalMiB() int64 {
+	b, err := os.ReadFile("/proc/meminfo")
+	if err != nil {
+		return 1024
+	}
+	var kb int64
+	for _, line := range strings.Split(string(b), "\n") {
+		if strings.HasPrefix(line, "MemTotal:") {
+			fmt.Sscanf(strings.TrimPrefix(line, "MemTotal:"), "%d", &kb)
+		}
+	}
+	return kb / 1024
+}
+
+func (a *Agent) protect(j *Job) {
+	if a.netlog == nil {
+		return
+	}
+	if err := a.netlog.cap.ProtectCgroup(j.Cgroup); err != nil {
+		a.log.Error("job's traffic is not logged", "job", j.ID, "err", err)
+	}
+}
+
+func (a *Agent) unprotect(j *Job) {
+	if a.netlog == nil {
+		return
+	}
+	if err := a.netlog.cap.UnprotectCgroup(j.Cgroup); err != nil && !errors.Is(err, os.ErrNotExist) {
+		a.log.Debug("unprotect job cgroup", "job", j.ID, "err", err)
+	}
+}
+
+// memberByIP is the cluster member whose address is ip ("" if none).
+func (a *Agent) memberByIP(ip netip.Addr) string {
+	for _, m := range a.cfg.Cluster.Members {
+		if m.Address.Addr() == ip.Unmap() {
+			return m.Name
+		}
+	}
+	return ""
+}
+
+// TrimPoint tells a sender up to where a receiver's durable snapshot covers a connection.
+type TrimPoint struct {
+	Src netip.AddrPort `json:"src"` // the sender (the peer of the snapshotted job)
+	Dst netip.AddrPort `json:"dst"` // the snapshotted job's end
+	Seq uint32         `json:"seq"` // the receiver's rcv_nxt in the snapshot (inq_seq)
+}
+
+// announceReceivePoints tells every sender of bytes to the snapshotted job where its new durable snapshot
+// starts receiving, so that each sender drops the log data before it (sender-based logging's GC).
+func (a *Agent) announceReceivePoints(ctx context.Context, m *ckpt.Manifest) {
+	byPeer := map[string][]TrimPoint{}
+	for _, c := range m.Conns {
+		peer := a.memberByIP(c.Remote.Addr())
+		if peer == "" || peer == a.cfg.Name {
+			continue // not cluster traffic, or traffic inside this host (never logged)
+		}
+		byPeer[peer] = append(byPeer[peer], TrimPoint{Src: c.Remote, Dst: c.Local, Seq: c.InqSeq})
+	}
+	for peer, pts := range byPeer {
+		if err := a.sendTrim(ctx, peer, pts); err != nil {
+			// Not fatal: the peer keeps the data a little longer and trims at the next snapshot.
+			a.log.Warn("could not tell a sender to trim its log", "peer", peer, "snapshot", m.ID, "err", err)
+		}
+	}
+}
+
+func (a *Agent) sendTrim(ctx context.Context, peer string, pts []TrimPoint) error {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	c, err := a.dialPeer(ctx, peer, opTrim)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	if err := writeHeader(c, pts); err != nil {
+		return err
+	}
+	var ack struct{ Trimmed int }
+	return readHeader(c, &ack)
+}
+
+// serveTrim drops log data the caller's snapshot covers.
+func (a *Agent) serveTrim(c net.Conn, peer string) {
+	var pts []TrimPoint
+	if err := readHeader(c, &pts); err != nil {
+		return
+	}
+	n := 0
+	if a.netlog != nil {
+		for _, p := range pts {
+			if a.memberByIP(p.Dst.Addr()) != peer {
+				continue // a member may only release data destined for itself
+			}
+			if _, err := a.netlog.cap.Log().Trim(netlog.Conn{Src: p.Src, Dst: p.Dst}, p.Seq); err == nil {
+				n++
+			}
+		}
+		a.netlog.mu.Lock()
+		a.netlog.seen[peer] = time.Now()
+		a.netlog.mu.Unlock()
+	}
+	writeHeader(c, struct{ Trimmed int }{n})
+}
+
+// LogRangeRequest asks a sender for the bytes it logged on a connection from a sequence number on.
+type LogRangeRequest struct {
+	Src  netip.AddrPort `json:"src"`
+	Dst  netip.AddrPort `json:"dst"`
+	From uint32         `json:"from"`
+}
+
+// LogRangeReply precedes the bytes: Len bytes starting at sequence From follow the header.
+type LogRangeReply struct {
+	From  uint32 `json:"from"`
+	Len   int64  `json:"len"`
+	Error string `json:"error,omitempty"`
+}
+
+// serveLogRange streams the logged bytes of one connection from a sequence number to the highest
+// contiguous byte, for the restorer.
+func (a *Agent) serveLogRange(ctx context.Context, c net.Conn) {
+	var req LogRangeRequest
+	if err := readHeader(c, &req); err != nil {
+		return
+	}
+	if a.netlog == nil {
+		writeHeader(c, LogRangeReply{Error: "the sender-side log is disabled on " + a.cfg.Name})
+		return
+	}
+	l := a.netlog.cap.Log()
+	conn := netlog.Conn{Src: req.Src, Dst: req.Dst}
+	from, err := l.Unwrap(conn, req.From)
+	var b netlog.Bounds
+	if err == nil {
+		b, err = l.Bounds(conn)
+	}
+	if err != nil {
+		writeHeader(c, LogRangeReply{Error: err.Error()})
+		return
+	}
+	to := b.Contiguous
+	if to < from {
+		to = from
+	}
+	st, err := l.Store(conn)
+	if err == nil {
+		err = st.Check(from, to) // a hole or trimmed data is refused before any byte is sent
+	}
+	if err != nil {
+		writeHeader(c, LogRangeReply{Error: err.Error()})
+		return
+	}
+	if err := writeHeader(c, LogRangeReply{From: req.From, Len: int64(to - from)}); err != nil {
+		return
+	}
+	if _, err := l.WriteRange(ctx, c, conn, from, to); err != nil {
+		a.log.Warn("log range cut short", "conn", conn, "err", err)
+	}
+}
+
+// LogRange fetches from member peer the bytes it logged on src->dst from sequence from on.
+func (a *Agent) LogRange(ctx context.Context, peer string, req LogRangeRequest) ([]byte, error) {
+	c, err := a.dialPeer(ctx, peer, opLogRange)
+	if err != nil {
+		return nil, err
+	}
+	defer c.Close()
+	if err := writeHeader(c, req); err != nil {
+		return nil, err
+	}
+	var r LogRangeReply
+	if err := readHeader(c, &r); err != nil {
+		return nil, err
+	}
+	if r.Error != "" {
+		return nil, fmt.Errorf("%s: %s", peer, r.Error)
+	}
+	buf := make([]byte, r.Len)
+	if _, err := io.ReadFull(c, buf); err != nil {
+		return nil, fmt.Errorf("read %d logged bytes from %s: %w", r.Len, peer, err)
+	}
+	return buf, nil
+}
+
+// controlLog runs the resource controller: measure, decide, act.
+func (a *Agent) controlLog(ctx context.Context) {
+	if a.netlog == nil {
+		return
+	}
+	tick := time.NewTicker(250 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		l := a.netlog.cap.Log()
+		now := time.Now()
+		bytesBy := map[string]int64{}
+		for _, conn := range l.Conns() {
+			st, err := l.ConnStats(conn)
+			if err != nil {
+				continue
+			}
+			if node := a.memberByIP(conn.Dst.Addr()); node != "" {
+				bytesBy[node] += st.MemoryBytes()
+			}
+		}
+		a.netlog.mu.Lock()
+		var dests []controller.Destination
+		for node, n := range bytesBy {
+			if _, ok := a.netlog.seen[node]; !ok {
+				a.netlog.seen[node] = now
+			}
+			dests = append(dests, controller.Destination{Node: node, Bytes: n, Oldest: a.netlog.seen[node]})
+		}
+		a.netlog.mu.Unlock()
+		act, events := a.netlog.ctl.Step(controller.State{Now: now, Memory: l.Stats().MemoryBytes(), Destinations: dests, CanSpill: a.cfg.Log.SpillDir != ""})
+		for _, node := range act.RequestSnapshots {
+			go a.requestSnapshot(ctx, node)
+		}
+		if act.SpillBytes > 0 {
+			if _, err := l.Age(ctx, now); err != nil {
+				a.log.Error("spill log data", "err", err)
+			}
+		}
+		if len(events) > 0 {
+			a.netlog.mu.Lock()
+			a.netlog.ev = append(a.netlog.ev, events...)
+			if len(a.netlog.ev) > maxEvents {
+				a.netlog.ev = a.netlog.ev[len(a.netlog.ev)-maxEvents:]
+			}
+			a.netlog.mu.Unlock()
+			for _, e := range events {
+				a.log.Info("log controller", "event", e.Kind, "node", e.Node, "bytes", e.Bytes, "memory", e.Memory)
+			}
+		}
+	}
+}
+
+// requestSnapshot asks member node to snapshot its jobs now, so that this node can trim its log.
+func (a *Agent) requestSnapshot(ctx context.Context, node string) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	c, err := a.dialPeer(ctx, node, opCheckpointNow)
+	if err != nil {
+		a.log.Warn("could not ask for a snapshot", "node", node, "err", err)
+		return
+	}
+	c.Close()
+}
+
+// LogStatus is the log part of the agent's status.
+type LogStatus struct {
+	Counters capture.Counters   `json:"counters"`
+	CapBytes int64              `json:"cap_bytes"`
+	Events   []controller.Event `json:"events"`
+}
+
+func (a *Agent) logStatus() *LogStatus {
+	if a.netlog == nil {
+		return nil
+	}
+	cnt, _ := a.netlog.cap.Counters()
+	a.netlog.mu.Lock()
+	defer a.netlog.mu.Unlock()
+	return &LogStatus{Counters: cnt, CapBytes: a.netlog.ctl.Config().Cap, Events: append([]controller.Event(nil), a.netlog.ev...)}
+}
+
+// LoggedConn describes what the log holds for one connection, in wire (32-bit) sequence numbers.
+type LoggedConn struct {
+	Src        netip.AddrPort `json:"src"`
+	Dst        netip.AddrPort `json:"dst"`
+	DstNode    string         `json:"dst_node,omitempty"`
+	First      uint32         `json:"first"`      // lowest retained byte
+	Contiguous uint32         `json:"contiguous"` // every byte of [first, contiguous) is retained
+	Retained   int64          `json:"retained"`
+	Trimmed    bool           `json:"trimmed"` // a receiver's snapshot released the bytes before first
+}
+
+// LoggedConns lists the connections in this host's log.
+func (a *Agent) LoggedConns() []LoggedConn {
+	if a.netlog == nil {
+		return nil
+	}
+	l := a.netlog.cap.Log()
+	var out []LoggedConn
+	for _, c := range l.Conns() {
+		b, err := l.Bounds(c)
+		if err != nil {
+			continue
+		}
+		out = append(out, LoggedConn{Src: c.Src, Dst: c.Dst, DstNode: a.memberByIP(c.Dst.Addr()),
+			First: netlog.Wire(b.First), Contiguous: netlog.Wire(b.Contiguous), Retained: b.Retained, Trimmed: b.Floor != 0})
+	}
+	return out
+}

@@ -1,0 +1,365 @@
+//go:build linux
+
+// Package capture runs the sender-side TCP log of one node: it loads the eBPF
+// TCX egress logger (ebpfprobes), attaches it to one interface, and feeds every
+// record from the ring buffer into a netlog.Log with one consumer goroutine.
+// It is the glue the agent runs; the log itself (ranges, trimming, ageing)
+// is netlog's.
+package capture
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/netlog"
+)
+
+// Options configure New.
+type Options struct {
+	// Interface is the name of the egress interface to log (e.g. "eth0"),
+	// resolved in the calling thread's network namespace.
+	Interface string
+	// RingBufferSize is the BPF ring buffer size in bytes, a power of two
+	// (see ebpfprobes.TCPLoggerOptions); 0 means ebpfprobes.DefaultRingBufferSize.
+	RingBufferSize int
+	// Log configures the netlog.Log the records go to. A nil Log.Logger
+	// becomes Logger.
+	Log netlog.Options
+	// Logger receives attach/detach events and consumer errors; nil discards them.
+	Logger *slog.Logger
+
+	// afterRecord, when set, runs after each record is appended: tests use it
+	// to slow the consumer down and provoke backpressure drops.
+	afterRecord func()
+}
+
+// Capture is a running logger: probe attached, consumer goroutine running.
+// All methods are safe for concurrent use.
+type Capture struct {
+	log     *slog.Logger
+	iface   string
+	ring    int
+	probe   *ebpfprobes.TCPLogger
+	netlog  *netlog.Log
+	cancel  context.CancelFunc
+	done    chan struct{} // closed when the consumer returns
+	consErr error         // the consumer's fatal error, readable after done
+
+	records      atomic.Uint64 // records consumed
+	badRecords   atomic.Uint64 // records DecodeRecord rejected
+	appendErrors atomic.Uint64 // Append errors other than conflicts (conflicts are in netlog.Stats)
+
+	mu        sync.Mutex
+	protected map[string]uint64 // cleaned cgroup directory -> cgroup id
+	closed    bool
+}
+
+// New loads the probe, attaches it to the egress of opts.Interface and starts
+// the consumer. Both the interface lookup and the TCX attachment happen in the
+// calling thread's network namespace, so New must be called from inside the
+// namespace whose traffic is to be logged: the agent runs in its host's
+// namespace; tests call New inside lab.Lab.Do. Nothing is logged until
+// ProtectCgroup. Close releases everything.
+func New(opts Options) (*Capture, error) {
+	log := opts.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	if opts.Interface == "" {
+		return nil, errors.New("capture: no interface given: set Options.Interface (e.g. \"eth0\")")
+	}
+	lk, err := netlink.LinkByName(opts.Interface)
+	if err != nil {
+		return nil, fmt.Errorf("capture: find interface %q in this thread's network namespace (call New from inside the node's namespace): %w", opts.Interface, err)
+	}
+	lopts := opts.Log
+	if lopts.Logger == nil {
+		lopts.Logger = log
+	}
+	nl, err := netlog.NewLog(lopts)
+	if err != nil {
+		return nil, fmt.Errorf("capture: %w", err)
+	}
+	probe, err := ebpfprobes.NewTCPLogger(ebpfprobes.TCPLoggerOptions{RingBufferSize: opts.RingBufferSize, Logger: log})
+	if err != nil {
+		nl.Close()
+		return nil, fmt.Errorf("capture: %w", err)
+	}
+	if err := probe.Attach(lk.Attrs().Index); err != nil {
+		probe.Close()
+		nl.Close()
+		return nil, fmt.Errorf("capture: %w", err)
+	}
+	ring := opts.RingBufferSize
+	if ring == 0 {
+		ring = ebpfprobes.DefaultRingBufferSize
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	c := &Capture{
+		log:       log.With("iface", opts.Interface),
+		iface:     opts.Interface,
+		ring:      ring,
+		probe:     probe,
+		netlog:    nl,
+		cancel:    cancel,
+		done:      make(chan struct{}),
+		protected: make(map[string]uint64),
+	}
+	go c.consume(ctx, opts.afterRecord)
+	return c, nil
+}
+
+// consume moves records from the ring buffer into the log until ctx is
+// cancelled or reading fails. Read copies each record once out of the ring;
+// DecodeRecord aliases that copy and Append copies the payload into the log.
+func (c *Capture) consume(ctx context.Context, afterRecord func()) {
+	defer close(c.done)
+	for {
+		// Stop as soon as Close asks: the log is freed right after, so
+		// draining what is left in the ring would be wasted work.
+		if ctx.Err() != nil {
+			return
+		}
+		raw, err := c.probe.Read(ctx)
+		if err != nil {
+			if ctx.Err() != nil || errors.Is(err, ebpfprobes.ErrClosed) {
+				return
+			}
+			c.consErr = fmt.Errorf("capture: consumer stopped: %w", err)
+			c.log.Error("capture: consumer stopped, nothing more is logged", "err", err)
+			return
+		}
+		c.records.Add(1)
+		rec, err := netlog.DecodeRecord(raw)
+		if err != nil {
+			if n := c.badRecords.Add(1); isPow2(n) {
+				c.log.Error("capture: bad ring buffer record (probe and netlog disagree on the layout?)", "err", err, "count", n)
+			}
+			continue
+		}
+		if err := c.netlog.Append(rec); err != nil {
+			switch {
+			case errors.Is(err, netlog.ErrClosed):
+				return
+			case errors.Is(err, netlog.ErrConflict):
+				// Counted in netlog.Stats.Conflicts; log a few.
+				if n := c.netlog.Stats().Conflicts; isPow2(uint64(n)) {
+					c.log.Warn("capture: segment conflicts with logged bytes, kept the first version", "err", err, "count", n)
+				}
+			default:
+				if n := c.appendErrors.Add(1); isPow2(n) {
+					c.log.Error("capture: append to log", "err", err, "count", n)
+				}
+			}
+		}
+		if afterRecord != nil {
+			afterRecord()
+		}
+	}
+}
+
+// isPow2 rate-limits repeated error logs to counts 1, 2, 4, 8, ...
+func isPow2(n uint64) bool { return n != 0 && n&(n-1) == 0 }
+
+// Log returns the log the consumer appends to. It is freed by Close.
+func (c *Capture) Log() *netlog.Log { return c.netlog }
+
+// cgroupID returns the cgroup v2 id of directory dir: its inode number, which
+// is what bpf_skb_cgroup_id reports for sockets created in it.
+func cgroupID(dir string) (uint64, error) {
+	var fs unix.Statfs_t
+	if err := unix.Statfs(dir, &fs); err != nil {
+		return 0, fmt.Errorf("capture: cgroup directory %s: %w", dir, err)
+	}
+	if fs.Type != unix.CGROUP2_SUPER_MAGIC {
+		return 0, fmt.Errorf("capture: %s is not in a cgroup v2 hierarchy (on this machine that is under /sys/fs/cgroup/unified)", dir)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(dir, &st); err != nil {
+		return 0, fmt.Errorf("capture: cgroup directory %s: %w", dir, err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFDIR {
+		return 0, fmt.Errorf("capture: %s is not a cgroup directory", dir)
+	}
+	return st.Ino, nil
+}
+
+// ProtectCgroup logs the TCP bytes sent by sockets created in the cgroup v2
+// directory dir (not its descendants: each cgroup is protected on its own).
+// A socket belongs to the cgroup its creator was in when it was created, so
+// protect the cgroup before the job starts (clone it into the cgroup).
+func (c *Capture) ProtectCgroup(dir string) error {
+	dir = filepath.Clean(dir)
+	id, err := cgroupID(dir)
+	if err != nil {
+		return err
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return fmt.Errorf("capture: protect %s: %w", dir, netlog.ErrClosed)
+	}
+	if err := c.probe.Protect(id); err != nil {
+		return fmt.Errorf("capture: protect %s: %w", dir, err)
+	}
+	c.protected[dir] = id
+	c.log.Info("capture: protecting cgroup", "cgroup", dir, "id", id)
+	return nil
+}
+
+// UnprotectCgroup stops logging dir. It works after the directory was
+// removed if it was protected through this Capture; unprotecting a cgroup
+// that is not protected is not an error. Bytes already logged stay in the log.
+func (c *Capture) UnprotectCgroup(dir string) error {
+	dir = filepath.Clean(dir)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return fmt.Errorf("capture: unprotect %s: %w", dir, netlog.ErrClosed)
+	}
+	id, ok := c.protected[dir]
+	if !ok {
+		var err error
+		if id, err = cgroupID(dir); err != nil {
+			return err
+		}
+	}
+	if err := c.probe.Unprotect(id); err != nil {
+		return fmt.Errorf("capture: unprotect %s: %w", dir, err)
+	}
+	delete(c.protected, dir)
+	c.log.Info("capture: unprotected cgroup", "cgroup", dir, "id", id)
+	return nil
+}
+
+// Counters is the state of a Capture for `ftctl status`: the probe's
+// counters, the consumer's and the log's accounting.
+type Counters struct {
+	Interface        string `json:"interface"`
+	RingBufferBytes  int    `json:"ring_buffer_bytes"`
+	RingPendingBytes int    `json:"ring_pending_bytes"` // records waiting for the consumer
+	ProtectedCgroups int    `json:"protected_cgroups"`
+
+	// Probe (in-kernel) counters, summed over CPUs.
+	PacketsLogged     uint64 `json:"packets_logged"`
+	BytesLogged       uint64 `json:"bytes_logged"`       // payload bytes written to the ring, retransmissions included
+	DropsBackpressure uint64 `json:"drops_backpressure"` // segments dropped (and later retransmitted by TCP) because the ring was full
+	DropsOversize     uint64 `json:"drops_oversize"`
+	DropsError        uint64 `json:"drops_error"`
+	SeqRegressions    uint64 `json:"seq_regressions"`  // retransmissions seen, approximate
+	FragmentsPassed   uint64 `json:"fragments_passed"` // IP fragments passed unlogged: a hole, must stay 0
+
+	// Consumer.
+	RecordsConsumed uint64 `json:"records_consumed"`
+	BadRecords      uint64 `json:"bad_records"`
+	AppendErrors    uint64 `json:"append_errors"`
+	ConsumerRunning bool   `json:"consumer_running"`
+	ConsumerError   string `json:"consumer_error,omitempty"`
+
+	// Log (netlog.Stats).
+	Conns              int   `json:"conns"`
+	RetainedBytes      int64 `json:"retained_bytes"`
+	MemoryBytes        int64 `json:"memory_bytes"` // RAM + pooled + compressed: compare with a memory cap
+	RAMBytes           int64 `json:"ram_bytes"`
+	PooledBytes        int64 `json:"pooled_bytes"`
+	CompressedBytes    int64 `json:"compressed_bytes"`
+	CompressedRawBytes int64 `json:"compressed_raw_bytes"`
+	SpilledBytes       int64 `json:"spilled_bytes"`
+	SpilledRawBytes    int64 `json:"spilled_raw_bytes"`
+	AppendedBytes      int64 `json:"appended_bytes"`
+	DuplicateBytes     int64 `json:"duplicate_bytes"` // retransmitted bytes verified equal to the log
+	BelowFloorBytes    int64 `json:"below_floor_bytes"`
+	Conflicts          int64 `json:"conflicts"`
+}
+
+// Counters returns the current counters. The probe's, the consumer's and the
+// log's numbers are read one after the other while traffic flows, so they
+// may be mutually off by the records in flight.
+func (c *Capture) Counters() (Counters, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return Counters{}, fmt.Errorf("capture: counters: %w", netlog.ErrClosed)
+	}
+	pc, err := c.probe.Counters()
+	if err != nil {
+		return Counters{}, fmt.Errorf("capture: %w", err)
+	}
+	ls := c.netlog.Stats()
+	out := Counters{
+		Interface:          c.iface,
+		RingBufferBytes:    c.ring,
+		RingPendingBytes:   c.probe.Pending(),
+		ProtectedCgroups:   len(c.protected),
+		PacketsLogged:      pc.PacketsLogged,
+		BytesLogged:        pc.BytesLogged,
+		DropsBackpressure:  pc.DropsBackpressure,
+		DropsOversize:      pc.DropsOversize,
+		DropsError:         pc.DropsError,
+		SeqRegressions:     pc.SeqRegressions,
+		FragmentsPassed:    pc.FragmentsPassed,
+		RecordsConsumed:    c.records.Load(),
+		BadRecords:         c.badRecords.Load(),
+		AppendErrors:       c.appendErrors.Load(),
+		Conns:              ls.Conns,
+		RetainedBytes:      ls.RetainedBytes,
+		MemoryBytes:        ls.MemoryBytes(),
+		RAMBytes:           ls.RAMBytes,
+		PooledBytes:        ls.PooledBytes,
+		CompressedBytes:    ls.CompressedBytes,
+		CompressedRawBytes: ls.CompressedRawBytes,
+		SpilledBytes:       ls.SpilledBytes,
+		SpilledRawBytes:    ls.SpilledRawBytes,
+		AppendedBytes:      ls.AppendedBytes,
+		DuplicateBytes:     ls.DuplicateBytes,
+		BelowFloorBytes:    ls.BelowFloorBytes,
+		Conflicts:          ls.Conflicts,
+	}
+	select {
+	case <-c.done:
+		if c.consErr != nil {
+			out.ConsumerError = c.consErr.Error()
+		}
+	default:
+		out.ConsumerRunning = true
+	}
+	return out, nil
+}
+
+// Close stops the consumer (cancelling its context flushes the ring reader,
+// so a blocked read returns), then detaches the probe, frees its maps and
+// frees the log. It returns the consumer's error, if it had stopped on one.
+// Calling Close again does nothing.
+func (c *Capture) Close() error {
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return nil
+	}
+	c.closed = true
+	c.mu.Unlock()
+
+	c.cancel()
+	<-c.done
+	var errs []error
+	if c.consErr != nil {
+		errs = append(errs, c.consErr)
+	}
+	if err := c.probe.Close(); err != nil {
+		errs = append(errs, fmt.Errorf("capture: %w", err))
+	}
+	if err := c.netlog.Close(); err != nil {
+		errs = append(errs, fmt.Errorf("capture: %w", err))
+	}
+	c.log.Info("capture: closed")
+	return errors.Join(errs...)
+}

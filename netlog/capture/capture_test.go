@@ -1,0 +1,461 @@
+//go:build linux
+
+package capture
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"net/netip"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/ftkit/ftkit/lab"
+	"github.com/ftkit/ftkit/lab/labtest"
+	"github.com/ftkit/ftkit/netlog"
+)
+
+func TestIsPow2(t *testing.T) {
+	for _, tc := range []struct {
+		n    uint64
+		want bool
+	}{{0, false}, {1, true}, {2, true}, {3, false}, {4, true}, {6, false}, {1 << 40, true}, {1<<40 + 1, false}} {
+		if got := isPow2(tc.n); got != tc.want {
+			t.Errorf("isPow2(%d) = %v, want %v", tc.n, got, tc.want)
+		}
+	}
+}
+
+func TestCgroupID(t *testing.T) {
+	root := cgroup2Mount(t)
+	var st syscall.Stat_t
+	if err := syscall.Stat(root, &st); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name    string
+		dir     string
+		wantErr string
+	}{
+		{"cgroup2 root", root, ""},
+		{"not a cgroup", t.TempDir(), "not in a cgroup v2 hierarchy"},
+		{"missing", filepath.Join(root, "ftkit-capture-no-such-cgroup"), "no such file"},
+		{"a file", filepath.Join(root, "cgroup.procs"), "not a cgroup directory"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			id, err := cgroupID(tc.dir)
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("cgroupID(%s) = %d, %v; want error containing %q", tc.dir, id, err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if id != st.Ino {
+				t.Fatalf("cgroupID(%s) = %d, want the directory's inode %d", tc.dir, id, st.Ino)
+			}
+		})
+	}
+}
+
+func testLogger(t *testing.T) *slog.Logger {
+	return slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelWarn}))
+}
+
+// newCapture starts a Capture on node1's eth0, closed at the end of the test.
+func newCapture(t *testing.T, l *lab.Lab, opts Options) *Capture {
+	t.Helper()
+	var c *Capture
+	err := l.Do("node1", func() error {
+		var err error
+		c, err = New(opts)
+		return err
+	})
+	if errors.Is(err, ebpf.ErrNotSupported) {
+		t.Skipf("SKIPPED: this kernel cannot load the TCX logger: %v", err)
+	}
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := c.Close(); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	})
+	return c
+}
+
+func hostAddr(t *testing.T, l *lab.Lab, host string, port uint16) netip.AddrPort {
+	t.Helper()
+	h, err := l.Host(host)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return netip.AddrPortFrom(h.Addr.Addr(), port)
+}
+
+// startSender starts a sender on node1 in cg and returns it with the
+// connection it opened and the sequence number of its first byte.
+func startSender(ctx context.Context, t *testing.T, l *lab.Lab, cg *testCgroup, dst netip.AddrPort, seed uint64, size int) (*child, netlog.Conn, uint32) {
+	t.Helper()
+	s := startChild(t, l, "node1", cg, "send", "FTKIT_ADDR="+dst.String(),
+		fmt.Sprintf("FTKIT_SEED=%d", seed), fmt.Sprintf("FTKIT_SIZE=%d", size))
+	var src string
+	var seq uint32
+	if _, err := fmt.Sscanf(s.line(ctx, t), "conn %s %d", &src, &seq); err != nil {
+		t.Fatalf("sender to %v: %v", dst, err)
+	}
+	ap, err := netip.ParseAddrPort(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s, netlog.Conn{Src: ap, Dst: dst}, seq
+}
+
+// waitLogged waits until the log holds every byte of conn below abs end.
+func waitLogged(ctx context.Context, t *testing.T, lg *netlog.Log, conn netlog.Conn, end uint64) netlog.Bounds {
+	t.Helper()
+	for {
+		b, err := lg.Bounds(conn)
+		if err == nil && b.Contiguous >= end {
+			return b
+		}
+		if err != nil && !errors.Is(err, netlog.ErrUnknownConn) {
+			t.Fatalf("bounds of %v: %v", conn, err)
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("log of %v never reached abs %d: bounds %+v, %v", conn, end, b, err)
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// expectReceived waits for a receiver's final line and compares it with data.
+func expectReceived(ctx context.Context, t *testing.T, r *child, data []byte) {
+	t.Helper()
+	want := fmt.Sprintf("%d %x", len(data), sha256.Sum256(data))
+	if got := r.line(ctx, t); got != want {
+		t.Fatalf("receiver got %q, want %q", got, want)
+	}
+}
+
+type variant struct {
+	name      string
+	ring      int           // ring buffer bytes
+	size      int           // bytes of the protected flow
+	side      int           // bytes of the unprotected flow
+	delay     time.Duration // consumer sleep per record
+	lossPerK  int32         // packets per 1000 dropped on the way into node2
+	wantDrops bool          // backpressure drops must happen
+	port      uint16
+	seed      uint64
+}
+
+// TestCaptureEndToEnd runs a Capture on node1 of a 3-host lab while a sender
+// in a protected cgroup streams pseudo-random bytes to node2 and one in an
+// unprotected cgroup streams to node3, then checks the log byte for byte.
+func TestCaptureEndToEnd(t *testing.T) {
+	l := labtest.New(t, 3, 0)
+	protected := newCgroup(t, "protected")
+	other := newCgroup(t, "other")
+
+	t.Run("api", func(t *testing.T) { testAPI(t, l, protected, other) })
+	for _, v := range []variant{
+		{name: "lossless", ring: 8 << 20, size: 64 << 20, side: 16 << 20, port: 6001, seed: 1},
+		// 1.5% of data packets into node2 are lost: TCP retransmits (fast
+		// retransmit, RTO), the logger sees the bytes twice.
+		{name: "loss", ring: 8 << 20, size: 48 << 20, side: 8 << 20, lossPerK: 15, port: 6011, seed: 2},
+		// A 256 KiB ring holds four GSO segments; a consumer sleeping after
+		// every record lets it fill, so the probe drops segments and TCP
+		// sends them again later.
+		{name: "tiny-ring", ring: 256 << 10, size: 4 << 20, side: 1 << 20, delay: 500 * time.Microsecond, wantDrops: true, port: 6021, seed: 3},
+	} {
+		t.Run(v.name, func(t *testing.T) { testFidelity(t, l, protected, other, v) })
+	}
+	t.Run("trim", func(t *testing.T) { testTrim(t, l, protected) })
+}
+
+func testFidelity(t *testing.T, l *lab.Lab, protected, other *testCgroup, v variant) {
+	ctx, cancel := context.WithTimeout(t.Context(), 60*time.Second)
+	defer cancel()
+	opts := Options{Interface: "eth0", RingBufferSize: v.ring, Logger: testLogger(t)}
+	if v.delay > 0 {
+		opts.afterRecord = func() { time.Sleep(v.delay) }
+	}
+	c := newCapture(t, l, opts)
+	if err := c.ProtectCgroup(protected.path); err != nil {
+		t.Fatal(err)
+	}
+	if v.lossPerK > 0 {
+		injectLoss(t, l, "node2", v.lossPerK)
+	}
+
+	dst := hostAddr(t, l, "node2", v.port)
+	sideDst := hostAddr(t, l, "node3", v.port)
+	recv := startChild(t, l, "node2", nil, "recv", "FTKIT_ADDR="+dst.String())
+	sideRecv := startChild(t, l, "node3", nil, "recv", "FTKIT_ADDR="+sideDst.String())
+	for _, r := range []*child{recv, sideRecv} {
+		if got := r.line(ctx, t); got != "ready" {
+			t.Fatalf("receiver said %q", got)
+		}
+	}
+	start := time.Now()
+	_, conn, seq0 := startSender(ctx, t, l, protected, dst, v.seed*10, v.size)
+	_, sideConn, _ := startSender(ctx, t, l, other, sideDst, v.seed*10+1, v.side)
+	data := testStream(v.seed*10, v.size)
+	expectReceived(ctx, t, recv, data)
+	expectReceived(ctx, t, sideRecv, testStream(v.seed*10+1, v.side))
+	elapsed := time.Since(start)
+
+	lg := c.Log()
+	from, err := lg.Unwrap(conn, seq0)
+	if err != nil {
+		t.Fatalf("the protected flow is not in the log: %v", err)
+	}
+	to := from + uint64(v.size)
+	b := waitLogged(ctx, t, lg, conn, to)
+	if b.First != from || b.Last != to || b.Retained != int64(v.size) {
+		t.Errorf("bounds %+v, want exactly [%d, %d) (the stream from its first byte, wire seq %d)", b, from, to, seq0)
+	}
+	if got := lg.Conns(); len(got) != 1 || got[0] != conn {
+		t.Errorf("log holds connections %v, want only %v", got, conn)
+	}
+	if _, err := lg.Bounds(sideConn); !errors.Is(err, netlog.ErrUnknownConn) {
+		t.Errorf("unprotected flow %v: Bounds error %v, want ErrUnknownConn", sideConn, err)
+	}
+
+	// The whole stream, then random ranges, then the edges.
+	rng := rand.New(rand.NewPCG(v.seed, 7))
+	ranges := [][2]int{{0, v.size}, {0, 1}, {v.size - 1, v.size}}
+	for range 10 {
+		x := rng.IntN(v.size)
+		ranges = append(ranges, [2]int{x, x + 1 + rng.IntN(min(v.size-x, 8<<20))})
+	}
+	for _, r := range ranges {
+		got, err := lg.Range(conn, from+uint64(r[0]), from+uint64(r[1]))
+		if err != nil {
+			t.Errorf("Range [%d, %d): %v", r[0], r[1], err)
+			continue
+		}
+		if sha256.Sum256(got) != sha256.Sum256(data[r[0]:r[1]]) {
+			t.Errorf("Range [%d, %d): %d bytes differ from what was sent", r[0], r[1], len(got))
+		}
+	}
+	h := sha256.New()
+	if n, err := lg.WriteRange(ctx, h, conn, from, to); err != nil || n != int64(v.size) || [32]byte(h.Sum(nil)) != sha256.Sum256(data) {
+		t.Errorf("WriteRange of the whole stream: %d bytes, %v, hash match %v", n, err, [32]byte(h.Sum(nil)) == sha256.Sum256(data))
+	}
+
+	cnt, err := c.Counters()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%d MiB + %d MiB in %v; counters %+v", v.size>>20, v.side>>20, elapsed.Round(time.Millisecond), cnt)
+	for _, bad := range []struct {
+		name string
+		n    uint64
+	}{
+		{"bad records", cnt.BadRecords}, {"append errors", cnt.AppendErrors}, {"conflicts", uint64(cnt.Conflicts)},
+		{"oversize drops", cnt.DropsOversize}, {"error drops", cnt.DropsError}, {"fragments passed", cnt.FragmentsPassed},
+	} {
+		if bad.n != 0 {
+			t.Errorf("%s: %d, want 0", bad.name, bad.n)
+		}
+	}
+	if !cnt.ConsumerRunning {
+		t.Errorf("consumer stopped: %s", cnt.ConsumerError)
+	}
+	if v.wantDrops && cnt.DropsBackpressure == 0 {
+		t.Errorf("no backpressure drops with a %d-byte ring and a consumer sleeping %v per record", v.ring, v.delay)
+	}
+	if v.lossPerK > 0 && cnt.DuplicateBytes == 0 {
+		t.Errorf("no retransmitted bytes logged with %d/1000 packets lost", v.lossPerK)
+	}
+}
+
+// testTrim checks garbage collection: once the receiver has read up to byte
+// n, trimming the log at that byte's sequence number frees the memory below
+// it and makes it unreadable, while everything above stays intact.
+func testTrim(t *testing.T, l *lab.Lab, protected *testCgroup) {
+	ctx, cancel := context.WithTimeout(t.Context(), 60*time.Second)
+	defer cancel()
+	const size, n, slab = 24 << 20, 10<<20 + 12345, 1 << 20
+	c := newCapture(t, l, Options{Interface: "eth0", RingBufferSize: 8 << 20, Logger: testLogger(t),
+		Log: netlog.Options{SlabSize: slab, PoolSlabs: -1}}) // no pool: freed slabs leave MemoryBytes
+	if err := c.ProtectCgroup(protected.path); err != nil {
+		t.Fatal(err)
+	}
+	dst := hostAddr(t, l, "node2", 6031)
+	recv := startChild(t, l, "node2", nil, "recv", "FTKIT_ADDR="+dst.String(), fmt.Sprintf("FTKIT_PAUSE_AT=%d", n))
+	if got := recv.line(ctx, t); got != "ready" {
+		t.Fatalf("receiver said %q", got)
+	}
+	_, conn, seq0 := startSender(ctx, t, l, protected, dst, 40, size)
+	data := testStream(40, size)
+	if got := recv.line(ctx, t); got != fmt.Sprintf("read %d", n) {
+		t.Fatalf("receiver said %q", got)
+	}
+	lg := c.Log()
+	from, err := lg.Unwrap(conn, seq0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitLogged(ctx, t, lg, conn, from+n)
+	// The receiver is paused, so the sender stops once the receive window
+	// is full: wait for the log to stop growing before measuring memory.
+	var b netlog.Bounds
+	for last := uint64(0); ; last = b.Last {
+		time.Sleep(300 * time.Millisecond)
+		if b, err = lg.Bounds(conn); err != nil {
+			t.Fatal(err)
+		}
+		if b.Last == last && b.Contiguous == b.Last {
+			break
+		}
+	}
+	before := lg.Stats()
+
+	at := seq0 + n // the sequence number of byte n: what the receiver's snapshot would record
+	abs, err := lg.Trim(conn, at)
+	if err != nil {
+		t.Fatal(err)
+	}
+	after := lg.Stats()
+	if abs != from+n {
+		t.Errorf("Trim returned abs %d, want %d", abs, from+n)
+	}
+	ab, err := lg.Bounds(conn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("bounds before %+v after %+v; memory %d -> %d bytes", b, ab, before.MemoryBytes(), after.MemoryBytes())
+	if ab.First != from+n || ab.Floor != from+n || ab.Last != b.Last || ab.Retained != int64(b.Last-(from+n)) {
+		t.Errorf("bounds after trim %+v, want First = Floor = %d, Last = %d", ab, from+n, b.Last)
+	}
+	if freed := before.MemoryBytes() - after.MemoryBytes(); freed < n-2*slab {
+		t.Errorf("trim at byte %d freed %d bytes of memory, want at least %d", n, freed, n-2*slab)
+	}
+	if limit := int64(b.Last-(from+n)) + 2*slab; after.MemoryBytes() > limit {
+		t.Errorf("after trim the log holds %d bytes of memory for %d retained bytes, want at most %d", after.MemoryBytes(), ab.Retained, limit)
+	}
+	for _, r := range [][2]uint64{{0, n}, {n - 1, n + 1}, {n - 100, n - 1}} {
+		if _, err := lg.Range(conn, from+r[0], from+r[1]); !errors.Is(err, netlog.ErrTrimmed) {
+			t.Errorf("Range [%d, %d) below the trim point: %v, want ErrTrimmed", r[0], r[1], err)
+		}
+	}
+	if got, err := lg.Range(conn, from+n, from+n+4096); err != nil || sha256.Sum256(got) != sha256.Sum256(data[n:n+4096]) {
+		t.Errorf("Range just above the trim point: %v", err)
+	}
+
+	// Let the receiver read the rest: the log above n is the rest of the stream.
+	if _, err := fmt.Fprintln(recv.stdin); err != nil {
+		t.Fatal(err)
+	}
+	expectReceived(ctx, t, recv, data)
+	waitLogged(ctx, t, lg, conn, from+size)
+	if got, err := lg.Range(conn, from+n, from+size); err != nil || sha256.Sum256(got) != sha256.Sum256(data[n:]) {
+		t.Errorf("Range [n, size) after trim: %v, hash match %v", err, err == nil && sha256.Sum256(got) == sha256.Sum256(data[n:]))
+	}
+}
+
+func testAPI(t *testing.T, l *lab.Lab, protected, other *testCgroup) {
+	for _, tc := range []struct {
+		name    string
+		opts    Options
+		wantErr string
+	}{
+		{"no interface", Options{}, "no interface"},
+		{"missing interface", Options{Interface: "ftnope0"}, "find interface"},
+		{"bad ring size", Options{Interface: "eth0", RingBufferSize: 3 << 20}, "ring buffer size"},
+		{"bad slab size", Options{Interface: "eth0", Log: netlog.Options{SlabSize: 1000}}, "SlabSize"},
+	} {
+		err := l.Do("node1", func() error {
+			c, err := New(tc.opts)
+			if err == nil {
+				c.Close()
+			}
+			return err
+		})
+		if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+			t.Errorf("%s: New error %v, want one containing %q", tc.name, err, tc.wantErr)
+		}
+	}
+
+	c := newCapture(t, l, Options{Interface: "eth0", RingBufferSize: 64 << 10, Logger: testLogger(t)})
+	for _, dir := range []string{t.TempDir(), filepath.Join(protected.path, "cgroup.procs"), filepath.Join(protected.path, "nope")} {
+		if err := c.ProtectCgroup(dir); err == nil {
+			t.Errorf("ProtectCgroup(%s) succeeded", dir)
+		}
+	}
+	steps := []struct {
+		name      string
+		do        func() error
+		protected int
+	}{
+		{"protect", func() error { return c.ProtectCgroup(protected.path) }, 1},
+		{"protect again, path not clean", func() error { return c.ProtectCgroup(protected.path + "/") }, 1},
+		{"protect other", func() error { return c.ProtectCgroup(other.path) }, 2},
+		{"unprotect", func() error { return c.UnprotectCgroup(protected.path) }, 1},
+		{"unprotect twice", func() error { return c.UnprotectCgroup(protected.path) }, 1},
+		{"unprotect other", func() error { return c.UnprotectCgroup(other.path) }, 0},
+	}
+	for _, s := range steps {
+		if err := s.do(); err != nil {
+			t.Fatalf("%s: %v", s.name, err)
+		}
+		cnt, err := c.Counters()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if cnt.ProtectedCgroups != s.protected || !cnt.ConsumerRunning || cnt.Interface != "eth0" || cnt.RingBufferBytes != 64<<10 {
+			t.Fatalf("%s: counters %+v, want %d protected cgroups and a running consumer", s.name, cnt, s.protected)
+		}
+	}
+	cnt, _ := c.Counters()
+	js, err := json.Marshal(cnt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, key := range []string{`"drops_backpressure":0`, `"memory_bytes":0`, `"consumer_running":true`, `"interface":"eth0"`} {
+		if !strings.Contains(string(js), key) {
+			t.Errorf("counters JSON %s lacks %s", js, key)
+		}
+	}
+
+	// Close interrupts the consumer blocked on an empty ring.
+	time.Sleep(20 * time.Millisecond)
+	done := make(chan error, 1)
+	go func() { done <- c.Close() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("Close: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("Close did not return within 5 s: the consumer is stuck")
+	}
+	if err := c.Close(); err != nil {
+		t.Errorf("second Close: %v", err)
+	}
+	if _, err := c.Counters(); !errors.Is(err, netlog.ErrClosed) {
+		t.Errorf("Counters after Close: %v, want ErrClosed", err)
+	}
+	if err := c.ProtectCgroup(protected.path); !errors.Is(err, netlog.ErrClosed) {
+		t.Errorf("ProtectCgroup after Close: %v, want ErrClosed", err)
+	}
+	if _, err := c.Log().Range(netlog.Conn{}, 0, 1); !errors.Is(err, netlog.ErrClosed) {
+		t.Errorf("Log().Range after Close: %v, want ErrClosed", err)
+	}
+}
