@@ -145,6 +145,32 @@ with its age, size and where its replicas live. With a local lab up, every live 
 			w.Flush()
 			fmt.Fprintln(cmd.OutOrStdout())
 			w = tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
+			fmt.Fprintln(w, "HOST\tLOG MEMORY\tCAP\tCONNS\tLOGGED\tBACKPRESSURE DROPS\tSPILLED\tCONSUMER")
+			var events []string
+			for _, h := range all {
+				if h.Log == nil {
+					continue
+				}
+				lc := h.Log.Counters
+				consumer := "running"
+				if !lc.ConsumerRunning {
+					consumer = "STOPPED " + lc.ConsumerError
+				}
+				fmt.Fprintf(w, "%s\t%s\t%s\t%d\t%s\t%d\t%s\t%s\n", h.Node, humanBytes(lc.MemoryBytes), humanBytes(h.Log.CapBytes),
+					lc.Conns, humanBytes(int64(lc.BytesLogged)), lc.DropsBackpressure, humanBytes(lc.SpilledBytes), consumer)
+				for _, e := range h.Log.Events {
+					events = append(events, fmt.Sprintf("%s  %s  %s %s memory %s", e.Time.Format("15:04:05.000"), h.Node, e.Kind, e.Node, humanBytes(e.Memory)))
+				}
+			}
+			w.Flush()
+			if len(events) > 0 {
+				fmt.Fprintln(cmd.OutOrStdout(), "\nlog controller events:")
+				for _, e := range events {
+					fmt.Fprintln(cmd.OutOrStdout(), "  "+e)
+				}
+			}
+			fmt.Fprintln(cmd.OutOrStdout())
+			w = tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
 			fmt.Fprintln(w, "JOB\tHOST\tSTATE\tPID\tLAST SNAPSHOT\tAGE\tSIZE\tREPLICAS")
 			for _, h := range all {
 				for _, j := range h.Jobs {
