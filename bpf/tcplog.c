@@ -38,6 +38,23 @@
 // retransmission does not count). The update is not atomic across CPUs: the
 // counter is a diagnostic, not an exact number.
 //
+// Live TCP state per protected flow (flow_states): for EVERY segment of a
+// protected flow that leaves through this program (data, pure ACKs, bare
+// SYN/FIN/RST, retransmissions) the program records the sender's view in an
+// LRU hash keyed by 4-tuple: the highest sequence number sent (snd_nxt), the
+// last ACK number (the sender's rcv_nxt), the TCP timestamp option, the raw
+// window and flags. The restorer needs the peer's live send state (see
+// /work/shared/notes/criu-tcp-relocation.md); fentry/kprobes are refused here
+// and TCP_INFO has no sequence numbers, so this is where it can be seen.
+// Segments dropped for backpressure were never transmitted and do not update
+// the state: every data byte below the recorded snd_nxt has a log record.
+// The value is updated in place without a lock: TCP transmits a socket's
+// segments under its socket lock and TC egress runs synchronously inside
+// that transmit, so updates of one flow do not overlap in practice. A segment
+// that reaches us late (the neighbour-resolution queue releases packets
+// later) cannot move snd_nxt back, a wrap-safe max; it can set an older ack
+// and timestamps until the flow's next segment.
+//
 // IPv4 only, Ethernet framing (optionally one in-frame 802.1Q tag); the Go
 // loader refuses non-Ethernet devices. IP fragments of a protected flow cannot
 // be logged correctly (later fragments carry no TCP header) and are passed and
@@ -55,6 +72,25 @@
 #define IP_MF 0x2000
 #define IP_OFFSET 0x1fff
 #define BPF_ANY 0
+
+// TCP header flags (byte 13 of the header).
+#define TCP_FIN 0x01
+#define TCP_SYN 0x02
+#define TCP_RST 0x04
+#define TCP_ACK 0x10
+
+#define TCPOPT_EOL 0
+#define TCPOPT_NOP 1
+#define TCPOPT_TIMESTAMP 8
+#define TCPOLEN_TIMESTAMP 10
+#define TCP_MAX_OPTLEN 40 // doff is 4 bits: at most 60 - 20 bytes of options
+
+// flow_state.seen: facts about the flow that stay set once seen.
+#define SEEN_SYN 0x01 // isn is valid: this entry started at the flow's SYN
+#define SEEN_ACK 0x02 // ack is valid
+#define SEEN_TS 0x04  // tsval/tsecr are valid
+#define SEEN_FIN 0x08 // the sender sent a FIN
+#define SEEN_RST 0x10 // the sender sent a RST
 
 // Pass: TCX_NEXT lets programs attached after us run and decide; if there is
 // none the packet is sent (same as TC_ACT_OK).
@@ -88,6 +124,23 @@ struct flow_key {
 	__be16 sport;
 	__be16 dport;
 };
+
+// flow_state is the value of flow_states: the sender's live TCP state as
+// seen on its egress. ebpfprobes.FlowState documents it for its users.
+struct flow_state {
+	__u32 snd_nxt;  // highest seq + payload + SYN + FIN transmitted (wrap-safe max)
+	__u32 ack;      // ACK number of the last segment with ACK: the sender's rcv_nxt
+	__u32 tsval;    // timestamp option of the last segment that had one
+	__u32 tsecr;
+	__u32 isn;      // sequence number of the SYN (valid with SEEN_SYN)
+	__u16 window;   // raw window field of the last segment, unscaled
+	__u8 flags;     // TCP flags of the last segment
+	__u8 seen;      // SEEN_* bits
+	__u64 ktime_ns; // bpf_ktime_get_ns (CLOCK_MONOTONIC) of the last update
+	__u64 segments; // segments seen since the entry was created
+};
+
+_Static_assert(sizeof(struct flow_state) == 40, "flow_state must have no padding");
 
 // Per-CPU counters; the loader sums them over CPUs.
 struct counters {
@@ -128,6 +181,15 @@ struct {
 	__type(key, struct flow_key);
 	__type(value, __u32); // highest logged end sequence number (seq + len)
 } flow_high SEC(".maps");
+
+// LRU: only protected flows get an entry, so one is evicted only when more
+// than max_entries protected flows were active since it was last updated.
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 8192);
+	__type(key, struct flow_key);
+	__type(value, struct flow_state);
+} flow_states SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
@@ -171,6 +233,165 @@ static __always_inline void note_seq(struct counters *c, struct flow_key *fk, __
 		c->seq_regressions++;
 	if ((__s32)(end - *high) > 0)
 		*high = end;
+}
+
+// OPTBUF is the size of the options buffer: a power of two above 40 so that
+// masking an index with OPTBUF - 1 proves it in bounds to the verifier
+// whatever clang does with the explicit checks (clang 14 tests one copy of
+// the index and then indexes with another register the verifier knows
+// nothing about).
+#define OPTBUF 64
+#define OPT(opts, i) ((opts)[(i) & (OPTBUF - 1)])
+
+// opt_walk is the state of the general option walk, shared with the
+// bpf_loop callback.
+struct opt_walk {
+	__u8 opts[OPTBUF]; // zeroed, then the option bytes
+	__u32 optlen;      // option bytes present, <= TCP_MAX_OPTLEN
+	__u32 i;           // offset of the next option
+	__u32 tsval;
+	__u32 tsecr;
+	__u32 found;
+};
+
+static __always_inline __u32 opt_be32(const __u8 *opts, __u32 i)
+{
+	return (__u32)OPT(opts, i) << 24 | (__u32)OPT(opts, i + 1) << 16 |
+	       (__u32)OPT(opts, i + 2) << 8 | OPT(opts, i + 3);
+}
+
+// opt_step examines the option at w->i; it returns 1 to stop the walk.
+static long opt_step(__u64 index, void *ctx)
+{
+	struct opt_walk *w = ctx;
+	__u32 i = w->i;
+
+	if (i >= w->optlen)
+		return 1;
+	__u8 kind = OPT(w->opts, i);
+	if (kind == TCPOPT_EOL)
+		return 1;
+	if (kind == TCPOPT_NOP) {
+		w->i = i + 1;
+		return 0;
+	}
+	if (i + 1 >= w->optlen)
+		return 1; // the length byte is missing
+	__u8 olen = OPT(w->opts, i + 1);
+	if (olen < 2 || i + olen > w->optlen)
+		return 1; // malformed: stop, as the kernel does
+	if (kind == TCPOPT_TIMESTAMP && olen == TCPOLEN_TIMESTAMP) {
+		w->tsval = opt_be32(w->opts, i + 2);
+		w->tsecr = opt_be32(w->opts, i + 6);
+		w->found = 1;
+		return 1;
+	}
+	w->i = i + olen; // other options, and a TS of the wrong size, are skipped
+	return 0;
+}
+
+// parse_timestamp finds the TCP timestamp option among the optlen (0..40)
+// option bytes at offset off. It returns 1 and the values when found, 0 when
+// absent or when the options are malformed before it. The walk follows the
+// kernel's tcp_parse_options, except that it stops at the first timestamp
+// option where the kernel keeps the last (Linux never sends two).
+static __always_inline int parse_timestamp(struct __sk_buff *skb, __u32 off, __u32 optlen,
+					   __u32 *tsval, __u32 *tsecr)
+{
+	struct opt_walk w = {};
+
+	if (optlen < TCPOLEN_TIMESTAMP || optlen > TCP_MAX_OPTLEN)
+		return 0;
+	if (bpf_skb_load_bytes(skb, off, w.opts, optlen))
+		return 0;
+	// Fast path: Linux sends NOP, NOP, TS first on every established segment.
+	if (w.opts[0] == TCPOPT_NOP && w.opts[1] == TCPOPT_NOP &&
+	    w.opts[2] == TCPOPT_TIMESTAMP && w.opts[3] == TCPOLEN_TIMESTAMP && optlen >= 12) {
+		*tsval = opt_be32(w.opts, 4);
+		*tsecr = opt_be32(w.opts, 8);
+		return 1;
+	}
+	// General walk (SYNs: MSS, SACK-permitted, TS, NOP, window scale). Each
+	// step advances i by at least 1, so 40 steps cover 40 bytes. bpf_loop
+	// has the verifier check the step once; an open-coded loop made it
+	// explore every path through 40 iterations (over 1M instructions).
+	w.optlen = optlen;
+	bpf_loop(TCP_MAX_OPTLEN, opt_step, &w, 0);
+	if (!w.found)
+		return 0;
+	*tsval = w.tsval;
+	*tsecr = w.tsecr;
+	return 1;
+}
+
+// update_flow_state records one transmitted segment of a protected flow.
+static __always_inline void update_flow_state(struct flow_key *fk, struct tcphdr *tcp, __u32 len,
+					      int has_ts, __u32 tsval, __u32 tsecr)
+{
+	__u8 flags = ((__u8 *)tcp)[13];
+	__u32 seq = bpf_ntohl(tcp->seq);
+	// SYN and FIN each occupy one sequence number. A RST never raises
+	// snd_nxt: one sent for a stray segment carries that segment's ACK
+	// number as its seq, which says nothing about what was sent.
+	__u32 end = seq + len + !!(flags & TCP_SYN) + !!(flags & TCP_FIN);
+	__u64 now = bpf_ktime_get_ns();
+
+	struct flow_state *st = bpf_map_lookup_elem(&flow_states, fk);
+	// A SYN with a new ISN starts a new connection on this 4-tuple: forget
+	// the old one. A retransmitted SYN (same ISN) is an ordinary update.
+	if (!st || ((flags & TCP_SYN) && (!(st->seen & SEEN_SYN) || st->isn != seq))) {
+		struct flow_state fresh = {
+			.snd_nxt = (flags & TCP_RST) ? seq : end,
+			.window = bpf_ntohs(tcp->window),
+			.flags = flags,
+			.ktime_ns = now,
+			.segments = 1,
+		};
+		if (flags & TCP_SYN) {
+			fresh.isn = seq;
+			fresh.seen |= SEEN_SYN;
+		}
+		if (flags & TCP_ACK) {
+			fresh.ack = bpf_ntohl(tcp->ack_seq);
+			fresh.seen |= SEEN_ACK;
+		}
+		if (has_ts) {
+			fresh.tsval = tsval;
+			fresh.tsecr = tsecr;
+			fresh.seen |= SEEN_TS;
+		}
+		if (flags & TCP_FIN)
+			fresh.seen |= SEEN_FIN;
+		if (flags & TCP_RST)
+			fresh.seen |= SEEN_RST;
+		bpf_map_update_elem(&flow_states, fk, &fresh, BPF_ANY);
+		return;
+	}
+
+	// Serial-number arithmetic (RFC 1982): end is after snd_nxt when the
+	// signed 32-bit distance is positive, across the 2^32 wrap too.
+	// Retransmissions end at or before snd_nxt and leave it alone.
+	if (!(flags & TCP_RST) && (__s32)(end - st->snd_nxt) > 0)
+		st->snd_nxt = end;
+	__u8 seen = st->seen;
+	if (flags & TCP_ACK) {
+		st->ack = bpf_ntohl(tcp->ack_seq);
+		seen |= SEEN_ACK;
+	}
+	if (has_ts) {
+		st->tsval = tsval;
+		st->tsecr = tsecr;
+		seen |= SEEN_TS;
+	}
+	if (flags & TCP_FIN)
+		seen |= SEEN_FIN;
+	if (flags & TCP_RST)
+		seen |= SEEN_RST;
+	st->seen = seen;
+	st->window = bpf_ntohs(tcp->window);
+	st->flags = flags;
+	st->ktime_ns = now;
+	st->segments++;
 }
 
 SEC("tcx/egress")
@@ -222,9 +443,9 @@ int tcplog_egress(struct __sk_buff *skb)
 	__u32 iplen = bpf_ntohs(ip.tot_len);
 	if (iplen == 0)
 		iplen = skb->len - nh;
-	if (iplen <= iphl + tcphl || nh + iplen > skb->len)
-		return VERDICT_PASS; // no payload (pure ACK, bare SYN/FIN/RST) or malformed
-	__u32 len = iplen - iphl - tcphl;
+	if (iplen < iphl + tcphl || nh + iplen > skb->len)
+		return VERDICT_PASS; // malformed
+	__u32 len = iplen - iphl - tcphl; // 0 for pure ACKs and bare SYN/FIN/RST
 	__u32 off = nh + iphl + tcphl;
 
 	struct flow_key fk = {
@@ -235,6 +456,13 @@ int tcplog_egress(struct __sk_buff *skb)
 	};
 	if (!is_protected(cgid, &fk))
 		return VERDICT_PASS;
+
+	__u32 tsval = 0, tsecr = 0;
+	int has_ts = parse_timestamp(skb, nh + iphl + sizeof(tcp), tcphl - sizeof(tcp), &tsval, &tsecr);
+	if (len == 0) {
+		update_flow_state(&fk, &tcp, 0, has_ts, tsval, tsecr);
+		return VERDICT_PASS;
+	}
 
 	struct counters *c = get_counters();
 	if (!c)
@@ -281,5 +509,6 @@ int tcplog_egress(struct __sk_buff *skb)
 	c->packets_logged++;
 	c->bytes_logged += len;
 	note_seq(c, &fk, hdr.seq, len);
+	update_flow_state(&fk, &tcp, len, has_ts, tsval, tsecr);
 	return VERDICT_PASS;
 }

@@ -5,6 +5,9 @@
 // that belongs to a protected flow into a BPF ring buffer, keyed by sequence
 // number, and drops the segment when the ring is full so that TCP retransmits
 // it and the log never has a hole. Records are read raw; netlog decodes them.
+// The same program keeps, per protected flow, the sender's live TCP state of
+// its last transmitted segment (snd_nxt, ACK number, timestamps, window):
+// TCPLogger.FlowState, which the restorer reads for the surviving peer.
 //
 // Everything here needs root (CAP_BPF, CAP_NET_ADMIN) and Linux 6.6+ (TCX,
 // dynptr kfuncs).

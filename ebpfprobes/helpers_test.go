@@ -51,6 +51,11 @@ func TestMain(m *testing.M) {
 //	send: connect to FTKIT_ADDR (from local port FTKIT_LPORT if set), print
 //	      "port <local port>", send testStream(FTKIT_SEED, FTKIT_SIZE) in
 //	      writes of varied sizes, close, print "sent <bytes>".
+//	sendwait: connect to FTKIT_ADDR, print "port <local port>", then for
+//	      each size in the comma-separated FTKIT_SIZES send that many bytes
+//	      of testStream(FTKIT_SEED, total) in writes of varied sizes, print
+//	      "sent <bytes so far>" and wait for a line on stdin; then close
+//	      and print "closed".
 func runChild(role string) error {
 	addr := os.Getenv("FTKIT_ADDR")
 	switch role {
@@ -102,6 +107,48 @@ func runChild(role string) error {
 			return err
 		}
 		fmt.Printf("sent %d\n", len(data))
+		return nil
+	case "sendwait":
+		var seed uint64
+		if _, err := fmt.Sscan(os.Getenv("FTKIT_SEED"), &seed); err != nil {
+			return fmt.Errorf("parse FTKIT_SEED: %w", err)
+		}
+		var sizes []int
+		total := 0
+		for f := range strings.SplitSeq(os.Getenv("FTKIT_SIZES"), ",") {
+			var n int
+			if _, err := fmt.Sscan(f, &n); err != nil {
+				return fmt.Errorf("parse FTKIT_SIZES: %w", err)
+			}
+			sizes = append(sizes, n)
+			total += n
+		}
+		c, err := net.Dial("tcp4", addr)
+		if err != nil {
+			return err
+		}
+		fmt.Printf("port %d\n", c.LocalAddr().(*net.TCPAddr).Port)
+		data := testStream(seed, total)
+		rnd := rand.New(rand.NewPCG(seed, 3))
+		in := bufio.NewScanner(os.Stdin)
+		off := 0
+		for _, size := range sizes {
+			for end := off + size; off < end; {
+				n := min(rnd.IntN(1<<rnd.IntN(18))+1, end-off)
+				if _, err := c.Write(data[off : off+n]); err != nil {
+					return err
+				}
+				off += n
+			}
+			fmt.Printf("sent %d\n", off)
+			if !in.Scan() {
+				return fmt.Errorf("stdin closed before the go-ahead: %v", in.Err())
+			}
+		}
+		if err := c.Close(); err != nil {
+			return err
+		}
+		fmt.Println("closed")
 		return nil
 	}
 	return fmt.Errorf("unknown role %q", role)
@@ -186,6 +233,7 @@ func newNS(t *testing.T) netns.NsHandle {
 type testNet struct {
 	a, b     netns.NsHandle
 	ifindexA int    // the veth end in a
+	ifindexB int    // the veth end in b
 	ipA, ipB net.IP // 10.250.7.1 and 10.250.7.2
 }
 
@@ -243,6 +291,8 @@ func newTestNet(t *testing.T) *testNet {
 		}
 		if side.h == ha {
 			tn.ifindexA = l.Attrs().Index
+		} else {
+			tn.ifindexB = l.Attrs().Index
 		}
 	}
 	return tn
@@ -304,6 +354,7 @@ func newCgroup(t *testing.T, name string) *testCgroup {
 // child is a running re-executed test binary.
 type child struct {
 	cmd    *exec.Cmd
+	stdin  io.WriteCloser // roles that wait for a go-ahead read lines from it
 	lines  chan string
 	stderr *syncBuffer
 }
@@ -326,6 +377,9 @@ func startChild(t *testing.T, ns netns.NsHandle, cg *testCgroup, role string, en
 	cmd.Stderr = c.stderr
 	out, err := cmd.StdoutPipe()
 	if err != nil {
+		t.Fatal(err)
+	}
+	if c.stdin, err = cmd.StdinPipe(); err != nil {
 		t.Fatal(err)
 	}
 	// A child inherits the network namespace of the thread that forks it.

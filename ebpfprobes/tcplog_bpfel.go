@@ -32,12 +32,27 @@ type tcplogFlowKey struct {
 	Dport uint16
 }
 
+type tcplogFlowState struct {
+	_        structs.HostLayout
+	SndNxt   uint32
+	Ack      uint32
+	Tsval    uint32
+	Tsecr    uint32
+	Isn      uint32
+	Window   uint16
+	Flags    uint8
+	Seen     uint8
+	KtimeNs  uint64
+	Segments uint64
+}
+
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
 	tcplogMapEvents           = "events"
 	tcplogMapFlowHigh         = "flow_high"
+	tcplogMapFlowStates       = "flow_states"
 	tcplogMapProtectedCgroups = "protected_cgroups"
 	tcplogMapProtectedFlows   = "protected_flows"
 	tcplogMapStats            = "stats"
@@ -96,6 +111,7 @@ type tcplogProgramSpecs struct {
 type tcplogMapSpecs struct {
 	Events           *ebpf.MapSpec `ebpf:"events"`
 	FlowHigh         *ebpf.MapSpec `ebpf:"flow_high"`
+	FlowStates       *ebpf.MapSpec `ebpf:"flow_states"`
 	ProtectedCgroups *ebpf.MapSpec `ebpf:"protected_cgroups"`
 	ProtectedFlows   *ebpf.MapSpec `ebpf:"protected_flows"`
 	Stats            *ebpf.MapSpec `ebpf:"stats"`
@@ -130,6 +146,7 @@ func (o *tcplogObjects) Close() error {
 type tcplogMaps struct {
 	Events           *ebpf.Map `ebpf:"events"`
 	FlowHigh         *ebpf.Map `ebpf:"flow_high"`
+	FlowStates       *ebpf.Map `ebpf:"flow_states"`
 	ProtectedCgroups *ebpf.Map `ebpf:"protected_cgroups"`
 	ProtectedFlows   *ebpf.Map `ebpf:"protected_flows"`
 	Stats            *ebpf.Map `ebpf:"stats"`
@@ -139,6 +156,7 @@ func (m *tcplogMaps) Close() error {
 	return _TcplogClose(
 		m.Events,
 		m.FlowHigh,
+		m.FlowStates,
 		m.ProtectedCgroups,
 		m.ProtectedFlows,
 		m.Stats,

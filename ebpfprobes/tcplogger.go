@@ -66,6 +66,7 @@ type tcplogLoaded struct {
 	ProtectedCgroups *ebpf.Map     `ebpf:"protected_cgroups"`
 	ProtectedFlows   *ebpf.Map     `ebpf:"protected_flows"`
 	Stats            *ebpf.Map     `ebpf:"stats"`
+	FlowStates       *ebpf.Map     `ebpf:"flow_states"`
 }
 
 // TCPLogger is the loaded TCX egress logger. Attach, Protect*, Counters and
@@ -317,7 +318,7 @@ func (l *TCPLogger) Close() error {
 
 func (l *TCPLogger) closeObjects() error {
 	var errs []error
-	for _, c := range []interface{ Close() error }{l.objs.Program, l.objs.Events, l.objs.ProtectedCgroups, l.objs.ProtectedFlows, l.objs.Stats} {
+	for _, c := range []interface{ Close() error }{l.objs.Program, l.objs.Events, l.objs.ProtectedCgroups, l.objs.ProtectedFlows, l.objs.Stats, l.objs.FlowStates} {
 		if err := c.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("tcplog: close BPF object: %w", err))
 		}

@@ -158,7 +158,7 @@ func reassemble(recs []record) (data []byte, dupBytes int, err error) {
 	return data, dupBytes, nil
 }
 
-func requirePrivileges(t *testing.T) {
+func requirePrivileges(t testing.TB) {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("SKIPPED: needs root for BPF, network namespaces and cgroups")

@@ -1,0 +1,568 @@
+//go:build linux
+
+package ebpfprobes
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+)
+
+func TestFlowStateHelpers(t *testing.T) {
+	tests := []struct {
+		name        string
+		s           FlowState
+		wantEnd     uint32
+		wantPayload uint32
+		wantOK      bool
+	}{
+		{"no SYN seen", FlowState{SndNxt: 5000}, 5000, 0, false},
+		{"SYN only", FlowState{SndNxt: 1001, ISN: 1000, HasISN: true}, 1001, 0, true},
+		{"data", FlowState{SndNxt: 1101, ISN: 1000, HasISN: true}, 1101, 100, true},
+		{"data and FIN", FlowState{SndNxt: 1102, ISN: 1000, HasISN: true, FinSent: true}, 1101, 100, true},
+		// The stream crossed 2^32: 0xffffff00 + 1 + 0x200 wraps to 0x101.
+		{"across the wrap", FlowState{SndNxt: 0x101, ISN: 0xffffff00, HasISN: true}, 0x101, 0x200, true},
+		{"FIN right after the wrap", FlowState{SndNxt: 0, ISN: 0xfffffff0, HasISN: true, FinSent: true}, 0xffffffff, 14, true},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := tc.s.DataEnd(); got != tc.wantEnd {
+				t.Errorf("DataEnd() = %#x, want %#x", got, tc.wantEnd)
+			}
+			n, ok := tc.s.PayloadSent()
+			if n != tc.wantPayload || ok != tc.wantOK {
+				t.Errorf("PayloadSent() = %d, %v; want %d, %v", n, ok, tc.wantPayload, tc.wantOK)
+			}
+		})
+	}
+
+	tsTests := []struct {
+		tsecr   uint32
+		elapsed time.Duration
+		want    uint32
+	}{
+		{1000, 0, 1000},
+		{1000, time.Microsecond, 1002},                 // 1 ms rounded up, then to even
+		{1000, 2 * time.Millisecond, 1002},             // exact
+		{1001, 0, 1002},                                // odd would mean microsecond timestamps
+		{1001, 1500 * time.Microsecond, 1004},          // 1001 + 2 = 1003 -> 1004
+		{0xffffffff, 0, 0},                             // wraps like TSvals do
+		{0xfffffff0, 20 * time.Millisecond, 4},         // 0xfffffff0 + 20 = 4 after the wrap
+		{77, -time.Second, 78},                         // a clock step back adds nothing
+		{500, 10*time.Second + time.Nanosecond, 10502}, // 10001 ms
+	}
+	for _, tc := range tsTests {
+		s := FlowState{TSecr: tc.tsecr, HasTS: true}
+		if got := s.MinRestoredTimestamp(tc.elapsed); got != tc.want {
+			t.Errorf("TSecr %d, elapsed %v: MinRestoredTimestamp = %d, want %d", tc.tsecr, tc.elapsed, got, tc.want)
+		}
+	}
+
+	f := Flow{Src: netip.MustParseAddrPort("10.250.7.1:40000"), Dst: netip.MustParseAddrPort("192.168.0.254:5001")}
+	k, err := flowKey(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := flowFromKey(k); got != f {
+		t.Errorf("flowFromKey(flowKey(%v)) = %v", f, got)
+	}
+}
+
+// Verdicts as the test run returns them (tcx_action_base).
+const (
+	verdictNext = 0xffffffff // TCX_NEXT (-1)
+	verdictDrop = 2          // TCX_DROP
+)
+
+// segment is one TCP segment to feed to the program with BPF_PROG_TEST_RUN.
+type segment struct {
+	seq, ack uint32
+	flags    uint8
+	window   uint16
+	opts     []byte // a multiple of 4 bytes, at most 40
+	payload  int    // bytes of payload
+}
+
+// frame builds the Ethernet frame of seg on flow f.
+func (seg segment) frame(f Flow) []byte {
+	if len(seg.opts)%4 != 0 || len(seg.opts) > 40 {
+		panic(fmt.Sprintf("bad TCP options length %d", len(seg.opts)))
+	}
+	tcpLen := 20 + len(seg.opts)
+	ipLen := 20 + tcpLen + seg.payload
+	b := make([]byte, 14+ipLen)
+	copy(b[0:6], []byte{2, 0, 0, 0, 0, 2})
+	copy(b[6:12], []byte{2, 0, 0, 0, 0, 1})
+	binary.BigEndian.PutUint16(b[12:], 0x0800)
+	ip := b[14:]
+	ip[0] = 0x45
+	binary.BigEndian.PutUint16(ip[2:], uint16(ipLen))
+	binary.BigEndian.PutUint16(ip[6:], 0x4000) // DF
+	ip[8] = 64
+	ip[9] = 6
+	s, d := f.Src.Addr().As4(), f.Dst.Addr().As4()
+	copy(ip[12:16], s[:])
+	copy(ip[16:20], d[:])
+	var sum uint32
+	for i := 0; i < 20; i += 2 {
+		sum += uint32(binary.BigEndian.Uint16(ip[i:]))
+	}
+	for sum > 0xffff {
+		sum = sum&0xffff + sum>>16
+	}
+	binary.BigEndian.PutUint16(ip[10:], ^uint16(sum))
+	tcp := ip[20:]
+	binary.BigEndian.PutUint16(tcp[0:], f.Src.Port())
+	binary.BigEndian.PutUint16(tcp[2:], f.Dst.Port())
+	binary.BigEndian.PutUint32(tcp[4:], seg.seq)
+	binary.BigEndian.PutUint32(tcp[8:], seg.ack)
+	tcp[12] = byte(tcpLen/4) << 4
+	tcp[13] = seg.flags
+	binary.BigEndian.PutUint16(tcp[14:], seg.window)
+	copy(tcp[20:], seg.opts)
+	for i := range seg.payload {
+		tcp[tcpLen+i] = byte(i)
+	}
+	return b
+}
+
+// tsOpt is Linux's layout on established segments: NOP, NOP, timestamp.
+func tsOpt(tsval, tsecr uint32) []byte {
+	return append([]byte{1, 1}, tsBytes(tsval, tsecr)...)
+}
+
+// tsBytes is the 10-byte timestamp option.
+func tsBytes(tsval, tsecr uint32) []byte {
+	b := []byte{8, 10}
+	b = binary.BigEndian.AppendUint32(b, tsval)
+	return binary.BigEndian.AppendUint32(b, tsecr)
+}
+
+// synOpts is Linux's SYN layout: MSS, SACK permitted, timestamp, NOP, window scale.
+func synOpts(tsval uint32) []byte {
+	b := []byte{2, 4, 0x05, 0xb4, 4, 2}
+	b = append(b, tsBytes(tsval, 0)...)
+	return append(b, 1, 3, 3, 7)
+}
+
+func newTestLogger(t testing.TB, ring int) *TCPLogger {
+	t.Helper()
+	requirePrivileges(t)
+	l, err := NewTCPLogger(TCPLoggerOptions{RingBufferSize: ring})
+	if errors.Is(err, ebpf.ErrNotSupported) {
+		t.Skipf("SKIPPED: this kernel cannot load the TCX logger: %v", err)
+	}
+	if err != nil {
+		t.Fatalf("NewTCPLogger: %+v", err)
+	}
+	t.Cleanup(func() {
+		if err := l.Close(); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	})
+	return l
+}
+
+// run feeds seg to the program as a frame of flow f and returns its verdict.
+func run(t testing.TB, l *TCPLogger, f Flow, seg segment) uint32 {
+	t.Helper()
+	ret, err := l.objs.Program.Run(&ebpf.RunOptions{Data: seg.frame(f)})
+	if err != nil {
+		t.Fatalf("BPF_PROG_TEST_RUN: %v", err)
+	}
+	return ret
+}
+
+// TestFlowStateProgram runs the real program (BPF_PROG_TEST_RUN) on crafted
+// segments of one protected flow and checks the state after each: the
+// wrap-safe snd_nxt maximum across 2^32 (which a unit test of C code could
+// not reach), ACK and window tracking, the option walk, sticky FIN/RST and
+// the reset on a new SYN.
+func TestFlowStateProgram(t *testing.T) {
+	l := newTestLogger(t, 1<<20)
+	if info, err := l.objs.Program.Info(); err == nil {
+		n, _ := info.VerifiedInstructions()
+		t.Logf("verifier processed %d instructions", n)
+	}
+	f := Flow{Src: netip.MustParseAddrPort("10.9.0.1:40000"), Dst: netip.MustParseAddrPort("10.9.0.2:5001")}
+	if err := l.ProtectFlow(f); err != nil {
+		t.Fatal(err)
+	}
+
+	const isn = 0xffffff00 // the stream crosses 2^32 after 0xff bytes
+	const ack, win = 7777, 502
+	steps := []struct {
+		name string
+		seg  segment
+		want FlowState // Segments and KtimeNs are checked apart
+	}{
+		{"SYN", segment{seq: isn, flags: TCPFlagSYN, window: 64240, opts: synOpts(100)},
+			FlowState{SndNxt: isn + 1, HasTS: true, TSval: 100, Window: 64240, Flags: TCPFlagSYN, ISN: isn, HasISN: true}},
+		{"pure ACK", segment{seq: isn + 1, ack: ack, flags: TCPFlagACK, window: win, opts: tsOpt(101, 5000)},
+			FlowState{SndNxt: isn + 1, Ack: ack, HasAck: true, HasTS: true, TSval: 101, TSecr: 5000, Window: win, Flags: TCPFlagACK, ISN: isn, HasISN: true}},
+		{"data below the wrap", segment{seq: isn + 1, ack: ack, flags: TCPFlagACK, window: win, opts: tsOpt(102, 5000), payload: 0x80},
+			FlowState{SndNxt: 0xffffff81, Ack: ack, HasAck: true, HasTS: true, TSval: 102, TSecr: 5000, Window: win, Flags: TCPFlagACK, ISN: isn, HasISN: true}},
+		// An unsigned max would stay at 0xffffff81.
+		{"data across the wrap", segment{seq: 0xffffff81, ack: ack + 10, flags: TCPFlagACK | TCPFlagPSH, window: win, opts: tsOpt(103, 5001), payload: 0x180},
+			FlowState{SndNxt: 0x101, Ack: ack + 10, HasAck: true, HasTS: true, TSval: 103, TSecr: 5001, Window: win, Flags: TCPFlagACK | TCPFlagPSH, ISN: isn, HasISN: true}},
+		// An unsigned max would jump back to 0xffffff81.
+		{"retransmission from before the wrap", segment{seq: isn + 1, ack: ack + 20, flags: TCPFlagACK, window: win + 1, opts: tsOpt(104, 5002), payload: 0x80},
+			FlowState{SndNxt: 0x101, Ack: ack + 20, HasAck: true, HasTS: true, TSval: 104, TSecr: 5002, Window: win + 1, Flags: TCPFlagACK, ISN: isn, HasISN: true}},
+		{"data after the wrap", segment{seq: 0x101, ack: ack + 20, flags: TCPFlagACK, window: win, opts: tsOpt(105, 5003), payload: 100},
+			FlowState{SndNxt: 0x165, Ack: ack + 20, HasAck: true, HasTS: true, TSval: 105, TSecr: 5003, Window: win, Flags: TCPFlagACK, ISN: isn, HasISN: true}},
+		{"ACK without options keeps the last timestamps", segment{seq: 0x165, ack: ack + 30, flags: TCPFlagACK, window: win},
+			FlowState{SndNxt: 0x165, Ack: ack + 30, HasAck: true, HasTS: true, TSval: 105, TSecr: 5003, Window: win, Flags: TCPFlagACK, ISN: isn, HasISN: true}},
+		{"timestamp at an odd offset", segment{seq: 0x165, ack: ack + 30, flags: TCPFlagACK, window: win, opts: append(append([]byte{1}, tsBytes(200, 6000)...), 0)},
+			FlowState{SndNxt: 0x165, Ack: ack + 30, HasAck: true, HasTS: true, TSval: 200, TSecr: 6000, Window: win, Flags: TCPFlagACK, ISN: isn, HasISN: true}},
+		{"timestamp after EOL is not seen", segment{seq: 0x165, ack: ack + 30, flags: TCPFlagACK, window: win, opts: append([]byte{0, 0, 1, 1}, tsOpt(300, 7000)...)},
+			FlowState{SndNxt: 0x165, Ack: ack + 30, HasAck: true, HasTS: true, TSval: 200, TSecr: 6000, Window: win, Flags: TCPFlagACK, ISN: isn, HasISN: true}},
+		{"timestamp after a malformed option is not seen", segment{seq: 0x165, ack: ack + 30, flags: TCPFlagACK, window: win, opts: append([]byte{3, 1, 1, 1}, tsOpt(301, 7001)...)},
+			FlowState{SndNxt: 0x165, Ack: ack + 30, HasAck: true, HasTS: true, TSval: 200, TSecr: 6000, Window: win, Flags: TCPFlagACK, ISN: isn, HasISN: true}},
+		{"truncated timestamp is not seen", segment{seq: 0x165, ack: ack + 30, flags: TCPFlagACK, window: win, opts: []byte{1, 1, 1, 1, 1, 1, 1, 1, 8, 10, 0, 0}},
+			FlowState{SndNxt: 0x165, Ack: ack + 30, HasAck: true, HasTS: true, TSval: 200, TSecr: 6000, Window: win, Flags: TCPFlagACK, ISN: isn, HasISN: true}},
+		{"wrong-size timestamp is skipped, the next one found", segment{seq: 0x165, ack: ack + 30, flags: TCPFlagACK, window: win, opts: append(append([]byte{8, 6, 9, 9, 9, 9}, tsOpt(400, 8000)...), 0, 0)},
+			FlowState{SndNxt: 0x165, Ack: ack + 30, HasAck: true, HasTS: true, TSval: 400, TSecr: 8000, Window: win, Flags: TCPFlagACK, ISN: isn, HasISN: true}},
+		{"FIN", segment{seq: 0x165, ack: ack + 30, flags: TCPFlagFIN | TCPFlagACK, window: win, opts: tsOpt(401, 8000)},
+			FlowState{SndNxt: 0x166, Ack: ack + 30, HasAck: true, HasTS: true, TSval: 401, TSecr: 8000, Window: win, Flags: TCPFlagFIN | TCPFlagACK, ISN: isn, HasISN: true, FinSent: true}},
+		{"ACK after FIN keeps FinSent", segment{seq: 0x166, ack: ack + 31, flags: TCPFlagACK, window: win, opts: tsOpt(402, 8001)},
+			FlowState{SndNxt: 0x166, Ack: ack + 31, HasAck: true, HasTS: true, TSval: 402, TSecr: 8001, Window: win, Flags: TCPFlagACK, ISN: isn, HasISN: true, FinSent: true}},
+		{"RST does not move snd_nxt", segment{seq: 0x9999, flags: TCPFlagRST},
+			FlowState{SndNxt: 0x166, Ack: ack + 31, HasAck: true, HasTS: true, TSval: 402, TSecr: 8001, Flags: TCPFlagRST, ISN: isn, HasISN: true, FinSent: true, RstSent: true}},
+		{"new SYN on the 4-tuple restarts the state", segment{seq: 0x1000, flags: TCPFlagSYN, window: 64240, opts: synOpts(900)},
+			FlowState{SndNxt: 0x1001, HasTS: true, TSval: 900, Window: 64240, Flags: TCPFlagSYN, ISN: 0x1000, HasISN: true}},
+	}
+	var prev FlowState
+	for i, st := range steps {
+		if v := run(t, l, f, st.seg); v != verdictNext {
+			t.Fatalf("step %q: verdict %#x, want TCX_NEXT", st.name, v)
+		}
+		got, ok, err := l.FlowState(f)
+		if err != nil || !ok {
+			t.Fatalf("step %q: FlowState: %v, %v", st.name, ok, err)
+		}
+		wantSegs := prev.Segments + 1
+		if i == 0 || st.seg.flags&TCPFlagSYN != 0 {
+			wantSegs = 1
+		}
+		if got.Segments != wantSegs || got.KtimeNs < prev.KtimeNs || got.KtimeNs == 0 {
+			t.Errorf("step %q: Segments %d (want %d), KtimeNs %d (previous %d)", st.name, got.Segments, wantSegs, got.KtimeNs, prev.KtimeNs)
+		}
+		prev = got
+		got.Segments, got.KtimeNs = 0, 0
+		if got != st.want {
+			t.Errorf("step %q:\n got %+v\nwant %+v", st.name, got, st.want)
+		}
+	}
+	if age, err := prev.Age(); err != nil || age < 0 || age > time.Minute {
+		t.Errorf("Age() = %v, %v", age, err)
+	}
+
+	// A retransmitted SYN (same ISN) is an ordinary update.
+	run(t, l, f, segment{seq: 0x1000, flags: TCPFlagSYN, window: 64240, opts: synOpts(901)})
+	if got, _, _ := l.FlowState(f); got.Segments != 2 || got.TSval != 901 || got.ISN != 0x1000 {
+		t.Errorf("after a retransmitted SYN: %+v", got)
+	}
+
+	// Unprotected flows, including the reverse of f, get no state.
+	other := Flow{Src: f.Dst, Dst: f.Src}
+	run(t, l, other, segment{seq: 1, ack: 2, flags: TCPFlagACK, opts: tsOpt(1, 2), payload: 10})
+	if _, ok, err := l.FlowState(other); ok || err != nil {
+		t.Errorf("unprotected flow has a state (%v, %v)", ok, err)
+	}
+	all, err := l.FlowStates()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(all) != 1 || all[f].ISN != 0x1000 {
+		t.Errorf("FlowStates() = %+v, want only %v", all, f)
+	}
+	if _, _, err := l.FlowState(Flow{Src: netip.MustParseAddrPort("[::1]:1"), Dst: netip.MustParseAddrPort("[::1]:2")}); err == nil {
+		t.Error("FlowState of an IPv6 flow: no error")
+	}
+}
+
+// TestFlowStateIgnoresDroppedSegments: a segment dropped for backpressure
+// was never transmitted, so it must not raise snd_nxt (the restorer would
+// inject bytes that are not in the log).
+func TestFlowStateIgnoresDroppedSegments(t *testing.T) {
+	page := os.Getpagesize()
+	l := newTestLogger(t, page) // the smallest ring: a few 1000-byte records fill it
+	f := Flow{Src: netip.MustParseAddrPort("10.9.0.1:40001"), Dst: netip.MustParseAddrPort("10.9.0.2:5001")}
+	if err := l.ProtectFlow(f); err != nil {
+		t.Fatal(err)
+	}
+	seq := uint32(1000)
+	var logged, dropped int
+	for range page / 1000 * 2 {
+		before, _, _ := l.FlowState(f)
+		v := run(t, l, f, segment{seq: seq, ack: 1, flags: TCPFlagACK, opts: tsOpt(seq, 1), payload: 1000})
+		after, ok, err := l.FlowState(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		switch v {
+		case verdictNext:
+			logged++
+			if !ok || after.SndNxt != seq+1000 {
+				t.Fatalf("logged segment [%d, %d): state %+v", seq, seq+1000, after)
+			}
+			seq += 1000
+		case verdictDrop:
+			dropped++
+			if after != before {
+				t.Fatalf("dropped segment [%d, %d) changed the state: %+v -> %+v", seq, seq+1000, before, after)
+			}
+		default:
+			t.Fatalf("verdict %#x", v)
+		}
+	}
+	c, err := l.Counters()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("%d segments logged, %d dropped; counters %+v", logged, dropped, c)
+	if logged == 0 || dropped == 0 || c.DropsBackpressure != uint64(dropped) {
+		t.Errorf("want both logged and dropped segments: %d logged, %d dropped, counters %+v", logged, dropped, c)
+	}
+}
+
+// refTimestamp is the reference for the program's option walk: the kernel's
+// tcp_parse_options, stopping at the first well-formed timestamp option.
+func refTimestamp(opts []byte) (tsval, tsecr uint32, ok bool) {
+	for i := 0; i < len(opts); {
+		switch opts[i] {
+		case 0:
+			return 0, 0, false
+		case 1:
+			i++
+			continue
+		}
+		if i+1 >= len(opts) {
+			return 0, 0, false
+		}
+		n := int(opts[i+1])
+		if n < 2 || i+n > len(opts) {
+			return 0, 0, false
+		}
+		if opts[i] == 8 && n == 10 {
+			return binary.BigEndian.Uint32(opts[i+2:]), binary.BigEndian.Uint32(opts[i+6:]), true
+		}
+		i += n
+	}
+	return 0, 0, false
+}
+
+// FuzzTimestampOption compares the program's TCP option walk (run for real
+// with BPF_PROG_TEST_RUN) with refTimestamp. Each input is a SYN with a new
+// ISN, which restarts the flow's state, so that no earlier timestamp leaks in.
+func FuzzTimestampOption(f *testing.F) {
+	f.Add(synOpts(1))
+	f.Add(tsOpt(1, 2))
+	f.Add([]byte{1, 8, 10, 0, 0, 0, 1, 0, 0, 0, 2, 0})
+	f.Add([]byte{8, 6, 1, 1, 1, 1, 8, 10, 0, 0, 0, 1, 0, 0, 0, 2})
+	f.Add([]byte{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 8, 10, 0, 0, 0, 1, 0, 0, 0, 2})
+	f.Add([]byte{2, 0, 8, 10})
+	l := newTestLogger(f, 1<<20)
+	flow := Flow{Src: netip.MustParseAddrPort("10.9.0.1:40002"), Dst: netip.MustParseAddrPort("10.9.0.2:5001")}
+	if err := l.ProtectFlow(flow); err != nil {
+		f.Fatal(err)
+	}
+	var isn uint32
+	f.Fuzz(func(t *testing.T, opts []byte) {
+		opts = opts[:min(len(opts), 40)&^3] // doff counts 4-byte words
+		isn++
+		if v := run(t, l, flow, segment{seq: isn, flags: TCPFlagSYN, opts: opts}); v != verdictNext {
+			t.Fatalf("verdict %#x", v)
+		}
+		got, ok, err := l.FlowState(flow)
+		if err != nil || !ok || got.ISN != isn {
+			t.Fatalf("FlowState: %+v, %v, %v", got, ok, err)
+		}
+		tsval, tsecr, has := refTimestamp(opts)
+		if got.HasTS != has || got.TSval != tsval || got.TSecr != tsecr {
+			t.Errorf("options %x: program says HasTS %v TSval %d TSecr %d; want %v %d %d",
+				opts, got.HasTS, got.TSval, got.TSecr, has, tsval, tsecr)
+		}
+	})
+}
+
+// TestFlowStateEndToEnd runs a real connection between two namespaces with
+// the logger on both veth ends: A sends N bytes in two phases with varied
+// writes, B only reads (its flow is pure ACKs). It checks the states of A->B
+// and B->A against the ISN from the SYN, the first logged record, and the
+// byte counts, then that FIN is recorded and the state kept.
+func TestFlowStateEndToEnd(t *testing.T) {
+	requirePrivileges(t)
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	tn := newTestNet(t)
+	cg := newCgroup(t, "flowstate")
+	l := newTestLogger(t, 16<<20)
+	if err := l.Protect(cg.id); err != nil {
+		t.Fatal(err)
+	}
+	if err := withNS(tn.a, func() error { return l.Attach(tn.ifindexA) }); err != nil {
+		t.Fatalf("Attach in a: %v", err)
+	}
+	if err := withNS(tn.b, func() error { return l.Attach(tn.ifindexB) }); err != nil {
+		t.Fatalf("Attach in b: %v", err)
+	}
+
+	const port = 5101
+	const seed = 42
+	phases := []int{3<<20 + 12345, 1<<20 + 777}
+	total := phases[0] + phases[1]
+	recv := startChild(t, tn.b, cg, "recv", fmt.Sprintf("FTKIT_ADDR=%s:%d", tn.ipB, port))
+	if got := recv.line(ctx, t); got != "ready" {
+		t.Fatalf("receiver said %q", got)
+	}
+	col := collect(ctx, l, 0)
+	send := startChild(t, tn.a, cg, "sendwait",
+		fmt.Sprintf("FTKIT_ADDR=%s:%d", tn.ipB, port), fmt.Sprintf("FTKIT_SEED=%d", seed),
+		fmt.Sprintf("FTKIT_SIZES=%d,%d", phases[0], phases[1]))
+	var sport uint16
+	if _, err := fmt.Sscanf(send.line(ctx, t), "port %d", &sport); err != nil {
+		t.Fatal(err)
+	}
+	ab := Flow{Src: netip.AddrPortFrom(netip.AddrFrom4([4]byte(tn.ipA)), sport), Dst: netip.AddrPortFrom(netip.AddrFrom4([4]byte(tn.ipB)), port)}
+	ba := Flow{Src: ab.Dst, Dst: ab.Src}
+
+	// settle waits until cond holds for both states and they stayed
+	// unchanged for 100 ms (a quiet period), and returns them.
+	settle := func(what string, cond func(a, b FlowState) bool) (FlowState, FlowState) {
+		t.Helper()
+		var a, b, lastA, lastB FlowState
+		stableSince := time.Now()
+		for {
+			var okA, okB bool
+			var err error
+			if a, okA, err = l.FlowState(ab); err != nil {
+				t.Fatal(err)
+			}
+			if b, okB, err = l.FlowState(ba); err != nil {
+				t.Fatal(err)
+			}
+			if a != lastA || b != lastB {
+				lastA, lastB, stableSince = a, b, time.Now()
+			}
+			if okA && okB && cond(a, b) && time.Since(stableSince) >= 100*time.Millisecond {
+				return a, b
+			}
+			select {
+			case <-ctx.Done():
+				t.Fatalf("%s: not reached; last states\nA->B %+v\nB->A %+v", what, a, b)
+			case <-time.After(10 * time.Millisecond):
+			}
+		}
+	}
+	sent := func(n int) func(a, b FlowState) bool {
+		return func(a, b FlowState) bool {
+			p, _ := a.PayloadSent()
+			return p == uint32(n) && b.Ack == a.SndNxt
+		}
+	}
+
+	var samples [2][2]FlowState // [phase][A->B, B->A]
+	for i, n := range []int{phases[0], total} {
+		if got := send.line(ctx, t); got != fmt.Sprintf("sent %d", n) {
+			t.Fatalf("sender said %q", got)
+		}
+		a, b := settle(fmt.Sprintf("phase %d: %d bytes sent and acked", i+1, n), sent(n))
+		samples[i] = [2]FlowState{a, b}
+		t.Logf("phase %d: A->B %+v", i+1, a)
+		t.Logf("phase %d: B->A %+v", i+1, b)
+		// A's state: SYN seen, exactly n payload bytes, timestamps on.
+		if !a.HasISN || !a.HasTS || !a.HasAck || a.FinSent || a.RstSent {
+			t.Errorf("phase %d: A->B %+v: want ISN, TS and ACK seen, no FIN/RST", i+1, a)
+		}
+		if a.SndNxt-a.ISN-1 != uint32(n) {
+			t.Errorf("phase %d: A's SndNxt - ISN - 1 = %d, want %d", i+1, a.SndNxt-a.ISN-1, n)
+		}
+		// B never wrote: its snd_nxt is its ISN + 1 (the SYN-ACK), it acked all of A.
+		if !b.HasISN || !b.HasTS || b.SndNxt != b.ISN+1 || b.Ack != a.SndNxt || a.Ack != b.SndNxt {
+			t.Errorf("phase %d: B->A %+v does not match a pure-ACK flow that acked A->B %+v", i+1, b, a)
+		}
+		// Each side echoes a TSval the other has sent: never ahead of it.
+		if int32(b.TSval-a.TSecr) < 0 || int32(a.TSval-b.TSecr) < 0 {
+			t.Errorf("phase %d: an echo is ahead of the clock it echoes: A TSval %d TSecr %d, B TSval %d TSecr %d",
+				i+1, a.TSval, a.TSecr, b.TSval, b.TSecr)
+		}
+		if b.Window == 0 {
+			t.Errorf("phase %d: B advertises a zero window after reading everything", i+1)
+		}
+		if i == 0 {
+			time.Sleep(20 * time.Millisecond) // the TS clocks tick in ms: make them move
+			if _, err := fmt.Fprintln(send.stdin, "go"); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	a1, b1, a2, b2 := samples[0][0], samples[0][1], samples[1][0], samples[1][1]
+	if a2.ISN != a1.ISN || b2.ISN != b1.ISN {
+		t.Errorf("ISNs changed between samples: A %d -> %d, B %d -> %d", a1.ISN, a2.ISN, b1.ISN, b2.ISN)
+	}
+	if int32(a2.TSval-a1.TSval) <= 0 || int32(b2.TSval-b1.TSval) <= 0 {
+		t.Errorf("TSvals did not increase: A %d -> %d, B %d -> %d", a1.TSval, a2.TSval, b1.TSval, b2.TSval)
+	}
+	if b2.Ack-b1.Ack != uint32(phases[1]) || b2.Segments <= b1.Segments {
+		t.Errorf("B's pure-ACK flow: Ack advanced %d (want %d), segments %d -> %d",
+			b2.Ack-b1.Ack, phases[1], b1.Segments, b2.Segments)
+	}
+
+	// Close: A's FIN takes one sequence number; the state stays.
+	if _, err := fmt.Fprintln(send.stdin, "go"); err != nil {
+		t.Fatal(err)
+	}
+	if got := send.line(ctx, t); got != "closed" {
+		t.Fatalf("sender said %q", got)
+	}
+	if got, want := recv.line(ctx, t), fmt.Sprintf("%d ", total); len(got) < len(want) || got[:len(want)] != want {
+		t.Fatalf("receiver got %q, want %d bytes", got, total)
+	}
+	a, b := settle("both FINs sent and acked", func(a, b FlowState) bool {
+		return a.FinSent && b.FinSent && b.Ack == a.SndNxt && a.Ack == b.SndNxt
+	})
+	t.Logf("closed: A->B %+v", a)
+	t.Logf("closed: B->A %+v", b)
+	if a.SndNxt != a2.SndNxt+1 || a.DataEnd() != a2.SndNxt || b.SndNxt != b.ISN+2 {
+		t.Errorf("after FIN: A SndNxt %d (data end %d), want %d; B SndNxt %d, want ISN+2 = %d",
+			a.SndNxt, a.DataEnd(), a2.SndNxt+1, b.SndNxt, b.ISN+2)
+	}
+	if p, ok := a.PayloadSent(); !ok || p != uint32(total) {
+		t.Errorf("PayloadSent() = %d, %v; want %d", p, ok, total)
+	}
+
+	// The log agrees: its first record starts at ISN + 1, its bytes end at DataEnd.
+	cancel()
+	<-col.done
+	if col.err != nil {
+		t.Fatalf("reading records: %v", col.err)
+	}
+	recs := col.bySport[sport]
+	data, _, err := reassemble(recs)
+	if err != nil {
+		t.Fatalf("A->B log: %v", err)
+	}
+	first, end := recs[0].seq, recs[0].seq
+	for _, r := range recs {
+		if int32(r.seq-first) < 0 {
+			first = r.seq
+		}
+		if e := r.seq + uint32(len(r.payload)); int32(e-end) > 0 {
+			end = e
+		}
+	}
+	if first != a.ISN+1 || end != a.DataEnd() || len(data) != total {
+		t.Errorf("log of A->B: bytes [%d, %d), %d bytes; want [%d, %d), %d bytes", first, end, len(data), a.ISN+1, a.DataEnd(), total)
+	}
+	if n := len(col.bySport[port]); n != 0 {
+		t.Errorf("B sent no payload but %d records were logged for B->A", n)
+	}
+}
