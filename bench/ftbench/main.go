@@ -45,6 +45,7 @@ type benchmark func(ctx context.Context, log *slog.Logger) (metrics []Metric, se
 
 var benchmarks = map[string]benchmark{
 	"lab":      benchLab,
+	"netlog":   benchNetlog,
 	"snapshot": benchSnapshot,
 }
 

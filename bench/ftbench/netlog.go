@@ -1,0 +1,599 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/lab"
+	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/netlog/capture"
+)
+
+// netlogRoleEnv makes a re-executed ftbench run one side of benchNetlog's
+// traffic instead of the benchmarks: the sender must be a process of its own
+// so that it can be born in the protected cgroup, as a job is.
+const netlogRoleEnv = "FTBENCH_NETLOG_ROLE"
+
+func init() {
+	if role := os.Getenv(netlogRoleEnv); role != "" {
+		if err := runNetlogChild(role); err != nil {
+			fmt.Fprintf(os.Stderr, "ftbench netlog %s: %v\n", role, err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+}
+
+// runNetlogChild runs a traffic role configured by environment variables.
+//
+//	recv: listen on FTBENCH_ADDR, print "ready"; for each connection in turn
+//	      read to EOF and print "<bytes> <ns from first byte to EOF>".
+//	send: connect to FTBENCH_ADDR and send FTBENCH_BYTES bytes of
+//	      pseudo-random data in writes of FTBENCH_WRITE bytes (TCP_NODELAY
+//	      on, Go's default), then close.
+func runNetlogChild(role string) error {
+	addr := os.Getenv("FTBENCH_ADDR")
+	switch role {
+	case "recv":
+		ln, err := net.Listen("tcp4", addr)
+		if err != nil {
+			return err
+		}
+		fmt.Println("ready")
+		buf := make([]byte, 1<<20)
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return err
+			}
+			n, err := c.Read(buf)
+			start := time.Now()
+			total := int64(n)
+			for err == nil {
+				n, err = c.Read(buf)
+				total += int64(n)
+			}
+			elapsed := time.Since(start)
+			c.Close()
+			if !errors.Is(err, io.EOF) {
+				return err
+			}
+			fmt.Printf("%d %d\n", total, elapsed.Nanoseconds())
+		}
+	case "send":
+		total, err := strconv.ParseInt(os.Getenv("FTBENCH_BYTES"), 10, 64)
+		if err != nil {
+			return fmt.Errorf("FTBENCH_BYTES: %w", err)
+		}
+		wsize, err := strconv.Atoi(os.Getenv("FTBENCH_WRITE"))
+		if err != nil || wsize <= 0 {
+			return fmt.Errorf("FTBENCH_WRITE %q: must be a positive number of bytes", os.Getenv("FTBENCH_WRITE"))
+		}
+		data := make([]byte, max(wsize, 1<<20))
+		_, _ = rand.NewChaCha8([32]byte{1}).Read(data)
+		c, err := net.Dial("tcp4", addr)
+		if err != nil {
+			return err
+		}
+		if err := c.(*net.TCPConn).SetNoDelay(true); err != nil {
+			return err
+		}
+		for sent, off := int64(0), 0; sent < total; {
+			n := int(min(int64(wsize), total-sent))
+			if off+n > len(data) {
+				off = 0
+			}
+			if _, err := c.Write(data[off : off+n]); err != nil {
+				return err
+			}
+			sent += int64(n)
+			off += n
+		}
+		return c.Close()
+	}
+	return fmt.Errorf("unknown role %q", role)
+}
+
+// netlogLink is one link setting of the bulk benchmark.
+type netlogLink struct {
+	Name  string `json:"name"`
+	Rate  uint64 `json:"rate_bit_s,omitempty"` // tbf rate on the sender's eth0; 0: unshaped veth
+	Bytes int64  `json:"bytes_per_run"`
+}
+
+// netlogRun is what one transfer measured.
+type netlogRun struct {
+	bytes      int64
+	ns         int64   // receiver: first byte to EOF
+	jobCPU     float64 // seconds: cgroup v2 cpu.stat of sender + receiver
+	captureCPU float64 // seconds: getrusage(RUSAGE_SELF) of ftbench, i.e. the consumer
+	systemCPU  float64 // seconds: busy time of all CPUs from /proc/stat
+	logged     uint64  // payload bytes the probe logged (retransmissions included)
+	drops      uint64  // backpressure drops
+}
+
+// benchNetlog measures what the sender-side TCP log costs a bulk transfer and a
+// stream of small messages between two lab hosts: runs with the Capture on the
+// sender interleaved with runs without it, medians over the pairs.
+func benchNetlog(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
+	const pairs = 5
+	links := []netlogLink{
+		{Name: "unshaped", Bytes: 8 << 30},
+		{Name: "tbf_10gbit", Rate: 10e9, Bytes: 2 << 30},
+		{Name: "tbf_1gbit", Rate: 1e9, Bytes: 256 << 20},
+	}
+	const msgSize, msgCount = 64, 300_000
+
+	b, err := newNetlogBench(ctx, log)
+	if err != nil {
+		return nil, nil, err
+	}
+	defer b.close()
+
+	var metrics []Metric
+	for _, lk := range links {
+		m, err := b.linkSetting(ctx, lk, pairs)
+		if err != nil {
+			return nil, nil, fmt.Errorf("netlog bench, %s link: %w", lk.Name, err)
+		}
+		metrics = append(metrics, m...)
+	}
+
+	var with, without, ratios, consumer []float64
+	for i := range pairs {
+		var pair [2]netlogRun
+		for _, logging := range pairOrder(i) {
+			r, err := b.run(ctx, logging, msgCount*msgSize, msgSize)
+			if err != nil {
+				return nil, nil, fmt.Errorf("netlog bench, %d-byte messages: %w", msgSize, err)
+			}
+			pair[boolIndex(logging)] = r
+		}
+		w, wo := msgRate(pair[1], msgSize), msgRate(pair[0], msgSize)
+		with, without, ratios = append(with, w), append(without, wo), append(ratios, w/wo)
+		consumer = append(consumer, pair[1].captureCPU/float64(msgCount)*1e6)
+		log.Info("netlog messages", "pair", i, "msgs_s_without", int(wo), "msgs_s_with", int(w))
+	}
+	metrics = append(metrics,
+		Metric{Name: "msg64_rate_without", Value: median(without), Unit: "msgs/s"},
+		Metric{Name: "msg64_rate_with", Value: median(with), Unit: "msgs/s"},
+		Metric{Name: "msg64_rate_ratio", Value: median(ratios), Unit: "x"},
+		Metric{Name: "msg64_consumer_cpu_per_million", Value: median(consumer), Unit: "s"},
+	)
+	settings := map[string]any{
+		"pairs":         pairs,
+		"order":         "with/without alternate first in successive pairs; metrics are medians over pairs, ratios are medians of per-pair ratios",
+		"links":         links,
+		"messages":      map[string]any{"size": msgSize, "count": msgCount, "nodelay": true, "link": "unshaped"},
+		"topology":      "two lab hosts (network namespaces) on a bridge via veth pairs; sender in node1, receiver in node2, each a process of its own in a cgroup v2 child",
+		"capture":       "capture.New on node1 eth0, 64 MiB ring, sender's cgroup protected; log trimmed to its contiguous end every 50 ms (receiver checkpoints), no compression or spill",
+		"cpu_job":       "cgroup v2 cpu.stat usage_usec of the sender and receiver cgroups: includes the probe's in-kernel work and the softirq work run in their context (no IRQ time accounting)",
+		"cpu_consumer":  "getrusage(RUSAGE_SELF) of ftbench during a run: the Capture's consumer goroutine and the trimmer",
+		"cpu_system":    "busy time of all CPUs from /proc/stat: includes other tenants of the machine, noisy",
+		"gb":            "1e9 bytes received",
+		"shaping_qdisc": "tbf root qdisc on node1 eth0 (burst max(2 ms at rate, 128 KiB), queue 10 ms at rate plus burst)",
+	}
+	return metrics, settings, nil
+}
+
+func boolIndex(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// pairOrder alternates which run of a pair goes first, so drift in the
+// machine's load does not favour one side.
+func pairOrder(i int) []bool {
+	if i%2 == 0 {
+		return []bool{false, true}
+	}
+	return []bool{true, false}
+}
+
+func msgRate(r netlogRun, size int) float64 {
+	return float64(r.bytes) / float64(size) / (float64(r.ns) / 1e9)
+}
+
+func (b *netlogBench) linkSetting(ctx context.Context, lk netlogLink, pairs int) ([]Metric, error) {
+	undo, err := b.shape(lk.Rate)
+	if err != nil {
+		return nil, err
+	}
+	defer undo()
+	var gbWith, gbWithout, ratios, cpuWith, cpuWithout, consumer, sysWith, sysWithout []float64
+	var drops uint64
+	for i := range pairs {
+		var pair [2]netlogRun
+		for _, logging := range pairOrder(i) {
+			r, err := b.run(ctx, logging, lk.Bytes, 256<<10)
+			if err != nil {
+				return nil, err
+			}
+			pair[boolIndex(logging)] = r
+		}
+		w, wo := pair[1], pair[0]
+		gbps := func(r netlogRun) float64 { return float64(r.bytes) * 8 / float64(r.ns) }
+		perGB := func(cpu float64, r netlogRun) float64 { return cpu / (float64(r.bytes) / 1e9) }
+		gbWith, gbWithout = append(gbWith, gbps(w)), append(gbWithout, gbps(wo))
+		ratios = append(ratios, gbps(w)/gbps(wo))
+		cpuWith = append(cpuWith, perGB(w.jobCPU+w.captureCPU, w))
+		cpuWithout = append(cpuWithout, perGB(wo.jobCPU, wo))
+		consumer = append(consumer, w.captureCPU/(float64(w.logged)/1e9))
+		sysWith, sysWithout = append(sysWith, perGB(w.systemCPU, w)), append(sysWithout, perGB(wo.systemCPU, wo))
+		drops += w.drops
+		b.log.Info("netlog bulk", "link", lk.Name, "pair", i, "gbit_s_without", round2(gbps(wo)), "gbit_s_with", round2(gbps(w)),
+			"cpu_s_per_gb_without", round2(perGB(wo.jobCPU, wo)), "cpu_s_per_gb_with", round2(perGB(w.jobCPU+w.captureCPU, w)), "drops", w.drops)
+	}
+	p := lk.Name + "_"
+	return []Metric{
+		{Name: p + "gbit_s_without", Value: median(gbWithout), Unit: "Gbit/s"},
+		{Name: p + "gbit_s_with", Value: median(gbWith), Unit: "Gbit/s"},
+		{Name: p + "throughput_ratio", Value: median(ratios), Unit: "x"},
+		{Name: p + "cpu_s_per_GB_without", Value: median(cpuWithout), Unit: "s/GB"},
+		{Name: p + "cpu_s_per_GB_with", Value: median(cpuWith), Unit: "s/GB"},
+		{Name: p + "consumer_cpu_s_per_GB_logged", Value: median(consumer), Unit: "s/GB"},
+		{Name: p + "system_cpu_s_per_GB_without", Value: median(sysWithout), Unit: "s/GB"},
+		{Name: p + "system_cpu_s_per_GB_with", Value: median(sysWith), Unit: "s/GB"},
+		{Name: p + "drops_backpressure", Value: float64(drops), Unit: "segments"},
+	}, nil
+}
+
+func round2(v float64) float64 { return float64(int64(v*100+0.5)) / 100 }
+
+// netlogBench is the lab, cgroups and receiver the runs share.
+type netlogBench struct {
+	log      *slog.Logger
+	lab      *lab.Lab
+	exe      string
+	dst      netip.AddrPort
+	sendCg   string
+	recvCg   string
+	sendFD   int
+	recvFD   int
+	recv     *exec.Cmd
+	recvOut  chan string
+	cleanups []func()
+}
+
+func newNetlogBench(ctx context.Context, log *slog.Logger) (b *netlogBench, err error) {
+	exe, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	cgRoot, err := cgroup2Root()
+	if err != nil {
+		return nil, err
+	}
+	l, err := lab.Up(ctx, lab.Config{ID: "fbnetlog", Nodes: 2, Subnet: netip.MustParsePrefix("10.247.0.0/24")}, lab.Options{Logger: log})
+	if err != nil {
+		return nil, err
+	}
+	b = &netlogBench{log: log, lab: l, exe: exe, sendFD: -1, recvFD: -1}
+	b.cleanups = append(b.cleanups, func() {
+		if err := l.Down(context.WithoutCancel(ctx)); err != nil {
+			log.Error("netlog bench: lab down", "err", err)
+		}
+	})
+	defer func() {
+		if err != nil {
+			b.close()
+		}
+	}()
+	h2, err := l.Host("node2")
+	if err != nil {
+		return nil, err
+	}
+	b.dst = netip.AddrPortFrom(h2.Addr.Addr(), 5201)
+	for _, cg := range []struct {
+		dir *string
+		fd  *int
+		suf string
+	}{{&b.sendCg, &b.sendFD, "send"}, {&b.recvCg, &b.recvFD, "recv"}} {
+		dir := filepath.Join(cgRoot, fmt.Sprintf("ftbench-netlog-%d-%s", os.Getpid(), cg.suf))
+		if err := os.Mkdir(dir, 0o755); err != nil {
+			return nil, fmt.Errorf("create cgroup: %w", err)
+		}
+		// Lab down removes it too (after killing the lab's processes) should this process die first.
+		if err := l.AddCleanup(dir); err != nil {
+			_ = unix.Rmdir(dir)
+			return nil, err
+		}
+		*cg.dir = dir
+		fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return nil, fmt.Errorf("open cgroup %s: %w", dir, err)
+		}
+		*cg.fd = fd
+		b.cleanups = append(b.cleanups, func() { unix.Close(fd) })
+	}
+
+	b.recv = exec.Command(exe)
+	b.recv.Env = append(os.Environ(), netlogRoleEnv+"=recv", "FTBENCH_ADDR="+b.dst.String())
+	b.recv.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: b.recvFD}
+	b.recv.Stderr = os.Stderr
+	out, err := b.recv.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := l.Start("node2", b.recv); err != nil {
+		return nil, fmt.Errorf("start receiver on node2: %w", err)
+	}
+	// Runs before the lab goes down (LIFO), so the cgroup is empty when removed.
+	b.cleanups = append(b.cleanups, func() { _ = b.recv.Process.Kill(); _ = b.recv.Wait() })
+	b.recvOut = make(chan string, 4)
+	go func() {
+		sc := bufio.NewScanner(out)
+		for sc.Scan() {
+			b.recvOut <- sc.Text()
+		}
+		close(b.recvOut)
+	}()
+	if line, err := b.recvLine(ctx, 10*time.Second); err != nil || line != "ready" {
+		return nil, fmt.Errorf("receiver on node2 said %q: %w", line, err)
+	}
+	return b, nil
+}
+
+// close frees everything in reverse order of creation: receiver, cgroup fds,
+// then the lab (which removes the cgroups).
+func (b *netlogBench) close() {
+	for i := len(b.cleanups) - 1; i >= 0; i-- {
+		b.cleanups[i]()
+	}
+	b.cleanups = nil
+}
+
+func (b *netlogBench) recvLine(ctx context.Context, timeout time.Duration) (string, error) {
+	select {
+	case l, ok := <-b.recvOut:
+		if !ok {
+			return "", errors.New("receiver exited")
+		}
+		return l, nil
+	case <-time.After(timeout):
+		return "", fmt.Errorf("no word from the receiver in %v", timeout)
+	case <-ctx.Done():
+		return "", ctx.Err()
+	}
+}
+
+// shape puts a tbf qdisc of rate bit/s on node1's eth0 (nothing for 0) and
+// returns the function that removes it.
+func (b *netlogBench) shape(rate uint64) (func(), error) {
+	if rate == 0 {
+		return func() {}, nil
+	}
+	path, err := b.lab.NetnsPath("node1")
+	if err != nil {
+		return nil, err
+	}
+	ns, err := netns.GetFromPath(path)
+	if err != nil {
+		return nil, fmt.Errorf("open node1's network namespace: %w", err)
+	}
+	defer ns.Close()
+	h, err := netlink.NewHandleAt(ns)
+	if err != nil {
+		return nil, fmt.Errorf("netlink in node1: %w", err)
+	}
+	eth0, err := h.LinkByName("eth0")
+	if err != nil {
+		h.Close()
+		return nil, fmt.Errorf("node1 eth0: %w", err)
+	}
+	bytesPerSec := rate / 8
+	burst := max(bytesPerSec/500, 128<<10) // 2 ms at rate: a whole GSO packet always fits
+	qd := &netlink.Tbf{
+		QdiscAttrs: netlink.QdiscAttrs{LinkIndex: eth0.Attrs().Index, Handle: netlink.MakeHandle(1, 0), Parent: netlink.HANDLE_ROOT},
+		Rate:       bytesPerSec,
+		Limit:      uint32(bytesPerSec/100 + burst),
+		// tbf takes the burst as the time to send it at rate, in 64 ns ticks.
+		Buffer: uint32(burst * 1e9 / bytesPerSec >> 6),
+	}
+	if err := h.QdiscAdd(qd); err != nil {
+		h.Close()
+		return nil, fmt.Errorf("add tbf qdisc at %d bit/s on node1 eth0: %w", rate, err)
+	}
+	b.log.Info("netlog bench: shaped node1 eth0", "rate_bit_s", rate, "burst", burst)
+	return func() {
+		if err := h.QdiscDel(qd); err != nil {
+			b.log.Error("netlog bench: remove tbf qdisc from node1 eth0 (lab down removes it too)", "err", err)
+		}
+		h.Close()
+	}, nil
+}
+
+// run sends total bytes in writes of wsize from node1 to node2, with or
+// without a Capture logging the sender's cgroup.
+func (b *netlogBench) run(ctx context.Context, logging bool, total int64, wsize int) (r netlogRun, err error) {
+	if err := ctx.Err(); err != nil {
+		return r, err
+	}
+	var c *capture.Capture
+	stopTrim := func() {}
+	if logging {
+		err := b.lab.Do("node1", func() error {
+			var err error
+			c, err = capture.New(capture.Options{Interface: "eth0", Logger: b.log})
+			return err
+		})
+		if err != nil {
+			return r, err
+		}
+		defer func() {
+			if cerr := c.Close(); cerr != nil && err == nil {
+				err = cerr
+			}
+		}()
+		if err := c.ProtectCgroup(b.sendCg); err != nil {
+			return r, err
+		}
+		stopTrim = trimLoop(c.Log(), 50*time.Millisecond)
+	}
+	defer stopTrim()
+
+	before, err := b.cpuSnapshot()
+	if err != nil {
+		return r, err
+	}
+	send := exec.Command(b.exe)
+	send.Env = append(os.Environ(), netlogRoleEnv+"=send", "FTBENCH_ADDR="+b.dst.String(),
+		fmt.Sprintf("FTBENCH_BYTES=%d", total), fmt.Sprintf("FTBENCH_WRITE=%d", wsize))
+	send.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: b.sendFD}
+	send.Stderr = os.Stderr
+	if err := b.lab.Start("node1", send); err != nil {
+		return r, fmt.Errorf("start sender on node1: %w", err)
+	}
+	line, lerr := b.recvLine(ctx, 5*time.Minute)
+	werr := send.Wait()
+	if lerr != nil || werr != nil {
+		return r, fmt.Errorf("transfer of %d bytes: receiver: %v, sender: %v", total, lerr, werr)
+	}
+	if _, err := fmt.Sscanf(line, "%d %d", &r.bytes, &r.ns); err != nil || r.bytes != total || r.ns <= 0 {
+		return r, fmt.Errorf("receiver reported %q after %d bytes were sent", line, total)
+	}
+	if c != nil {
+		// Count the consumer's work on the tail of the transfer too.
+		for deadline := time.Now().Add(2 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+			if cnt, err := c.Counters(); err != nil || cnt.RingPendingBytes == 0 {
+				break
+			}
+		}
+	}
+	after, err := b.cpuSnapshot()
+	if err != nil {
+		return r, err
+	}
+	r.jobCPU = after.job - before.job
+	r.captureCPU = after.self - before.self
+	r.systemCPU = after.system - before.system
+	if c != nil {
+		cnt, err := c.Counters()
+		if err != nil {
+			return r, err
+		}
+		if cnt.BytesLogged < uint64(total) || cnt.AppendErrors+cnt.BadRecords+uint64(cnt.Conflicts) != 0 {
+			return r, fmt.Errorf("capture logged %d of %d bytes, %d append errors, %d bad records, %d conflicts",
+				cnt.BytesLogged, total, cnt.AppendErrors, cnt.BadRecords, cnt.Conflicts)
+		}
+		r.logged, r.drops = cnt.BytesLogged, cnt.DropsBackpressure
+	}
+	return r, nil
+}
+
+// trimLoop trims every connection of lg to its contiguous end every period,
+// as the receivers' checkpoints would, until the returned function is called.
+func trimLoop(lg *netlog.Log, period time.Duration) func() {
+	stop, done := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(done)
+		t := time.NewTicker(period)
+		defer t.Stop()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-t.C:
+			}
+			for _, conn := range lg.Conns() {
+				if bd, err := lg.Bounds(conn); err == nil {
+					_, _ = lg.Trim(conn, netlog.Wire(bd.Contiguous))
+				}
+			}
+		}
+	}()
+	return func() { close(stop); <-done }
+}
+
+type cpuSnap struct{ job, self, system float64 } // seconds
+
+func (b *netlogBench) cpuSnapshot() (cpuSnap, error) {
+	var s cpuSnap
+	for _, dir := range []string{b.sendCg, b.recvCg} {
+		v, err := cgroupUsage(dir)
+		if err != nil {
+			return s, err
+		}
+		s.job += v
+	}
+	var ru unix.Rusage
+	if err := unix.Getrusage(unix.RUSAGE_SELF, &ru); err != nil {
+		return s, fmt.Errorf("getrusage: %w", err)
+	}
+	s.self = float64(ru.Utime.Nano()+ru.Stime.Nano()) / 1e9
+	var err error
+	s.system, err = procStatBusy()
+	return s, err
+}
+
+// cgroupUsage reads usage_usec from a cgroup v2 cpu.stat (present without the
+// cpu controller), in seconds.
+func cgroupUsage(dir string) (float64, error) {
+	raw, err := os.ReadFile(filepath.Join(dir, "cpu.stat"))
+	if err != nil {
+		return 0, err
+	}
+	for line := range strings.Lines(string(raw)) {
+		if v, ok := strings.CutPrefix(line, "usage_usec "); ok {
+			us, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+			return float64(us) / 1e6, err
+		}
+	}
+	return 0, fmt.Errorf("%s/cpu.stat has no usage_usec", dir)
+}
+
+// procStatBusy returns the busy time of all CPUs (user, nice, system, irq,
+// softirq, steal) in seconds.
+func procStatBusy() (float64, error) {
+	raw, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return 0, err
+	}
+	line, _, _ := strings.Cut(string(raw), "\n")
+	f := strings.Fields(line)
+	if len(f) < 9 || f[0] != "cpu" {
+		return 0, fmt.Errorf("/proc/stat: unexpected first line %q", line)
+	}
+	var ticks int64
+	for _, i := range []int{1, 2, 3, 6, 7, 8} {
+		v, err := strconv.ParseInt(f[i], 10, 64)
+		if err != nil {
+			return 0, fmt.Errorf("/proc/stat: %w", err)
+		}
+		ticks += v
+	}
+	return float64(ticks) / 100, nil // USER_HZ is 100 on Linux
+}
+
+func cgroup2Root() (string, error) {
+	raw, err := os.ReadFile("/proc/self/mounts")
+	if err != nil {
+		return "", err
+	}
+	for line := range strings.Lines(string(raw)) {
+		if f := strings.Fields(line); len(f) > 2 && f[2] == "cgroup2" {
+			return f[1], nil
+		}
+	}
+	return "", errors.New("no cgroup2 hierarchy is mounted: the capture filters by cgroup v2 (mount one, e.g. at /sys/fs/cgroup/unified)")
+}
