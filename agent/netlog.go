@@ -51,7 +51,7 @@ func (a *Agent) startLog() error {
 		opts.SpillDir = lc.SpillDir
 		opts.SpillAboveRAM = int64(float64(capBytes) * lc.Low)
 	}
-	c, err := capture.New(capture.Options{Interface: iface, RingBufferSize: lc.RingMiB << 20, Log: opts, Logger: a.log})
+	c, err := capture.New(capture.Options{Interface: iface, RingBufferSize: lc.RingMiB << 20, Log: opts, Logger: a.log, MemoryCap: capBytes})
 	if err != nil {
 		return fmt.Errorf("start the sender-side log on %s: %w", iface, err)
 	}
@@ -185,6 +185,7 @@ func (a *Agent) serveTrim(c net.Conn, peer string) {
 		}
 		a.netlog.mu.Lock()
 		a.netlog.seen[peer] = time.Now()
+		a.netlog.ctl.Relieved(peer)
 		a.netlog.mu.Unlock()
 	}
 	writeHeader(c, struct{ Trimmed int }{n})
@@ -303,8 +304,8 @@ func (a *Agent) controlLog(ctx context.Context) {
 			}
 			dests = append(dests, controller.Destination{Node: node, Bytes: n, Oldest: a.netlog.seen[node]})
 		}
-		a.netlog.mu.Unlock()
 		act, events := a.netlog.ctl.Step(controller.State{Now: now, Memory: l.Stats().MemoryBytes(), Destinations: dests, CanSpill: a.cfg.Log.SpillDir != ""})
+		a.netlog.mu.Unlock()
 		for _, node := range act.RequestSnapshots {
 			go a.requestSnapshot(ctx, node)
 		}
@@ -365,6 +366,7 @@ type LoggedConn struct {
 	Contiguous uint32         `json:"contiguous"` // every byte of [first, contiguous) is retained
 	Retained   int64          `json:"retained"`
 	Trimmed    bool           `json:"trimmed"` // a receiver's snapshot released the bytes before first
+	Hole       bool           `json:"hole"`    // bytes are missing between contiguous and the last byte (must never happen)
 }
 
 // LoggedConns lists the connections in this host's log.
@@ -380,7 +382,8 @@ func (a *Agent) LoggedConns() []LoggedConn {
 			continue
 		}
 		out = append(out, LoggedConn{Src: c.Src, Dst: c.Dst, DstNode: a.memberByIP(c.Dst.Addr()),
-			First: netlog.Wire(b.First), Contiguous: netlog.Wire(b.Contiguous), Retained: b.Retained, Trimmed: b.Floor != 0})
+			First: netlog.Wire(b.First), Contiguous: netlog.Wire(b.Contiguous), Retained: b.Retained, Trimmed: b.Floor != 0,
+			Hole: b.Contiguous != b.Last})
 	}
 	return out
 }

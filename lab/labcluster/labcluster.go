@@ -30,6 +30,8 @@ type Options struct {
 	Mode     agent.Mode
 	Keep     int
 	LogLevel string // ftagent --log-level ("" = info)
+	// LogMemoryMiB and LogRingMiB bound the agents' sender-side logs (0: the agent defaults).
+	LogMemoryMiB, LogRingMiB int
 }
 
 // Cluster is a lab whose hosts each run an agent.
@@ -136,6 +138,12 @@ func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
 	}
 	if c.opts.Keep > 0 {
 		cfg.Checkpoint.Keep = c.opts.Keep
+	}
+	if c.opts.LogMemoryMiB > 0 {
+		cfg.Log.MemoryMiB = c.opts.LogMemoryMiB
+	}
+	if c.opts.LogRingMiB > 0 {
+		cfg.Log.RingMiB = c.opts.LogRingMiB
 	}
 	return cfg
 }

@@ -15,6 +15,7 @@ import (
 	"path/filepath"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
@@ -36,6 +37,9 @@ type Options struct {
 	Log netlog.Options
 	// Logger receives attach/detach events and consumer errors; nil discards them.
 	Logger *slog.Logger
+	// MemoryCap, if positive, bounds the log's memory (netlog.Stats.MemoryBytes): the consumer stops
+	// draining the ring rather than let one more append exceed it (TCP backpressure, never loss).
+	MemoryCap int64
 
 	// afterRecord, when set, runs after each record is appended: tests use it
 	// to slow the consumer down and provoke backpressure drops.
@@ -54,6 +58,9 @@ type Capture struct {
 	done    chan struct{} // closed when the consumer returns
 	consErr error         // the consumer's fatal error, readable after done
 
+	memCap       int64         // Options.MemoryCap
+	headroom     int64         // the most one append can add to the log's memory
+	paused       atomic.Bool   // the consumer is waiting for memory under the cap
 	records      atomic.Uint64 // records consumed
 	badRecords   atomic.Uint64 // records DecodeRecord rejected
 	appendErrors atomic.Uint64 // Append errors other than conflicts (conflicts are in netlog.Stats)
@@ -113,6 +120,19 @@ func New(opts Options) (*Capture, error) {
 		cancel:    cancel,
 		done:      make(chan struct{}),
 		protected: make(map[string]uint64),
+		memCap:    opts.MemoryCap,
+	}
+	// One append of a record of up to 64 KiB can open at most two new slabs (and use a pooled one).
+	slab := int64(opts.Log.SlabSize)
+	if slab == 0 {
+		slab = netlog.DefaultSlabSize
+	}
+	c.headroom = 2*slab + 64<<10
+	if c.memCap > 0 && c.memCap < 2*c.headroom {
+		cancel()
+		probe.Close()
+		nl.Close()
+		return nil, fmt.Errorf("capture: memory cap %d bytes is below twice one append's worst case (%d): raise it", c.memCap, c.headroom)
 	}
 	go c.consume(ctx, opts.afterRecord)
 	return c, nil
@@ -129,6 +149,18 @@ func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 		if ctx.Err() != nil {
 			return
 		}
+		// At the memory cap: leave the records in the ring. Once it is full the probe drops segments and
+		// TCP retransmits them later, so senders slow down, the cap holds, and nothing is lost.
+		if c.memCap > 0 && c.netlog.Stats().MemoryBytes()+c.headroom > c.memCap {
+			c.paused.Store(true)
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(5 * time.Millisecond):
+			}
+			continue
+		}
+		c.paused.Store(false)
 		raw, err := c.probe.Read(ctx)
 		if err != nil {
 			if ctx.Err() != nil || errors.Is(err, ebpfprobes.ErrClosed) {
@@ -263,6 +295,7 @@ type Counters struct {
 	BadRecords      uint64 `json:"bad_records"`
 	AppendErrors    uint64 `json:"append_errors"`
 	ConsumerRunning bool   `json:"consumer_running"`
+	ConsumerPaused  bool   `json:"consumer_paused"`
 	ConsumerError   string `json:"consumer_error,omitempty"`
 
 	// Log (netlog.Stats).
@@ -332,6 +365,7 @@ func (c *Capture) Counters() (Counters, error) {
 	default:
 		out.ConsumerRunning = true
 	}
+	out.ConsumerPaused = c.paused.Load()
 	return out, nil
 }
 

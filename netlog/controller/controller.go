@@ -1,6 +1,7 @@
 // Package controller is the dynamic resource controller of a node's sender-side log (seed 004's FTM
 // controller, adapted to sender-based logging): it keeps the log's memory under a cap without ever
-// dropping logged bytes.
+// dropping logged bytes. The cap itself is enforced by the log's consumer (netlog/capture); the controller
+// decides what relieves the pressure and reports it.
 //
 // Logged bytes destined for node Q can be freed only once Q's snapshot covers their receipt. So when the
 // log crosses its high watermark, the controller asks the destination nodes that hold the oldest logged
@@ -24,7 +25,8 @@ type Config struct {
 	Cap  int64   // bytes of RAM the log may hold; never exceeded
 	High float64 // fraction of Cap at which snapshots are requested (default 0.8)
 	Low  float64 // fraction of Cap the controller aims for (default 0.6)
-	// Cooldown is how long a snapshot request to one node stands before it is repeated (default 30 s).
+	// Cooldown is how long an unanswered snapshot request to one node stands before it is repeated
+	// (default 30 s); a node whose snapshot trimmed the log may be asked again at once (Relieved).
 	Cooldown time.Duration
 	// SpillGrace is how long memory may stay above High, with requests outstanding, before spilling
 	// (default 10 s: a snapshot and its shipping normally finish well within it).
@@ -72,7 +74,7 @@ type State struct {
 type Action struct {
 	RequestSnapshots []string // ask these nodes to snapshot now, oldest logged bytes first
 	SpillBytes       int64    // move this many bytes of the oldest log data to disk
-	Pause            bool     // stop consuming the probe's ring buffer (TCP backpressure) until false
+	Pause            bool     // the log is at its cap: its consumer holds back (TCP backpressure) until false
 }
 
 // EventKind names a controller decision.
@@ -115,6 +117,11 @@ func New(cfg Config) (*Controller, error) {
 
 // Config returns the effective configuration.
 func (c *Controller) Config() Config { return c.cfg }
+
+// Relieved records that node's requested snapshot arrived (its receive points trimmed this node's log):
+// the next pressure may ask it again at once instead of waiting out the cooldown, which remains only as
+// the timeout of a request that got lost.
+func (c *Controller) Relieved(node string) { delete(c.lastRequest, node) }
 
 // Step takes a measurement and returns the actions to take and the events to record.
 func (c *Controller) Step(s State) (Action, []Event) {

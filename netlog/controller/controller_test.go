@@ -97,3 +97,18 @@ func TestInvariants(t *testing.T) {
 		}
 	}
 }
+
+func TestRelievedEndsCooldown(t *testing.T) {
+	c, _ := New(Config{Cap: 1000})
+	dests := []Destination{{Node: "node2", Bytes: 500, Oldest: t0}}
+	if a, _ := c.Step(State{Now: at(0), Memory: 900, Destinations: dests}); len(a.RequestSnapshots) != 1 {
+		t.Fatalf("first request: %+v", a)
+	}
+	if a, _ := c.Step(State{Now: at(1), Memory: 900, Destinations: dests}); len(a.RequestSnapshots) != 0 {
+		t.Fatalf("repeated within the cooldown: %+v", a)
+	}
+	c.Relieved("node2")
+	if a, _ := c.Step(State{Now: at(2), Memory: 900, Destinations: dests}); len(a.RequestSnapshots) != 1 {
+		t.Fatalf("not asked again after its snapshot trimmed the log: %+v", a)
+	}
+}
