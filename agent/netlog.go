@@ -15,6 +15,7 @@ import (
 	"github.com/vishvananda/netlink"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/netlog/capture"
 	"github.com/ftkit/ftkit/netlog/controller"
@@ -198,11 +199,13 @@ type LogRangeRequest struct {
 	From uint32         `json:"from"`
 }
 
-// LogRangeReply precedes the bytes: Len bytes starting at sequence From follow the header.
+// LogRangeReply precedes the bytes: Len bytes starting at sequence From follow the header. Live is the
+// sender's current state of the connection (its snd_nxt, rcv_nxt, TSval/TSecr), for the restorer.
 type LogRangeReply struct {
-	From  uint32 `json:"from"`
-	Len   int64  `json:"len"`
-	Error string `json:"error,omitempty"`
+	From  uint32                `json:"from"`
+	Len   int64                 `json:"len"`
+	Live  *ebpfprobes.FlowState `json:"live,omitempty"`
+	Error string                `json:"error,omitempty"`
 }
 
 // serveLogRange streams the logged bytes of one connection from a sequence number to the highest
@@ -239,7 +242,11 @@ func (a *Agent) serveLogRange(ctx context.Context, c net.Conn) {
 		writeHeader(c, LogRangeReply{Error: err.Error()})
 		return
 	}
-	if err := writeHeader(c, LogRangeReply{From: req.From, Len: int64(to - from)}); err != nil {
+	reply := LogRangeReply{From: req.From, Len: int64(to - from)}
+	if fs, ok, err := a.netlog.cap.FlowState(conn); err == nil && ok {
+		reply.Live = &fs
+	}
+	if err := writeHeader(c, reply); err != nil {
 		return
 	}
 	if _, err := l.WriteRange(ctx, c, conn, from, to); err != nil {
@@ -367,6 +374,8 @@ type LoggedConn struct {
 	Retained   int64          `json:"retained"`
 	Trimmed    bool           `json:"trimmed"` // a receiver's snapshot released the bytes before first
 	Hole       bool           `json:"hole"`    // bytes are missing between contiguous and the last byte (must never happen)
+	// Live is the sender's current state of the connection from its last egress segment.
+	Live *ebpfprobes.FlowState `json:"live,omitempty"`
 }
 
 // LoggedConns lists the connections in this host's log.
@@ -384,6 +393,9 @@ func (a *Agent) LoggedConns() []LoggedConn {
 		out = append(out, LoggedConn{Src: c.Src, Dst: c.Dst, DstNode: a.memberByIP(c.Dst.Addr()),
 			First: netlog.Wire(b.First), Contiguous: netlog.Wire(b.Contiguous), Retained: b.Retained, Trimmed: b.Floor != 0,
 			Hole: b.Contiguous != b.Last})
+		if fs, ok, err := a.netlog.cap.FlowState(c); err == nil && ok {
+			out[len(out)-1].Live = &fs
+		}
 	}
 	return out
 }

@@ -41,6 +41,10 @@ func TestLogTrimmedAtReceiverSnapshot(t *testing.T) {
 		if lc.Retained == 0 || lc.Trimmed {
 			t.Errorf("node1's log of %s -> %s: %+v", lc.Src, lc.Dst, lc)
 		}
+		// The sender's live state is known: it has sent at least what the log holds, with timestamps.
+		if lc.Live == nil || !lc.Live.HasTS || !lc.Live.HasAck || int32(lc.Live.DataEnd()-lc.Contiguous) < 0 {
+			t.Errorf("live state of %s -> %s: %+v (log contiguous up to %d)", lc.Src, lc.Dst, lc.Live, lc.Contiguous)
+		}
 	}
 	if len(before) != 2 || !dsts["node2"] || !dsts["node3"] {
 		t.Fatalf("node1 logs %+v; want one connection to node2 and one to node3", before)

@@ -199,6 +199,19 @@ func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 	}
 }
 
+// FlowState is the live state of conn as its last egress segment showed it (the sender's snd_nxt, its
+// rcv_nxt as the ACK number, TSval/TSecr): what a restorer needs about a peer. ok is false if no segment
+// of conn was seen.
+func (c *Capture) FlowState(conn netlog.Conn) (ebpfprobes.FlowState, bool, error) {
+	c.mu.Lock()
+	closed := c.closed
+	c.mu.Unlock()
+	if closed {
+		return ebpfprobes.FlowState{}, false, fmt.Errorf("capture: flow state: %w", netlog.ErrClosed)
+	}
+	return c.probe.FlowState(ebpfprobes.Flow{Src: conn.Src, Dst: conn.Dst})
+}
+
 // isPow2 rate-limits repeated error logs to counts 1, 2, 4, 8, ...
 func isPow2(n uint64) bool { return n != 0 && n&(n-1) == 0 }
 
