@@ -9,6 +9,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -125,7 +126,7 @@ func (a *Agent) refuseIfAlive(ctx context.Context, j Job) error {
 	if err != nil {
 		return nil // the node does not answer: that is the case manual restore is for
 	}
-	if contains(r.Jobs, j.ID) {
+	if slices.Contains(r.Jobs, j.ID) {
 		return fmt.Errorf("%w: job %s still runs on %s, which answers; stop it first, or force", ErrJobAlive, j.ID, j.Node)
 	}
 	return nil
@@ -191,7 +192,7 @@ func (a *Agent) fetch(ctx context.Context, job, id, source string) error {
 			candidates = append(candidates, p.Name)
 		}
 		for _, m := range a.cfg.Cluster.Members {
-			if m.Name != a.cfg.Name && !contains(candidates, m.Name) {
+			if m.Name != a.cfg.Name && !slices.Contains(candidates, m.Name) {
 				candidates = append(candidates, m.Name)
 			}
 		}

@@ -71,25 +71,15 @@ func (a *Agent) schedule(ctx context.Context) {
 		if len(due) == 0 {
 			continue
 		}
+		keys := due
 		if a.cfg.Checkpoint.Mode == SemiCoordinated {
-			due = nil // every running job of the host, frozen together
+			due, keys = nil, []string{""} // every running job of the host, frozen together
 		}
-		res, err := a.Checkpoint(ctx, due, 0)
-		if err != nil {
-			a.log.Warn("periodic snapshot failed", "err", err)
+		if _, err := a.Checkpoint(ctx, due, 0); err != nil {
+			a.log.Warn("periodic snapshot failed; retrying at the next interval", "err", err)
 		}
-		for _, r := range res {
-			if a.cfg.Checkpoint.Mode == SemiCoordinated {
-				last[""] = time.Now()
-			} else {
-				last[r.Manifest.Job] = time.Now()
-			}
-		}
-		// A failed job is retried at its next interval, not in a tight loop.
-		for _, id := range due {
-			if _, ok := last[id]; ok && now.Sub(last[id]) >= a.policyFor(id).Interval() {
-				last[id] = time.Now()
-			}
+		for _, k := range keys { // success or not: a failing job is not retried in a tight loop
+			last[k] = time.Now()
 		}
 	}
 }

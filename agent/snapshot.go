@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -38,8 +39,8 @@ type SnapshotResult struct {
 	ShipDuration time.Duration `json:"ship_duration_ns,omitempty"`
 }
 
-// Snapshot dumps one running job and keeps the job running (uncoordinated). If frozenCgroup is set, the
-// caller froze the job's cgroup (semi-coordinated) and CRIU dumps it frozen and leaves it frozen.
+// snapshot dumps one running job and keeps it running (uncoordinated). If frozen, the caller froze the
+// job's cgroup (semi-coordinated): CRIU dumps it frozen and leaves it frozen.
 func (a *Agent) snapshot(ctx context.Context, j Job, frozen bool) (*ckpt.Manifest, error) {
 	p, err := a.store.Begin(j.ID)
 	if err != nil {
@@ -155,10 +156,7 @@ func copyPrefix(src, dst string, n int64) error {
 // protector does not answer, the next node of the ring takes its place, so the ring re-forms around a
 // member that left.
 func (a *Agent) shipToProtector(ctx context.Context, m *ckpt.Manifest) (*ship.Sent, error) {
-	down := map[string]bool{}
-	for k, v := range a.downMembers() {
-		down[k] = v
-	}
+	down := map[string]bool{} // protectors that did not answer during this call
 	var errs []error
 	for {
 		prot, ok := a.cfg.Protector(a.cfg.Name, down)
@@ -196,15 +194,12 @@ func (a *Agent) shipTo(ctx context.Context, peer string, m *ckpt.Manifest) (*shi
 	return sent, nil
 }
 
-// downMembers are the members this agent currently believes failed (none until failure detection runs).
-func (a *Agent) downMembers() map[string]bool { return nil }
-
 // Checkpoint snapshots the given running jobs now (all of this host's if ids is empty), ships each
 // snapshot, and prunes old ones. In semi-coordinated mode all of them are frozen together first.
 func (a *Agent) Checkpoint(ctx context.Context, ids []string, uid uint32) ([]SnapshotResult, error) {
 	var jobs []Job
 	for _, j := range a.Jobs(uid) {
-		if j.State == JobRunning && (len(ids) == 0 || contains(ids, j.ID)) {
+		if j.State == JobRunning && (len(ids) == 0 || slices.Contains(ids, j.ID)) {
 			jobs = append(jobs, j)
 		}
 	}
@@ -250,15 +245,6 @@ func (a *Agent) Checkpoint(ctx context.Context, ids []string, uid uint32) ([]Sna
 		out = append(out, res)
 	}
 	return out, errors.Join(errs...)
-}
-
-func contains(list []string, s string) bool {
-	for _, v := range list {
-		if v == s {
-			return true
-		}
-	}
-	return false
 }
 
 // Snapshots lists the snapshots held on this host, newest first: its jobs' own and the replicas it keeps
