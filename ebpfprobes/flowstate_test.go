@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
+
+	"github.com/ftkit/ftkit/internal/streamtest"
 )
 
 func TestFlowStateHelpers(t *testing.T) {
@@ -393,8 +395,8 @@ func FuzzTimestampOption(f *testing.F) {
 	})
 }
 
-// TestFlowStateEndToEnd runs a real connection between two namespaces with
-// the logger on both veth ends: A sends N bytes in two phases with varied
+// TestFlowStateEndToEnd runs a real connection between two lab hosts with
+// the logger on both hosts' eth0: A sends N bytes in two phases with varied
 // writes, B only reads (its flow is pure ACKs). It checks the states of A->B
 // and B->A against the ISN from the SYN, the first logged record, and the
 // byte counts, then that FIN is recorded and the state kept.
@@ -403,15 +405,15 @@ func TestFlowStateEndToEnd(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 	defer cancel()
 	tn := newTestNet(t)
-	cg := newCgroup(t, "flowstate")
+	cg := streamtest.NewCgroupT(t, "flowstate")
 	l := newTestLogger(t, 16<<20)
-	if err := l.Protect(cg.id); err != nil {
+	if err := l.Protect(cg.ID); err != nil {
 		t.Fatal(err)
 	}
-	if err := withNS(tn.a, func() error { return l.Attach(tn.ifindexA) }); err != nil {
+	if err := tn.attach(l, hostA); err != nil {
 		t.Fatalf("Attach in a: %v", err)
 	}
-	if err := withNS(tn.b, func() error { return l.Attach(tn.ifindexB) }); err != nil {
+	if err := tn.attach(l, hostB); err != nil {
 		t.Fatalf("Attach in b: %v", err)
 	}
 
@@ -419,19 +421,19 @@ func TestFlowStateEndToEnd(t *testing.T) {
 	const seed = 42
 	phases := []int{3<<20 + 12345, 1<<20 + 777}
 	total := phases[0] + phases[1]
-	recv := startChild(t, tn.b, cg, "recv", fmt.Sprintf("FTKIT_ADDR=%s:%d", tn.ipB, port))
-	if got := recv.line(ctx, t); got != "ready" {
+	recv := streamtest.StartT(t, tn.lab, hostB, cg, "recv", fmt.Sprintf("FTKIT_ADDR=%s:%d", tn.ipB, port))
+	if got := recv.LineT(ctx, t); got != "ready" {
 		t.Fatalf("receiver said %q", got)
 	}
 	col := collect(ctx, l, 0)
-	send := startChild(t, tn.a, cg, "sendwait",
+	send := streamtest.StartT(t, tn.lab, hostA, cg, "sendwait",
 		fmt.Sprintf("FTKIT_ADDR=%s:%d", tn.ipB, port), fmt.Sprintf("FTKIT_SEED=%d", seed),
 		fmt.Sprintf("FTKIT_SIZES=%d,%d", phases[0], phases[1]))
 	var sport uint16
-	if _, err := fmt.Sscanf(send.line(ctx, t), "port %d", &sport); err != nil {
+	if _, err := fmt.Sscanf(send.LineT(ctx, t), "port %d", &sport); err != nil {
 		t.Fatal(err)
 	}
-	ab := Flow{Src: netip.AddrPortFrom(netip.AddrFrom4([4]byte(tn.ipA)), sport), Dst: netip.AddrPortFrom(netip.AddrFrom4([4]byte(tn.ipB)), port)}
+	ab := Flow{Src: netip.AddrPortFrom(tn.ipA, sport), Dst: netip.AddrPortFrom(tn.ipB, port)}
 	ba := Flow{Src: ab.Dst, Dst: ab.Src}
 
 	// settle waits until cond holds for both states and they stayed
@@ -471,7 +473,7 @@ func TestFlowStateEndToEnd(t *testing.T) {
 
 	var samples [2][2]FlowState // [phase][A->B, B->A]
 	for i, n := range []int{phases[0], total} {
-		if got := send.line(ctx, t); got != fmt.Sprintf("sent %d", n) {
+		if got := send.LineT(ctx, t); got != fmt.Sprintf("sent %d", n) {
 			t.Fatalf("sender said %q", got)
 		}
 		a, b := settle(fmt.Sprintf("phase %d: %d bytes sent and acked", i+1, n), sent(n))
@@ -499,7 +501,7 @@ func TestFlowStateEndToEnd(t *testing.T) {
 		}
 		if i == 0 {
 			time.Sleep(20 * time.Millisecond) // the TS clocks tick in ms: make them move
-			if _, err := fmt.Fprintln(send.stdin, "go"); err != nil {
+			if _, err := fmt.Fprintln(send.Stdin, "go"); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -517,13 +519,13 @@ func TestFlowStateEndToEnd(t *testing.T) {
 	}
 
 	// Close: A's FIN takes one sequence number; the state stays.
-	if _, err := fmt.Fprintln(send.stdin, "go"); err != nil {
+	if _, err := fmt.Fprintln(send.Stdin, "go"); err != nil {
 		t.Fatal(err)
 	}
-	if got := send.line(ctx, t); got != "closed" {
+	if got := send.LineT(ctx, t); got != "closed" {
 		t.Fatalf("sender said %q", got)
 	}
-	if got, want := recv.line(ctx, t), fmt.Sprintf("%d ", total); len(got) < len(want) || got[:len(want)] != want {
+	if got, want := recv.LineT(ctx, t), fmt.Sprintf("%d ", total); len(got) < len(want) || got[:len(want)] != want {
 		t.Fatalf("receiver got %q, want %d bytes", got, total)
 	}
 	a, b := settle("both FINs sent and acked", func(a, b FlowState) bool {

@@ -9,7 +9,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"hash"
 	"net/netip"
 	"os"
 	"slices"
@@ -18,9 +17,9 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
-)
 
-func newSHA() hash.Hash { return sha256.New() }
+	"github.com/ftkit/ftkit/internal/streamtest"
+)
 
 func TestNewTCPLoggerRejectsBadRingSize(t *testing.T) {
 	for _, size := range []int{100, 3 << 20, os.Getpagesize() / 2, 1 << 32} {
@@ -177,16 +176,16 @@ type scenario struct {
 	timeoutSec int
 }
 
-// TestTCPLoggerEndToEnd sends three flows from namespace a to namespace b
-// across a veth with the logger on a's egress: one from a protected cgroup,
+// TestTCPLoggerEndToEnd sends three flows from lab host a to host b with the
+// logger on a's eth0 egress: one from a protected cgroup,
 // one from an unprotected cgroup, and one from the unprotected cgroup whose
 // local port is protected. It rebuilds the logged flows from the records and
 // compares them with what was sent.
 func TestTCPLoggerEndToEnd(t *testing.T) {
 	requirePrivileges(t)
 	tn := newTestNet(t)
-	protected := newCgroup(t, "protected")
-	other := newCgroup(t, "other")
+	protected := streamtest.NewCgroupT(t, "protected")
+	other := streamtest.NewCgroupT(t, "other")
 
 	t.Run("lossless", func(t *testing.T) {
 		runScenario(t, tn, protected, other, scenario{
@@ -215,7 +214,7 @@ func TestTCPLoggerEndToEnd(t *testing.T) {
 	})
 }
 
-func runScenario(t *testing.T, tn *testNet, protected, other *testCgroup, sc scenario) {
+func runScenario(t *testing.T, tn *testNet, protected, other *streamtest.Cgroup, sc scenario) {
 	ctx, cancel := context.WithTimeout(t.Context(), time.Duration(sc.timeoutSec)*time.Second)
 	defer cancel()
 
@@ -231,25 +230,25 @@ func runScenario(t *testing.T, tn *testNet, protected, other *testCgroup, sc sce
 			t.Errorf("Close: %v", err)
 		}
 	})
-	if err := l.Protect(protected.id); err != nil {
+	if err := l.Protect(protected.ID); err != nil {
 		t.Fatal(err)
 	}
 	if err := l.ProtectPort(uint16(sc.localPort)); err != nil {
 		t.Fatal(err)
 	}
-	if err := withNS(tn.a, func() error { return l.Attach(tn.ifindexA) }); err != nil {
+	if err := tn.attach(l, hostA); err != nil {
 		t.Fatalf("Attach: %v", err)
 	}
 
 	type flow struct {
 		name   string
-		cg     *testCgroup
+		cg     *streamtest.Cgroup
 		size   int
 		seed   uint64
 		lport  int
 		logged bool
-		recv   *child
-		send   *child
+		recv   *streamtest.Child
+		send   *streamtest.Child
 		sport  uint16
 	}
 	flows := []*flow{
@@ -259,8 +258,8 @@ func runScenario(t *testing.T, tn *testNet, protected, other *testCgroup, sc sce
 	}
 	for i, f := range flows {
 		addr := fmt.Sprintf("FTKIT_ADDR=%s:%d", tn.ipB, sc.basePort+i)
-		f.recv = startChild(t, tn.b, nil, "recv", addr)
-		if l := f.recv.line(ctx, t); l != "ready" {
+		f.recv = streamtest.StartT(t, tn.lab, hostB, nil, "recv", addr)
+		if l := f.recv.LineT(ctx, t); l != "ready" {
 			t.Fatalf("receiver %s said %q", f.name, l)
 		}
 	}
@@ -276,17 +275,19 @@ func runScenario(t *testing.T, tn *testNet, protected, other *testCgroup, sc sce
 		if f.lport != 0 {
 			env = append(env, fmt.Sprintf("FTKIT_LPORT=%d", f.lport))
 		}
-		f.send = startChild(t, tn.a, f.cg, "send", env...)
+		f.send = streamtest.StartT(t, tn.lab, hostA, f.cg, "send", env...)
 	}
 	for _, f := range flows {
-		if _, err := fmt.Sscanf(f.send.line(ctx, t), "port %d", &f.sport); err != nil {
+		src, _, err := streamtest.ParseConnLine(f.send.LineT(ctx, t))
+		if err != nil {
 			t.Fatalf("sender %s: %v", f.name, err)
 		}
+		f.sport = src.Port()
 	}
 	var total int
 	for _, f := range flows {
-		want := fmt.Sprintf("%d %x", f.size, sha256.Sum256(testStream(f.seed, f.size)))
-		if got := f.recv.line(ctx, t); got != want {
+		want := fmt.Sprintf("%d %x", f.size, sha256.Sum256(streamtest.Stream(f.seed, f.size)))
+		if got := f.recv.LineT(ctx, t); got != want {
 			t.Fatalf("receiver of %s got %q, want %q", f.name, got, want)
 		}
 		total += f.size
@@ -319,17 +320,17 @@ func runScenario(t *testing.T, tn *testNet, protected, other *testCgroup, sc sce
 			t.Errorf("%s flow: %v", f.name, err)
 			continue
 		}
-		want := testStream(f.seed, f.size)
+		want := streamtest.Stream(f.seed, f.size)
 		if len(data) != len(want) || sha256.Sum256(data) != sha256.Sum256(want) {
 			t.Errorf("%s flow: reassembled %d bytes (sha256 %x), sent %d (sha256 %x)",
 				f.name, len(data), sha256.Sum256(data), len(want), sha256.Sum256(want))
 		}
 		for _, r := range recs {
-			if r.cgroupID != f.cg.id {
-				t.Errorf("%s flow: record has cgroup id %d, want %d", f.name, r.cgroupID, f.cg.id)
+			if r.cgroupID != f.cg.ID {
+				t.Errorf("%s flow: record has cgroup id %d, want %d", f.name, r.cgroupID, f.cg.ID)
 				break
 			}
-			if r.saddr.As4() != [4]byte(tn.ipA) || r.daddr.As4() != [4]byte(tn.ipB) || r.ktime == 0 {
+			if r.saddr != tn.ipA || r.daddr != tn.ipB || r.ktime == 0 {
 				t.Errorf("%s flow: bad record header %+v", f.name, r)
 				break
 			}

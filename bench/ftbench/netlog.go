@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -11,105 +10,96 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/ftkit/ftkit/internal/streamtest"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/netlog/capture"
 )
 
-// netlogRoleEnv makes a re-executed ftbench run one side of benchNetlog's
-// traffic instead of the benchmarks: the sender must be a process of its own
-// so that it can be born in the protected cgroup, as a job is.
-const netlogRoleEnv = "FTBENCH_NETLOG_ROLE"
-
+// A re-executed ftbench runs one side of benchNetlog's traffic instead of the
+// benchmarks (streamtest.Start, streamtest.ChildMain): the sender must be a
+// process of its own so that it can be born in the protected cgroup, as a job
+// is. No watchdog: a bulk run may take minutes.
 func init() {
-	if role := os.Getenv(netlogRoleEnv); role != "" {
-		if err := runNetlogChild(role); err != nil {
-			fmt.Fprintf(os.Stderr, "ftbench netlog %s: %v\n", role, err)
-			os.Exit(1)
+	streamtest.ChildMain(map[string]func() error{"bulkrecv": bulkRecv, "bulksend": bulkSend}, 0)
+}
+
+// bulkRecv is the bulkrecv role: listen on FTBENCH_ADDR, print "ready"; for
+// each connection in turn read to EOF and print "<bytes> <ns from first byte
+// to EOF>". It hashes nothing, unlike streamtest's recv, to cost the job
+// only what receiving costs.
+func bulkRecv() error {
+	addr := os.Getenv("FTBENCH_ADDR")
+	ln, err := net.Listen("tcp4", addr)
+	if err != nil {
+		return err
+	}
+	fmt.Println("ready")
+	buf := make([]byte, 1<<20)
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			return err
 		}
-		os.Exit(0)
+		n, err := c.Read(buf)
+		start := time.Now()
+		total := int64(n)
+		for err == nil {
+			n, err = c.Read(buf)
+			total += int64(n)
+		}
+		elapsed := time.Since(start)
+		c.Close()
+		if !errors.Is(err, io.EOF) {
+			return err
+		}
+		fmt.Printf("%d %d\n", total, elapsed.Nanoseconds())
 	}
 }
 
-// runNetlogChild runs a traffic role configured by environment variables.
-//
-//	recv: listen on FTBENCH_ADDR, print "ready"; for each connection in turn
-//	      read to EOF and print "<bytes> <ns from first byte to EOF>".
-//	send: connect to FTBENCH_ADDR and send FTBENCH_BYTES bytes of
-//	      pseudo-random data in writes of FTBENCH_WRITE bytes (TCP_NODELAY
-//	      on, Go's default), then close.
-func runNetlogChild(role string) error {
+// bulkSend is the bulksend role: connect to FTBENCH_ADDR and send
+// FTBENCH_BYTES bytes of pseudo-random data in writes of FTBENCH_WRITE bytes
+// (TCP_NODELAY on, Go's default), then close.
+func bulkSend() error {
 	addr := os.Getenv("FTBENCH_ADDR")
-	switch role {
-	case "recv":
-		ln, err := net.Listen("tcp4", addr)
-		if err != nil {
-			return err
-		}
-		fmt.Println("ready")
-		buf := make([]byte, 1<<20)
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return err
-			}
-			n, err := c.Read(buf)
-			start := time.Now()
-			total := int64(n)
-			for err == nil {
-				n, err = c.Read(buf)
-				total += int64(n)
-			}
-			elapsed := time.Since(start)
-			c.Close()
-			if !errors.Is(err, io.EOF) {
-				return err
-			}
-			fmt.Printf("%d %d\n", total, elapsed.Nanoseconds())
-		}
-	case "send":
-		total, err := strconv.ParseInt(os.Getenv("FTBENCH_BYTES"), 10, 64)
-		if err != nil {
-			return fmt.Errorf("FTBENCH_BYTES: %w", err)
-		}
-		wsize, err := strconv.Atoi(os.Getenv("FTBENCH_WRITE"))
-		if err != nil || wsize <= 0 {
-			return fmt.Errorf("FTBENCH_WRITE %q: must be a positive number of bytes", os.Getenv("FTBENCH_WRITE"))
-		}
-		data := make([]byte, max(wsize, 1<<20))
-		_, _ = rand.NewChaCha8([32]byte{1}).Read(data)
-		c, err := net.Dial("tcp4", addr)
-		if err != nil {
-			return err
-		}
-		if err := c.(*net.TCPConn).SetNoDelay(true); err != nil {
-			return err
-		}
-		for sent, off := int64(0), 0; sent < total; {
-			n := int(min(int64(wsize), total-sent))
-			if off+n > len(data) {
-				off = 0
-			}
-			if _, err := c.Write(data[off : off+n]); err != nil {
-				return err
-			}
-			sent += int64(n)
-			off += n
-		}
-		return c.Close()
+	total, err := strconv.ParseInt(os.Getenv("FTBENCH_BYTES"), 10, 64)
+	if err != nil {
+		return fmt.Errorf("FTBENCH_BYTES: %w", err)
 	}
-	return fmt.Errorf("unknown role %q", role)
+	wsize, err := strconv.Atoi(os.Getenv("FTBENCH_WRITE"))
+	if err != nil || wsize <= 0 {
+		return fmt.Errorf("FTBENCH_WRITE %q: must be a positive number of bytes", os.Getenv("FTBENCH_WRITE"))
+	}
+	data := make([]byte, max(wsize, 1<<20))
+	_, _ = rand.NewChaCha8([32]byte{1}).Read(data)
+	c, err := net.Dial("tcp4", addr)
+	if err != nil {
+		return err
+	}
+	if err := c.(*net.TCPConn).SetNoDelay(true); err != nil {
+		return err
+	}
+	for sent, off := int64(0), 0; sent < total; {
+		n := int(min(int64(wsize), total-sent))
+		if off+n > len(data) {
+			off = 0
+		}
+		if _, err := c.Write(data[off : off+n]); err != nil {
+			return err
+		}
+		sent += int64(n)
+		off += n
+	}
+	return c.Close()
 }
 
 // netlogLink is one link setting of the bulk benchmark.
@@ -264,31 +254,23 @@ func round2(v float64) float64 { return float64(int64(v*100+0.5)) / 100 }
 type netlogBench struct {
 	log      *slog.Logger
 	lab      *lab.Lab
-	exe      string
 	dst      netip.AddrPort
-	sendCg   string
-	recvCg   string
-	sendFD   int
-	recvFD   int
-	recv     *exec.Cmd
-	recvOut  chan string
+	sendCg   *streamtest.Cgroup
+	recvCg   *streamtest.Cgroup
+	recv     *streamtest.Child
 	cleanups []func()
 }
 
 func newNetlogBench(ctx context.Context, log *slog.Logger) (b *netlogBench, err error) {
-	exe, err := os.Executable()
-	if err != nil {
-		return nil, err
-	}
-	cgRoot, err := cgroup2Root()
-	if err != nil {
-		return nil, err
+	// Fail before building the lab: the capture filters by cgroup v2.
+	if _, err := streamtest.Cgroup2Mount(); err != nil {
+		return nil, fmt.Errorf("netlog bench: %w", err)
 	}
 	l, err := lab.Up(ctx, lab.Config{ID: "fbnetlog", Nodes: 2, Subnet: netip.MustParsePrefix("10.247.0.0/24")}, lab.Options{Logger: log})
 	if err != nil {
 		return nil, err
 	}
-	b = &netlogBench{log: log, lab: l, exe: exe, sendFD: -1, recvFD: -1}
+	b = &netlogBench{log: log, lab: l}
 	b.cleanups = append(b.cleanups, func() {
 		if err := l.Down(context.WithoutCancel(ctx)); err != nil {
 			log.Error("netlog bench: lab down", "err", err)
@@ -305,76 +287,46 @@ func newNetlogBench(ctx context.Context, log *slog.Logger) (b *netlogBench, err 
 	}
 	b.dst = netip.AddrPortFrom(h2.Addr.Addr(), 5201)
 	for _, cg := range []struct {
-		dir *string
-		fd  *int
+		cg  **streamtest.Cgroup
 		suf string
-	}{{&b.sendCg, &b.sendFD, "send"}, {&b.recvCg, &b.recvFD, "recv"}} {
-		dir := filepath.Join(cgRoot, fmt.Sprintf("ftbench-netlog-%d-%s", os.Getpid(), cg.suf))
-		if err := os.Mkdir(dir, 0o755); err != nil {
-			return nil, fmt.Errorf("create cgroup: %w", err)
-		}
-		// Lab down removes it too (after killing the lab's processes) should this process die first.
-		if err := l.AddCleanup(dir); err != nil {
-			_ = unix.Rmdir(dir)
+	}{{&b.sendCg, "send"}, {&b.recvCg, "recv"}} {
+		c, err := streamtest.NewCgroup(fmt.Sprintf("ftbench-netlog-%d-%s", os.Getpid(), cg.suf))
+		if err != nil {
 			return nil, err
 		}
-		*cg.dir = dir
-		fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-		if err != nil {
-			return nil, fmt.Errorf("open cgroup %s: %w", dir, err)
+		// Lab down removes it too (after killing the lab's processes) should this process die first.
+		if err := l.AddCleanup(c.Dir); err != nil {
+			return nil, errors.Join(err, c.Close())
 		}
-		*cg.fd = fd
-		b.cleanups = append(b.cleanups, func() { unix.Close(fd) })
+		*cg.cg = c
+		b.cleanups = append(b.cleanups, func() {
+			if err := c.Close(); err != nil {
+				log.Error("netlog bench: cgroup cleanup (lab down removes it too)", "err", err)
+			}
+		})
 	}
 
-	b.recv = exec.Command(exe)
-	b.recv.Env = append(os.Environ(), netlogRoleEnv+"=recv", "FTBENCH_ADDR="+b.dst.String())
-	b.recv.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: b.recvFD}
-	b.recv.Stderr = os.Stderr
-	out, err := b.recv.StdoutPipe()
+	b.recv, err = streamtest.Start(l, "node2", b.recvCg, "bulkrecv", "FTBENCH_ADDR="+b.dst.String())
 	if err != nil {
 		return nil, err
 	}
-	if err := l.Start("node2", b.recv); err != nil {
-		return nil, fmt.Errorf("start receiver on node2: %w", err)
-	}
-	// Runs before the lab goes down (LIFO), so the cgroup is empty when removed.
-	b.cleanups = append(b.cleanups, func() { _ = b.recv.Process.Kill(); _ = b.recv.Wait() })
-	b.recvOut = make(chan string, 4)
-	go func() {
-		sc := bufio.NewScanner(out)
-		for sc.Scan() {
-			b.recvOut <- sc.Text()
-		}
-		close(b.recvOut)
-	}()
-	if line, err := b.recvLine(ctx, 10*time.Second); err != nil || line != "ready" {
+	// Runs before the cgroups and the lab go (LIFO), so the cgroup is empty when removed.
+	b.cleanups = append(b.cleanups, b.recv.Stop)
+	lctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if line, err := b.recv.Line(lctx); err != nil || line != "ready" {
 		return nil, fmt.Errorf("receiver on node2 said %q: %w", line, err)
 	}
 	return b, nil
 }
 
-// close frees everything in reverse order of creation: receiver, cgroup fds,
-// then the lab (which removes the cgroups).
+// close frees everything in reverse order of creation: receiver, cgroups,
+// then the lab.
 func (b *netlogBench) close() {
 	for i := len(b.cleanups) - 1; i >= 0; i-- {
 		b.cleanups[i]()
 	}
 	b.cleanups = nil
-}
-
-func (b *netlogBench) recvLine(ctx context.Context, timeout time.Duration) (string, error) {
-	select {
-	case l, ok := <-b.recvOut:
-		if !ok {
-			return "", errors.New("receiver exited")
-		}
-		return l, nil
-	case <-time.After(timeout):
-		return "", fmt.Errorf("no word from the receiver in %v", timeout)
-	case <-ctx.Done():
-		return "", ctx.Err()
-	}
 }
 
 // shape puts a tbf qdisc of rate bit/s on node1's eth0 (nothing for 0) and
@@ -445,7 +397,7 @@ func (b *netlogBench) run(ctx context.Context, logging bool, total int64, wsize 
 				err = cerr
 			}
 		}()
-		if err := c.ProtectCgroup(b.sendCg); err != nil {
+		if err := c.ProtectCgroup(b.sendCg.Dir); err != nil {
 			return r, err
 		}
 		stopTrim = trimLoop(c.Log(), 50*time.Millisecond)
@@ -456,18 +408,21 @@ func (b *netlogBench) run(ctx context.Context, logging bool, total int64, wsize 
 	if err != nil {
 		return r, err
 	}
-	send := exec.Command(b.exe)
-	send.Env = append(os.Environ(), netlogRoleEnv+"=send", "FTBENCH_ADDR="+b.dst.String(),
+	send, err := streamtest.Start(b.lab, "node1", b.sendCg, "bulksend", "FTBENCH_ADDR="+b.dst.String(),
 		fmt.Sprintf("FTBENCH_BYTES=%d", total), fmt.Sprintf("FTBENCH_WRITE=%d", wsize))
-	send.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: b.sendFD}
-	send.Stderr = os.Stderr
-	if err := b.lab.Start("node1", send); err != nil {
-		return r, fmt.Errorf("start sender on node1: %w", err)
+	if err != nil {
+		return r, err
 	}
-	line, lerr := b.recvLine(ctx, 5*time.Minute)
+	defer send.Stop()
+	lctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
+	line, lerr := b.recv.Line(lctx)
+	cancel()
+	if lerr != nil {
+		send.Stop() // a sender stuck without a receiver would never exit
+	}
 	werr := send.Wait()
 	if lerr != nil || werr != nil {
-		return r, fmt.Errorf("transfer of %d bytes: receiver: %v, sender: %v", total, lerr, werr)
+		return r, fmt.Errorf("transfer of %d bytes: receiver: %v, sender: %v (stderr: %q)", total, lerr, werr, send.Stderr.String())
 	}
 	if _, err := fmt.Sscanf(line, "%d %d", &r.bytes, &r.ns); err != nil || r.bytes != total || r.ns <= 0 {
 		return r, fmt.Errorf("receiver reported %q after %d bytes were sent", line, total)
@@ -529,7 +484,7 @@ type cpuSnap struct{ job, self, system float64 } // seconds
 
 func (b *netlogBench) cpuSnapshot() (cpuSnap, error) {
 	var s cpuSnap
-	for _, dir := range []string{b.sendCg, b.recvCg} {
+	for _, dir := range []string{b.sendCg.Dir, b.recvCg.Dir} {
 		v, err := cgroupUsage(dir)
 		if err != nil {
 			return s, err
@@ -583,17 +538,4 @@ func procStatBusy() (float64, error) {
 		ticks += v
 	}
 	return float64(ticks) / 100, nil // USER_HZ is 100 on Linux
-}
-
-func cgroup2Root() (string, error) {
-	raw, err := os.ReadFile("/proc/self/mounts")
-	if err != nil {
-		return "", err
-	}
-	for line := range strings.Lines(string(raw)) {
-		if f := strings.Fields(line); len(f) > 2 && f[2] == "cgroup2" {
-			return f[1], nil
-		}
-	}
-	return "", errors.New("no cgroup2 hierarchy is mounted: the capture filters by cgroup v2 (mount one, e.g. at /sys/fs/cgroup/unified)")
 }

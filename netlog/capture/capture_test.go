@@ -19,6 +19,7 @@ import (
 
 	"github.com/cilium/ebpf"
 
+	"github.com/ftkit/ftkit/internal/streamtest"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labtest"
 	"github.com/ftkit/ftkit/netlog"
@@ -36,7 +37,7 @@ func TestIsPow2(t *testing.T) {
 }
 
 func TestCgroupID(t *testing.T) {
-	root := cgroup2Mount(t)
+	root := streamtest.Cgroup2MountT(t)
 	var st syscall.Stat_t
 	if err := syscall.Stat(root, &st); err != nil {
 		t.Fatal(err)
@@ -107,20 +108,15 @@ func hostAddr(t *testing.T, l *lab.Lab, host string, port uint16) netip.AddrPort
 
 // startSender starts a sender on node1 in cg and returns it with the
 // connection it opened and the sequence number of its first byte.
-func startSender(ctx context.Context, t *testing.T, l *lab.Lab, cg *testCgroup, dst netip.AddrPort, seed uint64, size int) (*child, netlog.Conn, uint32) {
+func startSender(ctx context.Context, t *testing.T, l *lab.Lab, cg *streamtest.Cgroup, dst netip.AddrPort, seed uint64, size int) (*streamtest.Child, netlog.Conn, uint32) {
 	t.Helper()
-	s := startChild(t, l, "node1", cg, "send", "FTKIT_ADDR="+dst.String(),
+	s := streamtest.StartT(t, l, "node1", cg, "send", "FTKIT_ADDR="+dst.String(),
 		fmt.Sprintf("FTKIT_SEED=%d", seed), fmt.Sprintf("FTKIT_SIZE=%d", size))
-	var src string
-	var seq uint32
-	if _, err := fmt.Sscanf(s.line(ctx, t), "conn %s %d", &src, &seq); err != nil {
+	src, seq, err := streamtest.ParseConnLine(s.LineT(ctx, t))
+	if err != nil {
 		t.Fatalf("sender to %v: %v", dst, err)
 	}
-	ap, err := netip.ParseAddrPort(src)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return s, netlog.Conn{Src: ap, Dst: dst}, seq
+	return s, netlog.Conn{Src: src, Dst: dst}, seq
 }
 
 // waitLogged waits until the log holds every byte of conn below abs end.
@@ -143,10 +139,10 @@ func waitLogged(ctx context.Context, t *testing.T, lg *netlog.Log, conn netlog.C
 }
 
 // expectReceived waits for a receiver's final line and compares it with data.
-func expectReceived(ctx context.Context, t *testing.T, r *child, data []byte) {
+func expectReceived(ctx context.Context, t *testing.T, r *streamtest.Child, data []byte) {
 	t.Helper()
 	want := fmt.Sprintf("%d %x", len(data), sha256.Sum256(data))
-	if got := r.line(ctx, t); got != want {
+	if got := r.LineT(ctx, t); got != want {
 		t.Fatalf("receiver got %q, want %q", got, want)
 	}
 }
@@ -168,8 +164,8 @@ type variant struct {
 // unprotected cgroup streams to node3, then checks the log byte for byte.
 func TestCaptureEndToEnd(t *testing.T) {
 	l := labtest.New(t, 3, 0)
-	protected := newCgroup(t, "protected")
-	other := newCgroup(t, "other")
+	protected := streamtest.NewCgroupT(t, "protected")
+	other := streamtest.NewCgroupT(t, "other")
 
 	t.Run("api", func(t *testing.T) { testAPI(t, l, protected, other) })
 	for _, v := range []variant{
@@ -187,7 +183,7 @@ func TestCaptureEndToEnd(t *testing.T) {
 	t.Run("trim", func(t *testing.T) { testTrim(t, l, protected) })
 }
 
-func testFidelity(t *testing.T, l *lab.Lab, protected, other *testCgroup, v variant) {
+func testFidelity(t *testing.T, l *lab.Lab, protected, other *streamtest.Cgroup, v variant) {
 	ctx, cancel := context.WithTimeout(t.Context(), 60*time.Second)
 	defer cancel()
 	opts := Options{Interface: "eth0", RingBufferSize: v.ring, Logger: testLogger(t)}
@@ -195,7 +191,7 @@ func testFidelity(t *testing.T, l *lab.Lab, protected, other *testCgroup, v vari
 		opts.afterRecord = func() { time.Sleep(v.delay) }
 	}
 	c := newCapture(t, l, opts)
-	if err := c.ProtectCgroup(protected.path); err != nil {
+	if err := c.ProtectCgroup(protected.Dir); err != nil {
 		t.Fatal(err)
 	}
 	if v.lossPerK > 0 {
@@ -204,19 +200,19 @@ func testFidelity(t *testing.T, l *lab.Lab, protected, other *testCgroup, v vari
 
 	dst := hostAddr(t, l, "node2", v.port)
 	sideDst := hostAddr(t, l, "node3", v.port)
-	recv := startChild(t, l, "node2", nil, "recv", "FTKIT_ADDR="+dst.String())
-	sideRecv := startChild(t, l, "node3", nil, "recv", "FTKIT_ADDR="+sideDst.String())
-	for _, r := range []*child{recv, sideRecv} {
-		if got := r.line(ctx, t); got != "ready" {
+	recv := streamtest.StartT(t, l, "node2", nil, "recv", "FTKIT_ADDR="+dst.String())
+	sideRecv := streamtest.StartT(t, l, "node3", nil, "recv", "FTKIT_ADDR="+sideDst.String())
+	for _, r := range []*streamtest.Child{recv, sideRecv} {
+		if got := r.LineT(ctx, t); got != "ready" {
 			t.Fatalf("receiver said %q", got)
 		}
 	}
 	start := time.Now()
 	_, conn, seq0 := startSender(ctx, t, l, protected, dst, v.seed*10, v.size)
 	_, sideConn, _ := startSender(ctx, t, l, other, sideDst, v.seed*10+1, v.side)
-	data := testStream(v.seed*10, v.size)
+	data := streamtest.Stream(v.seed*10, v.size)
 	expectReceived(ctx, t, recv, data)
-	expectReceived(ctx, t, sideRecv, testStream(v.seed*10+1, v.side))
+	expectReceived(ctx, t, sideRecv, streamtest.Stream(v.seed*10+1, v.side))
 	elapsed := time.Since(start)
 
 	lg := c.Log()
@@ -288,23 +284,23 @@ func testFidelity(t *testing.T, l *lab.Lab, protected, other *testCgroup, v vari
 // testTrim checks garbage collection: once the receiver has read up to byte
 // n, trimming the log at that byte's sequence number frees the memory below
 // it and makes it unreadable, while everything above stays intact.
-func testTrim(t *testing.T, l *lab.Lab, protected *testCgroup) {
+func testTrim(t *testing.T, l *lab.Lab, protected *streamtest.Cgroup) {
 	ctx, cancel := context.WithTimeout(t.Context(), 60*time.Second)
 	defer cancel()
 	const size, n, slab = 24 << 20, 10<<20 + 12345, 1 << 20
 	c := newCapture(t, l, Options{Interface: "eth0", RingBufferSize: 8 << 20, Logger: testLogger(t),
 		Log: netlog.Options{SlabSize: slab, PoolSlabs: -1}}) // no pool: freed slabs leave MemoryBytes
-	if err := c.ProtectCgroup(protected.path); err != nil {
+	if err := c.ProtectCgroup(protected.Dir); err != nil {
 		t.Fatal(err)
 	}
 	dst := hostAddr(t, l, "node2", 6031)
-	recv := startChild(t, l, "node2", nil, "recv", "FTKIT_ADDR="+dst.String(), fmt.Sprintf("FTKIT_PAUSE_AT=%d", n))
-	if got := recv.line(ctx, t); got != "ready" {
+	recv := streamtest.StartT(t, l, "node2", nil, "recv", "FTKIT_ADDR="+dst.String(), fmt.Sprintf("FTKIT_PAUSE_AT=%d", n))
+	if got := recv.LineT(ctx, t); got != "ready" {
 		t.Fatalf("receiver said %q", got)
 	}
 	_, conn, seq0 := startSender(ctx, t, l, protected, dst, 40, size)
-	data := testStream(40, size)
-	if got := recv.line(ctx, t); got != fmt.Sprintf("read %d", n) {
+	data := streamtest.Stream(40, size)
+	if got := recv.LineT(ctx, t); got != fmt.Sprintf("read %d", n) {
 		t.Fatalf("receiver said %q", got)
 	}
 	lg := c.Log()
@@ -360,7 +356,7 @@ func testTrim(t *testing.T, l *lab.Lab, protected *testCgroup) {
 	}
 
 	// Let the receiver read the rest: the log above n is the rest of the stream.
-	if _, err := fmt.Fprintln(recv.stdin); err != nil {
+	if _, err := fmt.Fprintln(recv.Stdin); err != nil {
 		t.Fatal(err)
 	}
 	expectReceived(ctx, t, recv, data)
@@ -370,7 +366,7 @@ func testTrim(t *testing.T, l *lab.Lab, protected *testCgroup) {
 	}
 }
 
-func testAPI(t *testing.T, l *lab.Lab, protected, other *testCgroup) {
+func testAPI(t *testing.T, l *lab.Lab, protected, other *streamtest.Cgroup) {
 	for _, tc := range []struct {
 		name    string
 		opts    Options
@@ -394,7 +390,7 @@ func testAPI(t *testing.T, l *lab.Lab, protected, other *testCgroup) {
 	}
 
 	c := newCapture(t, l, Options{Interface: "eth0", RingBufferSize: 64 << 10, Logger: testLogger(t)})
-	for _, dir := range []string{t.TempDir(), filepath.Join(protected.path, "cgroup.procs"), filepath.Join(protected.path, "nope")} {
+	for _, dir := range []string{t.TempDir(), filepath.Join(protected.Dir, "cgroup.procs"), filepath.Join(protected.Dir, "nope")} {
 		if err := c.ProtectCgroup(dir); err == nil {
 			t.Errorf("ProtectCgroup(%s) succeeded", dir)
 		}
@@ -404,12 +400,12 @@ func testAPI(t *testing.T, l *lab.Lab, protected, other *testCgroup) {
 		do        func() error
 		protected int
 	}{
-		{"protect", func() error { return c.ProtectCgroup(protected.path) }, 1},
-		{"protect again, path not clean", func() error { return c.ProtectCgroup(protected.path + "/") }, 1},
-		{"protect other", func() error { return c.ProtectCgroup(other.path) }, 2},
-		{"unprotect", func() error { return c.UnprotectCgroup(protected.path) }, 1},
-		{"unprotect twice", func() error { return c.UnprotectCgroup(protected.path) }, 1},
-		{"unprotect other", func() error { return c.UnprotectCgroup(other.path) }, 0},
+		{"protect", func() error { return c.ProtectCgroup(protected.Dir) }, 1},
+		{"protect again, path not clean", func() error { return c.ProtectCgroup(protected.Dir + "/") }, 1},
+		{"protect other", func() error { return c.ProtectCgroup(other.Dir) }, 2},
+		{"unprotect", func() error { return c.UnprotectCgroup(protected.Dir) }, 1},
+		{"unprotect twice", func() error { return c.UnprotectCgroup(protected.Dir) }, 1},
+		{"unprotect other", func() error { return c.UnprotectCgroup(other.Dir) }, 0},
 	}
 	for _, s := range steps {
 		if err := s.do(); err != nil {
@@ -452,7 +448,7 @@ func testAPI(t *testing.T, l *lab.Lab, protected, other *testCgroup) {
 	if _, err := c.Counters(); !errors.Is(err, netlog.ErrClosed) {
 		t.Errorf("Counters after Close: %v, want ErrClosed", err)
 	}
-	if err := c.ProtectCgroup(protected.path); !errors.Is(err, netlog.ErrClosed) {
+	if err := c.ProtectCgroup(protected.Dir); !errors.Is(err, netlog.ErrClosed) {
 		t.Errorf("ProtectCgroup after Close: %v, want ErrClosed", err)
 	}
 	if _, err := c.Log().Range(netlog.Conn{}, 0, 1); !errors.Is(err, netlog.ErrClosed) {
