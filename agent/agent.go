@@ -197,15 +197,8 @@ func (a *Agent) Job(id string, uid uint32) (Job, <-chan struct{}, error) {
 // watchJobs notices jobs that end: the shim writes the exit record; a job whose process is gone without
 // one is lost (its shim was killed too).
 func (a *Agent) watchJobs(ctx context.Context) {
-	tick := time.NewTicker(200 * time.Millisecond)
-	defer tick.Stop()
 	gone := map[string]time.Time{}
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-tick.C:
-		}
+	every(ctx, 200*time.Millisecond, func() {
 		a.mu.Lock()
 		var running []*Job
 		for _, j := range a.byID {
@@ -232,7 +225,7 @@ func (a *Agent) watchJobs(ctx context.Context) {
 				}
 			}
 		}
-	}
+	})
 }
 
 func (a *Agent) finish(j *Job, state JobState, st *ExitStatus) {

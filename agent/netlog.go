@@ -283,14 +283,7 @@ func (a *Agent) controlLog(ctx context.Context) {
 	if a.netlog == nil {
 		return
 	}
-	tick := time.NewTicker(250 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-tick.C:
-		}
+	every(ctx, 250*time.Millisecond, func() {
 		l := a.netlog.cap.Log()
 		now := time.Now()
 		bytesBy := map[string]int64{}
@@ -332,7 +325,7 @@ func (a *Agent) controlLog(ctx context.Context) {
 				a.log.Info("log controller", "event", e.Kind, "node", e.Node, "bytes", e.Bytes, "memory", e.Memory)
 			}
 		}
-	}
+	})
 }
 
 // requestSnapshot asks member node to snapshot its jobs now, so that this node can trim its log.

@@ -42,14 +42,7 @@ func (a *Agent) policyFor(jobID string) *interval.Policy {
 // its start); in semi-coordinated mode all jobs at once on the host's interval.
 func (a *Agent) schedule(ctx context.Context) {
 	last := map[string]time.Time{}
-	tick := time.NewTicker(100 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-tick.C:
-		}
+	every(ctx, 100*time.Millisecond, func() {
 		var due []string
 		now := time.Now()
 		for _, j := range a.Jobs(0) {
@@ -69,7 +62,7 @@ func (a *Agent) schedule(ctx context.Context) {
 			}
 		}
 		if len(due) == 0 {
-			continue
+			return
 		}
 		keys := due
 		if a.cfg.Checkpoint.Mode == SemiCoordinated {
@@ -81,7 +74,7 @@ func (a *Agent) schedule(ctx context.Context) {
 		for _, k := range keys { // success or not: a failing job is not retried in a tight loop
 			last[k] = time.Now()
 		}
-	}
+	})
 }
 
 // semiCoordinated freezes every job's cgroup, dumps them all while frozen, and thaws them: one
@@ -144,5 +137,19 @@ func waitFrozen(ctx context.Context, cgroup string) error {
 			return fmt.Errorf("cgroup %s did not freeze: %w", cgroup, ctx.Err())
 		case <-time.After(2 * time.Millisecond):
 		}
+	}
+}
+
+// every runs fn each period until ctx ends: the shape of the agent's background loops.
+func every(ctx context.Context, period time.Duration, fn func()) {
+	tick := time.NewTicker(period)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		fn()
 	}
 }
