@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -16,6 +17,8 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/interval"
 	"github.com/ftkit/ftkit/criu"
+	"github.com/ftkit/ftkit/detect"
+	"github.com/ftkit/ftkit/spare"
 )
 
 // Agent protects the jobs of one host.
@@ -37,6 +40,12 @@ type Agent struct {
 	ckptMu sync.Mutex // one checkpoint (or host-wide freeze) at a time
 
 	netlog *logState // nil when the sender-side log is disabled
+
+	members  membership       // the cluster view: ring, spares, who holds which address
+	busy     atomic.Value     // string: the long operation in progress, carried by heartbeats
+	watchdog *detect.Watchdog // over this node's predecessor in the ring
+	failures *failureLog      // timelines of the failures this agent knows of
+	claims   *spare.Holder    // this host's claim state while it is a spare
 }
 
 // New checks the host (root, CRIU 4.2 or newer, cgroup v2) and prepares the agent's directories.
@@ -69,6 +78,16 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 	if _, err := os.Stat(filepath.Join(cfg.CgroupParent, "cgroup.controllers")); err != nil {
 		return nil, fmt.Errorf("cgroup_parent %s is not in a cgroup v2 hierarchy: %w", cfg.CgroupParent, err)
 	}
+	if err := a.loadView(); err != nil {
+		return nil, err
+	}
+	if a.failures, err = openFailureLog(cfg.StateDir); err != nil {
+		return nil, fmt.Errorf("failure timelines in %s: %w", cfg.StateDir, err)
+	}
+	if a.claims, err = spare.OpenHolder(filepath.Join(cfg.StateDir, "claim.json")); err != nil {
+		return nil, err
+	}
+	a.watchdog = detect.NewWatchdog(detect.Config{Timeout: cfg.Heartbeat.Timeout.Duration, BusyGrace: cfg.Heartbeat.BusyGrace.Duration})
 	a.store, err = ckpt.Open(filepath.Join(cfg.StateDir, "snapshots"), ckpt.Options{Node: cfg.Name, Logger: a.log})
 	if err != nil {
 		return nil, err
@@ -271,6 +290,9 @@ func (a *Agent) Run(ctx context.Context) error {
 	go a.watchJobs(ctx)
 	go a.schedule(ctx)
 	go a.controlLog(ctx)
+	go a.sendBeats(ctx)
+	go a.watchPredecessor(ctx)
+	go a.pushView(ctx) // a restarted agent learns what changed while it was away
 	if a.netlog != nil {
 		defer a.netlog.cap.Close()
 	}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/internal/version"
+	"github.com/ftkit/ftkit/ring"
 )
 
 // The local API is HTTP/JSON on a unix socket. Callers are identified by SO_PEERCRED, never by anything
@@ -49,26 +50,30 @@ func callerOf(r *http.Request) *unix.Ucred {
 
 // Status is what GET /v1/status returns.
 type Status struct {
-	Node      string     `json:"node"`
-	Role      Role       `json:"role"`
-	Protector string     `json:"protector,omitempty"`
-	Mode      Mode       `json:"mode"`
-	Interval  string     `json:"interval"`
-	Members   []Member   `json:"members"`
-	Jobs      []Job      `json:"jobs"`
-	Version   string     `json:"version"`
-	CRIU      string     `json:"criu"`
-	Log       *LogStatus `json:"log,omitempty"`
+	Node      string        `json:"node"`
+	Role      Role          `json:"role"`
+	Protector string        `json:"protector,omitempty"`
+	Mode      Mode          `json:"mode"`
+	Interval  string        `json:"interval"`
+	Epoch     uint64        `json:"epoch"` // of the membership view
+	Members   []ring.Member `json:"members"`
+	Busy      string        `json:"busy,omitempty"` // checkpoint or restore in progress
+	Jobs      []Job         `json:"jobs"`
+	Version   string        `json:"version"`
+	CRIU      string        `json:"criu"`
+	Log       *LogStatus    `json:"log,omitempty"`
 }
 
 func (a *Agent) status(uid uint32) Status {
-	self, _ := a.cfg.Member(a.cfg.Name)
+	v := a.View()
+	self, _ := v.Member(a.cfg.Name)
+	busy, _ := a.busy.Load().(string)
 	s := Status{
-		Node: a.cfg.Name, Role: self.Role, Mode: a.cfg.Checkpoint.Mode, Interval: a.cfg.Checkpoint.Interval.String(),
-		Members: a.cfg.Cluster.Members, Jobs: a.Jobs(uid), Version: version.Ftkit(), CRIU: a.criu.Binary,
+		Node: a.cfg.Name, Role: Role(self.Role), Mode: a.cfg.Checkpoint.Mode, Interval: a.cfg.Checkpoint.Interval.String(),
+		Epoch: v.Epoch, Members: v.Members, Busy: busy, Jobs: a.Jobs(uid), Version: version.Ftkit(), CRIU: a.criu.Binary,
 		Log: a.logStatus(),
 	}
-	if p, ok := a.cfg.Protector(a.cfg.Name, nil); ok {
+	if p, ok := v.Protector(a.cfg.Name); ok {
 		s.Protector = p.Name
 	}
 	return s
@@ -178,6 +183,26 @@ func (a *Agent) routes() *http.ServeMux {
 		default:
 			writeJSON(w, http.StatusOK, j)
 		}
+	})
+	mux.HandleFunc("POST /v1/spares", func(w http.ResponseWriter, r *http.Request) {
+		if callerOf(r).Uid != 0 {
+			writeError(w, http.StatusForbidden, errors.New("registering a spare changes the cluster: root only"))
+			return
+		}
+		var req SpareRequest
+		if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 4096)).Decode(&req); err != nil {
+			writeError(w, http.StatusBadRequest, fmt.Errorf("spare request: %w", err))
+			return
+		}
+		v, err := a.AddSpare(r.Context(), req)
+		if err != nil {
+			writeError(w, http.StatusConflict, err)
+			return
+		}
+		writeJSON(w, http.StatusOK, v)
+	})
+	mux.HandleFunc("GET /v1/events", func(w http.ResponseWriter, r *http.Request) {
+		writeJSON(w, http.StatusOK, a.Failures())
 	})
 	mux.HandleFunc("GET /v1/log/conns", func(w http.ResponseWriter, r *http.Request) {
 		if callerOf(r).Uid != 0 {

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/ring"
 )
 
 // DefaultSocket is where ftctl and ftwrap look for the local agent unless FTKIT_AGENT_SOCKET or a flag
@@ -131,4 +132,16 @@ func (c *Client) Restore(ctx context.Context, req RestoreRequest) (Job, error) {
 func (c *Client) LoggedConns(ctx context.Context) ([]LoggedConn, error) {
 	var cs []LoggedConn
 	return cs, c.do(ctx, http.MethodGet, "/v1/log/conns", nil, &cs)
+}
+
+// Events returns the failure timelines the agent knows of, oldest first.
+func (c *Client) Events(ctx context.Context) ([]*Failure, error) {
+	var out []*Failure
+	return out, c.do(ctx, http.MethodGet, "/v1/events", nil, &out)
+}
+
+// AddSpare registers a spare host with the cluster through this agent and returns the new view.
+func (c *Client) AddSpare(ctx context.Context, req SpareRequest) (ring.View, error) {
+	var v ring.View
+	return v, c.do(ctx, http.MethodPost, "/v1/spares", req, &v)
 }

@@ -30,6 +30,12 @@ const (
 	opTrim          clusterOp = "trim"           // the caller's snapshot covers these receive points: drop older log data
 	opLogRange      clusterOp = "log-range"      // bytes we logged on a connection from a sequence number on
 	opCheckpointNow clusterOp = "checkpoint-now" // the caller's log is under pressure: snapshot our jobs
+	// Failure detection and recovery.
+	opHeartbeat clusterOp = "heartbeat" // a stream of heartbeats from our predecessor in the ring
+	opProbe     clusterOp = "probe"     // does this host reach a suspect's agent
+	opView      clusterOp = "view"      // exchange membership views (and failure timelines)
+	opClaim     clusterOp = "claim"     // claim this spare for a failed node
+	opRecover   clusterOp = "recover"   // restore a failed node's jobs here
 )
 
 type clusterRequest struct {
@@ -42,7 +48,12 @@ type PingReply struct {
 	Jobs []string `json:"jobs"` // ids of the jobs running there
 }
 
-const maxHeader = 4096
+// maxHeader bounds a request header; maxMessage bounds the larger messages (views, recovery requests)
+// that are sent the same way.
+const (
+	maxHeader  = 4096
+	maxMessage = 1 << 20
+)
 
 func writeHeader(w io.Writer, v any) error {
 	b, err := json.Marshal(v)
@@ -53,10 +64,15 @@ func writeHeader(w io.Writer, v any) error {
 	return err
 }
 
-func readHeader(r io.Reader, v any) error {
+func readHeader(r io.Reader, v any) error { return readLine(r, v, maxHeader) }
+
+// readHeaderLarge reads a JSON line of up to maxMessage bytes (writeHeader writes any size).
+func readHeaderLarge(r io.Reader, v any) error { return readLine(r, v, maxMessage) }
+
+func readLine(r io.Reader, v any, limit int) error {
 	var buf []byte
 	one := make([]byte, 1)
-	for len(buf) < maxHeader {
+	for len(buf) < limit {
 		if _, err := io.ReadFull(r, one); err != nil {
 			return fmt.Errorf("read request header: %w", err)
 		}
@@ -65,13 +81,13 @@ func readHeader(r io.Reader, v any) error {
 		}
 		buf = append(buf, one[0])
 	}
-	return errors.New("request header too long")
+	return fmt.Errorf("request header longer than %d bytes", limit)
 }
 
 func (a *Agent) tlsConfig() clustertls.Config {
 	return clustertls.Config{
 		CAFile: a.cfg.Cluster.CA, CertFile: a.cfg.Cluster.Cert, KeyFile: a.cfg.Cluster.Key,
-		Members: func(name string) bool { _, ok := a.cfg.Member(name); return ok },
+		Members: func(name string) bool { _, ok := a.member(name); return ok },
 	}
 }
 
@@ -154,6 +170,16 @@ func (a *Agent) handleCluster(ctx context.Context, c net.Conn) {
 				a.log.Warn("requested snapshot failed", "err", err)
 			}
 		}()
+	case opHeartbeat:
+		a.serveBeats(c, peer)
+	case opProbe:
+		a.serveProbe(c)
+	case opView:
+		a.serveView(c, peer)
+	case opClaim:
+		a.serveClaim(c, peer)
+	case opRecover:
+		a.serveRecover(ctx, c, peer)
 	case opFetch:
 		if err := a.serveFetch(ctx, c, peer); err != nil {
 			a.log.Warn("snapshot fetch failed", "peer", peer, "err", err)
@@ -165,7 +191,7 @@ func (a *Agent) handleCluster(ctx context.Context, c net.Conn) {
 
 // dialPeer opens an authenticated connection to member name and sends the request header.
 func (a *Agent) dialPeer(ctx context.Context, name string, op clusterOp) (net.Conn, error) {
-	m, ok := a.cfg.Member(name)
+	m, ok := a.member(name)
 	if !ok {
 		return nil, fmt.Errorf("%s is not a cluster member", name)
 	}

@@ -102,9 +102,15 @@ type Config struct {
 		Keep     int      `toml:"keep"`
 	} `toml:"checkpoint"`
 	Heartbeat struct {
-		Interval Duration `toml:"interval"`
-		Timeout  Duration `toml:"timeout"`
+		Interval  Duration `toml:"interval"`
+		Timeout   Duration `toml:"timeout"`
+		BusyGrace Duration `toml:"busy_grace"`
 	} `toml:"heartbeat"`
+	Failover struct {
+		// Automatic: the protector restores a confirmed-failed predecessor's jobs on a spare (or on itself)
+		// at once. Off: the failure is only reported, and the operator restores with `ftctl restore`.
+		Automatic bool `toml:"automatic"`
+	} `toml:"failover"`
 	Log LogConfig `toml:"log"`
 }
 
@@ -132,6 +138,8 @@ func Defaults() Config {
 	c.Checkpoint.Keep = 3
 	c.Heartbeat.Interval = Duration{500 * time.Millisecond}
 	c.Heartbeat.Timeout = Duration{3 * time.Second}
+	c.Heartbeat.BusyGrace = Duration{60 * time.Second}
+	c.Failover.Automatic = true
 	c.Log = LogConfig{Enabled: true, RingMiB: 64, High: 0.8, Low: 0.6}
 	return c
 }
@@ -224,6 +232,9 @@ func (c Config) Validate() error {
 	if c.Heartbeat.Interval.Duration <= 0 || c.Heartbeat.Timeout.Duration <= c.Heartbeat.Interval.Duration {
 		errs = append(errs, fmt.Errorf("heartbeat: timeout (%s) must be longer than a positive interval (%s)", c.Heartbeat.Timeout, c.Heartbeat.Interval))
 	}
+	if c.Heartbeat.BusyGrace.Duration < 0 {
+		errs = append(errs, fmt.Errorf("heartbeat.busy_grace %s must not be negative", c.Heartbeat.BusyGrace))
+	}
 	if c.Log.Enabled {
 		if c.Log.RingMiB <= 0 || c.Log.RingMiB&(c.Log.RingMiB-1) != 0 {
 			errs = append(errs, fmt.Errorf("log.ring_mib %d: use a power of two", c.Log.RingMiB))
@@ -240,23 +251,6 @@ func (c Config) Member(name string) (Member, bool) {
 	for _, m := range c.Cluster.Members {
 		if m.Name == name {
 			return m, true
-		}
-	}
-	return Member{}, false
-}
-
-// Protector is the next node after name in ring order (the order of node members in the file), skipping
-// the names in down. It returns false if no other node is left.
-func (c Config) Protector(name string, down map[string]bool) (Member, bool) {
-	var ring []Member
-	for _, m := range c.Cluster.Members {
-		if m.Role == RoleNode && (!down[m.Name] || m.Name == name) {
-			ring = append(ring, m)
-		}
-	}
-	for i, m := range ring {
-		if m.Name == name && len(ring) > 1 {
-			return ring[(i+1)%len(ring)], true
 		}
 	}
 	return Member{}, false

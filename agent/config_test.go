@@ -85,45 +85,6 @@ func TestParseConfigErrors(t *testing.T) {
 	}
 }
 
-func TestProtectorRing(t *testing.T) {
-	c, err := ParseConfig([]byte(minimal + `
-[[cluster.member]]
-name = "s"
-address = "10.0.0.9:1"
-role = "spare"
-[[cluster.member]]
-name = "c"
-address = "10.0.0.3:1"
-role = "node"
-`))
-	if err != nil {
-		t.Fatal(err)
-	}
-	tests := []struct {
-		name string
-		down []string
-		want string
-		ok   bool
-	}{
-		{name: "a", want: "b", ok: true},
-		{name: "b", want: "c", ok: true},
-		{name: "c", want: "a", ok: true}, // the ring wraps; spares are not in it
-		{name: "a", down: []string{"b"}, want: "c", ok: true},
-		{name: "c", down: []string{"a", "b"}, ok: false},
-		{name: "s", ok: false},
-	}
-	for _, tt := range tests {
-		down := map[string]bool{}
-		for _, d := range tt.down {
-			down[d] = true
-		}
-		m, ok := c.Protector(tt.name, down)
-		if ok != tt.ok || m.Name != tt.want {
-			t.Errorf("Protector(%s, down=%v) = %q, %v; want %q, %v", tt.name, tt.down, m.Name, ok, tt.want, tt.ok)
-		}
-	}
-}
-
 func TestLoadConfigMissingFile(t *testing.T) {
 	_, err := LoadConfig(t.TempDir() + "/nope.toml")
 	if err == nil || !os.IsNotExist(errorsUnwrapAll(err)) {

@@ -68,20 +68,27 @@ func (a *Agent) startLog() error {
 
 // interfaceOf names the interface that holds addr in this network namespace.
 func interfaceOf(addr netip.Addr) (string, error) {
+	name, _, err := hostInterface(addr)
+	return name, err
+}
+
+// hostInterface finds the interface that holds addr and the prefix addr has on it.
+func hostInterface(addr netip.Addr) (string, netip.Prefix, error) {
 	addrs, err := netlink.AddrList(nil, netlink.FAMILY_ALL)
 	if err != nil {
-		return "", err
+		return "", netip.Prefix{}, err
 	}
 	for _, x := range addrs {
 		if ip, ok := netip.AddrFromSlice(x.IP); ok && ip.Unmap() == addr {
 			l, err := netlink.LinkByIndex(x.LinkIndex)
 			if err != nil {
-				return "", err
+				return "", netip.Prefix{}, err
 			}
-			return l.Attrs().Name, nil
+			bits, _ := x.Mask.Size()
+			return l.Attrs().Name, netip.PrefixFrom(addr, bits), nil
 		}
 	}
-	return "", fmt.Errorf("no interface holds the cluster address %s; set log.interface", addr)
+	return "", netip.Prefix{}, fmt.Errorf("no interface holds the cluster address %s; set log.interface", addr)
 }
 
 func memTotalMiB() int64 {
@@ -114,16 +121,6 @@ func (a *Agent) unprotect(j *Job) {
 	if err := a.netlog.cap.UnprotectCgroup(j.Cgroup); err != nil && !errors.Is(err, os.ErrNotExist) {
 		a.log.Debug("unprotect job cgroup", "job", j.ID, "err", err)
 	}
-}
-
-// memberByIP is the cluster member whose address is ip ("" if none).
-func (a *Agent) memberByIP(ip netip.Addr) string {
-	for _, m := range a.cfg.Cluster.Members {
-		if m.Address.Addr() == ip.Unmap() {
-			return m.Name
-		}
-	}
-	return ""
 }
 
 // TrimPoint tells a sender up to where a receiver's durable snapshot covers a connection.
@@ -202,10 +199,12 @@ type LogRangeRequest struct {
 // LogRangeReply precedes the bytes: Len bytes starting at sequence From follow the header. Live is the
 // sender's current state of the connection (its snd_nxt, rcv_nxt, TSval/TSecr), for the restorer.
 type LogRangeReply struct {
-	From  uint32                `json:"from"`
-	Len   int64                 `json:"len"`
-	Live  *ebpfprobes.FlowState `json:"live,omitempty"`
-	Error string                `json:"error,omitempty"`
+	From uint32                `json:"from"`
+	Len  int64                 `json:"len"`
+	Live *ebpfprobes.FlowState `json:"live,omitempty"`
+	// LiveAge is how old Live was when the reply was written (the sender's own clock measured it).
+	LiveAge time.Duration `json:"live_age_ns,omitempty"`
+	Error   string        `json:"error,omitempty"`
 }
 
 // serveLogRange streams the logged bytes of one connection from a sequence number to the highest
@@ -245,6 +244,7 @@ func (a *Agent) serveLogRange(ctx context.Context, c net.Conn) {
 	reply := LogRangeReply{From: req.From, Len: int64(to - from)}
 	if fs, ok, err := a.netlog.cap.FlowState(conn); err == nil && ok {
 		reply.Live = &fs
+		reply.LiveAge, _ = fs.Age()
 	}
 	if err := writeHeader(c, reply); err != nil {
 		return
@@ -254,28 +254,32 @@ func (a *Agent) serveLogRange(ctx context.Context, c net.Conn) {
 	}
 }
 
-// LogRange fetches from member peer the bytes it logged on src->dst from sequence from on.
-func (a *Agent) LogRange(ctx context.Context, peer string, req LogRangeRequest) ([]byte, error) {
+// LogRange fetches from member peer the bytes it logged on src->dst from sequence from on, with the
+// peer's live state of the connection.
+func (a *Agent) LogRange(ctx context.Context, peer string, req LogRangeRequest) (LogRangeReply, []byte, error) {
 	c, err := a.dialPeer(ctx, peer, opLogRange)
 	if err != nil {
-		return nil, err
+		return LogRangeReply{}, nil, err
 	}
 	defer c.Close()
+	if dl, ok := ctx.Deadline(); ok {
+		c.SetDeadline(dl)
+	}
 	if err := writeHeader(c, req); err != nil {
-		return nil, err
+		return LogRangeReply{}, nil, err
 	}
 	var r LogRangeReply
 	if err := readHeader(c, &r); err != nil {
-		return nil, err
+		return r, nil, err
 	}
 	if r.Error != "" {
-		return nil, fmt.Errorf("%s: %s", peer, r.Error)
+		return r, nil, fmt.Errorf("%s: %s", peer, r.Error)
 	}
 	buf := make([]byte, r.Len)
 	if _, err := io.ReadFull(c, buf); err != nil {
-		return nil, fmt.Errorf("read %d logged bytes from %s: %w", r.Len, peer, err)
+		return r, nil, fmt.Errorf("read %d logged bytes from %s: %w", r.Len, peer, err)
 	}
-	return buf, nil
+	return r, buf, nil
 }
 
 // controlLog runs the resource controller: measure, decide, act.

@@ -15,6 +15,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/ship"
+	"github.com/ftkit/ftkit/ring"
 )
 
 // RestoreRequest asks an agent to restore a job on its host from a snapshot.
@@ -50,13 +51,9 @@ func (a *Agent) Restore(ctx context.Context, req RestoreRequest, uid uint32) (*J
 	if err != nil {
 		return nil, a.corrupt(ctx, req, err)
 	}
-	var j Job
-	b, err := os.ReadFile(filepath.Join(a.store.Path(m.Job, m.ID), snapJob))
-	if err == nil {
-		err = json.Unmarshal(b, &j)
-	}
+	j, err := a.snapshotJob(m)
 	if err != nil {
-		return nil, fmt.Errorf("snapshot %s has no usable job record: %w", m.ID, err)
+		return nil, err
 	}
 	if uid != 0 && j.UID != uid {
 		return nil, fmt.Errorf("%w: job %s belongs to uid %d", ErrNoJob, j.ID, j.UID)
@@ -66,10 +63,39 @@ func (a *Agent) Restore(ctx context.Context, req RestoreRequest, uid uint32) (*J
 			return nil, err
 		}
 	}
+	defer a.setBusy("restore")()
+	work, err := a.workCopy(m)
+	if err != nil {
+		return nil, err
+	}
+	return a.restoreJob(ctx, m, j, work)
+}
+
+// snapshotJob reads the job record a snapshot carries.
+func (a *Agent) snapshotJob(m *ckpt.Manifest) (Job, error) {
+	var j Job
+	b, err := os.ReadFile(filepath.Join(a.store.Path(m.Job, m.ID), snapJob))
+	if err == nil {
+		err = json.Unmarshal(b, &j)
+	}
+	if err != nil {
+		return Job{}, fmt.Errorf("snapshot %s has no usable job record: %w", m.ID, err)
+	}
+	return j, nil
+}
+
+// workCopy lays out the snapshot's images in a working directory that restoreJob removes.
+func (a *Agent) workCopy(m *ckpt.Manifest) (string, error) {
 	work := filepath.Join(a.cfg.StateDir, "restore", m.Job+"-"+m.ID)
 	if err := linkTree(filepath.Join(a.store.Path(m.Job, m.ID), snapImages), work); err != nil {
-		return nil, fmt.Errorf("prepare images for restore: %w", err)
+		return "", fmt.Errorf("prepare images for restore: %w", err)
 	}
+	return work, nil
+}
+
+// restoreJob puts the job's output files back to their snapshot sizes and restores the images in work
+// under a new shim on this host; work is removed afterwards.
+func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work string) (*Job, error) {
 	defer os.RemoveAll(work)
 	if err := a.restoreOutputs(m, j); err != nil {
 		return nil, err
@@ -137,8 +163,8 @@ func (a *Agent) findJobOfSnapshot(ctx context.Context, id string) string {
 	if job := a.localJobOfSnapshot(id); job != "" {
 		return job
 	}
-	for _, m := range a.cfg.Cluster.Members {
-		if m.Name == a.cfg.Name {
+	for _, m := range a.View().Members {
+		if m.Name == a.cfg.Name || m.State != ring.StateAlive {
 			continue
 		}
 		lctx, cancel := context.WithTimeout(ctx, 2*time.Second)
@@ -188,11 +214,12 @@ func (a *Agent) fetch(ctx context.Context, job, id, source string) error {
 	if source != "" {
 		candidates = []string{source}
 	} else {
-		if p, ok := a.cfg.Protector(sid.Node, nil); ok {
+		v := a.View()
+		if p, ok := v.Protector(sid.Node); ok {
 			candidates = append(candidates, p.Name)
 		}
-		for _, m := range a.cfg.Cluster.Members {
-			if m.Name != a.cfg.Name && !slices.Contains(candidates, m.Name) {
+		for _, m := range v.Members {
+			if m.Name != a.cfg.Name && m.State == ring.StateAlive && !slices.Contains(candidates, m.Name) {
 				candidates = append(candidates, m.Name)
 			}
 		}

@@ -156,11 +156,10 @@ func copyPrefix(src, dst string, n int64) error {
 // protector does not answer, the next node of the ring takes its place, so the ring re-forms around a
 // member that left.
 func (a *Agent) shipToProtector(ctx context.Context, m *ckpt.Manifest) (*ship.Sent, error) {
-	down := map[string]bool{} // protectors that did not answer during this call
 	var errs []error
-	for {
-		prot, ok := a.cfg.Protector(a.cfg.Name, down)
-		if !ok {
+	v := a.View()
+	for prot, ok := v.Protector(a.cfg.Name); ; prot, ok = v.Protector(prot.Name) {
+		if !ok || prot.Name == a.cfg.Name {
 			errs = append(errs, errors.New("no other node left in the ring"))
 			return nil, fmt.Errorf("ship %s: %w", m.ID, errors.Join(errs...))
 		}
@@ -174,7 +173,6 @@ func (a *Agent) shipToProtector(ctx context.Context, m *ckpt.Manifest) (*ship.Se
 			return nil, errors.Join(errs...) // the protector answered and refused: do not go around it
 		}
 		a.log.Warn("protector unreachable; trying the next node of the ring", "protector", prot.Name, "err", err)
-		down[prot.Name] = true
 	}
 }
 

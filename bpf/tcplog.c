@@ -72,6 +72,10 @@
 #define IP_MF 0x2000
 #define IP_OFFSET 0x1fff
 #define BPF_ANY 0
+// UAPI values (enum in linux/bpf.h, not in the trimmed vmlinux.h).
+#define BPF_RB_NO_WAKEUP 1
+#define BPF_RB_FORCE_WAKEUP 2
+#define BPF_RB_AVAIL_DATA 0
 
 // TCP header flags (byte 13 of the header).
 #define TCP_FIN 0x01
@@ -155,6 +159,18 @@ struct counters {
 
 // Set by the loader before load: the ring buffer size in bytes.
 volatile const __u32 ring_size = 0;
+// Set by the loader before load: while the consumer is polling, wake it only
+// when the ring's fill crosses this many bytes.
+volatile const __u32 wake_bytes = 0;
+
+// Written by the consumer (mmapped .bss): nonzero while it is draining the
+// ring and polls it on a short timer by itself. A wakeup per record (the
+// kernel's default whenever the consumer had caught up) cost a self-IPI on
+// the sender's CPU and a context switch of the consumer for every segment;
+// while the consumer polls, records are submitted without a wakeup unless
+// the ring passes wake_bytes. When the consumer goes idle it clears the flag
+// and the kernel's default wakes it on the next record.
+volatile __u32 consumer_polling = 0;
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
@@ -233,6 +249,20 @@ static __always_inline void note_seq(struct counters *c, struct flow_key *fk, __
 		c->seq_regressions++;
 	if ((__s32)(end - *high) > 0)
 		*high = end;
+}
+
+// wake_flags returns the submit flags for a record of need ring bytes (see
+// consumer_polling). BPF_RB_AVAIL_DATA counts our reserved record already.
+// Records submitted concurrently on other CPUs may make us miss the exact
+// crossing; the consumer's poll timer bounds the delay then.
+static __always_inline __u64 wake_flags(__u64 need)
+{
+	if (!consumer_polling)
+		return 0;
+	__u64 avail = bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA);
+	if (avail >= wake_bytes && avail < wake_bytes + need)
+		return BPF_RB_FORCE_WAKEUP;
+	return BPF_RB_NO_WAKEUP;
 }
 
 // OPTBUF is the size of the options buffer: a power of two above 40 so that
@@ -504,7 +534,7 @@ int tcplog_egress(struct __sk_buff *skb)
 		c->drops_error++;
 		return VERDICT_DROP;
 	}
-	bpf_ringbuf_submit_dynptr(&rec, 0);
+	bpf_ringbuf_submit_dynptr(&rec, wake_flags(need));
 
 	c->packets_logged++;
 	c->bytes_logged += len;

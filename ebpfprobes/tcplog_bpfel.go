@@ -57,7 +57,9 @@ const (
 	tcplogMapProtectedFlows   = "protected_flows"
 	tcplogMapStats            = "stats"
 	tcplogProgTcplogEgress    = "tcplog_egress"
+	tcplogVarConsumerPolling  = "consumer_polling"
 	tcplogVarRingSize         = "ring_size"
+	tcplogVarWakeBytes        = "wake_bytes"
 )
 
 // loadTcplog returns the embedded CollectionSpec for tcplog.
@@ -121,7 +123,9 @@ type tcplogMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type tcplogVariableSpecs struct {
-	RingSize *ebpf.VariableSpec `ebpf:"ring_size"`
+	ConsumerPolling *ebpf.VariableSpec `ebpf:"consumer_polling"`
+	RingSize        *ebpf.VariableSpec `ebpf:"ring_size"`
+	WakeBytes       *ebpf.VariableSpec `ebpf:"wake_bytes"`
 }
 
 // tcplogObjects contains all objects after they have been loaded into the kernel.
@@ -167,7 +171,9 @@ func (m *tcplogMaps) Close() error {
 //
 // It can be passed to loadTcplogObjects or ebpf.CollectionSpec.LoadAndAssign.
 type tcplogVariables struct {
-	RingSize *ebpf.Variable `ebpf:"ring_size"`
+	ConsumerPolling *ebpf.Variable `ebpf:"consumer_polling"`
+	RingSize        *ebpf.Variable `ebpf:"ring_size"`
+	WakeBytes       *ebpf.Variable `ebpf:"wake_bytes"`
 }
 
 // tcplogPrograms contains all programs after they have been loaded into the kernel.

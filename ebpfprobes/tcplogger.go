@@ -14,7 +14,6 @@ import (
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
-	"github.com/cilium/ebpf/ringbuf"
 	"github.com/vishvananda/netlink"
 )
 
@@ -67,6 +66,9 @@ type tcplogLoaded struct {
 	ProtectedFlows   *ebpf.Map     `ebpf:"protected_flows"`
 	Stats            *ebpf.Map     `ebpf:"stats"`
 	FlowStates       *ebpf.Map     `ebpf:"flow_states"`
+	Bss              *ebpf.Map     `ebpf:".bss"`
+	// ConsumerPolling lives in the mmapped .bss: setting it is a store, not a syscall.
+	ConsumerPolling *ebpf.Variable `ebpf:"consumer_polling"`
 }
 
 // TCPLogger is the loaded TCX egress logger. Attach, Protect*, Counters and
@@ -74,13 +76,14 @@ type tcplogLoaded struct {
 type TCPLogger struct {
 	log  *slog.Logger
 	objs tcplogLoaded
-	rd   *ringbuf.Reader
+	ring *ringReader
 
 	mu    sync.Mutex // guards links
 	links []link.Link
 
-	// Read's state: only the reading goroutine touches these.
-	rec         ringbuf.Record
+	// The reader's state: only the reading goroutine touches these.
+	buf         []byte // Read's copy of the last record
+	polling     bool   // mirror of the program's consumer_polling
 	watchedDone <-chan struct{}
 	stopWatch   func() bool
 }
@@ -110,6 +113,12 @@ func NewTCPLogger(opts TCPLoggerOptions) (*TCPLogger, error) {
 	if err := spec.Variables[tcplogVarRingSize].Set(uint32(size)); err != nil {
 		return nil, fmt.Errorf("tcplog: set ring_size: %w", err)
 	}
+	// An eighth of the ring: at tens of Gbit/s that is a millisecond or
+	// more of traffic, so a polling consumer is rarely woken, and 7/8 of the
+	// ring is left before backpressure.
+	if err := spec.Variables[tcplogVarWakeBytes].Set(uint32(size / 8)); err != nil {
+		return nil, fmt.Errorf("tcplog: set wake_bytes: %w", err)
+	}
 
 	l := &TCPLogger{log: log}
 	if err := spec.LoadAndAssign(&l.objs, nil); err != nil {
@@ -119,7 +128,7 @@ func NewTCPLogger(opts TCPLoggerOptions) (*TCPLogger, error) {
 		}
 		return nil, fmt.Errorf("tcplog: load BPF program and maps (needs root, Linux 6.6+ with BTF): %w", err)
 	}
-	l.rd, err = ringbuf.NewReader(l.objs.Events)
+	l.ring, err = newRingReader(l.objs.Events.FD(), size)
 	if err != nil {
 		l.closeObjects()
 		return nil, fmt.Errorf("tcplog: open ring buffer reader: %w", err)
@@ -239,49 +248,106 @@ func (l *TCPLogger) Counters() (Counters, error) {
 
 // Pending returns how many bytes of records wait in the ring buffer.
 func (l *TCPLogger) Pending() int {
-	return l.rd.AvailableBytes()
+	return l.ring.pending()
 }
 
 // Read returns the next raw record (RecordHeaderLen bytes of header, then the
 // payload), blocking until one arrives. The slice is reused: it is valid only
-// until the next Read. Read copies each record once, out of the shared ring,
-// which frees its space for the kernel; there is no cheaper way in
-// cilium/ebpf. Only one goroutine may call Read.
+// until the next Read. Read copies the record out of the ring; ReadBatch
+// avoids that copy. Only one goroutine may call Read or ReadBatch.
 //
 // When ctx is done, Read still returns the records already in the ring, then
 // ctx.Err(): cancel the context after detaching to drain the log. After
 // Close it returns an error wrapping ErrClosed.
 func (l *TCPLogger) Read(ctx context.Context) ([]byte, error) {
-	if ctx.Err() != nil {
-		// A flush makes ReadInto return what is in the ring and then
-		// ErrFlushed instead of blocking.
-		if err := l.rd.Flush(); err != nil {
-			return nil, fmt.Errorf("tcplog: read: %w", ErrClosed)
-		}
-	} else {
+	_, err := l.ReadBatch(ctx, 1, func(raw []byte) error {
+		l.buf = append(l.buf[:0], raw...)
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return l.buf, nil
+}
+
+// ReadBatch calls fn with each record waiting in the ring buffer, in order,
+// at most max of them (max <= 0: no limit), blocking until there is at least
+// one. raw (RecordHeaderLen bytes of header, then the payload) is the
+// record's place in the shared ring itself: it is valid only until fn
+// returns, when its space is given back to the kernel. Nothing is copied, so
+// fn can copy the payload once, straight to where it is kept. If fn returns
+// an error, that record stays in the ring (the next ReadBatch offers it
+// again) and ReadBatch returns the error. It returns how many records fn
+// accepted. Only one goroutine may call Read or ReadBatch.
+//
+// ReadBatch is also what keeps wakeups rare: while records keep coming, the
+// consumer sleeps for a millisecond between batches instead of being woken by
+// every record (see consumer_polling in bpf/tcplog.c); a full eighth of the
+// ring still wakes it at once.
+//
+// When ctx is done, ReadBatch still returns the records already in the ring,
+// then ctx.Err(). After Close it returns an error wrapping ErrClosed.
+func (l *TCPLogger) ReadBatch(ctx context.Context, max int, fn func(raw []byte) error) (int, error) {
+	if max <= 0 {
+		max = int(^uint(0) >> 1)
+	}
+	if ctx.Err() == nil {
 		l.watch(ctx)
 	}
+	r := l.ring
+	r.life.RLock()
+	defer r.life.RUnlock()
+	quiet := false // the last poll found nothing
 	for {
-		err := l.rd.ReadInto(&l.rec)
-		switch {
-		case err == nil:
-			return l.rec.RawSample, nil
-		case errors.Is(err, ringbuf.ErrFlushed):
-			if ctx.Err() != nil {
-				return nil, ctx.Err()
-			}
-			// A flush left over from an earlier context: keep waiting.
-		case errors.Is(err, os.ErrClosed):
-			return nil, fmt.Errorf("tcplog: read: %w", ErrClosed)
-		default:
-			return nil, fmt.Errorf("tcplog: read ring buffer: %w", err)
+		if r.closed.Load() {
+			return 0, errRingClosed
 		}
+		n, err := r.drain(max, fn)
+		if n > 0 || err != nil {
+			l.setPolling(true)
+			return n, err
+		}
+		if ctx.Err() != nil {
+			return 0, ctx.Err()
+		}
+		timeout := pollInterval
+		if !l.polling || quiet {
+			// Idle: ask the program for a wakeup again, then look once
+			// more, since a record submitted before the flag was cleared
+			// may not have woken us.
+			l.setPolling(false)
+			if !r.empty() {
+				continue
+			}
+			timeout = idleTimeout
+		}
+		flushed, err := r.wait(timeout)
+		if err != nil {
+			return 0, err
+		}
+		quiet = !flushed && r.empty()
 	}
 }
 
-// watch makes the cancellation of ctx interrupt a blocked ReadInto. It uses
-// Flush: ringbuf.Reader.SetDeadline deadlocks while ReadInto is blocked. One
-// registration serves every Read with the same context.
+// setPolling tells the program whether the consumer polls by itself.
+func (l *TCPLogger) setPolling(on bool) {
+	if on == l.polling {
+		return
+	}
+	l.polling = on
+	var v uint32
+	if on {
+		v = 1
+	}
+	// Cannot fail for a uint32 variable in a loaded .bss; without mmap
+	// support it is a map update, which also works.
+	if err := l.objs.ConsumerPolling.Set(v); err != nil {
+		l.log.Warn("tcplog: set consumer_polling", "err", err)
+	}
+}
+
+// watch makes the cancellation of ctx interrupt a blocked ReadBatch. One
+// registration serves every call with the same context.
 func (l *TCPLogger) watch(ctx context.Context) {
 	done := ctx.Done()
 	if done == nil || done == l.watchedDone {
@@ -290,9 +356,9 @@ func (l *TCPLogger) watch(ctx context.Context) {
 	if l.stopWatch != nil {
 		l.stopWatch()
 	}
-	rd := l.rd
+	r := l.ring
 	l.watchedDone = done
-	l.stopWatch = context.AfterFunc(ctx, func() { _ = rd.Flush() })
+	l.stopWatch = context.AfterFunc(ctx, func() { _ = r.flush() })
 }
 
 // Close detaches the program from every interface, interrupts Read and
@@ -307,7 +373,7 @@ func (l *TCPLogger) Close() error {
 	}
 	l.links = nil
 	l.mu.Unlock()
-	if err := l.rd.Close(); err != nil {
+	if err := l.ring.close(); err != nil {
 		errs = append(errs, fmt.Errorf("tcplog: close ring buffer reader: %w", err))
 	}
 	if err := l.closeObjects(); err != nil {
@@ -318,7 +384,7 @@ func (l *TCPLogger) Close() error {
 
 func (l *TCPLogger) closeObjects() error {
 	var errs []error
-	for _, c := range []interface{ Close() error }{l.objs.Program, l.objs.Events, l.objs.ProtectedCgroups, l.objs.ProtectedFlows, l.objs.Stats, l.objs.FlowStates} {
+	for _, c := range []interface{ Close() error }{l.objs.Program, l.objs.Events, l.objs.ProtectedCgroups, l.objs.ProtectedFlows, l.objs.Stats, l.objs.FlowStates, l.objs.Bss} {
 		if err := c.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("tcplog: close BPF object: %w", err))
 		}

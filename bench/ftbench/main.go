@@ -46,6 +46,7 @@ type benchmark func(ctx context.Context, log *slog.Logger) (metrics []Metric, se
 var benchmarks = map[string]benchmark{
 	"lab":      benchLab,
 	"netlog":   benchNetlog,
+	"recovery": benchRecovery,
 	"snapshot": benchSnapshot,
 }
 

@@ -72,6 +72,16 @@ func (t *target) clients() ([]hostClient, error) {
 	return out, nil
 }
 
+// first resolves the target to one agent: the only one, or the first live host of a lab (any agent holds
+// the cluster-wide view).
+func (t *target) first() (hostClient, error) {
+	cs, err := t.clients()
+	if err != nil {
+		return hostClient{}, err
+	}
+	return cs[0], nil
+}
+
 // one resolves the target to exactly one agent.
 func (t *target) one() (hostClient, error) {
 	cs, err := t.clients()

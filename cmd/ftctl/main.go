@@ -32,7 +32,7 @@ Exit codes: 0 success, 1 failure, 2 bad command line, 3 not found, 4 preconditio
 	}
 	logs.Register(root)
 	t := &target{}
-	for _, c := range []*cobra.Command{newStatusCmd(t), newSnapshotsCmd(t), newCheckpointCmd(t), newRestoreCmd(t)} {
+	for _, c := range []*cobra.Command{newStatusCmd(t), newSnapshotsCmd(t), newCheckpointCmd(t), newRestoreCmd(t), newEventsCmd(t), newSpareCmd(t)} {
 		t.register(c)
 		root.AddCommand(c)
 	}

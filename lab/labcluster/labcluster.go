@@ -32,6 +32,14 @@ type Options struct {
 	LogLevel string // ftagent --log-level ("" = info)
 	// LogMemoryMiB and LogRingMiB bound the agents' sender-side logs (0: the agent defaults).
 	LogMemoryMiB, LogRingMiB int
+	// Heartbeat and HeartbeatTimeout drive failure detection (0: 200ms and 1s, quicker than a real
+	// cluster's defaults because the lab's links never lose a beat).
+	Heartbeat, HeartbeatTimeout time.Duration
+	// ManualFailover turns automatic fail-over off (failures are only detected and reported).
+	ManualFailover bool
+	// LateSpares is how many of the lab's last spares are left out of the other hosts' configurations:
+	// they run an agent but join the pool only when registered with `ftctl spare add`.
+	LateSpares int
 }
 
 // Cluster is a lab whose hosts each run an agent.
@@ -123,7 +131,16 @@ func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
 	cfg.Cluster.Listen = netip.AddrPortFrom(h.Addr.Addr(), AgentPort)
 	tc := c.tls[h.Name]
 	cfg.Cluster.CA, cfg.Cluster.Cert, cfg.Cluster.Key = tc.CAFile, tc.CertFile, tc.KeyFile
+	late := map[string]bool{}
+	for i := len(st.Hosts) - 1; i >= 0 && len(late) < c.opts.LateSpares; i-- {
+		if st.Hosts[i].Role == lab.RoleSpare {
+			late[st.Hosts[i].Name] = true
+		}
+	}
 	for _, m := range st.Hosts {
+		if late[m.Name] && m.Name != h.Name {
+			continue
+		}
 		role := agent.RoleNode
 		if m.Role == lab.RoleSpare {
 			role = agent.RoleSpare
@@ -145,6 +162,14 @@ func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
 	if c.opts.LogRingMiB > 0 {
 		cfg.Log.RingMiB = c.opts.LogRingMiB
 	}
+	cfg.Heartbeat.Interval.Duration, cfg.Heartbeat.Timeout.Duration = 200*time.Millisecond, time.Second
+	if c.opts.Heartbeat > 0 {
+		cfg.Heartbeat.Interval.Duration = c.opts.Heartbeat
+	}
+	if c.opts.HeartbeatTimeout > 0 {
+		cfg.Heartbeat.Timeout.Duration = c.opts.HeartbeatTimeout
+	}
+	cfg.Failover.Automatic = !c.opts.ManualFailover
 	return cfg
 }
 

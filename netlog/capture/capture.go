@@ -138,37 +138,24 @@ func New(opts Options) (*Capture, error) {
 	return c, nil
 }
 
+// errAtCap stops a batch at the memory cap, leaving the record in the ring.
+var errAtCap = errors.New("capture: log at its memory cap")
+
 // consume moves records from the ring buffer into the log until ctx is
-// cancelled or reading fails. Read copies each record once out of the ring;
-// DecodeRecord aliases that copy and Append copies the payload into the log.
+// cancelled or reading fails. Each payload is copied once, from its place in
+// the ring straight into the log's slab (ReadBatch hands out the ring's
+// memory, DecodeRecord aliases it, Append copies).
 func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 	defer close(c.done)
-	for {
-		// Stop as soon as Close asks: the log is freed right after, so
-		// draining what is left in the ring would be wasted work.
-		if ctx.Err() != nil {
-			return
-		}
+	a := appender{log: c.netlog}
+	atCap := func() bool {
+		return c.memCap > 0 && c.netlog.Stats().MemoryBytes()+c.headroom > c.memCap
+	}
+	handle := func(raw []byte) error {
 		// At the memory cap: leave the records in the ring. Once it is full the probe drops segments and
 		// TCP retransmits them later, so senders slow down, the cap holds, and nothing is lost.
-		if c.memCap > 0 && c.netlog.Stats().MemoryBytes()+c.headroom > c.memCap {
-			c.paused.Store(true)
-			select {
-			case <-ctx.Done():
-				return
-			case <-time.After(5 * time.Millisecond):
-			}
-			continue
-		}
-		c.paused.Store(false)
-		raw, err := c.probe.Read(ctx)
-		if err != nil {
-			if ctx.Err() != nil || errors.Is(err, ebpfprobes.ErrClosed) {
-				return
-			}
-			c.consErr = fmt.Errorf("capture: consumer stopped: %w", err)
-			c.log.Error("capture: consumer stopped, nothing more is logged", "err", err)
-			return
+		if atCap() {
+			return errAtCap
 		}
 		c.records.Add(1)
 		rec, err := netlog.DecodeRecord(raw)
@@ -176,12 +163,12 @@ func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 			if n := c.badRecords.Add(1); isPow2(n) {
 				c.log.Error("capture: bad ring buffer record (probe and netlog disagree on the layout?)", "err", err, "count", n)
 			}
-			continue
+			return nil
 		}
-		if err := c.netlog.Append(rec); err != nil {
+		if err := a.append(rec); err != nil {
 			switch {
 			case errors.Is(err, netlog.ErrClosed):
-				return
+				return err
 			case errors.Is(err, netlog.ErrConflict):
 				// Counted in netlog.Stats.Conflicts; log a few.
 				if n := c.netlog.Stats().Conflicts; isPow2(uint64(n)) {
@@ -196,7 +183,68 @@ func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 		if afterRecord != nil {
 			afterRecord()
 		}
+		return nil
 	}
+	for {
+		// Stop as soon as Close asks: the log is freed right after, so
+		// draining what is left in the ring would be wasted work.
+		if ctx.Err() != nil {
+			return
+		}
+		if atCap() {
+			c.paused.Store(true)
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(5 * time.Millisecond):
+			}
+			continue
+		}
+		c.paused.Store(false)
+		_, err := c.probe.ReadBatch(ctx, 0, handle)
+		switch {
+		case err == nil, errors.Is(err, errAtCap):
+		case ctx.Err() != nil, errors.Is(err, ebpfprobes.ErrClosed), errors.Is(err, netlog.ErrClosed):
+			return
+		default:
+			c.consErr = fmt.Errorf("capture: consumer stopped: %w", err)
+			c.log.Error("capture: consumer stopped, nothing more is logged", "err", err)
+			return
+		}
+	}
+}
+
+// appender appends records to a log, remembering the store of the last
+// connection: bulk traffic comes in long runs of one connection, and this
+// skips the log's connection map and its lock for each of them.
+type appender struct {
+	log  *netlog.Log
+	conn netlog.Conn
+	st   *netlog.Store
+}
+
+func (a *appender) append(rec netlog.Record) error {
+	if len(rec.Payload) == 0 {
+		return nil
+	}
+	if a.st != nil && rec.Conn == a.conn {
+		err := a.st.Append(rec.Seq, rec.Payload)
+		if !errors.Is(err, netlog.ErrClosed) {
+			if err != nil {
+				return fmt.Errorf("netlog %v: %w", rec.Conn, err)
+			}
+			return nil
+		}
+		// Removed meanwhile: the log makes a fresh store (or is closed).
+	}
+	a.st = nil
+	if err := a.log.Append(rec); err != nil {
+		return err
+	}
+	if st, err := a.log.Store(rec.Conn); err == nil {
+		a.conn, a.st = rec.Conn, st
+	}
+	return nil
 }
 
 // FlowState is the live state of conn as its last egress segment showed it (the sender's snd_nxt, its

@@ -19,6 +19,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"runtime"
 	"strings"
 	"time"
 )
@@ -31,18 +32,37 @@ func main() {
 	delay := flag.Duration("delay", 0, "compute time per iteration (sleep)")
 	seed := flag.Uint64("seed", 1, "seed of the initial state")
 	progress := flag.Int("progress", 0, "print a progress line every N iterations (0: never)")
+	ballast := flag.Int("ballast", 0, "MiB of resident memory to hold (a job with a realistic footprint to snapshot)")
 	flag.Parse()
 	addrs := strings.Split(*peers, ",")
 	if *peers == "" || len(addrs) < 2 || *rank < 0 || *rank >= len(addrs) || *block < 32 {
 		fmt.Fprintln(os.Stderr, "ringstencil: need --peers with at least 2 addresses, 0 <= --rank < len(peers), --block >= 32")
 		os.Exit(2)
 	}
+	held := fillBallast(*ballast, *seed)
 	sum, err := run(*rank, addrs, *iters, *block, *delay, *seed, *progress)
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "ringstencil rank %d: %v\n", *rank, err)
 		os.Exit(1)
 	}
 	fmt.Printf("rank %d checksum %s\n", *rank, sum)
+	runtime.KeepAlive(held)
+}
+
+// fillBallast allocates and touches mb MiB (incompressible bytes, so snapshots and shipping pay for them).
+func fillBallast(mb int, seed uint64) []byte {
+	if mb <= 0 {
+		return nil
+	}
+	b := make([]byte, mb<<20)
+	var ctr [16]byte
+	binary.LittleEndian.PutUint64(ctr[:], seed)
+	for off, i := 0, uint64(0); off < len(b); i++ {
+		binary.LittleEndian.PutUint64(ctr[8:], i)
+		s := sha256.Sum256(ctr[:])
+		off += copy(b[off:], s[:])
+	}
+	return b
 }
 
 func run(rank int, addrs []string, iters, block int, delay time.Duration, seed uint64, progress int) (string, error) {

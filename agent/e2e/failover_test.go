@@ -1,0 +1,331 @@
+package e2e
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/lab/labcluster"
+)
+
+// ring is one ringstencil run: a rank per node, each a protected job started through its node's agent.
+type ring struct {
+	c      *labcluster.Cluster
+	jobs   []agent.Job // as started
+	args   []string    // ringstencil flags shared by all ranks
+	jobDir string
+}
+
+// ringArgs are the ringstencil flags of a run; the reference run uses the same with loopback addresses.
+func ringArgs(iters, block int, delay time.Duration) []string {
+	return []string{"--iters", fmt.Sprint(iters), "--block", fmt.Sprint(block), "--delay", delay.String()}
+}
+
+// reference runs the ranks on loopback without any protection and returns the checksum they agree on.
+func reference(t *testing.T, ranks int, args []string) string {
+	t.Helper()
+	var peers []string
+	for r := range ranks {
+		peers = append(peers, fmt.Sprintf("127.0.0.1:%d", 21000+r))
+	}
+	outs := make([]string, ranks)
+	var wg sync.WaitGroup
+	errs := make([]error, ranks)
+	for r := range ranks {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			a := append([]string{"--rank", fmt.Sprint(r), "--peers", strings.Join(peers, ",")}, args...)
+			a = append(a, "--delay", "0s")
+			b, err := exec.Command(bins.Ringstencil, a...).CombinedOutput()
+			outs[r], errs[r] = string(b), err
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		t.Fatalf("reference run: %v\n%v", err, outs)
+	}
+	return checksumOf(t, outs[0])
+}
+
+func checksumOf(t *testing.T, out string) string {
+	t.Helper()
+	for _, line := range strings.Split(out, "\n") {
+		if f := strings.Fields(line); len(f) == 4 && f[2] == "checksum" {
+			return f[3]
+		}
+	}
+	t.Fatalf("no checksum line in %q", out)
+	return ""
+}
+
+// startRing starts rank r on node r+1 (port is the ranks' listening port).
+func startRing(t *testing.T, c *labcluster.Cluster, ranks, port int, args []string) *ring {
+	t.Helper()
+	st := c.Lab.State()
+	var peers []string
+	for r := range ranks {
+		h, err := c.Lab.Host(fmt.Sprintf("node%d", r+1))
+		if err != nil {
+			t.Fatal(err)
+		}
+		peers = append(peers, netip.AddrPortFrom(h.Addr.Addr(), uint16(port)).String())
+	}
+	rg := &ring{c: c, args: args, jobDir: labcluster.JobsDir(st.ID)}
+	for r := range ranks {
+		argv := append([]string{bins.Ringstencil, "--rank", fmt.Sprint(r), "--peers", strings.Join(peers, ",")}, args...)
+		j, err := c.Client(fmt.Sprintf("node%d", r+1)).StartJob(context.Background(), agent.JobSpec{Name: fmt.Sprintf("rank%d", r), Argv: argv})
+		if err != nil {
+			t.Fatal(err)
+		}
+		rg.jobs = append(rg.jobs, j)
+	}
+	return rg
+}
+
+// wait waits for every rank's exit record and returns each rank's output.
+func (rg *ring) wait(t *testing.T, timeout time.Duration) []string {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	outs := make([]string, len(rg.jobs))
+	for r, j := range rg.jobs {
+		for {
+			st, err := agent.ReadExit(j.ExitPath())
+			if err == nil {
+				b, _ := os.ReadFile(j.StdoutPath())
+				e, _ := os.ReadFile(j.StderrPath())
+				outs[r] = string(b)
+				if st.Code != 0 {
+					t.Errorf("rank %d (job %s) exited %d on %s: %s%s", r, j.ID, st.Code, st.Node, b, e)
+				}
+				break
+			}
+			if time.Now().After(deadline) {
+				b, _ := os.ReadFile(j.StdoutPath())
+				e, _ := os.ReadFile(j.StderrPath())
+				t.Fatalf("rank %d (job %s) did not finish within %s; stdout %q stderr %q", r, j.ID, timeout, tail(string(b)), tail(string(e)))
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	return outs
+}
+
+func tail(s string) string {
+	if len(s) > 300 {
+		return "..." + s[len(s)-300:]
+	}
+	return s
+}
+
+// pid is rank r's job as its host's agent lists it now.
+func (rg *ring) job(t *testing.T, host string, r int) agent.Job {
+	t.Helper()
+	j, err := rg.c.Client(host).Job(context.Background(), rg.jobs[r].ID)
+	if err != nil {
+		t.Fatalf("rank %d on %s: %v", r, host, err)
+	}
+	return j
+}
+
+// checkpoint snapshots rank r's node and waits until the replica is on its protector.
+func (rg *ring) checkpoint(t *testing.T, host string) {
+	t.Helper()
+	reply, err := rg.c.Client(host).Checkpoint(context.Background())
+	if err != nil || reply.Error != "" || len(reply.Results) == 0 || !reply.Results[0].Shipped {
+		t.Fatalf("checkpoint of %s: %+v %v", host, reply, err)
+	}
+}
+
+// waitFailure waits until some live agent reports a finished recovery of node.
+func waitFailure(t *testing.T, c *labcluster.Cluster, node string, timeout time.Duration) *agent.Failure {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	for time.Now().Before(deadline) {
+		for _, h := range c.Lab.State().Hosts {
+			if h.Crashed {
+				continue
+			}
+			fs, err := c.Client(h.Name).Events(context.Background())
+			if err != nil {
+				continue
+			}
+			for _, f := range fs {
+				if f.Node == node && f.Done {
+					return f
+				}
+			}
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	t.Fatalf("no finished recovery of %s within %s", node, timeout)
+	return nil
+}
+
+func logTimeline(t *testing.T, f *agent.Failure) {
+	t.Helper()
+	t.Logf("failure %s: %s -> %s (basic %v) error %q", f.ID, f.Node, f.Target, f.Basic, f.Error)
+	for _, s := range f.Stages {
+		t.Logf("  +%6.3fs %-17s %8s %s %s %s", s.End.Sub(f.LastBeat).Seconds(), s.Name, s.Duration().Round(time.Millisecond), s.Job, s.Detail, s.Error)
+	}
+}
+
+// requireStages checks that a recovery went through every stage without error.
+func requireStages(t *testing.T, f *agent.Failure) {
+	t.Helper()
+	logTimeline(t, f)
+	if f.Error != "" {
+		t.Fatalf("recovery of %s failed: %s", f.Node, f.Error)
+	}
+	seen := map[string]bool{}
+	for _, s := range f.Stages {
+		if s.Error != "" {
+			t.Errorf("stage %s: %s", s.Name, s.Error)
+		}
+		seen[s.Name] = true
+	}
+	for _, want := range []string{agent.StageDetected, agent.StageClaimed, agent.StageFetched, agent.StageRewritten,
+		agent.StageRestored, agent.StageReplayed, agent.StageProtected} {
+		if !seen[want] {
+			t.Errorf("stage %q missing", want)
+		}
+	}
+}
+
+// checkRanks compares every rank's checksum with the failure-free reference.
+func checkRanks(t *testing.T, outs []string, want string) {
+	t.Helper()
+	for r, out := range outs {
+		if got := checksumOf(t, out); got != want {
+			t.Errorf("rank %d checksum %s, failure-free run %s", r, got, want)
+		}
+	}
+}
+
+func TestFailover(t *testing.T) {
+	const block = 64 << 10
+	tests := []struct {
+		name  string
+		iters int
+		delay time.Duration
+		// after is how long the ranks run between the snapshot and the crash.
+		after time.Duration
+		// late: the spare joins the pool only while the job runs (ftctl spare add).
+		late bool
+	}{
+		{name: "right after a snapshot, spare added while running", iters: 250, delay: 10 * time.Millisecond, after: 0, late: true},
+		{name: "long after a snapshot", iters: 400, delay: 10 * time.Millisecond, after: 2 * time.Second},
+		{name: "during heavy traffic", iters: 1500, delay: 0, after: 300 * time.Millisecond},
+	}
+	for i, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			args := ringArgs(tt.iters, block, tt.delay)
+			want := reference(t, 3, args)
+			opts := labcluster.Options{Interval: "1h"}
+			if tt.late {
+				opts.LateSpares = 1
+			}
+			c := newCluster(t, 3, 1, opts)
+			rg := startRing(t, c, 3, 7300+i, args)
+			if tt.late {
+				if st, _ := c.Client("node3").Status(context.Background()); len(st.Members) != 3 {
+					t.Fatalf("the late spare is already a member: %+v", st.Members)
+				}
+				h, _ := c.Lab.Host("spare1")
+				v, err := c.Client("node1").AddSpare(context.Background(), agent.SpareRequest{Name: "spare1", Address: netip.AddrPortFrom(h.Addr.Addr(), labcluster.AgentPort)})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if sp := v.Spares(); len(sp) != 1 || sp[0].Name != "spare1" {
+					t.Fatalf("spares after add: %+v", sp)
+				}
+			}
+			time.Sleep(time.Second)
+			before0, before2 := rg.job(t, "node1", 0), rg.job(t, "node3", 2)
+			rg.checkpoint(t, "node2")
+			time.Sleep(tt.after)
+			if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
+				t.Fatal(err)
+			}
+			f := waitFailure(t, c, "node2", 90*time.Second)
+			requireStages(t, f)
+			if f.Target != "spare1" || f.Basic {
+				t.Errorf("restored on %s (basic %v), want spare1", f.Target, f.Basic)
+			}
+			outs := rg.wait(t, 2*time.Minute)
+			checkRanks(t, outs, want)
+			// The survivors never stopped: same process, never restored.
+			for r, b := range map[int]agent.Job{0: before0, 2: before2} {
+				after := rg.job(t, fmt.Sprintf("node%d", r+1), r)
+				if after.PID != b.PID || after.Restored != "" {
+					t.Errorf("rank %d was disturbed: pid %d -> %d, restored from %q", r, b.PID, after.PID, after.Restored)
+				}
+			}
+			if j := rg.job(t, "spare1", 1); j.Node != "spare1" || j.Restored == "" {
+				t.Errorf("rank 1 on spare1: %+v", j)
+			}
+		})
+	}
+}
+
+// TestSequentialFailures: node2 fails and its rank moves to the spare; then the spare itself (now a node
+// hosting the moved rank) fails, and with no spare left its protector restores the rank itself (basic
+// mode). Then a third failure of another original node, also in basic mode.
+func TestSequentialFailures(t *testing.T) {
+	args := ringArgs(900, 64<<10, 10*time.Millisecond)
+	want := reference(t, 4, args)
+	c := newCluster(t, 4, 1, labcluster.Options{Interval: "1h"})
+	rg := startRing(t, c, 4, 7400, args)
+	ctx := context.Background()
+	time.Sleep(time.Second)
+
+	rg.checkpoint(t, "node2")
+	time.Sleep(time.Second)
+	if err := c.Lab.Crash(ctx, "node2"); err != nil {
+		t.Fatal(err)
+	}
+	f1 := waitFailure(t, c, "node2", 90*time.Second)
+	requireStages(t, f1)
+	if f1.Target != "spare1" {
+		t.Fatalf("first failure restored on %s, want spare1", f1.Target)
+	}
+
+	// spare1 is now a node of the ring in node2's place; its snapshot of the moved rank is on node3.
+	time.Sleep(time.Second)
+	rg.checkpoint(t, "spare1")
+	time.Sleep(time.Second)
+	if err := c.Lab.Crash(ctx, "spare1"); err != nil {
+		t.Fatal(err)
+	}
+	f2 := waitFailure(t, c, "spare1", 90*time.Second)
+	requireStages(t, f2)
+	if f2.Target != "node3" || !f2.Basic {
+		t.Fatalf("second failure restored on %s (basic %v), want node3 in basic mode", f2.Target, f2.Basic)
+	}
+
+	time.Sleep(time.Second)
+	rg.checkpoint(t, "node4")
+	time.Sleep(500 * time.Millisecond)
+	if err := c.Lab.Crash(ctx, "node4"); err != nil {
+		t.Fatal(err)
+	}
+	f3 := waitFailure(t, c, "node4", 90*time.Second)
+	requireStages(t, f3)
+	if f3.Target != "node1" || !f3.Basic {
+		t.Fatalf("third failure restored on %s (basic %v), want node1 in basic mode", f3.Target, f3.Basic)
+	}
+	outs := rg.wait(t, 3*time.Minute)
+	checkRanks(t, outs, want)
+	if b, err := os.ReadFile(filepath.Join(rg.jobDir, rg.jobs[1].ID, "exit")); err == nil && !strings.Contains(string(b), "node3") {
+		t.Errorf("rank 1 should have finished on node3: %s", b)
+	}
+}

@@ -1,0 +1,198 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/detect"
+	"github.com/ftkit/ftkit/ring"
+	"github.com/ftkit/ftkit/spare"
+)
+
+// failover recovers the jobs of a confirmed-failed predecessor (RADIC): pick each job's newest verified
+// replica, claim a spare first-come-first-served (or, with none free, restore on this protector: RADIC's
+// basic mode), hand the failed node's place in the ring and its addresses to the target in a new view,
+// and have the target restore the jobs with the peers' logged bytes replayed.
+func (a *Agent) failover(ctx context.Context, s detect.Suspect, declared time.Time) {
+	id := a.recordFailure(s, declared)
+	a.log.Error("node failed", "node", s.Name, "jobs", s.Jobs, "detection_ms", declared.Sub(s.LastBeat).Milliseconds(), "failure", id)
+	err := a.runFailover(ctx, id, s)
+	a.failures.update(id, func(f *Failure) {
+		f.Done = true
+		if err != nil {
+			f.Error = err.Error()
+		}
+	})
+	a.saveFailures()
+	a.pushView(ctx)
+	if err != nil {
+		a.log.Error("recovery failed: the jobs of the failed node are NOT running", "node", s.Name, "failure", id, "err", err)
+		return
+	}
+	a.log.Info("recovery complete", "node", s.Name, "failure", id)
+}
+
+// recordFailure starts the timeline of a confirmed failure and returns its id.
+func (a *Agent) recordFailure(s detect.Suspect, declared time.Time) string {
+	id := s.Name + "-" + declared.UTC().Format("20060102T150405.000")
+	a.failures.update(id, func(f *Failure) {
+		f.Node, f.Protector, f.LastBeat, f.Detected, f.Jobs = s.Name, a.cfg.Name, s.LastBeat, declared, s.Jobs
+		f.Stages = append(f.Stages, Stage{Name: StageDetected, Host: a.cfg.Name, Start: s.LastBeat, End: declared,
+			Detail: fmt.Sprintf("no heartbeat for %s; direct probe and the other neighbour confirmed", s.Silence.Round(time.Millisecond))})
+		if !a.cfg.Failover.Automatic {
+			f.Done, f.Error = true, "automatic fail-over is off: restore the jobs with ftctl restore"
+		}
+	})
+	a.saveFailures()
+	return id
+}
+
+func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect) error {
+	var jobs []RecoverJob
+	var need spare.Need
+	var errs []error
+	for _, job := range s.Jobs {
+		m, err := a.newestReplica(ctx, job, s.Name)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("job %s: %w", job, err))
+			continue
+		}
+		jobs = append(jobs, RecoverJob{Job: job, Snapshot: m.ID})
+		need.Jobs++
+		need.MemoryBytes += m.TotalSize()
+	}
+	if len(jobs) == 0 {
+		return errors.Join(append(errs, errors.New("no job of the failed node has a verified replica here"))...)
+	}
+	target, basic := a.claimSpare(ctx, id, s.Name, need)
+	v := a.View()
+	var nv ring.View
+	var err error
+	if basic {
+		nv, err = v.Absorb(s.Name, a.cfg.Name)
+	} else {
+		nv, err = v.Replace(s.Name, target)
+	}
+	if err != nil {
+		return fmt.Errorf("new membership view: %w", err)
+	}
+	if _, err := a.adoptView(nv); err != nil {
+		return err
+	}
+	a.failures.update(id, func(f *Failure) { f.Target, f.Basic = target, basic })
+	a.pushView(ctx) // peers must know who holds the failed node's addresses before replay starts
+	failed, _ := v.Member(s.Name)
+	req := RecoverRequest{Failure: id, Failed: s.Name, Addrs: failed.Addrs, Jobs: jobs, Source: a.cfg.Name}
+	emit := func(st Stage) {
+		a.failures.update(id, func(f *Failure) { f.Stages = append(f.Stages, st) })
+		a.saveFailures()
+		a.log.Info("recovery stage", "failure", id, "stage", st.Name, "job", st.Job, "host", st.Host,
+			"ms", st.Duration().Milliseconds(), "detail", st.Detail, "err", st.Error)
+	}
+	if target == a.cfg.Name {
+		err = a.recoverJobs(ctx, req, emit)
+	} else {
+		err = a.remoteRecover(ctx, target, req, emit)
+	}
+	return errors.Join(append(errs, err)...)
+}
+
+// newestReplica is the newest snapshot of job taken on node that this host holds and that verifies.
+func (a *Agent) newestReplica(ctx context.Context, job, node string) (*ckpt.Manifest, error) {
+	ids, err := a.store.List(job, node)
+	if err != nil {
+		return nil, err
+	}
+	var errs []error
+	for _, id := range ids {
+		m, err := a.store.Verify(ctx, job, id)
+		if err == nil {
+			return m, nil
+		}
+		errs = append(errs, err)
+		a.log.Error("replica failed verification; trying an older one", "job", job, "snapshot", id, "err", err)
+	}
+	return nil, errors.Join(append(errs, fmt.Errorf("%w: no verified replica of job %s from %s", ckpt.ErrNotFound, job, node))...)
+}
+
+// claimSpare claims the first free spare that can host the failed node's jobs. With none, it returns this
+// host and basic=true: the jobs restart here (RADIC's basic mode) and the operator is told.
+func (a *Agent) claimSpare(ctx context.Context, failure, failed string, need spare.Need) (target string, basic bool) {
+	start := time.Now()
+	var refusals []string
+	for _, name := range spare.Order(a.View().Spares(), nil) {
+		err := a.requestClaim(ctx, name, spare.Claim{Failure: failure, By: a.cfg.Name, Failed: failed, Need: need, At: start})
+		if err == nil {
+			a.failures.update(failure, func(f *Failure) {
+				f.Stages = append(f.Stages, Stage{Name: StageClaimed, Host: name, Start: start, End: time.Now(),
+					Detail: fmt.Sprintf("%d job(s), %d MB", need.Jobs, need.MemoryBytes>>20)})
+			})
+			return name, false
+		}
+		refusals = append(refusals, fmt.Sprintf("%s: %v", name, err))
+	}
+	detail := "no spare registered"
+	if len(refusals) > 0 {
+		detail = "no spare free (" + strings.Join(refusals, "; ") + ")"
+	}
+	a.log.Error("no spare available: restoring the failed node's jobs on its protector (basic mode); add spares with `ftctl spare add`",
+		"failed", failed, "why", detail)
+	a.failures.update(failure, func(f *Failure) {
+		f.Stages = append(f.Stages, Stage{Name: StageClaimed, Host: a.cfg.Name, Start: start, End: time.Now(),
+			Detail: "basic mode on the protector: " + detail})
+	})
+	return a.cfg.Name, true
+}
+
+func (a *Agent) requestClaim(ctx context.Context, name string, cl spare.Claim) error {
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	c, err := a.dialPeer(ctx, name, opClaim)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(3 * time.Second))
+	var r struct{ Error string }
+	if err := writeHeader(c, cl); err != nil {
+		return err
+	}
+	if err := readHeader(c, &r); err != nil {
+		return err
+	}
+	if r.Error != "" {
+		return errors.New(r.Error)
+	}
+	return nil
+}
+
+// serveClaim answers a claim: a spare accepts one failed node at a time and only if its memory suffices.
+func (a *Agent) serveClaim(c interface {
+	Read([]byte) (int, error)
+	Write([]byte) (int, error)
+}, peer string) {
+	var cl spare.Claim
+	if err := readHeader(c, &cl); err != nil {
+		return
+	}
+	cl.By = peer
+	err := func() error {
+		self, ok := a.member(a.cfg.Name)
+		if !ok || self.Role != ring.RoleSpare || self.State != ring.StateAlive {
+			return fmt.Errorf("%w: %s is not a free spare (role %s)", spare.ErrBusy, a.cfg.Name, self.Role)
+		}
+		avail, err := spare.MemAvailable()
+		if err != nil {
+			return err
+		}
+		return a.claims.Claim(cl, avail)
+	}()
+	writeHeader(c, struct{ Error string }{errString(err)})
+	if err == nil {
+		a.log.Info("spare claimed", "by", peer, "failed", cl.Failed, "failure", cl.Failure, "jobs", cl.Need.Jobs)
+	}
+}

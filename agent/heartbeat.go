@@ -1,0 +1,205 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"net"
+	"syscall"
+	"time"
+
+	"github.com/ftkit/ftkit/detect"
+)
+
+// Failure detection follows RADIC: every node sends heartbeats to its protector (the next node of the
+// ring) over one long-lived authenticated connection; the protector's watchdog suspects its predecessor
+// after heartbeat.timeout of silence (longer while the last beat said the predecessor was checkpointing
+// or restoring, which can stall a host), then confirms before declaring a failure: a direct probe of the
+// suspect's agent, and the suspect's other neighbour is asked whether it still reaches it. Only then does
+// the protector, which holds the suspect's replicas, start the fail-over.
+
+// setBusy records the long operation this host is in ("" when none); heartbeats carry it.
+func (a *Agent) setBusy(what string) func() {
+	a.busy.Store(what)
+	return func() { a.busy.Store("") }
+}
+
+// sendBeats keeps a heartbeat stream to the current protector.
+func (a *Agent) sendBeats(ctx context.Context) {
+	var (
+		c   net.Conn
+		to  string
+		seq uint64
+	)
+	defer func() {
+		if c != nil {
+			c.Close()
+		}
+	}()
+	every(ctx, a.cfg.Heartbeat.Interval.Duration, func() {
+		p, ok := a.protector()
+		if c != nil && (!ok || p.Name != to) {
+			c.Close()
+			c = nil
+		}
+		if !ok {
+			return
+		}
+		if c == nil {
+			dctx, cancel := context.WithTimeout(ctx, a.cfg.Heartbeat.Timeout.Duration)
+			conn, err := a.dialPeer(dctx, p.Name, opHeartbeat)
+			cancel()
+			if err != nil {
+				a.log.Debug("heartbeat: protector unreachable", "protector", p.Name, "err", err)
+				return
+			}
+			c, to = conn, p.Name
+		}
+		seq++
+		busy, _ := a.busy.Load().(string)
+		var jobs []string
+		for _, j := range a.Jobs(0) {
+			if j.State == JobRunning {
+				jobs = append(jobs, j.ID)
+			}
+		}
+		c.SetWriteDeadline(time.Now().Add(a.cfg.Heartbeat.Timeout.Duration))
+		if err := writeHeader(c, detect.Beat{From: a.cfg.Name, Seq: seq, Busy: busy, Jobs: jobs, Sent: time.Now()}); err != nil {
+			a.log.Debug("heartbeat lost", "protector", to, "err", err)
+			c.Close()
+			c = nil
+		}
+	})
+}
+
+// serveBeats records the heartbeats of one member until its stream ends.
+func (a *Agent) serveBeats(c net.Conn, peer string) {
+	for {
+		c.SetReadDeadline(time.Now().Add(4 * a.cfg.Heartbeat.Timeout.Duration))
+		var b detect.Beat
+		if err := readHeaderLarge(c, &b); err != nil {
+			return
+		}
+		b.From = peer // the authenticated name, never what the message says
+		a.watchdog.Beat(b, time.Now())
+	}
+}
+
+// watchPredecessor runs the watchdog over this node's predecessor and starts a fail-over once a suspicion
+// is confirmed.
+func (a *Agent) watchPredecessor(ctx context.Context) {
+	watching := ""
+	every(ctx, a.cfg.Heartbeat.Interval.Duration/2, func() {
+		now := time.Now()
+		pred, ok := a.View().Predecessor(a.cfg.Name)
+		if !ok {
+			pred.Name = ""
+		}
+		if pred.Name != watching {
+			if watching != "" {
+				a.watchdog.Unwatch(watching)
+			}
+			if pred.Name != "" {
+				a.watchdog.Watch(pred.Name, now)
+				a.log.Info("watching predecessor", "node", pred.Name)
+			}
+			watching = pred.Name
+		}
+		for _, s := range a.watchdog.Suspects(now) {
+			if s.Name != watching {
+				continue
+			}
+			a.log.Warn("predecessor suspected", "node", s.Name, "silence", s.Silence.Round(time.Millisecond))
+			if why, alive := a.confirm(ctx, s.Name); alive {
+				a.log.Info("suspicion cleared", "node", s.Name, "why", why)
+				a.watchdog.Clear(s.Name, time.Now())
+				continue
+			}
+			if !a.cfg.Failover.Automatic {
+				a.log.Error("node failed; automatic fail-over is off: restore its jobs with `ftctl restore`", "node", s.Name, "jobs", s.Jobs)
+				a.recordFailure(s, time.Now())
+				continue
+			}
+			go a.failover(context.WithoutCancel(ctx), s, time.Now())
+		}
+	})
+}
+
+// confirm checks a suspect before it is declared failed: it is alive if its host answers a direct probe
+// or if its other neighbour still reaches it. Both questions are asked at once, so confirmation costs one
+// probe timeout.
+func (a *Agent) confirm(ctx context.Context, name string) (why string, alive bool) {
+	type answer struct {
+		why   string
+		alive bool
+	}
+	answers := make(chan answer, 2)
+	go func() {
+		why, ok := a.reaches(ctx, name)
+		answers <- answer{why, ok}
+	}()
+	asked := 1
+	if other, ok := a.View().Predecessor(name); ok && other.Name != a.cfg.Name {
+		asked++
+		go func() {
+			ok := a.askReach(ctx, other.Name, name)
+			answers <- answer{other.Name + " still reaches it", ok}
+		}()
+	}
+	for range asked {
+		if ans := <-answers; ans.alive {
+			return ans.why, true
+		}
+	}
+	return "", false
+}
+
+// askReach asks member via whether it reaches member name.
+func (a *Agent) askReach(ctx context.Context, via, name string) bool {
+	pctx, cancel := context.WithTimeout(ctx, 2*a.cfg.Heartbeat.Timeout.Duration)
+	defer cancel()
+	c, err := a.dialPeer(pctx, via, opProbe)
+	if err != nil {
+		return false // the other neighbour is gone too: nobody reaches the suspect
+	}
+	defer c.Close()
+	if dl, ok := pctx.Deadline(); ok {
+		c.SetDeadline(dl)
+	}
+	var r probeMessage
+	if writeHeader(c, probeMessage{Name: name}) != nil || readHeader(c, &r) != nil {
+		return false
+	}
+	return r.Reachable
+}
+
+// probeMessage asks a member whether it reaches Name, and carries the answer.
+type probeMessage struct {
+	Name      string `json:"name"`
+	Reachable bool   `json:"reachable"`
+}
+
+func (a *Agent) serveProbe(c net.Conn) {
+	var req probeMessage
+	if err := readHeader(c, &req); err != nil {
+		return
+	}
+	_, ok := a.reaches(context.Background(), req.Name)
+	writeHeader(c, probeMessage{Name: req.Name, Reachable: ok})
+}
+
+// reaches reports whether member name's host is up: its agent answers a ping within the heartbeat timeout,
+// or its kernel refuses the connection. A refusal means the host runs but its agent does not (crashed or
+// restarting): its jobs run on under their shims, so restoring them elsewhere would run them twice.
+func (a *Agent) reaches(ctx context.Context, name string) (why string, ok bool) {
+	pctx, cancel := context.WithTimeout(ctx, a.cfg.Heartbeat.Timeout.Duration)
+	defer cancel()
+	_, err := a.Ping(pctx, name)
+	switch {
+	case err == nil:
+		return "its agent answered a direct probe", true
+	case errors.Is(err, syscall.ECONNREFUSED):
+		a.log.Warn("the host answers but its agent does not: not failing over; restart ftagent there", "node", name)
+		return "its host refused the connection (up, agent down)", true
+	}
+	return "", false
+}

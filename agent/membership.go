@@ -1,0 +1,172 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"net/netip"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/ftkit/ftkit/ring"
+)
+
+// The membership view (who is a node, who is a spare, who failed, which host holds which address) starts
+// from the configuration file and then changes with failures and spare registrations. Every agent keeps
+// the newest view it has seen on disk (a restarted agent finds it) and pushes a newer one to every member,
+// so the views converge (ring.Newer decides between two).
+
+const viewFile = "view.json"
+
+type membership struct {
+	mu   sync.Mutex
+	view ring.View
+	path string
+}
+
+func (a *Agent) loadView() error {
+	a.members.path = filepath.Join(a.cfg.StateDir, viewFile)
+	v, err := ring.Load(a.members.path)
+	if errors.Is(err, fs.ErrNotExist) {
+		var ms []ring.Member
+		for _, m := range a.cfg.Cluster.Members {
+			ms = append(ms, ring.Member{Name: m.Name, Address: m.Address, Role: ring.Role(m.Role), State: ring.StateAlive})
+		}
+		v, err = ring.New(ms)
+	}
+	if err != nil {
+		return fmt.Errorf("membership view %s: %w (remove it to start again from the configuration)", a.members.path, err)
+	}
+	a.members.view = v
+	return nil
+}
+
+// View returns the current membership view.
+func (a *Agent) View() ring.View {
+	a.members.mu.Lock()
+	defer a.members.mu.Unlock()
+	return a.members.view
+}
+
+// adoptView replaces the view if v is newer, saving it first. It reports whether v was adopted.
+func (a *Agent) adoptView(v ring.View) (bool, error) {
+	a.members.mu.Lock()
+	defer a.members.mu.Unlock()
+	if !ring.Newer(a.members.view, v) {
+		return false, nil
+	}
+	if err := ring.Save(a.members.path, v); err != nil {
+		return false, fmt.Errorf("save membership view: %w", err)
+	}
+	a.log.Info("membership view changed", "epoch", v.Epoch, "ring", ringNames(v))
+	a.members.view = v
+	return true, nil
+}
+
+func ringNames(v ring.View) []string {
+	var out []string
+	for _, m := range v.Ring() {
+		out = append(out, m.Name)
+	}
+	return out
+}
+
+// member is the member with this name in the current view, failed or not (its certificate stays valid:
+// a failed node's agent may come back and must be able to learn that it was replaced).
+func (a *Agent) member(name string) (ring.Member, bool) {
+	return a.View().Member(name)
+}
+
+// memberByIP is the alive cluster member that holds host address ip now ("" if none).
+func (a *Agent) memberByIP(ip netip.Addr) string {
+	name, _ := a.View().Owner(ip.Unmap())
+	return name
+}
+
+// protector is this host's protector in the current view.
+func (a *Agent) protector() (ring.Member, bool) {
+	return a.View().Protector(a.cfg.Name)
+}
+
+// serveView answers a view pushed by another agent with our own view after adopting the newer one: the
+// caller learns of a newer view in the same round trip.
+func (a *Agent) serveView(c io.ReadWriter, peer string) {
+	var in viewMessage
+	if err := readHeaderLarge(c, &in); err != nil {
+		a.log.Warn("bad view from peer", "peer", peer, "err", err)
+		return
+	}
+	if v, err := ring.Decode(in.View); err != nil {
+		a.log.Warn("view from peer refused", "peer", peer, "err", err)
+	} else if _, err := a.adoptView(v); err != nil {
+		a.log.Error("adopt view", "err", err)
+	}
+	for _, f := range in.Failures {
+		a.failures.merge(f)
+	}
+	a.saveFailures()
+	writeHeader(c, a.viewMessage())
+}
+
+// viewMessage carries the view and the failure timelines, so that every agent can show them.
+type viewMessage struct {
+	View     []byte     `json:"view"`
+	Failures []*Failure `json:"failures,omitempty"`
+}
+
+func (a *Agent) viewMessage() viewMessage {
+	b, _ := ring.Encode(a.View())
+	return viewMessage{View: b, Failures: a.failures.list()}
+}
+
+// pushView sends the current view and failure timelines to every other alive member and adopts any newer
+// view they answer with. Members that do not answer learn it later (at their next push or when they ask).
+func (a *Agent) pushView(ctx context.Context) {
+	var wg sync.WaitGroup
+	for _, m := range a.View().Members {
+		if m.Name == a.cfg.Name || m.State != ring.StateAlive {
+			continue
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if err := a.exchangeView(ctx, m.Name); err != nil {
+				a.log.Debug("view not delivered", "member", m.Name, "err", err)
+			}
+		}()
+	}
+	wg.Wait()
+}
+
+func (a *Agent) exchangeView(ctx context.Context, name string) error {
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	c, err := a.dialPeer(ctx, name, opView)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(3 * time.Second))
+	if err := writeHeader(c, a.viewMessage()); err != nil {
+		return err
+	}
+	var in viewMessage
+	if err := readHeaderLarge(c, &in); err != nil {
+		return err
+	}
+	v, err := ring.Decode(in.View)
+	if err != nil {
+		return err
+	}
+	if _, err := a.adoptView(v); err != nil {
+		return err
+	}
+	for _, f := range in.Failures {
+		a.failures.merge(f)
+	}
+	a.saveFailures()
+	return nil
+}

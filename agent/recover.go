@@ -1,0 +1,317 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"slices"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/restore"
+)
+
+// RecoverJob names one job of a failed node and the snapshot to restore it from.
+type RecoverJob struct {
+	Job      string `json:"job"`
+	Snapshot string `json:"snapshot"`
+}
+
+// RecoverRequest asks a host (a claimed spare, or the protector itself) to take over a failed node's jobs.
+type RecoverRequest struct {
+	Failure string       `json:"failure"`
+	Failed  string       `json:"failed"`
+	Addrs   []netip.Addr `json:"addrs"` // the failed node's host addresses, taken over by the target
+	Jobs    []RecoverJob `json:"jobs"`
+	Source  string       `json:"source"` // the member holding the replicas
+}
+
+// recoverMessage is one line of a recovery's progress stream: a stage, or the end.
+type recoverMessage struct {
+	Stage *Stage `json:"stage,omitempty"`
+	Done  bool   `json:"done,omitempty"`
+	Error string `json:"error,omitempty"`
+}
+
+// replayTimeout bounds how long a recovery waits for restored jobs to re-send what their peers had.
+const replayTimeout = 2 * time.Minute
+
+// remoteRecover has target run the recovery and relays its stages.
+func (a *Agent) remoteRecover(ctx context.Context, target string, req RecoverRequest, emit func(Stage)) error {
+	c, err := a.dialPeer(ctx, target, opRecover)
+	if err != nil {
+		return fmt.Errorf("ask %s to recover: %w", target, err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(30 * time.Minute))
+	if err := writeHeader(c, req); err != nil {
+		return err
+	}
+	for {
+		var m recoverMessage
+		if err := readHeaderLarge(c, &m); err != nil {
+			return fmt.Errorf("recovery on %s: progress stream ended: %w", target, err)
+		}
+		if m.Stage != nil {
+			emit(*m.Stage)
+		}
+		if m.Done {
+			if m.Error != "" {
+				return fmt.Errorf("recovery on %s: %s", target, m.Error)
+			}
+			return nil
+		}
+	}
+}
+
+func (a *Agent) serveRecover(ctx context.Context, c net.Conn, peer string) {
+	var req RecoverRequest
+	if err := readHeaderLarge(c, &req); err != nil {
+		a.log.Warn("bad recovery request", "peer", peer, "err", err)
+		return
+	}
+	if cl, ok := a.claims.Current(); !ok || cl.Failure != req.Failure {
+		writeHeader(c, recoverMessage{Done: true, Error: fmt.Sprintf("%s was not claimed for failure %s", a.cfg.Name, req.Failure)})
+		return
+	}
+	req.Source = peer
+	err := a.recoverJobs(ctx, req, func(s Stage) { writeHeader(c, recoverMessage{Stage: &s}) })
+	writeHeader(c, recoverMessage{Done: true, Error: errString(err)})
+}
+
+// restoring is one job on its way back.
+type restoring struct {
+	m     *ckpt.Manifest
+	job   Job
+	work  string
+	plan  restore.Plan
+	runID string
+	// restoredAt is when CRIU's restore returned: replay is measured from there.
+	restoredAt time.Time
+}
+
+// recoverJobs restores a failed node's jobs on this host: fetch each snapshot, ask each peer for the bytes
+// it sent since the snapshot's receive point and for its live TCP state, rewrite the images, guard the
+// connections, take over the failed node's addresses, restore, announce, wait until the restored jobs
+// have re-sent what their peers already had, then snapshot them again (re-protection).
+func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(Stage)) error {
+	defer a.setBusy("restore")()
+	stage := func(name, job string, start time.Time, detail string, err error) {
+		emit(Stage{Name: name, Job: job, Host: a.cfg.Name, Start: start, End: time.Now(), Detail: detail, Error: errString(err)})
+	}
+	iface, own, err := hostInterface(a.cfg.Cluster.Listen.Addr())
+	if err != nil {
+		return err
+	}
+	var jobs []*restoring
+	var errs []error
+	for _, rj := range req.Jobs {
+		start := time.Now()
+		r, err := a.prepareRecovery(ctx, req, rj)
+		detail := ""
+		if r != nil {
+			detail = fmt.Sprintf("%d MB from %s", r.m.TotalSize()>>20, req.Source)
+		}
+		stage(StageFetched, rj.Job, start, detail, err)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("job %s: %w", rj.Job, err))
+			continue
+		}
+		start = time.Now()
+		err = a.planRecovery(ctx, req, r)
+		if err == nil {
+			err = restore.Rewrite(r.work, r.plan)
+		}
+		stage(StageRewritten, rj.Job, start, planSummary(r.plan), err)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("job %s is not transparently recoverable: %w", rj.Job, err))
+			continue
+		}
+		jobs = append(jobs, r)
+	}
+	if len(jobs) == 0 {
+		return errors.Join(append(errs, errors.New("no job could be prepared"))...)
+	}
+	// The network guard goes up before the address: until CRIU has rebuilt the sockets, the peers'
+	// retransmissions to the taken-over address must be dropped, never answered with a RST.
+	initCwnd := 10
+	for _, r := range jobs {
+		if err := restore.Guard(ctx, r.runID, r.m.Conns); err != nil {
+			return fmt.Errorf("guard connections of job %s: %w", r.job.ID, err)
+		}
+		initCwnd = max(initCwnd, r.plan.InitCwnd)
+	}
+	for _, ip := range req.Addrs {
+		if err := restore.TakeOver(iface, netip.PrefixFrom(ip, own.Bits())); err != nil {
+			return fmt.Errorf("take over address %s: %w", ip, err)
+		}
+	}
+	if err := restore.SetInitCwnd(iface, initCwnd); err != nil {
+		a.log.Warn("could not raise the initial congestion window; re-sent bytes may stall", "err", err)
+	}
+	var restored []*restoring
+	for _, r := range jobs {
+		start := time.Now()
+		_, err := a.restoreJob(ctx, r.m, r.job, r.work)
+		r.restoredAt = time.Now()
+		stage(StageRestored, r.job.ID, start, "", err)
+		if err != nil {
+			restore.Unguard(ctx, r.runID)
+			errs = append(errs, fmt.Errorf("job %s: %w", r.job.ID, err))
+			continue
+		}
+		restored = append(restored, r)
+	}
+	for _, ip := range req.Addrs {
+		if err := restore.Announce(ctx, iface, ip); err != nil {
+			a.log.Warn("gratuitous ARP failed; peers find the address when their neighbour entries expire", "addr", ip, "err", err)
+		}
+	}
+	for _, r := range restored {
+		detail, err := a.waitReplay(ctx, r)
+		stage(StageReplayed, r.job.ID, r.restoredAt, detail, err)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("job %s: %w", r.job.ID, err))
+		}
+	}
+	if len(restored) > 0 {
+		start := time.Now()
+		var ids []string
+		for _, r := range restored {
+			ids = append(ids, r.job.ID)
+		}
+		res, err := a.Checkpoint(ctx, ids, 0)
+		detail := ""
+		for _, s := range res {
+			if !s.Shipped && err == nil {
+				err = errors.New(s.ShipErr)
+			}
+			detail = fmt.Sprintf("snapshot %s shipped", s.Manifest.ID)
+		}
+		if p, ok := a.protector(); ok {
+			detail += " to " + p.Name
+		}
+		stage(StageProtected, "", start, detail, err)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("re-protect: %w", err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// prepareRecovery fetches and verifies a snapshot and lays out a working copy of its images.
+func (a *Agent) prepareRecovery(ctx context.Context, req RecoverRequest, rj RecoverJob) (*restoring, error) {
+	if _, err := a.store.Manifest(rj.Job, rj.Snapshot); err != nil {
+		if err := a.fetchFrom(ctx, req.Source, rj.Job, rj.Snapshot); err != nil {
+			return nil, err
+		}
+	}
+	m, err := a.store.Verify(ctx, rj.Job, rj.Snapshot)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrCorruptSnapshot, err)
+	}
+	j, err := a.snapshotJob(m)
+	if err != nil {
+		return nil, err
+	}
+	work, err := a.workCopy(m)
+	if err != nil {
+		return nil, err
+	}
+	runID, err := restore.RunID(work)
+	if err != nil {
+		return nil, err
+	}
+	return &restoring{m: m, job: j, work: work, runID: runID}, nil
+}
+
+// planRecovery asks every peer of the job's connections for what it sent since the snapshot and for its
+// live state, and computes the image edits.
+func (a *Agent) planRecovery(ctx context.Context, req RecoverRequest, r *restoring) error {
+	peers := map[restore.ConnKey]restore.Peer{}
+	var conns []ckpt.Conn
+	var errs []error
+	for _, c := range r.m.Conns {
+		if slices.Contains(req.Addrs, c.Remote.Addr().Unmap()) {
+			continue // both ends were on the failed node: restored from the same node snapshot
+		}
+		owner := a.memberByIP(c.Remote.Addr())
+		if owner == "" {
+			errs = append(errs, fmt.Errorf("connection %s -> %s: the peer is not a cluster member, so nobody logged what it sent", c.Local, c.Remote))
+			continue
+		}
+		qctx, cancel := context.WithTimeout(ctx, time.Minute)
+		asked := time.Now()
+		reply, data, err := a.LogRange(qctx, owner, LogRangeRequest{Src: c.Remote, Dst: c.Local, From: c.InqSeq})
+		cancel()
+		if err != nil {
+			errs = append(errs, fmt.Errorf("connection %s -> %s: log of %s: %w", c.Local, c.Remote, owner, err))
+			continue
+		}
+		if reply.Live == nil {
+			errs = append(errs, fmt.Errorf("connection %s -> %s: %s has no live state of it", c.Local, c.Remote, owner))
+			continue
+		}
+		conns = append(conns, c)
+		peers[restore.ConnKey{Local: c.Local, Remote: c.Remote}] = restore.Peer{
+			Live: *reply.Live, LiveAge: reply.LiveAge + time.Since(asked), Logged: data,
+		}
+	}
+	if len(errs) > 0 {
+		return errors.Join(errs...)
+	}
+	plan, err := restore.NewPlan(conns, peers, restoredSegmentBytes)
+	r.plan = plan
+	return err
+}
+
+func planSummary(p restore.Plan) string {
+	var inject, resend int64
+	for _, c := range p.Conns {
+		inject += int64(len(c.Inject))
+		resend += int64(c.Resend)
+	}
+	return fmt.Sprintf("%d connection(s): %d bytes injected, %d bytes to re-send, initcwnd %d", len(p.Conns), inject, resend, p.InitCwnd)
+}
+
+// waitReplay waits until every restored connection has re-sent the bytes its peer already had: from then
+// on the job produces new bytes, and the peers' TCP discarded the re-sent ones as duplicates.
+func (a *Agent) waitReplay(ctx context.Context, r *restoring) (string, error) {
+	if a.netlog == nil {
+		return "not measured (the sender-side log is off on this host)", nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, replayTimeout)
+	defer cancel()
+	var total int64
+	for _, c := range r.plan.Conns {
+		if c.Resend == 0 {
+			continue
+		}
+		total += int64(c.Resend)
+		target := c.Conn.OutqSeq + c.Resend
+		for {
+			st, ok, err := a.netlog.cap.FlowState(netlog.Conn{Src: c.Conn.Local, Dst: c.Conn.Remote})
+			if err == nil && ok && int32(st.SndNxt-target) >= 0 {
+				break
+			}
+			if cur, _, _ := a.Job(r.job.ID, 0); cur.State != JobRunning {
+				return "", fmt.Errorf("job %s ended (%s) before it re-sent what %s had", r.job.ID, cur.State, c.Conn.Remote)
+			}
+			select {
+			case <-ctx.Done():
+				return "", fmt.Errorf("connection %s -> %s: re-sent bytes did not reach the peer's receive point %d within %s", c.Conn.Local, c.Conn.Remote, target, replayTimeout)
+			case <-time.After(5 * time.Millisecond):
+			}
+		}
+	}
+	return fmt.Sprintf("%d bytes re-sent and discarded by the peers", total), nil
+}
+
+// restoredSegmentBytes is the payload per segment of a socket CRIU restored: CRIU sets the MSS clamp
+// (TCP_REPAIR_OPTIONS) after the repair-mode connect has computed the MSS, so the socket keeps the kernel's
+// 536-byte default less the 12-byte timestamp option (measured here: ss shows mss:524 on restored
+// sockets whose peers use 1448). The initial congestion window is sized with it.
+const restoredSegmentBytes = 536 - 12

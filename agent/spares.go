@@ -1,0 +1,59 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"time"
+
+	"github.com/ftkit/ftkit/internal/clustertls"
+	"github.com/ftkit/ftkit/ring"
+)
+
+// SpareRequest registers a spare host while jobs run. Its agent must already run with a certificate of the
+// cluster CA whose common name is Name.
+type SpareRequest struct {
+	Name    string         `json:"name"`
+	Address netip.AddrPort `json:"address"`
+}
+
+// AddSpare checks that the spare's agent answers as Name at Address, adds it to the spare pool (the end of
+// the first-come-first-served order) in a new view, and sends that view to every member.
+func (a *Agent) AddSpare(ctx context.Context, req SpareRequest) (ring.View, error) {
+	if req.Name == "" || !req.Address.IsValid() {
+		return ring.View{}, fmt.Errorf("a spare needs a name and an address ip:port")
+	}
+	if _, ok := a.member(req.Name); ok {
+		return ring.View{}, fmt.Errorf("%s is already a member; a repaired host rejoins under a new name", req.Name)
+	}
+	pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	cfg := a.tlsConfig()
+	cfg.Members = func(name string) bool { return name == req.Name }
+	c, err := clustertls.Dial(pctx, req.Address.String(), req.Name, cfg)
+	if err != nil {
+		return ring.View{}, fmt.Errorf("the spare's agent does not answer as %s at %s (is ftagent running there with a certificate of this cluster's CA?): %w", req.Name, req.Address, err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	var r PingReply
+	if err := writeHeader(c, clusterRequest{Op: opPing}); err != nil {
+		return ring.View{}, err
+	}
+	if err := readHeader(c, &r); err != nil {
+		return ring.View{}, fmt.Errorf("ping the spare %s: %w (its configuration must list this member, %s)", req.Name, err, a.cfg.Name)
+	}
+	if len(r.Jobs) > 0 {
+		return ring.View{}, fmt.Errorf("%s runs jobs %v: a spare must be idle", req.Name, r.Jobs)
+	}
+	nv, err := a.View().AddSpare(ring.Member{Name: req.Name, Address: req.Address, Role: ring.RoleSpare, State: ring.StateAlive})
+	if err != nil {
+		return ring.View{}, err
+	}
+	if _, err := a.adoptView(nv); err != nil {
+		return ring.View{}, err
+	}
+	a.log.Info("spare registered", "spare", req.Name, "address", req.Address, "epoch", nv.Epoch)
+	a.pushView(ctx)
+	return a.View(), nil
+}

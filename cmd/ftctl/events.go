@@ -1,0 +1,104 @@
+package main
+
+import (
+	"fmt"
+	"io"
+	"sort"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/internal/cli"
+)
+
+func newEventsCmd(t *target) *cobra.Command {
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "events",
+		Short: "The timeline of every node failure: detected, spare claimed, fetched, rewritten, restored, replayed, re-protected",
+		Long: `Show each node failure the cluster has handled, with the duration of every recovery stage.
+Every agent keeps a copy (the protector that handled a failure sends it to all members), so any live
+host answers; with a lab, the copies of all live hosts are merged.`,
+		Args: cli.Args(cobra.NoArgs),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			cs, err := t.clients()
+			if err != nil {
+				return err
+			}
+			byID := map[string]*agent.Failure{}
+			var errs int
+			for _, c := range cs {
+				fs, err := c.client.Events(cmd.Context())
+				if err != nil {
+					errs++
+					continue
+				}
+				for _, f := range fs {
+					if cur, ok := byID[f.ID]; !ok || f.Updated.After(cur.Updated) {
+						byID[f.ID] = f
+					}
+				}
+			}
+			if errs == len(cs) {
+				return agentErr(fmt.Errorf("no agent answered: %w", agent.ErrAgentUnavailable))
+			}
+			all := make([]*agent.Failure, 0, len(byID))
+			for _, f := range byID {
+				all = append(all, f)
+			}
+			sort.Slice(all, func(i, j int) bool { return all[i].Detected.Before(all[j].Detected) })
+			if asJSON {
+				return cli.PrintJSON(cmd.OutOrStdout(), all)
+			}
+			if len(all) == 0 {
+				fmt.Fprintln(cmd.OutOrStdout(), "no failures")
+				return nil
+			}
+			for _, f := range all {
+				printFailure(cmd.OutOrStdout(), f)
+			}
+			return nil
+		},
+	}
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+// printFailure prints one failure's timeline, each stage with its offset from the last heartbeat and its
+// duration.
+func printFailure(w io.Writer, f *agent.Failure) {
+	state := "recovered"
+	switch {
+	case !f.Done:
+		state = "recovering"
+	case f.Error != "":
+		state = "NOT RECOVERED"
+	}
+	mode := "on spare " + f.Target
+	if f.Basic {
+		mode = "on protector " + f.Target + " (basic mode: no spare was free)"
+	}
+	fmt.Fprintf(w, "failure %s: node %s, jobs %v, %s, %s\n", f.ID, f.Node, f.Jobs, mode, state)
+	t0 := f.LastBeat
+	for _, s := range f.Stages {
+		line := fmt.Sprintf("  +%7.3fs  %-17s %8s", s.End.Sub(t0).Seconds(), s.Name, s.Duration().Round(time.Millisecond))
+		if s.Job != "" {
+			line += "  job " + s.Job
+		}
+		line += "  on " + s.Host
+		if s.Detail != "" {
+			line += "  (" + s.Detail + ")"
+		}
+		if s.Error != "" {
+			line += "  ERROR: " + s.Error
+		}
+		fmt.Fprintln(w, line)
+	}
+	if f.Done && len(f.Stages) > 0 {
+		fmt.Fprintf(w, "  total from the last heartbeat: %s\n", f.Stages[len(f.Stages)-1].End.Sub(t0).Round(time.Millisecond))
+	}
+	if f.Error != "" {
+		fmt.Fprintf(w, "  error: %s\n", f.Error)
+	}
+}

@@ -1,0 +1,179 @@
+// Package detect is the protector's watchdog over the node it protects (RADIC: every node sends
+// heartbeats to the next node in the ring, whose watchdog raises a suspicion when they stop).
+//
+// It is a pure state machine: the caller passes the current time to every call and owns the clock, the
+// network and the follow-up. A suspicion is not a failure: RADIC confirms it first (a silent sender may
+// just be checkpointing or restarting), so a suspect is reported once and stays quiet until the caller
+// clears it (it answered) or a new beat arrives.
+package detect
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+)
+
+// Long operations a sender may announce in Beat.Busy: during them it may be unable to send beats on
+// time (a CRIU dump freezes the sender's jobs, a restore loads them), and RADIC does not take that
+// silence for a failure.
+const (
+	BusyCheckpoint = "checkpoint"
+	BusyRestore    = "restore"
+)
+
+// Beat is one heartbeat.
+type Beat struct {
+	From string    `json:"from"`
+	Seq  uint64    `json:"seq"`
+	Busy string    `json:"busy,omitempty"` // "", BusyCheckpoint or BusyRestore
+	Jobs []string  `json:"jobs,omitempty"` // jobs running on the sender: what to restore if it fails
+	Sent time.Time `json:"sent"`           // sender's clock; only compared with the same sender's beats
+}
+
+// Config sets how long silence is tolerated.
+type Config struct {
+	Timeout   time.Duration // silence before suspecting
+	BusyGrace time.Duration // extra silence allowed while the last beat said Busy
+}
+
+// Validate checks the configuration; the watchdog needs a positive Timeout and a non-negative BusyGrace.
+func (c Config) Validate() error {
+	var errs []error
+	if c.Timeout <= 0 {
+		errs = append(errs, fmt.Errorf("heartbeat timeout %s must be positive", c.Timeout))
+	}
+	if c.BusyGrace < 0 {
+		errs = append(errs, fmt.Errorf("heartbeat busy grace %s must not be negative", c.BusyGrace))
+	}
+	return errors.Join(errs...)
+}
+
+// Suspect is a watched member that has been silent too long.
+type Suspect struct {
+	Name     string
+	LastBeat time.Time     // when its last beat arrived (zero if none ever did)
+	Silence  time.Duration // since its last beat, or since watching started if later
+	Jobs     []string      // from its last beat
+}
+
+type beat struct {
+	b  Beat
+	at time.Time
+}
+
+type watch struct {
+	since     time.Time // silence counts from max(since, last beat's arrival)
+	suspected bool
+}
+
+// Watchdog tracks heartbeats and the members being watched. It is safe for concurrent use.
+type Watchdog struct {
+	cfg     Config
+	mu      sync.Mutex
+	last    map[string]beat
+	watched map[string]*watch
+}
+
+// NewWatchdog returns a watchdog watching nobody. cfg should pass Validate: with a non-positive Timeout
+// every watched member is suspected as soon as any time passes.
+func NewWatchdog(cfg Config) *Watchdog {
+	return &Watchdog{cfg: cfg, last: map[string]beat{}, watched: map[string]*watch{}}
+}
+
+// Watch starts (or restarts) watching name, typically when the ring makes it our predecessor. Its silence
+// counts from now, even if an older beat is known: the ring change, not the member, is what is new.
+func (w *Watchdog) Watch(name string, now time.Time) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.watched[name] = &watch{since: now}
+}
+
+// Unwatch stops watching name; its last beat is kept.
+func (w *Watchdog) Unwatch(name string) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	delete(w.watched, name)
+}
+
+// Beat records a heartbeat that arrived at now, from a watched member or not (a ring change may make
+// the sender watched later). A beat older than the last one recorded from the same sender (a lower or
+// equal Seq, not sent later) is a duplicate or arrived out of order and is ignored; a lower Seq sent later
+// is a restarted sender and is recorded. A recorded beat ends any suspicion of its sender.
+func (w *Watchdog) Beat(b Beat, now time.Time) {
+	if b.From == "" {
+		return
+	}
+	b.Jobs = slices.Clone(b.Jobs)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if prev, ok := w.last[b.From]; ok && b.Seq <= prev.b.Seq && !b.Sent.After(prev.b.Sent) {
+		return
+	}
+	w.last[b.From] = beat{b: b, at: now}
+	if wt := w.watched[b.From]; wt != nil {
+		wt.suspected = false
+	}
+}
+
+// Last returns name's last recorded beat and when it arrived.
+func (w *Watchdog) Last(name string) (Beat, time.Time, bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	l, ok := w.last[name]
+	if !ok {
+		return Beat{}, time.Time{}, false
+	}
+	b := l.b
+	b.Jobs = slices.Clone(b.Jobs)
+	return b, l.at, true
+}
+
+// Suspects returns, sorted by name, the watched members silent for longer than Timeout, or than
+// Timeout+BusyGrace if their last beat announced a long operation. Each suspicion is reported once,
+// until Clear or a new beat from the suspect ends it.
+func (w *Watchdog) Suspects(now time.Time) []Suspect {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	var out []Suspect
+	for name, wt := range w.watched {
+		if wt.suspected {
+			continue
+		}
+		from, limit := wt.since, w.cfg.Timeout
+		l, heard := w.last[name]
+		if heard {
+			if l.at.After(from) {
+				from = l.at
+			}
+			if l.b.Busy != "" {
+				limit += w.cfg.BusyGrace
+			}
+		}
+		silence := now.Sub(from)
+		if silence <= limit {
+			continue
+		}
+		wt.suspected = true
+		s := Suspect{Name: name, Silence: silence}
+		if heard {
+			s.LastBeat, s.Jobs = l.at, slices.Clone(l.b.Jobs)
+		}
+		out = append(out, s)
+	}
+	slices.SortFunc(out, func(a, b Suspect) int { return strings.Compare(a.Name, b.Name) })
+	return out
+}
+
+// Clear ends a suspicion that confirmation refuted (the suspect answered): its silence counts from now,
+// and it will be suspected again only after another full timeout. Clearing a name not watched does
+// nothing.
+func (w *Watchdog) Clear(name string, now time.Time) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if wt := w.watched[name]; wt != nil {
+		*wt = watch{since: now}
+	}
+}

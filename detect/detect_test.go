@@ -1,0 +1,235 @@
+package detect
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+var t0 = time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC)
+
+func at(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
+
+// step is one call on the watchdog at t0+ms. For "suspects", want lists the expected suspects as
+// "name/silence-ms/lastbeat-ms/jobs" (lastbeat -1: never heard).
+type step struct {
+	ms   int
+	op   string // watch, unwatch, beat, clear, suspects
+	name string
+	seq  uint64
+	sent int // ms, sender's clock
+	busy string
+	jobs []string
+	want []string
+}
+
+func TestWatchdog(t *testing.T) {
+	cfg := Config{Timeout: 3 * time.Second, BusyGrace: 10 * time.Second}
+	for _, tc := range []struct {
+		name  string
+		steps []step
+	}{
+		{"beats keep it quiet", []step{
+			{ms: 0, op: "watch", name: "n1"},
+			{ms: 1000, op: "beat", name: "n1", seq: 1, sent: 1000, jobs: []string{"j1"}},
+			{ms: 3500, op: "suspects"},
+			{ms: 4000, op: "beat", name: "n1", seq: 2, sent: 4000, jobs: []string{"j1"}},
+			{ms: 7000, op: "suspects"}, // exactly Timeout: not yet
+		}},
+		{"silence after beats", []step{
+			{ms: 0, op: "watch", name: "n1"},
+			{ms: 1000, op: "beat", name: "n1", seq: 1, sent: 1000, jobs: []string{"j1", "j2"}},
+			{ms: 4001, op: "suspects", want: []string{"n1/3001/1000/j1,j2"}},
+			{ms: 9000, op: "suspects"}, // reported once
+		}},
+		{"never heard: silence counts from watch", []step{
+			{ms: 500, op: "watch", name: "n1"},
+			{ms: 3500, op: "suspects"},
+			{ms: 3501, op: "suspects", want: []string{"n1/3001/-1/"}},
+		}},
+		{"watch restarts silence despite an older beat", []step{
+			{ms: 0, op: "beat", name: "n1", seq: 1, sent: 0},
+			{ms: 5000, op: "watch", name: "n1"},
+			{ms: 7000, op: "suspects"},
+			{ms: 8001, op: "suspects", want: []string{"n1/3001/0/"}},
+		}},
+		{"re-watch ends a suspicion", []step{
+			{ms: 0, op: "watch", name: "n1"},
+			{ms: 4000, op: "suspects", want: []string{"n1/4000/-1/"}},
+			{ms: 4000, op: "watch", name: "n1"},
+			{ms: 7001, op: "suspects", want: []string{"n1/3001/-1/"}},
+		}},
+		{"busy beat extends the limit", []step{
+			{ms: 0, op: "watch", name: "n1"},
+			{ms: 0, op: "beat", name: "n1", seq: 1, sent: 0, busy: BusyCheckpoint},
+			{ms: 13000, op: "suspects"},
+			{ms: 13001, op: "suspects", want: []string{"n1/13001/0/"}},
+		}},
+		{"not busy any more", []step{
+			{ms: 0, op: "watch", name: "n1"},
+			{ms: 0, op: "beat", name: "n1", seq: 1, sent: 0, busy: BusyRestore},
+			{ms: 1000, op: "beat", name: "n1", seq: 2, sent: 1000},
+			{ms: 4001, op: "suspects", want: []string{"n1/3001/1000/"}},
+		}},
+		{"new beat ends a suspicion", []step{
+			{ms: 0, op: "watch", name: "n1"},
+			{ms: 3001, op: "suspects", want: []string{"n1/3001/-1/"}},
+			{ms: 3500, op: "beat", name: "n1", seq: 1, sent: 3500, jobs: []string{"j"}},
+			{ms: 6500, op: "suspects"},
+			{ms: 6501, op: "suspects", want: []string{"n1/3001/3500/j"}},
+		}},
+		{"clear restarts silence", []step{
+			{ms: 0, op: "watch", name: "n1"},
+			{ms: 0, op: "beat", name: "n1", seq: 1, sent: 0, jobs: []string{"j"}},
+			{ms: 3001, op: "suspects", want: []string{"n1/3001/0/j"}},
+			{ms: 5000, op: "clear", name: "n1"},
+			{ms: 8000, op: "suspects"},
+			{ms: 8001, op: "suspects", want: []string{"n1/3001/0/j"}},
+		}},
+		{"clear of an unwatched name does nothing", []step{
+			{ms: 0, op: "clear", name: "n9"},
+			{ms: 10000, op: "suspects"},
+		}},
+		{"unwatched is never suspected", []step{
+			{ms: 0, op: "watch", name: "n1"},
+			{ms: 0, op: "watch", name: "n2"},
+			{ms: 1000, op: "unwatch", name: "n1"},
+			{ms: 5000, op: "suspects", want: []string{"n2/5000/-1/"}},
+		}},
+		{"several suspects sorted", []step{
+			{ms: 0, op: "watch", name: "n3"},
+			{ms: 0, op: "watch", name: "n1"},
+			{ms: 0, op: "watch", name: "n2"},
+			{ms: 2000, op: "beat", name: "n2", seq: 1, sent: 2000},
+			{ms: 3500, op: "suspects", want: []string{"n1/3500/-1/", "n3/3500/-1/"}},
+			{ms: 5001, op: "suspects", want: []string{"n2/3001/2000/"}},
+		}},
+		{"duplicate and reordered beats ignored", []step{
+			{ms: 0, op: "watch", name: "n1"},
+			{ms: 1000, op: "beat", name: "n1", seq: 5, sent: 1000, jobs: []string{"new"}},
+			{ms: 3000, op: "beat", name: "n1", seq: 4, sent: 500, jobs: []string{"old"}, busy: BusyCheckpoint},
+			{ms: 3500, op: "beat", name: "n1", seq: 5, sent: 1000, jobs: []string{"dup"}},
+			{ms: 4001, op: "suspects", want: []string{"n1/3001/1000/new"}},
+		}},
+		{"stale beat does not end a suspicion", []step{
+			{ms: 0, op: "watch", name: "n1"},
+			{ms: 0, op: "beat", name: "n1", seq: 5, sent: 0},
+			{ms: 3001, op: "suspects", want: []string{"n1/3001/0/"}},
+			{ms: 3500, op: "beat", name: "n1", seq: 5, sent: 0},
+			{ms: 9000, op: "suspects"},
+		}},
+		{"restarted sender: lower seq sent later", []step{
+			{ms: 0, op: "watch", name: "n1"},
+			{ms: 0, op: "beat", name: "n1", seq: 900, sent: 0},
+			{ms: 2000, op: "beat", name: "n1", seq: 1, sent: 2000, jobs: []string{"after-restart"}},
+			{ms: 5001, op: "suspects", want: []string{"n1/3001/2000/after-restart"}},
+		}},
+		{"beat without sender ignored", []step{
+			{ms: 0, op: "watch", name: ""},
+			{ms: 2000, op: "beat", name: "", seq: 1, sent: 2000},
+			{ms: 3001, op: "suspects", want: []string{"/3001/-1/"}},
+		}},
+		{"clock before watch start", []step{
+			{ms: 5000, op: "watch", name: "n1"},
+			{ms: 0, op: "suspects"},
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := NewWatchdog(cfg)
+			for i, s := range tc.steps {
+				now := at(s.ms)
+				switch s.op {
+				case "watch":
+					w.Watch(s.name, now)
+				case "unwatch":
+					w.Unwatch(s.name)
+				case "clear":
+					w.Clear(s.name, now)
+				case "beat":
+					w.Beat(Beat{From: s.name, Seq: s.seq, Busy: s.busy, Jobs: s.jobs, Sent: at(s.sent)}, now)
+				case "suspects":
+					var got []string
+					for _, x := range w.Suspects(now) {
+						last := -1
+						if !x.LastBeat.IsZero() {
+							last = int(x.LastBeat.Sub(t0) / time.Millisecond)
+						}
+						got = append(got, fmt.Sprintf("%s/%d/%d/%s", x.Name, x.Silence/time.Millisecond, last, strings.Join(x.Jobs, ",")))
+					}
+					if !slices.Equal(got, s.want) {
+						t.Fatalf("step %d (t=%dms): suspects %q, want %q", i, s.ms, got, s.want)
+					}
+				default:
+					t.Fatalf("bad op %q", s.op)
+				}
+			}
+		})
+	}
+}
+
+func TestLast(t *testing.T) {
+	w := NewWatchdog(Config{Timeout: time.Second})
+	if _, _, ok := w.Last("n1"); ok {
+		t.Fatal("Last of a member never heard")
+	}
+	jobs := []string{"j1"}
+	w.Beat(Beat{From: "n1", Seq: 7, Busy: BusyRestore, Jobs: jobs, Sent: at(10)}, at(20)) // not watched: kept
+	jobs[0] = "changed"
+	b, arrived, ok := w.Last("n1")
+	if !ok || b.Seq != 7 || b.Busy != BusyRestore || !b.Sent.Equal(at(10)) || !arrived.Equal(at(20)) || !slices.Equal(b.Jobs, []string{"j1"}) {
+		t.Fatalf("Last = %+v %v %v", b, arrived, ok)
+	}
+	b.Jobs[0] = "mutated"
+	if b2, _, _ := w.Last("n1"); b2.Jobs[0] != "j1" {
+		t.Fatal("Last returned the watchdog's own slice")
+	}
+	w.Unwatch("n1")
+	if _, _, ok := w.Last("n1"); !ok {
+		t.Fatal("Unwatch dropped the last beat")
+	}
+}
+
+func TestConfigValidate(t *testing.T) {
+	for _, tc := range []struct {
+		cfg Config
+		err string
+	}{
+		{Config{Timeout: time.Second}, ""},
+		{Config{Timeout: time.Second, BusyGrace: time.Minute}, ""},
+		{Config{}, "timeout 0s must be positive"},
+		{Config{Timeout: -time.Second}, "must be positive"},
+		{Config{Timeout: time.Second, BusyGrace: -1}, "must not be negative"},
+	} {
+		err := tc.cfg.Validate()
+		if tc.err == "" && err != nil || tc.err != "" && (err == nil || !strings.Contains(err.Error(), tc.err)) {
+			t.Errorf("Validate(%+v) = %v, want %q", tc.cfg, err, tc.err)
+		}
+	}
+}
+
+func TestConcurrentUse(t *testing.T) {
+	w := NewWatchdog(Config{Timeout: time.Second})
+	var wg sync.WaitGroup
+	for g := range 4 {
+		name := fmt.Sprintf("n%d", g)
+		wg.Go(func() {
+			for i := range 200 {
+				now := at(i * 10)
+				w.Watch(name, now)
+				w.Beat(Beat{From: name, Seq: uint64(i + 1), Sent: now}, now)
+				w.Suspects(now)
+				w.Last(name)
+				w.Clear(name, now)
+			}
+		})
+	}
+	wg.Wait()
+	for g := range 4 {
+		if b, _, ok := w.Last(fmt.Sprintf("n%d", g)); !ok || b.Seq != 200 {
+			t.Errorf("n%d: last beat %+v %v, want seq 200", g, b, ok)
+		}
+	}
+}

@@ -1,0 +1,211 @@
+//go:build linux
+
+package ebpfprobes
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// Ring buffer record header bits (linux/bpf.h: BPF_RINGBUF_BUSY_BIT,
+// BPF_RINGBUF_DISCARD_BIT, BPF_RINGBUF_HDR_SZ).
+const (
+	ringBusyBit    = 1 << 31
+	ringDiscardBit = 1 << 30
+	ringHdrLen     = 8
+)
+
+// Consumer polling: how long a consumer that found records sleeps before it
+// looks again without being woken, and how long an idle one sleeps at most
+// (a safety net for the race between clearing consumer_polling and a record
+// submitted without a wakeup just before).
+const (
+	pollInterval = time.Millisecond
+	idleTimeout  = 100 * time.Millisecond
+)
+
+var errRingClosed = fmt.Errorf("tcplog: read: %w", ErrClosed)
+
+// ringReader consumes a BPF ring buffer in place. It maps the ring like
+// cilium/ebpf's ringbuf.Reader does, but hands out records as slices of the
+// mapping instead of copying them out: the consumer copies each payload once,
+// straight into the log. Only one goroutine may read; Flush and Close may be
+// called from any goroutine.
+type ringReader struct {
+	// life guards the mapping: the reader and pending hold it for reading
+	// (the reader also while it waits), close takes it for writing to unmap.
+	life   sync.RWMutex
+	closed atomic.Bool
+	epfd   int
+	evfd   int // eventfd: Flush and Close write it to interrupt a wait
+	cons   []byte
+	prod   []byte
+	data   []byte // the ring, mapped twice in a row so a record never wraps
+	mask   uint64
+	events []unix.EpollEvent
+}
+
+func newRingReader(mapFD, size int) (*ringReader, error) {
+	page := os.Getpagesize()
+	cons, err := unix.Mmap(mapFD, 0, page, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return nil, fmt.Errorf("mmap ring buffer consumer page: %w", err)
+	}
+	prod, err := unix.Mmap(mapFD, int64(page), page+2*size, unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		_ = unix.Munmap(cons)
+		return nil, fmt.Errorf("mmap ring buffer data pages: %w", err)
+	}
+	r := &ringReader{epfd: -1, evfd: -1, cons: cons, prod: prod, data: prod[page:], mask: uint64(size - 1),
+		events: make([]unix.EpollEvent, 2)}
+	fail := func(err error) (*ringReader, error) {
+		r.release()
+		return nil, err
+	}
+	if r.epfd, err = unix.EpollCreate1(unix.EPOLL_CLOEXEC); err != nil {
+		return fail(fmt.Errorf("epoll_create: %w", err))
+	}
+	if r.evfd, err = unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK); err != nil {
+		return fail(fmt.Errorf("eventfd: %w", err))
+	}
+	for _, fd := range []int{mapFD, r.evfd} {
+		if err := unix.EpollCtl(r.epfd, unix.EPOLL_CTL_ADD, fd, &unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(fd)}); err != nil {
+			return fail(fmt.Errorf("epoll_ctl add fd %d: %w", fd, err))
+		}
+	}
+	return r, nil
+}
+
+func (r *ringReader) consPos() *uint64 { return (*uint64)(unsafe.Pointer(&r.cons[0])) }
+func (r *ringReader) prodPos() *uint64 { return (*uint64)(unsafe.Pointer(&r.prod[0])) }
+
+// pending returns the bytes of records (and their headers) not yet consumed.
+func (r *ringReader) pending() int {
+	r.life.RLock()
+	defer r.life.RUnlock()
+	if r.closed.Load() {
+		return 0
+	}
+	return int(atomic.LoadUint64(r.prodPos()) - atomic.LoadUint64(r.consPos()))
+}
+
+// drain calls fn with each committed record in order, at most max of them,
+// and gives each record's space back to the kernel when fn returns nil. If fn
+// fails, the record stays in the ring and drain returns the error. The caller
+// holds r.life for reading.
+func (r *ringReader) drain(max int, fn func(raw []byte) error) (int, error) {
+	consp, prodp := r.consPos(), r.prodPos()
+	cons := atomic.LoadUint64(consp)
+	prod := atomic.LoadUint64(prodp)
+	n := 0
+	for n < max && cons != prod {
+		if prod-cons < ringHdrLen {
+			return n, fmt.Errorf("tcplog: read ring buffer record header: %w", io.ErrUnexpectedEOF)
+		}
+		hdr := atomic.LoadUint32((*uint32)(unsafe.Pointer(&r.data[cons&r.mask])))
+		if hdr&ringBusyBit != 0 {
+			// Reserved and being filled on another CPU: the copy of one
+			// segment takes microseconds, and records are consumed in order.
+			runtime.Gosched()
+			prod = atomic.LoadUint64(prodp)
+			continue
+		}
+		size := uint64(hdr &^ (ringBusyBit | ringDiscardBit))
+		start := (cons + ringHdrLen) & r.mask
+		next := cons + ringHdrLen + (size+7)&^7
+		if next-cons > prod-cons {
+			return n, fmt.Errorf("tcplog: read ring buffer record of %d bytes: %w", size, io.ErrUnexpectedEOF)
+		}
+		if hdr&ringDiscardBit == 0 {
+			if err := fn(r.data[start : start+size : start+size]); err != nil {
+				return n, err
+			}
+			n++
+		}
+		cons = next
+		atomic.StoreUint64(consp, cons)
+		if cons == prod {
+			prod = atomic.LoadUint64(prodp)
+		}
+	}
+	return n, nil
+}
+
+// empty reports whether every committed record was consumed. The caller holds r.life for reading.
+func (r *ringReader) empty() bool {
+	return atomic.LoadUint64(r.prodPos()) == atomic.LoadUint64(r.consPos())
+}
+
+// wait sleeps until the kernel wakes the ring, Flush or Close is called, or
+// timeout passes. It reports whether it was flushed. The caller holds r.life for reading.
+func (r *ringReader) wait(timeout time.Duration) (flushed bool, err error) {
+	n, err := unix.EpollWait(r.epfd, r.events, int(timeout.Milliseconds()))
+	if err != nil && !errors.Is(err, unix.EINTR) {
+		return false, fmt.Errorf("tcplog: wait for ring buffer: %w", err)
+	}
+	for _, ev := range r.events[:max(n, 0)] {
+		if int(ev.Fd) == r.evfd {
+			var buf [8]byte
+			_, _ = unix.Read(r.evfd, buf[:]) // reset the counter; EAGAIN if raced with another read
+			flushed = true
+		}
+	}
+	return flushed, nil
+}
+
+// flush interrupts a wait.
+func (r *ringReader) flush() error {
+	if r.closed.Load() {
+		return errRingClosed
+	}
+	one := [8]byte{1}
+	if _, err := unix.Write(r.evfd, one[:]); err != nil && !errors.Is(err, unix.EAGAIN) {
+		return fmt.Errorf("tcplog: flush ring buffer reader: %w", err)
+	}
+	return nil
+}
+
+// close interrupts a wait, waits for the reader to let go of the mapping and
+// frees it.
+func (r *ringReader) close() error {
+	if r.closed.Swap(true) {
+		return nil
+	}
+	one := [8]byte{1}
+	_, _ = unix.Write(r.evfd, one[:])
+	r.life.Lock()
+	defer r.life.Unlock()
+	return r.release()
+}
+
+func (r *ringReader) release() error {
+	var errs []error
+	for _, fd := range []int{r.epfd, r.evfd} {
+		if fd >= 0 {
+			if err := unix.Close(fd); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	}
+	for _, m := range [][]byte{r.prod, r.cons} {
+		if m != nil {
+			if err := unix.Munmap(m); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	}
+	r.epfd, r.evfd, r.prod, r.cons, r.data = -1, -1, nil, nil, nil
+	if len(errs) > 0 {
+		return fmt.Errorf("tcplog: free ring buffer reader: %w", errors.Join(errs...))
+	}
+	return nil
+}

@@ -1,0 +1,29 @@
+//go:build linux
+
+// Package restore moves a crashed node's job to a spare host: it plans and
+// applies the edits that make an older CRIU snapshot's TCP sockets agree with
+// their live peers, and sets up the spare's network around CRIU's restore.
+//
+// The recipe and the measurements behind it are in
+// /work/shared/notes/criu-tcp-relocation.md. On the spare, in the namespace
+// the job will run in, the caller (the agent) runs:
+//
+//  1. NewPlan from the snapshot's connections and what each peer's agent
+//     reported (its live TCP state and its logged bytes), then Rewrite the
+//     images (work on a copy of the snapshot: the edits are not atomic
+//     across connections);
+//  2. RunID, then Guard: drop rules for the connections, in the nftables
+//     table CRIU's restore deletes when the restored sockets are ready, so
+//     that no peer's retransmission reaches the spare's kernel (which would
+//     answer RST) once the failed node's address is here;
+//  3. TakeOver the failed node's address and SetInitCwnd to Plan.InitCwnd
+//     (both before CRIU creates the sockets: the route is read at connect);
+//  4. CRIU restore (criu.Client.Restore, from a process in this namespace);
+//  5. Announce the address, so that peers' neighbour entries move here.
+//
+// If the restore fails: Unguard and Release.
+//
+// The network functions act on the calling OS thread's network namespace:
+// call them with the goroutine locked in the target namespace (lab.Do, or a
+// process that runs in it).
+package restore

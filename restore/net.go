@@ -1,0 +1,157 @@
+//go:build linux
+
+package restore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"time"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+)
+
+// TakeOver adds the failed node's address (with its prefix length) to iface
+// in the calling thread's network namespace. It is idempotent. An IPv6
+// address skips duplicate address detection, so the restored sockets can
+// bind it at once. Guard first: from now on peers' packets for the address
+// reach this host.
+func TakeOver(iface string, addr netip.Prefix) error {
+	link, a, err := linkAddr(iface, addr)
+	if err != nil {
+		return fmt.Errorf("take over %s: %w", addr, err)
+	}
+	if err := netlink.AddrReplace(link, a); err != nil {
+		return fmt.Errorf("take over %s: add it to %s: %w", addr, iface, err)
+	}
+	return nil
+}
+
+// Release removes an address TakeOver added. An address that is not there
+// is not an error.
+func Release(iface string, addr netip.Prefix) error {
+	link, a, err := linkAddr(iface, addr)
+	if err != nil {
+		return fmt.Errorf("release %s: %w", addr, err)
+	}
+	if err := netlink.AddrDel(link, a); err != nil && !errors.Is(err, unix.EADDRNOTAVAIL) {
+		return fmt.Errorf("release %s: remove it from %s: %w", addr, iface, err)
+	}
+	return nil
+}
+
+func linkAddr(iface string, addr netip.Prefix) (netlink.Link, *netlink.Addr, error) {
+	if !addr.IsValid() {
+		return nil, nil, errors.New("invalid address")
+	}
+	link, err := netlink.LinkByName(iface)
+	if err != nil {
+		return nil, nil, fmt.Errorf("find interface %s in this network namespace: %w", iface, err)
+	}
+	ip := addr.Addr().Unmap()
+	a := &netlink.Addr{IPNet: &net.IPNet{IP: ip.AsSlice(), Mask: net.CIDRMask(addr.Bits(), ip.BitLen())}}
+	if ip.Is6() {
+		a.Flags = unix.IFA_F_NODAD
+	}
+	return link, a, nil
+}
+
+// SetInitCwnd raises, on every unicast route of the main table that leaves
+// through iface (connected and on-link routes, and gateway routes for
+// routed peers), the initial congestion window and initial receive window
+// to at least segments (RouteReplace; a larger value is kept, so it is
+// idempotent). The restored sockets read it when CRIU reconnects them, so
+// call it before the restore: Plan.InitCwnd segments must leave before the
+// peer's first ACK is accepted. It applies to every new connection over
+// these routes, not only the restored ones.
+func SetInitCwnd(iface string, segments int) error {
+	if segments < 1 {
+		return fmt.Errorf("set initcwnd on %s: %d segments: give at least 1", iface, segments)
+	}
+	link, err := netlink.LinkByName(iface)
+	if err != nil {
+		return fmt.Errorf("set initcwnd: find interface %s in this network namespace: %w", iface, err)
+	}
+	routes, err := netlink.RouteList(link, netlink.FAMILY_ALL)
+	if err != nil {
+		return fmt.Errorf("set initcwnd: list routes of %s: %w", iface, err)
+	}
+	n := 0
+	for _, r := range routes {
+		if r.Type != unix.RTN_UNICAST || (r.Table != 0 && r.Table != unix.RT_TABLE_MAIN) {
+			continue
+		}
+		if r.InitCwnd >= segments && r.InitRwnd >= segments {
+			n++
+			continue
+		}
+		r.InitCwnd, r.InitRwnd = max(r.InitCwnd, segments), max(r.InitRwnd, segments)
+		if err := netlink.RouteReplace(&r); err != nil {
+			return fmt.Errorf("set initcwnd %d on route %v of %s: %w", segments, r.Dst, iface, err)
+		}
+		n++
+	}
+	if n == 0 {
+		return fmt.Errorf("set initcwnd: interface %s has no unicast route in the main table (is it up with an address?)", iface)
+	}
+	return nil
+}
+
+// Announce broadcasts gratuitous ARP for ip out of iface (an ARP request
+// whose sender and target are ip, sender hardware address iface's, as
+// `arping -U` sends), twice 100 ms apart, so that peers' neighbour entries
+// for the failed node's address move to this host instead of waiting for
+// them to go stale (Linux updates an existing entry from such a request even
+// with arp_accept=0). Call it once the restored sockets exist: a peer that
+// sends here before then meets the guard at best. IPv4 only; the packet
+// socket is opened in the calling thread's network namespace.
+func Announce(ctx context.Context, iface string, ip netip.Addr) error {
+	ip = ip.Unmap()
+	if !ip.Is4() {
+		return fmt.Errorf("announce %s: only IPv4 is announced (ARP); IPv6 peers rediscover by neighbour solicitation", ip)
+	}
+	link, err := netlink.LinkByName(iface)
+	if err != nil {
+		return fmt.Errorf("announce %s: find interface %s in this network namespace: %w", ip, iface, err)
+	}
+	mac := link.Attrs().HardwareAddr
+	if len(mac) != 6 {
+		return fmt.Errorf("announce %s: interface %s has no Ethernet address (link type %s)", ip, iface, link.Attrs().EncapType)
+	}
+	fd, err := unix.Socket(unix.AF_PACKET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, int(htons(unix.ETH_P_ARP)))
+	if err != nil {
+		return fmt.Errorf("announce %s: open a packet socket (needs CAP_NET_RAW): %w", ip, err)
+	}
+	defer unix.Close(fd)
+	to := &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ARP), Ifindex: link.Attrs().Index, Halen: 6}
+	copy(to.Addr[:], []byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff})
+	pkt := garp(mac, ip.As4())
+	for i := range 2 {
+		if i > 0 {
+			select {
+			case <-ctx.Done():
+				return fmt.Errorf("announce %s: %w", ip, ctx.Err())
+			case <-time.After(100 * time.Millisecond):
+			}
+		}
+		if err := unix.Sendto(fd, pkt, 0, to); err != nil {
+			return fmt.Errorf("announce %s: send gratuitous ARP on %s: %w", ip, iface, err)
+		}
+	}
+	return nil
+}
+
+// garp is the ARP payload of a gratuitous request (RFC 5227 announcement).
+func garp(mac net.HardwareAddr, ip [4]byte) []byte {
+	b := []byte{0, 1, 8, 0, 6, 4, 0, 1} // Ethernet, IPv4, hlen 6, plen 4, request
+	b = append(b, mac...)
+	b = append(b, ip[:]...)
+	b = append(b, 0, 0, 0, 0, 0, 0) // target hardware address: unknown
+	return append(b, ip[:]...)
+}
+
+// htons converts to network byte order (the hosts ftkit runs on are little-endian).
+func htons(v uint16) uint16 { return v<<8 | v>>8 }

@@ -1,0 +1,292 @@
+//go:build linux
+
+package restore
+
+import (
+	"bytes"
+	"errors"
+	"math"
+	"net/netip"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/ebpfprobes"
+)
+
+var (
+	addrF = netip.MustParseAddrPort("10.0.0.11:40000")
+	addrP = netip.MustParseAddrPort("10.0.0.12:7000")
+)
+
+// conn is a snapshot connection: receive point inq, write_seq outq with
+// outqLen bytes unacknowledged, timestamp ts.
+func conn(inode uint64, inq, outq, outqLen, ts uint32) ckpt.Conn {
+	return ckpt.Conn{Local: addrF, Remote: addrP, Inode: inode, InqSeq: inq, InqLen: 3, OutqSeq: outq, OutqLen: outqLen, Timestamp: ts}
+}
+
+// live is the peer's state: it sent up to sndNxt, acknowledged up to ack.
+func live(sndNxt, ack, tsecr uint32) ebpfprobes.FlowState {
+	return ebpfprobes.FlowState{SndNxt: sndNxt, Ack: ack, HasAck: true, TSecr: tsecr, HasTS: true}
+}
+
+// logged is n distinct bytes.
+func logged(n int) []byte {
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte(i*13 + 1)
+	}
+	return b
+}
+
+func TestPlanConn(t *testing.T) {
+	const seg = 100
+	withFIN := func(s ebpfprobes.FlowState) ebpfprobes.FlowState { s.FinSent = true; return s }
+	tests := []struct {
+		name       string
+		c          ckpt.Conn
+		p          Peer
+		wantInject int
+		wantResend uint32
+		wantTS     uint32 // 0: no timestamp edit
+		wantErr    string // substring; the error must wrap ErrNotRecoverable
+	}{
+		{
+			name: "peer ahead both ways",
+			c:    conn(1, 1000, 5000, 100, 2000),
+			p:    Peer{Live: live(1100, 5200, 7000), LiveAge: 500 * time.Millisecond, Logged: logged(150)},
+			// 100 bytes to inject; the peer has 200 bytes past write_seq;
+			// TSecr 7000 + 500 ms + 1 s margin.
+			wantInject: 100, wantResend: 200, wantTS: 8500,
+		},
+		{
+			name:       "in step: nothing to add",
+			c:          conn(1, 1000, 5000, 0, 2000),
+			p:          Peer{Live: live(1000, 5000, 2000), Logged: nil},
+			wantInject: 0, wantResend: 0, wantTS: 3000,
+		},
+		{
+			name: "sequence numbers wrap",
+			c:    conn(1, math.MaxUint32-49, math.MaxUint32-9, 20, 10),
+			p:    Peer{Live: live(30, 15, 10), Logged: logged(80)},
+			// inject 2^32-50 .. 30 = 80 bytes; resend 2^32-10 .. 15 = 25.
+			wantInject: 80, wantResend: 25, wantTS: 1010,
+		},
+		{
+			name:       "timestamp wraps, serial max with the image's",
+			c:          conn(1, 1000, 5000, 0, math.MaxUint32-199),
+			p:          Peer{Live: live(1000, 5000, math.MaxUint32-99), Logged: nil},
+			wantInject: 0, wantResend: 0, wantTS: 900, // 2^32-100 + 1000, wrapped
+		},
+		{
+			name:       "image timestamp ahead of the peer's echo is kept",
+			c:          conn(1, 1000, 5000, 0, 50000),
+			p:          Peer{Live: live(1000, 5000, 7000), Logged: nil},
+			wantInject: 0, wantResend: 0, wantTS: 50000,
+		},
+		{
+			name:       "odd result rounded up to even",
+			c:          conn(1, 1000, 5000, 0, 2),
+			p:          Peer{Live: live(1000, 5000, 7001), Logged: nil},
+			wantInject: 0, wantTS: 8002,
+		},
+		{
+			name:       "FIN from the peer: inject up to the data end",
+			c:          conn(1, 1000, 5000, 0, 2),
+			p:          Peer{Live: withFIN(live(1041, 5000, 10)), Logged: logged(40)},
+			wantInject: 40, wantTS: 1010,
+		},
+		{
+			name:       "FIN already in the snapshot",
+			c:          conn(1, 1041, 5000, 0, 2),
+			p:          Peer{Live: withFIN(live(1041, 5000, 10)), Logged: nil},
+			wantInject: 0, wantTS: 1010,
+		},
+		{
+			name:       "ack inside the out-queue: the restored socket retransmits, nothing re-sent",
+			c:          conn(1, 1000, 5000, 300, 2),
+			p:          Peer{Live: live(1000, 4800, 10), Logged: nil},
+			wantInject: 0, wantResend: 0, wantTS: 1010,
+		},
+		{
+			name:       "ack exactly at snd_una",
+			c:          conn(1, 1000, 5000, 300, 2),
+			p:          Peer{Live: live(1000, 4700, 10), Logged: nil},
+			wantInject: 0, wantResend: 0, wantTS: 1010,
+		},
+		{
+			name:       "no timestamps on the connection",
+			c:          conn(1, 1000, 5000, 0, 0),
+			p:          Peer{Live: ebpfprobes.FlowState{SndNxt: 1010, Ack: 5008, HasAck: true}, Logged: logged(10)},
+			wantInject: 10, wantResend: 8,
+		},
+		{
+			name:    "short log",
+			c:       conn(1, 1000, 5000, 0, 2),
+			p:       Peer{Live: live(1100, 5000, 10), Logged: logged(99)},
+			wantErr: "sent 100 bytes after the snapshot's receive point (sequence 1000 to 1100) but its log holds only 99",
+		},
+		{
+			name:    "RST",
+			c:       conn(1, 1000, 5000, 0, 2),
+			p:       Peer{Live: ebpfprobes.FlowState{SndNxt: 1000, Ack: 5000, HasAck: true, RstSent: true}},
+			wantErr: "reset",
+		},
+		{
+			name:    "no ack",
+			c:       conn(1, 1000, 5000, 0, 2),
+			p:       Peer{Live: ebpfprobes.FlowState{SndNxt: 1000}},
+			wantErr: "no ACK",
+		},
+		{
+			name:    "ack behind snd_una",
+			c:       conn(1, 1000, 5000, 300, 2),
+			p:       Peer{Live: live(1000, 4699, 10)},
+			wantErr: "acknowledges up to sequence 4699, 1 bytes before",
+		},
+		{
+			name:    "ack behind snd_una across the wrap",
+			c:       conn(1, 1000, 100, 300, 2), // snd_una = 2^32-200
+			p:       Peer{Live: live(1000, math.MaxUint32-300, 10)},
+			wantErr: "101 bytes before",
+		},
+		{
+			name:    "peer sent less than the snapshot received",
+			c:       conn(1, 1000, 5000, 0, 2),
+			p:       Peer{Live: live(990, 5000, 10)},
+			wantErr: "10 bytes before the snapshot's receive point",
+		},
+		{
+			name:    "microsecond timestamps",
+			c:       conn(1, 1000, 5000, 0, 3),
+			p:       Peer{Live: live(1000, 5000, 10)},
+			wantErr: "microsecond",
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cp, err := PlanConn(tt.c, tt.p, seg)
+			if tt.wantErr != "" {
+				if err == nil || !errors.Is(err, ErrNotRecoverable) || !strings.Contains(err.Error(), tt.wantErr) {
+					t.Fatalf("error %v, want ErrNotRecoverable containing %q", err, tt.wantErr)
+				}
+				if !strings.Contains(err.Error(), addrF.String()) {
+					t.Errorf("error %q does not name the connection", err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(cp.Inject, tt.p.Logged[:tt.wantInject]) {
+				t.Errorf("inject %d bytes, want the first %d logged", len(cp.Inject), tt.wantInject)
+			}
+			if cp.Resend != tt.wantResend {
+				t.Errorf("resend %d, want %d", cp.Resend, tt.wantResend)
+			}
+			if cp.HasTimestamp != (tt.wantTS != 0) || cp.Timestamp != tt.wantTS {
+				t.Errorf("timestamp %v %d, want %d", cp.HasTimestamp, cp.Timestamp, tt.wantTS)
+			}
+			if cp.Timestamp&1 != 0 {
+				t.Errorf("timestamp %d is odd (would select microsecond timestamps)", cp.Timestamp)
+			}
+			// The burst is the out-queue plus the re-sent range.
+			burst := int(tt.c.OutqLen) + int(tt.wantResend)
+			if want := (burst+seg-1)/seg + CwndMargin; cp.Segments != want {
+				t.Errorf("segments %d, want %d", cp.Segments, want)
+			}
+			if tt.wantResend == 0 {
+				if cp.SndWnd != 0 || cp.MaxWindow != 0 || cp.SndBuf != 0 {
+					t.Errorf("windows %d/%d, sndbuf %d raised with nothing re-sent", cp.SndWnd, cp.MaxWindow, cp.SndBuf)
+				}
+			} else {
+				if int(cp.SndWnd) < burst || cp.MaxWindow < cp.SndWnd {
+					t.Errorf("snd_wnd %d, max_window %d: the %d-byte burst does not fit", cp.SndWnd, cp.MaxWindow, burst)
+				}
+				if int(cp.SndBuf) < 2*burst+cp.Segments*SegmentOverhead {
+					t.Errorf("sndbuf %d cannot queue %d bytes in %d segments", cp.SndBuf, burst, cp.Segments)
+				}
+			}
+		})
+	}
+}
+
+func TestPlanConnBadSegment(t *testing.T) {
+	if _, err := PlanConn(conn(1, 0, 0, 0, 0), Peer{Live: live(0, 0, 0)}, 0); err == nil {
+		t.Fatal("segment size 0 accepted")
+	}
+	// A burst that cannot fit a congestion window or a send buffer.
+	c := conn(1, 0, 0, 0, 0)
+	if _, err := PlanConn(c, Peer{Live: live(0, 1<<31-1, 0)}, 1); !errors.Is(err, ErrNotRecoverable) {
+		t.Fatalf("2 GiB re-send in 1-byte segments: %v", err)
+	}
+}
+
+func TestPlanConnTimestampAge(t *testing.T) {
+	// The older the peer's reading, the later the restored clock must start.
+	c := conn(1, 0, 0, 0, 0)
+	var last uint32
+	for _, age := range []time.Duration{0, time.Millisecond, 999 * time.Millisecond, 10 * time.Second} {
+		cp, err := PlanConn(c, Peer{Live: live(0, 0, 100), LiveAge: age}, 1448)
+		if err != nil {
+			t.Fatal(err)
+		}
+		min := live(0, 0, 100).MinRestoredTimestamp(age)
+		if seqBefore(cp.Timestamp, min+uint32(TimestampMargin/time.Millisecond)) || seqBefore(cp.Timestamp, last) {
+			t.Errorf("age %v: timestamp %d, below %d + margin or below the previous %d", age, cp.Timestamp, min, last)
+		}
+		last = cp.Timestamp
+	}
+}
+
+func TestNewPlan(t *testing.T) {
+	other := netip.MustParseAddrPort("10.0.0.13:7000")
+	c1 := conn(7, 1000, 5000, 100, 2)
+	c2 := conn(3, 1000, 9000, 0, 2)
+	c2.Remote = other
+	k1, k2 := KeyOf(c1), KeyOf(c2)
+	peers := map[ConnKey]Peer{
+		k1: {Live: live(1000, 5000+900, 10)},                  // 100 + 900 bytes burst
+		k2: {Live: live(1200, 9000, 10), Logged: logged(200)}, // nothing re-sent
+	}
+	t.Run("initcwnd is the largest need", func(t *testing.T) {
+		p, err := NewPlan([]ckpt.Conn{c1, c2}, peers, 8)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(p.Conns) != 2 || p.Conns[0].Conn.Inode != 3 || p.Conns[1].Conn.Inode != 7 {
+			t.Fatalf("conns %+v, want inodes 3 and 7 in order", p.Conns)
+		}
+		if want := 1000/8 + CwndMargin; p.InitCwnd != want {
+			t.Errorf("initcwnd %d, want %d", p.InitCwnd, want)
+		}
+	})
+	t.Run("at least the kernel's default", func(t *testing.T) {
+		p, err := NewPlan([]ckpt.Conn{c2}, peers, 1448)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if p.InitCwnd != MinInitCwnd {
+			t.Errorf("initcwnd %d, want %d", p.InitCwnd, MinInitCwnd)
+		}
+		p, err = NewPlan(nil, nil, 1448)
+		if err != nil || p.InitCwnd != MinInitCwnd || len(p.Conns) != 0 {
+			t.Errorf("empty plan: %+v, %v", p, err)
+		}
+	})
+	t.Run("every problem is reported", func(t *testing.T) {
+		c3 := conn(9, 1000, 5000, 0, 2)
+		c3.Local = netip.MustParseAddrPort("10.0.0.11:40001")
+		short := map[ConnKey]Peer{k1: peers[k1], k2: {Live: live(1200, 9000, 10), Logged: logged(5)}}
+		_, err := NewPlan([]ckpt.Conn{c1, c2, c3, c1}, short, 1448)
+		if !errors.Is(err, ErrNotRecoverable) {
+			t.Fatalf("error %v, want ErrNotRecoverable", err)
+		}
+		for _, want := range []string{k2.String() + " (socket inode 3)", "holds only 5", k1.String() + " appears twice", KeyOf(c3).String() + " (socket inode 9): no state from the peer"} {
+			if !strings.Contains(err.Error(), want) {
+				t.Errorf("error %q lacks %q", err, want)
+			}
+		}
+	})
+}
