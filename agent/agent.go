@@ -18,6 +18,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt/interval"
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/detect"
+	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/spare"
 )
 
@@ -41,11 +42,12 @@ type Agent struct {
 
 	netlog *logState // nil when the sender-side log is disabled
 
-	members  membership       // the cluster view: ring, spares, who holds which address
-	busy     atomic.Value     // string: the long operation in progress, carried by heartbeats
-	watchdog *detect.Watchdog // over this node's predecessor in the ring
-	failures *failureLog      // timelines of the failures this agent knows of
-	claims   *spare.Holder    // this host's claim state while it is a spare
+	members  membership           // the cluster view: ring, spares, who holds which address
+	busy     atomic.Value         // string: the long operation in progress, carried by heartbeats
+	watchdog *detect.Watchdog     // over this node's predecessor in the ring
+	failures *failureLog          // timelines of the failures this agent knows of
+	claims   *spare.Holder        // this host's claim state while it is a spare
+	clamp    *ebpfprobes.AckClamp // ACK clock for restored sockets that re-send what peers have; nil if unavailable
 }
 
 // New checks the host (root, CRIU 4.2 or newer, cgroup v2) and prepares the agent's directories.
@@ -96,6 +98,10 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 		if err := a.startLog(); err != nil {
 			return nil, err
 		}
+	}
+	if err := a.startAckClamp(); err != nil {
+		// Recovery still works, with the whole re-sent gap in the initial congestion window.
+		a.log.Warn("ACK clamp for restored sockets unavailable; large re-sent gaps may stall after a restore", "err", err)
 	}
 	a.log.Info("agent ready", "criu", bin, "criu_version", v.String())
 	return a, nil
@@ -295,6 +301,9 @@ func (a *Agent) Run(ctx context.Context) error {
 	go a.pushView(ctx) // a restarted agent learns what changed while it was away
 	if a.netlog != nil {
 		defer a.netlog.cap.Close()
+	}
+	if a.clamp != nil {
+		defer a.clamp.Close()
 	}
 	<-ctx.Done()
 	a.log.Info("agent stopping; jobs keep running under their shims")

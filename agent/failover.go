@@ -52,6 +52,15 @@ func (a *Agent) recordFailure(s detect.Suspect, declared time.Time) string {
 }
 
 func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect) error {
+	if len(s.Jobs) == 0 {
+		// Nothing to restore: the node only leaves the ring.
+		nv, err := a.View().Fail(s.Name)
+		if err != nil {
+			return err
+		}
+		_, err = a.adoptView(nv)
+		return err
+	}
 	var jobs []RecoverJob
 	var need spare.Need
 	var errs []error

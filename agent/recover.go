@@ -9,7 +9,10 @@ import (
 	"slices"
 	"time"
 
+	"github.com/vishvananda/netlink"
+
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/restore"
 )
@@ -149,6 +152,20 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 			return fmt.Errorf("take over address %s: %w", ip, err)
 		}
 	}
+	if a.clamp != nil {
+		for _, r := range jobs {
+			for _, c := range r.plan.Conns {
+				if c.Resend == 0 {
+					continue
+				}
+				// From the snapshot's write_seq: CRIU restores the out-queue as sent, and the peer, whose
+				// rcv_nxt is beyond it (Resend > 0), has all of it.
+				if err := a.clamp.Clamp(ebpfprobes.Flow{Src: c.Conn.Local, Dst: c.Conn.Remote}, c.Conn.OutqSeq); err != nil {
+					return err
+				}
+			}
+		}
+	}
 	if err := restore.SetInitCwnd(iface, initCwnd); err != nil {
 		a.log.Warn("could not raise the initial congestion window; re-sent bytes may stall", "err", err)
 	}
@@ -268,6 +285,27 @@ func (a *Agent) planRecovery(ctx context.Context, req RecoverRequest, r *restori
 	return err
 }
 
+// startAckClamp loads the ACK clamp and attaches it to the cluster interface.
+func (a *Agent) startAckClamp() error {
+	c, err := ebpfprobes.LoadAckClamp()
+	if err != nil {
+		return err
+	}
+	iface, _, err := hostInterface(a.cfg.Cluster.Listen.Addr())
+	if err == nil {
+		var l netlink.Link
+		if l, err = netlink.LinkByName(iface); err == nil {
+			err = c.Attach(l.Attrs().Index)
+		}
+	}
+	if err != nil {
+		c.Close()
+		return err
+	}
+	a.clamp = c
+	return nil
+}
+
 func planSummary(p restore.Plan) string {
 	var inject, resend int64
 	for _, c := range p.Conns {
@@ -278,23 +316,23 @@ func planSummary(p restore.Plan) string {
 }
 
 // waitReplay waits until every restored connection has re-sent the bytes its peer already had: from then
-// on the job produces new bytes, and the peers' TCP discarded the re-sent ones as duplicates.
+// on the job produces new bytes, and the peers' TCP discarded the re-sent ones as duplicates. The restored
+// socket's progress is read from the ACK clamp (or, without it, from the sender-side log's flow state).
 func (a *Agent) waitReplay(ctx context.Context, r *restoring) (string, error) {
-	if a.netlog == nil {
-		return "not measured (the sender-side log is off on this host)", nil
-	}
 	ctx, cancel := context.WithTimeout(ctx, replayTimeout)
 	defer cancel()
 	var total int64
+	var clamped uint64
 	for _, c := range r.plan.Conns {
 		if c.Resend == 0 {
 			continue
 		}
 		total += int64(c.Resend)
 		target := c.Conn.OutqSeq + c.Resend
+		flow := ebpfprobes.Flow{Src: c.Conn.Local, Dst: c.Conn.Remote}
 		for {
-			st, ok, err := a.netlog.cap.FlowState(netlog.Conn{Src: c.Conn.Local, Dst: c.Conn.Remote})
-			if err == nil && ok && int32(st.SndNxt-target) >= 0 {
+			sent, ok := a.sentUpTo(flow)
+			if ok && int32(sent-target) >= 0 {
 				break
 			}
 			if cur, _, _ := a.Job(r.job.ID, 0); cur.State != JobRunning {
@@ -306,8 +344,25 @@ func (a *Agent) waitReplay(ctx context.Context, r *restoring) (string, error) {
 			case <-time.After(5 * time.Millisecond):
 			}
 		}
+		if a.clamp != nil {
+			st, _ := a.clamp.Release(flow)
+			clamped += st.Clamped
+		}
 	}
-	return fmt.Sprintf("%d bytes re-sent and discarded by the peers", total), nil
+	return fmt.Sprintf("%d bytes re-sent and discarded by the peers; %d peer ACKs clamped", total, clamped), nil
+}
+
+// sentUpTo is how far a restored socket has sent on flow.
+func (a *Agent) sentUpTo(flow ebpfprobes.Flow) (uint32, bool) {
+	if a.clamp != nil {
+		st, err := a.clamp.State(flow)
+		return st.SndNxt, err == nil
+	}
+	if a.netlog != nil {
+		st, ok, err := a.netlog.cap.FlowState(netlog.Conn{Src: flow.Src, Dst: flow.Dst})
+		return st.SndNxt, ok && err == nil
+	}
+	return 0, false
 }
 
 // restoredSegmentBytes is the payload per segment of a socket CRIU restored: CRIU sets the MSS clamp

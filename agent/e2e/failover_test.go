@@ -89,6 +89,16 @@ func startRing(t *testing.T, c *labcluster.Cluster, ranks, port int, args []stri
 		}
 		rg.jobs = append(rg.jobs, j)
 	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			for r, j := range rg.jobs {
+				b, _ := os.ReadFile(j.StdoutPath())
+				e, _ := os.ReadFile(j.StderrPath())
+				x, _ := os.ReadFile(j.ExitPath())
+				t.Logf("rank %d (job %s): stdout %q stderr %q exit %s", r, j.ID, tail(string(b)), tail(string(e)), x)
+			}
+		}
+	})
 	return rg
 }
 
@@ -224,7 +234,7 @@ func TestFailover(t *testing.T) {
 	}{
 		{name: "right after a snapshot, spare added while running", iters: 250, delay: 10 * time.Millisecond, after: 0, late: true},
 		{name: "long after a snapshot", iters: 400, delay: 10 * time.Millisecond, after: 2 * time.Second},
-		{name: "during heavy traffic", iters: 1500, delay: 0, after: 300 * time.Millisecond},
+		{name: "during heavy traffic", iters: 8000, delay: 0, after: 300 * time.Millisecond},
 	}
 	for i, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
