@@ -285,16 +285,20 @@ func (a *Agent) planRecovery(ctx context.Context, req RecoverRequest, r *restori
 	return err
 }
 
-// startAckClamp loads the ACK clamp and attaches it to the cluster interface.
+// startAckClamp loads the ACK clamp and attaches it to the cluster interface, and to loopback for jobs
+// restored on the host of their peer (basic mode).
 func (a *Agent) startAckClamp() error {
 	c, err := ebpfprobes.LoadAckClamp()
 	if err != nil {
 		return err
 	}
 	iface, _, err := hostInterface(a.cfg.Cluster.Listen.Addr())
-	if err == nil {
+	for _, name := range []string{iface, "lo"} {
+		if err != nil {
+			break
+		}
 		var l netlink.Link
-		if l, err = netlink.LinkByName(iface); err == nil {
+		if l, err = netlink.LinkByName(name); err == nil {
 			err = c.Attach(l.Attrs().Index)
 		}
 	}

@@ -37,8 +37,10 @@ func (c *AckClamp) Attach(ifindex int) error {
 	if err != nil {
 		return fmt.Errorf("ackclamp: look up interface %d: %w", ifindex, err)
 	}
-	if t := nl.Attrs().EncapType; t != "ether" {
-		return fmt.Errorf("ackclamp: interface %s has link type %q: only Ethernet devices are supported", nl.Attrs().Name, t)
+	// Loopback frames carry a (zeroed) Ethernet header too: a job restored next to its peer talks to it
+	// through lo.
+	if t := nl.Attrs().EncapType; t != "ether" && t != "loopback" {
+		return fmt.Errorf("ackclamp: interface %s has link type %q: only Ethernet and loopback devices are supported", nl.Attrs().Name, t)
 	}
 	var links []link.Link
 	for _, a := range []struct {

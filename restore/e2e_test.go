@@ -286,12 +286,6 @@ func TestRelocateJob(t *testing.T) {
 	node1, node2 := host("node1"), host("node2")
 	jobAddr := netip.AddrPortFrom(node1.Addr.Addr(), 40100)
 	peerAddr := netip.AddrPortFrom(node2.Addr.Addr(), 7100)
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Logf("sockets on node2:\n%s\nsockets on spare1:\n%s", sockets(l, "node2"), sockets(l, "spare1"))
-		}
-	})
-
 	// The peer's flow, logged from before its SYN-ACK so that its ISN is known.
 	lg, err := ebpfprobes.NewTCPLogger(ebpfprobes.TCPLoggerOptions{RingBufferSize: 4 << 20})
 	if err != nil {
@@ -316,6 +310,11 @@ func TestRelocateJob(t *testing.T) {
 	if got := peer.LineT(ctx, t); got != "ready" {
 		t.Fatalf("peer said %q", got)
 	}
+	t.Cleanup(func() { // before the peer is killed
+		if t.Failed() {
+			t.Logf("sockets on node2:\n%s\nsockets on spare1:\n%s", sockets(l, "node2"), sockets(l, "spare1"))
+		}
+	})
 
 	// The job: PID-namespace init and session leader, output to files it
 	// does not append to, as the agent's shim starts jobs.
@@ -350,8 +349,8 @@ func TestRelocateJob(t *testing.T) {
 	if err := l.Start("node1", job); err != nil {
 		t.Fatal(err)
 	}
-	jobDone := make(chan error, 1)
-	go func() { jobDone <- job.Wait() }()
+	jobDone := make(chan struct{}) // closed once the job is reaped
+	go func() { job.Wait(); close(jobDone) }()
 	t.Cleanup(func() {
 		job.Process.Kill()
 		<-jobDone
@@ -465,6 +464,7 @@ func TestRelocateJob(t *testing.T) {
 	fmt.Fprintln(peer.Stdin, "more 3000")
 	end := expectAt(ctx, t, peer, atCrash+3000)
 	t.Logf("peer went from %d to %d counters after the restore in %v, no gap, no duplicate", atCrash, end, time.Since(resumed))
+	t.Logf("restored socket on spare1:\n%s", sockets(l, "spare1"))
 
 	// The restored job's progress file continues where the snapshot left it.
 	b, err := os.ReadFile(filepath.Join(jobDir, "progress"))

@@ -39,6 +39,9 @@ const (
 	// charged to sk_wmem_queued): a program that writes 8-byte messages
 	// with TCP_NODELAY queues one skb per message.
 	SegmentOverhead = 2048
+	// RestoredMSS is the segment size measured on restored sockets
+	// (TCP_MSS_DEFAULT 536 less 12 bytes of timestamp option).
+	RestoredMSS = 524
 )
 
 // ConnKey names a connection from the failed node's side, as in its
@@ -72,8 +75,8 @@ type Peer struct {
 type ConnPlan struct {
 	Conn ckpt.Conn
 	// Inject are the peer's bytes the snapshot never received:
-	// Logged[:Live.DataEnd()-InqSeq]. They are appended to the restored
-	// receive queue, whose end then matches the peer's snd_nxt.
+	// Logged[:Live.DataEnd()-InqSeq] (not a copy). They are appended to the
+	// restored receive queue, whose end then matches the peer's snd_nxt.
 	Inject []byte
 	// HasTimestamp says the connection uses TCP timestamps and Timestamp
 	// must be set: at least Live.MinRestoredTimestamp(LiveAge +
@@ -103,10 +106,15 @@ type ConnPlan struct {
 func seqBefore(a, b uint32) bool { return int32(a-b) < 0 }
 
 // PlanConn plans one connection. segBytes is the payload size to assume per
-// re-sent segment: the path MSS for a program that writes at least an MSS
-// at a time (or lets Nagle coalesce), its message size for one that writes
-// small messages with TCP_NODELAY (each write then leaves as its own
-// segment, and the initial cwnd and send buffer must count them all).
+// re-sent segment: the restored socket's MSS for a program that writes at
+// least that much at a time (or lets Nagle coalesce), its message size for
+// one that writes small messages with TCP_NODELAY (each write then leaves
+// as its own segment, and the initial cwnd and send buffer must count them
+// all: with fewer, the socket stalls for good, measured). Note that a socket
+// CRIU 4.2.1 restores on Linux 6.18 sends 524-byte segments whatever the
+// path MTU (measured: ss shows mss:524 with pmtu:1500, TCP_MSS_DEFAULT less
+// the timestamp option, likely computed before CRIU restores mss_clamp), so
+// do not count on more than RestoredMSS.
 //
 // It is pure; all sequence arithmetic is modulo 2^32. Errors wrap
 // ErrNotRecoverable: the peer reset the connection, never acknowledged
@@ -118,7 +126,7 @@ func PlanConn(c ckpt.Conn, p Peer, segBytes int) (ConnPlan, error) {
 		return ConnPlan{}, fmt.Errorf("connection %v (socket inode %d): %s: %w", k, c.Inode, fmt.Sprintf(format, args...), ErrNotRecoverable)
 	}
 	if segBytes <= 0 {
-		return ConnPlan{}, fmt.Errorf("segment size %d: give the path MSS, or the program's message size", segBytes)
+		return ConnPlan{}, fmt.Errorf("segment size %d: give at most RestoredMSS, or the program's message size", segBytes)
 	}
 	l := p.Live
 	switch {

@@ -1,0 +1,162 @@
+//go:build linux
+
+package restore
+
+import (
+	"context"
+	"net"
+	"net/netip"
+	"os/exec"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/lab/labtest"
+)
+
+const testRunID = "0123abcd-4567-89ef-0123-456789abcdef"
+
+func TestGuardTable(t *testing.T) {
+	// CRIU keeps 21 characters of the run id (a 32-byte buffer for "inet CRIU-%s").
+	if got, want := GuardTable(testRunID), "CRIU-0123abcd-4567-89ef-01"; got != want {
+		t.Errorf("GuardTable = %q, want %q", got, want)
+	}
+	if len("inet "+GuardTable(testRunID)) != 31 {
+		t.Errorf("%q is not the 31 characters CRIU's buffer holds", "inet "+GuardTable(testRunID))
+	}
+}
+
+func TestGuardScript(t *testing.T) {
+	c4 := ckpt.Conn{Local: netip.MustParseAddrPort("10.0.0.11:40000"), Remote: netip.MustParseAddrPort("10.0.0.12:7000")}
+	c6 := ckpt.Conn{Local: netip.MustParseAddrPort("[fd00::1]:1"), Remote: netip.MustParseAddrPort("[fd00::2]:2")}
+	mapped := ckpt.Conn{Local: netip.MustParseAddrPort("[::ffff:10.0.0.11]:5"), Remote: netip.MustParseAddrPort("[::ffff:10.0.0.13]:6")}
+	s, err := guardScript("CRIU-x", []ckpt.Conn{c4, c6, mapped})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		"10.0.0.11 . 40000 . 10.0.0.12 . 7000", "10.0.0.12 . 7000 . 10.0.0.11 . 40000", // both directions
+		"10.0.0.11 . 5 . 10.0.0.13 . 6", // v4-mapped goes to the IPv4 set
+		"fd00::1 . 1 . fd00::2 . 2", "fd00::2 . 2 . fd00::1 . 1",
+		"meta mark 0xc114 accept", "type filter hook input priority 0", "type filter hook output priority 0",
+	} {
+		if !strings.Contains(s, want) {
+			t.Errorf("script lacks %q:\n%s", want, s)
+		}
+	}
+	mixed := ckpt.Conn{Local: c4.Local, Remote: c6.Remote}
+	if _, err := guardScript("CRIU-x", []ckpt.Conn{mixed}); err == nil {
+		t.Error("a connection with an IPv4 and an IPv6 end was accepted")
+	}
+	for _, id := range []string{"", "x; flush ruleset", strings.ToUpper(testRunID)} {
+		if err := Guard(context.Background(), id, nil); err == nil {
+			t.Errorf("Guard accepted run id %q", id)
+		}
+		if err := Unguard(context.Background(), id); err == nil {
+			t.Errorf("Unguard accepted run id %q", id)
+		}
+	}
+}
+
+// TestGuard checks on real traffic that the guard drops the guarded
+// connections both ways, lets others through, lets CRIU-marked packets out,
+// and that Unguard removes it.
+func TestGuard(t *testing.T) {
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	l := labtest.New(t, 2, 0)
+	h1, err := l.Host("node1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	h2, err := l.Host("node2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := netip.AddrPortFrom(h2.Addr.Addr(), 7200)
+	var ln net.Listener
+	if err := l.Do("node2", func() (err error) { ln, err = net.Listen("tcp4", srv.String()); return err }); err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	from := func(port uint16) netip.AddrPort { return netip.AddrPortFrom(h1.Addr.Addr(), port) }
+	conns := []ckpt.Conn{
+		{Local: from(40200), Remote: srv, Inode: 1},
+		{Local: from(40201), Remote: srv, Inode: 2},
+		{Local: netip.MustParseAddrPort("[fd00::1]:1"), Remote: netip.MustParseAddrPort("[fd00::2]:2"), Inode: 3},
+	}
+	dial := func(lport uint16, mark bool) error {
+		return l.Do("node1", func() error {
+			d := net.Dialer{Timeout: 300 * time.Millisecond, LocalAddr: net.TCPAddrFromAddrPort(from(lport))}
+			if mark {
+				d.Control = func(_, _ string, rc syscall.RawConn) error {
+					var serr error
+					err := rc.Control(func(fd uintptr) { serr = unix.SetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_MARK, soccrMark) })
+					if err != nil {
+						return err
+					}
+					return serr
+				}
+			}
+			c, err := d.DialContext(ctx, "tcp4", srv.String())
+			if err == nil {
+				c.Close()
+			}
+			return err
+		})
+	}
+	exists := func() bool {
+		t.Helper()
+		var ok bool
+		if err := l.Do("node1", func() (err error) { ok, err = GuardExists(ctx, testRunID); return err }); err != nil {
+			t.Fatal(err)
+		}
+		return ok
+	}
+
+	for range 2 { // idempotent
+		if err := l.Do("node1", func() error { return Guard(ctx, testRunID, conns) }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !exists() {
+		t.Fatal("no guard table after Guard")
+	}
+	if err := dial(40200, false); err == nil {
+		t.Error("a guarded connection's SYN got through")
+	}
+	if err := dial(40202, false); err != nil {
+		t.Errorf("an unguarded connection failed: %v", err)
+	}
+	// A marked SYN leaves (output accepts CRIU's mark) but the SYN-ACK is
+	// dropped on input: the server holds a half-open connection.
+	if err := dial(40201, true); err == nil {
+		t.Error("a guarded connection completed although the SYN-ACK must be dropped on input")
+	}
+	var synRecv []byte
+	if err := l.Do("node2", func() (err error) {
+		synRecv, err = exec.Command("ss", "-Htn", "state", "syn-recv").CombinedOutput()
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(synRecv), from(40201).String()) {
+		t.Errorf("the server saw no SYN from the marked socket %v: ss says %q", from(40201), synRecv)
+	}
+
+	for range 2 { // a missing table is fine
+		if err := l.Do("node1", func() error { return Unguard(ctx, testRunID) }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if exists() {
+		t.Error("guard table still there after Unguard")
+	}
+	if err := dial(40200, false); err != nil {
+		t.Errorf("the connection is still dropped after Unguard: %v", err)
+	}
+}
