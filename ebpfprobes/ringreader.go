@@ -162,8 +162,11 @@ func (r *ringReader) wait(timeout time.Duration) (flushed bool, err error) {
 	return flushed, nil
 }
 
-// flush interrupts a wait.
+// flush interrupts a wait. It holds life so that it never writes to the
+// eventfd's number after close released it.
 func (r *ringReader) flush() error {
+	r.life.RLock()
+	defer r.life.RUnlock()
 	if r.closed.Load() {
 		return errRingClosed
 	}

@@ -41,6 +41,9 @@ type ager struct {
 // I/O run outside the store's lock, so the appender is held up only to swap a slab's form.
 // now is passed in so callers (and tests) control the clock.
 func (s *Store) Age(ctx context.Context, now time.Time) (AgeReport, error) {
+	if s.standalone {
+		s.env.pool.shrink()
+	}
 	var a ager
 	r, err := s.compress(ctx, now, &a)
 	if err != nil {

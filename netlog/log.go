@@ -219,7 +219,9 @@ func (l *Log) ConnStats(conn Conn) (Stats, error) {
 
 // Age compresses aged slabs of every store (Options.CompressAfter, CompressAboveRAM) and,
 // if the log's memory still exceeds Options.SpillAboveRAM, spills the oldest sealed slabs of
-// the largest stores first. Run it periodically from a maintenance goroutine.
+// the largest stores first. It also releases the pooled slab buffers that were not reused
+// since the previous Age (see Options.PoolSlabs). Run it periodically from a maintenance
+// goroutine.
 func (l *Log) Age(ctx context.Context, now time.Time) (AgeReport, error) {
 	l.mu.RLock()
 	stores := make([]*Store, 0, len(l.stores))
@@ -228,6 +230,7 @@ func (l *Log) Age(ctx context.Context, now time.Time) (AgeReport, error) {
 	}
 	l.mu.RUnlock()
 
+	l.env.pool.shrink()
 	var r AgeReport
 	var a ager
 	for _, st := range stores {

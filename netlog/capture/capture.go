@@ -149,7 +149,12 @@ func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 	defer close(c.done)
 	a := appender{log: c.netlog}
 	atCap := func() bool {
-		return c.memCap > 0 && c.netlog.Stats().MemoryBytes()+c.headroom > c.memCap
+		if c.memCap <= 0 {
+			return false
+		}
+		// Pooled slab buffers are reused before the log allocates: they are headroom already held.
+		st := c.netlog.Stats()
+		return st.MemoryBytes()+max(0, c.headroom-st.PooledBytes) > c.memCap
 	}
 	handle := func(raw []byte) error {
 		// At the memory cap: leave the records in the ring. Once it is full the probe drops segments and
