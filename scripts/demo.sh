@@ -79,7 +79,13 @@ FAILED=0
 wait || FAILED=1
 echo "   all ranks finished $(secs "$tc") s after the crash (run: $(secs "$t") s)"
 AFTER=$(pids 'ft-rank[023]')
-echo "   survivors after:  ${AFTER:-(finished)}"
+echo "   survivors after:  $AFTER"
+if [ "$BEFORE" = "$AFTER" ]; then
+	echo "   survivors untouched: same processes from start to end, never stopped, never restored"
+else
+	echo "   survivors DISTURBED: their processes changed"
+	FAILED=1
+fi
 echo "== recovery timeline (ftctl events)"
 ctl events | sed 's/^/   /' || true
 echo "== result"

@@ -75,7 +75,7 @@ func recoveryRun(ctx context.Context, log *slog.Logger, binDir string, nodes, ba
 	if err != nil {
 		return nil, err
 	}
-	l, err := lab.Up(ctx, lab.Config{ID: "fbrecov", Nodes: nodes, Spares: 1, Subnet: netip.MustParsePrefix("10.247.0.0/24")}, lab.Options{Logger: log})
+	l, err := lab.Up(ctx, lab.Config{ID: "fbrecov", Nodes: nodes, Spares: 1, Subnet: netip.MustParsePrefix("10.244.0.0/24")}, lab.Options{Logger: log})
 	if err != nil {
 		return nil, err
 	}
