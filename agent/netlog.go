@@ -28,6 +28,7 @@ type logState struct {
 	mu   sync.Mutex
 	ev   []controller.Event   // the last maxEvents decisions, for `ftctl status`
 	seen map[string]time.Time // destination node -> when its log data was last trimmed (or first seen)
+	aged time.Time            // last Age of the log (controlLog only)
 }
 
 const maxEvents = 50
@@ -308,14 +309,17 @@ func (a *Agent) controlLog(ctx context.Context) {
 			}
 			dests = append(dests, controller.Destination{Node: node, Bytes: n, Oldest: a.netlog.seen[node]})
 		}
-		act, events := a.netlog.ctl.Step(controller.State{Now: now, Memory: l.Stats().MemoryBytes(), Destinations: dests, CanSpill: a.cfg.Log.SpillDir != ""})
+		act, events := a.netlog.ctl.Step(controller.State{Now: now, Memory: l.Stats().LiveBytes(), Destinations: dests, CanSpill: a.cfg.Log.SpillDir != ""})
 		a.netlog.mu.Unlock()
 		for _, node := range act.RequestSnapshots {
 			go a.requestSnapshot(ctx, node)
 		}
-		if act.SpillBytes > 0 {
+		// Age compresses old slabs, spills when the controller says so, and hands slab buffers that
+		// were not reused since the last call back to the heap.
+		if act.SpillBytes > 0 || now.Sub(a.netlog.aged) > 5*time.Second {
+			a.netlog.aged = now
 			if _, err := l.Age(ctx, now); err != nil {
-				a.log.Error("spill log data", "err", err)
+				a.log.Error("age the log (compress, spill)", "err", err)
 			}
 		}
 		if len(events) > 0 {

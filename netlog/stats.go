@@ -25,8 +25,12 @@ type Stats struct {
 }
 
 // MemoryBytes is the RAM the log holds: raw slabs, pooled slabs and compressed blocks.
-// This is the number to compare with a memory cap.
 func (s Stats) MemoryBytes() int64 { return s.RAMBytes + s.PooledBytes + s.CompressedBytes }
+
+// LiveBytes is the RAM holding logged data: MemoryBytes less the pooled buffers, which new data fills
+// before anything is allocated. This is the number to compare with a memory cap: while it stays under
+// the cap, the log never holds more than the larger of the cap and its previous peak.
+func (s Stats) LiveBytes() int64 { return s.RAMBytes + s.CompressedBytes }
 
 // meter holds Stats as atomics so a Log's totals can be read without visiting every store.
 type meter struct {

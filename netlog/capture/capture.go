@@ -152,9 +152,8 @@ func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 		if c.memCap <= 0 {
 			return false
 		}
-		// Pooled slab buffers are reused before the log allocates: they are headroom already held.
-		st := c.netlog.Stats()
-		return st.MemoryBytes()+max(0, c.headroom-st.PooledBytes) > c.memCap
+		// Pooled slab buffers are reused before the log allocates anything: only live data counts.
+		return c.netlog.Stats().LiveBytes()+c.headroom > c.memCap
 	}
 	handle := func(raw []byte) error {
 		// At the memory cap: leave the records in the ring. Once it is full the probe drops segments and
