@@ -48,6 +48,7 @@ type Agent struct {
 	failures *failureLog          // timelines of the failures this agent knows of
 	claims   *spare.Holder        // this host's claim state while it is a spare
 	clamp    *ebpfprobes.AckClamp // ACK clock for restored sockets that re-send what peers have; nil if unavailable
+	digests  *digestStore         // digests of what the nodes this host protects sent, to verify re-sent bytes
 }
 
 // New checks the host (root, CRIU 4.2 or newer, cgroup v2) and prepares the agent's directories.
@@ -87,6 +88,9 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 		return nil, fmt.Errorf("failure timelines in %s: %w", cfg.StateDir, err)
 	}
 	if a.claims, err = spare.OpenHolder(filepath.Join(cfg.StateDir, "claim.json")); err != nil {
+		return nil, err
+	}
+	if a.digests, err = openDigestStore(filepath.Join(cfg.StateDir, "digests"), a.log); err != nil {
 		return nil, err
 	}
 	a.watchdog = detect.NewWatchdog(detect.Config{Timeout: cfg.Heartbeat.Timeout.Duration, BusyGrace: cfg.Heartbeat.BusyGrace.Duration})
@@ -296,6 +300,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	go a.watchJobs(ctx)
 	go a.schedule(ctx)
 	go a.controlLog(ctx)
+	go a.digestLoop(ctx)
 	go a.sendBeats(ctx)
 	go a.watchPredecessor(ctx)
 	go a.pushView(ctx) // a restarted agent learns what changed while it was away

@@ -30,6 +30,7 @@ const (
 	opTrim          clusterOp = "trim"           // the caller's snapshot covers these receive points: drop older log data
 	opLogRange      clusterOp = "log-range"      // bytes we logged on a connection from a sequence number on
 	opCheckpointNow clusterOp = "checkpoint-now" // the caller's log is under pressure: snapshot our jobs
+	opDigests       clusterOp = "digests"        // CRC-32C of the blocks the caller's log holds (we are its protector)
 	// Failure detection and recovery.
 	opHeartbeat clusterOp = "heartbeat" // a stream of heartbeats from our predecessor in the ring
 	opProbe     clusterOp = "probe"     // does this host reach a suspect's agent
@@ -151,6 +152,7 @@ func (a *Agent) handleCluster(ctx context.Context, c net.Conn) {
 			a.log.Warn("snapshot from peer refused", "peer", peer, "err", err)
 			return
 		}
+		a.digests.prune(peer, got.Manifest.Conns)
 		a.log.Info("replica stored", "peer", peer, "job", got.Manifest.Job, "snapshot", got.Manifest.ID,
 			"bytes", got.Bytes, "wire_bytes", got.WireBytes, "ms", got.Duration.Milliseconds())
 	case opLocate:
@@ -163,6 +165,8 @@ func (a *Agent) handleCluster(ctx context.Context, c net.Conn) {
 		a.serveTrim(c, peer)
 	case opLogRange:
 		a.serveLogRange(ctx, c)
+	case opDigests:
+		a.serveDigests(c, peer)
 	case opCheckpointNow:
 		a.log.Info("snapshot requested by a sender whose log is under pressure", "peer", peer)
 		go func() {

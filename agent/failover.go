@@ -21,6 +21,9 @@ func (a *Agent) failover(ctx context.Context, s detect.Suspect, declared time.Ti
 	id := a.recordFailure(s, declared)
 	a.log.Error("node failed", "node", s.Name, "jobs", s.Jobs, "detection_ms", declared.Sub(s.LastBeat).Milliseconds(), "failure", id)
 	err := a.runFailover(ctx, id, s)
+	if derr := a.digests.drop(s.Name); derr != nil {
+		a.log.Warn("could not remove the failed node's digests", "node", s.Name, "err", derr)
+	}
 	a.failures.update(id, func(f *Failure) {
 		f.Done = true
 		if err != nil {
@@ -62,6 +65,7 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect) er
 		return err
 	}
 	var jobs []RecoverJob
+	var conns []ckpt.Conn // of the snapshots to restore: the digests of their re-sent bytes go along
 	var need spare.Need
 	var errs []error
 	for _, job := range s.Jobs {
@@ -71,6 +75,7 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect) er
 			continue
 		}
 		jobs = append(jobs, RecoverJob{Job: job, Snapshot: m.ID})
+		conns = append(conns, m.Conns...)
 		need.Jobs++
 		need.MemoryBytes += m.TotalSize()
 	}
@@ -95,7 +100,8 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect) er
 	a.failures.update(id, func(f *Failure) { f.Target, f.Basic = target, basic })
 	a.pushView(ctx) // peers must know who holds the failed node's addresses before replay starts
 	failed, _ := v.Member(s.Name)
-	req := RecoverRequest{Failure: id, Failed: s.Name, Addrs: failed.Addrs, Jobs: jobs, Source: a.cfg.Name}
+	req := RecoverRequest{Failure: id, Failed: s.Name, Addrs: failed.Addrs, Jobs: jobs, Source: a.cfg.Name,
+		Digests: a.digests.forRecovery(s.Name, conns)}
 	emit := func(st Stage) {
 		a.failures.update(id, func(f *Failure) { f.Stages = append(f.Stages, st) })
 		a.saveFailures()

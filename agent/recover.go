@@ -30,6 +30,9 @@ type RecoverRequest struct {
 	Addrs   []netip.Addr `json:"addrs"` // the failed node's host addresses, taken over by the target
 	Jobs    []RecoverJob `json:"jobs"`
 	Source  string       `json:"source"` // the member holding the replicas
+	// Digests are the failed node's digests of what it sent past the snapshots' write_seq: the target
+	// checks the restored jobs' re-sent bytes against them.
+	Digests []ConnDigests `json:"digests,omitempty"`
 }
 
 // recoverMessage is one line of a recovery's progress stream: a stage, or the end.
@@ -72,7 +75,7 @@ func (a *Agent) remoteRecover(ctx context.Context, target string, req RecoverReq
 
 func (a *Agent) serveRecover(ctx context.Context, c net.Conn, peer string) {
 	var req RecoverRequest
-	if err := readHeaderLarge(c, &req); err != nil {
+	if err := readLine(c, &req, maxRecoverRequest); err != nil {
 		a.log.Warn("bad recovery request", "peer", peer, "err", err)
 		return
 	}
@@ -108,6 +111,10 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 	iface, own, err := hostInterface(a.cfg.Cluster.Listen.Addr())
 	if err != nil {
 		return err
+	}
+	digests, err := digestIndex(req.Digests)
+	if err != nil {
+		return fmt.Errorf("recovery request from %s: %w", req.Source, err)
 	}
 	var jobs []*restoring
 	var errs []error
@@ -187,13 +194,27 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 			a.log.Warn("gratuitous ARP failed; peers find the address when their neighbour entries expire", "addr", ip, "err", err)
 		}
 	}
+	var verified []*restoring
 	for _, r := range restored {
 		detail, err := a.waitReplay(ctx, r)
+		if err == nil {
+			// Before the job is re-protected: a job that re-sent different bytes must not be snapshotted.
+			var vdetail string
+			vdetail, err = a.verifyResent(ctx, r, digests)
+			detail += "; " + vdetail
+			if err != nil {
+				stage(StageReplayed, r.job.ID, r.restoredAt, detail, err)
+				errs = append(errs, fmt.Errorf("job %s is not transparently recoverable (killed): %w", r.job.ID, err))
+				continue
+			}
+		}
 		stage(StageReplayed, r.job.ID, r.restoredAt, detail, err)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("job %s: %w", r.job.ID, err))
 		}
+		verified = append(verified, r)
 	}
+	restored = verified
 	if len(restored) > 0 {
 		start := time.Now()
 		var ids []string

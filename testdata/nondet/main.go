@@ -1,0 +1,114 @@
+// Command nondet is a two-rank ping-pong over TCP for ftkit's tests of re-sent byte verification. Rank 1
+// sends a block per iteration and waits for rank 0's acknowledgement. With --clock, each block's bytes are
+// drawn from a generator seeded with the wall clock at the moment it is sent, so a rank 1 restored from a
+// snapshot re-sends different bytes than its peer already received (a non-deterministic program); without
+// it the blocks depend only on the iteration, and a restore re-sends the same bytes.
+//
+//	nondet --rank R --peer ADDR [--iters N] [--block BYTES] [--delay D] [--clock]
+//
+// Rank 0 listens on ADDR, rank 1 connects to it. Both print "rank R checksum X" (a SHA-256 of the blocks
+// received or sent) and exit 0 when all iterations are done.
+package main
+
+import (
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"flag"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"os"
+	"time"
+)
+
+func main() {
+	rank := flag.Int("rank", 0, "0 (receiver) or 1 (sender)")
+	peer := flag.String("peer", "", "host:port rank 0 listens on")
+	iters := flag.Int("iters", 500, "iterations")
+	block := flag.Int("block", 64<<10, "bytes rank 1 sends per iteration")
+	delay := flag.Duration("delay", 10*time.Millisecond, "pause between iterations")
+	clock := flag.Bool("clock", false, "seed each block with the wall clock (non-deterministic)")
+	flag.Parse()
+	if *peer == "" || *rank < 0 || *rank > 1 || *block < 8 || *block%8 != 0 {
+		fmt.Fprintln(os.Stderr, "nondet: need --peer, --rank 0 or 1, --block a multiple of 8")
+		os.Exit(2)
+	}
+	var sum string
+	var err error
+	if *rank == 0 {
+		sum, err = receive(*peer, *iters, *block)
+	} else {
+		sum, err = send(*peer, *iters, *block, *delay, *clock)
+	}
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "nondet rank %d: %v\n", *rank, err)
+		os.Exit(1)
+	}
+	fmt.Printf("rank %d checksum %s\n", *rank, sum)
+}
+
+func receive(addr string, iters, block int) (string, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return "", err
+	}
+	c, err := ln.Accept()
+	if err != nil {
+		return "", err
+	}
+	ln.Close()
+	h := sha256.New()
+	buf := make([]byte, block)
+	ack := make([]byte, 8)
+	for i := range iters {
+		if _, err := io.ReadFull(c, buf); err != nil {
+			return "", fmt.Errorf("iteration %d: read block: %w", i, err)
+		}
+		h.Write(buf)
+		binary.LittleEndian.PutUint64(ack, uint64(i))
+		if _, err := c.Write(ack); err != nil {
+			return "", fmt.Errorf("iteration %d: acknowledge: %w", i, err)
+		}
+	}
+	return hex.EncodeToString(h.Sum(nil)), nil
+}
+
+func send(addr string, iters, block int, delay time.Duration, clock bool) (string, error) {
+	var c net.Conn
+	var err error
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if c, err = net.Dial("tcp", addr); err == nil || time.Now().After(deadline) {
+			break
+		}
+	}
+	if err != nil {
+		return "", err
+	}
+	h := sha256.New()
+	buf := make([]byte, block)
+	ack := make([]byte, 8)
+	for i := range iters {
+		seed := uint64(i)
+		if clock {
+			seed = uint64(time.Now().UnixNano()) // read when the block is sent: a re-execution differs
+		}
+		r := rand.New(rand.NewPCG(seed, 0x6e6f6e646574))
+		for off := 0; off < len(buf); off += 8 {
+			binary.LittleEndian.PutUint64(buf[off:], r.Uint64())
+		}
+		h.Write(buf)
+		if _, err := c.Write(buf); err != nil {
+			return "", fmt.Errorf("iteration %d: send block: %w", i, err)
+		}
+		if _, err := io.ReadFull(c, ack); err != nil {
+			return "", fmt.Errorf("iteration %d: read acknowledgement: %w", i, err)
+		}
+		if got := binary.LittleEndian.Uint64(ack); got != uint64(i) {
+			return "", fmt.Errorf("iteration %d: acknowledgement for %d", i, got)
+		}
+		time.Sleep(delay)
+	}
+	return hex.EncodeToString(h.Sum(nil)), nil
+}
