@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"os"
 	"slices"
 	"time"
 
@@ -145,36 +146,11 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 	if len(jobs) == 0 {
 		return errors.Join(append(errs, errors.New("no job could be prepared"))...)
 	}
-	// The network guard goes up before the address: until CRIU has rebuilt the sockets, the peers'
-	// retransmissions to the taken-over address must be dropped, never answered with a RST.
-	initCwnd := 10
-	for _, r := range jobs {
-		if err := restore.Guard(ctx, r.runID, r.m.Conns); err != nil {
-			return fmt.Errorf("guard connections of job %s: %w", r.job.ID, err)
-		}
-		initCwnd = max(initCwnd, r.plan.InitCwnd)
-	}
-	for _, ip := range req.Addrs {
-		if err := restore.TakeOver(iface, netip.PrefixFrom(ip, own.Bits())); err != nil {
-			return fmt.Errorf("take over address %s: %w", ip, err)
-		}
-	}
-	if a.clamp != nil {
+	if err := a.prepareNetwork(ctx, iface, own.Bits(), req.Addrs, jobs); err != nil {
 		for _, r := range jobs {
-			for _, c := range r.plan.Conns {
-				if c.Resend == 0 {
-					continue
-				}
-				// From the snapshot's write_seq: CRIU restores the out-queue as sent, and the peer, whose
-				// rcv_nxt is beyond it (Resend > 0), has all of it.
-				if err := a.clamp.Clamp(ebpfprobes.Flow{Src: c.Conn.Local, Dst: c.Conn.Remote}, c.Conn.OutqSeq); err != nil {
-					return err
-				}
-			}
+			os.RemoveAll(r.work)
 		}
-	}
-	if err := restore.SetInitCwnd(iface, initCwnd); err != nil {
-		a.log.Warn("could not raise the initial congestion window; re-sent bytes may stall", "err", err)
+		return errors.Join(append(errs, err)...)
 	}
 	var restored []*restoring
 	for _, r := range jobs {
@@ -238,6 +214,66 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// prepareNetwork guards the jobs' connections, takes over the failed node's addresses, registers the
+// restored flows with the ACK clamp and raises the initial congestion window. On error it undoes what it
+// did, so that the host is left as it was (a peer must not find the address here without a socket).
+func (a *Agent) prepareNetwork(ctx context.Context, iface string, bits int, addrs []netip.Addr, jobs []*restoring) (err error) {
+	var guarded []string
+	var taken []netip.Prefix
+	var clamped []ebpfprobes.Flow
+	defer func() {
+		if err == nil {
+			return
+		}
+		for _, p := range taken {
+			restore.Release(iface, p)
+		}
+		for _, id := range guarded {
+			restore.Unguard(ctx, id)
+		}
+		for _, f := range clamped {
+			a.clamp.Release(f)
+		}
+	}()
+	// The network guard goes up before the address: until CRIU has rebuilt the sockets, the peers'
+	// retransmissions to the taken-over address must be dropped, never answered with a RST.
+	initCwnd := restore.MinInitCwnd
+	for _, r := range jobs {
+		if err := restore.Guard(ctx, r.runID, r.m.Conns); err != nil {
+			return fmt.Errorf("guard connections of job %s: %w", r.job.ID, err)
+		}
+		guarded = append(guarded, r.runID)
+		initCwnd = max(initCwnd, r.plan.InitCwnd)
+	}
+	for _, ip := range addrs {
+		p := netip.PrefixFrom(ip, bits)
+		if err := restore.TakeOver(iface, p); err != nil {
+			return fmt.Errorf("take over address %s: %w", ip, err)
+		}
+		taken = append(taken, p)
+	}
+	if a.clamp != nil {
+		for _, r := range jobs {
+			for _, c := range r.plan.Conns {
+				if c.Resend == 0 {
+					continue
+				}
+				// From the snapshot's write_seq: CRIU restores the out-queue as sent, and the peer, whose
+				// rcv_nxt is beyond it (Resend > 0), has all of it.
+				f := ebpfprobes.Flow{Src: c.Conn.Local, Dst: c.Conn.Remote}
+				if err := a.clamp.Clamp(f, c.Conn.OutqSeq); err != nil {
+					return err
+				}
+				clamped = append(clamped, f)
+			}
+		}
+	}
+	if err := restore.SetInitCwnd(iface, initCwnd); err != nil {
+		a.log.Warn("could not raise the initial congestion window; re-sent bytes may stall", "err", err)
+	}
+	return nil
 }
 
 // prepareRecovery fetches and verifies a snapshot and lays out a working copy of its images.
