@@ -21,7 +21,6 @@ import (
 type ring struct {
 	c      *labcluster.Cluster
 	jobs   []agent.Job // as started
-	args   []string    // ringstencil flags shared by all ranks
 	jobDir string
 }
 
@@ -71,7 +70,6 @@ func checksumOf(t *testing.T, out string) string {
 // startRing starts rank r on node r+1 (port is the ranks' listening port).
 func startRing(t *testing.T, c *labcluster.Cluster, ranks, port int, args []string) *ring {
 	t.Helper()
-	st := c.Lab.State()
 	var peers []string
 	for r := range ranks {
 		h, err := c.Lab.Host(fmt.Sprintf("node%d", r+1))
@@ -80,10 +78,17 @@ func startRing(t *testing.T, c *labcluster.Cluster, ranks, port int, args []stri
 		}
 		peers = append(peers, netip.AddrPortFrom(h.Addr.Addr(), uint16(port)).String())
 	}
-	rg := &ring{c: c, args: args, jobDir: labcluster.JobsDir(st.ID)}
+	return startRanks(t, c, ranks, "rank", func(r int) []string {
+		return append([]string{bins.Ringstencil, "--rank", fmt.Sprint(r), "--peers", strings.Join(peers, ",")}, args...)
+	})
+}
+
+// startRanks starts rank r on node r+1 as job name<r> running argv(r); a failed test logs every rank's output.
+func startRanks(t *testing.T, c *labcluster.Cluster, ranks int, name string, argv func(r int) []string) *ring {
+	t.Helper()
+	rg := &ring{c: c, jobDir: labcluster.JobsDir(c.Lab.State().ID)}
 	for r := range ranks {
-		argv := append([]string{bins.Ringstencil, "--rank", fmt.Sprint(r), "--peers", strings.Join(peers, ",")}, args...)
-		j, err := c.Client(fmt.Sprintf("node%d", r+1)).StartJob(context.Background(), agent.JobSpec{Name: fmt.Sprintf("rank%d", r), Argv: argv})
+		j, err := c.Client(fmt.Sprintf("node%d", r+1)).StartJob(context.Background(), agent.JobSpec{Name: fmt.Sprintf("%s%d", name, r), Argv: argv(r)})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -118,26 +118,9 @@ func startNondet(t *testing.T, c *labcluster.Cluster, port int, args []string) *
 		t.Fatal(err)
 	}
 	peer := netip.AddrPortFrom(h.Addr.Addr(), uint16(port)).String()
-	rg := &ring{c: c, args: args, jobDir: labcluster.JobsDir(c.Lab.State().ID)}
-	for r := range 2 {
-		argv := append([]string{bins.Nondet, "--rank", fmt.Sprint(r), "--peer", peer}, args...)
-		j, err := c.Client(fmt.Sprintf("node%d", r+1)).StartJob(context.Background(), agent.JobSpec{Name: fmt.Sprintf("nondet%d", r), Argv: argv})
-		if err != nil {
-			t.Fatal(err)
-		}
-		rg.jobs = append(rg.jobs, j)
-	}
-	t.Cleanup(func() {
-		if t.Failed() {
-			for r, j := range rg.jobs {
-				b, _ := os.ReadFile(j.StdoutPath())
-				e, _ := os.ReadFile(j.StderrPath())
-				x, _ := os.ReadFile(j.ExitPath())
-				t.Logf("rank %d (job %s): stdout %q stderr %q exit %s", r, j.ID, tail(string(b)), tail(string(e)), x)
-			}
-		}
+	return startRanks(t, c, 2, "nondet", func(r int) []string {
+		return append([]string{bins.Nondet, "--rank", fmt.Sprint(r), "--peer", peer}, args...)
 	})
-	return rg
 }
 
 // waitExit waits for a job's exit record and returns it with the job's stdout and stderr.
