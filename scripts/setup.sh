@@ -15,7 +15,8 @@ CRIU_BIN=/usr/local/sbin/criu
 CACHE=${FTKIT_CACHE:-/var/cache/ftkit}
 top=$(cd "$(dirname "$0")/.." && pwd)
 
-# Debian packages: the eBPF toolchain, the lab's tools, CRIU's build dependencies, MPI comes later.
+# Debian packages: the eBPF toolchain, the lab's tools, CRIU's build dependencies, and Open MPI with two
+# unmodified MPI workloads for `ftctl mpirun` (HPCC, LAMMPS and its examples; docs/mpi.md).
 PACKAGES=(
 	clang llvm libbpf-dev bpftool
 	nftables iproute2 iputils-arping util-linux procps psmisc ethtool
@@ -23,6 +24,7 @@ PACKAGES=(
 	libbsd-dev libcap-dev libgnutls28-dev libnet1-dev libnftables-dev libnl-3-dev
 	libprotobuf-c-dev libprotobuf-dev pkgconf protobuf-c-compiler protobuf-compiler
 	uuid-dev python3-protobuf
+	openmpi-bin hpcc lammps lammps-examples
 )
 
 say() { printf 'setup: %s\n' "$*" >&2; }

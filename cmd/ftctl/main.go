@@ -37,6 +37,7 @@ Exit codes: 0 success, 1 failure, 2 bad command line, 3 not found, 4 preconditio
 		root.AddCommand(c)
 	}
 	root.AddCommand(newVersionCmd(), newLabCmd(&logs))
+	root.AddCommand(newMPIRunCmd(&logs))
 	return root
 }
 
