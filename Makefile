@@ -9,6 +9,9 @@ CMDS    := ftctl ftagent ftwrap
 # The tests' own parallelism: two packages at a time fits the 2-core machines this runs on.
 TESTFLAGS ?= -count=1 -p 2 -timeout 20m
 
+# The test programs (go's ./... skips testdata directories, so they are named).
+PROGS := $(patsubst %/,./%,$(wildcard testdata/*/))
+
 .PHONY: all setup build test unit lint generate check-generate demo bench clean
 
 all: build
@@ -18,11 +21,11 @@ setup:
 
 build: setup
 	@mkdir -p $(BIN)
-	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/ ./cmd/... ./testdata/ringstencil ./testdata/memcounter ./bench/ftbench
+	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/ ./cmd/... $(PROGS) ./bench/ftbench
 
 lint: setup
-	$(GO) vet ./...
-	$(GO) tool staticcheck ./...
+	$(GO) vet ./... $(PROGS)
+	$(GO) tool staticcheck ./... $(PROGS)
 
 # Regenerate the bpf2go output; `check-generate` fails if the committed files differ from a fresh run.
 generate: setup
@@ -32,11 +35,11 @@ check-generate: generate
 	@git diff --exit-code -- ebpfprobes bpf || { echo "generated eBPF files are stale: run 'make generate' and commit"; exit 1; }
 
 test: build lint check-generate
-	$(GO) test $(TESTFLAGS) ./...
+	$(GO) test $(TESTFLAGS) ./... $(PROGS)
 
 # Pure unit tests only (no root, no kernel): quick feedback while editing.
 unit:
-	$(GO) test -count=1 -short ./...
+	$(GO) test -count=1 -short ./... $(PROGS)
 
 demo: build
 	@scripts/demo.sh
