@@ -37,6 +37,7 @@ const (
 	opView      clusterOp = "view"      // exchange membership views (and failure timelines)
 	opClaim     clusterOp = "claim"     // claim this spare for a failed node
 	opRecover   clusterOp = "recover"   // restore a failed node's jobs here
+	opReplica   clusterOp = "replica"   // the newest verified replica of a job from a node that we hold
 )
 
 type clusterRequest struct {
@@ -182,6 +183,8 @@ func (a *Agent) handleCluster(ctx context.Context, c net.Conn) {
 		a.serveView(c, peer)
 	case opClaim:
 		a.serveClaim(c, peer)
+	case opReplica:
+		a.serveReplica(ctx, c)
 	case opRecover:
 		a.serveRecover(ctx, c, peer)
 	case opFetch:

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"strings"
 	"time"
 
@@ -69,12 +70,18 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect) er
 	var need spare.Need
 	var errs []error
 	for _, job := range s.Jobs {
+		holder := ""
 		m, err := a.newestReplica(ctx, job, s.Name)
+		if err != nil {
+			// The failed node ships to the next node of the ring when its protector does not answer (a
+			// busy protector can miss one): another member may hold the replica.
+			m, holder, err = a.remoteReplica(ctx, job, s.Name, err)
+		}
 		if err != nil {
 			errs = append(errs, fmt.Errorf("job %s: %w", job, err))
 			continue
 		}
-		jobs = append(jobs, RecoverJob{Job: job, Snapshot: m.ID})
+		jobs = append(jobs, RecoverJob{Job: job, Snapshot: m.ID, Source: holder})
 		conns = append(conns, m.Conns...)
 		need.Jobs++
 		need.MemoryBytes += m.TotalSize()
@@ -132,6 +139,69 @@ func (a *Agent) newestReplica(ctx context.Context, job, node string) (*ckpt.Mani
 		a.log.Error("replica failed verification; trying an older one", "job", job, "snapshot", id, "err", err)
 	}
 	return nil, errors.Join(append(errs, fmt.Errorf("%w: no verified replica of job %s from %s", ckpt.ErrNotFound, job, node))...)
+}
+
+// replicaMessage asks a member for its newest verified replica of a job taken on a node, and answers.
+type replicaMessage struct {
+	Job      string         `json:"job"`
+	Node     string         `json:"node"`
+	Manifest *ckpt.Manifest `json:"manifest,omitempty"`
+	Error    string         `json:"error,omitempty"`
+}
+
+func (a *Agent) serveReplica(ctx context.Context, c io.ReadWriter) {
+	var req replicaMessage
+	if err := readHeader(c, &req); err != nil {
+		return
+	}
+	m, err := a.newestReplica(ctx, req.Job, req.Node)
+	writeHeader(c, replicaMessage{Job: req.Job, Node: req.Node, Manifest: m, Error: errString(err)})
+}
+
+// remoteReplica finds the newest verified replica of job from node among the other alive members; local is
+// why this host had none.
+func (a *Agent) remoteReplica(ctx context.Context, job, node string, local error) (*ckpt.Manifest, string, error) {
+	var best *ckpt.Manifest
+	holder := ""
+	errs := []error{fmt.Errorf("%s: %w", a.cfg.Name, local)}
+	for _, mb := range a.View().Members {
+		if mb.Name == a.cfg.Name || mb.Name == node || mb.State != ring.StateAlive {
+			continue
+		}
+		m, err := func() (*ckpt.Manifest, error) {
+			qctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+			defer cancel()
+			c, err := a.dialPeer(qctx, mb.Name, opReplica)
+			if err != nil {
+				return nil, err
+			}
+			defer c.Close()
+			c.SetDeadline(time.Now().Add(30 * time.Second))
+			var r replicaMessage
+			if err := writeHeader(c, replicaMessage{Job: job, Node: node}); err != nil {
+				return nil, err
+			}
+			if err := readHeaderLarge(c, &r); err != nil {
+				return nil, err
+			}
+			if r.Error != "" || r.Manifest == nil {
+				return nil, errors.New(r.Error)
+			}
+			return r.Manifest, nil
+		}()
+		if err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", mb.Name, err))
+			continue
+		}
+		if best == nil || m.ID > best.ID { // ids start with the UTC time of the dump
+			best, holder = m, mb.Name
+		}
+	}
+	if best == nil {
+		return nil, "", errors.Join(errs...)
+	}
+	a.log.Warn("newest replica found on another member", "job", job, "snapshot", best.ID, "holder", holder)
+	return best, holder, nil
 }
 
 // claimSpare claims the first free spare that can host the failed node's jobs. With none, it returns this

@@ -22,6 +22,7 @@ import (
 type RecoverJob struct {
 	Job      string `json:"job"`
 	Snapshot string `json:"snapshot"`
+	Source   string `json:"source,omitempty"` // the member holding it, if not the request's Source
 }
 
 // RecoverRequest asks a host (a claimed spare, or the protector itself) to take over a failed node's jobs.
@@ -124,7 +125,11 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 		r, err := a.prepareRecovery(ctx, req, rj)
 		detail := ""
 		if r != nil {
-			detail = fmt.Sprintf("%d MB from %s", r.m.TotalSize()>>20, req.Source)
+			src := req.Source
+			if rj.Source != "" {
+				src = rj.Source
+			}
+			detail = fmt.Sprintf("%d MB from %s", r.m.TotalSize()>>20, src)
 		}
 		stage(StageFetched, rj.Job, start, detail, err)
 		if err != nil {
@@ -279,7 +284,11 @@ func (a *Agent) prepareNetwork(ctx context.Context, iface string, bits int, addr
 // prepareRecovery fetches and verifies a snapshot and lays out a working copy of its images.
 func (a *Agent) prepareRecovery(ctx context.Context, req RecoverRequest, rj RecoverJob) (*restoring, error) {
 	if _, err := a.store.Manifest(rj.Job, rj.Snapshot); err != nil {
-		if err := a.fetchFrom(ctx, req.Source, rj.Job, rj.Snapshot); err != nil {
+		src := req.Source
+		if rj.Source != "" {
+			src = rj.Source
+		}
+		if err := a.fetchFrom(ctx, src, rj.Job, rj.Snapshot); err != nil {
 			return nil, err
 		}
 	}
