@@ -118,8 +118,10 @@ func (a *Agent) notify() {
 }
 
 // adopt loads the job records a previous agent left and finds out what became of each job.
-func (a *Agent) adopt() error {
+// It returns how many running jobs it adopted.
+func (a *Agent) adopt() (int, error) {
 	jobs, err := a.jobs.all()
+	n := 0
 	for _, j := range jobs {
 		if j.Node != a.cfg.Name {
 			continue
@@ -127,13 +129,26 @@ func (a *Agent) adopt() error {
 		a.byID[j.ID] = j
 		if j.State == JobRunning {
 			a.protect(j)
+			n++
 			a.log.Info("adopted job", "job", j.ID, "pid", j.PID)
 		}
 	}
 	if err != nil {
-		return fmt.Errorf("adopt jobs: %w", err)
+		return n, fmt.Errorf("adopt jobs: %w", err)
 	}
-	return nil
+	return n, nil
+}
+
+// renewReceiverSnapshots asks every other node to snapshot now. A restarted agent has lost the log of what
+// its adopted jobs sent before the restart; once the receivers' snapshots cover those bytes, no recovery
+// needs them.
+func (a *Agent) renewReceiverSnapshots(ctx context.Context) {
+	a.log.Warn("agent restarted with running jobs: the log of what they sent before is gone; asking every node to snapshot now")
+	for _, m := range a.View().Ring() {
+		if m.Name != a.cfg.Name {
+			a.requestSnapshot(ctx, m.Name)
+		}
+	}
 }
 
 // StartJob creates a job and starts its program under a shim.
@@ -284,7 +299,8 @@ func alive(pid int) bool {
 // Run adopts the jobs a previous agent left, then serves until ctx ends. Jobs keep running when the agent
 // stops: their shims are independent processes.
 func (a *Agent) Run(ctx context.Context) error {
-	if err := a.adopt(); err != nil {
+	adopted, err := a.adopt()
+	if err != nil {
 		a.log.Error("some job records could not be read", "err", err)
 	}
 	srv, err := a.serveLocal(ctx)
@@ -304,6 +320,9 @@ func (a *Agent) Run(ctx context.Context) error {
 	go a.sendBeats(ctx)
 	go a.watchPredecessor(ctx)
 	go a.pushView(ctx) // a restarted agent learns what changed while it was away
+	if adopted > 0 && a.netlog != nil {
+		go a.renewReceiverSnapshots(ctx)
+	}
 	if a.netlog != nil {
 		defer a.netlog.cap.Close()
 	}

@@ -70,16 +70,20 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect) er
 	var need spare.Need
 	var errs []error
 	for _, job := range s.Jobs {
+		// The failed node ships to the next node of the ring when its protector does not answer, so
+		// another member may hold a newer replica than this host: restoring an older one would need log
+		// data the peers have already dropped. Take the newest anywhere.
 		holder := ""
 		m, err := a.newestReplica(ctx, job, s.Name)
-		if err != nil {
-			// The failed node ships to the next node of the ring when its protector does not answer (a
-			// busy protector can miss one): another member may hold the replica.
-			m, holder, err = a.remoteReplica(ctx, job, s.Name, err)
+		if rm, h, rerr := a.remoteReplica(ctx, job, s.Name, err); rerr == nil && (err != nil || rm.ID > m.ID) {
+			m, holder, err = rm, h, nil
 		}
 		if err != nil {
 			errs = append(errs, fmt.Errorf("job %s: %w", job, err))
 			continue
+		}
+		if holder != "" {
+			a.log.Warn("the newest replica is on another member", "job", job, "snapshot", m.ID, "holder", holder)
 		}
 		jobs = append(jobs, RecoverJob{Job: job, Snapshot: m.ID, Source: holder})
 		conns = append(conns, m.Conns...)
@@ -159,11 +163,14 @@ func (a *Agent) serveReplica(ctx context.Context, c io.ReadWriter) {
 }
 
 // remoteReplica finds the newest verified replica of job from node among the other alive members; local is
-// why this host had none.
+// why this host had none (nil if it has one).
 func (a *Agent) remoteReplica(ctx context.Context, job, node string, local error) (*ckpt.Manifest, string, error) {
 	var best *ckpt.Manifest
 	holder := ""
-	errs := []error{fmt.Errorf("%s: %w", a.cfg.Name, local)}
+	var errs []error
+	if local != nil {
+		errs = append(errs, fmt.Errorf("%s: %w", a.cfg.Name, local))
+	}
 	for _, mb := range a.View().Members {
 		if mb.Name == a.cfg.Name || mb.Name == node || mb.State != ring.StateAlive {
 			continue
@@ -200,7 +207,6 @@ func (a *Agent) remoteReplica(ctx context.Context, job, node string, local error
 	if best == nil {
 		return nil, "", errors.Join(errs...)
 	}
-	a.log.Warn("newest replica found on another member", "job", job, "snapshot", best.ID, "holder", holder)
 	return best, holder, nil
 }
 

@@ -177,7 +177,11 @@ func (a *Agent) shipToProtector(ctx context.Context, m *ckpt.Manifest) (*ship.Se
 }
 
 func (a *Agent) shipTo(ctx context.Context, peer string, m *ckpt.Manifest) (*ship.Sent, error) {
-	c, err := a.dialPeer(ctx, peer, opSnapshot)
+	// A protector that does not accept the connection in time is skipped (the next node of the ring takes
+	// the replica); the transfer itself may take as long as it needs.
+	dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	c, err := a.dialPeer(dctx, peer, opSnapshot)
+	cancel()
 	if err != nil {
 		return nil, fmt.Errorf("ship %s to %s: %w", m.ID, peer, err)
 	}
