@@ -292,6 +292,22 @@ func TestFailover(t *testing.T) {
 	}
 }
 
+// crashAfterSnapshot snapshots host, lets the ranks run on for after, crashes host and requires a complete
+// recovery on target (in basic mode or not).
+func (rg *ring) crashAfterSnapshot(t *testing.T, host string, after time.Duration, target string, basic bool) {
+	t.Helper()
+	rg.checkpoint(t, host)
+	time.Sleep(after)
+	if err := rg.c.Lab.Crash(context.Background(), host); err != nil {
+		t.Fatal(err)
+	}
+	f := waitFailure(t, rg.c, host, 90*time.Second)
+	requireStages(t, f)
+	if f.Target != target || f.Basic != basic {
+		t.Fatalf("failure of %s restored on %s (basic %v), want %s (basic %v)", host, f.Target, f.Basic, target, basic)
+	}
+}
+
 // TestSequentialFailures: node2 fails and its rank moves to the spare; then the spare itself (now a node
 // hosting the moved rank) fails, and with no spare left its protector restores the rank itself (basic
 // mode). Then a third failure of another original node, also in basic mode.
@@ -300,44 +316,13 @@ func TestSequentialFailures(t *testing.T) {
 	want := reference(t, 4, args)
 	c := newCluster(t, 4, 1, labcluster.Options{Interval: "1h"})
 	rg := startRing(t, c, 4, 7400, args)
-	ctx := context.Background()
 	time.Sleep(time.Second)
-
-	rg.checkpoint(t, "node2")
+	rg.crashAfterSnapshot(t, "node2", time.Second, "spare1", false)
+	// spare1 is now a node of the ring in node2's place; its snapshot of the moved rank goes to node3.
 	time.Sleep(time.Second)
-	if err := c.Lab.Crash(ctx, "node2"); err != nil {
-		t.Fatal(err)
-	}
-	f1 := waitFailure(t, c, "node2", 90*time.Second)
-	requireStages(t, f1)
-	if f1.Target != "spare1" {
-		t.Fatalf("first failure restored on %s, want spare1", f1.Target)
-	}
-
-	// spare1 is now a node of the ring in node2's place; its snapshot of the moved rank is on node3.
+	rg.crashAfterSnapshot(t, "spare1", time.Second, "node3", true)
 	time.Sleep(time.Second)
-	rg.checkpoint(t, "spare1")
-	time.Sleep(time.Second)
-	if err := c.Lab.Crash(ctx, "spare1"); err != nil {
-		t.Fatal(err)
-	}
-	f2 := waitFailure(t, c, "spare1", 90*time.Second)
-	requireStages(t, f2)
-	if f2.Target != "node3" || !f2.Basic {
-		t.Fatalf("second failure restored on %s (basic %v), want node3 in basic mode", f2.Target, f2.Basic)
-	}
-
-	time.Sleep(time.Second)
-	rg.checkpoint(t, "node4")
-	time.Sleep(500 * time.Millisecond)
-	if err := c.Lab.Crash(ctx, "node4"); err != nil {
-		t.Fatal(err)
-	}
-	f3 := waitFailure(t, c, "node4", 90*time.Second)
-	requireStages(t, f3)
-	if f3.Target != "node1" || !f3.Basic {
-		t.Fatalf("third failure restored on %s (basic %v), want node1 in basic mode", f3.Target, f3.Basic)
-	}
+	rg.crashAfterSnapshot(t, "node4", 500*time.Millisecond, "node1", true)
 	outs := rg.wait(t, 3*time.Minute)
 	checkRanks(t, outs, want)
 	if b, err := os.ReadFile(filepath.Join(rg.jobDir, rg.jobs[1].ID, "exit")); err == nil && !strings.Contains(string(b), "node3") {

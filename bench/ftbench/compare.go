@@ -18,6 +18,7 @@ import (
 
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/internal/atomicfile"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
 )
@@ -60,7 +61,7 @@ func benchCompare(ctx context.Context, log *slog.Logger) ([]Metric, any, error) 
 		return nil, nil, err
 	}
 	svgPath := filepath.Join(svgDir, "compare.svg")
-	if err := writeFileAtomic(svgPath, []byte(out.svg())); err != nil {
+	if err := atomicfile.WriteFile(svgPath, []byte(out.svg()), 0o644); err != nil {
 		return nil, nil, fmt.Errorf("write the plot: %w", err)
 	}
 	out.Plot = svgPath
@@ -680,7 +681,8 @@ func sleepCtx(ctx context.Context, d time.Duration) error {
 	}
 }
 
-// checksumLine is the checksum of stencil2d's "rank R checksum HEX" line ("" if none).
+// checksumLine is the checksum of the last "rank R checksum HEX" line that stencil2d and ringstencil print
+// ("" if none).
 func checksumLine(out string) string {
 	var sum string
 	for _, line := range strings.Split(out, "\n") {
@@ -730,21 +732,6 @@ func tailOf(s string) string {
 		return "..." + s[len(s)-400:]
 	}
 	return s
-}
-
-func writeFileAtomic(path string, b []byte) error {
-	f, err := os.Create(path + ".tmp")
-	if err != nil {
-		return err
-	}
-	if _, err := f.Write(b); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Close(); err != nil {
-		return err
-	}
-	return os.Rename(path+".tmp", path)
 }
 
 var variantLabels = []struct{ key, label string }{

@@ -6,6 +6,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"flag"
 	"fmt"
@@ -19,6 +20,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/ftkit/ftkit/internal/atomicfile"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/internal/version"
 )
@@ -103,16 +105,9 @@ func main() {
 }
 
 func writeJSON(path string, v any) error {
-	f, err := os.Create(path + ".tmp")
-	if err != nil {
+	var b bytes.Buffer
+	if err := cli.PrintJSON(&b, v); err != nil {
 		return err
 	}
-	if err := cli.PrintJSON(f, v); err != nil {
-		f.Close()
-		return err
-	}
-	if err := f.Close(); err != nil {
-		return err
-	}
-	return os.Rename(path+".tmp", path)
+	return atomicfile.WriteFile(path, b.Bytes(), 0o644)
 }

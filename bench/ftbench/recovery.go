@@ -141,7 +141,7 @@ func recoveryRun(ctx context.Context, log *slog.Logger, binDir string, nodes, ba
 			return nil, err
 		}
 		b, _ := os.ReadFile(j.StdoutPath())
-		sum := lastField(string(b))
+		sum := checksumLine(string(b))
 		res.Checksums = append(res.Checksums, sum)
 		res.Identical = res.Identical && sum == ref
 	}
@@ -216,14 +216,5 @@ func loopbackChecksum(ctx context.Context, stencil string, ranks int, args []str
 	if err := errors.Join(errs...); err != nil {
 		return "", fmt.Errorf("reference run: %w", err)
 	}
-	return lastField(outs[0]), nil
-}
-
-// lastField is the checksum of ringstencil's last line ("rank R checksum HEX").
-func lastField(out string) string {
-	f := strings.Fields(strings.TrimSpace(out))
-	if len(f) == 0 {
-		return ""
-	}
-	return f[len(f)-1]
+	return checksumLine(outs[0]), nil
 }
