@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"slices"
@@ -218,6 +219,14 @@ func (a *Agent) Checkpoint(ctx context.Context, ids []string, uid uint32) ([]Sna
 	} else {
 		for _, j := range jobs {
 			m, err := a.snapshot(ctx, j, false)
+			if err != nil && ctx.Err() == nil {
+				// Some dump failures pass. Measured in the lab, whose hosts share one kernel and mount
+				// namespace: two agents dumping at the same instant, one parasite failed with "Can't create a
+				// directory (-17)" (EEXIST) while setting up its /proc access. One retry after a random pause.
+				a.log.Warn("snapshot failed; retrying once", "job", j.ID, "err", err)
+				time.Sleep(100*time.Millisecond + rand.N(200*time.Millisecond))
+				m, err = a.snapshot(ctx, j, false)
+			}
 			if err != nil {
 				errs = append(errs, fmt.Errorf("job %s: %w", j.ID, err))
 				continue
