@@ -346,7 +346,7 @@ func (a *Agent) planRecovery(ctx context.Context, req RecoverRequest, r *restori
 	if len(errs) > 0 {
 		return errors.Join(errs...)
 	}
-	plan, err := restore.NewPlan(conns, peers, restoredSegmentBytes)
+	plan, err := restore.NewPlan(conns, peers, restore.RestoredMSS)
 	r.plan = plan
 	return err
 }
@@ -434,9 +434,3 @@ func (a *Agent) sentUpTo(flow ebpfprobes.Flow) (uint32, bool) {
 	}
 	return 0, false
 }
-
-// restoredSegmentBytes is the payload per segment of a socket CRIU restored: CRIU sets the MSS clamp
-// (TCP_REPAIR_OPTIONS) after the repair-mode connect has computed the MSS, so the socket keeps the kernel's
-// 536-byte default less the 12-byte timestamp option (measured here: ss shows mss:524 on restored
-// sockets whose peers use 1448). The initial congestion window is sized with it.
-const restoredSegmentBytes = 536 - 12
