@@ -19,6 +19,7 @@ import (
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/internal/jobfs"
 	"github.com/ftkit/ftkit/spare"
 )
 
@@ -172,16 +173,23 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 	if spec.Dir == "" {
 		spec.Dir = "/"
 	}
+	l := a.layout()
 	j := &Job{
 		ID: id, Spec: spec, UID: uid, GID: gid, Node: a.cfg.Name, State: JobRunning,
-		Created: time.Now().UTC(), Cgroup: filepath.Join(a.cfg.CgroupParent, id), Dir: filepath.Join(a.cfg.JobsDir, id),
+		Created: time.Now().UTC(), Cgroup: l.cgroup(id), Dir: l.dir(id),
 	}
-	if err := os.MkdirAll(j.Dir, 0o755); err != nil {
+	// Root keeps the job directory (0755): were it the user's, the user could plant links there for the
+	// shim, the snapshots and the restores, all root, to write through. The shim hands the user its outputs.
+	jobs, err := jobfs.OpenTrusted(l.jobsDir)
+	if err != nil {
+		return nil, fmt.Errorf("open jobs_dir: %w", err)
+	}
+	d, err := jobs.Mkdir(id, 0o755)
+	jobs.Close()
+	if err != nil {
 		return nil, fmt.Errorf("create job directory: %w", err)
 	}
-	if err := os.Chown(j.Dir, int(uid), int(gid)); err != nil {
-		return nil, fmt.Errorf("hand job directory to uid %d: %w", uid, err)
-	}
+	d.Close()
 	if err := os.Mkdir(j.Cgroup, 0o755); err != nil {
 		return nil, fmt.Errorf("create job cgroup: %w", err)
 	}
@@ -282,7 +290,11 @@ func (a *Agent) finish(j *Job, state JobState, st *ExitStatus) {
 		a.log.Error("save job record", "job", j.ID, "err", err)
 	}
 	a.unprotect(j)
-	if err := os.Remove(j.Cgroup); err != nil && !errors.Is(err, fs.ErrNotExist) {
+	// Only this agent's own cgroup for the job: a record restored from an older agent's snapshot may name
+	// any path.
+	if want := a.layout().cgroup(j.ID); !validJobID(j.ID) || j.Cgroup != want {
+		a.log.Warn("job record names a cgroup that is not this agent's for the job; not removing it", "job", j.ID, "cgroup", j.Cgroup, "want", want)
+	} else if err := os.Remove(j.Cgroup); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		a.log.Warn("remove job cgroup", "job", j.ID, "err", err)
 	}
 	if st != nil {

@@ -6,14 +6,17 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
 	"regexp"
 	"sort"
 	"strings"
+	"syscall"
 	"time"
 
+	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/internal/atomicfile"
 )
 
@@ -54,11 +57,99 @@ type Job struct {
 
 // Output and status files inside a job directory. The directory's path is the same on every host (the
 // restored process reopens its output files by path), so it lives under the cluster-wide jobs_dir.
-func (j *Job) StdoutPath() string { return filepath.Join(j.Dir, "stdout") }
-func (j *Job) StderrPath() string { return filepath.Join(j.Dir, "stderr") }
-func (j *Job) ExitPath() string   { return filepath.Join(j.Dir, "exit") }
+//
+// The directory belongs to root (0755): the job's user may read it but not add, replace or remove entries,
+// so nothing in it can be a link root would follow. The shim creates stdout and stderr (O_EXCL) and hands
+// them to the user; it writes exit itself.
+func (j *Job) StdoutPath() string { return filepath.Join(j.Dir, stdoutName) }
+func (j *Job) StderrPath() string { return filepath.Join(j.Dir, stderrName) }
+func (j *Job) ExitPath() string   { return filepath.Join(j.Dir, exitName) }
+
+const (
+	stdoutName = "stdout"
+	stderrName = "stderr"
+	exitName   = "exit"
+)
+
+// jobLayout is where an agent keeps each job's directory and cgroup. Both are the same on every node of a
+// cluster: the restored process reopens its files by path, and CRIU puts it back in its cgroup by path.
+type jobLayout struct {
+	jobsDir      string
+	cgroupParent string
+}
+
+func (a *Agent) layout() jobLayout { return jobLayout{a.cfg.JobsDir, a.cfg.CgroupParent} }
+
+func (l jobLayout) dir(id string) string    { return filepath.Join(l.jobsDir, id) }
+func (l jobLayout) cgroup(id string) string { return filepath.Join(l.cgroupParent, id) }
+
+// outputName returns the name of path inside job id's directory if path is one of the job's outputs
+// there. inside reports whether path is in the directory at all.
+func (l jobLayout) outputName(id, path string) (name string, inside bool) {
+	dir := l.dir(id)
+	if path != dir && !strings.HasPrefix(path, dir+"/") {
+		return "", false
+	}
+	switch rel := strings.TrimPrefix(path, dir+"/"); rel {
+	case stdoutName, stderrName:
+		return rel, true
+	}
+	return "", true
+}
 
 var jobNameRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$`)
+
+// jobIDRE is what newJobID makes: a job name, '-', 8 hex digits.
+var jobIDRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}-[0-9a-f]{8}$`)
+
+func validJobID(id string) bool { return jobIDRE.MatchString(id) }
+
+// noID is what chown(2) takes as "leave unchanged": a record claiming it would leave root's ownership on
+// the files the restore creates for the job.
+const noID = ^uint32(0)
+
+// checkPeerJob validates a snapshot's manifest and its job record, which come from another node, against
+// this agent's layout before any path or id in them is used: the id names files in the state directory,
+// dir is where outputs are truncated or created, cgroup is removed when the job ends. Dir and cgroup are
+// not recomputed but must equal this agent's own: the images carry them too (CRIU restores the cgroup and
+// reopens the files by path), so a node configured differently could not restore the job anyway.
+//
+// The uid is not compared with the credentials in the images (nothing here parses them): a peer able to
+// forge a job record can forge images, which CRIU restores as root with whatever credentials they say.
+func checkPeerJob(l jobLayout, m *ckpt.Manifest, j *Job) error {
+	bad := func(field, got, want string) error {
+		return fmt.Errorf("snapshot %s: job record field %q is %q, want %s", m.ID, field, got, want)
+	}
+	if !validJobID(m.Job) {
+		return fmt.Errorf("snapshot %s: manifest field \"job\" is %q, want a job id (a name, '-', 8 hex digits)", m.ID, m.Job)
+	}
+	if j.ID != m.Job {
+		return bad("id", j.ID, fmt.Sprintf("%q (the manifest's job)", m.Job))
+	}
+	if want := l.dir(j.ID); j.Dir != want {
+		return bad("dir", j.Dir, fmt.Sprintf("%q", want))
+	}
+	if want := l.cgroup(j.ID); j.Cgroup != want {
+		return bad("cgroup", j.Cgroup, fmt.Sprintf("%q", want))
+	}
+	if j.UID == noID {
+		return bad("uid", fmt.Sprint(j.UID), "a user id (not 4294967295, which chown takes as \"unchanged\")")
+	}
+	if j.GID == noID {
+		return bad("gid", fmt.Sprint(j.GID), "a group id (not 4294967295, which chown takes as \"unchanged\")")
+	}
+	for i, f := range m.OpenFiles {
+		field := fmt.Sprintf("open_files[%d].path", i)
+		if !filepath.IsAbs(f.Path) || filepath.Clean(f.Path) != f.Path {
+			return fmt.Errorf("snapshot %s: manifest field %q is %q, want an absolute, clean path", m.ID, field, f.Path)
+		}
+		if name, inside := l.outputName(j.ID, f.Path); inside && name == "" {
+			return fmt.Errorf("snapshot %s: manifest field %q is %q, inside the job directory but not %s or %s, the job's only files there",
+				m.ID, field, f.Path, stdoutName, stderrName)
+		}
+	}
+	return nil
+}
 
 // newJobID makes a cluster-unique id from a readable name and random bits.
 func newJobID(name string) (string, error) {
@@ -135,11 +226,34 @@ func (s jobStore) all() ([]*Job, error) {
 	return jobs, errors.Join(errs...)
 }
 
-// ReadExit returns the job's exit record if its shim wrote one.
+// maxExitRecord bounds what ReadExit reads: a record is about 100 bytes.
+const maxExitRecord = 64 << 10
+
+// ReadExit returns the job's exit record if its shim wrote one. The agent reads it as root, so a link or
+// a FIFO (in a job directory an older agent handed to the user) is refused, not followed or waited on, and
+// so is a record root did not write: the user could forge one there.
 func ReadExit(path string) (*ExitStatus, error) {
-	b, err := os.ReadFile(path)
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK|syscall.O_NOCTTY, 0)
+	if errors.Is(err, syscall.ELOOP) {
+		return nil, fmt.Errorf("exit record %s is a symbolic link: not read", path)
+	}
 	if err != nil {
 		return nil, err
+	}
+	defer f.Close()
+	if st, err := f.Stat(); err != nil {
+		return nil, err
+	} else if !st.Mode().IsRegular() {
+		return nil, fmt.Errorf("exit record %s is not a regular file: not read", path)
+	} else if sys, ok := st.Sys().(*syscall.Stat_t); ok && sys.Uid != 0 {
+		return nil, fmt.Errorf("exit record %s belongs to uid %d, so no shim wrote it: not read", path, sys.Uid)
+	}
+	b, err := io.ReadAll(io.LimitReader(f, maxExitRecord+1))
+	if err != nil {
+		return nil, err
+	}
+	if len(b) > maxExitRecord {
+		return nil, fmt.Errorf("exit record %s is larger than %d bytes", path, maxExitRecord)
 	}
 	var st ExitStatus
 	if err := json.Unmarshal(b, &st); err != nil {

@@ -10,7 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strings"
+	"syscall"
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
@@ -71,17 +71,37 @@ func (a *Agent) Restore(ctx context.Context, req RestoreRequest, uid uint32) (*J
 	return a.restoreJob(ctx, m, j, work)
 }
 
-// snapshotJob reads the job record a snapshot carries.
+// maxJobRecord bounds the job record a snapshot carries: a few hundred bytes plus the job's argv and env.
+const maxJobRecord = 4 << 20
+
+// snapshotJob reads the job record a snapshot carries and validates it, with the manifest's paths, against
+// this agent's layout: both come from whichever node took the snapshot.
 func (a *Agent) snapshotJob(m *ckpt.Manifest) (Job, error) {
 	var j Job
-	b, err := os.ReadFile(filepath.Join(a.store.Path(m.Job, m.ID), snapJob))
+	b, err := readBounded(filepath.Join(a.store.Path(m.Job, m.ID), snapJob), maxJobRecord)
 	if err == nil {
 		err = json.Unmarshal(b, &j)
 	}
 	if err != nil {
 		return Job{}, fmt.Errorf("snapshot %s has no usable job record: %w", m.ID, err)
 	}
+	if err := checkPeerJob(a.layout(), m, &j); err != nil {
+		return Job{}, fmt.Errorf("%w; refusing to restore it", err)
+	}
 	return j, nil
+}
+
+func readBounded(path string, limit int64) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, limit+1))
+	if err == nil && int64(len(b)) > limit {
+		err = fmt.Errorf("%s is larger than %d bytes", path, limit)
+	}
+	return b, err
 }
 
 // workCopy lays out the snapshot's images in a working directory that restoreJob removes.
@@ -93,21 +113,35 @@ func (a *Agent) workCopy(m *ckpt.Manifest) (string, error) {
 	return work, nil
 }
 
+// outputJournalDir is the directory of a restore's work directory where restoreOutputs keeps what it
+// changes, until the restore succeeds.
+const outputJournalDir = "output-journal"
+
 // restoreJob puts the job's output files back to their snapshot sizes and restores the images in work
-// under a new shim on this host; work is removed afterwards.
+// under a new shim on this host; work is removed afterwards. A restore that fails leaves the output files
+// as it found them.
 func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work string) (*Job, error) {
-	defer os.RemoveAll(work)
-	if err := a.restoreOutputs(m, j); err != nil {
-		return nil, err
-	}
+	keepWork := false
+	defer func() {
+		if !keepWork {
+			os.RemoveAll(work)
+		}
+	}()
+	journal, err := a.restoreOutputs(m, j, filepath.Join(work, outputJournalDir))
+	var pid int
 	start := time.Now()
-	a.protect(&j)
-	pid, err := startShim(ctx, a.self, ShimSpec{
-		JobID: j.ID, Mode: ShimRestore, ImagesDir: work, CRIU: a.criu.Binary, ExitFile: j.ExitPath(), Node: a.cfg.Name,
-	}, a.shimLog(j.ID))
+	if err == nil {
+		a.protect(&j)
+		pid, err = startShim(ctx, a.self, ShimSpec{
+			JobID: j.ID, Mode: ShimRestore, ImagesDir: work, CRIU: a.criu.Binary, ExitFile: j.ExitPath(), Node: a.cfg.Name,
+		}, a.shimLog(j.ID))
+	}
 	if err != nil {
+		// Nothing runs: the next attempt, or an older snapshot, finds the files as they were.
+		keepWork, err = a.undoOutputs(journal, m, err)
 		return nil, err
 	}
+	journal.close()
 	j.Node, j.PID, j.State, j.Exit, j.Restored = a.cfg.Name, pid, JobRunning, nil, m.ID
 	if err := a.jobs.save(&j); err != nil {
 		return nil, err
@@ -269,41 +303,9 @@ func (a *Agent) serveFetch(ctx context.Context, c io.ReadWriter, peer string) er
 	return err
 }
 
-// restoreOutputs puts each regular file the job had open back to its size at the snapshot: a longer file
-// is truncated (the restored job writes those bytes again), a shorter or missing one of the job's own
-// outputs is rewritten from the copy in the snapshot. CRIU refuses a file whose size differs.
-func (a *Agent) restoreOutputs(m *ckpt.Manifest, j Job) error {
-	snapDir := a.store.Path(m.Job, m.ID)
-	for _, f := range m.OpenFiles {
-		st, err := os.Stat(f.Path)
-		switch {
-		case err == nil && st.Size() == f.Size:
-			continue
-		case err == nil && st.Size() > f.Size:
-			if err := os.Truncate(f.Path, f.Size); err != nil {
-				return fmt.Errorf("truncate %s to its snapshot size %d: %w", f.Path, f.Size, err)
-			}
-			continue
-		case err != nil && !errors.Is(err, fs.ErrNotExist):
-			return fmt.Errorf("stat %s: %w", f.Path, err)
-		}
-		rel, rerr := filepath.Rel(j.Dir, f.Path)
-		if rerr != nil || strings.HasPrefix(rel, "..") {
-			return fmt.Errorf("%s is missing or shorter than at the snapshot (%d bytes) and is not the job's own output; put it back and retry", f.Path, f.Size)
-		}
-		if err := os.MkdirAll(filepath.Dir(f.Path), 0o755); err != nil {
-			return err
-		}
-		if err := copyPrefix(filepath.Join(snapDir, snapOutputs, rel), f.Path, f.Size); err != nil {
-			return fmt.Errorf("recreate %s from the snapshot: %w", f.Path, err)
-		}
-		os.Chown(f.Path, int(j.UID), int(j.GID))
-	}
-	return nil
-}
-
-// linkTree hard-links (or copies, across file systems) every file of src into a fresh dst, so that
-// CRIU's restore log and image edits never touch the verified snapshot.
+// linkTree hard-links (or copies, across file systems) every file of src into a fresh dst (0700), so
+// that CRIU's restore log and image edits never touch the verified snapshot. Anything but regular files
+// and directories is refused: a verified snapshot holds nothing else.
 func linkTree(src, dst string) error {
 	os.RemoveAll(dst)
 	return filepath.WalkDir(src, func(p string, d fs.DirEntry, err error) error {
@@ -312,16 +314,24 @@ func linkTree(src, dst string) error {
 		}
 		rel, _ := filepath.Rel(src, p)
 		target := filepath.Join(dst, rel)
-		if d.IsDir() {
+		switch {
+		case d.IsDir():
 			return os.MkdirAll(target, 0o700)
+		case !d.Type().IsRegular():
+			return fmt.Errorf("%s is not a regular file", p)
 		}
 		if err := os.Link(p, target); err == nil {
 			return nil
 		}
-		st, err := d.Info()
+		in, err := os.OpenFile(p, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
 		if err != nil {
 			return err
 		}
-		return copyPrefix(p, target, st.Size())
+		defer in.Close()
+		st, err := in.Stat()
+		if err != nil {
+			return err
+		}
+		return copyPrefixToNew(target, in, st.Size())
 	})
 }

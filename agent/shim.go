@@ -17,7 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/criu"
-	"github.com/ftkit/ftkit/internal/atomicfile"
+	"github.com/ftkit/ftkit/internal/jobfs"
 )
 
 // A shim is the parent of one job, like containerd's shim: the agent starts it detached (its own session),
@@ -100,11 +100,42 @@ func RunShim(ctx context.Context, in io.Reader, out io.Writer) int {
 	report(ShimReport{PID: pid})
 	st := waitJob(pid)
 	st.Node = spec.Node
-	if err := atomicfile.WriteJSON(spec.ExitFile, st); err != nil {
+	if err := writeExit(spec.ExitFile, st); err != nil {
 		fmt.Fprintf(os.Stderr, "shim: record exit status of job %s: %v\n", spec.JobID, err)
 		return 1
 	}
 	return 0
+}
+
+// writeExit records how the job ended in its directory: written and renamed inside the directory's own
+// descriptor, so that a link in the directory (an older agent's, which the user owns) is replaced, never
+// written through.
+func writeExit(path string, st ExitStatus) error {
+	b, err := json.MarshalIndent(st, "", "  ")
+	if err != nil {
+		return err
+	}
+	dir, err := jobfs.OpenDir(filepath.Dir(path))
+	if err != nil {
+		return err
+	}
+	defer dir.Close()
+	return dir.WriteFileAtomic(filepath.Base(path), append(b, '\n'), 0o644)
+}
+
+// createOutput creates one of the job's output files, which must not exist in any form (a link planted
+// there is not followed), and hands it to the job's user.
+func createOutput(path string, uid, gid uint32) (*os.File, error) {
+	dir, err := jobfs.OpenDir(filepath.Dir(path))
+	if err != nil {
+		return nil, fmt.Errorf("open job directory: %w", err)
+	}
+	defer dir.Close()
+	f, err := dir.Create(filepath.Base(path), 0o644, uid, gid)
+	if err != nil {
+		return nil, fmt.Errorf("create job output (every job gets a new directory, so it cannot exist yet): %w", err)
+	}
+	return f, nil
 }
 
 // startJob starts the program as the init of a new PID namespace (so that its restore never collides with
@@ -121,19 +152,12 @@ func startJob(spec ShimSpec) (int, error) {
 	defer null.Close()
 	// Not O_APPEND: CRIU records no size for O_WRONLY|O_APPEND files (it takes them for logs), and the
 	// recovery contract needs the size to truncate back to. The restored offset then equals that size.
-	open := func(p string) (*os.File, error) {
-		f, err := os.OpenFile(p, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o644)
-		if err != nil {
-			return nil, fmt.Errorf("open job output: %w", err)
-		}
-		return f, f.Chown(int(spec.UID), int(spec.GID))
-	}
-	stdout, err := open(spec.Stdout)
+	stdout, err := createOutput(spec.Stdout, spec.UID, spec.GID)
 	if err != nil {
 		return 0, err
 	}
 	defer stdout.Close()
-	stderr, err := open(spec.Stderr)
+	stderr, err := createOutput(spec.Stderr, spec.UID, spec.GID)
 	if err != nil {
 		return 0, err
 	}

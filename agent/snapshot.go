@@ -10,7 +10,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strings"
 	"syscall"
 	"time"
 
@@ -19,6 +18,7 @@ import (
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/criu/image"
 	"github.com/ftkit/ftkit/internal/atomicfile"
+	"github.com/ftkit/ftkit/internal/jobfs"
 	"github.com/ftkit/ftkit/internal/version"
 )
 
@@ -118,39 +118,74 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen bool) (*ckpt.Manifes
 
 func us(v uint32) time.Duration { return time.Duration(v) * time.Microsecond }
 
-// copyOutputs copies the first Size bytes of each open file inside the job directory. The job appends
-// only, so those bytes no longer change while it keeps running.
+// copyOutputs copies the first Size bytes of each of the job's outputs in its directory. The job appends
+// only, so those bytes no longer change while it keeps running. Root reads them through no link and only
+// from the job's own regular files: a job directory an older agent handed to the user may hold anything.
 func (a *Agent) copyOutputs(j Job, files []ckpt.OpenFile, dst string) error {
+	l := a.layout()
+	var dir *jobfs.Dir
+	defer func() {
+		if dir != nil {
+			dir.Close()
+		}
+	}()
+	copied := map[string]bool{}
 	for _, f := range files {
-		rel, err := filepath.Rel(j.Dir, f.Path)
-		if err != nil || strings.HasPrefix(rel, "..") || rel == "." {
+		name, inside := l.outputName(j.ID, f.Path)
+		if !inside {
 			continue // not the job's own output: it must exist on the restoring host
 		}
-		if err := os.MkdirAll(filepath.Dir(filepath.Join(dst, rel)), 0o700); err != nil {
-			return err
+		if name == "" {
+			return fmt.Errorf("job %s has %s open for writing inside its job directory, where only %s and %s are its own; no restore could recreate it",
+				j.ID, f.Path, stdoutName, stderrName)
 		}
-		if err := copyPrefix(f.Path, filepath.Join(dst, rel), f.Size); err != nil {
+		if copied[name] { // opened more than once
+			continue
+		}
+		copied[name] = true
+		if dir == nil {
+			var err error
+			if dir, err = jobfs.OpenDir(l.dir(j.ID)); err != nil {
+				return fmt.Errorf("copy job outputs: %w", err)
+			}
+			if err := os.MkdirAll(dst, 0o700); err != nil {
+				return err
+			}
+		}
+		in, err := dir.OpenOwned(name, os.O_RDONLY, j.UID)
+		if err != nil {
+			return fmt.Errorf("copy job output: %w", err)
+		}
+		err = copyPrefixToNew(filepath.Join(dst, name), in, f.Size)
+		in.Close()
+		if err != nil {
 			return fmt.Errorf("copy job output %s: %w", f.Path, err)
 		}
 	}
 	return nil
 }
 
-func copyPrefix(src, dst string, n int64) error {
-	in, err := os.Open(src)
+// copyPrefixToNew copies the first n bytes of src into a new file dst (0600: it may hold anything the job
+// wrote), which must not exist yet.
+func copyPrefixToNew(dst string, src io.Reader, n int64) error {
+	out, err := os.OpenFile(dst, os.O_CREATE|os.O_EXCL|os.O_WRONLY|syscall.O_NOFOLLOW, 0o600)
 	if err != nil {
 		return err
 	}
-	defer in.Close()
-	out, err := os.OpenFile(dst, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o600)
-	if err != nil {
-		return err
-	}
-	if _, err := io.CopyN(out, in, n); err != nil {
+	if err := copyPrefix(out, src, n); err != nil {
 		out.Close()
-		return fmt.Errorf("file shorter than its size at the dump (%d bytes): %w", n, err)
+		os.Remove(dst)
+		return err
 	}
 	return out.Close()
+}
+
+// copyPrefix copies exactly n bytes from src to dst.
+func copyPrefix(dst io.Writer, src io.Reader, n int64) error {
+	if _, err := io.CopyN(dst, src, n); err != nil {
+		return fmt.Errorf("file shorter than its size at the dump (%d bytes): %w", n, err)
+	}
+	return nil
 }
 
 // shipToProtector streams a committed snapshot to this node's protector and records the replica. If the

@@ -1,0 +1,146 @@
+package agent
+
+import (
+	"errors"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
+)
+
+func TestCheckPeerJob(t *testing.T) {
+	l := jobLayout{jobsDir: "/var/lib/ftkit/jobs", cgroupParent: "/sys/fs/cgroup/ftkit"}
+	const id = "count-0123abcd"
+	dir := "/var/lib/ftkit/jobs/" + id
+	good := func() (*ckpt.Manifest, *Job) {
+		m := &ckpt.Manifest{Job: id, ID: "snap-1"}
+		m.OpenFiles = []ckpt.OpenFile{
+			{Path: dir + "/stdout", Size: 10}, {Path: dir + "/stderr", Size: 0}, {Path: "/home/u/out.log", Size: 5},
+		}
+		return m, &Job{ID: id, UID: 65534, GID: 65534, Dir: dir, Cgroup: "/sys/fs/cgroup/ftkit/" + id}
+	}
+	tests := []struct {
+		name   string
+		change func(*ckpt.Manifest, *Job)
+		want   string // "" accepts; else a part of the error
+	}{
+		{"valid", func(*ckpt.Manifest, *Job) {}, ""},
+		{"root job", func(_ *ckpt.Manifest, j *Job) { j.UID, j.GID = 0, 0 }, ""},
+		{"manifest job not an id", func(m *ckpt.Manifest, j *Job) { m.Job, j.ID = "../../etc", "../../etc" },
+			`manifest field "job" is "../../etc"`},
+		{"id differs from the manifest's", func(_ *ckpt.Manifest, j *Job) { j.ID = "other-0123abcd" },
+			`job record field "id" is "other-0123abcd", want "count-0123abcd" (the manifest's job)`},
+		{"id with a path", func(_ *ckpt.Manifest, j *Job) { j.ID = "../count-0123abcd" }, `field "id"`},
+		{"dir elsewhere", func(_ *ckpt.Manifest, j *Job) { j.Dir = "/etc" },
+			`snapshot snap-1: job record field "dir" is "/etc", want "/var/lib/ftkit/jobs/count-0123abcd"`},
+		{"dir of another job", func(_ *ckpt.Manifest, j *Job) { j.Dir = "/var/lib/ftkit/jobs/x-00000000" }, `field "dir"`},
+		{"dir unclean", func(_ *ckpt.Manifest, j *Job) { j.Dir = dir + "/." }, `field "dir"`},
+		{"cgroup elsewhere", func(_ *ckpt.Manifest, j *Job) { j.Cgroup = "/sys/fs/cgroup" },
+			`job record field "cgroup" is "/sys/fs/cgroup", want "/sys/fs/cgroup/ftkit/count-0123abcd"`},
+		{"uid -1", func(_ *ckpt.Manifest, j *Job) { j.UID = noID }, `field "uid" is "4294967295"`},
+		{"gid -1", func(_ *ckpt.Manifest, j *Job) { j.GID = noID }, `field "gid" is "4294967295"`},
+		{"open file relative", func(m *ckpt.Manifest, _ *Job) { m.OpenFiles[2].Path = "home/u/out.log" },
+			`manifest field "open_files[2].path" is "home/u/out.log", want an absolute, clean path`},
+		{"open file unclean", func(m *ckpt.Manifest, _ *Job) { m.OpenFiles[0].Path = dir + "/../x-00000000/stdout" },
+			`"open_files[0].path"`},
+		{"open file is the exit record", func(m *ckpt.Manifest, _ *Job) { m.OpenFiles[1].Path = dir + "/exit" },
+			`"open_files[1].path" is "` + dir + `/exit", inside the job directory but not stdout or stderr`},
+		{"open file in a subdirectory", func(m *ckpt.Manifest, _ *Job) { m.OpenFiles[0].Path = dir + "/sub/stdout" },
+			`"open_files[0].path"`},
+		{"open file is the job directory", func(m *ckpt.Manifest, _ *Job) { m.OpenFiles[0].Path = dir }, `"open_files[0].path"`},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			m, j := good()
+			tc.change(m, j)
+			err := checkPeerJob(l, m, j)
+			switch {
+			case tc.want == "" && err != nil:
+				t.Fatalf("refused: %v", err)
+			case tc.want != "" && err == nil:
+				t.Fatalf("accepted; want an error with %q", tc.want)
+			case tc.want != "" && !strings.Contains(err.Error(), tc.want):
+				t.Fatalf("error %q\ndoes not contain %q", err, tc.want)
+			}
+		})
+	}
+}
+
+func TestOutputName(t *testing.T) {
+	l := jobLayout{jobsDir: "/j"}
+	for _, tc := range []struct {
+		path, name string
+		inside     bool
+	}{
+		{"/j/a-00000000/stdout", "stdout", true},
+		{"/j/a-00000000/stderr", "stderr", true},
+		{"/j/a-00000000/exit", "", true},
+		{"/j/a-00000000", "", true},
+		{"/j/a-00000000/x/stdout", "", true},
+		{"/j/a-000000001/stdout", "", false}, // a sibling whose name starts the same
+		{"/home/u/out", "", false},
+	} {
+		name, inside := l.outputName("a-00000000", tc.path)
+		if name != tc.name || inside != tc.inside {
+			t.Errorf("outputName(%s) = %q, %v; want %q, %v", tc.path, name, inside, tc.name, tc.inside)
+		}
+	}
+}
+
+// The agent polls exit records as root: a link is not followed and a FIFO is not waited on.
+func TestReadExitRefusesLinkAndFIFO(t *testing.T) {
+	dir := t.TempDir()
+	secret := filepath.Join(dir, "secret")
+	if err := os.WriteFile(secret, []byte(`{"code": 77, "node": "forged"}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(dir, "exit-link")
+	fifo := filepath.Join(dir, "exit-fifo")
+	if err := os.Symlink(secret, link); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []string{link, fifo} {
+		done := make(chan error, 1)
+		go func() {
+			st, err := ReadExit(p)
+			if err == nil {
+				err = errors.New("read " + st.Node)
+			} else {
+				err = nil
+			}
+			done <- err
+		}()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("ReadExit(%s): %v; want a refusal", p, err)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatalf("ReadExit(%s) still blocked after 30 s", p)
+		}
+	}
+	if _, err := ReadExit(filepath.Join(dir, "missing")); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("missing record: %v, want fs.ErrNotExist (the agent waits for it)", err)
+	}
+	if os.Geteuid() == 0 {
+		forged := filepath.Join(dir, "exit-forged")
+		os.WriteFile(forged, []byte(`{"code": 77, "node": "forged"}`), 0o644)
+		os.Chown(forged, 65534, 65534)
+		if st, err := ReadExit(forged); err == nil {
+			t.Errorf("read a record the job's user wrote: %+v", st)
+		}
+	}
+	good := filepath.Join(dir, "exit")
+	os.WriteFile(good, []byte(`{"code": 3, "node": "n1"}`), 0o644)
+	if st, err := ReadExit(good); err != nil || st.Code != 3 {
+		t.Errorf("ReadExit of a real record: %+v, %v", st, err)
+	}
+}
