@@ -257,6 +257,9 @@ func TestRestoreOutputsNeverWritesThroughLinks(t *testing.T) {
 			secret, _ := os.ReadFile(f.secret)
 			before := f.state()
 			jr, err := f.restore()
+			if got, _ := os.ReadFile(f.secret); !bytes.Equal(got, secret) {
+				t.Errorf("root's file changed: %d bytes %q..., want %d", len(got), head(string(got)), len(secret))
+			}
 			if err == nil {
 				t.Fatal("restoreOutputs succeeded")
 			}
@@ -269,9 +272,6 @@ func TestRestoreOutputsNeverWritesThroughLinks(t *testing.T) {
 				if err := jr.undo(); err != nil {
 					t.Errorf("undo: %v", err)
 				}
-			}
-			if got, _ := os.ReadFile(f.secret); !bytes.Equal(got, secret) {
-				t.Errorf("root's file changed: %q", got)
 			}
 			if _, err := os.Lstat(filepath.Join(f.base, "created-by-root")); err == nil {
 				t.Error("a file was created through a dangling link")
