@@ -214,6 +214,9 @@ func TestAPIAuthorization(t *testing.T) {
 		if got := jobIDs(ta.Jobs(0)); !slices.Equal(got, []string{doneJob, ownersJob, rootsJob}) {
 			t.Errorf("jobs are now %v", got)
 		}
+		if ents, _ := os.ReadDir(ta.cfg.JobsDir); len(ents) > 0 {
+			t.Errorf("a job directory was made: %v", ents)
+		}
 	}
 	type check func(t *testing.T, w *httptest.ResponseRecorder)
 	wantJobs := func(ids ...string) check {
@@ -685,9 +688,9 @@ func TestAPIEvents(t *testing.T) {
 		got := map[string][]string{}
 		for _, f := range fs {
 			got[f.ID] = f.Jobs
-			if tt.cred.Uid != 0 && strings.Contains(w.Body.String(), theirJob) {
-				t.Errorf("uid %d sees another user's job: %s", tt.cred.Uid, w.Body.String())
-			}
+		}
+		if tt.cred.Uid != 0 && strings.Contains(w.Body.String(), theirJob) {
+			t.Errorf("uid %d sees another user's job %s", tt.cred.Uid, theirJob)
 		}
 		if len(got) != len(tt.want) {
 			t.Errorf("uid %d sees %v, want %v", tt.cred.Uid, got, tt.want)
