@@ -392,7 +392,7 @@ func (a *Agent) localServer(ctx context.Context, lim apiLimits) *http.Server {
 			// No credentials, no access: requireCred refuses every request.
 			return ctx
 		},
-		ErrorLog: slog.NewLogLogger(a.log.Handler(), slog.LevelDebug),
+		ErrorLog: slog.NewLogLogger(a.log.Handler(), slog.LevelWarn), // accept errors: out of descriptors, say
 	}
 }
 

@@ -1020,3 +1020,12 @@ func TestReadBody(t *testing.T) {
 		t.Fatal("the handler was not told that its client went away")
 	}
 }
+
+// The client drops an idle connection before the agent does (a POST on a connection the agent is
+// closing would fail, not be retried).
+func TestClientIdleTimeoutBelowServers(t *testing.T) {
+	tr := NewClient("/nonexistent").http.Transport.(*http.Transport)
+	if tr.IdleConnTimeout <= 0 || tr.IdleConnTimeout >= defaultAPILimits().idle {
+		t.Fatalf("client idle timeout %s, agent's %s", tr.IdleConnTimeout, defaultAPILimits().idle)
+	}
+}

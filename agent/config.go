@@ -98,8 +98,9 @@ type Config struct {
 	Checkpoint struct {
 		Mode     Mode     `toml:"mode"`
 		Interval Interval `toml:"interval"`
-		// MinInterval is the shortest fixed interval a job may ask for: any local user can start a job,
-		// and every dump costs the host CPU, I/O and a transfer to the protector.
+		// MinInterval is the shortest fixed interval a job may ask for, and the shortest time between two
+		// manual checkpoints of a non-root user: any local user can start a job, and every dump costs the
+		// host CPU, I/O and a transfer to the protector.
 		MinInterval Duration `toml:"min_interval"`
 		MTBF        Duration `toml:"mtbf"`
 		Keep        int      `toml:"keep"`
