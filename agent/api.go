@@ -112,9 +112,13 @@ func defaultAPILimits() apiLimits {
 
 const maxBody = 1 << 20 // a job spec with its environment is the largest request
 
-// bounded limits how long h may take: its context ends and writes to its answer fail after d. d = 0 lifts
-// the server's default bound, for work whose length depends on the job (a dump, a restore): that work
-// stops when the client goes away, and the per-uid connection limit caps how much of it one user holds.
+// writeGrace is how long after its context ended a handler may still write its answer (the error).
+const writeGrace = 5 * time.Second
+
+// bounded limits how long h may take: its context ends after d, and writes to its answer fail writeGrace
+// later. d = 0 lifts the server's default bound, for work whose length depends on the job (a dump, a
+// restore): that work stops when the client goes away, and the per-uid connection limit caps how much of
+// it one user holds.
 func bounded(d time.Duration, h http.HandlerFunc) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		rc := http.NewResponseController(w)
@@ -125,7 +129,7 @@ func bounded(d time.Duration, h http.HandlerFunc) http.HandlerFunc {
 		}
 		ctx, cancel := context.WithTimeout(r.Context(), d)
 		defer cancel()
-		rc.SetWriteDeadline(time.Now().Add(d))
+		rc.SetWriteDeadline(time.Now().Add(d + writeGrace))
 		h(w, r.WithContext(ctx))
 	}
 }
@@ -193,7 +197,7 @@ func (a *Agent) routes(lim apiLimits) http.Handler {
 			timeout = d
 		}
 		// The answer may come as late as the poll allows (the loop below ends by then).
-		http.NewResponseController(w).SetWriteDeadline(time.Now().Add(timeout + lim.respond))
+		http.NewResponseController(w).SetWriteDeadline(time.Now().Add(timeout + lim.respond + writeGrace))
 		deadline := time.After(timeout)
 		for {
 			j, changed, err := a.Job(r.PathValue("id"), callerOf(r).Uid)

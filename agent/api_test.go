@@ -1029,3 +1029,44 @@ func TestClientIdleTimeoutBelowServers(t *testing.T) {
 		t.Fatalf("client idle timeout %s, agent's %s", tr.IdleConnTimeout, defaultAPILimits().idle)
 	}
 }
+
+// bounded(0) lifts the server's write timeout (a dump or restore may take longer than any fixed bound);
+// bounded(d) ends the handler's context after d.
+func TestBounded(t *testing.T) {
+	const writeTimeout = 200 * time.Millisecond
+	mux := http.NewServeMux()
+	mux.HandleFunc("/long", bounded(0, func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-time.After(3 * writeTimeout):
+			io.WriteString(w, "done")
+		case <-r.Context().Done():
+			http.Error(w, "cancelled", 500)
+		}
+	}))
+	mux.HandleFunc("/bounded", bounded(writeTimeout/2, func(w http.ResponseWriter, r *http.Request) {
+		<-r.Context().Done()
+		io.WriteString(w, context.Cause(r.Context()).Error())
+	}))
+	addr := "@ftkit-bounded-test-" + strconv.Itoa(os.Getpid()) + "-" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	ln, err := net.Listen("unix", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: mux, WriteTimeout: writeTimeout}
+	go srv.Serve(ln)
+	defer srv.Close()
+	c := &http.Client{Timeout: failAfter, Transport: &http.Transport{
+		DialContext: func(context.Context, string, string) (net.Conn, error) { return net.Dial("unix", addr) },
+	}}
+	for path, want := range map[string]string{"/long": "done", "/bounded": "context deadline exceeded"} {
+		resp, err := c.Get("http://agent" + path)
+		if err != nil {
+			t.Fatalf("%s: %v", path, err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || string(b) != want {
+			t.Errorf("%s: %d %q, want %q", path, resp.StatusCode, b, want)
+		}
+	}
+}
