@@ -157,11 +157,8 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 	if len(spec.Argv) == 0 {
 		return nil, errors.New("no program given")
 	}
-	if spec.Interval != "" {
-		var iv Interval
-		if err := iv.UnmarshalText([]byte(spec.Interval)); err != nil {
-			return nil, err
-		}
+	if err := a.cfg.CheckJobInterval(spec.Interval); err != nil {
+		return nil, err
 	}
 	if spec.Name == "" {
 		spec.Name = defaultJobName(spec.Argv)

@@ -20,6 +20,9 @@ import (
 // says otherwise (the lab sets FTKIT_AGENT_SOCKET for each host).
 const DefaultSocket = "/run/ftkit/agent.sock"
 
+// clientIdleTimeout is how long a client keeps an idle connection to its agent.
+const clientIdleTimeout = 20 * time.Second
+
 // Client talks to an agent's local API.
 type Client struct {
 	socket string
@@ -33,6 +36,9 @@ func NewClient(socket string) *Client {
 			var d net.Dialer
 			return d.DialContext(ctx, "unix", socket)
 		},
+		// Shorter than the agent's idle timeout: the client, not the agent, closes an idle connection, so a
+		// request (a POST is not retried) never goes out on one the agent is closing.
+		IdleConnTimeout: clientIdleTimeout,
 	}}}
 }
 

@@ -98,8 +98,12 @@ type Config struct {
 	Checkpoint struct {
 		Mode     Mode     `toml:"mode"`
 		Interval Interval `toml:"interval"`
-		MTBF     Duration `toml:"mtbf"`
-		Keep     int      `toml:"keep"`
+		// MinInterval is the shortest fixed interval a job may ask for, and the shortest time between two
+		// manual checkpoints of a non-root user: any local user can start a job, and every dump costs the
+		// host CPU, I/O and a transfer to the protector.
+		MinInterval Duration `toml:"min_interval"`
+		MTBF        Duration `toml:"mtbf"`
+		Keep        int      `toml:"keep"`
 	} `toml:"checkpoint"`
 	Heartbeat struct {
 		Interval  Duration `toml:"interval"`
@@ -134,6 +138,7 @@ func Defaults() Config {
 	c.CgroupParent = "/sys/fs/cgroup/unified/ftkit"
 	c.Checkpoint.Mode = Uncoordinated
 	c.Checkpoint.Interval = Interval{Fixed: 60 * time.Second}
+	c.Checkpoint.MinInterval = Duration{time.Second}
 	c.Checkpoint.MTBF = Duration{24 * time.Hour}
 	c.Checkpoint.Keep = 3
 	c.Heartbeat.Interval = Duration{500 * time.Millisecond}
@@ -220,8 +225,11 @@ func (c Config) Validate() error {
 	default:
 		errs = append(errs, fmt.Errorf("checkpoint.mode %q: use uncoordinated or semi-coordinated", c.Checkpoint.Mode))
 	}
-	if !c.Checkpoint.Interval.Auto && c.Checkpoint.Interval.Fixed < time.Second {
-		errs = append(errs, fmt.Errorf("checkpoint.interval %s: use at least 1s, or auto", c.Checkpoint.Interval.Fixed))
+	if c.Checkpoint.MinInterval.Duration <= 0 {
+		errs = append(errs, fmt.Errorf("checkpoint.min_interval %s: must be positive", c.Checkpoint.MinInterval))
+	} else if !c.Checkpoint.Interval.Auto && c.Checkpoint.Interval.Fixed < c.Checkpoint.MinInterval.Duration {
+		errs = append(errs, fmt.Errorf("checkpoint.interval %s is below checkpoint.min_interval: use at least %s, or auto",
+			c.Checkpoint.Interval.Fixed, c.Checkpoint.MinInterval))
 	}
 	if c.Checkpoint.Interval.Auto && c.Checkpoint.MTBF.Duration <= 0 {
 		errs = append(errs, errors.New("checkpoint.mtbf must be positive when checkpoint.interval is auto"))
@@ -244,6 +252,26 @@ func (c Config) Validate() error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// CheckJobInterval validates the interval a job asks for ("" means the agent's own): a duration of at
+// least checkpoint.min_interval, or auto (whose computed period the scheduler clamps).
+func (c Config) CheckJobInterval(s string) error {
+	if s == "" {
+		return nil
+	}
+	var iv Interval
+	if err := iv.UnmarshalText([]byte(s)); err != nil {
+		return err
+	}
+	if !iv.Auto && iv.Fixed <= 0 {
+		return fmt.Errorf("interval %s: use a positive duration of at least %s, or auto", s, c.Checkpoint.MinInterval)
+	}
+	if !iv.Auto && iv.Fixed < c.Checkpoint.MinInterval.Duration {
+		return fmt.Errorf("interval %s is below this agent's minimum of %s (checkpoint.min_interval): ask for at least %s, or auto",
+			s, c.Checkpoint.MinInterval, c.Checkpoint.MinInterval)
+	}
+	return nil
 }
 
 // Member returns the member with the given name.

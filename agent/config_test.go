@@ -47,6 +47,10 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "unknown key", extra: "colour = \"red\"\n", wantErr: "colour"},
 		{name: "bad interval", extra: "[checkpoint]\ninterval = \"often\"\n", wantErr: "use a duration like 60s, or auto"},
 		{name: "short interval", extra: "[checkpoint]\ninterval = \"10ms\"\n", wantErr: "at least 1s"},
+		{name: "min_interval zero", extra: "[checkpoint]\nmin_interval = \"0s\"\n", wantErr: "checkpoint.min_interval 0s: must be positive"},
+		{name: "min_interval negative", extra: "[checkpoint]\nmin_interval = \"-1s\"\n", wantErr: "checkpoint.min_interval -1s: must be positive"},
+		{name: "interval below min_interval", extra: "[checkpoint]\nmin_interval = \"5m\"\n", wantErr: "checkpoint.interval 1m0s is below checkpoint.min_interval: use at least 5m0s"},
+		{name: "raised min_interval", extra: "[checkpoint]\nmin_interval = \"30s\"\ninterval = \"30s\"\n"},
 		{name: "bad mode", extra: "[checkpoint]\nmode = \"global\"\n", wantErr: "checkpoint.mode"},
 		{name: "keep zero", extra: "[checkpoint]\nkeep = 0\n", wantErr: "keep at least 1"},
 		{name: "heartbeat", extra: "[heartbeat]\ninterval = \"2s\"\ntimeout = \"1s\"\n", wantErr: "heartbeat"},
@@ -82,6 +86,52 @@ func TestParseConfigErrors(t *testing.T) {
 				t.Fatalf("err = %v, want it to mention %q", err, tt.wantErr)
 			}
 		})
+	}
+}
+
+// A job's interval is checked against checkpoint.min_interval: any local user can start a job, and the
+// agent dumps as root.
+func TestCheckJobInterval(t *testing.T) {
+	c := Defaults()
+	raised := Defaults()
+	raised.Checkpoint.MinInterval = Duration{time.Minute}
+	tests := []struct {
+		cfg     Config
+		iv      string
+		wantErr string
+	}{
+		{c, "", ""},
+		{c, "auto", ""},
+		{c, "1s", ""},
+		{c, "90s", ""},
+		{c, "1ms", "interval 1ms is below this agent's minimum of 1s (checkpoint.min_interval)"},
+		{c, "999ms", "below this agent's minimum of 1s"},
+		{c, "0s", "use a positive duration"},
+		{c, "0", "use a positive duration"},
+		{c, "-10s", "use a positive duration"},
+		{c, "often", "use a duration like 60s, or auto"},
+		{raised, "30s", "below this agent's minimum of 1m0s"},
+		{raised, "1m", ""},
+		{raised, "auto", ""},
+	}
+	for _, tt := range tests {
+		err := tt.cfg.CheckJobInterval(tt.iv)
+		if tt.wantErr == "" && err != nil {
+			t.Errorf("min %s, interval %q: %v", tt.cfg.Checkpoint.MinInterval, tt.iv, err)
+		}
+		if tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr)) {
+			t.Errorf("min %s, interval %q: err = %v, want it to mention %q", tt.cfg.Checkpoint.MinInterval, tt.iv, err, tt.wantErr)
+		}
+	}
+}
+
+func TestExampleConfigDocumentsMinInterval(t *testing.T) {
+	b, err := os.ReadFile("../docs/agent.example.toml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(b), "\nmin_interval = \"1s\"\n") || Defaults().Checkpoint.MinInterval.Duration != time.Second {
+		t.Fatal("docs/agent.example.toml must show checkpoint.min_interval with its default, 1s")
 	}
 }
 

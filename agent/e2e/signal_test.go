@@ -1,0 +1,97 @@
+package e2e
+
+import (
+	"context"
+	"errors"
+	"os"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/lab/labcluster"
+)
+
+// A job's root is the init of its own PID namespace: it gets a signal from outside only if it handles it.
+// It says when its handler is in place.
+const trapTERM = `trap 'exit 7' TERM; echo ready; while :; do sleep 0.1; done`
+
+// waitReady waits until the job has printed its first line.
+func waitReady(t *testing.T, j agent.Job) {
+	t.Helper()
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		if b, _ := os.ReadFile(j.StdoutPath()); strings.HasPrefix(string(b), "ready\n") {
+			return
+		}
+	}
+	t.Fatalf("job %s did not get ready", j.ID)
+}
+
+// waitJobEnd long-polls the agent until the job is no longer running.
+func waitJobEnd(t *testing.T, c *agent.Client, id string) agent.Job {
+	t.Helper()
+	for deadline := time.Now().Add(60 * time.Second); time.Now().Before(deadline); {
+		j, err := c.Wait(context.Background(), id, 10*time.Second)
+		if err != nil {
+			t.Fatalf("wait for job %s: %v", id, err)
+		}
+		if j.State != agent.JobRunning {
+			return j
+		}
+	}
+	t.Fatalf("job %s still runs", id)
+	return agent.Job{}
+}
+
+// The signal endpoint reaches the job through a pidfd checked against the job's cgroup: in a real cgroup
+// for a started job and for one CRIU restored on another host, and it refuses a job that has ended.
+func TestSignalJob(t *testing.T) {
+	c := newCluster(t, 2, 0, labcluster.Options{Interval: "1h", ManualFailover: true})
+	ctx := context.Background()
+	n1, n2 := c.Client("node1"), c.Client("node2")
+
+	started, err := n1.StartJob(ctx, agent.JobSpec{Name: "trap", Argv: []string{"/bin/sh", "-c", trapTERM}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitReady(t, started)
+	if err := n1.Signal(ctx, started.ID, syscall.SIGTERM); err != nil {
+		t.Fatalf("signal a running job: %v", err)
+	}
+	if j := waitJobEnd(t, n1, started.ID); j.Exit == nil || j.Exit.Code != 7 {
+		t.Fatalf("the job did not handle SIGTERM: %+v", j.Exit)
+	}
+	if err := n1.Signal(ctx, started.ID, syscall.SIGTERM); err == nil || !strings.Contains(err.Error(), "is exited") {
+		t.Fatalf("signal to an exited job: %v", err)
+	}
+
+	moved, err := n1.StartJob(ctx, agent.JobSpec{Name: "moved", Argv: []string{"/bin/sh", "-c", trapTERM}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitReady(t, moved)
+	r, err := n1.Checkpoint(ctx, moved.ID)
+	if err != nil || len(r.Results) != 1 || !r.Results[0].Shipped {
+		t.Fatalf("checkpoint: %+v, %v", r, err)
+	}
+	if err := c.Lab.Crash(ctx, "node1"); err != nil {
+		t.Fatal(err)
+	}
+	restored, err := n2.Restore(ctx, agent.RestoreRequest{Snapshot: r.Results[0].Manifest.ID, Job: moved.ID})
+	if err != nil {
+		t.Fatalf("restore on node2: %v", err)
+	}
+	if restored.Node != "node2" || restored.State != agent.JobRunning {
+		t.Fatalf("restored job %+v", restored)
+	}
+	if err := n2.Signal(ctx, moved.ID, syscall.SIGTERM); err != nil {
+		t.Fatalf("signal the restored job: %v", err)
+	}
+	if j := waitJobEnd(t, n2, moved.ID); j.Exit == nil || j.Exit.Code != 7 {
+		t.Fatalf("the restored job did not handle SIGTERM: %+v", j.Exit)
+	}
+	if err := n2.Signal(ctx, moved.ID, syscall.SIGTERM); err == nil || errors.Is(err, agent.ErrNoJob) {
+		t.Fatalf("signal to the restored job after its end: %v", err)
+	}
+}
