@@ -146,6 +146,9 @@ func (ta *testAgent) addSnapshot(t *testing.T, j Job) string {
 	if err := os.WriteFile(filepath.Join(p.Dir(), snapImages, "core-1.img"), []byte("not really an image"), 0o600); err != nil {
 		t.Fatal(err)
 	}
+	// The layout a receiving agent checks (checkPeerJob): the same on every host.
+	j.Dir = filepath.Join(ta.cfg.JobsDir, j.ID)
+	j.Cgroup = filepath.Join(ta.cfg.CgroupParent, j.ID)
 	b, _ := json.Marshal(j)
 	if err := os.WriteFile(filepath.Join(p.Dir(), snapJob), b, 0o600); err != nil {
 		t.Fatal(err)
@@ -419,7 +422,7 @@ func TestCheckpointGate(t *testing.T) {
 // reports a pid; chown of the job directory to the test uids needs root.
 func TestAPIStartJobRunsAsCaller(t *testing.T) {
 	if os.Geteuid() != 0 {
-		t.Skip("SKIPPED: needs root (the agent hands the job directory to the caller's uid)")
+		t.Skip("SKIPPED: needs root (the agent creates root-owned job directories and hands output files to the caller's uid)")
 	}
 	ta := newTestAgent(t)
 	// Like the real shim it stays after its report (startShim reaps it, which closes the report's pipe),
@@ -455,8 +458,9 @@ func TestAPIStartJobRunsAsCaller(t *testing.T) {
 		if j.UID != c.Uid || j.GID != c.Gid || j.PID != 4242 {
 			t.Errorf("started as uid %d: job of uid %d gid %d pid %d", c.Uid, j.UID, j.GID, j.PID)
 		}
-		if st, err := os.Stat(j.Dir); err != nil || st.Sys().(*syscall.Stat_t).Uid != c.Uid {
-			t.Errorf("job directory %s: %v", j.Dir, err)
+		// The job directory stays root's (0755): its user must not be able to plant links in it.
+		if st, err := os.Lstat(j.Dir); err != nil || st.Sys().(*syscall.Stat_t).Uid != 0 || st.Mode().Perm() != 0o755 || !st.IsDir() {
+			t.Errorf("job directory %s: want a root-owned 0755 directory, got %v (err %v)", j.Dir, st.Mode(), err)
 		}
 		for _, viewer := range []*unix.Ucred{asRoot, asOwner, asOther} {
 			want := 404
