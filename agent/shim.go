@@ -100,7 +100,7 @@ func RunShim(ctx context.Context, in io.Reader, out io.Writer) int {
 	report(ShimReport{PID: pid})
 	st := waitJob(pid)
 	st.Node = spec.Node
-	if err := atomicfile.WriteJSON(spec.ExitFile, st); err != nil {
+	if err := atomicfile.WriteJSONPerm(spec.ExitFile, st, 0o644); err != nil { // ftwrap reads it as the job's user
 		fmt.Fprintf(os.Stderr, "shim: record exit status of job %s: %v\n", spec.JobID, err)
 		return 1
 	}
@@ -222,7 +222,7 @@ func startShim(ctx context.Context, self string, spec ShimSpec, logPath string) 
 	if err != nil {
 		return 0, err
 	}
-	logf, err := os.OpenFile(logPath, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
+	logf, err := os.OpenFile(logPath, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
 	if err != nil {
 		return 0, fmt.Errorf("open shim log: %w", err)
 	}
