@@ -74,10 +74,12 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 		byID: map[string]*Job{}, policies: map[string]*interval.Policy{}, changed: make(chan struct{}),
 		criuVersion: v,
 	}
-	for _, d := range []string{a.jobs.dir, cfg.JobsDir, cfg.CgroupParent, filepath.Dir(cfg.Socket)} {
-		if err := os.MkdirAll(d, 0o755); err != nil {
-			return nil, fmt.Errorf("create %s: %w", d, err)
-		}
+	// The state directory is root's; jobs_dir and the socket's directory stay reachable by users.
+	if err := prepareDirs(cfg, a.jobs.dir); err != nil {
+		return nil, err
+	}
+	if err := os.MkdirAll(cfg.CgroupParent, 0o755); err != nil {
+		return nil, fmt.Errorf("create %s: %w", cfg.CgroupParent, err)
 	}
 	if _, err := os.Stat(filepath.Join(cfg.CgroupParent, "cgroup.controllers")); err != nil {
 		return nil, fmt.Errorf("cgroup_parent %s is not in a cgroup v2 hierarchy: %w", cfg.CgroupParent, err)

@@ -154,6 +154,7 @@ func (a *Agent) handleCluster(ctx context.Context, c net.Conn) {
 			return
 		}
 		a.digests.prune(peer, got.Manifest.Conns)
+		a.keepReplicas(ctx, got)
 		a.log.Info("replica stored", "peer", peer, "job", got.Manifest.Job, "snapshot", got.Manifest.ID,
 			"bytes", got.Bytes, "wire_bytes", got.WireBytes, "ms", got.Duration.Milliseconds())
 	case opLocate:

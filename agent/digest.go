@@ -355,6 +355,10 @@ func openDigestStore(dir string, log interface{ Warn(string, ...any) }) (*digest
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("create digest directory: %w", err)
 	}
+	// Root only, also when an older version made it otherwise; files are written 0600 (atomicfile).
+	if err := os.Chmod(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("restrict digest directory %s to root: %w", dir, err)
+	}
 	ents, err := os.ReadDir(dir)
 	if err != nil {
 		return nil, err

@@ -246,7 +246,7 @@ func startShim(ctx context.Context, self string, spec ShimSpec, logPath string) 
 	if err != nil {
 		return 0, err
 	}
-	logf, err := os.OpenFile(logPath, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o644)
+	logf, err := os.OpenFile(logPath, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
 	if err != nil {
 		return 0, fmt.Errorf("open shim log: %w", err)
 	}

@@ -2,12 +2,24 @@ package ckpt
 
 import (
 	"errors"
+	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
+	"strconv"
+	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/internal/atomicfile"
+)
+
+// Snapshots hold process memory: only root may read them. Every directory
+// of a store is dirPerm and every file filePerm, whatever the umask or the
+// modes CRIU or a sender chose.
+const (
+	dirPerm  fs.FileMode = 0o700
+	filePerm fs.FileMode = 0o600
 )
 
 // lockDir opens dir and takes an exclusive flock on it. The kernel drops the
@@ -35,10 +47,16 @@ func lockDir(dir string, wait bool) (*os.File, error) {
 	return d, nil
 }
 
-// writeFileSync writes data to path and fsyncs it (not its directory).
+// writeFileSync writes data to path with filePerm and fsyncs it (not its
+// directory).
 func writeFileSync(path string, data []byte) error {
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o644)
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, filePerm)
 	if err != nil {
+		return err
+	}
+	// A file left by a crash keeps its old mode through O_TRUNC.
+	if err := f.Chmod(filePerm); err != nil {
+		f.Close()
 		return err
 	}
 	if _, err := f.Write(data); err != nil {
@@ -64,4 +82,61 @@ func removeHidden(path, hiddenName string) error {
 		return err
 	}
 	return os.RemoveAll(hidden)
+}
+
+// uniqueDelName is a hidden name for a directory about to be removed that no
+// Delete of the same snapshot can collide with.
+func uniqueDelName(id string) string {
+	return delPrefix + id + "." + strconv.FormatInt(time.Now().UnixNano(), 36)
+}
+
+// exchange atomically swaps two directory entries (renameat2
+// RENAME_EXCHANGE): at every instant, each name holds one of the two.
+func exchange(a, b string) error {
+	for {
+		err := unix.Renameat2(unix.AT_FDCWD, a, unix.AT_FDCWD, b, unix.RENAME_EXCHANGE)
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return &os.LinkError{Op: "renameat2 RENAME_EXCHANGE", Old: a, New: b, Err: err}
+		}
+		return nil
+	}
+}
+
+// tightenTree gives dir and everything in it the store's modes: dirPerm for
+// directories, filePerm for regular files. Symbolic links are left alone
+// (chmod would follow them); nothing else is expected in a store.
+func tightenTree(dir string) error {
+	return filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		var want fs.FileMode
+		switch {
+		case d.IsDir():
+			want = dirPerm
+		case d.Type().IsRegular():
+			want = filePerm
+		default:
+			return nil
+		}
+		return tighten(path, d, want)
+	})
+}
+
+// tighten sets path's permission bits to want unless they already are.
+func tighten(path string, d fs.DirEntry, want fs.FileMode) error {
+	info, err := d.Info()
+	if err != nil {
+		return err
+	}
+	if info.Mode().Perm() == want {
+		return nil
+	}
+	if err := os.Chmod(path, want); err != nil {
+		return fmt.Errorf("restrict %s to %v: %w", path, want, err)
+	}
+	return nil
 }

@@ -28,6 +28,9 @@ type Pending struct {
 	dir     string
 	lock    *os.File  // flock held on dir while the pending lives
 	want    *Manifest // set for snapshots received from another node
+	// replace lets the commit swap out a committed copy of the same id
+	// (BeginReplace); without it, an existing copy makes the commit fail.
+	replace bool
 	done    bool
 }
 
@@ -98,11 +101,27 @@ func (s *Store) BeginReceive(m *Manifest) (*Pending, error) {
 	if _, err := os.Lstat(s.Path(m.Job, m.ID)); err == nil {
 		return nil, fmt.Errorf("receive snapshot %s/%s: %w", m.Job, m.ID, ErrExists)
 	}
+	return s.beginReceive(m, false)
+}
+
+// BeginReplace is BeginReceive for a snapshot that may already be committed
+// here in a copy that is damaged or differs from the sender's. That copy
+// stays in place, untouched, until CommitReceived has verified the new one;
+// the commit then swaps the two atomically and removes the old one, so a
+// failed transfer or a crash at any step leaves one complete copy visible.
+func (s *Store) BeginReplace(m *Manifest) (*Pending, error) {
+	if err := m.Validate(); err != nil {
+		return nil, fmt.Errorf("receive snapshot: %w", err)
+	}
+	return s.beginReceive(m, true)
+}
+
+func (s *Store) beginReceive(m *Manifest, replace bool) (*Pending, error) {
 	if err := s.ensureJobDir(m.Job); err != nil {
 		return nil, err
 	}
 	want := *m
-	p := &Pending{s: s, job: m.Job, id: m.ID, parent: m.Parent, created: m.Created, want: &want}
+	p := &Pending{s: s, job: m.Job, id: m.ID, parent: m.Parent, created: m.Created, want: &want, replace: replace}
 	if err := p.create(); err != nil {
 		return nil, err
 	}
@@ -111,7 +130,7 @@ func (s *Store) BeginReceive(m *Manifest) (*Pending, error) {
 
 func (s *Store) ensureJobDir(job string) error {
 	dir := filepath.Join(s.root, job)
-	err := os.Mkdir(dir, 0o755)
+	err := os.Mkdir(dir, dirPerm)
 	if errors.Is(err, fs.ErrExist) {
 		return nil
 	}
@@ -123,7 +142,7 @@ func (s *Store) ensureJobDir(job string) error {
 
 func (p *Pending) create() error {
 	p.dir = filepath.Join(p.s.root, p.job, tmpPrefix+p.id)
-	err := os.Mkdir(p.dir, 0o700)
+	err := os.Mkdir(p.dir, dirPerm)
 	if errors.Is(err, fs.ErrExist) {
 		// Left by a crash, or being written right now by someone else.
 		lk, lerr := lockDir(p.dir, false)
@@ -135,7 +154,7 @@ func (p *Pending) create() error {
 		if err != nil {
 			return fmt.Errorf("begin snapshot %s/%s: remove stale %s: %w", p.job, p.id, p.dir, err)
 		}
-		err = os.Mkdir(p.dir, 0o700)
+		err = os.Mkdir(p.dir, dirPerm)
 	}
 	if err != nil {
 		return fmt.Errorf("begin snapshot %s/%s: %w", p.job, p.id, err)
@@ -300,10 +319,10 @@ func (p *Pending) commit(ctx context.Context, build func([]FileEntry) (*Manifest
 	final := p.s.Path(p.job, p.id)
 	// rename(2) would silently replace an empty directory, so check first.
 	if _, err := os.Lstat(final); err == nil {
-		return nil, fmt.Errorf("commit snapshot %s/%s: %w", p.job, p.id, ErrExists)
-	}
-	if err := os.Chmod(p.dir, 0o755); err != nil {
-		return nil, fmt.Errorf("commit snapshot %s/%s: %w", p.job, p.id, err)
+		if !p.replace {
+			return nil, fmt.Errorf("commit snapshot %s/%s: %w", p.job, p.id, ErrExists)
+		}
+		return p.commitReplace(m, final, crash)
 	}
 	if err := os.Rename(p.dir, final); err != nil {
 		return nil, fmt.Errorf("commit snapshot %s/%s: rename into place: %w", p.job, p.id, err)
@@ -321,8 +340,61 @@ func (p *Pending) commit(ctx context.Context, build func([]FileEntry) (*Manifest
 	return m, nil
 }
 
-// scanAndSync hashes and fsyncs every regular file under root and returns the
-// sorted file list plus every subdirectory (relative, '/'-separated).
+// commitReplace swaps the complete, synced temp directory with the committed
+// copy at final, then removes the old copy. Crash analysis (Open removes
+// unlocked .tmp-* and all .del-* directories):
+//   - before the exchange, final is the old copy and .tmp-<id> the new one;
+//   - after it, final is the new copy and .tmp-<id> the old one;
+//   - then the old copy is renamed to .del-<id>.<n> and removed.
+//
+// At no step is final missing or incomplete, and whatever a restart collects
+// is never what final holds.
+func (p *Pending) commitReplace(m *Manifest, final string, crash func(string) bool) (*Manifest, error) {
+	// Wait for a writer of the old copy (AddReplica) to finish; holding its
+	// lock also keeps a new pending of the same id from reusing .tmp-<id>
+	// while the old copy is there.
+	old, err := lockDir(final, true)
+	if err != nil {
+		return nil, fmt.Errorf("commit snapshot %s/%s: lock the copy it replaces: %w", p.job, p.id, err)
+	}
+	defer old.Close()
+	if err := exchange(p.dir, final); err != nil {
+		return nil, fmt.Errorf("commit snapshot %s/%s: swap with the copy it replaces: %w", p.job, p.id, err)
+	}
+	p.done = true
+	p.lock.Close()
+	if crash("after-exchange") {
+		return nil, errSimulatedCrash
+	}
+	jobDir := filepath.Dir(final)
+	// The swap must be durable before the old copy goes.
+	if err := atomicfile.SyncDir(jobDir); err != nil {
+		return m, fmt.Errorf("commit snapshot %s/%s: %w (the new copy is in place; the old one is left in %s for the next start to remove)", p.job, p.id, err, p.dir)
+	}
+	if crash("exchange-synced") {
+		return nil, errSimulatedCrash
+	}
+	hidden := filepath.Join(jobDir, uniqueDelName(p.id))
+	if err := os.Rename(p.dir, hidden); err != nil {
+		// The new copy is committed; the old one is hidden and unlocked
+		// once we return, so the next Open collects it.
+		p.s.log.Warn("could not move replaced snapshot copy out of the way; the next start removes it", "dir", p.dir, "err", err)
+		return m, nil
+	}
+	old.Close()
+	if crash("old-hidden") {
+		return nil, errSimulatedCrash
+	}
+	if err := os.RemoveAll(hidden); err != nil {
+		p.s.log.Warn("could not remove replaced snapshot copy; the next start removes it", "dir", hidden, "err", err)
+	}
+	p.s.log.Info("snapshot committed, replacing the previous copy", "job", p.job, "id", p.id, "files", len(m.Files), "bytes", m.TotalSize())
+	return m, nil
+}
+
+// scanAndSync hashes, restricts to root and fsyncs every regular file under
+// root and returns the sorted file list plus every subdirectory (relative,
+// '/'-separated).
 func scanAndSync(ctx context.Context, root string) ([]FileEntry, []string, error) {
 	var files []FileEntry
 	var dirs []string
@@ -344,6 +416,10 @@ func scanAndSync(ctx context.Context, root string) ([]FileEntry, []string, error
 		}
 		switch {
 		case d.IsDir():
+			// Whatever mode the dumper or sender used, the store is root's.
+			if err := os.Chmod(path, dirPerm); err != nil {
+				return err
+			}
 			dirs = append(dirs, rel)
 			return nil
 		case d.Type().IsRegular():
@@ -367,7 +443,8 @@ func scanAndSync(ctx context.Context, root string) ([]FileEntry, []string, error
 	return files, dirs, nil
 }
 
-// hashFile returns the size and hex sha256 of path, fsyncing it if asked.
+// hashFile returns the size and hex sha256 of path; when committing (fsync)
+// it also gives the file filePerm and fsyncs it.
 func hashFile(ctx context.Context, path string, buf []byte, fsync bool) (int64, string, error) {
 	f, err := os.Open(path)
 	if err != nil {
@@ -391,6 +468,10 @@ func hashFile(ctx context.Context, path string, buf []byte, fsync bool) (int64, 
 		}
 	}
 	if fsync {
+		// Committing: the file gets the store's mode, made durable with it.
+		if err := f.Chmod(filePerm); err != nil {
+			return 0, "", fmt.Errorf("restrict %s to root: %w", path, err)
+		}
 		if err := f.Sync(); err != nil {
 			return 0, "", fmt.Errorf("fsync %s: %w", path, err)
 		}

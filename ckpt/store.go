@@ -58,8 +58,9 @@ type Store struct {
 	crashAt func(step string) bool
 }
 
-// Open opens (creating if needed) the store at root and removes temp and
-// half-deleted directories that no live writer holds.
+// Open opens (creating if needed) the store at root, restricts it to root
+// (a store written by an older version had world-readable modes), and
+// removes temp and half-deleted directories that no live writer holds.
 func Open(root string, opts Options) (*Store, error) {
 	if err := ValidName(opts.Node); err != nil {
 		return nil, fmt.Errorf("open snapshot store %s: node: %w", root, err)
@@ -68,8 +69,11 @@ func Open(root string, opts Options) (*Store, error) {
 	if err != nil {
 		return nil, fmt.Errorf("open snapshot store %s: %w", root, err)
 	}
-	if err := os.MkdirAll(abs, 0o755); err != nil {
+	if err := os.MkdirAll(abs, dirPerm); err != nil {
 		return nil, fmt.Errorf("open snapshot store: create %s: %w", abs, err)
+	}
+	if err := os.Chmod(abs, dirPerm); err != nil {
+		return nil, fmt.Errorf("open snapshot store: restrict %s to root: %w", abs, err)
 	}
 	s := &Store{root: abs, node: opts.Node, log: opts.Logger, now: opts.Now}
 	if s.log == nil {
@@ -93,6 +97,8 @@ func (s *Store) Node() string { return s.node }
 // Path is the directory of a committed snapshot (what criu restore -D takes).
 func (s *Store) Path(job, id string) string { return filepath.Join(s.root, job, id) }
 
+// collectGarbage removes dead temp and half-deleted directories and gives
+// job and snapshot directories left by an older version the store's modes.
 func (s *Store) collectGarbage() error {
 	jobs, err := os.ReadDir(s.root)
 	if err != nil {
@@ -103,6 +109,9 @@ func (s *Store) collectGarbage() error {
 			continue
 		}
 		jobDir := filepath.Join(s.root, j.Name())
+		if err := tighten(jobDir, j, dirPerm); err != nil {
+			return fmt.Errorf("open snapshot store: %w", err)
+		}
 		ents, err := os.ReadDir(jobDir)
 		if err != nil {
 			return fmt.Errorf("open snapshot store: list %s: %w", jobDir, err)
@@ -110,6 +119,19 @@ func (s *Store) collectGarbage() error {
 		for _, e := range ents {
 			p := filepath.Join(jobDir, e.Name())
 			switch {
+			case e.IsDir() && !strings.HasPrefix(e.Name(), "."):
+				// A snapshot directory: one committed by this version is
+				// already dirPerm, so only an old one is walked.
+				info, err := e.Info()
+				if err != nil {
+					return fmt.Errorf("open snapshot store: %w", err)
+				}
+				if info.Mode().Perm() != dirPerm {
+					if err := tightenTree(p); err != nil {
+						return fmt.Errorf("open snapshot store: restrict %s to root: %w", p, err)
+					}
+					s.log.Info("restricted snapshot directory of an older version to root", "dir", p)
+				}
 			case strings.HasPrefix(e.Name(), tmpPrefix):
 				lk, err := lockDir(p, false)
 				if err != nil {

@@ -6,6 +6,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
+	"io/fs"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -13,6 +14,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 func testInfo() Info {
@@ -596,5 +599,365 @@ func TestParseID(t *testing.T) {
 		if _, err := ParseID(bad); err == nil {
 			t.Errorf("ParseID(%q) accepted", bad)
 		}
+	}
+}
+
+// assertPrivate walks root and fails for any directory that is not 0700 or
+// file that is not 0600: snapshots hold process memory.
+func assertPrivate(t *testing.T, root string) {
+	t.Helper()
+	n := 0
+	err := filepath.WalkDir(root, func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		info, err := d.Info()
+		if err != nil {
+			return err
+		}
+		want := fs.FileMode(0o600)
+		if d.IsDir() {
+			want = 0o700
+		}
+		if info.Mode().Perm() != want {
+			t.Errorf("%s has mode %v, want %v", path, info.Mode().Perm(), want)
+		}
+		n++
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n < 3 {
+		t.Fatalf("walked only %d entries under %s", n, root)
+	}
+}
+
+func TestStoreIsPrivate(t *testing.T) {
+	// The dumper and the writer of received files may use any mode (CRIU
+	// images, say, or a umask of 0); writeFiles uses 0755 and 0644.
+	old := unix.Umask(0)
+	defer unix.Umask(old)
+	root := filepath.Join(t.TempDir(), "a", "store")
+	s := openStore(t, root, "node1")
+	m := snapshot(t, s, "job", dumpFiles())
+	if _, err := s.AddReplica("job", m.ID, "node2"); err != nil {
+		t.Fatal(err)
+	}
+	assertPrivate(t, root)
+
+	prot := openStore(t, filepath.Join(t.TempDir(), "prot"), "node2")
+	receiveByCopy(t, s, prot, m)
+	assertPrivate(t, prot.Root())
+}
+
+func TestOpenRestrictsOlderStore(t *testing.T) {
+	root := t.TempDir()
+	s := openStore(t, root, "node1")
+	m1 := snapshot(t, s, "job", dumpFiles())
+	m2 := snapshot(t, s, "other", dumpFiles())
+	// What an older version left: 0755 directories and 0644 files.
+	err := filepath.WalkDir(root, func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() {
+			return os.Chmod(path, 0o755)
+		}
+		return os.Chmod(path, 0o644)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A link in a snapshot must not make Open chmod what it points to.
+	outside := filepath.Join(t.TempDir(), "outside")
+	if err := os.WriteFile(outside, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(outside, filepath.Join(s.Path("job", m1.ID), "link")); err != nil {
+		t.Fatal(err)
+	}
+	s2 := openStore(t, root, "node1")
+	if err := os.Remove(filepath.Join(s.Path("job", m1.ID), "link")); err != nil {
+		t.Fatal(err)
+	}
+	assertPrivate(t, root)
+	if st, _ := os.Stat(outside); st.Mode().Perm() != 0o644 {
+		t.Errorf("Open changed the mode of a link target outside the store to %v", st.Mode().Perm())
+	}
+	for _, m := range []*Manifest{m1, m2} {
+		if _, err := s2.Verify(context.Background(), m.Job, m.ID); err != nil {
+			t.Error(err)
+		}
+	}
+}
+
+// sameIDStores returns two stores of the same node and clock in different
+// roots: their first snapshots get the same id with different content, as
+// a sender's copy that differs from the one a receiver holds.
+func sameIDStores(t *testing.T) (*Store, *Store) {
+	t.Helper()
+	clock := func() time.Time { return time.Date(2026, 11, 22, 15, 30, 0, 0, time.UTC) }
+	a, err := Open(t.TempDir(), Options{Node: "node1", Now: clock})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := Open(t.TempDir(), Options{Node: "node1", Now: clock})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return a, b
+}
+
+func otherFiles() map[string][]byte {
+	f := dumpFiles()
+	f["pages-1.img"] = bytes.Repeat([]byte("other memory "), 1000)
+	delete(f, "extra/out.txt")
+	f["core-1.img"] = []byte("core")
+	return f
+}
+
+// copyInto writes m's files from src into a pending directory.
+func copyInto(t *testing.T, src *Store, m *Manifest, p *Pending) {
+	t.Helper()
+	for _, f := range m.Files {
+		b, err := os.ReadFile(filepath.Join(src.Path(m.Job, m.ID), f.Name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		writeFiles(t, p.Dir(), map[string][]byte{f.Name: b})
+	}
+}
+
+// sameContent fails unless the snapshot in s has exactly the files of want.
+func sameContent(t *testing.T, s *Store, id string, want map[string][]byte) {
+	t.Helper()
+	m, err := s.Verify(context.Background(), "job", id)
+	if err != nil {
+		t.Fatalf("copy does not verify: %v", err)
+	}
+	if len(m.Files) != len(want) {
+		t.Fatalf("copy has %d files, want %d", len(m.Files), len(want))
+	}
+	for _, f := range m.Files {
+		b, err := os.ReadFile(filepath.Join(s.Path("job", id), f.Name))
+		if err != nil || !bytes.Equal(b, want[f.Name]) {
+			t.Fatalf("file %s is not the expected content (%v)", f.Name, err)
+		}
+	}
+}
+
+func TestBeginReplace(t *testing.T) {
+	a, b := sameIDStores(t)
+	ma := snapshot(t, a, "job", dumpFiles())
+	mb := snapshot(t, b, "job", otherFiles())
+	if ma.ID != mb.ID || sameFileList(ma, mb) {
+		t.Fatalf("setup: ids %s %s should be equal and files differ", ma.ID, mb.ID)
+	}
+	prot := openStore(t, t.TempDir(), "prot")
+	receiveByCopy(t, a, prot, ma)
+	if _, err := prot.BeginReceive(mb); !errors.Is(err, ErrExists) {
+		t.Fatalf("BeginReceive over a committed copy: %v, want ErrExists", err)
+	}
+
+	// A replacement that does not verify is refused and the old copy stays.
+	p, err := prot.BeginReplace(mb)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bad := otherFiles()
+	bad["core-1.img"] = []byte("core!")
+	writeFiles(t, p.Dir(), bad)
+	if _, err := p.CommitReceived(context.Background(), "node1"); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("tampered replacement: %v, want ErrCorrupt", err)
+	}
+	sameContent(t, prot, ma.ID, dumpFiles())
+	if got := hiddenEntries(t, filepath.Join(prot.Root(), "job")); len(got) != 0 {
+		t.Errorf("failed replacement left %v", got)
+	}
+
+	// One that verifies takes its place.
+	p, err = prot.BeginReplace(mb)
+	if err != nil {
+		t.Fatal(err)
+	}
+	copyInto(t, b, mb, p)
+	got, err := p.CommitReceived(context.Background(), "node1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !sameFileList(got, mb) {
+		t.Errorf("committed manifest is not the replacement's")
+	}
+	sameContent(t, prot, mb.ID, otherFiles())
+	if got := hiddenEntries(t, filepath.Join(prot.Root(), "job")); len(got) != 0 {
+		t.Errorf("replacement left %v", got)
+	}
+	assertPrivate(t, prot.Root())
+
+	// Without a committed copy, BeginReplace is a plain receive.
+	fresh := openStore(t, t.TempDir(), "prot")
+	p, err = fresh.BeginReplace(mb)
+	if err != nil {
+		t.Fatal(err)
+	}
+	copyInto(t, b, mb, p)
+	if _, err := p.CommitReceived(context.Background(), "node1"); err != nil {
+		t.Fatal(err)
+	}
+	sameContent(t, fresh, mb.ID, otherFiles())
+}
+
+func sameFileList(a, b *Manifest) bool { return slices.Equal(a.Files, b.Files) }
+
+func TestCrashDuringReplace(t *testing.T) {
+	// Each step and whether the new copy is the visible one after a crash there.
+	steps := []struct {
+		step   string
+		newWon bool
+	}{
+		{"files-synced", false},
+		{"manifest-written", false},
+		{"before-rename", false},
+		{"after-exchange", true},
+		{"exchange-synced", true},
+		{"old-hidden", true},
+	}
+	for _, tc := range steps {
+		t.Run(tc.step, func(t *testing.T) {
+			a, b := sameIDStores(t)
+			ma := snapshot(t, a, "job", dumpFiles())
+			mb := snapshot(t, b, "job", otherFiles())
+			root := t.TempDir()
+			prot := openStore(t, root, "prot")
+			receiveByCopy(t, a, prot, ma)
+
+			prot.crashAt = func(at string) bool { return at == tc.step }
+			p, err := prot.BeginReplace(mb)
+			if err != nil {
+				t.Fatal(err)
+			}
+			copyInto(t, b, mb, p)
+			if _, err := p.CommitReceived(context.Background(), "node1"); !errors.Is(err, errSimulatedCrash) {
+				t.Fatalf("CommitReceived: %v, want simulated crash", err)
+			}
+			want := dumpFiles()
+			if tc.newWon {
+				want = otherFiles()
+			}
+			// Right after the crash and after a restart's garbage collection,
+			// exactly one complete copy is visible.
+			for _, s := range []*Store{prot, openStore(t, root, "prot")} {
+				ids, err := s.List("job", "")
+				if err != nil || !slices.Equal(ids, []string{ma.ID}) {
+					t.Fatalf("List = %v, %v; want the one id %s", ids, err, ma.ID)
+				}
+				sameContent(t, s, ma.ID, want)
+			}
+			if got := hiddenEntries(t, filepath.Join(root, "job")); len(got) != 0 {
+				t.Errorf("leftovers after reopen: %v", got)
+			}
+			assertPrivate(t, root)
+		})
+	}
+}
+
+func TestPruneReceived(t *testing.T) {
+	// Copies are listed newest first; indexes below count from the newest.
+	tests := []struct {
+		name        string
+		n, keep     int
+		fresh       int   // index of the copy just received, -1 for none
+		damaged     []int // copies whose content was damaged after commit
+		wantDeleted []int
+	}{
+		{"keeps the newest keep", 5, 2, 0, nil, []int{2, 3, 4}},
+		{"fewer than keep", 2, 3, 0, nil, nil},
+		{"fresh arrived out of order, newer intact", 4, 1, 2, nil, []int{1, 2, 3}},
+		{"newest damaged, fresh behind it", 4, 1, 1, []int{0}, []int{2, 3}},
+		{"newer ones damaged, no fresh", 3, 1, -1, []int{0, 1}, nil},
+		{"newest damaged, no fresh", 4, 2, -1, []int{0}, []int{2, 3}},
+		{"two newest damaged, keep one", 4, 1, -1, []int{0, 1}, []int{3}},
+		{"nothing verifies", 3, 1, -1, []int{0, 1, 2}, nil},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			origin := openStore(t, t.TempDir(), "node1")
+			prot := openStore(t, t.TempDir(), "prot")
+			ids := make([]string, tc.n)
+			for i := tc.n - 1; i >= 0; i-- {
+				m := snapshot(t, origin, "job", dumpFiles())
+				receiveByCopy(t, origin, prot, m)
+				ids[i] = m.ID
+			}
+			for _, i := range tc.damaged {
+				flipByte(t, filepath.Join(prot.Path("job", ids[i]), "pages-1.img"))
+			}
+			fresh := ""
+			if tc.fresh >= 0 {
+				fresh = ids[tc.fresh]
+			}
+			deleted, err := prot.PruneReceived(context.Background(), "job", "node1", tc.keep, fresh)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var want []string
+			for _, i := range tc.wantDeleted {
+				want = append(want, ids[i])
+			}
+			if !slices.Equal(deleted, want) {
+				t.Errorf("deleted %v, want %v", deleted, want)
+			}
+			left, _ := prot.List("job", "node1")
+			if len(left) != tc.n-len(want) {
+				t.Errorf("%d left, want %d", len(left), tc.n-len(want))
+			}
+		})
+	}
+	s := openStore(t, t.TempDir(), "prot")
+	if _, err := s.PruneReceived(context.Background(), "job", "prot", 1, ""); err == nil {
+		t.Error("PruneReceived accepted this node's own snapshots")
+	}
+	if _, err := s.PruneReceived(context.Background(), "job", "node1", 0, ""); err == nil {
+		t.Error("PruneReceived accepted keep 0")
+	}
+}
+
+// flipByte damages a file without changing its size, which only hashing finds.
+func flipByte(t *testing.T, path string) {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b[len(b)/2] ^= 0x40
+	if err := os.WriteFile(path, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A protector's copies all name the sender as replica, which says nothing
+// about them: Prune must not delete the last one that verifies because a
+// newer copy, damaged since it arrived, is "replicated".
+func TestPruneKeepsNewestVerifiedReceivedCopy(t *testing.T) {
+	origin := openStore(t, t.TempDir(), "node1")
+	prot := openStore(t, t.TempDir(), "prot")
+	var ids []string
+	for range 3 {
+		m := snapshot(t, origin, "job", dumpFiles())
+		receiveByCopy(t, origin, prot, m)
+		ids = append(ids, m.ID)
+	}
+	flipByte(t, filepath.Join(prot.Path("job", ids[2]), "pages-1.img"))
+	flipByte(t, filepath.Join(prot.Path("job", ids[1]), "pages-1.img"))
+	if _, err := prot.Prune(context.Background(), "job", 1); err != nil {
+		t.Fatal(err)
+	}
+	m, _, err := prot.LatestVerified(context.Background(), "job", "node1")
+	if err != nil {
+		t.Fatalf("the protector lost its last verified copy: %v", err)
+	}
+	if m.ID != ids[0] {
+		t.Errorf("latest verified %s, want %s", m.ID, ids[0])
 	}
 }

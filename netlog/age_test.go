@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // textStream is a compressible stream (lz4 shrinks it about 3x).
@@ -232,5 +234,32 @@ func TestAgeCancelled(t *testing.T) {
 	}
 	if got := mustBytes(t, s, AnchorEpoch, AnchorEpoch+uint64(len(stream))); !bytes.Equal(got, stream) {
 		t.Fatal("bytes differ after cancelled passes")
+	}
+}
+
+// Spilled bytes are other programs' traffic: the spill file is 0600 whatever the umask, and has no name.
+func TestSpillFileIsPrivate(t *testing.T) {
+	old := unix.Umask(0)
+	defer unix.Umask(old)
+	const slab = 4096
+	dir := t.TempDir()
+	s := newTestStore(t, Options{SlabSize: slab, CompressAfter: time.Nanosecond, SpillDir: dir, SpillAboveRAM: slab})
+	appendAll(t, s, 0, textStream(8*slab), 1448)
+	r, err := s.Age(context.Background(), time.Now().Add(time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r.Spilled == 0 || s.env.spill == nil {
+		t.Fatalf("nothing spilled: %+v", r)
+	}
+	fi, err := s.env.spill.f.Stat()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fi.Mode().Perm() != 0o600 {
+		t.Errorf("spill file mode %v, want 0600", fi.Mode().Perm())
+	}
+	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
+		t.Errorf("spill file has a name in %s: %v", dir, entries)
 	}
 }

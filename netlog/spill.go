@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"hash/crc32"
 	"os"
+	"path/filepath"
 	"sync"
 
 	"golang.org/x/sys/unix"
@@ -33,6 +34,16 @@ type spillFile struct {
 }
 
 func openSpill(dir string) (*spillFile, error) {
+	// Logged bytes are other programs' traffic: 0600, and with O_TMPFILE the file never has a name
+	// at all, so no crash leaves one behind and nobody can open it by name.
+	fd, err := unix.Open(dir, unix.O_TMPFILE|unix.O_RDWR|unix.O_CLOEXEC, 0o600)
+	if err == nil {
+		return &spillFile{f: os.NewFile(uintptr(fd), filepath.Join(dir, "(netlog spill, unlinked)"))}, nil
+	}
+	if !errors.Is(err, unix.EOPNOTSUPP) && !errors.Is(err, unix.EISDIR) && !errors.Is(err, unix.EINVAL) {
+		return nil, fmt.Errorf("open netlog spill file in %q: %w (set Options.SpillDir to a writable local directory)", dir, err)
+	}
+	// A file system without O_TMPFILE: create (0600, never through a link) and unlink at once.
 	f, err := os.CreateTemp(dir, "netlog-spill-*")
 	if err != nil {
 		return nil, fmt.Errorf("open netlog spill file in %q: %w (set Options.SpillDir to a writable local directory)", dir, err)

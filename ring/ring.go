@@ -474,7 +474,7 @@ func Save(path string, v View) error {
 	if err != nil {
 		return fmt.Errorf("save view to %s: %w", path, err)
 	}
-	if err := atomicfile.WriteFile(path, append(b, '\n'), 0o644); err != nil {
+	if err := atomicfile.WriteFile(path, append(b, '\n'), 0o600); err != nil { // the agent's state: root only
 		return fmt.Errorf("save view: %w", err)
 	}
 	return nil

@@ -40,6 +40,8 @@ type ReceiveOptions struct {
 
 // Received describes one completed incoming transfer.
 type Received struct {
+	// Manifest describes the local copy, which was verified during the call:
+	// hashed against the manifest at commit, or re-verified when AlreadyHad.
 	Manifest *ckpt.Manifest
 	// AlreadyHad is true when a verified copy was already in the store and
 	// no file was transferred.
@@ -56,8 +58,9 @@ type Received struct {
 //	for { if _, err := ship.Receive(ctx, conn, store, opts); err != nil { break } }
 //
 // On any failure the pending copy is discarded, the sender gets a NACK with
-// the reason when the stream still allows it, and nothing becomes visible;
-// the caller must then close conn.
+// the reason when the stream still allows it, nothing becomes visible, and
+// a local copy of the same snapshot (damaged or different, being replaced)
+// stays as it was; the caller must then close conn.
 func Receive(ctx context.Context, conn io.ReadWriter, store *ckpt.Store, opts ReceiveOptions) (*Received, error) {
 	start := time.Now()
 	log := opts.Logger
@@ -180,14 +183,15 @@ func (rc *receiver) run(reply func(frameType, []byte) error) (*Received, error) 
 			return &Received{Manifest: have, AlreadyHad: true}, nil
 		}
 	}
-	if _, err := os.Lstat(rc.store.Path(m.Job, m.ID)); err == nil {
-		// A damaged or different local copy: replace it with the sender's.
-		rc.log.Warn("replacing damaged local copy of snapshot", "job", m.Job, "id", m.ID)
-		if err := rc.store.Delete(m.Job, m.ID); err != nil {
-			return nil, err
-		}
+	if _, lerr := os.Lstat(rc.store.Path(m.Job, m.ID)); lerr == nil {
+		// A damaged or different local copy: the sender's replaces it, but
+		// only once the new copy has verified (the commit swaps them), so a
+		// failed transfer loses nothing.
+		rc.log.Warn("local copy of snapshot is damaged or differs from the sender's; receiving a replacement", "job", m.Job, "id", m.ID)
+		rc.pending, err = rc.store.BeginReplace(m)
+	} else {
+		rc.pending, err = rc.store.BeginReceive(m)
 	}
-	rc.pending, err = rc.store.BeginReceive(m)
 	if err != nil {
 		return nil, err
 	}
@@ -280,11 +284,12 @@ func (rc *receiver) receiveFile(root *os.Root, zr *lz4.Reader, h hash.Hash, want
 		return 0, protoErr("got FILE %q (%d bytes), manifest order wants %q (%d bytes)", name, size, want.Name, want.Size)
 	}
 	if dir := path.Dir(name); dir != "." {
-		if err := root.MkdirAll(dir, 0o755); err != nil {
+		// Memory images: root only (the commit enforces it again).
+		if err := root.MkdirAll(dir, 0o700); err != nil {
 			return 0, fmt.Errorf("create directory for %s: %w", name, err)
 		}
 	}
-	f, err := root.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+	f, err := root.OpenFile(name, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
 	if err != nil {
 		return 0, fmt.Errorf("create %s: %w", name, err)
 	}

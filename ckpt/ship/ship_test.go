@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"io/fs"
 	"math/rand/v2"
 	"net"
 	"net/netip"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/pierrec/lz4/v4"
+	"golang.org/x/sys/unix"
 )
 
 // memoryPages returns n bytes that look like a process's memory: 4 KiB
@@ -692,5 +694,267 @@ func TestIdleTimeouts(t *testing.T) {
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatal("Receive did not time out")
+	}
+}
+
+// assertPrivate fails for any directory of the store that is not 0700 or
+// file that is not 0600.
+func assertPrivate(t *testing.T, s *ckpt.Store) {
+	t.Helper()
+	n := 0
+	err := filepath.WalkDir(s.Root(), func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		info, err := d.Info()
+		if err != nil {
+			return err
+		}
+		want := fs.FileMode(0o600)
+		if d.IsDir() {
+			want = 0o700
+		}
+		if info.Mode().Perm() != want {
+			t.Errorf("%s has mode %v, want %v", path, info.Mode().Perm(), want)
+		}
+		n++
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n < 4 {
+		t.Fatalf("walked only %d entries", n)
+	}
+}
+
+func TestReceivedCopyIsPrivate(t *testing.T) {
+	// Even with a umask that lets everything through.
+	old := unix.Umask(0)
+	defer unix.Umask(old)
+	m, files := hostileManifest(t) // has a subdirectory
+	prot := openStore(t, "prot")
+	if _, err := Receive(context.Background(), &fakeConn{Reader: bytes.NewReader(validStream(t, m, files).bytes())}, prot, ReceiveOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	assertPrivate(t, prot)
+}
+
+// sameIDSnapshots returns two snapshots of node1 with the same id and
+// different content: a sender's copy that differs from the receiver's.
+func sameIDSnapshots(t *testing.T) (a, b *ckpt.Manifest, fa, fb map[string][]byte) {
+	t.Helper()
+	clock := func() time.Time { return time.Date(2026, 11, 22, 15, 30, 0, 0, time.UTC) }
+	var stores [2]*ckpt.Store
+	for i := range stores {
+		s, err := ckpt.Open(t.TempDir(), ckpt.Options{Node: "node1", Now: clock})
+		if err != nil {
+			t.Fatal(err)
+		}
+		stores[i] = s
+	}
+	fa = map[string][]byte{"a.img": []byte("hello hello hello"), "d/b.img": bytes.Repeat([]byte{0}, 10000)}
+	fb = map[string][]byte{"a.img": []byte("other content"), "d/b.img": memoryPages(20000, 3), "c.img": []byte("new")}
+	a, b = makeSnapshot(t, stores[0], "job", fa), makeSnapshot(t, stores[1], "job", fb)
+	if a.ID != b.ID {
+		t.Fatalf("setup: ids %s and %s differ", a.ID, b.ID)
+	}
+	return a, b, fa, fb
+}
+
+// hasContent fails unless the store's copy of m.ID holds exactly files.
+func hasContent(t *testing.T, s *ckpt.Store, id string, files map[string][]byte) {
+	t.Helper()
+	got, err := s.Verify(context.Background(), "job", id)
+	if err != nil {
+		t.Fatalf("local copy does not verify: %v", err)
+	}
+	if len(got.Files) != len(files) {
+		t.Fatalf("local copy has %d files, want %d", len(got.Files), len(files))
+	}
+	for name, want := range files {
+		b, err := os.ReadFile(filepath.Join(s.Path("job", id), name))
+		if err != nil || !bytes.Equal(b, want) {
+			t.Fatalf("local %s is not the expected content (%v)", name, err)
+		}
+	}
+}
+
+// A receiver replacing its copy of a snapshot (damaged, or different from
+// the sender's) keeps it until the replacement has verified.
+func TestReceiveKeepsOldCopyUntilReplacementVerifies(t *testing.T) {
+	ma, mb, fa, fb := sameIDSnapshots(t)
+	failures := []struct {
+		name   string
+		stream func(sp streamParts) []byte
+	}{
+		{"connection cut mid-file", func(sp streamParts) []byte {
+			b := sp.bytes()
+			return b[:len(sp.hello)+len(sp.manifest)+len(sp.files[0])+100]
+		}},
+		{"bad sha", func(sp streamParts) []byte {
+			sp.files[1] = fileFrames("c.img", 3, compress([]byte("neW")))
+			return sp.bytes()
+		}},
+		{"sender abort", func(sp streamParts) []byte {
+			sp.files[2] = slices.Concat(frame(frameFile, filePayload("d/b.img", 20000)), frame(frameAbort, []byte("read error")))
+			return sp.bytes()
+		}},
+	}
+	for _, damaged := range []bool{false, true} {
+		for _, tc := range failures {
+			name := tc.name
+			if damaged {
+				name += ", local copy damaged"
+			}
+			t.Run(name, func(t *testing.T) {
+				prot := openStore(t, "prot")
+				if _, err := Receive(context.Background(), &fakeConn{Reader: bytes.NewReader(validStream(t, ma, fa).bytes())}, prot, ReceiveOptions{}); err != nil {
+					t.Fatal(err)
+				}
+				var before []byte
+				if damaged {
+					p := filepath.Join(prot.Path("job", ma.ID), "a.img")
+					os.Truncate(p, 5)
+					before, _ = os.ReadFile(p)
+				}
+				conn := &fakeConn{Reader: bytes.NewReader(tc.stream(validStream(t, mb, fb)))}
+				if _, err := Receive(context.Background(), conn, prot, ReceiveOptions{}); err == nil {
+					t.Fatal("broken replacement accepted")
+				}
+				noLeftovers(t, prot, "job")
+				if ids, _ := prot.List("job", ""); !slices.Equal(ids, []string{ma.ID}) {
+					t.Fatalf("after a failed replacement List = %v, want the old copy %s", ids, ma.ID)
+				}
+				if damaged {
+					// Still the same (damaged) bytes: nothing was deleted.
+					if b, err := os.ReadFile(filepath.Join(prot.Path("job", ma.ID), "a.img")); err != nil || !bytes.Equal(b, before) {
+						t.Fatalf("damaged copy changed: %q %v", b, err)
+					}
+				} else {
+					hasContent(t, prot, ma.ID, fa)
+				}
+
+				// The same replacement, intact, takes the old copy's place.
+				res, err := Receive(context.Background(), &fakeConn{Reader: bytes.NewReader(validStream(t, mb, fb).bytes())}, prot, ReceiveOptions{Peer: "node1"})
+				if err != nil || res.AlreadyHad {
+					t.Fatalf("intact replacement: %+v %v", res, err)
+				}
+				hasContent(t, prot, mb.ID, fb)
+				noLeftovers(t, prot, "job")
+				assertPrivate(t, prot)
+			})
+		}
+	}
+}
+
+// pipeShip sends one snapshot from origin to prot over net.Pipe and returns
+// what the receiver got.
+func pipeShip(t *testing.T, origin, prot *ckpt.Store, id string) *Received {
+	t.Helper()
+	c1, c2 := net.Pipe()
+	defer c1.Close()
+	type result struct {
+		r   *Received
+		err error
+	}
+	got := make(chan result, 1)
+	go func() {
+		defer c2.Close()
+		r, err := Receive(context.Background(), c2, prot, ReceiveOptions{Peer: "node1", Authorize: FromNode("node1")})
+		got <- result{r, err}
+	}()
+	if _, err := Send(context.Background(), c1, origin, "job", id, SendOptions{Peer: "prot"}); err != nil {
+		t.Fatal(err)
+	}
+	res := <-got
+	if res.err != nil {
+		t.Fatal(res.err)
+	}
+	return res.r
+}
+
+// A protector applies retention after every received snapshot, as the agent
+// does: it keeps the newest keep copies of the sender's snapshots, and never
+// the newest copy that verifies, even when every newer one is damaged.
+func TestProtectorRetention(t *testing.T) {
+	const keep = 2
+	origin := openStore(t, "node1")
+	prot := openStore(t, "prot")
+	var ids []string // oldest first
+	prune := func(r *Received) []string {
+		t.Helper()
+		deleted, err := prot.PruneReceived(context.Background(), r.Manifest.Job, r.Manifest.Node, keep, r.Manifest.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return deleted
+	}
+	for i := range 5 {
+		m := makeSnapshot(t, origin, "job", map[string][]byte{"pages-1.img": memoryPages(64<<10, uint64(i))})
+		ids = append(ids, m.ID)
+		prune(pipeShip(t, origin, prot, m.ID))
+		left, _ := prot.List("job", "node1")
+		if want := min(i+1, keep); len(left) != want {
+			t.Fatalf("after %d snapshots the protector holds %d, want %d", i+1, len(left), want)
+		}
+	}
+	newest := []string{ids[4], ids[3]}
+	if left, _ := prot.List("job", "node1"); !slices.Equal(left, newest) {
+		t.Fatalf("protector holds %v, want the newest %v", left, newest)
+	}
+	for _, id := range newest {
+		if _, err := prot.Verify(context.Background(), "job", id); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	// An old snapshot sent again (out of order) is received and, being
+	// older than keep intact copies, pruned at once.
+	if d := prune(pipeShip(t, origin, prot, ids[0])); !slices.Equal(d, []string{ids[0]}) {
+		t.Errorf("resent old snapshot: deleted %v, want %v", d, ids[:1])
+	}
+	// Damage both kept copies: the old snapshot sent again is now the newest
+	// that verifies and must stay.
+	for _, id := range newest {
+		p := filepath.Join(prot.Path("job", id), "pages-1.img")
+		b, _ := os.ReadFile(p)
+		b[100] ^= 1
+		os.WriteFile(p, b, 0o600)
+	}
+	if d := prune(pipeShip(t, origin, prot, ids[0])); len(d) != 0 {
+		t.Errorf("deleted %v although no newer copy verifies", d)
+	}
+	m, _, err := prot.LatestVerified(context.Background(), "job", "node1")
+	if err != nil || m.ID != ids[0] {
+		t.Fatalf("latest verified copy: %v %v, want %s", m, err, ids[0])
+	}
+}
+
+// A transfer of a snapshot another writer is receiving at the same time is
+// refused with the reason, and the other writer's copy is untouched.
+func TestReceiveRefusesConcurrentWriter(t *testing.T) {
+	m, files := hostileManifest(t)
+	for _, replace := range []bool{false, true} {
+		prot := openStore(t, "prot")
+		if replace {
+			if _, err := Receive(context.Background(), &fakeConn{Reader: bytes.NewReader(validStream(t, m, files).bytes())}, prot, ReceiveOptions{}); err != nil {
+				t.Fatal(err)
+			}
+			os.Truncate(filepath.Join(prot.Path("job", m.ID), "a.img"), 1)
+		}
+		other, err := prot.BeginReplace(m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		conn := &fakeConn{Reader: bytes.NewReader(validStream(t, m, files).bytes())}
+		_, err = Receive(context.Background(), conn, prot, ReceiveOptions{})
+		if err == nil || !strings.Contains(err.Error(), "in use by another writer") {
+			t.Errorf("replace=%v: Receive = %v, want a refusal naming the other writer", replace, err)
+		}
+		if _, err := os.Stat(other.Dir()); err != nil {
+			t.Errorf("replace=%v: the other writer's directory is gone: %v", replace, err)
+		}
+		other.Abort()
 	}
 }

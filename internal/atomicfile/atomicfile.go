@@ -10,7 +10,8 @@ import (
 	"path/filepath"
 )
 
-// WriteFile atomically replaces path with data.
+// WriteFile atomically replaces path with data; the file gets mode perm
+// exactly (the umask does not apply).
 func WriteFile(path string, data []byte, perm os.FileMode) error {
 	dir := filepath.Dir(path)
 	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp-*")
@@ -43,13 +44,20 @@ func WriteFile(path string, data []byte, perm os.FileMode) error {
 	return SyncDir(dir)
 }
 
-// WriteJSON atomically replaces path with v as indented JSON.
+// WriteJSON atomically replaces path with v as indented JSON, readable by
+// its owner only: the callers are root daemons keeping their state.
 func WriteJSON(path string, v any) error {
+	return WriteJSONPerm(path, v, 0o600)
+}
+
+// WriteJSONPerm is WriteJSON with the file mode perm (exactly: the umask
+// does not apply), for a file other users must read.
+func WriteJSONPerm(path string, v any, perm os.FileMode) error {
 	b, err := json.MarshalIndent(v, "", "  ")
 	if err != nil {
 		return fmt.Errorf("encode %s: %w", path, err)
 	}
-	return WriteFile(path, append(b, '\n'), 0o644)
+	return WriteFile(path, append(b, '\n'), perm)
 }
 
 // SyncDir fsyncs a directory so that a rename or create in it is durable.

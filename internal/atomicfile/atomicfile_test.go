@@ -3,6 +3,7 @@ package atomicfile
 import (
 	"os"
 	"path/filepath"
+	"syscall"
 	"testing"
 )
 
@@ -43,5 +44,37 @@ func TestWriteJSON(t *testing.T) {
 	}
 	if err := WriteJSON(p, func() {}); err == nil {
 		t.Fatal("encoding a func succeeded")
+	}
+}
+
+// State files of a root daemon are its own: WriteJSON makes them 0600, also
+// when it replaces a world-readable file an older version wrote.
+func TestWriteJSONIsPrivate(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "state.json")
+	if err := os.WriteFile(p, []byte("{}"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(p, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := WriteJSON(p, map[string]int{"a": 1}); err != nil {
+		t.Fatal(err)
+	}
+	if st, _ := os.Stat(p); st.Mode().Perm() != 0o600 {
+		t.Errorf("WriteJSON made mode %v, want 0600", st.Mode().Perm())
+	}
+}
+
+// A file other users must read gets its mode whatever the umask (the agent
+// runs with UMask=0077).
+func TestWriteJSONPermIgnoresUmask(t *testing.T) {
+	old := syscall.Umask(0o077)
+	defer syscall.Umask(old)
+	p := filepath.Join(t.TempDir(), "exit")
+	if err := WriteJSONPerm(p, map[string]int{"code": 0}, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if st, _ := os.Stat(p); st.Mode().Perm() != 0o644 {
+		t.Errorf("mode %v, want 0644", st.Mode().Perm())
 	}
 }

@@ -1,0 +1,187 @@
+package agent
+
+import (
+	"bufio"
+	"io/fs"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+func perm(t *testing.T, p string) fs.FileMode {
+	t.Helper()
+	st, err := os.Lstat(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st.Mode().Perm()
+}
+
+func writeOld(t *testing.T, p string, mode fs.FileMode) {
+	t.Helper()
+	if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(p, []byte("{}"), mode); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(p, mode); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestPrepareDirs checks the modes of the agent's directories and files under the systemd unit's umask,
+// for an older version's state directory, in both layouts: jobs_dir inside state_dir (the default) and
+// beside it (the lab's).
+func TestPrepareDirs(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("SKIPPED: needs root (chown of a user's job directory)")
+	}
+	tests := []struct {
+		name             string
+		state, jobs      string // relative to a temp dir
+		wantState        fs.FileMode
+		recordsArePublic bool
+		fresh            bool // nothing exists yet
+	}{
+		{"default layout", "var/lib/ftkit", "var/lib/ftkit/jobs", 0o711, true, false},
+		{"jobs_dir apart", "state/n1", "shared/jobs", 0o700, false, false},
+		// The lab's: every host's state_dir beside the cluster's jobs_dir, under a parent no one made yet.
+		{"fresh, shared parent", "lab/n1", "lab/jobs", 0o700, false, true},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			// Set up as an administrator would (umask 022), then start under the unit's umask.
+			old := unix.Umask(0o022)
+			defer unix.Umask(old)
+			base := t.TempDir()
+			cfg := Defaults()
+			cfg.StateDir = filepath.Join(base, tc.state)
+			cfg.JobsDir = filepath.Join(base, tc.jobs)
+			cfg.Socket = filepath.Join(base, "run/ftkit/agent.sock")
+			records := filepath.Join(cfg.StateDir, "jobs")
+
+			want := map[string]fs.FileMode{
+				cfg.StateDir:                     tc.wantState,
+				cfg.JobsDir:                      0o755,
+				filepath.Join(base, "run"):       0o755,
+				filepath.Join(base, "run/ftkit"): 0o755,
+			}
+			if !tc.recordsArePublic {
+				want[records] = 0o700
+				want[filepath.Dir(cfg.JobsDir)] = 0o755
+			}
+			if !tc.fresh {
+				// What an older version left: everything world-readable.
+				if err := os.MkdirAll(cfg.StateDir, 0o755); err != nil {
+					t.Fatal(err)
+				}
+				os.Chmod(cfg.StateDir, 0o755)
+				for _, f := range []string{"view.json", "failures.json", "claim.json"} {
+					writeOld(t, filepath.Join(cfg.StateDir, f), 0o644)
+					want[filepath.Join(cfg.StateDir, f)] = 0o600
+				}
+				writeOld(t, filepath.Join(records, "lu-1.json"), 0o644)
+				writeOld(t, filepath.Join(records, "lu-1.shim.log"), 0o644)
+				writeOld(t, filepath.Join(cfg.StateDir, "restore", "x", "pages-1.img"), 0o644)
+				for _, d := range []string{"restore", "restore/x", "jobs"} {
+					os.Chmod(filepath.Join(cfg.StateDir, d), 0o755)
+				}
+				want[filepath.Join(cfg.StateDir, "restore")] = 0o700
+				want[filepath.Join(records, "lu-1.json")] = 0o600
+				want[filepath.Join(records, "lu-1.shim.log")] = 0o600
+				// A user's job directory in jobs_dir, and a link a user might plant there.
+				userDir := filepath.Join(cfg.JobsDir, "lu-1")
+				if err := os.MkdirAll(userDir, 0o755); err != nil {
+					t.Fatal(err)
+				}
+				os.Chmod(userDir, 0o755)
+				if err := os.Chown(userDir, 1000, 1000); err != nil {
+					t.Fatal(err)
+				}
+				want[userDir] = 0o755
+				outside := filepath.Join(base, "outside")
+				writeOld(t, outside, 0o644)
+				if err := os.Symlink(outside, filepath.Join(cfg.JobsDir, "evil.json")); err != nil {
+					t.Fatal(err)
+				}
+				want[outside] = 0o644
+			}
+
+			unix.Umask(0o077) // which would make new directories 0700
+			if err := prepareDirs(cfg, records); err != nil {
+				t.Fatal(err)
+			}
+			for p, m := range want {
+				if got := perm(t, p); got != m {
+					t.Errorf("%s: mode %v, want %v", strings.TrimPrefix(p, base), got, m)
+				}
+			}
+			// Idempotent: a second start changes nothing and fails on nothing.
+			if err := prepareDirs(cfg, records); err != nil {
+				t.Fatal(err)
+			}
+			if got := perm(t, cfg.StateDir); got != tc.wantState {
+				t.Errorf("state dir mode %v after a second start", got)
+			}
+		})
+	}
+}
+
+func TestDigestStoreIsPrivate(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "digests")
+	if err := os.Mkdir(dir, 0o755); err != nil { // an older version's
+		t.Fatal(err)
+	}
+	os.Chmod(dir, 0o755)
+	s, err := openDigestStore(dir, testLogger{t})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.add("node2", []BlockDigest{{Src: testSrc, Dst: netip.MustParseAddrPort("10.0.0.4:7300"), Seq: 3 * B, CRC: 99}}, time.Now())
+	if err := s.flush(); err != nil {
+		t.Fatal(err)
+	}
+	if got := perm(t, dir); got != 0o700 {
+		t.Errorf("digest directory mode %v, want 0700", got)
+	}
+	if got := perm(t, filepath.Join(dir, "node2.json")); got != 0o600 {
+		t.Errorf("digest file mode %v, want 0600", got)
+	}
+}
+
+// The unit must give the agent a private umask and keep KillMode=process (jobs outlive the agent).
+func TestSystemdUnit(t *testing.T) {
+	f, err := os.Open("../deploy/systemd/ftagent.service")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	section := ""
+	got := map[string]string{}
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		line := strings.TrimSpace(sc.Text())
+		switch {
+		case line == "" || strings.HasPrefix(line, "#"):
+		case strings.HasPrefix(line, "["):
+			section = line
+		case section == "[Service]":
+			k, v, _ := strings.Cut(line, "=")
+			got[strings.TrimSpace(k)] = strings.TrimSpace(v)
+		}
+	}
+	if err := sc.Err(); err != nil {
+		t.Fatal(err)
+	}
+	for k, v := range map[string]string{"UMask": "0077", "KillMode": "process"} {
+		if got[k] != v {
+			t.Errorf("[Service] %s=%q, want %q", k, got[k], v)
+		}
+	}
+}
