@@ -164,7 +164,7 @@ func recreateOutput(jr *outputJournal, dir *jobfs.Dir, snapDir func() (*jobfs.Di
 		return fmt.Errorf("recreate %s from the snapshot: %w", f.Path, err)
 	}
 	defer src.Close()
-	out, err := dir.Create(name, 0o644, j.UID, j.GID)
+	out, err := dir.Create(name, 0o600, j.UID, j.GID) // as the shim creates it
 	if err != nil {
 		return fmt.Errorf("recreate %s from the snapshot: %w", f.Path, err)
 	}

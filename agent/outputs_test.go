@@ -157,7 +157,7 @@ func TestRestoreOutputsAndUndo(t *testing.T) {
 			t.Errorf("after restoreOutputs %s is %q, want %q", p, head(after[p]), head(want))
 		}
 	}
-	if st, err := os.Stat(filepath.Join(f.j.Dir, "stderr")); err != nil || st.Sys().(*syscall.Stat_t).Uid != testUID || st.Mode().Perm() != 0o644 {
+	if st, err := os.Stat(filepath.Join(f.j.Dir, "stderr")); err != nil || st.Sys().(*syscall.Stat_t).Uid != testUID || st.Mode().Perm() != 0o600 {
 		t.Errorf("recreated stderr: %v, %v; want 0644 owned by the job's uid", st, err)
 	}
 	// The journal is private: it holds what the job wrote.

@@ -131,7 +131,7 @@ func createOutput(path string, uid, gid uint32) (*os.File, error) {
 		return nil, fmt.Errorf("open job directory: %w", err)
 	}
 	defer dir.Close()
-	f, err := dir.Create(filepath.Base(path), 0o644, uid, gid)
+	f, err := dir.Create(filepath.Base(path), 0o600, uid, gid) // the job's user only: ftwrap reads it with their uid
 	if err != nil {
 		return nil, fmt.Errorf("create job output (every job gets a new directory, so it cannot exist yet): %w", err)
 	}
