@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -32,9 +33,12 @@ func ringArgs(iters, block int, delay time.Duration) []string {
 // reference runs the ranks on loopback without any protection and returns the checksum they agree on.
 func reference(t *testing.T, ranks int, args []string) string {
 	t.Helper()
+	// An address of its own in 127/8 (all loopback), so that reference runs of tests running at the same
+	// time on this machine never meet on the same ports.
+	host := fmt.Sprintf("127.%d.%d.%d", 1+rand.IntN(254), rand.IntN(256), 1+rand.IntN(254))
 	var peers []string
 	for r := range ranks {
-		peers = append(peers, fmt.Sprintf("127.0.0.1:%d", 21000+r))
+		peers = append(peers, fmt.Sprintf("%s:%d", host, 21000+r))
 	}
 	outs := make([]string, ranks)
 	var wg sync.WaitGroup

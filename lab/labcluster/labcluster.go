@@ -70,6 +70,9 @@ func Socket(id, host string) string { return filepath.Join(runDir(id), host, "ag
 // JobsDir is the lab's cluster-wide job directory (one file system, like a shared home on a cluster).
 func JobsDir(id string) string { return filepath.Join(dataDir(id), "jobs") }
 
+// StateDir is the state_dir of host's agent in lab id; its snapshot store is the snapshots directory in it.
+func StateDir(id, host string) string { return filepath.Join(dataDir(id), host) }
+
 // Start writes every host's configuration and starts the agents, then waits until each answers.
 func Start(ctx context.Context, l *lab.Lab, opts Options) (*Cluster, error) {
 	if opts.Interval != "" {
@@ -124,7 +127,7 @@ func Start(ctx context.Context, l *lab.Lab, opts Options) (*Cluster, error) {
 func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
 	cfg := agent.Defaults()
 	cfg.Name = h.Name
-	cfg.StateDir = filepath.Join(c.dataDir, h.Name)
+	cfg.StateDir = StateDir(st.ID, h.Name)
 	cfg.JobsDir = JobsDir(st.ID)
 	cfg.Socket = Socket(st.ID, h.Name)
 	cfg.CgroupParent = cgroupDir(st.ID)
