@@ -38,7 +38,9 @@ func TestLogTrimmedAtReceiverSnapshot(t *testing.T) {
 	dsts := map[string]bool{}
 	for _, lc := range before {
 		dsts[lc.DstNode] = true
-		if lc.Retained == 0 || lc.Trimmed {
+		// Trimmed may be set: node2 snapshots its rank as it starts, which trims node1's log if the
+		// connection was up by then. Either way the log holds what node1 sent since.
+		if lc.Retained == 0 {
 			t.Errorf("node1's log of %s -> %s: %+v", lc.Src, lc.Dst, lc)
 		}
 		// The sender's live state is known: it has sent at least what the log holds, with timestamps.
