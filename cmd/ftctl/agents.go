@@ -318,7 +318,8 @@ func newCheckpointCmd(t *target) *cobra.Command {
 		Use:   "checkpoint",
 		Short: "Snapshot jobs now and ship the snapshots to the protector",
 		Long: `Snapshot running jobs now (every job of the chosen hosts, or --job), ship each snapshot to its
-host's protector, and prune old snapshots. In semi-coordinated mode a host's jobs are frozen together.`,
+host's protector, and prune old snapshots. In semi-coordinated mode a host's jobs are frozen together.
+It fails if a snapshot could not be taken or did not reach the protector.`,
 		Args: cli.Args(cobra.NoArgs),
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			cs, err := t.clients()
@@ -357,6 +358,12 @@ host's protector, and prune old snapshots. In semi-coordinated mode a host's job
 					errs = append(errs, fmt.Errorf("%s: %s", c.host, reply.Error))
 				}
 				all = append(all, reply.Results...)
+			}
+			// A snapshot that did not reach the protector protects nothing: say so in the exit status.
+			for _, r := range all {
+				if !r.Shipped {
+					errs = append(errs, fmt.Errorf("snapshot %s of job %s is not replicated: %s", r.Manifest.ID, r.Manifest.Job, r.ShipErr))
+				}
 			}
 			if asJSON {
 				if err := cli.PrintJSON(cmd.OutOrStdout(), all); err != nil {
