@@ -63,11 +63,11 @@ const (
 // Bounds of the failure log. It travels inside every view message (at most maxMessage bytes) and comes
 // from other nodes, so neither the number of failures nor anything in one may grow without bound.
 const (
-	maxFailures    = 100 // the most recent ones are kept
-	maxStages      = 32  // per failure: the first (detection) and the newest
-	maxFailureJobs = 256 // job ids listed per failure
-	maxFailureText = 256 // bytes of an error or a stage's detail
-	maxFailureName = 128 // bytes of an id, a node, host, job or stage name
+	maxFailures    = 100  // the most recent ones are kept
+	maxStages      = 32   // per failure: the first (detection) and the newest
+	maxFailureJobs = 256  // job ids listed per failure
+	maxFailureText = 1024 // bytes of an error or a stage's detail: room for a whole recovery error
+	maxFailureName = 128  // bytes of an id, a node, host, job or stage name
 )
 
 // failureLog holds the failures this agent knows of, on disk so that a restarted agent still shows them.

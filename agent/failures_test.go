@@ -10,6 +10,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/ring"
 )
 
@@ -71,6 +72,9 @@ func TestFailureBound(t *testing.T) {
 		return out
 	}
 	long := strings.Repeat("<", 5000) // JSON writes each as \u003c: the worst case for the message size
+	mismatch := &MismatchError{Conn: netlog.Conn{Src: netip.MustParseAddrPort("10.233.122.12:38582"), Dst: netip.MustParseAddrPort("10.233.122.11:7601")},
+		From: 2789081088, To: 2789146624, Got: 0x6973818b, Want: 0x8c3d5983}
+	recoveryErr := fmt.Errorf("recovery on spare1: job nondet1-89244a5f is not transparently recoverable (killed): %w", mismatch).Error()
 	tests := []struct {
 		name        string
 		in          Failure
@@ -96,8 +100,8 @@ func TestFailureBound(t *testing.T) {
 			check: func(t *testing.T, f Failure) {
 				s := f.Stages[0]
 				for what, got := range map[string]int{"error": len(f.Error), "stage detail": len(s.Detail), "stage error": len(s.Error)} {
-					if got != 256 {
-						t.Errorf("%s: %d bytes, want 256", what, got)
+					if got != 1024 {
+						t.Errorf("%s: %d bytes, want 1024", what, got)
 					}
 				}
 				for what, got := range map[string]int{"node": len(f.Node), "job": len(f.Jobs[0]), "stage job": len(s.Job), "stage host": len(s.Host)} {
@@ -106,10 +110,19 @@ func TestFailureBound(t *testing.T) {
 					}
 				}
 			}},
-		{name: "a cut never splits a character", in: Failure{ID: "x", Error: strings.Repeat("é", 400)},
+		{name: "a cut never splits a character", in: Failure{ID: "x", Error: strings.Repeat("é", 1000)},
 			check: func(t *testing.T, f Failure) {
-				if !utf8.ValidString(f.Error) || len(f.Error) > 256 || !strings.HasSuffix(f.Error, "...") {
+				if !utf8.ValidString(f.Error) || len(f.Error) > 1024 || !strings.HasSuffix(f.Error, "...") {
 					t.Errorf("cut error: %d bytes, valid %v", len(f.Error), utf8.ValidString(f.Error))
+				}
+			}},
+		// What `ftctl events` and the tests read in a failed replay must survive: the whole error of a
+		// recovery, wrapped as the recovery wraps it.
+		{name: "a recovery error is kept whole", in: Failure{ID: "x", Error: recoveryErr, Stages: []Stage{{Name: StageReplayed, Error: recoveryErr}}},
+			wantStages: []string{StageReplayed},
+			check: func(t *testing.T, f Failure) {
+				if f.Error != recoveryErr || f.Stages[0].Error != recoveryErr {
+					t.Errorf("cut: %q", f.Stages[0].Error)
 				}
 			}},
 		{name: "too many jobs", in: Failure{ID: "x", Jobs: make([]string, 1000)},
@@ -203,12 +216,14 @@ func TestViewMessageFitsWithManyFailures(t *testing.T) {
 		failures     int
 		stages, jobs int
 		text         string
-		wantAll      bool // every failure the log keeps (100) is in the message
+		ident        string // names of jobs and hosts
+		wantAll      bool   // every failure the log keeps (100) is in the message
 	}{
 		// Five stages per job, two jobs, short details: what recoveries write.
-		{"realistic recoveries", 300, 12, 2, "restored 1 job(s) from snapshot 20261122T100000.000-0001 in 812 ms", true},
-		// "<&>" is escaped by encoding/json to six bytes a character.
-		{"every text as long as can be", 300, 60, 400, strings.Repeat("<&>", 400), false},
+		{"realistic recoveries", 300, 12, 2, "restored 1 job(s) from snapshot 20261122T100000.000-0001 in 812 ms", "rank1-0123abcd", true},
+		// "<&>" is escaped by encoding/json to six bytes a character; every name and text is longer than
+		// the log keeps: a single failure must still fit.
+		{"every text as long as can be", 300, 60, 400, strings.Repeat("<&>", 700), strings.Repeat("<", 200), false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -222,12 +237,12 @@ func TestViewMessageFitsWithManyFailures(t *testing.T) {
 				l.update(id, func(f *Failure) {
 					f.Node, f.Detected, f.Error = "node2", t0.Add(time.Duration(i)*time.Second), tt.text
 					for j := range tt.jobs {
-						f.Jobs = append(f.Jobs, fmt.Sprintf("rank%d-0123abcd", j))
+						f.Jobs = append(f.Jobs, fmt.Sprintf("%d-%s", j, tt.ident))
 					}
 				})
 				for range tt.stages {
 					l.update(id, func(f *Failure) {
-						f.Stages = append(f.Stages, Stage{Name: StageRestored, Job: "rank1-0123abcd", Host: "spare1",
+						f.Stages = append(f.Stages, Stage{Name: StageRestored, Job: tt.ident, Host: tt.ident,
 							Start: t0, End: t0.Add(time.Second), Detail: tt.text, Error: tt.text})
 					})
 				}
