@@ -28,6 +28,10 @@ func TestLogTrimmedAtReceiverSnapshot(t *testing.T) {
 			"--peers", peers, "--iters", "1000000", "--block", "16384", "--delay", "5ms")
 		jobOf[h.Name] = job
 	}
+	// Each rank's first snapshot, taken as it started, comes before the one this test takes.
+	for h, job := range jobOf {
+		waitProtected(t, c, h, job, 2*time.Minute)
+	}
 	time.Sleep(2 * time.Second)
 
 	// node1 logs what its rank sends to node2 and node3, and nothing else.

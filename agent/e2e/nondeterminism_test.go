@@ -40,6 +40,8 @@ func TestResentBytesVerified(t *testing.T) {
 			}
 			c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
 			rg := startNondet(t, c, 7600+i, args)
+			// The ranks' first snapshots, taken as they started, come before the one this test takes.
+			rg.waitProtected(t, 2*time.Minute)
 			time.Sleep(time.Second)
 			rg.checkpoint(t, "node2")
 			// Long enough for many whole blocks past the snapshot, and for node2's digests of most of them

@@ -25,6 +25,8 @@ func TestCheckpointShipsToProtector(t *testing.T) {
 	if jobID == "" {
 		t.Fatal("job did not appear on node1")
 	}
+	// The job's first snapshot, taken as it started, comes before the one this test takes.
+	waitProtected(t, c, "node1", jobID, 2*time.Minute)
 	time.Sleep(300 * time.Millisecond)
 	reply, err := c.Client("node1").Checkpoint(ctx, jobID)
 	if err != nil || len(reply.Results) != 1 {
