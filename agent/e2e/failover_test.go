@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -37,8 +38,8 @@ const progressEvery = 10
 func reference(t *testing.T, ranks int, args []string) string {
 	t.Helper()
 	var peers []string
-	for r := range ranks {
-		peers = append(peers, fmt.Sprintf("127.0.0.1:%d", 21000+r))
+	for _, p := range freeLoopbackPorts(t, ranks) {
+		peers = append(peers, fmt.Sprintf("127.0.0.1:%d", p))
 	}
 	outs := make([]string, ranks)
 	var wg sync.WaitGroup
@@ -58,6 +59,22 @@ func reference(t *testing.T, ranks int, args []string) string {
 		t.Fatalf("reference run: %v\n%v", err, outs)
 	}
 	return checksumOf(t, outs[0])
+}
+
+// freeLoopbackPorts returns n loopback ports free now. Reference runs share the root network namespace
+// with every other test on the machine: fixed ports made two runs' ranks connect to each other and hang.
+func freeLoopbackPorts(t *testing.T, n int) []int {
+	t.Helper()
+	var ports []int
+	for range n {
+		ln, err := net.Listen("tcp4", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ln.Close() // held until all are chosen, so that they differ
+		ports = append(ports, ln.Addr().(*net.TCPAddr).Port)
+	}
+	return ports
 }
 
 func checksumOf(t *testing.T, out string) string {

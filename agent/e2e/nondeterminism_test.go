@@ -171,7 +171,7 @@ func verifiedBlocks(t *testing.T, detail string) (verified, total int) {
 // nondetReference runs both ranks on loopback without protection and returns their common checksum.
 func nondetReference(t *testing.T, args []string) string {
 	t.Helper()
-	peer := "127.0.0.1:21500"
+	peer := fmt.Sprintf("127.0.0.1:%d", freeLoopbackPorts(t, 1)[0])
 	outs := make([]string, 2)
 	errs := make([]error, 2)
 	var wg sync.WaitGroup
