@@ -24,6 +24,7 @@ build: setup
 	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/ ./cmd/... $(PROGS) ./bench/ftbench
 
 lint: setup
+	@$(GO) mod tidy -diff || { echo "go.mod/go.sum are not tidy (diff above): run 'go mod tidy' and commit"; exit 1; }
 	$(GO) vet ./... $(PROGS)
 	$(GO) tool staticcheck ./... $(PROGS)
 

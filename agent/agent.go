@@ -131,15 +131,39 @@ func (a *Agent) adopt() (int, error) {
 		}
 		a.byID[j.ID] = j
 		if j.State == JobRunning {
+			a.thawLeftFrozen(j)
 			a.protect(j)
 			n++
-			a.log.Info("adopted job", "job", j.ID, "pid", j.PID)
+			a.log.Info("adopted job", "job", j.ID, "pid", j.PID, "protected", j.Protected())
 		}
 	}
 	if err != nil {
 		return n, fmt.Errorf("adopt jobs: %w", err)
 	}
 	return n, nil
+}
+
+// thawLeftFrozen thaws a job's cgroup if it is frozen. Only the agent freezes job cgroups, and only for
+// the length of a semi-coordinated snapshot: a frozen one at start was left by an agent that died during
+// that snapshot, and its job would stay stopped forever.
+func (a *Agent) thawLeftFrozen(j *Job) {
+	frozen, err := isFrozen(j.Cgroup)
+	if err != nil {
+		if !errors.Is(err, fs.ErrNotExist) { // no cgroup: the job is gone, which watchJobs finds out
+			a.log.Warn("cannot read the freeze state of an adopted job's cgroup", "job", j.ID, "cgroup", j.Cgroup, "err", err)
+		}
+		return
+	}
+	if !frozen {
+		return
+	}
+	if err := setFrozen(j.Cgroup, false); err != nil {
+		a.log.Error("adopted job is frozen and cannot be thawed: it stays stopped until cgroup.freeze is set to 0",
+			"job", j.ID, "cgroup", j.Cgroup, "err", err)
+		return
+	}
+	a.log.Warn("adopted job was left frozen by an agent that stopped during a semi-coordinated snapshot; thawed",
+		"job", j.ID, "cgroup", j.Cgroup)
 }
 
 // renewReceiverSnapshots asks every other node to snapshot now. A restarted agent has lost the log of what

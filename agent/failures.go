@@ -3,12 +3,14 @@ package agent
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io/fs"
 	"os"
 	"path/filepath"
 	"sort"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/ftkit/ftkit/internal/atomicfile"
 )
@@ -24,10 +26,13 @@ type Failure struct {
 	LastBeat  time.Time `json:"last_beat"` // the failed node's last heartbeat
 	Detected  time.Time `json:"detected"`
 	Stages    []Stage   `json:"stages"`
-	Jobs      []string  `json:"jobs"`
-	Done      bool      `json:"done"`
-	Error     string    `json:"error,omitempty"` // set if recovery failed or is incomplete
-	Updated   time.Time `json:"updated"`
+	// StagesDropped counts the stages left out between the first and the newest maxStages-1 (a recovery
+	// of very many jobs).
+	StagesDropped int       `json:"stages_dropped,omitempty"`
+	Jobs          []string  `json:"jobs"`
+	Done          bool      `json:"done"`
+	Error         string    `json:"error,omitempty"` // set if recovery failed or is incomplete
+	Updated       time.Time `json:"updated"`
 }
 
 // A Stage is one step of a recovery.
@@ -55,6 +60,16 @@ const (
 	StageProtected = "re-protected"
 )
 
+// Bounds of the failure log. It travels inside every view message (at most maxMessage bytes) and comes
+// from other nodes, so neither the number of failures nor anything in one may grow without bound.
+const (
+	maxFailures    = 100  // the most recent ones are kept
+	maxStages      = 32   // per failure: the first (detection) and the newest
+	maxFailureJobs = 256  // job ids listed per failure
+	maxFailureText = 1024 // bytes of an error or a stage's detail: room for a whole recovery error
+	maxFailureName = 128  // bytes of an id, a node, host, job or stage name
+)
+
 // failureLog holds the failures this agent knows of, on disk so that a restarted agent still shows them.
 type failureLog struct {
 	mu   sync.Mutex
@@ -73,17 +88,92 @@ func openFailureLog(dir string) (*failureLog, error) {
 	}
 	var fs []*Failure
 	if err := json.Unmarshal(b, &fs); err != nil {
-		return nil, err
+		return nil, fmt.Errorf("%s is corrupt (move it away to start with an empty failure history): %w", l.path, err)
 	}
 	for _, f := range fs {
-		l.byID[f.ID] = f
+		if f != nil && validFailureID(f.ID) {
+			f.bound()
+			l.byID[f.ID] = f
+		}
 	}
+	l.trim() // a file written before the log was bounded
 	return l, nil
 }
 
-// merge keeps the most recently updated copy of a failure.
+func validFailureID(id string) bool { return id != "" && len(id) <= maxFailureName }
+
+// bound clips a failure to the log's limits.
+func (f *Failure) bound() {
+	if n := len(f.Stages); n > maxStages {
+		// Keep the detection (the start of the timeline) and the newest stages (where the recovery is).
+		kept := append([]Stage{f.Stages[0]}, f.Stages[n-(maxStages-1):]...)
+		f.StagesDropped += n - len(kept)
+		f.Stages = kept
+	}
+	for i := range f.Stages {
+		st := &f.Stages[i]
+		st.Name, st.Job, st.Host = clip(st.Name, maxFailureName), clip(st.Job, maxFailureName), clip(st.Host, maxFailureName)
+		st.Detail, st.Error = clip(st.Detail, maxFailureText), clip(st.Error, maxFailureText)
+	}
+	// A copy: the caller may still hold the slice it set.
+	f.Jobs = append([]string(nil), f.Jobs[:min(len(f.Jobs), maxFailureJobs)]...)
+	for i := range f.Jobs {
+		f.Jobs[i] = clip(f.Jobs[i], maxFailureName)
+	}
+	f.Node, f.Protector, f.Target = clip(f.Node, maxFailureName), clip(f.Protector, maxFailureName), clip(f.Target, maxFailureName)
+	f.Error = clip(f.Error, maxFailureText)
+}
+
+// clip cuts s to at most n bytes, at a character boundary, marking the cut.
+func clip(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	const mark = "..."
+	cut := n - len(mark)
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + mark
+}
+
+// when orders failures: by detection, or by the last update for one not yet stamped.
+func (f *Failure) when() time.Time {
+	if f.Detected.IsZero() {
+		return f.Updated
+	}
+	return f.Detected
+}
+
+// trim drops the oldest failures beyond maxFailures; call with l.mu held.
+func (l *failureLog) trim() {
+	if len(l.byID) <= maxFailures {
+		return
+	}
+	all := make([]*Failure, 0, len(l.byID))
+	for _, f := range l.byID {
+		all = append(all, f)
+	}
+	sortFailures(all)
+	for _, f := range all[:len(all)-maxFailures] {
+		delete(l.byID, f.ID)
+	}
+}
+
+// sortFailures orders oldest first (ties by id, so that every agent trims the same ones).
+func sortFailures(fs []*Failure) {
+	sort.Slice(fs, func(i, j int) bool {
+		if wi, wj := fs[i].when(), fs[j].when(); !wi.Equal(wj) {
+			return wi.Before(wj)
+		}
+		return fs[i].ID < fs[j].ID
+	})
+}
+
+// merge keeps the most recently updated copy of a failure. The copy may come from another node: it is
+// clipped to the log's bounds, and the oldest failures leave the log when it is full.
 func (l *failureLog) merge(f *Failure) {
-	if f == nil || f.ID == "" {
+	if f == nil || !validFailureID(f.ID) {
 		return
 	}
 	l.mu.Lock()
@@ -91,7 +181,10 @@ func (l *failureLog) merge(f *Failure) {
 	if cur, ok := l.byID[f.ID]; !ok || f.Updated.After(cur.Updated) {
 		c := *f
 		c.Stages = append([]Stage(nil), f.Stages...)
+		c.Jobs = append([]string(nil), f.Jobs...)
+		c.bound()
 		l.byID[f.ID] = &c
+		l.trim()
 	}
 }
 
@@ -105,7 +198,9 @@ func (l *failureLog) update(id string, fn func(*Failure)) {
 		l.byID[id] = f
 	}
 	fn(f)
+	f.bound()
 	f.Updated = time.Now()
+	l.trim()
 }
 
 // list returns copies, oldest first.
@@ -116,10 +211,28 @@ func (l *failureLog) list() []*Failure {
 	for _, f := range l.byID {
 		c := *f
 		c.Stages = append([]Stage(nil), f.Stages...)
+		c.Jobs = append([]string(nil), f.Jobs...)
 		out = append(out, &c)
 	}
-	sort.Slice(out, func(i, j int) bool { return out[i].Detected.Before(out[j].Detected) })
+	sortFailures(out)
 	return out
+}
+
+// newest returns the most recent failures whose JSON encoding, as a list, takes at most budget bytes,
+// oldest first: what fits in a view message next to the view.
+func (l *failureLog) newest(budget int) []*Failure {
+	all := l.list()
+	used := len("[]")
+	i := len(all)
+	for i > 0 {
+		b, err := json.Marshal(all[i-1])
+		if err != nil || used+len(b)+1 > budget { // +1: the comma
+			break
+		}
+		used += len(b) + 1
+		i--
+	}
+	return all[i:]
 }
 
 func (l *failureLog) save() error {

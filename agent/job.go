@@ -53,7 +53,22 @@ type Job struct {
 	Cgroup   string      `json:"cgroup"`
 	Dir      string      `json:"dir"` // cluster-wide job directory: stdout, stderr, exit
 	Restored string      `json:"restored_from,omitempty"`
+	// Replica is the job's newest snapshot that reached a protector; nil until the first one has.
+	Replica *Replica `json:"replica,omitempty"`
 }
+
+// Replica records a snapshot of a job that a protector verified and holds.
+type Replica struct {
+	Snapshot string    `json:"snapshot"`
+	Time     time.Time `json:"time"`    // when the protector had it
+	Node     string    `json:"node"`    // the host the job ran on when the snapshot was taken
+	Holders  []string  `json:"holders"` // the nodes holding a verified copy
+}
+
+// Protected reports whether a failure of the job's host could be recovered from a replica: one taken
+// on the host the job runs on now (a restored job carries its old host's replica in its record until it
+// is snapshotted again).
+func (j *Job) Protected() bool { return j.Replica != nil && j.Replica.Node == j.Node }
 
 // Output and status files inside a job directory. The directory's path is the same on every host (the
 // restored process reopens its output files by path), so it lives under the cluster-wide jobs_dir.

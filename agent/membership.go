@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"io"
@@ -119,8 +120,15 @@ type viewMessage struct {
 
 func (a *Agent) viewMessage() viewMessage {
 	b, _ := ring.Encode(a.View())
-	return viewMessage{View: b, Failures: a.failures.list()}
+	// The receiver reads at most maxMessage bytes: the newest failures that fit next to the view (which
+	// JSON carries in base64) go along.
+	budget := maxMessage - base64.StdEncoding.EncodedLen(len(b)) - viewMessageOverhead
+	return viewMessage{View: b, Failures: a.failures.newest(budget)}
 }
+
+// viewMessageOverhead is the bytes of a view message besides the view and the failures: field names,
+// quotes, the newline, with room to spare.
+const viewMessageOverhead = 256
 
 // pushView sends the current view and failure timelines to every other alive member and adopts any newer
 // view they answer with. Members that do not answer learn it later (at their next push or when they ask).

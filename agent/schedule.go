@@ -38,43 +38,147 @@ func (a *Agent) policyFor(jobID string) *interval.Policy {
 	return p
 }
 
-// schedule takes periodic snapshots: each job when its interval has passed since its last snapshot (or
-// its start); in semi-coordinated mode all jobs at once on the host's interval.
+// Retries of a job's first snapshot: a job without a replica cannot be recovered, so a failed first
+// snapshot (a connection still in the listen queue, say, or no protector answering) is retried after
+// firstRetry, doubling up to the job's interval.
+const firstRetry = 2 * time.Second
+
+// freezeTimeout bounds how long semi-coordinated mode waits for the jobs' cgroups to freeze. Freezing
+// takes milliseconds; a task stuck in uninterruptible sleep (a dead NFS server) can hold it back forever,
+// and every job of the host stays stopped meanwhile.
+const freezeTimeout = 10 * time.Second
+
+// schedule takes the snapshots: a job's first one as soon as it starts (it cannot be recovered before;
+// a young process is small), then one each interval since its last (in semi-coordinated mode all jobs
+// at once on the host's interval, and a new job makes the host snapshot now).
 func (a *Agent) schedule(ctx context.Context) {
-	last := map[string]time.Time{}
+	s := newSnapScheduler(a.cfg.Checkpoint.Mode == SemiCoordinated)
+	interval := func(id string) time.Duration { return a.policyFor(id).Interval() }
 	every(ctx, 100*time.Millisecond, func() {
-		var due []string
-		now := time.Now()
-		for _, j := range a.Jobs(0) {
-			if j.State != JobRunning {
-				delete(last, j.ID)
-				continue
-			}
-			key := j.ID
-			if a.cfg.Checkpoint.Mode == SemiCoordinated {
-				key = ""
-			}
-			if _, ok := last[key]; !ok {
-				last[key] = now
-			}
-			if now.Sub(last[key]) >= a.policyFor(j.ID).Interval() {
-				due = append(due, j.ID)
-			}
+		due, keys, fresh := s.due(a.Jobs(0), time.Now(), interval)
+		for _, id := range fresh {
+			a.log.Info("job has no replica yet: snapshotting it now", "job", id)
 		}
-		if len(due) == 0 {
+		if len(keys) == 0 {
 			return
 		}
-		keys := due
-		if a.cfg.Checkpoint.Mode == SemiCoordinated {
-			due, keys = nil, []string{""} // every running job of the host, frozen together
-		}
 		if _, err := a.Checkpoint(ctx, due, 0); err != nil {
-			a.log.Warn("periodic snapshot failed; retrying at the next interval", "err", err)
+			a.log.Warn("scheduled snapshot failed; retrying later", "err", err)
 		}
-		for _, k := range keys { // success or not: a failing job is not retried in a tight loop
-			last[k] = time.Now()
-		}
+		s.attempted(keys, a.Jobs(0), time.Now())
 	})
+}
+
+// snapScheduler decides when each job (or, in semi-coordinated mode, the host) is due for a snapshot.
+type snapScheduler struct {
+	semi  bool
+	last  map[string]time.Time // last attempt, by key: the job id, or "" for the host in semi-coordinated mode
+	tries map[string]int       // attempts since every job of the key had a replica
+	seen  map[string]bool      // running jobs already scheduled, by id
+}
+
+func newSnapScheduler(semi bool) *snapScheduler {
+	return &snapScheduler{semi: semi, last: map[string]time.Time{}, tries: map[string]int{}, seen: map[string]bool{}}
+}
+
+func (s *snapScheduler) key(j Job) string {
+	if s.semi {
+		return ""
+	}
+	return j.ID
+}
+
+// due returns the jobs to snapshot now (nil in semi-coordinated mode: all of them), the keys that
+// attempt covers (none: nothing is due), and the jobs first seen without a replica.
+func (s *snapScheduler) due(jobs []Job, now time.Time, interval func(id string) time.Duration) (due, keys, fresh []string) {
+	for _, j := range jobs {
+		if j.State != JobRunning {
+			delete(s.last, j.ID)
+			delete(s.tries, j.ID)
+			delete(s.seen, j.ID)
+			continue
+		}
+		key := s.key(j)
+		last, ok := s.last[key]
+		if !s.seen[j.ID] {
+			// When to take a job's first snapshot here: at once if it has no replica; at its replica's age if
+			// it has one (adopted by a restarted agent); after an interval for a restored job, whose recovery
+			// snapshots it once its peers' bytes are replayed.
+			s.seen[j.ID] = true
+			switch {
+			case needsFirstSnapshot(j):
+				last, ok = time.Time{}, true
+				fresh = append(fresh, j.ID)
+			case j.Protected() && (!ok || j.Replica.Time.Before(last)):
+				last, ok = j.Replica.Time, true
+			}
+		}
+		if !ok {
+			last = now
+		}
+		s.last[key] = last
+		iv := interval(j.ID)
+		if needsFirstSnapshot(j) && s.tries[key] > 0 {
+			iv = min(iv, firstRetry<<min(s.tries[key]-1, 16))
+		}
+		if now.Sub(last) >= iv || needsFirstSnapshot(j) && s.tries[key] == 0 {
+			due = append(due, j.ID)
+		}
+	}
+	if len(due) == 0 {
+		return nil, nil, fresh
+	}
+	if s.semi {
+		return nil, []string{""}, fresh // every running job of the host, frozen together
+	}
+	return due, due, fresh
+}
+
+// attempted records a snapshot attempt of keys at now, whatever its outcome (a failing job is not
+// retried in a tight loop); jobs is the state afterwards: a key whose jobs all have a replica is back on
+// its interval, one still without is retried after firstRetry, doubling.
+func (s *snapScheduler) attempted(keys []string, jobs []Job, now time.Time) {
+	for _, k := range keys {
+		s.last[k] = now
+		waiting := false
+		for _, j := range jobs {
+			if j.State == JobRunning && s.key(j) == k && needsFirstSnapshot(j) {
+				waiting = true
+			}
+		}
+		if waiting {
+			s.tries[k]++
+		} else {
+			delete(s.tries, k)
+		}
+	}
+}
+
+// needsFirstSnapshot: the job has no replica and is not a restored job in the hands of its recovery.
+func needsFirstSnapshot(j Job) bool { return !j.Protected() && j.Restored == "" }
+
+// recordReplica notes in the job's record that snapshot m reached a protector: from now on a failure of
+// this host is recoverable (`ftctl status` shows the job as protected).
+func (a *Agent) recordReplica(m *ckpt.Manifest) {
+	a.mu.Lock()
+	j, ok := a.byID[m.Job]
+	if !ok || j.Node != a.cfg.Name || (j.Protected() && j.Replica.Snapshot >= m.ID) {
+		a.mu.Unlock()
+		return
+	}
+	first := !j.Protected()
+	j.Replica = &Replica{Snapshot: m.ID, Time: time.Now().UTC(), Node: a.cfg.Name, Holders: append([]string(nil), m.Replicas...)}
+	err := a.jobs.save(j)
+	a.notify()
+	created := j.Created
+	a.mu.Unlock()
+	if err != nil {
+		a.log.Error("save job record", "job", m.Job, "err", err)
+	}
+	if first {
+		a.log.Info("job protected: its first snapshot is replicated", "job", m.Job, "snapshot", m.ID,
+			"holders", m.Replicas, "ms_since_start", time.Since(created).Milliseconds())
+	}
 }
 
 // semiCoordinated freezes every job's cgroup, dumps them all while frozen, and thaws them: one
@@ -95,10 +199,8 @@ func (a *Agent) semiCoordinated(ctx context.Context, jobs []Job) ([]*ckpt.Manife
 		}
 		frozen = append(frozen, j.Cgroup)
 	}
-	for _, cg := range frozen {
-		if err := waitFrozen(ctx, cg); err != nil {
-			return nil, err
-		}
+	if err := waitFrozen(ctx, frozen, freezeTimeout); err != nil {
+		return nil, fmt.Errorf("semi-coordinated snapshot skipped, jobs thawed: %w", err)
 	}
 	var out []*ckpt.Manifest
 	for _, j := range jobs {
@@ -122,22 +224,38 @@ func setFrozen(cgroup string, on bool) error {
 	return os.WriteFile(filepath.Join(cgroup, "cgroup.freeze"), []byte(v), 0)
 }
 
-// waitFrozen waits until cgroup.events says every task of the cgroup is frozen.
-func waitFrozen(ctx context.Context, cgroup string) error {
-	for {
-		b, err := os.ReadFile(filepath.Join(cgroup, "cgroup.events"))
-		if err != nil {
-			return err
-		}
-		if strings.Contains(string(b), "frozen 1") {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("cgroup %s did not freeze: %w", cgroup, ctx.Err())
-		case <-time.After(2 * time.Millisecond):
+// isFrozen reports whether a freeze of the cgroup is requested (cgroup.freeze), done or not.
+func isFrozen(cgroup string) (bool, error) {
+	b, err := os.ReadFile(filepath.Join(cgroup, "cgroup.freeze"))
+	if err != nil {
+		return false, err
+	}
+	return strings.TrimSpace(string(b)) == "1", nil
+}
+
+// waitFrozen waits until cgroup.events says every task of each cgroup is frozen, for at most timeout.
+func waitFrozen(ctx context.Context, cgroups []string, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for _, cg := range cgroups {
+		for {
+			b, err := os.ReadFile(filepath.Join(cg, "cgroup.events"))
+			if err != nil {
+				return fmt.Errorf("read freeze state of %s: %w", cg, err)
+			}
+			if strings.Contains(string(b), "frozen 1") {
+				break
+			}
+			if time.Now().After(deadline) {
+				return fmt.Errorf("cgroup %s did not freeze within %s (a task in uninterruptible sleep?)", cg, timeout)
+			}
+			select {
+			case <-ctx.Done():
+				return fmt.Errorf("cgroup %s did not freeze: %w", cg, ctx.Err())
+			case <-time.After(2 * time.Millisecond):
+			}
 		}
 	}
+	return nil
 }
 
 // every runs fn each period until ctx ends: the shape of the agent's background loops.

@@ -280,6 +280,7 @@ func (a *Agent) Checkpoint(ctx context.Context, ids []string, uid uint32) ([]Sna
 		} else {
 			res.Manifest, res.Shipped = sent.Manifest, true
 			res.ShipBytes, res.ShipWire, res.ShipDuration = sent.Bytes, sent.WireBytes, sent.Duration
+			a.recordReplica(sent.Manifest) // the job is protected from here on
 			// Durable on the protector: the senders may now drop what this snapshot has received.
 			a.announceReceivePoints(ctx, m)
 			if pruned, err := a.store.Prune(ctx, m.Job, a.cfg.Checkpoint.Keep); err != nil {

@@ -55,6 +55,20 @@ run() { # run NAME PORT: all ranks under ftwrap, outputs in $WORK/NAME.RANK
 	done
 }
 sums() { grep -h checksum "$WORK/$1".* | sort; }
+progress() { local n; n=$(grep -c iteration "$WORK/$1" 2>/dev/null) || true; echo "${n:-0}"; } # of one rank
+rank1_at() { test "$(progress ft.1)" -ge "$1"; }                 # rank 1 printed at least $1 of them
+wait_for() { # wait_for SECONDS WHAT COMMAND...: poll until COMMAND succeeds; SECONDS is a failure bound only
+	local limit=$1 what=$2
+	shift 2
+	local end=$((SECONDS + limit))
+	until "$@"; do
+		if [ "$SECONDS" -ge "$end" ]; then
+			echo "   $what: not reached within $limit s" >&2
+			exit 1
+		fi
+		sleep 0.1
+	done
+}
 
 echo "== 2. failure-free run: ringstencil, $NODES ranks, $ITERS iterations, 64 KiB halos both ways, $DELAY compute"
 t=$(now)
@@ -66,10 +80,14 @@ sums ref | sed 's/^/   /'
 echo "== 3. the same run; node2 (rank 1) snapshotted, then crashed mid-run"
 t=$(now)
 run ft 7200
-sleep 3
+# The snapshot is of a rank that computes and exchanges with its neighbours: wait for its first progress line.
+wait_for 120 "rank 1 computing" rank1_at 1
+# ftctl checkpoint fails unless the snapshot is replicated on node2's protector: recovery needs that copy.
 ctl checkpoint --host node2 | sed 's/^/   /'
-sleep 3
-echo "   rank 1 progress at the crash: $(grep -c iteration "$WORK/ft.1" || true) progress lines; post-snapshot traffic flowed for 3 s"
+# Then traffic past the snapshot, which recovery replays: two more progress lines (100 iterations).
+AT_SNAPSHOT=$(progress ft.1)
+wait_for 120 "rank 1 computing past the snapshot" rank1_at $((AT_SNAPSHOT + 2))
+echo "   rank 1 progress at the crash: $(progress ft.1) progress lines, $AT_SNAPSHOT at the snapshot"
 BEFORE=$(pids 'ft-rank[023]')
 echo "   survivors before: $BEFORE"
 tc=$(now)

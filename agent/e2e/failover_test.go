@@ -4,7 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math/rand/v2"
+	"net"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -26,19 +26,20 @@ type ring struct {
 }
 
 // ringArgs are the ringstencil flags of a run; the reference run uses the same with loopback addresses.
+// The ranks print a progress line every progressEvery iterations, which the tests wait on.
 func ringArgs(iters, block int, delay time.Duration) []string {
-	return []string{"--iters", fmt.Sprint(iters), "--block", fmt.Sprint(block), "--delay", delay.String()}
+	return []string{"--iters", fmt.Sprint(iters), "--block", fmt.Sprint(block), "--delay", delay.String(),
+		"--progress", fmt.Sprint(progressEvery)}
 }
+
+const progressEvery = 10
 
 // reference runs the ranks on loopback without any protection and returns the checksum they agree on.
 func reference(t *testing.T, ranks int, args []string) string {
 	t.Helper()
-	// An address of its own in 127/8 (all loopback), so that reference runs of tests running at the same
-	// time on this machine never meet on the same ports.
-	host := fmt.Sprintf("127.%d.%d.%d", 1+rand.IntN(254), rand.IntN(256), 1+rand.IntN(254))
 	var peers []string
-	for r := range ranks {
-		peers = append(peers, fmt.Sprintf("%s:%d", host, 21000+r))
+	for _, p := range freeLoopbackPorts(t, ranks) {
+		peers = append(peers, fmt.Sprintf("127.0.0.1:%d", p))
 	}
 	outs := make([]string, ranks)
 	var wg sync.WaitGroup
@@ -58,6 +59,22 @@ func reference(t *testing.T, ranks int, args []string) string {
 		t.Fatalf("reference run: %v\n%v", err, outs)
 	}
 	return checksumOf(t, outs[0])
+}
+
+// freeLoopbackPorts returns n loopback ports free now. Reference runs share the root network namespace
+// with every other test on the machine: fixed ports made two runs' ranks connect to each other and hang.
+func freeLoopbackPorts(t *testing.T, n int) []int {
+	t.Helper()
+	var ports []int
+	for range n {
+		ln, err := net.Listen("tcp4", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ln.Close() // held until all are chosen, so that they differ
+		ports = append(ports, ln.Addr().(*net.TCPAddr).Port)
+	}
+	return ports
 }
 
 func checksumOf(t *testing.T, out string) string {
@@ -156,6 +173,41 @@ func (rg *ring) job(t *testing.T, host string, r int) agent.Job {
 	return j
 }
 
+// progress is how many iterations rank r reports done in its output (a multiple of progressEvery).
+func (rg *ring) progress(r int) int {
+	b, _ := os.ReadFile(rg.jobs[r].StdoutPath()) // the same path on whichever host runs the rank now
+	return strings.Count(string(b), " iteration ") * progressEvery
+}
+
+// waitProgress waits until every rank has done iters more iterations than now: the ranks are connected
+// and exchanging (iters > 0), and what a crash then loses is real traffic past the last snapshot.
+// timeout is a failure bound only.
+func (rg *ring) waitProgress(t *testing.T, iters int, timeout time.Duration) {
+	t.Helper()
+	want := make([]int, len(rg.jobs))
+	for r := range rg.jobs {
+		want[r] = rg.progress(r) + iters
+	}
+	deadline := time.Now().Add(timeout)
+	for r := range rg.jobs {
+		for rg.progress(r) < want[r] {
+			if time.Now().After(deadline) {
+				t.Fatalf("rank %d at iteration %d after %s, want %d", r, rg.progress(r), timeout, want[r])
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+}
+
+// waitProtected waits until every rank's first snapshot, which its agent takes as it starts, is
+// replicated: from here on a crash of any node is recoverable.
+func (rg *ring) waitProtected(t *testing.T, timeout time.Duration) {
+	t.Helper()
+	for r, j := range rg.jobs {
+		waitProtected(t, rg.c, fmt.Sprintf("node%d", r+1), j.ID, timeout)
+	}
+}
+
 // checkpoint snapshots rank r's node and waits until the replica is on its protector.
 func (rg *ring) checkpoint(t *testing.T, host string) {
 	t.Helper()
@@ -236,14 +288,14 @@ func TestFailover(t *testing.T) {
 		name  string
 		iters int
 		delay time.Duration
-		// after is how long the ranks run between the snapshot and the crash.
-		after time.Duration
+		// after is how many iterations the ranks do between the snapshot and the crash.
+		after int
 		// late: the spare joins the pool only while the job runs (ftctl spare add).
 		late bool
 	}{
 		{name: "right after a snapshot, spare added while running", iters: 250, delay: 10 * time.Millisecond, after: 0, late: true},
-		{name: "long after a snapshot", iters: 400, delay: 10 * time.Millisecond, after: 2 * time.Second},
-		{name: "during heavy traffic", iters: 8000, delay: 0, after: 300 * time.Millisecond},
+		{name: "long after a snapshot", iters: 400, delay: 10 * time.Millisecond, after: 150},
+		{name: "during heavy traffic", iters: 8000, delay: 0, after: 100},
 	}
 	for i, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -268,10 +320,11 @@ func TestFailover(t *testing.T) {
 					t.Fatalf("spares after add: %+v", sp)
 				}
 			}
-			time.Sleep(time.Second)
+			rg.waitProtected(t, 2*time.Minute)
+			rg.waitProgress(t, progressEvery, 2*time.Minute) // the ranks exchange: the snapshot has their connections
 			before0, before2 := rg.job(t, "node1", 0), rg.job(t, "node3", 2)
 			rg.checkpoint(t, "node2")
-			time.Sleep(tt.after)
+			rg.waitProgress(t, tt.after, 2*time.Minute)
 			if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
 				t.Fatal(err)
 			}
@@ -296,12 +349,12 @@ func TestFailover(t *testing.T) {
 	}
 }
 
-// crashAfterSnapshot snapshots host, lets the ranks run on for after, crashes host and requires a complete
-// recovery on target (in basic mode or not).
-func (rg *ring) crashAfterSnapshot(t *testing.T, host string, after time.Duration, target string, basic bool) {
+// crashAfterSnapshot snapshots host, lets the ranks do after more iterations, crashes host and requires a
+// complete recovery on target (in basic mode or not).
+func (rg *ring) crashAfterSnapshot(t *testing.T, host string, after int, target string, basic bool) {
 	t.Helper()
 	rg.checkpoint(t, host)
-	time.Sleep(after)
+	rg.waitProgress(t, after, 2*time.Minute)
 	if err := rg.c.Lab.Crash(context.Background(), host); err != nil {
 		t.Fatal(err)
 	}
@@ -320,13 +373,15 @@ func TestSequentialFailures(t *testing.T) {
 	want := reference(t, 4, args)
 	c := newCluster(t, 4, 1, labcluster.Options{Interval: "1h"})
 	rg := startRing(t, c, 4, 7400, args)
-	time.Sleep(time.Second)
-	rg.crashAfterSnapshot(t, "node2", time.Second, "spare1", false)
+	rg.waitProtected(t, 2*time.Minute)
+	rg.waitProgress(t, progressEvery, 2*time.Minute)
+	rg.crashAfterSnapshot(t, "node2", 80, "spare1", false)
 	// spare1 is now a node of the ring in node2's place; its snapshot of the moved rank goes to node3.
-	time.Sleep(time.Second)
-	rg.crashAfterSnapshot(t, "spare1", time.Second, "node3", true)
-	time.Sleep(time.Second)
-	rg.crashAfterSnapshot(t, "node4", 500*time.Millisecond, "node1", true)
+	// The ranks compute again after the recovery (the restored rank re-protected) before the next failure.
+	rg.waitProgress(t, progressEvery, 2*time.Minute)
+	rg.crashAfterSnapshot(t, "spare1", 80, "node3", true)
+	rg.waitProgress(t, progressEvery, 2*time.Minute)
+	rg.crashAfterSnapshot(t, "node4", 40, "node1", true)
 	outs := rg.wait(t, 3*time.Minute)
 	checkRanks(t, outs, want)
 	if b, err := os.ReadFile(filepath.Join(rg.jobDir, rg.jobs[1].ID, "exit")); err == nil && !strings.Contains(string(b), "node3") {

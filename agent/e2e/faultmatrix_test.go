@@ -49,13 +49,13 @@ func startMatrix(t *testing.T, spares, port int, ref []string, prepare func(*lab
 	}
 	rg := startRing(t, c, 3, port, append(append([]string{}, ref...), extra...))
 	for r := range rg.jobs {
-		rg.waitProgress(t, r, 1, 2*time.Minute)
+		rg.waitIteration(t, r, 1, 2*time.Minute)
 	}
 	return c, rg, want
 }
 
-// progress is the last iteration rank r reported on its stdout (ringstencil --progress), 0 before any.
-func (rg *ring) progress(r int) int {
+// lastIteration is the last iteration rank r reported on its stdout (ringstencil --progress), 0 before any.
+func (rg *ring) lastIteration(r int) int {
 	b, _ := os.ReadFile(rg.jobs[r].StdoutPath())
 	lines := strings.Split(string(b), "\n")
 	for i := len(lines) - 1; i >= 0; i-- {
@@ -68,15 +68,15 @@ func (rg *ring) progress(r int) int {
 	return 0
 }
 
-// waitProgress waits until rank r has reported iteration n.
-func (rg *ring) waitProgress(t *testing.T, r, n int, timeout time.Duration) {
+// waitIteration waits until rank r has reported iteration n.
+func (rg *ring) waitIteration(t *testing.T, r, n int, timeout time.Duration) {
 	t.Helper()
-	for deadline := time.Now().Add(timeout); rg.progress(r) < n; time.Sleep(20 * time.Millisecond) {
+	for deadline := time.Now().Add(timeout); rg.lastIteration(r) < n; time.Sleep(20 * time.Millisecond) {
 		if _, err := agent.ReadExit(rg.jobs[r].ExitPath()); err == nil {
 			t.Fatalf("rank %d ended before iteration %d: make the run longer", r, n)
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("rank %d did not reach iteration %d within %s (at %d)", r, n, timeout, rg.progress(r))
+			t.Fatalf("rank %d did not reach iteration %d within %s (at %d)", r, n, timeout, rg.lastIteration(r))
 		}
 	}
 }
@@ -369,7 +369,7 @@ func TestFaultCrashDuringSnapshot(t *testing.T) {
 	if len(prev) != 1 {
 		t.Fatalf("node3 holds replicas %v of rank 1, want the one just shipped", prev)
 	}
-	rg.waitProgress(t, 1, rg.progress(1)+50, 2*time.Minute)    // bytes past the snapshot for the replay
+	rg.waitIteration(t, 1, rg.lastIteration(1)+50, 2*time.Minute)    // bytes past the snapshot for the replay
 	go c.Client("node2").Checkpoint(context.Background(), job) // fails when node2 goes; nobody waits for it
 	n := waitPending(t, c, "node2", job, 1<<20, 2*time.Minute)
 	rg.requireRunning(t)
@@ -468,7 +468,7 @@ func TestFaultAgentKilledDuringReplay(t *testing.T) {
 	rg.checkpoint(t, "node2")
 	// A re-sent gap of twice the largest receive window a peer can offer, per connection: the replay lasts
 	// long enough to be interrupted, and cannot complete on the window it had when its agent died.
-	rg.waitProgress(t, 0, rg.progress(0)+2*tcpRmemMax(t)/block, 2*time.Minute)
+	rg.waitIteration(t, 0, rg.lastIteration(0)+2*tcpRmemMax(t)/block, 2*time.Minute)
 	rg.requireRunning(t)
 	crash(t, c, "node2", "a while after its snapshot")
 
@@ -561,7 +561,7 @@ func testSpareDiesWhileRestoring(t *testing.T, stage string, port int) {
 	// 128 MiB of ballast: fetch and restore take a while.
 	c, rg, want := startMatrix(t, 2, port, ref, nil, "--progress", "10", "--ballast", "128")
 	rg.checkpoint(t, "node2")
-	rg.waitProgress(t, 1, rg.progress(1)+50, 2*time.Minute)
+	rg.waitIteration(t, 1, rg.lastIteration(1)+50, 2*time.Minute)
 	rg.requireRunning(t)
 	crash(t, c, "node2", "a while after its snapshot")
 
@@ -688,7 +688,7 @@ func TestFaultProtectorDiskFull(t *testing.T) {
 	remount(used + size/2)
 	t.Logf("node3's store: %d MB used, %d MB free; a snapshot of rank 1 is %d MB", used>>20, (size/2)>>20, size>>20)
 
-	rg.waitProgress(t, 1, rg.progress(1)+50, 2*time.Minute)
+	rg.waitIteration(t, 1, rg.lastIteration(1)+50, 2*time.Minute)
 	reply, err := c.Client("node2").Checkpoint(context.Background(), job)
 	if err != nil || len(reply.Results) != 1 {
 		t.Fatalf("checkpoint on node2: %+v, %v", reply, err)
@@ -733,7 +733,7 @@ func TestFaultCorruptNewestReplica(t *testing.T) {
 	c, rg, want := startMatrix(t, 1, 7750, ref, nil, "--progress", "10")
 	job := rg.jobs[1].ID
 	for range 2 {
-		rg.waitProgress(t, 1, rg.progress(1)+50, 2*time.Minute)
+		rg.waitIteration(t, 1, rg.lastIteration(1)+50, 2*time.Minute)
 		rg.checkpoint(t, "node2")
 	}
 	ids := replicaIDs(t, c, "node3", job, "node2")
@@ -746,7 +746,7 @@ func TestFaultCorruptNewestReplica(t *testing.T) {
 		t.Fatalf("no pages image in replica %s on node3", newest)
 	}
 	flipBytes(t, pages[0])
-	rg.waitProgress(t, 1, rg.progress(1)+50, 2*time.Minute)
+	rg.waitIteration(t, 1, rg.lastIteration(1)+50, 2*time.Minute)
 	rg.requireRunning(t)
 	crash(t, c, "node2", fmt.Sprintf("with its newest replica %s corrupt on node3", newest))
 

@@ -121,11 +121,18 @@ func TestAgentRestartAdoptsJob(t *testing.T) {
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(500 * time.Millisecond)
-	jobs, err := c.Client("node2").Jobs(context.Background())
+	var jobs []agent.Job
+	var err error
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(20 * time.Millisecond) { // until ftwrap's job is there
+		if jobs, err = c.Client("node2").Jobs(context.Background()); err == nil && len(jobs) > 0 || time.Now().After(deadline) {
+			break
+		}
+	}
 	if err != nil || len(jobs) != 1 {
 		t.Fatalf("jobs before the restart: %v, %v", jobs, err)
 	}
+	// The job's first snapshot, taken as it started, comes before the one this test takes.
+	waitProtected(t, c, "node2", jobs[0].ID, 2*time.Minute)
 	reply, err := c.Client("node2").Checkpoint(context.Background(), jobs[0].ID)
 	if err != nil || len(reply.Results) != 1 {
 		t.Fatalf("checkpoint before the restart: %+v, %v", reply, err)
@@ -138,8 +145,9 @@ func TestAgentRestartAdoptsJob(t *testing.T) {
 	if err := c.StartAgent(context.Background(), "node2"); err != nil {
 		t.Fatal(err)
 	}
-	if ms, err := c.Client("node2").Snapshots(context.Background(), ""); err != nil || len(ms) != 1 || ms[0].ID != snap {
-		t.Errorf("after restart the agent lists snapshots %v, %v; want %s", ms, err, snap)
+	// Newest first; the snapshot the agent took as the job started may be listed after it.
+	if ms, err := c.Client("node2").Snapshots(context.Background(), ""); err != nil || len(ms) == 0 || ms[0].ID != snap {
+		t.Errorf("after restart the agent lists snapshots %v, %v; want %s first", ms, err, snap)
 	}
 	jobs, err = c.Client("node2").Jobs(context.Background())
 	if err != nil || len(jobs) != 1 || jobs[0].State != "running" {

@@ -18,6 +18,8 @@ func TestCorruptSnapshotRefused(t *testing.T) {
 	c := newCluster(t, 2, 0, labcluster.Options{Interval: "1h", ManualFailover: true})
 	ctx := context.Background()
 	cmd, out, job := startWrapped(t, c, "node1", "count", "sh", "-c", `i=0; while [ $i -lt 300 ]; do echo $i; i=$((i+1)); sleep 0.03; done`)
+	// The job's first snapshot, taken as it started, comes before the two this test takes.
+	waitProtected(t, c, "node1", job, 2*time.Minute)
 	var ids []string
 	for i := 0; i < 2; i++ {
 		time.Sleep(300 * time.Millisecond)

@@ -28,6 +28,10 @@ func TestLogTrimmedAtReceiverSnapshot(t *testing.T) {
 			"--peers", peers, "--iters", "1000000", "--block", "16384", "--delay", "5ms")
 		jobOf[h.Name] = job
 	}
+	// Each rank's first snapshot, taken as it started, comes before the one this test takes.
+	for h, job := range jobOf {
+		waitProtected(t, c, h, job, 2*time.Minute)
+	}
 	time.Sleep(2 * time.Second)
 
 	// node1 logs what its rank sends to node2 and node3, and nothing else.
@@ -38,7 +42,9 @@ func TestLogTrimmedAtReceiverSnapshot(t *testing.T) {
 	dsts := map[string]bool{}
 	for _, lc := range before {
 		dsts[lc.DstNode] = true
-		if lc.Retained == 0 || lc.Trimmed {
+		// Trimmed may be set: node2 snapshots its rank as it starts, which trims node1's log if the
+		// connection was up by then. Either way the log holds what node1 sent since.
+		if lc.Retained == 0 {
 			t.Errorf("node1's log of %s -> %s: %+v", lc.Src, lc.Dst, lc)
 		}
 		// The sender's live state is known: it has sent at least what the log holds, with timestamps.

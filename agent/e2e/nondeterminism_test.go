@@ -40,6 +40,8 @@ func TestResentBytesVerified(t *testing.T) {
 			}
 			c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
 			rg := startNondet(t, c, 7600+i, args)
+			// The ranks' first snapshots, taken as they started, come before the one this test takes.
+			rg.waitProtected(t, 2*time.Minute)
 			time.Sleep(time.Second)
 			rg.checkpoint(t, "node2")
 			// Long enough for many whole blocks past the snapshot, and for node2's digests of most of them
@@ -169,7 +171,7 @@ func verifiedBlocks(t *testing.T, detail string) (verified, total int) {
 // nondetReference runs both ranks on loopback without protection and returns their common checksum.
 func nondetReference(t *testing.T, args []string) string {
 	t.Helper()
-	peer := "127.0.0.1:21500"
+	peer := fmt.Sprintf("127.0.0.1:%d", freeLoopbackPorts(t, 1)[0])
 	outs := make([]string, 2)
 	errs := make([]error, 2)
 	var wg sync.WaitGroup

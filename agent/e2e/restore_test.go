@@ -71,6 +71,7 @@ func TestCrashAndRestoreOnSpare(t *testing.T) {
 		`i=0; while [ $i -lt 400 ]; do echo $i; i=$((i+1)); sleep 0.03; done`)
 
 	latest := map[string]string{}
+	atSnapshot := map[string]int64{} // size of each job output file in the newest snapshot
 	for round := 0; round < 3; round++ {
 		time.Sleep(400 * time.Millisecond)
 		reply, err := c.Client("node1").Checkpoint(ctx, memJob, cntJob)
@@ -82,6 +83,11 @@ func TestCrashAndRestoreOnSpare(t *testing.T) {
 				t.Fatalf("snapshot %s not replicated: %s", r.Manifest.ID, r.ShipErr)
 			}
 			latest[r.Manifest.Job] = r.Manifest.ID
+			for _, f := range r.Manifest.OpenFiles {
+				if filepath.Base(f.Path) == "stdout" { // the jobs write nothing else
+					atSnapshot[f.Path] = f.Size
+				}
+			}
 			// Restore truncates the files listed here: only the job's outputs, never a binary it runs.
 			for _, f := range r.Manifest.OpenFiles {
 				if !strings.HasPrefix(f.Path, labcluster.JobsDir(c.Lab.State().ID)+"/") {
@@ -92,7 +98,20 @@ func TestCrashAndRestoreOnSpare(t *testing.T) {
 				float64(r.Manifest.TotalSize())/1e6, r.Manifest.Stats.FrozenTime)
 		}
 	}
-	time.Sleep(300 * time.Millisecond) // output past the last snapshot, which the restored jobs write again
+	// Output past the last snapshot, which the restored jobs write again: every job's stdout grows.
+	if len(atSnapshot) != 2 {
+		t.Fatalf("the snapshots list stdout files %v, want one per job", atSnapshot)
+	}
+	for path, size := range atSnapshot {
+		for deadline := time.Now().Add(time.Minute); ; time.Sleep(20 * time.Millisecond) {
+			if fi, err := os.Stat(path); err == nil && fi.Size() > size {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s did not grow past its %d bytes at the last snapshot within a minute", path, size)
+			}
+		}
+	}
 	if err := c.Lab.Crash(ctx, "node1"); err != nil {
 		t.Fatal(err)
 	}

@@ -27,15 +27,18 @@ import (
 // one 2-D Jacobi stencil, one rank per lab host plus a spare (4 ranks at the large size, 3 at the small):
 //
 //	a  plain: ranks started directly in the lab hosts' namespaces (lab.Start), no agent on the lab
-//	b  ftkit logging only: agent jobs, snapshot interval 1h (no snapshot is ever taken)
+//	b  ftkit logging only: agent jobs, snapshot interval 1h (each job gets only the snapshot the agent
+//	   takes as it starts: every job is protected from its start)
 //	c  ftkit logging + periodic snapshots: agent jobs, interval = the app's checkpoint interval in seconds
 //	d  application-level checkpoints: plain launch with --ckpt-every K (files on the lab's shared disk)
 //
 // and then the same with node2 crashed at the same wall-clock offset: a restarts every rank from scratch,
 // c recovers automatically (survivors keep running), d kills every rank and restarts all of them with
-// --restart, the crashed rank on the spare. b cannot recover (no snapshot exists) and is not run with a
-// failure. For a and d the crash is "detected" after cmpDetect (what ftkit's suspect-then-confirm watchdog
-// takes), so that every variant pays the same detection delay. Failure-free runs are repeated
+// --restart, the crashed rank on the spare. b is not run with a failure (its only snapshot is the one
+// from the start). For a and d the crash is "detected" after cmpDetect (what ftkit's suspect-then-confirm
+// watchdog takes), so that every variant pays the same detection delay. The crash comes at the same
+// offset for every variant, but never before what the variant recovers from exists: c's crashed rank has
+// a replicated snapshot, d's ranks have all written their first checkpoint. Failure-free runs are repeated
 // size.Rounds times (median reported). Every run's checksum is compared with an unprotected loopback run.
 //
 // FTBENCH_SIZE=small (CI, under a minute) or large (default).
@@ -174,13 +177,14 @@ func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compare
 	args = append(args, "--delay", sz.Delay.String())
 	o := &compareOutcome{Size: sz, Reference: ref, Notes: []string{
 		"a and d: ranks exec'd in the lab hosts' network namespaces, no agent running on the lab",
-		"b and c: agent jobs (PID namespace, cgroup, eBPF sender-side log); b never snapshots (interval 1h)",
+		"b and c: agent jobs (PID namespace, cgroup, eBPF sender-side log); b's only snapshots are those the agent takes as the jobs start (interval 1h)",
 		"d: checkpoint files on the lab's shared disk (ext4, fsync), like FT-SPMD on NFS or a local disk that survives",
 		fmt.Sprintf("failure detection: heartbeat %s, timeout %s (+ confirmation); a and d are killed and restarted %s after the crash", cmpHeartbeat, cmpTimeout, cmpDetect),
 		"restart_ms: crash to every rank computing again (c: restored; d: every rank loaded its checkpoint)",
 		"caught_up_ms: crash to the job back at the crash point (c: replay done, the restored rank re-sent what its peers had; a, d: every rank reached the iteration the survivors had reached)",
 		"delay: failure run minus the same variant's failure-free run",
-		"b with a failure: not run; with no snapshot ftkit has nothing to restore the crashed rank from",
+		"b with a failure: not run; its crashed rank would be restored from its start snapshot and recompute everything",
+		"the crash waits, if need be, until c's crashed rank has a replicated snapshot and d's ranks have all written a checkpoint: crash_offset_s is when it came",
 		"failure-free: median of size.rounds runs per variant; with a failure: one run each; a shared 2-core machine",
 	}}
 	plain := &plainLauncher{prog: prog, sz: sz, args: args, ref: ref, log: log}
@@ -422,6 +426,12 @@ func (p *plainLauncher) run(ctx context.Context, l *lab.Lab, variant string, cra
 		if err := sleepCtx(ctx, crash.at-time.Since(start)); err != nil {
 			return nil, err
 		}
+		if variant == "d" {
+			// The crash tests a restart from checkpoints: it must not come before every rank has one.
+			if err := waitAppCheckpoints(ctx, ckptDir, p.sz.Ranks, ranks, 5*time.Minute); err != nil {
+				return nil, err
+			}
+		}
 		crashed := time.Now()
 		res.CrashOffsetS = crashed.Sub(start).Seconds()
 		if err := l.Crash(ctx, cmpCrashed); err != nil {
@@ -555,6 +565,10 @@ func (p *jobLauncher) run(ctx context.Context, c *labcluster.Cluster, variant, i
 		if err := sleepCtx(ctx, crashAt-time.Since(start)); err != nil {
 			return nil, err
 		}
+		// Recovery needs a replica of the crashed rank: the crash waits for one if it is not there yet.
+		if err := waitProtected(ctx, c, cmpCrashed, jobs[1].ID, 5*time.Minute); err != nil {
+			return nil, err
+		}
 		for r, j := range jobs {
 			jj, err := c.Client(hosts[r]).Job(ctx, j.ID)
 			if err != nil {
@@ -667,6 +681,56 @@ func (p *jobLauncher) run(ctx context.Context, c *labcluster.Cluster, variant, i
 		return nil, fmt.Errorf("variant %s (failure %v): checksums %v differ from the reference %s", variant, res.Failure, res.Checksums, p.ref)
 	}
 	return res, nil
+}
+
+// waitProtected waits until host's agent reports the job protected (a snapshot of it reached a
+// protector). timeout is a failure bound only.
+func waitProtected(ctx context.Context, c *labcluster.Cluster, host, id string, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		j, err := c.Client(host).Job(ctx, id)
+		if err == nil && j.Protected() {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("job %s on %s has no replicated snapshot after %s (last state %+v, %v)", id, host, timeout, j, err)
+		}
+		if err := sleepCtx(ctx, 50*time.Millisecond); err != nil {
+			return err
+		}
+	}
+}
+
+// waitAppCheckpoints waits until each of the ranks has a complete application checkpoint in dir
+// (stencil2d renames a checkpoint into place once it is written and synced). timeout is a failure bound
+// only; a rank that exits first fails the wait.
+func waitAppCheckpoints(ctx context.Context, dir string, ranks int, procs []*plainRank, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		have := 0
+		for r := range ranks {
+			if m, _ := filepath.Glob(filepath.Join(dir, fmt.Sprintf("rank-%d-iter-*.ckpt", r))); len(m) > 0 {
+				have++
+			}
+		}
+		if have == ranks {
+			return nil
+		}
+		for r, pr := range procs {
+			select {
+			case <-pr.done:
+				b, _ := os.ReadFile(pr.out)
+				return fmt.Errorf("rank %d ended before every rank had a checkpoint (%v): %s", r, pr.err, tailOf(string(b)))
+			default:
+			}
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%d of %d ranks have a checkpoint in %s after %s", have, ranks, dir, timeout)
+		}
+		if err := sleepCtx(ctx, 20*time.Millisecond); err != nil {
+			return err
+		}
+	}
 }
 
 func sleepCtx(ctx context.Context, d time.Duration) error {
@@ -820,7 +884,7 @@ func (o *compareOutcome) svg() string {
 			r := o.run(v.key, failure)
 			if r == nil {
 				fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="middle" fill="#888" font-size="11">n/a</text>`+"\n", x+barW/2, y(0)-20)
-				fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="middle" fill="#888" font-size="10">no snapshot</text>`+"\n", x+barW/2, y(0)-6)
+				fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="middle" fill="#888" font-size="10">not run</text>`+"\n", x+barW/2, y(0)-6)
 				continue
 			}
 			fmt.Fprintf(&b, `<rect x="%.1f" y="%.1f" width="%.1f" height="%.1f" fill="%s"/>`+"\n", x, y(r.Seconds), barW-2, y(0)-y(r.Seconds), colors[failure])

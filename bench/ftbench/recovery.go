@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -196,9 +197,20 @@ func waitExit(ctx context.Context, j agent.Job, timeout time.Duration) error {
 
 // loopbackChecksum runs the ranks on loopback, unprotected and without compute delay: the reference.
 func loopbackChecksum(ctx context.Context, stencil string, ranks int, args []string) (string, error) {
+	// Free ports, not fixed ones: the root network namespace is shared with whatever else runs (another
+	// reference run on the same fixed ports connects ranks of two runs to each other).
 	var peers []string
-	for r := range ranks {
-		peers = append(peers, fmt.Sprintf("127.0.0.1:%d", 22000+r))
+	var lns []net.Listener // held until all are chosen, so that they differ; closed before the ranks bind
+	for range ranks {
+		ln, err := net.Listen("tcp4", "127.0.0.1:0")
+		if err != nil {
+			return "", err
+		}
+		lns = append(lns, ln)
+		peers = append(peers, ln.Addr().String())
+	}
+	for _, ln := range lns {
+		ln.Close()
 	}
 	outs := make([]string, ranks)
 	errs := make([]error, ranks)

@@ -18,6 +18,7 @@ import (
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
+	"github.com/ftkit/ftkit/ring"
 )
 
 // target says which agents a command talks to: one socket, or every live host of a lab.
@@ -109,8 +110,11 @@ func newStatusCmd(t *target) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:   "status",
 		Short: "Hosts, roles, protectors, jobs and their last snapshots",
-		Long: `Show each agent's host (role, protector) and jobs: state, PID, and the last snapshot of each job
-with its age, size and where its replicas live. With a local lab up, every live host is shown.`,
+		Long: `Show each agent's host (role, protector) and jobs: state, PID, whether the job is protected, and the
+last snapshot of each job with its age, size and where its replicas live. A running job is UNPROTECTED
+until a snapshot of it has reached a protector (the agent takes the first one as the job starts), or when
+every node holding its newest replica has failed: a failure of its host then loses it. With a local lab
+up, every live host is shown.`,
 		Args: cli.Args(cobra.NoArgs),
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			cs, err := t.clients()
@@ -181,19 +185,20 @@ with its age, size and where its replicas live. With a local lab up, every live 
 			}
 			fmt.Fprintln(cmd.OutOrStdout())
 			w = tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
-			fmt.Fprintln(w, "JOB\tHOST\tSTATE\tPID\tLAST SNAPSHOT\tAGE\tSIZE\tREPLICAS")
+			fmt.Fprintln(w, "JOB\tHOST\tSTATE\tPID\tPROTECTION\tLAST SNAPSHOT\tAGE\tSIZE\tREPLICAS")
 			for _, h := range all {
 				for _, j := range h.Jobs {
 					state := string(j.State)
 					if j.Exit != nil {
 						state = fmt.Sprintf("exited(%d)", j.Exit.Code)
 					}
+					prot := protection(j, h.Members, time.Now())
 					last := latestOf(snaps, j.ID, h.Node)
 					if last == nil {
-						fmt.Fprintf(w, "%s\t%s\t%s\t%d\t-\t-\t-\t-\n", j.ID, h.Node, state, j.PID)
+						fmt.Fprintf(w, "%s\t%s\t%s\t%d\t%s\t-\t-\t-\t-\n", j.ID, h.Node, state, j.PID, prot)
 						continue
 					}
-					fmt.Fprintf(w, "%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\n", j.ID, h.Node, state, j.PID, last.ID,
+					fmt.Fprintf(w, "%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\n", j.ID, h.Node, state, j.PID, prot, last.ID,
 						time.Since(last.Created).Round(time.Second), humanBytes(last.TotalSize()), dash(strings.Join(last.Replicas, ",")))
 				}
 			}
@@ -202,6 +207,32 @@ with its age, size and where its replicas live. With a local lab up, every live 
 	}
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	return cmd
+}
+
+// protection says whether a failure of the job's host could be recovered: "protected (AGE)" with the age
+// of its newest replica, or UNPROTECTED and why. members is the host's membership view.
+func protection(j agent.Job, members []ring.Member, now time.Time) string {
+	if j.State != agent.JobRunning {
+		return "-"
+	}
+	if !j.Protected() {
+		if j.Restored != "" {
+			return "UNPROTECTED (restored; awaiting its first snapshot here)"
+		}
+		return "UNPROTECTED (no replica yet)"
+	}
+	alive := false
+	for _, h := range j.Replica.Holders {
+		for _, m := range members {
+			if m.Name == h && m.State == ring.StateAlive {
+				alive = true
+			}
+		}
+	}
+	if !alive {
+		return fmt.Sprintf("UNPROTECTED (replica holders %s failed)", strings.Join(j.Replica.Holders, ","))
+	}
+	return fmt.Sprintf("protected (%s)", now.Sub(j.Replica.Time).Round(time.Second))
 }
 
 // latestOf is the newest snapshot of job taken on node.
@@ -287,7 +318,8 @@ func newCheckpointCmd(t *target) *cobra.Command {
 		Use:   "checkpoint",
 		Short: "Snapshot jobs now and ship the snapshots to the protector",
 		Long: `Snapshot running jobs now (every job of the chosen hosts, or --job), ship each snapshot to its
-host's protector, and prune old snapshots. In semi-coordinated mode a host's jobs are frozen together.`,
+host's protector, and prune old snapshots. In semi-coordinated mode a host's jobs are frozen together.
+It fails if a snapshot could not be taken or did not reach the protector.`,
 		Args: cli.Args(cobra.NoArgs),
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			cs, err := t.clients()
@@ -326,6 +358,12 @@ host's protector, and prune old snapshots. In semi-coordinated mode a host's job
 					errs = append(errs, fmt.Errorf("%s: %s", c.host, reply.Error))
 				}
 				all = append(all, reply.Results...)
+			}
+			// A snapshot that did not reach the protector protects nothing: say so in the exit status.
+			for _, r := range all {
+				if !r.Shipped {
+					errs = append(errs, fmt.Errorf("snapshot %s of job %s is not replicated: %s", r.Manifest.ID, r.Manifest.Job, r.ShipErr))
+				}
 			}
 			if asJSON {
 				if err := cli.PrintJSON(cmd.OutOrStdout(), all); err != nil {

@@ -1,0 +1,150 @@
+package agent
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestSnapScheduler plays sequences of scheduler ticks: which jobs are due when, from a job's first
+// snapshot (at once) to the retries of a first snapshot that failed and the intervals after it.
+func TestSnapScheduler(t *testing.T) {
+	t0 := time.Date(2026, 11, 22, 10, 0, 0, 0, time.UTC)
+	job := func(id string) Job { return Job{ID: id, Node: "node1", State: JobRunning} }
+	protected := func(j Job, at time.Time) Job {
+		j.Replica = &Replica{Snapshot: "s", Time: at, Node: j.Node}
+		return j
+	}
+	restored := job("r")
+	restored.Restored = "snap-from-node2"
+	movedRecord := protected(job("m"), t0.Add(-time.Second)) // a replica taken on another host
+	movedRecord.Replica.Node = "node2"
+	exited := job("a")
+	exited.State = JobExited
+
+	type step struct {
+		at   time.Duration // after t0
+		jobs []Job
+		want []string // jobs due (keys in semi-coordinated mode)
+		// after: the jobs as they are after the attempt (protected or not); nil: no attempt is made.
+		after []Job
+	}
+	tests := []struct {
+		name     string
+		semi     bool
+		interval time.Duration
+		steps    []step
+	}{
+		{name: "a new job is due at once, then one interval after its replica", interval: time.Minute, steps: []step{
+			{at: 0, jobs: []Job{job("a")}, want: []string{"a"}, after: []Job{protected(job("a"), t0)}},
+			{at: 59 * time.Second, jobs: []Job{protected(job("a"), t0)}},
+			{at: 60 * time.Second, jobs: []Job{protected(job("a"), t0)}, want: []string{"a"}},
+		}},
+		{name: "a failed first snapshot is retried after 2 s, then 4 s", interval: time.Hour, steps: []step{
+			{at: 0, jobs: []Job{job("a")}, want: []string{"a"}, after: []Job{job("a")}},
+			{at: 1900 * time.Millisecond, jobs: []Job{job("a")}},
+			{at: 2 * time.Second, jobs: []Job{job("a")}, want: []string{"a"}, after: []Job{job("a")}},
+			{at: 5900 * time.Millisecond, jobs: []Job{job("a")}},
+			{at: 6 * time.Second, jobs: []Job{job("a")}, want: []string{"a"}, after: []Job{protected(job("a"), t0.Add(6*time.Second))}},
+			{at: 20 * time.Second, jobs: []Job{protected(job("a"), t0.Add(6*time.Second))}},
+		}},
+		{name: "retries are never further apart than the interval", interval: 3 * time.Second, steps: []step{
+			{at: 0, jobs: []Job{job("a")}, want: []string{"a"}, after: []Job{job("a")}},
+			{at: 2 * time.Second, jobs: []Job{job("a")}, want: []string{"a"}, after: []Job{job("a")}},
+			{at: 5 * time.Second, jobs: []Job{job("a")}, want: []string{"a"}, after: []Job{job("a")}},
+			{at: 8 * time.Second, jobs: []Job{job("a")}, want: []string{"a"}, after: []Job{job("a")}},
+		}},
+		{name: "an adopted job with a replica keeps its interval", interval: time.Minute, steps: []step{
+			{at: 0, jobs: []Job{protected(job("a"), t0.Add(-50*time.Second))}},
+			{at: 10 * time.Second, jobs: []Job{protected(job("a"), t0.Add(-50*time.Second))}, want: []string{"a"}},
+		}},
+		{name: "a restored job is left to its recovery for an interval", interval: time.Minute, steps: []step{
+			{at: 0, jobs: []Job{restored}},
+			{at: 59 * time.Second, jobs: []Job{restored}},
+			{at: 60 * time.Second, jobs: []Job{restored}, want: []string{"r"}},
+		}},
+		{name: "a replica taken on another host does not protect the job here", interval: time.Hour, steps: []step{
+			{at: 0, jobs: []Job{movedRecord}, want: []string{"m"}},
+		}},
+		{name: "an exited job is forgotten; the same id running again is new", interval: time.Hour, steps: []step{
+			{at: 0, jobs: []Job{job("a")}, want: []string{"a"}, after: []Job{protected(job("a"), t0)}},
+			{at: time.Second, jobs: []Job{exited}},
+			{at: 2 * time.Second, jobs: []Job{job("a")}, want: []string{"a"}},
+		}},
+		{name: "semi-coordinated: a new job makes the host due", semi: true, interval: time.Minute, steps: []step{
+			{at: 0, jobs: []Job{job("a")}, want: []string{""}, after: []Job{protected(job("a"), t0)}},
+			{at: 10 * time.Second, jobs: []Job{protected(job("a"), t0)}},
+			{at: 11 * time.Second, jobs: []Job{protected(job("a"), t0), job("b")}, want: []string{""},
+				after: []Job{protected(job("a"), t0), protected(job("b"), t0.Add(11*time.Second))}},
+			{at: 70 * time.Second, jobs: []Job{protected(job("a"), t0), protected(job("b"), t0.Add(11*time.Second))}},
+			{at: 71 * time.Second, jobs: []Job{protected(job("a"), t0), protected(job("b"), t0.Add(11*time.Second))}, want: []string{""}},
+		}},
+		{name: "semi-coordinated: the host retries while one job lacks a replica", semi: true, interval: time.Hour, steps: []step{
+			{at: 0, jobs: []Job{protected(job("a"), t0), job("b")}, want: []string{""}, after: []Job{protected(job("a"), t0), job("b")}},
+			{at: time.Second, jobs: []Job{protected(job("a"), t0), job("b")}},
+			{at: 2 * time.Second, jobs: []Job{protected(job("a"), t0), job("b")}, want: []string{""}},
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := newSnapScheduler(tt.semi)
+			for _, st := range tt.steps {
+				now := t0.Add(st.at)
+				due, keys, _ := s.due(st.jobs, now, func(string) time.Duration { return tt.interval })
+				if !slices.Equal(keys, st.want) {
+					t.Fatalf("at +%s: due %v, want %v", st.at, keys, st.want)
+				}
+				if tt.semi && due != nil {
+					t.Fatalf("at +%s: semi-coordinated mode names jobs %v; it snapshots them all", st.at, due)
+				}
+				if len(keys) > 0 && st.after != nil {
+					s.attempted(keys, st.after, now)
+				} else if len(keys) > 0 {
+					s.attempted(keys, st.jobs, now)
+				}
+			}
+		})
+	}
+}
+
+// TestWaitFrozenBounded: a cgroup that never reports frozen (a task in uninterruptible sleep) fails the
+// wait after the timeout instead of blocking the snapshot, and with it every job of the host, forever.
+func TestWaitFrozenBounded(t *testing.T) {
+	dir := t.TempDir()
+	frozen, stuck := filepath.Join(dir, "frozen"), filepath.Join(dir, "stuck")
+	for cg, events := range map[string]string{frozen: "populated 1\nfrozen 1\n", stuck: "populated 1\nfrozen 0\n"} {
+		if err := os.Mkdir(cg, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(cg, "cgroup.events"), []byte(events), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tests := []struct {
+		name    string
+		cgroups []string
+		wantErr string
+	}{
+		{"all frozen", []string{frozen}, ""},
+		{"one never freezes", []string{frozen, stuck}, "did not freeze within"},
+		{"gone", []string{filepath.Join(dir, "gone")}, "read freeze state"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			done := make(chan error, 1)
+			go func() { done <- waitFrozen(context.Background(), tt.cgroups, 200*time.Millisecond) }()
+			select {
+			case err := <-done:
+				if tt.wantErr == "" && err != nil || tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr)) {
+					t.Fatalf("waitFrozen: %v, want error %q", err, tt.wantErr)
+				}
+			case <-time.After(time.Minute): // a failure bound only
+				t.Fatal("waitFrozen still waiting after a minute with a 200 ms timeout")
+			}
+		})
+	}
+}

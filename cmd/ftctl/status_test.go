@@ -1,0 +1,40 @@
+package main
+
+import (
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/ring"
+)
+
+func TestProtection(t *testing.T) {
+	now := time.Date(2026, 11, 22, 10, 0, 0, 0, time.UTC)
+	members := []ring.Member{{Name: "node1", State: ring.StateAlive}, {Name: "node2", State: ring.StateAlive}, {Name: "node3", State: ring.StateFailed}}
+	running := agent.Job{ID: "j", Node: "node1", State: agent.JobRunning}
+	with := func(j agent.Job, node string, holders ...string) agent.Job {
+		j.Replica = &agent.Replica{Snapshot: "s1", Time: now.Add(-42 * time.Second), Node: node, Holders: holders}
+		return j
+	}
+	restored := running
+	restored.Restored = "s0"
+	exited := running
+	exited.State = agent.JobExited
+	tests := []struct {
+		name string
+		job  agent.Job
+		want string
+	}{
+		{"a new job", running, "UNPROTECTED (no replica yet)"},
+		{"replicated on a live node", with(running, "node1", "node2"), "protected (42s)"},
+		{"every holder failed", with(running, "node1", "node3"), "UNPROTECTED (replica holders node3 failed)"},
+		{"one holder of two alive", with(running, "node1", "node3", "node2"), "protected (42s)"},
+		{"restored here, replica from its old host", with(restored, "node4", "node1"), "UNPROTECTED (restored; awaiting its first snapshot here)"},
+		{"not running", exited, "-"},
+	}
+	for _, tt := range tests {
+		if got := protection(tt.job, members, now); got != tt.want {
+			t.Errorf("%s: %q, want %q", tt.name, got, tt.want)
+		}
+	}
+}
