@@ -369,8 +369,8 @@ func TestFaultCrashDuringSnapshot(t *testing.T) {
 	if len(prev) != 1 {
 		t.Fatalf("node3 holds replicas %v of rank 1, want the one just shipped", prev)
 	}
-	rg.waitIteration(t, 1, rg.lastIteration(1)+50, 2*time.Minute)    // bytes past the snapshot for the replay
-	go c.Client("node2").Checkpoint(context.Background(), job) // fails when node2 goes; nobody waits for it
+	rg.waitIteration(t, 1, rg.lastIteration(1)+50, 2*time.Minute) // bytes past the snapshot for the replay
+	go c.Client("node2").Checkpoint(context.Background(), job)    // fails when node2 goes; nobody waits for it
 	n := waitPending(t, c, "node2", job, 1<<20, 2*time.Minute)
 	rg.requireRunning(t)
 	crash(t, c, "node2", fmt.Sprintf("with a dump of rank 1 in flight (%d MB written)", n>>20))
