@@ -31,6 +31,7 @@ const (
 	opLogRange      clusterOp = "log-range"      // bytes we logged on a connection from a sequence number on
 	opCheckpointNow clusterOp = "checkpoint-now" // the caller's log is under pressure: snapshot our jobs
 	opDigests       clusterOp = "digests"        // CRC-32C of the blocks the caller's log holds (we are its protector)
+	opLogWatermark  clusterOp = "log-watermark"  // how old is our oldest restore point: the caller frees finished connections' logs older than it
 	// Failure detection and recovery.
 	opHeartbeat clusterOp = "heartbeat" // a stream of heartbeats from our predecessor in the ring
 	opProbe     clusterOp = "probe"     // does this host reach a suspect's agent
@@ -169,6 +170,8 @@ func (a *Agent) handleCluster(ctx context.Context, c net.Conn) {
 		a.serveLogRange(ctx, c)
 	case opDigests:
 		a.serveDigests(c, peer)
+	case opLogWatermark:
+		a.serveLogWatermark(c)
 	case opCheckpointNow:
 		a.log.Info("snapshot requested by a sender whose log is under pressure", "peer", peer)
 		go func() {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/netip"
 	"os"
@@ -13,12 +14,14 @@ import (
 	"time"
 
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/netlog/capture"
 	"github.com/ftkit/ftkit/netlog/controller"
+	"github.com/ftkit/ftkit/netlog/release"
 )
 
 // logState is the agent's sender-side log: the eBPF capture, its resource controller, and recent events.
@@ -29,6 +32,19 @@ type logState struct {
 	ev   []controller.Event   // the last maxEvents decisions, for `ftctl status`
 	seen map[string]time.Time // destination node -> when its log data was last trimmed (or first seen)
 	aged time.Time            // last Age of the log (controlLog only)
+
+	// Freeing finished connections (releaseFinished).
+	marks    map[string]release.Watermark    // receiving node -> its latest watermark, on our clock
+	asked    map[string]time.Time            // receiving node -> when we last asked it for its watermark
+	asking   map[string]bool                 // a question to that node is in flight
+	verdicts map[netlog.Conn]release.Verdict // the last decision on each logged connection
+	released ReleaseCounters
+}
+
+// ReleaseCounters count the logs of finished connections freed since the agent started.
+type ReleaseCounters struct {
+	Conns int64 `json:"conns"`
+	Bytes int64 `json:"bytes"` // logged bytes they still retained
 }
 
 const maxEvents = 50
@@ -62,7 +78,8 @@ func (a *Agent) startLog() error {
 		c.Close()
 		return err
 	}
-	a.netlog = &logState{cap: c, ctl: ctl, seen: map[string]time.Time{}}
+	a.netlog = &logState{cap: c, ctl: ctl, seen: map[string]time.Time{},
+		marks: map[string]release.Watermark{}, asked: map[string]time.Time{}, asking: map[string]bool{}}
 	a.log.Info("sender-side log attached", "interface", iface, "ring_mib", lc.RingMiB, "memory_cap_mib", capMiB)
 	return nil
 }
@@ -291,8 +308,12 @@ func (a *Agent) controlLog(ctx context.Context) {
 	every(ctx, 250*time.Millisecond, func() {
 		l := a.netlog.cap.Log()
 		now := time.Now()
+		verdicts := a.releaseFinished(ctx, l, now)
 		bytesBy := map[string]int64{}
 		for _, conn := range l.Conns() {
+			if v, ok := verdicts[conn]; ok && !v.SnapshotHelps() {
+				continue // finished: a snapshot of its receiver would not free it (the issue's stall)
+			}
 			st, err := l.ConnStats(conn)
 			if err != nil {
 				continue
@@ -353,6 +374,7 @@ type LogStatus struct {
 	Counters capture.Counters   `json:"counters"`
 	CapBytes int64              `json:"cap_bytes"`
 	Events   []controller.Event `json:"events"`
+	Released ReleaseCounters    `json:"released"` // logs of finished connections freed
 }
 
 func (a *Agent) logStatus() *LogStatus {
@@ -362,7 +384,8 @@ func (a *Agent) logStatus() *LogStatus {
 	cnt, _ := a.netlog.cap.Counters()
 	a.netlog.mu.Lock()
 	defer a.netlog.mu.Unlock()
-	return &LogStatus{Counters: cnt, CapBytes: a.netlog.ctl.Config().Cap, Events: append([]controller.Event(nil), a.netlog.ev...)}
+	return &LogStatus{Counters: cnt, CapBytes: a.netlog.ctl.Config().Cap, Events: append([]controller.Event(nil), a.netlog.ev...),
+		Released: a.netlog.released}
 }
 
 // LoggedConn describes what the log holds for one connection, in wire (32-bit) sequence numbers.
@@ -377,6 +400,9 @@ type LoggedConn struct {
 	Hole       bool           `json:"hole"`    // bytes are missing between contiguous and the last byte (must never happen)
 	// Live is the sender's current state of the connection from its last egress segment.
 	Live *ebpfprobes.FlowState `json:"live,omitempty"`
+	// Release is where the connection stands on the way to being freed (release.Verdict): "open"
+	// while its sender may send; once it finished, what its log still waits for.
+	Release string `json:"release,omitempty"`
 }
 
 // LoggedConns lists the connections in this host's log.
@@ -385,6 +411,9 @@ func (a *Agent) LoggedConns() []LoggedConn {
 		return nil
 	}
 	l := a.netlog.cap.Log()
+	a.netlog.mu.Lock()
+	verdicts := a.netlog.verdicts
+	a.netlog.mu.Unlock()
 	var out []LoggedConn
 	for _, c := range l.Conns() {
 		b, err := l.Bounds(c)
@@ -397,6 +426,267 @@ func (a *Agent) LoggedConns() []LoggedConn {
 		if fs, ok, err := a.netlog.cap.FlowState(c); err == nil && ok {
 			out[len(out)-1].Live = &fs
 		}
+		if v, ok := verdicts[c]; ok {
+			out[len(out)-1].Release = v.String()
+		}
 	}
 	return out
+}
+
+// Freeing the logs of finished connections (netlog/release): a connection that closes, or whose receiving
+// job ends, before a receiver's snapshot covers its last byte is never trimmed. Each receiving node tells
+// its senders, when asked, how old its oldest restore point is; a sender frees a finished connection whose
+// last segment left before that point.
+
+const (
+	// watermarkEvery bounds how often one receiving node is asked for its watermark.
+	watermarkEvery = 2 * time.Second
+	// maxWatermarkAddrs bounds the addresses a watermark may list.
+	maxWatermarkAddrs = 1024
+	// eventReleased is the log event of freed connections (shown by `ftctl status`).
+	eventReleased controller.EventKind = "finished-conns-freed"
+)
+
+// LogWatermark is a receiving node's answer to opLogWatermark.
+type LogWatermark struct {
+	// Age: every restore of a job on the node starts from a snapshot taken no earlier than this long before
+	// the answer (the node's own clock measured it; 0 when it runs no job).
+	Age time.Duration `json:"age_ns"`
+	// Held says a running job holds the watermark back: a snapshot there would advance it.
+	Held bool `json:"held"`
+	// Addrs are the node's addresses when it answered: the watermark covers only jobs reached there.
+	Addrs []netip.Addr `json:"addrs"`
+	// Error says there is no watermark now (a restore is in progress): keep everything.
+	Error string `json:"error,omitempty"`
+}
+
+// releaseFinished frees the logs no restore can need any more and returns the decision on every
+// connection it kept. It asks the receiving nodes for their watermarks when that could free something.
+func (a *Agent) releaseFinished(ctx context.Context, l *netlog.Log, now time.Time) map[netlog.Conn]release.Verdict {
+	var (
+		conns []netlog.Conn
+		acts  []netlog.Activity
+		flows []release.Flow
+	)
+	for _, c := range l.Conns() {
+		act, err := l.Activity(c)
+		if err != nil {
+			continue // removed meanwhile
+		}
+		f := release.Flow{Node: a.memberByIP(c.Dst.Addr()), Dst: c.Dst.Addr(), LastAppend: act.LastAppend,
+			SenderGone: act.CgroupID != 0 && !a.netlog.cap.Protects(act.CgroupID)}
+		if act.LastKtimeNs != 0 {
+			f.SentAge, f.HasSentAge = sinceKtime(act.LastKtimeNs)
+		}
+		if fs, ok, err := a.netlog.cap.FlowState(c); err == nil && ok {
+			if age, err := fs.Age(); err == nil {
+				f.HasState, f.FinSent, f.RstSent, f.StateAge = true, fs.FinSent, fs.RstSent, age
+			}
+		}
+		conns, acts, flows = append(conns, c), append(acts, act), append(flows, f)
+	}
+	a.netlog.mu.Lock()
+	marks := maps.Clone(a.netlog.marks)
+	a.netlog.mu.Unlock()
+	decisions := release.Decide(release.Input{Now: now, Margin: release.DefaultMargin, Flows: flows, Marks: marks})
+
+	verdicts := make(map[netlog.Conn]release.Verdict, len(conns))
+	type tally struct {
+		conns int64
+		bytes int64
+	}
+	freed := map[string]*tally{}
+	ask := map[string]bool{}
+	for i, d := range decisions {
+		c, node := conns[i], flows[i].Node
+		if d.Ask {
+			ask[node] = true
+		}
+		if d.Verdict != release.Free {
+			verdicts[c] = d.Verdict
+			continue
+		}
+		ok, st, err := l.RemoveIdle(c, acts[i].LastAppend)
+		if err != nil && !errors.Is(err, netlog.ErrUnknownConn) {
+			a.log.Warn("free the log of a finished connection", "conn", c, "err", err)
+		}
+		if !ok {
+			verdicts[c] = release.Open // it sent again since we looked: decide again next time
+			continue
+		}
+		if freed[node] == nil {
+			freed[node] = &tally{}
+		}
+		freed[node].conns++
+		freed[node].bytes += st.RetainedBytes
+	}
+
+	a.netlog.mu.Lock()
+	a.netlog.verdicts = verdicts
+	for node, t := range freed {
+		a.netlog.released.Conns += t.conns
+		a.netlog.released.Bytes += t.bytes
+		// Like a trim: the node's next pressure may ask it for a snapshot at once. A request made while
+		// the connection was open may have found its job gone (and failed); waiting out the controller's
+		// cooldown would leave the node's next job unrelieved at the cap.
+		a.netlog.ctl.Relieved(node)
+	}
+	for node := range ask {
+		if a.netlog.asking[node] || now.Sub(a.netlog.asked[node]) < watermarkEvery {
+			continue
+		}
+		a.netlog.asking[node], a.netlog.asked[node] = true, now
+		go a.askWatermark(ctx, node)
+	}
+	a.netlog.mu.Unlock()
+
+	if len(freed) > 0 {
+		mem := l.Stats().LiveBytes()
+		var events []controller.Event
+		for node, t := range freed {
+			events = append(events, controller.Event{Time: now, Kind: eventReleased, Node: node, Bytes: t.bytes, Memory: mem})
+			a.log.Info("freed the log of finished connections", "node", node, "conns", t.conns, "bytes", t.bytes)
+		}
+		a.netlog.mu.Lock()
+		a.netlog.ev = append(a.netlog.ev, events...)
+		if len(a.netlog.ev) > maxEvents {
+			a.netlog.ev = a.netlog.ev[len(a.netlog.ev)-maxEvents:]
+		}
+		a.netlog.mu.Unlock()
+	}
+	return verdicts
+}
+
+// sinceKtime is how long ago the probe's timestamp ns (bpf_ktime_get_ns: CLOCK_MONOTONIC) was.
+func sinceKtime(ns uint64) (time.Duration, bool) {
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts); err != nil {
+		return 0, false
+	}
+	return time.Duration(ts.Nano() - int64(ns)), true
+}
+
+// askWatermark fetches node's watermark and keeps it for releaseFinished. Without an answer the node's
+// watermark is forgotten: nothing destined for it is freed until it answers again.
+func (a *Agent) askWatermark(ctx context.Context, node string) {
+	w, err := a.LogWatermarkOf(ctx, node)
+	a.netlog.mu.Lock()
+	defer a.netlog.mu.Unlock()
+	delete(a.netlog.asking, node)
+	if err != nil {
+		delete(a.netlog.marks, node)
+		a.log.Debug("no log watermark from a receiving node; its finished connections stay logged", "node", node, "err", err)
+		return
+	}
+	a.netlog.marks[node] = w
+}
+
+// LogWatermarkOf asks member node for its watermark and places it on this host's clock.
+func (a *Agent) LogWatermarkOf(ctx context.Context, node string) (release.Watermark, error) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	// The question leaves after this moment and the node measures its watermark's age before it answers:
+	// sent minus that age is never later than the watermark, whatever the two clocks say.
+	sent := time.Now()
+	c, err := a.dialPeer(ctx, node, opLogWatermark)
+	if err != nil {
+		return release.Watermark{}, err
+	}
+	defer c.Close()
+	if dl, ok := ctx.Deadline(); ok {
+		c.SetDeadline(dl)
+	}
+	var r LogWatermark
+	if err := readHeaderLarge(c, &r); err != nil {
+		return release.Watermark{}, fmt.Errorf("log watermark from %s: %w", node, err)
+	}
+	return r.placed(node, sent)
+}
+
+// placed validates a watermark from node and places it on this host's clock, given when the question left.
+func (r LogWatermark) placed(node string, sent time.Time) (release.Watermark, error) {
+	switch {
+	case r.Error != "":
+		return release.Watermark{}, fmt.Errorf("%s has no log watermark: %s", node, r.Error)
+	case r.Age < 0:
+		return release.Watermark{}, fmt.Errorf("log watermark from %s: negative age %v", node, r.Age)
+	case len(r.Addrs) > maxWatermarkAddrs:
+		return release.Watermark{}, fmt.Errorf("log watermark from %s lists %d addresses, more than %d", node, len(r.Addrs), maxWatermarkAddrs)
+	}
+	w := release.Watermark{At: sent.Add(-r.Age), Held: r.Held, Addrs: make([]netip.Addr, 0, len(r.Addrs))}
+	for _, ip := range r.Addrs {
+		if !ip.IsValid() {
+			return release.Watermark{}, fmt.Errorf("log watermark from %s: invalid address", node)
+		}
+		w.Addrs = append(w.Addrs, ip.Unmap())
+	}
+	return w, nil
+}
+
+// serveLogWatermark tells a sender how old this node's oldest restore point is.
+func (a *Agent) serveLogWatermark(c net.Conn) {
+	c.SetWriteDeadline(time.Now().Add(5 * time.Second))
+	writeHeader(c, a.logWatermark())
+}
+
+// logWatermark computes this node's answer. The order matters: the addresses are read first, then a
+// restore in progress is looked for, then the jobs. An address taken over for a failed node's jobs
+// (prepareNetwork) is added while that restore runs and its jobs join a.byID before it ends, so an
+// answer either lacks the address, or says a restore is in progress, or counts the restored jobs.
+func (a *Agent) logWatermark() LogWatermark {
+	addrs, err := hostAddrs()
+	if err != nil {
+		return LogWatermark{Error: err.Error()}
+	}
+	if busy, _ := a.busy.Load().(string); busy == "restore" {
+		return LogWatermark{Error: "a restore is in progress on " + a.cfg.Name}
+	}
+	now := time.Now()
+	var jobs []release.Job
+	for _, j := range a.Jobs(0) {
+		if j.State != JobRunning {
+			continue
+		}
+		rj := release.Job{Running: true, Started: j.Created}
+		if m := a.newestReplicated(j.ID); m != nil {
+			rj.Replicated = m.Created
+		}
+		jobs = append(jobs, rj)
+	}
+	w, held := release.ReceiveWatermark(now, jobs)
+	return LogWatermark{Age: now.Sub(w), Held: held, Addrs: addrs}
+}
+
+// newestReplicated returns the newest snapshot of job in this host's store that another node holds too:
+// the one a restore of the job would start from. A snapshot whose manifest is unreadable here is passed
+// over (an older restore point only frees less).
+func (a *Agent) newestReplicated(job string) *ckpt.Manifest {
+	ids, err := a.store.List(job, "")
+	if err != nil {
+		return nil
+	}
+	for _, id := range ids {
+		if m, err := a.store.Manifest(job, id); err == nil && m.Replicated() {
+			return m
+		}
+	}
+	return nil
+}
+
+// hostAddrs lists the addresses configured in this host's network namespace.
+func hostAddrs() ([]netip.Addr, error) {
+	list, err := netlink.AddrList(nil, netlink.FAMILY_ALL)
+	if err != nil {
+		return nil, fmt.Errorf("list this host's addresses: %w", err)
+	}
+	var out []netip.Addr
+	for _, x := range list {
+		if ip, ok := netip.AddrFromSlice(x.IP); ok {
+			out = append(out, ip.Unmap())
+		}
+	}
+	if len(out) > maxWatermarkAddrs {
+		return nil, fmt.Errorf("this host has %d addresses, more than the %d a log watermark may list", len(out), maxWatermarkAddrs)
+	}
+	return out, nil
 }

@@ -87,7 +87,7 @@ func (l *Log) Append(rec Record) error {
 		if err != nil {
 			return err
 		}
-		err = st.Append(rec.Seq, rec.Payload)
+		err = st.AppendRecord(rec)
 		if errors.Is(err, ErrClosed) {
 			continue // Remove raced with us: the next lookup makes a fresh store (or sees the Log closed)
 		}
@@ -197,6 +197,49 @@ func (l *Log) Remove(conn Conn) error {
 		return fmt.Errorf("netlog %v: %w", conn, ErrUnknownConn)
 	}
 	return st.Close()
+}
+
+// RemoveIdle removes conn's store like Remove, but only if no segment was offered to it after
+// lastAppend (the Activity the caller based its decision on): a connection that sent again
+// since (a new connection on the same 4-tuple, say) is kept. It returns whether it removed
+// the store and, if so, the store's accounting just before its memory was freed.
+func (l *Log) RemoveIdle(conn Conn, lastAppend time.Time) (bool, Stats, error) {
+	k := key(conn)
+	l.mu.Lock()
+	st := l.stores[k]
+	if st == nil {
+		closed := l.closed
+		l.mu.Unlock()
+		if closed {
+			return false, Stats{}, ErrClosed
+		}
+		return false, Stats{}, fmt.Errorf("netlog %v: %w", conn, ErrUnknownConn)
+	}
+	// Lock order Log then Store, as everywhere; the appender takes only the store's lock, so
+	// an append either lands before the check (and keeps the store) or finds it closed and
+	// starts a new one through Append.
+	st.mu.Lock()
+	if st.closed || st.lastAppend.After(lastAppend) {
+		st.mu.Unlock()
+		l.mu.Unlock()
+		return false, Stats{}, nil
+	}
+	st.closed = true
+	delete(l.stores, k)
+	l.mu.Unlock()
+	stats := st.Stats()
+	st.dropAll()
+	st.mu.Unlock()
+	return true, stats, nil
+}
+
+// Activity returns conn's Activity.
+func (l *Log) Activity(conn Conn) (Activity, error) {
+	st, err := l.lookup(conn)
+	if err != nil {
+		return Activity{}, err
+	}
+	return st.Activity(), nil
 }
 
 // Stats returns the node-wide accounting: the sums over all stores plus the pool.

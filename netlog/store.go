@@ -38,6 +38,11 @@ type Store struct {
 	bulk     bool // has logged at least a slab: allocate whole slabs from now on
 	slab0    uint64
 	slabs    []*slab // slabs[i] covers window slab0+i; nil where nothing is held
+
+	// What the agent needs to tell a finished connection from a live one (Activity).
+	lastAppend time.Time // when a segment was last offered
+	lastKtime  uint64    // the newest transmit time a record carried
+	cgroup     uint64    // the sending socket's cgroup, from the last record that named one
 }
 
 // NewStore returns an empty standalone store. Stores inside a Log are made by the Log and
@@ -96,9 +101,33 @@ func (s *Store) Append(seq uint32, p []byte) error {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	return s.appendLocked(seq, p)
+}
+
+// AppendRecord is Append for a captured segment: it also notes the record's sending cgroup
+// (Activity).
+func (s *Store) AppendRecord(rec Record) error {
+	if len(rec.Payload) == 0 {
+		return nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.closed {
+		if rec.CgroupID != 0 {
+			s.cgroup = rec.CgroupID
+		}
+		s.lastKtime = max(s.lastKtime, rec.KtimeNs)
+	}
+	return s.appendLocked(rec.Seq, rec.Payload)
+}
+
+func (s *Store) appendLocked(seq uint32, p []byte) error {
 	if s.closed {
 		return ErrClosed
 	}
+	// Every offered segment counts, retransmissions and bytes below the trim point too: each
+	// one is a transmission the receiver may not have had when it snapshotted.
+	s.lastAppend = time.Now()
 	if !s.u.Anchored() {
 		s.base = s.u.Anchor(seq)
 	}
@@ -695,6 +724,27 @@ func (s *Store) Stats() Stats {
 	return st
 }
 
+// Activity is what a store knows about its sender's recent behaviour.
+type Activity struct {
+	// LastAppend is when a segment was last offered to the store (new, retransmitted or below
+	// the trim point alike), by this host's clock, with its monotonic reading; zero if never.
+	LastAppend time.Time
+	// LastKtimeNs is the newest transmit time of a record (AppendRecord), in the probe's clock
+	// (bpf_ktime_get_ns: this host's CLOCK_MONOTONIC); 0 if no record carried one. Unlike
+	// LastAppend it does not lag behind the sender while records wait in the ring buffer.
+	LastKtimeNs uint64
+	// CgroupID is the cgroup v2 id of the sending socket from the last record that carried
+	// one (AppendRecord); 0 if none did.
+	CgroupID uint64
+}
+
+// Activity returns the store's Activity.
+func (s *Store) Activity() Activity {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return Activity{LastAppend: s.lastAppend, LastKtimeNs: s.lastKtime, CgroupID: s.cgroup}
+}
+
 // Close frees everything the store holds. Later calls fail with ErrClosed.
 func (s *Store) Close() error {
 	s.mu.Lock()
@@ -703,12 +753,7 @@ func (s *Store) Close() error {
 		return nil
 	}
 	s.closed = true
-	for _, sl := range s.slabs {
-		if sl != nil {
-			s.drop(sl)
-		}
-	}
-	s.slabs = nil
+	s.dropAll()
 	s.mu.Unlock()
 	if s.standalone {
 		s.env.pool.drain()
@@ -717,6 +762,16 @@ func (s *Store) Close() error {
 		}
 	}
 	return nil
+}
+
+// dropAll frees every slab. The caller holds s.mu for writing.
+func (s *Store) dropAll() {
+	for _, sl := range s.slabs {
+		if sl != nil {
+			s.drop(sl)
+		}
+	}
+	s.slabs = nil
 }
 
 var errInternal = errors.New("netlog internal error")

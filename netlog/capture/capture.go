@@ -232,7 +232,7 @@ func (a *appender) append(rec netlog.Record) error {
 		return nil
 	}
 	if a.st != nil && rec.Conn == a.conn {
-		err := a.st.Append(rec.Seq, rec.Payload)
+		err := a.st.AppendRecord(rec)
 		if !errors.Is(err, netlog.ErrClosed) {
 			if err != nil {
 				return fmt.Errorf("netlog %v: %w", rec.Conn, err)
@@ -336,6 +336,20 @@ func (c *Capture) UnprotectCgroup(dir string) error {
 	delete(c.protected, dir)
 	c.log.Info("capture: unprotected cgroup", "cgroup", dir, "id", id)
 	return nil
+}
+
+// Protects reports whether cgroup id is protected now. A connection whose records came from a
+// cgroup that no longer is belongs to a job that ended (the agent unprotects a job's cgroup when
+// it ends).
+func (c *Capture) Protects(id uint64) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, p := range c.protected {
+		if p == id {
+			return true
+		}
+	}
+	return false
 }
 
 // Counters is the state of a Capture for `ftctl status`: the probe's

@@ -228,6 +228,10 @@ func testFidelity(t *testing.T, l *lab.Lab, protected, other *streamtest.Cgroup,
 	if got := lg.Conns(); len(got) != 1 || got[0] != conn {
 		t.Errorf("log holds connections %v, want only %v", got, conn)
 	}
+	// The store knows its sender's cgroup and when its newest segment left (the probe's clock).
+	if act, err := lg.Activity(conn); err != nil || act.CgroupID != protected.ID || act.LastKtimeNs == 0 || act.LastAppend.IsZero() {
+		t.Errorf("activity of %v: %+v, %v; want cgroup %d and both times", conn, act, err, protected.ID)
+	}
 	if _, err := lg.Bounds(sideConn); !errors.Is(err, netlog.ErrUnknownConn) {
 		t.Errorf("unprotected flow %v: Bounds error %v, want ErrUnknownConn", sideConn, err)
 	}
@@ -399,17 +403,21 @@ func testAPI(t *testing.T, l *lab.Lab, protected, other *streamtest.Cgroup) {
 		name      string
 		do        func() error
 		protected int
+		protects  [2]bool // Protects(protected.ID), Protects(other.ID)
 	}{
-		{"protect", func() error { return c.ProtectCgroup(protected.Dir) }, 1},
-		{"protect again, path not clean", func() error { return c.ProtectCgroup(protected.Dir + "/") }, 1},
-		{"protect other", func() error { return c.ProtectCgroup(other.Dir) }, 2},
-		{"unprotect", func() error { return c.UnprotectCgroup(protected.Dir) }, 1},
-		{"unprotect twice", func() error { return c.UnprotectCgroup(protected.Dir) }, 1},
-		{"unprotect other", func() error { return c.UnprotectCgroup(other.Dir) }, 0},
+		{"protect", func() error { return c.ProtectCgroup(protected.Dir) }, 1, [2]bool{true, false}},
+		{"protect again, path not clean", func() error { return c.ProtectCgroup(protected.Dir + "/") }, 1, [2]bool{true, false}},
+		{"protect other", func() error { return c.ProtectCgroup(other.Dir) }, 2, [2]bool{true, true}},
+		{"unprotect", func() error { return c.UnprotectCgroup(protected.Dir) }, 1, [2]bool{false, true}},
+		{"unprotect twice", func() error { return c.UnprotectCgroup(protected.Dir) }, 1, [2]bool{false, true}},
+		{"unprotect other", func() error { return c.UnprotectCgroup(other.Dir) }, 0, [2]bool{false, false}},
 	}
 	for _, s := range steps {
 		if err := s.do(); err != nil {
 			t.Fatalf("%s: %v", s.name, err)
+		}
+		if got := [2]bool{c.Protects(protected.ID), c.Protects(other.ID)}; got != s.protects {
+			t.Fatalf("%s: Protects(protected, other) = %v, want %v", s.name, got, s.protects)
 		}
 		cnt, err := c.Counters()
 		if err != nil {

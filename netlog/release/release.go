@@ -1,0 +1,219 @@
+// Package release decides when a sender may free the log of a finished connection: the
+// receiver's trims (sender-based logging's GC) only release bytes that a snapshot covers, so a
+// connection that closes, or whose receiving job ends, before a snapshot covers its last byte
+// would otherwise stay in the log for good.
+//
+// A receiving node N computes a watermark W_N (ReceiveWatermark): the oldest, over its running
+// jobs, of the creation time of the snapshot each would be restored from (its newest replicated
+// one; a job without one counts from its start, because its first snapshot may be on its way);
+// W_N is N's present moment if it runs no job. Any restore of a job on N then starts from a
+// snapshot taken at or after W_N, and such a snapshot already holds every byte that reached N
+// before it. So once sender P has finished sending on a connection to N (a FIN or a RST left,
+// or the sending job ended) and its last segment left more than a margin (the time a segment
+// may spend in flight) before W_N, no restore can need the connection's log again: Decide
+// frees it. Clocks differ between hosts, so N reports W_N as an age and P places it on its own
+// clock, at the moment it sent the question (never later than W_N really was).
+//
+// The package holds only decisions; the agent gathers the facts and carries them out.
+package release
+
+import (
+	"net/netip"
+	"slices"
+	"time"
+)
+
+// DefaultMargin is how long before the watermark a connection's last segment must have left:
+// a segment in flight (queued on the way, or still in the receiver's backlog) when the
+// receiver dumped is not in its snapshot. A retransmission counts as a new segment, so the
+// margin only covers queueing, which is far below a second.
+const DefaultMargin = 3 * time.Second
+
+// Flow is what the sender knows about one logged connection.
+type Flow struct {
+	// Node is the member that holds the destination address now ("" if no alive member does).
+	Node string
+	// Dst is the receiving end's address.
+	Dst netip.Addr
+	// HasState says the eBPF flow state below is known (it is kept for the most recently
+	// active flows only).
+	HasState bool
+	// FinSent, RstSent: the sender sent a FIN (no byte follows it) or a RST (it aborted).
+	FinSent, RstSent bool
+	// StateAge is how long ago the flow's last egress segment (of any kind) left.
+	StateAge time.Duration
+	// SenderGone says the sending job ended: its sockets are closed, nothing more is logged.
+	SenderGone bool
+	// SentAge is how long ago the newest logged segment of the flow left (from its record's
+	// kernel timestamp); valid if HasSentAge.
+	SentAge    time.Duration
+	HasSentAge bool
+	// LastAppend is when the log was last offered a segment of the flow (zero if never): later
+	// than the segment left, by the time its record waited in the ring buffer. Used when the
+	// records carry no timestamp.
+	LastAppend time.Time
+}
+
+// Finished reports whether the sender will log no new byte on the flow.
+func (f Flow) Finished() bool {
+	return f.HasState && (f.FinSent || f.RstSent) || f.SenderGone
+}
+
+// lastSent is the latest moment the sender is known to have transmitted on the flow, by its
+// own clock: the later of the newest logged segment (its record's timestamp, else the append,
+// which follows the transmission) and the flow state's last segment of any kind.
+func (f Flow) lastSent(now time.Time) time.Time {
+	t := f.LastAppend
+	if f.HasSentAge {
+		t = now.Add(-max(f.SentAge, 0))
+	}
+	if f.HasState {
+		if s := now.Add(-max(f.StateAge, 0)); s.After(t) {
+			t = s
+		}
+	}
+	return t
+}
+
+// Watermark is a receiving node's answer, placed on the sender's clock.
+type Watermark struct {
+	// At: every restore of a job on the node starts from a snapshot taken at or after At.
+	At time.Time
+	// Held says a running job of the node holds At back: a snapshot there would advance it.
+	// If false the node ran no job and At is the moment it answered.
+	Held bool
+	// Addrs are the addresses the node held when it answered. At says nothing about a job
+	// that arrived with another address later (a failed node's jobs restored there), so it
+	// applies only to flows to these addresses.
+	Addrs []netip.Addr
+}
+
+// covers reports whether w applies to flows to dst.
+func (w Watermark) covers(dst netip.Addr) bool { return slices.Contains(w.Addrs, dst.Unmap()) }
+
+// Verdict is what to do with one flow's log.
+type Verdict int
+
+const (
+	// Open: the sender may still send; the receiver's trims release the log, as before.
+	Open Verdict = iota
+	// Orphan: finished, but no alive member holds the destination address (its node failed and
+	// a spare has not taken it over yet): kept for the restore that may follow.
+	Orphan
+	// Unknown: finished, but no watermark of the receiving node covers the destination yet.
+	Unknown
+	// Held: finished, but the receiving node's oldest restorable snapshot is older than the
+	// last segment (plus the margin): a snapshot there would let it go.
+	Held
+	// Settling: finished, the receiving node holds nothing back, but the last segment is too
+	// recent: the next watermark frees it.
+	Settling
+	// Free: no restore can need the log any more: remove it.
+	Free
+)
+
+var verdictNames = [...]string{"open", "orphan", "awaiting-watermark", "held-by-receiver-snapshot", "settling", "free"}
+
+func (v Verdict) String() string {
+	if int(v) < len(verdictNames) {
+		return verdictNames[v]
+	}
+	return "invalid"
+}
+
+// SnapshotHelps reports whether a snapshot of the receiving node would free the flow's log:
+// only such flows count when the log controller picks nodes to ask for a snapshot. A finished
+// flow that waits for time or for an answer does not: a node whose jobs are gone cannot trim
+// anything by snapshotting.
+func (v Verdict) SnapshotHelps() bool { return v == Open || v == Held }
+
+// Decision is the verdict on one flow.
+type Decision struct {
+	Verdict Verdict
+	// Ask says a watermark fetched now could free the flow: ask its node (the caller
+	// rate-limits the questions).
+	Ask bool
+}
+
+// Input is everything Decide needs.
+type Input struct {
+	Now    time.Time
+	Margin time.Duration // DefaultMargin if 0
+	Flows  []Flow
+	// Marks holds the latest watermark of each node that answered.
+	Marks map[string]Watermark
+}
+
+// Decide returns the decision on each flow of in.Flows, in order.
+func Decide(in Input) []Decision {
+	margin := in.Margin
+	if margin <= 0 {
+		margin = DefaultMargin
+	}
+	out := make([]Decision, len(in.Flows))
+	for i, f := range in.Flows {
+		out[i] = decide(f, in.Marks, in.Now, margin)
+	}
+	return out
+}
+
+func decide(f Flow, marks map[string]Watermark, now time.Time, margin time.Duration) Decision {
+	if !f.Finished() {
+		return Decision{Verdict: Open}
+	}
+	if f.Node == "" {
+		return Decision{Verdict: Orphan}
+	}
+	last := f.lastSent(now)
+	if last.IsZero() {
+		return Decision{Verdict: Unknown} // nothing says when it last sent: never free it
+	}
+	needed := last.Add(margin) // a snapshot taken at or after this holds everything sent
+	// Even a watermark of "now" can free the flow only once the margin has passed.
+	ask := !needed.After(now)
+	w, ok := marks[f.Node]
+	if !ok || !w.covers(f.Dst) {
+		return Decision{Verdict: Unknown, Ask: ask}
+	}
+	if !needed.After(w.At) {
+		return Decision{Verdict: Free}
+	}
+	if w.Held {
+		return Decision{Verdict: Held, Ask: ask}
+	}
+	return Decision{Verdict: Settling, Ask: ask}
+}
+
+// Job is one job of the receiving node, as its watermark needs it.
+type Job struct {
+	Running bool
+	// Started is when the job was created: any snapshot of it is younger.
+	Started time.Time
+	// Replicated is the creation time of its newest snapshot that another node holds (the one
+	// a restore would use); zero if it has none.
+	Replicated time.Time
+}
+
+// ReceiveWatermark returns the receiving node's watermark: the oldest restore point of its
+// running jobs, and whether any running job holds it (if none does, it is now).
+//
+// A running job without a replicated snapshot counts from its start: a snapshot of it may be
+// on its way to the protector right now, and once there it would be the restore point. Jobs
+// that ended count no more: the restorer restores running jobs of a failed node only.
+func ReceiveWatermark(now time.Time, jobs []Job) (time.Time, bool) {
+	w, held := now, false
+	for _, j := range jobs {
+		if !j.Running {
+			continue
+		}
+		at := j.Replicated
+		if at.IsZero() {
+			at = j.Started
+		}
+		if at.Before(w) {
+			w = at
+		}
+		held = true
+	}
+	return w, held
+}
