@@ -30,6 +30,9 @@ type ShimMode string
 const (
 	ShimStart   ShimMode = "start"
 	ShimRestore ShimMode = "restore"
+	// ShimInit is internal to a started job: the shim runs itself in this mode as the job's first
+	// process, which sets up the job's namespaces and becomes the job (see jobinit.go).
+	ShimInit ShimMode = "init"
 )
 
 // ShimSpec is what the agent hands a shim on its standard input.
@@ -78,6 +81,9 @@ func RunShim(ctx context.Context, in io.Reader, out io.Writer) int {
 	if err := json.NewDecoder(in).Decode(&spec); err != nil {
 		report(ShimReport{Error: fmt.Sprintf("read shim spec: %v", err)})
 		return 2
+	}
+	if spec.Mode == ShimInit {
+		return runJobInit(spec) // returns only on failure, which it reported
 	}
 	if err := unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0); err != nil {
 		report(ShimReport{Error: fmt.Sprintf("become child subreaper: %v", err)})
@@ -139,51 +145,70 @@ func createOutput(path string, uid, gid uint32) (*os.File, error) {
 }
 
 // startJob starts the program as the init of a new PID namespace (so that its restore never collides with
-// PIDs elsewhere) and leader of a new session (CRIU refuses a session leader outside the namespace), in
-// the job's cgroup, with stdin from /dev/null and output appended to the job's files.
+// PIDs elsewhere) and of a new mount namespace holding a /proc of that PID namespace (so that CRIU's
+// parasite can dump it whatever its user: see jobinit.go), leader of a new session (CRIU refuses a session
+// leader outside the namespace), in the job's cgroup, with stdin from /dev/null and output written to the
+// job's files. The job's first process is this binary in ShimInit mode, as root: it mounts the job's /proc,
+// opens the job's files in the job's mount namespace, takes the job's credentials and executes the program.
 func startJob(spec ShimSpec) (int, error) {
 	if len(spec.Argv) == 0 {
 		return 0, errors.New("no program to run")
 	}
-	null, err := os.Open(os.DevNull)
-	if err != nil {
-		return 0, err
-	}
-	defer null.Close()
-	// Not O_APPEND: CRIU records no size for O_WRONLY|O_APPEND files (it takes them for logs), and the
-	// recovery contract needs the size to truncate back to. The restored offset then equals that size.
-	stdout, err := createOutput(spec.Stdout, spec.UID, spec.GID)
-	if err != nil {
-		return 0, err
-	}
-	defer stdout.Close()
-	stderr, err := createOutput(spec.Stderr, spec.UID, spec.GID)
-	if err != nil {
-		return 0, err
-	}
-	defer stderr.Close()
 	cg, err := os.Open(spec.Cgroup)
 	if err != nil {
 		return 0, fmt.Errorf("open job cgroup: %w", err)
 	}
 	defer cg.Close()
-	path, err := lookPath(spec.Argv[0], spec.Env, spec.Dir)
+	initSpec := spec
+	initSpec.Mode = ShimInit
+	in, err := json.Marshal(initSpec)
 	if err != nil {
 		return 0, err
 	}
+	specR, specW, err := os.Pipe()
+	if err != nil {
+		return 0, err
+	}
+	defer specR.Close()
+	repR, repW, err := os.Pipe()
+	if err != nil {
+		specW.Close()
+		return 0, err
+	}
+	defer repR.Close()
 	cmd := &exec.Cmd{
-		Path: path, Args: spec.Argv, Env: spec.Env, Dir: spec.Dir,
-		Stdin: null, Stdout: stdout, Stderr: stderr,
+		// /proc/self/exe: the shim's own binary, whatever path the agent was started from.
+		Path: "/proc/self/exe", Args: []string{"ftagent", "shim"},
+		Stdin: specR, Stdout: repW, Stderr: os.Stderr, // the shim's log
 		SysProcAttr: &syscall.SysProcAttr{
-			Cloneflags:  syscall.CLONE_NEWPID,
+			Cloneflags:  syscall.CLONE_NEWPID | syscall.CLONE_NEWNS,
 			Setsid:      true,
-			Credential:  &syscall.Credential{Uid: spec.UID, Gid: spec.GID, NoSetGroups: spec.UID == 0},
 			UseCgroupFD: true,
 			CgroupFD:    int(cg.Fd()),
 		},
 	}
-	if err := cmd.Start(); err != nil {
-		return 0, fmt.Errorf("start %s: %w", spec.Argv[0], err)
+	err = cmd.Start()
+	repW.Close()
+	if err != nil {
+		specW.Close()
+		return 0, fmt.Errorf("start the job's init: %w", err)
+	}
+	go func() { // the spec may be larger than a pipe's buffer
+		specW.Write(in)
+		specW.Close()
+	}()
+	// The init reports a failure on the pipe; once the program runs, the pipe (close-on-exec) is at its end.
+	b, err := io.ReadAll(io.LimitReader(repR, 64<<10))
+	if err != nil {
+		return 0, fmt.Errorf("read the job init's report: %w", err)
+	}
+	if len(bytes.TrimSpace(b)) > 0 {
+		var r ShimReport
+		if err := json.Unmarshal(b, &r); err != nil || r.Error == "" {
+			r.Error = fmt.Sprintf("job init failed with an unreadable report %q", b)
+		}
+		cmd.Process.Kill()
+		return 0, errors.New(r.Error)
 	}
 	return cmd.Process.Pid, nil
 }

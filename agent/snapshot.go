@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"slices"
@@ -253,15 +252,9 @@ func (a *Agent) Checkpoint(ctx context.Context, ids []string, uid uint32) ([]Sna
 		manifests, errs = ms, append(errs, err)
 	} else {
 		for _, j := range jobs {
+			// No retry: the one transient failure seen (two parasites racing to mkdir "/proc.crtools", EEXIST)
+			// cannot happen since each job has a /proc of its own (jobinit.go).
 			m, err := a.snapshot(ctx, j, false)
-			if err != nil && ctx.Err() == nil {
-				// Some dump failures pass. Measured in the lab, whose hosts share one kernel and mount
-				// namespace: two agents dumping at the same instant, one parasite failed with "Can't create a
-				// directory (-17)" (EEXIST) while setting up its /proc access. One retry after a random pause.
-				a.log.Warn("snapshot failed; retrying once", "job", j.ID, "err", err)
-				time.Sleep(100*time.Millisecond + rand.N(200*time.Millisecond))
-				m, err = a.snapshot(ctx, j, false)
-			}
 			if err != nil {
 				errs = append(errs, fmt.Errorf("job %s: %w", j.ID, err))
 				continue

@@ -67,6 +67,11 @@ func (c Client) Dump(ctx context.Context, opts DumpOptions) (DumpStats, error) {
 		NetworkLock:    rpc.CriuNetworkLockMethod_NFTABLES.Enum(),
 		FileLocks:      proto.Bool(true),
 		ManageCgroups:  proto.Bool(true),
+		// A job runs in a mount namespace of its own, a copy of the host's with its own /proc (the agent's
+		// shim, jobinit.go): CRIU dumps it, recording every mount it finds in its own namespace (the
+		// host's) as external ("mnt[]"), to be bound again from the restoring host's. Only the job's /proc
+		// is dumped as a mount. A job in the host's namespace (started by an older agent) dumps as before.
+		AutoExtMnt: proto.Bool(true),
 	}
 	if opts.FreezeCgroup != "" {
 		req.FreezeCgroup = proto.String(opts.FreezeCgroup)
@@ -114,6 +119,10 @@ func (c Client) Restore(ctx context.Context, opts RestoreOptions) (int, error) {
 		RstSibling:        proto.Bool(true),
 		ManageCgroups:     proto.Bool(true),
 		ManageCgroupsMode: rpc.CriuCgMode_SOFT.Enum(),
+		// A job's own mount namespace (see Dump) is rebuilt on "/" of this host, its external mounts
+		// bound from this host's namespace; snapshots of jobs in the host's namespace ignore both.
+		Root:       proto.String("/"),
+		AutoExtMnt: proto.Bool(true),
 	}
 	nfy := &pidNotify{Notify: opts.Notify}
 	if nfy.Notify == nil {

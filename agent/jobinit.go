@@ -1,0 +1,197 @@
+package agent
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"os"
+	"runtime"
+	"strconv"
+	"strings"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// The job's first process is `ftagent shim` in ShimInit mode, started by the shim as root in the job's new
+// PID and mount namespaces. It gives the job a /proc of its own PID namespace and then becomes the job
+// (exec, as the job's user). Why: CRIU's parasite, which runs inside the job with the job's credentials,
+// needs a /proc of the job's PID namespace. If /proc/self does not name the task's own PID it mkdir()s
+// "proc.crtools" in the task's working directory and mounts a new proc there: that fails for a job of any
+// user but root (EACCES, then EPERM), and for root jobs when two parasites race in the same directory
+// (EEXIST). With the job's own /proc at /proc, the parasite takes its fast path and creates nothing.
+//
+// The job's mount namespace is otherwise a private copy of the host's, so the job sees the same files at
+// the same paths. CRIU then dumps that namespace: every mount but the job's /proc is a host mount, which
+// CRIU records as external (auto-detected) and binds from the restoring host's namespace, so each of them
+// must still exist there. prunedMount drops the copies of mounts that come and go on a host.
+
+// initReport is the descriptor the job's init reports a failure on, as a ShimReport. It is close-on-exec,
+// so the shim reads end of file as soon as the job's program runs.
+type initReport struct{ f *os.File }
+
+func (r initReport) fail(format string, args ...any) int {
+	b, _ := json.Marshal(ShimReport{Error: fmt.Sprintf(format, args...)})
+	r.f.Write(append(b, '\n'))
+	return 1
+}
+
+// runJobInit is the body of the job's init: it returns only if the job could not be started.
+func runJobInit(spec ShimSpec) int {
+	runtime.LockOSThread() // exec from the thread whose state was set up (credentials are process-wide anyway)
+	// Standard output is the shim's report pipe; it makes way for the job's own stdout below.
+	fd, err := unix.FcntlInt(1, unix.F_DUPFD_CLOEXEC, 3)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "job init: keep the report pipe: %v\n", err)
+		return 1
+	}
+	rep := initReport{os.NewFile(uintptr(fd), "report")}
+	if err := setupMounts(); err != nil {
+		return rep.fail("set up the job's mount namespace: %v", err)
+	}
+	null, err := os.Open(os.DevNull)
+	if err != nil {
+		return rep.fail("%v", err)
+	}
+	// Opened here, in the job's mount namespace: CRIU finds a file through the mount it was opened on, and
+	// the host's mounts are not in the job's namespace.
+	// Not O_APPEND: CRIU records no size for O_WRONLY|O_APPEND files (it takes them for logs), and the
+	// recovery contract needs the size to truncate back to. The restored offset then equals that size.
+	stdout, err := createOutput(spec.Stdout, spec.UID, spec.GID)
+	if err != nil {
+		return rep.fail("%v", err)
+	}
+	stderr, err := createOutput(spec.Stderr, spec.UID, spec.GID)
+	if err != nil {
+		return rep.fail("%v", err)
+	}
+	path, err := lookPath(spec.Argv[0], spec.Env, spec.Dir)
+	if err != nil {
+		return rep.fail("%v", err)
+	}
+	// As exec.Cmd's Credential did: a job of root keeps root's groups, any other user gets none.
+	if spec.UID != 0 {
+		if err := syscall.Setgroups(nil); err != nil {
+			return rep.fail("drop supplementary groups: %v", err)
+		}
+	}
+	if err := syscall.Setresgid(int(spec.GID), int(spec.GID), int(spec.GID)); err != nil {
+		return rep.fail("set gid %d: %v", spec.GID, err)
+	}
+	if err := syscall.Setresuid(int(spec.UID), int(spec.UID), int(spec.UID)); err != nil {
+		return rep.fail("set uid %d: %v", spec.UID, err)
+	}
+	if spec.Dir != "" { // with the job's credentials, as exec.Cmd does
+		if err := unix.Chdir(spec.Dir); err != nil {
+			return rep.fail("chdir %s: %v", spec.Dir, err)
+		}
+	}
+	for i, f := range []*os.File{null, stdout, stderr} {
+		if err := unix.Dup3(int(f.Fd()), i, 0); err != nil {
+			return rep.fail("set up descriptor %d: %v", i, err)
+		}
+	}
+	// Nothing else the shim inherited reaches the job: a descriptor opened in the host's mount namespace
+	// would also make the job undumpable ("Can't lookup mount=N for fd=M").
+	if err := unix.CloseRange(3, ^uint(0), unix.CLOSE_RANGE_CLOEXEC); err != nil {
+		return rep.fail("close inherited descriptors: %v", err)
+	}
+	env := spec.Env
+	if env == nil {
+		env = os.Environ()
+	}
+	err = unix.Exec(path, spec.Argv, env)
+	return rep.fail("start %s: %v", spec.Argv[0], err)
+}
+
+// setupMounts makes the job's copy of the host's mounts private (nothing it mounts reaches the host),
+// drops the copies of mounts that must not follow the job, and mounts a /proc of the job's PID namespace.
+func setupMounts() error {
+	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
+		return fmt.Errorf("make the job's mounts private: %w", err)
+	}
+	info, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		return err
+	}
+	mounts, err := parseMountinfo(info)
+	if err != nil {
+		return err
+	}
+	for i := len(mounts) - 1; i >= 0; i-- { // children before their parents
+		m := mounts[i]
+		if !prunedMount(m) {
+			continue
+		}
+		// EINVAL: already gone with a pruned parent.
+		if err := unix.Unmount(m.Point, unix.MNT_DETACH); err != nil && err != unix.EINVAL && err != unix.ENOENT {
+			return fmt.Errorf("unmount the job's copy of %s: %w", m.Point, err)
+		}
+	}
+	// The host's /proc goes (with anything mounted below it), so that only the job's /proc is left.
+	if err := unix.Unmount("/proc", unix.MNT_DETACH); err != nil && err != unix.EINVAL {
+		return fmt.Errorf("unmount the host's /proc: %w", err)
+	}
+	if err := unix.Mount("proc", "/proc", "proc", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
+		return fmt.Errorf("mount the job's /proc: %w", err)
+	}
+	return nil
+}
+
+// mountEntry is one line of /proc/PID/mountinfo, the fields ftkit needs.
+type mountEntry struct {
+	Point  string // mount point, unescaped
+	FSType string
+}
+
+// parseMountinfo reads the mount points and file system types of a mountinfo file (proc(5)).
+func parseMountinfo(b []byte) ([]mountEntry, error) {
+	var out []mountEntry
+	for n, line := range bytes.Split(bytes.TrimSpace(b), []byte("\n")) {
+		if len(line) == 0 {
+			continue
+		}
+		f := strings.Fields(string(line))
+		sep := -1
+		for i := 6; i < len(f); i++ {
+			if f[i] == "-" {
+				sep = i
+				break
+			}
+		}
+		if len(f) < 5 || sep < 0 || sep+1 >= len(f) {
+			return nil, fmt.Errorf("mountinfo line %d is malformed: %q", n+1, line)
+		}
+		out = append(out, mountEntry{Point: unescapeMount(f[4]), FSType: f[sep+1]})
+	}
+	return out, nil
+}
+
+// unescapeMount undoes the octal escapes (\040 for a space) the kernel writes in mountinfo paths.
+func unescapeMount(s string) string {
+	if !strings.Contains(s, `\`) {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+4 <= len(s) {
+			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
+				b.WriteByte(byte(v))
+				i += 3
+				continue
+			}
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
+}
+
+// prunedMount says whether the job's copy of a host mount is dropped when the job starts. CRIU binds every
+// mount of the job's namespace from the restoring host's, so a copy of a mount that has since gone from
+// the hosts makes the job unrestorable; measured in the lab: "Can't stat mountpoint .../run/netns/<another
+// lab's host>". Dropped: namespace handles (nsfs, such as /run/netns/*, which would also keep another
+// host's network namespace alive for as long as the job runs) and CRIU's own transient mounts (the cgroup
+// yard and mount-namespace roots of a restore running at that instant, named ".criu.*").
+func prunedMount(m mountEntry) bool {
+	return m.FSType == "nsfs" || strings.Contains(m.Point, "/.criu.")
+}
