@@ -110,7 +110,7 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 	// On disk as it goes: an agent restarted mid-way resumes from there (resume.go).
 	track := a.trackRecovery(req)
 	emit = track.wrap(emit)
-	defer func() { track.done(err) }()
+	defer func() { track.done(ctx, err) }()
 	stage := func(name, job string, start time.Time, detail string, err error) {
 		emit(Stage{Name: name, Job: job, Host: a.cfg.Name, Start: start, End: time.Now(), Detail: detail, Error: errString(err)})
 	}

@@ -17,6 +17,7 @@ import (
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/internal/atomicfile"
 	"github.com/ftkit/ftkit/restore"
+	"github.com/ftkit/ftkit/ring"
 )
 
 // A recovery's last steps (waiting for the restored jobs to re-send what their peers had, verifying those
@@ -212,10 +213,15 @@ func (t *recoveryTracker) setPhase(id, phase string, at time.Time) {
 	t.save()
 }
 
-// done records the outcome; the record stays (without what a resume would need) for the coordinator.
-func (t *recoveryTracker) done(err error) {
+// done records the outcome; the record stays (without what a resume would need) for the coordinator. An
+// agent that is stopping (ctx ended) leaves the record unfinished, for the next agent to resume.
+func (t *recoveryTracker) done(ctx context.Context, err error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	if ctx.Err() != nil {
+		t.a.log.Warn("agent stopping during a recovery: the next agent resumes it", "failure", t.rec.Failure, "err", err)
+		return
+	}
 	t.rec.Done, t.rec.Error = true, errString(err)
 	t.rec.Digests = nil
 	t.save()
@@ -288,7 +294,7 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 	})
 	digests, err := digestIndex(rec.Digests)
 	if err != nil {
-		t.done(fmt.Errorf("recovery record of failure %s: %w", rec.Failure, err))
+		t.done(ctx, fmt.Errorf("recovery record of failure %s: %w", rec.Failure, err))
 		return
 	}
 	var errs []error
@@ -343,7 +349,10 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 		}
 	}
 	err = errors.Join(errs...)
-	t.done(err)
+	t.done(ctx, err)
+	if ctx.Err() != nil {
+		return
+	}
 	if err != nil {
 		a.log.Error("resumed recovery failed", "failure", rec.Failure, "err", err)
 		return
@@ -462,6 +471,12 @@ func (a *Agent) recoveryStatus(ctx context.Context, target, failure string, jobs
 // answer again and finish: a restarted agent resumes the replay (replayTimeout) and re-protects.
 const brokenRecoveryWait = replayTimeout + 3*time.Minute
 
+// brokenSilenceWait bounds how long the target may not answer at all: an agent restarts in seconds; a host
+// that stays silent longer is left to failure detection.
+func (a *Agent) brokenSilenceWait() time.Duration {
+	return max(time.Minute, 3*a.cfg.Heartbeat.Timeout.Duration)
+}
+
 // afterBrokenStream finds out, once the progress stream of a recovery on target broke, what became of it:
 // it asks the target (until it answers again and the recovery ends, bounded) and relays the stages it had
 // not seen. The error names the jobs that do not run.
@@ -494,8 +509,17 @@ func (a *Agent) afterBrokenStream(ctx context.Context, target string, req Recove
 	ctx, cancel := context.WithTimeout(ctx, brokenRecoveryWait)
 	defer cancel()
 	var last *recoveryStatusMessage
+	silentSince := time.Now()
 	for {
+		// A target declared failed is not waited for: its jobs died with it, and the next recovery needs
+		// this one's outcome now.
+		if m, ok := a.member(target); ok && m.State != ring.StateAlive {
+			return fmt.Errorf("%w; %s itself failed: job(s) %s do NOT run there", broke, target, strings.Join(jobs, ", "))
+		}
 		st, err := a.recoveryStatus(ctx, target, req.Failure, jobs)
+		if err != nil && last == nil && time.Since(silentSince) > a.brokenSilenceWait() {
+			return fmt.Errorf("%w; %s did not answer within %s: whether job(s) %s run there is unknown", broke, target, a.brokenSilenceWait(), strings.Join(jobs, ", "))
+		}
 		if err == nil {
 			last = &st
 			relay(st)

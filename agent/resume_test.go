@@ -1,6 +1,8 @@
 package agent
 
 import (
+	"context"
+	"errors"
 	"log/slog"
 	"net/netip"
 	"os"
@@ -79,7 +81,15 @@ func TestRecoveryRecordPersists(t *testing.T) {
 		t.Errorf("stages %+v recorded, %d emitted; want the one stage in both", got.Stages, len(emitted))
 	}
 
-	tr.done(nil)
+	// An agent that stops (SIGTERM) mid-replay leaves the recovery for the next one.
+	stopping, stop := context.WithCancel(t.Context())
+	stop()
+	tr.done(stopping, errors.New("re-sent bytes did not reach the peer's receive point"))
+	if rec, err := loadRecovery(path); err != nil || rec.Done {
+		t.Errorf("after done while stopping: %+v, %v; want the record unfinished", rec, err)
+	}
+
+	tr.done(t.Context(), nil)
 	rec, err := loadRecovery(path)
 	if err != nil {
 		t.Fatal(err)
