@@ -338,6 +338,7 @@ func (a *Agent) Run(ctx context.Context) error {
 	if err != nil {
 		a.log.Error("some job records could not be read", "err", err)
 	}
+	go a.resumeRecoveries(ctx)
 	srv, err := a.serveLocal(ctx)
 	if err != nil {
 		return err
@@ -362,7 +363,7 @@ func (a *Agent) Run(ctx context.Context) error {
 		defer a.netlog.cap.Close()
 	}
 	if a.clamp != nil {
-		defer a.clamp.Close()
+		defer a.closeAckClamp()
 	}
 	<-ctx.Done()
 	a.log.Info("agent stopping; jobs keep running under their shims")

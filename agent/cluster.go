@@ -39,6 +39,8 @@ const (
 	opClaim     clusterOp = "claim"     // claim this spare for a failed node
 	opRecover   clusterOp = "recover"   // restore a failed node's jobs here
 	opReplica   clusterOp = "replica"   // the newest verified replica of a job from a node that we hold
+	// opRecoveryStatus: how a recovery we were the target of went (the caller's progress stream broke).
+	opRecoveryStatus clusterOp = "recovery-status"
 )
 
 type clusterRequest struct {
@@ -191,6 +193,8 @@ func (a *Agent) handleCluster(ctx context.Context, c net.Conn) {
 		a.serveReplica(ctx, c)
 	case opRecover:
 		a.serveRecover(ctx, c, peer)
+	case opRecoveryStatus:
+		a.serveRecoveryStatus(c, peer)
 	case opFetch:
 		if err := a.serveFetch(ctx, c, peer); err != nil {
 			a.log.Warn("snapshot fetch failed", "peer", peer, "err", err)

@@ -88,7 +88,10 @@ type Config struct {
 	CRIU         string `toml:"criu"`
 	JobsDir      string `toml:"jobs_dir"`
 	CgroupParent string `toml:"cgroup_parent"`
-	Cluster      struct {
+	// BPFPinDir is where the agent pins the eBPF objects that must outlive it (the ACK clamp of restored
+	// sockets); empty: /sys/fs/bpf/ftkit/<name>.
+	BPFPinDir string `toml:"bpf_pin_dir"`
+	Cluster   struct {
 		Listen  netip.AddrPort `toml:"listen"`
 		CA      string         `toml:"ca"`
 		Cert    string         `toml:"cert"`

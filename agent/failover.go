@@ -34,7 +34,7 @@ func (a *Agent) failover(ctx context.Context, s detect.Suspect, declared time.Ti
 	a.saveFailures()
 	a.pushView(ctx)
 	if err != nil {
-		a.log.Error("recovery failed: the jobs of the failed node are NOT running", "node", s.Name, "failure", id, "err", err)
+		a.log.Error("recovery failed or incomplete: the error says which jobs do not run", "node", s.Name, "failure", id, "err", err)
 		return
 	}
 	a.log.Info("recovery complete", "node", s.Name, "failure", id)

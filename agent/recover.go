@@ -61,7 +61,7 @@ func (a *Agent) remoteRecover(ctx context.Context, target string, req RecoverReq
 	for {
 		var m recoverMessage
 		if err := readHeaderLarge(c, &m); err != nil {
-			return fmt.Errorf("recovery on %s: progress stream ended: %w", target, err)
+			return a.afterBrokenStream(ctx, target, req, emit, err)
 		}
 		if m.Stage != nil {
 			emit(*m.Stage)
@@ -105,8 +105,12 @@ type restoring struct {
 // it sent since the snapshot's receive point and for its live TCP state, rewrite the images, guard the
 // connections, take over the failed node's addresses, restore, announce, wait until the restored jobs
 // have re-sent what their peers already had, then snapshot them again (re-protection).
-func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(Stage)) error {
+func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(Stage)) (err error) {
 	defer a.setBusy("restore")()
+	// On disk as it goes: an agent restarted mid-way resumes from there (resume.go).
+	track := a.trackRecovery(req)
+	emit = track.wrap(emit)
+	defer func() { track.done(ctx, err) }()
 	stage := func(name, job string, start time.Time, detail string, err error) {
 		emit(Stage{Name: name, Job: job, Host: a.cfg.Name, Start: start, End: time.Now(), Detail: detail, Error: errString(err)})
 	}
@@ -157,6 +161,7 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 		}
 		return errors.Join(append(errs, err)...)
 	}
+	track.persist(jobs, req.Digests)
 	var restored []*restoring
 	for _, r := range jobs {
 		start := time.Now()
@@ -164,10 +169,12 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 		r.restoredAt = time.Now()
 		stage(StageRestored, r.job.ID, start, "", err)
 		if err != nil {
+			track.setPhase(r.job.ID, "", time.Time{})
 			restore.Unguard(ctx, r.runID)
 			errs = append(errs, fmt.Errorf("job %s: %w", r.job.ID, err))
 			continue
 		}
+		track.setPhase(r.job.ID, phaseRestored, r.restoredAt)
 		restored = append(restored, r)
 	}
 	for _, ip := range req.Addrs {
@@ -193,6 +200,7 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 		if err != nil {
 			errs = append(errs, fmt.Errorf("job %s: %w", r.job.ID, err))
 		}
+		track.setPhase(r.job.ID, phaseReplayed, time.Time{})
 		verified = append(verified, r)
 	}
 	restored = verified
@@ -354,7 +362,7 @@ func (a *Agent) planRecovery(ctx context.Context, req RecoverRequest, r *restori
 // startAckClamp loads the ACK clamp and attaches it to the cluster interface, and to loopback for jobs
 // restored on the host of their peer (basic mode).
 func (a *Agent) startAckClamp() error {
-	c, err := ebpfprobes.LoadAckClamp()
+	c, err := a.openAckClamp()
 	if err != nil {
 		return err
 	}

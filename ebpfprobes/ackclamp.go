@@ -1,8 +1,13 @@
 package ebpfprobes
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
+	"io/fs"
+	"net/netip"
+	"os"
+	"path/filepath"
 	"sync"
 
 	"github.com/cilium/ebpf"
@@ -15,10 +20,15 @@ import (
 // AckClamp lets restored sockets re-send bytes their peers already have: for each registered flow it lowers
 // the ACK number of the peer's segments to what the restored socket has sent so far, so that the socket's
 // ACK clock works instead of dropping every segment as an "ACK of unsent data" (bpf/ackclamp.c says why).
+//
+// A clamp opened with OpenPinnedAckClamp keeps its map and TCX links pinned in a bpffs directory, so that
+// it outlives the process: a restored socket whose agent dies mid-replay keeps its ACK clock, and the next
+// agent re-opens the same map (with its flows) and links instead of attaching a second copy.
 type AckClamp struct {
-	objs  ackclampObjects
-	mu    sync.Mutex
-	links []link.Link
+	objs   ackclampObjects
+	pinDir string // "" for a clamp that lives only as long as its file descriptors
+	mu     sync.Mutex
+	links  []link.Link
 }
 
 // LoadAckClamp loads the programs; Attach puts them on an interface.
@@ -30,8 +40,80 @@ func LoadAckClamp() (*AckClamp, error) {
 	return &c, nil
 }
 
+// OpenPinnedAckClamp loads the programs with their map pinned in dir (on a bpffs, created 0700 if
+// missing), re-using the map a previous process pinned there together with the flows it holds. Attach
+// then re-uses the links pinned there. A pinned map without flows is stale: it and its links are unpinned
+// and the clamp starts afresh.
+func OpenPinnedAckClamp(dir string) (*AckClamp, error) {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("ackclamp: create pin directory: %w", err)
+	}
+	if ok, err := IsBPFFS(dir); err != nil || !ok {
+		return nil, fmt.Errorf("ackclamp: pin directory %s is not on a BPF file system (mount one with `mount -t bpf bpf %s`): %v", dir, DefaultBPFFS, err)
+	}
+	spec, err := loadAckclamp()
+	if err != nil {
+		return nil, fmt.Errorf("ackclamp: %w", err)
+	}
+	spec.Maps[ackclampMapClamps].Pinning = ebpf.PinByName
+	c := AckClamp{pinDir: dir}
+	if err := spec.LoadAndAssign(&c.objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: dir}}); err != nil {
+		if errors.Is(err, ebpf.ErrMapIncompatible) {
+			return nil, fmt.Errorf("ackclamp: the map pinned in %s is from an incompatible version; once no restored job re-sends bytes, remove that directory: %w", dir, err)
+		}
+		return nil, fmt.Errorf("ackclamp: load eBPF programs: %w", err)
+	}
+	flows, err := c.Flows()
+	if err == nil && len(flows) == 0 {
+		err = c.unpinLinks()
+	}
+	if err != nil {
+		c.objs.Close()
+		return nil, err
+	}
+	return &c, nil
+}
+
+// PinDir is where the clamp's objects are pinned ("" if they are not).
+func (c *AckClamp) PinDir() string { return c.pinDir }
+
+func (c *AckClamp) linkPin(ifname string, at ebpf.AttachType) string {
+	dir := "ingress"
+	if at == ebpf.AttachTCXEgress {
+		dir = "egress"
+	}
+	return filepath.Join(c.pinDir, "link_"+ifname+"_"+dir)
+}
+
+// reopenLink returns the link pinned at path if it is still attached to ifindex in direction at; a pin
+// that is not (its interface was deleted, or the index now names another one) is removed.
+func reopenLink(path string, ifindex int, at ebpf.AttachType) (link.Link, error) {
+	lk, err := link.LoadPinnedLink(path, nil)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		// Not a link we can use: unpin it so that a fresh one can take its place.
+		if rerr := os.Remove(path); rerr != nil {
+			return nil, fmt.Errorf("ackclamp: pinned link %s: %w (and removing it: %v)", path, err, rerr)
+		}
+		return nil, nil
+	}
+	if info, err := lk.Info(); err == nil {
+		if t := info.TCX(); t != nil && int(t.Ifindex) == ifindex && uint32(t.AttachType) == uint32(at) {
+			return lk, nil
+		}
+	}
+	err = lk.Unpin()
+	lk.Close()
+	if err != nil {
+		return nil, fmt.Errorf("ackclamp: unpin stale link %s: %w", path, err)
+	}
+	return nil, nil
+}
+
 // Attach attaches the egress and ingress programs to the interface with this index in the calling thread's
-// network namespace.
+// network namespace. A pinned clamp re-uses the links already pinned for the interface, and pins new ones.
 func (c *AckClamp) Attach(ifindex int) error {
 	nl, err := netlink.LinkByIndex(ifindex)
 	if err != nil {
@@ -47,12 +129,12 @@ func (c *AckClamp) Attach(ifindex int) error {
 		prog *ebpf.Program
 		at   ebpf.AttachType
 	}{{c.objs.AckclampEgress, ebpf.AttachTCXEgress}, {c.objs.AckclampIngress, ebpf.AttachTCXIngress}} {
-		lk, err := link.AttachTCX(link.TCXOptions{Interface: ifindex, Program: a.prog, Attach: a.at, Anchor: link.Head()})
+		lk, err := c.attachOne(ifindex, nl.Attrs().Name, a.prog, a.at)
 		if err != nil {
 			for _, l := range links {
-				l.Close()
+				l.Close() // a pinned one stays, for the next Attach to re-use
 			}
-			return fmt.Errorf("ackclamp: attach TCX %v to %s (needs Linux 6.6+): %w", a.at, nl.Attrs().Name, err)
+			return err
 		}
 		links = append(links, lk)
 	}
@@ -60,6 +142,28 @@ func (c *AckClamp) Attach(ifindex int) error {
 	c.links = append(c.links, links...)
 	c.mu.Unlock()
 	return nil
+}
+
+func (c *AckClamp) attachOne(ifindex int, ifname string, prog *ebpf.Program, at ebpf.AttachType) (link.Link, error) {
+	var pin string
+	if c.pinDir != "" {
+		pin = c.linkPin(ifname, at)
+		lk, err := reopenLink(pin, ifindex, at)
+		if err != nil || lk != nil {
+			return lk, err
+		}
+	}
+	lk, err := link.AttachTCX(link.TCXOptions{Interface: ifindex, Program: prog, Attach: at, Anchor: link.Head()})
+	if err != nil {
+		return nil, fmt.Errorf("ackclamp: attach TCX %v to %s (needs Linux 6.6+): %w", at, ifname, err)
+	}
+	if pin != "" {
+		if err := lk.Pin(pin); err != nil {
+			lk.Close()
+			return nil, fmt.Errorf("ackclamp: pin TCX link %v of %s in %s: %w", at, ifname, c.pinDir, err)
+		}
+	}
+	return lk, nil
 }
 
 func clampKey(f Flow) (ackclampClampKey, error) {
@@ -115,7 +219,75 @@ func (c *AckClamp) Release(f Flow) (ClampState, error) {
 	return st, nil
 }
 
-// Close detaches the programs and frees the maps.
+// ClampedFlow is a registered flow and its state.
+type ClampedFlow struct {
+	Flow  Flow
+	State ClampState
+}
+
+// Flows lists the registered flows.
+func (c *AckClamp) Flows() ([]ClampedFlow, error) {
+	var out []ClampedFlow
+	var k ackclampClampKey
+	var v ackclampClampState
+	it := c.objs.Clamps.Iterate()
+	for it.Next(&k, &v) {
+		out = append(out, ClampedFlow{Flow: flowOfClampKey(k), State: ClampState{SndNxt: v.SndNxt, Clamped: v.Clamped}})
+	}
+	if err := it.Err(); err != nil {
+		return nil, fmt.Errorf("ackclamp: list flows: %w", err)
+	}
+	return out, nil
+}
+
+// flowOfClampKey inverts clampKey: the key holds the addresses and ports in network byte order.
+func flowOfClampKey(k ackclampClampKey) Flow {
+	addr := func(a uint32) netip.Addr {
+		var b [4]byte
+		binary.NativeEndian.PutUint32(b[:], a)
+		return netip.AddrFrom4(b)
+	}
+	return Flow{
+		Src: netip.AddrPortFrom(addr(k.Saddr), htons(k.Sport)),
+		Dst: netip.AddrPortFrom(addr(k.Daddr), htons(k.Dport)),
+	}
+}
+
+// unpinLinks removes every link pin of the directory; the links detach once no process holds them.
+func (c *AckClamp) unpinLinks() error {
+	ents, err := os.ReadDir(c.pinDir)
+	if err != nil {
+		return fmt.Errorf("ackclamp: read pin directory: %w", err)
+	}
+	var errs []error
+	for _, e := range ents {
+		if len(e.Name()) > 5 && e.Name()[:5] == "link_" {
+			if err := os.Remove(filepath.Join(c.pinDir, e.Name())); err != nil && !errors.Is(err, fs.ErrNotExist) {
+				errs = append(errs, fmt.Errorf("ackclamp: unpin %s: %w", e.Name(), err))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Unpin removes the clamp's pins and its pin directory, so that the programs detach and the map is freed
+// when this process closes them. Call it only when no flow is registered any more.
+func (c *AckClamp) Unpin() error {
+	if c.pinDir == "" {
+		return nil
+	}
+	errs := []error{c.unpinLinks()}
+	if err := c.objs.Clamps.Unpin(); err != nil {
+		errs = append(errs, fmt.Errorf("ackclamp: unpin map: %w", err))
+	}
+	if err := os.Remove(c.pinDir); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		errs = append(errs, fmt.Errorf("ackclamp: remove pin directory: %w", err))
+	}
+	return errors.Join(errs...)
+}
+
+// Close detaches the programs and frees the maps, unless they are pinned: then they stay, with their flows,
+// for the next process to re-open.
 func (c *AckClamp) Close() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()

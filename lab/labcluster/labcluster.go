@@ -60,6 +60,10 @@ type runningAgent struct {
 // Paths of a lab's agent files, derived from the lab id so that ftctl can find them in a later run.
 func runDir(id string) string  { return filepath.Join(lab.DefaultStateDir, id+".d") }
 func dataDir(id string) string { return filepath.Join("/var/lib/ftkit/labs", id) }
+
+// pinDir holds the eBPF pins of the lab's agents: the lab's hosts share the machine's bpffs, and labs with
+// the same host names run side by side.
+func pinDir(id string) string { return filepath.Join("/sys/fs/bpf/ftkit", "lab-"+id) }
 func cgroupDir(id string) string {
 	return filepath.Join("/sys/fs/cgroup/unified/ftkit", "lab-"+id)
 }
@@ -83,7 +87,7 @@ func Start(ctx context.Context, l *lab.Lab, opts Options) (*Cluster, error) {
 	}
 	st := l.State()
 	c := &Cluster{Lab: l, opts: opts, runDir: runDir(st.ID), dataDir: dataDir(st.ID), agents: map[string]*runningAgent{}, tls: map[string]clustertls.Config{}}
-	for _, d := range []string{c.runDir, c.dataDir, cgroupDir(st.ID)} {
+	for _, d := range []string{c.runDir, c.dataDir, cgroupDir(st.ID), pinDir(st.ID)} {
 		if err := l.AddCleanup(d); err != nil {
 			return nil, err
 		}
@@ -131,6 +135,7 @@ func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
 	cfg.JobsDir = JobsDir(st.ID)
 	cfg.Socket = Socket(st.ID, h.Name)
 	cfg.CgroupParent = cgroupDir(st.ID)
+	cfg.BPFPinDir = filepath.Join(pinDir(st.ID), h.Name)
 	cfg.Cluster.Listen = netip.AddrPortFrom(h.Addr.Addr(), AgentPort)
 	tc := c.tls[h.Name]
 	cfg.Cluster.CA, cfg.Cluster.Cert, cfg.Cluster.Key = tc.CAFile, tc.CertFile, tc.KeyFile

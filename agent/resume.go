@@ -1,0 +1,572 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/internal/atomicfile"
+	"github.com/ftkit/ftkit/restore"
+	"github.com/ftkit/ftkit/ring"
+)
+
+// A recovery's last steps (waiting for the restored jobs to re-send what their peers had, verifying those
+// bytes, re-protecting the jobs) run while the restored jobs already run under their shims. An agent that
+// dies there (SIGKILL, OOM) must not leave them half done: the target keeps the in-progress recovery in
+// its state directory, and a restarted agent resumes it from there, with the ACK clamp it re-opened from
+// bpffs (the restored sockets kept their ACK clock meanwhile). The coordinator, whose progress stream
+// broke, asks the target for the outcome (opRecoveryStatus).
+
+// recoveriesDir holds one record per recovery this host is or was the target of (root only, 0700).
+const recoveriesDir = "recoveries"
+
+// doneRecoveryKeep is how long the record of a finished recovery is kept for its coordinator to ask.
+const doneRecoveryKeep = 24 * time.Hour
+
+// Phases of a job in a recovery record.
+const (
+	phaseRestoring = "restoring" // the network is prepared; CRIU may or may not have restored it
+	phaseRestored  = "restored"  // it runs; the replay is not verified yet
+	phaseReplayed  = "replayed"  // re-sent and verified; re-protection pending
+)
+
+// recoveryRecord is what a restarted target needs to finish a recovery, and its outcome so far.
+type recoveryRecord struct {
+	Failure     string        `json:"failure"`
+	Coordinator string        `json:"coordinator"`
+	Jobs        []recoveryJob `json:"jobs,omitempty"`
+	// Digests are the coordinator's digests of the re-sent connections (a subset of the request's).
+	Digests []ConnDigests `json:"digests,omitempty"`
+	Stages  []Stage       `json:"stages,omitempty"`
+	Resumed bool          `json:"resumed,omitempty"`
+	Done    bool          `json:"done,omitempty"`
+	Error   string        `json:"error,omitempty"`
+	Updated time.Time     `json:"updated"`
+}
+
+type recoveryJob struct {
+	Job        string         `json:"job"`
+	Snapshot   string         `json:"snapshot"`
+	Phase      string         `json:"phase"`
+	RestoredAt time.Time      `json:"restored_at,omitzero"`
+	Conns      []recoveryConn `json:"conns,omitempty"` // those with bytes to re-send
+}
+
+// recoveryConn is a restored connection's replay: from the snapshot's write_seq OutqSeq, Resend bytes the
+// peer already has.
+type recoveryConn struct {
+	Local   netip.AddrPort `json:"local"`
+	Remote  netip.AddrPort `json:"remote"`
+	OutqSeq uint32         `json:"outq_seq"`
+	Resend  uint32         `json:"resend"`
+}
+
+// validRecoveryID keeps a failure id (from the coordinator) usable as a file name.
+func validRecoveryID(id string) bool {
+	return validNodeName(id) && len(id) <= 255 && !strings.HasPrefix(id, ".")
+}
+
+func recoveryPath(stateDir, failure string) string {
+	return filepath.Join(stateDir, recoveriesDir, failure+".json")
+}
+
+func saveRecovery(stateDir string, rec *recoveryRecord) error {
+	if !validRecoveryID(rec.Failure) {
+		return fmt.Errorf("failure id %q is not usable as a file name", rec.Failure)
+	}
+	dir := filepath.Join(stateDir, recoveriesDir)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("create %s: %w", dir, err)
+	}
+	rec.Updated = time.Now().UTC()
+	if err := atomicfile.WriteJSON(recoveryPath(stateDir, rec.Failure), rec); err != nil {
+		return fmt.Errorf("save recovery record of failure %s: %w", rec.Failure, err)
+	}
+	return nil
+}
+
+func loadRecovery(path string) (*recoveryRecord, error) {
+	b, err := readBounded(path, maxRecoverRequest)
+	if err != nil {
+		return nil, err
+	}
+	var rec recoveryRecord
+	if err := json.Unmarshal(b, &rec); err != nil {
+		return nil, fmt.Errorf("recovery record %s: %w", path, err)
+	}
+	if want := strings.TrimSuffix(filepath.Base(path), ".json"); rec.Failure != want {
+		return nil, fmt.Errorf("recovery record %s names failure %q", path, rec.Failure)
+	}
+	return &rec, nil
+}
+
+// loadRecoveries reads every recovery record of the state directory; an unreadable one is reported and
+// skipped (and kept, for the operator to look at).
+func loadRecoveries(stateDir string) ([]*recoveryRecord, error) {
+	dir := filepath.Join(stateDir, recoveriesDir)
+	ents, err := os.ReadDir(dir)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var out []*recoveryRecord
+	var errs []error
+	for _, e := range ents {
+		if !e.Type().IsRegular() || !strings.HasSuffix(e.Name(), ".json") {
+			continue
+		}
+		rec, err := loadRecovery(filepath.Join(dir, e.Name()))
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		out = append(out, rec)
+	}
+	return out, errors.Join(errs...)
+}
+
+// recoveryTracker keeps a running recovery's record on disk as it goes.
+type recoveryTracker struct {
+	a   *Agent
+	mu  sync.Mutex
+	rec recoveryRecord
+}
+
+func (a *Agent) trackRecovery(req RecoverRequest) *recoveryTracker {
+	return &recoveryTracker{a: a, rec: recoveryRecord{Failure: req.Failure, Coordinator: req.Source}}
+}
+
+// save writes the record; call with t.mu held. A record that cannot be written costs only the ability to
+// resume after an agent crash, so the recovery goes on.
+func (t *recoveryTracker) save() {
+	if err := saveRecovery(t.a.cfg.StateDir, &t.rec); err != nil {
+		t.a.log.Warn("recovery record not saved: an agent restart could not resume this recovery", "failure", t.rec.Failure, "err", err)
+	}
+}
+
+// wrap records every stage before passing it on.
+func (t *recoveryTracker) wrap(emit func(Stage)) func(Stage) {
+	return func(s Stage) {
+		t.mu.Lock()
+		t.rec.Stages = append(t.rec.Stages, s)
+		t.save()
+		t.mu.Unlock()
+		emit(s)
+	}
+}
+
+// persist records the jobs about to be restored, with their replays and the digests to check them by.
+func (t *recoveryTracker) persist(jobs []*restoring, digests []ConnDigests) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	type key struct{ src, dst netip.AddrPort }
+	want := map[key]bool{}
+	for _, r := range jobs {
+		rj := recoveryJob{Job: r.job.ID, Snapshot: r.m.ID, Phase: phaseRestoring}
+		for _, c := range r.plan.Conns {
+			if c.Resend == 0 {
+				continue
+			}
+			rj.Conns = append(rj.Conns, recoveryConn{Local: c.Conn.Local, Remote: c.Conn.Remote, OutqSeq: c.Conn.OutqSeq, Resend: c.Resend})
+			want[key{c.Conn.Local, c.Conn.Remote}] = true
+		}
+		t.rec.Jobs = append(t.rec.Jobs, rj)
+	}
+	for _, cd := range digests {
+		if want[key{cd.Src, cd.Dst}] {
+			t.rec.Digests = append(t.rec.Digests, cd)
+		}
+	}
+	t.save()
+}
+
+// setPhase moves a job on; a job that failed is dropped from the record (nothing to resume).
+func (t *recoveryTracker) setPhase(id, phase string, at time.Time) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for i := range t.rec.Jobs {
+		if t.rec.Jobs[i].Job != id {
+			continue
+		}
+		if phase == "" {
+			t.rec.Jobs = slices.Delete(t.rec.Jobs, i, i+1)
+		} else {
+			t.rec.Jobs[i].Phase = phase
+			if !at.IsZero() {
+				t.rec.Jobs[i].RestoredAt = at
+			}
+		}
+		break
+	}
+	t.save()
+}
+
+// done records the outcome; the record stays (without what a resume would need) for the coordinator. An
+// agent that is stopping (ctx ended) leaves the record unfinished, for the next agent to resume.
+func (t *recoveryTracker) done(ctx context.Context, err error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if ctx.Err() != nil {
+		t.a.log.Warn("agent stopping during a recovery: the next agent resumes it", "failure", t.rec.Failure, "err", err)
+		return
+	}
+	t.rec.Done, t.rec.Error = true, errString(err)
+	t.rec.Digests = nil
+	t.save()
+}
+
+// resumeRecoveries finishes the recoveries a previous agent of this host left unfinished, and forgets the
+// records of old finished ones. It runs once, after adopt.
+func (a *Agent) resumeRecoveries(ctx context.Context) {
+	recs, err := loadRecoveries(a.cfg.StateDir)
+	if err != nil {
+		a.log.Error("some recovery records could not be read; those recoveries are not resumed", "err", err)
+	}
+	var pending []*recoveryRecord
+	for _, rec := range recs {
+		switch {
+		case !rec.Done:
+			pending = append(pending, rec)
+		case time.Since(rec.Updated) > doneRecoveryKeep:
+			os.Remove(recoveryPath(a.cfg.StateDir, rec.Failure))
+		}
+	}
+	a.releaseStaleClamps(pending)
+	for _, rec := range pending {
+		a.resumeRecovery(ctx, rec)
+	}
+}
+
+// releaseStaleClamps unregisters the clamped flows that no unfinished recovery waits for: the clamp would
+// otherwise lower that connection's ACKs forever.
+func (a *Agent) releaseStaleClamps(pending []*recoveryRecord) {
+	if a.clamp == nil {
+		return
+	}
+	keep := map[ebpfprobes.Flow]bool{}
+	for _, rec := range pending {
+		for _, j := range rec.Jobs {
+			if j.Phase == phaseReplayed {
+				continue
+			}
+			for _, c := range j.Conns {
+				keep[ebpfprobes.Flow{Src: c.Local, Dst: c.Remote}] = true
+			}
+		}
+	}
+	flows, err := a.clamp.Flows()
+	if err != nil {
+		a.log.Warn("could not list the ACK clamp's flows", "err", err)
+		return
+	}
+	for _, f := range flows {
+		if !keep[f.Flow] {
+			a.log.Warn("releasing a clamped flow no recovery waits for", "local", f.Flow.Src, "remote", f.Flow.Dst)
+			a.clamp.Release(f.Flow)
+		}
+	}
+}
+
+// resumeRecovery finishes one recovery from its record: each adopted job waits for its replay, has its
+// re-sent bytes verified, and is re-protected; the outcome goes into the record.
+func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
+	defer a.setBusy("restore")()
+	a.log.Warn("resuming a recovery the previous agent of this host left unfinished", "failure", rec.Failure, "coordinator", rec.Coordinator)
+	t := &recoveryTracker{a: a, rec: *rec}
+	t.mu.Lock()
+	t.rec.Resumed = true
+	t.save()
+	t.mu.Unlock()
+	stage := t.wrap(func(s Stage) {
+		a.log.Info("recovery stage (resumed)", "failure", rec.Failure, "stage", s.Name, "job", s.Job, "detail", s.Detail, "err", s.Error)
+	})
+	digests, err := digestIndex(rec.Digests)
+	if err != nil {
+		t.done(ctx, fmt.Errorf("recovery record of failure %s: %w", rec.Failure, err))
+		return
+	}
+	var errs []error
+	var protect []string
+	for _, rj := range rec.Jobs {
+		j, _, jerr := a.Job(rj.Job, 0)
+		if jerr != nil || j.State != JobRunning {
+			state := "unknown here"
+			if jerr == nil {
+				state = string(j.State)
+			}
+			err := fmt.Errorf("job %s (%s when the agent restarted) does not run on %s: its state is %s", rj.Job, rj.Phase, a.cfg.Name, state)
+			stage(Stage{Name: StageReplayed, Job: rj.Job, Host: a.cfg.Name, Start: time.Now(), End: time.Now(), Error: err.Error()})
+			errs = append(errs, err)
+			continue
+		}
+		if rj.Phase == phaseReplayed {
+			protect = append(protect, rj.Job)
+			continue
+		}
+		r := a.resumedRestoring(rj, j)
+		detail, err := a.waitReplay(ctx, r)
+		killed := false
+		if err == nil {
+			var vdetail string
+			vdetail, err = a.verifyResent(ctx, r, digests)
+			detail += "; " + vdetail
+			if killed = err != nil; killed {
+				// Before the job is re-protected: a job that re-sent different bytes must not be snapshotted.
+				err = fmt.Errorf("job %s is not transparently recoverable (killed): %w", rj.Job, err)
+			}
+		} else {
+			err = fmt.Errorf("job %s: %w", rj.Job, err)
+		}
+		detail += " (resumed after the agent restarted)"
+		stage(Stage{Name: StageReplayed, Job: rj.Job, Host: a.cfg.Name, Start: r.restoredAt, End: time.Now(), Detail: detail, Error: errString(err)})
+		if err != nil {
+			errs = append(errs, err)
+		}
+		if killed {
+			continue
+		}
+		t.setPhase(rj.Job, phaseReplayed, time.Time{})
+		protect = append(protect, rj.Job)
+	}
+	if len(protect) > 0 {
+		start := time.Now()
+		detail, err := a.reprotect(ctx, protect)
+		stage(Stage{Name: StageProtected, Host: a.cfg.Name, Start: start, End: time.Now(), Detail: detail, Error: errString(err)})
+		if err != nil {
+			errs = append(errs, fmt.Errorf("re-protect %s: %w", strings.Join(protect, ", "), err))
+		}
+	}
+	err = errors.Join(errs...)
+	t.done(ctx, err)
+	if ctx.Err() != nil {
+		return
+	}
+	if err != nil {
+		a.log.Error("resumed recovery failed", "failure", rec.Failure, "err", err)
+		return
+	}
+	a.log.Info("resumed recovery complete", "failure", rec.Failure)
+}
+
+// resumedRestoring rebuilds what waitReplay and verifyResent need of a job from its record. A flow the
+// clamp no longer holds was released by the previous agent, which releases a flow only once its replay is
+// complete: it is not waited for again.
+func (a *Agent) resumedRestoring(rj recoveryJob, j Job) *restoring {
+	r := &restoring{job: j, restoredAt: rj.RestoredAt}
+	if r.restoredAt.IsZero() {
+		r.restoredAt = time.Now()
+	}
+	var clamped map[ebpfprobes.Flow]bool
+	if a.clamp != nil {
+		if flows, err := a.clamp.Flows(); err == nil {
+			clamped = map[ebpfprobes.Flow]bool{}
+			for _, f := range flows {
+				clamped[f.Flow] = true
+			}
+		}
+	}
+	for _, c := range rj.Conns {
+		if clamped != nil && !clamped[ebpfprobes.Flow{Src: c.Local, Dst: c.Remote}] {
+			continue
+		}
+		cp := restore.ConnPlan{Resend: c.Resend}
+		cp.Conn.Local, cp.Conn.Remote, cp.Conn.OutqSeq = c.Local, c.Remote, c.OutqSeq
+		r.plan.Conns = append(r.plan.Conns, cp)
+	}
+	return r
+}
+
+// reprotect snapshots the restored jobs and ships the snapshot to this host's protector.
+func (a *Agent) reprotect(ctx context.Context, ids []string) (string, error) {
+	res, err := a.Checkpoint(ctx, ids, 0)
+	detail := ""
+	for _, s := range res {
+		if !s.Shipped && err == nil {
+			err = errors.New(s.ShipErr)
+		}
+		detail = fmt.Sprintf("snapshot %s shipped", s.Manifest.ID)
+	}
+	if p, ok := a.protector(); ok {
+		detail += " to " + p.Name
+	}
+	return detail, err
+}
+
+// recoveryStatusMessage asks the target of a recovery how it went, and answers.
+type recoveryStatusMessage struct {
+	Failure string   `json:"failure"`
+	Known   bool     `json:"known,omitempty"`
+	Done    bool     `json:"done,omitempty"`
+	Resumed bool     `json:"resumed,omitempty"`
+	Error   string   `json:"error,omitempty"`
+	Stages  []Stage  `json:"stages,omitempty"`
+	Running []string `json:"running,omitempty"` // the asked-about jobs that run here
+	Jobs    []string `json:"jobs,omitempty"`    // in the question: the jobs of the failure
+}
+
+// maxRecoveryStatusJobs bounds the job list of a status question.
+const maxRecoveryStatusJobs = 4096
+
+func (a *Agent) serveRecoveryStatus(c interface {
+	Read([]byte) (int, error)
+	Write([]byte) (int, error)
+}, peer string) {
+	var q recoveryStatusMessage
+	if err := readHeaderLarge(c, &q); err != nil {
+		a.log.Warn("bad recovery status question", "peer", peer, "err", err)
+		return
+	}
+	reply := recoveryStatusMessage{Failure: q.Failure}
+	if validRecoveryID(q.Failure) {
+		if rec, err := loadRecovery(recoveryPath(a.cfg.StateDir, q.Failure)); err == nil && rec.Coordinator == peer {
+			reply.Known, reply.Done, reply.Resumed, reply.Error, reply.Stages = true, rec.Done, rec.Resumed, rec.Error, rec.Stages
+		}
+	}
+	if len(q.Jobs) <= maxRecoveryStatusJobs {
+		for _, id := range q.Jobs {
+			if j, _, err := a.Job(id, 0); err == nil && j.State == JobRunning {
+				reply.Running = append(reply.Running, id)
+			}
+		}
+	}
+	writeHeader(c, reply)
+}
+
+// recoveryStatus asks target about a recovery of failure and its jobs.
+func (a *Agent) recoveryStatus(ctx context.Context, target, failure string, jobs []string) (recoveryStatusMessage, error) {
+	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	var r recoveryStatusMessage
+	c, err := a.dialPeer(qctx, target, opRecoveryStatus)
+	if err != nil {
+		return r, err
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	if err := writeHeader(c, recoveryStatusMessage{Failure: failure, Jobs: jobs}); err != nil {
+		return r, err
+	}
+	if err := readHeaderLarge(c, &r); err != nil {
+		return r, err
+	}
+	if r.Failure != failure {
+		return r, fmt.Errorf("%s answered about failure %q", target, r.Failure)
+	}
+	return r, nil
+}
+
+// brokenRecoveryWait bounds how long a coordinator whose progress stream broke waits for the target to
+// answer again and finish: a restarted agent resumes the replay (replayTimeout) and re-protects.
+const brokenRecoveryWait = replayTimeout + 3*time.Minute
+
+// brokenSilenceWait bounds how long the target may not answer at all: an agent restarts in seconds; a host
+// that stays silent longer is left to failure detection.
+func (a *Agent) brokenSilenceWait() time.Duration {
+	return max(time.Minute, 3*a.cfg.Heartbeat.Timeout.Duration)
+}
+
+// afterBrokenStream finds out, once the progress stream of a recovery on target broke, what became of it:
+// it asks the target (until it answers again and the recovery ends, bounded) and relays the stages it had
+// not seen. The error names the jobs that do not run.
+func (a *Agent) afterBrokenStream(ctx context.Context, target string, req RecoverRequest, emit func(Stage), broke error) error {
+	broke = fmt.Errorf("recovery on %s: progress stream ended: %w", target, broke)
+	var jobs []string
+	for _, j := range req.Jobs {
+		jobs = append(jobs, j.Job)
+	}
+	a.log.Warn("the progress stream of a recovery broke; asking the target what became of it", "target", target, "failure", req.Failure, "jobs", jobs, "err", broke)
+	seen := map[string]bool{}
+	key := func(s Stage) string {
+		return s.Name + "\x00" + s.Job + "\x00" + s.Host + "\x00" + s.Start.UTC().String()
+	}
+	for _, f := range a.failures.list() {
+		if f.ID == req.Failure {
+			for _, s := range f.Stages {
+				seen[key(s)] = true
+			}
+		}
+	}
+	relay := func(st recoveryStatusMessage) {
+		for _, s := range st.Stages {
+			if k := key(s); !seen[k] {
+				seen[k] = true
+				emit(s)
+			}
+		}
+	}
+	ctx, cancel := context.WithTimeout(ctx, brokenRecoveryWait)
+	defer cancel()
+	var last *recoveryStatusMessage
+	silentSince := time.Now()
+	for {
+		// A target declared failed is not waited for: its jobs died with it, and the next recovery needs
+		// this one's outcome now.
+		if m, ok := a.member(target); ok && m.State != ring.StateAlive {
+			return fmt.Errorf("%w; %s itself failed: job(s) %s do NOT run there", broke, target, strings.Join(jobs, ", "))
+		}
+		st, err := a.recoveryStatus(ctx, target, req.Failure, jobs)
+		if err != nil && last == nil && time.Since(silentSince) > a.brokenSilenceWait() {
+			return fmt.Errorf("%w; %s did not answer within %s: whether job(s) %s run there is unknown", broke, target, a.brokenSilenceWait(), strings.Join(jobs, ", "))
+		}
+		if err == nil {
+			last = &st
+			relay(st)
+			switch {
+			case st.Done && st.Error != "":
+				return fmt.Errorf("%w; %s finished it%s: %s", broke, target, resumedNote(st), st.Error)
+			case st.Done:
+				a.log.Info("the recovery completed on its target despite the broken stream", "target", target, "failure", req.Failure, "resumed", st.Resumed)
+				return nil
+			case !st.Known:
+				return fmt.Errorf("%w; %s answers again but has no record of the recovery: %s", broke, target, runningSummary(jobs, st.Running))
+			}
+		}
+		select {
+		case <-ctx.Done():
+			if last == nil {
+				return fmt.Errorf("%w; %s did not answer within %s: whether job(s) %s run there is unknown", broke, target, brokenRecoveryWait, strings.Join(jobs, ", "))
+			}
+			return fmt.Errorf("%w; %s did not finish it within %s: %s", broke, target, brokenRecoveryWait, runningSummary(jobs, last.Running))
+		case <-time.After(2 * time.Second):
+		}
+	}
+}
+
+func resumedNote(st recoveryStatusMessage) string {
+	if st.Resumed {
+		return " (resumed after its agent restarted)"
+	}
+	return ""
+}
+
+// runningSummary says which of jobs run (by the target's answer) and which do not.
+func runningSummary(jobs, running []string) string {
+	var yes, no []string
+	for _, j := range jobs {
+		if slices.Contains(running, j) {
+			yes = append(yes, j)
+		} else {
+			no = append(no, j)
+		}
+	}
+	var parts []string
+	if len(yes) > 0 {
+		parts = append(parts, "job(s) "+strings.Join(yes, ", ")+" run there")
+	}
+	if len(no) > 0 {
+		parts = append(parts, "job(s) "+strings.Join(no, ", ")+" do NOT run there")
+	}
+	return strings.Join(parts, "; ")
+}

@@ -1,0 +1,164 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/restore"
+)
+
+func resumeTestAgent(t *testing.T) *Agent {
+	t.Helper()
+	var cfg Config
+	cfg.Name, cfg.StateDir = "spare1", t.TempDir()
+	return &Agent{cfg: cfg, log: slog.New(slog.DiscardHandler), byID: map[string]*Job{}, changed: make(chan struct{})}
+}
+
+func testRestoring(job string, conns ...restore.ConnPlan) *restoring {
+	m := &ckpt.Manifest{Job: job, ID: "20250101T000000.000-node2-1"}
+	return &restoring{m: m, job: Job{ID: job}, plan: restore.Plan{Conns: conns}}
+}
+
+func connPlan(local, remote string, outq, resend uint32) restore.ConnPlan {
+	var c restore.ConnPlan
+	c.Conn.Local, c.Conn.Remote, c.Conn.OutqSeq, c.Resend = netip.MustParseAddrPort(local), netip.MustParseAddrPort(remote), outq, resend
+	return c
+}
+
+// TestRecoveryRecordPersists is what a target agent killed during a replay leaves for its successor: the
+// jobs, their replays (only the connections with bytes to re-send), the digests of those connections, the
+// phases and the stages, in a 0600 file of a 0700 directory; the outcome stays without the digests.
+func TestRecoveryRecordPersists(t *testing.T) {
+	a := resumeTestAgent(t)
+	req := RecoverRequest{Failure: "node2-20250101T000001.000", Source: "node3"}
+	tr := a.trackRecovery(req)
+	var emitted []Stage
+	emit := tr.wrap(func(s Stage) { emitted = append(emitted, s) })
+	emit(Stage{Name: StageFetched, Job: "rank1", Host: "spare1"})
+	r := testRestoring("rank1",
+		connPlan("10.0.0.2:7000", "10.0.0.1:40000", 1000, 5000),
+		connPlan("10.0.0.2:7001", "10.0.0.3:40001", 9, 0), // nothing to re-send: nothing to wait for
+	)
+	keep := ConnDigests{Src: netip.MustParseAddrPort("10.0.0.2:7000"), Dst: netip.MustParseAddrPort("10.0.0.1:40000"), Runs: []DigestRun{{Seq: 0, CRCs: []byte{1, 2, 3, 4}}}}
+	other := ConnDigests{Src: netip.MustParseAddrPort("10.0.0.2:7001"), Dst: netip.MustParseAddrPort("10.0.0.3:40001")}
+	tr.persist([]*restoring{r}, []ConnDigests{keep, other})
+	at := time.Date(2025, 1, 1, 0, 0, 2, 0, time.UTC)
+	tr.setPhase("rank1", phaseRestored, at)
+
+	path := recoveryPath(a.cfg.StateDir, req.Failure)
+	for p, want := range map[string]os.FileMode{path: 0o600, filepath.Dir(path): 0o700 | os.ModeDir} {
+		st, err := os.Stat(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Mode() != want {
+			t.Errorf("%s has mode %v, want %v", p, st.Mode(), want)
+		}
+	}
+	recs, err := loadRecoveries(a.cfg.StateDir)
+	if err != nil || len(recs) != 1 {
+		t.Fatalf("loadRecoveries = %v, %v; want one record", recs, err)
+	}
+	got := recs[0]
+	wantJobs := []recoveryJob{{Job: "rank1", Snapshot: r.m.ID, Phase: phaseRestored, RestoredAt: at,
+		Conns: []recoveryConn{{Local: keep.Src, Remote: keep.Dst, OutqSeq: 1000, Resend: 5000}}}}
+	if got.Failure != req.Failure || got.Coordinator != "node3" || got.Done || !reflect.DeepEqual(got.Jobs, wantJobs) {
+		t.Errorf("record %+v; want failure %s by node3, jobs %+v, not done", got, req.Failure, wantJobs)
+	}
+	if !reflect.DeepEqual(got.Digests, []ConnDigests{keep}) {
+		t.Errorf("record digests %+v; want only those of the re-sent connection", got.Digests)
+	}
+	if len(got.Stages) != 1 || got.Stages[0].Name != StageFetched || len(emitted) != 1 {
+		t.Errorf("stages %+v recorded, %d emitted; want the one stage in both", got.Stages, len(emitted))
+	}
+
+	// An agent that stops (SIGTERM) mid-replay leaves the recovery for the next one.
+	stopping, stop := context.WithCancel(t.Context())
+	stop()
+	tr.done(stopping, errors.New("re-sent bytes did not reach the peer's receive point"))
+	if rec, err := loadRecovery(path); err != nil || rec.Done {
+		t.Errorf("after done while stopping: %+v, %v; want the record unfinished", rec, err)
+	}
+
+	tr.done(t.Context(), nil)
+	rec, err := loadRecovery(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !rec.Done || rec.Error != "" || rec.Digests != nil {
+		t.Errorf("after done: %+v; want done, no error, digests dropped", rec)
+	}
+}
+
+// TestResumeRecoveryJobGone: the restarted agent finds a recorded job that does not run (its shim died
+// with the agent, or CRIU never finished): the outcome is recorded as a failure that names the job.
+func TestResumeRecoveryJobGone(t *testing.T) {
+	a := resumeTestAgent(t)
+	rec := &recoveryRecord{Failure: "node2-20250101T000001.000", Coordinator: "node3",
+		Jobs: []recoveryJob{{Job: "rank1-abc", Snapshot: "s", Phase: phaseRestored,
+			Conns: []recoveryConn{{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("10.0.0.1:1"), Resend: 10}}}}}
+	if err := saveRecovery(a.cfg.StateDir, rec); err != nil {
+		t.Fatal(err)
+	}
+	a.resumeRecoveries(t.Context())
+	got, err := loadRecovery(recoveryPath(a.cfg.StateDir, rec.Failure))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !got.Done || !got.Resumed || !strings.Contains(got.Error, "rank1-abc") || !strings.Contains(got.Error, "does not run") {
+		t.Errorf("resumed record %+v; want done, resumed, an error naming rank1-abc as not running", got)
+	}
+	if n := len(got.Stages); n != 1 || got.Stages[0].Job != "rank1-abc" || got.Stages[0].Error == "" {
+		t.Errorf("resumed stages %+v; want one failed stage of rank1-abc", got.Stages)
+	}
+}
+
+// TestLoadRecoveryRejects: records are root's own files, but one renamed or damaged must not be resumed
+// under another failure's name.
+func TestLoadRecoveryRejects(t *testing.T) {
+	a := resumeTestAgent(t)
+	if err := saveRecovery(a.cfg.StateDir, &recoveryRecord{Failure: "f1"}); err != nil {
+		t.Fatal(err)
+	}
+	dir := filepath.Join(a.cfg.StateDir, recoveriesDir)
+	if err := os.Rename(filepath.Join(dir, "f1.json"), filepath.Join(dir, "f2.json")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "f3.json"), []byte("{"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	recs, err := loadRecoveries(a.cfg.StateDir)
+	if len(recs) != 0 || err == nil {
+		t.Errorf("loadRecoveries = %v, %v; want nothing and an error", recs, err)
+	}
+	for _, id := range []string{"", ".", "..", "a/b", ".hidden", strings.Repeat("x", 256)} {
+		if err := saveRecovery(a.cfg.StateDir, &recoveryRecord{Failure: id}); err == nil {
+			t.Errorf("saveRecovery accepted failure id %q", id)
+		}
+	}
+}
+
+func TestRunningSummary(t *testing.T) {
+	tests := []struct {
+		jobs, running []string
+		want          string
+	}{
+		{[]string{"a", "b"}, []string{"a", "b"}, "job(s) a, b run there"},
+		{[]string{"a", "b"}, []string{"b"}, "job(s) b run there; job(s) a do NOT run there"},
+		{[]string{"a"}, nil, "job(s) a do NOT run there"},
+	}
+	for _, tt := range tests {
+		if got := runningSummary(tt.jobs, tt.running); got != tt.want {
+			t.Errorf("runningSummary(%v, %v) = %q, want %q", tt.jobs, tt.running, got, tt.want)
+		}
+	}
+}
