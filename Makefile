@@ -7,7 +7,7 @@ LDFLAGS := -X $(PKG)/internal/version.Version=$(VERSION)
 BIN     := bin
 CMDS    := ftctl ftagent ftwrap
 # The tests' own parallelism: two packages at a time fits the 2-core machines this runs on.
-TESTFLAGS ?= -count=1 -p 2 -timeout 20m
+TESTFLAGS ?= -count=1 -p 2 -timeout 45m
 
 # The test programs (go's ./... skips testdata directories, so they are named).
 PROGS := $(patsubst %/,./%,$(wildcard testdata/*/))
