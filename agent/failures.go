@@ -108,6 +108,24 @@ func (l *failureLog) update(id string, fn func(*Failure)) {
 	f.Updated = time.Now()
 }
 
+// keepNewest forgets all but the n most recently updated failures: other agents' timelines arrive with
+// every view exchange, and what an agent keeps must stay bounded.
+func (l *failureLog) keepNewest(n int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if len(l.byID) <= n {
+		return
+	}
+	all := make([]*Failure, 0, len(l.byID))
+	for _, f := range l.byID {
+		all = append(all, f)
+	}
+	sort.Slice(all, func(i, j int) bool { return all[i].Updated.After(all[j].Updated) })
+	for _, f := range all[n:] {
+		delete(l.byID, f.ID)
+	}
+}
+
 // list returns copies, oldest first.
 func (l *failureLog) list() []*Failure {
 	l.mu.Lock()

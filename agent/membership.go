@@ -4,8 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
+	"net"
 	"net/netip"
 	"path/filepath"
 	"sync"
@@ -93,10 +93,10 @@ func (a *Agent) protector() (ring.Member, bool) {
 
 // serveView answers a view pushed by another agent with our own view after adopting the newer one: the
 // caller learns of a newer view in the same round trip.
-func (a *Agent) serveView(c io.ReadWriter, peer string) {
+func (a *Agent) serveView(c net.Conn, peer string) {
 	var in viewMessage
-	if err := readHeaderLarge(c, &in); err != nil {
-		a.log.Warn("bad view from peer", "peer", peer, "err", err)
+	if err := a.readRequest(c, &in, maxMessage); err != nil {
+		a.refuse(peer, opView, err)
 		return
 	}
 	if v, err := ring.Decode(in.View); err != nil {
@@ -104,12 +104,20 @@ func (a *Agent) serveView(c io.ReadWriter, peer string) {
 	} else if _, err := a.adoptView(v); err != nil {
 		a.log.Error("adopt view", "err", err)
 	}
-	for _, f := range in.Failures {
-		a.failures.merge(f)
+	if err := a.mergeFailures(in.Failures); err != nil {
+		a.log.Warn("failure timelines from peer refused", "peer", peer, "err", err)
 	}
-	a.saveFailures()
-	writeHeader(c, a.viewMessage())
+	a.reply(c, peer, opView, a.viewMessage())
 }
+
+// Bounds on the failure timelines a view message carries. An agent keeps the newest maxFailures
+// (failureLog.keepNewest), so a longer list is malformed; a recovery writes a few stages per job, so a
+// timeline of more than maxFailureStages stages or maxFailureJobs jobs is too.
+const (
+	maxFailures      = 128
+	maxFailureStages = 4096
+	maxFailureJobs   = 1024
+)
 
 // viewMessage carries the view and the failure timelines, so that every agent can show them.
 type viewMessage struct {
@@ -119,7 +127,8 @@ type viewMessage struct {
 
 func (a *Agent) viewMessage() viewMessage {
 	b, _ := ring.Encode(a.View())
-	return viewMessage{View: b, Failures: a.failures.list()}
+	fs := a.failures.list()
+	return viewMessage{View: b, Failures: fs[max(0, len(fs)-maxFailures):]} // the newest: what a peer accepts
 }
 
 // pushView sends the current view and failure timelines to every other alive member and adopts any newer
@@ -142,19 +151,8 @@ func (a *Agent) pushView(ctx context.Context) {
 }
 
 func (a *Agent) exchangeView(ctx context.Context, name string) error {
-	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
-	defer cancel()
-	c, err := a.dialPeer(ctx, name, opView)
-	if err != nil {
-		return err
-	}
-	defer c.Close()
-	c.SetDeadline(time.Now().Add(3 * time.Second))
-	if err := writeHeader(c, a.viewMessage()); err != nil {
-		return err
-	}
 	var in viewMessage
-	if err := readHeaderLarge(c, &in); err != nil {
+	if err := a.call(ctx, name, opView, 3*time.Second, a.viewMessage(), &in); err != nil {
 		return err
 	}
 	v, err := ring.Decode(in.View)
@@ -164,9 +162,42 @@ func (a *Agent) exchangeView(ctx context.Context, name string) error {
 	if _, err := a.adoptView(v); err != nil {
 		return err
 	}
-	for _, f := range in.Failures {
+	return a.mergeFailures(in.Failures)
+}
+
+// mergeFailures merges the failure timelines another agent sent, refusing the whole list if it is
+// malformed, and keeps the newest maxFailures.
+func (a *Agent) mergeFailures(fs []*Failure) error {
+	if err := checkFailures(fs); err != nil {
+		return err
+	}
+	if len(fs) == 0 {
+		return nil
+	}
+	for _, f := range fs {
 		a.failures.merge(f)
 	}
+	a.failures.keepNewest(maxFailures)
 	a.saveFailures()
+	return nil
+}
+
+// checkFailures refuses a list of failure timelines longer than an agent keeps, or with a timeline longer
+// than a recovery writes.
+func checkFailures(fs []*Failure) error {
+	if len(fs) > maxFailures {
+		return fmt.Errorf("%d failure timelines, more than the %d an agent keeps", len(fs), maxFailures)
+	}
+	for _, f := range fs {
+		if f == nil {
+			continue
+		}
+		if len(f.Stages) > maxFailureStages {
+			return fmt.Errorf("failure %q has %d stages, more than the %d a recovery writes", f.ID, len(f.Stages), maxFailureStages)
+		}
+		if len(f.Jobs) > maxFailureJobs {
+			return fmt.Errorf("failure %q lists %d jobs, more than the %d a timeline keeps", f.ID, len(f.Jobs), maxFailureJobs)
+		}
+	}
 	return nil
 }
