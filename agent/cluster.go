@@ -238,12 +238,7 @@ func (a *Agent) handleCluster(ctx context.Context, c net.Conn) {
 	case opDigests:
 		a.serveDigests(c, peer)
 	case opCheckpointNow:
-		a.log.Info("snapshot requested by a sender whose log is under pressure", "peer", peer)
-		go func() {
-			if _, err := a.Checkpoint(context.WithoutCancel(ctx), nil, 0); err != nil {
-				a.log.Warn("requested snapshot failed", "err", err)
-			}
-		}()
+		a.serveCheckpointNow(ctx, peer)
 	case opHeartbeat:
 		a.serveBeats(c, peer)
 	case opProbe:
@@ -274,6 +269,24 @@ func (a *Agent) servePing(c net.Conn, peer string) {
 		}
 	}
 	a.reply(c, peer, opPing, PingReply{Node: a.cfg.Name, Jobs: jobs})
+}
+
+// serveCheckpointNow snapshots this host's jobs for a sender whose log is under pressure. Requests that
+// arrive while one is pending are folded into it: peers must not queue snapshots without bound. It
+// reports whether it started one.
+func (a *Agent) serveCheckpointNow(ctx context.Context, peer string) bool {
+	if !a.asked.CompareAndSwap(false, true) {
+		a.log.Info("snapshot requested by a sender whose log is under pressure; one is already pending", "peer", peer)
+		return false
+	}
+	a.log.Info("snapshot requested by a sender whose log is under pressure", "peer", peer)
+	go func() {
+		defer a.asked.Store(false)
+		if _, err := a.Checkpoint(context.WithoutCancel(ctx), nil, 0); err != nil {
+			a.log.Warn("requested snapshot failed", "err", err)
+		}
+	}()
+	return true
 }
 
 // serveLocate answers which job a snapshot id this host holds belongs to ("" if none).

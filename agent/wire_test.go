@@ -605,3 +605,33 @@ func TestDigestIndexBounds(t *testing.T) {
 		})
 	}
 }
+
+// TestCheckpointNowCoalesces: a peer that asks for snapshots over and over gets one pending snapshot, not
+// one goroutine per request.
+func TestCheckpointNowCoalesces(t *testing.T) {
+	a, _ := newWireAgent(t, "n1", testMembers(nil))
+	a.ckptMu.Lock() // the first requested snapshot waits here: it stays pending
+	started := 0
+	for range 100 {
+		if a.serveCheckpointNow(t.Context(), "n2") {
+			started++
+		}
+	}
+	a.ckptMu.Unlock()
+	if started != 1 {
+		t.Fatalf("%d snapshots started for 100 requests while one was pending; want 1", started)
+	}
+	deadline := time.Now().Add(failAfter)
+	for a.asked.Load() {
+		if time.Now().After(deadline) {
+			t.Fatal("the requested snapshot never finished")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if !a.serveCheckpointNow(t.Context(), "n2") {
+		t.Error("a request after the pending snapshot finished was folded into it")
+	}
+	for a.asked.Load() && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond) // let it finish before the agent's directory goes
+	}
+}
