@@ -50,6 +50,9 @@ type Agent struct {
 	claims   *spare.Holder        // this host's claim state while it is a spare
 	clamp    *ebpfprobes.AckClamp // ACK clock for restored sockets that re-send what peers have; nil if unavailable
 	digests  *digestStore         // digests of what the nodes this host protects sent, to verify re-sent bytes
+
+	wire  wireTimeouts // deadlines of the agent-to-agent protocol; zero fields take the defaults
+	asked atomic.Bool  // a snapshot a peer asked for (opCheckpointNow) is pending
 }
 
 // New checks the host (root, CRIU 4.2 or newer, cgroup v2) and prepares the agent's directories.

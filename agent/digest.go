@@ -143,6 +143,9 @@ func (cd ConnDigests) index() (blocks map[uint32]uint32, newest uint32, err erro
 		if r.Seq%DigestBlockSize != 0 {
 			return nil, 0, fmt.Errorf("digests of %s -> %s: run at %d is not on a %d-byte block boundary", cd.Src, cd.Dst, r.Seq, DigestBlockSize)
 		}
+		if len(r.CRCs) == 0 {
+			return nil, 0, fmt.Errorf("digests of %s -> %s: run at %d is empty", cd.Src, cd.Dst, r.Seq)
+		}
 		if len(r.CRCs)%4 != 0 {
 			return nil, 0, fmt.Errorf("digests of %s -> %s: run at %d has %d bytes of CRCs, not a multiple of 4", cd.Src, cd.Dst, r.Seq, len(r.CRCs))
 		}
@@ -260,14 +263,11 @@ type digestBatch struct {
 }
 
 func (a *Agent) sendDigests(ctx context.Context, peer string, ds []BlockDigest) error {
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	c, err := a.dialPeer(ctx, peer, opDigests)
+	c, err := a.open(ctx, peer, opDigests, 5*time.Second, nil)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	c.SetDeadline(time.Now().Add(5 * time.Second))
 	w := bufio.NewWriter(c)
 	if err := writeHeader(w, digestBatch{Count: len(ds)}); err != nil {
 		return err
@@ -282,33 +282,49 @@ func (a *Agent) sendDigests(ctx context.Context, peer string, ds []BlockDigest) 
 		return err
 	}
 	var ack struct{ Stored int }
-	return readHeader(c, &ack)
+	return c.readReply(&ack)
 }
 
 // serveDigests stores the digests a protected node ships.
 func (a *Agent) serveDigests(c net.Conn, peer string) {
-	c.SetDeadline(time.Now().Add(10 * time.Second))
 	var b digestBatch
-	if err := readHeader(c, &b); err != nil || b.Count < 0 || b.Count > maxDigestBatch {
-		a.log.Warn("bad digest batch", "peer", peer, "count", b.Count, "err", err)
+	if err := a.readRequest(c, &b, maxHeader); err != nil {
+		a.refuse(peer, opDigests, err)
 		return
 	}
-	dec := json.NewDecoder(io.LimitReader(c, int64(b.Count)*256+1))
-	ds := make([]BlockDigest, 0, b.Count)
-	for range b.Count {
+	if b.Count < 0 || b.Count > maxDigestBatch {
+		a.refuse(peer, opDigests, fmt.Errorf("batch of %d digests: 0 to %d", b.Count, maxDigestBatch))
+		return
+	}
+	c.SetReadDeadline(time.Now().Add(a.largeTimeout(maxDigestBatch * maxDigestLine)))
+	ds, err := readDigests(c, b.Count)
+	if err != nil {
+		a.refuse(peer, opDigests, err)
+		return
+	}
+	a.digests.add(peer, ds, time.Now())
+	a.reply(c, peer, opDigests, struct{ Stored int }{len(ds)})
+}
+
+// maxDigestLine bounds one BlockDigest line (with two IPv6 endpoints it is under 150 bytes).
+const maxDigestLine = 256
+
+// readDigests reads the count BlockDigest lines of a batch (count already bounded by maxDigestBatch),
+// never more than count*maxDigestLine bytes, and refuses a digest that is not of a whole block.
+func readDigests(r io.Reader, count int) ([]BlockDigest, error) {
+	dec := json.NewDecoder(io.LimitReader(r, int64(count)*maxDigestLine+1))
+	ds := make([]BlockDigest, 0, count)
+	for range count {
 		var d BlockDigest
 		if err := dec.Decode(&d); err != nil {
-			a.log.Warn("bad digest line", "peer", peer, "err", err)
-			return
+			return nil, fmt.Errorf("digest %d of %d: %w", len(ds)+1, count, err)
 		}
 		if d.Seq%DigestBlockSize != 0 || !d.Src.IsValid() || !d.Dst.IsValid() {
-			a.log.Warn("digest refused: not a block of a connection", "peer", peer, "digest", d)
-			return
+			return nil, fmt.Errorf("digest %+v is not a block of a connection", d)
 		}
 		ds = append(ds, d)
 	}
-	a.digests.add(peer, ds, time.Now())
-	writeHeader(c, struct{ Stored int }{len(ds)})
+	return ds, nil
 }
 
 // digestStore holds, on a protector, the digests of the nodes it protects, in memory and on disk.
@@ -602,15 +618,27 @@ func checkResent(conn netlog.Conn, from, length uint32, want map[uint32]uint32, 
 	return r, nil
 }
 
-// digestIndex turns a recovery request's digests into connection -> block -> CRC.
+// digestIndex turns a recovery request's digests into connection -> block -> CRC. A protector keeps at
+// most maxDigestBlocksPerNode blocks of a node, so a request with more (or with a connection twice) is
+// malformed.
 func digestIndex(cds []ConnDigests) (map[netlog.Conn]map[uint32]uint32, error) {
 	out := map[netlog.Conn]map[uint32]uint32{}
+	total := 0
 	for _, cd := range cds {
+		k := netlog.Conn{Src: cd.Src, Dst: cd.Dst}
+		if _, dup := out[k]; dup {
+			return nil, fmt.Errorf("digests of %s -> %s given twice", cd.Src, cd.Dst)
+		}
+		for _, r := range cd.Runs {
+			if total += len(r.CRCs) / 4; total > maxDigestBlocksPerNode {
+				return nil, fmt.Errorf("digests of more than %d blocks: more than a protector keeps of one node", maxDigestBlocksPerNode)
+			}
+		}
 		blocks, _, err := cd.index()
 		if err != nil {
 			return nil, err
 		}
-		out[netlog.Conn{Src: cd.Src, Dst: cd.Dst}] = blocks
+		out[k] = blocks
 	}
 	return out, nil
 }

@@ -4,7 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
+	"net"
 	"strings"
 	"time"
 
@@ -153,13 +153,14 @@ type replicaMessage struct {
 	Error    string         `json:"error,omitempty"`
 }
 
-func (a *Agent) serveReplica(ctx context.Context, c io.ReadWriter) {
+func (a *Agent) serveReplica(ctx context.Context, c net.Conn, peer string) {
 	var req replicaMessage
-	if err := readHeader(c, &req); err != nil {
+	if err := a.readRequest(c, &req, maxHeader); err != nil {
+		a.refuse(peer, opReplica, err)
 		return
 	}
 	m, err := a.newestReplica(ctx, req.Job, req.Node)
-	writeHeader(c, replicaMessage{Job: req.Job, Node: req.Node, Manifest: m, Error: errString(err)})
+	a.reply(c, peer, opReplica, replicaMessage{Job: req.Job, Node: req.Node, Manifest: m, Error: errString(err)})
 }
 
 // remoteReplica finds the newest verified replica of job from node among the other alive members; local is
@@ -176,23 +177,19 @@ func (a *Agent) remoteReplica(ctx context.Context, job, node string, local error
 			continue
 		}
 		m, err := func() (*ckpt.Manifest, error) {
-			qctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-			defer cancel()
-			c, err := a.dialPeer(qctx, mb.Name, opReplica)
-			if err != nil {
-				return nil, err
-			}
-			defer c.Close()
-			c.SetDeadline(time.Now().Add(30 * time.Second))
+			// The holder verifies its replicas (reads and hashes them) before it answers: more than one
+			// message timeout.
 			var r replicaMessage
-			if err := writeHeader(c, replicaMessage{Job: job, Node: node}); err != nil {
+			if err := a.call(ctx, mb.Name, opReplica, 3*a.msgTimeout(), replicaMessage{Job: job, Node: node}, &r); err != nil {
 				return nil, err
 			}
-			if err := readHeaderLarge(c, &r); err != nil {
-				return nil, err
-			}
-			if r.Error != "" || r.Manifest == nil {
+			switch {
+			case r.Error != "":
 				return nil, errors.New(r.Error)
+			case r.Manifest == nil:
+				return nil, errors.New("answered without a replica or an error")
+			case r.Manifest.Job != job || r.Manifest.Node != node:
+				return nil, fmt.Errorf("answered with a replica of job %s from %s, not of %s from %s", r.Manifest.Job, r.Manifest.Node, job, node)
 			}
 			return r.Manifest, nil
 		}()
@@ -240,19 +237,8 @@ func (a *Agent) claimSpare(ctx context.Context, failure, failed string, need spa
 }
 
 func (a *Agent) requestClaim(ctx context.Context, name string, cl spare.Claim) error {
-	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
-	defer cancel()
-	c, err := a.dialPeer(ctx, name, opClaim)
-	if err != nil {
-		return err
-	}
-	defer c.Close()
-	c.SetDeadline(time.Now().Add(3 * time.Second))
 	var r struct{ Error string }
-	if err := writeHeader(c, cl); err != nil {
-		return err
-	}
-	if err := readHeader(c, &r); err != nil {
+	if err := a.call(ctx, name, opClaim, 3*time.Second, cl, &r); err != nil {
 		return err
 	}
 	if r.Error != "" {
@@ -262,19 +248,25 @@ func (a *Agent) requestClaim(ctx context.Context, name string, cl spare.Claim) e
 }
 
 // serveClaim answers a claim: a spare accepts one failed node at a time and only if its memory suffices.
-func (a *Agent) serveClaim(c interface {
-	Read([]byte) (int, error)
-	Write([]byte) (int, error)
-}, peer string) {
+// Only an alive node of the ring may claim it, for another node of the ring.
+func (a *Agent) serveClaim(c net.Conn, peer string) {
 	var cl spare.Claim
-	if err := readHeader(c, &cl); err != nil {
+	if err := a.readRequest(c, &cl, maxHeader); err != nil {
+		a.refuse(peer, opClaim, err)
 		return
 	}
 	cl.By = peer
 	err := func() error {
-		self, ok := a.member(a.cfg.Name)
+		v := a.View()
+		self, ok := v.Member(a.cfg.Name)
 		if !ok || self.Role != ring.RoleSpare || self.State != ring.StateAlive {
 			return fmt.Errorf("%w: %s is not a free spare (role %s)", spare.ErrBusy, a.cfg.Name, self.Role)
+		}
+		if by, ok := v.Member(peer); !ok || by.Role != ring.RoleNode || by.State != ring.StateAlive {
+			return fmt.Errorf("claim refused: %s is not an alive node of the ring (role %s, state %s); only a failed node's protector claims a spare", peer, by.Role, by.State)
+		}
+		if failed, ok := v.Member(cl.Failed); !ok || failed.Role != ring.RoleNode || cl.Failed == peer {
+			return fmt.Errorf("claim refused: %q is not another node of the ring", cl.Failed)
 		}
 		avail, err := spare.MemAvailable()
 		if err != nil {
@@ -282,7 +274,10 @@ func (a *Agent) serveClaim(c interface {
 		}
 		return a.claims.Claim(cl, avail)
 	}()
-	writeHeader(c, struct{ Error string }{errString(err)})
+	if err != nil {
+		a.refuse(peer, opClaim, err)
+	}
+	a.reply(c, peer, opClaim, struct{ Error string }{errString(err)})
 	if err == nil {
 		a.log.Info("spare claimed", "by", peer, "failed", cl.Failed, "failure", cl.Failure, "jobs", cl.Need.Jobs)
 	}

@@ -3,6 +3,8 @@ package agent
 import (
 	"context"
 	"errors"
+	"fmt"
+	"io"
 	"net"
 	"syscall"
 	"time"
@@ -45,9 +47,8 @@ func (a *Agent) sendBeats(ctx context.Context) {
 			return
 		}
 		if c == nil {
-			dctx, cancel := context.WithTimeout(ctx, a.cfg.Heartbeat.Timeout.Duration)
-			conn, err := a.dialPeer(dctx, p.Name, opHeartbeat)
-			cancel()
+			// The stream lives as long as ctx; each beat below sets its own write deadline.
+			conn, err := a.open(ctx, p.Name, opHeartbeat, a.cfg.Heartbeat.Timeout.Duration, nil)
 			if err != nil {
 				a.log.Debug("heartbeat: protector unreachable", "protector", p.Name, "err", err)
 				return
@@ -71,12 +72,17 @@ func (a *Agent) sendBeats(ctx context.Context) {
 	})
 }
 
-// serveBeats records the heartbeats of one member until its stream ends.
+// serveBeats records the heartbeats of one member until its stream ends or falls silent.
 func (a *Agent) serveBeats(c net.Conn, peer string) {
 	for {
+		// Silence beyond a few heartbeat timeouts ends the stream (the watchdog has suspected the sender
+		// long before); a sender that comes back dials again.
 		c.SetReadDeadline(time.Now().Add(4 * a.cfg.Heartbeat.Timeout.Duration))
 		var b detect.Beat
 		if err := readHeaderLarge(c, &b); err != nil {
+			if !errors.Is(err, io.EOF) {
+				a.refuse(peer, opHeartbeat, err)
+			}
 			return
 		}
 		b.From = peer // the authenticated name, never what the message says
@@ -155,19 +161,9 @@ func (a *Agent) confirm(ctx context.Context, name string) (why string, alive boo
 
 // askReach asks member via whether it reaches member name.
 func (a *Agent) askReach(ctx context.Context, via, name string) bool {
-	pctx, cancel := context.WithTimeout(ctx, 2*a.cfg.Heartbeat.Timeout.Duration)
-	defer cancel()
-	c, err := a.dialPeer(pctx, via, opProbe)
-	if err != nil {
-		return false // the other neighbour is gone too: nobody reaches the suspect
-	}
-	defer c.Close()
-	if dl, ok := pctx.Deadline(); ok {
-		c.SetDeadline(dl)
-	}
 	var r probeMessage
-	if writeHeader(c, probeMessage{Name: name}) != nil || readHeader(c, &r) != nil {
-		return false
+	if err := a.call(ctx, via, opProbe, 2*a.cfg.Heartbeat.Timeout.Duration, probeMessage{Name: name}, &r); err != nil {
+		return false // the other neighbour is gone too (or does not answer): nobody reaches the suspect
 	}
 	return r.Reachable
 }
@@ -178,13 +174,19 @@ type probeMessage struct {
 	Reachable bool   `json:"reachable"`
 }
 
-func (a *Agent) serveProbe(c net.Conn) {
+func (a *Agent) serveProbe(c net.Conn, peer string) {
 	var req probeMessage
-	if err := readHeader(c, &req); err != nil {
+	if err := a.readRequest(c, &req, maxHeader); err != nil {
+		a.refuse(peer, opProbe, err)
+		return
+	}
+	if _, ok := a.member(req.Name); !ok {
+		a.refuse(peer, opProbe, fmt.Errorf("%q is not a cluster member", req.Name))
+		a.reply(c, peer, opProbe, probeMessage{Name: req.Name})
 		return
 	}
 	_, ok := a.reaches(context.Background(), req.Name)
-	writeHeader(c, probeMessage{Name: req.Name, Reachable: ok})
+	a.reply(c, peer, opProbe, probeMessage{Name: req.Name, Reachable: ok})
 }
 
 // reaches reports whether member name's host is up: its agent answers a ping within the heartbeat timeout,

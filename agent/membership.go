@@ -5,8 +5,8 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
+	"net"
 	"net/netip"
 	"path/filepath"
 	"sync"
@@ -94,10 +94,10 @@ func (a *Agent) protector() (ring.Member, bool) {
 
 // serveView answers a view pushed by another agent with our own view after adopting the newer one: the
 // caller learns of a newer view in the same round trip.
-func (a *Agent) serveView(c io.ReadWriter, peer string) {
+func (a *Agent) serveView(c net.Conn, peer string) {
 	var in viewMessage
-	if err := readHeaderLarge(c, &in); err != nil {
-		a.log.Warn("bad view from peer", "peer", peer, "err", err)
+	if err := a.readRequest(c, &in, maxMessage); err != nil {
+		a.refuse(peer, opView, err)
 		return
 	}
 	if v, err := ring.Decode(in.View); err != nil {
@@ -105,11 +105,10 @@ func (a *Agent) serveView(c io.ReadWriter, peer string) {
 	} else if _, err := a.adoptView(v); err != nil {
 		a.log.Error("adopt view", "err", err)
 	}
-	for _, f := range in.Failures {
-		a.failures.merge(f)
+	if err := a.mergeFailures(in.Failures); err != nil {
+		a.log.Warn("failure timelines from peer refused", "peer", peer, "err", err)
 	}
-	a.saveFailures()
-	writeHeader(c, a.viewMessage())
+	a.reply(c, peer, opView, a.viewMessage())
 }
 
 // viewMessage carries the view and the failure timelines, so that every agent can show them.
@@ -123,7 +122,8 @@ func (a *Agent) viewMessage() viewMessage {
 	// The receiver reads at most maxMessage bytes: the newest failures that fit next to the view (which
 	// JSON carries in base64) go along.
 	budget := maxMessage - base64.StdEncoding.EncodedLen(len(b)) - viewMessageOverhead
-	return viewMessage{View: b, Failures: a.failures.newest(budget)}
+	fs := a.failures.newest(budget)
+	return viewMessage{View: b, Failures: fs[max(0, len(fs)-maxFailures):]} // no more than a peer accepts
 }
 
 // viewMessageOverhead is the bytes of a view message besides the view and the failures: field names,
@@ -150,19 +150,8 @@ func (a *Agent) pushView(ctx context.Context) {
 }
 
 func (a *Agent) exchangeView(ctx context.Context, name string) error {
-	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
-	defer cancel()
-	c, err := a.dialPeer(ctx, name, opView)
-	if err != nil {
-		return err
-	}
-	defer c.Close()
-	c.SetDeadline(time.Now().Add(3 * time.Second))
-	if err := writeHeader(c, a.viewMessage()); err != nil {
-		return err
-	}
 	var in viewMessage
-	if err := readHeaderLarge(c, &in); err != nil {
+	if err := a.call(ctx, name, opView, 3*time.Second, a.viewMessage(), &in); err != nil {
 		return err
 	}
 	v, err := ring.Decode(in.View)
@@ -172,9 +161,48 @@ func (a *Agent) exchangeView(ctx context.Context, name string) error {
 	if _, err := a.adoptView(v); err != nil {
 		return err
 	}
-	for _, f := range in.Failures {
+	return a.mergeFailures(in.Failures)
+}
+
+// mergeFailures merges the failure timelines another agent sent, refusing the whole list if it is
+// longer than an agent keeps; the log clips each timeline to its bounds and keeps the newest maxFailures.
+func (a *Agent) mergeFailures(fs []*Failure) error {
+	if err := checkFailures(fs); err != nil {
+		return err
+	}
+	if len(fs) == 0 {
+		return nil
+	}
+	for _, f := range fs {
 		a.failures.merge(f)
 	}
 	a.saveFailures()
+	return nil
+}
+
+// A timeline from a peer with more stages or jobs than these is malformed, not just long (the log clips
+// what it keeps to maxStages and maxFailureJobs).
+const (
+	maxWireStages = 128 * maxStages
+	maxWireJobs   = 4 * maxFailureJobs
+)
+
+// checkFailures refuses a list of failure timelines longer than an agent keeps, or with a timeline far
+// longer than a recovery writes (the log would clip it, but such a list is malformed).
+func checkFailures(fs []*Failure) error {
+	if len(fs) > maxFailures {
+		return fmt.Errorf("%d failure timelines, more than the %d an agent keeps", len(fs), maxFailures)
+	}
+	for _, f := range fs {
+		if f == nil {
+			continue
+		}
+		if len(f.Stages) > maxWireStages {
+			return fmt.Errorf("failure %q has %d stages, more than a recovery writes", f.ID, len(f.Stages))
+		}
+		if len(f.Jobs) > maxWireJobs {
+			return fmt.Errorf("failure %q lists %d jobs, more than a timeline keeps", f.ID, len(f.Jobs))
+		}
+	}
 	return nil
 }

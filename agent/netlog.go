@@ -167,34 +167,41 @@ func (a *Agent) announceReceivePoints(ctx context.Context, m *ckpt.Manifest) {
 	}
 }
 
+// maxTrimPoints bounds one opTrim message (about 130 bytes a point at most: well inside maxMessage); a
+// snapshot with more connections to one peer is announced in several.
+const maxTrimPoints = 4096
+
 func (a *Agent) sendTrim(ctx context.Context, peer string, pts []TrimPoint) error {
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	c, err := a.dialPeer(ctx, peer, opTrim)
-	if err != nil {
-		return err
+	for len(pts) > 0 {
+		n := min(len(pts), maxTrimPoints)
+		var ack struct{ Trimmed int }
+		if err := a.call(ctx, peer, opTrim, 5*time.Second, pts[:n], &ack); err != nil {
+			return err
+		}
+		pts = pts[n:]
 	}
-	defer c.Close()
-	c.SetDeadline(time.Now().Add(5 * time.Second))
-	if err := writeHeader(c, pts); err != nil {
-		return err
-	}
-	var ack struct{ Trimmed int }
-	return readHeader(c, &ack)
+	return nil
 }
 
 // serveTrim drops log data the caller's snapshot covers.
 func (a *Agent) serveTrim(c net.Conn, peer string) {
 	var pts []TrimPoint
-	if err := readHeader(c, &pts); err != nil {
+	if err := a.readRequest(c, &pts, maxMessage); err != nil {
+		a.refuse(peer, opTrim, err)
 		return
+	}
+	if len(pts) > maxTrimPoints {
+		a.refuse(peer, opTrim, fmt.Errorf("%d trim points, more than the %d one message may carry", len(pts), maxTrimPoints))
+		return
+	}
+	own, foreign := ownTrimPoints(pts, peer, a.memberByIP)
+	if foreign > 0 {
+		a.log.Warn("trim refused for connections the peer does not hold: a member may only release data destined for itself",
+			"peer", peer, "refused", foreign, "accepted", len(own))
 	}
 	n := 0
 	if a.netlog != nil {
-		for _, p := range pts {
-			if a.memberByIP(p.Dst.Addr()) != peer {
-				continue // a member may only release data destined for itself
-			}
+		for _, p := range own {
 			if _, err := a.netlog.cap.Log().Trim(netlog.Conn{Src: p.Src, Dst: p.Dst}, p.Seq); err == nil {
 				n++
 			}
@@ -204,7 +211,20 @@ func (a *Agent) serveTrim(c net.Conn, peer string) {
 		a.netlog.ctl.Relieved(peer)
 		a.netlog.mu.Unlock()
 	}
-	writeHeader(c, struct{ Trimmed int }{n})
+	a.reply(c, peer, opTrim, struct{ Trimmed int }{n})
+}
+
+// ownTrimPoints keeps the points whose receiving end (Dst) member peer holds now (owner names the member
+// that holds an address), and counts the others.
+func ownTrimPoints(pts []TrimPoint, peer string, owner func(netip.Addr) string) (own []TrimPoint, foreign int) {
+	for _, p := range pts {
+		if !p.Dst.IsValid() || owner(p.Dst.Addr()) != peer {
+			foreign++
+			continue
+		}
+		own = append(own, p)
+	}
+	return own, foreign
 }
 
 // LogRangeRequest asks a sender for the bytes it logged on a connection from a sequence number on.
@@ -225,15 +245,26 @@ type LogRangeReply struct {
 	Error   string        `json:"error,omitempty"`
 }
 
+// maxLogRange bounds one log range. The restorer injects the range into a restored socket's receive
+// queue, which must end at the peer's snd_nxt: more than half the 32-bit sequence space past the
+// snapshot's receive point is no distance TCP's sequence numbers (or netlog.UnwrapNear) can express. The
+// log's memory cap is no bound: compressed and spilled slabs hold more raw bytes than the cap.
+const maxLogRange = 1<<31 - 1
+
 // serveLogRange streams the logged bytes of one connection from a sequence number to the highest
 // contiguous byte, for the restorer.
-func (a *Agent) serveLogRange(ctx context.Context, c net.Conn) {
+func (a *Agent) serveLogRange(ctx context.Context, c net.Conn, peer string) {
 	var req LogRangeRequest
-	if err := readHeader(c, &req); err != nil {
+	if err := a.readRequest(c, &req, maxHeader); err != nil {
+		a.refuse(peer, opLogRange, err)
 		return
 	}
+	fail := func(err error) {
+		a.refuse(peer, opLogRange, err)
+		a.reply(c, peer, opLogRange, LogRangeReply{From: req.From, Error: err.Error()})
+	}
 	if a.netlog == nil {
-		writeHeader(c, LogRangeReply{Error: "the sender-side log is disabled on " + a.cfg.Name})
+		fail(errors.New("the sender-side log is disabled on " + a.cfg.Name))
 		return
 	}
 	l := a.netlog.cap.Log()
@@ -244,19 +275,23 @@ func (a *Agent) serveLogRange(ctx context.Context, c net.Conn) {
 		b, err = l.Bounds(conn)
 	}
 	if err != nil {
-		writeHeader(c, LogRangeReply{Error: err.Error()})
+		fail(err)
 		return
 	}
 	to := b.Contiguous
 	if to < from {
 		to = from
 	}
+	if to-from > maxLogRange {
+		fail(fmt.Errorf("%d logged bytes of %s from sequence %d: more than the %d one range may carry", to-from, conn, req.From, int64(maxLogRange)))
+		return
+	}
 	st, err := l.Store(conn)
 	if err == nil {
 		err = st.Check(from, to) // a hole or trimmed data is refused before any byte is sent
 	}
 	if err != nil {
-		writeHeader(c, LogRangeReply{Error: err.Error()})
+		fail(err)
 		return
 	}
 	reply := LogRangeReply{From: req.From, Len: int64(to - from)}
@@ -264,40 +299,63 @@ func (a *Agent) serveLogRange(ctx context.Context, c net.Conn) {
 		reply.Live = &fs
 		reply.LiveAge, _ = fs.Age()
 	}
-	if err := writeHeader(c, reply); err != nil {
+	if err := a.reply(c, peer, opLogRange, reply); err != nil {
 		return
 	}
-	if _, err := l.WriteRange(ctx, c, conn, from, to); err != nil {
-		a.log.Warn("log range cut short", "conn", conn, "err", err)
+	// The range may be large: it may take as long as it needs while the caller keeps reading.
+	if _, err := l.WriteRange(ctx, idleConn{Conn: c, idle: a.idleTimeout()}, conn, from, to); err != nil {
+		a.log.Warn("log range cut short", "peer", peer, "conn", conn, "err", err)
 	}
 }
 
 // LogRange fetches from member peer the bytes it logged on src->dst from sequence from on, with the
 // peer's live state of the connection.
 func (a *Agent) LogRange(ctx context.Context, peer string, req LogRangeRequest) (LogRangeReply, []byte, error) {
-	c, err := a.dialPeer(ctx, peer, opLogRange)
+	c, err := a.open(ctx, peer, opLogRange, a.msgTimeout(), req)
 	if err != nil {
 		return LogRangeReply{}, nil, err
 	}
 	defer c.Close()
-	if dl, ok := ctx.Deadline(); ok {
-		c.SetDeadline(dl)
-	}
-	if err := writeHeader(c, req); err != nil {
-		return LogRangeReply{}, nil, err
-	}
 	var r LogRangeReply
-	if err := readHeader(c, &r); err != nil {
+	if err := c.readReply(&r); err != nil {
 		return r, nil, err
 	}
 	if r.Error != "" {
 		return r, nil, fmt.Errorf("%s: %s", peer, r.Error)
 	}
-	buf := make([]byte, r.Len)
-	if _, err := io.ReadFull(c, buf); err != nil {
-		return r, nil, fmt.Errorf("read %d logged bytes from %s: %w", r.Len, peer, err)
+	// The bytes may take longer than one message: an idle deadline, within ctx's.
+	ctxEnd, _ := ctx.Deadline()
+	data, err := readLogBytes(idleConn{Conn: c, idle: a.idleTimeout(), limit: ctxEnd}, r.Len, maxLogRange)
+	if err != nil {
+		return r, nil, fmt.Errorf("logged bytes of %s -> %s from %s: %w", req.Src, req.Dst, peer, err)
 	}
-	return r, buf, nil
+	return r, data, nil
+}
+
+// readLogBytes reads the n bytes a LogRangeReply announces. n comes from the peer: it is checked against
+// limit, and memory grows only as bytes arrive (never past n), so a peer that announces more than it sends
+// gets an error, not an allocation.
+func readLogBytes(r io.Reader, n, limit int64) ([]byte, error) {
+	if n < 0 || n > limit {
+		return nil, fmt.Errorf("the peer announces %d logged bytes: a range holds 0 to %d", n, limit)
+	}
+	buf := make([]byte, 0, min(n, 1<<20))
+	for int64(len(buf)) < n {
+		if len(buf) == cap(buf) {
+			nb := make([]byte, len(buf), min(n, 2*int64(cap(buf))))
+			copy(nb, buf)
+			buf = nb
+		}
+		k, err := r.Read(buf[len(buf):cap(buf)])
+		buf = buf[:len(buf)+k]
+		if err == io.EOF && int64(len(buf)) < n {
+			err = io.ErrUnexpectedEOF
+		}
+		if err != nil && int64(len(buf)) < n {
+			return nil, fmt.Errorf("read %d logged bytes: got %d: %w", n, len(buf), err)
+		}
+	}
+	return buf, nil
 }
 
 // controlLog runs the resource controller: measure, decide, act.
@@ -359,14 +417,9 @@ func (a *Agent) controlLog(ctx context.Context) {
 
 // requestSnapshot asks member node to snapshot its jobs now, so that this node can trim its log.
 func (a *Agent) requestSnapshot(ctx context.Context, node string) {
-	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	c, err := a.dialPeer(ctx, node, opCheckpointNow)
-	if err != nil {
+	if err := a.call(ctx, node, opCheckpointNow, 5*time.Second, nil, nil); err != nil {
 		a.log.Warn("could not ask for a snapshot", "node", node, "err", err)
-		return
 	}
-	c.Close()
 }
 
 // LogStatus is the log part of the agent's status.

@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/vishvananda/netlink"
@@ -47,20 +48,28 @@ type recoverMessage struct {
 // replayTimeout bounds how long a recovery waits for restored jobs to re-send what their peers had.
 const replayTimeout = 2 * time.Minute
 
+// recoverLimit bounds how long a caller follows a recovery on another host; the stream itself must not
+// fall silent for longer than the idle timeout (the target sends a keepalive line in between stages).
+const recoverLimit = 30 * time.Minute
+
+// maxRecoverJobs bounds the jobs one recovery request names.
+const maxRecoverJobs = 1024
+
 // remoteRecover has target run the recovery and relays its stages.
 func (a *Agent) remoteRecover(ctx context.Context, target string, req RecoverRequest, emit func(Stage)) error {
-	c, err := a.dialPeer(ctx, target, opRecover)
+	c, err := a.open(ctx, target, opRecover, a.largeTimeout(maxRecoverRequest), req)
 	if err != nil {
 		return fmt.Errorf("ask %s to recover: %w", target, err)
 	}
 	defer c.Close()
-	c.SetDeadline(time.Now().Add(30 * time.Minute))
-	if err := writeHeader(c, req); err != nil {
-		return err
+	limit := time.Now().Add(recoverLimit)
+	if dl, ok := ctx.Deadline(); ok && dl.Before(limit) {
+		limit = dl
 	}
+	stream := idleConn{Conn: c, idle: a.idleTimeout(), limit: limit}
 	for {
 		var m recoverMessage
-		if err := readHeaderLarge(c, &m); err != nil {
+		if err := readLine(stream, &m, maxMessage); err != nil {
 			return a.afterBrokenStream(ctx, target, req, emit, err)
 		}
 		if m.Stage != nil {
@@ -77,17 +86,71 @@ func (a *Agent) remoteRecover(ctx context.Context, target string, req RecoverReq
 
 func (a *Agent) serveRecover(ctx context.Context, c net.Conn, peer string) {
 	var req RecoverRequest
-	if err := readLine(c, &req, maxRecoverRequest); err != nil {
-		a.log.Warn("bad recovery request", "peer", peer, "err", err)
+	if err := a.readRequest(c, &req, maxRecoverRequest); err != nil {
+		a.refuse(peer, opRecover, err)
 		return
 	}
-	if cl, ok := a.claims.Current(); !ok || cl.Failure != req.Failure {
-		writeHeader(c, recoverMessage{Done: true, Error: fmt.Sprintf("%s was not claimed for failure %s", a.cfg.Name, req.Failure)})
+	var (
+		w      sync.Mutex // the stages and the keepalive share the stream
+		broken bool       // a write failed: the caller is gone, the recovery goes on
+	)
+	send := func(m recoverMessage) {
+		w.Lock()
+		defer w.Unlock()
+		if !broken {
+			broken = a.reply(c, peer, opRecover, m) != nil
+		}
+	}
+	if err := a.checkRecoverRequest(req, peer); err != nil {
+		a.refuse(peer, opRecover, err)
+		send(recoverMessage{Done: true, Error: err.Error()})
 		return
 	}
 	req.Source = peer
-	err := a.recoverJobs(ctx, req, func(s Stage) { writeHeader(c, recoverMessage{Stage: &s}) })
-	writeHeader(c, recoverMessage{Done: true, Error: errString(err)})
+	// Stages may take minutes (a fetch, a replay): an empty line now and then tells the caller that the
+	// recovery goes on, so that it can give up on a silent stream quickly.
+	stop := make(chan struct{})
+	keepalive := sync.OnceFunc(func() { close(stop) })
+	defer keepalive()
+	go func() {
+		t := time.NewTicker(a.idleTimeout() / 4)
+		defer t.Stop()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-t.C:
+				send(recoverMessage{})
+			}
+		}
+	}()
+	err := a.recoverJobs(ctx, req, func(s Stage) { send(recoverMessage{Stage: &s}) })
+	keepalive()
+	send(recoverMessage{Done: true, Error: errString(err)})
+}
+
+// checkRecoverRequest refuses a recovery request unless this host was claimed for its failure by the
+// member that sends it, and it names only the failed node's addresses (which this host then takes over).
+func (a *Agent) checkRecoverRequest(req RecoverRequest, peer string) error {
+	cl, ok := a.claims.Current()
+	switch {
+	case !ok || cl.Failure != req.Failure:
+		return fmt.Errorf("%s was not claimed for failure %s", a.cfg.Name, req.Failure)
+	case cl.By != peer || cl.Failed != req.Failed:
+		return fmt.Errorf("%s was claimed for failure %s by %s for node %s, not by %s for node %s", a.cfg.Name, req.Failure, cl.By, cl.Failed, peer, req.Failed)
+	case len(req.Jobs) == 0 || len(req.Jobs) > maxRecoverJobs:
+		return fmt.Errorf("recovery request names %d jobs: 1 to %d", len(req.Jobs), maxRecoverJobs)
+	}
+	failed, ok := a.member(req.Failed)
+	if !ok {
+		return fmt.Errorf("%q is not a cluster member", req.Failed)
+	}
+	for _, ip := range req.Addrs {
+		if !slices.Contains(failed.Addrs, ip.Unmap()) {
+			return fmt.Errorf("address %s is not one of the failed node %s's addresses %v", ip, req.Failed, failed.Addrs)
+		}
+	}
+	return nil
 }
 
 // restoring is one job on its way back.

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -222,16 +223,8 @@ func (a *Agent) localJobOfSnapshot(id string) string {
 }
 
 func (a *Agent) remoteJobOfSnapshot(ctx context.Context, member, id string) string {
-	c, err := a.dialPeer(ctx, member, opLocate)
-	if err != nil {
-		return ""
-	}
-	defer c.Close()
-	if dl, ok := ctx.Deadline(); ok {
-		c.SetDeadline(dl)
-	}
 	var r fetchRequest
-	if writeHeader(c, fetchRequest{ID: id}) != nil || readHeader(c, &r) != nil {
+	if err := a.call(ctx, member, opLocate, a.msgTimeout(), fetchRequest{ID: id}, &r); err != nil || r.ID != id {
 		return ""
 	}
 	return r.Job
@@ -277,15 +270,14 @@ type fetchRequest struct {
 func (a *Agent) fetchFrom(ctx context.Context, from, job, id string) error {
 	fctx, cancel := context.WithTimeout(ctx, 10*time.Minute)
 	defer cancel()
-	c, err := a.dialPeer(fctx, from, opFetch)
+	c, err := a.open(fctx, from, opFetch, a.msgTimeout(), fetchRequest{Job: job, ID: id})
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	if err := writeHeader(c, fetchRequest{Job: job, ID: id}); err != nil {
-		return err
-	}
-	got, err := ship.Receive(fctx, c, a.store, ship.ReceiveOptions{Peer: from, Logger: a.log})
+	// The transfer sets its own deadlines: ship's idle timeout (a.wire.Idle only when a test shortens it),
+	// within fctx.
+	got, err := ship.Receive(fctx, c, a.store, ship.ReceiveOptions{Peer: from, Logger: a.log, IdleTimeout: a.wire.Idle})
 	if err != nil {
 		return err
 	}
@@ -294,12 +286,13 @@ func (a *Agent) fetchFrom(ctx context.Context, from, job, id string) error {
 }
 
 // serveFetch ships a snapshot this host holds to the member that asked for it.
-func (a *Agent) serveFetch(ctx context.Context, c io.ReadWriter, peer string) error {
+func (a *Agent) serveFetch(ctx context.Context, c net.Conn, peer string) error {
 	var req fetchRequest
-	if err := readHeader(c, &req); err != nil {
-		return err
+	if err := a.readRequest(c, &req, maxHeader); err != nil {
+		return fmt.Errorf("read fetch request: %w", err)
 	}
-	_, err := ship.Send(ctx, c, a.store, req.Job, req.ID, ship.SendOptions{Peer: peer, Logger: a.log})
+	// The transfer sets its own deadlines: ship's idle timeout (a.wire.Idle only when a test shortens it).
+	_, err := ship.Send(ctx, c, a.store, req.Job, req.ID, ship.SendOptions{Peer: peer, Logger: a.log, IdleTimeout: a.wire.Idle})
 	return err
 }
 

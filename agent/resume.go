@@ -474,7 +474,7 @@ const brokenRecoveryWait = replayTimeout + 3*time.Minute
 // brokenSilenceWait bounds how long the target may not answer at all: an agent restarts in seconds; a host
 // that stays silent longer is left to failure detection.
 func (a *Agent) brokenSilenceWait() time.Duration {
-	return max(time.Minute, 3*a.cfg.Heartbeat.Timeout.Duration)
+	return max(a.idleTimeout(), 3*a.cfg.Heartbeat.Timeout.Duration) // the idle bound of the stream itself: a minute by default
 }
 
 // afterBrokenStream finds out, once the progress stream of a recovery on target broke, what became of it:
