@@ -38,6 +38,7 @@ const (
 	opClaim     clusterOp = "claim"     // claim this spare for a failed node
 	opRecover   clusterOp = "recover"   // restore a failed node's jobs here
 	opReplica   clusterOp = "replica"   // the newest verified replica of a job from a node that we hold
+	opGrant     clusterOp = "grant"     // grant (or give back) the next incarnation of a job to a restore
 )
 
 type clusterRequest struct {
@@ -161,7 +162,7 @@ func (a *Agent) handleCluster(ctx context.Context, c net.Conn) {
 		if err := readHeader(c, &req); err != nil {
 			return
 		}
-		writeHeader(c, fetchRequest{ID: req.ID, Job: a.localJobOfSnapshot(req.ID)})
+		writeHeader(c, a.locateReply(req.ID))
 	case opTrim:
 		a.serveTrim(c, peer)
 	case opLogRange:
@@ -191,6 +192,8 @@ func (a *Agent) handleCluster(ctx context.Context, c net.Conn) {
 		if err := a.serveFetch(ctx, c, peer); err != nil {
 			a.log.Warn("snapshot fetch failed", "peer", peer, "err", err)
 		}
+	case opGrant:
+		a.serveGrant(c, peer)
 	default:
 		a.log.Warn("unknown cluster operation", "peer", peer, "op", req.Op)
 	}

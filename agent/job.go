@@ -50,6 +50,10 @@ type Job struct {
 	Cgroup   string      `json:"cgroup"`
 	Dir      string      `json:"dir"` // cluster-wide job directory: stdout, stderr, exit
 	Restored string      `json:"restored_from,omitempty"`
+	// Incarnation counts the job's restores: 0 as started, k+1 once restored from a snapshot of incarnation
+	// k (a snapshot's job record carries the incarnation that took it). A majority of the members must
+	// grant an incarnation before it runs, so that the job has exactly one live incarnation.
+	Incarnation uint64 `json:"incarnation,omitempty"`
 }
 
 // Output and status files inside a job directory. The directory's path is the same on every host (the
