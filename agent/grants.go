@@ -129,11 +129,14 @@ func shorten(s string, n int) string {
 }
 
 // grantMembers are the members whose majority decides: the non-failed members of this host's view, this
-// host included.
-func (a *Agent) grantMembers() []string {
+// host included, without replaced: the node whose snapshot is restored, which the restore presumes gone.
+// Counting it as failed also makes a manual restore, whose view may not know of the failure yet, and the
+// fail-over, whose view does, count the same members, so that their majorities overlap; and a cluster
+// of two can restore the jobs of the one that failed.
+func (a *Agent) grantMembers(replaced string) []string {
 	out := []string{a.cfg.Name}
 	for _, m := range a.View().Members {
-		if m.State != ring.StateFailed && m.Name != a.cfg.Name {
+		if m.State != ring.StateFailed && m.Name != a.cfg.Name && m.Name != replaced {
 			out = append(out, m.Name)
 		}
 	}
@@ -162,12 +165,12 @@ func newHolder(kind string) string {
 	return kind + ":" + hex.EncodeToString(b[:])
 }
 
-// claimIncarnation obtains incarnation n of job for holder from a majority of the non-failed members of
-// this host's view, with no member refusing. If it does not win, it gives back what it got and returns an
-// error that wraps grant.ErrConflict (with where the job runs) or grant.ErrNoMajority.
-func (a *Agent) claimIncarnation(ctx context.Context, job string, n uint64, holder string) error {
+// claimIncarnation obtains incarnation n of job for holder from a majority of grantMembers(replaced), with
+// no member refusing. If it does not win, it gives back what it got and returns an error that wraps
+// grant.ErrConflict (with where the job runs) or grant.ErrNoMajority.
+func (a *Agent) claimIncarnation(ctx context.Context, job string, n uint64, holder, replaced string) error {
 	for attempt := 1; ; attempt++ {
-		members := a.grantMembers()
+		members := a.grantMembers(replaced)
 		t := grant.Count(len(members), a.askAll(ctx, members, grantMessage{Job: job, Incarnation: n, Holder: holder}))
 		if t.Won() {
 			a.log.Info("incarnation claimed", "job", job, "incarnation", n, "holder", holder,
@@ -194,7 +197,7 @@ func (a *Agent) claimIncarnation(ctx context.Context, job string, n uint64, hold
 // best effort: a member that misses it keeps refusing others that incarnation, which is safe.
 func (a *Agent) giveBack(ctx context.Context, job string, n uint64, holder string, members []string) {
 	if members == nil {
-		members = a.grantMembers()
+		members = a.grantMembers("")
 	}
 	if len(members) == 0 {
 		return

@@ -340,7 +340,7 @@ func (a *Agent) prepareRecovery(ctx context.Context, req RecoverRequest, rj Reco
 		}
 		r.holder = "failover:" + req.Failure
 		n := r.job.Incarnation + 1
-		if err := a.claimIncarnation(ctx, rj.Job, n, r.holder); err != nil {
+		if err := a.claimIncarnation(ctx, rj.Job, n, r.holder, r.m.Node); err != nil {
 			os.RemoveAll(r.work)
 			if errors.Is(err, grant.ErrConflict) {
 				err = fmt.Errorf("%w: %w", ErrJobAlive, err)

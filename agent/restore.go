@@ -85,7 +85,7 @@ func (a *Agent) Restore(ctx context.Context, req RestoreRequest, uid uint32) (*J
 		}
 	}
 	holder := newHolder("restore")
-	n, err := a.claimForRestore(ctx, j, m.ID, holder, req.Force)
+	n, err := a.claimForRestore(ctx, j, m, holder, req.Force)
 	if err != nil {
 		return nil, err
 	}
@@ -107,14 +107,15 @@ func (a *Agent) Restore(ctx context.Context, req RestoreRequest, uid uint32) (*J
 // claimForRestore claims the incarnation after the snapshot's (j.Incarnation+1) for a manual restore. With
 // force, a refusal is overridden by claiming one past the newest incarnation the members recorded: the
 // operator has made sure the job runs nowhere.
-func (a *Agent) claimForRestore(ctx context.Context, j Job, snapshot, holder string, force bool) (uint64, error) {
+func (a *Agent) claimForRestore(ctx context.Context, j Job, m *ckpt.Manifest, holder string, force bool) (uint64, error) {
+	snapshot, node := m.ID, m.Node
 	n := j.Incarnation + 1
-	err := a.claimIncarnation(ctx, j.ID, n, holder)
+	err := a.claimIncarnation(ctx, j.ID, n, holder, node)
 	var refused *grant.RefusedError
 	if err != nil && force && errors.As(err, &refused) {
 		n = max(n, refused.Record.Incarnation) + 1
 		a.log.Warn("forced restore overrides the recorded incarnation", "job", j.ID, "recorded", refused.Record, "incarnation", n)
-		err = a.claimIncarnation(ctx, j.ID, n, holder)
+		err = a.claimIncarnation(ctx, j.ID, n, holder, node)
 	}
 	switch {
 	case errors.As(err, &refused):
