@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -279,4 +280,36 @@ func TestFailoverFallsBackToNextReplica(t *testing.T) {
 		t.Errorf("job on spare1: %+v %v; want incarnation 1 restored from %s", jj, err, older)
 	}
 	requireOneIncarnation(t, c, j, 20)
+}
+
+// TestRestoreChecksOwnerBeforeFetch: a user other than root asking another host to restore root's job is
+// refused before the snapshot moves: the host it asked never holds a copy. (A job of another user cannot
+// be snapshotted here: CRIU refuses to dump an unprivileged task whose /proc does not belong to it.)
+func TestRestoreChecksOwnerBeforeFetch(t *testing.T) {
+	const nobody = 65534
+	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", ManualFailover: true})
+	ctx := context.Background()
+	j := startCounter(t, c, "node1", "roots")
+	snap := replicate(t, c, "node1", "node2", j)
+	if err := c.Lab.Crash(ctx, "node1"); err != nil {
+		t.Fatal(err)
+	}
+	for _, args := range [][]string{{"--snapshot", snap}, {"--snapshot", snap, "--job", j.ID}} {
+		cmd := exec.Command(bins.Ftctl, append([]string{"restore", "--socket", labcluster.Socket(c.Lab.State().ID, "spare1")}, args...)...)
+		cmd.Dir = "/"
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: nobody, Gid: nobody}}
+		out, err := cmd.CombinedOutput()
+		if err == nil || !strings.Contains(string(out), "no such job") {
+			t.Errorf("nobody restoring root's snapshot (%v): %v, %q; want a refusal", args, err, out)
+		}
+		if ms, err := c.Client("spare1").Snapshots(ctx, j.ID); err != nil || len(ms) != 0 {
+			t.Fatalf("spare1 holds %d snapshot(s) of root's job after nobody's refused restore (%v): it was fetched before the owner was checked", len(ms), err)
+		}
+	}
+	// root may.
+	restored, err := c.Client("spare1").Restore(ctx, agent.RestoreRequest{Snapshot: snap})
+	if err != nil || restored.Incarnation != 1 {
+		t.Fatalf("root's restore: %+v %v", restored, err)
+	}
+	requireOneIncarnation(t, c, j, 10)
 }
