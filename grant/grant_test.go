@@ -290,7 +290,10 @@ func TestMajority(t *testing.T) {
 			errHas:  []string{"already runs as incarnation 2 on node3", "recorded by node3)"}},
 		{name: "members that recorded the same grant are listed", members: 3,
 			answers: []Answer{held("node3", 1, "restore:x", "spare1", false), held("node2", 1, "restore:x", "spare1", false), held("spare1", 1, "restore:x", "spare1", false)},
-			errHas:  []string{"recorded by node2, node3, spare1"}, contended: true},
+			errHas:  []string{"recorded by node2, node3, spare1"}}, // the other holder won: no point retrying
+		{name: "a split between two holders is contention", members: 4,
+			answers: []Answer{granted("spare1"), granted("node2"), held("node3", 1, "restore:x", "node3", false), held("node4", 1, "restore:x", "node3", false)},
+			errHas:  []string{"already runs as incarnation 1 on node3"}, contended: true},
 		{name: "a released newer incarnation is not contention", members: 3,
 			answers: []Answer{granted("self"), held("node2", 3, "restore:x", "spare1", true), granted("node3")},
 			errHas:  []string{"incarnation 3 was granted to restore:x on spare1", "given back unused", "would be incarnation 1"}},

@@ -57,14 +57,22 @@ func (t Tally) Won() bool {
 	return len(t.Conflicts) == 0 && len(t.Granted) >= Majority(t.Members)
 }
 
-// Contended reports whether every refusal is a concurrent holder's grant of the same incarnation n: the
-// two requests split the members and may both have lost, so giving back and retrying can make progress.
+// Contended reports whether the refusals look like a concurrent restore of the same incarnation n that
+// split the members with this one: every refusal is a grant of n, and no other holder has it from a
+// majority (then it won). Both may have lost, so giving back and retrying can make progress.
 func (t Tally) Contended(n uint64) bool {
 	if len(t.Conflicts) == 0 {
 		return false
 	}
+	type holder struct{ name, host string }
+	held := map[holder]int{}
 	for _, a := range t.Conflicts {
 		if a.Conflict.Incarnation != n || a.Conflict.Released {
+			return false
+		}
+		h := holder{a.Conflict.Holder, a.Conflict.Host}
+		held[h]++
+		if held[h] >= Majority(t.Members) {
 			return false
 		}
 	}
