@@ -19,6 +19,7 @@ import (
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/internal/jobfs"
 	"github.com/ftkit/ftkit/spare"
 )
@@ -51,8 +52,9 @@ type Agent struct {
 	clamp    *ebpfprobes.AckClamp // ACK clock for restored sockets that re-send what peers have; nil if unavailable
 	digests  *digestStore         // digests of what the nodes this host protects sent, to verify re-sent bytes
 
-	wire  wireTimeouts // deadlines of the agent-to-agent protocol; zero fields take the defaults
-	asked atomic.Bool  // a snapshot a peer asked for (opCheckpointNow) is pending
+	wire   wireTimeouts    // deadlines of the agent-to-agent protocol; zero fields take the defaults
+	asked  atomic.Bool     // a snapshot a peer asked for (opCheckpointNow) is pending
+	grants *grant.Registry // the job incarnations this member granted (exactly one live incarnation)
 }
 
 // New checks the host (root, CRIU 4.2 or newer, cgroup v2) and prepares the agent's directories.
@@ -94,6 +96,9 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 		return nil, fmt.Errorf("failure timelines in %s: %w", cfg.StateDir, err)
 	}
 	if a.claims, err = spare.OpenHolder(filepath.Join(cfg.StateDir, "claim.json")); err != nil {
+		return nil, err
+	}
+	if a.grants, err = grant.Open(filepath.Join(cfg.StateDir, "grants.json"), grant.Options{}); err != nil {
 		return nil, err
 	}
 	if a.digests, err = openDigestStore(filepath.Join(cfg.StateDir, "digests"), a.log); err != nil {

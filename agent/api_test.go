@@ -29,6 +29,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/interval"
 	"github.com/ftkit/ftkit/criu"
+	"github.com/ftkit/ftkit/grant"
 )
 
 // The local API is tested on a minimal Agent: no root, no CRIU, no eBPF. Callers are injected the way
@@ -90,6 +91,9 @@ func newTestAgent(t *testing.T) *testAgent {
 		t.Fatal(err)
 	}
 	if a.store, err = ckpt.Open(filepath.Join(dir, "snapshots"), ckpt.Options{Node: cfg.Name}); err != nil {
+		t.Fatal(err)
+	}
+	if a.grants, err = grant.Open(filepath.Join(dir, "grants.json"), grant.Options{}); err != nil {
 		t.Fatal(err)
 	}
 	ta := &testAgent{Agent: a, dir: dir}
@@ -320,7 +324,7 @@ func TestAPIAuthorization(t *testing.T) {
 		{"restore owner", "POST", "/v1/restore", restoreBody, asOwner, 409, wantErr("runs on this host")},
 		{"restore other", "POST", "/v1/restore", restoreBody, asOther, 404, wantErr("no such job")},
 		{"restore other forced", "POST", "/v1/restore", `{"snapshot":"` + ta.ownSnap + `","job":"` + ownersJob + `","force":true}`, asOther, 404, wantErr("no such job")},
-		{"restore owner job of another node", "POST", "/v1/restore", `{"snapshot":"` + ta.goneSnap + `"}`, asOwner, 500, wantErr("start shim")},
+		{"restore owner job of another node", "POST", "/v1/restore", `{"snapshot":"` + ta.goneSnap + `"}`, asOwner, 500, wantErr("incarnation")}, // past authorization: claiming the next incarnation needs members this test lacks,
 		{"restore other job found from snapshot", "POST", "/v1/restore", `{"snapshot":"` + ta.goneSnap + `","force":true}`, asOther, 404, wantErr("no such job")},
 
 		// Allowed: the request itself is refused.

@@ -41,6 +41,7 @@ const (
 	opReplica   clusterOp = "replica"   // the newest verified replica of a job from a node that we hold
 	// opRecoveryStatus: how a recovery we were the target of went (the caller's progress stream broke).
 	opRecoveryStatus clusterOp = "recovery-status"
+	opGrant          clusterOp = "grant" // grant (or give back) the next incarnation of a job to a restore
 )
 
 type clusterRequest struct {
@@ -263,6 +264,8 @@ func (a *Agent) handleCluster(ctx context.Context, c net.Conn) {
 		if err := a.serveFetch(ctx, c, peer); err != nil {
 			a.log.Warn("snapshot fetch failed", "peer", peer, "err", err)
 		}
+	case opGrant:
+		a.serveGrant(c, peer)
 	default:
 		a.log.Warn("unknown cluster operation", "peer", peer, "op", req.Op)
 	}
@@ -304,7 +307,7 @@ func (a *Agent) serveLocate(c net.Conn, peer string) {
 		a.refuse(peer, opLocate, err)
 		return
 	}
-	a.reply(c, peer, opLocate, fetchRequest{ID: req.ID, Job: a.localJobOfSnapshot(req.ID)})
+	a.reply(c, peer, opLocate, a.locateReply(req.ID))
 }
 
 // dialPeer opens an authenticated connection to member name and sends the request header. The dial ends

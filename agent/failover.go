@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"strings"
 	"time"
 
@@ -72,23 +73,23 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect) er
 	for _, job := range s.Jobs {
 		// The failed node ships to the next node of the ring when its protector does not answer, so
 		// another member may hold a newer replica than this host: restoring an older one would need log
-		// data the peers have already dropped. Take the newest anywhere.
-		holder := ""
-		m, err := a.newestReplica(ctx, job, s.Name)
-		if rm, h, rerr := a.remoteReplica(ctx, job, s.Name, err); rerr == nil && (err != nil || rm.ID > m.ID) {
-			m, holder, err = rm, h, nil
-		}
+		// data the peers have already dropped. The newest anywhere comes first; the others follow, for
+		// when a holder fails to serve.
+		held, err := a.heldReplicas(ctx, job, s.Name)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("job %s: %w", job, err))
 			continue
 		}
-		if holder != "" {
-			a.log.Warn("the newest replica is on another member", "job", job, "snapshot", m.ID, "holder", holder)
+		cands := recoveryCandidates(held)
+		if held[0].holder != a.cfg.Name {
+			a.log.Warn("the newest replica is on another member", "job", job, "snapshot", cands[0].Snapshot, "holder", cands[0].Source)
 		}
-		jobs = append(jobs, RecoverJob{Job: job, Snapshot: m.ID, Source: holder})
-		conns = append(conns, m.Conns...)
+		jobs = append(jobs, RecoverJob{Job: job, Snapshot: cands[0].Snapshot, Source: cands[0].Source, Candidates: cands})
+		for _, h := range held { // the target may restore any of them: send the digests of each one's connections
+			conns = mergeConns(conns, h.m.Conns)
+		}
 		need.Jobs++
-		need.MemoryBytes += m.TotalSize()
+		need.MemoryBytes += held[0].m.TotalSize()
 	}
 	if len(jobs) == 0 {
 		return errors.Join(append(errs, errors.New("no job of the failed node has a verified replica here"))...)
@@ -163,15 +164,67 @@ func (a *Agent) serveReplica(ctx context.Context, c net.Conn, peer string) {
 	a.reply(c, peer, opReplica, replicaMessage{Job: req.Job, Node: req.Node, Manifest: m, Error: errString(err)})
 }
 
-// remoteReplica finds the newest verified replica of job from node among the other alive members; local is
-// why this host had none (nil if it has one).
-func (a *Agent) remoteReplica(ctx context.Context, job, node string, local error) (*ckpt.Manifest, string, error) {
-	var best *ckpt.Manifest
-	holder := ""
+// heldReplica is a member's newest verified replica of a job.
+type heldReplica struct {
+	holder string
+	m      *ckpt.Manifest
+}
+
+// heldReplicas collects the newest verified replica of job from node held by this host and by each other
+// alive member, newest first (this host first among equals: no transfer when it is the target). An error
+// only if nobody holds one.
+func (a *Agent) heldReplicas(ctx context.Context, job, node string) ([]heldReplica, error) {
+	var held []heldReplica
 	var errs []error
-	if local != nil {
-		errs = append(errs, fmt.Errorf("%s: %w", a.cfg.Name, local))
+	if m, err := a.newestReplica(ctx, job, node); err == nil {
+		held = append(held, heldReplica{holder: a.cfg.Name, m: m})
+	} else {
+		errs = append(errs, fmt.Errorf("%s: %w", a.cfg.Name, err))
 	}
+	remote, err := a.remoteReplica(ctx, job, node)
+	held = append(held, remote...)
+	if len(held) == 0 {
+		return nil, errors.Join(append(errs, err)...)
+	}
+	sortHeld(held)
+	return held, nil
+}
+
+// sortHeld orders replicas newest first (ids start with the UTC time of the dump), keeping the given order
+// among equals.
+func sortHeld(held []heldReplica) {
+	slices.SortStableFunc(held, func(x, y heldReplica) int { return strings.Compare(y.m.ID, x.m.ID) })
+}
+
+// mergeConns adds more to conns; a connection already there keeps the earlier write_seq of the two, whose
+// digests (of the blocks past it) cover the later one's too.
+func mergeConns(conns, more []ckpt.Conn) []ckpt.Conn {
+	for _, c := range more {
+		i := slices.IndexFunc(conns, func(o ckpt.Conn) bool { return o.Local == c.Local && o.Remote == c.Remote })
+		switch {
+		case i < 0:
+			conns = append(conns, c)
+		case int32(c.OutqSeq-conns[i].OutqSeq) < 0:
+			conns[i] = c
+		}
+	}
+	return conns
+}
+
+// recoveryCandidates is the ordered list a recovery request carries for one job.
+func recoveryCandidates(held []heldReplica) []Candidate {
+	out := make([]Candidate, 0, len(held))
+	for _, h := range held {
+		out = append(out, Candidate{Snapshot: h.m.ID, Source: h.holder})
+	}
+	return out
+}
+
+// remoteReplica asks the other alive members for their newest verified replica of job from node; the
+// error says why none had one (nil if some did).
+func (a *Agent) remoteReplica(ctx context.Context, job, node string) ([]heldReplica, error) {
+	var held []heldReplica
+	var errs []error
 	for _, mb := range a.View().Members {
 		if mb.Name == a.cfg.Name || mb.Name == node || mb.State != ring.StateAlive {
 			continue
@@ -188,8 +241,6 @@ func (a *Agent) remoteReplica(ctx context.Context, job, node string, local error
 				return nil, errors.New(r.Error)
 			case r.Manifest == nil:
 				return nil, errors.New("answered without a replica or an error")
-			case r.Manifest.Job != job || r.Manifest.Node != node:
-				return nil, fmt.Errorf("answered with a replica of job %s from %s, not of %s from %s", r.Manifest.Job, r.Manifest.Node, job, node)
 			}
 			return r.Manifest, nil
 		}()
@@ -197,14 +248,17 @@ func (a *Agent) remoteReplica(ctx context.Context, job, node string, local error
 			errs = append(errs, fmt.Errorf("%s: %w", mb.Name, err))
 			continue
 		}
-		if best == nil || m.ID > best.ID { // ids start with the UTC time of the dump
-			best, holder = m, mb.Name
+		// Another member's answer names the snapshot the target will ask for: it must be this job's, from node.
+		if _, perr := ckpt.ParseID(m.ID); perr != nil || m.Job != job || m.Node != node {
+			errs = append(errs, fmt.Errorf("%s: asked for a replica of job %s from %s, got %q of job %q from %q", mb.Name, job, node, m.ID, m.Job, m.Node))
+			continue
 		}
+		held = append(held, heldReplica{holder: mb.Name, m: m})
 	}
-	if best == nil {
-		return nil, "", errors.Join(errs...)
+	if len(held) == 0 {
+		return nil, errors.Join(errs...)
 	}
-	return best, holder, nil
+	return held, nil
 }
 
 // claimSpare claims the first free spare that can host the failed node's jobs. With none, it returns this

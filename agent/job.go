@@ -55,6 +55,10 @@ type Job struct {
 	Restored string      `json:"restored_from,omitempty"`
 	// Replica is the job's newest snapshot that reached a protector; nil until the first one has.
 	Replica *Replica `json:"replica,omitempty"`
+	// Incarnation counts the job's restores: 0 as started, k+1 once restored from a snapshot of incarnation
+	// k (a snapshot's job record carries the incarnation that took it). A majority of the members must
+	// grant an incarnation before it runs, so that the job has exactly one live incarnation.
+	Incarnation uint64 `json:"incarnation,omitempty"`
 }
 
 // Replica records a snapshot of a job that a protector verified and holds.

@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -15,15 +16,50 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/restore"
 )
 
-// RecoverJob names one job of a failed node and the snapshot to restore it from.
+// RecoverJob names one job of a failed node and the snapshots to restore it from.
 type RecoverJob struct {
 	Job      string `json:"job"`
 	Snapshot string `json:"snapshot"`
 	Source   string `json:"source,omitempty"` // the member holding it, if not the request's Source
+	// Candidates are the replicas to try in order, newest first (Snapshot and Source are the first, for an
+	// agent that predates the list): when a holder fails to serve one, the target takes the next.
+	Candidates []Candidate `json:"candidates,omitempty"`
+}
+
+// Candidate is one replica of a job: its snapshot id and the member that holds it.
+type Candidate struct {
+	Snapshot string `json:"snapshot"`
+	Source   string `json:"source,omitempty"` // "" for the request's Source
+}
+
+// maxCandidates bounds the replicas a recovery request may list per job (one per member holding one).
+const maxCandidates = 64
+
+// candidates is the list the target tries, from the request: the job's list, or its single snapshot.
+func (rj RecoverJob) candidates(defaultSource string) ([]Candidate, error) {
+	cs := rj.Candidates
+	if len(cs) == 0 {
+		cs = []Candidate{{Snapshot: rj.Snapshot, Source: rj.Source}}
+	}
+	if len(cs) > maxCandidates {
+		return nil, fmt.Errorf("job %s: %d candidate snapshots, at most %d accepted", rj.Job, len(cs), maxCandidates)
+	}
+	out := make([]Candidate, 0, len(cs))
+	for _, c := range cs {
+		if _, err := ckpt.ParseID(c.Snapshot); err != nil {
+			return nil, fmt.Errorf("job %s: candidate: %w", rj.Job, err)
+		}
+		if c.Source == "" {
+			c.Source = defaultSource
+		}
+		out = append(out, c)
+	}
+	return out, nil
 }
 
 // RecoverRequest asks a host (a claimed spare, or the protector itself) to take over a failed node's jobs.
@@ -160,6 +196,9 @@ type restoring struct {
 	work  string
 	plan  restore.Plan
 	runID string
+	// source is the member the snapshot came from; holder is the restore attempt that claimed the job's
+	// incarnation (job.Incarnation), to give it back if the job never runs.
+	source, holder string
 	// restoredAt is when CRIU's restore returned: replay is measured from there.
 	restoredAt time.Time
 }
@@ -189,14 +228,13 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 	var errs []error
 	for _, rj := range req.Jobs {
 		start := time.Now()
-		r, err := a.prepareRecovery(ctx, req, rj)
+		r, failed, err := a.prepareRecovery(ctx, req, rj)
 		detail := ""
 		if r != nil {
-			src := req.Source
-			if rj.Source != "" {
-				src = rj.Source
-			}
-			detail = fmt.Sprintf("%d MB from %s", r.m.TotalSize()>>20, src)
+			detail = fmt.Sprintf("%d MB from %s (snapshot %s, incarnation %d)", r.m.TotalSize()>>20, r.source, r.m.ID, r.job.Incarnation)
+		}
+		if len(failed) > 0 {
+			detail = strings.TrimPrefix(detail+"; failed before: "+strings.Join(failed, "; "), "; ")
 		}
 		stage(StageFetched, rj.Job, start, detail, err)
 		if err != nil {
@@ -210,6 +248,7 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 		}
 		stage(StageRewritten, rj.Job, start, planSummary(r.plan), err)
 		if err != nil {
+			a.giveBack(ctx, r.job.ID, r.job.Incarnation, r.holder, nil)
 			errs = append(errs, fmt.Errorf("job %s is not transparently recoverable: %w", rj.Job, err))
 			continue
 		}
@@ -221,6 +260,7 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 	if err := a.prepareNetwork(ctx, iface, own.Bits(), req.Addrs, jobs); err != nil {
 		for _, r := range jobs {
 			os.RemoveAll(r.work)
+			a.giveBack(ctx, r.job.ID, r.job.Incarnation, r.holder, nil)
 		}
 		return errors.Join(append(errs, err)...)
 	}
@@ -234,6 +274,7 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 		if err != nil {
 			track.setPhase(r.job.ID, "", time.Time{})
 			restore.Unguard(ctx, r.runID)
+			a.giveBackUnlessStarted(ctx, r.job, r.job.Incarnation, r.holder, err)
 			errs = append(errs, fmt.Errorf("job %s: %w", r.job.ID, err))
 			continue
 		}
@@ -352,18 +393,50 @@ func (a *Agent) prepareNetwork(ctx context.Context, iface string, bits int, addr
 	return nil
 }
 
-// prepareRecovery fetches and verifies a snapshot and lays out a working copy of its images.
-func (a *Agent) prepareRecovery(ctx context.Context, req RecoverRequest, rj RecoverJob) (*restoring, error) {
-	if _, err := a.store.Manifest(rj.Job, rj.Snapshot); err != nil {
-		src := req.Source
-		if rj.Source != "" {
-			src = rj.Source
+// prepareRecovery tries the job's candidate snapshots in order (fetch, verify, read the job record) and
+// claims the job's next incarnation for the first that works; failed lists why each earlier candidate
+// failed. A refused claim ends the search: the job runs elsewhere, whatever the snapshot.
+func (a *Agent) prepareRecovery(ctx context.Context, req RecoverRequest, rj RecoverJob) (*restoring, []string, error) {
+	cands, err := rj.candidates(req.Source)
+	if err != nil {
+		return nil, nil, err
+	}
+	var failed []string
+	for _, c := range cands {
+		r, err := a.prepareCandidate(ctx, rj.Job, c)
+		if err != nil {
+			a.log.Warn("candidate snapshot failed; trying the next", "job", rj.Job, "snapshot", c.Snapshot, "source", c.Source, "err", err)
+			failed = append(failed, fmt.Sprintf("%s from %s: %v", c.Snapshot, c.Source, err))
+			continue
 		}
-		if err := a.fetchFrom(ctx, src, rj.Job, rj.Snapshot); err != nil {
+		r.holder = "failover:" + req.Failure
+		n := r.job.Incarnation + 1
+		if err := a.claimIncarnation(ctx, rj.Job, n, r.holder, r.m.Node); err != nil {
+			os.RemoveAll(r.work)
+			if errors.Is(err, grant.ErrConflict) {
+				err = fmt.Errorf("%w: %w", ErrJobAlive, err)
+			}
+			return nil, failed, fmt.Errorf("snapshot %s verified, but the job may not run here: %w", c.Snapshot, err)
+		}
+		r.job.Incarnation = n
+		return r, failed, nil
+	}
+	return nil, failed, fmt.Errorf("none of %d candidate snapshot(s) could be fetched and verified: %s", len(cands), strings.Join(failed, "; "))
+}
+
+// prepareCandidate fetches (unless this host has it) and verifies one snapshot and lays out a working copy
+// of its images.
+func (a *Agent) prepareCandidate(ctx context.Context, job string, c Candidate) (*restoring, error) {
+	source := a.cfg.Name
+	m, err := a.store.Verify(ctx, job, c.Snapshot)
+	if err != nil && c.Source != "" && c.Source != a.cfg.Name {
+		// Missing here, or a damaged copy (which the holder's copy replaces once it verifies).
+		source = c.Source
+		if err := a.fetchFrom(ctx, source, job, c.Snapshot); err != nil {
 			return nil, err
 		}
+		m, err = a.store.Verify(ctx, job, c.Snapshot)
 	}
-	m, err := a.store.Verify(ctx, rj.Job, rj.Snapshot)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrCorruptSnapshot, err)
 	}
@@ -371,15 +444,19 @@ func (a *Agent) prepareRecovery(ctx context.Context, req RecoverRequest, rj Reco
 	if err != nil {
 		return nil, err
 	}
+	if j.ID != job {
+		return nil, fmt.Errorf("snapshot %s of job %s carries the job record of %q", m.ID, job, j.ID)
+	}
 	work, err := a.workCopy(m)
 	if err != nil {
 		return nil, err
 	}
 	runID, err := restore.RunID(work)
 	if err != nil {
+		os.RemoveAll(work)
 		return nil, err
 	}
-	return &restoring{m: m, job: j, work: work, runID: runID}, nil
+	return &restoring{m: m, job: j, work: work, runID: runID, source: source}, nil
 }
 
 // planRecovery asks every peer of the job's connections for what it sent since the snapshot and for its

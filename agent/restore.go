@@ -16,6 +16,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/ship"
+	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/ring"
 )
 
@@ -35,17 +36,34 @@ var ErrCorruptSnapshot = errors.New("snapshot failed verification")
 var ErrJobAlive = errors.New("job still running")
 
 // Restore restores a job on this host from a snapshot: the manual restore of a job whose node is gone
-// (the automatic fail-over with log replay lives in the restorer).
+// (the automatic fail-over with log replay lives in the restorer). A caller other than root may restore
+// only its own jobs, and learns nothing of a snapshot it does not own: the owner is checked before any byte
+// of the snapshot moves, and again from the verified job record. The restore claims the job's next
+// incarnation from a majority of the members first, so that it never runs a second copy of a job that a
+// fail-over (or another restore) already brought back.
 func (a *Agent) Restore(ctx context.Context, req RestoreRequest, uid uint32) (*Job, error) {
 	if req.Job == "" {
-		req.Job = a.findJobOfSnapshot(ctx, req.Snapshot)
-		if req.Job == "" {
-			return nil, fmt.Errorf("%w: snapshot %s is not held by %s or any member that answers; name the job with --job", ckpt.ErrNotFound, req.Snapshot, a.cfg.Name)
-		}
+		req.Job = a.localJobOfSnapshot(req.Snapshot)
 	}
-	if _, err := a.store.Manifest(req.Job, req.Snapshot); errors.Is(err, ckpt.ErrNotFound) || errors.Is(err, fs.ErrNotExist) {
-		if err := a.fetch(ctx, req.Job, req.Snapshot, req.Source); err != nil {
-			return nil, err
+	prefer := ""
+	if req.Job == "" || !a.holdsSnapshot(req.Job, req.Snapshot) {
+		if req.Job == "" || uid != 0 {
+			loc, holder := a.findJobOfSnapshot(ctx, req.Snapshot, req.Source)
+			switch {
+			case loc.Job == "":
+				return nil, fmt.Errorf("%w: snapshot %s is not held by %s or any member that answers; name the job with --job", ckpt.ErrNotFound, req.Snapshot, a.cfg.Name)
+			case req.Job != "" && loc.Job != req.Job:
+				return nil, fmt.Errorf("%w: snapshot %s is of job %s, not %s", ckpt.ErrNotFound, req.Snapshot, loc.Job, req.Job)
+			case uid != 0 && (loc.UID == nil || *loc.UID != uid):
+				// Before the fetch: another user's snapshot never reaches this host on this caller's behalf.
+				return nil, fmt.Errorf("%w: snapshot %s (held by %s) is not of a job of uid %d", ErrNoJob, req.Snapshot, holder, uid)
+			}
+			req.Job, prefer = loc.Job, holder
+		}
+		if _, err := a.store.Manifest(req.Job, req.Snapshot); errors.Is(err, ckpt.ErrNotFound) || errors.Is(err, fs.ErrNotExist) {
+			if err := a.fetch(ctx, req.Job, req.Snapshot, req.Source, prefer); err != nil {
+				return nil, err
+			}
 		}
 	}
 	m, err := a.store.Verify(ctx, req.Job, req.Snapshot)
@@ -56,6 +74,9 @@ func (a *Agent) Restore(ctx context.Context, req RestoreRequest, uid uint32) (*J
 	if err != nil {
 		return nil, err
 	}
+	if j.ID != m.Job {
+		return nil, fmt.Errorf("snapshot %s of job %s carries the job record of %q: refusing it", m.ID, m.Job, j.ID)
+	}
 	if uid != 0 && j.UID != uid {
 		return nil, fmt.Errorf("%w: job %s belongs to uid %d", ErrNoJob, j.ID, j.UID)
 	}
@@ -64,12 +85,47 @@ func (a *Agent) Restore(ctx context.Context, req RestoreRequest, uid uint32) (*J
 			return nil, err
 		}
 	}
-	defer a.setBusy("restore")()
-	work, err := a.workCopy(m)
+	holder := newHolder("restore")
+	n, err := a.claimForRestore(ctx, j, m, holder, req.Force)
 	if err != nil {
 		return nil, err
 	}
-	return a.restoreJob(ctx, m, j, work)
+	j.Incarnation = n
+	defer a.setBusy("restore")()
+	work, err := a.workCopy(m)
+	if err != nil {
+		a.giveBack(ctx, j.ID, n, holder, nil)
+		return nil, err
+	}
+	restored, err := a.restoreJob(ctx, m, j, work)
+	if err != nil {
+		a.giveBackUnlessStarted(ctx, j, n, holder, err)
+		return nil, err
+	}
+	return restored, nil
+}
+
+// claimForRestore claims the incarnation after the snapshot's (j.Incarnation+1) for a manual restore. With
+// force, a refusal is overridden by claiming one past the newest incarnation the members recorded: the
+// operator has made sure the job runs nowhere.
+func (a *Agent) claimForRestore(ctx context.Context, j Job, m *ckpt.Manifest, holder string, force bool) (uint64, error) {
+	snapshot, node := m.ID, m.Node
+	n := j.Incarnation + 1
+	err := a.claimIncarnation(ctx, j.ID, n, holder, node)
+	var refused *grant.RefusedError
+	if err != nil && force && errors.As(err, &refused) {
+		n = max(n, refused.Record.Incarnation) + 1
+		a.log.Warn("forced restore overrides the recorded incarnation", "job", j.ID, "recorded", refused.Record, "incarnation", n)
+		err = a.claimIncarnation(ctx, j.ID, n, holder, node)
+	}
+	switch {
+	case errors.As(err, &refused):
+		return 0, fmt.Errorf("%w: %w; snapshot %s was taken by incarnation %d: restore a snapshot of the running incarnation, or, if the job certainly no longer runs there, restore with --force",
+			ErrJobAlive, err, snapshot, j.Incarnation)
+	case err != nil:
+		return 0, fmt.Errorf("restore of job %s not allowed: %w; retry when more members answer", j.ID, err)
+	}
+	return n, nil
 }
 
 // maxJobRecord bounds the job record a snapshot carries: a few hundred bytes plus the job's argv and env.
@@ -193,23 +249,66 @@ func (a *Agent) refuseIfAlive(ctx context.Context, j Job) error {
 	return nil
 }
 
-// findJobOfSnapshot finds the job a snapshot id belongs to: here, else at the members that answer.
-func (a *Agent) findJobOfSnapshot(ctx context.Context, id string) string {
-	if job := a.localJobOfSnapshot(id); job != "" {
-		return job
+// locateAnswer tells which job a snapshot id a member holds belongs to, and its owner (from the job
+// record in the snapshot), so that a restore can be refused before the snapshot is fetched.
+type locateAnswer struct {
+	ID  string  `json:"id"`
+	Job string  `json:"job"`
+	UID *uint32 `json:"uid,omitempty"`
+}
+
+// locateReply answers opLocate for a snapshot this host holds (an empty Job if it holds none).
+func (a *Agent) locateReply(id string) locateAnswer {
+	r := locateAnswer{ID: id, Job: a.localJobOfSnapshot(id)}
+	if r.Job == "" {
+		return r
 	}
-	for _, m := range a.View().Members {
-		if m.Name == a.cfg.Name || m.State != ring.StateAlive {
-			continue
-		}
-		lctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-		job := a.remoteJobOfSnapshot(lctx, m.Name, id)
-		cancel()
-		if job != "" {
-			return job
+	if m, err := a.store.Manifest(r.Job, id); err == nil {
+		if j, err := a.snapshotJob(m); err == nil && j.ID == r.Job {
+			r.UID = &j.UID
 		}
 	}
-	return ""
+	return r
+}
+
+// findJobOfSnapshot finds the job a snapshot id belongs to, and its owner, at the members that answer:
+// only source if given, else the snapshot's node's protector first, then any alive member. Members are
+// asked at once, and the first in that order that holds it wins as soon as every earlier one has said no
+// (a dead member costs the wait only when nobody before it holds the snapshot). It returns the answer and
+// the member that gave it (an empty Job if none holds it).
+func (a *Agent) findJobOfSnapshot(ctx context.Context, id, source string) (locateAnswer, string) {
+	members := a.fetchCandidates(id, source, "")
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	type result struct {
+		i int
+		r locateAnswer
+	}
+	results := make(chan result, len(members))
+	for i, name := range members {
+		go func() {
+			r := a.remoteJobOfSnapshot(ctx, name, id)
+			// What another node says is checked before it names a directory or an owner.
+			if r.ID != id || ckpt.ValidName(r.Job) != nil {
+				r = locateAnswer{}
+			}
+			results <- result{i, r}
+		}()
+	}
+	answers := make([]*locateAnswer, len(members))
+	for range members {
+		res := <-results
+		answers[res.i] = &res.r
+		for i, r := range answers {
+			if r == nil {
+				break
+			}
+			if r.Job != "" {
+				return *r, members[i]
+			}
+		}
+	}
+	return locateAnswer{}, ""
 }
 
 func (a *Agent) localJobOfSnapshot(id string) string {
@@ -222,44 +321,65 @@ func (a *Agent) localJobOfSnapshot(id string) string {
 	return ""
 }
 
-func (a *Agent) remoteJobOfSnapshot(ctx context.Context, member, id string) string {
-	var r fetchRequest
-	if err := a.call(ctx, member, opLocate, a.msgTimeout(), fetchRequest{ID: id}, &r); err != nil || r.ID != id {
-		return ""
-	}
-	return r.Job
+// holdsSnapshot reports whether this host's store has the snapshot (verified or not).
+func (a *Agent) holdsSnapshot(job, id string) bool {
+	_, err := a.store.Manifest(job, id)
+	return err == nil
 }
 
-// fetch copies a snapshot from the member that holds it: source if given, else the snapshot's node's
-// protector (where replicas live), else any member that has it.
-func (a *Agent) fetch(ctx context.Context, job, id, source string) error {
-	sid, err := ckpt.ParseID(id)
-	if err != nil {
+func (a *Agent) remoteJobOfSnapshot(ctx context.Context, member, id string) locateAnswer {
+	var r locateAnswer
+	if err := a.call(ctx, member, opLocate, a.msgTimeout(), fetchRequest{ID: id}, &r); err != nil || r.ID != id {
+		return locateAnswer{}
+	}
+	return r
+}
+
+// fetch copies a snapshot from the member that holds it: source if given, else prefer (the member that
+// said it holds it), the snapshot's node's protector (where replicas live), then any member that has it.
+func (a *Agent) fetch(ctx context.Context, job, id, source, prefer string) error {
+	if _, err := ckpt.ParseID(id); err != nil {
 		return err
 	}
-	var candidates []string
-	if source != "" {
-		candidates = []string{source}
-	} else {
-		v := a.View()
-		if p, ok := v.Protector(sid.Node); ok {
-			candidates = append(candidates, p.Name)
-		}
-		for _, m := range v.Members {
-			if m.Name != a.cfg.Name && m.State == ring.StateAlive && !slices.Contains(candidates, m.Name) {
-				candidates = append(candidates, m.Name)
-			}
-		}
-	}
 	var errs []error
-	for _, from := range candidates {
+	for _, from := range a.fetchCandidates(id, source, prefer) {
 		err := a.fetchFrom(ctx, from, job, id)
 		if err == nil {
 			return nil
 		}
 		errs = append(errs, fmt.Errorf("%s: %w", from, err))
 	}
+	if len(errs) == 0 {
+		errs = append(errs, errors.New("no other member is alive"))
+	}
 	return fmt.Errorf("fetch snapshot %s of job %s: %w", id, job, errors.Join(errs...))
+}
+
+// fetchCandidates orders the members to ask for snapshot id: only source if given, else prefer, the
+// snapshot's node's protector, then the other alive members.
+func (a *Agent) fetchCandidates(id, source, prefer string) []string {
+	if source != "" {
+		return []string{source}
+	}
+	var out []string
+	add := func(name string) {
+		if name != "" && name != a.cfg.Name && !slices.Contains(out, name) {
+			out = append(out, name)
+		}
+	}
+	add(prefer)
+	v := a.View()
+	if sid, err := ckpt.ParseID(id); err == nil {
+		if p, ok := v.Protector(sid.Node); ok {
+			add(p.Name)
+		}
+	}
+	for _, m := range v.Members {
+		if m.State == ring.StateAlive {
+			add(m.Name)
+		}
+	}
+	return out
 }
 
 type fetchRequest struct {
@@ -275,14 +395,38 @@ func (a *Agent) fetchFrom(ctx context.Context, from, job, id string) error {
 		return err
 	}
 	defer c.Close()
-	// The transfer sets its own deadlines: ship's idle timeout (a.wire.Idle only when a test shortens it),
-	// within fctx.
-	got, err := ship.Receive(fctx, c, a.store, ship.ReceiveOptions{Peer: from, Logger: a.log, IdleTimeout: a.wire.Idle})
+	return a.receiveFetch(fctx, c, from, job, id)
+}
+
+// receiveFetch stores what arrives on a fetch connection to member from (the request for snapshot id of
+// job already sent) if it is that snapshot: a member sends whatever it has under the name asked for, so
+// anything else is refused before a file moves. The transfer sets its own deadlines: ship's idle timeout
+// (a.wire.Idle only when a test shortens it), within ctx.
+func (a *Agent) receiveFetch(ctx context.Context, c io.ReadWriter, from, job, id string) error {
+	got, err := ship.Receive(ctx, c, a.store, ship.ReceiveOptions{Peer: from, Authorize: expectSnapshot(job, id), Logger: a.log, IdleTimeout: a.wire.Idle})
 	if err != nil {
 		return err
 	}
 	a.log.Info("snapshot fetched", "job", job, "snapshot", id, "from", from, "bytes", got.Bytes, "ms", got.Duration.Milliseconds())
 	return nil
+}
+
+// expectSnapshot is the Authorize policy of a fetch: the manifest received must be the job and snapshot
+// asked for, taken on the node the snapshot id names.
+func expectSnapshot(job, id string) func(*ckpt.Manifest) error {
+	node := ""
+	if sid, err := ckpt.ParseID(id); err == nil {
+		node = sid.Node
+	}
+	return func(m *ckpt.Manifest) error {
+		if m.Job != job || m.ID != id {
+			return fmt.Errorf("asked for snapshot %s of job %s, received %s of job %s", id, job, m.ID, m.Job)
+		}
+		if node != "" && m.Node != node {
+			return fmt.Errorf("snapshot %s names node %s but its manifest says %s", id, node, m.Node)
+		}
+		return nil
+	}
 }
 
 // serveFetch ships a snapshot this host holds to the member that asked for it.

@@ -122,12 +122,12 @@ func TestCallersGiveUpOnAStalledPeer(t *testing.T) {
 		{"LogRange", func() error { _, _, err := a.LogRange(bg, "n2", LogRangeRequest{}); return err }},
 		{"exchangeView", func() error { return a.exchangeView(bg, "n2") }},
 		{"requestClaim", func() error { return a.requestClaim(bg, "n2", spare.Claim{}) }},
-		{"remoteReplica", func() error { _, _, err := a.remoteReplica(bg, "job-1", "n3", nil); return err }},
+		{"remoteReplica", func() error { _, err := a.remoteReplica(bg, "job-1", "n3"); return err }},
 		{"sendDigests", func() error { return a.sendDigests(bg, "n2", []BlockDigest{{}}) }},
 		{"remoteRecover", func() error { return a.remoteRecover(bg, "n2", RecoverRequest{}, func(Stage) {}) }},
 		{"fetchFrom", func() error { return a.fetchFrom(bg, "n2", "job-1", "x") }},
 		{"remoteJobOfSnapshot", func() error {
-			if job := a.remoteJobOfSnapshot(bg, "n2", "x"); job != "" {
+			if r := a.remoteJobOfSnapshot(bg, "n2", "x"); r.Job != "" {
 				return nil
 			}
 			return errors.New("no answer")

@@ -1,0 +1,247 @@
+package agent
+
+import (
+	"context"
+	crand "crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/ftkit/ftkit/grant"
+	"github.com/ftkit/ftkit/ring"
+)
+
+// A job has exactly one live incarnation in the cluster: every restore, manual or automatic, first claims
+// the next incarnation of the job from a majority of the non-failed members of this host's view (package
+// grant), and a second restore of the same incarnation is refused with where the job runs.
+
+// grantMessage asks a member to grant incarnation Incarnation of Job to Holder, a restore attempt on the
+// asking member, or with Release to give it back.
+type grantMessage struct {
+	Job         string `json:"job"`
+	Incarnation uint64 `json:"incarnation"`
+	Holder      string `json:"holder"`
+	Release     bool   `json:"release,omitempty"`
+}
+
+// grantReply is the member's answer.
+type grantReply struct {
+	Granted  bool          `json:"granted,omitempty"`
+	Conflict *grant.Record `json:"conflict,omitempty"` // the member's grant that stands in the way
+	Error    string        `json:"error,omitempty"`
+}
+
+// grantTimeout bounds waiting for one member's answer; members are asked at once, so a claim takes at most
+// this long (a crashed member that is still in the view costs exactly this).
+const grantTimeout = 3 * time.Second
+
+// grantAttempts: a claim that split the members with a concurrent restore of the same incarnation gives
+// its grants back and tries again after a random pause, this many times in all.
+const grantAttempts = 3
+
+// serveGrant answers a grant request of peer, the authenticated member that runs the restore.
+func (a *Agent) serveGrant(c io.ReadWriter, peer string) {
+	var m grantMessage
+	if err := readHeader(c, &m); err != nil {
+		a.log.Warn("bad grant request", "peer", peer, "err", err)
+		return
+	}
+	writeHeader(c, a.localGrant(m, peer))
+}
+
+// localGrant answers m for a restore that runs on host.
+func (a *Agent) localGrant(m grantMessage, host string) grantReply {
+	now := time.Now()
+	if m.Release {
+		if err := a.grants.Release(m.Job, m.Incarnation, m.Holder, host, now); err != nil {
+			return grantReply{Error: err.Error()}
+		}
+		a.log.Info("incarnation given back", "job", m.Job, "incarnation", m.Incarnation, "holder", m.Holder, "host", host)
+		return grantReply{}
+	}
+	_, err := a.grants.Grant(grant.Request{Job: m.Job, Incarnation: m.Incarnation, Holder: m.Holder, Host: host}, now)
+	var ce *grant.ConflictError
+	switch {
+	case errors.As(err, &ce):
+		a.log.Warn("incarnation refused", "job", m.Job, "incarnation", m.Incarnation, "holder", m.Holder, "host", host, "held", ce.Record)
+		return grantReply{Conflict: &ce.Record}
+	case err != nil:
+		return grantReply{Error: err.Error()}
+	}
+	a.log.Info("incarnation granted", "job", m.Job, "incarnation", m.Incarnation, "holder", m.Holder, "host", host)
+	return grantReply{Granted: true}
+}
+
+// askGrant sends m to member (this host's own registry for itself).
+func (a *Agent) askGrant(ctx context.Context, member string, m grantMessage) grant.Answer {
+	if member == a.cfg.Name {
+		return answerOf(member, a.localGrant(m, a.cfg.Name))
+	}
+	qctx, cancel := context.WithTimeout(ctx, grantTimeout)
+	defer cancel()
+	c, err := a.dialPeer(qctx, member, opGrant)
+	if err != nil {
+		return grant.Answer{Member: member, Err: err}
+	}
+	defer c.Close()
+	if dl, ok := qctx.Deadline(); ok {
+		c.SetDeadline(dl)
+	}
+	var r grantReply
+	if err := writeHeader(c, m); err != nil {
+		return grant.Answer{Member: member, Err: err}
+	}
+	if err := readHeader(c, &r); err != nil {
+		return grant.Answer{Member: member, Err: err}
+	}
+	return answerOf(member, r)
+}
+
+// answerOf turns a member's reply into an answer; a conflict record from the wire is validated before its
+// strings end up in an error message.
+func answerOf(member string, r grantReply) grant.Answer {
+	switch {
+	case r.Error != "":
+		return grant.Answer{Member: member, Err: errors.New(shorten(r.Error, 300))}
+	case r.Conflict != nil:
+		if err := r.Conflict.Validate(); err != nil {
+			return grant.Answer{Member: member, Err: fmt.Errorf("invalid refusal: %w", err)}
+		}
+		return grant.Answer{Member: member, Conflict: r.Conflict}
+	case r.Granted:
+		return grant.Answer{Member: member, Granted: true}
+	}
+	return grant.Answer{Member: member, Err: errors.New("empty answer")}
+}
+
+func shorten(s string, n int) string {
+	if len(s) > n {
+		return s[:n] + "..."
+	}
+	return s
+}
+
+// grantMembers are the members whose majority decides: the non-failed members of this host's view, this
+// host included, without replaced: the node whose snapshot is restored, which the restore presumes gone.
+// Counting it as failed also makes a manual restore, whose view may not know of the failure yet, and the
+// fail-over, whose view does, count the same members, so that their majorities overlap; and a cluster
+// of two can restore the jobs of the one that failed.
+func (a *Agent) grantMembers(replaced string) []string {
+	out := []string{a.cfg.Name}
+	for _, m := range a.View().Members {
+		if m.State != ring.StateFailed && m.Name != a.cfg.Name && m.Name != replaced {
+			out = append(out, m.Name)
+		}
+	}
+	return out
+}
+
+// askAll sends m to every member at once and waits for every answer (each bounded by grantTimeout).
+func (a *Agent) askAll(ctx context.Context, members []string, m grantMessage) []grant.Answer {
+	answers := make([]grant.Answer, len(members))
+	var wg sync.WaitGroup
+	for i, name := range members {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			answers[i] = a.askGrant(ctx, name, m)
+		}()
+	}
+	wg.Wait()
+	return answers
+}
+
+// newHolder names one restore attempt: what a member records as holding the incarnation.
+func newHolder(kind string) string {
+	var b [6]byte
+	crand.Read(b[:])
+	return kind + ":" + hex.EncodeToString(b[:])
+}
+
+// claimIncarnation obtains incarnation n of job for holder from a majority of grantMembers(replaced), with
+// no member refusing. If it does not win, it gives back what it got and returns an error that wraps
+// grant.ErrConflict (with where the job runs) or grant.ErrNoMajority.
+func (a *Agent) claimIncarnation(ctx context.Context, job string, n uint64, holder, replaced string) error {
+	for attempt := 1; ; attempt++ {
+		members := a.grantMembers(replaced)
+		t := grant.Count(len(members), a.askAll(ctx, members, grantMessage{Job: job, Incarnation: n, Holder: holder}))
+		if t.Won() {
+			a.log.Info("incarnation claimed", "job", job, "incarnation", n, "holder", holder,
+				"granted_by", t.Granted, "members", len(members), "silent", len(t.Silent))
+			return nil
+		}
+		a.giveBack(ctx, job, n, holder, t.Granted)
+		err := t.Err(job, n)
+		if !t.Contended(n) || attempt == grantAttempts {
+			return err
+		}
+		// Two restores split the members and neither won: both give back and try again at random times.
+		pause := 200*time.Millisecond + rand.N(600*time.Millisecond)
+		a.log.Warn("incarnation contended; trying again", "job", job, "incarnation", n, "holder", holder, "pause", pause, "err", err)
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%w (%v)", err, ctx.Err())
+		case <-time.After(pause):
+		}
+	}
+}
+
+// giveBack releases incarnation n of job held by holder at members (every non-failed member if nil),
+// best effort: a member that misses it keeps refusing others that incarnation, which is safe.
+func (a *Agent) giveBack(ctx context.Context, job string, n uint64, holder string, members []string) {
+	if members == nil {
+		members = a.grantMembers("")
+	}
+	if len(members) == 0 {
+		return
+	}
+	ctx = context.WithoutCancel(ctx) // giving back must not be cut short by the failed restore's context
+	for _, ans := range a.askAll(ctx, members, grantMessage{Job: job, Incarnation: n, Holder: holder, Release: true}) {
+		if ans.Err != nil {
+			a.log.Warn("could not give an incarnation back; that member keeps refusing it to other restores", "job", job,
+				"incarnation", n, "member", ans.Member, "err", ans.Err)
+		}
+	}
+}
+
+// giveBackUnlessStarted gives incarnation n of j back after a failed restore, unless a process of the job
+// may be running on this host (its cgroup is populated, or the restore was cut short while CRIU may still
+// be working): then the incarnation stays claimed, and restoring again needs --force.
+func (a *Agent) giveBackUnlessStarted(ctx context.Context, j Job, n uint64, holder string, cause error) {
+	if ctx.Err() != nil || errors.Is(cause, context.Canceled) || errors.Is(cause, context.DeadlineExceeded) {
+		a.log.Warn("restore cut short; the incarnation stays claimed", "job", j.ID, "incarnation", n, "err", cause)
+		return
+	}
+	if populated(j.Cgroup) {
+		a.log.Warn("restore failed but the job's cgroup has processes; the incarnation stays claimed", "job", j.ID, "incarnation", n, "cgroup", j.Cgroup)
+		return
+	}
+	a.giveBack(ctx, j.ID, n, holder, nil)
+}
+
+// populated reports whether a cgroup v2 directory (or its subtree) has processes; unknown counts as yes.
+func populated(cgroup string) bool {
+	if cgroup == "" {
+		return true
+	}
+	b, err := os.ReadFile(filepath.Join(cgroup, "cgroup.events"))
+	if errors.Is(err, os.ErrNotExist) {
+		return false
+	}
+	if err != nil {
+		return true
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "populated "); ok {
+			return v != "0"
+		}
+	}
+	return true
+}
