@@ -230,7 +230,11 @@ func (a *Agent) handleCluster(ctx context.Context, c net.Conn) {
 			a.log.Warn("snapshot from peer refused", "peer", peer, "err", err)
 			return
 		}
-		a.digests.prune(peer, got.Manifest.Conns)
+		// The digests of what peer sent since the replica before this one stay: restoring that one if this
+		// one fails verification later still checks the re-sent bytes (fallback.go).
+		if prev := previousSnapshot(a.store, got.Manifest.Job, peer, got.Manifest.ID); prev != nil {
+			a.digests.prune(peer, prev.Conns)
+		}
 		a.keepReplicas(ctx, got)
 		a.log.Info("replica stored", "peer", peer, "job", got.Manifest.Job, "snapshot", got.Manifest.ID,
 			"bytes", got.Bytes, "wire_bytes", got.WireBytes, "ms", got.Duration.Milliseconds())

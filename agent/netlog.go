@@ -701,7 +701,7 @@ func (a *Agent) logWatermark() LogWatermark {
 			continue
 		}
 		rj := release.Job{Running: true, Started: j.Created}
-		if m := a.newestReplicated(j.ID); m != nil {
+		if m := a.restoreFloor(j.ID); m != nil {
 			rj.Replicated = m.Created
 		}
 		jobs = append(jobs, rj)

@@ -274,8 +274,11 @@ func (a *Agent) Checkpoint(ctx context.Context, ids []string, uid uint32) ([]Sna
 			res.Manifest, res.Shipped = sent.Manifest, true
 			res.ShipBytes, res.ShipWire, res.ShipDuration = sent.Bytes, sent.WireBytes, sent.Duration
 			a.recordReplica(sent.Manifest) // the job is protected from here on
-			// Durable on the protector: the senders may now drop what this snapshot has received.
-			a.announceReceivePoints(ctx, m)
+			// Durable on the protector: the senders may now drop what the snapshot before it had received
+			// (this one's, if a sender asked for it under log pressure).
+			if base := a.releaseBase(sent.Manifest, a.asked.Load()); base != nil {
+				a.announceReceivePoints(ctx, base)
+			}
 			if pruned, err := a.store.Prune(ctx, m.Job, a.cfg.Checkpoint.Keep); err != nil {
 				a.log.Warn("prune snapshots", "job", m.Job, "err", err)
 			} else if len(pruned) > 0 {
