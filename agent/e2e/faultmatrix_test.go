@@ -360,6 +360,7 @@ func crash(t *testing.T, c *labcluster.Cluster, host, why string) {
 // node3. The recovery restores that previous replica on the spare, the unfinished dump never becomes a
 // replica, and the result is the failure-free one.
 func TestFaultCrashDuringSnapshot(t *testing.T) {
+	t.Parallel() // mostly waiting (detection, replay, transfers): two rows at a time halve the suite
 	ref := ringArgs(2500, 64<<10, 10*time.Millisecond)
 	// 256 MiB of ballast: the dump writes for long enough to be caught in flight.
 	c, rg, want := startMatrix(t, 1, 7700, ref, nil, "--progress", "10", "--ballast", "256")
@@ -396,6 +397,7 @@ func TestFaultCrashDuringSnapshot(t *testing.T) {
 // shipping must end (the next node of the ring takes the replica, or the snapshot is reported unreplicated),
 // node2's own rank is recovered by node3 (node2's protector), and every rank's result is identical.
 func TestFaultProtectorCrashWhileReceiving(t *testing.T) {
+	t.Parallel() // mostly waiting (detection, replay, transfers): two rows at a time halve the suite
 	ref := ringArgs(3000, 64<<10, 10*time.Millisecond)
 	// 512 MiB of incompressible ballast: the transfer takes seconds.
 	c, rg, want := startMatrix(t, 1, 7710, ref, nil, "--progress", "10", "--ballast", "512")
@@ -462,6 +464,7 @@ func TestFaultProtectorCrashWhileReceiving(t *testing.T) {
 // adopts it (one copy, never two); the run ends with the failure-free result, or the failure, naming the
 // job, is in the timeline; it never hangs.
 func TestFaultAgentKilledDuringReplay(t *testing.T) {
+	t.Parallel() // mostly waiting (detection, replay, transfers): two rows at a time halve the suite
 	const block = 64 << 10
 	ref := ringArgs(6000, block, 0)
 	c, rg, want := startMatrix(t, 1, 7720, ref, nil, "--progress", "50")
@@ -547,12 +550,14 @@ func tcpRmemMax(t *testing.T) int {
 // must end: spare2 (or basic mode on node3) takes over with the failure-free result, or a clear refusal is
 // recorded; never a hang, never two copies of the rank.
 func TestFaultSpareDiesAfterFetch(t *testing.T) {
+	t.Parallel() // mostly waiting (detection, replay, transfers): two rows at a time halve the suite
 	testSpareDiesWhileRestoring(t, agent.StageFetched, 7730)
 }
 
 // Row 4, later: spare1 is power-cut once the restored rank runs there (during its replay), so the rank
 // dies with it and must be restored again from node2's replica.
 func TestFaultSpareDiesAfterRestore(t *testing.T) {
+	t.Parallel() // mostly waiting (detection, replay, transfers): two rows at a time halve the suite
 	testSpareDiesWhileRestoring(t, agent.StageRestored, 7731)
 }
 
@@ -640,6 +645,7 @@ func failureOf(t *testing.T, c *labcluster.Cluster, node string) *agent.Failure 
 // visible, the previous replica is still there and verifies, and a crash of node2 then recovers from that
 // previous replica with the failure-free result.
 func TestFaultProtectorDiskFull(t *testing.T) {
+	t.Parallel() // mostly waiting (detection, replay, transfers): two rows at a time halve the suite
 	ref := ringArgs(2500, 64<<10, 10*time.Millisecond)
 	var store string
 	prepare := func(c *labcluster.Cluster) {
@@ -729,6 +735,7 @@ func TestFaultProtectorDiskFull(t *testing.T) {
 // the next older replica that verifies (still recoverable: the peers keep the log data it needs) with the
 // failure-free result, and the timeline or the holder's log names the corrupt snapshot.
 func TestFaultCorruptNewestReplica(t *testing.T) {
+	t.Parallel() // mostly waiting (detection, replay, transfers): two rows at a time halve the suite
 	ref := ringArgs(2500, 64<<10, 10*time.Millisecond)
 	c, rg, want := startMatrix(t, 1, 7750, ref, nil, "--progress", "10")
 	job := rg.jobs[1].ID
