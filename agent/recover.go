@@ -314,17 +314,7 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 		for _, r := range restored {
 			ids = append(ids, r.job.ID)
 		}
-		res, err := a.Checkpoint(ctx, ids, 0)
-		detail := ""
-		for _, s := range res {
-			if !s.Shipped && err == nil {
-				err = errors.New(s.ShipErr)
-			}
-			detail = fmt.Sprintf("snapshot %s shipped", s.Manifest.ID)
-		}
-		if p, ok := a.protector(); ok {
-			detail += " to " + p.Name
-		}
+		detail, err := a.reprotect(ctx, ids)
 		stage(StageProtected, "", start, detail, err)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("re-protect: %w", err))
