@@ -3,6 +3,9 @@ package agent
 import (
 	"log/slog"
 	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt/interval"
 )
 
 // TestReleaseOneSnapshotBehind: the log is released to the replicated snapshot before the newest, so that
@@ -52,5 +55,22 @@ func TestReleaseOneSnapshotBehind(t *testing.T) {
 	}
 	if f := a.restoreFloor("other-00000000"); f != nil {
 		t.Errorf("restore floor of a job without snapshots = %s, want none", f.ID)
+	}
+}
+
+// TestPolicyAppliesIntervalFloor: a job record that asks for an interval below this agent's floor (a
+// restored job's record comes from another node) gets the agent's interval instead.
+func TestPolicyAppliesIntervalFloor(t *testing.T) {
+	cfg := Config{}
+	cfg.Checkpoint.Interval = Interval{Fixed: time.Minute}
+	cfg.Checkpoint.MinInterval = Duration{time.Second}
+	a := &Agent{cfg: cfg, log: slog.New(slog.DiscardHandler), byID: map[string]*Job{}, policies: map[string]*interval.Policy{}}
+	a.byID["fast-00000001"] = &Job{ID: "fast-00000001", Spec: JobSpec{Interval: "1ms"}}
+	a.byID["slow-00000001"] = &Job{ID: "slow-00000001", Spec: JobSpec{Interval: "5s"}}
+	if got := a.policyFor("fast-00000001").Interval(); got != time.Minute {
+		t.Errorf("a job asking for 1ms below a 1s floor runs every %s, want the agent's 1m", got)
+	}
+	if got := a.policyFor("slow-00000001").Interval(); got != 5*time.Second {
+		t.Errorf("a job asking for 5s runs every %s", got)
 	}
 }

@@ -26,7 +26,12 @@ func (a *Agent) policyFor(jobID string) *interval.Policy {
 	}
 	iv := a.cfg.Checkpoint.Interval
 	if j, ok := a.byID[jobID]; ok && key != "" && j.Spec.Interval != "" {
-		iv.UnmarshalText([]byte(j.Spec.Interval)) // validated when the job was created
+		// Checked again: a restored job's record comes from another node, whose floor may be lower.
+		if err := a.cfg.CheckJobInterval(j.Spec.Interval); err != nil {
+			a.log.Warn("job's own interval refused here; using this agent's", "job", jobID, "err", err)
+		} else {
+			iv.UnmarshalText([]byte(j.Spec.Interval))
+		}
 	}
 	cfg := interval.Config{Fixed: iv.Fixed, MTBF: a.cfg.Checkpoint.MTBF.Duration, InitialCost: time.Second}
 	p, err := interval.New(cfg)
