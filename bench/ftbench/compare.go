@@ -204,7 +204,9 @@ func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compare
 				if v == "a" && round == 0 {
 					// c's snapshot interval is K iterations of the plain run, in seconds.
 					jobs.perIter = time.Duration(r.Seconds / float64(sz.Iters) * float64(time.Second))
-					o.Interval = (jobs.perIter * time.Duration(sz.CkptEvery)).Round(10 * time.Millisecond)
+					// Never below the agents' floor (checkpoint.min_interval, 1 s by default), which refuses
+					// faster job intervals: the small size's K iterations take about that long.
+					o.Interval = max((jobs.perIter * time.Duration(sz.CkptEvery)).Round(10*time.Millisecond), minJobInterval)
 				}
 			}
 			return nil
@@ -528,6 +530,9 @@ type jobLauncher struct {
 	ref     string
 	log     *slog.Logger
 }
+
+// minJobInterval is the agents' default checkpoint.min_interval (the lab's agents use the default).
+const minJobInterval = time.Second
 
 func (p *jobLauncher) run(ctx context.Context, c *labcluster.Cluster, variant, interval string, crashAt time.Duration, port int) (*variantRun, error) {
 	hosts := make([]string, p.sz.Ranks)
