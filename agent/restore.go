@@ -2,6 +2,8 @@ package agent
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -163,7 +165,13 @@ func readBounded(path string, limit int64) ([]byte, error) {
 
 // workCopy lays out the snapshot's images in a working directory that restoreJob removes.
 func (a *Agent) workCopy(m *ckpt.Manifest) (string, error) {
-	work := filepath.Join(a.cfg.StateDir, "restore", m.Job+"-"+m.ID)
+	// One directory per attempt: a manual restore and a fail-over of the same snapshot may prepare on one
+	// host at once, and the loser of the incarnation claim removes its own copy, never the winner's.
+	var rnd [4]byte
+	if _, err := rand.Read(rnd[:]); err != nil {
+		return "", err
+	}
+	work := filepath.Join(a.cfg.StateDir, "restore", m.Job+"-"+m.ID+"-"+hex.EncodeToString(rnd[:]))
 	if err := linkTree(filepath.Join(a.store.Path(m.Job, m.ID), snapImages), work); err != nil {
 		return "", fmt.Errorf("prepare images for restore: %w", err)
 	}
