@@ -50,7 +50,6 @@ type Agent struct {
 	failures *failureLog          // timelines of the failures this agent knows of
 	claims   *spare.Holder        // this host's claim state while it is a spare
 	clamp    *ebpfprobes.AckClamp // ACK clock for restored sockets that re-send what peers have; nil if unavailable
-	digests  *digestStore         // digests of what the nodes this host protects sent, to verify re-sent bytes
 
 	wire   wireTimeouts    // deadlines of the agent-to-agent protocol; zero fields take the defaults
 	asked  atomic.Bool     // a snapshot a peer asked for (opCheckpointNow) is pending
@@ -99,9 +98,6 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 		return nil, err
 	}
 	if a.grants, err = grant.Open(filepath.Join(cfg.StateDir, "grants.json"), grant.Options{}); err != nil {
-		return nil, err
-	}
-	if a.digests, err = openDigestStore(filepath.Join(cfg.StateDir, "digests"), a.log); err != nil {
 		return nil, err
 	}
 	a.watchdog = detect.NewWatchdog(detect.Config{Timeout: cfg.Heartbeat.Timeout.Duration, BusyGrace: cfg.Heartbeat.BusyGrace.Duration})
@@ -360,7 +356,6 @@ func (a *Agent) Run(ctx context.Context) error {
 	go a.watchJobs(ctx)
 	go a.schedule(ctx)
 	go a.controlLog(ctx)
-	go a.digestLoop(ctx)
 	go a.sendBeats(ctx)
 	go a.watchPredecessor(ctx)
 	go a.pushView(ctx) // a restarted agent learns what changed while it was away
@@ -369,6 +364,8 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 	if a.netlog != nil {
 		defer a.netlog.cap.Close()
+		defer a.netlog.tap.Close() // after the recorder: it reads the tap
+		defer a.netlog.recorder.Close()
 	}
 	if a.clamp != nil {
 		defer a.closeAckClamp()

@@ -30,7 +30,7 @@ const (
 	opTrim          clusterOp = "trim"           // the caller's snapshot covers these receive points: drop older log data
 	opLogRange      clusterOp = "log-range"      // bytes we logged on a connection from a sequence number on
 	opCheckpointNow clusterOp = "checkpoint-now" // the caller's log is under pressure: snapshot our jobs
-	opDigests       clusterOp = "digests"        // CRC-32C of the blocks the caller's log holds (we are its protector)
+	opReceived      clusterOp = "received"       // our record of what one of our sockets received (CRC-32C per block)
 	opLogWatermark  clusterOp = "log-watermark"  // how old is our oldest restore point: the caller frees finished connections' logs older than it
 	// Failure detection and recovery.
 	opHeartbeat clusterOp = "heartbeat" // a stream of heartbeats from our predecessor in the ring
@@ -230,11 +230,6 @@ func (a *Agent) handleCluster(ctx context.Context, c net.Conn) {
 			a.log.Warn("snapshot from peer refused", "peer", peer, "err", err)
 			return
 		}
-		// The digests of what peer sent since the replica before this one stay: restoring that one if this
-		// one fails verification later still checks the re-sent bytes (fallback.go).
-		if prev := previousSnapshot(a.store, got.Manifest.Job, peer, got.Manifest.ID); prev != nil {
-			a.digests.prune(peer, prev.Conns)
-		}
 		a.keepReplicas(ctx, got)
 		a.log.Info("replica stored", "peer", peer, "job", got.Manifest.Job, "snapshot", got.Manifest.ID,
 			"bytes", got.Bytes, "wire_bytes", got.WireBytes, "ms", got.Duration.Milliseconds())
@@ -244,8 +239,8 @@ func (a *Agent) handleCluster(ctx context.Context, c net.Conn) {
 		a.serveTrim(c, peer)
 	case opLogRange:
 		a.serveLogRange(ctx, c, peer)
-	case opDigests:
-		a.serveDigests(c, peer)
+	case opReceived:
+		a.serveReceived(c, peer)
 	case opLogWatermark:
 		a.serveLogWatermark(c)
 	case opCheckpointNow:

@@ -117,6 +117,10 @@ type Config struct {
 		// Automatic: the protector restores a confirmed-failed predecessor's jobs on a spare (or on itself)
 		// at once. Off: the failure is only reported, and the operator restores with `ftctl restore`.
 		Automatic bool `toml:"automatic"`
+		// ReplayTimeout bounds how long a restored job may take to re-send what its peers had received:
+		// one that has not by then (it diverged and waits for a message nobody will send) is killed and
+		// the recovery fails, naming the connection.
+		ReplayTimeout Duration `toml:"replay_timeout"`
 	} `toml:"failover"`
 	Log LogConfig `toml:"log"`
 }
@@ -148,6 +152,7 @@ func Defaults() Config {
 	c.Heartbeat.Timeout = Duration{3 * time.Second}
 	c.Heartbeat.BusyGrace = Duration{60 * time.Second}
 	c.Failover.Automatic = true
+	c.Failover.ReplayTimeout = Duration{2 * time.Minute}
 	c.Log = LogConfig{Enabled: true, RingMiB: 64, High: 0.8, Low: 0.6}
 	return c
 }
@@ -239,6 +244,9 @@ func (c Config) Validate() error {
 	}
 	if c.Checkpoint.Keep < 1 {
 		errs = append(errs, fmt.Errorf("checkpoint.keep %d: keep at least 1 snapshot", c.Checkpoint.Keep))
+	}
+	if c.Failover.ReplayTimeout.Duration <= 0 {
+		errs = append(errs, fmt.Errorf("failover: replay_timeout (%s) must be positive", c.Failover.ReplayTimeout))
 	}
 	if c.Heartbeat.Interval.Duration <= 0 || c.Heartbeat.Timeout.Duration <= c.Heartbeat.Interval.Duration {
 		errs = append(errs, fmt.Errorf("heartbeat: timeout (%s) must be longer than a positive interval (%s)", c.Heartbeat.Timeout, c.Heartbeat.Interval))

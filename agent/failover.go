@@ -23,9 +23,6 @@ func (a *Agent) failover(ctx context.Context, s detect.Suspect, declared time.Ti
 	id := a.recordFailure(s, declared)
 	a.log.Error("node failed", "node", s.Name, "jobs", s.Jobs, "detection_ms", declared.Sub(s.LastBeat).Milliseconds(), "failure", id)
 	err := a.runFailover(ctx, id, s)
-	if derr := a.digests.drop(s.Name); derr != nil {
-		a.log.Warn("could not remove the failed node's digests", "node", s.Name, "err", derr)
-	}
 	a.failures.update(id, func(f *Failure) {
 		f.Done = true
 		if err != nil {
@@ -67,7 +64,6 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect) er
 		return err
 	}
 	var jobs []RecoverJob
-	var conns []ckpt.Conn // of the snapshots to restore: the digests of their re-sent bytes go along
 	var need spare.Need
 	var errs []error
 	for _, job := range s.Jobs {
@@ -85,9 +81,6 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect) er
 			a.log.Warn("the newest replica is on another member", "job", job, "snapshot", cands[0].Snapshot, "holder", cands[0].Source)
 		}
 		jobs = append(jobs, RecoverJob{Job: job, Snapshot: cands[0].Snapshot, Source: cands[0].Source, Candidates: cands})
-		for _, h := range held { // the target may restore any of them: send the digests of each one's connections
-			conns = mergeConns(conns, h.m.Conns)
-		}
 		need.Jobs++
 		need.MemoryBytes += held[0].m.TotalSize()
 	}
@@ -112,8 +105,7 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect) er
 	a.failures.update(id, func(f *Failure) { f.Target, f.Basic = target, basic })
 	a.pushView(ctx) // peers must know who holds the failed node's addresses before replay starts
 	failed, _ := v.Member(s.Name)
-	req := RecoverRequest{Failure: id, Failed: s.Name, Addrs: failed.Addrs, Jobs: jobs, Source: a.cfg.Name,
-		Digests: a.digests.forRecovery(s.Name, conns)}
+	req := RecoverRequest{Failure: id, Failed: s.Name, Addrs: failed.Addrs, Jobs: jobs, Source: a.cfg.Name}
 	emit := func(st Stage) {
 		a.failures.update(id, func(f *Failure) { f.Stages = append(f.Stages, st) })
 		a.saveFailures()
@@ -194,21 +186,6 @@ func (a *Agent) heldReplicas(ctx context.Context, job, node string) ([]heldRepli
 // among equals.
 func sortHeld(held []heldReplica) {
 	slices.SortStableFunc(held, func(x, y heldReplica) int { return strings.Compare(y.m.ID, x.m.ID) })
-}
-
-// mergeConns adds more to conns; a connection already there keeps the earlier write_seq of the two, whose
-// digests (of the blocks past it) cover the later one's too.
-func mergeConns(conns, more []ckpt.Conn) []ckpt.Conn {
-	for _, c := range more {
-		i := slices.IndexFunc(conns, func(o ckpt.Conn) bool { return o.Local == c.Local && o.Remote == c.Remote })
-		switch {
-		case i < 0:
-			conns = append(conns, c)
-		case int32(c.OutqSeq-conns[i].OutqSeq) < 0:
-			conns[i] = c
-		}
-	}
-	return conns
 }
 
 // recoveryCandidates is the ordered list a recovery request carries for one job.

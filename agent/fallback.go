@@ -3,10 +3,10 @@ package agent
 import "github.com/ftkit/ftkit/ckpt"
 
 // A replica can fail verification on its holder (a flipped bit on disk), and fail-over then restores the
-// one before it. That older snapshot is restorable only while its peers still log what they sent since it
-// and its protector still has the digests of what it sent since. So the sender-side log and the digests
-// are released one replicated snapshot behind the newest, except when a sender asked for the snapshot
-// because its log is under pressure: then its memory comes first and the newest snapshot is the floor.
+// one before it. That older snapshot is restorable only while its peers still log what they sent since it.
+// So the sender-side log is released one replicated snapshot behind the newest, except when a sender asked
+// for the snapshot because its log is under pressure: then its memory comes first and the newest snapshot
+// is the floor.
 
 // previousSnapshot is the newest snapshot of job taken on node, older than id, whose manifest reads and
 // that another member holds (replicated): nil if there is none.

@@ -197,23 +197,6 @@ func TestRecoverJobCandidates(t *testing.T) {
 	}
 }
 
-func TestMergeConns(t *testing.T) {
-	c := func(local string, outq uint32) ckpt.Conn {
-		return ckpt.Conn{Local: netip.MustParseAddrPort(local), Remote: netip.MustParseAddrPort("10.0.0.2:5000"), OutqSeq: outq}
-	}
-	got := mergeConns([]ckpt.Conn{c("10.0.0.1:1", 5000), c("10.0.0.1:2", 100)},
-		[]ckpt.Conn{c("10.0.0.1:1", 4000), c("10.0.0.1:2", 200), c("10.0.0.1:3", 7), c("10.0.0.1:1", 0xfffffff0)})
-	want := []ckpt.Conn{c("10.0.0.1:1", 0xfffffff0), c("10.0.0.1:2", 100), c("10.0.0.1:3", 7)}
-	if len(got) != len(want) {
-		t.Fatalf("got %+v, want %+v", got, want)
-	}
-	for i := range got {
-		if got[i] != want[i] {
-			t.Errorf("conn %d: got %+v, want %+v (the earlier write_seq, across wrap-around)", i, got[i], want[i])
-		}
-	}
-}
-
 // TestAnswerOf: a member's reply becomes an answer; a refusal with a record that does not validate is no
 // answer, so that its strings never reach an error message.
 func TestAnswerOf(t *testing.T) {

@@ -22,12 +22,17 @@ import (
 	"github.com/ftkit/ftkit/netlog/capture"
 	"github.com/ftkit/ftkit/netlog/controller"
 	"github.com/ftkit/ftkit/netlog/release"
+	"github.com/ftkit/ftkit/recvdigest"
 )
 
 // logState is the agent's sender-side log: the eBPF capture, its resource controller, and recent events.
 type logState struct {
 	cap  *capture.Capture
 	ctl  *controller.Controller
+	// What this host's protected sockets received, to check a restored peer's re-sent bytes (received.go).
+	tap      *ebpfprobes.RecvTap
+	book     *recvdigest.Book
+	recorder *recvdigest.Recorder
 	mu   sync.Mutex
 	ev   []controller.Event   // the last maxEvents decisions, for `ftctl status`
 	seen map[string]time.Time // destination node -> when its log data was last trimmed (or first seen)
@@ -78,7 +83,12 @@ func (a *Agent) startLog() error {
 		c.Close()
 		return err
 	}
-	a.netlog = &logState{cap: c, ctl: ctl, seen: map[string]time.Time{},
+	tap, book, recorder, err := a.startReceiveDigests()
+	if err != nil {
+		c.Close()
+		return err
+	}
+	a.netlog = &logState{cap: c, ctl: ctl, tap: tap, book: book, recorder: recorder, seen: map[string]time.Time{},
 		marks: map[string]release.Watermark{}, asked: map[string]time.Time{}, asking: map[string]bool{}}
 	a.log.Info("sender-side log attached", "interface", iface, "ring_mib", lc.RingMiB, "memory_cap_mib", capMiB)
 	return nil
@@ -130,6 +140,9 @@ func (a *Agent) protect(j *Job) {
 	if err := a.netlog.cap.ProtectCgroup(j.Cgroup); err != nil {
 		a.log.Error("job's traffic is not logged", "job", j.ID, "err", err)
 	}
+	if err := a.netlog.tap.AttachCgroup(j.Cgroup); err != nil {
+		a.log.Error("what the job receives is not recorded: a restored peer's re-sent bytes cannot be checked", "job", j.ID, "err", err)
+	}
 }
 
 func (a *Agent) unprotect(j *Job) {
@@ -138,6 +151,9 @@ func (a *Agent) unprotect(j *Job) {
 	}
 	if err := a.netlog.cap.UnprotectCgroup(j.Cgroup); err != nil && !errors.Is(err, os.ErrNotExist) {
 		a.log.Debug("unprotect job cgroup", "job", j.ID, "err", err)
+	}
+	if err := a.netlog.tap.DetachCgroup(j.Cgroup); err != nil && !errors.Is(err, os.ErrNotExist) {
+		a.log.Debug("detach the receive tap from the job cgroup", "job", j.ID, "err", err)
 	}
 }
 
@@ -202,7 +218,9 @@ func (a *Agent) serveTrim(c net.Conn, peer string) {
 	n := 0
 	if a.netlog != nil {
 		for _, p := range own {
-			if _, err := a.netlog.cap.Log().Trim(netlog.Conn{Src: p.Src, Dst: p.Dst}, p.Seq); err == nil {
+			// Down to the start of the receive-digest block: a snapshot of ours taken meanwhile may need
+			// the bytes before its write_seq in that block (sentPrefix).
+			if _, err := a.netlog.cap.Log().Trim(netlog.Conn{Src: p.Src, Dst: p.Dst}, recvdigest.BlockStart(p.Seq)); err == nil {
 				n++
 			}
 		}
@@ -269,6 +287,13 @@ func (a *Agent) serveLogRange(ctx context.Context, c net.Conn, peer string) {
 	}
 	l := a.netlog.cap.Log()
 	conn := netlog.Conn{Src: req.Src, Dst: req.Dst}
+	if live, ok := sentNothingSince(a.netlog.cap, conn, req.From); ok {
+		// A one-way stream toward the restored job (or a peer that has been silent since the snapshot):
+		// nothing logged because nothing was sent, which the live state shows; nothing to replay.
+		age, _ := live.Age()
+		a.reply(c, peer, opLogRange, LogRangeReply{From: req.From, Live: &live, LiveAge: age})
+		return
+	}
 	from, err := l.Unwrap(conn, req.From)
 	var b netlog.Bounds
 	if err == nil {
@@ -306,6 +331,20 @@ func (a *Agent) serveLogRange(ctx context.Context, c net.Conn, peer string) {
 	if _, err := l.WriteRange(ctx, idleConn{Conn: c, idle: a.idleTimeout()}, conn, from, to); err != nil {
 		a.log.Warn("log range cut short", "peer", peer, "conn", conn, "err", err)
 	}
+}
+
+// sentNothingSince says whether this host's log has no store of conn because the sender sent no payload
+// on it after wire sequence from: the live state's data end is exactly there. A store that exists, or a
+// live state that went further, are for the log to answer (bytes, or a hole it names).
+func sentNothingSince(c *capture.Capture, conn netlog.Conn, from uint32) (ebpfprobes.FlowState, bool) {
+	if _, err := c.Log().Bounds(conn); !errors.Is(err, netlog.ErrUnknownConn) {
+		return ebpfprobes.FlowState{}, false
+	}
+	live, ok, err := c.FlowState(conn)
+	if err != nil || !ok || live.DataEnd() != from {
+		return ebpfprobes.FlowState{}, false
+	}
+	return live, true
 }
 
 // LogRange fetches from member peer the bytes it logged on src->dst from sequence from on, with the

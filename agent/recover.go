@@ -69,9 +69,6 @@ type RecoverRequest struct {
 	Addrs   []netip.Addr `json:"addrs"` // the failed node's host addresses, taken over by the target
 	Jobs    []RecoverJob `json:"jobs"`
 	Source  string       `json:"source"` // the member holding the replicas
-	// Digests are the failed node's digests of what it sent past the snapshots' write_seq: the target
-	// checks the restored jobs' re-sent bytes against them.
-	Digests []ConnDigests `json:"digests,omitempty"`
 }
 
 // recoverMessage is one line of a recovery's progress stream: a stage, or the end.
@@ -81,8 +78,8 @@ type recoverMessage struct {
 	Error string `json:"error,omitempty"`
 }
 
-// replayTimeout bounds how long a recovery waits for restored jobs to re-send what their peers had.
-const replayTimeout = 2 * time.Minute
+// maxRecoverRequest bounds a recovery request (the jobs of one node and their candidate snapshots).
+const maxRecoverRequest = 4 << 20
 
 // recoverLimit bounds how long a caller follows a recovery on another host; the stream itself must not
 // fall silent for longer than the idle timeout (the target sends a keepalive line in between stages).
@@ -201,6 +198,10 @@ type restoring struct {
 	source, holder string
 	// restoredAt is when CRIU's restore returned: replay is measured from there.
 	restoredAt time.Time
+	// checks are the peers' records of what they received, per connection (Src: the restored end).
+	checks map[netlog.Conn]resentCheck
+	// replayed are flows whose replay a previous agent saw complete (resume.go): not waited for again.
+	replayed []ebpfprobes.Flow
 }
 
 // recoverJobs restores a failed node's jobs on this host: fetch each snapshot, ask each peer for the bytes
@@ -219,10 +220,6 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 	iface, own, err := hostInterface(a.cfg.Cluster.Listen.Addr())
 	if err != nil {
 		return err
-	}
-	digests, err := digestIndex(req.Digests)
-	if err != nil {
-		return fmt.Errorf("recovery request from %s: %w", req.Source, err)
 	}
 	var jobs []*restoring
 	var errs []error
@@ -264,7 +261,7 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 		}
 		return errors.Join(append(errs, err)...)
 	}
-	track.persist(jobs, req.Digests)
+	track.persist(jobs)
 	var restored []*restoring
 	for _, r := range jobs {
 		start := time.Now()
@@ -288,21 +285,11 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 	}
 	var verified []*restoring
 	for _, r := range restored {
-		detail, err := a.waitReplay(ctx, r)
-		if err == nil {
-			// Before the job is re-protected: a job that re-sent different bytes must not be snapshotted.
-			var vdetail string
-			vdetail, err = a.verifyResent(ctx, r, digests)
-			detail += "; " + vdetail
-			if err != nil {
-				stage(StageReplayed, r.job.ID, r.restoredAt, detail, err)
-				errs = append(errs, fmt.Errorf("job %s is not transparently recoverable (killed): %w", r.job.ID, err))
-				continue
-			}
-		}
+		detail, err := a.replayAndVerify(ctx, r)
 		stage(StageReplayed, r.job.ID, r.restoredAt, detail, err)
 		if err != nil {
-			errs = append(errs, fmt.Errorf("job %s: %w", r.job.ID, err))
+			errs = append(errs, fmt.Errorf("job %s is not transparently recoverable (killed): %w", r.job.ID, err))
+			continue
 		}
 		track.setPhase(r.job.ID, phaseReplayed, time.Time{})
 		verified = append(verified, r)
@@ -453,6 +440,7 @@ func (a *Agent) prepareCandidate(ctx context.Context, job string, c Candidate) (
 // live state, and computes the image edits.
 func (a *Agent) planRecovery(ctx context.Context, req RecoverRequest, r *restoring) error {
 	peers := map[restore.ConnKey]restore.Peer{}
+	r.checks = map[netlog.Conn]resentCheck{}
 	var conns []ckpt.Conn
 	var errs []error
 	for _, c := range r.m.Conns {
@@ -480,6 +468,10 @@ func (a *Agent) planRecovery(ctx context.Context, req RecoverRequest, r *restori
 		peers[restore.ConnKey{Local: c.Local, Remote: c.Remote}] = restore.Peer{
 			Live: *reply.Live, LiveAge: reply.LiveAge + time.Since(asked), Logged: data,
 		}
+		// Asked now, while nothing runs at this end: the peer's record ends where its socket does.
+		qctx, cancel = context.WithTimeout(ctx, time.Minute)
+		r.checks[netlog.Conn{Src: c.Local, Dst: c.Remote}] = a.fetchResentCheck(qctx, owner, netlog.Conn{Src: c.Local, Dst: c.Remote}, c.OutqSeq)
+		cancel()
 	}
 	if len(errs) > 0 {
 		return errors.Join(errs...)
@@ -527,7 +519,8 @@ func planSummary(p restore.Plan) string {
 // on the job produces new bytes, and the peers' TCP discarded the re-sent ones as duplicates. The restored
 // socket's progress is read from the ACK clamp (or, without it, from the sender-side log's flow state).
 func (a *Agent) waitReplay(ctx context.Context, r *restoring) (string, error) {
-	ctx, cancel := context.WithTimeout(ctx, replayTimeout)
+	timeout := a.cfg.Failover.ReplayTimeout.Duration
+	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	var total int64
 	var clamped uint64
@@ -538,6 +531,9 @@ func (a *Agent) waitReplay(ctx context.Context, r *restoring) (string, error) {
 		total += int64(c.Resend)
 		target := c.Conn.OutqSeq + c.Resend
 		flow := ebpfprobes.Flow{Src: c.Conn.Local, Dst: c.Conn.Remote}
+		if slices.Contains(r.replayed, flow) {
+			continue
+		}
 		for {
 			sent, ok := a.sentUpTo(flow)
 			if ok && int32(sent-target) >= 0 {
@@ -548,7 +544,7 @@ func (a *Agent) waitReplay(ctx context.Context, r *restoring) (string, error) {
 			}
 			select {
 			case <-ctx.Done():
-				return "", fmt.Errorf("connection %s -> %s: re-sent bytes did not reach the peer's receive point %d within %s", c.Conn.Local, c.Conn.Remote, target, replayTimeout)
+				return "", fmt.Errorf("connection %s -> %s: the restored job did not re-send what its peer had received (up to sequence %d) within %s (failover.replay_timeout): it diverged from the execution its peers saw (it waits for a message they will never send) or is stuck", c.Conn.Local, c.Conn.Remote, target, timeout)
 			case <-time.After(5 * time.Millisecond):
 			}
 		}
@@ -558,6 +554,20 @@ func (a *Agent) waitReplay(ctx context.Context, r *restoring) (string, error) {
 		}
 	}
 	return fmt.Sprintf("%d bytes re-sent and discarded by the peers; %d peer ACKs clamped", total, clamped), nil
+}
+
+// replayAndVerify waits for a restored job's replay and checks every byte it re-sent. A job that does not
+// re-send what its peers had within the replay timeout (it diverged and waits for a message nobody will
+// send, or re-sent fewer bytes) or whose bytes fail the check is killed before anything re-protects it:
+// the recovery ends with a named failure, never a hang and never a job of unknown fidelity.
+func (a *Agent) replayAndVerify(ctx context.Context, r *restoring) (string, error) {
+	detail, err := a.waitReplay(ctx, r)
+	if err != nil {
+		a.killJob(r.job.ID, err)
+		return detail, err
+	}
+	vdetail, err := a.verifyResent(ctx, r)
+	return detail + "; " + vdetail, err
 }
 
 // sentUpTo is how far a restored socket has sent on flow.

@@ -16,6 +16,7 @@ import (
 
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/internal/atomicfile"
+	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/ring"
 )
@@ -45,8 +46,6 @@ type recoveryRecord struct {
 	Failure     string        `json:"failure"`
 	Coordinator string        `json:"coordinator"`
 	Jobs        []recoveryJob `json:"jobs,omitempty"`
-	// Digests are the coordinator's digests of the re-sent connections (a subset of the request's).
-	Digests []ConnDigests `json:"digests,omitempty"`
 	Stages  []Stage       `json:"stages,omitempty"`
 	Resumed bool          `json:"resumed,omitempty"`
 	Done    bool          `json:"done,omitempty"`
@@ -63,12 +62,14 @@ type recoveryJob struct {
 }
 
 // recoveryConn is a restored connection's replay: from the snapshot's write_seq OutqSeq, Resend bytes the
-// peer already has.
+// peer already has, and what checking them needs.
 type recoveryConn struct {
-	Local   netip.AddrPort `json:"local"`
-	Remote  netip.AddrPort `json:"remote"`
-	OutqSeq uint32         `json:"outq_seq"`
-	Resend  uint32         `json:"resend"`
+	Local         netip.AddrPort `json:"local"`
+	Remote        netip.AddrPort `json:"remote"`
+	OutqSeq       uint32         `json:"outq_seq"`
+	Resend        uint32         `json:"resend"`
+	SentPrefixCRC *uint32        `json:"sent_prefix_crc,omitempty"`
+	resentCheck
 }
 
 // validRecoveryID keeps a failure id (from the coordinator) usable as a file name.
@@ -167,27 +168,20 @@ func (t *recoveryTracker) wrap(emit func(Stage)) func(Stage) {
 	}
 }
 
-// persist records the jobs about to be restored, with their replays and the digests to check them by.
-func (t *recoveryTracker) persist(jobs []*restoring, digests []ConnDigests) {
+// persist records the jobs about to be restored, with their replays and what checking them needs.
+func (t *recoveryTracker) persist(jobs []*restoring) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	type key struct{ src, dst netip.AddrPort }
-	want := map[key]bool{}
 	for _, r := range jobs {
 		rj := recoveryJob{Job: r.job.ID, Snapshot: r.m.ID, Phase: phaseRestoring}
 		for _, c := range r.plan.Conns {
 			if c.Resend == 0 {
 				continue
 			}
-			rj.Conns = append(rj.Conns, recoveryConn{Local: c.Conn.Local, Remote: c.Conn.Remote, OutqSeq: c.Conn.OutqSeq, Resend: c.Resend})
-			want[key{c.Conn.Local, c.Conn.Remote}] = true
+			rj.Conns = append(rj.Conns, recoveryConn{Local: c.Conn.Local, Remote: c.Conn.Remote, OutqSeq: c.Conn.OutqSeq, Resend: c.Resend,
+				SentPrefixCRC: c.Conn.SentPrefixCRC, resentCheck: r.checks[netlog.Conn{Src: c.Conn.Local, Dst: c.Conn.Remote}]})
 		}
 		t.rec.Jobs = append(t.rec.Jobs, rj)
-	}
-	for _, cd := range digests {
-		if want[key{cd.Src, cd.Dst}] {
-			t.rec.Digests = append(t.rec.Digests, cd)
-		}
 	}
 	t.save()
 }
@@ -223,7 +217,9 @@ func (t *recoveryTracker) done(ctx context.Context, err error) {
 		return
 	}
 	t.rec.Done, t.rec.Error = true, errString(err)
-	t.rec.Digests = nil
+	for i := range t.rec.Jobs {
+		t.rec.Jobs[i].Conns = nil // the peers' records: only a resume needs them
+	}
 	t.save()
 }
 
@@ -292,11 +288,6 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 	stage := t.wrap(func(s Stage) {
 		a.log.Info("recovery stage (resumed)", "failure", rec.Failure, "stage", s.Name, "job", s.Job, "detail", s.Detail, "err", s.Error)
 	})
-	digests, err := digestIndex(rec.Digests)
-	if err != nil {
-		t.done(ctx, fmt.Errorf("recovery record of failure %s: %w", rec.Failure, err))
-		return
-	}
 	var errs []error
 	var protect []string
 	for _, rj := range rec.Jobs {
@@ -316,25 +307,14 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 			continue
 		}
 		r := a.resumedRestoring(rj, j)
-		detail, err := a.waitReplay(ctx, r)
-		killed := false
-		if err == nil {
-			var vdetail string
-			vdetail, err = a.verifyResent(ctx, r, digests)
-			detail += "; " + vdetail
-			if killed = err != nil; killed {
-				// Before the job is re-protected: a job that re-sent different bytes must not be snapshotted.
-				err = fmt.Errorf("job %s is not transparently recoverable (killed): %w", rj.Job, err)
-			}
-		} else {
-			err = fmt.Errorf("job %s: %w", rj.Job, err)
+		detail, err := a.replayAndVerify(ctx, r)
+		if err != nil {
+			err = fmt.Errorf("job %s is not transparently recoverable (killed): %w", rj.Job, err)
 		}
 		detail += " (resumed after the agent restarted)"
 		stage(Stage{Name: StageReplayed, Job: rj.Job, Host: a.cfg.Name, Start: r.restoredAt, End: time.Now(), Detail: detail, Error: errString(err)})
 		if err != nil {
 			errs = append(errs, err)
-		}
-		if killed {
 			continue
 		}
 		t.setPhase(rj.Job, phaseReplayed, time.Time{})
@@ -362,9 +342,9 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 
 // resumedRestoring rebuilds what waitReplay and verifyResent need of a job from its record. A flow the
 // clamp no longer holds was released by the previous agent, which releases a flow only once its replay is
-// complete: it is not waited for again.
+// complete: it is not waited for again, but its bytes are still checked.
 func (a *Agent) resumedRestoring(rj recoveryJob, j Job) *restoring {
-	r := &restoring{job: j, restoredAt: rj.RestoredAt}
+	r := &restoring{job: j, restoredAt: rj.RestoredAt, checks: map[netlog.Conn]resentCheck{}}
 	if r.restoredAt.IsZero() {
 		r.restoredAt = time.Now()
 	}
@@ -379,11 +359,12 @@ func (a *Agent) resumedRestoring(rj recoveryJob, j Job) *restoring {
 	}
 	for _, c := range rj.Conns {
 		if clamped != nil && !clamped[ebpfprobes.Flow{Src: c.Local, Dst: c.Remote}] {
-			continue
+			r.replayed = append(r.replayed, ebpfprobes.Flow{Src: c.Local, Dst: c.Remote})
 		}
 		cp := restore.ConnPlan{Resend: c.Resend}
-		cp.Conn.Local, cp.Conn.Remote, cp.Conn.OutqSeq = c.Local, c.Remote, c.OutqSeq
+		cp.Conn.Local, cp.Conn.Remote, cp.Conn.OutqSeq, cp.Conn.SentPrefixCRC = c.Local, c.Remote, c.OutqSeq, c.SentPrefixCRC
 		r.plan.Conns = append(r.plan.Conns, cp)
+		r.checks[netlog.Conn{Src: c.Local, Dst: c.Remote}] = c.resentCheck
 	}
 	return r
 }
@@ -468,8 +449,11 @@ func (a *Agent) recoveryStatus(ctx context.Context, target, failure string, jobs
 }
 
 // brokenRecoveryWait bounds how long a coordinator whose progress stream broke waits for the target to
-// answer again and finish: a restarted agent resumes the replay (replayTimeout) and re-protects.
-const brokenRecoveryWait = replayTimeout + 3*time.Minute
+// answer again and finish: a restarted agent resumes the replay (failover.replay_timeout, the same on
+// every member) and re-protects.
+func (a *Agent) brokenRecoveryWait() time.Duration {
+	return a.cfg.Failover.ReplayTimeout.Duration + 3*time.Minute
+}
 
 // brokenSilenceWait bounds how long the target may not answer at all: an agent restarts in seconds; a host
 // that stays silent longer is left to failure detection.
@@ -506,7 +490,7 @@ func (a *Agent) afterBrokenStream(ctx context.Context, target string, req Recove
 			}
 		}
 	}
-	ctx, cancel := context.WithTimeout(ctx, brokenRecoveryWait)
+	ctx, cancel := context.WithTimeout(ctx, a.brokenRecoveryWait())
 	defer cancel()
 	var last *recoveryStatusMessage
 	silentSince := time.Now()
@@ -536,9 +520,9 @@ func (a *Agent) afterBrokenStream(ctx context.Context, target string, req Recove
 		select {
 		case <-ctx.Done():
 			if last == nil {
-				return fmt.Errorf("%w; %s did not answer within %s: whether job(s) %s run there is unknown", broke, target, brokenRecoveryWait, strings.Join(jobs, ", "))
+				return fmt.Errorf("%w; %s did not answer within %s: whether job(s) %s run there is unknown", broke, target, a.brokenRecoveryWait(), strings.Join(jobs, ", "))
 			}
-			return fmt.Errorf("%w; %s did not finish it within %s: %s", broke, target, brokenRecoveryWait, runningSummary(jobs, last.Running))
+			return fmt.Errorf("%w; %s did not finish it within %s: %s", broke, target, a.brokenRecoveryWait(), runningSummary(jobs, last.Running))
 		case <-time.After(2 * time.Second):
 		}
 	}

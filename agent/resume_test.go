@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/recvdigest"
 	"github.com/ftkit/ftkit/restore"
 )
 
@@ -35,8 +37,9 @@ func connPlan(local, remote string, outq, resend uint32) restore.ConnPlan {
 }
 
 // TestRecoveryRecordPersists is what a target agent killed during a replay leaves for its successor: the
-// jobs, their replays (only the connections with bytes to re-send), the digests of those connections, the
-// phases and the stages, in a 0600 file of a 0700 directory; the outcome stays without the digests.
+// jobs, their replays (only the connections with bytes to re-send) with the peers' records of what they
+// received and the snapshot's prefix CRCs, the phases and the stages, in a 0600 file of a 0700 directory;
+// the outcome stays without the replays.
 func TestRecoveryRecordPersists(t *testing.T) {
 	a := resumeTestAgent(t)
 	req := RecoverRequest{Failure: "node2-20250101T000001.000", Source: "node3"}
@@ -48,9 +51,13 @@ func TestRecoveryRecordPersists(t *testing.T) {
 		connPlan("10.0.0.2:7000", "10.0.0.1:40000", 1000, 5000),
 		connPlan("10.0.0.2:7001", "10.0.0.3:40001", 9, 0), // nothing to re-send: nothing to wait for
 	)
-	keep := ConnDigests{Src: netip.MustParseAddrPort("10.0.0.2:7000"), Dst: netip.MustParseAddrPort("10.0.0.1:40000"), Runs: []DigestRun{{Seq: 0, CRCs: []byte{1, 2, 3, 4}}}}
-	other := ConnDigests{Src: netip.MustParseAddrPort("10.0.0.2:7001"), Dst: netip.MustParseAddrPort("10.0.0.3:40001")}
-	tr.persist([]*restoring{r}, []ConnDigests{keep, other})
+	keep := netlog.Conn{Src: netip.MustParseAddrPort("10.0.0.2:7000"), Dst: netip.MustParseAddrPort("10.0.0.1:40000")}
+	prefix := uint32(0xabcd)
+	r.plan.Conns[0].Conn.SentPrefixCRC = &prefix
+	rec := &recvdigest.Received{Conn: keep, Pieces: []recvdigest.Piece{{Seq: 0, Len: recvdigest.BlockSize, CRC: 7}}}
+	r.checks = map[netlog.Conn]resentCheck{keep: {Received: rec},
+		{Src: netip.MustParseAddrPort("10.0.0.2:7001"), Dst: netip.MustParseAddrPort("10.0.0.3:40001")}: {Missing: "nothing re-sent"}}
+	tr.persist([]*restoring{r})
 	at := time.Date(2025, 1, 1, 0, 0, 2, 0, time.UTC)
 	tr.setPhase("rank1", phaseRestored, at)
 
@@ -70,12 +77,16 @@ func TestRecoveryRecordPersists(t *testing.T) {
 	}
 	got := recs[0]
 	wantJobs := []recoveryJob{{Job: "rank1", Snapshot: r.m.ID, Phase: phaseRestored, RestoredAt: at,
-		Conns: []recoveryConn{{Local: keep.Src, Remote: keep.Dst, OutqSeq: 1000, Resend: 5000}}}}
+		Conns: []recoveryConn{{Local: keep.Src, Remote: keep.Dst, OutqSeq: 1000, Resend: 5000, SentPrefixCRC: &prefix, resentCheck: resentCheck{Received: rec}}}}}
 	if got.Failure != req.Failure || got.Coordinator != "node3" || got.Done || !reflect.DeepEqual(got.Jobs, wantJobs) {
 		t.Errorf("record %+v; want failure %s by node3, jobs %+v, not done", got, req.Failure, wantJobs)
 	}
-	if !reflect.DeepEqual(got.Digests, []ConnDigests{keep}) {
-		t.Errorf("record digests %+v; want only those of the re-sent connection", got.Digests)
+	// What a resumed agent rebuilds from it checks the same bytes with the same record.
+	j := Job{ID: "rank1"}
+	rr := a.resumedRestoring(got.Jobs[0], j)
+	if len(rr.plan.Conns) != 1 || rr.plan.Conns[0].Conn.SentPrefixCRC == nil || *rr.plan.Conns[0].Conn.SentPrefixCRC != prefix ||
+		!reflect.DeepEqual(rr.checks[keep].Received, rec) {
+		t.Errorf("resumed plan %+v, checks %+v; want the re-sent connection with its prefix and record", rr.plan.Conns, rr.checks)
 	}
 	if len(got.Stages) != 1 || got.Stages[0].Name != StageFetched || len(emitted) != 1 {
 		t.Errorf("stages %+v recorded, %d emitted; want the one stage in both", got.Stages, len(emitted))
@@ -94,8 +105,8 @@ func TestRecoveryRecordPersists(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !rec.Done || rec.Error != "" || rec.Digests != nil {
-		t.Errorf("after done: %+v; want done, no error, digests dropped", rec)
+	if !rec.Done || rec.Error != "" || len(rec.Jobs) != 1 || rec.Jobs[0].Conns != nil {
+		t.Errorf("after done: %+v; want done, no error, replays dropped", rec)
 	}
 }
 

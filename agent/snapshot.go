@@ -19,6 +19,7 @@ import (
 	"github.com/ftkit/ftkit/internal/atomicfile"
 	"github.com/ftkit/ftkit/internal/jobfs"
 	"github.com/ftkit/ftkit/internal/version"
+	"github.com/ftkit/ftkit/netlog"
 )
 
 // Layout of a snapshot directory (the ckpt store adds manifest.json and the checksums).
@@ -83,9 +84,14 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen bool) (*ckpt.Manifes
 		},
 	}
 	for _, c := range conns {
+		prefix, err := a.sentPrefix(ctx, images, c)
+		if err != nil {
+			a.log.Warn("the bytes before the snapshot's write_seq in its digest block are unknown: a restore that re-sends bytes on this connection will be refused as unverifiable",
+				"job", j.ID, "conn", netlog.Conn{Src: c.Local, Dst: c.Remote}, "err", err)
+		}
 		info.Conns = append(info.Conns, ckpt.Conn{
 			Local: c.Local, Remote: c.Remote, Inode: uint64(c.Inode), InqSeq: c.InqSeq, InqLen: c.InqLen,
-			OutqSeq: c.OutqSeq, OutqLen: c.OutqLen, Timestamp: c.Timestamp,
+			OutqSeq: c.OutqSeq, OutqLen: c.OutqLen, Timestamp: c.Timestamp, SentPrefixCRC: prefix,
 		})
 	}
 	// Only files the job opened for writing are part of the recovery contract (restore truncates them

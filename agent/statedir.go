@@ -11,7 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Modes of the agent's directories. The state directory holds memory images, job records, digests and
+// Modes of the agent's directories. The state directory holds memory images, job records, recovery records and
 // views: root only. Users reach two places through it or beside it: their job's directory under jobs_dir
 // and the agent's socket. A private directory on the way to one of those is traverse-only for others.
 const (
@@ -29,9 +29,9 @@ const (
 //     0755 and otherwise left as the administrator made them: users must reach their job's output and
 //     the socket;
 //   - the agent's own files directly in them (records, shim logs, views, failures) become 0600, and its
-//     subdirectories of state_dir (digests, restore, snapshots) 0700.
+//     subdirectories of state_dir (recoveries, restore, snapshots) 0700.
 //
-// The snapshot store and the digest store restrict their own trees when they open.
+// The snapshot store restricts its own tree when it opens.
 func prepareDirs(cfg Config, recordsDir string) error {
 	abs := func(p string) (string, error) {
 		a, err := filepath.Abs(p)

@@ -133,28 +133,6 @@ func TestPrepareDirs(t *testing.T) {
 	}
 }
 
-func TestDigestStoreIsPrivate(t *testing.T) {
-	dir := filepath.Join(t.TempDir(), "digests")
-	if err := os.Mkdir(dir, 0o755); err != nil { // an older version's
-		t.Fatal(err)
-	}
-	os.Chmod(dir, 0o755)
-	s, err := openDigestStore(dir, testLogger{t})
-	if err != nil {
-		t.Fatal(err)
-	}
-	s.add("node2", []BlockDigest{{Src: testSrc, Dst: netip.MustParseAddrPort("10.0.0.4:7300"), Seq: 3 * B, CRC: 99}}, time.Now())
-	if err := s.flush(); err != nil {
-		t.Fatal(err)
-	}
-	if got := perm(t, dir); got != 0o700 {
-		t.Errorf("digest directory mode %v, want 0700", got)
-	}
-	if got := perm(t, filepath.Join(dir, "node2.json")); got != 0o600 {
-		t.Errorf("digest file mode %v, want 0600", got)
-	}
-}
-
 // The unit must give the agent a private umask and keep KillMode=process (jobs outlive the agent).
 func TestSystemdUnit(t *testing.T) {
 	f, err := os.Open("../deploy/systemd/ftagent.service")

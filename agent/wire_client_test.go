@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/internal/clustertls"
+	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/recvdigest"
 	"github.com/ftkit/ftkit/spare"
 )
 
@@ -123,7 +125,7 @@ func TestCallersGiveUpOnAStalledPeer(t *testing.T) {
 		{"exchangeView", func() error { return a.exchangeView(bg, "n2") }},
 		{"requestClaim", func() error { return a.requestClaim(bg, "n2", spare.Claim{}) }},
 		{"remoteReplica", func() error { _, err := a.remoteReplica(bg, "job-1", "n3"); return err }},
-		{"sendDigests", func() error { return a.sendDigests(bg, "n2", []BlockDigest{{}}) }},
+		{"receivedOf", func() error { _, err := a.receivedOf(bg, "n2", netlog.Conn{}, 0); return err }},
 		{"remoteRecover", func() error { return a.remoteRecover(bg, "n2", RecoverRequest{}, func(Stage) {}) }},
 		{"fetchFrom", func() error { return a.fetchFrom(bg, "n2", "job-1", "x") }},
 		{"remoteJobOfSnapshot", func() error {
@@ -358,5 +360,48 @@ func TestPingReadsLargeReplies(t *testing.T) {
 	returnsWithin(t, func() { r, err = a.Ping(context.Background(), "n2") })
 	if err != nil || len(r.Jobs) != len(jobs) {
 		t.Fatalf("%d jobs, %v; want %d", len(r.Jobs), err, len(jobs))
+	}
+}
+
+// TestReceivedOfRefusesLyingPeers: a member's record of what it received is used only if it is of the
+// connection asked about and well formed; a peer that says it has none is reported with its reason.
+func TestReceivedOfRefusesLyingPeers(t *testing.T) {
+	conn := netlog.Conn{Src: netip.MustParseAddrPort("10.77.0.3:6000"), Dst: netip.MustParseAddrPort("10.77.0.2:5000")}
+	other := netlog.Conn{Src: conn.Src, Dst: netip.MustParseAddrPort("10.77.0.2:5001")}
+	good := recvdigest.Received{Conn: conn, Pieces: []recvdigest.Piece{{Seq: 100, Len: recvdigest.BlockSize - 100, CRC: 1}, {Seq: recvdigest.BlockSize, Len: 10, CRC: 2}}}
+	tests := []struct {
+		name    string
+		reply   receivedReply
+		wantErr string
+	}{
+		{"as asked", receivedReply{Received: &good}, ""},
+		{"no record", receivedReply{Error: "n2 has no record"}, "n2 has no record"},
+		{"nothing at all", receivedReply{}, "sent no record"},
+		{"another connection", receivedReply{Received: &recvdigest.Received{Conn: other, Pieces: good.Pieces}}, "not of"},
+		{"a piece across a block boundary", receivedReply{Received: &recvdigest.Received{Conn: conn, Pieces: []recvdigest.Piece{{Seq: 100, Len: recvdigest.BlockSize, CRC: 1}}}}, "record from n2"},
+		{"pieces out of order", receivedReply{Received: &recvdigest.Received{Conn: conn, Pieces: []recvdigest.Piece{good.Pieces[1], good.Pieces[0]}}}, "record from n2"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			pki := newTestPKI(t)
+			port := scriptedPeer(t, pki, "n2", func(c net.Conn, op clusterOp) {
+				var req receivedRequest
+				if op != opReceived || readHeader(c, &req) != nil {
+					return
+				}
+				writeHeader(c, tt.reply)
+			})
+			a, _ := clientAgent(t, pki, map[string]uint16{"n2": port})
+			got, err := a.receivedOf(t.Context(), "n2", conn, 0)
+			if tt.wantErr == "" {
+				if err != nil || got == nil || got.Conn != conn || len(got.Pieces) != 2 {
+					t.Fatalf("receivedOf = %+v, %v; want the record", got, err)
+				}
+				return
+			}
+			if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+				t.Errorf("receivedOf error %v; want one saying %q", err, tt.wantErr)
+			}
+		})
 	}
 }

@@ -2,7 +2,6 @@ package agent
 
 import (
 	"bytes"
-	"encoding/binary"
 	"net/netip"
 	"testing"
 	"time"
@@ -10,6 +9,8 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/recvdigest"
 	"github.com/ftkit/ftkit/ring"
 	"github.com/ftkit/ftkit/spare"
 )
@@ -26,7 +27,6 @@ func clusterSeeds(t testing.TB) [][]byte {
 		t.Fatal(err)
 	}
 	src, dst := netip.MustParseAddrPort("10.77.0.2:5000"), netip.MustParseAddrPort("10.77.0.1:6000")
-	crcs := binary.BigEndian.AppendUint32(binary.BigEndian.AppendUint32(nil, 7), 9)
 	now := time.Date(2026, 5, 1, 12, 0, 0, 0, time.UTC)
 	stage := Stage{Name: StageFetched, Job: "job-1", Host: "s1", Start: now, End: now.Add(time.Second)}
 	msgs := []any{
@@ -37,14 +37,15 @@ func clusterSeeds(t testing.TB) [][]byte {
 		[]TrimPoint{{Src: src, Dst: dst, Seq: 12345}},
 		LogRangeRequest{Src: src, Dst: dst, From: 77},
 		LogRangeReply{From: 77, Error: "trimmed"},
-		digestBatch{Count: 1},
+		receivedRequest{Src: src, Dst: dst, From: 77},
+		receivedReply{Received: &recvdigest.Received{Conn: netlog.Conn{Src: src, Dst: dst}, Pieces: []recvdigest.Piece{{Seq: 100, Len: recvdigest.BlockSize - 100, CRC: 5}, {Seq: recvdigest.BlockSize, Len: 9, CRC: 6}}}},
+		receivedReply{Error: "no record"},
 		detect.Beat{From: "n2", Seq: 9, Busy: "checkpoint", Jobs: []string{"job-1"}, Sent: now},
 		probeMessage{Name: "n3", Reachable: true},
 		viewMessage{View: view, Failures: []*Failure{{ID: "n3-1", Node: "n3", Stages: []Stage{stage}, Updated: now}}},
 		spare.Claim{Failure: "n3-1", By: "n2", Failed: "n3", Need: spare.Need{Jobs: 1, MemoryBytes: 1 << 20}, At: now},
 		replicaMessage{Job: "job-1", Node: "n3", Manifest: &ckpt.Manifest{Job: "job-1", Node: "n3", ID: "x"}},
-		RecoverRequest{Failure: "n3-1", Failed: "n3", Addrs: []netip.Addr{addrN3}, Jobs: []RecoverJob{{Job: "job-1", Snapshot: "x"}}, Source: "n2",
-			Digests: []ConnDigests{{Src: src, Dst: dst, Runs: []DigestRun{{Seq: 3 * DigestBlockSize, CRCs: crcs}}}}},
+		RecoverRequest{Failure: "n3-1", Failed: "n3", Addrs: []netip.Addr{addrN3}, Jobs: []RecoverJob{{Job: "job-1", Snapshot: "x"}}, Source: "n2"},
 		recoverMessage{Stage: &stage},
 		recoverMessage{},
 		recoverMessage{Done: true, Error: "no luck"},
@@ -60,7 +61,6 @@ func clusterSeeds(t testing.TB) [][]byte {
 	seeds = append(seeds,
 		append(line(LogRangeReply{From: 77, Len: 5, Live: &live}), "hello"...),
 		append(line(LogRangeReply{From: 77, Len: 500}), "short"...),
-		append(line(digestBatch{Count: 2}), append(line(BlockDigest{Src: src, Dst: dst, Seq: DigestBlockSize, CRC: 1}), line(BlockDigest{Src: src, Dst: dst, Seq: 2 * DigestBlockSize, CRC: 2})...)...),
 	)
 	return seeds
 }
@@ -127,14 +127,10 @@ func FuzzClusterMessage(f *testing.F) {
 			}
 		}
 
-		var batch digestBatch
-		if rest, ok := decode(&batch, maxHeader); ok && batch.Count >= 0 && batch.Count <= maxDigestBatch {
-			if ds, err := readDigests(rest, batch.Count); err == nil {
-				for _, d := range ds {
-					if d.Seq%DigestBlockSize != 0 {
-						t.Fatalf("digest %+v accepted off a block boundary", d)
-					}
-				}
+		var rr receivedReply
+		if _, ok := decode(&rr, maxMessage); ok && rr.Received != nil && rr.Received.Validate() == nil {
+			if n := len(rr.Received.Pieces); n > recvdigest.MaxPieces {
+				t.Fatalf("a record of %d pieces validated", n)
 			}
 		}
 
@@ -144,16 +140,10 @@ func FuzzClusterMessage(f *testing.F) {
 			checkFailures(vm.Failures)
 		}
 
-		var rr RecoverRequest
-		if _, ok := decode(&rr, maxRecoverRequest); ok {
-			if idx, err := digestIndex(rr.Digests); err == nil {
-				n := 0
-				for _, blocks := range idx {
-					n += len(blocks)
-				}
-				if n > maxDigestBlocksPerNode {
-					t.Fatalf("%d digest blocks accepted", n)
-				}
+		var req RecoverRequest
+		if _, ok := decode(&req, maxRecoverRequest); ok {
+			for _, rj := range req.Jobs {
+				rj.candidates(req.Source)
 			}
 		}
 	})

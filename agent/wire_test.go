@@ -102,9 +102,6 @@ func newWireAgent(t *testing.T, name string, members []ring.Member) (*Agent, *sy
 	if a.claims, err = spare.OpenHolder(filepath.Join(dir, "claim.json")); err != nil {
 		t.Fatal(err)
 	}
-	if a.digests, err = openDigestStore(filepath.Join(dir, "digests"), a.log); err != nil {
-		t.Fatal(err)
-	}
 	if a.store, err = ckpt.Open(filepath.Join(dir, "snapshots"), ckpt.Options{Node: name, Logger: a.log}); err != nil {
 		t.Fatal(err)
 	}
@@ -163,7 +160,7 @@ func protocolHandlers(ctx context.Context) []handlerCase {
 		{opLocate, maxHeader, func(a *Agent, c net.Conn) { a.serveLocate(c, peer) }},
 		{opTrim, maxMessage, func(a *Agent, c net.Conn) { a.serveTrim(c, peer) }},
 		{opLogRange, maxHeader, func(a *Agent, c net.Conn) { a.serveLogRange(ctx, c, peer) }},
-		{opDigests, maxHeader, func(a *Agent, c net.Conn) { a.serveDigests(c, peer) }},
+		{opReceived, maxHeader, func(a *Agent, c net.Conn) { a.serveReceived(c, peer) }},
 		{opHeartbeat, maxMessage, func(a *Agent, c net.Conn) { a.serveBeats(c, peer) }},
 		{opProbe, maxHeader, func(a *Agent, c net.Conn) { a.serveProbe(c, peer) }},
 		{opView, maxMessage, func(a *Agent, c net.Conn) { a.serveView(c, peer) }},
@@ -227,7 +224,7 @@ func TestHandlersAnswerWellFormedRequests(t *testing.T) {
 		opLocate:   line(fetchRequest{ID: "x"}),
 		opTrim:     line([]TrimPoint{}),
 		opLogRange: line(LogRangeRequest{Src: netip.MustParseAddrPort("10.77.0.2:5000"), Dst: netip.MustParseAddrPort("10.77.0.1:6000")}),
-		opDigests:  line(digestBatch{Count: 0}),
+		opReceived: line(receivedRequest{Src: netip.MustParseAddrPort("10.77.0.2:5000"), Dst: netip.MustParseAddrPort("10.77.0.1:6000")}),
 		opProbe:    line(probeMessage{Name: "nobody"}),
 		opClaim:    line(spare.Claim{Failure: "f", Failed: "n3", Need: spare.Need{Jobs: 1, MemoryBytes: 1}}),
 		opReplica:  line(replicaMessage{Job: "job-1", Node: "n3"}),
@@ -238,7 +235,7 @@ func TestHandlersAnswerWellFormedRequests(t *testing.T) {
 		opLocate:   `"job":""`,
 		opTrim:     `{"Trimmed":0}`,
 		opLogRange: `the sender-side log is disabled on s1`,
-		opDigests:  `{"Stored":0}`,
+		opReceived: `the receive tap is disabled on s1`,
 		opProbe:    `"reachable":false`,
 		opClaim:    `{"Error":""}`,
 		opReplica:  `no verified replica of job job-1 from n3`,
@@ -381,43 +378,6 @@ func TestOwnTrimPoints(t *testing.T) {
 	}
 }
 
-func TestServeDigestsLyingBatch(t *testing.T) {
-	d := BlockDigest{Src: netip.MustParseAddrPort("10.77.0.2:5000"), Dst: netip.MustParseAddrPort("10.77.0.1:6000"), Seq: 2 * DigestBlockSize, CRC: 9}
-	tests := []struct {
-		name    string
-		input   []byte
-		wantLog string
-		stored  int
-	}{
-		{"negative count", line(digestBatch{Count: -1}), "batch of -1 digests", 0},
-		{"count over the bound", line(digestBatch{Count: maxDigestBatch + 1}), "batch of 8193 digests", 0},
-		{"fewer lines than announced, then silence", append(line(digestBatch{Count: 5}), line(d)...), "digest 2 of 5", 0},
-		{"a digest not on a block", append(line(digestBatch{Count: 1}), line(BlockDigest{Src: d.Src, Dst: d.Dst, Seq: 5})...), "not a block of a connection", 0},
-		{"a line longer than a digest", append(line(digestBatch{Count: 1}), []byte(`{"src":"`+strings.Repeat("1", 400)+"\n")...), "digest 1 of 1", 0},
-		{"as announced", append(line(digestBatch{Count: 2}), append(line(d), line(d)...)...), "", 1},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			a, logs := newWireAgent(t, "n3", testMembers(nil))
-			exchange(t, func(c net.Conn) { a.serveDigests(c, "n2") }, tt.input)
-			if !strings.Contains(logs.String(), tt.wantLog) {
-				t.Errorf("log does not say %q:\n%s", tt.wantLog, logs.String())
-			}
-			got := 0
-			for _, cd := range a.digests.forRecovery("n2", []ckpt.Conn{{Local: d.Src, Remote: d.Dst}}) {
-				blocks, _, err := cd.index()
-				if err != nil {
-					t.Fatal(err)
-				}
-				got += len(blocks)
-			}
-			if got != tt.stored {
-				t.Errorf("%d blocks stored; want %d", got, tt.stored)
-			}
-		})
-	}
-}
-
 func TestServeViewBoundsFailures(t *testing.T) {
 	many := func(n, stages int) []*Failure {
 		fs := make([]*Failure, n)
@@ -547,42 +507,6 @@ func TestServeBeatsEndsOnSilence(t *testing.T) {
 	exchange(t, func(c net.Conn) { a.serveBeats(c, "n2") }, beats)
 	if !strings.Contains(logs.String(), "i/o timeout") {
 		t.Errorf("log does not say the stream fell silent:\n%s", logs.String())
-	}
-}
-
-func TestDigestIndexBounds(t *testing.T) {
-	src, dst := netip.MustParseAddrPort("10.77.0.2:1"), netip.MustParseAddrPort("10.77.0.1:2")
-	conn := func(port uint16, blocks int) ConnDigests {
-		return ConnDigests{Src: netip.AddrPortFrom(src.Addr(), port), Dst: dst, Runs: []DigestRun{{Seq: 0, CRCs: make([]byte, 4*blocks)}}}
-	}
-	// Enough connections of the most blocks each to pass the per-node bound.
-	var over []ConnDigests
-	for i := range maxDigestBlocksPerNode/maxDigestBlocksPerConn + 1 {
-		over = append(over, conn(uint16(i+1), maxDigestBlocksPerConn))
-	}
-	tests := []struct {
-		name    string
-		cds     []ConnDigests
-		wantErr string
-	}{
-		{"within the bounds", []ConnDigests{conn(1, 3), conn(2, 5)}, ""},
-		{"more blocks than a protector keeps of a node", over, "more than a protector keeps"},
-		{"a connection twice", []ConnDigests{conn(1, 1), conn(1, 1)}, "given twice"},
-		{"an empty run", []ConnDigests{{Src: src, Dst: dst, Runs: []DigestRun{{Seq: 0}}}}, "is empty"},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			idx, err := digestIndex(tt.cds)
-			if tt.wantErr == "" {
-				if err != nil || len(idx) != len(tt.cds) {
-					t.Fatalf("%d connections, %v", len(idx), err)
-				}
-				return
-			}
-			if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
-				t.Errorf("error %v; want one saying %q", err, tt.wantErr)
-			}
-		})
 	}
 }
 

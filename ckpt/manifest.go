@@ -54,6 +54,11 @@ type Conn struct {
 	OutqSeq   uint32         `json:"outq_seq"`
 	OutqLen   uint32         `json:"outq_len"`
 	Timestamp uint32         `json:"timestamp"`
+	// SentPrefixCRC is the CRC-32C (Castagnoli) of the bytes the job had written before the dump from the
+	// start of the 64 KiB receive-digest block holding OutqSeq up to OutqSeq (recvdigest.BlockStart): the
+	// check of the bytes a restore re-sends begins mid-block with it. Nil if the sender could not read
+	// them: the re-sent bytes of that block are then unverifiable.
+	SentPrefixCRC *uint32 `json:"sent_prefix_crc,omitempty"`
 }
 
 // OpenFile is a regular file the job had open when it was dumped.

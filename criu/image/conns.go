@@ -85,6 +85,20 @@ func TCPConnections(dir string) ([]TCPConn, error) {
 	return out, nil
 }
 
+// SendQueue returns the send queue of the TCP socket inode in the dump at dir: the bytes the application
+// had written and the peer had not acknowledged, ending at outq_seq (TCPConn.OutqSeq).
+func SendQueue(dir string, inode uint32) ([]byte, error) {
+	b, err := os.ReadFile(tcpStreamPath(dir, inode))
+	if err != nil {
+		return nil, fmt.Errorf("read CRIU image: %w", err)
+	}
+	s, err := decodeTCPStream(tcpStreamName(inode), b)
+	if err != nil {
+		return nil, err
+	}
+	return s.outq, nil
+}
+
 func newTCPConn(sk *sk_inet.InetSkEntry, s *tcpStream) (TCPConn, error) {
 	local, err := addrPort(sk, sk.GetSrcAddr(), sk.GetSrcPort(), "src")
 	if err != nil {

@@ -437,6 +437,12 @@ func TestTCPConnections(t *testing.T) {
 		}
 	}
 
+	if q, err := SendQueue(dir, 20); err != nil || string(q) != "yy" {
+		t.Errorf("SendQueue(20) = %q, %v; want \"yy\"", q, err)
+	}
+	if q, err := SendQueue(dir, 300); err != nil || len(q) != 0 {
+		t.Errorf("SendQueue(300) = %q, %v; want empty", q, err)
+	}
 	// An established socket whose stream image is missing: incomplete dump.
 	os.Remove(filepath.Join(dir, tcpStreamName(300)))
 	_, err = TCPConnections(dir)

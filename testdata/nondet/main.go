@@ -2,9 +2,10 @@
 // sends a block per iteration and waits for rank 0's acknowledgement. With --clock, each block's bytes are
 // drawn from a generator seeded with the wall clock at the moment it is sent, so a rank 1 restored from a
 // snapshot re-sends different bytes than its peer already received (a non-deterministic program); without
-// it the blocks depend only on the iteration, and a restore re-sends the same bytes.
+// it the blocks depend only on the iteration, and a restore re-sends the same bytes. With --oneway rank 0
+// never answers and rank 1 never waits: a one-way stream, whose receiver sends no payload at all.
 //
-//	nondet --rank R --peer ADDR [--iters N] [--block BYTES] [--delay D] [--clock]
+//	nondet --rank R --peer ADDR [--iters N] [--block BYTES] [--delay D] [--clock] [--oneway]
 //
 // Rank 0 listens on ADDR, rank 1 connects to it. Both print "rank R checksum X" (a SHA-256 of the blocks
 // received or sent) and exit 0 when all iterations are done.
@@ -30,6 +31,7 @@ func main() {
 	block := flag.Int("block", 64<<10, "bytes rank 1 sends per iteration")
 	delay := flag.Duration("delay", 10*time.Millisecond, "pause between iterations")
 	clock := flag.Bool("clock", false, "seed each block with the wall clock (non-deterministic)")
+	oneway := flag.Bool("oneway", false, "rank 0 sends no acknowledgements, rank 1 waits for none")
 	flag.Parse()
 	if *peer == "" || *rank < 0 || *rank > 1 || *block < 8 || *block%8 != 0 {
 		fmt.Fprintln(os.Stderr, "nondet: need --peer, --rank 0 or 1, --block a multiple of 8")
@@ -38,9 +40,9 @@ func main() {
 	var sum string
 	var err error
 	if *rank == 0 {
-		sum, err = receive(*peer, *iters, *block)
+		sum, err = receive(*peer, *iters, *block, *oneway)
 	} else {
-		sum, err = send(*peer, *iters, *block, *delay, *clock)
+		sum, err = send(*peer, *iters, *block, *delay, *clock, *oneway)
 	}
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "nondet rank %d: %v\n", *rank, err)
@@ -49,7 +51,7 @@ func main() {
 	fmt.Printf("rank %d checksum %s\n", *rank, sum)
 }
 
-func receive(addr string, iters, block int) (string, error) {
+func receive(addr string, iters, block int, oneway bool) (string, error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return "", err
@@ -67,6 +69,9 @@ func receive(addr string, iters, block int) (string, error) {
 			return "", fmt.Errorf("iteration %d: read block: %w", i, err)
 		}
 		h.Write(buf)
+		if oneway {
+			continue
+		}
 		binary.LittleEndian.PutUint64(ack, uint64(i))
 		if _, err := c.Write(ack); err != nil {
 			return "", fmt.Errorf("iteration %d: acknowledge: %w", i, err)
@@ -75,7 +80,7 @@ func receive(addr string, iters, block int) (string, error) {
 	return hex.EncodeToString(h.Sum(nil)), nil
 }
 
-func send(addr string, iters, block int, delay time.Duration, clock bool) (string, error) {
+func send(addr string, iters, block int, delay time.Duration, clock, oneway bool) (string, error) {
 	var c net.Conn
 	var err error
 	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
@@ -101,6 +106,10 @@ func send(addr string, iters, block int, delay time.Duration, clock bool) (strin
 		h.Write(buf)
 		if _, err := c.Write(buf); err != nil {
 			return "", fmt.Errorf("iteration %d: send block: %w", i, err)
+		}
+		if oneway {
+			time.Sleep(delay)
+			continue
 		}
 		if _, err := io.ReadFull(c, ack); err != nil {
 			return "", fmt.Errorf("iteration %d: read acknowledgement: %w", i, err)

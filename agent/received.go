@@ -1,0 +1,245 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"net"
+	"net/netip"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/criu/image"
+	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/recvdigest"
+)
+
+// Checking re-sent bytes. After a restore, the restored job re-emits the bytes its surviving peers already
+// received since the snapshot, and the peers' TCP discards them unread. A program whose output depends on
+// anything but its inputs (the clock, a random source, the order in which it reads its sockets) re-sends
+// different bytes and silently diverges from what its peers saw. So every host records what its protected
+// sockets receive, as a CRC-32C per 64 KiB block (recvdigest, fed by an eBPF cgroup ingress tap), and the
+// target of a recovery fetches the surviving peers' records before the restore and checks EVERY re-sent
+// byte against them before the job is re-protected. At the first difference, or at a byte it cannot
+// check, it kills the job: a recovery never reports success with an unchecked byte.
+//
+// The check of a connection starts at the snapshot's write_seq, usually inside a block the receiver
+// digested whole; the snapshot carries the CRC of that block's bytes before write_seq
+// (ckpt.Conn.SentPrefixCRC), taken from this host's log and the image's send queue at the dump. Log trims
+// stop at block starts (serveTrim) so that those bytes are still logged then.
+
+// resentLogWait bounds how long the target waits for its log to hold the re-sent bytes: the ring
+// buffer's consumer may lag the socket.
+const resentLogWait = 5 * time.Second
+
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
+// startReceiveDigests loads the receive tap and starts recording into a book; protect attaches the tap
+// to each job's cgroup.
+func (a *Agent) startReceiveDigests() (*ebpfprobes.RecvTap, *recvdigest.Book, *recvdigest.Recorder, error) {
+	tap, err := ebpfprobes.NewRecvTap(ebpfprobes.RecvTapOptions{RingBufferSize: a.cfg.Log.RingMiB << 20, Logger: a.log})
+	if err != nil {
+		return nil, nil, nil, fmt.Errorf("load the receive tap (re-sent bytes could not be checked without it): %w", err)
+	}
+	book := recvdigest.NewBook(recvdigest.BookOptions{})
+	return tap, book, recvdigest.NewRecorder(tap, book, a.log), nil
+}
+
+// resentCheck is what the target needs to check one connection's re-sent bytes besides the snapshot: the
+// peer's record of what it received, or why there is none.
+type resentCheck struct {
+	Received *recvdigest.Received `json:"received,omitempty"`
+	Missing  string               `json:"missing,omitempty"`
+}
+
+// sentPrefix computes ckpt.Conn.SentPrefixCRC of a dumped connection: the bytes [BlockStart(write_seq),
+// write_seq) are in the image's send queue (written, not yet acknowledged) and, before it, in this host's
+// log (transmitted).
+func (a *Agent) sentPrefix(ctx context.Context, images string, c image.TCPConn) (*uint32, error) {
+	need := c.OutqSeq - recvdigest.BlockStart(c.OutqSeq)
+	var crc uint32 // of nothing
+	if need == 0 {
+		return &crc, nil
+	}
+	q, err := image.SendQueue(images, c.Inode)
+	if err != nil {
+		return nil, err
+	}
+	h := crc32.New(castagnoli)
+	if uint64(len(q)) >= uint64(need) {
+		h.Write(q[uint32(len(q))-need:])
+	} else {
+		logged := need - uint32(len(q))
+		if err := a.loggedRange(ctx, h, netlog.Conn{Src: c.Local, Dst: c.Remote}, recvdigest.BlockStart(c.OutqSeq), logged); err != nil {
+			return nil, err
+		}
+		h.Write(q)
+	}
+	crc = h.Sum32()
+	return &crc, nil
+}
+
+// loggedRange writes the n bytes this host's log holds of conn from wire sequence seq on to w.
+func (a *Agent) loggedRange(ctx context.Context, w io.Writer, conn netlog.Conn, seq, n uint32) error {
+	if a.netlog == nil {
+		return errors.New("the sender-side log is disabled on " + a.cfg.Name)
+	}
+	if a.memberByIP(conn.Dst.Addr()) == a.cfg.Name {
+		return fmt.Errorf("%s is on this host, whose internal traffic is not logged", conn.Dst)
+	}
+	l := a.netlog.cap.Log()
+	abs, err := l.Unwrap(conn, seq)
+	if err != nil {
+		return fmt.Errorf("bytes from sequence %d not in %s's log: %w", seq, a.cfg.Name, err)
+	}
+	got, err := l.WriteRange(ctx, w, conn, abs, abs+uint64(n))
+	if err == nil && got != int64(n) {
+		err = fmt.Errorf("%s's log holds %d of the %d bytes of %s from sequence %d", a.cfg.Name, got, n, conn, seq)
+	}
+	return err
+}
+
+// receivedRequest asks a member for its record of what one of its sockets received on a flow (Src: the
+// remote sender, Dst: the member's socket) from a sequence number on.
+type receivedRequest struct {
+	Src  netip.AddrPort `json:"src"`
+	Dst  netip.AddrPort `json:"dst"`
+	From uint32         `json:"from"`
+}
+
+type receivedReply struct {
+	Received *recvdigest.Received `json:"received,omitempty"`
+	Error    string               `json:"error,omitempty"`
+}
+
+// serveReceived answers opReceived from this host's book.
+func (a *Agent) serveReceived(c net.Conn, peer string) {
+	var req receivedRequest
+	if err := a.readRequest(c, &req, maxHeader); err != nil {
+		a.refuse(peer, opReceived, err)
+		return
+	}
+	conn := netlog.Conn{Src: req.Src, Dst: req.Dst}
+	var reply receivedReply
+	switch {
+	case a.netlog == nil || a.netlog.book == nil:
+		reply.Error = "the receive tap is disabled on " + a.cfg.Name
+	default:
+		if rec, ok := a.netlog.book.Received(conn, req.From); ok {
+			reply.Received = &rec
+		} else {
+			reply.Error = fmt.Sprintf("%s has no record of what it received on %s: the socket is not a protected job's, or the agent restarted since", a.cfg.Name, conn)
+		}
+	}
+	a.reply(c, peer, opReceived, reply)
+}
+
+// receivedOf fetches member peer's record of what it received on conn from sequence from on, and checks it
+// is well formed and of that connection.
+func (a *Agent) receivedOf(ctx context.Context, peer string, conn netlog.Conn, from uint32) (*recvdigest.Received, error) {
+	var reply receivedReply
+	if err := a.call(ctx, peer, opReceived, a.msgTimeout(), receivedRequest{Src: conn.Src, Dst: conn.Dst, From: from}, &reply); err != nil {
+		return nil, err
+	}
+	switch {
+	case reply.Error != "":
+		return nil, errors.New(reply.Error)
+	case reply.Received == nil:
+		return nil, fmt.Errorf("%s sent no record", peer)
+	case reply.Received.Conn != conn:
+		return nil, fmt.Errorf("%s sent the record of %s, not of %s", peer, reply.Received.Conn, conn)
+	}
+	if err := reply.Received.Validate(); err != nil {
+		return nil, fmt.Errorf("record from %s: %w", peer, err)
+	}
+	return reply.Received, nil
+}
+
+// fetchResentCheck is resentCheck of c from the member that holds its peer.
+func (a *Agent) fetchResentCheck(ctx context.Context, owner string, conn netlog.Conn, from uint32) resentCheck {
+	rec, err := a.receivedOf(ctx, owner, conn, from)
+	if err != nil {
+		return resentCheck{Missing: fmt.Sprintf("%s could not give its record of what it received: %v", owner, err)}
+	}
+	return resentCheck{Received: rec}
+}
+
+// verifyResent checks every byte the restored job re-sent on each connection, as this host's log captured
+// it, against the peer's record. At a difference or at a byte it cannot check, it kills the job: from there
+// on its peers would get bytes of a different execution, or of one nobody can vouch for.
+func (a *Agent) verifyResent(ctx context.Context, r *restoring) (string, error) {
+	var total uint64
+	n := 0
+	for _, c := range r.plan.Conns {
+		if c.Resend == 0 {
+			continue
+		}
+		conn := netlog.Conn{Src: c.Conn.Local, Dst: c.Conn.Remote}
+		from, to := c.Conn.OutqSeq, c.Conn.OutqSeq+c.Resend
+		chk := r.checks[conn]
+		var err error
+		if chk.Received == nil {
+			why := chk.Missing
+			if why == "" {
+				why = "the peer's record of what it received was not fetched"
+			}
+			err = &recvdigest.UnverifiedError{Conn: conn, From: from, To: to, Reason: why}
+		} else {
+			var prefix recvdigest.Prefix
+			if p := c.Conn.SentPrefixCRC; p != nil {
+				prefix = recvdigest.Prefix{Known: true, CRC: *p}
+			}
+			var v uint64
+			v, err = recvdigest.Verify(*chk.Received, from, to, prefix, func(w io.Writer, seq, n uint32) error {
+				a.waitLogged(ctx, conn, seq+n)
+				return a.loggedRange(ctx, w, conn, seq, n)
+			})
+			total += v
+		}
+		if err != nil {
+			a.killJob(r.job.ID, err)
+			return fmt.Sprintf("re-sent bytes checked: %d, then connection %s failed the check", total, conn), err
+		}
+		n++
+	}
+	return fmt.Sprintf("re-sent bytes verified: all %d on %d connection(s)", total, n), nil
+}
+
+// waitLogged waits (a little) until this host's log holds conn's bytes up to wire sequence end.
+func (a *Agent) waitLogged(ctx context.Context, conn netlog.Conn, end uint32) {
+	if a.netlog == nil {
+		return
+	}
+	l := a.netlog.cap.Log()
+	ctx, cancel := context.WithTimeout(ctx, resentLogWait)
+	defer cancel()
+	for {
+		if b, err := l.Bounds(conn); err == nil && b.Anchored {
+			if abs, err := l.Unwrap(conn, end); err == nil && b.Contiguous >= abs {
+				return
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// killJob stops a restored job that cannot continue; the shim records the signal and the agent marks the
+// job ended.
+func (a *Agent) killJob(id string, why error) {
+	j, _, err := a.Job(id, 0)
+	if err != nil || j.State != JobRunning {
+		return
+	}
+	a.log.Error("killing restored job: it is not transparently recoverable", "job", id, "pid", j.PID, "err", why)
+	if err := unix.Kill(j.PID, unix.SIGKILL); err != nil && !errors.Is(err, unix.ESRCH) {
+		a.log.Error("could not kill restored job", "job", id, "pid", j.PID, "err", err)
+	}
+}
