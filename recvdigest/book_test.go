@@ -185,6 +185,29 @@ func TestBookReorderOverflowMakesAHole(t *testing.T) {
 	}
 }
 
+// TestBookHeldRetransmissions checks that bytes waiting after a gap count once however often they are
+// retransmitted, so retransmissions do not push a flow over its reorder bound and make a hole early.
+func TestBookHeldRetransmissions(t *testing.T) {
+	const base = 3 * B
+	stream := randomBytes(31, 4000)
+	b := NewBook(BookOptions{MaxReorderBytes: 2000})
+	add := func(off, n int) { b.Add(record(testConn, base, stream, segment{off, n})) }
+	add(0, 1000)
+	for range 5 {
+		add(2000, 1000) // the gap [1000, 2000) is still open
+	}
+	add(2500, 1000) // overlaps the held bytes by half
+	if st := b.Stats(); st.HeldBytes != 1500 || st.Holes != 0 || st.DuplicateBytes != 4500 {
+		t.Fatalf("stats %+v; want 1500 bytes held once, no hole", st)
+	}
+	add(1000, 1000)
+	add(3500, 500)
+	equalPieces(t, received(t, b, testConn, base), piecesOf(base, stream))
+	if st := b.Stats(); st.HeldBytes != 0 || st.Holes != 0 || st.Bytes != 4000 {
+		t.Errorf("stats %+v", st)
+	}
+}
+
 func TestBookTotalReorderBound(t *testing.T) {
 	b := NewBook(BookOptions{MaxReorderBytes: 1 << 20, MaxTotalReorderBytes: 5000})
 	conns := testConns(3)
@@ -362,7 +385,8 @@ func TestBookConcurrent(t *testing.T) {
 		})
 	}
 	wg.Wait()
-	if st := b.Stats(); st.Flows != 4 || st.Evictions != 2 {
-		t.Errorf("stats %+v", st)
+	// An evicted flow comes back with its next record, so evictions depend on the interleaving.
+	if st := b.Stats(); st.Flows != 4 || st.Evictions < 2 {
+		t.Errorf("stats %+v; want 4 flows, at least 2 evictions", st)
 	}
 }
