@@ -10,12 +10,13 @@
 // exactly tcplog.c's format (decoded by netlog.DecodeRecord): saddr/sport are
 // the remote sender as in the headers, daddr/dport the local receiver.
 //
-// What the records of one flow guarantee, in ring order: a record starts at
-// or below the highest end of the flow's records before it (never past a
-// hole), except at the flow's first record and after a resync (below). So
-// every byte TCP accepts is in a record submitted before TCP saw it: once a
-// consumer has drained the ring after reading a socket's rcv_nxt, it holds
-// every byte below that rcv_nxt from its flow's first record on. Records may
+// What the records of one flow guarantee: every byte TCP accepts is in a
+// record submitted before TCP saw it: once a consumer has drained the ring
+// after reading a socket's rcv_nxt, it holds every byte below that rcv_nxt
+// from its flow's first record on. Records come in sequence order except
+// where the network reordered or lost segments: a segment past a hole is
+// recorded as it arrives, before the retransmission that fills the hole, so
+// a consumer holds such records until the hole is filled. Records may
 // also hold bytes TCP then discarded (receive buffer full, another program's
 // verdict): their retransmission carries the same bytes and passes as a
 // duplicate. They may hold the same bytes twice (races below).
@@ -24,16 +25,17 @@
 // it has been recorded. A segment [seq, end) with payload:
 //   - end <= rx_next: bytes recorded before (a retransmission): pass.
 //   - seq <= rx_next < end: record [rx_next, end), advance rx_next to end, pass.
-//   - seq > rx_next: there is a hole before it (loss, reordering): drop it.
-//     TCP never sees it and the sender retransmits; recording it would put a
-//     hole in the records, passing it unrecorded would let TCP accept it from
-//     its out-of-order queue later without us. The cost: a lost or reordered
-//     segment is repaired by the sender's retransmission timer, not by fast
-//     retransmit (the segments after it are dropped here, so no duplicate
-//     ACKs). A NIC delivers a flow in order on one CPU (RSS); a veth (the
-//     lab) delivers each segment on the CPU that sent it, and a flow is sent
-//     from the writer's CPU and from where its ACKs are processed, so there
-//     reordering, and these drops, are frequent unless RPS is on.
+//   - seq > rx_next: there is a hole before it (loss, reordering): record it
+//     whole, pass it, leave rx_next (the hole is still there). TCP keeps it
+//     in its out-of-order queue and accepts it once a retransmission fills
+//     the hole, and that retransmission is recorded then. Dropping it
+//     instead, the first design, cost the sender's retransmission timer for
+//     every reordered segment (the segments after it dropped too, so no
+//     duplicate ACKs): a veth (the lab) delivers each segment on the CPU that
+//     sent it, and a flow is sent from the writer's CPU and from where its
+//     ACKs are processed, so there reordering is frequent: 0.35 of the
+//     untapped throughput, measured. rx_next catches up with the bytes TCP
+//     took from its out-of-order queue by the resync below.
 //   - recording fails (ring full, copy error, record larger than the ring):
 //     drop, leave rx_next, count. TCP retransmits (lossless by backpressure,
 //     as in tcplog.c).
@@ -147,7 +149,7 @@ struct recv_counters {
 	__u64 drops_backpressure; // dropped: ring buffer had no room
 	__u64 drops_oversize;     // dropped: record can never fit the ring (grow the ring!)
 	__u64 drops_error;        // dropped: dynptr setup/copy or flow map update failed
-	__u64 drops_out_of_order; // dropped: a hole before the segment
+	__u64 out_of_order;       // recorded with a hole before it (held by the consumer)
 	__u64 duplicates_passed;  // passed unrecorded: every byte recorded before
 	__u64 no_tcp_sock;        // payload passed unrecorded: no TCP socket with a usable rcv_nxt
 	__u64 non_ipv4;           // packets that are not IPv4, passed
@@ -374,12 +376,13 @@ int tcprecv_ingress(struct __sk_buff *skb)
 		c->duplicates_passed++;
 		return VERDICT_PASS;
 	}
+	__u32 start = cur;
 	if (after(seq, cur)) {
-		c->drops_out_of_order++;
-		return VERDICT_DROP;
+		start = seq; // past a hole: recorded whole, rx_next stays
+		c->out_of_order++;
 	}
-	__u32 skip = cur - seq; // < len
-	__u32 n = end - cur;
+	__u32 skip = start - seq; // < len
+	__u32 n = end - start;
 
 	// The ring holds a record plus its 8-byte kernel header, rounded up to 8;
 	// a bigger one can never be reserved: count the stall apart.
@@ -393,7 +396,7 @@ int tcprecv_ingress(struct __sk_buff *skb)
 		.daddr = ip.daddr,
 		.sport = tcp.source,
 		.dport = tcp.dest,
-		.seq = cur,
+		.seq = start,
 		.len = n,
 		.cgroup_id = bpf_skb_cgroup_id(skb),
 		.ktime_ns = bpf_ktime_get_ns(),
@@ -415,7 +418,8 @@ int tcprecv_ingress(struct __sk_buff *skb)
 		return VERDICT_DROP;
 	}
 	bpf_ringbuf_submit_dynptr(&rec, wake_flags(need));
-	raise_to(&f->rx_next, cur, end);
+	if (start == cur)
+		raise_to(&f->rx_next, cur, end);
 	c->packets_recorded++;
 	c->bytes_recorded += n;
 	return VERDICT_PASS;

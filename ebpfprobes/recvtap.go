@@ -36,7 +36,7 @@ type RecvCounters struct {
 	DropsBackpressure uint64 // segments dropped because the ring buffer was full
 	DropsOversize     uint64 // segments dropped because their record can never fit the ring
 	DropsError        uint64 // segments dropped because copying them or updating the flow map failed
-	DropsOutOfOrder   uint64 // segments dropped because bytes before them were not recorded yet
+	OutOfOrder        uint64 // segments recorded with bytes before them not recorded yet (loss, reordering): the consumer holds them
 	DuplicatesPassed  uint64 // segments passed unrecorded: their bytes were recorded before
 	NoTCPSock         uint64 // segments with payload passed unrecorded: no TCP socket that can take them
 	NonIPv4           uint64 // packets that are not IPv4, passed unrecorded
@@ -222,7 +222,7 @@ func (t *RecvTap) Counters() (RecvCounters, error) {
 		c.DropsBackpressure += p.DropsBackpressure
 		c.DropsOversize += p.DropsOversize
 		c.DropsError += p.DropsError
-		c.DropsOutOfOrder += p.DropsOutOfOrder
+		c.OutOfOrder += p.OutOfOrder
 		c.DuplicatesPassed += p.DuplicatesPassed
 		c.NoTCPSock += p.NoTcpSock
 		c.NonIPv4 += p.NonIpv4

@@ -20,7 +20,7 @@ type tcprecvRecvCounters struct {
 	DropsBackpressure uint64
 	DropsOversize     uint64
 	DropsError        uint64
-	DropsOutOfOrder   uint64
+	OutOfOrder        uint64
 	DuplicatesPassed  uint64
 	NoTcpSock         uint64
 	NonIpv4           uint64
