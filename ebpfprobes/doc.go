@@ -9,6 +9,12 @@
 // its last transmitted segment (snd_nxt, ACK number, timestamps, window):
 // TCPLogger.FlowState, which the restorer reads for the surviving peer.
 //
+// RecvTap is the receive-side twin: a cgroup_skb/ingress program (bpf/tcprecv.c)
+// attached to job cgroups copies every TCP payload byte their sockets
+// receive into a ring buffer, in the same record format, in sequence order
+// per flow, and drops a segment it cannot record (ring full, a hole before
+// it) so that TCP retransmits it.
+//
 // Everything here needs root (CAP_BPF, CAP_NET_ADMIN) and Linux 6.6+ (TCX,
 // dynptr kfuncs).
 package ebpfprobes

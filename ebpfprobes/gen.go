@@ -6,3 +6,6 @@ package ebpfprobes
 // Only little-endian targets are built: ftkit runs on amd64 and arm64.
 
 //go:generate go tool bpf2go -tags linux -target bpfel -type counters -type flow_key -type flow_state tcplog ../bpf/tcplog.c -- -Wall -Werror
+
+// -mcpu=v3 for the 32-bit compare-and-swap on rx_next (BPF atomics, Linux 5.12+).
+//go:generate go tool bpf2go -tags linux -target bpfel -type recv_counters tcprecv ../bpf/tcprecv.c -- -Wall -Werror -mcpu=v3

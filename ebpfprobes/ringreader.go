@@ -3,9 +3,11 @@
 package ebpfprobes
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"runtime"
 	"sync"
@@ -13,6 +15,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
 )
 
@@ -33,7 +36,19 @@ const (
 	idleTimeout  = 100 * time.Millisecond
 )
 
-var errRingClosed = fmt.Errorf("tcplog: read: %w", ErrClosed)
+// checkRingSize validates a ring buffer size for the program name (0 means
+// DefaultRingBufferSize) and returns the size to use.
+func checkRingSize(name string, size int) (int, error) {
+	if size == 0 {
+		size = DefaultRingBufferSize
+	}
+	page := os.Getpagesize()
+	if size < page || size&(size-1) != 0 || size > 1<<31 {
+		return 0, fmt.Errorf("%s: ring buffer size %d: must be a power of two between the page size (%d) and 2 GiB, for example %d",
+			name, size, page, DefaultRingBufferSize)
+	}
+	return size, nil
+}
 
 // ringReader consumes a BPF ring buffer in place. It maps the ring like
 // cilium/ebpf's ringbuf.Reader does, but hands out records as slices of the
@@ -52,9 +67,12 @@ type ringReader struct {
 	data   []byte // the ring, mapped twice in a row so a record never wraps
 	mask   uint64
 	events []unix.EpollEvent
+
+	name      string // the program's name, prefixed to errors
+	errClosed error  // what reading returns after close
 }
 
-func newRingReader(mapFD, size int) (*ringReader, error) {
+func newRingReader(name string, mapFD, size int) (*ringReader, error) {
 	page := os.Getpagesize()
 	cons, err := unix.Mmap(mapFD, 0, page, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
@@ -65,7 +83,8 @@ func newRingReader(mapFD, size int) (*ringReader, error) {
 		_ = unix.Munmap(cons)
 		return nil, fmt.Errorf("mmap ring buffer data pages: %w", err)
 	}
-	r := &ringReader{epfd: -1, evfd: -1, cons: cons, prod: prod, data: prod[page:], mask: uint64(size - 1),
+	r := &ringReader{name: name, errClosed: fmt.Errorf("%s: read: %w", name, ErrClosed),
+		epfd: -1, evfd: -1, cons: cons, prod: prod, data: prod[page:], mask: uint64(size - 1),
 		events: make([]unix.EpollEvent, 2)}
 	fail := func(err error) (*ringReader, error) {
 		r.release()
@@ -109,7 +128,7 @@ func (r *ringReader) drain(max int, fn func(raw []byte) error) (int, error) {
 	n := 0
 	for n < max && cons != prod {
 		if prod-cons < ringHdrLen {
-			return n, fmt.Errorf("tcplog: read ring buffer record header: %w", io.ErrUnexpectedEOF)
+			return n, fmt.Errorf("%s: read ring buffer record header: %w", r.name, io.ErrUnexpectedEOF)
 		}
 		hdr := atomic.LoadUint32((*uint32)(unsafe.Pointer(&r.data[cons&r.mask])))
 		if hdr&ringBusyBit != 0 {
@@ -123,7 +142,7 @@ func (r *ringReader) drain(max int, fn func(raw []byte) error) (int, error) {
 		start := (cons + ringHdrLen) & r.mask
 		next := cons + ringHdrLen + (size+7)&^7
 		if next-cons > prod-cons {
-			return n, fmt.Errorf("tcplog: read ring buffer record of %d bytes: %w", size, io.ErrUnexpectedEOF)
+			return n, fmt.Errorf("%s: read ring buffer record of %d bytes: %w", r.name, size, io.ErrUnexpectedEOF)
 		}
 		if hdr&ringDiscardBit == 0 {
 			if err := fn(r.data[start : start+size : start+size]); err != nil {
@@ -150,7 +169,7 @@ func (r *ringReader) empty() bool {
 func (r *ringReader) wait(timeout time.Duration) (flushed bool, err error) {
 	n, err := unix.EpollWait(r.epfd, r.events, int(timeout.Milliseconds()))
 	if err != nil && !errors.Is(err, unix.EINTR) {
-		return false, fmt.Errorf("tcplog: wait for ring buffer: %w", err)
+		return false, fmt.Errorf("%s: wait for ring buffer: %w", r.name, err)
 	}
 	for _, ev := range r.events[:max(n, 0)] {
 		if int(ev.Fd) == r.evfd {
@@ -168,11 +187,11 @@ func (r *ringReader) flush() error {
 	r.life.RLock()
 	defer r.life.RUnlock()
 	if r.closed.Load() {
-		return errRingClosed
+		return r.errClosed
 	}
 	one := [8]byte{1}
 	if _, err := unix.Write(r.evfd, one[:]); err != nil && !errors.Is(err, unix.EAGAIN) {
-		return fmt.Errorf("tcplog: flush ring buffer reader: %w", err)
+		return fmt.Errorf("%s: flush ring buffer reader: %w", r.name, err)
 	}
 	return nil
 }
@@ -208,7 +227,97 @@ func (r *ringReader) release() error {
 	}
 	r.epfd, r.evfd, r.prod, r.cons, r.data = -1, -1, nil, nil, nil
 	if len(errs) > 0 {
-		return fmt.Errorf("tcplog: free ring buffer reader: %w", errors.Join(errs...))
+		return fmt.Errorf("%s: free ring buffer reader: %w", r.name, errors.Join(errs...))
 	}
 	return nil
+}
+
+// ringConsumer is the reading side of a program's ring buffer with the
+// consumer_polling wakeup scheme of bpf/tcplog.c, shared by TCPLogger and
+// RecvTap. Only one goroutine reads.
+type ringConsumer struct {
+	log  *slog.Logger
+	ring *ringReader
+	flag *ebpf.Variable // the program's consumer_polling, in its mmapped .bss
+
+	// The reader's state: only the reading goroutine touches these.
+	polling     bool // mirror of flag
+	watchedDone <-chan struct{}
+	stopWatch   func() bool
+}
+
+// readBatch implements TCPLogger.ReadBatch and RecvTap.ReadBatch (see
+// TCPLogger.ReadBatch for the contract).
+func (c *ringConsumer) readBatch(ctx context.Context, max int, fn func(raw []byte) error) (int, error) {
+	if max <= 0 {
+		max = int(^uint(0) >> 1)
+	}
+	if ctx.Err() == nil {
+		c.watch(ctx)
+	}
+	r := c.ring
+	r.life.RLock()
+	defer r.life.RUnlock()
+	quiet := false // the last poll found nothing
+	for {
+		if r.closed.Load() {
+			return 0, r.errClosed
+		}
+		n, err := r.drain(max, fn)
+		if n > 0 || err != nil {
+			c.setPolling(true)
+			return n, err
+		}
+		if ctx.Err() != nil {
+			return 0, ctx.Err()
+		}
+		timeout := pollInterval
+		if !c.polling || quiet {
+			// Idle: ask the program for a wakeup again, then look once
+			// more, since a record submitted before the flag was cleared
+			// may not have woken us.
+			c.setPolling(false)
+			if !r.empty() {
+				continue
+			}
+			timeout = idleTimeout
+		}
+		flushed, err := r.wait(timeout)
+		if err != nil {
+			return 0, err
+		}
+		quiet = !flushed && r.empty()
+	}
+}
+
+// setPolling tells the program whether the consumer polls by itself.
+func (c *ringConsumer) setPolling(on bool) {
+	if on == c.polling {
+		return
+	}
+	c.polling = on
+	var v uint32
+	if on {
+		v = 1
+	}
+	// Cannot fail for a uint32 variable in a loaded .bss; without mmap
+	// support it is a map update, which also works.
+	if err := c.flag.Set(v); err != nil {
+		c.log.Warn(c.ring.name+": set consumer_polling", "err", err)
+	}
+}
+
+// watch makes the cancellation of ctx interrupt a blocked readBatch. One
+// registration serves every call with the same context.
+func (c *ringConsumer) watch(ctx context.Context) {
+	done := ctx.Done()
+	if done == nil || done == c.watchedDone {
+		return
+	}
+	if c.stopWatch != nil {
+		c.stopWatch()
+	}
+	r := c.ring
+	c.watchedDone = done
+	c.stopWatch = context.AfterFunc(ctx, func() { _ = r.flush() })
 }

@@ -74,18 +74,15 @@ type tcplogLoaded struct {
 // TCPLogger is the loaded TCX egress logger. Attach, Protect*, Counters and
 // Close may be called from any goroutine; Read has a single consumer.
 type TCPLogger struct {
-	log  *slog.Logger
-	objs tcplogLoaded
-	ring *ringReader
+	log      *slog.Logger
+	objs     tcplogLoaded
+	ring     *ringReader
+	consumer ringConsumer
 
 	mu    sync.Mutex // guards links
 	links []link.Link
 
-	// The reader's state: only the reading goroutine touches these.
-	buf         []byte // Read's copy of the last record
-	polling     bool   // mirror of the program's consumer_polling
-	watchedDone <-chan struct{}
-	stopWatch   func() bool
+	buf []byte // Read's copy of the last record: only the reading goroutine touches it
 }
 
 // NewTCPLogger loads the logger's program and maps into the kernel. Nothing
@@ -95,14 +92,9 @@ func NewTCPLogger(opts TCPLoggerOptions) (*TCPLogger, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	size := opts.RingBufferSize
-	if size == 0 {
-		size = DefaultRingBufferSize
-	}
-	page := os.Getpagesize()
-	if size < page || size&(size-1) != 0 || size > 1<<31 {
-		return nil, fmt.Errorf("tcplog: ring buffer size %d: must be a power of two between the page size (%d) and 2 GiB, for example %d",
-			size, page, DefaultRingBufferSize)
+	size, err := checkRingSize("tcplog", opts.RingBufferSize)
+	if err != nil {
+		return nil, err
 	}
 
 	spec, err := loadTcplog()
@@ -128,11 +120,12 @@ func NewTCPLogger(opts TCPLoggerOptions) (*TCPLogger, error) {
 		}
 		return nil, fmt.Errorf("tcplog: load BPF program and maps (needs root, Linux 6.6+ with BTF): %w", err)
 	}
-	l.ring, err = newRingReader(l.objs.Events.FD(), size)
+	l.ring, err = newRingReader("tcplog", l.objs.Events.FD(), size)
 	if err != nil {
 		l.closeObjects()
 		return nil, fmt.Errorf("tcplog: open ring buffer reader: %w", err)
 	}
+	l.consumer = ringConsumer{log: log, ring: l.ring, flag: l.objs.ConsumerPolling}
 	log.Debug("tcplog: loaded", "ring_bytes", size)
 	return l, nil
 }
@@ -288,77 +281,7 @@ func (l *TCPLogger) Read(ctx context.Context) ([]byte, error) {
 // When ctx is done, ReadBatch still returns the records already in the ring,
 // then ctx.Err(). After Close it returns an error wrapping ErrClosed.
 func (l *TCPLogger) ReadBatch(ctx context.Context, max int, fn func(raw []byte) error) (int, error) {
-	if max <= 0 {
-		max = int(^uint(0) >> 1)
-	}
-	if ctx.Err() == nil {
-		l.watch(ctx)
-	}
-	r := l.ring
-	r.life.RLock()
-	defer r.life.RUnlock()
-	quiet := false // the last poll found nothing
-	for {
-		if r.closed.Load() {
-			return 0, errRingClosed
-		}
-		n, err := r.drain(max, fn)
-		if n > 0 || err != nil {
-			l.setPolling(true)
-			return n, err
-		}
-		if ctx.Err() != nil {
-			return 0, ctx.Err()
-		}
-		timeout := pollInterval
-		if !l.polling || quiet {
-			// Idle: ask the program for a wakeup again, then look once
-			// more, since a record submitted before the flag was cleared
-			// may not have woken us.
-			l.setPolling(false)
-			if !r.empty() {
-				continue
-			}
-			timeout = idleTimeout
-		}
-		flushed, err := r.wait(timeout)
-		if err != nil {
-			return 0, err
-		}
-		quiet = !flushed && r.empty()
-	}
-}
-
-// setPolling tells the program whether the consumer polls by itself.
-func (l *TCPLogger) setPolling(on bool) {
-	if on == l.polling {
-		return
-	}
-	l.polling = on
-	var v uint32
-	if on {
-		v = 1
-	}
-	// Cannot fail for a uint32 variable in a loaded .bss; without mmap
-	// support it is a map update, which also works.
-	if err := l.objs.ConsumerPolling.Set(v); err != nil {
-		l.log.Warn("tcplog: set consumer_polling", "err", err)
-	}
-}
-
-// watch makes the cancellation of ctx interrupt a blocked ReadBatch. One
-// registration serves every call with the same context.
-func (l *TCPLogger) watch(ctx context.Context) {
-	done := ctx.Done()
-	if done == nil || done == l.watchedDone {
-		return
-	}
-	if l.stopWatch != nil {
-		l.stopWatch()
-	}
-	r := l.ring
-	l.watchedDone = done
-	l.stopWatch = context.AfterFunc(ctx, func() { _ = r.flush() })
+	return l.consumer.readBatch(ctx, max, fn)
 }
 
 // Close detaches the program from every interface, interrupts Read and
