@@ -27,16 +27,16 @@ import (
 
 // logState is the agent's sender-side log: the eBPF capture, its resource controller, and recent events.
 type logState struct {
-	cap  *capture.Capture
-	ctl  *controller.Controller
+	cap *capture.Capture
+	ctl *controller.Controller
 	// What this host's protected sockets received, to check a restored peer's re-sent bytes (received.go).
 	tap      *ebpfprobes.RecvTap
 	book     *recvdigest.Book
 	recorder *recvdigest.Recorder
-	mu   sync.Mutex
-	ev   []controller.Event   // the last maxEvents decisions, for `ftctl status`
-	seen map[string]time.Time // destination node -> when its log data was last trimmed (or first seen)
-	aged time.Time            // last Age of the log (controlLog only)
+	mu       sync.Mutex
+	ev       []controller.Event   // the last maxEvents decisions, for `ftctl status`
+	seen     map[string]time.Time // destination node -> when its log data was last trimmed (or first seen)
+	aged     time.Time            // last Age of the log (controlLog only)
 
 	// Freeing finished connections (releaseFinished).
 	marks    map[string]release.Watermark    // receiving node -> its latest watermark, on our clock

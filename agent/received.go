@@ -12,6 +12,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/criu/image"
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/netlog"
@@ -29,7 +30,7 @@ import (
 //
 // The check of a connection starts at the snapshot's write_seq, usually inside a block the receiver
 // digested whole; the snapshot carries the CRC of that block's bytes before write_seq
-// (ckpt.Conn.SentPrefixCRC), taken from this host's log and the image's send queue at the dump. Log trims
+// (ckpt.Conn.SentPrefix), taken from this host's log and the image's send queue at the dump. Log trims
 // stop at block starts (serveTrim) so that those bytes are still logged then.
 
 // resentLogWait bounds how long the target waits for its log to hold the re-sent bytes: the ring
@@ -45,7 +46,8 @@ func (a *Agent) startReceiveDigests() (*ebpfprobes.RecvTap, *recvdigest.Book, *r
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("load the receive tap (re-sent bytes could not be checked without it): %w", err)
 	}
-	book := recvdigest.NewBook(recvdigest.BookOptions{})
+	// Segments past a hole wait in the book until the retransmission that fills it: up to a window.
+	book := recvdigest.NewBook(recvdigest.BookOptions{MaxReorderBytes: 8 << 20})
 	return tap, book, recvdigest.NewRecorder(tap, book, a.log), nil
 }
 
@@ -56,31 +58,37 @@ type resentCheck struct {
 	Missing  string               `json:"missing,omitempty"`
 }
 
-// sentPrefix computes ckpt.Conn.SentPrefixCRC of a dumped connection: the bytes [BlockStart(write_seq),
-// write_seq) are in the image's send queue (written, not yet acknowledged) and, before it, in this host's
-// log (transmitted).
-func (a *Agent) sentPrefix(ctx context.Context, images string, c image.TCPConn) (*uint32, error) {
-	need := c.OutqSeq - recvdigest.BlockStart(c.OutqSeq)
-	var crc uint32 // of nothing
-	if need == 0 {
-		return &crc, nil
+// sentPrefix computes ckpt.Conn.SentPrefix of a dumped connection. Its bytes end at write_seq: the last
+// ones are in the image's send queue (written, not yet acknowledged), those before in this host's log
+// (transmitted). They start at write_seq's block start, or at the connection's first byte (ISN+1, from the
+// log's live state) if that lies inside the block: the receiver's record starts there too.
+func (a *Agent) sentPrefix(ctx context.Context, images string, c image.TCPConn) (*ckpt.SentPrefix, error) {
+	conn := netlog.Conn{Src: c.Local, Dst: c.Remote}
+	start := recvdigest.BlockStart(c.OutqSeq)
+	if a.netlog != nil {
+		if fs, ok, err := a.netlog.cap.FlowState(conn); err == nil && ok && fs.HasISN && int32(fs.ISN+1-start) > 0 {
+			start = fs.ISN + 1
+		}
+	}
+	p := &ckpt.SentPrefix{Len: c.OutqSeq - start}
+	if p.Len == 0 {
+		return p, nil // CRC-32C of nothing: 0
 	}
 	q, err := image.SendQueue(images, c.Inode)
 	if err != nil {
 		return nil, err
 	}
 	h := crc32.New(castagnoli)
-	if uint64(len(q)) >= uint64(need) {
-		h.Write(q[uint32(len(q))-need:])
+	if uint64(len(q)) >= uint64(p.Len) {
+		h.Write(q[uint32(len(q))-p.Len:])
 	} else {
-		logged := need - uint32(len(q))
-		if err := a.loggedRange(ctx, h, netlog.Conn{Src: c.Local, Dst: c.Remote}, recvdigest.BlockStart(c.OutqSeq), logged); err != nil {
+		if err := a.loggedRange(ctx, h, conn, start, p.Len-uint32(len(q))); err != nil {
 			return nil, err
 		}
 		h.Write(q)
 	}
-	crc = h.Sum32()
-	return &crc, nil
+	p.CRC = h.Sum32()
+	return p, nil
 }
 
 // loggedRange writes the n bytes this host's log holds of conn from wire sequence seq on to w.
@@ -190,8 +198,8 @@ func (a *Agent) verifyResent(ctx context.Context, r *restoring) (string, error) 
 			err = &recvdigest.UnverifiedError{Conn: conn, From: from, To: to, Reason: why}
 		} else {
 			var prefix recvdigest.Prefix
-			if p := c.Conn.SentPrefixCRC; p != nil {
-				prefix = recvdigest.Prefix{Known: true, CRC: *p}
+			if p := c.Conn.SentPrefix; p != nil {
+				prefix = recvdigest.Prefix{Known: true, Len: p.Len, CRC: p.CRC}
 			}
 			var v uint64
 			v, err = recvdigest.Verify(*chk.Received, from, to, prefix, func(w io.Writer, seq, n uint32) error {

@@ -14,6 +14,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/internal/atomicfile"
 	"github.com/ftkit/ftkit/netlog"
@@ -46,11 +47,11 @@ type recoveryRecord struct {
 	Failure     string        `json:"failure"`
 	Coordinator string        `json:"coordinator"`
 	Jobs        []recoveryJob `json:"jobs,omitempty"`
-	Stages  []Stage       `json:"stages,omitempty"`
-	Resumed bool          `json:"resumed,omitempty"`
-	Done    bool          `json:"done,omitempty"`
-	Error   string        `json:"error,omitempty"`
-	Updated time.Time     `json:"updated"`
+	Stages      []Stage       `json:"stages,omitempty"`
+	Resumed     bool          `json:"resumed,omitempty"`
+	Done        bool          `json:"done,omitempty"`
+	Error       string        `json:"error,omitempty"`
+	Updated     time.Time     `json:"updated"`
 }
 
 type recoveryJob struct {
@@ -64,17 +65,17 @@ type recoveryJob struct {
 // recoveryConn is a restored connection's replay: from the snapshot's write_seq OutqSeq, Resend bytes the
 // peer already has, and what checking them needs.
 type recoveryConn struct {
-	Local         netip.AddrPort `json:"local"`
-	Remote        netip.AddrPort `json:"remote"`
-	OutqSeq       uint32         `json:"outq_seq"`
-	Resend        uint32         `json:"resend"`
-	SentPrefixCRC *uint32        `json:"sent_prefix_crc,omitempty"`
+	Local      netip.AddrPort   `json:"local"`
+	Remote     netip.AddrPort   `json:"remote"`
+	OutqSeq    uint32           `json:"outq_seq"`
+	Resend     uint32           `json:"resend"`
+	SentPrefix *ckpt.SentPrefix `json:"sent_prefix,omitempty"`
 	resentCheck
 }
 
 // validRecoveryID keeps a failure id (from the coordinator) usable as a file name.
 func validRecoveryID(id string) bool {
-	return validNodeName(id) && len(id) <= 255 && !strings.HasPrefix(id, ".")
+	return id != "" && id != "." && id != ".." && !strings.ContainsAny(id, `/\`) && len(id) <= 255 && !strings.HasPrefix(id, ".")
 }
 
 func recoveryPath(stateDir, failure string) string {
@@ -179,7 +180,7 @@ func (t *recoveryTracker) persist(jobs []*restoring) {
 				continue
 			}
 			rj.Conns = append(rj.Conns, recoveryConn{Local: c.Conn.Local, Remote: c.Conn.Remote, OutqSeq: c.Conn.OutqSeq, Resend: c.Resend,
-				SentPrefixCRC: c.Conn.SentPrefixCRC, resentCheck: r.checks[netlog.Conn{Src: c.Conn.Local, Dst: c.Conn.Remote}]})
+				SentPrefix: c.Conn.SentPrefix, resentCheck: r.checks[netlog.Conn{Src: c.Conn.Local, Dst: c.Conn.Remote}]})
 		}
 		t.rec.Jobs = append(t.rec.Jobs, rj)
 	}
@@ -328,7 +329,7 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 			errs = append(errs, fmt.Errorf("re-protect %s: %w", strings.Join(protect, ", "), err))
 		}
 	}
-	err = errors.Join(errs...)
+	err := errors.Join(errs...)
 	t.done(ctx, err)
 	if ctx.Err() != nil {
 		return
@@ -362,7 +363,7 @@ func (a *Agent) resumedRestoring(rj recoveryJob, j Job) *restoring {
 			r.replayed = append(r.replayed, ebpfprobes.Flow{Src: c.Local, Dst: c.Remote})
 		}
 		cp := restore.ConnPlan{Resend: c.Resend}
-		cp.Conn.Local, cp.Conn.Remote, cp.Conn.OutqSeq, cp.Conn.SentPrefixCRC = c.Local, c.Remote, c.OutqSeq, c.SentPrefixCRC
+		cp.Conn.Local, cp.Conn.Remote, cp.Conn.OutqSeq, cp.Conn.SentPrefix = c.Local, c.Remote, c.OutqSeq, c.SentPrefix
 		r.plan.Conns = append(r.plan.Conns, cp)
 		r.checks[netlog.Conn{Src: c.Local, Dst: c.Remote}] = c.resentCheck
 	}

@@ -52,10 +52,10 @@ func TestRecoveryRecordPersists(t *testing.T) {
 		connPlan("10.0.0.2:7001", "10.0.0.3:40001", 9, 0), // nothing to re-send: nothing to wait for
 	)
 	keep := netlog.Conn{Src: netip.MustParseAddrPort("10.0.0.2:7000"), Dst: netip.MustParseAddrPort("10.0.0.1:40000")}
-	prefix := uint32(0xabcd)
-	r.plan.Conns[0].Conn.SentPrefixCRC = &prefix
-	rec := &recvdigest.Received{Conn: keep, Pieces: []recvdigest.Piece{{Seq: 0, Len: recvdigest.BlockSize, CRC: 7}}}
-	r.checks = map[netlog.Conn]resentCheck{keep: {Received: rec},
+	prefix := &ckpt.SentPrefix{Len: 1000, CRC: 0xabcd}
+	r.plan.Conns[0].Conn.SentPrefix = prefix
+	kept := &recvdigest.Received{Conn: keep, Pieces: []recvdigest.Piece{{Seq: 0, Len: recvdigest.BlockSize, CRC: 7}}}
+	r.checks = map[netlog.Conn]resentCheck{keep: {Received: kept},
 		{Src: netip.MustParseAddrPort("10.0.0.2:7001"), Dst: netip.MustParseAddrPort("10.0.0.3:40001")}: {Missing: "nothing re-sent"}}
 	tr.persist([]*restoring{r})
 	at := time.Date(2025, 1, 1, 0, 0, 2, 0, time.UTC)
@@ -77,15 +77,15 @@ func TestRecoveryRecordPersists(t *testing.T) {
 	}
 	got := recs[0]
 	wantJobs := []recoveryJob{{Job: "rank1", Snapshot: r.m.ID, Phase: phaseRestored, RestoredAt: at,
-		Conns: []recoveryConn{{Local: keep.Src, Remote: keep.Dst, OutqSeq: 1000, Resend: 5000, SentPrefixCRC: &prefix, resentCheck: resentCheck{Received: rec}}}}}
+		Conns: []recoveryConn{{Local: keep.Src, Remote: keep.Dst, OutqSeq: 1000, Resend: 5000, SentPrefix: prefix, resentCheck: resentCheck{Received: kept}}}}}
 	if got.Failure != req.Failure || got.Coordinator != "node3" || got.Done || !reflect.DeepEqual(got.Jobs, wantJobs) {
 		t.Errorf("record %+v; want failure %s by node3, jobs %+v, not done", got, req.Failure, wantJobs)
 	}
 	// What a resumed agent rebuilds from it checks the same bytes with the same record.
 	j := Job{ID: "rank1"}
 	rr := a.resumedRestoring(got.Jobs[0], j)
-	if len(rr.plan.Conns) != 1 || rr.plan.Conns[0].Conn.SentPrefixCRC == nil || *rr.plan.Conns[0].Conn.SentPrefixCRC != prefix ||
-		!reflect.DeepEqual(rr.checks[keep].Received, rec) {
+	if len(rr.plan.Conns) != 1 || !reflect.DeepEqual(rr.plan.Conns[0].Conn.SentPrefix, prefix) ||
+		!reflect.DeepEqual(rr.checks[keep].Received, kept) {
 		t.Errorf("resumed plan %+v, checks %+v; want the re-sent connection with its prefix and record", rr.plan.Conns, rr.checks)
 	}
 	if len(got.Stages) != 1 || got.Stages[0].Name != StageFetched || len(emitted) != 1 {

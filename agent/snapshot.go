@@ -91,7 +91,7 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen bool) (*ckpt.Manifes
 		}
 		info.Conns = append(info.Conns, ckpt.Conn{
 			Local: c.Local, Remote: c.Remote, Inode: uint64(c.Inode), InqSeq: c.InqSeq, InqLen: c.InqLen,
-			OutqSeq: c.OutqSeq, OutqLen: c.OutqLen, Timestamp: c.Timestamp, SentPrefixCRC: prefix,
+			OutqSeq: c.OutqSeq, OutqLen: c.OutqLen, Timestamp: c.Timestamp, SentPrefix: prefix,
 		})
 	}
 	// Only files the job opened for writing are part of the recovery contract (restore truncates them

@@ -3,12 +3,10 @@ package agent
 import (
 	"bufio"
 	"io/fs"
-	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"golang.org/x/sys/unix"
 )

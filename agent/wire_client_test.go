@@ -378,8 +378,8 @@ func TestReceivedOfRefusesLyingPeers(t *testing.T) {
 		{"no record", receivedReply{Error: "n2 has no record"}, "n2 has no record"},
 		{"nothing at all", receivedReply{}, "sent no record"},
 		{"another connection", receivedReply{Received: &recvdigest.Received{Conn: other, Pieces: good.Pieces}}, "not of"},
-		{"a piece across a block boundary", receivedReply{Received: &recvdigest.Received{Conn: conn, Pieces: []recvdigest.Piece{{Seq: 100, Len: recvdigest.BlockSize, CRC: 1}}}}, "record from n2"},
-		{"pieces out of order", receivedReply{Received: &recvdigest.Received{Conn: conn, Pieces: []recvdigest.Piece{good.Pieces[1], good.Pieces[0]}}}, "record from n2"},
+		{"a piece across a block boundary", receivedReply{Received: &recvdigest.Received{Conn: conn, Pieces: []recvdigest.Piece{{Seq: 100, Len: recvdigest.BlockSize, CRC: 1}}}}, "crosses a 65536-byte block boundary"},
+		{"pieces out of order", receivedReply{Received: &recvdigest.Received{Conn: conn, Pieces: []recvdigest.Piece{good.Pieces[1], good.Pieces[0]}}}, "overlaps or precedes"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

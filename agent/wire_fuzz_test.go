@@ -140,10 +140,10 @@ func FuzzClusterMessage(f *testing.F) {
 			checkFailures(vm.Failures)
 		}
 
-		var req RecoverRequest
-		if _, ok := decode(&req, maxRecoverRequest); ok {
-			for _, rj := range req.Jobs {
-				rj.candidates(req.Source)
+		var recov RecoverRequest
+		if _, ok := decode(&recov, maxRecoverRequest); ok {
+			for _, rj := range recov.Jobs {
+				rj.candidates(recov.Source)
 			}
 		}
 	})

@@ -54,11 +54,17 @@ type Conn struct {
 	OutqSeq   uint32         `json:"outq_seq"`
 	OutqLen   uint32         `json:"outq_len"`
 	Timestamp uint32         `json:"timestamp"`
-	// SentPrefixCRC is the CRC-32C (Castagnoli) of the bytes the job had written before the dump from the
-	// start of the 64 KiB receive-digest block holding OutqSeq up to OutqSeq (recvdigest.BlockStart): the
-	// check of the bytes a restore re-sends begins mid-block with it. Nil if the sender could not read
-	// them: the re-sent bytes of that block are then unverifiable.
-	SentPrefixCRC *uint32 `json:"sent_prefix_crc,omitempty"`
+	// SentPrefix is what the job had written before the dump in the 64 KiB receive-digest block holding
+	// OutqSeq (recvdigest): the check of the bytes a restore re-sends begins mid-block with it. Nil if the
+	// sender could not read them: the re-sent bytes of that block are then unverifiable.
+	SentPrefix *SentPrefix `json:"sent_prefix,omitempty"`
+}
+
+// SentPrefix is the CRC-32C (Castagnoli) of the Len bytes a connection carried up to OutqSeq, from the
+// start of OutqSeq's block or from the connection's first byte if that is later.
+type SentPrefix struct {
+	Len uint32 `json:"len"`
+	CRC uint32 `json:"crc"`
 }
 
 // OpenFile is a regular file the job had open when it was dumped.

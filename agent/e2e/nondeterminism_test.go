@@ -51,7 +51,7 @@ func TestResentBytesVerified(t *testing.T) {
 			time.Sleep(time.Second)
 			rg.checkpoint(t, "node2")
 			time.Sleep(tt.after) // the crash comes mid-run: how much is re-sent is the scenario
-			
+
 			if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
 				t.Fatal(err)
 			}
