@@ -36,7 +36,7 @@ func TestResentBytesVerified(t *testing.T) {
 	}{
 		{name: "deterministic", block: 64 << 10, after: 1500 * time.Millisecond},
 		{name: "wall-clock bytes", clock: true, block: 64 << 10, after: 1500 * time.Millisecond},
-		{name: "wall-clock bytes, less than a block re-sent", clock: true, block: 1 << 10, after: 300 * time.Millisecond},
+		{name: "wall-clock bytes, less than a block re-sent", clock: true, block: 128, after: 300 * time.Millisecond},
 	}
 	for i, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -84,7 +84,7 @@ func TestResentBytesVerified(t *testing.T) {
 			if !strings.Contains(f.Error, "not transparently recoverable") {
 				t.Errorf("recovery error %q does not say the job is not transparently recoverable", f.Error)
 			}
-			for _, w := range []string{"non-deterministic", "CRC-32C", "re-sent"} {
+			for _, w := range []string{"not deterministic", "CRC-32C", "re-sent"} {
 				if !strings.Contains(replay.Error, w) {
 					t.Errorf("replay stage error %q does not mention %q", replay.Error, w)
 				}
