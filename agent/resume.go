@@ -14,6 +14,8 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/internal/atomicfile"
@@ -373,6 +375,11 @@ func (a *Agent) resumedRestoring(rj recoveryJob, j Job) *restoring {
 // reprotect snapshots the restored jobs and ships the snapshot to this host's protector.
 func (a *Agent) reprotect(ctx context.Context, ids []string) (string, error) {
 	res, err := a.Checkpoint(ctx, ids, 0)
+	if err != nil && a.allEnded(ids) {
+		// A job that finished right after its replay (CRIU: "Unable to detach ... No such process") needs
+		// no protection: its recovery is complete.
+		return fmt.Sprintf("not needed: job(s) %s ended before their snapshot", strings.Join(ids, ", ")), nil
+	}
 	detail := ""
 	for _, s := range res {
 		if !s.Shipped && err == nil {
@@ -384,6 +391,23 @@ func (a *Agent) reprotect(ctx context.Context, ids []string) (string, error) {
 		detail += " to " + p.Name
 	}
 	return detail, err
+}
+
+// allEnded says whether every job of ids has ended (its process is gone), waiting a little for the shim
+// to record an exit that has just happened.
+func (a *Agent) allEnded(ids []string) bool {
+	for _, id := range ids {
+		for deadline := time.Now().Add(2 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+			j, _, err := a.Job(id, 0)
+			if err != nil || j.State != JobRunning || unix.Kill(j.PID, 0) == unix.ESRCH {
+				break
+			}
+			if time.Now().After(deadline) {
+				return false
+			}
+		}
+	}
+	return true
 }
 
 // recoveryStatusMessage asks the target of a recovery how it went, and answers.

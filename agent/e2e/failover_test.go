@@ -293,7 +293,7 @@ func TestFailover(t *testing.T) {
 		// late: the spare joins the pool only while the job runs (ftctl spare add).
 		late bool
 	}{
-		{name: "right after a snapshot, spare added while running", iters: 250, delay: 10 * time.Millisecond, after: 0, late: true},
+		{name: "right after a snapshot, spare added while running", iters: 1000, delay: 10 * time.Millisecond, after: 0, late: true},
 		{name: "long after a snapshot", iters: 1200, delay: 10 * time.Millisecond, after: 150},
 		{name: "during heavy traffic", iters: 8000, delay: 0, after: 100},
 	}
