@@ -67,6 +67,9 @@ type Replica struct {
 	Time     time.Time `json:"time"`    // when the protector had it
 	Node     string    `json:"node"`    // the host the job ran on when the snapshot was taken
 	Holders  []string  `json:"holders"` // the nodes holding a verified copy
+	// Unrecoverable names the snapshot's connections a restore could not rebuild, each with why: a
+	// failure of the host would end in a refusal naming them (`ftctl status` shows them).
+	Unrecoverable []string `json:"unrecoverable,omitempty"`
 }
 
 // Protected reports whether a failure of the job's host could be recovered from a replica: one taken

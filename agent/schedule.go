@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"fmt"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
@@ -172,13 +173,17 @@ func (a *Agent) recordReplica(m *ckpt.Manifest) {
 		return
 	}
 	first := !j.Protected()
-	j.Replica = &Replica{Snapshot: m.ID, Time: time.Now().UTC(), Node: a.cfg.Name, Holders: append([]string(nil), m.Replicas...)}
+	bad := unrecoverableConns(m.Conns, a.memberByIP)
+	j.Replica = &Replica{Snapshot: m.ID, Time: time.Now().UTC(), Node: a.cfg.Name, Holders: append([]string(nil), m.Replicas...), Unrecoverable: bad}
 	err := a.jobs.save(j)
 	a.notify()
 	created := j.Created
 	a.mu.Unlock()
 	if err != nil {
 		a.log.Error("save job record", "job", m.Job, "err", err)
+	}
+	if len(bad) > 0 {
+		a.log.Error("job is snapshotted but NOT recoverable: a failure of this host would end in a refusal", "job", m.Job, "snapshot", m.ID, "connections", bad)
 	}
 	if first {
 		a.log.Info("job protected: its first snapshot is replicated", "job", m.Job, "snapshot", m.ID,
@@ -275,4 +280,18 @@ func every(ctx context.Context, period time.Duration, fn func()) {
 		}
 		fn()
 	}
+}
+
+// unrecoverableConns names the connections of a snapshot that no restore could rebuild, and why. A peer
+// outside the cluster runs no agent: nobody logs what it sends, so the bytes it sent after the snapshot
+// could never be given back. (Connections inside the host are restored together with both ends.)
+func unrecoverableConns(conns []ckpt.Conn, owner func(netip.Addr) string) []string {
+	var out []string
+	for _, c := range conns {
+		if c.Remote.Addr().Unmap().IsLoopback() || owner(c.Remote.Addr()) != "" {
+			continue
+		}
+		out = append(out, fmt.Sprintf("%s -> %s: the peer is not a cluster member, so nobody logs what it sends", c.Local, c.Remote))
+	}
+	return out
 }

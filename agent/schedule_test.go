@@ -2,12 +2,15 @@ package agent
 
 import (
 	"context"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
 )
 
 // TestSnapScheduler plays sequences of scheduler ticks: which jobs are due when, from a job's first
@@ -146,5 +149,41 @@ func TestWaitFrozenBounded(t *testing.T) {
 				t.Fatal("waitFrozen still waiting after a minute with a 200 ms timeout")
 			}
 		})
+	}
+}
+
+func TestUnrecoverableConns(t *testing.T) {
+	owner := func(a netip.Addr) string {
+		switch a.Unmap() {
+		case netip.MustParseAddr("10.0.0.1"):
+			return "node1"
+		case netip.MustParseAddr("10.0.0.2"):
+			return "node2"
+		}
+		return ""
+	}
+	conn := func(local, remote string) ckpt.Conn {
+		return ckpt.Conn{Local: netip.MustParseAddrPort(local), Remote: netip.MustParseAddrPort(remote)}
+	}
+	tests := []struct {
+		name  string
+		conns []ckpt.Conn
+		want  int
+	}{
+		{"peers on members", []ckpt.Conn{conn("10.0.0.1:5000", "10.0.0.2:7000"), conn("10.0.0.1:5001", "10.0.0.1:7001")}, 0},
+		{"loopback: both ends restored together", []ckpt.Conn{conn("127.0.0.1:5000", "127.0.0.1:7000"), conn("[::1]:5000", "[::1]:7000")}, 0},
+		{"a v4-mapped member address", []ckpt.Conn{conn("[::ffff:10.0.0.1]:5000", "[::ffff:10.0.0.2]:7000")}, 0},
+		{"a host outside the cluster", []ckpt.Conn{conn("10.0.0.1:5000", "10.0.0.2:7000"), conn("10.0.0.1:5002", "192.0.2.7:80")}, 1},
+	}
+	for _, tt := range tests {
+		got := unrecoverableConns(tt.conns, owner)
+		if len(got) != tt.want {
+			t.Errorf("%s: %q, want %d connection(s)", tt.name, got, tt.want)
+		}
+		for _, g := range got {
+			if !strings.Contains(g, "192.0.2.7:80") || !strings.Contains(g, "not a cluster member") {
+				t.Errorf("%s: %q does not name the peer and why", tt.name, g)
+			}
+		}
 	}
 }

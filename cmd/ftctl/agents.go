@@ -221,6 +221,9 @@ func protection(j agent.Job, members []ring.Member, now time.Time) string {
 		}
 		return "UNPROTECTED (no replica yet)"
 	}
+	if bad := j.Replica.Unrecoverable; len(bad) > 0 {
+		return fmt.Sprintf("UNRECOVERABLE (%d connection(s); first: %s)", len(bad), bad[0])
+	}
 	alive := false
 	for _, h := range j.Replica.Holders {
 		for _, m := range members {

@@ -20,6 +20,8 @@ func TestProtection(t *testing.T) {
 	restored.Restored = "s0"
 	exited := running
 	exited.State = agent.JobExited
+	outside := with(running, "node1", "node2")
+	outside.Replica.Unrecoverable = []string{"10.0.0.1:5000 -> 192.0.2.7:80: the peer is not a cluster member, so nobody logs what it sends"}
 	tests := []struct {
 		name string
 		job  agent.Job
@@ -31,6 +33,7 @@ func TestProtection(t *testing.T) {
 		{"one holder of two alive", with(running, "node1", "node3", "node2"), "protected (42s)"},
 		{"restored here, replica from its old host", with(restored, "node4", "node1"), "UNPROTECTED (restored; awaiting its first snapshot here)"},
 		{"not running", exited, "-"},
+		{"a connection to a host outside the cluster", outside, "UNRECOVERABLE (1 connection(s); first: 10.0.0.1:5000 -> 192.0.2.7:80: the peer is not a cluster member, so nobody logs what it sends)"},
 	}
 	for _, tt := range tests {
 		if got := protection(tt.job, members, now); got != tt.want {
