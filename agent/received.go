@@ -202,9 +202,14 @@ func (a *Agent) verifyResent(ctx context.Context, r *restoring) (string, error) 
 				prefix = recvdigest.Prefix{Known: true, Len: p.Len, CRC: p.CRC}
 			}
 			var v uint64
+			missing := false // once bytes failed to arrive in the log, do not wait again for each later piece
 			v, err = recvdigest.Verify(*chk.Received, from, to, prefix, func(w io.Writer, seq, n uint32) error {
-				a.waitLogged(ctx, conn, seq+n)
-				return a.loggedRange(ctx, w, conn, seq, n)
+				if !missing {
+					a.waitLogged(ctx, conn, seq+n)
+				}
+				err := a.loggedRange(ctx, w, conn, seq, n)
+				missing = missing || err != nil
+				return err
 			})
 			total += v
 		}
