@@ -82,6 +82,8 @@ func (a *Agent) sentPrefix(ctx context.Context, images string, c image.TCPConn) 
 	if uint64(len(q)) >= uint64(p.Len) {
 		h.Write(q[uint32(len(q))-p.Len:])
 	} else {
+		// Acknowledged before the dump, so transmitted, but the log's consumer may lag the ring.
+		a.waitLogged(ctx, conn, start+p.Len-uint32(len(q)))
 		if err := a.loggedRange(ctx, h, conn, start, p.Len-uint32(len(q))); err != nil {
 			return nil, err
 		}
@@ -91,15 +93,49 @@ func (a *Agent) sentPrefix(ctx context.Context, images string, c image.TCPConn) 
 	return p, nil
 }
 
+// logOf is the log that holds what this host's jobs sent on conn: the cluster interface's, or for a peer on
+// this host the loopback capture's, which logs only the re-sent bytes of jobs restored next to their peers.
+func (a *Agent) logOf(conn netlog.Conn) (*netlog.Log, error) {
+	if a.netlog == nil {
+		return nil, errors.New("the sender-side log is disabled on " + a.cfg.Name)
+	}
+	if conn.Dst.Addr().Unmap().IsLoopback() || a.memberByIP(conn.Dst.Addr()) == a.cfg.Name {
+		return a.netlog.lo.Log(), nil
+	}
+	return a.netlog.cap.Log(), nil
+}
+
+// logLocalResends has the loopback capture log what a restored job re-sends to peers on this host (a
+// restore on the protector, RADIC's basic mode): the cluster interface never sees those bytes. The
+// returned function stops it and frees what was logged.
+func (a *Agent) logLocalResends(r *restoring) (stop func()) {
+	var flows []ebpfprobes.Flow
+	for _, c := range r.plan.Conns {
+		if c.Resend == 0 || a.netlog == nil || a.memberByIP(c.Conn.Remote.Addr()) != a.cfg.Name {
+			continue
+		}
+		f := ebpfprobes.Flow{Src: c.Conn.Local, Dst: c.Conn.Remote}
+		if err := a.netlog.lo.ProtectFlow(f); err != nil {
+			a.log.Error("re-sent bytes to a peer on this host are not logged: the recovery will refuse them as unverifiable", "flow", f, "err", err)
+			continue
+		}
+		flows = append(flows, f)
+	}
+	return func() {
+		for _, f := range flows {
+			if err := a.netlog.lo.UnprotectFlow(f); err != nil {
+				a.log.Warn("stop logging re-sent bytes on loopback", "flow", f, "err", err)
+			}
+		}
+	}
+}
+
 // loggedRange writes the n bytes this host's log holds of conn from wire sequence seq on to w.
 func (a *Agent) loggedRange(ctx context.Context, w io.Writer, conn netlog.Conn, seq, n uint32) error {
-	if a.netlog == nil {
-		return errors.New("the sender-side log is disabled on " + a.cfg.Name)
+	l, err := a.logOf(conn)
+	if err != nil {
+		return err
 	}
-	if a.memberByIP(conn.Dst.Addr()) == a.cfg.Name {
-		return fmt.Errorf("%s is on this host, whose internal traffic is not logged", conn.Dst)
-	}
-	l := a.netlog.cap.Log()
 	abs, err := l.Unwrap(conn, seq)
 	if err != nil {
 		return fmt.Errorf("bytes from sequence %d not in %s's log: %w", seq, a.cfg.Name, err)
@@ -224,10 +260,10 @@ func (a *Agent) verifyResent(ctx context.Context, r *restoring) (string, error) 
 
 // waitLogged waits (a little) until this host's log holds conn's bytes up to wire sequence end.
 func (a *Agent) waitLogged(ctx context.Context, conn netlog.Conn, end uint32) {
-	if a.netlog == nil {
+	l, err := a.logOf(conn)
+	if err != nil {
 		return
 	}
-	l := a.netlog.cap.Log()
 	ctx, cancel := context.WithTimeout(ctx, resentLogWait)
 	defer cancel()
 	for {

@@ -338,6 +338,31 @@ func (c *Capture) UnprotectCgroup(dir string) error {
 	return nil
 }
 
+// ProtectFlow logs the bytes of one flow (Src the local sender), whatever its socket's cgroup: for a
+// capture that logs only chosen flows (on loopback, the re-sent bytes of a job restored next to its peer).
+func (c *Capture) ProtectFlow(f ebpfprobes.Flow) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return fmt.Errorf("capture: protect flow %v: %w", f, netlog.ErrClosed)
+	}
+	return c.probe.ProtectFlow(f)
+}
+
+// UnprotectFlow stops logging a flow ProtectFlow protected and drops what the log holds of it.
+func (c *Capture) UnprotectFlow(f ebpfprobes.Flow) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return fmt.Errorf("capture: unprotect flow %v: %w", f, netlog.ErrClosed)
+	}
+	err := c.probe.UnprotectFlow(f)
+	if rerr := c.netlog.Remove(netlog.Conn{Src: f.Src, Dst: f.Dst}); rerr != nil && !errors.Is(rerr, netlog.ErrUnknownConn) {
+		err = errors.Join(err, rerr)
+	}
+	return err
+}
+
 // Protects reports whether cgroup id is protected now. A connection whose records came from a
 // cgroup that no longer is belongs to a job that ended (the agent unprotects a job's cgroup when
 // it ends).
