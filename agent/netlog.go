@@ -476,6 +476,17 @@ type LogStatus struct {
 	CapBytes int64              `json:"cap_bytes"`
 	Events   []controller.Event `json:"events"`
 	Released ReleaseCounters    `json:"released"` // logs of finished connections freed
+	Received ReceiveStatus      `json:"received"`
+}
+
+// ReceiveStatus is this host's record of what its protected sockets received (received.go): the book the
+// check of a restored peer's re-sent bytes reads, and the tap that feeds it.
+type ReceiveStatus struct {
+	Book    recvdigest.BookStats    `json:"book"`
+	Tap     ebpfprobes.RecvCounters `json:"tap"`
+	Records uint64                  `json:"records"`
+	// Error is why the recorder stopped: from then on every recovery of a peer is refused as unverifiable.
+	Error string `json:"error,omitempty"`
 }
 
 func (a *Agent) logStatus() *LogStatus {
@@ -483,10 +494,12 @@ func (a *Agent) logStatus() *LogStatus {
 		return nil
 	}
 	cnt, _ := a.netlog.cap.Counters()
+	rs := ReceiveStatus{Book: a.netlog.book.Stats(), Records: a.netlog.recorder.Stats().Records, Error: errString(a.netlog.recorder.Err())}
+	rs.Tap, _ = a.netlog.tap.Counters()
 	a.netlog.mu.Lock()
 	defer a.netlog.mu.Unlock()
 	return &LogStatus{Counters: cnt, CapBytes: a.netlog.ctl.Config().Cap, Events: append([]controller.Event(nil), a.netlog.ev...),
-		Released: a.netlog.released}
+		Released: a.netlog.released, Received: rs}
 }
 
 // LoggedConn describes what the log holds for one connection, in wire (32-bit) sequence numbers.

@@ -238,6 +238,14 @@ func TestOneWayStreamSenderCrash(t *testing.T) {
 	if resent, verified := resentBytes(t, replay.Detail), verifiedBytes(t, replay.Detail); resent == 0 || verified != resent {
 		t.Errorf("re-sent %d bytes, verified %d: want a real re-sent range, all verified (%s)", resent, verified, replay.Detail)
 	}
+	// The receiver's host shows its record in `ftctl status`: the stream digested, no hole.
+	st, err := c.Client("node1").Status(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rs := st.Log.Received; rs.Book.Flows == 0 || rs.Book.Bytes == 0 || rs.Book.Holes != 0 || rs.Error != "" || rs.Tap.BytesRecorded == 0 {
+		t.Errorf("node1's receive record %+v: want the stream digested, no hole, the recorder running", rs)
+	}
 	want := nondetReference(t, args)
 	for r, j := range rg.jobs {
 		st, out := waitExit(t, j, 2*time.Minute)

@@ -177,6 +177,23 @@ up, every live host is shown.`,
 				}
 			}
 			w.Flush()
+			fmt.Fprintln(cmd.OutOrStdout())
+			w = tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
+			fmt.Fprintln(w, "HOST\tRECEIVED FLOWS\tDIGESTED\tHOLES\tOUT OF ORDER\tTAP DROPS\tRECORDER")
+			for _, h := range all {
+				if h.Log == nil {
+					continue
+				}
+				rs := h.Log.Received
+				recorder := "running"
+				if rs.Error != "" {
+					recorder = "STOPPED " + rs.Error
+				}
+				// Holes are bytes a receiver took that were never recorded: a restore re-sending them is refused.
+				fmt.Fprintf(w, "%s\t%d\t%s\t%d\t%d\t%d\t%s\n", h.Node, rs.Book.Flows, humanBytes(int64(rs.Book.Bytes)), rs.Book.Holes,
+					rs.Tap.OutOfOrder, rs.Tap.DropsBackpressure+rs.Tap.DropsOversize+rs.Tap.DropsError, recorder)
+			}
+			w.Flush()
 			if len(events) > 0 {
 				fmt.Fprintln(cmd.OutOrStdout(), "\nlog controller events:")
 				for _, e := range events {
