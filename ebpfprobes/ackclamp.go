@@ -262,7 +262,16 @@ func (c *AckClamp) unpinLinks() error {
 	var errs []error
 	for _, e := range ents {
 		if len(e.Name()) > 5 && e.Name()[:5] == "link_" {
-			if err := os.Remove(filepath.Join(c.pinDir, e.Name())); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			path := filepath.Join(c.pinDir, e.Name())
+			// Detach at once: a link whose last reference goes with its pin is released later, by the
+			// kernel's deferred work, and must not be found still attached by the next Attach.
+			if lk, err := link.LoadPinnedLink(path, nil); err == nil {
+				if err := lk.Detach(); err != nil && !errors.Is(err, ebpf.ErrNotSupported) {
+					errs = append(errs, fmt.Errorf("ackclamp: detach %s: %w", e.Name(), err))
+				}
+				lk.Close()
+			}
+			if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
 				errs = append(errs, fmt.Errorf("ackclamp: unpin %s: %w", e.Name(), err))
 			}
 		}
