@@ -364,7 +364,6 @@ func (a *Agent) Run(ctx context.Context) error {
 	}
 	if a.netlog != nil {
 		defer a.netlog.cap.Close()
-		defer a.netlog.lo.Close()
 		defer a.netlog.tap.Close() // after the recorder: it reads the tap
 		defer a.netlog.recorder.Close()
 	}

@@ -29,9 +29,6 @@ import (
 type logState struct {
 	cap *capture.Capture
 	ctl *controller.Controller
-	// lo logs only the flows a recovery asks for: what a job restored next to its peers (basic mode)
-	// re-sends to them over loopback, to check it (received.go).
-	lo *capture.Capture
 	// What this host's protected sockets received, to check a restored peer's re-sent bytes (received.go).
 	tap      *ebpfprobes.RecvTap
 	book     *recvdigest.Book
@@ -40,6 +37,10 @@ type logState struct {
 	ev       []controller.Event   // the last maxEvents decisions, for `ftctl status`
 	seen     map[string]time.Time // destination node -> when its log data was last trimmed (or first seen)
 	aged     time.Time            // last Age of the log (controlLog only)
+	// lo logs only the flows a recovery asks for: what a job restored next to its peers (basic mode)
+	// re-sends to them over loopback, to check it (received.go). It exists only while loUsers > 0.
+	lo      *capture.Capture
+	loUsers int
 
 	// Freeing finished connections (releaseFinished).
 	marks    map[string]release.Watermark    // receiving node -> its latest watermark, on our clock
@@ -86,18 +87,12 @@ func (a *Agent) startLog() error {
 		c.Close()
 		return err
 	}
-	lo, err := capture.New(capture.Options{Interface: "lo", RingBufferSize: 16 << 20, Log: netlog.Options{Logger: a.log}, Logger: a.log, MemoryCap: 256 << 20})
-	if err != nil {
-		c.Close()
-		return fmt.Errorf("start the loopback log of restored jobs' re-sent bytes: %w", err)
-	}
 	tap, book, recorder, err := a.startReceiveDigests()
 	if err != nil {
-		lo.Close()
 		c.Close()
 		return err
 	}
-	a.netlog = &logState{cap: c, ctl: ctl, lo: lo, tap: tap, book: book, recorder: recorder, seen: map[string]time.Time{},
+	a.netlog = &logState{cap: c, ctl: ctl, tap: tap, book: book, recorder: recorder, seen: map[string]time.Time{},
 		marks: map[string]release.Watermark{}, asked: map[string]time.Time{}, asking: map[string]bool{}}
 	a.log.Info("sender-side log attached", "interface", iface, "ring_mib", lc.RingMiB, "memory_cap_mib", capMiB)
 	return nil

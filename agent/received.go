@@ -16,6 +16,7 @@ import (
 	"github.com/ftkit/ftkit/criu/image"
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/netlog/capture"
 	"github.com/ftkit/ftkit/recvdigest"
 )
 
@@ -100,6 +101,11 @@ func (a *Agent) logOf(conn netlog.Conn) (*netlog.Log, error) {
 		return nil, errors.New("the sender-side log is disabled on " + a.cfg.Name)
 	}
 	if conn.Dst.Addr().Unmap().IsLoopback() || a.memberByIP(conn.Dst.Addr()) == a.cfg.Name {
+		a.netlog.mu.Lock()
+		defer a.netlog.mu.Unlock()
+		if a.netlog.lo == nil {
+			return nil, fmt.Errorf("%s is on this host, and no loopback log is running for this connection", conn.Dst)
+		}
 		return a.netlog.lo.Log(), nil
 	}
 	return a.netlog.cap.Log(), nil
@@ -109,13 +115,23 @@ func (a *Agent) logOf(conn netlog.Conn) (*netlog.Log, error) {
 // restore on the protector, RADIC's basic mode): the cluster interface never sees those bytes. The
 // returned function stops it and frees what was logged.
 func (a *Agent) logLocalResends(r *restoring) (stop func()) {
-	var flows []ebpfprobes.Flow
+	var local []ebpfprobes.Flow
 	for _, c := range r.plan.Conns {
-		if c.Resend == 0 || a.netlog == nil || a.memberByIP(c.Conn.Remote.Addr()) != a.cfg.Name {
-			continue
+		if c.Resend > 0 && a.netlog != nil && a.memberByIP(c.Conn.Remote.Addr()) == a.cfg.Name {
+			local = append(local, ebpfprobes.Flow{Src: c.Conn.Local, Dst: c.Conn.Remote})
 		}
-		f := ebpfprobes.Flow{Src: c.Conn.Local, Dst: c.Conn.Remote}
-		if err := a.netlog.lo.ProtectFlow(f); err != nil {
+	}
+	if len(local) == 0 {
+		return func() {}
+	}
+	lo, err := a.acquireLocalLog()
+	if err != nil {
+		a.log.Error("re-sent bytes to peers on this host are not logged: the recovery will refuse them as unverifiable", "flows", local, "err", err)
+		return func() {}
+	}
+	var flows []ebpfprobes.Flow
+	for _, f := range local {
+		if err := lo.ProtectFlow(f); err != nil {
 			a.log.Error("re-sent bytes to a peer on this host are not logged: the recovery will refuse them as unverifiable", "flow", f, "err", err)
 			continue
 		}
@@ -123,10 +139,39 @@ func (a *Agent) logLocalResends(r *restoring) (stop func()) {
 	}
 	return func() {
 		for _, f := range flows {
-			if err := a.netlog.lo.UnprotectFlow(f); err != nil {
+			if err := lo.UnprotectFlow(f); err != nil {
 				a.log.Warn("stop logging re-sent bytes on loopback", "flow", f, "err", err)
 			}
 		}
+		a.releaseLocalLog()
+	}
+}
+
+// acquireLocalLog returns the loopback capture, started for its first user: its TCX program runs for every
+// loopback packet of the host, other users' processes included, so it is attached only while a recovery
+// checks bytes re-sent over loopback. releaseLocalLog closes it with its last user.
+func (a *Agent) acquireLocalLog() (*capture.Capture, error) {
+	a.netlog.mu.Lock()
+	defer a.netlog.mu.Unlock()
+	if a.netlog.lo == nil {
+		lo, err := capture.New(capture.Options{Interface: "lo", RingBufferSize: 16 << 20, Log: netlog.Options{Logger: a.log}, Logger: a.log, MemoryCap: 256 << 20})
+		if err != nil {
+			return nil, fmt.Errorf("start the loopback log of re-sent bytes: %w", err)
+		}
+		a.netlog.lo = lo
+	}
+	a.netlog.loUsers++
+	return a.netlog.lo, nil
+}
+
+func (a *Agent) releaseLocalLog() {
+	a.netlog.mu.Lock()
+	defer a.netlog.mu.Unlock()
+	if a.netlog.loUsers--; a.netlog.loUsers == 0 {
+		if err := a.netlog.lo.Close(); err != nil {
+			a.log.Warn("close the loopback log of re-sent bytes", "err", err)
+		}
+		a.netlog.lo = nil
 	}
 }
 
@@ -213,8 +258,8 @@ func (a *Agent) fetchResentCheck(ctx context.Context, owner string, conn netlog.
 }
 
 // verifyResent checks every byte the restored job re-sent on each connection, as this host's log captured
-// it, against the peer's record. At a difference or at a byte it cannot check, it kills the job: from there
-// on its peers would get bytes of a different execution, or of one nobody can vouch for.
+// it, against the peer's record, and says which connection failed at a difference or at a byte it cannot
+// check (replayAndVerify then kills the job).
 func (a *Agent) verifyResent(ctx context.Context, r *restoring) (string, error) {
 	var total uint64
 	n := 0
@@ -250,7 +295,6 @@ func (a *Agent) verifyResent(ctx context.Context, r *restoring) (string, error) 
 			total += v
 		}
 		if err != nil {
-			a.killJob(r.job.ID, err)
 			return fmt.Sprintf("re-sent bytes checked: %d, then connection %s failed the check", total, conn), err
 		}
 		n++

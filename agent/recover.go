@@ -563,18 +563,22 @@ func (a *Agent) waitReplay(ctx context.Context, r *restoring) (string, error) {
 // replayAndVerify waits for a restored job's replay and checks every byte it re-sent. A job that does not
 // re-send what its peers had within the replay timeout (it diverged and waits for a message nobody will
 // send, or re-sent fewer bytes) or whose bytes fail the check is killed before anything re-protects it:
-// the recovery ends with a named failure, never a hang and never a job of unknown fidelity.
+// from there on its peers would get bytes of a different execution, or of one nobody can vouch for. The
+// recovery ends with a named failure, never a hang and never a job of unknown fidelity.
 func (a *Agent) replayAndVerify(ctx context.Context, r *restoring) (string, error) {
 	if r.stopLocalLog != nil {
 		defer r.stopLocalLog()
 	}
 	detail, err := a.waitReplay(ctx, r)
+	if err == nil {
+		var vdetail string
+		vdetail, err = a.verifyResent(ctx, r)
+		detail += "; " + vdetail
+	}
 	if err != nil {
 		a.killJob(r.job.ID, err)
-		return detail, err
 	}
-	vdetail, err := a.verifyResent(ctx, r)
-	return detail + "; " + vdetail, err
+	return detail, err
 }
 
 // sentUpTo is how far a restored socket has sent on flow.

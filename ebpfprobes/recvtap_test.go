@@ -27,13 +27,11 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
-	"github.com/cilium/ebpf/asm"
 	"github.com/cilium/ebpf/link"
-	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/internal/streamtest"
-	"github.com/ftkit/ftkit/lab"
+	"github.com/ftkit/ftkit/lab/labtest"
 	"github.com/ftkit/ftkit/netlog"
 )
 
@@ -291,51 +289,6 @@ func requireOnlyProgram(t *testing.T, tap *RecvTap, dir string, want bool) {
 	}
 }
 
-// injectLoss drops permille/1000 of the packets longer than 200 bytes that
-// arrive on host's eth0, before the receiving socket's cgroup programs, as a
-// lossy link would (this kernel has no sch_netem). Handshakes and pure ACKs
-// are spared. Same injector as netlog/capture's tests.
-func injectLoss(t *testing.T, l *lab.Lab, host string, permille int32) {
-	t.Helper()
-	prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{
-		Name:    "ftkit_test_loss",
-		Type:    ebpf.SchedCLS,
-		License: "GPL",
-		Instructions: asm.Instructions{
-			asm.LoadMem(asm.R6, asm.R1, 0, asm.Word), // skb->len
-			asm.JLT.Imm(asm.R6, 200, "pass"),
-			asm.FnGetPrandomU32.Call(),
-			asm.Mod.Imm(asm.R0, 1000),
-			asm.JLT.Imm(asm.R0, permille, "drop"),
-			asm.Mov.Imm(asm.R0, -1).WithSymbol("pass"), // TCX_NEXT
-			asm.Return(),
-			asm.Mov.Imm(asm.R0, 2).WithSymbol("drop"), // TCX_DROP
-			asm.Return(),
-		},
-	})
-	if err != nil {
-		t.Fatalf("load loss injector: %v", err)
-	}
-	t.Cleanup(func() { prog.Close() })
-	var lk link.Link
-	err = l.Do(host, func() error {
-		nl, err := netlink.LinkByName("eth0")
-		if err != nil {
-			return err
-		}
-		lk, err = link.AttachTCX(link.TCXOptions{Interface: nl.Attrs().Index, Program: prog, Attach: ebpf.AttachTCXIngress})
-		return err
-	})
-	if err != nil {
-		t.Fatalf("attach loss injector to %s eth0 ingress: %v", host, err)
-	}
-	t.Cleanup(func() {
-		if err := lk.Close(); err != nil {
-			t.Errorf("detach loss injector: %v", err)
-		}
-	})
-}
-
 type recvScenario struct {
 	ring      int           // ring buffer bytes
 	size      int           // bytes the sender to the tapped receiver sends
@@ -395,7 +348,7 @@ func runRecvScenario(t *testing.T, tn *testNet, tapped, other *streamtest.Cgroup
 	requireOnlyProgram(t, tap, tapped.Dir, true)
 	requireOnlyProgram(t, tap, other.Dir, false)
 	if sc.lossPerMi > 0 {
-		injectLoss(t, tn.lab, hostB, sc.lossPerMi)
+		labtest.InjectLoss(t, tn.lab, hostB, sc.lossPerMi)
 	}
 
 	type flow struct {

@@ -195,7 +195,7 @@ func testFidelity(t *testing.T, l *lab.Lab, protected, other *streamtest.Cgroup,
 		t.Fatal(err)
 	}
 	if v.lossPerK > 0 {
-		injectLoss(t, l, "node2", v.lossPerK)
+		labtest.InjectLoss(t, l, "node2", v.lossPerK)
 	}
 
 	dst := hostAddr(t, l, "node2", v.port)
