@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -16,6 +17,7 @@ import (
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labtest"
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 )
 
 // roundTrip writes one line on conn and checks that the echo server returns it.
@@ -116,8 +118,32 @@ func TestLabDownRemovesEverything(t *testing.T) {
 	if err := l.Do("node1", func() error { return startSleeper(t) }); err != nil {
 		t.Fatal(err)
 	}
+	// Nor must mounts left in a cleanup directory, as a CRIU killed mid-restore leaves its cgroup yard
+	// (the lab's state once could not be removed after that).
+	yard := filepath.Join(t.TempDir(), "restore", "job", ".criu.cgyard")
+	if err := os.MkdirAll(filepath.Join(yard, "inner"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.AddCleanup(filepath.Dir(filepath.Dir(yard))); err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range []string{yard, filepath.Join(yard, "inner")} {
+		if err := os.MkdirAll(m, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Mount("none", m, "tmpfs", 0, ""); err != nil {
+			t.Fatalf("mount tmpfs on %s: %v", m, err)
+		}
+		t.Cleanup(func() { unix.Unmount(m, unix.MNT_DETACH) })
+		if err := os.WriteFile(filepath.Join(m, "cgroup.procs"), nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
 	if err := l.Down(ctx); err != nil {
 		t.Fatal(err)
+	}
+	if _, err := os.Stat(yard); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("cleanup directory with mounts in it left behind: %v", err)
 	}
 	if err := l.Down(ctx); err != nil {
 		t.Fatalf("second down: %v", err)
