@@ -160,3 +160,44 @@ func TestMetricsMove(t *testing.T) {
 		return ok && age >= 0 && m[`ftkit_jobs{state="running"}`] == 1
 	})
 }
+
+// TestMetricsRecovery: after a node crash, the protector counts a confirmed suspicion, every surviving
+// agent reports the finished recovery with its stage durations (the failure log travels with the view),
+// and the restored rank counts as a running job on the spare.
+func TestMetricsRecovery(t *testing.T) {
+	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", MetricsListen: metricsAddr})
+	// Long enough to be running still when the crash comes; the test stops it with the lab.
+	rg := startRing(t, c, 3, 7390, ringArgs(1_000_000, 64<<10, 10*time.Millisecond))
+	rg.waitProtected(t, 2*time.Minute)
+	rg.waitProgress(t, progressEvery, 2*time.Minute) // the ranks exchange: the snapshot has their connections
+	if m := scrape(t, c, "spare1"); m[`ftkit_jobs{state="running"}`] != 0 || m[`ftkit_recoveries{state="done"}`] != 0 {
+		t.Fatalf("before the crash, spare1 reports:\n%s", ftkitSamples(m))
+	}
+	if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
+		t.Fatal(err)
+	}
+	f := waitFailure(t, c, "node2", 90*time.Second)
+	logTimeline(t, f)
+	if f.Error != "" {
+		t.Fatalf("recovery of node2 failed: %s", f.Error)
+	}
+	// node3 is node2's protector: it suspected node2 and confirmed the failure.
+	m := pollMetrics(t, c, "node3", "the protector reports the recovery", 30*time.Second, func(m map[string]float64) bool {
+		return m[`ftkit_recoveries{state="done"}`] == 1 && m[`ftkit_suspicions_total{outcome="confirmed"}`] >= 1
+	})
+	if m["ftkit_recovery_seconds_count"] != 1 || m["ftkit_recovery_seconds_sum"] <= 0 {
+		t.Errorf("node3: recovery duration not reported:\n%s", ftkitSamples(m))
+	}
+	for _, stage := range []string{"detected", "spare claimed", "snapshot fetched", "restored", "replay done", "re-protected"} {
+		if m[fmt.Sprintf(`ftkit_recovery_stage_seconds_count{stage=%q}`, stage)] < 1 {
+			t.Errorf("node3: stage %q not reported:\n%s", stage, ftkitSamples(m))
+		}
+	}
+	// The failure log reaches the other members with the view; the restored rank runs on spare1.
+	pollMetrics(t, c, "node1", "node1 learns of the recovery", 30*time.Second, func(m map[string]float64) bool {
+		return m[`ftkit_recoveries{state="done"}`] == 1 && m[`ftkit_recovery_stage_seconds_count{stage="restored"}`] >= 1
+	})
+	pollMetrics(t, c, "spare1", "the restored rank runs on spare1", 30*time.Second, func(m map[string]float64) bool {
+		return m[`ftkit_jobs{state="running"}`] == 1
+	})
+}
