@@ -46,8 +46,8 @@ func newCollector(src Source) *collector {
 
 		beatAge: d("ftkit_predecessor_heartbeat_age_seconds", "Time since the last heartbeat of the ring predecessor this agent watches (absent before the first).", []string{"node"}, nil),
 
-		recoveries:      d("ftkit_recoveries", "Recoveries in this agent's failure log (the newest 100, shared by all members), by state: running, done, failed.", []string{"state"}, nil),
-		stageSeconds:    d("ftkit_recovery_stage_seconds", "Durations of the finished stages of the recoveries in the failure log, by stage.", []string{"stage"}, nil),
+		recoveries:      d("ftkit_recoveries", "Recoveries in the failure log, by state: running, done, failed. The log holds the newest failures and every member holds the same one: aggregate across agents with max, not sum.", []string{"state"}, nil),
+		stageSeconds:    d("ftkit_recovery_stage_seconds", "Durations of the finished stages of the recoveries in the failure log (the same on every member), by stage.", []string{"stage"}, nil),
 		recoverySeconds: d("ftkit_recovery_seconds", "Durations of the finished recoveries in the failure log, from detection to the end of the last stage.", nil, nil),
 	}
 }

@@ -25,7 +25,7 @@ type State struct {
 	Log *Log
 	// Predecessor is the ring predecessor whose heartbeats this agent watches; nil when it watches none.
 	Predecessor *Predecessor
-	// Failures are the recoveries in this agent's failure log (the newest 100, copied to every member).
+	// Failures are the recoveries in this agent's failure log (the newest ones, copied to every member).
 	Failures []Failure
 }
 

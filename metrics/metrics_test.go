@@ -37,7 +37,7 @@ ftkit_jobs{state="running"} 0
 # HELP ftkit_jobs_unreplicated Running jobs with no replica on a protector yet: a failure of this host loses them.
 # TYPE ftkit_jobs_unreplicated gauge
 ftkit_jobs_unreplicated 0
-# HELP ftkit_recoveries Recoveries in this agent's failure log (the newest 100, shared by all members), by state: running, done, failed.
+# HELP ftkit_recoveries Recoveries in the failure log, by state: running, done, failed. The log holds the newest failures and every member holds the same one: aggregate across agents with max, not sum.
 # TYPE ftkit_recoveries gauge
 ftkit_recoveries{state="done"} 0
 ftkit_recoveries{state="failed"} 0
@@ -125,7 +125,7 @@ ftkit_predecessor_heartbeat_age_seconds{node="node1"} 0.25
 			}},
 			names: []string{"ftkit_recoveries", "ftkit_recovery_stage_seconds", "ftkit_recovery_seconds"},
 			want: `
-# HELP ftkit_recoveries Recoveries in this agent's failure log (the newest 100, shared by all members), by state: running, done, failed.
+# HELP ftkit_recoveries Recoveries in the failure log, by state: running, done, failed. The log holds the newest failures and every member holds the same one: aggregate across agents with max, not sum.
 # TYPE ftkit_recoveries gauge
 ftkit_recoveries{state="done"} 1
 ftkit_recoveries{state="failed"} 1
@@ -149,7 +149,7 @@ ftkit_recovery_seconds_bucket{le="600"} 1
 ftkit_recovery_seconds_bucket{le="+Inf"} 1
 ftkit_recovery_seconds_sum 4
 ftkit_recovery_seconds_count 1
-# HELP ftkit_recovery_stage_seconds Durations of the finished stages of the recoveries in the failure log, by stage.
+# HELP ftkit_recovery_stage_seconds Durations of the finished stages of the recoveries in the failure log (the same on every member), by stage.
 # TYPE ftkit_recovery_stage_seconds histogram
 ftkit_recovery_stage_seconds_bucket{stage="detected",le="0.01"} 2
 ftkit_recovery_stage_seconds_bucket{stage="detected",le="0.05"} 2
