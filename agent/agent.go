@@ -21,6 +21,7 @@ import (
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/internal/jobfs"
+	"github.com/ftkit/ftkit/metrics"
 	"github.com/ftkit/ftkit/spare"
 )
 
@@ -54,6 +55,8 @@ type Agent struct {
 	wire   wireTimeouts    // deadlines of the agent-to-agent protocol; zero fields take the defaults
 	asked  atomic.Bool     // a snapshot a peer asked for (opCheckpointNow) is pending
 	grants *grant.Registry // the job incarnations this member granted (exactly one live incarnation)
+
+	metrics *metrics.Metrics // served on metrics.listen; its recording methods accept nil
 }
 
 // New checks the host (root, CRIU 4.2 or newer, cgroup v2) and prepares the agent's directories.
@@ -78,6 +81,7 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 		byID: map[string]*Job{}, policies: map[string]*interval.Policy{}, changed: make(chan struct{}),
 		criuVersion: v,
 	}
+	a.metrics = metrics.New(metricsSource{a})
 	// The state directory is root's; jobs_dir and the socket's directory stay reachable by users.
 	if err := prepareDirs(cfg, a.jobs.dir); err != nil {
 		return nil, err
@@ -353,6 +357,11 @@ func (a *Agent) Run(ctx context.Context) error {
 		return err
 	}
 	defer cl.Close()
+	ms, err := a.serveMetrics(ctx)
+	if err != nil {
+		return err
+	}
+	defer ms.Close()
 	go a.watchJobs(ctx)
 	go a.schedule(ctx)
 	go a.controlLog(ctx)

@@ -13,6 +13,7 @@ import (
 	"github.com/pelletier/go-toml/v2"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/metrics"
 )
 
 // Role is what a cluster member is for.
@@ -123,6 +124,12 @@ type Config struct {
 		ReplayTimeout Duration `toml:"replay_timeout"`
 	} `toml:"failover"`
 	Log LogConfig `toml:"log"`
+
+	Metrics struct {
+		// Listen is the ip:port of the Prometheus endpoint (/metrics); empty: none. The endpoint has no
+		// authentication and names jobs and members: keep it on loopback unless the network is trusted.
+		Listen string `toml:"listen"`
+	} `toml:"metrics"`
 }
 
 // LogConfig configures the sender-side log of the bytes this host's jobs send to other hosts.
@@ -261,6 +268,9 @@ func (c Config) Validate() error {
 		if c.Log.MemoryMiB < 0 || !(0 < c.Log.Low && c.Log.Low < c.Log.High && c.Log.High <= 1) {
 			errs = append(errs, fmt.Errorf("log: memory_mib must be >= 0 and 0 < low (%.2f) < high (%.2f) <= 1", c.Log.Low, c.Log.High))
 		}
+	}
+	if err := metrics.CheckListen(c.Metrics.Listen); err != nil {
+		errs = append(errs, fmt.Errorf("metrics.listen %w", err))
 	}
 	return errors.Join(errs...)
 }

@@ -21,6 +21,10 @@ func TestExampleConfigParses(t *testing.T) {
 	if got := c.Cluster.Listen.String(); got != "10.201.0.11:7420" {
 		t.Fatalf("listen %s", got)
 	}
+	// The metrics endpoint is off unless asked for.
+	if c.Metrics.Listen != "" || Defaults().Metrics.Listen != "" {
+		t.Fatalf("metrics.listen %q, default %q: want the endpoint off by default", c.Metrics.Listen, Defaults().Metrics.Listen)
+	}
 }
 
 const minimal = `
@@ -58,6 +62,12 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "bad address", replace: [2]string{"10.0.0.2:1", "10.0.0.2"}, wantErr: "line 9"},
 		{name: "duplicate address", replace: [2]string{"10.0.0.2:1", "10.0.0.1:1"}, wantErr: "used twice"},
 		{name: "bad role", replace: [2]string{`role = "node"` + "\n[[", `role = "boss"` + "\n[["}, wantErr: `role "boss"`},
+		{name: "metrics on loopback", extra: "[metrics]\nlisten = \"127.0.0.1:9464\"\n"},
+		{name: "metrics on ipv6 loopback", extra: "[metrics]\nlisten = \"[::1]:9464\"\n"},
+		{name: "metrics without a port", extra: "[metrics]\nlisten = \"127.0.0.1\"\n", wantErr: `metrics.listen "127.0.0.1": use ip:port, like 127.0.0.1:9464`},
+		{name: "metrics on a host name", extra: "[metrics]\nlisten = \"localhost:9464\"\n", wantErr: `metrics.listen "localhost:9464": use ip:port`},
+		{name: "metrics on port 0", extra: "[metrics]\nlisten = \"127.0.0.1:0\"\n", wantErr: `metrics.listen "127.0.0.1:0": use a fixed port`},
+		{name: "metrics unknown key", extra: "[metrics]\naddress = \"127.0.0.1:9464\"\n", wantErr: "12| address"},
 		{name: "one node", replace: [2]string{`name = "b"` + "\naddress = \"10.0.0.2:1\"\nrole = \"node\"", `name = "b"` + "\naddress = \"10.0.0.2:1\"\nrole = \"spare\""}, wantErr: "at least 2 members with role node"},
 	}
 	for _, tt := range tests {

@@ -51,6 +51,7 @@ func (a *Agent) sendBeats(ctx context.Context) {
 			conn, err := a.open(ctx, p.Name, opHeartbeat, a.cfg.Heartbeat.Timeout.Duration, nil)
 			if err != nil {
 				a.log.Debug("heartbeat: protector unreachable", "protector", p.Name, "err", err)
+				a.metrics.Heartbeat(false)
 				return
 			}
 			c, to = conn, p.Name
@@ -64,7 +65,9 @@ func (a *Agent) sendBeats(ctx context.Context) {
 			}
 		}
 		c.SetWriteDeadline(time.Now().Add(a.cfg.Heartbeat.Timeout.Duration))
-		if err := writeHeader(c, detect.Beat{From: a.cfg.Name, Seq: seq, Busy: busy, Jobs: jobs, Sent: time.Now()}); err != nil {
+		err := writeHeader(c, detect.Beat{From: a.cfg.Name, Seq: seq, Busy: busy, Jobs: jobs, Sent: time.Now()})
+		a.metrics.Heartbeat(err == nil)
+		if err != nil {
 			a.log.Debug("heartbeat lost", "protector", to, "err", err)
 			c.Close()
 			c = nil
@@ -115,7 +118,9 @@ func (a *Agent) watchPredecessor(ctx context.Context) {
 				continue
 			}
 			a.log.Warn("predecessor suspected", "node", s.Name, "silence", s.Silence.Round(time.Millisecond))
-			if why, alive := a.confirm(ctx, s.Name); alive {
+			why, alive := a.confirm(ctx, s.Name)
+			a.metrics.Suspicion(alive)
+			if alive {
 				a.log.Info("suspicion cleared", "node", s.Name, "why", why)
 				a.watchdog.Clear(s.Name, time.Now())
 				continue

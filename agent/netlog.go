@@ -452,6 +452,7 @@ func (a *Agent) controlLog(ctx context.Context) {
 			}
 			a.netlog.mu.Unlock()
 			for _, e := range events {
+				a.metrics.ControllerEvent(string(e.Kind))
 				a.log.Info("log controller", "event", e.Kind, "node", e.Node, "bytes", e.Bytes, "memory", e.Memory)
 			}
 		}
@@ -654,6 +655,7 @@ func (a *Agent) releaseFinished(ctx context.Context, l *netlog.Log, now time.Tim
 		var events []controller.Event
 		for node, t := range freed {
 			events = append(events, controller.Event{Time: now, Kind: eventReleased, Node: node, Bytes: t.bytes, Memory: mem})
+			a.metrics.ControllerEvent(string(eventReleased))
 			a.log.Info("freed the log of finished connections", "node", node, "conns", t.conns, "bytes", t.bytes)
 		}
 		a.netlog.mu.Lock()

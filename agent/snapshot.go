@@ -120,6 +120,7 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen bool) (*ckpt.Manifes
 		return nil, err
 	}
 	committed = true
+	a.metrics.SnapshotTaken(took, info.Stats.FrozenTime, m.TotalSize())
 	a.log.Info("snapshot taken", "job", j.ID, "snapshot", m.ID, "dump_ms", took.Milliseconds(),
 		"frozen_ms", info.Stats.FrozenTime.Milliseconds(), "pages_written", stats.PagesWritten,
 		"bytes", m.TotalSize(), "tcp_conns", len(conns))
@@ -236,6 +237,7 @@ func (a *Agent) shipTo(ctx context.Context, peer string, m *ckpt.Manifest) (*shi
 	if err != nil {
 		return nil, fmt.Errorf("ship %s to %s: %w", m.ID, peer, err)
 	}
+	a.metrics.SnapshotShipped(sent.Bytes, sent.WireBytes, sent.Duration)
 	a.log.Info("snapshot shipped", "job", m.Job, "snapshot", m.ID, "protector", peer, "bytes", sent.Bytes,
 		"wire_bytes", sent.WireBytes, "ms", sent.Duration.Milliseconds(),
 		"mb_per_s", float64(sent.Bytes)/1e6/max(sent.Duration.Seconds(), 1e-6))
@@ -280,6 +282,7 @@ func (a *Agent) Checkpoint(ctx context.Context, ids []string, uid uint32) ([]Sna
 		sent, err := a.shipToProtector(ctx, m)
 		if err != nil {
 			res.ShipErr = err.Error()
+			a.metrics.ShipFailed()
 			a.log.Warn("snapshot not replicated", "job", m.Job, "snapshot", m.ID, "err", err)
 		} else {
 			res.Manifest, res.Shipped = sent.Manifest, true

@@ -40,6 +40,9 @@ type Options struct {
 	// LateSpares is how many of the lab's last spares are left out of the other hosts' configurations:
 	// they run an agent but join the pool only when registered with `ftctl spare add`.
 	LateSpares int
+	// MetricsListen is every agent's metrics.listen ("": no endpoint). Each agent listens in its own
+	// host's network namespace, so one loopback address serves them all.
+	MetricsListen string
 }
 
 // Cluster is a lab whose hosts each run an agent.
@@ -178,6 +181,7 @@ func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
 		cfg.Heartbeat.Timeout.Duration = c.opts.HeartbeatTimeout
 	}
 	cfg.Failover.Automatic = !c.opts.ManualFailover
+	cfg.Metrics.Listen = c.opts.MetricsListen
 	return cfg
 }
 

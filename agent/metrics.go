@@ -1,0 +1,105 @@
+package agent
+
+import (
+	"context"
+	"io"
+	"time"
+
+	"github.com/ftkit/ftkit/metrics"
+)
+
+// metricsSource gives the metrics collector the agent's state at scrape time.
+type metricsSource struct{ a *Agent }
+
+// recoveryStages are the stage names reported as metric labels; a failure log entry from another member
+// may carry any name, which is reported as "other" (labels must stay bounded).
+var recoveryStages = map[string]bool{
+	StageDetected: true, StageClaimed: true, StageFetched: true, StageRewritten: true,
+	StageRestored: true, StageReplayed: true, StageProtected: true,
+}
+
+func (s metricsSource) MetricsState() metrics.State {
+	a := s.a
+	now := time.Now()
+	var st metrics.State
+	for _, j := range a.Jobs(0) {
+		mj := metrics.Job{ID: j.ID, State: string(j.State)}
+		if j.Protected() {
+			mj.Replicated, mj.ReplicaAge = true, max(now.Sub(j.Replica.Time), 0)
+		}
+		st.Jobs = append(st.Jobs, mj)
+	}
+	st.Log = a.logMetrics()
+	if pred, ok := a.View().Predecessor(a.cfg.Name); ok && a.watchdog != nil {
+		p := &metrics.Predecessor{Node: pred.Name}
+		if _, at, ok := a.watchdog.Last(pred.Name); ok {
+			p.Beaten, p.BeatAge = true, max(now.Sub(at), 0)
+		}
+		st.Predecessor = p
+	}
+	if a.failures != nil {
+		st.Failures = metricsFailures(a.failures.list())
+	}
+	return st
+}
+
+// metricsFailures summarizes failure timelines: finished stages only, names outside the known set as "other".
+func metricsFailures(fs []*Failure) []metrics.Failure {
+	out := make([]metrics.Failure, 0, len(fs))
+	for _, f := range fs {
+		mf := metrics.Failure{Done: f.Done, Failed: f.Error != ""}
+		var last time.Time
+		for _, st := range f.Stages {
+			if st.Start.IsZero() || st.End.Before(st.Start) {
+				continue // not finished (or a clock that went backwards): no duration to report
+			}
+			name := st.Name
+			if !recoveryStages[name] {
+				name = "other"
+			}
+			mf.Stages = append(mf.Stages, metrics.Stage{Name: name, Duration: st.Duration()})
+			if st.End.After(last) {
+				last = st.End
+			}
+		}
+		if f.Done && !f.Detected.IsZero() && last.After(f.Detected) {
+			mf.Duration = last.Sub(f.Detected)
+		}
+		out = append(out, mf)
+	}
+	return out
+}
+
+// logMetrics reads the sender-side log's counters; nil when the log is disabled or already closed.
+func (a *Agent) logMetrics() *metrics.Log {
+	if a.netlog == nil {
+		return nil
+	}
+	cnt, err := a.netlog.cap.Counters()
+	if err != nil {
+		return nil
+	}
+	l := &metrics.Log{
+		MemoryBytes: cnt.MemoryBytes, CapBytes: a.netlog.ctl.Config().Cap, RetainedBytes: cnt.RetainedBytes,
+		SpilledBytes: cnt.SpilledBytes, Conns: cnt.Conns, ConsumerPaused: cnt.ConsumerPaused,
+		BytesLogged: cnt.BytesLogged, PacketsLogged: cnt.PacketsLogged,
+		DropsBackpressure: cnt.DropsBackpressure, DropsOversize: cnt.DropsOversize, DropsError: cnt.DropsError,
+		FragmentsPassed: cnt.FragmentsPassed, AppendErrors: cnt.AppendErrors,
+	}
+	if rc, err := a.netlog.tap.Counters(); err == nil {
+		l.ReceivedBytes = rc.BytesRecorded
+		l.ReceiveDropsBackpressure, l.ReceiveDropsOversize, l.ReceiveDropsError = rc.DropsBackpressure, rc.DropsOversize, rc.DropsError
+	}
+	a.netlog.mu.Lock()
+	l.ReleasedConns, l.ReleasedBytes = a.netlog.released.Conns, a.netlog.released.Bytes
+	a.netlog.mu.Unlock()
+	return l
+}
+
+// serveMetrics starts the /metrics endpoint if metrics.listen is set; it stops with ctx.
+func (a *Agent) serveMetrics(ctx context.Context) (io.Closer, error) {
+	if a.cfg.Metrics.Listen == "" || a.metrics == nil {
+		return io.NopCloser(nil), nil
+	}
+	return a.metrics.Serve(ctx, a.cfg.Metrics.Listen, a.log)
+}

@@ -1,0 +1,64 @@
+package agent
+
+import (
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/metrics"
+)
+
+// The failure log comes from other members too: stage names outside the known set become "other" (labels
+// stay bounded), and only finished stages have a duration.
+func TestMetricsFailures(t *testing.T) {
+	t0 := time.Date(2026, 11, 23, 10, 0, 0, 0, time.UTC)
+	at := func(s float64) time.Time { return t0.Add(time.Duration(s * float64(time.Second))) }
+	tests := []struct {
+		name string
+		f    Failure
+		want metrics.Failure
+	}{
+		{
+			name: "done: stages and the whole recovery",
+			f: Failure{Detected: t0, Done: true, Stages: []Stage{
+				{Name: StageDetected, Start: t0, End: t0},
+				{Name: StageFetched, Start: at(1), End: at(3)},
+				{Name: StageProtected, Start: at(3), End: at(4.5)},
+			}},
+			want: metrics.Failure{Done: true, Duration: 4500 * time.Millisecond, Stages: []metrics.Stage{
+				{Name: StageDetected}, {Name: StageFetched, Duration: 2 * time.Second}, {Name: StageProtected, Duration: 1500 * time.Millisecond},
+			}},
+		},
+		{
+			name: "running: an unfinished stage has no duration, no total yet",
+			f: Failure{Detected: t0, Stages: []Stage{
+				{Name: StageDetected, Start: t0, End: t0},
+				{Name: StageRestored, Start: at(2)},
+			}},
+			want: metrics.Failure{Stages: []metrics.Stage{{Name: StageDetected}}},
+		},
+		{
+			name: "failed, with a stage name this version does not know",
+			f: Failure{Detected: t0, Done: true, Error: "no replica", Stages: []Stage{
+				{Name: "weird\nname", Start: t0, End: at(1)},
+			}},
+			want: metrics.Failure{Done: true, Failed: true, Duration: time.Second, Stages: []metrics.Stage{{Name: "other", Duration: time.Second}}},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got := metricsFailures([]*Failure{&tt.f})
+			if len(got) != 1 {
+				t.Fatalf("%d failures", len(got))
+			}
+			g := got[0]
+			if g.Done != tt.want.Done || g.Failed != tt.want.Failed || g.Duration != tt.want.Duration || len(g.Stages) != len(tt.want.Stages) {
+				t.Fatalf("got %+v, want %+v", g, tt.want)
+			}
+			for i := range g.Stages {
+				if g.Stages[i] != tt.want.Stages[i] {
+					t.Errorf("stage %d: %+v, want %+v", i, g.Stages[i], tt.want.Stages[i])
+				}
+			}
+		})
+	}
+}

@@ -1,0 +1,199 @@
+package metrics
+
+import (
+	"sort"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// JobStates are the job states always reported by ftkit_jobs (0 when no job is in one); a record in
+// another state is counted under its own.
+var JobStates = []string{"running", "exited", "lost"}
+
+// collector reads the agent's state at scrape time: what the agent keeps anyway is never counted twice.
+type collector struct {
+	src Source
+
+	jobs, replicaAge, unreplicated                               *prometheus.Desc
+	logMemory, logCap, logRetained, logSpilled, logConns, paused *prometheus.Desc
+	logBytes, logPackets, logDrops, releasedConns, releasedBytes *prometheus.Desc
+	receivedBytes, receiveDrops                                  *prometheus.Desc
+	beatAge                                                      *prometheus.Desc
+	recoveries, stageSeconds, recoverySeconds                    *prometheus.Desc
+}
+
+func newCollector(src Source) *collector {
+	d := prometheus.NewDesc
+	return &collector{
+		src:          src,
+		jobs:         d("ftkit_jobs", "Job records of this host, by state.", []string{"state"}, nil),
+		replicaAge:   d("ftkit_job_replica_age_seconds", "Age of a running job's newest replica (since its protector had it): the work a failure of this host would lose is at most this old.", []string{"job"}, nil),
+		unreplicated: d("ftkit_jobs_unreplicated", "Running jobs with no replica on a protector yet: a failure of this host loses them.", nil, nil),
+
+		logMemory:     d("ftkit_log_memory_bytes", "Memory of the sender-side log (RAM, pooled and compressed); compare with ftkit_log_memory_cap_bytes.", nil, nil),
+		logCap:        d("ftkit_log_memory_cap_bytes", "Cap on the sender-side log's memory (log.memory_mib).", nil, nil),
+		logRetained:   d("ftkit_log_retained_bytes", "Logged bytes retained for possible replay.", nil, nil),
+		logSpilled:    d("ftkit_log_spilled_bytes", "Log bytes spilled to log.spill_dir.", nil, nil),
+		logConns:      d("ftkit_log_connections", "Connections in the sender-side log.", nil, nil),
+		paused:        d("ftkit_log_consumer_paused", "1 while the log is at its cap and stops draining the ring buffer (TCP backpressure on the jobs).", nil, nil),
+		logBytes:      d("ftkit_log_logged_bytes_total", "Payload bytes the egress probe wrote to the log, retransmissions included.", nil, nil),
+		logPackets:    d("ftkit_log_logged_packets_total", "Segments the egress probe wrote to the log.", nil, nil),
+		logDrops:      d("ftkit_log_drops_total", "Segments the log did not take, by reason: backpressure, oversize, error (dropped; TCP retransmits them), fragment (passed unlogged: must stay 0), append_error (a record the consumer could not append).", []string{"reason"}, nil),
+		releasedConns: d("ftkit_log_released_connections_total", "Logs of finished connections freed.", nil, nil),
+		releasedBytes: d("ftkit_log_released_bytes_total", "Logged bytes the freed logs of finished connections still retained.", nil, nil),
+		receivedBytes: d("ftkit_receive_recorded_bytes_total", "Payload bytes the receive tap recorded (digests of what protected sockets received).", nil, nil),
+		receiveDrops:  d("ftkit_receive_drops_total", "Segments the receive tap dropped, by reason (backpressure, oversize, error).", []string{"reason"}, nil),
+
+		beatAge: d("ftkit_predecessor_heartbeat_age_seconds", "Time since the last heartbeat of the ring predecessor this agent watches (absent before the first).", []string{"node"}, nil),
+
+		recoveries:      d("ftkit_recoveries", "Recoveries in the failure log, by state: running, done, failed. The log holds the newest failures and every member holds the same one: aggregate across agents with max, not sum.", []string{"state"}, nil),
+		stageSeconds:    d("ftkit_recovery_stage_seconds", "Durations of the finished stages of the recoveries in the failure log (the same on every member), by stage.", []string{"stage"}, nil),
+		recoverySeconds: d("ftkit_recovery_seconds", "Durations of the finished recoveries in the failure log, from detection to the end of the last stage.", nil, nil),
+	}
+}
+
+func (c *collector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{c.jobs, c.replicaAge, c.unreplicated, c.logMemory, c.logCap, c.logRetained,
+		c.logSpilled, c.logConns, c.paused, c.logBytes, c.logPackets, c.logDrops, c.releasedConns, c.releasedBytes,
+		c.receivedBytes, c.receiveDrops, c.beatAge, c.recoveries, c.stageSeconds, c.recoverySeconds} {
+		ch <- d
+	}
+}
+
+func (c *collector) Collect(ch chan<- prometheus.Metric) {
+	s := c.src.MetricsState()
+	c.collectJobs(ch, s.Jobs)
+	if l := s.Log; l != nil {
+		c.collectLog(ch, l)
+	}
+	if p := s.Predecessor; p != nil && p.Beaten {
+		ch <- prometheus.MustNewConstMetric(c.beatAge, prometheus.GaugeValue, p.BeatAge.Seconds(), p.Node)
+	}
+	c.collectRecoveries(ch, s.Failures)
+}
+
+func (c *collector) collectJobs(ch chan<- prometheus.Metric, jobs []Job) {
+	byState := map[string]int{}
+	for _, s := range JobStates {
+		byState[s] = 0
+	}
+	unreplicated := 0
+	for _, j := range jobs {
+		byState[j.State]++
+		if j.State != "running" {
+			continue
+		}
+		if !j.Replicated {
+			unreplicated++
+			continue
+		}
+		ch <- prometheus.MustNewConstMetric(c.replicaAge, prometheus.GaugeValue, j.ReplicaAge.Seconds(), j.ID)
+	}
+	for state, n := range byState {
+		ch <- prometheus.MustNewConstMetric(c.jobs, prometheus.GaugeValue, float64(n), state)
+	}
+	ch <- prometheus.MustNewConstMetric(c.unreplicated, prometheus.GaugeValue, float64(unreplicated))
+}
+
+func (c *collector) collectLog(ch chan<- prometheus.Metric, l *Log) {
+	gauge := func(d *prometheus.Desc, v float64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...)
+	}
+	counter := func(d *prometheus.Desc, v float64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, v, labels...)
+	}
+	gauge(c.logMemory, float64(l.MemoryBytes))
+	gauge(c.logCap, float64(l.CapBytes))
+	gauge(c.logRetained, float64(l.RetainedBytes))
+	gauge(c.logSpilled, float64(l.SpilledBytes))
+	gauge(c.logConns, float64(l.Conns))
+	gauge(c.paused, b2f(l.ConsumerPaused))
+	counter(c.logBytes, float64(l.BytesLogged))
+	counter(c.logPackets, float64(l.PacketsLogged))
+	counter(c.logDrops, float64(l.DropsBackpressure), "backpressure")
+	counter(c.logDrops, float64(l.DropsOversize), "oversize")
+	counter(c.logDrops, float64(l.DropsError), "error")
+	counter(c.logDrops, float64(l.FragmentsPassed), "fragment")
+	counter(c.logDrops, float64(l.AppendErrors), "append_error")
+	counter(c.releasedConns, float64(l.ReleasedConns))
+	counter(c.releasedBytes, float64(l.ReleasedBytes))
+	counter(c.receivedBytes, float64(l.ReceivedBytes))
+	counter(c.receiveDrops, float64(l.ReceiveDropsBackpressure), "backpressure")
+	counter(c.receiveDrops, float64(l.ReceiveDropsOversize), "oversize")
+	counter(c.receiveDrops, float64(l.ReceiveDropsError), "error")
+}
+
+// collectRecoveries summarizes the failure log. The log is bounded (old failures leave it), so the
+// histograms describe the failures it holds now rather than counting since the agent started.
+func (c *collector) collectRecoveries(ch chan<- prometheus.Metric, fs []Failure) {
+	states := map[string]int{"running": 0, "done": 0, "failed": 0}
+	total := newHist(stageBuckets)
+	stages := map[string]*hist{}
+	for _, f := range fs {
+		switch {
+		case f.Failed:
+			states["failed"]++
+		case f.Done:
+			states["done"]++
+		default:
+			states["running"]++
+		}
+		if f.Done && !f.Failed {
+			total.observe(f.Duration.Seconds())
+		}
+		for _, st := range f.Stages {
+			h := stages[st.Name]
+			if h == nil {
+				h = newHist(stageBuckets)
+				stages[st.Name] = h
+			}
+			h.observe(st.Duration.Seconds())
+		}
+	}
+	for state, n := range states {
+		ch <- prometheus.MustNewConstMetric(c.recoveries, prometheus.GaugeValue, float64(n), state)
+	}
+	ch <- prometheus.MustNewConstHistogram(c.recoverySeconds, total.count, total.sum, total.buckets)
+	names := make([]string, 0, len(stages))
+	for n := range stages {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	for _, n := range names {
+		h := stages[n]
+		ch <- prometheus.MustNewConstHistogram(c.stageSeconds, h.count, h.sum, h.buckets, n)
+	}
+}
+
+// hist accumulates a constant histogram: cumulative counts per upper bound.
+type hist struct {
+	count   uint64
+	sum     float64
+	bounds  []float64
+	buckets map[float64]uint64
+}
+
+func newHist(bounds []float64) *hist {
+	h := &hist{bounds: bounds, buckets: make(map[float64]uint64, len(bounds))}
+	for _, b := range bounds {
+		h.buckets[b] = 0
+	}
+	return h
+}
+
+func (h *hist) observe(v float64) {
+	h.count++
+	h.sum += v
+	for _, b := range h.bounds {
+		if v <= b {
+			h.buckets[b]++
+		}
+	}
+}
+
+func b2f(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
+}
