@@ -111,16 +111,38 @@ func (a *Agent) logOf(conn netlog.Conn) (*netlog.Log, error) {
 	return a.netlog.cap.Log(), nil
 }
 
-// logLocalResends has the loopback capture log what a restored job re-sends to peers on this host (a
-// restore on the protector, RADIC's basic mode): the cluster interface never sees those bytes. The
-// returned function stops it and frees what was logged.
-func (a *Agent) logLocalResends(r *restoring) (stop func()) {
+// keepResends makes sure the bytes a restored job re-sends stay readable until they are checked: those
+// to peers on other hosts are held in the log (the peer's next snapshot would trim them away otherwise),
+// and those to peers on this host (a restore on the protector, RADIC's basic mode), which the cluster
+// interface never sees, are logged by the loopback capture. The returned function ends both.
+func (a *Agent) keepResends(r *restoring) (stop func()) {
+	if a.netlog == nil {
+		return func() {}
+	}
 	var local []ebpfprobes.Flow
+	var release []func()
 	for _, c := range r.plan.Conns {
-		if c.Resend > 0 && a.netlog != nil && a.memberByIP(c.Conn.Remote.Addr()) == a.cfg.Name {
+		if c.Resend == 0 {
+			continue
+		}
+		if a.memberByIP(c.Conn.Remote.Addr()) == a.cfg.Name {
 			local = append(local, ebpfprobes.Flow{Src: c.Conn.Local, Dst: c.Conn.Remote})
+			continue
+		}
+		release = append(release, a.netlog.cap.Log().Hold(netlog.Conn{Src: c.Conn.Local, Dst: c.Conn.Remote}, c.Conn.OutqSeq))
+	}
+	stopLocal := a.logLocalResends(local)
+	return func() {
+		stopLocal()
+		for _, f := range release {
+			f()
 		}
 	}
+}
+
+// logLocalResends has the loopback capture log the local flows; the returned function stops it and frees
+// what was logged.
+func (a *Agent) logLocalResends(local []ebpfprobes.Flow) (stop func()) {
 	if len(local) == 0 {
 		return func() {}
 	}

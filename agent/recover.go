@@ -202,8 +202,8 @@ type restoring struct {
 	checks map[netlog.Conn]resentCheck
 	// replayed are flows whose replay a previous agent saw complete (resume.go): not waited for again.
 	replayed []ebpfprobes.Flow
-	// stopLocalLog ends logLocalResends once the re-sent bytes are checked.
-	stopLocalLog func()
+	// stopKeeping ends keepResends once the re-sent bytes are checked.
+	stopKeeping func()
 }
 
 // recoverJobs restores a failed node's jobs on this host: fetch each snapshot, ask each peer for the bytes
@@ -267,12 +267,12 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 	var restored []*restoring
 	for _, r := range jobs {
 		start := time.Now()
-		r.stopLocalLog = a.logLocalResends(r)
+		r.stopKeeping = a.keepResends(r)
 		_, err := a.restoreJob(ctx, r.m, r.job, r.work)
 		r.restoredAt = time.Now()
 		stage(StageRestored, r.job.ID, start, "", err)
 		if err != nil {
-			r.stopLocalLog()
+			r.stopKeeping()
 			track.setPhase(r.job.ID, "", time.Time{})
 			restore.Unguard(ctx, r.runID)
 			a.giveBackUnlessStarted(ctx, r.job, r.job.Incarnation, r.holder, err)
@@ -566,8 +566,8 @@ func (a *Agent) waitReplay(ctx context.Context, r *restoring) (string, error) {
 // from there on its peers would get bytes of a different execution, or of one nobody can vouch for. The
 // recovery ends with a named failure, never a hang and never a job of unknown fidelity.
 func (a *Agent) replayAndVerify(ctx context.Context, r *restoring) (string, error) {
-	if r.stopLocalLog != nil {
-		defer r.stopLocalLog()
+	if r.stopKeeping != nil {
+		defer r.stopKeeping()
 	}
 	detail, err := a.waitReplay(ctx, r)
 	if err == nil {

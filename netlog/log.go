@@ -20,6 +20,9 @@ type Log struct {
 	mu     sync.RWMutex
 	closed bool
 	stores map[Conn]*Store
+	// holds are wire sequence numbers below which Trim and RemoveIdle must not drop a connection's
+	// bytes, by connection (Hold); a connection may have a store or not yet.
+	holds map[Conn][]uint32
 }
 
 // NewLog returns an empty log.
@@ -28,7 +31,7 @@ func NewLog(opt Options) (*Log, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Log{env: e, stores: make(map[Conn]*Store)}, nil
+	return &Log{env: e, stores: make(map[Conn]*Store), holds: make(map[Conn][]uint32)}, nil
 }
 
 // key normalises a Conn so an IPv4-mapped IPv6 address and its IPv4 form name one store.
@@ -153,8 +156,59 @@ func (l *Log) Trim(conn Conn, seq uint32) (uint64, error) {
 	if err != nil {
 		return 0, err
 	}
+	l.mu.RLock()
+	held, ok := l.heldFrom(key(conn))
+	l.mu.RUnlock()
+	if ok && seqAfter(seq, held) {
+		seq = held
+	}
 	return st.Trim(seq)
 }
+
+// Hold keeps the bytes conn sends from wire sequence seq on (Trim stops there, RemoveIdle keeps the
+// connection) until release is called; the connection need not have sent anything yet. A recovery holds
+// the bytes its restored job re-sends until it has checked them: the peer's next snapshot, taken
+// meanwhile, would otherwise trim them away before the check reads them.
+func (l *Log) Hold(conn Conn, seq uint32) (release func()) {
+	k := key(conn)
+	l.mu.Lock()
+	l.holds[k] = append(l.holds[k], seq)
+	l.mu.Unlock()
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			l.mu.Lock()
+			defer l.mu.Unlock()
+			hs := l.holds[k]
+			if i := slices.Index(hs, seq); i >= 0 {
+				hs = slices.Delete(hs, i, i+1)
+			}
+			if len(hs) == 0 {
+				delete(l.holds, k)
+			} else {
+				l.holds[k] = hs
+			}
+		})
+	}
+}
+
+// heldFrom returns the earliest held sequence number of k (l.mu held).
+func (l *Log) heldFrom(k Conn) (uint32, bool) {
+	hs := l.holds[k]
+	if len(hs) == 0 {
+		return 0, false
+	}
+	first := hs[0]
+	for _, h := range hs[1:] {
+		if seqAfter(first, h) {
+			first = h
+		}
+	}
+	return first, true
+}
+
+// seqAfter says whether wire sequence a comes after b (modulo 2^32, RFC 793 comparison).
+func seqAfter(a, b uint32) bool { return int32(a-b) > 0 }
 
 // Bounds returns conn's live bounds.
 func (l *Log) Bounds(conn Conn) (Bounds, error) {
@@ -218,8 +272,9 @@ func (l *Log) RemoveIdle(conn Conn, lastAppend time.Time) (bool, Stats, error) {
 	// Lock order Log then Store, as everywhere; the appender takes only the store's lock, so
 	// an append either lands before the check (and keeps the store) or finds it closed and
 	// starts a new one through Append.
+	_, held := l.heldFrom(k)
 	st.mu.Lock()
-	if st.closed || st.lastAppend.After(lastAppend) {
+	if held || st.closed || st.lastAppend.After(lastAppend) {
 		st.mu.Unlock()
 		l.mu.Unlock()
 		return false, Stats{}, nil
