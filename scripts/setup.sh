@@ -16,7 +16,8 @@ CACHE=${FTKIT_CACHE:-/var/cache/ftkit}
 top=$(cd "$(dirname "$0")/.." && pwd)
 
 # Debian packages: the eBPF toolchain, the lab's tools, CRIU's build dependencies, and Open MPI with two
-# unmodified MPI workloads for `ftctl mpirun` (HPCC, LAMMPS and its examples; docs/mpi.md).
+# unmodified MPI workloads for `ftctl mpirun` (HPCC, LAMMPS and its examples; docs/mpi.md), and headless
+# Chromium with a font, which renders `ftctl events --svg` pictures in timeline's browser test.
 PACKAGES=(
 	clang llvm libbpf-dev bpftool
 	nftables iproute2 iputils-arping util-linux procps psmisc ethtool
@@ -25,6 +26,7 @@ PACKAGES=(
 	libprotobuf-c-dev libprotobuf-dev pkgconf protobuf-c-compiler protobuf-compiler
 	uuid-dev python3-protobuf
 	openmpi-bin hpcc lammps lammps-examples
+	chromium fonts-dejavu-core
 )
 
 say() { printf 'setup: %s\n' "$*" >&2; }
