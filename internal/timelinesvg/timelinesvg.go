@@ -80,6 +80,7 @@ const (
 	barW        = Width - barX - 24
 	rowH        = 38 // one stage: its bar and, below it, its detail
 	barH        = 16
+	barDY       = 2  // the bar's top below its row's
 	headerH     = 96 // title and the lines under it, before the axis
 	axisH       = 26 // the axis' tick labels
 	footerLineH = 16
@@ -225,6 +226,9 @@ func ticks(ax axis) []float64 {
 	return ts
 }
 
+// rowTop is the top of stage i's row in a panel that starts at y; its bar starts barDY lower.
+func rowTop(y float64, i int) float64 { return y + headerH + axisH + float64(i)*rowH }
+
 // Render draws the failures one under the other, in the order given.
 func Render(fs []Failure) []byte {
 	var body bytes.Buffer
@@ -286,7 +290,7 @@ func panel(b *bytes.Buffer, f *Failure, y float64) float64 {
 	text(b, labelX, top+axisH-10, `fill="#555555"`, "seconds from declaration")
 	for i, s := range f.Stages {
 		bar := bars[i]
-		ry := top + axisH + float64(i)*rowH
+		ry := rowTop(y, i)
 		label := clip(s.Name, nameMax)
 		if s.Job != "" {
 			label += " · " + clip(s.Job, nameMax)
@@ -298,7 +302,7 @@ func panel(b *bytes.Buffer, f *Failure, y float64) float64 {
 			extra = ` fill-opacity="0.45" stroke="#333333" stroke-dasharray="3 2"`
 		}
 		fmt.Fprintf(b, `<rect x="%s" y="%s" width="%s" height="%d" rx="2" fill="%s"%s><title>%s</title></rect>`+"\n",
-			num(bar.X), num(ry+2), num(bar.W), barH, Colour(s), extra, esc(clip(s.Name+": "+s.Detail, textMax*2)))
+			num(bar.X), num(ry+barDY), num(bar.W), barH, Colour(s), extra, esc(clip(s.Name+": "+s.Detail, textMax*2)))
 		dur := fmtDur(bar.Secs)
 		if s.Ongoing() {
 			dur += " so far (under way)"
