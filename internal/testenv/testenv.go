@@ -4,6 +4,8 @@
 package testenv
 
 import (
+	"flag"
+	"fmt"
 	"os"
 	"testing"
 )
@@ -17,5 +19,16 @@ func RequireKernel(t testing.TB, needs string) {
 	}
 	if os.Geteuid() != 0 {
 		t.Skipf("SKIPPED: this test needs root (%s); run `make test` as root", needs)
+	}
+}
+
+// EndPackageIfShort ends a test binary in -short mode when every test in it needs the kernel, before its
+// TestMain builds or starts anything (an end-to-end package's set-up alone takes minutes). Call it first
+// in TestMain; it says so loudly and exits 0.
+func EndPackageIfShort(needs string) {
+	flag.Parse()
+	if testing.Short() {
+		fmt.Printf("SKIPPED in -short mode (pure tests only): every test of this package needs %s; run it without -short, as root (`make test`)\n", needs)
+		os.Exit(0)
 	}
 }
