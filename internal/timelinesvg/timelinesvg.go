@@ -84,37 +84,48 @@ const (
 	headerH     = 96 // title and the lines under it, before the axis
 	axisH       = 26 // the axis' tick labels
 	footerLineH = 16
-	panelGap    = 24 // between two failures
-	textMax     = 110
-	nameMax     = 32
+	panelGap    = 24  // between two failures
+	textMax     = 110 // characters of a detail, error or jobs line
+	nameMax     = 32  // characters of a host, job or stage name
 )
-
-// Stage colours by name (agent.Stage* constants); other names get the last one.
-var stageColours = []struct{ name, colour string }{
-	{"detected", "#d9822b"},
-	{"spare claimed", "#8e6bbf"},
-	{"snapshot fetched", "#2b7bd9"},
-	{"images rewritten", "#1f9e89"},
-	{"restored", "#3aa84a"},
-	{"replay done", "#c2a319"},
-	{"re-protected", "#5c6f82"},
-	{"", "#8a8a8a"},
-}
 
 // ErrorColour fills a stage that failed.
 const ErrorColour = "#d62728"
 
-// Colour is the fill of a stage's bar.
+// Colour is the fill of a stage's bar: one per stage name (the agent's Stage* constants), grey for
+// others, red for a stage that failed.
 func Colour(s Stage) string {
 	if s.Error != "" {
 		return ErrorColour
 	}
-	for _, c := range stageColours {
-		if c.name == s.Name {
-			return c.colour
-		}
+	switch s.Name {
+	case "detected":
+		return "#d9822b"
+	case "spare claimed":
+		return "#8e6bbf"
+	case "snapshot fetched":
+		return "#2b7bd9"
+	case "images rewritten":
+		return "#1f9e89"
+	case "restored":
+		return "#3aa84a"
+	case "replay done":
+		return "#c2a319"
+	case "re-protected":
+		return "#5c6f82"
 	}
-	return stageColours[len(stageColours)-1].colour
+	return "#8a8a8a"
+}
+
+// colour is the outcome's text colour.
+func (o Outcome) colour() string {
+	switch o {
+	case Recovered:
+		return "#1a7f37"
+	case NotRecovered:
+		return ErrorColour
+	}
+	return "#9a6700"
 }
 
 // A bar is a stage's place on the axis.
@@ -256,9 +267,8 @@ func Render(fs []Failure) []byte {
 
 // panel draws one failure from y down and returns where it ends.
 func panel(b *bytes.Buffer, f *Failure, y float64) float64 {
-	colour := map[Outcome]string{Recovered: "#1a7f37", NotRecovered: ErrorColour, Recovering: "#9a6700"}[f.Outcome]
 	text(b, labelX, y+26, `font-size="18" font-weight="bold"`, "failure "+clip(f.ID, nameMax*2))
-	text(b, Width-24, y+26, `text-anchor="end" font-size="18" font-weight="bold" fill="`+colour+`"`, f.Outcome.String())
+	text(b, Width-24, y+26, `text-anchor="end" font-size="18" font-weight="bold" fill="`+f.Outcome.colour()+`"`, f.Outcome.String())
 	where := "restored on spare " + clip(f.Target, nameMax)
 	if f.Basic {
 		where = "restored on " + clip(f.Target, nameMax) + " (basic mode: no spare was free)"
