@@ -42,9 +42,12 @@ timed() { # timed NAME CMD...: runs CMD, prints its wall time
 [ "$(id -u)" = 0 ] || die "run as root: ftkit needs root for CRIU, eBPF and network namespaces"
 
 packages() {
-	local missing=()
+	local missing=() p
+	local -A installed=()
+	# One dpkg-query for all of them: a repeated run costs one process, not one per package.
+	while read -r p; do installed[$p]=1; done < <(dpkg-query -W -f='${Package} ${Status}\n' "${PACKAGES[@]}" 2>/dev/null | awk '/ install ok installed$/{print $1}')
 	for p in "${PACKAGES[@]}"; do
-		dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+		[ -n "${installed[$p]:-}" ] || missing+=("$p")
 	done
 	[ ${#missing[@]} -eq 0 ] && return 0
 	say "installing Debian packages: ${missing[*]}"
