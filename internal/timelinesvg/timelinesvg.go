@@ -197,7 +197,9 @@ func layout(f *Failure) (axis, []bar) {
 	if ax.Max-ax.Min < 1e-3 {
 		ax.Max = ax.Min + 1 // nothing has a duration yet: a one-second axis
 	}
-	ax.Min, ax.Max = niceFloor(ax.Min, ax.Max-ax.Min), niceCeil(ax.Max, ax.Max-ax.Min)
+	// The end is rounded up to a tick; the start stays where the earliest stage starts (at most 0), so
+	// that the time before the declaration takes no more room than it needs.
+	ax.Max = niceCeil(ax.Max, ax.Max-ax.Min)
 	bars := make([]bar, len(spans))
 	for i, sp := range spans {
 		x0, x1 := ax.x(sp.from), ax.x(sp.to)
@@ -220,8 +222,7 @@ func tickStep(span float64) float64 {
 	return step * 10
 }
 
-func niceFloor(v, span float64) float64 { s := tickStep(span); return math.Floor(v/s) * s }
-func niceCeil(v, span float64) float64  { s := tickStep(span); return math.Ceil(v/s) * s }
+func niceCeil(v, span float64) float64 { s := tickStep(span); return math.Ceil(v/s) * s }
 
 // ticks are the axis' labelled times.
 func ticks(ax axis) []float64 {

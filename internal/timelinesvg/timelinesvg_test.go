@@ -40,6 +40,14 @@ func TestLayout(t *testing.T) {
 		min:  0, max: 8,
 		bars: []want{{x(0, 8, 0.2), x(0, 8, 7.3) - x(0, 8, 0.2), 7.1}},
 	}, {
+		name: "the start is the earliest stage's, not a tick",
+		f: Failure{Origin: t0, Stages: []Stage{
+			{Name: "detected", Start: at(-2.013), End: at(0)},
+			{Name: "re-protected", Start: at(9.8), End: at(10.657)},
+		}},
+		min: -2.013, max: 12,
+		bars: []want{{barX, x(-2.013, 12, 0) - barX, 2.013}, {x(-2.013, 12, 9.8), x(-2.013, 12, 10.657) - x(-2.013, 12, 9.8), 0.857}},
+	}, {
 		name: "an instant stage is still visible",
 		f: Failure{Origin: t0, Stages: []Stage{
 			{Name: "spare claimed", Start: at(1), End: at(1)},
@@ -107,6 +115,7 @@ func TestTicks(t *testing.T) {
 		{axis{0, 8}, []float64{0, 1, 2, 3, 4, 5, 6, 7, 8}},
 		{axis{0, 40}, []float64{0, 5, 10, 15, 20, 25, 30, 35, 40}},
 		{axis{-20, 100}, []float64{-20, 0, 20, 40, 60, 80, 100}},
+		{axis{-2.013, 12}, []float64{-2, 0, 2, 4, 6, 8, 10, 12}}, // the start need not be a tick
 	}
 	for _, tt := range tests {
 		got := ticks(tt.ax)
