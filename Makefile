@@ -38,7 +38,8 @@ check-generate: generate
 test: build lint check-generate
 	$(GO) test $(TESTFLAGS) ./... $(PROGS)
 
-# Pure unit tests only (no root, no kernel): quick feedback while editing.
+# Pure unit tests only, even as root: quick feedback while editing. In -short mode every test that needs
+# the kernel (labs, CRIU, eBPF, cgroups) or a browser skips itself (internal/testenv.RequireKernel).
 unit:
 	$(GO) test -count=1 -short ./... $(PROGS)
 

@@ -10,6 +10,8 @@ import (
 
 	"github.com/checkpoint-restore/go-criu/v7/rpc"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/ftkit/ftkit/internal/testenv"
 )
 
 // TestMain lets the test binary play a CRIU of any version: go-criu runs `criu swrk FD` and asks for
@@ -101,9 +103,7 @@ func TestRequireRejectsNonCriu(t *testing.T) {
 }
 
 func TestRequireInstalled(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("SKIPPED: asking CRIU for its version needs root")
-	}
+	testenv.RequireKernel(t, "CRIU, which needs root to say its version")
 	bin, v, err := Require("")
 	if err != nil {
 		t.Fatalf("installed CRIU not usable: %v", err)

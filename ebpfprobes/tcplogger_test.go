@@ -19,6 +19,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/ftkit/ftkit/internal/streamtest"
+	"github.com/ftkit/ftkit/internal/testenv"
 )
 
 func TestNewTCPLoggerRejectsBadRingSize(t *testing.T) {
@@ -176,9 +177,7 @@ func reassemble(recs []record) (data []byte, dupBytes int, err error) {
 
 func requirePrivileges(t testing.TB) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("SKIPPED: needs root for BPF, network namespaces and cgroups")
-	}
+	testenv.RequireKernel(t, "BPF, network namespaces and cgroups")
 }
 
 type scenario struct {

@@ -10,7 +10,7 @@
 #      claims spare1, and spare1 restores rank 1 from the replica with the bytes the other ranks had sent
 #      since the snapshot replayed from their logs. The survivors never stop, never roll back.
 # It prints both runs' checksums and says "identical" only if they are, the survivors' PIDs before and
-# after, and the recovery timeline. It exits non-zero if recovery did not give the failure-free result.
+# after, and the recovery timeline, which it also draws into bin/demo-recovery.svg (ftctl events --svg). It exits non-zero if recovery did not give the failure-free result.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=$PWD/bin
@@ -20,6 +20,7 @@ NODES=4
 ITERS=${ITERS:-400}
 DELAY=${DELAY:-15ms}
 WORK=$(mktemp -d /tmp/ftkit-demo.XXXXXX)
+SVG=${SVG:-$BIN/demo-recovery.svg} # the recovery's timeline, kept after the demo (bin/ is not committed)
 lab() { "$BIN/ftctl" lab --id "$ID" "$@"; }
 ctl() { "$BIN/ftctl" --lab "$ID" "$@"; }
 sock() { echo "/run/ftkit/labs/$ID.d/$1/agent.sock"; }
@@ -106,6 +107,12 @@ else
 fi
 echo "== recovery timeline (ftctl events)"
 ctl events | sed 's/^/   /' || true
+# The same timeline as a picture: open it in any browser.
+if ctl events --svg "$SVG" >/dev/null; then
+	echo "   picture of the recovery: $SVG"
+else
+	echo "   could not draw the recovery timeline into $SVG (the error is above)"
+fi
 echo "== result"
 sums ft | sed 's/^/   /'
 if [ "$FAILED" = 0 ] && [ "$(sums ref)" = "$(sums ft)" ] && [ "$(sums ft | wc -l)" = "$NODES" ]; then

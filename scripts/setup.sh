@@ -16,7 +16,8 @@ CACHE=${FTKIT_CACHE:-/var/cache/ftkit}
 top=$(cd "$(dirname "$0")/.." && pwd)
 
 # Debian packages: the eBPF toolchain, the lab's tools, CRIU's build dependencies, and Open MPI with two
-# unmodified MPI workloads for `ftctl mpirun` (HPCC, LAMMPS and its examples; docs/mpi.md).
+# unmodified MPI workloads for `ftctl mpirun` (HPCC, LAMMPS and its examples; docs/mpi.md), and headless
+# Chromium with a font, which renders `ftctl events --svg` pictures in timeline's browser test.
 PACKAGES=(
 	clang llvm libbpf-dev bpftool
 	nftables iproute2 iputils-arping util-linux procps psmisc ethtool
@@ -25,6 +26,7 @@ PACKAGES=(
 	libprotobuf-c-dev libprotobuf-dev pkgconf protobuf-c-compiler protobuf-compiler
 	uuid-dev python3-protobuf
 	openmpi-bin hpcc lammps lammps-examples
+	chromium fonts-dejavu-core
 )
 
 say() { printf 'setup: %s\n' "$*" >&2; }
@@ -40,9 +42,12 @@ timed() { # timed NAME CMD...: runs CMD, prints its wall time
 [ "$(id -u)" = 0 ] || die "run as root: ftkit needs root for CRIU, eBPF and network namespaces"
 
 packages() {
-	local missing=()
+	local missing=() p
+	local -A installed=()
+	# One dpkg-query for all of them: a repeated run costs one process, not one per package.
+	while read -r p; do installed[$p]=1; done < <(dpkg-query -W -f='${Package} ${Status}\n' "${PACKAGES[@]}" 2>/dev/null | awk '/ install ok installed$/{print $1}')
 	for p in "${PACKAGES[@]}"; do
-		dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+		[ -n "${installed[$p]:-}" ] || missing+=("$p")
 	done
 	[ ${#missing[@]} -eq 0 ] && return 0
 	say "installing Debian packages: ${missing[*]}"

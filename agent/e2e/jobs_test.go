@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/internal/testenv"
 	"github.com/ftkit/ftkit/lab/labcluster"
 	"github.com/ftkit/ftkit/lab/labtest"
 )
@@ -34,6 +35,7 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
+	testenv.EndPackageIfShort("labs, CRIU and eBPF")
 	dir, err := os.MkdirTemp("", "ftkit-e2e-bin")
 	if err != nil {
 		panic(err)

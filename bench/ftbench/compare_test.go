@@ -3,23 +3,19 @@ package main
 import (
 	"context"
 	"log/slog"
-	"os"
 	"os/exec"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ftkit/ftkit/internal/testenv"
 )
 
 // TestCompareSmall runs the comparison at its small size: every variant, with and without a node crash,
 // must end with the failure-free checksum, ftkit's survivors must keep running, and the application-level
 // restart must really resume from a checkpoint.
 func TestCompareSmall(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("SKIPPED LOUDLY: TestCompareSmall needs root (network namespaces, CRIU, eBPF); run it with sudo")
-	}
-	if testing.Short() {
-		t.Skip("end-to-end benchmark; not in -short")
-	}
+	testenv.RequireKernel(t, "network namespaces, CRIU and eBPF")
 	dir := t.TempDir()
 	build := exec.Command("go", "build", "-o", dir+"/", "github.com/ftkit/ftkit/cmd/ftagent", "github.com/ftkit/ftkit/testdata/stencil2d")
 	if out, err := build.CombinedOutput(); err != nil {

@@ -14,14 +14,25 @@ import (
 
 func newEventsCmd(t *target) *cobra.Command {
 	var asJSON bool
+	var svgPath, only string
 	cmd := &cobra.Command{
 		Use:   "events",
 		Short: "The timeline of every node failure: detected, spare claimed, fetched, rewritten, restored, replayed, re-protected",
 		Long: `Show each node failure the cluster has handled, with the duration of every recovery stage.
 Every agent keeps a copy (the protector that handled a failure sends it to all members), so any live
-host answers; with a lab, the copies of all live hosts are merged.`,
+host answers; with a lab, the copies of all live hosts are merged.
+
+With --svg FILE it draws each failure as a timeline (every stage a bar on a time axis in seconds from the
+declaration, the hosts involved, the bytes replayed and verified) into FILE ("-": standard output), a
+standalone SVG that any browser shows. --failure ID keeps one failure.`,
 		Args: cli.Args(cobra.NoArgs),
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if svgPath == "-" && asJSON {
+				return cli.Usagef("--svg - and --json both write to standard output: pick one, or give --svg a file")
+			}
+			if err := checkSVGPath(svgPath); err != nil {
+				return err
+			}
 			cs, err := t.clients()
 			if err != nil {
 				return err
@@ -45,9 +56,31 @@ host answers; with a lab, the copies of all live hosts are merged.`,
 			}
 			all := make([]*agent.Failure, 0, len(byID))
 			for _, f := range byID {
-				all = append(all, f)
+				if only == "" || f.ID == only {
+					all = append(all, f)
+				}
 			}
-			sort.Slice(all, func(i, j int) bool { return all[i].Detected.Before(all[j].Detected) })
+			if only != "" && len(all) == 0 {
+				return cli.WithCode(cli.ExitNotFound, fmt.Errorf("no failure %q in the log; `ftctl events` lists them", only))
+			}
+			sort.Slice(all, func(i, j int) bool {
+				if !all[i].Detected.Equal(all[j].Detected) {
+					return all[i].Detected.Before(all[j].Detected)
+				}
+				return all[i].ID < all[j].ID // the same order, and so the same picture, on every run
+			})
+			if svgPath != "" {
+				if err := writeSVG(cmd.OutOrStdout(), svgPath, all); err != nil {
+					return err
+				}
+				if svgPath == "-" {
+					return nil
+				}
+				if !asJSON {
+					fmt.Fprintf(cmd.OutOrStdout(), "timeline of %d failure(s) written to %s\n", len(all), svgPath)
+					return nil
+				}
+			}
 			if asJSON {
 				return cli.PrintJSON(cmd.OutOrStdout(), all)
 			}
@@ -62,6 +95,8 @@ host answers; with a lab, the copies of all live hosts are merged.`,
 		},
 	}
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	cmd.Flags().StringVar(&svgPath, "svg", "", "draw the timelines as SVG into this file (\"-\": standard output)")
+	cmd.Flags().StringVar(&only, "failure", "", "only the failure with this id")
 	return cmd
 }
 

@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/ftkit/ftkit/internal/testenv"
 	"github.com/ftkit/ftkit/lab/labtest"
 )
 
@@ -196,9 +197,7 @@ func tail(b []byte, n int) []byte {
 // and restores the edited dump to check the kernel hands the injected bytes
 // to the application.
 func TestRealDumpEditRestore(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("SKIPPED LOUDLY: this test needs root (netns, CRIU); run it as root")
-	}
+	testenv.RequireKernel(t, "a network namespace and CRIU")
 	if _, err := os.Stat(criuBin); err != nil {
 		t.Fatalf("CRIU 4.2.1 is required at %s (scripts/setup.sh criu): %v", criuBin, err)
 	}

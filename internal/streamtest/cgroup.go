@@ -11,6 +11,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/ftkit/ftkit/internal/testenv"
 )
 
 // ErrNoCgroup2 means no cgroup v2 hierarchy is mounted.
@@ -98,6 +100,7 @@ func (c *Cgroup) Close() error {
 // test loudly when no cgroup v2 hierarchy is mounted.
 func NewCgroupT(t testing.TB, name string) *Cgroup {
 	t.Helper()
+	testenv.RequireKernel(t, "a cgroup of its own")
 	Cgroup2MountT(t)
 	cg, err := NewCgroup(fmt.Sprintf("ftkit-test-%d-%s", os.Getpid(), name))
 	if err != nil {

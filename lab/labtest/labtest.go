@@ -7,18 +7,17 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/netip"
-	"os"
 	"testing"
 
+	"github.com/ftkit/ftkit/internal/testenv"
 	"github.com/ftkit/ftkit/lab"
 )
 
-// RequireRoot skips a privileged test loudly when not run as root (CI and `make test` run as root).
+// RequireRoot skips a privileged test loudly when not run as root (CI and `make test` run as root), and in
+// -short mode (`make unit`), which runs pure tests only.
 func RequireRoot(t testing.TB) {
 	t.Helper()
-	if os.Geteuid() != 0 {
-		t.Skip("SKIPPED: this end-to-end test needs root (network namespaces); run `make test` as root")
-	}
+	testenv.RequireKernel(t, "network namespaces")
 }
 
 // New brings up a lab with a fresh id and a free 10.2xx.y.0/24 subnet and registers its teardown.
