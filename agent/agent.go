@@ -21,6 +21,7 @@ import (
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/internal/jobfs"
+	"github.com/ftkit/ftkit/shim"
 	"github.com/ftkit/ftkit/spare"
 )
 
@@ -222,8 +223,8 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 	}
 	// Logged from its first byte: the cgroup is protected before the job can open a socket.
 	a.protect(j)
-	pid, err := startShim(ctx, a.self, ShimSpec{
-		JobID: id, Mode: ShimStart, Argv: spec.Argv, Env: spec.Env, Dir: spec.Dir, UID: uid, GID: gid,
+	pid, err := shim.Launch(ctx, a.self, shim.Spec{
+		JobID: id, Mode: shim.ModeStart, Argv: spec.Argv, Env: spec.Env, Dir: spec.Dir, UID: uid, GID: gid,
 		Stdout: j.StdoutPath(), Stderr: j.StderrPath(), Cgroup: j.Cgroup, ExitFile: j.ExitPath(), Node: a.cfg.Name,
 	}, a.shimLog(id))
 	if err != nil {
@@ -287,7 +288,7 @@ func (a *Agent) watchJobs(ctx context.Context) {
 		}
 		a.mu.Unlock()
 		for _, j := range running {
-			st, err := ReadExit(j.ExitPath())
+			st, err := shim.ReadExit(j.ExitPath())
 			switch {
 			case err == nil:
 				a.finish(j, JobExited, st)
@@ -307,7 +308,7 @@ func (a *Agent) watchJobs(ctx context.Context) {
 	})
 }
 
-func (a *Agent) finish(j *Job, state JobState, st *ExitStatus) {
+func (a *Agent) finish(j *Job, state JobState, st *shim.ExitStatus) {
 	a.mu.Lock()
 	j.State, j.Exit = state, st
 	err := a.jobs.save(j)

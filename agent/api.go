@@ -8,15 +8,12 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"io/fs"
 	"log/slog"
 	"net"
 	"net/http"
 	"os"
-	"path/filepath"
 	"sort"
 	"strconv"
-	"strings"
 	"sync"
 	"time"
 
@@ -25,6 +22,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/internal/version"
 	"github.com/ftkit/ftkit/ring"
+	"github.com/ftkit/ftkit/shim"
 )
 
 // The local API is HTTP/JSON on a unix socket. Callers are identified by SO_PEERCRED, never by anything
@@ -334,8 +332,8 @@ func (a *Agent) routes(lim apiLimits) http.Handler {
 			writeError(w, http.StatusConflict, fmt.Errorf("job %s is %s", j.ID, j.State))
 			return
 		}
-		err = signalJob(j.PID, j.Cgroup, unix.Signal(req.Signal))
-		if errors.Is(err, errJobGone) {
+		err = shim.Signal(j.PID, j.Cgroup, unix.Signal(req.Signal))
+		if errors.Is(err, shim.ErrJobGone) {
 			writeError(w, http.StatusConflict, fmt.Errorf("job %s: %w", j.ID, err))
 			return
 		}
@@ -648,54 +646,4 @@ func (a *Agent) ownerOf(uid uint32) func(job string) bool {
 		m, err := a.store.Manifest(job, ids[0])
 		return err == nil && a.ownsSnapshot(m, uid)
 	}
-}
-
-// errJobGone means the job's root process is gone: it exited, or its PID now names another process.
-var errJobGone = errors.New("the job's process is gone")
-
-// signalJob sends sig to the job's root process and to nothing else. A PID alone may be reused between
-// the check of the job and the signal, by any process of any user; a pidfd cannot be. The pidfd is opened
-// first and the process it names is then confirmed to be in the job's cgroup (where a non-root job cannot
-// leave and no other process can enter), so the signal reaches the job or nobody.
-func signalJob(pid int, cgroup string, sig unix.Signal) error {
-	if pid <= 0 {
-		return fmt.Errorf("%w: no pid recorded", errJobGone)
-	}
-	fd, err := unix.PidfdOpen(pid, 0)
-	if errors.Is(err, unix.ESRCH) {
-		return fmt.Errorf("%w: pid %d has exited", errJobGone, pid)
-	}
-	if err != nil {
-		return fmt.Errorf("open a pidfd for pid %d: %w", pid, err)
-	}
-	defer unix.Close(fd)
-	// If the process died and its PID was reused after PidfdOpen, the check below sees the newcomer; it
-	// then either fails, or passes for a process of the job while the pidfd still names the dead one, and
-	// the signal fails with ESRCH. Either way no process outside the job is signalled.
-	procs, err := os.ReadFile(filepath.Join(cgroup, "cgroup.procs"))
-	if errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("%w: its cgroup %s was removed", errJobGone, cgroup)
-	}
-	if err != nil {
-		return fmt.Errorf("read the job's cgroup %s: %w", cgroup, err)
-	}
-	if !pidListed(procs, pid) {
-		return fmt.Errorf("%w: pid %d is no longer in the job's cgroup %s", errJobGone, pid, cgroup)
-	}
-	if err := unix.PidfdSendSignal(fd, sig, nil, 0); errors.Is(err, unix.ESRCH) {
-		return fmt.Errorf("%w: pid %d has exited", errJobGone, pid)
-	} else if err != nil {
-		return fmt.Errorf("send %s to pid %d: %w", unix.SignalName(sig), pid, err)
-	}
-	return nil
-}
-
-// pidListed reports whether a cgroup.procs file (one PID a line) lists pid.
-func pidListed(procs []byte, pid int) bool {
-	for line := range strings.Lines(string(procs)) {
-		if p, err := strconv.Atoi(strings.TrimSpace(line)); err == nil && p == pid {
-			return true
-		}
-	}
-	return false
 }

@@ -30,6 +30,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt/interval"
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/grant"
+	"github.com/ftkit/ftkit/shim"
 )
 
 // The local API is tested on a minimal Agent: no root, no CRIU, no eBPF. Callers are injected the way
@@ -99,7 +100,7 @@ func newTestAgent(t *testing.T) *testAgent {
 	ta := &testAgent{Agent: a, dir: dir}
 	ta.addJob(t, Job{ID: ownersJob, UID: asOwner.Uid, GID: asOwner.Gid, State: JobRunning, PID: os.Getpid()})
 	ta.addJob(t, Job{ID: rootsJob, UID: 0, GID: 0, State: JobRunning, PID: os.Getpid()})
-	ta.addJob(t, Job{ID: doneJob, UID: asOwner.Uid, GID: asOwner.Gid, State: JobExited, Exit: &ExitStatus{Code: 0}})
+	ta.addJob(t, Job{ID: doneJob, UID: asOwner.Uid, GID: asOwner.Gid, State: JobExited, Exit: &shim.ExitStatus{Code: 0}})
 	ta.ownSnap = ta.addSnapshot(t, Job{ID: ownersJob, UID: asOwner.Uid, GID: asOwner.Gid, Node: cfg.Name})
 	ta.goneSnap = ta.addSnapshot(t, Job{ID: goneJob, UID: asOwner.Uid, GID: asOwner.Gid, Node: "node2"})
 	ta.addSnapshot(t, Job{ID: rootsJob, UID: 0, GID: 0, Node: cfg.Name})
@@ -429,7 +430,7 @@ func TestAPIStartJobRunsAsCaller(t *testing.T) {
 		t.Skip("SKIPPED: needs root (the agent creates root-owned job directories and hands output files to the caller's uid)")
 	}
 	ta := newTestAgent(t)
-	// Like the real shim it stays after its report (startShim reaps it, which closes the report's pipe),
+	// Like the real shim it stays after its report (shim.Launch reaps it, which closes the report's pipe),
 	// here until the test ends.
 	shim, stop, pids := filepath.Join(ta.dir, "fake-shim"), filepath.Join(ta.dir, "stop-shims"), filepath.Join(ta.dir, "shim-pids")
 	script := "#!/bin/sh\necho $$ >>" + pids + "\ncat >/dev/null\necho '{\"pid\": 4242}'\nwhile [ ! -e " + stop + " ]; do sleep 0.1; done\n"
@@ -567,62 +568,6 @@ func TestAPISignal(t *testing.T) {
 				stillRuns(t, cmd)
 			}
 		})
-	}
-}
-
-// signalJob itself on a real child: signalled while it runs in the job's cgroup; refused once it has
-// exited and been reaped (its PID may then name anyone's process).
-func TestSignalJobPidfd(t *testing.T) {
-	cg := t.TempDir()
-	cmd := startSleep(t)
-	pid := cmd.Process.Pid
-	if err := os.WriteFile(filepath.Join(cg, "cgroup.procs"), []byte(strconv.Itoa(pid)+"\n"), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	if err := signalJob(pid, cg, unix.SIGSTOP); err != nil {
-		t.Fatalf("SIGSTOP to the job: %v", err)
-	}
-	var ws unix.WaitStatus
-	if _, err := unix.Wait4(pid, &ws, unix.WUNTRACED, nil); err != nil || !ws.Stopped() {
-		t.Fatalf("after SIGSTOP: %v %v", ws, err)
-	}
-	if err := signalJob(pid, cg, unix.SIGKILL); err != nil {
-		t.Fatalf("SIGKILL to the job: %v", err)
-	}
-	waitSignalled(t, cmd, syscall.SIGKILL)
-	if err := signalJob(pid, cg, unix.SIGTERM); !errors.Is(err, errJobGone) {
-		t.Fatalf("signal after the process was reaped: %v, want errJobGone", err)
-	}
-	// The PID reused by a process outside the job: refused, and that process keeps running.
-	other := startSleep(t)
-	if err := signalJob(other.Process.Pid, cg, unix.SIGTERM); !errors.Is(err, errJobGone) {
-		t.Fatalf("signal to a process outside the job's cgroup: %v, want errJobGone", err)
-	}
-	stillRuns(t, other)
-	if err := signalJob(0, cg, unix.SIGTERM); !errors.Is(err, errJobGone) {
-		t.Fatalf("signal to pid 0: %v", err)
-	}
-}
-
-func TestPidListed(t *testing.T) {
-	for _, tt := range []struct {
-		procs string
-		pid   int
-		want  bool
-	}{
-		{"", 1, false},
-		{"42\n", 42, true},
-		{"42", 42, true},
-		{"7\n42\n99\n", 42, true},
-		{"7\n420\n4\n2\n", 42, false},
-		{"142\n", 42, false},
-		{" 42 \n", 42, true},
-		{"x\n42\n", 42, true},
-		{"-42\n", 42, false},
-	} {
-		if got := pidListed([]byte(tt.procs), tt.pid); got != tt.want {
-			t.Errorf("pidListed(%q, %d) = %v", tt.procs, tt.pid, got)
-		}
 	}
 }
 

@@ -15,6 +15,7 @@ import (
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/internal/version"
+	"github.com/ftkit/ftkit/shim"
 )
 
 func main() { os.Exit(cli.Main(newRoot())) }
@@ -68,7 +69,7 @@ its jobs keep running and the next agent adopts them.`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			// The shim outlives the agent, so it ignores the signals aimed at the agent's terminal.
 			signal.Ignore(syscall.SIGHUP, syscall.SIGINT)
-			if code := agent.RunShim(context.Background(), os.Stdin, os.Stdout); code != 0 {
+			if code := shim.Run(context.Background(), os.Stdin, os.Stdout); code != 0 {
 				return cli.WithCode(code, errors.New("shim failed"))
 			}
 			return nil

@@ -20,6 +20,7 @@ import (
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
+	"github.com/ftkit/ftkit/shim"
 )
 
 // Environment that mpirun passes down to its launcher (`ftctl mpirun launch-daemon`), which MPI runs once per
@@ -338,7 +339,7 @@ func newMPIFollowCmd() *cobra.Command {
 			j := agent.Job{Dir: args[0]}
 			var outAt, errAt int64
 			for {
-				st, exitErr := agent.ReadExit(j.ExitPath())
+				st, exitErr := shim.ReadExit(j.ExitPath())
 				outAt += copyTail(j.StdoutPath(), outAt, cmd.OutOrStdout())
 				errAt += copyTail(j.StderrPath(), errAt, cmd.ErrOrStderr())
 				if exitErr == nil {

@@ -23,6 +23,7 @@ import (
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/internal/version"
+	"github.com/ftkit/ftkit/shim"
 )
 
 func main() { os.Exit(cli.Main(newRoot())) }
@@ -104,7 +105,7 @@ func wrap(ctx context.Context, log *slog.Logger, c *agent.Client, spec agent.Job
 	return nil
 }
 
-func sigSuffix(st *agent.ExitStatus) string {
+func sigSuffix(st *shim.ExitStatus) string {
 	if st.Signal == "" {
 		return ""
 	}
@@ -114,7 +115,7 @@ func sigSuffix(st *agent.ExitStatus) string {
 // waitExit waits for the job's exit record. The record is written by whichever shim runs the job, on
 // whichever host, so ftwrap keeps waiting when its agent goes away with a failed node; the agent, while
 // reachable, tells us if the job was lost.
-func waitExit(ctx context.Context, log *slog.Logger, c *agent.Client, job agent.Job, sigs <-chan os.Signal) (*agent.ExitStatus, error) {
+func waitExit(ctx context.Context, log *slog.Logger, c *agent.Client, job agent.Job, sigs <-chan os.Signal) (*shim.ExitStatus, error) {
 	exitPath := job.ExitPath()
 	tick := time.NewTicker(100 * time.Millisecond)
 	defer tick.Stop()
@@ -122,7 +123,7 @@ func waitExit(ctx context.Context, log *slog.Logger, c *agent.Client, job agent.
 	lastPoll := time.Time{}
 	signals := 0
 	for {
-		if st, err := agent.ReadExit(exitPath); err == nil {
+		if st, err := shim.ReadExit(exitPath); err == nil {
 			if st.Node != job.Node {
 				log.Info("job ended on another host", "job", job.ID, "node", st.Node)
 			}
