@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"log/slog"
 	"os"
@@ -336,15 +337,19 @@ func alive(pid int) bool {
 	return pid > 0 && unix.Kill(pid, 0) != unix.ESRCH
 }
 
+// LocalAPI starts the host's local API (package agentapi) over the agent. Run starts it once the jobs a
+// previous agent left are adopted, and closes it when it returns.
+type LocalAPI func(ctx context.Context, a *Agent) (io.Closer, error)
+
 // Run adopts the jobs a previous agent left, then serves until ctx ends. Jobs keep running when the agent
 // stops: their shims are independent processes.
-func (a *Agent) Run(ctx context.Context) error {
+func (a *Agent) Run(ctx context.Context, local LocalAPI) error {
 	adopted, err := a.adopt()
 	if err != nil {
 		a.log.Error("some job records could not be read", "err", err)
 	}
 	go a.resumeRecoveries(ctx)
-	srv, err := a.serveLocal(ctx)
+	srv, err := local(ctx, a)
 	if err != nil {
 		return err
 	}

@@ -28,6 +28,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/lab/labcluster"
 	"github.com/ftkit/ftkit/shim"
@@ -180,7 +181,7 @@ func verifyFiles(t *testing.T, dir string) {
 // if not empty) and returns that failure.
 func waitStage(t *testing.T, c *labcluster.Cluster, node, stage, host string, timeout time.Duration) *agent.Failure {
 	t.Helper()
-	clients := map[string]*agent.Client{}
+	clients := map[string]*agentapi.Client{}
 	for deadline := time.Now().Add(timeout); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
 		for _, h := range c.Lab.State().Hosts {
 			if h.Crashed {
@@ -404,7 +405,7 @@ func TestFaultProtectorCrashWhileReceiving(t *testing.T) {
 	c, rg, want := startMatrix(t, 1, 7710, ref, nil, "--progress", "10", "--ballast", "512")
 	rg.checkpoint(t, "node2") // node2's rank is recoverable from node3
 	type shipResult struct {
-		reply agent.CheckpointReply
+		reply agentapi.CheckpointReply
 		err   error
 		at    time.Time
 	}

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/lab/labcluster"
 	"github.com/ftkit/ftkit/lab/labtest"
 )
@@ -24,7 +25,7 @@ var bins labcluster.Binaries
 func TestMain(m *testing.M) {
 	if sock := os.Getenv("FTKIT_E2E_LIST_JOBS"); sock != "" {
 		// Re-executed as another user: list the jobs that user may see.
-		jobs, err := agent.NewClient(sock).Jobs(context.Background())
+		jobs, err := agentapi.NewClient(sock).Jobs(context.Background())
 		if err != nil {
 			println(err.Error())
 			os.Exit(1)

@@ -5,6 +5,7 @@ package main
 import (
 	"context"
 	"errors"
+	"io"
 	"os"
 	"os/signal"
 	"syscall"
@@ -12,6 +13,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/internal/version"
@@ -56,7 +58,9 @@ its jobs keep running and the next agent adopts them.`,
 			}
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
 			defer stop()
-			return a.Run(ctx)
+			return a.Run(ctx, func(ctx context.Context, a *agent.Agent) (io.Closer, error) {
+				return agentapi.Listen(ctx, cfg.Socket, a, log.With("node", cfg.Name))
+			})
 		},
 	}
 	logs.Register(root)

@@ -14,6 +14,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/lab"
@@ -29,7 +30,7 @@ type target struct {
 }
 
 func (t *target) register(cmd *cobra.Command) {
-	cmd.PersistentFlags().StringVar(&t.socket, "socket", "", "agent socket (default $FTKIT_AGENT_SOCKET, else "+agent.DefaultSocket+")")
+	cmd.PersistentFlags().StringVar(&t.socket, "socket", "", "agent socket (default $FTKIT_AGENT_SOCKET, else "+agentapi.DefaultSocket+")")
 	cmd.PersistentFlags().StringVar(&t.labID, "lab", "", "talk to the agents of this local lab (default: the lab "+lab.DefaultID+" if it is up)")
 	cmd.PersistentFlags().StringVar(&t.host, "host", "", "with a lab: only this host's agent")
 	cmd.PersistentFlags().StringVar(&t.host, "node", "", "same as --host")
@@ -37,7 +38,7 @@ func (t *target) register(cmd *cobra.Command) {
 
 type hostClient struct {
 	host   string
-	client *agent.Client
+	client *agentapi.Client
 }
 
 // clients resolves the target to agent clients.
@@ -47,7 +48,7 @@ func (t *target) clients() ([]hostClient, error) {
 		sock = os.Getenv("FTKIT_AGENT_SOCKET")
 	}
 	if sock != "" {
-		return []hostClient{{host: "", client: agent.NewClient(sock)}}, nil
+		return []hostClient{{host: "", client: agentapi.NewClient(sock)}}, nil
 	}
 	id := t.labID
 	if id == "" {
@@ -56,7 +57,7 @@ func (t *target) clients() ([]hostClient, error) {
 	l, err := lab.Open(id, lab.Options{})
 	if err != nil {
 		if t.labID == "" && t.host == "" {
-			return []hostClient{{host: "", client: agent.NewClient(agent.DefaultSocket)}}, nil
+			return []hostClient{{host: "", client: agentapi.NewClient(agentapi.DefaultSocket)}}, nil
 		}
 		return nil, cli.WithCode(cli.ExitNotFound, err)
 	}
@@ -65,7 +66,7 @@ func (t *target) clients() ([]hostClient, error) {
 		if h.Crashed || (t.host != "" && h.Name != t.host) {
 			continue
 		}
-		out = append(out, hostClient{host: h.Name, client: agent.NewClient(labcluster.Socket(id, h.Name))})
+		out = append(out, hostClient{host: h.Name, client: agentapi.NewClient(labcluster.Socket(id, h.Name))})
 	}
 	if len(out) == 0 {
 		return nil, cli.WithCode(cli.ExitNotFound, fmt.Errorf("lab %s has no live host %q", id, t.host))
@@ -97,7 +98,7 @@ func (t *target) one() (hostClient, error) {
 
 func agentErr(err error) error {
 	switch {
-	case errors.Is(err, agent.ErrAgentUnavailable):
+	case errors.Is(err, agentapi.ErrAgentUnavailable):
 		return cli.WithCode(cli.ExitUnavailable, err)
 	case errors.Is(err, agent.ErrNoJob):
 		return cli.WithCode(cli.ExitNotFound, err)

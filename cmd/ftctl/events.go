@@ -9,6 +9,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/internal/cli"
 )
 
@@ -41,7 +42,7 @@ host answers; with a lab, the copies of all live hosts are merged.`,
 				}
 			}
 			if errs == len(cs) {
-				return agentErr(fmt.Errorf("no agent answered: %w", agent.ErrAgentUnavailable))
+				return agentErr(fmt.Errorf("no agent answered: %w", agentapi.ErrAgentUnavailable))
 			}
 			all := make([]*agent.Failure, 0, len(byID))
 			for _, f := range byID {

@@ -17,6 +17,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
@@ -306,8 +307,8 @@ func newMPILaunchDaemonCmd(logs *cli.LogFlags) *cobra.Command {
 				Dir:      cwd,
 				Interval: os.Getenv(envMPIInterval),
 			}
-			job, err := agent.NewClient(labcluster.Socket(id, host)).StartJob(cmd.Context(), spec)
-			if errors.Is(err, agent.ErrAgentUnavailable) {
+			job, err := agentapi.NewClient(labcluster.Socket(id, host)).StartJob(cmd.Context(), spec)
+			if errors.Is(err, agentapi.ErrAgentUnavailable) {
 				return cli.WithCode(cli.ExitUnavailable, fmt.Errorf("start the MPI daemon on %s: %w", host, err))
 			}
 			if err != nil {

@@ -21,6 +21,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/internal/version"
 	"github.com/ftkit/ftkit/shim"
@@ -40,7 +41,7 @@ killed it). PROG runs in its own PID namespace and cgroup with stdin from /dev/n
 relinking and no LD_PRELOAD. If PROG's node fails, PROG is restored elsewhere from its last snapshot
 and ftwrap keeps following it through the job directory.
 
-The agent is found at --socket, else $FTKIT_AGENT_SOCKET, else ` + agent.DefaultSocket + `.
+The agent is found at --socket, else $FTKIT_AGENT_SOCKET, else ` + agentapi.DefaultSocket + `.
 Exit codes other than PROG's: 2 bad command line, 4 agent unreachable, 125 the job could not be
 started, 255 the job was lost without an exit status.`,
 		Version: version.Ftkit(),
@@ -54,13 +55,13 @@ started, 255 the job was lost without an exit status.`,
 				socket = os.Getenv("FTKIT_AGENT_SOCKET")
 			}
 			if socket == "" {
-				socket = agent.DefaultSocket
+				socket = agentapi.DefaultSocket
 			}
 			cwd, err := os.Getwd()
 			if err != nil {
 				return err
 			}
-			return wrap(cmd.Context(), log, agent.NewClient(socket),
+			return wrap(cmd.Context(), log, agentapi.NewClient(socket),
 				agent.JobSpec{Name: name, Argv: args, Env: os.Environ(), Dir: cwd, Interval: interval})
 		},
 	}
@@ -72,9 +73,9 @@ started, 255 the job was lost without an exit status.`,
 	return root
 }
 
-func wrap(ctx context.Context, log *slog.Logger, c *agent.Client, spec agent.JobSpec) error {
+func wrap(ctx context.Context, log *slog.Logger, c *agentapi.Client, spec agent.JobSpec) error {
 	job, err := c.StartJob(ctx, spec)
-	if errors.Is(err, agent.ErrAgentUnavailable) {
+	if errors.Is(err, agentapi.ErrAgentUnavailable) {
 		return cli.WithCode(cli.ExitUnavailable, err)
 	}
 	if err != nil {
@@ -115,7 +116,7 @@ func sigSuffix(st *shim.ExitStatus) string {
 // waitExit waits for the job's exit record. The record is written by whichever shim runs the job, on
 // whichever host, so ftwrap keeps waiting when its agent goes away with a failed node; the agent, while
 // reachable, tells us if the job was lost.
-func waitExit(ctx context.Context, log *slog.Logger, c *agent.Client, job agent.Job, sigs <-chan os.Signal) (*shim.ExitStatus, error) {
+func waitExit(ctx context.Context, log *slog.Logger, c *agentapi.Client, job agent.Job, sigs <-chan os.Signal) (*shim.ExitStatus, error) {
 	exitPath := job.ExitPath()
 	tick := time.NewTicker(100 * time.Millisecond)
 	defer tick.Stop()

@@ -1,7 +1,11 @@
-package agent
+// Package agentapi is the local API of ftagent, HTTP/JSON on a unix socket, and its client (ftctl,
+// ftwrap). The server answers from a Backend (the agent) with what the caller may see: callers are
+// identified by SO_PEERCRED (creds.go), root sees and may do anything, another uid sees and acts on its
+// own jobs only, and every user's share of the agent (connections, request sizes and times, checkpoints
+// asked for) is bounded.
+package agentapi
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -12,88 +16,40 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"sort"
 	"strconv"
-	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/ckpt"
-	"github.com/ftkit/ftkit/internal/version"
 	"github.com/ftkit/ftkit/ring"
 	"github.com/ftkit/ftkit/shim"
 )
 
-// The local API is HTTP/JSON on a unix socket. Callers are identified by SO_PEERCRED, never by anything
-// they send: root may do anything, another uid sees and acts on its own jobs only.
-
-type credKey struct{}
-
-// withCaller records the caller's credentials in a request's context, as read from its connection.
-func withCaller(ctx context.Context, cred *unix.Ucred) context.Context {
-	return context.WithValue(ctx, credKey{}, cred)
+// Backend is what the API serves: the agent. Each method takes the caller's uid and shows or acts on only
+// what that uid may (everything for root); a job another uid may not see is agent.ErrNoJob.
+type Backend interface {
+	Status(uid uint32) agent.Status
+	Jobs(uid uint32) []agent.Job
+	// Job returns a job and a channel closed at its next change (for long polls).
+	Job(id string, uid uint32) (agent.Job, <-chan struct{}, error)
+	StartJob(ctx context.Context, spec agent.JobSpec, uid, gid uint32) (*agent.Job, error)
+	Checkpoint(ctx context.Context, jobs []string, uid uint32) ([]agent.SnapshotResult, error)
+	// CheckpointFloor is the shortest time between two checkpoints a non-root uid may ask for.
+	CheckpointFloor() time.Duration
+	Snapshots(job string, uid uint32) ([]*ckpt.Manifest, error)
+	Restore(ctx context.Context, req agent.RestoreRequest, uid uint32) (*agent.Job, error)
+	AddSpare(ctx context.Context, req agent.SpareRequest) (ring.View, error)
+	Events(uid uint32) []*agent.Failure
+	LoggedConns() []agent.LoggedConn
 }
 
-// peerCred reads the connecting process's credentials from a unix socket.
-func peerCred(c net.Conn) (*unix.Ucred, error) {
-	uc, ok := c.(*net.UnixConn)
-	if !ok {
-		return nil, errors.New("not a unix socket")
-	}
-	raw, err := uc.SyscallConn()
-	if err != nil {
-		return nil, err
-	}
-	var cred *unix.Ucred
-	var cerr error
-	if err := raw.Control(func(fd uintptr) {
-		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
-	}); err != nil {
-		return nil, err
-	}
-	return cred, cerr
-}
+var _ Backend = (*agent.Agent)(nil)
 
-func callerOf(r *http.Request) *unix.Ucred {
-	c, _ := r.Context().Value(credKey{}).(*unix.Ucred)
-	return c
-}
-
-// Status is what GET /v1/status returns.
-type Status struct {
-	Node      string        `json:"node"`
-	Role      Role          `json:"role"`
-	Protector string        `json:"protector,omitempty"`
-	Mode      Mode          `json:"mode"`
-	Interval  string        `json:"interval"`
-	Epoch     uint64        `json:"epoch"` // of the membership view
-	Members   []ring.Member `json:"members"`
-	Busy      string        `json:"busy,omitempty"` // checkpoint or restore in progress
-	Jobs      []Job         `json:"jobs"`
-	Version   string        `json:"version"`
-	CRIU      string        `json:"criu"`
-	Log       *LogStatus    `json:"log,omitempty"`
-}
-
-func (a *Agent) status(uid uint32) Status {
-	v := a.View()
-	self, _ := v.Member(a.cfg.Name)
-	busy, _ := a.busy.Load().(string)
-	s := Status{
-		Node: a.cfg.Name, Role: Role(self.Role), Mode: a.cfg.Checkpoint.Mode, Interval: a.cfg.Checkpoint.Interval.String(),
-		Epoch: v.Epoch, Members: v.Members, Busy: busy, Jobs: a.Jobs(uid), Version: version.Ftkit(), CRIU: a.criu.Binary,
-		Log: a.logStatus(),
-	}
-	if p, ok := v.Protector(a.cfg.Name); ok {
-		s.Protector = p.Name
-	}
-	return s
-}
-
-// apiLimits bound what one client of the local API can hold. The socket is open to every local user and
+// Limits bound what one client of the local API can hold. The socket is open to every local user and
 // the agent runs as root: a user must not be able to pin its goroutines or use up its file descriptors.
-type apiLimits struct {
+type Limits struct {
 	readHeader time.Duration // to send the request line and headers
 	read       time.Duration // to send the whole request (bodies are at most maxBody)
 	idle       time.Duration // a kept-alive connection waiting for its next request
@@ -103,8 +59,8 @@ type apiLimits struct {
 	connsPerUID, conns int
 }
 
-func defaultAPILimits() apiLimits {
-	return apiLimits{readHeader: 10 * time.Second, read: 30 * time.Second, idle: 30 * time.Second,
+func DefaultLimits() Limits {
+	return Limits{readHeader: 10 * time.Second, read: 30 * time.Second, idle: 30 * time.Second,
 		respond: time.Minute, connsPerUID: 128, conns: 1024}
 }
 
@@ -151,18 +107,18 @@ func readBody(h http.Handler) http.Handler {
 	})
 }
 
-// routes is the local API, refusing every request whose caller's credentials are unknown.
-func (a *Agent) routes(lim apiLimits) http.Handler {
+// Handler is the local API served from a, refusing every request whose caller's credentials are unknown.
+func Handler(a Backend, lim Limits) http.Handler {
 	mux := http.NewServeMux()
 	handle := func(pattern string, h http.HandlerFunc) { mux.HandleFunc(pattern, bounded(lim.respond, h)) }
 	handle("GET /v1/status", func(w http.ResponseWriter, r *http.Request) {
-		writeJSON(w, http.StatusOK, a.status(callerOf(r).Uid))
+		writeJSON(w, http.StatusOK, a.Status(callerOf(r).Uid))
 	})
 	handle("GET /v1/jobs", func(w http.ResponseWriter, r *http.Request) {
 		writeJSON(w, http.StatusOK, a.Jobs(callerOf(r).Uid))
 	})
 	handle("POST /v1/jobs", func(w http.ResponseWriter, r *http.Request) {
-		var spec JobSpec
+		var spec agent.JobSpec
 		if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxBody)).Decode(&spec); err != nil {
 			writeError(w, http.StatusBadRequest, fmt.Errorf("job spec: %w", err))
 			return
@@ -203,7 +159,7 @@ func (a *Agent) routes(lim apiLimits) http.Handler {
 				writeError(w, http.StatusNotFound, err)
 				return
 			}
-			if j.State != JobRunning {
+			if j.State != agent.JobRunning {
 				writeJSON(w, http.StatusOK, j)
 				return
 			}
@@ -217,7 +173,7 @@ func (a *Agent) routes(lim apiLimits) http.Handler {
 			}
 		}
 	})
-	gate := newCheckpointGate(a.cfg.Checkpoint.MinInterval.Duration)
+	gate := newCheckpointGate(a.CheckpointFloor())
 	mux.HandleFunc("POST /v1/checkpoint", bounded(0, func(w http.ResponseWriter, r *http.Request) {
 		var req CheckpointRequest
 		if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxBody)).Decode(&req); err != nil {
@@ -236,11 +192,11 @@ func (a *Agent) routes(lim apiLimits) http.Handler {
 		if wait, ok := gate.allow(uid, time.Now()); !ok {
 			w.Header().Set("Retry-After", strconv.Itoa(int(wait.Round(time.Second)/time.Second)+1))
 			writeError(w, http.StatusTooManyRequests, fmt.Errorf("uid %d may ask for a checkpoint once every %s (checkpoint.min_interval): retry in %s",
-				uid, a.cfg.Checkpoint.MinInterval, wait.Round(time.Millisecond)))
+				uid, a.CheckpointFloor(), wait.Round(time.Millisecond)))
 			return
 		}
 		res, err := a.Checkpoint(r.Context(), req.Jobs, uid)
-		if errors.Is(err, ErrNoJob) {
+		if errors.Is(err, agent.ErrNoJob) {
 			writeError(w, http.StatusNotFound, err)
 			return
 		}
@@ -266,16 +222,16 @@ func (a *Agent) routes(lim apiLimits) http.Handler {
 		writeJSON(w, http.StatusOK, ms)
 	})
 	mux.HandleFunc("POST /v1/restore", bounded(0, func(w http.ResponseWriter, r *http.Request) {
-		var req RestoreRequest
+		var req agent.RestoreRequest
 		if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxBody)).Decode(&req); err != nil || req.Snapshot == "" {
 			writeError(w, http.StatusBadRequest, fmt.Errorf("restore request needs a snapshot id: %v", err))
 			return
 		}
 		j, err := a.Restore(r.Context(), req, callerOf(r).Uid)
 		switch {
-		case errors.Is(err, ErrNoJob) || errors.Is(err, ckpt.ErrNotFound):
+		case errors.Is(err, agent.ErrNoJob) || errors.Is(err, ckpt.ErrNotFound):
 			writeError(w, http.StatusNotFound, err)
-		case errors.Is(err, ErrCorruptSnapshot) || errors.Is(err, ErrJobAlive):
+		case errors.Is(err, agent.ErrCorruptSnapshot) || errors.Is(err, agent.ErrJobAlive):
 			writeError(w, http.StatusConflict, err)
 		case err != nil:
 			writeError(w, http.StatusInternalServerError, err)
@@ -288,7 +244,7 @@ func (a *Agent) routes(lim apiLimits) http.Handler {
 			writeError(w, http.StatusForbidden, errors.New("registering a spare changes the cluster: root only"))
 			return
 		}
-		var req SpareRequest
+		var req agent.SpareRequest
 		if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 4096)).Decode(&req); err != nil {
 			writeError(w, http.StatusBadRequest, fmt.Errorf("spare request: %w", err))
 			return
@@ -301,12 +257,7 @@ func (a *Agent) routes(lim apiLimits) http.Handler {
 		writeJSON(w, http.StatusOK, v)
 	})
 	handle("GET /v1/events", func(w http.ResponseWriter, r *http.Request) {
-		uid := callerOf(r).Uid
-		if uid == 0 {
-			writeJSON(w, http.StatusOK, a.Failures())
-			return
-		}
-		writeJSON(w, http.StatusOK, failuresFor(a.Failures(), a.ownerOf(uid)))
+		writeJSON(w, http.StatusOK, a.Events(callerOf(r).Uid))
 	})
 	handle("GET /v1/log/conns", func(w http.ResponseWriter, r *http.Request) {
 		if callerOf(r).Uid != 0 {
@@ -315,6 +266,9 @@ func (a *Agent) routes(lim apiLimits) http.Handler {
 		}
 		writeJSON(w, http.StatusOK, a.LoggedConns())
 	})
+	// Unbounded like a long poll: a followed output lasts as long as the job (the per-uid connection
+	// limit caps how many one user holds).
+	mux.HandleFunc("GET /v1/jobs/{id}/output", bounded(0, func(w http.ResponseWriter, r *http.Request) { serveOutput(a, w, r) }))
 	handle("POST /v1/jobs/{id}/signal", func(w http.ResponseWriter, r *http.Request) {
 		var req struct {
 			Signal int `json:"signal"`
@@ -328,7 +282,7 @@ func (a *Agent) routes(lim apiLimits) http.Handler {
 			writeError(w, http.StatusNotFound, err)
 			return
 		}
-		if j.State != JobRunning {
+		if j.State != agent.JobRunning {
 			writeError(w, http.StatusConflict, fmt.Errorf("job %s is %s", j.ID, j.State))
 			return
 		}
@@ -346,9 +300,8 @@ func (a *Agent) routes(lim apiLimits) http.Handler {
 	return requireCred(readBody(mux))
 }
 
-// serveLocal listens on the configured unix socket until ctx ends.
-func (a *Agent) serveLocal(ctx context.Context) (*http.Server, error) {
-	path := a.cfg.Socket
+// Listen serves b's local API on the unix socket at path until ctx ends or the server is closed.
+func Listen(ctx context.Context, path string, b Backend, log *slog.Logger) (*http.Server, error) {
 	// A socket file left by a crashed agent: remove it only if nobody answers on it.
 	if c, err := net.Dial("unix", path); err == nil {
 		c.Close()
@@ -364,22 +317,22 @@ func (a *Agent) serveLocal(ctx context.Context) (*http.Server, error) {
 		ln.Close()
 		return nil, err
 	}
-	lim := defaultAPILimits()
-	srv := a.localServer(ctx, lim)
+	lim := DefaultLimits()
+	srv := newServer(ctx, b, lim, log)
 	go func() {
-		if err := srv.Serve(newCredListener(ln, lim, a.log)); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			a.log.Error("local API stopped", "err", err)
+		if err := srv.Serve(newCredListener(ln, lim, log)); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.Error("local API stopped", "err", err)
 		}
 	}()
-	a.log.Info("local API listening", "socket", path)
+	log.Info("local API listening", "socket", path)
 	return srv, nil
 }
 
-// localServer is the local API's HTTP server; it serves a credListener, whose connections carry the
+// newServer is the local API's HTTP server; it serves a credListener, whose connections carry the
 // caller's credentials.
-func (a *Agent) localServer(ctx context.Context, lim apiLimits) *http.Server {
+func newServer(ctx context.Context, b Backend, lim Limits, log *slog.Logger) *http.Server {
 	return &http.Server{
-		Handler:           a.routes(lim),
+		Handler:           Handler(b, lim),
 		ReadHeaderTimeout: lim.readHeader,
 		// Covers the body too; once a handler has read the body, net/http lifts the read deadline to
 		// watch for the client going away, so long polls and long restores are not cut by it.
@@ -389,23 +342,13 @@ func (a *Agent) localServer(ctx context.Context, lim apiLimits) *http.Server {
 		BaseContext:  func(net.Listener) context.Context { return ctx },
 		ConnContext: func(ctx context.Context, c net.Conn) context.Context {
 			if pc, ok := c.(*credConn); ok && pc.cred != nil {
-				return withCaller(ctx, pc.cred)
+				return WithCaller(ctx, pc.cred)
 			}
 			// No credentials, no access: requireCred refuses every request.
 			return ctx
 		},
-		ErrorLog: slog.NewLogLogger(a.log.Handler(), slog.LevelWarn), // accept errors: out of descriptors, say
+		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn), // accept errors: out of descriptors, say
 	}
-}
-
-func requireCred(h http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if callerOf(r) == nil {
-			writeError(w, http.StatusForbidden, errors.New("caller credentials unavailable"))
-			return
-		}
-		h.ServeHTTP(w, r)
-	})
 }
 
 // apiError is the body of every non-2xx answer.
@@ -423,10 +366,6 @@ func writeError(w http.ResponseWriter, code int, err error) {
 	writeJSON(w, code, apiError{Error: err.Error()})
 }
 
-func sortJobs(js []Job) {
-	sort.Slice(js, func(a, b int) bool { return js[a].Created.Before(js[b].Created) })
-}
-
 // CheckpointRequest asks for snapshots of the given jobs now (all of the host's if empty).
 type CheckpointRequest struct {
 	Jobs []string `json:"jobs,omitempty"`
@@ -434,8 +373,8 @@ type CheckpointRequest struct {
 
 // CheckpointReply lists the snapshots taken; Error reports the jobs that failed, if any.
 type CheckpointReply struct {
-	Results []SnapshotResult `json:"results"`
-	Error   string           `json:"error,omitempty"`
+	Results []agent.SnapshotResult `json:"results"`
+	Error   string                 `json:"error,omitempty"`
 }
 
 func errString(err error) string {
@@ -443,207 +382,4 @@ func errString(err error) string {
 		return ""
 	}
 	return err.Error()
-}
-
-// credListener reads each connection's SO_PEERCRED at accept and caps the connections of non-root uids.
-// A connection over the cap is refused on a goroutine of its own, so that one user's flood never blocks the
-// accept loop for another.
-type credListener struct {
-	net.Listener
-	lim      apiLimits
-	log      *slog.Logger
-	refusing chan struct{} // a slot per connection being refused
-	mu       sync.Mutex
-	byUID    map[uint32]int
-	total    int
-	refused  int       // since the last warning
-	warned   time.Time // of the last warning
-}
-
-// maxRefusing bounds the connections being answered with a refusal at once; beyond, they are just closed.
-const maxRefusing = 32
-
-func newCredListener(ln net.Listener, lim apiLimits, log *slog.Logger) *credListener {
-	return &credListener{Listener: ln, lim: lim, log: log, byUID: map[uint32]int{}, refusing: make(chan struct{}, maxRefusing)}
-}
-
-// credConn is an accepted connection with its caller's credentials (nil if unreadable).
-type credConn struct {
-	net.Conn
-	cred    *unix.Ucred
-	release func()
-	once    sync.Once
-}
-
-func (c *credConn) Close() error {
-	c.once.Do(c.release)
-	return c.Conn.Close()
-}
-
-func (l *credListener) Accept() (net.Conn, error) {
-	for {
-		c, err := l.Listener.Accept()
-		if err != nil {
-			return nil, err
-		}
-		cred, err := peerCred(c)
-		if err != nil {
-			// Served, and refused per request by requireCred: the client learns why.
-			l.log.Warn("local API: caller credentials unavailable", "err", err)
-			return &credConn{Conn: c, release: func() {}}, nil
-		}
-		if err := l.acquire(cred.Uid); err != nil {
-			select {
-			case l.refusing <- struct{}{}:
-				go func() {
-					defer func() { <-l.refusing }()
-					refuse(c, err)
-				}()
-			default:
-				c.Close()
-			}
-			continue
-		}
-		return &credConn{Conn: c, cred: cred, release: func() { l.release(cred.Uid) }}, nil
-	}
-}
-
-// acquire counts a connection of uid, or says why it is over the limits.
-func (l *credListener) acquire(uid uint32) error {
-	if uid == 0 {
-		return nil
-	}
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	var err error
-	switch {
-	case l.byUID[uid] >= l.lim.connsPerUID:
-		err = fmt.Errorf("uid %d already has %d connections to the agent, its limit: close some", uid, l.byUID[uid])
-	case l.total >= l.lim.conns:
-		err = fmt.Errorf("the agent already serves %d connections of users, its limit: retry later", l.total)
-	default:
-		l.byUID[uid]++
-		l.total++
-		return nil
-	}
-	// A flood of refusals must not flood the log too.
-	if l.refused++; time.Since(l.warned) >= 10*time.Second {
-		l.log.Warn("local API: connections refused", "count", l.refused, "last_uid", uid, "err", err)
-		l.refused, l.warned = 0, time.Now()
-	}
-	return err
-}
-
-func (l *credListener) release(uid uint32) {
-	if uid == 0 {
-		return
-	}
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.byUID[uid]--; l.byUID[uid] <= 0 {
-		delete(l.byUID, uid)
-	}
-	l.total--
-}
-
-// refuse answers a connection that is over the limits with a 503 and closes it. The request is read
-// first (briefly, and only its head): an HTTP client that gets an answer before it has sent its request
-// reports a broken pipe instead of the reason.
-func refuse(c net.Conn, why error) {
-	defer c.Close()
-	c.SetDeadline(time.Now().Add(time.Second))
-	if _, err := http.ReadRequest(bufio.NewReader(io.LimitReader(c, 16<<10))); err != nil {
-		return
-	}
-	body, _ := json.Marshal(apiError{Error: why.Error()})
-	fmt.Fprintf(c, "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s", len(body), body)
-}
-
-// checkpointGate spaces the manual checkpoints each non-root uid asks for by checkpoint.min_interval: the
-// floor on job intervals would mean little if any user could ask for a dump in a loop.
-type checkpointGate struct {
-	every time.Duration
-	mu    sync.Mutex
-	last  map[uint32]time.Time
-}
-
-func newCheckpointGate(every time.Duration) *checkpointGate {
-	return &checkpointGate{every: every, last: map[uint32]time.Time{}}
-}
-
-// allow records a request of uid at now, or says how long it must wait.
-func (g *checkpointGate) allow(uid uint32, now time.Time) (time.Duration, bool) {
-	if uid == 0 {
-		return 0, true
-	}
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	for u, t := range g.last { // the map holds at most the uids of the last interval
-		if now.Sub(t) >= g.every {
-			delete(g.last, u)
-		}
-	}
-	if t, ok := g.last[uid]; ok {
-		return g.every - now.Sub(t), false
-	}
-	g.last[uid] = now
-	return 0, true
-}
-
-// failuresFor is what a non-root caller may see of the failure timelines: those that concern at least one
-// of its jobs, reduced to its jobs. Other users' job ids, the stages of their jobs and the errors naming
-// them are left out; node-level stages keep where and when (who failed, who detected it, where its jobs
-// went: the membership view every user can read says as much) without their details.
-func failuresFor(all []*Failure, owns func(job string) bool) []*Failure {
-	out := []*Failure{}
-	for _, f := range all {
-		var jobs []string
-		for _, j := range f.Jobs {
-			if owns(j) {
-				jobs = append(jobs, j)
-			}
-		}
-		if len(jobs) == 0 {
-			continue
-		}
-		c := *f
-		c.Jobs = jobs
-		c.Stages = nil
-		for _, st := range f.Stages {
-			switch {
-			case st.Job == "":
-				c.Stages = append(c.Stages, Stage{Name: st.Name, Host: st.Host, Start: st.Start, End: st.End})
-			case owns(st.Job):
-				c.Stages = append(c.Stages, st)
-			}
-		}
-		if c.Error != "" && len(jobs) < len(f.Jobs) {
-			c.Error = "the recovery of some jobs failed or is incomplete; ask the administrator for details"
-		}
-		out = append(out, &c)
-	}
-	return out
-}
-
-// ownerOf tells whether uid owns a job: one this host runs or ran, or one of whose snapshots it holds
-// (the protector that handled a failure holds the failed node's replicas; its spare runs the jobs).
-func (a *Agent) ownerOf(uid uint32) func(job string) bool {
-	mine := map[string]bool{}
-	for _, j := range a.Jobs(uid) {
-		mine[j.ID] = true
-	}
-	return func(job string) bool {
-		if mine[job] {
-			return true
-		}
-		if a.store == nil || ckpt.ValidName(job) != nil {
-			return false
-		}
-		ids, err := a.store.List(job, "")
-		if err != nil || len(ids) == 0 {
-			return false
-		}
-		m, err := a.store.Manifest(job, ids[0])
-		return err == nil && a.ownsSnapshot(m, uid)
-	}
 }
