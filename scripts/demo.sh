@@ -20,7 +20,7 @@ NODES=4
 ITERS=${ITERS:-400}
 DELAY=${DELAY:-15ms}
 WORK=$(mktemp -d /tmp/ftkit-demo.XXXXXX)
-lab() { "$BIN/ftctl" lab --id "$ID" "$@"; }
+lab() { "$BIN/ftctl" lab --lab "$ID" "$@"; }
 ctl() { "$BIN/ftctl" --lab "$ID" "$@"; }
 sock() { echo "/run/ftkit/labs/$ID.d/$1/agent.sock"; }
 now() { date +%s.%N; }

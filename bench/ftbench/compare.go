@@ -270,7 +270,7 @@ func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compare
 func withLab(ctx context.Context, log *slog.Logger, sz compareSize, agentBin string, fn func(*lab.Lab, *labcluster.Cluster) error) (err error) {
 	l, err := lab.Up(ctx, lab.Config{ID: cmpLabID, Nodes: sz.Ranks, Spares: 1, Subnet: cmpSubnet}, lab.Options{Logger: log})
 	if err != nil {
-		return fmt.Errorf("lab up (if a previous run left it, `ftctl lab down --id %s`): %w", cmpLabID, err)
+		return fmt.Errorf("lab up (if a previous run left it, `ftctl lab down --lab %s`): %w", cmpLabID, err)
 	}
 	defer func() {
 		if derr := l.Down(context.WithoutCancel(ctx)); derr != nil {

@@ -96,6 +96,15 @@ func (t *target) one() (hostClient, error) {
 	return cs[0], nil
 }
 
+// onHost names the lab host an error came from (nothing when the target is one socket: its client's
+// errors name the socket).
+func onHost(host string, err error) error {
+	if host == "" {
+		return err
+	}
+	return fmt.Errorf("%s: %w", host, err)
+}
+
 func agentErr(err error) error {
 	switch {
 	case errors.Is(err, agentapi.ErrAgentUnavailable):
@@ -129,18 +138,22 @@ up, every live host is shown.`,
 			}
 			var all []hostStatus
 			var snaps []*ckpt.Manifest
+			var unreachable []error
 			for _, c := range cs {
 				st, err := c.client.Status(cmd.Context())
 				if err != nil {
 					all = append(all, hostStatus{Status: agent.Status{Node: c.host}, Error: err.Error()})
+					unreachable = append(unreachable, onHost(c.host, err))
 					continue
 				}
 				ms, _ := c.client.Snapshots(cmd.Context(), "")
 				snaps = append(snaps, ms...)
 				all = append(all, hostStatus{Status: st, Snapshots: ms})
 			}
+			// An unreachable agent is shown, and is a failure: a script must not take it for a healthy host.
+			down := cli.WithCode(cli.ExitUnavailable, errors.Join(unreachable...))
 			if asJSON {
-				return cli.PrintJSON(cmd.OutOrStdout(), all)
+				return errors.Join(cli.PrintJSON(cmd.OutOrStdout(), all), down)
 			}
 			w := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
 			fmt.Fprintln(w, "HOST\tROLE\tPROTECTOR\tMODE\tINTERVAL\tJOBS\tAGENT")
@@ -220,7 +233,10 @@ up, every live host is shown.`,
 						time.Since(last.Created).Round(time.Second), humanBytes(last.TotalSize()), dash(strings.Join(last.Replicas, ",")))
 				}
 			}
-			return w.Flush()
+			if err := w.Flush(); err != nil {
+				return err
+			}
+			return down
 		},
 	}
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
@@ -306,7 +322,7 @@ func newSnapshotsCmd(t *target) *cobra.Command {
 			for _, c := range cs {
 				ms, err := c.client.Snapshots(cmd.Context(), job)
 				if err != nil {
-					return agentErr(fmt.Errorf("%s: %w", c.host, err))
+					return agentErr(onHost(c.host, err))
 				}
 				for _, m := range ms {
 					all = append(all, held{Host: c.host, Manifest: m})
@@ -356,7 +372,7 @@ It fails if a snapshot could not be taken or did not reach the protector.`,
 					mine = nil
 					js, err := c.client.Jobs(cmd.Context())
 					if err != nil {
-						errs = append(errs, fmt.Errorf("%s: %w", c.host, err))
+						errs = append(errs, onHost(c.host, err))
 						continue
 					}
 					for _, j := range js {
@@ -372,7 +388,7 @@ It fails if a snapshot could not be taken or did not reach the protector.`,
 				}
 				reply, err := c.client.Checkpoint(cmd.Context(), mine...)
 				if err != nil {
-					errs = append(errs, fmt.Errorf("%s: %w", c.host, err))
+					errs = append(errs, onHost(c.host, err))
 					continue
 				}
 				if reply.Error != "" {

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"sort"
@@ -9,7 +10,6 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/ftkit/ftkit/agent"
-	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/internal/cli"
 )
 
@@ -28,11 +28,11 @@ host answers; with a lab, the copies of all live hosts are merged.`,
 				return err
 			}
 			byID := map[string]*agent.Failure{}
-			var errs int
+			var errs []error
 			for _, c := range cs {
 				fs, err := c.client.Events(cmd.Context())
 				if err != nil {
-					errs++
+					errs = append(errs, onHost(c.host, err))
 					continue
 				}
 				for _, f := range fs {
@@ -41,8 +41,8 @@ host answers; with a lab, the copies of all live hosts are merged.`,
 					}
 				}
 			}
-			if errs == len(cs) {
-				return agentErr(fmt.Errorf("no agent answered: %w", agentapi.ErrAgentUnavailable))
+			if len(errs) == len(cs) { // each error names the socket it tried
+				return agentErr(fmt.Errorf("no agent answered: %w", errors.Join(errs...)))
 			}
 			all := make([]*agent.Failure, 0, len(byID))
 			for _, f := range byID {

@@ -90,7 +90,7 @@ func TestLabEndToEnd(t *testing.T) {
 	id := fmt.Sprintf("e%05x", rand.Uint32()&0xfffff)
 	subnet := fmt.Sprintf("10.%d.%d.0/24", 210+rand.IntN(40), rand.IntN(256))
 	ftctlCmd := func(args ...string) *exec.Cmd {
-		return exec.Command(ftctl, append([]string{"lab", "--id", id}, args...)...)
+		return exec.Command(ftctl, append([]string{"lab", "--lab", id}, args...)...)
 	}
 	run := func(args ...string) string {
 		t.Helper()

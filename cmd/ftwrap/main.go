@@ -82,6 +82,8 @@ func wrap(ctx context.Context, log *slog.Logger, c *agentapi.Client, spec agent.
 		return cli.WithCode(125, err)
 	}
 	log.Debug("job started", "job", job.ID, "node", job.Node, "pid", job.PID)
+	// One line, on stderr and before the job's own output, so that its stdout stays the program's alone.
+	fmt.Fprintf(os.Stderr, "ftwrap: job %s on %s\n", job.ID, job.Node)
 
 	// Ctrl-C and SIGTERM go to the job; a second one kills it.
 	sigs := make(chan os.Signal, 2)
