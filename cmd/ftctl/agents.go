@@ -152,6 +152,9 @@ up, every live host is shown.`,
 			}
 			// An unreachable agent is shown, and is a failure: a script must not take it for a healthy host.
 			down := cli.WithCode(cli.ExitUnavailable, errors.Join(unreachable...))
+			if len(unreachable) == len(cs) && !asJSON {
+				return down // nothing to show but the error
+			}
 			if asJSON {
 				return errors.Join(cli.PrintJSON(cmd.OutOrStdout(), all), down)
 			}

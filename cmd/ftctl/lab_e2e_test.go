@@ -19,6 +19,7 @@ import (
 
 	"github.com/vishvananda/netlink"
 
+	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labtest"
 )
@@ -30,6 +31,8 @@ func TestMain(m *testing.M) {
 		os.Exit(echoServer(os.Getenv("FTKIT_E2E_ADDR")))
 	case "echo-client":
 		os.Exit(echoClient(os.Getenv("FTKIT_E2E_ADDR")))
+	case "ftctl":
+		os.Exit(cli.Main(newRoot()))
 	}
 	os.Exit(m.Run())
 }
