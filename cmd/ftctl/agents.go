@@ -96,6 +96,22 @@ func (t *target) one() (hostClient, error) {
 	return cs[0], nil
 }
 
+// hostName is how progress lines name an agent: its lab host, else its socket.
+func hostName(c hostClient) string {
+	if c.host != "" {
+		return c.host
+	}
+	return c.client.Socket()
+}
+
+// jobsNamed says which jobs a checkpoint asks for.
+func jobsNamed(jobs []string) string {
+	if len(jobs) == 0 {
+		return "every running job"
+	}
+	return "job(s) " + strings.Join(jobs, ", ")
+}
+
 // onHost names the lab host an error came from (nothing when the target is one socket: its client's
 // errors name the socket).
 func onHost(host string, err error) error {
@@ -366,6 +382,7 @@ It fails if a snapshot could not be taken or did not reach the protector.`,
 			if err != nil {
 				return err
 			}
+			progress := cli.NewProgress(cmd.ErrOrStderr(), asJSON)
 			var all []agent.SnapshotResult
 			var errs []error
 			for _, c := range cs {
@@ -389,6 +406,7 @@ It fails if a snapshot could not be taken or did not reach the protector.`,
 						continue
 					}
 				}
+				progress.Stage("%s: snapshotting %s and shipping to the protector", hostName(c), jobsNamed(mine))
 				reply, err := c.client.Checkpoint(cmd.Context(), mine...)
 				if err != nil {
 					errs = append(errs, onHost(c.host, err))
@@ -453,6 +471,8 @@ fail-over with log replay; this command restores the job's own state only.`,
 			}
 			ctx, cancel := context.WithTimeout(cmd.Context(), 15*time.Minute)
 			defer cancel()
+			progress := cli.NewProgress(cmd.ErrOrStderr(), asJSON)
+			progress.Stage("%s: restoring from snapshot %s (fetched from a holder if this host lacks it, then verified)", hostName(c), req.Snapshot)
 			j, err := c.client.Restore(ctx, req)
 			if err != nil {
 				return agentErr(err)

@@ -104,6 +104,8 @@ spares from .101). Refuses if a lab with this id exists or the subnet is in use 
 			if err != nil {
 				return err
 			}
+			progress := cli.NewProgress(cmd.ErrOrStderr(), asJSON)
+			progress.Stage("lab %s: creating the bridge and %d host namespaces", f.id, nodes+spares)
 			l, err := lab.Up(cmd.Context(), lab.Config{ID: f.id, Nodes: nodes, Spares: spares, Subnet: prefix}, opts)
 			if errors.Is(err, lab.ErrExists) || errors.Is(err, lab.ErrSubnetInUse) {
 				return cli.WithCode(cli.ExitUnavailable, err)
@@ -112,6 +114,7 @@ spares from .101). Refuses if a lab with this id exists or the subnet is in use 
 				return err
 			}
 			if !noAgents {
+				progress.Stage("lab %s: starting an agent in each host and waiting for all to answer", f.id)
 				if err := startAgents(cmd.Context(), l, agentBin, interval, mode); err != nil {
 					if derr := l.Down(context.WithoutCancel(cmd.Context())); derr != nil {
 						err = errors.Join(err, derr)
@@ -119,6 +122,7 @@ spares from .101). Refuses if a lab with this id exists or the subnet is in use 
 					return err
 				}
 			}
+			progress.Stage("lab %s: up", f.id)
 			return printStatus(cmd.OutOrStdout(), l.Status(), asJSON)
 		},
 	}
