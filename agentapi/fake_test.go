@@ -2,7 +2,6 @@ package agentapi
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
@@ -153,13 +152,4 @@ func call(t *testing.T, h http.Handler, cred *unix.Ucred, method, path, body str
 	w := httptest.NewRecorder()
 	h.ServeHTTP(w, r)
 	return w
-}
-
-func decode[T any](t *testing.T, w *httptest.ResponseRecorder) T {
-	t.Helper()
-	var v T
-	if err := json.Unmarshal(w.Body.Bytes(), &v); err != nil {
-		t.Fatalf("answer %d %q: %v", w.Code, w.Body.String(), err)
-	}
-	return v
 }
