@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"log/slog"
 	"os"
@@ -22,6 +23,7 @@ import (
 	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/internal/jobfs"
 	"github.com/ftkit/ftkit/metrics"
+	"github.com/ftkit/ftkit/shim"
 	"github.com/ftkit/ftkit/spare"
 )
 
@@ -226,8 +228,8 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 	}
 	// Logged from its first byte: the cgroup is protected before the job can open a socket.
 	a.protect(j)
-	pid, err := startShim(ctx, a.self, ShimSpec{
-		JobID: id, Mode: ShimStart, Argv: spec.Argv, Env: spec.Env, Dir: spec.Dir, UID: uid, GID: gid,
+	pid, err := shim.Launch(ctx, a.self, shim.Spec{
+		JobID: id, Mode: shim.ModeStart, Argv: spec.Argv, Env: spec.Env, Dir: spec.Dir, UID: uid, GID: gid,
 		Stdout: j.StdoutPath(), Stderr: j.StderrPath(), Cgroup: j.Cgroup, ExitFile: j.ExitPath(), Node: a.cfg.Name,
 	}, a.shimLog(id))
 	if err != nil {
@@ -291,7 +293,7 @@ func (a *Agent) watchJobs(ctx context.Context) {
 		}
 		a.mu.Unlock()
 		for _, j := range running {
-			st, err := ReadExit(j.ExitPath())
+			st, err := shim.ReadExit(j.ExitPath())
 			switch {
 			case err == nil:
 				a.finish(j, JobExited, st)
@@ -311,7 +313,7 @@ func (a *Agent) watchJobs(ctx context.Context) {
 	})
 }
 
-func (a *Agent) finish(j *Job, state JobState, st *ExitStatus) {
+func (a *Agent) finish(j *Job, state JobState, st *shim.ExitStatus) {
 	a.mu.Lock()
 	j.State, j.Exit = state, st
 	err := a.jobs.save(j)
@@ -339,15 +341,19 @@ func alive(pid int) bool {
 	return pid > 0 && unix.Kill(pid, 0) != unix.ESRCH
 }
 
+// LocalAPI starts the host's local API (package agentapi) over the agent. Run starts it once the jobs a
+// previous agent left are adopted, and closes it when it returns.
+type LocalAPI func(ctx context.Context, a *Agent) (io.Closer, error)
+
 // Run adopts the jobs a previous agent left, then serves until ctx ends. Jobs keep running when the agent
 // stops: their shims are independent processes.
-func (a *Agent) Run(ctx context.Context) error {
+func (a *Agent) Run(ctx context.Context, local LocalAPI) error {
 	adopted, err := a.adopt()
 	if err != nil {
 		a.log.Error("some job records could not be read", "err", err)
 	}
 	go a.resumeRecoveries(ctx)
-	srv, err := a.serveLocal(ctx)
+	srv, err := local(ctx, a)
 	if err != nil {
 		return err
 	}

@@ -6,18 +6,17 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
 	"regexp"
 	"sort"
 	"strings"
-	"syscall"
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/internal/atomicfile"
+	"github.com/ftkit/ftkit/shim"
 )
 
 // JobState is where a job is in its life.
@@ -41,18 +40,18 @@ type JobSpec struct {
 
 // Job is the agent's record of a protected job on this host, kept in <state_dir>/jobs/<id>.json.
 type Job struct {
-	ID       string      `json:"id"`
-	Spec     JobSpec     `json:"spec"`
-	UID      uint32      `json:"uid"`
-	GID      uint32      `json:"gid"`
-	Node     string      `json:"node"`
-	PID      int         `json:"pid"` // host PID of the job's root (its PID-namespace init)
-	State    JobState    `json:"state"`
-	Exit     *ExitStatus `json:"exit,omitempty"`
-	Created  time.Time   `json:"created"`
-	Cgroup   string      `json:"cgroup"`
-	Dir      string      `json:"dir"` // cluster-wide job directory: stdout, stderr, exit
-	Restored string      `json:"restored_from,omitempty"`
+	ID       string           `json:"id"`
+	Spec     JobSpec          `json:"spec"`
+	UID      uint32           `json:"uid"`
+	GID      uint32           `json:"gid"`
+	Node     string           `json:"node"`
+	PID      int              `json:"pid"` // host PID of the job's root (its PID-namespace init)
+	State    JobState         `json:"state"`
+	Exit     *shim.ExitStatus `json:"exit,omitempty"`
+	Created  time.Time        `json:"created"`
+	Cgroup   string           `json:"cgroup"`
+	Dir      string           `json:"dir"` // cluster-wide job directory: stdout, stderr, exit
+	Restored string           `json:"restored_from,omitempty"`
 	// Replica is the job's newest snapshot that reached a protector; nil until the first one has.
 	Replica *Replica `json:"replica,omitempty"`
 	// Incarnation counts the job's restores: 0 as started, k+1 once restored from a snapshot of incarnation
@@ -246,40 +245,4 @@ func (s jobStore) all() ([]*Job, error) {
 	}
 	sort.Slice(jobs, func(a, b int) bool { return jobs[a].Created.Before(jobs[b].Created) })
 	return jobs, errors.Join(errs...)
-}
-
-// maxExitRecord bounds what ReadExit reads: a record is about 100 bytes.
-const maxExitRecord = 64 << 10
-
-// ReadExit returns the job's exit record if its shim wrote one. The agent reads it as root, so a link or
-// a FIFO (in a job directory an older agent handed to the user) is refused, not followed or waited on, and
-// so is a record root did not write: the user could forge one there.
-func ReadExit(path string) (*ExitStatus, error) {
-	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK|syscall.O_NOCTTY, 0)
-	if errors.Is(err, syscall.ELOOP) {
-		return nil, fmt.Errorf("exit record %s is a symbolic link: not read", path)
-	}
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	if st, err := f.Stat(); err != nil {
-		return nil, err
-	} else if !st.Mode().IsRegular() {
-		return nil, fmt.Errorf("exit record %s is not a regular file: not read", path)
-	} else if sys, ok := st.Sys().(*syscall.Stat_t); ok && sys.Uid != 0 {
-		return nil, fmt.Errorf("exit record %s belongs to uid %d, so no shim wrote it: not read", path, sys.Uid)
-	}
-	b, err := io.ReadAll(io.LimitReader(f, maxExitRecord+1))
-	if err != nil {
-		return nil, err
-	}
-	if len(b) > maxExitRecord {
-		return nil, fmt.Errorf("exit record %s is larger than %d bytes", path, maxExitRecord)
-	}
-	var st ExitStatus
-	if err := json.Unmarshal(b, &st); err != nil {
-		return nil, fmt.Errorf("exit record %s: %w", path, err)
-	}
-	return &st, nil
 }

@@ -1,14 +1,8 @@
 package agent
 
 import (
-	"errors"
-	"io/fs"
-	"os"
-	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
-	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
 )
@@ -89,58 +83,5 @@ func TestOutputName(t *testing.T) {
 		if name != tc.name || inside != tc.inside {
 			t.Errorf("outputName(%s) = %q, %v; want %q, %v", tc.path, name, inside, tc.name, tc.inside)
 		}
-	}
-}
-
-// The agent polls exit records as root: a link is not followed and a FIFO is not waited on.
-func TestReadExitRefusesLinkAndFIFO(t *testing.T) {
-	dir := t.TempDir()
-	secret := filepath.Join(dir, "secret")
-	if err := os.WriteFile(secret, []byte(`{"code": 77, "node": "forged"}`), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	link := filepath.Join(dir, "exit-link")
-	fifo := filepath.Join(dir, "exit-fifo")
-	if err := os.Symlink(secret, link); err != nil {
-		t.Fatal(err)
-	}
-	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	for _, p := range []string{link, fifo} {
-		done := make(chan error, 1)
-		go func() {
-			st, err := ReadExit(p)
-			if err == nil {
-				err = errors.New("read " + st.Node)
-			} else {
-				err = nil
-			}
-			done <- err
-		}()
-		select {
-		case err := <-done:
-			if err != nil {
-				t.Errorf("ReadExit(%s): %v; want a refusal", p, err)
-			}
-		case <-time.After(30 * time.Second):
-			t.Fatalf("ReadExit(%s) still blocked after 30 s", p)
-		}
-	}
-	if _, err := ReadExit(filepath.Join(dir, "missing")); !errors.Is(err, fs.ErrNotExist) {
-		t.Errorf("missing record: %v, want fs.ErrNotExist (the agent waits for it)", err)
-	}
-	if os.Geteuid() == 0 {
-		forged := filepath.Join(dir, "exit-forged")
-		os.WriteFile(forged, []byte(`{"code": 77, "node": "forged"}`), 0o644)
-		os.Chown(forged, 65534, 65534)
-		if st, err := ReadExit(forged); err == nil {
-			t.Errorf("read a record the job's user wrote: %+v", st)
-		}
-	}
-	good := filepath.Join(dir, "exit")
-	os.WriteFile(good, []byte(`{"code": 3, "node": "n1"}`), 0o644)
-	if st, err := ReadExit(good); err != nil || st.Code != 3 {
-		t.Errorf("ReadExit of a real record: %+v, %v", st, err)
 	}
 }

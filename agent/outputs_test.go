@@ -14,6 +14,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/internal/jobfs"
+	"github.com/ftkit/ftkit/shim"
 )
 
 const testUID = 65534
@@ -320,24 +321,6 @@ func TestCopyOutputsRefusesLinks(t *testing.T) {
 	}
 }
 
-// The shim creates the job's outputs: a link planted at their names is neither followed nor truncated.
-func TestShimRefusesPlantedOutput(t *testing.T) {
-	f := newOutputsFixture(t)
-	p := filepath.Join(f.j.Dir, "stdout")
-	must(t, os.Remove(p))
-	must(t, os.Symlink(f.secret, p))
-	_, err := startJob(ShimSpec{
-		JobID: f.j.ID, Mode: ShimStart, Argv: []string{"/bin/true"}, UID: testUID, GID: testUID,
-		Stdout: p, Stderr: filepath.Join(f.j.Dir, "stderr"), Cgroup: filepath.Join(f.base, "no-such-cgroup"),
-	})
-	if err == nil {
-		t.Fatal("the shim started a job whose stdout was a planted link")
-	}
-	if got, _ := os.ReadFile(f.secret); string(got) != secretContent {
-		t.Errorf("root's file changed: %q", got)
-	}
-}
-
 // finish removes the job's cgroup only if it is this agent's cgroup for the job.
 func TestFinishLeavesForeignCgroup(t *testing.T) {
 	f := newOutputsFixture(t)
@@ -349,13 +332,13 @@ func TestFinishLeavesForeignCgroup(t *testing.T) {
 	must(t, os.Mkdir(victim, 0o755))
 	j := f.j
 	j.Cgroup = victim
-	f.a.finish(&j, JobExited, &ExitStatus{})
+	f.a.finish(&j, JobExited, &shim.ExitStatus{})
 	if _, err := os.Stat(victim); err != nil {
 		t.Errorf("finish removed %s, which is not the job's cgroup here: %v", victim, err)
 	}
 	own := f.j
 	must(t, os.MkdirAll(own.Cgroup, 0o755))
-	f.a.finish(&own, JobExited, &ExitStatus{})
+	f.a.finish(&own, JobExited, &shim.ExitStatus{})
 	if _, err := os.Stat(own.Cgroup); err == nil {
 		t.Errorf("finish left the job's own cgroup %s", own.Cgroup)
 	}

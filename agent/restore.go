@@ -20,6 +20,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt/ship"
 	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/ring"
+	"github.com/ftkit/ftkit/shim"
 )
 
 // RestoreRequest asks an agent to restore a job on its host from a snapshot.
@@ -197,8 +198,8 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 	start := time.Now()
 	if err == nil {
 		a.protect(&j)
-		pid, err = startShim(ctx, a.self, ShimSpec{
-			JobID: j.ID, Mode: ShimRestore, ImagesDir: work, CRIU: a.criu.Binary, ExitFile: j.ExitPath(), Node: a.cfg.Name,
+		pid, err = shim.Launch(ctx, a.self, shim.Spec{
+			JobID: j.ID, Mode: shim.ModeRestore, ImagesDir: work, CRIU: a.criu.Binary, ExitFile: j.ExitPath(), Node: a.cfg.Name,
 		}, a.shimLog(j.ID))
 	}
 	if err != nil {

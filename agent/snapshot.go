@@ -266,7 +266,7 @@ func (a *Agent) Checkpoint(ctx context.Context, ids []string, uid uint32) ([]Sna
 	} else {
 		for _, j := range jobs {
 			// No retry: the one transient failure seen (two parasites racing to mkdir "/proc.crtools", EEXIST)
-			// cannot happen since each job has a /proc of its own (jobinit.go).
+			// cannot happen since each job has a /proc of its own (shim/jobinit.go).
 			m, err := a.snapshot(ctx, j, false)
 			if err != nil {
 				errs = append(errs, fmt.Errorf("job %s: %w", j.ID, err))

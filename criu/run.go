@@ -68,7 +68,7 @@ func (c Client) Dump(ctx context.Context, opts DumpOptions) (DumpStats, error) {
 		FileLocks:      proto.Bool(true),
 		ManageCgroups:  proto.Bool(true),
 		// A job runs in a mount namespace of its own, a copy of the host's with its own /proc (the agent's
-		// shim, jobinit.go): CRIU dumps it, recording every mount it finds in its own namespace (the
+		// shim, shim/jobinit.go): CRIU dumps it, recording every mount it finds in its own namespace (the
 		// host's) as external ("mnt[]"), to be bound again from the restoring host's. Only the job's /proc
 		// is dumped as a mount. A job in the host's namespace (started by an older agent) dumps as before.
 		AutoExtMnt: proto.Bool(true),

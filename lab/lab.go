@@ -110,7 +110,7 @@ func (l *Lab) checkFree() error {
 		}
 	}
 	if _, err := netlink.LinkByName(l.st.Bridge); err == nil {
-		return fmt.Errorf("%w: link %s exists; remove it or run `ftctl lab down --id %s`", ErrExists, l.st.Bridge, l.st.ID)
+		return fmt.Errorf("%w: link %s exists; remove it or run `ftctl lab down --lab %s`", ErrExists, l.st.Bridge, l.st.ID)
 	}
 	for _, h := range l.st.Hosts {
 		if _, err := os.Stat(NetnsPath(h.Namespace)); err == nil {

@@ -21,7 +21,7 @@ ITERS=${ITERS:-400}
 DELAY=${DELAY:-15ms}
 WORK=$(mktemp -d /tmp/ftkit-demo.XXXXXX)
 SVG=${SVG:-$BIN/demo-recovery.svg} # the recovery's timeline, kept after the demo (bin/ is not committed)
-lab() { "$BIN/ftctl" lab --id "$ID" "$@"; }
+lab() { "$BIN/ftctl" lab --lab "$ID" "$@"; }
 ctl() { "$BIN/ftctl" --lab "$ID" "$@"; }
 sock() { echo "/run/ftkit/labs/$ID.d/$1/agent.sock"; }
 now() { date +%s.%N; }

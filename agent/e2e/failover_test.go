@@ -16,6 +16,7 @@ import (
 
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/lab/labcluster"
+	"github.com/ftkit/ftkit/shim"
 )
 
 // ring is one ringstencil run: a rank per node, each a protected job started through its node's agent.
@@ -135,7 +136,7 @@ func (rg *ring) wait(t *testing.T, timeout time.Duration) []string {
 	outs := make([]string, len(rg.jobs))
 	for r, j := range rg.jobs {
 		for {
-			st, err := agent.ReadExit(j.ExitPath())
+			st, err := shim.ReadExit(j.ExitPath())
 			if err == nil {
 				b, _ := os.ReadFile(j.StdoutPath())
 				e, _ := os.ReadFile(j.StderrPath())

@@ -28,8 +28,10 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/lab/labcluster"
+	"github.com/ftkit/ftkit/shim"
 )
 
 // startMatrix runs the failure-free reference of ref, then starts 3 ranks of ref plus extra (flags that do
@@ -72,7 +74,7 @@ func (rg *ring) lastIteration(r int) int {
 func (rg *ring) waitIteration(t *testing.T, r, n int, timeout time.Duration) {
 	t.Helper()
 	for deadline := time.Now().Add(timeout); rg.lastIteration(r) < n; time.Sleep(20 * time.Millisecond) {
-		if _, err := agent.ReadExit(rg.jobs[r].ExitPath()); err == nil {
+		if _, err := shim.ReadExit(rg.jobs[r].ExitPath()); err == nil {
 			t.Fatalf("rank %d ended before iteration %d: make the run longer", r, n)
 		}
 		if time.Now().After(deadline) {
@@ -85,7 +87,7 @@ func (rg *ring) waitIteration(t *testing.T, r, n int, timeout time.Duration) {
 func (rg *ring) requireRunning(t *testing.T) {
 	t.Helper()
 	for r, j := range rg.jobs {
-		if st, err := agent.ReadExit(j.ExitPath()); err == nil {
+		if st, err := shim.ReadExit(j.ExitPath()); err == nil {
 			t.Fatalf("rank %d ended (%+v) before the fault was injected: make the run longer", r, st)
 		}
 	}
@@ -179,7 +181,7 @@ func verifyFiles(t *testing.T, dir string) {
 // if not empty) and returns that failure.
 func waitStage(t *testing.T, c *labcluster.Cluster, node, stage, host string, timeout time.Duration) *agent.Failure {
 	t.Helper()
-	clients := map[string]*agent.Client{}
+	clients := map[string]*agentapi.Client{}
 	for deadline := time.Now().Add(timeout); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
 		for _, h := range c.Lab.State().Hosts {
 			if h.Crashed {
@@ -274,7 +276,7 @@ func copies(t *testing.T, c *labcluster.Cluster, j agent.Job) (procs, listed int
 func (rg *ring) requireOneCopy(t *testing.T, r int) {
 	t.Helper()
 	procs, listed := copies(t, rg.c, rg.jobs[r])
-	if _, err := agent.ReadExit(rg.jobs[r].ExitPath()); err == nil && procs == 0 && listed <= 1 {
+	if _, err := shim.ReadExit(rg.jobs[r].ExitPath()); err == nil && procs == 0 && listed <= 1 {
 		return // ended already; its agent may not have noticed yet
 	}
 	if procs != 1 || listed != 1 {
@@ -333,7 +335,7 @@ func (rg *ring) waitRanks(timeout time.Duration) (outs []string, ended []bool) {
 	deadline := time.Now().Add(timeout)
 	for r, j := range rg.jobs {
 		for {
-			if _, err := agent.ReadExit(j.ExitPath()); err == nil {
+			if _, err := shim.ReadExit(j.ExitPath()); err == nil {
 				b, _ := os.ReadFile(j.StdoutPath())
 				outs[r], ended[r] = string(b), true
 				break
@@ -403,7 +405,7 @@ func TestFaultProtectorCrashWhileReceiving(t *testing.T) {
 	c, rg, want := startMatrix(t, 1, 7710, ref, nil, "--progress", "10", "--ballast", "512")
 	rg.checkpoint(t, "node2") // node2's rank is recoverable from node3
 	type shipResult struct {
-		reply agent.CheckpointReply
+		reply agentapi.CheckpointReply
 		err   error
 		at    time.Time
 	}
@@ -503,7 +505,7 @@ func TestFaultAgentKilledDuringReplay(t *testing.T) {
 	outs, ended := rg.waitRanks(3 * time.Minute)
 	identical := true
 	for r := range rg.jobs {
-		st, _ := agent.ReadExit(rg.jobs[r].ExitPath())
+		st, _ := shim.ReadExit(rg.jobs[r].ExitPath())
 		switch {
 		case !ended[r]:
 			t.Errorf("rank %d hangs: no exit within 3m of the recovery's end (recovery error %q); output %q", r, f.Error, tail(outs[r]))

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/internal/testenv"
 	"github.com/ftkit/ftkit/lab/labcluster"
 	"github.com/ftkit/ftkit/lab/labtest"
@@ -25,7 +26,7 @@ var bins labcluster.Binaries
 func TestMain(m *testing.M) {
 	if sock := os.Getenv("FTKIT_E2E_LIST_JOBS"); sock != "" {
 		// Re-executed as another user: list the jobs that user may see.
-		jobs, err := agent.NewClient(sock).Jobs(context.Background())
+		jobs, err := agentapi.NewClient(sock).Jobs(context.Background())
 		if err != nil {
 			println(err.Error())
 			os.Exit(1)
@@ -93,12 +94,17 @@ func TestFtwrapOutputAndExitStatus(t *testing.T) {
 	if stdout.String() != "out1\nout2\nout3\n" {
 		t.Errorf("stdout %q", stdout.String())
 	}
-	if !strings.HasPrefix(stderr.String(), "err1\nerr2\nerr3\n") {
+	// ftwrap's one line naming the job, then the job's own stderr.
+	first, rest, _ := strings.Cut(stderr.String(), "\n")
+	if !strings.HasPrefix(rest, "err1\nerr2\nerr3\n") {
 		t.Errorf("stderr %q", stderr.String())
 	}
 	jobs, err := c.Client("node1").Jobs(context.Background())
 	if err != nil || len(jobs) != 1 || jobs[0].Spec.Name != "counter" {
 		t.Fatalf("jobs: %+v, %v", jobs, err)
+	}
+	if want := "ftwrap: job " + jobs[0].ID + " on node1"; first != want {
+		t.Errorf("ftwrap's first stderr line %q, want %q", first, want)
 	}
 	// ftwrap reads the exit record itself; the agent notices it within its polling period.
 	j, err := c.Client("node1").Wait(context.Background(), jobs[0].ID, 5*time.Second)

@@ -15,6 +15,7 @@ import (
 
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/lab/labcluster"
+	"github.com/ftkit/ftkit/shim"
 )
 
 // TestResentBytesVerified: a two-rank ping-pong (testdata/nondet), rank 1 on node2, which crashes a while
@@ -131,11 +132,11 @@ func startNondet(t *testing.T, c *labcluster.Cluster, port int, args []string) *
 }
 
 // waitExit waits for a job's exit record and returns it with the job's stdout and stderr.
-func waitExit(t *testing.T, j agent.Job, timeout time.Duration) (*agent.ExitStatus, string) {
+func waitExit(t *testing.T, j agent.Job, timeout time.Duration) (*shim.ExitStatus, string) {
 	t.Helper()
 	deadline := time.Now().Add(timeout)
 	for {
-		st, err := agent.ReadExit(j.ExitPath())
+		st, err := shim.ReadExit(j.ExitPath())
 		if err == nil {
 			b, _ := os.ReadFile(j.StdoutPath())
 			e, _ := os.ReadFile(j.StderrPath())

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/lab/labcluster"
 )
 
@@ -29,7 +30,7 @@ func waitReady(t *testing.T, j agent.Job) {
 }
 
 // waitJobEnd long-polls the agent until the job is no longer running.
-func waitJobEnd(t *testing.T, c *agent.Client, id string) agent.Job {
+func waitJobEnd(t *testing.T, c *agentapi.Client, id string) agent.Job {
 	t.Helper()
 	for deadline := time.Now().Add(60 * time.Second); time.Now().Before(deadline); {
 		j, err := c.Wait(context.Background(), id, 10*time.Second)

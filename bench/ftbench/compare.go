@@ -21,6 +21,7 @@ import (
 	"github.com/ftkit/ftkit/internal/atomicfile"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
+	"github.com/ftkit/ftkit/shim"
 )
 
 // benchCompare compares ftkit with application-level checkpointing (testdata/stencil2d, FT-SPMD style) on
@@ -269,7 +270,7 @@ func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compare
 func withLab(ctx context.Context, log *slog.Logger, sz compareSize, agentBin string, fn func(*lab.Lab, *labcluster.Cluster) error) (err error) {
 	l, err := lab.Up(ctx, lab.Config{ID: cmpLabID, Nodes: sz.Ranks, Spares: 1, Subnet: cmpSubnet}, lab.Options{Logger: log})
 	if err != nil {
-		return fmt.Errorf("lab up (if a previous run left it, `ftctl lab down --id %s`): %w", cmpLabID, err)
+		return fmt.Errorf("lab up (if a previous run left it, `ftctl lab down --lab %s`): %w", cmpLabID, err)
 	}
 	defer func() {
 		if derr := l.Down(context.WithoutCancel(ctx)); derr != nil {
@@ -557,7 +558,7 @@ func (p *jobLauncher) run(ctx context.Context, c *labcluster.Cluster, variant, i
 	// Stop the jobs if anything below fails; the lab teardown would kill them too.
 	defer func() {
 		for r, j := range jobs {
-			if _, err := agent.ReadExit(j.ExitPath()); err != nil {
+			if _, err := shim.ReadExit(j.ExitPath()); err != nil {
 				for _, h := range []string{hosts[r], "spare1"} {
 					c.Client(h).Signal(context.WithoutCancel(ctx), j.ID, syscall.SIGKILL)
 				}
@@ -613,7 +614,7 @@ func (p *jobLauncher) run(ctx context.Context, c *labcluster.Cluster, variant, i
 		if err := waitExit(ctx, j, 10*time.Minute); err != nil {
 			return nil, err
 		}
-		st, err := agent.ReadExit(j.ExitPath())
+		st, err := shim.ReadExit(j.ExitPath())
 		if err != nil {
 			return nil, err
 		}

@@ -17,6 +17,7 @@ import (
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
+	"github.com/ftkit/ftkit/shim"
 )
 
 // benchRecovery measures the mean time to recover from a node crash, broken down by stage (detection,
@@ -179,7 +180,7 @@ func waitRecovered(ctx context.Context, c *labcluster.Cluster, node string, time
 func waitExit(ctx context.Context, j agent.Job, timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)
 	for time.Now().Before(deadline) {
-		if st, err := agent.ReadExit(j.ExitPath()); err == nil {
+		if st, err := shim.ReadExit(j.ExitPath()); err == nil {
 			if st.Code != 0 {
 				b, _ := os.ReadFile(j.StderrPath())
 				return fmt.Errorf("job %s exited %d: %s", j.ID, st.Code, b)

@@ -5,6 +5,7 @@ package main
 import (
 	"context"
 	"errors"
+	"io"
 	"os"
 	"os/signal"
 	"syscall"
@@ -12,9 +13,11 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/internal/version"
+	"github.com/ftkit/ftkit/shim"
 )
 
 func main() { os.Exit(cli.Main(newRoot())) }
@@ -55,7 +58,9 @@ its jobs keep running and the next agent adopts them.`,
 			}
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
 			defer stop()
-			return a.Run(ctx)
+			return a.Run(ctx, func(ctx context.Context, a *agent.Agent) (io.Closer, error) {
+				return agentapi.Listen(ctx, cfg.Socket, a, log.With("node", cfg.Name))
+			})
 		},
 	}
 	logs.Register(root)
@@ -68,7 +73,7 @@ its jobs keep running and the next agent adopts them.`,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			// The shim outlives the agent, so it ignores the signals aimed at the agent's terminal.
 			signal.Ignore(syscall.SIGHUP, syscall.SIGINT)
-			if code := agent.RunShim(context.Background(), os.Stdin, os.Stdout); code != 0 {
+			if code := shim.Run(context.Background(), os.Stdin, os.Stdout); code != 0 {
 				return cli.WithCode(code, errors.New("shim failed"))
 			}
 			return nil

@@ -14,6 +14,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/lab"
@@ -29,7 +30,7 @@ type target struct {
 }
 
 func (t *target) register(cmd *cobra.Command) {
-	cmd.PersistentFlags().StringVar(&t.socket, "socket", "", "agent socket (default $FTKIT_AGENT_SOCKET, else "+agent.DefaultSocket+")")
+	cmd.PersistentFlags().StringVar(&t.socket, "socket", "", "agent socket (default $FTKIT_AGENT_SOCKET, else "+agentapi.DefaultSocket+")")
 	cmd.PersistentFlags().StringVar(&t.labID, "lab", "", "talk to the agents of this local lab (default: the lab "+lab.DefaultID+" if it is up)")
 	cmd.PersistentFlags().StringVar(&t.host, "host", "", "with a lab: only this host's agent")
 	cmd.PersistentFlags().StringVar(&t.host, "node", "", "same as --host")
@@ -37,7 +38,7 @@ func (t *target) register(cmd *cobra.Command) {
 
 type hostClient struct {
 	host   string
-	client *agent.Client
+	client *agentapi.Client
 }
 
 // clients resolves the target to agent clients.
@@ -47,7 +48,7 @@ func (t *target) clients() ([]hostClient, error) {
 		sock = os.Getenv("FTKIT_AGENT_SOCKET")
 	}
 	if sock != "" {
-		return []hostClient{{host: "", client: agent.NewClient(sock)}}, nil
+		return []hostClient{{host: "", client: agentapi.NewClient(sock)}}, nil
 	}
 	id := t.labID
 	if id == "" {
@@ -56,7 +57,7 @@ func (t *target) clients() ([]hostClient, error) {
 	l, err := lab.Open(id, lab.Options{})
 	if err != nil {
 		if t.labID == "" && t.host == "" {
-			return []hostClient{{host: "", client: agent.NewClient(agent.DefaultSocket)}}, nil
+			return []hostClient{{host: "", client: agentapi.NewClient(agentapi.DefaultSocket)}}, nil
 		}
 		return nil, cli.WithCode(cli.ExitNotFound, err)
 	}
@@ -65,7 +66,7 @@ func (t *target) clients() ([]hostClient, error) {
 		if h.Crashed || (t.host != "" && h.Name != t.host) {
 			continue
 		}
-		out = append(out, hostClient{host: h.Name, client: agent.NewClient(labcluster.Socket(id, h.Name))})
+		out = append(out, hostClient{host: h.Name, client: agentapi.NewClient(labcluster.Socket(id, h.Name))})
 	}
 	if len(out) == 0 {
 		return nil, cli.WithCode(cli.ExitNotFound, fmt.Errorf("lab %s has no live host %q", id, t.host))
@@ -95,9 +96,34 @@ func (t *target) one() (hostClient, error) {
 	return cs[0], nil
 }
 
+// hostName is how progress lines name an agent: its lab host, else its socket.
+func hostName(c hostClient) string {
+	if c.host != "" {
+		return c.host
+	}
+	return c.client.Socket()
+}
+
+// jobsNamed says which jobs a checkpoint asks for.
+func jobsNamed(jobs []string) string {
+	if len(jobs) == 0 {
+		return "every running job"
+	}
+	return "job(s) " + strings.Join(jobs, ", ")
+}
+
+// onHost names the lab host an error came from (nothing when the target is one socket: its client's
+// errors name the socket).
+func onHost(host string, err error) error {
+	if host == "" {
+		return err
+	}
+	return fmt.Errorf("%s: %w", host, err)
+}
+
 func agentErr(err error) error {
 	switch {
-	case errors.Is(err, agent.ErrAgentUnavailable):
+	case errors.Is(err, agentapi.ErrAgentUnavailable):
 		return cli.WithCode(cli.ExitUnavailable, err)
 	case errors.Is(err, agent.ErrNoJob):
 		return cli.WithCode(cli.ExitNotFound, err)
@@ -128,18 +154,25 @@ up, every live host is shown.`,
 			}
 			var all []hostStatus
 			var snaps []*ckpt.Manifest
+			var unreachable []error
 			for _, c := range cs {
 				st, err := c.client.Status(cmd.Context())
 				if err != nil {
 					all = append(all, hostStatus{Status: agent.Status{Node: c.host}, Error: err.Error()})
+					unreachable = append(unreachable, onHost(c.host, err))
 					continue
 				}
 				ms, _ := c.client.Snapshots(cmd.Context(), "")
 				snaps = append(snaps, ms...)
 				all = append(all, hostStatus{Status: st, Snapshots: ms})
 			}
+			// An unreachable agent is shown, and is a failure: a script must not take it for a healthy host.
+			down := cli.WithCode(cli.ExitUnavailable, errors.Join(unreachable...))
+			if len(unreachable) == len(cs) && !asJSON {
+				return down // nothing to show but the error
+			}
 			if asJSON {
-				return cli.PrintJSON(cmd.OutOrStdout(), all)
+				return errors.Join(cli.PrintJSON(cmd.OutOrStdout(), all), down)
 			}
 			w := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
 			fmt.Fprintln(w, "HOST\tROLE\tPROTECTOR\tMODE\tINTERVAL\tJOBS\tAGENT")
@@ -219,7 +252,10 @@ up, every live host is shown.`,
 						time.Since(last.Created).Round(time.Second), humanBytes(last.TotalSize()), dash(strings.Join(last.Replicas, ",")))
 				}
 			}
-			return w.Flush()
+			if err := w.Flush(); err != nil {
+				return err
+			}
+			return down
 		},
 	}
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
@@ -305,7 +341,7 @@ func newSnapshotsCmd(t *target) *cobra.Command {
 			for _, c := range cs {
 				ms, err := c.client.Snapshots(cmd.Context(), job)
 				if err != nil {
-					return agentErr(fmt.Errorf("%s: %w", c.host, err))
+					return agentErr(onHost(c.host, err))
 				}
 				for _, m := range ms {
 					all = append(all, held{Host: c.host, Manifest: m})
@@ -346,6 +382,7 @@ It fails if a snapshot could not be taken or did not reach the protector.`,
 			if err != nil {
 				return err
 			}
+			progress := cli.NewProgress(cmd.ErrOrStderr(), asJSON)
 			var all []agent.SnapshotResult
 			var errs []error
 			for _, c := range cs {
@@ -355,7 +392,7 @@ It fails if a snapshot could not be taken or did not reach the protector.`,
 					mine = nil
 					js, err := c.client.Jobs(cmd.Context())
 					if err != nil {
-						errs = append(errs, fmt.Errorf("%s: %w", c.host, err))
+						errs = append(errs, onHost(c.host, err))
 						continue
 					}
 					for _, j := range js {
@@ -369,9 +406,10 @@ It fails if a snapshot could not be taken or did not reach the protector.`,
 						continue
 					}
 				}
+				progress.Stage("%s: snapshotting %s and shipping to the protector", hostName(c), jobsNamed(mine))
 				reply, err := c.client.Checkpoint(cmd.Context(), mine...)
 				if err != nil {
-					errs = append(errs, fmt.Errorf("%s: %w", c.host, err))
+					errs = append(errs, onHost(c.host, err))
 					continue
 				}
 				if reply.Error != "" {
@@ -433,6 +471,8 @@ fail-over with log replay; this command restores the job's own state only.`,
 			}
 			ctx, cancel := context.WithTimeout(cmd.Context(), 15*time.Minute)
 			defer cancel()
+			progress := cli.NewProgress(cmd.ErrOrStderr(), asJSON)
+			progress.Stage("%s: restoring from snapshot %s (fetched from a holder if this host lacks it, then verified)", hostName(c), req.Snapshot)
 			j, err := c.client.Restore(ctx, req)
 			if err != nil {
 				return agentErr(err)

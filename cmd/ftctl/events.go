@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"sort"
@@ -38,11 +39,11 @@ standalone SVG that any browser shows. --failure ID keeps one failure.`,
 				return err
 			}
 			byID := map[string]*agent.Failure{}
-			var errs int
+			var errs []error
 			for _, c := range cs {
 				fs, err := c.client.Events(cmd.Context())
 				if err != nil {
-					errs++
+					errs = append(errs, onHost(c.host, err))
 					continue
 				}
 				for _, f := range fs {
@@ -51,8 +52,8 @@ standalone SVG that any browser shows. --failure ID keeps one failure.`,
 					}
 				}
 			}
-			if errs == len(cs) {
-				return agentErr(fmt.Errorf("no agent answered: %w", agent.ErrAgentUnavailable))
+			if len(errs) == len(cs) { // each error names the socket it tried
+				return agentErr(fmt.Errorf("no agent answered: %w", errors.Join(errs...)))
 			}
 			all := make([]*agent.Failure, 0, len(byID))
 			for _, f := range byID {

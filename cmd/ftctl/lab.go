@@ -72,7 +72,10 @@ power cut of one host. Everything needs root.`,
 		Args:              cli.Args(cobra.NoArgs), // so that `ftctl lab bogus` is an unknown command
 		RunE:              func(cmd *cobra.Command, _ []string) error { return cmd.Help() },
 	}
-	cmd.PersistentFlags().StringVar(&f.id, "id", lab.DefaultID, "lab id; labs other than the default prefix their namespaces with it")
+	cmd.PersistentFlags().StringVar(&f.id, "lab", lab.DefaultID, "lab id; labs other than the default prefix their namespaces with it")
+	// --id was this flag's name before every command took --lab.
+	cmd.PersistentFlags().StringVar(&f.id, "id", lab.DefaultID, "lab id (deprecated: use --lab)")
+	cmd.PersistentFlags().MarkDeprecated("id", "use --lab")
 	cmd.PersistentFlags().StringVar(&f.stateDir, "state-dir", lab.DefaultStateDir, "where lab state files live")
 	cmd.AddCommand(newLabUpCmd(f), newLabExecCmd(f), newLabCrashCmd(f), newLabStatusCmd(f), newLabDownCmd(f))
 	return cmd
@@ -89,14 +92,20 @@ func newLabUpCmd(f *labFlags) *cobra.Command {
 spares from .101). Refuses if a lab with this id exists or the subnet is in use on this machine.`,
 		Args: cli.Args(cobra.NoArgs),
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			// Every flag is checked before anything is created.
 			prefix, err := netip.ParsePrefix(subnet)
 			if err != nil {
 				return cli.Usagef("--subnet %q: %v", subnet, err)
+			}
+			if err := checkLabUpFlags(interval, mode, nodes, spares); err != nil {
+				return err
 			}
 			opts, err := f.options(cmd.ErrOrStderr())
 			if err != nil {
 				return err
 			}
+			progress := cli.NewProgress(cmd.ErrOrStderr(), asJSON)
+			progress.Stage("lab %s: creating the bridge and %d host namespaces", f.id, nodes+spares)
 			l, err := lab.Up(cmd.Context(), lab.Config{ID: f.id, Nodes: nodes, Spares: spares, Subnet: prefix}, opts)
 			if errors.Is(err, lab.ErrExists) || errors.Is(err, lab.ErrSubnetInUse) {
 				return cli.WithCode(cli.ExitUnavailable, err)
@@ -105,6 +114,7 @@ spares from .101). Refuses if a lab with this id exists or the subnet is in use 
 				return err
 			}
 			if !noAgents {
+				progress.Stage("lab %s: starting an agent in each host and waiting for all to answer", f.id)
 				if err := startAgents(cmd.Context(), l, agentBin, interval, mode); err != nil {
 					if derr := l.Down(context.WithoutCancel(cmd.Context())); derr != nil {
 						err = errors.Join(err, derr)
@@ -112,6 +122,7 @@ spares from .101). Refuses if a lab with this id exists or the subnet is in use 
 					return err
 				}
 			}
+			progress.Stage("lab %s: up", f.id)
 			return printStatus(cmd.OutOrStdout(), l.Status(), asJSON)
 		},
 	}
@@ -294,4 +305,28 @@ func printStatus(w io.Writer, s lab.Status, asJSON bool) error {
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\n", h.Name, h.Role, h.Addr.Addr(), h.Namespace, state, h.Processes, strings.Join(now, ","))
 	}
 	return tw.Flush()
+}
+
+// checkLabUpFlags validates what `lab up` hands the agents and the lab, so that a typo is refused before
+// any namespace exists.
+func checkLabUpFlags(interval, mode string, nodes, spares int) error {
+	var iv agent.Interval
+	if err := iv.UnmarshalText([]byte(interval)); err != nil {
+		return cli.Usagef("--interval: %v", err)
+	}
+	if !iv.Auto && iv.Fixed <= 0 {
+		return cli.Usagef("--interval %q: use a positive duration like 60s, or auto", interval)
+	}
+	switch agent.Mode(mode) {
+	case agent.Uncoordinated, agent.SemiCoordinated:
+	default:
+		return cli.Usagef("--mode %q: use %s or %s", mode, agent.Uncoordinated, agent.SemiCoordinated)
+	}
+	if nodes < 1 {
+		return cli.Usagef("--nodes %d: a lab needs at least one node", nodes)
+	}
+	if spares < 0 {
+		return cli.Usagef("--spares %d: use 0 or more", spares)
+	}
+	return nil
 }

@@ -19,6 +19,7 @@ import (
 
 	"github.com/vishvananda/netlink"
 
+	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labtest"
 )
@@ -30,6 +31,8 @@ func TestMain(m *testing.M) {
 		os.Exit(echoServer(os.Getenv("FTKIT_E2E_ADDR")))
 	case "echo-client":
 		os.Exit(echoClient(os.Getenv("FTKIT_E2E_ADDR")))
+	case "ftctl":
+		os.Exit(cli.Main(newRoot()))
 	}
 	os.Exit(m.Run())
 }
@@ -90,7 +93,7 @@ func TestLabEndToEnd(t *testing.T) {
 	id := fmt.Sprintf("e%05x", rand.Uint32()&0xfffff)
 	subnet := fmt.Sprintf("10.%d.%d.0/24", 210+rand.IntN(40), rand.IntN(256))
 	ftctlCmd := func(args ...string) *exec.Cmd {
-		return exec.Command(ftctl, append([]string{"lab", "--id", id}, args...)...)
+		return exec.Command(ftctl, append([]string{"lab", "--lab", id}, args...)...)
 	}
 	run := func(args ...string) string {
 		t.Helper()

@@ -26,13 +26,19 @@ ftkit protects unmodified socket-based parallel programs (MPI over TCP, pipeline
 when a node dies, only its processes roll back, restored from their last snapshot on a spare host,
 and the bytes their peers had sent them since are replayed from the peers' sender-side logs.
 
-Exit codes: 0 success, 1 failure, 2 bad command line, 3 not found, 4 precondition missing
-(not root, CRIU too old, lab already up).`,
+Exit codes:
+  0  success
+  1  failure: the operation was tried and failed (the message says why)
+  2  bad command line: an unknown command or flag, a bad flag value (checked before anything is done)
+  3  not found: no such lab, host, job or snapshot (or one you may not see)
+  4  unavailable: the agent is not reachable on its socket (the message names it), or a precondition
+     is missing (not root, CRIU too old, lab already up)`,
 		Version: version.Ftkit(),
 	}
 	logs.Register(root)
 	t := &target{}
-	for _, c := range []*cobra.Command{newStatusCmd(t), newSnapshotsCmd(t), newCheckpointCmd(t), newRestoreCmd(t), newEventsCmd(t), newSpareCmd(t)} {
+	for _, c := range []*cobra.Command{newStatusCmd(t), newSnapshotsCmd(t), newCheckpointCmd(t), newRestoreCmd(t), newEventsCmd(t), newSpareCmd(t),
+		newJobsCmd(t), newLogsCmd(t), newKillCmd(t)} {
 		t.register(c)
 		root.AddCommand(c)
 	}

@@ -17,9 +17,11 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
+	"github.com/ftkit/ftkit/shim"
 )
 
 // Environment that mpirun passes down to its launcher (`ftctl mpirun launch-daemon`), which MPI runs once per
@@ -305,8 +307,8 @@ func newMPILaunchDaemonCmd(logs *cli.LogFlags) *cobra.Command {
 				Dir:      cwd,
 				Interval: os.Getenv(envMPIInterval),
 			}
-			job, err := agent.NewClient(labcluster.Socket(id, host)).StartJob(cmd.Context(), spec)
-			if errors.Is(err, agent.ErrAgentUnavailable) {
+			job, err := agentapi.NewClient(labcluster.Socket(id, host)).StartJob(cmd.Context(), spec)
+			if errors.Is(err, agentapi.ErrAgentUnavailable) {
 				return cli.WithCode(cli.ExitUnavailable, fmt.Errorf("start the MPI daemon on %s: %w", host, err))
 			}
 			if err != nil {
@@ -338,7 +340,7 @@ func newMPIFollowCmd() *cobra.Command {
 			j := agent.Job{Dir: args[0]}
 			var outAt, errAt int64
 			for {
-				st, exitErr := agent.ReadExit(j.ExitPath())
+				st, exitErr := shim.ReadExit(j.ExitPath())
 				outAt += copyTail(j.StdoutPath(), outAt, cmd.OutOrStdout())
 				errAt += copyTail(j.StderrPath(), errAt, cmd.ErrOrStderr())
 				if exitErr == nil {

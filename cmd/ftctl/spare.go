@@ -47,6 +47,7 @@ the new membership view to every member.`,
 	add.Flags().StringVar(&addr, "address", "", "the spare agent's cluster address, ip:port")
 	add.MarkFlagRequired("name")
 	add.MarkFlagRequired("address")
+	var listJSON bool
 	list := &cobra.Command{
 		Use:   "list",
 		Short: "Show the members and the spare pool in first-come-first-served order",
@@ -60,9 +61,14 @@ the new membership view to every member.`,
 			if err != nil {
 				return agentErr(err)
 			}
-			return printPool(cmd, ring.View{Epoch: st.Epoch, Members: st.Members})
+			v := ring.View{Epoch: st.Epoch, Members: st.Members}
+			if listJSON {
+				return cli.PrintJSON(cmd.OutOrStdout(), v)
+			}
+			return printPool(cmd, v)
 		},
 	}
+	list.Flags().BoolVar(&listJSON, "json", false, "print JSON (the membership view: epoch and members)")
 	cmd.AddCommand(add, list)
 	return cmd
 }

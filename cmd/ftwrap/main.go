@@ -21,8 +21,10 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/internal/version"
+	"github.com/ftkit/ftkit/shim"
 )
 
 func main() { os.Exit(cli.Main(newRoot())) }
@@ -39,7 +41,7 @@ killed it). PROG runs in its own PID namespace and cgroup with stdin from /dev/n
 relinking and no LD_PRELOAD. If PROG's node fails, PROG is restored elsewhere from its last snapshot
 and ftwrap keeps following it through the job directory.
 
-The agent is found at --socket, else $FTKIT_AGENT_SOCKET, else ` + agent.DefaultSocket + `.
+The agent is found at --socket, else $FTKIT_AGENT_SOCKET, else ` + agentapi.DefaultSocket + `.
 Exit codes other than PROG's: 2 bad command line, 4 agent unreachable, 125 the job could not be
 started, 255 the job was lost without an exit status.`,
 		Version: version.Ftkit(),
@@ -53,13 +55,13 @@ started, 255 the job was lost without an exit status.`,
 				socket = os.Getenv("FTKIT_AGENT_SOCKET")
 			}
 			if socket == "" {
-				socket = agent.DefaultSocket
+				socket = agentapi.DefaultSocket
 			}
 			cwd, err := os.Getwd()
 			if err != nil {
 				return err
 			}
-			return wrap(cmd.Context(), log, agent.NewClient(socket),
+			return wrap(cmd.Context(), log, agentapi.NewClient(socket),
 				agent.JobSpec{Name: name, Argv: args, Env: os.Environ(), Dir: cwd, Interval: interval})
 		},
 	}
@@ -71,15 +73,17 @@ started, 255 the job was lost without an exit status.`,
 	return root
 }
 
-func wrap(ctx context.Context, log *slog.Logger, c *agent.Client, spec agent.JobSpec) error {
+func wrap(ctx context.Context, log *slog.Logger, c *agentapi.Client, spec agent.JobSpec) error {
 	job, err := c.StartJob(ctx, spec)
-	if errors.Is(err, agent.ErrAgentUnavailable) {
+	if errors.Is(err, agentapi.ErrAgentUnavailable) {
 		return cli.WithCode(cli.ExitUnavailable, err)
 	}
 	if err != nil {
 		return cli.WithCode(125, err)
 	}
 	log.Debug("job started", "job", job.ID, "node", job.Node, "pid", job.PID)
+	// One line, on stderr and before the job's own output, so that its stdout stays the program's alone.
+	fmt.Fprintf(os.Stderr, "ftwrap: job %s on %s\n", job.ID, job.Node)
 
 	// Ctrl-C and SIGTERM go to the job; a second one kills it.
 	sigs := make(chan os.Signal, 2)
@@ -104,7 +108,7 @@ func wrap(ctx context.Context, log *slog.Logger, c *agent.Client, spec agent.Job
 	return nil
 }
 
-func sigSuffix(st *agent.ExitStatus) string {
+func sigSuffix(st *shim.ExitStatus) string {
 	if st.Signal == "" {
 		return ""
 	}
@@ -114,7 +118,7 @@ func sigSuffix(st *agent.ExitStatus) string {
 // waitExit waits for the job's exit record. The record is written by whichever shim runs the job, on
 // whichever host, so ftwrap keeps waiting when its agent goes away with a failed node; the agent, while
 // reachable, tells us if the job was lost.
-func waitExit(ctx context.Context, log *slog.Logger, c *agent.Client, job agent.Job, sigs <-chan os.Signal) (*agent.ExitStatus, error) {
+func waitExit(ctx context.Context, log *slog.Logger, c *agentapi.Client, job agent.Job, sigs <-chan os.Signal) (*shim.ExitStatus, error) {
 	exitPath := job.ExitPath()
 	tick := time.NewTicker(100 * time.Millisecond)
 	defer tick.Stop()
@@ -122,7 +126,7 @@ func waitExit(ctx context.Context, log *slog.Logger, c *agent.Client, job agent.
 	lastPoll := time.Time{}
 	signals := 0
 	for {
-		if st, err := agent.ReadExit(exitPath); err == nil {
+		if st, err := shim.ReadExit(exitPath); err == nil {
 			if st.Node != job.Node {
 				log.Info("job ended on another host", "job", job.ID, "node", st.Node)
 			}

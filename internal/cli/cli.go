@@ -61,11 +61,38 @@ type LogFlags struct {
 	Format string
 }
 
-// Register adds --log-level and --log-format to cmd's persistent flags.
+// Register adds --log-level and --log-format to cmd's persistent flags. Their values are checked as the
+// command line is parsed, so a bad one is a usage error even for a command that logs nothing.
 func (f *LogFlags) Register(cmd *cobra.Command) {
-	cmd.PersistentFlags().StringVar(&f.Level, "log-level", "info", "log level: debug, info, warn or error")
-	cmd.PersistentFlags().StringVar(&f.Format, "log-format", "text", "log format on stderr: text or json")
+	f.Level, f.Format = "info", "text"
+	cmd.PersistentFlags().Var(choice{&f.Level, []string{"debug", "info", "warn", "error"}}, "log-level", "log level: debug, info, warn or error")
+	cmd.PersistentFlags().Var(choice{&f.Format, []string{"text", "json"}}, "log-format", "log format on stderr: text or json")
 }
+
+// choice is a string flag that takes one of a fixed set of values.
+type choice struct {
+	v    *string
+	from []string
+}
+
+func (c choice) String() string {
+	if c.v == nil {
+		return ""
+	}
+	return *c.v
+}
+
+func (c choice) Set(s string) error {
+	for _, ok := range c.from {
+		if strings.EqualFold(s, ok) {
+			*c.v = ok
+			return nil
+		}
+	}
+	return fmt.Errorf("%q: use %s", s, strings.Join(c.from, ", "))
+}
+
+func (c choice) Type() string { return "string" }
 
 // Logger builds the slog logger the flags describe, writing to w.
 func (f *LogFlags) Logger(w io.Writer) (*slog.Logger, error) {

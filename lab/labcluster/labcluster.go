@@ -16,6 +16,7 @@ import (
 	"github.com/pelletier/go-toml/v2"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/internal/clustertls"
 	"github.com/ftkit/ftkit/lab"
 )
@@ -256,6 +257,6 @@ func (c *Cluster) KillAgent(host string) error {
 }
 
 // Client returns a local-API client for host's agent.
-func (c *Cluster) Client(host string) *agent.Client {
-	return agent.NewClient(Socket(c.Lab.State().ID, host))
+func (c *Cluster) Client(host string) *agentapi.Client {
+	return agentapi.NewClient(Socket(c.Lab.State().ID, host))
 }

@@ -1,4 +1,4 @@
-package agent
+package shim
 
 import (
 	"bytes"
@@ -13,7 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// The job's first process is `ftagent shim` in ShimInit mode, started by the shim as root in the job's new
+// The job's first process is `ftagent shim` in ModeInit mode, started by the shim as root in the job's new
 // PID and mount namespaces. It gives the job a /proc of its own PID namespace and then becomes the job
 // (exec, as the job's user). Why: CRIU's parasite, which runs inside the job with the job's credentials,
 // needs a /proc of the job's PID namespace. If /proc/self does not name the task's own PID it mkdir()s
@@ -26,18 +26,18 @@ import (
 // CRIU records as external (auto-detected) and binds from the restoring host's namespace, so each of them
 // must still exist there. prunedMount drops the copies of mounts that come and go on a host.
 
-// initReport is the descriptor the job's init reports a failure on, as a ShimReport. It is close-on-exec,
+// initReport is the descriptor the job's init reports a failure on, as a Report. It is close-on-exec,
 // so the shim reads end of file as soon as the job's program runs.
 type initReport struct{ f *os.File }
 
 func (r initReport) fail(format string, args ...any) int {
-	b, _ := json.Marshal(ShimReport{Error: fmt.Sprintf(format, args...)})
+	b, _ := json.Marshal(Report{Error: fmt.Sprintf(format, args...)})
 	r.f.Write(append(b, '\n'))
 	return 1
 }
 
 // runJobInit is the body of the job's init: it returns only if the job could not be started.
-func runJobInit(spec ShimSpec) int {
+func runJobInit(spec Spec) int {
 	runtime.LockOSThread() // exec from the thread whose state was set up (credentials are process-wide anyway)
 	// Standard output is the shim's report pipe; it makes way for the job's own stdout below.
 	fd, err := unix.FcntlInt(1, unix.F_DUPFD_CLOEXEC, 3)

@@ -1,4 +1,7 @@
-package agent
+// Package shim is the parent of one protected job: `ftagent shim` starts the job (as the init of its own
+// PID and mount namespaces, see jobinit.go) or restores it with CRIU, waits for it and records how it ended.
+// The agent launches shims (Launch), reads their exit records (ReadExit) and signals their jobs (Signal).
+package shim
 
 import (
 	"bufio"
@@ -24,21 +27,21 @@ import (
 // so the job survives an agent crash and its exit status is still recorded. The shim is a child subreaper,
 // and CRIU restores with rst_sibling, so a restored tree becomes the shim's child just like a started one.
 
-// ShimMode says whether the shim starts a program or restores a snapshot.
-type ShimMode string
+// Mode says whether the shim starts a program or restores a snapshot.
+type Mode string
 
 const (
-	ShimStart   ShimMode = "start"
-	ShimRestore ShimMode = "restore"
-	// ShimInit is internal to a started job: the shim runs itself in this mode as the job's first
+	ModeStart   Mode = "start"
+	ModeRestore Mode = "restore"
+	// ModeInit is internal to a started job: the shim runs itself in this mode as the job's first
 	// process, which sets up the job's namespaces and becomes the job (see jobinit.go).
-	ShimInit ShimMode = "init"
+	ModeInit Mode = "init"
 )
 
-// ShimSpec is what the agent hands a shim on its standard input.
-type ShimSpec struct {
+// Spec is what the agent hands a shim on its standard input.
+type Spec struct {
 	JobID     string   `json:"job_id"`
-	Mode      ShimMode `json:"mode"`
+	Mode      Mode     `json:"mode"`
 	Argv      []string `json:"argv,omitempty"`
 	Env       []string `json:"env,omitempty"`
 	Dir       string   `json:"dir,omitempty"`
@@ -53,8 +56,8 @@ type ShimSpec struct {
 	Node      string   `json:"node"`
 }
 
-// ShimReport is the shim's one line on standard output: the job's host PID, or why it could not start.
-type ShimReport struct {
+// Report is the shim's one line on standard output: the job's host PID, or why it could not start.
+type Report struct {
 	PID   int    `json:"pid,omitempty"`
 	Error string `json:"error,omitempty"`
 }
@@ -67,11 +70,11 @@ type ExitStatus struct {
 	Node   string    `json:"node"`
 }
 
-// RunShim is the body of `ftagent shim`: read the spec, start or restore the job, report its PID, wait for
+// Run is the body of `ftagent shim`: read the spec, start or restore the job, report its PID, wait for
 // it and record how it ended. It returns the shim's exit code.
-func RunShim(ctx context.Context, in io.Reader, out io.Writer) int {
-	var spec ShimSpec
-	report := func(r ShimReport) {
+func Run(ctx context.Context, in io.Reader, out io.Writer) int {
+	var spec Spec
+	report := func(r Report) {
 		b, _ := json.Marshal(r)
 		out.Write(append(b, '\n'))
 		if c, ok := out.(io.Closer); ok {
@@ -79,31 +82,31 @@ func RunShim(ctx context.Context, in io.Reader, out io.Writer) int {
 		}
 	}
 	if err := json.NewDecoder(in).Decode(&spec); err != nil {
-		report(ShimReport{Error: fmt.Sprintf("read shim spec: %v", err)})
+		report(Report{Error: fmt.Sprintf("read shim spec: %v", err)})
 		return 2
 	}
-	if spec.Mode == ShimInit {
+	if spec.Mode == ModeInit {
 		return runJobInit(spec) // returns only on failure, which it reported
 	}
 	if err := unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0); err != nil {
-		report(ShimReport{Error: fmt.Sprintf("become child subreaper: %v", err)})
+		report(Report{Error: fmt.Sprintf("become child subreaper: %v", err)})
 		return 1
 	}
 	var pid int
 	var err error
 	switch spec.Mode {
-	case ShimStart:
+	case ModeStart:
 		pid, err = startJob(spec)
-	case ShimRestore:
+	case ModeRestore:
 		pid, err = criu.Client{Binary: spec.CRIU}.Restore(ctx, criu.RestoreOptions{ImagesDir: spec.ImagesDir})
 	default:
 		err = fmt.Errorf("unknown shim mode %q", spec.Mode)
 	}
 	if err != nil {
-		report(ShimReport{Error: err.Error()})
+		report(Report{Error: err.Error()})
 		return 1
 	}
-	report(ShimReport{PID: pid})
+	report(Report{PID: pid})
 	st := waitJob(pid)
 	st.Node = spec.Node
 	if err := writeExit(spec.ExitFile, st); err != nil {
@@ -148,9 +151,9 @@ func createOutput(path string, uid, gid uint32) (*os.File, error) {
 // PIDs elsewhere) and of a new mount namespace holding a /proc of that PID namespace (so that CRIU's
 // parasite can dump it whatever its user: see jobinit.go), leader of a new session (CRIU refuses a session
 // leader outside the namespace), in the job's cgroup, with stdin from /dev/null and output written to the
-// job's files. The job's first process is this binary in ShimInit mode, as root: it mounts the job's /proc,
+// job's files. The job's first process is this binary in ModeInit mode, as root: it mounts the job's /proc,
 // opens the job's files in the job's mount namespace, takes the job's credentials and executes the program.
-func startJob(spec ShimSpec) (int, error) {
+func startJob(spec Spec) (int, error) {
 	if len(spec.Argv) == 0 {
 		return 0, errors.New("no program to run")
 	}
@@ -160,7 +163,7 @@ func startJob(spec ShimSpec) (int, error) {
 	}
 	defer cg.Close()
 	initSpec := spec
-	initSpec.Mode = ShimInit
+	initSpec.Mode = ModeInit
 	in, err := json.Marshal(initSpec)
 	if err != nil {
 		return 0, err
@@ -203,7 +206,7 @@ func startJob(spec ShimSpec) (int, error) {
 		return 0, fmt.Errorf("read the job init's report: %w", err)
 	}
 	if len(bytes.TrimSpace(b)) > 0 {
-		var r ShimReport
+		var r Report
 		if err := json.Unmarshal(b, &r); err != nil || r.Error == "" {
 			r.Error = fmt.Sprintf("job init failed with an unreadable report %q", b)
 		}
@@ -265,8 +268,8 @@ func waitJob(pid int) ExitStatus {
 	}
 }
 
-// startShim launches `SELF shim` detached from the agent and waits for its report.
-func startShim(ctx context.Context, self string, spec ShimSpec, logPath string) (int, error) {
+// Launch launches `SELF shim` detached from the agent and waits for its report.
+func Launch(ctx context.Context, self string, spec Spec, logPath string) (int, error) {
 	in, err := json.Marshal(spec)
 	if err != nil {
 		return 0, err
@@ -289,13 +292,13 @@ func startShim(ctx context.Context, self string, spec ShimSpec, logPath string) 
 	}
 	go cmd.Wait() // reap the shim when it ends while this agent lives; after a restart, init does
 	type result struct {
-		r   ShimReport
+		r   Report
 		err error
 	}
 	done := make(chan result, 1)
 	go func() {
 		line, err := bufio.NewReader(stdout).ReadBytes('\n')
-		var r ShimReport
+		var r Report
 		if err == nil {
 			err = json.Unmarshal(line, &r)
 		}

@@ -1,4 +1,4 @@
-package agent
+package agentapi
 
 import (
 	"bytes"
@@ -6,12 +6,14 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/url"
 	"syscall"
 	"time"
 
+	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ring"
 )
@@ -45,69 +47,104 @@ func NewClient(socket string) *Client {
 // ErrAgentUnavailable means nothing answers on the socket.
 var ErrAgentUnavailable = errors.New("agent not reachable")
 
-func (c *Client) do(ctx context.Context, method, path string, in, out any) error {
+// Socket is the path of the agent's socket this client talks to.
+func (c *Client) Socket() string { return c.socket }
+
+// send sends a request and returns the answer if it is a success; otherwise the agent's error.
+func (c *Client) send(ctx context.Context, method, path string, in any) (*http.Response, error) {
 	var body bytes.Buffer
 	if in != nil {
 		if err := json.NewEncoder(&body).Encode(in); err != nil {
-			return err
+			return nil, err
 		}
 	}
 	req, err := http.NewRequestWithContext(ctx, method, "http://agent"+path, &body)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	resp, err := c.http.Do(req)
 	if err != nil {
-		var oe *net.OpError
-		if errors.As(err, &oe) && oe.Op == "dial" {
-			return fmt.Errorf("%w at %s (is ftagent running? start it, or point FTKIT_AGENT_SOCKET at its socket): %v", ErrAgentUnavailable, c.socket, err)
+		// Named by the socket, not by the URL (whose host is a placeholder).
+		if oe, ok := errors.AsType[*net.OpError](err); ok && oe.Op == "dial" {
+			return nil, fmt.Errorf("%w at %s: %v (is ftagent running? start it, or point --socket or FTKIT_AGENT_SOCKET at its socket)",
+				ErrAgentUnavailable, c.socket, oe.Err)
 		}
-		return err
+		if ue, ok := errors.AsType[*url.Error](err); ok {
+			return nil, fmt.Errorf("agent at %s: %s %s: %w", c.socket, method, path, ue.Err)
+		}
+		return nil, err
 	}
-	defer resp.Body.Close()
 	if resp.StatusCode/100 != 2 {
+		defer resp.Body.Close()
 		var e apiError
-		if json.NewDecoder(resp.Body).Decode(&e) != nil || e.Error == "" {
+		if json.NewDecoder(io.LimitReader(resp.Body, maxBody)).Decode(&e) != nil || e.Error == "" {
 			e.Error = resp.Status
 		}
 		if resp.StatusCode == http.StatusNotFound {
-			return fmt.Errorf("%w: %s", ErrNoJob, e.Error)
+			return nil, fmt.Errorf("%w: %s", agent.ErrNoJob, e.Error)
 		}
-		return errors.New(e.Error)
+		return nil, errors.New(e.Error)
 	}
+	return resp, nil
+}
+
+func (c *Client) do(ctx context.Context, method, path string, in, out any) error {
+	resp, err := c.send(ctx, method, path, in)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
 	if out == nil {
 		return nil
 	}
 	return json.NewDecoder(resp.Body).Decode(out)
 }
 
+// Output copies the job's standard output (stream "stdout") or error ("stderr") to w. With follow it goes
+// on until the job stops running, or ctx ends.
+func (c *Client) Output(ctx context.Context, id, stream string, follow bool, w io.Writer) error {
+	q := url.Values{"stream": {stream}}
+	if follow {
+		q.Set("follow", "true")
+	}
+	resp, err := c.send(ctx, http.MethodGet, "/v1/jobs/"+url.PathEscape(id)+"/output?"+q.Encode(), nil)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if _, err := io.Copy(w, resp.Body); err != nil {
+		return fmt.Errorf("read the output of job %s from the agent at %s: %w", id, c.socket, err)
+	}
+	return nil
+}
+
 // Status returns the agent's view of its host and jobs.
-func (c *Client) Status(ctx context.Context) (Status, error) {
-	var s Status
+func (c *Client) Status(ctx context.Context) (agent.Status, error) {
+	var s agent.Status
 	return s, c.do(ctx, http.MethodGet, "/v1/status", nil, &s)
 }
 
 // StartJob asks the agent to start and protect a program.
-func (c *Client) StartJob(ctx context.Context, spec JobSpec) (Job, error) {
-	var j Job
+func (c *Client) StartJob(ctx context.Context, spec agent.JobSpec) (agent.Job, error) {
+	var j agent.Job
 	return j, c.do(ctx, http.MethodPost, "/v1/jobs", spec, &j)
 }
 
 // Jobs lists the jobs the caller may see.
-func (c *Client) Jobs(ctx context.Context) ([]Job, error) {
-	var js []Job
+func (c *Client) Jobs(ctx context.Context) ([]agent.Job, error) {
+	var js []agent.Job
 	return js, c.do(ctx, http.MethodGet, "/v1/jobs", nil, &js)
 }
 
 // Job returns one job.
-func (c *Client) Job(ctx context.Context, id string) (Job, error) {
-	var j Job
+func (c *Client) Job(ctx context.Context, id string) (agent.Job, error) {
+	var j agent.Job
 	return j, c.do(ctx, http.MethodGet, "/v1/jobs/"+url.PathEscape(id), nil, &j)
 }
 
 // Wait returns when the job stops running, or after timeout with its current state.
-func (c *Client) Wait(ctx context.Context, id string, timeout time.Duration) (Job, error) {
-	var j Job
+func (c *Client) Wait(ctx context.Context, id string, timeout time.Duration) (agent.Job, error) {
+	var j agent.Job
 	return j, c.do(ctx, http.MethodGet, "/v1/jobs/"+url.PathEscape(id)+"/wait?timeout="+timeout.String(), nil, &j)
 }
 
@@ -129,25 +166,25 @@ func (c *Client) Snapshots(ctx context.Context, job string) ([]*ckpt.Manifest, e
 }
 
 // Restore restores a job on this agent's host from a snapshot.
-func (c *Client) Restore(ctx context.Context, req RestoreRequest) (Job, error) {
-	var j Job
+func (c *Client) Restore(ctx context.Context, req agent.RestoreRequest) (agent.Job, error) {
+	var j agent.Job
 	return j, c.do(ctx, http.MethodPost, "/v1/restore", req, &j)
 }
 
 // LoggedConns lists the connections in the host's sender-side log (root only).
-func (c *Client) LoggedConns(ctx context.Context) ([]LoggedConn, error) {
-	var cs []LoggedConn
+func (c *Client) LoggedConns(ctx context.Context) ([]agent.LoggedConn, error) {
+	var cs []agent.LoggedConn
 	return cs, c.do(ctx, http.MethodGet, "/v1/log/conns", nil, &cs)
 }
 
 // Events returns the failure timelines the agent knows of, oldest first.
-func (c *Client) Events(ctx context.Context) ([]*Failure, error) {
-	var out []*Failure
+func (c *Client) Events(ctx context.Context) ([]*agent.Failure, error) {
+	var out []*agent.Failure
 	return out, c.do(ctx, http.MethodGet, "/v1/events", nil, &out)
 }
 
 // AddSpare registers a spare host with the cluster through this agent and returns the new view.
-func (c *Client) AddSpare(ctx context.Context, req SpareRequest) (ring.View, error) {
+func (c *Client) AddSpare(ctx context.Context, req agent.SpareRequest) (ring.View, error) {
 	var v ring.View
 	return v, c.do(ctx, http.MethodPost, "/v1/spares", req, &v)
 }

@@ -1,0 +1,126 @@
+package agent
+
+import (
+	"sort"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/internal/version"
+	"github.com/ftkit/ftkit/ring"
+)
+
+// What the local API (package agentapi) shows of this host: every method filters by the caller's uid,
+// which the API takes from SO_PEERCRED. Root sees everything; another uid its own jobs only.
+
+// Status is what GET /v1/status returns.
+type Status struct {
+	Node      string        `json:"node"`
+	Role      Role          `json:"role"`
+	Protector string        `json:"protector,omitempty"`
+	Mode      Mode          `json:"mode"`
+	Interval  string        `json:"interval"`
+	Epoch     uint64        `json:"epoch"` // of the membership view
+	Members   []ring.Member `json:"members"`
+	Busy      string        `json:"busy,omitempty"` // checkpoint or restore in progress
+	Jobs      []Job         `json:"jobs"`
+	Version   string        `json:"version"`
+	CRIU      string        `json:"criu"`
+	Log       *LogStatus    `json:"log,omitempty"`
+}
+
+// Status is this host as uid may see it: the cluster view, and the jobs uid may see (all for root).
+func (a *Agent) Status(uid uint32) Status {
+	v := a.View()
+	self, _ := v.Member(a.cfg.Name)
+	busy, _ := a.busy.Load().(string)
+	s := Status{
+		Node: a.cfg.Name, Role: Role(self.Role), Mode: a.cfg.Checkpoint.Mode, Interval: a.cfg.Checkpoint.Interval.String(),
+		Epoch: v.Epoch, Members: v.Members, Busy: busy, Jobs: a.Jobs(uid), Version: version.Ftkit(), CRIU: a.criu.Binary,
+		Log: a.logStatus(),
+	}
+	if p, ok := v.Protector(a.cfg.Name); ok {
+		s.Protector = p.Name
+	}
+	return s
+}
+
+func sortJobs(js []Job) {
+	sort.Slice(js, func(a, b int) bool { return js[a].Created.Before(js[b].Created) })
+}
+
+// failuresFor is what a non-root caller may see of the failure timelines: those that concern at least one
+// of its jobs, reduced to its jobs. Other users' job ids, the stages of their jobs and the errors naming
+// them are left out; node-level stages keep where and when (who failed, who detected it, where its jobs
+// went: the membership view every user can read says as much) without their details.
+func failuresFor(all []*Failure, owns func(job string) bool) []*Failure {
+	out := []*Failure{}
+	for _, f := range all {
+		var jobs []string
+		for _, j := range f.Jobs {
+			if owns(j) {
+				jobs = append(jobs, j)
+			}
+		}
+		if len(jobs) == 0 {
+			continue
+		}
+		c := *f
+		c.Jobs = jobs
+		c.Stages = nil
+		for _, st := range f.Stages {
+			switch {
+			case st.Job == "":
+				c.Stages = append(c.Stages, Stage{Name: st.Name, Host: st.Host, Start: st.Start, End: st.End})
+			case owns(st.Job):
+				c.Stages = append(c.Stages, st)
+			}
+		}
+		if c.Error != "" && len(jobs) < len(f.Jobs) {
+			c.Error = "the recovery of some jobs failed or is incomplete; ask the administrator for details"
+		}
+		out = append(out, &c)
+	}
+	return out
+}
+
+// Events returns the failure timelines uid may see: all of them for root, else failuresFor's reduction.
+func (a *Agent) Events(uid uint32) []*Failure {
+	if uid == 0 {
+		return a.Failures()
+	}
+	return failuresFor(a.Failures(), a.ownerOf(uid))
+}
+
+// CheckpointFloor is the shortest time between two checkpoints a non-root uid may ask for
+// (checkpoint.min_interval).
+func (a *Agent) CheckpointFloor() time.Duration { return a.cfg.Checkpoint.MinInterval.Duration }
+
+// ownerOf tells whether uid owns a job: one this host runs or ran, or one of whose snapshots it holds
+// (the protector that handled a failure holds the failed node's replicas; its spare runs the jobs).
+func (a *Agent) ownerOf(uid uint32) func(job string) bool {
+	mine := map[string]bool{}
+	for _, j := range a.Jobs(uid) {
+		mine[j.ID] = true
+	}
+	return func(job string) bool {
+		if mine[job] {
+			return true
+		}
+		if a.store == nil || ckpt.ValidName(job) != nil {
+			return false
+		}
+		ids, err := a.store.List(job, "")
+		if err != nil || len(ids) == 0 {
+			return false
+		}
+		m, err := a.store.Manifest(job, ids[0])
+		return err == nil && a.ownsSnapshot(m, uid)
+	}
+}
+
+func errString(err error) string {
+	if err == nil {
+		return ""
+	}
+	return err.Error()
+}

@@ -1,0 +1,102 @@
+package shim
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// maxExitRecord bounds what ReadExit reads: a record is about 100 bytes.
+const maxExitRecord = 64 << 10
+
+// ReadExit returns the job's exit record if its shim wrote one. The agent reads it as root, so a link or
+// a FIFO (in a job directory an older agent handed to the user) is refused, not followed or waited on, and
+// so is a record root did not write: the user could forge one there.
+func ReadExit(path string) (*ExitStatus, error) {
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK|syscall.O_NOCTTY, 0)
+	if errors.Is(err, syscall.ELOOP) {
+		return nil, fmt.Errorf("exit record %s is a symbolic link: not read", path)
+	}
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	if st, err := f.Stat(); err != nil {
+		return nil, err
+	} else if !st.Mode().IsRegular() {
+		return nil, fmt.Errorf("exit record %s is not a regular file: not read", path)
+	} else if sys, ok := st.Sys().(*syscall.Stat_t); ok && sys.Uid != 0 {
+		return nil, fmt.Errorf("exit record %s belongs to uid %d, so no shim wrote it: not read", path, sys.Uid)
+	}
+	b, err := io.ReadAll(io.LimitReader(f, maxExitRecord+1))
+	if err != nil {
+		return nil, err
+	}
+	if len(b) > maxExitRecord {
+		return nil, fmt.Errorf("exit record %s is larger than %d bytes", path, maxExitRecord)
+	}
+	var st ExitStatus
+	if err := json.Unmarshal(b, &st); err != nil {
+		return nil, fmt.Errorf("exit record %s: %w", path, err)
+	}
+	return &st, nil
+}
+
+// ErrJobGone means the job's root process is gone: it exited, or its PID now names another process.
+var ErrJobGone = errors.New("the job's process is gone")
+
+// Signal sends sig to the job's root process and to nothing else. A PID alone may be reused between
+// the check of the job and the signal, by any process of any user; a pidfd cannot be. The pidfd is opened
+// first and the process it names is then confirmed to be in the job's cgroup (where a non-root job cannot
+// leave and no other process can enter), so the signal reaches the job or nobody.
+func Signal(pid int, cgroup string, sig unix.Signal) error {
+	if pid <= 0 {
+		return fmt.Errorf("%w: no pid recorded", ErrJobGone)
+	}
+	fd, err := unix.PidfdOpen(pid, 0)
+	if errors.Is(err, unix.ESRCH) {
+		return fmt.Errorf("%w: pid %d has exited", ErrJobGone, pid)
+	}
+	if err != nil {
+		return fmt.Errorf("open a pidfd for pid %d: %w", pid, err)
+	}
+	defer unix.Close(fd)
+	// If the process died and its PID was reused after PidfdOpen, the check below sees the newcomer; it
+	// then either fails, or passes for a process of the job while the pidfd still names the dead one, and
+	// the signal fails with ESRCH. Either way no process outside the job is signalled.
+	procs, err := os.ReadFile(filepath.Join(cgroup, "cgroup.procs"))
+	if errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("%w: its cgroup %s was removed", ErrJobGone, cgroup)
+	}
+	if err != nil {
+		return fmt.Errorf("read the job's cgroup %s: %w", cgroup, err)
+	}
+	if !pidListed(procs, pid) {
+		return fmt.Errorf("%w: pid %d is no longer in the job's cgroup %s", ErrJobGone, pid, cgroup)
+	}
+	if err := unix.PidfdSendSignal(fd, sig, nil, 0); errors.Is(err, unix.ESRCH) {
+		return fmt.Errorf("%w: pid %d has exited", ErrJobGone, pid)
+	} else if err != nil {
+		return fmt.Errorf("send %s to pid %d: %w", unix.SignalName(sig), pid, err)
+	}
+	return nil
+}
+
+// pidListed reports whether a cgroup.procs file (one PID a line) lists pid.
+func pidListed(procs []byte, pid int) bool {
+	for line := range strings.Lines(string(procs)) {
+		if p, err := strconv.Atoi(strings.TrimSpace(line)); err == nil && p == pid {
+			return true
+		}
+	}
+	return false
+}

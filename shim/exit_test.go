@@ -1,0 +1,195 @@
+package shim
+
+import (
+	"errors"
+	"io/fs"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// The agent polls exit records as root: a link is not followed and a FIFO is not waited on.
+func TestReadExitRefusesLinkAndFIFO(t *testing.T) {
+	dir := t.TempDir()
+	secret := filepath.Join(dir, "secret")
+	if err := os.WriteFile(secret, []byte(`{"code": 77, "node": "forged"}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(dir, "exit-link")
+	fifo := filepath.Join(dir, "exit-fifo")
+	if err := os.Symlink(secret, link); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range []string{link, fifo} {
+		done := make(chan error, 1)
+		go func() {
+			st, err := ReadExit(p)
+			if err == nil {
+				err = errors.New("read " + st.Node)
+			} else {
+				err = nil
+			}
+			done <- err
+		}()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("ReadExit(%s): %v; want a refusal", p, err)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatalf("ReadExit(%s) still blocked after 30 s", p)
+		}
+	}
+	if _, err := ReadExit(filepath.Join(dir, "missing")); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("missing record: %v, want fs.ErrNotExist (the agent waits for it)", err)
+	}
+	if os.Geteuid() == 0 {
+		forged := filepath.Join(dir, "exit-forged")
+		os.WriteFile(forged, []byte(`{"code": 77, "node": "forged"}`), 0o644)
+		os.Chown(forged, 65534, 65534)
+		if st, err := ReadExit(forged); err == nil {
+			t.Errorf("read a record the job's user wrote: %+v", st)
+		}
+	}
+	good := filepath.Join(dir, "exit")
+	os.WriteFile(good, []byte(`{"code": 3, "node": "n1"}`), 0o644)
+	if st, err := ReadExit(good); err != nil || st.Code != 3 {
+		t.Errorf("ReadExit of a real record: %+v, %v", st, err)
+	}
+}
+
+// startSleep starts a child that stands for a job's root process; it is killed and reaped at the end.
+func startSleep(t *testing.T) *exec.Cmd {
+	t.Helper()
+	cmd := exec.Command("sleep", "600")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+	})
+	return cmd
+}
+
+// waitSignalled reaps cmd and checks that sig ended it.
+func waitSignalled(t *testing.T, cmd *exec.Cmd, sig syscall.Signal) {
+	t.Helper()
+	err := cmd.Wait()
+	var ee *exec.ExitError
+	if !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != sig {
+		t.Fatalf("process ended with %v, want signal %v", err, sig)
+	}
+}
+
+// stillRuns checks that nothing killed cmd: it is not a zombie either.
+func stillRuns(t *testing.T, cmd *exec.Cmd) {
+	t.Helper()
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(cmd.Process.Pid) + "/stat")
+	if err != nil {
+		t.Fatalf("process %d is gone: %v", cmd.Process.Pid, err)
+	}
+	// Field 3, after the parenthesised command name, is the state.
+	if _, rest, _ := strings.Cut(string(b), ") "); strings.HasPrefix(rest, "Z") {
+		t.Fatalf("process %d was signalled: it is a zombie", cmd.Process.Pid)
+	}
+}
+
+// Signal itself on a real child: signalled while it runs in the job's cgroup; refused once it has
+// exited and been reaped (its PID may then name anyone's process).
+func TestSignalPidfd(t *testing.T) {
+	cg := t.TempDir()
+	cmd := startSleep(t)
+	pid := cmd.Process.Pid
+	if err := os.WriteFile(filepath.Join(cg, "cgroup.procs"), []byte(strconv.Itoa(pid)+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := Signal(pid, cg, unix.SIGSTOP); err != nil {
+		t.Fatalf("SIGSTOP to the job: %v", err)
+	}
+	var ws unix.WaitStatus
+	if _, err := unix.Wait4(pid, &ws, unix.WUNTRACED, nil); err != nil || !ws.Stopped() {
+		t.Fatalf("after SIGSTOP: %v %v", ws, err)
+	}
+	if err := Signal(pid, cg, unix.SIGKILL); err != nil {
+		t.Fatalf("SIGKILL to the job: %v", err)
+	}
+	waitSignalled(t, cmd, syscall.SIGKILL)
+	if err := Signal(pid, cg, unix.SIGTERM); !errors.Is(err, ErrJobGone) {
+		t.Fatalf("signal after the process was reaped: %v, want ErrJobGone", err)
+	}
+	// The PID reused by a process outside the job: refused, and that process keeps running.
+	other := startSleep(t)
+	if err := Signal(other.Process.Pid, cg, unix.SIGTERM); !errors.Is(err, ErrJobGone) {
+		t.Fatalf("signal to a process outside the job's cgroup: %v, want ErrJobGone", err)
+	}
+	stillRuns(t, other)
+	if err := Signal(0, cg, unix.SIGTERM); !errors.Is(err, ErrJobGone) {
+		t.Fatalf("signal to pid 0: %v", err)
+	}
+}
+
+func TestPidListed(t *testing.T) {
+	for _, tt := range []struct {
+		procs string
+		pid   int
+		want  bool
+	}{
+		{"", 1, false},
+		{"42\n", 42, true},
+		{"42", 42, true},
+		{"7\n42\n99\n", 42, true},
+		{"7\n420\n4\n2\n", 42, false},
+		{"142\n", 42, false},
+		{" 42 \n", 42, true},
+		{"x\n42\n", 42, true},
+		{"-42\n", 42, false},
+	} {
+		if got := pidListed([]byte(tt.procs), tt.pid); got != tt.want {
+			t.Errorf("pidListed(%q, %d) = %v", tt.procs, tt.pid, got)
+		}
+	}
+}
+
+// The shim creates the job's outputs: a link planted at their names is neither followed nor truncated.
+func TestShimRefusesPlantedOutput(t *testing.T) {
+	dir := t.TempDir()
+	secret := filepath.Join(dir, "secret")
+	const secretContent = "root's secret"
+	if err := os.WriteFile(secret, []byte(secretContent), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	jobDir := filepath.Join(dir, "job")
+	if err := os.Mkdir(jobDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	p := filepath.Join(jobDir, "stdout")
+	if err := os.Symlink(secret, p); err != nil {
+		t.Fatal(err)
+	}
+	// createOutput is where the shim opens the outputs: it must refuse the link itself.
+	if f, err := createOutput(p, 65534, 65534); err == nil {
+		f.Close()
+		t.Error("createOutput opened a planted link")
+	}
+	_, err := startJob(Spec{
+		JobID: "planted-00000001", Mode: ModeStart, Argv: []string{"/bin/true"}, UID: 65534, GID: 65534,
+		Stdout: p, Stderr: filepath.Join(jobDir, "stderr"), Cgroup: filepath.Join(dir, "no-such-cgroup"),
+	})
+	if err == nil {
+		t.Fatal("the shim started a job whose stdout was a planted link")
+	}
+	if got, _ := os.ReadFile(secret); string(got) != secretContent {
+		t.Errorf("root's file changed: %q", got)
+	}
+}
