@@ -19,7 +19,6 @@ import (
 	"github.com/ftkit/ftkit/internal/atomicfile"
 	"github.com/ftkit/ftkit/internal/jobfs"
 	"github.com/ftkit/ftkit/internal/version"
-	"github.com/ftkit/ftkit/netlog"
 )
 
 // Layout of a snapshot directory (the ckpt store adds manifest.json and the checksums).
@@ -92,10 +91,10 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen bool) (*ckpt.Manifes
 		}
 		if err != nil {
 			a.log.Warn("the bytes before the snapshot's write_seq in its digest block are unknown: a restore that re-sends bytes on this connection will be refused as unverifiable",
-				"job", j.ID, "conn", netlog.Conn{Src: c.Local, Dst: c.Remote}, "err", err)
+				"job", j.ID, "conn", c.Tuple, "err", err)
 		}
 		info.Conns = append(info.Conns, ckpt.Conn{
-			Local: c.Local, Remote: c.Remote, Inode: uint64(c.Inode), InqSeq: c.InqSeq, InqLen: c.InqLen,
+			Tuple: c.Tuple, Inode: uint64(c.Inode), InqSeq: c.InqSeq, InqLen: c.InqLen,
 			OutqSeq: c.OutqSeq, OutqLen: c.OutqLen, Timestamp: c.Timestamp, SentPrefix: prefix,
 		})
 	}

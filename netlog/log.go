@@ -6,10 +6,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net/netip"
 	"slices"
 	"sync"
 	"time"
+
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // Log is the sender-side byte log of one node: a Store per connection, all sharing one slab
@@ -19,7 +20,7 @@ type Log struct {
 	env    *env
 	mu     sync.RWMutex
 	closed bool
-	stores map[Conn]*Store
+	stores map[tcpflow.Tuple]*Store
 }
 
 // NewLog returns an empty log.
@@ -28,18 +29,13 @@ func NewLog(opt Options) (*Log, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Log{env: e, stores: make(map[Conn]*Store)}, nil
+	return &Log{env: e, stores: make(map[tcpflow.Tuple]*Store)}, nil
 }
 
-// key normalises a Conn so an IPv4-mapped IPv6 address and its IPv4 form name one store.
-func key(c Conn) Conn {
-	return Conn{
-		Src: netip.AddrPortFrom(c.Src.Addr().Unmap(), c.Src.Port()),
-		Dst: netip.AddrPortFrom(c.Dst.Addr().Unmap(), c.Dst.Port()),
-	}
-}
+// key normalises a connection so an IPv4-mapped IPv6 address and its IPv4 form name one store.
+func key(c tcpflow.Tuple) tcpflow.Tuple { return c.Unmap() }
 
-func (l *Log) lookup(c Conn) (*Store, error) {
+func (l *Log) lookup(c tcpflow.Tuple) (*Store, error) {
 	l.mu.RLock()
 	defer l.mu.RUnlock()
 	if l.closed {
@@ -52,7 +48,7 @@ func (l *Log) lookup(c Conn) (*Store, error) {
 	return st, nil
 }
 
-func (l *Log) lookupOrCreate(c Conn) (*Store, error) {
+func (l *Log) lookupOrCreate(c tcpflow.Tuple) (*Store, error) {
 	k := key(c)
 	l.mu.RLock()
 	st, closed := l.stores[k], l.closed
@@ -99,7 +95,7 @@ func (l *Log) Append(rec Record) error {
 }
 
 // SetBase anchors conn's store at seq (see Store.SetBase), creating the store if needed.
-func (l *Log) SetBase(conn Conn, seq uint32) (uint64, error) {
+func (l *Log) SetBase(conn tcpflow.Tuple, seq uint32) (uint64, error) {
 	st, err := l.lookupOrCreate(conn)
 	if err != nil {
 		return 0, err
@@ -112,7 +108,7 @@ func (l *Log) SetBase(conn Conn, seq uint32) (uint64, error) {
 }
 
 // Unwrap returns the absolute sequence conn's store gives the wire sequence seq.
-func (l *Log) Unwrap(conn Conn, seq uint32) (uint64, error) {
+func (l *Log) Unwrap(conn tcpflow.Tuple, seq uint32) (uint64, error) {
 	st, err := l.lookup(conn)
 	if err != nil {
 		return 0, err
@@ -121,7 +117,7 @@ func (l *Log) Unwrap(conn Conn, seq uint32) (uint64, error) {
 }
 
 // Range returns a copy of the bytes conn sent in [from, to) (absolute sequence numbers).
-func (l *Log) Range(conn Conn, from, to uint64) ([]byte, error) {
+func (l *Log) Range(conn tcpflow.Tuple, from, to uint64) ([]byte, error) {
 	st, err := l.lookup(conn)
 	if err != nil {
 		return nil, err
@@ -134,7 +130,7 @@ func (l *Log) Range(conn Conn, from, to uint64) ([]byte, error) {
 }
 
 // WriteRange streams the bytes conn sent in [from, to) to w (see Store.WriteRange).
-func (l *Log) WriteRange(ctx context.Context, w io.Writer, conn Conn, from, to uint64) (int64, error) {
+func (l *Log) WriteRange(ctx context.Context, w io.Writer, conn tcpflow.Tuple, from, to uint64) (int64, error) {
 	st, err := l.lookup(conn)
 	if err != nil {
 		return 0, err
@@ -148,7 +144,7 @@ func (l *Log) WriteRange(ctx context.Context, w io.Writer, conn Conn, from, to u
 
 // Trim drops the bytes conn sent before wire sequence seq (the receiver's snapshot inq_seq)
 // and returns the absolute trim point.
-func (l *Log) Trim(conn Conn, seq uint32) (uint64, error) {
+func (l *Log) Trim(conn tcpflow.Tuple, seq uint32) (uint64, error) {
 	st, err := l.lookup(conn)
 	if err != nil {
 		return 0, err
@@ -157,7 +153,7 @@ func (l *Log) Trim(conn Conn, seq uint32) (uint64, error) {
 }
 
 // Bounds returns conn's live bounds.
-func (l *Log) Bounds(conn Conn) (Bounds, error) {
+func (l *Log) Bounds(conn tcpflow.Tuple) (Bounds, error) {
 	st, err := l.lookup(conn)
 	if err != nil {
 		return Bounds{}, err
@@ -166,28 +162,28 @@ func (l *Log) Bounds(conn Conn) (Bounds, error) {
 }
 
 // Store returns conn's store, for callers that make many calls on one connection.
-func (l *Log) Store(conn Conn) (*Store, error) { return l.lookup(conn) }
+func (l *Log) Store(conn tcpflow.Tuple) (*Store, error) { return l.lookup(conn) }
 
 // Conns lists the connections in the log, sorted.
-func (l *Log) Conns() []Conn {
+func (l *Log) Conns() []tcpflow.Tuple {
 	l.mu.RLock()
-	out := make([]Conn, 0, len(l.stores))
+	out := make([]tcpflow.Tuple, 0, len(l.stores))
 	for c := range l.stores {
 		out = append(out, c)
 	}
 	l.mu.RUnlock()
-	slices.SortFunc(out, func(a, b Conn) int {
-		if c := a.Src.Compare(b.Src); c != 0 {
+	slices.SortFunc(out, func(a, b tcpflow.Tuple) int {
+		if c := a.Local.Compare(b.Local); c != 0 {
 			return c
 		}
-		return a.Dst.Compare(b.Dst)
+		return a.Remote.Compare(b.Remote)
 	})
 	return out
 }
 
 // Remove frees conn's store and forgets the connection (it closed and its peer checkpointed
 // past the last byte). A segment that arrives later starts a new store.
-func (l *Log) Remove(conn Conn) error {
+func (l *Log) Remove(conn tcpflow.Tuple) error {
 	k := key(conn)
 	l.mu.Lock()
 	st := l.stores[k]
@@ -203,7 +199,7 @@ func (l *Log) Remove(conn Conn) error {
 // lastAppend (the Activity the caller based its decision on): a connection that sent again
 // since (a new connection on the same 4-tuple, say) is kept. It returns whether it removed
 // the store and, if so, the store's accounting just before its memory was freed.
-func (l *Log) RemoveIdle(conn Conn, lastAppend time.Time) (bool, Stats, error) {
+func (l *Log) RemoveIdle(conn tcpflow.Tuple, lastAppend time.Time) (bool, Stats, error) {
 	k := key(conn)
 	l.mu.Lock()
 	st := l.stores[k]
@@ -234,7 +230,7 @@ func (l *Log) RemoveIdle(conn Conn, lastAppend time.Time) (bool, Stats, error) {
 }
 
 // Activity returns conn's Activity.
-func (l *Log) Activity(conn Conn) (Activity, error) {
+func (l *Log) Activity(conn tcpflow.Tuple) (Activity, error) {
 	st, err := l.lookup(conn)
 	if err != nil {
 		return Activity{}, err
@@ -252,7 +248,7 @@ func (l *Log) Stats() Stats {
 }
 
 // ConnStats returns the accounting of one connection.
-func (l *Log) ConnStats(conn Conn) (Stats, error) {
+func (l *Log) ConnStats(conn tcpflow.Tuple) (Stats, error) {
 	st, err := l.lookup(conn)
 	if err != nil {
 		return Stats{}, err
