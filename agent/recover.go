@@ -197,7 +197,7 @@ type restoring struct {
 	source, holder string
 	// restoredAt is when CRIU's restore returned: replay is measured from there.
 	restoredAt time.Time
-	// checks are the peers' records of what they received, per connection (Src: the restored end).
+	// checks are the peers' records of what they received, per connection (Local: the restored end).
 	checks map[tcpflow.Tuple]resentCheck
 	// replayed are flows whose replay a previous agent saw complete (resume.go): not waited for again.
 	replayed []tcpflow.Tuple
