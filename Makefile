@@ -33,7 +33,7 @@ generate: setup
 	$(GO) generate ./...
 
 check-generate: generate
-	@git diff --exit-code -- ebpfprobes bpf || { echo "generated eBPF files are stale: run 'make generate' and commit"; exit 1; }
+	@git diff --exit-code -- ebpfprobes ackclamp bpf || { echo "generated eBPF files are stale: run 'make generate' and commit"; exit 1; }
 
 test: build lint check-generate
 	$(GO) test $(TESTFLAGS) ./... $(PROGS)

@@ -5,7 +5,7 @@ import (
 	"path/filepath"
 	"strings"
 
-	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/ackclamp"
 )
 
 // pinDir is where this agent pins the eBPF objects that must outlive it. The node name is in the default:
@@ -14,27 +14,27 @@ func (c Config) pinDir() string {
 	if c.BPFPinDir != "" {
 		return c.BPFPinDir
 	}
-	return filepath.Join(ebpfprobes.DefaultBPFFS, "ftkit", c.Name)
+	return filepath.Join(ackclamp.DefaultBPFFS, "ftkit", c.Name)
 }
 
 // openAckClamp opens the ACK clamp pinned in the agent's pin directory, so that the flows of restored
 // sockets keep their ACK clock when this process dies and the next agent finds them. Without a bpffs it
 // falls back to a clamp that lives as long as the process.
-func (a *Agent) openAckClamp() (*ebpfprobes.AckClamp, error) {
+func (a *Agent) openAckClamp() (*ackclamp.Clamp, error) {
 	dir := filepath.Join(a.cfg.pinDir(), "ackclamp")
 	var err error
-	if root := ebpfprobes.DefaultBPFFS; strings.HasPrefix(dir, root+"/") {
-		err = ebpfprobes.MountBPFFS(root)
+	if root := ackclamp.DefaultBPFFS; strings.HasPrefix(dir, root+"/") {
+		err = ackclamp.MountBPFFS(root)
 	}
-	var c *ebpfprobes.AckClamp
+	var c *ackclamp.Clamp
 	if err == nil {
-		c, err = ebpfprobes.OpenPinnedAckClamp(dir)
+		c, err = ackclamp.OpenPinned(dir)
 	}
 	if err == nil {
 		return c, nil
 	}
 	a.log.Warn("ACK clamp not pinned: restored sockets lose it if this agent dies during their replay", "dir", dir, "err", err)
-	c, lerr := ebpfprobes.LoadAckClamp()
+	c, lerr := ackclamp.Load()
 	if lerr != nil {
 		return nil, fmt.Errorf("%w (pinned: %v)", lerr, err)
 	}

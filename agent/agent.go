@@ -15,11 +15,11 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ftkit/ftkit/ackclamp"
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/interval"
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/detect"
-	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/internal/jobfs"
 	"github.com/ftkit/ftkit/metrics"
@@ -47,12 +47,12 @@ type Agent struct {
 
 	netlog *logState // nil when the sender-side log is disabled
 
-	members  membership           // the cluster view: ring, spares, who holds which address
-	busy     atomic.Value         // string: the long operation in progress, carried by heartbeats
-	watchdog *detect.Watchdog     // over this node's predecessor in the ring
-	failures *failureLog          // timelines of the failures this agent knows of
-	claims   *spare.Holder        // this host's claim state while it is a spare
-	clamp    *ebpfprobes.AckClamp // ACK clock for restored sockets that re-send what peers have; nil if unavailable
+	members  membership       // the cluster view: ring, spares, who holds which address
+	busy     atomic.Value     // string: the long operation in progress, carried by heartbeats
+	watchdog *detect.Watchdog // over this node's predecessor in the ring
+	failures *failureLog      // timelines of the failures this agent knows of
+	claims   *spare.Holder    // this host's claim state while it is a spare
+	clamp    *ackclamp.Clamp  // ACK clock for restored sockets that re-send what peers have; nil if unavailable
 
 	wire   wireTimeouts    // deadlines of the agent-to-agent protocol; zero fields take the defaults
 	asked  atomic.Bool     // a snapshot a peer asked for (opCheckpointNow) is pending

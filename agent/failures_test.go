@@ -10,9 +10,9 @@ import (
 	"time"
 	"unicode/utf8"
 
-	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/recvdigest"
 	"github.com/ftkit/ftkit/ring"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 func TestFailureLogMergeKeepsNewest(t *testing.T) {
@@ -73,7 +73,7 @@ func TestFailureBound(t *testing.T) {
 		return out
 	}
 	long := strings.Repeat("<", 5000) // JSON writes each as \u003c: the worst case for the message size
-	mismatch := &recvdigest.MismatchError{Conn: netlog.Conn{Src: netip.MustParseAddrPort("10.233.122.12:38582"), Dst: netip.MustParseAddrPort("10.233.122.11:7601")},
+	mismatch := &recvdigest.MismatchError{Conn: tcpflow.Tuple{Local: netip.MustParseAddrPort("10.233.122.12:38582"), Remote: netip.MustParseAddrPort("10.233.122.11:7601")},
 		From: 2789081088, To: 2789146624, Got: 0x6973818b, Want: 0x8c3d5983}
 	recoveryErr := fmt.Errorf("recovery on spare1: job nondet1-89244a5f is not transparently recoverable (killed): %w", mismatch).Error()
 	tests := []struct {

@@ -23,6 +23,7 @@ import (
 	"github.com/ftkit/ftkit/netlog/controller"
 	"github.com/ftkit/ftkit/netlog/release"
 	"github.com/ftkit/ftkit/recvdigest"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // logState is the agent's sender-side log: the eBPF capture, its resource controller, and recent events.
@@ -43,10 +44,10 @@ type logState struct {
 	loUsers int
 
 	// Freeing finished connections (releaseFinished).
-	marks    map[string]release.Watermark    // receiving node -> its latest watermark, on our clock
-	asked    map[string]time.Time            // receiving node -> when we last asked it for its watermark
-	asking   map[string]bool                 // a question to that node is in flight
-	verdicts map[netlog.Conn]release.Verdict // the last decision on each logged connection
+	marks    map[string]release.Watermark      // receiving node -> its latest watermark, on our clock
+	asked    map[string]time.Time              // receiving node -> when we last asked it for its watermark
+	asking   map[string]bool                   // a question to that node is in flight
+	verdicts map[tcpflow.Tuple]release.Verdict // the last decision on each logged connection
 	released ReleaseCounters
 }
 
@@ -224,7 +225,7 @@ func (a *Agent) serveTrim(c net.Conn, peer string) {
 		for _, p := range own {
 			// Down to the start of the receive-digest block: a snapshot of ours taken meanwhile may need
 			// the bytes before its write_seq in that block (sentPrefix).
-			if _, err := a.netlog.cap.Log().Trim(netlog.Conn{Src: p.Src, Dst: p.Dst}, recvdigest.BlockStart(p.Seq)); err == nil {
+			if _, err := a.netlog.cap.Log().Trim(tcpflow.Tuple{Local: p.Src, Remote: p.Dst}, recvdigest.BlockStart(p.Seq)); err == nil {
 				n++
 			}
 		}
@@ -290,7 +291,7 @@ func (a *Agent) serveLogRange(ctx context.Context, c net.Conn, peer string) {
 		return
 	}
 	l := a.netlog.cap.Log()
-	conn := netlog.Conn{Src: req.Src, Dst: req.Dst}
+	conn := tcpflow.Tuple{Local: req.Src, Remote: req.Dst}
 	if live, ok := sentNothingSince(a.netlog.cap, conn, req.From); ok {
 		// A one-way stream toward the restored job (or a peer that has been silent since the snapshot):
 		// nothing logged because nothing was sent, which the live state shows; nothing to replay.
@@ -340,7 +341,7 @@ func (a *Agent) serveLogRange(ctx context.Context, c net.Conn, peer string) {
 // sentNothingSince says whether this host's log has no store of conn because the sender sent no payload
 // on it after wire sequence from: the live state's data end is exactly there. A store that exists, or a
 // live state that went further, are for the log to answer (bytes, or a hole it names).
-func sentNothingSince(c *capture.Capture, conn netlog.Conn, from uint32) (ebpfprobes.FlowState, bool) {
+func sentNothingSince(c *capture.Capture, conn tcpflow.Tuple, from uint32) (ebpfprobes.FlowState, bool) {
 	if _, err := c.Log().Bounds(conn); !errors.Is(err, netlog.ErrUnknownConn) {
 		return ebpfprobes.FlowState{}, false
 	}
@@ -419,7 +420,7 @@ func (a *Agent) controlLog(ctx context.Context) {
 			if err != nil {
 				continue
 			}
-			if node := a.memberByIP(conn.Dst.Addr()); node != "" {
+			if node := a.memberByIP(conn.Remote.Addr()); node != "" {
 				bytesBy[node] += st.MemoryBytes()
 			}
 		}
@@ -530,7 +531,7 @@ func (a *Agent) LoggedConns() []LoggedConn {
 		if err != nil {
 			continue
 		}
-		out = append(out, LoggedConn{Src: c.Src, Dst: c.Dst, DstNode: a.memberByIP(c.Dst.Addr()),
+		out = append(out, LoggedConn{Src: c.Local, Dst: c.Remote, DstNode: a.memberByIP(c.Remote.Addr()),
 			First: netlog.Wire(b.First), Contiguous: netlog.Wire(b.Contiguous), Retained: b.Retained, Trimmed: b.Floor != 0,
 			Hole: b.Contiguous != b.Last})
 		if fs, ok, err := a.netlog.cap.FlowState(c); err == nil && ok {
@@ -572,9 +573,9 @@ type LogWatermark struct {
 
 // releaseFinished frees the logs no restore can need any more and returns the decision on every
 // connection it kept. It asks the receiving nodes for their watermarks when that could free something.
-func (a *Agent) releaseFinished(ctx context.Context, l *netlog.Log, now time.Time) map[netlog.Conn]release.Verdict {
+func (a *Agent) releaseFinished(ctx context.Context, l *netlog.Log, now time.Time) map[tcpflow.Tuple]release.Verdict {
 	var (
-		conns []netlog.Conn
+		conns []tcpflow.Tuple
 		acts  []netlog.Activity
 		flows []release.Flow
 	)
@@ -583,7 +584,7 @@ func (a *Agent) releaseFinished(ctx context.Context, l *netlog.Log, now time.Tim
 		if err != nil {
 			continue // removed meanwhile
 		}
-		f := release.Flow{Node: a.memberByIP(c.Dst.Addr()), Dst: c.Dst.Addr(), LastAppend: act.LastAppend,
+		f := release.Flow{Node: a.memberByIP(c.Remote.Addr()), Conn: c, LastAppend: act.LastAppend,
 			SenderGone: act.CgroupID != 0 && !a.netlog.cap.Protects(act.CgroupID)}
 		if act.LastKtimeNs != 0 {
 			f.SentAge, f.HasSentAge = sinceKtime(act.LastKtimeNs)
@@ -600,7 +601,7 @@ func (a *Agent) releaseFinished(ctx context.Context, l *netlog.Log, now time.Tim
 	a.netlog.mu.Unlock()
 	decisions := release.Decide(release.Input{Now: now, Margin: release.DefaultMargin, Flows: flows, Marks: marks})
 
-	verdicts := make(map[netlog.Conn]release.Verdict, len(conns))
+	verdicts := make(map[tcpflow.Tuple]release.Verdict, len(conns))
 	type tally struct {
 		conns int64
 		bytes int64

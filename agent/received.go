@@ -18,6 +18,7 @@ import (
 	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/netlog/capture"
 	"github.com/ftkit/ftkit/recvdigest"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // Checking re-sent bytes. After a restore, the restored job re-emits the bytes its surviving peers already
@@ -64,7 +65,7 @@ type resentCheck struct {
 // (transmitted). They start at write_seq's block start, or at the connection's first byte (ISN+1, from the
 // log's live state) if that lies inside the block: the receiver's record starts there too.
 func (a *Agent) sentPrefix(ctx context.Context, images string, c image.TCPConn) (*ckpt.SentPrefix, error) {
-	conn := netlog.Conn{Src: c.Local, Dst: c.Remote}
+	conn := c.Tuple
 	start := recvdigest.BlockStart(c.OutqSeq)
 	if a.netlog != nil {
 		if fs, ok, err := a.netlog.cap.FlowState(conn); err == nil && ok && fs.HasISN && int32(fs.ISN+1-start) > 0 {
@@ -96,15 +97,15 @@ func (a *Agent) sentPrefix(ctx context.Context, images string, c image.TCPConn) 
 
 // logOf is the log that holds what this host's jobs sent on conn: the cluster interface's, or for a peer on
 // this host the loopback capture's, which logs only the re-sent bytes of jobs restored next to their peers.
-func (a *Agent) logOf(conn netlog.Conn) (*netlog.Log, error) {
+func (a *Agent) logOf(conn tcpflow.Tuple) (*netlog.Log, error) {
 	if a.netlog == nil {
 		return nil, errors.New("the sender-side log is disabled on " + a.cfg.Name)
 	}
-	if conn.Dst.Addr().Unmap().IsLoopback() || a.memberByIP(conn.Dst.Addr()) == a.cfg.Name {
+	if conn.Remote.Addr().Unmap().IsLoopback() || a.memberByIP(conn.Remote.Addr()) == a.cfg.Name {
 		a.netlog.mu.Lock()
 		defer a.netlog.mu.Unlock()
 		if a.netlog.lo == nil {
-			return nil, fmt.Errorf("%s is on this host, and no loopback log is running for this connection", conn.Dst)
+			return nil, fmt.Errorf("%s is on this host, and no loopback log is running for this connection", conn.Remote)
 		}
 		return a.netlog.lo.Log(), nil
 	}
@@ -119,17 +120,17 @@ func (a *Agent) keepResends(r *restoring) (stop func()) {
 	if a.netlog == nil {
 		return func() {}
 	}
-	var local []ebpfprobes.Flow
+	var local []tcpflow.Tuple
 	var release []func()
 	for _, c := range r.plan.Conns {
 		if c.Resend == 0 {
 			continue
 		}
 		if a.memberByIP(c.Conn.Remote.Addr()) == a.cfg.Name {
-			local = append(local, ebpfprobes.Flow{Src: c.Conn.Local, Dst: c.Conn.Remote})
+			local = append(local, c.Conn.Tuple)
 			continue
 		}
-		release = append(release, a.netlog.cap.Log().Hold(netlog.Conn{Src: c.Conn.Local, Dst: c.Conn.Remote}, c.Conn.OutqSeq))
+		release = append(release, a.netlog.cap.Log().Hold(c.Conn.Tuple, c.Conn.OutqSeq))
 	}
 	stopLocal := a.logLocalResends(local)
 	return func() {
@@ -142,7 +143,7 @@ func (a *Agent) keepResends(r *restoring) (stop func()) {
 
 // logLocalResends has the loopback capture log the local flows; the returned function stops it and frees
 // what was logged.
-func (a *Agent) logLocalResends(local []ebpfprobes.Flow) (stop func()) {
+func (a *Agent) logLocalResends(local []tcpflow.Tuple) (stop func()) {
 	if len(local) == 0 {
 		return func() {}
 	}
@@ -151,7 +152,7 @@ func (a *Agent) logLocalResends(local []ebpfprobes.Flow) (stop func()) {
 		a.log.Error("re-sent bytes to peers on this host are not logged: the recovery will refuse them as unverifiable", "flows", local, "err", err)
 		return func() {}
 	}
-	var flows []ebpfprobes.Flow
+	var flows []tcpflow.Tuple
 	for _, f := range local {
 		if err := lo.ProtectFlow(f); err != nil {
 			a.log.Error("re-sent bytes to a peer on this host are not logged: the recovery will refuse them as unverifiable", "flow", f, "err", err)
@@ -198,7 +199,7 @@ func (a *Agent) releaseLocalLog() {
 }
 
 // loggedRange writes the n bytes this host's log holds of conn from wire sequence seq on to w.
-func (a *Agent) loggedRange(ctx context.Context, w io.Writer, conn netlog.Conn, seq, n uint32) error {
+func (a *Agent) loggedRange(ctx context.Context, w io.Writer, conn tcpflow.Tuple, seq, n uint32) error {
 	l, err := a.logOf(conn)
 	if err != nil {
 		return err
@@ -234,7 +235,7 @@ func (a *Agent) serveReceived(c net.Conn, peer string) {
 		a.refuse(peer, opReceived, err)
 		return
 	}
-	conn := netlog.Conn{Src: req.Src, Dst: req.Dst}
+	conn := tcpflow.Tuple{Local: req.Src, Remote: req.Dst}
 	var reply receivedReply
 	switch {
 	case a.netlog == nil || a.netlog.book == nil:
@@ -251,9 +252,9 @@ func (a *Agent) serveReceived(c net.Conn, peer string) {
 
 // receivedOf fetches member peer's record of what it received on conn from sequence from on, and checks it
 // is well formed and of that connection.
-func (a *Agent) receivedOf(ctx context.Context, peer string, conn netlog.Conn, from uint32) (*recvdigest.Received, error) {
+func (a *Agent) receivedOf(ctx context.Context, peer string, conn tcpflow.Tuple, from uint32) (*recvdigest.Received, error) {
 	var reply receivedReply
-	if err := a.call(ctx, peer, opReceived, a.msgTimeout(), receivedRequest{Src: conn.Src, Dst: conn.Dst, From: from}, &reply); err != nil {
+	if err := a.call(ctx, peer, opReceived, a.msgTimeout(), receivedRequest{Src: conn.Local, Dst: conn.Remote, From: from}, &reply); err != nil {
 		return nil, err
 	}
 	switch {
@@ -271,7 +272,7 @@ func (a *Agent) receivedOf(ctx context.Context, peer string, conn netlog.Conn, f
 }
 
 // fetchResentCheck is resentCheck of c from the member that holds its peer.
-func (a *Agent) fetchResentCheck(ctx context.Context, owner string, conn netlog.Conn, from uint32) resentCheck {
+func (a *Agent) fetchResentCheck(ctx context.Context, owner string, conn tcpflow.Tuple, from uint32) resentCheck {
 	rec, err := a.receivedOf(ctx, owner, conn, from)
 	if err != nil {
 		return resentCheck{Missing: fmt.Sprintf("%s could not give its record of what it received: %v", owner, err)}
@@ -289,7 +290,7 @@ func (a *Agent) verifyResent(ctx context.Context, r *restoring) (string, error) 
 		if c.Resend == 0 {
 			continue
 		}
-		conn := netlog.Conn{Src: c.Conn.Local, Dst: c.Conn.Remote}
+		conn := c.Conn.Tuple
 		from, to := c.Conn.OutqSeq, c.Conn.OutqSeq+c.Resend
 		chk := r.checks[conn]
 		var err error
@@ -325,7 +326,7 @@ func (a *Agent) verifyResent(ctx context.Context, r *restoring) (string, error) 
 }
 
 // waitLogged waits (a little) until this host's log holds conn's bytes up to wire sequence end.
-func (a *Agent) waitLogged(ctx context.Context, conn netlog.Conn, end uint32) {
+func (a *Agent) waitLogged(ctx context.Context, conn tcpflow.Tuple, end uint32) {
 	l, err := a.logOf(conn)
 	if err != nil {
 		return

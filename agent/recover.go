@@ -15,10 +15,9 @@ import (
 	"github.com/vishvananda/netlink"
 
 	"github.com/ftkit/ftkit/ckpt"
-	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/grant"
-	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/restore"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // RecoverJob names one job of a failed node and the snapshots to restore it from.
@@ -198,10 +197,10 @@ type restoring struct {
 	source, holder string
 	// restoredAt is when CRIU's restore returned: replay is measured from there.
 	restoredAt time.Time
-	// checks are the peers' records of what they received, per connection (Src: the restored end).
-	checks map[netlog.Conn]resentCheck
+	// checks are the peers' records of what they received, per connection (Local: the restored end).
+	checks map[tcpflow.Tuple]resentCheck
 	// replayed are flows whose replay a previous agent saw complete (resume.go): not waited for again.
-	replayed []ebpfprobes.Flow
+	replayed []tcpflow.Tuple
 	// stopKeeping ends keepResends once the re-sent bytes are checked.
 	stopKeeping func()
 }
@@ -320,7 +319,7 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 func (a *Agent) prepareNetwork(ctx context.Context, iface string, bits int, addrs []netip.Addr, jobs []*restoring) (err error) {
 	var guarded []string
 	var taken []netip.Prefix
-	var clamped []ebpfprobes.Flow
+	var clamped []tcpflow.Tuple
 	defer func() {
 		if err == nil {
 			return
@@ -360,7 +359,7 @@ func (a *Agent) prepareNetwork(ctx context.Context, iface string, bits int, addr
 				}
 				// From the snapshot's write_seq: CRIU restores the out-queue as sent, and the peer, whose
 				// rcv_nxt is beyond it (Resend > 0), has all of it.
-				f := ebpfprobes.Flow{Src: c.Conn.Local, Dst: c.Conn.Remote}
+				f := c.Conn.Tuple
 				if err := a.clamp.Clamp(f, c.Conn.OutqSeq); err != nil {
 					return err
 				}
@@ -443,8 +442,8 @@ func (a *Agent) prepareCandidate(ctx context.Context, job string, c Candidate) (
 // planRecovery asks every peer of the job's connections for what it sent since the snapshot and for its
 // live state, and computes the image edits.
 func (a *Agent) planRecovery(ctx context.Context, req RecoverRequest, r *restoring) error {
-	peers := map[restore.ConnKey]restore.Peer{}
-	r.checks = map[netlog.Conn]resentCheck{}
+	peers := map[tcpflow.Tuple]restore.Peer{}
+	r.checks = map[tcpflow.Tuple]resentCheck{}
 	var conns []ckpt.Conn
 	var errs []error
 	for _, c := range r.m.Conns {
@@ -469,12 +468,12 @@ func (a *Agent) planRecovery(ctx context.Context, req RecoverRequest, r *restori
 			continue
 		}
 		conns = append(conns, c)
-		peers[restore.ConnKey{Local: c.Local, Remote: c.Remote}] = restore.Peer{
+		peers[c.Tuple] = restore.Peer{
 			Live: *reply.Live, LiveAge: reply.LiveAge + time.Since(asked), Logged: data,
 		}
 		// Asked now, while nothing runs at this end: the peer's record ends where its socket does.
 		qctx, cancel = context.WithTimeout(ctx, time.Minute)
-		r.checks[netlog.Conn{Src: c.Local, Dst: c.Remote}] = a.fetchResentCheck(qctx, owner, netlog.Conn{Src: c.Local, Dst: c.Remote}, c.OutqSeq)
+		r.checks[c.Tuple] = a.fetchResentCheck(qctx, owner, c.Tuple, c.OutqSeq)
 		cancel()
 	}
 	if len(errs) > 0 {
@@ -534,7 +533,7 @@ func (a *Agent) waitReplay(ctx context.Context, r *restoring) (string, error) {
 		}
 		total += int64(c.Resend)
 		target := c.Conn.OutqSeq + c.Resend
-		flow := ebpfprobes.Flow{Src: c.Conn.Local, Dst: c.Conn.Remote}
+		flow := c.Conn.Tuple
 		if slices.Contains(r.replayed, flow) {
 			continue
 		}
@@ -582,13 +581,13 @@ func (a *Agent) replayAndVerify(ctx context.Context, r *restoring) (string, erro
 }
 
 // sentUpTo is how far a restored socket has sent on flow.
-func (a *Agent) sentUpTo(flow ebpfprobes.Flow) (uint32, bool) {
+func (a *Agent) sentUpTo(flow tcpflow.Tuple) (uint32, bool) {
 	if a.clamp != nil {
 		st, err := a.clamp.State(flow)
 		return st.SndNxt, err == nil
 	}
 	if a.netlog != nil {
-		st, ok, err := a.netlog.cap.FlowState(netlog.Conn{Src: flow.Src, Dst: flow.Dst})
+		st, ok, err := a.netlog.cap.FlowState(flow)
 		return st.SndNxt, ok && err == nil
 	}
 	return 0, false

@@ -17,11 +17,10 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/ckpt"
-	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/internal/atomicfile"
-	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/ring"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // A recovery's last steps (waiting for the restored jobs to re-send what their peers had, verifying those
@@ -182,7 +181,7 @@ func (t *recoveryTracker) persist(jobs []*restoring) {
 				continue
 			}
 			rj.Conns = append(rj.Conns, recoveryConn{Local: c.Conn.Local, Remote: c.Conn.Remote, OutqSeq: c.Conn.OutqSeq, Resend: c.Resend,
-				SentPrefix: c.Conn.SentPrefix, resentCheck: r.checks[netlog.Conn{Src: c.Conn.Local, Dst: c.Conn.Remote}]})
+				SentPrefix: c.Conn.SentPrefix, resentCheck: r.checks[c.Conn.Tuple]})
 		}
 		t.rec.Jobs = append(t.rec.Jobs, rj)
 	}
@@ -254,14 +253,14 @@ func (a *Agent) releaseStaleClamps(pending []*recoveryRecord) {
 	if a.clamp == nil {
 		return
 	}
-	keep := map[ebpfprobes.Flow]bool{}
+	keep := map[tcpflow.Tuple]bool{}
 	for _, rec := range pending {
 		for _, j := range rec.Jobs {
 			if j.Phase == phaseReplayed {
 				continue
 			}
 			for _, c := range j.Conns {
-				keep[ebpfprobes.Flow{Src: c.Local, Dst: c.Remote}] = true
+				keep[tcpflow.Tuple{Local: c.Local, Remote: c.Remote}] = true
 			}
 		}
 	}
@@ -272,7 +271,7 @@ func (a *Agent) releaseStaleClamps(pending []*recoveryRecord) {
 	}
 	for _, f := range flows {
 		if !keep[f.Flow] {
-			a.log.Warn("releasing a clamped flow no recovery waits for", "local", f.Flow.Src, "remote", f.Flow.Dst)
+			a.log.Warn("releasing a clamped flow no recovery waits for", "local", f.Flow.Local, "remote", f.Flow.Remote)
 			a.clamp.Release(f.Flow)
 		}
 	}
@@ -347,27 +346,27 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 // clamp no longer holds was released by the previous agent, which releases a flow only once its replay is
 // complete: it is not waited for again, but its bytes are still checked.
 func (a *Agent) resumedRestoring(rj recoveryJob, j Job) *restoring {
-	r := &restoring{job: j, restoredAt: rj.RestoredAt, checks: map[netlog.Conn]resentCheck{}}
+	r := &restoring{job: j, restoredAt: rj.RestoredAt, checks: map[tcpflow.Tuple]resentCheck{}}
 	if r.restoredAt.IsZero() {
 		r.restoredAt = time.Now()
 	}
-	var clamped map[ebpfprobes.Flow]bool
+	var clamped map[tcpflow.Tuple]bool
 	if a.clamp != nil {
 		if flows, err := a.clamp.Flows(); err == nil {
-			clamped = map[ebpfprobes.Flow]bool{}
+			clamped = map[tcpflow.Tuple]bool{}
 			for _, f := range flows {
 				clamped[f.Flow] = true
 			}
 		}
 	}
 	for _, c := range rj.Conns {
-		if clamped != nil && !clamped[ebpfprobes.Flow{Src: c.Local, Dst: c.Remote}] {
-			r.replayed = append(r.replayed, ebpfprobes.Flow{Src: c.Local, Dst: c.Remote})
+		if clamped != nil && !clamped[tcpflow.Tuple{Local: c.Local, Remote: c.Remote}] {
+			r.replayed = append(r.replayed, tcpflow.Tuple{Local: c.Local, Remote: c.Remote})
 		}
 		cp := restore.ConnPlan{Resend: c.Resend}
 		cp.Conn.Local, cp.Conn.Remote, cp.Conn.OutqSeq, cp.Conn.SentPrefix = c.Local, c.Remote, c.OutqSeq, c.SentPrefix
 		r.plan.Conns = append(r.plan.Conns, cp)
-		r.checks[netlog.Conn{Src: c.Local, Dst: c.Remote}] = c.resentCheck
+		r.checks[tcpflow.Tuple{Local: c.Local, Remote: c.Remote}] = c.resentCheck
 	}
 	return r
 }

@@ -14,9 +14,9 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
-	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/recvdigest"
 	"github.com/ftkit/ftkit/restore"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 func resumeTestAgent(t *testing.T) *Agent {
@@ -52,12 +52,12 @@ func TestRecoveryRecordPersists(t *testing.T) {
 		connPlan("10.0.0.2:7000", "10.0.0.1:40000", 1000, 5000),
 		connPlan("10.0.0.2:7001", "10.0.0.3:40001", 9, 0), // nothing to re-send: nothing to wait for
 	)
-	keep := netlog.Conn{Src: netip.MustParseAddrPort("10.0.0.2:7000"), Dst: netip.MustParseAddrPort("10.0.0.1:40000")}
+	keep := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
 	prefix := &ckpt.SentPrefix{Len: 1000, CRC: 0xabcd}
 	r.plan.Conns[0].Conn.SentPrefix = prefix
 	kept := &recvdigest.Received{Conn: keep, Pieces: []recvdigest.Piece{{Seq: 0, Len: recvdigest.BlockSize, CRC: 7}}}
-	r.checks = map[netlog.Conn]resentCheck{keep: {Received: kept},
-		{Src: netip.MustParseAddrPort("10.0.0.2:7001"), Dst: netip.MustParseAddrPort("10.0.0.3:40001")}: {Missing: "nothing re-sent"}}
+	r.checks = map[tcpflow.Tuple]resentCheck{keep: {Received: kept},
+		{Local: netip.MustParseAddrPort("10.0.0.2:7001"), Remote: netip.MustParseAddrPort("10.0.0.3:40001")}: {Missing: "nothing re-sent"}}
 	tr.persist([]*restoring{r})
 	at := time.Date(2025, 1, 1, 0, 0, 2, 0, time.UTC)
 	tr.setPhase("rank1", phaseRestored, at)
@@ -78,7 +78,7 @@ func TestRecoveryRecordPersists(t *testing.T) {
 	}
 	got := recs[0]
 	wantJobs := []recoveryJob{{Job: "rank1", Snapshot: r.m.ID, Phase: phaseRestored, RestoredAt: at,
-		Conns: []recoveryConn{{Local: keep.Src, Remote: keep.Dst, OutqSeq: 1000, Resend: 5000, SentPrefix: prefix, resentCheck: resentCheck{Received: kept}}}}}
+		Conns: []recoveryConn{{Local: keep.Local, Remote: keep.Remote, OutqSeq: 1000, Resend: 5000, SentPrefix: prefix, resentCheck: resentCheck{Received: kept}}}}}
 	if got.Failure != req.Failure || got.Coordinator != "node3" || got.Done || !reflect.DeepEqual(got.Jobs, wantJobs) {
 		t.Errorf("record %+v; want failure %s by node3, jobs %+v, not done", got, req.Failure, wantJobs)
 	}

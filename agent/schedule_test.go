@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // TestSnapScheduler plays sequences of scheduler ticks: which jobs are due when, from a job's first
@@ -163,7 +164,7 @@ func TestUnrecoverableConns(t *testing.T) {
 		return ""
 	}
 	conn := func(local, remote string) ckpt.Conn {
-		return ckpt.Conn{Local: netip.MustParseAddrPort(local), Remote: netip.MustParseAddrPort(remote)}
+		return ckpt.Conn{Tuple: tcpflow.Tuple{Local: netip.MustParseAddrPort(local), Remote: netip.MustParseAddrPort(remote)}}
 	}
 	tests := []struct {
 		name  string

@@ -13,20 +13,17 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/ckpt/dump"
 	"github.com/ftkit/ftkit/ckpt/ship"
-	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/criu/image"
-	"github.com/ftkit/ftkit/internal/atomicfile"
-	"github.com/ftkit/ftkit/internal/jobfs"
 	"github.com/ftkit/ftkit/internal/version"
-	"github.com/ftkit/ftkit/netlog"
 )
 
-// Layout of a snapshot directory (the ckpt store adds manifest.json and the checksums).
+// Layout of a snapshot directory (ckpt/dump writes it).
 const (
-	snapImages  = "images"   // CRIU's images
-	snapOutputs = "outputs"  // the job's output files, up to their sizes at the dump
-	snapJob     = "job.json" // the job record, so that any host can restore the job
+	snapImages  = dump.ImagesDir
+	snapOutputs = dump.OutputsDir
+	snapJob     = dump.JobFile
 )
 
 // SnapshotResult describes one snapshot taken by this agent.
@@ -43,137 +40,36 @@ type SnapshotResult struct {
 // snapshot dumps one running job and keeps it running (uncoordinated). If frozen, the caller froze the
 // job's cgroup (semi-coordinated): CRIU dumps it frozen and leaves it frozen.
 func (a *Agent) snapshot(ctx context.Context, j Job, frozen bool) (*ckpt.Manifest, error) {
-	p, err := a.store.Begin(j.ID)
-	if err != nil {
-		return nil, err
+	opts := dump.Options{
+		Job: j.ID, PID: j.PID, Record: j, Logger: a.log,
+		Info: ckpt.Info{CRIUVersion: a.criuVersion.String(), KernelRelease: version.KernelRelease(), Mode: a.cfg.Checkpoint.Mode},
+		SentPrefix: func(ctx context.Context, images string, c image.TCPConn) (*ckpt.SentPrefix, error) {
+			// Only a peer on another member survives this host and checks what a restore re-sends to it.
+			if owner := a.memberByIP(c.Remote.Addr()); owner != "" && owner != a.cfg.Name {
+				return a.sentPrefix(ctx, images, c)
+			}
+			return nil, nil
+		},
+		Outputs: a.outputsOf(j),
 	}
-	committed := false
-	defer func() {
-		if !committed {
-			p.Abort()
-		}
-	}()
-	images := filepath.Join(p.Dir(), snapImages)
-	if err := os.Mkdir(images, 0o700); err != nil {
-		return nil, err
-	}
-	opts := criu.DumpOptions{PID: j.PID, ImagesDir: images, LeaveRunning: true}
 	if frozen {
 		opts.FreezeCgroup = j.Cgroup
 	}
-	start := time.Now()
-	stats, err := a.criu.Dump(ctx, opts)
-	took := time.Since(start)
+	m, err := dump.Take(ctx, a.store, a.criu, opts)
 	if err != nil {
 		return nil, err
 	}
-	conns, err := image.TCPConnections(images)
-	if err != nil {
-		return nil, fmt.Errorf("read TCP state from the images: %w", err)
-	}
-	files, err := image.RegularFiles(images)
-	if err != nil {
-		return nil, fmt.Errorf("read open files from the images: %w", err)
-	}
-	info := ckpt.Info{
-		CRIUVersion: a.criuVersion.String(), KernelRelease: version.KernelRelease(), Mode: a.cfg.Checkpoint.Mode,
-		DumpDuration: took,
-		Stats: ckpt.DumpStats{
-			FreezingTime: us(stats.FreezingUS), FrozenTime: us(stats.FrozenUS), MemdumpTime: us(stats.MemdumpUS),
-			MemwriteTime: us(stats.MemwriteUS), PagesScanned: stats.PagesScanned, PagesWritten: stats.PagesWritten,
-		},
-	}
-	for _, c := range conns {
-		var prefix *ckpt.SentPrefix
-		var err error
-		// Only a peer on another member survives this host and checks what a restore re-sends to it.
-		if owner := a.memberByIP(c.Remote.Addr()); owner != "" && owner != a.cfg.Name {
-			prefix, err = a.sentPrefix(ctx, images, c)
-		}
-		if err != nil {
-			a.log.Warn("the bytes before the snapshot's write_seq in its digest block are unknown: a restore that re-sends bytes on this connection will be refused as unverifiable",
-				"job", j.ID, "conn", netlog.Conn{Src: c.Local, Dst: c.Remote}, "err", err)
-		}
-		info.Conns = append(info.Conns, ckpt.Conn{
-			Local: c.Local, Remote: c.Remote, Inode: uint64(c.Inode), InqSeq: c.InqSeq, InqLen: c.InqLen,
-			OutqSeq: c.OutqSeq, OutqLen: c.OutqLen, Timestamp: c.Timestamp, SentPrefix: prefix,
-		})
-	}
-	// Only files the job opened for writing are part of the recovery contract (restore truncates them
-	// back). Read-only files, the job's binaries and libraries among them, must never be touched: CRIU
-	// checks their sizes itself.
-	for _, f := range files {
-		if f.HasSize && f.Flags&syscall.O_ACCMODE != syscall.O_RDONLY {
-			info.OpenFiles = append(info.OpenFiles, ckpt.OpenFile{Path: f.Path, Size: int64(f.Size)})
-		}
-	}
-	// The job's own output files travel with the snapshot: a host without the job directory (no shared
-	// file system) recreates them before restoring.
-	if err := a.copyOutputs(j, info.OpenFiles, filepath.Join(p.Dir(), snapOutputs)); err != nil {
-		return nil, err
-	}
-	if err := atomicfile.WriteJSON(filepath.Join(p.Dir(), snapJob), j); err != nil {
-		return nil, err
-	}
-	m, err := p.Commit(ctx, info)
-	if err != nil {
-		return nil, err
-	}
-	committed = true
-	a.metrics.SnapshotTaken(took, info.Stats.FrozenTime, m.TotalSize())
-	a.log.Info("snapshot taken", "job", j.ID, "snapshot", m.ID, "dump_ms", took.Milliseconds(),
-		"frozen_ms", info.Stats.FrozenTime.Milliseconds(), "pages_written", stats.PagesWritten,
-		"bytes", m.TotalSize(), "tcp_conns", len(conns))
+	a.metrics.SnapshotTaken(m.DumpDuration, m.Stats.FrozenTime, m.TotalSize())
 	return m, nil
 }
 
-func us(v uint32) time.Duration { return time.Duration(v) * time.Microsecond }
-
-// copyOutputs copies the first Size bytes of each of the job's outputs in its directory. The job appends
-// only, so those bytes no longer change while it keeps running. Root reads them through no link and only
-// from the job's own regular files: a job directory an older agent handed to the user may hold anything.
-func (a *Agent) copyOutputs(j Job, files []ckpt.OpenFile, dst string) error {
+// outputsOf is job j's directory and which of its files are the job's outputs, for a snapshot to copy.
+func (a *Agent) outputsOf(j Job) dump.Outputs {
 	l := a.layout()
-	var dir *jobfs.Dir
-	defer func() {
-		if dir != nil {
-			dir.Close()
-		}
-	}()
-	copied := map[string]bool{}
-	for _, f := range files {
-		name, inside := l.outputName(j.ID, f.Path)
-		if !inside {
-			continue // not the job's own output: it must exist on the restoring host
-		}
-		if name == "" {
-			return fmt.Errorf("job %s has %s open for writing inside its job directory, where only %s and %s are its own; no restore could recreate it",
-				j.ID, f.Path, stdoutName, stderrName)
-		}
-		if copied[name] { // opened more than once
-			continue
-		}
-		copied[name] = true
-		if dir == nil {
-			var err error
-			if dir, err = jobfs.OpenDir(l.dir(j.ID)); err != nil {
-				return fmt.Errorf("copy job outputs: %w", err)
-			}
-			if err := os.MkdirAll(dst, 0o700); err != nil {
-				return err
-			}
-		}
-		in, err := dir.OpenOwned(name, os.O_RDONLY, j.UID)
-		if err != nil {
-			return fmt.Errorf("copy job output: %w", err)
-		}
-		err = copyPrefixToNew(filepath.Join(dst, name), in, f.Size)
-		in.Close()
-		if err != nil {
-			return fmt.Errorf("copy job output %s: %w", f.Path, err)
-		}
+	return dump.Outputs{
+		Dir: l.dir(j.ID), UID: j.UID, Own: stdoutName + " and " + stderrName,
+		Name: func(path string) (string, bool) { return l.outputName(j.ID, path) },
 	}
-	return nil
 }
 
 // copyPrefixToNew copies the first n bytes of src into a new file dst (0600: it may hold anything the job

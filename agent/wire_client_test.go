@@ -14,9 +14,9 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/internal/clustertls"
-	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/recvdigest"
 	"github.com/ftkit/ftkit/spare"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // Tests of the callers' side of the agent-to-agent protocol and of handleCluster, over mutual TLS on
@@ -125,7 +125,7 @@ func TestCallersGiveUpOnAStalledPeer(t *testing.T) {
 		{"exchangeView", func() error { return a.exchangeView(bg, "n2") }},
 		{"requestClaim", func() error { return a.requestClaim(bg, "n2", spare.Claim{}) }},
 		{"remoteReplica", func() error { _, err := a.remoteReplica(bg, "job-1", "n3"); return err }},
-		{"receivedOf", func() error { _, err := a.receivedOf(bg, "n2", netlog.Conn{}, 0); return err }},
+		{"receivedOf", func() error { _, err := a.receivedOf(bg, "n2", tcpflow.Tuple{}, 0); return err }},
 		{"remoteRecover", func() error { return a.remoteRecover(bg, "n2", RecoverRequest{}, func(Stage) {}) }},
 		{"fetchFrom", func() error { return a.fetchFrom(bg, "n2", "job-1", "x") }},
 		{"remoteJobOfSnapshot", func() error {
@@ -366,8 +366,8 @@ func TestPingReadsLargeReplies(t *testing.T) {
 // TestReceivedOfRefusesLyingPeers: a member's record of what it received is used only if it is of the
 // connection asked about and well formed; a peer that says it has none is reported with its reason.
 func TestReceivedOfRefusesLyingPeers(t *testing.T) {
-	conn := netlog.Conn{Src: netip.MustParseAddrPort("10.77.0.3:6000"), Dst: netip.MustParseAddrPort("10.77.0.2:5000")}
-	other := netlog.Conn{Src: conn.Src, Dst: netip.MustParseAddrPort("10.77.0.2:5001")}
+	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.77.0.3:6000"), Remote: netip.MustParseAddrPort("10.77.0.2:5000")}
+	other := tcpflow.Tuple{Local: conn.Local, Remote: netip.MustParseAddrPort("10.77.0.2:5001")}
 	good := recvdigest.Received{Conn: conn, Pieces: []recvdigest.Piece{{Seq: 100, Len: recvdigest.BlockSize - 100, CRC: 1}, {Seq: recvdigest.BlockSize, Len: 10, CRC: 2}}}
 	tests := []struct {
 		name    string

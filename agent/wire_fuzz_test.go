@@ -9,10 +9,10 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/ebpfprobes"
-	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/recvdigest"
 	"github.com/ftkit/ftkit/ring"
 	"github.com/ftkit/ftkit/spare"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // clusterSeeds are valid messages of every operation, as their senders write them.
@@ -38,7 +38,7 @@ func clusterSeeds(t testing.TB) [][]byte {
 		LogRangeRequest{Src: src, Dst: dst, From: 77},
 		LogRangeReply{From: 77, Error: "trimmed"},
 		receivedRequest{Src: src, Dst: dst, From: 77},
-		receivedReply{Received: &recvdigest.Received{Conn: netlog.Conn{Src: src, Dst: dst}, Pieces: []recvdigest.Piece{{Seq: 100, Len: recvdigest.BlockSize - 100, CRC: 5}, {Seq: recvdigest.BlockSize, Len: 9, CRC: 6}}}},
+		receivedReply{Received: &recvdigest.Received{Conn: tcpflow.Tuple{Local: src, Remote: dst}, Pieces: []recvdigest.Piece{{Seq: 100, Len: recvdigest.BlockSize - 100, CRC: 5}, {Seq: recvdigest.BlockSize, Len: 9, CRC: 6}}}},
 		receivedReply{Error: "no record"},
 		detect.Beat{From: "n2", Seq: 9, Busy: "checkpoint", Jobs: []string{"job-1"}, Sent: now},
 		probeMessage{Name: "n3", Reachable: true},

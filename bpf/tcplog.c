@@ -6,7 +6,7 @@
 // to a protected flow it writes one ring buffer record (layout below, decoded
 // by netlog.DecodeRecord) holding the whole payload, keyed by TCP sequence
 // number. It never modifies a packet. Facts this design rests on are in
-// /work/shared/notes/ebpf-logging.md.
+// docs/ebpf-logging.md.
 //
 // Lossless by backpressure: when a payload cannot be logged (ring buffer
 // full, record larger than the ring, copy error) the segment is dropped
@@ -44,7 +44,7 @@
 // LRU hash keyed by 4-tuple: the highest sequence number sent (snd_nxt), the
 // last ACK number (the sender's rcv_nxt), the TCP timestamp option, the raw
 // window and flags. The restorer needs the peer's live send state (see
-// /work/shared/notes/criu-tcp-relocation.md); fentry/kprobes are refused here
+// docs/tcp-relocation.md); fentry/kprobes are refused here
 // and TCP_INFO has no sequence numbers, so this is where it can be seen.
 // Segments dropped for backpressure were never transmitted and do not update
 // the state: every data byte below the recorded snd_nxt has a log record.

@@ -7,10 +7,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net/netip"
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // ManifestName is the file, inside every snapshot directory, that describes it.
@@ -46,14 +47,15 @@ const (
 // Conn is one TCP connection as CRIU saved it (tcp-stream-<inode>.img plus the
 // addresses from files.img). Sequence numbers are raw 32-bit TCP values.
 type Conn struct {
-	Local     netip.AddrPort `json:"local"`
-	Remote    netip.AddrPort `json:"remote"`
-	Inode     uint64         `json:"inode"`
-	InqSeq    uint32         `json:"inq_seq"`
-	InqLen    uint32         `json:"inq_len"`
-	OutqSeq   uint32         `json:"outq_seq"`
-	OutqLen   uint32         `json:"outq_len"`
-	Timestamp uint32         `json:"timestamp"`
+	// Tuple is the connection seen from the snapshotted socket (Local is the job's end); embedded, so
+	// its JSON fields stay "local" and "remote".
+	tcpflow.Tuple
+	Inode     uint64 `json:"inode"`
+	InqSeq    uint32 `json:"inq_seq"`
+	InqLen    uint32 `json:"inq_len"`
+	OutqSeq   uint32 `json:"outq_seq"`
+	OutqLen   uint32 `json:"outq_len"`
+	Timestamp uint32 `json:"timestamp"`
 	// SentPrefix is what the job had written before the dump in the 64 KiB receive-digest block holding
 	// OutqSeq (recvdigest): the check of the bytes a restore re-sends begins mid-block with it. Nil if the
 	// sender could not read them: the re-sent bytes of that block are then unverifiable.

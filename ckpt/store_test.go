@@ -16,6 +16,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 func testInfo() Info {
@@ -27,9 +29,8 @@ func testInfo() Info {
 		Stats: DumpStats{FreezingTime: 3 * time.Millisecond, FrozenTime: 800 * time.Millisecond,
 			MemdumpTime: 400 * time.Millisecond, MemwriteTime: 350 * time.Millisecond, PagesScanned: 9000, PagesWritten: 4096},
 		Conns: []Conn{{
-			Local:  netip.MustParseAddrPort("10.0.0.1:40000"),
-			Remote: netip.MustParseAddrPort("[fd00::2]:5000"),
-			Inode:  123456, InqSeq: 4294967000, InqLen: 10, OutqSeq: 7, OutqLen: 3, Timestamp: 991,
+			Tuple: tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.1:40000"), Remote: netip.MustParseAddrPort("[fd00::2]:5000")},
+			Inode: 123456, InqSeq: 4294967000, InqLen: 10, OutqSeq: 7, OutqLen: 3, Timestamp: 991,
 		}},
 		OpenFiles: []OpenFile{{Path: "/var/log/job.out", Size: 4242}},
 	}

@@ -1,4 +1,4 @@
-// Package ebpfprobes loads and attaches ftkit's eBPF programs.
+// Package ebpfprobes loads and attaches ftkit's eBPF probes.
 //
 // TCPLogger is the sender-side log of inter-node TCP bytes: a TCX egress
 // program (C source in bpf/tcplog.c) copies the payload of every TCP segment
@@ -14,6 +14,10 @@
 // receive into a ring buffer, in the same record format, in sequence order
 // per flow, and drops a segment it cannot record (ring full, a hole before
 // it) so that TCP retransmits it.
+//
+// These programs observe packets; the one that rewrites them, the ACK clamp,
+// is the package ackclamp. A flow is a tcpflow.Tuple seen from the sending
+// socket: Local is the sender, for the receive tap too (it is the remote end).
 //
 // Everything here needs root (CAP_BPF, CAP_NET_ADMIN) and Linux 6.6+ (TCX,
 // dynptr kfuncs).

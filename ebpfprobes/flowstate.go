@@ -11,6 +11,8 @@ import (
 
 	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // TCP header flags, as found in FlowState.Flags.
@@ -41,10 +43,10 @@ const (
 // never transmitted and do not count.
 //
 // For the restorer the flow that matters is the surviving peer P's flow
-// toward the failed node F, Flow{Src: P, Dst: F}, read from the logger on P:
+// toward the failed node F, tcpflow.Tuple{Local: P, Remote: F}, read from the logger on P:
 // it is P's side of the connection, which the restored socket of F must be
-// made to agree with (/work/shared/notes/criu-tcp-relocation.md, "Leave-running
-// checkpoints"). The field comments use P and F in that sense. Read the state
+// made to agree with (docs/tcp-relocation.md, "Leave-running
+// snapshots"). The field comments use P and F in that sense. Read the state
 // once P has fallen quiet toward F (F is dead: P sends only retransmissions
 // and ACKs), so that it is final.
 type FlowState struct {
@@ -187,7 +189,7 @@ func flowStateFrom(v tcplogFlowState) FlowState {
 	}
 }
 
-// FlowState returns the live state of flow f (Src is the sending end: for
+// FlowState returns the live state of flow f (Local is the sending end: for
 // the restorer, the peer toward the failed node). ok is false when the
 // logger has seen no segment of f since it was loaded (f is not protected,
 // sends nothing, or was evicted: the map keeps the 8192 most recently active
@@ -196,7 +198,7 @@ func flowStateFrom(v tcplogFlowState) FlowState {
 // The program updates the state in place without a lock; FlowState reads it
 // until two consecutive reads agree, so it never returns a mix of two
 // segments' fields.
-func (l *TCPLogger) FlowState(f Flow) (state FlowState, ok bool, err error) {
+func (l *TCPLogger) FlowState(f tcpflow.Tuple) (state FlowState, ok bool, err error) {
 	k, err := flowKey(f)
 	if err != nil {
 		return FlowState{}, false, err
@@ -208,21 +210,21 @@ func (l *TCPLogger) FlowState(f Flow) (state FlowState, ok bool, err error) {
 			if errors.Is(err, ebpf.ErrKeyNotExist) {
 				return FlowState{}, false, nil
 			}
-			return FlowState{}, false, fmt.Errorf("tcplog: read state of flow %v->%v: %w", f.Src, f.Dst, err)
+			return FlowState{}, false, fmt.Errorf("tcplog: read state of flow %v->%v: %w", f.Local, f.Remote, err)
 		}
 		if i > 0 && v == prev {
 			return flowStateFrom(v), true, nil
 		}
 		prev = v
 	}
-	return FlowState{}, false, fmt.Errorf("tcplog: state of flow %v->%v changed on each of 16 reads: read it when the flow is quiet", f.Src, f.Dst)
+	return FlowState{}, false, fmt.Errorf("tcplog: state of flow %v->%v changed on each of 16 reads: read it when the flow is quiet", f.Local, f.Remote)
 }
 
 // FlowStates returns the state of every flow the logger holds, for
 // diagnostics. It is not a snapshot: flows updated during the walk may show
 // either state, and each value is read once.
-func (l *TCPLogger) FlowStates() (map[Flow]FlowState, error) {
-	out := make(map[Flow]FlowState)
+func (l *TCPLogger) FlowStates() (map[tcpflow.Tuple]FlowState, error) {
+	out := make(map[tcpflow.Tuple]FlowState)
 	var k tcplogFlowKey
 	var v tcplogFlowState
 	it := l.objs.FlowStates.Iterate()
@@ -236,12 +238,12 @@ func (l *TCPLogger) FlowStates() (map[Flow]FlowState, error) {
 }
 
 // flowFromKey inverts flowKey.
-func flowFromKey(k tcplogFlowKey) Flow {
+func flowFromKey(k tcplogFlowKey) tcpflow.Tuple {
 	var s, d [4]byte
 	binary.NativeEndian.PutUint32(s[:], k.Saddr)
 	binary.NativeEndian.PutUint32(d[:], k.Daddr)
-	return Flow{
-		Src: netip.AddrPortFrom(netip.AddrFrom4(s), htons(k.Sport)),
-		Dst: netip.AddrPortFrom(netip.AddrFrom4(d), htons(k.Dport)),
+	return tcpflow.Tuple{
+		Local:  netip.AddrPortFrom(netip.AddrFrom4(s), htons(k.Sport)),
+		Remote: netip.AddrPortFrom(netip.AddrFrom4(d), htons(k.Dport)),
 	}
 }

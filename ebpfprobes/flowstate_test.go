@@ -16,6 +16,8 @@ import (
 	"github.com/vishvananda/netlink"
 
 	"github.com/ftkit/ftkit/internal/streamtest"
+	"github.com/ftkit/ftkit/internal/tcpframe"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 func TestFlowStateHelpers(t *testing.T) {
@@ -68,7 +70,7 @@ func TestFlowStateHelpers(t *testing.T) {
 		}
 	}
 
-	f := Flow{Src: netip.MustParseAddrPort("10.250.7.1:40000"), Dst: netip.MustParseAddrPort("192.168.0.254:5001")}
+	f := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.250.7.1:40000"), Remote: netip.MustParseAddrPort("192.168.0.254:5001")}
 	k, err := flowKey(f)
 	if err != nil {
 		t.Fatal(err)
@@ -83,58 +85,6 @@ const (
 	verdictNext = 0xffffffff // TCX_NEXT (-1)
 	verdictDrop = 2          // TCX_DROP
 )
-
-// segment is one TCP segment to feed to the program with BPF_PROG_TEST_RUN.
-type segment struct {
-	seq, ack uint32
-	flags    uint8
-	window   uint16
-	opts     []byte // a multiple of 4 bytes, at most 40
-	payload  int    // bytes of payload
-}
-
-// frame builds the Ethernet frame of seg on flow f.
-func (seg segment) frame(f Flow) []byte {
-	if len(seg.opts)%4 != 0 || len(seg.opts) > 40 {
-		panic(fmt.Sprintf("bad TCP options length %d", len(seg.opts)))
-	}
-	tcpLen := 20 + len(seg.opts)
-	ipLen := 20 + tcpLen + seg.payload
-	b := make([]byte, 14+ipLen)
-	copy(b[0:6], []byte{2, 0, 0, 0, 0, 2})
-	copy(b[6:12], []byte{2, 0, 0, 0, 0, 1})
-	binary.BigEndian.PutUint16(b[12:], 0x0800)
-	ip := b[14:]
-	ip[0] = 0x45
-	binary.BigEndian.PutUint16(ip[2:], uint16(ipLen))
-	binary.BigEndian.PutUint16(ip[6:], 0x4000) // DF
-	ip[8] = 64
-	ip[9] = 6
-	s, d := f.Src.Addr().As4(), f.Dst.Addr().As4()
-	copy(ip[12:16], s[:])
-	copy(ip[16:20], d[:])
-	var sum uint32
-	for i := 0; i < 20; i += 2 {
-		sum += uint32(binary.BigEndian.Uint16(ip[i:]))
-	}
-	for sum > 0xffff {
-		sum = sum&0xffff + sum>>16
-	}
-	binary.BigEndian.PutUint16(ip[10:], ^uint16(sum))
-	tcp := ip[20:]
-	binary.BigEndian.PutUint16(tcp[0:], f.Src.Port())
-	binary.BigEndian.PutUint16(tcp[2:], f.Dst.Port())
-	binary.BigEndian.PutUint32(tcp[4:], seg.seq)
-	binary.BigEndian.PutUint32(tcp[8:], seg.ack)
-	tcp[12] = byte(tcpLen/4) << 4
-	tcp[13] = seg.flags
-	binary.BigEndian.PutUint16(tcp[14:], seg.window)
-	copy(tcp[20:], seg.opts)
-	for i := range seg.payload {
-		tcp[tcpLen+i] = byte(i)
-	}
-	return b
-}
 
 // tsOpt is Linux's layout on established segments: NOP, NOP, timestamp.
 func tsOpt(tsval, tsecr uint32) []byte {
@@ -174,9 +124,9 @@ func newTestLogger(t testing.TB, ring int) *TCPLogger {
 }
 
 // run feeds seg to the program as a frame of flow f and returns its verdict.
-func run(t testing.TB, l *TCPLogger, f Flow, seg segment) uint32 {
+func run(t testing.TB, l *TCPLogger, f tcpflow.Tuple, seg tcpframe.Segment) uint32 {
 	t.Helper()
-	ret, err := l.objs.Program.Run(&ebpf.RunOptions{Data: seg.frame(f)})
+	ret, err := l.objs.Program.Run(&ebpf.RunOptions{Data: seg.Frame(f)})
 	if err != nil {
 		t.Fatalf("BPF_PROG_TEST_RUN: %v", err)
 	}
@@ -194,7 +144,7 @@ func TestFlowStateProgram(t *testing.T) {
 		n, _ := info.VerifiedInstructions()
 		t.Logf("verifier processed %d instructions", n)
 	}
-	f := Flow{Src: netip.MustParseAddrPort("10.9.0.1:40000"), Dst: netip.MustParseAddrPort("10.9.0.2:5001")}
+	f := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.9.0.1:40000"), Remote: netip.MustParseAddrPort("10.9.0.2:5001")}
 	if err := l.ProtectFlow(f); err != nil {
 		t.Fatal(err)
 	}
@@ -203,42 +153,42 @@ func TestFlowStateProgram(t *testing.T) {
 	const ack, win = 7777, 502
 	steps := []struct {
 		name string
-		seg  segment
+		seg  tcpframe.Segment
 		want FlowState // Segments and KtimeNs are checked apart
 	}{
-		{"SYN", segment{seq: isn, flags: TCPFlagSYN, window: 64240, opts: synOpts(100)},
+		{"SYN", tcpframe.Segment{Seq: isn, Flags: TCPFlagSYN, Window: 64240, Opts: synOpts(100)},
 			FlowState{SndNxt: isn + 1, HasTS: true, TSval: 100, Window: 64240, Flags: TCPFlagSYN, ISN: isn, HasISN: true}},
-		{"pure ACK", segment{seq: isn + 1, ack: ack, flags: TCPFlagACK, window: win, opts: tsOpt(101, 5000)},
+		{"pure ACK", tcpframe.Segment{Seq: isn + 1, Ack: ack, Flags: TCPFlagACK, Window: win, Opts: tsOpt(101, 5000)},
 			FlowState{SndNxt: isn + 1, Ack: ack, HasAck: true, HasTS: true, TSval: 101, TSecr: 5000, Window: win, Flags: TCPFlagACK, ISN: isn, HasISN: true}},
-		{"data below the wrap", segment{seq: isn + 1, ack: ack, flags: TCPFlagACK, window: win, opts: tsOpt(102, 5000), payload: 0x80},
+		{"data below the wrap", tcpframe.Segment{Seq: isn + 1, Ack: ack, Flags: TCPFlagACK, Window: win, Opts: tsOpt(102, 5000), Payload: 0x80},
 			FlowState{SndNxt: 0xffffff81, Ack: ack, HasAck: true, HasTS: true, TSval: 102, TSecr: 5000, Window: win, Flags: TCPFlagACK, ISN: isn, HasISN: true}},
 		// An unsigned max would stay at 0xffffff81.
-		{"data across the wrap", segment{seq: 0xffffff81, ack: ack + 10, flags: TCPFlagACK | TCPFlagPSH, window: win, opts: tsOpt(103, 5001), payload: 0x180},
+		{"data across the wrap", tcpframe.Segment{Seq: 0xffffff81, Ack: ack + 10, Flags: TCPFlagACK | TCPFlagPSH, Window: win, Opts: tsOpt(103, 5001), Payload: 0x180},
 			FlowState{SndNxt: 0x101, Ack: ack + 10, HasAck: true, HasTS: true, TSval: 103, TSecr: 5001, Window: win, Flags: TCPFlagACK | TCPFlagPSH, ISN: isn, HasISN: true}},
 		// An unsigned max would jump back to 0xffffff81.
-		{"retransmission from before the wrap", segment{seq: isn + 1, ack: ack + 20, flags: TCPFlagACK, window: win + 1, opts: tsOpt(104, 5002), payload: 0x80},
+		{"retransmission from before the wrap", tcpframe.Segment{Seq: isn + 1, Ack: ack + 20, Flags: TCPFlagACK, Window: win + 1, Opts: tsOpt(104, 5002), Payload: 0x80},
 			FlowState{SndNxt: 0x101, Ack: ack + 20, HasAck: true, HasTS: true, TSval: 104, TSecr: 5002, Window: win + 1, Flags: TCPFlagACK, ISN: isn, HasISN: true}},
-		{"data after the wrap", segment{seq: 0x101, ack: ack + 20, flags: TCPFlagACK, window: win, opts: tsOpt(105, 5003), payload: 100},
+		{"data after the wrap", tcpframe.Segment{Seq: 0x101, Ack: ack + 20, Flags: TCPFlagACK, Window: win, Opts: tsOpt(105, 5003), Payload: 100},
 			FlowState{SndNxt: 0x165, Ack: ack + 20, HasAck: true, HasTS: true, TSval: 105, TSecr: 5003, Window: win, Flags: TCPFlagACK, ISN: isn, HasISN: true}},
-		{"ACK without options keeps the last timestamps", segment{seq: 0x165, ack: ack + 30, flags: TCPFlagACK, window: win},
+		{"ACK without options keeps the last timestamps", tcpframe.Segment{Seq: 0x165, Ack: ack + 30, Flags: TCPFlagACK, Window: win},
 			FlowState{SndNxt: 0x165, Ack: ack + 30, HasAck: true, HasTS: true, TSval: 105, TSecr: 5003, Window: win, Flags: TCPFlagACK, ISN: isn, HasISN: true}},
-		{"timestamp at an odd offset", segment{seq: 0x165, ack: ack + 30, flags: TCPFlagACK, window: win, opts: append(append([]byte{1}, tsBytes(200, 6000)...), 0)},
+		{"timestamp at an odd offset", tcpframe.Segment{Seq: 0x165, Ack: ack + 30, Flags: TCPFlagACK, Window: win, Opts: append(append([]byte{1}, tsBytes(200, 6000)...), 0)},
 			FlowState{SndNxt: 0x165, Ack: ack + 30, HasAck: true, HasTS: true, TSval: 200, TSecr: 6000, Window: win, Flags: TCPFlagACK, ISN: isn, HasISN: true}},
-		{"timestamp after EOL is not seen", segment{seq: 0x165, ack: ack + 30, flags: TCPFlagACK, window: win, opts: append([]byte{0, 0, 1, 1}, tsOpt(300, 7000)...)},
+		{"timestamp after EOL is not seen", tcpframe.Segment{Seq: 0x165, Ack: ack + 30, Flags: TCPFlagACK, Window: win, Opts: append([]byte{0, 0, 1, 1}, tsOpt(300, 7000)...)},
 			FlowState{SndNxt: 0x165, Ack: ack + 30, HasAck: true, HasTS: true, TSval: 200, TSecr: 6000, Window: win, Flags: TCPFlagACK, ISN: isn, HasISN: true}},
-		{"timestamp after a malformed option is not seen", segment{seq: 0x165, ack: ack + 30, flags: TCPFlagACK, window: win, opts: append([]byte{3, 1, 1, 1}, tsOpt(301, 7001)...)},
+		{"timestamp after a malformed option is not seen", tcpframe.Segment{Seq: 0x165, Ack: ack + 30, Flags: TCPFlagACK, Window: win, Opts: append([]byte{3, 1, 1, 1}, tsOpt(301, 7001)...)},
 			FlowState{SndNxt: 0x165, Ack: ack + 30, HasAck: true, HasTS: true, TSval: 200, TSecr: 6000, Window: win, Flags: TCPFlagACK, ISN: isn, HasISN: true}},
-		{"truncated timestamp is not seen", segment{seq: 0x165, ack: ack + 30, flags: TCPFlagACK, window: win, opts: []byte{1, 1, 1, 1, 1, 1, 1, 1, 8, 10, 0, 0}},
+		{"truncated timestamp is not seen", tcpframe.Segment{Seq: 0x165, Ack: ack + 30, Flags: TCPFlagACK, Window: win, Opts: []byte{1, 1, 1, 1, 1, 1, 1, 1, 8, 10, 0, 0}},
 			FlowState{SndNxt: 0x165, Ack: ack + 30, HasAck: true, HasTS: true, TSval: 200, TSecr: 6000, Window: win, Flags: TCPFlagACK, ISN: isn, HasISN: true}},
-		{"wrong-size timestamp is skipped, the next one found", segment{seq: 0x165, ack: ack + 30, flags: TCPFlagACK, window: win, opts: append(append([]byte{8, 6, 9, 9, 9, 9}, tsOpt(400, 8000)...), 0, 0)},
+		{"wrong-size timestamp is skipped, the next one found", tcpframe.Segment{Seq: 0x165, Ack: ack + 30, Flags: TCPFlagACK, Window: win, Opts: append(append([]byte{8, 6, 9, 9, 9, 9}, tsOpt(400, 8000)...), 0, 0)},
 			FlowState{SndNxt: 0x165, Ack: ack + 30, HasAck: true, HasTS: true, TSval: 400, TSecr: 8000, Window: win, Flags: TCPFlagACK, ISN: isn, HasISN: true}},
-		{"FIN", segment{seq: 0x165, ack: ack + 30, flags: TCPFlagFIN | TCPFlagACK, window: win, opts: tsOpt(401, 8000)},
+		{"FIN", tcpframe.Segment{Seq: 0x165, Ack: ack + 30, Flags: TCPFlagFIN | TCPFlagACK, Window: win, Opts: tsOpt(401, 8000)},
 			FlowState{SndNxt: 0x166, Ack: ack + 30, HasAck: true, HasTS: true, TSval: 401, TSecr: 8000, Window: win, Flags: TCPFlagFIN | TCPFlagACK, ISN: isn, HasISN: true, FinSent: true}},
-		{"ACK after FIN keeps FinSent", segment{seq: 0x166, ack: ack + 31, flags: TCPFlagACK, window: win, opts: tsOpt(402, 8001)},
+		{"ACK after FIN keeps FinSent", tcpframe.Segment{Seq: 0x166, Ack: ack + 31, Flags: TCPFlagACK, Window: win, Opts: tsOpt(402, 8001)},
 			FlowState{SndNxt: 0x166, Ack: ack + 31, HasAck: true, HasTS: true, TSval: 402, TSecr: 8001, Window: win, Flags: TCPFlagACK, ISN: isn, HasISN: true, FinSent: true}},
-		{"RST does not move snd_nxt", segment{seq: 0x9999, flags: TCPFlagRST},
+		{"RST does not move snd_nxt", tcpframe.Segment{Seq: 0x9999, Flags: TCPFlagRST},
 			FlowState{SndNxt: 0x166, Ack: ack + 31, HasAck: true, HasTS: true, TSval: 402, TSecr: 8001, Flags: TCPFlagRST, ISN: isn, HasISN: true, FinSent: true, RstSent: true}},
-		{"new SYN on the 4-tuple restarts the state", segment{seq: 0x1000, flags: TCPFlagSYN, window: 64240, opts: synOpts(900)},
+		{"new SYN on the 4-tuple restarts the state", tcpframe.Segment{Seq: 0x1000, Flags: TCPFlagSYN, Window: 64240, Opts: synOpts(900)},
 			FlowState{SndNxt: 0x1001, HasTS: true, TSval: 900, Window: 64240, Flags: TCPFlagSYN, ISN: 0x1000, HasISN: true}},
 	}
 	var prev FlowState
@@ -251,7 +201,7 @@ func TestFlowStateProgram(t *testing.T) {
 			t.Fatalf("step %q: FlowState: %v, %v", st.name, ok, err)
 		}
 		wantSegs := prev.Segments + 1
-		if i == 0 || st.seg.flags&TCPFlagSYN != 0 {
+		if i == 0 || st.seg.Flags&TCPFlagSYN != 0 {
 			wantSegs = 1
 		}
 		if got.Segments != wantSegs || got.KtimeNs < prev.KtimeNs || got.KtimeNs == 0 {
@@ -268,14 +218,14 @@ func TestFlowStateProgram(t *testing.T) {
 	}
 
 	// A retransmitted SYN (same ISN) is an ordinary update.
-	run(t, l, f, segment{seq: 0x1000, flags: TCPFlagSYN, window: 64240, opts: synOpts(901)})
+	run(t, l, f, tcpframe.Segment{Seq: 0x1000, Flags: TCPFlagSYN, Window: 64240, Opts: synOpts(901)})
 	if got, _, _ := l.FlowState(f); got.Segments != 2 || got.TSval != 901 || got.ISN != 0x1000 {
 		t.Errorf("after a retransmitted SYN: %+v", got)
 	}
 
 	// Unprotected flows, including the reverse of f, get no state.
-	other := Flow{Src: f.Dst, Dst: f.Src}
-	run(t, l, other, segment{seq: 1, ack: 2, flags: TCPFlagACK, opts: tsOpt(1, 2), payload: 10})
+	other := tcpflow.Tuple{Local: f.Remote, Remote: f.Local}
+	run(t, l, other, tcpframe.Segment{Seq: 1, Ack: 2, Flags: TCPFlagACK, Opts: tsOpt(1, 2), Payload: 10})
 	if _, ok, err := l.FlowState(other); ok || err != nil {
 		t.Errorf("unprotected flow has a state (%v, %v)", ok, err)
 	}
@@ -286,7 +236,7 @@ func TestFlowStateProgram(t *testing.T) {
 	if len(all) != 1 || all[f].ISN != 0x1000 {
 		t.Errorf("FlowStates() = %+v, want only %v", all, f)
 	}
-	if _, _, err := l.FlowState(Flow{Src: netip.MustParseAddrPort("[::1]:1"), Dst: netip.MustParseAddrPort("[::1]:2")}); err == nil {
+	if _, _, err := l.FlowState(tcpflow.Tuple{Local: netip.MustParseAddrPort("[::1]:1"), Remote: netip.MustParseAddrPort("[::1]:2")}); err == nil {
 		t.Error("FlowState of an IPv6 flow: no error")
 	}
 }
@@ -297,7 +247,7 @@ func TestFlowStateProgram(t *testing.T) {
 func TestFlowStateIgnoresDroppedSegments(t *testing.T) {
 	page := os.Getpagesize()
 	l := newTestLogger(t, page) // the smallest ring: a few 1000-byte records fill it
-	f := Flow{Src: netip.MustParseAddrPort("10.9.0.1:40001"), Dst: netip.MustParseAddrPort("10.9.0.2:5001")}
+	f := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.9.0.1:40001"), Remote: netip.MustParseAddrPort("10.9.0.2:5001")}
 	if err := l.ProtectFlow(f); err != nil {
 		t.Fatal(err)
 	}
@@ -305,7 +255,7 @@ func TestFlowStateIgnoresDroppedSegments(t *testing.T) {
 	var logged, dropped int
 	for range page / 1000 * 2 {
 		before, _, _ := l.FlowState(f)
-		v := run(t, l, f, segment{seq: seq, ack: 1, flags: TCPFlagACK, opts: tsOpt(seq, 1), payload: 1000})
+		v := run(t, l, f, tcpframe.Segment{Seq: seq, Ack: 1, Flags: TCPFlagACK, Opts: tsOpt(seq, 1), Payload: 1000})
 		after, ok, err := l.FlowState(f)
 		if err != nil {
 			t.Fatal(err)
@@ -373,7 +323,7 @@ func FuzzTimestampOption(f *testing.F) {
 	f.Add([]byte{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 8, 10, 0, 0, 0, 1, 0, 0, 0, 2})
 	f.Add([]byte{2, 0, 8, 10})
 	l := newTestLogger(f, 1<<20)
-	flow := Flow{Src: netip.MustParseAddrPort("10.9.0.1:40002"), Dst: netip.MustParseAddrPort("10.9.0.2:5001")}
+	flow := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.9.0.1:40002"), Remote: netip.MustParseAddrPort("10.9.0.2:5001")}
 	if err := l.ProtectFlow(flow); err != nil {
 		f.Fatal(err)
 	}
@@ -381,7 +331,7 @@ func FuzzTimestampOption(f *testing.F) {
 	f.Fuzz(func(t *testing.T, opts []byte) {
 		opts = opts[:min(len(opts), 40)&^3] // doff counts 4-byte words
 		isn++
-		if v := run(t, l, flow, segment{seq: isn, flags: TCPFlagSYN, opts: opts}); v != verdictNext {
+		if v := run(t, l, flow, tcpframe.Segment{Seq: isn, Flags: TCPFlagSYN, Opts: opts}); v != verdictNext {
 			t.Fatalf("verdict %#x", v)
 		}
 		got, ok, err := l.FlowState(flow)
@@ -465,8 +415,8 @@ func flowStateEndToEnd(t *testing.T, port uint16, quickack bool) {
 	if _, err := fmt.Sscanf(send.LineT(ctx, t), "port %d", &sport); err != nil {
 		t.Fatal(err)
 	}
-	ab := Flow{Src: netip.AddrPortFrom(tn.ipA, sport), Dst: netip.AddrPortFrom(tn.ipB, port)}
-	ba := Flow{Src: ab.Dst, Dst: ab.Src}
+	ab := tcpflow.Tuple{Local: netip.AddrPortFrom(tn.ipA, sport), Remote: netip.AddrPortFrom(tn.ipB, port)}
+	ba := tcpflow.Tuple{Local: ab.Remote, Remote: ab.Local}
 
 	// settle waits until cond holds for both states and they stayed
 	// unchanged for 100 ms (a quiet period), and returns them.

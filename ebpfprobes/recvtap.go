@@ -59,8 +59,8 @@ type tcprecvLoaded struct {
 // RecvTap records, for the TCP sockets of the cgroups it is attached to,
 // every payload byte they receive (bpf/tcprecv.c has the guarantees): one
 // ring buffer record per received segment in TCPLogger's format, with
-// Src the remote sender and Dst the local socket (netlog.DecodeRecord decodes
-// them). A segment whose record cannot be written is dropped, so TCP
+// the flow named from the sender's side: Local the remote sender and Remote the
+// local socket (netlog.DecodeRecord decodes them). A segment whose record cannot be written is dropped, so TCP
 // retransmits it: the tap slows a flow down rather than miss a byte.
 // AttachCgroup, DetachCgroup, Counters and Close may be called from any
 // goroutine; ReadBatch has a single consumer.

@@ -33,6 +33,7 @@ import (
 	"github.com/ftkit/ftkit/internal/streamtest"
 	"github.com/ftkit/ftkit/lab/labtest"
 	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // newRecvTapT loads a tap for a test, closed at its end.
@@ -132,14 +133,14 @@ func TestRecvTapProgramParse(t *testing.T) {
 // is drained, decoding them with netlog.DecodeRecord (the consumers' decoder).
 type recvCollector struct {
 	mu      sync.Mutex
-	flows   map[netlog.Conn][]netlog.Record // ring order, payloads copied
+	flows   map[tcpflow.Tuple][]netlog.Record // ring order, payloads copied
 	records int
 	err     error
 	done    chan struct{}
 }
 
 func collectRecv(ctx context.Context, tap *RecvTap, delay time.Duration) *recvCollector {
-	c := &recvCollector{flows: map[netlog.Conn][]netlog.Record{}, done: make(chan struct{})}
+	c := &recvCollector{flows: map[tcpflow.Tuple][]netlog.Record{}, done: make(chan struct{})}
 	go func() {
 		defer close(c.done)
 		handle := func(raw []byte) error {
@@ -175,7 +176,7 @@ func collectRecv(ctx context.Context, tap *RecvTap, delay time.Duration) *recvCo
 // until the hole is filled; every record must agree with the bytes it
 // overlaps (duplicates), and no hole may be left at the end. Offsets are
 // relative to first: streams are < 2 GiB.
-func (c *recvCollector) stream(conn netlog.Conn, first uint32) ([]byte, error) {
+func (c *recvCollector) stream(conn tcpflow.Tuple, first uint32) ([]byte, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	var data []byte
@@ -227,10 +228,10 @@ func (c *recvCollector) stream(conn netlog.Conn, first uint32) ([]byte, error) {
 }
 
 // conns lists the flows that have records.
-func (c *recvCollector) conns() []netlog.Conn {
+func (c *recvCollector) conns() []tcpflow.Tuple {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	var out []netlog.Conn
+	var out []tcpflow.Tuple
 	for k := range c.flows {
 		out = append(out, k)
 	}
@@ -400,7 +401,7 @@ func runRecvScenario(t *testing.T, tn *testNet, tapped, other *streamtest.Cgroup
 		float64(sc.size)/(1<<20), elapsed.Round(time.Millisecond), col.records, cnt)
 
 	f := flows[0]
-	conn := netlog.Conn{Src: f.src, Dst: netip.AddrPortFrom(tn.ipB, uint16(f.port))}
+	conn := tcpflow.Tuple{Local: f.src, Remote: netip.AddrPortFrom(tn.ipB, uint16(f.port))}
 	if f.src.Addr() != tn.ipA {
 		t.Fatalf("sender's address %v, want host a's %v", f.src, tn.ipA)
 	}
@@ -545,7 +546,7 @@ func TestRecvTapAttachMidStreamAndDetach(t *testing.T) {
 		}
 	}
 	want := streamtest.Stream(seed, total)
-	conn := netlog.Conn{Src: netip.AddrPortFrom(tn.ipA, sport), Dst: netip.AddrPortFrom(tn.ipB, uint16(port))}
+	conn := tcpflow.Tuple{Local: netip.AddrPortFrom(tn.ipA, sport), Remote: netip.AddrPortFrom(tn.ipB, uint16(port))}
 
 	// Part 1, no tap.
 	sent = s1
@@ -619,8 +620,8 @@ func TestRecvTapAttachMidStreamAndDetach(t *testing.T) {
 	if jump < 0 {
 		t.Fatalf("no records after part 2 (%d records)", len(recs))
 	}
-	c2 := &recvCollector{flows: map[netlog.Conn][]netlog.Record{conn: recs[:jump]}}
-	c4 := &recvCollector{flows: map[netlog.Conn][]netlog.Record{conn: recs[jump:]}}
+	c2 := &recvCollector{flows: map[tcpflow.Tuple][]netlog.Record{conn: recs[:jump]}}
+	c4 := &recvCollector{flows: map[tcpflow.Tuple][]netlog.Record{conn: recs[jump:]}}
 	for _, p := range []struct {
 		name  string
 		col   *recvCollector
@@ -1003,7 +1004,7 @@ func TestRecvTapClientSide(t *testing.T) {
 	}
 	col.stop(t, cancel)
 
-	conn := netlog.Conn{Src: netip.AddrPortFrom(tn.ipA, port), Dst: netip.AddrPortFrom(tn.ipB, lport)}
+	conn := tcpflow.Tuple{Local: netip.AddrPortFrom(tn.ipA, port), Remote: netip.AddrPortFrom(tn.ipB, lport)}
 	for _, c := range col.conns() {
 		if c != conn {
 			t.Errorf("records of flow %v, want only %v", c, conn)
@@ -1082,7 +1083,7 @@ func TestRecvTapAttachWhileStreaming(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	conn := netlog.Conn{Src: src, Dst: netip.AddrPortFrom(tn.ipB, port)}
+	conn := tcpflow.Tuple{Local: src, Remote: netip.AddrPortFrom(tn.ipB, port)}
 	col.mu.Lock()
 	recs := col.flows[conn]
 	col.mu.Unlock()

@@ -8,13 +8,14 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net/netip"
 	"os"
 	"sync"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
+
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // RecordHeaderLen is the size of the fixed header of a ring buffer record:
@@ -50,11 +51,6 @@ type Counters struct {
 	DropsError        uint64 // segments dropped because copying them failed
 	SeqRegressions    uint64 // logged segments starting below the flow's highest logged byte (retransmissions, approximate)
 	FragmentsPassed   uint64 // IP fragments of protected sockets, passed unlogged (a hole: PMTU discovery is off)
-}
-
-// Flow is an IPv4 TCP flow as seen on egress: Src is the local (sending) end.
-type Flow struct {
-	Src, Dst netip.AddrPort
 }
 
 // tcplogLoaded holds only the objects the logger uses: LoadAndAssign loads
@@ -197,25 +193,25 @@ func (l *TCPLogger) UnprotectPort(port uint16) error {
 }
 
 // ProtectFlow logs the segments of one IPv4 flow, whatever its socket's cgroup.
-func (l *TCPLogger) ProtectFlow(f Flow) error {
+func (l *TCPLogger) ProtectFlow(f tcpflow.Tuple) error {
 	k, err := flowKey(f)
 	if err != nil {
 		return err
 	}
 	if err := l.objs.ProtectedFlows.Put(k, uint8(1)); err != nil {
-		return fmt.Errorf("tcplog: protect flow %v->%v (at most 4096 ports and flows): %w", f.Src, f.Dst, err)
+		return fmt.Errorf("tcplog: protect flow %v->%v (at most 4096 ports and flows): %w", f.Local, f.Remote, err)
 	}
 	return nil
 }
 
 // UnprotectFlow undoes ProtectFlow.
-func (l *TCPLogger) UnprotectFlow(f Flow) error {
+func (l *TCPLogger) UnprotectFlow(f tcpflow.Tuple) error {
 	k, err := flowKey(f)
 	if err != nil {
 		return err
 	}
 	if err := l.objs.ProtectedFlows.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-		return fmt.Errorf("tcplog: unprotect flow %v->%v: %w", f.Src, f.Dst, err)
+		return fmt.Errorf("tcplog: unprotect flow %v->%v: %w", f.Local, f.Remote, err)
 	}
 	return nil
 }
@@ -321,10 +317,10 @@ func portKey(port uint16) tcplogFlowKey {
 	return tcplogFlowKey{Sport: htons(port)}
 }
 
-func flowKey(f Flow) (tcplogFlowKey, error) {
-	src, dst := f.Src.Addr().Unmap(), f.Dst.Addr().Unmap()
+func flowKey(f tcpflow.Tuple) (tcplogFlowKey, error) {
+	src, dst := f.Local.Addr().Unmap(), f.Remote.Addr().Unmap()
 	if !src.Is4() || !dst.Is4() {
-		return tcplogFlowKey{}, fmt.Errorf("tcplog: flow %v->%v: only IPv4 flows are logged", f.Src, f.Dst)
+		return tcplogFlowKey{}, fmt.Errorf("tcplog: flow %v->%v: only IPv4 flows are logged", f.Local, f.Remote)
 	}
 	s, d := src.As4(), dst.As4()
 	return tcplogFlowKey{
@@ -332,8 +328,8 @@ func flowKey(f Flow) (tcplogFlowKey, error) {
 		// (little-endian) uint32 reproduces what the program stores.
 		Saddr: binary.NativeEndian.Uint32(s[:]),
 		Daddr: binary.NativeEndian.Uint32(d[:]),
-		Sport: htons(f.Src.Port()),
-		Dport: htons(f.Dst.Port()),
+		Sport: htons(f.Local.Port()),
+		Dport: htons(f.Remote.Port()),
 	}, nil
 }
 

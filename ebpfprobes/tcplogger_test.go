@@ -20,6 +20,7 @@ import (
 
 	"github.com/ftkit/ftkit/internal/streamtest"
 	"github.com/ftkit/ftkit/internal/testenv"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 func TestNewTCPLoggerRejectsBadRingSize(t *testing.T) {
@@ -32,9 +33,9 @@ func TestNewTCPLoggerRejectsBadRingSize(t *testing.T) {
 }
 
 func TestFlowKey(t *testing.T) {
-	k, err := flowKey(Flow{
-		Src: netip.MustParseAddrPort("10.250.7.1:40000"),
-		Dst: netip.MustParseAddrPort("10.250.7.2:5001"),
+	k, err := flowKey(tcpflow.Tuple{
+		Local:  netip.MustParseAddrPort("10.250.7.1:40000"),
+		Remote: netip.MustParseAddrPort("10.250.7.2:5001"),
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -49,7 +50,7 @@ func TestFlowKey(t *testing.T) {
 	if !bytes.Equal(b, want) {
 		t.Errorf("flow key bytes %x, want %x", b, want)
 	}
-	if _, err := flowKey(Flow{Src: netip.MustParseAddrPort("[::1]:1"), Dst: netip.MustParseAddrPort("[::1]:2")}); err == nil {
+	if _, err := flowKey(tcpflow.Tuple{Local: netip.MustParseAddrPort("[::1]:1"), Remote: netip.MustParseAddrPort("[::1]:2")}); err == nil {
 		t.Error("IPv6 flow accepted")
 	}
 }
@@ -381,7 +382,7 @@ func TestTCPLoggerAPI(t *testing.T) {
 			l.Close()
 		}
 	})
-	f := Flow{Src: netip.MustParseAddrPort("10.250.7.1:40000"), Dst: netip.MustParseAddrPort("10.250.7.2:5001")}
+	f := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.250.7.1:40000"), Remote: netip.MustParseAddrPort("10.250.7.2:5001")}
 	for _, step := range []func() error{
 		func() error { return l.Protect(7) },
 		func() error { return l.Unprotect(7) },

@@ -6,6 +6,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // TestActivity checks what a store reports about its sender: the time of the last offered
@@ -78,7 +80,7 @@ func TestRemoveIdle(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			l := newTestLog(t, Options{SlabSize: 1024, PoolSlabs: -1}) // no pool: freed slabs leave the meter
 			c, other := testConn(1), testConn(2)
-			for _, conn := range []Conn{c, other} {
+			for _, conn := range []tcpflow.Tuple{c, other} {
 				if err := l.Append(Record{Conn: conn, Seq: 100, Payload: p[:8000], CgroupID: 5}); err != nil {
 					t.Fatal(err)
 				}
@@ -145,7 +147,7 @@ func TestRemoveIdleRacesAppender(t *testing.T) {
 	wg.Add(1)
 	go func() { // the consumer
 		defer wg.Done()
-		stores := map[Conn]*Store{}
+		stores := map[tcpflow.Tuple]*Store{}
 		for r := range rounds {
 			for i := range conns {
 				c := testConn(i)

@@ -6,10 +6,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net/netip"
 	"slices"
 	"sync"
 	"time"
+
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // Log is the sender-side byte log of one node: a Store per connection, all sharing one slab
@@ -19,10 +20,10 @@ type Log struct {
 	env    *env
 	mu     sync.RWMutex
 	closed bool
-	stores map[Conn]*Store
+	stores map[tcpflow.Tuple]*Store
 	// holds are wire sequence numbers below which Trim and RemoveIdle must not drop a connection's
 	// bytes, by connection (Hold); a connection may have a store or not yet.
-	holds map[Conn][]uint32
+	holds map[tcpflow.Tuple][]uint32
 }
 
 // NewLog returns an empty log.
@@ -31,18 +32,13 @@ func NewLog(opt Options) (*Log, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Log{env: e, stores: make(map[Conn]*Store), holds: make(map[Conn][]uint32)}, nil
+	return &Log{env: e, stores: make(map[tcpflow.Tuple]*Store), holds: make(map[tcpflow.Tuple][]uint32)}, nil
 }
 
-// key normalises a Conn so an IPv4-mapped IPv6 address and its IPv4 form name one store.
-func key(c Conn) Conn {
-	return Conn{
-		Src: netip.AddrPortFrom(c.Src.Addr().Unmap(), c.Src.Port()),
-		Dst: netip.AddrPortFrom(c.Dst.Addr().Unmap(), c.Dst.Port()),
-	}
-}
+// key normalises a connection so an IPv4-mapped IPv6 address and its IPv4 form name one store.
+func key(c tcpflow.Tuple) tcpflow.Tuple { return c.Unmap() }
 
-func (l *Log) lookup(c Conn) (*Store, error) {
+func (l *Log) lookup(c tcpflow.Tuple) (*Store, error) {
 	l.mu.RLock()
 	defer l.mu.RUnlock()
 	if l.closed {
@@ -55,7 +51,7 @@ func (l *Log) lookup(c Conn) (*Store, error) {
 	return st, nil
 }
 
-func (l *Log) lookupOrCreate(c Conn) (*Store, error) {
+func (l *Log) lookupOrCreate(c tcpflow.Tuple) (*Store, error) {
 	k := key(c)
 	l.mu.RLock()
 	st, closed := l.stores[k], l.closed
@@ -102,7 +98,7 @@ func (l *Log) Append(rec Record) error {
 }
 
 // SetBase anchors conn's store at seq (see Store.SetBase), creating the store if needed.
-func (l *Log) SetBase(conn Conn, seq uint32) (uint64, error) {
+func (l *Log) SetBase(conn tcpflow.Tuple, seq uint32) (uint64, error) {
 	st, err := l.lookupOrCreate(conn)
 	if err != nil {
 		return 0, err
@@ -115,7 +111,7 @@ func (l *Log) SetBase(conn Conn, seq uint32) (uint64, error) {
 }
 
 // Unwrap returns the absolute sequence conn's store gives the wire sequence seq.
-func (l *Log) Unwrap(conn Conn, seq uint32) (uint64, error) {
+func (l *Log) Unwrap(conn tcpflow.Tuple, seq uint32) (uint64, error) {
 	st, err := l.lookup(conn)
 	if err != nil {
 		return 0, err
@@ -124,7 +120,7 @@ func (l *Log) Unwrap(conn Conn, seq uint32) (uint64, error) {
 }
 
 // Range returns a copy of the bytes conn sent in [from, to) (absolute sequence numbers).
-func (l *Log) Range(conn Conn, from, to uint64) ([]byte, error) {
+func (l *Log) Range(conn tcpflow.Tuple, from, to uint64) ([]byte, error) {
 	st, err := l.lookup(conn)
 	if err != nil {
 		return nil, err
@@ -137,7 +133,7 @@ func (l *Log) Range(conn Conn, from, to uint64) ([]byte, error) {
 }
 
 // WriteRange streams the bytes conn sent in [from, to) to w (see Store.WriteRange).
-func (l *Log) WriteRange(ctx context.Context, w io.Writer, conn Conn, from, to uint64) (int64, error) {
+func (l *Log) WriteRange(ctx context.Context, w io.Writer, conn tcpflow.Tuple, from, to uint64) (int64, error) {
 	st, err := l.lookup(conn)
 	if err != nil {
 		return 0, err
@@ -151,7 +147,7 @@ func (l *Log) WriteRange(ctx context.Context, w io.Writer, conn Conn, from, to u
 
 // Trim drops the bytes conn sent before wire sequence seq (the receiver's snapshot inq_seq)
 // and returns the absolute trim point.
-func (l *Log) Trim(conn Conn, seq uint32) (uint64, error) {
+func (l *Log) Trim(conn tcpflow.Tuple, seq uint32) (uint64, error) {
 	st, err := l.lookup(conn)
 	if err != nil {
 		return 0, err
@@ -169,7 +165,7 @@ func (l *Log) Trim(conn Conn, seq uint32) (uint64, error) {
 // connection) until release is called; the connection need not have sent anything yet. A recovery holds
 // the bytes its restored job re-sends until it has checked them: the peer's next snapshot, taken
 // meanwhile, would otherwise trim them away before the check reads them.
-func (l *Log) Hold(conn Conn, seq uint32) (release func()) {
+func (l *Log) Hold(conn tcpflow.Tuple, seq uint32) (release func()) {
 	k := key(conn)
 	l.mu.Lock()
 	l.holds[k] = append(l.holds[k], seq)
@@ -193,7 +189,7 @@ func (l *Log) Hold(conn Conn, seq uint32) (release func()) {
 }
 
 // heldFrom returns the earliest held sequence number of k (l.mu held).
-func (l *Log) heldFrom(k Conn) (uint32, bool) {
+func (l *Log) heldFrom(k tcpflow.Tuple) (uint32, bool) {
 	hs := l.holds[k]
 	if len(hs) == 0 {
 		return 0, false
@@ -211,7 +207,7 @@ func (l *Log) heldFrom(k Conn) (uint32, bool) {
 func seqAfter(a, b uint32) bool { return int32(a-b) > 0 }
 
 // Bounds returns conn's live bounds.
-func (l *Log) Bounds(conn Conn) (Bounds, error) {
+func (l *Log) Bounds(conn tcpflow.Tuple) (Bounds, error) {
 	st, err := l.lookup(conn)
 	if err != nil {
 		return Bounds{}, err
@@ -220,28 +216,28 @@ func (l *Log) Bounds(conn Conn) (Bounds, error) {
 }
 
 // Store returns conn's store, for callers that make many calls on one connection.
-func (l *Log) Store(conn Conn) (*Store, error) { return l.lookup(conn) }
+func (l *Log) Store(conn tcpflow.Tuple) (*Store, error) { return l.lookup(conn) }
 
 // Conns lists the connections in the log, sorted.
-func (l *Log) Conns() []Conn {
+func (l *Log) Conns() []tcpflow.Tuple {
 	l.mu.RLock()
-	out := make([]Conn, 0, len(l.stores))
+	out := make([]tcpflow.Tuple, 0, len(l.stores))
 	for c := range l.stores {
 		out = append(out, c)
 	}
 	l.mu.RUnlock()
-	slices.SortFunc(out, func(a, b Conn) int {
-		if c := a.Src.Compare(b.Src); c != 0 {
+	slices.SortFunc(out, func(a, b tcpflow.Tuple) int {
+		if c := a.Local.Compare(b.Local); c != 0 {
 			return c
 		}
-		return a.Dst.Compare(b.Dst)
+		return a.Remote.Compare(b.Remote)
 	})
 	return out
 }
 
 // Remove frees conn's store and forgets the connection (it closed and its peer checkpointed
 // past the last byte). A segment that arrives later starts a new store.
-func (l *Log) Remove(conn Conn) error {
+func (l *Log) Remove(conn tcpflow.Tuple) error {
 	k := key(conn)
 	l.mu.Lock()
 	st := l.stores[k]
@@ -257,7 +253,7 @@ func (l *Log) Remove(conn Conn) error {
 // lastAppend (the Activity the caller based its decision on): a connection that sent again
 // since (a new connection on the same 4-tuple, say) is kept. It returns whether it removed
 // the store and, if so, the store's accounting just before its memory was freed.
-func (l *Log) RemoveIdle(conn Conn, lastAppend time.Time) (bool, Stats, error) {
+func (l *Log) RemoveIdle(conn tcpflow.Tuple, lastAppend time.Time) (bool, Stats, error) {
 	k := key(conn)
 	l.mu.Lock()
 	st := l.stores[k]
@@ -289,7 +285,7 @@ func (l *Log) RemoveIdle(conn Conn, lastAppend time.Time) (bool, Stats, error) {
 }
 
 // Activity returns conn's Activity.
-func (l *Log) Activity(conn Conn) (Activity, error) {
+func (l *Log) Activity(conn tcpflow.Tuple) (Activity, error) {
 	st, err := l.lookup(conn)
 	if err != nil {
 		return Activity{}, err
@@ -307,7 +303,7 @@ func (l *Log) Stats() Stats {
 }
 
 // ConnStats returns the accounting of one connection.
-func (l *Log) ConnStats(conn Conn) (Stats, error) {
+func (l *Log) ConnStats(conn tcpflow.Tuple) (Stats, error) {
 	st, err := l.lookup(conn)
 	if err != nil {
 		return Stats{}, err

@@ -12,6 +12,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 func newTestLog(t testing.TB, opt Options) *Log {
@@ -27,15 +29,15 @@ func newTestLog(t testing.TB, opt Options) *Log {
 	return l
 }
 
-func testConn(i int) Conn {
-	return Conn{
-		Src: netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 0, 0, 1}), uint16(40000+i)),
-		Dst: netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 0, 0, 2}), 5201),
+func testConn(i int) tcpflow.Tuple {
+	return tcpflow.Tuple{
+		Local:  netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 0, 0, 1}), uint16(40000+i)),
+		Remote: netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 0, 0, 2}), 5201),
 	}
 }
 
 // decoded runs a record through the ring-buffer encoding, as the consumer will see it.
-func decoded(t testing.TB, c Conn, seq uint32, p []byte) Record {
+func decoded(t testing.TB, c tcpflow.Tuple, seq uint32, p []byte) Record {
 	b, err := AppendRecord(nil, Record{Conn: c, Seq: seq, Payload: p, CgroupID: 7})
 	if err != nil {
 		t.Fatal(err)
@@ -63,7 +65,7 @@ func TestLogBasics(t *testing.T) {
 		t.Fatal(err)
 	}
 	// An IPv4-mapped IPv6 spelling names the same connection.
-	mapped := Conn{Src: netip.MustParseAddrPort("[::ffff:10.0.0.1]:40002"), Dst: netip.MustParseAddrPort("[::ffff:10.0.0.2]:5201")}
+	mapped := tcpflow.Tuple{Local: netip.MustParseAddrPort("[::ffff:10.0.0.1]:40002"), Remote: netip.MustParseAddrPort("[::ffff:10.0.0.2]:5201")}
 	bb, err := l.Bounds(mapped)
 	if err != nil || bb.Contiguous-bb.First != 3000 {
 		t.Fatalf("bounds via mapped address: %+v %v", bb, err)

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // RecordHeaderLen is the size of the fixed part of a ring-buffer record. The eBPF side must
@@ -30,18 +32,11 @@ const MaxPayload = 1 << 20
 // ErrBadRecord is wrapped by every DecodeRecord error.
 var ErrBadRecord = errors.New("malformed ring-buffer record")
 
-// Conn identifies one direction of a TCP connection from the sender's side: Src is the
-// sending socket, Dst the receiving one. The bytes logged under a Conn are those Src sent.
-type Conn struct {
-	Src netip.AddrPort
-	Dst netip.AddrPort
-}
-
-func (c Conn) String() string { return c.Src.String() + "->" + c.Dst.String() }
-
 // Record is one captured TCP segment as the eBPF probe reports it.
 type Record struct {
-	Conn     Conn
+	// Conn is the segment's connection seen from the sending socket: Local sent the payload,
+	// Remote receives it. A log is kept by the sender, so this is also its own socket's view.
+	Conn     tcpflow.Tuple
 	Seq      uint32 // TCP sequence number of Payload[0]
 	CgroupID uint64
 	KtimeNs  uint64
@@ -64,9 +59,9 @@ func DecodeRecord(b []byte) (Record, error) {
 		return Record{}, fmt.Errorf("%w: len field says %d payload bytes but the buffer holds %d after the %d-byte header (packed layout expected)", ErrBadRecord, n, len(b)-RecordHeaderLen, RecordHeaderLen)
 	}
 	return Record{
-		Conn: Conn{
-			Src: netip.AddrPortFrom(netip.AddrFrom4([4]byte(b[0:4])), binary.BigEndian.Uint16(b[8:10])),
-			Dst: netip.AddrPortFrom(netip.AddrFrom4([4]byte(b[4:8])), binary.BigEndian.Uint16(b[10:12])),
+		Conn: tcpflow.Tuple{
+			Local:  netip.AddrPortFrom(netip.AddrFrom4([4]byte(b[0:4])), binary.BigEndian.Uint16(b[8:10])),
+			Remote: netip.AddrPortFrom(netip.AddrFrom4([4]byte(b[4:8])), binary.BigEndian.Uint16(b[10:12])),
 		},
 		Seq:      binary.LittleEndian.Uint32(b[12:16]),
 		CgroupID: binary.LittleEndian.Uint64(b[20:28]),
@@ -78,7 +73,7 @@ func DecodeRecord(b []byte) (Record, error) {
 // AppendRecord appends r in the ring-buffer layout to dst; it is the inverse of
 // DecodeRecord, for tests and tools that replay captures. Only IPv4 endpoints fit.
 func AppendRecord(dst []byte, r Record) ([]byte, error) {
-	src, dstAddr := r.Conn.Src.Addr().Unmap(), r.Conn.Dst.Addr().Unmap()
+	src, dstAddr := r.Conn.Local.Addr().Unmap(), r.Conn.Remote.Addr().Unmap()
 	if !src.Is4() || !dstAddr.Is4() {
 		return dst, fmt.Errorf("encode record for %v: the ring-buffer layout holds IPv4 addresses only", r.Conn)
 	}
@@ -89,8 +84,8 @@ func AppendRecord(dst []byte, r Record) ([]byte, error) {
 	s4, d4 := src.As4(), dstAddr.As4()
 	copy(h[0:4], s4[:])
 	copy(h[4:8], d4[:])
-	binary.BigEndian.PutUint16(h[8:10], r.Conn.Src.Port())
-	binary.BigEndian.PutUint16(h[10:12], r.Conn.Dst.Port())
+	binary.BigEndian.PutUint16(h[8:10], r.Conn.Local.Port())
+	binary.BigEndian.PutUint16(h[10:12], r.Conn.Remote.Port())
 	binary.LittleEndian.PutUint32(h[12:16], r.Seq)
 	binary.LittleEndian.PutUint32(h[16:20], uint32(len(r.Payload)))
 	binary.LittleEndian.PutUint64(h[20:28], r.CgroupID)

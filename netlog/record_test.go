@@ -5,6 +5,8 @@ import (
 	"errors"
 	"net/netip"
 	"testing"
+
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // rawRecord lays a record out byte by byte, independently of AppendRecord.
@@ -37,7 +39,7 @@ func TestDecodeRecord(t *testing.T) {
 			name: "normal",
 			buf:  rawRecord(src, dst, 40000, 5201, 0xDEADBEEF, uint32(len(payload)), 0x0102030405060708, 123456789, payload),
 			want: Record{
-				Conn:     Conn{netip.MustParseAddrPort("10.0.0.1:40000"), netip.MustParseAddrPort("192.168.7.254:5201")},
+				Conn:     tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.1:40000"), Remote: netip.MustParseAddrPort("192.168.7.254:5201")},
 				Seq:      0xDEADBEEF,
 				CgroupID: 0x0102030405060708,
 				KtimeNs:  123456789,
@@ -47,7 +49,7 @@ func TestDecodeRecord(t *testing.T) {
 		{
 			name: "empty payload",
 			buf:  rawRecord(src, dst, 1, 65535, 0, 0, 0, 0, nil),
-			want: Record{Conn: Conn{netip.MustParseAddrPort("10.0.0.1:1"), netip.MustParseAddrPort("192.168.7.254:65535")}, Payload: []byte{}},
+			want: Record{Conn: tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.1:1"), Remote: netip.MustParseAddrPort("192.168.7.254:65535")}, Payload: []byte{}},
 		},
 		{name: "empty buffer", buf: nil, wantErr: true},
 		{name: "header cut short", buf: rawRecord(src, dst, 1, 2, 3, 0, 0, 0, nil)[:RecordHeaderLen-1], wantErr: true},
@@ -84,17 +86,17 @@ func TestDecodeRecord(t *testing.T) {
 }
 
 func TestAppendRecordRejectsIPv6(t *testing.T) {
-	r := Record{Conn: Conn{netip.MustParseAddrPort("[2001:db8::1]:80"), netip.MustParseAddrPort("10.0.0.1:80")}}
+	r := Record{Conn: tcpflow.Tuple{Local: netip.MustParseAddrPort("[2001:db8::1]:80"), Remote: netip.MustParseAddrPort("10.0.0.1:80")}}
 	if _, err := AppendRecord(nil, r); err == nil {
 		t.Fatal("IPv6 source encoded without error")
 	}
-	r.Conn.Src = netip.MustParseAddrPort("[::ffff:10.0.0.2]:80") // mapped IPv4 is fine
+	r.Conn.Local = netip.MustParseAddrPort("[::ffff:10.0.0.2]:80") // mapped IPv4 is fine
 	b, err := AppendRecord(nil, r)
 	if err != nil {
 		t.Fatal(err)
 	}
 	got, err := DecodeRecord(b)
-	if err != nil || got.Conn.Src != netip.MustParseAddrPort("10.0.0.2:80") {
+	if err != nil || got.Conn.Local != netip.MustParseAddrPort("10.0.0.2:80") {
 		t.Fatalf("decoded %v, %v", got.Conn, err)
 	}
 }

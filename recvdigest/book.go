@@ -8,6 +8,7 @@ import (
 	"sync"
 
 	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // Defaults of BookOptions.
@@ -66,7 +67,7 @@ type Book struct {
 	opts BookOptions
 
 	mu    sync.Mutex
-	flows map[netlog.Conn]*flow
+	flows map[tcpflow.Tuple]*flow
 	lru   *list.List // of *flow, most recently updated first
 	stats BookStats
 }
@@ -74,7 +75,7 @@ type Book struct {
 // flow is one flow's record: closed pieces, the open piece being extended, and records waiting for a gap
 // before them to fill.
 type flow struct {
-	conn   netlog.Conn
+	conn   tcpflow.Tuple
 	elem   *list.Element
 	pieces []Piece // closed, ascending
 	cur    Piece   // the open piece, ending at next, when open
@@ -104,7 +105,7 @@ func NewBook(opts BookOptions) *Book {
 	def(&opts.MaxTotalReorderBytes, DefaultMaxTotalReorderBytes)
 	// A flow must fit what Validate accepts and what the Book may hold in all.
 	opts.MaxPiecesPerFlow = min(opts.MaxPiecesPerFlow, MaxPieces, opts.MaxTotalPieces)
-	return &Book{opts: opts, flows: map[netlog.Conn]*flow{}, lru: list.New()}
+	return &Book{opts: opts, flows: map[tcpflow.Tuple]*flow{}, lru: list.New()}
 }
 
 // Add records the payload of one received segment. rec.Payload may alias a ring buffer: only bytes that
@@ -152,7 +153,7 @@ func (b *Book) Add(rec netlog.Record) {
 	}
 }
 
-func (b *Book) newFlow(conn netlog.Conn, seq uint32) *flow {
+func (b *Book) newFlow(conn tcpflow.Tuple, seq uint32) *flow {
 	for len(b.flows) >= b.opts.MaxFlows {
 		b.drop(b.lru.Back().Value.(*flow))
 		b.stats.Evictions++
@@ -292,7 +293,7 @@ func (b *Book) trim(f *flow) {
 
 // Received returns what the Book holds of conn from the piece holding byte from on: the pieces that end
 // after from (serial order), the open piece included. ok is false if the flow is unknown.
-func (b *Book) Received(conn netlog.Conn, from uint32) (Received, bool) {
+func (b *Book) Received(conn tcpflow.Tuple, from uint32) (Received, bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	f := b.flows[conn]
@@ -310,7 +311,7 @@ func (b *Book) Received(conn netlog.Conn, from uint32) (Received, bool) {
 }
 
 // Forget drops what the Book holds of conn (the connection is gone).
-func (b *Book) Forget(conn netlog.Conn) {
+func (b *Book) Forget(conn tcpflow.Tuple) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if f := b.flows[conn]; f != nil {

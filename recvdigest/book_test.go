@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // segment is a record of stream bytes [off, off+n).
@@ -30,13 +31,13 @@ func splitStream(r *rand.Rand, size int) []segment {
 	return out
 }
 
-func record(conn netlog.Conn, base uint32, stream []byte, s segment) netlog.Record {
+func record(conn tcpflow.Tuple, base uint32, stream []byte, s segment) netlog.Record {
 	// A fresh copy, overwritten after Add, like the ring buffer's memory the tap hands out.
 	p := slices.Clone(stream[s.off : s.off+s.n])
 	return netlog.Record{Conn: conn, Seq: base + uint32(s.off), Payload: p}
 }
 
-func addAll(b *Book, conn netlog.Conn, base uint32, stream []byte, segs []segment) {
+func addAll(b *Book, conn tcpflow.Tuple, base uint32, stream []byte, segs []segment) {
 	for _, s := range segs {
 		rec := record(conn, base, stream, s)
 		b.Add(rec)
@@ -44,7 +45,7 @@ func addAll(b *Book, conn netlog.Conn, base uint32, stream []byte, segs []segmen
 	}
 }
 
-func received(t *testing.T, b *Book, conn netlog.Conn, from uint32) []Piece {
+func received(t *testing.T, b *Book, conn tcpflow.Tuple, from uint32) []Piece {
 	t.Helper()
 	r, ok := b.Received(conn, from)
 	if !ok {
@@ -227,12 +228,12 @@ func TestBookTotalReorderBound(t *testing.T) {
 	}
 }
 
-func testConns(n int) []netlog.Conn {
-	out := make([]netlog.Conn, n)
+func testConns(n int) []tcpflow.Tuple {
+	out := make([]tcpflow.Tuple, n)
 	for i := range out {
-		out[i] = netlog.Conn{
-			Src: netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 0, 1, byte(i + 1)}), uint16(40000+i)),
-			Dst: testConn.Dst,
+		out[i] = tcpflow.Tuple{
+			Local:  netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 0, 1, byte(i + 1)}), uint16(40000+i)),
+			Remote: testConn.Remote,
 		}
 	}
 	return out
@@ -241,7 +242,7 @@ func testConns(n int) []netlog.Conn {
 func TestBookEvictsLeastRecentlyUpdated(t *testing.T) {
 	b := NewBook(BookOptions{MaxFlows: 3})
 	conns := testConns(5)
-	add := func(c netlog.Conn, seq uint32) { b.Add(netlog.Record{Conn: c, Seq: seq, Payload: []byte("data")}) }
+	add := func(c tcpflow.Tuple, seq uint32) { b.Add(netlog.Record{Conn: c, Seq: seq, Payload: []byte("data")}) }
 	add(conns[0], 0)
 	add(conns[1], 0)
 	add(conns[2], 0)

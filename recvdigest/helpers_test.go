@@ -7,14 +7,14 @@ import (
 	"math/rand/v2"
 	"net/netip"
 
-	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 const B = BlockSize
 
-var testConn = netlog.Conn{
-	Src: netip.MustParseAddrPort("10.0.0.2:40000"),
-	Dst: netip.MustParseAddrPort("10.0.0.3:5000"),
+var testConn = tcpflow.Tuple{
+	Local:  netip.MustParseAddrPort("10.0.0.2:40000"),
+	Remote: netip.MustParseAddrPort("10.0.0.3:5000"),
 }
 
 // randomBytes returns n reproducible pseudo-random bytes.

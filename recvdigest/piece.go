@@ -21,7 +21,7 @@ import (
 	"hash/crc32"
 	"net/netip"
 
-	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // BlockSize is the size of the blocks pieces are aligned on: [k*BlockSize, (k+1)*BlockSize) of the 32-bit
@@ -56,8 +56,8 @@ type Piece struct {
 // End returns the sequence number just past the piece.
 func (p Piece) End() uint32 { return p.Seq + p.Len }
 
-// Received is what a host's receiver recorded of one flow: Conn.Src is the remote sender, Conn.Dst the
-// local receiver (netlog.Conn's sender-side view). Pieces are in ascending serial order and do not
+// Received is what a host's receiver recorded of one flow, named as its sender names it (as netlog does):
+// Conn.Local is the remote sender, Conn.Remote the local receiver. Pieces are in ascending serial order and do not
 // overlap; a gap between two pieces is a hole: bytes the receiver got but did not record.
 //
 // In JSON it is {"src": "ip:port", "dst": "ip:port", "pieces": "<base64>"}, where pieces holds 12 bytes
@@ -65,7 +65,7 @@ func (p Piece) End() uint32 { return p.Seq + p.Len }
 // UnmarshalJSON refuses what Validate refuses; a Received absent from a message is the zero value, which
 // Validate also refuses, so validate data from another node before use (Verify does it itself).
 type Received struct {
-	Conn   netlog.Conn
+	Conn   tcpflow.Tuple
 	Pieces []Piece
 }
 
@@ -73,11 +73,8 @@ type Received struct {
 // each of 1..BlockSize bytes inside one block, in ascending order without overlap, spanning at most
 // MaxSpan.
 func (r Received) Validate() error {
-	if err := validEndpoint(r.Conn.Src); err != nil {
-		return fmt.Errorf("receive digests: sender %w", err)
-	}
-	if err := validEndpoint(r.Conn.Dst); err != nil {
-		return fmt.Errorf("receive digests: receiver %w", err)
+	if err := r.Conn.Validate(); err != nil {
+		return fmt.Errorf("receive digests (local is the sender, remote the receiver): %w", err)
 	}
 	if len(r.Pieces) > MaxPieces {
 		return fmt.Errorf("receive digests of %s: %d pieces, more than the %d a receiver keeps of one flow", r.Conn, len(r.Pieces), MaxPieces)
@@ -105,13 +102,6 @@ func (r Received) Validate() error {
 	return nil
 }
 
-func validEndpoint(ap netip.AddrPort) error {
-	if !ap.IsValid() || ap.Addr().IsUnspecified() || ap.Port() == 0 {
-		return fmt.Errorf("address %q is not a TCP endpoint", ap)
-	}
-	return nil
-}
-
 type receivedJSON struct {
 	Src    netip.AddrPort `json:"src"`
 	Dst    netip.AddrPort `json:"dst"`
@@ -126,7 +116,7 @@ func (r Received) MarshalJSON() ([]byte, error) {
 		b = binary.BigEndian.AppendUint32(b, p.Len)
 		b = binary.BigEndian.AppendUint32(b, p.CRC)
 	}
-	return json.Marshal(receivedJSON{Src: r.Conn.Src, Dst: r.Conn.Dst, Pieces: base64.StdEncoding.EncodeToString(b)})
+	return json.Marshal(receivedJSON{Src: r.Conn.Local, Dst: r.Conn.Remote, Pieces: base64.StdEncoding.EncodeToString(b)})
 }
 
 // maxPiecesBase64 bounds the pieces string before it is decoded.
@@ -151,7 +141,7 @@ func (r *Received) UnmarshalJSON(b []byte) error {
 	if len(raw)%pieceWireLen != 0 {
 		return fmt.Errorf("receive digests of %s->%s: %d bytes of pieces, not a multiple of %d", j.Src, j.Dst, len(raw), pieceWireLen)
 	}
-	out := Received{Conn: netlog.Conn{Src: j.Src, Dst: j.Dst}}
+	out := Received{Conn: tcpflow.Tuple{Local: j.Src, Remote: j.Dst}}
 	if len(raw) > 0 {
 		out.Pieces = make([]Piece, len(raw)/pieceWireLen)
 	}

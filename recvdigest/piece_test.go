@@ -8,7 +8,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 func TestBlockStart(t *testing.T) {
@@ -49,9 +49,9 @@ func TestReceivedValidate(t *testing.T) {
 		{"duplicate", ok(Piece{B, 100, 1}, Piece{B, 100, 1}), "overlaps"},
 		{"span too wide", ok(Piece{0, 1, 1}, Piece{MaxSpan, 1, 2}), "span more than"},
 		{"widest span", ok(Piece{0, 1, 1}, Piece{MaxSpan - 1, 1, 2}), ""},
-		{"no sender", Received{Conn: netlog.Conn{Dst: testConn.Dst}}, "sender"},
-		{"unspecified receiver", Received{Conn: netlog.Conn{Src: testConn.Src, Dst: netip.MustParseAddrPort("0.0.0.0:5000")}}, "receiver"},
-		{"port 0", Received{Conn: netlog.Conn{Src: netip.MustParseAddrPort("10.0.0.2:0"), Dst: testConn.Dst}}, "sender"},
+		{"no sender", Received{Conn: tcpflow.Tuple{Remote: testConn.Remote}}, "local address"},
+		{"unspecified receiver", Received{Conn: tcpflow.Tuple{Local: testConn.Local, Remote: netip.MustParseAddrPort("0.0.0.0:5000")}}, "remote address"},
+		{"port 0", Received{Conn: tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:0"), Remote: testConn.Remote}}, "local address"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -90,7 +90,7 @@ func TestReceivedJSON(t *testing.T) {
 	}
 
 	// The most a Book keeps of a flow fits well under 1 MiB.
-	full := Received{Conn: netlog.Conn{Src: netip.MustParseAddrPort("[2001:db8::1234:5678]:65535"), Dst: netip.MustParseAddrPort("[2001:db8::8765:4321]:65535")}}
+	full := Received{Conn: tcpflow.Tuple{Local: netip.MustParseAddrPort("[2001:db8::1234:5678]:65535"), Remote: netip.MustParseAddrPort("[2001:db8::8765:4321]:65535")}}
 	for i := range MaxPieces {
 		full.Pieces = append(full.Pieces, Piece{Seq: 1<<32 - B*MaxPieces/2 + uint32(i)*B, Len: B, CRC: 0xffffffff - uint32(i)})
 	}
@@ -125,7 +125,7 @@ func TestReceivedUnmarshalRefuses(t *testing.T) {
 			if err == nil || !strings.Contains(err.Error(), tt.err) {
 				t.Fatalf("Unmarshal = %v, want an error saying %q", err, tt.err)
 			}
-			if r.Conn != (netlog.Conn{}) || r.Pieces != nil {
+			if r.Conn != (tcpflow.Tuple{}) || r.Pieces != nil {
 				t.Errorf("a refused record left %+v", r)
 			}
 		})
@@ -154,7 +154,7 @@ func FuzzReceivedDecode(f *testing.F) {
 		if len(r.Pieces) > MaxPieces {
 			t.Fatalf("%d pieces accepted", len(r.Pieces))
 		}
-		if r.Conn == (netlog.Conn{}) {
+		if r.Conn == (tcpflow.Tuple{}) {
 			if r.Validate() == nil {
 				t.Fatal("the zero record validates")
 			}

@@ -6,7 +6,7 @@ import (
 	"hash/crc32"
 	"io"
 
-	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // ErrNondeterministic means a restored job re-sent bytes that differ from what its peer had received: the
@@ -19,7 +19,7 @@ var ErrUnverified = errors.New("some re-sent bytes could not be compared with wh
 
 // MismatchError names a piece whose re-sent bytes differ from those the peer received.
 type MismatchError struct {
-	Conn      netlog.Conn
+	Conn      tcpflow.Tuple
 	From, To  uint32 // wire sequence range the two CRCs cover: one piece of the receiver's record
 	Got, Want uint32 // CRC-32C of the re-sent bytes and of the bytes the peer received
 }
@@ -33,7 +33,7 @@ func (e *MismatchError) Unwrap() error { return ErrNondeterministic }
 
 // UnverifiedError names re-sent bytes that could not be compared, and why.
 type UnverifiedError struct {
-	Conn     netlog.Conn
+	Conn     tcpflow.Tuple
 	From, To uint32 // wire sequence range of the re-sent bytes not compared
 	Reason   string
 }

@@ -4,8 +4,8 @@
 // applies the edits that make an older CRIU snapshot's TCP sockets agree with
 // their live peers, and sets up the spare's network around CRIU's restore.
 //
-// The recipe and the measurements behind it are in
-// /work/shared/notes/criu-tcp-relocation.md. On the spare, in the namespace
+// The recipe and the measurements behind it are in docs/tcp-relocation.md.
+// On the spare, in the namespace
 // the job will run in, the caller (the agent) runs:
 //
 //  1. NewPlan from the snapshot's connections and what each peer's agent

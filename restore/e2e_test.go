@@ -35,6 +35,7 @@ import (
 	"github.com/ftkit/ftkit/internal/streamtest"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labtest"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 const criuBin = "/usr/local/sbin/criu"
@@ -214,7 +215,7 @@ func restoreRole() error {
 
 // peerState waits until the peer's logged flow state has not changed for
 // 300 ms (the peer is quiet toward the dead node) and returns it.
-func peerState(ctx context.Context, t *testing.T, lg *ebpfprobes.TCPLogger, f ebpfprobes.Flow) ebpfprobes.FlowState {
+func peerState(ctx context.Context, t *testing.T, lg *ebpfprobes.TCPLogger, f tcpflow.Tuple) ebpfprobes.FlowState {
 	t.Helper()
 	var last ebpfprobes.FlowState
 	since := time.Now()
@@ -292,7 +293,7 @@ func TestRelocateJob(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { lg.Close() })
-	flow := ebpfprobes.Flow{Src: peerAddr, Dst: jobAddr}
+	flow := tcpflow.Tuple{Local: peerAddr, Remote: jobAddr}
 	if err := lg.ProtectFlow(flow); err != nil {
 		t.Fatal(err)
 	}
@@ -376,7 +377,7 @@ func TestRelocateJob(t *testing.T) {
 		t.Fatalf("snapshot connections %+v, want one %v->%v", imgConns, jobAddr, peerAddr)
 	}
 	ic := imgConns[0]
-	conns := []ckpt.Conn{{Local: ic.Local, Remote: ic.Remote, Inode: uint64(ic.Inode), InqSeq: ic.InqSeq, InqLen: ic.InqLen,
+	conns := []ckpt.Conn{{Tuple: ic.Tuple, Inode: uint64(ic.Inode), InqSeq: ic.InqSeq, InqLen: ic.InqLen,
 		OutqSeq: ic.OutqSeq, OutqLen: ic.OutqLen, Timestamp: ic.Timestamp}}
 	t.Logf("snapshot socket: inq %d+%d outq %d+%d (unsent %d) snd_wnd %d max_window %d sndbuf %d ts %d mss %d",
 		ic.InqSeq, ic.InqLen, ic.OutqSeq, ic.OutqLen, ic.UnsqLen, ic.SndWnd, ic.MaxWindow, ic.SoSndbuf, ic.Timestamp, ic.MSS)
@@ -402,7 +403,7 @@ func TestRelocateJob(t *testing.T) {
 	}
 	from := uint64(ic.InqSeq - live.ISN - 1) // peer's stream offset of the snapshot's receive point
 	p := Peer{Live: live, LiveAge: age, Logged: streamBytes(tagPeer, from, 8*atCrash)}
-	plan, err := NewPlan(conns, map[ConnKey]Peer{KeyOf(conns[0]): p}, 8) // the job writes 8-byte messages
+	plan, err := NewPlan(conns, map[tcpflow.Tuple]Peer{conns[0].Tuple: p}, 8) // the job writes 8-byte messages
 	if err != nil {
 		t.Fatal(err)
 	}

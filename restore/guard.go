@@ -60,7 +60,7 @@ func guardScript(table string, conns []ckpt.Conn) (string, error) {
 	for _, c := range conns {
 		l, r := c.Local.Addr().Unmap(), c.Remote.Addr().Unmap()
 		if !c.Local.IsValid() || !c.Remote.IsValid() || l.Is4() != r.Is4() {
-			return "", fmt.Errorf("connection %v (inode %d) has invalid or mixed-family addresses", KeyOf(c), c.Inode)
+			return "", fmt.Errorf("connection %v (inode %d) has invalid or mixed-family addresses", c.Tuple, c.Inode)
 		}
 		lp, rp := c.Local.Port(), c.Remote.Port()
 		out := fmt.Sprintf("%s . %d . %s . %d", l, lp, r, rp)

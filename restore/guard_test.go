@@ -16,6 +16,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/lab/labtest"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 const testRunID = "0123abcd-4567-89ef-0123-456789abcdef"
@@ -31,9 +32,9 @@ func TestGuardTable(t *testing.T) {
 }
 
 func TestGuardScript(t *testing.T) {
-	c4 := ckpt.Conn{Local: netip.MustParseAddrPort("10.0.0.11:40000"), Remote: netip.MustParseAddrPort("10.0.0.12:7000")}
-	c6 := ckpt.Conn{Local: netip.MustParseAddrPort("[fd00::1]:1"), Remote: netip.MustParseAddrPort("[fd00::2]:2")}
-	mapped := ckpt.Conn{Local: netip.MustParseAddrPort("[::ffff:10.0.0.11]:5"), Remote: netip.MustParseAddrPort("[::ffff:10.0.0.13]:6")}
+	c4 := ckpt.Conn{Tuple: tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.11:40000"), Remote: netip.MustParseAddrPort("10.0.0.12:7000")}}
+	c6 := ckpt.Conn{Tuple: tcpflow.Tuple{Local: netip.MustParseAddrPort("[fd00::1]:1"), Remote: netip.MustParseAddrPort("[fd00::2]:2")}}
+	mapped := ckpt.Conn{Tuple: tcpflow.Tuple{Local: netip.MustParseAddrPort("[::ffff:10.0.0.11]:5"), Remote: netip.MustParseAddrPort("[::ffff:10.0.0.13]:6")}}
 	s, err := guardScript("CRIU-x", []ckpt.Conn{c4, c6, mapped})
 	if err != nil {
 		t.Fatal(err)
@@ -48,7 +49,7 @@ func TestGuardScript(t *testing.T) {
 			t.Errorf("script lacks %q:\n%s", want, s)
 		}
 	}
-	mixed := ckpt.Conn{Local: c4.Local, Remote: c6.Remote}
+	mixed := ckpt.Conn{Tuple: tcpflow.Tuple{Local: c4.Local, Remote: c6.Remote}}
 	if _, err := guardScript("CRIU-x", []ckpt.Conn{mixed}); err == nil {
 		t.Error("a connection with an IPv4 and an IPv6 end was accepted")
 	}
@@ -85,9 +86,9 @@ func TestGuard(t *testing.T) {
 	defer ln.Close()
 	from := func(port uint16) netip.AddrPort { return netip.AddrPortFrom(h1.Addr.Addr(), port) }
 	conns := []ckpt.Conn{
-		{Local: from(40200), Remote: srv, Inode: 1},
-		{Local: from(40201), Remote: srv, Inode: 2},
-		{Local: netip.MustParseAddrPort("[fd00::1]:1"), Remote: netip.MustParseAddrPort("[fd00::2]:2"), Inode: 3},
+		{Tuple: tcpflow.Tuple{Local: from(40200), Remote: srv}, Inode: 1},
+		{Tuple: tcpflow.Tuple{Local: from(40201), Remote: srv}, Inode: 2},
+		{Tuple: tcpflow.Tuple{Local: netip.MustParseAddrPort("[fd00::1]:1"), Remote: netip.MustParseAddrPort("[fd00::2]:2")}, Inode: 3},
 	}
 	dial := func(lport uint16, mark bool) error {
 		return l.Do("node1", func() error {

@@ -7,12 +7,12 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"net/netip"
 	"slices"
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // ErrNotRecoverable marks a connection the snapshot cannot be made to agree
@@ -43,17 +43,6 @@ const (
 	// (TCP_MSS_DEFAULT 536 less 12 bytes of timestamp option).
 	RestoredMSS = 524
 )
-
-// ConnKey names a connection from the failed node's side, as in its
-// snapshot: Local is the failed node's end, Remote the peer's.
-type ConnKey struct {
-	Local, Remote netip.AddrPort
-}
-
-// KeyOf is the key of a snapshot connection.
-func KeyOf(c ckpt.Conn) ConnKey { return ConnKey{Local: c.Local, Remote: c.Remote} }
-
-func (k ConnKey) String() string { return k.Local.String() + "->" + k.Remote.String() }
 
 // Peer is what the restorer learned from the peer's agent about one
 // connection of the snapshot (the peer is the remote end).
@@ -121,7 +110,7 @@ func seqBefore(a, b uint32) bool { return int32(a-b) < 0 }
 // anything, acknowledges less than the snapshot knows was acknowledged, sent
 // less than the snapshot received, or the log holds less than the peer sent.
 func PlanConn(c ckpt.Conn, p Peer, segBytes int) (ConnPlan, error) {
-	k := KeyOf(c)
+	k := c.Tuple
 	fail := func(format string, args ...any) (ConnPlan, error) {
 		return ConnPlan{}, fmt.Errorf("connection %v (socket inode %d): %s: %w", k, c.Inode, fmt.Sprintf(format, args...), ErrNotRecoverable)
 	}
@@ -203,12 +192,12 @@ type Plan struct {
 // NewPlan plans every connection of a snapshot with the peer state found
 // under its key (see PlanConn for segBytes). The error joins the problem of
 // every connection that cannot be planned, including those with no peer.
-func NewPlan(conns []ckpt.Conn, peers map[ConnKey]Peer, segBytes int) (Plan, error) {
+func NewPlan(conns []ckpt.Conn, peers map[tcpflow.Tuple]Peer, segBytes int) (Plan, error) {
 	p := Plan{InitCwnd: MinInitCwnd}
 	var errs []error
-	seen := make(map[ConnKey]bool, len(conns))
+	seen := make(map[tcpflow.Tuple]bool, len(conns))
 	for _, c := range conns {
-		k := KeyOf(c)
+		k := c.Tuple
 		if seen[k] {
 			errs = append(errs, fmt.Errorf("connection %v appears twice in the snapshot (inode %d): the manifest is inconsistent", k, c.Inode))
 			continue

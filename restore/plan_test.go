@@ -13,6 +13,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 var (
@@ -23,7 +24,7 @@ var (
 // conn is a snapshot connection: receive point inq, write_seq outq with
 // outqLen bytes unacknowledged, timestamp ts.
 func conn(inode uint64, inq, outq, outqLen, ts uint32) ckpt.Conn {
-	return ckpt.Conn{Local: addrF, Remote: addrP, Inode: inode, InqSeq: inq, InqLen: 3, OutqSeq: outq, OutqLen: outqLen, Timestamp: ts}
+	return ckpt.Conn{Tuple: tcpflow.Tuple{Local: addrF, Remote: addrP}, Inode: inode, InqSeq: inq, InqLen: 3, OutqSeq: outq, OutqLen: outqLen, Timestamp: ts}
 }
 
 // live is the peer's state: it sent up to sndNxt, acknowledged up to ack.
@@ -245,8 +246,8 @@ func TestNewPlan(t *testing.T) {
 	c1 := conn(7, 1000, 5000, 100, 2)
 	c2 := conn(3, 1000, 9000, 0, 2)
 	c2.Remote = other
-	k1, k2 := KeyOf(c1), KeyOf(c2)
-	peers := map[ConnKey]Peer{
+	k1, k2 := c1.Tuple, c2.Tuple
+	peers := map[tcpflow.Tuple]Peer{
 		k1: {Live: live(1000, 5000+900, 10)},                  // 100 + 900 bytes burst
 		k2: {Live: live(1200, 9000, 10), Logged: logged(200)}, // nothing re-sent
 	}
@@ -278,12 +279,12 @@ func TestNewPlan(t *testing.T) {
 	t.Run("every problem is reported", func(t *testing.T) {
 		c3 := conn(9, 1000, 5000, 0, 2)
 		c3.Local = netip.MustParseAddrPort("10.0.0.11:40001")
-		short := map[ConnKey]Peer{k1: peers[k1], k2: {Live: live(1200, 9000, 10), Logged: logged(5)}}
+		short := map[tcpflow.Tuple]Peer{k1: peers[k1], k2: {Live: live(1200, 9000, 10), Logged: logged(5)}}
 		_, err := NewPlan([]ckpt.Conn{c1, c2, c3, c1}, short, 1448)
 		if !errors.Is(err, ErrNotRecoverable) {
 			t.Fatalf("error %v, want ErrNotRecoverable", err)
 		}
-		for _, want := range []string{k2.String() + " (socket inode 3)", "holds only 5", k1.String() + " appears twice", KeyOf(c3).String() + " (socket inode 9): no state from the peer"} {
+		for _, want := range []string{k2.String() + " (socket inode 3)", "holds only 5", k1.String() + " appears twice", c3.Tuple.String() + " (socket inode 9): no state from the peer"} {
 			if !strings.Contains(err.Error(), want) {
 				t.Errorf("error %q lacks %q", err, want)
 			}

@@ -31,7 +31,7 @@ func Rewrite(dir string, p Plan) error {
 	for _, cp := range p.Conns {
 		img, ok := byInode[cp.Conn.Inode]
 		if !ok {
-			return fmt.Errorf("rewrite images in %s: connection %v: no TCP socket with inode %d in the images: the plan is for another snapshot", dir, KeyOf(cp.Conn), cp.Conn.Inode)
+			return fmt.Errorf("rewrite images in %s: connection %v: no TCP socket with inode %d in the images: the plan is for another snapshot", dir, cp.Conn.Tuple, cp.Conn.Inode)
 		}
 		if err := sameConn(cp.Conn, img); err != nil {
 			return fmt.Errorf("rewrite images in %s: %w", dir, err)
@@ -44,7 +44,7 @@ func Rewrite(dir string, p Plan) error {
 			continue
 		}
 		if err := image.Apply(dir, img.Inode, edits...); err != nil {
-			return fmt.Errorf("rewrite images in %s: connection %v: %w", dir, KeyOf(cp.Conn), err)
+			return fmt.Errorf("rewrite images in %s: connection %v: %w", dir, cp.Conn.Tuple, err)
 		}
 	}
 	return nil
@@ -55,7 +55,7 @@ func sameConn(c ckpt.Conn, img image.TCPConn) error {
 	if c.Local != img.Local || c.Remote != img.Remote || c.InqSeq != img.InqSeq || c.InqLen != img.InqLen ||
 		c.OutqSeq != img.OutqSeq || c.OutqLen != img.OutqLen || c.Timestamp != img.Timestamp {
 		return fmt.Errorf("connection %v (inode %d) in the plan has inq %d+%d, outq %d+%d, ts %d; the image's socket is %v->%v with inq %d+%d, outq %d+%d, ts %d: the plan is for another snapshot",
-			KeyOf(c), c.Inode, c.InqSeq, c.InqLen, c.OutqSeq, c.OutqLen, c.Timestamp,
+			c.Tuple, c.Inode, c.InqSeq, c.InqLen, c.OutqSeq, c.OutqLen, c.Timestamp,
 			img.Local, img.Remote, img.InqSeq, img.InqLen, img.OutqSeq, img.OutqLen, img.Timestamp)
 	}
 	return nil
@@ -70,7 +70,7 @@ func connEdits(cp ConnPlan, img image.TCPConn) ([]image.Edit, error) {
 	}
 	if cp.HasTimestamp {
 		if !img.HasTimestamp {
-			return nil, fmt.Errorf("connection %v: the peer uses TCP timestamps but the snapshot's socket did not negotiate them: wrong peer state: %w", KeyOf(cp.Conn), ErrNotRecoverable)
+			return nil, fmt.Errorf("connection %v: the peer uses TCP timestamps but the snapshot's socket did not negotiate them: wrong peer state: %w", cp.Conn.Tuple, ErrNotRecoverable)
 		}
 		edits = append(edits, image.Timestamp(cp.Timestamp))
 	}
@@ -79,7 +79,7 @@ func connEdits(cp ConnPlan, img image.TCPConn) ([]image.Edit, error) {
 	if sndWnd != img.SndWnd || maxWnd != img.MaxWindow {
 		if !img.HasWindow {
 			return nil, fmt.Errorf("connection %v: %d bytes must be re-sent at once but the image has no window data to raise (the dumping kernel gave none): %w",
-				KeyOf(cp.Conn), cp.Resend, ErrNotRecoverable)
+				cp.Conn.Tuple, cp.Resend, ErrNotRecoverable)
 		}
 		edits = append(edits, image.Windows(sndWnd, maxWnd))
 	}

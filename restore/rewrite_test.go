@@ -24,6 +24,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/criu/image"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // CRIU image framing (criu/include/magic.h), for synthetic dumps.
@@ -94,7 +95,7 @@ func (s synthImage) write(t *testing.T, dir string) ckpt.Conn {
 			t.Fatal(err)
 		}
 	}
-	return ckpt.Conn{Local: addrF, Remote: addrP, Inode: uint64(s.inode), InqSeq: s.inqSeq, InqLen: uint32(len(s.inq)),
+	return ckpt.Conn{Tuple: tcpflow.Tuple{Local: addrF, Remote: addrP}, Inode: uint64(s.inode), InqSeq: s.inqSeq, InqLen: uint32(len(s.inq)),
 		OutqSeq: s.outqSeq, OutqLen: uint32(len(s.outq)), Timestamp: s.timestamp}
 }
 
@@ -171,7 +172,7 @@ func TestRewrite(t *testing.T) {
 			dir := t.TempDir()
 			c := tt.img.write(t, dir)
 			before := onlyConn(t, dir)
-			p, err := NewPlan([]ckpt.Conn{c}, map[ConnKey]Peer{KeyOf(c): tt.peer}, tt.seg)
+			p, err := NewPlan([]ckpt.Conn{c}, map[tcpflow.Tuple]Peer{c.Tuple: tt.peer}, tt.seg)
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -14,7 +14,7 @@ import (
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/internal/streamtest"
 	"github.com/ftkit/ftkit/lab/labcluster"
-	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // The test binary doubles as the jobs' program: an agent re-executes it with streamtest's role variables
@@ -77,7 +77,7 @@ func TestFinishedConnLogFreed(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		conn := netlog.Conn{Src: src, Dst: dst}
+		conn := tcpflow.Tuple{Local: src, Remote: dst}
 		exited := jobExit(t, c, "node1", sendJob)
 		if e := jobExit(t, c, "node2", recvJob); e.After(exited) {
 			exited = e
@@ -189,9 +189,9 @@ func logStatus(t *testing.T, c *labcluster.Cluster, host string) agent.LogStatus
 	return *s.Log
 }
 
-func holds(conns []agent.LoggedConn, c netlog.Conn) bool {
+func holds(conns []agent.LoggedConn, c tcpflow.Tuple) bool {
 	for _, lc := range conns {
-		if lc.Src == c.Src && lc.Dst == c.Dst {
+		if lc.Src == c.Local && lc.Dst == c.Remote {
 			return true
 		}
 	}

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/tcpflow"
 	"github.com/pierrec/lz4/v4"
 	"golang.org/x/sys/unix"
 )
@@ -54,9 +55,8 @@ func testInfo() ckpt.Info {
 	return ckpt.Info{
 		CRIUVersion: "4.2.1", KernelRelease: "6.18.0", Mode: ckpt.ModeUncoordinated,
 		Conns: []ckpt.Conn{{
-			Local:  netip.MustParseAddrPort("10.0.0.1:40000"),
-			Remote: netip.MustParseAddrPort("10.0.0.2:5000"),
-			Inode:  77, InqSeq: 1000, InqLen: 5, OutqSeq: 2000, OutqLen: 0,
+			Tuple: tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.1:40000"), Remote: netip.MustParseAddrPort("10.0.0.2:5000")},
+			Inode: 77, InqSeq: 1000, InqLen: 5, OutqSeq: 2000, OutqLen: 0,
 		}},
 	}
 }

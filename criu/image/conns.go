@@ -11,6 +11,8 @@ import (
 	"slices"
 
 	sk_inet "github.com/checkpoint-restore/go-criu/v7/crit/images/sk-inet"
+
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // TCPConn is one connected TCP socket of a dump: its 4-tuple from files.img
@@ -18,10 +20,9 @@ import (
 // of the local socket: Inq* describe bytes received from Remote, Outq* bytes
 // sent to it.
 type TCPConn struct {
-	Inode  uint32
-	State  uint32 // Linux TCP state: 1 ESTABLISHED, 4/5 FIN_WAIT1/2, 8 CLOSE_WAIT, ...
-	Local  netip.AddrPort
-	Remote netip.AddrPort
+	Inode uint32
+	State uint32 // Linux TCP state: 1 ESTABLISHED, 4/5 FIN_WAIT1/2, 8 CLOSE_WAIT, ...
+	tcpflow.Tuple
 
 	InqSeq  uint32 // rcv_nxt: sequence number after the last byte received
 	InqLen  uint32 // bytes received, not yet read by the application
@@ -110,7 +111,7 @@ func newTCPConn(sk *sk_inet.InetSkEntry, s *tcpStream) (TCPConn, error) {
 	}
 	e := s.entry
 	return TCPConn{
-		Inode: sk.GetIno(), State: sk.GetState(), Local: local, Remote: remote,
+		Inode: sk.GetIno(), State: sk.GetState(), Tuple: tcpflow.Tuple{Local: local, Remote: remote},
 		InqSeq: e.GetInqSeq(), InqLen: e.GetInqLen(),
 		OutqSeq: e.GetOutqSeq(), OutqLen: e.GetOutqLen(), UnsqLen: e.GetUnsqLen(),
 		HasWindow: e.SndWnd != nil,

@@ -22,6 +22,7 @@ import (
 
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // Options configure New.
@@ -223,7 +224,7 @@ func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 // skips the log's connection map and its lock for each of them.
 type appender struct {
 	log  *netlog.Log
-	conn netlog.Conn
+	conn tcpflow.Tuple
 	st   *netlog.Store
 }
 
@@ -254,14 +255,14 @@ func (a *appender) append(rec netlog.Record) error {
 // FlowState is the live state of conn as its last egress segment showed it (the sender's snd_nxt, its
 // rcv_nxt as the ACK number, TSval/TSecr): what a restorer needs about a peer. ok is false if no segment
 // of conn was seen.
-func (c *Capture) FlowState(conn netlog.Conn) (ebpfprobes.FlowState, bool, error) {
+func (c *Capture) FlowState(conn tcpflow.Tuple) (ebpfprobes.FlowState, bool, error) {
 	c.mu.Lock()
 	closed := c.closed
 	c.mu.Unlock()
 	if closed {
 		return ebpfprobes.FlowState{}, false, fmt.Errorf("capture: flow state: %w", netlog.ErrClosed)
 	}
-	return c.probe.FlowState(ebpfprobes.Flow{Src: conn.Src, Dst: conn.Dst})
+	return c.probe.FlowState(conn)
 }
 
 // isPow2 rate-limits repeated error logs to counts 1, 2, 4, 8, ...
@@ -338,9 +339,9 @@ func (c *Capture) UnprotectCgroup(dir string) error {
 	return nil
 }
 
-// ProtectFlow logs the bytes of one flow (Src the local sender), whatever its socket's cgroup: for a
+// ProtectFlow logs the bytes of one flow (Local the local sender), whatever its socket's cgroup: for a
 // capture that logs only chosen flows (on loopback, the re-sent bytes of a job restored next to its peer).
-func (c *Capture) ProtectFlow(f ebpfprobes.Flow) error {
+func (c *Capture) ProtectFlow(f tcpflow.Tuple) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.closed {
@@ -350,14 +351,14 @@ func (c *Capture) ProtectFlow(f ebpfprobes.Flow) error {
 }
 
 // UnprotectFlow stops logging a flow ProtectFlow protected and drops what the log holds of it.
-func (c *Capture) UnprotectFlow(f ebpfprobes.Flow) error {
+func (c *Capture) UnprotectFlow(f tcpflow.Tuple) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.closed {
 		return fmt.Errorf("capture: unprotect flow %v: %w", f, netlog.ErrClosed)
 	}
 	err := c.probe.UnprotectFlow(f)
-	if rerr := c.netlog.Remove(netlog.Conn{Src: f.Src, Dst: f.Dst}); rerr != nil && !errors.Is(rerr, netlog.ErrUnknownConn) {
+	if rerr := c.netlog.Remove(f); rerr != nil && !errors.Is(rerr, netlog.ErrUnknownConn) {
 		err = errors.Join(err, rerr)
 	}
 	return err

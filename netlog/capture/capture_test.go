@@ -23,6 +23,7 @@ import (
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labtest"
 	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 func TestIsPow2(t *testing.T) {
@@ -108,7 +109,7 @@ func hostAddr(t *testing.T, l *lab.Lab, host string, port uint16) netip.AddrPort
 
 // startSender starts a sender on node1 in cg and returns it with the
 // connection it opened and the sequence number of its first byte.
-func startSender(ctx context.Context, t *testing.T, l *lab.Lab, cg *streamtest.Cgroup, dst netip.AddrPort, seed uint64, size int) (*streamtest.Child, netlog.Conn, uint32) {
+func startSender(ctx context.Context, t *testing.T, l *lab.Lab, cg *streamtest.Cgroup, dst netip.AddrPort, seed uint64, size int) (*streamtest.Child, tcpflow.Tuple, uint32) {
 	t.Helper()
 	s := streamtest.StartT(t, l, "node1", cg, "send", "FTKIT_ADDR="+dst.String(),
 		fmt.Sprintf("FTKIT_SEED=%d", seed), fmt.Sprintf("FTKIT_SIZE=%d", size))
@@ -116,11 +117,11 @@ func startSender(ctx context.Context, t *testing.T, l *lab.Lab, cg *streamtest.C
 	if err != nil {
 		t.Fatalf("sender to %v: %v", dst, err)
 	}
-	return s, netlog.Conn{Src: src, Dst: dst}, seq
+	return s, tcpflow.Tuple{Local: src, Remote: dst}, seq
 }
 
 // waitLogged waits until the log holds every byte of conn below abs end.
-func waitLogged(ctx context.Context, t *testing.T, lg *netlog.Log, conn netlog.Conn, end uint64) netlog.Bounds {
+func waitLogged(ctx context.Context, t *testing.T, lg *netlog.Log, conn tcpflow.Tuple, end uint64) netlog.Bounds {
 	t.Helper()
 	for {
 		b, err := lg.Bounds(conn)
@@ -459,7 +460,7 @@ func testAPI(t *testing.T, l *lab.Lab, protected, other *streamtest.Cgroup) {
 	if err := c.ProtectCgroup(protected.Dir); !errors.Is(err, netlog.ErrClosed) {
 		t.Errorf("ProtectCgroup after Close: %v, want ErrClosed", err)
 	}
-	if _, err := c.Log().Range(netlog.Conn{}, 0, 1); !errors.Is(err, netlog.ErrClosed) {
+	if _, err := c.Log().Range(tcpflow.Tuple{}, 0, 1); !errors.Is(err, netlog.ErrClosed) {
 		t.Errorf("Log().Range after Close: %v, want ErrClosed", err)
 	}
 }

@@ -21,6 +21,8 @@ import (
 	"net/netip"
 	"slices"
 	"time"
+
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // DefaultMargin is how long before the watermark a connection's last segment must have left:
@@ -33,8 +35,8 @@ const DefaultMargin = 3 * time.Second
 type Flow struct {
 	// Node is the member that holds the destination address now ("" if no alive member does).
 	Node string
-	// Dst is the receiving end's address.
-	Dst netip.Addr
+	// Conn is the logged connection seen from the sender (Remote is the receiving end).
+	Conn tcpflow.Tuple
 	// HasState says the eBPF flow state below is known (it is kept for the most recently
 	// active flows only).
 	HasState bool
@@ -172,7 +174,7 @@ func decide(f Flow, marks map[string]Watermark, now time.Time, margin time.Durat
 	// Even a watermark of "now" can free the flow only once the margin has passed.
 	ask := !needed.After(now)
 	w, ok := marks[f.Node]
-	if !ok || !w.covers(f.Dst) {
+	if !ok || !w.covers(f.Conn.Remote.Addr()) {
 		return Decision{Verdict: Unknown, Ask: ask}
 	}
 	if !needed.After(w.At) {

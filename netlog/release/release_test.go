@@ -4,6 +4,8 @@ import (
 	"net/netip"
 	"testing"
 	"time"
+
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 func TestDecide(t *testing.T) {
@@ -13,7 +15,7 @@ func TestDecide(t *testing.T) {
 	n2b := netip.MustParseAddr("10.0.0.22") // a failed node's address, taken over by node2 later
 	ago := func(d time.Duration) time.Time { return now.Add(-d) }
 	// The usual finished flow to node2: FIN sent, last segment and last append 10 s ago.
-	fin := Flow{Node: "node2", Dst: n2, HasState: true, FinSent: true, StateAge: 10 * time.Second, LastAppend: ago(10 * time.Second)}
+	fin := Flow{Node: "node2", Conn: to(n2), HasState: true, FinSent: true, StateAge: 10 * time.Second, LastAppend: ago(10 * time.Second)}
 	with := func(f Flow, change func(*Flow)) Flow { change(&f); return f }
 	idle := func(at time.Time) map[string]Watermark { // node2 runs no job; it answered at at
 		return map[string]Watermark{"node2": {At: at, Addrs: []netip.Addr{n2}}}
@@ -29,7 +31,7 @@ func TestDecide(t *testing.T) {
 		ask   bool
 	}{
 		{"open connection kept whatever the watermark", with(fin, func(f *Flow) { f.FinSent = false }), idle(now), Open, false},
-		{"open connection without flow state", Flow{Node: "node2", Dst: n2, LastAppend: ago(time.Hour)}, idle(now), Open, false},
+		{"open connection without flow state", Flow{Node: "node2", Conn: to(n2), LastAppend: ago(time.Hour)}, idle(now), Open, false},
 		{"FIN sent, receiver idle since after the last segment: freed", fin, idle(ago(time.Second)), Free, false},
 		{"RST sent: finished too", with(fin, func(f *Flow) { f.FinSent, f.RstSent = false, true }), idle(ago(time.Second)), Free, false},
 		{"sending job ended, FIN never seen", with(fin, func(f *Flow) { f.FinSent = false; f.SenderGone = true }), idle(now), Free, false},
@@ -40,8 +42,8 @@ func TestDecide(t *testing.T) {
 		{"last data after the watermark, receiver idle: settling", fin, idle(ago(8 * time.Second)), Settling, true},
 		{"no watermark known yet: kept, ask", fin, nil, Unknown, true},
 		{"watermark of another node only: kept, ask", fin, map[string]Watermark{"node3": {At: now, Addrs: []netip.Addr{n2}}}, Unknown, true},
-		{"watermark does not cover the destination address: kept", with(fin, func(f *Flow) { f.Dst = n2b }), idle(now), Unknown, true},
-		{"IPv4-mapped destination is covered", with(fin, func(f *Flow) { f.Dst = netip.AddrFrom16(n2.As16()) }), idle(now), Free, false},
+		{"watermark does not cover the destination address: kept", with(fin, func(f *Flow) { f.Conn = to(n2b) }), idle(now), Unknown, true},
+		{"IPv4-mapped destination is covered", with(fin, func(f *Flow) { f.Conn = to(netip.AddrFrom16(n2.As16())) }), idle(now), Free, false},
 		{"no alive member holds the destination: kept, nobody to ask", with(fin, func(f *Flow) { f.Node = "" }), idle(now), Orphan, false},
 		{"margin: last segment exactly margin before the watermark: freed",
 			with(fin, func(f *Flow) { f.StateAge, f.LastAppend = 5*time.Second, ago(5*time.Second) }), idle(ago(2 * time.Second)), Free, false},
@@ -86,8 +88,8 @@ func TestDecideDefaultMargin(t *testing.T) {
 	n2 := netip.MustParseAddr("10.0.0.2")
 	marks := map[string]Watermark{"node2": {At: now, Addrs: []netip.Addr{n2}}}
 	flows := []Flow{
-		{Node: "node2", Dst: n2, SenderGone: true, LastAppend: now.Add(-DefaultMargin + time.Millisecond)},
-		{Node: "node2", Dst: n2, SenderGone: true, LastAppend: now.Add(-DefaultMargin)},
+		{Node: "node2", Conn: to(n2), SenderGone: true, LastAppend: now.Add(-DefaultMargin + time.Millisecond)},
+		{Node: "node2", Conn: to(n2), SenderGone: true, LastAppend: now.Add(-DefaultMargin)},
 	}
 	got := Decide(Input{Now: now, Flows: flows, Marks: marks})
 	if got[0].Verdict != Settling || got[1].Verdict != Free {
@@ -137,4 +139,9 @@ func TestReceiveWatermark(t *testing.T) {
 			}
 		})
 	}
+}
+
+// to is a logged connection toward dst, from the sender's side.
+func to(dst netip.Addr) tcpflow.Tuple {
+	return tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.1:40000"), Remote: netip.AddrPortFrom(dst, 5201)}
 }

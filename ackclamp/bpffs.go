@@ -1,4 +1,4 @@
-package ebpfprobes
+package ackclamp
 
 import (
 	"fmt"

@@ -1,4 +1,4 @@
-package ebpfprobes
+package ackclamp
 
 import (
 	"encoding/binary"
@@ -13,6 +13,9 @@ import (
 	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/internal/tcpframe"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // pinFixture mounts a private BPF file system (a mount is an instance of its own, so nothing is shared
@@ -65,11 +68,11 @@ func tcxPrograms(t *testing.T, ifindex int, at ebpf.AttachType) []ebpf.ProgramID
 // everything. An empty pinned map left by a crash is started afresh.
 func TestAckClampPinnedSurvivesClose(t *testing.T) {
 	dir, ifindex := pinFixture(t)
-	restored := Flow{Src: netip.MustParseAddrPort("10.9.0.12:7300"), Dst: netip.MustParseAddrPort("10.9.0.11:40000")}
-	peer := Flow{Src: restored.Dst, Dst: restored.Src}
+	restored := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.9.0.12:7300"), Remote: netip.MustParseAddrPort("10.9.0.11:40000")}
+	peer := tcpflow.Tuple{Local: restored.Remote, Remote: restored.Local}
 	const base uint32 = 1000
 
-	c1, err := OpenPinnedAckClamp(dir)
+	c1, err := OpenPinned(dir)
 	if errors.Is(err, ebpf.ErrNotSupported) {
 		t.Skipf("SKIPPED: this kernel cannot load TCX programs: %v", err)
 	}
@@ -88,7 +91,7 @@ func TestAckClampPinnedSurvivesClose(t *testing.T) {
 	if err := c1.Clamp(restored, base); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := c1.objs.AckclampEgress.Run(&ebpf.RunOptions{Data: segment{seq: base, ack: 1, flags: 0x18, payload: 500}.frame(restored)}); err != nil {
+	if _, err := c1.objs.AckclampEgress.Run(&ebpf.RunOptions{Data: tcpframe.Segment{Seq: base, Ack: 1, Flags: 0x18, Payload: 500}.Frame(restored)}); err != nil {
 		t.Fatal(err)
 	}
 	if err := c1.Close(); err != nil {
@@ -103,7 +106,7 @@ func TestAckClampPinnedSurvivesClose(t *testing.T) {
 		t.Fatalf("after the process closed the clamp: ingress programs %v, want %v still attached", got, ingress)
 	}
 
-	c2, err := OpenPinnedAckClamp(dir)
+	c2, err := OpenPinned(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -125,8 +128,8 @@ func TestAckClampPinnedSurvivesClose(t *testing.T) {
 		t.Errorf("after re-opening: ingress programs %v, want the pinned %v only", got, ingress)
 	}
 	// The re-opened map is the one the attached programs use: an ACK beyond snd_nxt is lowered.
-	fr := segment{seq: 7, ack: base + 90000, flags: 0x10, window: 100, payload: 10}.frame(peer)
-	tcpChecksum(fr, true)
+	fr := tcpframe.Segment{Seq: 7, Ack: base + 90000, Flags: 0x10, Window: 100, Payload: 10}.Frame(peer)
+	tcpframe.Checksum(fr, true)
 	out := make([]byte, len(fr))
 	if _, err := c2.objs.AckclampIngress.Run(&ebpf.RunOptions{Data: fr, DataOut: out}); err != nil {
 		t.Fatal(err)
@@ -155,7 +158,7 @@ func TestAckClampPinnedSurvivesClose(t *testing.T) {
 	}
 
 	// A crash with no flow registered leaves an empty map: the next open drops the stale links.
-	c3, err := OpenPinnedAckClamp(dir)
+	c3, err := OpenPinned(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -164,7 +167,7 @@ func TestAckClampPinnedSurvivesClose(t *testing.T) {
 	}
 	stale := tcxPrograms(t, ifindex, ebpf.AttachTCXEgress)
 	c3.Close()
-	c4, err := OpenPinnedAckClamp(dir)
+	c4, err := OpenPinned(dir)
 	if err != nil {
 		t.Fatal(err)
 	}

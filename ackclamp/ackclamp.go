@@ -1,4 +1,9 @@
-package ebpfprobes
+// Package ackclamp is an eBPF actuator: it rewrites the ACK numbers of the peers' segments of restored
+// sockets that re-send bytes their peers already have (bpf/ackclamp.c). It changes packets, which is why
+// it is not among the probes of ebpfprobes, which only observe them.
+//
+// It needs root (CAP_BPF, CAP_NET_ADMIN) and Linux 6.6+ (TCX).
+package ackclamp
 
 import (
 	"encoding/binary"
@@ -13,38 +18,40 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
+
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 //go:generate go tool bpf2go -tags linux -target bpfel -type clamp_key -type clamp_state ackclamp ../bpf/ackclamp.c -- -Wall -Werror
 
-// AckClamp lets restored sockets re-send bytes their peers already have: for each registered flow it lowers
+// Clamp lets restored sockets re-send bytes their peers already have: for each registered flow it lowers
 // the ACK number of the peer's segments to what the restored socket has sent so far, so that the socket's
 // ACK clock works instead of dropping every segment as an "ACK of unsent data" (bpf/ackclamp.c says why).
 //
-// A clamp opened with OpenPinnedAckClamp keeps its map and TCX links pinned in a bpffs directory, so that
+// A clamp opened with OpenPinned keeps its map and TCX links pinned in a bpffs directory, so that
 // it outlives the process: a restored socket whose agent dies mid-replay keeps its ACK clock, and the next
 // agent re-opens the same map (with its flows) and links instead of attaching a second copy.
-type AckClamp struct {
+type Clamp struct {
 	objs   ackclampObjects
 	pinDir string // "" for a clamp that lives only as long as its file descriptors
 	mu     sync.Mutex
 	links  []link.Link
 }
 
-// LoadAckClamp loads the programs; Attach puts them on an interface.
-func LoadAckClamp() (*AckClamp, error) {
-	var c AckClamp
+// Load loads the programs; Attach puts them on an interface.
+func Load() (*Clamp, error) {
+	var c Clamp
 	if err := loadAckclampObjects(&c.objs, nil); err != nil {
 		return nil, fmt.Errorf("ackclamp: load eBPF programs: %w", err)
 	}
 	return &c, nil
 }
 
-// OpenPinnedAckClamp loads the programs with their map pinned in dir (on a bpffs, created 0700 if
+// OpenPinned loads the programs with their map pinned in dir (on a bpffs, created 0700 if
 // missing), re-using the map a previous process pinned there together with the flows it holds. Attach
 // then re-uses the links pinned there. A pinned map without flows is stale: it and its links are unpinned
 // and the clamp starts afresh.
-func OpenPinnedAckClamp(dir string) (*AckClamp, error) {
+func OpenPinned(dir string) (*Clamp, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("ackclamp: create pin directory: %w", err)
 	}
@@ -56,7 +63,7 @@ func OpenPinnedAckClamp(dir string) (*AckClamp, error) {
 		return nil, fmt.Errorf("ackclamp: %w", err)
 	}
 	spec.Maps[ackclampMapClamps].Pinning = ebpf.PinByName
-	c := AckClamp{pinDir: dir}
+	c := Clamp{pinDir: dir}
 	if err := spec.LoadAndAssign(&c.objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: dir}}); err != nil {
 		if errors.Is(err, ebpf.ErrMapIncompatible) {
 			return nil, fmt.Errorf("ackclamp: the map pinned in %s is from an incompatible version; once no restored job re-sends bytes, remove that directory: %w", dir, err)
@@ -75,9 +82,9 @@ func OpenPinnedAckClamp(dir string) (*AckClamp, error) {
 }
 
 // PinDir is where the clamp's objects are pinned ("" if they are not).
-func (c *AckClamp) PinDir() string { return c.pinDir }
+func (c *Clamp) PinDir() string { return c.pinDir }
 
-func (c *AckClamp) linkPin(ifname string, at ebpf.AttachType) string {
+func (c *Clamp) linkPin(ifname string, at ebpf.AttachType) string {
 	dir := "ingress"
 	if at == ebpf.AttachTCXEgress {
 		dir = "egress"
@@ -114,7 +121,7 @@ func reopenLink(path string, ifindex int, at ebpf.AttachType) (link.Link, error)
 
 // Attach attaches the egress and ingress programs to the interface with this index in the calling thread's
 // network namespace. A pinned clamp re-uses the links already pinned for the interface, and pins new ones.
-func (c *AckClamp) Attach(ifindex int) error {
+func (c *Clamp) Attach(ifindex int) error {
 	nl, err := netlink.LinkByIndex(ifindex)
 	if err != nil {
 		return fmt.Errorf("ackclamp: look up interface %d: %w", ifindex, err)
@@ -144,7 +151,7 @@ func (c *AckClamp) Attach(ifindex int) error {
 	return nil
 }
 
-func (c *AckClamp) attachOne(ifindex int, ifname string, prog *ebpf.Program, at ebpf.AttachType) (link.Link, error) {
+func (c *Clamp) attachOne(ifindex int, ifname string, prog *ebpf.Program, at ebpf.AttachType) (link.Link, error) {
 	var pin string
 	if c.pinDir != "" {
 		pin = c.linkPin(ifname, at)
@@ -166,23 +173,33 @@ func (c *AckClamp) attachOne(ifindex int, ifname string, prog *ebpf.Program, at 
 	return lk, nil
 }
 
-func clampKey(f Flow) (ackclampClampKey, error) {
-	k, err := flowKey(f)
-	if err != nil {
-		return ackclampClampKey{}, err
+// clampKey is the map key of a flow: the IPv4 addresses and ports as the program reads them from the
+// headers (network byte order, loaded as native little-endian integers). f.Local is the restored end.
+func clampKey(f tcpflow.Tuple) (ackclampClampKey, error) {
+	src, dst := f.Local.Addr().Unmap(), f.Remote.Addr().Unmap()
+	if !src.Is4() || !dst.Is4() {
+		return ackclampClampKey{}, fmt.Errorf("ackclamp: flow %v: only IPv4 flows are clamped", f)
 	}
-	return ackclampClampKey{Saddr: k.Saddr, Daddr: k.Daddr, Sport: k.Sport, Dport: k.Dport}, nil
+	s, d := src.As4(), dst.As4()
+	return ackclampClampKey{
+		Saddr: binary.NativeEndian.Uint32(s[:]),
+		Daddr: binary.NativeEndian.Uint32(d[:]),
+		Sport: htons(f.Local.Port()),
+		Dport: htons(f.Remote.Port()),
+	}, nil
 }
 
-// Clamp registers a restored socket's flow (Src is the restored end) with the sequence number it has sent
+func htons(v uint16) uint16 { return v<<8 | v>>8 }
+
+// Clamp registers a restored socket's flow (Local is the restored end) with the sequence number it has sent
 // up to at the restore (the snapshot's snd_una is always safe: the peer has everything below it).
-func (c *AckClamp) Clamp(f Flow, sndNxt uint32) error {
+func (c *Clamp) Clamp(f tcpflow.Tuple, sndNxt uint32) error {
 	k, err := clampKey(f)
 	if err != nil {
 		return err
 	}
 	if err := c.objs.Clamps.Put(k, ackclampClampState{SndNxt: sndNxt}); err != nil {
-		return fmt.Errorf("ackclamp: register flow %v->%v: %w", f.Src, f.Dst, err)
+		return fmt.Errorf("ackclamp: register flow %v->%v: %w", f.Local, f.Remote, err)
 	}
 	return nil
 }
@@ -194,39 +211,39 @@ type ClampState struct {
 }
 
 // State reads a registered flow's state.
-func (c *AckClamp) State(f Flow) (ClampState, error) {
+func (c *Clamp) State(f tcpflow.Tuple) (ClampState, error) {
 	k, err := clampKey(f)
 	if err != nil {
 		return ClampState{}, err
 	}
 	var v ackclampClampState
 	if err := c.objs.Clamps.Lookup(k, &v); err != nil {
-		return ClampState{}, fmt.Errorf("ackclamp: flow %v->%v: %w", f.Src, f.Dst, err)
+		return ClampState{}, fmt.Errorf("ackclamp: flow %v->%v: %w", f.Local, f.Remote, err)
 	}
 	return ClampState{SndNxt: v.SndNxt, Clamped: v.Clamped}, nil
 }
 
 // Release stops clamping a flow and returns its last state.
-func (c *AckClamp) Release(f Flow) (ClampState, error) {
+func (c *Clamp) Release(f tcpflow.Tuple) (ClampState, error) {
 	st, err := c.State(f)
 	if err != nil {
 		return st, err
 	}
 	k, _ := clampKey(f)
 	if err := c.objs.Clamps.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-		return st, fmt.Errorf("ackclamp: release flow %v->%v: %w", f.Src, f.Dst, err)
+		return st, fmt.Errorf("ackclamp: release flow %v->%v: %w", f.Local, f.Remote, err)
 	}
 	return st, nil
 }
 
 // ClampedFlow is a registered flow and its state.
 type ClampedFlow struct {
-	Flow  Flow
+	Flow  tcpflow.Tuple
 	State ClampState
 }
 
 // Flows lists the registered flows.
-func (c *AckClamp) Flows() ([]ClampedFlow, error) {
+func (c *Clamp) Flows() ([]ClampedFlow, error) {
 	var out []ClampedFlow
 	var k ackclampClampKey
 	var v ackclampClampState
@@ -241,20 +258,20 @@ func (c *AckClamp) Flows() ([]ClampedFlow, error) {
 }
 
 // flowOfClampKey inverts clampKey: the key holds the addresses and ports in network byte order.
-func flowOfClampKey(k ackclampClampKey) Flow {
+func flowOfClampKey(k ackclampClampKey) tcpflow.Tuple {
 	addr := func(a uint32) netip.Addr {
 		var b [4]byte
 		binary.NativeEndian.PutUint32(b[:], a)
 		return netip.AddrFrom4(b)
 	}
-	return Flow{
-		Src: netip.AddrPortFrom(addr(k.Saddr), htons(k.Sport)),
-		Dst: netip.AddrPortFrom(addr(k.Daddr), htons(k.Dport)),
+	return tcpflow.Tuple{
+		Local:  netip.AddrPortFrom(addr(k.Saddr), htons(k.Sport)),
+		Remote: netip.AddrPortFrom(addr(k.Daddr), htons(k.Dport)),
 	}
 }
 
 // unpinLinks removes every link pin of the directory; the links detach once no process holds them.
-func (c *AckClamp) unpinLinks() error {
+func (c *Clamp) unpinLinks() error {
 	ents, err := os.ReadDir(c.pinDir)
 	if err != nil {
 		return fmt.Errorf("ackclamp: read pin directory: %w", err)
@@ -281,7 +298,7 @@ func (c *AckClamp) unpinLinks() error {
 
 // Unpin removes the clamp's pins and its pin directory, so that the programs detach and the map is freed
 // when this process closes them. Call it only when no flow is registered any more.
-func (c *AckClamp) Unpin() error {
+func (c *Clamp) Unpin() error {
 	if c.pinDir == "" {
 		return nil
 	}
@@ -297,7 +314,7 @@ func (c *AckClamp) Unpin() error {
 
 // Close detaches the programs and frees the maps, unless they are pinned: then they stay, with their flows,
 // for the next process to re-open.
-func (c *AckClamp) Close() error {
+func (c *Clamp) Close() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	var errs []error

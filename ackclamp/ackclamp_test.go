@@ -1,0 +1,93 @@
+package ackclamp
+
+import (
+	"encoding/binary"
+	"errors"
+	"net/netip"
+	"os"
+	"testing"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/ftkit/ftkit/internal/tcpframe"
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// requirePrivileges skips a test that loads BPF programs or creates interfaces when not root.
+func requirePrivileges(t testing.TB) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("SKIPPED: needs root for BPF and network interfaces")
+	}
+}
+
+// TestAckClamp runs the real programs (BPF_PROG_TEST_RUN) on crafted segments: the restored end's
+// segments raise its snd_nxt, the peer's ACKs beyond it are lowered to it with a valid checksum, and
+// other flows and ACKs below snd_nxt are left alone.
+func TestAckClamp(t *testing.T) {
+	requirePrivileges(t)
+	c, err := Load()
+	if errors.Is(err, ebpf.ErrNotSupported) {
+		t.Skipf("SKIPPED: this kernel cannot load TCX programs: %v", err)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	restored := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.9.0.12:7300"), Remote: netip.MustParseAddrPort("10.9.0.11:40000")}
+	peer := tcpflow.Tuple{Local: restored.Remote, Remote: restored.Local}
+	other := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.9.0.13:1"), Remote: restored.Local}
+	var base uint32 = 0xfffffc00 // the sequence space wraps during the test
+	if err := c.Clamp(restored, base); err != nil {
+		t.Fatal(err)
+	}
+	egress := func(seg tcpframe.Segment) {
+		t.Helper()
+		if _, err := c.objs.AckclampEgress.Run(&ebpf.RunOptions{Data: seg.Frame(restored)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// ingress returns the ACK number the restored socket would see.
+	ingress := func(f tcpflow.Tuple, ack uint32) uint32 {
+		t.Helper()
+		fr := tcpframe.Segment{Seq: 7, Ack: ack, Flags: 0x10, Window: 100, Payload: 10}.Frame(f)
+		tcpframe.Checksum(fr, true)
+		out := make([]byte, len(fr))
+		if _, err := c.objs.AckclampIngress.Run(&ebpf.RunOptions{Data: fr, DataOut: out}); err != nil {
+			t.Fatal(err)
+		}
+		if !tcpframe.Checksum(out, false) {
+			t.Fatalf("TCP checksum wrong after the program (ack %d)", ack)
+		}
+		return binary.BigEndian.Uint32(out[14+20+8:])
+	}
+	tests := []struct {
+		name      string
+		send      *tcpframe.Segment // the restored end sends this first
+		flow      tcpflow.Tuple
+		ack, want uint32
+	}{
+		{name: "peer ahead: lowered to snd_nxt", flow: peer, ack: base + 50000, want: base},
+		{name: "after 1000 bytes sent", send: &tcpframe.Segment{Seq: base, Ack: 1, Flags: 0x18, Payload: 1000}, flow: peer, ack: base + 50000, want: base + 1000},
+		{name: "across the wrap", send: &tcpframe.Segment{Seq: base + 1000, Ack: 1, Flags: 0x18, Payload: 1200}, flow: peer, ack: base + 50000, want: base + 2200},
+		{name: "a retransmission does not lower snd_nxt", send: &tcpframe.Segment{Seq: base, Ack: 1, Flags: 0x18, Payload: 100}, flow: peer, ack: base + 50000, want: base + 2200},
+		{name: "FIN counts", send: &tcpframe.Segment{Seq: base + 2200, Ack: 1, Flags: 0x11}, flow: peer, ack: base + 50000, want: base + 2201},
+		{name: "ACK below snd_nxt untouched", flow: peer, ack: base + 10, want: base + 10},
+		{name: "other flow untouched", flow: other, ack: base + 50000, want: base + 50000},
+	}
+	for _, tt := range tests {
+		if tt.send != nil {
+			egress(*tt.send)
+		}
+		if got := ingress(tt.flow, tt.ack); got != tt.want {
+			t.Errorf("%s: ack %#x, want %#x", tt.name, got, tt.want)
+		}
+	}
+	st, err := c.Release(restored)
+	if err != nil || st.SndNxt != base+2201 || st.Clamped != 5 {
+		t.Errorf("Release = %+v, %v; want snd_nxt %#x, 5 clamped", st, err, base+2201)
+	}
+	if got := ingress(peer, base+50000); got != base+50000 {
+		t.Errorf("after Release: ack %#x changed", got)
+	}
+}
