@@ -1,7 +1,7 @@
 package agent
 
 import (
-	"bytes"
+	"encoding/json"
 	"fmt"
 	"net/netip"
 	"slices"
@@ -259,13 +259,21 @@ func TestViewMessageFitsWithManyFailures(t *testing.T) {
 			}
 			a := &Agent{failures: l}
 			a.members.view = v
-			var buf bytes.Buffer
-			if err := writeHeader(&buf, a.viewMessage()); err != nil {
+			// The message as the protocol carries it: a body of at most maxMessage bytes.
+			b, err := json.Marshal(a.viewMessage())
+			if err != nil {
 				t.Fatal(err)
 			}
-			size := buf.Len()
-			var got viewMessage
-			if err := readHeaderLarge(&buf, &got); err != nil {
+			size := len(b)
+			if size > maxMessage {
+				t.Fatalf("a view message of %d bytes, more than the %d a peer reads", size, maxMessage)
+			}
+			var msg viewMessage
+			if err := json.Unmarshal(b, &msg); err != nil {
+				t.Fatal(err)
+			}
+			var got struct{ Failures []*Failure }
+			if got.Failures, err = decodeFailures(msg.Failures); err != nil {
 				t.Fatalf("a view message of %d bytes cannot be read back: %v", size, err)
 			}
 			newest := fmt.Sprintf("node2-%04d", tt.failures-1)
