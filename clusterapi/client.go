@@ -414,13 +414,20 @@ func (c *Client) upgrade(ctx context.Context, peer string, op Op, body any) (net
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Connection", "Upgrade")
 	req.Header.Set("Upgrade", upgradeProto)
+	// A read or write cut short by ctx's end says so, not just "i/o timeout".
+	failed := func(err error) error {
+		if ctx.Err() != nil {
+			err = fmt.Errorf("%w (%v)", context.Cause(ctx), err)
+		}
+		return fmt.Errorf("%s request to %s: %w", op, peer, err)
+	}
 	if err := req.Write(conn); err != nil {
-		return nil, fmt.Errorf("%s request to %s: %w", op, peer, err)
+		return nil, failed(err)
 	}
 	br := bufio.NewReader(conn)
 	resp, err := http.ReadResponse(br, req)
 	if err != nil {
-		return nil, fmt.Errorf("%s request to %s: %w", op, peer, err)
+		return nil, failed(err)
 	}
 	if resp.StatusCode != http.StatusSwitchingProtocols {
 		defer resp.Body.Close()
