@@ -244,7 +244,9 @@ func (f *fakeService) LogRange(_ context.Context, peer string, req LogRangeReque
 	}, nil
 }
 
-func (f *fakeService) CheckpointNow(_ context.Context, peer string) error { return f.seen(peer, OpCheckpointNow) }
+func (f *fakeService) CheckpointNow(_ context.Context, peer string) error {
+	return f.seen(peer, OpCheckpointNow)
+}
 
 func (f *fakeService) Received(_ context.Context, peer string, req ReceivedRequest) (ReceivedReply, error) {
 	return ReceivedReply{}, f.seen(peer, req)

@@ -276,4 +276,3 @@ func TestContextCancelEndsCall(t *testing.T) {
 		}
 	})
 }
-
