@@ -1,0 +1,303 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"net"
+	"net/netip"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/grant"
+	"github.com/ftkit/ftkit/internal/clustertls"
+	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/spare"
+)
+
+// Tests of the agent's callers and server over mutual TLS on loopback: the member under test talks to
+// members that stall or answer as scripted, and answers a member's well-formed requests.
+
+// testPKI issues member certificates of one test CA.
+type testPKI struct {
+	ca  *clustertls.CA
+	dir string
+}
+
+func newTestPKI(t *testing.T) *testPKI {
+	ca, err := clustertls.NewCA("ftkit-test", 24*time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &testPKI{ca: ca, dir: t.TempDir()}
+}
+
+// creds installs member name's certificate; the configuration accepts any member of the CA.
+func (p *testPKI) creds(t *testing.T, name string) clustertls.Config {
+	t.Helper()
+	cert, key, err := p.ca.Issue(name, []netip.Addr{netip.MustParseAddr("127.0.0.1")}, time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := clustertls.WriteFiles(filepath.Join(p.dir, name), name, p.ca.CertPEM(), cert, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Members = func(string) bool { return true }
+	return cfg
+}
+
+// listenAs listens as member name on loopback and returns the listener and its port.
+func listenAs(t *testing.T, pki *testPKI, name string) (net.Listener, uint16) {
+	t.Helper()
+	ln, err := clustertls.Listen("127.0.0.1:0", pki.creds(t, name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	return ln, ln.Addr().(*net.TCPAddr).AddrPort().Port()
+}
+
+// stalledPeer listens as member name, completes the handshake of every connection, reads what comes and
+// never answers. It returns the port.
+func stalledPeer(t *testing.T, pki *testPKI, name string) uint16 {
+	ln, port := listenAs(t, pki, name)
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				buf := make([]byte, 4096)
+				for {
+					if _, err := c.Read(buf); err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	return port
+}
+
+// scriptedPeer serves the protocol as member name over svc (a Service embedding nil for the operations
+// a test does not expect). It returns the port.
+func scriptedPeer(t *testing.T, pki *testPKI, name string, svc clusterapi.Service) uint16 {
+	ln, port := listenAs(t, pki, name)
+	srv := clusterapi.NewServer(t.Context(), svc, clusterapi.ServerOptions{Timeouts: testWire}).HTTPServer()
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	return port
+}
+
+// clientAgent is member n1 with its certificate, in a cluster where the members in ports listen there.
+func clientAgent(t *testing.T, pki *testPKI, ports map[string]uint16) (*Agent, *syncBuffer) {
+	t.Helper()
+	a, logs := newWireAgent(t, "n1", testMembers(ports))
+	cfg := pki.creds(t, "n1")
+	a.cfg.Cluster.CA, a.cfg.Cluster.Cert, a.cfg.Cluster.Key = cfg.CAFile, cfg.CertFile, cfg.KeyFile
+	t.Cleanup(func() { a.peers().Close() })
+	return a, logs
+}
+
+// returnsWithin runs fn and fails the test if it has not returned after failAfter.
+func returnsWithin(t *testing.T, fn func()) {
+	t.Helper()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		fn()
+	}()
+	select {
+	case <-done:
+	case <-time.After(failAfter):
+		t.Fatalf("still waiting after %s: the call has no deadline", failAfter)
+	}
+}
+
+// TestCallersGiveUpOnAStalledPeer has every caller of the protocol talk, without a deadline of its own
+// (context.Background), to a member that accepts the connection and never answers: each must give up
+// with an error on its own deadline.
+func TestCallersGiveUpOnAStalledPeer(t *testing.T) {
+	pki := newTestPKI(t)
+	port := stalledPeer(t, pki, "n2")
+	a, _ := clientAgent(t, pki, map[string]uint16{"n2": port})
+	bg := context.Background()
+	calls := []struct {
+		name string
+		call func() error
+	}{
+		{"Ping", func() error { _, err := a.Ping(bg, "n2"); return err }},
+		{"sendTrim", func() error { return a.sendTrim(bg, "n2", []TrimPoint{{}}) }},
+		{"LogRange", func() error { _, _, err := a.LogRange(bg, "n2", LogRangeRequest{}); return err }},
+		{"exchangeView", func() error { return a.exchangeView(bg, "n2") }},
+		{"requestClaim", func() error { return a.requestClaim(bg, "n2", spare.Claim{}) }},
+		{"remoteReplica", func() error { _, err := a.remoteReplica(bg, "job-1", "n3"); return err }},
+		{"receivedOf", func() error { _, err := a.receivedOf(bg, "n2", netlog.Conn{}, 0); return err }},
+		{"remoteRecover", func() error {
+			// The stream breaks before it starts: the caller then asks the target, bounded.
+			a.wire.Idle, a.cfg.Heartbeat.Timeout.Duration = testWire.Idle, testWire.Idle
+			return a.remoteRecover(bg, "n2", RecoverRequest{Jobs: []RecoverJob{{Job: "job-1"}}}, func(Stage) {})
+		}},
+		{"fetchFrom", func() error { return a.fetchFrom(bg, "n2", "job-1", "x") }},
+		{"shipTo", func() error { _, err := a.shipTo(bg, "n2", &ckpt.Manifest{Job: "job-1", ID: "x"}); return err }},
+		{"recoveryStatus", func() error { _, err := a.recoveryStatus(bg, "n2", "f", nil); return err }},
+		{"LogWatermarkOf", func() error { _, err := a.LogWatermarkOf(bg, "n2"); return err }},
+		{"askGrant", func() error { return a.askGrant(bg, "n2", grantMessage{Job: "job-1", Incarnation: 1, Holder: "h"}).Err }},
+		{"remoteJobOfSnapshot", func() error {
+			if r := a.remoteJobOfSnapshot(bg, "n2", "x"); r.Job != "" {
+				return nil
+			}
+			return errors.New("no answer")
+		}},
+		{"askReach", func() error {
+			if a.askReach(bg, "n2", "n3") {
+				return nil
+			}
+			return errors.New("no answer")
+		}},
+	}
+	for _, c := range calls {
+		t.Run(c.name, func(t *testing.T) {
+			var err error
+			returnsWithin(t, func() { err = c.call() })
+			if err == nil {
+				t.Error("a peer that never answered was taken for an answer")
+			}
+		})
+	}
+}
+
+// TestAgentAnswersEveryOperation has member n2 call the agent's server (spare s1, with nothing to find)
+// with a well-formed request of each operation: each is answered, or refused with the agent's reason.
+func TestAgentAnswersEveryOperation(t *testing.T) {
+	pki := newTestPKI(t)
+	a, logs := newWireAgent(t, "s1", testMembers(nil))
+	cfg := pki.creds(t, "s1")
+	a.cfg.Cluster.CA, a.cfg.Cluster.Cert, a.cfg.Cluster.Key = cfg.CAFile, cfg.CertFile, cfg.KeyFile
+	a.cfg.Heartbeat.Timeout.Duration = failAfter / 4
+	var err error
+	if a.grants, err = grant.Open(filepath.Join(t.TempDir(), "grants.json"), grant.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	ln, err := clustertls.Listen("127.0.0.1:0", a.tlsConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := a.clusterServer(t.Context()).HTTPServer()
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	n2cfg := pki.creds(t, "n2")
+	c := clusterapi.NewClient(clusterapi.ClientConfig{
+		TLS:      func() clustertls.Config { return n2cfg },
+		Resolve:  func(string) (string, bool) { return ln.Addr().String(), true },
+		Timeouts: wireTimeouts{Message: failAfter / 2},
+	})
+	defer c.Close()
+	ctx := t.Context()
+	src, dst := netip.MustParseAddrPort("10.77.0.2:5000"), netip.MustParseAddrPort("10.77.0.1:6000")
+	tests := []struct {
+		op   clusterapi.Op
+		call func() (any, error)
+		want string // in the reply, or in the refusal
+	}{
+		{clusterapi.OpPing, func() (any, error) { return c.Ping(ctx, "s1") }, `"node":"s1"`},
+		{clusterapi.OpLocate, func() (any, error) { return c.Locate(ctx, "s1", clusterapi.LocateRequest{ID: "x"}) }, `"job":""`},
+		{clusterapi.OpTrim, func() (any, error) {
+			return c.Trim(ctx, "s1", clusterapi.TrimRequest{Points: []TrimPoint{{Src: src, Dst: dst}}})
+		}, `"trimmed":0`},
+		{clusterapi.OpLogRange, func() (any, error) {
+			r, _, err := c.LogRange(ctx, "s1", LogRangeRequest{Src: src, Dst: dst})
+			return r, err
+		}, "the sender-side log is disabled on s1"},
+		{clusterapi.OpReceived, func() (any, error) {
+			return c.Received(ctx, "s1", clusterapi.ReceivedRequest{Src: src, Dst: dst})
+		}, "the receive tap is disabled on s1"},
+		{clusterapi.OpProbe, func() (any, error) { return c.Probe(ctx, "s1", clusterapi.ProbeRequest{Name: "nobody"}) }, `"nobody" is not a cluster member`},
+		{clusterapi.OpView, func() (any, error) { return c.View(ctx, "s1", a.viewMessage()) }, `"view":`},
+		{clusterapi.OpClaim, func() (any, error) {
+			return nil, c.Claim(ctx, "s1", spare.Claim{Failure: "f", Failed: "n3", Need: spare.Need{Jobs: 1, MemoryBytes: 1}})
+		}, "<nil>"},
+		{clusterapi.OpReplica, func() (any, error) {
+			return c.Replica(ctx, "s1", clusterapi.ReplicaRequest{Job: "job-1", Node: "n3"})
+		}, "no verified replica of job job-1 from n3"},
+		{clusterapi.OpRecover, func() (any, error) {
+			return c.Recover(ctx, "s1", RecoverRequest{Failure: "other", Failed: "n3", Jobs: []RecoverJob{{Job: "job-1", Snapshot: "x"}}}, failAfter, func(clusterapi.RecoverProgress) {})
+		}, "s1 was not claimed for failure other"},
+		{clusterapi.OpRecoveryStatus, func() (any, error) {
+			return c.RecoveryStatus(ctx, "s1", clusterapi.RecoveryStatusRequest{Failure: "n3-1", Jobs: []string{"job-1"}})
+		}, `"failure":"n3-1"`},
+		{clusterapi.OpGrant, func() (any, error) {
+			return c.Grant(ctx, "s1", clusterapi.GrantRequest{Job: "job-1", Incarnation: 1, Holder: "restore:ab"})
+		}, `"granted":true`},
+		{clusterapi.OpCheckpointNow, func() (any, error) {
+			a.ckptMu.Lock() // the snapshot it starts waits here; the test only checks the answer
+			defer a.ckptMu.Unlock()
+			return nil, c.CheckpointNow(ctx, "s1")
+		}, "<nil>"},
+	}
+	for _, tt := range tests {
+		t.Run(string(tt.op), func(t *testing.T) {
+			r, err := tt.call()
+			got := errString(err)
+			if err == nil {
+				b, _ := json.Marshal(r)
+				got = string(b)
+				if r == nil {
+					got = "<nil>"
+				}
+			}
+			if !strings.Contains(got, tt.want) {
+				t.Errorf("got %s; want %q; log:\n%s", got, tt.want, logs.String())
+			}
+		})
+	}
+	for a.asked.Load() { // let the requested snapshot finish before the agent's directory goes
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// recoverScript is a member whose recovery is scripted (every other operation is unexpected).
+type recoverScript struct {
+	clusterapi.Service
+	lines []clusterapi.RecoverProgress
+}
+
+func (s recoverScript) Recover(_ context.Context, _ string, req RecoverRequest, progress func(clusterapi.RecoverProgress) error) error {
+	for _, m := range s.lines {
+		if err := progress(m); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// TestRemoteRecoverFollowsKeepalives: the caller reads the target's keepalive lines, relays stages and
+// ends with the target's verdict.
+func TestRemoteRecoverFollowsKeepalives(t *testing.T) {
+	pki := newTestPKI(t)
+	stage, _ := json.Marshal(Stage{Name: StageFetched, Job: "job-1"})
+	port := scriptedPeer(t, pki, "s1", recoverScript{lines: []clusterapi.RecoverProgress{
+		{}, {Stage: stage}, {}, {Stage: json.RawMessage(`"not a stage"`)}, {}, {Done: true, Error: "job job-1: no luck"}}})
+	a, logs := clientAgent(t, pki, map[string]uint16{"s1": port})
+	var stages []Stage
+	var err error
+	returnsWithin(t, func() {
+		err = a.remoteRecover(context.Background(), "s1", RecoverRequest{Failure: "f", Jobs: []RecoverJob{{Job: "job-1"}}}, func(s Stage) { stages = append(stages, s) })
+	})
+	if err == nil || !strings.Contains(err.Error(), "recovery on s1: job job-1: no luck") {
+		t.Errorf("error %v; want the target's", err)
+	}
+	if len(stages) != 1 || stages[0].Name != StageFetched {
+		t.Errorf("stages %+v; want the one sent", stages)
+	}
+	if !strings.Contains(logs.String(), "recovery stage from the target is not the expected JSON") {
+		t.Errorf("the malformed stage was not reported:\n%s", logs.String())
+	}
+}
