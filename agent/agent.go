@@ -53,7 +53,7 @@ type Agent struct {
 
 	wire       wireTimeouts    // deadlines of the agent-to-agent protocol; zero fields take the defaults
 	peerClient peerClient      // the agent-to-agent protocol's client (a.peers())
-	asked      atomic.Bool     // a snapshot a peer asked for (opCheckpointNow) is pending
+	asked      atomic.Bool     // a snapshot a peer asked for (clusterapi.OpCheckpointNow) is pending
 	grants     *grant.Registry // the job incarnations this member granted (exactly one live incarnation)
 }
 

@@ -36,7 +36,6 @@ type (
 // maxMessage bounds every message of the protocol but a recovery request.
 const maxMessage = clusterapi.MaxMessage
 
-func (a *Agent) msgTimeout() time.Duration  { return a.wire.MessageTimeout() }
 func (a *Agent) idleTimeout() time.Duration { return a.wire.IdleTimeout() }
 
 func (a *Agent) tlsConfig() clustertls.Config {

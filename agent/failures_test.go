@@ -208,7 +208,7 @@ func TestFailureLogKeepsNewest(t *testing.T) {
 }
 
 // TestViewMessageFitsWithManyFailures: however many failures with however many stages the log was given,
-// the view message an agent sends is read back by readHeaderLarge (at most maxMessage bytes), and it
+// the view message an agent sends fits the body a peer reads (at most maxMessage bytes), and it
 // carries the newest failures: all that the log keeps when they look like real recoveries, fewer when
 // every text is as long, and as expensive to encode, as can be.
 func TestViewMessageFitsWithManyFailures(t *testing.T) {

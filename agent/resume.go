@@ -30,7 +30,7 @@ import (
 // dies there (SIGKILL, OOM) must not leave them half done: the target keeps the in-progress recovery in
 // its state directory, and a restarted agent resumes it from there, with the ACK clamp it re-opened from
 // bpffs (the restored sockets kept their ACK clock meanwhile). The coordinator, whose progress stream
-// broke, asks the target for the outcome (opRecoveryStatus).
+// broke, asks the target for the outcome (clusterapi.OpRecoveryStatus).
 
 // recoveriesDir holds one record per recovery this host is or was the target of (root only, 0700).
 const recoveriesDir = "recoveries"

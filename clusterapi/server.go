@@ -353,7 +353,8 @@ func (s *Server) upgrade(w http.ResponseWriter, r *http.Request, op Op, peer str
 	}
 	defer c.Close()
 	c.SetDeadline(time.Now().Add(s.opts.Timeouts.MessageTimeout()))
-	if _, err := io.WriteString(brw, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: "+upgradeProto+"\r\n\r\n"); err == nil {
+	_, err = io.WriteString(brw, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: "+upgradeProto+"\r\n\r\n")
+	if err == nil {
 		err = brw.Flush()
 	}
 	if err != nil {
