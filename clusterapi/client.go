@@ -50,11 +50,13 @@ func NewClient(cfg ClientConfig) *Client {
 			}
 			return c.dial(ctx, name)
 		},
-		ForceAttemptHTTP2:      false,
-		TLSNextProto:           map[string]func(string, *tls.Conn) http.RoundTripper{}, // HTTP/1.1 only
-		DisableCompression:     true,
-		MaxIdleConnsPerHost:    4,
-		IdleConnTimeout:        cfg.Timeouts.IdleTimeout(),
+		ForceAttemptHTTP2:   false,
+		TLSNextProto:        map[string]func(string, *tls.Conn) http.RoundTripper{}, // HTTP/1.1 only
+		DisableCompression:  true,
+		MaxIdleConnsPerHost: 4,
+		// Sooner than the server closes them (its idle timeout): a request is never sent on a connection
+		// the server is closing.
+		IdleConnTimeout:        cfg.Timeouts.IdleTimeout() / 2,
 		MaxResponseHeaderBytes: MaxHeader,
 	}
 	c.hc = &http.Client{Transport: c.tr, CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
@@ -308,21 +310,22 @@ func (c *Client) Recover(ctx context.Context, peer string, req RecoverRequest, l
 
 // BeatStream is an open heartbeat stream to a member.
 type BeatStream struct {
-	peer    string
-	timeout time.Duration
-	pw      *io.PipeWriter
-	watch   *idleWatch
-	cancel  context.CancelFunc
-	done    chan error
-	mu      sync.Mutex
+	peer   string
+	pw     *io.PipeWriter
+	watch  *idleWatch
+	cancel context.CancelFunc
+	done   chan error
+	mu     sync.Mutex
 }
 
 // Heartbeats opens a heartbeat stream to peer; every Send must be written within timeout.
 func (c *Client) Heartbeats(ctx context.Context, peer string, timeout time.Duration) (*BeatStream, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	pr, pw := io.Pipe()
-	s := &BeatStream{peer: peer, timeout: timeout, pw: pw, cancel: cancel, done: make(chan error, 1),
-		watch: newIdleWatch(timeout, cancel)}
+	// Only a beat being written has the timeout: the stream is silent between beats on purpose (the
+	// server bounds that silence).
+	s := &BeatStream{peer: peer, pw: pw, cancel: cancel, done: make(chan error, 1), watch: newIdleWatch(timeout, cancel)}
+	s.watch.pause()
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "https://"+peer+OpHeartbeat.Path(), pr)
 	if err != nil {
 		cancel()
@@ -351,7 +354,7 @@ func (s *BeatStream) Send(b detect.Beat) error {
 	defer s.mu.Unlock()
 	s.watch.kick()
 	err := WriteLine(s.pw, b)
-	s.watch.kick()
+	s.watch.pause()
 	if err != nil {
 		return fmt.Errorf("heartbeat to %s: %w", s.peer, s.watch.err(err))
 	}

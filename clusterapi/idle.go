@@ -82,6 +82,13 @@ func (w *idleWatch) setIdle(d time.Duration) {
 
 func (w *idleWatch) stop() { w.t.Stop() }
 
+// pause stops the clock until the next kick (a stream silent on purpose between its messages).
+func (w *idleWatch) pause() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.t.Stop()
+}
+
 // err is err, said to be a stall if the idle deadline ended the call.
 func (w *idleWatch) err(err error) error {
 	w.mu.Lock()
