@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -154,7 +155,7 @@ func (s peerService) Ping(context.Context, string) (PingReply, error) { return s
 
 func (s peerService) ReceiveSnapshot(ctx context.Context, peer string, c net.Conn) error {
 	if err := s.a.serveSnapshot(ctx, peer, c); err != nil {
-		return errors.Join(errors.New("snapshot from peer refused"), err)
+		return fmt.Errorf("snapshot from peer refused: %w", err)
 	}
 	return nil
 }

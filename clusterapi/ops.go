@@ -31,8 +31,10 @@ const (
 func (op Op) Path() string { return "/v1/" + string(op) }
 
 // Ops lists every operation.
-var Ops = []Op{OpPing, OpSnapshot, OpFetch, OpLocate, OpTrim, OpLogRange, OpCheckpointNow, OpReceived,
-	OpLogWatermark, OpHeartbeat, OpProbe, OpView, OpClaim, OpRecover, OpReplica, OpRecoveryStatus, OpGrant}
+func Ops() []Op {
+	return []Op{OpPing, OpSnapshot, OpFetch, OpLocate, OpTrim, OpLogRange, OpCheckpointNow, OpReceived,
+		OpLogWatermark, OpHeartbeat, OpProbe, OpView, OpClaim, OpRecover, OpReplica, OpRecoveryStatus, OpGrant}
+}
 
 // MaxHeader bounds a small request body; MaxMessage bounds the larger ones (views, trims), every reply
 // and every line of a stream.
