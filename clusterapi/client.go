@@ -399,6 +399,7 @@ func (c *Client) upgrade(ctx context.Context, peer string, op Op, body any) (net
 	if err != nil {
 		return nil, fmt.Errorf("%s request to %s: %w", op, peer, err)
 	}
+	// ctx's end sets a past deadline, which ends the exchange's read or write (the error shows there).
 	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Unix(1, 0)) })
 	ok := false
 	defer func() {
@@ -408,7 +409,9 @@ func (c *Client) upgrade(ctx context.Context, peer string, op Op, body any) (net
 		}
 	}()
 	if dl, has := ctx.Deadline(); has {
-		conn.SetDeadline(dl)
+		if err := conn.SetDeadline(dl); err != nil {
+			return nil, fmt.Errorf("%s request to %s: %w", op, peer, err)
+		}
 	}
 	req, err := http.NewRequest(http.MethodPost, "https://"+peer+op.Path(), bytes.NewReader(b))
 	if err != nil {
@@ -445,7 +448,9 @@ func (c *Client) upgrade(ctx context.Context, peer string, op Op, body any) (net
 	if !stop() { // ctx ended meanwhile: the connection carries a past deadline
 		return nil, fmt.Errorf("%s request to %s: %w", op, peer, context.Cause(ctx))
 	}
+	if err := conn.SetDeadline(time.Time{}); err != nil { // the transfer sets its own
+		return nil, fmt.Errorf("%s request to %s: %w", op, peer, err)
+	}
 	ok = true
-	conn.SetDeadline(time.Time{})
 	return bufferedConn{Conn: conn, r: br}, nil
 }

@@ -218,6 +218,7 @@ func (s *Server) refuse(w http.ResponseWriter, op Op, peer string, err error) {
 	e.Op = op
 	s.log.Warn("cluster request refused", "peer", peer, "op", op, "code", e.Code, "err", e.Message)
 	b, _ := json.Marshal(e)
+	// An error arming the deadline shows at the write.
 	http.NewResponseController(w).SetWriteDeadline(time.Now().Add(s.opts.Timeouts.MessageTimeout()))
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(statusOf(e.Code))
@@ -299,7 +300,7 @@ func (s *Server) recover(w http.ResponseWriter, r *http.Request, peer string) {
 	case err != nil && !begun:
 		s.refuse(w, OpRecover, peer, err)
 	case err != nil:
-		progress(RecoverProgress{Done: true, Error: err.Error()})
+		progress(RecoverProgress{Done: true, Error: err.Error()}) // a failed write is logged there
 	}
 }
 
@@ -352,16 +353,20 @@ func (s *Server) upgrade(w http.ResponseWriter, r *http.Request, op Op, peer str
 		return
 	}
 	defer c.Close()
-	c.SetDeadline(time.Now().Add(s.opts.Timeouts.MessageTimeout()))
-	_, err = io.WriteString(brw, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: "+upgradeProto+"\r\n\r\n")
+	err = c.SetDeadline(time.Now().Add(s.opts.Timeouts.MessageTimeout()))
+	if err == nil {
+		_, err = io.WriteString(brw, "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: "+upgradeProto+"\r\n\r\n")
+	}
 	if err == nil {
 		err = brw.Flush()
+	}
+	if err == nil {
+		err = c.SetDeadline(time.Time{}) // ship sets its own
 	}
 	if err != nil {
 		s.log.Warn("cluster reply not delivered", "peer", peer, "op", op, "err", err)
 		return
 	}
-	c.SetDeadline(time.Time{}) // ship sets its own
 	if err := run(bufferedConn{Conn: c, r: brw.Reader}); err != nil {
 		s.log.Warn("cluster stream failed", "peer", peer, "op", op, "err", err)
 	}
