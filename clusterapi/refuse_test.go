@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"syscall"
 	"testing"
 )
 
@@ -185,5 +186,20 @@ func TestStrangerListenerRefused(t *testing.T) {
 	var ne net.Error
 	if err == nil || errors.As(err, &ne) && ne.Timeout() {
 		t.Errorf("ping of n2 answered by n3: %v; want a refused handshake", err)
+	}
+}
+
+// TestConnectionRefusedShows: a host whose kernel refuses the connection (up, agent down) is told apart
+// from one that does not answer: the agent does not fail such a host over.
+func TestConnectionRefusedShows(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close() // nothing listens there now
+	c := clientOf(t, newTestPKI(t), "n1", map[string]string{"n2": addr}, testTimeouts)
+	if _, err := c.Ping(t.Context(), "n2"); !errors.Is(err, syscall.ECONNREFUSED) {
+		t.Errorf("ping of a closed port: %v; want ECONNREFUSED visible to errors.Is", err)
 	}
 }
