@@ -75,10 +75,11 @@ func (a *Agent) serveRecover(ctx context.Context, peer string, req RecoverReques
 	send(clusterapi.RecoverProgress{}) // accepted: the stream starts
 	// Stages may take minutes (a fetch, a replay): an empty line now and then tells the caller that the
 	// recovery goes on, so that it can give up on a silent stream quickly.
-	stop := make(chan struct{})
-	keepalive := sync.OnceFunc(func() { close(stop) })
+	stop, stopped := make(chan struct{}), make(chan struct{})
+	keepalive := sync.OnceFunc(func() { close(stop); <-stopped })
 	defer keepalive()
 	go func() {
+		defer close(stopped)
 		t := time.NewTicker(a.idleTimeout() / 4)
 		defer t.Stop()
 		for {
@@ -96,7 +97,7 @@ func (a *Agent) serveRecover(ctx context.Context, peer string, req RecoverReques
 			send(clusterapi.RecoverProgress{Stage: b})
 		}
 	})
-	keepalive()
+	keepalive() // the keepalives have stopped: the end is the last line
 	send(clusterapi.RecoverProgress{Done: true, Error: errString(err)})
 	return nil
 }

@@ -295,14 +295,24 @@ func (s *Server) recover(w http.ResponseWriter, r *http.Request, peer string) {
 	err := s.svc.Recover(s.base, peer, req, progress)
 	mu.Lock()
 	begun := started
+	if err != nil && begun && broken == nil {
+		if werr := WriteLine(out, RecoverProgress{Done: true, Error: err.Error()}); werr != nil {
+			s.log.Warn("recovery progress not delivered", "peer", peer, "err", werr)
+		}
+	}
+	// The response ends with this handler: progress from a goroutine the service left behind must not
+	// touch it.
+	if broken == nil {
+		broken = errStreamEnded
+	}
 	mu.Unlock()
-	switch {
-	case err != nil && !begun:
+	if err != nil && !begun {
 		s.refuse(w, OpRecover, peer, err)
-	case err != nil:
-		progress(RecoverProgress{Done: true, Error: err.Error()}) // a failed write is logged there
 	}
 }
+
+// errStreamEnded is what progress returns once the recovery's response has ended.
+var errStreamEnded = errors.New("the progress stream has ended")
 
 // heartbeat records the beats of one member's stream until it ends or falls silent.
 func (s *Server) heartbeat(w http.ResponseWriter, r *http.Request, peer string) {

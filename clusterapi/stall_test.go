@@ -276,3 +276,35 @@ func TestContextCancelEndsCall(t *testing.T) {
 		}
 	})
 }
+
+// lateProgress keeps the progress function of the recovery it served.
+type lateProgress struct {
+	*fakeService
+	kept chan func(RecoverProgress) error
+}
+
+func (l lateProgress) Recover(_ context.Context, _ string, _ RecoverRequest, progress func(RecoverProgress) error) error {
+	if err := progress(RecoverProgress{Done: true}); err != nil {
+		return err
+	}
+	l.kept <- progress
+	return nil
+}
+
+// TestProgressAfterTheEnd: a goroutine the service left behind that reports progress after the recovery
+// returned gets an error; the ended response is not touched.
+func TestProgressAfterTheEnd(t *testing.T) {
+	svc := lateProgress{fakeService: &fakeService{}, kept: make(chan func(RecoverProgress) error, 1)}
+	c, _ := serve(t, svc)
+	if _, err := c.Recover(t.Context(), "n2", RecoverRequest{Jobs: []RecoverJob{{}}}, failAfter, func(RecoverProgress) {}); err != nil {
+		t.Fatal(err)
+	}
+	progress := <-svc.kept
+	deadline := time.Now().Add(failAfter) // the handler returns just after Recover did
+	for progress(RecoverProgress{}) == nil {
+		if time.Now().After(deadline) {
+			t.Fatal("progress after the end was taken")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
