@@ -54,9 +54,10 @@ type Agent struct {
 	claims   *spare.Holder    // this host's claim state while it is a spare
 	clamp    *ackclamp.Clamp  // ACK clock for restored sockets that re-send what peers have; nil if unavailable
 
-	wire   wireTimeouts    // deadlines of the agent-to-agent protocol; zero fields take the defaults
-	asked  atomic.Bool     // a snapshot a peer asked for (opCheckpointNow) is pending
-	grants *grant.Registry // the job incarnations this member granted (exactly one live incarnation)
+	wire       wireTimeouts    // deadlines of the agent-to-agent protocol; zero fields take the defaults
+	peerClient peerClient      // the agent-to-agent protocol's client (a.peers())
+	asked      atomic.Bool     // a snapshot a peer asked for (clusterapi.OpCheckpointNow) is pending
+	grants     *grant.Registry // the job incarnations this member granted (exactly one live incarnation)
 
 	metrics *metrics.Metrics // served on metrics.listen; its recording methods accept nil
 }

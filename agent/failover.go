@@ -4,12 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"slices"
 	"strings"
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/ring"
 	"github.com/ftkit/ftkit/spare"
@@ -138,24 +138,6 @@ func (a *Agent) newestReplica(ctx context.Context, job, node string) (*ckpt.Mani
 	return nil, errors.Join(append(errs, fmt.Errorf("%w: no verified replica of job %s from %s", ckpt.ErrNotFound, job, node))...)
 }
 
-// replicaMessage asks a member for its newest verified replica of a job taken on a node, and answers.
-type replicaMessage struct {
-	Job      string         `json:"job"`
-	Node     string         `json:"node"`
-	Manifest *ckpt.Manifest `json:"manifest,omitempty"`
-	Error    string         `json:"error,omitempty"`
-}
-
-func (a *Agent) serveReplica(ctx context.Context, c net.Conn, peer string) {
-	var req replicaMessage
-	if err := a.readRequest(c, &req, maxHeader); err != nil {
-		a.refuse(peer, opReplica, err)
-		return
-	}
-	m, err := a.newestReplica(ctx, req.Job, req.Node)
-	a.reply(c, peer, opReplica, replicaMessage{Job: req.Job, Node: req.Node, Manifest: m, Error: errString(err)})
-}
-
 // heldReplica is a member's newest verified replica of a job.
 type heldReplica struct {
 	holder string
@@ -206,31 +188,13 @@ func (a *Agent) remoteReplica(ctx context.Context, job, node string) ([]heldRepl
 		if mb.Name == a.cfg.Name || mb.Name == node || mb.State != ring.StateAlive {
 			continue
 		}
-		m, err := func() (*ckpt.Manifest, error) {
-			// The holder verifies its replicas (reads and hashes them) before it answers: more than one
-			// message timeout.
-			var r replicaMessage
-			if err := a.call(ctx, mb.Name, opReplica, 3*a.msgTimeout(), replicaMessage{Job: job, Node: node}, &r); err != nil {
-				return nil, err
-			}
-			switch {
-			case r.Error != "":
-				return nil, errors.New(r.Error)
-			case r.Manifest == nil:
-				return nil, errors.New("answered without a replica or an error")
-			}
-			return r.Manifest, nil
-		}()
+		// The answer names the snapshot the target will ask for: the client checks it is this job's, from node.
+		r, err := a.peers().Replica(ctx, mb.Name, clusterapi.ReplicaRequest{Job: job, Node: node})
 		if err != nil {
 			errs = append(errs, fmt.Errorf("%s: %w", mb.Name, err))
 			continue
 		}
-		// Another member's answer names the snapshot the target will ask for: it must be this job's, from node.
-		if _, perr := ckpt.ParseID(m.ID); perr != nil || m.Job != job || m.Node != node {
-			errs = append(errs, fmt.Errorf("%s: asked for a replica of job %s from %s, got %q of job %q from %q", mb.Name, job, node, m.ID, m.Job, m.Node))
-			continue
-		}
-		held = append(held, heldReplica{holder: mb.Name, m: m})
+		held = append(held, heldReplica{holder: mb.Name, m: r.Manifest})
 	}
 	if len(held) == 0 {
 		return nil, errors.Join(errs...)
@@ -268,24 +232,14 @@ func (a *Agent) claimSpare(ctx context.Context, failure, failed string, need spa
 }
 
 func (a *Agent) requestClaim(ctx context.Context, name string, cl spare.Claim) error {
-	var r struct{ Error string }
-	if err := a.call(ctx, name, opClaim, 3*time.Second, cl, &r); err != nil {
-		return err
-	}
-	if r.Error != "" {
-		return errors.New(r.Error)
-	}
-	return nil
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	return a.peers().Claim(ctx, name, cl)
 }
 
 // serveClaim answers a claim: a spare accepts one failed node at a time and only if its memory suffices.
 // Only an alive node of the ring may claim it, for another node of the ring.
-func (a *Agent) serveClaim(c net.Conn, peer string) {
-	var cl spare.Claim
-	if err := a.readRequest(c, &cl, maxHeader); err != nil {
-		a.refuse(peer, opClaim, err)
-		return
-	}
+func (a *Agent) serveClaim(peer string, cl spare.Claim) error {
 	cl.By = peer
 	err := func() error {
 		v := a.View()
@@ -306,10 +260,8 @@ func (a *Agent) serveClaim(c net.Conn, peer string) {
 		return a.claims.Claim(cl, avail)
 	}()
 	if err != nil {
-		a.refuse(peer, opClaim, err)
+		return err
 	}
-	a.reply(c, peer, opClaim, struct{ Error string }{errString(err)})
-	if err == nil {
-		a.log.Info("spare claimed", "by", peer, "failed", cl.Failed, "failure", cl.Failure, "jobs", cl.Need.Jobs)
-	}
+	a.log.Info("spare claimed", "by", peer, "failed", cl.Failed, "failure", cl.Failure, "jobs", cl.Need.Jobs)
+	return nil
 }

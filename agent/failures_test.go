@@ -1,7 +1,7 @@
 package agent
 
 import (
-	"bytes"
+	"encoding/json"
 	"fmt"
 	"net/netip"
 	"slices"
@@ -208,7 +208,7 @@ func TestFailureLogKeepsNewest(t *testing.T) {
 }
 
 // TestViewMessageFitsWithManyFailures: however many failures with however many stages the log was given,
-// the view message an agent sends is read back by readHeaderLarge (at most maxMessage bytes), and it
+// the view message an agent sends fits the body a peer reads (at most maxMessage bytes), and it
 // carries the newest failures: all that the log keeps when they look like real recoveries, fewer when
 // every text is as long, and as expensive to encode, as can be.
 func TestViewMessageFitsWithManyFailures(t *testing.T) {
@@ -259,13 +259,21 @@ func TestViewMessageFitsWithManyFailures(t *testing.T) {
 			}
 			a := &Agent{failures: l}
 			a.members.view = v
-			var buf bytes.Buffer
-			if err := writeHeader(&buf, a.viewMessage()); err != nil {
+			// The message as the protocol carries it: a body of at most maxMessage bytes.
+			b, err := json.Marshal(a.viewMessage())
+			if err != nil {
 				t.Fatal(err)
 			}
-			size := buf.Len()
-			var got viewMessage
-			if err := readHeaderLarge(&buf, &got); err != nil {
+			size := len(b)
+			if size > maxMessage {
+				t.Fatalf("a view message of %d bytes, more than the %d a peer reads", size, maxMessage)
+			}
+			var msg viewMessage
+			if err := json.Unmarshal(b, &msg); err != nil {
+				t.Fatal(err)
+			}
+			var got struct{ Failures []*Failure }
+			if got.Failures, err = decodeFailures(msg.Failures); err != nil {
 				t.Fatalf("a view message of %d bytes cannot be read back: %v", size, err)
 			}
 			newest := fmt.Sprintf("node2-%04d", tt.failures-1)

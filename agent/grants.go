@@ -6,7 +6,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -14,6 +13,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/ring"
 )
@@ -23,20 +23,11 @@ import (
 // grant), and a second restore of the same incarnation is refused with where the job runs.
 
 // grantMessage asks a member to grant incarnation Incarnation of Job to Holder, a restore attempt on the
-// asking member, or with Release to give it back.
-type grantMessage struct {
-	Job         string `json:"job"`
-	Incarnation uint64 `json:"incarnation"`
-	Holder      string `json:"holder"`
-	Release     bool   `json:"release,omitempty"`
-}
-
-// grantReply is the member's answer.
-type grantReply struct {
-	Granted  bool          `json:"granted,omitempty"`
-	Conflict *grant.Record `json:"conflict,omitempty"` // the member's grant that stands in the way
-	Error    string        `json:"error,omitempty"`
-}
+// asking member, or with Release to give it back; grantReply is the answer.
+type (
+	grantMessage = clusterapi.GrantRequest
+	grantReply   = clusterapi.GrantReply
+)
 
 // grantTimeout bounds waiting for one member's answer; members are asked at once, so a claim takes at most
 // this long (a crashed member that is still in the view costs exactly this).
@@ -46,70 +37,47 @@ const grantTimeout = 3 * time.Second
 // its grants back and tries again after a random pause, this many times in all.
 const grantAttempts = 3
 
-// serveGrant answers a grant request of peer, the authenticated member that runs the restore.
-func (a *Agent) serveGrant(c io.ReadWriter, peer string) {
-	var m grantMessage
-	if err := readHeader(c, &m); err != nil {
-		a.log.Warn("bad grant request", "peer", peer, "err", err)
-		return
-	}
-	writeHeader(c, a.localGrant(m, peer))
-}
-
-// localGrant answers m for a restore that runs on host.
-func (a *Agent) localGrant(m grantMessage, host string) grantReply {
+// localGrant answers m for a restore that runs on host (peer, for a member's request).
+func (a *Agent) localGrant(m grantMessage, host string) (grantReply, error) {
 	now := time.Now()
 	if m.Release {
 		if err := a.grants.Release(m.Job, m.Incarnation, m.Holder, host, now); err != nil {
-			return grantReply{Error: err.Error()}
+			return grantReply{}, err
 		}
 		a.log.Info("incarnation given back", "job", m.Job, "incarnation", m.Incarnation, "holder", m.Holder, "host", host)
-		return grantReply{}
+		return grantReply{}, nil
 	}
 	_, err := a.grants.Grant(grant.Request{Job: m.Job, Incarnation: m.Incarnation, Holder: m.Holder, Host: host}, now)
 	var ce *grant.ConflictError
 	switch {
 	case errors.As(err, &ce):
 		a.log.Warn("incarnation refused", "job", m.Job, "incarnation", m.Incarnation, "holder", m.Holder, "host", host, "held", ce.Record)
-		return grantReply{Conflict: &ce.Record}
+		return grantReply{Conflict: &ce.Record}, nil
 	case err != nil:
-		return grantReply{Error: err.Error()}
+		return grantReply{}, err
 	}
 	a.log.Info("incarnation granted", "job", m.Job, "incarnation", m.Incarnation, "holder", m.Holder, "host", host)
-	return grantReply{Granted: true}
+	return grantReply{Granted: true}, nil
 }
 
 // askGrant sends m to member (this host's own registry for itself).
 func (a *Agent) askGrant(ctx context.Context, member string, m grantMessage) grant.Answer {
 	if member == a.cfg.Name {
-		return answerOf(member, a.localGrant(m, a.cfg.Name))
+		r, err := a.localGrant(m, a.cfg.Name)
+		return answerOf(member, r, err)
 	}
 	qctx, cancel := context.WithTimeout(ctx, grantTimeout)
 	defer cancel()
-	c, err := a.dialPeer(qctx, member, opGrant)
-	if err != nil {
-		return grant.Answer{Member: member, Err: err}
-	}
-	defer c.Close()
-	if dl, ok := qctx.Deadline(); ok {
-		c.SetDeadline(dl)
-	}
-	var r grantReply
-	if err := writeHeader(c, m); err != nil {
-		return grant.Answer{Member: member, Err: err}
-	}
-	if err := readHeader(c, &r); err != nil {
-		return grant.Answer{Member: member, Err: err}
-	}
-	return answerOf(member, r)
+	r, err := a.peers().Grant(qctx, member, m) // the client validates a conflict record from the wire
+	return answerOf(member, r, err)
 }
 
-// answerOf turns a member's reply into an answer; a conflict record from the wire is validated before its
+// answerOf turns a member's reply (or refusal) into an answer; a conflict record is validated before its
 // strings end up in an error message.
-func answerOf(member string, r grantReply) grant.Answer {
+func answerOf(member string, r grantReply, err error) grant.Answer {
 	switch {
-	case r.Error != "":
-		return grant.Answer{Member: member, Err: errors.New(shorten(r.Error, 300))}
+	case err != nil:
+		return grant.Answer{Member: member, Err: errors.New(shorten(err.Error(), 300))}
 	case r.Conflict != nil:
 		if err := r.Conflict.Validate(); err != nil {
 			return grant.Answer{Member: member, Err: fmt.Errorf("invalid refusal: %w", err)}

@@ -4,11 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
-	"net"
 	"syscall"
 	"time"
 
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/detect"
 )
 
@@ -28,7 +27,7 @@ func (a *Agent) setBusy(what string) func() {
 // sendBeats keeps a heartbeat stream to the current protector.
 func (a *Agent) sendBeats(ctx context.Context) {
 	var (
-		c   net.Conn
+		c   *clusterapi.BeatStream
 		to  string
 		seq uint64
 	)
@@ -47,8 +46,8 @@ func (a *Agent) sendBeats(ctx context.Context) {
 			return
 		}
 		if c == nil {
-			// The stream lives as long as ctx; each beat below sets its own write deadline.
-			conn, err := a.open(ctx, p.Name, opHeartbeat, a.cfg.Heartbeat.Timeout.Duration, nil)
+			// The stream lives as long as ctx; each beat must be written within the heartbeat timeout.
+			conn, err := a.peers().Heartbeats(ctx, p.Name, a.cfg.Heartbeat.Timeout.Duration)
 			if err != nil {
 				a.log.Debug("heartbeat: protector unreachable", "protector", p.Name, "err", err)
 				a.metrics.Heartbeat(false)
@@ -64,8 +63,7 @@ func (a *Agent) sendBeats(ctx context.Context) {
 				jobs = append(jobs, j.ID)
 			}
 		}
-		c.SetWriteDeadline(time.Now().Add(a.cfg.Heartbeat.Timeout.Duration))
-		err := writeHeader(c, detect.Beat{From: a.cfg.Name, Seq: seq, Busy: busy, Jobs: jobs, Sent: time.Now()})
+		err := c.Send(detect.Beat{From: a.cfg.Name, Seq: seq, Busy: busy, Jobs: jobs, Sent: time.Now()})
 		a.metrics.Heartbeat(err == nil)
 		if err != nil {
 			a.log.Debug("heartbeat lost", "protector", to, "err", err)
@@ -73,24 +71,6 @@ func (a *Agent) sendBeats(ctx context.Context) {
 			c = nil
 		}
 	})
-}
-
-// serveBeats records the heartbeats of one member until its stream ends or falls silent.
-func (a *Agent) serveBeats(c net.Conn, peer string) {
-	for {
-		// Silence beyond a few heartbeat timeouts ends the stream (the watchdog has suspected the sender
-		// long before); a sender that comes back dials again.
-		c.SetReadDeadline(time.Now().Add(4 * a.cfg.Heartbeat.Timeout.Duration))
-		var b detect.Beat
-		if err := readHeaderLarge(c, &b); err != nil {
-			if !errors.Is(err, io.EOF) {
-				a.refuse(peer, opHeartbeat, err)
-			}
-			return
-		}
-		b.From = peer // the authenticated name, never what the message says
-		a.watchdog.Beat(b, time.Now())
-	}
 }
 
 // watchPredecessor runs the watchdog over this node's predecessor and starts a fail-over once a suspicion
@@ -166,32 +146,22 @@ func (a *Agent) confirm(ctx context.Context, name string) (why string, alive boo
 
 // askReach asks member via whether it reaches member name.
 func (a *Agent) askReach(ctx context.Context, via, name string) bool {
-	var r probeMessage
-	if err := a.call(ctx, via, opProbe, 2*a.cfg.Heartbeat.Timeout.Duration, probeMessage{Name: name}, &r); err != nil {
+	ctx, cancel := context.WithTimeout(ctx, 2*a.cfg.Heartbeat.Timeout.Duration)
+	defer cancel()
+	r, err := a.peers().Probe(ctx, via, clusterapi.ProbeRequest{Name: name})
+	if err != nil {
 		return false // the other neighbour is gone too (or does not answer): nobody reaches the suspect
 	}
 	return r.Reachable
 }
 
-// probeMessage asks a member whether it reaches Name, and carries the answer.
-type probeMessage struct {
-	Name      string `json:"name"`
-	Reachable bool   `json:"reachable"`
-}
-
-func (a *Agent) serveProbe(c net.Conn, peer string) {
-	var req probeMessage
-	if err := a.readRequest(c, &req, maxHeader); err != nil {
-		a.refuse(peer, opProbe, err)
-		return
-	}
+// serveProbe answers whether this host reaches member req.Name.
+func (a *Agent) serveProbe(req clusterapi.ProbeRequest) (clusterapi.ProbeReply, error) {
 	if _, ok := a.member(req.Name); !ok {
-		a.refuse(peer, opProbe, fmt.Errorf("%q is not a cluster member", req.Name))
-		a.reply(c, peer, opProbe, probeMessage{Name: req.Name})
-		return
+		return clusterapi.ProbeReply{Name: req.Name}, fmt.Errorf("%q is not a cluster member", req.Name)
 	}
 	_, ok := a.reaches(context.Background(), req.Name)
-	a.reply(c, peer, opProbe, probeMessage{Name: req.Name, Reachable: ok})
+	return clusterapi.ProbeReply{Name: req.Name, Reachable: ok}, nil
 }
 
 // reaches reports whether member name's host is up: its agent answers a ping within the heartbeat timeout,

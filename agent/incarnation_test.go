@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"net"
 	"os"
@@ -65,21 +66,14 @@ func TestFetchRefusesOtherSnapshot(t *testing.T) {
 			served := make(chan error, 1)
 			go func() {
 				defer srv.Close()
-				var req fetchRequest
-				if err := readHeader(srv, &req); err != nil {
-					served <- err
-					return
-				}
+				// (The request travels in the HTTP exchange before the transfer: clusterapi's tests.)
 				// A member that ignores what was asked for and sends something else.
 				_, err := ship.Send(context.Background(), srv, holder, tt.sendJob, tt.sendID, ship.SendOptions{Peer: "spare1"})
 				served <- err
 			}()
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
-			err := writeHeader(cli, fetchRequest{Job: asked.Job, ID: asked.ID})
-			if err == nil {
-				err = a.receiveFetch(ctx, cli, "node2", asked.Job, asked.ID)
-			}
+			err := a.receiveFetch(ctx, cli, "node2", asked.Job, asked.ID)
 			cli.Close()
 			<-served
 			stored, _ := a.store.Jobs()
@@ -136,11 +130,11 @@ func TestRecoveryCandidates(t *testing.T) {
 		held []heldReplica
 		want []Candidate
 	}{
-		{"local only", []heldReplica{{"node2", m(s2)}}, []Candidate{{s2, "node2"}}},
+		{"local only", []heldReplica{{"node2", m(s2)}}, []Candidate{{Snapshot: s2, Source: "node2"}}},
 		{"newest remote first, local replica after it",
-			[]heldReplica{{"node2", m(s1)}, {"node3", m(s2)}}, []Candidate{{s2, "node3"}, {s1, "node2"}}},
+			[]heldReplica{{"node2", m(s1)}, {"node3", m(s2)}}, []Candidate{{Snapshot: s2, Source: "node3"}, {Snapshot: s1, Source: "node2"}}},
 		{"same snapshot on two holders: this host first",
-			[]heldReplica{{"node2", m(s2)}, {"node3", m(s2)}, {"node4", m(s1)}}, []Candidate{{s2, "node2"}, {s2, "node3"}, {s1, "node4"}}},
+			[]heldReplica{{"node2", m(s2)}, {"node3", m(s2)}, {"node4", m(s1)}}, []Candidate{{Snapshot: s2, Source: "node2"}, {Snapshot: s2, Source: "node3"}, {Snapshot: s1, Source: "node4"}}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -171,16 +165,16 @@ func TestRecoverJobCandidates(t *testing.T) {
 		want    []Candidate
 		wantErr bool
 	}{
-		{"an older agent's request: one snapshot from the request's source", RecoverJob{Job: "j", Snapshot: s1}, []Candidate{{s1, "node2"}}, false},
-		{"one snapshot from another holder", RecoverJob{Job: "j", Snapshot: s1, Source: "node3"}, []Candidate{{s1, "node3"}}, false},
-		{"the list wins", RecoverJob{Job: "j", Snapshot: s2, Source: "node3", Candidates: []Candidate{{s2, "node3"}, {s1, ""}}},
-			[]Candidate{{s2, "node3"}, {s1, "node2"}}, false},
-		{"a bad snapshot id", RecoverJob{Job: "j", Candidates: []Candidate{{"../../etc", "node3"}}}, nil, true},
+		{"an older agent's request: one snapshot from the request's source", RecoverJob{Job: "j", Snapshot: s1}, []Candidate{{Snapshot: s1, Source: "node2"}}, false},
+		{"one snapshot from another holder", RecoverJob{Job: "j", Snapshot: s1, Source: "node3"}, []Candidate{{Snapshot: s1, Source: "node3"}}, false},
+		{"the list wins", RecoverJob{Job: "j", Snapshot: s2, Source: "node3", Candidates: []Candidate{{Snapshot: s2, Source: "node3"}, {Snapshot: s1, Source: ""}}},
+			[]Candidate{{Snapshot: s2, Source: "node3"}, {Snapshot: s1, Source: "node2"}}, false},
+		{"a bad snapshot id", RecoverJob{Job: "j", Candidates: []Candidate{{Snapshot: "../../etc", Source: "node3"}}}, nil, true},
 		{"too many", RecoverJob{Job: "j", Candidates: many}, nil, true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			got, err := tt.rj.candidates("node2")
+			got, err := tt.rj.CandidateList("node2")
 			if (err != nil) != tt.wantErr {
 				t.Fatalf("err %v, want error %v", err, tt.wantErr)
 			}
@@ -214,7 +208,8 @@ func TestAnswerOf(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			a := answerOf("node2", tt.r.reply())
+			r, err := tt.r.reply()
+			a := answerOf("node2", r, err)
 			if a.Granted != tt.granted || (a.Conflict != nil) != tt.conflict || (a.Err == nil) != (tt.granted || tt.conflict) {
 				t.Fatalf("answer %+v", a)
 			}
@@ -229,10 +224,13 @@ type grantReplyForTest struct {
 	err            string
 }
 
-func (g grantReplyForTest) reply() grantReply {
-	r := grantReply{Granted: g.granted, Error: g.err}
+func (g grantReplyForTest) reply() (grantReply, error) {
+	r := grantReply{Granted: g.granted}
 	if g.conflictHolder != "" {
 		r.Conflict = &grant.Record{Incarnation: g.conflictN, Holder: g.conflictHolder, Host: "spare1"}
 	}
-	return r
+	if g.err != "" {
+		return r, errors.New(g.err)
+	}
+	return r, nil
 }

@@ -3,15 +3,16 @@ package agent
 import (
 	"context"
 	"encoding/base64"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io/fs"
-	"net"
 	"net/netip"
 	"path/filepath"
 	"sync"
 	"time"
 
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/ring"
 )
 
@@ -94,28 +95,20 @@ func (a *Agent) protector() (ring.Member, bool) {
 
 // serveView answers a view pushed by another agent with our own view after adopting the newer one: the
 // caller learns of a newer view in the same round trip.
-func (a *Agent) serveView(c net.Conn, peer string) {
-	var in viewMessage
-	if err := a.readRequest(c, &in, maxMessage); err != nil {
-		a.refuse(peer, opView, err)
-		return
-	}
+func (a *Agent) serveView(peer string, in viewMessage) viewMessage {
 	if v, err := ring.Decode(in.View); err != nil {
 		a.log.Warn("view from peer refused", "peer", peer, "err", err)
 	} else if _, err := a.adoptView(v); err != nil {
 		a.log.Error("adopt view", "err", err)
 	}
-	if err := a.mergeFailures(in.Failures); err != nil {
+	if err := a.mergeWireFailures(in.Failures); err != nil {
 		a.log.Warn("failure timelines from peer refused", "peer", peer, "err", err)
 	}
-	a.reply(c, peer, opView, a.viewMessage())
+	return a.viewMessage()
 }
 
-// viewMessage carries the view and the failure timelines, so that every agent can show them.
-type viewMessage struct {
-	View     []byte     `json:"view"`
-	Failures []*Failure `json:"failures,omitempty"`
-}
+// viewMessage carries the view and the failure timelines ([]*Failure), so that every agent can show them.
+type viewMessage = clusterapi.ViewMessage
 
 func (a *Agent) viewMessage() viewMessage {
 	b, _ := ring.Encode(a.View())
@@ -123,7 +116,8 @@ func (a *Agent) viewMessage() viewMessage {
 	// JSON carries in base64) go along.
 	budget := maxMessage - base64.StdEncoding.EncodedLen(len(b)) - viewMessageOverhead
 	fs := a.failures.newest(budget)
-	return viewMessage{View: b, Failures: fs[max(0, len(fs)-maxFailures):]} // no more than a peer accepts
+	fb, _ := json.Marshal(fs[max(0, len(fs)-maxFailures):]) // no more than a peer accepts
+	return viewMessage{View: b, Failures: fb}
 }
 
 // viewMessageOverhead is the bytes of a view message besides the view and the failures: field names,
@@ -150,8 +144,10 @@ func (a *Agent) pushView(ctx context.Context) {
 }
 
 func (a *Agent) exchangeView(ctx context.Context, name string) error {
-	var in viewMessage
-	if err := a.call(ctx, name, opView, 3*time.Second, a.viewMessage(), &in); err != nil {
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	in, err := a.peers().View(ctx, name, a.viewMessage())
+	if err != nil {
 		return err
 	}
 	v, err := ring.Decode(in.View)
@@ -161,7 +157,29 @@ func (a *Agent) exchangeView(ctx context.Context, name string) error {
 	if _, err := a.adoptView(v); err != nil {
 		return err
 	}
-	return a.mergeFailures(in.Failures)
+	return a.mergeWireFailures(in.Failures)
+}
+
+// mergeWireFailures decodes the failure timelines a peer sent (JSON of []*Failure; the protocol bounds
+// its size) and merges them.
+func (a *Agent) mergeWireFailures(b json.RawMessage) error {
+	fs, err := decodeFailures(b)
+	if err != nil {
+		return err
+	}
+	return a.mergeFailures(fs)
+}
+
+// decodeFailures decodes failure timelines from a peer (none if b is empty) and checks their bounds.
+func decodeFailures(b json.RawMessage) ([]*Failure, error) {
+	if len(b) == 0 {
+		return nil, nil
+	}
+	var fs []*Failure
+	if err := json.Unmarshal(b, &fs); err != nil {
+		return nil, fmt.Errorf("failure timelines are not the expected JSON: %w", err)
+	}
+	return fs, checkFailures(fs)
 }
 
 // mergeFailures merges the failure timelines another agent sent, refusing the whole list if it is

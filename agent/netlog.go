@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"maps"
-	"net"
 	"net/netip"
 	"os"
 	"strings"
@@ -17,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/netlog/capture"
@@ -162,13 +162,6 @@ func (a *Agent) unprotect(j *Job) {
 	}
 }
 
-// TrimPoint tells a sender up to where a receiver's durable snapshot covers a connection.
-type TrimPoint struct {
-	Src netip.AddrPort `json:"src"` // the sender (the peer of the snapshotted job)
-	Dst netip.AddrPort `json:"dst"` // the snapshotted job's end
-	Seq uint32         `json:"seq"` // the receiver's rcv_nxt in the snapshot (inq_seq)
-}
-
 // announceReceivePoints tells every sender of bytes to the snapshotted job where its new durable snapshot
 // starts receiving, so that each sender drops the log data before it (sender-based logging's GC).
 func (a *Agent) announceReceivePoints(ctx context.Context, m *ckpt.Manifest) {
@@ -188,15 +181,17 @@ func (a *Agent) announceReceivePoints(ctx context.Context, m *ckpt.Manifest) {
 	}
 }
 
-// maxTrimPoints bounds one opTrim message (about 130 bytes a point at most: well inside maxMessage); a
-// snapshot with more connections to one peer is announced in several.
-const maxTrimPoints = 4096
+// maxTrimPoints bounds one trim request; a snapshot with more connections to one peer is announced in
+// several.
+const maxTrimPoints = clusterapi.MaxTrimPoints
 
 func (a *Agent) sendTrim(ctx context.Context, peer string, pts []TrimPoint) error {
 	for len(pts) > 0 {
 		n := min(len(pts), maxTrimPoints)
-		var ack struct{ Trimmed int }
-		if err := a.call(ctx, peer, opTrim, 5*time.Second, pts[:n], &ack); err != nil {
+		cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		_, err := a.peers().Trim(cctx, peer, clusterapi.TrimRequest{Points: pts[:n]})
+		cancel()
+		if err != nil {
 			return err
 		}
 		pts = pts[n:]
@@ -204,17 +199,8 @@ func (a *Agent) sendTrim(ctx context.Context, peer string, pts []TrimPoint) erro
 	return nil
 }
 
-// serveTrim drops log data the caller's snapshot covers.
-func (a *Agent) serveTrim(c net.Conn, peer string) {
-	var pts []TrimPoint
-	if err := a.readRequest(c, &pts, maxMessage); err != nil {
-		a.refuse(peer, opTrim, err)
-		return
-	}
-	if len(pts) > maxTrimPoints {
-		a.refuse(peer, opTrim, fmt.Errorf("%d trim points, more than the %d one message may carry", len(pts), maxTrimPoints))
-		return
-	}
+// serveTrim drops log data the caller's snapshot covers (the protocol bounds the points).
+func (a *Agent) serveTrim(peer string, pts []TrimPoint) clusterapi.TrimReply {
 	own, foreign := ownTrimPoints(pts, peer, a.memberByIP)
 	if foreign > 0 {
 		a.log.Warn("trim refused for connections the peer does not hold: a member may only release data destined for itself",
@@ -234,7 +220,7 @@ func (a *Agent) serveTrim(c net.Conn, peer string) {
 		a.netlog.ctl.Relieved(peer)
 		a.netlog.mu.Unlock()
 	}
-	a.reply(c, peer, opTrim, struct{ Trimmed int }{n})
+	return clusterapi.TrimReply{Trimmed: n}
 }
 
 // ownTrimPoints keeps the points whose receiving end (Dst) member peer holds now (owner names the member
@@ -250,45 +236,15 @@ func ownTrimPoints(pts []TrimPoint, peer string, owner func(netip.Addr) string) 
 	return own, foreign
 }
 
-// LogRangeRequest asks a sender for the bytes it logged on a connection from a sequence number on.
-type LogRangeRequest struct {
-	Src  netip.AddrPort `json:"src"`
-	Dst  netip.AddrPort `json:"dst"`
-	From uint32         `json:"from"`
-}
-
-// LogRangeReply precedes the bytes: Len bytes starting at sequence From follow the header. Live is the
-// sender's current state of the connection (its snd_nxt, rcv_nxt, TSval/TSecr), for the restorer.
-type LogRangeReply struct {
-	From uint32                `json:"from"`
-	Len  int64                 `json:"len"`
-	Live *ebpfprobes.FlowState `json:"live,omitempty"`
-	// LiveAge is how old Live was when the reply was written (the sender's own clock measured it).
-	LiveAge time.Duration `json:"live_age_ns,omitempty"`
-	Error   string        `json:"error,omitempty"`
-}
-
-// maxLogRange bounds one log range. The restorer injects the range into a restored socket's receive
-// queue, which must end at the peer's snd_nxt: more than half the 32-bit sequence space past the
-// snapshot's receive point is no distance TCP's sequence numbers (or netlog.UnwrapNear) can express. The
-// log's memory cap is no bound: compressed and spilled slabs hold more raw bytes than the cap.
-const maxLogRange = 1<<31 - 1
+// maxLogRange bounds one log range (clusterapi.MaxLogRange says why). The log's memory cap is no bound:
+// compressed and spilled slabs hold more raw bytes than the cap.
+const maxLogRange = clusterapi.MaxLogRange
 
 // serveLogRange streams the logged bytes of one connection from a sequence number to the highest
-// contiguous byte, for the restorer.
-func (a *Agent) serveLogRange(ctx context.Context, c net.Conn, peer string) {
-	var req LogRangeRequest
-	if err := a.readRequest(c, &req, maxHeader); err != nil {
-		a.refuse(peer, opLogRange, err)
-		return
-	}
-	fail := func(err error) {
-		a.refuse(peer, opLogRange, err)
-		a.reply(c, peer, opLogRange, LogRangeReply{From: req.From, Error: err.Error()})
-	}
+// contiguous byte, for the restorer: the reply, and the function that writes its bytes.
+func (a *Agent) serveLogRange(ctx context.Context, peer string, req LogRangeRequest) (LogRangeReply, func(io.Writer) error, error) {
 	if a.netlog == nil {
-		fail(errors.New("the sender-side log is disabled on " + a.cfg.Name))
-		return
+		return LogRangeReply{}, nil, errors.New("the sender-side log is disabled on " + a.cfg.Name)
 	}
 	l := a.netlog.cap.Log()
 	conn := tcpflow.Tuple{Local: req.Src, Remote: req.Dst}
@@ -296,8 +252,7 @@ func (a *Agent) serveLogRange(ctx context.Context, c net.Conn, peer string) {
 		// A one-way stream toward the restored job (or a peer that has been silent since the snapshot):
 		// nothing logged because nothing was sent, which the live state shows; nothing to replay.
 		age, _ := live.Age()
-		a.reply(c, peer, opLogRange, LogRangeReply{From: req.From, Live: &live, LiveAge: age})
-		return
+		return LogRangeReply{From: req.From, Live: &live, LiveAge: age}, nil, nil
 	}
 	from, err := l.Unwrap(conn, req.From)
 	var b netlog.Bounds
@@ -305,37 +260,34 @@ func (a *Agent) serveLogRange(ctx context.Context, c net.Conn, peer string) {
 		b, err = l.Bounds(conn)
 	}
 	if err != nil {
-		fail(err)
-		return
+		return LogRangeReply{}, nil, err
 	}
 	to := b.Contiguous
 	if to < from {
 		to = from
 	}
 	if to-from > maxLogRange {
-		fail(fmt.Errorf("%d logged bytes of %s from sequence %d: more than the %d one range may carry", to-from, conn, req.From, int64(maxLogRange)))
-		return
+		return LogRangeReply{}, nil, (fmt.Errorf("%d logged bytes of %s from sequence %d: more than the %d one range may carry", to-from, conn, req.From, int64(maxLogRange)))
 	}
 	st, err := l.Store(conn)
 	if err == nil {
 		err = st.Check(from, to) // a hole or trimmed data is refused before any byte is sent
 	}
 	if err != nil {
-		fail(err)
-		return
+		return LogRangeReply{}, nil, err
 	}
 	reply := LogRangeReply{From: req.From, Len: int64(to - from)}
 	if fs, ok, err := a.netlog.cap.FlowState(conn); err == nil && ok {
 		reply.Live = &fs
 		reply.LiveAge, _ = fs.Age()
 	}
-	if err := a.reply(c, peer, opLogRange, reply); err != nil {
-		return
-	}
-	// The range may be large: it may take as long as it needs while the caller keeps reading.
-	if _, err := l.WriteRange(ctx, idleConn{Conn: c, idle: a.idleTimeout()}, conn, from, to); err != nil {
-		a.log.Warn("log range cut short", "peer", peer, "conn", conn, "err", err)
-	}
+	// The range may be large: the server writes it as long as the caller keeps reading.
+	return reply, func(w io.Writer) error {
+		if _, err := l.WriteRange(ctx, w, conn, from, to); err != nil {
+			return fmt.Errorf("log range of %s to %s cut short: %w", conn, peer, err)
+		}
+		return nil
+	}, nil
 }
 
 // sentNothingSince says whether this host's log has no store of conn because the sender sent no payload
@@ -355,51 +307,7 @@ func sentNothingSince(c *capture.Capture, conn tcpflow.Tuple, from uint32) (ebpf
 // LogRange fetches from member peer the bytes it logged on src->dst from sequence from on, with the
 // peer's live state of the connection.
 func (a *Agent) LogRange(ctx context.Context, peer string, req LogRangeRequest) (LogRangeReply, []byte, error) {
-	c, err := a.open(ctx, peer, opLogRange, a.msgTimeout(), req)
-	if err != nil {
-		return LogRangeReply{}, nil, err
-	}
-	defer c.Close()
-	var r LogRangeReply
-	if err := c.readReply(&r); err != nil {
-		return r, nil, err
-	}
-	if r.Error != "" {
-		return r, nil, fmt.Errorf("%s: %s", peer, r.Error)
-	}
-	// The bytes may take longer than one message: an idle deadline, within ctx's.
-	ctxEnd, _ := ctx.Deadline()
-	data, err := readLogBytes(idleConn{Conn: c, idle: a.idleTimeout(), limit: ctxEnd}, r.Len, maxLogRange)
-	if err != nil {
-		return r, nil, fmt.Errorf("logged bytes of %s -> %s from %s: %w", req.Src, req.Dst, peer, err)
-	}
-	return r, data, nil
-}
-
-// readLogBytes reads the n bytes a LogRangeReply announces. n comes from the peer: it is checked against
-// limit, and memory grows only as bytes arrive (never past n), so a peer that announces more than it sends
-// gets an error, not an allocation.
-func readLogBytes(r io.Reader, n, limit int64) ([]byte, error) {
-	if n < 0 || n > limit {
-		return nil, fmt.Errorf("the peer announces %d logged bytes: a range holds 0 to %d", n, limit)
-	}
-	buf := make([]byte, 0, min(n, 1<<20))
-	for int64(len(buf)) < n {
-		if len(buf) == cap(buf) {
-			nb := make([]byte, len(buf), min(n, 2*int64(cap(buf))))
-			copy(nb, buf)
-			buf = nb
-		}
-		k, err := r.Read(buf[len(buf):cap(buf)])
-		buf = buf[:len(buf)+k]
-		if err == io.EOF && int64(len(buf)) < n {
-			err = io.ErrUnexpectedEOF
-		}
-		if err != nil && int64(len(buf)) < n {
-			return nil, fmt.Errorf("read %d logged bytes: got %d: %w", n, len(buf), err)
-		}
-	}
-	return buf, nil
+	return a.peers().LogRange(ctx, peer, req)
 }
 
 // controlLog runs the resource controller: measure, decide, act.
@@ -462,7 +370,9 @@ func (a *Agent) controlLog(ctx context.Context) {
 
 // requestSnapshot asks member node to snapshot its jobs now, so that this node can trim its log.
 func (a *Agent) requestSnapshot(ctx context.Context, node string) {
-	if err := a.call(ctx, node, opCheckpointNow, 5*time.Second, nil, nil); err != nil {
+	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if err := a.peers().CheckpointNow(cctx, node); err != nil {
 		a.log.Warn("could not ask for a snapshot", "node", node, "err", err)
 	}
 }
@@ -553,23 +463,10 @@ const (
 	// watermarkEvery bounds how often one receiving node is asked for its watermark.
 	watermarkEvery = 2 * time.Second
 	// maxWatermarkAddrs bounds the addresses a watermark may list.
-	maxWatermarkAddrs = 1024
+	maxWatermarkAddrs = clusterapi.MaxWatermarkAddrs
 	// eventReleased is the log event of freed connections (shown by `ftctl status`).
 	eventReleased controller.EventKind = "finished-conns-freed"
 )
-
-// LogWatermark is a receiving node's answer to opLogWatermark.
-type LogWatermark struct {
-	// Age: every restore of a job on the node starts from a snapshot taken no earlier than this long before
-	// the answer (the node's own clock measured it; 0 when it runs no job).
-	Age time.Duration `json:"age_ns"`
-	// Held says a running job holds the watermark back: a snapshot there would advance it.
-	Held bool `json:"held"`
-	// Addrs are the node's addresses when it answered: the watermark covers only jobs reached there.
-	Addrs []netip.Addr `json:"addrs"`
-	// Error says there is no watermark now (a restore is in progress): keep everything.
-	Error string `json:"error,omitempty"`
-}
 
 // releaseFinished frees the logs no restore can need any more and returns the decision on every
 // connection it kept. It asks the receiving nodes for their watermarks when that could free something.
@@ -700,58 +597,24 @@ func (a *Agent) LogWatermarkOf(ctx context.Context, node string) (release.Waterm
 	// The question leaves after this moment and the node measures its watermark's age before it answers:
 	// sent minus that age is never later than the watermark, whatever the two clocks say.
 	sent := time.Now()
-	c, err := a.dialPeer(ctx, node, opLogWatermark)
+	r, err := a.peers().LogWatermark(ctx, node)
 	if err != nil {
-		return release.Watermark{}, err
-	}
-	defer c.Close()
-	if dl, ok := ctx.Deadline(); ok {
-		c.SetDeadline(dl)
-	}
-	var r LogWatermark
-	if err := readHeaderLarge(c, &r); err != nil {
 		return release.Watermark{}, fmt.Errorf("log watermark from %s: %w", node, err)
 	}
-	return r.placed(node, sent)
-}
-
-// placed validates a watermark from node and places it on this host's clock, given when the question left.
-func (r LogWatermark) placed(node string, sent time.Time) (release.Watermark, error) {
-	switch {
-	case r.Error != "":
-		return release.Watermark{}, fmt.Errorf("%s has no log watermark: %s", node, r.Error)
-	case r.Age < 0:
-		return release.Watermark{}, fmt.Errorf("log watermark from %s: negative age %v", node, r.Age)
-	case len(r.Addrs) > maxWatermarkAddrs:
-		return release.Watermark{}, fmt.Errorf("log watermark from %s lists %d addresses, more than %d", node, len(r.Addrs), maxWatermarkAddrs)
-	}
-	w := release.Watermark{At: sent.Add(-r.Age), Held: r.Held, Addrs: make([]netip.Addr, 0, len(r.Addrs))}
-	for _, ip := range r.Addrs {
-		if !ip.IsValid() {
-			return release.Watermark{}, fmt.Errorf("log watermark from %s: invalid address", node)
-		}
-		w.Addrs = append(w.Addrs, ip.Unmap())
-	}
-	return w, nil
-}
-
-// serveLogWatermark tells a sender how old this node's oldest restore point is.
-func (a *Agent) serveLogWatermark(c net.Conn) {
-	c.SetWriteDeadline(time.Now().Add(5 * time.Second))
-	writeHeader(c, a.logWatermark())
+	return r.Placed(node, sent)
 }
 
 // logWatermark computes this node's answer. The order matters: the addresses are read first, then a
 // restore in progress is looked for, then the jobs. An address taken over for a failed node's jobs
 // (prepareNetwork) is added while that restore runs and its jobs join a.byID before it ends, so an
 // answer either lacks the address, or says a restore is in progress, or counts the restored jobs.
-func (a *Agent) logWatermark() LogWatermark {
+func (a *Agent) logWatermark() (LogWatermark, error) {
 	addrs, err := hostAddrs()
 	if err != nil {
-		return LogWatermark{Error: err.Error()}
+		return LogWatermark{}, err
 	}
 	if busy, _ := a.busy.Load().(string); busy == "restore" {
-		return LogWatermark{Error: "a restore is in progress on " + a.cfg.Name}
+		return LogWatermark{}, errors.New("no log watermark now: a restore is in progress on " + a.cfg.Name)
 	}
 	now := time.Now()
 	var jobs []release.Job
@@ -766,7 +629,7 @@ func (a *Agent) logWatermark() LogWatermark {
 		jobs = append(jobs, rj)
 	}
 	w, held := release.ReceiveWatermark(now, jobs)
-	return LogWatermark{Age: now.Sub(w), Held: held, Addrs: addrs}
+	return LogWatermark{Age: now.Sub(w), Held: held, Addrs: addrs}, nil
 }
 
 // newestReplicated returns the newest snapshot of job in this host's store that another node holds too:

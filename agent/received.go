@@ -6,13 +6,12 @@ import (
 	"fmt"
 	"hash/crc32"
 	"io"
-	"net"
-	"net/netip"
 	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/criu/image"
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/netlog"
@@ -215,60 +214,27 @@ func (a *Agent) loggedRange(ctx context.Context, w io.Writer, conn tcpflow.Tuple
 	return err
 }
 
-// receivedRequest asks a member for its record of what one of its sockets received on a flow (Src: the
-// remote sender, Dst: the member's socket) from a sequence number on.
-type receivedRequest struct {
-	Src  netip.AddrPort `json:"src"`
-	Dst  netip.AddrPort `json:"dst"`
-	From uint32         `json:"from"`
-}
-
-type receivedReply struct {
-	Received *recvdigest.Received `json:"received,omitempty"`
-	Error    string               `json:"error,omitempty"`
-}
-
-// serveReceived answers opReceived from this host's book.
-func (a *Agent) serveReceived(c net.Conn, peer string) {
-	var req receivedRequest
-	if err := a.readRequest(c, &req, maxHeader); err != nil {
-		a.refuse(peer, opReceived, err)
-		return
-	}
+// serveReceived answers from this host's book what one of its sockets received on a flow.
+func (a *Agent) serveReceived(req clusterapi.ReceivedRequest) (clusterapi.ReceivedReply, error) {
 	conn := tcpflow.Tuple{Local: req.Src, Remote: req.Dst}
-	var reply receivedReply
-	switch {
-	case a.netlog == nil || a.netlog.book == nil:
-		reply.Error = "the receive tap is disabled on " + a.cfg.Name
-	default:
-		if rec, ok := a.netlog.book.Received(conn, req.From); ok {
-			reply.Received = &rec
-		} else {
-			reply.Error = fmt.Sprintf("%s has no record of what it received on %s: the socket is not a protected job's, or the agent restarted since", a.cfg.Name, conn)
-		}
+	if a.netlog == nil || a.netlog.book == nil {
+		return clusterapi.ReceivedReply{}, errors.New("the receive tap is disabled on " + a.cfg.Name)
 	}
-	a.reply(c, peer, opReceived, reply)
+	rec, ok := a.netlog.book.Received(conn, req.From)
+	if !ok {
+		return clusterapi.ReceivedReply{}, fmt.Errorf("%s has no record of what it received on %s: the socket is not a protected job's, or the agent restarted since", a.cfg.Name, conn)
+	}
+	return clusterapi.ReceivedReply{Received: &rec}, nil
 }
 
-// receivedOf fetches member peer's record of what it received on conn from sequence from on, and checks it
-// is well formed and of that connection.
+// receivedOf fetches member peer's record of what it received on conn from sequence from on; the client
+// checks it is well formed and of that connection.
 func (a *Agent) receivedOf(ctx context.Context, peer string, conn tcpflow.Tuple, from uint32) (*recvdigest.Received, error) {
-	var reply receivedReply
-	if err := a.call(ctx, peer, opReceived, a.msgTimeout(), receivedRequest{Src: conn.Local, Dst: conn.Remote, From: from}, &reply); err != nil {
+	r, err := a.peers().Received(ctx, peer, clusterapi.ReceivedRequest{Src: conn.Local, Dst: conn.Remote, From: from})
+	if err != nil {
 		return nil, err
 	}
-	switch {
-	case reply.Error != "":
-		return nil, errors.New(reply.Error)
-	case reply.Received == nil:
-		return nil, fmt.Errorf("%s sent no record", peer)
-	case reply.Received.Conn != conn:
-		return nil, fmt.Errorf("%s sent the record of %s, not of %s", peer, reply.Received.Conn, conn)
-	}
-	if err := reply.Received.Validate(); err != nil {
-		return nil, fmt.Errorf("record from %s: %w", peer, err)
-	}
-	return reply.Received, nil
+	return r.Received, nil
 }
 
 // fetchResentCheck is resentCheck of c from the member that holds its peer.

@@ -2,9 +2,9 @@ package agent
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
-	"net"
 	"net/netip"
 	"os"
 	"slices"
@@ -15,136 +15,70 @@ import (
 	"github.com/vishvananda/netlink"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
-// RecoverJob names one job of a failed node and the snapshots to restore it from.
-type RecoverJob struct {
-	Job      string `json:"job"`
-	Snapshot string `json:"snapshot"`
-	Source   string `json:"source,omitempty"` // the member holding it, if not the request's Source
-	// Candidates are the replicas to try in order, newest first (Snapshot and Source are the first, for an
-	// agent that predates the list): when a holder fails to serve one, the target takes the next.
-	Candidates []Candidate `json:"candidates,omitempty"`
-}
+// maxCandidates bounds the replicas a recovery request may list per job.
+const maxCandidates = clusterapi.MaxCandidates
 
-// Candidate is one replica of a job: its snapshot id and the member that holds it.
-type Candidate struct {
-	Snapshot string `json:"snapshot"`
-	Source   string `json:"source,omitempty"` // "" for the request's Source
-}
-
-// maxCandidates bounds the replicas a recovery request may list per job (one per member holding one).
-const maxCandidates = 64
-
-// candidates is the list the target tries, from the request: the job's list, or its single snapshot.
-func (rj RecoverJob) candidates(defaultSource string) ([]Candidate, error) {
-	cs := rj.Candidates
-	if len(cs) == 0 {
-		cs = []Candidate{{Snapshot: rj.Snapshot, Source: rj.Source}}
-	}
-	if len(cs) > maxCandidates {
-		return nil, fmt.Errorf("job %s: %d candidate snapshots, at most %d accepted", rj.Job, len(cs), maxCandidates)
-	}
-	out := make([]Candidate, 0, len(cs))
-	for _, c := range cs {
-		if _, err := ckpt.ParseID(c.Snapshot); err != nil {
-			return nil, fmt.Errorf("job %s: candidate: %w", rj.Job, err)
-		}
-		if c.Source == "" {
-			c.Source = defaultSource
-		}
-		out = append(out, c)
-	}
-	return out, nil
-}
-
-// RecoverRequest asks a host (a claimed spare, or the protector itself) to take over a failed node's jobs.
-type RecoverRequest struct {
-	Failure string       `json:"failure"`
-	Failed  string       `json:"failed"`
-	Addrs   []netip.Addr `json:"addrs"` // the failed node's host addresses, taken over by the target
-	Jobs    []RecoverJob `json:"jobs"`
-	Source  string       `json:"source"` // the member holding the replicas
-}
-
-// recoverMessage is one line of a recovery's progress stream: a stage, or the end.
-type recoverMessage struct {
-	Stage *Stage `json:"stage,omitempty"`
-	Done  bool   `json:"done,omitempty"`
-	Error string `json:"error,omitempty"`
-}
-
-// maxRecoverRequest bounds a recovery request (the jobs of one node and their candidate snapshots).
-const maxRecoverRequest = 4 << 20
+// maxRecoverRequest bounds a recovery request; maxRecoverJobs the jobs it names.
+const (
+	maxRecoverRequest = clusterapi.MaxRecoverRequest
+	maxRecoverJobs    = clusterapi.MaxRecoverJobs
+)
 
 // recoverLimit bounds how long a caller follows a recovery on another host; the stream itself must not
 // fall silent for longer than the idle timeout (the target sends a keepalive line in between stages).
 const recoverLimit = 30 * time.Minute
 
-// maxRecoverJobs bounds the jobs one recovery request names.
-const maxRecoverJobs = 1024
-
 // remoteRecover has target run the recovery and relays its stages.
 func (a *Agent) remoteRecover(ctx context.Context, target string, req RecoverRequest, emit func(Stage)) error {
-	c, err := a.open(ctx, target, opRecover, a.largeTimeout(maxRecoverRequest), req)
-	if err != nil {
+	end, err := a.peers().Recover(ctx, target, req, recoverLimit, func(m clusterapi.RecoverProgress) {
+		if len(m.Stage) == 0 {
+			return // a keepalive
+		}
+		var s Stage
+		if err := json.Unmarshal(m.Stage, &s); err != nil {
+			a.log.Warn("recovery stage from the target is not the expected JSON; left out", "target", target, "err", err)
+			return
+		}
+		emit(s)
+	})
+	var broken *clusterapi.StreamError
+	switch {
+	case errors.As(err, &broken):
+		return a.afterBrokenStream(ctx, target, req, emit, broken.Err)
+	case clusterapi.Refusal(err) != nil:
+		return fmt.Errorf("recovery on %s: %w", target, err)
+	case err != nil:
 		return fmt.Errorf("ask %s to recover: %w", target, err)
+	case end.Error != "":
+		return fmt.Errorf("recovery on %s: %s", target, end.Error)
 	}
-	defer c.Close()
-	limit := time.Now().Add(recoverLimit)
-	if dl, ok := ctx.Deadline(); ok && dl.Before(limit) {
-		limit = dl
-	}
-	stream := idleConn{Conn: c, idle: a.idleTimeout(), limit: limit}
-	for {
-		var m recoverMessage
-		if err := readLine(stream, &m, maxMessage); err != nil {
-			return a.afterBrokenStream(ctx, target, req, emit, err)
-		}
-		if m.Stage != nil {
-			emit(*m.Stage)
-		}
-		if m.Done {
-			if m.Error != "" {
-				return fmt.Errorf("recovery on %s: %s", target, m.Error)
-			}
-			return nil
-		}
-	}
+	return nil
 }
 
-func (a *Agent) serveRecover(ctx context.Context, c net.Conn, peer string) {
-	var req RecoverRequest
-	if err := a.readRequest(c, &req, maxRecoverRequest); err != nil {
-		a.refuse(peer, opRecover, err)
-		return
-	}
-	var (
-		w      sync.Mutex // the stages and the keepalive share the stream
-		broken bool       // a write failed: the caller is gone, the recovery goes on
-	)
-	send := func(m recoverMessage) {
-		w.Lock()
-		defer w.Unlock()
-		if !broken {
-			broken = a.reply(c, peer, opRecover, m) != nil
-		}
-	}
+// serveRecover runs a recovery a member asked for and reports its stages through progress: a refusal
+// before the first, then the stages, keepalives in between, and the end.
+func (a *Agent) serveRecover(ctx context.Context, peer string, req RecoverRequest, progress func(clusterapi.RecoverProgress) error) error {
 	if err := a.checkRecoverRequest(req, peer); err != nil {
-		a.refuse(peer, opRecover, err)
-		send(recoverMessage{Done: true, Error: err.Error()})
-		return
+		return err
 	}
 	req.Source = peer
+	send := func(m clusterapi.RecoverProgress) {
+		progress(m) // a failed write means the caller is gone: the recovery goes on
+	}
+	send(clusterapi.RecoverProgress{}) // accepted: the stream starts
 	// Stages may take minutes (a fetch, a replay): an empty line now and then tells the caller that the
 	// recovery goes on, so that it can give up on a silent stream quickly.
-	stop := make(chan struct{})
-	keepalive := sync.OnceFunc(func() { close(stop) })
+	stop, stopped := make(chan struct{}), make(chan struct{})
+	keepalive := sync.OnceFunc(func() { close(stop); <-stopped })
 	defer keepalive()
 	go func() {
+		defer close(stopped)
 		t := time.NewTicker(a.idleTimeout() / 4)
 		defer t.Stop()
 		for {
@@ -152,13 +86,19 @@ func (a *Agent) serveRecover(ctx context.Context, c net.Conn, peer string) {
 			case <-stop:
 				return
 			case <-t.C:
-				send(recoverMessage{})
+				send(clusterapi.RecoverProgress{})
 			}
 		}
 	}()
-	err := a.recoverJobs(ctx, req, func(s Stage) { send(recoverMessage{Stage: &s}) })
-	keepalive()
-	send(recoverMessage{Done: true, Error: errString(err)})
+	err := a.recoverJobs(ctx, req, func(s Stage) {
+		b, jerr := json.Marshal(s)
+		if jerr == nil {
+			send(clusterapi.RecoverProgress{Stage: b})
+		}
+	})
+	keepalive() // the keepalives have stopped: the end is the last line
+	send(clusterapi.RecoverProgress{Done: true, Error: errString(err)})
+	return nil
 }
 
 // checkRecoverRequest refuses a recovery request unless this host was claimed for its failure by the
@@ -377,7 +317,7 @@ func (a *Agent) prepareNetwork(ctx context.Context, iface string, bits int, addr
 // claims the job's next incarnation for the first that works; failed lists why each earlier candidate
 // failed. A refused claim ends the search: the job runs elsewhere, whatever the snapshot.
 func (a *Agent) prepareRecovery(ctx context.Context, req RecoverRequest, rj RecoverJob) (*restoring, []string, error) {
-	cands, err := rj.candidates(req.Source)
+	cands, err := rj.CandidateList(req.Source)
 	if err != nil {
 		return nil, nil, err
 	}

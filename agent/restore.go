@@ -18,6 +18,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/ship"
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/ring"
 	"github.com/ftkit/ftkit/shim"
@@ -260,11 +261,7 @@ func (a *Agent) refuseIfAlive(ctx context.Context, j Job) error {
 
 // locateAnswer tells which job a snapshot id a member holds belongs to, and its owner (from the job
 // record in the snapshot), so that a restore can be refused before the snapshot is fetched.
-type locateAnswer struct {
-	ID  string  `json:"id"`
-	Job string  `json:"job"`
-	UID *uint32 `json:"uid,omitempty"`
-}
+type locateAnswer = clusterapi.LocateReply
 
 // locateReply answers opLocate for a snapshot this host holds (an empty Job if it holds none).
 func (a *Agent) locateReply(id string) locateAnswer {
@@ -337,8 +334,8 @@ func (a *Agent) holdsSnapshot(job, id string) bool {
 }
 
 func (a *Agent) remoteJobOfSnapshot(ctx context.Context, member, id string) locateAnswer {
-	var r locateAnswer
-	if err := a.call(ctx, member, opLocate, a.msgTimeout(), fetchRequest{ID: id}, &r); err != nil || r.ID != id {
+	r, err := a.peers().Locate(ctx, member, clusterapi.LocateRequest{ID: id})
+	if err != nil || r.ID != id {
 		return locateAnswer{}
 	}
 	return r
@@ -391,15 +388,10 @@ func (a *Agent) fetchCandidates(id, source, prefer string) []string {
 	return out
 }
 
-type fetchRequest struct {
-	Job string `json:"job"`
-	ID  string `json:"id"`
-}
-
 func (a *Agent) fetchFrom(ctx context.Context, from, job, id string) error {
 	fctx, cancel := context.WithTimeout(ctx, 10*time.Minute)
 	defer cancel()
-	c, err := a.open(fctx, from, opFetch, a.msgTimeout(), fetchRequest{Job: job, ID: id})
+	c, err := a.peers().Fetch(fctx, from, clusterapi.FetchRequest{Job: job, ID: id})
 	if err != nil {
 		return err
 	}
@@ -439,11 +431,7 @@ func expectSnapshot(job, id string) func(*ckpt.Manifest) error {
 }
 
 // serveFetch ships a snapshot this host holds to the member that asked for it.
-func (a *Agent) serveFetch(ctx context.Context, c net.Conn, peer string) error {
-	var req fetchRequest
-	if err := a.readRequest(c, &req, maxHeader); err != nil {
-		return fmt.Errorf("read fetch request: %w", err)
-	}
+func (a *Agent) serveFetch(ctx context.Context, c net.Conn, peer string, req clusterapi.FetchRequest) error {
 	// The transfer sets its own deadlines: ship's idle timeout (a.wire.Idle only when a test shortens it).
 	_, err := ship.Send(ctx, c, a.store, req.Job, req.ID, ship.SendOptions{Peer: peer, Logger: a.log, IdleTimeout: a.wire.Idle})
 	return err

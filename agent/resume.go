@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/internal/atomicfile"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/ring"
@@ -28,7 +29,7 @@ import (
 // dies there (SIGKILL, OOM) must not leave them half done: the target keeps the in-progress recovery in
 // its state directory, and a restarted agent resumes it from there, with the ACK clamp it re-opened from
 // bpffs (the restored sockets kept their ACK clock meanwhile). The coordinator, whose progress stream
-// broke, asks the target for the outcome (opRecoveryStatus).
+// broke, asks the target for the outcome (clusterapi.OpRecoveryStatus).
 
 // recoveriesDir holds one record per recovery this host is or was the target of (root only, 0700).
 const recoveriesDir = "recoveries"
@@ -409,67 +410,52 @@ func (a *Agent) allEnded(ids []string) bool {
 	return true
 }
 
-// recoveryStatusMessage asks the target of a recovery how it went, and answers.
+// recoveryStatusMessage is the target's answer about a recovery, its stages decoded.
 type recoveryStatusMessage struct {
-	Failure string   `json:"failure"`
-	Known   bool     `json:"known,omitempty"`
-	Done    bool     `json:"done,omitempty"`
-	Resumed bool     `json:"resumed,omitempty"`
-	Error   string   `json:"error,omitempty"`
-	Stages  []Stage  `json:"stages,omitempty"`
-	Running []string `json:"running,omitempty"` // the asked-about jobs that run here
-	Jobs    []string `json:"jobs,omitempty"`    // in the question: the jobs of the failure
+	Failure string
+	Known   bool
+	Done    bool
+	Resumed bool
+	Error   string
+	Stages  []Stage
+	Running []string // the asked-about jobs that run there
 }
 
-// maxRecoveryStatusJobs bounds the job list of a status question.
-const maxRecoveryStatusJobs = 4096
-
-func (a *Agent) serveRecoveryStatus(c interface {
-	Read([]byte) (int, error)
-	Write([]byte) (int, error)
-}, peer string) {
-	var q recoveryStatusMessage
-	if err := readHeaderLarge(c, &q); err != nil {
-		a.log.Warn("bad recovery status question", "peer", peer, "err", err)
-		return
-	}
-	reply := recoveryStatusMessage{Failure: q.Failure}
+// serveRecoveryStatus answers a member's question about a recovery this host was the target of (it
+// knows only those peer coordinated) and the failure's jobs (the protocol bounds the list).
+func (a *Agent) serveRecoveryStatus(peer string, q clusterapi.RecoveryStatusRequest) clusterapi.RecoveryStatusReply {
+	reply := clusterapi.RecoveryStatusReply{Failure: q.Failure}
 	if validRecoveryID(q.Failure) {
 		if rec, err := loadRecovery(recoveryPath(a.cfg.StateDir, q.Failure)); err == nil && rec.Coordinator == peer {
-			reply.Known, reply.Done, reply.Resumed, reply.Error, reply.Stages = true, rec.Done, rec.Resumed, rec.Error, rec.Stages
-		}
-	}
-	if len(q.Jobs) <= maxRecoveryStatusJobs {
-		for _, id := range q.Jobs {
-			if j, _, err := a.Job(id, 0); err == nil && j.State == JobRunning {
-				reply.Running = append(reply.Running, id)
+			reply.Known, reply.Done, reply.Resumed, reply.Error = true, rec.Done, rec.Resumed, rec.Error
+			if b, err := json.Marshal(rec.Stages); err == nil {
+				reply.Stages = b
 			}
 		}
 	}
-	writeHeader(c, reply)
+	for _, id := range q.Jobs {
+		if j, _, err := a.Job(id, 0); err == nil && j.State == JobRunning {
+			reply.Running = append(reply.Running, id)
+		}
+	}
+	return reply
 }
 
 // recoveryStatus asks target about a recovery of failure and its jobs.
 func (a *Agent) recoveryStatus(ctx context.Context, target, failure string, jobs []string) (recoveryStatusMessage, error) {
 	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	var r recoveryStatusMessage
-	c, err := a.dialPeer(qctx, target, opRecoveryStatus)
+	r, err := a.peers().RecoveryStatus(qctx, target, clusterapi.RecoveryStatusRequest{Failure: failure, Jobs: jobs})
 	if err != nil {
-		return r, err
+		return recoveryStatusMessage{}, err
 	}
-	defer c.Close()
-	c.SetDeadline(time.Now().Add(10 * time.Second))
-	if err := writeHeader(c, recoveryStatusMessage{Failure: failure, Jobs: jobs}); err != nil {
-		return r, err
+	st := recoveryStatusMessage{Failure: r.Failure, Known: r.Known, Done: r.Done, Resumed: r.Resumed, Error: r.Error, Running: r.Running}
+	if len(r.Stages) > 0 {
+		if err := json.Unmarshal(r.Stages, &st.Stages); err != nil {
+			return st, fmt.Errorf("stages of recovery %s from %s are not the expected JSON: %w", failure, target, err)
+		}
 	}
-	if err := readHeaderLarge(c, &r); err != nil {
-		return r, err
-	}
-	if r.Failure != failure {
-		return r, fmt.Errorf("%s answered about failure %q", target, r.Failure)
-	}
-	return r, nil
+	return st, nil
 }
 
 // brokenRecoveryWait bounds how long a coordinator whose progress stream broke waits for the target to

@@ -123,7 +123,7 @@ func (a *Agent) shipTo(ctx context.Context, peer string, m *ckpt.Manifest) (*shi
 	// A protector that does not accept the connection in time is skipped (the next node of the ring takes
 	// the replica); the transfer itself may take as long as it needs.
 	dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	c, err := a.dialPeer(dctx, peer, opSnapshot)
+	c, err := a.peers().Ship(dctx, peer)
 	cancel()
 	if err != nil {
 		return nil, fmt.Errorf("ship %s to %s: %w", m.ID, peer, err)

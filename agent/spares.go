@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"time"
 
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/internal/clustertls"
 	"github.com/ftkit/ftkit/ring"
 )
@@ -28,20 +29,21 @@ func (a *Agent) AddSpare(ctx context.Context, req SpareRequest) (ring.View, erro
 	}
 	pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	cfg := a.tlsConfig()
-	cfg.Members = func(name string) bool { return name == req.Name }
-	c, err := clustertls.Dial(pctx, req.Address.String(), req.Name, cfg)
+	// The spare is no member yet: a client of its own dials it at the address given, and trusts only it.
+	pc := clusterapi.NewClient(clusterapi.ClientConfig{
+		TLS: func() clustertls.Config {
+			cfg := a.tlsConfig()
+			cfg.Members = func(name string) bool { return name == req.Name }
+			return cfg
+		},
+		Resolve:  func(name string) (string, bool) { return req.Address.String(), name == req.Name },
+		Timeouts: a.wire,
+		Logger:   a.log,
+	})
+	defer pc.Close()
+	r, err := pc.Ping(pctx, req.Name)
 	if err != nil {
-		return ring.View{}, fmt.Errorf("the spare's agent does not answer as %s at %s (is ftagent running there with a certificate of this cluster's CA?): %w", req.Name, req.Address, err)
-	}
-	defer c.Close()
-	c.SetDeadline(time.Now().Add(5 * time.Second))
-	var r PingReply
-	if err := writeHeader(c, clusterRequest{Op: opPing}); err != nil {
-		return ring.View{}, err
-	}
-	if err := readHeader(c, &r); err != nil {
-		return ring.View{}, fmt.Errorf("ping the spare %s: %w (its configuration must list this member, %s)", req.Name, err, a.cfg.Name)
+		return ring.View{}, fmt.Errorf("the spare's agent does not answer as %s at %s (is ftagent running there with a certificate of this cluster's CA, and does its configuration list this member, %s?): %w", req.Name, req.Address, a.cfg.Name, err)
 	}
 	if len(r.Jobs) > 0 {
 		return ring.View{}, fmt.Errorf("%s runs jobs %v: a spare must be idle", req.Name, r.Jobs)

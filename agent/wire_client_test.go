@@ -1,27 +1,26 @@
 package agent
 
 import (
-	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
-	"io"
 	"net"
 	"net/netip"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/internal/clustertls"
-	"github.com/ftkit/ftkit/recvdigest"
 	"github.com/ftkit/ftkit/spare"
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
-// Tests of the callers' side of the agent-to-agent protocol and of handleCluster, over mutual TLS on
-// loopback: the member under test talks to scripted peers that stall, lie about lengths or answer in
-// pieces.
+// Tests of the agent's callers and server over mutual TLS on loopback: the member under test talks to
+// members that stall or answer as scripted, and answers a member's well-formed requests.
 
 // testPKI issues member certificates of one test CA.
 type testPKI struct {
@@ -52,15 +51,21 @@ func (p *testPKI) creds(t *testing.T, name string) clustertls.Config {
 	return cfg
 }
 
-// scriptedPeer listens as member name; on each connection it reads the request header and hands the
-// connection to script. It returns the port.
-func scriptedPeer(t *testing.T, pki *testPKI, name string, script func(c net.Conn, op clusterOp)) uint16 {
+// listenAs listens as member name on loopback and returns the listener and its port.
+func listenAs(t *testing.T, pki *testPKI, name string) (net.Listener, uint16) {
 	t.Helper()
 	ln, err := clustertls.Listen("127.0.0.1:0", pki.creds(t, name))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { ln.Close() })
+	return ln, ln.Addr().(*net.TCPAddr).AddrPort().Port()
+}
+
+// stalledPeer listens as member name, completes the handshake of every connection, reads what comes and
+// never answers. It returns the port.
+func stalledPeer(t *testing.T, pki *testPKI, name string) uint16 {
+	ln, port := listenAs(t, pki, name)
 	go func() {
 		for {
 			c, err := ln.Accept()
@@ -69,19 +74,27 @@ func scriptedPeer(t *testing.T, pki *testPKI, name string, script func(c net.Con
 			}
 			go func() {
 				defer c.Close()
-				var req clusterRequest
-				if err := readHeader(c, &req); err != nil {
-					return
+				buf := make([]byte, 4096)
+				for {
+					if _, err := c.Read(buf); err != nil {
+						return
+					}
 				}
-				script(c, req.Op)
 			}()
 		}
 	}()
-	return ln.Addr().(*net.TCPAddr).AddrPort().Port()
+	return port
 }
 
-// stall reads (and drops) whatever the caller sends and never answers, until the caller goes away.
-func stall(c net.Conn, _ clusterOp) { io.Copy(io.Discard, c) }
+// scriptedPeer serves the protocol as member name over svc (a Service embedding nil for the operations
+// a test does not expect). It returns the port.
+func scriptedPeer(t *testing.T, pki *testPKI, name string, svc clusterapi.Service) uint16 {
+	ln, port := listenAs(t, pki, name)
+	srv := clusterapi.NewServer(t.Context(), svc, clusterapi.ServerOptions{Timeouts: testWire}).HTTPServer()
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	return port
+}
 
 // clientAgent is member n1 with its certificate, in a cluster where the members in ports listen there.
 func clientAgent(t *testing.T, pki *testPKI, ports map[string]uint16) (*Agent, *syncBuffer) {
@@ -89,6 +102,7 @@ func clientAgent(t *testing.T, pki *testPKI, ports map[string]uint16) (*Agent, *
 	a, logs := newWireAgent(t, "n1", testMembers(ports))
 	cfg := pki.creds(t, "n1")
 	a.cfg.Cluster.CA, a.cfg.Cluster.Cert, a.cfg.Cluster.Key = cfg.CAFile, cfg.CertFile, cfg.KeyFile
+	t.Cleanup(func() { a.peers().Close() })
 	return a, logs
 }
 
@@ -112,7 +126,7 @@ func returnsWithin(t *testing.T, fn func()) {
 // with an error on its own deadline.
 func TestCallersGiveUpOnAStalledPeer(t *testing.T) {
 	pki := newTestPKI(t)
-	port := scriptedPeer(t, pki, "n2", stall)
+	port := stalledPeer(t, pki, "n2")
 	a, _ := clientAgent(t, pki, map[string]uint16{"n2": port})
 	bg := context.Background()
 	calls := []struct {
@@ -126,8 +140,16 @@ func TestCallersGiveUpOnAStalledPeer(t *testing.T) {
 		{"requestClaim", func() error { return a.requestClaim(bg, "n2", spare.Claim{}) }},
 		{"remoteReplica", func() error { _, err := a.remoteReplica(bg, "job-1", "n3"); return err }},
 		{"receivedOf", func() error { _, err := a.receivedOf(bg, "n2", tcpflow.Tuple{}, 0); return err }},
-		{"remoteRecover", func() error { return a.remoteRecover(bg, "n2", RecoverRequest{}, func(Stage) {}) }},
+		{"remoteRecover", func() error {
+			// The stream breaks before it starts: the caller then asks the target, bounded.
+			a.wire.Idle, a.cfg.Heartbeat.Timeout.Duration = testWire.Idle, testWire.Idle
+			return a.remoteRecover(bg, "n2", RecoverRequest{Jobs: []RecoverJob{{Job: "job-1"}}}, func(Stage) {})
+		}},
 		{"fetchFrom", func() error { return a.fetchFrom(bg, "n2", "job-1", "x") }},
+		{"shipTo", func() error { _, err := a.shipTo(bg, "n2", &ckpt.Manifest{Job: "job-1", ID: "x"}); return err }},
+		{"recoveryStatus", func() error { _, err := a.recoveryStatus(bg, "n2", "f", nil); return err }},
+		{"LogWatermarkOf", func() error { _, err := a.LogWatermarkOf(bg, "n2"); return err }},
+		{"askGrant", func() error { return a.askGrant(bg, "n2", grantMessage{Job: "job-1", Incarnation: 1, Holder: "h"}).Err }},
 		{"remoteJobOfSnapshot", func() error {
 			if r := a.remoteJobOfSnapshot(bg, "n2", "x"); r.Job != "" {
 				return nil
@@ -143,7 +165,6 @@ func TestCallersGiveUpOnAStalledPeer(t *testing.T) {
 	}
 	for _, c := range calls {
 		t.Run(c.name, func(t *testing.T) {
-			t.Parallel()
 			var err error
 			returnsWithin(t, func() { err = c.call() })
 			if err == nil {
@@ -153,113 +174,118 @@ func TestCallersGiveUpOnAStalledPeer(t *testing.T) {
 	}
 }
 
-// TestLogRangeLyingPeer has the peer announce more logged bytes than it sends, a negative or a huge
-// length: the caller must refuse, and never allocate what was announced.
-func TestLogRangeLyingPeer(t *testing.T) {
+// TestAgentAnswersEveryOperation has member n2 call the agent's server (spare s1, with nothing to find)
+// with a well-formed request of each operation: each is answered, or refused with the agent's reason.
+func TestAgentAnswersEveryOperation(t *testing.T) {
+	pki := newTestPKI(t)
+	a, logs := newWireAgent(t, "s1", testMembers(nil))
+	cfg := pki.creds(t, "s1")
+	a.cfg.Cluster.CA, a.cfg.Cluster.Cert, a.cfg.Cluster.Key = cfg.CAFile, cfg.CertFile, cfg.KeyFile
+	a.cfg.Heartbeat.Timeout.Duration = failAfter / 4
+	var err error
+	if a.grants, err = grant.Open(filepath.Join(t.TempDir(), "grants.json"), grant.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	ln, err := clustertls.Listen("127.0.0.1:0", a.tlsConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := a.clusterServer(t.Context()).HTTPServer()
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	n2cfg := pki.creds(t, "n2")
+	c := clusterapi.NewClient(clusterapi.ClientConfig{
+		TLS:      func() clustertls.Config { return n2cfg },
+		Resolve:  func(string) (string, bool) { return ln.Addr().String(), true },
+		Timeouts: wireTimeouts{Message: failAfter / 2},
+	})
+	defer c.Close()
+	ctx := t.Context()
+	src, dst := netip.MustParseAddrPort("10.77.0.2:5000"), netip.MustParseAddrPort("10.77.0.1:6000")
 	tests := []struct {
-		name    string
-		len     int64
-		send    int
-		then    string // "close" or "stall"
-		wantErr string // "" for success
+		op   clusterapi.Op
+		call func() (any, error)
+		want string // in the reply, or in the refusal
 	}{
-		{"as announced", 1000, 1000, "close", ""},
-		{"nothing announced", 0, 0, "close", ""},
-		{"1 GiB announced, 10 bytes sent", 1 << 30, 10, "close", "got 10"},
-		{"more announced than sent, then silence", 1 << 20, 10, "stall", "i/o timeout"},
-		{"a negative length", -1, 0, "close", "announces -1 logged bytes"},
-		{"a huge length", 1 << 40, 0, "close", "announces 1099511627776 logged bytes"},
+		{clusterapi.OpPing, func() (any, error) { return c.Ping(ctx, "s1") }, `"node":"s1"`},
+		{clusterapi.OpLocate, func() (any, error) { return c.Locate(ctx, "s1", clusterapi.LocateRequest{ID: "x"}) }, `"job":""`},
+		{clusterapi.OpTrim, func() (any, error) {
+			return c.Trim(ctx, "s1", clusterapi.TrimRequest{Points: []TrimPoint{{Src: src, Dst: dst}}})
+		}, `"trimmed":0`},
+		{clusterapi.OpLogRange, func() (any, error) {
+			r, _, err := c.LogRange(ctx, "s1", LogRangeRequest{Src: src, Dst: dst})
+			return r, err
+		}, "the sender-side log is disabled on s1"},
+		{clusterapi.OpReceived, func() (any, error) {
+			return c.Received(ctx, "s1", clusterapi.ReceivedRequest{Src: src, Dst: dst})
+		}, "the receive tap is disabled on s1"},
+		{clusterapi.OpProbe, func() (any, error) { return c.Probe(ctx, "s1", clusterapi.ProbeRequest{Name: "nobody"}) }, `"nobody" is not a cluster member`},
+		{clusterapi.OpView, func() (any, error) { return c.View(ctx, "s1", a.viewMessage()) }, `"view":`},
+		{clusterapi.OpClaim, func() (any, error) {
+			return nil, c.Claim(ctx, "s1", spare.Claim{Failure: "f", Failed: "n3", Need: spare.Need{Jobs: 1, MemoryBytes: 1}})
+		}, "<nil>"},
+		{clusterapi.OpReplica, func() (any, error) {
+			return c.Replica(ctx, "s1", clusterapi.ReplicaRequest{Job: "job-1", Node: "n3"})
+		}, "no verified replica of job job-1 from n3"},
+		{clusterapi.OpRecover, func() (any, error) {
+			return c.Recover(ctx, "s1", RecoverRequest{Failure: "other", Failed: "n3", Jobs: []RecoverJob{{Job: "job-1", Snapshot: "x"}}}, failAfter, func(clusterapi.RecoverProgress) {})
+		}, "s1 was not claimed for failure other"},
+		{clusterapi.OpRecoveryStatus, func() (any, error) {
+			return c.RecoveryStatus(ctx, "s1", clusterapi.RecoveryStatusRequest{Failure: "n3-1", Jobs: []string{"job-1"}})
+		}, `"failure":"n3-1"`},
+		{clusterapi.OpGrant, func() (any, error) {
+			return c.Grant(ctx, "s1", clusterapi.GrantRequest{Job: "job-1", Incarnation: 1, Holder: "restore:ab"})
+		}, `"granted":true`},
+		{clusterapi.OpCheckpointNow, func() (any, error) {
+			a.ckptMu.Lock() // the snapshot it starts waits here; the test only checks the answer
+			defer a.ckptMu.Unlock()
+			return nil, c.CheckpointNow(ctx, "s1")
+		}, "<nil>"},
 	}
 	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			pki := newTestPKI(t)
-			port := scriptedPeer(t, pki, "n2", func(c net.Conn, op clusterOp) {
-				var req LogRangeRequest
-				if op != opLogRange || readHeader(c, &req) != nil {
-					return
+		t.Run(string(tt.op), func(t *testing.T) {
+			r, err := tt.call()
+			got := errString(err)
+			if err == nil {
+				b, _ := json.Marshal(r)
+				got = string(b)
+				if r == nil {
+					got = "<nil>"
 				}
-				writeHeader(c, LogRangeReply{From: req.From, Len: tt.len})
-				c.Write(bytes.Repeat([]byte{'b'}, tt.send))
-				if tt.then == "stall" {
-					io.Copy(io.Discard, c)
-				}
-			})
-			a, _ := clientAgent(t, pki, map[string]uint16{"n2": port})
-			runtime.GC()
-			var before, after runtime.MemStats
-			runtime.ReadMemStats(&before)
-			var (
-				data []byte
-				err  error
-			)
-			returnsWithin(t, func() { _, data, err = a.LogRange(context.Background(), "n2", LogRangeRequest{From: 7}) })
-			runtime.ReadMemStats(&after)
-			if tt.wantErr == "" {
-				if err != nil || len(data) != tt.send {
-					t.Fatalf("%d bytes, %v; want %d", len(data), err, tt.send)
-				}
-			} else if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
-				t.Errorf("error %v; want one saying %q", err, tt.wantErr)
 			}
-			// TLS, the handshake and the reply take well under a few MiB; the announced length must not
-			// show up (it is 1 GiB and more in the lying cases).
-			if alloc := after.TotalAlloc - before.TotalAlloc; alloc > 64<<20 {
-				t.Errorf("the call allocated %d MiB for %d bytes sent", alloc>>20, tt.send)
+			if !strings.Contains(got, tt.want) {
+				t.Errorf("got %s; want %q; log:\n%s", got, tt.want, logs.String())
 			}
 		})
+	}
+	for a.asked.Load() { // let the requested snapshot finish before the agent's directory goes
+		time.Sleep(time.Millisecond)
 	}
 }
 
-func TestReadLogBytes(t *testing.T) {
-	tests := []struct {
-		name    string
-		n       int64
-		in      string
-		limit   int64
-		want    string
-		wantErr string
-	}{
-		{"all of it", 5, "hello, and more", 10, "hello", ""},
-		{"nothing", 0, "", 10, "", ""},
-		{"at the limit", 10, "0123456789", 10, "0123456789", ""},
-		{"over the limit", 11, "0123456789a", 10, "", "a range holds 0 to 10"},
-		{"negative", -1, "", 10, "", "announces -1"},
-		{"short", 8, "abc", 10, "", "got 3: unexpected EOF"},
-		{"longer than the first buffer", 3<<20 + 5, strings.Repeat("z", 3<<20+5), 4 << 20, strings.Repeat("z", 3<<20+5), ""},
+// recoverScript is a member whose recovery is scripted (every other operation is unexpected).
+type recoverScript struct {
+	clusterapi.Service
+	lines []clusterapi.RecoverProgress
+}
+
+func (s recoverScript) Recover(_ context.Context, _ string, req RecoverRequest, progress func(clusterapi.RecoverProgress) error) error {
+	for _, m := range s.lines {
+		if err := progress(m); err != nil {
+			return err
+		}
 	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			got, err := readLogBytes(strings.NewReader(tt.in), tt.n, tt.limit)
-			if tt.wantErr != "" {
-				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
-					t.Fatalf("error %v; want one saying %q", err, tt.wantErr)
-				}
-				return
-			}
-			if err != nil || string(got) != tt.want {
-				t.Fatalf("got %d bytes, %v; want %d", len(got), err, len(tt.want))
-			}
-			if int64(cap(got)) > max(tt.n, 1<<20) {
-				t.Errorf("capacity %d for %d bytes", cap(got), tt.n)
-			}
-		})
-	}
+	return nil
 }
 
 // TestRemoteRecoverFollowsKeepalives: the caller reads the target's keepalive lines, relays stages and
 // ends with the target's verdict.
 func TestRemoteRecoverFollowsKeepalives(t *testing.T) {
 	pki := newTestPKI(t)
-	port := scriptedPeer(t, pki, "s1", func(c net.Conn, op clusterOp) {
-		var req RecoverRequest
-		if op != opRecover || readLine(c, &req, maxRecoverRequest) != nil {
-			return
-		}
-		for _, m := range []recoverMessage{{}, {Stage: &Stage{Name: StageFetched, Job: req.Jobs[0].Job}}, {}, {}, {Done: true, Error: "job job-1: no luck"}} {
-			writeHeader(c, m)
-		}
-	})
-	a, _ := clientAgent(t, pki, map[string]uint16{"s1": port})
+	stage, _ := json.Marshal(Stage{Name: StageFetched, Job: "job-1"})
+	port := scriptedPeer(t, pki, "s1", recoverScript{lines: []clusterapi.RecoverProgress{
+		{}, {Stage: stage}, {}, {Stage: json.RawMessage(`"not a stage"`)}, {}, {Done: true, Error: "job job-1: no luck"}}})
+	a, logs := clientAgent(t, pki, map[string]uint16{"s1": port})
 	var stages []Stage
 	var err error
 	returnsWithin(t, func() {
@@ -271,137 +297,7 @@ func TestRemoteRecoverFollowsKeepalives(t *testing.T) {
 	if len(stages) != 1 || stages[0].Name != StageFetched {
 		t.Errorf("stages %+v; want the one sent", stages)
 	}
-}
-
-// serveAgent runs a's cluster listener on loopback and returns its port.
-func serveAgent(t *testing.T, a *Agent) uint16 {
-	t.Helper()
-	ln, err := clustertls.Listen("127.0.0.1:0", a.tlsConfig())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go a.handleCluster(t.Context(), c)
-		}
-	}()
-	return ln.Addr().(*net.TCPAddr).AddrPort().Port()
-}
-
-// TestHandleClusterDropsStalledPeers connects as member n2 to n1's cluster listener, sends a request, and
-// waits for n1 to close the connection: a member that stalls at any point must not hold the handler.
-func TestHandleClusterDropsStalledPeers(t *testing.T) {
-	tests := []struct {
-		name    string
-		send    []byte
-		wantLog string
-	}{
-		{"nothing after the handshake", nil, "bad cluster request"},
-		{"a header longer than the bound", bytes.Repeat([]byte{' '}, maxHeader+1), "message line too long"},
-		{"an unknown operation", line(clusterRequest{Op: "shutdown"}), "unknown cluster operation"},
-		{"trim, then silence", line(clusterRequest{Op: opTrim}), "i/o timeout"},
-		{"log range, then half a request", append(line(clusterRequest{Op: opLogRange}), `{"src":`...), "i/o timeout"},
-		{"a view, then silence", line(clusterRequest{Op: opView}), "i/o timeout"},
-		{"recover, then silence", line(clusterRequest{Op: opRecover}), "i/o timeout"},
-		{"claim, then silence", line(clusterRequest{Op: opClaim}), "i/o timeout"},
-		{"fetch, then silence", line(clusterRequest{Op: opFetch}), "i/o timeout"},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			t.Parallel()
-			pki := newTestPKI(t)
-			a, logs := clientAgent(t, pki, nil)
-			port := serveAgent(t, a)
-			c, err := clustertls.Dial(t.Context(), netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), port).String(), "n1", pki.creds(t, "n2"))
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
-			if _, err := c.Write(tt.send); err != nil {
-				t.Fatal(err)
-			}
-			c.SetReadDeadline(time.Now().Add(failAfter))
-			_, err = io.Copy(io.Discard, c)
-			var ne net.Error
-			if errors.As(err, &ne) && ne.Timeout() {
-				t.Fatalf("the agent still holds the connection after %s", failAfter)
-			}
-			// The handler has returned once the connection is closed, but its last log line may follow.
-			deadline := time.Now().Add(failAfter)
-			for !strings.Contains(logs.String(), tt.wantLog) {
-				if time.Now().After(deadline) {
-					t.Fatalf("log does not say %q:\n%s", tt.wantLog, logs.String())
-				}
-				time.Sleep(10 * time.Millisecond)
-			}
-		})
-	}
-}
-
-// TestPingReadsLargeReplies: a member running many jobs answers a ping with more than the request
-// header's bound; the caller reads replies up to maxMessage.
-func TestPingReadsLargeReplies(t *testing.T) {
-	pki := newTestPKI(t)
-	jobs := make([]string, 500) // ~20 KB of job ids
-	for i := range jobs {
-		jobs[i] = "a-job-with-a-long-name-" + strings.Repeat("x", 10)
-	}
-	port := scriptedPeer(t, pki, "n2", func(c net.Conn, op clusterOp) {
-		writeHeader(c, PingReply{Node: "n2", Jobs: jobs})
-	})
-	a, _ := clientAgent(t, pki, map[string]uint16{"n2": port})
-	var r PingReply
-	var err error
-	returnsWithin(t, func() { r, err = a.Ping(context.Background(), "n2") })
-	if err != nil || len(r.Jobs) != len(jobs) {
-		t.Fatalf("%d jobs, %v; want %d", len(r.Jobs), err, len(jobs))
-	}
-}
-
-// TestReceivedOfRefusesLyingPeers: a member's record of what it received is used only if it is of the
-// connection asked about and well formed; a peer that says it has none is reported with its reason.
-func TestReceivedOfRefusesLyingPeers(t *testing.T) {
-	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.77.0.3:6000"), Remote: netip.MustParseAddrPort("10.77.0.2:5000")}
-	other := tcpflow.Tuple{Local: conn.Local, Remote: netip.MustParseAddrPort("10.77.0.2:5001")}
-	good := recvdigest.Received{Conn: conn, Pieces: []recvdigest.Piece{{Seq: 100, Len: recvdigest.BlockSize - 100, CRC: 1}, {Seq: recvdigest.BlockSize, Len: 10, CRC: 2}}}
-	tests := []struct {
-		name    string
-		reply   receivedReply
-		wantErr string
-	}{
-		{"as asked", receivedReply{Received: &good}, ""},
-		{"no record", receivedReply{Error: "n2 has no record"}, "n2 has no record"},
-		{"nothing at all", receivedReply{}, "sent no record"},
-		{"another connection", receivedReply{Received: &recvdigest.Received{Conn: other, Pieces: good.Pieces}}, "not of"},
-		{"a piece across a block boundary", receivedReply{Received: &recvdigest.Received{Conn: conn, Pieces: []recvdigest.Piece{{Seq: 100, Len: recvdigest.BlockSize, CRC: 1}}}}, "crosses a 65536-byte block boundary"},
-		{"pieces out of order", receivedReply{Received: &recvdigest.Received{Conn: conn, Pieces: []recvdigest.Piece{good.Pieces[1], good.Pieces[0]}}}, "overlaps or precedes"},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			pki := newTestPKI(t)
-			port := scriptedPeer(t, pki, "n2", func(c net.Conn, op clusterOp) {
-				var req receivedRequest
-				if op != opReceived || readHeader(c, &req) != nil {
-					return
-				}
-				writeHeader(c, tt.reply)
-			})
-			a, _ := clientAgent(t, pki, map[string]uint16{"n2": port})
-			got, err := a.receivedOf(t.Context(), "n2", conn, 0)
-			if tt.wantErr == "" {
-				if err != nil || got == nil || got.Conn != conn || len(got.Pieces) != 2 {
-					t.Fatalf("receivedOf = %+v, %v; want the record", got, err)
-				}
-				return
-			}
-			if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
-				t.Errorf("receivedOf error %v; want one saying %q", err, tt.wantErr)
-			}
-		})
+	if !strings.Contains(logs.String(), "recovery stage from the target is not the expected JSON") {
+		t.Errorf("the malformed stage was not reported:\n%s", logs.String())
 	}
 }

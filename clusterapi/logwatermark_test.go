@@ -1,6 +1,7 @@
-package agent
+package clusterapi
 
 import (
+	"bufio"
 	"bytes"
 	"net/netip"
 	"strings"
@@ -8,16 +9,16 @@ import (
 	"time"
 )
 
-// decodeWatermark is LogWatermarkOf's decoding of a peer's reply line.
+// decodeWatermark decodes a peer's reply line as strictly as the client (which also bounds the reply).
 func decodeWatermark(line []byte) (LogWatermark, error) {
 	var r LogWatermark
-	err := readHeaderLarge(bytes.NewReader(line), &r)
+	err := ReadLine(bufio.NewReader(bytes.NewReader(line)), &r, MaxMessage)
 	return r, err
 }
 
 func TestLogWatermarkPlaced(t *testing.T) {
 	sent := time.Date(2026, 5, 1, 12, 0, 0, 0, time.UTC)
-	many := `"10.0.0.1"` + strings.Repeat(`,"10.0.0.1"`, maxWatermarkAddrs)
+	many := `"10.0.0.1"` + strings.Repeat(`,"10.0.0.1"`, MaxWatermarkAddrs)
 	tests := []struct {
 		name      string
 		line      string
@@ -33,7 +34,8 @@ func TestLogWatermarkPlaced(t *testing.T) {
 		{"IPv4-mapped address is unmapped", `{"age_ns":1,"addrs":["::ffff:10.0.0.2"]}`, sent.Add(-1), false,
 			[]netip.Addr{netip.MustParseAddr("10.0.0.2")}, ""},
 		{"no addresses: covers nothing", `{"age_ns":1}`, sent.Add(-1), false, []netip.Addr{}, ""},
-		{"restore in progress", `{"error":"a restore is in progress on node2"}`, time.Time{}, false, nil, "restore is in progress"},
+		// "No watermark now" travels as a refusal (*Error), not as a field of the reply.
+		{"an error field", `{"error":"a restore is in progress on node2"}`, time.Time{}, false, nil, "unknown field"},
 		{"negative age", `{"age_ns":-1,"addrs":["10.0.0.2"]}`, time.Time{}, false, nil, "negative age"},
 		{"empty address", `{"age_ns":1,"addrs":[""]}`, time.Time{}, false, nil, "invalid address"},
 		{"too many addresses", `{"age_ns":1,"addrs":[` + many + `]}`, time.Time{}, false, nil, "more than"},
@@ -54,7 +56,7 @@ func TestLogWatermarkPlaced(t *testing.T) {
 				Addrs []netip.Addr
 			}
 			if err == nil {
-				pw, perr := r.placed("node2", sent)
+				pw, perr := r.Placed("node2", sent)
 				err = perr
 				w.At, w.Held, w.Addrs = pw.At, pw.Held, pw.Addrs
 			}
@@ -101,14 +103,14 @@ func FuzzLogWatermark(f *testing.F) {
 		if err != nil {
 			return
 		}
-		w, err := r.placed("node2", sent)
+		w, err := r.Placed("node2", sent)
 		if err != nil {
 			return
 		}
 		if w.At.After(sent) {
 			t.Fatalf("watermark %v placed after the question left (%v): %q", w.At, sent, line)
 		}
-		if len(w.Addrs) > maxWatermarkAddrs {
+		if len(w.Addrs) > MaxWatermarkAddrs {
 			t.Fatalf("%d addresses accepted", len(w.Addrs))
 		}
 		for _, a := range w.Addrs {

@@ -1,0 +1,77 @@
+package clusterapi
+
+import (
+	"errors"
+	"fmt"
+	"net/http"
+)
+
+// Error is a refusal as it travels: the HTTP status and this JSON body, the same on every operation.
+type Error struct {
+	Op      Op     `json:"op"`
+	Code    string `json:"code"` // one of the Code* constants
+	Message string `json:"message"`
+	// Peer and Status are filled in by the Client (the member that refused, the HTTP status).
+	Peer   string `json:"-"`
+	Status int    `json:"-"`
+}
+
+// Error codes and the HTTP status each travels with.
+const (
+	CodeBadRequest      = "bad-request"     // 400: the body is not the operation's request
+	CodeUnauthenticated = "unauthenticated" // 403: no verified member certificate
+	CodeUnknownOp       = "unknown-op"      // 404: no such operation
+	CodeMethod          = "method"          // 405: operations are POSTs
+	CodeTooLarge        = "too-large"       // 413: the body is longer than the operation allows
+	CodeRefused         = "refused"         // 422: the server understood the request and refused it
+	CodeUnavailable     = "unavailable"     // 503: the server cannot serve it now (shutting down)
+)
+
+func statusOf(code string) int {
+	switch code {
+	case CodeBadRequest:
+		return http.StatusBadRequest
+	case CodeUnauthenticated:
+		return http.StatusForbidden
+	case CodeUnknownOp:
+		return http.StatusNotFound
+	case CodeMethod:
+		return http.StatusMethodNotAllowed
+	case CodeTooLarge:
+		return http.StatusRequestEntityTooLarge
+	case CodeUnavailable:
+		return http.StatusServiceUnavailable
+	}
+	return http.StatusUnprocessableEntity
+}
+
+func (e *Error) Error() string {
+	who := e.Peer
+	if who == "" {
+		who = "the peer"
+	}
+	return fmt.Sprintf("%s refused by %s (%s): %s", e.Op, who, e.Code, e.Message)
+}
+
+// Refusal returns err's refusal if it is one (nil otherwise).
+func Refusal(err error) *Error {
+	var e *Error
+	if errors.As(err, &e) {
+		return e
+	}
+	return nil
+}
+
+// StreamError means a stream broke after the server accepted the request: the operation may have gone on
+// on the server (a recovery does), unlike a refusal or a failed connection.
+type StreamError struct {
+	Op   Op
+	Peer string
+	Err  error
+}
+
+func (e *StreamError) Error() string {
+	return fmt.Sprintf("%s stream from %s broke: %v", e.Op, e.Peer, e.Err)
+}
+
+func (e *StreamError) Unwrap() error { return e.Err }

@@ -1,0 +1,167 @@
+package clusterapi
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/netip"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/detect"
+	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/grant"
+	"github.com/ftkit/ftkit/recvdigest"
+	"github.com/ftkit/ftkit/spare"
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// messageSeeds are valid messages of every operation, as their senders write them.
+func messageSeeds() [][]byte {
+	now := time.Date(2026, 5, 1, 12, 0, 0, 0, time.UTC)
+	live := ebpfprobes.FlowState{}
+	msgs := []any{
+		PingReply{Node: "n2", Jobs: []string{"job-1", "job-2"}},
+		FetchRequest{Job: "job-1", ID: "20260501T120000.000000000Z-n2-1"},
+		LocateRequest{ID: "x"},
+		LocateReply{ID: "x", Job: "job-1"},
+		TrimRequest{Points: []TrimPoint{{Src: testSrc, Dst: testDst, Seq: 12345}}},
+		TrimReply{Trimmed: 3},
+		LogRangeRequest{Src: testSrc, Dst: testDst, From: 77},
+		LogRangeReply{From: 77, Len: 5, Live: &live},
+		ReceivedRequest{Src: testSrc, Dst: testDst, From: 77},
+		ReceivedReply{Received: &recvdigest.Received{Conn: tcpflow.Tuple{Local: testSrc, Remote: testDst}, Pieces: []recvdigest.Piece{{Seq: 100, Len: recvdigest.BlockSize - 100, CRC: 5}, {Seq: recvdigest.BlockSize, Len: 9, CRC: 6}}}},
+		LogWatermark{Age: time.Second, Held: true, Addrs: []netip.Addr{netip.MustParseAddr("10.77.0.2")}},
+		detect.Beat{From: "n2", Seq: 9, Busy: "checkpoint", Jobs: []string{"job-1"}, Sent: now},
+		ProbeRequest{Name: "n3"},
+		ProbeReply{Name: "n3", Reachable: true},
+		ViewMessage{View: []byte("view"), Failures: json.RawMessage(`[{"id":"n3-1"}]`)},
+		spare.Claim{Failure: "n3-1", By: "n2", Failed: "n3", Need: spare.Need{Jobs: 1, MemoryBytes: 1 << 20}, At: now},
+		ReplicaRequest{Job: "job-1", Node: "n3"},
+		ReplicaReply{Manifest: testManifest("job-1", "n3")},
+		RecoverRequest{Failure: "n3-1", Failed: "n3", Addrs: []netip.Addr{netip.MustParseAddr("10.77.0.3")}, Jobs: []RecoverJob{{Job: "job-1", Snapshot: "x", Candidates: []Candidate{{Snapshot: "y", Source: "n4"}}}}, Source: "n2"},
+		RecoverProgress{Stage: json.RawMessage(`{"name":"fetched"}`)},
+		RecoverProgress{},
+		RecoverProgress{Done: true, Error: "no luck"},
+		RecoveryStatusRequest{Failure: "n3-1", Jobs: []string{"job-1"}},
+		RecoveryStatusReply{Failure: "n3-1", Known: true, Stages: json.RawMessage(`[]`), Running: []string{"job-1"}},
+		GrantRequest{Job: "job-1", Incarnation: 2, Holder: "restore:ab"},
+		GrantReply{Conflict: &grant.Record{Incarnation: 2, Holder: "restore:cd", Host: "s1"}},
+		Error{Op: OpPing, Code: CodeRefused, Message: "busy"},
+	}
+	var seeds [][]byte
+	for _, m := range msgs {
+		b, _ := json.Marshal(m)
+		seeds = append(seeds, append(b, '\n'))
+	}
+	// A log-range reply followed by its bytes (and by fewer than it announces).
+	b, _ := json.Marshal(LogRangeReply{From: 77, Len: 5})
+	seeds = append(seeds, append(append(b, '\n'), "hello"...))
+	b, _ = json.Marshal(LogRangeReply{From: 77, Len: 500})
+	seeds = append(seeds, append(append(b, '\n'), "short"...))
+	return seeds
+}
+
+// FuzzClusterMessage feeds arbitrary bytes to every decoder of peer bytes: the server's strict decoding of
+// each request (within its bound) and its checks, the client's decoding of each reply and its checks, the
+// stream lines (heartbeats, recovery progress, the log-range reply and its bytes) and the refusal body.
+// Nothing may panic, read past its bound, or allocate what a length in the message announces.
+func FuzzClusterMessage(f *testing.F) {
+	for _, s := range messageSeeds() {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		body := bytes.TrimSuffix(data, []byte{'\n'})
+		// Requests, as the server decodes them (the body limit comes first).
+		request := func(v any, limit int) bool { return len(body) <= limit && decodeStrict(body, v) == nil }
+		var lr LocateRequest
+		request(&lr, MaxHeader)
+		var tr TrimRequest
+		if request(&tr, MaxMessage) && tr.Validate() == nil && len(tr.Points) > MaxTrimPoints {
+			t.Fatalf("%d trim points validated", len(tr.Points))
+		}
+		var lrq LogRangeRequest
+		request(&lrq, MaxHeader)
+		var rq ReceivedRequest
+		request(&rq, MaxHeader)
+		var pr ProbeRequest
+		request(&pr, MaxHeader)
+		var vm ViewMessage
+		request(&vm, MaxMessage)
+		var cl spare.Claim
+		request(&cl, MaxHeader)
+		var rpq ReplicaRequest
+		request(&rpq, MaxHeader)
+		var fr FetchRequest
+		request(&fr, MaxHeader)
+		var gr GrantRequest
+		request(&gr, MaxHeader)
+		var rs RecoveryStatusRequest
+		if request(&rs, MaxMessage) && rs.Validate() == nil && len(rs.Jobs) > MaxRecoveryStatusJobs {
+			t.Fatalf("a status question about %d jobs validated", len(rs.Jobs))
+		}
+		var rr RecoverRequest
+		if request(&rr, MaxRecoverRequest) && rr.Validate() == nil {
+			for _, rj := range rr.Jobs {
+				if cs, err := rj.CandidateList(rr.Source); err == nil && len(cs) > MaxCandidates {
+					t.Fatalf("%d candidates accepted", len(cs))
+				}
+			}
+		}
+
+		// Replies, as the client decodes and checks them.
+		var rec ReceivedReply
+		if json.Unmarshal(body, &rec) == nil && rec.Check(ReceivedRequest{Src: testSrc, Dst: testDst}) == nil {
+			if n := len(rec.Received.Pieces); n > recvdigest.MaxPieces {
+				t.Fatalf("a record of %d pieces validated", n)
+			}
+		}
+		var rep ReplicaReply
+		if json.Unmarshal(body, &rep) == nil && rep.Check(ReplicaRequest{Job: "job-1", Node: "n3"}) == nil && rep.Manifest.Job != "job-1" {
+			t.Fatalf("a replica of job %q accepted", rep.Manifest.Job)
+		}
+		var wm LogWatermark
+		if json.Unmarshal(body, &wm) == nil {
+			sent := time.Date(2026, 5, 1, 12, 0, 0, 0, time.UTC)
+			if w, err := wm.Placed("n2", sent); err == nil && (w.At.After(sent) || len(w.Addrs) > MaxWatermarkAddrs) {
+				t.Fatalf("watermark %+v accepted", w)
+			}
+		}
+		var grp GrantReply
+		if json.Unmarshal(body, &grp) == nil && grp.Conflict != nil {
+			grp.Conflict.Validate()
+		}
+		refusal := readRefusal(&http.Response{StatusCode: 422, Status: "422", Body: io.NopCloser(bytes.NewReader(data))}, OpPing, "n2")
+		if e := Refusal(refusal); e == nil || len(e.Message) > MaxHeader {
+			t.Fatalf("refusal %v", refusal)
+		}
+
+		// Stream lines.
+		line := func(v any, limit int) (*bufio.Reader, bool) {
+			src := bytes.NewReader(data)
+			r := bufio.NewReaderSize(src, 64)
+			err := ReadLine(r, v, limit)
+			if consumed := len(data) - src.Len(); consumed > limit+1+64 {
+				t.Fatalf("read %d bytes for a line of at most %d", consumed, limit)
+			}
+			return r, err == nil
+		}
+		var beat detect.Beat
+		line(&beat, MaxMessage)
+		var prog RecoverProgress
+		line(&prog, MaxMessage)
+		var lrr LogRangeReply
+		if rest, ok := line(&lrr, MaxMessage); ok && lrr.Validate() == nil {
+			left := int64(len(data)) // at least what follows the line
+			b, err := ReadLogBytes(rest, lrr.Len, MaxLogRange)
+			if err == nil && int64(len(b)) != lrr.Len {
+				t.Fatalf("read %d bytes for %d announced", len(b), lrr.Len)
+			}
+			if int64(cap(b)) > max(2*left, 1<<20) {
+				t.Fatalf("buffer of %d bytes for at most %d sent", cap(b), left)
+			}
+		}
+	})
+}

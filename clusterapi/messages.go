@@ -1,0 +1,350 @@
+package clusterapi
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/netip"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/grant"
+	"github.com/ftkit/ftkit/netlog/release"
+	"github.com/ftkit/ftkit/recvdigest"
+)
+
+// The request and reply of every operation. The failure timelines and recovery stages belong to the
+// agent's failure log: they travel as JSON the agent decodes and bounds itself (the body limit bounds them
+// here).
+
+// PingReply is the answer to OpPing.
+type PingReply struct {
+	Node string   `json:"node"`
+	Jobs []string `json:"jobs"` // ids of the jobs running there
+}
+
+// FetchRequest asks for a snapshot the server holds (OpFetch).
+type FetchRequest struct {
+	Job string `json:"job"`
+	ID  string `json:"id"`
+}
+
+// LocateRequest asks which job a snapshot id belongs to (OpLocate).
+type LocateRequest struct {
+	ID string `json:"id"`
+}
+
+// LocateReply names the job of the snapshot ("" if the server holds none) and its owner when known.
+type LocateReply struct {
+	ID  string  `json:"id"`
+	Job string  `json:"job"`
+	UID *uint32 `json:"uid,omitempty"`
+}
+
+// TrimPoint tells a sender up to where a receiver's durable snapshot covers a connection.
+type TrimPoint struct {
+	Src netip.AddrPort `json:"src"` // the sender (the peer of the snapshotted job)
+	Dst netip.AddrPort `json:"dst"` // the snapshotted job's end
+	Seq uint32         `json:"seq"` // the receiver's rcv_nxt in the snapshot (inq_seq)
+}
+
+// MaxTrimPoints bounds one OpTrim request (about 130 bytes a point at most: well inside MaxMessage); a
+// snapshot with more connections to one peer is announced in several.
+const MaxTrimPoints = 4096
+
+// TrimRequest is OpTrim's request.
+type TrimRequest struct {
+	Points []TrimPoint `json:"points"`
+}
+
+// Validate bounds the request.
+func (r TrimRequest) Validate() error {
+	if len(r.Points) > MaxTrimPoints {
+		return fmt.Errorf("%d trim points, more than the %d one message may carry", len(r.Points), MaxTrimPoints)
+	}
+	return nil
+}
+
+// TrimReply counts the connections trimmed.
+type TrimReply struct {
+	Trimmed int `json:"trimmed"`
+}
+
+// LogRangeRequest asks a sender for the bytes it logged on a connection from a sequence number on.
+type LogRangeRequest struct {
+	Src  netip.AddrPort `json:"src"`
+	Dst  netip.AddrPort `json:"dst"`
+	From uint32         `json:"from"`
+}
+
+// LogRangeReply precedes the bytes in the response body (one JSON line): Len bytes starting at sequence
+// From follow it. Live is the sender's current state of the connection (its snd_nxt, rcv_nxt, TSval/TSecr),
+// for the restorer.
+type LogRangeReply struct {
+	From uint32                `json:"from"`
+	Len  int64                 `json:"len"`
+	Live *ebpfprobes.FlowState `json:"live,omitempty"`
+	// LiveAge is how old Live was when the reply was written (the sender's own clock measured it).
+	LiveAge time.Duration `json:"live_age_ns,omitempty"`
+}
+
+// MaxLogRange bounds one log range. The restorer injects the range into a restored socket's receive
+// queue, which must end at the peer's snd_nxt: more than half the 32-bit sequence space past the
+// snapshot's receive point is no distance TCP's sequence numbers (or netlog.UnwrapNear) can express.
+const MaxLogRange = 1<<31 - 1
+
+// Validate bounds the announced length.
+func (r LogRangeReply) Validate() error {
+	if r.Len < 0 || r.Len > MaxLogRange {
+		return fmt.Errorf("the peer announces %d logged bytes: a range holds 0 to %d", r.Len, int64(MaxLogRange))
+	}
+	return nil
+}
+
+// ReadLogBytes reads the n bytes a LogRangeReply announces. n comes from the peer: it is checked against
+// limit, and memory grows only as bytes arrive (never past n), so a peer that announces more than it sends
+// gets an error, not an allocation.
+func ReadLogBytes(r io.Reader, n, limit int64) ([]byte, error) {
+	if n < 0 || n > limit {
+		return nil, fmt.Errorf("the peer announces %d logged bytes: a range holds 0 to %d", n, limit)
+	}
+	buf := make([]byte, 0, min(n, 1<<20))
+	for int64(len(buf)) < n {
+		if len(buf) == cap(buf) {
+			nb := make([]byte, len(buf), min(n, 2*int64(cap(buf))))
+			copy(nb, buf)
+			buf = nb
+		}
+		k, err := r.Read(buf[len(buf):cap(buf)])
+		buf = buf[:len(buf)+k]
+		if err == io.EOF && int64(len(buf)) < n {
+			err = io.ErrUnexpectedEOF
+		}
+		if err != nil && int64(len(buf)) < n {
+			return nil, fmt.Errorf("read %d logged bytes: got %d: %w", n, len(buf), err)
+		}
+	}
+	return buf, nil
+}
+
+// ReceivedRequest asks a member for its record of what one of its sockets received on a flow (Src: the
+// remote sender, Dst: the member's socket) from a sequence number on.
+type ReceivedRequest struct {
+	Src  netip.AddrPort `json:"src"`
+	Dst  netip.AddrPort `json:"dst"`
+	From uint32         `json:"from"`
+}
+
+// ReceivedReply carries the record.
+type ReceivedReply struct {
+	Received *recvdigest.Received `json:"received"`
+}
+
+// Check validates a record from the wire: well formed and of the connection asked about.
+func (r ReceivedReply) Check(req ReceivedRequest) error {
+	switch {
+	case r.Received == nil:
+		return fmt.Errorf("sent no record")
+	case r.Received.Conn.Local != req.Src || r.Received.Conn.Remote != req.Dst:
+		return fmt.Errorf("sent the record of %s, not of %s -> %s", r.Received.Conn, req.Src, req.Dst)
+	}
+	return r.Received.Validate()
+}
+
+// MaxWatermarkAddrs bounds the addresses of one LogWatermark.
+const MaxWatermarkAddrs = 1024
+
+// LogWatermark is a receiving node's answer to OpLogWatermark.
+type LogWatermark struct {
+	// Age: every restore of a job on the node starts from a snapshot taken no earlier than this long before
+	// the answer (the node's own clock measured it; 0 when it runs no job).
+	Age time.Duration `json:"age_ns"`
+	// Held says a running job holds the watermark back: a snapshot there would advance it.
+	Held bool `json:"held"`
+	// Addrs are the node's addresses when it answered: the watermark covers only jobs reached there.
+	Addrs []netip.Addr `json:"addrs"`
+}
+
+// Placed validates a watermark from node and places it on this host's clock, given when the question left:
+// sent minus the age is never later than the watermark, whatever the two clocks say.
+func (r LogWatermark) Placed(node string, sent time.Time) (release.Watermark, error) {
+	switch {
+	case r.Age < 0:
+		return release.Watermark{}, fmt.Errorf("log watermark from %s: negative age %v", node, r.Age)
+	case len(r.Addrs) > MaxWatermarkAddrs:
+		return release.Watermark{}, fmt.Errorf("log watermark from %s lists %d addresses, more than %d", node, len(r.Addrs), MaxWatermarkAddrs)
+	}
+	w := release.Watermark{At: sent.Add(-r.Age), Held: r.Held, Addrs: make([]netip.Addr, 0, len(r.Addrs))}
+	for _, ip := range r.Addrs {
+		if !ip.IsValid() {
+			return release.Watermark{}, fmt.Errorf("log watermark from %s: invalid address", node)
+		}
+		w.Addrs = append(w.Addrs, ip.Unmap())
+	}
+	return w, nil
+}
+
+// ProbeRequest asks a member whether it reaches member Name.
+type ProbeRequest struct {
+	Name string `json:"name"`
+}
+
+// ProbeReply is its answer.
+type ProbeReply struct {
+	Name      string `json:"name"`
+	Reachable bool   `json:"reachable"`
+}
+
+// ViewMessage carries the membership view (ring.Encode) and the failure timelines (the agent's
+// []*Failure), both ways.
+type ViewMessage struct {
+	View     []byte          `json:"view"`
+	Failures json.RawMessage `json:"failures,omitempty"`
+}
+
+// ClaimReply accepts a claim (a refusal is an error).
+type ClaimReply struct{}
+
+// ReplicaRequest asks a member for its newest verified replica of a job taken on a node.
+type ReplicaRequest struct {
+	Job  string `json:"job"`
+	Node string `json:"node"`
+}
+
+// ReplicaReply carries it.
+type ReplicaReply struct {
+	Manifest *ckpt.Manifest `json:"manifest"`
+}
+
+// Check validates an answer from the wire: it names the snapshot the target will ask for, so it must be
+// this job's, from node.
+func (r ReplicaReply) Check(req ReplicaRequest) error {
+	switch {
+	case r.Manifest == nil:
+		return fmt.Errorf("answered without a replica")
+	case r.Manifest.Job != req.Job || r.Manifest.Node != req.Node:
+		return fmt.Errorf("asked for a replica of job %s from %s, got %q of job %q from %q", req.Job, req.Node, r.Manifest.ID, r.Manifest.Job, r.Manifest.Node)
+	}
+	if _, err := ckpt.ParseID(r.Manifest.ID); err != nil {
+		return fmt.Errorf("asked for a replica of job %s from %s, got %q: %w", req.Job, req.Node, r.Manifest.ID, err)
+	}
+	return nil
+}
+
+// RecoverJob names one job of a failed node and the snapshots to restore it from.
+type RecoverJob struct {
+	Job      string `json:"job"`
+	Snapshot string `json:"snapshot"`
+	Source   string `json:"source,omitempty"` // the member holding it, if not the request's Source
+	// Candidates are the replicas to try in order, newest first (Snapshot and Source are the first): when
+	// a holder fails to serve one, the target takes the next.
+	Candidates []Candidate `json:"candidates,omitempty"`
+}
+
+// Candidate is one replica of a job: its snapshot id and the member that holds it.
+type Candidate struct {
+	Snapshot string `json:"snapshot"`
+	Source   string `json:"source,omitempty"` // "" for the request's Source
+}
+
+// MaxCandidates bounds the replicas a recovery request may list per job (one per member holding one).
+const MaxCandidates = 64
+
+// CandidateList is the list the target tries, from the request: the job's list, or its single snapshot.
+func (rj RecoverJob) CandidateList(defaultSource string) ([]Candidate, error) {
+	cs := rj.Candidates
+	if len(cs) == 0 {
+		cs = []Candidate{{Snapshot: rj.Snapshot, Source: rj.Source}}
+	}
+	if len(cs) > MaxCandidates {
+		return nil, fmt.Errorf("job %s: %d candidate snapshots, at most %d accepted", rj.Job, len(cs), MaxCandidates)
+	}
+	out := make([]Candidate, 0, len(cs))
+	for _, c := range cs {
+		if _, err := ckpt.ParseID(c.Snapshot); err != nil {
+			return nil, fmt.Errorf("job %s: candidate: %w", rj.Job, err)
+		}
+		if c.Source == "" {
+			c.Source = defaultSource
+		}
+		out = append(out, c)
+	}
+	return out, nil
+}
+
+// RecoverRequest asks a host (a claimed spare, or the protector itself) to take over a failed node's jobs.
+type RecoverRequest struct {
+	Failure string       `json:"failure"`
+	Failed  string       `json:"failed"`
+	Addrs   []netip.Addr `json:"addrs"` // the failed node's host addresses, taken over by the target
+	Jobs    []RecoverJob `json:"jobs"`
+	Source  string       `json:"source"` // the member holding the replicas
+}
+
+// MaxRecoverRequest bounds a recovery request (the jobs of one node and their candidate snapshots).
+const MaxRecoverRequest = 4 << 20
+
+// MaxRecoverJobs bounds the jobs one recovery request names.
+const MaxRecoverJobs = 1024
+
+// Validate bounds the request.
+func (r RecoverRequest) Validate() error {
+	if len(r.Jobs) == 0 || len(r.Jobs) > MaxRecoverJobs {
+		return fmt.Errorf("recovery request names %d jobs: 1 to %d", len(r.Jobs), MaxRecoverJobs)
+	}
+	return nil
+}
+
+// RecoverProgress is one line of a recovery's progress stream: a stage (the agent's Stage), the end (Done,
+// with the recovery's error if it failed), or neither: a keepalive between stages that take minutes.
+type RecoverProgress struct {
+	Stage json.RawMessage `json:"stage,omitempty"`
+	Done  bool            `json:"done,omitempty"`
+	Error string          `json:"error,omitempty"`
+}
+
+// RecoveryStatusRequest asks the target of a recovery how it went, and which of the failure's jobs run
+// there.
+type RecoveryStatusRequest struct {
+	Failure string   `json:"failure"`
+	Jobs    []string `json:"jobs,omitempty"`
+}
+
+// MaxRecoveryStatusJobs bounds the job list of a status question.
+const MaxRecoveryStatusJobs = 4096
+
+// Validate bounds the request.
+func (r RecoveryStatusRequest) Validate() error {
+	if len(r.Jobs) > MaxRecoveryStatusJobs {
+		return fmt.Errorf("status question about %d jobs, more than %d", len(r.Jobs), MaxRecoveryStatusJobs)
+	}
+	return nil
+}
+
+// RecoveryStatusReply is the target's answer: what it knows of the recovery (Known: it ran it for this
+// caller) and which of the asked-about jobs run there.
+type RecoveryStatusReply struct {
+	Failure string          `json:"failure"`
+	Known   bool            `json:"known,omitempty"`
+	Done    bool            `json:"done,omitempty"`
+	Resumed bool            `json:"resumed,omitempty"`
+	Error   string          `json:"error,omitempty"`
+	Stages  json.RawMessage `json:"stages,omitempty"`
+	Running []string        `json:"running,omitempty"`
+}
+
+// GrantRequest asks a member to grant incarnation Incarnation of Job to Holder, a restore attempt on the
+// asking member, or with Release to give it back.
+type GrantRequest struct {
+	Job         string `json:"job"`
+	Incarnation uint64 `json:"incarnation"`
+	Holder      string `json:"holder"`
+	Release     bool   `json:"release,omitempty"`
+}
+
+// GrantReply is the member's answer: granted (or given back), or the grant that stands in the way.
+type GrantReply struct {
+	Granted  bool          `json:"granted,omitempty"`
+	Conflict *grant.Record `json:"conflict,omitempty"`
+}

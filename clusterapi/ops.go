@@ -1,0 +1,93 @@
+package clusterapi
+
+import "time"
+
+// Op names an operation between agents; its path is "/v1/" + the name.
+type Op string
+
+const (
+	OpPing     Op = "ping"     // liveness and the peer's running jobs
+	OpSnapshot Op = "snapshot" // the caller ships a snapshot to the server (its protector)
+	OpFetch    Op = "fetch"    // the caller asks for a snapshot the server holds (to restore it)
+	OpLocate   Op = "locate"   // which job does a snapshot id the server holds belong to
+	// Sender-side log.
+	OpTrim          Op = "trim"           // the caller's snapshot covers these receive points: drop older log data
+	OpLogRange      Op = "log-range"      // bytes the server logged on a connection from a sequence number on
+	OpCheckpointNow Op = "checkpoint-now" // the caller's log is under pressure: snapshot the server's jobs
+	OpReceived      Op = "received"       // the server's record of what one of its sockets received
+	OpLogWatermark  Op = "log-watermark"  // how old is the server's oldest restore point
+	// Failure detection and recovery.
+	OpHeartbeat      Op = "heartbeat"       // a stream of heartbeats from the server's predecessor in the ring
+	OpProbe          Op = "probe"           // does the server reach a suspect's agent
+	OpView           Op = "view"            // exchange membership views (and failure timelines)
+	OpClaim          Op = "claim"           // claim this spare for a failed node
+	OpRecover        Op = "recover"         // restore a failed node's jobs on the server
+	OpReplica        Op = "replica"         // the newest verified replica of a job from a node the server holds
+	OpRecoveryStatus Op = "recovery-status" // how a recovery the server was the target of went
+	OpGrant          Op = "grant"           // grant (or give back) the next incarnation of a job to a restore
+)
+
+// Path is the operation's URL path.
+func (op Op) Path() string { return "/v1/" + string(op) }
+
+// Ops lists every operation.
+func Ops() []Op {
+	return []Op{OpPing, OpSnapshot, OpFetch, OpLocate, OpTrim, OpLogRange, OpCheckpointNow, OpReceived,
+		OpLogWatermark, OpHeartbeat, OpProbe, OpView, OpClaim, OpRecover, OpReplica, OpRecoveryStatus, OpGrant}
+}
+
+// MaxHeader bounds a small request body; MaxMessage bounds the larger ones (views, trims), every reply
+// and every line of a stream.
+const (
+	MaxHeader  = 4096
+	MaxMessage = 1 << 20
+)
+
+// upgradeProto is the protocol a snapshot transfer switches to (ckpt/ship framing).
+const upgradeProto = "ftkit-ship/1"
+
+// Default deadlines. Every read and write of a request or a reply has a deadline, so a member that
+// connects and stalls (or a network that silently drops it) never holds a goroutine or a connection.
+const (
+	// DefaultMessageTimeout bounds reading or writing one request or reply.
+	DefaultMessageTimeout = 10 * time.Second
+	// DefaultIdleTimeout bounds the silence inside a stream that may last long as a whole (logged bytes,
+	// recovery progress): the stream goes on as long as it keeps moving.
+	DefaultIdleTimeout = time.Minute
+	// DefaultPerMiB is the time a large message may take per MiB beyond the message timeout: the slowest
+	// link allowed for carries 1 MiB/s.
+	DefaultPerMiB = time.Second
+)
+
+// Timeouts are the protocol's deadlines; a zero field takes its default (tests shorten them).
+type Timeouts struct {
+	Message time.Duration
+	Idle    time.Duration
+	PerMiB  time.Duration
+}
+
+// MessageTimeout is the bound of one request or reply.
+func (t Timeouts) MessageTimeout() time.Duration {
+	if t.Message > 0 {
+		return t.Message
+	}
+	return DefaultMessageTimeout
+}
+
+// IdleTimeout is the longest silence inside a stream.
+func (t Timeouts) IdleTimeout() time.Duration {
+	if t.Idle > 0 {
+		return t.Idle
+	}
+	return DefaultIdleTimeout
+}
+
+// LargeTimeout is the deadline of one message of up to limit bytes: the message timeout plus the time the
+// slowest link allowed for takes to carry it.
+func (t Timeouts) LargeTimeout(limit int) time.Duration {
+	perMiB := t.PerMiB
+	if perMiB <= 0 {
+		perMiB = DefaultPerMiB
+	}
+	return t.MessageTimeout() + time.Duration(limit>>20)*perMiB
+}
