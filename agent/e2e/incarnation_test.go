@@ -160,10 +160,10 @@ func timelineText(f *agent.Failure) string {
 	return b.String()
 }
 
-// TestManualRestoreDuringFailover follows the README walkthrough with automatic fail-over on: node1 is
+// TestManualRestoreDuringFailover follows docs/operations.md#restoring-by-hand with automatic fail-over on: node1 is
 // crashed and its job restored by hand on spare1, while node2 detects the failure and recovers node1's jobs
 // on spare1 too. Exactly one of the two may run the job; the other must say where it runs. The hand restore
-// comes surely first (detection slowed down), surely after the fail-over, or at once as in the README (the
+// comes surely first (detection slowed down), surely after the fail-over, or at once as in the docs (the
 // two race; either may win).
 func TestManualRestoreDuringFailover(t *testing.T) {
 	tests := []struct {
@@ -190,7 +190,7 @@ func TestManualRestoreDuringFailover(t *testing.T) {
 				f = waitFailure(t, c, "node1", 3*time.Minute)
 			}
 			start := time.Now()
-			// As in the README: `ftctl restore --host spare1 --snapshot ID`, the job found from the snapshot.
+			// As in docs/operations.md: `ftctl restore --host spare1 --snapshot ID`, the job found from the snapshot.
 			restored, rerr := c.Client("spare1").Restore(ctx, agent.RestoreRequest{Snapshot: snap})
 			t.Logf("manual restore on spare1 after %s: %+v %v", time.Since(start).Round(time.Millisecond), restored, rerr)
 			if f == nil {

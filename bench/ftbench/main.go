@@ -1,6 +1,6 @@
 // Command ftbench runs ftkit's benchmarks on this machine and writes one JSON file per benchmark to
-// bench/results/, plus a short table on stdout. Performance claims in the README come from these files:
-// ratios measured within one run, never timed assertions in tests.
+// bench/results/, plus a short table on stdout. Performance claims in docs/design.md (and the README's
+// summary of them) come from these files: ratios measured within one run, never timed assertions in tests.
 //
 //	ftbench [--out DIR] [NAME...]     (default: every benchmark)
 package main
