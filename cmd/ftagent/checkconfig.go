@@ -7,6 +7,7 @@ import (
 	"io/fs"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -51,6 +52,11 @@ func checkConfig(w io.Writer, path string, now time.Time) error {
 	checks = append(checks, credentialChecks(cfg, now)...)
 	checks = append(checks, checkListen(cfg))
 	checks = append(checks, checkCRIU(cfg.CRIU))
+	var nftErr error
+	if _, err := exec.LookPath("nft"); err != nil {
+		nftErr = fmt.Errorf("%w: a restore guards the restored connections with an nftables table: apt install nftables", err)
+	}
+	checks = append(checks, check{"nft (nftables) on PATH", nftErr})
 	checks = append(checks, kernelChecks(cfg)...)
 	checks = append(checks, dirChecks(cfg)...)
 	printChecks(w, checks)
