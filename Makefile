@@ -12,7 +12,7 @@ TESTFLAGS ?= -count=1 -p 2 -timeout 45m
 # The test programs (go's ./... skips testdata directories, so they are named).
 PROGS := $(patsubst %/,./%,$(wildcard testdata/*/))
 
-.PHONY: all setup build test unit lint generate check-generate demo bench clean
+.PHONY: all setup build test unit lint generate check-generate demo bench clean package
 
 all: build
 
@@ -48,6 +48,20 @@ demo: build
 
 bench: build
 	$(BIN)/ftbench --out bench/results
+
+# The .deb (deploy/nfpm.yaml): the three binaries, the systemd unit, the example config, ftctl's shell
+# completion and the docs, written to $(PKGOUT). Debian versions start with a digit: a tag v1.2.3 gives
+# 1.2.3 (1.2.3+4+gabc after it), an untagged commit 0.0~git<describe>.
+PKGOUT ?= $(BIN)
+DEB_VERSION := $(shell echo '$(VERSION)' | sed -E 's/^v([0-9])/\1/; t; s/^/0.0~git/' | tr - '+')
+
+package:
+	@test "$(BIN)" = bin || { echo "make package: deploy/nfpm.yaml takes the binaries from bin/"; exit 1; }
+	@mkdir -p $(BIN)/completion $(PKGOUT)
+	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/ ./cmd/...
+	$(BIN)/ftctl completion bash > $(BIN)/completion/ftctl.bash
+	$(BIN)/ftctl completion zsh > $(BIN)/completion/ftctl.zsh
+	FTKIT_DEB_VERSION='$(DEB_VERSION)' $(GO) tool nfpm package --config deploy/nfpm.yaml --packager deb --target $(PKGOUT)/
 
 clean:
 	rm -rf $(BIN)

@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
+	"time"
 
 	"github.com/spf13/cobra"
 
@@ -25,6 +26,7 @@ func main() { os.Exit(cli.Main(newRoot())) }
 func newRoot() *cobra.Command {
 	var logs cli.LogFlags
 	var configPath string
+	var checkOnly bool
 	root := &cobra.Command{
 		Use:   "ftagent --config FILE",
 		Short: "ftkit's node daemon",
@@ -34,7 +36,20 @@ local API that ftctl and ftwrap use on a unix socket.
 
 It must run as root, in the network namespace of the host it protects, with CRIU 4.2 or newer.
 The configuration file is documented in docs/agent.example.toml. SIGINT or SIGTERM stop the agent;
-its jobs keep running and the next agent adopts them.`,
+its jobs keep running and the next agent adopts them.
+
+--check-config checks the configuration and this host without starting the agent or changing anything
+(no directory created, no eBPF loaded, no socket bound): the file is valid, the certificate, key and CA
+load, the certificate names this member, is valid now and is signed by the CA, the key is root's alone,
+cluster.listen is an address of this host, CRIU is new enough, nft is installed, the kernel is new enough and has BTF,
+cgroup_parent is on cgroup v2, bpffs is there, and no other user can swap the state directories. One
+line per check: "ok" or "FAIL" with what to do.
+
+Exit codes:
+  0  success (with --check-config: every check passed)
+  1  failure (with --check-config: a check failed; the FAIL lines say what to do)
+  2  bad command line, or the configuration file cannot be read or is invalid
+  4  a precondition is missing: CRIU too old`,
 		Version: version.Ftkit(),
 		Args:    cli.Args(cobra.NoArgs),
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -44,6 +59,9 @@ its jobs keep running and the next agent adopts them.`,
 			}
 			if configPath == "" {
 				return cli.Usagef("--config is required")
+			}
+			if checkOnly {
+				return checkConfig(cmd.OutOrStdout(), configPath, time.Now())
 			}
 			cfg, err := agent.LoadConfig(configPath)
 			if err != nil {
@@ -65,6 +83,7 @@ its jobs keep running and the next agent adopts them.`,
 	}
 	logs.Register(root)
 	root.Flags().StringVarP(&configPath, "config", "c", "/etc/ftkit/agent.toml", "configuration file")
+	root.Flags().BoolVar(&checkOnly, "check-config", false, "check the configuration, certificates and host, change nothing, and exit")
 	root.AddCommand(&cobra.Command{
 		Use:    "shim",
 		Short:  "Internal: the parent process of one job (started by the agent)",

@@ -42,7 +42,7 @@ Exit codes:
 		t.register(c)
 		root.AddCommand(c)
 	}
-	root.AddCommand(newVersionCmd(), newLabCmd(&logs))
+	root.AddCommand(newVersionCmd(), newLabCmd(&logs), newPKICmd())
 	root.AddCommand(newMPIRunCmd(&logs))
 	return root
 }

@@ -1,0 +1,319 @@
+package main
+
+import (
+	"bytes"
+	"crypto"
+	"crypto/rand"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
+	"errors"
+	"fmt"
+	"math/big"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/internal/cli"
+	"github.com/ftkit/ftkit/internal/clustertls"
+	"github.com/ftkit/ftkit/internal/testenv"
+)
+
+// checkSetup is a host configuration in a temporary directory: a CA, credentials for node1 written as
+// ftctl pki issue writes them, and a config naming them.
+type checkSetup struct {
+	dir    string
+	ca     *clustertls.CA
+	tls    clustertls.Config
+	config string
+}
+
+func newCheckSetup(t *testing.T) *checkSetup {
+	t.Helper()
+	dir := t.TempDir()
+	ca, err := clustertls.NewCA("test-cluster", 24*time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &checkSetup{dir: dir, ca: ca}
+	s.issue(t, "node1", ca)
+	s.config = filepath.Join(dir, "agent.toml")
+	toml := fmt.Sprintf(`name = "node1"
+state_dir = %q
+jobs_dir = %q
+socket = %q
+[cluster]
+listen = "127.0.0.1:7420"
+ca = %q
+cert = %q
+key = %q
+[[cluster.member]]
+name = "node1"
+address = "127.0.0.1:7420"
+role = "node"
+[[cluster.member]]
+name = "node2"
+address = "127.0.0.2:7420"
+role = "node"
+`, filepath.Join(dir, "state"), filepath.Join(dir, "state", "jobs"), filepath.Join(dir, "run", "agent.sock"),
+		s.tls.CAFile, s.tls.CertFile, s.tls.KeyFile)
+	if err := os.WriteFile(s.config, []byte(toml), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// issue writes a certificate for member from ca into the files the config names (node1's).
+func (s *checkSetup) issue(t *testing.T, member string, ca *clustertls.CA) {
+	t.Helper()
+	cert, key, err := ca.Issue(member, []netip.Addr{netip.MustParseAddr("127.0.0.1")}, time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.write(t, cert, key)
+}
+
+func (s *checkSetup) write(t *testing.T, cert, key []byte) {
+	t.Helper()
+	cfg, err := clustertls.WriteFiles(filepath.Join(s.dir, "pki"), "node1", s.ca.CertPEM(), cert, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.tls = cfg
+}
+
+// expired signs a node1 certificate with the setup's CA that expired an hour ago.
+func (s *checkSetup) expired(t *testing.T) (certPEM, keyPEM []byte) {
+	t.Helper()
+	caKeyBlock, _ := pem.Decode(s.ca.KeyPEM())
+	caKey, err := x509.ParsePKCS8PrivateKey(caKeyBlock.Bytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	caCertBlock, _ := pem.Decode(s.ca.CertPEM())
+	caCert, err := x509.ParseCertificate(caCertBlock.Bytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A fresh key pair from Issue, re-signed with an expired validity.
+	_, keyPEM, err = s.ca.Issue("node1", nil, time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyBlock, _ := pem.Decode(keyPEM)
+	key, err := x509.ParsePKCS8PrivateKey(keyBlock.Bytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(42),
+		Subject:      pkix.Name{CommonName: "node1"},
+		DNSNames:     []string{"node1"},
+		NotBefore:    time.Now().Add(-3 * time.Hour),
+		NotAfter:     time.Now().Add(-time.Hour),
+		KeyUsage:     x509.KeyUsageDigitalSignature,
+		ExtKeyUsage:  []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
+	}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, caCert, key.(crypto.Signer).Public(), caKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), keyPEM
+}
+
+// lines runs the check and returns its output by line, and its error.
+func (s *checkSetup) run(t *testing.T) (map[string]string, string, error) {
+	t.Helper()
+	var out bytes.Buffer
+	err := checkConfig(&out, s.config, time.Now())
+	lines := map[string]string{}
+	for _, l := range strings.Split(strings.TrimSpace(out.String()), "\n") {
+		status, rest, _ := strings.Cut(l, "  ")
+		lines[strings.TrimSpace(rest)] = status
+	}
+	return lines, out.String(), err
+}
+
+// failLine returns the FAIL line whose text starts with prefix, or fails the test.
+func failLine(t *testing.T, out, prefix string) string {
+	t.Helper()
+	for _, l := range strings.Split(out, "\n") {
+		if strings.HasPrefix(l, "FAIL  "+prefix) {
+			return l
+		}
+	}
+	t.Fatalf("no FAIL line for %q in:\n%s", prefix, out)
+	return ""
+}
+
+func TestCheckConfigGood(t *testing.T) {
+	testenv.RequireKernel(t, "CRIU, cgroup v2 and bpffs as the agent needs them")
+	s := newCheckSetup(t)
+	_, out, err := s.run(t)
+	if err != nil {
+		t.Fatalf("check-config of a good configuration failed: %v\n%s", err, out)
+	}
+	if strings.Contains(out, "FAIL") || strings.Count(out, "ok    ") < 16 {
+		t.Errorf("want only ok lines, at least 15:\n%s", out)
+	}
+	// It touched nothing: the state directories the agent would create are still missing.
+	for _, d := range []string{"state", "run"} {
+		if _, err := os.Lstat(filepath.Join(s.dir, d)); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("check-config created %s (%v)", d, err)
+		}
+	}
+}
+
+func TestCheckConfigNamesTheProblem(t *testing.T) {
+	tests := []struct {
+		name   string
+		break_ func(t *testing.T, s *checkSetup)
+		line   string // the FAIL line's check
+		want   string // in that line
+	}{
+		{"certificate for another member", func(t *testing.T, s *checkSetup) { s.issue(t, "node2", s.ca) },
+			"certificate names member node1", `CN is "node2", not "node1"`},
+		{"expired certificate", func(t *testing.T, s *checkSetup) { cert, key := s.expired(t); s.write(t, cert, key) },
+			"certificate is valid now", "expired"},
+		{"missing key", func(t *testing.T, s *checkSetup) { os.Remove(s.tls.KeyFile) },
+			"certificate ", "read key file"},
+		{"key readable by others", func(t *testing.T, s *checkSetup) { os.Chmod(s.tls.KeyFile, 0o644) },
+			"key ", "chmod 600"},
+		{"certificate from another CA", func(t *testing.T, s *checkSetup) {
+			other, err := clustertls.NewCA("other", time.Hour*24)
+			if err != nil {
+				t.Fatal(err)
+			}
+			s.issue(t, "node1", other)
+		}, "certificate is signed by the cluster CA", "unknown authority"},
+		{"missing CA", func(t *testing.T, s *checkSetup) { os.Remove(s.tls.CAFile) },
+			"CA file", "no such file"},
+		{"listen address not on this host", func(t *testing.T, s *checkSetup) {
+			b, _ := os.ReadFile(s.config)
+			os.WriteFile(s.config, bytes.Replace(b, []byte(`listen = "127.0.0.1:7420"`), []byte(`listen = "192.0.2.1:7420"`), 1), 0o600)
+		}, "cluster.listen", "no interface"},
+		{"state_dir open to others", func(t *testing.T, s *checkSetup) {
+			os.Mkdir(filepath.Join(s.dir, "state"), 0o777)
+			os.Chmod(filepath.Join(s.dir, "state"), 0o777)
+		},
+			"state_dir", "chmod go-w"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			s := newCheckSetup(t)
+			tc.break_(t, s)
+			_, out, err := s.run(t)
+			if err == nil {
+				t.Fatalf("check-config passed:\n%s", out)
+			}
+			if ee, ok := errors.AsType[*cli.ExitError](err); ok {
+				t.Errorf("exit code %d, want 1 (a check failed)", ee.Code)
+			}
+			if l := failLine(t, out, tc.line); !strings.Contains(l, tc.want) {
+				t.Errorf("FAIL line %q does not say %q", l, tc.want)
+			}
+		})
+	}
+}
+
+func TestCheckConfigInvalidFile(t *testing.T) {
+	dir := t.TempDir()
+	for _, tc := range []struct{ name, content, want string }{
+		{"unknown key", "name = \"node1\"\nstate_dri = \"/x\"\n", "unknown key"},
+		{"not a member", "name = \"node9\"\n[[cluster.member]]\nname = \"node1\"\naddress = \"10.0.0.1:7420\"\nrole = \"node\"\n[[cluster.member]]\nname = \"node2\"\naddress = \"10.0.0.2:7420\"\nrole = \"node\"\n", "not a cluster.member"},
+		{"missing file", "", "no such file"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			path := filepath.Join(dir, strings.ReplaceAll(tc.name, " ", "_")+".toml")
+			if tc.content != "" {
+				os.WriteFile(path, []byte(tc.content), 0o600)
+			}
+			var out bytes.Buffer
+			err := checkConfig(&out, path, time.Now())
+			ee, ok := errors.AsType[*cli.ExitError](err)
+			if !ok || ee.Code != cli.ExitUsage {
+				t.Errorf("error %v, want exit %d", err, cli.ExitUsage)
+			}
+			if !strings.HasPrefix(out.String(), "FAIL  configuration") || !strings.Contains(out.String(), tc.want) {
+				t.Errorf("output %q does not name %q", out.String(), tc.want)
+			}
+		})
+	}
+}
+
+func TestKernelAtLeast(t *testing.T) {
+	for _, tc := range []struct {
+		release string
+		ok      bool
+	}{
+		{"6.6.0", true}, {"6.18.44-fc-v769", true}, {"7.0.1", true}, {"6.8.0-45-generic", true}, {"6.6-rc1", true},
+		{"6.5.13", false}, {"5.15.0-91-generic", false}, {"6", false}, {"x.y", false}, {"", false},
+	} {
+		if err := kernelAtLeast(tc.release, [2]int{6, 6}); (err == nil) != tc.ok {
+			t.Errorf("kernelAtLeast(%q) = %v, want ok=%v", tc.release, err, tc.ok)
+		}
+	}
+}
+
+func TestSafeDirPath(t *testing.T) {
+	testenv.RequireKernel(t, "root, to own the directories checked")
+	tests := []struct {
+		name   string
+		setup  func(t *testing.T, base string) string // returns the directory to check
+		shared bool
+		want   string // "" means safe
+	}{
+		{"missing below a private dir", func(t *testing.T, b string) string { return filepath.Join(b, "a", "b") }, false, ""},
+		{"existing private dir", func(t *testing.T, b string) string {
+			os.Mkdir(filepath.Join(b, "s"), 0o700)
+			return filepath.Join(b, "s")
+		}, false, ""},
+		{"parent writable by others", func(t *testing.T, b string) string {
+			os.Mkdir(filepath.Join(b, "p"), 0o777)
+			os.Chmod(filepath.Join(b, "p"), 0o777)
+			return filepath.Join(b, "p", "s")
+		}, false, "not sticky"},
+		{"missing in a sticky world-writable dir", func(t *testing.T, b string) string {
+			os.Mkdir(filepath.Join(b, "tmp"), 0o777)
+			os.Chmod(filepath.Join(b, "tmp"), 0o777|os.ModeSticky)
+			return filepath.Join(b, "tmp", "s")
+		}, false, "create it first"},
+		{"root's dir in a sticky dir", func(t *testing.T, b string) string {
+			os.Mkdir(filepath.Join(b, "tmp"), 0o777)
+			os.Chmod(filepath.Join(b, "tmp"), 0o777|os.ModeSticky)
+			os.Mkdir(filepath.Join(b, "tmp", "s"), 0o700)
+			return filepath.Join(b, "tmp", "s")
+		}, false, ""},
+		{"owned by another user", func(t *testing.T, b string) string {
+			os.Mkdir(filepath.Join(b, "u"), 0o700)
+			os.Chown(filepath.Join(b, "u"), 65534, 65534)
+			return filepath.Join(b, "u", "s")
+		}, false, "uid 65534"},
+		{"a file", func(t *testing.T, b string) string {
+			os.WriteFile(filepath.Join(b, "f"), nil, 0o600)
+			return filepath.Join(b, "f")
+		}, false, "not a directory"},
+		{"sticky shared jobs dir", func(t *testing.T, b string) string {
+			os.Mkdir(filepath.Join(b, "jobs"), 0o777)
+			os.Chmod(filepath.Join(b, "jobs"), 0o777|os.ModeSticky)
+			return filepath.Join(b, "jobs")
+		}, true, ""},
+		{"sticky state dir", func(t *testing.T, b string) string {
+			os.Mkdir(filepath.Join(b, "st"), 0o777)
+			os.Chmod(filepath.Join(b, "st"), 0o777|os.ModeSticky)
+			return filepath.Join(b, "st")
+		}, false, "root's alone"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := tc.setup(t, t.TempDir())
+			err := safeDirPath(dir, tc.shared)
+			if tc.want == "" && err != nil || tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)) {
+				t.Errorf("safeDirPath(%s) = %v, want %q", dir, err, tc.want)
+			}
+		})
+	}
+}

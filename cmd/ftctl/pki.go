@@ -1,0 +1,300 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/internal/cli"
+	"github.com/ftkit/ftkit/internal/clustertls"
+)
+
+// File names of the CA in a pki directory; clustertls.WriteCA writes them and WriteFiles puts a copy of
+// the certificate beside every member's credentials.
+const (
+	caCertName = "cluster_ca.crt"
+	caKeyName  = "cluster_ca.key"
+	// maxPEM bounds what is read back from a pki directory: a CA certificate or key is well under 4 KiB.
+	maxPEM = 64 << 10
+)
+
+// validity is a duration flag that also takes whole days ("365d"), the unit certificates are thought in.
+type validity struct{ d *time.Duration }
+
+func (v validity) String() string {
+	if v.d == nil {
+		return ""
+	}
+	if *v.d%(24*time.Hour) == 0 {
+		return strconv.FormatInt(int64(*v.d/(24*time.Hour)), 10) + "d"
+	}
+	return v.d.String()
+}
+
+func (v validity) Set(s string) error {
+	d, err := parseValidity(s)
+	if err != nil {
+		return err
+	}
+	*v.d = d
+	return nil
+}
+
+func (v validity) Type() string { return "duration" }
+
+func parseValidity(s string) (time.Duration, error) {
+	var d time.Duration
+	if days, ok := strings.CutSuffix(s, "d"); ok {
+		n, err := strconv.ParseInt(days, 10, 32)
+		if err != nil {
+			return 0, fmt.Errorf("%q: use whole days (365d) or a Go duration (8760h)", s)
+		}
+		d = time.Duration(n) * 24 * time.Hour
+	} else {
+		var err error
+		if d, err = time.ParseDuration(s); err != nil {
+			return 0, fmt.Errorf("%q: use whole days (365d) or a Go duration (8760h)", s)
+		}
+	}
+	if d <= 0 {
+		return 0, fmt.Errorf("%q: the validity must be positive", s)
+	}
+	return d, nil
+}
+
+func newPKICmd() *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "pki",
+		Short: "Create the cluster CA and the certificates of members and operators",
+		Long: `Agents authenticate each other with mutual TLS: every member presents a certificate signed by the
+cluster CA whose common name and DNS name are its member name (the name in [[cluster.member]]), never
+its address. 'pki init' creates the CA once, on a host that is not a cluster member; 'pki issue' signs a
+certificate for each member, to be copied to that host (docs/deploy.md). Keep cluster_ca.key off the
+members: whoever holds it can join the cluster.`,
+	}
+	cmd.AddCommand(newPKIInitCmd(), newPKIIssueCmd())
+	return cmd
+}
+
+func newPKIInitCmd() *cobra.Command {
+	var dir, name string
+	var force bool
+	valid := 10 * 365 * 24 * time.Hour
+	cmd := &cobra.Command{
+		Use:   "init --dir DIR [--name CLUSTER] [--validity 3650d]",
+		Short: "Create the cluster CA in DIR (cluster_ca.crt, cluster_ca.key)",
+		Long: `Create the cluster CA: an ECDSA P-256 certificate that may sign member certificates only, and its key.
+DIR is created 0700 if missing; an existing DIR must be a real directory (not a symbolic link) that only
+its owner can access. cluster_ca.key is written 0600, cluster_ca.crt 0644, each atomically. An existing CA
+is kept unless --force: replacing it invalidates every certificate it signed.`,
+		Args: cli.Args(cobra.NoArgs),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if strings.TrimSpace(name) == "" {
+				return cli.Usagef("--name must not be empty")
+			}
+			if err := privateDir(dir); err != nil {
+				return err
+			}
+			for _, f := range []string{caCertName, caKeyName} {
+				p := filepath.Join(dir, f)
+				fi, err := os.Lstat(p)
+				switch {
+				case errors.Is(err, fs.ErrNotExist):
+				case err != nil:
+					return fmt.Errorf("pki init: %w", err)
+				case !fi.Mode().IsRegular():
+					return fmt.Errorf("pki init: %s exists and is not a regular file; remove it", p)
+				case !force:
+					return cli.WithCode(cli.ExitUnavailable, fmt.Errorf("pki init: %s exists: a CA is already there (pass --force to replace it and invalidate every certificate it signed)", p))
+				}
+			}
+			ca, err := clustertls.NewCA(name, valid)
+			if err != nil {
+				return fmt.Errorf("pki init: %w", err)
+			}
+			if err := clustertls.WriteCA(dir, ca); err != nil {
+				return fmt.Errorf("pki init: %w", err)
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "cluster CA %q created, valid %s: %s (keep private, off the members), %s (copy to every member)\n",
+				name, validity{&valid}, filepath.Join(dir, caKeyName), filepath.Join(dir, caCertName))
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&dir, "dir", "", "directory for the CA (created 0700)")
+	cmd.Flags().StringVar(&name, "name", "ftkit-cluster", "the CA's common name: name the cluster")
+	cmd.Flags().Var(validity{&valid}, "validity", "how long the CA is valid: days (3650d) or a Go duration")
+	cmd.Flags().BoolVar(&force, "force", false, "replace an existing CA")
+	cmd.MarkFlagRequired("dir")
+	return cmd
+}
+
+func newPKIIssueCmd() *cobra.Command {
+	var dir, out string
+	var addrs []string
+	var operator bool
+	valid := 365 * 24 * time.Hour
+	cmd := &cobra.Command{
+		Use:   "issue --dir DIR HOST [--address IP]... [--out OUTDIR] | issue --dir DIR --operator NAME",
+		Short: "Sign a member certificate for HOST (or an operator's client certificate) with the CA in DIR",
+		Long: `Sign a certificate with the CA in DIR and write it to OUTDIR (default DIR/HOST, or DIR/operator-NAME)
+with a copy of the CA certificate: cluster_ca.crt and HOST.crt (0644), HOST.key (0600), in a directory
+only its owner can access. Copy OUTDIR to the host as /etc/ftkit/pki and point the agent's [cluster]
+ca, cert and key at the files.
+
+A member certificate carries HOST as its common name and DNS name (what the other agents check; HOST
+must be the name in [[cluster.member]]), and any --address as IP names, for information only: peers
+verify the name, because a spare takes over a failed node's address. It serves as server and client.
+
+--operator makes a client-only certificate with the common name operator:NAME. No agent accepts it as
+a member; it is for the cluster-wide ftctl (not yet).`,
+		Args: cli.Args(cobra.ExactArgs(1)),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			name := args[0]
+			if err := clustertls.ValidateMemberName(name); err != nil {
+				return cli.Usagef("%s: %v", name, err)
+			}
+			var ips []netip.Addr
+			for _, a := range addrs {
+				ip, err := netip.ParseAddr(a)
+				if err != nil {
+					return cli.Usagef("--address %q: use an IP address", a)
+				}
+				ips = append(ips, ip)
+			}
+			if operator && len(ips) > 0 {
+				return cli.Usagef("--address does not apply to an operator certificate")
+			}
+			ca, err := loadCA(dir)
+			if err != nil {
+				return err
+			}
+			fileName := name
+			var certPEM, keyPEM []byte
+			if operator {
+				fileName = "operator-" + name
+				certPEM, keyPEM, err = ca.IssueOperator(name, valid)
+			} else {
+				certPEM, keyPEM, err = ca.Issue(name, ips, valid)
+			}
+			if err != nil {
+				return fmt.Errorf("pki issue: %w", err)
+			}
+			if out == "" {
+				out = filepath.Join(dir, fileName)
+			}
+			if err := privateDir(out); err != nil {
+				return err
+			}
+			for _, f := range []string{caCertName, fileName + ".crt", fileName + ".key"} {
+				if err := noLink(filepath.Join(out, f)); err != nil {
+					return err
+				}
+			}
+			files, err := clustertls.WriteFiles(out, fileName, ca.CertPEM(), certPEM, keyPEM)
+			if err != nil {
+				return fmt.Errorf("pki issue: %w", err)
+			}
+			what := "member " + name
+			if operator {
+				what = "operator " + name
+			}
+			w := cmd.OutOrStdout()
+			fmt.Fprintf(w, "certificate for %s issued, valid %s:\n", what, validity{&valid})
+			fmt.Fprintf(w, "  ca   = %q\n  cert = %q\n  key  = %q\n", files.CAFile, files.CertFile, files.KeyFile)
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&dir, "dir", "", "directory of the CA (from pki init)")
+	cmd.Flags().StringVar(&out, "out", "", "output directory (default DIR/HOST; created 0700)")
+	cmd.Flags().StringSliceVar(&addrs, "address", nil, "an IP address of the host, added as an IP name (repeat or comma-separate)")
+	cmd.Flags().BoolVar(&operator, "operator", false, "issue an operator's client certificate instead of a member's")
+	cmd.Flags().Var(validity{&valid}, "validity", "how long the certificate is valid: days (365d) or a Go duration; at most the CA's")
+	cmd.MarkFlagRequired("dir")
+	return cmd
+}
+
+// privateDir makes sure dir is a directory only its owner can access, creating it 0700 if missing. A
+// symbolic link is refused rather than followed: keys written through one would land where its author chose.
+func privateDir(dir string) error {
+	fi, err := os.Lstat(dir)
+	if errors.Is(err, fs.ErrNotExist) {
+		if err := os.MkdirAll(filepath.Dir(dir), 0o755); err != nil {
+			return fmt.Errorf("create %s: %w", filepath.Dir(dir), err)
+		}
+		if err := os.Mkdir(dir, 0o700); err != nil {
+			return fmt.Errorf("create %s: %w", dir, err)
+		}
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("check %s: %w", dir, err)
+	}
+	switch {
+	case fi.Mode()&fs.ModeSymlink != 0:
+		return fmt.Errorf("%s is a symbolic link: give the real directory", dir)
+	case !fi.IsDir():
+		return fmt.Errorf("%s is not a directory", dir)
+	case fi.Mode().Perm()&0o077 != 0:
+		return fmt.Errorf("%s is accessible to other users (mode %04o) and would hold private keys: chmod 700 it", dir, fi.Mode().Perm())
+	}
+	return nil
+}
+
+// noLink refuses a target that is anything but a regular file: the files are replaced by rename, which
+// never follows a link, but a link there means someone is up to something.
+func noLink(path string) error {
+	fi, err := os.Lstat(path)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return nil
+	case err != nil:
+		return fmt.Errorf("check %s: %w", path, err)
+	case !fi.Mode().IsRegular():
+		return fmt.Errorf("%s exists and is not a regular file (mode %s): remove it", path, fi.Mode())
+	}
+	return nil
+}
+
+// readNoFollow reads a small file without following a symbolic link in its last component.
+func readNoFollow(path string) ([]byte, error) {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("open %s: %w", path, err)
+	}
+	f := os.NewFile(uintptr(fd), path)
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, maxPEM+1))
+	if err != nil {
+		return nil, fmt.Errorf("read %s: %w", path, err)
+	}
+	if len(b) > maxPEM {
+		return nil, fmt.Errorf("%s is larger than %d bytes: not a CA file", path, maxPEM)
+	}
+	return b, nil
+}
+
+func loadCA(dir string) (*clustertls.CA, error) {
+	certPEM, err := readNoFollow(filepath.Join(dir, caCertName))
+	if err != nil {
+		return nil, fmt.Errorf("load CA (create it with ftctl pki init --dir %s): %w", dir, err)
+	}
+	keyPEM, err := readNoFollow(filepath.Join(dir, caKeyName))
+	if err != nil {
+		return nil, fmt.Errorf("load CA (create it with ftctl pki init --dir %s): %w", dir, err)
+	}
+	ca, err := clustertls.LoadCA(certPEM, keyPEM)
+	if err != nil {
+		return nil, fmt.Errorf("load CA from %s: %w", dir, err)
+	}
+	return ca, nil
+}
