@@ -55,13 +55,16 @@ bench: build
 PKGOUT ?= $(BIN)
 DEB_VERSION := $(shell echo '$(VERSION)' | sed -E 's/^v([0-9])/\1/; t; s/^/0.0~git/' | tr - '+')
 
+# Built into its own staging directory, never into bin/: `make test` runs the package test while other
+# tests execute the binaries in bin/.
+PKGSTAGE := build/package
+
 package:
-	@test "$(BIN)" = bin || { echo "make package: deploy/nfpm.yaml takes the binaries from bin/"; exit 1; }
-	@mkdir -p $(BIN)/completion $(PKGOUT)
-	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/ ./cmd/...
-	$(BIN)/ftctl completion bash > $(BIN)/completion/ftctl.bash
-	$(BIN)/ftctl completion zsh > $(BIN)/completion/ftctl.zsh
+	@mkdir -p $(PKGSTAGE)/completion $(PKGOUT)
+	$(GO) build -ldflags '$(LDFLAGS)' -o $(PKGSTAGE)/ ./cmd/...
+	$(PKGSTAGE)/ftctl completion bash > $(PKGSTAGE)/completion/ftctl.bash
+	$(PKGSTAGE)/ftctl completion zsh > $(PKGSTAGE)/completion/ftctl.zsh
 	FTKIT_DEB_VERSION='$(DEB_VERSION)' $(GO) tool nfpm package --config deploy/nfpm.yaml --packager deb --target $(PKGOUT)/
 
 clean:
-	rm -rf $(BIN)
+	rm -rf $(BIN) build
