@@ -5,12 +5,12 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"github.com/ftkit/ftkit/internal/testenv"
 	"io"
 	"log/slog"
 	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"runtime"
 	"strconv"
 	"strings"
@@ -22,43 +22,6 @@ import (
 
 	"github.com/ftkit/ftkit/agent"
 )
-
-// startSleep starts a child that stands for a job's root process; it is killed and reaped at the end.
-func startSleep(t *testing.T) *exec.Cmd {
-	t.Helper()
-	cmd := exec.Command("sleep", "600")
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		cmd.Process.Kill()
-		cmd.Wait()
-	})
-	return cmd
-}
-
-// waitSignalled reaps cmd and checks that sig ended it.
-func waitSignalled(t *testing.T, cmd *exec.Cmd, sig syscall.Signal) {
-	t.Helper()
-	err := cmd.Wait()
-	var ee *exec.ExitError
-	if !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != sig {
-		t.Fatalf("process ended with %v, want signal %v", err, sig)
-	}
-}
-
-// stillRuns checks that nothing killed cmd: it is not a zombie either.
-func stillRuns(t *testing.T, cmd *exec.Cmd) {
-	t.Helper()
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(cmd.Process.Pid) + "/stat")
-	if err != nil {
-		t.Fatalf("process %d is gone: %v", cmd.Process.Pid, err)
-	}
-	// Field 3, after the parenthesised command name, is the state.
-	if _, rest, _ := strings.Cut(string(b), ") "); strings.HasPrefix(rest, "Z") {
-		t.Fatalf("process %d was signalled: it is a zombie", cmd.Process.Pid)
-	}
-}
 
 // The signal endpoint, on real processes: the job's owner and root reach the job; another uid, a PID
 // that is no longer the job's (reused), and a job whose process is gone are refused.
@@ -88,7 +51,7 @@ func TestAPISignal(t *testing.T) {
 	}
 	for i, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			cmd := startSleep(t)
+			cmd := testenv.StartSleep(t)
 			pid := cmd.Process.Pid
 			j := fb.addJob(t, agent.Job{ID: "sig-" + strconv.Itoa(i), UID: asOwner.Uid, GID: asOwner.Gid, State: agent.JobRunning, PID: pid})
 			switch tt.state {
@@ -107,9 +70,9 @@ func TestAPISignal(t *testing.T) {
 			switch {
 			case tt.state == reaped:
 			case tt.code == 204:
-				waitSignalled(t, cmd, syscall.SIGTERM)
+				testenv.WaitSignalled(t, cmd, syscall.SIGTERM)
 			default:
-				stillRuns(t, cmd)
+				testenv.StillRuns(t, cmd)
 			}
 		})
 	}

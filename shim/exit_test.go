@@ -2,12 +2,11 @@ package shim
 
 import (
 	"errors"
+	"github.com/ftkit/ftkit/internal/testenv"
 	"io/fs"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
-	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -68,48 +67,11 @@ func TestReadExitRefusesLinkAndFIFO(t *testing.T) {
 	}
 }
 
-// startSleep starts a child that stands for a job's root process; it is killed and reaped at the end.
-func startSleep(t *testing.T) *exec.Cmd {
-	t.Helper()
-	cmd := exec.Command("sleep", "600")
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		cmd.Process.Kill()
-		cmd.Wait()
-	})
-	return cmd
-}
-
-// waitSignalled reaps cmd and checks that sig ended it.
-func waitSignalled(t *testing.T, cmd *exec.Cmd, sig syscall.Signal) {
-	t.Helper()
-	err := cmd.Wait()
-	var ee *exec.ExitError
-	if !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != sig {
-		t.Fatalf("process ended with %v, want signal %v", err, sig)
-	}
-}
-
-// stillRuns checks that nothing killed cmd: it is not a zombie either.
-func stillRuns(t *testing.T, cmd *exec.Cmd) {
-	t.Helper()
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(cmd.Process.Pid) + "/stat")
-	if err != nil {
-		t.Fatalf("process %d is gone: %v", cmd.Process.Pid, err)
-	}
-	// Field 3, after the parenthesised command name, is the state.
-	if _, rest, _ := strings.Cut(string(b), ") "); strings.HasPrefix(rest, "Z") {
-		t.Fatalf("process %d was signalled: it is a zombie", cmd.Process.Pid)
-	}
-}
-
 // Signal itself on a real child: signalled while it runs in the job's cgroup; refused once it has
 // exited and been reaped (its PID may then name anyone's process).
 func TestSignalPidfd(t *testing.T) {
 	cg := t.TempDir()
-	cmd := startSleep(t)
+	cmd := testenv.StartSleep(t)
 	pid := cmd.Process.Pid
 	if err := os.WriteFile(filepath.Join(cg, "cgroup.procs"), []byte(strconv.Itoa(pid)+"\n"), 0o644); err != nil {
 		t.Fatal(err)
@@ -124,16 +86,16 @@ func TestSignalPidfd(t *testing.T) {
 	if err := Signal(pid, cg, unix.SIGKILL); err != nil {
 		t.Fatalf("SIGKILL to the job: %v", err)
 	}
-	waitSignalled(t, cmd, syscall.SIGKILL)
+	testenv.WaitSignalled(t, cmd, syscall.SIGKILL)
 	if err := Signal(pid, cg, unix.SIGTERM); !errors.Is(err, ErrJobGone) {
 		t.Fatalf("signal after the process was reaped: %v, want ErrJobGone", err)
 	}
 	// The PID reused by a process outside the job: refused, and that process keeps running.
-	other := startSleep(t)
+	other := testenv.StartSleep(t)
 	if err := Signal(other.Process.Pid, cg, unix.SIGTERM); !errors.Is(err, ErrJobGone) {
 		t.Fatalf("signal to a process outside the job's cgroup: %v, want ErrJobGone", err)
 	}
-	stillRuns(t, other)
+	testenv.StillRuns(t, other)
 	if err := Signal(0, cg, unix.SIGTERM); !errors.Is(err, ErrJobGone) {
 		t.Fatalf("signal to pid 0: %v", err)
 	}
