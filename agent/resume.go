@@ -20,6 +20,7 @@ import (
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/internal/atomicfile"
 	"github.com/ftkit/ftkit/restore"
+	"github.com/ftkit/ftkit/restore/recovery"
 	"github.com/ftkit/ftkit/ring"
 	"github.com/ftkit/ftkit/tcpflow"
 )
@@ -39,9 +40,9 @@ const doneRecoveryKeep = 24 * time.Hour
 
 // Phases of a job in a recovery record.
 const (
-	phaseRestoring = "restoring" // the network is prepared; CRIU may or may not have restored it
-	phaseRestored  = "restored"  // it runs; the replay is not verified yet
-	phaseReplayed  = "replayed"  // re-sent and verified; re-protection pending
+	phaseRestoring = recovery.PhaseRestoring
+	phaseRestored  = recovery.PhaseRestored
+	phaseReplayed  = recovery.PhaseReplayed
 )
 
 // recoveryRecord is what a restarted target needs to finish a recovery, and its outcome so far.
@@ -72,7 +73,7 @@ type recoveryConn struct {
 	OutqSeq    uint32           `json:"outq_seq"`
 	Resend     uint32           `json:"resend"`
 	SentPrefix *ckpt.SentPrefix `json:"sent_prefix,omitempty"`
-	resentCheck
+	recovery.Check
 }
 
 // validRecoveryID keeps a failure id (from the coordinator) usable as a file name.
@@ -171,26 +172,26 @@ func (t *recoveryTracker) wrap(emit func(Stage)) func(Stage) {
 	}
 }
 
-// persist records the jobs about to be restored, with their replays and what checking them needs.
-func (t *recoveryTracker) persist(jobs []*restoring) {
+// Persist records the jobs about to be restored, with their replays and what checking them needs.
+func (t *recoveryTracker) Persist(jobs []*recovery.Job) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for _, r := range jobs {
-		rj := recoveryJob{Job: r.job.ID, Snapshot: r.m.ID, Phase: phaseRestoring}
-		for _, c := range r.plan.Conns {
+		rj := recoveryJob{Job: r.ID, Snapshot: r.Manifest.ID, Phase: phaseRestoring}
+		for _, c := range r.Plan.Conns {
 			if c.Resend == 0 {
 				continue
 			}
 			rj.Conns = append(rj.Conns, recoveryConn{Local: c.Conn.Local, Remote: c.Conn.Remote, OutqSeq: c.Conn.OutqSeq, Resend: c.Resend,
-				SentPrefix: c.Conn.SentPrefix, resentCheck: r.checks[c.Conn.Tuple]})
+				SentPrefix: c.Conn.SentPrefix, Check: r.Checks[c.Conn.Tuple]})
 		}
 		t.rec.Jobs = append(t.rec.Jobs, rj)
 	}
 	t.save()
 }
 
-// setPhase moves a job on; a job that failed is dropped from the record (nothing to resume).
-func (t *recoveryTracker) setPhase(id, phase string, at time.Time) {
+// SetPhase moves a job on; a job that failed is dropped from the record (nothing to resume).
+func (t *recoveryTracker) SetPhase(id, phase string, at time.Time) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for i := range t.rec.Jobs {
@@ -309,18 +310,18 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 			protect = append(protect, rj.Job)
 			continue
 		}
-		r := a.resumedRestoring(rj, j)
-		detail, err := a.replayAndVerify(ctx, r)
+		r := a.resumedRecoveryJob(rj, j)
+		detail, err := recovery.ReplayAndVerify(ctx, a.recoveryDeps(t, nil), r)
 		if err != nil {
 			err = fmt.Errorf("job %s is not transparently recoverable (killed): %w", rj.Job, err)
 		}
 		detail += " (resumed after the agent restarted)"
-		stage(Stage{Name: StageReplayed, Job: rj.Job, Host: a.cfg.Name, Start: r.restoredAt, End: time.Now(), Detail: detail, Error: errString(err)})
+		stage(Stage{Name: StageReplayed, Job: rj.Job, Host: a.cfg.Name, Start: r.RestoredAt, End: time.Now(), Detail: detail, Error: errString(err)})
 		if err != nil {
 			errs = append(errs, err)
 			continue
 		}
-		t.setPhase(rj.Job, phaseReplayed, time.Time{})
+		t.SetPhase(rj.Job, phaseReplayed, time.Time{})
 		protect = append(protect, rj.Job)
 	}
 	if len(protect) > 0 {
@@ -343,13 +344,13 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 	a.log.Info("resumed recovery complete", "failure", rec.Failure)
 }
 
-// resumedRestoring rebuilds what waitReplay and verifyResent need of a job from its record. A flow the
+// resumedRecoveryJob rebuilds what recovery.ReplayAndVerify needs of a job from its record. A flow the
 // clamp no longer holds was released by the previous agent, which releases a flow only once its replay is
 // complete: it is not waited for again, but its bytes are still checked.
-func (a *Agent) resumedRestoring(rj recoveryJob, j Job) *restoring {
-	r := &restoring{job: j, restoredAt: rj.RestoredAt, checks: map[tcpflow.Tuple]resentCheck{}}
-	if r.restoredAt.IsZero() {
-		r.restoredAt = time.Now()
+func (a *Agent) resumedRecoveryJob(rj recoveryJob, j Job) *recovery.Job {
+	r := &recovery.Job{ID: j.ID, Incarnation: j.Incarnation, RestoredAt: rj.RestoredAt, Checks: map[tcpflow.Tuple]recovery.Check{}}
+	if r.RestoredAt.IsZero() {
+		r.RestoredAt = time.Now()
 	}
 	var clamped map[tcpflow.Tuple]bool
 	if a.clamp != nil {
@@ -362,12 +363,12 @@ func (a *Agent) resumedRestoring(rj recoveryJob, j Job) *restoring {
 	}
 	for _, c := range rj.Conns {
 		if clamped != nil && !clamped[tcpflow.Tuple{Local: c.Local, Remote: c.Remote}] {
-			r.replayed = append(r.replayed, tcpflow.Tuple{Local: c.Local, Remote: c.Remote})
+			r.Replayed = append(r.Replayed, tcpflow.Tuple{Local: c.Local, Remote: c.Remote})
 		}
 		cp := restore.ConnPlan{Resend: c.Resend}
 		cp.Conn.Local, cp.Conn.Remote, cp.Conn.OutqSeq, cp.Conn.SentPrefix = c.Local, c.Remote, c.OutqSeq, c.SentPrefix
-		r.plan.Conns = append(r.plan.Conns, cp)
-		r.checks[tcpflow.Tuple{Local: c.Local, Remote: c.Remote}] = c.resentCheck
+		r.Plan.Conns = append(r.Plan.Conns, cp)
+		r.Checks[tcpflow.Tuple{Local: c.Local, Remote: c.Remote}] = c.Check
 	}
 	return r
 }
