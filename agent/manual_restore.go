@@ -28,7 +28,7 @@ var ErrCorruptSnapshot = errors.New("snapshot failed verification")
 var ErrJobAlive = errors.New("job still running")
 
 // Restore restores a job on this host from a snapshot: the manual restore of a job whose node is gone
-// (the automatic fail-over with log replay lives in the restorer). A caller other than root may restore
+// (the automatic fail-over with log replay is restore/recovery, run by failover_target.go). A caller other than root may restore
 // only its own jobs, and learns nothing of a snapshot it does not own: the owner is checked before any byte
 // of the snapshot moves, and again from the verified job record. The restore claims the job's next
 // incarnation from a majority of the members first, so that it never runs a second copy of a job that a

@@ -21,8 +21,10 @@ import (
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
-// Checking re-sent bytes (restore/recovery checks them; this file is the agent's part). After a restore, the restored job re-emits the bytes its surviving peers already
-// received since the snapshot, and the peers' TCP discards them unread. A program whose output depends on
+// Checking re-sent bytes: restore/recovery does the check; this file holds the agent's part of it (the
+// receive records it serves, the prefix CRC at a dump, the log it reads re-sent bytes from, the kill).
+// After a restore, the restored job re-emits the bytes its surviving peers already received since the
+// snapshot, and the peers' TCP discards them unread. A program whose output depends on
 // anything but its inputs (the clock, a random source, the order in which it reads its sockets) re-sends
 // different bytes and silently diverges from what its peers saw. So every host records what its protected
 // sockets receive, as a CRC-32C per 64 KiB block (recvdigest, fed by an eBPF cgroup ingress tap), and the
