@@ -7,12 +7,14 @@ import (
 	"fmt"
 	"os"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/restore/recovery"
+	"golang.org/x/sys/unix"
 )
 
 // maxCandidates bounds the replicas a recovery request may list per job.
@@ -169,4 +171,42 @@ func (a *Agent) prepareCandidate(ctx context.Context, job string, c Candidate) (
 		return nil, Job{}, err
 	}
 	return &recovery.Job{ID: j.ID, Incarnation: j.Incarnation, Manifest: m, Work: work, RunID: runID, Source: source}, j, nil
+}
+
+// reprotect snapshots the restored jobs and ships the snapshot to this host's protector.
+func (a *Agent) reprotect(ctx context.Context, ids []string) (string, error) {
+	res, err := a.Checkpoint(ctx, ids, 0)
+	if err != nil && a.allEnded(ids) {
+		// A job that finished right after its replay (CRIU: "Unable to detach ... No such process") needs
+		// no protection: its recovery is complete.
+		return fmt.Sprintf("not needed: job(s) %s ended before their snapshot", strings.Join(ids, ", ")), nil
+	}
+	detail := ""
+	for _, s := range res {
+		if !s.Shipped && err == nil {
+			err = errors.New(s.ShipErr)
+		}
+		detail = fmt.Sprintf("snapshot %s shipped", s.Manifest.ID)
+	}
+	if p, ok := a.protector(); ok {
+		detail += " to " + p.Name
+	}
+	return detail, err
+}
+
+// allEnded says whether every job of ids has ended (its process is gone), waiting a little for the shim
+// to record an exit that has just happened.
+func (a *Agent) allEnded(ids []string) bool {
+	for _, id := range ids {
+		for deadline := time.Now().Add(2 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+			j, _, err := a.Job(id, 0)
+			if err != nil || j.State != JobRunning || unix.Kill(j.PID, 0) == unix.ESRCH {
+				break
+			}
+			if time.Now().After(deadline) {
+				return false
+			}
+		}
+	}
+	return true
 }

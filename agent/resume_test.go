@@ -6,7 +6,6 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"reflect"
 	"strings"
@@ -156,49 +155,6 @@ func TestLoadRecoveryRejects(t *testing.T) {
 	for _, id := range []string{"", ".", "..", "a/b", ".hidden", strings.Repeat("x", 256)} {
 		if err := saveRecovery(a.cfg.StateDir, &recoveryRecord{Failure: id}); err == nil {
 			t.Errorf("saveRecovery accepted failure id %q", id)
-		}
-	}
-}
-
-func TestRunningSummary(t *testing.T) {
-	tests := []struct {
-		jobs, running []string
-		want          string
-	}{
-		{[]string{"a", "b"}, []string{"a", "b"}, "job(s) a, b run there"},
-		{[]string{"a", "b"}, []string{"b"}, "job(s) b run there; job(s) a do NOT run there"},
-		{[]string{"a"}, nil, "job(s) a do NOT run there"},
-	}
-	for _, tt := range tests {
-		if got := runningSummary(tt.jobs, tt.running); got != tt.want {
-			t.Errorf("runningSummary(%v, %v) = %q, want %q", tt.jobs, tt.running, got, tt.want)
-		}
-	}
-}
-
-// TestAllEnded: re-protection is skipped only when every restored job has really ended: a job whose record
-// says running and whose process lives is waited for (briefly) and then counts as running.
-func TestAllEnded(t *testing.T) {
-	a := resumeTestAgent(t)
-	gone := exec.Command("true")
-	if err := gone.Run(); err != nil {
-		t.Fatal(err)
-	}
-	a.byID["ended"] = &Job{ID: "ended", State: JobExited, PID: os.Getpid()}
-	a.byID["gone"] = &Job{ID: "gone", State: JobRunning, PID: gone.Process.Pid} // exited, not yet noticed
-	a.byID["alive"] = &Job{ID: "alive", State: JobRunning, PID: os.Getpid()}
-	tests := []struct {
-		ids  []string
-		want bool
-	}{
-		{[]string{"ended"}, true},
-		{[]string{"gone", "ended"}, true},
-		{[]string{"unknown"}, true},
-		{[]string{"ended", "alive"}, false},
-	}
-	for _, tt := range tests {
-		if got := a.allEnded(tt.ids); got != tt.want {
-			t.Errorf("allEnded(%v) = %v, want %v", tt.ids, got, tt.want)
 		}
 	}
 }
