@@ -25,7 +25,8 @@ type recoveryActions struct {
 	records map[*recovery.Job]Job
 }
 
-// recoveryDeps wires a recovery to this agent; track persists it, net is the host's network.
+// recoveryDeps wires a recovery to this agent; track persists it, net is the host's network (nil for a
+// resume: recovery.ReplayAndVerify touches no network).
 func (a *Agent) recoveryDeps(track recovery.Tracker, net recovery.Network) recovery.Deps {
 	act := &recoveryActions{a: a, records: map[*recovery.Job]Job{}}
 	d := recovery.Deps{Snapshots: act, Peers: act, Log: act, Jobs: act, Network: net, Tracker: track,

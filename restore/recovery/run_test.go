@@ -305,3 +305,39 @@ func (s seeingSnapshots) Fetch(ctx context.Context, job string, c clusterapi.Can
 	}
 	return j, err
 }
+
+// TestFetchCheck: a peer that cannot give its record of what it received leaves the reason in the Check,
+// which the verification then reports (TestReplayAndVerify) instead of a silent pass.
+func TestFetchCheck(t *testing.T) {
+	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
+	rec := &recvdigest.Received{Conn: conn, Pieces: []recvdigest.Piece{{Seq: 0, Len: 10, CRC: 1}}}
+	tests := []struct {
+		name string
+		peer receivedFunc
+		want Check
+	}{
+		{"record given", func() (*recvdigest.Received, error) { return rec, nil }, Check{Received: rec}},
+		{"record refused", func() (*recvdigest.Received, error) { return nil, errors.New("agent restarted since") },
+			Check{Missing: "node1 could not give its record of what it received: agent restarted since"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := fetchCheck(t.Context(), tt.peer, "node1", conn, 0); !reflect.DeepEqual(got, tt.want) {
+				t.Errorf("fetchCheck = %+v, want %+v", got, tt.want)
+			}
+		})
+	}
+}
+
+// receivedFunc is Peers answering only Received.
+type receivedFunc func() (*recvdigest.Received, error)
+
+func (f receivedFunc) Owner(netip.Addr) string { return "" }
+
+func (f receivedFunc) LogRange(context.Context, string, clusterapi.LogRangeRequest) (clusterapi.LogRangeReply, []byte, error) {
+	return clusterapi.LogRangeReply{}, nil, errors.New("not asked")
+}
+
+func (f receivedFunc) Received(context.Context, string, tcpflow.Tuple, uint32) (*recvdigest.Received, error) {
+	return f()
+}
