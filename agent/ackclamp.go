@@ -6,6 +6,7 @@ import (
 	"strings"
 
 	"github.com/ftkit/ftkit/ackclamp"
+	"github.com/vishvananda/netlink"
 )
 
 // pinDir is where this agent pins the eBPF objects that must outlive it. The node name is in the default:
@@ -57,4 +58,29 @@ func (a *Agent) closeAckClamp() {
 	if err := a.clamp.Close(); err != nil {
 		a.log.Warn("close ACK clamp", "err", err)
 	}
+}
+
+// startAckClamp loads the ACK clamp and attaches it to the cluster interface, and to loopback for jobs
+// restored on the host of their peer (basic mode).
+func (a *Agent) startAckClamp() error {
+	c, err := a.openAckClamp()
+	if err != nil {
+		return err
+	}
+	iface, _, err := hostInterface(a.cfg.Cluster.Listen.Addr())
+	for _, name := range []string{iface, "lo"} {
+		if err != nil {
+			break
+		}
+		var l netlink.Link
+		if l, err = netlink.LinkByName(name); err == nil {
+			err = c.Attach(l.Attrs().Index)
+		}
+	}
+	if err != nil {
+		c.Close()
+		return err
+	}
+	a.clamp = c
+	return nil
 }

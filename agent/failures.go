@@ -13,6 +13,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/ftkit/ftkit/internal/atomicfile"
+	"github.com/ftkit/ftkit/restore/recovery"
 )
 
 // A Failure is the timeline of one node failure and its recovery, kept by the protector that handled it
@@ -53,11 +54,11 @@ func (s Stage) Duration() time.Duration { return s.End.Sub(s.Start) }
 const (
 	StageDetected  = "detected"
 	StageClaimed   = "spare claimed"
-	StageFetched   = "snapshot fetched"
-	StageRewritten = "images rewritten"
-	StageRestored  = "restored"
-	StageReplayed  = "replay done"
-	StageProtected = "re-protected"
+	StageFetched   = recovery.StageFetched
+	StageRewritten = recovery.StageRewritten
+	StageRestored  = recovery.StageRestored
+	StageReplayed  = recovery.StageReplayed
+	StageProtected = recovery.StageProtected
 )
 
 // Bounds of the failure log. It travels inside every view message (at most maxMessage bytes) and comes

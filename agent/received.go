@@ -17,11 +17,14 @@ import (
 	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/netlog/capture"
 	"github.com/ftkit/ftkit/recvdigest"
+	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
-// Checking re-sent bytes. After a restore, the restored job re-emits the bytes its surviving peers already
-// received since the snapshot, and the peers' TCP discards them unread. A program whose output depends on
+// Checking re-sent bytes: restore/recovery does the check; this file holds the agent's part of it (the
+// receive records it serves, the prefix CRC at a dump, the log it reads re-sent bytes from, the kill).
+// After a restore, the restored job re-emits the bytes its surviving peers already received since the
+// snapshot, and the peers' TCP discards them unread. A program whose output depends on
 // anything but its inputs (the clock, a random source, the order in which it reads its sockets) re-sends
 // different bytes and silently diverges from what its peers saw. So every host records what its protected
 // sockets receive, as a CRC-32C per 64 KiB block (recvdigest, fed by an eBPF cgroup ingress tap), and the
@@ -50,13 +53,6 @@ func (a *Agent) startReceiveDigests() (*ebpfprobes.RecvTap, *recvdigest.Book, *r
 	// Segments past a hole wait in the book until the retransmission that fills it: up to a window.
 	book := recvdigest.NewBook(recvdigest.BookOptions{MaxReorderBytes: 8 << 20})
 	return tap, book, recvdigest.NewRecorder(tap, book, a.log), nil
-}
-
-// resentCheck is what the target needs to check one connection's re-sent bytes besides the snapshot: the
-// peer's record of what it received, or why there is none.
-type resentCheck struct {
-	Received *recvdigest.Received `json:"received,omitempty"`
-	Missing  string               `json:"missing,omitempty"`
 }
 
 // sentPrefix computes ckpt.Conn.SentPrefix of a dumped connection. Its bytes end at write_seq: the last
@@ -115,13 +111,13 @@ func (a *Agent) logOf(conn tcpflow.Tuple) (*netlog.Log, error) {
 // to peers on other hosts are held in the log (the peer's next snapshot would trim them away otherwise),
 // and those to peers on this host (a restore on the protector, RADIC's basic mode), which the cluster
 // interface never sees, are logged by the loopback capture. The returned function ends both.
-func (a *Agent) keepResends(r *restoring) (stop func()) {
+func (a *Agent) keepResends(p restore.Plan) (stop func()) {
 	if a.netlog == nil {
 		return func() {}
 	}
 	var local []tcpflow.Tuple
 	var release []func()
-	for _, c := range r.plan.Conns {
+	for _, c := range p.Conns {
 		if c.Resend == 0 {
 			continue
 		}
@@ -237,60 +233,6 @@ func (a *Agent) receivedOf(ctx context.Context, peer string, conn tcpflow.Tuple,
 	return r.Received, nil
 }
 
-// fetchResentCheck is resentCheck of c from the member that holds its peer.
-func (a *Agent) fetchResentCheck(ctx context.Context, owner string, conn tcpflow.Tuple, from uint32) resentCheck {
-	rec, err := a.receivedOf(ctx, owner, conn, from)
-	if err != nil {
-		return resentCheck{Missing: fmt.Sprintf("%s could not give its record of what it received: %v", owner, err)}
-	}
-	return resentCheck{Received: rec}
-}
-
-// verifyResent checks every byte the restored job re-sent on each connection, as this host's log captured
-// it, against the peer's record, and says which connection failed at a difference or at a byte it cannot
-// check (replayAndVerify then kills the job).
-func (a *Agent) verifyResent(ctx context.Context, r *restoring) (string, error) {
-	var total uint64
-	n := 0
-	for _, c := range r.plan.Conns {
-		if c.Resend == 0 {
-			continue
-		}
-		conn := c.Conn.Tuple
-		from, to := c.Conn.OutqSeq, c.Conn.OutqSeq+c.Resend
-		chk := r.checks[conn]
-		var err error
-		if chk.Received == nil {
-			why := chk.Missing
-			if why == "" {
-				why = "the peer's record of what it received was not fetched"
-			}
-			err = &recvdigest.UnverifiedError{Conn: conn, From: from, To: to, Reason: why}
-		} else {
-			var prefix recvdigest.Prefix
-			if p := c.Conn.SentPrefix; p != nil {
-				prefix = recvdigest.Prefix{Known: true, Len: p.Len, CRC: p.CRC}
-			}
-			var v uint64
-			missing := false // once bytes failed to arrive in the log, do not wait again for each later piece
-			v, err = recvdigest.Verify(*chk.Received, from, to, prefix, func(w io.Writer, seq, n uint32) error {
-				if !missing {
-					a.waitLogged(ctx, conn, seq+n)
-				}
-				err := a.loggedRange(ctx, w, conn, seq, n)
-				missing = missing || err != nil
-				return err
-			})
-			total += v
-		}
-		if err != nil {
-			return fmt.Sprintf("re-sent bytes checked: %d, then connection %s failed the check", total, conn), err
-		}
-		n++
-	}
-	return fmt.Sprintf("re-sent bytes verified: all %d on %d connection(s)", total, n), nil
-}
-
 // waitLogged waits (a little) until this host's log holds conn's bytes up to wire sequence end.
 func (a *Agent) waitLogged(ctx context.Context, conn tcpflow.Tuple, end uint32) {
 	l, err := a.logOf(conn)
@@ -313,7 +255,7 @@ func (a *Agent) waitLogged(ctx context.Context, conn tcpflow.Tuple, end uint32) 
 	}
 }
 
-// killJob stops a restored job that cannot continue; the shim records the signal and the agent marks the
+// killJob stops a restored job that cannot continue (recovery.ReplayAndVerify decides); the shim records the signal and the agent marks the
 // job ended.
 func (a *Agent) killJob(id string, why error) {
 	j, _, err := a.Job(id, 0)

@@ -14,13 +14,10 @@ import (
 	"sync"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/ftkit/ftkit/ckpt"
-	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/internal/atomicfile"
 	"github.com/ftkit/ftkit/restore"
-	"github.com/ftkit/ftkit/ring"
+	"github.com/ftkit/ftkit/restore/recovery"
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
@@ -29,7 +26,7 @@ import (
 // dies there (SIGKILL, OOM) must not leave them half done: the target keeps the in-progress recovery in
 // its state directory, and a restarted agent resumes it from there, with the ACK clamp it re-opened from
 // bpffs (the restored sockets kept their ACK clock meanwhile). The coordinator, whose progress stream
-// broke, asks the target for the outcome (clusterapi.OpRecoveryStatus).
+// broke, asks the target for the outcome (clusterapi.OpRecoveryStatus, recovery_status.go).
 
 // recoveriesDir holds one record per recovery this host is or was the target of (root only, 0700).
 const recoveriesDir = "recoveries"
@@ -39,9 +36,9 @@ const doneRecoveryKeep = 24 * time.Hour
 
 // Phases of a job in a recovery record.
 const (
-	phaseRestoring = "restoring" // the network is prepared; CRIU may or may not have restored it
-	phaseRestored  = "restored"  // it runs; the replay is not verified yet
-	phaseReplayed  = "replayed"  // re-sent and verified; re-protection pending
+	phaseRestoring = recovery.PhaseRestoring
+	phaseRestored  = recovery.PhaseRestored
+	phaseReplayed  = recovery.PhaseReplayed
 )
 
 // recoveryRecord is what a restarted target needs to finish a recovery, and its outcome so far.
@@ -72,7 +69,7 @@ type recoveryConn struct {
 	OutqSeq    uint32           `json:"outq_seq"`
 	Resend     uint32           `json:"resend"`
 	SentPrefix *ckpt.SentPrefix `json:"sent_prefix,omitempty"`
-	resentCheck
+	recovery.Check
 }
 
 // validRecoveryID keeps a failure id (from the coordinator) usable as a file name.
@@ -171,26 +168,26 @@ func (t *recoveryTracker) wrap(emit func(Stage)) func(Stage) {
 	}
 }
 
-// persist records the jobs about to be restored, with their replays and what checking them needs.
-func (t *recoveryTracker) persist(jobs []*restoring) {
+// Persist records the jobs about to be restored, with their replays and what checking them needs.
+func (t *recoveryTracker) Persist(jobs []*recovery.Job) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for _, r := range jobs {
-		rj := recoveryJob{Job: r.job.ID, Snapshot: r.m.ID, Phase: phaseRestoring}
-		for _, c := range r.plan.Conns {
+		rj := recoveryJob{Job: r.ID, Snapshot: r.Manifest.ID, Phase: phaseRestoring}
+		for _, c := range r.Plan.Conns {
 			if c.Resend == 0 {
 				continue
 			}
 			rj.Conns = append(rj.Conns, recoveryConn{Local: c.Conn.Local, Remote: c.Conn.Remote, OutqSeq: c.Conn.OutqSeq, Resend: c.Resend,
-				SentPrefix: c.Conn.SentPrefix, resentCheck: r.checks[c.Conn.Tuple]})
+				SentPrefix: c.Conn.SentPrefix, Check: r.Checks[c.Conn.Tuple]})
 		}
 		t.rec.Jobs = append(t.rec.Jobs, rj)
 	}
 	t.save()
 }
 
-// setPhase moves a job on; a job that failed is dropped from the record (nothing to resume).
-func (t *recoveryTracker) setPhase(id, phase string, at time.Time) {
+// SetPhase moves a job on; a job that failed is dropped from the record (nothing to resume).
+func (t *recoveryTracker) SetPhase(id, phase string, at time.Time) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for i := range t.rec.Jobs {
@@ -309,18 +306,18 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 			protect = append(protect, rj.Job)
 			continue
 		}
-		r := a.resumedRestoring(rj, j)
-		detail, err := a.replayAndVerify(ctx, r)
+		r := a.resumedRecoveryJob(rj, j)
+		detail, err := recovery.ReplayAndVerify(ctx, a.recoveryDeps(t, nil), r)
 		if err != nil {
 			err = fmt.Errorf("job %s is not transparently recoverable (killed): %w", rj.Job, err)
 		}
 		detail += " (resumed after the agent restarted)"
-		stage(Stage{Name: StageReplayed, Job: rj.Job, Host: a.cfg.Name, Start: r.restoredAt, End: time.Now(), Detail: detail, Error: errString(err)})
+		stage(Stage{Name: StageReplayed, Job: rj.Job, Host: a.cfg.Name, Start: r.RestoredAt, End: time.Now(), Detail: detail, Error: errString(err)})
 		if err != nil {
 			errs = append(errs, err)
 			continue
 		}
-		t.setPhase(rj.Job, phaseReplayed, time.Time{})
+		t.SetPhase(rj.Job, phaseReplayed, time.Time{})
 		protect = append(protect, rj.Job)
 	}
 	if len(protect) > 0 {
@@ -343,13 +340,13 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 	a.log.Info("resumed recovery complete", "failure", rec.Failure)
 }
 
-// resumedRestoring rebuilds what waitReplay and verifyResent need of a job from its record. A flow the
+// resumedRecoveryJob rebuilds what recovery.ReplayAndVerify needs of a job from its record. A flow the
 // clamp no longer holds was released by the previous agent, which releases a flow only once its replay is
 // complete: it is not waited for again, but its bytes are still checked.
-func (a *Agent) resumedRestoring(rj recoveryJob, j Job) *restoring {
-	r := &restoring{job: j, restoredAt: rj.RestoredAt, checks: map[tcpflow.Tuple]resentCheck{}}
-	if r.restoredAt.IsZero() {
-		r.restoredAt = time.Now()
+func (a *Agent) resumedRecoveryJob(rj recoveryJob, j Job) *recovery.Job {
+	r := &recovery.Job{ID: j.ID, Incarnation: j.Incarnation, RestoredAt: rj.RestoredAt, Checks: map[tcpflow.Tuple]recovery.Check{}}
+	if r.RestoredAt.IsZero() {
+		r.RestoredAt = time.Now()
 	}
 	var clamped map[tcpflow.Tuple]bool
 	if a.clamp != nil {
@@ -362,205 +359,12 @@ func (a *Agent) resumedRestoring(rj recoveryJob, j Job) *restoring {
 	}
 	for _, c := range rj.Conns {
 		if clamped != nil && !clamped[tcpflow.Tuple{Local: c.Local, Remote: c.Remote}] {
-			r.replayed = append(r.replayed, tcpflow.Tuple{Local: c.Local, Remote: c.Remote})
+			r.Replayed = append(r.Replayed, tcpflow.Tuple{Local: c.Local, Remote: c.Remote})
 		}
 		cp := restore.ConnPlan{Resend: c.Resend}
 		cp.Conn.Local, cp.Conn.Remote, cp.Conn.OutqSeq, cp.Conn.SentPrefix = c.Local, c.Remote, c.OutqSeq, c.SentPrefix
-		r.plan.Conns = append(r.plan.Conns, cp)
-		r.checks[tcpflow.Tuple{Local: c.Local, Remote: c.Remote}] = c.resentCheck
+		r.Plan.Conns = append(r.Plan.Conns, cp)
+		r.Checks[tcpflow.Tuple{Local: c.Local, Remote: c.Remote}] = c.Check
 	}
 	return r
-}
-
-// reprotect snapshots the restored jobs and ships the snapshot to this host's protector.
-func (a *Agent) reprotect(ctx context.Context, ids []string) (string, error) {
-	res, err := a.Checkpoint(ctx, ids, 0)
-	if err != nil && a.allEnded(ids) {
-		// A job that finished right after its replay (CRIU: "Unable to detach ... No such process") needs
-		// no protection: its recovery is complete.
-		return fmt.Sprintf("not needed: job(s) %s ended before their snapshot", strings.Join(ids, ", ")), nil
-	}
-	detail := ""
-	for _, s := range res {
-		if !s.Shipped && err == nil {
-			err = errors.New(s.ShipErr)
-		}
-		detail = fmt.Sprintf("snapshot %s shipped", s.Manifest.ID)
-	}
-	if p, ok := a.protector(); ok {
-		detail += " to " + p.Name
-	}
-	return detail, err
-}
-
-// allEnded says whether every job of ids has ended (its process is gone), waiting a little for the shim
-// to record an exit that has just happened.
-func (a *Agent) allEnded(ids []string) bool {
-	for _, id := range ids {
-		for deadline := time.Now().Add(2 * time.Second); ; time.Sleep(20 * time.Millisecond) {
-			j, _, err := a.Job(id, 0)
-			if err != nil || j.State != JobRunning || unix.Kill(j.PID, 0) == unix.ESRCH {
-				break
-			}
-			if time.Now().After(deadline) {
-				return false
-			}
-		}
-	}
-	return true
-}
-
-// recoveryStatusMessage is the target's answer about a recovery, its stages decoded.
-type recoveryStatusMessage struct {
-	Failure string
-	Known   bool
-	Done    bool
-	Resumed bool
-	Error   string
-	Stages  []Stage
-	Running []string // the asked-about jobs that run there
-}
-
-// serveRecoveryStatus answers a member's question about a recovery this host was the target of (it
-// knows only those peer coordinated) and the failure's jobs (the protocol bounds the list).
-func (a *Agent) serveRecoveryStatus(peer string, q clusterapi.RecoveryStatusRequest) clusterapi.RecoveryStatusReply {
-	reply := clusterapi.RecoveryStatusReply{Failure: q.Failure}
-	if validRecoveryID(q.Failure) {
-		if rec, err := loadRecovery(recoveryPath(a.cfg.StateDir, q.Failure)); err == nil && rec.Coordinator == peer {
-			reply.Known, reply.Done, reply.Resumed, reply.Error = true, rec.Done, rec.Resumed, rec.Error
-			if b, err := json.Marshal(rec.Stages); err == nil {
-				reply.Stages = b
-			}
-		}
-	}
-	for _, id := range q.Jobs {
-		if j, _, err := a.Job(id, 0); err == nil && j.State == JobRunning {
-			reply.Running = append(reply.Running, id)
-		}
-	}
-	return reply
-}
-
-// recoveryStatus asks target about a recovery of failure and its jobs.
-func (a *Agent) recoveryStatus(ctx context.Context, target, failure string, jobs []string) (recoveryStatusMessage, error) {
-	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	r, err := a.peers().RecoveryStatus(qctx, target, clusterapi.RecoveryStatusRequest{Failure: failure, Jobs: jobs})
-	if err != nil {
-		return recoveryStatusMessage{}, err
-	}
-	st := recoveryStatusMessage{Failure: r.Failure, Known: r.Known, Done: r.Done, Resumed: r.Resumed, Error: r.Error, Running: r.Running}
-	if len(r.Stages) > 0 {
-		if err := json.Unmarshal(r.Stages, &st.Stages); err != nil {
-			return st, fmt.Errorf("stages of recovery %s from %s are not the expected JSON: %w", failure, target, err)
-		}
-	}
-	return st, nil
-}
-
-// brokenRecoveryWait bounds how long a coordinator whose progress stream broke waits for the target to
-// answer again and finish: a restarted agent resumes the replay (failover.replay_timeout, the same on
-// every member) and re-protects.
-func (a *Agent) brokenRecoveryWait() time.Duration {
-	return a.cfg.Failover.ReplayTimeout.Duration + 3*time.Minute
-}
-
-// brokenSilenceWait bounds how long the target may not answer at all: an agent restarts in seconds; a host
-// that stays silent longer is left to failure detection.
-func (a *Agent) brokenSilenceWait() time.Duration {
-	return max(a.idleTimeout(), 3*a.cfg.Heartbeat.Timeout.Duration) // the idle bound of the stream itself: a minute by default
-}
-
-// afterBrokenStream finds out, once the progress stream of a recovery on target broke, what became of it:
-// it asks the target (until it answers again and the recovery ends, bounded) and relays the stages it had
-// not seen. The error names the jobs that do not run.
-func (a *Agent) afterBrokenStream(ctx context.Context, target string, req RecoverRequest, emit func(Stage), broke error) error {
-	broke = fmt.Errorf("recovery on %s: progress stream ended: %w", target, broke)
-	var jobs []string
-	for _, j := range req.Jobs {
-		jobs = append(jobs, j.Job)
-	}
-	a.log.Warn("the progress stream of a recovery broke; asking the target what became of it", "target", target, "failure", req.Failure, "jobs", jobs, "err", broke)
-	seen := map[string]bool{}
-	key := func(s Stage) string {
-		return s.Name + "\x00" + s.Job + "\x00" + s.Host + "\x00" + s.Start.UTC().String()
-	}
-	for _, f := range a.failures.list() {
-		if f.ID == req.Failure {
-			for _, s := range f.Stages {
-				seen[key(s)] = true
-			}
-		}
-	}
-	relay := func(st recoveryStatusMessage) {
-		for _, s := range st.Stages {
-			if k := key(s); !seen[k] {
-				seen[k] = true
-				emit(s)
-			}
-		}
-	}
-	ctx, cancel := context.WithTimeout(ctx, a.brokenRecoveryWait())
-	defer cancel()
-	var last *recoveryStatusMessage
-	silentSince := time.Now()
-	for {
-		// A target declared failed is not waited for: its jobs died with it, and the next recovery needs
-		// this one's outcome now.
-		if m, ok := a.member(target); ok && m.State != ring.StateAlive {
-			return fmt.Errorf("%w; %s itself failed: job(s) %s do NOT run there", broke, target, strings.Join(jobs, ", "))
-		}
-		st, err := a.recoveryStatus(ctx, target, req.Failure, jobs)
-		if err != nil && last == nil && time.Since(silentSince) > a.brokenSilenceWait() {
-			return fmt.Errorf("%w; %s did not answer within %s: whether job(s) %s run there is unknown", broke, target, a.brokenSilenceWait(), strings.Join(jobs, ", "))
-		}
-		if err == nil {
-			last = &st
-			relay(st)
-			switch {
-			case st.Done && st.Error != "":
-				return fmt.Errorf("%w; %s finished it%s: %s", broke, target, resumedNote(st), st.Error)
-			case st.Done:
-				a.log.Info("the recovery completed on its target despite the broken stream", "target", target, "failure", req.Failure, "resumed", st.Resumed)
-				return nil
-			case !st.Known:
-				return fmt.Errorf("%w; %s answers again but has no record of the recovery: %s", broke, target, runningSummary(jobs, st.Running))
-			}
-		}
-		select {
-		case <-ctx.Done():
-			if last == nil {
-				return fmt.Errorf("%w; %s did not answer within %s: whether job(s) %s run there is unknown", broke, target, a.brokenRecoveryWait(), strings.Join(jobs, ", "))
-			}
-			return fmt.Errorf("%w; %s did not finish it within %s: %s", broke, target, a.brokenRecoveryWait(), runningSummary(jobs, last.Running))
-		case <-time.After(2 * time.Second):
-		}
-	}
-}
-
-func resumedNote(st recoveryStatusMessage) string {
-	if st.Resumed {
-		return " (resumed after its agent restarted)"
-	}
-	return ""
-}
-
-// runningSummary says which of jobs run (by the target's answer) and which do not.
-func runningSummary(jobs, running []string) string {
-	var yes, no []string
-	for _, j := range jobs {
-		if slices.Contains(running, j) {
-			yes = append(yes, j)
-		} else {
-			no = append(no, j)
-		}
-	}
-	var parts []string
-	if len(yes) > 0 {
-		parts = append(parts, "job(s) "+strings.Join(yes, ", ")+" run there")
-	}
-	if len(no) > 0 {
-		parts = append(parts, "job(s) "+strings.Join(no, ", ")+" do NOT run there")
-	}
-	return strings.Join(parts, "; ")
 }

@@ -6,7 +6,6 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"reflect"
 	"strings"
@@ -16,6 +15,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/recvdigest"
 	"github.com/ftkit/ftkit/restore"
+	"github.com/ftkit/ftkit/restore/recovery"
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
@@ -26,9 +26,9 @@ func resumeTestAgent(t *testing.T) *Agent {
 	return &Agent{cfg: cfg, log: slog.New(slog.DiscardHandler), byID: map[string]*Job{}, changed: make(chan struct{})}
 }
 
-func testRestoring(job string, conns ...restore.ConnPlan) *restoring {
+func testRecoveryJob(job string, conns ...restore.ConnPlan) *recovery.Job {
 	m := &ckpt.Manifest{Job: job, ID: "20250101T000000.000-node2-1"}
-	return &restoring{m: m, job: Job{ID: job}, plan: restore.Plan{Conns: conns}}
+	return &recovery.Job{ID: job, Manifest: m, Plan: restore.Plan{Conns: conns}}
 }
 
 func connPlan(local, remote string, outq, resend uint32) restore.ConnPlan {
@@ -48,19 +48,19 @@ func TestRecoveryRecordPersists(t *testing.T) {
 	var emitted []Stage
 	emit := tr.wrap(func(s Stage) { emitted = append(emitted, s) })
 	emit(Stage{Name: StageFetched, Job: "rank1", Host: "spare1"})
-	r := testRestoring("rank1",
+	r := testRecoveryJob("rank1",
 		connPlan("10.0.0.2:7000", "10.0.0.1:40000", 1000, 5000),
 		connPlan("10.0.0.2:7001", "10.0.0.3:40001", 9, 0), // nothing to re-send: nothing to wait for
 	)
 	keep := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
 	prefix := &ckpt.SentPrefix{Len: 1000, CRC: 0xabcd}
-	r.plan.Conns[0].Conn.SentPrefix = prefix
+	r.Plan.Conns[0].Conn.SentPrefix = prefix
 	kept := &recvdigest.Received{Conn: keep, Pieces: []recvdigest.Piece{{Seq: 0, Len: recvdigest.BlockSize, CRC: 7}}}
-	r.checks = map[tcpflow.Tuple]resentCheck{keep: {Received: kept},
+	r.Checks = map[tcpflow.Tuple]recovery.Check{keep: {Received: kept},
 		{Local: netip.MustParseAddrPort("10.0.0.2:7001"), Remote: netip.MustParseAddrPort("10.0.0.3:40001")}: {Missing: "nothing re-sent"}}
-	tr.persist([]*restoring{r})
+	tr.Persist([]*recovery.Job{r})
 	at := time.Date(2025, 1, 1, 0, 0, 2, 0, time.UTC)
-	tr.setPhase("rank1", phaseRestored, at)
+	tr.SetPhase("rank1", phaseRestored, at)
 
 	path := recoveryPath(a.cfg.StateDir, req.Failure)
 	for p, want := range map[string]os.FileMode{path: 0o600, filepath.Dir(path): 0o700 | os.ModeDir} {
@@ -77,17 +77,17 @@ func TestRecoveryRecordPersists(t *testing.T) {
 		t.Fatalf("loadRecoveries = %v, %v; want one record", recs, err)
 	}
 	got := recs[0]
-	wantJobs := []recoveryJob{{Job: "rank1", Snapshot: r.m.ID, Phase: phaseRestored, RestoredAt: at,
-		Conns: []recoveryConn{{Local: keep.Local, Remote: keep.Remote, OutqSeq: 1000, Resend: 5000, SentPrefix: prefix, resentCheck: resentCheck{Received: kept}}}}}
+	wantJobs := []recoveryJob{{Job: "rank1", Snapshot: r.Manifest.ID, Phase: phaseRestored, RestoredAt: at,
+		Conns: []recoveryConn{{Local: keep.Local, Remote: keep.Remote, OutqSeq: 1000, Resend: 5000, SentPrefix: prefix, Check: recovery.Check{Received: kept}}}}}
 	if got.Failure != req.Failure || got.Coordinator != "node3" || got.Done || !reflect.DeepEqual(got.Jobs, wantJobs) {
 		t.Errorf("record %+v; want failure %s by node3, jobs %+v, not done", got, req.Failure, wantJobs)
 	}
 	// What a resumed agent rebuilds from it checks the same bytes with the same record.
 	j := Job{ID: "rank1"}
-	rr := a.resumedRestoring(got.Jobs[0], j)
-	if len(rr.plan.Conns) != 1 || !reflect.DeepEqual(rr.plan.Conns[0].Conn.SentPrefix, prefix) ||
-		!reflect.DeepEqual(rr.checks[keep].Received, kept) {
-		t.Errorf("resumed plan %+v, checks %+v; want the re-sent connection with its prefix and record", rr.plan.Conns, rr.checks)
+	rr := a.resumedRecoveryJob(got.Jobs[0], j)
+	if len(rr.Plan.Conns) != 1 || !reflect.DeepEqual(rr.Plan.Conns[0].Conn.SentPrefix, prefix) ||
+		!reflect.DeepEqual(rr.Checks[keep].Received, kept) {
+		t.Errorf("resumed plan %+v, checks %+v; want the re-sent connection with its prefix and record", rr.Plan.Conns, rr.Checks)
 	}
 	if len(got.Stages) != 1 || got.Stages[0].Name != StageFetched || len(emitted) != 1 {
 		t.Errorf("stages %+v recorded, %d emitted; want the one stage in both", got.Stages, len(emitted))
@@ -155,49 +155,6 @@ func TestLoadRecoveryRejects(t *testing.T) {
 	for _, id := range []string{"", ".", "..", "a/b", ".hidden", strings.Repeat("x", 256)} {
 		if err := saveRecovery(a.cfg.StateDir, &recoveryRecord{Failure: id}); err == nil {
 			t.Errorf("saveRecovery accepted failure id %q", id)
-		}
-	}
-}
-
-func TestRunningSummary(t *testing.T) {
-	tests := []struct {
-		jobs, running []string
-		want          string
-	}{
-		{[]string{"a", "b"}, []string{"a", "b"}, "job(s) a, b run there"},
-		{[]string{"a", "b"}, []string{"b"}, "job(s) b run there; job(s) a do NOT run there"},
-		{[]string{"a"}, nil, "job(s) a do NOT run there"},
-	}
-	for _, tt := range tests {
-		if got := runningSummary(tt.jobs, tt.running); got != tt.want {
-			t.Errorf("runningSummary(%v, %v) = %q, want %q", tt.jobs, tt.running, got, tt.want)
-		}
-	}
-}
-
-// TestAllEnded: re-protection is skipped only when every restored job has really ended: a job whose record
-// says running and whose process lives is waited for (briefly) and then counts as running.
-func TestAllEnded(t *testing.T) {
-	a := resumeTestAgent(t)
-	gone := exec.Command("true")
-	if err := gone.Run(); err != nil {
-		t.Fatal(err)
-	}
-	a.byID["ended"] = &Job{ID: "ended", State: JobExited, PID: os.Getpid()}
-	a.byID["gone"] = &Job{ID: "gone", State: JobRunning, PID: gone.Process.Pid} // exited, not yet noticed
-	a.byID["alive"] = &Job{ID: "alive", State: JobRunning, PID: os.Getpid()}
-	tests := []struct {
-		ids  []string
-		want bool
-	}{
-		{[]string{"ended"}, true},
-		{[]string{"gone", "ended"}, true},
-		{[]string{"unknown"}, true},
-		{[]string{"ended", "alive"}, false},
-	}
-	for _, tt := range tests {
-		if got := a.allEnded(tt.ids); got != tt.want {
-			t.Errorf("allEnded(%v) = %v, want %v", tt.ids, got, tt.want)
 		}
 	}
 }

@@ -1,12 +1,16 @@
 //go:build linux
 
-// Package restore moves a crashed node's job to a spare host: it plans and
-// applies the edits that make an older CRIU snapshot's TCP sockets agree with
-// their live peers, and sets up the spare's network around CRIU's restore.
+// Package restore moves a crashed node's job to a spare host. Its subpackage
+// recovery orchestrates the target's part of a fail-over as one sequence of
+// steps (recovery.Run: fetch, plan and rewrite, network, restore, announce,
+// replay wait, verification of the re-sent bytes, re-protection); this
+// package holds the mechanics it uses: it plans and applies the edits that
+// make an older CRIU snapshot's TCP sockets agree with their live peers, and
+// sets up the spare's network around CRIU's restore.
 //
 // The recipe and the measurements behind it are in docs/tcp-relocation.md.
-// On the spare, in the namespace
-// the job will run in, the caller (the agent) runs:
+// On the spare, in the namespace the job will run in, recovery.Run (with the
+// agent's actions behind its interfaces) does:
 //
 //  1. NewPlan from the snapshot's connections and what each peer's agent
 //     reported (its live TCP state and its logged bytes), then Rewrite the

@@ -1,0 +1,212 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/restore"
+	"github.com/ftkit/ftkit/restore/recovery"
+	"golang.org/x/sys/unix"
+)
+
+// maxCandidates bounds the replicas a recovery request may list per job.
+const maxCandidates = clusterapi.MaxCandidates
+
+// maxRecoverRequest bounds a recovery request; maxRecoverJobs the jobs it names.
+const (
+	maxRecoverRequest = clusterapi.MaxRecoverRequest
+	maxRecoverJobs    = clusterapi.MaxRecoverJobs
+)
+
+// recoverLimit bounds how long a caller follows a recovery on another host; the stream itself must not
+// fall silent for longer than the idle timeout (the target sends a keepalive line in between stages).
+const recoverLimit = 30 * time.Minute
+
+// remoteRecover has target run the recovery and relays its stages.
+func (a *Agent) remoteRecover(ctx context.Context, target string, req RecoverRequest, emit func(Stage)) error {
+	end, err := a.peers().Recover(ctx, target, req, recoverLimit, func(m clusterapi.RecoverProgress) {
+		if len(m.Stage) == 0 {
+			return // a keepalive
+		}
+		var s Stage
+		if err := json.Unmarshal(m.Stage, &s); err != nil {
+			a.log.Warn("recovery stage from the target is not the expected JSON; left out", "target", target, "err", err)
+			return
+		}
+		emit(s)
+	})
+	var broken *clusterapi.StreamError
+	switch {
+	case errors.As(err, &broken):
+		return a.afterBrokenStream(ctx, target, req, emit, broken.Err)
+	case clusterapi.Refusal(err) != nil:
+		return fmt.Errorf("recovery on %s: %w", target, err)
+	case err != nil:
+		return fmt.Errorf("ask %s to recover: %w", target, err)
+	case end.Error != "":
+		return fmt.Errorf("recovery on %s: %s", target, end.Error)
+	}
+	return nil
+}
+
+// serveRecover runs a recovery a member asked for and reports its stages through progress: a refusal
+// before the first, then the stages, keepalives in between, and the end.
+func (a *Agent) serveRecover(ctx context.Context, peer string, req RecoverRequest, progress func(clusterapi.RecoverProgress) error) error {
+	if err := a.checkRecoverRequest(req, peer); err != nil {
+		return err
+	}
+	req.Source = peer
+	send := func(m clusterapi.RecoverProgress) {
+		progress(m) // a failed write means the caller is gone: the recovery goes on
+	}
+	send(clusterapi.RecoverProgress{}) // accepted: the stream starts
+	// Stages may take minutes (a fetch, a replay): an empty line now and then tells the caller that the
+	// recovery goes on, so that it can give up on a silent stream quickly.
+	stop, stopped := make(chan struct{}), make(chan struct{})
+	keepalive := sync.OnceFunc(func() { close(stop); <-stopped })
+	defer keepalive()
+	go func() {
+		defer close(stopped)
+		t := time.NewTicker(a.idleTimeout() / 4)
+		defer t.Stop()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-t.C:
+				send(clusterapi.RecoverProgress{})
+			}
+		}
+	}()
+	err := a.recoverJobs(ctx, req, func(s Stage) {
+		b, jerr := json.Marshal(s)
+		if jerr == nil {
+			send(clusterapi.RecoverProgress{Stage: b})
+		}
+	})
+	keepalive() // the keepalives have stopped: the end is the last line
+	send(clusterapi.RecoverProgress{Done: true, Error: errString(err)})
+	return nil
+}
+
+// checkRecoverRequest refuses a recovery request unless this host was claimed for its failure by the
+// member that sends it, and it names only the failed node's addresses (which this host then takes over).
+func (a *Agent) checkRecoverRequest(req RecoverRequest, peer string) error {
+	cl, ok := a.claims.Current()
+	switch {
+	case !ok || cl.Failure != req.Failure:
+		return fmt.Errorf("%s was not claimed for failure %s", a.cfg.Name, req.Failure)
+	case cl.By != peer || cl.Failed != req.Failed:
+		return fmt.Errorf("%s was claimed for failure %s by %s for node %s, not by %s for node %s", a.cfg.Name, req.Failure, cl.By, cl.Failed, peer, req.Failed)
+	case len(req.Jobs) == 0 || len(req.Jobs) > maxRecoverJobs:
+		return fmt.Errorf("recovery request names %d jobs: 1 to %d", len(req.Jobs), maxRecoverJobs)
+	}
+	failed, ok := a.member(req.Failed)
+	if !ok {
+		return fmt.Errorf("%q is not a cluster member", req.Failed)
+	}
+	for _, ip := range req.Addrs {
+		if !slices.Contains(failed.Addrs, ip.Unmap()) {
+			return fmt.Errorf("address %s is not one of the failed node %s's addresses %v", ip, req.Failed, failed.Addrs)
+		}
+	}
+	return nil
+}
+
+// recoverJobs is the target's part of a fail-over (restore/recovery.Run): it restores a failed node's jobs
+// on this host, keeping the recovery on disk as it goes so that an agent restarted mid-way resumes it
+// (resume.go).
+func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(Stage)) (err error) {
+	defer a.setBusy("restore")()
+	track := a.trackRecovery(req)
+	emit = track.wrap(emit)
+	defer func() { track.done(ctx, err) }()
+	iface, own, err := hostInterface(a.cfg.Cluster.Listen.Addr())
+	if err != nil {
+		return err
+	}
+	return recovery.Run(ctx, req, a.recoveryDeps(track, recovery.HostNetwork{Iface: iface, Bits: own.Bits()}), func(s recovery.Stage) {
+		emit(Stage{Name: s.Name, Job: s.Job, Host: a.cfg.Name, Start: s.Start, End: s.End, Detail: s.Detail, Error: errString(s.Err)})
+	})
+}
+
+// prepareCandidate fetches (unless this host has it) and verifies one snapshot and lays out a working copy
+// of its images; it returns the job record the snapshot carries too.
+func (a *Agent) prepareCandidate(ctx context.Context, job string, c Candidate) (*recovery.Job, Job, error) {
+	source := a.cfg.Name
+	m, err := a.store.Verify(ctx, job, c.Snapshot)
+	if err != nil && c.Source != "" && c.Source != a.cfg.Name {
+		// Missing here, or a damaged copy (which the holder's copy replaces once it verifies).
+		source = c.Source
+		if err := a.fetchFrom(ctx, source, job, c.Snapshot); err != nil {
+			return nil, Job{}, err
+		}
+		m, err = a.store.Verify(ctx, job, c.Snapshot)
+	}
+	if err != nil {
+		return nil, Job{}, fmt.Errorf("%w: %v", ErrCorruptSnapshot, err)
+	}
+	j, err := a.snapshotJob(m)
+	if err != nil {
+		return nil, Job{}, err
+	}
+	if j.ID != job {
+		return nil, Job{}, fmt.Errorf("snapshot %s of job %s carries the job record of %q", m.ID, job, j.ID)
+	}
+	work, err := a.workCopy(m)
+	if err != nil {
+		return nil, Job{}, err
+	}
+	runID, err := restore.RunID(work)
+	if err != nil {
+		os.RemoveAll(work)
+		return nil, Job{}, err
+	}
+	return &recovery.Job{ID: j.ID, Incarnation: j.Incarnation, Manifest: m, Work: work, RunID: runID, Source: source}, j, nil
+}
+
+// reprotect snapshots the restored jobs and ships the snapshot to this host's protector.
+func (a *Agent) reprotect(ctx context.Context, ids []string) (string, error) {
+	res, err := a.Checkpoint(ctx, ids, 0)
+	if err != nil && a.allEnded(ids) {
+		// A job that finished right after its replay (CRIU: "Unable to detach ... No such process") needs
+		// no protection: its recovery is complete.
+		return fmt.Sprintf("not needed: job(s) %s ended before their snapshot", strings.Join(ids, ", ")), nil
+	}
+	detail := ""
+	for _, s := range res {
+		if !s.Shipped && err == nil {
+			err = errors.New(s.ShipErr)
+		}
+		detail = fmt.Sprintf("snapshot %s shipped", s.Manifest.ID)
+	}
+	if p, ok := a.protector(); ok {
+		detail += " to " + p.Name
+	}
+	return detail, err
+}
+
+// allEnded says whether every job of ids has ended (its process is gone), waiting a little for the shim
+// to record an exit that has just happened.
+func (a *Agent) allEnded(ids []string) bool {
+	for _, id := range ids {
+		for deadline := time.Now().Add(2 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+			j, _, err := a.Job(id, 0)
+			if err != nil || j.State != JobRunning || unix.Kill(j.PID, 0) == unix.ESRCH {
+				break
+			}
+			if time.Now().After(deadline) {
+				return false
+			}
+		}
+	}
+	return true
+}

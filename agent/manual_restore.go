@@ -1,0 +1,159 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"slices"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/grant"
+)
+
+// RestoreRequest asks an agent to restore a job on its host from a snapshot.
+type RestoreRequest struct {
+	Snapshot string `json:"snapshot"`         // snapshot id
+	Job      string `json:"job,omitempty"`    // job id; found from the snapshot id if empty
+	Force    bool   `json:"force,omitempty"`  // restore even if the job's node answers and runs it
+	Source   string `json:"source,omitempty"` // member to fetch the snapshot from if this host lacks it
+}
+
+// ErrCorruptSnapshot means the snapshot failed verification; the error names the file and the next older
+// snapshot that verifies.
+var ErrCorruptSnapshot = errors.New("snapshot failed verification")
+
+// ErrJobAlive means the job still runs on its node, so restoring it would run it twice.
+var ErrJobAlive = errors.New("job still running")
+
+// Restore restores a job on this host from a snapshot: the manual restore of a job whose node is gone
+// (the automatic fail-over with log replay is restore/recovery, run by failover_target.go). A caller other than root may restore
+// only its own jobs, and learns nothing of a snapshot it does not own: the owner is checked before any byte
+// of the snapshot moves, and again from the verified job record. The restore claims the job's next
+// incarnation from a majority of the members first, so that it never runs a second copy of a job that a
+// fail-over (or another restore) already brought back.
+func (a *Agent) Restore(ctx context.Context, req RestoreRequest, uid uint32) (*Job, error) {
+	if req.Job == "" {
+		req.Job = a.localJobOfSnapshot(req.Snapshot)
+	}
+	prefer := ""
+	if req.Job == "" || !a.holdsSnapshot(req.Job, req.Snapshot) {
+		if req.Job == "" || uid != 0 {
+			loc, holder := a.findJobOfSnapshot(ctx, req.Snapshot, req.Source)
+			switch {
+			case loc.Job == "":
+				return nil, fmt.Errorf("%w: snapshot %s is not held by %s or any member that answers; name the job with --job", ckpt.ErrNotFound, req.Snapshot, a.cfg.Name)
+			case req.Job != "" && loc.Job != req.Job:
+				return nil, fmt.Errorf("%w: snapshot %s is of job %s, not %s", ckpt.ErrNotFound, req.Snapshot, loc.Job, req.Job)
+			case uid != 0 && (loc.UID == nil || *loc.UID != uid):
+				// Before the fetch: another user's snapshot never reaches this host on this caller's behalf.
+				return nil, fmt.Errorf("%w: snapshot %s (held by %s) is not of a job of uid %d", ErrNoJob, req.Snapshot, holder, uid)
+			}
+			req.Job, prefer = loc.Job, holder
+		}
+		if _, err := a.store.Manifest(req.Job, req.Snapshot); errors.Is(err, ckpt.ErrNotFound) || errors.Is(err, fs.ErrNotExist) {
+			if err := a.fetch(ctx, req.Job, req.Snapshot, req.Source, prefer); err != nil {
+				return nil, err
+			}
+		}
+	}
+	m, err := a.store.Verify(ctx, req.Job, req.Snapshot)
+	if err != nil {
+		return nil, a.corrupt(ctx, req, err)
+	}
+	j, err := a.snapshotJob(m)
+	if err != nil {
+		return nil, err
+	}
+	if j.ID != m.Job {
+		return nil, fmt.Errorf("snapshot %s of job %s carries the job record of %q: refusing it", m.ID, m.Job, j.ID)
+	}
+	if uid != 0 && j.UID != uid {
+		return nil, fmt.Errorf("%w: job %s belongs to uid %d", ErrNoJob, j.ID, j.UID)
+	}
+	if !req.Force {
+		if err := a.refuseIfAlive(ctx, j); err != nil {
+			return nil, err
+		}
+	}
+	holder := newHolder("restore")
+	n, err := a.claimForRestore(ctx, j, m, holder, req.Force)
+	if err != nil {
+		return nil, err
+	}
+	j.Incarnation = n
+	defer a.setBusy("restore")()
+	work, err := a.workCopy(m)
+	if err != nil {
+		a.giveBack(ctx, j.ID, n, holder, nil)
+		return nil, err
+	}
+	restored, err := a.restoreJob(ctx, m, j, work)
+	if err != nil {
+		a.giveBackUnlessStarted(ctx, j, n, holder, err)
+		return nil, err
+	}
+	return restored, nil
+}
+
+// claimForRestore claims the incarnation after the snapshot's (j.Incarnation+1) for a manual restore. With
+// force, a refusal is overridden by claiming one past the newest incarnation the members recorded: the
+// operator has made sure the job runs nowhere.
+func (a *Agent) claimForRestore(ctx context.Context, j Job, m *ckpt.Manifest, holder string, force bool) (uint64, error) {
+	snapshot, node := m.ID, m.Node
+	n := j.Incarnation + 1
+	err := a.claimIncarnation(ctx, j.ID, n, holder, node)
+	var refused *grant.RefusedError
+	if err != nil && force && errors.As(err, &refused) {
+		n = max(n, refused.Record.Incarnation) + 1
+		a.log.Warn("forced restore overrides the recorded incarnation", "job", j.ID, "recorded", refused.Record, "incarnation", n)
+		err = a.claimIncarnation(ctx, j.ID, n, holder, node)
+	}
+	switch {
+	case errors.As(err, &refused):
+		return 0, fmt.Errorf("%w: %w; snapshot %s was taken by incarnation %d: restore a snapshot of the running incarnation, or, if the job certainly no longer runs there, restore with --force",
+			ErrJobAlive, err, snapshot, j.Incarnation)
+	case err != nil:
+		return 0, fmt.Errorf("restore of job %s not allowed: %w; retry when more members answer", j.ID, err)
+	}
+	return n, nil
+}
+
+// corrupt turns a verification failure into an error that names the next older snapshot that verifies.
+func (a *Agent) corrupt(ctx context.Context, req RestoreRequest, verr error) error {
+	ids, _ := a.store.List(req.Job, "")
+	older := false
+	for _, id := range ids {
+		if id == req.Snapshot {
+			older = true
+			continue
+		}
+		if older {
+			if _, err := a.store.Verify(ctx, req.Job, id); err == nil {
+				return fmt.Errorf("%w: %v; the next older verified snapshot is %s: restore that one with `ftctl restore --snapshot %s`", ErrCorruptSnapshot, verr, id, id)
+			}
+		}
+	}
+	return fmt.Errorf("%w: %v; no older snapshot of job %s verifies on %s", ErrCorruptSnapshot, verr, req.Job, a.cfg.Name)
+}
+
+// refuseIfAlive asks the job's node whether it still runs the job.
+func (a *Agent) refuseIfAlive(ctx context.Context, j Job) error {
+	if j.Node == a.cfg.Name {
+		if cur, _, err := a.Job(j.ID, 0); err == nil && cur.State == JobRunning {
+			return fmt.Errorf("%w: job %s runs on this host (pid %d)", ErrJobAlive, j.ID, cur.PID)
+		}
+		return nil
+	}
+	pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	r, err := a.Ping(pctx, j.Node)
+	if err != nil {
+		return nil // the node does not answer: that is the case manual restore is for
+	}
+	if slices.Contains(r.Jobs, j.ID) {
+		return fmt.Errorf("%w: job %s still runs on %s, which answers; stop it first, or force", ErrJobAlive, j.ID, j.Node)
+	}
+	return nil
+}

@@ -1,0 +1,127 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/netip"
+
+	"github.com/ftkit/ftkit/ackclamp"
+	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/grant"
+	"github.com/ftkit/ftkit/recvdigest"
+	"github.com/ftkit/ftkit/restore"
+	"github.com/ftkit/ftkit/restore/recovery"
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// recoveryActions are the agent's actions a recovery (restore/recovery) uses: its snapshots, its peers,
+// its log, its jobs. One serves one recovery; Run calls it from one goroutine.
+type recoveryActions struct {
+	a *Agent
+	// records are the job records of the fetched snapshots, which Restore runs (and whose cgroup
+	// GiveBackUnlessStarted looks at).
+	records map[*recovery.Job]Job
+}
+
+// recoveryDeps wires a recovery to this agent; track persists it, net is the host's network (nil for a
+// resume: recovery.ReplayAndVerify touches no network).
+func (a *Agent) recoveryDeps(track recovery.Tracker, net recovery.Network) recovery.Deps {
+	act := &recoveryActions{a: a, records: map[*recovery.Job]Job{}}
+	d := recovery.Deps{Snapshots: act, Peers: act, Log: act, Jobs: act, Network: net, Tracker: track,
+		Logger: a.log, ReplayTimeout: a.cfg.Failover.ReplayTimeout.Duration}
+	if a.clamp != nil {
+		d.Clamp = recoveryClamp{a.clamp}
+	}
+	return d
+}
+
+func (r *recoveryActions) Fetch(ctx context.Context, job string, c clusterapi.Candidate) (*recovery.Job, error) {
+	j, rec, err := r.a.prepareCandidate(ctx, job, c)
+	if err != nil {
+		return nil, err
+	}
+	r.records[j] = rec
+	return j, nil
+}
+
+func (r *recoveryActions) Owner(addr netip.Addr) string { return r.a.memberByIP(addr) }
+
+func (r *recoveryActions) LogRange(ctx context.Context, owner string, req clusterapi.LogRangeRequest) (clusterapi.LogRangeReply, []byte, error) {
+	return r.a.LogRange(ctx, owner, req)
+}
+
+func (r *recoveryActions) Received(ctx context.Context, owner string, conn tcpflow.Tuple, from uint32) (*recvdigest.Received, error) {
+	return r.a.receivedOf(ctx, owner, conn, from)
+}
+
+func (r *recoveryActions) Keep(p restore.Plan) (stop func()) { return r.a.keepResends(p) }
+
+func (r *recoveryActions) WaitLogged(ctx context.Context, conn tcpflow.Tuple, end uint32) {
+	r.a.waitLogged(ctx, conn, end)
+}
+
+func (r *recoveryActions) ReadRange(ctx context.Context, w io.Writer, conn tcpflow.Tuple, seq, n uint32) error {
+	return r.a.loggedRange(ctx, w, conn, seq, n)
+}
+
+// SentUpTo reads a restored socket's progress from the ACK clamp or, without it, from the sender-side
+// log's flow state.
+func (r *recoveryActions) SentUpTo(flow tcpflow.Tuple) (uint32, bool) {
+	a := r.a
+	if a.clamp != nil {
+		st, err := a.clamp.State(flow)
+		return st.SndNxt, err == nil
+	}
+	if a.netlog != nil {
+		st, ok, err := a.netlog.cap.FlowState(flow)
+		return st.SndNxt, ok && err == nil
+	}
+	return 0, false
+}
+
+// Claim claims the incarnation cluster-wide; a refusal means the job runs elsewhere (ErrJobAlive).
+func (r *recoveryActions) Claim(ctx context.Context, j *recovery.Job, n uint64) error {
+	err := r.a.claimIncarnation(ctx, j.ID, n, j.Holder, j.Manifest.Node)
+	if errors.Is(err, grant.ErrConflict) {
+		err = fmt.Errorf("%w: %w", ErrJobAlive, err)
+	}
+	return err
+}
+
+func (r *recoveryActions) GiveBack(ctx context.Context, j *recovery.Job) {
+	r.a.giveBack(ctx, j.ID, j.Incarnation, j.Holder, nil)
+}
+
+func (r *recoveryActions) GiveBackUnlessStarted(ctx context.Context, j *recovery.Job, cause error) {
+	r.a.giveBackUnlessStarted(ctx, r.records[j], j.Incarnation, j.Holder, cause)
+}
+
+func (r *recoveryActions) Restore(ctx context.Context, j *recovery.Job) error {
+	rec := r.records[j]
+	rec.Incarnation = j.Incarnation
+	_, err := r.a.restoreJob(ctx, j.Manifest, rec, j.Work)
+	return err
+}
+
+func (r *recoveryActions) State(id string) (string, bool) {
+	cur, _, _ := r.a.Job(id, 0)
+	return string(cur.State), cur.State == JobRunning
+}
+
+func (r *recoveryActions) Kill(id string, why error) { r.a.killJob(id, why) }
+
+func (r *recoveryActions) Reprotect(ctx context.Context, ids []string) (string, error) {
+	return r.a.reprotect(ctx, ids)
+}
+
+// recoveryClamp is the ACK clamp as a recovery uses it.
+type recoveryClamp struct{ c *ackclamp.Clamp }
+
+func (c recoveryClamp) Clamp(flow tcpflow.Tuple, sndNxt uint32) error { return c.c.Clamp(flow, sndNxt) }
+
+func (c recoveryClamp) Release(flow tcpflow.Tuple) uint64 {
+	st, _ := c.c.Release(flow)
+	return st.Clamped
+}

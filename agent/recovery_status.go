@@ -1,0 +1,171 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/ring"
+)
+
+// A coordinator follows a recovery on its target through the progress stream; when that stream breaks
+// (the target's agent restarted mid-way and resumes it, resume.go), it asks the target what became of it.
+
+// recoveryStatusMessage is the target's answer about a recovery, its stages decoded.
+type recoveryStatusMessage struct {
+	Failure string
+	Known   bool
+	Done    bool
+	Resumed bool
+	Error   string
+	Stages  []Stage
+	Running []string // the asked-about jobs that run there
+}
+
+// serveRecoveryStatus answers a member's question about a recovery this host was the target of (it
+// knows only those peer coordinated) and the failure's jobs (the protocol bounds the list).
+func (a *Agent) serveRecoveryStatus(peer string, q clusterapi.RecoveryStatusRequest) clusterapi.RecoveryStatusReply {
+	reply := clusterapi.RecoveryStatusReply{Failure: q.Failure}
+	if validRecoveryID(q.Failure) {
+		if rec, err := loadRecovery(recoveryPath(a.cfg.StateDir, q.Failure)); err == nil && rec.Coordinator == peer {
+			reply.Known, reply.Done, reply.Resumed, reply.Error = true, rec.Done, rec.Resumed, rec.Error
+			if b, err := json.Marshal(rec.Stages); err == nil {
+				reply.Stages = b
+			}
+		}
+	}
+	for _, id := range q.Jobs {
+		if j, _, err := a.Job(id, 0); err == nil && j.State == JobRunning {
+			reply.Running = append(reply.Running, id)
+		}
+	}
+	return reply
+}
+
+// recoveryStatus asks target about a recovery of failure and its jobs.
+func (a *Agent) recoveryStatus(ctx context.Context, target, failure string, jobs []string) (recoveryStatusMessage, error) {
+	qctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	r, err := a.peers().RecoveryStatus(qctx, target, clusterapi.RecoveryStatusRequest{Failure: failure, Jobs: jobs})
+	if err != nil {
+		return recoveryStatusMessage{}, err
+	}
+	st := recoveryStatusMessage{Failure: r.Failure, Known: r.Known, Done: r.Done, Resumed: r.Resumed, Error: r.Error, Running: r.Running}
+	if len(r.Stages) > 0 {
+		if err := json.Unmarshal(r.Stages, &st.Stages); err != nil {
+			return st, fmt.Errorf("stages of recovery %s from %s are not the expected JSON: %w", failure, target, err)
+		}
+	}
+	return st, nil
+}
+
+// brokenRecoveryWait bounds how long a coordinator whose progress stream broke waits for the target to
+// answer again and finish: a restarted agent resumes the replay (failover.replay_timeout, the same on
+// every member) and re-protects.
+func (a *Agent) brokenRecoveryWait() time.Duration {
+	return a.cfg.Failover.ReplayTimeout.Duration + 3*time.Minute
+}
+
+// brokenSilenceWait bounds how long the target may not answer at all: an agent restarts in seconds; a host
+// that stays silent longer is left to failure detection.
+func (a *Agent) brokenSilenceWait() time.Duration {
+	return max(a.idleTimeout(), 3*a.cfg.Heartbeat.Timeout.Duration) // the idle bound of the stream itself: a minute by default
+}
+
+// afterBrokenStream finds out, once the progress stream of a recovery on target broke, what became of it:
+// it asks the target (until it answers again and the recovery ends, bounded) and relays the stages it had
+// not seen. The error names the jobs that do not run.
+func (a *Agent) afterBrokenStream(ctx context.Context, target string, req RecoverRequest, emit func(Stage), broke error) error {
+	broke = fmt.Errorf("recovery on %s: progress stream ended: %w", target, broke)
+	var jobs []string
+	for _, j := range req.Jobs {
+		jobs = append(jobs, j.Job)
+	}
+	a.log.Warn("the progress stream of a recovery broke; asking the target what became of it", "target", target, "failure", req.Failure, "jobs", jobs, "err", broke)
+	seen := map[string]bool{}
+	key := func(s Stage) string {
+		return s.Name + "\x00" + s.Job + "\x00" + s.Host + "\x00" + s.Start.UTC().String()
+	}
+	for _, f := range a.failures.list() {
+		if f.ID == req.Failure {
+			for _, s := range f.Stages {
+				seen[key(s)] = true
+			}
+		}
+	}
+	relay := func(st recoveryStatusMessage) {
+		for _, s := range st.Stages {
+			if k := key(s); !seen[k] {
+				seen[k] = true
+				emit(s)
+			}
+		}
+	}
+	ctx, cancel := context.WithTimeout(ctx, a.brokenRecoveryWait())
+	defer cancel()
+	var last *recoveryStatusMessage
+	silentSince := time.Now()
+	for {
+		// A target declared failed is not waited for: its jobs died with it, and the next recovery needs
+		// this one's outcome now.
+		if m, ok := a.member(target); ok && m.State != ring.StateAlive {
+			return fmt.Errorf("%w; %s itself failed: job(s) %s do NOT run there", broke, target, strings.Join(jobs, ", "))
+		}
+		st, err := a.recoveryStatus(ctx, target, req.Failure, jobs)
+		if err != nil && last == nil && time.Since(silentSince) > a.brokenSilenceWait() {
+			return fmt.Errorf("%w; %s did not answer within %s: whether job(s) %s run there is unknown", broke, target, a.brokenSilenceWait(), strings.Join(jobs, ", "))
+		}
+		if err == nil {
+			last = &st
+			relay(st)
+			switch {
+			case st.Done && st.Error != "":
+				return fmt.Errorf("%w; %s finished it%s: %s", broke, target, resumedNote(st), st.Error)
+			case st.Done:
+				a.log.Info("the recovery completed on its target despite the broken stream", "target", target, "failure", req.Failure, "resumed", st.Resumed)
+				return nil
+			case !st.Known:
+				return fmt.Errorf("%w; %s answers again but has no record of the recovery: %s", broke, target, runningSummary(jobs, st.Running))
+			}
+		}
+		select {
+		case <-ctx.Done():
+			if last == nil {
+				return fmt.Errorf("%w; %s did not answer within %s: whether job(s) %s run there is unknown", broke, target, a.brokenRecoveryWait(), strings.Join(jobs, ", "))
+			}
+			return fmt.Errorf("%w; %s did not finish it within %s: %s", broke, target, a.brokenRecoveryWait(), runningSummary(jobs, last.Running))
+		case <-time.After(2 * time.Second):
+		}
+	}
+}
+
+func resumedNote(st recoveryStatusMessage) string {
+	if st.Resumed {
+		return " (resumed after its agent restarted)"
+	}
+	return ""
+}
+
+// runningSummary says which of jobs run (by the target's answer) and which do not.
+func runningSummary(jobs, running []string) string {
+	var yes, no []string
+	for _, j := range jobs {
+		if slices.Contains(running, j) {
+			yes = append(yes, j)
+		} else {
+			no = append(no, j)
+		}
+	}
+	var parts []string
+	if len(yes) > 0 {
+		parts = append(parts, "job(s) "+strings.Join(yes, ", ")+" run there")
+	}
+	if len(no) > 0 {
+		parts = append(parts, "job(s) "+strings.Join(no, ", ")+" do NOT run there")
+	}
+	return strings.Join(parts, "; ")
+}

@@ -1,0 +1,231 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"syscall"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/ckpt/ship"
+	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/ring"
+)
+
+// locateAnswer tells which job a snapshot id a member holds belongs to, and its owner (from the job
+// record in the snapshot), so that a restore can be refused before the snapshot is fetched.
+type locateAnswer = clusterapi.LocateReply
+
+// locateReply answers opLocate for a snapshot this host holds (an empty Job if it holds none).
+func (a *Agent) locateReply(id string) locateAnswer {
+	r := locateAnswer{ID: id, Job: a.localJobOfSnapshot(id)}
+	if r.Job == "" {
+		return r
+	}
+	if m, err := a.store.Manifest(r.Job, id); err == nil {
+		if j, err := a.snapshotJob(m); err == nil && j.ID == r.Job {
+			r.UID = &j.UID
+		}
+	}
+	return r
+}
+
+// findJobOfSnapshot finds the job a snapshot id belongs to, and its owner, at the members that answer:
+// only source if given, else the snapshot's node's protector first, then any alive member. Members are
+// asked at once, and the first in that order that holds it wins as soon as every earlier one has said no
+// (a dead member costs the wait only when nobody before it holds the snapshot). It returns the answer and
+// the member that gave it (an empty Job if none holds it).
+func (a *Agent) findJobOfSnapshot(ctx context.Context, id, source string) (locateAnswer, string) {
+	members := a.fetchCandidates(id, source, "")
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	type result struct {
+		i int
+		r locateAnswer
+	}
+	results := make(chan result, len(members))
+	for i, name := range members {
+		go func() {
+			r := a.remoteJobOfSnapshot(ctx, name, id)
+			// What another node says is checked before it names a directory or an owner.
+			if r.ID != id || ckpt.ValidName(r.Job) != nil {
+				r = locateAnswer{}
+			}
+			results <- result{i, r}
+		}()
+	}
+	answers := make([]*locateAnswer, len(members))
+	for range members {
+		res := <-results
+		answers[res.i] = &res.r
+		for i, r := range answers {
+			if r == nil {
+				break
+			}
+			if r.Job != "" {
+				return *r, members[i]
+			}
+		}
+	}
+	return locateAnswer{}, ""
+}
+
+func (a *Agent) localJobOfSnapshot(id string) string {
+	jobs, _ := a.store.Jobs()
+	for _, job := range jobs {
+		if _, err := a.store.Manifest(job, id); err == nil {
+			return job
+		}
+	}
+	return ""
+}
+
+// holdsSnapshot reports whether this host's store has the snapshot (verified or not).
+func (a *Agent) holdsSnapshot(job, id string) bool {
+	_, err := a.store.Manifest(job, id)
+	return err == nil
+}
+
+func (a *Agent) remoteJobOfSnapshot(ctx context.Context, member, id string) locateAnswer {
+	r, err := a.peers().Locate(ctx, member, clusterapi.LocateRequest{ID: id})
+	if err != nil || r.ID != id {
+		return locateAnswer{}
+	}
+	return r
+}
+
+// fetch copies a snapshot from the member that holds it: source if given, else prefer (the member that
+// said it holds it), the snapshot's node's protector (where replicas live), then any member that has it.
+func (a *Agent) fetch(ctx context.Context, job, id, source, prefer string) error {
+	if _, err := ckpt.ParseID(id); err != nil {
+		return err
+	}
+	var errs []error
+	for _, from := range a.fetchCandidates(id, source, prefer) {
+		err := a.fetchFrom(ctx, from, job, id)
+		if err == nil {
+			return nil
+		}
+		errs = append(errs, fmt.Errorf("%s: %w", from, err))
+	}
+	if len(errs) == 0 {
+		errs = append(errs, errors.New("no other member is alive"))
+	}
+	return fmt.Errorf("fetch snapshot %s of job %s: %w", id, job, errors.Join(errs...))
+}
+
+// fetchCandidates orders the members to ask for snapshot id: only source if given, else prefer, the
+// snapshot's node's protector, then the other alive members.
+func (a *Agent) fetchCandidates(id, source, prefer string) []string {
+	if source != "" {
+		return []string{source}
+	}
+	var out []string
+	add := func(name string) {
+		if name != "" && name != a.cfg.Name && !slices.Contains(out, name) {
+			out = append(out, name)
+		}
+	}
+	add(prefer)
+	v := a.View()
+	if sid, err := ckpt.ParseID(id); err == nil {
+		if p, ok := v.Protector(sid.Node); ok {
+			add(p.Name)
+		}
+	}
+	for _, m := range v.Members {
+		if m.State == ring.StateAlive {
+			add(m.Name)
+		}
+	}
+	return out
+}
+
+func (a *Agent) fetchFrom(ctx context.Context, from, job, id string) error {
+	fctx, cancel := context.WithTimeout(ctx, 10*time.Minute)
+	defer cancel()
+	c, err := a.peers().Fetch(fctx, from, clusterapi.FetchRequest{Job: job, ID: id})
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	return a.receiveFetch(fctx, c, from, job, id)
+}
+
+// receiveFetch stores what arrives on a fetch connection to member from (the request for snapshot id of
+// job already sent) if it is that snapshot: a member sends whatever it has under the name asked for, so
+// anything else is refused before a file moves. The transfer sets its own deadlines: ship's idle timeout
+// (a.wire.Idle only when a test shortens it), within ctx.
+func (a *Agent) receiveFetch(ctx context.Context, c io.ReadWriter, from, job, id string) error {
+	got, err := ship.Receive(ctx, c, a.store, ship.ReceiveOptions{Peer: from, Authorize: expectSnapshot(job, id), Logger: a.log, IdleTimeout: a.wire.Idle})
+	if err != nil {
+		return err
+	}
+	a.log.Info("snapshot fetched", "job", job, "snapshot", id, "from", from, "bytes", got.Bytes, "ms", got.Duration.Milliseconds())
+	return nil
+}
+
+// expectSnapshot is the Authorize policy of a fetch: the manifest received must be the job and snapshot
+// asked for, taken on the node the snapshot id names.
+func expectSnapshot(job, id string) func(*ckpt.Manifest) error {
+	node := ""
+	if sid, err := ckpt.ParseID(id); err == nil {
+		node = sid.Node
+	}
+	return func(m *ckpt.Manifest) error {
+		if m.Job != job || m.ID != id {
+			return fmt.Errorf("asked for snapshot %s of job %s, received %s of job %s", id, job, m.ID, m.Job)
+		}
+		if node != "" && m.Node != node {
+			return fmt.Errorf("snapshot %s names node %s but its manifest says %s", id, node, m.Node)
+		}
+		return nil
+	}
+}
+
+// serveFetch ships a snapshot this host holds to the member that asked for it.
+func (a *Agent) serveFetch(ctx context.Context, c net.Conn, peer string, req clusterapi.FetchRequest) error {
+	// The transfer sets its own deadlines: ship's idle timeout (a.wire.Idle only when a test shortens it).
+	_, err := ship.Send(ctx, c, a.store, req.Job, req.ID, ship.SendOptions{Peer: peer, Logger: a.log, IdleTimeout: a.wire.Idle})
+	return err
+}
+
+// linkTree hard-links (or copies, across file systems) every file of src into a fresh dst (0700), so
+// that CRIU's restore log and image edits never touch the verified snapshot. Anything but regular files
+// and directories is refused: a verified snapshot holds nothing else.
+func linkTree(src, dst string) error {
+	os.RemoveAll(dst)
+	return filepath.WalkDir(src, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(src, p)
+		target := filepath.Join(dst, rel)
+		switch {
+		case d.IsDir():
+			return os.MkdirAll(target, 0o700)
+		case !d.Type().IsRegular():
+			return fmt.Errorf("%s is not a regular file", p)
+		}
+		if err := os.Link(p, target); err == nil {
+			return nil
+		}
+		in, err := os.OpenFile(p, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+		if err != nil {
+			return err
+		}
+		defer in.Close()
+		st, err := in.Stat()
+		if err != nil {
+			return err
+		}
+		return copyPrefixToNew(target, in, st.Size())
+	})
+}

@@ -1,0 +1,105 @@
+package agent
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/shim"
+)
+
+// maxJobRecord bounds the job record a snapshot carries: a few hundred bytes plus the job's argv and env.
+const maxJobRecord = 4 << 20
+
+// snapshotJob reads the job record a snapshot carries and validates it, with the manifest's paths, against
+// this agent's layout: both come from whichever node took the snapshot.
+func (a *Agent) snapshotJob(m *ckpt.Manifest) (Job, error) {
+	var j Job
+	b, err := readBounded(filepath.Join(a.store.Path(m.Job, m.ID), snapJob), maxJobRecord)
+	if err == nil {
+		err = json.Unmarshal(b, &j)
+	}
+	if err != nil {
+		return Job{}, fmt.Errorf("snapshot %s has no usable job record: %w", m.ID, err)
+	}
+	if err := checkPeerJob(a.layout(), m, &j); err != nil {
+		return Job{}, fmt.Errorf("%w; refusing to restore it", err)
+	}
+	return j, nil
+}
+
+func readBounded(path string, limit int64) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, limit+1))
+	if err == nil && int64(len(b)) > limit {
+		err = fmt.Errorf("%s is larger than %d bytes", path, limit)
+	}
+	return b, err
+}
+
+// workCopy lays out the snapshot's images in a working directory that restoreJob removes.
+func (a *Agent) workCopy(m *ckpt.Manifest) (string, error) {
+	// One directory per attempt: a manual restore and a fail-over of the same snapshot may prepare on one
+	// host at once, and the loser of the incarnation claim removes its own copy, never the winner's.
+	var rnd [4]byte
+	if _, err := rand.Read(rnd[:]); err != nil {
+		return "", err
+	}
+	work := filepath.Join(a.cfg.StateDir, "restore", m.Job+"-"+m.ID+"-"+hex.EncodeToString(rnd[:]))
+	if err := linkTree(filepath.Join(a.store.Path(m.Job, m.ID), snapImages), work); err != nil {
+		return "", fmt.Errorf("prepare images for restore: %w", err)
+	}
+	return work, nil
+}
+
+// outputJournalDir is the directory of a restore's work directory where restoreOutputs keeps what it
+// changes, until the restore succeeds.
+const outputJournalDir = "output-journal"
+
+// restoreJob puts the job's output files back to their snapshot sizes and restores the images in work
+// under a new shim on this host; work is removed afterwards. A restore that fails leaves the output files
+// as it found them.
+func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work string) (*Job, error) {
+	keepWork := false
+	defer func() {
+		if !keepWork {
+			os.RemoveAll(work)
+		}
+	}()
+	journal, err := a.restoreOutputs(m, j, filepath.Join(work, outputJournalDir))
+	var pid int
+	start := time.Now()
+	if err == nil {
+		a.protect(&j)
+		pid, err = shim.Launch(ctx, a.self, shim.Spec{
+			JobID: j.ID, Mode: shim.ModeRestore, ImagesDir: work, CRIU: a.criu.Binary, ExitFile: j.ExitPath(), Node: a.cfg.Name,
+		}, a.shimLog(j.ID))
+	}
+	if err != nil {
+		// Nothing runs: the next attempt, or an older snapshot, finds the files as they were.
+		keepWork, err = a.undoOutputs(journal, m, err)
+		return nil, err
+	}
+	journal.close()
+	j.Node, j.PID, j.State, j.Exit, j.Restored = a.cfg.Name, pid, JobRunning, nil, m.ID
+	if err := a.jobs.save(&j); err != nil {
+		return nil, err
+	}
+	a.mu.Lock()
+	a.byID[j.ID] = &j
+	a.notify()
+	a.mu.Unlock()
+	a.log.Info("job restored", "job", j.ID, "snapshot", m.ID, "from_node", m.Node, "pid", pid, "restore_ms", time.Since(start).Milliseconds())
+	return &j, nil
+}

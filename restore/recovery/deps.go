@@ -1,0 +1,156 @@
+package recovery
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"net/netip"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/recvdigest"
+	"github.com/ftkit/ftkit/restore"
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// Stage names of the target's part of a recovery, in the order it goes through them (the coordinator's
+// "detected" and "spare claimed" come before).
+const (
+	StageFetched   = "snapshot fetched"
+	StageRewritten = "images rewritten"
+	StageRestored  = "restored"
+	StageReplayed  = "replay done"
+	StageProtected = "re-protected"
+)
+
+// Phases of a job, as Tracker records them for a resume.
+const (
+	PhaseRestoring = "restoring" // the network is prepared; CRIU may or may not have restored it
+	PhaseRestored  = "restored"  // it runs; the replay is not verified yet
+	PhaseReplayed  = "replayed"  // re-sent and verified; re-protection pending
+)
+
+// A Stage is one step of a recovery as Run reports it; Job is empty for a step of all jobs.
+type Stage struct {
+	Name, Job  string
+	Start, End time.Time
+	Detail     string
+	Err        error
+}
+
+// Check is what the target needs to check one connection's re-sent bytes besides the snapshot: the
+// peer's record of what it received, or why there is none. It is part of the agent's on-disk recovery
+// record (hence the JSON tags).
+type Check struct {
+	Received *recvdigest.Received `json:"received,omitempty"`
+	Missing  string               `json:"missing,omitempty"`
+}
+
+// A Job is one job on its way back.
+type Job struct {
+	ID string
+	// Incarnation is the snapshot's incarnation as Snapshots.Fetch returns it, the claimed one after.
+	Incarnation uint64
+	Manifest    *ckpt.Manifest
+	// Work is the working copy of the snapshot's images (Jobs.Restore consumes it); RunID is its restore
+	// run id (restore.RunID), which names its network guard.
+	Work, RunID string
+	// Source is the member the snapshot came from; Holder is the restore attempt that claims the job's
+	// incarnation, to give it back if the job never runs.
+	Source, Holder string
+	Plan           restore.Plan
+	// RestoredAt is when CRIU's restore returned: the replay is measured from there.
+	RestoredAt time.Time
+	// Checks are the peers' records of what they received, per connection (Local: the restored end).
+	Checks map[tcpflow.Tuple]Check
+	// Replayed are flows whose replay a previous agent saw complete (a resume): not waited for again.
+	Replayed []tcpflow.Tuple
+	// stopKeeping ends Log.Keep once the re-sent bytes are checked.
+	stopKeeping func()
+}
+
+// Snapshots gives a job's snapshot to restore.
+type Snapshots interface {
+	// Fetch fetches candidate c of job (unless this host has it), verifies it, and lays out a working copy
+	// of its images: a Job with ID, Incarnation (the snapshot's), Manifest, Work, RunID and Source set.
+	Fetch(ctx context.Context, job string, c clusterapi.Candidate) (*Job, error)
+}
+
+// Peers asks the surviving peers of a job's connections.
+type Peers interface {
+	// Owner is the member that holds addr, "" if none does.
+	Owner(addr netip.Addr) string
+	// LogRange is what owner logged of a connection since a sequence number, and its live state.
+	LogRange(ctx context.Context, owner string, req clusterapi.LogRangeRequest) (clusterapi.LogRangeReply, []byte, error)
+	// Received is owner's record of what it received on conn (Local: owner's end) from sequence from on.
+	Received(ctx context.Context, owner string, conn tcpflow.Tuple, from uint32) (*recvdigest.Received, error)
+}
+
+// Log is this host's sender-side log, which captures what the restored jobs re-send.
+type Log interface {
+	// Keep makes the bytes the plan's connections re-send stay readable until stop is called.
+	Keep(p restore.Plan) (stop func())
+	// WaitLogged waits (a little) until the log holds conn's bytes up to wire sequence end.
+	WaitLogged(ctx context.Context, conn tcpflow.Tuple, end uint32)
+	// ReadRange writes the n bytes the log holds of conn from wire sequence seq on to w.
+	ReadRange(ctx context.Context, w io.Writer, conn tcpflow.Tuple, seq, n uint32) error
+	// SentUpTo is how far a restored socket has sent on flow.
+	SentUpTo(flow tcpflow.Tuple) (uint32, bool)
+}
+
+// Jobs runs the restored jobs and owns their incarnations.
+type Jobs interface {
+	// Claim claims incarnation n of j for j.Holder cluster-wide.
+	Claim(ctx context.Context, j *Job, n uint64) error
+	// GiveBack returns j's claimed incarnation: the job never ran.
+	GiveBack(ctx context.Context, j *Job)
+	// GiveBackUnlessStarted returns it unless the failed restore may have left processes (cause).
+	GiveBackUnlessStarted(ctx context.Context, j *Job, cause error)
+	// Restore restores j's images under a shim on this host; it consumes j.Work.
+	Restore(ctx context.Context, j *Job) error
+	// State is the job's state, and whether it runs.
+	State(id string) (state string, running bool)
+	// Kill stops a restored job that cannot continue.
+	Kill(id string, why error)
+	// Reprotect snapshots the jobs and ships the snapshot to this host's protector.
+	Reprotect(ctx context.Context, ids []string) (string, error)
+}
+
+// Clamp is the ACK clamp, which holds a restored flow's peer ACKs down until its replay is done.
+type Clamp interface {
+	Clamp(flow tcpflow.Tuple, sndNxt uint32) error
+	// Release unregisters flow and says how many peer ACKs it clamped.
+	Release(flow tcpflow.Tuple) (clamped uint64)
+}
+
+// Network is the host's network around CRIU's restore (HostNetwork; the restore package's mechanics).
+type Network interface {
+	Guard(ctx context.Context, runID string, conns []ckpt.Conn) error
+	Unguard(ctx context.Context, runID string)
+	TakeOver(ip netip.Addr) error
+	Release(ip netip.Addr)
+	SetInitCwnd(segments int) error
+	Announce(ctx context.Context, ip netip.Addr) error
+}
+
+// Tracker keeps the recovery on disk as it goes, for an agent restarted mid-way to resume it.
+type Tracker interface {
+	// Persist records the jobs about to be restored, with their replays and what checking them needs.
+	Persist(jobs []*Job)
+	// SetPhase moves a job on; phase "" drops a job that failed.
+	SetPhase(id, phase string, at time.Time)
+}
+
+// Deps are the agent's actions a recovery uses. Clamp is nil when the host runs no ACK clamp.
+type Deps struct {
+	Snapshots     Snapshots
+	Peers         Peers
+	Log           Log
+	Jobs          Jobs
+	Clamp         Clamp
+	Network       Network
+	Tracker       Tracker
+	Logger        *slog.Logger
+	ReplayTimeout time.Duration // failover.replay_timeout
+}

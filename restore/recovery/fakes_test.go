@@ -1,0 +1,212 @@
+package recovery
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/recvdigest"
+	"github.com/ftkit/ftkit/restore"
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// fake is every interface of Deps, recording what the recovery asked of it.
+type fake struct {
+	t *testing.T
+
+	mu sync.Mutex
+	// Snapshots: fetchErr fails a candidate snapshot; conns are the fetched manifests' connections.
+	fetchErr map[string]error
+	conns    []ckpt.Conn
+	fetched  []string
+	// Peers: owners of the peers' addresses.
+	owners map[netip.Addr]string
+	// Log: what the log holds per flow (from sequence 0), and how far each restored socket sent.
+	logged map[tcpflow.Tuple][]byte
+	sent   map[tcpflow.Tuple]uint32
+	kept   int // Keep calls not yet stopped
+	// Jobs.
+	claimErr, restoreErr error
+	ended                bool // the restored job ended by itself
+	claimed              []uint64
+	givenBack, unlessSt  []string
+	restored, killed     []string
+	reprotected          []string
+	// Clamp.
+	clamped, released []tcpflow.Tuple
+	// Network.
+	takeOverErr error
+	net         []string
+	// Tracker.
+	persisted []string
+	phases    []string
+}
+
+func newFake(t *testing.T) *fake {
+	return &fake{t: t, fetchErr: map[string]error{}, owners: map[netip.Addr]string{},
+		logged: map[tcpflow.Tuple][]byte{}, sent: map[tcpflow.Tuple]uint32{}}
+}
+
+func (f *fake) deps() Deps {
+	return Deps{Snapshots: f, Peers: f, Log: f, Jobs: f, Clamp: f, Network: fakeNet{f}, Tracker: f,
+		Logger: slog.New(slog.DiscardHandler), ReplayTimeout: time.Minute}
+}
+
+// emptyImages is a CRIU images directory with no file descriptor: nothing for Rewrite to edit.
+func emptyImages(t *testing.T) string {
+	const magicCommon, magicFiles = 0x54564319, 0x56303138
+	dir := t.TempDir()
+	b := binary.LittleEndian.AppendUint32(binary.LittleEndian.AppendUint32(nil, magicCommon), magicFiles)
+	if err := os.WriteFile(filepath.Join(dir, "files.img"), b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+func (f *fake) Fetch(_ context.Context, job string, c clusterapi.Candidate) (*Job, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.fetched = append(f.fetched, c.Snapshot)
+	if err := f.fetchErr[c.Snapshot]; err != nil {
+		return nil, err
+	}
+	m := &ckpt.Manifest{Job: job, ID: c.Snapshot, Node: "node2", Info: ckpt.Info{Conns: f.conns}}
+	return &Job{ID: job, Incarnation: 3, Manifest: m, Work: emptyImages(f.t), RunID: "run-" + job, Source: c.Source}, nil
+}
+
+func (f *fake) Owner(addr netip.Addr) string { return f.owners[addr] }
+
+func (f *fake) LogRange(context.Context, string, clusterapi.LogRangeRequest) (clusterapi.LogRangeReply, []byte, error) {
+	return clusterapi.LogRangeReply{}, nil, errors.New("not expected in these tests")
+}
+
+func (f *fake) Received(context.Context, string, tcpflow.Tuple, uint32) (*recvdigest.Received, error) {
+	return nil, errors.New("not expected in these tests")
+}
+
+func (f *fake) Keep(restore.Plan) func() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.kept++
+	return sync.OnceFunc(func() { f.mu.Lock(); f.kept--; f.mu.Unlock() })
+}
+
+func (f *fake) WaitLogged(context.Context, tcpflow.Tuple, uint32) {}
+
+func (f *fake) ReadRange(_ context.Context, w io.Writer, conn tcpflow.Tuple, seq, n uint32) error {
+	b := f.logged[conn]
+	if uint64(seq)+uint64(n) > uint64(len(b)) {
+		return fmt.Errorf("log holds %d bytes of %s, not up to %d", len(b), conn, seq+n)
+	}
+	_, err := w.Write(b[seq : seq+n])
+	return err
+}
+
+func (f *fake) SentUpTo(flow tcpflow.Tuple) (uint32, bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	s, ok := f.sent[flow]
+	return s, ok
+}
+
+func (f *fake) Claim(_ context.Context, j *Job, n uint64) error {
+	f.claimed = append(f.claimed, n)
+	return f.claimErr
+}
+
+func (f *fake) GiveBack(_ context.Context, j *Job) { f.givenBack = append(f.givenBack, j.ID) }
+
+func (f *fake) GiveBackUnlessStarted(_ context.Context, j *Job, _ error) {
+	f.unlessSt = append(f.unlessSt, j.ID)
+}
+
+func (f *fake) Restore(_ context.Context, j *Job) error {
+	if f.restoreErr != nil {
+		return f.restoreErr
+	}
+	f.restored = append(f.restored, j.ID)
+	return nil
+}
+
+func (f *fake) State(id string) (string, bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.ended || slices.Contains(f.killed, id) {
+		return "ended", false
+	}
+	return "running", true
+}
+
+func (f *fake) Kill(id string, _ error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.killed = append(f.killed, id)
+}
+
+func (f *fake) Reprotect(_ context.Context, ids []string) (string, error) {
+	f.reprotected = append(f.reprotected, ids...)
+	return "snapshot shipped", nil
+}
+
+func (f *fake) Clamp(flow tcpflow.Tuple, _ uint32) error {
+	f.clamped = append(f.clamped, flow)
+	return nil
+}
+
+func (f *fake) Release(flow tcpflow.Tuple) uint64 {
+	f.released = append(f.released, flow)
+	return 2
+}
+
+func (f *fake) Guard(_ context.Context, runID string, _ []ckpt.Conn) error {
+	f.net = append(f.net, "guard "+runID)
+	return nil
+}
+
+func (f *fake) Unguard(_ context.Context, runID string) { f.net = append(f.net, "unguard "+runID) }
+
+func (f *fake) TakeOver(ip netip.Addr) error {
+	if f.takeOverErr != nil {
+		return f.takeOverErr
+	}
+	f.net = append(f.net, "take over "+ip.String())
+	return nil
+}
+
+// Release of an address; the clamp's Release has the other signature, so the fake's address release is
+// reached through fakeNet.
+type fakeNet struct{ *fake }
+
+func (n fakeNet) Release(ip netip.Addr) { n.net = append(n.net, "release "+ip.String()) }
+
+func (f *fake) SetInitCwnd(segments int) error {
+	f.net = append(f.net, fmt.Sprintf("initcwnd %d", segments))
+	return nil
+}
+
+func (f *fake) Announce(_ context.Context, ip netip.Addr) error {
+	f.net = append(f.net, "announce "+ip.String())
+	return nil
+}
+
+func (f *fake) Persist(jobs []*Job) {
+	for _, j := range jobs {
+		f.persisted = append(f.persisted, j.ID)
+	}
+}
+
+func (f *fake) SetPhase(id, phase string, _ time.Time) {
+	f.phases = append(f.phases, id+" "+phase)
+}

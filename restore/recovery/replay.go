@@ -1,0 +1,130 @@
+package recovery
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"slices"
+	"time"
+
+	"github.com/ftkit/ftkit/recvdigest"
+)
+
+// Checking re-sent bytes. After a restore, the restored job re-emits the bytes its surviving peers already
+// received since the snapshot, and the peers' TCP discards them unread. A program whose output depends on
+// anything but its inputs (the clock, a random source, the order in which it reads its sockets) re-sends
+// different bytes and silently diverges from what its peers saw. So every host records what its protected
+// sockets receive (recvdigest), the target fetches the surviving peers' records before the restore (plan)
+// and checks EVERY re-sent byte against them before the job is re-protected. At the first difference, or
+// at a byte it cannot check, it kills the job: a recovery never reports success with an unchecked byte.
+
+// ReplayAndVerify waits for a restored job's replay and checks every byte it re-sent. A job that does not
+// re-send what its peers had within the replay timeout (it diverged and waits for a message nobody will
+// send, or re-sent fewer bytes) or whose bytes fail the check is killed before anything re-protects it:
+// from there on its peers would get bytes of a different execution, or of one nobody can vouch for. The
+// recovery ends with a named failure, never a hang and never a job of unknown fidelity. It is the one
+// place that kills a restored job; a resumed recovery (the agent restarted) calls it too.
+func ReplayAndVerify(ctx context.Context, d Deps, j *Job) (string, error) {
+	if j.stopKeeping != nil {
+		defer j.stopKeeping()
+	}
+	detail, err := waitReplay(ctx, d, j)
+	if err == nil {
+		var vdetail string
+		vdetail, err = verifyResent(ctx, d, j)
+		detail += "; " + vdetail
+	}
+	if err != nil {
+		d.Jobs.Kill(j.ID, err)
+	}
+	return detail, err
+}
+
+// waitReplay waits until every restored connection has re-sent the bytes its peer already had: from then
+// on the job produces new bytes, and the peers' TCP discarded the re-sent ones as duplicates. The restored
+// socket's progress is read from Log.SentUpTo (the ACK clamp's state, or the sender-side log's).
+func waitReplay(ctx context.Context, d Deps, j *Job) (string, error) {
+	timeout := d.ReplayTimeout
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	var total int64
+	var clamped uint64
+	for _, c := range j.Plan.Conns {
+		if c.Resend == 0 {
+			continue
+		}
+		total += int64(c.Resend)
+		target := c.Conn.OutqSeq + c.Resend
+		flow := c.Conn.Tuple
+		if slices.Contains(j.Replayed, flow) {
+			continue
+		}
+		for {
+			sent, ok := d.Log.SentUpTo(flow)
+			if ok && int32(sent-target) >= 0 {
+				break
+			}
+			if state, running := d.Jobs.State(j.ID); !running {
+				return "", fmt.Errorf("job %s ended (%s) before it re-sent what %s had", j.ID, state, c.Conn.Remote)
+			}
+			select {
+			case <-ctx.Done():
+				return "", fmt.Errorf("connection %s -> %s: the restored job did not re-send what its peer had received (up to sequence %d) within %s (failover.replay_timeout): it diverged from the execution its peers saw (it waits for a message they will never send) or is stuck", c.Conn.Local, c.Conn.Remote, target, timeout)
+			case <-time.After(5 * time.Millisecond):
+			}
+		}
+		if d.Clamp != nil {
+			clamped += d.Clamp.Release(flow)
+		}
+	}
+	return fmt.Sprintf("%d bytes re-sent and discarded by the peers; %d peer ACKs clamped", total, clamped), nil
+}
+
+// verifyResent checks every byte the restored job re-sent on each connection, as this host's log captured
+// it, against the peer's record, and says which connection failed at a difference or at a byte it cannot
+// check (ReplayAndVerify then kills the job).
+//
+// The check of a connection starts at the snapshot's write_seq, usually inside a block the receiver
+// digested whole; the snapshot carries the CRC of that block's bytes before write_seq
+// (ckpt.Conn.SentPrefix).
+func verifyResent(ctx context.Context, d Deps, j *Job) (string, error) {
+	var total uint64
+	n := 0
+	for _, c := range j.Plan.Conns {
+		if c.Resend == 0 {
+			continue
+		}
+		conn := c.Conn.Tuple
+		from, to := c.Conn.OutqSeq, c.Conn.OutqSeq+c.Resend
+		chk := j.Checks[conn]
+		var err error
+		if chk.Received == nil {
+			why := chk.Missing
+			if why == "" {
+				why = "the peer's record of what it received was not fetched"
+			}
+			err = &recvdigest.UnverifiedError{Conn: conn, From: from, To: to, Reason: why}
+		} else {
+			var prefix recvdigest.Prefix
+			if p := c.Conn.SentPrefix; p != nil {
+				prefix = recvdigest.Prefix{Known: true, Len: p.Len, CRC: p.CRC}
+			}
+			var v uint64
+			missing := false // once bytes failed to arrive in the log, do not wait again for each later piece
+			v, err = recvdigest.Verify(*chk.Received, from, to, prefix, func(w io.Writer, seq, n uint32) error {
+				if !missing {
+					d.Log.WaitLogged(ctx, conn, seq+n)
+				}
+				err := d.Log.ReadRange(ctx, w, conn, seq, n)
+				missing = missing || err != nil
+				return err
+			})
+			total += v
+		}
+		if err != nil {
+			return fmt.Sprintf("re-sent bytes checked: %d, then connection %s failed the check", total, conn), err
+		}
+		n++
+	}
+	return fmt.Sprintf("re-sent bytes verified: all %d on %d connection(s)", total, n), nil
+}

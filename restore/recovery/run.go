@@ -1,0 +1,264 @@
+package recovery
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/restore"
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// Run restores a failed node's jobs on this host, in this order: fetch each job's snapshot (falling back
+// to the next candidate), plan from the peers' logs and live state and rewrite the images, prepare the
+// network (guard the connections, take over the failed node's addresses, clamp the peers' ACKs, raise
+// the initial congestion window), restore each job, announce the addresses, wait until the restored jobs
+// have re-sent what their peers already had and check every re-sent byte (killing a job that fails),
+// then snapshot the verified jobs again (re-protection). Every step is reported through emit.
+func Run(ctx context.Context, req clusterapi.RecoverRequest, d Deps, emit func(Stage)) error {
+	stage := func(name, job string, start time.Time, detail string, err error) {
+		emit(Stage{Name: name, Job: job, Start: start, End: time.Now(), Detail: detail, Err: err})
+	}
+	var jobs []*Job
+	var errs []error
+	for _, rj := range req.Jobs {
+		start := time.Now()
+		j, failed, err := fetch(ctx, d, req, rj)
+		detail := ""
+		if j != nil {
+			detail = fmt.Sprintf("%d MB from %s (snapshot %s, incarnation %d)", j.Manifest.TotalSize()>>20, j.Source, j.Manifest.ID, j.Incarnation)
+		}
+		if len(failed) > 0 {
+			detail = strings.TrimPrefix(detail+"; failed before: "+strings.Join(failed, "; "), "; ")
+		}
+		stage(StageFetched, rj.Job, start, detail, err)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("job %s: %w", rj.Job, err))
+			continue
+		}
+		start = time.Now()
+		err = plan(ctx, d, req, j)
+		if err == nil {
+			err = restore.Rewrite(j.Work, j.Plan)
+		}
+		stage(StageRewritten, rj.Job, start, PlanSummary(j.Plan), err)
+		if err != nil {
+			d.Jobs.GiveBack(ctx, j)
+			errs = append(errs, fmt.Errorf("job %s is not transparently recoverable: %w", rj.Job, err))
+			continue
+		}
+		jobs = append(jobs, j)
+	}
+	if len(jobs) == 0 {
+		return errors.Join(append(errs, errors.New("no job could be prepared"))...)
+	}
+	if err := prepareNetwork(ctx, d, req, jobs); err != nil {
+		for _, j := range jobs {
+			os.RemoveAll(j.Work)
+			d.Jobs.GiveBack(ctx, j)
+		}
+		return errors.Join(append(errs, err)...)
+	}
+	d.Tracker.Persist(jobs)
+	var restored []*Job
+	for _, j := range jobs {
+		start := time.Now()
+		j.stopKeeping = d.Log.Keep(j.Plan)
+		err := d.Jobs.Restore(ctx, j)
+		j.RestoredAt = time.Now()
+		stage(StageRestored, j.ID, start, "", err)
+		if err != nil {
+			j.stopKeeping()
+			d.Tracker.SetPhase(j.ID, "", time.Time{})
+			d.Network.Unguard(ctx, j.RunID)
+			d.Jobs.GiveBackUnlessStarted(ctx, j, err)
+			errs = append(errs, fmt.Errorf("job %s: %w", j.ID, err))
+			continue
+		}
+		d.Tracker.SetPhase(j.ID, PhaseRestored, j.RestoredAt)
+		restored = append(restored, j)
+	}
+	for _, ip := range req.Addrs {
+		if err := d.Network.Announce(ctx, ip); err != nil {
+			d.Logger.Warn("gratuitous ARP failed; peers find the address when their neighbour entries expire", "addr", ip, "err", err)
+		}
+	}
+	var verified []string
+	for _, j := range restored {
+		detail, err := ReplayAndVerify(ctx, d, j)
+		stage(StageReplayed, j.ID, j.RestoredAt, detail, err)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("job %s is not transparently recoverable (killed): %w", j.ID, err))
+			continue
+		}
+		d.Tracker.SetPhase(j.ID, PhaseReplayed, time.Time{})
+		verified = append(verified, j.ID)
+	}
+	if len(verified) > 0 {
+		start := time.Now()
+		detail, err := d.Jobs.Reprotect(ctx, verified)
+		stage(StageProtected, "", start, detail, err)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("re-protect: %w", err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// fetch tries the job's candidate snapshots in order and claims the job's next incarnation for the first
+// that works; failed lists why each earlier candidate failed. A refused claim ends the search: the job
+// runs elsewhere, whatever the snapshot.
+func fetch(ctx context.Context, d Deps, req clusterapi.RecoverRequest, rj clusterapi.RecoverJob) (*Job, []string, error) {
+	cands, err := rj.CandidateList(req.Source)
+	if err != nil {
+		return nil, nil, err
+	}
+	var failed []string
+	for _, c := range cands {
+		j, err := d.Snapshots.Fetch(ctx, rj.Job, c)
+		if err != nil {
+			d.Logger.Warn("candidate snapshot failed; trying the next", "job", rj.Job, "snapshot", c.Snapshot, "source", c.Source, "err", err)
+			failed = append(failed, fmt.Sprintf("%s from %s: %v", c.Snapshot, c.Source, err))
+			continue
+		}
+		j.Holder = "failover:" + req.Failure
+		n := j.Incarnation + 1
+		if err := d.Jobs.Claim(ctx, j, n); err != nil {
+			os.RemoveAll(j.Work)
+			return nil, failed, fmt.Errorf("snapshot %s verified, but the job may not run here: %w", c.Snapshot, err)
+		}
+		j.Incarnation = n
+		return j, failed, nil
+	}
+	return nil, failed, fmt.Errorf("none of %d candidate snapshot(s) could be fetched and verified: %s", len(cands), strings.Join(failed, "; "))
+}
+
+// plan asks every peer of the job's connections for what it sent since the snapshot, for its live state
+// and for its record of what it received, and computes the image edits.
+func plan(ctx context.Context, d Deps, req clusterapi.RecoverRequest, j *Job) error {
+	peers := map[tcpflow.Tuple]restore.Peer{}
+	j.Checks = map[tcpflow.Tuple]Check{}
+	var conns []ckpt.Conn
+	var errs []error
+	for _, c := range j.Manifest.Conns {
+		if slices.Contains(req.Addrs, c.Remote.Addr().Unmap()) {
+			continue // both ends were on the failed node: restored from the same node snapshot
+		}
+		owner := d.Peers.Owner(c.Remote.Addr())
+		if owner == "" {
+			errs = append(errs, fmt.Errorf("connection %s -> %s: the peer is not a cluster member, so nobody logged what it sent", c.Local, c.Remote))
+			continue
+		}
+		qctx, cancel := context.WithTimeout(ctx, time.Minute)
+		asked := time.Now()
+		reply, data, err := d.Peers.LogRange(qctx, owner, clusterapi.LogRangeRequest{Src: c.Remote, Dst: c.Local, From: c.InqSeq})
+		cancel()
+		if err != nil {
+			errs = append(errs, fmt.Errorf("connection %s -> %s: log of %s: %w", c.Local, c.Remote, owner, err))
+			continue
+		}
+		if reply.Live == nil {
+			errs = append(errs, fmt.Errorf("connection %s -> %s: %s has no live state of it", c.Local, c.Remote, owner))
+			continue
+		}
+		conns = append(conns, c)
+		peers[c.Tuple] = restore.Peer{
+			Live: *reply.Live, LiveAge: reply.LiveAge + time.Since(asked), Logged: data,
+		}
+		// Asked now, while nothing runs at this end: the peer's record ends where its socket does.
+		qctx, cancel = context.WithTimeout(ctx, time.Minute)
+		j.Checks[c.Tuple] = fetchCheck(qctx, d.Peers, owner, c.Tuple, c.OutqSeq)
+		cancel()
+	}
+	if len(errs) > 0 {
+		return errors.Join(errs...)
+	}
+	p, err := restore.NewPlan(conns, peers, restore.RestoredMSS)
+	j.Plan = p
+	return err
+}
+
+// fetchCheck is the Check of conn from the member that holds its peer.
+func fetchCheck(ctx context.Context, peers Peers, owner string, conn tcpflow.Tuple, from uint32) Check {
+	rec, err := peers.Received(ctx, owner, conn, from)
+	if err != nil {
+		return Check{Missing: fmt.Sprintf("%s could not give its record of what it received: %v", owner, err)}
+	}
+	return Check{Received: rec}
+}
+
+// PlanSummary is the detail of the "images rewritten" stage.
+func PlanSummary(p restore.Plan) string {
+	var inject, resend int64
+	for _, c := range p.Conns {
+		inject += int64(len(c.Inject))
+		resend += int64(c.Resend)
+	}
+	return fmt.Sprintf("%d connection(s): %d bytes injected, %d bytes to re-send, initcwnd %d", len(p.Conns), inject, resend, p.InitCwnd)
+}
+
+// prepareNetwork guards the jobs' connections, takes over the failed node's addresses, registers the
+// restored flows with the ACK clamp and raises the initial congestion window. On error it undoes what it
+// did, so that the host is left as it was (a peer must not find the address here without a socket).
+func prepareNetwork(ctx context.Context, d Deps, req clusterapi.RecoverRequest, jobs []*Job) (err error) {
+	var guarded []string
+	var taken []netip.Addr
+	var clamped []tcpflow.Tuple
+	defer func() {
+		if err == nil {
+			return
+		}
+		for _, ip := range taken {
+			d.Network.Release(ip)
+		}
+		for _, id := range guarded {
+			d.Network.Unguard(ctx, id)
+		}
+		for _, f := range clamped {
+			d.Clamp.Release(f)
+		}
+	}()
+	// The network guard goes up before the address: until CRIU has rebuilt the sockets, the peers'
+	// retransmissions to the taken-over address must be dropped, never answered with a RST.
+	initCwnd := restore.MinInitCwnd
+	for _, j := range jobs {
+		if err := d.Network.Guard(ctx, j.RunID, j.Manifest.Conns); err != nil {
+			return fmt.Errorf("guard connections of job %s: %w", j.ID, err)
+		}
+		guarded = append(guarded, j.RunID)
+		initCwnd = max(initCwnd, j.Plan.InitCwnd)
+	}
+	for _, ip := range req.Addrs {
+		if err := d.Network.TakeOver(ip); err != nil {
+			return fmt.Errorf("take over address %s: %w", ip, err)
+		}
+		taken = append(taken, ip)
+	}
+	if d.Clamp != nil {
+		for _, j := range jobs {
+			for _, c := range j.Plan.Conns {
+				if c.Resend == 0 {
+					continue
+				}
+				// From the snapshot's write_seq: CRIU restores the out-queue as sent, and the peer, whose
+				// rcv_nxt is beyond it (Resend > 0), has all of it.
+				f := c.Conn.Tuple
+				if err := d.Clamp.Clamp(f, c.Conn.OutqSeq); err != nil {
+					return err
+				}
+				clamped = append(clamped, f)
+			}
+		}
+	}
+	if err := d.Network.SetInitCwnd(initCwnd); err != nil {
+		d.Logger.Warn("could not raise the initial congestion window; re-sent bytes may stall", "err", err)
+	}
+	return nil
+}

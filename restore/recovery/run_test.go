@@ -1,0 +1,343 @@
+package recovery
+
+import (
+	"context"
+	"errors"
+	"hash/crc32"
+	"net/netip"
+	"os"
+	"reflect"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/recvdigest"
+	"github.com/ftkit/ftkit/restore"
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+const (
+	snap1 = "20250101T000000.000Z-node2-000001"
+	snap2 = "20250101T000000.000Z-node2-000002"
+)
+
+var failedAddr = netip.MustParseAddr("10.0.0.2")
+
+func request(cands ...string) clusterapi.RecoverRequest {
+	rj := clusterapi.RecoverJob{Job: "rank1"}
+	for _, c := range cands {
+		rj.Candidates = append(rj.Candidates, clusterapi.Candidate{Snapshot: c, Source: "node3"})
+	}
+	return clusterapi.RecoverRequest{Failure: "node2-1", Failed: "node2", Addrs: []netip.Addr{failedAddr}, Source: "node3",
+		Jobs: []clusterapi.RecoverJob{rj}}
+}
+
+// TestRun runs whole recoveries of a job with fakes of the agent's actions: which stages are reported in
+// which order, and what each outcome does to the job, its incarnation, the network and the record.
+func TestRun(t *testing.T) {
+	stranger := ckpt.Conn{Tuple: tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("192.0.2.9:4000")}}
+	tests := []struct {
+		name    string
+		cands   []string
+		setup   func(f *fake)
+		wantErr string // "" for success
+		stages  []string
+		check   func(t *testing.T, f *fake, stages []Stage)
+	}{
+		{
+			name:   "all steps, re-protected",
+			cands:  []string{snap1},
+			stages: []string{StageFetched, StageRewritten, StageRestored, StageReplayed, StageProtected},
+			check: func(t *testing.T, f *fake, stages []Stage) {
+				if !reflect.DeepEqual(f.claimed, []uint64{4}) || !reflect.DeepEqual(f.reprotected, []string{"rank1"}) {
+					t.Errorf("claimed %v, re-protected %v; want incarnation 4 claimed and rank1 re-protected", f.claimed, f.reprotected)
+				}
+				wantNet := []string{"guard run-rank1", "take over 10.0.0.2", "initcwnd 10", "announce 10.0.0.2"}
+				if !reflect.DeepEqual(f.net, wantNet) {
+					t.Errorf("network %v, want %v", f.net, wantNet)
+				}
+				wantPhases := []string{"rank1 " + PhaseRestored, "rank1 " + PhaseReplayed}
+				if !reflect.DeepEqual(f.persisted, []string{"rank1"}) || !reflect.DeepEqual(f.phases, wantPhases) {
+					t.Errorf("persisted %v, phases %v; want rank1 persisted, phases %v", f.persisted, f.phases, wantPhases)
+				}
+				if d := stages[0].Detail; !strings.Contains(d, "from node3 (snapshot "+snap1+", incarnation 4)") {
+					t.Errorf("fetched detail %q; want the source, snapshot and claimed incarnation", d)
+				}
+			},
+		},
+		{
+			name:   "first candidate fails to fetch: the next one is used",
+			cands:  []string{snap1, snap2},
+			setup:  func(f *fake) { f.fetchErr[snap1] = errors.New("connection refused") },
+			stages: []string{StageFetched, StageRewritten, StageRestored, StageReplayed, StageProtected},
+			check: func(t *testing.T, f *fake, stages []Stage) {
+				if !reflect.DeepEqual(f.fetched, []string{snap1, snap2}) {
+					t.Errorf("fetched %v, want both candidates in order", f.fetched)
+				}
+				d := stages[0].Detail
+				if !strings.Contains(d, "snapshot "+snap2) || !strings.Contains(d, "failed before: "+snap1+" from node3: connection refused") {
+					t.Errorf("fetched detail %q; want the second snapshot and why the first failed", d)
+				}
+			},
+		},
+		{
+			name:    "no candidate can be fetched",
+			cands:   []string{snap1, snap2},
+			setup:   func(f *fake) { f.fetchErr[snap1], f.fetchErr[snap2] = errors.New("gone"), errors.New("corrupt") },
+			wantErr: "none of 2 candidate snapshot(s) could be fetched and verified",
+			stages:  []string{StageFetched},
+			check: func(t *testing.T, f *fake, _ []Stage) {
+				if len(f.net) != 0 || len(f.claimed) != 0 {
+					t.Errorf("network %v, claims %v; want nothing touched", f.net, f.claimed)
+				}
+			},
+		},
+		{
+			name:    "claim refused: no other candidate is tried",
+			cands:   []string{snap1, snap2},
+			setup:   func(f *fake) { f.claimErr = errors.New("incarnation 4 held by restore:x") },
+			wantErr: "snapshot " + snap1 + " verified, but the job may not run here",
+			stages:  []string{StageFetched},
+			check: func(t *testing.T, f *fake, _ []Stage) {
+				if !reflect.DeepEqual(f.fetched, []string{snap1}) || len(f.net) != 0 {
+					t.Errorf("fetched %v, network %v; want only the first candidate, no network", f.fetched, f.net)
+				}
+			},
+		},
+		{
+			name:    "a peer nobody logged: not recoverable, incarnation given back",
+			cands:   []string{snap1},
+			setup:   func(f *fake) { f.conns = []ckpt.Conn{stranger} },
+			wantErr: "the peer is not a cluster member",
+			stages:  []string{StageFetched, StageRewritten},
+			check: func(t *testing.T, f *fake, stages []Stage) {
+				if !reflect.DeepEqual(f.givenBack, []string{"rank1"}) || len(f.net) != 0 {
+					t.Errorf("given back %v, network %v; want rank1 given back, no network", f.givenBack, f.net)
+				}
+				if stages[1].Err == nil {
+					t.Error("the rewritten stage carries no error")
+				}
+			},
+		},
+		{
+			name:    "address take-over fails: guard removed, incarnation given back",
+			cands:   []string{snap1},
+			setup:   func(f *fake) { f.takeOverErr = errors.New("EPERM") },
+			wantErr: "take over address 10.0.0.2: EPERM",
+			stages:  []string{StageFetched, StageRewritten},
+			check: func(t *testing.T, f *fake, _ []Stage) {
+				if !reflect.DeepEqual(f.net, []string{"guard run-rank1", "unguard run-rank1"}) || !reflect.DeepEqual(f.givenBack, []string{"rank1"}) {
+					t.Errorf("network %v, given back %v; want the guard undone and rank1 given back", f.net, f.givenBack)
+				}
+			},
+		},
+		{
+			name:    "CRIU restore fails: unguarded, dropped from the record, not re-protected",
+			cands:   []string{snap1},
+			setup:   func(f *fake) { f.restoreErr = errors.New("criu restore: exit 1") },
+			wantErr: "job rank1: criu restore: exit 1",
+			stages:  []string{StageFetched, StageRewritten, StageRestored},
+			check: func(t *testing.T, f *fake, _ []Stage) {
+				if !reflect.DeepEqual(f.unlessSt, []string{"rank1"}) || !reflect.DeepEqual(f.phases, []string{"rank1 "}) ||
+					len(f.reprotected) != 0 || f.kept != 0 {
+					t.Errorf("given back unless started %v, phases %q, re-protected %v, keeps open %d; want rank1 given back, dropped, not re-protected, nothing kept",
+						f.unlessSt, f.phases, f.reprotected, f.kept)
+				}
+				if f.net[len(f.net)-2] != "unguard run-rank1" {
+					t.Errorf("network %v; want the guard removed before the announce", f.net)
+				}
+			},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := newFake(t)
+			if tt.setup != nil {
+				tt.setup(f)
+			}
+			var stages []Stage
+			err := Run(t.Context(), request(tt.cands...), f.deps(), func(s Stage) { stages = append(stages, s) })
+			if tt.wantErr == "" && err != nil || tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr)) {
+				t.Fatalf("Run = %v; want error containing %q", err, tt.wantErr)
+			}
+			var names []string
+			for _, s := range stages {
+				names = append(names, s.Name)
+				if s.Job != "" && s.Job != "rank1" || s.End.Before(s.Start) {
+					t.Errorf("stage %+v: want job rank1 (or none) and an end after its start", s)
+				}
+			}
+			if !reflect.DeepEqual(names, tt.stages) {
+				t.Errorf("stages %q, want %q", names, tt.stages)
+			}
+			if tt.check != nil {
+				tt.check(t, f, stages)
+			}
+		})
+	}
+}
+
+// TestRunRemovesWorkOfRefusedClaim: the working copy of a snapshot whose claim was refused is removed.
+func TestRunRemovesWorkOfRefusedClaim(t *testing.T) {
+	f := newFake(t)
+	f.claimErr = errors.New("refused")
+	var work string
+	d := f.deps()
+	d.Snapshots = snapshotsFunc(func(j *Job) { work = j.Work }, f)
+	if err := Run(t.Context(), request(snap1), d, func(Stage) {}); err == nil {
+		t.Fatal("Run succeeded with a refused claim")
+	}
+	if _, err := os.Stat(work); !os.IsNotExist(err) {
+		t.Errorf("work directory %s: %v; want it removed", work, err)
+	}
+}
+
+// replayCase is one restored job with one connection that re-sends stream[:resend].
+type replayCase struct {
+	name     string
+	check    *Check // nil: the record of stream
+	logged   []byte // what the log captured of the re-sent bytes; nil: stream
+	sentUpTo uint32 // how far the restored socket got; 0: resend
+	replayed bool   // a previous agent saw this flow's replay complete
+	ended    bool   // the job ended by itself
+	wantErr  error  // errors.Is target, or nil
+	wantMsg  string
+}
+
+// TestReplayAndVerify checks the one place that kills a restored job: after a replay that does not
+// complete, or at a re-sent byte that differs from the peer's record or that nothing can check.
+func TestReplayAndVerify(t *testing.T) {
+	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
+	const resend = 3000
+	stream := make([]byte, resend)
+	for i := range stream {
+		stream[i] = byte(i * 7)
+	}
+	record := &recvdigest.Received{Conn: conn, Pieces: []recvdigest.Piece{
+		{Seq: 0, Len: resend, CRC: crc32.Checksum(stream, crc32.MakeTable(crc32.Castagnoli))}}}
+	other := append([]byte(nil), stream...)
+	other[1234] ^= 1
+	tests := []replayCase{
+		{name: "every byte verified", wantMsg: "re-sent bytes verified: all 3000 on 1 connection(s)"},
+		{name: "a flow a previous agent saw replayed is not waited for, but checked", replayed: true, sentUpTo: 1,
+			wantMsg: "re-sent bytes verified: all 3000"},
+		{name: "the peer's record is missing", check: &Check{Missing: "node1 could not give its record of what it received: EOF"},
+			wantErr: recvdigest.ErrUnverified, wantMsg: "node1 could not give its record"},
+		{name: "no record was fetched", check: &Check{}, wantErr: recvdigest.ErrUnverified, wantMsg: "was not fetched"},
+		{name: "a re-sent byte differs", logged: other, wantErr: recvdigest.ErrNondeterministic,
+			wantMsg: "then connection " + conn.String() + " failed the check"},
+		{name: "the log lacks re-sent bytes", logged: stream[:100], wantErr: recvdigest.ErrUnverified},
+		{name: "replay times out", sentUpTo: resend - 1, wantMsg: "failover.replay_timeout"},
+		{name: "the job ends before its replay", sentUpTo: 1, ended: true, wantMsg: "job rank1 ended (ended) before it re-sent"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := newFake(t)
+			d := f.deps()
+			d.ReplayTimeout = 100 * time.Millisecond // the failure's bound; the passing cases do not wait
+			f.ended = tt.ended
+			f.logged[conn] = stream
+			if tt.logged != nil {
+				f.logged[conn] = tt.logged
+			}
+			f.sent[conn] = resend
+			if tt.sentUpTo != 0 {
+				f.sent[conn] = tt.sentUpTo
+			}
+			chk := Check{Received: record}
+			if tt.check != nil {
+				chk = *tt.check
+			}
+			cp := restore.ConnPlan{Resend: resend}
+			cp.Conn.Tuple, cp.Conn.OutqSeq = conn, 0
+			j := &Job{ID: "rank1", Plan: restore.Plan{Conns: []restore.ConnPlan{cp}}, Checks: map[tcpflow.Tuple]Check{conn: chk}}
+			if tt.replayed {
+				j.Replayed = []tcpflow.Tuple{conn}
+			}
+			j.stopKeeping = f.Keep(j.Plan)
+			detail, err := ReplayAndVerify(t.Context(), d, j)
+			failed := tt.wantErr != nil || strings.Contains(tt.wantMsg, "replay_timeout") || tt.ended
+			switch {
+			case !failed && err != nil:
+				t.Fatalf("ReplayAndVerify = %q, %v; want success", detail, err)
+			case failed && err == nil:
+				t.Fatalf("ReplayAndVerify = %q, nil; want a failure", detail)
+			case tt.wantErr != nil && !errors.Is(err, tt.wantErr):
+				t.Errorf("error %v; want %v", err, tt.wantErr)
+			}
+			if tt.wantMsg != "" && !strings.Contains(detail+" "+errString(err), tt.wantMsg) {
+				t.Errorf("detail %q, error %v; want %q in them", detail, err, tt.wantMsg)
+			}
+			if killed := len(f.killed) > 0; killed != failed {
+				t.Errorf("killed %v; want killed %v", f.killed, failed)
+			}
+			if f.kept != 0 {
+				t.Error("the re-sent bytes are still kept after the check")
+			}
+			if !failed && !tt.replayed && !reflect.DeepEqual(f.released, []tcpflow.Tuple{conn}) {
+				t.Errorf("clamp released %v; want the flow once its replay is done", f.released)
+			}
+		})
+	}
+}
+
+func errString(err error) string {
+	if err == nil {
+		return ""
+	}
+	return err.Error()
+}
+
+// snapshotsFunc wraps f's Snapshots to look at each fetched job.
+func snapshotsFunc(see func(*Job), f *fake) Snapshots { return seeingSnapshots{f, see} }
+
+type seeingSnapshots struct {
+	*fake
+	see func(*Job)
+}
+
+func (s seeingSnapshots) Fetch(ctx context.Context, job string, c clusterapi.Candidate) (*Job, error) {
+	j, err := s.fake.Fetch(ctx, job, c)
+	if j != nil {
+		s.see(j)
+	}
+	return j, err
+}
+
+// TestFetchCheck: a peer that cannot give its record of what it received leaves the reason in the Check,
+// which the verification then reports (TestReplayAndVerify) instead of a silent pass.
+func TestFetchCheck(t *testing.T) {
+	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
+	rec := &recvdigest.Received{Conn: conn, Pieces: []recvdigest.Piece{{Seq: 0, Len: 10, CRC: 1}}}
+	tests := []struct {
+		name string
+		peer receivedFunc
+		want Check
+	}{
+		{"record given", func() (*recvdigest.Received, error) { return rec, nil }, Check{Received: rec}},
+		{"record refused", func() (*recvdigest.Received, error) { return nil, errors.New("agent restarted since") },
+			Check{Missing: "node1 could not give its record of what it received: agent restarted since"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := fetchCheck(t.Context(), tt.peer, "node1", conn, 0); !reflect.DeepEqual(got, tt.want) {
+				t.Errorf("fetchCheck = %+v, want %+v", got, tt.want)
+			}
+		})
+	}
+}
+
+// receivedFunc is Peers answering only Received.
+type receivedFunc func() (*recvdigest.Received, error)
+
+func (f receivedFunc) Owner(netip.Addr) string { return "" }
+
+func (f receivedFunc) LogRange(context.Context, string, clusterapi.LogRangeRequest) (clusterapi.LogRangeReply, []byte, error) {
+	return clusterapi.LogRangeReply{}, nil, errors.New("not asked")
+}
+
+func (f receivedFunc) Received(context.Context, string, tcpflow.Tuple, uint32) (*recvdigest.Received, error) {
+	return f()
+}
