@@ -171,7 +171,7 @@ func (a *Agent) announceReceivePoints(ctx context.Context, m *ckpt.Manifest) {
 		if peer == "" || peer == a.cfg.Name {
 			continue // not cluster traffic, or traffic inside this host (never logged)
 		}
-		byPeer[peer] = append(byPeer[peer], TrimPoint{Src: c.Remote, Dst: c.Local, Seq: c.InqSeq})
+		byPeer[peer] = append(byPeer[peer], TrimPoint{Tuple: c.Reverse(), Seq: c.InqSeq})
 	}
 	for peer, pts := range byPeer {
 		if err := a.sendTrim(ctx, peer, pts); err != nil {
@@ -211,7 +211,7 @@ func (a *Agent) serveTrim(peer string, pts []TrimPoint) clusterapi.TrimReply {
 		for _, p := range own {
 			// Down to the start of the receive-digest block: a snapshot of ours taken meanwhile may need
 			// the bytes before its write_seq in that block (sentPrefix).
-			if _, err := a.netlog.cap.Log().Trim(tcpflow.Tuple{Local: p.Src, Remote: p.Dst}, recvdigest.BlockStart(p.Seq)); err == nil {
+			if _, err := a.netlog.cap.Log().Trim(p.Tuple, recvdigest.BlockStart(p.Seq)); err == nil {
 				n++
 			}
 		}
@@ -227,7 +227,7 @@ func (a *Agent) serveTrim(peer string, pts []TrimPoint) clusterapi.TrimReply {
 // that holds an address), and counts the others.
 func ownTrimPoints(pts []TrimPoint, peer string, owner func(netip.Addr) string) (own []TrimPoint, foreign int) {
 	for _, p := range pts {
-		if !p.Dst.IsValid() || owner(p.Dst.Addr()) != peer {
+		if !p.Remote.IsValid() || owner(p.Remote.Addr()) != peer {
 			foreign++
 			continue
 		}
@@ -247,7 +247,7 @@ func (a *Agent) serveLogRange(ctx context.Context, peer string, req LogRangeRequ
 		return LogRangeReply{}, nil, errors.New("the sender-side log is disabled on " + a.cfg.Name)
 	}
 	l := a.netlog.cap.Log()
-	conn := tcpflow.Tuple{Local: req.Src, Remote: req.Dst}
+	conn := req.Tuple
 	if live, ok := sentNothingSince(a.netlog.cap, conn, req.From); ok {
 		// A one-way stream toward the restored job (or a peer that has been silent since the snapshot):
 		// nothing logged because nothing was sent, which the live state shows; nothing to replay.

@@ -212,7 +212,7 @@ func (a *Agent) loggedRange(ctx context.Context, w io.Writer, conn tcpflow.Tuple
 
 // serveReceived answers from this host's book what one of its sockets received on a flow.
 func (a *Agent) serveReceived(req clusterapi.ReceivedRequest) (clusterapi.ReceivedReply, error) {
-	conn := tcpflow.Tuple{Local: req.Src, Remote: req.Dst}
+	conn := req.Tuple
 	if a.netlog == nil || a.netlog.book == nil {
 		return clusterapi.ReceivedReply{}, errors.New("the receive tap is disabled on " + a.cfg.Name)
 	}
@@ -226,7 +226,7 @@ func (a *Agent) serveReceived(req clusterapi.ReceivedRequest) (clusterapi.Receiv
 // receivedOf fetches member peer's record of what it received on conn from sequence from on; the client
 // checks it is well formed and of that connection.
 func (a *Agent) receivedOf(ctx context.Context, peer string, conn tcpflow.Tuple, from uint32) (*recvdigest.Received, error) {
-	r, err := a.peers().Received(ctx, peer, clusterapi.ReceivedRequest{Src: conn.Local, Dst: conn.Remote, From: from})
+	r, err := a.peers().Received(ctx, peer, clusterapi.ReceivedRequest{Tuple: conn, From: from})
 	if err != nil {
 		return nil, err
 	}

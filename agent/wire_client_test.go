@@ -210,14 +210,14 @@ func TestAgentAnswersEveryOperation(t *testing.T) {
 		{clusterapi.OpPing, func() (any, error) { return c.Ping(ctx, "s1") }, `"node":"s1"`},
 		{clusterapi.OpLocate, func() (any, error) { return c.Locate(ctx, "s1", clusterapi.LocateRequest{ID: "x"}) }, `"job":""`},
 		{clusterapi.OpTrim, func() (any, error) {
-			return c.Trim(ctx, "s1", clusterapi.TrimRequest{Points: []TrimPoint{{Src: src, Dst: dst}}})
+			return c.Trim(ctx, "s1", clusterapi.TrimRequest{Points: []TrimPoint{{Tuple: tcpflow.Tuple{Local: src, Remote: dst}}}})
 		}, `"trimmed":0`},
 		{clusterapi.OpLogRange, func() (any, error) {
-			r, _, err := c.LogRange(ctx, "s1", LogRangeRequest{Src: src, Dst: dst})
+			r, _, err := c.LogRange(ctx, "s1", LogRangeRequest{Tuple: tcpflow.Tuple{Local: src, Remote: dst}})
 			return r, err
 		}, "the sender-side log is disabled on s1"},
 		{clusterapi.OpReceived, func() (any, error) {
-			return c.Received(ctx, "s1", clusterapi.ReceivedRequest{Src: src, Dst: dst})
+			return c.Received(ctx, "s1", clusterapi.ReceivedRequest{Tuple: tcpflow.Tuple{Local: src, Remote: dst}})
 		}, "the receive tap is disabled on s1"},
 		{clusterapi.OpProbe, func() (any, error) { return c.Probe(ctx, "s1", clusterapi.ProbeRequest{Name: "nobody"}) }, `"nobody" is not a cluster member`},
 		{clusterapi.OpView, func() (any, error) { return c.View(ctx, "s1", a.viewMessage()) }, `"view":`},

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"encoding/json"
+	"github.com/ftkit/ftkit/tcpflow"
 	"net/netip"
 	"testing"
 	"time"
@@ -18,7 +19,7 @@ func FuzzWireTimelines(f *testing.F) {
 		[]*Failure{nil},
 		stage,
 		[]Stage{stage, stage},
-		[]TrimPoint{{Src: netip.MustParseAddrPort("10.77.0.1:5000"), Dst: netip.MustParseAddrPort("10.77.0.2:6000"), Seq: 9}},
+		[]TrimPoint{{Tuple: tcpflow.Tuple{Local: netip.MustParseAddrPort("10.77.0.1:5000"), Remote: netip.MustParseAddrPort("10.77.0.2:6000")}, Seq: 9}},
 	} {
 		b, _ := json.Marshal(v)
 		f.Add(b)

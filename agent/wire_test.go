@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"github.com/ftkit/ftkit/tcpflow"
 	"log/slog"
 	"net/netip"
 	"path/filepath"
@@ -107,7 +108,7 @@ func TestServeTrim(t *testing.T) {
 	points := func(n int, dst netip.Addr) []TrimPoint {
 		pts := make([]TrimPoint, n)
 		for i := range pts {
-			pts[i] = TrimPoint{Src: netip.AddrPortFrom(addrN1, uint16(10000+i)), Dst: netip.AddrPortFrom(dst, uint16(20000+i)), Seq: uint32(i)}
+			pts[i] = TrimPoint{Tuple: tcpflow.Tuple{Local: netip.AddrPortFrom(addrN1, uint16(10000+i)), Remote: netip.AddrPortFrom(dst, uint16(20000+i))}, Seq: uint32(i)}
 		}
 		return pts
 	}
@@ -138,9 +139,9 @@ func TestOwnTrimPoints(t *testing.T) {
 	owner := func(ip netip.Addr) string {
 		return map[netip.Addr]string{addrN1: "n1", addrN2: "n2"}[ip]
 	}
-	mine := TrimPoint{Src: netip.AddrPortFrom(addrN1, 1), Dst: netip.AddrPortFrom(addrN2, 2), Seq: 7}
-	other := TrimPoint{Src: netip.AddrPortFrom(addrN2, 1), Dst: netip.AddrPortFrom(addrN1, 2), Seq: 7}
-	unknown := TrimPoint{Src: netip.AddrPortFrom(addrN1, 1), Dst: netip.AddrPortFrom(addrN3, 2)}
+	mine := TrimPoint{Tuple: tcpflow.Tuple{Local: netip.AddrPortFrom(addrN1, 1), Remote: netip.AddrPortFrom(addrN2, 2)}, Seq: 7}
+	other := TrimPoint{Tuple: tcpflow.Tuple{Local: netip.AddrPortFrom(addrN2, 1), Remote: netip.AddrPortFrom(addrN1, 2)}, Seq: 7}
+	unknown := TrimPoint{Tuple: tcpflow.Tuple{Local: netip.AddrPortFrom(addrN1, 1), Remote: netip.AddrPortFrom(addrN3, 2)}}
 	tests := []struct {
 		name        string
 		pts         []TrimPoint
@@ -160,7 +161,7 @@ func TestOwnTrimPoints(t *testing.T) {
 				t.Errorf("own %d, foreign %d; want %d, %d", len(own), foreign, tt.wantOwn, tt.wantForeign)
 			}
 			for _, p := range own {
-				if owner(p.Dst.Addr()) != "n2" {
+				if owner(p.Remote.Addr()) != "n2" {
 					t.Errorf("kept %v, which n2 does not hold", p)
 				}
 			}

@@ -264,7 +264,7 @@ func (c *Client) LogRange(ctx context.Context, peer string, req LogRangeRequest)
 	watch.setIdle(c.cfg.Timeouts.IdleTimeout()) // the bytes: as long as they keep moving
 	data, err := ReadLogBytes(in, rep.Len, MaxLogRange)
 	if err != nil {
-		return rep, nil, fmt.Errorf("logged bytes of %s -> %s from %s: %w", req.Src, req.Dst, peer, err)
+		return rep, nil, fmt.Errorf("logged bytes of %s from %s: %w", req.Tuple, peer, err)
 	}
 	return rep, data, nil
 }

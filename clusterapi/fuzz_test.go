@@ -27,11 +27,11 @@ func messageSeeds() [][]byte {
 		FetchRequest{Job: "job-1", ID: "20260501T120000.000000000Z-n2-1"},
 		LocateRequest{ID: "x"},
 		LocateReply{ID: "x", Job: "job-1"},
-		TrimRequest{Points: []TrimPoint{{Src: testSrc, Dst: testDst, Seq: 12345}}},
+		TrimRequest{Points: []TrimPoint{{Tuple: tcpflow.Tuple{Local: testSrc, Remote: testDst}, Seq: 12345}}},
 		TrimReply{Trimmed: 3},
-		LogRangeRequest{Src: testSrc, Dst: testDst, From: 77},
+		LogRangeRequest{Tuple: tcpflow.Tuple{Local: testSrc, Remote: testDst}, From: 77},
 		LogRangeReply{From: 77, Len: 5, Live: &live},
-		ReceivedRequest{Src: testSrc, Dst: testDst, From: 77},
+		ReceivedRequest{Tuple: tcpflow.Tuple{Local: testSrc, Remote: testDst}, From: 77},
 		ReceivedReply{Received: &recvdigest.Received{Conn: tcpflow.Tuple{Local: testSrc, Remote: testDst}, Pieces: []recvdigest.Piece{{Seq: 100, Len: recvdigest.BlockSize - 100, CRC: 5}, {Seq: recvdigest.BlockSize, Len: 9, CRC: 6}}}},
 		LogWatermark{Age: time.Second, Held: true, Addrs: []netip.Addr{netip.MustParseAddr("10.77.0.2")}},
 		detect.Beat{From: "n2", Seq: 9, Busy: "checkpoint", Jobs: []string{"job-1"}, Sent: now},
@@ -113,7 +113,7 @@ func FuzzClusterMessage(f *testing.F) {
 
 		// Replies, as the client decodes and checks them.
 		var rec ReceivedReply
-		if json.Unmarshal(body, &rec) == nil && rec.Check(ReceivedRequest{Src: testSrc, Dst: testDst}) == nil {
+		if json.Unmarshal(body, &rec) == nil && rec.Check(ReceivedRequest{Tuple: tcpflow.Tuple{Local: testSrc, Remote: testDst}}) == nil {
 			if n := len(rec.Received.Pieces); n > recvdigest.MaxPieces {
 				t.Fatalf("a record of %d pieces validated", n)
 			}

@@ -98,7 +98,7 @@ func TestReceivedChecksTheRecord(t *testing.T) {
 			pki := newTestPKI(t)
 			addr := serveHandler(t, pki, "n2", answering(tt.reply))
 			c := clientOf(t, pki, "n1", map[string]string{"n2": addr}, testTimeouts)
-			got, err := c.Received(t.Context(), "n2", ReceivedRequest{Src: conn.Local, Dst: conn.Remote})
+			got, err := c.Received(t.Context(), "n2", ReceivedRequest{Tuple: tcpflow.Tuple{Local: conn.Local, Remote: conn.Remote}})
 			if tt.wantErr == "" {
 				if err != nil || got.Received == nil || got.Received.Conn != conn || len(got.Received.Pieces) != 2 {
 					t.Fatalf("Received = %+v, %v; want the record", got, err)

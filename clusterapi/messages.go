@@ -12,6 +12,7 @@ import (
 	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/netlog/release"
 	"github.com/ftkit/ftkit/recvdigest"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // The request and reply of every operation. The failure timelines and recovery stages belong to the
@@ -44,9 +45,10 @@ type LocateReply struct {
 
 // TrimPoint tells a sender up to where a receiver's durable snapshot covers a connection.
 type TrimPoint struct {
-	Src netip.AddrPort `json:"src"` // the sender (the peer of the snapshotted job)
-	Dst netip.AddrPort `json:"dst"` // the snapshotted job's end
-	Seq uint32         `json:"seq"` // the receiver's rcv_nxt in the snapshot (inq_seq)
+	// The flow seen from the sender's socket: Local is the sender (the peer of the snapshotted job),
+	// Remote the snapshotted job's end.
+	tcpflow.Tuple
+	Seq uint32 `json:"seq"` // the receiver's rcv_nxt in the snapshot (inq_seq)
 }
 
 // MaxTrimPoints bounds one OpTrim request (about 130 bytes a point at most: well inside MaxMessage); a
@@ -73,9 +75,8 @@ type TrimReply struct {
 
 // LogRangeRequest asks a sender for the bytes it logged on a connection from a sequence number on.
 type LogRangeRequest struct {
-	Src  netip.AddrPort `json:"src"`
-	Dst  netip.AddrPort `json:"dst"`
-	From uint32         `json:"from"`
+	tcpflow.Tuple        // the flow seen from the sender's socket: Local is the sender
+	From          uint32 `json:"from"`
 }
 
 // LogRangeReply precedes the bytes in the response body (one JSON line): Len bytes starting at sequence
@@ -128,12 +129,12 @@ func ReadLogBytes(r io.Reader, n, limit int64) ([]byte, error) {
 	return buf, nil
 }
 
-// ReceivedRequest asks a member for its record of what one of its sockets received on a flow (Src: the
-// remote sender, Dst: the member's socket) from a sequence number on.
+// ReceivedRequest asks a member for its record of what one of its sockets received on a flow from a
+// sequence number on. The flow is named as the receive record names it, from the sender's side: Local is
+// the remote sender, Remote the member's socket.
 type ReceivedRequest struct {
-	Src  netip.AddrPort `json:"src"`
-	Dst  netip.AddrPort `json:"dst"`
-	From uint32         `json:"from"`
+	tcpflow.Tuple
+	From uint32 `json:"from"`
 }
 
 // ReceivedReply carries the record.
@@ -146,8 +147,8 @@ func (r ReceivedReply) Check(req ReceivedRequest) error {
 	switch {
 	case r.Received == nil:
 		return fmt.Errorf("sent no record")
-	case r.Received.Conn.Local != req.Src || r.Received.Conn.Remote != req.Dst:
-		return fmt.Errorf("sent the record of %s, not of %s -> %s", r.Received.Conn, req.Src, req.Dst)
+	case r.Received.Conn != req.Tuple:
+		return fmt.Errorf("sent the record of %s, not of %s", r.Received.Conn, req.Tuple)
 	}
 	return r.Received.Validate()
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"github.com/ftkit/ftkit/tcpflow"
 	"io"
 	"net/netip"
 	"reflect"
@@ -43,7 +44,7 @@ func TestEveryOperation(t *testing.T) {
 			return req, r, err
 		}, LocateReply{ID: "x", Job: "job-1"}},
 		{OpTrim, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
-			req := TrimRequest{Points: []TrimPoint{{Src: testSrc, Dst: testDst, Seq: 7}, {Src: testSrc, Dst: testDst, Seq: 9}}}
+			req := TrimRequest{Points: []TrimPoint{{Tuple: tcpflow.Tuple{Local: testSrc, Remote: testDst}, Seq: 7}, {Tuple: tcpflow.Tuple{Local: testSrc, Remote: testDst}, Seq: 9}}}
 			r, err := c.Trim(ctx, "n2", req)
 			return req, r, err
 		}, TrimReply{Trimmed: 2}},
@@ -51,7 +52,7 @@ func TestEveryOperation(t *testing.T) {
 			return OpCheckpointNow, "", c.CheckpointNow(ctx, "n2")
 		}, ""},
 		{OpReceived, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
-			req := ReceivedRequest{Src: testSrc, Dst: testDst, From: 77}
+			req := ReceivedRequest{Tuple: tcpflow.Tuple{Local: testSrc, Remote: testDst}, From: 77}
 			_, err := c.Received(ctx, "n2", req)
 			if err != nil && strings.Contains(err.Error(), "sent no record") {
 				err = nil // the fake has none: the client's check says so (TestReceivedChecksTheRecord)
@@ -93,7 +94,7 @@ func TestEveryOperation(t *testing.T) {
 		}, GrantReply{Granted: true}},
 		{OpLogRange, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
 			f.logBytes = bytes.Repeat([]byte("logged "), 100_000) // several flushes
-			req := LogRangeRequest{Src: testSrc, Dst: testDst, From: 77}
+			req := LogRangeRequest{Tuple: tcpflow.Tuple{Local: testSrc, Remote: testDst}, From: 77}
 			r, data, err := c.LogRange(ctx, "n2", req)
 			if err == nil && !bytes.Equal(data, f.logBytes) {
 				t.Errorf("log-range: %d bytes received, %d sent", len(data), len(f.logBytes))

@@ -158,7 +158,7 @@ func plan(ctx context.Context, d Deps, req clusterapi.RecoverRequest, j *Job) er
 		}
 		qctx, cancel := context.WithTimeout(ctx, time.Minute)
 		asked := time.Now()
-		reply, data, err := d.Peers.LogRange(qctx, owner, clusterapi.LogRangeRequest{Src: c.Remote, Dst: c.Local, From: c.InqSeq})
+		reply, data, err := d.Peers.LogRange(qctx, owner, clusterapi.LogRangeRequest{Tuple: c.Reverse(), From: c.InqSeq})
 		cancel()
 		if err != nil {
 			errs = append(errs, fmt.Errorf("connection %s -> %s: log of %s: %w", c.Local, c.Remote, owner, err))
