@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
@@ -64,8 +63,7 @@ type recoveryJob struct {
 // recoveryConn is a restored connection's replay: from the snapshot's write_seq OutqSeq, Resend bytes the
 // peer already has, and what checking them needs.
 type recoveryConn struct {
-	Local      netip.AddrPort   `json:"local"`
-	Remote     netip.AddrPort   `json:"remote"`
+	tcpflow.Tuple
 	OutqSeq    uint32           `json:"outq_seq"`
 	Resend     uint32           `json:"resend"`
 	SentPrefix *ckpt.SentPrefix `json:"sent_prefix,omitempty"`
@@ -178,7 +176,7 @@ func (t *recoveryTracker) Persist(jobs []*recovery.Job) {
 			if c.Resend == 0 {
 				continue
 			}
-			rj.Conns = append(rj.Conns, recoveryConn{Local: c.Conn.Local, Remote: c.Conn.Remote, OutqSeq: c.Conn.OutqSeq, Resend: c.Resend,
+			rj.Conns = append(rj.Conns, recoveryConn{Tuple: c.Conn.Tuple, OutqSeq: c.Conn.OutqSeq, Resend: c.Resend,
 				SentPrefix: c.Conn.SentPrefix, Check: r.Checks[c.Conn.Tuple]})
 		}
 		t.rec.Jobs = append(t.rec.Jobs, rj)
@@ -258,7 +256,7 @@ func (a *Agent) releaseStaleClamps(pending []*recoveryRecord) {
 				continue
 			}
 			for _, c := range j.Conns {
-				keep[tcpflow.Tuple{Local: c.Local, Remote: c.Remote}] = true
+				keep[c.Tuple] = true
 			}
 		}
 	}
@@ -358,13 +356,13 @@ func (a *Agent) resumedRecoveryJob(rj recoveryJob, j Job) *recovery.Job {
 		}
 	}
 	for _, c := range rj.Conns {
-		if clamped != nil && !clamped[tcpflow.Tuple{Local: c.Local, Remote: c.Remote}] {
-			r.Replayed = append(r.Replayed, tcpflow.Tuple{Local: c.Local, Remote: c.Remote})
+		if clamped != nil && !clamped[c.Tuple] {
+			r.Replayed = append(r.Replayed, c.Tuple)
 		}
 		cp := restore.ConnPlan{Resend: c.Resend}
-		cp.Conn.Local, cp.Conn.Remote, cp.Conn.OutqSeq, cp.Conn.SentPrefix = c.Local, c.Remote, c.OutqSeq, c.SentPrefix
+		cp.Conn.Tuple, cp.Conn.OutqSeq, cp.Conn.SentPrefix = c.Tuple, c.OutqSeq, c.SentPrefix
 		r.Plan.Conns = append(r.Plan.Conns, cp)
-		r.Checks[tcpflow.Tuple{Local: c.Local, Remote: c.Remote}] = c.Check
+		r.Checks[c.Tuple] = c.Check
 	}
 	return r
 }

@@ -78,7 +78,7 @@ func TestRecoveryRecordPersists(t *testing.T) {
 	}
 	got := recs[0]
 	wantJobs := []recoveryJob{{Job: "rank1", Snapshot: r.Manifest.ID, Phase: phaseRestored, RestoredAt: at,
-		Conns: []recoveryConn{{Local: keep.Local, Remote: keep.Remote, OutqSeq: 1000, Resend: 5000, SentPrefix: prefix, Check: recovery.Check{Received: kept}}}}}
+		Conns: []recoveryConn{{Tuple: keep, OutqSeq: 1000, Resend: 5000, SentPrefix: prefix, Check: recovery.Check{Received: kept}}}}}
 	if got.Failure != req.Failure || got.Coordinator != "node3" || got.Done || !reflect.DeepEqual(got.Jobs, wantJobs) {
 		t.Errorf("record %+v; want failure %s by node3, jobs %+v, not done", got, req.Failure, wantJobs)
 	}
@@ -117,7 +117,7 @@ func TestResumeRecoveryJobGone(t *testing.T) {
 	a := resumeTestAgent(t)
 	rec := &recoveryRecord{Failure: "node2-20250101T000001.000", Coordinator: "node3",
 		Jobs: []recoveryJob{{Job: "rank1-abc", Snapshot: "s", Phase: phaseRestored,
-			Conns: []recoveryConn{{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("10.0.0.1:1"), Resend: 10}}}}}
+			Conns: []recoveryConn{{Tuple: tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("10.0.0.1:1")}, Resend: 10}}}}}
 	if err := saveRecovery(a.cfg.StateDir, rec); err != nil {
 		t.Fatal(err)
 	}
