@@ -329,11 +329,12 @@ func TestRecvTapEndToEnd(t *testing.T) {
 		})
 	})
 	t.Run("lossy", func(t *testing.T) {
-		// 0.5% of the data packets into host b are lost before the tap:
-		// the segments after each loss are dropped as out of order until
-		// the sender retransmits the lost one.
+		// 2% of the data packets into host b are lost before the tap: the
+		// segments after each loss arrive out of order until the sender
+		// retransmits the lost one. The veth delivers 32 MiB in about 1000
+		// aggregated packets: at 0.5% none was lost in 0.7% of runs (CI).
 		runRecvScenario(t, tn, tapped, other, recvScenario{
-			ring: 64 << 20, size: 32 << 20, port: 5121, seed: 13, lossPerMi: 5, sideBytes: 1 << 20,
+			ring: 64 << 20, size: 32 << 20, port: 5121, seed: 13, lossPerMi: 20, sideBytes: 1 << 20,
 			timeout: 120 * time.Second,
 		})
 	})

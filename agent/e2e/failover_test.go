@@ -24,6 +24,29 @@ type ring struct {
 	c      *labcluster.Cluster
 	jobs   []agent.Job // as started
 	jobDir string
+	// release opens the run's gate (gated): wait calls it before it waits for the ranks to end.
+	release func()
+}
+
+// gated adds a gate to a run's arguments: rank 0 holds before iteration at until the ring's wait releases
+// it, so a run cannot end before the faults a test injects, however much slower than the ranks' paced
+// iterations a loaded machine makes the recoveries (CI: a run ended before its third failure). The
+// reference run takes the arguments without the gate: it changes no byte.
+func gated(t *testing.T, args []string, at int) (withGate []string, release func()) {
+	t.Helper()
+	dir, err := os.MkdirTemp("", "ftkit-gate-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	os.Chmod(dir, 0o755) // the ranks may run as another user
+	open := filepath.Join(dir, "open")
+	release = func() {
+		if err := os.WriteFile(open, nil, 0o644); err != nil {
+			t.Errorf("open the run's gate: %v", err)
+		}
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return append(append([]string{}, args...), "--gate", open, "--gate-at", fmt.Sprint(at)), release
 }
 
 // ringArgs are the ringstencil flags of a run; the reference run uses the same with loopback addresses.
@@ -132,6 +155,9 @@ func startRanks(t *testing.T, c *labcluster.Cluster, ranks int, name string, arg
 // wait waits for every rank's exit record and returns each rank's output.
 func (rg *ring) wait(t *testing.T, timeout time.Duration) []string {
 	t.Helper()
+	if rg.release != nil {
+		rg.release()
+	}
 	deadline := time.Now().Add(timeout)
 	outs := make([]string, len(rg.jobs))
 	for r, j := range rg.jobs {
@@ -370,10 +396,12 @@ func (rg *ring) crashAfterSnapshot(t *testing.T, host string, after int, target 
 // hosting the moved rank) fails, and with no spare left its protector restores the rank itself (basic
 // mode). Then a third failure of another original node, also in basic mode.
 func TestSequentialFailures(t *testing.T) {
-	args := ringArgs(900, 64<<10, 10*time.Millisecond)
+	args := ringArgs(2000, 64<<10, 10*time.Millisecond)
 	want := reference(t, 4, args)
 	c := newCluster(t, 4, 1, labcluster.Options{Interval: "1h"})
-	rg := startRing(t, c, 4, 7400, args)
+	withGate, release := gated(t, args, 1990)
+	rg := startRing(t, c, 4, 7400, withGate)
+	rg.release = release
 	rg.waitProtected(t, 2*time.Minute)
 	rg.waitProgress(t, progressEvery, 2*time.Minute)
 	rg.crashAfterSnapshot(t, "node2", 80, "spare1", false)

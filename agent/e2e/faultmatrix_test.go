@@ -401,8 +401,11 @@ func TestFaultCrashDuringSnapshot(t *testing.T) {
 func TestFaultProtectorCrashWhileReceiving(t *testing.T) {
 	t.Parallel() // mostly waiting (detection, replay, transfers): two rows at a time halve the suite
 	ref := ringArgs(3000, 64<<10, 10*time.Millisecond)
-	// 512 MiB of incompressible ballast: the transfer takes seconds.
-	c, rg, want := startMatrix(t, 1, 7710, ref, nil, "--progress", "10", "--ballast", "512")
+	// 512 MiB of incompressible ballast: the transfer takes seconds (on a loaded machine, longer than the
+	// run: gated, the run waits for the fault).
+	gate, release := gated(t, nil, 2990)
+	c, rg, want := startMatrix(t, 1, 7710, ref, nil, append(gate, "--progress", "10", "--ballast", "512")...)
+	rg.release = release
 	rg.checkpoint(t, "node2") // node2's rank is recoverable from node3
 	type shipResult struct {
 		reply agentapi.CheckpointReply

@@ -4,6 +4,11 @@
 // loses, duplicates or reorders a single byte changes it.
 //
 //	ringstencil --rank R --peers ADDR0,ADDR1,... [--iters N] [--block BYTES] [--delay D] [--seed S]
+//	            [--gate FILE --gate-at K]
+//
+// With --gate, rank 0 waits before iteration K until FILE exists, and the whole ring with it: a test that
+// injects faults first releases the run afterwards, so that the run cannot end before them however slow
+// the machine is. The gate changes no byte the ranks exchange.
 //
 // Rank r listens on ADDRr, connects to rank r+1 and accepts rank r-1; each connection carries traffic in
 // both directions.
@@ -33,6 +38,8 @@ func main() {
 	seed := flag.Uint64("seed", 1, "seed of the initial state")
 	progress := flag.Int("progress", 0, "print a progress line every N iterations (0: never)")
 	ballast := flag.Int("ballast", 0, "MiB of resident memory to hold (a job with a realistic footprint to snapshot)")
+	gate := flag.String("gate", "", "rank 0 waits before iteration --gate-at until this file exists")
+	gateAt := flag.Int("gate-at", 0, "the iteration --gate holds rank 0 before")
 	flag.Parse()
 	addrs := strings.Split(*peers, ",")
 	if *peers == "" || len(addrs) < 2 || *rank < 0 || *rank >= len(addrs) || *block < 32 {
@@ -40,7 +47,18 @@ func main() {
 		os.Exit(2)
 	}
 	held := fillBallast(*ballast, *seed)
-	sum, err := run(*rank, addrs, *iters, *block, *delay, *seed, *progress)
+	wait := func(int) {}
+	if *gate != "" && *rank == 0 {
+		wait = func(it int) {
+			for it == *gateAt {
+				if _, err := os.Stat(*gate); err == nil {
+					return
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+		}
+	}
+	sum, err := run(*rank, addrs, *iters, *block, *delay, *seed, *progress, wait)
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "ringstencil rank %d: %v\n", *rank, err)
 		os.Exit(1)
@@ -65,7 +83,7 @@ func fillBallast(mb int, seed uint64) []byte {
 	return b
 }
 
-func run(rank int, addrs []string, iters, block int, delay time.Duration, seed uint64, progress int) (string, error) {
+func run(rank int, addrs []string, iters, block int, delay time.Duration, seed uint64, progress int, gate func(it int)) (string, error) {
 	n := len(addrs)
 	ln, err := net.Listen("tcp", addrs[rank])
 	if err != nil {
@@ -84,6 +102,7 @@ func run(rank int, addrs []string, iters, block int, delay time.Duration, seed u
 	state := sha256.Sum256(binary.LittleEndian.AppendUint64([]byte("ringstencil"), seed+uint64(rank)))
 	out, fromLeft, fromRight := make([]byte, block), make([]byte, block), make([]byte, block)
 	for it := 0; it < iters; it++ {
+		gate(it)
 		fill(out, state, it)
 		if err := exchange(left, right, out, fromLeft, fromRight); err != nil {
 			return "", fmt.Errorf("iteration %d: %w", it, err)
