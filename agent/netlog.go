@@ -63,6 +63,7 @@ func (a *Agent) startLog() error {
 		return err
 	}
 	a.netlog = &logState{node: n, tap: tap, book: book, recorder: recorder}
+	a.log.Info("sender-side log attached", "interface", iface, "ring_mib", lc.RingMiB, "memory_cap_mib", n.CapBytes()>>20)
 	return nil
 }
 

@@ -115,7 +115,8 @@ type StartConfig struct {
 	Event     func(kind controller.EventKind)
 }
 
-// Start attaches the probe to the cluster interface and returns the node over it.
+// Start attaches the probe to the cluster interface and returns the node over it. The caller logs that
+// the log is attached once the rest of its logging is ready (CapBytes is the cap Start chose).
 func Start(sc StartConfig) (*Node, error) {
 	if sc.Logger == nil {
 		sc.Logger = slog.Default()
@@ -142,7 +143,6 @@ func Start(sc StartConfig) (*Node, error) {
 		c.Close()
 		return nil, err
 	}
-	sc.Logger.Info("sender-side log attached", "interface", sc.Interface, "ring_mib", sc.RingMiB, "memory_cap_mib", capMiB)
 	return n, nil
 }
 
