@@ -379,7 +379,7 @@ func (a *Agent) Run(ctx context.Context, local LocalAPI) error {
 		go a.renewReceiverSnapshots(ctx)
 	}
 	if a.netlog != nil {
-		defer a.netlog.cap.Close()
+		defer a.netlog.node.Close()
 		defer a.netlog.tap.Close() // after the recorder: it reads the tap
 		defer a.netlog.recorder.Close()
 	}

@@ -75,12 +75,12 @@ func (a *Agent) logMetrics() *metrics.Log {
 	if a.netlog == nil {
 		return nil
 	}
-	cnt, err := a.netlog.cap.Counters()
+	cnt, err := a.netlog.node.Counters()
 	if err != nil {
 		return nil
 	}
 	l := &metrics.Log{
-		MemoryBytes: cnt.MemoryBytes, CapBytes: a.netlog.ctl.Config().Cap, RetainedBytes: cnt.RetainedBytes,
+		MemoryBytes: cnt.MemoryBytes, CapBytes: a.netlog.node.CapBytes(), RetainedBytes: cnt.RetainedBytes,
 		SpilledBytes: cnt.SpilledBytes, Conns: cnt.Conns, ConsumerPaused: cnt.ConsumerPaused,
 		BytesLogged: cnt.BytesLogged, PacketsLogged: cnt.PacketsLogged,
 		DropsBackpressure: cnt.DropsBackpressure, DropsOversize: cnt.DropsOversize, DropsError: cnt.DropsError,
@@ -90,9 +90,8 @@ func (a *Agent) logMetrics() *metrics.Log {
 		l.ReceivedBytes = rc.BytesRecorded
 		l.ReceiveDropsBackpressure, l.ReceiveDropsOversize, l.ReceiveDropsError = rc.DropsBackpressure, rc.DropsOversize, rc.DropsError
 	}
-	a.netlog.mu.Lock()
-	l.ReleasedConns, l.ReleasedBytes = a.netlog.released.Conns, a.netlog.released.Bytes
-	a.netlog.mu.Unlock()
+	rel := a.netlog.node.ReleasedSoFar()
+	l.ReleasedConns, l.ReleasedBytes = rel.Conns, rel.Bytes
 	return l
 }
 

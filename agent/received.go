@@ -63,7 +63,7 @@ func (a *Agent) sentPrefix(ctx context.Context, images string, c image.TCPConn) 
 	conn := c.Tuple
 	start := recvdigest.BlockStart(c.OutqSeq)
 	if a.netlog != nil {
-		if fs, ok, err := a.netlog.cap.FlowState(conn); err == nil && ok && fs.HasISN && int32(fs.ISN+1-start) > 0 {
+		if fs, ok, err := a.netlog.node.FlowState(conn); err == nil && ok && fs.HasISN && int32(fs.ISN+1-start) > 0 {
 			start = fs.ISN + 1
 		}
 	}
@@ -104,7 +104,7 @@ func (a *Agent) logOf(conn tcpflow.Tuple) (*netlog.Log, error) {
 		}
 		return a.netlog.lo.Log(), nil
 	}
-	return a.netlog.cap.Log(), nil
+	return a.netlog.node.Log(), nil
 }
 
 // keepResends makes sure the bytes a restored job re-sends stay readable until they are checked: those
@@ -125,7 +125,7 @@ func (a *Agent) keepResends(p restore.Plan) (stop func()) {
 			local = append(local, c.Conn.Tuple)
 			continue
 		}
-		release = append(release, a.netlog.cap.Log().Hold(c.Conn.Tuple, c.Conn.OutqSeq))
+		release = append(release, a.netlog.node.Log().Hold(c.Conn.Tuple, c.Conn.OutqSeq))
 	}
 	stopLocal := a.logLocalResends(local)
 	return func() {

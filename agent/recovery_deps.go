@@ -75,7 +75,7 @@ func (r *recoveryActions) SentUpTo(flow tcpflow.Tuple) (uint32, bool) {
 		return st.SndNxt, err == nil
 	}
 	if a.netlog != nil {
-		st, ok, err := a.netlog.cap.FlowState(flow)
+		st, ok, err := a.netlog.node.FlowState(flow)
 		return st.SndNxt, ok && err == nil
 	}
 	return 0, false

@@ -5,11 +5,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
 	"slices"
-	"syscall"
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
@@ -70,29 +68,6 @@ func (a *Agent) outputsOf(j Job) dump.Outputs {
 		Dir: l.dir(j.ID), UID: j.UID, Own: stdoutName + " and " + stderrName,
 		Name: func(path string) (string, bool) { return l.outputName(j.ID, path) },
 	}
-}
-
-// copyPrefixToNew copies the first n bytes of src into a new file dst (0600: it may hold anything the job
-// wrote), which must not exist yet.
-func copyPrefixToNew(dst string, src io.Reader, n int64) error {
-	out, err := os.OpenFile(dst, os.O_CREATE|os.O_EXCL|os.O_WRONLY|syscall.O_NOFOLLOW, 0o600)
-	if err != nil {
-		return err
-	}
-	if err := copyPrefix(out, src, n); err != nil {
-		out.Close()
-		os.Remove(dst)
-		return err
-	}
-	return out.Close()
-}
-
-// copyPrefix copies exactly n bytes from src to dst.
-func copyPrefix(dst io.Writer, src io.Reader, n int64) error {
-	if _, err := io.CopyN(dst, src, n); err != nil {
-		return fmt.Errorf("file shorter than its size at the dump (%d bytes): %w", n, err)
-	}
-	return nil
 }
 
 // shipToProtector streams a committed snapshot to this node's protector and records the replica. If the

@@ -16,6 +16,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/ship"
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/internal/filecopy"
 	"github.com/ftkit/ftkit/ring"
 )
 
@@ -226,6 +227,6 @@ func linkTree(src, dst string) error {
 		if err != nil {
 			return err
 		}
-		return copyPrefixToNew(target, in, st.Size())
+		return filecopy.PrefixToNew(target, in, st.Size())
 	})
 }

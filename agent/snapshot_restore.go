@@ -91,7 +91,7 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 		keepWork, err = a.undoOutputs(journal, m, err)
 		return nil, err
 	}
-	journal.close()
+	journal.Close()
 	j.Node, j.PID, j.State, j.Exit, j.Restored = a.cfg.Name, pid, JobRunning, nil, m.ID
 	if err := a.jobs.save(&j); err != nil {
 		return nil, err

@@ -2,12 +2,11 @@ package dump
 
 import (
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
-	"syscall"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/internal/filecopy"
 	"github.com/ftkit/ftkit/internal/jobfs"
 )
 
@@ -63,26 +62,11 @@ func copyOutputs(job string, o Outputs, files []ckpt.OpenFile, dst string) error
 		if err != nil {
 			return fmt.Errorf("copy job output: %w", err)
 		}
-		err = copyPrefixToNew(filepath.Join(dst, name), in, f.Size)
+		err = filecopy.PrefixToNew(filepath.Join(dst, name), in, f.Size)
 		in.Close()
 		if err != nil {
 			return fmt.Errorf("copy job output %s: %w", f.Path, err)
 		}
 	}
 	return nil
-}
-
-// copyPrefixToNew copies the first n bytes of src into a new file dst (0600: it may hold anything the job
-// wrote), which must not exist yet.
-func copyPrefixToNew(dst string, src io.Reader, n int64) error {
-	out, err := os.OpenFile(dst, os.O_CREATE|os.O_EXCL|os.O_WRONLY|syscall.O_NOFOLLOW, 0o600)
-	if err != nil {
-		return err
-	}
-	if _, err := io.CopyN(out, src, n); err != nil {
-		out.Close()
-		os.Remove(dst)
-		return fmt.Errorf("file shorter than its size at the dump (%d bytes): %w", n, err)
-	}
-	return out.Close()
 }

@@ -1,4 +1,4 @@
-package agent
+package outputs
 
 import (
 	"bytes"
@@ -14,7 +14,6 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/internal/jobfs"
-	"github.com/ftkit/ftkit/shim"
 )
 
 const testUID = 65534
@@ -36,13 +35,25 @@ func must(t *testing.T, err error) {
 // outputsFixture is an agent's layout on disk with one job that wrote past its snapshot: its directory,
 // the snapshot's copy of its outputs, a file it writes outside its directory, and root's secret.
 type outputsFixture struct {
-	a      *Agent
 	base   string
-	j      Job
+	t      Target
 	m      *ckpt.Manifest
+	dir    string // the job's directory
 	home   string // the user's own directory, outside the job directory
 	secret string // root's file, which must never change
 	work   string // the restore's work directory
+}
+
+// outputName is the agent's rule: stdout and stderr are the job's outputs in its directory.
+func outputName(dir, path string) (name string, inside bool) {
+	if path != dir && !strings.HasPrefix(path, dir+"/") {
+		return "", false
+	}
+	switch rel := strings.TrimPrefix(path, dir+"/"); rel {
+	case "stdout", "stderr":
+		return rel, true
+	}
+	return "", true
 }
 
 const secretContent = "root's secret: not to be truncated, overwritten or copied, ever\n"
@@ -60,31 +71,33 @@ func newOutputsFixture(t *testing.T) *outputsFixture {
 	requireRoot(t)
 	base := t.TempDir()
 	f := &outputsFixture{base: base, home: filepath.Join(base, "home"), secret: filepath.Join(base, "secret")}
-	cfg := Config{Name: "n1", StateDir: filepath.Join(base, "state"), JobsDir: filepath.Join(base, "jobs"), CgroupParent: filepath.Join(base, "cg")}
-	store, err := ckpt.Open(filepath.Join(cfg.StateDir, "snapshots"), ckpt.Options{Node: "n1"})
-	must(t, err)
-	f.a = &Agent{cfg: cfg, log: slog.New(slog.NewTextHandler(io.Discard, nil)), store: store}
-	l := f.a.layout()
+	jobs := filepath.Join(base, "jobs")
 	id := "job-0123abcd"
-	f.j = Job{ID: id, UID: testUID, GID: testUID, Dir: l.dir(id), Cgroup: l.cgroup(id), Node: "n0"}
+	f.dir = filepath.Join(jobs, id)
+	f.t = Target{
+		Job: id, UID: testUID, GID: testUID, JobsDir: jobs,
+		Name:     func(path string) (string, bool) { return outputName(f.dir, path) },
+		Snapshot: filepath.Join(base, "snapshot", "outputs"),
+		Log:      slog.New(slog.NewTextHandler(io.Discard, nil)),
+	}
 	f.m = &ckpt.Manifest{Job: id, ID: "s1"}
-	for _, d := range []string{cfg.JobsDir, f.j.Dir, f.home, filepath.Join(store.Path(id, "s1"), snapOutputs)} {
+	for _, d := range []string{jobs, f.dir, f.home, f.t.Snapshot} {
 		must(t, os.MkdirAll(d, 0o755))
 	}
 	must(t, os.Chown(f.home, testUID, testUID))
 	must(t, os.WriteFile(f.secret, []byte(secretContent), 0o600))
 	// At the snapshot: stdout had lines 0-9, stderr "e\n", out.log lines 0-4. Since: more of each; stderr
 	// is gone (a host without the job directory).
-	f.userFile(t, filepath.Join(f.j.Dir, "stdout"), lines(0, 30))
+	f.userFile(t, filepath.Join(f.dir, "stdout"), lines(0, 30))
 	f.userFile(t, filepath.Join(f.home, "out.log"), lines(0, 20))
-	must(t, os.WriteFile(filepath.Join(store.Path(id, "s1"), snapOutputs, "stdout"), []byte(lines(0, 10)), 0o600))
-	must(t, os.WriteFile(filepath.Join(store.Path(id, "s1"), snapOutputs, "stderr"), []byte("e\n"), 0o600))
+	must(t, os.WriteFile(filepath.Join(f.t.Snapshot, "stdout"), []byte(lines(0, 10)), 0o600))
+	must(t, os.WriteFile(filepath.Join(f.t.Snapshot, "stderr"), []byte("e\n"), 0o600))
 	f.m.OpenFiles = []ckpt.OpenFile{
-		{Path: filepath.Join(f.j.Dir, "stdout"), Size: int64(len(lines(0, 10)))},
-		{Path: filepath.Join(f.j.Dir, "stderr"), Size: 2},
+		{Path: filepath.Join(f.dir, "stdout"), Size: int64(len(lines(0, 10)))},
+		{Path: filepath.Join(f.dir, "stderr"), Size: 2},
 		{Path: filepath.Join(f.home, "out.log"), Size: int64(len(lines(0, 5)))},
 	}
-	f.work = filepath.Join(cfg.StateDir, "restore", "w")
+	f.work = filepath.Join(base, "state", "restore", "w")
 	must(t, os.MkdirAll(f.work, 0o700))
 	return f
 }
@@ -98,7 +111,7 @@ func (f *outputsFixture) userFile(t *testing.T, p, content string) {
 // state is every file the restore may touch, by path ("<missing>" if absent).
 func (f *outputsFixture) state() map[string]string {
 	out := map[string]string{}
-	for _, p := range []string{filepath.Join(f.j.Dir, "stdout"), filepath.Join(f.j.Dir, "stderr"), filepath.Join(f.home, "out.log"), f.secret} {
+	for _, p := range []string{filepath.Join(f.dir, "stdout"), filepath.Join(f.dir, "stderr"), filepath.Join(f.home, "out.log"), f.secret} {
 		// Lstat first: the test must neither follow a planted link nor block on a FIFO.
 		st, err := os.Lstat(p)
 		switch {
@@ -136,8 +149,8 @@ func head(s string) string {
 	return s
 }
 
-func (f *outputsFixture) restore() (*outputJournal, error) {
-	return f.a.restoreOutputs(f.m, f.j, filepath.Join(f.work, outputJournalDir))
+func (f *outputsFixture) restore() (*Journal, error) {
+	return Restore(f.m, f.t, filepath.Join(f.work, "output-journal"))
 }
 
 func TestRestoreOutputsAndUndo(t *testing.T) {
@@ -149,20 +162,20 @@ func TestRestoreOutputsAndUndo(t *testing.T) {
 	}
 	after := f.state()
 	for p, want := range map[string]string{
-		filepath.Join(f.j.Dir, "stdout"): lines(0, 10),
-		filepath.Join(f.j.Dir, "stderr"): "e\n",
+		filepath.Join(f.dir, "stdout"):   lines(0, 10),
+		filepath.Join(f.dir, "stderr"):   "e\n",
 		filepath.Join(f.home, "out.log"): lines(0, 5),
 		f.secret:                         secretContent,
 	} {
 		if after[p] != want {
-			t.Errorf("after restoreOutputs %s is %q, want %q", p, head(after[p]), head(want))
+			t.Errorf("after Restore %s is %q, want %q", p, head(after[p]), head(want))
 		}
 	}
-	if st, err := os.Stat(filepath.Join(f.j.Dir, "stderr")); err != nil || st.Sys().(*syscall.Stat_t).Uid != testUID || st.Mode().Perm() != 0o600 {
+	if st, err := os.Stat(filepath.Join(f.dir, "stderr")); err != nil || st.Sys().(*syscall.Stat_t).Uid != testUID || st.Mode().Perm() != 0o600 {
 		t.Errorf("recreated stderr: %v, %v; want 0644 owned by the job's uid", st, err)
 	}
 	// The journal is private: it holds what the job wrote.
-	jdir := filepath.Join(f.work, outputJournalDir)
+	jdir := filepath.Join(f.work, "output-journal")
 	if st, err := os.Stat(jdir); err != nil || st.Mode().Perm() != 0o700 {
 		t.Errorf("journal directory %v, %v; want 0700", st, err)
 	}
@@ -176,7 +189,7 @@ func TestRestoreOutputsAndUndo(t *testing.T) {
 		}
 	}
 	// The restore failed after all: everything is as it was.
-	if err := jr.undo(); err != nil {
+	if err := jr.Undo(); err != nil {
 		t.Fatalf("undo: %v", err)
 	}
 	sameState(t, f.state(), before)
@@ -192,10 +205,10 @@ func TestRestoreOutputsRefusalUndoesEarlierChanges(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), filepath.Join(f.home, "planted")) || !errors.Is(err, jobfs.ErrLink) {
 		t.Fatalf("restore outputs with a planted link: %v; want a refusal naming it", err)
 	}
-	if got := f.state()[filepath.Join(f.j.Dir, "stdout")]; got != lines(0, 10) {
+	if got := f.state()[filepath.Join(f.dir, "stdout")]; got != lines(0, 10) {
 		t.Fatalf("stdout was not truncated before the refusal; the test needs it to be")
 	}
-	if err := jr.undo(); err != nil {
+	if err := jr.Undo(); err != nil {
 		t.Fatalf("undo: %v", err)
 	}
 	sameState(t, f.state(), before)
@@ -211,21 +224,21 @@ func TestRestoreOutputsNeverWritesThroughLinks(t *testing.T) {
 	}{
 		{"stdout links to root's file (job directory of an older agent)", func(t *testing.T, f *outputsFixture) {
 			f.oldLayout(t)
-			p := filepath.Join(f.j.Dir, "stdout")
+			p := filepath.Join(f.dir, "stdout")
 			must(t, os.Remove(p))
 			must(t, os.Symlink(f.secret, p))
 		}, []string{"stdout", "symbolic link", "remove it and retry"}},
 		{"stderr links to a missing file", func(t *testing.T, f *outputsFixture) {
 			f.oldLayout(t)
-			must(t, os.Symlink(filepath.Join(f.base, "created-by-root"), filepath.Join(f.j.Dir, "stderr")))
+			must(t, os.Symlink(filepath.Join(f.base, "created-by-root"), filepath.Join(f.dir, "stderr")))
 		}, []string{"stderr", "symbolic link"}},
 		{"stdout is a hard link to root's file", func(t *testing.T, f *outputsFixture) {
-			p := filepath.Join(f.j.Dir, "stdout")
+			p := filepath.Join(f.dir, "stdout")
 			must(t, os.Remove(p))
 			must(t, os.Link(f.secret, p))
 		}, []string{"stdout", "owned by another user", "uid 0, not uid 65534"}},
 		{"stdout is a FIFO", func(t *testing.T, f *outputsFixture) {
-			p := filepath.Join(f.j.Dir, "stdout")
+			p := filepath.Join(f.dir, "stdout")
 			must(t, os.Remove(p))
 			must(t, syscall.Mkfifo(p, 0o666))
 			must(t, os.Chown(p, testUID, testUID))
@@ -262,7 +275,7 @@ func TestRestoreOutputsNeverWritesThroughLinks(t *testing.T) {
 				t.Errorf("root's file changed: %d bytes %q..., want %d", len(got), head(string(got)), len(secret))
 			}
 			if err == nil {
-				t.Fatal("restoreOutputs succeeded")
+				t.Fatal("Restore succeeded")
 			}
 			for _, w := range tc.want {
 				if !strings.Contains(err.Error(), w) {
@@ -270,7 +283,7 @@ func TestRestoreOutputsNeverWritesThroughLinks(t *testing.T) {
 				}
 			}
 			if jr != nil {
-				if err := jr.undo(); err != nil {
+				if err := jr.Undo(); err != nil {
 					t.Errorf("undo: %v", err)
 				}
 			}
@@ -282,7 +295,7 @@ func TestRestoreOutputsNeverWritesThroughLinks(t *testing.T) {
 			}
 			sameState(t, f.state(), before)
 			// The directory an older agent handed to the user is root's again.
-			if st, err := os.Stat(f.j.Dir); err != nil || st.Sys().(*syscall.Stat_t).Uid != 0 || st.Mode().Perm() != 0o755 {
+			if st, err := os.Stat(f.dir); err != nil || st.Sys().(*syscall.Stat_t).Uid != 0 || st.Mode().Perm() != 0o755 {
 				t.Errorf("job directory after the restore: %v, %v; want root's, 0755", st, err)
 			}
 		})
@@ -291,28 +304,95 @@ func TestRestoreOutputsNeverWritesThroughLinks(t *testing.T) {
 
 // oldLayout gives the job directory to the job's user, as agents before this change did.
 func (f *outputsFixture) oldLayout(t *testing.T) {
-	must(t, os.Chown(f.j.Dir, testUID, testUID))
+	must(t, os.Chown(f.dir, testUID, testUID))
 }
 
-// finish removes the job's cgroup only if it is this agent's cgroup for the job.
-func TestFinishLeavesForeignCgroup(t *testing.T) {
+// Each way a file can differ from its snapshot size: what Restore makes of it, and Undo puts it back.
+func TestRestoreCases(t *testing.T) {
+	tests := []struct {
+		name    string
+		arrange func(t *testing.T, f *outputsFixture)
+		want    map[string]string // file (relative to base) -> content after Restore
+		wantErr string
+	}{
+		{"sizes as at the snapshot: nothing changes", func(t *testing.T, f *outputsFixture) {
+			f.userFile(t, filepath.Join(f.dir, "stdout"), lines(0, 10))
+			f.userFile(t, filepath.Join(f.dir, "stderr"), "e\n")
+			f.userFile(t, filepath.Join(f.home, "out.log"), lines(0, 5))
+		}, map[string]string{"jobs/job-0123abcd/stdout": lines(0, 10), "home/out.log": lines(0, 5)}, ""},
+		{"own output shorter: rewritten from the snapshot", func(t *testing.T, f *outputsFixture) {
+			f.userFile(t, filepath.Join(f.dir, "stdout"), lines(0, 3))
+		}, map[string]string{"jobs/job-0123abcd/stdout": lines(0, 10)}, ""},
+		{"job directory missing: created with the outputs", func(t *testing.T, f *outputsFixture) {
+			must(t, os.RemoveAll(f.dir))
+		}, map[string]string{"jobs/job-0123abcd/stdout": lines(0, 10), "jobs/job-0123abcd/stderr": "e\n"}, ""},
+		{"file outside shorter: refused", func(t *testing.T, f *outputsFixture) {
+			f.userFile(t, filepath.Join(f.home, "out.log"), lines(0, 2))
+		}, nil, "shorter than at the snapshot"},
+		{"file in the job directory that is not an output: refused", func(t *testing.T, f *outputsFixture) {
+			f.m.OpenFiles = append(f.m.OpenFiles, ckpt.OpenFile{Path: filepath.Join(f.dir, "other"), Size: 1})
+		}, nil, "not one of the job's outputs there"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newOutputsFixture(t)
+			tc.arrange(t, f)
+			_, dirErr := os.Stat(f.dir)
+			before := f.state()
+			jr, err := f.restore()
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("Restore: %v; want an error containing %q", err, tc.wantErr)
+				}
+			} else if err != nil {
+				t.Fatalf("Restore: %v", err)
+			}
+			for rel, want := range tc.want {
+				if got, _ := os.ReadFile(filepath.Join(f.base, rel)); string(got) != want {
+					t.Errorf("after Restore %s is %q, want %q", rel, head(string(got)), head(want))
+				}
+			}
+			if err := jr.Undo(); err != nil {
+				t.Fatalf("Undo: %v", err)
+			}
+			sameState(t, f.state(), before)
+			if _, err := os.Stat(f.dir); (err == nil) != (dirErr == nil) {
+				t.Errorf("job directory after Undo: %v; before Restore: %v", err, dirErr)
+			}
+		})
+	}
+}
+
+// An Undo that cannot put a file back reports it and leaves an index of the journal for the operator.
+func TestUndoFailureLeavesIndex(t *testing.T) {
 	f := newOutputsFixture(t)
-	f.a.jobs = jobStore{dir: filepath.Join(f.a.cfg.StateDir, "jobs")}
-	f.a.byID = map[string]*Job{}
-	f.a.changed = make(chan struct{})
-	must(t, os.MkdirAll(f.a.jobs.dir, 0o755))
-	victim := filepath.Join(f.base, "victim")
-	must(t, os.Mkdir(victim, 0o755))
-	j := f.j
-	j.Cgroup = victim
-	f.a.finish(&j, JobExited, &shim.ExitStatus{})
-	if _, err := os.Stat(victim); err != nil {
-		t.Errorf("finish removed %s, which is not the job's cgroup here: %v", victim, err)
+	jr, err := f.restore()
+	if err != nil {
+		t.Fatalf("Restore: %v", err)
 	}
-	own := f.j
-	must(t, os.MkdirAll(own.Cgroup, 0o755))
-	f.a.finish(&own, JobExited, &shim.ExitStatus{})
-	if _, err := os.Stat(own.Cgroup); err == nil {
-		t.Errorf("finish left the job's own cgroup %s", own.Cgroup)
+	saved, _ := filepath.Glob(filepath.Join(jr.Dir(), "*.bytes"))
+	if len(saved) == 0 {
+		t.Fatal("the journal saved nothing; the test needs a truncated file")
 	}
+	must(t, os.Remove(saved[0]))
+	err = jr.Undo()
+	if err == nil || !strings.Contains(err.Error(), "put back") {
+		t.Fatalf("Undo with a saved file gone: %v; want an error saying what it could not put back", err)
+	}
+	b, rerr := os.ReadFile(filepath.Join(jr.Dir(), IndexFile))
+	if rerr != nil || !strings.Contains(string(b), `"kind": "truncated"`) {
+		t.Errorf("%s: %v, %q; want the journal's entries", IndexFile, rerr, b)
+	}
+	if st, err := os.Stat(filepath.Join(jr.Dir(), IndexFile)); err != nil || st.Mode().Perm() != 0o600 {
+		t.Errorf("%s: %v, %v; want mode 0600", IndexFile, st, err)
+	}
+}
+
+// A nil journal (Restore failed before making one) has nothing to undo or close.
+func TestNilJournal(t *testing.T) {
+	var jr *Journal
+	if err := jr.Undo(); err != nil {
+		t.Errorf("Undo of a nil journal: %v", err)
+	}
+	jr.Close()
 }

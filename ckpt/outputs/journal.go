@@ -1,0 +1,145 @@
+package outputs
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+
+	"github.com/ftkit/ftkit/internal/atomicfile"
+	"github.com/ftkit/ftkit/internal/jobfs"
+)
+
+// Journal records what Restore changed, so that a restore that fails afterwards leaves the files as it
+// found them. The bytes it cuts off or overwrites are saved (written and fsynced) before the change, in a
+// directory of the restore's private work directory (0700, files 0600: they are whatever the job wrote).
+// It holds each changed file open, so undo acts on the same inode whatever happened to its name.
+type Journal struct {
+	dir     string
+	entries []*entry
+	open    []*jobfs.Dir // directories to close with the journal
+}
+
+type kind string
+
+const (
+	truncated   kind = "truncated"         // saved: the bytes from offset to size, cut off
+	rewritten   kind = "rewritten"         // saved: the old content, overwritten from the snapshot
+	createdFile kind = "created_file"      // undo removes it
+	createdDir  kind = "created_directory" // undo removes it (empty by then)
+)
+
+// IndexFile is the file of a journal directory that Undo writes when it could not put everything back:
+// what each saved file holds and where its bytes belong, for an operator.
+const IndexFile = "index.json"
+
+// entry is one change; the exported fields are what an operator finds in IndexFile.
+type entry struct {
+	Kind   kind   `json:"kind"`
+	Path   string `json:"path"`
+	Offset int64  `json:"offset,omitempty"` // where the saved bytes belong in the file
+	Size   int64  `json:"size,omitempty"`   // the file's size before the change
+	Saved  string `json:"saved,omitempty"`  // file of the journal directory holding the bytes
+
+	f      *os.File   // the changed file
+	parent *jobfs.Dir // for created entries: the directory holding name
+	name   string
+}
+
+func newJournal(dir string) (*Journal, error) {
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("output journal: %w", err)
+	}
+	return &Journal{dir: dir}, nil
+}
+
+// Dir is the journal's directory.
+func (jr *Journal) Dir() string { return jr.dir }
+
+func (jr *Journal) hold(d *jobfs.Dir) { jr.open = append(jr.open, d) }
+
+func (jr *Journal) add(e *entry) { jr.entries = append(jr.entries, e) }
+
+// save keeps f's bytes [off, size) in the journal before they change; on success the journal owns f.
+func (jr *Journal) save(k kind, path string, f *os.File, off, size int64) error {
+	e := &entry{Kind: k, Path: path, Offset: off, Size: size, Saved: fmt.Sprintf("%03d.bytes", len(jr.entries)), f: f}
+	p := filepath.Join(jr.dir, e.Saved)
+	out, err := os.OpenFile(p, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
+	if err != nil {
+		return fmt.Errorf("journal %s before changing it: %w", path, err)
+	}
+	_, err = io.Copy(out, io.NewSectionReader(f, off, size-off))
+	if err == nil {
+		err = out.Sync()
+	}
+	if cerr := out.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		os.Remove(p)
+		return fmt.Errorf("journal %s before changing it: %w", path, err)
+	}
+	jr.add(e)
+	return nil
+}
+
+// Undo reverts every change, newest first, and closes the journal. It goes on past a failure and reports
+// them all; then the journal's directory also holds IndexFile, and its saved bytes exist nowhere else:
+// the caller keeps the directory and tells the operator where it is. A nil journal has nothing to undo.
+func (jr *Journal) Undo() error {
+	if jr == nil {
+		return nil
+	}
+	var errs []error
+	for i := len(jr.entries) - 1; i >= 0; i-- {
+		if err := jr.entries[i].undo(jr.dir); err != nil {
+			errs = append(errs, fmt.Errorf("put back %s (%s): %w", jr.entries[i].Path, jr.entries[i].Kind, err))
+		}
+	}
+	if len(errs) > 0 {
+		if b, merr := json.MarshalIndent(jr.entries, "", "  "); merr == nil {
+			atomicfile.WriteFile(filepath.Join(jr.dir, IndexFile), b, 0o600)
+		}
+	}
+	jr.Close()
+	return errors.Join(errs...)
+}
+
+func (e *entry) undo(dir string) error {
+	switch e.Kind {
+	case createdFile:
+		return e.parent.RemoveFile(e.name, e.f)
+	case createdDir:
+		return e.parent.RemoveDir(e.name)
+	}
+	saved, err := os.Open(filepath.Join(dir, e.Saved))
+	if err != nil {
+		return err
+	}
+	defer saved.Close()
+	if _, err := io.Copy(io.NewOffsetWriter(e.f, e.Offset), saved); err != nil {
+		return err
+	}
+	if err := e.f.Truncate(e.Size); err != nil {
+		return err
+	}
+	return e.f.Sync()
+}
+
+// Close releases the files and directories the journal holds: the restore succeeded, or was undone.
+func (jr *Journal) Close() {
+	if jr == nil {
+		return
+	}
+	for _, e := range jr.entries {
+		if e.f != nil {
+			e.f.Close()
+		}
+	}
+	for _, d := range jr.open {
+		d.Close()
+	}
+	jr.entries, jr.open = nil, nil
+}

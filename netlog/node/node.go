@@ -1,0 +1,200 @@
+// Package node is the sender-side log of one host, wired: the eBPF capture (netlog/capture) of the
+// cluster interface, its resource controller (netlog/controller) that asks receiving nodes for snapshots
+// and spills under pressure, and the freeing of finished connections' logs by the receivers' watermarks
+// (netlog/release). What only the daemon knows (which member holds an address, how to ask a member for a
+// snapshot or its watermark) comes in through small interfaces, so the package knows nothing of the
+// agent or its protocol.
+package node
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"os"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/netlog/capture"
+	"github.com/ftkit/ftkit/netlog/controller"
+	"github.com/ftkit/ftkit/netlog/release"
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// Source is what the node reads of its capture: *capture.Capture, or a fake in tests.
+type Source interface {
+	Log() *netlog.Log
+	FlowState(conn tcpflow.Tuple) (ebpfprobes.FlowState, bool, error)
+	Protects(cgroupID uint64) bool
+	ProtectCgroup(dir string) error
+	UnprotectCgroup(dir string) error
+	Counters() (capture.Counters, error)
+	Close() error
+}
+
+// Members is what the node needs of the cluster: who holds an address, and the questions it asks
+// other members.
+type Members interface {
+	// Owner names the member that holds addr now, "" if none.
+	Owner(addr netip.Addr) string
+	// RequestSnapshot asks member node to snapshot its jobs now, so that this host can trim its log.
+	RequestSnapshot(ctx context.Context, node string) error
+	// Watermark asks member node for its receive watermark, placed on this host's clock.
+	Watermark(ctx context.Context, node string) (release.Watermark, error)
+}
+
+// Config is how the node runs.
+type Config struct {
+	Controller controller.Config
+	CanSpill   bool  // the log has a spill directory
+	MaxRange   int64 // bound of one Range (the protocol's)
+	Members    Members
+	Logger     *slog.Logger
+	// Event is called for each controller decision and freeing of finished connections (metrics); nil
+	// for none.
+	Event func(kind controller.EventKind)
+}
+
+// Node is the sender-side log of one host.
+type Node struct {
+	src Source
+	ctl *controller.Controller
+	cfg Config
+	log *slog.Logger
+
+	mu   sync.Mutex
+	ev   []controller.Event   // the last maxEvents decisions, for `ftctl status`
+	seen map[string]time.Time // destination node -> when its log data was last trimmed (or first seen)
+	aged time.Time            // last Age of the log (Run only)
+
+	// Freeing finished connections (releaseFinished).
+	marks    map[string]release.Watermark      // receiving node -> its latest watermark, on our clock
+	asked    map[string]time.Time              // receiving node -> when we last asked it for its watermark
+	asking   map[string]bool                   // a question to that node is in flight
+	verdicts map[tcpflow.Tuple]release.Verdict // the last decision on each logged connection
+	released Released
+}
+
+// Released counts the logs of finished connections freed since the node started.
+type Released struct {
+	Conns int64 `json:"conns"`
+	Bytes int64 `json:"bytes"` // logged bytes they still retained
+}
+
+const maxEvents = 50
+
+// New runs the node's logic over src; the node owns src from then on (Close closes it).
+func New(src Source, cfg Config) (*Node, error) {
+	ctl, err := controller.New(cfg.Controller)
+	if err != nil {
+		return nil, err
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.Event == nil {
+		cfg.Event = func(controller.EventKind) {}
+	}
+	return &Node{src: src, ctl: ctl, cfg: cfg, log: cfg.Logger, seen: map[string]time.Time{},
+		marks: map[string]release.Watermark{}, asked: map[string]time.Time{}, asking: map[string]bool{}}, nil
+}
+
+// StartConfig is the capture to start (Start).
+type StartConfig struct {
+	Interface string // the cluster interface, in the caller's network namespace
+	RingMiB   int
+	MemoryMiB int     // the log's memory cap; 0: a tenth of this host's memory
+	SpillDir  string  // "" for none
+	High, Low float64 // the controller's thresholds, fractions of the cap
+	MaxRange  int64
+	Members   Members
+	Logger    *slog.Logger
+	Event     func(kind controller.EventKind)
+}
+
+// Start attaches the probe to the cluster interface and returns the node over it. The caller logs that
+// the log is attached once the rest of its logging is ready (CapBytes is the cap Start chose).
+func Start(sc StartConfig) (*Node, error) {
+	if sc.Logger == nil {
+		sc.Logger = slog.Default()
+	}
+	capMiB := sc.MemoryMiB
+	if capMiB == 0 {
+		capMiB = int(memTotalMiB() / 10)
+	}
+	capBytes := int64(capMiB) << 20
+	opts := netlog.Options{Logger: sc.Logger}
+	if sc.SpillDir != "" {
+		opts.SpillDir = sc.SpillDir
+		opts.SpillAboveRAM = int64(float64(capBytes) * sc.Low)
+	}
+	c, err := capture.New(capture.Options{Interface: sc.Interface, RingBufferSize: sc.RingMiB << 20, Log: opts, Logger: sc.Logger, MemoryCap: capBytes})
+	if err != nil {
+		return nil, fmt.Errorf("start the sender-side log on %s: %w", sc.Interface, err)
+	}
+	n, err := New(c, Config{
+		Controller: controller.Config{Cap: capBytes, High: sc.High, Low: sc.Low},
+		CanSpill:   sc.SpillDir != "", MaxRange: sc.MaxRange, Members: sc.Members, Logger: sc.Logger, Event: sc.Event,
+	})
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
+	return n, nil
+}
+
+func memTotalMiB() int64 {
+	b, err := os.ReadFile("/proc/meminfo")
+	if err != nil {
+		return 1024
+	}
+	var kb int64
+	for _, line := range strings.Split(string(b), "\n") {
+		if strings.HasPrefix(line, "MemTotal:") {
+			fmt.Sscanf(strings.TrimPrefix(line, "MemTotal:"), "%d", &kb)
+		}
+	}
+	return kb / 1024
+}
+
+// Close detaches the capture.
+func (n *Node) Close() error { return n.src.Close() }
+
+// Log is the host's log.
+func (n *Node) Log() *netlog.Log { return n.src.Log() }
+
+// FlowState is the sender's live state of conn from its last egress segment.
+func (n *Node) FlowState(conn tcpflow.Tuple) (ebpfprobes.FlowState, bool, error) {
+	return n.src.FlowState(conn)
+}
+
+// Protect logs what the processes of cgroup dir send.
+func (n *Node) Protect(dir string) error { return n.src.ProtectCgroup(dir) }
+
+// Unprotect stops logging cgroup dir.
+func (n *Node) Unprotect(dir string) error { return n.src.UnprotectCgroup(dir) }
+
+// CapBytes is the log's memory cap.
+func (n *Node) CapBytes() int64 { return n.ctl.Config().Cap }
+
+// Counters are the capture's counters.
+func (n *Node) Counters() (capture.Counters, error) { return n.src.Counters() }
+
+// ReleasedSoFar counts the finished connections' logs freed so far.
+func (n *Node) ReleasedSoFar() Released {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.released
+}
+
+func (n *Node) addEvents(events []controller.Event) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.ev = append(n.ev, events...)
+	if len(n.ev) > maxEvents {
+		n.ev = n.ev[len(n.ev)-maxEvents:]
+	}
+}

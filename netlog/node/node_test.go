@@ -1,0 +1,296 @@
+package node
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"net/netip"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/netlog/capture"
+	"github.com/ftkit/ftkit/netlog/controller"
+	"github.com/ftkit/ftkit/netlog/release"
+	"github.com/ftkit/ftkit/recvdigest"
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// fakeSource is a capture without the kernel: a real log, flow states the test sets, and whether the
+// sending cgroup is still protected.
+type fakeSource struct {
+	log      *netlog.Log
+	states   map[tcpflow.Tuple]ebpfprobes.FlowState
+	protects bool
+}
+
+func (f *fakeSource) Log() *netlog.Log { return f.log }
+func (f *fakeSource) FlowState(c tcpflow.Tuple) (ebpfprobes.FlowState, bool, error) {
+	s, ok := f.states[c]
+	return s, ok, nil
+}
+func (f *fakeSource) Protects(uint64) bool                { return f.protects }
+func (f *fakeSource) ProtectCgroup(string) error          { return nil }
+func (f *fakeSource) UnprotectCgroup(string) error        { return nil }
+func (f *fakeSource) Counters() (capture.Counters, error) { return capture.Counters{}, nil }
+func (f *fakeSource) Close() error                        { return f.log.Close() }
+
+// fakeMembers: n2 holds 10.0.0.2 (unless owner is set), and answers watermark questions with mark.
+type fakeMembers struct {
+	owner string
+	mark  release.Watermark
+	err   error
+
+	mu        sync.Mutex
+	asked     int
+	snapshots []string
+}
+
+func (m *fakeMembers) Owner(netip.Addr) string { return m.owner }
+func (m *fakeMembers) RequestSnapshot(_ context.Context, node string) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.snapshots = append(m.snapshots, node)
+	return nil
+}
+func (m *fakeMembers) Watermark(context.Context, string) (release.Watermark, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.asked++
+	return m.mark, m.err
+}
+
+var (
+	connA = tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.1:40000"), Remote: netip.MustParseAddrPort("10.0.0.2:5201")}
+	connB = tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.1:40001"), Remote: netip.MustParseAddrPort("10.0.0.2:5201")}
+)
+
+const isn = 1000
+
+// newTestNode is a node whose log holds n bytes of connA from sequence isn.
+func newTestNode(t *testing.T, n int, m *fakeMembers) (*Node, *fakeSource, []byte) {
+	t.Helper()
+	logger := slog.New(slog.NewTextHandler(io.Discard, nil))
+	l, err := netlog.NewLog(netlog.Options{Logger: logger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	src := &fakeSource{log: l, states: map[tcpflow.Tuple]ebpfprobes.FlowState{}, protects: true}
+	payload := make([]byte, n)
+	for i := range payload {
+		payload[i] = byte(i * 7)
+	}
+	for off := 0; off < n; off += 1400 {
+		b, err := netlog.AppendRecord(nil, netlog.Record{Conn: connA, Seq: isn + uint32(off), CgroupID: 7, Payload: payload[off:min(off+1400, n)]})
+		if err != nil {
+			t.Fatal(err)
+		}
+		r, err := netlog.DecodeRecord(b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := l.Append(r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	node, err := New(src, Config{Controller: controller.Config{Cap: 64 << 20, High: 0.8, Low: 0.5}, MaxRange: 1<<31 - 1, Members: m, Logger: logger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { node.Close() })
+	return node, src, payload
+}
+
+// Trim drops what the receiver's snapshot covers, down to the start of its receive-digest block, counts
+// only the connections it trimmed, and marks the receiver as relieved.
+func TestTrim(t *testing.T) {
+	n, _, payload := newTestNode(t, 300_000, &fakeMembers{owner: "n2"})
+	at := uint32(isn + 200_000)
+	got := n.Trim("n2", []Point{{Conn: connA, Seq: at}, {Conn: connB, Seq: 5}})
+	if got != 1 {
+		t.Errorf("Trim counted %d connections, want 1 (connB is not logged)", got)
+	}
+	keep := recvdigest.BlockStart(at)
+	r, err := n.Range(context.Background(), "n2", connA, keep)
+	if err != nil {
+		t.Fatalf("range from the digest block start %d after the trim: %v", keep, err)
+	}
+	var b bytes.Buffer
+	if err := r.Write(&b); err != nil || !bytes.Equal(b.Bytes(), payload[keep-isn:]) {
+		t.Errorf("range from %d: %d bytes, %v; want the %d logged from there", keep, b.Len(), err, len(payload[keep-isn:]))
+	}
+	if _, err := n.Range(context.Background(), "n2", connA, isn); !errors.Is(err, netlog.ErrTrimmed) {
+		t.Errorf("range from the trimmed start: %v, want ErrTrimmed", err)
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.seen["n2"].IsZero() {
+		t.Error("Trim did not record when n2 last relieved the log")
+	}
+}
+
+func TestRange(t *testing.T) {
+	tests := []struct {
+		name     string
+		conn     tcpflow.Tuple
+		from     uint32
+		state    *ebpfprobes.FlowState // connB's live state, if any
+		maxRange int64
+		wantLen  int64
+		wantLive bool
+		wantErr  string
+	}{
+		{name: "logged bytes from the start", conn: connA, from: isn, wantLen: 5000},
+		{name: "logged bytes from the middle", conn: connA, from: isn + 1234, wantLen: 5000 - 1234},
+		{name: "from the end: nothing", conn: connA, from: isn + 5000, wantLen: 0},
+		{name: "more than one range carries", conn: connA, from: isn, maxRange: 100, wantErr: "more than the 100 one range may carry"},
+		{name: "silent since the snapshot: live state, nothing to replay", conn: connB, from: 77,
+			state: &ebpfprobes.FlowState{SndNxt: 77}, wantLive: true},
+		{name: "a FIN after the last byte counts as nothing sent", conn: connB, from: 77,
+			state: &ebpfprobes.FlowState{SndNxt: 78, FinSent: true}, wantLive: true},
+		{name: "not logged but the sender went further", conn: connB, from: 77,
+			state: &ebpfprobes.FlowState{SndNxt: 90}, wantErr: "connection not in log"},
+		{name: "not logged, no live state", conn: connB, from: 77, wantErr: "connection not in log"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			n, src, payload := newTestNode(t, 5000, &fakeMembers{owner: "n2"})
+			if tc.maxRange != 0 {
+				n.cfg.MaxRange = tc.maxRange
+			}
+			if tc.state != nil {
+				src.states[connB] = *tc.state
+			}
+			r, err := n.Range(context.Background(), "n2", tc.conn, tc.from)
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("Range: %+v, %v; want an error containing %q", r, err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("Range: %v", err)
+			}
+			if r.From != tc.from || r.Len != tc.wantLen || (r.Live != nil) != tc.wantLive {
+				t.Errorf("Range = from %d, %d bytes, live %v; want from %d, %d bytes, live %v", r.From, r.Len, r.Live, tc.from, tc.wantLen, tc.wantLive)
+			}
+			if r.Write == nil {
+				if tc.wantLen != 0 || tc.conn == connA {
+					t.Fatal("no writer for a logged range")
+				}
+				return
+			}
+			var b bytes.Buffer
+			if err := r.Write(&b); err != nil {
+				t.Fatalf("write the range: %v", err)
+			}
+			if want := payload[tc.from-isn:]; !bytes.Equal(b.Bytes(), want) {
+				t.Errorf("range wrote %d bytes, want the %d logged from %d", b.Len(), len(want), tc.from)
+			}
+		})
+	}
+}
+
+// A finished connection's log is freed once its receiver's watermark is past its last segment, and kept
+// with the reason otherwise.
+func TestReleaseFinished(t *testing.T) {
+	dst := []netip.Addr{connA.Remote.Addr()}
+	// The test looks 10 s ahead, so that the last segment (now) is past the release margin.
+	now := time.Now().Add(10 * time.Second)
+	tests := []struct {
+		name      string
+		senderRun bool // the sending job still runs
+		members   *fakeMembers
+		wantAsk   bool
+		want      string // the connection's release verdict; "" if freed
+	}{
+		{name: "sender runs: open", senderRun: true, members: &fakeMembers{owner: "n2", mark: release.Watermark{At: now, Addrs: dst}}, want: "open"},
+		{name: "no member holds the destination: orphan", members: &fakeMembers{owner: ""}, want: "orphan"},
+		{name: "receiver does not answer: kept", members: &fakeMembers{owner: "n2", err: errors.New("down")}, wantAsk: true, want: "awaiting-watermark"},
+		{name: "watermark for other addresses: kept", members: &fakeMembers{owner: "n2", mark: release.Watermark{At: now, Addrs: []netip.Addr{netip.MustParseAddr("10.0.0.9")}}}, wantAsk: true, want: "awaiting-watermark"},
+		{name: "receiver's restore point older: held", members: &fakeMembers{owner: "n2", mark: release.Watermark{At: now.Add(-time.Hour), Held: true, Addrs: dst}}, wantAsk: true, want: "held-by-receiver-snapshot"},
+		{name: "receiver's restore point after the last segment: freed", members: &fakeMembers{owner: "n2", mark: release.Watermark{At: now, Addrs: dst}}, wantAsk: true},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			m := tc.members
+			n, src, payload := newTestNode(t, 5000, m)
+			src.protects = tc.senderRun
+			var events []controller.EventKind
+			n.cfg.Event = func(k controller.EventKind) { events = append(events, k) }
+			ctx := context.Background()
+			n.releaseFinished(ctx, n.Log(), now)
+			if tc.wantAsk {
+				// The question runs in the background: wait for its answer (the bound is a failure timeout).
+				deadline := time.Now().Add(10 * time.Second)
+				for {
+					m.mu.Lock()
+					asked := m.asked
+					m.mu.Unlock()
+					n.mu.Lock()
+					busy := n.asking["n2"]
+					n.mu.Unlock()
+					if asked > 0 && !busy {
+						break
+					}
+					if time.Now().After(deadline) {
+						t.Fatal("the receiver was never asked for its watermark")
+					}
+					time.Sleep(5 * time.Millisecond)
+				}
+				n.releaseFinished(ctx, n.Log(), now)
+			} else if m.asked != 0 {
+				t.Errorf("asked for a watermark %d times; nothing it says could free the connection", m.asked)
+			}
+			conns := n.Conns()
+			rel := n.ReleasedSoFar()
+			if tc.want == "" {
+				if len(conns) != 0 || rel.Conns != 1 || rel.Bytes != int64(len(payload)) {
+					t.Errorf("after release: conns %+v, released %+v; want none left, 1 conn and %d bytes freed", conns, rel, len(payload))
+				}
+				if len(events) != 1 || events[0] != EventReleased {
+					t.Errorf("events %v, want one %s", events, EventReleased)
+				}
+				if st := n.Status(); len(st.Events) != 1 || st.Events[0].Node != "n2" || st.Released != rel {
+					t.Errorf("status %+v; want the freeing event and counters", st)
+				}
+				return
+			}
+			if len(conns) != 1 || conns[0].Release != tc.want || rel.Conns != 0 {
+				t.Errorf("after release: conns %+v, released %+v; want connA kept as %q", conns, rel, tc.want)
+			}
+		})
+	}
+}
+
+// Under memory pressure the controller asks the receiving member for a snapshot.
+func TestStepRequestsSnapshot(t *testing.T) {
+	m := &fakeMembers{owner: "n2"}
+	n, _, _ := newTestNode(t, 300_000, m)
+	var err error
+	if n.ctl, err = controller.New(controller.Config{Cap: 100_000, High: 0.5, Low: 0.25}); err != nil {
+		t.Fatal(err)
+	}
+	n.step(context.Background(), time.Now())
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		m.mu.Lock()
+		got := append([]string(nil), m.snapshots...)
+		m.mu.Unlock()
+		if len(got) > 0 {
+			if got[0] != "n2" {
+				t.Errorf("asked %v for a snapshot, want n2", got)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no snapshot requested at %d bytes over a cap of 100000; events %+v", n.Log().Stats().LiveBytes(), n.Status().Events)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}

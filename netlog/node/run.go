@@ -1,0 +1,215 @@
+package node
+
+import (
+	"context"
+	"errors"
+	"maps"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/netlog/controller"
+	"github.com/ftkit/ftkit/netlog/release"
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// Run runs the resource controller until ctx ends: measure, decide, act, every 250 ms.
+func (n *Node) Run(ctx context.Context) {
+	tick := time.NewTicker(250 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		n.step(ctx, time.Now())
+	}
+}
+
+// step is one round of the controller at now.
+func (n *Node) step(ctx context.Context, now time.Time) {
+	l := n.Log()
+	verdicts := n.releaseFinished(ctx, l, now)
+	bytesBy := map[string]int64{}
+	for _, conn := range l.Conns() {
+		if v, ok := verdicts[conn]; ok && !v.SnapshotHelps() {
+			continue // finished: a snapshot of its receiver would not free it (the issue's stall)
+		}
+		st, err := l.ConnStats(conn)
+		if err != nil {
+			continue
+		}
+		if node := n.cfg.Members.Owner(conn.Remote.Addr()); node != "" {
+			bytesBy[node] += st.MemoryBytes()
+		}
+	}
+	n.mu.Lock()
+	var dests []controller.Destination
+	for node, b := range bytesBy {
+		if _, ok := n.seen[node]; !ok {
+			n.seen[node] = now
+		}
+		dests = append(dests, controller.Destination{Node: node, Bytes: b, Oldest: n.seen[node]})
+	}
+	act, events := n.ctl.Step(controller.State{Now: now, Memory: l.Stats().LiveBytes(), Destinations: dests, CanSpill: n.cfg.CanSpill})
+	n.mu.Unlock()
+	for _, node := range act.RequestSnapshots {
+		go n.RequestSnapshot(ctx, node)
+	}
+	// Age compresses old slabs, spills when the controller says so, and hands slab buffers that
+	// were not reused since the last call back to the heap.
+	if act.SpillBytes > 0 || now.Sub(n.aged) > 5*time.Second {
+		n.aged = now
+		if _, err := l.Age(ctx, now); err != nil {
+			n.log.Error("age the log (compress, spill)", "err", err)
+		}
+	}
+	if len(events) > 0 {
+		n.addEvents(events)
+		for _, e := range events {
+			n.cfg.Event(e.Kind)
+			n.log.Info("log controller", "event", e.Kind, "node", e.Node, "bytes", e.Bytes, "memory", e.Memory)
+		}
+	}
+}
+
+// RequestSnapshot asks member node to snapshot its jobs now, so that this host can trim its log; a
+// failure is logged (the controller asks again at the next pressure).
+func (n *Node) RequestSnapshot(ctx context.Context, node string) {
+	cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if err := n.cfg.Members.RequestSnapshot(cctx, node); err != nil {
+		n.log.Warn("could not ask for a snapshot", "node", node, "err", err)
+	}
+}
+
+// Freeing the logs of finished connections (netlog/release): a connection that closes, or whose receiving
+// job ends, before a receiver's snapshot covers its last byte is never trimmed. Each receiving node tells
+// its senders, when asked, how old its oldest restore point is; a sender frees a finished connection whose
+// last segment left before that point.
+
+const (
+	// watermarkEvery bounds how often one receiving node is asked for its watermark.
+	watermarkEvery = 2 * time.Second
+	// EventReleased is the log event of freed connections (shown by `ftctl status`).
+	EventReleased controller.EventKind = "finished-conns-freed"
+)
+
+// releaseFinished frees the logs no restore can need any more and returns the decision on every
+// connection it kept. It asks the receiving nodes for their watermarks when that could free something.
+func (n *Node) releaseFinished(ctx context.Context, l *netlog.Log, now time.Time) map[tcpflow.Tuple]release.Verdict {
+	var (
+		conns []tcpflow.Tuple
+		acts  []netlog.Activity
+		flows []release.Flow
+	)
+	for _, c := range l.Conns() {
+		act, err := l.Activity(c)
+		if err != nil {
+			continue // removed meanwhile
+		}
+		f := release.Flow{Node: n.cfg.Members.Owner(c.Remote.Addr()), Conn: c, LastAppend: act.LastAppend,
+			SenderGone: act.CgroupID != 0 && !n.src.Protects(act.CgroupID)}
+		if act.LastKtimeNs != 0 {
+			f.SentAge, f.HasSentAge = sinceKtime(act.LastKtimeNs)
+		}
+		if fs, ok, err := n.src.FlowState(c); err == nil && ok {
+			if age, err := fs.Age(); err == nil {
+				f.HasState, f.FinSent, f.RstSent, f.StateAge = true, fs.FinSent, fs.RstSent, age
+			}
+		}
+		conns, acts, flows = append(conns, c), append(acts, act), append(flows, f)
+	}
+	n.mu.Lock()
+	marks := maps.Clone(n.marks)
+	n.mu.Unlock()
+	decisions := release.Decide(release.Input{Now: now, Margin: release.DefaultMargin, Flows: flows, Marks: marks})
+
+	verdicts := make(map[tcpflow.Tuple]release.Verdict, len(conns))
+	type tally struct {
+		conns int64
+		bytes int64
+	}
+	freed := map[string]*tally{}
+	ask := map[string]bool{}
+	for i, d := range decisions {
+		c, node := conns[i], flows[i].Node
+		if d.Ask {
+			ask[node] = true
+		}
+		if d.Verdict != release.Free {
+			verdicts[c] = d.Verdict
+			continue
+		}
+		ok, st, err := l.RemoveIdle(c, acts[i].LastAppend)
+		if err != nil && !errors.Is(err, netlog.ErrUnknownConn) {
+			n.log.Warn("free the log of a finished connection", "conn", c, "err", err)
+		}
+		if !ok {
+			verdicts[c] = release.Open // it sent again since we looked: decide again next time
+			continue
+		}
+		if freed[node] == nil {
+			freed[node] = &tally{}
+		}
+		freed[node].conns++
+		freed[node].bytes += st.RetainedBytes
+	}
+
+	n.mu.Lock()
+	n.verdicts = verdicts
+	for node, t := range freed {
+		n.released.Conns += t.conns
+		n.released.Bytes += t.bytes
+		// Like a trim: the node's next pressure may ask it for a snapshot at once. A request made while
+		// the connection was open may have found its job gone (and failed); waiting out the controller's
+		// cooldown would leave the node's next job unrelieved at the cap.
+		n.ctl.Relieved(node)
+	}
+	for node := range ask {
+		if n.asking[node] || now.Sub(n.asked[node]) < watermarkEvery {
+			continue
+		}
+		n.asking[node], n.asked[node] = true, now
+		go n.askWatermark(ctx, node)
+	}
+	n.mu.Unlock()
+
+	if len(freed) > 0 {
+		mem := l.Stats().LiveBytes()
+		var events []controller.Event
+		for node, t := range freed {
+			events = append(events, controller.Event{Time: now, Kind: EventReleased, Node: node, Bytes: t.bytes, Memory: mem})
+			n.cfg.Event(EventReleased)
+			n.log.Info("freed the log of finished connections", "node", node, "conns", t.conns, "bytes", t.bytes)
+		}
+		n.addEvents(events)
+	}
+	return verdicts
+}
+
+// sinceKtime is how long ago the probe's timestamp ns (bpf_ktime_get_ns: CLOCK_MONOTONIC) was.
+func sinceKtime(ns uint64) (time.Duration, bool) {
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts); err != nil {
+		return 0, false
+	}
+	return time.Duration(ts.Nano() - int64(ns)), true
+}
+
+// askWatermark fetches node's watermark and keeps it for releaseFinished. Without an answer the node's
+// watermark is forgotten: nothing destined for it is freed until it answers again.
+func (n *Node) askWatermark(ctx context.Context, node string) {
+	w, err := n.cfg.Members.Watermark(ctx, node)
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	delete(n.asking, node)
+	if err != nil {
+		delete(n.marks, node)
+		n.log.Debug("no log watermark from a receiving node; its finished connections stay logged", "node", node, "err", err)
+		return
+	}
+	n.marks[node] = w
+}

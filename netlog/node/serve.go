@@ -1,0 +1,112 @@
+package node
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/recvdigest"
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// Point is where a receiver's durable snapshot starts receiving on one connection: the log before it
+// may go. Conn is the flow seen from this host's (the sender's) socket.
+type Point struct {
+	Conn tcpflow.Tuple
+	Seq  uint32 // the receiver's rcv_nxt in the snapshot
+}
+
+// Trim drops the log data that receiving member peer's snapshot covers and returns how many
+// connections it trimmed. The caller checked that peer holds each point's receiving end.
+func (n *Node) Trim(peer string, pts []Point) int {
+	trimmed := 0
+	for _, p := range pts {
+		// Down to the start of the receive-digest block: a snapshot of ours taken meanwhile may need
+		// the bytes before its write_seq in that block (sentPrefix).
+		if _, err := n.Log().Trim(p.Conn, recvdigest.BlockStart(p.Seq)); err == nil {
+			trimmed++
+		}
+	}
+	n.mu.Lock()
+	n.seen[peer] = time.Now()
+	n.ctl.Relieved(peer)
+	n.mu.Unlock()
+	return trimmed
+}
+
+// Range is the logged bytes of one connection from a sequence number to the highest contiguous byte,
+// with the sender's live state of the connection.
+type Range struct {
+	From uint32 // wire sequence number of the first byte
+	Len  int64
+	Live *ebpfprobes.FlowState
+	// LiveAge is how old Live was when the range was read (this host's clock measured it).
+	LiveAge time.Duration
+	// Write writes the range's bytes; nil when there are none. The range may be large: it writes as long
+	// as w takes them.
+	Write func(w io.Writer) error
+}
+
+// Range reads what this host logged on conn from wire sequence from on, for member peer restoring the
+// connection's receiver. A hole or trimmed data is refused before any byte is sent.
+func (n *Node) Range(ctx context.Context, peer string, conn tcpflow.Tuple, from uint32) (Range, error) {
+	l := n.Log()
+	if live, ok := n.sentNothingSince(conn, from); ok {
+		// A one-way stream toward the restored job (or a peer that has been silent since the snapshot):
+		// nothing logged because nothing was sent, which the live state shows; nothing to replay.
+		age, _ := live.Age()
+		return Range{From: from, Live: &live, LiveAge: age}, nil
+	}
+	abs, err := l.Unwrap(conn, from)
+	var b netlog.Bounds
+	if err == nil {
+		b, err = l.Bounds(conn)
+	}
+	if err != nil {
+		return Range{}, err
+	}
+	to := b.Contiguous
+	if to < abs {
+		to = abs
+	}
+	if to-abs > uint64(n.cfg.MaxRange) {
+		return Range{}, fmt.Errorf("%d logged bytes of %s from sequence %d: more than the %d one range may carry", to-abs, conn, from, n.cfg.MaxRange)
+	}
+	st, err := l.Store(conn)
+	if err == nil {
+		err = st.Check(abs, to)
+	}
+	if err != nil {
+		return Range{}, err
+	}
+	r := Range{From: from, Len: int64(to - abs)}
+	if fs, ok, err := n.src.FlowState(conn); err == nil && ok {
+		r.Live = &fs
+		r.LiveAge, _ = fs.Age()
+	}
+	r.Write = func(w io.Writer) error {
+		if _, err := l.WriteRange(ctx, w, conn, abs, to); err != nil {
+			return fmt.Errorf("log range of %s to %s cut short: %w", conn, peer, err)
+		}
+		return nil
+	}
+	return r, nil
+}
+
+// sentNothingSince says whether this host's log has no store of conn because the sender sent no payload
+// on it after wire sequence from: the live state's data end is exactly there. A store that exists, or a
+// live state that went further, are for the log to answer (bytes, or a hole it names).
+func (n *Node) sentNothingSince(conn tcpflow.Tuple, from uint32) (ebpfprobes.FlowState, bool) {
+	if _, err := n.Log().Bounds(conn); !errors.Is(err, netlog.ErrUnknownConn) {
+		return ebpfprobes.FlowState{}, false
+	}
+	live, ok, err := n.src.FlowState(conn)
+	if err != nil || !ok || live.DataEnd() != from {
+		return ebpfprobes.FlowState{}, false
+	}
+	return live, true
+}
