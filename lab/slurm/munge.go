@@ -141,4 +141,3 @@ func Poll(ctx context.Context, bound time.Duration, check func() error) error {
 		}
 	}
 }
-
