@@ -256,6 +256,20 @@ func (c *Cluster) KillAgent(host string) error {
 	return nil
 }
 
+// Revive brings a crashed host back (lab.Lab.Revive: namespace, original address, slurmd) and starts its
+// agent again with its old configuration and state directory, as a repaired machine's systemd would.
+func (c *Cluster) Revive(ctx context.Context, host string) error {
+	if err := c.Lab.Revive(ctx, host); err != nil {
+		return err
+	}
+	// The crash killed the agent; its reaper has closed done or is about to.
+	if ra, ok := c.agents[host]; ok {
+		<-ra.done
+		delete(c.agents, host)
+	}
+	return c.StartAgent(ctx, host)
+}
+
 // Client returns a local-API client for host's agent.
 func (c *Cluster) Client(host string) *agentapi.Client {
 	return agentapi.NewClient(Socket(c.Lab.State().ID, host))
