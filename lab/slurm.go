@@ -280,15 +280,25 @@ func (l *Lab) reviveSlurm(ctx context.Context, host string) error {
 	if l.st.Slurm == nil {
 		return nil
 	}
+	nodes := []string{host}
 	for _, d := range l.st.Slurm.Daemons {
 		if d.Host == host && !d.Alive() {
 			if err := l.startSlurmDaemon(host, d.Name); err != nil {
 				return err
 			}
+			if d.Name == "slurmctld" {
+				// A restarted controller knows its nodes again only once each slurmd has re-registered.
+				nodes = nil
+				for _, h := range l.st.Hosts {
+					if !h.Crashed {
+						nodes = append(nodes, h.Name)
+					}
+				}
+			}
 		}
 	}
 	// "*" marks a node slurmctld cannot reach; down, drained or unknown nodes take no jobs.
-	return l.waitSlurmNodes(ctx, []string{host}, func(s string) bool {
+	return l.waitSlurmNodes(ctx, nodes, func(s string) bool {
 		return !strings.HasSuffix(s, "*") && !strings.HasPrefix(s, "down") && !strings.HasPrefix(s, "drain") && !strings.HasPrefix(s, "unk")
 	})
 }
