@@ -189,21 +189,27 @@ with Slurm, SLURM_CONF is set to the lab's slurm.conf unless already set.`,
 // startAgents runs an ftagent in every host of the lab.
 func startAgents(ctx context.Context, l *lab.Lab, bin, interval, mode string) error {
 	if bin == "" {
-		if self, err := os.Executable(); err == nil {
-			if p := filepath.Join(filepath.Dir(self), "ftagent"); fileExists(p) {
-				bin = p
-			}
+		var err error
+		if bin, err = findAgentBin(); err != nil {
+			return err
 		}
-	}
-	if bin == "" {
-		p, err := exec.LookPath("ftagent")
-		if err != nil {
-			return cli.WithCode(cli.ExitUnavailable, errors.New("no ftagent binary next to ftctl or on PATH: run `make build`, or pass --agent-bin (or --no-agents)"))
-		}
-		bin = p
 	}
 	_, err := labcluster.Start(ctx, l, labcluster.Options{AgentBin: bin, Interval: interval, Mode: agent.Mode(mode)})
 	return err
+}
+
+// findAgentBin finds ftagent next to ftctl, then on PATH.
+func findAgentBin() (string, error) {
+	if self, err := os.Executable(); err == nil {
+		if p := filepath.Join(filepath.Dir(self), "ftagent"); fileExists(p) {
+			return p, nil
+		}
+	}
+	p, err := exec.LookPath("ftagent")
+	if err != nil {
+		return "", cli.WithCode(cli.ExitUnavailable, errors.New("no ftagent binary next to ftctl or on PATH: run `make build`, or pass --agent-bin (or --no-agents)"))
+	}
+	return p, nil
 }
 
 func fileExists(p string) bool { _, err := os.Stat(p); return err == nil }
@@ -253,13 +259,16 @@ namespace and its veth are deleted. Nothing on the host survives.`,
 }
 
 func newLabReviveCmd(f *labFlags) *cobra.Command {
-	return &cobra.Command{
+	var noAgent bool
+	var agentBin string
+	cmd := &cobra.Command{
 		Use:   "revive HOST",
 		Short: "Bring a crashed host back with its original address (and its slurmd)",
 		Long: `Bring a crashed HOST back as a repaired machine would come back: a new, empty network namespace
 with its veth on the bridge and its original address, and its Slurm daemons if the lab runs Slurm
-(waiting until slurmctld sees its node again). Its ftagent is not started: a repaired host rejoins
-when its agent starts. Refused while another host holds HOST's address (after an IP takeover).`,
+(waiting until slurmctld sees its node again), and its ftagent if the lab has agents, with its old
+configuration and state (how a repaired host rejoins is the agents' business). Refused while another
+host holds HOST's address (after an IP takeover).`,
 		Args: cli.Args(cobra.ExactArgs(1)),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			l, err := f.open(cmd.ErrOrStderr())
@@ -273,13 +282,30 @@ when its agent starts. Refused while another host holds HOST's address (after an
 			if !h.Crashed {
 				return cli.WithCode(cli.ExitUnavailable, fmt.Errorf("%s is not crashed; only a crashed host can be revived", args[0]))
 			}
-			if err := l.Revive(cmd.Context(), args[0]); err != nil {
+			if _, hasAgents := labcluster.Open(l, labcluster.Options{}); !hasAgents || noAgent {
+				if err := l.Revive(cmd.Context(), args[0]); err != nil {
+					return err
+				}
+				fmt.Fprintf(cmd.OutOrStdout(), "%s revived at %s\n", args[0], h.Addr.Addr())
+				return nil
+			}
+			bin := agentBin
+			if bin == "" {
+				if bin, err = findAgentBin(); err != nil {
+					return err
+				}
+			}
+			c, _ := labcluster.Open(l, labcluster.Options{AgentBin: bin})
+			if err := c.Revive(cmd.Context(), args[0]); err != nil {
 				return err
 			}
-			fmt.Fprintf(cmd.OutOrStdout(), "%s revived at %s\n", args[0], h.Addr.Addr())
+			fmt.Fprintf(cmd.OutOrStdout(), "%s revived at %s, its agent answers\n", args[0], h.Addr.Addr())
 			return nil
 		},
 	}
+	cmd.Flags().BoolVar(&noAgent, "no-agent", false, "do not start the host's ftagent again")
+	cmd.Flags().StringVar(&agentBin, "agent-bin", "", "ftagent binary (default: next to ftctl, then PATH)")
+	return cmd
 }
 
 func newLabStatusCmd(f *labFlags) *cobra.Command {

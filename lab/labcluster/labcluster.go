@@ -131,6 +131,16 @@ func Start(ctx context.Context, l *lab.Lab, opts Options) (*Cluster, error) {
 	return c, nil
 }
 
+// Open returns the cluster of a lab whose agents a previous Start (another process: `ftctl lab up`)
+// configured, to start agents again from their written configurations; ok is false when the lab has
+// no agents. Only opts.AgentBin and opts.LogLevel matter.
+func Open(l *lab.Lab, opts Options) (c *Cluster, ok bool) {
+	st := l.State()
+	c = &Cluster{Lab: l, opts: opts, runDir: runDir(st.ID), dataDir: dataDir(st.ID), agents: map[string]*runningAgent{}, tls: map[string]clustertls.Config{}}
+	_, err := os.Stat(c.ConfigPath(st.Hosts[0].Name))
+	return c, err == nil
+}
+
 // Config builds the agent configuration of one lab host.
 func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
 	cfg := agent.Defaults()
