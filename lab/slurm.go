@@ -80,14 +80,18 @@ func (l *Lab) startSlurm(ctx context.Context) error {
 		return fmt.Errorf("lab --slurm: %s not installed; run scripts/setup.sh packages (slurmctld slurmd slurm-client munge)", strings.Join(missing, ", "))
 	}
 	dir := filepath.Join(l.store.dir, l.st.ID+".slurm")
+	// Created before it is recorded, so that Down never removes a directory this lab did not make.
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		return fmt.Errorf("create the lab's Slurm directory (a leftover of a lab whose state was lost? remove it): %w", err)
+	}
 	if err := l.update(func(st *State) { st.Slurm = &SlurmState{Dir: dir} }); err != nil {
-		return err
+		return errors.Join(err, os.Remove(dir))
 	}
 	// Job scripts and slurmctld's state are root's; the configuration and logs are for every user.
 	for _, d := range []struct {
 		path string
 		mode os.FileMode
-	}{{dir, 0o755}, {slurm.LogDir(dir), 0o755}, {filepath.Join(dir, "run"), 0o755}, {slurm.CtldStateDir(dir), 0o700}, {filepath.Join(dir, "spool"), 0o700}} {
+	}{{slurm.LogDir(dir), 0o755}, {filepath.Join(dir, "run"), 0o755}, {slurm.CtldStateDir(dir), 0o700}, {filepath.Join(dir, "spool"), 0o700}} {
 		if err := os.Mkdir(d.path, d.mode); err != nil {
 			return fmt.Errorf("create Slurm directory: %w", err)
 		}

@@ -111,6 +111,20 @@ func TestLabSlurm(t *testing.T) {
 		t.Fatalf("sinfo after lab up: %v, not idle: %v", states, bad)
 	}
 
+	// Reviving node1 restarts slurmctld too, with its saved state; every node takes jobs again. This
+	// comes before any job: a power cut of the controller can lose the completion of a job that ended
+	// moments before (its state is saved asynchronously), and Slurm then keeps that job's nodes
+	// allocated, as a real controller without a backup would.
+	run("crash", "node1")
+	run("revive", "node1")
+	states, err = slurm.ParseSinfo(run(append([]string{"exec", "node1", "--", "sinfo"}, slurm.SinfoArgs...)...))
+	if bad := slurm.NotIdle(states, []string{"node1", "node2", "node3", "spare1"}); err != nil || len(bad) > 0 {
+		t.Errorf("sinfo after reviving the controller's host: %v %v, not idle: %v", states, err, bad)
+	}
+	if out := run("exec", "node3", "--", "srun", "--nodes=4", "hostname"); strings.Count(out, "\n") != 4 {
+		t.Errorf("srun -N 4 after reviving node1: %q", out)
+	}
+
 	// One task per node, each in its own host's namespace.
 	cmd := ftctlCmd("exec", "node1", "--", "srun", "--nodes=3", "--ntasks-per-node=1", self)
 	cmd.Env = append(os.Environ(), "FTKIT_E2E_ROLE=print-addrs")
@@ -183,7 +197,14 @@ func TestLabSlurm(t *testing.T) {
 		t.Errorf("srun on the revived node2: %q, %v", out, err)
 	}
 
+	l, err = lab.Open(id, lab.Options{}) // the daemons revive started
+	if err != nil {
+		t.Fatal(err)
+	}
 	recorded := l.State().Slurm
+	if len(recorded.Daemons) != 5 {
+		t.Fatalf("recorded Slurm daemons %+v, want slurmctld and 4 slurmd", recorded.Daemons)
+	}
 	run("down")
 	assertNoLeftovers(t, up)
 	for _, p := range recorded.Daemons {
