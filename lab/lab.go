@@ -71,7 +71,11 @@ func Up(ctx context.Context, cfg Config, opts Options) (*Lab, error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := l.create(ctx); err != nil {
+	err = l.create(ctx)
+	if err == nil && cfg.Slurm {
+		err = l.startSlurm(ctx)
+	}
+	if err != nil {
 		if derr := l.Down(context.WithoutCancel(ctx)); derr != nil {
 			err = errors.Join(err, fmt.Errorf("cleaning up the half-created lab: %w", derr))
 		}
@@ -288,9 +292,68 @@ func (l *Lab) Crash(ctx context.Context, name string) error {
 				l.st.Hosts[i].Crashed = true
 			}
 		}
+		if err := l.slurmHostGone(name); err != nil {
+			return fmt.Errorf("crash %s: %w", name, err)
+		}
 		l.log.Info("host crashed", "host", name)
 		return l.store.save(l.st)
 	})
+}
+
+// Revive brings a crashed host back as it was planned: its namespace, its veth on the bridge, its
+// original address, and its Slurm daemons if the lab runs Slurm. Its agent is lab/labcluster's concern.
+func (l *Lab) Revive(ctx context.Context, name string) error {
+	err := l.store.locked(func() error {
+		st, err := l.store.load(l.st.ID)
+		if err != nil {
+			return err
+		}
+		l.st = st
+		h, err := l.st.Host(name)
+		if err != nil {
+			return err
+		}
+		if !h.Crashed {
+			return fmt.Errorf("host %s of lab %s is not crashed; only a crashed host can be revived", name, l.st.ID)
+		}
+		// Today's fail-over moves a failed host's address to the spare: two hosts with one address on
+		// the bridge would break both.
+		for _, o := range l.st.Hosts {
+			if o.Crashed || o.Name == name {
+				continue
+			}
+			for _, a := range hostStatus(o).Addrs {
+				if a.Addr() == h.Addr.Addr() {
+					return fmt.Errorf("revive %s: its address %s is now on %s (taken over); release it there first", name, h.Addr.Addr(), o.Name)
+				}
+			}
+		}
+		link, err := netlink.LinkByName(l.st.Bridge)
+		if err != nil {
+			return fmt.Errorf("revive %s: find bridge %s: %w", name, l.st.Bridge, err)
+		}
+		br, ok := link.(*netlink.Bridge)
+		if !ok {
+			return fmt.Errorf("revive %s: link %s is a %s, not a bridge", name, l.st.Bridge, link.Type())
+		}
+		if err := l.createHost(br, h); err != nil {
+			return errors.Join(fmt.Errorf("revive %s: %w", name, err), removeHost(ctx, h))
+		}
+		for i := range l.st.Hosts {
+			if l.st.Hosts[i].Name == name {
+				l.st.Hosts[i].Crashed = false
+			}
+		}
+		l.log.Info("host revived", "host", name, "addr", h.Addr)
+		return l.store.save(l.st)
+	})
+	if err != nil {
+		return err
+	}
+	if err := l.reviveSlurm(ctx, name); err != nil {
+		return fmt.Errorf("revive %s: %w", name, err)
+	}
+	return nil
 }
 
 // removeHost cuts the host's veth, kills its processes and deletes its namespace; what is already gone is
@@ -321,6 +384,11 @@ func (l *Lab) Down(ctx context.Context) error {
 			return nil // already down
 		}
 		var errs []error
+		// Slurm's daemons get a SIGTERM first (removing a host SIGKILLs what is left in it), and munged
+		// runs outside every host.
+		if err := l.stopSlurm(ctx); err != nil {
+			errs = append(errs, fmt.Errorf("stop Slurm: %w", err))
+		}
 		for _, h := range l.st.Hosts {
 			if err := removeHost(ctx, h); err != nil {
 				errs = append(errs, fmt.Errorf("host %s: %w", h.Name, err))

@@ -170,3 +170,72 @@ func startSleeper(t *testing.T) error {
 	go cmd.Wait() // reap it once the lab kills it
 	return nil
 }
+
+// TestLabRevive: a crashed host comes back with its original address and answers on it; a host that is
+// not crashed, or whose address another host holds (after an IP takeover), is not revived.
+func TestLabRevive(t *testing.T) {
+	l := labtest.New(t, 2, 1)
+	ctx := context.Background()
+	n2, _ := l.Host("node2")
+	if err := l.Revive(ctx, "node2"); err == nil {
+		t.Fatal("reviving a host that is up succeeded")
+	}
+	if err := l.Crash(ctx, "node2"); err != nil {
+		t.Fatal(err)
+	}
+
+	// spare1 takes node2's address over, as fail-over does today: revive must refuse.
+	addOnEth0 := func(add bool) {
+		t.Helper()
+		if err := l.Do("spare1", func() error {
+			link, err := netlink.LinkByName("eth0")
+			if err != nil {
+				return err
+			}
+			a, _ := netlink.ParseAddr(n2.Addr.String())
+			if add {
+				return netlink.AddrAdd(link, a)
+			}
+			return netlink.AddrDel(link, a)
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	addOnEth0(true)
+	if err := l.Revive(ctx, "node2"); err == nil || !strings.Contains(err.Error(), "spare1") {
+		t.Fatalf("revive while spare1 holds node2's address: %v, want a refusal naming spare1", err)
+	}
+	addOnEth0(false)
+
+	if err := l.Revive(ctx, "node2"); err != nil {
+		t.Fatal(err)
+	}
+	var ln net.Listener
+	if err := l.Do("node2", func() (err error) {
+		ln, err = net.Listen("tcp", n2.Addr.Addr().String()+":7000")
+		return err
+	}); err != nil {
+		t.Fatalf("listen on node2's original address after revive: %v", err)
+	}
+	defer ln.Close()
+	go func() {
+		if c, err := ln.Accept(); err == nil {
+			bufio.NewReader(c).WriteTo(c)
+			c.Close()
+		}
+	}()
+	var conn net.Conn
+	if err := l.Do("node1", func() (err error) {
+		conn, err = net.DialTimeout("tcp", n2.Addr.Addr().String()+":7000", 5*time.Second)
+		return err
+	}); err != nil {
+		t.Fatalf("node1 -> revived node2: %v", err)
+	}
+	defer conn.Close()
+	roundTrip(t, conn, "after revive")
+	for _, h := range l.Status().Hosts {
+		if h.Crashed || !h.Exists || !h.LinkUp || len(h.Addrs) != 1 || h.Addrs[0] != h.Addr {
+			t.Errorf("status of %s after revive: %+v", h.Name, h)
+		}
+	}
+}

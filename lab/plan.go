@@ -32,6 +32,8 @@ type Config struct {
 	Nodes  int          // compute hosts node1..nodeN
 	Spares int          // spare hosts spare1..spareS
 	Subnet netip.Prefix // an IPv4 prefix of /24 or wider
+	// Slurm starts munged (unless one runs), a slurmctld in the first node and a slurmd in every host.
+	Slurm bool
 }
 
 // Host is one planned host of a lab.

@@ -34,6 +34,8 @@ type State struct {
 	// Dirs are removed (recursively) by Down once every process of the lab is dead: agent state, job
 	// directories, cgroup trees registered with AddCleanup.
 	Dirs []string `json:"dirs,omitempty"`
+	// Slurm is set when the lab runs Slurm (Config.Slurm): its daemons, recorded so Down stops them.
+	Slurm *SlurmState `json:"slurm,omitempty"`
 }
 
 // stateStore reads and writes lab state files under one directory, serialised by an flock so that two

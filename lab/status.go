@@ -24,11 +24,13 @@ type Status struct {
 	Bridge string       `json:"bridge"`
 	Phase  Phase        `json:"phase"`
 	Hosts  []HostStatus `json:"hosts"`
+	// SlurmConf is the lab's slurm.conf when it runs Slurm (clients need SLURM_CONF set to it).
+	SlurmConf string `json:"slurm_conf,omitempty"`
 }
 
 // Status reads the live state of every host of the lab.
 func (l *Lab) Status() Status {
-	s := Status{ID: l.st.ID, Subnet: l.st.Subnet, Bridge: l.st.Bridge, Phase: l.st.Phase}
+	s := Status{ID: l.st.ID, Subnet: l.st.Subnet, Bridge: l.st.Bridge, Phase: l.st.Phase, SlurmConf: l.SlurmConf()}
 	for _, h := range l.st.Hosts {
 		s.Hosts = append(s.Hosts, hostStatus(h))
 	}

@@ -17,7 +17,8 @@ top=$(cd "$(dirname "$0")/.." && pwd)
 
 # Debian packages: the eBPF toolchain, the lab's tools, CRIU's build dependencies, and Open MPI with two
 # unmodified MPI workloads for `ftctl mpirun` (HPCC, LAMMPS and its examples; docs/mpi.md), and headless
-# Chromium with a font, which renders `ftctl events --svg` pictures in timeline's browser test.
+# Chromium with a font, which renders `ftctl events --svg` pictures in timeline's browser test; Slurm and
+# munge for `ftctl lab up --slurm` (a slurmctld and one slurmd per lab host; docs/operations.md).
 PACKAGES=(
 	clang llvm libbpf-dev bpftool
 	nftables iproute2 iputils-arping util-linux procps psmisc ethtool
@@ -27,6 +28,7 @@ PACKAGES=(
 	uuid-dev python3-protobuf
 	openmpi-bin hpcc lammps lammps-examples
 	chromium fonts-dejavu-core
+	slurmctld slurmd slurm-client munge
 )
 
 say() { printf 'setup: %s\n' "$*" >&2; }

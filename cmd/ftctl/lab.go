@@ -77,19 +77,22 @@ power cut of one host. Everything needs root.`,
 	cmd.PersistentFlags().StringVar(&f.id, "id", lab.DefaultID, "lab id (deprecated: use --lab)")
 	cmd.PersistentFlags().MarkDeprecated("id", "use --lab")
 	cmd.PersistentFlags().StringVar(&f.stateDir, "state-dir", lab.DefaultStateDir, "where lab state files live")
-	cmd.AddCommand(newLabUpCmd(f), newLabExecCmd(f), newLabCrashCmd(f), newLabStatusCmd(f), newLabDownCmd(f))
+	cmd.AddCommand(newLabUpCmd(f), newLabExecCmd(f), newLabCrashCmd(f), newLabReviveCmd(f), newLabStatusCmd(f), newLabDownCmd(f))
 	return cmd
 }
 
 func newLabUpCmd(f *labFlags) *cobra.Command {
 	var nodes, spares int
 	var subnet, agentBin, interval, mode string
-	var noAgents, asJSON bool
+	var noAgents, asJSON, withSlurm bool
 	cmd := &cobra.Command{
 		Use:   "up",
 		Short: "Create the lab's bridge and hosts",
 		Long: `Create the bridge and one network namespace per host, with addresses in --subnet (nodes from .11,
-spares from .101). Refuses if a lab with this id exists or the subnet is in use on this machine.`,
+spares from .101). Refuses if a lab with this id exists or the subnet is in use on this machine.
+With --slurm it also starts a real Slurm (Debian's slurmctld, slurmd, munge; scripts/setup.sh installs
+them): munged in this machine's namespace (reused if one runs), slurmctld in node1 and one slurmd per
+host, all hosts in one partition; Slurm's commands then run in a host with ` + "`ftctl lab exec node1 -- sbatch ...`" + `.`,
 		Args: cli.Args(cobra.NoArgs),
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			// Every flag is checked before anything is created.
@@ -106,7 +109,10 @@ spares from .101). Refuses if a lab with this id exists or the subnet is in use 
 			}
 			progress := cli.NewProgress(cmd.ErrOrStderr(), asJSON)
 			progress.Stage("lab %s: creating the bridge and %d host namespaces", f.id, nodes+spares)
-			l, err := lab.Up(cmd.Context(), lab.Config{ID: f.id, Nodes: nodes, Spares: spares, Subnet: prefix}, opts)
+			if withSlurm {
+				progress.Stage("lab %s: then munged, slurmctld in node1 and a slurmd in each host, until every node is idle", f.id)
+			}
+			l, err := lab.Up(cmd.Context(), lab.Config{ID: f.id, Nodes: nodes, Spares: spares, Subnet: prefix, Slurm: withSlurm}, opts)
 			if errors.Is(err, lab.ErrExists) || errors.Is(err, lab.ErrSubnetInUse) {
 				return cli.WithCode(cli.ExitUnavailable, err)
 			}
@@ -127,6 +133,7 @@ spares from .101). Refuses if a lab with this id exists or the subnet is in use 
 		},
 	}
 	cmd.Flags().BoolVar(&noAgents, "no-agents", false, "do not start an ftagent in each host")
+	cmd.Flags().BoolVar(&withSlurm, "slurm", false, "also run Slurm: munged, a slurmctld in node1 and a slurmd in every host (nodes and spares)")
 	cmd.Flags().StringVar(&agentBin, "agent-bin", "", "ftagent binary (default: next to ftctl, then PATH)")
 	cmd.Flags().StringVar(&interval, "interval", "60s", "the agents' checkpoint interval: a duration, or auto")
 	cmd.Flags().StringVar(&mode, "mode", string(agent.Uncoordinated), "the agents' checkpoint mode: uncoordinated or semi-coordinated")
@@ -142,7 +149,8 @@ func newLabExecCmd(f *labFlags) *cobra.Command {
 		Use:   "exec HOST -- CMD [ARGS...]",
 		Short: "Run a command inside a host's network namespace",
 		Long: `Run CMD inside HOST's network namespace with this process's mount namespace, stdio and environment
-(nsenter --net semantics). ftctl replaces itself with CMD, so CMD's exit status is ftctl's.`,
+(nsenter --net semantics). ftctl replaces itself with CMD, so CMD's exit status is ftctl's. In a lab
+with Slurm, SLURM_CONF is set to the lab's slurm.conf unless already set.`,
 		Args: cli.Args(cobra.MinimumNArgs(2)),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			l, err := f.open(cmd.ErrOrStderr())
@@ -159,6 +167,10 @@ func newLabExecCmd(f *labFlags) *cobra.Command {
 			}
 			if len(argv) == 0 {
 				return cli.Usagef("no command given after %s --", args[0])
+			}
+			// Slurm's clients find the lab's controller.
+			if conf := l.SlurmConf(); conf != "" && os.Getenv("SLURM_CONF") == "" {
+				os.Setenv("SLURM_CONF", conf)
 			}
 			// Programs in a host (ftwrap, ftctl) find that host's agent.
 			if os.Getenv("FTKIT_AGENT_SOCKET") == "" {
@@ -177,21 +189,27 @@ func newLabExecCmd(f *labFlags) *cobra.Command {
 // startAgents runs an ftagent in every host of the lab.
 func startAgents(ctx context.Context, l *lab.Lab, bin, interval, mode string) error {
 	if bin == "" {
-		if self, err := os.Executable(); err == nil {
-			if p := filepath.Join(filepath.Dir(self), "ftagent"); fileExists(p) {
-				bin = p
-			}
+		var err error
+		if bin, err = findAgentBin(); err != nil {
+			return err
 		}
-	}
-	if bin == "" {
-		p, err := exec.LookPath("ftagent")
-		if err != nil {
-			return cli.WithCode(cli.ExitUnavailable, errors.New("no ftagent binary next to ftctl or on PATH: run `make build`, or pass --agent-bin (or --no-agents)"))
-		}
-		bin = p
 	}
 	_, err := labcluster.Start(ctx, l, labcluster.Options{AgentBin: bin, Interval: interval, Mode: agent.Mode(mode)})
 	return err
+}
+
+// findAgentBin finds ftagent next to ftctl, then on PATH.
+func findAgentBin() (string, error) {
+	if self, err := os.Executable(); err == nil {
+		if p := filepath.Join(filepath.Dir(self), "ftagent"); fileExists(p) {
+			return p, nil
+		}
+	}
+	p, err := exec.LookPath("ftagent")
+	if err != nil {
+		return "", cli.WithCode(cli.ExitUnavailable, errors.New("no ftagent binary next to ftctl or on PATH: run `make build`, or pass --agent-bin (or --no-agents)"))
+	}
+	return p, nil
 }
 
 func fileExists(p string) bool { _, err := os.Stat(p); return err == nil }
@@ -240,6 +258,56 @@ namespace and its veth are deleted. Nothing on the host survives.`,
 	}
 }
 
+func newLabReviveCmd(f *labFlags) *cobra.Command {
+	var noAgent bool
+	var agentBin string
+	cmd := &cobra.Command{
+		Use:   "revive HOST",
+		Short: "Bring a crashed host back with its original address (and its slurmd)",
+		Long: `Bring a crashed HOST back as a repaired machine would come back: a new, empty network namespace
+with its veth on the bridge and its original address, and its Slurm daemons if the lab runs Slurm
+(waiting until slurmctld sees its node again), and its ftagent if the lab has agents, with its old
+configuration and state (how a repaired host rejoins is the agents' business). Refused while another
+host holds HOST's address (after an IP takeover).`,
+		Args: cli.Args(cobra.ExactArgs(1)),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			l, err := f.open(cmd.ErrOrStderr())
+			if err != nil {
+				return err
+			}
+			h, err := l.Host(args[0])
+			if err != nil {
+				return cli.WithCode(cli.ExitNotFound, err)
+			}
+			if !h.Crashed {
+				return cli.WithCode(cli.ExitUnavailable, fmt.Errorf("%s is not crashed; only a crashed host can be revived", args[0]))
+			}
+			if _, hasAgents := labcluster.Open(l, labcluster.Options{}); !hasAgents || noAgent {
+				if err := l.Revive(cmd.Context(), args[0]); err != nil {
+					return err
+				}
+				fmt.Fprintf(cmd.OutOrStdout(), "%s revived at %s\n", args[0], h.Addr.Addr())
+				return nil
+			}
+			bin := agentBin
+			if bin == "" {
+				if bin, err = findAgentBin(); err != nil {
+					return err
+				}
+			}
+			c, _ := labcluster.Open(l, labcluster.Options{AgentBin: bin})
+			if err := c.Revive(cmd.Context(), args[0]); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "%s revived at %s, its agent answers\n", args[0], h.Addr.Addr())
+			return nil
+		},
+	}
+	cmd.Flags().BoolVar(&noAgent, "no-agent", false, "do not start the host's ftagent again")
+	cmd.Flags().StringVar(&agentBin, "agent-bin", "", "ftagent binary (default: next to ftctl, then PATH)")
+	return cmd
+}
+
 func newLabStatusCmd(f *labFlags) *cobra.Command {
 	var asJSON bool
 	cmd := &cobra.Command{
@@ -286,6 +354,9 @@ func printStatus(w io.Writer, s lab.Status, asJSON bool) error {
 		return cli.PrintJSON(w, s)
 	}
 	fmt.Fprintf(w, "lab %s  subnet %s  bridge %s  %s\n", s.ID, s.Subnet, s.Bridge, s.Phase)
+	if s.SlurmConf != "" {
+		fmt.Fprintf(w, "slurm: SLURM_CONF=%s (run clients in a host: ftctl lab exec node1 -- sinfo)\n", s.SlurmConf)
+	}
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "HOST\tROLE\tADDRESS\tNAMESPACE\tSTATE\tPROCESSES\tADDRESSES NOW")
 	for _, h := range s.Hosts {

@@ -31,6 +31,8 @@ func TestMain(m *testing.M) {
 		os.Exit(echoServer(os.Getenv("FTKIT_E2E_ADDR")))
 	case "echo-client":
 		os.Exit(echoClient(os.Getenv("FTKIT_E2E_ADDR")))
+	case "print-addrs":
+		os.Exit(printAddrs())
 	case "ftctl":
 		os.Exit(cli.Main(newRoot()))
 	}

@@ -131,6 +131,16 @@ func Start(ctx context.Context, l *lab.Lab, opts Options) (*Cluster, error) {
 	return c, nil
 }
 
+// Open returns the cluster of a lab whose agents a previous Start (another process: `ftctl lab up`)
+// configured, to start agents again from their written configurations; ok is false when the lab has
+// no agents. Only opts.AgentBin and opts.LogLevel matter.
+func Open(l *lab.Lab, opts Options) (c *Cluster, ok bool) {
+	st := l.State()
+	c = &Cluster{Lab: l, opts: opts, runDir: runDir(st.ID), dataDir: dataDir(st.ID), agents: map[string]*runningAgent{}, tls: map[string]clustertls.Config{}}
+	_, err := os.Stat(c.ConfigPath(st.Hosts[0].Name))
+	return c, err == nil
+}
+
 // Config builds the agent configuration of one lab host.
 func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
 	cfg := agent.Defaults()
@@ -254,6 +264,20 @@ func (c *Cluster) KillAgent(host string) error {
 	<-ra.done
 	delete(c.agents, host)
 	return nil
+}
+
+// Revive brings a crashed host back (lab.Lab.Revive: namespace, original address, slurmd) and starts its
+// agent again with its old configuration and state directory, as a repaired machine's systemd would.
+func (c *Cluster) Revive(ctx context.Context, host string) error {
+	if err := c.Lab.Revive(ctx, host); err != nil {
+		return err
+	}
+	// The crash killed the agent; its reaper has closed done or is about to.
+	if ra, ok := c.agents[host]; ok {
+		<-ra.done
+		delete(c.agents, host)
+	}
+	return c.StartAgent(ctx, host)
 }
 
 // Client returns a local-API client for host's agent.

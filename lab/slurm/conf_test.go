@@ -1,0 +1,93 @@
+package slurm
+
+import (
+	"net/netip"
+	"strings"
+	"testing"
+)
+
+func testConf() Conf {
+	return Conf{
+		ClusterName:    "ftkit-t1",
+		ControllerHost: "vm",
+		ControllerAddr: netip.MustParseAddr("10.9.0.11"),
+		Dir:            "/run/ftkit/labs/t1.slurm",
+		Partition:      "lab",
+		Nodes: []Node{
+			{"node1", netip.MustParseAddr("10.9.0.11")},
+			{"node2", netip.MustParseAddr("10.9.0.12")},
+			{"spare1", netip.MustParseAddr("10.9.0.101")},
+		},
+	}
+}
+
+func TestRender(t *testing.T) {
+	out, err := Render(testConf())
+	if err != nil {
+		t.Fatal(err)
+	}
+	lines := map[string]bool{}
+	for _, l := range strings.Split(out, "\n") {
+		lines[l] = true
+	}
+	for _, want := range []string{
+		"ClusterName=ftkit-t1",
+		"SlurmctldHost=vm(10.9.0.11)",
+		"StateSaveLocation=/run/ftkit/labs/t1.slurm/ctld",
+		"SlurmdSpoolDir=/run/ftkit/labs/t1.slurm/spool/%n",
+		"SlurmdPidFile=/run/ftkit/labs/t1.slurm/run/slurmd-%n.pid",
+		"ProctrackType=proctrack/linuxproc",
+		"TaskPlugin=task/none",
+		"JobAcctGatherType=jobacct_gather/none",
+		"AccountingStorageType=accounting_storage/none",
+		"MpiDefault=none",
+		"NodeName=node1 NodeAddr=10.9.0.11 CPUs=1 State=UNKNOWN",
+		"NodeName=node2 NodeAddr=10.9.0.12 CPUs=1 State=UNKNOWN",
+		"NodeName=spare1 NodeAddr=10.9.0.101 CPUs=1 State=UNKNOWN",
+		"PartitionName=lab Nodes=node1,node2,spare1 Default=YES MaxTime=INFINITE State=UP",
+	} {
+		if !lines[want] {
+			t.Errorf("slurm.conf lacks line %q:\n%s", want, out)
+		}
+	}
+	// No cgroup plugin may appear: the agents own their jobs' cgroups.
+	if strings.Contains(out, "cgroup") {
+		t.Errorf("slurm.conf mentions cgroup:\n%s", out)
+	}
+	again, _ := Render(testConf())
+	if again != out {
+		t.Error("Render is not deterministic")
+	}
+}
+
+func TestRenderRejects(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		modify func(*Conf)
+		want   string
+	}{
+		{"no nodes", func(c *Conf) { c.Nodes = nil }, "no nodes"},
+		{"repeated node", func(c *Conf) { c.Nodes = append(c.Nodes, c.Nodes[0]) }, "repeated"},
+		{"node name with a blank", func(c *Conf) { c.Nodes[1].Name = "node 2" }, "node name"},
+		{"node name injecting a key", func(c *Conf) { c.Nodes[1].Name = "n\nSlurmUser=x" }, "node name"},
+		{"IPv6 node", func(c *Conf) { c.Nodes[0].Addr = netip.MustParseAddr("fd00::1") }, "not IPv4"},
+		{"no node address", func(c *Conf) { c.Nodes[0].Addr = netip.Addr{} }, "not IPv4"},
+		{"no controller address", func(c *Conf) { c.ControllerAddr = netip.Addr{} }, "controller address"},
+		{"relative dir", func(c *Conf) { c.Dir = "run/slurm" }, "directory"},
+		{"dir with a blank", func(c *Conf) { c.Dir = "/run/my labs" }, "directory"},
+		{"dir with %", func(c *Conf) { c.Dir = "/run/%n" }, "directory"},
+		{"empty hostname", func(c *Conf) { c.ControllerHost = "" }, "controller host"},
+		{"hostname with ()", func(c *Conf) { c.ControllerHost = "vm(1)" }, "controller host"},
+		{"empty partition", func(c *Conf) { c.Partition = "" }, "partition"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := testConf()
+			c.Nodes = append([]Node(nil), c.Nodes...)
+			tc.modify(&c)
+			out, err := Render(c)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("Render = %q, %v; want an error about %q", out, err, tc.want)
+			}
+		})
+	}
+}
