@@ -105,6 +105,16 @@ func (a *Agent) watchPredecessor(ctx context.Context) {
 				a.watchdog.Clear(s.Name, time.Now())
 				continue
 			}
+			// A node cut off from the ring sees its predecessor fall silent too: if its own protector (another
+			// node) does not answer either, this node is the one isolated, and it fences itself instead.
+			if p, ok := a.protector(); ok && p.Name != s.Name {
+				if _, reached := a.reaches(ctx, p.Name); !reached {
+					a.log.Error("predecessor silent, but this node's protector does not answer either: this node is cut off, not failing over",
+						"node", s.Name, "protector", p.Name)
+					a.watchdog.Clear(s.Name, time.Now())
+					continue
+				}
+			}
 			if !a.cfg.Failover.Automatic {
 				a.log.Error("node failed; automatic fail-over is off: restore its jobs with `ftctl restore`", "node", s.Name, "jobs", s.Jobs)
 				a.recordFailure(s, time.Now())
