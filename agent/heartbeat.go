@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"syscall"
 	"time"
 
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/detect"
+	"github.com/ftkit/ftkit/ring"
 )
 
 // Failure detection follows RADIC: every node sends heartbeats to its protector (the next node of the
@@ -115,6 +117,15 @@ func (a *Agent) watchPredecessor(ctx context.Context) {
 					continue
 				}
 			}
+			// A node back from a partition holds the view it had before: it may have been replaced while away,
+			// and its predecessor's silence is then its own absence. Learn the newest view before acting.
+			a.refreshView(ctx, s.Name)
+			if p, ok := a.View().Predecessor(a.cfg.Name); !ok || p.Name != s.Name {
+				a.log.Warn("not failing over: the newest view says this node no longer watches it (replaced while cut off?)",
+					"node", s.Name, "epoch", a.View().Epoch)
+				a.watchdog.Clear(s.Name, time.Now())
+				continue
+			}
 			if !a.cfg.Failover.Automatic {
 				a.log.Error("node failed; automatic fail-over is off: restore its jobs with `ftctl restore`", "node", s.Name, "jobs", s.Jobs)
 				a.recordFailure(s, time.Now())
@@ -123,6 +134,23 @@ func (a *Agent) watchPredecessor(ctx context.Context) {
 			go a.failover(context.WithoutCancel(ctx), s, time.Now())
 		}
 	})
+}
+
+// refreshView exchanges views with every alive member but the suspect (which does not answer: waiting
+// for it would delay every fail-over by a request timeout), adopting any newer one.
+func (a *Agent) refreshView(ctx context.Context, suspect string) {
+	var wg sync.WaitGroup
+	for _, m := range a.View().Members {
+		if m.Name == a.cfg.Name || m.Name == suspect || m.State != ring.StateAlive {
+			continue
+		}
+		wg.Go(func() {
+			if err := a.exchangeView(ctx, m.Name); err != nil {
+				a.log.Debug("view not exchanged", "member", m.Name, "err", err)
+			}
+		})
+	}
+	wg.Wait()
 }
 
 // confirm checks a suspect before it is declared failed: it is alive if its host answers a direct probe
