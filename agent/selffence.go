@@ -94,7 +94,10 @@ func (a *Agent) selfFence(ctx context.Context) {
 		d := fence.Decide(now, since, c, t.Timeout)
 		if !d.Fence {
 			if fenced {
-				a.log.Info("contact with the ring is back after self-fencing", "protector", p.Name, "predecessor", s.Name)
+				// Rejoin: learn at once whether this node was replaced while away (its neighbours do not
+				// push views to a failed member, and its own watchdog finds nothing to confirm).
+				a.log.Info("contact with the ring is back after self-fencing; exchanging views", "protector", p.Name, "predecessor", s.Name)
+				a.pushView(ctx)
 			}
 			fenced = false
 			return

@@ -13,6 +13,7 @@ import (
 
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/lab/labcluster"
+	ftring "github.com/ftkit/ftkit/ring"
 	"github.com/ftkit/ftkit/shim"
 )
 
@@ -109,10 +110,11 @@ func waitRecovery(t *testing.T, c *labcluster.Cluster, node string, timeout time
 
 // TestPartitionSelfFence cuts node2's link mid-run, its processes alive: node2 hears from neither ring
 // neighbour, kills its rank on its own and records it; node3 (its protector) declares it failed, waits in
-// the "fenced" stage until node2 has surely fenced itself, and restores the rank on the spare. The link
-// then comes back. The old copy died before the fence wait ended (so no peer can receive a byte from it
-// after the new copy went live), exactly one copy of each rank runs, and every rank's checksum over all
-// the bytes it received equals the failure-free run's.
+// the "fenced" stage until node2 has surely fenced itself, and restores the rank on the spare. The old copy
+// died before the fence wait ended, so no peer can receive a byte from it after the new copy went live
+// (its link was down until then, and it is gone after), and every rank's checksum over all the bytes it
+// received equals the failure-free run's. Then the link comes back: node2 learns it was replaced, runs
+// nothing, and fails nobody over from its stale view.
 func TestPartitionSelfFence(t *testing.T) {
 	args := ringArgs(3000, 64<<10, 10*time.Millisecond)
 	want := reference(t, 3, args)
@@ -204,11 +206,44 @@ func TestPartitionSelfFence(t *testing.T) {
 		}
 	}
 
-	setLink(t, c, "node2", true)
-	linkDown = false
-	rg.requireOneCopy(t, 1)
 	outs := []string{rg.waitExitOn(t, 0, "node1", 3*time.Minute), rg.waitExitOn(t, 1, "spare1", 3*time.Minute), rg.waitExitOn(t, 2, "node3", 3*time.Minute)}
 	checkRanks(t, outs, want)
+
+	// The link comes back only now: node2 keeps its address to rejoin, and the spare holds that address
+	// too (fail-over moves host addresses; jobs have none of their own yet), so while the ranks ran, node2's
+	// first ARP request would have pointed the peers' connections at it and reset them.
+	setLink(t, c, "node2", true)
+	linkDown = false
+	poll(t, time.Minute, "node2 to learn that spare1 replaced it", func() bool {
+		st, err := c.Client("node2").Status(context.Background())
+		if err != nil {
+			return false
+		}
+		for _, m := range st.Members {
+			if m.Name == "node2" && m.State == ftring.StateFailed {
+				return true
+			}
+		}
+		return false
+	})
+	if j := rg.job(t, "node2", 1); j.State == agent.JobRunning {
+		t.Errorf("node2 runs its copy of rank 1 again after rejoining: %+v", j)
+	}
+	if procs, _ := copies(t, c, rg.jobs[1]); procs != 0 {
+		t.Errorf("%d process(es) of rank 1 run after it finished", procs)
+	}
+	// node2, back with a stale view, must not have failed over anybody.
+	for _, h := range []string{"node1", "node3", "spare1"} {
+		fs, err := c.Client(h).Events(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, f := range fs {
+			if f.Protector == "node2" && f.Node != "node2" {
+				t.Errorf("node2 declared %s failed after the partition: %+v", f.Node, f)
+			}
+		}
+	}
 	for r, b := range map[int]agent.Job{0: before0, 2: before2} {
 		after := rg.job(t, b.Node, r)
 		if after.PID != b.PID || after.Restored != "" {
