@@ -25,7 +25,7 @@ const maxOutput = 512
 // Result is one run of the fence command.
 type Result struct {
 	Off    bool          // the command confirmed the host is off
-	Took   time.Duration //
+	Took   time.Duration // how long the command ran
 	Output string        // the command's combined output, cut to maxOutput bytes
 	Err    error         // why Off is false: non-zero exit, timeout, or the command could not start
 }
