@@ -295,6 +295,11 @@ func (a *Agent) watchJobs(ctx context.Context) {
 		a.mu.Unlock()
 		for _, j := range running {
 			st, err := shim.ReadExit(j.ExitPath())
+			if err == nil && st.Node != "" && st.Node != a.cfg.Name {
+				// An older copy's record in the cluster-wide job directory: a fenced host's shim records
+				// the kill of its copy, which says nothing about the copy restored here.
+				err = fs.ErrNotExist
+			}
 			switch {
 			case err == nil:
 				a.finish(j, JobExited, st)
@@ -374,6 +379,7 @@ func (a *Agent) Run(ctx context.Context, local LocalAPI) error {
 	go a.controlLog(ctx)
 	go a.sendBeats(ctx)
 	go a.watchPredecessor(ctx)
+	go a.selfFence(ctx)
 	go a.pushView(ctx) // a restarted agent learns what changed while it was away
 	if adopted > 0 && a.netlog != nil {
 		go a.renewReceiverSnapshots(ctx)

@@ -13,6 +13,7 @@ import (
 	"github.com/pelletier/go-toml/v2"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/fence"
 	"github.com/ftkit/ftkit/metrics"
 )
 
@@ -122,6 +123,14 @@ type Config struct {
 		// one that has not by then (it diverged and waits for a message nobody will send) is killed and
 		// the recovery fails, naming the connection.
 		ReplayTimeout Duration `toml:"replay_timeout"`
+		// FenceTimeout is how long a node may hear from neither ring neighbour before it kills its protected
+		// jobs (self-fencing); the protector waits longer than that before a restored copy goes live. 0:
+		// 2 × heartbeat.timeout + 1s. The same value on every member.
+		FenceTimeout Duration `toml:"fence_timeout"`
+		// FenceCommand, if set, is run by the protector before a takeover ({host} and {address} substituted):
+		// exit status 0 confirms the failed host is off and the fence wait is skipped.
+		FenceCommand        []string `toml:"fence_command"`
+		FenceCommandTimeout Duration `toml:"fence_command_timeout"`
 	} `toml:"failover"`
 	Log LogConfig `toml:"log"`
 
@@ -160,6 +169,7 @@ func Defaults() Config {
 	c.Heartbeat.BusyGrace = Duration{60 * time.Second}
 	c.Failover.Automatic = true
 	c.Failover.ReplayTimeout = Duration{2 * time.Minute}
+	c.Failover.FenceCommandTimeout = Duration{30 * time.Second}
 	c.Log = LogConfig{Enabled: true, RingMiB: 64, High: 0.8, Low: 0.6}
 	return c
 }
@@ -258,6 +268,17 @@ func (c Config) Validate() error {
 	if c.Heartbeat.Interval.Duration <= 0 || c.Heartbeat.Timeout.Duration <= c.Heartbeat.Interval.Duration {
 		errs = append(errs, fmt.Errorf("heartbeat: timeout (%s) must be longer than a positive interval (%s)", c.Heartbeat.Timeout, c.Heartbeat.Interval))
 	}
+	if c.Failover.FenceTimeout.Duration < 0 {
+		errs = append(errs, fmt.Errorf("failover.fence_timeout %s must not be negative (0: 2 × heartbeat.timeout + 1s)", c.Failover.FenceTimeout))
+	} else if err := c.FenceTiming().Validate(c.Heartbeat.Timeout.Duration); err != nil {
+		errs = append(errs, fmt.Errorf("failover: %w", err))
+	}
+	if err := fence.CheckArgv(c.Failover.FenceCommand); err != nil {
+		errs = append(errs, fmt.Errorf("failover: %w", err))
+	}
+	if c.Failover.FenceCommandTimeout.Duration <= 0 {
+		errs = append(errs, fmt.Errorf("failover.fence_command_timeout %s must be positive", c.Failover.FenceCommandTimeout))
+	}
 	if c.Heartbeat.BusyGrace.Duration < 0 {
 		errs = append(errs, fmt.Errorf("heartbeat.busy_grace %s must not be negative", c.Heartbeat.BusyGrace))
 	}
@@ -273,6 +294,15 @@ func (c Config) Validate() error {
 		errs = append(errs, fmt.Errorf("metrics.listen %w", err))
 	}
 	return errors.Join(errs...)
+}
+
+// FenceTiming is the self-fencing timing of this configuration, fence_timeout's default filled in.
+func (c Config) FenceTiming() fence.Timing {
+	t := fence.Timing{Interval: c.Heartbeat.Interval.Duration, Timeout: c.Failover.FenceTimeout.Duration}
+	if t.Timeout == 0 {
+		t.Timeout = 2*c.Heartbeat.Timeout.Duration + time.Second
+	}
+	return t
 }
 
 // CheckJobInterval validates the interval a job asks for ("" means the agent's own): a duration of at

@@ -21,6 +21,10 @@ func TestExampleConfigParses(t *testing.T) {
 	if got := c.Cluster.Listen.String(); got != "10.201.0.11:7420" {
 		t.Fatalf("listen %s", got)
 	}
+	// fence_timeout defaults to 2 × heartbeat.timeout + 1s.
+	if ft := c.FenceTiming(); ft.Timeout != 7*time.Second || ft.Interval != 500*time.Millisecond {
+		t.Fatalf("fence timing %+v: want 7s from the 3s heartbeat timeout", ft)
+	}
 	// The metrics endpoint is off unless asked for.
 	if c.Metrics.Listen != "" || Defaults().Metrics.Listen != "" {
 		t.Fatalf("metrics.listen %q, default %q: want the endpoint off by default", c.Metrics.Listen, Defaults().Metrics.Listen)
@@ -58,6 +62,13 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "bad mode", extra: "[checkpoint]\nmode = \"global\"\n", wantErr: "checkpoint.mode"},
 		{name: "keep zero", extra: "[checkpoint]\nkeep = 0\n", wantErr: "keep at least 1"},
 		{name: "heartbeat", extra: "[heartbeat]\ninterval = \"2s\"\ntimeout = \"1s\"\n", wantErr: "heartbeat"},
+		{name: "fence timeout", extra: "[failover]\nfence_timeout = \"10s\"\n"},
+		{name: "fence timeout below twice the heartbeat timeout", extra: "[failover]\nfence_timeout = \"5s\"\n", wantErr: "fence_timeout 5s is shorter than twice heartbeat.timeout (3s)"},
+		{name: "fence timeout negative", extra: "[failover]\nfence_timeout = \"-1s\"\n", wantErr: "must not be negative"},
+		{name: "fence command", extra: "[failover]\nfence_command = [\"/usr/local/sbin/fence-ipmi\", \"{host}\", \"{address}\"]\n"},
+		{name: "fence command relative", extra: "[failover]\nfence_command = [\"fence-ipmi\", \"{host}\"]\n", wantErr: "absolute path"},
+		{name: "fence command placeholder", extra: "[failover]\nfence_command = [\"/bin/fence\", \"{node}\"]\n", wantErr: "{host} and {address}"},
+		{name: "fence command timeout", extra: "[failover]\nfence_command_timeout = \"0s\"\n", wantErr: "fence_command_timeout 0s must be positive"},
 		{name: "not a member", replace: [2]string{`name = "a"` + "\n[[", `name = "z"` + "\n[["}, wantErr: `name "z" is not a cluster.member`},
 		{name: "bad address", replace: [2]string{"10.0.0.2:1", "10.0.0.2"}, wantErr: "line 9"},
 		{name: "duplicate address", replace: [2]string{"10.0.0.2:1", "10.0.0.1:1"}, wantErr: "used twice"},

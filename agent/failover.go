@@ -11,6 +11,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/detect"
+	"github.com/ftkit/ftkit/fence"
 	"github.com/ftkit/ftkit/ring"
 	"github.com/ftkit/ftkit/spare"
 )
@@ -22,7 +23,7 @@ import (
 func (a *Agent) failover(ctx context.Context, s detect.Suspect, declared time.Time) {
 	id := a.recordFailure(s, declared)
 	a.log.Error("node failed", "node", s.Name, "jobs", s.Jobs, "detection_ms", declared.Sub(s.LastBeat).Milliseconds(), "failure", id)
-	err := a.runFailover(ctx, id, s)
+	err := a.runFailover(ctx, id, s, declared)
 	a.failures.update(id, func(f *Failure) {
 		f.Done = true
 		if err != nil {
@@ -53,7 +54,7 @@ func (a *Agent) recordFailure(s detect.Suspect, declared time.Time) string {
 	return id
 }
 
-func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect) error {
+func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, declared time.Time) error {
 	if len(s.Jobs) == 0 {
 		// Nothing to restore: the node only leaves the ring.
 		nv, err := a.View().Fail(s.Name)
@@ -89,6 +90,11 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect) er
 	}
 	target, basic := a.claimSpare(ctx, id, s.Name, need)
 	v := a.View()
+	// Before the failed node's address and jobs come up elsewhere, its old copies must be gone.
+	failedMember, _ := v.Member(s.Name)
+	if err := a.awaitFence(ctx, id, s, declared, failedMember.Address.String()); err != nil {
+		return errors.Join(append(errs, err)...)
+	}
 	var nv ring.View
 	var err error
 	if basic {
@@ -118,6 +124,64 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect) er
 		err = a.remoteRecover(ctx, target, req, emit)
 	}
 	return errors.Join(append(errs, err)...)
+}
+
+// StageFenced names the stage in which the protector makes sure the failed node's old copies are gone.
+const StageFenced = "fenced"
+
+// awaitFence returns once the failed node s can no longer run its jobs: the fence command confirmed its
+// host is off, or enough time has passed since its last heartbeat for it to have fenced itself
+// (fence.Timing.ReadyAt, on this host's monotonic clock: s.LastBeat and declared are this process's
+// readings). The result is the "fenced" stage of the timeline.
+func (a *Agent) awaitFence(ctx context.Context, id string, s detect.Suspect, declared time.Time, address string) error {
+	start := time.Now()
+	t := a.cfg.FenceTiming()
+	var detail []string
+	if len(a.cfg.Failover.FenceCommand) > 0 {
+		cmd := fence.Command{Argv: a.cfg.Failover.FenceCommand, Timeout: a.cfg.Failover.FenceCommandTimeout.Duration}
+		r := cmd.Run(ctx, s.Name, address)
+		detail = append(detail, r.Detail())
+		if r.Off {
+			a.log.Info("fence command confirmed the failed host is off", "node", s.Name, "ms", r.Took.Milliseconds(), "output", r.Output)
+		} else {
+			a.log.Warn("fence command did not confirm the failed host is off; waiting for it to fence itself",
+				"node", s.Name, "err", r.Err, "output", r.Output)
+		}
+		if r.Off {
+			a.fenceStage(id, start, strings.Join(detail, "; "), "")
+			return nil
+		}
+	}
+	// The reference is the last beat that arrived; with none since watching started (a ring change just
+	// made s our predecessor), when watching started, which is later and so waits longer.
+	ref := s.LastBeat
+	if from := declared.Add(-s.Silence); ref.IsZero() || from.Sub(ref) > a.cfg.Heartbeat.Timeout.Duration+t.Timeout {
+		ref = from
+	}
+	ready := t.ReadyAt(ref)
+	detail = append(detail, fmt.Sprintf("waited until fence_timeout %s + margin %s had passed since the last heartbeat of %s (%s after it)",
+		t.Timeout, t.Margin().Round(time.Millisecond), s.Name, ready.Sub(ref).Round(time.Millisecond)))
+	if wait := time.Until(ready); wait > 0 {
+		a.log.Info("waiting for the failed node to have fenced itself", "node", s.Name, "wait_ms", wait.Milliseconds())
+		tm := time.NewTimer(wait)
+		defer tm.Stop()
+		select {
+		case <-tm.C:
+		case <-ctx.Done():
+			err := fmt.Errorf("waiting for %s to fence itself: %w; its jobs were not restored, restore them with ftctl restore", s.Name, ctx.Err())
+			a.fenceStage(id, start, strings.Join(detail, "; "), err.Error())
+			return err
+		}
+	}
+	a.fenceStage(id, start, strings.Join(detail, "; "), "")
+	return nil
+}
+
+func (a *Agent) fenceStage(id string, start time.Time, detail, errText string) {
+	a.failures.update(id, func(f *Failure) {
+		f.Stages = append(f.Stages, Stage{Name: StageFenced, Host: a.cfg.Name, Start: start, End: time.Now(), Detail: detail, Error: errText})
+	})
+	a.saveFailures()
 }
 
 // newestReplica is the newest snapshot of job taken on node that this host holds and that verifies.

@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"syscall"
 	"time"
 
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/detect"
+	"github.com/ftkit/ftkit/ring"
 )
 
 // Failure detection follows RADIC: every node sends heartbeats to its protector (the next node of the
@@ -105,6 +107,25 @@ func (a *Agent) watchPredecessor(ctx context.Context) {
 				a.watchdog.Clear(s.Name, time.Now())
 				continue
 			}
+			// A node cut off from the ring sees its predecessor fall silent too: if its own protector (another
+			// node) does not answer either, this node is the one isolated, and it fences itself instead.
+			if p, ok := a.protector(); ok && p.Name != s.Name {
+				if _, reached := a.reaches(ctx, p.Name); !reached {
+					a.log.Error("predecessor silent, but this node's protector does not answer either: this node is cut off, not failing over",
+						"node", s.Name, "protector", p.Name)
+					a.watchdog.Clear(s.Name, time.Now())
+					continue
+				}
+			}
+			// A node back from a partition holds the view it had before: it may have been replaced while away,
+			// and its predecessor's silence is then its own absence. Learn the newest view before acting.
+			a.refreshView(ctx, s.Name)
+			if p, ok := a.View().Predecessor(a.cfg.Name); !ok || p.Name != s.Name {
+				a.log.Warn("not failing over: the newest view says this node no longer watches it (replaced while cut off?)",
+					"node", s.Name, "epoch", a.View().Epoch)
+				a.watchdog.Clear(s.Name, time.Now())
+				continue
+			}
 			if !a.cfg.Failover.Automatic {
 				a.log.Error("node failed; automatic fail-over is off: restore its jobs with `ftctl restore`", "node", s.Name, "jobs", s.Jobs)
 				a.recordFailure(s, time.Now())
@@ -113,6 +134,23 @@ func (a *Agent) watchPredecessor(ctx context.Context) {
 			go a.failover(context.WithoutCancel(ctx), s, time.Now())
 		}
 	})
+}
+
+// refreshView exchanges views with every alive member but the suspect (which does not answer: waiting
+// for it would delay every fail-over by a request timeout), adopting any newer one.
+func (a *Agent) refreshView(ctx context.Context, suspect string) {
+	var wg sync.WaitGroup
+	for _, m := range a.View().Members {
+		if m.Name == a.cfg.Name || m.Name == suspect || m.State != ring.StateAlive {
+			continue
+		}
+		wg.Go(func() {
+			if err := a.exchangeView(ctx, m.Name); err != nil {
+				a.log.Debug("view not exchanged", "member", m.Name, "err", err)
+			}
+		})
+	}
+	wg.Wait()
 }
 
 // confirm checks a suspect before it is declared failed: it is alive if its host answers a direct probe

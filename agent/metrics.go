@@ -15,7 +15,7 @@ type metricsSource struct{ a *Agent }
 // may carry any name, which is reported as "other" (labels must stay bounded).
 var recoveryStages = map[string]bool{
 	StageDetected: true, StageClaimed: true, StageFetched: true, StageRewritten: true,
-	StageRestored: true, StageReplayed: true, StageProtected: true,
+	StageRestored: true, StageReplayed: true, StageProtected: true, StageFenced: true, StageSelfFenced: true,
 }
 
 func (s metricsSource) MetricsState() metrics.State {

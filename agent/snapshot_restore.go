@@ -5,8 +5,10 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"time"
@@ -80,6 +82,16 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 	journal, err := a.restoreOutputs(m, j, filepath.Join(work, outputJournalDir))
 	var pid int
 	start := time.Now()
+	if err == nil {
+		// CRIU puts the job back into its cgroup by path, which on this host need not exist yet (the old
+		// host's agent removes it once its copy ends, and on separate hosts it never existed here): the
+		// capture and the receive tap attach to it before the job runs, as for a new job.
+		if !validJobID(j.ID) {
+			err = fmt.Errorf("job id %q in snapshot %s is not one an agent makes", j.ID, m.ID)
+		} else if mkErr := os.Mkdir(a.layout().cgroup(j.ID), 0o755); mkErr != nil && !errors.Is(mkErr, fs.ErrExist) {
+			err = fmt.Errorf("create job cgroup: %w", mkErr)
+		}
+	}
 	if err == nil {
 		a.protect(&j)
 		pid, err = shim.Launch(ctx, a.self, shim.Spec{

@@ -1,0 +1,253 @@
+package e2e
+
+import (
+	"context"
+	"os"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/lab/labcluster"
+	ftring "github.com/ftkit/ftkit/ring"
+	"github.com/ftkit/ftkit/shim"
+)
+
+// setLink sets host's root-namespace veth end (its link to the lab's bridge) up or down: a partition, with
+// every process of the host alive.
+func setLink(t *testing.T, c *labcluster.Cluster, host string, up bool) {
+	t.Helper()
+	h, err := c.Lab.Host(host)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := netlink.LinkByName(h.Veth)
+	if err != nil {
+		t.Fatalf("veth of %s: %v", host, err)
+	}
+	if up {
+		err = netlink.LinkSetUp(l)
+	} else {
+		err = netlink.LinkSetDown(l)
+	}
+	if err != nil {
+		t.Fatalf("set link of %s up=%v: %v", host, up, err)
+	}
+}
+
+// selfFence waits until host's agent reports that it fenced itself.
+func selfFence(t *testing.T, c *labcluster.Cluster, host string, timeout time.Duration) agent.Stage {
+	t.Helper()
+	var st agent.Stage
+	poll(t, timeout, host+" to fence itself", func() bool {
+		fs, err := c.Client(host).Events(context.Background())
+		if err != nil {
+			return false
+		}
+		for _, f := range fs {
+			for _, s := range f.Stages {
+				if s.Name == agent.StageSelfFenced && s.Host == host {
+					st = s
+					return true
+				}
+			}
+		}
+		return false
+	})
+	return st
+}
+
+// waitExitOn waits for rank r's exit record written by host's copy (a fenced copy's record, from another
+// host, comes first in the shared job directory) and returns the rank's output.
+func (rg *ring) waitExitOn(t *testing.T, r int, host string, timeout time.Duration) string {
+	t.Helper()
+	j := rg.jobs[r]
+	var st *shim.ExitStatus
+	poll(t, timeout, "rank exit on "+host, func() bool {
+		s, err := shim.ReadExit(j.ExitPath())
+		if err == nil && s.Node == host {
+			st = s
+			return true
+		}
+		return false
+	})
+	if st.Code != 0 {
+		t.Errorf("rank %d (job %s) exited %d on %s", r, j.ID, st.Code, host)
+	}
+	out, err := os.ReadFile(j.StdoutPath())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(out)
+}
+
+// waitRecovery waits until some agent reports a finished recovery of node (not the node's own record of
+// fencing itself, which names it too).
+func waitRecovery(t *testing.T, c *labcluster.Cluster, node string, timeout time.Duration) *agent.Failure {
+	t.Helper()
+	var got *agent.Failure
+	poll(t, timeout, "a finished recovery of "+node, func() bool {
+		for _, h := range c.Lab.State().Hosts {
+			fs, err := c.Client(h.Name).Events(context.Background())
+			if err != nil {
+				continue
+			}
+			for _, f := range fs {
+				if f.Node == node && f.Done && len(f.Stages) > 0 && f.Stages[0].Name == agent.StageDetected {
+					got = f
+					return true
+				}
+			}
+		}
+		return false
+	})
+	return got
+}
+
+// TestPartitionSelfFence cuts node2's link mid-run, its processes alive: node2 hears from neither ring
+// neighbour, kills its rank on its own and records it; node3 (its protector) declares it failed, waits in
+// the "fenced" stage until node2 has surely fenced itself, and restores the rank on the spare. The old copy
+// died before the fence wait ended, so no peer can receive a byte from it after the new copy went live
+// (its link was down until then, and it is gone after), and every rank's checksum over all the bytes it
+// received equals the failure-free run's. Then the link comes back: node2 learns it was replaced, runs
+// nothing, and fails nobody over from its stale view.
+func TestPartitionSelfFence(t *testing.T) {
+	args := ringArgs(3000, 64<<10, 10*time.Millisecond)
+	want := reference(t, 3, args)
+	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
+	t.Cleanup(func() {
+		if t.Failed() {
+			logEvents(t, c)
+		}
+	})
+	rg := startRing(t, c, 3, 7390, args)
+	rg.waitProtected(t, 2*time.Minute)
+	rg.waitProgress(t, progressEvery, 2*time.Minute)
+	rg.checkpoint(t, "node2")
+	rg.waitProgress(t, 50, 2*time.Minute)
+	old := rg.job(t, "node2", 1)
+	before0, before2 := rg.job(t, "node1", 0), rg.job(t, "node3", 2)
+
+	// Watch the old copy's process from here on: when it disappeared, on this machine's clock (the lab's
+	// hosts share it, so the agents' stage times compare with it).
+	var goneAt atomic.Pointer[time.Time]
+	stop := make(chan struct{})
+	watched := make(chan struct{})
+	go func() {
+		defer close(watched)
+		for {
+			if unix.Kill(old.PID, 0) == unix.ESRCH {
+				now := time.Now()
+				goneAt.Store(&now)
+				return
+			}
+			select {
+			case <-stop:
+				return
+			case <-time.After(10 * time.Millisecond):
+			}
+		}
+	}()
+	t.Cleanup(func() { close(stop); <-watched })
+
+	cut := time.Now()
+	setLink(t, c, "node2", false)
+	linkDown := true
+	t.Cleanup(func() {
+		if linkDown {
+			setLink(t, c, "node2", true)
+		}
+	})
+
+	fenced := selfFence(t, c, "node2", time.Minute)
+	t.Logf("node2 self-fenced %s after the partition: %s", fenced.End.Sub(cut).Round(time.Millisecond), fenced.Detail)
+	if !strings.Contains(fenced.Detail, old.ID) || fenced.Error != "" {
+		t.Errorf("self-fence stage %+v: want job %s killed", fenced, old.ID)
+	}
+	poll(t, 30*time.Second, "node2 to record its rank as ended", func() bool {
+		j, err := c.Client("node2").Job(context.Background(), old.ID)
+		return err == nil && j.State != agent.JobRunning
+	})
+	if j := rg.job(t, "node2", 1); j.Exit == nil || j.Exit.Signal == "" {
+		t.Errorf("node2's copy of rank 1 ended with %+v, want killed by a signal", j.Exit)
+	}
+
+	f := waitRecovery(t, c, "node2", 2*time.Minute)
+	requireStages(t, f)
+	if f.Target != "spare1" || f.Basic {
+		t.Errorf("restored on %s (basic %v), want spare1", f.Target, f.Basic)
+	}
+	var fence *agent.Stage
+	for i, s := range f.Stages {
+		if s.Name == agent.StageFenced {
+			fence = &f.Stages[i]
+		}
+	}
+	if fence == nil {
+		t.Fatal("no fenced stage in the recovery timeline")
+	}
+	gone := goneAt.Load()
+	if gone == nil {
+		t.Fatalf("node2's copy of rank 1 (pid %d) still runs after the recovery", old.PID)
+	}
+	t.Logf("partition -> old copy gone %s, fence wait ended %s (old copy gone %s before)",
+		gone.Sub(cut).Round(time.Millisecond), fence.End.Sub(cut).Round(time.Millisecond), fence.End.Sub(*gone).Round(time.Millisecond))
+	if !gone.Before(fence.End) || !fenced.End.Before(fence.End) {
+		t.Errorf("the old copy died at %s, node2 fenced at %s, but the fence wait ended at %s: the new copy could go live first",
+			gone.Format(time.StampMicro), fenced.End.Format(time.StampMicro), fence.End.Format(time.StampMicro))
+	}
+	for _, s := range f.Stages {
+		if s.Name == agent.StageRestored && s.Start.Before(fence.End) {
+			t.Errorf("stage %s started at %s, before the fence wait ended at %s", s.Name, s.Start.Format(time.StampMicro), fence.End.Format(time.StampMicro))
+		}
+	}
+
+	outs := []string{rg.waitExitOn(t, 0, "node1", 3*time.Minute), rg.waitExitOn(t, 1, "spare1", 3*time.Minute), rg.waitExitOn(t, 2, "node3", 3*time.Minute)}
+	checkRanks(t, outs, want)
+
+	// The link comes back only now: node2 keeps its address to rejoin, and the spare holds that address
+	// too (fail-over moves host addresses; jobs have none of their own yet), so while the ranks ran, node2's
+	// first ARP request would have pointed the peers' connections at it and reset them.
+	setLink(t, c, "node2", true)
+	linkDown = false
+	poll(t, time.Minute, "node2 to learn that spare1 replaced it", func() bool {
+		st, err := c.Client("node2").Status(context.Background())
+		if err != nil {
+			return false
+		}
+		for _, m := range st.Members {
+			if m.Name == "node2" && m.State == ftring.StateFailed {
+				return true
+			}
+		}
+		return false
+	})
+	if j := rg.job(t, "node2", 1); j.State == agent.JobRunning {
+		t.Errorf("node2 runs its copy of rank 1 again after rejoining: %+v", j)
+	}
+	if procs, _ := copies(t, c, rg.jobs[1]); procs != 0 {
+		t.Errorf("%d process(es) of rank 1 run after it finished", procs)
+	}
+	// node2, back with a stale view, must not have failed over anybody.
+	for _, h := range []string{"node1", "node3", "spare1"} {
+		fs, err := c.Client(h).Events(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, f := range fs {
+			if f.Protector == "node2" && f.Node != "node2" {
+				t.Errorf("node2 declared %s failed after the partition: %+v", f.Node, f)
+			}
+		}
+	}
+	for r, b := range map[int]agent.Job{0: before0, 2: before2} {
+		after := rg.job(t, b.Node, r)
+		if after.PID != b.PID || after.Restored != "" {
+			t.Errorf("rank %d was disturbed: pid %d -> %d, restored from %q", r, b.PID, after.PID, after.Restored)
+		}
+	}
+}

@@ -1,0 +1,174 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/fence"
+)
+
+// Self-fencing: a node cut off from the ring (not dead) still runs its jobs, while its protector restores
+// them on a spare. So a node that has heard from neither ring neighbour for fence_timeout kills its jobs;
+// the protector lets the restored copies go live only after fence_timeout plus a margin (fence.Timing), or
+// once a fence command confirmed this host is off. The node keeps its cluster address: fail-over moves a
+// host's address (jobs have none of their own yet), and the agent needs it to rejoin and learn that it was
+// replaced.
+
+// StageSelfFenced names the one stage of a self-fence event in the failure log (ftctl events).
+const StageSelfFenced = "self-fenced"
+
+// contactClock holds when this node's protector last answered a probe, on the monotonic clock.
+type contactClock struct {
+	mu   sync.Mutex
+	name string // the protector the time belongs to
+	at   time.Time
+}
+
+func (c *contactClock) set(name string, at time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.name != name || at.After(c.at) {
+		c.name, c.at = name, at
+	}
+}
+
+func (c *contactClock) get(name string) time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.name != name {
+		return time.Time{}
+	}
+	return c.at
+}
+
+// selfFence probes the protector and checks, every fence.Timing.Check, whether this node is cut off.
+func (a *Agent) selfFence(ctx context.Context) {
+	t := a.cfg.FenceTiming()
+	var prot contactClock
+	go every(ctx, t.Interval, func() {
+		p, ok := a.protector()
+		if !ok {
+			return
+		}
+		// The contact counts from when the probe was sent: an answer proves the link was up then at the
+		// latest, which is what the protector's wait (measured from the last beat it received) assumes.
+		sent := time.Now()
+		pctx, cancel := context.WithTimeout(ctx, a.cfg.Heartbeat.Timeout.Duration)
+		defer cancel()
+		if _, err := a.Ping(pctx, p.Name); err == nil {
+			prot.set(p.Name, sent)
+		}
+	})
+	var (
+		protName, predName string
+		since              time.Time // when this pair of neighbours became ours
+		fenced             bool
+	)
+	every(ctx, t.Check(), func() {
+		now := time.Now()
+		v := a.View()
+		p, okP := v.Protector(a.cfg.Name)
+		s, okS := v.Predecessor(a.cfg.Name)
+		if !okP || !okS || p.Name == s.Name {
+			// No ring, or a ring of two nodes: losing the only neighbour cannot be told from its failure,
+			// and fencing there would kill the survivor's jobs too. A fence command covers such rings.
+			protName, predName = "", ""
+			return
+		}
+		if p.Name != protName || s.Name != predName {
+			protName, predName, since, fenced = p.Name, s.Name, now, false
+		}
+		c := fence.Contact{Protector: prot.get(p.Name)}
+		if _, at, ok := a.watchdog.Last(s.Name); ok {
+			c.Predecessor = at
+		}
+		d := fence.Decide(now, since, c, t.Timeout)
+		if !d.Fence {
+			if fenced {
+				// Rejoin: learn at once whether this node was replaced while away (its neighbours do not
+				// push views to a failed member, and its own watchdog finds nothing to confirm).
+				a.log.Info("contact with the ring is back after self-fencing; exchanging views", "protector", p.Name, "predecessor", s.Name)
+				a.pushView(ctx)
+			}
+			fenced = false
+			return
+		}
+		if fenced {
+			return
+		}
+		// Only a host with jobs fences (and records it): a spare or an idle node has nothing to run twice.
+		fenced = a.fenceJobs(d.Silence, p.Name, s.Name)
+	})
+}
+
+// fenceJobs kills every running job of this host (its whole cgroup) and records the fence as an event. It
+// reports whether there was any job to kill.
+func (a *Agent) fenceJobs(silence time.Duration, protector, predecessor string) bool {
+	start := time.Now()
+	var running []Job
+	for _, j := range a.Jobs(0) {
+		if j.State == JobRunning {
+			running = append(running, j)
+		}
+	}
+	if len(running) == 0 {
+		return false
+	}
+	var killed, failed []string
+	for _, j := range running {
+		if err := a.killCgroup(j.ID); err != nil {
+			failed = append(failed, j.ID)
+			a.log.Error("self-fence: could not kill job", "job", j.ID, "err", err)
+			continue
+		}
+		killed = append(killed, j.ID)
+	}
+	detail := fmt.Sprintf("no contact with %s and %s for %s; killed jobs %s", protector, predecessor,
+		silence.Round(time.Millisecond), strings.Join(killed, " "))
+	a.log.Error("self-fenced: cut off from both ring neighbours; the protector restores the jobs elsewhere",
+		"protector", protector, "predecessor", predecessor, "silence_ms", silence.Milliseconds(), "killed", killed, "failed", failed)
+	id := a.cfg.Name + "-fenced-" + start.UTC().Format("20060102T150405.000")
+	a.failures.update(id, func(f *Failure) {
+		// LastBeat is the last contact with either neighbour: the timeline counts from it, as a recovery's
+		// counts from the failed node's last heartbeat.
+		f.Node, f.Protector, f.LastBeat, f.Detected, f.Jobs, f.Done = a.cfg.Name, a.cfg.Name, start.Add(-silence), start, killed, true
+		st := Stage{Name: StageSelfFenced, Host: a.cfg.Name, Start: start.Add(-silence), End: time.Now(), Detail: detail}
+		if len(failed) > 0 {
+			st.Error = "could not kill " + strings.Join(failed, " ")
+			f.Error = st.Error
+		}
+		f.Stages = append(f.Stages, st)
+	})
+	a.saveFailures()
+	return true
+}
+
+// killCgroup SIGKILLs every process of job id's cgroup at once (cgroup.kill), the agent's own cgroup for
+// the job and never a path from the job's record.
+func (a *Agent) killCgroup(id string) error {
+	if !validJobID(id) {
+		return fmt.Errorf("job id %q is not one this agent makes", id)
+	}
+	p := filepath.Join(a.layout().cgroup(id), "cgroup.kill")
+	f, err := os.OpenFile(p, os.O_WRONLY|unix.O_NOFOLLOW, 0)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil // the job's cgroup is gone: nothing runs in it
+	}
+	if err != nil {
+		return fmt.Errorf("open %s (cgroup v2 with cgroup.kill, Linux 5.14 or newer, is required): %w", p, err)
+	}
+	defer f.Close()
+	if _, err := f.WriteString("1"); err != nil {
+		return fmt.Errorf("kill job cgroup %s: %w", p, err)
+	}
+	return nil
+}

@@ -1,0 +1,140 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/detect"
+)
+
+// TestFenceJobs: a fencing node writes 1 to cgroup.kill of each running job's own cgroup (the test agent's
+// cgroups are plain directories, so the file is an ordinary one here), never through a link planted there,
+// and records one self-fenced event naming the jobs it killed and the one it could not.
+func TestFenceJobs(t *testing.T) {
+	ta := newTestAgent(t)
+	kill := func(id string) string { return filepath.Join(ta.layout().cgroup(id), "cgroup.kill") }
+	if err := os.WriteFile(kill(ownersJob), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	target := filepath.Join(ta.dir, "not-a-cgroup")
+	if err := os.WriteFile(target, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(target, kill(rootsJob)); err != nil {
+		t.Fatal(err)
+	}
+	if !ta.fenceJobs(4*time.Second, "node2", "node3") {
+		t.Fatal("fenceJobs found no job to kill")
+	}
+	if b, _ := os.ReadFile(kill(ownersJob)); string(b) != "1" {
+		t.Errorf("cgroup.kill of %s holds %q, want 1", ownersJob, b)
+	}
+	if b, _ := os.ReadFile(target); len(b) != 0 {
+		t.Errorf("the link planted as cgroup.kill was written through: %q", b)
+	}
+	var got *Failure
+	for _, f := range ta.Failures() {
+		if len(f.Stages) == 1 && f.Stages[0].Name == StageSelfFenced {
+			got = f
+		}
+	}
+	if got == nil {
+		t.Fatalf("no self-fenced event in %+v", ta.Failures())
+	}
+	st := got.Stages[0]
+	if got.Node != "node1" || !got.Done || !strings.Contains(st.Detail, "no contact with node2 and node3 for 4s; killed jobs "+ownersJob) ||
+		!strings.Contains(st.Error, rootsJob) || strings.Contains(st.Detail, doneJob) || got.Detected.Sub(got.LastBeat) != 4*time.Second {
+		t.Errorf("self-fence event %+v, stage %+v", got, st)
+	}
+}
+
+func TestFenceJobsNothingRunning(t *testing.T) {
+	ta := newTestAgent(t)
+	for _, id := range []string{ownersJob, rootsJob} {
+		ta.byID[id].State = JobExited
+	}
+	if ta.fenceJobs(4*time.Second, "node2", "node3") {
+		t.Fatal("fenceJobs reported a fence with no job running")
+	}
+	if fs := ta.Failures(); len(fs) != 0 {
+		t.Fatalf("an idle host recorded %+v", fs)
+	}
+}
+
+// fenceScript is an executable fence command that exits with code.
+func fenceScript(t *testing.T, code string) string {
+	t.Helper()
+	p := filepath.Join(t.TempDir(), "fence")
+	if err := os.WriteFile(p, []byte("#!/bin/sh\necho \"fence $1 $2\"\nexit "+code+"\n"), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// TestAwaitFence: the protector's fenced stage. A fence command that confirms the host is off ends the
+// wait at once; one that fails (or none) falls back to waiting until ReadyAt of the last beat; a cancelled
+// wait is an error in the stage.
+func TestAwaitFence(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		command string // exit code of the fence command; "" none
+		timeout time.Duration
+		ago     time.Duration // how long before the call the last beat arrived
+		cancel  bool
+		wantErr bool
+		detail  []string
+	}{
+		{name: "command confirms", command: "0", timeout: time.Hour, detail: []string{"fence command confirmed the host is off", "fence node2 127.0.0.2:1"}},
+		{name: "command fails, wait", command: "3", timeout: 6 * time.Second, ago: 6 * time.Second,
+			detail: []string{"fence command failed (exit status 3)", "waited until fence_timeout 6s"}},
+		{name: "no command, wait", timeout: 6 * time.Second, ago: 6 * time.Second, detail: []string{"waited until fence_timeout 6s"}},
+		{name: "no command, long past", timeout: 6 * time.Second, ago: time.Minute, detail: []string{"waited until"}},
+		{name: "cancelled", timeout: time.Hour, cancel: true, wantErr: true, detail: []string{"waited until"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ta := newTestAgent(t)
+			ta.cfg.Failover.FenceTimeout = Duration{tc.timeout}
+			if tc.command != "" {
+				ta.cfg.Failover.FenceCommand = []string{fenceScript(t, tc.command), "{host}", "{address}"}
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			if tc.cancel {
+				cancel()
+			}
+			now := time.Now()
+			s := detect.Suspect{Name: "node2", LastBeat: now.Add(-tc.ago), Silence: tc.ago}
+			id := "node2-test"
+			err := ta.awaitFence(ctx, id, s, now, "127.0.0.2:1")
+			if (err != nil) != tc.wantErr || tc.wantErr && !errors.Is(err, context.Canceled) {
+				t.Fatalf("awaitFence = %v, want error %v", err, tc.wantErr)
+			}
+			ready := ta.cfg.FenceTiming().ReadyAt(s.LastBeat)
+			switch {
+			case tc.command == "0" && !time.Now().Before(ready):
+				t.Errorf("waited until %s although the fence command confirmed", ready)
+			case tc.command != "0" && !tc.cancel && time.Now().Before(ready):
+				t.Errorf("returned before %s, when the failed node may not have fenced itself yet", ready)
+			}
+			var st *Stage
+			for _, f := range ta.Failures() {
+				if f.ID == id && len(f.Stages) == 1 {
+					st = &f.Stages[0]
+				}
+			}
+			if st == nil || st.Name != StageFenced || (st.Error != "") != tc.wantErr {
+				t.Fatalf("stage %+v", st)
+			}
+			for _, d := range tc.detail {
+				if !strings.Contains(st.Detail, d) {
+					t.Errorf("stage detail %q lacks %q", st.Detail, d)
+				}
+			}
+		})
+	}
+}

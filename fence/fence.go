@@ -1,0 +1,89 @@
+// Package fence keeps a cut-off host's jobs from running twice: the pure timing rules by which a node
+// fences itself and its protector waits for that, and the runner of a site's fence command (IPMI,
+// Redfish, a PDU) that confirms a host is off.
+//
+// Both sides measure durations on their own monotonic clock, never compare wall clocks across hosts. The
+// shared event is the cut: the protector's last received heartbeat arrived before it, and the victim's
+// last confirmed contact with its protector (a probe it sent that was answered) was sent before it too,
+// at most one heartbeat interval after that beat arrived (beats go out every interval). So the victim has
+// fenced by lastBeat + Interval + FenceTimeout + Check + KillBound on any clock running at the same rate;
+// Margin adds that plus a rate allowance.
+package fence
+
+import (
+	"errors"
+	"fmt"
+	"time"
+)
+
+// Timing is what both sides of the fence agree on (the same cluster configuration).
+type Timing struct {
+	Interval time.Duration // heartbeat interval
+	Timeout  time.Duration // fence timeout: silence from both ring neighbours before a node fences itself
+}
+
+// KillBound is how long a fencing node may take from deciding to fence until its jobs are gone: one write
+// to cgroup.kill, then the kernel tears the processes down.
+const KillBound = time.Second
+
+// Check is how often a node checks whether it must fence itself.
+func (t Timing) Check() time.Duration { return t.Interval / 2 }
+
+// Margin is what the protector adds to the fence timeout, measured from the victim's last heartbeat: the
+// victim's last answered probe may be one interval younger than that beat, its check runs every Check,
+// the kill takes up to KillBound, and two hosts' clocks may tick at slightly different rates (NTP slews
+// by at most 500 ppm; 1% leaves room).
+func (t Timing) Margin() time.Duration {
+	return t.Interval + t.Check() + KillBound + t.Timeout/100
+}
+
+// Validate checks that the fence timeout fits the heartbeat timing.
+func (t Timing) Validate(heartbeatTimeout time.Duration) error {
+	if t.Interval <= 0 {
+		return fmt.Errorf("heartbeat interval %s must be positive", t.Interval)
+	}
+	// A node must not fence itself on a blip its protector would not even suspect: the protector declares
+	// a failure only after heartbeat.timeout of silence plus a confirmation probe of up to as long again.
+	if t.Timeout < 2*heartbeatTimeout {
+		return fmt.Errorf("fence_timeout %s is shorter than twice heartbeat.timeout (%s): a node would kill its jobs before its protector could declare it failed; use at least %s",
+			t.Timeout, heartbeatTimeout, 2*heartbeatTimeout)
+	}
+	return nil
+}
+
+// Contact is when a node last heard from each ring neighbour, on its own monotonic clock (zero: never
+// since it started watching).
+type Contact struct {
+	Protector   time.Time // its protector answered a probe sent then
+	Predecessor time.Time // a heartbeat of its predecessor arrived then
+}
+
+// Decision is the outcome of one check.
+type Decision struct {
+	Fence   bool
+	Silence time.Duration // since the most recent contact with either neighbour
+}
+
+// Decide reports whether a node must fence itself now: it has heard from neither its protector nor its
+// predecessor for at least timeout. Losing only one is not isolation: that neighbour failed, and the
+// other side of the ring handles it. since is when the node started watching (contact before that does
+// not exist yet, so silence counts from it).
+func Decide(now, since time.Time, c Contact, timeout time.Duration) Decision {
+	last := since
+	for _, t := range []time.Time{c.Protector, c.Predecessor} {
+		if t.After(last) {
+			last = t
+		}
+	}
+	s := now.Sub(last)
+	return Decision{Fence: s >= timeout, Silence: s}
+}
+
+// ReadyAt is when the protector may let a restored copy of a node go live: once the node has surely
+// fenced itself, measured from the last heartbeat that arrived from it.
+func (t Timing) ReadyAt(lastBeat time.Time) time.Time {
+	return lastBeat.Add(t.Timeout + t.Margin())
+}
+
+// ErrNoCommand is returned by a Command with no argv.
+var ErrNoCommand = errors.New("no fence command configured")
