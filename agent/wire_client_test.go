@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"github.com/ftkit/ftkit/internal/testenv"
 	"net"
 	"net/netip"
 	"path/filepath"
@@ -97,28 +98,13 @@ func scriptedPeer(t *testing.T, pki *testPKI, name string, svc clusterapi.Servic
 }
 
 // clientAgent is member n1 with its certificate, in a cluster where the members in ports listen there.
-func clientAgent(t *testing.T, pki *testPKI, ports map[string]uint16) (*Agent, *syncBuffer) {
+func clientAgent(t *testing.T, pki *testPKI, ports map[string]uint16) (*Agent, *testenv.SyncBuffer) {
 	t.Helper()
 	a, logs := newWireAgent(t, "n1", testMembers(ports))
 	cfg := pki.creds(t, "n1")
 	a.cfg.Cluster.CA, a.cfg.Cluster.Cert, a.cfg.Cluster.Key = cfg.CAFile, cfg.CertFile, cfg.KeyFile
 	t.Cleanup(func() { a.peers().Close() })
 	return a, logs
-}
-
-// returnsWithin runs fn and fails the test if it has not returned after failAfter.
-func returnsWithin(t *testing.T, fn func()) {
-	t.Helper()
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		fn()
-	}()
-	select {
-	case <-done:
-	case <-time.After(failAfter):
-		t.Fatalf("still waiting after %s: the call has no deadline", failAfter)
-	}
 }
 
 // TestCallersGiveUpOnAStalledPeer has every caller of the protocol talk, without a deadline of its own
@@ -166,7 +152,7 @@ func TestCallersGiveUpOnAStalledPeer(t *testing.T) {
 	for _, c := range calls {
 		t.Run(c.name, func(t *testing.T) {
 			var err error
-			returnsWithin(t, func() { err = c.call() })
+			testenv.ReturnsWithin(t, failAfter, func() { err = c.call() })
 			if err == nil {
 				t.Error("a peer that never answered was taken for an answer")
 			}
@@ -288,7 +274,7 @@ func TestRemoteRecoverFollowsKeepalives(t *testing.T) {
 	a, logs := clientAgent(t, pki, map[string]uint16{"s1": port})
 	var stages []Stage
 	var err error
-	returnsWithin(t, func() {
+	testenv.ReturnsWithin(t, failAfter, func() {
 		err = a.remoteRecover(context.Background(), "s1", RecoverRequest{Failure: "f", Jobs: []RecoverJob{{Job: "job-1"}}}, func(s Stage) { stages = append(stages, s) })
 	})
 	if err == nil || !strings.Contains(err.Error(), "recovery on s1: job job-1: no luck") {

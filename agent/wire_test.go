@@ -1,15 +1,14 @@
 package agent
 
 import (
-	"bytes"
 	"encoding/json"
 	"fmt"
+	"github.com/ftkit/ftkit/internal/testenv"
 	"github.com/ftkit/ftkit/tcpflow"
 	"log/slog"
 	"net/netip"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -26,24 +25,6 @@ import (
 
 // testWire are the shortened protocol deadlines of the tests.
 var testWire = wireTimeouts{Message: 500 * time.Millisecond, Idle: 500 * time.Millisecond, PerMiB: 10 * time.Millisecond}
-
-// syncBuffer collects an agent's log.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
 
 // Host addresses of the test members (never used on the wire: the cluster addresses are on loopback).
 var (
@@ -74,10 +55,10 @@ func testMembers(ports map[string]uint16) []ring.Member {
 
 // newWireAgent builds agent name with the members' view and its state in a temporary directory. A nil
 // sender-side log, clamp and CRIU are legal states: the protocol handlers must cope.
-func newWireAgent(t *testing.T, name string, members []ring.Member) (*Agent, *syncBuffer) {
+func newWireAgent(t *testing.T, name string, members []ring.Member) (*Agent, *testenv.SyncBuffer) {
 	t.Helper()
 	dir := t.TempDir()
-	logs := &syncBuffer{}
+	logs := &testenv.SyncBuffer{}
 	a := &Agent{
 		log:  slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug})).With("node", name),
 		byID: map[string]*Job{}, changed: make(chan struct{}),

@@ -1,10 +1,10 @@
 package clusterapi
 
 import (
-	"bytes"
 	"context"
 	"crypto/tls"
 	"errors"
+	"github.com/ftkit/ftkit/internal/testenv"
 	"io"
 	"log/slog"
 	"net"
@@ -70,24 +70,6 @@ func (p *testPKI) creds(t *testing.T, name string, members ...string) clustertls
 	return cfg
 }
 
-// syncBuffer collects a log.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // serveHandler serves h as member name on loopback over mutual TLS (members: who may connect) and returns
 // its address.
 func serveHandler(t *testing.T, pki *testPKI, name string, h http.Handler, members ...string) string {
@@ -107,17 +89,17 @@ func serveHandler(t *testing.T, pki *testPKI, name string, h http.Handler, membe
 
 // serve runs a protocol server over svc as member "n2" and returns a client of member "n1" that reaches it,
 // and the server's log.
-func serve(t *testing.T, svc Service) (*Client, *syncBuffer) {
+func serve(t *testing.T, svc Service) (*Client, *testenv.SyncBuffer) {
 	c, logs, _ := serveWith(t, svc, testTimeouts, testTimeouts)
 	return c, logs
 }
 
 // serveWith is serve with the server's and the client's deadlines; it also returns the server's address
 // and the PKI, for raw clients.
-func serveWith(t *testing.T, svc Service, server, client Timeouts) (*Client, *syncBuffer, served) {
+func serveWith(t *testing.T, svc Service, server, client Timeouts) (*Client, *testenv.SyncBuffer, served) {
 	t.Helper()
 	pki := newTestPKI(t)
-	logs := &syncBuffer{}
+	logs := &testenv.SyncBuffer{}
 	log := slog.New(slog.NewTextHandler(logs, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	s := NewServer(t.Context(), svc, ServerOptions{Timeouts: server, BeatSilence: server.Idle, Logger: log})
 	addr := serveHandler(t, pki, "n2", s, "n1")
@@ -155,21 +137,6 @@ func rawClient(t *testing.T, pki *testPKI, self, peer, addr string) *http.Client
 	}
 	t.Cleanup(tr.CloseIdleConnections)
 	return &http.Client{Transport: tr, Timeout: failAfter}
-}
-
-// returnsWithin runs fn and fails the test if it has not returned after failAfter.
-func returnsWithin(t *testing.T, fn func()) {
-	t.Helper()
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		fn()
-	}()
-	select {
-	case <-done:
-	case <-time.After(failAfter):
-		t.Fatalf("still waiting after %s: the call has no deadline", failAfter)
-	}
 }
 
 // fakeService answers every operation with what its fields say and records the requests and the peer.

@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"github.com/ftkit/ftkit/internal/testenv"
 	"io"
 	"net/http"
 	"net/netip"
@@ -53,7 +54,7 @@ func TestLogRangeLyingPeer(t *testing.T) {
 				data []byte
 				err  error
 			)
-			returnsWithin(t, func() { _, data, err = c.LogRange(context.Background(), "n2", LogRangeRequest{From: 7}) })
+			testenv.ReturnsWithin(t, failAfter, func() { _, data, err = c.LogRange(context.Background(), "n2", LogRangeRequest{From: 7}) })
 			runtime.ReadMemStats(&after)
 			if tt.wantErr == "" {
 				if err != nil || len(data) != tt.send {

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/ftkit/ftkit/internal/testenv"
 	"io"
 	"net"
 	"net/http"
@@ -130,7 +131,7 @@ func TestClientDropsStalledPeers(t *testing.T) {
 			addr := serveHandler(t, pki, "n2", stalling(t, tt.handler))
 			c := clientOf(t, pki, "n1", map[string]string{"n2": addr}, shortTimeouts)
 			var err error
-			returnsWithin(t, func() { err = tt.call(c) })
+			testenv.ReturnsWithin(t, failAfter, func() { err = tt.call(c) })
 			if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
 				t.Errorf("error %v; want one saying %q", err, tt.wantErr)
 			}
@@ -174,7 +175,7 @@ func TestClientDropsSilentListener(t *testing.T) {
 		"logrange": func() error { _, _, err := c.LogRange(bg, "n2", LogRangeRequest{}); return err },
 	} {
 		var err error
-		returnsWithin(t, func() { err = call() })
+		testenv.ReturnsWithin(t, failAfter, func() { err = call() })
 		if err == nil {
 			t.Errorf("%s: a silent listener was taken for an answer", name)
 		}
@@ -247,7 +248,7 @@ func TestContextCancelEndsCall(t *testing.T) {
 				cancel()
 			}()
 			var err error
-			returnsWithin(t, func() { err = tt.call(ctx, c) })
+			testenv.ReturnsWithin(t, failAfter, func() { err = tt.call(ctx, c) })
 			if !errors.Is(err, context.Canceled) && (err == nil || !strings.Contains(err.Error(), "canceled")) {
 				t.Errorf("error %v; want the cancellation", err)
 			}

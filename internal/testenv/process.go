@@ -1,13 +1,16 @@
 package testenv
 
 import (
+	"bytes"
 	"errors"
 	"os"
 	"os/exec"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
+	"time"
 )
 
 // StartSleep starts a child that stands for a job's root process; it is killed and reaped at the end.
@@ -45,4 +48,38 @@ func StillRuns(t *testing.T, cmd *exec.Cmd) {
 	if _, rest, _ := strings.Cut(string(b), ") "); strings.HasPrefix(rest, "Z") {
 		t.Fatalf("process %d was signalled: it is a zombie", cmd.Process.Pid)
 	}
+}
+
+// ReturnsWithin fails the test if fn has not returned within limit: a call without a deadline shows up as a
+// failure, not as a test that hangs until the suite's timeout.
+func ReturnsWithin(t *testing.T, limit time.Duration, fn func()) {
+	t.Helper()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		fn()
+	}()
+	select {
+	case <-done:
+	case <-time.After(limit):
+		t.Fatalf("still waiting after %s: the call has no deadline", limit)
+	}
+}
+
+// SyncBuffer is a bytes.Buffer that a logger and the test may use at the same time.
+type SyncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *SyncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *SyncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }
