@@ -197,6 +197,9 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 	if err := a.cfg.CheckJobInterval(spec.Interval); err != nil {
 		return nil, err
 	}
+	if err := spec.Placement.Validate(); err != nil {
+		return nil, err
+	}
 	if spec.Name == "" {
 		spec.Name = defaultJobName(spec.Argv)
 	}

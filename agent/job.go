@@ -10,12 +10,14 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"sort"
 	"strings"
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/internal/atomicfile"
+	"github.com/ftkit/ftkit/internal/clustertls"
 	"github.com/ftkit/ftkit/shim"
 )
 
@@ -36,6 +38,45 @@ type JobSpec struct {
 	Env      []string `json:"env,omitempty"`
 	Dir      string   `json:"dir,omitempty"`
 	Interval string   `json:"interval,omitempty"` // "" (agent default), a duration, or "auto"
+	// Placement is the job's own membership, from the allocation of the run it belongs to; nil: the
+	// cluster ring decides (the ring successor protects, the ring's spares replace).
+	Placement *Placement `json:"placement,omitempty"`
+}
+
+// MaxPlacementHosts bounds a placement's lists: a placement arrives from a user and from other agents.
+const MaxPlacementHosts = 4096
+
+// Placement is the membership of one run (a Slurm allocation, a hostfile): the member names its parts run
+// on, in order, and the members it keeps idle to take a failed one's place. A job's protector is the next
+// alive host of Hosts after its own; when its host fails, the first free one of Spares replaces it.
+type Placement struct {
+	Hosts  []string `json:"hosts"`
+	Spares []string `json:"spares,omitempty"`
+}
+
+// Validate refuses placements no run can have: bad or repeated member names, a spare that also runs a
+// part, lists beyond MaxPlacementHosts.
+func (p *Placement) Validate() error {
+	if p == nil {
+		return nil
+	}
+	if len(p.Hosts) == 0 {
+		return errors.New("placement: no hosts")
+	}
+	if n := len(p.Hosts) + len(p.Spares); n > MaxPlacementHosts {
+		return fmt.Errorf("placement: %d hosts and spares, at most %d", n, MaxPlacementHosts)
+	}
+	seen := map[string]bool{}
+	for _, h := range append(slices.Clone(p.Hosts), p.Spares...) {
+		if err := clustertls.ValidateMemberName(h); err != nil {
+			return fmt.Errorf("placement: %w", err)
+		}
+		if seen[h] {
+			return fmt.Errorf("placement: %q appears twice (a host runs one part of a run, or is one of its spares)", h)
+		}
+		seen[h] = true
+	}
+	return nil
 }
 
 // Job is the agent's record of a protected job on this host, kept in <state_dir>/jobs/<id>.json.

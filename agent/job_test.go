@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 
@@ -84,4 +85,34 @@ func TestOutputName(t *testing.T) {
 			t.Errorf("outputName(%s) = %q, %v; want %q, %v", tc.path, name, inside, tc.name, tc.inside)
 		}
 	}
+}
+
+func TestPlacementValidate(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		p    *Placement
+		ok   bool
+	}{
+		{"none", nil, true},
+		{"hosts and spares", &Placement{Hosts: []string{"node1", "node2"}, Spares: []string{"node3"}}, true},
+		{"no hosts", &Placement{Spares: []string{"node3"}}, false},
+		{"repeated host", &Placement{Hosts: []string{"node1", "node1"}}, false},
+		{"spare also a host", &Placement{Hosts: []string{"node1", "node2"}, Spares: []string{"node2"}}, false},
+		{"bad name", &Placement{Hosts: []string{"../etc"}}, false},
+		{"too many", &Placement{Hosts: manyHosts(MaxPlacementHosts + 1)}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if err := tc.p.Validate(); (err == nil) != tc.ok {
+				t.Fatalf("Validate(%+v) = %v, want ok=%v", tc.p, err, tc.ok)
+			}
+		})
+	}
+}
+
+func manyHosts(n int) []string {
+	out := make([]string, n)
+	for i := range out {
+		out[i] = fmt.Sprintf("node%d", i+1)
+	}
+	return out
 }
