@@ -18,13 +18,21 @@ import (
 	"github.com/ftkit/ftkit/lab/labcluster"
 )
 
-// labFenceScript writes the lab's stand-in for an IPMI power-off: given {host} and {address}, it records
-// its arguments in record, SIGKILLs every process in that lab host's network namespace (what a power cut
-// does to a host; the agents run in their host's namespace on the lab's shared mount namespace, so the
-// protector's command reaches /run/netns and /proc), and exits 0 only once it has confirmed none is left,
-// as the contract in docs/operations.md asks of a real fence command.
-func labFenceScript(t *testing.T, st lab.State, p, record string) {
+// labFenceScript writes the lab's stand-in for an IPMI power-off at p: given {host} and {address}, it
+// records its arguments in record, SIGKILLs every process in that lab host's network namespace (what a
+// power cut does to a host; the agents run in their host's namespace on the lab's shared mount namespace,
+// so the protector's command reaches /run/netns and /proc), and exits 0 only once it has confirmed none is
+// left, as the contract in docs/operations.md asks of a real fence command. With broken, it is a fence
+// command whose BMC does not answer: it records its arguments, touches nothing, and exits 4.
+func labFenceScript(t *testing.T, st lab.State, p, record string, broken bool) {
 	t.Helper()
+	if broken {
+		body := fmt.Sprintf("#!/bin/sh\necho \"$1 $2\" >> %s\necho \"lab BMC of $1 unreachable\" >&2\nexit 4\n", record)
+		if err := os.WriteFile(p, []byte(body), 0o700); err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
 	ip, err := exec.LookPath("ip")
 	if err != nil {
 		t.Fatalf("the lab fence script needs iproute2's ip: %v", err)
@@ -74,25 +82,48 @@ func dead(pid int) bool {
 }
 
 // TestPartitionFenceCommand cuts node2's link mid-run, its processes alive, in a lab whose agents have a
-// fence command that powers a lab host off. node3 (node2's protector) declares node2 failed and runs the
-// command, which kills node2's agent and rank and confirms: the "fenced" stage says so with the command's
-// output, and it ends before fence_timeout has passed since node2's last heartbeat (the self-fence wait,
-// which would end at fence_timeout + margin after it, was skipped). The old copy is gone before the fenced
-// stage ends and so before the new copy comes up on the spare, every rank's checksum equals the
-// failure-free run's, and `ftctl events` shows the command's outcome, as JSON and in the SVG timeline.
+// fence command. node3 (node2's protector) declares node2 failed and runs the command before the takeover.
+//
+// "confirms": the command powers node2 off (kills its agent and rank) and confirms. The "fenced" stage
+// says so with the command's output, and it ends before fence_timeout has passed since node2's last
+// heartbeat: the self-fence wait, which cannot end before fence_timeout + margin after it, was skipped.
+//
+// "fails": the command cannot reach the host's BMC and exits 4. The stage says so, with the command's
+// output, and that the protector fell back to the self-fence wait: it ends no earlier than fence_timeout
+// after the last heartbeat, node2 having fenced itself.
+//
+// In both, the old copy is dead before the fenced stage ends and so before the new copy comes up on the
+// spare, every rank's checksum equals the failure-free run's, the command ran once with node2's name and
+// cluster address, and `ftctl events` shows its outcome, as JSON and in the SVG timeline.
 func TestPartitionFenceCommand(t *testing.T) {
 	args := ringArgs(3000, 64<<10, 10*time.Millisecond)
 	want := reference(t, 3, args)
+	for _, tc := range []struct {
+		name   string
+		broken bool
+		// Confirming: long, so that node2 cannot fence itself before the command has, and a stage ended
+		// by the wait could not pass the check. Failing: short, the wait is the test's cost.
+		fenceTimeout time.Duration
+		detail       []string // in the fenced stage's detail
+		notDetail    string
+	}{
+		{"confirms", false, 20 * time.Second, []string{"fence command confirmed the host is off", "lab host node2 is off"}, "waited until"},
+		{"fails", true, 5 * time.Second, []string{"fence command failed (exit status 4)", "lab BMC of node2 unreachable", "waited until fence_timeout 5s"}, "confirmed"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			partitionFenceCommand(t, args, want, tc.broken, tc.fenceTimeout, tc.detail, tc.notDetail)
+		})
+	}
+}
+
+func partitionFenceCommand(t *testing.T, args []string, want string, broken bool, fenceTimeout time.Duration, detail []string, notDetail string) {
 	dir := t.TempDir()
 	record := filepath.Join(dir, "fenced")
-	// Long enough that node2 cannot fence itself before the command has (it would record that itself) and
-	// that the fenced stage could not end by the self-fence wait within the test's checks.
-	const fenceTimeout = 20 * time.Second
 	// The agents' configuration names the script; it is written once the lab exists (it names the lab's
 	// namespaces), before any failure runs it.
 	script := filepath.Join(dir, "fence")
 	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", FenceCommand: []string{script, "{host}", "{address}"}, FenceTimeout: fenceTimeout})
-	labFenceScript(t, c.Lab.State(), script, record)
+	labFenceScript(t, c.Lab.State(), script, record, broken)
 	t.Cleanup(func() {
 		if t.Failed() {
 			logEvents(t, c)
@@ -126,8 +157,8 @@ func TestPartitionFenceCommand(t *testing.T) {
 	}()
 	t.Cleanup(func() { close(stop); <-watched })
 
-	// node2 stays cut off to the end: the fence command leaves its namespace with its address but no
-	// process, and the lab's teardown removes it.
+	// node2 stays cut off to the end (powered off, or fenced with its address still up): the lab's
+	// teardown removes it.
 	setLink(t, c, "node2", false)
 
 	f := waitRecovery(t, c, "node2", 2*time.Minute)
@@ -145,15 +176,26 @@ func TestPartitionFenceCommand(t *testing.T) {
 		t.Fatal("no fenced stage in the recovery timeline")
 	}
 	t.Logf("fenced stage on %s: %s, %s", fence.Host, fence.Duration().Round(time.Millisecond), fence.Detail)
-	if !strings.Contains(fence.Detail, "fence command confirmed the host is off") || !strings.Contains(fence.Detail, "lab host node2 is off") ||
-		strings.Contains(fence.Detail, "waited until") || fence.Error != "" {
-		t.Errorf("fenced stage %+v: want the command's confirmation and output, and no wait", fence)
+	for _, d := range detail {
+		if !strings.Contains(fence.Detail, d) {
+			t.Errorf("fenced stage detail %q lacks %q", fence.Detail, d)
+		}
+	}
+	if strings.Contains(fence.Detail, notDetail) || fence.Error != "" {
+		t.Errorf("fenced stage %+v: %q in its detail, or an error", fence, notDetail)
 	}
 	// The self-fence wait ends at the earliest fence_timeout + margin after the last heartbeat: a stage
-	// that ended before fence_timeout did not wait.
-	if f.LastBeat.IsZero() || !fence.End.Before(f.LastBeat.Add(fenceTimeout)) {
-		t.Errorf("fenced stage ended %s after node2's last heartbeat (%s), not before fence_timeout %s: the protector waited",
-			fence.End.Sub(f.LastBeat).Round(time.Millisecond), f.LastBeat.Format(time.StampMicro), fenceTimeout)
+	// that ended before fence_timeout did not wait, one that waited ended after it.
+	if f.LastBeat.IsZero() {
+		t.Fatalf("the failure has no last heartbeat: %+v", f)
+	}
+	if waited := !fence.End.Before(f.LastBeat.Add(fenceTimeout)); waited != broken {
+		t.Errorf("fenced stage ended %s after node2's last heartbeat (fence_timeout %s): waited %v, want %v",
+			fence.End.Sub(f.LastBeat).Round(time.Millisecond), fenceTimeout, waited, broken)
+	}
+	if broken {
+		st := selfFence(t, c, "node2", time.Minute)
+		t.Logf("node2 fenced itself: %s", st.Detail)
 	}
 	h2, err := c.Lab.Host("node2")
 	if err != nil {
@@ -168,7 +210,7 @@ func TestPartitionFenceCommand(t *testing.T) {
 	}
 	gone := goneAt.Load()
 	if gone == nil || !gone.Before(fence.End) {
-		t.Errorf("node2's copy of rank 1 (pid %d) gone at %v, fenced stage ended %s: the new copy could go live first",
+		t.Errorf("node2's copy of rank 1 (pid %d) died at %v, fenced stage ended %s: the new copy could go live first",
 			old.PID, gone, fence.End.Format(time.StampMicro))
 	}
 	for _, s := range f.Stages {
@@ -180,7 +222,7 @@ func TestPartitionFenceCommand(t *testing.T) {
 	outs := []string{rg.waitExitOn(t, 0, "node1", 3*time.Minute), rg.waitExitOn(t, 1, "spare1", 3*time.Minute), rg.waitExitOn(t, 2, "node3", 3*time.Minute)}
 	checkRanks(t, outs, want)
 
-	// The operator's view: ftctl events, as JSON and drawn. node2's agent is gone, the others answer.
+	// The operator's view: ftctl events, as JSON and drawn.
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	out, err := exec.CommandContext(ctx, bins.Ftctl, "events", "--lab", c.Lab.State().ID, "--json", "--failure", f.ID).Output()
@@ -206,7 +248,8 @@ func TestPartitionFenceCommand(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !strings.Contains(string(svg), ">"+agent.StageFenced+"</text>") || !strings.Contains(string(svg), "fence command confirmed the host is off") {
-		t.Errorf("the SVG timeline does not draw the fenced stage with the command's outcome:\n%s", svg)
+	// The stage's row: its name, and under its bar the start of its detail (the command's outcome).
+	if !strings.Contains(string(svg), ">"+agent.StageFenced+"</text>") || !strings.Contains(string(svg), detail[0]) {
+		t.Errorf("the SVG timeline does not draw the fenced stage with %q:\n%s", detail[0], svg)
 	}
 }
