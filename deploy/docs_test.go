@@ -1,8 +1,11 @@
 package deploy
 
 import (
+	"bytes"
 	"os"
+	"os/exec"
 	"regexp"
+	"strings"
 	"testing"
 
 	"github.com/ftkit/ftkit/agent"
@@ -34,5 +37,38 @@ func TestDeployDocExampleConfig(t *testing.T) {
 	if cfg.Cluster.Cert != "/etc/ftkit/pki/"+cfg.Name+".crt" || cfg.Cluster.Key != "/etc/ftkit/pki/"+cfg.Name+".key" ||
 		cfg.Cluster.CA != "/etc/ftkit/pki/cluster_ca.crt" {
 		t.Errorf("example credentials %s %s %s: want the files ftctl pki issue writes", cfg.Cluster.CA, cfg.Cluster.Cert, cfg.Cluster.Key)
+	}
+}
+
+// The fence command examples of docs/deploy.md are shell scripts sh accepts, each exiting 0 only after it
+// read the power state back (the contract in docs/operations.md).
+func TestDeployDocFenceScripts(t *testing.T) {
+	doc, err := os.ReadFile("../docs/deploy.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	scripts := regexp.MustCompile("(?s)```sh\n(#!/bin/sh\n# /usr/local/sbin/ftkit-fence-.*?)```").FindAllSubmatch(doc, -1)
+	if len(scripts) != 2 {
+		t.Fatalf("docs/deploy.md has %d fence command examples, want IPMI and Redfish", len(scripts))
+	}
+	for _, s := range scripts {
+		cmd := exec.Command("sh", "-n")
+		cmd.Stdin = bytes.NewReader(s[1])
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Errorf("sh -n: %v\n%s\n%s", err, out, s[1])
+		}
+		// The one exit 0 is inside the loop that reads the power state back.
+		var exits0, loop []int
+		for i, l := range strings.Split(string(s[1]), "\n") {
+			switch {
+			case strings.TrimSpace(l) == "exit 0":
+				exits0 = append(exits0, i)
+			case strings.HasPrefix(l, "for "):
+				loop = append(loop, i)
+			}
+		}
+		if len(exits0) != 1 || len(loop) != 1 || exits0[0] < loop[0] {
+			t.Errorf("example exits 0 at lines %v, loop at %v: want once, in the status loop:\n%s", exits0, loop, s[1])
+		}
 	}
 }

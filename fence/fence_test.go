@@ -117,19 +117,26 @@ func script(t *testing.T, body string) string {
 }
 
 func TestCommandRun(t *testing.T) {
-	long := strings.Repeat("x", 4*maxOutput)
+	t.Setenv("FENCE_TEST_SECRET", "hunter2")
+	long := strings.Repeat("x", 2*maxOutput) + "the end"
 	for _, tc := range []struct {
 		name     string
 		body     string
 		timeout  time.Duration
 		off      bool
-		output   string // expected (prefix of) output
+		output   string // the output contains it
 		errWants string
 	}{
 		{"off", `echo "powered off $1 at $2"`, 10 * time.Second, true, "powered off n2 at 10.0.0.2:7420", ""},
 		{"refuses", `echo "BMC unreachable" >&2; exit 3`, 10 * time.Second, false, "BMC unreachable", "exit status 3"},
 		{"hangs", `echo started; exec sleep 60`, 300 * time.Millisecond, false, "started", "timed out"},
-		{"floods", `printf '` + long + `'`, 10 * time.Second, true, long[:maxOutput], ""},
+		// The end of a long output is kept: it is where a failing tool says why.
+		{"floods", `printf '` + long + `'`, 10 * time.Second, true, long[len(long)-maxOutput:], ""},
+		// Nothing of the agent's environment but PATH, no terminal or socket on stdin, and / as the
+		// working directory (not wherever the agent was started).
+		{"clean environment", `echo "secret=${FENCE_TEST_SECRET-unset} path=$PATH pwd=$(pwd)"; read line && echo "stdin=$line"; true`,
+			10 * time.Second, true, "secret=unset path=" + orDefault(os.Getenv("PATH"), defaultPath) + " pwd=/", ""},
+		{"host name is not shell syntax", `echo "arg=$1"`, 10 * time.Second, true, "arg=n2", ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := Command{Argv: []string{script(t, tc.body), "{host}", "{address}"}, Timeout: tc.timeout}
@@ -137,14 +144,17 @@ func TestCommandRun(t *testing.T) {
 			if r.Off != tc.off {
 				t.Fatalf("Off = %v, want %v (%+v)", r.Off, tc.off, r)
 			}
-			if !strings.HasPrefix(r.Output, tc.output) || len(r.Output) > maxOutput {
-				t.Errorf("Output = %q, want %q (at most %d bytes)", r.Output, tc.output, maxOutput)
+			if !strings.Contains(r.Output, tc.output) || len(r.Output) > maxOutput {
+				t.Errorf("Output = %q, want it to contain %q (at most %d bytes)", r.Output, tc.output, maxOutput)
+			}
+			if strings.Contains(r.Output, "stdin=") {
+				t.Errorf("the command read a line from its standard input: %q", r.Output)
 			}
 			if tc.errWants == "" && r.Err != nil || tc.errWants != "" && (r.Err == nil || !strings.Contains(r.Err.Error(), tc.errWants)) {
 				t.Errorf("Err = %v, want %q", r.Err, tc.errWants)
 			}
-			if !strings.Contains(r.Detail(), "fence command") {
-				t.Errorf("Detail = %q", r.Detail())
+			if !strings.Contains(r.Detail(), "fence command") || len(r.Detail()) > maxDetailOutput+200 {
+				t.Errorf("Detail = %q (%d bytes)", r.Detail(), len(r.Detail()))
 			}
 		})
 	}
@@ -153,5 +163,181 @@ func TestCommandRun(t *testing.T) {
 	}
 	if r := (Command{Argv: []string{"/nonexistent/fence"}, Timeout: time.Second}).Run(context.Background(), "n2", ""); r.Off || r.Err == nil {
 		t.Fatalf("missing program: %+v", r)
+	}
+	// A host name with shell syntax in it stays one argument.
+	c := Command{Argv: []string{script(t, `echo "arg=$1 n=$#"`), "{host}"}, Timeout: 10 * time.Second}
+	if r := c.Run(context.Background(), "n2; echo pwned", ""); !r.Off || !strings.Contains(r.Output, "arg=n2; echo pwned n=1") {
+		t.Errorf("host with shell syntax: %+v", r)
+	}
+	// A program others may change is not run.
+	p := script(t, `echo ran`)
+	if err := os.Chmod(p, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	if r := (Command{Argv: []string{p}, Timeout: 10 * time.Second}).Run(context.Background(), "n2", ""); r.Off || r.Output != "" ||
+		r.Err == nil || !strings.Contains(r.Err.Error(), "not run") {
+		t.Errorf("world-writable program: %+v", r)
+	}
+}
+
+// TestCommandTimeoutKillsGroup: on timeout the command's children die with it (a script's ipmitool must
+// not keep powering things on and off after the agent gave up on it).
+func TestCommandTimeoutKillsGroup(t *testing.T) {
+	pidFile := filepath.Join(t.TempDir(), "child")
+	c := Command{Argv: []string{script(t, `sleep 60 & echo $! > `+pidFile+`; wait`)}, Timeout: 500 * time.Millisecond}
+	r := c.Run(context.Background(), "n2", "")
+	if r.Off || r.Err == nil || !strings.Contains(r.Err.Error(), "timed out") {
+		t.Fatalf("Run = %+v, want a timeout", r)
+	}
+	b, err := os.ReadFile(pidFile)
+	if err != nil {
+		t.Fatalf("the script did not record its child: %v", err)
+	}
+	stat := filepath.Join("/proc", strings.TrimSpace(string(b)), "stat")
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		s, err := os.ReadFile(stat)
+		// Gone, or a zombie waiting for its new parent to reap it.
+		if err != nil || strings.Contains(string(s), ") Z ") {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the command's child still runs after the timeout: %s", s)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func TestTailBuffer(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		writes []int // sizes; byte i of the whole stream is 'a'+i%26
+		want   int   // bytes kept (the stream's last ones)
+	}{
+		{"empty", nil, 0},
+		{"small", []int{10, 20}, 30},
+		{"exactly full", []int{maxOutput}, maxOutput},
+		{"one write too big", []int{maxOutput + 100}, maxOutput},
+		{"fills over several", []int{maxOutput - 1, 2, 300}, maxOutput},
+		{"many small", []int{1000, 1000, 1000, 1000, 1000, 1000}, maxOutput},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var all []byte
+			var w tailBuffer
+			for _, n := range tc.writes {
+				p := make([]byte, n)
+				for i := range p {
+					p[i] = byte('a' + (len(all)+i)%26)
+				}
+				all = append(all, p...)
+				if got, err := w.Write(p); got != n || err != nil {
+					t.Fatalf("Write = %d, %v, want %d", got, err, n)
+				}
+			}
+			if want := string(all[len(all)-tc.want:]); w.String() != want {
+				t.Errorf("kept %d bytes, want the last %d", len(w.String()), tc.want)
+			}
+		})
+	}
+}
+
+func TestResultDetail(t *testing.T) {
+	long := strings.Repeat("noise ", 500) + "chassis power is off"
+	for _, tc := range []struct {
+		name  string
+		r     Result
+		wants []string
+	}{
+		{"off", Result{Off: true, Took: 1234 * time.Millisecond, Output: "Chassis Power Control: Down/Off\nChassis Power is off\n"},
+			[]string{"confirmed the host is off in 1.234s: Chassis Power Control: Down/Off Chassis Power is off"}},
+		{"failed", Result{Took: time.Second, Err: errors.New("exit status 1"), Output: "Unable to establish IPMI v2 / RMCP+ session"},
+			[]string{"fence command failed (exit status 1) after 1s: Unable to establish"}},
+		{"long output keeps its end", Result{Off: true, Output: long}, []string{"...", "chassis power is off"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			d := tc.r.Detail()
+			for _, w := range tc.wants {
+				if !strings.Contains(d, w) {
+					t.Errorf("Detail = %q, want %q in it", d, w)
+				}
+			}
+			if len(d) > maxDetailOutput+200 || strings.Contains(d, "\n") {
+				t.Errorf("Detail is %d bytes or has a newline: %q", len(d), d)
+			}
+		})
+	}
+}
+
+func TestCheckProgram(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("SKIP: needs root: the cases give files to root and to others")
+	}
+	type setup func(t *testing.T, dir string) string // returns the program's path
+	file := func(mode os.FileMode, uid int) setup {
+		return func(t *testing.T, dir string) string {
+			p := filepath.Join(dir, "fence")
+			if err := os.WriteFile(p, []byte("#!/bin/sh\n"), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.Chmod(p, mode); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.Chown(p, uid, uid); err != nil {
+				t.Fatal(err)
+			}
+			return p
+		}
+	}
+	inDir := func(mode os.FileMode, uid int, then setup) setup {
+		return func(t *testing.T, dir string) string {
+			d := filepath.Join(dir, "sub")
+			if err := os.Mkdir(d, 0o700); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.Chmod(d, mode); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.Chown(d, uid, uid); err != nil {
+				t.Fatal(err)
+			}
+			return then(t, d)
+		}
+	}
+	linkIn := func(linkDir setup) setup {
+		return func(t *testing.T, dir string) string {
+			target := file(0o755, 0)(t, dir)
+			l := filepath.Join(filepath.Dir(linkDir(t, dir)), "link")
+			if err := os.Symlink(target, l); err != nil {
+				t.Fatal(err)
+			}
+			return l
+		}
+	}
+	for _, tc := range []struct {
+		name  string
+		setup setup
+		err   string // "" ok
+	}{
+		{"root's 0755", file(0o755, 0), ""},
+		{"root's 0700", file(0o700, 0), ""},
+		{"group-writable", file(0o775, 0), "mode 0775"},
+		{"world-writable", file(0o757, 0), "mode 0757"},
+		{"a user's", file(0o755, 1000), "owned by uid 1000"},
+		{"not executable", file(0o644, 0), "not executable"},
+		{"in a world-writable directory", inDir(0o777, 0, file(0o755, 0)), "mode 0777"},
+		{"in a sticky root directory (like /tmp)", inDir(os.ModeSticky|0o777, 0, file(0o755, 0)), ""},
+		{"in a user's sticky directory", inDir(os.ModeSticky|0o777, 1000, file(0o755, 0)), "owned by uid 1000"},
+		{"in a user's directory", inDir(0o755, 1000, file(0o755, 0)), "owned by uid 1000"},
+		{"link to a safe program", linkIn(inDir(0o755, 0, file(0o755, 0))), ""},
+		{"link in a user's directory", linkIn(inDir(0o755, 1000, file(0o755, 0))), "owned by uid 1000"},
+		{"a directory", func(t *testing.T, dir string) string { return dir }, "not a regular file"},
+		{"missing", func(t *testing.T, dir string) string { return filepath.Join(dir, "none") }, "no such file"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := CheckProgram(tc.setup(t, t.TempDir()))
+			if tc.err == "" && err != nil || tc.err != "" && (err == nil || !strings.Contains(err.Error(), tc.err)) {
+				t.Fatalf("CheckProgram = %v, want %q", err, tc.err)
+			}
+		})
 	}
 }

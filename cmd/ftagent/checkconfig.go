@@ -18,6 +18,7 @@ import (
 
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/criu"
+	"github.com/ftkit/ftkit/fence"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/internal/clustertls"
 	"github.com/ftkit/ftkit/internal/version"
@@ -59,6 +60,7 @@ func checkConfig(w io.Writer, path string, now time.Time) error {
 	checks = append(checks, check{"nft (nftables) on PATH", nftErr})
 	checks = append(checks, kernelChecks(cfg)...)
 	checks = append(checks, dirChecks(cfg)...)
+	checks = append(checks, checkFenceCommand(cfg))
 	printChecks(w, checks)
 	failed := 0
 	for _, c := range checks {
@@ -115,6 +117,16 @@ func privateFile(path string) error {
 		return fmt.Errorf("mode %04o lets others read the member's private key: chmod 600 it (and issue a new key if others did)", fi.Mode().Perm())
 	}
 	return nil
+}
+
+// checkFenceCommand checks that the fence command, which the agent runs as root, is root's alone (the
+// agent refuses to run it otherwise, and falls back to the self-fence wait).
+func checkFenceCommand(cfg agent.Config) check {
+	argv := cfg.Failover.FenceCommand
+	if len(argv) == 0 {
+		return check{"failover.fence_command: none (a protector waits fence_timeout + margin for a cut-off node to fence itself)", nil}
+	}
+	return check{"failover.fence_command " + argv[0] + " is root's alone", fence.CheckProgram(argv[0])}
 }
 
 // checkListen checks that cluster.listen is an address of this host, without binding it.

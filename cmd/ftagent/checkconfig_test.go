@@ -200,6 +200,13 @@ func TestCheckConfigNamesTheProblem(t *testing.T) {
 			os.Chmod(filepath.Join(s.dir, "state"), 0o777)
 		},
 			"state_dir", "chmod go-w"},
+		{"fence command writable by others", func(t *testing.T, s *checkSetup) {
+			prog := filepath.Join(s.dir, "fence")
+			os.WriteFile(prog, []byte("#!/bin/sh\n"), 0o755)
+			os.Chmod(prog, 0o757)
+			b, _ := os.ReadFile(s.config)
+			os.WriteFile(s.config, append(b, fmt.Sprintf("[failover]\nfence_command = [%q, \"{host}\"]\n", prog)...), 0o600)
+		}, "failover.fence_command", "chmod go-w"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -44,6 +44,10 @@ type Options struct {
 	// MetricsListen is every agent's metrics.listen ("": no endpoint). Each agent listens in its own
 	// host's network namespace, so one loopback address serves them all.
 	MetricsListen string
+	// FenceCommand and FenceTimeout are every agent's failover.fence_command and fence_timeout (nil, 0:
+	// none, and the default).
+	FenceCommand []string
+	FenceTimeout time.Duration
 }
 
 // Cluster is a lab whose hosts each run an agent.
@@ -193,6 +197,10 @@ func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
 	}
 	cfg.Failover.Automatic = !c.opts.ManualFailover
 	cfg.Metrics.Listen = c.opts.MetricsListen
+	cfg.Failover.FenceCommand = c.opts.FenceCommand
+	if c.opts.FenceTimeout > 0 {
+		cfg.Failover.FenceTimeout.Duration = c.opts.FenceTimeout
+	}
 	return cfg
 }
 

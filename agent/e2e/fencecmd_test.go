@@ -1,0 +1,255 @@
+package e2e
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/lab"
+	"github.com/ftkit/ftkit/lab/labcluster"
+)
+
+// labFenceScript writes the lab's stand-in for an IPMI power-off at p: given {host} and {address}, it
+// records its arguments in record, SIGKILLs every process in that lab host's network namespace (what a
+// power cut does to a host; the agents run in their host's namespace on the lab's shared mount namespace,
+// so the protector's command reaches /run/netns and /proc), and exits 0 only once it has confirmed none is
+// left, as the contract in docs/operations.md asks of a real fence command. With broken, it is a fence
+// command whose BMC does not answer: it records its arguments, touches nothing, and exits 4.
+func labFenceScript(t *testing.T, st lab.State, p, record string, broken bool) {
+	t.Helper()
+	if broken {
+		body := fmt.Sprintf("#!/bin/sh\necho \"$1 $2\" >> %s\necho \"lab BMC of $1 unreachable\" >&2\nexit 4\n", record)
+		if err := os.WriteFile(p, []byte(body), 0o700); err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
+	ip, err := exec.LookPath("ip")
+	if err != nil {
+		t.Fatalf("the lab fence script needs iproute2's ip: %v", err)
+	}
+	sleep, err := exec.LookPath("sleep")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cases strings.Builder
+	for _, h := range st.Hosts {
+		fmt.Fprintf(&cases, "%s) ns=%s ;;\n", h.Name, h.Namespace)
+	}
+	body := fmt.Sprintf(`#!/bin/sh
+echo "$1 $2" >> %[1]s
+case "$1" in
+%[2]s*) echo "no lab host $1" >&2; exit 2 ;;
+esac
+i=0
+while [ $i -lt 200 ]; do
+	pids=$(%[3]s netns pids "$ns") || exit 3
+	if [ -z "$pids" ]; then
+		echo "lab host $1 is off: no process left in namespace $ns"
+		exit 0
+	fi
+	kill -9 $pids 2>/dev/null
+	%[4]s 0.05
+	i=$((i+1))
+done
+echo "processes $pids of $1 survive SIGKILL" >&2
+exit 1
+`, record, cases.String(), ip, sleep)
+	if err := os.WriteFile(p, []byte(body), 0o700); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// dead reports whether process pid is gone or a zombie: killed with its parent (a power cut kills the
+// shim too), the rank waits as a zombie until some ancestor reaps it, but it can send nothing.
+func dead(pid int) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return true
+	}
+	// The state follows the command name, which may itself hold ") ".
+	rest := string(b)[strings.LastIndexByte(string(b), ')')+1:]
+	return strings.HasPrefix(rest, " Z") || strings.HasPrefix(rest, " X")
+}
+
+// TestPartitionFenceCommand cuts node2's link mid-run, its processes alive, in a lab whose agents have a
+// fence command. node3 (node2's protector) declares node2 failed and runs the command before the takeover.
+//
+// "confirms": the command powers node2 off (kills its agent and rank) and confirms. The "fenced" stage
+// says so with the command's output, and it ends before fence_timeout has passed since node2's last
+// heartbeat: the self-fence wait, which cannot end before fence_timeout + margin after it, was skipped.
+//
+// "fails": the command cannot reach the host's BMC and exits 4. The stage says so, with the command's
+// output, and that the protector fell back to the self-fence wait: it ends no earlier than fence_timeout
+// after the last heartbeat, node2 having fenced itself.
+//
+// In both, the old copy is dead before the fenced stage ends and so before the new copy comes up on the
+// spare, every rank's checksum equals the failure-free run's, the command ran once with node2's name and
+// cluster address, and `ftctl events` shows its outcome, as JSON and in the SVG timeline.
+func TestPartitionFenceCommand(t *testing.T) {
+	args := ringArgs(3000, 64<<10, 10*time.Millisecond)
+	want := reference(t, 3, args)
+	for _, tc := range []struct {
+		name   string
+		broken bool
+		// Confirming: long, so that node2 cannot fence itself before the command has, and a stage ended
+		// by the wait could not pass the check. Failing: short, the wait is the test's cost.
+		fenceTimeout time.Duration
+		detail       []string // in the fenced stage's detail
+		notDetail    string
+	}{
+		{"confirms", false, 20 * time.Second, []string{"fence command confirmed the host is off", "lab host node2 is off"}, "waited until"},
+		{"fails", true, 5 * time.Second, []string{"fence command failed (exit status 4)", "lab BMC of node2 unreachable", "waited until fence_timeout 5s"}, "confirmed"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			partitionFenceCommand(t, args, want, tc.broken, tc.fenceTimeout, tc.detail, tc.notDetail)
+		})
+	}
+}
+
+func partitionFenceCommand(t *testing.T, args []string, want string, broken bool, fenceTimeout time.Duration, detail []string, notDetail string) {
+	dir := t.TempDir()
+	record := filepath.Join(dir, "fenced")
+	// The agents' configuration names the script; it is written once the lab exists (it names the lab's
+	// namespaces), before any failure runs it.
+	script := filepath.Join(dir, "fence")
+	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", FenceCommand: []string{script, "{host}", "{address}"}, FenceTimeout: fenceTimeout})
+	labFenceScript(t, c.Lab.State(), script, record, broken)
+	t.Cleanup(func() {
+		if t.Failed() {
+			logEvents(t, c)
+		}
+	})
+	rg := startRing(t, c, 3, 7390, args)
+	rg.waitProtected(t, 2*time.Minute)
+	rg.waitProgress(t, progressEvery, 2*time.Minute)
+	rg.checkpoint(t, "node2")
+	rg.waitProgress(t, 50, 2*time.Minute)
+	old := rg.job(t, "node2", 1)
+
+	// When the old copy's process died, on this machine's clock (the lab's hosts share it).
+	var goneAt atomic.Pointer[time.Time]
+	stop := make(chan struct{})
+	watched := make(chan struct{})
+	go func() {
+		defer close(watched)
+		for {
+			if dead(old.PID) {
+				now := time.Now()
+				goneAt.Store(&now)
+				return
+			}
+			select {
+			case <-stop:
+				return
+			case <-time.After(10 * time.Millisecond):
+			}
+		}
+	}()
+	t.Cleanup(func() { close(stop); <-watched })
+
+	// node2 stays cut off to the end (powered off, or fenced with its address still up): the lab's
+	// teardown removes it.
+	setLink(t, c, "node2", false)
+
+	f := waitRecovery(t, c, "node2", 2*time.Minute)
+	requireStages(t, f)
+	if f.Target != "spare1" || f.Basic {
+		t.Errorf("restored on %s (basic %v), want spare1", f.Target, f.Basic)
+	}
+	var fence *agent.Stage
+	for i, s := range f.Stages {
+		if s.Name == agent.StageFenced {
+			fence = &f.Stages[i]
+		}
+	}
+	if fence == nil {
+		t.Fatal("no fenced stage in the recovery timeline")
+	}
+	t.Logf("fenced stage on %s: %s, %s", fence.Host, fence.Duration().Round(time.Millisecond), fence.Detail)
+	for _, d := range detail {
+		if !strings.Contains(fence.Detail, d) {
+			t.Errorf("fenced stage detail %q lacks %q", fence.Detail, d)
+		}
+	}
+	if strings.Contains(fence.Detail, notDetail) || fence.Error != "" {
+		t.Errorf("fenced stage %+v: %q in its detail, or an error", fence, notDetail)
+	}
+	// The self-fence wait ends at the earliest fence_timeout + margin after the last heartbeat: a stage
+	// that ended before fence_timeout did not wait, one that waited ended after it.
+	if f.LastBeat.IsZero() {
+		t.Fatalf("the failure has no last heartbeat: %+v", f)
+	}
+	if waited := !fence.End.Before(f.LastBeat.Add(fenceTimeout)); waited != broken {
+		t.Errorf("fenced stage ended %s after node2's last heartbeat (fence_timeout %s): waited %v, want %v",
+			fence.End.Sub(f.LastBeat).Round(time.Millisecond), fenceTimeout, waited, broken)
+	}
+	if broken {
+		st := selfFence(t, c, "node2", time.Minute)
+		t.Logf("node2 fenced itself: %s", st.Detail)
+	}
+	h2, err := c.Lab.Host("node2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := os.ReadFile(record)
+	if err != nil {
+		t.Fatalf("the fence command left no record: %v", err)
+	}
+	if got, want := string(b), "node2 "+netip.AddrPortFrom(h2.Addr.Addr(), labcluster.AgentPort).String()+"\n"; got != want {
+		t.Errorf("fence command runs: %q, want one with {host} {address} = %q", got, want)
+	}
+	gone := goneAt.Load()
+	if gone == nil || !gone.Before(fence.End) {
+		t.Errorf("node2's copy of rank 1 (pid %d) died at %v, fenced stage ended %s: the new copy could go live first",
+			old.PID, gone, fence.End.Format(time.StampMicro))
+	}
+	for _, s := range f.Stages {
+		if s.Name == agent.StageRestored && s.Start.Before(fence.End) {
+			t.Errorf("stage %s started at %s, before the fenced stage ended at %s", s.Name, s.Start.Format(time.StampMicro), fence.End.Format(time.StampMicro))
+		}
+	}
+
+	outs := []string{rg.waitExitOn(t, 0, "node1", 3*time.Minute), rg.waitExitOn(t, 1, "spare1", 3*time.Minute), rg.waitExitOn(t, 2, "node3", 3*time.Minute)}
+	checkRanks(t, outs, want)
+
+	// The operator's view: ftctl events, as JSON and drawn.
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, bins.Ftctl, "events", "--lab", c.Lab.State().ID, "--json", "--failure", f.ID).Output()
+	if err != nil {
+		t.Fatalf("ftctl events --json: %v\n%s", err, out)
+	}
+	var fs []agent.Failure
+	if err := json.Unmarshal(out, &fs); err != nil || len(fs) != 1 {
+		t.Fatalf("ftctl events --json: %v, %d failures in %s", err, len(fs), out)
+	}
+	found := false
+	for _, s := range fs[0].Stages {
+		found = found || s.Name == agent.StageFenced && s.Detail == fence.Detail
+	}
+	if !found {
+		t.Errorf("ftctl events --json has no fenced stage with the command's outcome %q: %s", fence.Detail, out)
+	}
+	svgPath := filepath.Join(dir, "events.svg")
+	if out, err := exec.CommandContext(ctx, bins.Ftctl, "events", "--lab", c.Lab.State().ID, "--failure", f.ID, "--svg", svgPath).CombinedOutput(); err != nil {
+		t.Fatalf("ftctl events --svg: %v\n%s", err, out)
+	}
+	svg, err := os.ReadFile(svgPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The stage's row: its name, and under its bar the start of its detail (the command's outcome).
+	if !strings.Contains(string(svg), ">"+agent.StageFenced+"</text>") || !strings.Contains(string(svg), detail[0]) {
+		t.Errorf("the SVG timeline does not draw the fenced stage with %q:\n%s", detail[0], svg)
+	}
+}
