@@ -103,6 +103,10 @@ func Colour(s Stage) string {
 		return "#d9822b"
 	case "spare claimed":
 		return "#8e6bbf"
+	case "fenced":
+		return "#b5477d"
+	case "self-fenced":
+		return "#7d3c98"
 	case "snapshot fetched":
 		return "#2b7bd9"
 	case "images rewritten":

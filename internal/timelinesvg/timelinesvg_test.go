@@ -343,3 +343,19 @@ func FuzzRender(f *testing.F) {
 		}
 	})
 }
+
+// Every stage the agent records has a colour of its own: a grey bar would read as "other".
+func TestStageColours(t *testing.T) {
+	seen := map[string]string{}
+	for _, name := range []string{"detected", "spare claimed", "fenced", "self-fenced", "snapshot fetched",
+		"images rewritten", "restored", "replay done", "re-protected"} {
+		c := Colour(Stage{Name: name})
+		if c == Colour(Stage{Name: "something else"}) || c == ErrorColour {
+			t.Errorf("stage %q is drawn in %s, the colour of unknown stages or of errors", name, c)
+		}
+		if other, dup := seen[c]; dup {
+			t.Errorf("stages %q and %q share colour %s", name, other, c)
+		}
+		seen[c] = name
+	}
+}
