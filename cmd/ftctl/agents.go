@@ -37,7 +37,6 @@ func (t *target) register(cmd *cobra.Command) {
 	cmd.PersistentFlags().StringVar(&t.labID, "lab", "", "talk to the agents of this local lab (default: the lab "+lab.DefaultID+" if it is up)")
 	cmd.PersistentFlags().StringVar(&t.host, "host", "", "with a lab: only this host's agent")
 	cmd.PersistentFlags().StringVar(&t.host, "node", "", "same as --host")
-	cmd.PersistentFlags().StringVar(&t.cluster, "cluster", "", "talk to every agent of a cluster over mutual TLS with the operator certificate this file names (default $"+clusterEnv+"; see `ftctl --help`)")
 }
 
 // agentClient is what the commands ask of one agent: its local API (*agentapi.Client), or its cluster

@@ -54,6 +54,9 @@ Exit codes:
 	}
 	logs.Register(root)
 	t := &target{}
+	// On the root, so that `ftctl --cluster FILE status` reads as it is documented; only the commands that
+	// talk to agents use it.
+	root.PersistentFlags().StringVar(&t.cluster, "cluster", "", "talk to every agent of a cluster over mutual TLS with the operator certificate this file names (default $"+clusterEnv+"; see `ftctl --help`)")
 	for _, c := range []*cobra.Command{newStatusCmd(t), newSnapshotsCmd(t), newCheckpointCmd(t), newRestoreCmd(t), newEventsCmd(t), newSpareCmd(t),
 		newJobsCmd(t), newLogsCmd(t), newKillCmd(t)} {
 		t.register(c)
