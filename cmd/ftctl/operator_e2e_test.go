@@ -136,6 +136,15 @@ func TestClusterOperatorEndToEnd(t *testing.T) {
 		t.Errorf("node2's log has no audit line of alice's checkpoint (%v)", err)
 	}
 
+	// restore goes to the host named, which refuses: the job still runs on node2 (no --force).
+	out, code, err = fromSpare("--cluster", alice, "restore", "--host", "spare1", "--snapshot", results[0].Manifest.ID)
+	if code != cli.ExitFailure || !strings.Contains(fmt.Sprint(err), "still running") {
+		t.Errorf("restore on spare1 of a job that runs: exit %d, %v\n%s; want exit 1, refused as still running", code, err, out)
+	}
+	if log, err := os.ReadFile(c.LogPath("spare1")); err != nil || !strings.Contains(string(log), "operator=alice op=operator/restore") {
+		t.Errorf("spare1's log has no audit line of alice's restore (%v)", err)
+	}
+
 	// An operator certificate of another CA: refused by the agent's handshake.
 	if out, err := run("pki", "init", "--dir", filepath.Join(work, "other")); err != nil {
 		t.Fatalf("pki init: %v\n%s", err, out)
