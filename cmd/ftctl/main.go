@@ -38,7 +38,7 @@ answers for the membership view, then every alive member (--host H: only H). FIL
   # timeout = "10s"                          # per question (not checkpoint or restore)
   [[agent]]
   name    = "node1"                          # its member name, which its certificate carries
-  address = "10.0.0.1:7700"                  # its [cluster] listen
+  address = "10.0.0.1:7420"                  # its [cluster] listen
 
 An operator certificate acts as root on every agent: it is a cluster-admin credential.
 
@@ -56,7 +56,7 @@ Exit codes:
 	t := &target{}
 	// On the root, so that `ftctl --cluster FILE status` reads as it is documented; only the commands that
 	// talk to agents use it.
-	root.PersistentFlags().StringVar(&t.cluster, "cluster", "", "talk to every agent of a cluster over mutual TLS with the operator certificate this file names (default $"+clusterEnv+"; see `ftctl --help`)")
+	root.PersistentFlags().StringVar(&t.cluster, "cluster", "", "talk to every agent of a cluster over mutual TLS with the operator certificate this `FILE` names (default $"+clusterEnv+"; see ftctl --help)")
 	for _, c := range []*cobra.Command{newStatusCmd(t), newSnapshotsCmd(t), newCheckpointCmd(t), newRestoreCmd(t), newEventsCmd(t), newSpareCmd(t),
 		newJobsCmd(t), newLogsCmd(t), newKillCmd(t)} {
 		t.register(c)
