@@ -43,6 +43,8 @@ func (a *Agent) tlsConfig() clustertls.Config {
 	return clustertls.Config{
 		CAFile: a.cfg.Cluster.CA, CertFile: a.cfg.Cluster.Cert, KeyFile: a.cfg.Cluster.Key,
 		Members: func(name string) bool { _, ok := a.member(name); return ok },
+		// Any operator certificate of the cluster CA (operator.go): the CA's holder issues them to people.
+		Operators: func(string) bool { return true },
 	}
 }
 
@@ -75,6 +77,7 @@ func (a *Agent) clusterServer(ctx context.Context) *clusterapi.Server {
 		// Silence beyond a few heartbeat timeouts ends a heartbeat stream.
 		BeatSilence: 4 * a.cfg.Heartbeat.Timeout.Duration,
 		Logger:      a.log,
+		Operators:   operatorService{a},
 	})
 }
 

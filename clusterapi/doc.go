@@ -11,4 +11,7 @@
 // body; logged bytes and recovery progress are a flushed streaming response. A stream goes on as long as it
 // moves and is dropped after the idle timeout of silence. Snapshot shipping and fetching (ckpt/ship) talk
 // both ways on one connection, so they switch protocols (HTTP 101) and run on the connection itself.
+//
+// Operators (a cluster-wide ftctl with an operator certificate) have operations of their own, served by an
+// OperatorService (operator.go); each kind of certificate is refused for the other kind's operations.
 package clusterapi

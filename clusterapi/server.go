@@ -58,6 +58,8 @@ type ServerOptions struct {
 	// sender long before; a sender that comes back dials again). Zero: the idle timeout.
 	BeatSilence time.Duration
 	Logger      *slog.Logger
+	// Operators serves operator certificates (operator.go); nil refuses them.
+	Operators OperatorService
 }
 
 // Server serves the protocol to authenticated members.
@@ -67,6 +69,7 @@ type Server struct {
 	log  *slog.Logger
 	base context.Context
 	mux  *http.ServeMux
+	ops  *http.ServeMux // operator operations (operator.go)
 }
 
 // NewServer returns the protocol's handler over svc; ctx is handed to svc's methods.
@@ -112,6 +115,7 @@ func NewServer(ctx context.Context, svc Service, opts ServerOptions) *Server {
 	s.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		s.refuse(w, Op(strings.TrimPrefix(r.URL.Path, "/v1/")), "", &Error{Code: CodeUnknownOp, Message: "no such operation: " + r.URL.Path})
 	})
+	s.operatorRoutes(opts.Operators)
 	return s
 }
 
@@ -129,9 +133,14 @@ func (s *Server) HTTPServer() *http.Server {
 	}
 }
 
-// ServeHTTP authenticates the peer and dispatches to the operation.
+// ServeHTTP authenticates the peer and dispatches to the operation: an operator's certificate to the
+// operator operations only, a member's to the member operations only.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	op := Op(strings.TrimPrefix(r.URL.Path, "/v1/"))
+	if _, err := clustertls.OperatorName(r.TLS); err == nil {
+		s.serveOperator(w, r, op)
+		return
+	}
 	if _, err := clustertls.PeerName(r.TLS); err != nil {
 		s.refuse(w, op, "", &Error{Code: CodeUnauthenticated, Message: err.Error()})
 		return

@@ -4,10 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
-
+	"io"
 	"os"
 	"sort"
 	"strings"
+	"syscall"
 	"text/tabwriter"
 	"time"
 
@@ -22,11 +23,13 @@ import (
 	"github.com/ftkit/ftkit/ring"
 )
 
-// target says which agents a command talks to: one socket, or every live host of a lab.
+// target says which agents a command talks to: one socket, every live host of a lab, or every alive
+// member of a cluster (cluster.go).
 type target struct {
-	socket string
-	labID  string
-	host   string
+	socket  string
+	labID   string
+	host    string
+	cluster string
 }
 
 func (t *target) register(cmd *cobra.Command) {
@@ -36,13 +39,41 @@ func (t *target) register(cmd *cobra.Command) {
 	cmd.PersistentFlags().StringVar(&t.host, "node", "", "same as --host")
 }
 
+// agentClient is what the commands ask of one agent: its local API (*agentapi.Client), or its cluster
+// listener as an operator (*clusterHost).
+type agentClient interface {
+	Socket() string
+	Status(ctx context.Context) (agent.Status, error)
+	Jobs(ctx context.Context) ([]agent.Job, error)
+	Job(ctx context.Context, id string) (agent.Job, error)
+	Snapshots(ctx context.Context, job string) ([]*ckpt.Manifest, error)
+	Events(ctx context.Context) ([]*agent.Failure, error)
+	Checkpoint(ctx context.Context, jobs ...string) (agentapi.CheckpointReply, error)
+	Restore(ctx context.Context, req agent.RestoreRequest) (agent.Job, error)
+	Output(ctx context.Context, id, stream string, follow bool, w io.Writer) error
+	Signal(ctx context.Context, id string, sig syscall.Signal) error
+	AddSpare(ctx context.Context, req agent.SpareRequest) (ring.View, error)
+}
+
+var _ agentClient = (*agentapi.Client)(nil)
+
 type hostClient struct {
 	host   string
-	client *agentapi.Client
+	client agentClient
 }
 
 // clients resolves the target to agent clients.
 func (t *target) clients() ([]hostClient, error) {
+	cluster := t.cluster
+	if cluster == "" && t.socket == "" && t.labID == "" {
+		cluster = os.Getenv(clusterEnv)
+	}
+	if cluster != "" {
+		if t.socket != "" || t.labID != "" {
+			return nil, cli.Usagef("--cluster (or $%s) and --socket or --lab pick different agents: give one", clusterEnv)
+		}
+		return t.clusterClients(cluster)
+	}
 	sock := t.socket
 	if sock == "" && t.labID == "" && t.host == "" {
 		sock = os.Getenv("FTKIT_AGENT_SOCKET")
@@ -91,12 +122,12 @@ func (t *target) one() (hostClient, error) {
 		return hostClient{}, err
 	}
 	if len(cs) > 1 {
-		return hostClient{}, cli.Usagef("several agents answer for this lab: pick one with --host")
+		return hostClient{}, cli.Usagef("several agents answer (a lab's or a cluster's): pick one with --host")
 	}
 	return cs[0], nil
 }
 
-// hostName is how progress lines name an agent: its lab host, else its socket.
+// hostName is how progress lines name an agent: its lab host or member name, else its socket.
 func hostName(c hostClient) string {
 	if c.host != "" {
 		return c.host
@@ -112,7 +143,7 @@ func jobsNamed(jobs []string) string {
 	return "job(s) " + strings.Join(jobs, ", ")
 }
 
-// onHost names the lab host an error came from (nothing when the target is one socket: its client's
+// onHost names the lab host or member an error came from (nothing when the target is one socket: its client's
 // errors name the socket).
 func onHost(host string, err error) error {
 	if host == "" {
@@ -338,18 +369,26 @@ func newSnapshotsCmd(t *target) *cobra.Command {
 				*ckpt.Manifest
 			}
 			var all []held
+			var errs []error
 			for _, c := range cs {
 				ms, err := c.client.Snapshots(cmd.Context(), job)
 				if err != nil {
-					return agentErr(onHost(c.host, err))
+					// The other hosts' snapshots are still shown; the error (one line per host) and the exit
+					// status say what is missing.
+					errs = append(errs, onHost(c.host, err))
+					continue
 				}
 				for _, m := range ms {
 					all = append(all, held{Host: c.host, Manifest: m})
 				}
 			}
+			if len(errs) == len(cs) {
+				return agentErr(errors.Join(errs...))
+			}
+			down := agentErr(errors.Join(errs...))
 			sort.SliceStable(all, func(i, j int) bool { return all[i].Created.After(all[j].Created) })
 			if asJSON {
-				return cli.PrintJSON(cmd.OutOrStdout(), all)
+				return errors.Join(cli.PrintJSON(cmd.OutOrStdout(), all), down)
 			}
 			w := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
 			fmt.Fprintln(w, "SNAPSHOT\tJOB\tTAKEN ON\tHELD BY\tAGE\tSIZE\tFROZEN\tDUMP\tTCP\tREPLICAS")
@@ -359,7 +398,7 @@ func newSnapshotsCmd(t *target) *cobra.Command {
 					h.Stats.FrozenTime.Round(time.Millisecond), h.DumpDuration.Round(time.Millisecond), len(h.Conns),
 					dash(strings.Join(h.Replicas, ",")))
 			}
-			return w.Flush()
+			return errors.Join(w.Flush(), down)
 		},
 	}
 	cmd.Flags().StringVar(&job, "job", "", "only this job")

@@ -55,6 +55,9 @@ standalone SVG that any browser shows. --failure ID keeps one failure.`,
 			if len(errs) == len(cs) { // each error names the socket it tried
 				return agentErr(fmt.Errorf("no agent answered: %w", errors.Join(errs...)))
 			}
+			// The log is replicated, so the agents that answered give it whole unless a failure is still
+			// being handled; the ones that did not are named (one line each) and set the exit status.
+			down := agentErr(errors.Join(errs...))
 			all := make([]*agent.Failure, 0, len(byID))
 			for _, f := range byID {
 				if only == "" || f.ID == only {
@@ -75,24 +78,24 @@ standalone SVG that any browser shows. --failure ID keeps one failure.`,
 					return err
 				}
 				if svgPath == "-" {
-					return nil
+					return down
 				}
 				if !asJSON {
 					fmt.Fprintf(cmd.OutOrStdout(), "timeline of %d failure(s) written to %s\n", len(all), svgPath)
-					return nil
+					return down
 				}
 			}
 			if asJSON {
-				return cli.PrintJSON(cmd.OutOrStdout(), all)
+				return errors.Join(cli.PrintJSON(cmd.OutOrStdout(), all), down)
 			}
 			if len(all) == 0 {
 				fmt.Fprintln(cmd.OutOrStdout(), "no failures")
-				return nil
+				return down
 			}
 			for _, f := range all {
 				printFailure(cmd.OutOrStdout(), f)
 			}
-			return nil
+			return down
 		},
 	}
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")

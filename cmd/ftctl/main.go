@@ -26,17 +26,37 @@ ftkit protects unmodified socket-based parallel programs (MPI over TCP, pipeline
 when a node dies, only its processes roll back, restored from their last snapshot on a spare host,
 and the bytes their peers had sent them since are replayed from the peers' sender-side logs.
 
+Which agents: by default the local agent on its socket (--socket, $FTKIT_AGENT_SOCKET, else
+/run/ftkit/agent.sock); --lab ID the hosts of a local lab. --cluster FILE (or $FTKIT_CLUSTER) reaches
+every agent of a cluster from any host, over mutual TLS with an operator certificate (ftctl pki issue
+--operator NAME): status, jobs, snapshots, events, checkpoint and restore ask the first agent of FILE that
+answers for the membership view, then every alive member (--host H: only H). FILE is TOML:
+
+  ca   = "/etc/ftkit/pki/cluster_ca.crt"     # relative paths: from FILE's directory
+  cert = "operator-alice/operator-alice.crt"
+  key  = "operator-alice/operator-alice.key" # must be yours and mode 0600, or ftctl refuses it
+  # timeout = "10s"                          # per question (not checkpoint or restore)
+  [[agent]]
+  name    = "node1"                          # its member name, which its certificate carries
+  address = "10.0.0.1:7420"                  # its [cluster] listen
+
+An operator certificate acts as root on every agent: it is a cluster-admin credential.
+
 Exit codes:
   0  success
   1  failure: the operation was tried and failed (the message says why)
   2  bad command line: an unknown command or flag, a bad flag value (checked before anything is done)
   3  not found: no such lab, host, job or snapshot (or one you may not see)
-  4  unavailable: the agent is not reachable on its socket (the message names it), or a precondition
-     is missing (not root, CRIU too old, lab already up)`,
+  4  unavailable: an agent is not reachable on its socket or cluster address (the message names it;
+     with several agents the others' results are still shown), or a precondition is missing (not
+     root, CRIU too old, lab already up, an operator key others can read)`,
 		Version: version.Ftkit(),
 	}
 	logs.Register(root)
 	t := &target{}
+	// On the root, so that `ftctl --cluster FILE status` reads as it is documented; only the commands that
+	// talk to agents use it.
+	root.PersistentFlags().StringVar(&t.cluster, "cluster", "", "talk to every agent of a cluster over mutual TLS with the operator certificate this `FILE` names (default $"+clusterEnv+"; see ftctl --help)")
 	for _, c := range []*cobra.Command{newStatusCmd(t), newSnapshotsCmd(t), newCheckpointCmd(t), newRestoreCmd(t), newEventsCmd(t), newSpareCmd(t),
 		newJobsCmd(t), newLogsCmd(t), newKillCmd(t)} {
 		t.register(c)

@@ -155,8 +155,10 @@ A member certificate carries HOST as its common name and DNS name (what the othe
 must be the name in [[cluster.member]]), and any --address as IP names, for information only: peers
 verify the name, because a spare takes over a failed node's address. It serves as server and client.
 
---operator makes a client-only certificate with the common name operator:NAME. No agent accepts it as
-a member; it is for the cluster-wide ftctl (not yet).`,
+--operator makes a client-only certificate with the common name operator:NAME for ftctl --cluster.
+Agents accept it for the operator operations only (status, snapshots, events, checkpoint, restore),
+as root on every agent, and never as a member; a member certificate is refused for those operations.
+It is a cluster-admin credential: issue it to a person, keep its key 0600 (ftctl refuses it otherwise).`,
 		Args: cli.Args(cobra.ExactArgs(1)),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			name := args[0]

@@ -29,6 +29,11 @@ type Config struct {
 	// It is consulted on every inbound handshake, so membership changes
 	// apply to the next connection. Required by ServerTLS.
 	Members func(name string) bool
+	// Operators reports whether a verified operator (a certificate with CN
+	// "operator:NAME", see IssueOperator) may connect, by NAME. Nil refuses
+	// every operator. Which operations an operator may call is the server's
+	// business (clusterapi): the handshake only admits it.
+	Operators func(name string) bool
 }
 
 // loadCAPool reads the trusted CA certificates from c.CAFile.
@@ -116,6 +121,12 @@ func (c Config) serverConfigForHandshake() (*tls.Config, error) {
 		// long-lived, so a full handshake each time costs little.
 		SessionTicketsDisabled: true,
 		VerifyConnection: func(cs tls.ConnectionState) error {
+			if op, err := OperatorName(&cs); err == nil {
+				if c.Operators == nil || !c.Operators(op) {
+					return fmt.Errorf("clustertls: operator %q has a valid cluster certificate but this server accepts no such operator; refusing it", op)
+				}
+				return nil
+			}
 			name, err := PeerName(&cs)
 			if err != nil {
 				return err

@@ -1,8 +1,11 @@
 package clustertls
 
 import (
+	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"io"
+	"net"
 	"strings"
 	"testing"
 	"time"
@@ -114,4 +117,62 @@ func TestCheckMember(t *testing.T) {
 
 func stateWith(leaf *x509.Certificate) *tls.ConnectionState {
 	return &tls.ConnectionState{VerifiedChains: [][]*x509.Certificate{{leaf}}}
+}
+
+// The server admits an operator only when its Operators check says so; a member's Members check never
+// admits one, and the name the server reads is the operator's.
+func TestServerAdmitsOperators(t *testing.T) {
+	ca := mustCA(t, "cluster")
+	certPEM, keyPEM, err := ca.IssueOperator("alice", time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	op := installPEM(t, ca.CertPEM(), "alice", certPEM, keyPEM, nil)
+	for _, tc := range []struct {
+		name      string
+		operators func(string) bool
+		want      string // "" admitted
+	}{
+		{"no operator check", nil, "accepts no such operator"},
+		{"alice allowed", func(n string) bool { return n == "alice" }, ""},
+		{"only bob allowed", func(n string) bool { return n == "bob" }, `operator "alice"`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			server := installMember(t, ca, ca.CertPEM(), "node1", newMemberSet("node1", "alice", "operator:alice"))
+			server.Operators = tc.operators
+			srvTLS, err := server.ServerTLS()
+			if err != nil {
+				t.Fatal(err)
+			}
+			cliTLS, err := op.ClientTLS("node1")
+			if err != nil {
+				t.Fatal(err)
+			}
+			a, b := net.Pipe()
+			defer a.Close()
+			defer b.Close()
+			ctx, cancel := context.WithTimeout(context.Background(), handshakeTimeout)
+			defer cancel()
+			go func() {
+				// Keep reading: the server's alert (or nothing) must be taken off the synchronous pipe.
+				c := tls.Client(b, cliTLS)
+				if c.HandshakeContext(ctx) == nil {
+					io.Copy(io.Discard, c)
+				}
+			}()
+			srv := tls.Server(a, srvTLS)
+			err = srv.HandshakeContext(ctx)
+			checkSide(t, "server", err, tc.want)
+			if err != nil {
+				return
+			}
+			cs := srv.ConnectionState()
+			if name, err := OperatorName(&cs); err != nil || name != "alice" {
+				t.Errorf("OperatorName = %q, %v; want alice", name, err)
+			}
+			if name, err := PeerName(&cs); err == nil {
+				t.Errorf("PeerName of an operator = %q, want an error", name)
+			}
+		})
+	}
 }

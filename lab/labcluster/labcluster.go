@@ -79,6 +79,10 @@ func cgroupDir(id string) string {
 // Socket is the local API socket of host's agent in lab id.
 func Socket(id, host string) string { return filepath.Join(runDir(id), host, "agent.sock") }
 
+// PKIDir holds lab id's cluster CA (cluster_ca.crt, cluster_ca.key) and every host's credentials, root's
+// alone (0700).
+func PKIDir(id string) string { return filepath.Join(runDir(id), "pki") }
+
 // JobsDir is the lab's cluster-wide job directory (one file system, like a shared home on a cluster).
 func JobsDir(id string) string { return filepath.Join(dataDir(id), "jobs") }
 
@@ -108,12 +112,17 @@ func Start(ctx context.Context, l *lab.Lab, opts Options) (*Cluster, error) {
 	if err != nil {
 		return nil, err
 	}
+	// The CA stays in the lab's private pki directory, so that `ftctl pki issue --dir` can sign operator
+	// certificates for the lab (the lab is one machine's: there is no member host to keep it off).
+	if err := clustertls.WriteCA(PKIDir(st.ID), ca); err != nil {
+		return nil, err
+	}
 	for _, h := range st.Hosts {
 		cert, key, err := ca.Issue(h.Name, []netip.Addr{h.Addr.Addr()}, 29*24*time.Hour)
 		if err != nil {
 			return nil, err
 		}
-		tlsCfg, err := clustertls.WriteFiles(filepath.Join(c.runDir, "pki"), h.Name, ca.CertPEM(), cert, key)
+		tlsCfg, err := clustertls.WriteFiles(PKIDir(st.ID), h.Name, ca.CertPEM(), cert, key)
 		if err != nil {
 			return nil, err
 		}
