@@ -26,9 +26,9 @@ type Status struct {
 	// JobProtectors names, for each running job, the member its snapshots go to now: its run's next host
 	// (through the view) for a job with a placement, else this node's ring protector.
 	JobProtectors map[string]string `json:"job_protectors,omitempty"`
-	Version   string        `json:"version"`
-	CRIU      string        `json:"criu"`
-	Log       *LogStatus    `json:"log,omitempty"`
+	Version       string            `json:"version"`
+	CRIU          string            `json:"criu"`
+	Log           *LogStatus        `json:"log,omitempty"`
 }
 
 // Status is this host as uid may see it: the cluster view, and the jobs uid may see (all for root).
