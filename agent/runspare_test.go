@@ -2,10 +2,13 @@ package agent
 
 import (
 	"errors"
+	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/spare"
 )
 
@@ -144,6 +147,36 @@ func TestClaimSpareForRun(t *testing.T) {
 			fs := a.Failures()
 			if len(fs) != 1 || len(fs[0].Stages) != 1 || !strings.Contains(fs[0].Stages[0].Detail, tt.wantDetail) {
 				t.Fatalf("stages %+v; want one claimed stage saying %q", fs, tt.wantDetail)
+			}
+		})
+	}
+}
+
+// TestReplicaNamesRunSpares: a holder answers a replica with the spares its job record's placement names,
+// which the coordinator claims first; none for a job without a placement or with one no run can have.
+func TestReplicaNamesRunSpares(t *testing.T) {
+	tests := []struct {
+		name      string
+		placement *Placement
+		want      []string
+	}{
+		{"a job of a run", &Placement{Hosts: []string{"node1", "node2"}, Spares: []string{"node3", "node4"}}, []string{"node3", "node4"}},
+		{"a run without spares", &Placement{Hosts: []string{"node1", "node2"}}, nil},
+		{"no placement", nil, nil},
+		{"an invalid placement", &Placement{Hosts: []string{"node1"}, Spares: []string{"node1"}}, nil},
+	}
+	for i, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ta := newTestAgent(t)
+			job := fmt.Sprintf("run-0000000%d", i)
+			ta.addSnapshot(t, Job{ID: job, Node: "node1", Spec: JobSpec{Argv: []string{"x"}, Placement: tt.placement}})
+			rep, err := peerService{ta.Agent}.Replica(t.Context(), "node2", clusterapi.ReplicaRequest{Job: job, Node: "node1"})
+			if err != nil || !slices.Equal(rep.RunSpares, tt.want) {
+				t.Fatalf("answer %+v, %v; want the run's spares %v", rep.RunSpares, err, tt.want)
+			}
+			held, err := ta.heldReplicas(t.Context(), job, "node1")
+			if err != nil || len(held) == 0 || !slices.Equal(held[0].spares, tt.want) {
+				t.Fatalf("held %+v, %v; want this host's replica with the run's spares %v", held, err, tt.want)
 			}
 		})
 	}
