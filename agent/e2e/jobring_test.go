@@ -153,3 +153,37 @@ func TestRunPlacement(t *testing.T) {
 		}
 	}
 }
+
+// TestRunSpareNotTheDetector: the run's spare is an idle node elsewhere in the ring than the failed node's
+// successor (as an allocation's spare usually is): the detector (node3, in no run) claims node4 over the
+// wire, node4 absorbs node2 and restores the part, fetched from the run's protector node1.
+func TestRunSpareNotTheDetector(t *testing.T) {
+	args := ringArgs(3000, 16<<10, 20*time.Millisecond)
+	want := reference(t, 2, args)
+	c := newCluster(t, 4, 0, labcluster.Options{Interval: "1h"})
+	withGate, release := gated(t, args, 2990)
+	a := startRun(t, c, "run", []string{"node1", "node2"}, []string{"node4"}, 7612, withGate)
+	a.release = release
+	for r, j := range a.jobs {
+		waitProtected(t, c, fmt.Sprintf("node%d", r+1), j.ID, 2*time.Minute)
+	}
+	a.waitProgress(t, progressEvery, 2*time.Minute)
+	snapshotTo(t, c, "node2", a.jobs[1], "node1", "node3")
+	a.waitProgress(t, progressEvery, 2*time.Minute)
+	if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
+		t.Fatal(err)
+	}
+	f := waitFailure(t, c, "node2", 90*time.Second)
+	requireStages(t, f)
+	if f.Protector != "node3" || f.Target != "node4" || f.Basic {
+		t.Errorf("detected by %s, restored on %s (basic %v); want detected by node3, restored on node4, the run's spare", f.Protector, f.Target, f.Basic)
+	}
+	if j := a.job(t, "node4", 1); j.Node != "node4" || j.Restored == "" {
+		t.Errorf("the run's rank 1 on node4: %+v", j)
+	}
+	outs := a.wait(t, 3*time.Minute)
+	checkRanks(t, outs, want)
+	if _, err := os.Stat(filepath.Join(labcluster.StateDir(c.Lab.State().ID, "node3"), "claim.json")); err == nil {
+		t.Error("the detector, not a spare of the run, holds a claim")
+	}
+}
