@@ -208,7 +208,10 @@ func (s peerService) Claim(_ context.Context, peer string, cl spare.Claim) (clus
 
 func (s peerService) Replica(ctx context.Context, _ string, req clusterapi.ReplicaRequest) (clusterapi.ReplicaReply, error) {
 	m, err := s.a.newestReplica(ctx, req.Job, req.Node)
-	return clusterapi.ReplicaReply{Manifest: m}, err
+	if err != nil {
+		return clusterapi.ReplicaReply{}, err
+	}
+	return clusterapi.ReplicaReply{Manifest: m, RunSpares: s.a.runSpares(m)}, nil
 }
 
 func (s peerService) Recover(ctx context.Context, peer string, req RecoverRequest, progress func(clusterapi.RecoverProgress) error) error {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"slices"
 	"strings"
 	"time"
@@ -65,6 +66,7 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 		return err
 	}
 	var jobs []RecoverJob
+	var runs []jobRun
 	var need spare.Need
 	var errs []error
 	for _, job := range s.Jobs {
@@ -82,13 +84,14 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 			a.log.Warn("the newest replica is on another member", "job", job, "snapshot", cands[0].Snapshot, "holder", cands[0].Source)
 		}
 		jobs = append(jobs, RecoverJob{Job: job, Snapshot: cands[0].Snapshot, Source: cands[0].Source, Candidates: cands})
+		runs = append(runs, jobRun{job: job, spares: held[0].spares})
 		need.Jobs++
 		need.MemoryBytes += held[0].m.TotalSize()
 	}
 	if len(jobs) == 0 {
 		return errors.Join(append(errs, errors.New("no job of the failed node has a verified replica here"))...)
 	}
-	target, basic := a.claimSpare(ctx, id, s.Name, need)
+	target, absorb, basic := a.claimSpare(ctx, id, s.Name, need, a.runSparesOf(s.Name, runs))
 	v := a.View()
 	// Before the failed node's address and jobs come up elsewhere, its old copies must be gone.
 	failedMember, _ := v.Member(s.Name)
@@ -97,8 +100,10 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 	}
 	var nv ring.View
 	var err error
-	if basic {
-		nv, err = v.Absorb(s.Name, a.cfg.Name)
+	if absorb {
+		// Basic mode (this host), or a node of the ring that was idle as a spare of the run: it keeps its
+		// ring position and takes the failed node's addresses.
+		nv, err = v.Absorb(s.Name, target)
 	} else {
 		nv, err = v.Replace(s.Name, target)
 	}
@@ -206,6 +211,52 @@ func (a *Agent) newestReplica(ctx context.Context, job, node string) (*ckpt.Mani
 type heldReplica struct {
 	holder string
 	m      *ckpt.Manifest
+	spares []string // of the job's run, as the replica's job record names them
+}
+
+// jobRun is a failed node's job and the spares of its run (none without a placement).
+type jobRun struct {
+	job    string
+	spares []string
+}
+
+// runSparesOf is where the failed node's jobs are restored first: the spares of their run. One target
+// takes all of a node's jobs (its addresses move with them), so with jobs of different runs the first
+// job's run decides: a site runs one run per host (Slurm: --exclusive).
+func (a *Agent) runSparesOf(failed string, runs []jobRun) []string {
+	var first *jobRun
+	for i, r := range runs {
+		if len(r.spares) == 0 {
+			continue
+		}
+		if first == nil {
+			first = &runs[i]
+		} else if !slices.Equal(r.spares, first.spares) {
+			a.log.Warn("the failed node ran jobs of different runs: all are restored on the spares of the first one's run; run one run per host (Slurm: --exclusive)",
+				"failed", failed, "job", first.job, "spares", first.spares, "other_job", r.job, "other_spares", r.spares)
+		}
+	}
+	if first == nil {
+		return nil
+	}
+	return first.spares
+}
+
+// runSpares are the spares of the run a replica's job belongs to, from the job record the replica carries
+// (none for a job without a placement, or with a record a restore would refuse anyway).
+func (a *Agent) runSpares(m *ckpt.Manifest) []string {
+	j, err := a.snapshotJob(m)
+	if err == nil {
+		err = j.Spec.Placement.Validate()
+	}
+	if err != nil {
+		a.log.Warn("the job record of a replica is unusable; its run's spares are unknown", "job", m.Job, "snapshot", m.ID, "err", err)
+		return nil
+	}
+	if j.Spec.Placement == nil {
+		return nil
+	}
+	return j.Spec.Placement.Spares
 }
 
 // heldReplicas collects the newest verified replica of job from node held by this host and by each other
@@ -215,7 +266,7 @@ func (a *Agent) heldReplicas(ctx context.Context, job, node string) ([]heldRepli
 	var held []heldReplica
 	var errs []error
 	if m, err := a.newestReplica(ctx, job, node); err == nil {
-		held = append(held, heldReplica{holder: a.cfg.Name, m: m})
+		held = append(held, heldReplica{holder: a.cfg.Name, m: m, spares: a.runSpares(m)})
 	} else {
 		errs = append(errs, fmt.Errorf("%s: %w", a.cfg.Name, err))
 	}
@@ -258,7 +309,7 @@ func (a *Agent) remoteReplica(ctx context.Context, job, node string) ([]heldRepl
 			errs = append(errs, fmt.Errorf("%s: %w", mb.Name, err))
 			continue
 		}
-		held = append(held, heldReplica{holder: mb.Name, m: r.Manifest})
+		held = append(held, heldReplica{holder: mb.Name, m: r.Manifest, spares: r.RunSpares})
 	}
 	if len(held) == 0 {
 		return nil, errors.Join(errs...)
@@ -266,19 +317,48 @@ func (a *Agent) remoteReplica(ctx context.Context, job, node string) ([]heldRepl
 	return held, nil
 }
 
-// claimSpare claims the first free spare that can host the failed node's jobs. With none, it returns this
-// host and basic=true: the jobs restart here (RADIC's basic mode) and the operator is told.
-func (a *Agent) claimSpare(ctx context.Context, failure, failed string, need spare.Need) (target string, basic bool) {
+// claimSpare claims the first free spare that can host the failed node's jobs: one of their run's spares
+// (runSpares, the run's order) first, then the ring's spares. With none, it returns this host and
+// basic=true: the jobs restart here (RADIC's basic mode) and the operator is told. absorb says the target
+// is a node of the ring (a run's idle host, or this one in basic mode), which takes the failed node's
+// addresses and keeps its place, rather than a ring spare that replaces the failed node.
+func (a *Agent) claimSpare(ctx context.Context, failure, failed string, need spare.Need, runSpares []string) (target string, absorb, basic bool) {
 	start := time.Now()
+	claimed := func(name, detail string) {
+		a.failures.update(failure, func(f *Failure) {
+			f.Stages = append(f.Stages, Stage{Name: StageClaimed, Host: name, Start: start, End: time.Now(),
+				Detail: fmt.Sprintf("%s%d job(s), %d MB", detail, need.Jobs, need.MemoryBytes>>20)})
+		})
+	}
 	var refusals []string
+	runBusy := ""
+	if len(runSpares) > 0 {
+		for _, t := range spare.RunOrder(a.View(), runSpares, failed, nil) {
+			cl := spare.Claim{Failure: failure, By: a.cfg.Name, Failed: failed, Need: need, At: start, Spares: runSpares}
+			var err error
+			if t.Name == a.cfg.Name {
+				err = a.serveClaim(a.cfg.Name, cl) // this host is an idle host of the run
+			} else {
+				err = a.requestClaim(ctx, t.Name, cl)
+			}
+			if err == nil {
+				claimed(t.Name, "a spare of the run: ")
+				return t.Name, t.Node, false
+			}
+			refusals = append(refusals, fmt.Sprintf("%s: %v", t.Name, err))
+		}
+		runBusy = "the run's own spares were busy or gone (" + strings.Join(refusals, "; ") + "); "
+		if len(refusals) == 0 {
+			runBusy = fmt.Sprintf("none of the run's own spares %v is alive; ", runSpares)
+		}
+		a.log.Warn("no spare of the failed node's run is free: trying the ring's spares", "failed", failed, "why", runBusy)
+		refusals = nil
+	}
 	for _, name := range spare.Order(a.View().Spares(), nil) {
 		err := a.requestClaim(ctx, name, spare.Claim{Failure: failure, By: a.cfg.Name, Failed: failed, Need: need, At: start})
 		if err == nil {
-			a.failures.update(failure, func(f *Failure) {
-				f.Stages = append(f.Stages, Stage{Name: StageClaimed, Host: name, Start: start, End: time.Now(),
-					Detail: fmt.Sprintf("%d job(s), %d MB", need.Jobs, need.MemoryBytes>>20)})
-			})
-			return name, false
+			claimed(name, runBusy)
+			return name, false, false
 		}
 		refusals = append(refusals, fmt.Sprintf("%s: %v", name, err))
 	}
@@ -287,12 +367,12 @@ func (a *Agent) claimSpare(ctx context.Context, failure, failed string, need spa
 		detail = "no spare free (" + strings.Join(refusals, "; ") + ")"
 	}
 	a.log.Error("no spare available: restoring the failed node's jobs on its protector (basic mode); add spares with `ftctl spare add`",
-		"failed", failed, "why", detail)
+		"failed", failed, "why", runBusy+detail)
 	a.failures.update(failure, func(f *Failure) {
 		f.Stages = append(f.Stages, Stage{Name: StageClaimed, Host: a.cfg.Name, Start: start, End: time.Now(),
-			Detail: "basic mode on the protector: " + detail})
+			Detail: "basic mode on the protector: " + runBusy + detail})
 	})
-	return a.cfg.Name, true
+	return a.cfg.Name, true, true
 }
 
 func (a *Agent) requestClaim(ctx context.Context, name string, cl spare.Claim) error {
@@ -302,20 +382,31 @@ func (a *Agent) requestClaim(ctx context.Context, name string, cl spare.Claim) e
 }
 
 // serveClaim answers a claim: a spare accepts one failed node at a time and only if its memory suffices.
-// Only an alive node of the ring may claim it, for another node of the ring.
+// Only an alive node of the ring may claim it, for another node of the ring. A ring spare accepts any such
+// claim; an alive node of the ring accepts only a claim for a run that names it among its spares, and only
+// while it runs no job (in a Slurm cluster every host is a node: a run's spares are its idle hosts).
 func (a *Agent) serveClaim(peer string, cl spare.Claim) error {
 	cl.By = peer
 	err := func() error {
+		if err := cl.Validate(); err != nil {
+			return err
+		}
 		v := a.View()
 		self, ok := v.Member(a.cfg.Name)
-		if !ok || self.Role != ring.RoleSpare || self.State != ring.StateAlive {
+		runSpare := self.Role == ring.RoleNode && slices.Contains(cl.Spares, a.cfg.Name)
+		if !ok || self.State != ring.StateAlive || (self.Role != ring.RoleSpare && !runSpare) {
 			return fmt.Errorf("%w: %s is not a free spare (role %s)", spare.ErrBusy, a.cfg.Name, self.Role)
 		}
 		if by, ok := v.Member(peer); !ok || by.Role != ring.RoleNode || by.State != ring.StateAlive {
 			return fmt.Errorf("claim refused: %s is not an alive node of the ring (role %s, state %s); only a failed node's protector claims a spare", peer, by.Role, by.State)
 		}
-		if failed, ok := v.Member(cl.Failed); !ok || failed.Role != ring.RoleNode || cl.Failed == peer {
+		if failed, ok := v.Member(cl.Failed); !ok || failed.Role != ring.RoleNode || cl.Failed == peer || cl.Failed == a.cfg.Name {
 			return fmt.Errorf("claim refused: %q is not another node of the ring", cl.Failed)
+		}
+		if runSpare {
+			if err := a.idleForRun(v, cl); err != nil {
+				return err
+			}
 		}
 		avail, err := spare.MemAvailable()
 		if err != nil {
@@ -326,6 +417,36 @@ func (a *Agent) serveClaim(peer string, cl spare.Claim) error {
 	if err != nil {
 		return err
 	}
-	a.log.Info("spare claimed", "by", peer, "failed", cl.Failed, "failure", cl.Failure, "jobs", cl.Need.Jobs)
+	a.log.Info("spare claimed", "by", peer, "failed", cl.Failed, "failure", cl.Failure, "jobs", cl.Need.Jobs, "run_spare", len(cl.Spares) > 0)
+	return nil
+}
+
+// idleForRun refuses a run's claim while this node runs or restores jobs. A claim this node served
+// earlier (it took a failed node's jobs, which have ended since) is released first once its recovery is
+// over: its record here says done, or none came within the time a recovery may take.
+func (a *Agent) idleForRun(v ring.View, cl spare.Claim) error {
+	var running []string
+	for _, j := range a.Jobs(0) {
+		if j.State == JobRunning {
+			running = append(running, j.ID)
+		}
+	}
+	if busy, _ := a.busy.Load().(string); len(running) > 0 || busy == "restore" {
+		return fmt.Errorf("%w: %s runs jobs %v (busy %q): a node is a run's spare only while idle", spare.ErrBusy, a.cfg.Name, running, busy)
+	}
+	cur, ok := a.claims.Current()
+	if !ok || cur.Failure == cl.Failure {
+		return nil
+	}
+	if f, known := v.Member(cur.Failed); !known || f.State != ring.StateFailed {
+		return nil // still in use: the holder refuses with its reason
+	}
+	rec, err := loadRecovery(recoveryPath(a.cfg.StateDir, cur.Failure))
+	if (err == nil && rec.Done) || (errors.Is(err, fs.ErrNotExist) && time.Since(cur.At) > recoverLimit) {
+		if err := a.claims.Release(cur.Failure); err != nil {
+			return err
+		}
+		a.log.Info("earlier claim released: its recovery is over and this node is idle", "failure", cur.Failure, "failed", cur.Failed)
+	}
 	return nil
 }

@@ -188,7 +188,13 @@ func (a *Agent) reprotect(ctx context.Context, ids []string) (string, error) {
 		}
 		detail = fmt.Sprintf("snapshot %s shipped", s.Manifest.ID)
 	}
-	if p, ok := a.protector(); ok {
+	var placement *Placement // the restored jobs are of one run (one target per failed node)
+	if len(ids) > 0 {
+		if j, _, jerr := a.Job(ids[0], 0); jerr == nil {
+			placement = j.Spec.Placement
+		}
+	}
+	if p, ok := a.protectorOf(a.View(), placement); ok {
 		detail += " to " + p.Name
 	}
 	return detail, err

@@ -130,11 +130,11 @@ func TestRecoveryCandidates(t *testing.T) {
 		held []heldReplica
 		want []Candidate
 	}{
-		{"local only", []heldReplica{{"node2", m(s2)}}, []Candidate{{Snapshot: s2, Source: "node2"}}},
+		{"local only", []heldReplica{{holder: "node2", m: m(s2)}}, []Candidate{{Snapshot: s2, Source: "node2"}}},
 		{"newest remote first, local replica after it",
-			[]heldReplica{{"node2", m(s1)}, {"node3", m(s2)}}, []Candidate{{Snapshot: s2, Source: "node3"}, {Snapshot: s1, Source: "node2"}}},
+			[]heldReplica{{holder: "node2", m: m(s1)}, {holder: "node3", m: m(s2)}}, []Candidate{{Snapshot: s2, Source: "node3"}, {Snapshot: s1, Source: "node2"}}},
 		{"same snapshot on two holders: this host first",
-			[]heldReplica{{"node2", m(s2)}, {"node3", m(s2)}, {"node4", m(s1)}}, []Candidate{{Snapshot: s2, Source: "node2"}, {Snapshot: s2, Source: "node3"}, {Snapshot: s1, Source: "node4"}}},
+			[]heldReplica{{holder: "node2", m: m(s2)}, {holder: "node3", m: m(s2)}, {holder: "node4", m: m(s1)}}, []Candidate{{Snapshot: s2, Source: "node2"}, {Snapshot: s2, Source: "node3"}, {Snapshot: s1, Source: "node4"}}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -15,6 +15,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt/ship"
 	"github.com/ftkit/ftkit/criu/image"
 	"github.com/ftkit/ftkit/internal/version"
+	"github.com/ftkit/ftkit/ring"
 )
 
 // Layout of a snapshot directory (ckpt/dump writes it).
@@ -70,18 +71,44 @@ func (a *Agent) outputsOf(j Job) dump.Outputs {
 	}
 }
 
-// shipToProtector streams a committed snapshot to this node's protector and records the replica. If the
-// protector does not answer, the next node of the ring takes its place, so the ring re-forms around a
-// member that left.
-func (a *Agent) shipToProtector(ctx context.Context, m *ckpt.Manifest) (*ship.Sent, error) {
+// protectorOf is where a snapshot of a job with placement p goes first: the member standing for the run's
+// next host after this one (ring.View.RunProtector), or, for a job without a placement and when no other
+// host of its run is alive, this node's ring protector (the next alive node of the ring).
+func (a *Agent) protectorOf(v ring.View, p *Placement) (ring.Member, bool) {
+	if p != nil {
+		if m, ok := v.RunProtector(p.Hosts, a.cfg.Name); ok {
+			return m, true
+		}
+	}
+	return v.Protector(a.cfg.Name)
+}
+
+// shipToProtector streams a committed snapshot of a job with placement p to the job's protector
+// (protectorOf) and records the replica. If the protector does not answer, the next node of the ring takes
+// its place, so the ring re-forms around a member that left.
+func (a *Agent) shipToProtector(ctx context.Context, m *ckpt.Manifest, p *Placement) (*ship.Sent, error) {
 	var errs []error
 	v := a.View()
-	for prot, ok := v.Protector(a.cfg.Name); ; prot, ok = v.Protector(prot.Name) {
-		if !ok || prot.Name == a.cfg.Name {
-			errs = append(errs, errors.New("no other node left in the ring"))
-			return nil, fmt.Errorf("ship %s: %w", m.ID, errors.Join(errs...))
+	candidates := func(yield func(string) bool) {
+		if first, ok := a.protectorOf(v, p); ok && !yield(first.Name) {
+			return
 		}
-		sent, err := a.shipTo(ctx, prot.Name, m)
+		// Once around the ring at most: a host no longer alive in the view is never reached again.
+		prot, ok := v.Protector(a.cfg.Name)
+		for range v.Members {
+			if !ok || prot.Name == a.cfg.Name || !yield(prot.Name) {
+				return
+			}
+			prot, ok = v.Protector(prot.Name)
+		}
+	}
+	tried := map[string]bool{}
+	for prot := range candidates {
+		if tried[prot] || prot == a.cfg.Name {
+			continue
+		}
+		tried[prot] = true
+		sent, err := a.shipTo(ctx, prot, m)
 		if err == nil {
 			return sent, nil
 		}
@@ -90,8 +117,10 @@ func (a *Agent) shipToProtector(ctx context.Context, m *ckpt.Manifest) (*ship.Se
 		if errors.As(err, &remote) || ctx.Err() != nil {
 			return nil, errors.Join(errs...) // the protector answered and refused: do not go around it
 		}
-		a.log.Warn("protector unreachable; trying the next node of the ring", "protector", prot.Name, "err", err)
+		a.log.Warn("protector unreachable; trying the next node of the ring", "protector", prot, "err", err)
 	}
+	errs = append(errs, errors.New("no other node left in the ring"))
+	return nil, fmt.Errorf("ship %s: %w", m.ID, errors.Join(errs...))
 }
 
 func (a *Agent) shipTo(ctx context.Context, peer string, m *ckpt.Manifest) (*ship.Sent, error) {
@@ -147,10 +176,14 @@ func (a *Agent) Checkpoint(ctx context.Context, ids []string, uid uint32) ([]Sna
 			manifests = append(manifests, m)
 		}
 	}
+	placements := map[string]*Placement{}
+	for _, j := range jobs {
+		placements[j.ID] = j.Spec.Placement
+	}
 	var out []SnapshotResult
 	for _, m := range manifests {
 		res := SnapshotResult{Manifest: m}
-		sent, err := a.shipToProtector(ctx, m)
+		sent, err := a.shipToProtector(ctx, m, placements[m.Job])
 		if err != nil {
 			res.ShipErr = err.Error()
 			a.metrics.ShipFailed()

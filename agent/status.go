@@ -23,9 +23,12 @@ type Status struct {
 	Members   []ring.Member `json:"members"`
 	Busy      string        `json:"busy,omitempty"` // checkpoint or restore in progress
 	Jobs      []Job         `json:"jobs"`
-	Version   string        `json:"version"`
-	CRIU      string        `json:"criu"`
-	Log       *LogStatus    `json:"log,omitempty"`
+	// JobProtectors names, for each running job, the member its snapshots go to now: its run's next host
+	// (through the view) for a job with a placement, else this node's ring protector.
+	JobProtectors map[string]string `json:"job_protectors,omitempty"`
+	Version       string            `json:"version"`
+	CRIU          string            `json:"criu"`
+	Log           *LogStatus        `json:"log,omitempty"`
 }
 
 // Status is this host as uid may see it: the cluster view, and the jobs uid may see (all for root).
@@ -40,6 +43,14 @@ func (a *Agent) Status(uid uint32) Status {
 	}
 	if p, ok := v.Protector(a.cfg.Name); ok {
 		s.Protector = p.Name
+	}
+	for _, j := range s.Jobs {
+		if p, ok := a.protectorOf(v, j.Spec.Placement); ok && j.State == JobRunning {
+			if s.JobProtectors == nil {
+				s.JobProtectors = map[string]string{}
+			}
+			s.JobProtectors[j.ID] = p.Name
+		}
 	}
 	return s
 }

@@ -41,6 +41,8 @@ func messageSeeds() [][]byte {
 		spare.Claim{Failure: "n3-1", By: "n2", Failed: "n3", Need: spare.Need{Jobs: 1, MemoryBytes: 1 << 20}, At: now},
 		ReplicaRequest{Job: "job-1", Node: "n3"},
 		ReplicaReply{Manifest: testManifest("job-1", "n3")},
+		ReplicaReply{Manifest: testManifest("job-1", "n3"), RunSpares: []string{"n5", "n6"}},
+		spare.Claim{Failure: "n3-1", By: "n2", Failed: "n3", Need: spare.Need{Jobs: 1}, At: now, Spares: []string{"n5", "n6"}},
 		RecoverRequest{Failure: "n3-1", Failed: "n3", Addrs: []netip.Addr{netip.MustParseAddr("10.77.0.3")}, Jobs: []RecoverJob{{Job: "job-1", Snapshot: "x", Candidates: []Candidate{{Snapshot: "y", Source: "n4"}}}}, Source: "n2"},
 		RecoverProgress{Stage: json.RawMessage(`{"name":"fetched"}`)},
 		RecoverProgress{},
@@ -91,7 +93,7 @@ func FuzzClusterMessage(f *testing.F) {
 		var vm ViewMessage
 		request(&vm, MaxMessage)
 		var cl spare.Claim
-		request(&cl, MaxHeader)
+		request(&cl, MaxClaim)
 		var rpq ReplicaRequest
 		request(&rpq, MaxHeader)
 		var fr FetchRequest
@@ -119,8 +121,13 @@ func FuzzClusterMessage(f *testing.F) {
 			}
 		}
 		var rep ReplicaReply
-		if json.Unmarshal(body, &rep) == nil && rep.Check(ReplicaRequest{Job: "job-1", Node: "n3"}) == nil && rep.Manifest.Job != "job-1" {
-			t.Fatalf("a replica of job %q accepted", rep.Manifest.Job)
+		if json.Unmarshal(body, &rep) == nil && rep.Check(ReplicaRequest{Job: "job-1", Node: "n3"}) == nil {
+			if rep.Manifest.Job != "job-1" {
+				t.Fatalf("a replica of job %q accepted", rep.Manifest.Job)
+			}
+			if len(rep.RunSpares) > spare.MaxRunSpares {
+				t.Fatalf("a replica naming %d spares of its run accepted", len(rep.RunSpares))
+			}
 		}
 		var wm LogWatermark
 		if json.Unmarshal(body, &wm) == nil {

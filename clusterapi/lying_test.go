@@ -10,11 +10,13 @@ import (
 	"net/http"
 	"net/netip"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/recvdigest"
+	"github.com/ftkit/ftkit/spare"
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
@@ -120,18 +122,22 @@ func TestReplicaChecksTheAnswer(t *testing.T) {
 	tests := []struct {
 		name    string
 		m       *ckpt.Manifest
+		spares  []string // the run's spares the answer names
 		wantErr string
 	}{
-		{"as asked", testManifest("job-1", "n3"), ""},
-		{"none", nil, "without a replica"},
-		{"another job's", testManifest("job-2", "n3"), `of job "job-2"`},
-		{"another node's", testManifest("job-1", "n4"), `from "n4"`},
-		{"a bad id", &ckpt.Manifest{Job: "job-1", Node: "n3", ID: "../../etc"}, "snapshot id"},
+		{"as asked", testManifest("job-1", "n3"), nil, ""},
+		{"as asked, with the run's spares", testManifest("job-1", "n3"), []string{"n5", "n6"}, ""},
+		{"none", nil, nil, "without a replica"},
+		{"another job's", testManifest("job-2", "n3"), nil, `of job "job-2"`},
+		{"another node's", testManifest("job-1", "n4"), nil, `from "n4"`},
+		{"a bad id", &ckpt.Manifest{Job: "job-1", Node: "n3", ID: "../../etc"}, nil, "snapshot id"},
+		{"a run's spare that is no member name", testManifest("job-1", "n3"), []string{"n5", "../x"}, "a spare of its run"},
+		{"more spares than a run has", testManifest("job-1", "n3"), slices.Repeat([]string{"n5"}, spare.MaxRunSpares+1), "4097 spares of its run"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			pki := newTestPKI(t)
-			addr := serveHandler(t, pki, "n2", answering(ReplicaReply{Manifest: tt.m}))
+			addr := serveHandler(t, pki, "n2", answering(ReplicaReply{Manifest: tt.m, RunSpares: tt.spares}))
 			c := clientOf(t, pki, "n1", map[string]string{"n2": addr}, testTimeouts)
 			_, err := c.Replica(t.Context(), "n2", req)
 			if (tt.wantErr == "") != (err == nil) || err != nil && !strings.Contains(err.Error(), tt.wantErr) {

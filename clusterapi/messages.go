@@ -10,8 +10,10 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/grant"
+	"github.com/ftkit/ftkit/internal/clustertls"
 	"github.com/ftkit/ftkit/netlog/release"
 	"github.com/ftkit/ftkit/recvdigest"
+	"github.com/ftkit/ftkit/spare"
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
@@ -216,6 +218,9 @@ type ReplicaRequest struct {
 // ReplicaReply carries it.
 type ReplicaReply struct {
 	Manifest *ckpt.Manifest `json:"manifest"`
+	// RunSpares are the spares of the job's run as the replica's job record names them (its placement):
+	// where the coordinator claims a spare first. Empty for a job without one.
+	RunSpares []string `json:"run_spares,omitempty"`
 }
 
 // Check validates an answer from the wire: it names the snapshot the target will ask for, so it must be
@@ -229,6 +234,14 @@ func (r ReplicaReply) Check(req ReplicaRequest) error {
 	}
 	if _, err := ckpt.ParseID(r.Manifest.ID); err != nil {
 		return fmt.Errorf("asked for a replica of job %s from %s, got %q: %w", req.Job, req.Node, r.Manifest.ID, err)
+	}
+	if len(r.RunSpares) > spare.MaxRunSpares {
+		return fmt.Errorf("replica %s names %d spares of its run, at most %d", r.Manifest.ID, len(r.RunSpares), spare.MaxRunSpares)
+	}
+	for _, name := range r.RunSpares {
+		if err := clustertls.ValidateMemberName(name); err != nil {
+			return fmt.Errorf("replica %s: a spare of its run: %w", r.Manifest.ID, err)
+		}
 	}
 	return nil
 }

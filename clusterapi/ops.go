@@ -1,6 +1,10 @@
 package clusterapi
 
-import "time"
+import (
+	"time"
+
+	"github.com/ftkit/ftkit/spare"
+)
 
 // Op names an operation between agents; its path is "/v1/" + the name.
 type Op string
@@ -41,6 +45,9 @@ func Ops() []Op {
 const (
 	MaxHeader  = 4096
 	MaxMessage = 1 << 20
+	// MaxClaim bounds a claim: it may name every spare of the failed node's run (spare.MaxRunSpares
+	// member names of at most 64 bytes, quoted, with commas).
+	MaxClaim = MaxHeader + spare.MaxRunSpares*(64+3)
 )
 
 // upgradeProto is the protocol a snapshot transfer switches to (ckpt/ship framing).

@@ -98,7 +98,7 @@ func NewServer(ctx context.Context, svc Service, opts ServerOptions) *Server {
 	})
 	handle(s, OpProbe, MaxHeader, svc.Probe)
 	handle(s, OpView, MaxMessage, svc.View)
-	handle(s, OpClaim, MaxHeader, svc.Claim)
+	handle(s, OpClaim, MaxClaim, svc.Claim)
 	handle(s, OpReplica, MaxHeader, svc.Replica)
 	handle(s, OpRecoveryStatus, MaxMessage, func(ctx context.Context, peer string, req RecoveryStatusRequest) (RecoveryStatusReply, error) {
 		if err := req.Validate(); err != nil {

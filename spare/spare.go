@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/internal/atomicfile"
+	"github.com/ftkit/ftkit/internal/clustertls"
 	"github.com/ftkit/ftkit/ring"
 )
 
@@ -42,7 +43,13 @@ type Claim struct {
 	Failed  string    `json:"failed"`  // failed node
 	Need    Need      `json:"need"`
 	At      time.Time `json:"at"`
+	// Spares are the spares of the failed node's run (its jobs' placement), when the claim is for them: an
+	// alive node of the ring that runs no job accepts only a claim naming it here. Empty: a ring spare's claim.
+	Spares []string `json:"spares,omitempty"`
 }
+
+// MaxRunSpares bounds Claim.Spares (a claim arrives from another agent).
+const MaxRunSpares = 4096
 
 func (c Claim) validate() error {
 	switch {
@@ -54,9 +61,19 @@ func (c Claim) validate() error {
 		return fmt.Errorf("claim for failure %s without a failed node", c.Failure)
 	case c.Need.Jobs < 0 || c.Need.MemoryBytes < 0:
 		return fmt.Errorf("claim for failure %s: negative need (%d jobs, %d bytes)", c.Failure, c.Need.Jobs, c.Need.MemoryBytes)
+	case len(c.Spares) > MaxRunSpares:
+		return fmt.Errorf("claim for failure %s names %d spares of the run, at most %d", c.Failure, len(c.Spares), MaxRunSpares)
+	}
+	for _, name := range c.Spares {
+		if err := clustertls.ValidateMemberName(name); err != nil {
+			return fmt.Errorf("claim for failure %s: a spare of the run: %w", c.Failure, err)
+		}
 	}
 	return nil
 }
+
+// Validate checks a claim received from another agent before any of it is used.
+func (c Claim) Validate() error { return c.validate() }
 
 // state is the persisted form; a nil Claim means free.
 type state struct {
@@ -184,6 +201,29 @@ func Order(spares []ring.Member, tried map[string]bool) []string {
 		if m.Role == ring.RoleSpare && m.State == ring.StateAlive && !tried[m.Name] {
 			out = append(out, m.Name)
 		}
+	}
+	return out
+}
+
+// Target is one spare of a run to try.
+type Target struct {
+	Name string
+	// Node: an alive node of the ring that runs no job (in a Slurm cluster every host is a node): the
+	// failed node's addresses go to it and it keeps its ring position (ring.View.Absorb). Else a ring
+	// spare, which takes the failed node's place (ring.View.Replace).
+	Node bool
+}
+
+// RunOrder returns the spares of a run to try for failed node, in the run's order: those alive in v,
+// neither failed itself nor already tried. The claimed member decides whether it is free.
+func RunOrder(v ring.View, spares []string, failed string, tried map[string]bool) []Target {
+	var out []Target
+	for _, name := range spares {
+		m, ok := v.Member(name)
+		if !ok || m.State != ring.StateAlive || name == failed || tried[name] {
+			continue
+		}
+		out = append(out, Target{Name: name, Node: m.Role == ring.RoleNode})
 	}
 	return out
 }

@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -23,6 +24,11 @@ var t0 = time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC)
 
 func claim(failure, by, failed string, mem int64) Claim {
 	return Claim{Failure: failure, By: by, Failed: failed, Need: Need{Jobs: 2, MemoryBytes: mem}, At: t0}
+}
+
+func withSpares(c Claim, spares ...string) Claim {
+	c.Spares = spares
+	return c
 }
 
 func open(t *testing.T) (*Holder, string) {
@@ -65,6 +71,12 @@ func TestClaim(t *testing.T) {
 		{name: "no requester", c: claim("f1", "", "n2", 1), avail: gib, err: []string{"without a requesting member"}},
 		{name: "no failed node", c: claim("f1", "n3", "", 1), avail: gib, err: []string{"without a failed node"}},
 		{name: "negative need", c: claim("f1", "n3", "n2", -1), avail: gib, err: []string{"negative need"}},
+		{name: "for a run, kept with its spares", c: withSpares(claim("f1", "n3", "n2", 1), "n5", "n6"), avail: gib,
+			current: withSpares(claim("f1", "n3", "n2", 1), "n5", "n6")},
+		{name: "a run's spare that is no member name", c: withSpares(claim("f1", "n3", "n2", 1), "n5", "a/b"), avail: gib,
+			err: []string{"a spare of the run"}},
+		{name: "more spares than a run has", c: withSpares(claim("f1", "n3", "n2", 1), make([]string, MaxRunSpares+1)...), avail: gib,
+			err: []string{"4097 spares of the run, at most 4096"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h, p := open(t)
@@ -86,7 +98,7 @@ func TestClaim(t *testing.T) {
 				}
 			}
 			got, ok := h.Current()
-			if ok != (tc.current.Failure != "") || got != tc.current {
+			if ok != (tc.current.Failure != "") || !reflect.DeepEqual(got, tc.current) {
 				t.Errorf("Current = %+v %v, want %+v", got, ok, tc.current)
 			}
 			// What is on disk is what a restarted agent sees.
@@ -99,7 +111,7 @@ func TestClaim(t *testing.T) {
 				t.Errorf("reopened holder has %+v %v, want %+v %v", rgot, rok, got, ok)
 			}
 			rgot.At, got.At = time.Time{}, time.Time{}
-			if rgot != got {
+			if !reflect.DeepEqual(rgot, got) {
 				t.Errorf("reopened holder has %+v, want %+v", rgot, got)
 			}
 		})
@@ -267,6 +279,46 @@ func TestOrder(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			if got := Order(tc.spares, tc.tried); !slices.Equal(got, tc.want) {
 				t.Errorf("Order = %v, want %v", got, tc.want)
+			}
+		})
+	}
+}
+
+// TestRunOrder: a run's spares are tried in the run's order, alive ones only, never the failed node; an
+// alive node is claimed as a node (absorbs), a ring spare as a spare (replaces).
+func TestRunOrder(t *testing.T) {
+	v, err := ring.New([]ring.Member{
+		{Name: "n1", Address: netip.MustParseAddrPort("10.0.0.1:1"), Role: ring.RoleNode},
+		{Name: "n2", Address: netip.MustParseAddrPort("10.0.0.2:1"), Role: ring.RoleNode},
+		{Name: "n3", Address: netip.MustParseAddrPort("10.0.0.3:1"), Role: ring.RoleNode},
+		{Name: "n4", Address: netip.MustParseAddrPort("10.0.0.4:1"), Role: ring.RoleNode},
+		{Name: "s1", Address: netip.MustParseAddrPort("10.0.0.11:1"), Role: ring.RoleSpare},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	n4gone, err := v.Fail("n4")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name   string
+		v      ring.View
+		spares []string
+		tried  map[string]bool
+		want   []Target
+	}{
+		{"the run's order, nodes and ring spares", v, []string{"n4", "s1", "n3"}, nil,
+			[]Target{{"n4", true}, {"s1", false}, {"n3", true}}},
+		{"a failed spare is skipped", n4gone, []string{"n4", "n3"}, nil, []Target{{"n3", true}}},
+		{"the failed node is never its own spare", v, []string{"n2", "n3"}, nil, []Target{{"n3", true}}},
+		{"strangers are skipped", v, []string{"x9", "n3"}, nil, []Target{{"n3", true}}},
+		{"tried ones are skipped", v, []string{"n3", "n4"}, map[string]bool{"n3": true}, []Target{{"n4", true}}},
+		{"no spares", v, nil, nil, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := RunOrder(tc.v, tc.spares, "n2", tc.tried); !slices.Equal(got, tc.want) {
+				t.Errorf("RunOrder = %v, want %v", got, tc.want)
 			}
 		})
 	}

@@ -266,7 +266,7 @@ up, every live host is shown.`,
 			}
 			fmt.Fprintln(cmd.OutOrStdout())
 			w = tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
-			fmt.Fprintln(w, "JOB\tHOST\tSTATE\tPID\tPROTECTION\tLAST SNAPSHOT\tAGE\tSIZE\tREPLICAS")
+			fmt.Fprintln(w, "JOB\tHOST\tSTATE\tPID\tPROTECTION\tPROTECTOR\tLAST SNAPSHOT\tAGE\tSIZE\tREPLICAS")
 			for _, h := range all {
 				for _, j := range h.Jobs {
 					state := string(j.State)
@@ -274,12 +274,14 @@ up, every live host is shown.`,
 						state = fmt.Sprintf("exited(%d)", j.Exit.Code)
 					}
 					prot := protection(j, h.Members, time.Now())
+					// A job of a run (a placement) is protected by its run's next host, not the ring's.
+					protector := dash(h.JobProtectors[j.ID])
 					last := latestOf(snaps, j.ID, h.Node)
 					if last == nil {
-						fmt.Fprintf(w, "%s\t%s\t%s\t%d\t%s\t-\t-\t-\t-\n", j.ID, h.Node, state, j.PID, prot)
+						fmt.Fprintf(w, "%s\t%s\t%s\t%d\t%s\t%s\t-\t-\t-\t-\n", j.ID, h.Node, state, j.PID, prot, protector)
 						continue
 					}
-					fmt.Fprintf(w, "%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\n", j.ID, h.Node, state, j.PID, prot, last.ID,
+					fmt.Fprintf(w, "%s\t%s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\t%s\n", j.ID, h.Node, state, j.PID, prot, protector, last.ID,
 						time.Since(last.Created).Round(time.Second), humanBytes(last.TotalSize()), dash(strings.Join(last.Replicas, ",")))
 				}
 			}
