@@ -66,4 +66,3 @@ func (a *Agent) serveStartJob(ctx context.Context, peer string, req clusterapi.S
 func (s peerService) StartJob(ctx context.Context, peer string, req clusterapi.StartJobRequest) (clusterapi.StartJobReply, error) {
 	return s.a.serveStartJob(ctx, peer, req)
 }
-
