@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/netip"
 	"os/exec"
 	"slices"
 	"strconv"
@@ -137,4 +138,35 @@ func splitHosts(hosts []string, np, spares int) (ranks, spareHosts []string, err
 		return nil, nil, cli.Usagef("--np %d: the run has %d hosts besides its %d spares, and ftkit runs one rank per host", np, avail, spares)
 	}
 	return slices.Clone(hosts[:np]), slices.Clone(hosts[avail:]), nil
+}
+
+// coveringPrefix is the longest prefix holding every address: the network MPI's TCP traffic is limited to.
+// Open MPI wants one entry that each host matches with its own interface (every entry of a list of /32s
+// that names no interface of a host makes that host's daemon warn, and Open MPI 4.1's forwarding of that
+// warning breaks the run). A prefix that also holds loopback would let MPI use it: refused.
+func coveringPrefix(addrs []netip.Addr) (netip.Prefix, error) {
+	if len(addrs) == 0 {
+		return netip.Prefix{}, errors.New("no addresses")
+	}
+	bits := addrs[0].BitLen()
+	for _, a := range addrs[1:] {
+		if a.BitLen() != addrs[0].BitLen() {
+			return netip.Prefix{}, fmt.Errorf("%v and %v are of different families", addrs[0], a)
+		}
+		for bits > 0 {
+			p, _ := addrs[0].Prefix(bits)
+			if p.Contains(a) {
+				break
+			}
+			bits--
+		}
+	}
+	p, err := addrs[0].Prefix(bits)
+	if err != nil {
+		return netip.Prefix{}, err
+	}
+	if p.Contains(netip.MustParseAddr("127.0.0.1")) || p.Contains(netip.IPv6Loopback()) {
+		return netip.Prefix{}, fmt.Errorf("the only network holding %v, %v, holds loopback too", addrs, p)
+	}
+	return p, nil
 }

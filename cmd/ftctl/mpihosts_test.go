@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"net/netip"
 	"reflect"
 	"strings"
 	"testing"
@@ -114,6 +115,44 @@ func TestSplitHosts(t *testing.T) {
 			}
 			if err != nil || !reflect.DeepEqual(ranks, tt.ranks) || !reflect.DeepEqual(spares, tt.spareH) {
 				t.Fatalf("ranks %v spares %v, %v; want %v %v", ranks, spares, err, tt.ranks, tt.spareH)
+			}
+		})
+	}
+}
+
+func TestCoveringPrefix(t *testing.T) {
+	addrs := func(ss ...string) []netip.Addr {
+		var out []netip.Addr
+		for _, s := range ss {
+			out = append(out, netip.MustParseAddr(s))
+		}
+		return out
+	}
+	tests := []struct {
+		name  string
+		addrs []netip.Addr
+		want  string
+		err   string
+	}{
+		{"one host", addrs("10.1.2.3"), "10.1.2.3/32", ""},
+		{"a lab", addrs("10.246.140.11", "10.246.140.12", "10.246.140.13", "10.246.140.101"), "10.246.140.0/25", ""},
+		{"a /16", addrs("10.1.2.3", "10.1.200.4"), "10.1.0.0/16", ""},
+		{"IPv6", addrs("fd00::1", "fd00::2"), "fd00::/126", ""},
+		{"would hold loopback", addrs("10.1.2.3", "100.1.2.3"), "", "loopback"},
+		{"mixed families", addrs("10.1.2.3", "fd00::1"), "", "families"},
+		{"none", nil, "", "no addresses"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := coveringPrefix(tt.addrs)
+			if tt.err != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.err) {
+					t.Fatalf("%v, %v; want an error about %q", got, err, tt.err)
+				}
+				return
+			}
+			if err != nil || got.String() != tt.want {
+				t.Fatalf("%v, %v; want %s", got, err, tt.want)
 			}
 		})
 	}

@@ -157,21 +157,26 @@ func (f *mpiRunFlags) plan(ctx context.Context, labChosen bool) (*mpiPlan, error
 	if err := p.startHere(st.Node); err != nil {
 		return nil, err
 	}
-	var cidrs []string
+	var addrs []netip.Addr
 	for _, h := range append(slices.Clone(p.ranks), p.spares...) {
 		i := slices.IndexFunc(st.Members, func(m ring.Member) bool { return m.Name == h })
 		if i < 0 || st.Members[i].State != ring.StateAlive {
 			return nil, cli.WithCode(cli.ExitUnavailable, fmt.Errorf("host %s of the run is not an alive member of the cluster of the agent at %s (see ftctl status)", h, p.socket))
 		}
-		cidrs = append(cidrs, netip.PrefixFrom(st.Members[i].Address.Addr(), st.Members[i].Address.Addr().BitLen()).String())
+		addrs = append(addrs, st.Members[i].Address.Addr())
 	}
-	p.cidrs = strings.Join(cidrs, ",")
 	if f.net != "" {
 		pfx, err := netip.ParsePrefix(f.net)
 		if err != nil {
 			return nil, cli.Usagef("--net %q: want a CIDR such as 10.1.0.0/16: %v", f.net, err)
 		}
 		p.cidrs = pfx.Masked().String()
+	} else {
+		pfx, err := coveringPrefix(addrs)
+		if err != nil {
+			return nil, cli.Usagef("the run's hosts' cluster addresses: %v; name the network MPI is to use with --net", err)
+		}
+		p.cidrs = pfx.String()
 	}
 	p.dir = f.dir
 	if p.dir == "" {
