@@ -244,7 +244,7 @@ func TestMPISlurmFailover(t *testing.T) {
 			t.Errorf("%s's job was disturbed: %s pid %d -> %s pid %d, restored from %q", h, b.ID, b.PID, a.ID, a.PID, a.Restored)
 		}
 	}
-	j := jobOn(t, c, "spare1", "ft-node2", 10*time.Second, func(agent.Job) bool { return true })
+	j := jobOn(t, c, "spare1", "ft-node2", 30*time.Second, func(j agent.Job) bool { return j.Exit != nil })
 	if j.Restored == "" || j.Exit == nil || j.Exit.Code != 0 {
 		t.Errorf("node2's job on spare1: restored from %q, exit %+v", j.Restored, j.Exit)
 	}
@@ -276,8 +276,9 @@ func TestMPIHostfile(t *testing.T) {
 	thermo(t, string(out))
 	placement := &agent.Placement{Hosts: []string{"node1", "node2", "node3"}, Spares: []string{"spare1"}}
 	for _, h := range []string{"node1", "node2", "node3"} {
-		j := jobOn(t, c, h, "hf-"+h, 10*time.Second, func(agent.Job) bool { return true })
-		if !reflect.DeepEqual(j.Spec.Placement, placement) || j.Exit == nil || j.Exit.Code != 0 {
+		// The agent records the exit moments after ftwrap and the followers read it.
+		j := jobOn(t, c, h, "hf-"+h, 30*time.Second, func(j agent.Job) bool { return j.Exit != nil })
+		if !reflect.DeepEqual(j.Spec.Placement, placement) || j.Exit.Code != 0 {
 			t.Errorf("job %s: placement %+v, exit %+v; want %+v and 0", j.ID, j.Spec.Placement, j.Exit, placement)
 		}
 	}
