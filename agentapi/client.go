@@ -130,6 +130,13 @@ func (c *Client) StartJob(ctx context.Context, spec agent.JobSpec) (agent.Job, e
 	return j, c.do(ctx, http.MethodPost, "/v1/jobs", spec, &j)
 }
 
+// StartJobOn asks the agent to start a program on member host, through host's agent, as the caller. The
+// job record is host's: follow the job through its (cluster-wide) Dir.
+func (c *Client) StartJobOn(ctx context.Context, host string, spec agent.JobSpec) (agent.Job, error) {
+	var j agent.Job
+	return j, c.do(ctx, http.MethodPost, "/v1/jobs?host="+url.QueryEscape(host), spec, &j)
+}
+
 // Jobs lists the jobs the caller may see.
 func (c *Client) Jobs(ctx context.Context) ([]agent.Job, error) {
 	var js []agent.Job

@@ -118,8 +118,12 @@ func (fb *fakeBackend) Job(id string, uid uint32) (agent.Job, <-chan struct{}, e
 
 var errFake = errors.New("the fake backend does no real work")
 
-func (fb *fakeBackend) StartJob(context.Context, agent.JobSpec, uint32, uint32) (*agent.Job, error) {
-	return nil, errFake
+func (fb *fakeBackend) StartJobOn(_ context.Context, host string, spec agent.JobSpec, uid, gid uint32) (*agent.Job, error) {
+	if host != "node2" {
+		return nil, errFake
+	}
+	// Started "on node2": the record says who asked for it, and where.
+	return &agent.Job{ID: spec.Name + "-1", Spec: spec, UID: uid, GID: gid, Node: host, Dir: "/jobs/" + spec.Name + "-1"}, nil
 }
 
 func (fb *fakeBackend) Checkpoint(context.Context, []string, uint32) ([]agent.SnapshotResult, error) {

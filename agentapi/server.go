@@ -34,7 +34,9 @@ type Backend interface {
 	Jobs(uid uint32) []agent.Job
 	// Job returns a job and a channel closed at its next change (for long polls).
 	Job(id string, uid uint32) (agent.Job, <-chan struct{}, error)
-	StartJob(ctx context.Context, spec agent.JobSpec, uid, gid uint32) (*agent.Job, error)
+	// StartJobOn starts a job as uid:gid on member host ("" or this host's name: here; another member: through
+	// its agent, which believes this agent's word for uid and gid).
+	StartJobOn(ctx context.Context, host string, spec agent.JobSpec, uid, gid uint32) (*agent.Job, error)
 	Checkpoint(ctx context.Context, jobs []string, uid uint32) ([]agent.SnapshotResult, error)
 	// CheckpointFloor is the shortest time between two checkpoints a non-root uid may ask for.
 	CheckpointFloor() time.Duration
@@ -123,8 +125,9 @@ func Handler(a Backend, lim Limits) http.Handler {
 			writeError(w, http.StatusBadRequest, fmt.Errorf("job spec: %w", err))
 			return
 		}
+		// ?host=NAME: start it on that member (a run's launcher starting its part on another host).
 		c := callerOf(r)
-		j, err := a.StartJob(r.Context(), spec, c.Uid, c.Gid)
+		j, err := a.StartJobOn(r.Context(), r.URL.Query().Get("host"), spec, c.Uid, c.Gid)
 		if err != nil {
 			writeError(w, http.StatusUnprocessableEntity, err)
 			return

@@ -236,6 +236,21 @@ func (c *Client) Grant(ctx context.Context, peer string, req GrantRequest) (Gran
 	return rep, err
 }
 
+// StartJob asks peer to start a job for a local caller of this agent, and checks the answer is a job's
+// record. Starting a job takes a fork and a cgroup: a few message timeouts under load.
+func (c *Client) StartJob(ctx context.Context, peer string, req StartJobRequest) (StartJobReply, error) {
+	if err := req.Validate(); err != nil {
+		return StartJobReply{}, err
+	}
+	rep, err := call[StartJobReply](c, ctx, peer, OpStartJob, c.cfg.Timeouts.LargeTimeout(MaxMessage)+2*c.msg(), req)
+	if err == nil {
+		if err = rep.Check(); err != nil {
+			err = fmt.Errorf("reply from %s: %w", peer, err)
+		}
+	}
+	return rep, err
+}
+
 // LogRange fetches from peer the bytes it logged on a connection from a sequence number on, with peer's
 // live state of the connection. The reply has the message timeout; the bytes may take as long as they
 // keep moving (the idle timeout), within ctx.

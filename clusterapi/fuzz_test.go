@@ -7,6 +7,8 @@ import (
 	"io"
 	"net/http"
 	"net/netip"
+	"path/filepath"
+	"slices"
 	"testing"
 	"time"
 
@@ -52,6 +54,8 @@ func messageSeeds() [][]byte {
 		GrantRequest{Job: "job-1", Incarnation: 2, Holder: "restore:ab"},
 		GrantReply{Conflict: &grant.Record{Incarnation: 2, Holder: "restore:cd", Host: "s1"}},
 		Error{Op: OpPing, Code: CodeRefused, Message: "busy"},
+		testStartJob(),
+		StartJobReply{ID: "run-node2-0a0b0c0d", Node: "n2", PID: 42, Dir: "/jobs/run-node2-0a0b0c0d"},
 	}
 	var seeds [][]byte
 	for _, m := range msgs {
@@ -104,6 +108,16 @@ func FuzzClusterMessage(f *testing.F) {
 		if request(&rs, MaxMessage) && rs.Validate() == nil && len(rs.Jobs) > MaxRecoveryStatusJobs {
 			t.Fatalf("a status question about %d jobs validated", len(rs.Jobs))
 		}
+		var sj StartJobRequest
+		if request(&sj, MaxMessage) && sj.Validate() == nil {
+			n := 0
+			for _, a := range append(slices.Clone(sj.Argv), sj.Env...) {
+				n += len(a)
+			}
+			if n > MaxStartJobBytes || len(sj.Argv) > MaxStartJobArgs || !filepath.IsAbs(sj.Dir) {
+				t.Fatalf("start-job request of %d bytes, %d args, dir %q validated", n, len(sj.Argv), sj.Dir)
+			}
+		}
 		var rr RecoverRequest
 		if request(&rr, MaxRecoverRequest) && rr.Validate() == nil {
 			for _, rj := range rr.Jobs {
@@ -135,6 +149,10 @@ func FuzzClusterMessage(f *testing.F) {
 			if w, err := wm.Placed("n2", sent); err == nil && (w.At.After(sent) || len(w.Addrs) > MaxWatermarkAddrs) {
 				t.Fatalf("watermark %+v accepted", w)
 			}
+		}
+		var sjr StartJobReply
+		if json.Unmarshal(body, &sjr) == nil && sjr.Check() == nil && (sjr.ID == "" || !filepath.IsAbs(sjr.Dir)) {
+			t.Fatalf("start-job reply %+v accepted", sjr)
 		}
 		var grp GrantReply
 		if json.Unmarshal(body, &grp) == nil && grp.Conflict != nil {

@@ -29,6 +29,8 @@ const (
 	OpReplica        Op = "replica"         // the newest verified replica of a job from a node the server holds
 	OpRecoveryStatus Op = "recovery-status" // how a recovery the server was the target of went
 	OpGrant          Op = "grant"           // grant (or give back) the next incarnation of a job to a restore
+	// Runs.
+	OpStartJob Op = "start-job" // start a protected job on the server for a caller of the asking member
 )
 
 // Path is the operation's URL path.
@@ -37,7 +39,7 @@ func (op Op) Path() string { return "/v1/" + string(op) }
 // Ops lists every operation.
 func Ops() []Op {
 	return []Op{OpPing, OpSnapshot, OpFetch, OpLocate, OpTrim, OpLogRange, OpCheckpointNow, OpReceived,
-		OpLogWatermark, OpHeartbeat, OpProbe, OpView, OpClaim, OpRecover, OpReplica, OpRecoveryStatus, OpGrant}
+		OpLogWatermark, OpHeartbeat, OpProbe, OpView, OpClaim, OpRecover, OpReplica, OpRecoveryStatus, OpGrant, OpStartJob}
 }
 
 // MaxHeader bounds a small request body; MaxMessage bounds the larger ones (views, trims), every reply

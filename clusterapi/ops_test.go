@@ -131,6 +131,11 @@ func TestEveryOperation(t *testing.T) {
 			// The authenticated name counts, never what the message says.
 			return detect.Beat{From: "n1", Seq: 1, Sent: sent}, got, nil
 		}, detect.Beat{From: "n1", Seq: 1, Sent: time.Date(2026, 5, 1, 0, 0, 0, 0, time.UTC)}},
+		{OpStartJob, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
+			req := testStartJob()
+			r, err := c.StartJob(ctx, "n2", req)
+			return req, r, err
+		}, StartJobReply{ID: "run-node2-0a0b0c0d", Node: "n2", PID: 42, Dir: "/jobs/run-node2-0a0b0c0d"}},
 		{OpSnapshot, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
 			conn, err := c.Ship(ctx, "n2")
 			if err != nil {

@@ -66,6 +66,7 @@ func (l *Lab) slurmConf(dir string) (string, error) {
 		ControllerAddr: l.st.Hosts[0].Addr.Addr(),
 		Dir:            dir,
 		Partition:      "lab",
+		TaskProlog:     slurm.TaskPrologPath(dir),
 	}
 	for _, h := range l.st.Hosts {
 		c.Nodes = append(c.Nodes, slurm.Node{Name: h.Name, Addr: h.Addr.Addr()})
@@ -102,6 +103,15 @@ func (l *Lab) startSlurm(ctx context.Context) error {
 	}
 	if err := os.WriteFile(slurm.ConfPath(dir), []byte(conf), 0o644); err != nil {
 		return fmt.Errorf("write slurm.conf: %w", err)
+	}
+	// A task finds its host's agent through FTKIT_AGENT_SOCKET: in the lab each host's agent listens on its
+	// own socket (lab/labcluster's layout: <state dir>/<id>.d/<host>/agent.sock).
+	prolog, err := slurm.TaskPrologScript(filepath.Join(DefaultStateDir, l.st.ID+".d", "%n", "agent.sock"))
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(slurm.TaskPrologPath(dir), []byte(prolog), 0o755); err != nil {
+		return fmt.Errorf("write the Slurm task prolog: %w", err)
 	}
 	// Under the store's lock, so that two labs coming up together do not both start a munged.
 	err = l.store.locked(func() error {

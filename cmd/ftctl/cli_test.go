@@ -145,7 +145,7 @@ func (b *testBackend) Job(id string, _ uint32) (agent.Job, <-chan struct{}, erro
 	}
 	return agent.Job{}, nil, fmt.Errorf("%w: %s on node1", agent.ErrNoJob, id)
 }
-func (b *testBackend) StartJob(context.Context, agent.JobSpec, uint32, uint32) (*agent.Job, error) {
+func (b *testBackend) StartJobOn(context.Context, string, agent.JobSpec, uint32, uint32) (*agent.Job, error) {
 	return nil, errors.New("not here")
 }
 func (b *testBackend) Checkpoint(context.Context, []string, uint32) ([]agent.SnapshotResult, error) {

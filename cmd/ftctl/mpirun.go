@@ -4,12 +4,15 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -21,24 +24,31 @@ import (
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
+	"github.com/ftkit/ftkit/ring"
 	"github.com/ftkit/ftkit/shim"
 )
 
 // Environment that mpirun passes down to its launcher (`ftctl mpirun launch-daemon`), which MPI runs once per
 // remote host in place of ssh.
 const (
-	envMPILab      = "FTKIT_MPI_LAB"      // lab id
-	envMPIRun      = "FTKIT_MPI_RUN"      // run name: job names are RUN-HOST
-	envMPIDir      = "FTKIT_MPI_DIR"      // run directory: hostfile, per-host TMPDIRs
-	envMPIInterval = "FTKIT_MPI_INTERVAL" // the jobs' checkpoint interval ("" = the agents')
+	envMPILab       = "FTKIT_MPI_LAB"       // lab id ("" outside a lab)
+	envMPISocket    = "FTKIT_MPI_SOCKET"    // outside a lab: the local agent's socket, which forwards to the others
+	envMPIRun       = "FTKIT_MPI_RUN"       // run name: job names are RUN-HOST
+	envMPIDir       = "FTKIT_MPI_DIR"       // run directory: hostfile, per-host TMPDIRs
+	envMPIInterval  = "FTKIT_MPI_INTERVAL"  // the jobs' checkpoint interval ("" = the agents')
+	envMPIPlacement = "FTKIT_MPI_PLACEMENT" // the run's hosts and spares, JSON ("" = the cluster ring's)
 )
+
+// envAgentSocket names the local agent's socket (as for ftwrap); a Slurm TaskProlog may set it.
+const envAgentSocket = "FTKIT_AGENT_SOCKET"
 
 // eagerLimit is the largest MPI message Open MPI sends without a rendezvous (see launcherArgv).
 const eagerLimit = "67108864"
 
 type mpiRunFlags struct {
 	labID, impl, name, interval, mpirun string
-	np                                  int
+	hostfile, socket, dir, net          string
+	np, spares                          int
 	eagerOnly                           bool
 }
 
@@ -46,29 +56,39 @@ func newMPIRunCmd(logs *cli.LogFlags) *cobra.Command {
 	f := &mpiRunFlags{}
 	cmd := &cobra.Command{
 		Use:   "mpirun [flags] -- PROG [ARGS...]",
-		Short: "Run an unmodified MPI program over TCP on a lab, one protected job per host",
-		Long: `Run PROG with Open MPI (or MPICH), one rank per lab node, over TCP only, with every host's part of the
+		Short: "Run an unmodified MPI program over TCP, one protected job per host",
+		Long: `Run PROG with Open MPI (or MPICH), one rank per host, over TCP only, with every host's part of the
 MPI runtime under ftkit's protection:
 
-  node1: ONE job = mpirun (Open MPI's HNP, which is also node1's daemon) + rank 0
-  nodeK: ONE job = orted (or hydra_pmi_proxy) + rank K-1, started through nodeK's agent
+  host 1: ONE job = mpirun (Open MPI's HNP, which is also host 1's daemon) + rank 0
+  host K: ONE job = orted (or hydra_pmi_proxy) + rank K-1, started through host K's agent
 
-mpirun runs in node1 under ftwrap, so its TCP connections to the other hosts' daemons are logged like the
-ranks' and node1 can fail over too. MPI launches the remote daemons through ` + "`ftctl mpirun launch-daemon`" + `
-(Open MPI's plm_rsh_agent, MPICH's -launcher-exec) instead of ssh. Open MPI is restricted to pml ob1,
-btl tcp,self and oob tcp on the lab subnet: no shared memory, no RDMA. See docs/mpi.md.
+The hosts are, in this order of precedence: --hostfile FILE (member names, one per line; Open MPI's
+"NAME slots=N" lines and # comments are accepted); the lab given with --lab; the allocation of the Slurm
+job this runs in (SLURM_JOB_NODELIST); the default lab. The last --spares hosts are the run's spares: its
+jobs are restored there when a rank's host fails. The ranks run on the first --np of the others.
+
+mpirun runs on the first host (this one) under ftwrap, so its TCP connections to the other hosts' daemons
+are logged like the ranks' and host 1 can fail over too. MPI launches the remote daemons through
+` + "`ftctl mpirun launch-daemon`" + ` (Open MPI's plm_rsh_agent, MPICH's -launcher-exec) instead of ssh; it asks
+the local agent (--socket, else $FTKIT_AGENT_SOCKET, else ` + agentapi.DefaultSocket + `) to start each
+daemon's job on its host. Open MPI is restricted to pml ob1, btl tcp,self and oob tcp on the run's hosts'
+cluster addresses (or --net): no shared memory, no RDMA. Outside a lab the run directory (--dir, default
+./.ftkit-mpi/NAME) and the agents' jobs_dir must be on a file system every host shares. See docs/mpi.md.
 
 Output and exit status are mpirun's, as with ftwrap.`,
 		Args: cli.Args(cobra.MinimumNArgs(1)),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if err := requireRoot(); err != nil {
-				return err
-			}
-			return f.run(cmd.Context(), cmd.OutOrStdout(), cmd.ErrOrStderr(), args)
+			return f.run(cmd.Context(), cmd.Flags().Changed("lab"), cmd.OutOrStdout(), cmd.ErrOrStderr(), args)
 		},
 	}
-	cmd.Flags().StringVar(&f.labID, "lab", lab.DefaultID, "lab id")
-	cmd.Flags().IntVar(&f.np, "np", 0, "number of ranks, one per node from node1 on (default: every node)")
+	cmd.Flags().StringVar(&f.labID, "lab", lab.DefaultID, "lab id (the default lab only without --hostfile and outside Slurm)")
+	cmd.Flags().StringVar(&f.hostfile, "hostfile", "", "the run's hosts: member names, one per line")
+	cmd.Flags().IntVar(&f.spares, "spares", 0, "the last N hosts are the run's spares")
+	cmd.Flags().IntVar(&f.np, "np", 0, "number of ranks, one per host from the first on (default: every host but the spares)")
+	cmd.Flags().StringVar(&f.socket, "socket", "", "outside a lab: the local agent's socket (default: $FTKIT_AGENT_SOCKET, else "+agentapi.DefaultSocket+")")
+	cmd.Flags().StringVar(&f.dir, "dir", "", "outside a lab: the run directory, on a file system all hosts share (default: ./.ftkit-mpi/NAME)")
+	cmd.Flags().StringVar(&f.net, "net", "", "outside a lab: the CIDR MPI's TCP traffic uses (default: the run's hosts' cluster addresses)")
 	cmd.Flags().StringVar(&f.impl, "impl", "openmpi", "MPI implementation: openmpi or mpich")
 	cmd.Flags().StringVar(&f.name, "name", "", "run name; the jobs are NAME-HOST (default: mpi-RANDOM)")
 	cmd.Flags().StringVar(&f.interval, "interval", "", "the jobs' checkpoint interval: a duration or auto (default: the agents')")
@@ -79,17 +99,114 @@ Output and exit status are mpirun's, as with ftwrap.`,
 	return cmd
 }
 
-// run starts mpirun under ftwrap on the first node and waits for it.
-func (f *mpiRunFlags) run(ctx context.Context, stdout, stderr io.Writer, prog []string) error {
-	if prog[0] == "--" {
-		prog = prog[1:]
+// mpiPlan is where a run goes: its hosts, how its jobs reach their agents, its directory and network.
+type mpiPlan struct {
+	ranks, spares []string
+	placement     *agent.Placement // nil: the cluster ring decides (a lab run without --spares)
+	labID         string           // "" outside a lab
+	socket        string           // the first host's agent
+	dir           string
+	cidrs         string // comma-separated: Open MPI's and PMIx's TCP interfaces
+}
+
+// plan decides where the run goes.
+func (f *mpiRunFlags) plan(ctx context.Context, labChosen bool) (*mpiPlan, error) {
+	if f.name == "" {
+		b := make([]byte, 3)
+		rand.Read(b)
+		f.name = "mpi-" + hex.EncodeToString(b)
 	}
-	if len(prog) == 0 {
-		return cli.Usagef("no program given after --")
+	var hosts []string
+	switch {
+	case f.hostfile != "":
+		fh, err := os.Open(f.hostfile)
+		if err != nil {
+			return nil, cli.Usagef("--hostfile: %v", err)
+		}
+		hosts, err = parseHostfile(fh)
+		fh.Close()
+		if err != nil {
+			return nil, cli.Usagef("--hostfile %s: %v", f.hostfile, err)
+		}
+	case !labChosen && os.Getenv("SLURM_JOB_NODELIST") != "":
+		var err error
+		if hosts, err = slurmHosts(ctx, os.Getenv, scontrolHostnames); err != nil {
+			return nil, cli.WithCode(cli.ExitUnavailable, err)
+		}
+	default:
+		return f.labPlan()
+	}
+	ranks, spares, err := splitHosts(hosts, f.np, f.spares)
+	if err != nil {
+		return nil, err
+	}
+	p := &mpiPlan{ranks: ranks, spares: spares, placement: &agent.Placement{Hosts: ranks, Spares: spares}, socket: f.socket}
+	if p.socket == "" {
+		p.socket = os.Getenv(envAgentSocket)
+	}
+	if p.socket == "" {
+		p.socket = agentapi.DefaultSocket
+	}
+	st, err := agentapi.NewClient(p.socket).Status(ctx)
+	if errors.Is(err, agentapi.ErrAgentUnavailable) {
+		return nil, cli.WithCode(cli.ExitUnavailable, err)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("ask the local agent for the cluster's members: %w", err)
+	}
+	if err := p.startHere(st.Node); err != nil {
+		return nil, err
+	}
+	var addrs []netip.Addr
+	for _, h := range append(slices.Clone(p.ranks), p.spares...) {
+		i := slices.IndexFunc(st.Members, func(m ring.Member) bool { return m.Name == h })
+		if i < 0 || st.Members[i].State != ring.StateAlive {
+			return nil, cli.WithCode(cli.ExitUnavailable, fmt.Errorf("host %s of the run is not an alive member of the cluster of the agent at %s (see ftctl status)", h, p.socket))
+		}
+		addrs = append(addrs, st.Members[i].Address.Addr())
+	}
+	if f.net != "" {
+		pfx, err := netip.ParsePrefix(f.net)
+		if err != nil {
+			return nil, cli.Usagef("--net %q: want a CIDR such as 10.1.0.0/16: %v", f.net, err)
+		}
+		p.cidrs = pfx.Masked().String()
+	} else {
+		pfx, err := coveringPrefix(addrs)
+		if err != nil {
+			return nil, cli.Usagef("the run's hosts' cluster addresses: %v; name the network MPI is to use with --net", err)
+		}
+		p.cidrs = pfx.String()
+	}
+	p.dir = f.dir
+	if p.dir == "" {
+		p.dir = filepath.Join(".ftkit-mpi", f.name)
+	}
+	if p.dir, err = filepath.Abs(p.dir); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// startHere puts this host first among the ranks: mpirun runs here, under the local agent. A batch
+// script runs on the first node of its allocation, so this is usually already so.
+func (p *mpiPlan) startHere(self string) error {
+	i := slices.Index(p.ranks, self)
+	if i < 0 {
+		return cli.Usagef("this host (%s) runs none of the run's ranks %v: run ftctl mpirun on the first of them", self, p.ranks)
+	}
+	p.ranks[0], p.ranks[i] = p.ranks[i], p.ranks[0]
+	return nil
+}
+
+// labPlan is a run on a lab's live nodes, each reached through its own agent socket.
+func (f *mpiRunFlags) labPlan() (*mpiPlan, error) {
+	if err := requireRoot(); err != nil {
+		return nil, err
 	}
 	l, err := lab.Open(f.labID, lab.Options{})
 	if err != nil {
-		return cli.WithCode(cli.ExitNotFound, fmt.Errorf("open lab %s: %w; start one with `ftctl lab up`", f.labID, err))
+		return nil, cli.WithCode(cli.ExitNotFound, fmt.Errorf("open lab %s: %w; start one with `ftctl lab up`", f.labID, err))
 	}
 	st := l.State()
 	var nodes []string
@@ -98,17 +215,30 @@ func (f *mpiRunFlags) run(ctx context.Context, stdout, stderr io.Writer, prog []
 			nodes = append(nodes, h.Name)
 		}
 	}
-	if f.np == 0 {
-		f.np = len(nodes)
+	ranks, spares, err := splitHosts(nodes, f.np, f.spares)
+	if err != nil {
+		return nil, fmt.Errorf("lab %s's live nodes: %w", st.ID, err)
 	}
-	if f.np < 1 || f.np > len(nodes) {
-		return cli.Usagef("--np %d: the lab has %d live nodes and ftkit runs one rank per node", f.np, len(nodes))
+	p := &mpiPlan{ranks: ranks, spares: spares, labID: st.ID, socket: labcluster.Socket(st.ID, ranks[0]), cidrs: st.Subnet.Masked().String()}
+	if f.spares > 0 {
+		p.placement = &agent.Placement{Hosts: ranks, Spares: spares}
 	}
-	hosts := nodes[:f.np]
-	if f.name == "" {
-		b := make([]byte, 3)
-		rand.Read(b)
-		f.name = "mpi-" + hex.EncodeToString(b)
+	// The run directory is inside the lab's data directory, on the file system every lab host shares.
+	p.dir = filepath.Join(filepath.Dir(labcluster.JobsDir(st.ID)), "mpi", f.name)
+	return p, nil
+}
+
+// run starts mpirun under ftwrap on the first host and waits for it.
+func (f *mpiRunFlags) run(ctx context.Context, labChosen bool, stdout, stderr io.Writer, prog []string) error {
+	if prog[0] == "--" {
+		prog = prog[1:]
+	}
+	if len(prog) == 0 {
+		return cli.Usagef("no program given after --")
+	}
+	p, err := f.plan(ctx, labChosen)
+	if err != nil {
+		return err
 	}
 	self, err := os.Executable()
 	if err != nil {
@@ -120,40 +250,55 @@ func (f *mpiRunFlags) run(ctx context.Context, stdout, stderr io.Writer, prog []
 			return cli.WithCode(cli.ExitUnavailable, errors.New("no ftwrap next to ftctl or on PATH: run `make build`"))
 		}
 	}
-	// The run directory is inside the lab's data directory, on the file system every lab host shares, so a
-	// host's MPI session directory is still there when its job is restored on a spare. Each host gets its
-	// own TMPDIR: all lab hosts share one hostname and every job's root is PID 1 in its PID namespace, so
-	// MPI's session directories (named after hostname and PID) would collide.
-	dir := filepath.Join(filepath.Dir(labcluster.JobsDir(st.ID)), "mpi", f.name)
+	// The run directory is on a file system every host shares, so a host's MPI session directory is still
+	// there when its job is restored on a spare. Each host gets its own TMPDIR: MPI's session directories
+	// are named after hostname and PID, every job's root is PID 1 in its PID namespace, and all lab hosts
+	// share one hostname.
+	dir := p.dir
 	if _, err := os.Stat(dir); err == nil {
-		return cli.Usagef("--name %s: a run of that name exists in lab %s (%s)", f.name, st.ID, dir)
+		return cli.Usagef("--name %s: a run of that name exists (%s)", f.name, dir)
 	}
-	for _, h := range hosts {
+	for _, h := range p.ranks {
 		if err := os.MkdirAll(filepath.Join(dir, "tmp", h), 0o755); err != nil {
 			return fmt.Errorf("create the run directory: %w", err)
 		}
 	}
-	argv, err := f.launcherArgv(st, hosts, dir, self, prog)
+	argv, err := f.launcherArgv(p, self, prog)
 	if err != nil {
 		return err
 	}
-	wrap := []string{"--socket", labcluster.Socket(st.ID, hosts[0]), "--name", f.name + "-" + hosts[0]}
+	wrap := []string{"--socket", p.socket, "--name", f.name + "-" + p.ranks[0]}
 	if f.interval != "" {
 		wrap = append(wrap, "--interval", f.interval)
 	}
+	var placement []byte
+	if p.placement != nil {
+		wrap = append(wrap, "--placement-hosts", strings.Join(p.placement.Hosts, ","))
+		if len(p.placement.Spares) > 0 {
+			wrap = append(wrap, "--placement-spares", strings.Join(p.placement.Spares, ","))
+		}
+		if placement, err = json.Marshal(p.placement); err != nil {
+			return err
+		}
+	}
 	cmd := exec.CommandContext(ctx, ftwrap, append(append(wrap, "--"), argv...)...)
 	cmd.Stdout, cmd.Stderr = stdout, stderr
-	cmd.Env = append(withoutEnv(os.Environ(), "TMPDIR", envMPILab, envMPIRun, envMPIDir, envMPIInterval),
-		"TMPDIR="+filepath.Join(dir, "tmp", hosts[0]), envMPILab+"="+st.ID, envMPIRun+"="+f.name,
-		envMPIDir+"="+dir, envMPIInterval+"="+f.interval)
+	cmd.Env = append(withoutEnv(os.Environ(), "TMPDIR", envMPILab, envMPISocket, envMPIRun, envMPIDir, envMPIInterval, envMPIPlacement),
+		"TMPDIR="+filepath.Join(dir, "tmp", p.ranks[0]), envMPIRun+"="+f.name,
+		envMPIDir+"="+dir, envMPIInterval+"="+f.interval, envMPIPlacement+"="+string(placement))
+	if p.labID != "" {
+		cmd.Env = append(cmd.Env, envMPILab+"="+p.labID)
+	} else {
+		cmd.Env = append(cmd.Env, envMPISocket+"="+p.socket)
+	}
 	if os.Geteuid() == 0 { // the lab needs root, and so the ranks run as root
 		cmd.Env = append(cmd.Env, "OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1")
 	}
 	if f.impl == "openmpi" {
 		// PMIx (rank <-> its host's daemon) listens on loopback TCP by default. A loopback connection's peer
-		// address names no host, so a restorer cannot tell it stays inside the job; on the host's lab
+		// address names no host, so a restorer cannot tell it stays inside the job; on the host's cluster
 		// address it is plainly a connection whose both ends are on the failed host, restored together.
-		cmd.Env = append(cmd.Env, "PMIX_MCA_ptl_tcp_if_include="+st.Subnet.Masked().String())
+		cmd.Env = append(cmd.Env, "PMIX_MCA_ptl_tcp_if_include="+p.cidrs)
 	}
 	// The signal goes to the job through ftwrap (same process group), not by killing ftwrap.
 	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
@@ -167,7 +312,8 @@ func (f *mpiRunFlags) run(ctx context.Context, stdout, stderr io.Writer, prog []
 
 // launcherArgv is the MPI launcher's command line: ranks one per host in order, TCP only on the lab subnet,
 // remote daemons started by `ftctl mpirun launch-daemon`.
-func (f *mpiRunFlags) launcherArgv(st lab.State, hosts []string, dir, self string, prog []string) ([]string, error) {
+func (f *mpiRunFlags) launcherArgv(p *mpiPlan, self string, prog []string) ([]string, error) {
+	hosts, dir := p.ranks, p.dir
 	// MPICH's -launcher-exec takes one executable, not a command line: a one-line script in the run
 	// directory (same as scripts/mpi/ftkit-rsh, with this ftctl's path).
 	agentCmd := filepath.Join(dir, "rsh")
@@ -175,7 +321,7 @@ func (f *mpiRunFlags) launcherArgv(st lab.State, hosts []string, dir, self strin
 	if err := os.WriteFile(agentCmd, []byte(script), 0o755); err != nil {
 		return nil, fmt.Errorf("write the MPI launcher script: %w", err)
 	}
-	subnet := st.Subnet.Masked().String()
+	subnet := p.cidrs
 	switch f.impl {
 	case "openmpi":
 		bin, err := findMPI(f.mpirun, "mpirun.openmpi", "Open MPI (apt-get install openmpi-bin)")
@@ -199,6 +345,9 @@ func (f *mpiRunFlags) launcherArgv(st lab.State, hosts []string, dir, self strin
 			// orted must not daemonize: it is its job's root, and a PID namespace dies with its init.
 			"--leave-session-attached",
 			"--mca", "plm", "rsh", "--mca", "plm_rsh_agent", agentCmd,
+			// Inside a Slurm job Open MPI would read the allocation itself and filter the hostfile by it
+			// ("localhost" is no node of it): the hostfile alone says where the ranks go.
+			"--mca", "ras", "^slurm",
 			// Every daemon is launched from node1; tree spawn would put a launcher of nodeK inside nodeJ's job.
 			"--mca", "plm_rsh_no_tree_spawn", "1",
 			"--mca", "pml", "ob1", "--mca", "btl", "tcp,self", "--mca", "oob", "tcp",
@@ -263,7 +412,7 @@ func withoutEnv(env []string, names ...string) []string {
 func newMPILaunchDaemonCmd(logs *cli.LogFlags) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:    "launch-daemon HOST COMMAND...",
-		Short:  "MPI's remote shell: run an MPI daemon as a protected job on a lab host",
+		Short:  "MPI's remote shell: run an MPI daemon as a protected job on a host of the run",
 		Hidden: true,
 		// Everything is MPI's: the host, maybe ssh options before it, and the daemon's command line.
 		DisableFlagParsing: true,
@@ -272,9 +421,16 @@ func newMPILaunchDaemonCmd(logs *cli.LogFlags) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			id, run, dir := os.Getenv(envMPILab), os.Getenv(envMPIRun), os.Getenv(envMPIDir)
-			if id == "" || run == "" || dir == "" {
-				return cli.Usagef("launch-daemon is run by mpirun under `ftctl mpirun` (%s, %s, %s unset)", envMPILab, envMPIRun, envMPIDir)
+			id, socket, run, dir := os.Getenv(envMPILab), os.Getenv(envMPISocket), os.Getenv(envMPIRun), os.Getenv(envMPIDir)
+			if (id == "" && socket == "") || run == "" || dir == "" {
+				return cli.Usagef("launch-daemon is run by mpirun under `ftctl mpirun` (%s or %s, %s, %s unset)", envMPILab, envMPISocket, envMPIRun, envMPIDir)
+			}
+			var placement *agent.Placement
+			if pj := os.Getenv(envMPIPlacement); pj != "" {
+				placement = &agent.Placement{}
+				if err := json.Unmarshal([]byte(pj), placement); err != nil {
+					return cli.Usagef("%s: %v", envMPIPlacement, err)
+				}
 			}
 			// ssh's options that MPI launchers add (hydra: -x) mean nothing here.
 			for len(args) > 0 && strings.HasPrefix(args[0], "-") {
@@ -301,13 +457,21 @@ func newMPILaunchDaemonCmd(logs *cli.LogFlags) *cobra.Command {
 				return err
 			}
 			spec := agent.JobSpec{
-				Name:     run + "-" + host,
-				Argv:     []string{"/bin/sh", "-c", strings.Join(words, " ")},
-				Env:      append(withoutEnv(os.Environ(), "TMPDIR"), "TMPDIR="+tmp),
-				Dir:      cwd,
-				Interval: os.Getenv(envMPIInterval),
+				Name:      run + "-" + host,
+				Argv:      []string{"/bin/sh", "-c", strings.Join(words, " ")},
+				Env:       append(withoutEnv(os.Environ(), "TMPDIR"), "TMPDIR="+tmp),
+				Dir:       cwd,
+				Interval:  os.Getenv(envMPIInterval),
+				Placement: placement,
 			}
-			job, err := agentapi.NewClient(labcluster.Socket(id, host)).StartJob(cmd.Context(), spec)
+			var job agent.Job
+			if id != "" {
+				// In a lab every host's agent has a socket this process reaches.
+				job, err = agentapi.NewClient(labcluster.Socket(id, host)).StartJob(cmd.Context(), spec)
+			} else {
+				// Elsewhere the local agent forwards to HOST's agent over the cluster protocol.
+				job, err = agentapi.NewClient(socket).StartJobOn(cmd.Context(), host, spec)
+			}
 			if errors.Is(err, agentapi.ErrAgentUnavailable) {
 				return cli.WithCode(cli.ExitUnavailable, fmt.Errorf("start the MPI daemon on %s: %w", host, err))
 			}

@@ -1,6 +1,6 @@
 // Command ftwrap puts an existing program under ftkit's protection and runs it:
 //
-//	ftwrap [--name JOB] [--interval D|auto] [--] PROG [ARGS...]
+//	ftwrap [--name JOB] [--interval D|auto] [--placement-hosts H,... [--placement-spares S,...]] [--] PROG [ARGS...]
 //
 // The local agent starts PROG (own PID namespace, own cgroup, stdin from /dev/null, output to files in the
 // job directory); ftwrap copies that output to its own stdout and stderr and exits with PROG's status, also
@@ -32,6 +32,7 @@ func main() { os.Exit(cli.Main(newRoot())) }
 func newRoot() *cobra.Command {
 	var logs cli.LogFlags
 	var name, interval, socket string
+	var placeHosts, placeSpares []string
 	root := &cobra.Command{
 		Use:   "ftwrap [flags] [--] PROG [ARGS...]",
 		Short: "Run a program under ftkit's protection",
@@ -61,14 +62,23 @@ started, 255 the job was lost without an exit status.`,
 			if err != nil {
 				return err
 			}
-			return wrap(cmd.Context(), log, agentapi.NewClient(socket),
-				agent.JobSpec{Name: name, Argv: args, Env: os.Environ(), Dir: cwd, Interval: interval})
+			spec := agent.JobSpec{Name: name, Argv: args, Env: os.Environ(), Dir: cwd, Interval: interval}
+			if len(placeHosts) > 0 || len(placeSpares) > 0 {
+				spec.Placement = &agent.Placement{Hosts: placeHosts, Spares: placeSpares}
+				if err := spec.Placement.Validate(); err != nil {
+					return cli.Usagef("--placement-hosts, --placement-spares: %v", err)
+				}
+			}
+			return wrap(cmd.Context(), log, agentapi.NewClient(socket), spec)
 		},
 	}
 	logs.Register(root)
 	root.Flags().StringVar(&name, "name", "", "job name (default: the program's base name)")
 	root.Flags().StringVar(&interval, "interval", "", "checkpoint interval: a duration such as 30s, or auto (default: the agent's)")
 	root.Flags().StringVar(&socket, "socket", "", "the local agent's socket")
+	// A run of several jobs (ftctl mpirun) names its own hosts and spares; alone, a job has the ring's.
+	root.Flags().StringSliceVar(&placeHosts, "placement-hosts", nil, "the hosts of the run this job is part of, in order (comma-separated member names)")
+	root.Flags().StringSliceVar(&placeSpares, "placement-spares", nil, "the run's spare hosts (with --placement-hosts)")
 	root.Flags().SetInterspersed(false) // flags after PROG belong to PROG
 	return root
 }

@@ -2,6 +2,9 @@ package slurm
 
 import (
 	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 )
@@ -89,5 +92,43 @@ func TestRenderRejects(t *testing.T) {
 				t.Fatalf("Render = %q, %v; want an error about %q", out, err, tc.want)
 			}
 		})
+	}
+}
+
+// TestTaskPrologScript: the task prolog prints the export line of the task's own host's agent socket, and
+// nothing for a node name a shell could misread; sockets that would need quoting are refused.
+func TestTaskPrologScript(t *testing.T) {
+	script, err := TaskPrologScript("/run/ftkit/labs/t1.d/%n/agent.sock")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	path := filepath.Join(dir, "prolog")
+	if err := os.WriteFile(path, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for node, want := range map[string]string{
+		"node2":      "export FTKIT_AGENT_SOCKET=/run/ftkit/labs/t1.d/node2/agent.sock\n",
+		"":           "",
+		"a b":        "",
+		"x;rm -rf /": "",
+	} {
+		cmd := exec.Command(path)
+		cmd.Env = []string{"SLURMD_NODENAME=" + node, "PATH=/usr/bin:/bin"}
+		out, err := cmd.Output()
+		if err != nil || string(out) != want {
+			t.Errorf("node %q: %q, %v; want %q", node, out, err, want)
+		}
+	}
+	for _, bad := range []string{"relative/%n/agent.sock", "/run/no-node-name.sock", "/run/$(x)/%n.sock", "/run/a b/%n.sock"} {
+		if _, err := TaskPrologScript(bad); err == nil {
+			t.Errorf("socket %q accepted", bad)
+		}
+	}
+	c := testConf()
+	c.TaskProlog = "/run/ftkit/labs/t1.slurm/task-prolog"
+	out, err := Render(c)
+	if err != nil || !strings.Contains(out, "\nTaskProlog=/run/ftkit/labs/t1.slurm/task-prolog\n") {
+		t.Errorf("Render with a task prolog: %v\n%s", err, out)
 	}
 }

@@ -1,0 +1,62 @@
+package agent
+
+import (
+	"os"
+	"strings"
+	"testing"
+
+	"github.com/ftkit/ftkit/clusterapi"
+)
+
+// TestServeStartJobRefusals: a start-job request is refused before anything is created when its sender is
+// not an alive member or the request is invalid (the server validates too; the agent does not rely on it).
+func TestServeStartJobRefusals(t *testing.T) {
+	ta := newTestAgent(t)
+	valid := clusterapi.StartJobRequest{Name: "run-node1", Argv: []string{"/bin/true"}, Dir: "/", UID: 1000, GID: 1000,
+		Placement: &clusterapi.StartJobPlacement{Hosts: []string{"node1", "node2"}}}
+	with := func(change func(*clusterapi.StartJobRequest)) clusterapi.StartJobRequest {
+		r := valid
+		change(&r)
+		return r
+	}
+	jobsBefore := len(ta.Jobs(0))
+	dirsBefore, _ := os.ReadDir(ta.cfg.JobsDir)
+	tests := []struct {
+		name, peer string
+		req        clusterapi.StartJobRequest
+		want       string
+	}{
+		{"not a member", "intruder", valid, "not an alive member"},
+		{"relative dir", "node2", with(func(r *clusterapi.StartJobRequest) { r.Dir = "tmp" }), "absolute"},
+		{"oversize argv", "node2", with(func(r *clusterapi.StartJobRequest) {
+			r.Argv = []string{strings.Repeat("x", clusterapi.MaxStartJobBytes+1)}
+		}), "bytes"},
+		{"bad placement", "node2", with(func(r *clusterapi.StartJobRequest) {
+			r.Placement = &clusterapi.StartJobPlacement{Hosts: []string{"node1"}, Spares: []string{"node1"}}
+		}), "twice"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := ta.serveStartJob(t.Context(), tt.peer, tt.req)
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("%v; want a refusal about %q", err, tt.want)
+			}
+		})
+	}
+	t.Run("a failed member", func(t *testing.T) {
+		v, err := ta.View().Fail("node2")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := ta.adoptView(v); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := ta.serveStartJob(t.Context(), "node2", valid); err == nil || !strings.Contains(err.Error(), "not an alive member") {
+			t.Fatalf("start-job from a failed member: %v", err)
+		}
+	})
+	dirsAfter, _ := os.ReadDir(ta.cfg.JobsDir)
+	if n := len(ta.Jobs(0)); n != jobsBefore || len(dirsAfter) != len(dirsBefore) {
+		t.Errorf("refused requests created jobs: %d -> %d jobs, %d -> %d job directories", jobsBefore, n, len(dirsBefore), len(dirsAfter))
+	}
+}
