@@ -33,8 +33,12 @@ const minMTU = 1280
 // LowerPathMTU lowers by one byte the MTU of every unicast route of the main
 // table that leaves through iface (the route's own MTU metric, or iface's
 // MTU), pinning its advertised MSS to what it was, and returns the function
-// that puts each route's MTU and advmss metrics back (idempotent, safe to
-// call after any other route change on iface). Call it before CRIU restores
+// that puts each route's MTU and advmss metrics back (idempotent; a route
+// whose MTU or advmss changed since, by an operator or anything else, is left
+// as it is now). A route already lowered by a LowerPathMTU whose put-back has
+// not run (an overlapping restore on this host) is not lowered again: the
+// first caller's put-back resyncs the sockets both restored, except those
+// restored after it ran, which keep 524-byte segments. Call it before CRIU restores
 // the sockets and put the routes back once the restore returned (or failed):
 // the restored sockets then send segments of their snapshot's MSS instead of
 // 524 bytes (see above). New connections opened on the host in between get
@@ -50,11 +54,17 @@ func LowerPathMTU(iface string) (putBack func() error, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("lower path MTU: list routes of %s: %w", iface, err)
 	}
-	type metrics struct{ mtu, advMSS int }
+	// What a route had, and what LowerPathMTU set.
+	type metrics struct{ mtu, advMSS, lowered, pinned int }
 	orig := make(map[string]metrics)
 	var errs []error
+	handled := 0
 	for _, r := range routes {
 		if !mainUnicast(r) {
+			continue
+		}
+		if r.MTU != 0 && r.AdvMSS == r.MTU+1-advMSSOverhead(r) {
+			handled++ // lowered by a restore still under way; its put-back restores it
 			continue
 		}
 		mtu := r.MTU
@@ -68,13 +78,14 @@ func LowerPathMTU(iface string) (putBack func() error, err error) {
 		if advMSS == 0 {
 			advMSS = mtu - advMSSOverhead(r)
 		}
-		m := metrics{mtu: r.MTU, advMSS: r.AdvMSS}
+		m := metrics{mtu: r.MTU, advMSS: r.AdvMSS, lowered: mtu - 1, pinned: advMSS}
 		r.MTU, r.AdvMSS = mtu-1, advMSS
 		if err := netlink.RouteReplace(&r); err != nil {
 			errs = append(errs, fmt.Errorf("lower the MTU of route %v of %s to %d: %w", r.Dst, iface, mtu-1, err))
 			continue
 		}
 		orig[routeKey(r)] = m
+		handled++
 	}
 	putBack = func() error {
 		routes, err := netlink.RouteList(link, netlink.FAMILY_ALL)
@@ -84,8 +95,8 @@ func LowerPathMTU(iface string) (putBack func() error, err error) {
 		var errs []error
 		for _, r := range routes {
 			m, ok := orig[routeKey(r)]
-			if !ok || !mainUnicast(r) || (r.MTU == m.mtu && r.AdvMSS == m.advMSS) {
-				continue
+			if !ok || !mainUnicast(r) || r.MTU != m.lowered || r.AdvMSS != m.pinned {
+				continue // put back already, or changed since
 			}
 			r.MTU, r.AdvMSS = m.mtu, m.advMSS
 			if err := netlink.RouteReplace(&r); err != nil {
@@ -100,7 +111,7 @@ func LowerPathMTU(iface string) (putBack func() error, err error) {
 	if err := errors.Join(errs...); err != nil {
 		return putBack, fmt.Errorf("lower path MTU (restored sockets will send 524-byte segments): %w", err)
 	}
-	if len(orig) == 0 {
+	if handled == 0 {
 		return putBack, fmt.Errorf("lower path MTU: interface %s has no unicast route in the main table with an MTU above %d", iface, minMTU)
 	}
 	return putBack, nil

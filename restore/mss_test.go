@@ -14,8 +14,10 @@ import (
 
 // TestLowerPathMTU checks the route edits around a restore: every unicast
 // route of eth0 loses one byte of MTU with its advmss pinned, the initial
-// window SetInitCwnd set is kept, and the put-back returns each route's own
-// MTU (none, or an explicit one) even after another change to the routes.
+// window SetInitCwnd set is kept, the put-back returns each route's own MTU
+// (none, or an explicit one) even after another change to the routes, an
+// overlapping call neither lowers twice nor puts back early, and a route
+// changed since the lowering is left as it is.
 func TestLowerPathMTU(t *testing.T) {
 	l := labtest.New(t, 1, 0)
 	if err := l.Do("node1", func() error {
@@ -64,6 +66,16 @@ func TestLowerPathMTU(t *testing.T) {
 			return err
 		}
 		check("lowered", map[string]want{subnet: {1499, 1460, 30}, "10.99.0.0/24": {1399, 1360, 30}})
+		// An overlapping restore does not lower them again, and its put-back leaves them to the first's.
+		putBack2, err := LowerPathMTU("eth0")
+		if err != nil {
+			return err
+		}
+		check("lowered twice", map[string]want{subnet: {1499, 1460, 30}, "10.99.0.0/24": {1399, 1360, 30}})
+		if err := putBack2(); err != nil {
+			return err
+		}
+		check("second put-back", map[string]want{subnet: {1499, 1460, 30}, "10.99.0.0/24": {1399, 1360, 30}})
 		// The agent raises the window again while the routes are lowered.
 		if err := SetInitCwnd("eth0", 40); err != nil {
 			return err
@@ -74,6 +86,18 @@ func TestLowerPathMTU(t *testing.T) {
 			}
 			check("put back", map[string]want{subnet: {0, 0, 40}, "10.99.0.0/24": {1400, 0, 40}})
 		}
+		// A route changed since is left as it is now.
+		again, err := LowerPathMTU("eth0")
+		if err != nil {
+			return err
+		}
+		if err := netlink.RouteReplace(&netlink.Route{LinkIndex: eth0.Attrs().Index, Dst: dst, Scope: netlink.SCOPE_LINK, MTU: 1300}); err != nil {
+			return err
+		}
+		if err := again(); err != nil {
+			return err
+		}
+		check("changed since", map[string]want{subnet: {0, 0, 40}, "10.99.0.0/24": {1300, 0, 0}})
 		if _, err := LowerPathMTU("nonexistent0"); err == nil {
 			t.Error("LowerPathMTU accepted a missing interface")
 		}
