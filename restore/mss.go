@@ -36,8 +36,9 @@ const minMTU = 1280
 // that puts each route's MTU and advmss metrics back (idempotent; a route
 // whose MTU or advmss changed since, by an operator or anything else, is left
 // as it is now). A route already lowered by a LowerPathMTU whose put-back has
-// not run (an overlapping restore on this host) is not lowered again: the
-// first caller's put-back resyncs the sockets both restored, except those
+// not run (an overlapping restore on this host, or an agent that died in
+// between) is not lowered again, and this put-back restores it too: the
+// first put-back resyncs the sockets both restores made, except those
 // restored after it ran, which keep 524-byte segments. Call it before CRIU restores
 // the sockets and put the routes back once the restore returned (or failed):
 // the restored sockets then send segments of their snapshot's MSS instead of
@@ -64,7 +65,15 @@ func LowerPathMTU(iface string) (putBack func() error, err error) {
 			continue
 		}
 		if r.MTU != 0 && r.AdvMSS == r.MTU+1-advMSSOverhead(r) {
-			handled++ // lowered by a restore still under way; its put-back restores it
+			// Lowered already: by a restore still under way, or by one whose agent died before its
+			// put-back. Not lowered again; whichever put-back runs first restores it (the MTU it had
+			// is inferred: the link's means none of its own).
+			m := metrics{mtu: r.MTU + 1, lowered: r.MTU, pinned: r.AdvMSS}
+			if m.mtu == linkMTU {
+				m.mtu = 0
+			}
+			orig[routeKey(r)] = m
+			handled++
 			continue
 		}
 		mtu := r.MTU
