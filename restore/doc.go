@@ -20,12 +20,15 @@
 //     table CRIU's restore deletes when the restored sockets are ready, so
 //     that no peer's retransmission reaches the spare's kernel (which would
 //     answer RST) once the failed node's address is here;
-//  3. TakeOver the failed node's address and SetInitCwnd to Plan.InitCwnd
-//     (both before CRIU creates the sockets: the route is read at connect);
-//  4. CRIU restore (criu.Client.Restore, from a process in this namespace);
+//  3. TakeOver the failed node's address, SetInitCwnd to Plan.InitCwnd and
+//     LowerPathMTU (all before CRIU creates the sockets: the route is read
+//     at connect);
+//  4. CRIU restore (criu.Client.Restore, from a process in this namespace),
+//     then put the routes' MTU back, so the restored sockets resync their
+//     segment size to the snapshot's MSS instead of sending 524 bytes;
 //  5. Announce the address, so that peers' neighbour entries move here.
 //
-// If the restore fails: Unguard and Release.
+// If the restore fails: Unguard and Release (and put the MTU back).
 //
 // The network functions act on the calling OS thread's network namespace:
 // call them with the goroutine locked in the target namespace (lab.Do, or a

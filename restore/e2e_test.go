@@ -46,6 +46,8 @@ func TestMain(m *testing.M) {
 		"peer":         peerRole,
 		"criu-dump":    dumpRole,
 		"criu-restore": restoreRole,
+		"bulk-send":    bulkSendRole,
+		"bulk-sink":    bulkSinkRole,
 	}, 2*time.Minute)
 	os.Exit(m.Run())
 }
@@ -171,7 +173,9 @@ func peerRole() error {
 	}
 }
 
-// dumpRole dumps FTKIT_PID into FTKIT_DIR and leaves it running. It is a
+// dumpRole dumps FTKIT_PID into FTKIT_DIR and leaves it running (or, with
+// FTKIT_KILL=1, lets CRIU kill it, its connections held by CRIU's network
+// lock until the restore). It is a
 // process of its own in the node's namespace, as the agent is: CRIU must be
 // forked from a thread in that namespace.
 func dumpRole() error {
@@ -182,7 +186,7 @@ func dumpRole() error {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	start := time.Now()
-	st, err := criu.Client{Binary: criuBin}.Dump(ctx, criu.DumpOptions{PID: pid, ImagesDir: os.Getenv("FTKIT_DIR"), LeaveRunning: true})
+	st, err := criu.Client{Binary: criuBin}.Dump(ctx, criu.DumpOptions{PID: pid, ImagesDir: os.Getenv("FTKIT_DIR"), LeaveRunning: os.Getenv("FTKIT_KILL") != "1"})
 	if err != nil {
 		return err
 	}
@@ -369,6 +373,13 @@ func TestRelocateJob(t *testing.T) {
 	fmt.Fprintln(peer.Stdin, "more 2000")
 	atCrash := expectAt(ctx, t, peer, 2000+2000)
 
+	jobFlow := tcpflow.Tuple{Local: jobAddr, Remote: peerAddr}
+	original, ok, err := tcpInfo(l, "node1", jobFlow)
+	if err != nil || !ok {
+		t.Fatalf("the job's socket on node1: found %v, %v", ok, err)
+	}
+	t.Logf("original socket: %s", describe(original))
+
 	imgConns, err := image.TCPConnections(images)
 	if err != nil {
 		t.Fatal(err)
@@ -446,8 +457,19 @@ func TestRelocateJob(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
+	var putBack func() error
+	if err := l.Do("spare1", func() (err error) { putBack, err = LowerPathMTU("eth0"); return err }); err != nil {
+		t.Fatal(err)
+	}
 	restorer := streamtest.StartT(t, l, "spare1", nil, "criu-restore", "FTKIT_DIR="+images)
-	t.Logf("restored: %s", restorer.LineT(ctx, t))
+	line, err := restorer.Line(ctx)
+	if perr := l.Do("spare1", putBack); perr != nil {
+		t.Error(perr)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("restored: %s", line)
 	if err := l.Do("spare1", func() error { return Announce(ctx, "eth0", node1.Addr.Addr()) }); err != nil {
 		t.Fatal(err)
 	}
@@ -466,6 +488,13 @@ func TestRelocateJob(t *testing.T) {
 	end := expectAt(ctx, t, peer, atCrash+3000)
 	t.Logf("peer went from %d to %d counters after the restore in %v, no gap, no duplicate", atCrash, end, time.Since(resumed))
 	t.Logf("restored socket on spare1:\n%s", sockets(l, "spare1"))
+	// It sends full-size segments again (LowerPathMTU), as the original did.
+	restored, ok, err := tcpInfo(l, "spare1", jobFlow)
+	if err != nil || !ok {
+		t.Fatalf("the restored socket on spare1: found %v, %v", ok, err)
+	}
+	t.Logf("restored socket: %s", describe(restored))
+	checkSameSegments(t, original, restored)
 
 	// The restored job's progress file continues where the snapshot left it.
 	b, err := os.ReadFile(filepath.Join(jobDir, "progress"))

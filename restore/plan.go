@@ -39,8 +39,10 @@ const (
 	// charged to sk_wmem_queued): a program that writes 8-byte messages
 	// with TCP_NODELAY queues one skb per message.
 	SegmentOverhead = 2048
-	// RestoredMSS is the segment size measured on restored sockets
-	// (TCP_MSS_DEFAULT 536 less 12 bytes of timestamp option).
+	// RestoredMSS is the segment size a restored socket sends until its
+	// route's MTU changes (TCP_MSS_DEFAULT 536 less 12 bytes of timestamp
+	// option): LowerPathMTU makes it resync to the snapshot's MSS after the
+	// restore, but the re-sent burst may leave before, so plans count with it.
 	RestoredMSS = 524
 )
 
@@ -102,8 +104,9 @@ func seqBefore(a, b uint32) bool { return int32(a-b) < 0 }
 // all: with fewer, the socket stalls for good, measured). Note that a socket
 // CRIU 4.2.1 restores on Linux 6.18 sends 524-byte segments whatever the
 // path MTU (measured: ss shows mss:524 with pmtu:1500, TCP_MSS_DEFAULT less
-// the timestamp option, likely computed before CRIU restores mss_clamp), so
-// do not count on more than RestoredMSS.
+// the timestamp option, computed at the repaired connect before CRIU
+// restores mss_clamp) until LowerPathMTU's put-back makes it resync, so do
+// not count on more than RestoredMSS.
 //
 // It is pure; all sequence arithmetic is modulo 2^32. Errors wrap
 // ErrNotRecoverable: the peer reset the connection, never acknowledged

@@ -46,11 +46,12 @@ type Result struct {
 type benchmark func(ctx context.Context, log *slog.Logger) (metrics []Metric, settings any, err error)
 
 var benchmarks = map[string]benchmark{
-	"compare":  benchCompare,
-	"lab":      benchLab,
-	"netlog":   benchNetlog,
-	"recovery": benchRecovery,
-	"snapshot": benchSnapshot,
+	"compare":             benchCompare,
+	"lab":                 benchLab,
+	"netlog":              benchNetlog,
+	"recovery":            benchRecovery,
+	"restored-throughput": benchRestored,
+	"snapshot":            benchSnapshot,
 }
 
 func main() {

@@ -30,7 +30,8 @@ import (
 // process of its own so that it can be born in the protected cgroup, as a job
 // is. No watchdog: a bulk run may take minutes.
 func init() {
-	streamtest.ChildMain(map[string]func() error{"bulkrecv": bulkRecv, "bulksend": bulkSend}, 0)
+	streamtest.ChildMain(map[string]func() error{"bulkrecv": bulkRecv, "bulksend": bulkSend,
+		"bursttimer": burstTimer, "burstjob": burstJob, "benchdump": benchDump, "benchrestore": benchRestore}, 0)
 }
 
 // bulkRecv is the bulkrecv role: listen on FTBENCH_ADDR, print "ready"; for

@@ -131,6 +131,9 @@ type Network interface {
 	TakeOver(ip netip.Addr) error
 	Release(ip netip.Addr)
 	SetInitCwnd(segments int) error
+	// LowerPathMTU lowers the routes' MTU until putBack (restore.LowerPathMTU); putBack may be non-nil
+	// with an error, for the routes that were lowered.
+	LowerPathMTU() (putBack func() error, err error)
 	Announce(ctx context.Context, ip netip.Addr) error
 }
 

@@ -48,6 +48,7 @@ type fake struct {
 	clamped, released []tcpflow.Tuple
 	// Network.
 	takeOverErr error
+	lowerMTUErr error // LowerPathMTU fails, with nothing to put back
 	net         []string
 	// Tracker.
 	persisted []string
@@ -194,6 +195,14 @@ func (n fakeNet) Release(ip netip.Addr) { n.net = append(n.net, "release "+ip.St
 func (f *fake) SetInitCwnd(segments int) error {
 	f.net = append(f.net, fmt.Sprintf("initcwnd %d", segments))
 	return nil
+}
+
+func (f *fake) LowerPathMTU() (func() error, error) {
+	if f.lowerMTUErr != nil {
+		return nil, f.lowerMTUErr
+	}
+	f.net = append(f.net, "lower mtu")
+	return func() error { f.net = append(f.net, "put back mtu"); return nil }, nil
 }
 
 func (f *fake) Announce(_ context.Context, ip netip.Addr) error {

@@ -29,6 +29,8 @@ func (n HostNetwork) Release(ip netip.Addr) { restore.Release(n.Iface, netip.Pre
 
 func (n HostNetwork) SetInitCwnd(segments int) error { return restore.SetInitCwnd(n.Iface, segments) }
 
+func (n HostNetwork) LowerPathMTU() (func() error, error) { return restore.LowerPathMTU(n.Iface) }
+
 func (n HostNetwork) Announce(ctx context.Context, ip netip.Addr) error {
 	return restore.Announce(ctx, n.Iface, ip)
 }

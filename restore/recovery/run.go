@@ -19,7 +19,8 @@ import (
 // Run restores a failed node's jobs on this host, in this order: fetch each job's snapshot (falling back
 // to the next candidate), plan from the peers' logs and live state and rewrite the images, prepare the
 // network (guard the connections, take over the failed node's addresses, clamp the peers' ACKs, raise
-// the initial congestion window), restore each job, announce the addresses, wait until the restored jobs
+// the initial congestion window, lower the path MTU), restore each job, put the path MTU back (the
+// restored sockets then send full-size segments), announce the addresses, wait until the restored jobs
 // have re-sent what their peers already had and check every re-sent byte (killing a job that fails),
 // then snapshot the verified jobs again (re-protection). Every step is reported through emit.
 func Run(ctx context.Context, req clusterapi.RecoverRequest, d Deps, emit func(Stage)) error {
@@ -59,7 +60,8 @@ func Run(ctx context.Context, req clusterapi.RecoverRequest, d Deps, emit func(S
 	if len(jobs) == 0 {
 		return errors.Join(append(errs, errors.New("no job could be prepared"))...)
 	}
-	if err := prepareNetwork(ctx, d, req, jobs); err != nil {
+	putBackMTU, err := prepareNetwork(ctx, d, req, jobs)
+	if err != nil {
 		for _, j := range jobs {
 			os.RemoveAll(j.Work)
 			d.Jobs.GiveBack(ctx, j)
@@ -85,6 +87,7 @@ func Run(ctx context.Context, req clusterapi.RecoverRequest, d Deps, emit func(S
 		d.Tracker.SetPhase(j.ID, PhaseRestored, j.RestoredAt)
 		restored = append(restored, j)
 	}
+	putBackMTU()
 	for _, ip := range req.Addrs {
 		if err := d.Network.Announce(ctx, ip); err != nil {
 			d.Logger.Warn("gratuitous ARP failed; peers find the address when their neighbour entries expire", "addr", ip, "err", err)
@@ -205,9 +208,10 @@ func PlanSummary(p restore.Plan) string {
 }
 
 // prepareNetwork guards the jobs' connections, takes over the failed node's addresses, registers the
-// restored flows with the ACK clamp and raises the initial congestion window. On error it undoes what it
-// did, so that the host is left as it was (a peer must not find the address here without a socket).
-func prepareNetwork(ctx context.Context, d Deps, req clusterapi.RecoverRequest, jobs []*Job) (err error) {
+// restored flows with the ACK clamp, raises the initial congestion window and lowers the path MTU; call
+// putBackMTU once the jobs are restored. On error it undoes what it did, so that the host is left as it
+// was (a peer must not find the address here without a socket).
+func prepareNetwork(ctx context.Context, d Deps, req clusterapi.RecoverRequest, jobs []*Job) (putBackMTU func(), err error) {
 	var guarded []string
 	var taken []netip.Addr
 	var clamped []tcpflow.Tuple
@@ -230,14 +234,14 @@ func prepareNetwork(ctx context.Context, d Deps, req clusterapi.RecoverRequest, 
 	initCwnd := restore.MinInitCwnd
 	for _, j := range jobs {
 		if err := d.Network.Guard(ctx, j.RunID, j.Manifest.Conns); err != nil {
-			return fmt.Errorf("guard connections of job %s: %w", j.ID, err)
+			return nil, fmt.Errorf("guard connections of job %s: %w", j.ID, err)
 		}
 		guarded = append(guarded, j.RunID)
 		initCwnd = max(initCwnd, j.Plan.InitCwnd)
 	}
 	for _, ip := range req.Addrs {
 		if err := d.Network.TakeOver(ip); err != nil {
-			return fmt.Errorf("take over address %s: %w", ip, err)
+			return nil, fmt.Errorf("take over address %s: %w", ip, err)
 		}
 		taken = append(taken, ip)
 	}
@@ -251,7 +255,7 @@ func prepareNetwork(ctx context.Context, d Deps, req clusterapi.RecoverRequest, 
 				// rcv_nxt is beyond it (Resend > 0), has all of it.
 				f := c.Conn.Tuple
 				if err := d.Clamp.Clamp(f, c.Conn.OutqSeq); err != nil {
-					return err
+					return nil, err
 				}
 				clamped = append(clamped, f)
 			}
@@ -260,5 +264,18 @@ func prepareNetwork(ctx context.Context, d Deps, req clusterapi.RecoverRequest, 
 	if err := d.Network.SetInitCwnd(initCwnd); err != nil {
 		d.Logger.Warn("could not raise the initial congestion window; re-sent bytes may stall", "err", err)
 	}
-	return nil
+	// Last, so that nothing above fails with the routes lowered: the restored sockets connect under the
+	// lowered MTU and resync their segment size when it is put back (restore.LowerPathMTU).
+	putBack, err := d.Network.LowerPathMTU()
+	if err != nil {
+		d.Logger.Warn("could not lower the path MTU; restored sockets may send 524-byte segments", "err", err)
+	}
+	return func() {
+		if putBack == nil {
+			return
+		}
+		if err := putBack(); err != nil {
+			d.Logger.Warn("could not put the path MTU back; restored sockets may send 524-byte segments", "err", err)
+		}
+	}, nil
 }
