@@ -11,6 +11,8 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -18,6 +20,7 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labtest"
@@ -228,4 +231,110 @@ func seqClient(addr string) int {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
+}
+
+// TestJobNetEgressLogger measures where the sender-side logger (ebpfprobes, TCX egress) sees a job's
+// segments: attached to the host's eth0 (where the agent attaches it today) and to the job's own interface
+// inside its namespace. The job listens on its address on node1; node2's host connects; what the job sends
+// must be logged at both attach points, selected by port and, on the host's eth0, by the socket's cgroup (the
+// socket still owns the skb when it leaves through the macvlan's parent).
+func TestJobNetEgressLogger(t *testing.T) {
+	for _, at := range []string{"host eth0", "job interface", "host eth0 by cgroup"} {
+		t.Run(at, func(t *testing.T) {
+			l := labtest.New(t, 2, 0)
+			ctx := context.Background()
+			a := jobSpec(t, l, "node1", jobnet.MACVlan, 1)
+			if err := jobnet.Create(ctx, a); err != nil {
+				t.Fatalf("create: %v", err)
+			}
+			lg, err := ebpfprobes.NewTCPLogger(ebpfprobes.TCPLoggerOptions{})
+			if err != nil {
+				t.Skipf("SKIPPED: this kernel cannot load the TCX logger: %v", err)
+			}
+			defer lg.Close()
+			attach := func() error {
+				lk, err := netlink.LinkByName("eth0") // this thread's namespace: the host's or the job's
+				if err != nil {
+					return err
+				}
+				return lg.Attach(lk.Attrs().Index)
+			}
+			if at != "job interface" {
+				err = l.Do("node1", attach)
+			} else {
+				err = jobnet.Do(a.Name, attach)
+			}
+			if err != nil {
+				t.Fatalf("attach to %s: %v", at, err)
+			}
+			const port = 7010
+			if at == "host eth0 by cgroup" {
+				// The listener (and so the accepted socket) is created by this test process.
+				err = lg.Protect(selfCgroupID(t))
+			} else {
+				err = lg.ProtectPort(port)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			jobAddr := netip.AddrPortFrom(a.Addr.Addr(), port).String()
+			_, _ = listen(t, func(f func() error) error { return jobnet.Do(a.Name, f) }, jobAddr)
+			var c net.Conn
+			if err := l.Do("node2", func() (err error) { c, err = net.DialTimeout("tcp4", jobAddr, 10*time.Second); return err }); err != nil {
+				t.Fatalf("dial the job from node2: %v", err)
+			}
+			defer c.Close()
+			msg := make([]byte, 1000)
+			if _, err := c.Write(msg); err != nil {
+				t.Fatal(err)
+			}
+			_ = c.SetDeadline(time.Now().Add(30 * time.Second))
+			if _, err := io.ReadFull(c, msg); err != nil {
+				t.Fatalf("echo: %v", err)
+			}
+			deadline := time.Now().Add(10 * time.Second)
+			for {
+				n, err := lg.Counters()
+				if err != nil {
+					t.Fatal(err)
+				}
+				if n.BytesLogged >= uint64(len(msg)) {
+					t.Logf("logger on %s: %d segments, %d bytes of the job's", at, n.PacketsLogged, n.BytesLogged)
+					return
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("logger on %s logged %d bytes of the job's %d sent bytes", at, n.BytesLogged, len(msg))
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+		})
+	}
+}
+
+// selfCgroupID is the cgroup v2 id (its directory's inode) of this process.
+func selfCgroupID(t *testing.T) uint64 {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/cgroup")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rel string
+	for _, line := range strings.Split(string(b), "\n") {
+		if r, ok := strings.CutPrefix(line, "0::"); ok {
+			rel = r
+		}
+	}
+	for _, root := range []string{"/sys/fs/cgroup", "/sys/fs/cgroup/unified"} {
+		var fs unix.Statfs_t
+		if unix.Statfs(root, &fs) != nil || fs.Type != unix.CGROUP2_SUPER_MAGIC || rel == "" {
+			continue
+		}
+		var st unix.Stat_t
+		if err := unix.Stat(filepath.Join(root, rel), &st); err != nil {
+			t.Fatal(err)
+		}
+		return st.Ino
+	}
+	t.Skipf("SKIPPED: no cgroup v2 hierarchy for this process: %q", b)
+	return 0
 }
