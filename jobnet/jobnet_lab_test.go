@@ -11,8 +11,12 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -35,12 +39,16 @@ func jobAddr(l *lab.Lab, n int) netip.Prefix {
 
 // jobSpec is a job network on host's eth0, removed when the test ends.
 func jobSpec(t *testing.T, l *lab.Lab, host string, kind jobnet.Kind, n int) jobnet.Spec {
+	return namedJobSpec(t, l, host, kind, n, fmt.Sprintf("%s-job%d", l.State().ID, n))
+}
+
+func namedJobSpec(t *testing.T, l *lab.Lab, host string, kind jobnet.Kind, n int, name string) jobnet.Spec {
 	t.Helper()
 	p, err := l.NetnsPath(host)
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := jobnet.Spec{Name: fmt.Sprintf("%s-job%d", l.State().ID, n), Parent: "eth0", Kind: kind, Addr: jobAddr(l, n), ParentNetns: p}
+	s := jobnet.Spec{Name: name, Parent: "eth0", Kind: kind, Addr: jobAddr(l, n), ParentNetns: p}
 	t.Cleanup(func() {
 		if err := jobnet.Delete(context.Background(), s.Name, s.ParentNetns); err != nil {
 			t.Errorf("cleanup: %v", err)
@@ -337,4 +345,220 @@ func selfCgroupID(t *testing.T) uint64 {
 	}
 	t.Skipf("SKIPPED: no cgroup v2 hierarchy for this process: %q", b)
 	return 0
+}
+
+const criuBin = "/usr/local/sbin/criu"
+
+// seqServer accepts one connection on ln and echoes 8-byte counters, checking that they arrive in order
+// with no gap or repeat; it publishes how many it has seen and reports the first violation.
+type seqServer struct {
+	seen atomic.Uint64
+	errc chan error
+}
+
+func serveSeq(ln net.Listener) *seqServer {
+	s := &seqServer{errc: make(chan error, 1)}
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			s.errc <- err
+			return
+		}
+		defer c.Close()
+		var buf [8]byte
+		for want := uint64(0); ; want++ {
+			if _, err := io.ReadFull(c, buf[:]); err != nil {
+				s.errc <- fmt.Errorf("read counter %d: %w", want, err)
+				return
+			}
+			if got := binary.BigEndian.Uint64(buf[:]); got != want {
+				s.errc <- fmt.Errorf("counter %d arrived, want %d", got, want)
+				return
+			}
+			s.seen.Store(want + 1)
+			if _, err := c.Write(buf[:]); err != nil {
+				s.errc <- fmt.Errorf("echo counter %d: %w", want, err)
+				return
+			}
+		}
+	}()
+	return s
+}
+
+// waitSeen waits until the server has seen n counters, failing on a violation or after timeout.
+func (s *seqServer) waitSeen(t *testing.T, n uint64, timeout time.Duration) time.Duration {
+	t.Helper()
+	start := time.Now()
+	for s.seen.Load() < n {
+		select {
+		case err := <-s.errc:
+			t.Fatalf("server: %v", err)
+		case <-time.After(10 * time.Millisecond):
+		}
+		if time.Since(start) > timeout {
+			t.Fatalf("server saw %d counters after %s, want %d", s.seen.Load(), timeout, n)
+		}
+	}
+	return time.Since(start)
+}
+
+// criuIn runs CRIU inside a job network: CRIU then treats that namespace as its own and neither dumps nor
+// restores it, so the restored tree lives in whatever namespace the restoring CRIU runs in.
+func criuIn(t *testing.T, job string, args ...string) {
+	t.Helper()
+	var out []byte
+	err := jobnet.Do(job, func() (err error) {
+		out, err = exec.Command(criuBin, args...).CombinedOutput()
+		return err
+	})
+	if err != nil {
+		t.Fatalf("criu %v in %s: %v\n%s", args, job, err, out)
+	}
+}
+
+// neighbour is node2's neighbour-table entry for addr (MAC and state), "" when there is none.
+func neighbour(t *testing.T, l *lab.Lab, host string, addr netip.Addr) string {
+	t.Helper()
+	var out []byte
+	_ = l.Do(host, func() (err error) {
+		out, err = exec.Command("ip", "neigh", "show", addr.String()).CombinedOutput()
+		return err
+	})
+	return strings.TrimSpace(string(out))
+}
+
+// TestJobNetCRIUMove is the key fact: a job with an established TCP connection to node2's host address,
+// living in a macvlan job network on node1, is dumped by CRIU (tcp-established) running inside the job
+// network, and restored by CRIU running inside a new job network with the same address on spare1; the
+// connection continues, every counter in order, while node1 keeps its own address and stays up. With
+// "garp", the restored job's network announces its address (arping -U); without, the test measures how long
+// node2 keeps sending to node1's stale MAC before its neighbour entry is re-resolved.
+func TestJobNetCRIUMove(t *testing.T) {
+	if _, err := os.Stat(criuBin); err != nil {
+		t.Skipf("SKIPPED: no CRIU at %s", criuBin)
+	}
+	for _, garp := range []bool{true, false} {
+		t.Run(map[bool]string{true: "garp", false: "no garp"}[garp], func(t *testing.T) {
+			l := labtest.New(t, 2, 1)
+			ctx := context.Background()
+			from := jobSpec(t, l, "node1", jobnet.MACVlan, 1)
+			// One machine holds every lab host's namespaces, so the moved job's network has another name here;
+			// on real hosts it keeps its name.
+			to := namedJobSpec(t, l, "spare1", jobnet.MACVlan, 1, from.Name+"-moved")
+			if err := jobnet.Create(ctx, from); err != nil {
+				t.Fatalf("create on node1: %v", err)
+			}
+			node2, _ := l.Host("node2")
+			srvAddr := netip.AddrPortFrom(node2.Addr.Addr(), 7020).String()
+			var ln net.Listener
+			if err := l.Do("node2", func() (err error) { ln, err = net.Listen("tcp4", srvAddr); return err }); err != nil {
+				t.Fatal(err)
+			}
+			defer ln.Close()
+			srv := serveSeq(ln)
+
+			dir := t.TempDir()
+			errf, err := os.Create(filepath.Join(dir, "client.err"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer errf.Close()
+			cmd := exec.Command(os.Args[0], "-test.run=^$")
+			cmd.Env = append(os.Environ(), "JOBNET_SEQ_CLIENT="+srvAddr)
+			cmd.Stdout, cmd.Stderr = errf, errf
+			cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+			if err := jobnet.Do(from.Name, cmd.Start); err != nil {
+				t.Fatalf("start the job in %s: %v", from.Name, err)
+			}
+			exited := make(chan error, 1)
+			go func() { exited <- cmd.Wait() }()
+			t.Cleanup(func() { _ = cmd.Process.Kill() })
+			srv.waitSeen(t, 50, 60*time.Second)
+
+			images := filepath.Join(dir, "images")
+			if err := os.Mkdir(images, 0o700); err != nil {
+				t.Fatal(err)
+			}
+			criuIn(t, from.Name, "dump", "-t", strconv.Itoa(cmd.Process.Pid), "-D", images, "--tcp-established",
+				"--network-lock", "nftables", "-v4", "-o", "dump.log")
+			select {
+			case <-exited:
+			case <-time.After(30 * time.Second):
+				t.Fatal("the job still runs after criu dump")
+			}
+			atDump := srv.seen.Load()
+			before := neighbour(t, l, "node2", from.Addr.Addr())
+			// node1 stays up with its own address; only the job's address leaves it.
+			if err := jobnet.Delete(ctx, from.Name, from.ParentNetns); err != nil {
+				t.Fatal(err)
+			}
+			if err := jobnet.Create(ctx, to); err != nil {
+				t.Fatalf("create on spare1: %v", err)
+			}
+			pidfile := filepath.Join(dir, "restored.pid")
+			criuIn(t, to.Name, "restore", "-D", images, "--tcp-established", "--network-lock", "nftables",
+				"-d", "--pidfile", pidfile, "-v4", "-o", "restore.log")
+			restoredAt := time.Now()
+			restored := readPid(t, pidfile)
+			t.Cleanup(func() { killWait(t, restored) })
+			if garp {
+				var out []byte
+				err := jobnet.Do(to.Name, func() (err error) {
+					out, err = exec.Command("arping", "-U", "-c", "1", "-I", jobnet.DefaultIfName, to.Addr.Addr().String()).CombinedOutput()
+					return err
+				})
+				if err != nil {
+					t.Fatalf("arping -U: %v\n%s", err, out)
+				}
+			}
+			srv.waitSeen(t, atDump+1, 120*time.Second)
+			first := time.Since(restoredAt)
+			srv.waitSeen(t, atDump+100, 120*time.Second)
+			took := time.Since(restoredAt)
+			after := neighbour(t, l, "node2", to.Addr.Addr())
+			t.Logf("garp=%v: first counter %s, 100 more in order %s after restore; node2's neighbour entry for the job: before %q, after %q", garp, first.Round(time.Millisecond), took.Round(time.Millisecond), before, after)
+			if err := unix.Kill(restored, 0); err != nil {
+				t.Fatalf("the restored job (pid %d) is gone: %v", restored, err)
+			}
+			// node1 still has its own address and link.
+			node1, _ := l.Host("node1")
+			if err := l.Do("node2", func() error {
+				c, err := net.DialTimeout("tcp4", netip.AddrPortFrom(node1.Addr.Addr(), 9).String(), 5*time.Second)
+				if err == nil {
+					c.Close()
+				}
+				var se syscall.Errno
+				if errors.As(err, &se) && se == syscall.ECONNREFUSED {
+					return nil // node1 answered with a reset: it is up at its own address
+				}
+				return err
+			}); err != nil {
+				t.Errorf("node1 at its own address after the move: %v", err)
+			}
+		})
+	}
+}
+
+func readPid(t *testing.T, path string) int {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil || pid <= 1 {
+		t.Fatalf("pid file %s: %q", path, b)
+	}
+	return pid
+}
+
+// killWait SIGKILLs a process that is not our child and waits until it is gone.
+func killWait(t *testing.T, pid int) {
+	_ = unix.Kill(pid, unix.SIGKILL)
+	for start := time.Now(); unix.Kill(pid, 0) == nil; time.Sleep(10 * time.Millisecond) {
+		if time.Since(start) > 30*time.Second {
+			t.Errorf("pid %d survives SIGKILL", pid)
+			return
+		}
+	}
 }

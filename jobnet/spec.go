@@ -134,6 +134,3 @@ func tempLinkName(name string) string {
 	h.Write([]byte(name))
 	return fmt.Sprintf("ftj%08x", h.Sum32())
 }
-
-
-
