@@ -170,6 +170,13 @@ func TestJobNetTraffic(t *testing.T) {
 					t.Fatalf("listener %s saw no connection", tc.to)
 				}
 			}
+			// The lab's bridge (the switch) has learnt the job interface's MAC: for macvlan its own, for ipvlan
+			// the host's.
+			mac := jobMAC(t, a.Name)
+			fdb, err := exec.Command("bridge", "fdb", "show", "br", l.State().Bridge).CombinedOutput()
+			if err != nil || !strings.Contains(string(fdb), mac) {
+				t.Errorf("bridge %s has not learnt the job's MAC %s (%v):\n%s", l.State().Bridge, mac, err, fdb)
+			}
 			// Inside: lo and the job's interface, nothing else; on the parent: no interface left behind.
 			if got := linkNames(t, jobnet.Path(a.Name)); len(got) != 2 || !got["lo"] || !got[jobnet.DefaultIfName] {
 				t.Errorf("interfaces in the job network: %v, want lo and %s", got, jobnet.DefaultIfName)
@@ -193,7 +200,7 @@ func TestJobNetTraffic(t *testing.T) {
 				t.Errorf("parent's interfaces %v after Delete, want %v", got, parentBefore)
 			}
 			// The address is gone from the wire: dialling it from node2 fails.
-			err := l.Do("node2", func() error {
+			err = l.Do("node2", func() error {
 				c, err := net.DialTimeout("tcp4", netip.AddrPortFrom(a.Addr.Addr(), 7003).String(), 2*time.Second)
 				if err == nil {
 					c.Close()
@@ -561,4 +568,21 @@ func killWait(t *testing.T, pid int) {
 			return
 		}
 	}
+}
+
+// jobMAC is the MAC address of the job's interface.
+func jobMAC(t *testing.T, job string) string {
+	t.Helper()
+	var mac string
+	err := jobnet.Do(job, func() error {
+		lk, err := netlink.LinkByName(jobnet.DefaultIfName)
+		if err == nil {
+			mac = lk.Attrs().HardwareAddr.String()
+		}
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return mac
 }
