@@ -20,6 +20,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
+	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
@@ -654,4 +657,93 @@ func jobMAC(t *testing.T, job string) string {
 		t.Fatal(err)
 	}
 	return mac
+}
+
+// TestJobNetIngressOnParent measures whether a TCX ingress program on the host's eth0 (where ackclamp
+// attaches) sees the packets addressed to a macvlan job on that host: a counter of IPv4 packets to the job's
+// address, attached to node1's eth0, must count node2's segments to the job.
+func TestJobNetIngressOnParent(t *testing.T) {
+	l := labtest.New(t, 2, 0)
+	ctx := context.Background()
+	a := jobSpec(t, l, "node1", jobnet.MACVlan, 1)
+	if err := jobnet.Create(ctx, a); err != nil {
+		t.Fatalf("create: %v", err)
+	}
+	counts, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.Array, KeySize: 4, ValueSize: 8, MaxEntries: 1})
+	if err != nil {
+		t.Skipf("SKIPPED: cannot create BPF maps: %v", err)
+	}
+	defer counts.Close()
+	ip := a.Addr.Addr().As4()
+	dst := int32(binary.LittleEndian.Uint32(ip[:])) // the destination as a native load of its network-order bytes
+	prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{
+		Name: "jobnet_ingress", Type: ebpf.SchedCLS, License: "GPL",
+		Instructions: asm.Instructions{
+			asm.Mov.Reg(asm.R6, asm.R1),
+			// bpf_skb_load_bytes(skb, 14+16 (the IPv4 destination), fp-8, 4)
+			asm.Mov.Imm(asm.R2, 30),
+			asm.Mov.Reg(asm.R3, asm.RFP),
+			asm.Add.Imm(asm.R3, -8),
+			asm.Mov.Imm(asm.R4, 4),
+			asm.FnSkbLoadBytes.Call(),
+			asm.JNE.Imm(asm.R0, 0, "out"),
+			asm.LoadMem(asm.R1, asm.RFP, -8, asm.Word),
+			asm.JNE.Imm32(asm.R1, dst, "out"),
+			asm.StoreImm(asm.RFP, -4, 0, asm.Word),
+			asm.Mov.Reg(asm.R2, asm.RFP),
+			asm.Add.Imm(asm.R2, -4),
+			asm.LoadMapPtr(asm.R1, counts.FD()),
+			asm.FnMapLookupElem.Call(),
+			asm.JEq.Imm(asm.R0, 0, "out"),
+			asm.Mov.Imm(asm.R1, 1),
+			asm.StoreXAdd(asm.R0, asm.R1, asm.DWord),
+			asm.Mov.Imm(asm.R0, -1).WithSymbol("out"), // TCX_NEXT
+			asm.Return(),
+		},
+	})
+	if err != nil {
+		t.Skipf("SKIPPED: cannot load a TCX program: %v", err)
+	}
+	defer prog.Close()
+	err = l.Do("node1", func() error {
+		lk, err := netlink.LinkByName("eth0")
+		if err != nil {
+			return err
+		}
+		tcx, err := link.AttachTCX(link.TCXOptions{Interface: lk.Attrs().Index, Program: prog, Attach: ebpf.AttachTCXIngress})
+		if err != nil {
+			return err
+		}
+		t.Cleanup(func() { tcx.Close() })
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("attach TCX ingress to node1's eth0: %v", err)
+	}
+	jobAddr := netip.AddrPortFrom(a.Addr.Addr(), 7030).String()
+	_, _ = listen(t, func(f func() error) error { return jobnet.Do(a.Name, f) }, jobAddr)
+	var c net.Conn
+	if err := l.Do("node2", func() (err error) { c, err = net.DialTimeout("tcp4", jobAddr, 10*time.Second); return err }); err != nil {
+		t.Fatalf("dial the job from node2: %v", err)
+	}
+	defer c.Close()
+	const segments = 20
+	buf := make([]byte, 100)
+	_ = c.SetDeadline(time.Now().Add(30 * time.Second))
+	for range segments { // one round trip each: at least one packet to the job per round
+		if _, err := c.Write(buf); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(c, buf); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var n uint64
+	if err := counts.Lookup(uint32(0), &n); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("TCX ingress on node1's eth0 counted %d packets to the job's address %v", n, a.Addr.Addr())
+	if n < segments {
+		t.Fatalf("TCX ingress on the parent counted %d packets to the job, want at least %d", n, segments)
+	}
 }
