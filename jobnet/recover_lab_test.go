@@ -16,7 +16,8 @@ import (
 
 // TestCreateAfterCrash: what an agent crashing inside Create can leave behind (a plain file where the
 // namespace's mount should be, the interface still under its temporary name on the parent, a stale address)
-// does not stop the next Create, which leaves exactly the job's network; Delete then removes it all.
+// does not stop the next Create, which leaves exactly the job's network (one address, one default route via
+// the gateway); Delete then removes it all.
 func TestCreateAfterCrash(t *testing.T) {
 	l := labtest.New(t, 1, 0)
 	ctx := context.Background()
@@ -28,6 +29,8 @@ func TestCreateAfterCrash(t *testing.T) {
 	b[3] = 201
 	s := Spec{Name: l.State().ID + "-crash", Parent: "eth0", Kind: MACVlan, ParentNetns: parentPath,
 		Addr: netip.PrefixFrom(netip.AddrFrom4(b), l.State().Subnet.Bits())}
+	b[3] = 1
+	s.Gateway = netip.AddrFrom4(b) // no host there: the route is on-link, which is all Create sets up
 	t.Cleanup(func() {
 		if err := Delete(context.Background(), s.Name, s.ParentNetns); err != nil {
 			t.Errorf("cleanup: %v", err)
@@ -90,6 +93,19 @@ func TestCreateAfterCrash(t *testing.T) {
 	}
 	if len(addrs) != 1 || addrs[0].IPNet.String() != s.Addr.String() {
 		t.Errorf("addresses %v after Create, want only %v", addrs, s.Addr)
+	}
+	routes, err := jh.RouteList(lk, netlink.FAMILY_V4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var gw []string
+	for _, r := range routes {
+		if r.Dst == nil || r.Dst.IP.IsUnspecified() {
+			gw = append(gw, r.Gw.String())
+		}
+	}
+	if len(gw) != 1 || gw[0] != s.Gateway.String() {
+		t.Errorf("default routes via %v, want one via %v", gw, s.Gateway)
 	}
 	// A job network of another kind under the same name is refused, not silently reused.
 	other := s
