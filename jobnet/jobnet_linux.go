@@ -1,0 +1,322 @@
+//go:build linux
+
+package jobnet
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net/netip"
+	"os"
+	"runtime"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+)
+
+// Create makes the job's network as s describes, or completes and corrects one left by an earlier call
+// (an agent that crashed half-way calls it again): the namespace, the interface inside it with exactly the
+// job's address, loopback and the interface up, and the default route.
+func Create(ctx context.Context, s Spec) error {
+	s, err := s.Validate()
+	if err != nil {
+		return err
+	}
+	if err := ensureNetns(s.Name); err != nil {
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	job, err := netns.GetFromPath(Path(s.Name))
+	if err != nil {
+		return fmt.Errorf("job network %s: open namespace: %w", s.Name, err)
+	}
+	defer job.Close()
+	jh, err := netlink.NewHandleAt(job)
+	if err != nil {
+		return fmt.Errorf("job network %s: netlink in its namespace: %w", s.Name, err)
+	}
+	defer jh.Close()
+	ph, err := parentHandle(s.ParentNetns)
+	if err != nil {
+		return fmt.Errorf("job network %s: %w", s.Name, err)
+	}
+	defer ph.Close()
+
+	lk, err := ensureLink(s, ph, jh, job)
+	if err != nil {
+		return fmt.Errorf("job network %s: %w", s.Name, err)
+	}
+	if err := ensureAddr(jh, lk, s.Addr); err != nil {
+		return fmt.Errorf("job network %s: %w", s.Name, err)
+	}
+	lo, err := jh.LinkByName("lo")
+	if err != nil {
+		return fmt.Errorf("job network %s: find lo: %w", s.Name, err)
+	}
+	if err := jh.LinkSetUp(lo); err != nil {
+		return fmt.Errorf("job network %s: bring up lo: %w", s.Name, err)
+	}
+	if err := jh.LinkSetUp(lk); err != nil {
+		return fmt.Errorf("job network %s: bring up %s: %w", s.Name, s.IfName, err)
+	}
+	if s.Gateway.IsValid() {
+		gw := &netlink.Route{LinkIndex: lk.Attrs().Index, Gw: s.Gateway.AsSlice(), Scope: netlink.SCOPE_UNIVERSE}
+		if err := jh.RouteReplace(gw); err != nil {
+			return fmt.Errorf("job network %s: default route via %v: %w", s.Name, s.Gateway, err)
+		}
+	}
+	return nil
+}
+
+// Delete removes the job's network: first every interface in it (so the job's address leaves the wire at
+// once, even if a process still holds the namespace), then the namespace's name. A missing network is not
+// an error. parentNetns is Spec.ParentNetns, where a half-created interface may have been left.
+func Delete(ctx context.Context, name, parentNetns string) error {
+	if err := ValidName(name); err != nil {
+		return err
+	}
+	if ph, err := parentHandle(parentNetns); err == nil {
+		if lk, err := ph.LinkByName(tempLinkName(name)); err == nil {
+			if err := ph.LinkDel(lk); err != nil {
+				ph.Close()
+				return fmt.Errorf("job network %s: delete half-created interface %s: %w", name, lk.Attrs().Name, err)
+			}
+		}
+		ph.Close()
+	} else {
+		return fmt.Errorf("job network %s: %w", name, err)
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	ok, err := isNetns(Path(name))
+	if err != nil {
+		return fmt.Errorf("job network %s: %w", name, err)
+	}
+	if ok {
+		if err := deleteLinks(name); err != nil {
+			return err
+		}
+	}
+	p := Path(name)
+	if err := unix.Unmount(p, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
+		return fmt.Errorf("job network %s: unmount %s: %w", name, p, err)
+	}
+	if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("job network %s: remove %s: %w", name, p, err)
+	}
+	return nil
+}
+
+// Exists reports whether the job's namespace is there (an agent after a restart: is this job's network up?).
+func Exists(name string) (bool, error) {
+	if err := ValidName(name); err != nil {
+		return false, err
+	}
+	return isNetns(Path(name))
+}
+
+// Do runs fn on an OS thread that has joined the job's namespace, with the caller's mount namespace
+// (`nsenter --net` semantics: CRIU needs the host's /sys). Processes that fn starts with os/exec are forked
+// from that thread and live in the job's namespace.
+func Do(name string, fn func() error) error {
+	if err := ValidName(name); err != nil {
+		return err
+	}
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		// On any failure to return to the original namespace the goroutine exits locked and the runtime
+		// discards the thread rather than reuse it in the job's namespace.
+		orig, err := netns.Get()
+		if err != nil {
+			errc <- fmt.Errorf("job network %s: get current namespace: %w", name, err)
+			return
+		}
+		defer orig.Close()
+		target, err := netns.GetFromPath(Path(name))
+		if err != nil {
+			errc <- fmt.Errorf("job network %s: open namespace: %w", name, err)
+			return
+		}
+		defer target.Close()
+		if err := netns.Set(target); err != nil {
+			errc <- fmt.Errorf("job network %s: enter namespace: %w", name, err)
+			return
+		}
+		ferr := fn()
+		if err := netns.Set(orig); err == nil {
+			runtime.UnlockOSThread()
+		}
+		errc <- ferr
+	}()
+	return <-errc
+}
+
+// isNetns reports whether path is a mounted namespace file; a plain file left by an interrupted create is not.
+func isNetns(path string) (bool, error) {
+	var st unix.Statfs_t
+	err := unix.Statfs(path, &st)
+	if errors.Is(err, unix.ENOENT) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("statfs %s: %w", path, err)
+	}
+	return st.Type == unix.NSFS_MAGIC, nil
+}
+
+// ensureNetns creates the named namespace unless it is already mounted.
+func ensureNetns(name string) error {
+	p := Path(name)
+	ok, err := isNetns(p)
+	if err != nil {
+		return fmt.Errorf("job network %s: %w", name, err)
+	}
+	if ok {
+		return nil
+	}
+	// A file without a mount is what a crash between netns.NewNamed's create and mount leaves.
+	if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("job network %s: remove stale %s: %w", name, p, err)
+	}
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		orig, err := netns.Get()
+		if err != nil {
+			errc <- err
+			return
+		}
+		defer orig.Close()
+		h, err := netns.NewNamed(name) // moves this thread into the new namespace
+		if err != nil {
+			errc <- fmt.Errorf("job network %s: create namespace: %w", name, err)
+			return
+		}
+		h.Close()
+		if err := netns.Set(orig); err == nil {
+			runtime.UnlockOSThread()
+		}
+		errc <- nil
+	}()
+	return <-errc
+}
+
+func parentHandle(path string) (*netlink.Handle, error) {
+	if path == "" {
+		path = "/proc/self/ns/net"
+	}
+	ns, err := netns.GetFromPath(path)
+	if err != nil {
+		return nil, fmt.Errorf("open parent namespace %s: %w", path, err)
+	}
+	defer ns.Close()
+	h, err := netlink.NewHandleAt(ns)
+	if err != nil {
+		return nil, fmt.Errorf("netlink in parent namespace %s: %w", path, err)
+	}
+	return h, nil
+}
+
+// ensureLink returns the job's interface, creating it on the parent and moving it in if it is missing.
+func ensureLink(s Spec, ph, jh *netlink.Handle, job netns.NsHandle) (netlink.Link, error) {
+	if lk, err := jh.LinkByName(s.IfName); err == nil {
+		if lk.Type() != string(s.Kind) {
+			return nil, fmt.Errorf("interface %s in the namespace is a %s, want %s: delete the job network first", s.IfName, lk.Type(), s.Kind)
+		}
+		return lk, nil
+	}
+	parent, err := ph.LinkByName(s.Parent)
+	if err != nil {
+		return nil, fmt.Errorf("find parent interface %s: %w", s.Parent, err)
+	}
+	tmp := tempLinkName(s.Name)
+	if old, err := ph.LinkByName(tmp); err == nil {
+		if err := ph.LinkDel(old); err != nil {
+			return nil, fmt.Errorf("delete half-created interface %s: %w", tmp, err)
+		}
+	}
+	attrs := netlink.LinkAttrs{Name: tmp, ParentIndex: parent.Attrs().Index}
+	var lk netlink.Link
+	switch s.Kind {
+	case IPVlan:
+		lk = &netlink.IPVlan{LinkAttrs: attrs, Mode: netlink.IPVLAN_MODE_L2}
+	case MACVlan:
+		lk = &netlink.Macvlan{LinkAttrs: attrs, Mode: netlink.MACVLAN_MODE_BRIDGE}
+	}
+	if err := ph.LinkAdd(lk); err != nil {
+		return nil, fmt.Errorf("create %s interface on %s: %w", s.Kind, s.Parent, err)
+	}
+	created, err := ph.LinkByName(tmp)
+	if err != nil {
+		return nil, fmt.Errorf("find new interface %s: %w", tmp, err)
+	}
+	if err := ph.LinkSetNsFd(created, int(job)); err != nil {
+		_ = ph.LinkDel(created)
+		return nil, fmt.Errorf("move %s into the namespace: %w", tmp, err)
+	}
+	inner, err := jh.LinkByName(tmp)
+	if err != nil {
+		return nil, fmt.Errorf("find %s inside the namespace: %w", tmp, err)
+	}
+	if err := jh.LinkSetName(inner, s.IfName); err != nil {
+		return nil, fmt.Errorf("rename %s to %s: %w", tmp, s.IfName, err)
+	}
+	return jh.LinkByName(s.IfName)
+}
+
+// ensureAddr leaves exactly addr as the interface's IPv4 address.
+func ensureAddr(jh *netlink.Handle, lk netlink.Link, addr netip.Prefix) error {
+	want, err := netlink.ParseAddr(addr.String())
+	if err != nil {
+		return fmt.Errorf("parse %s: %w", addr, err)
+	}
+	have, err := jh.AddrList(lk, netlink.FAMILY_V4)
+	if err != nil {
+		return fmt.Errorf("list addresses of %s: %w", lk.Attrs().Name, err)
+	}
+	for _, a := range have {
+		if a.IPNet.String() == want.IPNet.String() {
+			continue
+		}
+		if err := jh.AddrDel(lk, &a); err != nil {
+			return fmt.Errorf("remove stale address %s: %w", a.IPNet, err)
+		}
+	}
+	if err := jh.AddrReplace(lk, want); err != nil {
+		return fmt.Errorf("add %s to %s: %w", addr, lk.Attrs().Name, err)
+	}
+	return nil
+}
+
+// deleteLinks removes every interface but lo from the job's namespace.
+func deleteLinks(name string) error {
+	job, err := netns.GetFromPath(Path(name))
+	if err != nil {
+		return fmt.Errorf("job network %s: open namespace: %w", name, err)
+	}
+	defer job.Close()
+	jh, err := netlink.NewHandleAt(job)
+	if err != nil {
+		return fmt.Errorf("job network %s: netlink in its namespace: %w", name, err)
+	}
+	defer jh.Close()
+	links, err := jh.LinkList()
+	if err != nil {
+		return fmt.Errorf("job network %s: list interfaces: %w", name, err)
+	}
+	for _, lk := range links {
+		if lk.Attrs().Name == "lo" {
+			continue
+		}
+		if err := jh.LinkDel(lk); err != nil && !errors.Is(err, unix.ENODEV) {
+			return fmt.Errorf("job network %s: delete %s: %w", name, lk.Attrs().Name, err)
+		}
+	}
+	return nil
+}

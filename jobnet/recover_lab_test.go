@@ -1,0 +1,123 @@
+//go:build linux
+
+package jobnet
+
+import (
+	"context"
+	"net/netip"
+	"os"
+	"testing"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+
+	"github.com/ftkit/ftkit/lab/labtest"
+)
+
+// TestCreateAfterCrash: what an agent crashing inside Create can leave behind (a plain file where the
+// namespace's mount should be, the interface still under its temporary name on the parent, a stale address)
+// does not stop the next Create, which leaves exactly the job's network (one address, one default route via
+// the gateway); Delete then removes it all.
+func TestCreateAfterCrash(t *testing.T) {
+	l := labtest.New(t, 1, 0)
+	ctx := context.Background()
+	parentPath, err := l.NetnsPath("node1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := l.State().Subnet.Masked().Addr().As4()
+	b[3] = 201
+	s := Spec{Name: l.State().ID + "-crash", Parent: "eth0", Kind: MACVlan, ParentNetns: parentPath,
+		Addr: netip.PrefixFrom(netip.AddrFrom4(b), l.State().Subnet.Bits())}
+	b[3] = 1
+	s.Gateway = netip.AddrFrom4(b) // no host there: the route is on-link, which is all Create sets up
+	t.Cleanup(func() {
+		if err := Delete(context.Background(), s.Name, s.ParentNetns); err != nil {
+			t.Errorf("cleanup: %v", err)
+		}
+	})
+	pns, err := netns.GetFromPath(parentPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pns.Close()
+	ph, err := netlink.NewHandleAt(pns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ph.Close()
+	parent, err := ph.LinkByName("eth0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The leftovers.
+	if err := os.WriteFile(Path(s.Name), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	tmp := &netlink.Macvlan{LinkAttrs: netlink.LinkAttrs{Name: tempLinkName(s.Name), ParentIndex: parent.Attrs().Index}, Mode: netlink.MACVLAN_MODE_BRIDGE}
+	if err := ph.LinkAdd(tmp); err != nil {
+		t.Fatal(err)
+	}
+
+	if err := Create(ctx, s); err != nil {
+		t.Fatalf("create over the leftovers: %v", err)
+	}
+	if _, err := ph.LinkByName(tempLinkName(s.Name)); err == nil {
+		t.Errorf("the temporary interface %s is still on the parent", tempLinkName(s.Name))
+	}
+	// A stale address on the job's interface is replaced by the job's.
+	job, err := netns.GetFromPath(Path(s.Name))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer job.Close()
+	jh, err := netlink.NewHandleAt(job)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer jh.Close()
+	lk, err := jh.LinkByName(DefaultIfName)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stale, _ := netlink.ParseAddr("192.0.2.7/24")
+	if err := jh.AddrAdd(lk, stale); err != nil {
+		t.Fatal(err)
+	}
+	if err := Create(ctx, s); err != nil {
+		t.Fatalf("create again: %v", err)
+	}
+	addrs, err := jh.AddrList(lk, netlink.FAMILY_V4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(addrs) != 1 || addrs[0].IPNet.String() != s.Addr.String() {
+		t.Errorf("addresses %v after Create, want only %v", addrs, s.Addr)
+	}
+	routes, err := jh.RouteList(lk, netlink.FAMILY_V4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var gw []string
+	for _, r := range routes {
+		if r.Dst == nil || r.Dst.IP.IsUnspecified() {
+			gw = append(gw, r.Gw.String())
+		}
+	}
+	if len(gw) != 1 || gw[0] != s.Gateway.String() {
+		t.Errorf("default routes via %v, want one via %v", gw, s.Gateway)
+	}
+	// A job network of another kind under the same name is refused, not silently reused.
+	other := s
+	other.Kind = IPVlan
+	if err := Create(ctx, other); err == nil {
+		t.Errorf("Create of an ipvlan job network over a macvlan one succeeded")
+	}
+
+	if err := Delete(ctx, s.Name, s.ParentNetns); err != nil {
+		t.Fatal(err)
+	}
+	if ok, err := Exists(s.Name); err != nil || ok {
+		t.Errorf("Exists = %v, %v after Delete", ok, err)
+	}
+}
