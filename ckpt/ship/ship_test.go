@@ -3,6 +3,7 @@ package ship
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"io"
 	"io/fs"
@@ -379,7 +380,7 @@ func validStream(t testing.TB, m *ckpt.Manifest, files map[string][]byte) stream
 	if err != nil {
 		t.Fatal(err)
 	}
-	sp := streamParts{hello: frame(frameHello, helloPayload()), manifest: frame(frameManifest, mb), done: frame(frameDone, nil)}
+	sp := streamParts{hello: frame(frameHello, helloV1()), manifest: frame(frameManifest, mb), done: frame(frameDone, nil)}
 	for _, f := range m.Files {
 		sp.files = append(sp.files, fileFrames(f.Name, f.Size, compress(files[f.Name])))
 	}
@@ -686,7 +687,7 @@ func TestIdleTimeouts(t *testing.T) {
 	}
 
 	stalled := dial(t, ln.Addr().String())
-	writeFrame(stalled, frameHello, helloPayload())
+	writeFrame(stalled, frameHello, helloV1())
 	select {
 	case err := <-recvErr:
 		if !errors.Is(err, os.ErrDeadlineExceeded) {
@@ -957,4 +958,10 @@ func TestReceiveRefusesConcurrentWriter(t *testing.T) {
 		}
 		other.Abort()
 	}
+}
+
+// helloV1 is the HELLO of a protocol-1 sender (no BASE frame), which a
+// receiver still accepts; the hand-made streams of these tests speak it.
+func helloV1() []byte {
+	return binary.BigEndian.AppendUint16(append([]byte{}, helloMagic[:]...), 1)
 }
