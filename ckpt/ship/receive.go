@@ -167,6 +167,7 @@ type receiver struct {
 	version     uint16
 	base        *rootBase // the base of the current attempt, if any
 	baseBS      int
+	baseID      string // of the attempt that succeeded
 	copied      int64
 }
 
@@ -239,7 +240,7 @@ func (rc *receiver) run(reply func(frameType, []byte) error) (*Received, error) 
 		// will resend and get HAVE.
 		return nil, fmt.Errorf("snapshot committed but acknowledging failed: %w", err)
 	}
-	res.Manifest, res.CopiedBytes = got, rc.copied
+	res.Manifest, res.CopiedBytes, res.BaseID = got, rc.copied, rc.baseID
 	return res, nil
 }
 
@@ -289,6 +290,7 @@ func (rc *receiver) attempt(m *ckpt.Manifest, offers []string, reply func(frameT
 	if err := reply(frameAccept, accept); err != nil {
 		return 0, err
 	}
+	rc.baseID = ""
 	if rc.version >= 2 {
 		if err := rc.readBase(m, offers); err != nil {
 			return 0, err
@@ -359,7 +361,7 @@ func (rc *receiver) readBase(m *ckpt.Manifest, offers []string) error {
 	if err != nil {
 		return fmt.Errorf("%w: open base %s: %v", errDeltaRefused, ref.id, err)
 	}
-	rc.base, rc.baseBS = b, ref.bs
+	rc.base, rc.baseBS, rc.baseID = b, ref.bs, ref.id
 	return nil
 }
 
