@@ -53,6 +53,7 @@ const (
 	opLit  byte = 2
 
 	copyOpLen = 1 + 4 + 8 + 4 + 8
+	copyChunk = 1 << 20
 )
 
 // errDeltaRefused marks a diff the receiver cannot apply to its base (base
@@ -273,7 +274,7 @@ func applyDelta(r io.Reader, w io.Writer, size int64, bs int, base baseFiles) (i
 		return 0, protoErr("negative file size")
 	}
 	br := bufio.NewReaderSize(r, 64<<10)
-	buf := make([]byte, bs)
+	buf := make([]byte, max(bs, copyChunk))
 	var hdr [copyOpLen]byte
 	var copied int64
 	var pos int64
@@ -303,14 +304,17 @@ func applyDelta(r io.Reader, w io.Writer, size int64, bs int, base baseFiles) (i
 				return copied, fmt.Errorf("%w: COPY of blocks %d+%d beyond base file %d of %d bytes", errDeltaRefused, block, count, file, bsize)
 			}
 			h := xxhash.New()
-			for k := uint64(0); k < uint64(count); k++ {
-				if err := base.ReadAt(file, buf, int64(block+k)*bsz); err != nil {
+			// Read the run in chunks of up to copyChunk, not block by block.
+			for off, end := int64(block)*bsz, int64(block+uint64(count))*bsz; off < end; {
+				chunk := buf[:min(int64(len(buf)), end-off)]
+				if err := base.ReadAt(file, chunk, off); err != nil {
 					return copied, fmt.Errorf("%w: read base file %d: %v", errDeltaRefused, file, err)
 				}
-				h.Write(buf)
-				if _, err := w.Write(buf); err != nil {
+				h.Write(chunk)
+				if _, err := w.Write(chunk); err != nil {
 					return copied, err
 				}
+				off += int64(len(chunk))
 			}
 			if h.Sum64() != check {
 				return copied, fmt.Errorf("%w: blocks %d+%d of base file %d differ from the sender's base", errDeltaRefused, block, count, file)

@@ -4,17 +4,24 @@
 // Wire format: a sequence of frames, each a 1-byte type, a 4-byte big-endian
 // payload length, and the payload; every type has its own length limit, so
 // a hostile or truncated stream cannot make the receiver allocate or write
-// without bound. One transfer is:
+// without bound. One transfer (protocol 2) is:
 //
 //	sender:   HELLO MANIFEST
-//	receiver: ACCEPT | HAVE <node> | NACK <reason>
-//	sender:   { FILE <name,size> DATA* (END | ABORT <reason>) }* DONE
-//	receiver: OK <node> | NACK <reason>   (NACK may come early)
+//	receiver: ACCEPT <bases offered> | HAVE <node> | NACK <reason>
+//	sender:   BASE <id, file-list digest, block size | empty>
+//	          { (FILE | DFILE) <name,size> DATA* (END | ABORT <reason>) }* DONE
+//	receiver: OK <node> | NACK <reason> | RETRY <reason>  (NACK, RETRY may come early)
+//	after RETRY: sender ABORT (unless DONE was sent); receiver ACCEPT <none>;
+//	          sender BASE <empty> and every file whole, as above.
 //
 // File contents are LZ4 frames (github.com/pierrec/lz4/v4) cut into DATA
-// frames. Files are sent in manifest order and must match it by name and
-// size; the receiver checks every sha256 while writing and again (from
-// disk) when it commits into its store.
+// frames. A DFILE's content is its diff against the base (delta.go): the
+// receiver offers the snapshots of the same job and node it holds, the
+// sender picks the newest it holds too, and the receiver answers RETRY when
+// the diff does not apply to its copy. Files are sent in manifest order and
+// must match it by name and size; the receiver checks every sha256 while
+// writing and again (from disk) when it commits into its store. A protocol-1
+// sender (no BASE, whole files only) is still received.
 package ship
 
 import (

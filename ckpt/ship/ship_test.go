@@ -553,6 +553,8 @@ func FuzzFrameReader(f *testing.F) {
 	f.Add(frame(frameHello, helloPayload()))
 	f.Add(slices.Concat(frame(frameFile, filePayload("a/b.img", 3)), frame(frameData, []byte{1, 2, 3}), frame(frameEnd, nil)))
 	f.Add([]byte{byte(frameData), 0xff, 0xff, 0xff, 0xff})
+	f.Add(frame(frameAccept, offersPayload([]string{"20261123T202545.107Z-node1-000001"})))
+	f.Add(frame(frameBase, basePayload(&baseIndex{id: "20261123T202545.107Z-node1-000001", bs: 4096})))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		fr := newFrameReader(bytes.NewReader(data))
 		for {
@@ -566,9 +568,19 @@ func FuzzFrameReader(f *testing.F) {
 			if fr.n > int64(len(data)) {
 				t.Fatalf("consumed %d of %d bytes", fr.n, len(data))
 			}
-			if typ == frameFile {
+			if typ == frameFile || typ == frameDFile {
 				if name, _, err := parseFile(p); err == nil && ckpt.ValidFileName(name) != nil {
 					t.Fatalf("parseFile accepted %q", name)
+				}
+			}
+			if typ == frameAccept {
+				if ids, err := parseOffers(p); err == nil && len(ids) > maxOffers {
+					t.Fatalf("parseOffers accepted %d offers", len(ids))
+				}
+			}
+			if typ == frameBase {
+				if ref, ok, err := parseBase(p); err == nil && ok && (ref.bs < minDeltaBlock || ref.bs > maxDeltaBlock) {
+					t.Fatalf("parseBase accepted block size %d", ref.bs)
 				}
 			}
 		}
