@@ -73,6 +73,7 @@ type baseIndex struct {
 	bs     int
 	hashes map[uint32][]uint64 // by index into the base manifest's Files
 	where  map[uint64]blockLoc // one location per distinct hash
+	byName map[string]uint32   // index of each indexed base file
 }
 
 // filesDigest identifies a manifest's file list, so both sides agree on what
@@ -111,7 +112,7 @@ func indexBase(ctx context.Context, dir string, m *ckpt.Manifest, want int) (*ba
 		}
 	}
 	idx := &baseIndex{id: m.ID, digest: filesDigest(m.Files), bs: deltaBlockFor(total, want),
-		hashes: map[uint32][]uint64{}, where: map[uint64]blockLoc{}}
+		hashes: map[uint32][]uint64{}, where: map[uint64]blockLoc{}, byName: map[string]uint32{}}
 	root, err := os.OpenRoot(dir)
 	if err != nil {
 		return nil, err
@@ -146,6 +147,7 @@ func indexBase(ctx context.Context, dir string, m *ckpt.Manifest, want int) (*ba
 		}
 		in.Close()
 		idx.hashes[uint32(i)] = hs
+		idx.byName[f.Name] = uint32(i)
 	}
 	return idx, nil
 }
@@ -156,10 +158,11 @@ func (idx *baseIndex) has(f uint32, b uint64, h uint64) bool {
 	return b < uint64(len(hs)) && hs[b] == h
 }
 
-// encodeDelta reads size bytes of the new file from r and writes its
-// operations to w. It returns the bytes described by COPY operations.
+// encodeDelta reads size bytes of the new file named name from r and writes
+// its operations to w. It returns the bytes described by COPY operations.
 // tick is called every few MiB (to notice a refusal early).
-func encodeDelta(r io.Reader, w io.Writer, size int64, idx *baseIndex, tick func() error) (int64, error) {
+func encodeDelta(name string, r io.Reader, w io.Writer, size int64, idx *baseIndex, tick func() error) (int64, error) {
+	same, hasSame := idx.byName[name]
 	bs := idx.bs
 	bw := bufio.NewWriterSize(w, 256<<10)
 	var copied int64
@@ -212,14 +215,19 @@ func encodeDelta(r io.Reader, w io.Writer, size int64, idx *baseIndex, tick func
 		}
 		if n == bs {
 			h := xxhash.Sum64(buf)
-			// Prefer extending the current run (duplicate blocks, such as
-			// zero pages, would otherwise break it), then any location.
+			// Prefer extending the current run, then the same place in the
+			// base file of the same name, then any location: duplicate
+			// blocks (zero or repeated pages) would otherwise cut runs short.
 			if run > 0 && idx.has(runAt.file, runAt.block+uint64(run), h) {
 				run++
 				runHash.Write(buf)
 				continue
 			}
-			if at, ok := idx.where[h]; ok {
+			at, ok := idx.where[h]
+			if b := uint64(pos / int64(bs)); hasSame && idx.has(same, b, h) {
+				at, ok = blockLoc{same, b}, true
+			}
+			if ok {
 				if err := flushCopy(); err != nil {
 					return copied, err
 				}

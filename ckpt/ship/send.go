@@ -339,7 +339,8 @@ func finish(store *ckpt.Store, job, id, peer string, ackNode []byte, log *slog.L
 	}
 	s.Manifest = m
 	log.Info("snapshot shipped", "job", job, "id", id, "peer", peer, "bytes", s.Bytes,
-		"wire_bytes", s.WireBytes, "already_present", s.AlreadyPresent, "duration", s.Duration)
+		"wire_bytes", s.WireBytes, "already_present", s.AlreadyPresent, "base", s.BaseID,
+		"copied_bytes", s.CopiedBytes, "delta_refused", s.DeltaRefused, "duration", s.Duration)
 	return s, nil
 }
 
@@ -418,7 +419,7 @@ func sendDeltaFile(dir string, f ckpt.FileEntry, idx *baseIndex, bw *bufio.Write
 	zw.Reset(dw)
 	br := bufio.NewReaderSize(in, 1<<20)
 	hr := &hashingReader{r: br, h: sha256.New()}
-	copied, err := encodeDelta(hr, zw, f.Size, idx, early)
+	copied, err := encodeDelta(f.Name, hr, zw, f.Size, idx, early)
 	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
 		return hr.n, copied, &ckpt.VerifyError{File: f.Name, Err: ckpt.ErrTruncated, Detail: fmt.Sprintf("%d bytes, manifest says %d", hr.n, f.Size)}
 	}

@@ -1,8 +1,9 @@
 // Command heaprewrite is the job of the incremental-snapshot benchmark: it fills --mb MiB with content
 // shaped like process memory (per 4 KiB page: 40% zero, 30% pseudo-random, 30% text, as testdata/memcounter),
-// prints "ready", and then, each time it gets SIGUSR1, rewrites --pct percent of its pages (chosen at random,
-// scattered over the heap, with new pseudo-random content) and prints "rewrite N". Between signals it only
-// sleeps, so what changes between two snapshots is exactly one rewrite.
+// prints "ready", and then, each time it gets SIGUSR1, rewrites --pct percent of its heap (pages chosen at
+// random among the non-zero ones, scattered over the heap, each given new content of its kind: new
+// pseudo-random bytes or shifted text, so the changes compress as the heap does) and prints "rewrite N".
+// Between signals it only sleeps, so what changes between two snapshots is exactly one rewrite.
 package main
 
 import (
@@ -39,12 +40,27 @@ func main() {
 	signal.Notify(sig, syscall.SIGUSR1)
 	fmt.Println("ready")
 	rng := rand.New(rand.NewPCG(1, 2))
-	n := int(float64(pages) * *pct / 100)
+	var nonzero []int
+	for p := range pages {
+		if p%10 >= 4 {
+			nonzero = append(nonzero, p)
+		}
+	}
+	n := min(int(float64(pages)**pct/100), len(nonzero))
 	for round := 1; ; round++ {
 		<-sig
-		// A random selection of n distinct pages.
-		for _, p := range rng.Perm(pages)[:n] {
-			fill(buf[p*page:(p+1)*page], rng.Uint64()|1)
+		// A random selection of n distinct non-zero pages.
+		for _, k := range rng.Perm(len(nonzero))[:n] {
+			p := nonzero[k]
+			pg := buf[p*page : (p+1)*page]
+			if p%10 <= 6 {
+				fill(pg, rng.Uint64()|1)
+				continue
+			}
+			shift := rng.IntN(len(text))
+			for i := range pg {
+				pg[i] = text[(i+p+shift)%len(text)]
+			}
 		}
 		fmt.Printf("rewrite %d pages %d\n", round, n)
 	}
