@@ -8,9 +8,12 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"strings"
+	"syscall"
 	"time"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/ckpt/ship"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
 )
@@ -74,8 +77,99 @@ func benchSnapshot(ctx context.Context, log *slog.Logger) ([]Metric, any, error)
 			Metric{Name: p + "ship_throughput_median", Value: median(ship), Unit: "MB/s"},
 		)
 	}
+	dm, err := benchSnapshotDelta(ctx, c, binDir, deltaMB, log)
+	if err != nil {
+		return nil, nil, err
+	}
+	metrics = append(metrics, dm...)
 	return metrics, map[string]any{"rounds": rounds, "sizes_mb": sizes, "content": "per page 40% zero, 30% random, 30% text (testdata/memcounter)",
-		"link": "veth + bridge between two lab namespaces, mutual TLS, lz4"}, nil
+		"link": "veth + bridge between two lab namespaces, mutual TLS, lz4",
+		"note": "from the second round on, snapshots go as diffs against the protector's previous replica (ckpt/ship)",
+		"delta": map[string]any{"mb": deltaMB, "rewritten_pct": 10, "rounds": deltaRounds, "block": ship.DefaultDeltaBlock,
+			"job": "testdata/heaprewrite: random scattered pages rewritten with new random content on SIGUSR1"}}, nil
+}
+
+const (
+	deltaMB     = 1024
+	deltaRounds = 3
+)
+
+// benchSnapshotDelta measures incremental snapshots: a job with mb MiB of heap rewrites 10% of its pages
+// between snapshots; the first snapshot goes whole, the next ones as diffs against the protector's replica.
+// It reports the bytes on the wire per snapshot against the whole one and the ship times.
+func benchSnapshotDelta(ctx context.Context, c *labcluster.Cluster, binDir string, mb int, log *slog.Logger) ([]Metric, error) {
+	cl := c.Client("node1")
+	job, err := cl.StartJob(ctx, agent.JobSpec{
+		Name: fmt.Sprintf("rewrite%d", mb),
+		Argv: []string{filepath.Join(binDir, "heaprewrite"), "--mb", fmt.Sprint(mb), "--pct", "10"},
+	})
+	if err != nil {
+		return nil, err
+	}
+	defer cl.Signal(context.WithoutCancel(ctx), job.ID, syscall.SIGKILL)
+	if err := waitOutput(ctx, job.StdoutPath(), 2*time.Minute); err != nil {
+		return nil, err
+	}
+	snap := func() (agent.SnapshotResult, error) {
+		reply, err := cl.Checkpoint(ctx, job.ID)
+		if err != nil || len(reply.Results) != 1 || !reply.Results[0].Shipped {
+			return agent.SnapshotResult{}, fmt.Errorf("checkpoint of the %d MB rewriting job: %+v, %v", mb, reply, err)
+		}
+		return reply.Results[0], nil
+	}
+	first, err := snap()
+	if err != nil {
+		return nil, err
+	}
+	fullWire := float64(first.ShipWire)
+	size := float64(first.Manifest.TotalSize())
+	log.Info("whole snapshot", "mb", mb, "size", size, "wire", fullWire, "ship_ms", first.ShipDuration.Milliseconds())
+	var toFull, toSize, shipMs []float64
+	var wire float64
+	for r := 1; r <= deltaRounds; r++ {
+		if err := cl.Signal(ctx, job.ID, syscall.SIGUSR1); err != nil {
+			return nil, err
+		}
+		if err := waitContains(ctx, job.StdoutPath(), fmt.Sprintf("rewrite %d ", r), 2*time.Minute); err != nil {
+			return nil, err
+		}
+		res, err := snap()
+		if err != nil {
+			return nil, err
+		}
+		w := float64(res.ShipWire)
+		wire += w
+		toFull = append(toFull, w/fullWire)
+		toSize = append(toSize, w/float64(res.Manifest.TotalSize()))
+		shipMs = append(shipMs, res.ShipDuration.Seconds()*1000)
+		log.Info("incremental snapshot", "mb", mb, "round", r, "wire", w, "of_whole", w/fullWire, "ship_ms", shipMs[r-1])
+	}
+	p := fmt.Sprintf("delta_%dMB_", mb)
+	return []Metric{
+		{Name: p + "snapshot_size", Value: size / 1e6, Unit: "MB"},
+		{Name: p + "whole_wire", Value: fullWire / 1e6, Unit: "MB"},
+		{Name: p + "whole_ship", Value: first.ShipDuration.Seconds() * 1000, Unit: "ms"},
+		{Name: p + "incremental_wire_mean", Value: wire / deltaRounds / 1e6, Unit: "MB"},
+		{Name: p + "incremental_of_whole_wire_median", Value: median(toFull), Unit: "ratio"},
+		{Name: p + "incremental_of_snapshot_size_median", Value: median(toSize), Unit: "ratio"},
+		{Name: p + "incremental_ship_median", Value: median(shipMs), Unit: "ms"},
+	}, nil
+}
+
+// waitContains waits until the file at path contains s.
+func waitContains(ctx context.Context, path, s string, timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for time.Now().Before(deadline) {
+		if b, err := os.ReadFile(path); err == nil && strings.Contains(string(b), s) {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+	return fmt.Errorf("%q not in %s after %s", s, path, timeout)
 }
 
 func ownDir() (string, error) {

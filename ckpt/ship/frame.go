@@ -4,17 +4,24 @@
 // Wire format: a sequence of frames, each a 1-byte type, a 4-byte big-endian
 // payload length, and the payload; every type has its own length limit, so
 // a hostile or truncated stream cannot make the receiver allocate or write
-// without bound. One transfer is:
+// without bound. One transfer (protocol 2) is:
 //
 //	sender:   HELLO MANIFEST
-//	receiver: ACCEPT | HAVE <node> | NACK <reason>
-//	sender:   { FILE <name,size> DATA* (END | ABORT <reason>) }* DONE
-//	receiver: OK <node> | NACK <reason>   (NACK may come early)
+//	receiver: ACCEPT <bases offered> | HAVE <node> | NACK <reason>
+//	sender:   BASE <id, file-list digest, block size | empty>
+//	          { (FILE | DFILE) <name,size> DATA* (END | ABORT <reason>) }* DONE
+//	receiver: OK <node> | NACK <reason> | RETRY <reason>  (NACK, RETRY may come early)
+//	after RETRY: sender ABORT (unless DONE was sent); receiver ACCEPT <none>;
+//	          sender BASE <empty> and every file whole, as above.
 //
 // File contents are LZ4 frames (github.com/pierrec/lz4/v4) cut into DATA
-// frames. Files are sent in manifest order and must match it by name and
-// size; the receiver checks every sha256 while writing and again (from
-// disk) when it commits into its store.
+// frames. A DFILE's content is its diff against the base (delta.go): the
+// receiver offers the snapshots of the same job and node it holds, the
+// sender picks the newest it holds too, and the receiver answers RETRY when
+// the diff does not apply to its copy. Files are sent in manifest order and
+// must match it by name and size; the receiver checks every sha256 while
+// writing and again (from disk) when it commits into its store. A protocol-1
+// sender (no BASE, whole files only) is still received.
 package ship
 
 import (
@@ -37,11 +44,14 @@ const (
 	frameEnd      frameType = 5
 	frameDone     frameType = 6
 	frameAbort    frameType = 7
+	frameBase     frameType = 8 // v2: the base the files are diffed against (empty: none)
+	frameDFile    frameType = 9 // v2: a file sent as a diff against the base
 
 	frameAccept frameType = 16
 	frameHave   frameType = 17
 	frameOK     frameType = 18
 	frameNack   frameType = 19
+	frameRetry  frameType = 20 // v2: the diff does not apply here; resend in full
 )
 
 const (
@@ -50,7 +60,11 @@ const (
 	maxDataPayload = 1 << 20
 	dataChunk      = 256 << 10
 	maxReasonLen   = 4096
-	protoVersion   = 1
+	// protoVersion 2 adds diffs against a base (BASE, DFILE, RETRY, the
+	// offers in ACCEPT); a v2 receiver still accepts v1 senders.
+	protoVersion = 2
+	// maxOffers bounds the base snapshots a receiver offers in ACCEPT.
+	maxOffers = 8
 )
 
 var helloMagic = [8]byte{'F', 'T', 'K', 'S', 'H', 'I', 'P', 0}
@@ -67,9 +81,15 @@ func maxPayload(t frameType) int {
 		return 2 + 4096 + 8
 	case frameData:
 		return maxDataPayload
-	case frameEnd, frameDone, frameAccept:
+	case frameEnd, frameDone:
 		return 0
-	case frameAbort, frameNack:
+	case frameAccept:
+		return 1 + maxOffers*(1+128)
+	case frameBase:
+		return 1 + 128 + 32 + 4
+	case frameDFile:
+		return 2 + 4096 + 8
+	case frameAbort, frameNack, frameRetry:
 		return maxReasonLen
 	case frameHave, frameOK:
 		return 128
@@ -81,7 +101,8 @@ func (t frameType) String() string {
 	names := map[frameType]string{
 		frameHello: "HELLO", frameManifest: "MANIFEST", frameFile: "FILE", frameData: "DATA",
 		frameEnd: "END", frameDone: "DONE", frameAbort: "ABORT", frameAccept: "ACCEPT",
-		frameHave: "HAVE", frameOK: "OK", frameNack: "NACK",
+		frameHave: "HAVE", frameOK: "OK", frameNack: "NACK", frameBase: "BASE", frameDFile: "DFILE",
+		frameRetry: "RETRY",
 	}
 	if n, ok := names[t]; ok {
 		return n
@@ -172,14 +193,95 @@ func helloPayload() []byte {
 	return binary.BigEndian.AppendUint16(b, protoVersion)
 }
 
-func checkHello(p []byte) error {
+// checkHello returns the sender's protocol version (1 or 2).
+func checkHello(p []byte) (uint16, error) {
 	if len(p) != len(helloMagic)+2 || string(p[:len(helloMagic)]) != string(helloMagic[:]) {
-		return protoErr("not an ftkit snapshot stream (bad HELLO)")
+		return 0, protoErr("not an ftkit snapshot stream (bad HELLO)")
 	}
-	if v := binary.BigEndian.Uint16(p[len(helloMagic):]); v != protoVersion {
-		return protoErr("sender speaks protocol version %d, this node speaks %d (upgrade the older node)", v, protoVersion)
+	v := binary.BigEndian.Uint16(p[len(helloMagic):])
+	if v != 1 && v != protoVersion {
+		return 0, protoErr("sender speaks protocol version %d, this node speaks 1 and %d (upgrade the older node)", v, protoVersion)
 	}
-	return nil
+	return v, nil
+}
+
+// offersPayload lists the base snapshot ids a receiver offers (ACCEPT).
+func offersPayload(ids []string) []byte {
+	ids = ids[:min(len(ids), maxOffers)]
+	b := []byte{byte(len(ids))}
+	for _, id := range ids {
+		b = append(b, byte(len(id)))
+		b = append(b, id...)
+	}
+	return b
+}
+
+// parseOffers decodes ACCEPT's payload; a v1 receiver sends none (empty).
+func parseOffers(p []byte) ([]string, error) {
+	if len(p) == 0 {
+		return nil, nil
+	}
+	n := int(p[0])
+	if n > maxOffers {
+		return nil, protoErr("ACCEPT offers %d bases, more than %d", n, maxOffers)
+	}
+	p = p[1:]
+	ids := make([]string, 0, n)
+	for range n {
+		if len(p) < 1 || len(p) < 1+int(p[0]) {
+			return nil, protoErr("short ACCEPT offer")
+		}
+		id := string(p[1 : 1+int(p[0])])
+		if _, err := ckpt.ParseID(id); err != nil {
+			return nil, protoErr("ACCEPT offer: %v", err)
+		}
+		ids = append(ids, id)
+		p = p[1+int(p[0]):]
+	}
+	if len(p) != 0 {
+		return nil, protoErr("trailing bytes after the ACCEPT offers")
+	}
+	return ids, nil
+}
+
+// basePayload names the base (id, digest of its file list, block size);
+// idx nil sends the empty payload: no base.
+func basePayload(idx *baseIndex) []byte {
+	if idx == nil {
+		return nil
+	}
+	b := []byte{byte(len(idx.id))}
+	b = append(b, idx.id...)
+	b = append(b, idx.digest[:]...)
+	return binary.BigEndian.AppendUint32(b, uint32(idx.bs))
+}
+
+type baseRef struct {
+	id     string
+	digest [32]byte
+	bs     int
+}
+
+// parseBase decodes BASE's payload; ok is false for "no base".
+func parseBase(p []byte) (ref baseRef, ok bool, err error) {
+	if len(p) == 0 {
+		return ref, false, nil
+	}
+	n := int(p[0])
+	if len(p) != 1+n+32+4 {
+		return ref, false, protoErr("BASE frame of %d bytes does not match id length %d", len(p), n)
+	}
+	ref.id = string(p[1 : 1+n])
+	if _, err := ckpt.ParseID(ref.id); err != nil {
+		return ref, false, protoErr("BASE: %v", err)
+	}
+	copy(ref.digest[:], p[1+n:])
+	bs := binary.BigEndian.Uint32(p[1+n+32:])
+	if bs < minDeltaBlock || bs > maxDeltaBlock || bs&(bs-1) != 0 {
+		return ref, false, protoErr("BASE: block size %d out of range", bs)
+	}
+	ref.bs = int(bs)
+	return ref, true, nil
 }
 
 func filePayload(name string, size int64) []byte {

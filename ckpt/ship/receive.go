@@ -12,6 +12,7 @@ import (
 	"log/slog"
 	"os"
 	"path"
+	"slices"
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
@@ -35,7 +36,9 @@ type ReceiveOptions struct {
 	// IdleTimeout bounds waiting for the sender (connections with deadlines
 	// only); 0 means DefaultIdleTimeout.
 	IdleTimeout time.Duration
-	Logger      *slog.Logger
+	// NoDelta offers no base snapshot, so every file comes whole.
+	NoDelta bool
+	Logger  *slog.Logger
 }
 
 // Received describes one completed incoming transfer.
@@ -48,7 +51,14 @@ type Received struct {
 	AlreadyHad bool
 	Bytes      int64 // snapshot bytes written
 	WireBytes  int64 // bytes read from the connection
-	Duration   time.Duration
+	// BaseID is the snapshot the sender diffed against ("" if it sent every
+	// file whole), and CopiedBytes what was taken from it.
+	BaseID      string
+	CopiedBytes int64
+	// DeltaRefused is true when a diff did not apply here and the sender
+	// resent the snapshot in full.
+	DeltaRefused bool
+	Duration     time.Duration
 }
 
 // Receive reads one snapshot transfer from conn into store, verifies it,
@@ -88,17 +98,18 @@ func Receive(ctx context.Context, conn io.ReadWriter, store *ckpt.Store, opts Re
 	if err != nil {
 		return nil, wrapCtx(ctx, "receive snapshot: read HELLO", err)
 	}
+	var version uint16
 	if t != frameHello {
 		err = protoErr("stream starts with %v, want HELLO", t)
 	} else {
-		err = checkHello(p)
+		version, err = checkHello(p)
 	}
 	if err != nil {
 		reply(frameNack, reason(err))
 		return nil, fmt.Errorf("receive snapshot: %w", err)
 	}
 
-	rc := &receiver{ctx: ctx, fr: fr, store: store, opts: opts, log: log}
+	rc := &receiver{ctx: ctx, fr: fr, store: store, opts: opts, log: log, version: version}
 	res, err := rc.run(reply)
 	if err != nil {
 		if rc.pending != nil {
@@ -118,7 +129,8 @@ func Receive(ctx context.Context, conn io.ReadWriter, store *ckpt.Store, opts Re
 	res.WireBytes = fr.n
 	res.Duration = time.Since(start)
 	log.Info("snapshot received", "job", res.Manifest.Job, "id", res.Manifest.ID,
-		"bytes", res.Bytes, "wire_bytes", res.WireBytes, "already_had", res.AlreadyHad, "duration", res.Duration)
+		"bytes", res.Bytes, "wire_bytes", res.WireBytes, "already_had", res.AlreadyHad, "base", res.BaseID,
+		"copied_bytes", res.CopiedBytes, "delta_refused", res.DeltaRefused, "duration", res.Duration)
 	return res, nil
 }
 
@@ -152,6 +164,11 @@ type receiver struct {
 	log         *slog.Logger
 	pending     *ckpt.Pending
 	peerAborted bool
+	version     uint16
+	base        *rootBase // the base of the current attempt, if any
+	baseBS      int
+	baseID      string // of the attempt that succeeded
+	copied      int64
 }
 
 func (rc *receiver) run(reply func(frameType, []byte) error) (*Received, error) {
@@ -183,50 +200,35 @@ func (rc *receiver) run(reply func(frameType, []byte) error) (*Received, error) 
 			return &Received{Manifest: have, AlreadyHad: true}, nil
 		}
 	}
-	if _, lerr := os.Lstat(rc.store.Path(m.Job, m.ID)); lerr == nil {
-		// A damaged or different local copy: the sender's replaces it, but
-		// only once the new copy has verified (the commit swaps them), so a
-		// failed transfer loses nothing.
-		rc.log.Warn("local copy of snapshot is damaged or differs from the sender's; receiving a replacement", "job", m.Job, "id", m.ID)
-		rc.pending, err = rc.store.BeginReplace(m)
-	} else {
-		rc.pending, err = rc.store.BeginReceive(m)
+	var offers []string
+	if rc.version >= 2 && !rc.opts.NoDelta {
+		offers = rc.offers(m)
 	}
-	if err != nil {
-		return nil, err
-	}
-	root, err := os.OpenRoot(rc.pending.Dir())
-	if err != nil {
-		return nil, fmt.Errorf("open pending dir: %w", err)
-	}
-	defer root.Close()
-	if err := reply(frameAccept, nil); err != nil {
-		return nil, err
-	}
-
-	var written int64
-	zr := lz4.NewReader(nil)
-	h := sha256.New()
-	for _, want := range m.Files {
-		if err := rc.ctx.Err(); err != nil {
+	res := &Received{}
+	for attempt := 0; ; attempt++ {
+		n, err := rc.attempt(m, offers, reply)
+		res.Bytes = n
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, errDeltaRefused) || attempt > 0 {
 			return nil, err
 		}
-		n, err := rc.receiveFile(root, zr, h, want)
-		written += n
-		if err != nil {
+		// The diff does not apply to our base: discard, ask for the whole
+		// snapshot, and skip what the sender still sends of the diff.
+		rc.log.Warn("snapshot diff does not apply to the local base; asking for the whole snapshot", "job", m.Job, "id", m.ID, "err", err)
+		if aerr := rc.pending.Abort(); aerr != nil {
+			return nil, aerr
+		}
+		rc.pending = nil
+		if err := reply(frameRetry, reason(err)); err != nil {
 			return nil, err
 		}
-	}
-	t, p, err = rc.fr.next()
-	if err != nil {
-		return nil, fmt.Errorf("read DONE: %w", err)
-	}
-	if t == frameAbort {
-		rc.peerAborted = true
-		return nil, fmt.Errorf("sender aborted: %s", sanitize(p))
-	}
-	if t != frameDone {
-		return nil, protoErr("got %v after the last file, want DONE", t)
+		if err := rc.skipAttempt(); err != nil {
+			return nil, err
+		}
+		offers = nil
+		res.DeltaRefused = true
 	}
 	got, err := rc.pending.CommitReceived(rc.ctx, rc.opts.Peer)
 	if err != nil {
@@ -238,7 +240,145 @@ func (rc *receiver) run(reply func(frameType, []byte) error) (*Received, error) 
 		// will resend and get HAVE.
 		return nil, fmt.Errorf("snapshot committed but acknowledging failed: %w", err)
 	}
-	return &Received{Manifest: got, Bytes: written}, nil
+	res.Manifest, res.CopiedBytes, res.BaseID = got, rc.copied, rc.baseID
+	return res, nil
+}
+
+// offers lists the committed snapshots of the same job taken on the same
+// node that this store holds, newest first: the bases a diff may use. Only
+// the snapshot's own node's, so that a sender can never probe the contents of
+// another node's snapshots through the block checks.
+func (rc *receiver) offers(m *ckpt.Manifest) []string {
+	ids, err := rc.store.List(m.Job, m.Node)
+	if err != nil {
+		rc.log.Warn("cannot list base snapshots for a diff; receiving whole files", "job", m.Job, "err", err)
+		return nil
+	}
+	var out []string
+	for _, id := range ids {
+		if id != m.ID && len(out) < maxOffers {
+			out = append(out, id)
+		}
+	}
+	return out
+}
+
+// attempt receives the files of m once (into a new pending copy) up to DONE.
+func (rc *receiver) attempt(m *ckpt.Manifest, offers []string, reply func(frameType, []byte) error) (int64, error) {
+	var err error
+	if _, lerr := os.Lstat(rc.store.Path(m.Job, m.ID)); lerr == nil {
+		// A damaged or different local copy: the sender's replaces it, but
+		// only once the new copy has verified (the commit swaps them), so a
+		// failed transfer loses nothing.
+		rc.log.Warn("local copy of snapshot is damaged or differs from the sender's; receiving a replacement", "job", m.Job, "id", m.ID)
+		rc.pending, err = rc.store.BeginReplace(m)
+	} else {
+		rc.pending, err = rc.store.BeginReceive(m)
+	}
+	if err != nil {
+		return 0, err
+	}
+	root, err := os.OpenRoot(rc.pending.Dir())
+	if err != nil {
+		return 0, fmt.Errorf("open pending dir: %w", err)
+	}
+	defer root.Close()
+	var accept []byte
+	if rc.version >= 2 {
+		accept = offersPayload(offers)
+	}
+	if err := reply(frameAccept, accept); err != nil {
+		return 0, err
+	}
+	rc.baseID = ""
+	if rc.version >= 2 {
+		if err := rc.readBase(m, offers); err != nil {
+			return 0, err
+		}
+		if rc.base != nil {
+			defer func() { rc.base.Close(); rc.base = nil }()
+		}
+	}
+
+	var written int64
+	zr := lz4.NewReader(nil)
+	h := sha256.New()
+	rc.copied = 0
+	for _, want := range m.Files {
+		if err := rc.ctx.Err(); err != nil {
+			return written, err
+		}
+		n, err := rc.receiveFile(root, zr, h, want)
+		written += n
+		if err != nil {
+			return written, err
+		}
+	}
+	t, p, err := rc.fr.next()
+	if err != nil {
+		return written, fmt.Errorf("read DONE: %w", err)
+	}
+	if t == frameAbort {
+		rc.peerAborted = true
+		return written, fmt.Errorf("sender aborted: %s", sanitize(p))
+	}
+	if t != frameDone {
+		return written, protoErr("got %v after the last file, want DONE", t)
+	}
+	return written, nil
+}
+
+// readBase reads BASE and opens the base it names, which must be one of
+// offers and have the file list the sender indexed; otherwise the diff is
+// refused (errDeltaRefused) before any file.
+func (rc *receiver) readBase(m *ckpt.Manifest, offers []string) error {
+	t, p, err := rc.fr.next()
+	if err != nil {
+		return fmt.Errorf("read BASE: %w", err)
+	}
+	if t == frameAbort {
+		rc.peerAborted = true
+		return fmt.Errorf("sender aborted: %s", sanitize(p))
+	}
+	if t != frameBase {
+		return protoErr("got %v, want BASE", t)
+	}
+	ref, ok, err := parseBase(p)
+	if err != nil || !ok {
+		return err
+	}
+	if !slices.Contains(offers, ref.id) {
+		return protoErr("BASE %s was not offered", ref.id)
+	}
+	bm, err := rc.store.Manifest(m.Job, ref.id)
+	if err != nil {
+		return fmt.Errorf("%w: base %s: %v", errDeltaRefused, ref.id, err)
+	}
+	if filesDigest(bm.Files) != ref.digest {
+		return fmt.Errorf("%w: base %s here lists other files than the sender's", errDeltaRefused, ref.id)
+	}
+	b, err := newRootBase(rc.store.Path(m.Job, ref.id), bm.Files)
+	if err != nil {
+		return fmt.Errorf("%w: open base %s: %v", errDeltaRefused, ref.id, err)
+	}
+	rc.base, rc.baseBS, rc.baseID = b, ref.bs, ref.id
+	return nil
+}
+
+// skipAttempt discards the rest of a refused attempt, up to the sender's
+// ABORT or DONE, reading at most what the snapshot could take on the wire.
+func (rc *receiver) skipAttempt() error {
+	limit := rc.fr.n + rc.opts.MaxSnapshotBytes + rc.opts.MaxSnapshotBytes/2 + 1<<20
+	for rc.fr.n <= limit {
+		t, _, err := rc.fr.next()
+		if err != nil {
+			return fmt.Errorf("skip the refused diff: %w", err)
+		}
+		if t == frameAbort || t == frameDone {
+			return nil
+		}
+	}
+	return protoErr("sender keeps sending after the diff was refused")
 }
 
 // FromNode is an Authorize policy for a protector: the connection's
@@ -273,8 +413,12 @@ func (rc *receiver) receiveFile(root *os.Root, zr *lz4.Reader, h hash.Hash, want
 		rc.peerAborted = true
 		return 0, fmt.Errorf("sender aborted: %s", sanitize(p))
 	}
-	if t != frameFile {
+	delta := t == frameDFile
+	if t != frameFile && !delta {
 		return 0, protoErr("got %v, want FILE %s", t, want.Name)
+	}
+	if delta && rc.base == nil {
+		return 0, protoErr("DFILE %s without a base", want.Name)
 	}
 	name, size, err := parseFile(p)
 	if err != nil {
@@ -298,7 +442,25 @@ func (rc *receiver) receiveFile(root *os.Root, zr *lz4.Reader, h hash.Hash, want
 	dr := &dataReader{rc: rc}
 	zr.Reset(dr)
 	lw := &limitedWriter{w: f, h: h, left: size}
-	n, err := io.Copy(lw, zr)
+	var n int64
+	if delta {
+		var copied int64
+		bw := bufio.NewWriterSize(lw, 1<<20)
+		copied, err = applyDelta(zr, bw, size, rc.baseBS, rc.base)
+		if err == nil {
+			err = bw.Flush()
+		}
+		n = size - lw.left
+		rc.copied += copied
+		if err != nil && (errors.Is(err, errDeltaRefused) || errors.Is(err, ErrProtocol)) {
+			if dr.err != nil {
+				return n, dr.err
+			}
+			return n, fmt.Errorf("file %s: %w", name, err)
+		}
+	} else {
+		n, err = io.Copy(lw, zr)
+	}
 	if err != nil {
 		if lw.over {
 			return n, fmt.Errorf("file %s decompresses to more than the %d bytes in the manifest", name, size)
@@ -315,6 +477,11 @@ func (rc *receiver) receiveFile(root *os.Root, zr *lz4.Reader, h hash.Hash, want
 		return n, fmt.Errorf("file %s: %w (got %d bytes, manifest says %d)", name, ckpt.ErrTruncated, n, size)
 	}
 	if got := hex.EncodeToString(h.Sum(nil)); got != want.SHA256 {
+		if delta {
+			// The base blocks hashed right yet the whole differs (a fast
+			// hash collision, or a base that changed under us): resend whole.
+			return n, fmt.Errorf("file %s: %w: rebuilt from the base, its sha256 differs from the manifest", name, errDeltaRefused)
+		}
 		return n, fmt.Errorf("file %s: %w (sha256 differs from the manifest)", name, ckpt.ErrCorrupt)
 	}
 	return n, f.Close()

@@ -28,7 +28,12 @@ type SendOptions struct {
 	// CompressConcurrency is the number of goroutines compressing each file;
 	// 0 means 1 (the agent shares the node with the job).
 	CompressConcurrency int
-	Logger              *slog.Logger
+	// NoDelta sends every file whole even when the protector offers a base.
+	NoDelta bool
+	// DeltaBlock is the block size of diffs (a power of two from 4 KiB to
+	// 1 MiB); 0 means DefaultDeltaBlock.
+	DeltaBlock int
+	Logger     *slog.Logger
 }
 
 // Sent describes one completed outgoing transfer.
@@ -38,7 +43,15 @@ type Sent struct {
 	AlreadyPresent bool
 	Bytes          int64 // snapshot bytes read and sent
 	WireBytes      int64 // bytes written to the connection
-	Duration       time.Duration
+	// BaseID is the snapshot, held by both sides, that large files were
+	// diffed against ("" if every file went whole); CopiedBytes is what the
+	// protector took from it instead of the wire.
+	BaseID      string
+	CopiedBytes int64
+	// DeltaRefused is true when the protector could not apply the diff and
+	// the snapshot was resent in full.
+	DeltaRefused bool
+	Duration     time.Duration
 }
 
 // RemoteError is a refusal reported by the receiver.
@@ -109,7 +122,91 @@ func Send(ctx context.Context, conn io.ReadWriter, store *ckpt.Store, job, id st
 	default:
 		return fail("manifest", protoErr("got %v, want ACCEPT, HAVE or NACK", t))
 	}
+	offers, err := parseOffers(p)
+	if err != nil {
+		return fail("manifest", err)
+	}
 
+	// The base is what the protector says it holds, never what we last
+	// sent it (it may have pruned, lost or never verified that one).
+	var idx *baseIndex
+	if !opts.NoDelta {
+		idx = pickBase(ctx, store, job, id, offers, opts.DeltaBlock, log)
+	}
+	res := &Sent{}
+	for attempt := 0; ; attempt++ {
+		ok, rp, err := sendAttempt(ctx, store, m, idx, bw, fr, g, opts, res)
+		if err != nil {
+			if verr, isVerify := errors.AsType[*ckpt.VerifyError](err); isVerify {
+				verr.Job, verr.ID = job, id
+				return nil, fmt.Errorf("send snapshot %s/%s: local copy is damaged, not sent: %w", job, id, err)
+			}
+			return fail("stream", err)
+		}
+		if ok {
+			res.WireBytes, res.Duration = aw.n, time.Since(start)
+			return finish(store, job, id, opts.Peer, rp, log, res)
+		}
+		if attempt > 0 || idx == nil {
+			return fail("stream", protoErr("RETRY for a snapshot sent whole"))
+		}
+		// The protector's base differs from ours: it asked for everything.
+		log.Warn("protector refused the diff; resending the snapshot whole", "job", job, "id", id,
+			"peer", opts.Peer, "base", idx.id, "reason", sanitize(rp))
+		t, p, err := fr.next()
+		if err != nil {
+			return fail("read reply to RETRY", err)
+		}
+		if t == frameNack {
+			return fail("retry", &RemoteError{Reason: sanitize(p)})
+		}
+		if t != frameAccept {
+			return fail("retry", protoErr("got %v, want ACCEPT", t))
+		}
+		idx = nil
+		*res = Sent{DeltaRefused: true}
+	}
+}
+
+// pickBase indexes the newest offered snapshot that this store also holds;
+// nil (send whole) if none or it cannot be read.
+func pickBase(ctx context.Context, store *ckpt.Store, job, id string, offers []string, bs int, log *slog.Logger) *baseIndex {
+	if bs == 0 {
+		bs = DefaultDeltaBlock
+	}
+	if bs < minDeltaBlock || bs > maxDeltaBlock || bs&(bs-1) != 0 {
+		log.Warn("delta block size out of range; sending whole files", "block", bs)
+		return nil
+	}
+	for _, b := range offers {
+		if b == id {
+			continue
+		}
+		bm, err := store.Manifest(job, b)
+		if err != nil {
+			continue
+		}
+		idx, err := indexBase(ctx, store.Path(job, b), bm, bs)
+		if err != nil {
+			log.Warn("cannot index the base snapshot; sending whole files", "job", job, "base", b, "err", err)
+			return nil
+		}
+		return idx
+	}
+	return nil
+}
+
+// sendAttempt sends BASE (to a v2 receiver), the files and DONE, and reads
+// the verdict: ok with OK's payload, or !ok with RETRY's reason (the caller
+// then resends whole). Any other outcome is an error.
+func sendAttempt(ctx context.Context, store *ckpt.Store, m *ckpt.Manifest, idx *baseIndex, bw *bufio.Writer, fr *frameReader,
+	g *guard, opts SendOptions, res *Sent) (bool, []byte, error) {
+	if err := writeFrame(bw, frameBase, basePayload(idx)); err != nil {
+		return false, nil, err
+	}
+	if idx != nil {
+		res.BaseID = idx.id
+	}
 	// From here the protector may refuse at any time; read its reply
 	// concurrently so a NACK stops us early instead of after the last byte.
 	type replyFrame struct {
@@ -132,6 +229,9 @@ func Send(ctx context.Context, conn io.ReadWriter, store *ckpt.Store, job, id st
 			if r.t == frameNack {
 				return &RemoteError{Reason: sanitize(r.p)}
 			}
+			if r.t == frameRetry {
+				return errRetry
+			}
 			return protoErr("unexpected %v before DONE", r.t)
 		default:
 			return nil
@@ -140,62 +240,92 @@ func Send(ctx context.Context, conn io.ReadWriter, store *ckpt.Store, job, id st
 
 	zw := lz4.NewWriter(nil)
 	if err := zw.Apply(lz4.ConcurrencyOption(max(opts.CompressConcurrency, 1))); err != nil {
-		return fail("configure lz4", err)
+		return false, nil, fmt.Errorf("configure lz4: %w", err)
 	}
 	dw := &dataWriter{w: bw}
 	buf := make([]byte, 1<<20)
-	var sent int64
-	for _, f := range m.Files {
-		if err := early(); err != nil {
-			return fail("stream", err)
-		}
-		if err := ctx.Err(); err != nil {
-			return fail("stream", err)
-		}
-		n, err := sendFile(store.Path(job, id), f, bw, zw, dw, buf, early)
-		sent += n
-		if verr, ok := errors.AsType[*ckpt.VerifyError](err); ok {
-			verr.Job, verr.ID = job, id
-			// Tell the protector why; it discards the partial copy.
-			writeFrame(bw, frameAbort, reason(err))
-			bw.Flush()
-			return nil, fmt.Errorf("send snapshot %s/%s: local copy is damaged, not sent: %w", job, id, err)
-		}
-		if err != nil {
-			if rerr := early(); rerr != nil {
-				err = rerr // the protector's reason explains the broken pipe
+	dir := store.Path(m.Job, m.ID)
+	streamErr := func() error {
+		for _, f := range m.Files {
+			if err := early(); err != nil {
+				return err
 			}
-			return fail("stream "+f.Name, err)
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			var n int64
+			var err error
+			if idx != nil && f.Size >= MinDeltaFile {
+				var copied int64
+				n, copied, err = sendDeltaFile(dir, f, idx, bw, zw, dw, early)
+				res.CopiedBytes += copied
+			} else {
+				n, err = sendFile(dir, f, bw, zw, dw, buf, early)
+			}
+			res.Bytes += n
+			if _, ok := errors.AsType[*ckpt.VerifyError](err); ok {
+				// Tell the protector why; it discards the partial copy.
+				writeFrame(bw, frameAbort, reason(err))
+				bw.Flush()
+				return err
+			}
+			if err != nil {
+				if rerr := early(); rerr != nil {
+					return rerr // the protector's reason explains the broken pipe
+				}
+				return fmt.Errorf("%s: %w", f.Name, err)
+			}
 		}
+		return nil
+	}()
+	if errors.Is(streamErr, errRetry) {
+		// Skipped by the protector up to here; end the refused attempt.
+		if err := writeFrame(bw, frameAbort, []byte("diff refused; resending whole")); err != nil {
+			return false, nil, err
+		}
+		if err := bw.Flush(); err != nil {
+			return false, nil, err
+		}
+		r := <-replies
+		return false, r.p, nil
+	}
+	if streamErr != nil {
+		return false, nil, streamErr
 	}
 	if err := writeFrame(bw, frameDone, nil); err != nil {
-		return fail("write DONE", err)
+		return false, nil, fmt.Errorf("write DONE: %w", err)
 	}
 	if err := bw.Flush(); err != nil {
-		return fail("write DONE", err)
+		return false, nil, fmt.Errorf("write DONE: %w", err)
 	}
 	// The protector re-hashes and fsyncs everything before it answers.
 	g.allow(hashAllowance(m.TotalSize()))
+	defer g.allow(0)
 	var r replyFrame
 	select {
 	case r = <-replies:
 	case <-ctx.Done():
 		// The reader goroutine ends when the guard's past deadline (or the
 		// caller closing conn) fails its read; the channel is buffered.
-		return fail("wait for acknowledgement", ctx.Err())
+		return false, nil, fmt.Errorf("wait for acknowledgement: %w", ctx.Err())
 	}
 	if r.err != nil {
-		return fail("wait for acknowledgement", r.err)
+		return false, nil, fmt.Errorf("wait for acknowledgement: %w", r.err)
 	}
 	switch r.t {
 	case frameOK:
-		return finish(store, job, id, opts.Peer, r.p, log, &Sent{Bytes: sent, WireBytes: aw.n, Duration: time.Since(start)})
+		return true, r.p, nil
+	case frameRetry:
+		return false, r.p, nil
 	case frameNack:
-		return fail("commit on protector", &RemoteError{Reason: sanitize(r.p)})
+		return false, nil, fmt.Errorf("commit on protector: %w", &RemoteError{Reason: sanitize(r.p)})
 	default:
-		return fail("wait for acknowledgement", protoErr("got %v, want OK or NACK", r.t))
+		return false, nil, fmt.Errorf("wait for acknowledgement: %w", protoErr("got %v, want OK or NACK", r.t))
 	}
 }
+
+// errRetry is the protector's RETRY seen while streaming.
+var errRetry = errors.New("protector asked for the whole snapshot")
 
 // finish records the replica after a positive acknowledgement.
 func finish(store *ckpt.Store, job, id, peer string, ackNode []byte, log *slog.Logger, s *Sent) (*Sent, error) {
@@ -209,7 +339,8 @@ func finish(store *ckpt.Store, job, id, peer string, ackNode []byte, log *slog.L
 	}
 	s.Manifest = m
 	log.Info("snapshot shipped", "job", job, "id", id, "peer", peer, "bytes", s.Bytes,
-		"wire_bytes", s.WireBytes, "already_present", s.AlreadyPresent, "duration", s.Duration)
+		"wire_bytes", s.WireBytes, "already_present", s.AlreadyPresent, "base", s.BaseID,
+		"copied_bytes", s.CopiedBytes, "delta_refused", s.DeltaRefused, "duration", s.Duration)
 	return s, nil
 }
 
@@ -268,6 +399,47 @@ func sendFile(dir string, f ckpt.FileEntry, bw *bufio.Writer, zw *lz4.Writer, dw
 		return n, &ckpt.VerifyError{File: f.Name, Err: ckpt.ErrCorrupt, Detail: "sha256 differs from the manifest"}
 	}
 	return n, writeFrame(bw, frameEnd, nil)
+}
+
+// sendDeltaFile streams one large file as DFILE, DATA*, END: its diff
+// against idx. Like sendFile it hashes what it reads and returns a
+// *ckpt.VerifyError (before END) if the file no longer matches the manifest.
+func sendDeltaFile(dir string, f ckpt.FileEntry, idx *baseIndex, bw *bufio.Writer, zw *lz4.Writer, dw *dataWriter, early func() error) (int64, int64, error) {
+	in, err := os.Open(filepath.Join(dir, filepath.FromSlash(f.Name)))
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return 0, 0, &ckpt.VerifyError{File: f.Name, Err: ckpt.ErrMissing}
+		}
+		return 0, 0, err
+	}
+	defer in.Close()
+	if err := writeFrame(bw, frameDFile, filePayload(f.Name, f.Size)); err != nil {
+		return 0, 0, err
+	}
+	zw.Reset(dw)
+	br := bufio.NewReaderSize(in, 1<<20)
+	hr := &hashingReader{r: br, h: sha256.New()}
+	copied, err := encodeDelta(f.Name, hr, zw, f.Size, idx, early)
+	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
+		return hr.n, copied, &ckpt.VerifyError{File: f.Name, Err: ckpt.ErrTruncated, Detail: fmt.Sprintf("%d bytes, manifest says %d", hr.n, f.Size)}
+	}
+	if err != nil {
+		return hr.n, copied, err
+	}
+	// Notice growth after commit, as sendFile does.
+	if _, err := br.ReadByte(); err != io.EOF {
+		return hr.n, copied, &ckpt.VerifyError{File: f.Name, Err: ckpt.ErrCorrupt, Detail: "file grew after commit"}
+	}
+	if err := zw.Close(); err != nil {
+		return hr.n, copied, err
+	}
+	if err := dw.flush(); err != nil {
+		return hr.n, copied, err
+	}
+	if hex.EncodeToString(hr.h.Sum(nil)) != f.SHA256 {
+		return hr.n, copied, &ckpt.VerifyError{File: f.Name, Err: ckpt.ErrCorrupt, Detail: "sha256 differs from the manifest"}
+	}
+	return hr.n, copied, writeFrame(bw, frameEnd, nil)
 }
 
 // dataWriter cuts the compressed stream into DATA frames of dataChunk bytes.

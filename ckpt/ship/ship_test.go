@@ -3,6 +3,7 @@ package ship
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"io"
 	"io/fs"
@@ -379,7 +380,7 @@ func validStream(t testing.TB, m *ckpt.Manifest, files map[string][]byte) stream
 	if err != nil {
 		t.Fatal(err)
 	}
-	sp := streamParts{hello: frame(frameHello, helloPayload()), manifest: frame(frameManifest, mb), done: frame(frameDone, nil)}
+	sp := streamParts{hello: frame(frameHello, helloV1()), manifest: frame(frameManifest, mb), done: frame(frameDone, nil)}
 	for _, f := range m.Files {
 		sp.files = append(sp.files, fileFrames(f.Name, f.Size, compress(files[f.Name])))
 	}
@@ -552,6 +553,8 @@ func FuzzFrameReader(f *testing.F) {
 	f.Add(frame(frameHello, helloPayload()))
 	f.Add(slices.Concat(frame(frameFile, filePayload("a/b.img", 3)), frame(frameData, []byte{1, 2, 3}), frame(frameEnd, nil)))
 	f.Add([]byte{byte(frameData), 0xff, 0xff, 0xff, 0xff})
+	f.Add(frame(frameAccept, offersPayload([]string{"20261123T202545.107Z-node1-000001"})))
+	f.Add(frame(frameBase, basePayload(&baseIndex{id: "20261123T202545.107Z-node1-000001", bs: 4096})))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		fr := newFrameReader(bytes.NewReader(data))
 		for {
@@ -565,9 +568,19 @@ func FuzzFrameReader(f *testing.F) {
 			if fr.n > int64(len(data)) {
 				t.Fatalf("consumed %d of %d bytes", fr.n, len(data))
 			}
-			if typ == frameFile {
+			if typ == frameFile || typ == frameDFile {
 				if name, _, err := parseFile(p); err == nil && ckpt.ValidFileName(name) != nil {
 					t.Fatalf("parseFile accepted %q", name)
+				}
+			}
+			if typ == frameAccept {
+				if ids, err := parseOffers(p); err == nil && len(ids) > maxOffers {
+					t.Fatalf("parseOffers accepted %d offers", len(ids))
+				}
+			}
+			if typ == frameBase {
+				if ref, ok, err := parseBase(p); err == nil && ok && (ref.bs < minDeltaBlock || ref.bs > maxDeltaBlock) {
+					t.Fatalf("parseBase accepted block size %d", ref.bs)
 				}
 			}
 		}
@@ -686,7 +699,7 @@ func TestIdleTimeouts(t *testing.T) {
 	}
 
 	stalled := dial(t, ln.Addr().String())
-	writeFrame(stalled, frameHello, helloPayload())
+	writeFrame(stalled, frameHello, helloV1())
 	select {
 	case err := <-recvErr:
 		if !errors.Is(err, os.ErrDeadlineExceeded) {
@@ -957,4 +970,10 @@ func TestReceiveRefusesConcurrentWriter(t *testing.T) {
 		}
 		other.Abort()
 	}
+}
+
+// helloV1 is the HELLO of a protocol-1 sender (no BASE frame), which a
+// receiver still accepts; the hand-made streams of these tests speak it.
+func helloV1() []byte {
+	return binary.BigEndian.AppendUint16(append([]byte{}, helloMagic[:]...), 1)
 }

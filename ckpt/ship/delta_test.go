@@ -1,0 +1,387 @@
+package ship
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+
+	"github.com/ftkit/ftkit/ckpt"
+)
+
+// memBase is a base held in memory, for the codec tests.
+type memBase [][]byte
+
+func (b memBase) Size(i uint32) (int64, bool) {
+	if int(i) >= len(b) {
+		return 0, false
+	}
+	return int64(len(b[i])), true
+}
+
+func (b memBase) ReadAt(i uint32, p []byte, off int64) error {
+	_, err := bytes.NewReader(b[i]).ReadAt(p, off)
+	return err
+}
+
+// memIndex indexes base files as indexBase does files on disk.
+func memIndex(t testing.TB, base memBase, bs int) *baseIndex {
+	t.Helper()
+	dir := t.TempDir()
+	m := &ckpt.Manifest{}
+	for i, data := range base {
+		name := "pages-" + string(rune('a'+i)) + ".img"
+		if err := os.WriteFile(filepath.Join(dir, name), data, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		m.Files = append(m.Files, ckpt.FileEntry{Name: name, Size: int64(len(data))})
+	}
+	idx, err := indexBase(context.Background(), dir, m, bs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return idx
+}
+
+func rewritePages(data []byte, every int, seed byte) []byte {
+	out := slices.Clone(data)
+	for off := 0; off < len(out); off += every * 4096 {
+		for i := off; i < min(off+4096, len(out)); i++ {
+			out[i] ^= 0x5a + seed
+		}
+	}
+	return out
+}
+
+// The block diff and its rebuild: every case rebuilds the new file exactly,
+// and what is copied from the base (instead of sent) is what did not change.
+func TestDeltaRoundTrip(t *testing.T) {
+	base := memoryPages(4<<20, 7)
+	moved := slices.Concat(make([]byte, 3*4096), base) // pages shifted by three
+	cases := []struct {
+		name       string
+		base       memBase
+		data       []byte
+		bs         int
+		minCopied  int64
+		maxCopied  int64
+		wantRefuse bool
+	}{
+		{name: "identical", base: memBase{base}, data: base, bs: 4096, minCopied: 4 << 20, maxCopied: 4 << 20},
+		{name: "all changed", base: memBase{base}, data: memoryPages(4<<20, 8), bs: 4096, maxCopied: 3 << 20},
+		{name: "10% rewritten", base: memBase{base}, data: rewritePages(base, 10, 1), bs: 4096, minCopied: 4 << 20 * 85 / 100, maxCopied: 4 << 20 * 91 / 100},
+		{name: "10% rewritten, 64 KiB blocks", base: memBase{base}, data: rewritePages(base, 10, 1), bs: 64 << 10, maxCopied: 4 << 20 / 2},
+		{name: "appended", base: memBase{base}, data: slices.Concat(base, memoryPages(1<<20+100, 9)), bs: 4096, minCopied: 4 << 20, maxCopied: 5 << 20},
+		{name: "truncated", base: memBase{base}, data: base[:3<<20+17], bs: 4096, minCopied: 3 << 20, maxCopied: 3 << 20},
+		{name: "moved by pages", base: memBase{base}, data: moved, bs: 4096, minCopied: 4 << 20, maxCopied: 4<<20 + 3*4096},
+		{name: "blocks from a second base file", base: memBase{memoryPages(1<<20, 3), base}, data: base, bs: 4096, minCopied: 4 << 20, maxCopied: 4 << 20},
+		{name: "empty file", base: memBase{base}, data: nil, bs: 4096},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			idx := memIndex(t, c.base, c.bs)
+			var enc bytes.Buffer
+			sent, err := encodeDelta("pages-a.img", bytes.NewReader(c.data), &enc, int64(len(c.data)), idx, func() error { return nil })
+			if err != nil {
+				t.Fatal(err)
+			}
+			var out bytes.Buffer
+			copied, err := applyDelta(bytes.NewReader(enc.Bytes()), &out, int64(len(c.data)), c.bs, c.base)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(out.Bytes(), c.data) {
+				t.Fatal("rebuilt file differs from the new file")
+			}
+			if copied != sent || copied < c.minCopied || copied > c.maxCopied {
+				t.Errorf("copied %d (encoder says %d), want %d..%d", copied, sent, c.minCopied, c.maxCopied)
+			}
+			if lit := int64(len(c.data)) - copied; int64(enc.Len()) > lit+lit/50+1024 {
+				t.Errorf("diff is %d bytes for %d bytes not in the base", enc.Len(), lit)
+			}
+		})
+	}
+}
+
+// A diff against a base the receiver does not hold, or holds in another
+// version, is refused with errDeltaRefused (the sender then resends whole).
+func TestDeltaRefusesWrongBase(t *testing.T) {
+	base := memoryPages(2<<20, 7)
+	idx := memIndex(t, memBase{base}, 4096)
+	var enc bytes.Buffer
+	if _, err := encodeDelta("pages-a.img", bytes.NewReader(base), &enc, int64(len(base)), idx, func() error { return nil }); err != nil {
+		t.Fatal(err)
+	}
+	damaged := slices.Clone(base)
+	damaged[5*4096+3] ^= 1
+	for name, b := range map[string]memBase{
+		"base missing":        {},
+		"base block differs":  {damaged},
+		"base file too short": {base[:1<<20]},
+	} {
+		t.Run(name, func(t *testing.T) {
+			_, err := applyDelta(bytes.NewReader(enc.Bytes()), io.Discard, int64(len(base)), 4096, b)
+			if !errors.Is(err, errDeltaRefused) {
+				t.Fatalf("applyDelta = %v, want errDeltaRefused", err)
+			}
+		})
+	}
+}
+
+func deltaSeeds() [][]byte {
+	copyOp := func(file uint32, block uint64, count uint32, check uint64) []byte {
+		b := []byte{opCopy}
+		b = append(b, byte(file>>24), byte(file>>16), byte(file>>8), byte(file))
+		for i := 7; i >= 0; i-- {
+			b = append(b, byte(block>>(8*i)))
+		}
+		b = append(b, byte(count>>24), byte(count>>16), byte(count>>8), byte(count))
+		for i := 7; i >= 0; i-- {
+			b = append(b, byte(check>>(8*i)))
+		}
+		return b
+	}
+	lit := func(count uint32, data []byte) []byte {
+		return slices.Concat([]byte{opLit, byte(count >> 24), byte(count >> 16), byte(count >> 8), byte(count)}, data)
+	}
+	return [][]byte{
+		lit(2, bytes.Repeat([]byte{1}, 8192)),
+		slices.Concat(copyOp(0, 0, 1, 0), lit(1, make([]byte, 4096))),
+		copyOp(0, 1<<62, 0xffffffff, 0),
+		lit(0xffffffff, nil),
+		{9},
+		slices.Concat(lit(2, make([]byte, 8192)), []byte{0}),
+	}
+}
+
+// FuzzApplyDelta feeds untrusted operations to the decoder: it never writes
+// more than the file size, never reads outside the base, and anything it
+// accepts is exactly size bytes.
+func FuzzApplyDelta(f *testing.F) {
+	for _, s := range deltaSeeds() {
+		f.Add(s)
+	}
+	base := memBase{bytes.Repeat([]byte{7}, 3*4096), make([]byte, 4096)}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		const size = 2*4096 + 100
+		var out bytes.Buffer
+		lw := &limitedWriter{w: &out, h: nopHash{}, left: size}
+		_, err := applyDelta(bytes.NewReader(data), lw, size, 4096, base)
+		if lw.over {
+			t.Fatal("decoder wrote past the file size")
+		}
+		if err == nil && out.Len() != size {
+			t.Fatalf("accepted a diff of %d bytes for a %d-byte file", out.Len(), size)
+		}
+		if err != nil && !errors.Is(err, ErrProtocol) && !errors.Is(err, errDeltaRefused) && !errors.Is(err, errTooLong) {
+			t.Fatalf("unexpected error kind: %v", err)
+		}
+	})
+}
+
+type nopHash struct{}
+
+func (nopHash) Write(p []byte) (int, error) { return len(p), nil }
+func (nopHash) Sum(b []byte) []byte         { return b }
+func (nopHash) Reset()                      {}
+func (nopHash) Size() int                   { return 0 }
+func (nopHash) BlockSize() int              { return 1 }
+
+// shipPipe sends snapshot id from origin to prot over a pipe.
+func shipPipe(t *testing.T, origin, prot *ckpt.Store, id string, sopts SendOptions) (*Sent, *Received) {
+	t.Helper()
+	c1, c2 := net.Pipe()
+	defer c1.Close()
+	type result struct {
+		r   *Received
+		err error
+	}
+	got := make(chan result, 1)
+	go func() {
+		defer c2.Close()
+		r, err := Receive(context.Background(), c2, prot, ReceiveOptions{Peer: "node1", Authorize: FromNode("node1")})
+		got <- result{r, err}
+	}()
+	sopts.Peer = "prot"
+	sent, err := Send(context.Background(), c1, origin, "job", id, sopts)
+	res := <-got
+	if err != nil {
+		t.Fatalf("send: %v (receiver: %v)", err, res.err)
+	}
+	if res.err != nil {
+		t.Fatal(res.err)
+	}
+	return sent, res.r
+}
+
+// deltaFiles is a snapshot with two large pages files (one of which will
+// shrink) and small images.
+func deltaFiles(pages1, pages2 []byte) map[string][]byte {
+	return map[string][]byte{
+		"pages-1.img":       pages1,
+		"pages-2.img":       pages2,
+		"pagemap-1.img":     []byte("pagemap entries"),
+		"tcp-stream-77.img": bytes.Repeat([]byte("q"), 5000),
+	}
+}
+
+// A second snapshot that rewrote 10% of its pages goes as a diff against
+// the first, which the protector offered: it costs at most 15% of a whole
+// send on the wire, and the protector's copy verifies and is byte for byte
+// the sender's, as a whole send would be.
+func TestSendDelta(t *testing.T) {
+	origin := openStore(t, "node1")
+	prot := openStore(t, "prot")
+	full := openStore(t, "prot2")
+	p1, p2 := memoryPages(8<<20, 1), memoryPages(3<<20, 2)
+	m1 := makeSnapshot(t, origin, "job", deltaFiles(p1, p2))
+	if s, _ := shipPipe(t, origin, prot, m1.ID, SendOptions{}); s.BaseID != "" {
+		t.Fatalf("first snapshot sent as a diff against %s", s.BaseID)
+	}
+	m2 := makeSnapshot(t, origin, "job", deltaFiles(rewritePages(p1, 10, 3), rewritePages(p2[:2<<20], 10, 4)))
+	sent, got := shipPipe(t, origin, prot, m2.ID, SendOptions{})
+	if sent.BaseID != m1.ID || got.BaseID != m1.ID || sent.DeltaRefused {
+		t.Fatalf("sent against %q (receiver says %q, refused %v), want %s", sent.BaseID, got.BaseID, sent.DeltaRefused, m1.ID)
+	}
+	if sent.CopiedBytes != got.CopiedBytes || got.CopiedBytes < (10<<20)*8/10 {
+		t.Errorf("copied %d (sender) %d (receiver) of %d", sent.CopiedBytes, got.CopiedBytes, m2.TotalSize())
+	}
+	// The same snapshot whole, to a protector without a base.
+	whole, _ := shipPipe(t, origin, full, m2.ID, SendOptions{})
+	if whole.BaseID != "" {
+		t.Fatalf("sent against %s to a protector without a base", whole.BaseID)
+	}
+	ratio := float64(sent.WireBytes) / float64(whole.WireBytes)
+	t.Logf("diff %d wire bytes, whole %d (%.3f); snapshot %d bytes", sent.WireBytes, whole.WireBytes, ratio, m2.TotalSize())
+	if ratio > 0.15 {
+		t.Errorf("diff costs %.3f of a whole send on the wire, want <= 0.15", ratio)
+	}
+	if _, err := prot.Verify(context.Background(), "job", m2.ID); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range m2.Files {
+		a, _ := os.ReadFile(filepath.Join(origin.Path("job", m2.ID), f.Name))
+		b, _ := os.ReadFile(filepath.Join(prot.Path("job", m2.ID), f.Name))
+		c, _ := os.ReadFile(filepath.Join(full.Path("job", m2.ID), f.Name))
+		if !bytes.Equal(a, b) || !bytes.Equal(b, c) {
+			t.Errorf("%s differs between the origin, the diffed copy and the whole copy", f.Name)
+		}
+	}
+	assertPrivate(t, prot)
+}
+
+// When the protector's base is damaged (a block of it differs) or it lists
+// other files than the sender's copy, the diff is refused, the sender resends
+// whole on the same connection, and the protector's copy verifies. With
+// NoDelta, or when the protector holds no base, the first attempt is whole.
+func TestSendDeltaFallsBack(t *testing.T) {
+	cases := []struct {
+		name       string
+		damage     func(t *testing.T, prot *ckpt.Store, base *ckpt.Manifest)
+		opts       SendOptions
+		wantBase   bool
+		wantRefuse bool
+	}{
+		{name: "base block differs", wantBase: true, wantRefuse: true, damage: func(t *testing.T, prot *ckpt.Store, base *ckpt.Manifest) {
+			path := filepath.Join(prot.Path("job", base.ID), "pages-1.img")
+			f, err := os.OpenFile(path, os.O_WRONLY, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			if _, err := f.WriteAt([]byte("bit rot"), 4096*5+10); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{name: "base file missing", wantBase: true, wantRefuse: true, damage: func(t *testing.T, prot *ckpt.Store, base *ckpt.Manifest) {
+			if err := os.Remove(filepath.Join(prot.Path("job", base.ID), "pages-2.img")); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{name: "base deleted", damage: func(t *testing.T, prot *ckpt.Store, base *ckpt.Manifest) {
+			if err := prot.Delete("job", base.ID); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{name: "NoDelta", opts: SendOptions{NoDelta: true}},
+		{name: "64 KiB blocks", opts: SendOptions{DeltaBlock: 64 << 10}, wantBase: true},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			origin := openStore(t, "node1")
+			prot := openStore(t, "prot")
+			p1, p2 := memoryPages(4<<20, 1), memoryPages(2<<20, 2)
+			m1 := makeSnapshot(t, origin, "job", deltaFiles(p1, p2))
+			shipPipe(t, origin, prot, m1.ID, SendOptions{})
+			if c.damage != nil {
+				c.damage(t, prot, m1)
+			}
+			m2 := makeSnapshot(t, origin, "job", deltaFiles(rewritePages(p1, 10, 3), p2))
+			sent, got := shipPipe(t, origin, prot, m2.ID, c.opts)
+			if (sent.BaseID != "") != (c.wantBase && !c.wantRefuse) || sent.DeltaRefused != c.wantRefuse || got.DeltaRefused != c.wantRefuse {
+				t.Errorf("base %q, refused %v (receiver %v); want diff %v, refused %v", sent.BaseID, sent.DeltaRefused, got.DeltaRefused, c.wantBase, c.wantRefuse)
+			}
+			if c.wantRefuse && (sent.CopiedBytes != 0 || got.CopiedBytes != 0) {
+				t.Errorf("a refused diff reports %d/%d bytes copied", sent.CopiedBytes, got.CopiedBytes)
+			}
+			if _, err := prot.Verify(context.Background(), "job", m2.ID); err != nil {
+				t.Fatal(err)
+			}
+			noLeftovers(t, prot, "job")
+			// The next snapshot ships too (against m2, or whole).
+			m3 := makeSnapshot(t, origin, "job", deltaFiles(p1, p2))
+			shipPipe(t, origin, prot, m3.ID, c.opts)
+			if _, err := prot.Verify(context.Background(), "job", m3.ID); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
+
+// BenchmarkDeltaBlock compares block sizes on 64 MiB of memory-like pages
+// of which 10% were rewritten, scattered page by page or in 64 KiB runs:
+// it reports the share of the file that must go on the wire and the
+// sender's encoding throughput (the base index is built once, outside).
+func BenchmarkDeltaBlock(b *testing.B) {
+	base := memoryPages(64<<20, 7)
+	for _, pattern := range []struct {
+		name string
+		data []byte
+	}{
+		{"scattered", rewritePages(base, 10, 1)},
+		{"runs", rewriteRuns(base, 16, 10)},
+	} {
+		for _, bs := range []int{4096, 16 << 10, 64 << 10} {
+			b.Run(fmt.Sprintf("%s/%dK", pattern.name, bs>>10), func(b *testing.B) {
+				idx := memIndex(b, memBase{base}, bs)
+				b.SetBytes(int64(len(pattern.data)))
+				var enc int
+				for b.Loop() {
+					var w countWriter
+					if _, err := encodeDelta("pages-a.img", bytes.NewReader(pattern.data), &w, int64(len(pattern.data)), idx, func() error { return nil }); err != nil {
+						b.Fatal(err)
+					}
+					enc = int(w.n)
+				}
+				b.ReportMetric(float64(enc)/float64(len(pattern.data)), "diff/size")
+			})
+		}
+	}
+}
+
+// rewriteRuns rewrites runs of run pages, one run in every `every`.
+func rewriteRuns(data []byte, run, every int) []byte {
+	out := slices.Clone(data)
+	for off := 0; off < len(out); off += run * every * 4096 {
+		for i := off; i < min(off+run*4096, len(out)); i++ {
+			out[i] ^= 0x5a
+		}
+	}
+	return out
+}
