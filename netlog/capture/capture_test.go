@@ -3,6 +3,7 @@
 package capture
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/json"
@@ -462,5 +463,78 @@ func testAPI(t *testing.T, l *lab.Lab, protected, other *streamtest.Cgroup) {
 	}
 	if _, err := c.Log().Range(tcpflow.Tuple{}, 0, 1); !errors.Is(err, netlog.ErrClosed) {
 		t.Errorf("Log().Range after Close: %v, want ErrClosed", err)
+	}
+}
+
+// TestCaptureLoneSegment checks that a lone small segment on an otherwise idle connection reaches the
+// log: the probe submits records without a wakeup while the consumer polls, so a record the consumer
+// is not woken for must still be consumed by its timer. One lone segment goes out while the consumer is
+// idle, one while a bulk flow keeps it polling; the test waits for each (a failure timeout, no timing
+// assertion) and compares the logged bytes.
+func TestCaptureLoneSegment(t *testing.T) {
+	l := labtest.New(t, 3, 0)
+	protected := streamtest.NewCgroupT(t, "protected")
+	ctx, cancel := context.WithTimeout(t.Context(), 90*time.Second)
+	defer cancel()
+	c := newCapture(t, l, Options{Interface: "eth0", RingBufferSize: 8 << 20, Logger: testLogger(t)})
+	if err := c.ProtectCgroup(protected.Dir); err != nil {
+		t.Fatal(err)
+	}
+	lg := c.Log()
+	lone := func(t *testing.T, port uint16, seed uint64) {
+		t.Helper()
+		const size = 5
+		dst := hostAddr(t, l, "node3", port)
+		recv := streamtest.StartT(t, l, "node3", nil, "recv", "FTKIT_ADDR="+dst.String())
+		if got := recv.LineT(ctx, t); got != "ready" {
+			t.Fatalf("receiver said %q", got)
+		}
+		_, conn, seq0 := startSender(ctx, t, l, protected, dst, seed, size)
+		from := waitUnwrap(ctx, t, lg, conn, seq0)
+		waitLogged(ctx, t, lg, conn, from+size)
+		var buf bytes.Buffer
+		if _, err := lg.WriteRange(ctx, &buf, conn, from, from+size); err != nil {
+			t.Fatalf("read back the lone segment of %v: %v", conn, err)
+		}
+		if want := streamtest.Stream(seed, size); !bytes.Equal(buf.Bytes(), want) {
+			t.Fatalf("log of %v holds %x, want %x", conn, buf.Bytes(), want)
+		}
+		expectReceived(ctx, t, recv, streamtest.Stream(seed, size))
+	}
+	t.Run("idle", func(t *testing.T) { lone(t, 6041, 41) })
+	t.Run("while-polling", func(t *testing.T) {
+		const bulk = 32 << 20
+		dst := hostAddr(t, l, "node2", 6042)
+		recv := streamtest.StartT(t, l, "node2", nil, "recv", "FTKIT_ADDR="+dst.String())
+		if got := recv.LineT(ctx, t); got != "ready" {
+			t.Fatalf("receiver said %q", got)
+		}
+		send, conn, seq0 := startSender(ctx, t, l, protected, dst, 42, bulk)
+		from := waitUnwrap(ctx, t, lg, conn, seq0) // the bulk flow is being consumed
+		lone(t, 6043, 43)
+		if got := send.LineT(ctx, t); got != fmt.Sprintf("sent %d", bulk) {
+			t.Fatalf("bulk sender said %q", got)
+		}
+		waitLogged(ctx, t, lg, conn, from+bulk)
+		expectReceived(ctx, t, recv, streamtest.Stream(42, bulk))
+	})
+}
+
+// waitUnwrap waits until the log knows conn (its first record was consumed) and returns seq's absolute position.
+func waitUnwrap(ctx context.Context, t *testing.T, lg *netlog.Log, conn tcpflow.Tuple, seq uint32) uint64 {
+	t.Helper()
+	for {
+		abs, err := lg.Unwrap(conn, seq)
+		if err == nil {
+			return abs
+		}
+		if !errors.Is(err, netlog.ErrUnknownConn) {
+			t.Fatalf("unwrap %d of %v: %v", seq, conn, err)
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("no record of %v ever reached the log: %v", conn, err)
+		case <-time.After(10 * time.Millisecond):
+		}
 	}
 }
