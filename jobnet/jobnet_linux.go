@@ -9,11 +9,12 @@ import (
 	"io/fs"
 	"net/netip"
 	"os"
-	"runtime"
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/internal/netnsthread"
 )
 
 // Create makes the job's network as s describes, or completes and corrects one left by an earlier call
@@ -127,34 +128,7 @@ func Do(name string, fn func() error) error {
 	if err := ValidName(name); err != nil {
 		return err
 	}
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		// On any failure to return to the original namespace the goroutine exits locked and the runtime
-		// discards the thread rather than reuse it in the job's namespace.
-		orig, err := netns.Get()
-		if err != nil {
-			errc <- fmt.Errorf("job network %s: get current namespace: %w", name, err)
-			return
-		}
-		defer orig.Close()
-		target, err := netns.GetFromPath(Path(name))
-		if err != nil {
-			errc <- fmt.Errorf("job network %s: open namespace: %w", name, err)
-			return
-		}
-		defer target.Close()
-		if err := netns.Set(target); err != nil {
-			errc <- fmt.Errorf("job network %s: enter namespace: %w", name, err)
-			return
-		}
-		ferr := fn()
-		if err := netns.Set(orig); err == nil {
-			runtime.UnlockOSThread()
-		}
-		errc <- ferr
-	}()
-	return <-errc
+	return netnsthread.In(Path(name), fn)
 }
 
 // isNetns reports whether path is a mounted namespace file; a plain file left by an interrupted create is not.
@@ -184,27 +158,10 @@ func ensureNetns(name string) error {
 	if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return fmt.Errorf("job network %s: remove stale %s: %w", name, p, err)
 	}
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		orig, err := netns.Get()
-		if err != nil {
-			errc <- err
-			return
-		}
-		defer orig.Close()
-		h, err := netns.NewNamed(name) // moves this thread into the new namespace
-		if err != nil {
-			errc <- fmt.Errorf("job network %s: create namespace: %w", name, err)
-			return
-		}
-		h.Close()
-		if err := netns.Set(orig); err == nil {
-			runtime.UnlockOSThread()
-		}
-		errc <- nil
-	}()
-	return <-errc
+	if err := netnsthread.CreateNamed(name); err != nil {
+		return fmt.Errorf("job network %s: %w", name, err)
+	}
+	return nil
 }
 
 func parentHandle(path string) (*netlink.Handle, error) {

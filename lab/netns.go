@@ -7,12 +7,12 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
-	"runtime"
 	"strconv"
 	"time"
 
-	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/internal/netnsthread"
 )
 
 // NetnsDir is where named network namespaces are bind-mounted (the `ip netns` convention).
@@ -21,64 +21,11 @@ const NetnsDir = "/var/run/netns"
 // NetnsPath is the bind-mount path of a named namespace.
 func NetnsPath(name string) string { return filepath.Join(NetnsDir, name) }
 
-// InNetns runs fn on an OS thread that has joined the network namespace at path. Processes started from
-// fn (os/exec forks from the calling thread) inherit that namespace, with the host's mount namespace:
-// `nsenter --net` semantics, which CRIU needs (`ip netns exec` remounts /sys and breaks CRIU).
-func InNetns(path string, fn func() error) error {
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		// If anything below fails to restore the original namespace, the goroutine exits still locked
-		// and the runtime discards the thread instead of reusing a thread in the wrong namespace.
-		orig, err := netns.Get()
-		if err != nil {
-			errc <- fmt.Errorf("get current network namespace: %w", err)
-			return
-		}
-		defer orig.Close()
-		target, err := netns.GetFromPath(path)
-		if err != nil {
-			errc <- fmt.Errorf("open network namespace %s: %w", path, err)
-			return
-		}
-		defer target.Close()
-		if err := netns.Set(target); err != nil {
-			errc <- fmt.Errorf("enter network namespace %s: %w", path, err)
-			return
-		}
-		ferr := fn()
-		if err := netns.Set(orig); err == nil {
-			runtime.UnlockOSThread()
-		}
-		errc <- ferr
-	}()
-	return <-errc
-}
+// InNetns runs fn on an OS thread that has joined the network namespace at path (netnsthread.In).
+func InNetns(path string, fn func() error) error { return netnsthread.In(path, fn) }
 
 // createNamedNetns makes a new named namespace without moving the calling goroutine's thread into it.
-func createNamedNetns(name string) error {
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		orig, err := netns.Get()
-		if err != nil {
-			errc <- err
-			return
-		}
-		defer orig.Close()
-		h, err := netns.NewNamed(name) // switches this thread into the new namespace
-		if err != nil {
-			errc <- fmt.Errorf("create network namespace %s: %w", name, err)
-			return
-		}
-		h.Close()
-		if err := netns.Set(orig); err == nil {
-			runtime.UnlockOSThread()
-		}
-		errc <- nil
-	}()
-	return <-errc
-}
+func createNamedNetns(name string) error { return netnsthread.CreateNamed(name) }
 
 // deleteNamedNetns unmounts and removes a named namespace; a missing one is not an error.
 func deleteNamedNetns(name string) error {
