@@ -19,7 +19,6 @@ import (
 	"time"
 
 	"github.com/vishvananda/netlink"
-	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/criu/image"
@@ -69,22 +68,8 @@ func bulkSinkRole() error {
 // tcpInfo is the kernel's TCP_INFO of the socket f (local end on host), read
 // with sock_diag; ok is false if there is no such socket.
 func tcpInfo(l *lab.Lab, host string, f tcpflow.Tuple) (info netlink.TCPInfo, ok bool, err error) {
-	err = l.Do(host, func() error {
-		socks, err := netlink.SocketDiagTCPInfo(unix.AF_INET)
-		if err != nil {
-			return fmt.Errorf("sock_diag: %w", err)
-		}
-		for _, s := range socks {
-			id := s.InetDiagMsg.ID
-			if s.TCPInfo == nil || s.InetDiagMsg.State != unix.BPF_TCP_ESTABLISHED ||
-				id.SourcePort != f.Local.Port() || id.DestinationPort != f.Remote.Port() ||
-				!id.Source.Equal(f.Local.Addr().AsSlice()) || !id.Destination.Equal(f.Remote.Addr().AsSlice()) {
-				continue
-			}
-			info, ok = *s.TCPInfo, true
-		}
-		return nil
-	})
+	socks, err := l.TCPSockets(host)
+	info, ok = socks[f]
 	return info, ok, err
 }
 

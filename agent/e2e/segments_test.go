@@ -2,12 +2,10 @@ package e2e
 
 import (
 	"fmt"
-	"net/netip"
 	"testing"
 	"time"
 
 	"github.com/vishvananda/netlink"
-	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/lab/labcluster"
 	"github.com/ftkit/ftkit/tcpflow"
@@ -17,24 +15,15 @@ import (
 // read with sock_diag in host's network namespace.
 func rankSockets(t *testing.T, c *labcluster.Cluster, host string, port uint16) map[tcpflow.Tuple]netlink.TCPInfo {
 	t.Helper()
-	out := map[tcpflow.Tuple]netlink.TCPInfo{}
-	if err := c.Lab.Do(host, func() error {
-		socks, err := netlink.SocketDiagTCPInfo(unix.AF_INET)
-		if err != nil {
-			return err
-		}
-		for _, s := range socks {
-			id := s.InetDiagMsg.ID
-			if s.TCPInfo == nil || s.InetDiagMsg.State != unix.BPF_TCP_ESTABLISHED || (id.SourcePort != port && id.DestinationPort != port) {
-				continue
-			}
-			src, _ := netip.AddrFromSlice(id.Source.To4())
-			dst, _ := netip.AddrFromSlice(id.Destination.To4())
-			out[tcpflow.Tuple{Local: netip.AddrPortFrom(src, id.SourcePort), Remote: netip.AddrPortFrom(dst, id.DestinationPort)}] = *s.TCPInfo
-		}
-		return nil
-	}); err != nil {
+	socks, err := c.Lab.TCPSockets(host)
+	if err != nil {
 		t.Fatalf("sockets of %s: %v", host, err)
+	}
+	out := map[tcpflow.Tuple]netlink.TCPInfo{}
+	for f, info := range socks {
+		if f.Local.Port() == port || f.Remote.Port() == port {
+			out[f] = info
+		}
 	}
 	return out
 }

@@ -279,27 +279,15 @@ func timeBursts(ctx context.Context, sink *streamtest.Child, n int) ([]float64, 
 
 // readSockInfo reads the TCP_INFO of socket f on host with sock_diag.
 func readSockInfo(l *lab.Lab, host string, f tcpflow.Tuple) (sockInfo, error) {
-	var si sockInfo
-	found := false
-	err := l.Do(host, func() error {
-		socks, err := netlink.SocketDiagTCPInfo(unix.AF_INET)
-		if err != nil {
-			return err
-		}
-		for _, s := range socks {
-			id := s.InetDiagMsg.ID
-			if s.TCPInfo != nil && id.SourcePort == f.Local.Port() && id.DestinationPort == f.Remote.Port() &&
-				id.Source.Equal(f.Local.Addr().AsSlice()) && id.Destination.Equal(f.Remote.Addr().AsSlice()) {
-				i := s.TCPInfo
-				si, found = sockInfo{SndMSS: i.Snd_mss, Advmss: i.Advmss, Pmtu: i.Pmtu, Cwnd: i.Snd_cwnd}, true
-			}
-		}
-		return nil
-	})
-	if err == nil && !found {
-		err = fmt.Errorf("no socket %v on %s", f, host)
+	socks, err := l.TCPSockets(host)
+	if err != nil {
+		return sockInfo{}, err
 	}
-	return si, err
+	i, ok := socks[f]
+	if !ok {
+		return sockInfo{}, fmt.Errorf("no socket %v on %s", f, host)
+	}
+	return sockInfo{SndMSS: i.Snd_mss, Advmss: i.Advmss, Pmtu: i.Pmtu, Cwnd: i.Snd_cwnd}, nil
 }
 
 // burstTimer is the bursttimer role, the end that is never restored: listen on FTBENCH_ADDR, print
