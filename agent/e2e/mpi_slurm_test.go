@@ -207,7 +207,21 @@ func TestMPISlurmFailover(t *testing.T) {
 		}
 		before[h] = j
 	}
-	// Every rank's job snapshotted, and the snapshot on its protector, before the power cut.
+	// The ranks compute (LAMMPS printed its first thermo row: every MPI connection is up, none waits in a
+	// listen queue, where CRIU cannot dump it) and every job has its first replica, taken as it started.
+	for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(200 * time.Millisecond) {
+		b, _ := os.ReadFile(filepath.Join(dir, "out"))
+		if len(thermoTable(string(b))) > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no thermo row from the batch job within 2m:\n%s", tail(string(b)))
+		}
+	}
+	for _, h := range []string{"node1", "node2", "node3"} {
+		waitProtected(t, c, h, before[h].ID, time.Minute)
+	}
+	// Every rank's job snapshotted mid-run, and the snapshot on its protector, before the power cut.
 	for _, h := range []string{"node1", "node2", "node3"} {
 		if reply, err := c.Client(h).Checkpoint(ctx); err != nil || reply.Error != "" {
 			t.Fatalf("checkpoint of %s: %+v %v", h, reply, err)

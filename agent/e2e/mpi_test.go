@@ -7,6 +7,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -41,7 +42,25 @@ func hpccInput(t *testing.T) []byte {
 type mpiRun struct {
 	name, dir string
 	cmd       *exec.Cmd
-	out       bytes.Buffer
+	out       outBuffer
+}
+
+// outBuffer is a run's output, read by the test while the command writes it.
+type outBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (o *outBuffer) Write(p []byte) (int, error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.b.Write(p)
+}
+
+func (o *outBuffer) String() string {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.b.String()
 }
 
 func startMPI(t *testing.T, c *labcluster.Cluster, name, inputName string, input []byte, prog ...string) *mpiRun {
@@ -61,6 +80,16 @@ func startMPI(t *testing.T, c *labcluster.Cluster, name, inputName string, input
 		t.Fatal(err)
 	}
 	return r
+}
+
+// waitThermo waits until LAMMPS printed at least n rows of its thermodynamic table.
+func (r *mpiRun) waitThermo(t *testing.T, n int, timeout time.Duration) {
+	t.Helper()
+	for deadline := time.Now().Add(timeout); len(thermoTable(r.out.String())) < n; time.Sleep(100 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("ftctl mpirun %s: fewer than %d thermo rows within %s:\n%s", r.name, n, timeout, tail(r.out.String()))
+		}
+	}
 }
 
 func (r *mpiRun) wait(t *testing.T) {
@@ -185,16 +214,22 @@ func meltInput(t *testing.T) []byte {
 // every atom's trajectory, so on every byte the ranks exchanged.
 func thermo(t *testing.T, out string) string {
 	t.Helper()
+	rows := thermoTable(out)
+	if len(rows) != 7 {
+		t.Fatalf("want 7 thermo rows (steps 0 to 3000 by 500), got %d in:\n%s", len(rows), tail(out))
+	}
+	return strings.Join(rows, "\n")
+}
+
+// thermoTable is the rows of LAMMPS's thermodynamic table printed so far.
+func thermoTable(out string) []string {
 	var rows []string
 	for _, l := range strings.Split(out, "\n") {
 		if f := strings.Fields(l); len(f) == 6 && f[0] != "Step" && strings.Trim(f[0], "0123456789") == "" {
 			rows = append(rows, strings.Join(f, " "))
 		}
 	}
-	if len(rows) != 7 {
-		t.Fatalf("want 7 thermo rows (steps 0 to 3000 by 500), got %d in:\n%s", len(rows), tail(out))
-	}
-	return strings.Join(rows, "\n")
+	return rows
 }
 
 // TestMPIFailover runs LAMMPS (Debian's lmp, Open MPI over TCP), one rank per lab node, each host's MPI
@@ -214,14 +249,17 @@ func TestMPIFailover(t *testing.T) {
 
 	start = time.Now()
 	r := startMPI(t, c, "ft", "in.melt", in, "lmp", "-in", "in.melt")
-	// Snapshot node2 once rank 1 computes (the failure-free run takes 13 s here; set-up about 1 s).
-	time.Sleep(4 * time.Second)
+	// Snapshot node2 once the ranks compute (the first thermo row: every MPI connection is up, none in a
+	// listen queue) and its job has its first replica; crash it once they computed past that snapshot
+	// (the next row), so that the restored rank has bytes to be replayed.
+	r.waitThermo(t, 1, 2*time.Minute)
 	before1, before3 := jobNamed(t, c, "node1", "ft-node1"), jobNamed(t, c, "node3", "ft-node3")
+	waitProtected(t, c, "node2", jobNamed(t, c, "node2", "ft-node2").ID, time.Minute)
 	reply, err := c.Client("node2").Checkpoint(context.Background())
 	if err != nil || reply.Error != "" || len(reply.Results) != 1 || !reply.Results[0].Shipped {
 		t.Fatalf("checkpoint of node2: %+v %v\n%s", reply, err, r.out.String())
 	}
-	time.Sleep(time.Second)
+	r.waitThermo(t, len(thermoTable(r.out.String()))+1, time.Minute)
 	if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
 		t.Fatal(err)
 	}
