@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -20,12 +21,13 @@ import (
 	"github.com/ftkit/ftkit/lab/slurm"
 )
 
-// longMeltInput is meltInput run for 9000 steps with thermodynamic output every 1500 (the same 7 rows):
-// long enough to snapshot every host and crash one mid-run under load.
+// longMeltInput is meltInput run for 6000 steps with thermodynamic output every 1000 (the same 7 rows):
+// twice as long, so that the crash, taken once every host is snapshotted after the first row, comes
+// mid-run even when two runs share the machine.
 func longMeltInput(t *testing.T) []byte {
 	t.Helper()
-	s := strings.Replace(string(meltInput(t)), "run 3000", "run 9000", 1)
-	s = strings.Replace(s, "thermo 500", "thermo 1500", 1)
+	s := strings.Replace(string(meltInput(t)), "run 3000", "run 6000", 1)
+	s = strings.Replace(s, "thermo 500", "thermo 1000", 1)
 	return []byte(s)
 }
 
@@ -143,74 +145,106 @@ func waitSlurmJob(t *testing.T, ctx context.Context, c *labcluster.Cluster, id s
 	}
 }
 
-// TestMPISlurmFailover: a Slurm batch job (sbatch --nodes=4 --no-kill) runs LAMMPS under `ftctl mpirun
-// --spares 1`, which takes its hosts from the allocation: ranks on node1..node3, spare1 the run's spare.
-// Every rank's job is snapshotted to its protector, then node2 loses power. The job's output is the same
-// as a failure-free batch job's, Slurm records both as COMPLETED with exit code 0:0, node2's job was
-// restored on spare1 (the allocation's spare), and node1's and node3's jobs were never touched. The
-// batch script reaches its host's agent through the lab's TaskProlog, not through an inherited socket.
+// TestMPISlurmFailover: two Slurm batch jobs (sbatch --nodes=4 --no-kill) run LAMMPS at the same time
+// under `ftctl mpirun --spares 1`, on disjoint allocations of an eight-host Slurm cluster (every host a
+// ring node, as at a site): each takes its hosts from its allocation, ranks on the first three, the last
+// its run's spare. Every rank's job of one is snapshotted to its protector, then that job's second host
+// loses power. Its part is restored on its own allocation's spare and its output is the same as the
+// other job's, which never noticed: none of its jobs was disturbed. Slurm records both as COMPLETED with exit code 0:0. The batch scripts reach their
+// host's agent through the lab's TaskProlog, not through an inherited socket.
 func TestMPISlurmFailover(t *testing.T) {
 	requirePrograms(t, "mpirun.openmpi", "lmp")
 	in := longMeltInput(t)
-	c := newSlurmCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
-	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute) // a failure bound only
+	c := newSlurmCluster(t, 8, 0, labcluster.Options{Interval: "1h"})
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute) // a failure bound only
 	defer cancel()
 
-	submit := func(name string) (id, dir string) {
+	type batch struct {
+		name, id, dir string
+		hosts, spares []string // the allocation: ranks' hosts, the run's spare
+		jobs          map[string]agent.Job
+	}
+	submit := func(name string) *batch {
 		t.Helper()
-		dir = t.TempDir()
-		os.Chmod(dir, 0o755)
-		if err := os.WriteFile(filepath.Join(dir, "in.melt"), in, 0o644); err != nil {
+		b := &batch{name: name, dir: t.TempDir(), jobs: map[string]agent.Job{}}
+		os.Chmod(b.dir, 0o755)
+		if err := os.WriteFile(filepath.Join(b.dir, "in.melt"), in, 0o644); err != nil {
 			t.Fatal(err)
 		}
 		script := fmt.Sprintf("#!/bin/sh\necho \"agent socket: $FTKIT_AGENT_SOCKET\" >&2\nexec '%s' mpirun --spares 1 --name %s -- lmp -in in.melt\n", bins.Ftctl, name)
-		if err := os.WriteFile(filepath.Join(dir, "job.sh"), []byte(script), 0o755); err != nil {
+		if err := os.WriteFile(filepath.Join(b.dir, "job.sh"), []byte(script), 0o755); err != nil {
 			t.Fatal(err)
 		}
 		// A socket that is not there: the batch script must get its host's from the TaskProlog.
-		out, err := labExec(ctx, c, "node1", dir, []string{"FTKIT_AGENT_SOCKET=/nonexistent/agent.sock"},
-			"sbatch", "--parsable", "--nodes=4", "--no-kill", "--chdir="+dir,
-			"--output="+filepath.Join(dir, "out"), "--error="+filepath.Join(dir, "err"), filepath.Join(dir, "job.sh")).CombinedOutput()
+		out, err := labExec(ctx, c, "node1", b.dir, []string{"FTKIT_AGENT_SOCKET=/nonexistent/agent.sock"},
+			"sbatch", "--parsable", "--nodes=4", "--no-kill", "--chdir="+b.dir,
+			"--output="+filepath.Join(b.dir, "out"), "--error="+filepath.Join(b.dir, "err"), filepath.Join(b.dir, "job.sh")).CombinedOutput()
 		if err != nil {
 			t.Fatalf("sbatch: %v\n%s", err, out)
 		}
-		id, _, _ = strings.Cut(strings.TrimSpace(string(out)), ";")
-		return id, dir
+		b.id, _, _ = strings.Cut(strings.TrimSpace(string(out)), ";")
+		return b
 	}
-	result := func(id, dir string) (string, map[string]string) {
+	// allocation waits until Slurm runs the batch job and reads its hosts, in Slurm's order.
+	allocation := func(b *batch) {
 		t.Helper()
-		kv := waitSlurmJob(t, ctx, c, id, 5*time.Minute)
-		stdout, _ := os.ReadFile(filepath.Join(dir, "out"))
-		stderr, _ := os.ReadFile(filepath.Join(dir, "err"))
+		for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(200 * time.Millisecond) {
+			kv, err := slurmJob(ctx, c, b.id)
+			if err == nil && kv["JobState"] == "RUNNING" {
+				out, err := labExec(ctx, c, "node1", "/", nil, "scontrol", "show", "hostnames", kv["NodeList"]).Output()
+				if err != nil {
+					t.Fatalf("scontrol show hostnames %s: %v", kv["NodeList"], err)
+				}
+				hosts := strings.Fields(string(out))
+				if len(hosts) != 4 {
+					t.Fatalf("Slurm job %s runs on %v; want 4 hosts", b.id, hosts)
+				}
+				b.hosts, b.spares = hosts[:3], hosts[3:]
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("Slurm job %s not running within 2m: %v %v", b.id, kv, err)
+			}
+		}
+	}
+	result := func(b *batch) (string, map[string]string) {
+		t.Helper()
+		kv := waitSlurmJob(t, ctx, c, b.id, 8*time.Minute)
+		stdout, _ := os.ReadFile(filepath.Join(b.dir, "out"))
+		stderr, _ := os.ReadFile(filepath.Join(b.dir, "err"))
 		if kv["JobState"] != "COMPLETED" || kv["ExitCode"] != "0:0" {
-			t.Fatalf("Slurm job %s: JobState=%s ExitCode=%s; want COMPLETED 0:0\nstdout:\n%s\nstderr:\n%s", id, kv["JobState"], kv["ExitCode"], tail(string(stdout)), tail(string(stderr)))
+			t.Fatalf("Slurm job %s: JobState=%s ExitCode=%s; want COMPLETED 0:0\nstdout:\n%s\nstderr:\n%s", b.id, kv["JobState"], kv["ExitCode"], tail(string(stdout)), tail(string(stderr)))
+		}
+		if !strings.Contains(string(stderr), "agent socket: "+labcluster.Socket(c.Lab.State().ID, b.hosts[0])) {
+			t.Errorf("the batch script of %s did not get %s's agent socket from the TaskProlog:\n%s", b.name, b.hosts[0], tail(string(stderr)))
 		}
 		return thermo(t, string(stdout)), kv
 	}
 
 	start := time.Now()
-	refID, refDir := submit("ref")
-	want, _ := result(refID, refDir)
-	t.Logf("failure-free batch job: %s", time.Since(start).Round(time.Millisecond))
-	if b, _ := os.ReadFile(filepath.Join(refDir, "err")); !strings.Contains(string(b), "agent socket: "+labcluster.Socket(c.Lab.State().ID, "node1")) {
-		t.Errorf("the batch script did not get node1's agent socket from the TaskProlog:\n%s", tail(string(b)))
-	}
-
-	start = time.Now()
-	id, dir := submit("ft")
-	placement := &agent.Placement{Hosts: []string{"node1", "node2", "node3"}, Spares: []string{"spare1"}}
-	before := map[string]agent.Job{}
-	for _, h := range []string{"node1", "node2", "node3"} {
-		j := jobOn(t, c, h, "ft-"+h, 2*time.Minute, func(j agent.Job) bool { return j.State == agent.JobRunning })
-		if !reflect.DeepEqual(j.Spec.Placement, placement) {
-			t.Errorf("job %s's placement %+v; want the allocation's %+v", j.ID, j.Spec.Placement, placement)
+	ref, ft := submit("ref"), submit("ft")
+	for _, b := range []*batch{ref, ft} {
+		allocation(b)
+		placement := &agent.Placement{Hosts: b.hosts, Spares: b.spares}
+		for _, h := range b.hosts {
+			j := jobOn(t, c, h, b.name+"-"+h, 2*time.Minute, func(j agent.Job) bool { return j.State == agent.JobRunning })
+			if !reflect.DeepEqual(j.Spec.Placement, placement) {
+				t.Errorf("job %s's placement %+v; want the allocation's %+v", j.ID, j.Spec.Placement, placement)
+			}
+			b.jobs[h] = j
 		}
-		before[h] = j
+	}
+	t.Logf("allocations: ref %v + spare %v, ft %v + spare %v", ref.hosts, ref.spares, ft.hosts, ft.spares)
+	refHosts := append(slices.Clone(ref.hosts), ref.spares...)
+	for _, h := range append(slices.Clone(ft.hosts), ft.spares...) {
+		if slices.Contains(refHosts, h) {
+			t.Fatalf("Slurm gave the two jobs overlapping allocations: %s in both", h)
+		}
 	}
 	// The ranks compute (LAMMPS printed its first thermo row: every MPI connection is up, none waits in a
-	// listen queue, where CRIU cannot dump it) and every job has its first replica, taken as it started.
+	// listen queue, where CRIU cannot dump it) and every job of ft has its first replica, taken as it started.
 	for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(200 * time.Millisecond) {
-		b, _ := os.ReadFile(filepath.Join(dir, "out"))
+		b, _ := os.ReadFile(filepath.Join(ft.dir, "out"))
 		if len(thermoTable(string(b))) > 0 {
 			break
 		}
@@ -218,49 +252,54 @@ func TestMPISlurmFailover(t *testing.T) {
 			t.Fatalf("no thermo row from the batch job within 2m:\n%s", tail(string(b)))
 		}
 	}
-	for _, h := range []string{"node1", "node2", "node3"} {
-		waitProtected(t, c, h, before[h].ID, time.Minute)
-	}
-	// Every rank's job snapshotted mid-run, and the snapshot on its protector, before the power cut.
-	for _, h := range []string{"node1", "node2", "node3"} {
-		if reply, err := c.Client(h).Checkpoint(ctx); err != nil || reply.Error != "" {
+	// Every rank's job of ft snapshotted mid-run, and the snapshot on its protector, before the power cut.
+	for _, h := range ft.hosts {
+		waitProtected(t, c, h, ft.jobs[h].ID, time.Minute)
+		if reply, err := c.Client(h).Checkpoint(ctx, ft.jobs[h].ID); err != nil || reply.Error != "" {
 			t.Fatalf("checkpoint of %s: %+v %v", h, reply, err)
 		}
-		jobOn(t, c, h, "ft-"+h, time.Minute, func(j agent.Job) bool { return j.Replica != nil })
 	}
-	if kv, err := slurmJob(ctx, c, id); err != nil || kv["JobState"] != "RUNNING" {
+	if kv, err := slurmJob(ctx, c, ft.id); err != nil || kv["JobState"] != "RUNNING" {
 		t.Fatalf("the batch job ended before the crash: %v %v", kv, err)
 	}
-	if err := c.Lab.Crash(ctx, "node2"); err != nil {
+	victim := ft.hosts[1]
+	if err := c.Lab.Crash(ctx, victim); err != nil {
 		t.Fatal(err)
 	}
 	crashed := time.Now()
 	// What Slurm does by itself after SlurmdTimeout (300 s by default), or a site's health check, now:
-	// node2 is DOWN. --no-kill keeps the job running without it.
-	if out, err := labExec(ctx, c, "node1", "/", nil, "scontrol", "update", "NodeName=node2", "State=DOWN", "Reason=power cut").CombinedOutput(); err != nil {
-		t.Fatalf("scontrol update node2 down: %v\n%s", err, out)
+	// the host is DOWN. --no-kill keeps the job running without it.
+	if out, err := labExec(ctx, c, ft.hosts[0], "/", nil, "scontrol", "update", "NodeName="+victim, "State=DOWN", "Reason=power cut").CombinedOutput(); err != nil {
+		t.Fatalf("scontrol update %s down: %v\n%s", victim, err, out)
 	}
-	f := waitFailure(t, c, "node2", 2*time.Minute)
+	f := waitFailure(t, c, victim, 2*time.Minute)
 	requireStages(t, f)
-	if f.Target != "spare1" {
-		t.Errorf("node2's jobs went to %s; want spare1, the allocation's spare", f.Target)
+	if f.Target != ft.spares[0] {
+		t.Errorf("%s's jobs went to %s; want %s, its allocation's spare", victim, f.Target, ft.spares[0])
 	}
-	got, kv := result(id, dir)
-	t.Logf("batch job with node2 crashed: %s (ended %s after the crash); Slurm: JobState=%s ExitCode=%s NodeList=%s",
-		time.Since(start).Round(time.Millisecond), time.Since(crashed).Round(time.Millisecond), kv["JobState"], kv["ExitCode"], kv["NodeList"])
+	got, kv := result(ft)
+	t.Logf("batch job with %s crashed: %s (ended %s after the crash); Slurm: JobState=%s ExitCode=%s NodeList=%s",
+		victim, time.Since(start).Round(time.Millisecond), time.Since(crashed).Round(time.Millisecond), kv["JobState"], kv["ExitCode"], kv["NodeList"])
+	want, _ := result(ref)
 	if got != want {
-		t.Errorf("thermo output after fail-over:\n%s\nwithout failure:\n%s", got, want)
+		t.Errorf("thermo output after fail-over:\n%s\nwithout failure (the concurrent job):\n%s", got, want)
 	}
-	for _, h := range []string{"node1", "node3"} {
-		b := before[h]
-		a := jobOn(t, c, h, b.Spec.Name, 10*time.Second, func(agent.Job) bool { return true })
-		if a.ID != b.ID || a.PID != b.PID || a.Restored != "" {
-			t.Errorf("%s's job was disturbed: %s pid %d -> %s pid %d, restored from %q", h, b.ID, b.PID, a.ID, a.PID, a.Restored)
+	// Only the failed host's job rolled back: every other rank of ft, and every job of ref, ran on
+	// untouched.
+	for _, b := range []*batch{ft, ref} {
+		for h, before := range b.jobs {
+			if h == victim {
+				continue
+			}
+			a := jobOn(t, c, h, before.Spec.Name, 10*time.Second, func(agent.Job) bool { return true })
+			if a.ID != before.ID || a.PID != before.PID || a.Restored != "" {
+				t.Errorf("%s's job was disturbed: %s pid %d -> %s pid %d, restored from %q", h, before.ID, before.PID, a.ID, a.PID, a.Restored)
+			}
 		}
 	}
-	j := jobOn(t, c, "spare1", "ft-node2", 30*time.Second, func(j agent.Job) bool { return j.Exit != nil })
+	j := jobOn(t, c, ft.spares[0], "ft-"+victim, 30*time.Second, func(j agent.Job) bool { return j.Exit != nil })
 	if j.Restored == "" || j.Exit == nil || j.Exit.Code != 0 {
-		t.Errorf("node2's job on spare1: restored from %q, exit %+v", j.Restored, j.Exit)
+		t.Errorf("%s's job on %s: restored from %q, exit %+v", victim, ft.spares[0], j.Restored, j.Exit)
 	}
 }
 
