@@ -41,7 +41,7 @@ func (a *Agent) idleTimeout() time.Duration { return a.wire.IdleTimeout() }
 
 func (a *Agent) tlsConfig() clustertls.Config {
 	return clustertls.Config{
-		CAFile: a.cfg.Cluster.CA, CertFile: a.cfg.Cluster.Cert, KeyFile: a.cfg.Cluster.Key,
+		CAFile: a.cfg.Cluster.CA, CertFile: a.cfg.Cluster.Cert, KeyFile: a.cfg.Cluster.Key, CRLFile: a.cfg.Cluster.CRL,
 		Members: func(name string) bool { _, ok := a.member(name); return ok },
 		// Any operator certificate of the cluster CA (operator.go): the CA's holder issues them to people.
 		Operators: func(string) bool { return true },

@@ -94,11 +94,13 @@ type Config struct {
 	// sockets); empty: /sys/fs/bpf/ftkit/<name>.
 	BPFPinDir string `toml:"bpf_pin_dir"`
 	Cluster   struct {
-		Listen  netip.AddrPort `toml:"listen"`
-		CA      string         `toml:"ca"`
-		Cert    string         `toml:"cert"`
-		Key     string         `toml:"key"`
-		Members []Member       `toml:"member"`
+		Listen netip.AddrPort `toml:"listen"`
+		CA     string         `toml:"ca"`
+		Cert   string         `toml:"cert"`
+		Key    string         `toml:"key"`
+		// CRL is optional: the CA's revocation list (ftctl pki revoke); a peer it lists is refused.
+		CRL     string   `toml:"crl"`
+		Members []Member `toml:"member"`
 	} `toml:"cluster"`
 	Checkpoint struct {
 		Mode     Mode     `toml:"mode"`

@@ -93,7 +93,7 @@ func credentialChecks(cfg agent.Config, now time.Time) []check {
 	if c.CA == "" || c.Cert == "" || c.Key == "" {
 		return []check{{"cluster credentials", errors.New("cluster.ca, cluster.cert and cluster.key are all required with cluster members: create them with ftctl pki (docs/deploy.md)")}}
 	}
-	tc := clustertls.Config{CAFile: c.CA, CertFile: c.Cert, KeyFile: c.Key}
+	tc := clustertls.Config{CAFile: c.CA, CertFile: c.Cert, KeyFile: c.Key, CRLFile: c.CRL}
 	var out []check
 	for _, r := range tc.CheckMember(cfg.Name, now) {
 		out = append(out, check{r.What, r.Err})

@@ -43,6 +43,8 @@ type clusterConfig struct {
 	CA   string `toml:"ca"`
 	Cert string `toml:"cert"`
 	Key  string `toml:"key"`
+	// CRL is optional: the CA's revocation list; an agent whose certificate it lists is refused.
+	CRL string `toml:"crl"`
 	// Agents are where to start: the first that answers gives the membership view.
 	Agents []clusterSeed `toml:"agent"`
 	// Timeout bounds each question to one agent (not a checkpoint or a restore); default 10s.
@@ -91,6 +93,9 @@ func loadClusterConfig(path string) (clusterConfig, time.Duration, error) {
 		if !filepath.IsAbs(*p) {
 			*p = filepath.Join(dir, *p)
 		}
+	}
+	if cfg.CRL != "" && !filepath.IsAbs(cfg.CRL) {
+		cfg.CRL = filepath.Join(dir, cfg.CRL)
 	}
 	if len(cfg.Agents) == 0 {
 		return cfg, 0, bad("no [[agent]] to start from: give at least one agent's name and address")
@@ -152,7 +157,7 @@ func openCluster(path string) (*clusterAgents, []clusterSeed, error) {
 	for _, s := range cfg.Agents {
 		c.addrs[s.Name] = s.Address
 	}
-	tlsCfg := clustertls.Config{CAFile: cfg.CA, CertFile: cfg.Cert, KeyFile: cfg.Key}
+	tlsCfg := clustertls.Config{CAFile: cfg.CA, CertFile: cfg.Cert, KeyFile: cfg.Key, CRLFile: cfg.CRL}
 	c.client = clusterapi.NewClient(clusterapi.ClientConfig{
 		TLS: func() clustertls.Config { return tlsCfg },
 		Resolve: func(name string) (string, bool) {

@@ -35,6 +35,7 @@ answers for the membership view, then every alive member (--host H: only H). FIL
   ca   = "/etc/ftkit/pki/cluster_ca.crt"     # relative paths: from FILE's directory
   cert = "operator-alice/operator-alice.crt"
   key  = "operator-alice/operator-alice.key" # must be yours and mode 0600, or ftctl refuses it
+  # crl = "/etc/ftkit/pki/cluster_ca.crl"    # the CA's revocation list (ftctl pki revoke), if any
   # timeout = "10s"                          # per question (not checkpoint or restore)
   [[agent]]
   name    = "node1"                          # its member name, which its certificate carries

@@ -1,10 +1,13 @@
 package main
 
 import (
+	"crypto/x509"
+	"encoding/pem"
 	"errors"
 	"fmt"
 	"io"
 	"io/fs"
+	"math/big"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -15,6 +18,7 @@ import (
 	"github.com/spf13/cobra"
 	"golang.org/x/sys/unix"
 
+	"github.com/ftkit/ftkit/internal/atomicfile"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/internal/clustertls"
 )
@@ -24,8 +28,11 @@ import (
 const (
 	caCertName = "cluster_ca.crt"
 	caKeyName  = "cluster_ca.key"
+	crlName    = "cluster_ca.crl"
 	// maxPEM bounds what is read back from a pki directory: a CA certificate or key is well under 4 KiB.
 	maxPEM = 64 << 10
+	// maxCRL bounds the revocation list read back (about 40 bytes per revoked certificate).
+	maxCRL = 8 << 20
 )
 
 // validity is a duration flag that also takes whole days ("365d"), the unit certificates are thought in.
@@ -82,7 +89,7 @@ its address. 'pki init' creates the CA once, on a host that is not a cluster mem
 certificate for each member, to be copied to that host (docs/deploy.md). Keep cluster_ca.key off the
 members: whoever holds it can join the cluster.`,
 	}
-	cmd.AddCommand(newPKIInitCmd(), newPKIIssueCmd())
+	cmd.AddCommand(newPKIInitCmd(), newPKIIssueCmd(), newPKIRevokeCmd())
 	return cmd
 }
 
@@ -225,6 +232,80 @@ It is a cluster-admin credential: issue it to a person, keep its key 0600 (ftctl
 	return cmd
 }
 
+func newPKIRevokeCmd() *cobra.Command {
+	var dir string
+	var serials []string
+	cmd := &cobra.Command{
+		Use:   "revoke --dir DIR CERT... | revoke --dir DIR --serial HEX...",
+		Short: "Revoke member or operator certificates: add them to the CA's revocation list DIR/cluster_ca.crl",
+		Long: `Add certificates (given as their .crt files, or by serial number in hexadecimal, as openssl x509 -serial
+prints it) to the revocation list of the CA in DIR, signed by it: DIR/cluster_ca.crl (0644), replaced
+atomically and kept across calls. Copy it to every host and to every operator's --cluster file, as
+[cluster] crl = "/etc/ftkit/pki/cluster_ca.crl" (ftctl: crl = ...): agents and ftctl then refuse a listed
+certificate at its next connection, member or operator, without a restart. Connections already open
+keep going until they close; restart the agents to cut them at once. Revoke the certificate of a host
+that was stolen or retired, or an operator's whose key may be lost; re-issue the others as needed.`,
+		Args: cli.Args(cobra.ArbitraryArgs),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			var revoke []*big.Int
+			for _, s := range serials {
+				n, ok := new(big.Int).SetString(strings.TrimPrefix(strings.ReplaceAll(strings.ToLower(s), ":", ""), "0x"), 16)
+				if !ok || n.Sign() <= 0 {
+					return cli.Usagef("--serial %q: give a positive hexadecimal serial number", s)
+				}
+				revoke = append(revoke, n)
+			}
+			for _, p := range args {
+				b, err := readNoFollow(p)
+				if err != nil {
+					return cli.Usagef("certificate %s: %v", p, err)
+				}
+				blk, _ := pem.Decode(b)
+				if blk == nil || blk.Type != "CERTIFICATE" {
+					return cli.Usagef("%s: not a PEM certificate", p)
+				}
+				cert, err := x509.ParseCertificate(blk.Bytes)
+				if err != nil {
+					return cli.Usagef("%s: %v", p, err)
+				}
+				revoke = append(revoke, cert.SerialNumber)
+			}
+			if len(revoke) == 0 {
+				return cli.Usagef("name the certificates to revoke: their files, or --serial")
+			}
+			ca, err := loadCA(dir)
+			if err != nil {
+				return err
+			}
+			path := filepath.Join(dir, crlName)
+			if err := noLink(path); err != nil {
+				return err
+			}
+			prev, err := readNoFollowMax(path, maxCRL)
+			if err != nil && !errors.Is(err, fs.ErrNotExist) {
+				return fmt.Errorf("pki revoke: %w", err)
+			}
+			crl, err := ca.Revoke(prev, revoke, time.Now())
+			if err != nil {
+				return fmt.Errorf("pki revoke: %w", err)
+			}
+			if err := atomicfile.WriteFile(path, crl, 0o644); err != nil {
+				return fmt.Errorf("pki revoke: %w", err)
+			}
+			w := cmd.OutOrStdout()
+			for _, n := range revoke {
+				fmt.Fprintf(w, "revoked serial %X\n", n)
+			}
+			fmt.Fprintf(w, "revocation list: %s; copy it to every host ([cluster] crl) and operator (crl in the --cluster file)\n", path)
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&dir, "dir", "", "directory of the CA (from pki init)")
+	cmd.Flags().StringSliceVar(&serials, "serial", nil, "a certificate's serial number in hexadecimal (repeat or comma-separate)")
+	cmd.MarkFlagRequired("dir")
+	return cmd
+}
+
 // privateDir makes sure dir is a directory only its owner can access, creating it 0700 if missing. A
 // symbolic link is refused rather than followed: keys written through one would land where its author chose.
 func privateDir(dir string) error {
@@ -268,19 +349,21 @@ func noLink(path string) error {
 }
 
 // readNoFollow reads a small file without following a symbolic link in its last component.
-func readNoFollow(path string) ([]byte, error) {
+func readNoFollow(path string) ([]byte, error) { return readNoFollowMax(path, maxPEM) }
+
+func readNoFollowMax(path string, maxSize int) ([]byte, error) {
 	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("open %s: %w", path, err)
 	}
 	f := os.NewFile(uintptr(fd), path)
 	defer f.Close()
-	b, err := io.ReadAll(io.LimitReader(f, maxPEM+1))
+	b, err := io.ReadAll(io.LimitReader(f, int64(maxSize)+1))
 	if err != nil {
 		return nil, fmt.Errorf("read %s: %w", path, err)
 	}
-	if len(b) > maxPEM {
-		return nil, fmt.Errorf("%s is larger than %d bytes: not a CA file", path, maxPEM)
+	if len(b) > maxSize {
+		return nil, fmt.Errorf("%s is larger than %d bytes: not a file of the pki directory", path, maxSize)
 	}
 	return b, nil
 }

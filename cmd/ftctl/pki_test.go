@@ -308,3 +308,65 @@ func TestPKIIssueErrors(t *testing.T) {
 		t.Errorf("files written through a symlinked --out: %v", entries)
 	}
 }
+
+// TestPKIRevoke: `pki revoke` lists a member's certificate (by file) and another (by serial) in the CA's
+// revocation list, keeps the list across calls, and an agent configured with the list refuses the revoked
+// member at its next handshake while the others still connect.
+func TestPKIRevoke(t *testing.T) {
+	dir := pkiCluster(t, "node1", "node2", "node3")
+	crl := filepath.Join(dir, crlName)
+	n1 := memberTLS(dir, "node1", "node1", "node2", "node3")
+	n1.CRLFile = crl
+	if out, code, err := runFtctl(t, "pki", "revoke", "--dir", dir, "--serial", "0A:0b"); code != 0 {
+		t.Fatalf("pki revoke --serial: exit %d: %v\n%s", code, err, out)
+	}
+	if m := mode(t, crl); m != 0o644 {
+		t.Errorf("revocation list mode %v, want 0644", m)
+	}
+	if name, err := exchange(t, n1, memberTLS(dir, "node2", "node1"), "node1"); err != nil || name != "node2" {
+		t.Fatalf("node2 before its revocation: %q, %v", name, err)
+	}
+	out, code, err := runFtctl(t, "pki", "revoke", "--dir", dir, filepath.Join(dir, "node2", "node2.crt"))
+	if code != 0 {
+		t.Fatalf("pki revoke node2.crt: exit %d: %v\n%s", code, err, out)
+	}
+	b, _ := os.ReadFile(crl)
+	blk, _ := pem.Decode(b)
+	rl, err := x509.ParseRevocationList(blk.Bytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	node2PEM, _ := os.ReadFile(filepath.Join(dir, "node2", "node2.crt"))
+	cblk, _ := pem.Decode(node2PEM)
+	node2, _ := x509.ParseCertificate(cblk.Bytes)
+	var serials []string
+	for _, e := range rl.RevokedCertificateEntries {
+		serials = append(serials, e.SerialNumber.Text(16))
+	}
+	if len(serials) != 2 || serials[0] != "a0b" || serials[1] != node2.SerialNumber.Text(16) || rl.Number.Int64() != 2 {
+		t.Errorf("list #%v holds %v; want #2 with a0b and node2's %x", rl.Number, serials, node2.SerialNumber)
+	}
+	if name, err := exchange(t, n1, memberTLS(dir, "node2", "node1"), "node1"); err == nil {
+		t.Errorf("an agent with the list admitted revoked node2 (as %q)", name)
+	}
+	if name, err := exchange(t, n1, memberTLS(dir, "node3", "node1"), "node1"); err != nil || name != "node3" {
+		t.Errorf("node3, not revoked: %q, %v", name, err)
+	}
+	for _, tc := range []struct {
+		name string
+		args []string
+		want string
+	}{
+		{"nothing named", nil, "name the certificates"},
+		{"bad serial", []string{"--serial", "xyz"}, "hexadecimal"},
+		{"zero serial", []string{"--serial", "0"}, "hexadecimal"},
+		{"not a certificate", []string{filepath.Join(dir, "node3", "node3.key")}, "not a PEM certificate"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, code, err := runFtctl(t, append([]string{"pki", "revoke", "--dir", dir}, tc.args...)...)
+			if code != cli.ExitUsage || err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("exit %d, %v; want exit %d and an error containing %q", code, err, cli.ExitUsage, tc.want)
+			}
+		})
+	}
+}

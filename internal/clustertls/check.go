@@ -18,7 +18,8 @@ type CredentialCheck struct {
 // locates for member at time now: the CA file holds CA certificates, the
 // certificate and key load and belong together, the certificate names
 // member (CN and DNS SAN, as peers check), is valid at now, and is signed by
-// a CA in the CA file for both client and server use. A check that cannot
+// a CA in the CA file for both client and server use, and, with a CRL file, that the file is the CA's and
+// does not list the certificate. A check that cannot
 // run because an earlier one failed is reported as failed, naming it.
 func (c Config) CheckMember(member string, now time.Time) []CredentialCheck {
 	pool, caErr := c.loadCAPool()
@@ -74,5 +75,18 @@ func (c Config) CheckMember(member string, now time.Time) []CredentialCheck {
 			}
 		}
 	}
-	return append(checks, CredentialCheck{"certificate is signed by the cluster CA", signErr})
+	checks = append(checks, CredentialCheck{"certificate is signed by the cluster CA", signErr})
+	if c.CRLFile == "" {
+		return checks
+	}
+	crlErr := caErr
+	if caErr == nil {
+		var revoked revocations
+		if _, revoked, crlErr = c.loadTrust(); crlErr == nil {
+			crlErr = revoked.check(leaf)
+		}
+	} else {
+		crlErr = fmt.Errorf("not checked: fix the CA file first")
+	}
+	return append(checks, CredentialCheck{"CRL file " + c.CRLFile + " is signed by the cluster CA and does not revoke this certificate", crlErr})
 }

@@ -25,6 +25,9 @@ type Config struct {
 	CAFile   string // PEM, one or more trusted cluster CA certificates
 	CertFile string // PEM, this member's certificate (followed by any intermediates)
 	KeyFile  string // PEM, this member's private key, PKCS#8 or SEC 1
+	// CRLFile is optional: PEM X.509 CRLs signed by a CA of CAFile (ftctl pki revoke). A peer whose
+	// certificate it lists is refused, member or operator; re-read on every handshake like CAFile.
+	CRLFile string
 	// Members reports whether a verified peer name belongs to the cluster.
 	// It is consulted on every inbound handshake, so membership changes
 	// apply to the next connection. Required by ServerTLS.
@@ -38,22 +41,40 @@ type Config struct {
 
 // loadCAPool reads the trusted CA certificates from c.CAFile.
 func (c Config) loadCAPool() (*x509.CertPool, error) {
+	pool, _, err := c.loadCAs()
+	return pool, err
+}
+
+// loadTrust reads the trusted CA certificates and what c.CRLFile revokes.
+func (c Config) loadTrust() (*x509.CertPool, revocations, error) {
+	pool, certs, err := c.loadCAs()
+	if err != nil {
+		return nil, nil, err
+	}
+	revoked, err := c.loadRevocations(certs)
+	if err != nil {
+		return nil, nil, err
+	}
+	return pool, revoked, nil
+}
+
+func (c Config) loadCAs() (*x509.CertPool, []*x509.Certificate, error) {
 	data, err := os.ReadFile(c.CAFile)
 	if err != nil {
-		return nil, fmt.Errorf("read CA file: %w", err)
+		return nil, nil, fmt.Errorf("read CA file: %w", err)
 	}
 	certs, err := parseCertsPEM(data)
 	if err != nil {
-		return nil, fmt.Errorf("CA file %s: %w", c.CAFile, err)
+		return nil, nil, fmt.Errorf("CA file %s: %w", c.CAFile, err)
 	}
 	pool := x509.NewCertPool()
 	for _, cert := range certs {
 		if !cert.IsCA {
-			return nil, fmt.Errorf("CA file %s: certificate %q is not a CA certificate", c.CAFile, cert.Subject.CommonName)
+			return nil, nil, fmt.Errorf("CA file %s: certificate %q is not a CA certificate", c.CAFile, cert.Subject.CommonName)
 		}
 		pool.AddCert(cert)
 	}
-	return pool, nil
+	return pool, certs, nil
 }
 
 // loadKeyPair reads this member's certificate and key, naming the file at fault.
@@ -104,7 +125,7 @@ func (c Config) ServerTLS() (*tls.Config, error) {
 }
 
 func (c Config) serverConfigForHandshake() (*tls.Config, error) {
-	pool, err := c.loadCAPool()
+	pool, revoked, err := c.loadTrust()
 	if err != nil {
 		return nil, err
 	}
@@ -121,6 +142,9 @@ func (c Config) serverConfigForHandshake() (*tls.Config, error) {
 		// long-lived, so a full handshake each time costs little.
 		SessionTicketsDisabled: true,
 		VerifyConnection: func(cs tls.ConnectionState) error {
+			if err := revoked.checkPeer(&cs); err != nil {
+				return err
+			}
 			if op, err := OperatorName(&cs); err == nil {
 				if c.Operators == nil || !c.Operators(op) {
 					return fmt.Errorf("clustertls: operator %q has a valid cluster certificate but this server accepts no such operator; refusing it", op)
@@ -148,7 +172,7 @@ func (c Config) ClientTLS(expectPeer string) (*tls.Config, error) {
 	if err := ValidateMemberName(expectPeer); err != nil {
 		return nil, fmt.Errorf("client TLS: expected peer: %w", err)
 	}
-	pool, err := c.loadCAPool()
+	pool, revoked, err := c.loadTrust()
 	if err != nil {
 		return nil, fmt.Errorf("client TLS: %w", err)
 	}
@@ -165,6 +189,9 @@ func (c Config) ClientTLS(expectPeer string) (*tls.Config, error) {
 			return c.loadKeyPair()
 		},
 		VerifyConnection: func(cs tls.ConnectionState) error {
+			if err := revoked.checkPeer(&cs); err != nil {
+				return err
+			}
 			name, err := PeerName(&cs)
 			if err != nil {
 				return err

@@ -5,7 +5,10 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"io"
+	"math/big"
 	"net"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -111,6 +114,35 @@ func TestCheckMember(t *testing.T) {
 		f := failed(cfg.CheckMember(tc.member, tc.at))
 		if len(f) != 1 || !strings.Contains(f[0], tc.want) {
 			t.Errorf("%s: failed checks %v, want exactly one saying %q", tc.name, f, tc.want)
+		}
+	}
+	// With a revocation list: the CA's that does not list node1 passes; one that does, or another CA's, fails.
+	certPEM, err := os.ReadFile(cfg.CertFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	own := leafOf(t, certPEM).SerialNumber
+	for _, tc := range []struct {
+		name   string
+		ca     *CA
+		serial *big.Int
+		want   string // "" passes
+	}{
+		{"list without node1", ca, big.NewInt(5), ""},
+		{"list revoking node1", ca, own, "was revoked"},
+		{"another CA's list", mustCA(t, "other"), big.NewInt(5), "not signed"},
+	} {
+		list, err := tc.ca.Revoke(nil, []*big.Int{tc.serial}, time.Now())
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.CRLFile = filepath.Join(t.TempDir(), "cluster_ca.crl")
+		if err := os.WriteFile(cfg.CRLFile, list, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		f := failed(cfg.CheckMember("node1", time.Now()))
+		if (tc.want == "" && len(f) != 0) || (tc.want != "" && (len(f) != 1 || !strings.Contains(f[0], tc.want))) {
+			t.Errorf("%s: failed checks %v; want %q", tc.name, f, tc.want)
 		}
 	}
 }
