@@ -116,6 +116,7 @@ func waitRecovery(t *testing.T, c *labcluster.Cluster, node string, timeout time
 // received equals the failure-free run's. Then the link comes back: node2 learns it was replaced, runs
 // nothing, and fails nobody over from its stale view.
 func TestPartitionSelfFence(t *testing.T) {
+	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
 	args := ringArgs(3000, 64<<10, 10*time.Millisecond)
 	want := reference(t, 3, args)
 	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})

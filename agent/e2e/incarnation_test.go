@@ -166,6 +166,7 @@ func timelineText(f *agent.Failure) string {
 // comes surely first (detection slowed down), surely after the fail-over, or at once as in the docs (the
 // two race; either may win).
 func TestManualRestoreDuringFailover(t *testing.T) {
+	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
 	tests := []struct {
 		name string
 		// first: which restore must win ("manual", "failover", or "" for either).

@@ -153,6 +153,7 @@ func waitSlurmJob(t *testing.T, ctx context.Context, c *labcluster.Cluster, id s
 // other job's, which never noticed: none of its jobs was disturbed. Slurm records both as COMPLETED with exit code 0:0. The batch scripts reach their
 // host's agent through the lab's TaskProlog, not through an inherited socket.
 func TestMPISlurmFailover(t *testing.T) {
+	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
 	requirePrograms(t, "mpirun.openmpi", "lmp")
 	in := longMeltInput(t)
 	c := newSlurmCluster(t, 8, 0, labcluster.Options{Interval: "1h"})
@@ -307,6 +308,7 @@ func TestMPISlurmFailover(t *testing.T) {
 // the other hosts' daemons through its own agent, which forwards them over the cluster protocol; every
 // job carries the run's placement, and the run directory defaults to ./.ftkit-mpi/NAME.
 func TestMPIHostfile(t *testing.T) {
+	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
 	requirePrograms(t, "mpirun.openmpi", "lmp")
 	in := meltInput(t)
 	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})

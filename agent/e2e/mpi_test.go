@@ -170,6 +170,7 @@ func requirePrograms(t *testing.T, progs ...string) {
 // the same in two runs. (HPCC is not a fail-over workload: its RandomAccess and latency/bandwidth sections
 // depend on arrival order and on timing, so a rank re-executed from a snapshot diverges; docs/mpi.md.)
 func TestMPIHPCC(t *testing.T) {
+	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
 	requirePrograms(t, "mpirun.openmpi", "hpcc")
 	c := newCluster(t, 3, 0, labcluster.Options{Interval: "1h"})
 	in := hpccInput(t)
@@ -237,6 +238,7 @@ func thermoTable(out string) []string {
 // The run must finish with the same thermodynamic output, node2's job restored on the spare, and the other
 // hosts' jobs untouched.
 func TestMPIFailover(t *testing.T) {
+	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
 	requirePrograms(t, "mpirun.openmpi", "lmp")
 	in := meltInput(t)
 	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})

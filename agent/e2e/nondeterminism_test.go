@@ -28,6 +28,7 @@ import (
 // checked only whole blocks that had reached the protector, so that recovery reported success with
 // "0 of 0 blocks" verified and rank 0 went on with bytes of a different execution.
 func TestResentBytesVerified(t *testing.T) {
+	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
 	tests := []struct {
 		name  string
 		clock bool
