@@ -125,6 +125,21 @@ func slurmJob(ctx context.Context, c *labcluster.Cluster, id string) (map[string
 	return kv, nil
 }
 
+// sacctJob waits until Slurm's accounting (`sacct --completion`: the lab's job completion file, no
+// slurmdbd) has job id's record and returns its state and exit code.
+func sacctJob(t *testing.T, ctx context.Context, c *labcluster.Cluster, id string, timeout time.Duration) (state, exit string) {
+	t.Helper()
+	for deadline := time.Now().Add(timeout); ; time.Sleep(500 * time.Millisecond) {
+		out, err := labExec(ctx, c, "node1", "/", nil, "sacct", "--completion", "-j", id, "--noheader", "--parsable2", "--format=JobID,State,ExitCode").Output()
+		if f := strings.Split(strings.TrimSpace(string(out)), "|"); err == nil && len(f) == 3 && f[0] == id {
+			return f[1], f[2]
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("sacct --completion has no record of job %s within %s: %q %v", id, timeout, out, err)
+		}
+	}
+}
+
 // waitSlurmJob waits until Slurm's job ends (not pending, running or completing) and returns its fields.
 func waitSlurmJob(t *testing.T, ctx context.Context, c *labcluster.Cluster, id string, timeout time.Duration) map[string]string {
 	t.Helper()
@@ -150,7 +165,8 @@ func waitSlurmJob(t *testing.T, ctx context.Context, c *labcluster.Cluster, id s
 // ring node, as at a site): each takes its hosts from its allocation, ranks on the first three, the last
 // its run's spare. Every rank's job of one is snapshotted to its protector, then that job's second host
 // loses power. Its part is restored on its own allocation's spare and its output is the same as the
-// other job's, which never noticed: none of its jobs was disturbed. Slurm records both as COMPLETED with exit code 0:0. The batch scripts reach their
+// other job's, which never noticed: none of its jobs was disturbed. Slurm records both as COMPLETED with
+// exit code 0:0 (scontrol, and sacct from the job completion file). The batch scripts reach their
 // host's agent through the lab's TaskProlog, not through an inherited socket.
 func TestMPISlurmFailover(t *testing.T) {
 	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
@@ -215,6 +231,9 @@ func TestMPISlurmFailover(t *testing.T) {
 		stderr, _ := os.ReadFile(filepath.Join(b.dir, "err"))
 		if kv["JobState"] != "COMPLETED" || kv["ExitCode"] != "0:0" {
 			t.Fatalf("Slurm job %s: JobState=%s ExitCode=%s; want COMPLETED 0:0\nstdout:\n%s\nstderr:\n%s", b.id, kv["JobState"], kv["ExitCode"], tail(string(stdout)), tail(string(stderr)))
+		}
+		if state, exit := sacctJob(t, ctx, c, b.id, 30*time.Second); state != "COMPLETED" || exit != "0:0" {
+			t.Errorf("sacct: job %s %s %s; want COMPLETED 0:0", b.id, state, exit)
 		}
 		if !strings.Contains(string(stderr), "agent socket: "+labcluster.Socket(c.Lab.State().ID, b.hosts[0])) {
 			t.Errorf("the batch script of %s did not get %s's agent socket from the TaskProlog:\n%s", b.name, b.hosts[0], tail(string(stderr)))

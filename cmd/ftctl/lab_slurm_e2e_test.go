@@ -172,6 +172,11 @@ func TestLabSlurm(t *testing.T) {
 				t.Errorf("job %s exiting %d: scontrol lacks %q:\n%s", jobID, tc.exit, want, show)
 			}
 		}
+		// Slurm's accounting view, from the lab's job completion file (no slurmdbd).
+		want := fmt.Sprintf("%s|%s|%d:0", jobID, tc.state, tc.exit)
+		if acct := run("exec", "node1", "--", "sacct", "--completion", "-j", jobID, "--noheader", "--parsable2", "--format=JobID,State,ExitCode"); strings.TrimSpace(acct) != want {
+			t.Errorf("sacct --completion -j %s: %q; want %q", jobID, acct, want)
+		}
 	}
 
 	// A crashed host comes back with its original address and its slurmd.

@@ -38,6 +38,7 @@ var nameRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$`)
 func CtldStateDir(dir string) string        { return filepath.Join(dir, "ctld") }
 func SpoolDir(dir, node string) string      { return filepath.Join(dir, "spool", node) }
 func LogDir(dir string) string              { return filepath.Join(dir, "log") }
+func JobCompFile(dir string) string         { return filepath.Join(LogDir(dir), "jobcomp.txt") }
 func ConfPath(dir string) string            { return filepath.Join(dir, "slurm.conf") }
 func runDir(dir string) string              { return filepath.Join(dir, "run") }
 func slurmdPidFile(dir, node string) string { return filepath.Join(runDir(dir), "slurmd-"+node+".pid") }
@@ -111,7 +112,9 @@ func Render(c Conf) (string, error) {
 	w("TaskPlugin", "task/none")
 	w("JobAcctGatherType", "jobacct_gather/none")
 	w("AccountingStorageType", "accounting_storage/none")
-	w("JobCompType", "jobcomp/none")
+	// No slurmdbd in the lab: job completion records go to a text file, which `sacct --completion` reads.
+	w("JobCompType", "jobcomp/filetxt")
+	w("JobCompLoc", JobCompFile(c.Dir))
 	w("MpiDefault", "none")
 	w("SwitchType", "switch/none")
 	w("SchedulerType", "sched/backfill")
