@@ -190,16 +190,28 @@ func (a *Agent) allocJobAddr() (netip.Prefix, error) {
 	for ip := range a.reservedAddrs {
 		used[ip] = true
 	}
+	for _, ip := range members {
+		used[ip] = true
+	}
+	p, ok := pickJobAddr(pool, own, used)
+	if !ok {
+		return netip.Prefix{}, fmt.Errorf("job_network.pool %s is exhausted: every address is held by a running job", pool)
+	}
+	a.reservedAddrs[p.Addr()] = true
+	return p, nil
+}
+
+// pickJobAddr is the first address of pool that is not used and not the network or broadcast address of
+// the cluster network own is in, with own's prefix length.
+func pickJobAddr(pool, own netip.Prefix, used map[netip.Addr]bool) (netip.Prefix, bool) {
 	cluster := own.Masked()
 	for ip := pool.Addr(); pool.Contains(ip); ip = ip.Next() {
-		p := netip.PrefixFrom(ip, own.Bits())
-		if used[ip] || slices.Contains(members, ip) || ip == cluster.Addr() || ip == lastAddr(cluster) {
+		if used[ip] || !cluster.Contains(ip) || ip == cluster.Addr() || ip == lastAddr(cluster) {
 			continue
 		}
-		a.reservedAddrs[ip] = true
-		return p, nil
+		return netip.PrefixFrom(ip, own.Bits()), true
 	}
-	return netip.Prefix{}, fmt.Errorf("job_network.pool %s is exhausted: every address is held by a running job", pool)
+	return netip.Prefix{}, false
 }
 
 func (a *Agent) releaseJobAddr(ip netip.Addr) {
