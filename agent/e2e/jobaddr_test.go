@@ -258,3 +258,108 @@ func TestJobAddressFailover(t *testing.T) {
 		return err == nil && !ok
 	})
 }
+
+// TestJobAddressSelfFence: node2, whose rank has a job address, is cut off (its link down, every process
+// alive); it kills its rank and deletes the rank's job network on its own (self-fencing), spare1 restores
+// the rank with the same address, and node2's link comes back while the moved rank still runs: node2 holds
+// only its own address, so nothing on the wire points the peers' connections at it (with host addresses,
+// TestPartitionSelfFence must keep the link down until the ranks end), and the run ends with the
+// failure-free checksum.
+func TestJobAddressSelfFence(t *testing.T) {
+	const port = 7470
+	args := ringArgs(2500, 16<<10, 10*time.Millisecond)
+	want := reference(t, 3, args)
+	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", JobAddresses: true})
+	t.Cleanup(func() {
+		if t.Failed() {
+			logEvents(t, c)
+		}
+	})
+	st := c.Lab.State()
+	jobAddr := labcluster.JobPool(st, "node2").Addr()
+	var peers []string
+	for r, h := range []string{"node1", "node2", "node3"} {
+		host, _ := c.Lab.Host(h)
+		a := host.Addr.Addr()
+		if r == 1 {
+			a = jobAddr
+		}
+		peers = append(peers, netip.AddrPortFrom(a, port).String())
+	}
+	withGate, release := gated(t, args, 2490)
+	ctx := context.Background()
+	rg := &ring{c: c, jobDir: labcluster.JobsDir(st.ID), release: release}
+	for r, h := range []string{"node1", "node2", "node3"} {
+		j, err := c.Client(h).StartJob(ctx, agent.JobSpec{Name: fmt.Sprintf("rank%d", r), JobAddress: r == 1,
+			Argv: append([]string{bins.Ringstencil, "--rank", fmt.Sprint(r), "--peers", strings.Join(peers, ",")}, withGate...)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		rg.jobs = append(rg.jobs, j)
+		if r == 1 {
+			t.Cleanup(func() { removeJobNets(t, j.ID) })
+		}
+	}
+	old := rg.jobs[1]
+	if old.Net == nil || old.Net.Addr.Addr() != jobAddr {
+		t.Fatalf("rank 1's job network %+v, want the address %s", old.Net, jobAddr)
+	}
+	rg.waitProtected(t, 2*time.Minute)
+	rg.waitProgress(t, progressEvery, 2*time.Minute)
+	rg.checkpoint(t, "node2")
+	rg.waitProgress(t, 30, 2*time.Minute)
+
+	setLink(t, c, "node2", false)
+	linkDown := true
+	t.Cleanup(func() {
+		if linkDown {
+			setLink(t, c, "node2", true)
+		}
+	})
+	fenced := selfFence(t, c, "node2", time.Minute)
+	if !strings.Contains(fenced.Detail, old.ID) || fenced.Error != "" {
+		t.Errorf("self-fence stage %+v: want job %s killed", fenced, old.ID)
+	}
+	// Killed and its network deleted, the address off the wire.
+	poll(t, 30*time.Second, "node2 to delete the fenced rank's job network", func() bool {
+		ok, err := jobnet.Exists(old.Net.Name)
+		return err == nil && !ok
+	})
+	f := waitRecovery(t, c, "node2", 2*time.Minute)
+	requireStages(t, f)
+	if f.Target != "spare1" || f.Basic {
+		t.Fatalf("restored on %s (basic %v), want spare1", f.Target, f.Basic)
+	}
+	moved := rg.job(t, "spare1", 1)
+	if moved.Net == nil || moved.Net.Addr != old.Net.Addr {
+		t.Fatalf("rank 1 on spare1: net %+v, want the address %s", moved.Net, old.Net.Addr)
+	}
+	requireInJobNet(t, moved)
+	node2, _ := c.Lab.Host("node2")
+	if addrs := hostAddrs(t, c, "spare1"); slices.Contains(addrs, node2.Addr.Addr()) {
+		t.Errorf("spare1 holds node2's host address: %v", addrs)
+	}
+	rg.waitProgress(t, progressEvery, 2*time.Minute)
+
+	// The link comes back while the moved rank runs: node2 has its own address only.
+	setLink(t, c, "node2", true)
+	linkDown = false
+	if addrs := hostAddrs(t, c, "node2"); !slices.Contains(addrs, node2.Addr.Addr()) || slices.Contains(addrs, jobAddr) {
+		t.Errorf("node2 holds %v, want its own address %s and not the job address %s", addrs, node2.Addr.Addr(), jobAddr)
+	}
+	poll(t, time.Minute, "node2 to learn that spare1 replaced it", func() bool {
+		s, err := c.Client("node2").Status(ctx)
+		if err != nil {
+			return false
+		}
+		i := slices.IndexFunc(s.Members, func(m membership.Member) bool { return m.Name == "node2" })
+		return i >= 0 && s.Members[i].State == membership.StateFailed
+	})
+	rg.waitProgress(t, progressEvery, 2*time.Minute) // the ranks exchange with node2's link up
+	release()
+	outs := []string{rg.waitExitOn(t, 0, "node1", 3*time.Minute), rg.waitExitOn(t, 1, "spare1", 3*time.Minute), rg.waitExitOn(t, 2, "node3", 3*time.Minute)}
+	checkRanks(t, outs, want)
+	if j := rg.job(t, "node2", 1); j.State == agent.JobRunning {
+		t.Errorf("node2 runs its copy of rank 1 again: %+v", j)
+	}
+}
