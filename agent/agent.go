@@ -87,7 +87,7 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 		jobs: jobStore{dir: filepath.Join(cfg.StateDir, "jobs")},
 		byID: map[string]*Job{}, policies: map[string]*interval.Policy{}, changed: make(chan struct{}),
 		reservedAddrs: map[netip.Addr]bool{},
-		criuVersion: v,
+		criuVersion:   v,
 	}
 	a.metrics = metrics.New(metricsSource{a})
 	if err := cfg.CheckJobNetwork(); err != nil {

@@ -5,8 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"os"
 	"net/netip"
+	"os"
 
 	"github.com/ftkit/ftkit/ackclamp"
 	"github.com/ftkit/ftkit/clusterapi"
