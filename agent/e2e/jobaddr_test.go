@@ -185,6 +185,20 @@ func TestJobAddressFailover(t *testing.T) {
 	rg.waitProgress(t, progressEvery, 2*time.Minute)
 	before0 := rg.job(t, "node1", 0)
 
+	// node2's agent dies and starts again mid-job: it adopts rank 1 and finds its job network by name.
+	if err := c.KillAgent("node2"); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.StartAgent(ctx, "node2"); err != nil {
+		t.Fatal(err)
+	}
+	if j := rg.job(t, "node2", 1); j.State != agent.JobRunning || j.PID != r1.PID || j.Net == nil || j.Net.Name != oldNet {
+		t.Fatalf("rank 1 after node2's agent restarted: %+v, want the same running process in %s", j, oldNet)
+	}
+	if b, err := os.ReadFile(c.LogPath("node2")); err != nil || !strings.Contains(string(b), "adopted job's network found") {
+		t.Errorf("the restarted agent of node2 did not report finding rank 1's job network (%v)", err)
+	}
+
 	rg.checkpoint(t, "node2")
 	rg.waitProgress(t, 40, 2*time.Minute)
 	if err := c.Lab.Crash(ctx, "node2"); err != nil {
