@@ -268,6 +268,21 @@ func (a *Agent) deleteJobNet(ctx context.Context, id string, n *JobNet) {
 	a.log.Info("job network deleted", "job", id, "net", n.Name, "addr", n.Addr)
 }
 
+// removeOrphanJobNet deletes the job network this agent would have made for job id, if there is one: a
+// recovery interrupted after creating it and before the job ran leaves it, its address answering with
+// nothing behind it.
+func (a *Agent) removeOrphanJobNet(ctx context.Context, id string) {
+	if !validJobID(id) {
+		return
+	}
+	name := jobNetName(a.cfg.Name, id)
+	if ok, err := jobnet.Exists(name); err != nil || !ok {
+		return
+	}
+	a.log.Warn("removing the job network of a job that does not run here (an interrupted recovery made it)", "job", id, "net", name)
+	a.deleteJobNet(ctx, id, &JobNet{Name: name})
+}
+
 // inJobNet runs fn inside job network n (fn's forks inherit it), or as is for a job without one.
 func inJobNet(n *JobNet, fn func() error) error {
 	if n == nil {
