@@ -224,6 +224,14 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 		ID: id, Spec: spec, UID: uid, GID: gid, Node: a.cfg.Name, State: JobRunning,
 		Created: time.Now().UTC(), Cgroup: l.cgroup(id), Dir: l.dir(id),
 	}
+	if spec.JobAddress {
+		addr, err := a.allocJobAddr()
+		if err != nil {
+			return nil, err
+		}
+		defer a.releaseJobAddr(addr.Addr()) // in byID (or not started) once StartJob returns
+		j.Net = &JobNet{Name: jobNetName(a.cfg.Name, id), Kind: a.cfg.JobNetwork.Kind, Addr: addr}
+	}
 	// Root keeps the job directory (0755): were it the user's, the user could plant links there for the
 	// shim, the snapshots and the restores, all root, to write through. The shim hands the user its outputs.
 	jobs, err := jobfs.OpenTrusted(l.jobsDir)
@@ -236,14 +244,6 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 		return nil, fmt.Errorf("create job directory: %w", err)
 	}
 	d.Close()
-	if spec.JobAddress {
-		addr, err := a.allocJobAddr()
-		if err != nil {
-			return nil, err
-		}
-		defer a.releaseJobAddr(addr.Addr()) // in byID (or not started) once StartJob returns
-		j.Net = &JobNet{Name: jobNetName(a.cfg.Name, id), Kind: a.cfg.JobNetwork.Kind, Addr: addr}
-	}
 	if err := os.Mkdir(j.Cgroup, 0o755); err != nil {
 		return nil, fmt.Errorf("create job cgroup: %w", err)
 	}

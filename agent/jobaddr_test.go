@@ -3,6 +3,7 @@ package agent
 import (
 	"encoding/json"
 	"net/netip"
+	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -164,4 +165,24 @@ func FuzzCheckPeerJobNet(f *testing.F) {
 			t.Fatalf("accepted %+v", n)
 		}
 	})
+}
+
+// TestStartJobAddressWithoutPool: a job that asks for a job address on an agent without a pool is refused
+// with a reason the user can act on, before anything is created for it.
+func TestStartJobAddressWithoutPool(t *testing.T) {
+	a := newTestAgent(t)
+	before, _ := os.ReadDir(a.cfg.JobsDir)
+	_, err := a.StartJob(t.Context(), JobSpec{Name: "srv", Argv: []string{"/bin/true"}, JobAddress: true}, 1000, 1000)
+	if err == nil || !strings.Contains(err.Error(), "[job_network] pool is not set") {
+		t.Fatalf("StartJob with a job address and no pool = %v, want a refusal naming job_network.pool", err)
+	}
+	after, _ := os.ReadDir(a.cfg.JobsDir)
+	if len(after) != len(before) {
+		t.Errorf("the refused job left %d new entries in jobs_dir", len(after)-len(before))
+	}
+	for _, j := range a.Jobs(0) {
+		if j.Spec.Name == "srv" {
+			t.Errorf("the refused job is listed: %+v", j)
+		}
+	}
 }
