@@ -105,6 +105,9 @@ type Job struct {
 	// Net is the job's own network (JobSpec.JobAddress); nil: the job uses its host's. The address and
 	// kind travel with the job's snapshots; the name is the namespace's on the host the job runs on.
 	Net *JobNet `json:"net,omitempty"`
+	// Fenced: self-fencing killed the job here, and its protector restores it elsewhere, with its job
+	// address: this agent must not hand that address out again (addressHeld).
+	Fenced bool `json:"fenced,omitempty"`
 }
 
 // Replica records a snapshot of a job that a protector verified and holds.

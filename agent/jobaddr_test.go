@@ -186,3 +186,24 @@ func TestStartJobAddressWithoutPool(t *testing.T) {
 		}
 	}
 }
+
+// TestAddressHeld: which job records keep their job address from being handed out again.
+func TestAddressHeld(t *testing.T) {
+	n := &JobNet{Name: "ftj-1-a-00000001", Kind: jobnet.MACVlan, Addr: netip.MustParsePrefix("10.1.0.200/24")}
+	tests := []struct {
+		name string
+		job  Job
+		want bool
+	}{
+		{"running", Job{Net: n, State: JobRunning}, true},
+		{"lost: it may have been restored elsewhere with its address", Job{Net: n, State: JobLost}, true},
+		{"killed by self-fencing: its protector restores it elsewhere", Job{Net: n, State: JobExited, Fenced: true}, true},
+		{"exited here", Job{Net: n, State: JobExited}, false},
+		{"no job address", Job{State: JobRunning}, false},
+	}
+	for _, tt := range tests {
+		if got := addressHeld(&tt.job); got != tt.want {
+			t.Errorf("%s: addressHeld = %v, want %v", tt.name, got, tt.want)
+		}
+	}
+}

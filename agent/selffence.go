@@ -133,6 +133,7 @@ func (a *Agent) fenceJobs(silence time.Duration, protector, predecessor string) 
 		}
 		killed = append(killed, j.ID)
 		if j.Net != nil {
+			a.markFenced(j.ID)
 			a.deleteJobNet(context.Background(), j.ID, j.Net)
 		}
 	}
@@ -154,6 +155,20 @@ func (a *Agent) fenceJobs(silence time.Duration, protector, predecessor string) 
 	})
 	a.saveFailures()
 	return true
+}
+
+// markFenced records in job id's record that self-fencing killed it (addressHeld).
+func (a *Agent) markFenced(id string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	j, ok := a.byID[id]
+	if !ok {
+		return
+	}
+	j.Fenced = true
+	if err := a.jobs.save(j); err != nil {
+		a.log.Error("save job record", "job", id, "err", err)
+	}
 }
 
 // killCgroup SIGKILLs every process of job id's cgroup at once (cgroup.kill), the agent's own cgroup for
