@@ -255,6 +255,15 @@ func TestJobAddressFailover(t *testing.T) {
 	if ok, _ := jobnet.Exists(oldNet); ok {
 		t.Errorf("node2's old job network %s exists after the revive", oldNet)
 	}
+	// The moved rank keeps its address on spare1: node2 does not hand it out again.
+	other, err := c.Client("node2").StartJob(ctx, agent.JobSpec{Name: "other", JobAddress: true, Argv: []string{"/bin/sleep", "600"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { removeJobNets(t, other.ID) })
+	if other.Net == nil || other.Net.Addr.Addr() == jobAddr || !labcluster.JobPool(st, "node2").Contains(other.Net.Addr.Addr()) {
+		t.Errorf("a new job on the revived node2 got %+v; want another address of its pool than the moved rank's %s", other.Net, jobAddr)
+	}
 	rg.waitProgress(t, progressEvery, 2*time.Minute)
 	outs := rg.wait(t, 3*time.Minute)
 	checkRanks(t, outs, want)
@@ -339,6 +348,9 @@ func TestJobAddressSelfFence(t *testing.T) {
 		ok, err := jobnet.Exists(old.Net.Name)
 		return err == nil && !ok
 	})
+	if j := rg.job(t, "node2", 1); !j.Fenced {
+		t.Errorf("node2's record of its fenced rank does not say so (its address would be handed out again): %+v", j)
+	}
 	f := waitRecovery(t, c, "node2", 2*time.Minute)
 	requireStages(t, f)
 	if f.Target != "spare1" || f.Basic {
