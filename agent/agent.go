@@ -7,6 +7,7 @@ import (
 	"io"
 	"io/fs"
 	"log/slog"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"sync"
@@ -22,6 +23,7 @@ import (
 	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/internal/jobfs"
+	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/metrics"
 	"github.com/ftkit/ftkit/shim"
 	"github.com/ftkit/ftkit/spare"
@@ -42,6 +44,8 @@ type Agent struct {
 	byID     map[string]*Job
 	policies map[string]*interval.Policy // by job id ("" for the host in semi-coordinated mode)
 	changed  chan struct{}               // closed and replaced whenever a job changes, for long-polling clients
+	// reservedAddrs are job addresses handed to jobs being started, not yet in byID.
+	reservedAddrs map[netip.Addr]bool
 
 	ckptMu sync.Mutex // one checkpoint (or host-wide freeze) at a time
 
@@ -82,9 +86,13 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 		cfg: cfg, log: log.With("node", cfg.Name), criu: criu.Client{Binary: bin}, self: self,
 		jobs: jobStore{dir: filepath.Join(cfg.StateDir, "jobs")},
 		byID: map[string]*Job{}, policies: map[string]*interval.Policy{}, changed: make(chan struct{}),
-		criuVersion: v,
+		reservedAddrs: map[netip.Addr]bool{},
+		criuVersion:   v,
 	}
 	a.metrics = metrics.New(metricsSource{a})
+	if err := cfg.CheckJobNetwork(); err != nil {
+		return nil, err
+	}
 	// The state directory is root's; jobs_dir and the socket's directory stay reachable by users.
 	if err := prepareDirs(cfg, a.jobs.dir); err != nil {
 		return nil, err
@@ -143,6 +151,7 @@ func (a *Agent) adopt() (int, error) {
 		a.byID[j.ID] = j
 		if j.State == JobRunning {
 			a.thawLeftFrozen(j)
+			a.checkAdoptedJobNet(j)
 			a.protect(j)
 			n++
 			a.log.Info("adopted job", "job", j.ID, "pid", j.PID, "protected", j.Protected())
@@ -215,6 +224,14 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 		ID: id, Spec: spec, UID: uid, GID: gid, Node: a.cfg.Name, State: JobRunning,
 		Created: time.Now().UTC(), Cgroup: l.cgroup(id), Dir: l.dir(id),
 	}
+	if spec.JobAddress {
+		addr, err := a.allocJobAddr()
+		if err != nil {
+			return nil, err
+		}
+		defer a.releaseJobAddr(addr.Addr()) // in byID (or not started) once StartJob returns
+		j.Net = &JobNet{Name: jobNetName(a.cfg.Name, id), Kind: a.cfg.JobNetwork.Kind, Addr: addr}
+	}
 	// Root keeps the job directory (0755): were it the user's, the user could plant links there for the
 	// shim, the snapshots and the restores, all root, to write through. The shim hands the user its outputs.
 	jobs, err := jobfs.OpenTrusted(l.jobsDir)
@@ -230,15 +247,28 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 	if err := os.Mkdir(j.Cgroup, 0o755); err != nil {
 		return nil, fmt.Errorf("create job cgroup: %w", err)
 	}
+	// The job's network exists before the job: the shim is started inside it, so the job's processes
+	// see only its loopback and its interface.
+	if j.Net != nil {
+		if err := a.createJobNet(ctx, j.Net); err != nil {
+			os.Remove(j.Cgroup)
+			return nil, err
+		}
+	}
 	// Logged from its first byte: the cgroup is protected before the job can open a socket.
 	a.protect(j)
-	pid, err := shim.Launch(ctx, a.self, shim.Spec{
-		JobID: id, Mode: shim.ModeStart, Argv: spec.Argv, Env: spec.Env, Dir: spec.Dir, UID: uid, GID: gid,
-		Stdout: j.StdoutPath(), Stderr: j.StderrPath(), Cgroup: j.Cgroup, ExitFile: j.ExitPath(), Node: a.cfg.Name,
-	}, a.shimLog(id))
+	var pid int
+	err = inJobNet(j.Net, func() (err error) {
+		pid, err = shim.Launch(ctx, a.self, shim.Spec{
+			JobID: id, Mode: shim.ModeStart, Argv: spec.Argv, Env: spec.Env, Dir: spec.Dir, UID: uid, GID: gid,
+			Stdout: j.StdoutPath(), Stderr: j.StderrPath(), Cgroup: j.Cgroup, ExitFile: j.ExitPath(), Node: a.cfg.Name,
+		}, a.shimLog(id))
+		return err
+	})
 	if err != nil {
 		a.unprotect(j)
 		os.Remove(j.Cgroup)
+		a.deleteJobNet(ctx, id, j.Net)
 		return nil, err
 	}
 	j.PID = pid
@@ -249,8 +279,29 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 	a.byID[id] = j
 	a.notify()
 	a.mu.Unlock()
-	a.log.Info("job started", "job", id, "pid", pid, "argv", spec.Argv, "uid", uid)
+	if j.Net != nil {
+		a.log.Info("job started", "job", id, "pid", pid, "argv", spec.Argv, "uid", uid, "job_address", j.Net.Addr, "job_network", j.Net.Name)
+	} else {
+		a.log.Info("job started", "job", id, "pid", pid, "argv", spec.Argv, "uid", uid)
+	}
 	return j, nil
+}
+
+// checkAdoptedJobNet looks for a running adopted job's network: a job whose network is gone (the host
+// rebooted, someone deleted it) runs without its address, which only a restore elsewhere brings back.
+func (a *Agent) checkAdoptedJobNet(j *Job) {
+	if j.Net == nil {
+		return
+	}
+	ok, err := jobnet.Exists(j.Net.Name)
+	switch {
+	case err != nil:
+		a.log.Warn("cannot check an adopted job's network", "job", j.ID, "net", j.Net.Name, "err", err)
+	case !ok:
+		a.log.Error("adopted job's network is gone: the job runs without its address", "job", j.ID, "net", j.Net.Name, "addr", j.Net.Addr)
+	default:
+		a.log.Info("adopted job's network found", "job", j.ID, "net", j.Net.Name, "addr", j.Net.Addr)
+	}
 }
 
 func (a *Agent) shimLog(id string) string { return filepath.Join(a.jobs.dir, id+".shim.log") }
@@ -339,6 +390,8 @@ func (a *Agent) finish(j *Job, state JobState, st *shim.ExitStatus) {
 	} else if err := os.Remove(j.Cgroup); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		a.log.Warn("remove job cgroup", "job", j.ID, "err", err)
 	}
+	// The job's address leaves the wire with it (a job network lives on by its bind mount otherwise).
+	a.deleteJobNet(context.Background(), j.ID, j.Net)
 	if st != nil {
 		a.log.Info("job ended", "job", j.ID, "code", st.Code, "signal", st.Signal)
 	} else {

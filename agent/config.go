@@ -14,6 +14,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/fence"
+	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/metrics"
 )
 
@@ -135,6 +136,8 @@ type Config struct {
 		FenceCommandTimeout Duration `toml:"fence_command_timeout"`
 	} `toml:"failover"`
 	Log LogConfig `toml:"log"`
+	// JobNetwork gives jobs that ask for one an address of their own (jobaddr.go); off without a pool.
+	JobNetwork JobNetworkConfig `toml:"job_network"`
 
 	Metrics struct {
 		// Listen is the ip:port of the Prometheus endpoint (/metrics); empty: none. The endpoint has no
@@ -173,6 +176,7 @@ func Defaults() Config {
 	c.Failover.ReplayTimeout = Duration{2 * time.Minute}
 	c.Failover.FenceCommandTimeout = Duration{30 * time.Second}
 	c.Log = LogConfig{Enabled: true, RingMiB: 64, High: 0.8, Low: 0.6}
+	c.JobNetwork.Kind = jobnet.MACVlan
 	return c
 }
 
@@ -291,6 +295,9 @@ func (c Config) Validate() error {
 		if c.Log.MemoryMiB < 0 || !(0 < c.Log.Low && c.Log.Low < c.Log.High && c.Log.High <= 1) {
 			errs = append(errs, fmt.Errorf("log: memory_mib must be >= 0 and 0 < low (%.2f) < high (%.2f) <= 1", c.Log.Low, c.Log.High))
 		}
+	}
+	if err := c.JobNetwork.validate(); err != nil {
+		errs = append(errs, err)
 	}
 	if err := metrics.CheckListen(c.Metrics.Listen); err != nil {
 		errs = append(errs, fmt.Errorf("metrics.listen %w", err))

@@ -69,6 +69,7 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 	var runs []jobRun
 	var need spare.Need
 	var errs []error
+	ownAddrs := true // every job has an address of its own: the failed host's stays where it is
 	for _, job := range s.Jobs {
 		// The failed node ships to the next node of the ring when its protector does not answer, so
 		// another member may hold a newer replica than this host: restoring an older one would need log
@@ -84,6 +85,7 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 			a.log.Warn("the newest replica is on another member", "job", job, "snapshot", cands[0].Snapshot, "holder", cands[0].Source)
 		}
 		jobs = append(jobs, RecoverJob{Job: job, Snapshot: cands[0].Snapshot, Source: cands[0].Source, Candidates: cands})
+		ownAddrs = ownAddrs && slices.ContainsFunc(held, func(h heldReplica) bool { return h.jobAddr })
 		runs = append(runs, jobRun{job: job, spares: held[0].spares})
 		need.Jobs++
 		need.MemoryBytes += held[0].m.TotalSize()
@@ -117,6 +119,12 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 	a.pushView(ctx) // peers must know who holds the failed node's addresses before replay starts
 	failed, _ := v.Member(s.Name)
 	req := RecoverRequest{Failure: id, Failed: s.Name, Addrs: failed.Addrs, Jobs: jobs, Source: a.cfg.Name}
+	if ownAddrs {
+		// The jobs move with their own addresses; the failed host keeps its own, to be repaired and
+		// come back without two hosts on one address.
+		req.Addrs = nil
+		a.log.Info("every job of the failed node has a job address: its host address is not taken over", "node", s.Name, "addrs", failed.Addrs)
+	}
 	emit := func(st Stage) {
 		a.failures.update(id, func(f *Failure) { f.Stages = append(f.Stages, st) })
 		a.saveFailures()
@@ -212,6 +220,8 @@ type heldReplica struct {
 	holder string
 	m      *ckpt.Manifest
 	spares []string // of the job's run, as the replica's job record names them
+	// jobAddr: the replica's job record has a job address (known for replicas this host holds).
+	jobAddr bool
 }
 
 // jobRun is a failed node's job and the spares of its run (none without a placement).
@@ -266,7 +276,8 @@ func (a *Agent) heldReplicas(ctx context.Context, job, node string) ([]heldRepli
 	var held []heldReplica
 	var errs []error
 	if m, err := a.newestReplica(ctx, job, node); err == nil {
-		held = append(held, heldReplica{holder: a.cfg.Name, m: m, spares: a.runSpares(m)})
+		j, jerr := a.snapshotJob(m)
+		held = append(held, heldReplica{holder: a.cfg.Name, m: m, spares: a.runSpares(m), jobAddr: jerr == nil && j.Net != nil})
 	} else {
 		errs = append(errs, fmt.Errorf("%s: %w", a.cfg.Name, err))
 	}

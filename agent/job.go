@@ -41,6 +41,9 @@ type JobSpec struct {
 	// Placement is the job's own membership, from the allocation of the run it belongs to; nil: the
 	// cluster ring decides (the ring successor protects, the ring's spares replace).
 	Placement *Placement `json:"placement,omitempty"`
+	// JobAddress asks for an address of the job's own on the cluster network (from the agent's
+	// job_network.pool), which moves with the job when its host fails.
+	JobAddress bool `json:"job_address,omitempty"`
 }
 
 // MaxPlacementHosts bounds a placement's lists: a placement arrives from a user and from other agents.
@@ -99,6 +102,12 @@ type Job struct {
 	// k (a snapshot's job record carries the incarnation that took it). A majority of the members must
 	// grant an incarnation before it runs, so that the job has exactly one live incarnation.
 	Incarnation uint64 `json:"incarnation,omitempty"`
+	// Net is the job's own network (JobSpec.JobAddress); nil: the job uses its host's. The address and
+	// kind travel with the job's snapshots; the name is the namespace's on the host the job runs on.
+	Net *JobNet `json:"net,omitempty"`
+	// Fenced: self-fencing killed the job here, and its protector restores it elsewhere, with its job
+	// address: this agent must not hand that address out again (addressHeld).
+	Fenced bool `json:"fenced,omitempty"`
 }
 
 // Replica records a snapshot of a job that a protector verified and holds.

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"net/netip"
+	"os"
 
 	"github.com/ftkit/ftkit/ackclamp"
 	"github.com/ftkit/ftkit/clusterapi"
@@ -41,6 +42,17 @@ func (r *recoveryActions) Fetch(ctx context.Context, job string, c clusterapi.Ca
 	j, rec, err := r.a.prepareCandidate(ctx, job, c)
 	if err != nil {
 		return nil, err
+	}
+	if rec.Net != nil {
+		// The same address (and so the same 4-tuples for the peers), in a namespace of this host's.
+		n := *rec.Net
+		n.Name = jobNetName(r.a.cfg.Name, rec.ID)
+		spec, err := r.a.jobNetSpec(&n)
+		if err != nil {
+			os.RemoveAll(j.Work)
+			return nil, fmt.Errorf("job network of snapshot %s: %w", j.Manifest.ID, err)
+		}
+		rec.Net, j.Net = &n, recovery.JobNet{Spec: spec}
 	}
 	r.records[j] = rec
 	return j, nil

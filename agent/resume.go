@@ -295,6 +295,9 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 			if jerr == nil {
 				state = string(j.State)
 			}
+			if jerr != nil {
+				a.removeOrphanJobNet(ctx, rj.Job)
+			}
 			err := fmt.Errorf("job %s (%s when the agent restarted) does not run on %s: its state is %s", rj.Job, rj.Phase, a.cfg.Name, state)
 			stage(Stage{Name: StageReplayed, Job: rj.Job, Host: a.cfg.Name, Start: time.Now(), End: time.Now(), Error: err.Error()})
 			errs = append(errs, err)

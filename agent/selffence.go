@@ -20,8 +20,9 @@ import (
 // them on a spare. So a node that has heard from neither ring neighbour for fence_timeout kills its jobs;
 // the protector lets the restored copies go live only after fence_timeout plus a margin (fence.Timing), or
 // once a fence command confirmed this host is off. The node keeps its cluster address: fail-over moves a
-// host's address (jobs have none of their own yet), and the agent needs it to rejoin and learn that it was
-// replaced.
+// host's address for jobs without one of their own, and the agent needs it to rejoin and learn that it was
+// replaced. A job with a job address (Job.Net) loses its network too once it is killed: its address leaves
+// the wire at once (jobnet.Delete removes the interface first), ready to come up on the spare.
 
 // StageSelfFenced names the one stage of a self-fence event in the failure log (ftctl events).
 const StageSelfFenced = "self-fenced"
@@ -131,6 +132,10 @@ func (a *Agent) fenceJobs(silence time.Duration, protector, predecessor string) 
 			continue
 		}
 		killed = append(killed, j.ID)
+		if j.Net != nil {
+			a.markFenced(j.ID)
+			a.deleteJobNet(context.Background(), j.ID, j.Net)
+		}
 	}
 	detail := fmt.Sprintf("no contact with %s and %s for %s; killed jobs %s", protector, predecessor,
 		silence.Round(time.Millisecond), strings.Join(killed, " "))
@@ -150,6 +155,20 @@ func (a *Agent) fenceJobs(silence time.Duration, protector, predecessor string) 
 	})
 	a.saveFailures()
 	return true
+}
+
+// markFenced records in job id's record that self-fencing killed it (addressHeld).
+func (a *Agent) markFenced(id string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	j, ok := a.byID[id]
+	if !ok {
+		return
+	}
+	j.Fenced = true
+	if err := a.jobs.save(j); err != nil {
+		a.log.Error("save job record", "job", id, "err", err)
+	}
 }
 
 // killCgroup SIGKILLs every process of job id's cgroup at once (cgroup.kill), the agent's own cgroup for

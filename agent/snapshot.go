@@ -54,7 +54,7 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen bool) (*ckpt.Manifes
 	if frozen {
 		opts.FreezeCgroup = j.Cgroup
 	}
-	m, err := dump.Take(ctx, a.store, a.criu, opts)
+	m, err := dump.Take(ctx, a.store, a.dumperFor(j), opts)
 	if err != nil {
 		return nil, err
 	}

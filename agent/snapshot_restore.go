@@ -34,6 +34,15 @@ func (a *Agent) snapshotJob(m *ckpt.Manifest) (Job, error) {
 	if err := checkPeerJob(a.layout(), m, &j); err != nil {
 		return Job{}, fmt.Errorf("%w; refusing to restore it", err)
 	}
+	if j.Net != nil {
+		_, own, err := a.cfg.clusterNetwork()
+		if err == nil {
+			err = checkPeerJobNet(j.Net, own, a.memberAddrs())
+		}
+		if err != nil {
+			return Job{}, fmt.Errorf("snapshot %s: %w; refusing to restore it", m.ID, err)
+		}
+	}
 	return j, nil
 }
 
@@ -92,13 +101,29 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 			err = fmt.Errorf("create job cgroup: %w", mkErr)
 		}
 	}
+	if err == nil && j.Net != nil {
+		// The record's name is the old host's namespace; here the job gets this host's, with the same
+		// address (a recovery has created it already, under its guard; Create is idempotent).
+		n := *j.Net
+		n.Name = jobNetName(a.cfg.Name, j.ID)
+		j.Net = &n
+		err = a.createJobNet(ctx, j.Net)
+	}
 	if err == nil {
 		a.protect(&j)
-		pid, err = shim.Launch(ctx, a.self, shim.Spec{
-			JobID: j.ID, Mode: shim.ModeRestore, ImagesDir: work, CRIU: a.criu.Binary, ExitFile: j.ExitPath(), Node: a.cfg.Name,
-		}, a.shimLog(j.ID))
+		// The shim, and the CRIU it runs, inside the job's network: CRIU restores the sockets into the
+		// namespace it runs in.
+		err = inJobNet(j.Net, func() (err error) {
+			pid, err = shim.Launch(ctx, a.self, shim.Spec{
+				JobID: j.ID, Mode: shim.ModeRestore, ImagesDir: work, CRIU: a.criu.Binary, ExitFile: j.ExitPath(), Node: a.cfg.Name,
+			}, a.shimLog(j.ID))
+			return err
+		})
 	}
 	if err != nil {
+		if j.Net != nil && j.Net.Name == jobNetName(a.cfg.Name, j.ID) {
+			a.deleteJobNet(ctx, j.ID, j.Net) // its address must not stay on the wire without the job
+		}
 		// Nothing runs: the next attempt, or an older snapshot, finds the files as they were.
 		keepWork, err = a.undoOutputs(journal, m, err)
 		return nil, err

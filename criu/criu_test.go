@@ -113,3 +113,13 @@ func TestRequireInstalled(t *testing.T) {
 	}
 	t.Logf("%s is CRIU %s", bin, v)
 }
+
+// TestDumpInNetns: a dump with DumpOptions.Netns runs CRIU inside that namespace, so a namespace that
+// cannot be entered fails the dump before CRIU is started, naming it.
+func TestDumpInNetns(t *testing.T) {
+	missing := filepath.Join(t.TempDir(), "no-such-netns")
+	_, err := Client{Binary: "/nonexistent/criu"}.Dump(t.Context(), DumpOptions{PID: 1, ImagesDir: t.TempDir(), Netns: missing})
+	if err == nil || !strings.Contains(err.Error(), "open network namespace "+missing) {
+		t.Fatalf("Dump in %s = %v, want an error opening that namespace", missing, err)
+	}
+}

@@ -14,6 +14,8 @@ import (
 	"github.com/checkpoint-restore/go-criu/v7/crit"
 	"github.com/checkpoint-restore/go-criu/v7/rpc"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/ftkit/ftkit/internal/netnsthread"
 )
 
 // Client runs CRIU requests with one binary. The caller's thread must already be in the job's network
@@ -32,6 +34,10 @@ type DumpOptions struct {
 	// FreezeCgroup is the job's cgroup v2 directory when the caller froze it (semi-coordinated); CRIU
 	// then uses the freezer instead of stopping tasks one by one, and leaves the cgroup as it found it.
 	FreezeCgroup string
+	// Netns, if set, is the path of the job's own network namespace (a job network, package jobnet): CRIU
+	// is run inside it, so that it dumps the job's sockets without the namespace itself and takes its
+	// network lock there (docs/job-addresses.md, fact c). Empty: the calling thread's namespace.
+	Netns string
 }
 
 // DumpStats are CRIU's own measurements of a dump (stats-dump), in microseconds and pages.
@@ -81,7 +87,7 @@ func (c Client) Dump(ctx context.Context, opts DumpOptions) (DumpStats, error) {
 	}
 	cr := gocriu.MakeCriu()
 	cr.SetCriuPath(c.Binary)
-	if err := run(ctx, func() error { return cr.Dump(req, nil) }); err != nil {
+	if err := run(ctx, inNetns(opts.Netns, func() error { return cr.Dump(req, nil) })); err != nil {
 		return DumpStats{}, fmt.Errorf("criu dump of pid %d: %w%s", opts.PID, err, logTail(filepath.Join(opts.ImagesDir, dumpLog)))
 	}
 	st, err := crit.GetDumpStats(opts.ImagesDir)
@@ -148,6 +154,15 @@ type pidNotify struct {
 func (n *pidNotify) PostRestore(pid int32) error {
 	n.pid = pid
 	return n.Notify.PostRestore(pid)
+}
+
+// inNetns makes call run on an OS thread inside the network namespace at path (go-criu forks CRIU from the
+// calling thread); path "" leaves call as it is.
+func inNetns(path string, call func() error) func() error {
+	if path == "" {
+		return call
+	}
+	return func() error { return netnsthread.In(path, call) }
 }
 
 // run executes a blocking go-criu call, returning early with ctx's error if ctx ends first. CRIU itself is

@@ -61,6 +61,9 @@ func checkConfig(w io.Writer, path string, now time.Time) error {
 	checks = append(checks, kernelChecks(cfg)...)
 	checks = append(checks, dirChecks(cfg)...)
 	checks = append(checks, checkFenceCommand(cfg))
+	if cfg.JobNetwork.Pool.IsValid() {
+		checks = append(checks, check{"job_network.pool " + cfg.JobNetwork.Pool.String() + " on this host's cluster network", cfg.CheckJobNetwork()})
+	}
 	printChecks(w, checks)
 	failed := 0
 	for _, c := range checks {

@@ -207,6 +207,14 @@ func TestCheckConfigNamesTheProblem(t *testing.T) {
 			b, _ := os.ReadFile(s.config)
 			os.WriteFile(s.config, append(b, fmt.Sprintf("[failover]\nfence_command = [%q, \"{host}\"]\n", prog)...), 0o600)
 		}, "failover.fence_command", "chmod go-w"},
+		{"job address pool outside the cluster network", func(t *testing.T, s *checkSetup) {
+			b, _ := os.ReadFile(s.config)
+			os.WriteFile(s.config, append(b, "[job_network]\npool = \"10.9.0.200/29\"\n"...), 0o600)
+		}, "job_network.pool", "not inside the cluster network 127.0.0.0/8"},
+		{"job address pool holding a member's address", func(t *testing.T, s *checkSetup) {
+			b, _ := os.ReadFile(s.config)
+			os.WriteFile(s.config, append(b, "[job_network]\npool = \"127.0.0.0/30\"\n"...), 0o600)
+		}, "job_network.pool", "holds member node1's address"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -1,6 +1,6 @@
 // Command ftwrap puts an existing program under ftkit's protection and runs it:
 //
-//	ftwrap [--name JOB] [--interval D|auto] [--placement-hosts H,... [--placement-spares S,...]] [--] PROG [ARGS...]
+//	ftwrap [--name JOB] [--interval D|auto] [--job-address] [--placement-hosts H,... [--placement-spares S,...]] [--] PROG [ARGS...]
 //
 // The local agent starts PROG (own PID namespace, own cgroup, stdin from /dev/null, output to files in the
 // job directory); ftwrap copies that output to its own stdout and stderr and exits with PROG's status, also
@@ -32,6 +32,7 @@ func main() { os.Exit(cli.Main(newRoot())) }
 func newRoot() *cobra.Command {
 	var logs cli.LogFlags
 	var name, interval, socket string
+	var jobAddress bool
 	var placeHosts, placeSpares []string
 	root := &cobra.Command{
 		Use:   "ftwrap [flags] [--] PROG [ARGS...]",
@@ -62,7 +63,7 @@ started, 255 the job was lost without an exit status.`,
 			if err != nil {
 				return err
 			}
-			spec := agent.JobSpec{Name: name, Argv: args, Env: os.Environ(), Dir: cwd, Interval: interval}
+			spec := agent.JobSpec{Name: name, Argv: args, Env: os.Environ(), Dir: cwd, Interval: interval, JobAddress: jobAddress}
 			if len(placeHosts) > 0 || len(placeSpares) > 0 {
 				spec.Placement = &agent.Placement{Hosts: placeHosts, Spares: placeSpares}
 				if err := spec.Placement.Validate(); err != nil {
@@ -74,6 +75,7 @@ started, 255 the job was lost without an exit status.`,
 	}
 	logs.Register(root)
 	root.Flags().StringVar(&name, "name", "", "job name (default: the program's base name)")
+	root.Flags().BoolVar(&jobAddress, "job-address", false, "run the job on an address of its own from the agent's job_network.pool, which moves with the job when its host fails")
 	root.Flags().StringVar(&interval, "interval", "", "checkpoint interval: a duration such as 30s, or auto (default: the agent's)")
 	root.Flags().StringVar(&socket, "socket", "", "the local agent's socket")
 	// A run of several jobs (ftctl mpirun) names its own hosts and spares; alone, a job has the ring's.

@@ -48,6 +48,34 @@ type Options struct {
 	// none, and the default).
 	FenceCommand []string
 	FenceTimeout time.Duration
+	// JobAddresses gives every agent a job_network.pool (JobPool), so that jobs may ask for an address
+	// of their own.
+	JobAddresses bool
+}
+
+// Job address pools of a lab: the hosts are .11 up and the spares .101 up in the lab's subnet; host i
+// (in the lab's order, from 0) hands out the 4 addresses from .200+4i, for the first 13 hosts.
+const (
+	jobPoolBase = 200
+	jobPoolSize = 4
+)
+
+// JobPool is host's job_network.pool in a lab started with Options.JobAddresses; invalid (zero) for a
+// host beyond the 13th, which then hands out none.
+func JobPool(st lab.State, host string) netip.Prefix {
+	for i, h := range st.Hosts {
+		if h.Name != host {
+			continue
+		}
+		n := jobPoolBase + jobPoolSize*i
+		if n+jobPoolSize > 255 {
+			return netip.Prefix{}
+		}
+		b := st.Subnet.Masked().Addr().As4()
+		b[3] += byte(n)
+		return netip.PrefixFrom(netip.AddrFrom4(b), 32-2) // jobPoolSize addresses
+	}
+	return netip.Prefix{}
 }
 
 // Cluster is a lab whose hosts each run an agent.
@@ -207,6 +235,9 @@ func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
 	cfg.Failover.Automatic = !c.opts.ManualFailover
 	cfg.Metrics.Listen = c.opts.MetricsListen
 	cfg.Failover.FenceCommand = c.opts.FenceCommand
+	if c.opts.JobAddresses {
+		cfg.JobNetwork.Pool = JobPool(st, h.Name)
+	}
 	if c.opts.FenceTimeout > 0 {
 		cfg.Failover.FenceTimeout.Duration = c.opts.FenceTimeout
 	}

@@ -66,6 +66,9 @@ type Job struct {
 	Checks map[tcpflow.Tuple]Check
 	// Replayed are flows whose replay a previous agent saw complete (a resume): not waited for again.
 	Replayed []tcpflow.Tuple
+	// Net is the job's own network (a job address, package jobnet), nil for a job restored on the host's
+	// network: Run creates it, guards the job's connections and announces the job's address inside it.
+	Net JobNetwork
 	// stopKeeping ends Log.Keep once the re-sent bytes are checked.
 	stopKeeping func()
 }
@@ -135,6 +138,18 @@ type Network interface {
 	// with an error, for the routes that were lowered.
 	LowerPathMTU() (putBack func() error, err error)
 	Announce(ctx context.Context, ip netip.Addr) error
+}
+
+// JobNetwork is a job's own network on this host: Network inside the job's namespace (TakeOver is never
+// called: the namespace holds only the job's address), which Create makes with the job's address.
+type JobNetwork interface {
+	Network
+	// Create makes the job's network here; idempotent.
+	Create(ctx context.Context) error
+	// Delete removes it, its address first (a restore that failed must not leave the address answering).
+	Delete(ctx context.Context)
+	// Addr is the job's address, announced once the job is restored.
+	Addr() netip.Addr
 }
 
 // Tracker keeps the recovery on disk as it goes, for an agent restarted mid-way to resume it.

@@ -50,6 +50,10 @@ type fake struct {
 	takeOverErr error
 	lowerMTUErr error // LowerPathMTU fails, with nothing to put back
 	net         []string
+	// jobNet gives fetched jobs a job network (fakeJobNet, recorded in net with a "job: " prefix);
+	// createErr fails its Create.
+	jobNet    bool
+	createErr error
 	// Tracker.
 	persisted []string
 	phases    []string
@@ -84,7 +88,11 @@ func (f *fake) Fetch(_ context.Context, job string, c clusterapi.Candidate) (*Jo
 		return nil, err
 	}
 	m := &ckpt.Manifest{Job: job, ID: c.Snapshot, Node: "node2", Info: ckpt.Info{Conns: f.conns}}
-	return &Job{ID: job, Incarnation: 3, Manifest: m, Work: emptyImages(f.t), RunID: "run-" + job, Source: c.Source}, nil
+	j := &Job{ID: job, Incarnation: 3, Manifest: m, Work: emptyImages(f.t), RunID: "run-" + job, Source: c.Source}
+	if f.jobNet {
+		j.Net = fakeJobNet{f}
+	}
+	return j, nil
 }
 
 func (f *fake) Owner(addr netip.Addr) string { return f.owners[addr] }

@@ -2,9 +2,11 @@ package recovery
 
 import (
 	"context"
+	"fmt"
 	"net/netip"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/restore"
 )
 
@@ -33,4 +35,56 @@ func (n HostNetwork) LowerPathMTU() (func() error, error) { return restore.Lower
 
 func (n HostNetwork) Announce(ctx context.Context, ip netip.Addr) error {
 	return restore.Announce(ctx, n.Iface, ip)
+}
+
+// JobNet is JobNetwork on a job network of package jobnet on this host: every operation runs on a thread
+// inside the job's namespace, on the job's interface.
+type JobNet struct {
+	Spec jobnet.Spec // validated
+}
+
+func (n JobNet) in(fn func() error) error { return jobnet.Do(n.Spec.Name, fn) }
+
+func (n JobNet) iface() string {
+	if n.Spec.IfName == "" {
+		return jobnet.DefaultIfName
+	}
+	return n.Spec.IfName
+}
+
+func (n JobNet) Create(ctx context.Context) error { return jobnet.Create(ctx, n.Spec) }
+
+func (n JobNet) Delete(ctx context.Context) { jobnet.Delete(ctx, n.Spec.Name, n.Spec.ParentNetns) }
+
+func (n JobNet) Addr() netip.Addr { return n.Spec.Addr.Addr() }
+
+func (n JobNet) Guard(ctx context.Context, runID string, conns []ckpt.Conn) error {
+	return n.in(func() error { return restore.Guard(ctx, runID, conns) })
+}
+
+func (n JobNet) Unguard(ctx context.Context, runID string) {
+	n.in(func() error { return restore.Unguard(ctx, runID) })
+}
+
+func (n JobNet) TakeOver(ip netip.Addr) error {
+	return fmt.Errorf("take over %s: a job network holds only its job's address", ip)
+}
+
+func (n JobNet) Release(netip.Addr) {}
+
+func (n JobNet) SetInitCwnd(segments int) error {
+	return n.in(func() error { return restore.SetInitCwnd(n.iface(), segments) })
+}
+
+func (n JobNet) LowerPathMTU() (func() error, error) {
+	var putBack func() error
+	err := n.in(func() (err error) { putBack, err = restore.LowerPathMTU(n.iface()); return err })
+	if putBack == nil {
+		return nil, err
+	}
+	return func() error { return n.in(putBack) }, err
+}
+
+func (n JobNet) Announce(ctx context.Context, ip netip.Addr) error {
+	return n.in(func() error { return restore.Announce(ctx, n.iface(), ip) })
 }

@@ -79,7 +79,10 @@ func Run(ctx context.Context, req clusterapi.RecoverRequest, d Deps, emit func(S
 		if err != nil {
 			j.stopKeeping()
 			d.Tracker.SetPhase(j.ID, "", time.Time{})
-			d.Network.Unguard(ctx, j.RunID)
+			netOf(d, j).Unguard(ctx, j.RunID)
+			if j.Net != nil {
+				j.Net.Delete(ctx)
+			}
 			d.Jobs.GiveBackUnlessStarted(ctx, j, err)
 			errs = append(errs, fmt.Errorf("job %s: %w", j.ID, err))
 			continue
@@ -91,6 +94,16 @@ func Run(ctx context.Context, req clusterapi.RecoverRequest, d Deps, emit func(S
 	for _, ip := range req.Addrs {
 		if err := d.Network.Announce(ctx, ip); err != nil {
 			d.Logger.Warn("gratuitous ARP failed; peers find the address when their neighbour entries expire", "addr", ip, "err", err)
+		}
+	}
+	// A moved job address: peers with a connection find it at the first round trip, others (a new
+	// connection, a router) only once told (docs/job-addresses.md, fact a).
+	for _, j := range restored {
+		if j.Net == nil {
+			continue
+		}
+		if err := j.Net.Announce(ctx, j.Net.Addr()); err != nil {
+			d.Logger.Warn("gratuitous ARP for a job address failed; peers find it when their neighbour entries expire", "job", j.ID, "addr", j.Net.Addr(), "err", err)
 		}
 	}
 	var verified []string
@@ -212,7 +225,7 @@ func PlanSummary(p restore.Plan) string {
 // putBackMTU once the jobs are restored. On error it undoes what it did, so that the host is left as it
 // was (a peer must not find the address here without a socket).
 func prepareNetwork(ctx context.Context, d Deps, req clusterapi.RecoverRequest, jobs []*Job) (putBackMTU func(), err error) {
-	var guarded []string
+	var guarded, created []*Job
 	var taken []netip.Addr
 	var clamped []tcpflow.Tuple
 	defer func() {
@@ -222,21 +235,33 @@ func prepareNetwork(ctx context.Context, d Deps, req clusterapi.RecoverRequest, 
 		for _, ip := range taken {
 			d.Network.Release(ip)
 		}
-		for _, id := range guarded {
-			d.Network.Unguard(ctx, id)
+		for _, j := range guarded {
+			netOf(d, j).Unguard(ctx, j.RunID)
+		}
+		for _, j := range created {
+			j.Net.Delete(ctx)
 		}
 		for _, f := range clamped {
 			d.Clamp.Release(f)
 		}
 	}()
 	// The network guard goes up before the address: until CRIU has rebuilt the sockets, the peers'
-	// retransmissions to the taken-over address must be dropped, never answered with a RST.
+	// retransmissions to the taken-over address must be dropped, never answered with a RST. A job with
+	// an address of its own is guarded inside its network (the host's table would not see traffic to a
+	// macvlan), which therefore exists first: its address is up a moment before the guard, while peers'
+	// neighbour entries still name the old host's interface (only the announce below moves them).
 	initCwnd := restore.MinInitCwnd
 	for _, j := range jobs {
-		if err := d.Network.Guard(ctx, j.RunID, j.Manifest.Conns); err != nil {
+		if j.Net != nil {
+			if err := j.Net.Create(ctx); err != nil {
+				return nil, fmt.Errorf("create the network of job %s: %w", j.ID, err)
+			}
+			created = append(created, j)
+		}
+		if err := netOf(d, j).Guard(ctx, j.RunID, j.Manifest.Conns); err != nil {
 			return nil, fmt.Errorf("guard connections of job %s: %w", j.ID, err)
 		}
-		guarded = append(guarded, j.RunID)
+		guarded = append(guarded, j)
 		initCwnd = max(initCwnd, j.Plan.InitCwnd)
 	}
 	for _, ip := range req.Addrs {
@@ -261,21 +286,41 @@ func prepareNetwork(ctx context.Context, d Deps, req clusterapi.RecoverRequest, 
 			}
 		}
 	}
-	if err := d.Network.SetInitCwnd(initCwnd); err != nil {
-		d.Logger.Warn("could not raise the initial congestion window; re-sent bytes may stall", "err", err)
+	// The routes a restored socket uses are its namespace's: the host's, and each job network's.
+	nets := []Network{d.Network}
+	for _, j := range created {
+		nets = append(nets, j.Net)
+	}
+	for _, n := range nets {
+		if err := n.SetInitCwnd(initCwnd); err != nil {
+			d.Logger.Warn("could not raise the initial congestion window; re-sent bytes may stall", "err", err)
+		}
 	}
 	// Last, so that nothing above fails with the routes lowered: the restored sockets connect under the
 	// lowered MTU and resync their segment size when it is put back (restore.LowerPathMTU).
-	putBack, err := d.Network.LowerPathMTU()
-	if err != nil {
-		d.Logger.Warn("could not lower the path MTU; restored sockets may send 524-byte segments", "err", err)
+	var putBacks []func() error
+	for _, n := range nets {
+		putBack, err := n.LowerPathMTU()
+		if err != nil {
+			d.Logger.Warn("could not lower the path MTU; restored sockets may send 524-byte segments", "err", err)
+		}
+		if putBack != nil {
+			putBacks = append(putBacks, putBack)
+		}
 	}
 	return func() {
-		if putBack == nil {
-			return
-		}
-		if err := putBack(); err != nil {
-			d.Logger.Warn("could not put the path MTU back; restored sockets may send 524-byte segments", "err", err)
+		for _, putBack := range putBacks {
+			if err := putBack(); err != nil {
+				d.Logger.Warn("could not put the path MTU back; restored sockets may send 524-byte segments", "err", err)
+			}
 		}
 	}, nil
+}
+
+// netOf is the network job j's connections live in: its own, or the host's.
+func netOf(d Deps, j *Job) Network {
+	if j.Net != nil {
+		return j.Net
+	}
+	return d.Network
 }

@@ -1,0 +1,391 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"slices"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/jobnet"
+	"github.com/ftkit/ftkit/lab"
+	"github.com/ftkit/ftkit/lab/labcluster"
+	membership "github.com/ftkit/ftkit/ring"
+)
+
+// jobNetLinks lists the interfaces of job network name with their IPv4 addresses.
+func jobNetLinks(t *testing.T, name string) map[string][]netip.Addr {
+	t.Helper()
+	out := map[string][]netip.Addr{}
+	err := jobnet.Do(name, func() error {
+		ifs, err := net.Interfaces()
+		if err != nil {
+			return err
+		}
+		for _, i := range ifs {
+			out[i.Name] = nil
+			addrs, _ := i.Addrs()
+			for _, a := range addrs {
+				if p, err := netip.ParsePrefix(a.String()); err == nil && p.Addr().Is4() {
+					out[i.Name] = append(out[i.Name], p.Addr())
+				}
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("list the interfaces of job network %s: %v", name, err)
+	}
+	return out
+}
+
+// requireInJobNet checks that job j runs inside its job network, which holds only lo and eth0 with the
+// job's address.
+func requireInJobNet(t *testing.T, j agent.Job) {
+	t.Helper()
+	if j.Net == nil {
+		t.Fatalf("job %s on %s has no job network", j.ID, j.Node)
+	}
+	links := jobNetLinks(t, j.Net.Name)
+	if len(links) != 2 || !slices.Equal(links["eth0"], []netip.Addr{j.Net.Addr.Addr()}) {
+		t.Errorf("job network %s of %s holds %v, want lo and eth0 with %s only", j.Net.Name, j.ID, links, j.Net.Addr.Addr())
+	}
+	var want, got syscall.Stat_t
+	if err := syscall.Stat(jobnet.Path(j.Net.Name), &want); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Stat(fmt.Sprintf("/proc/%d/ns/net", j.PID), &got); err != nil {
+		t.Fatalf("job %s's process %d: %v", j.ID, j.PID, err)
+	}
+	if got.Ino != want.Ino {
+		t.Errorf("job %s's process %d is not in its job network %s", j.ID, j.PID, j.Net.Name)
+	}
+}
+
+// hostAddrs are the IPv4 addresses in lab host h's namespace.
+func hostAddrs(t *testing.T, c *labcluster.Cluster, h string) []netip.Addr {
+	t.Helper()
+	var out []netip.Addr
+	err := c.Lab.Do(h, func() error {
+		addrs, err := net.InterfaceAddrs()
+		for _, a := range addrs {
+			if p, err := netip.ParsePrefix(a.String()); err == nil && p.Addr().Is4() {
+				out = append(out, p.Addr())
+			}
+		}
+		return err
+	})
+	if err != nil {
+		t.Fatalf("addresses of %s: %v", h, err)
+	}
+	return out
+}
+
+// crashJobNet finishes a lab crash for a job network: on one machine the job's namespace is not the
+// host's, so removing the host's namespace (lab.Crash) leaves the job's processes (and its shim) alive
+// without an interface. A crashed machine keeps nothing: they are killed and the namespace removed, as a
+// reboot empties /run/netns.
+func crashJobNet(t *testing.T, name string) {
+	t.Helper()
+	pids, err := lab.PIDsInNetns(jobnet.Path(name))
+	if err != nil {
+		t.Fatalf("processes in job network %s: %v", name, err)
+	}
+	for _, pid := range pids {
+		syscall.Kill(pid, syscall.SIGKILL)
+	}
+	poll(t, 30*time.Second, "the crashed host's job processes to die", func() bool {
+		left, _ := lab.PIDsInNetns(jobnet.Path(name))
+		return len(left) == 0
+	})
+	if err := jobnet.Delete(context.Background(), name, ""); err != nil {
+		t.Fatalf("delete the crashed host's job network %s: %v", name, err)
+	}
+}
+
+// removeJobNets kills whatever runs in any host's job network of job id and removes the networks, pass or
+// fail (lab.Down kills the processes of the hosts' namespaces only).
+func removeJobNets(t *testing.T, id string) {
+	entries, err := os.ReadDir(jobnet.NetnsDir)
+	if err != nil {
+		return
+	}
+	for _, e := range entries {
+		if !strings.HasPrefix(e.Name(), "ftj-") || !strings.HasSuffix(e.Name(), "-"+id) {
+			continue
+		}
+		pids, _ := lab.PIDsInNetns(jobnet.Path(e.Name()))
+		for _, pid := range pids {
+			syscall.Kill(pid, syscall.SIGKILL)
+		}
+		if err := jobnet.Delete(context.Background(), e.Name(), ""); err != nil {
+			t.Errorf("remove job network %s: %v", e.Name(), err)
+		}
+	}
+}
+
+// TestJobAddressFailover: a job with an address of its own (rank 1 of a two-rank ringstencil, on node2)
+// fails over to spare1 with that address, its peer (rank 0 on node1, on its host address, connected to
+// the job address read from rank 1's record) never notices, and node2's host address stays node2's: the
+// crashed node2 is revived with it while the moved job keeps running, and the run's checksum equals the
+// failure-free one (every byte exchanged, in order).
+func TestJobAddressFailover(t *testing.T) {
+	const port = 7460
+	args := ringArgs(1500, 16<<10, 10*time.Millisecond)
+	want := reference(t, 2, args)
+	c := newCluster(t, 2, 1, labcluster.Options{Interval: "1h", JobAddresses: true})
+	st := c.Lab.State()
+	node1, _ := c.Lab.Host("node1")
+	node2, _ := c.Lab.Host("node2")
+	jobAddr := labcluster.JobPool(st, "node2").Addr() // the first of node2's pool: rank 1 listens on it
+	withGate, release := gated(t, args, 1490)
+	peers := func(rank1 netip.Addr) string {
+		return netip.AddrPortFrom(node1.Addr.Addr(), port).String() + "," + netip.AddrPortFrom(rank1, port).String()
+	}
+	ctx := context.Background()
+	rg := &ring{c: c, jobDir: labcluster.JobsDir(st.ID), release: release}
+	r1, err := c.Client("node2").StartJob(ctx, agent.JobSpec{Name: "rank1", JobAddress: true,
+		Argv: append([]string{bins.Ringstencil, "--rank", "1", "--peers", peers(jobAddr)}, withGate...)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rg.jobs = append(rg.jobs, agent.Job{}, r1)
+	t.Cleanup(func() { removeJobNets(t, r1.ID) }) // before the lab goes: its removal kills only hosts' processes
+	if r1.Net == nil || r1.Net.Addr.Addr() != jobAddr || r1.Net.Kind != jobnet.MACVlan {
+		t.Fatalf("rank 1's record: net %+v, want a macvlan job network with %s (node2's pool %s)", r1.Net, jobAddr, labcluster.JobPool(st, "node2"))
+	}
+	oldNet := r1.Net.Name
+	requireInJobNet(t, r1)
+	// The client connects to the address the job record gives.
+	r0, err := c.Client("node1").StartJob(ctx, agent.JobSpec{Name: "rank0",
+		Argv: append([]string{bins.Ringstencil, "--rank", "0", "--peers", peers(r1.Net.Addr.Addr())}, withGate...)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r0.Net != nil {
+		t.Fatalf("rank 0 asked for no job address, got %+v", r0.Net)
+	}
+	rg.jobs[0] = r0
+	t.Cleanup(func() {
+		if t.Failed() {
+			for r, j := range rg.jobs {
+				b, _ := os.ReadFile(j.StdoutPath())
+				e, _ := os.ReadFile(j.StderrPath())
+				t.Logf("rank %d (job %s): stdout %q stderr %q", r, j.ID, tail(string(b)), tail(string(e)))
+			}
+		}
+	})
+	rg.waitProtected(t, 2*time.Minute) // the first snapshot of rank 1 was dumped inside its job network
+	rg.waitProgress(t, progressEvery, 2*time.Minute)
+	before0 := rg.job(t, "node1", 0)
+
+	// node2's agent dies and starts again mid-job: it adopts rank 1 and finds its job network by name.
+	if err := c.KillAgent("node2"); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.StartAgent(ctx, "node2"); err != nil {
+		t.Fatal(err)
+	}
+	if j := rg.job(t, "node2", 1); j.State != agent.JobRunning || j.PID != r1.PID || j.Net == nil || j.Net.Name != oldNet {
+		t.Fatalf("rank 1 after node2's agent restarted: %+v, want the same running process in %s", j, oldNet)
+	}
+	if b, err := os.ReadFile(c.LogPath("node2")); err != nil || !strings.Contains(string(b), "adopted job's network found") {
+		t.Errorf("the restarted agent of node2 did not report finding rank 1's job network (%v)", err)
+	}
+
+	rg.checkpoint(t, "node2")
+	rg.waitProgress(t, 40, 2*time.Minute)
+	if err := c.Lab.Crash(ctx, "node2"); err != nil {
+		t.Fatal(err)
+	}
+	crashJobNet(t, oldNet)
+	f := waitFailure(t, c, "node2", 2*time.Minute)
+	requireStages(t, f)
+	if f.Target != "spare1" || f.Basic {
+		t.Fatalf("restored on %s (basic %v), want spare1", f.Target, f.Basic)
+	}
+	moved := rg.job(t, "spare1", 1)
+	if moved.Restored == "" || moved.Net == nil || moved.Net.Addr != r1.Net.Addr || moved.Net.Name == oldNet {
+		t.Fatalf("rank 1 on spare1: restored %q net %+v, want the address %s in a job network of spare1's", moved.Restored, moved.Net, r1.Net.Addr)
+	}
+	requireInJobNet(t, moved)
+	if addrs := hostAddrs(t, c, "spare1"); slices.Contains(addrs, node2.Addr.Addr()) || slices.Contains(addrs, jobAddr) {
+		t.Errorf("spare1's own namespace holds %v: node2's host address %s and the job address %s must not be there", addrs, node2.Addr.Addr(), jobAddr)
+	}
+	rg.waitProgress(t, progressEvery, 2*time.Minute) // the ranks exchange again, through the moved address
+
+	// node2 comes back with its own address, which nobody took, while the moved job runs on.
+	if err := c.Revive(ctx, "node2"); err != nil {
+		t.Fatalf("revive node2: %v", err)
+	}
+	if addrs := hostAddrs(t, c, "node2"); !slices.Contains(addrs, node2.Addr.Addr()) {
+		t.Errorf("revived node2 holds %v, want its own address %s", addrs, node2.Addr.Addr())
+	}
+	// Its address answers on the wire: node1 reaches node2's agent port there.
+	err = c.Lab.Do("node1", func() error {
+		conn, err := net.DialTimeout("tcp4", netip.AddrPortFrom(node2.Addr.Addr(), labcluster.AgentPort).String(), 10*time.Second)
+		if err == nil {
+			conn.Close()
+		}
+		return err
+	})
+	if err != nil {
+		t.Errorf("node1 cannot reach the revived node2's agent at its own address: %v", err)
+	}
+	// The revived agent learns the view in which spare1 replaced it: node2 stays out of the ring (a failed
+	// member; a repaired host joins again as a new spare), and it runs no copy of rank 1.
+	poll(t, time.Minute, "the revived node2 to learn it was replaced", func() bool {
+		s, err := c.Client("node2").Status(ctx)
+		if err != nil {
+			return false
+		}
+		i := slices.IndexFunc(s.Members, func(m membership.Member) bool { return m.Name == "node2" })
+		return i >= 0 && s.Members[i].State == membership.StateFailed
+	})
+	poll(t, time.Minute, "the revived node2 to find its old copy of rank 1 gone", func() bool {
+		j, err := c.Client("node2").Job(ctx, r1.ID)
+		return err == nil && j.State != agent.JobRunning
+	})
+	if ok, _ := jobnet.Exists(oldNet); ok {
+		t.Errorf("node2's old job network %s exists after the revive", oldNet)
+	}
+	// The moved rank keeps its address on spare1: node2 does not hand it out again.
+	other, err := c.Client("node2").StartJob(ctx, agent.JobSpec{Name: "other", JobAddress: true, Argv: []string{"/bin/sleep", "600"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { removeJobNets(t, other.ID) })
+	if other.Net == nil || other.Net.Addr.Addr() == jobAddr || !labcluster.JobPool(st, "node2").Contains(other.Net.Addr.Addr()) {
+		t.Errorf("a new job on the revived node2 got %+v; want another address of its pool than the moved rank's %s", other.Net, jobAddr)
+	}
+	rg.waitProgress(t, progressEvery, 2*time.Minute)
+	outs := rg.wait(t, 3*time.Minute)
+	checkRanks(t, outs, want)
+	if b, err := os.ReadFile(rg.jobs[1].ExitPath()); err != nil || !strings.Contains(string(b), "spare1") {
+		t.Errorf("rank 1 should have finished on spare1: %s %v", b, err)
+	}
+	// The client was never touched: the same process, never restored.
+	after0 := rg.job(t, "node1", 0)
+	if after0.PID != before0.PID || after0.Restored != "" || after0.Incarnation != 0 {
+		t.Errorf("rank 0 was disturbed: pid %d -> %d, restored from %q, incarnation %d", before0.PID, after0.PID, after0.Restored, after0.Incarnation)
+	}
+	// The finished job's network is gone on spare1.
+	poll(t, 30*time.Second, "spare1 to delete the finished job's network", func() bool {
+		ok, err := jobnet.Exists(moved.Net.Name)
+		return err == nil && !ok
+	})
+}
+
+// TestJobAddressSelfFence: node2, whose rank has a job address, is cut off (its link down, every process
+// alive); it kills its rank and deletes the rank's job network on its own (self-fencing), spare1 restores
+// the rank with the same address, and node2's link comes back while the moved rank still runs: node2 holds
+// only its own address, so nothing on the wire points the peers' connections at it (with host addresses,
+// TestPartitionSelfFence must keep the link down until the ranks end), and the run ends with the
+// failure-free checksum.
+func TestJobAddressSelfFence(t *testing.T) {
+	const port = 7470
+	args := ringArgs(2500, 16<<10, 10*time.Millisecond)
+	want := reference(t, 3, args)
+	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", JobAddresses: true})
+	t.Cleanup(func() {
+		if t.Failed() {
+			logEvents(t, c)
+		}
+	})
+	st := c.Lab.State()
+	jobAddr := labcluster.JobPool(st, "node2").Addr()
+	var peers []string
+	for r, h := range []string{"node1", "node2", "node3"} {
+		host, _ := c.Lab.Host(h)
+		a := host.Addr.Addr()
+		if r == 1 {
+			a = jobAddr
+		}
+		peers = append(peers, netip.AddrPortFrom(a, port).String())
+	}
+	withGate, release := gated(t, args, 2490)
+	ctx := context.Background()
+	rg := &ring{c: c, jobDir: labcluster.JobsDir(st.ID), release: release}
+	for r, h := range []string{"node1", "node2", "node3"} {
+		j, err := c.Client(h).StartJob(ctx, agent.JobSpec{Name: fmt.Sprintf("rank%d", r), JobAddress: r == 1,
+			Argv: append([]string{bins.Ringstencil, "--rank", fmt.Sprint(r), "--peers", strings.Join(peers, ",")}, withGate...)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		rg.jobs = append(rg.jobs, j)
+		if r == 1 {
+			t.Cleanup(func() { removeJobNets(t, j.ID) })
+		}
+	}
+	old := rg.jobs[1]
+	if old.Net == nil || old.Net.Addr.Addr() != jobAddr {
+		t.Fatalf("rank 1's job network %+v, want the address %s", old.Net, jobAddr)
+	}
+	rg.waitProtected(t, 2*time.Minute)
+	rg.waitProgress(t, progressEvery, 2*time.Minute)
+	rg.checkpoint(t, "node2")
+	rg.waitProgress(t, 30, 2*time.Minute)
+
+	setLink(t, c, "node2", false)
+	linkDown := true
+	t.Cleanup(func() {
+		if linkDown {
+			setLink(t, c, "node2", true)
+		}
+	})
+	fenced := selfFence(t, c, "node2", time.Minute)
+	if !strings.Contains(fenced.Detail, old.ID) || fenced.Error != "" {
+		t.Errorf("self-fence stage %+v: want job %s killed", fenced, old.ID)
+	}
+	// Killed and its network deleted, the address off the wire.
+	poll(t, 30*time.Second, "node2 to delete the fenced rank's job network", func() bool {
+		ok, err := jobnet.Exists(old.Net.Name)
+		return err == nil && !ok
+	})
+	if j := rg.job(t, "node2", 1); !j.Fenced {
+		t.Errorf("node2's record of its fenced rank does not say so (its address would be handed out again): %+v", j)
+	}
+	f := waitRecovery(t, c, "node2", 2*time.Minute)
+	requireStages(t, f)
+	if f.Target != "spare1" || f.Basic {
+		t.Fatalf("restored on %s (basic %v), want spare1", f.Target, f.Basic)
+	}
+	moved := rg.job(t, "spare1", 1)
+	if moved.Net == nil || moved.Net.Addr != old.Net.Addr {
+		t.Fatalf("rank 1 on spare1: net %+v, want the address %s", moved.Net, old.Net.Addr)
+	}
+	requireInJobNet(t, moved)
+	node2, _ := c.Lab.Host("node2")
+	if addrs := hostAddrs(t, c, "spare1"); slices.Contains(addrs, node2.Addr.Addr()) {
+		t.Errorf("spare1 holds node2's host address: %v", addrs)
+	}
+	rg.waitProgress(t, progressEvery, 2*time.Minute)
+
+	// The link comes back while the moved rank runs: node2 has its own address only.
+	setLink(t, c, "node2", true)
+	linkDown = false
+	if addrs := hostAddrs(t, c, "node2"); !slices.Contains(addrs, node2.Addr.Addr()) || slices.Contains(addrs, jobAddr) {
+		t.Errorf("node2 holds %v, want its own address %s and not the job address %s", addrs, node2.Addr.Addr(), jobAddr)
+	}
+	poll(t, time.Minute, "node2 to learn that spare1 replaced it", func() bool {
+		s, err := c.Client("node2").Status(ctx)
+		if err != nil {
+			return false
+		}
+		i := slices.IndexFunc(s.Members, func(m membership.Member) bool { return m.Name == "node2" })
+		return i >= 0 && s.Members[i].State == membership.StateFailed
+	})
+	rg.waitProgress(t, progressEvery, 2*time.Minute) // the ranks exchange with node2's link up
+	release()
+	outs := []string{rg.waitExitOn(t, 0, "node1", 3*time.Minute), rg.waitExitOn(t, 1, "spare1", 3*time.Minute), rg.waitExitOn(t, 2, "node3", 3*time.Minute)}
+	checkRanks(t, outs, want)
+	if j := rg.job(t, "node2", 1); j.State == agent.JobRunning {
+		t.Errorf("node2 runs its copy of rank 1 again: %+v", j)
+	}
+}

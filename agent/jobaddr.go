@@ -1,0 +1,320 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"net"
+	"net/netip"
+	"slices"
+
+	"github.com/ftkit/ftkit/ckpt/dump"
+	"github.com/ftkit/ftkit/criu"
+	"github.com/ftkit/ftkit/internal/hostnet"
+	"github.com/ftkit/ftkit/jobnet"
+)
+
+// Job addresses (issue 12, docs/job-addresses.md): a job that asks for one (JobSpec.JobAddress) runs in a
+// network namespace of its own (package jobnet) whose only interface holds an address from this agent's
+// pool. Fail-over moves that address with the job, so the failed host keeps its own and can come back.
+
+// JobNetworkConfig is the [job_network] section: the job addresses this agent hands out.
+type JobNetworkConfig struct {
+	// Pool is the prefix of job addresses this agent may hand out, inside the cluster network of its
+	// interface (e.g. 10.1.0.200/29); zero (absent): jobs cannot ask for an address here. Pools are per
+	// host and must not overlap: nothing coordinates them across hosts yet.
+	Pool netip.Prefix `toml:"pool"`
+	// Parent is the interface the job interfaces sit on; "": the one holding cluster.listen's address.
+	Parent string `toml:"parent"`
+	// Kind is the job interface's type: macvlan (default, measured) or ipvlan (needs CONFIG_IPVLAN).
+	Kind jobnet.Kind `toml:"kind"`
+}
+
+// minPoolBits bounds a pool to 4096 addresses: allocation walks it.
+const minPoolBits = 20
+
+// validate checks what can be checked without the host (CheckJobNetwork checks the rest).
+func (c JobNetworkConfig) validate() error {
+	switch c.Kind {
+	case jobnet.MACVlan, jobnet.IPVlan:
+	default:
+		return fmt.Errorf("job_network.kind %q: use %s or %s", c.Kind, jobnet.MACVlan, jobnet.IPVlan)
+	}
+	if c.Parent != "" && !validIfName(c.Parent) {
+		return fmt.Errorf("job_network.parent %q: not an interface name (1 to 15 bytes, no spaces, '/' or ':')", c.Parent)
+	}
+	if !c.Pool.IsValid() {
+		return nil
+	}
+	switch {
+	case !c.Pool.Addr().Is4():
+		return fmt.Errorf("job_network.pool %s: only IPv4 job addresses are supported", c.Pool)
+	case c.Pool != c.Pool.Masked():
+		return fmt.Errorf("job_network.pool %s: write the prefix's first address (%s)", c.Pool, c.Pool.Masked())
+	case c.Pool.Bits() < minPoolBits:
+		return fmt.Errorf("job_network.pool %s: at most /%d (4096 addresses)", c.Pool, minPoolBits)
+	}
+	return nil
+}
+
+func validIfName(s string) bool {
+	if s == "" || len(s) > 15 || s == "." || s == ".." {
+		return false
+	}
+	for _, c := range []byte(s) {
+		if c <= ' ' || c == '/' || c == ':' || c >= 0x7f {
+			return false
+		}
+	}
+	return true
+}
+
+// clusterNetwork is this host's cluster interface and its address with the cluster network's length.
+func (c Config) clusterNetwork() (iface string, own netip.Prefix, err error) {
+	iface, own, err = hostnet.Interface(c.Cluster.Listen.Addr())
+	if err != nil {
+		return "", netip.Prefix{}, fmt.Errorf("find the cluster interface (the one holding cluster.listen's address %s): %w", c.Cluster.Listen.Addr(), err)
+	}
+	return iface, own, nil
+}
+
+// CheckJobNetwork checks [job_network] against this host (ftagent --check-config, and the agent at start):
+// the pool inside the cluster network of the cluster interface, holding no member's address, and the
+// parent interface present. Nil when no pool is configured.
+func (c Config) CheckJobNetwork() error {
+	if !c.JobNetwork.Pool.IsValid() {
+		return nil
+	}
+	iface, own, err := c.clusterNetwork()
+	if err != nil {
+		return fmt.Errorf("job_network: %w", err)
+	}
+	pool := c.JobNetwork.Pool
+	if pool.Bits() < own.Bits() || !own.Masked().Contains(pool.Addr()) {
+		return fmt.Errorf("job_network.pool %s is not inside the cluster network %s of %s", pool, own.Masked(), iface)
+	}
+	for _, m := range c.Cluster.Members {
+		if pool.Contains(m.Address.Addr().Unmap()) {
+			return fmt.Errorf("job_network.pool %s holds member %s's address %s: use a range no host has", pool, m.Name, m.Address.Addr())
+		}
+	}
+	if c.JobNetwork.Parent != "" {
+		if _, err := net.InterfaceByName(c.JobNetwork.Parent); err != nil {
+			return fmt.Errorf("job_network.parent %s: %w", c.JobNetwork.Parent, err)
+		}
+	}
+	return nil
+}
+
+// JobNet is a job's own network: its namespace's name on the host it runs on, the interface kind and the
+// job's address with the cluster network's prefix length.
+type JobNet struct {
+	Name string       `json:"name"`
+	Kind jobnet.Kind  `json:"kind"`
+	Addr netip.Prefix `json:"addr"`
+}
+
+// jobNetName is the name of job id's network namespace on node. It names the host too: on one machine
+// (the lab) several hosts share /run/netns, and a restored job must not meet its old copy's namespace.
+func jobNetName(node, id string) string {
+	h := fnv.New32a()
+	h.Write([]byte(node))
+	const prefix = 4 + 8 + 1 // "ftj-", the hash, "-"
+	if max := 64 - prefix; len(id) > max {
+		id = id[len(id)-max:] // keeps the id's random suffix
+	}
+	return fmt.Sprintf("ftj-%08x-%s", h.Sum32(), id)
+}
+
+// checkPeerJobNet validates the job network of a job record from another node (a replica's, restored
+// here) before any of it is used. Pools are per host, so the address cannot be checked against this
+// host's pool; it is trusted as far as this: a unicast IPv4 host address of the cluster network this
+// host's own interface is on (cluster is that address, with its length), with that length, and not a
+// member's host address (which would steal a host's address from the wire). A member able to forge a
+// replica can forge its images, which CRIU restores as root anyway (see checkPeerJob); what is refused
+// here is what would hurt this host's own network: another subnet, a host's address, a bad name.
+func checkPeerJobNet(n *JobNet, cluster netip.Prefix, members []netip.Addr) error {
+	if n == nil {
+		return nil
+	}
+	if err := jobnet.ValidName(n.Name); err != nil {
+		return fmt.Errorf("job record field \"net.name\": %w", err)
+	}
+	if _, err := (jobnet.Spec{Name: n.Name, Parent: "eth0", Kind: n.Kind, Addr: n.Addr}).Validate(); err != nil {
+		return fmt.Errorf("job record field \"net\": %w", err)
+	}
+	if n.Addr.Bits() != cluster.Bits() || !cluster.Masked().Contains(n.Addr.Addr()) {
+		return fmt.Errorf("job record field \"net.addr\" is %s, want an address of this host's cluster network %s with its prefix length", n.Addr, cluster.Masked())
+	}
+	if slices.Contains(members, n.Addr.Addr()) {
+		return fmt.Errorf("job record field \"net.addr\" is %s, a member's host address", n.Addr.Addr())
+	}
+	return nil
+}
+
+// memberAddrs are the host addresses of every member this agent knows of: configured and in the view.
+func (a *Agent) memberAddrs() []netip.Addr {
+	var out []netip.Addr
+	for _, m := range a.cfg.Cluster.Members {
+		out = append(out, m.Address.Addr().Unmap())
+	}
+	for _, m := range a.View().Members {
+		out = append(out, m.Address.Addr().Unmap())
+		out = append(out, m.Addrs...)
+	}
+	return out
+}
+
+// allocJobAddr picks the first address of the pool held by no job record of this agent nor reserved by
+// a job being started, and reserves it; call release with it when the job does not start. a.mu must not
+// be held.
+func (a *Agent) allocJobAddr() (netip.Prefix, error) {
+	pool := a.cfg.JobNetwork.Pool
+	if !pool.IsValid() {
+		return netip.Prefix{}, errors.New("this agent hands out no job addresses ([job_network] pool is not set in its configuration): start the job without a job address, or configure a pool")
+	}
+	_, own, err := a.cfg.clusterNetwork()
+	if err != nil {
+		return netip.Prefix{}, err
+	}
+	members := a.memberAddrs()
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	used := map[netip.Addr]bool{}
+	for _, j := range a.byID {
+		if addressHeld(j) {
+			used[j.Net.Addr.Addr()] = true
+		}
+	}
+	for ip := range a.reservedAddrs {
+		used[ip] = true
+	}
+	for _, ip := range members {
+		used[ip] = true
+	}
+	p, ok := pickJobAddr(pool, own, used)
+	if !ok {
+		return netip.Prefix{}, fmt.Errorf("job_network.pool %s is exhausted: every address is held by a running job", pool)
+	}
+	a.reservedAddrs[p.Addr()] = true
+	return p, nil
+}
+
+// addressHeld says whether job record j's address may be in use, here or on the host the job moved to: a
+// job that runs; one that vanished without an exit record (lost: a crash, after which a protector may have
+// restored it elsewhere with its address); one that self-fencing killed (its protector restores it). Only a
+// job that ended here otherwise (exited, killed by a user) gives its address back. An address is never
+// reused while a moved copy may hold it, at the cost of leaking the addresses of lost jobs that never
+// moved: nothing tells this agent where a job went (no coordination of addresses across hosts yet).
+func addressHeld(j *Job) bool {
+	return j.Net != nil && (j.State == JobRunning || j.State == JobLost || j.Fenced)
+}
+
+// pickJobAddr is the first address of pool that is not used and not the network or broadcast address of
+// the cluster network own is in, with own's prefix length.
+func pickJobAddr(pool, own netip.Prefix, used map[netip.Addr]bool) (netip.Prefix, bool) {
+	cluster := own.Masked()
+	for ip := pool.Addr(); pool.Contains(ip); ip = ip.Next() {
+		if used[ip] || !cluster.Contains(ip) || ip == cluster.Addr() || ip == lastAddr(cluster) {
+			continue
+		}
+		return netip.PrefixFrom(ip, own.Bits()), true
+	}
+	return netip.Prefix{}, false
+}
+
+func (a *Agent) releaseJobAddr(ip netip.Addr) {
+	a.mu.Lock()
+	delete(a.reservedAddrs, ip)
+	a.mu.Unlock()
+}
+
+// lastAddr is the broadcast address of an IPv4 prefix.
+func lastAddr(p netip.Prefix) netip.Addr {
+	b := p.Masked().Addr().As4()
+	v := uint32(b[0])<<24 | uint32(b[1])<<16 | uint32(b[2])<<8 | uint32(b[3]) | ^uint32(0)>>p.Bits()
+	return netip.AddrFrom4([4]byte{byte(v >> 24), byte(v >> 16), byte(v >> 8), byte(v)})
+}
+
+// jobNetSpec is the jobnet.Spec of n on this host.
+func (a *Agent) jobNetSpec(n *JobNet) (jobnet.Spec, error) {
+	parent := a.cfg.JobNetwork.Parent
+	if parent == "" {
+		iface, _, err := a.cfg.clusterNetwork()
+		if err != nil {
+			return jobnet.Spec{}, err
+		}
+		parent = iface
+	}
+	return jobnet.Spec{Name: n.Name, Parent: parent, Kind: n.Kind, Addr: n.Addr}.Validate()
+}
+
+// createJobNet creates job j's network on this host (idempotent).
+func (a *Agent) createJobNet(ctx context.Context, n *JobNet) error {
+	s, err := a.jobNetSpec(n)
+	if err != nil {
+		return err
+	}
+	if err := jobnet.Create(ctx, s); err != nil {
+		return fmt.Errorf("create the job's network %s (%s on %s): %w", s.Name, s.Addr, s.Parent, err)
+	}
+	return nil
+}
+
+// deleteJobNet removes job id's network if it is this agent's (never a name from a record as such).
+func (a *Agent) deleteJobNet(ctx context.Context, id string, n *JobNet) {
+	if n == nil {
+		return
+	}
+	if want := jobNetName(a.cfg.Name, id); n.Name != want {
+		a.log.Warn("job record names a job network that is not this agent's for the job; not removing it", "job", id, "net", n.Name, "want", want)
+		return
+	}
+	if err := jobnet.Delete(ctx, n.Name, ""); err != nil {
+		a.log.Error("delete job network: its address may stay on the wire", "job", id, "net", n.Name, "err", err)
+		return
+	}
+	a.log.Info("job network deleted", "job", id, "net", n.Name, "addr", n.Addr)
+}
+
+// removeOrphanJobNet deletes the job network this agent would have made for job id, if there is one: a
+// recovery interrupted after creating it and before the job ran leaves it, its address answering with
+// nothing behind it.
+func (a *Agent) removeOrphanJobNet(ctx context.Context, id string) {
+	if !validJobID(id) {
+		return
+	}
+	name := jobNetName(a.cfg.Name, id)
+	if ok, err := jobnet.Exists(name); err != nil || !ok {
+		return
+	}
+	a.log.Warn("removing the job network of a job that does not run here (an interrupted recovery made it)", "job", id, "net", name)
+	a.deleteJobNet(ctx, id, &JobNet{Name: name})
+}
+
+// inJobNet runs fn inside job network n (fn's forks inherit it), or as is for a job without one.
+func inJobNet(n *JobNet, fn func() error) error {
+	if n == nil {
+		return fn()
+	}
+	return jobnet.Do(n.Name, fn)
+}
+
+// dumperFor is the CRIU dumper of a job: inside its job network when it has one.
+func (a *Agent) dumperFor(j Job) dump.Dumper {
+	if j.Net == nil {
+		return a.criu
+	}
+	return netnsDumper{c: a.criu, netns: jobnet.Path(j.Net.Name)}
+}
+
+type netnsDumper struct {
+	c     criu.Client
+	netns string
+}
+
+func (d netnsDumper) Dump(ctx context.Context, opts criu.DumpOptions) (criu.DumpStats, error) {
+	opts.Netns = d.netns
+	return d.c.Dump(ctx, opts)
+}

@@ -1,0 +1,209 @@
+package agent
+
+import (
+	"encoding/json"
+	"net/netip"
+	"os"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/ftkit/ftkit/jobnet"
+)
+
+func TestJobNetworkConfig(t *testing.T) {
+	base := "name = \"node1\"\n"
+	tests := []struct {
+		name, toml, wantErr string
+		wantPool            string
+	}{
+		{name: "absent: off, macvlan by default", toml: base},
+		{name: "a pool", toml: base + "[job_network]\npool = \"10.1.0.200/29\"\n", wantPool: "10.1.0.200/29"},
+		{name: "ipvlan on a named parent", toml: base + "[job_network]\npool = \"10.1.0.200/29\"\nkind = \"ipvlan\"\nparent = \"bond0\"\n", wantPool: "10.1.0.200/29"},
+		{name: "empty pool: off", toml: base + "[job_network]\npool = \"\"\n"},
+		{name: "not the prefix's first address", toml: base + "[job_network]\npool = \"10.1.0.201/29\"\n", wantErr: "write the prefix's first address (10.1.0.200/29)"},
+		{name: "IPv6", toml: base + "[job_network]\npool = \"fd00::/120\"\n", wantErr: "only IPv4"},
+		{name: "too large", toml: base + "[job_network]\npool = \"10.0.0.0/16\"\n", wantErr: "at most /20"},
+		{name: "unknown kind", toml: base + "[job_network]\nkind = \"veth\"\n", wantErr: `job_network.kind "veth"`},
+		{name: "bad parent", toml: base + "[job_network]\nparent = \"a/b\"\n", wantErr: "job_network.parent"},
+		{name: "not a prefix", toml: base + "[job_network]\npool = \"10.1.0.200\"\n", wantErr: "line"},
+		{name: "unknown key", toml: base + "[job_network]\nrange = \"10.1.0.200/29\"\n", wantErr: "unknown key"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c, err := ParseConfig([]byte(tt.toml))
+			if tt.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+					t.Fatalf("ParseConfig = %v, want an error containing %q", err, tt.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := c.JobNetwork.Pool; tt.wantPool == "" && got.IsValid() || tt.wantPool != "" && got.String() != tt.wantPool {
+				t.Errorf("pool %v, want %q", got, tt.wantPool)
+			}
+			if c.JobNetwork.Kind == "" {
+				t.Error("kind has no default")
+			}
+		})
+	}
+}
+
+func TestJobNetName(t *testing.T) {
+	long := strings.Repeat("a", 48) + "-0123abcd" // the longest job id newJobID makes
+	for _, id := range []string{"rank1-0123abcd", long} {
+		n1, n2 := jobNetName("node1", id), jobNetName("spare1", id)
+		for _, n := range []string{n1, n2} {
+			if err := jobnet.ValidName(n); err != nil {
+				t.Errorf("jobNetName(%q) = %q: %v", id, n, err)
+			}
+			if !strings.HasSuffix(n, "-0123abcd") {
+				t.Errorf("jobNetName(%q) = %q lost the id's random suffix", id, n)
+			}
+		}
+		if n1 == n2 {
+			t.Errorf("the job network of %s has the same name %q on two hosts (which share /run/netns in a lab)", id, n1)
+		}
+		if jobNetName("node1", id) != n1 {
+			t.Error("jobNetName is not deterministic: a restarted agent would not find its job's network")
+		}
+	}
+}
+
+func TestPickJobAddr(t *testing.T) {
+	own := netip.MustParsePrefix("10.1.0.11/24")
+	ip := netip.MustParseAddr
+	tests := []struct {
+		name, pool string
+		used       []string
+		own        netip.Prefix
+		want       string // "" for none
+	}{
+		{name: "first of the pool, with the cluster's length", pool: "10.1.0.200/30", want: "10.1.0.200/24"},
+		{name: "held ones skipped", pool: "10.1.0.200/30", used: []string{"10.1.0.200", "10.1.0.201"}, want: "10.1.0.202/24"},
+		{name: "exhausted", pool: "10.1.0.200/31", used: []string{"10.1.0.200", "10.1.0.201"}},
+		{name: "the cluster's broadcast is not handed out", pool: "10.1.0.254/31", used: []string{"10.1.0.254"}},
+		{name: "the cluster's network address is not handed out", pool: "10.1.0.0/31", want: "10.1.0.1/24"},
+		{name: "outside the cluster network: none", pool: "10.2.0.0/30"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			used := map[netip.Addr]bool{}
+			for _, u := range tt.used {
+				used[ip(u)] = true
+			}
+			got, ok := pickJobAddr(netip.MustParsePrefix(tt.pool), own, used)
+			if tt.want == "" && ok || tt.want != "" && (!ok || got.String() != tt.want) {
+				t.Errorf("pickJobAddr = %v, %v; want %q", got, ok, tt.want)
+			}
+		})
+	}
+}
+
+// TestCheckPeerJobNet: what a job record from another node may say about its job network.
+func TestCheckPeerJobNet(t *testing.T) {
+	cluster := netip.MustParsePrefix("10.1.0.12/24") // this host's own address
+	members := []netip.Addr{netip.MustParseAddr("10.1.0.11"), netip.MustParseAddr("10.1.0.12"), netip.MustParseAddr("10.1.0.101")}
+	good := JobNet{Name: jobNetName("node2", "rank1-0123abcd"), Kind: jobnet.MACVlan, Addr: netip.MustParsePrefix("10.1.0.204/24")}
+	tests := []struct {
+		name    string
+		edit    func(n *JobNet)
+		wantErr string
+	}{
+		{name: "a job address of the cluster network", edit: func(*JobNet) {}},
+		{name: "ipvlan", edit: func(n *JobNet) { n.Kind = jobnet.IPVlan }},
+		{name: "a name escaping /run/netns", edit: func(n *JobNet) { n.Name = "../etc" }, wantErr: "net.name"},
+		{name: "no name", edit: func(n *JobNet) { n.Name = "" }, wantErr: "net.name"},
+		{name: "unknown kind", edit: func(n *JobNet) { n.Kind = "veth" }, wantErr: "kind"},
+		{name: "another subnet", edit: func(n *JobNet) { n.Addr = netip.MustParsePrefix("10.2.0.204/24") }, wantErr: "cluster network 10.1.0.0/24"},
+		{name: "another prefix length", edit: func(n *JobNet) { n.Addr = netip.MustParsePrefix("10.1.0.204/25") }, wantErr: "prefix length"},
+		{name: "a member's host address", edit: func(n *JobNet) { n.Addr = netip.MustParsePrefix("10.1.0.11/24") }, wantErr: "a member's host address"},
+		{name: "this host's own address", edit: func(n *JobNet) { n.Addr = netip.MustParsePrefix("10.1.0.12/24") }, wantErr: "a member's host address"},
+		{name: "the broadcast address", edit: func(n *JobNet) { n.Addr = netip.MustParsePrefix("10.1.0.255/24") }, wantErr: "broadcast"},
+		{name: "the network address", edit: func(n *JobNet) { n.Addr = netip.MustParsePrefix("10.1.0.0/24") }, wantErr: "network or broadcast"},
+		{name: "IPv6", edit: func(n *JobNet) { n.Addr = netip.MustParsePrefix("fd00::5/64") }, wantErr: "IPv4"},
+		{name: "multicast", edit: func(n *JobNet) { n.Addr = netip.MustParsePrefix("224.0.0.5/24") }, wantErr: "unicast"},
+		{name: "no address", edit: func(n *JobNet) { n.Addr = netip.Prefix{} }, wantErr: "IPv4"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			n := good
+			tt.edit(&n)
+			err := checkPeerJobNet(&n, cluster, members)
+			if tt.wantErr == "" && err != nil || tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr)) {
+				t.Errorf("checkPeerJobNet(%+v) = %v; want error containing %q", n, err, tt.wantErr)
+			}
+		})
+	}
+	if err := checkPeerJobNet(nil, cluster, members); err != nil {
+		t.Errorf("a record without a job network: %v", err)
+	}
+}
+
+// FuzzCheckPeerJobNet: whatever a replica's job record says about its job network, an accepted one names a
+// namespace that stays under /run/netns and an address of this host's cluster network that no member has.
+func FuzzCheckPeerJobNet(f *testing.F) {
+	f.Add(`{"name":"ftj-1234abcd-rank1-0123abcd","kind":"macvlan","addr":"10.1.0.204/24"}`)
+	f.Add(`{"name":"../x","kind":"ipvlan","addr":"10.1.0.11/24"}`)
+	f.Add(`{"name":"a","kind":"macvlan","addr":"10.1.0.255/24"}`)
+	f.Add(`{"name":"a","kind":"macvlan","addr":"::ffff:10.1.0.5/120"}`)
+	cluster := netip.MustParsePrefix("10.1.0.12/24")
+	members := []netip.Addr{netip.MustParseAddr("10.1.0.11"), netip.MustParseAddr("10.1.0.12")}
+	f.Fuzz(func(t *testing.T, record string) {
+		var n JobNet
+		if json.Unmarshal([]byte(record), &n) != nil {
+			return
+		}
+		if checkPeerJobNet(&n, cluster, members) != nil {
+			return
+		}
+		a := n.Addr.Addr()
+		if jobnet.ValidName(n.Name) != nil || strings.Contains(n.Name, "/") || !a.Is4() || n.Addr.Bits() != 24 ||
+			!cluster.Masked().Contains(a) || slices.Contains(members, a) || a == cluster.Masked().Addr() {
+			t.Fatalf("accepted %+v", n)
+		}
+	})
+}
+
+// TestStartJobAddressWithoutPool: a job that asks for a job address on an agent without a pool is refused
+// with a reason the user can act on, before anything is created for it.
+func TestStartJobAddressWithoutPool(t *testing.T) {
+	a := newTestAgent(t)
+	before, _ := os.ReadDir(a.cfg.JobsDir)
+	_, err := a.StartJob(t.Context(), JobSpec{Name: "srv", Argv: []string{"/bin/true"}, JobAddress: true}, 1000, 1000)
+	if err == nil || !strings.Contains(err.Error(), "[job_network] pool is not set") {
+		t.Fatalf("StartJob with a job address and no pool = %v, want a refusal naming job_network.pool", err)
+	}
+	after, _ := os.ReadDir(a.cfg.JobsDir)
+	if len(after) != len(before) {
+		t.Errorf("the refused job left %d new entries in jobs_dir", len(after)-len(before))
+	}
+	for _, j := range a.Jobs(0) {
+		if j.Spec.Name == "srv" {
+			t.Errorf("the refused job is listed: %+v", j)
+		}
+	}
+}
+
+// TestAddressHeld: which job records keep their job address from being handed out again.
+func TestAddressHeld(t *testing.T) {
+	n := &JobNet{Name: "ftj-1-a-00000001", Kind: jobnet.MACVlan, Addr: netip.MustParsePrefix("10.1.0.200/24")}
+	tests := []struct {
+		name string
+		job  Job
+		want bool
+	}{
+		{"running", Job{Net: n, State: JobRunning}, true},
+		{"lost: it may have been restored elsewhere with its address", Job{Net: n, State: JobLost}, true},
+		{"killed by self-fencing: its protector restores it elsewhere", Job{Net: n, State: JobExited, Fenced: true}, true},
+		{"exited here", Job{Net: n, State: JobExited}, false},
+		{"no job address", Job{State: JobRunning}, false},
+	}
+	for _, tt := range tests {
+		if got := addressHeld(&tt.job); got != tt.want {
+			t.Errorf("%s: addressHeld = %v, want %v", tt.name, got, tt.want)
+		}
+	}
+}

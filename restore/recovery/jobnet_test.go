@@ -1,0 +1,109 @@
+package recovery
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/netip"
+	"reflect"
+	"strings"
+	"testing"
+
+	"github.com/ftkit/ftkit/ckpt"
+)
+
+var jobAddr = netip.MustParseAddr("10.0.0.201")
+
+// fakeJobNet is a job's own network, recording into the fake's net list with a "job: " prefix.
+type fakeJobNet struct{ f *fake }
+
+func (n fakeJobNet) rec(s string) { n.f.net = append(n.f.net, "job: "+s) }
+
+func (n fakeJobNet) Create(context.Context) error {
+	if n.f.createErr != nil {
+		return n.f.createErr
+	}
+	n.rec("create")
+	return nil
+}
+func (n fakeJobNet) Delete(context.Context) { n.rec("delete") }
+func (n fakeJobNet) Addr() netip.Addr       { return jobAddr }
+func (n fakeJobNet) Guard(_ context.Context, runID string, _ []ckpt.Conn) error {
+	n.rec("guard " + runID)
+	return nil
+}
+func (n fakeJobNet) Unguard(_ context.Context, runID string) { n.rec("unguard " + runID) }
+func (n fakeJobNet) TakeOver(ip netip.Addr) error {
+	n.rec("take over " + ip.String())
+	return errors.New("a job network holds only its job's address")
+}
+func (n fakeJobNet) Release(ip netip.Addr) { n.rec("release " + ip.String()) }
+func (n fakeJobNet) SetInitCwnd(segments int) error {
+	n.rec(fmt.Sprintf("initcwnd %d", segments))
+	return nil
+}
+func (n fakeJobNet) LowerPathMTU() (func() error, error) {
+	n.rec("lower mtu")
+	return func() error { n.rec("put back mtu"); return nil }, nil
+}
+func (n fakeJobNet) Announce(_ context.Context, ip netip.Addr) error {
+	n.rec("announce " + ip.String())
+	return nil
+}
+
+// TestRunJobNetwork: a job with an address of its own is restored into its own network, created on this
+// host before its guard, which goes up inside it; the initial window and the path MTU are set there too;
+// its address is announced from it; with no host address in the request, none is taken over. A failed
+// restore, or a failure while preparing, removes the job's network (its address must not answer without
+// the job).
+func TestRunJobNetwork(t *testing.T) {
+	tests := []struct {
+		name    string
+		setup   func(f *fake)
+		wantErr string
+		wantNet []string
+		// givenBack: the job's incarnation is returned (it never ran).
+		givenBack bool
+	}{
+		{
+			name: "restored inside its network, its address announced, no host address taken over",
+			wantNet: []string{"job: create", "job: guard run-rank1", "initcwnd 10", "job: initcwnd 10", "lower mtu", "job: lower mtu",
+				"put back mtu", "job: put back mtu", "job: announce 10.0.0.201"},
+		},
+		{
+			name:    "CRIU restore fails: unguarded and deleted",
+			setup:   func(f *fake) { f.restoreErr = errors.New("criu restore: exit 1") },
+			wantErr: "criu restore: exit 1",
+			wantNet: []string{"job: create", "job: guard run-rank1", "initcwnd 10", "job: initcwnd 10", "lower mtu", "job: lower mtu",
+				"job: unguard run-rank1", "job: delete", "put back mtu", "job: put back mtu"},
+		},
+		{
+			name:      "the job's network cannot be created: nothing guarded, incarnation given back",
+			setup:     func(f *fake) { f.createErr = errors.New("operation not supported") },
+			wantErr:   "create the network of job rank1: operation not supported",
+			wantNet:   nil,
+			givenBack: true,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := newFake(t)
+			f.jobNet = true
+			if tt.setup != nil {
+				tt.setup(f)
+			}
+			req := request(snap1)
+			req.Addrs = nil // every job of the failed node has its own address
+			err := Run(t.Context(), req, f.deps(), func(Stage) {})
+			if tt.wantErr == "" && err != nil || tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr)) {
+				t.Fatalf("Run = %v; want error containing %q", err, tt.wantErr)
+			}
+			if !reflect.DeepEqual(f.net, tt.wantNet) {
+				t.Errorf("network %q\nwant    %q", f.net, tt.wantNet)
+			}
+			if tt.givenBack && !reflect.DeepEqual(f.givenBack, []string{"rank1"}) {
+				t.Errorf("given back %v, want rank1", f.givenBack)
+			}
+		})
+	}
+}
