@@ -179,6 +179,13 @@ func TestJobUserCannotPlantInJobDirectory(t *testing.T) {
 			t.Errorf("job output %s: %v, %v; want a regular file of uid %d", name, st, err, nobodyID)
 		}
 	}
+	// The job is in its loop (it printed its first line) before it is told to stop: on a loaded machine
+	// its shell may not have looked for the stop file yet.
+	for deadline := time.Now().Add(time.Minute); !strings.HasPrefix(readOrEmpty(j.StdoutPath()), "0\n"); time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the job printed nothing within a minute: %q", readOrEmpty(j.StdoutPath()))
+		}
+	}
 	if out, err := asNobody("touch", stop).CombinedOutput(); err != nil {
 		t.Fatalf("stop the job: %v\n%s", err, out)
 	}
