@@ -107,7 +107,7 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 	if a.grants, err = grant.Open(filepath.Join(cfg.StateDir, "grants.json"), grant.Options{}); err != nil {
 		return nil, err
 	}
-	a.watchdog = detect.NewWatchdog(detect.Config{Timeout: cfg.Heartbeat.Timeout.Duration, BusyGrace: cfg.Heartbeat.BusyGrace.Duration})
+	a.watchdog = detect.NewWatchdog(cfg.watchdogConfig())
 	a.store, err = ckpt.Open(filepath.Join(cfg.StateDir, "snapshots"), ckpt.Options{Node: cfg.Name, Logger: a.log})
 	if err != nil {
 		return nil, err

@@ -18,7 +18,17 @@ import (
 // after heartbeat.timeout of silence (longer while the last beat said the predecessor was checkpointing
 // or restoring, which can stall a host), then confirms before declaring a failure: a direct probe of the
 // suspect's agent, and the suspect's other neighbour is asked whether it still reaches it. Only then does
-// the protector, which holds the suspect's replicas, start the fail-over.
+// the protector, which holds the suspect's replicas, start the fail-over. Both confirmations run in
+// parallel and are bounded by heartbeat.probe_timeout, a beat that arrives meanwhile refutes the
+// suspicion, and a watchdog that itself ran late suspects nobody (detect.Config.MaxCheckGap).
+
+// watchdogConfig is the watchdog of this configuration. Its checks run every half interval; one that comes
+// more than half a timeout after the previous one means this agent was not scheduled, and the silence it
+// measured may be its own (corosync runs at realtime priority for the same reason; see docs/detection.md).
+func (c Config) watchdogConfig() detect.Config {
+	return detect.Config{Timeout: c.Heartbeat.Timeout.Duration, BusyGrace: c.Heartbeat.BusyGrace.Duration,
+		MaxCheckGap: max(c.Heartbeat.Timeout.Duration/2, 2*c.Heartbeat.Interval.Duration)}
+}
 
 // setBusy records the long operation this host is in ("" when none); heartbeats carry it.
 func (a *Agent) setBusy(what string) func() {
@@ -79,8 +89,13 @@ func (a *Agent) sendBeats(ctx context.Context) {
 // is confirmed.
 func (a *Agent) watchPredecessor(ctx context.Context) {
 	watching := ""
+	var late uint64
 	every(ctx, a.cfg.Heartbeat.Interval.Duration/2, func() {
 		now := time.Now()
+		if n := a.watchdog.LateChecks(); n != late {
+			late = n
+			a.log.Warn("this agent's watchdog ran late (starved host?): no suspicion until it runs on time again", "late_checks", n)
+		}
 		pred, ok := a.View().Predecessor(a.cfg.Name)
 		if !ok {
 			pred.Name = ""
@@ -101,6 +116,9 @@ func (a *Agent) watchPredecessor(ctx context.Context) {
 			}
 			a.log.Warn("predecessor suspected", "node", s.Name, "silence", s.Silence.Round(time.Millisecond))
 			why, alive := a.confirm(ctx, s.Name)
+			if !alive && a.watchdog.HeardSince(s.Name, now) {
+				why, alive = "it sent a heartbeat during confirmation", true
+			}
 			a.metrics.Suspicion(alive)
 			if alive {
 				a.log.Info("suspicion cleared", "node", s.Name, "why", why)
@@ -184,7 +202,8 @@ func (a *Agent) confirm(ctx context.Context, name string) (why string, alive boo
 
 // askReach asks member via whether it reaches member name.
 func (a *Agent) askReach(ctx context.Context, via, name string) bool {
-	ctx, cancel := context.WithTimeout(ctx, 2*a.cfg.Heartbeat.Timeout.Duration)
+	// The other neighbour probes the suspect with the same deadline: its answer needs that and a round trip.
+	ctx, cancel := context.WithTimeout(ctx, 2*a.cfg.ProbeTimeout())
 	defer cancel()
 	r, err := a.peers().Probe(ctx, via, clusterapi.ProbeRequest{Name: name})
 	if err != nil {
@@ -206,7 +225,7 @@ func (a *Agent) serveProbe(req clusterapi.ProbeRequest) (clusterapi.ProbeReply, 
 // or its kernel refuses the connection. A refusal means the host runs but its agent does not (crashed or
 // restarting): its jobs run on under their shims, so restoring them elsewhere would run them twice.
 func (a *Agent) reaches(ctx context.Context, name string) (why string, ok bool) {
-	pctx, cancel := context.WithTimeout(ctx, a.cfg.Heartbeat.Timeout.Duration)
+	pctx, cancel := context.WithTimeout(ctx, a.cfg.ProbeTimeout())
 	defer cancel()
 	_, err := a.Ping(pctx, name)
 	switch {
