@@ -117,6 +117,10 @@ type Config struct {
 		// ProbeTimeout bounds the direct probe that confirms a suspicion (0: timeout). A crashed host does
 		// not answer at all, so confirmation costs this long; a live one answers a ping in milliseconds.
 		ProbeTimeout Duration `toml:"probe_timeout"`
+		// Nice, if negative, is the agent's own nice value, so that CPU-bound jobs or a hog cannot starve
+		// its heartbeats and probes (corosync runs at realtime priority for this reason). The processes
+		// the agent starts (shims, jobs, CRIU) run at nice 0 (SCHED_RESET_ON_FORK). 0: unchanged.
+		Nice int `toml:"nice"`
 	} `toml:"heartbeat"`
 	Failover struct {
 		// Automatic: the protector restores a confirmed-failed predecessor's jobs on a spare (or on itself)
@@ -281,6 +285,9 @@ func (c Config) Validate() error {
 	}
 	if c.Failover.FenceCommandTimeout.Duration <= 0 {
 		errs = append(errs, fmt.Errorf("failover.fence_command_timeout %s must be positive", c.Failover.FenceCommandTimeout))
+	}
+	if c.Heartbeat.Nice < -20 || c.Heartbeat.Nice > 0 {
+		errs = append(errs, fmt.Errorf("heartbeat.nice %d must be between -20 and 0 (0: unchanged)", c.Heartbeat.Nice))
 	}
 	if c.Heartbeat.ProbeTimeout.Duration < 0 {
 		errs = append(errs, fmt.Errorf("heartbeat.probe_timeout %s must not be negative (0: heartbeat.timeout)", c.Heartbeat.ProbeTimeout))

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"strconv"
 	"sync"
 	"syscall"
 	"time"
@@ -11,6 +13,7 @@ import (
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/ring"
+	"golang.org/x/sys/unix"
 )
 
 // Failure detection follows RADIC: every node sends heartbeats to its protector (the next node of the
@@ -28,6 +31,46 @@ import (
 func (c Config) watchdogConfig() detect.Config {
 	return detect.Config{Timeout: c.Heartbeat.Timeout.Duration, BusyGrace: c.Heartbeat.BusyGrace.Duration,
 		MaxCheckGap: max(c.Heartbeat.Timeout.Duration/2, 2*c.Heartbeat.Interval.Duration)}
+}
+
+// stallTick and stallLimit time the agent's watch over its own scheduling (watchSelf): ticks every
+// quarter interval, a stall when one is later than a quarter timeout, well below the probe timeout.
+func (c Config) stallTick() time.Duration  { return c.Heartbeat.Interval.Duration / 4 }
+func (c Config) stallLimit() time.Duration { return c.Heartbeat.Timeout.Duration / 4 }
+
+// watchSelf ticks the stall monitor: a failed confirmation taken while this agent stalled is not
+// evidence (watchPredecessor).
+func (a *Agent) watchSelf(ctx context.Context) {
+	every(ctx, a.cfg.stallTick(), func() { a.stalls.Tick(time.Now()) })
+}
+
+// keepPriority gives every thread of the agent heartbeat.nice, with SCHED_RESET_ON_FORK so that the
+// processes it starts run at nice 0. The flag also resets the Go runtime's new threads (created by clone),
+// so it is applied again every second: a thread the runtime adds runs at nice 0 for at most that long.
+func (a *Agent) keepPriority(ctx context.Context) {
+	if a.cfg.Heartbeat.Nice == 0 {
+		return
+	}
+	apply := func() {
+		tids, err := os.ReadDir("/proc/self/task")
+		if err != nil {
+			a.log.Warn("heartbeat.nice: list this agent's threads", "err", err)
+			return
+		}
+		for _, t := range tids {
+			tid, err := strconv.Atoi(t.Name())
+			if err != nil {
+				continue
+			}
+			attr := unix.SchedAttr{Policy: unix.SCHED_NORMAL, Flags: unix.SCHED_FLAG_RESET_ON_FORK, Nice: int32(a.cfg.Heartbeat.Nice)}
+			if err := unix.SchedSetAttr(tid, &attr, 0); err != nil && !errors.Is(err, unix.ESRCH) {
+				a.log.Warn("heartbeat.nice: set the nice value of a thread (needs CAP_SYS_NICE)", "tid", tid, "err", err)
+				return
+			}
+		}
+	}
+	apply()
+	every(ctx, time.Second, apply)
 }
 
 // setBusy records the long operation this host is in ("" when none); heartbeats carry it.
@@ -118,6 +161,11 @@ func (a *Agent) watchPredecessor(ctx context.Context) {
 			why, alive := a.confirm(ctx, s.Name)
 			if !alive && a.watchdog.HeardSince(s.Name, now) {
 				why, alive = "it sent a heartbeat during confirmation", true
+			}
+			// The silence and the failed probes were measured by this agent: if it stalled meanwhile
+			// (a starved host), the beats and answers may be sitting unread behind the stall.
+			if !alive && a.stalls.Since(now.Add(-s.Silence), time.Now()) {
+				why, alive = "this agent itself stalled while measuring the silence or probing (starved host?); not evidence", true
 			}
 			a.metrics.Suspicion(alive)
 			if alive {

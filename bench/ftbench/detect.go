@@ -79,7 +79,7 @@ func (d *detectBench) run(ctx context.Context, log *slog.Logger) ([]Metric, any,
 		"detection_ms":    lat,
 		"lab":             "6 nodes, no jobs; node2, node4, node6 crashed in turn (lab.Crash: veth cut, processes killed)",
 		"measured":        "lab.Crash called -> the protector's failure record says detected (crash and record on one clock)",
-		"heartbeat":       map[string]string{"interval": hb.Heartbeat.Interval.String(), "timeout": hb.Heartbeat.Timeout.String(), "probe_timeout": hb.ProbeTimeout().String()},
+		"heartbeat":       map[string]any{"interval": hb.Heartbeat.Interval.String(), "timeout": hb.Heartbeat.Timeout.String(), "probe_timeout": hb.ProbeTimeout().String(), "nice": hb.Heartbeat.Nice},
 		"idle_cost":       idle,
 		"idle_cost_scope": "every agent's CPU (utime+stime) and its host's eth0 tx bytes over an idle period with no job: heartbeats, the watchdog, and whatever else an idle agent does (an upper bound of the heartbeat's cost)",
 	}
@@ -118,7 +118,7 @@ func (d *detectBench) crashLab(ctx context.Context, log *slog.Logger, binDir str
 		return nil, nil, agent.Config{}, err
 	}
 	defer l.Down(context.WithoutCancel(ctx))
-	c, err := labcluster.Start(ctx, l, labcluster.Options{AgentBin: filepath.Join(binDir, "ftagent"), Interval: "1h", LogLevel: "warn"})
+	c, err := labcluster.Start(ctx, l, labcluster.FastDetection(labcluster.Options{AgentBin: filepath.Join(binDir, "ftagent"), Interval: "1h", LogLevel: "warn"}))
 	if err != nil {
 		return nil, nil, agent.Config{}, err
 	}
@@ -309,8 +309,9 @@ func ethTxBytes(nsPath string) (uint64, error) {
 type soakResult struct {
 	Seconds     float64  `json:"seconds"`
 	Suspicions  int      `json:"false_suspicions"` // "predecessor suspected" in any agent's log: every node is alive
-	Cleared     int      `json:"cleared"`
-	Failures    int      `json:"false_failures"` // failure records: a live node declared failed
+	Cleared     int      `json:"cleared"`          // suspicions that confirmation refuted
+	LateChecks  int      `json:"late_checks"`      // times a watchdog ran late and held suspicion back
+	Failures    int      `json:"false_failures"`   // failure records: a live node declared failed
 	Checkpoints int      `json:"checkpoints_1gib"`
 	BulkBytes   int64    `json:"bulk_bytes"`
 	Load        []string `json:"load"`
@@ -325,7 +326,7 @@ func (d *detectBench) soakRun(ctx context.Context, log *slog.Logger, binDir stri
 		return nil, err
 	}
 	defer l.Down(context.WithoutCancel(ctx))
-	c, err := labcluster.Start(ctx, l, labcluster.Options{AgentBin: filepath.Join(binDir, "ftagent"), Interval: "1h", Keep: 1, LogLevel: "warn"})
+	c, err := labcluster.Start(ctx, l, labcluster.FastDetection(labcluster.Options{AgentBin: filepath.Join(binDir, "ftagent"), Interval: "1h", Keep: 1, LogLevel: "warn"}))
 	if err != nil {
 		return nil, err
 	}
@@ -360,32 +361,59 @@ func (d *detectBench) soakRun(ctx context.Context, log *slog.Logger, binDir stri
 	if err != nil {
 		return nil, err
 	}
+	// Only what the agents log during the soak counts (a ring that starts up has members not beating yet).
+	logStart := map[string]int64{}
+	for _, h := range l.State().Hosts {
+		if fi, err := os.Stat(c.LogPath(h.Name)); err == nil {
+			logStart[h.Name] = fi.Size()
+		}
+	}
 	start := time.Now()
-	tick := time.NewTicker(20 * time.Second)
-	defer tick.Stop()
-	for time.Since(start) < d.soak {
-		select {
-		case <-ctx.Done():
-			return nil, ctx.Err()
-		case <-tick.C:
+	// Dumps run beside the soak's clock: one 20 s after the previous one ended (a 1 GiB dump on a loaded
+	// host takes a while), none once the soak is over.
+	dumps := make(chan int, 1)
+	go func() {
+		n := 0
+		defer func() { dumps <- n }()
+		for {
+			select {
+			case <-sctx.Done():
+				return
+			case <-time.After(20 * time.Second):
+			}
+			reply, err := c.Client("node2").Checkpoint(sctx, job.ID)
+			if err != nil || reply.Error != "" {
+				if sctx.Err() == nil {
+					log.Warn("detect soak: checkpoint failed", "err", err, "reply", reply.Error)
+				}
+				continue
+			}
+			n++
 		}
-		reply, err := c.Client("node2").Checkpoint(ctx, job.ID)
-		if err != nil || reply.Error != "" {
-			log.Warn("detect soak: checkpoint failed", "err", err, "reply", reply.Error)
-			continue
-		}
-		res.Checkpoints++
+	}()
+	select {
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	case <-time.After(d.soak):
 	}
 	res.Seconds = time.Since(start).Seconds()
 	stop()
 	res.BulkBytes = <-bulk
+	res.Checkpoints = <-dumps
 	for _, h := range l.State().Hosts {
 		b, err := os.ReadFile(c.LogPath(h.Name))
 		if err != nil {
 			return nil, err
 		}
+		b = b[min(logStart[h.Name], int64(len(b))):]
+		// A copy outlives the lab, for reading what was suspected and why.
+		keep := filepath.Join(os.TempDir(), "ftbench-detect-soak-"+h.Name+".log")
+		if err := os.WriteFile(keep, b, 0o644); err != nil {
+			log.Warn("detect soak: keep a copy of the agent log", "host", h.Name, "err", err)
+		}
 		res.Suspicions += strings.Count(string(b), "predecessor suspected")
 		res.Cleared += strings.Count(string(b), "suspicion cleared")
+		res.LateChecks += strings.Count(string(b), "watchdog ran late")
 		fs, _ := c.Client(h.Name).Events(ctx)
 		res.Failures += len(fs)
 	}
@@ -400,7 +428,10 @@ func bulkFlow(ctx context.Context, l *lab.Lab, from, to string) (<-chan int64, e
 		return nil, err
 	}
 	var ln net.Listener
-	if err := l.Do(to, func() (err error) { ln, err = net.Listen("tcp4", net.JoinHostPort(dst.Addr.Addr().String(), "7690")); return err }); err != nil {
+	if err := l.Do(to, func() (err error) {
+		ln, err = net.Listen("tcp4", net.JoinHostPort(dst.Addr.Addr().String(), "7690"))
+		return err
+	}); err != nil {
 		return nil, err
 	}
 	go func() {
