@@ -32,12 +32,32 @@ import (
 type detectBench struct {
 	crashes int
 	soak    time.Duration
+	// Overrides of labcluster.FastDetection (0: its values), to try other timings.
+	interval, timeout, probe time.Duration
+}
+
+// options is the lab's agent options with the bench's detection timing.
+func (d *detectBench) options(o labcluster.Options) labcluster.Options {
+	o = labcluster.FastDetection(o)
+	if d.interval > 0 {
+		o.Heartbeat = d.interval
+	}
+	if d.timeout > 0 {
+		o.HeartbeatTimeout = d.timeout
+	}
+	if d.probe > 0 {
+		o.ProbeTimeout = d.probe
+	}
+	return o
 }
 
 func (d *detectBench) flags() *flag.FlagSet {
 	fs := flag.NewFlagSet("detect", flag.ContinueOnError)
 	fs.IntVar(&d.crashes, "crashes", 20, "node crashes to time")
 	fs.DurationVar(&d.soak, "soak", 0, "also run a soak of this length under load and count false suspicions (0: none)")
+	fs.DurationVar(&d.interval, "interval", 0, "heartbeat interval (0: labcluster.FastDetection's)")
+	fs.DurationVar(&d.timeout, "timeout", 0, "heartbeat timeout (0: labcluster.FastDetection's)")
+	fs.DurationVar(&d.probe, "probe", 0, "probe timeout (0: labcluster.FastDetection's)")
 	return fs
 }
 
@@ -118,7 +138,7 @@ func (d *detectBench) crashLab(ctx context.Context, log *slog.Logger, binDir str
 		return nil, nil, agent.Config{}, err
 	}
 	defer l.Down(context.WithoutCancel(ctx))
-	c, err := labcluster.Start(ctx, l, labcluster.FastDetection(labcluster.Options{AgentBin: filepath.Join(binDir, "ftagent"), Interval: "1h", LogLevel: "warn"}))
+	c, err := labcluster.Start(ctx, l, d.options(labcluster.Options{AgentBin: filepath.Join(binDir, "ftagent"), Interval: "1h", LogLevel: "warn"}))
 	if err != nil {
 		return nil, nil, agent.Config{}, err
 	}
@@ -326,7 +346,7 @@ func (d *detectBench) soakRun(ctx context.Context, log *slog.Logger, binDir stri
 		return nil, err
 	}
 	defer l.Down(context.WithoutCancel(ctx))
-	c, err := labcluster.Start(ctx, l, labcluster.FastDetection(labcluster.Options{AgentBin: filepath.Join(binDir, "ftagent"), Interval: "1h", Keep: 1, LogLevel: "warn"}))
+	c, err := labcluster.Start(ctx, l, d.options(labcluster.Options{AgentBin: filepath.Join(binDir, "ftagent"), Interval: "1h", Keep: 1, LogLevel: "warn"}))
 	if err != nil {
 		return nil, err
 	}
