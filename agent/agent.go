@@ -54,6 +54,7 @@ type Agent struct {
 	members  membership       // the cluster view: ring, spares, who holds which address
 	busy     atomic.Value     // string: the long operation in progress, carried by heartbeats
 	watchdog *detect.Watchdog // over this node's predecessor in the ring
+	stalls   *detect.Stalls   // this agent's own scheduling delays (watchSelf)
 	failures *failureLog      // timelines of the failures this agent knows of
 	claims   *spare.Holder    // this host's claim state while it is a spare
 	clamp    *ackclamp.Clamp  // ACK clock for restored sockets that re-send what peers have; nil if unavailable
@@ -115,7 +116,8 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 	if a.grants, err = grant.Open(filepath.Join(cfg.StateDir, "grants.json"), grant.Options{}); err != nil {
 		return nil, err
 	}
-	a.watchdog = detect.NewWatchdog(detect.Config{Timeout: cfg.Heartbeat.Timeout.Duration, BusyGrace: cfg.Heartbeat.BusyGrace.Duration})
+	a.watchdog = detect.NewWatchdog(cfg.watchdogConfig())
+	a.stalls = detect.NewStalls(cfg.stallTick(), cfg.stallLimit())
 	a.store, err = ckpt.Open(filepath.Join(cfg.StateDir, "snapshots"), ckpt.Options{Node: cfg.Name, Logger: a.log})
 	if err != nil {
 		return nil, err
@@ -434,6 +436,8 @@ func (a *Agent) Run(ctx context.Context, local LocalAPI) error {
 	go a.schedule(ctx)
 	go a.controlLog(ctx)
 	go a.sendBeats(ctx)
+	go a.watchSelf(ctx)
+	go a.keepPriority(ctx)
 	go a.watchPredecessor(ctx)
 	go a.selfFence(ctx)
 	go a.pushView(ctx) // a restarted agent learns what changed while it was away

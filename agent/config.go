@@ -117,6 +117,13 @@ type Config struct {
 		Interval  Duration `toml:"interval"`
 		Timeout   Duration `toml:"timeout"`
 		BusyGrace Duration `toml:"busy_grace"`
+		// ProbeTimeout bounds the direct probe that confirms a suspicion (0: timeout). A crashed host does
+		// not answer at all, so confirmation costs this long; a live one answers a ping in milliseconds.
+		ProbeTimeout Duration `toml:"probe_timeout"`
+		// Nice, if negative, is the agent's own nice value, so that CPU-bound jobs or a hog cannot starve
+		// its heartbeats and probes (corosync runs at realtime priority for this reason). The processes
+		// the agent starts (shims, jobs, CRIU) run at nice 0 (SCHED_RESET_ON_FORK). 0: unchanged.
+		Nice int `toml:"nice"`
 	} `toml:"heartbeat"`
 	Failover struct {
 		// Automatic: the protector restores a confirmed-failed predecessor's jobs on a spare (or on itself)
@@ -285,6 +292,12 @@ func (c Config) Validate() error {
 	if c.Failover.FenceCommandTimeout.Duration <= 0 {
 		errs = append(errs, fmt.Errorf("failover.fence_command_timeout %s must be positive", c.Failover.FenceCommandTimeout))
 	}
+	if c.Heartbeat.Nice < -20 || c.Heartbeat.Nice > 0 {
+		errs = append(errs, fmt.Errorf("heartbeat.nice %d must be between -20 and 0 (0: unchanged)", c.Heartbeat.Nice))
+	}
+	if c.Heartbeat.ProbeTimeout.Duration < 0 {
+		errs = append(errs, fmt.Errorf("heartbeat.probe_timeout %s must not be negative (0: heartbeat.timeout)", c.Heartbeat.ProbeTimeout))
+	}
 	if c.Heartbeat.BusyGrace.Duration < 0 {
 		errs = append(errs, fmt.Errorf("heartbeat.busy_grace %s must not be negative", c.Heartbeat.BusyGrace))
 	}
@@ -303,6 +316,14 @@ func (c Config) Validate() error {
 		errs = append(errs, fmt.Errorf("metrics.listen %w", err))
 	}
 	return errors.Join(errs...)
+}
+
+// ProbeTimeout is heartbeat.probe_timeout, its default filled in.
+func (c Config) ProbeTimeout() time.Duration {
+	if c.Heartbeat.ProbeTimeout.Duration > 0 {
+		return c.Heartbeat.ProbeTimeout.Duration
+	}
+	return c.Heartbeat.Timeout.Duration
 }
 
 // FenceTiming is the self-fencing timing of this configuration, fence_timeout's default filled in.

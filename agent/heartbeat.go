@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"strconv"
 	"sync"
 	"syscall"
 	"time"
@@ -11,6 +13,7 @@ import (
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/ring"
+	"golang.org/x/sys/unix"
 )
 
 // Failure detection follows RADIC: every node sends heartbeats to its protector (the next node of the
@@ -18,7 +21,57 @@ import (
 // after heartbeat.timeout of silence (longer while the last beat said the predecessor was checkpointing
 // or restoring, which can stall a host), then confirms before declaring a failure: a direct probe of the
 // suspect's agent, and the suspect's other neighbour is asked whether it still reaches it. Only then does
-// the protector, which holds the suspect's replicas, start the fail-over.
+// the protector, which holds the suspect's replicas, start the fail-over. Both confirmations run in
+// parallel and are bounded by heartbeat.probe_timeout, a beat that arrives meanwhile refutes the
+// suspicion, and a watchdog that itself ran late suspects nobody (detect.Config.MaxCheckGap).
+
+// watchdogConfig is the watchdog of this configuration. Its checks run every half interval; one that comes
+// more than half a timeout after the previous one means this agent was not scheduled, and the silence it
+// measured may be its own (corosync runs at realtime priority for the same reason; see docs/detection.md).
+func (c Config) watchdogConfig() detect.Config {
+	return detect.Config{Timeout: c.Heartbeat.Timeout.Duration, BusyGrace: c.Heartbeat.BusyGrace.Duration,
+		MaxCheckGap: max(c.Heartbeat.Timeout.Duration/2, 2*c.Heartbeat.Interval.Duration)}
+}
+
+// stallTick and stallLimit time the agent's watch over its own scheduling (watchSelf): ticks every
+// quarter interval, a stall when one is later than a quarter timeout, well below the probe timeout.
+func (c Config) stallTick() time.Duration  { return c.Heartbeat.Interval.Duration / 4 }
+func (c Config) stallLimit() time.Duration { return c.Heartbeat.Timeout.Duration / 4 }
+
+// watchSelf ticks the stall monitor: a failed confirmation taken while this agent stalled is not
+// evidence (watchPredecessor).
+func (a *Agent) watchSelf(ctx context.Context) {
+	every(ctx, a.cfg.stallTick(), func() { a.stalls.Tick(time.Now()) })
+}
+
+// keepPriority gives every thread of the agent heartbeat.nice, with SCHED_RESET_ON_FORK so that the
+// processes it starts run at nice 0. The flag also resets the Go runtime's new threads (created by clone),
+// so it is applied again every second: a thread the runtime adds runs at nice 0 for at most that long.
+func (a *Agent) keepPriority(ctx context.Context) {
+	if a.cfg.Heartbeat.Nice == 0 {
+		return
+	}
+	apply := func() {
+		tids, err := os.ReadDir("/proc/self/task")
+		if err != nil {
+			a.log.Warn("heartbeat.nice: list this agent's threads", "err", err)
+			return
+		}
+		for _, t := range tids {
+			tid, err := strconv.Atoi(t.Name())
+			if err != nil {
+				continue
+			}
+			attr := unix.SchedAttr{Policy: unix.SCHED_NORMAL, Flags: unix.SCHED_FLAG_RESET_ON_FORK, Nice: int32(a.cfg.Heartbeat.Nice)}
+			if err := unix.SchedSetAttr(tid, &attr, 0); err != nil && !errors.Is(err, unix.ESRCH) {
+				a.log.Warn("heartbeat.nice: set the nice value of a thread (needs CAP_SYS_NICE)", "tid", tid, "err", err)
+				return
+			}
+		}
+	}
+	apply()
+	every(ctx, time.Second, apply)
+}
 
 // setBusy records the long operation this host is in ("" when none); heartbeats carry it.
 func (a *Agent) setBusy(what string) func() {
@@ -79,8 +132,13 @@ func (a *Agent) sendBeats(ctx context.Context) {
 // is confirmed.
 func (a *Agent) watchPredecessor(ctx context.Context) {
 	watching := ""
+	var late uint64
 	every(ctx, a.cfg.Heartbeat.Interval.Duration/2, func() {
 		now := time.Now()
+		if n := a.watchdog.LateChecks(); n != late {
+			late = n
+			a.log.Warn("this agent's watchdog ran late (starved host?): no suspicion until it runs on time again", "late_checks", n)
+		}
 		pred, ok := a.View().Predecessor(a.cfg.Name)
 		if !ok {
 			pred.Name = ""
@@ -101,6 +159,14 @@ func (a *Agent) watchPredecessor(ctx context.Context) {
 			}
 			a.log.Warn("predecessor suspected", "node", s.Name, "silence", s.Silence.Round(time.Millisecond))
 			why, alive := a.confirm(ctx, s.Name)
+			if !alive && a.watchdog.HeardSince(s.Name, now) {
+				why, alive = "it sent a heartbeat during confirmation", true
+			}
+			// The silence and the failed probes were measured by this agent: if it stalled meanwhile
+			// (a starved host), the beats and answers may be sitting unread behind the stall.
+			if !alive && a.stalls.Since(now.Add(-s.Silence), time.Now()) {
+				why, alive = "this agent itself stalled while measuring the silence or probing (starved host?); not evidence", true
+			}
 			a.metrics.Suspicion(alive)
 			if alive {
 				a.log.Info("suspicion cleared", "node", s.Name, "why", why)
@@ -184,7 +250,8 @@ func (a *Agent) confirm(ctx context.Context, name string) (why string, alive boo
 
 // askReach asks member via whether it reaches member name.
 func (a *Agent) askReach(ctx context.Context, via, name string) bool {
-	ctx, cancel := context.WithTimeout(ctx, 2*a.cfg.Heartbeat.Timeout.Duration)
+	// The other neighbour probes the suspect with the same deadline: its answer needs that and a round trip.
+	ctx, cancel := context.WithTimeout(ctx, 2*a.cfg.ProbeTimeout())
 	defer cancel()
 	r, err := a.peers().Probe(ctx, via, clusterapi.ProbeRequest{Name: name})
 	if err != nil {
@@ -206,7 +273,7 @@ func (a *Agent) serveProbe(req clusterapi.ProbeRequest) (clusterapi.ProbeReply, 
 // or its kernel refuses the connection. A refusal means the host runs but its agent does not (crashed or
 // restarting): its jobs run on under their shims, so restoring them elsewhere would run them twice.
 func (a *Agent) reaches(ctx context.Context, name string) (why string, ok bool) {
-	pctx, cancel := context.WithTimeout(ctx, a.cfg.Heartbeat.Timeout.Duration)
+	pctx, cancel := context.WithTimeout(ctx, a.cfg.ProbeTimeout())
 	defer cancel()
 	_, err := a.Ping(pctx, name)
 	switch {

@@ -37,6 +37,11 @@ type Beat struct {
 type Config struct {
 	Timeout   time.Duration // silence before suspecting
 	BusyGrace time.Duration // extra silence allowed while the last beat said Busy
+	// MaxCheckGap is the longest gap between two calls of Suspects that counts as on time (0: any). A later
+	// call means the watchdog itself was not scheduled (a starved or stopped host): beats may be queued
+	// unread behind the same stall, so the silence it measured is not evidence. It suspects nobody then,
+	// nor for another MaxCheckGap, the time its host needs to read what was queued.
+	MaxCheckGap time.Duration
 }
 
 // Validate checks the configuration; the watchdog needs a positive Timeout and a non-negative BusyGrace.
@@ -47,6 +52,9 @@ func (c Config) Validate() error {
 	}
 	if c.BusyGrace < 0 {
 		errs = append(errs, fmt.Errorf("heartbeat busy grace %s must not be negative", c.BusyGrace))
+	}
+	if c.MaxCheckGap < 0 {
+		errs = append(errs, fmt.Errorf("watchdog max check gap %s must not be negative (0: no check)", c.MaxCheckGap))
 	}
 	return errors.Join(errs...)
 }
@@ -75,6 +83,9 @@ type Watchdog struct {
 	mu      sync.Mutex
 	last    map[string]beat
 	watched map[string]*watch
+	checked time.Time // the last call of Suspects
+	resume  time.Time // no suspicion before this: the watchdog itself was late (MaxCheckGap)
+	late    uint64    // late checks so far
 }
 
 // NewWatchdog returns a watchdog watching nobody. cfg should pass Validate: with a non-positive Timeout
@@ -133,10 +144,21 @@ func (w *Watchdog) Last(name string) (Beat, time.Time, bool) {
 
 // Suspects returns, sorted by name, the watched members silent for longer than Timeout, or than
 // Timeout+BusyGrace if their last beat announced a long operation. Each suspicion is reported once,
-// until Clear or a new beat from the suspect ends it.
+// until Clear or a new beat from the suspect ends it. The caller calls it periodically: a call more than
+// MaxCheckGap after the previous one suspects nobody (see Config.MaxCheckGap).
 func (w *Watchdog) Suspects(now time.Time) []Suspect {
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	if w.cfg.MaxCheckGap > 0 {
+		if !w.checked.IsZero() && now.Sub(w.checked) > w.cfg.MaxCheckGap {
+			w.late++
+			w.resume = now.Add(w.cfg.MaxCheckGap)
+		}
+		w.checked = now
+		if now.Before(w.resume) {
+			return nil
+		}
+	}
 	var out []Suspect
 	for name, wt := range w.watched {
 		if wt.suspected {
@@ -176,4 +198,21 @@ func (w *Watchdog) Clear(name string, now time.Time) {
 	if wt := w.watched[name]; wt != nil {
 		*wt = watch{since: now}
 	}
+}
+
+// LateChecks is how many calls of Suspects came more than MaxCheckGap after the previous one: how often
+// this host's own scheduling, not a peer's silence, held suspicion back.
+func (w *Watchdog) LateChecks() uint64 {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.late
+}
+
+// HeardSince reports whether a beat from name arrived after t: a suspect that beats again while its
+// suspicion is being confirmed is alive, whatever the probes said.
+func (w *Watchdog) HeardSince(name string, t time.Time) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	l, ok := w.last[name]
+	return ok && l.at.After(t)
 }

@@ -202,6 +202,7 @@ func TestConfigValidate(t *testing.T) {
 		{Config{}, "timeout 0s must be positive"},
 		{Config{Timeout: -time.Second}, "must be positive"},
 		{Config{Timeout: time.Second, BusyGrace: -1}, "must not be negative"},
+		{Config{Timeout: time.Second, MaxCheckGap: -1}, "max check gap -1ns must not be negative"},
 	} {
 		err := tc.cfg.Validate()
 		if tc.err == "" && err != nil || tc.err != "" && (err == nil || !strings.Contains(err.Error(), tc.err)) {
@@ -230,6 +231,71 @@ func TestConcurrentUse(t *testing.T) {
 	for g := range 4 {
 		if b, _, ok := w.Last(fmt.Sprintf("n%d", g)); !ok || b.Seq != 200 {
 			t.Errorf("n%d: last beat %+v %v, want seq 200", g, b, ok)
+		}
+	}
+}
+
+// TestLateWatchdog: a watchdog that was itself not scheduled (its checks came further apart than
+// MaxCheckGap) does not take the silence it measured for evidence, for one more gap; checks on time
+// suspect as before.
+func TestLateWatchdog(t *testing.T) {
+	cfg := Config{Timeout: 200 * time.Millisecond, MaxCheckGap: 100 * time.Millisecond}
+	for _, tc := range []struct {
+		name   string
+		beats  []int // arrival times, ms
+		checks []int // calls of Suspects, ms
+		want   []int // the checks (ms) that report n1
+		late   uint64
+	}{
+		{"on time: suspected after the timeout", []int{0}, []int{25, 50, 100, 150, 200, 225, 250}, []int{225}, 0},
+		{"stalled past the timeout: not suspected at the late check", []int{0}, []int{25, 50, 600}, nil, 1},
+		{"stalled: suspected once on time for a gap again", []int{0}, []int{25, 50, 600, 650, 701}, []int{701}, 1},
+		{"stalled: beats read after the stall clear it", []int{0, 610}, []int{25, 50, 600, 650, 701, 800}, nil, 1},
+		{"a gap of exactly MaxCheckGap is on time", []int{0}, []int{100, 200, 300}, []int{300}, 0},
+		{"every check late: never suspects", []int{0}, []int{10, 300, 600, 900}, nil, 3},
+		{"first check is never late", []int{0}, []int{500}, []int{500}, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := NewWatchdog(cfg)
+			w.Watch("n1", at(0))
+			var got []int
+			bi := 0
+			for _, c := range tc.checks {
+				for bi < len(tc.beats) && tc.beats[bi] <= c {
+					w.Beat(Beat{From: "n1", Seq: uint64(bi + 1), Sent: at(tc.beats[bi])}, at(tc.beats[bi]))
+					bi++
+				}
+				if s := w.Suspects(at(c)); len(s) > 0 {
+					got = append(got, c)
+				}
+			}
+			if !slices.Equal(got, tc.want) {
+				t.Errorf("suspected at %v ms, want %v", got, tc.want)
+			}
+			if w.LateChecks() != tc.late {
+				t.Errorf("LateChecks %d, want %d", w.LateChecks(), tc.late)
+			}
+		})
+	}
+}
+
+// TestHeardSince: only a beat that arrived after the given time counts (the confirmation's last check).
+func TestHeardSince(t *testing.T) {
+	w := NewWatchdog(Config{Timeout: time.Second})
+	w.Beat(Beat{From: "n1", Seq: 1, Sent: at(0)}, at(100))
+	for _, tc := range []struct {
+		name string
+		who  string
+		t    int
+		want bool
+	}{
+		{"beat after t", "n1", 50, true},
+		{"beat at t", "n1", 100, false},
+		{"beat before t", "n1", 150, false},
+		{"never heard", "n2", 0, false},
+	} {
+		if got := w.HeardSince(tc.who, at(tc.t)); got != tc.want {
+			t.Errorf("%s: HeardSince(%s, %d) = %v, want %v", tc.name, tc.who, tc.t, got, tc.want)
 		}
 	}
 }

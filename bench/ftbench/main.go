@@ -2,7 +2,9 @@
 // bench/results/, plus a short table on stdout. Performance claims in docs/design.md (and the README's
 // summary of them) come from these files: ratios measured within one run, never timed assertions in tests.
 //
-//	ftbench [--out DIR] [NAME...]     (default: every benchmark)
+//	ftbench [--out DIR] [NAME [FLAG...]...]     (default: every benchmark)
+//
+// A benchmark name may be followed by its own flags (ftbench detect --crashes 5 --soak 10m).
 package main
 
 import (
@@ -45,13 +47,18 @@ type Result struct {
 
 type benchmark func(ctx context.Context, log *slog.Logger) (metrics []Metric, settings any, err error)
 
-var benchmarks = map[string]benchmark{
-	"compare":             benchCompare,
-	"lab":                 benchLab,
-	"netlog":              benchNetlog,
-	"recovery":            benchRecovery,
-	"restored-throughput": benchRestored,
-	"snapshot":            benchSnapshot,
+// benchmarks are the benchmarks by name, and the flags of those that take any.
+func benchmarks() (map[string]benchmark, map[string]*flag.FlagSet) {
+	d := &detectBench{}
+	return map[string]benchmark{
+		"compare":             benchCompare,
+		"detect":              d.run,
+		"lab":                 benchLab,
+		"netlog":              benchNetlog,
+		"recovery":            benchRecovery,
+		"restored-throughput": benchRestored,
+		"snapshot":            benchSnapshot,
+	}, map[string]*flag.FlagSet{"detect": d.flags()}
 }
 
 func main() {
@@ -61,9 +68,19 @@ func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 
-	names := flag.Args()
+	all, flagSets := benchmarks()
+	var names []string
+	for args := flag.Args(); len(args) > 0; {
+		names, args = append(names, args[0]), args[1:]
+		if fs, ok := flagSets[names[len(names)-1]]; ok {
+			if err := fs.Parse(args); err != nil {
+				os.Exit(cli.ExitUsage)
+			}
+			args = fs.Args()
+		}
+	}
 	if len(names) == 0 {
-		for n := range benchmarks {
+		for n := range all {
 			names = append(names, n)
 		}
 		sort.Strings(names)
@@ -76,7 +93,7 @@ func main() {
 	fmt.Fprintln(tw, "benchmark\tmetric\tvalue\tunit\t")
 	failed := false
 	for _, name := range names {
-		b, ok := benchmarks[name]
+		b, ok := all[name]
 		if !ok {
 			fmt.Fprintf(os.Stderr, "ftbench: no benchmark %q\n", name)
 			os.Exit(cli.ExitUsage)

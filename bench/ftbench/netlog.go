@@ -332,27 +332,30 @@ func (b *netlogBench) close() {
 
 // shape puts a tbf qdisc of rate bit/s on node1's eth0 (nothing for 0) and
 // returns the function that removes it.
-func (b *netlogBench) shape(rate uint64) (func(), error) {
+func (b *netlogBench) shape(rate uint64) (func(), error) { return b.shapeHost("node1", rate) }
+
+// shapeHost is shape on host's eth0.
+func (b *netlogBench) shapeHost(host string, rate uint64) (func(), error) {
 	if rate == 0 {
 		return func() {}, nil
 	}
-	path, err := b.lab.NetnsPath("node1")
+	path, err := b.lab.NetnsPath(host)
 	if err != nil {
 		return nil, err
 	}
 	ns, err := netns.GetFromPath(path)
 	if err != nil {
-		return nil, fmt.Errorf("open node1's network namespace: %w", err)
+		return nil, fmt.Errorf("open %s's network namespace: %w", host, err)
 	}
 	defer ns.Close()
 	h, err := netlink.NewHandleAt(ns)
 	if err != nil {
-		return nil, fmt.Errorf("netlink in node1: %w", err)
+		return nil, fmt.Errorf("netlink in %s: %w", host, err)
 	}
 	eth0, err := h.LinkByName("eth0")
 	if err != nil {
 		h.Close()
-		return nil, fmt.Errorf("node1 eth0: %w", err)
+		return nil, fmt.Errorf("%s eth0: %w", host, err)
 	}
 	bytesPerSec := rate / 8
 	burst := max(bytesPerSec/500, 128<<10) // 2 ms at rate: a whole GSO packet always fits
@@ -365,12 +368,12 @@ func (b *netlogBench) shape(rate uint64) (func(), error) {
 	}
 	if err := h.QdiscAdd(qd); err != nil {
 		h.Close()
-		return nil, fmt.Errorf("add tbf qdisc at %d bit/s on node1 eth0: %w", rate, err)
+		return nil, fmt.Errorf("add tbf qdisc at %d bit/s on %s eth0: %w", rate, host, err)
 	}
-	b.log.Info("netlog bench: shaped node1 eth0", "rate_bit_s", rate, "burst", burst)
+	b.log.Info("bench: shaped eth0", "host", host, "rate_bit_s", rate, "burst", burst)
 	return func() {
 		if err := h.QdiscDel(qd); err != nil {
-			b.log.Error("netlog bench: remove tbf qdisc from node1 eth0 (lab down removes it too)", "err", err)
+			b.log.Error("bench: remove tbf qdisc from eth0 (lab down removes it too)", "host", host, "err", err)
 		}
 		h.Close()
 	}, nil
