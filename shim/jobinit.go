@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -100,8 +101,37 @@ func runJobInit(spec Spec) int {
 	if env == nil {
 		env = os.Environ()
 	}
-	err = unix.Exec(path, spec.Argv, env)
+	err = unix.Exec(path, spec.Argv, withoutMPTCP(env))
 	return rep.fail("start %s: %v", spec.Argv[0], err)
+}
+
+// withoutMPTCP returns env with multipathtcp=0 added to GODEBUG, unless the job chose multipathtcp itself.
+// Why: Go >= 1.24 listens with MPTCP where the kernel has it, and CRIU cannot dump an MPTCP socket ("inet:
+// Unsupported proto 262"), so a protected Go server failed its snapshots whenever one caught its listener
+// open (seen in CI). With it off, Go listens with TCP, as programs in other languages do.
+func withoutMPTCP(env []string) []string {
+	out := make([]string, 0, len(env)+1)
+	set := false
+	for _, kv := range env {
+		if v, ok := strings.CutPrefix(kv, "GODEBUG="); ok && !set { // Go takes the first
+			set = true
+			chosen := slices.ContainsFunc(strings.Split(v, ","), func(s string) bool {
+				return strings.HasPrefix(strings.TrimSpace(s), "multipathtcp=")
+			})
+			switch {
+			case chosen:
+			case v == "":
+				kv = "GODEBUG=multipathtcp=0"
+			default:
+				kv = "GODEBUG=multipathtcp=0," + v
+			}
+		}
+		out = append(out, kv)
+	}
+	if !set {
+		out = append(out, "GODEBUG=multipathtcp=0")
+	}
+	return out
 }
 
 // setupMounts makes the job's copy of the host's mounts private (nothing it mounts reaches the host),
@@ -135,6 +165,35 @@ func setupMounts() error {
 	if err := unix.Mount("proc", "/proc", "proc", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, ""); err != nil {
 		return fmt.Errorf("mount the job's /proc: %w", err)
 	}
+	return privateDevpts(mounts)
+}
+
+// privateDevpts gives the job a devpts instance of its own at /dev/pts, with the host's options. Why: CRIU
+// restores a pseudo-terminal only at the index it had, and on the host's devpts that index can be taken
+// on the restoring host (Open MPI's orted gives each rank a pty for its output; measured in CI: "tty:
+// Unable to open dev/ptmx with specified index 1"). CRIU restores the job's instance as a new one, where
+// every index is free. Programs need nothing: /dev/ptmx opens the instance at the pts beside it (Linux
+// >= 4.7). A host without devpts at /dev/pts is left as it is.
+func privateDevpts(mounts []mountEntry) error {
+	var host *mountEntry
+	for i := range mounts {
+		if mounts[i].Point == "/dev/pts" && mounts[i].FSType == "devpts" {
+			host = &mounts[i] // the last one is on top
+		}
+	}
+	if host == nil {
+		return nil
+	}
+	for { // every copy stacked there; EINVAL: /dev/pts is no mount point any more
+		if err := unix.Unmount("/dev/pts", unix.MNT_DETACH); err == unix.EINVAL {
+			break
+		} else if err != nil {
+			return fmt.Errorf("unmount the job's copy of the host's /dev/pts: %w", err)
+		}
+	}
+	if err := unix.Mount("devpts", "/dev/pts", "devpts", unix.MS_NOSUID|unix.MS_NOEXEC, host.Opts); err != nil {
+		return fmt.Errorf("mount the job's own devpts (options %q): %w", host.Opts, err)
+	}
 	return nil
 }
 
@@ -142,6 +201,7 @@ func setupMounts() error {
 type mountEntry struct {
 	Point  string // mount point, unescaped
 	FSType string
+	Opts   string // super options, as mount(2) data
 }
 
 // parseMountinfo reads the mount points and file system types of a mountinfo file (proc(5)).
@@ -162,7 +222,11 @@ func parseMountinfo(b []byte) ([]mountEntry, error) {
 		if len(f) < 5 || sep < 0 || sep+1 >= len(f) {
 			return nil, fmt.Errorf("mountinfo line %d is malformed: %q", n+1, line)
 		}
-		out = append(out, mountEntry{Point: unescapeMount(f[4]), FSType: f[sep+1]})
+		e := mountEntry{Point: unescapeMount(f[4]), FSType: f[sep+1]}
+		if sep+3 < len(f) {
+			e.Opts = f[sep+3]
+		}
+		out = append(out, e)
 	}
 	return out, nil
 }

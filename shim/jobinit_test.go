@@ -23,19 +23,25 @@ func TestParseMountinfoAndPrune(t *testing.T) {
 45 42 0:35 / /var/lib/ftkit/labs/x/restore/j-1/.criu.cgyard.nlTEiT/pids rw,relatime - cgroup none rw,pids
 `,
 			want: []mountEntry{
-				{"/", "ext4"}, {"/proc", "proc"}, {"/dev/pts", "devpts"}, {"/run/netns/tc46b0a-node1", "nsfs"},
-				{"/var/lib/ftkit/labs/x/restore/j-1/.criu.cgyard.nlTEiT", "tmpfs"},
-				{"/var/lib/ftkit/labs/x/restore/j-1/.criu.cgyard.nlTEiT/pids", "cgroup"},
+				{"/", "ext4", "rw"}, {"/proc", "proc", "rw"}, {"/dev/pts", "devpts", "rw,mode=600"}, {"/run/netns/tc46b0a-node1", "nsfs", "rw"},
+				{"/var/lib/ftkit/labs/x/restore/j-1/.criu.cgyard.nlTEiT", "tmpfs", "rw"},
+				{"/var/lib/ftkit/labs/x/restore/j-1/.criu.cgyard.nlTEiT/pids", "cgroup", "rw,pids"},
 			},
 			pruned: []bool{false, false, false, true, true, true},
 		},
 		{
 			name:   "escaped mount point",
 			in:     `50 26 0:40 / /mnt/a\040b\134c rw - tmpfs tmpfs rw` + "\n",
-			want:   []mountEntry{{`/mnt/a b\c`, "tmpfs"}},
+			want:   []mountEntry{{`/mnt/a b\c`, "tmpfs", "rw"}},
 			pruned: []bool{false},
 		},
 		{name: "no separator", in: "50 26 0:40 / /mnt rw tmpfs tmpfs rw\n", bad: true},
+		{
+			name:   "no super options",
+			in:     "50 26 0:40 / /mnt rw - tmpfs tmpfs\n",
+			want:   []mountEntry{{"/mnt", "tmpfs", ""}},
+			pruned: []bool{false},
+		},
 		{name: "nothing after the separator", in: "50 26 0:40 / /mnt rw -\n", bad: true},
 		{name: "short", in: "50 26\n", bad: true},
 		{name: "empty", in: "", want: nil},
@@ -93,4 +99,25 @@ func FuzzParseMountinfo(f *testing.F) {
 			}
 		}
 	})
+}
+
+func TestWithoutMPTCP(t *testing.T) {
+	tests := []struct {
+		name    string
+		in, out []string
+	}{
+		{"no GODEBUG", []string{"PATH=/bin"}, []string{"PATH=/bin", "GODEBUG=multipathtcp=0"}},
+		{"empty GODEBUG", []string{"GODEBUG="}, []string{"GODEBUG=multipathtcp=0"}},
+		{"other settings kept", []string{"GODEBUG=gctrace=1", "A=b"}, []string{"GODEBUG=multipathtcp=0,gctrace=1", "A=b"}},
+		{"the job's own choice kept", []string{"GODEBUG=gctrace=1,multipathtcp=1"}, []string{"GODEBUG=gctrace=1,multipathtcp=1"}},
+		{"only the first GODEBUG, the one Go reads", []string{"GODEBUG=x=1", "GODEBUG=y=1"}, []string{"GODEBUG=multipathtcp=0,x=1", "GODEBUG=y=1"}},
+		{"nil", nil, []string{"GODEBUG=multipathtcp=0"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := withoutMPTCP(tt.in); !reflect.DeepEqual(got, tt.out) {
+				t.Fatalf("withoutMPTCP(%q) = %q, want %q", tt.in, got, tt.out)
+			}
+		})
+	}
 }

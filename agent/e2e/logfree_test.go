@@ -129,9 +129,9 @@ func startRole(t *testing.T, c *labcluster.Cluster, host, name, role string, env
 		t.Fatal(err)
 	}
 	cmd := ftwrap(c, host, "--name", name, "--", self)
-	// Go listens with MPTCP by default and CRIU cannot dump an MPTCP socket (the receiver keeps its
-	// listener open); the log controller may have the receiver snapshotted.
-	cmd.Env = append(append(cmd.Env, streamtest.RoleEnv+"="+role, "GODEBUG=multipathtcp=0"), env...)
+	// The receiver keeps its listener open while the log controller may have it snapshotted: the job's
+	// init turns Go's MPTCP listeners off (shim.withoutMPTCP), this test no longer does.
+	cmd.Env = append(append(cmd.Env, streamtest.RoleEnv+"="+role), env...)
 	out := &streamtest.SyncBuffer{}
 	cmd.Stdout, cmd.Stderr = out, os.Stderr
 	if err := cmd.Start(); err != nil {

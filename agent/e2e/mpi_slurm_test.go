@@ -131,8 +131,12 @@ func sacctJob(t *testing.T, ctx context.Context, c *labcluster.Cluster, id strin
 	t.Helper()
 	for deadline := time.Now().Add(timeout); ; time.Sleep(500 * time.Millisecond) {
 		out, err := labExec(ctx, c, "node1", "/", nil, "sacct", "--completion", "-j", id, "--noheader", "--parsable2", "--format=JobID,State,ExitCode").Output()
-		if f := strings.Split(strings.TrimSpace(string(out)), "|"); err == nil && len(f) == 3 && f[0] == id {
-			return f[1], f[2]
+		// A job that lost a node has a RESIZING record first: with --no-kill, Slurm drops the failed node
+		// from the allocation. The record of the job's end follows.
+		for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+			if f := strings.Split(line, "|"); err == nil && len(f) == 3 && f[0] == id && f[1] != "RESIZING" {
+				return f[1], f[2]
+			}
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("sacct --completion has no record of job %s within %s: %q %v", id, timeout, out, err)
