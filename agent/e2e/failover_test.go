@@ -356,7 +356,7 @@ func TestFailover(t *testing.T) {
 			if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
 				t.Fatal(err)
 			}
-			f := waitFailure(t, c, "node2", 90*time.Second)
+			f := waitFailure(t, c, "node2", 5*time.Minute)
 			requireStages(t, f)
 			if f.Target != "spare1" || f.Basic {
 				t.Errorf("restored on %s (basic %v), want spare1", f.Target, f.Basic)
@@ -386,7 +386,7 @@ func (rg *ring) crashAfterSnapshot(t *testing.T, host string, after int, target 
 	if err := rg.c.Lab.Crash(context.Background(), host); err != nil {
 		t.Fatal(err)
 	}
-	f := waitFailure(t, rg.c, host, 90*time.Second)
+	f := waitFailure(t, rg.c, host, 5*time.Minute)
 	requireStages(t, f)
 	if f.Target != target || f.Basic != basic {
 		t.Fatalf("failure of %s restored on %s (basic %v), want %s (basic %v)", host, f.Target, f.Basic, target, basic)

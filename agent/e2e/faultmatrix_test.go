@@ -378,7 +378,7 @@ func TestFaultCrashDuringSnapshot(t *testing.T) {
 	rg.requireRunning(t)
 	crash(t, c, "node2", fmt.Sprintf("with a dump of rank 1 in flight (%d MB written)", n>>20))
 
-	f := waitFailure(t, c, "node2", 3*time.Minute)
+	f := waitFailure(t, c, "node2", 5*time.Minute)
 	requireStages(t, f)
 	if f.Target != "spare1" || f.Basic {
 		t.Errorf("restored on %s (basic %v), want spare1", f.Target, f.Basic)
@@ -422,7 +422,7 @@ func TestFaultProtectorCrashWhileReceiving(t *testing.T) {
 	crashed := time.Now()
 	crash(t, c, "node2", fmt.Sprintf("while receiving rank 0's snapshot from node1 (%d MB written)", n>>20))
 
-	f := waitFailure(t, c, "node2", 3*time.Minute)
+	f := waitFailure(t, c, "node2", 5*time.Minute)
 	requireStages(t, f)
 	if f.Protector != "node3" || f.Target != "spare1" || f.Basic {
 		t.Errorf("node2's failure handled by %s, restored on %s (basic %v); want node3 restoring on spare1", f.Protector, f.Target, f.Basic)
@@ -498,7 +498,7 @@ func TestFaultAgentKilledDuringReplay(t *testing.T) {
 	}
 	rg.requireOneCopy(t, 1)
 
-	f := waitFailure(t, c, "node2", 3*time.Minute)
+	f := waitFailure(t, c, "node2", 5*time.Minute)
 	logTimeline(t, f)
 	for _, s := range f.Stages {
 		if s.Name == agent.StageReplayed && s.End.Before(killed) {
@@ -725,7 +725,7 @@ func TestFaultProtectorDiskFull(t *testing.T) {
 	remount(1 << 30)
 	rg.requireRunning(t)
 	crash(t, c, "node2", "after its protector refused its snapshot")
-	f := waitFailure(t, c, "node2", 3*time.Minute)
+	f := waitFailure(t, c, "node2", 5*time.Minute)
 	requireStages(t, f)
 	if j := rg.job(t, f.Target, 1); j.Restored != prev[0] {
 		t.Errorf("rank 1 restored from %q, want the previous replica %s", j.Restored, prev[0])
@@ -762,7 +762,7 @@ func TestFaultCorruptNewestReplica(t *testing.T) {
 	rg.requireRunning(t)
 	crash(t, c, "node2", fmt.Sprintf("with its newest replica %s corrupt on node3", newest))
 
-	f := waitFailure(t, c, "node2", 3*time.Minute)
+	f := waitFailure(t, c, "node2", 5*time.Minute)
 	requireStages(t, f)
 	if j := rg.job(t, f.Target, 1); j.Restored != older {
 		t.Errorf("rank 1 restored from %q, want the next older verified replica %s", j.Restored, older)

@@ -188,14 +188,14 @@ func TestManualRestoreDuringFailover(t *testing.T) {
 			}
 			var f *agent.Failure
 			if tt.first == "failover" {
-				f = waitFailure(t, c, "node1", 3*time.Minute)
+				f = waitFailure(t, c, "node1", 5*time.Minute)
 			}
 			start := time.Now()
 			// As in docs/operations.md: `ftctl restore --host spare1 --snapshot ID`, the job found from the snapshot.
 			restored, rerr := c.Client("spare1").Restore(ctx, agent.RestoreRequest{Snapshot: snap})
 			t.Logf("manual restore on spare1 after %s: %+v %v", time.Since(start).Round(time.Millisecond), restored, rerr)
 			if f == nil {
-				f = waitFailure(t, c, "node1", 3*time.Minute)
+				f = waitFailure(t, c, "node1", 5*time.Minute)
 			}
 			logTimeline(t, f)
 			text := timelineText(f)
@@ -286,7 +286,7 @@ func TestFailoverFallsBackToNextReplica(t *testing.T) {
 	if err := c.Lab.Crash(ctx, "node1"); err != nil {
 		t.Fatal(err)
 	}
-	f := waitFailure(t, c, "node1", 3*time.Minute)
+	f := waitFailure(t, c, "node1", 5*time.Minute)
 	requireStages(t, f)
 	if f.Target != "spare1" {
 		t.Errorf("recovered on %s, want spare1", f.Target)

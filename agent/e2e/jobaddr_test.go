@@ -205,7 +205,7 @@ func TestJobAddressFailover(t *testing.T) {
 		t.Fatal(err)
 	}
 	crashJobNet(t, oldNet)
-	f := waitFailure(t, c, "node2", 2*time.Minute)
+	f := waitFailure(t, c, "node2", 5*time.Minute)
 	requireStages(t, f)
 	if f.Target != "spare1" || f.Basic {
 		t.Fatalf("restored on %s (basic %v), want spare1", f.Target, f.Basic)

@@ -100,7 +100,7 @@ func TestRunPlacement(t *testing.T) {
 	if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
 		t.Fatal(err)
 	}
-	f := waitFailure(t, c, "node2", 90*time.Second)
+	f := waitFailure(t, c, "node2", 5*time.Minute)
 	requireStages(t, f)
 	if f.Target != "node3" || f.Basic {
 		t.Errorf("node2's part restored on %s (basic %v); want node3, the run's spare", f.Target, f.Basic)
@@ -175,7 +175,7 @@ func TestRunSpareNotTheDetector(t *testing.T) {
 	if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
 		t.Fatal(err)
 	}
-	f := waitFailure(t, c, "node2", 90*time.Second)
+	f := waitFailure(t, c, "node2", 5*time.Minute)
 	requireStages(t, f)
 	if f.Protector != "node3" || f.Target != "node4" || f.Basic {
 		t.Errorf("detected by %s, restored on %s (basic %v); want detected by node3, restored on node4, the run's spare", f.Protector, f.Target, f.Basic)

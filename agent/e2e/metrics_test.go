@@ -176,7 +176,7 @@ func TestMetricsRecovery(t *testing.T) {
 	if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
 		t.Fatal(err)
 	}
-	f := waitFailure(t, c, "node2", 90*time.Second)
+	f := waitFailure(t, c, "node2", 5*time.Minute)
 	logTimeline(t, f)
 	if f.Error != "" {
 		t.Fatalf("recovery of node2 failed: %s", f.Error)

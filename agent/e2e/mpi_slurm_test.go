@@ -296,7 +296,7 @@ func TestMPISlurmFailover(t *testing.T) {
 	if out, err := labExec(ctx, c, ft.hosts[0], "/", nil, "scontrol", "update", "NodeName="+victim, "State=DOWN", "Reason=power cut").CombinedOutput(); err != nil {
 		t.Fatalf("scontrol update %s down: %v\n%s", victim, err, out)
 	}
-	f := waitFailure(t, c, victim, 2*time.Minute)
+	f := waitFailure(t, c, victim, 5*time.Minute)
 	requireStages(t, f)
 	if f.Target != ft.spares[0] {
 		t.Errorf("%s's jobs went to %s; want %s, its allocation's spare", victim, f.Target, ft.spares[0])

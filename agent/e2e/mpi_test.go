@@ -266,7 +266,7 @@ func TestMPIFailover(t *testing.T) {
 		t.Fatal(err)
 	}
 	crashed := time.Now()
-	f := waitFailure(t, c, "node2", 90*time.Second)
+	f := waitFailure(t, c, "node2", 5*time.Minute)
 	requireStages(t, f)
 	r.wait(t)
 	t.Logf("run with node2 crashed: %s (finished %s after the crash)", time.Since(start).Round(time.Millisecond), time.Since(crashed).Round(time.Millisecond))

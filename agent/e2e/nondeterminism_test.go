@@ -57,7 +57,7 @@ func TestResentBytesVerified(t *testing.T) {
 			if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
 				t.Fatal(err)
 			}
-			f := waitFailure(t, c, "node2", 90*time.Second)
+			f := waitFailure(t, c, "node2", 5*time.Minute)
 			logTimeline(t, f)
 			if f.Target != "spare1" {
 				t.Fatalf("restored on %s, want spare1", f.Target)
@@ -233,7 +233,7 @@ func TestOneWayStreamSenderCrash(t *testing.T) {
 	if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
 		t.Fatal(err)
 	}
-	f := waitFailure(t, c, "node2", 90*time.Second)
+	f := waitFailure(t, c, "node2", 5*time.Minute)
 	logTimeline(t, f)
 	requireStages(t, f)
 	replay := stageOf(t, f, agent.StageReplayed)

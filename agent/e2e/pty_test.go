@@ -72,6 +72,6 @@ func TestRestoredPtyIndexIsFree(t *testing.T) {
 			break
 		}
 	}
-	requireStages(t, waitFailure(t, c, "node1", 3*time.Minute))
+	requireStages(t, waitFailure(t, c, "node1", 5*time.Minute))
 	requireOneIncarnation(t, c, j, 20)
 }
