@@ -54,6 +54,8 @@ type fake struct {
 	// createErr fails its Create.
 	jobNet    bool
 	createErr error
+	// logRange answers LogRange when set.
+	logRange func(owner string, req clusterapi.LogRangeRequest) (clusterapi.LogRangeReply, []byte, error)
 	// Tracker.
 	persisted []string
 	phases    []string
@@ -97,7 +99,10 @@ func (f *fake) Fetch(_ context.Context, job string, c clusterapi.Candidate) (*Jo
 
 func (f *fake) Owner(addr netip.Addr) string { return f.owners[addr] }
 
-func (f *fake) LogRange(context.Context, string, clusterapi.LogRangeRequest) (clusterapi.LogRangeReply, []byte, error) {
+func (f *fake) LogRange(_ context.Context, owner string, req clusterapi.LogRangeRequest) (clusterapi.LogRangeReply, []byte, error) {
+	if f.logRange != nil {
+		return f.logRange(owner, req)
+	}
 	return clusterapi.LogRangeReply{}, nil, errors.New("not expected in these tests")
 }
 

@@ -8,6 +8,7 @@ import (
 	"os"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
@@ -159,39 +160,36 @@ func fetch(ctx context.Context, d Deps, req clusterapi.RecoverRequest, rj cluste
 // plan asks every peer of the job's connections for what it sent since the snapshot, for its live state
 // and for its record of what it received, and computes the image edits.
 func plan(ctx context.Context, d Deps, req clusterapi.RecoverRequest, j *Job) error {
-	peers := map[tcpflow.Tuple]restore.Peer{}
-	j.Checks = map[tcpflow.Tuple]Check{}
 	var conns []ckpt.Conn
-	var errs []error
 	for _, c := range j.Manifest.Conns {
 		if slices.Contains(req.Addrs, c.Remote.Addr().Unmap()) {
 			continue // both ends were on the failed node: restored from the same node snapshot
 		}
-		owner := d.Peers.Owner(c.Remote.Addr())
-		if owner == "" {
-			errs = append(errs, fmt.Errorf("connection %s -> %s: the peer is not a cluster member, so nobody logged what it sent", c.Local, c.Remote))
-			continue
-		}
-		qctx, cancel := context.WithTimeout(ctx, time.Minute)
-		asked := time.Now()
-		reply, data, err := d.Peers.LogRange(qctx, owner, clusterapi.LogRangeRequest{Tuple: c.Reverse(), From: c.InqSeq})
-		cancel()
-		if err != nil {
-			errs = append(errs, fmt.Errorf("connection %s -> %s: log of %s: %w", c.Local, c.Remote, owner, err))
-			continue
-		}
-		if reply.Live == nil {
-			errs = append(errs, fmt.Errorf("connection %s -> %s: %s has no live state of it", c.Local, c.Remote, owner))
-			continue
-		}
 		conns = append(conns, c)
-		peers[c.Tuple] = restore.Peer{
-			Live: *reply.Live, LiveAge: reply.LiveAge + time.Since(asked), Logged: data,
+	}
+	// Each connection's bytes come from another host: fetched a few at a time, a job with many
+	// connections waits for the slowest, not for the sum.
+	got := make([]fetchedConn, len(conns))
+	sem := make(chan struct{}, maxParallelFetches)
+	var wg sync.WaitGroup
+	for i, c := range conns {
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			got[i] = fetchConn(ctx, d, c)
+		})
+	}
+	wg.Wait()
+	peers := map[tcpflow.Tuple]restore.Peer{}
+	j.Checks = map[tcpflow.Tuple]Check{}
+	var errs []error
+	for i, c := range conns {
+		if got[i].err != nil {
+			errs = append(errs, got[i].err)
+			continue
 		}
-		// Asked now, while nothing runs at this end: the peer's record ends where its socket does.
-		qctx, cancel = context.WithTimeout(ctx, time.Minute)
-		j.Checks[c.Tuple] = fetchCheck(qctx, d.Peers, owner, c.Tuple, c.OutqSeq)
-		cancel()
+		peers[c.Tuple] = got[i].peer
+		j.Checks[c.Tuple] = got[i].check
 	}
 	if len(errs) > 0 {
 		return errors.Join(errs...)
@@ -199,6 +197,40 @@ func plan(ctx context.Context, d Deps, req clusterapi.RecoverRequest, j *Job) er
 	p, err := restore.NewPlan(conns, peers, restore.RestoredMSS)
 	j.Plan = p
 	return err
+}
+
+// maxParallelFetches bounds the connections whose logs plan fetches at once.
+const maxParallelFetches = 8
+
+// fetchedConn is what plan needs of one connection from the member that holds its peer.
+type fetchedConn struct {
+	peer  restore.Peer
+	check Check
+	err   error
+}
+
+// fetchConn fetches, from the member that holds c's peer, the bytes it logged on c since the snapshot with
+// its live state, then its record of what it received on c.
+func fetchConn(ctx context.Context, d Deps, c ckpt.Conn) fetchedConn {
+	owner := d.Peers.Owner(c.Remote.Addr())
+	if owner == "" {
+		return fetchedConn{err: fmt.Errorf("connection %s -> %s: the peer is not a cluster member, so nobody logged what it sent", c.Local, c.Remote)}
+	}
+	qctx, cancel := context.WithTimeout(ctx, time.Minute)
+	asked := time.Now()
+	reply, data, err := d.Peers.LogRange(qctx, owner, clusterapi.LogRangeRequest{Tuple: c.Reverse(), From: c.InqSeq})
+	cancel()
+	if err != nil {
+		return fetchedConn{err: fmt.Errorf("connection %s -> %s: log of %s: %w", c.Local, c.Remote, owner, err)}
+	}
+	if reply.Live == nil {
+		return fetchedConn{err: fmt.Errorf("connection %s -> %s: %s has no live state of it", c.Local, c.Remote, owner)}
+	}
+	p := restore.Peer{Live: *reply.Live, LiveAge: reply.LiveAge + time.Since(asked), Logged: data}
+	// Asked now, while nothing runs at this end: the peer's record ends where its socket does.
+	qctx, cancel = context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	return fetchedConn{peer: p, check: fetchCheck(qctx, d.Peers, owner, c.Tuple, c.OutqSeq)}
 }
 
 // fetchCheck is the Check of conn from the member that holds its peer.

@@ -8,6 +8,7 @@ import (
 	"os"
 	"reflect"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -352,4 +353,51 @@ func (f receivedFunc) LogRange(context.Context, string, clusterapi.LogRangeReque
 
 func (f receivedFunc) Received(context.Context, string, tcpflow.Tuple, uint32) (*recvdigest.Received, error) {
 	return f()
+}
+
+// TestPlanFetchesConnectionsAtOnce: plan asks the peers of all a job's connections at the same time (a
+// fetch waits here until every one has started; one after another, the first would wait forever), skips a
+// connection whose both ends were on the failed node, and reports every connection that failed, in the
+// manifest's order.
+func TestPlanFetchesConnectionsAtOnce(t *testing.T) {
+	local := netip.AddrPortFrom(failedAddr, 5000)
+	var conns []ckpt.Conn
+	f := newFake(t)
+	for i, peer := range []string{"10.0.0.1", "10.0.0.3", "10.0.0.4"} {
+		remote := netip.AddrPortFrom(netip.MustParseAddr(peer), uint16(7000+i))
+		conns = append(conns, ckpt.Conn{Tuple: tcpflow.Tuple{Local: local, Remote: remote}})
+		f.owners[remote.Addr()] = "owner-" + peer
+	}
+	internal := ckpt.Conn{Tuple: tcpflow.Tuple{Local: local, Remote: netip.AddrPortFrom(failedAddr, 6000)}}
+	conns = append(conns, internal)
+	var started sync.WaitGroup
+	started.Add(3)
+	f.logRange = func(owner string, req clusterapi.LogRangeRequest) (clusterapi.LogRangeReply, []byte, error) {
+		if req.Tuple.Remote.Addr() == failedAddr && req.Tuple.Local.Addr() == failedAddr {
+			t.Errorf("plan asked %s for a connection inside the failed node", owner)
+		}
+		started.Done()
+		done := make(chan struct{})
+		go func() { started.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second): // a failure bound: they start at once
+			return clusterapi.LogRangeReply{}, nil, errors.New("the other fetches never started")
+		}
+		return clusterapi.LogRangeReply{}, nil, errors.New("refused by " + owner)
+	}
+	j := &Job{Manifest: &ckpt.Manifest{Info: ckpt.Info{Conns: conns}}}
+	err := plan(context.Background(), f.deps(), request(), j)
+	if err == nil {
+		t.Fatal("plan succeeded with every peer refusing")
+	}
+	msg := err.Error()
+	last := -1
+	for _, owner := range []string{"owner-10.0.0.1", "owner-10.0.0.3", "owner-10.0.0.4"} {
+		i := strings.Index(msg, "refused by "+owner)
+		if i < 0 || i < last {
+			t.Fatalf("plan's error %q: want every refusal, in the manifest's order", msg)
+		}
+		last = i
+	}
 }
