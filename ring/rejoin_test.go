@@ -49,7 +49,7 @@ func TestRejoin(t *testing.T) {
 		t.Errorf("n2 rejoined twice: %+v", m)
 	}
 
-	took := must(t)(base.Replace("n2", "s1")) // without job addresses: s1 holds n2's host address
+	took := must(t)(base.Replace("n2", "s1"))    // without job addresses: s1 holds n2's host address
 	absorbed := must(t)(base.Absorb("n2", "n3")) // basic mode: n3 holds n2's host address
 	two := must(t)(New([]Member{node("n1", "10.0.0.1:7000"), node("n2", "10.0.0.2:7000")}))
 	twoMoved := must(t)(must(t)(two.AddSpare(spareM("s1", "10.0.0.11:7000"))).ReplaceKeepingAddrs("n2", "s1"))

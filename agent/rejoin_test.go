@@ -1,0 +1,162 @@
+package agent
+
+import (
+	"encoding/json"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/ring"
+	"github.com/ftkit/ftkit/shim"
+)
+
+// rejoinViews are views of node1..node3 (nodes) and s1 (spare) seen by the test agent (node1): as
+// configured, after node2 failed and s1 took its place (its jobs had job addresses), and after node2
+// rejoined.
+func rejoinViews(t *testing.T) (base, failed, rejoined ring.View) {
+	t.Helper()
+	m := func(name, addr string, role ring.Role) ring.Member {
+		return ring.Member{Name: name, Address: netip.MustParseAddrPort(addr), Role: role}
+	}
+	base, err := ring.New([]ring.Member{m("node1", "127.0.0.1:1", ring.RoleNode), m("node2", "127.0.0.2:1", ring.RoleNode),
+		m("node3", "127.0.0.3:1", ring.RoleNode), m("s1", "127.0.0.11:1", ring.RoleSpare)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if failed, err = base.ReplaceKeepingAddrs("node2", "s1"); err != nil {
+		t.Fatal(err)
+	}
+	if rejoined, err = failed.Rejoin("node2", 0); err != nil {
+		t.Fatal(err)
+	}
+	return base, failed, rejoined
+}
+
+// TestServeRejoin: a member is admitted back only by an alive node, only if its view lists it as failed as
+// the incarnation it says, once the recovery of its jobs is over and only if it answers as idle; a retried
+// request after it was admitted gets the view, not a second incarnation.
+func TestServeRejoin(t *testing.T) {
+	base, failed, rejoined := rejoinViews(t)
+	selfFailed, err := base.ReplaceKeepingAddrs("node1", "s1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name     string
+		view     ring.View
+		peer     string
+		inc      uint64
+		underWay bool   // a recovery of node2's jobs is not over
+		err      string // "" for admitted
+	}{
+		{"this host is not an alive node", selfFailed, "node2", 0, false, "only an alive node of the ring admits"},
+		{"not a member", failed, "node9", 0, false, "not a member"},
+		{"alive member", base, "node2", 0, false, "lists it alive as incarnation 0"},
+		{"another incarnation", failed, "node2", 3, false, "not failed as incarnation 3"},
+		{"its recovery is under way", failed, "node2", 0, true, "is not over"},
+		{"it does not answer", failed, "node2", 0, false, "does not answer a ping"},
+		{"admitted already: a retried request", rejoined, "node2", 0, false, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ta := newTestAgent(t)
+			ta.members.view = tc.view
+			if tc.underWay {
+				ta.failures.update("node2-1", func(f *Failure) { f.Node, f.Detected = "node2", time.Now() })
+			}
+			got, err := ta.serveRejoin(t.Context(), tc.peer, clusterapi.RejoinRequest{Incarnation: tc.inc})
+			if tc.err == "" {
+				if err != nil {
+					t.Fatalf("refused: %v", err)
+				}
+				v, err := ring.Decode(got.View)
+				if err != nil || v.Epoch != tc.view.Epoch {
+					t.Fatalf("answer: view %d (%v), want the current one, %d", v.Epoch, err, tc.view.Epoch)
+				}
+				return
+			}
+			if e := clusterapi.Refusal(err); e == nil || e.Code != clusterapi.CodeRefused || !strings.Contains(e.Message, tc.err) {
+				t.Fatalf("err %v, want a refusal containing %q", err, tc.err)
+			}
+			if ta.View().Epoch != tc.view.Epoch {
+				t.Errorf("the view changed to epoch %d on a refusal", ta.View().Epoch)
+			}
+		})
+	}
+}
+
+// TestDropFailedJobs: an agent whose view lists it as failed ends the jobs it still has as running: a copy
+// still running is killed (its cgroup), every record says lost (its job address stays held), none is left
+// running.
+func TestDropFailedJobs(t *testing.T) {
+	ta := newTestAgent(t)
+	base, _, _ := rejoinViews(t)
+	v, err := base.ReplaceKeepingAddrs("node1", "s1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ta.members.view = v
+	// ownersJob still runs (a cut-off host that did not fence itself); rootsJob's processes are gone.
+	live := ta.byID[ownersJob]
+	for name, content := range map[string]string{"cgroup.events": "populated 1\nfrozen 0\n", "cgroup.kill": ""} {
+		if err := os.WriteFile(filepath.Join(live.Cgroup, name), []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	self, _ := v.Member("node1")
+	if left := ta.dropFailedJobs(self); left != 0 {
+		t.Fatalf("%d jobs left running", left)
+	}
+	if b, _ := os.ReadFile(filepath.Join(live.Cgroup, "cgroup.kill")); string(b) != "1" {
+		t.Errorf("the running copy's cgroup was not killed: cgroup.kill holds %q", b)
+	}
+	for _, id := range []string{ownersJob, rootsJob} {
+		j, _, err := ta.Job(id, 0)
+		if err != nil || j.State != JobLost {
+			t.Errorf("job %s: state %q (%v), want lost", id, j.State, err)
+		}
+		var saved Job
+		b, _ := os.ReadFile(filepath.Join(ta.jobs.dir, id+".json"))
+		if json.Unmarshal(b, &saved); saved.State != JobLost {
+			t.Errorf("job %s's record on disk says %q, want lost", id, saved.State)
+		}
+	}
+	if j, _, _ := ta.Job(doneJob, 0); j.State != JobExited {
+		t.Errorf("a job that had ended changed: %q", j.State)
+	}
+}
+
+// TestSettleGone: a record left running whose processes are gone is never adopted: it ended with its exit
+// record if this host's shim wrote one, else it is lost.
+func TestSettleGone(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		exit *shim.ExitStatus
+		want JobState
+	}{
+		{"no exit record", nil, JobLost},
+		{"an exit record of this host", &shim.ExitStatus{Code: 3, Node: "node1"}, JobExited},
+		{"an exit record of another host's copy", &shim.ExitStatus{Code: 0, Node: "s1"}, JobLost},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ta := newTestAgent(t)
+			j := ta.byID[rootsJob]
+			if tc.exit != nil {
+				b, _ := json.Marshal(tc.exit)
+				if err := os.MkdirAll(filepath.Dir(j.ExitPath()), 0o755); err != nil {
+					t.Fatal(err)
+				}
+				if err := os.WriteFile(j.ExitPath(), b, 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			ta.settleGone(j)
+			if got, _, _ := ta.Job(rootsJob, 0); got.State != tc.want {
+				t.Fatalf("state %q, want %q", got.State, tc.want)
+			}
+		})
+	}
+}
