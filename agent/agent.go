@@ -151,7 +151,7 @@ func (a *Agent) adopt() (int, error) {
 			continue
 		}
 		a.byID[j.ID] = j
-		if j.State == JobRunning && !populated(j.Cgroup) {
+		if j.State == JobRunning && !a.ownCopyRuns(*j) {
 			a.settleGone(j) // nothing of it runs here (a crashed host came back): never adopted
 			continue
 		}

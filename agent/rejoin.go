@@ -5,9 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"os"
+	"strings"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/ring"
 	"github.com/ftkit/ftkit/shim"
 )
@@ -68,9 +73,11 @@ func (a *Agent) dropFailedJobs(self ring.Member) int {
 		if j.State != JobRunning {
 			continue
 		}
-		if populated(j.Cgroup) {
-			if err := a.killCgroup(j.ID); err != nil {
-				a.log.Error("this host was declared failed and its job restored elsewhere, but its copy here could not be killed", "job", j.ID, "err", err)
+		if a.ownCopyRuns(j) {
+			// Its root is the init of the job's PID namespace: the kernel kills the whole namespace with it.
+			// Not the cgroup: on hosts that share a kernel (the lab) it is the restored copy's too.
+			if err := unix.Kill(j.PID, unix.SIGKILL); err != nil && !errors.Is(err, unix.ESRCH) {
+				a.log.Error("this host was declared failed and its job restored elsewhere, but its copy here could not be killed", "job", j.ID, "pid", j.PID, "err", err)
 				left++
 				continue
 			}
@@ -101,6 +108,38 @@ func (a *Agent) restoredOn(job string) string {
 	return best.Target
 }
 
+// ownCopyRuns reports whether this host's copy of job j runs: its root process (j.PID) is alive, in the
+// job's cgroup, and in this host's network namespace or the job network this host made for it. The cgroup
+// alone does not tell: hosts that share a kernel (the lab) share a job's cgroup path, where another host's
+// restored copy runs; and the PID alone may have been reused.
+func (a *Agent) ownCopyRuns(j Job) bool {
+	if j.PID <= 0 || j.Cgroup == "" {
+		return false
+	}
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", j.PID))
+	if err != nil {
+		return false // gone
+	}
+	inCgroup := false
+	for _, line := range strings.Split(string(b), "\n") {
+		if p, ok := strings.CutPrefix(line, "0::"); ok && p != "/" && strings.HasSuffix(j.Cgroup, p) {
+			inCgroup = true
+		}
+	}
+	if !inCgroup {
+		return false
+	}
+	var want, got unix.Stat_t
+	ns := "/proc/self/ns/net"
+	if j.Net != nil {
+		ns = jobnet.Path(jobNetName(a.cfg.Name, j.ID))
+	}
+	if unix.Stat(ns, &want) != nil || unix.Stat(fmt.Sprintf("/proc/%d/ns/net", j.PID), &got) != nil {
+		return false
+	}
+	return want.Dev == got.Dev && want.Ino == got.Ino
+}
+
 // finishRunning finishes job id if it is still running (watchJobs may have finished it meanwhile).
 func (a *Agent) finishRunning(id string, state JobState, st *shim.ExitStatus) {
 	a.mu.Lock()
@@ -112,8 +151,8 @@ func (a *Agent) finishRunning(id string, state JobState, st *shim.ExitStatus) {
 	}
 }
 
-// settleGone finishes a job record a previous agent left as running whose cgroup holds no process: the
-// host restarted, or the job was killed, while no agent ran. Its exit record says how it ended, if it
+// settleGone finishes a job record a previous agent left as running whose copy does not run here
+// (ownCopyRuns): the host restarted, or the job was killed, while no agent ran. Its exit record says how it ended, if it
 // wrote one here; otherwise it is lost. Adopting it instead would let a reused PID pass for the job.
 func (a *Agent) settleGone(j *Job) {
 	st, err := shim.ReadExit(j.ExitPath())

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"encoding/json"
+	"fmt"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -88,9 +89,9 @@ func TestServeRejoin(t *testing.T) {
 	}
 }
 
-// TestDropFailedJobs: an agent whose view lists it as failed ends the jobs it still has as running: a copy
-// still running is killed (its cgroup), every record says lost (its job address stays held), none is left
-// running.
+// TestDropFailedJobs: an agent whose view lists it as failed ends the jobs it still has as running: its
+// copy still running is killed (the job's root process: its PID namespace), every record says lost (its
+// job address stays held), none is left running, and a job that had ended stays as it was.
 func TestDropFailedJobs(t *testing.T) {
 	ta := newTestAgent(t)
 	base, _, _ := rejoinViews(t)
@@ -99,19 +100,20 @@ func TestDropFailedJobs(t *testing.T) {
 		t.Fatal(err)
 	}
 	ta.members.view = v
-	// ownersJob still runs (a cut-off host that did not fence itself); rootsJob's processes are gone.
-	live := ta.byID[ownersJob]
-	for name, content := range map[string]string{"cgroup.events": "populated 1\nfrozen 0\n", "cgroup.kill": ""} {
-		if err := os.WriteFile(filepath.Join(live.Cgroup, name), []byte(content), 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
+	// rootsJob still runs here (a cut-off host that did not fence itself): a real process in a real
+	// cgroup. ownersJob's record names this test's own process, which is in no job cgroup: not killed.
+	cg, child := jobProcess(t)
+	ta.byID[rootsJob].PID, ta.byID[rootsJob].Cgroup = child.Pid, cg
 	self, _ := v.Member("node1")
 	if left := ta.dropFailedJobs(self); left != 0 {
 		t.Fatalf("%d jobs left running", left)
 	}
-	if b, _ := os.ReadFile(filepath.Join(live.Cgroup, "cgroup.kill")); string(b) != "1" {
-		t.Errorf("the running copy's cgroup was not killed: cgroup.kill holds %q", b)
+	waited := make(chan error, 1)
+	go func() { _, err := child.Wait(); waited <- err }()
+	select {
+	case <-waited:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the running copy was not killed")
 	}
 	for _, id := range []string{ownersJob, rootsJob} {
 		j, _, err := ta.Job(id, 0)
@@ -126,6 +128,68 @@ func TestDropFailedJobs(t *testing.T) {
 	}
 	if j, _, _ := ta.Job(doneJob, 0); j.State != JobExited {
 		t.Errorf("a job that had ended changed: %q", j.State)
+	}
+}
+
+// jobProcess starts a process in a cgroup v2 directory of its own, both removed at the end of the test
+// (skipped without root or a cgroup v2 hierarchy).
+func jobProcess(t *testing.T) (string, *os.Process) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("SKIP: needs root to create a cgroup")
+	}
+	var root string
+	for _, r := range []string{"/sys/fs/cgroup/unified", "/sys/fs/cgroup"} {
+		if _, err := os.Stat(filepath.Join(r, "cgroup.controllers")); err == nil {
+			root = r
+			break
+		}
+	}
+	if root == "" {
+		t.Skip("SKIP: no cgroup v2 hierarchy")
+	}
+	cg, err := os.MkdirTemp(root, "ftkit-rejoin-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := os.StartProcess("/bin/sleep", []string{"sleep", "600"}, &os.ProcAttr{})
+	if err != nil {
+		os.Remove(cg)
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		p.Kill()
+		p.Wait()
+		for deadline := time.Now().Add(10 * time.Second); os.Remove(cg) != nil && time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		}
+	})
+	if err := os.WriteFile(filepath.Join(cg, "cgroup.procs"), []byte(fmt.Sprint(p.Pid)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return cg, p
+}
+
+// TestOwnCopyRuns: a job runs here only if its root process is alive, in its cgroup, and in this host's
+// network namespace.
+func TestOwnCopyRuns(t *testing.T) {
+	ta := newTestAgent(t)
+	cg, child := jobProcess(t)
+	for _, tc := range []struct {
+		name string
+		j    Job
+		want bool
+	}{
+		{"this host's copy", Job{ID: rootsJob, PID: child.Pid, Cgroup: cg}, true},
+		{"no pid", Job{ID: rootsJob, Cgroup: cg}, false},
+		{"a process in another cgroup (a reused pid)", Job{ID: rootsJob, PID: os.Getpid(), Cgroup: cg}, false},
+		{"the process in another host's job network", Job{ID: rootsJob, PID: child.Pid, Cgroup: cg, Net: &JobNet{Name: "x"}}, false},
+		{"a pid that does not exist", Job{ID: rootsJob, PID: 1 << 30, Cgroup: cg}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := ta.ownCopyRuns(tc.j); got != tc.want {
+				t.Fatalf("ownCopyRuns = %v, want %v", got, tc.want)
+			}
+		})
 	}
 }
 
