@@ -344,7 +344,7 @@ func TestJobAddressFailover(t *testing.T) {
 // the rank with the same address, and node2's link comes back while the moved rank still runs: node2 holds
 // only its own address, so nothing on the wire points the peers' connections at it (with host addresses,
 // TestPartitionSelfFence must keep the link down until the ranks end), and the run ends with the
-// failure-free checksum.
+// failure-free checksum; node2, idle, has rejoined as a spare.
 func TestJobAddressSelfFence(t *testing.T) {
 	const port = 7470
 	args := ringArgs(2500, 16<<10, 10*time.Millisecond)
@@ -446,4 +446,13 @@ func TestJobAddressSelfFence(t *testing.T) {
 	if j := rg.job(t, "node2", 1); j.State == agent.JobRunning {
 		t.Errorf("node2 runs its copy of rank 1 again: %+v", j)
 	}
+	// Idle and reconnected, node2 rejoined as a spare under its next incarnation.
+	poll(t, time.Minute, "node1 to list node2 as a rejoined spare", func() bool {
+		s, err := c.Client("node1").Status(ctx)
+		if err != nil {
+			return false
+		}
+		i := slices.IndexFunc(s.Members, func(m membership.Member) bool { return m.Name == "node2" })
+		return i >= 0 && s.Members[i].State == membership.StateAlive && s.Members[i].Role == membership.RoleSpare && s.Members[i].Incarnation == 1
+	})
 }
