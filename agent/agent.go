@@ -151,6 +151,10 @@ func (a *Agent) adopt() (int, error) {
 			continue
 		}
 		a.byID[j.ID] = j
+		if j.State == JobRunning && !a.ownCopyRuns(*j) {
+			a.settleGone(j) // nothing of it runs here (a crashed host came back): never adopted
+			continue
+		}
 		if j.State == JobRunning {
 			a.thawLeftFrozen(j)
 			a.checkAdoptedJobNet(j)
@@ -440,7 +444,8 @@ func (a *Agent) Run(ctx context.Context, local LocalAPI) error {
 	go a.keepPriority(ctx)
 	go a.watchPredecessor(ctx)
 	go a.selfFence(ctx)
-	go a.pushView(ctx) // a restarted agent learns what changed while it was away
+	go a.pushView(ctx)    // a restarted agent learns what changed while it was away
+	go a.watchRejoin(ctx) // and, if it was declared failed, drops its old jobs and comes back as a spare
 	if adopted > 0 && a.netlog != nil {
 		go a.renewReceiverSnapshots(ctx)
 	}

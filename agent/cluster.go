@@ -225,3 +225,7 @@ func (s peerService) RecoveryStatus(_ context.Context, peer string, req clustera
 func (s peerService) Grant(_ context.Context, peer string, req clusterapi.GrantRequest) (clusterapi.GrantReply, error) {
 	return s.a.localGrant(req, peer)
 }
+
+func (s peerService) Rejoin(ctx context.Context, peer string, req clusterapi.RejoinRequest) (clusterapi.ViewMessage, error) {
+	return s.a.serveRejoin(ctx, peer, req)
+}

@@ -102,11 +102,17 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 	}
 	var nv ring.View
 	var err error
-	if absorb {
+	switch {
+	case absorb:
 		// Basic mode (this host), or a node of the ring that was idle as a spare of the run: it keeps its
-		// ring position and takes the failed node's addresses.
+		// ring position and takes the failed node's addresses (the view finds who stands for the failed
+		// node by them).
 		nv, err = v.Absorb(s.Name, target)
-	} else {
+	// A spare takes the failed node's place; jobs with addresses of their own leave the host's address
+	// with nobody, for the host to come back with it (ring.View.Rejoin).
+	case ownAddrs:
+		nv, err = v.ReplaceKeepingAddrs(s.Name, target)
+	default:
 		nv, err = v.Replace(s.Name, target)
 	}
 	if err != nil {

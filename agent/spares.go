@@ -25,7 +25,7 @@ func (a *Agent) AddSpare(ctx context.Context, req SpareRequest) (ring.View, erro
 		return ring.View{}, fmt.Errorf("a spare needs a name and an address ip:port")
 	}
 	if _, ok := a.member(req.Name); ok {
-		return ring.View{}, fmt.Errorf("%s is already a member; a repaired host rejoins under a new name", req.Name)
+		return ring.View{}, fmt.Errorf("%s is already a member; a failed member whose host address nobody holds rejoins by itself once its agent runs (ring rejoin), otherwise a repaired host rejoins under a new name", req.Name)
 	}
 	pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()

@@ -236,6 +236,13 @@ func (c *Client) Grant(ctx context.Context, peer string, req GrantRequest) (Gran
 	return rep, err
 }
 
+// Rejoin asks peer to admit this member, failed as incarnation req.Incarnation, back as a spare; the
+// answer is peer's view after it (the caller decodes and checks it like any view). The peer asks the
+// caller whether it is idle before it answers: two message timeouts.
+func (c *Client) Rejoin(ctx context.Context, peer string, req RejoinRequest) (ViewMessage, error) {
+	return call[ViewMessage](c, ctx, peer, OpRejoin, c.msg()+c.cfg.Timeouts.LargeTimeout(MaxMessage), req)
+}
+
 // StartJob asks peer to start a job for a local caller of this agent, and checks the answer is a job's
 // record. Starting a job takes a fork and a cgroup: a few message timeouts under load.
 func (c *Client) StartJob(ctx context.Context, peer string, req StartJobRequest) (StartJobReply, error) {

@@ -53,6 +53,7 @@ func messageSeeds() [][]byte {
 		RecoveryStatusReply{Failure: "n3-1", Known: true, Stages: json.RawMessage(`[]`), Running: []string{"job-1"}},
 		GrantRequest{Job: "job-1", Incarnation: 2, Holder: "restore:ab"},
 		GrantReply{Conflict: &grant.Record{Incarnation: 2, Holder: "restore:cd", Host: "s1"}},
+		RejoinRequest{Incarnation: 1},
 		Error{Op: OpPing, Code: CodeRefused, Message: "busy"},
 		testStartJob(),
 		StartJobReply{ID: "run-node2-0a0b0c0d", Node: "n2", PID: 42, Dir: "/jobs/run-node2-0a0b0c0d"},
@@ -104,6 +105,8 @@ func FuzzClusterMessage(f *testing.F) {
 		request(&fr, MaxHeader)
 		var gr GrantRequest
 		request(&gr, MaxHeader)
+		var rjq RejoinRequest
+		request(&rjq, MaxHeader)
 		var rs RecoveryStatusRequest
 		if request(&rs, MaxMessage) && rs.Validate() == nil && len(rs.Jobs) > MaxRecoveryStatusJobs {
 			t.Fatalf("a status question about %d jobs validated", len(rs.Jobs))

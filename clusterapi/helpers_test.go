@@ -266,6 +266,10 @@ func (f *fakeService) Grant(_ context.Context, peer string, req GrantRequest) (G
 	return GrantReply{Granted: !req.Release}, f.seen(peer, req)
 }
 
+func (f *fakeService) Rejoin(_ context.Context, peer string, req RejoinRequest) (ViewMessage, error) {
+	return ViewMessage{View: []byte("view")}, f.seen(peer, req)
+}
+
 func (f *fakeService) StartJob(_ context.Context, peer string, req StartJobRequest) (StartJobReply, error) {
 	return StartJobReply{ID: req.Name + "-0a0b0c0d", Node: "n2", PID: 42, Dir: "/jobs/" + req.Name + "-0a0b0c0d"}, f.seen(peer, req)
 }

@@ -357,6 +357,13 @@ type GrantRequest struct {
 	Release     bool   `json:"release,omitempty"`
 }
 
+// RejoinRequest asks a member to admit the caller, a member its view lists as failed, back as a spare
+// under its next incarnation (ring.View.Rejoin). Incarnation is the one the caller failed as, so that a
+// retried request never bumps it twice. The answer is the view (and failure timelines) after the rejoin.
+type RejoinRequest struct {
+	Incarnation uint64 `json:"incarnation"`
+}
+
 // GrantReply is the member's answer: granted (or given back), or the grant that stands in the way.
 type GrantReply struct {
 	Granted  bool          `json:"granted,omitempty"`

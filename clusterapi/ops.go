@@ -29,6 +29,7 @@ const (
 	OpReplica        Op = "replica"         // the newest verified replica of a job from a node the server holds
 	OpRecoveryStatus Op = "recovery-status" // how a recovery the server was the target of went
 	OpGrant          Op = "grant"           // grant (or give back) the next incarnation of a job to a restore
+	OpRejoin         Op = "rejoin"          // the caller, a failed member, asks to come back as a spare
 	// Runs.
 	OpStartJob Op = "start-job" // start a protected job on the server for a caller of the asking member
 )
@@ -39,7 +40,7 @@ func (op Op) Path() string { return "/v1/" + string(op) }
 // Ops lists every operation.
 func Ops() []Op {
 	return []Op{OpPing, OpSnapshot, OpFetch, OpLocate, OpTrim, OpLogRange, OpCheckpointNow, OpReceived,
-		OpLogWatermark, OpHeartbeat, OpProbe, OpView, OpClaim, OpRecover, OpReplica, OpRecoveryStatus, OpGrant, OpStartJob}
+		OpLogWatermark, OpHeartbeat, OpProbe, OpView, OpClaim, OpRecover, OpReplica, OpRecoveryStatus, OpGrant, OpRejoin, OpStartJob}
 }
 
 // MaxHeader bounds a small request body; MaxMessage bounds the larger ones (views, trims), every reply

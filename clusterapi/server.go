@@ -49,6 +49,8 @@ type Service interface {
 	Recover(ctx context.Context, peer string, req RecoverRequest, progress func(RecoverProgress) error) error
 	RecoveryStatus(ctx context.Context, peer string, req RecoveryStatusRequest) (RecoveryStatusReply, error)
 	Grant(ctx context.Context, peer string, req GrantRequest) (GrantReply, error)
+	// Rejoin admits peer, a failed member, back as a spare and answers with the new view.
+	Rejoin(ctx context.Context, peer string, req RejoinRequest) (ViewMessage, error)
 	// StartJob starts a job as req.UID for a caller of peer; req is validated.
 	StartJob(ctx context.Context, peer string, req StartJobRequest) (StartJobReply, error)
 }
@@ -109,6 +111,7 @@ func NewServer(ctx context.Context, svc Service, opts ServerOptions) *Server {
 		return svc.RecoveryStatus(ctx, peer, req)
 	})
 	handle(s, OpGrant, MaxHeader, svc.Grant)
+	handle(s, OpRejoin, MaxHeader, svc.Rejoin)
 	handle(s, OpStartJob, MaxMessage, func(ctx context.Context, peer string, req StartJobRequest) (StartJobReply, error) {
 		if err := req.Validate(); err != nil {
 			return StartJobReply{}, &Error{Code: CodeBadRequest, Message: err.Error()}

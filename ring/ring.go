@@ -31,9 +31,9 @@ const (
 	RoleSpare Role = "spare" // idle, waits to take a failed node's place
 )
 
-// State is whether a member is still part of the cluster. Failed members stay in the view (never
-// reused) so that a failed agent that comes back learns it was replaced, and so that a failed node's
-// ring position still names the node that holds its replicas.
+// State is whether a member is still part of the cluster. A failed member stays in the view so that a
+// failed agent that comes back learns it was replaced, and so that a failed node's ring position still
+// names the node that holds its replicas. Its name comes back only through Rejoin, as a new incarnation.
 type State string
 
 const (
@@ -55,8 +55,14 @@ type Member struct {
 	// from failed nodes, since restored jobs keep the addresses their peers know. A failed member keeps
 	// the list it had when it failed, as a record; it owns none of them any more.
 	Addrs []netip.Addr `json:"addrs,omitempty"`
-	// Replaces is, for a spare that took a failed node's place, that node's name.
-	Replaces string `json:"replaces,omitempty"`
+	// Replaces is, for a spare that took a failed node's place, that node's name, and
+	// ReplacesIncarnation the incarnation of it that failed (the name may have rejoined since).
+	Replaces            string `json:"replaces,omitempty"`
+	ReplacesIncarnation uint64 `json:"replaces_incarnation,omitempty"`
+	// Incarnation counts the member's returns: 0 as configured or registered, +1 at each Rejoin of a
+	// failed member. What referred to an earlier incarnation (a replacement, a run placed before, a
+	// recovery of its jobs) keeps referring to that one.
+	Incarnation uint64 `json:"incarnation,omitempty"`
 }
 
 // View is one version of the membership. Members lists nodes in ring order and spares in registration
@@ -98,7 +104,11 @@ func (v View) validate() error {
 	names := map[string]int{}
 	addrs := map[netip.AddrPort]string{}
 	owner := map[netip.Addr]string{}
-	replaced := map[string]string{}
+	type incarnation struct {
+		name string
+		n    uint64
+	}
+	replaced := map[incarnation]string{}
 	nodes, alive := 0, 0
 	for i, m := range v.Members {
 		if err := clustertls.ValidateMemberName(m.Name); err != nil {
@@ -157,25 +167,33 @@ func (v View) validate() error {
 			}
 			owner[a] = m.Name
 		}
-		if m.Replaces != "" {
+		switch {
+		case m.Replaces != "":
 			if m.Role != RoleNode {
 				errs = append(errs, fmt.Errorf("member %q replaces %q but is a %s: only a spare that became a node replaces one", m.Name, m.Replaces, m.Role))
 			}
-			if other, dup := replaced[m.Replaces]; dup {
-				errs = append(errs, fmt.Errorf("both %q and %q replace %q: one failed node gets one spare", other, m.Name, m.Replaces))
+			key := incarnation{m.Replaces, m.ReplacesIncarnation}
+			if other, dup := replaced[key]; dup {
+				errs = append(errs, fmt.Errorf("both %q and %q replace incarnation %d of %q: one failed node gets one spare", other, m.Name, key.n, m.Replaces))
 			}
-			replaced[m.Replaces] = m.Name
+			replaced[key] = m.Name
+		case m.ReplacesIncarnation != 0:
+			errs = append(errs, fmt.Errorf("member %q replaces incarnation %d of nobody", m.Name, m.ReplacesIncarnation))
 		}
 	}
 	for failed, by := range replaced {
-		i, ok := names[failed]
+		i, ok := names[failed.name]
 		switch {
 		case !ok:
-			errs = append(errs, fmt.Errorf("member %q replaces %q, which is not a member", by, failed))
-		case failed == by:
+			errs = append(errs, fmt.Errorf("member %q replaces %q, which is not a member", by, failed.name))
+		case failed.name == by:
 			errs = append(errs, fmt.Errorf("member %q replaces itself", by))
+		case v.Members[i].Incarnation > failed.n:
+			// That incarnation failed and the member rejoined since: the replacement stands for the old one.
+		case v.Members[i].Incarnation < failed.n:
+			errs = append(errs, fmt.Errorf("member %q replaces incarnation %d of %q, which is at incarnation %d", by, failed.n, failed.name, v.Members[i].Incarnation))
 		case v.Members[i].Role != RoleNode || v.Members[i].State != StateFailed:
-			errs = append(errs, fmt.Errorf("member %q replaces %q, which is not a failed node", by, failed))
+			errs = append(errs, fmt.Errorf("member %q replaces %q, which is not a failed node", by, failed.name))
 		}
 	}
 	if nodes < 2 {
@@ -295,6 +313,17 @@ func (v View) Spares() []Member {
 // that holds its replicas, and the spare inherits that same protector: the snapshots of the restored
 // jobs keep going where the replicas already are.
 func (v View) Replace(failed, spare string) (View, error) {
+	return v.replace(failed, spare, true)
+}
+
+// ReplaceKeepingAddrs is Replace for a failed node whose jobs have addresses of their own: spare takes
+// its ring position, and the failed node's host addresses stay with nobody, so that the host can come
+// back with them (Rejoin).
+func (v View) ReplaceKeepingAddrs(failed, spare string) (View, error) {
+	return v.replace(failed, spare, false)
+}
+
+func (v View) replace(failed, spare string, takeAddrs bool) (View, error) {
 	fi, si := v.index(failed), v.index(spare)
 	if fi < 0 || !v.Members[fi].aliveNode() {
 		return View{}, fmt.Errorf("replace %q by %q: %q is not an alive node in view %d", failed, spare, failed, v.Epoch)
@@ -308,7 +337,10 @@ func (v View) Replace(failed, spare string) (View, error) {
 	}
 	f := &n.Members[fi]
 	s := n.Members[si]
-	s.Role, s.Replaces, s.Addrs = RoleNode, failed, mergeAddrs(s.Addrs, f.Addrs)
+	s.Role, s.Replaces, s.ReplacesIncarnation = RoleNode, failed, f.Incarnation
+	if takeAddrs {
+		s.Addrs = mergeAddrs(s.Addrs, f.Addrs)
+	}
 	f.State = StateFailed
 	n.Members = slices.Delete(n.Members, si, si+1)
 	fi = n.index(failed)
@@ -351,8 +383,10 @@ func (v View) AddSpare(m Member) (View, error) {
 		return View{}, fmt.Errorf("add spare %q: role is %q, want %s", m.Name, m.Role, RoleSpare)
 	case m.State != StateAlive:
 		return View{}, fmt.Errorf("add spare %q: state is %q, want %s", m.Name, m.State, StateAlive)
-	case m.Replaces != "":
+	case m.Replaces != "" || m.ReplacesIncarnation != 0:
 		return View{}, fmt.Errorf("add spare %q: a new spare replaces nobody (got %q)", m.Name, m.Replaces)
+	case m.Incarnation != 0:
+		return View{}, fmt.Errorf("add spare %q: a new member starts at incarnation 0 (got %d); a failed member comes back with Rejoin", m.Name, m.Incarnation)
 	}
 	if len(m.Addrs) == 0 && m.Address.IsValid() {
 		m.Addrs = []netip.Addr{m.Address.Addr().Unmap()}
@@ -363,6 +397,43 @@ func (v View) AddSpare(m Member) (View, error) {
 	}
 	n.Members = append(n.Members, m)
 	return n.checked("add spare %q", m.Name)
+}
+
+// Rejoin brings failed member name back as an alive spare under its next incarnation (a repaired host,
+// or one that was cut off and fenced itself): at the end of the spare FIFO, with its own host address only
+// (the addresses it held went with its jobs). It leaves the ring: a failed node keeps its ring position
+// only for Protector of its old jobs, which moved. What named the failed incarnation keeps naming it:
+// a replacement's ReplacesIncarnation, and Standing for runs placed before (see Standing). The rejoined
+// member replaces nobody any more: who it replaced once is stood for by whoever replaced it after.
+// incarnation is the incarnation the caller failed as: a retried request after the rejoin succeeded
+// (the member is then alive at incarnation+1) is refused instead of bumping it again.
+func (v View) Rejoin(name string, incarnation uint64) (View, error) {
+	i := v.index(name)
+	if i < 0 {
+		return View{}, fmt.Errorf("rejoin %q: not a member in view %d (a new host joins with AddSpare)", name, v.Epoch)
+	}
+	m := v.Members[i]
+	switch {
+	case m.State != StateFailed:
+		return View{}, fmt.Errorf("rejoin %q: it is %s in view %d: only a failed member rejoins", name, m.State, v.Epoch)
+	case m.Incarnation != incarnation:
+		return View{}, fmt.Errorf("rejoin %q: it failed as incarnation %d in view %d, not %d", name, m.Incarnation, v.Epoch, incarnation)
+	case m.Incarnation == math.MaxUint64:
+		return View{}, fmt.Errorf("rejoin %q: incarnation overflow", name)
+	case !m.Address.IsValid():
+		return View{}, fmt.Errorf("rejoin %q: it has no cluster address", name)
+	}
+	if owner, ok := v.Owner(m.Address.Addr()); ok {
+		return View{}, fmt.Errorf("rejoin %q: its host address %s is held by %s, which took it over with its jobs (they had no job addresses): the host may come back only once %s gives it up, or under another address as a new spare", name, m.Address.Addr(), owner, owner)
+	}
+	n, err := v.next()
+	if err != nil {
+		return View{}, fmt.Errorf("rejoin %q: %w", name, err)
+	}
+	m = Member{Name: m.Name, Address: m.Address, Role: RoleSpare, State: StateAlive,
+		Addrs: []netip.Addr{m.Address.Addr().Unmap()}, Incarnation: m.Incarnation + 1}
+	n.Members = append(slices.Delete(n.Members, i, i+1), m)
+	return n.checked("rejoin %q", name)
 }
 
 // Fail marks an alive member failed without replacing it (a spare that died, or a node nobody can take

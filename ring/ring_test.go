@@ -547,7 +547,8 @@ func TestSaveLoad(t *testing.T) {
 
 func FuzzDecode(f *testing.F) {
 	v := cluster(f)
-	for _, w := range []View{v, must(f)(v.Replace("n2", "s1")), must(f)(v.Absorb("n4", "n1"))} {
+	rejoined := must(f)(must(f)(v.ReplaceKeepingAddrs("n2", "s1")).Rejoin("n2", 0))
+	for _, w := range []View{v, must(f)(v.Replace("n2", "s1")), must(f)(v.Absorb("n4", "n1")), rejoined, must(f)(rejoined.Replace("s1", "n2"))} {
 		b, _ := Encode(w)
 		f.Add(b)
 	}

@@ -7,19 +7,47 @@ package ring
 // failed, the member that replaced it (Replace: Replaces names it) or that holds its host address (Absorb,
 // or a later replacement of that member, which took the address along). False if name is not a member, or
 // failed with nobody in its place.
+//
+// A member that failed and rejoined (Rejoin, a higher Incarnation) came back as an idle spare: a run that
+// names it was placed before it failed, and that run's part is with the replacement of the earlier
+// incarnation, which stands for the name while it is alive. Once that replacement is gone too, the
+// rejoined member stands for its own name (a later failure may have brought the part back to it).
 func (v View) Standing(name string) (Member, bool) {
+	return v.standing(name, len(v.Members))
+}
+
+// standing follows replacements that failed in turn (a chain is at most as long as the view; depth bounds
+// it anyway, against a cycle of incarnations).
+func (v View) standing(name string, depth int) (Member, bool) {
 	i := v.index(name)
-	if i < 0 {
+	if i < 0 || depth < 0 {
 		return Member{}, false
 	}
 	m := v.Members[i]
+	replacement := func(earlier bool) (Member, bool) {
+		for _, r := range v.Members {
+			if r.Replaces != name || (earlier && r.ReplacesIncarnation >= m.Incarnation) || (!earlier && r.ReplacesIncarnation != m.Incarnation) {
+				continue
+			}
+			if r.State == StateAlive {
+				return cloneMember(r), true
+			}
+			if s, ok := v.standing(r.Name, depth-1); ok && s.Name != name {
+				return s, true
+			}
+		}
+		return Member{}, false
+	}
+	if m.Incarnation > 0 {
+		if r, ok := replacement(true); ok {
+			return r, true
+		}
+	}
 	if m.State == StateAlive {
 		return cloneMember(m), true
 	}
-	for _, r := range v.Members {
-		if r.Replaces == name && r.State == StateAlive {
-			return cloneMember(r), true
-		}
+	if r, ok := replacement(false); ok {
+		return r, true
 	}
 	if m.Address.IsValid() {
 		if owner, ok := v.Owner(m.Address.Addr()); ok {

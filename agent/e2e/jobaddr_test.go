@@ -133,8 +133,9 @@ func removeJobNets(t *testing.T, id string) {
 // TestJobAddressFailover: a job with an address of its own (rank 1 of a two-rank ringstencil, on node2)
 // fails over to spare1 with that address, its peer (rank 0 on node1, on its host address, connected to
 // the job address read from rank 1's record) never notices, and node2's host address stays node2's: the
-// crashed node2 is revived with it while the moved job keeps running, and the run's checksum equals the
-// failure-free one (every byte exchanged, in order).
+// crashed node2 is revived with it while the moved job keeps running, drops its old copy of the rank and
+// rejoins as a spare in every agent's view; then spare1 crashes and the rank is recovered onto node2. The
+// run's checksum equals the failure-free one (every byte exchanged, in order).
 func TestJobAddressFailover(t *testing.T) {
 	const port = 7460
 	args := ringArgs(1500, 16<<10, 10*time.Millisecond)
@@ -238,22 +239,42 @@ func TestJobAddressFailover(t *testing.T) {
 	if err != nil {
 		t.Errorf("node1 cannot reach the revived node2's agent at its own address: %v", err)
 	}
-	// The revived agent learns the view in which spare1 replaced it: node2 stays out of the ring (a failed
-	// member; a repaired host joins again as a new spare), and it runs no copy of rank 1.
-	poll(t, time.Minute, "the revived node2 to learn it was replaced", func() bool {
-		s, err := c.Client("node2").Status(ctx)
-		if err != nil {
-			return false
-		}
-		i := slices.IndexFunc(s.Members, func(m membership.Member) bool { return m.Name == "node2" })
-		return i >= 0 && s.Members[i].State == membership.StateFailed
-	})
-	poll(t, time.Minute, "the revived node2 to find its old copy of rank 1 gone", func() bool {
+	// The revived agent learns the view in which spare1 replaced it, drops its record of rank 1 (restored
+	// on spare1 under a higher incarnation) without resuming it, and rejoins: node2 is an idle spare under
+	// its next member incarnation in every agent's view, while spare1 keeps node2's ring place.
+	poll(t, time.Minute, "the revived node2 to drop its old copy of rank 1", func() bool {
 		j, err := c.Client("node2").Job(ctx, r1.ID)
 		return err == nil && j.State != agent.JobRunning
 	})
 	if ok, _ := jobnet.Exists(oldNet); ok {
 		t.Errorf("node2's old job network %s exists after the revive", oldNet)
+	}
+	if b, err := os.ReadFile(c.LogPath("node2")); err != nil || strings.Contains(string(b), "resuming a recovery") {
+		t.Errorf("the revived node2 resumed something (%v)", err)
+	}
+	for _, h := range []string{"node1", "spare1", "node2"} {
+		poll(t, time.Minute, h+" to list node2 as a rejoined spare", func() bool {
+			s, err := c.Client(h).Status(ctx)
+			if err != nil {
+				return false
+			}
+			i := slices.IndexFunc(s.Members, func(m membership.Member) bool { return m.Name == "node2" })
+			if i < 0 {
+				return false
+			}
+			m := s.Members[i]
+			return m.State == membership.StateAlive && m.Role == membership.RoleSpare && m.Incarnation == 1 &&
+				slices.Equal(m.Addrs, []netip.Addr{node2.Addr.Addr()})
+		})
+	}
+	if s, err := c.Client("node1").Status(ctx); err != nil {
+		t.Fatal(err)
+	} else if i := slices.IndexFunc(s.Members, func(m membership.Member) bool { return m.Name == "spare1" }); i < 0 ||
+		s.Members[i].Role != membership.RoleNode || s.Members[i].Replaces != "node2" || s.Members[i].ReplacesIncarnation != 0 {
+		t.Errorf("node1's view %+v: spare1 must stay the node that replaced incarnation 0 of node2", s.Members)
+	}
+	if j := rg.job(t, "spare1", 1); j.State != agent.JobRunning || j.PID != moved.PID {
+		t.Errorf("the moved rank 1 on spare1 was disturbed by the rejoin: %+v", j)
 	}
 	// The moved rank keeps its address on spare1: node2 does not hand it out again.
 	other, err := c.Client("node2").StartJob(ctx, agent.JobSpec{Name: "other", JobAddress: true, Argv: []string{"/bin/sleep", "600"}})
@@ -264,20 +285,56 @@ func TestJobAddressFailover(t *testing.T) {
 	if other.Net == nil || other.Net.Addr.Addr() == jobAddr || !labcluster.JobPool(st, "node2").Contains(other.Net.Addr.Addr()) {
 		t.Errorf("a new job on the revived node2 got %+v; want another address of its pool than the moved rank's %s", other.Net, jobAddr)
 	}
+	// The spare is idle again before it is needed.
+	if err := c.Client("node2").Signal(ctx, other.ID, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	poll(t, time.Minute, "the other job on node2 to end", func() bool {
+		j, err := c.Client("node2").Job(ctx, other.ID)
+		return err == nil && j.State != agent.JobRunning
+	})
+	rg.waitProgress(t, progressEvery, 2*time.Minute)
+
+	// A second failure: spare1, which runs the moved rank, crashes; the rejoined node2 is the spare that
+	// takes it, and rank 1 comes back to node2 with its address.
+	rg.checkpoint(t, "spare1")
+	rg.waitProgress(t, 40, 2*time.Minute)
+	if err := c.Lab.Crash(ctx, "spare1"); err != nil {
+		t.Fatal(err)
+	}
+	crashJobNet(t, moved.Net.Name)
+	f2 := waitFailure(t, c, "spare1", 2*time.Minute)
+	requireStages(t, f2)
+	if f2.Target != "node2" || f2.Basic {
+		t.Fatalf("spare1's jobs restored on %s (basic %v), want the rejoined node2", f2.Target, f2.Basic)
+	}
+	back := rg.job(t, "node2", 1)
+	if back.State != agent.JobRunning || back.Restored == "" || back.Net == nil || back.Net.Addr != r1.Net.Addr || back.Incarnation != moved.Incarnation+1 {
+		t.Fatalf("rank 1 on node2 after spare1 failed: %+v, want a running restored copy with the address %s, incarnation %d", back, r1.Net.Addr, moved.Incarnation+1)
+	}
+	requireInJobNet(t, back)
+	poll(t, time.Minute, "node1 to list node2 as the node that replaced spare1", func() bool {
+		s, err := c.Client("node1").Status(ctx)
+		if err != nil {
+			return false
+		}
+		i := slices.IndexFunc(s.Members, func(m membership.Member) bool { return m.Name == "node2" })
+		return i >= 0 && s.Members[i].Role == membership.RoleNode && s.Members[i].State == membership.StateAlive && s.Members[i].Replaces == "spare1"
+	})
 	rg.waitProgress(t, progressEvery, 2*time.Minute)
 	outs := rg.wait(t, 3*time.Minute)
 	checkRanks(t, outs, want)
-	if b, err := os.ReadFile(rg.jobs[1].ExitPath()); err != nil || !strings.Contains(string(b), "spare1") {
-		t.Errorf("rank 1 should have finished on spare1: %s %v", b, err)
+	if b, err := os.ReadFile(rg.jobs[1].ExitPath()); err != nil || !strings.Contains(string(b), "node2") {
+		t.Errorf("rank 1 should have finished on node2: %s %v", b, err)
 	}
 	// The client was never touched: the same process, never restored.
 	after0 := rg.job(t, "node1", 0)
 	if after0.PID != before0.PID || after0.Restored != "" || after0.Incarnation != 0 {
 		t.Errorf("rank 0 was disturbed: pid %d -> %d, restored from %q, incarnation %d", before0.PID, after0.PID, after0.Restored, after0.Incarnation)
 	}
-	// The finished job's network is gone on spare1.
-	poll(t, 30*time.Second, "spare1 to delete the finished job's network", func() bool {
-		ok, err := jobnet.Exists(moved.Net.Name)
+	// The finished job's network is gone on node2.
+	poll(t, 30*time.Second, "node2 to delete the finished job's network", func() bool {
+		ok, err := jobnet.Exists(back.Net.Name)
 		return err == nil && !ok
 	})
 }
@@ -287,7 +344,7 @@ func TestJobAddressFailover(t *testing.T) {
 // the rank with the same address, and node2's link comes back while the moved rank still runs: node2 holds
 // only its own address, so nothing on the wire points the peers' connections at it (with host addresses,
 // TestPartitionSelfFence must keep the link down until the ranks end), and the run ends with the
-// failure-free checksum.
+// failure-free checksum; node2, idle, has rejoined as a spare.
 func TestJobAddressSelfFence(t *testing.T) {
 	const port = 7470
 	args := ringArgs(2500, 16<<10, 10*time.Millisecond)
@@ -373,13 +430,14 @@ func TestJobAddressSelfFence(t *testing.T) {
 	if addrs := hostAddrs(t, c, "node2"); !slices.Contains(addrs, node2.Addr.Addr()) || slices.Contains(addrs, jobAddr) {
 		t.Errorf("node2 holds %v, want its own address %s and not the job address %s", addrs, node2.Addr.Addr(), jobAddr)
 	}
+	// It learns it was replaced and, idle, rejoins as a spare (it may have done so by the time we look).
 	poll(t, time.Minute, "node2 to learn that spare1 replaced it", func() bool {
 		s, err := c.Client("node2").Status(ctx)
 		if err != nil {
 			return false
 		}
 		i := slices.IndexFunc(s.Members, func(m membership.Member) bool { return m.Name == "node2" })
-		return i >= 0 && s.Members[i].State == membership.StateFailed
+		return i >= 0 && (s.Members[i].State == membership.StateFailed || (s.Members[i].Role == membership.RoleSpare && s.Members[i].Incarnation > 0))
 	})
 	rg.waitProgress(t, progressEvery, 2*time.Minute) // the ranks exchange with node2's link up
 	release()
@@ -388,4 +446,13 @@ func TestJobAddressSelfFence(t *testing.T) {
 	if j := rg.job(t, "node2", 1); j.State == agent.JobRunning {
 		t.Errorf("node2 runs its copy of rank 1 again: %+v", j)
 	}
+	// Idle and reconnected, node2 rejoined as a spare under its next incarnation.
+	poll(t, time.Minute, "node1 to list node2 as a rejoined spare", func() bool {
+		s, err := c.Client("node1").Status(ctx)
+		if err != nil {
+			return false
+		}
+		i := slices.IndexFunc(s.Members, func(m membership.Member) bool { return m.Name == "node2" })
+		return i >= 0 && s.Members[i].State == membership.StateAlive && s.Members[i].Role == membership.RoleSpare && s.Members[i].Incarnation == 1
+	})
 }

@@ -1,0 +1,226 @@
+package agent
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/ring"
+	"github.com/ftkit/ftkit/shim"
+)
+
+// rejoinViews are views of node1..node3 (nodes) and s1 (spare) seen by the test agent (node1): as
+// configured, after node2 failed and s1 took its place (its jobs had job addresses), and after node2
+// rejoined.
+func rejoinViews(t *testing.T) (base, failed, rejoined ring.View) {
+	t.Helper()
+	m := func(name, addr string, role ring.Role) ring.Member {
+		return ring.Member{Name: name, Address: netip.MustParseAddrPort(addr), Role: role}
+	}
+	base, err := ring.New([]ring.Member{m("node1", "127.0.0.1:1", ring.RoleNode), m("node2", "127.0.0.2:1", ring.RoleNode),
+		m("node3", "127.0.0.3:1", ring.RoleNode), m("s1", "127.0.0.11:1", ring.RoleSpare)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if failed, err = base.ReplaceKeepingAddrs("node2", "s1"); err != nil {
+		t.Fatal(err)
+	}
+	if rejoined, err = failed.Rejoin("node2", 0); err != nil {
+		t.Fatal(err)
+	}
+	return base, failed, rejoined
+}
+
+// TestServeRejoin: a member is admitted back only by an alive node, only if its view lists it as failed as
+// the incarnation it says, once the recovery of its jobs is over and only if it answers as idle; a retried
+// request after it was admitted gets the view, not a second incarnation.
+func TestServeRejoin(t *testing.T) {
+	base, failed, rejoined := rejoinViews(t)
+	selfFailed, err := base.ReplaceKeepingAddrs("node1", "s1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name     string
+		view     ring.View
+		peer     string
+		inc      uint64
+		underWay bool   // a recovery of node2's jobs is not over
+		err      string // "" for admitted
+	}{
+		{"this host is not an alive node", selfFailed, "node2", 0, false, "only an alive node of the ring admits"},
+		{"not a member", failed, "node9", 0, false, "not a member"},
+		{"alive member", base, "node2", 0, false, "lists it alive as incarnation 0"},
+		{"another incarnation", failed, "node2", 3, false, "not failed as incarnation 3"},
+		{"its recovery is under way", failed, "node2", 0, true, "is not over"},
+		{"it does not answer", failed, "node2", 0, false, "does not answer a ping"},
+		{"admitted already: a retried request", rejoined, "node2", 0, false, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ta := newTestAgent(t)
+			ta.members.view = tc.view
+			if tc.underWay {
+				ta.failures.update("node2-1", func(f *Failure) { f.Node, f.Detected = "node2", time.Now() })
+			}
+			got, err := ta.serveRejoin(t.Context(), tc.peer, clusterapi.RejoinRequest{Incarnation: tc.inc})
+			if tc.err == "" {
+				if err != nil {
+					t.Fatalf("refused: %v", err)
+				}
+				v, err := ring.Decode(got.View)
+				if err != nil || v.Epoch != tc.view.Epoch {
+					t.Fatalf("answer: view %d (%v), want the current one, %d", v.Epoch, err, tc.view.Epoch)
+				}
+				return
+			}
+			if e := clusterapi.Refusal(err); e == nil || e.Code != clusterapi.CodeRefused || !strings.Contains(e.Message, tc.err) {
+				t.Fatalf("err %v, want a refusal containing %q", err, tc.err)
+			}
+			if ta.View().Epoch != tc.view.Epoch {
+				t.Errorf("the view changed to epoch %d on a refusal", ta.View().Epoch)
+			}
+		})
+	}
+}
+
+// TestDropFailedJobs: an agent whose view lists it as failed ends the jobs it still has as running: its
+// copy still running is killed (the job's root process: its PID namespace), every record says lost (its
+// job address stays held), none is left running, and a job that had ended stays as it was.
+func TestDropFailedJobs(t *testing.T) {
+	ta := newTestAgent(t)
+	base, _, _ := rejoinViews(t)
+	v, err := base.ReplaceKeepingAddrs("node1", "s1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ta.members.view = v
+	// rootsJob still runs here (a cut-off host that did not fence itself): a real process in a real
+	// cgroup. ownersJob's record names this test's own process, which is in no job cgroup: not killed.
+	cg, child := jobProcess(t)
+	ta.byID[rootsJob].PID, ta.byID[rootsJob].Cgroup = child.Pid, cg
+	self, _ := v.Member("node1")
+	if left := ta.dropFailedJobs(self); left != 0 {
+		t.Fatalf("%d jobs left running", left)
+	}
+	waited := make(chan error, 1)
+	go func() { _, err := child.Wait(); waited <- err }()
+	select {
+	case <-waited:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the running copy was not killed")
+	}
+	for _, id := range []string{ownersJob, rootsJob} {
+		j, _, err := ta.Job(id, 0)
+		if err != nil || j.State != JobLost {
+			t.Errorf("job %s: state %q (%v), want lost", id, j.State, err)
+		}
+		var saved Job
+		b, _ := os.ReadFile(filepath.Join(ta.jobs.dir, id+".json"))
+		if json.Unmarshal(b, &saved); saved.State != JobLost {
+			t.Errorf("job %s's record on disk says %q, want lost", id, saved.State)
+		}
+	}
+	if j, _, _ := ta.Job(doneJob, 0); j.State != JobExited {
+		t.Errorf("a job that had ended changed: %q", j.State)
+	}
+}
+
+// jobProcess starts a process in a cgroup v2 directory of its own, both removed at the end of the test
+// (skipped without root or a cgroup v2 hierarchy).
+func jobProcess(t *testing.T) (string, *os.Process) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("SKIP: needs root to create a cgroup")
+	}
+	var root string
+	for _, r := range []string{"/sys/fs/cgroup/unified", "/sys/fs/cgroup"} {
+		if _, err := os.Stat(filepath.Join(r, "cgroup.controllers")); err == nil {
+			root = r
+			break
+		}
+	}
+	if root == "" {
+		t.Skip("SKIP: no cgroup v2 hierarchy")
+	}
+	cg, err := os.MkdirTemp(root, "ftkit-rejoin-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := os.StartProcess("/bin/sleep", []string{"sleep", "600"}, &os.ProcAttr{})
+	if err != nil {
+		os.Remove(cg)
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		p.Kill()
+		p.Wait()
+		for deadline := time.Now().Add(10 * time.Second); os.Remove(cg) != nil && time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		}
+	})
+	if err := os.WriteFile(filepath.Join(cg, "cgroup.procs"), []byte(fmt.Sprint(p.Pid)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return cg, p
+}
+
+// TestOwnCopyRuns: a job runs here only if its root process is alive, in its cgroup, and in this host's
+// network namespace.
+func TestOwnCopyRuns(t *testing.T) {
+	ta := newTestAgent(t)
+	cg, child := jobProcess(t)
+	for _, tc := range []struct {
+		name string
+		j    Job
+		want bool
+	}{
+		{"this host's copy", Job{ID: rootsJob, PID: child.Pid, Cgroup: cg}, true},
+		{"no pid", Job{ID: rootsJob, Cgroup: cg}, false},
+		{"a process in another cgroup (a reused pid)", Job{ID: rootsJob, PID: os.Getpid(), Cgroup: cg}, false},
+		{"the process in another host's job network", Job{ID: rootsJob, PID: child.Pid, Cgroup: cg, Net: &JobNet{Name: "x"}}, false},
+		{"a pid that does not exist", Job{ID: rootsJob, PID: 1 << 30, Cgroup: cg}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := ta.ownCopyRuns(tc.j); got != tc.want {
+				t.Fatalf("ownCopyRuns = %v, want %v", got, tc.want)
+			}
+		})
+	}
+}
+
+// TestSettleGone: a record left running whose processes are gone is never adopted: it ended with its exit
+// record if this host's shim wrote one, else it is lost.
+func TestSettleGone(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		exit *shim.ExitStatus
+		want JobState
+	}{
+		{"no exit record", nil, JobLost},
+		{"an exit record of this host", &shim.ExitStatus{Code: 3, Node: "node1"}, JobExited},
+		{"an exit record of another host's copy", &shim.ExitStatus{Code: 0, Node: "s1"}, JobLost},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ta := newTestAgent(t)
+			j := ta.byID[rootsJob]
+			if tc.exit != nil {
+				b, _ := json.Marshal(tc.exit)
+				if err := os.MkdirAll(filepath.Dir(j.ExitPath()), 0o755); err != nil {
+					t.Fatal(err)
+				}
+				if err := os.WriteFile(j.ExitPath(), b, 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			ta.settleGone(j)
+			if got, _, _ := ta.Job(rootsJob, 0); got.State != tc.want {
+				t.Fatalf("state %q, want %q", got.State, tc.want)
+			}
+		})
+	}
+}
