@@ -18,7 +18,9 @@ top=$(cd "$(dirname "$0")/.." && pwd)
 # Debian packages: the eBPF toolchain, the lab's tools, CRIU's build dependencies, and Open MPI with two
 # unmodified MPI workloads for `ftctl mpirun` (HPCC, LAMMPS and its examples; docs/mpi.md), and headless
 # Chromium with a font, which renders `ftctl events --svg` pictures in timeline's browser test; Slurm and
-# munge for `ftctl lab up --slurm` (a slurmctld and one slurmd per lab host; docs/operations.md).
+# munge for `ftctl lab up --slurm` (a slurmctld and one slurmd per lab host; docs/operations.md); socat for the
+# one-way relay chain test, and MPICH (libmpich-dev's mpicc.mpich) for `ftctl mpirun --impl mpich`: Open MPI
+# keeps the higher alternatives priority, so `mpirun` and `mpicc` stay Open MPI's.
 PACKAGES=(
 	clang llvm libbpf-dev bpftool
 	nftables iproute2 iputils-arping util-linux procps psmisc ethtool
@@ -29,6 +31,7 @@ PACKAGES=(
 	openmpi-bin hpcc lammps lammps-examples
 	chromium fonts-dejavu-core
 	slurmctld slurmd slurm-client munge
+	socat mpich libmpich-dev
 )
 
 say() { printf 'setup: %s\n' "$*" >&2; }
