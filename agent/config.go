@@ -34,6 +34,10 @@ const (
 	SemiCoordinated = ckpt.ModeSemiCoordinated
 )
 
+// maxParallelRestores bounds failover.parallel_restores: beyond it, restores only compete for the spare's
+// disk and memory.
+const maxParallelRestores = 16
+
 // Duration is a time.Duration written as "500ms" in TOML.
 type Duration struct{ time.Duration }
 
@@ -133,6 +137,9 @@ type Config struct {
 		// one that has not by then (it diverged and waits for a message nobody will send) is killed and
 		// the recovery fails, naming the connection.
 		ReplayTimeout Duration `toml:"replay_timeout"`
+		// ParallelRestores is how many of a failed node's jobs the target fetches, plans and restores at
+		// once (1: one after another). Each restore holds its job's images and CRIU's memory at the same time.
+		ParallelRestores int `toml:"parallel_restores"`
 		// FenceTimeout is how long a node may hear from neither ring neighbour before it kills its protected
 		// jobs (self-fencing); the protector waits longer than that before a restored copy goes live. 0:
 		// 2 × heartbeat.timeout + 1s. The same value on every member.
@@ -181,6 +188,7 @@ func Defaults() Config {
 	c.Heartbeat.BusyGrace = Duration{60 * time.Second}
 	c.Failover.Automatic = true
 	c.Failover.ReplayTimeout = Duration{2 * time.Minute}
+	c.Failover.ParallelRestores = 4
 	c.Failover.FenceCommandTimeout = Duration{30 * time.Second}
 	c.Log = LogConfig{Enabled: true, RingMiB: 64, High: 0.8, Low: 0.6}
 	c.JobNetwork.Kind = jobnet.MACVlan
@@ -277,6 +285,9 @@ func (c Config) Validate() error {
 	}
 	if c.Failover.ReplayTimeout.Duration <= 0 {
 		errs = append(errs, fmt.Errorf("failover: replay_timeout (%s) must be positive", c.Failover.ReplayTimeout))
+	}
+	if c.Failover.ParallelRestores < 1 || c.Failover.ParallelRestores > maxParallelRestores {
+		errs = append(errs, fmt.Errorf("failover: parallel_restores %d: 1 (one job after another) to %d", c.Failover.ParallelRestores, maxParallelRestores))
 	}
 	if c.Heartbeat.Interval.Duration <= 0 || c.Heartbeat.Timeout.Duration <= c.Heartbeat.Interval.Duration {
 		errs = append(errs, fmt.Errorf("heartbeat: timeout (%s) must be longer than a positive interval (%s)", c.Heartbeat.Timeout, c.Heartbeat.Interval))

@@ -61,6 +61,8 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "raised min_interval", extra: "[checkpoint]\nmin_interval = \"30s\"\ninterval = \"30s\"\n"},
 		{name: "bad mode", extra: "[checkpoint]\nmode = \"global\"\n", wantErr: "checkpoint.mode"},
 		{name: "keep zero", extra: "[checkpoint]\nkeep = 0\n", wantErr: "keep at least 1"},
+		{name: "parallel restores zero", extra: "[failover]\nparallel_restores = 0\n", wantErr: "parallel_restores 0: 1 (one job after another) to 16"},
+		{name: "parallel restores too many", extra: "[failover]\nparallel_restores = 17\n", wantErr: "parallel_restores 17"},
 		{name: "heartbeat", extra: "[heartbeat]\ninterval = \"2s\"\ntimeout = \"1s\"\n", wantErr: "heartbeat"},
 		{name: "probe timeout and nice", extra: "[heartbeat]\nprobe_timeout = \"150ms\"\nnice = -10\n"},
 		{name: "probe timeout negative", extra: "[heartbeat]\nprobe_timeout = \"-1s\"\n", wantErr: "heartbeat.probe_timeout -1s must not be negative"},

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/netip"
 	"os"
+	"sync"
 
 	"github.com/ftkit/ftkit/ackclamp"
 	"github.com/ftkit/ftkit/clusterapi"
@@ -18,12 +19,19 @@ import (
 )
 
 // recoveryActions are the agent's actions a recovery (restore/recovery) uses: its snapshots, its peers,
-// its log, its jobs. One serves one recovery; Run calls it from one goroutine.
+// its log, its jobs. One serves one recovery; Run calls it for several jobs at once.
 type recoveryActions struct {
 	a *Agent
 	// records are the job records of the fetched snapshots, which Restore runs (and whose cgroup
 	// GiveBackUnlessStarted looks at).
+	mu      sync.Mutex
 	records map[*recovery.Job]Job
+}
+
+func (r *recoveryActions) record(j *recovery.Job) Job {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.records[j]
 }
 
 // recoveryDeps wires a recovery to this agent; track persists it, net is the host's network (nil for a
@@ -31,7 +39,7 @@ type recoveryActions struct {
 func (a *Agent) recoveryDeps(track recovery.Tracker, net recovery.Network) recovery.Deps {
 	act := &recoveryActions{a: a, records: map[*recovery.Job]Job{}}
 	d := recovery.Deps{Snapshots: act, Peers: act, Log: act, Jobs: act, Network: net, Tracker: track,
-		Logger: a.log, ReplayTimeout: a.cfg.Failover.ReplayTimeout.Duration}
+		Logger: a.log, ReplayTimeout: a.cfg.Failover.ReplayTimeout.Duration, ParallelJobs: a.cfg.Failover.ParallelRestores}
 	if a.clamp != nil {
 		d.Clamp = recoveryClamp{a.clamp}
 	}
@@ -54,7 +62,9 @@ func (r *recoveryActions) Fetch(ctx context.Context, job string, c clusterapi.Ca
 		}
 		rec.Net, j.Net = &n, recovery.JobNet{Spec: spec}
 	}
+	r.mu.Lock()
 	r.records[j] = rec
+	r.mu.Unlock()
 	return j, nil
 }
 
@@ -107,11 +117,11 @@ func (r *recoveryActions) GiveBack(ctx context.Context, j *recovery.Job) {
 }
 
 func (r *recoveryActions) GiveBackUnlessStarted(ctx context.Context, j *recovery.Job, cause error) {
-	r.a.giveBackUnlessStarted(ctx, r.records[j], j.Incarnation, j.Holder, cause)
+	r.a.giveBackUnlessStarted(ctx, r.record(j), j.Incarnation, j.Holder, cause)
 }
 
 func (r *recoveryActions) Restore(ctx context.Context, j *recovery.Job) error {
-	rec := r.records[j]
+	rec := r.record(j)
 	rec.Incarnation = j.Incarnation
 	_, err := r.a.restoreJob(ctx, j.Manifest, rec, j.Work)
 	return err

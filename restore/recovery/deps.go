@@ -171,4 +171,7 @@ type Deps struct {
 	Tracker       Tracker
 	Logger        *slog.Logger
 	ReplayTimeout time.Duration // failover.replay_timeout
+	// ParallelJobs is how many jobs Run fetches, plans and restores at once (failover.parallel_restores;
+	// 0: DefaultParallelJobs).
+	ParallelJobs int
 }

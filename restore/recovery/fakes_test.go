@@ -54,11 +54,22 @@ type fake struct {
 	// createErr fails its Create.
 	jobNet    bool
 	createErr error
+	// fetchHook and restoreHook run first in Fetch and Restore when set; an error from restoreHook fails
+	// the restore.
+	fetchHook   func(job string)
+	restoreHook func(j *Job) error
 	// logRange answers LogRange when set.
 	logRange func(owner string, req clusterapi.LogRangeRequest) (clusterapi.LogRangeReply, []byte, error)
 	// Tracker.
 	persisted []string
 	phases    []string
+}
+
+// addTo appends to one of the fake's lists: Run calls the fake for several jobs at once.
+func addTo[T any](f *fake, list *[]T, v ...T) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	*list = append(*list, v...)
 }
 
 func newFake(t *testing.T) *fake {
@@ -83,6 +94,9 @@ func emptyImages(t *testing.T) string {
 }
 
 func (f *fake) Fetch(_ context.Context, job string, c clusterapi.Candidate) (*Job, error) {
+	if f.fetchHook != nil {
+		f.fetchHook(job)
+	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.fetched = append(f.fetched, c.Snapshot)
@@ -136,21 +150,28 @@ func (f *fake) SentUpTo(flow tcpflow.Tuple) (uint32, bool) {
 }
 
 func (f *fake) Claim(_ context.Context, j *Job, n uint64) error {
+	f.mu.Lock()
 	f.claimed = append(f.claimed, n)
+	f.mu.Unlock()
 	return f.claimErr
 }
 
-func (f *fake) GiveBack(_ context.Context, j *Job) { f.givenBack = append(f.givenBack, j.ID) }
+func (f *fake) GiveBack(_ context.Context, j *Job) { addTo(f, &f.givenBack, j.ID) }
 
 func (f *fake) GiveBackUnlessStarted(_ context.Context, j *Job, _ error) {
-	f.unlessSt = append(f.unlessSt, j.ID)
+	addTo(f, &f.unlessSt, j.ID)
 }
 
 func (f *fake) Restore(_ context.Context, j *Job) error {
+	if f.restoreHook != nil {
+		if err := f.restoreHook(j); err != nil {
+			return err
+		}
+	}
 	if f.restoreErr != nil {
 		return f.restoreErr
 	}
-	f.restored = append(f.restored, j.ID)
+	addTo(f, &f.restored, j.ID)
 	return nil
 }
 
@@ -170,32 +191,32 @@ func (f *fake) Kill(id string, _ error) {
 }
 
 func (f *fake) Reprotect(_ context.Context, ids []string) (string, error) {
-	f.reprotected = append(f.reprotected, ids...)
+	addTo(f, &f.reprotected, ids...)
 	return "snapshot shipped", nil
 }
 
 func (f *fake) Clamp(flow tcpflow.Tuple, _ uint32) error {
-	f.clamped = append(f.clamped, flow)
+	addTo(f, &f.clamped, flow)
 	return nil
 }
 
 func (f *fake) Release(flow tcpflow.Tuple) uint64 {
-	f.released = append(f.released, flow)
+	addTo(f, &f.released, flow)
 	return 2
 }
 
 func (f *fake) Guard(_ context.Context, runID string, _ []ckpt.Conn) error {
-	f.net = append(f.net, "guard "+runID)
+	addTo(f, &f.net, "guard "+runID)
 	return nil
 }
 
-func (f *fake) Unguard(_ context.Context, runID string) { f.net = append(f.net, "unguard "+runID) }
+func (f *fake) Unguard(_ context.Context, runID string) { addTo(f, &f.net, "unguard "+runID) }
 
 func (f *fake) TakeOver(ip netip.Addr) error {
 	if f.takeOverErr != nil {
 		return f.takeOverErr
 	}
-	f.net = append(f.net, "take over "+ip.String())
+	addTo(f, &f.net, "take over "+ip.String())
 	return nil
 }
 
@@ -203,10 +224,10 @@ func (f *fake) TakeOver(ip netip.Addr) error {
 // reached through fakeNet.
 type fakeNet struct{ *fake }
 
-func (n fakeNet) Release(ip netip.Addr) { n.net = append(n.net, "release "+ip.String()) }
+func (n fakeNet) Release(ip netip.Addr) { addTo(n.fake, &n.net, "release "+ip.String()) }
 
 func (f *fake) SetInitCwnd(segments int) error {
-	f.net = append(f.net, fmt.Sprintf("initcwnd %d", segments))
+	addTo(f, &f.net, fmt.Sprintf("initcwnd %d", segments))
 	return nil
 }
 
@@ -214,21 +235,21 @@ func (f *fake) LowerPathMTU() (func() error, error) {
 	if f.lowerMTUErr != nil {
 		return nil, f.lowerMTUErr
 	}
-	f.net = append(f.net, "lower mtu")
-	return func() error { f.net = append(f.net, "put back mtu"); return nil }, nil
+	addTo(f, &f.net, "lower mtu")
+	return func() error { addTo(f, &f.net, "put back mtu"); return nil }, nil
 }
 
 func (f *fake) Announce(_ context.Context, ip netip.Addr) error {
-	f.net = append(f.net, "announce "+ip.String())
+	addTo(f, &f.net, "announce "+ip.String())
 	return nil
 }
 
 func (f *fake) Persist(jobs []*Job) {
 	for _, j := range jobs {
-		f.persisted = append(f.persisted, j.ID)
+		addTo(f, &f.persisted, j.ID)
 	}
 }
 
 func (f *fake) SetPhase(id, phase string, _ time.Time) {
-	f.phases = append(f.phases, id+" "+phase)
+	addTo(f, &f.phases, id+" "+phase)
 }

@@ -17,7 +17,7 @@ var jobAddr = netip.MustParseAddr("10.0.0.201")
 // fakeJobNet is a job's own network, recording into the fake's net list with a "job: " prefix.
 type fakeJobNet struct{ f *fake }
 
-func (n fakeJobNet) rec(s string) { n.f.net = append(n.f.net, "job: "+s) }
+func (n fakeJobNet) rec(s string) { addTo(n.f, &n.f.net, "job: "+s) }
 
 func (n fakeJobNet) Create(context.Context) error {
 	if n.f.createErr != nil {

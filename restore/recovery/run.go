@@ -24,40 +24,30 @@ import (
 // restored sockets then send full-size segments), announce the addresses, wait until the restored jobs
 // have re-sent what their peers already had and check every re-sent byte (killing a job that fails),
 // then snapshot the verified jobs again (re-protection). Every step is reported through emit.
+//
+// The jobs are fetched and planned at once, and restored at once (at most d.ParallelJobs at a time): a node's
+// recovery takes as long as its slowest job, not the sum. Every job's connections are guarded before the
+// first job is restored, so a restored job that talks to another job of the failed node meets a guard,
+// not a missing socket (which would reset the connection), until that job is back too.
 func Run(ctx context.Context, req clusterapi.RecoverRequest, d Deps, emit func(Stage)) error {
+	var emitMu sync.Mutex // jobs report their stages from several goroutines
 	stage := func(name, job string, start time.Time, detail string, err error) {
+		emitMu.Lock()
+		defer emitMu.Unlock()
 		emit(Stage{Name: name, Job: job, Start: start, End: time.Now(), Detail: detail, Err: err})
 	}
-	var jobs []*Job
-	var errs []error
-	for _, rj := range req.Jobs {
-		start := time.Now()
-		j, failed, err := fetch(ctx, d, req, rj)
-		detail := ""
-		if j != nil {
-			detail = fmt.Sprintf("%d MB from %s (snapshot %s, incarnation %d)", j.Manifest.TotalSize()>>20, j.Source, j.Manifest.ID, j.Incarnation)
-		}
-		if len(failed) > 0 {
-			detail = strings.TrimPrefix(detail+"; failed before: "+strings.Join(failed, "; "), "; ")
-		}
-		stage(StageFetched, rj.Job, start, detail, err)
-		if err != nil {
-			errs = append(errs, fmt.Errorf("job %s: %w", rj.Job, err))
-			continue
-		}
-		start = time.Now()
-		err = plan(ctx, d, req, j)
-		if err == nil {
-			err = restore.Rewrite(j.Work, j.Plan)
-		}
-		stage(StageRewritten, rj.Job, start, PlanSummary(j.Plan), err)
-		if err != nil {
-			d.Jobs.GiveBack(ctx, j)
-			errs = append(errs, fmt.Errorf("job %s is not transparently recoverable: %w", rj.Job, err))
-			continue
-		}
-		jobs = append(jobs, j)
+	parallel := d.ParallelJobs
+	if parallel <= 0 {
+		parallel = DefaultParallelJobs
 	}
+	// Errors are kept per job and joined in the request's order, whatever order the jobs finish in.
+	prepared := make([]*Job, len(req.Jobs))
+	prepErrs := make([]error, len(req.Jobs))
+	inParallel(len(req.Jobs), parallel, func(i int) {
+		prepared[i], prepErrs[i] = prepare(ctx, d, req, req.Jobs[i], stage)
+	})
+	errs := slices.DeleteFunc(prepErrs, func(err error) bool { return err == nil })
+	jobs := slices.DeleteFunc(prepared, func(j *Job) bool { return j == nil })
 	if len(jobs) == 0 {
 		return errors.Join(append(errs, errors.New("no job could be prepared"))...)
 	}
@@ -70,25 +60,16 @@ func Run(ctx context.Context, req clusterapi.RecoverRequest, d Deps, emit func(S
 		return errors.Join(append(errs, err)...)
 	}
 	d.Tracker.Persist(jobs)
+	restoreErrs := make([]error, len(jobs))
+	inParallel(len(jobs), parallel, func(i int) {
+		restoreErrs[i] = restoreJob(ctx, d, jobs[i], stage)
+	})
 	var restored []*Job
-	for _, j := range jobs {
-		start := time.Now()
-		j.stopKeeping = d.Log.Keep(j.Plan)
-		err := d.Jobs.Restore(ctx, j)
-		j.RestoredAt = time.Now()
-		stage(StageRestored, j.ID, start, "", err)
-		if err != nil {
-			j.stopKeeping()
-			d.Tracker.SetPhase(j.ID, "", time.Time{})
-			netOf(d, j).Unguard(ctx, j.RunID)
-			if j.Net != nil {
-				j.Net.Delete(ctx)
-			}
-			d.Jobs.GiveBackUnlessStarted(ctx, j, err)
-			errs = append(errs, fmt.Errorf("job %s: %w", j.ID, err))
+	for i, j := range jobs {
+		if restoreErrs[i] != nil {
+			errs = append(errs, restoreErrs[i])
 			continue
 		}
-		d.Tracker.SetPhase(j.ID, PhaseRestored, j.RestoredAt)
 		restored = append(restored, j)
 	}
 	putBackMTU()
@@ -128,6 +109,78 @@ func Run(ctx context.Context, req clusterapi.RecoverRequest, d Deps, emit func(S
 	}
 	return errors.Join(errs...)
 }
+
+// DefaultParallelJobs is how many jobs Run fetches and plans, and then restores, at once unless
+// Deps.ParallelJobs says otherwise.
+const DefaultParallelJobs = 4
+
+// inParallel calls fn(i) for every i in [0, n), at most limit at a time, and returns when all returned.
+func inParallel(n, limit int, fn func(i int)) {
+	sem := make(chan struct{}, limit)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			fn(i)
+		})
+	}
+	wg.Wait()
+}
+
+// prepare fetches one job's snapshot, plans its connections from the peers' logs and rewrites its images;
+// nil and why if it cannot be restored.
+func prepare(ctx context.Context, d Deps, req clusterapi.RecoverRequest, rj clusterapi.RecoverJob, stage stageFunc) (*Job, error) {
+	start := time.Now()
+	j, failed, err := fetch(ctx, d, req, rj)
+	detail := ""
+	if j != nil {
+		detail = fmt.Sprintf("%d MB from %s (snapshot %s, incarnation %d)", j.Manifest.TotalSize()>>20, j.Source, j.Manifest.ID, j.Incarnation)
+	}
+	if len(failed) > 0 {
+		detail = strings.TrimPrefix(detail+"; failed before: "+strings.Join(failed, "; "), "; ")
+	}
+	stage(StageFetched, rj.Job, start, detail, err)
+	if err != nil {
+		return nil, fmt.Errorf("job %s: %w", rj.Job, err)
+	}
+	start = time.Now()
+	err = plan(ctx, d, req, j)
+	if err == nil {
+		err = restore.Rewrite(j.Work, j.Plan)
+	}
+	stage(StageRewritten, rj.Job, start, PlanSummary(j.Plan), err)
+	if err != nil {
+		d.Jobs.GiveBack(ctx, j)
+		return nil, fmt.Errorf("job %s is not transparently recoverable: %w", rj.Job, err)
+	}
+	return j, nil
+}
+
+// restoreJob restores one prepared job under its guard, or undoes what its preparation left (the guard,
+// its job network, its claimed incarnation unless processes may have started).
+func restoreJob(ctx context.Context, d Deps, j *Job, stage stageFunc) error {
+	start := time.Now()
+	j.stopKeeping = d.Log.Keep(j.Plan)
+	err := d.Jobs.Restore(ctx, j)
+	j.RestoredAt = time.Now()
+	stage(StageRestored, j.ID, start, "", err)
+	if err != nil {
+		j.stopKeeping()
+		d.Tracker.SetPhase(j.ID, "", time.Time{})
+		netOf(d, j).Unguard(ctx, j.RunID)
+		if j.Net != nil {
+			j.Net.Delete(ctx)
+		}
+		d.Jobs.GiveBackUnlessStarted(ctx, j, err)
+		return fmt.Errorf("job %s: %w", j.ID, err)
+	}
+	d.Tracker.SetPhase(j.ID, PhaseRestored, j.RestoredAt)
+	return nil
+}
+
+// stageFunc reports one step of a job's recovery (Run's stage).
+type stageFunc func(name, job string, start time.Time, detail string, err error)
 
 // fetch tries the job's candidate snapshots in order and claims the job's next incarnation for the first
 // that works; failed lists why each earlier candidate failed. A refused claim ends the search: the job
@@ -170,16 +223,7 @@ func plan(ctx context.Context, d Deps, req clusterapi.RecoverRequest, j *Job) er
 	// Each connection's bytes come from another host: fetched a few at a time, a job with many
 	// connections waits for the slowest, not for the sum.
 	got := make([]fetchedConn, len(conns))
-	sem := make(chan struct{}, maxParallelFetches)
-	var wg sync.WaitGroup
-	for i, c := range conns {
-		wg.Go(func() {
-			sem <- struct{}{}
-			defer func() { <-sem }()
-			got[i] = fetchConn(ctx, d, c)
-		})
-	}
-	wg.Wait()
+	inParallel(len(conns), maxParallelFetches, func(i int) { got[i] = fetchConn(ctx, d, conns[i]) })
 	peers := map[tcpflow.Tuple]restore.Peer{}
 	j.Checks = map[tcpflow.Tuple]Check{}
 	var errs []error

@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 	"reflect"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -370,19 +371,13 @@ func TestPlanFetchesConnectionsAtOnce(t *testing.T) {
 	}
 	internal := ckpt.Conn{Tuple: tcpflow.Tuple{Local: local, Remote: netip.AddrPortFrom(failedAddr, 6000)}}
 	conns = append(conns, internal)
-	var started sync.WaitGroup
-	started.Add(3)
+	allStarted := barrier(3)
 	f.logRange = func(owner string, req clusterapi.LogRangeRequest) (clusterapi.LogRangeReply, []byte, error) {
 		if req.Tuple.Remote.Addr() == failedAddr && req.Tuple.Local.Addr() == failedAddr {
 			t.Errorf("plan asked %s for a connection inside the failed node", owner)
 		}
-		started.Done()
-		done := make(chan struct{})
-		go func() { started.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(10 * time.Second): // a failure bound: they start at once
-			return clusterapi.LogRangeReply{}, nil, errors.New("the other fetches never started")
+		if err := allStarted(); err != nil {
+			return clusterapi.LogRangeReply{}, nil, err
 		}
 		return clusterapi.LogRangeReply{}, nil, errors.New("refused by " + owner)
 	}
@@ -399,5 +394,87 @@ func TestPlanFetchesConnectionsAtOnce(t *testing.T) {
 			t.Fatalf("plan's error %q: want every refusal, in the manifest's order", msg)
 		}
 		last = i
+	}
+}
+
+// barrier returns a function that n goroutines call: it returns once all n called it, or fails after a
+// bound (the calls were made one after another, not at once).
+func barrier(n int) func() error {
+	var started sync.WaitGroup
+	started.Add(n)
+	return func() error {
+		started.Done()
+		done := make(chan struct{})
+		go func() { started.Wait(); close(done) }()
+		select {
+		case <-done:
+			return nil
+		case <-time.After(10 * time.Second): // a failure bound: they start at once
+			return errors.New("the others never started")
+		}
+	}
+}
+
+// TestRunRestoresJobsAtOnce: the jobs of a failed node are fetched at once and restored at once (each
+// fetch and each restore here waits until all three started; one after another, the first would wait for
+// ever). Every job's guard is up before the first restore. A job whose restore fails is undone alone; the
+// others are replayed and re-protected, and the error names the failed job.
+func TestRunRestoresJobsAtOnce(t *testing.T) {
+	f := newFake(t)
+	req := request(snap1)
+	req.Jobs = nil
+	for _, id := range []string{"rank1", "rank2", "rank3"} {
+		req.Jobs = append(req.Jobs, clusterapi.RecoverJob{Job: id, Candidates: []clusterapi.Candidate{{Snapshot: snap1, Source: "node3"}}})
+	}
+	fetching, restoring := barrier(3), barrier(3)
+	f.fetchHook = func(string) {
+		if err := fetching(); err != nil {
+			t.Error("fetch:", err)
+		}
+	}
+	f.restoreHook = func(j *Job) error {
+		f.mu.Lock()
+		guards := 0
+		for _, n := range f.net {
+			if strings.HasPrefix(n, "guard ") {
+				guards++
+			}
+		}
+		f.mu.Unlock()
+		if guards != 3 {
+			t.Errorf("restore of %s began with %d of 3 guards up", j.ID, guards)
+		}
+		if err := restoring(); err != nil {
+			t.Error("restore:", err)
+		}
+		if j.ID == "rank2" {
+			return errors.New("criu failed")
+		}
+		return nil
+	}
+	var stages []Stage
+	err := Run(context.Background(), req, f.deps(), func(s Stage) { stages = append(stages, s) })
+	if err == nil || !strings.Contains(err.Error(), "job rank2: criu failed") || strings.Contains(err.Error(), "rank1") || strings.Contains(err.Error(), "rank3") {
+		t.Fatalf("Run: %v; want only rank2's restore failure", err)
+	}
+	perJob := map[string][]string{}
+	for _, s := range stages {
+		perJob[s.Job] = append(perJob[s.Job], s.Name)
+	}
+	want := map[string][]string{
+		"rank1": {StageFetched, StageRewritten, StageRestored, StageReplayed},
+		"rank2": {StageFetched, StageRewritten, StageRestored},
+		"rank3": {StageFetched, StageRewritten, StageRestored, StageReplayed},
+		"":      {StageProtected},
+	}
+	if !reflect.DeepEqual(perJob, want) {
+		t.Errorf("stages per job %v, want %v", perJob, want)
+	}
+	slices.Sort(f.reprotected)
+	if !reflect.DeepEqual(f.reprotected, []string{"rank1", "rank3"}) || !reflect.DeepEqual(f.unlessSt, []string{"rank2"}) {
+		t.Errorf("re-protected %v, given back unless started %v; want rank1 and rank3, and rank2", f.reprotected, f.unlessSt)
+	}
+	if !slices.Contains(f.net, "unguard run-rank2") || slices.Contains(f.net, "unguard run-rank1") {
+		t.Errorf("network %v: want rank2's guard removed, and only it", f.net)
 	}
 }
