@@ -52,6 +52,12 @@ type Agent struct {
 	netlog *logState // nil when the sender-side log is disabled
 
 	members  membership       // the cluster view: ring, spares, who holds which address
+	jobAddrs jobAddrOwners    // who holds which job address (jobaddr_owners.go)
+	// clusterNet is the cluster network, looked up once (clusterPrefix).
+	clusterNet struct {
+		once   sync.Once
+		prefix netip.Prefix
+	}
 	busy     atomic.Value     // string: the long operation in progress, carried by heartbeats
 	watchdog *detect.Watchdog // over this node's predecessor in the ring
 	stalls   *detect.Stalls   // this agent's own scheduling delays (watchSelf)

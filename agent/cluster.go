@@ -110,7 +110,7 @@ func (a *Agent) Ping(ctx context.Context, name string) (PingReply, error) {
 	return a.peers().Ping(ctx, name)
 }
 
-// servePing answers with this host's name and running jobs.
+// servePing answers with this host's name, its running jobs and their job addresses.
 func (a *Agent) servePing() PingReply {
 	var jobs []string
 	for _, j := range a.Jobs(0) {
@@ -118,7 +118,7 @@ func (a *Agent) servePing() PingReply {
 			jobs = append(jobs, j.ID)
 		}
 	}
-	return PingReply{Node: a.cfg.Name, Jobs: jobs}
+	return PingReply{Node: a.cfg.Name, Jobs: jobs, JobAddrs: a.runningJobAddrs()}
 }
 
 // serveCheckpointNow snapshots this host's jobs for a sender whose log is under pressure. Requests that
@@ -171,8 +171,8 @@ func (s peerService) Locate(_ context.Context, _ string, req clusterapi.LocateRe
 	return s.a.locateReply(req.ID), nil
 }
 
-func (s peerService) Trim(_ context.Context, peer string, req clusterapi.TrimRequest) (clusterapi.TrimReply, error) {
-	return s.a.serveTrim(peer, req.Points), nil
+func (s peerService) Trim(ctx context.Context, peer string, req clusterapi.TrimRequest) (clusterapi.TrimReply, error) {
+	return s.a.serveTrim(ctx, peer, req.Points), nil
 }
 
 func (s peerService) LogRange(ctx context.Context, peer string, req LogRangeRequest) (LogRangeReply, func(io.Writer) error, error) {

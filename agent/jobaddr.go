@@ -29,6 +29,9 @@ type JobNetworkConfig struct {
 	Parent string `toml:"parent"`
 	// Kind is the job interface's type: macvlan (default, measured) or ipvlan (needs CONFIG_IPVLAN).
 	Kind jobnet.Kind `toml:"kind"`
+	// Gateway, if set, is the default route of every job network: a router on the cluster network, for
+	// jobs that talk to hosts beyond it (a file server, a licence server). Unset: the cluster network only.
+	Gateway netip.Addr `toml:"gateway"`
 }
 
 // minPoolBits bounds a pool to 4096 addresses: allocation walks it.
@@ -44,10 +47,15 @@ func (c JobNetworkConfig) validate() error {
 	if c.Parent != "" && !validIfName(c.Parent) {
 		return fmt.Errorf("job_network.parent %q: not an interface name (1 to 15 bytes, no spaces, '/' or ':')", c.Parent)
 	}
+	if c.Gateway.IsValid() && !c.Gateway.Is4() {
+		return fmt.Errorf("job_network.gateway %s: only IPv4 is supported", c.Gateway)
+	}
 	if !c.Pool.IsValid() {
 		return nil
 	}
 	switch {
+	case c.Gateway.IsValid() && c.Pool.Contains(c.Gateway):
+		return fmt.Errorf("job_network.gateway %s is inside job_network.pool %s: the gateway must be a router, not a job address", c.Gateway, c.Pool)
 	case !c.Pool.Addr().Is4():
 		return fmt.Errorf("job_network.pool %s: only IPv4 job addresses are supported", c.Pool)
 	case c.Pool != c.Pool.Masked():
@@ -80,8 +88,8 @@ func (c Config) clusterNetwork() (iface string, own netip.Prefix, err error) {
 }
 
 // CheckJobNetwork checks [job_network] against this host (ftagent --check-config, and the agent at start):
-// the pool inside the cluster network of the cluster interface, holding no member's address, and the
-// parent interface present. Nil when no pool is configured.
+// the pool inside the cluster network of the cluster interface, holding no member's address, the gateway
+// inside that network, and the parent interface present. Nil when no pool is configured.
 func (c Config) CheckJobNetwork() error {
 	if !c.JobNetwork.Pool.IsValid() {
 		return nil
@@ -98,6 +106,9 @@ func (c Config) CheckJobNetwork() error {
 		if pool.Contains(m.Address.Addr().Unmap()) {
 			return fmt.Errorf("job_network.pool %s holds member %s's address %s: use a range no host has", pool, m.Name, m.Address.Addr())
 		}
+	}
+	if gw := c.JobNetwork.Gateway; gw.IsValid() && (!own.Masked().Contains(gw) || gw == own.Addr()) {
+		return fmt.Errorf("job_network.gateway %s: want a router inside the cluster network %s of %s, not this host", gw, own.Masked(), iface)
 	}
 	if c.JobNetwork.Parent != "" {
 		if _, err := net.InterfaceByName(c.JobNetwork.Parent); err != nil {
@@ -247,7 +258,7 @@ func (a *Agent) jobNetSpec(n *JobNet) (jobnet.Spec, error) {
 		}
 		parent = iface
 	}
-	return jobnet.Spec{Name: n.Name, Parent: parent, Kind: n.Kind, Addr: n.Addr}.Validate()
+	return jobnet.Spec{Name: n.Name, Parent: parent, Kind: n.Kind, Addr: n.Addr, Gateway: a.cfg.JobNetwork.Gateway}.Validate()
 }
 
 // createJobNet creates job j's network on this host (idempotent).

@@ -28,6 +28,9 @@ func TestJobNetworkConfig(t *testing.T) {
 		{name: "bad parent", toml: base + "[job_network]\nparent = \"a/b\"\n", wantErr: "job_network.parent"},
 		{name: "not a prefix", toml: base + "[job_network]\npool = \"10.1.0.200\"\n", wantErr: "line"},
 		{name: "unknown key", toml: base + "[job_network]\nrange = \"10.1.0.200/29\"\n", wantErr: "unknown key"},
+		{name: "a gateway", toml: base + "[job_network]\npool = \"10.1.0.200/29\"\ngateway = \"10.1.0.1\"\n", wantPool: "10.1.0.200/29"},
+		{name: "gateway in the pool", toml: base + "[job_network]\npool = \"10.1.0.200/29\"\ngateway = \"10.1.0.201\"\n", wantErr: "inside job_network.pool"},
+		{name: "IPv6 gateway", toml: base + "[job_network]\ngateway = \"fd00::1\"\n", wantErr: "job_network.gateway fd00::1: only IPv4"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

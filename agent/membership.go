@@ -82,10 +82,16 @@ func (a *Agent) member(name string) (ring.Member, bool) {
 	return a.View().Member(name)
 }
 
-// memberByIP is the alive cluster member that holds host address ip now ("" if none).
+// memberByIP is the alive cluster member that holds ip now, a host address or a job address ("" if none
+// is known): it does not wait for the members' answer about a job address it does not know yet
+// (holderOf; memberByIPWait does).
 func (a *Agent) memberByIP(ip netip.Addr) string {
-	name, _ := a.View().Owner(ip.Unmap())
-	return name
+	return a.holderOf(context.Background(), ip, false)
+}
+
+// memberByIPWait is memberByIP, waiting (within ctx) for the members' answer about a job address.
+func (a *Agent) memberByIPWait(ctx context.Context, ip netip.Addr) string {
+	return a.holderOf(ctx, ip, true)
 }
 
 // protector is this host's protector in the current view.

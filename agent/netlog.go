@@ -118,7 +118,7 @@ func (a *Agent) unprotect(j *Job) {
 func (a *Agent) announceReceivePoints(ctx context.Context, m *ckpt.Manifest) {
 	byPeer := map[string][]TrimPoint{}
 	for _, c := range m.Conns {
-		peer := a.memberByIP(c.Remote.Addr())
+		peer := a.memberByIPWait(ctx, c.Remote.Addr())
 		if peer == "" || peer == a.cfg.Name {
 			continue // not cluster traffic, or traffic inside this host (never logged)
 		}
@@ -151,8 +151,8 @@ func (a *Agent) sendTrim(ctx context.Context, peer string, pts []TrimPoint) erro
 }
 
 // serveTrim drops log data the caller's snapshot covers (the protocol bounds the points).
-func (a *Agent) serveTrim(peer string, pts []TrimPoint) clusterapi.TrimReply {
-	own, foreign := ownTrimPoints(pts, peer, a.memberByIP)
+func (a *Agent) serveTrim(ctx context.Context, peer string, pts []TrimPoint) clusterapi.TrimReply {
+	own, foreign := ownTrimPoints(pts, peer, func(ip netip.Addr) string { return a.memberByIPWait(ctx, ip) })
 	if foreign > 0 {
 		a.log.Warn("trim refused for connections the peer does not hold: a member may only release data destined for itself",
 			"peer", peer, "refused", foreign, "accepted", len(own))

@@ -68,7 +68,13 @@ func (r *recoveryActions) Fetch(ctx context.Context, job string, c clusterapi.Ca
 	return j, nil
 }
 
-func (r *recoveryActions) Owner(addr netip.Addr) string { return r.a.memberByIP(addr) }
+// Owner waits for the members' answer about a job address: a recovery must not take a peer for a
+// stranger because nobody had asked yet.
+func (r *recoveryActions) Owner(addr netip.Addr) string {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*jobAddrAskTimeout)
+	defer cancel()
+	return r.a.memberByIPWait(ctx, addr)
+}
 
 func (r *recoveryActions) LogRange(ctx context.Context, owner string, req clusterapi.LogRangeRequest) (clusterapi.LogRangeReply, []byte, error) {
 	return r.a.LogRange(ctx, owner, req)

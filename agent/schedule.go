@@ -166,6 +166,10 @@ func needsFirstSnapshot(j Job) bool { return !j.Protected() && j.Restored == "" 
 // recordReplica notes in the job's record that snapshot m reached a protector: from now on a failure of
 // this host is recoverable (`ftctl status` shows the job as protected).
 func (a *Agent) recordReplica(m *ckpt.Manifest) {
+	// Before a.mu: who holds a job address is asked of the members (and holderOf takes a.mu).
+	ctx, cancel := context.WithTimeout(context.Background(), 2*jobAddrAskTimeout)
+	bad := unrecoverableConns(m.Conns, func(ip netip.Addr) string { return a.memberByIPWait(ctx, ip) })
+	cancel()
 	a.mu.Lock()
 	j, ok := a.byID[m.Job]
 	if !ok || j.Node != a.cfg.Name || (j.Protected() && j.Replica.Snapshot >= m.ID) {
@@ -173,7 +177,6 @@ func (a *Agent) recordReplica(m *ckpt.Manifest) {
 		return
 	}
 	first := !j.Protected()
-	bad := unrecoverableConns(m.Conns, a.memberByIP)
 	j.Replica = &Replica{Snapshot: m.ID, Time: time.Now().UTC(), Node: a.cfg.Name, Holders: append([]string(nil), m.Replicas...), Unrecoverable: bad}
 	err := a.jobs.save(j)
 	a.notify()

@@ -44,7 +44,7 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen bool) (*ckpt.Manifes
 		Info: ckpt.Info{CRIUVersion: a.criuVersion.String(), KernelRelease: version.KernelRelease(), Mode: a.cfg.Checkpoint.Mode},
 		SentPrefix: func(ctx context.Context, images string, c image.TCPConn) (*ckpt.SentPrefix, error) {
 			// Only a peer on another member survives this host and checks what a restore re-sends to it.
-			if owner := a.memberByIP(c.Remote.Addr()); owner != "" && owner != a.cfg.Name {
+			if owner := a.memberByIPWait(ctx, c.Remote.Addr()); owner != "" && owner != a.cfg.Name {
 				return a.sentPrefix(ctx, images, c)
 			}
 			return nil, nil

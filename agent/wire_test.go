@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"github.com/ftkit/ftkit/internal/testenv"
@@ -106,7 +107,7 @@ func TestServeTrim(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			a, logs := newWireAgent(t, "n1", testMembers(nil))
 			// No sender-side log here: nothing to trim, whoever asks.
-			if r := a.serveTrim("n2", tt.pts); r.Trimmed != 0 {
+			if r := a.serveTrim(context.Background(), "n2", tt.pts); r.Trimmed != 0 {
 				t.Errorf("trimmed %d; want 0", r.Trimmed)
 			}
 			if !strings.Contains(logs.String(), tt.wantLog) {

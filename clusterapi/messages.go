@@ -25,6 +25,9 @@ import (
 type PingReply struct {
 	Node string   `json:"node"`
 	Jobs []string `json:"jobs"` // ids of the jobs running there
+	// JobAddrs are the job addresses of the jobs running there (docs/job-addresses.md): who holds a job
+	// address is not in the view, it moves with the job. The receiver validates them before use.
+	JobAddrs []netip.Addr `json:"job_addrs,omitempty"`
 }
 
 // FetchRequest asks for a snapshot the server holds (OpFetch).

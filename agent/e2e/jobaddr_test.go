@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/vishvananda/netlink"
+
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/lab"
@@ -45,9 +47,29 @@ func jobNetLinks(t *testing.T, name string) map[string][]netip.Addr {
 	return out
 }
 
+// jobNetGateways lists the gateways of the default routes in job network name.
+func jobNetGateways(t *testing.T, name string) []netip.Addr {
+	t.Helper()
+	var out []netip.Addr
+	err := jobnet.Do(name, func() error {
+		routes, err := netlink.RouteList(nil, netlink.FAMILY_V4)
+		for _, r := range routes {
+			if (r.Dst == nil || r.Dst.IP.IsUnspecified()) && r.Gw != nil {
+				gw, _ := netip.AddrFromSlice(r.Gw.To4())
+				out = append(out, gw)
+			}
+		}
+		return err
+	})
+	if err != nil {
+		t.Fatalf("list the routes of job network %s: %v", name, err)
+	}
+	return out
+}
+
 // requireInJobNet checks that job j runs inside its job network, which holds only lo and eth0 with the
-// job's address.
-func requireInJobNet(t *testing.T, j agent.Job) {
+// job's address, and a default route via the lab's job gateway (job_network.gateway).
+func requireInJobNet(t *testing.T, c *labcluster.Cluster, j agent.Job) {
 	t.Helper()
 	if j.Net == nil {
 		t.Fatalf("job %s on %s has no job network", j.ID, j.Node)
@@ -55,6 +77,9 @@ func requireInJobNet(t *testing.T, j agent.Job) {
 	links := jobNetLinks(t, j.Net.Name)
 	if len(links) != 2 || !slices.Equal(links["eth0"], []netip.Addr{j.Net.Addr.Addr()}) {
 		t.Errorf("job network %s of %s holds %v, want lo and eth0 with %s only", j.Net.Name, j.ID, links, j.Net.Addr.Addr())
+	}
+	if gw, want := jobNetGateways(t, j.Net.Name), labcluster.JobGateway(c.Lab.State()); !slices.Equal(gw, []netip.Addr{want}) {
+		t.Errorf("job network %s of %s on %s has default routes via %v, want one via %s (job_network.gateway)", j.Net.Name, j.ID, j.Node, gw, want)
 	}
 	var want, got syscall.Stat_t
 	if err := syscall.Stat(jobnet.Path(j.Net.Name), &want); err != nil {
@@ -131,8 +156,9 @@ func removeJobNets(t *testing.T, id string) {
 }
 
 // TestJobAddressFailover: a job with an address of its own (rank 1 of a two-rank ringstencil, on node2)
-// fails over to spare1 with that address, its peer (rank 0 on node1, on its host address, connected to
-// the job address read from rank 1's record) never notices, and node2's host address stays node2's: the
+// fails over to spare1 with that address, its peer (rank 0 on node1, on a job address of its own too,
+// connected to the job address read from rank 1's record) never notices: who holds rank 0's address is in
+// no view, the agents ask each other, and node2's host address stays node2's: the
 // crashed node2 is revived with it while the moved job keeps running, drops its old copy of the rank and
 // rejoins as a spare in every agent's view; then spare1 crashes and the rank is recovered onto node2. The
 // run's checksum equals the failure-free one (every byte exchanged, in order).
@@ -142,12 +168,12 @@ func TestJobAddressFailover(t *testing.T) {
 	want := reference(t, 2, args)
 	c := newCluster(t, 2, 1, labcluster.Options{Interval: "1h", JobAddresses: true})
 	st := c.Lab.State()
-	node1, _ := c.Lab.Host("node1")
 	node2, _ := c.Lab.Host("node2")
-	jobAddr := labcluster.JobPool(st, "node2").Addr() // the first of node2's pool: rank 1 listens on it
+	jobAddr := labcluster.JobPool(st, "node2").Addr()   // the first of node2's pool: rank 1 listens on it
+	rank0Addr := labcluster.JobPool(st, "node1").Addr() // and rank 0 on the first of node1's
 	withGate, release := gated(t, args, 1490)
 	peers := func(rank1 netip.Addr) string {
-		return netip.AddrPortFrom(node1.Addr.Addr(), port).String() + "," + netip.AddrPortFrom(rank1, port).String()
+		return netip.AddrPortFrom(rank0Addr, port).String() + "," + netip.AddrPortFrom(rank1, port).String()
 	}
 	ctx := context.Background()
 	rg := &ring{c: c, jobDir: labcluster.JobsDir(st.ID), release: release}
@@ -162,17 +188,19 @@ func TestJobAddressFailover(t *testing.T) {
 		t.Fatalf("rank 1's record: net %+v, want a macvlan job network with %s (node2's pool %s)", r1.Net, jobAddr, labcluster.JobPool(st, "node2"))
 	}
 	oldNet := r1.Net.Name
-	requireInJobNet(t, r1)
+	requireInJobNet(t, c, r1)
 	// The client connects to the address the job record gives.
-	r0, err := c.Client("node1").StartJob(ctx, agent.JobSpec{Name: "rank0",
+	r0, err := c.Client("node1").StartJob(ctx, agent.JobSpec{Name: "rank0", JobAddress: true,
 		Argv: append([]string{bins.Ringstencil, "--rank", "0", "--peers", peers(r1.Net.Addr.Addr())}, withGate...)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if r0.Net != nil {
-		t.Fatalf("rank 0 asked for no job address, got %+v", r0.Net)
-	}
 	rg.jobs[0] = r0
+	t.Cleanup(func() { removeJobNets(t, r0.ID) })
+	if r0.Net == nil || r0.Net.Addr.Addr() != rank0Addr {
+		t.Fatalf("rank 0's record: net %+v, want the job address %s", r0.Net, rank0Addr)
+	}
+	requireInJobNet(t, c, r0)
 	t.Cleanup(func() {
 		if t.Failed() {
 			for r, j := range rg.jobs {
@@ -215,7 +243,7 @@ func TestJobAddressFailover(t *testing.T) {
 	if moved.Restored == "" || moved.Net == nil || moved.Net.Addr != r1.Net.Addr || moved.Net.Name == oldNet {
 		t.Fatalf("rank 1 on spare1: restored %q net %+v, want the address %s in a job network of spare1's", moved.Restored, moved.Net, r1.Net.Addr)
 	}
-	requireInJobNet(t, moved)
+	requireInJobNet(t, c, moved)
 	if addrs := hostAddrs(t, c, "spare1"); slices.Contains(addrs, node2.Addr.Addr()) || slices.Contains(addrs, jobAddr) {
 		t.Errorf("spare1's own namespace holds %v: node2's host address %s and the job address %s must not be there", addrs, node2.Addr.Addr(), jobAddr)
 	}
@@ -312,7 +340,7 @@ func TestJobAddressFailover(t *testing.T) {
 	if back.State != agent.JobRunning || back.Restored == "" || back.Net == nil || back.Net.Addr != r1.Net.Addr || back.Incarnation != moved.Incarnation+1 {
 		t.Fatalf("rank 1 on node2 after spare1 failed: %+v, want a running restored copy with the address %s, incarnation %d", back, r1.Net.Addr, moved.Incarnation+1)
 	}
-	requireInJobNet(t, back)
+	requireInJobNet(t, c, back)
 	poll(t, time.Minute, "node1 to list node2 as the node that replaced spare1", func() bool {
 		s, err := c.Client("node1").Status(ctx)
 		if err != nil {
@@ -417,7 +445,7 @@ func TestJobAddressSelfFence(t *testing.T) {
 	if moved.Net == nil || moved.Net.Addr != old.Net.Addr {
 		t.Fatalf("rank 1 on spare1: net %+v, want the address %s", moved.Net, old.Net.Addr)
 	}
-	requireInJobNet(t, moved)
+	requireInJobNet(t, c, moved)
 	node2, _ := c.Lab.Host("node2")
 	if addrs := hostAddrs(t, c, "spare1"); slices.Contains(addrs, node2.Addr.Addr()) {
 		t.Errorf("spare1 holds node2's host address: %v", addrs)

@@ -218,6 +218,9 @@ func plan(ctx context.Context, d Deps, req clusterapi.RecoverRequest, j *Job) er
 		if slices.Contains(req.Addrs, c.Remote.Addr().Unmap()) {
 			continue // both ends were on the failed node: restored from the same node snapshot
 		}
+		if j.Net != nil && c.Remote.Addr().Unmap() == j.Net.Addr() {
+			continue // both ends in the job's own network: both in this snapshot
+		}
 		conns = append(conns, c)
 	}
 	// Each connection's bytes come from another host: fetched a few at a time, a job with many

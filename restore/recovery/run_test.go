@@ -358,7 +358,7 @@ func (f receivedFunc) Received(context.Context, string, tcpflow.Tuple, uint32) (
 
 // TestPlanFetchesConnectionsAtOnce: plan asks the peers of all a job's connections at the same time (a
 // fetch waits here until every one has started; one after another, the first would wait forever), skips a
-// connection whose both ends were on the failed node, and reports every connection that failed, in the
+// connection whose both ends were on the failed node or in the job's own network, and reports every connection that failed, in the
 // manifest's order.
 func TestPlanFetchesConnectionsAtOnce(t *testing.T) {
 	local := netip.AddrPortFrom(failedAddr, 5000)
@@ -373,20 +373,25 @@ func TestPlanFetchesConnectionsAtOnce(t *testing.T) {
 	conns = append(conns, internal)
 	allStarted := barrier(3)
 	f.logRange = func(owner string, req clusterapi.LogRangeRequest) (clusterapi.LogRangeReply, []byte, error) {
-		if req.Tuple.Remote.Addr() == failedAddr && req.Tuple.Local.Addr() == failedAddr {
-			t.Errorf("plan asked %s for a connection inside the failed node", owner)
+		if req.Tuple.Remote.Addr() == failedAddr && req.Tuple.Local.Addr() == failedAddr || req.Tuple.Remote.Addr() == jobAddr {
+			t.Errorf("plan asked %s for a connection inside the failed node or the job's network: %s", owner, req.Tuple)
 		}
 		if err := allStarted(); err != nil {
 			return clusterapi.LogRangeReply{}, nil, err
 		}
 		return clusterapi.LogRangeReply{}, nil, errors.New("refused by " + owner)
 	}
-	j := &Job{Manifest: &ckpt.Manifest{Info: ckpt.Info{Conns: conns}}}
+	// Inside a job network: both ends are the job's, in its snapshot.
+	conns = append(conns, ckpt.Conn{Tuple: tcpflow.Tuple{Local: netip.AddrPortFrom(jobAddr, 5001), Remote: netip.AddrPortFrom(jobAddr, 6001)}})
+	j := &Job{Manifest: &ckpt.Manifest{Info: ckpt.Info{Conns: conns}}, Net: fakeJobNet{f}}
 	err := plan(context.Background(), f.deps(), request(), j)
 	if err == nil {
 		t.Fatal("plan succeeded with every peer refusing")
 	}
 	msg := err.Error()
+	if strings.Contains(msg, jobAddr.String()) {
+		t.Errorf("plan's error %q names the connection inside the job's network", msg)
+	}
 	last := -1
 	for _, owner := range []string{"owner-10.0.0.1", "owner-10.0.0.3", "owner-10.0.0.4"} {
 		i := strings.Index(msg, "refused by "+owner)

@@ -1,0 +1,182 @@
+package agent
+
+import (
+	"context"
+	"net/netip"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/ftkit/ftkit/ring"
+)
+
+// Who holds a job address. A host address is in the view (ring.View.Owner); a job address is not: it moves
+// with its job (a fail-over, a rejoin, a manual restore), so each member says which ones its running jobs
+// hold (its ping reply) and this directory asks every alive member when it needs an address it does not
+// know, after every view change, and when its answer is older than jobAddrMaxAge. Callers that must not
+// wait (the log's capture loop) take what it knew and start a refresh; the others wait for the answers.
+type jobAddrOwners struct {
+	mu      sync.Mutex
+	owners  map[netip.Addr]string // from the last refresh; an address two members claimed is left out
+	epoch   uint64                // the view epoch that refresh started in
+	at      time.Time             // when it started
+	pending chan struct{}         // closed when the refresh in progress ends; nil when none runs
+}
+
+const (
+	// jobAddrRetry is how soon an address nobody claimed may be asked for again.
+	jobAddrRetry = time.Second
+	// jobAddrMaxAge bounds how long an answer is used without asking again (a manual restore moves a job
+	// address without a view change).
+	jobAddrMaxAge = 30 * time.Second
+	// jobAddrAskTimeout bounds each member's answer.
+	jobAddrAskTimeout = 2 * time.Second
+	// maxJobAddrsPerMember bounds what one member may claim (a /20 pool plus the jobs it took over).
+	maxJobAddrsPerMember = 8192
+)
+
+// holderOf is the alive member that holds ip now: a host address in the view, or the address of a job
+// running on a member (wait: within ctx, ask the members about an address the directory does not know).
+func (a *Agent) holderOf(ctx context.Context, ip netip.Addr, wait bool) string {
+	ip = ip.Unmap()
+	v := a.View()
+	if name, ok := v.Owner(ip); ok {
+		return name
+	}
+	if !a.mayBeJobAddr(ip) {
+		return ""
+	}
+	if a.runsJobAddr(ip) {
+		return a.cfg.Name
+	}
+	return a.jobAddrs.owner(ctx, a, v.Epoch, ip, wait)
+}
+
+// mayBeJobAddr says whether ip could be a job address: an IPv4 address of the cluster network. Nothing else
+// is asked of the members.
+func (a *Agent) mayBeJobAddr(ip netip.Addr) bool {
+	cluster, ok := a.clusterPrefix()
+	return ok && ip.Is4() && cluster.Contains(ip)
+}
+
+// clusterPrefix is the cluster network (the cluster interface's address with its length), looked up once.
+func (a *Agent) clusterPrefix() (netip.Prefix, bool) {
+	a.clusterNet.once.Do(func() {
+		if _, own, err := a.cfg.clusterNetwork(); err == nil {
+			a.clusterNet.prefix = own.Masked()
+		}
+	})
+	return a.clusterNet.prefix, a.clusterNet.prefix.IsValid()
+}
+
+// runsJobAddr says whether a running job of this host holds job address ip.
+func (a *Agent) runsJobAddr(ip netip.Addr) bool {
+	return slices.Contains(a.runningJobAddrs(), ip)
+}
+
+// runningJobAddrs are the job addresses of this host's running jobs (what its ping reply says).
+func (a *Agent) runningJobAddrs() []netip.Addr {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	var out []netip.Addr
+	for _, j := range a.byID {
+		if j.State == JobRunning && j.Net != nil && j.Node == a.cfg.Name {
+			out = append(out, j.Net.Addr.Addr())
+		}
+	}
+	return out
+}
+
+// owner looks ip up. The directory answers when it is of the current view and young enough; otherwise a
+// refresh runs (one at a time). A caller that waits for an unknown address wants a refresh that started
+// after it asked (a job started a moment ago is in no older answer); one that does not wait takes what the
+// directory knew, and starts a refresh at most once per jobAddrRetry for an address nobody claimed.
+func (d *jobAddrOwners) owner(ctx context.Context, a *Agent, epoch uint64, ip netip.Addr, wait bool) string {
+	asked := time.Now()
+	for {
+		d.mu.Lock()
+		name, known := d.owners[ip]
+		current := d.owners != nil && d.epoch == epoch
+		age := time.Since(d.at)
+		switch {
+		case current && known && age < jobAddrMaxAge,
+			current && !known && !wait && age < jobAddrRetry,
+			current && !known && wait && !d.at.Before(asked):
+			d.mu.Unlock()
+			return name
+		}
+		if d.pending == nil {
+			d.pending = make(chan struct{})
+			go d.refresh(a, d.pending)
+		}
+		done := d.pending
+		d.mu.Unlock()
+		if !wait {
+			return name // what it knew, if anything: the refresh corrects it
+		}
+		select {
+		case <-done:
+		case <-ctx.Done():
+			return name
+		}
+		epoch = a.View().Epoch
+	}
+}
+
+// refresh asks every other alive member which job addresses it holds, then closes done.
+func (d *jobAddrOwners) refresh(a *Agent, done chan struct{}) {
+	v := a.View()
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), jobAddrAskTimeout)
+	defer cancel()
+	claims := make([][]netip.Addr, len(v.Members))
+	var wg sync.WaitGroup
+	for i, m := range v.Members {
+		if m.State != ring.StateAlive || m.Name == a.cfg.Name {
+			continue
+		}
+		wg.Go(func() {
+			rep, err := a.peers().Ping(ctx, m.Name)
+			if err != nil || rep.Node != m.Name {
+				return // a member that does not answer holds nothing we could reach anyway
+			}
+			claims[i] = a.validJobAddrs(m.Name, rep.JobAddrs)
+		})
+	}
+	wg.Wait()
+	owners := map[netip.Addr]string{}
+	ambiguous := map[netip.Addr][]string{}
+	for i, addrs := range claims {
+		for _, ip := range addrs {
+			if o, dup := owners[ip]; dup && o != v.Members[i].Name {
+				ambiguous[ip] = append(ambiguous[ip], o, v.Members[i].Name)
+			}
+			owners[ip] = v.Members[i].Name
+		}
+	}
+	for ip, who := range ambiguous {
+		// Two copies of one job (a host cut off that has not fenced itself yet): nobody's, until one is gone.
+		delete(owners, ip)
+		a.log.Warn("a job address is claimed by two members: neither is used for it until one copy is gone", "addr", ip, "members", who)
+	}
+	d.mu.Lock()
+	d.owners, d.epoch, d.at, d.pending = owners, v.Epoch, start, nil
+	d.mu.Unlock()
+	close(done)
+}
+
+// validJobAddrs keeps the addresses member claims that could be job addresses: IPv4 addresses of the
+// cluster network that are no member's host address, at most maxJobAddrsPerMember of them.
+func (a *Agent) validJobAddrs(member string, addrs []netip.Addr) []netip.Addr {
+	hosts := a.memberAddrs()
+	var out []netip.Addr
+	for _, ip := range addrs {
+		ip = ip.Unmap()
+		if !a.mayBeJobAddr(ip) || slices.Contains(hosts, ip) || len(out) == maxJobAddrsPerMember {
+			a.log.Warn("a member claims a job address it cannot hold; ignored", "member", member, "addr", ip)
+			continue
+		}
+		out = append(out, ip)
+	}
+	return out
+}

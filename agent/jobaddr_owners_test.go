@@ -1,0 +1,101 @@
+package agent
+
+import (
+	"context"
+	"net/netip"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/clusterapi"
+)
+
+// pingScript is a member whose ping answer the test sets (every other operation is unexpected).
+type pingScript struct {
+	clusterapi.Service
+	name  string
+	mu    sync.Mutex
+	addrs []netip.Addr
+	pings int
+}
+
+func (s *pingScript) Ping(context.Context, string) (clusterapi.PingReply, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.pings++
+	return clusterapi.PingReply{Node: s.name, JobAddrs: s.addrs}, nil
+}
+
+func (s *pingScript) set(addrs ...netip.Addr) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.addrs = addrs
+}
+
+func (s *pingScript) count() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.pings
+}
+
+// TestHolderOfJobAddress: who holds a job address is asked of the members (their ping answers) and kept
+// until the view changes: a member's job address resolves to it, this host's own jobs' without asking, an
+// address two members claim to neither, what a member may not hold (outside the cluster network, a host's
+// address) is ignored; after a view change the members are asked again (a moved job).
+func TestHolderOfJobAddress(t *testing.T) {
+	pki := newTestPKI(t)
+	n2, n3 := &pingScript{name: "n2"}, &pingScript{name: "n3"}
+	a, _ := clientAgent(t, pki, map[string]uint16{"n2": scriptedPeer(t, pki, "n2", n2), "n3": scriptedPeer(t, pki, "n3", n3)})
+	a.clusterNet.once.Do(func() { a.clusterNet.prefix = netip.MustParsePrefix("10.77.0.0/24") })
+	ip := func(s string) netip.Addr { return netip.MustParseAddr(s) }
+	n2.set(ip("10.77.0.201"), ip("10.77.0.205"), ip("10.9.9.9"), addrN3)
+	n3.set(ip("10.77.0.202"), ip("10.77.0.205"))
+	own := ip("10.77.0.210")
+	a.byID["mine"] = &Job{ID: "mine", Node: "n1", State: JobRunning, Net: &JobNet{Addr: netip.PrefixFrom(own, 24)}}
+	ctx := t.Context()
+	for _, tc := range []struct{ addr, want string }{
+		{"10.77.0.201", "n2"},
+		{"10.77.0.202", "n3"},
+		{"10.77.0.205", ""},          // claimed by both: neither
+		{"10.77.0.203", ""},          // nobody's
+		{addrN3.String(), "n3"},      // a host address: the view's answer, not n2's claim
+		{"10.9.9.9", ""},             // outside the cluster network: never asked about
+		{own.String(), "n1"},         // this host's running job
+		{"::ffff:10.77.0.201", "n2"}, // mapped: the same address
+	} {
+		if got := a.memberByIPWait(ctx, ip(tc.addr)); got != tc.want {
+			t.Errorf("holder of %s: %q, want %q", tc.addr, got, tc.want)
+		}
+	}
+	// One refresh for the first address, then one for each address nobody holds (.205, .203): a waiting
+	// caller wants an answer younger than its question (a job started a moment ago is in no older one).
+	asked := n2.count()
+	if asked != 3 {
+		t.Errorf("n2 was pinged %d times for these lookups, want 3", asked)
+	}
+	if got := a.memberByIP(ip("10.77.0.201")); got != "n2" || n2.count() != asked {
+		t.Errorf("a known address again: %q after %d more pings, want n2 from the directory, none", got, n2.count()-asked)
+	}
+
+	// n2 failed and its job with .201 was restored on n3: a new view, asked again.
+	n3.set(ip("10.77.0.201"), ip("10.77.0.202"))
+	v, err := a.View().Fail("n2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.adoptView(v); err != nil {
+		t.Fatal(err)
+	}
+	if got := a.memberByIPWait(ctx, ip("10.77.0.201")); got != "n3" {
+		t.Errorf("after n2's failure the holder of 10.77.0.201 is %q, want n3", got)
+	}
+
+	// Without waiting, an address not asked about yet is unknown at first, then known once the members
+	// answered (the log's capture loop must never wait for the network).
+	n3.set(ip("10.77.0.201"), ip("10.77.0.202"), ip("10.77.0.206"))
+	for deadline := time.Now().Add(10 * time.Second); a.memberByIP(ip("10.77.0.206")) != "n3"; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("10.77.0.206 never resolved to n3 without waiting")
+		}
+	}
+}
