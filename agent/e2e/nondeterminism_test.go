@@ -258,3 +258,56 @@ func TestOneWayStreamSenderCrash(t *testing.T) {
 		}
 	}
 }
+
+// TestDivergedRankBounded: rank 1 on node2 decides from the clock (nondet --resync-after: after a pause
+// longer than 2 s it asks rank 0 to resync and waits for its answer). Its restored copy on spare1 finds
+// that pause (the snapshot was taken more than 2 s before the restore), takes the other branch and waits
+// for an answer rank 0 never sends: it never re-sends what rank 0 had received. The recovery must end
+// within failover.replay_timeout with a clear failure naming the connection and the setting, kill the
+// restored rank, and leave rank 0 to fail instead of going on: never a recovery that stays at "restored".
+func TestDivergedRankBounded(t *testing.T) {
+	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	const (
+		resyncAfter   = 2 * time.Second
+		replayTimeout = 10 * time.Second
+	)
+	args := []string{"--iters", "4000", "--block", fmt.Sprint(64 << 10), "--delay", "10ms", "--resync-after", resyncAfter.String()}
+	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", ReplayTimeout: replayTimeout})
+	rg := startNondet(t, c, 7660, args)
+	rg.waitProtected(t, 2*time.Minute)
+	rg.checkpoint(t, "node2")
+	// The premise of the divergence, not a guess: the restored copy must find more than resyncAfter
+	// elapsed since the iteration its snapshot froze; meanwhile rank 0 receives blocks the copy must re-send.
+	time.Sleep(resyncAfter)
+	if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
+		t.Fatal(err)
+	}
+	f := waitFailure(t, c, "node2", 5*time.Minute)
+	logTimeline(t, f)
+	if f.Target != "spare1" {
+		t.Fatalf("restored on %s, want spare1", f.Target)
+	}
+	if !strings.Contains(f.Error, "not transparently recoverable") {
+		t.Errorf("recovery error %q does not say the job is not transparently recoverable", f.Error)
+	}
+	replay := stageOf(t, f, agent.StageReplayed)
+	for _, w := range []string{"did not re-send", replayTimeout.String(), "failover.replay_timeout", "diverged"} {
+		if !strings.Contains(replay.Error, w) {
+			t.Errorf("replay stage error %q does not mention %q", replay.Error, w)
+		}
+	}
+	// It gave the rank the configured time, no less (the bound is the setting, not an accident).
+	if d := replay.Duration(); d < replayTimeout {
+		t.Errorf("replay stage ended after %s, before failover.replay_timeout (%s)", d, replayTimeout)
+	}
+	if s := stageOf(t, f, ""); s.Name == agent.StageProtected && s.Error == "" {
+		t.Errorf("the killed job was re-protected: %+v", s)
+	}
+	st, _ := waitExit(t, rg.jobs[1], time.Minute)
+	if st.Node != "spare1" || st.Signal != "SIGKILL" {
+		t.Errorf("restored rank 1 ended %+v, want killed on spare1", st)
+	}
+	if st, out := waitExit(t, rg.jobs[0], time.Minute); st.Code == 0 {
+		t.Errorf("rank 0 completed (%s) although its peer diverged", out)
+	}
+}

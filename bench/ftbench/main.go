@@ -55,6 +55,7 @@ func benchmarks() (map[string]benchmark, map[string]*flag.FlagSet) {
 		"detect":              d.run,
 		"lab":                 benchLab,
 		"netlog":              benchNetlog,
+		"node-recovery":       benchNodeRecovery,
 		"recovery":            benchRecovery,
 		"restored-throughput": benchRestored,
 		"snapshot":            benchSnapshot,

@@ -61,8 +61,12 @@ type Options struct {
 	// none, and the default).
 	FenceCommand []string
 	FenceTimeout time.Duration
-	// JobAddresses gives every agent a job_network.pool (JobPool), so that jobs may ask for an address
-	// of their own.
+	// ReplayTimeout is every agent's failover.replay_timeout (0: the default).
+	ReplayTimeout time.Duration
+	// ParallelRestores is every agent's failover.parallel_restores (0: the default).
+	ParallelRestores int
+	// JobAddresses gives every agent a job_network.pool (JobPool) and gateway (JobGateway), so that jobs
+	// may ask for an address of their own.
 	JobAddresses bool
 }
 
@@ -89,6 +93,14 @@ func JobPool(st lab.State, host string) netip.Prefix {
 		return netip.PrefixFrom(netip.AddrFrom4(b), 32-2) // jobPoolSize addresses
 	}
 	return netip.Prefix{}
+}
+
+// JobGateway is every job network's gateway in a lab started with Options.JobAddresses: the subnet's .1,
+// which no lab host holds (the route is on-link; nothing answers there, which no test needs).
+func JobGateway(st lab.State) netip.Addr {
+	b := st.Subnet.Masked().Addr().As4()
+	b[3] = 1
+	return netip.AddrFrom4(b)
 }
 
 // Cluster is a lab whose hosts each run an agent.
@@ -252,9 +264,16 @@ func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
 	cfg.Failover.FenceCommand = c.opts.FenceCommand
 	if c.opts.JobAddresses {
 		cfg.JobNetwork.Pool = JobPool(st, h.Name)
+		cfg.JobNetwork.Gateway = JobGateway(st)
 	}
 	if c.opts.FenceTimeout > 0 {
 		cfg.Failover.FenceTimeout.Duration = c.opts.FenceTimeout
+	}
+	if c.opts.ReplayTimeout > 0 {
+		cfg.Failover.ReplayTimeout.Duration = c.opts.ReplayTimeout
+	}
+	if c.opts.ParallelRestores > 0 {
+		cfg.Failover.ParallelRestores = c.opts.ParallelRestores
 	}
 	return cfg
 }

@@ -3,9 +3,14 @@
 // drawn from a generator seeded with the wall clock at the moment it is sent, so a rank 1 restored from a
 // snapshot re-sends different bytes than its peer already received (a non-deterministic program); without
 // it the blocks depend only on the iteration, and a restore re-sends the same bytes. With --oneway rank 0
-// never answers and rank 1 never waits: a one-way stream, whose receiver sends no payload at all.
+// never answers and rank 1 never waits: a one-way stream, whose receiver sends no payload at all. With
+// --resync-after D, rank 1 decides from the clock, as programs with timeouts do: when more than D passed
+// since its previous iteration started, it sends a resync request (a block of 0xff bytes) instead of the next block
+// and waits for a block-sized answer. A failure-free run never pauses that long; a rank 1 restored from a
+// snapshot taken more than D before its restore takes the other branch, and waits for an answer its peer,
+// which never sees the request (TCP drops it as a duplicate), will never send: a diverged, blocked rank.
 //
-//	nondet --rank R --peer ADDR [--iters N] [--block BYTES] [--delay D] [--clock] [--oneway]
+//	nondet --rank R --peer ADDR [--iters N] [--block BYTES] [--delay D] [--clock] [--oneway] [--resync-after D]
 //
 // Rank 0 listens on ADDR, rank 1 connects to it. Both print "rank R checksum X" (a SHA-256 of the blocks
 // received or sent) and exit 0 when all iterations are done.
@@ -32,6 +37,7 @@ func main() {
 	delay := flag.Duration("delay", 10*time.Millisecond, "pause between iterations")
 	clock := flag.Bool("clock", false, "seed each block with the wall clock (non-deterministic)")
 	oneway := flag.Bool("oneway", false, "rank 0 sends no acknowledgements, rank 1 waits for none")
+	resync := flag.Duration("resync-after", 0, "rank 1: after a pause longer than this, ask rank 0 to resync (0: never)")
 	flag.Parse()
 	if *peer == "" || *rank < 0 || *rank > 1 || *block < 8 || *block%8 != 0 {
 		fmt.Fprintln(os.Stderr, "nondet: need --peer, --rank 0 or 1, --block a multiple of 8")
@@ -42,7 +48,7 @@ func main() {
 	if *rank == 0 {
 		sum, err = receive(*peer, *iters, *block, *oneway)
 	} else {
-		sum, err = send(*peer, *iters, *block, *delay, *clock, *oneway)
+		sum, err = send(*peer, *iters, *block, *delay, *clock, *oneway, *resync)
 	}
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "nondet rank %d: %v\n", *rank, err)
@@ -64,9 +70,17 @@ func receive(addr string, iters, block int, oneway bool) (string, error) {
 	h := sha256.New()
 	buf := make([]byte, block)
 	ack := make([]byte, 8)
-	for i := range iters {
+	for i := 0; i < iters; i++ {
 		if _, err := io.ReadFull(c, buf); err != nil {
 			return "", fmt.Errorf("iteration %d: read block: %w", i, err)
+		}
+		if isResync(buf) {
+			// A resync request: answer with a block of its own instead of an acknowledgement.
+			if _, err := c.Write(buf); err != nil {
+				return "", fmt.Errorf("iteration %d: answer resync: %w", i, err)
+			}
+			i--
+			continue
 		}
 		h.Write(buf)
 		if oneway {
@@ -80,7 +94,17 @@ func receive(addr string, iters, block int, oneway bool) (string, error) {
 	return hex.EncodeToString(h.Sum(nil)), nil
 }
 
-func send(addr string, iters, block int, delay time.Duration, clock, oneway bool) (string, error) {
+// isResync says whether a block is a resync request (all 0xff; a generated block never is).
+func isResync(b []byte) bool {
+	for _, x := range b {
+		if x != 0xff {
+			return false
+		}
+	}
+	return true
+}
+
+func send(addr string, iters, block int, delay time.Duration, clock, oneway bool, resync time.Duration) (string, error) {
 	var c net.Conn
 	var err error
 	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
@@ -94,7 +118,24 @@ func send(addr string, iters, block int, delay time.Duration, clock, oneway bool
 	h := sha256.New()
 	buf := make([]byte, block)
 	ack := make([]byte, 8)
-	for i := range iters {
+	prev := time.Now() // when the previous iteration started
+	for i := 0; i < iters; i++ {
+		if resync > 0 && time.Since(prev) > resync {
+			// The previous iteration took too long (a program's timeout branch): resync with rank 0.
+			for off := range buf {
+				buf[off] = 0xff
+			}
+			if _, err := c.Write(buf); err != nil {
+				return "", fmt.Errorf("iteration %d: send resync: %w", i, err)
+			}
+			if _, err := io.ReadFull(c, buf); err != nil {
+				return "", fmt.Errorf("iteration %d: read resync answer: %w", i, err)
+			}
+			prev = time.Now()
+			i--
+			continue
+		}
+		prev = time.Now()
 		seed := uint64(i)
 		if clock {
 			seed = uint64(time.Now().UnixNano()) // read when the block is sent: a re-execution differs
