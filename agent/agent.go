@@ -51,8 +51,8 @@ type Agent struct {
 
 	netlog *logState // nil when the sender-side log is disabled
 
-	members  membership       // the cluster view: ring, spares, who holds which address
-	jobAddrs jobAddrOwners    // who holds which job address (jobaddr_owners.go)
+	members  membership    // the cluster view: ring, spares, who holds which address
+	jobAddrs jobAddrOwners // who holds which job address (jobaddr_owners.go)
 	// clusterNet is the cluster network, looked up once (clusterPrefix).
 	clusterNet struct {
 		once   sync.Once

@@ -34,6 +34,8 @@ func TestServeStartJobRefusals(t *testing.T) {
 		{"bad placement", "node2", with(func(r *clusterapi.StartJobRequest) {
 			r.Placement = &clusterapi.StartJobPlacement{Hosts: []string{"node1"}, Spares: []string{"node1"}}
 		}), "twice"},
+		// The request's job address reaches the job's start: this agent has no pool.
+		{"job address without a pool", "node2", with(func(r *clusterapi.StartJobRequest) { r.JobAddress = true }), "hands out no job addresses"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

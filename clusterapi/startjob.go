@@ -32,6 +32,8 @@ type StartJobRequest struct {
 	Placement *StartJobPlacement `json:"placement,omitempty"`
 	UID       uint32             `json:"uid"`
 	GID       uint32             `json:"gid"`
+	// JobAddress asks the target for an address of the job's own from its job_network.pool.
+	JobAddress bool `json:"job_address,omitempty"`
 }
 
 // StartJobPlacement is the run's membership (agent.Placement on the wire).

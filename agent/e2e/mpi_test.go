@@ -65,6 +65,12 @@ func (o *outBuffer) String() string {
 
 func startMPI(t *testing.T, c *labcluster.Cluster, name, inputName string, input []byte, prog ...string) *mpiRun {
 	t.Helper()
+	return startMPIWith(t, c, nil, name, inputName, input, prog...)
+}
+
+// startMPIWith is startMPI with more `ftctl mpirun` flags.
+func startMPIWith(t *testing.T, c *labcluster.Cluster, flags []string, name, inputName string, input []byte, prog ...string) *mpiRun {
+	t.Helper()
 	r := &mpiRun{name: name, dir: t.TempDir()}
 	os.Chmod(r.dir, 0o755)
 	if err := os.WriteFile(filepath.Join(r.dir, inputName), input, 0o644); err != nil {
@@ -72,7 +78,7 @@ func startMPI(t *testing.T, c *labcluster.Cluster, name, inputName string, input
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	t.Cleanup(cancel)
-	args := append([]string{"mpirun", "--lab", c.Lab.State().ID, "--np", "3", "--name", name, "--"}, prog...)
+	args := append(append(append([]string{"mpirun", "--lab", c.Lab.State().ID, "--np", "3", "--name", name}, flags...), "--"), prog...)
 	r.cmd = exec.CommandContext(ctx, bins.Ftctl, args...)
 	r.cmd.Dir = r.dir
 	r.cmd.Stdout, r.cmd.Stderr = &r.out, &r.out

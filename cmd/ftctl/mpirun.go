@@ -37,10 +37,15 @@ const (
 	envMPIDir       = "FTKIT_MPI_DIR"       // run directory: hostfile, per-host TMPDIRs
 	envMPIInterval  = "FTKIT_MPI_INTERVAL"  // the jobs' checkpoint interval ("" = the agents')
 	envMPIPlacement = "FTKIT_MPI_PLACEMENT" // the run's hosts and spares, JSON ("" = the cluster ring's)
+	envMPIJobAddrs  = "FTKIT_MPI_JOB_ADDRS" // "1": every host's job runs on a job address of its own
 )
 
 // envAgentSocket names the local agent's socket (as for ftwrap); a Slurm TaskProlog may set it.
 const envAgentSocket = "FTKIT_AGENT_SOCKET"
+
+// jobNetIface is the job's interface inside its job network (package jobnet): with job addresses MPI's and
+// PMIx's TCP traffic uses it, the job's only interface besides loopback.
+const jobNetIface = "eth0"
 
 // eagerLimit is the largest MPI message Open MPI sends without a rendezvous (see launcherArgv).
 const eagerLimit = "67108864"
@@ -49,7 +54,7 @@ type mpiRunFlags struct {
 	labID, impl, name, interval, mpirun string
 	hostfile, socket, dir, net          string
 	np, spares                          int
-	eagerOnly                           bool
+	eagerOnly, jobAddrs                 bool
 }
 
 func newMPIRunCmd(logs *cli.LogFlags) *cobra.Command {
@@ -92,6 +97,7 @@ Output and exit status are mpirun's, as with ftwrap.`,
 	cmd.Flags().StringVar(&f.impl, "impl", "openmpi", "MPI implementation: openmpi or mpich")
 	cmd.Flags().StringVar(&f.name, "name", "", "run name; the jobs are NAME-HOST (default: mpi-RANDOM)")
 	cmd.Flags().StringVar(&f.interval, "interval", "", "the jobs' checkpoint interval: a duration or auto (default: the agents')")
+	cmd.Flags().BoolVar(&f.jobAddrs, "job-addresses", false, "run every host's part of the run (MPI daemon, ranks, PMIx) on a job address of its own, which moves with it when the host fails (docs/job-addresses.md)")
 	cmd.Flags().BoolVar(&f.eagerOnly, "eager-only", true, "Open MPI: send messages up to 64 MiB eagerly, without rendezvous (see docs/mpi.md)")
 	cmd.Flags().StringVar(&f.mpirun, "mpirun", "", "the MPI launcher (default: mpirun.openmpi or mpiexec.mpich)")
 	cmd.Flags().SetInterspersed(false) // flags after PROG belong to PROG
@@ -165,13 +171,18 @@ func (f *mpiRunFlags) plan(ctx context.Context, labChosen bool) (*mpiPlan, error
 		}
 		addrs = append(addrs, st.Members[i].Address.Addr())
 	}
-	if f.net != "" {
+	switch {
+	case f.jobAddrs && f.net != "":
+		return nil, cli.Usagef("--net with --job-addresses: MPI uses the job networks' interface, there is no other")
+	case f.jobAddrs:
+		p.cidrs = jobNetIface
+	case f.net != "":
 		pfx, err := netip.ParsePrefix(f.net)
 		if err != nil {
 			return nil, cli.Usagef("--net %q: want a CIDR such as 10.1.0.0/16: %v", f.net, err)
 		}
 		p.cidrs = pfx.Masked().String()
-	} else {
+	default:
 		pfx, err := coveringPrefix(addrs)
 		if err != nil {
 			return nil, cli.Usagef("the run's hosts' cluster addresses: %v; name the network MPI is to use with --net", err)
@@ -220,6 +231,9 @@ func (f *mpiRunFlags) labPlan() (*mpiPlan, error) {
 		return nil, fmt.Errorf("lab %s's live nodes: %w", st.ID, err)
 	}
 	p := &mpiPlan{ranks: ranks, spares: spares, labID: st.ID, socket: labcluster.Socket(st.ID, ranks[0]), cidrs: st.Subnet.Masked().String()}
+	if f.jobAddrs {
+		p.cidrs = jobNetIface
+	}
 	if f.spares > 0 {
 		p.placement = &agent.Placement{Hosts: ranks, Spares: spares}
 	}
@@ -268,6 +282,9 @@ func (f *mpiRunFlags) run(ctx context.Context, labChosen bool, stdout, stderr io
 		return err
 	}
 	wrap := []string{"--socket", p.socket, "--name", f.name + "-" + p.ranks[0]}
+	if f.jobAddrs {
+		wrap = append(wrap, "--job-address")
+	}
 	if f.interval != "" {
 		wrap = append(wrap, "--interval", f.interval)
 	}
@@ -283,9 +300,12 @@ func (f *mpiRunFlags) run(ctx context.Context, labChosen bool, stdout, stderr io
 	}
 	cmd := exec.CommandContext(ctx, ftwrap, append(append(wrap, "--"), argv...)...)
 	cmd.Stdout, cmd.Stderr = stdout, stderr
-	cmd.Env = append(withoutEnv(os.Environ(), "TMPDIR", envMPILab, envMPISocket, envMPIRun, envMPIDir, envMPIInterval, envMPIPlacement),
+	cmd.Env = append(withoutEnv(os.Environ(), "TMPDIR", envMPILab, envMPISocket, envMPIRun, envMPIDir, envMPIInterval, envMPIPlacement, envMPIJobAddrs),
 		"TMPDIR="+filepath.Join(dir, "tmp", p.ranks[0]), envMPIRun+"="+f.name,
 		envMPIDir+"="+dir, envMPIInterval+"="+f.interval, envMPIPlacement+"="+string(placement))
+	if f.jobAddrs {
+		cmd.Env = append(cmd.Env, envMPIJobAddrs+"=1")
+	}
 	if p.labID != "" {
 		cmd.Env = append(cmd.Env, envMPILab+"="+p.labID)
 	} else {
@@ -457,12 +477,13 @@ func newMPILaunchDaemonCmd(logs *cli.LogFlags) *cobra.Command {
 				return err
 			}
 			spec := agent.JobSpec{
-				Name:      run + "-" + host,
-				Argv:      []string{"/bin/sh", "-c", strings.Join(words, " ")},
-				Env:       append(withoutEnv(os.Environ(), "TMPDIR"), "TMPDIR="+tmp),
-				Dir:       cwd,
-				Interval:  os.Getenv(envMPIInterval),
-				Placement: placement,
+				Name:       run + "-" + host,
+				Argv:       []string{"/bin/sh", "-c", strings.Join(words, " ")},
+				Env:        append(withoutEnv(os.Environ(), "TMPDIR"), "TMPDIR="+tmp),
+				Dir:        cwd,
+				Interval:   os.Getenv(envMPIInterval),
+				Placement:  placement,
+				JobAddress: os.Getenv(envMPIJobAddrs) == "1",
 			}
 			var job agent.Job
 			if id != "" {
