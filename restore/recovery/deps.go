@@ -138,6 +138,8 @@ type Network interface {
 	// with an error, for the routes that were lowered.
 	LowerPathMTU() (putBack func() error, err error)
 	Announce(ctx context.Context, ip netip.Addr) error
+	// ResetPeer sends conn's peer a TCP RST at seq (restore.ResetPeer), from this network.
+	ResetPeer(conn tcpflow.Tuple, seq uint32) error
 }
 
 // JobNetwork is a job's own network on this host: Network inside the job's namespace (TakeOver is never

@@ -244,6 +244,11 @@ func (f *fake) Announce(_ context.Context, ip netip.Addr) error {
 	return nil
 }
 
+func (f *fake) ResetPeer(conn tcpflow.Tuple, seq uint32) error {
+	addTo(f, &f.net, fmt.Sprintf("reset %s at %d", conn, seq))
+	return nil
+}
+
 func (f *fake) Persist(jobs []*Job) {
 	for _, j := range jobs {
 		addTo(f, &f.persisted, j.ID)

@@ -8,6 +8,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/restore"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // HostNetwork is Network on the calling thread's network namespace, on interface Iface whose addresses
@@ -32,6 +33,10 @@ func (n HostNetwork) Release(ip netip.Addr) { restore.Release(n.Iface, netip.Pre
 func (n HostNetwork) SetInitCwnd(segments int) error { return restore.SetInitCwnd(n.Iface, segments) }
 
 func (n HostNetwork) LowerPathMTU() (func() error, error) { return restore.LowerPathMTU(n.Iface) }
+
+func (n HostNetwork) ResetPeer(conn tcpflow.Tuple, seq uint32) error {
+	return restore.ResetPeer(conn, seq)
+}
 
 func (n HostNetwork) Announce(ctx context.Context, ip netip.Addr) error {
 	return restore.Announce(ctx, n.Iface, ip)
@@ -83,6 +88,10 @@ func (n JobNet) LowerPathMTU() (func() error, error) {
 		return nil, err
 	}
 	return func() error { return n.in(putBack) }, err
+}
+
+func (n JobNet) ResetPeer(conn tcpflow.Tuple, seq uint32) error {
+	return n.in(func() error { return restore.ResetPeer(conn, seq) })
 }
 
 func (n JobNet) Announce(ctx context.Context, ip netip.Addr) error {

@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 var jobAddr = netip.MustParseAddr("10.0.0.201")
@@ -45,6 +46,10 @@ func (n fakeJobNet) SetInitCwnd(segments int) error {
 func (n fakeJobNet) LowerPathMTU() (func() error, error) {
 	n.rec("lower mtu")
 	return func() error { n.rec("put back mtu"); return nil }, nil
+}
+func (n fakeJobNet) ResetPeer(conn tcpflow.Tuple, seq uint32) error {
+	n.rec(fmt.Sprintf("reset %s at %d", conn, seq))
+	return nil
 }
 func (n fakeJobNet) Announce(_ context.Context, ip netip.Addr) error {
 	n.rec("announce " + ip.String())

@@ -35,9 +35,36 @@ func ReplayAndVerify(ctx context.Context, d Deps, j *Job) (string, error) {
 		detail += "; " + vdetail
 	}
 	if err != nil {
+		abandon(d, j)
 		d.Jobs.Kill(j.ID, err)
 	}
 	return detail, err
+}
+
+// abandon lets go of a restored job that is about to be killed: the ACK clamp stops holding its flows'
+// peer ACKs down (else the RST this host's TCP sends for the dead sockets would carry those lowered
+// numbers, which the peers ignore), and every peer that received more than the job re-sent gets a RST at
+// exactly what it received, so that it fails at once instead of waiting for bytes that will never come.
+// A resumed recovery (no network: the agent restarted) only releases the clamp.
+func abandon(d Deps, j *Job) {
+	for _, c := range j.Plan.Conns {
+		flow := c.Conn.Tuple
+		if d.Clamp != nil && c.Resend != 0 && !slices.Contains(j.Replayed, flow) {
+			d.Clamp.Release(flow)
+		}
+		sent, ok := d.Log.SentUpTo(flow)
+		target := c.Conn.OutqSeq + c.Resend
+		if c.Resend == 0 || ok && int32(sent-target) >= 0 {
+			continue // the peer has no byte the job did not send again: the job's own close reaches it
+		}
+		n := netOf(d, j)
+		if n == nil {
+			continue
+		}
+		if err := n.ResetPeer(flow, target); err != nil {
+			d.Logger.Warn("could not reset a peer of the abandoned job: it may wait until its keepalive finds the connection dead", "job", j.ID, "conn", flow, "err", err)
+		}
+	}
 }
 
 // waitReplay waits until every restored connection has re-sent the bytes its peer already had: from then

@@ -3,6 +3,7 @@ package recovery
 import (
 	"context"
 	"errors"
+	"fmt"
 	"hash/crc32"
 	"net/netip"
 	"os"
@@ -292,6 +293,17 @@ func TestReplayAndVerify(t *testing.T) {
 			}
 			if !failed && !tt.replayed && !reflect.DeepEqual(f.released, []tcpflow.Tuple{conn}) {
 				t.Errorf("clamp released %v; want the flow once its replay is done", f.released)
+			}
+			if failed && !slices.Contains(f.released, conn) {
+				t.Errorf("clamp released %v; an abandoned job's flows must not stay clamped", f.released)
+			}
+			// The peer had all resend bytes; a job that stopped short leaves it waiting unless reset there.
+			wantNet := []string(nil)
+			if failed && f.sent[conn] < resend {
+				wantNet = []string{fmt.Sprintf("reset %s at %d", conn, resend)}
+			}
+			if !reflect.DeepEqual(f.net, wantNet) {
+				t.Errorf("network %v; want %v", f.net, wantNet)
 			}
 		})
 	}

@@ -4,7 +4,7 @@
 // snapshot re-sends different bytes than its peer already received (a non-deterministic program); without
 // it the blocks depend only on the iteration, and a restore re-sends the same bytes. With --oneway rank 0
 // never answers and rank 1 never waits: a one-way stream, whose receiver sends no payload at all. With
-// --resync-after D, rank 1 decides from the clock, as programs with timeouts do: when more than D passed
+// --resync-after D, rank 1 decides from the wall clock, as programs with timeouts do: when more than D passed
 // since its previous iteration started, it sends a resync request (a block of 0xff bytes) instead of the next block
 // and waits for a block-sized answer. A failure-free run never pauses that long; a rank 1 restored from a
 // snapshot taken more than D before its restore takes the other branch, and waits for an answer its peer,
@@ -118,9 +118,13 @@ func send(addr string, iters, block int, delay time.Duration, clock, oneway bool
 	h := sha256.New()
 	buf := make([]byte, block)
 	ack := make([]byte, 8)
-	prev := time.Now() // when the previous iteration started
+	// The wall clock (Round(0) drops the monotonic reading): a job restored from a snapshot sees its
+	// CLOCK_MONOTONIC continue from the dump (CRIU restores it in a time namespace with offsets), so only
+	// the wall clock shows the time it spent dumped.
+	now := func() time.Time { return time.Now().Round(0) }
+	prev := now() // when the previous iteration started
 	for i := 0; i < iters; i++ {
-		if resync > 0 && time.Since(prev) > resync {
+		if resync > 0 && now().Sub(prev) > resync {
 			// The previous iteration took too long (a program's timeout branch): resync with rank 0.
 			for off := range buf {
 				buf[off] = 0xff
@@ -131,11 +135,11 @@ func send(addr string, iters, block int, delay time.Duration, clock, oneway bool
 			if _, err := io.ReadFull(c, buf); err != nil {
 				return "", fmt.Errorf("iteration %d: read resync answer: %w", i, err)
 			}
-			prev = time.Now()
+			prev = now()
 			i--
 			continue
 		}
-		prev = time.Now()
+		prev = now()
 		seed := uint64(i)
 		if clock {
 			seed = uint64(time.Now().UnixNano()) // read when the block is sent: a re-execution differs
