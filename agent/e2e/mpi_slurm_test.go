@@ -327,14 +327,15 @@ func TestMPISlurmFailover(t *testing.T) {
 	}
 }
 
-// TestMPIHostfile: outside Slurm and without lab sockets, `ftctl mpirun --hostfile` in a lab host starts
-// the other hosts' daemons through its own agent, which forwards them over the cluster protocol; every
-// job carries the run's placement, and the run directory defaults to ./.ftkit-mpi/NAME.
+// TestMPIHostfile: outside Slurm and without lab sockets, `ftctl mpirun --hostfile --job-addresses` in a
+// lab host starts the other hosts' daemons through its own agent, which forwards them over the cluster
+// protocol with the request for a job address; every job carries the run's placement and runs on a job
+// address of its host's pool, and the run directory defaults to ./.ftkit-mpi/NAME.
 func TestMPIHostfile(t *testing.T) {
 	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
 	requirePrograms(t, "mpirun.openmpi", "lmp")
 	in := meltInput(t)
-	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
+	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", JobAddresses: true})
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute) // a failure bound only
 	defer cancel()
 	dir := t.TempDir()
@@ -346,7 +347,7 @@ func TestMPIHostfile(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(dir, "hosts"), []byte(hostfile), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	out, err := labExec(ctx, c, "node1", dir, nil, bins.Ftctl, "mpirun", "--hostfile", "hosts", "--spares", "1", "--name", "hf", "--",
+	out, err := labExec(ctx, c, "node1", dir, nil, bins.Ftctl, "mpirun", "--hostfile", "hosts", "--spares", "1", "--job-addresses", "--name", "hf", "--",
 		"lmp", "-in", "in.melt").CombinedOutput()
 	if err != nil {
 		t.Fatalf("ftctl mpirun --hostfile: %v\n%s", err, tail(string(out)))
@@ -358,6 +359,9 @@ func TestMPIHostfile(t *testing.T) {
 		j := jobOn(t, c, h, "hf-"+h, 30*time.Second, func(j agent.Job) bool { return j.Exit != nil })
 		if !reflect.DeepEqual(j.Spec.Placement, placement) || j.Exit.Code != 0 {
 			t.Errorf("job %s: placement %+v, exit %+v; want %+v and 0", j.ID, j.Spec.Placement, j.Exit, placement)
+		}
+		if pool := labcluster.JobPool(c.Lab.State(), h); j.Net == nil || !pool.Contains(j.Net.Addr.Addr()) {
+			t.Errorf("job %s on %s: net %+v, want a job address of %s", j.ID, h, j.Net, pool)
 		}
 	}
 	if _, err := os.Stat(filepath.Join(dir, ".ftkit-mpi", "hf", "tmp", "node2")); err != nil {
