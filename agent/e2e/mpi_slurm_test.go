@@ -171,12 +171,14 @@ func waitSlurmJob(t *testing.T, ctx context.Context, c *labcluster.Cluster, id s
 // loses power. Its part is restored on its own allocation's spare and its output is the same as the
 // other job's, which never noticed: none of its jobs was disturbed. Slurm records both as COMPLETED with
 // exit code 0:0 (scontrol, and sacct from the job completion file). The batch scripts reach their
-// host's agent through the lab's TaskProlog, not through an inherited socket.
+// host's agent through the lab's TaskProlog, not through an inherited socket. The failed one runs on job
+// addresses (`ftctl mpirun --job-addresses`; its part moves with its address, the host's stays), the other
+// on host addresses.
 func TestMPISlurmFailover(t *testing.T) {
 	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
 	requirePrograms(t, "mpirun.openmpi", "lmp")
 	in := longMeltInput(t)
-	c := newSlurmCluster(t, 8, 0, labcluster.Options{Interval: "1h"})
+	c := newSlurmCluster(t, 8, 0, labcluster.Options{Interval: "1h", JobAddresses: true})
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute) // a failure bound only
 	defer cancel()
 
@@ -185,14 +187,14 @@ func TestMPISlurmFailover(t *testing.T) {
 		hosts, spares []string // the allocation: ranks' hosts, the run's spare
 		jobs          map[string]agent.Job
 	}
-	submit := func(name string) *batch {
+	submit := func(name, flags string) *batch {
 		t.Helper()
 		b := &batch{name: name, dir: t.TempDir(), jobs: map[string]agent.Job{}}
 		os.Chmod(b.dir, 0o755)
 		if err := os.WriteFile(filepath.Join(b.dir, "in.melt"), in, 0o644); err != nil {
 			t.Fatal(err)
 		}
-		script := fmt.Sprintf("#!/bin/sh\necho \"agent socket: $FTKIT_AGENT_SOCKET\" >&2\nexec '%s' mpirun --spares 1 --name %s -- lmp -in in.melt\n", bins.Ftctl, name)
+		script := fmt.Sprintf("#!/bin/sh\necho \"agent socket: $FTKIT_AGENT_SOCKET\" >&2\nexec '%s' mpirun --spares 1 %s--name %s -- lmp -in in.melt\n", bins.Ftctl, flags, name)
 		if err := os.WriteFile(filepath.Join(b.dir, "job.sh"), []byte(script), 0o755); err != nil {
 			t.Fatal(err)
 		}
@@ -246,7 +248,7 @@ func TestMPISlurmFailover(t *testing.T) {
 	}
 
 	start := time.Now()
-	ref, ft := submit("ref"), submit("ft")
+	ref, ft := submit("ref", ""), submit("ft", "--job-addresses ")
 	for _, b := range []*batch{ref, ft} {
 		allocation(b)
 		placement := &agent.Placement{Hosts: b.hosts, Spares: b.spares}
@@ -254,6 +256,12 @@ func TestMPISlurmFailover(t *testing.T) {
 			j := jobOn(t, c, h, b.name+"-"+h, 2*time.Minute, func(j agent.Job) bool { return j.State == agent.JobRunning })
 			if !reflect.DeepEqual(j.Spec.Placement, placement) {
 				t.Errorf("job %s's placement %+v; want the allocation's %+v", j.ID, j.Spec.Placement, placement)
+			}
+			if wantNet := b == ft; (j.Net != nil) != wantNet {
+				t.Errorf("job %s's job network %+v; want one: %v", j.ID, j.Net, wantNet)
+			}
+			if j.Net != nil {
+				t.Cleanup(func() { removeJobNets(t, j.ID) })
 			}
 			b.jobs[h] = j
 		}
@@ -291,6 +299,7 @@ func TestMPISlurmFailover(t *testing.T) {
 		t.Fatal(err)
 	}
 	crashed := time.Now()
+	crashJobNet(t, ft.jobs[victim].Net.Name)
 	// What Slurm does by itself after SlurmdTimeout (300 s by default), or a site's health check, now:
 	// the host is DOWN. --no-kill keeps the job running without it.
 	if out, err := labExec(ctx, c, ft.hosts[0], "/", nil, "scontrol", "update", "NodeName="+victim, "State=DOWN", "Reason=power cut").CombinedOutput(); err != nil {
@@ -322,8 +331,12 @@ func TestMPISlurmFailover(t *testing.T) {
 		}
 	}
 	j := jobOn(t, c, ft.spares[0], "ft-"+victim, 30*time.Second, func(j agent.Job) bool { return j.Exit != nil })
-	if j.Restored == "" || j.Exit == nil || j.Exit.Code != 0 {
-		t.Errorf("%s's job on %s: restored from %q, exit %+v", victim, ft.spares[0], j.Restored, j.Exit)
+	if j.Restored == "" || j.Exit == nil || j.Exit.Code != 0 || j.Net == nil || j.Net.Addr != ft.jobs[victim].Net.Addr {
+		t.Errorf("%s's job on %s: restored from %q, exit %+v, net %+v; want %s's job address %s", victim, ft.spares[0], j.Restored, j.Exit, j.Net, victim, ft.jobs[victim].Net.Addr)
+	}
+	vh, _ := c.Lab.Host(victim)
+	if slices.Contains(hostAddrs(t, c, ft.spares[0]), vh.Addr.Addr()) {
+		t.Errorf("%s took %s's host address %s: with job addresses only the job's moves", ft.spares[0], victim, vh.Addr.Addr())
 	}
 }
 
