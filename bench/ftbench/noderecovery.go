@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/ftkit/ftkit/agent"
@@ -24,6 +25,8 @@ func benchNodeRecovery(ctx context.Context, log *slog.Logger) ([]Metric, any, er
 		return nil, nil, err
 	}
 	const jobs, ballastMiB = 4, 100
+	// The machine's load: on 2 vCPUs the replays (ranks re-executing) compete with everything else.
+	load, _ := os.ReadFile("/proc/loadavg")
 	runs := map[string]*nodeRecoveryResult{}
 	var metrics []Metric
 	for _, parallel := range []int{1, jobs} {
@@ -49,7 +52,8 @@ func benchNodeRecovery(ctx context.Context, log *slog.Logger) ([]Metric, any, er
 		Metric{Name: "runs_identical", Value: float64(identical), Unit: fmt.Sprintf("of %d", len(runs))})
 	return metrics, map[string]any{"jobs_on_failed_node": jobs, "ballast_mib_per_job": ballastMiB,
 		"program": "2-rank ringstencils, 64 KiB halos, 20 ms per iteration", "crash": "node2 crashed 1.5 s after its snapshot",
-		"after_detection": "from the failure's confirmation to the last job's replay done", "runs": runs}, nil
+		"after_detection": "from the failure's confirmation to the last job's replay done", "loadavg_at_start": strings.TrimSpace(string(load)),
+		"runs": runs}, nil
 }
 
 type nodeRecoveryResult struct {
