@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -173,7 +174,8 @@ func TestJobCommands(t *testing.T) {
 	}
 	t.Cleanup(func() { sleep.Process.Kill(); sleep.Wait() })
 	j := agent.Job{ID: "sleeper-00000001", Node: "node1", UID: uint32(os.Getuid()), GID: uint32(os.Getgid()),
-		State: agent.JobRunning, PID: sleep.Process.Pid, Cgroup: filepath.Join(dir, "cg"), Dir: filepath.Join(dir, "job")}
+		State: agent.JobRunning, PID: sleep.Process.Pid, Cgroup: filepath.Join(dir, "cg"), Dir: filepath.Join(dir, "job"),
+		Net: &agent.JobNet{Name: "ftj-x", Kind: "macvlan", Addr: netip.MustParsePrefix("10.1.0.201/24")}}
 	for _, d := range []string{j.Cgroup, j.Dir} {
 		if err := os.Mkdir(d, 0o755); err != nil {
 			t.Fatal(err)
@@ -200,10 +202,11 @@ func TestJobCommands(t *testing.T) {
 	out, stderr, code := ftctl(t, nil, "jobs", "--json", "--socket", sock)
 	var rows []jobRow
 	if code != 0 || json.Unmarshal([]byte(out), &rows) != nil || len(rows) != 1 || rows[0].ID != j.ID ||
-		rows[0].State != agent.JobRunning || rows[0].Host != "node1" || rows[0].UID != j.UID || rows[0].LastSnapshot != "snap-1" {
+		rows[0].State != agent.JobRunning || rows[0].Host != "node1" || rows[0].UID != j.UID || rows[0].LastSnapshot != "snap-1" ||
+		rows[0].Address != "10.1.0.201" {
 		t.Fatalf("jobs --json: exit %d, %q %q", code, out, stderr)
 	}
-	if out, _, code := ftctl(t, nil, "jobs", "--socket", sock); code != 0 || !strings.Contains(out, j.ID) || !strings.Contains(out, "snap-1") {
+	if out, _, code := ftctl(t, nil, "jobs", "--socket", sock); code != 0 || !strings.Contains(out, j.ID) || !strings.Contains(out, "snap-1") || !strings.Contains(out, "10.1.0.201") {
 		t.Errorf("jobs: exit %d, %q", code, out)
 	}
 	if out, stderr, code := ftctl(t, nil, "logs", j.ID, "--socket", sock); code != 0 || out != "hello\n" {

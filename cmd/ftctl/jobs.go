@@ -24,6 +24,7 @@ type jobRow struct {
 	Host         string         `json:"host"`
 	UID          uint32         `json:"uid"`
 	PID          int            `json:"pid"`
+	Address      string         `json:"address,omitempty"` // the job's own address (job_network), "" for its host's
 	LastSnapshot string         `json:"last_snapshot,omitempty"`
 	SnapshotTime *time.Time     `json:"snapshot_time,omitempty"`
 }
@@ -52,6 +53,9 @@ sees their own jobs, root every job. With a local lab up, every live host is ask
 				ms, _ := c.client.Snapshots(cmd.Context(), "") // newest first; a job without one shows "-"
 				for _, j := range js {
 					r := jobRow{ID: j.ID, State: j.State, Host: j.Node, UID: j.UID, PID: j.PID}
+					if j.Net != nil {
+						r.Address = j.Net.Addr.Addr().String()
+					}
 					if m := newestOf(ms, j.ID); m != nil {
 						r.LastSnapshot, r.SnapshotTime = m.ID, &m.Created
 					}
@@ -65,13 +69,17 @@ sees their own jobs, root every job. With a local lab up, every live host is ask
 				return cli.PrintJSON(cmd.OutOrStdout(), rows)
 			}
 			w := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
-			fmt.Fprintln(w, "JOB\tSTATE\tHOST\tUID\tPID\tLAST SNAPSHOT\tAGE")
+			fmt.Fprintln(w, "JOB\tSTATE\tHOST\tADDRESS\tUID\tPID\tLAST SNAPSHOT\tAGE")
 			for _, r := range rows {
 				age := "-"
 				if r.SnapshotTime != nil {
 					age = time.Since(*r.SnapshotTime).Round(time.Second).String()
 				}
-				fmt.Fprintf(w, "%s\t%s\t%s\t%d\t%d\t%s\t%s\n", r.ID, r.State, r.Host, r.UID, r.PID, dash(r.LastSnapshot), age)
+				addr := r.Address
+				if addr == "" {
+					addr = "(host)"
+				}
+				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%d\t%d\t%s\t%s\n", r.ID, r.State, r.Host, addr, r.UID, r.PID, dash(r.LastSnapshot), age)
 			}
 			return w.Flush()
 		},
