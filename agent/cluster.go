@@ -118,7 +118,7 @@ func (a *Agent) servePing() PingReply {
 			jobs = append(jobs, j.ID)
 		}
 	}
-	return PingReply{Node: a.cfg.Name, Jobs: jobs, JobAddrs: a.runningJobAddrs()}
+	return PingReply{Node: a.cfg.Name, Jobs: jobs, JobAddrs: a.runningJobAddrs(), JobPool: a.cfg.JobNetwork.Pool}
 }
 
 // serveCheckpointNow snapshots this host's jobs for a sender whose log is under pressure. Requests that

@@ -21,6 +21,7 @@ type jobAddrOwners struct {
 	epoch   uint64                // the view epoch that refresh started in
 	at      time.Time             // when it started
 	pending chan struct{}         // closed when the refresh in progress ends; nil when none runs
+	warned  sync.Map              // member and pool overlapping this host's pool, logged once
 }
 
 const (
@@ -130,6 +131,7 @@ func (d *jobAddrOwners) refresh(a *Agent, done chan struct{}) {
 	ctx, cancel := context.WithTimeout(context.Background(), jobAddrAskTimeout)
 	defer cancel()
 	claims := make([][]netip.Addr, len(v.Members))
+	pools := make([]netip.Prefix, len(v.Members))
 	var wg sync.WaitGroup
 	for i, m := range v.Members {
 		if m.State != ring.StateAlive || m.Name == a.cfg.Name {
@@ -140,10 +142,11 @@ func (d *jobAddrOwners) refresh(a *Agent, done chan struct{}) {
 			if err != nil || rep.Node != m.Name {
 				return // a member that does not answer holds nothing we could reach anyway
 			}
-			claims[i] = a.validJobAddrs(m.Name, rep.JobAddrs)
+			claims[i], pools[i] = a.validJobAddrs(m.Name, rep.JobAddrs), rep.JobPool
 		})
 	}
 	wg.Wait()
+	a.warnOverlappingPools(v, pools)
 	owners := map[netip.Addr]string{}
 	ambiguous := map[netip.Addr][]string{}
 	for i, addrs := range claims {
@@ -179,4 +182,23 @@ func (a *Agent) validJobAddrs(member string, addrs []netip.Addr) []netip.Addr {
 		out = append(out, ip)
 	}
 	return out
+}
+
+// warnOverlappingPools logs, once per pair, each member whose job_network.pool overlaps this host's: two
+// agents could hand out one address to two jobs (pools are configured per host; nothing else coordinates
+// them).
+func (a *Agent) warnOverlappingPools(v ring.View, pools []netip.Prefix) {
+	own := a.cfg.JobNetwork.Pool
+	if !own.IsValid() {
+		return
+	}
+	for i, p := range pools {
+		if !p.IsValid() || !p.Overlaps(own) {
+			continue
+		}
+		if _, seen := a.jobAddrs.warned.LoadOrStore(v.Members[i].Name+" "+p.String(), true); !seen {
+			a.log.Error("job_network.pool overlaps another member's: both may hand out one address to two jobs; give every agent a pool of its own",
+				"pool", own, "member", v.Members[i].Name, "its_pool", p)
+		}
+	}
 }

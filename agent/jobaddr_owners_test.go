@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"net/netip"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -14,6 +15,7 @@ import (
 type pingScript struct {
 	clusterapi.Service
 	name  string
+	pool  netip.Prefix
 	mu    sync.Mutex
 	addrs []netip.Addr
 	pings int
@@ -23,7 +25,7 @@ func (s *pingScript) Ping(context.Context, string) (clusterapi.PingReply, error)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.pings++
-	return clusterapi.PingReply{Node: s.name, JobAddrs: s.addrs}, nil
+	return clusterapi.PingReply{Node: s.name, JobAddrs: s.addrs, JobPool: s.pool}, nil
 }
 
 func (s *pingScript) set(addrs ...netip.Addr) {
@@ -41,11 +43,14 @@ func (s *pingScript) count() int {
 // TestHolderOfJobAddress: who holds a job address is asked of the members (their ping answers) and kept
 // until the view changes: a member's job address resolves to it, this host's own jobs' without asking, an
 // address two members claim to neither, what a member may not hold (outside the cluster network, a host's
-// address) is ignored; after a view change the members are asked again (a moved job).
+// address) is ignored; after a view change the members are asked again (a moved job). A member whose pool
+// overlaps this host's is named in an error, once.
 func TestHolderOfJobAddress(t *testing.T) {
 	pki := newTestPKI(t)
-	n2, n3 := &pingScript{name: "n2"}, &pingScript{name: "n3"}
-	a, _ := clientAgent(t, pki, map[string]uint16{"n2": scriptedPeer(t, pki, "n2", n2), "n3": scriptedPeer(t, pki, "n3", n3)})
+	n2 := &pingScript{name: "n2", pool: netip.MustParsePrefix("10.77.0.204/30")}
+	n3 := &pingScript{name: "n3", pool: netip.MustParsePrefix("10.77.0.216/29")}
+	a, logs := clientAgent(t, pki, map[string]uint16{"n2": scriptedPeer(t, pki, "n2", n2), "n3": scriptedPeer(t, pki, "n3", n3)})
+	a.cfg.JobNetwork.Pool = netip.MustParsePrefix("10.77.0.200/29")
 	a.clusterNet.once.Do(func() { a.clusterNet.prefix = netip.MustParsePrefix("10.77.0.0/24") })
 	ip := func(s string) netip.Addr { return netip.MustParseAddr(s) }
 	n2.set(ip("10.77.0.201"), ip("10.77.0.205"), ip("10.9.9.9"), addrN3)
@@ -75,6 +80,10 @@ func TestHolderOfJobAddress(t *testing.T) {
 	}
 	if got := a.memberByIP(ip("10.77.0.201")); got != "n2" || n2.count() != asked {
 		t.Errorf("a known address again: %q after %d more pings, want n2 from the directory, none", got, n2.count()-asked)
+	}
+
+	if out := logs.String(); strings.Count(out, "job_network.pool overlaps") != 1 || !strings.Contains(out, "member=n2") {
+		t.Errorf("want one error about n2's overlapping pool (and none about n3's), logs:\n%s", out)
 	}
 
 	// n2 failed and its job with .201 was restored on n3: a new view, asked again.

@@ -28,6 +28,8 @@ type PingReply struct {
 	// JobAddrs are the job addresses of the jobs running there (docs/job-addresses.md): who holds a job
 	// address is not in the view, it moves with the job. The receiver validates them before use.
 	JobAddrs []netip.Addr `json:"job_addrs,omitempty"`
+	// JobPool is the member's job_network.pool (zero: none), so that overlapping pools are found.
+	JobPool netip.Prefix `json:"job_pool,omitzero"`
 }
 
 // FetchRequest asks for a snapshot the server holds (OpFetch).
