@@ -53,6 +53,7 @@ type Agent struct {
 
 	members  membership    // the cluster view: ring, spares, who holds which address
 	jobAddrs jobAddrOwners // who holds which job address (jobaddr_owners.go)
+	fetching fetchCalls    // snapshot transfers to this host under way
 	// clusterNet is the cluster network, looked up once (clusterPrefix).
 	clusterNet struct {
 		once   sync.Once

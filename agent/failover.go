@@ -93,7 +93,7 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 	if len(jobs) == 0 {
 		return errors.Join(append(errs, errors.New("no job of the failed node has a verified replica here"))...)
 	}
-	target, absorb, basic := a.claimSpare(ctx, id, s.Name, need, a.runSparesOf(s.Name, runs))
+	target, absorb, basic := a.claimSpare(ctx, id, s.Name, need, a.runSparesOf(s.Name, runs), prefetchOf(jobs))
 	v := a.View()
 	// Before the failed node's address and jobs come up elsewhere, its old copies must be gone.
 	failedMember, _ := v.Member(s.Name)
@@ -339,7 +339,7 @@ func (a *Agent) remoteReplica(ctx context.Context, job, node string) ([]heldRepl
 // basic=true: the jobs restart here (RADIC's basic mode) and the operator is told. absorb says the target
 // is a node of the ring (a run's idle host, or this one in basic mode), which takes the failed node's
 // addresses and keeps its place, rather than a ring spare that replaces the failed node.
-func (a *Agent) claimSpare(ctx context.Context, failure, failed string, need spare.Need, runSpares []string) (target string, absorb, basic bool) {
+func (a *Agent) claimSpare(ctx context.Context, failure, failed string, need spare.Need, runSpares []string, prefetch []spare.Prefetch) (target string, absorb, basic bool) {
 	start := time.Now()
 	claimed := func(name, detail string) {
 		a.failures.update(failure, func(f *Failure) {
@@ -351,7 +351,7 @@ func (a *Agent) claimSpare(ctx context.Context, failure, failed string, need spa
 	runBusy := ""
 	if len(runSpares) > 0 {
 		for _, t := range spare.RunOrder(a.View(), runSpares, failed, nil) {
-			cl := spare.Claim{Failure: failure, By: a.cfg.Name, Failed: failed, Need: need, At: start, Spares: runSpares}
+			cl := spare.Claim{Failure: failure, By: a.cfg.Name, Failed: failed, Need: need, At: start, Spares: runSpares, Prefetch: prefetch}
 			var err error
 			if t.Name == a.cfg.Name {
 				err = a.serveClaim(a.cfg.Name, cl) // this host is an idle host of the run
@@ -372,7 +372,7 @@ func (a *Agent) claimSpare(ctx context.Context, failure, failed string, need spa
 		refusals = nil
 	}
 	for _, name := range spare.Order(a.View().Spares(), nil) {
-		err := a.requestClaim(ctx, name, spare.Claim{Failure: failure, By: a.cfg.Name, Failed: failed, Need: need, At: start})
+		err := a.requestClaim(ctx, name, spare.Claim{Failure: failure, By: a.cfg.Name, Failed: failed, Need: need, At: start, Prefetch: prefetch})
 		if err == nil {
 			claimed(name, runBusy)
 			return name, false, false
@@ -435,7 +435,22 @@ func (a *Agent) serveClaim(peer string, cl spare.Claim) error {
 		return err
 	}
 	a.log.Info("spare claimed", "by", peer, "failed", cl.Failed, "failure", cl.Failure, "jobs", cl.Need.Jobs, "run_spare", len(cl.Spares) > 0)
+	if peer != a.cfg.Name {
+		go a.prefetch(cl)
+	}
 	return nil
+}
+
+// prefetchOf names the snapshot each job will be restored from first, and its holder, for the claimed
+// spare to fetch while the fence is awaited.
+func prefetchOf(jobs []RecoverJob) []spare.Prefetch {
+	var out []spare.Prefetch
+	for _, j := range jobs {
+		if len(j.Candidates) > 0 {
+			out = append(out, spare.Prefetch{Job: j.Job, Snapshot: j.Candidates[0].Snapshot, Source: j.Candidates[0].Source})
+		}
+	}
+	return out
 }
 
 // idleForRun refuses a run's claim while this node runs or restores jobs. A claim this node served

@@ -142,11 +142,14 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 // of its images; it returns the job record the snapshot carries too.
 func (a *Agent) prepareCandidate(ctx context.Context, job string, c Candidate) (*recovery.Job, Job, error) {
 	source := a.cfg.Name
+	if from, ok := a.prefetchedFrom(job, c.Snapshot); ok {
+		source = from // here already: fetched while the protector awaited the fence
+	}
 	m, err := a.store.Verify(ctx, job, c.Snapshot)
 	if err != nil && c.Source != "" && c.Source != a.cfg.Name {
 		// Missing here, or a damaged copy (which the holder's copy replaces once it verifies).
 		source = c.Source
-		if err := a.fetchFrom(ctx, source, job, c.Snapshot); err != nil {
+		if err := a.fetchOnce(ctx, source, job, c.Snapshot); err != nil {
 			return nil, Job{}, err
 		}
 		m, err = a.store.Verify(ctx, job, c.Snapshot)

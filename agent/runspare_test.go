@@ -140,7 +140,7 @@ func TestClaimSpareForRun(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			a, _ := newWireAgent(t, "n2", testMembers(nil))
-			target, absorb, basic := a.claimSpare(t.Context(), "n3-1", "n3", spare.Need{Jobs: 1}, tt.runSpares)
+			target, absorb, basic := a.claimSpare(t.Context(), "n3-1", "n3", spare.Need{Jobs: 1}, tt.runSpares, nil)
 			if target != tt.target || absorb != tt.absorb || basic != tt.basic {
 				t.Errorf("claimed %s (absorb %v, basic %v); want %s (absorb %v, basic %v)", target, absorb, basic, tt.target, tt.absorb, tt.basic)
 			}

@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"sync"
 	"syscall"
 	"time"
 
@@ -18,6 +19,7 @@ import (
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/internal/filecopy"
 	"github.com/ftkit/ftkit/ring"
+	"github.com/ftkit/ftkit/spare"
 )
 
 // locateAnswer tells which job a snapshot id a member holds belongs to, and its owner (from the job
@@ -147,6 +149,97 @@ func (a *Agent) fetchCandidates(id, source, prefer string) []string {
 		}
 	}
 	return out
+}
+
+// fetchCalls are the snapshot transfers to this host under way (fetchOnce).
+type fetchCalls struct {
+	mu         sync.Mutex
+	m          map[string]*fetchCall // by job/snapshot
+	prefetched map[string]string     // job/snapshot prefetched for a claimed recovery -> the member it came from
+}
+
+// prefetchedFrom is the member a snapshot was prefetched from, if it was.
+func (a *Agent) prefetchedFrom(job, id string) (string, bool) {
+	a.fetching.mu.Lock()
+	defer a.fetching.mu.Unlock()
+	from, ok := a.fetching.prefetched[job+"/"+id]
+	return from, ok
+}
+
+type fetchCall struct {
+	done    chan struct{}
+	err     error
+	waiters int // callers waiting for it (under fetchCalls.mu)
+}
+
+// fetchOnce fetches snapshot id of job from member from, or waits for the transfer of that snapshot already
+// under way (a claimed spare's prefetch, which the recovery then finds done or nearly so). If that one
+// failed, it fetches the snapshot itself.
+func (a *Agent) fetchOnce(ctx context.Context, from, job, id string) error {
+	key := job + "/" + id
+	for {
+		a.fetching.mu.Lock()
+		c, busy := a.fetching.m[key]
+		if busy {
+			c.waiters++
+		} else {
+			c = &fetchCall{done: make(chan struct{})}
+			if a.fetching.m == nil {
+				a.fetching.m = map[string]*fetchCall{}
+			}
+			a.fetching.m[key] = c
+		}
+		a.fetching.mu.Unlock()
+		if !busy {
+			c.err = a.fetchFrom(ctx, from, job, id)
+			a.fetching.mu.Lock()
+			delete(a.fetching.m, key)
+			a.fetching.mu.Unlock()
+			close(c.done)
+			return c.err
+		}
+		select {
+		case <-c.done:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		if c.err == nil {
+			return nil
+		}
+	}
+}
+
+// prefetch fetches the snapshots a claim for a failure names (this host is the claimed spare), one after
+// another, unless this host holds them already: the protector waits for the failed node's fence
+// meanwhile, and the recovery finds them here, or waits for the transfer under way (fetchOnce) instead of
+// starting another. A snapshot that cannot be fetched now is left to the recovery.
+func (a *Agent) prefetch(cl spare.Claim) {
+	ctx, cancel := context.WithTimeout(context.Background(), recoverLimit)
+	defer cancel()
+	start := time.Now()
+	var fetched []string
+	for _, p := range cl.Prefetch {
+		if ckpt.ValidName(p.Job) != nil || ckpt.ValidName(p.Snapshot) != nil || p.Source == a.cfg.Name {
+			continue
+		}
+		if _, err := a.store.Manifest(p.Job, p.Snapshot); err == nil {
+			continue // here already
+		}
+		if err := a.fetchOnce(ctx, p.Source, p.Job, p.Snapshot); err != nil {
+			a.log.Warn("prefetch for a claimed recovery failed: the recovery fetches the snapshot itself", "failure", cl.Failure, "job", p.Job, "snapshot", p.Snapshot, "from", p.Source, "err", err)
+			continue
+		}
+		fetched = append(fetched, p.Snapshot)
+		a.fetching.mu.Lock()
+		if a.fetching.prefetched == nil {
+			a.fetching.prefetched = map[string]string{}
+		}
+		a.fetching.prefetched[p.Job+"/"+p.Snapshot] = p.Source
+		a.fetching.mu.Unlock()
+	}
+	if len(fetched) > 0 {
+		a.log.Info("snapshots prefetched while the failed node is fenced", "failure", cl.Failure, "snapshots", fetched, "ms", time.Since(start).Milliseconds())
+	}
 }
 
 func (a *Agent) fetchFrom(ctx context.Context, from, job, id string) error {

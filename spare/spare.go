@@ -46,10 +46,24 @@ type Claim struct {
 	// Spares are the spares of the failed node's run (its jobs' placement), when the claim is for them: an
 	// alive node of the ring that runs no job accepts only a claim naming it here. Empty: a ring spare's claim.
 	Spares []string `json:"spares,omitempty"`
+	// Prefetch names the snapshot each job of the failed node will most likely be restored from, and the
+	// member holding it: the claimed spare fetches them while the protector waits for the failed node's
+	// fence, so that the transfer is done (or under way) when the recovery starts.
+	Prefetch []Prefetch `json:"prefetch,omitempty"`
+}
+
+// Prefetch is one snapshot a claimed spare may fetch ahead of its recovery.
+type Prefetch struct {
+	Job      string `json:"job"`
+	Snapshot string `json:"snapshot"`
+	Source   string `json:"source"`
 }
 
 // MaxRunSpares bounds Claim.Spares (a claim arrives from another agent).
 const MaxRunSpares = 4096
+
+// MaxPrefetch bounds Claim.Prefetch (one per job of the failed node, as a recovery request).
+const MaxPrefetch = 1024
 
 func (c Claim) validate() error {
 	switch {
@@ -67,6 +81,14 @@ func (c Claim) validate() error {
 	for _, name := range c.Spares {
 		if err := clustertls.ValidateMemberName(name); err != nil {
 			return fmt.Errorf("claim for failure %s: a spare of the run: %w", c.Failure, err)
+		}
+	}
+	if len(c.Prefetch) > MaxPrefetch {
+		return fmt.Errorf("claim for failure %s names %d snapshots to prefetch, at most %d", c.Failure, len(c.Prefetch), MaxPrefetch)
+	}
+	for _, p := range c.Prefetch {
+		if err := clustertls.ValidateMemberName(p.Source); err != nil {
+			return fmt.Errorf("claim for failure %s: the holder of a snapshot to prefetch: %w", c.Failure, err)
 		}
 	}
 	return nil

@@ -77,6 +77,12 @@ func TestClaim(t *testing.T) {
 			err: []string{"a spare of the run"}},
 		{name: "more spares than a run has", c: withSpares(claim("f1", "n3", "n2", 1), make([]string, MaxRunSpares+1)...), avail: gib,
 			err: []string{"4097 spares of the run, at most 4096"}},
+		{name: "snapshots to prefetch, kept", c: withPrefetch(claim("f1", "n3", "n2", 1), Prefetch{Job: "j-1", Snapshot: "s", Source: "n3"}), avail: gib,
+			current: withPrefetch(claim("f1", "n3", "n2", 1), Prefetch{Job: "j-1", Snapshot: "s", Source: "n3"})},
+		{name: "a prefetch holder that is no member name", c: withPrefetch(claim("f1", "n3", "n2", 1), Prefetch{Job: "j", Snapshot: "s", Source: "../x"}),
+			avail: gib, err: []string{"the holder of a snapshot to prefetch"}},
+		{name: "more prefetches than jobs a recovery takes", c: withPrefetch(claim("f1", "n3", "n2", 1), make([]Prefetch, MaxPrefetch+1)...),
+			avail: gib, err: []string{"1025 snapshots to prefetch, at most 1024"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h, p := open(t)
@@ -383,4 +389,9 @@ func TestMemAvailableIsSane(t *testing.T) {
 	if got <= 0 || got > total {
 		t.Fatalf("MemAvailable %d bytes, want within (0, %d] (total RAM)", got, total)
 	}
+}
+
+func withPrefetch(c Claim, p ...Prefetch) Claim {
+	c.Prefetch = p
+	return c
 }

@@ -373,6 +373,11 @@ func TestFailover(t *testing.T) {
 			if j := rg.job(t, "spare1", 1); j.Node != "spare1" || j.Restored == "" {
 				t.Errorf("rank 1 on spare1: %+v", j)
 			}
+			// node2's protector (node3) holds the replica: spare1 fetched it while node3 waited for node2's
+			// fence, so the recovery found it there.
+			if b, err := os.ReadFile(c.LogPath("spare1")); err != nil || !strings.Contains(string(b), "snapshots prefetched while the failed node is fenced") {
+				t.Errorf("spare1 did not prefetch rank 1's snapshot during the fence wait (%v)", err)
+			}
 		})
 	}
 }

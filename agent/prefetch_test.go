@@ -1,0 +1,77 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"net"
+	"runtime"
+	"sync"
+	"testing"
+
+	"github.com/ftkit/ftkit/clusterapi"
+)
+
+// fetchScript is a member that answers every fetch after release is closed, by closing the connection
+// (the fetch fails), counting them.
+type fetchScript struct {
+	clusterapi.Service
+	mu      sync.Mutex
+	fetches int
+	started chan struct{}
+	release chan struct{}
+}
+
+func (s *fetchScript) Fetch(_ context.Context, _ string, _ clusterapi.FetchRequest, c net.Conn) error {
+	s.mu.Lock()
+	s.fetches++
+	first := s.fetches == 1
+	s.mu.Unlock()
+	if first {
+		close(s.started)
+	}
+	<-s.release
+	return errors.New("no such snapshot")
+}
+
+func (s *fetchScript) count() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.fetches
+}
+
+// TestFetchOnce: a recovery that needs a snapshot whose prefetch is under way waits for that transfer
+// instead of starting a second one; when it fails, the recovery fetches the snapshot itself.
+func TestFetchOnce(t *testing.T) {
+	pki := newTestPKI(t)
+	n2 := &fetchScript{started: make(chan struct{}), release: make(chan struct{})}
+	a, _ := clientAgent(t, pki, map[string]uint16{"n2": scriptedPeer(t, pki, "n2", n2)})
+	const job, snap = "rank1-0123abcd", "20250101T000000.000Z-n2-000001"
+	errs := make(chan error, 2)
+	go func() { errs <- a.fetchOnce(t.Context(), "n2", job, snap) }() // the prefetch
+	<-n2.started
+	go func() { errs <- a.fetchOnce(t.Context(), "n2", job, snap) }() // the recovery
+	for waiting := 0; waiting == 0; runtime.Gosched() {
+		a.fetching.mu.Lock()
+		if c := a.fetching.m[job+"/"+snap]; c != nil {
+			waiting = c.waiters
+		}
+		a.fetching.mu.Unlock()
+	}
+	if n := n2.count(); n != 1 {
+		t.Fatalf("%d fetches of one snapshot at once, want 1", n)
+	}
+	close(n2.release)
+	for range 2 {
+		if err := <-errs; err == nil {
+			t.Error("a fetch that failed reported success")
+		}
+	}
+	if n := n2.count(); n != 2 {
+		t.Errorf("%d fetches, want 2: the recovery fetches itself once the prefetch failed", n)
+	}
+	a.fetching.mu.Lock()
+	defer a.fetching.mu.Unlock()
+	if len(a.fetching.m) != 0 {
+		t.Errorf("transfers left registered: %v", a.fetching.m)
+	}
+}
