@@ -21,8 +21,9 @@ import (
 )
 
 // benchRecovery measures the mean time to recover from a node crash, broken down by stage (detection,
-// transfer of the snapshot, image rewriting, CRIU restore, replay of what the peers already had), for a
-// ringstencil rank holding 100 MiB, and the total with 2, 4 and 8 lab nodes. Every run also checks that
+// the wait for the failed node's fence, transfer of the snapshot (prefetched by the claimed spare during
+// that wait: what remains is its verification), image rewriting, CRIU restore, replay of what the peers
+// already had), for a ringstencil rank holding 100 MiB, and the total with 2, 4 and 8 lab nodes. Every run also checks that
 // the job's result is the failure-free one.
 func benchRecovery(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 	binDir, err := ownDir()
@@ -132,7 +133,7 @@ func recoveryRun(ctx context.Context, log *slog.Logger, binDir string, nodes, ba
 			last = s.End
 		}
 	}
-	for _, name := range []string{agent.StageDetected, agent.StageClaimed, agent.StageFetched, agent.StageRewritten,
+	for _, name := range []string{agent.StageDetected, agent.StageClaimed, agent.StageFenced, agent.StageFetched, agent.StageRewritten,
 		agent.StageRestored, agent.StageReplayed, agent.StageProtected} {
 		res.Stages = append(res.Stages, recoveryStage{Name: name, Ms: stageMs[name]})
 	}
