@@ -9,8 +9,13 @@
 // and waits for a block-sized answer. A failure-free run never pauses that long; a rank 1 restored from a
 // snapshot taken more than D before its restore takes the other branch, and waits for an answer its peer,
 // which never sees the request (TCP drops it as a duplicate), will never send: a diverged, blocked rank.
+// --progress N makes each rank print a line every N blocks ("rank 0 received K blocks", "rank 1 sent K
+// blocks"), which tests wait on; --gate FILE --gate-at K holds rank 1 before block K until FILE exists, so
+// that a stream cannot end before the faults a test injects, however slow the machine. Neither changes a
+// byte on the wire.
 //
 //	nondet --rank R --peer ADDR [--iters N] [--block BYTES] [--delay D] [--clock] [--oneway] [--resync-after D]
+//	       [--progress N] [--gate FILE --gate-at K]
 //
 // Rank 0 listens on ADDR, rank 1 connects to it. Both print "rank R checksum X" (a SHA-256 of the blocks
 // received or sent) and exit 0 when all iterations are done.
@@ -38,6 +43,9 @@ func main() {
 	clock := flag.Bool("clock", false, "seed each block with the wall clock (non-deterministic)")
 	oneway := flag.Bool("oneway", false, "rank 0 sends no acknowledgements, rank 1 waits for none")
 	resync := flag.Duration("resync-after", 0, "rank 1: after a pause longer than this, ask rank 0 to resync (0: never)")
+	progress := flag.Int("progress", 0, "print a progress line every N blocks (0: never)")
+	gate := flag.String("gate", "", "rank 1 waits before block --gate-at until this file exists")
+	gateAt := flag.Int("gate-at", 0, "the block --gate holds rank 1 before")
 	flag.Parse()
 	if *peer == "" || *rank < 0 || *rank > 1 || *block < 8 || *block%8 != 0 {
 		fmt.Fprintln(os.Stderr, "nondet: need --peer, --rank 0 or 1, --block a multiple of 8")
@@ -46,9 +54,20 @@ func main() {
 	var sum string
 	var err error
 	if *rank == 0 {
-		sum, err = receive(*peer, *iters, *block, *oneway)
+		sum, err = receive(*peer, *iters, *block, *oneway, *progress)
 	} else {
-		sum, err = send(*peer, *iters, *block, *delay, *clock, *oneway, *resync)
+		wait := func(int) {}
+		if *gate != "" {
+			wait = func(i int) {
+				for i == *gateAt {
+					if _, err := os.Stat(*gate); err == nil {
+						return
+					}
+					time.Sleep(5 * time.Millisecond)
+				}
+			}
+		}
+		sum, err = send(*peer, *iters, *block, *delay, *clock, *oneway, *resync, *progress, wait)
 	}
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "nondet rank %d: %v\n", *rank, err)
@@ -57,7 +76,7 @@ func main() {
 	fmt.Printf("rank %d checksum %s\n", *rank, sum)
 }
 
-func receive(addr string, iters, block int, oneway bool) (string, error) {
+func receive(addr string, iters, block int, oneway bool, progress int) (string, error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return "", err
@@ -83,6 +102,9 @@ func receive(addr string, iters, block int, oneway bool) (string, error) {
 			continue
 		}
 		h.Write(buf)
+		if progress > 0 && (i+1)%progress == 0 {
+			fmt.Printf("rank 0 received %d blocks\n", i+1)
+		}
 		if oneway {
 			continue
 		}
@@ -104,7 +126,7 @@ func isResync(b []byte) bool {
 	return true
 }
 
-func send(addr string, iters, block int, delay time.Duration, clock, oneway bool, resync time.Duration) (string, error) {
+func send(addr string, iters, block int, delay time.Duration, clock, oneway bool, resync time.Duration, progress int, gate func(i int)) (string, error) {
 	var c net.Conn
 	var err error
 	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
@@ -138,6 +160,7 @@ func send(addr string, iters, block int, delay time.Duration, clock, oneway bool
 			i--
 			continue
 		}
+		gate(i) // before prev: a held stream is not a pause of the program's
 		prev = now()
 		seed := uint64(i)
 		if clock {
@@ -150,6 +173,9 @@ func send(addr string, iters, block int, delay time.Duration, clock, oneway bool
 		h.Write(buf)
 		if _, err := c.Write(buf); err != nil {
 			return "", fmt.Errorf("iteration %d: send block: %w", i, err)
+		}
+		if progress > 0 && (i+1)%progress == 0 {
+			fmt.Printf("rank 1 sent %d blocks\n", i+1)
 		}
 		if oneway {
 			time.Sleep(delay)
