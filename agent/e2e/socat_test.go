@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"net/netip"
 	"os"
+	"os/exec"
 	"regexp"
 	"strconv"
 	"testing"
@@ -29,6 +30,7 @@ import (
 func TestSocatRelayChain(t *testing.T) {
 	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
 	requirePrograms(t, "socat")
+	socat, _ := exec.LookPath("socat") // a job's PATH is its own: an absolute path
 	const (
 		port   = 7700
 		block  = 64 << 10
@@ -56,7 +58,7 @@ func TestSocatRelayChain(t *testing.T) {
 		"--block", fmt.Sprint(block), "--oneway", "--progress", fmt.Sprint(every))
 	next := "node1"
 	for _, host := range []string{"node4", "node3", "node2"} {
-		ch.start(t, host, "relay-"+host, "socat", "-u", fmt.Sprintf("TCP-LISTEN:%d,reuseaddr", port),
+		ch.start(t, host, "relay-"+host, socat, "-u", fmt.Sprintf("TCP-LISTEN:%d,reuseaddr", port),
 			fmt.Sprintf("TCP:%s,retry=100,interval=0.1", addr(next)))
 		next = host
 	}
