@@ -77,15 +77,18 @@ func TestSocatRelayChain(t *testing.T) {
 			before[j.ID] = ch.job(t, j.Node, j.ID)
 		}
 	}
+	atSnapshot := ch.received(sink)
 	reply, err := c.Client("node3").Checkpoint(context.Background())
 	if err != nil || reply.Error != "" || len(reply.Results) == 0 || !reply.Results[0].Shipped {
 		t.Fatalf("checkpoint of node3: %+v %v", reply, err)
 	}
 	// Mid-stream: 32 MiB more reach the sink after the snapshot, which the restored relay re-sends.
 	ch.waitReceived(t, sink, ch.received(sink)+8*every, 2*time.Minute)
+	atCrash := ch.received(sink)
 	if err := c.Lab.Crash(context.Background(), "node3"); err != nil {
 		t.Fatal(err)
 	}
+	t.Logf("node3 snapshotted with %d MiB at the sink, crashed with %d MiB there", atSnapshot*block>>20, atCrash*block>>20)
 	f := waitFailure(t, c, "node3", 5*time.Minute)
 	requireStages(t, f)
 	if f.Target != "spare1" || f.Basic {
@@ -108,6 +111,8 @@ func TestSocatRelayChain(t *testing.T) {
 		case "sink", "source":
 			if got := checksumOf(t, out); got != want {
 				t.Errorf("%s checksum %s, want the generator's %s", j.Spec.Name, got, want)
+			} else {
+				t.Logf("%s: sha256 %s of %d MiB, the generator's", j.Spec.Name, got, blocks*block>>20)
 			}
 		}
 	}
