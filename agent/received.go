@@ -55,40 +55,129 @@ func (a *Agent) startReceiveDigests() (*ebpfprobes.RecvTap, *recvdigest.Book, *r
 	return tap, book, recvdigest.NewRecorder(tap, book, a.log), nil
 }
 
-// sentPrefix computes ckpt.Conn.SentPrefix of a dumped connection. Its bytes end at write_seq: the last
-// ones are in the image's send queue (written, not yet acknowledged), those before in this host's log
-// (transmitted). They start at write_seq's block start, or at the connection's first byte (ISN+1, from the
-// log's live state) if that lies inside the block: the receiver's record starts there too.
-func (a *Agent) sentPrefix(ctx context.Context, images string, c image.TCPConn) (*ckpt.SentPrefix, error) {
+// sentPrefix computes ckpt.Conn.SentPrefix of a dumped connection of job j. Its bytes end at write_seq:
+// the last ones are in the image's send queue (written, not yet acknowledged), those before in this host's
+// log (transmitted). They start at write_seq's block start, or at the connection's first byte (ISN+1, from
+// the log's live state) if that lies inside the block: the receiver's record starts there too.
+//
+// A job restored on this host sent its bytes before the restored snapshot's write_seq from another host:
+// this host's log never had them, and its live state never saw the SYN. When write_seq is still in the
+// block of an earlier snapshot's of this copy of the job, that snapshot's prefix is extended by the bytes
+// sent since (often none: a receiver's side of a one-way stream), instead of asking the log for bytes it
+// cannot have (which made every such snapshot wait resentLogWait, 5 s, and then go without a prefix).
+func (a *Agent) sentPrefix(ctx context.Context, j Job, images string, c image.TCPConn) (*ckpt.SentPrefix, error) {
 	conn := c.Tuple
 	start := recvdigest.BlockStart(c.OutqSeq)
+	isn := false
 	if a.netlog != nil {
 		if fs, ok, err := a.netlog.node.FlowState(conn); err == nil && ok && fs.HasISN && int32(fs.ISN+1-start) > 0 {
-			start = fs.ISN + 1
+			start, isn = fs.ISN+1, true
+		}
+	}
+	if !isn {
+		if base, ok := a.prefixBase(j, conn, c.OutqSeq); ok {
+			h := crc32New(base.CRC)
+			if err := a.sentBytes(ctx, h, images, c, base.From, c.OutqSeq-base.From); err != nil {
+				return nil, err
+			}
+			return &ckpt.SentPrefix{Len: base.Len + (c.OutqSeq - base.From), CRC: h.Sum32()}, nil
 		}
 	}
 	p := &ckpt.SentPrefix{Len: c.OutqSeq - start}
-	if p.Len == 0 {
-		return p, nil // CRC-32C of nothing: 0
-	}
-	q, err := image.SendQueue(images, c.Inode)
-	if err != nil {
-		return nil, err
-	}
 	h := crc32.New(castagnoli)
-	if uint64(len(q)) >= uint64(p.Len) {
-		h.Write(q[uint32(len(q))-p.Len:])
-	} else {
-		// Acknowledged before the dump, so transmitted, but the log's consumer may lag the ring.
-		a.waitLogged(ctx, conn, start+p.Len-uint32(len(q)))
-		if err := a.loggedRange(ctx, h, conn, start, p.Len-uint32(len(q))); err != nil {
-			return nil, err
-		}
-		h.Write(q)
+	if err := a.sentBytes(ctx, h, images, c, start, p.Len); err != nil {
+		return nil, err
 	}
 	p.CRC = h.Sum32()
 	return p, nil
 }
+
+// sentBytes writes to w the n bytes connection c carried before the dump's write_seq, from sequence from:
+// the tail of the image's send queue, and before it what this host's log holds.
+func (a *Agent) sentBytes(ctx context.Context, w io.Writer, images string, c image.TCPConn, from, n uint32) error {
+	if n == 0 {
+		return nil
+	}
+	q, err := image.SendQueue(images, c.Inode)
+	if err != nil {
+		return err
+	}
+	if uint64(len(q)) >= uint64(n) {
+		_, err := w.Write(q[uint32(len(q))-n:])
+		return err
+	}
+	// Acknowledged before the dump, so transmitted, but the log's consumer may lag the ring.
+	logged := n - uint32(len(q))
+	a.waitLogged(ctx, c.Tuple, from+logged)
+	if err := a.loggedRange(ctx, w, c.Tuple, from, logged); err != nil {
+		return err
+	}
+	_, err = w.Write(q)
+	return err
+}
+
+// prefixBase finds, among the snapshots of this copy of job j (the one it was restored from, and those
+// taken on this host since), the newest whose record of conn has a prefix that the dump at write_seq
+// outq extends (prefixExtends).
+func (a *Agent) prefixBase(j Job, conn tcpflow.Tuple, outq uint32) (prefixBase, bool) {
+	ids, err := a.store.List(j.ID, "")
+	if err != nil {
+		return prefixBase{}, false
+	}
+	for _, id := range ids {
+		if j.Restored != "" && id < j.Restored {
+			break // older than the copy's start: another copy's (IDs sort by time)
+		}
+		if parsed, err := ckpt.ParseID(id); err != nil || (id != j.Restored && parsed.Node != a.cfg.Name) {
+			continue // a snapshot this host holds for another, or a stray
+		}
+		m, err := a.store.Manifest(j.ID, id)
+		if err != nil {
+			continue
+		}
+		for _, bc := range m.Conns {
+			if bc.Tuple == conn {
+				if b, ok := prefixExtends(bc, outq); ok {
+					return b, true
+				}
+			}
+		}
+	}
+	return prefixBase{}, false
+}
+
+// prefixBase is an earlier snapshot's SentPrefix of a connection: the CRC-32C of the Len bytes up to From
+// (that snapshot's write_seq).
+type prefixBase struct {
+	From, Len, CRC uint32
+}
+
+// prefixExtends says whether an earlier snapshot's record b of a connection gives the prefix of a dump at
+// write_seq outq: b has a prefix, and outq is at or after b's write_seq in the same receive-digest block,
+// so the new prefix starts where b's starts (the block start, or the connection's first byte) and
+// continues with the bytes sent between the two.
+func prefixExtends(b ckpt.Conn, outq uint32) (prefixBase, bool) {
+	if b.SentPrefix == nil || int32(outq-b.OutqSeq) < 0 || recvdigest.BlockStart(outq) != recvdigest.BlockStart(b.OutqSeq) {
+		return prefixBase{}, false
+	}
+	if b.SentPrefix.Len > b.OutqSeq-recvdigest.BlockStart(b.OutqSeq) {
+		return prefixBase{}, false // not a prefix within its block: not one this agent wrote
+	}
+	return prefixBase{From: b.OutqSeq, Len: b.SentPrefix.Len, CRC: b.SentPrefix.CRC}, true
+}
+
+// crc32New is a CRC-32C hash that continues from crc, the checksum of the bytes before: CRC-32C(A||B) is
+// crc32.Update(CRC-32C(A), B).
+func crc32New(crc uint32) *crcFrom { return &crcFrom{crc: crc} }
+
+type crcFrom struct{ crc uint32 }
+
+func (h *crcFrom) Write(p []byte) (int, error) {
+	h.crc = crc32.Update(h.crc, castagnoli, p)
+	return len(p), nil
+}
+
+func (h *crcFrom) Sum32() uint32 { return h.crc }
 
 // logOf is the log that holds what this host's jobs sent on conn: the cluster interface's, or for a peer on
 // this host the loopback capture's, which logs only the re-sent bytes of jobs restored next to their peers.

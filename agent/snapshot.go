@@ -45,7 +45,7 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen bool) (*ckpt.Manifes
 		SentPrefix: func(ctx context.Context, images string, c image.TCPConn) (*ckpt.SentPrefix, error) {
 			// Only a peer on another member survives this host and checks what a restore re-sends to it.
 			if owner := a.memberByIPWait(ctx, c.Remote.Addr()); owner != "" && owner != a.cfg.Name {
-				return a.sentPrefix(ctx, images, c)
+				return a.sentPrefix(ctx, j, images, c)
 			}
 			return nil, nil
 		},

@@ -10,12 +10,14 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"regexp"
 	"strconv"
 	"testing"
 	"time"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/lab/labcluster"
 )
 
@@ -98,6 +100,31 @@ func TestSocatRelayChain(t *testing.T) {
 	if resent, verified := resentBytes(t, replay.Detail), verifiedBytes(t, replay.Detail); resent == 0 || verified != resent {
 		t.Errorf("re-sent %d bytes, verified %d: want a real re-sent range, all verified (%s)", resent, verified, replay.Detail)
 	}
+	// The restored relay's own snapshot (re-protection) can check what a restore of it would re-send on
+	// both its connections: on spare1, which never saw their handshakes nor the bytes sent before the
+	// restore, each prefix extends the one of the snapshot it was restored from. Without that the
+	// re-protection waited 5 s for those bytes in spare1's log, in vain, and went without the prefixes.
+	relay := ch.job(t, "spare1", ch.jobs[2].ID)
+	if relay.Replica == nil || len(relay.Replica.Unrecoverable) != 0 {
+		t.Errorf("the restored relay's replica: %+v", relay.Replica)
+	} else {
+		b, err := os.ReadFile(filepath.Join(storeDir(c, "spare1", relay.ID), relay.Replica.Snapshot, ckpt.ManifestName))
+		if err != nil {
+			t.Fatal(err)
+		}
+		m, err := ckpt.DecodeManifest(b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(m.Conns) != 2 {
+			t.Errorf("the restored relay's snapshot %s has %d connections, want 2: %+v", m.ID, len(m.Conns), m.Conns)
+		}
+		for _, cn := range m.Conns {
+			if cn.SentPrefix == nil {
+				t.Errorf("the restored relay's snapshot %s has no sent prefix for %s: a restore re-sending on it would be refused", m.ID, cn.Tuple)
+			}
+		}
+	}
 	release()
 
 	want := streamSum(blocks, block)
@@ -124,6 +151,9 @@ func TestSocatRelayChain(t *testing.T) {
 	}
 	if j := ch.job(t, "spare1", ch.jobs[2].ID); j.Node != "spare1" || j.Restored == "" {
 		t.Errorf("the middle relay on spare1: %+v", j)
+	}
+	if os.Getenv("SOCAT_DUMP_LOGS") != "" {
+		t.Error("dumping the agents' logs")
 	}
 }
 
@@ -198,3 +228,5 @@ func streamSum(blocks, block int) string {
 	}
 	return hex.EncodeToString(h.Sum(nil))
 }
+
+func TestSocatDebugDump(t *testing.T) {}

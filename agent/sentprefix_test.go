@@ -1,0 +1,136 @@
+package agent
+
+import (
+	"context"
+	"hash/crc32"
+	"log/slog"
+	"math/rand/v2"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/recvdigest"
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// TestPrefixExtends: a snapshot's SentPrefix is the CRC-32C of the bytes before write_seq in its digest
+// block; a later dump in the same block extends it with the bytes sent in between and gets the prefix the
+// receiver's record needs, whether the earlier prefix started at the block start or at the connection's
+// first byte. A dump in a later block, before the earlier one, or an earlier snapshot without a prefix
+// gives nothing to extend.
+func TestPrefixExtends(t *testing.T) {
+	stream := make([]byte, 3*recvdigest.BlockSize)
+	r := rand.New(rand.NewPCG(1, 2))
+	for i := range stream {
+		stream[i] = byte(r.Uint32())
+	}
+	const seq0 = 7 * recvdigest.BlockSize // wire sequence of stream[0]
+	crcOf := func(from, to uint32) uint32 { return crc32.Checksum(stream[from-seq0:to-seq0], castagnoli) }
+	block := uint32(seq0 + recvdigest.BlockSize)
+	tests := []struct {
+		name       string
+		first      uint32 // the connection's first byte, where the prefixes start if inside the block
+		base, outq uint32
+		noPrefix   bool
+		want       bool
+		wantFrom   uint32 // where the new prefix starts
+	}{
+		{name: "nothing sent since (a one-way stream's receiving side)", first: seq0, base: block + 1000, outq: block + 1000, want: true, wantFrom: block},
+		{name: "bytes sent since, same block", first: seq0, base: block + 1000, outq: block + 50000, want: true, wantFrom: block},
+		{name: "first byte inside the block", first: block + 300, base: block + 1000, outq: block + 4000, want: true, wantFrom: block + 300},
+		{name: "base at the block start", first: seq0, base: block, outq: block + 10, want: true, wantFrom: block},
+		{name: "later block", first: seq0, base: block + 1000, outq: block + recvdigest.BlockSize + 5},
+		{name: "before the base", first: seq0, base: block + 1000, outq: block + 999},
+		{name: "base without a prefix", first: seq0, base: block + 1000, outq: block + 2000, noPrefix: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			bstart := max(recvdigest.BlockStart(tt.base), tt.first)
+			b := ckpt.Conn{OutqSeq: tt.base}
+			if !tt.noPrefix {
+				b.SentPrefix = &ckpt.SentPrefix{Len: tt.base - bstart, CRC: crcOf(bstart, tt.base)}
+			}
+			pb, ok := prefixExtends(b, tt.outq)
+			if ok != tt.want {
+				t.Fatalf("prefixExtends = %v, want %v", ok, tt.want)
+			}
+			if !ok {
+				return
+			}
+			h := crc32New(pb.CRC)
+			h.Write(stream[pb.From-seq0 : tt.outq-seq0])
+			gotLen := pb.Len + (tt.outq - pb.From)
+			if wantLen := tt.outq - tt.wantFrom; gotLen != wantLen {
+				t.Errorf("prefix length %d, want %d", gotLen, wantLen)
+			}
+			if want := crcOf(tt.wantFrom, tt.outq); h.Sum32() != want {
+				t.Errorf("prefix CRC %08x, want %08x (the receiver's bytes from %d to write_seq)", h.Sum32(), want, tt.wantFrom)
+			}
+		})
+	}
+}
+
+// TestPrefixBase: on the host a job was restored on, the prefix of a new dump extends the newest
+// snapshot of this copy of the job: the one it was restored from, or one taken here since; never an
+// older snapshot of another copy, nor one another host took.
+func TestPrefixBase(t *testing.T) {
+	dir := t.TempDir()
+	open := func(node string) *ckpt.Store {
+		s, err := ckpt.Open(dir, ckpt.Options{Node: node})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	const job = "relay-1a2b3c4d"
+	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.13:7700"), Remote: netip.MustParseAddrPort("10.0.0.12:50930")}
+	other := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.13:40000"), Remote: netip.MustParseAddrPort("10.0.0.14:7700")}
+	const block = 5 * recvdigest.BlockSize
+	snap := func(s *ckpt.Store, outq, crc uint32) *ckpt.Manifest {
+		t.Helper()
+		p, err := s.Begin(job)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(p.Dir(), "pages-1.img"), []byte("x"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		m, err := p.Commit(context.Background(), ckpt.Info{CRIUVersion: "4.2.1", KernelRelease: "6.18.0", Mode: ckpt.ModeUncoordinated,
+			Conns: []ckpt.Conn{
+				{Tuple: other, OutqSeq: block + 1, SentPrefix: &ckpt.SentPrefix{Len: 1, CRC: 1}},
+				{Tuple: conn, OutqSeq: outq, SentPrefix: &ckpt.SentPrefix{Len: outq - block, CRC: crc}},
+			}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	node3 := open("node3")
+	older := snap(node3, block+100, 0x100)
+	restoredFrom := snap(node3, block+200, 0x200)
+	spare1 := open("spare1")
+	a := &Agent{store: spare1, log: slog.New(slog.DiscardHandler)}
+	a.cfg.Name = "spare1"
+	j := Job{ID: job, Restored: restoredFrom.ID}
+
+	if b, ok := a.prefixBase(j, conn, block+200); !ok || b != (prefixBase{From: block + 200, Len: 200, CRC: 0x200}) {
+		t.Errorf("right after the restore: base %+v %v, want the restored snapshot's prefix", b, ok)
+	}
+	if _, ok := a.prefixBase(j, conn, block+150); ok {
+		t.Errorf("a dump before the restored snapshot's write_seq found a base (%s, another copy's?)", older.ID)
+	}
+	if _, ok := a.prefixBase(Job{ID: job, Restored: restoredFrom.ID}, tcpflow.Tuple{Local: conn.Local, Remote: netip.MustParseAddrPort("10.0.0.12:50931")}, block+200); ok {
+		t.Errorf("another connection found a base")
+	}
+	here := snap(spare1, block+300, 0x300)
+	if b, ok := a.prefixBase(j, conn, block+400); !ok || b.From != block+300 || b.CRC != 0x300 {
+		t.Errorf("after a snapshot here: base %+v %v, want snapshot %s's", b, ok, here.ID)
+	}
+	// A newer snapshot another host took (this host protects a later copy) is not this copy's.
+	snap(open("node4"), block+500, 0x500)
+	if b, ok := a.prefixBase(j, conn, block+600); !ok || b.From != block+300 {
+		t.Errorf("with another host's newer snapshot: base %+v %v, want snapshot %s's", b, ok, here.ID)
+	}
+}
