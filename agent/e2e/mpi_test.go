@@ -166,7 +166,7 @@ func requirePrograms(t *testing.T, progs ...string) {
 	t.Helper()
 	for _, p := range progs {
 		if _, err := exec.LookPath(p); err != nil {
-			t.Skipf("SKIPPED LOUDLY: %s is not installed (`scripts/setup.sh packages` installs it: openmpi-bin hpcc lammps lammps-examples socat mpich): %v", p, err)
+			t.Skipf("SKIPPED LOUDLY: %s is not installed (scripts/setup.sh installs openmpi-bin hpcc lammps lammps-examples): %v", p, err)
 		}
 	}
 }
