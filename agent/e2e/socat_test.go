@@ -105,23 +105,28 @@ func TestSocatRelayChain(t *testing.T) {
 	// restore, each prefix extends the one of the snapshot it was restored from. Without that the
 	// re-protection waited 5 s for those bytes in spare1's log, in vain, and went without the prefixes.
 	relay := ch.job(t, "spare1", ch.jobs[2].ID)
-	if relay.Replica == nil || len(relay.Replica.Unrecoverable) != 0 {
-		t.Errorf("the restored relay's replica: %+v", relay.Replica)
+	if relay.Replica == nil || len(relay.Replica.Unrecoverable) != 0 || relay.Restored == "" {
+		t.Errorf("the restored relay: replica %+v, restored from %q", relay.Replica, relay.Restored)
 	} else {
-		b, err := os.ReadFile(filepath.Join(storeDir(c, "spare1", relay.ID), relay.Replica.Snapshot, ckpt.ManifestName))
-		if err != nil {
-			t.Fatal(err)
-		}
-		m, err := ckpt.DecodeManifest(b)
-		if err != nil {
-			t.Fatal(err)
-		}
+		m, from := manifestOn(t, c, "spare1", relay.ID, relay.Replica.Snapshot), manifestOn(t, c, "spare1", relay.ID, relay.Restored)
 		if len(m.Conns) != 2 {
 			t.Errorf("the restored relay's snapshot %s has %d connections, want 2: %+v", m.ID, len(m.Conns), m.Conns)
 		}
 		for _, cn := range m.Conns {
 			if cn.SentPrefix == nil {
 				t.Errorf("the restored relay's snapshot %s has no sent prefix for %s: a restore re-sending on it would be refused", m.ID, cn.Tuple)
+				continue
+			}
+			t.Logf("re-protection snapshot, %s: write_seq %d, prefix %+v", cn.Tuple, cn.OutqSeq, *cn.SentPrefix)
+			// Upstream the relay sent nothing since: the same bytes before write_seq, the same prefix.
+			for _, fc := range from.Conns {
+				if fc.Tuple != cn.Tuple || fc.OutqSeq != cn.OutqSeq {
+					continue
+				}
+				t.Logf("restored snapshot, %s: write_seq %d, prefix %+v", fc.Tuple, fc.OutqSeq, fc.SentPrefix)
+				if fc.SentPrefix == nil || *fc.SentPrefix != *cn.SentPrefix {
+					t.Errorf("%s: prefix %+v at write_seq %d, the restored snapshot's %+v at the same", cn.Tuple, *cn.SentPrefix, cn.OutqSeq, fc.SentPrefix)
+				}
 			}
 		}
 	}
@@ -155,6 +160,20 @@ func TestSocatRelayChain(t *testing.T) {
 	if os.Getenv("SOCAT_DUMP_LOGS") != "" {
 		t.Error("dumping the agents' logs")
 	}
+}
+
+// manifestOn reads the manifest of snapshot id of job in host's store.
+func manifestOn(t *testing.T, c *labcluster.Cluster, host, job, id string) *ckpt.Manifest {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(storeDir(c, host, job), id, ckpt.ManifestName))
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := ckpt.DecodeManifest(b)
+	if err != nil {
+		t.Fatalf("snapshot %s on %s: %v", id, host, err)
+	}
+	return m
 }
 
 // chain is the pipeline's jobs, each started through its host's agent, in the order started.
