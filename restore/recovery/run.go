@@ -274,6 +274,12 @@ func fetchConn(ctx context.Context, d Deps, c ckpt.Conn) fetchedConn {
 		return fetchedConn{err: fmt.Errorf("connection %s -> %s: %s has no live state of it", c.Local, c.Remote, owner)}
 	}
 	p := restore.Peer{Live: *reply.Live, LiveAge: reply.LiveAge + time.Since(asked), Logged: data}
+	if l := reply.Live; l.HasAck && int32(l.Ack-c.OutqSeq) <= 0 {
+		// The peer acknowledged nothing past the snapshot's write_seq: the restored job re-sends it
+		// nothing (restore.NewPlan), so there is nothing to check. The sending end of a one-way stream
+		// (a relay's upstream) received no payload at all and keeps no record to ask for.
+		return fetchedConn{peer: p, check: Check{Missing: fmt.Sprintf("not asked: %s acknowledged nothing past the snapshot's write_seq", owner)}}
+	}
 	// Asked now, while nothing runs at this end: the peer's record ends where its socket does.
 	qctx, cancel = context.WithTimeout(ctx, time.Minute)
 	defer cancel()

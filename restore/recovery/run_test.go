@@ -16,6 +16,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/recvdigest"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/tcpflow"
@@ -353,6 +354,62 @@ func TestFetchCheck(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestFetchConnNothingToResend: a peer that acknowledged nothing past the snapshot's write_seq gets no
+// request for its record of what it received: nothing will be re-sent to it, and the upstream end of a
+// one-way stream has no record (its agent refused, a warning in every recovery of a pipeline stage). A
+// peer that acknowledged more is asked.
+func TestFetchConnNothingToResend(t *testing.T) {
+	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
+	rec := &recvdigest.Received{Conn: conn, Pieces: []recvdigest.Piece{{Seq: 5000, Len: 10, CRC: 1}}}
+	tests := []struct {
+		name  string
+		live  ebpfprobes.FlowState
+		asked bool
+	}{
+		{"acknowledged up to write_seq", ebpfprobes.FlowState{HasAck: true, Ack: 5000}, false},
+		{"acknowledged less (bytes in the snapshot's send queue)", ebpfprobes.FlowState{HasAck: true, Ack: 4000}, false},
+		{"acknowledged past write_seq", ebpfprobes.FlowState{HasAck: true, Ack: 5010}, true},
+		{"no ACK seen", ebpfprobes.FlowState{}, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			peers := &onePeer{live: tt.live, rec: rec}
+			got := fetchConn(t.Context(), Deps{Peers: peers}, ckpt.Conn{Tuple: conn, OutqSeq: 5000})
+			if got.err != nil {
+				t.Fatal(got.err)
+			}
+			if peers.asked != tt.asked {
+				t.Errorf("record asked: %v, want %v", peers.asked, tt.asked)
+			}
+			if tt.asked && got.check.Received != rec {
+				t.Errorf("check %+v, want the peer's record", got.check)
+			}
+			if !tt.asked && (got.check.Received != nil || got.check.Missing == "") {
+				t.Errorf("check %+v, want none, saying why", got.check)
+			}
+		})
+	}
+}
+
+// onePeer is Peers with one member, node1, holding every peer address.
+type onePeer struct {
+	live  ebpfprobes.FlowState
+	rec   *recvdigest.Received
+	asked bool
+}
+
+func (p *onePeer) Owner(netip.Addr) string { return "node1" }
+
+func (p *onePeer) LogRange(context.Context, string, clusterapi.LogRangeRequest) (clusterapi.LogRangeReply, []byte, error) {
+	live := p.live
+	return clusterapi.LogRangeReply{Live: &live}, nil, nil
+}
+
+func (p *onePeer) Received(context.Context, string, tcpflow.Tuple, uint32) (*recvdigest.Received, error) {
+	p.asked = true
+	return p.rec, nil
 }
 
 // receivedFunc is Peers answering only Received.
