@@ -51,9 +51,10 @@ type Agent struct {
 
 	netlog *logState // nil when the sender-side log is disabled
 
-	members  membership    // the cluster view: ring, spares, who holds which address
-	jobAddrs jobAddrOwners // who holds which job address (jobaddr_owners.go)
-	fetching fetchCalls    // snapshot transfers to this host under way
+	members  membership      // the cluster view: ring, spares, who holds which address
+	jobAddrs jobAddrOwners   // who holds which job address (jobaddr_owners.go)
+	fetching fetchCalls      // snapshot transfers to this host under way
+	replicas replicaArrivals // when the newest replica of each job arrived, by node
 	// clusterNet is the cluster network, looked up once (clusterPrefix).
 	clusterNet struct {
 		once   sync.Once

@@ -192,6 +192,7 @@ func (a *Agent) watchPredecessor(ctx context.Context) {
 				a.watchdog.Clear(s.Name, time.Now())
 				continue
 			}
+			s.Jobs = a.replicas.since(s.Name, s.LastBeat, s.Jobs)
 			if !a.cfg.Failover.Automatic {
 				a.log.Error("node failed; automatic fail-over is off: restore its jobs with `ftctl restore`", "node", s.Name, "jobs", s.Jobs)
 				a.recordFailure(s, time.Now())

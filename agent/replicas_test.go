@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/ship"
@@ -75,5 +76,31 @@ func TestKeepReplicas(t *testing.T) {
 	}
 	if mine, _ := prot.List("job", "prot"); !slices.Equal(mine, []string{mOwn.ID}) {
 		t.Errorf("protector's own snapshots %v, want %s kept", mine, mOwn.ID)
+	}
+}
+
+// TestReplicaArrivalsSince: a failed node's jobs are those its last heartbeat named plus those whose
+// replica arrived after that heartbeat (a job started and protected between the node's last beat and its
+// crash, which no beat named: before, its failure listed no job and the job was never restored).
+func TestReplicaArrivalsSince(t *testing.T) {
+	var r replicaArrivals
+	beat := time.Date(2026, 11, 26, 8, 16, 36, 44e6, time.UTC)
+	r.arrived("node1", "old-1", beat.Add(-time.Second))
+	r.arrived("node1", "late-2", beat.Add(177*time.Millisecond))
+	r.arrived("node1", "late-1", beat.Add(time.Second))
+	r.arrived("node1", "named", beat.Add(time.Second))
+	r.arrived("node2", "other", beat.Add(time.Second))
+	for _, tc := range []struct {
+		node  string
+		named []string
+		want  []string
+	}{
+		{"node1", []string{"named"}, []string{"named", "late-1", "late-2"}},
+		{"node1", nil, []string{"late-1", "late-2", "named"}},
+		{"node3", []string{"x"}, []string{"x"}},
+	} {
+		if got := r.since(tc.node, beat, tc.named); !slices.Equal(got, tc.want) {
+			t.Errorf("since(%s, %v) = %v, want %v", tc.node, tc.named, got, tc.want)
+		}
 	}
 }
