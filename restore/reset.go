@@ -43,28 +43,6 @@ func rstSegment(conn tcpflow.Tuple, seq uint32) []byte {
 	binary.BigEndian.PutUint32(b[4:], seq)
 	b[12] = 5 << 4 // data offset: 5 words, no options
 	b[13] = 0x04   // RST
-	binary.BigEndian.PutUint16(b[16:], tcpChecksum(conn, b))
+	binary.BigEndian.PutUint16(b[16:], conn.Checksum(b))
 	return b
-}
-
-// tcpChecksum is the TCP checksum of segment (its checksum field zero) from conn.Local to conn.Remote.
-func tcpChecksum(conn tcpflow.Tuple, segment []byte) uint16 {
-	src, dst := conn.Local.Addr().As4(), conn.Remote.Addr().As4()
-	var sum uint32
-	add := func(b []byte) {
-		for i := 0; i+1 < len(b); i += 2 {
-			sum += uint32(binary.BigEndian.Uint16(b[i:]))
-		}
-		if len(b)%2 == 1 {
-			sum += uint32(b[len(b)-1]) << 8
-		}
-	}
-	add(src[:])
-	add(dst[:])
-	sum += unix.IPPROTO_TCP + uint32(len(segment))
-	add(segment)
-	for sum>>16 != 0 {
-		sum = sum&0xffff + sum>>16
-	}
-	return ^uint16(sum)
 }

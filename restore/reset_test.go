@@ -32,7 +32,7 @@ func TestRSTSegment(t *testing.T) {
 			t.Errorf("%s: checksum 0x%04x, want 0x%04x", c, sum, tc.sum)
 		}
 		// Summing again with the checksum in place gives 0xffff, whose complement is 0.
-		if got := tcpChecksum(c, b); got != 0 {
+		if got := c.Checksum(b); got != 0 {
 			t.Errorf("%s: checksum 0x%04x does not verify (re-sum 0x%04x)", c, binary.BigEndian.Uint16(b[16:]), got)
 		}
 	}

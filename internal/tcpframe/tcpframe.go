@@ -5,6 +5,7 @@ package tcpframe
 import (
 	"encoding/binary"
 	"fmt"
+	"net/netip"
 
 	"github.com/ftkit/ftkit/tcpflow"
 )
@@ -66,27 +67,13 @@ func (s Segment) Frame(f tcpflow.Tuple) []byte {
 func Checksum(frame []byte, fill bool) bool {
 	ip := frame[14:]
 	tcp := ip[20:binary.BigEndian.Uint16(ip[2:])]
+	src, _ := netip.AddrFromSlice(ip[12:16])
+	dst, _ := netip.AddrFromSlice(ip[16:20])
+	f := tcpflow.Tuple{Local: netip.AddrPortFrom(src, 0), Remote: netip.AddrPortFrom(dst, 0)}
 	if fill {
 		binary.BigEndian.PutUint16(tcp[16:], 0)
-	}
-	var sum uint32
-	add := func(b []byte) {
-		for i := 0; i+1 < len(b); i += 2 {
-			sum += uint32(binary.BigEndian.Uint16(b[i:]))
-		}
-		if len(b)%2 == 1 {
-			sum += uint32(b[len(b)-1]) << 8
-		}
-	}
-	add(ip[12:20])
-	sum += 6 + uint32(len(tcp))
-	add(tcp)
-	for sum > 0xffff {
-		sum = sum&0xffff + sum>>16
-	}
-	if fill {
-		binary.BigEndian.PutUint16(tcp[16:], ^uint16(sum))
+		binary.BigEndian.PutUint16(tcp[16:], f.Checksum(tcp))
 		return true
 	}
-	return uint16(sum) == 0xffff
+	return f.Checksum(tcp) == 0
 }
