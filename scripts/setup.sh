@@ -20,7 +20,8 @@ top=$(cd "$(dirname "$0")/.." && pwd)
 # Chromium with a font, which renders `ftctl events --svg` pictures in timeline's browser test; Slurm and
 # munge for `ftctl lab up --slurm` (a slurmctld and one slurmd per lab host; docs/operations.md); socat for the
 # one-way relay chain test, and MPICH (libmpich-dev's mpicc.mpich) for `ftctl mpirun --impl mpich`: Open MPI
-# keeps the higher alternatives priority, so `mpirun` and `mpicc` stay Open MPI's.
+# keeps the higher alternatives priority, so `mpirun` and `mpicc` stay Open MPI's; Debian's mpi4py (over Open
+# MPI) for the task farm of issue 11, a program that receives from MPI_ANY_SOURCE.
 PACKAGES=(
 	clang llvm libbpf-dev bpftool
 	nftables iproute2 iputils-arping util-linux procps psmisc ethtool
@@ -31,7 +32,7 @@ PACKAGES=(
 	openmpi-bin hpcc lammps lammps-examples
 	chromium fonts-dejavu-core
 	slurmctld slurmd slurm-client munge
-	socat mpich libmpich-dev
+	socat mpich libmpich-dev python3-mpi4py
 )
 
 say() { printf 'setup: %s\n' "$*" >&2; }

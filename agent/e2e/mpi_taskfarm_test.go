@@ -1,0 +1,114 @@
+package e2e
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"os"
+	"os/exec"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/lab/labcluster"
+)
+
+// farmTasks is the task farm's size: two workers at 8 ms a task, about 8 s without failure.
+const farmTasks = 2000
+
+// farmSum is the task farm's failure-free result, computed here as testdata/mpi/taskfarm.py computes each
+// task's hash: the first 12 hex digits of the SHA-256 of the task's number.
+func farmSum(tasks int) uint64 {
+	var sum uint64
+	for i := range tasks {
+		h := sha256.Sum256([]byte(strconv.Itoa(i)))
+		v, _ := strconv.ParseUint(hex.EncodeToString(h[:])[:12], 16, 64)
+		sum += v
+	}
+	return sum
+}
+
+var farmProgressRE = regexp.MustCompile(`progress (\d+)`)
+
+// farmProgress is the master's last progress line.
+func farmProgress(out string) int {
+	m := farmProgressRE.FindAllStringSubmatch(out, -1)
+	if len(m) == 0 {
+		return 0
+	}
+	n, _ := strconv.Atoi(m[len(m)-1][1])
+	return n
+}
+
+// TestTaskFarmNeverSilentlyWrong is issue 11's task farm (Debian's mpi4py over Open MPI, `ftctl mpirun`,
+// 3 ranks): the master on node1 hands the next task to whichever worker answers first (MPI_ANY_SOURCE).
+// node1, which runs mpirun and the master, is snapshotted and crashed mid-run. Without receive-order
+// determinants the restored master may read its workers' answers in another order and re-send other task
+// assignments; the recovery checks every re-sent byte against what the workers received. So either every
+// re-sent byte matched and the run ends with the failure-free result (every task once, the same sum), or
+// the recovery failed loudly and the run does not report success: never "tasks N sum S" with another N or
+// S (before the re-sent bytes were all checked, 2 of 2 such runs ended with exit status 0 and a task lost).
+func TestTaskFarmNeverSilentlyWrong(t *testing.T) {
+	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	requirePrograms(t, "mpirun.openmpi")
+	if out, err := exec.Command("/usr/bin/python3", "-c", "import mpi4py").CombinedOutput(); err != nil {
+		t.Skipf("SKIPPED LOUDLY: Debian's python3 has no mpi4py (scripts/setup.sh installs python3-mpi4py): %v %s", err, out)
+	}
+	script, err := os.ReadFile("../../testdata/mpi/taskfarm.py")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := fmt.Sprintf("tasks %d sum %d", farmTasks, farmSum(farmTasks))
+	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
+	ctx := context.Background()
+	r := startMPI(t, c, "farm", "taskfarm.py", script, "/usr/bin/python3", "taskfarm.py", strconv.Itoa(farmTasks))
+	waitFarm := func(n int) {
+		t.Helper()
+		for deadline := time.Now().Add(2 * time.Minute); farmProgress(r.out.String()) < n; time.Sleep(50 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("the task farm did not reach %d tasks within 2m:\n%s", n, tail(r.out.String()))
+			}
+		}
+	}
+	waitFarm(200)
+	master := jobNamed(t, c, "node1", "farm-node1")
+	waitProtected(t, c, "node1", master.ID, time.Minute)
+	reply, err := c.Client("node1").Checkpoint(ctx)
+	if err != nil || reply.Error != "" || len(reply.Results) != 1 || !reply.Results[0].Shipped {
+		t.Fatalf("checkpoint of node1: %+v %v", reply, err)
+	}
+	at := farmProgress(r.out.String())
+	waitFarm(at + 200) // tasks handed out since the snapshot: what the restored master re-sends
+	if err := c.Lab.Crash(ctx, "node1"); err != nil {
+		t.Fatal(err)
+	}
+	f := waitFailure(t, c, "node1", 5*time.Minute)
+	logTimeline(t, f)
+	runErr := r.cmd.Wait()
+	out := r.out.String()
+	got := ""
+	if i := strings.LastIndex(out, "tasks "); i >= 0 {
+		got = strings.TrimSpace(strings.SplitN(out[i:], "\n", 2)[0])
+	}
+	switch {
+	case f.Error == "":
+		// Every re-sent byte matched what the workers had received: the run must be the failure-free one.
+		requireStages(t, f)
+		if runErr != nil || got != want {
+			t.Errorf("recovered with every re-sent byte verified, but the run ended %v with %q, want %q:\n%s", runErr, got, want, tail(out))
+		}
+		t.Logf("outcome: recovered transparently (the restored master re-sent the same assignments), %q", got)
+	default:
+		// The re-execution differed: the recovery must say so, and the run must not report success.
+		if !strings.Contains(f.Error, "not transparently recoverable") {
+			t.Errorf("recovery failed without saying the job is not transparently recoverable: %s", f.Error)
+		}
+		if runErr == nil || got != "" {
+			t.Errorf("the recovery failed, yet the run ended %v with %q (a wrong result must never look like success):\n%s", runErr, got, tail(out))
+		}
+		t.Logf("outcome: a loud failure (%v): %s", runErr, f.Error)
+	}
+}
