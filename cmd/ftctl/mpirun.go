@@ -98,7 +98,7 @@ Output and exit status are mpirun's, as with ftwrap.`,
 	cmd.Flags().StringVar(&f.name, "name", "", "run name; the jobs are NAME-HOST (default: mpi-RANDOM)")
 	cmd.Flags().StringVar(&f.interval, "interval", "", "the jobs' checkpoint interval: a duration or auto (default: the agents')")
 	cmd.Flags().BoolVar(&f.jobAddrs, "job-addresses", false, "run every host's part of the run (MPI daemon, ranks, PMIx) on a job address of its own, which moves with it when the host fails (docs/job-addresses.md)")
-	cmd.Flags().BoolVar(&f.eagerOnly, "eager-only", true, "Open MPI: send messages up to 64 MiB eagerly, without rendezvous (see docs/mpi.md)")
+	cmd.Flags().BoolVar(&f.eagerOnly, "eager-only", true, "send messages eagerly, without rendezvous (Open MPI: up to 64 MiB; MPICH: UCX_RNDV_THRESH=inf; see docs/mpi.md)")
 	cmd.Flags().StringVar(&f.mpirun, "mpirun", "", "the MPI launcher (default: mpirun.openmpi or mpiexec.mpich)")
 	cmd.Flags().SetInterspersed(false) // flags after PROG belong to PROG
 	cmd.AddCommand(newMPILaunchDaemonCmd(logs), newMPIFollowCmd())
@@ -394,11 +394,43 @@ func (f *mpiRunFlags) launcherArgv(p *mpiPlan, self string, prog []string) ([]st
 			return nil, err
 		}
 		list := append([]string{"localhost"}, hosts[1:]...)
-		return append([]string{bin, "-launcher", "ssh", "-launcher-exec", agentCmd, "-hosts", strings.Join(list, ","),
-			"-ppn", "1", "-np", fmt.Sprint(len(hosts)), "-iface", "eth0"}, prog...), nil
+		argv := []string{bin, "-launcher", "ssh", "-launcher-exec", agentCmd, "-hosts", strings.Join(list, ","),
+			"-ppn", "1", "-np", fmt.Sprint(len(hosts)), "-iface", mpichIface}
+		for _, kv := range mpichEnv(f.eagerOnly) {
+			argv = append(argv, "-genv", kv[0], kv[1])
+		}
+		return append(argv, prog...), nil
 	default:
 		return nil, cli.Usagef("--impl %q: want openmpi or mpich", f.impl)
 	}
+}
+
+// mpichIface is the network interface MPICH's hydra and UCX use: a lab host's only one (lab.createHost).
+const mpichIface = "eth0"
+
+// mpichEnv is the environment every MPICH rank gets (hydra's -genv), name and value. Debian's MPICH 4.0 is
+// built with ch4:ucx: ranks on one node talk through MPICH's own shared memory (ch4 posix), and UCX picks
+// its shared-memory and cross-memory transports (posix, sysv, cma) for peers it finds on the same machine.
+// Lab hosts share one kernel, hostname and /dev/shm, so both would take ranks of different lab hosts for
+// neighbours, and their bytes would never cross the logged interface.
+func mpichEnv(eagerOnly bool) [][2]string {
+	env := [][2]string{
+		// Every rank is a node of its own: no ch4 shared memory between ranks, whatever their hostnames.
+		{"MPIR_CVAR_NOLOCAL", "1"},
+		// UCX over TCP sockets only ("self" is a rank's messages to itself, in its own memory).
+		{"UCX_TLS", "tcp,self"},
+		{"UCX_NET_DEVICES", mpichIface},
+		// UCX's keepalive messages depend on the clock, so a rank re-executed from its snapshot would
+		// send other bytes than its first execution.
+		{"UCX_KEEPALIVE_INTERVAL", "inf"},
+		{"UCX_WARN_UNUSED_ENV_VARS", "n"},
+	}
+	if eagerOnly {
+		// As for Open MPI (launcherArgv): UCX's rendezvous sends the sender's buffer address, remote key and
+		// request id, which a rank re-executing from its snapshot does not reproduce for its peers' answers.
+		env = append(env, [2]string{"UCX_RNDV_THRESH", "inf"})
+	}
+	return env
 }
 
 func findMPI(override, name, pkg string) (string, error) {
