@@ -68,13 +68,16 @@ func startMPI(t *testing.T, c *labcluster.Cluster, name, inputName string, input
 	return startMPIWith(t, c, nil, name, inputName, input, prog...)
 }
 
-// startMPIWith is startMPI with more `ftctl mpirun` flags.
+// startMPIWith is startMPI with more flags of ftctl mpirun (such as --impl mpich); no input file if
+// inputName is "".
 func startMPIWith(t *testing.T, c *labcluster.Cluster, flags []string, name, inputName string, input []byte, prog ...string) *mpiRun {
 	t.Helper()
 	r := &mpiRun{name: name, dir: t.TempDir()}
 	os.Chmod(r.dir, 0o755)
-	if err := os.WriteFile(filepath.Join(r.dir, inputName), input, 0o644); err != nil {
-		t.Fatal(err)
+	if inputName != "" {
+		if err := os.WriteFile(filepath.Join(r.dir, inputName), input, 0o644); err != nil {
+			t.Fatal(err)
+		}
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	t.Cleanup(cancel)
@@ -166,7 +169,7 @@ func requirePrograms(t *testing.T, progs ...string) {
 	t.Helper()
 	for _, p := range progs {
 		if _, err := exec.LookPath(p); err != nil {
-			t.Skipf("SKIPPED LOUDLY: %s is not installed (scripts/setup.sh installs openmpi-bin hpcc lammps lammps-examples): %v", p, err)
+			t.Skipf("SKIPPED LOUDLY: %s is not installed (scripts/setup.sh installs openmpi-bin hpcc lammps lammps-examples mpich libmpich-dev): %v", p, err)
 		}
 	}
 }

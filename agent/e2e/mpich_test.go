@@ -1,0 +1,227 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/lab/labcluster"
+)
+
+// The ring program's run (testdata/mpich/ring.c): iterations, compute per iteration, print every so many.
+// Each iteration every rank sends ringHalo bytes to each of its two neighbours.
+const (
+	ringIters = 400
+	ringWork  = 40
+	ringEvery = 20
+	ringHalo  = 512 * 8
+)
+
+// mpichRing builds testdata/mpich/ring.c with Debian's MPICH and returns the binary, in a directory every
+// lab host (and the spare a rank is restored on) sees.
+func mpichRing(t *testing.T) string {
+	t.Helper()
+	requirePrograms(t, "mpicc.mpich", "mpiexec.mpich")
+	dir := t.TempDir()
+	os.Chmod(dir, 0o755)
+	bin := filepath.Join(dir, "ring")
+	if out, err := exec.Command("mpicc.mpich", "-O2", "-Wall", "-o", bin, filepath.Join("testdata", "mpich", "ring.c")).CombinedOutput(); err != nil {
+		t.Fatalf("build the MPICH ring program: mpicc.mpich: %v\n%s", err, out)
+	}
+	return bin
+}
+
+// ringLines is the ring program's output so far: its "iter N sum HASH" lines and its "done" line.
+func ringLines(out string) []string {
+	var lines []string
+	for _, l := range strings.Split(out, "\n") {
+		if strings.HasPrefix(l, "iter ") || strings.HasPrefix(l, "done ") {
+			lines = append(lines, l)
+		}
+	}
+	return lines
+}
+
+// ringOutput is the whole output of a finished ring run, which every correct run prints the same.
+func ringOutput(t *testing.T, out string) string {
+	t.Helper()
+	lines := ringLines(out)
+	if want := ringIters/ringEvery + 1; len(lines) != want || !strings.HasPrefix(lines[len(lines)-1], "done ") {
+		t.Fatalf("want %d iteration lines and a done line, got %d lines in:\n%s", want-1, len(lines), tail(out))
+	}
+	return strings.Join(lines, "\n")
+}
+
+// waitRing waits until the ring program printed at least n lines.
+func (r *mpiRun) waitRing(t *testing.T, n int, timeout time.Duration) {
+	t.Helper()
+	for deadline := time.Now().Add(timeout); len(ringLines(r.out.String())) < n; time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("ftctl mpirun %s: fewer than %d output lines within %s:\n%s", r.name, n, timeout, tail(r.out.String()))
+		}
+	}
+}
+
+// sharedMappings lists the shared mappings (System V segments, /dev/shm files, memfds: any mapping with
+// the "s" flag) of every process of the job whose root is pid, as "comm[pid]: path".
+func sharedMappings(t *testing.T, pid int) []string {
+	t.Helper()
+	ns, err := os.Readlink(fmt.Sprintf("/proc/%d/ns/pid", pid))
+	if err != nil {
+		t.Fatalf("the job's PID namespace: %v", err)
+	}
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, e := range entries {
+		p, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		if other, err := os.Readlink(fmt.Sprintf("/proc/%d/ns/pid", p)); err != nil || other != ns {
+			continue
+		}
+		maps, err := os.ReadFile(fmt.Sprintf("/proc/%d/maps", p))
+		if err != nil { // the process exited meanwhile
+			continue
+		}
+		comm, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", p))
+		for _, l := range strings.Split(string(maps), "\n") {
+			// address perms offset dev inode path
+			if f := strings.Fields(l); len(f) >= 2 && len(f[1]) == 4 && f[1][3] == 's' {
+				out = append(out, fmt.Sprintf("%s[%d]: %s", strings.TrimSpace(string(comm)), p, strings.Join(f[5:], " ")))
+			}
+		}
+	}
+	return out
+}
+
+// sentTo sums, over the TCP connections from host to the address to in host's sender-side log, how far
+// each one's sequence number has come (snd_nxt, per connection).
+func sentTo(t *testing.T, c *labcluster.Cluster, host string, to netip.Addr) map[string]uint32 {
+	t.Helper()
+	conns, err := c.Client(host).LoggedConns(context.Background())
+	if err != nil {
+		t.Fatalf("logged connections of %s: %v", host, err)
+	}
+	out := map[string]uint32{}
+	for _, lc := range conns {
+		if lc.Dst.Addr() == to && lc.Live != nil {
+			out[lc.Src.String()+">"+lc.Dst.String()] = lc.Live.SndNxt
+		}
+	}
+	return out
+}
+
+// requireTCPBetweenRanks checks, while the ring runs, that every rank's bytes to each neighbour cross the
+// lab network as TCP (logged by the sender's agent): for every ordered pair of rank hosts, the sender's
+// connections to the other advance by at least the halos of the iterations between two samples. Ranks
+// that talked through shared memory would leave these connections idle.
+func requireTCPBetweenRanks(t *testing.T, c *labcluster.Cluster, r *mpiRun, hosts []string) {
+	t.Helper()
+	addr := map[string]netip.Addr{}
+	for _, h := range c.Lab.State().Hosts {
+		addr[h.Name] = h.Addr.Addr()
+	}
+	sample := func() map[[2]string]map[string]uint32 {
+		s := map[[2]string]map[string]uint32{}
+		for _, from := range hosts {
+			for _, to := range hosts {
+				if from != to {
+					s[[2]string{from, to}] = sentTo(t, c, from, addr[to])
+				}
+			}
+		}
+		return s
+	}
+	n := len(ringLines(r.out.String()))
+	before := sample()
+	// Two more lines: at least ringEvery whole iterations run between the samples.
+	r.waitRing(t, n+2, 2*time.Minute)
+	after := sample()
+	for pair, b := range before {
+		var sent uint32
+		for k, a := range after[pair] {
+			if at, ok := b[k]; ok { // a connection new since the first sample has no known start: not counted
+				sent += a - at // serial arithmetic
+			}
+		}
+		if sent < ringEvery*ringHalo {
+			t.Errorf("%s sent %d bytes over TCP to %s in %d iterations, want at least %d (the halos): do its ranks talk through shared memory? connections before %v, after %v",
+				pair[0], sent, pair[1], ringEvery, ringEvery*ringHalo, b, after[pair])
+		}
+	}
+}
+
+// TestMPICHFailover runs a small deterministic MPI program built with Debian's MPICH (mpicc.mpich, ch4:ucx,
+// launched by hydra through `ftctl mpirun --impl mpich`), one rank per lab node, each host's hydra proxy
+// and rank one protected job: first without failure (where it also checks that no rank maps shared memory
+// and that the ranks' bytes cross the network between every pair of hosts: lab hosts share one hostname),
+// then with node2 snapshotted and crashed mid-run. The run must print the same hashes, node2's job must be
+// restored on the spare and exit 0, and the other hosts' jobs must be untouched.
+func TestMPICHFailover(t *testing.T) {
+	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	ring := mpichRing(t)
+	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
+	impl := []string{"--impl", "mpich"}
+	prog := []string{ring, strconv.Itoa(ringIters), strconv.Itoa(ringWork), strconv.Itoa(ringEvery)}
+	hosts := []string{"node1", "node2", "node3"}
+
+	start := time.Now()
+	ref := startMPIWith(t, c, impl, "ref", "", nil, prog...)
+	ref.waitRing(t, 1, 2*time.Minute)
+	for _, h := range hosts {
+		if shm := sharedMappings(t, jobNamed(t, c, h, "ref-"+h).PID); len(shm) > 0 {
+			t.Errorf("%s's MPICH job maps shared memory:\n%s", h, strings.Join(shm, "\n"))
+		}
+	}
+	requireTCPBetweenRanks(t, c, ref, hosts)
+	ref.wait(t)
+	want := ringOutput(t, ref.out.String())
+	t.Logf("failure-free run: %s", time.Since(start).Round(time.Millisecond))
+
+	start = time.Now()
+	r := startMPIWith(t, c, impl, "ft", "", nil, prog...)
+	// Snapshot node2 once the ranks compute (the first line: every connection is up) and its job has its
+	// first replica; crash it once they computed past that snapshot (the next line), so that the restored
+	// rank has bytes to be replayed.
+	r.waitRing(t, 1, 2*time.Minute)
+	before1, before3 := jobNamed(t, c, "node1", "ft-node1"), jobNamed(t, c, "node3", "ft-node3")
+	waitProtected(t, c, "node2", jobNamed(t, c, "node2", "ft-node2").ID, time.Minute)
+	reply, err := c.Client("node2").Checkpoint(context.Background())
+	if err != nil || reply.Error != "" || len(reply.Results) != 1 || !reply.Results[0].Shipped {
+		t.Fatalf("checkpoint of node2: %+v %v\n%s", reply, err, r.out.String())
+	}
+	r.waitRing(t, len(ringLines(r.out.String()))+1, time.Minute)
+	if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
+		t.Fatal(err)
+	}
+	crashed := time.Now()
+	f := waitFailure(t, c, "node2", 5*time.Minute)
+	requireStages(t, f)
+	r.wait(t)
+	t.Logf("run with node2 crashed: %s (finished %s after the crash)", time.Since(start).Round(time.Millisecond), time.Since(crashed).Round(time.Millisecond))
+	if got := ringOutput(t, r.out.String()); got != want {
+		t.Errorf("output after fail-over:\n%s\nwithout failure:\n%s", got, want)
+	}
+	for host, b := range map[string]agent.Job{"node1": before1, "node3": before3} {
+		a := jobNamed(t, c, host, b.Spec.Name)
+		if a.PID != b.PID || a.Restored != "" {
+			t.Errorf("%s's job was disturbed: pid %d -> %d, restored from %q", host, b.PID, a.PID, a.Restored)
+		}
+	}
+	j, err := c.Client("spare1").Wait(context.Background(), jobNamed(t, c, "spare1", "ft-node2").ID, 10*time.Second)
+	if err != nil || j.Restored == "" || j.Exit == nil || j.Exit.Code != 0 {
+		t.Errorf("node2's job on spare1: restored from %q, exit %+v, %v", j.Restored, j.Exit, err)
+	}
+}
