@@ -20,7 +20,7 @@ import (
 // Each iteration every rank sends ringHalo bytes to each of its two neighbours.
 const (
 	ringIters = 400
-	ringWork  = 40
+	ringWork  = 500
 	ringEvery = 20
 	ringHalo  = 512 * 8
 )
