@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -85,6 +86,12 @@ func startMPIWith(t *testing.T, c *labcluster.Cluster, flags []string, name, inp
 	r.cmd = exec.CommandContext(ctx, bins.Ftctl, args...)
 	r.cmd.Dir = r.dir
 	r.cmd.Stdout, r.cmd.Stderr = &r.out, &r.out
+	// ftctl runs ftwrap, which holds the output pipe: on timeout or at the test's end kill both (a group of
+	// their own), and let Wait return even if a straggler still holds the pipe. Otherwise a hung MPI run
+	// blocks the test forever and leaves ftwrap behind.
+	r.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	r.cmd.Cancel = func() error { return syscall.Kill(-r.cmd.Process.Pid, syscall.SIGKILL) }
+	r.cmd.WaitDelay = 10 * time.Second
 	if err := r.cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
