@@ -19,7 +19,7 @@ import (
 // farmTasks is the task farm's size: two workers at 8 ms a task, about 8 s without failure.
 const farmTasks = 2000
 
-// farmSum is the task farm's failure-free result, computed here as testdata/mpi/taskfarm.py computes each
+// farmSum is the task farm's failure-free result, computed here as testdata/taskfarm.py computes each
 // task's hash: the first 12 hex digits of the SHA-256 of the task's number.
 func farmSum(tasks int) uint64 {
 	var sum uint64
@@ -57,7 +57,7 @@ func TestTaskFarmNeverSilentlyWrong(t *testing.T) {
 	if out, err := exec.Command("/usr/bin/python3", "-c", "import mpi4py").CombinedOutput(); err != nil {
 		t.Skipf("SKIPPED LOUDLY: Debian's python3 has no mpi4py (scripts/setup.sh installs python3-mpi4py): %v %s", err, out)
 	}
-	script, err := os.ReadFile("../../testdata/mpi/taskfarm.py")
+	script, err := os.ReadFile("testdata/taskfarm.py")
 	if err != nil {
 		t.Fatal(err)
 	}
