@@ -29,7 +29,7 @@ func TestMPIJobAddresses(t *testing.T) {
 	want := thermo(t, ref.out.String())
 
 	r := startMPIWith(t, c, flags, "ft", "in.melt", in, "lmp", "-in", "in.melt")
-	r.waitThermo(t, 1, 2*time.Minute)
+	r.waitRows(t, thermoRows, 1, 2*time.Minute)
 	jobs := map[string]agent.Job{}
 	addrs := map[netip.Addr]bool{}
 	for _, h := range []string{"node1", "node2", "node3"} {
@@ -65,7 +65,7 @@ func TestMPIJobAddresses(t *testing.T) {
 			return lc.Dst.Addr().Unmap() == own && lc.DstNode == "node2"
 		})
 	})
-	r.waitThermo(t, len(thermoTable(r.out.String()))+1, time.Minute)
+	r.waitRows(t, thermoRows, thermoRows(r.out.String())+1, time.Minute)
 	if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
 		t.Fatal(err)
 	}

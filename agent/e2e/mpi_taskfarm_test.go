@@ -65,15 +65,7 @@ func TestTaskFarmNeverSilentlyWrong(t *testing.T) {
 	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
 	ctx := context.Background()
 	r := startMPI(t, c, "farm", "taskfarm.py", script, "/usr/bin/python3", "taskfarm.py", strconv.Itoa(farmTasks))
-	waitFarm := func(n int) {
-		t.Helper()
-		for deadline := time.Now().Add(2 * time.Minute); farmProgress(r.out.String()) < n; time.Sleep(50 * time.Millisecond) {
-			if time.Now().After(deadline) {
-				t.Fatalf("the task farm did not reach %d tasks within 2m:\n%s", n, tail(r.out.String()))
-			}
-		}
-	}
-	waitFarm(200)
+	r.waitRows(t, farmProgress, 200, 2*time.Minute)
 	master := jobNamed(t, c, "node1", "farm-node1")
 	waitProtected(t, c, "node1", master.ID, time.Minute)
 	reply, err := c.Client("node1").Checkpoint(ctx)
@@ -81,7 +73,7 @@ func TestTaskFarmNeverSilentlyWrong(t *testing.T) {
 		t.Fatalf("checkpoint of node1: %+v %v", reply, err)
 	}
 	at := farmProgress(r.out.String())
-	waitFarm(at + 200) // tasks handed out since the snapshot: what the restored master re-sends
+	r.waitRows(t, farmProgress, at+200, 2*time.Minute) // tasks handed out since the snapshot: what the restored master re-sends
 	if err := c.Lab.Crash(ctx, "node1"); err != nil {
 		t.Fatal(err)
 	}

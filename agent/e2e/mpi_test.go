@@ -98,12 +98,13 @@ func startMPIWith(t *testing.T, c *labcluster.Cluster, flags []string, name, inp
 	return r
 }
 
-// waitThermo waits until LAMMPS printed at least n rows of its thermodynamic table.
-func (r *mpiRun) waitThermo(t *testing.T, n int, timeout time.Duration) {
+// waitRows waits until rows(the output so far) is at least n: LAMMPS's thermo rows (thermoRows), the ring
+// program's lines (ringRows), the task farm's progress (farmProgress).
+func (r *mpiRun) waitRows(t *testing.T, rows func(out string) int, n int, timeout time.Duration) {
 	t.Helper()
-	for deadline := time.Now().Add(timeout); len(thermoTable(r.out.String())) < n; time.Sleep(100 * time.Millisecond) {
+	for deadline := time.Now().Add(timeout); rows(r.out.String()) < n; time.Sleep(50 * time.Millisecond) {
 		if time.Now().After(deadline) {
-			t.Fatalf("ftctl mpirun %s: fewer than %d thermo rows within %s:\n%s", r.name, n, timeout, tail(r.out.String()))
+			t.Fatalf("ftctl mpirun %s: its output did not reach %d within %s:\n%s", r.name, n, timeout, tail(r.out.String()))
 		}
 	}
 }
@@ -238,6 +239,9 @@ func thermo(t *testing.T, out string) string {
 	return strings.Join(rows, "\n")
 }
 
+// thermoRows counts the rows of LAMMPS's thermodynamic table printed so far.
+func thermoRows(out string) int { return len(thermoTable(out)) }
+
 // thermoTable is the rows of LAMMPS's thermodynamic table printed so far.
 func thermoTable(out string) []string {
 	var rows []string
@@ -267,17 +271,28 @@ func TestMPIFailover(t *testing.T) {
 
 	start = time.Now()
 	r := startMPI(t, c, "ft", "in.melt", in, "lmp", "-in", "in.melt")
-	// Snapshot node2 once the ranks compute (the first thermo row: every MPI connection is up, none in a
-	// listen queue) and its job has its first replica; crash it once they computed past that snapshot
-	// (the next row), so that the restored rank has bytes to be replayed.
-	r.waitThermo(t, 1, 2*time.Minute)
-	before1, before3 := jobNamed(t, c, "node1", "ft-node1"), jobNamed(t, c, "node3", "ft-node3")
-	waitProtected(t, c, "node2", jobNamed(t, c, "node2", "ft-node2").ID, time.Minute)
+	failNode2MidRun(t, c, r, thermoRows)
+	t.Logf("run with node2 crashed: %s", time.Since(start).Round(time.Millisecond))
+	if got := thermo(t, r.out.String()); got != want {
+		t.Errorf("thermo output after fail-over:\n%s\nwithout failure:\n%s", got, want)
+	}
+}
+
+// failNode2MidRun fails node2 under the MPI run r of 3 ranks: node2 is snapshotted once the program
+// printed its first output row (rows counts them: every MPI connection is up, none in a listen queue) and
+// its job has its first replica, and crashed once the program printed the next row, so that the restored
+// rank has bytes to be replayed. It waits for the run's end and requires a complete recovery, node1's and
+// node3's jobs untouched, and node2's job restored on spare1 and exiting 0; the caller compares the output.
+func failNode2MidRun(t *testing.T, c *labcluster.Cluster, r *mpiRun, rows func(out string) int) {
+	t.Helper()
+	r.waitRows(t, rows, 1, 2*time.Minute)
+	before1, before3 := jobNamed(t, c, "node1", r.name+"-node1"), jobNamed(t, c, "node3", r.name+"-node3")
+	waitProtected(t, c, "node2", jobNamed(t, c, "node2", r.name+"-node2").ID, time.Minute)
 	reply, err := c.Client("node2").Checkpoint(context.Background())
 	if err != nil || reply.Error != "" || len(reply.Results) != 1 || !reply.Results[0].Shipped {
 		t.Fatalf("checkpoint of node2: %+v %v\n%s", reply, err, r.out.String())
 	}
-	r.waitThermo(t, len(thermoTable(r.out.String()))+1, time.Minute)
+	r.waitRows(t, rows, rows(r.out.String())+1, time.Minute)
 	if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
 		t.Fatal(err)
 	}
@@ -285,17 +300,14 @@ func TestMPIFailover(t *testing.T) {
 	f := waitFailure(t, c, "node2", 5*time.Minute)
 	requireStages(t, f)
 	r.wait(t)
-	t.Logf("run with node2 crashed: %s (finished %s after the crash)", time.Since(start).Round(time.Millisecond), time.Since(crashed).Round(time.Millisecond))
-	if got := thermo(t, r.out.String()); got != want {
-		t.Errorf("thermo output after fail-over:\n%s\nwithout failure:\n%s", got, want)
-	}
+	t.Logf("the run finished %s after node2's crash", time.Since(crashed).Round(time.Millisecond))
 	for host, b := range map[string]agent.Job{"node1": before1, "node3": before3} {
 		a := jobNamed(t, c, host, b.Spec.Name)
 		if a.PID != b.PID || a.Restored != "" {
 			t.Errorf("%s's job was disturbed: pid %d -> %d, restored from %q", host, b.PID, a.PID, a.Restored)
 		}
 	}
-	j, err := c.Client("spare1").Wait(context.Background(), jobNamed(t, c, "spare1", "ft-node2").ID, 10*time.Second)
+	j, err := c.Client("spare1").Wait(context.Background(), jobNamed(t, c, "spare1", r.name+"-node2").ID, 10*time.Second)
 	if err != nil || j.Restored == "" || j.Exit == nil || j.Exit.Code != 0 {
 		t.Errorf("node2's job on spare1: restored from %q, exit %+v, %v", j.Restored, j.Exit, err)
 	}

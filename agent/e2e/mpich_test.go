@@ -12,7 +12,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/lab/labcluster"
 )
 
@@ -60,15 +59,8 @@ func ringOutput(t *testing.T, out string) string {
 	return strings.Join(lines, "\n")
 }
 
-// waitRing waits until the ring program printed at least n lines.
-func (r *mpiRun) waitRing(t *testing.T, n int, timeout time.Duration) {
-	t.Helper()
-	for deadline := time.Now().Add(timeout); len(ringLines(r.out.String())) < n; time.Sleep(50 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("ftctl mpirun %s: fewer than %d output lines within %s:\n%s", r.name, n, timeout, tail(r.out.String()))
-		}
-	}
-}
+// ringRows counts the ring program's output lines so far.
+func ringRows(out string) int { return len(ringLines(out)) }
 
 // sharedMappings lists the shared mappings (System V segments, /dev/shm files, memfds: any mapping with
 // the "s" flag) of every process of the job whose root is pid, as "comm[pid]: path".
@@ -147,7 +139,7 @@ func requireTCPBetweenRanks(t *testing.T, c *labcluster.Cluster, r *mpiRun, host
 	n := len(ringLines(r.out.String()))
 	before := sample()
 	// Two more lines: at least ringEvery whole iterations run between the samples.
-	r.waitRing(t, n+2, 2*time.Minute)
+	r.waitRows(t, ringRows, n+2, 2*time.Minute)
 	after := sample()
 	for pair, b := range before {
 		var sent uint32
@@ -184,7 +176,7 @@ func TestMPICHFailover(t *testing.T) {
 
 	start := time.Now()
 	ref := startMPIWith(t, c, impl, "ref", "", nil, prog...)
-	ref.waitRing(t, 1, 2*time.Minute)
+	ref.waitRows(t, ringRows, 1, 2*time.Minute)
 	for _, h := range hosts {
 		if shm := sharedMappings(t, jobNamed(t, c, h, "ref-"+h).PID); len(shm) > 0 {
 			t.Errorf("%s's MPICH job maps shared memory:\n%s", h, strings.Join(shm, "\n"))
@@ -197,36 +189,9 @@ func TestMPICHFailover(t *testing.T) {
 
 	start = time.Now()
 	r := startMPIWith(t, c, impl, "ft", "", nil, prog...)
-	// Snapshot node2 once the ranks compute (the first line: every connection is up) and its job has its
-	// first replica; crash it once they computed past that snapshot (the next line), so that the restored
-	// rank has bytes to be replayed.
-	r.waitRing(t, 1, 2*time.Minute)
-	before1, before3 := jobNamed(t, c, "node1", "ft-node1"), jobNamed(t, c, "node3", "ft-node3")
-	waitProtected(t, c, "node2", jobNamed(t, c, "node2", "ft-node2").ID, time.Minute)
-	reply, err := c.Client("node2").Checkpoint(context.Background())
-	if err != nil || reply.Error != "" || len(reply.Results) != 1 || !reply.Results[0].Shipped {
-		t.Fatalf("checkpoint of node2: %+v %v\n%s", reply, err, r.out.String())
-	}
-	r.waitRing(t, len(ringLines(r.out.String()))+1, time.Minute)
-	if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
-		t.Fatal(err)
-	}
-	crashed := time.Now()
-	f := waitFailure(t, c, "node2", 5*time.Minute)
-	requireStages(t, f)
-	r.wait(t)
-	t.Logf("run with node2 crashed: %s (finished %s after the crash)", time.Since(start).Round(time.Millisecond), time.Since(crashed).Round(time.Millisecond))
+	failNode2MidRun(t, c, r, ringRows)
+	t.Logf("run with node2 crashed: %s", time.Since(start).Round(time.Millisecond))
 	if got := ringOutput(t, r.out.String()); got != want {
 		t.Errorf("output after fail-over:\n%s\nwithout failure:\n%s", got, want)
-	}
-	for host, b := range map[string]agent.Job{"node1": before1, "node3": before3} {
-		a := jobNamed(t, c, host, b.Spec.Name)
-		if a.PID != b.PID || a.Restored != "" {
-			t.Errorf("%s's job was disturbed: pid %d -> %d, restored from %q", host, b.PID, a.PID, a.Restored)
-		}
-	}
-	j, err := c.Client("spare1").Wait(context.Background(), jobNamed(t, c, "spare1", "ft-node2").ID, 10*time.Second)
-	if err != nil || j.Restored == "" || j.Exit == nil || j.Exit.Code != 0 {
-		t.Errorf("node2's job on spare1: restored from %q, exit %+v, %v", j.Restored, j.Exit, err)
 	}
 }
