@@ -142,7 +142,7 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 // of its images; it returns the job record the snapshot carries too.
 func (a *Agent) prepareCandidate(ctx context.Context, job string, c Candidate) (*recovery.Job, Job, error) {
 	source := a.cfg.Name
-	if from, ok := a.prefetchedFrom(job, c.Snapshot); ok {
+	if from, ok := a.takePrefetched(job, c.Snapshot); ok {
 		source = from // here already: fetched while the protector awaited the fence
 	}
 	m, err := a.store.Verify(ctx, job, c.Snapshot)

@@ -158,11 +158,14 @@ type fetchCalls struct {
 	prefetched map[string]string     // job/snapshot prefetched for a claimed recovery -> the member it came from
 }
 
-// prefetchedFrom is the member a snapshot was prefetched from, if it was.
-func (a *Agent) prefetchedFrom(job, id string) (string, bool) {
+// takePrefetched is the member a snapshot was prefetched from, if it was, and forgets it: the recovery
+// that uses the snapshot asks once, so the record holds only prefetches no recovery used yet.
+func (a *Agent) takePrefetched(job, id string) (string, bool) {
 	a.fetching.mu.Lock()
 	defer a.fetching.mu.Unlock()
-	from, ok := a.fetching.prefetched[job+"/"+id]
+	key := job + "/" + id
+	from, ok := a.fetching.prefetched[key]
+	delete(a.fetching.prefetched, key)
 	return from, ok
 }
 
