@@ -43,9 +43,9 @@ const (
 // envAgentSocket names the local agent's socket (as for ftwrap); a Slurm TaskProlog may set it.
 const envAgentSocket = "FTKIT_AGENT_SOCKET"
 
-// jobNetIface is the job's interface inside its job network (package jobnet): with job addresses MPI's and
-// PMIx's TCP traffic uses it, the job's only interface besides loopback.
-const jobNetIface = "eth0"
+// mpiIface is the interface MPI's TCP traffic uses where it has one name on every host: a lab host's only
+// interface (lab.createHost) and a job network's (package jobnet: the job's only one besides loopback).
+const mpiIface = "eth0"
 
 // eagerLimit is the largest MPI message Open MPI sends without a rendezvous (see launcherArgv).
 const eagerLimit = "67108864"
@@ -176,7 +176,7 @@ func (f *mpiRunFlags) plan(ctx context.Context, labChosen bool) (*mpiPlan, error
 	case f.jobAddrs && f.net != "":
 		return nil, cli.Usagef("--net with --job-addresses: MPI uses the job networks' interface, there is no other")
 	case f.jobAddrs:
-		p.cidrs = jobNetIface
+		p.cidrs = mpiIface
 	case f.net != "":
 		pfx, err := netip.ParsePrefix(f.net)
 		if err != nil {
@@ -233,7 +233,7 @@ func (f *mpiRunFlags) labPlan() (*mpiPlan, error) {
 	}
 	p := &mpiPlan{ranks: ranks, spares: spares, labID: st.ID, socket: labcluster.Socket(st.ID, ranks[0]), cidrs: st.Subnet.Masked().String()}
 	if f.jobAddrs {
-		p.cidrs = jobNetIface
+		p.cidrs = mpiIface
 	}
 	if f.spares > 0 {
 		p.placement = &agent.Placement{Hosts: ranks, Spares: spares}
@@ -396,7 +396,7 @@ func (f *mpiRunFlags) launcherArgv(p *mpiPlan, self string, prog []string) ([]st
 		}
 		list := append([]string{"localhost"}, hosts[1:]...)
 		argv := []string{bin, "-launcher", "ssh", "-launcher-exec", agentCmd, "-hosts", strings.Join(list, ","),
-			"-ppn", "1", "-np", fmt.Sprint(len(hosts)), "-iface", mpichIface}
+			"-ppn", "1", "-np", fmt.Sprint(len(hosts)), "-iface", mpiIface}
 		for _, kv := range mpichEnv(f.eagerOnly) {
 			argv = append(argv, "-genv", kv[0], kv[1])
 		}
@@ -405,9 +405,6 @@ func (f *mpiRunFlags) launcherArgv(p *mpiPlan, self string, prog []string) ([]st
 		return nil, cli.Usagef("--impl %q: want openmpi or mpich", f.impl)
 	}
 }
-
-// mpichIface is the network interface MPICH's hydra and UCX use: a lab host's only one (lab.createHost).
-const mpichIface = "eth0"
 
 // mpichEnv is the environment every MPICH rank gets (hydra's -genv), name and value. Debian's MPICH 4.0 is
 // built with ch4:ucx: ranks on one node talk through MPICH's own shared memory (ch4 posix), and UCX picks
@@ -420,7 +417,7 @@ func mpichEnv(eagerOnly bool) [][2]string {
 		{"MPIR_CVAR_NOLOCAL", "1"},
 		// UCX over TCP sockets only ("self" is a rank's messages to itself, in its own memory).
 		{"UCX_TLS", "tcp,self"},
-		{"UCX_NET_DEVICES", mpichIface},
+		{"UCX_NET_DEVICES", mpiIface},
 		// UCX's keepalive messages depend on the clock, so a rank re-executed from its snapshot would
 		// send other bytes than its first execution.
 		{"UCX_KEEPALIVE_INTERVAL", "inf"},
