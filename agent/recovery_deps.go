@@ -70,9 +70,7 @@ func (r *recoveryActions) Fetch(ctx context.Context, job string, c clusterapi.Ca
 
 // Owner waits for the members' answer about a job address: a recovery must not take a peer for a
 // stranger because nobody had asked yet.
-func (r *recoveryActions) Owner(addr netip.Addr) string {
-	ctx, cancel := context.WithTimeout(context.Background(), 2*jobAddrAskTimeout)
-	defer cancel()
+func (r *recoveryActions) Owner(ctx context.Context, addr netip.Addr) string {
 	return r.a.memberByIPWait(ctx, addr)
 }
 

@@ -165,11 +165,9 @@ func needsFirstSnapshot(j Job) bool { return !j.Protected() && j.Restored == "" 
 
 // recordReplica notes in the job's record that snapshot m reached a protector: from now on a failure of
 // this host is recoverable (`ftctl status` shows the job as protected).
-func (a *Agent) recordReplica(m *ckpt.Manifest) {
+func (a *Agent) recordReplica(ctx context.Context, m *ckpt.Manifest) {
 	// Before a.mu: who holds a job address is asked of the members (and holderOf takes a.mu).
-	ctx, cancel := context.WithTimeout(context.Background(), 2*jobAddrAskTimeout)
 	bad := unrecoverableConns(m.Conns, func(ip netip.Addr) string { return a.memberByIPWait(ctx, ip) })
-	cancel()
 	a.mu.Lock()
 	j, ok := a.byID[m.Job]
 	if !ok || j.Node != a.cfg.Name || (j.Protected() && j.Replica.Snapshot >= m.ID) {

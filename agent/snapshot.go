@@ -191,7 +191,7 @@ func (a *Agent) Checkpoint(ctx context.Context, ids []string, uid uint32) ([]Sna
 		} else {
 			res.Manifest, res.Shipped = sent.Manifest, true
 			res.ShipBytes, res.ShipWire, res.ShipDuration = sent.Bytes, sent.WireBytes, sent.Duration
-			a.recordReplica(sent.Manifest) // the job is protected from here on
+			a.recordReplica(ctx, sent.Manifest) // the job is protected from here on
 			// Durable on the protector: the senders may now drop what the snapshot before it had received
 			// (this one's, if a sender asked for it under log pressure).
 			if base := a.releaseBase(sent.Manifest, a.asked.Load()); base != nil {

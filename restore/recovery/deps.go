@@ -82,8 +82,9 @@ type Snapshots interface {
 
 // Peers asks the surviving peers of a job's connections.
 type Peers interface {
-	// Owner is the member that holds addr, "" if none does.
-	Owner(addr netip.Addr) string
+	// Owner is the member that holds addr, "" if none does (asking the members, within ctx, about an address
+	// no view holds).
+	Owner(ctx context.Context, addr netip.Addr) string
 	// LogRange is what owner logged of a connection since a sequence number, and its live state.
 	LogRange(ctx context.Context, owner string, req clusterapi.LogRangeRequest) (clusterapi.LogRangeReply, []byte, error)
 	// Received is owner's record of what it received on conn (Local: owner's end) from sequence from on.

@@ -111,7 +111,7 @@ func (f *fake) Fetch(_ context.Context, job string, c clusterapi.Candidate) (*Jo
 	return j, nil
 }
 
-func (f *fake) Owner(addr netip.Addr) string { return f.owners[addr] }
+func (f *fake) Owner(_ context.Context, addr netip.Addr) string { return f.owners[addr] }
 
 func (f *fake) LogRange(_ context.Context, owner string, req clusterapi.LogRangeRequest) (clusterapi.LogRangeReply, []byte, error) {
 	if f.logRange != nil {

@@ -259,7 +259,7 @@ type fetchedConn struct {
 // fetchConn fetches, from the member that holds c's peer, the bytes it logged on c since the snapshot with
 // its live state, then its record of what it received on c.
 func fetchConn(ctx context.Context, d Deps, c ckpt.Conn) fetchedConn {
-	owner := d.Peers.Owner(c.Remote.Addr())
+	owner := d.Peers.Owner(ctx, c.Remote.Addr())
 	if owner == "" {
 		return fetchedConn{err: fmt.Errorf("connection %s -> %s: the peer is not a cluster member, so nobody logged what it sent", c.Local, c.Remote)}
 	}

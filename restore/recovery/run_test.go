@@ -400,7 +400,7 @@ type onePeer struct {
 	asked bool
 }
 
-func (p *onePeer) Owner(netip.Addr) string { return "node1" }
+func (p *onePeer) Owner(context.Context, netip.Addr) string { return "node1" }
 
 func (p *onePeer) LogRange(context.Context, string, clusterapi.LogRangeRequest) (clusterapi.LogRangeReply, []byte, error) {
 	live := p.live
@@ -415,7 +415,7 @@ func (p *onePeer) Received(context.Context, string, tcpflow.Tuple, uint32) (*rec
 // receivedFunc is Peers answering only Received.
 type receivedFunc func() (*recvdigest.Received, error)
 
-func (f receivedFunc) Owner(netip.Addr) string { return "" }
+func (f receivedFunc) Owner(context.Context, netip.Addr) string { return "" }
 
 func (f receivedFunc) LogRange(context.Context, string, clusterapi.LogRangeRequest) (clusterapi.LogRangeReply, []byte, error) {
 	return clusterapi.LogRangeReply{}, nil, errors.New("not asked")
