@@ -47,19 +47,19 @@ func ReplayAndVerify(ctx context.Context, d Deps, j *Job) (string, error) {
 // exactly what it received, so that it fails at once instead of waiting for bytes that will never come.
 // A resumed recovery (no network: the agent restarted) only releases the clamp.
 func abandon(d Deps, j *Job) {
+	n := netOf(d, j)
 	for _, c := range j.Plan.Conns {
-		flow := c.Conn.Tuple
-		if d.Clamp != nil && c.Resend != 0 && !slices.Contains(j.Replayed, flow) {
+		if c.Resend == 0 {
+			continue // the peer has no byte the job would not send again: the job's own close reaches it
+		}
+		flow, target := c.Conn.Tuple, c.Conn.OutqSeq+c.Resend
+		// Read before the clamp lets go of the flow: with a clamp, it is what knows how far the socket sent.
+		sent, ok := d.Log.SentUpTo(flow)
+		if d.Clamp != nil && !slices.Contains(j.Replayed, flow) {
 			d.Clamp.Release(flow)
 		}
-		sent, ok := d.Log.SentUpTo(flow)
-		target := c.Conn.OutqSeq + c.Resend
-		if c.Resend == 0 || ok && int32(sent-target) >= 0 {
-			continue // the peer has no byte the job did not send again: the job's own close reaches it
-		}
-		n := netOf(d, j)
-		if n == nil {
-			continue
+		if ok && int32(sent-target) >= 0 || n == nil {
+			continue // it re-sent all the peer had (its own close reaches the peer), or a resume: no network
 		}
 		if err := n.ResetPeer(flow, target); err != nil {
 			d.Logger.Warn("could not reset a peer of the abandoned job: it may wait until its keepalive finds the connection dead", "job", j.ID, "conn", flow, "err", err)
