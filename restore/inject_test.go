@@ -19,6 +19,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 	"unsafe"
@@ -155,13 +156,15 @@ func waitFor(ctx context.Context, t *testing.T, what string, cond func() bool) {
 
 var counterRE = regexp.MustCompile(`counter packets (\d+)`)
 
+var dropRules atomic.Int32 // names each dropRule's table
+
 // dropRule drops, in host's namespace, the connection's segments on eth0 both ways: the peer's on the way
 // in (not those injected through lo) and the local socket's ACKs on the way out, so that the peer neither
 // delivers its bytes nor learns what was injected. It uses a table of its own and returns the count of the
 // peer's segments dropped and the rule's removal.
 func dropRule(ctx context.Context, t *testing.T, l *lab.Lab, host string, conn tcpflow.Tuple) (count func() int, remove func()) {
 	t.Helper()
-	table := fmt.Sprintf("ftkit_inject_%d", os.Getpid())
+	table := fmt.Sprintf("ftkit_inject_%d_%d", os.Getpid(), dropRules.Add(1))
 	script := fmt.Sprintf("table ip %[1]s {\n"+
 		"\tchain pre {\n\t\ttype filter hook prerouting priority -300;\n"+
 		"\t\tiifname \"eth0\" ip saddr %[2]s ip daddr %[3]s tcp sport %[4]d tcp dport %[5]d counter drop\n\t}\n"+
