@@ -67,8 +67,9 @@ const (
 // caller sees the bytes arrive in SIOCINQ or the socket's reads.
 //
 // The caller keeps to three rules. Inject only bytes the real peer has sent (up to its snd_nxt): the
-// socket ACKs them, and a peer drops an ACK of bytes it has not sent, for ever (measured: the connection
-// stalled for good). Keep within the socket's receive window: it grows with in-order data up to the
+// socket ACKs them, and the peer drops an ACK of bytes it has not sent (with a challenge ACK), window
+// update and all, so nothing moves until the peer has sent up to that point by itself, which it cannot
+// beyond its send window (measured: the connection stuck for minutes). Keep within the socket's receive window: it grows with in-order data up to the
 // receive buffer, bytes beyond it are dropped (TcpExt:BeyondWindow; measured: of 141312 bytes sent at
 // once into a 70656-byte window, 86880 were taken). Mind h's Ack and TSval (PeerHeader).
 //

@@ -158,19 +158,23 @@ var counterRE = regexp.MustCompile(`counter packets (\d+)`)
 
 var dropRules atomic.Int32 // names each dropRule's table
 
-// dropRule drops, in host's namespace, the connection's segments on eth0 both ways: the peer's on the way
-// in (not those injected through lo) and the local socket's ACKs on the way out, so that the peer neither
+// dropRule drops, in host's namespace, the connection's segments on eth0: the peer's on the way in (not
+// those injected through lo), and if acks the local socket's on the way out too, so that the peer neither
 // delivers its bytes nor learns what was injected. It uses a table of its own and returns the count of the
 // peer's segments dropped and the rule's removal.
-func dropRule(ctx context.Context, t *testing.T, l *lab.Lab, host string, conn tcpflow.Tuple) (count func() int, remove func()) {
+func dropRule(ctx context.Context, t *testing.T, l *lab.Lab, host string, conn tcpflow.Tuple, acks bool) (count func() int, remove func()) {
 	t.Helper()
 	table := fmt.Sprintf("ftkit_inject_%d_%d", os.Getpid(), dropRules.Add(1))
-	script := fmt.Sprintf("table ip %[1]s {\n"+
+	out := ""
+	if acks {
+		out = fmt.Sprintf("\tchain post {\n\t\ttype filter hook postrouting priority -300;\n"+
+			"\t\toifname \"eth0\" ip saddr %s ip daddr %s tcp sport %d tcp dport %d counter drop\n\t}\n",
+			conn.Local.Addr(), conn.Remote.Addr(), conn.Local.Port(), conn.Remote.Port())
+	}
+	script := fmt.Sprintf("table ip %s {\n"+
 		"\tchain pre {\n\t\ttype filter hook prerouting priority -300;\n"+
-		"\t\tiifname \"eth0\" ip saddr %[2]s ip daddr %[3]s tcp sport %[4]d tcp dport %[5]d counter drop\n\t}\n"+
-		"\tchain post {\n\t\ttype filter hook postrouting priority -300;\n"+
-		"\t\toifname \"eth0\" ip saddr %[3]s ip daddr %[2]s tcp sport %[5]d tcp dport %[4]d counter drop\n\t}\n}\n",
-		table, conn.Remote.Addr(), conn.Local.Addr(), conn.Remote.Port(), conn.Local.Port())
+		"\t\tiifname \"eth0\" ip saddr %s ip daddr %s tcp sport %d tcp dport %d counter drop\n\t}\n%s}\n",
+		table, conn.Remote.Addr(), conn.Local.Addr(), conn.Remote.Port(), conn.Local.Port(), out)
 	if err := l.Do(host, func() error { return nft(ctx, script) }); err != nil {
 		t.Fatal(err)
 	}
@@ -303,7 +307,7 @@ func TestInjectFromPeer(t *testing.T) {
 	t.Logf("A: rcv_nxt %d snd_nxt %d bytes_acked %d rcv_mss %d rcv_wnd %d; B: rcv_wscale %d",
 		rcvNxt, sndNxt, infoA.Bytes_acked, infoA.Rcv_mss, infoA.Rcv_wnd, wscale)
 
-	count, unblock := dropRule(ctx, t, l, "node1", conn)
+	count, unblock := dropRule(ctx, t, l, "node1", conn, true)
 	const total = 256 << 10
 	data := streamBytes(tagInject, 0, total)
 	wrote := make(chan error, 1)
@@ -312,7 +316,7 @@ func TestInjectFromPeer(t *testing.T) {
 	// bytes before an ACK, so what it has sent is what can be injected. Only bytes the peer has sent may
 	// be: the local socket ACKs them, and the peer drops an ACK of bytes it has not sent (after its
 	// snd_nxt); measured: with the ACKs let through and all 256 KiB injected at once, B's SIOCOUTQ stayed
-	// at 76640 for 2 minutes after the rule went, the connection stalled for good.
+	// at 76640 for 2 minutes after the rule went (TestInjectFromPeerLimits shows the dropped ACK).
 	waitFor(ctx, t, "B to retransmit its dropped first flight", func() bool { return sockInfo(t, sb).Total_retrans > 0 })
 	sentB := func() int { i := sockInfo(t, sb); return int(i.Bytes_sent-i.Bytes_retrans) - 2 /* "hi" */ }
 	n := sentB()
@@ -483,7 +487,7 @@ func rmemAlloc(t *testing.T, c *net.TCPConn) (n int) {
 // TestInjectFromPeerLimits measures what InjectFromPeer's doc states beyond TestInjectFromPeer: a TSval
 // ahead of the peer's clock makes the peer's own later segments fail PAWS; segments beyond the injected
 // point wait in the out-of-order queue and merge; bytes beyond the receive window are dropped; what a large
-// segment costs in receive memory.
+// segment costs in receive memory; the peer drops an ACK of injected bytes it has not sent.
 func TestInjectFromPeerLimits(t *testing.T) {
 	labtest.RequireRoot(t)
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
@@ -496,7 +500,7 @@ func TestInjectFromPeerLimits(t *testing.T) {
 		waitFor(ctx, t, "A's hello acknowledged", func() bool { return queued(t, ra, unix.SIOCOUTQ) == 0 })
 		rcvNxt, sndNxt := seqs(t, ra)
 		// The peer hears nothing of this: its stream is not the garbage injected here.
-		dropRule(ctx, t, l, "node1", conn)
+		dropRule(ctx, t, l, "node1", conn, true)
 		inject := func(off int, b []byte, max int) {
 			t.Helper()
 			h := PeerHeader{Seq: rcvNxt + uint32(off), Ack: sndNxt, Window: 64, TS: true, TSval: tcpClock(t, sb), TSecr: tcpClock(t, ra), MaxPayload: max}
@@ -552,7 +556,7 @@ func TestInjectFromPeerLimits(t *testing.T) {
 		readN(ctx, t, sb, writeAll(t, ra, []byte("hello")))
 		waitFor(ctx, t, "A's hello acknowledged", func() bool { return queued(t, ra, unix.SIOCOUTQ) == 0 })
 		rcvNxt, sndNxt := seqs(t, ra)
-		_, unblock := dropRule(ctx, t, l, "node1", conn)
+		_, unblock := dropRule(ctx, t, l, "node1", conn, true)
 		data := streamBytes(tagInject, 0, 1000)
 		writeAll(t, sb, data)
 		waitFor(ctx, t, "B to retransmit", func() bool { return sockInfo(t, sb).Total_retrans > 0 })
@@ -576,6 +580,38 @@ func TestInjectFromPeerLimits(t *testing.T) {
 			paws, mibs(t, l, "node1")["TcpExt:PAWSEstab"])
 	})
 
+	t.Run("bytes the peer has not sent", func(t *testing.T) {
+		ra, sb, conn := pair(t, l, "node1", "node2", 7340)
+		readN(ctx, t, sb, writeAll(t, ra, []byte("hello")))
+		waitFor(ctx, t, "A's hello acknowledged", func() bool { return queued(t, ra, unix.SIOCOUTQ) == 0 })
+		rcvNxt, sndNxt := seqs(t, ra)
+		dropRule(ctx, t, l, "node1", conn, false) // B's segments only: A's ACKs reach B
+		const total, injected = 256 << 10, 60000
+		data := streamBytes(tagInject, 0, total)
+		go sb.Write(data)
+		waitFor(ctx, t, "B to retransmit", func() bool { return sockInfo(t, sb).Total_retrans > 0 })
+		i := sockInfo(t, sb)
+		sent, outq := int(i.Bytes_sent-i.Bytes_retrans), queued(t, sb, unix.SIOCOUTQ)
+		if sent >= injected {
+			t.Fatalf("B's first flight is %d bytes, the test injects %d to go beyond it", sent, injected)
+		}
+		before := mibs(t, l, "node2")
+		// B's own bytes, beyond what it has sent.
+		h := PeerHeader{Seq: rcvNxt, Ack: sndNxt, Window: 64, TS: true, TSval: tcpClock(t, sb), TSecr: tcpClock(t, ra)}
+		if err := l.Do("node1", func() error { return InjectFromPeer(conn, h, data[:injected]) }); err != nil {
+			t.Fatal(err)
+		}
+		if got := readN(ctx, t, ra, injected); !bytes.Equal(got, data[:injected]) {
+			t.Fatal("A read other bytes than injected")
+		}
+		waitFor(ctx, t, "B to drop A's ACK of bytes it has not sent", func() bool {
+			after := mibs(t, l, "node2")
+			return after["TcpExt:TCPChallengeACK"] > before["TcpExt:TCPChallengeACK"] ||
+				after["TcpExt:TCPACKSkippedChallenge"] > before["TcpExt:TCPACKSkippedChallenge"]
+		})
+		t.Logf("B had sent %d bytes (SIOCOUTQ %d), %d injected: B's counters %s, SIOCOUTQ %d",
+			sent, outq, injected, mibDiff(before, mibs(t, l, "node2")), queued(t, sb, unix.SIOCOUTQ))
+	})
 }
 
 // writeAll writes b to c and returns its length.
@@ -652,7 +688,7 @@ func TestInjectIntoRepairedSocket(t *testing.T) {
 	ha, _ := l.Host("node1")
 	hb, _ := l.Host("node2")
 	conn := tcpflow.Tuple{Local: netip.AddrPortFrom(ha.Addr.Addr(), 7330), Remote: netip.AddrPortFrom(hb.Addr.Addr(), 7331)}
-	dropRule(ctx, t, l, "node1", conn) // no socket at node2: it would answer A's ACKs with a reset
+	dropRule(ctx, t, l, "node1", conn, true) // no socket at node2: it would answer A's ACKs with a reset
 	const rcvNxt, sndNxt = 0xfffff000, 0x10000000
 	ra := repairedSocket(t, l, "node1", conn, rcvNxt, sndNxt)
 	if i := sockInfo(t, ra); i.Options&1 == 0 || i.Bytes_acked != 0 {
