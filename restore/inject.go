@@ -74,8 +74,10 @@ const (
 // once into a 70656-byte window, 86880 were taken). Mind h's Ack and TSval (PeerHeader).
 //
 // What the socket's ACKs of injected bytes do at the real peer: where the peer's bytes were acknowledged
-// before (by the failed original), the ACKs are at or below the peer's snd_una, old ACKs its tcp_ack
-// ignores (not measured here; read from tcp_ack). Where they were not (its segments were lost), they
+// before (by the failed original), the ACKs are below the peer's snd_una. Those within
+// min(max_window, bytes_acked) of it are old ACKs the peer ignores; older ones it drops with a challenge
+// ACK, rate-limited (measured after a CRIU restore: 100000 bytes injected, the peer's max_window 94208,
+// TcpExt:TCPACKSkippedChallenge +3, no retransmission, the connection fine afterwards). Where they were not (its segments were lost), they
 // acknowledge what it sent: its snd_una catches up, and its retransmission of injected bytes is a
 // duplicate the socket drops with a D-SACK (measured: TcpExt:TCPDSACKOldSent). Segments the real peer
 // sends beyond the injected point meanwhile wait in the socket's out-of-order queue (TcpExt:TCPOFOQueue)
