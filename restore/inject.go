@@ -102,12 +102,22 @@ func InjectFromPeer(conn tcpflow.Tuple, h PeerHeader, payload []byte) error {
 	// IPPROTO_RAW implies IP_HDRINCL: the source must be the peer's address, which is not one of this
 	// namespace's, so the IP header is ours (the kernel fills in its length, id and checksum).
 	to := &unix.SockaddrInet4{Addr: conn.Local.Addr().As4()}
+	return forEachSegment(h, payload, max, func(seg PeerHeader, part []byte) error {
+		if err := unix.Sendto(fd, peerDatagram(conn, seg, part), 0, to); err != nil {
+			return fmt.Errorf("inject into %s: send %d bytes at seq %d: %w", conn, len(part), seg.Seq, err)
+		}
+		return nil
+	})
+}
+
+// forEachSegment calls fn for each piece of payload of at most max bytes, in order, with h's Seq advanced
+// to the piece's first byte (mod 2^32).
+func forEachSegment(h PeerHeader, payload []byte, max int, fn func(PeerHeader, []byte) error) error {
 	for off := 0; off < len(payload); off += max {
-		end := min(off+max, len(payload))
 		seg := h
 		seg.Seq = h.Seq + uint32(off)
-		if err := unix.Sendto(fd, peerDatagram(conn, seg, payload[off:end]), 0, to); err != nil {
-			return fmt.Errorf("inject into %s: send bytes %d..%d (seq %d): %w", conn, off, end, seg.Seq, err)
+		if err := fn(seg, payload[off:min(off+max, len(payload))]); err != nil {
+			return err
 		}
 	}
 	return nil

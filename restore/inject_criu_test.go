@@ -23,10 +23,12 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/criu/image"
 	"github.com/ftkit/ftkit/internal/streamtest"
+	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labtest"
 	"github.com/ftkit/ftkit/tcpflow"
 )
@@ -216,6 +218,7 @@ func TestInjectIntoRestoredSocket(t *testing.T) {
 		if err := l.Do("node1", func() error { return InjectFromPeer(conn, h, part) }); err != nil {
 			t.Fatal(err)
 		}
+		waitFor(ctx, t, "the part queued at the restored socket", func() bool { return unread(t, l, "node1", conn) == len(part) })
 		if err := unix.PidfdSendSignal(pidfd, unix.SIGUSR1, nil, 0); err != nil {
 			t.Fatal(err)
 		}
@@ -270,4 +273,31 @@ func repairWindow(t *testing.T, c *net.TCPConn) (w [5]uint32) {
 		return nil
 	})
 	return w
+}
+
+// unread is the receive queue (bytes not yet read) of host's established socket conn, read with sock_diag.
+func unread(t *testing.T, l *lab.Lab, host string, conn tcpflow.Tuple) int {
+	t.Helper()
+	n := -1
+	if err := l.Do(host, func() error {
+		socks, err := netlink.SocketDiagTCPInfo(unix.AF_INET)
+		if err != nil {
+			return err
+		}
+		for _, s := range socks {
+			id := s.InetDiagMsg.ID
+			src, _ := netip.AddrFromSlice(id.Source.To4())
+			dst, _ := netip.AddrFromSlice(id.Destination.To4())
+			if (tcpflow.Tuple{Local: netip.AddrPortFrom(src, id.SourcePort), Remote: netip.AddrPortFrom(dst, id.DestinationPort)}) == conn {
+				n = int(s.InetDiagMsg.RQueue)
+			}
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if n < 0 {
+		t.Fatalf("no socket %s on %s", conn, host)
+	}
+	return n
 }

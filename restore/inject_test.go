@@ -344,28 +344,27 @@ func TestInjectFromPeer(t *testing.T) {
 	for _, tc := range []struct {
 		name    string
 		mod     func(h *PeerHeader)
-		counter []string // one of them must grow
+		counter []string // one of them grows when the segment is dropped
 	}{
 		{"TSval behind ts_recent (PAWS)", func(h *PeerHeader) { h.TSval -= 1 << 20 }, []string{"TcpExt:PAWSEstab"}},
 		{"ack before snd_una-bytes_acked", func(h *PeerHeader) { h.Ack = sndNxt - uint32(infoA.Bytes_acked) - 1 },
 			[]string{"TcpExt:TCPChallengeACK", "TcpExt:TCPACKSkippedChallenge"}},
-		{"ack after snd_nxt", func(h *PeerHeader) { h.Ack = sndNxt + 1 }, nil},
+		{"ack after snd_nxt", func(h *PeerHeader) { h.Ack = sndNxt + 1 },
+			[]string{"TcpExt:TCPChallengeACK", "TcpExt:TCPACKSkippedChallenge"}},
 	} {
 		before, got0 := mibs(t, l, "node1"), received()
 		h := hdr(0)
 		tc.mod(&h)
 		inject(h, garbage)
-		if tc.counter != nil {
-			waitFor(ctx, t, tc.name+": "+strings.Join(tc.counter, " or "), func() bool {
-				after := mibs(t, l, "node1")
-				for _, c := range tc.counter {
-					if after[c] > before[c] {
-						return true
-					}
+		waitFor(ctx, t, tc.name+": "+strings.Join(tc.counter, " or "), func() bool {
+			after := mibs(t, l, "node1")
+			for _, c := range tc.counter {
+				if after[c] > before[c] {
+					return true
 				}
-				return false
-			})
-		}
+			}
+			return false
+		})
 		after := mibs(t, l, "node1")
 		t.Logf("%s: A's counters %s", tc.name, mibDiff(before, after))
 		if q, got := queued(t, ra, unix.SIOCINQ), received(); q != 0 || got != got0 {
@@ -529,8 +528,12 @@ func TestInjectFromPeerLimits(t *testing.T) {
 		// A burst of twice the receive window: what lies beyond the window is dropped.
 		wnd := int(sockInfo(t, ra).Rcv_wnd)
 		inject(off, junk(2*wnd, 'd'), 0)
-		waitFor(ctx, t, "the burst's first bytes", func() bool { return queued(t, ra, unix.SIOCINQ) > 0 })
-		m2 := mibs(t, l, "node1")
+		segs := int64((2*wnd + DefaultInjectPayload - 1) / DefaultInjectPayload)
+		var m2 map[string]int64
+		waitFor(ctx, t, "TCP to have taken in the burst's segments", func() bool {
+			m2 = mibs(t, l, "node1")
+			return m2["Tcp:InSegs"]-m1["Tcp:InSegs"] >= segs
+		})
 		nxt, _ := seqs(t, ra)
 		took := int(nxt - rcvNxt - uint32(off))
 		t.Logf("a burst of %d bytes into a window of %d: A took %d (SIOCINQ %d); counters %s",
