@@ -192,6 +192,13 @@ func TestInjectIntoRestoredSocket(t *testing.T) {
 	if err := image.Apply(images, ic.Inode, image.ClearReceive()); err != nil {
 		t.Fatal(err)
 	}
+	if cleared, err := image.TCPConnections(images); err != nil || len(cleared) != 1 {
+		t.Fatalf("snapshot after ClearReceive: %+v, %v", cleared, err)
+	} else {
+		c := cleared[0]
+		t.Logf("ClearReceive: inq_seq %d -> %d, inq_len %d -> %d, rcv_wup %d -> %d, rcv_wnd %d -> %d (right edge %d -> %d)",
+			ic.InqSeq, c.InqSeq, ic.InqLen, c.InqLen, ic.RcvWup, c.RcvWup, ic.RcvWnd, c.RcvWnd, ic.RcvWup+ic.RcvWnd, c.RcvWup+c.RcvWnd)
+	}
 	restorer := streamtest.StartT(t, l, "node1", nil, "criu-restore", "FTKIT_DIR="+images)
 	line := restorer.LineT(ctx, t)
 	var pid, ms int
