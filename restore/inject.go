@@ -29,7 +29,8 @@ type PeerHeader struct {
 	// (its agent's FlowState.Ack) is refused while the restored socket has not re-sent up to it.
 	Ack uint32
 	// Window is the raw 16-bit window field. The local socket scales it by its snd_wscale and takes it as
-	// the peer's receive window (the segments advance snd_wl1), so give the peer's real window >> the
+	// the peer's receive window, replacing what it had (the data segments advance snd_wl1; measured:
+	// tcpi_snd_wnd = the last injected field << snd_wscale), so give the peer's real window >> the
 	// local socket's snd_wscale: too small stalls the local socket's sending, too large makes it send
 	// what the peer drops. The peer's own last window field (FlowState.Window) is in that scale already.
 	Window uint16

@@ -329,8 +329,10 @@ func TestInjectFromPeer(t *testing.T) {
 		return PeerHeader{Seq: rcvNxt + uint32(off), Ack: sndNxt, Window: uint16(min(0xffff, sockInfo(t, sb).Rcv_wnd>>wscale)),
 			TS: true, TSval: tcpClock(t, sb), TSecr: tcpClock(t, ra)}
 	}
+	var lastWindow uint16
 	inject := func(h PeerHeader, b []byte) {
 		t.Helper()
+		lastWindow = h.Window
 		if err := l.Do("node1", func() error { return InjectFromPeer(conn, h, b) }); err != nil {
 			t.Fatal(err)
 		}
@@ -426,6 +428,10 @@ func TestInjectFromPeer(t *testing.T) {
 	t.Logf("injected: 3000 bytes, part 1 %d bytes (one read), part 2 %d bytes in %d pieces", part1, n-3000-part1, pieces)
 	if q := queued(t, ra, unix.SIOCINQ); q != 0 {
 		t.Errorf("%d bytes queued at A beyond the %d injected", q, n)
+	}
+	// The window field became A's idea of B's receive window (the data segments advance snd_wl1).
+	if got, want := sockInfo(t, ra).Snd_wnd, uint32(lastWindow)<<wscale; got != want {
+		t.Errorf("A's snd_wnd is %d after segments with window field %d (scale %d), want %d", got, lastWindow, wscale, want)
 	}
 	if got := sentB(); got != n {
 		t.Fatalf("B sent new bytes while the rule dropped A's ACKs: %d, was %d", got, n)
