@@ -17,7 +17,10 @@
 // it writes one struct recv_event to the ring buffer: the job cgroup, the
 // connection, the socket's copied_seq after the call, ret, the call's flags
 // and the caller's tgid/tid. With MSG_PEEK copied_seq does not move: the
-// event says the bytes were looked at, not consumed.
+// event says the bytes were looked at, not consumed. copied_seq counts the
+// peer's FIN too: a call that consumes the last bytes of a segment that
+// carries the FIN moves copied_seq one past them (tcp_recvmsg's
+// found_fin_ok), a call that stops before such a segment does not.
 //
 // Order: the ring buffer is multi-producer, single-consumer; a reservation
 // takes the ring's spinlock, so the order of records in the ring (the order

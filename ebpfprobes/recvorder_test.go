@@ -1,0 +1,578 @@
+//go:build linux
+
+package ebpfprobes
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/internal/streamtest"
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// recvOp is one receive call of the recvscript role.
+type recvOp struct {
+	conn int    // index of the accepted connection
+	n    int    // buffer size
+	mode string // recv, peek, read, waitall, dontwait
+}
+
+func (o recvOp) String() string { return fmt.Sprintf("%d:%d:%s", o.conn, o.n, o.mode) }
+
+func formatScript(ops []recvOp) string {
+	s := make([]string, len(ops))
+	for i, o := range ops {
+		s[i] = o.String()
+	}
+	return strings.Join(s, ",")
+}
+
+func parseScript(s string) ([]recvOp, error) {
+	var ops []recvOp
+	for f := range strings.SplitSeq(s, ",") {
+		count := 1
+		if i := strings.IndexByte(f, '*'); i >= 0 {
+			var err error
+			if count, err = strconv.Atoi(f[i+1:]); err != nil {
+				return nil, fmt.Errorf("op %q: %w", f, err)
+			}
+			f = f[:i]
+		}
+		var o recvOp
+		p := strings.Split(f, ":")
+		if len(p) != 3 {
+			return nil, fmt.Errorf("op %q: want conn:len:mode", f)
+		}
+		var err1, err2 error
+		o.conn, err1 = strconv.Atoi(p[0])
+		o.n, err2 = strconv.Atoi(p[1])
+		o.mode = p[2]
+		if err := errors.Join(err1, err2); err != nil {
+			return nil, fmt.Errorf("op %q: %w", f, err)
+		}
+		for range count {
+			ops = append(ops, o)
+		}
+	}
+	return ops, nil
+}
+
+// recvScript is the recvscript child role: a server made of raw system
+// calls on blocking sockets, so that each receive call is exactly one
+// recvmsg. It listens on FTKIT_ADDR, prints "ready", accepts one connection
+// per comma-separated byte count of FTKIT_EXPECT (printing "conn <i>" after
+// each), waits until connection i holds that many bytes (SIOCINQ, not a
+// receive), prints "pid <tgid> <tid>", runs the receive calls of
+// FTKIT_SCRIPT (see parseScript; "eof" and "dontwait" calls must return 0 or
+// EAGAIN, the others exactly len) on one thread, prints "done <ns per
+// call>", writes "ok" to every connection and waits for a line on stdin.
+func recvScript() error {
+	ap, err := netip.ParseAddrPort(os.Getenv("FTKIT_ADDR"))
+	if err != nil {
+		return fmt.Errorf("FTKIT_ADDR: %w", err)
+	}
+	var expect []int
+	for f := range strings.SplitSeq(os.Getenv("FTKIT_EXPECT"), ",") {
+		n, err := strconv.Atoi(f)
+		if err != nil {
+			return fmt.Errorf("FTKIT_EXPECT: %w", err)
+		}
+		expect = append(expect, n)
+	}
+	ops, err := parseScript(os.Getenv("FTKIT_SCRIPT"))
+	if err != nil {
+		return fmt.Errorf("FTKIT_SCRIPT: %w", err)
+	}
+	runtime.LockOSThread() // one thread makes every call: one tid
+
+	ln, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	if err := unix.SetsockoptInt(ln, unix.SOL_SOCKET, unix.SO_REUSEADDR, 1); err != nil {
+		return err
+	}
+	// Room for every byte of a cost run before the first read: the sender
+	// never waits for the window.
+	if err := unix.SetsockoptInt(ln, unix.SOL_SOCKET, unix.SO_RCVBUF, 8<<20); err != nil {
+		return err
+	}
+	if err := unix.Bind(ln, &unix.SockaddrInet4{Addr: ap.Addr().As4(), Port: int(ap.Port())}); err != nil {
+		return fmt.Errorf("bind %s: %w", ap, err)
+	}
+	if err := unix.Listen(ln, 8); err != nil {
+		return err
+	}
+	fmt.Println("ready")
+	conns := make([]int, len(expect))
+	for i := range conns {
+		if conns[i], _, err = unix.Accept4(ln, unix.SOCK_CLOEXEC); err != nil {
+			return fmt.Errorf("accept: %w", err)
+		}
+		fmt.Printf("conn %d\n", i)
+	}
+	for i, fd := range conns {
+		for {
+			n, err := unix.IoctlGetInt(fd, unix.SIOCINQ)
+			if err != nil {
+				return fmt.Errorf("SIOCINQ: %w", err)
+			}
+			if n >= expect[i] {
+				break
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	fmt.Printf("pid %d %d\n", os.Getpid(), unix.Gettid())
+	buf := make([]byte, 1<<16)
+	start := time.Now()
+	for _, o := range ops {
+		fd := conns[o.conn]
+		b := buf[:o.n]
+		var n int
+		var err error
+		switch o.mode {
+		case "recv", "eof":
+			n, _, err = unix.Recvfrom(fd, b, 0)
+		case "peek":
+			n, _, err = unix.Recvfrom(fd, b, unix.MSG_PEEK)
+		case "waitall":
+			n, _, err = unix.Recvfrom(fd, b, unix.MSG_WAITALL)
+		case "dontwait":
+			n, _, err = unix.Recvfrom(fd, b, unix.MSG_DONTWAIT)
+			if !errors.Is(err, unix.EAGAIN) {
+				return fmt.Errorf("op %s: returned %d, %v; want EAGAIN", o, n, err)
+			}
+			continue
+		case "read":
+			n, err = unix.Read(fd, b)
+		default:
+			return fmt.Errorf("op %s: unknown mode", o)
+		}
+		want := o.n
+		if o.mode == "eof" {
+			want = 0
+		}
+		if err != nil || n != want {
+			return fmt.Errorf("op %s: returned %d, %v; want %d", o, n, err, want)
+		}
+	}
+	fmt.Printf("done %d\n", time.Since(start).Nanoseconds()/int64(max(len(ops), 1)))
+	for _, fd := range conns {
+		if _, err := unix.Write(fd, []byte("ok")); err != nil {
+			return fmt.Errorf("write ok: %w", err)
+		}
+	}
+	_, _ = fmt.Scanln()
+	return nil
+}
+
+// newRecvOrderT loads a recorder for a test, closed at its end.
+func newRecvOrderT(t *testing.T, parent string, ring int) *RecvOrder {
+	t.Helper()
+	requirePrivileges(t)
+	r, err := NewRecvOrder(RecvOrderOptions{CgroupParent: parent, RingBufferSize: ring})
+	if errors.Is(err, ebpf.ErrNotSupported) {
+		t.Skipf("SKIPPED: this kernel cannot load the receive-order recorder: %v", err)
+	}
+	if err != nil {
+		t.Fatalf("NewRecvOrder: %+v", err)
+	}
+	t.Cleanup(func() {
+		if err := r.Close(); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	})
+	return r
+}
+
+// orderCollector reads a recorder's events until its context is done.
+type orderCollector struct {
+	mu     sync.Mutex
+	events []RecvEvent
+	err    error
+	done   chan struct{}
+}
+
+func collectOrder(ctx context.Context, r *RecvOrder) *orderCollector {
+	c := &orderCollector{done: make(chan struct{})}
+	go func() {
+		defer close(c.done)
+		buf := make([]RecvEvent, 0, 64)
+		for {
+			var err error
+			buf, err = r.ReadBatch(ctx, buf[:0])
+			c.mu.Lock()
+			c.events = append(c.events, buf...)
+			c.mu.Unlock()
+			if err != nil {
+				if ctx.Err() == nil || !errors.Is(err, ctx.Err()) {
+					c.err = err
+				}
+				return
+			}
+		}
+	}()
+	return c
+}
+
+// waitEvents waits until the collector holds n events.
+func (c *orderCollector) waitEvents(ctx context.Context, t *testing.T, n int) []RecvEvent {
+	t.Helper()
+	for {
+		c.mu.Lock()
+		got := len(c.events)
+		c.mu.Unlock()
+		if got >= n {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("waiting for %d receive events: have %d: %v", n, got, ctx.Err())
+		case <-c.done:
+			t.Fatalf("collector stopped with %d of %d events: %v", got, n, c.err)
+		case <-time.After(time.Millisecond):
+		}
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([]RecvEvent(nil), c.events...)
+}
+
+// dialFrom connects from host of tn to addr; the socket lives in host's
+// namespace.
+func dialFrom(t *testing.T, tn *testNet, host string, addr netip.AddrPort) *net.TCPConn {
+	t.Helper()
+	var c net.Conn
+	err := tn.lab.Do(host, func() (err error) {
+		c, err = net.Dial("tcp4", addr.String())
+		return err
+	})
+	if err != nil {
+		t.Fatalf("dial %s from %s: %v", addr, host, err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c.(*net.TCPConn)
+}
+
+func addrPort(a net.Addr) netip.AddrPort { return a.(*net.TCPAddr).AddrPort() }
+
+// TestRecvOrderSequence runs a server in a job cgroup (a child of the
+// recorder's parent) that reads two connections in a known interleaving, with
+// peeks, read(2), MSG_WAITALL, an EOF and an EAGAIN, and checks the exact
+// events: connection, copied_seq as an offset from the first byte (the
+// client's write_seq before it wrote, read through TCP repair), length,
+// flags, pid and tid, job cgroup id. The client's own reads (this test
+// process, outside the parent) are not recorded.
+func TestRecvOrderSequence(t *testing.T) {
+	requirePrivileges(t)
+	tn := newTestNet(t)
+	parent := streamtest.NewCgroupT(t, "ro-parent")
+	job := parent.SubT(t, "job1")
+	rec := newRecvOrderT(t, parent.Dir, 64<<10)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cctx, stop := context.WithCancel(ctx)
+	col := collectOrder(cctx, rec)
+	defer func() { stop(); <-col.done }()
+
+	if id, err := CgroupID(job.Dir); err != nil || id != job.ID {
+		t.Fatalf("CgroupID(%s) = %d, %v; want %d (its inode)", job.Dir, id, err, job.ID)
+	}
+
+	const a, b = 0, 1
+	ops := []recvOp{
+		{a, 100, "recv"},
+		{b, 7, "read"},
+		{a, 5, "peek"},
+		{a, 5, "recv"},
+		{b, 13, "waitall"},
+		{a, 15, "peek"},
+		{a, 15, "read"},
+		{b, 1, "eof"},      // returns 0: not recorded
+		{a, 1, "dontwait"}, // EAGAIN: not recorded
+	}
+	sizes := []int{120, 20}
+	srv := netip.AddrPortFrom(tn.ipB, 7301)
+	child := streamtest.StartT(t, tn.lab, hostB, job, "recvscript",
+		"FTKIT_ADDR="+srv.String(), "FTKIT_EXPECT=120,20", "FTKIT_SCRIPT="+formatScript(ops))
+	if l := child.LineT(ctx, t); l != "ready" {
+		t.Fatalf("server said %q, want ready", l)
+	}
+	clients := make([]*net.TCPConn, 2)
+	bases := make([]uint32, 2)
+	for i := range clients {
+		clients[i] = dialFrom(t, tn, hostA, srv)
+		if l := child.LineT(ctx, t); l != fmt.Sprintf("conn %d", i) {
+			t.Fatalf("server said %q, want conn %d", l, i)
+		}
+		seq, err := streamtest.WriteSeq(clients[i])
+		if err != nil {
+			t.Fatalf("read the client's write_seq: %v", err)
+		}
+		bases[i] = seq
+	}
+	for i, c := range clients {
+		if _, err := c.Write(streamtest.Stream(uint64(i), sizes[i])); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := clients[b].CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	var pid, tid uint32
+	if l := child.LineT(ctx, t); func() error { _, err := fmt.Sscanf(l, "pid %d %d", &pid, &tid); return err }() != nil {
+		t.Fatalf("server said %q, want pid <tgid> <tid>", l)
+	}
+	if l := child.LineT(ctx, t); !strings.HasPrefix(l, "done ") {
+		t.Fatalf("server said %q, want done", l)
+	}
+	// The test reads the server's answer outside the parent: not recorded.
+	for _, c := range clients {
+		buf := make([]byte, 2)
+		if _, err := c.Read(buf); err != nil || string(buf) != "ok" {
+			t.Fatalf("read the server's answer: %q, %v", buf, err)
+		}
+	}
+	if _, err := fmt.Fprintln(child.Stdin); err != nil {
+		t.Fatal(err)
+	}
+	if err := child.Wait(); err != nil {
+		t.Fatalf("server: %v", err)
+	}
+
+	type want struct {
+		conn  int
+		off   uint32 // copied_seq - first byte
+		len   uint32
+		flags uint32
+		fin   bool // the call may also have consumed the FIN: off or off+1
+	}
+	wants := []want{
+		{a, 100, 100, 0, false},
+		{b, 7, 7, 0, false},
+		{a, 100, 5, unix.MSG_PEEK, false},
+		{a, 105, 5, 0, false},
+		// B's last bytes: a FIN in the same skb is consumed with them (the
+		// client closed before the server read).
+		{b, 20, 13, unix.MSG_WAITALL, true},
+		{a, 105, 15, unix.MSG_PEEK, false},
+		{a, 120, 15, 0, false},
+	}
+	got := col.waitEvents(ctx, t, len(wants))
+	// The server has exited: every event it caused is counted.
+	cnt, err := rec.Counters()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cnt.Recorded != uint64(len(wants)) || cnt.Lost != 0 || cnt.NotInJob != 0 {
+		t.Errorf("counters %+v, want %d recorded and nothing else", cnt, len(wants))
+	}
+	if len(got) != len(wants) {
+		t.Fatalf("%d events, want %d: %+v", len(got), len(wants), got)
+	}
+	for i, w := range wants {
+		e := got[i]
+		conn := tcpflow.Tuple{Local: addrPort(clients[w.conn].RemoteAddr()), Remote: addrPort(clients[w.conn].LocalAddr())}
+		off := e.CopiedSeq - bases[w.conn]
+		if w.fin && off == w.off+1 {
+			off = w.off
+		}
+		if e.Conn != conn || off != w.off || e.Len != w.len || e.Flags != w.flags ||
+			e.Cgroup != job.ID || e.Pid != pid || e.Tid != tid {
+			t.Errorf("event %d (%s) = %+v (offset %d)\nwant conn %s offset %d len %d flags %#x cgroup %d pid %d tid %d",
+				i, ops[i], e, e.CopiedSeq-bases[w.conn], conn, w.off, w.len, w.flags, job.ID, pid, tid)
+		}
+		if e.Peek() != (w.flags&unix.MSG_PEEK != 0) {
+			t.Errorf("event %d: Peek() = %v", i, e.Peek())
+		}
+	}
+	if n, err := rec.Lost(job.ID); err != nil || n != 0 {
+		t.Errorf("Lost(job) = %d, %v; want 0", n, err)
+	}
+}
+
+// TestRecvOrderLostWhenRingFull fills a one-page ring with nobody reading:
+// the events that did not fit are counted against the job, the ones in the
+// ring are the first ones, in order.
+func TestRecvOrderLostWhenRingFull(t *testing.T) {
+	requirePrivileges(t)
+	tn := newTestNet(t)
+	parent := streamtest.NewCgroupT(t, "ro-parent")
+	job := parent.SubT(t, "job1")
+	page := os.Getpagesize()
+	rec := newRecvOrderT(t, parent.Dir, page)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+
+	const calls = 300
+	fits := page / (RecvEventSize + ringHdrLen)
+	srv := netip.AddrPortFrom(tn.ipB, 7302)
+	child := streamtest.StartT(t, tn.lab, hostB, job, "recvscript",
+		"FTKIT_ADDR="+srv.String(), fmt.Sprintf("FTKIT_EXPECT=%d", calls), fmt.Sprintf("FTKIT_SCRIPT=0:1:recv*%d", calls))
+	if l := child.LineT(ctx, t); l != "ready" {
+		t.Fatalf("server said %q, want ready", l)
+	}
+	c := dialFrom(t, tn, hostA, srv)
+	child.LineT(ctx, t) // conn 0
+	base, err := streamtest.WriteSeq(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Write(make([]byte, calls)); err != nil {
+		t.Fatal(err)
+	}
+	child.LineT(ctx, t) // pid
+	if l := child.LineT(ctx, t); !strings.HasPrefix(l, "done ") {
+		t.Fatalf("server said %q, want done", l)
+	}
+	fmt.Fprintln(child.Stdin)
+	if err := child.Wait(); err != nil {
+		t.Fatalf("server: %v", err)
+	}
+
+	cnt, err := rec.Counters()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cnt.Recorded != uint64(fits) || cnt.Lost != calls-uint64(fits) || cnt.LostUnattributed != 0 {
+		t.Errorf("counters %+v, want %d recorded (a %d-byte ring), %d lost", cnt, fits, page, calls-fits)
+	}
+	if n, err := rec.Lost(job.ID); err != nil || n != cnt.Lost {
+		t.Errorf("Lost(job) = %d, %v; want %d", n, err, cnt.Lost)
+	}
+	if n, err := rec.Lost(parent.ID); err != nil || n != 0 {
+		t.Errorf("Lost(another cgroup) = %d, %v; want 0", n, err)
+	}
+	// Drain: the ring holds the first events.
+	dctx, dcancel := context.WithCancel(ctx)
+	dcancel() // ReadBatch drains what is there, then returns ctx.Err()
+	var got []RecvEvent
+	for {
+		var err error
+		got, err = rec.ReadBatch(dctx, got)
+		if err != nil {
+			if !errors.Is(err, context.Canceled) {
+				t.Fatal(err)
+			}
+			break
+		}
+	}
+	if len(got) != fits {
+		t.Fatalf("drained %d events, want %d", len(got), fits)
+	}
+	for i, e := range got {
+		if e.CopiedSeq-base != uint32(i+1) || e.Len != 1 || e.Cgroup != job.ID {
+			t.Fatalf("event %d = %+v (offset %d), want offset %d len 1 cgroup %d", i, e, e.CopiedSeq-base, i+1, job.ID)
+		}
+	}
+	if err := rec.Forget(job.ID); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := rec.Lost(job.ID); err != nil || n != 0 {
+		t.Errorf("Lost(job) after Forget = %d, %v; want 0", n, err)
+	}
+}
+
+func TestNewRecvOrderRejects(t *testing.T) {
+	dir := t.TempDir()
+	for _, opts := range []RecvOrderOptions{
+		{CgroupParent: "relative/ftkit"},
+		{CgroupParent: dir}, // not a cgroup v2 directory
+		{CgroupParent: "/", RingBufferSize: 100},
+	} {
+		if r, err := NewRecvOrder(opts); err == nil {
+			r.Close()
+			t.Errorf("%+v accepted", opts)
+		} else {
+			t.Logf("%+v: %v", opts, err)
+		}
+	}
+	if _, err := CgroupID(dir); err == nil {
+		t.Errorf("CgroupID(%s) of a directory that is not a cgroup succeeded", dir)
+	}
+}
+
+// encodeRecvEvent is the inverse of DecodeRecvEvent (struct recv_event).
+func encodeRecvEvent(e RecvEvent) []byte {
+	b := make([]byte, RecvEventSize)
+	h := binary.NativeEndian
+	h.PutUint64(b[0:], e.Cgroup)
+	l, r := e.Conn.Local.Addr().As4(), e.Conn.Remote.Addr().As4()
+	copy(b[8:], l[:])
+	copy(b[12:], r[:])
+	binary.BigEndian.PutUint16(b[16:], e.Conn.Local.Port())
+	binary.BigEndian.PutUint16(b[18:], e.Conn.Remote.Port())
+	h.PutUint32(b[20:], e.CopiedSeq)
+	h.PutUint32(b[24:], e.Len)
+	h.PutUint32(b[28:], e.Flags)
+	h.PutUint32(b[32:], e.Pid)
+	h.PutUint32(b[36:], e.Tid)
+	return b
+}
+
+func TestDecodeRecvEvent(t *testing.T) {
+	if RecvEventSize != binary.Size(recvorderRecvEvent{}) {
+		t.Fatalf("RecvEventSize %d, struct recv_event %d bytes", RecvEventSize, binary.Size(recvorderRecvEvent{}))
+	}
+	e := RecvEvent{Cgroup: 1234, Conn: tcpflow.Tuple{
+		Local:  netip.MustParseAddrPort("10.0.0.2:5001"),
+		Remote: netip.MustParseAddrPort("10.0.0.1:40000"),
+	}, CopiedSeq: 0xfffffff0, Len: 7, Flags: unix.MSG_PEEK, Pid: 42, Tid: 43}
+	raw := encodeRecvEvent(e)
+	// The addresses and ports are the wire's bytes.
+	if raw[8] != 10 || raw[11] != 2 || raw[16] != 5001>>8 || raw[17] != 5001&0xff {
+		t.Fatalf("encoding % x", raw)
+	}
+	got, err := DecodeRecvEvent(raw)
+	if err != nil || got != e {
+		t.Fatalf("DecodeRecvEvent = %+v, %v; want %+v", got, err, e)
+	}
+	// The bpf2go twin of struct recv_event decodes the same bytes alike.
+	var twin recvorderRecvEvent
+	if _, err := binary.Decode(raw, binary.NativeEndian, &twin); err != nil {
+		t.Fatal(err)
+	}
+	if twin.CgroupId != e.Cgroup || twin.CopiedSeq != e.CopiedSeq || twin.Len != e.Len || twin.Flags != e.Flags || twin.Pid != e.Pid || twin.Tid != e.Tid {
+		t.Fatalf("bpf2go twin %+v disagrees with %+v", twin, e)
+	}
+	for _, n := range []int{0, RecvEventSize - 1, RecvEventSize + 1} {
+		if _, err := DecodeRecvEvent(make([]byte, n)); !errors.Is(err, ErrBadRecvEvent) {
+			t.Errorf("%d bytes: %v, want ErrBadRecvEvent", n, err)
+		}
+	}
+}
+
+func FuzzDecodeRecvEvent(f *testing.F) {
+	f.Add(make([]byte, RecvEventSize))
+	f.Add([]byte{1, 2, 3})
+	f.Fuzz(func(t *testing.T, raw []byte) {
+		e, err := DecodeRecvEvent(raw)
+		if len(raw) != RecvEventSize {
+			if err == nil {
+				t.Fatalf("%d bytes decoded", len(raw))
+			}
+			return
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if back := encodeRecvEvent(e); string(back) != string(raw) {
+			t.Fatalf("round trip % x -> %+v -> % x", raw, e, back)
+		}
+	})
+}
