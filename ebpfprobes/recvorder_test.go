@@ -11,6 +11,7 @@ import (
 	"net/netip"
 	"os"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -575,4 +576,96 @@ func FuzzDecodeRecvEvent(f *testing.F) {
 			t.Fatalf("round trip % x -> %+v -> % x", raw, e, back)
 		}
 	})
+}
+
+// recvCost runs calls 1-byte receive calls in a recvscript child born in cg
+// on host b and returns the child's ns per call.
+func recvCost(ctx context.Context, t *testing.T, tn *testNet, cg *streamtest.Cgroup, port uint16, calls int) int64 {
+	t.Helper()
+	srv := netip.AddrPortFrom(tn.ipB, port)
+	child := streamtest.StartT(t, tn.lab, hostB, cg, "recvscript",
+		"FTKIT_ADDR="+srv.String(), fmt.Sprintf("FTKIT_EXPECT=%d", calls), fmt.Sprintf("FTKIT_SCRIPT=0:1:recv*%d", calls))
+	if l := child.LineT(ctx, t); l != "ready" {
+		t.Fatalf("server said %q, want ready", l)
+	}
+	c := dialFrom(t, tn, hostA, srv)
+	child.LineT(ctx, t) // conn 0
+	if _, err := c.Write(make([]byte, calls)); err != nil {
+		t.Fatal(err)
+	}
+	child.LineT(ctx, t) // pid
+	var ns int64
+	if l := child.LineT(ctx, t); func() error { _, err := fmt.Sscanf(l, "done %d", &ns); return err }() != nil {
+		t.Fatalf("server said %q, want done <ns>", l)
+	}
+	fmt.Fprintln(child.Stdin)
+	if err := child.Wait(); err != nil {
+		t.Fatalf("server: %v", err)
+	}
+	c.Close()
+	return ns
+}
+
+// TestRecvOrderCost measures what the recorder adds to a receive call: 1e5
+// one-byte recv calls (the data already queued) without the recorder, with
+// it loaded but the caller outside the parent cgroup (every other process of
+// the machine), and with it recording the caller (a consumer draining the
+// ring). It logs the median ns per call of 5 rounds; no timing is asserted.
+func TestRecvOrderCost(t *testing.T) {
+	if testing.Short() {
+		t.Skip("SKIPPED: a measurement (-short)")
+	}
+	requirePrivileges(t)
+	tn := newTestNet(t)
+	parent := streamtest.NewCgroupT(t, "ro-parent")
+	job := parent.SubT(t, "job1")
+	other := streamtest.NewCgroupT(t, "ro-other")
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	const calls, rounds = 100000, 5
+	var off, outside, recorded []int64
+	port := uint16(7400)
+	for range rounds {
+		port++
+		off = append(off, recvCost(ctx, t, tn, job, port, calls))
+
+		r, err := NewRecvOrder(RecvOrderOptions{CgroupParent: parent.Dir, RingBufferSize: 1 << 20})
+		if errors.Is(err, ebpf.ErrNotSupported) {
+			t.Skipf("SKIPPED: this kernel cannot load the receive-order recorder: %v", err)
+		}
+		if err != nil {
+			t.Fatalf("NewRecvOrder: %+v", err)
+		}
+		cctx, stop := context.WithCancel(ctx)
+		col := collectOrder(cctx, r)
+		port++
+		outside = append(outside, recvCost(ctx, t, tn, other, port, calls))
+		port++
+		recorded = append(recorded, recvCost(ctx, t, tn, job, port, calls))
+		cnt, err := r.Counters()
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := cnt.Recorded
+		if cnt.Lost == 0 {
+			got = uint64(len(col.waitEvents(ctx, t, calls)))
+		}
+		stop()
+		<-col.done
+		r.Close()
+		if cnt.Recorded+cnt.Lost != calls || got != cnt.Recorded {
+			t.Errorf("counters %+v, %d events read; want %d calls recorded or lost", cnt, got, calls)
+		}
+		if cnt.Lost != 0 {
+			t.Logf("%d events lost with a 1 MiB ring and a draining consumer", cnt.Lost)
+		}
+	}
+	median := func(v []int64) int64 {
+		v = append([]int64(nil), v...)
+		slices.Sort(v)
+		return v[len(v)/2]
+	}
+	t.Logf("ns per 1-byte recv call (median of %d rounds of %d): no recorder %d, recorder loaded and caller outside the parent %d, caller recorded %d",
+		rounds, calls, median(off), median(outside), median(recorded))
+	t.Logf("rounds: no recorder %v, outside %v, recorded %v", off, outside, recorded)
 }
