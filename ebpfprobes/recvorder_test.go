@@ -100,9 +100,21 @@ func recvScript() error {
 	}
 	runtime.LockOSThread() // one thread makes every call: one tid
 
-	ln, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	// An IPv6 address ([::]:port) makes a dual-stack listener, as Go's
+	// net.Listen("tcp", ":port") does: its IPv4 connections are AF_INET6
+	// sockets with IPv4-mapped addresses.
+	family := unix.AF_INET
+	if ap.Addr().Is6() {
+		family = unix.AF_INET6
+	}
+	ln, err := unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return err
+	}
+	if family == unix.AF_INET6 {
+		if err := unix.SetsockoptInt(ln, unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 0); err != nil {
+			return err
+		}
 	}
 	if err := unix.SetsockoptInt(ln, unix.SOL_SOCKET, unix.SO_REUSEADDR, 1); err != nil {
 		return err
@@ -112,7 +124,11 @@ func recvScript() error {
 	if err := unix.SetsockoptInt(ln, unix.SOL_SOCKET, unix.SO_RCVBUF, 8<<20); err != nil {
 		return err
 	}
-	if err := unix.Bind(ln, &unix.SockaddrInet4{Addr: ap.Addr().As4(), Port: int(ap.Port())}); err != nil {
+	var sa unix.Sockaddr = &unix.SockaddrInet6{Addr: ap.Addr().As16(), Port: int(ap.Port())}
+	if family == unix.AF_INET {
+		sa = &unix.SockaddrInet4{Addr: ap.Addr().As4(), Port: int(ap.Port())}
+	}
+	if err := unix.Bind(ln, sa); err != nil {
 		return fmt.Errorf("bind %s: %w", ap, err)
 	}
 	if err := unix.Listen(ln, 8); err != nil {
@@ -260,7 +276,7 @@ func dialFrom(t *testing.T, tn *testNet, host string, addr netip.AddrPort) *net.
 	t.Helper()
 	var c net.Conn
 	err := tn.lab.Do(host, func() (err error) {
-		c, err = net.Dial("tcp4", addr.String())
+		c, err = net.Dial("tcp", addr.String())
 		return err
 	})
 	if err != nil {
@@ -668,4 +684,231 @@ func TestRecvOrderCost(t *testing.T) {
 	t.Logf("ns per 1-byte recv call (median of %d rounds of %d): no recorder %d, recorder loaded and caller outside the parent %d, caller recorded %d",
 		rounds, calls, median(off), median(outside), median(recorded))
 	t.Logf("rounds: no recorder %v, outside %v, recorded %v", off, outside, recorded)
+}
+
+// pingPong is the pingpong child role: it listens on FTKIT_ADDR, prints
+// "ready", accepts two connections A and B ("conn <i>" after each), waits
+// until each holds FTKIT_ROUNDS bytes, prints "pid <tgid>", then two threads
+// take turns, handing over through pipes (not sockets: not recorded): thread
+// X receives one byte of A and wakes Y, Y receives one byte of B and wakes
+// X, FTKIT_ROUNDS times. It prints "done" and waits for a line on stdin.
+func pingPong() error {
+	ap, err := netip.ParseAddrPort(os.Getenv("FTKIT_ADDR"))
+	if err != nil {
+		return fmt.Errorf("FTKIT_ADDR: %w", err)
+	}
+	rounds, err := strconv.Atoi(os.Getenv("FTKIT_ROUNDS"))
+	if err != nil {
+		return fmt.Errorf("FTKIT_ROUNDS: %w", err)
+	}
+	ln, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	if err := unix.Bind(ln, &unix.SockaddrInet4{Addr: ap.Addr().As4(), Port: int(ap.Port())}); err != nil {
+		return fmt.Errorf("bind %s: %w", ap, err)
+	}
+	if err := unix.Listen(ln, 8); err != nil {
+		return err
+	}
+	fmt.Println("ready")
+	var conns [2]int
+	for i := range conns {
+		if conns[i], _, err = unix.Accept4(ln, unix.SOCK_CLOEXEC); err != nil {
+			return fmt.Errorf("accept: %w", err)
+		}
+		fmt.Printf("conn %d\n", i)
+	}
+	for _, fd := range conns {
+		for {
+			n, err := unix.IoctlGetInt(fd, unix.SIOCINQ)
+			if err != nil {
+				return fmt.Errorf("SIOCINQ: %w", err)
+			}
+			if n >= rounds {
+				break
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	var toY, toX [2]int
+	if err := unix.Pipe2(toY[:], unix.O_CLOEXEC); err != nil {
+		return err
+	}
+	if err := unix.Pipe2(toX[:], unix.O_CLOEXEC); err != nil {
+		return err
+	}
+	fmt.Printf("pid %d\n", os.Getpid())
+	// turn receives one byte of conn, after waiting on in (if >= 0), and
+	// then wakes the other thread through out.
+	turn := func(conn, in, out int, first bool) error {
+		runtime.LockOSThread()
+		b := make([]byte, 1)
+		for i := range rounds {
+			if !first || i > 0 {
+				if _, err := unix.Read(in, b); err != nil {
+					return fmt.Errorf("pipe read: %w", err)
+				}
+			}
+			if n, _, err := unix.Recvfrom(conn, b, 0); n != 1 || err != nil {
+				return fmt.Errorf("recv: %d, %v", n, err)
+			}
+			if _, err := unix.Write(out, b); err != nil {
+				return fmt.Errorf("pipe write: %w", err)
+			}
+		}
+		return nil
+	}
+	errs := make(chan error, 2)
+	go func() { errs <- turn(conns[0], toX[0], toY[1], true) }()
+	go func() { errs <- turn(conns[1], toY[0], toX[1], false) }()
+	if err := errors.Join(<-errs, <-errs); err != nil {
+		return err
+	}
+	fmt.Println("done")
+	_, _ = fmt.Scanln()
+	return nil
+}
+
+// TestRecvOrderAcrossThreads checks that the order of events follows the
+// causality between threads: two threads of a job take turns receiving from
+// two connections, handing over through pipes; the events must alternate
+// exactly, each connection on its own thread, copied_seq one byte further
+// each turn.
+func TestRecvOrderAcrossThreads(t *testing.T) {
+	requirePrivileges(t)
+	tn := newTestNet(t)
+	parent := streamtest.NewCgroupT(t, "ro-parent")
+	job := parent.SubT(t, "job1")
+	rec := newRecvOrderT(t, parent.Dir, 1<<20)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cctx, stop := context.WithCancel(ctx)
+	col := collectOrder(cctx, rec)
+	defer func() { stop(); <-col.done }()
+
+	const rounds = 2000
+	srv := netip.AddrPortFrom(tn.ipB, 7310)
+	child := streamtest.StartT(t, tn.lab, hostB, job, "pingpong",
+		"FTKIT_ADDR="+srv.String(), fmt.Sprintf("FTKIT_ROUNDS=%d", rounds))
+	if l := child.LineT(ctx, t); l != "ready" {
+		t.Fatalf("server said %q, want ready", l)
+	}
+	var clients [2]*net.TCPConn
+	var bases [2]uint32
+	for i := range clients {
+		clients[i] = dialFrom(t, tn, hostA, srv)
+		child.LineT(ctx, t) // conn i
+		var err error
+		if bases[i], err = streamtest.WriteSeq(clients[i]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, c := range clients {
+		if _, err := c.Write(make([]byte, rounds)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var pid uint32
+	if l := child.LineT(ctx, t); func() error { _, err := fmt.Sscanf(l, "pid %d", &pid); return err }() != nil {
+		t.Fatalf("server said %q, want pid <tgid>", l)
+	}
+	if l := child.LineT(ctx, t); l != "done" {
+		t.Fatalf("server said %q, want done", l)
+	}
+	got := col.waitEvents(ctx, t, 2*rounds)
+	if len(got) != 2*rounds {
+		t.Fatalf("%d events, want %d", len(got), 2*rounds)
+	}
+	var tids [2]uint32
+	for i, e := range got {
+		k, round := i%2, uint32(i/2)
+		conn := tcpflow.Tuple{Local: addrPort(clients[k].RemoteAddr()), Remote: addrPort(clients[k].LocalAddr())}
+		if i < 2 {
+			tids[k] = e.Tid
+		}
+		if e.Conn != conn || e.CopiedSeq-bases[k] != round+1 || e.Len != 1 || e.Pid != pid || e.Tid != tids[k] {
+			t.Fatalf("event %d = %+v (offset %d), want conn %s offset %d len 1 pid %d tid %d",
+				i, e, e.CopiedSeq-bases[k], conn, round+1, pid, tids[k])
+		}
+	}
+	if tids[0] == tids[1] || tids[0] == pid && tids[1] == pid {
+		t.Errorf("both connections read by thread %d: the test did not use two threads", tids[0])
+	}
+}
+
+// TestRecvOrderOnlyJobsIPv4 runs the same reads in a job on a dual-stack
+// listener (an IPv4 connection, recorded with its IPv4 addresses, and an
+// IPv6 one, not recorded), in the parent cgroup itself (counted, not
+// recorded) and in a cgroup outside the parent (not even counted).
+func TestRecvOrderOnlyJobsIPv4(t *testing.T) {
+	requirePrivileges(t)
+	tn := newTestNet(t)
+	parent := streamtest.NewCgroupT(t, "ro-parent")
+	job := parent.SubT(t, "job1")
+	other := streamtest.NewCgroupT(t, "ro-other")
+	rec := newRecvOrderT(t, parent.Dir, 64<<10)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cctx, stop := context.WithCancel(ctx)
+	col := collectOrder(cctx, rec)
+	defer func() { stop(); <-col.done }()
+
+	// run starts a recvscript server born in cg, listening on listen, and
+	// connects to it from host: one connection per address of dial.
+	run := func(cg *streamtest.Cgroup, listen netip.AddrPort, dial []netip.AddrPort, hosts []string) []*net.TCPConn {
+		t.Helper()
+		// 4 bytes of the first connection, 10 of the second if any, 6 of the first.
+		ops := []recvOp{{0, 4, "recv"}, {0, 6, "recv"}}
+		if len(dial) == 2 {
+			ops = []recvOp{ops[0], {1, 10, "recv"}, ops[1]}
+		}
+		child := streamtest.StartT(t, tn.lab, hostB, cg, "recvscript", "FTKIT_ADDR="+listen.String(),
+			"FTKIT_EXPECT="+strings.Repeat("10,", len(dial)-1)+"10", "FTKIT_SCRIPT="+formatScript(ops))
+		if l := child.LineT(ctx, t); l != "ready" {
+			t.Fatalf("server said %q, want ready", l)
+		}
+		var cs []*net.TCPConn
+		for i, addr := range dial {
+			c := dialFrom(t, tn, hosts[i], addr)
+			child.LineT(ctx, t) // conn i
+			if _, err := c.Write(make([]byte, 10)); err != nil {
+				t.Fatal(err)
+			}
+			cs = append(cs, c)
+		}
+		child.LineT(ctx, t) // pid
+		if l := child.LineT(ctx, t); !strings.HasPrefix(l, "done ") {
+			t.Fatalf("server said %q, want done", l)
+		}
+		fmt.Fprintln(child.Stdin)
+		if err := child.Wait(); err != nil {
+			t.Fatalf("server: %v", err)
+		}
+		return cs
+	}
+
+	// Outside the parent: nothing.
+	run(other, netip.AddrPortFrom(tn.ipB, 7320), []netip.AddrPort{netip.AddrPortFrom(tn.ipB, 7320)}, []string{hostA})
+	if cnt, err := rec.Counters(); err != nil || cnt != (RecvOrderCounters{}) {
+		t.Fatalf("after reads outside the parent: counters %+v, %v; want none", cnt, err)
+	}
+	// In the parent itself: counted as not in a job.
+	run(parent, netip.AddrPortFrom(tn.ipB, 7321), []netip.AddrPort{netip.AddrPortFrom(tn.ipB, 7321)}, []string{hostA})
+	if cnt, err := rec.Counters(); err != nil || cnt != (RecvOrderCounters{NotInJob: 2}) {
+		t.Fatalf("after reads in the parent cgroup: counters %+v, %v; want 2 not in a job", cnt, err)
+	}
+	// In the job, dual stack: IPv4 from host a, IPv6 on host b's loopback.
+	cs := run(job, netip.MustParseAddrPort("[::]:7322"),
+		[]netip.AddrPort{netip.AddrPortFrom(tn.ipB, 7322), netip.MustParseAddrPort("[::1]:7322")}, []string{hostA, hostB})
+	cnt, err := rec.Counters()
+	if err != nil || cnt != (RecvOrderCounters{NotInJob: 2, Recorded: 2, NonIPv4: 1}) {
+		t.Fatalf("after reads in the job: counters %+v, %v; want 2 recorded, 1 not IPv4 (and the 2 not in a job)", cnt, err)
+	}
+	got := col.waitEvents(ctx, t, 2)
+	conn := tcpflow.Tuple{Local: addrPort(cs[0].RemoteAddr()), Remote: addrPort(cs[0].LocalAddr())}
+	if len(got) != 2 || got[0].Conn != conn || got[0].Len != 4 || got[1].Conn != conn || got[1].Len != 6 ||
+		got[1].CopiedSeq-got[0].CopiedSeq != 6 || got[0].Cgroup != job.ID {
+		t.Fatalf("events %+v, want 4 then 6 bytes of %s (IPv4 addresses) in cgroup %d", got, conn, job.ID)
+	}
 }
