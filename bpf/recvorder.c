@@ -131,6 +131,11 @@ struct order_counters {
 volatile const __u32 ring_size = 0;
 volatile const __u32 wake_bytes = 0;
 volatile const __u64 parent_cgid = 0;
+// Set by the loader: nonzero to ignore consumer_polling and let the kernel
+// wake a waiting consumer for every event (a consumer that gates on each
+// event, the spare's replay, wants them at once rather than up to a poll
+// interval late).
+volatile const __u32 wake_every = 0;
 
 // Written by the consumer (mmapped .bss): nonzero while it polls the ring by
 // itself (the scheme of tcplog.c).
@@ -172,7 +177,7 @@ struct {
 // wake_flags returns the submit flags for a record of need ring bytes.
 static __always_inline __u64 wake_flags(__u64 need)
 {
-	if (!consumer_polling)
+	if (wake_every || !consumer_polling)
 		return 0;
 	__u64 avail = bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA);
 	if (avail >= wake_bytes && avail < wake_bytes + need)

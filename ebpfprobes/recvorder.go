@@ -29,6 +29,14 @@ type RecvOrderOptions struct {
 	// RingBufferSize in bytes: a power of two and a multiple of the page
 	// size. Each event takes 48 bytes of it. 0 means DefaultRingBufferSize.
 	RingBufferSize int
+	// WakeEveryEvent wakes a waiting ReadBatch for every event. By default,
+	// while ReadBatch keeps finding events it polls the ring every
+	// millisecond instead of being woken (cheaper per event, as for
+	// TCPLogger), so an event can reach it up to a poll interval late. A
+	// consumer that waits for one particular event (the spare's replay,
+	// which injects the next bytes once the restored process asked for
+	// them) wants it at once.
+	WakeEveryEvent bool
 	// Logger receives load/attach events; nil discards them.
 	Logger *slog.Logger
 }
@@ -156,6 +164,10 @@ func NewRecvOrder(opts RecvOrderOptions) (*RecvOrder, error) {
 		return nil, fmt.Errorf("recvorder: stat cgroup parent %s: %w", dir, err)
 	}
 
+	wakeEvery := uint32(0)
+	if opts.WakeEveryEvent {
+		wakeEvery = 1
+	}
 	spec, err := loadRecvorder()
 	if err != nil {
 		return nil, fmt.Errorf("recvorder: parse embedded BPF object: %w", err)
@@ -165,6 +177,7 @@ func NewRecvOrder(opts RecvOrderOptions) (*RecvOrder, error) {
 		recvorderVarRingSize:   uint32(size),
 		recvorderVarWakeBytes:  uint32(size / 8), // an eighth of the ring, as for TCPLogger
 		recvorderVarParentCgid: st.Ino,
+		recvorderVarWakeEvery:  wakeEvery,
 	} {
 		if err := spec.Variables[name].Set(v); err != nil {
 			return nil, fmt.Errorf("recvorder: set %s: %w", name, err)

@@ -51,6 +51,7 @@ const (
 	recvorderVarRingSize        = "ring_size"
 	recvorderVarUnusedRecvEvent = "unused_recv_event"
 	recvorderVarWakeBytes       = "wake_bytes"
+	recvorderVarWakeEvery       = "wake_every"
 )
 
 // loadRecvorder returns the embedded CollectionSpec for recvorder.
@@ -118,6 +119,7 @@ type recvorderVariableSpecs struct {
 	RingSize        *ebpf.VariableSpec `ebpf:"ring_size"`
 	UnusedRecvEvent *ebpf.VariableSpec `ebpf:"unused_recv_event"`
 	WakeBytes       *ebpf.VariableSpec `ebpf:"wake_bytes"`
+	WakeEvery       *ebpf.VariableSpec `ebpf:"wake_every"`
 }
 
 // recvorderObjects contains all objects after they have been loaded into the kernel.
@@ -165,6 +167,7 @@ type recvorderVariables struct {
 	RingSize        *ebpf.Variable `ebpf:"ring_size"`
 	UnusedRecvEvent *ebpf.Variable `ebpf:"unused_recv_event"`
 	WakeBytes       *ebpf.Variable `ebpf:"wake_bytes"`
+	WakeEvery       *ebpf.Variable `ebpf:"wake_every"`
 }
 
 // recvorderPrograms contains all programs after they have been loaded into the kernel.

@@ -154,10 +154,22 @@ func recvScript() error {
 			time.Sleep(time.Millisecond)
 		}
 	}
+	var gap time.Duration
+	if g := os.Getenv("FTKIT_GAP_US"); g != "" {
+		us, err := strconv.Atoi(g)
+		if err != nil {
+			return fmt.Errorf("FTKIT_GAP_US: %w", err)
+		}
+		gap = time.Duration(us) * time.Microsecond
+	}
+	var stamps []int64
 	fmt.Printf("pid %d %d\n", os.Getpid(), unix.Gettid())
 	buf := make([]byte, 1<<16)
 	start := time.Now()
 	for _, o := range ops {
+		// Spin: a sleep this short takes a millisecond in the Go runtime.
+		for end := monoNow() + gap.Nanoseconds(); gap > 0 && monoNow() < end; {
+		}
 		fd := conns[o.conn]
 		b := buf[:o.n]
 		var n int
@@ -187,8 +199,14 @@ func recvScript() error {
 		if err != nil || n != want {
 			return fmt.Errorf("op %s: returned %d, %v; want %d", o, n, err, want)
 		}
+		if gap > 0 {
+			stamps = append(stamps, monoNow())
+		}
 	}
 	fmt.Printf("done %d\n", time.Since(start).Nanoseconds()/int64(max(len(ops), 1)))
+	if gap > 0 {
+		fmt.Printf("stamps %s\n", strings.Trim(fmt.Sprint(stamps), "[]"))
+	}
 	for _, fd := range conns {
 		if _, err := unix.Write(fd, []byte("ok")); err != nil {
 			return fmt.Errorf("write ok: %w", err)
@@ -196,6 +214,13 @@ func recvScript() error {
 	}
 	_, _ = fmt.Scanln()
 	return nil
+}
+
+// monoNow is CLOCK_MONOTONIC in ns: one clock for every process.
+func monoNow() int64 {
+	var ts unix.Timespec
+	_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts)
+	return ts.Nano()
 }
 
 // newRecvOrderT loads a recorder for a test, closed at its end.
@@ -626,7 +651,9 @@ func recvCost(ctx context.Context, t *testing.T, tn *testNet, cg *streamtest.Cgr
 // one-byte recv calls (the data already queued) without the recorder, with
 // it loaded but the caller outside the parent cgroup (every other process of
 // the machine), and with it recording the caller (a consumer draining the
-// ring). It logs the median ns per call of 5 rounds; no timing is asserted.
+// ring), by default and with WakeEveryEvent. It logs the median ns per call
+// of 5 rounds and the program's own run time (BPF statistics); no timing is
+// asserted.
 func TestRecvOrderCost(t *testing.T) {
 	if testing.Short() {
 		t.Skip("SKIPPED: a measurement (-short)")
@@ -639,51 +666,81 @@ func TestRecvOrderCost(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	const calls, rounds = 100000, 5
-	var off, outside, recorded []int64
+	// The kernel's run time statistics of BPF programs: the program's own
+	// cost, without the tracepoint's.
+	statsOn, err := ebpf.EnableStats(uint32(unix.BPF_STATS_RUN_TIME))
+	if err != nil {
+		t.Fatalf("enable BPF run time statistics: %v", err)
+	}
+	defer statsOn.Close()
 	port := uint16(7400)
-	for range rounds {
-		port++
-		off = append(off, recvCost(ctx, t, tn, job, port, calls))
-
-		r, err := NewRecvOrder(RecvOrderOptions{CgroupParent: parent.Dir, RingBufferSize: 1 << 20})
+	// withRecorder loads a recorder with a draining consumer, runs fn and
+	// checks that every call of the job was recorded or counted lost
+	// (wantJob calls). It returns the program's own ns per run.
+	withRecorder := func(every bool, wantJob uint64, fn func()) int64 {
+		r, err := NewRecvOrder(RecvOrderOptions{CgroupParent: parent.Dir, RingBufferSize: 1 << 20, WakeEveryEvent: every})
 		if errors.Is(err, ebpf.ErrNotSupported) {
 			t.Skipf("SKIPPED: this kernel cannot load the receive-order recorder: %v", err)
 		}
 		if err != nil {
 			t.Fatalf("NewRecvOrder: %+v", err)
 		}
+		defer r.Close()
 		cctx, stop := context.WithCancel(ctx)
 		col := collectOrder(cctx, r)
-		port++
-		outside = append(outside, recvCost(ctx, t, tn, other, port, calls))
-		port++
-		recorded = append(recorded, recvCost(ctx, t, tn, job, port, calls))
+		defer func() { stop(); <-col.done }()
+		st0, err := r.objs.Program.Stats()
+		if err != nil {
+			t.Fatal(err)
+		}
+		fn()
+		st1, err := r.objs.Program.Stats()
+		if err != nil {
+			t.Fatal(err)
+		}
 		cnt, err := r.Counters()
 		if err != nil {
 			t.Fatal(err)
 		}
 		got := cnt.Recorded
 		if cnt.Lost == 0 {
-			got = uint64(len(col.waitEvents(ctx, t, calls)))
+			got = uint64(len(col.waitEvents(ctx, t, int(wantJob))))
 		}
-		stop()
-		<-col.done
-		r.Close()
-		if cnt.Recorded+cnt.Lost != calls || got != cnt.Recorded {
-			t.Errorf("counters %+v, %d events read; want %d calls recorded or lost", cnt, got, calls)
+		if cnt.Recorded+cnt.Lost != wantJob || got != cnt.Recorded {
+			t.Errorf("counters %+v, %d events read; want %d calls recorded or lost", cnt, got, wantJob)
 		}
 		if cnt.Lost != 0 {
 			t.Logf("%d events lost with a 1 MiB ring and a draining consumer", cnt.Lost)
 		}
+		return int64(st1.Runtime-st0.Runtime) / int64(max(st1.RunCount-st0.RunCount, 1))
+	}
+	var off, outside, recorded, recordedWake, progOutside, progRecorded []int64
+	for range rounds {
+		port++
+		off = append(off, recvCost(ctx, t, tn, job, port, calls))
+		port++
+		progOutside = append(progOutside, withRecorder(false, 0, func() {
+			outside = append(outside, recvCost(ctx, t, tn, other, port, calls))
+		}))
+		port++
+		progRecorded = append(progRecorded, withRecorder(false, calls, func() {
+			recorded = append(recorded, recvCost(ctx, t, tn, job, port, calls))
+		}))
+		port++
+		withRecorder(true, calls, func() {
+			recordedWake = append(recordedWake, recvCost(ctx, t, tn, job, port, calls))
+		})
 	}
 	median := func(v []int64) int64 {
 		v = append([]int64(nil), v...)
 		slices.Sort(v)
 		return v[len(v)/2]
 	}
-	t.Logf("ns per 1-byte recv call (median of %d rounds of %d): no recorder %d, recorder loaded and caller outside the parent %d, caller recorded %d",
-		rounds, calls, median(off), median(outside), median(recorded))
-	t.Logf("rounds: no recorder %v, outside %v, recorded %v", off, outside, recorded)
+	t.Logf("ns per 1-byte recv call (median of %d rounds of %d): no recorder %d, recorder loaded and caller outside the parent %d, caller recorded %d, caller recorded with WakeEveryEvent %d",
+		rounds, calls, median(off), median(outside), median(recorded), median(recordedWake))
+	t.Logf("the program's own run time per call (kernel BPF statistics, median): caller outside %d ns, caller recorded %d ns",
+		median(progOutside), median(progRecorded))
+	t.Logf("rounds: no recorder %v, outside %v, recorded %v, with WakeEveryEvent %v", off, outside, recorded, recordedWake)
 }
 
 // pingPong is the pingpong child role: it listens on FTKIT_ADDR, prints
@@ -910,5 +967,80 @@ func TestRecvOrderOnlyJobsIPv4(t *testing.T) {
 	if len(got) != 2 || got[0].Conn != conn || got[0].Len != 4 || got[1].Conn != conn || got[1].Len != 6 ||
 		got[1].CopiedSeq-got[0].CopiedSeq != 6 || got[0].Cgroup != job.ID {
 		t.Fatalf("events %+v, want 4 then 6 bytes of %s (IPv4 addresses) in cgroup %d", got, conn, job.ID)
+	}
+}
+
+// TestRecvOrderWakeLatency logs how late events reach a waiting ReadBatch:
+// a job makes 1-byte receive calls 100 us apart (it spins in between); each event's delay is its
+// arrival in ReadBatch minus the end of its call (CLOCK_MONOTONIC), by
+// default (the reader polls every millisecond while events keep coming) and
+// with WakeEveryEvent. Only the delivery of every event is asserted.
+func TestRecvOrderWakeLatency(t *testing.T) {
+	if testing.Short() {
+		t.Skip("SKIPPED: a measurement (-short)")
+	}
+	requirePrivileges(t)
+	tn := newTestNet(t)
+	parent := streamtest.NewCgroupT(t, "ro-parent")
+	job := parent.SubT(t, "job1")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	const calls = 1000
+	for i, every := range []bool{false, true} {
+		r, err := NewRecvOrder(RecvOrderOptions{CgroupParent: parent.Dir, RingBufferSize: 1 << 20, WakeEveryEvent: every})
+		if errors.Is(err, ebpf.ErrNotSupported) {
+			t.Skipf("SKIPPED: this kernel cannot load the receive-order recorder: %v", err)
+		}
+		if err != nil {
+			t.Fatalf("NewRecvOrder: %+v", err)
+		}
+		arrivals := make(chan []int64, 1)
+		go func() {
+			var at []int64
+			buf := make([]RecvEvent, 0, 64)
+			for len(at) < calls {
+				var err error
+				if buf, err = r.ReadBatch(ctx, buf[:0]); err != nil {
+					break
+				}
+				now := monoNow()
+				for range buf {
+					at = append(at, now)
+				}
+			}
+			arrivals <- at
+		}()
+		srv := netip.AddrPortFrom(tn.ipB, uint16(7500+i))
+		child := streamtest.StartT(t, tn.lab, hostB, job, "recvscript", "FTKIT_ADDR="+srv.String(),
+			fmt.Sprintf("FTKIT_EXPECT=%d", calls), fmt.Sprintf("FTKIT_SCRIPT=0:1:recv*%d", calls), "FTKIT_GAP_US=100")
+		child.LineT(ctx, t) // ready
+		c := dialFrom(t, tn, hostA, srv)
+		child.LineT(ctx, t) // conn 0
+		if _, err := c.Write(make([]byte, calls)); err != nil {
+			t.Fatal(err)
+		}
+		child.LineT(ctx, t) // pid
+		child.LineT(ctx, t) // done
+		var stamps []int64
+		for f := range strings.FieldsSeq(strings.TrimPrefix(child.LineT(ctx, t), "stamps ")) {
+			v, err := strconv.ParseInt(f, 10, 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			stamps = append(stamps, v)
+		}
+		at := <-arrivals
+		fmt.Fprintln(child.Stdin)
+		r.Close()
+		if len(at) != calls || len(stamps) != calls {
+			t.Fatalf("%d events read, %d calls stamped; want %d", len(at), len(stamps), calls)
+		}
+		d := make([]int64, calls)
+		for k := range d {
+			d[k] = at[k] - stamps[k]
+		}
+		slices.Sort(d)
+		t.Logf("WakeEveryEvent=%v: event delay after its call returned: median %d us, p90 %d us, p99 %d us, max %d us",
+			every, d[calls/2]/1000, d[calls*9/10]/1000, d[calls*99/100]/1000, d[calls-1]/1000)
 	}
 }
