@@ -21,6 +21,9 @@
 // peer's FIN too: a call that consumes the last bytes of a segment that
 // carries the FIN moves copied_seq one past them (tcp_recvmsg's
 // found_fin_ok), a call that stops before such a segment does not.
+// MSG_ERRQUEUE (timestamps, zerocopy completions) and MSG_OOB (the urgent
+// byte) calls are recorded too, flags and all, and do not move copied_seq
+// either: a consumer that replays the stream skips them.
 //
 // Order: the ring buffer is multi-producer, single-consumer; a reservation
 // takes the ring's spinlock, so the order of records in the ring (the order

@@ -47,7 +47,7 @@ type RecvEvent struct {
 	Conn      tcpflow.Tuple // Local is the receiving socket, Remote its peer
 	CopiedSeq uint32        // the socket's copied_seq after the call: the next byte it will hand out (one more once the peer's FIN is consumed)
 	Len       uint32        // bytes the call returned (> 0)
-	Flags     uint32        // the call's MSG_* flags (unix.MSG_PEEK: copied_seq did not move)
+	Flags     uint32        // the call's MSG_* flags (MSG_PEEK, MSG_ERRQUEUE, MSG_OOB: copied_seq did not move)
 	Pid       uint32        // the caller's process (tgid)
 	Tid       uint32        // the caller's thread
 }
