@@ -100,6 +100,21 @@ func SendQueue(dir string, inode uint32) ([]byte, error) {
 	return s.outq, nil
 }
 
+// ReceiveQueue returns the receive queue of the TCP socket inode in the dump at dir: the bytes the peer had
+// sent and the application had not yet read, ending at inq_seq (TCPConn.InqSeq), so the first of them has
+// sequence number InqSeq-InqLen (mod 2^32). Read them before ClearReceive to deliver them later.
+func ReceiveQueue(dir string, inode uint32) ([]byte, error) {
+	b, err := os.ReadFile(tcpStreamPath(dir, inode))
+	if err != nil {
+		return nil, fmt.Errorf("read CRIU image: %w", err)
+	}
+	s, err := decodeTCPStream(tcpStreamName(inode), b)
+	if err != nil {
+		return nil, err
+	}
+	return s.inq, nil
+}
+
 func newTCPConn(sk *sk_inet.InetSkEntry, s *tcpStream) (TCPConn, error) {
 	local, err := addrPort(sk, sk.GetSrcAddr(), sk.GetSrcPort(), "src")
 	if err != nil {

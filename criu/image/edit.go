@@ -46,6 +46,30 @@ func InjectReceive(data []byte) Edit {
 	}}
 }
 
+// ClearReceive empties the receive queue, as if its bytes had not yet
+// arrived: inq_seq (rcv_nxt) moves back by inq_len (mod 2^32) to the first
+// unread byte, inq_len becomes 0. The caller delivers the bytes later itself
+// (restore.InjectFromPeer), read them first with ReceiveQueue. If the window
+// was last advertised (rcv_wup) inside the queue, rcv_wup moves back to the
+// new rcv_nxt and rcv_wnd grows by as much, so that the right edge of the
+// window the peer was told, rcv_wup+rcv_wnd, stays where it was: the kernel
+// never shrinks an advertised window, and bytes the peer may still send must
+// stay acceptable. Refused unless the socket can still receive (ESTABLISHED,
+// FIN_WAIT1, FIN_WAIT2): after the peer's FIN, the FIN's sequence number
+// follows the queue and the bytes cannot be delivered before it any more.
+func ClearReceive() Edit {
+	return Edit{name: "clear receive queue", apply: func(c *conn) error {
+		switch st := c.sk.GetState(); st {
+		case tcpEstablish, tcpFinWait1, tcpFinWait2:
+		default:
+			return fmt.Errorf("image %s: socket inode %d is in TCP state %d, which has received the peer's FIN; its receive queue cannot be re-delivered before it: %w",
+				filesName, c.inode, st, ErrInconsistent)
+		}
+		c.streamDirty = true
+		return c.stream.clearReceive(c.streamName)
+	}}
+}
+
 // Timestamp sets the TCP timestamp clock the restored socket resumes from
 // (TCP_TIMESTAMP, in milliseconds). An odd ts is rounded up to even: since
 // Linux 6.7 the low bit selects microsecond timestamps, and rounding up never
@@ -132,7 +156,7 @@ func Apply(dir string, inode uint32, edits ...Edit) error {
 	}
 	for i, ed := range edits {
 		if ed.apply == nil {
-			return errors.New("image: zero Edit passed to Apply; build edits with InjectReceive, Timestamp, Windows or SendBuffer")
+			return errors.New("image: zero Edit passed to Apply; build edits with InjectReceive, ClearReceive, Timestamp, Windows or SendBuffer")
 		}
 		if err := ed.apply(c); err != nil {
 			return fmt.Errorf("edit %d (%s): %w", i, ed.name, err)
@@ -171,6 +195,11 @@ func Apply(dir string, inode uint32, edits ...Edit) error {
 // InjectReceiveBytes is Apply(dir, inode, InjectReceive(data)).
 func InjectReceiveBytes(dir string, inode uint32, data []byte) error {
 	return Apply(dir, inode, InjectReceive(data))
+}
+
+// ClearReceiveQueue is Apply(dir, inode, ClearReceive()).
+func ClearReceiveQueue(dir string, inode uint32) error {
+	return Apply(dir, inode, ClearReceive())
 }
 
 // SetTimestamp is Apply(dir, inode, Timestamp(ts)).

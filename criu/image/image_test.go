@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io/fs"
 	"math"
 	"net/netip"
@@ -504,5 +505,90 @@ func TestFilesImageErrors(t *testing.T) {
 				t.Errorf("err = %v, want it to name files.img and say %q", err, tc.want)
 			}
 		})
+	}
+}
+
+// TestClearReceive: the receive queue is taken out and rcv_nxt moves back to its first byte, across the
+// 2^32 wrap too; the window's right edge rcv_wup+rcv_wnd stays put; ReceiveQueue returns the bytes before.
+func TestClearReceive(t *testing.T) {
+	const inq = "queued"
+	for _, tc := range []struct {
+		name   string
+		state  uint32
+		inqSeq uint32
+		queue  string
+		mod    func(e *tcp_stream.TcpStreamEntry)
+		want   func(c TCPConn) TCPConn
+	}{
+		{"window advertised before the queue", tcpEstablish, 1000, inq, nil, func(c TCPConn) TCPConn {
+			c.InqSeq, c.InqLen = 994, 0 // rcv_wup 994 is not after the new rcv_nxt: kept
+			return c
+		}},
+		{"window advertised inside the queue", tcpEstablish, 1000, inq, func(e *tcp_stream.TcpStreamEntry) {
+			e.RcvWup = proto.Uint32(1000)
+		}, func(c TCPConn) TCPConn {
+			c.InqSeq, c.InqLen = 994, 0
+			c.RcvWup, c.RcvWnd = 994, 65536+6 // right edge 1000+65536 kept
+			return c
+		}},
+		{"inq_seq wraps back past 2^32", tcpEstablish, 3, inq, func(e *tcp_stream.TcpStreamEntry) {
+			e.RcvWup = proto.Uint32(3)
+		}, func(c TCPConn) TCPConn {
+			c.InqSeq, c.InqLen = math.MaxUint32-2, 0 // 3-6 mod 2^32
+			c.RcvWup, c.RcvWnd = math.MaxUint32-2, 65536+6
+			return c
+		}},
+		{"queue empty", tcpEstablish, 1000, "", nil, func(c TCPConn) TCPConn { return c }},
+		{"FIN_WAIT2", tcpFinWait2, 1000, inq, nil, func(c TCPConn) TCPConn {
+			c.InqSeq, c.InqLen = 994, 0
+			return c
+		}},
+		{"no window data", tcpEstablish, 1000, inq, func(e *tcp_stream.TcpStreamEntry) {
+			e.SndWl1, e.SndWnd, e.MaxWindow, e.RcvWnd, e.RcvWup = nil, nil, nil, nil, nil
+		}, func(c TCPConn) TCPConn {
+			c.InqSeq, c.InqLen = 994, 0
+			return c
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := baseStream(tc.inqSeq, uint32(len(tc.queue)), 3)
+			if tc.mod != nil {
+				tc.mod(e)
+			}
+			dir := synthDump(t, e, tc.state, []byte(tc.queue), []byte("out"))
+			c0 := onlyConn(t, dir)
+			if q, err := ReceiveQueue(dir, 0x2a); err != nil || string(q) != tc.queue {
+				t.Fatalf("ReceiveQueue before = %q, %v; want %q", q, err, tc.queue)
+			}
+			if err := ClearReceiveQueue(dir, 0x2a); err != nil {
+				t.Fatal(err)
+			}
+			if got, want := onlyConn(t, dir), tc.want(c0); got != want {
+				t.Errorf("after ClearReceive:\n got %+v\nwant %+v", got, want)
+			}
+			if q, err := ReceiveQueue(dir, 0x2a); err != nil || len(q) != 0 {
+				t.Errorf("ReceiveQueue after = %q, %v; want empty", q, err)
+			}
+			if q, err := SendQueue(dir, 0x2a); err != nil || string(q) != "out" {
+				t.Errorf("SendQueue after = %q, %v; want \"out\" untouched", q, err)
+			}
+			if c := onlyConn(t, dir); c.HasWindow && c.RcvWup+c.RcvWnd != c0.RcvWup+c0.RcvWnd {
+				t.Errorf("window right edge moved from %d to %d", c0.RcvWup+c0.RcvWnd, c.RcvWup+c.RcvWnd)
+			}
+		})
+	}
+	// After the peer's FIN (CLOSE_WAIT, LAST_ACK, CLOSING) the queue cannot be re-delivered before it.
+	for _, state := range []uint32{8, 9, 11} {
+		dir := synthDump(t, baseStream(1000, 6, 3), state, []byte(inq), []byte("out"))
+		before := readAll(t, dir)
+		err := ClearReceiveQueue(dir, 0x2a)
+		if !errors.Is(err, ErrInconsistent) || !strings.Contains(err.Error(), fmt.Sprintf("TCP state %d", state)) {
+			t.Errorf("state %d: err = %v, want ErrInconsistent naming the state", state, err)
+		}
+		for name, b := range readAll(t, dir) {
+			if !bytes.Equal(b, before[name]) {
+				t.Errorf("state %d: %s changed although the edit was refused", state, name)
+			}
+		}
 	}
 }

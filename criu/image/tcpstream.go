@@ -99,6 +99,27 @@ func (s *tcpStream) appendReceive(name string, data []byte) error {
 	return nil
 }
 
+// clearReceive empties the receive queue: rcv_nxt moves back to the first
+// unread byte, and rcv_wup with it if it was after that byte, keeping the
+// advertised right edge rcv_wup+rcv_wnd (see ClearReceive).
+func (s *tcpStream) clearReceive(name string) error {
+	e := s.entry
+	n := e.GetInqLen()
+	if uint64(n) != uint64(len(s.inq)) || n > maxQueue {
+		return fmt.Errorf("image %s: field inq_len is %d but the receive queue holds %d bytes: %w", name, n, len(s.inq), ErrInconsistent)
+	}
+	start := e.GetInqSeq() - n // wraps mod 2^32, as TCP does
+	s.inq = nil
+	e.InqLen = proto.Uint32(0)
+	e.InqSeq = proto.Uint32(start)
+	if e.RcvWup != nil && seqAfter(e.GetRcvWup(), start) {
+		edge := e.GetRcvWup() + e.GetRcvWnd()
+		e.RcvWup = proto.Uint32(start)
+		e.RcvWnd = proto.Uint32(edge - start)
+	}
+	return nil
+}
+
 // newQueueLen is the length of a queue of have bytes after adding add, or an
 // error if that leaves the sequence space the kernel can compare in.
 func newQueueLen(name, field string, have, add uint64) (uint32, error) {

@@ -1,0 +1,61 @@
+package restore
+
+import (
+	"bytes"
+	"encoding/binary"
+	"net/netip"
+	"testing"
+
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// TestPeerSegment: a segment injected as the peer goes from the peer's port to the local socket's, carries
+// seq, ack, ACK|PSH, the window, the timestamp option in Linux's layout when asked, and the payload; its
+// checksum equals the one an independent implementation computed (Python's struct over RFC 793's
+// pseudo-header, peer address as the source) and verifies. The IPv4 header goes from the peer to the local
+// address.
+func TestPeerSegment(t *testing.T) {
+	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
+	for _, tc := range []struct {
+		name    string
+		h       PeerHeader
+		payload string
+		sum     uint16
+	}{
+		{"timestamps", PeerHeader{Seq: 0x01020304, Ack: 0xa0b0c0d0, Window: 512, TS: true, TSval: 123456789, TSecr: 987654321}, "hello", 0x87bb},
+		{"no options, odd length", PeerHeader{Seq: 0xfffffffe, Ack: 1, Window: 65535}, "odd", 0x10ca},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			b := peerSegment(conn, tc.h, []byte(tc.payload))
+			hl := 20
+			if tc.h.TS {
+				hl = 32
+			}
+			if len(b) != hl+len(tc.payload) || binary.BigEndian.Uint16(b[0:]) != 40000 || binary.BigEndian.Uint16(b[2:]) != 7000 ||
+				binary.BigEndian.Uint32(b[4:]) != tc.h.Seq || binary.BigEndian.Uint32(b[8:]) != tc.h.Ack ||
+				int(b[12]>>4)*4 != hl || b[13] != 0x18 || binary.BigEndian.Uint16(b[14:]) != tc.h.Window ||
+				string(b[hl:]) != tc.payload {
+				t.Errorf("segment % x: want %+v from the peer's port with %q", b, tc.h, tc.payload)
+			}
+			if tc.h.TS && (!bytes.Equal(b[20:24], []byte{1, 1, 8, 10}) ||
+				binary.BigEndian.Uint32(b[24:]) != tc.h.TSval || binary.BigEndian.Uint32(b[28:]) != tc.h.TSecr) {
+				t.Errorf("options % x: want NOP NOP TS %d %d", b[20:32], tc.h.TSval, tc.h.TSecr)
+			}
+			if sum := binary.BigEndian.Uint16(b[16:]); sum != tc.sum {
+				t.Errorf("checksum 0x%04x, want 0x%04x", sum, tc.sum)
+			}
+			if got := conn.Reverse().Checksum(b); got != 0 {
+				t.Errorf("checksum does not verify (re-sum 0x%04x)", got)
+			}
+			ip := peerDatagram(conn, tc.h, []byte(tc.payload))
+			if ip[0] != 0x45 || ip[9] != 6 || netip.AddrFrom4([4]byte(ip[12:16])) != conn.Remote.Addr() ||
+				netip.AddrFrom4([4]byte(ip[16:20])) != conn.Local.Addr() || int(binary.BigEndian.Uint16(ip[2:])) != len(ip) ||
+				!bytes.Equal(ip[20:], b) {
+				t.Errorf("datagram % x: want IPv4/TCP from %s to %s around the segment", ip[:20], conn.Remote.Addr(), conn.Local.Addr())
+			}
+		})
+	}
+	if err := InjectFromPeer(conn, PeerHeader{MaxPayload: MaxInjectPayload + 1}, []byte("x")); err == nil {
+		t.Error("MaxPayload over an IPv4 datagram's limit accepted")
+	}
+}
