@@ -265,6 +265,9 @@ func (a *Agent) shipStream(ctx context.Context, s *detStream) {
 
 // serveDeterminants stores a batch a member shipped as its job's protector.
 func (a *Agent) serveDeterminants(peer string, req clusterapi.DeterminantsRequest) error {
+	if a.det == nil {
+		return errors.New("this agent keeps no determinants")
+	}
 	b, err := req.Batch()
 	if err != nil {
 		return err
@@ -302,6 +305,9 @@ func (a *Agent) serveDeterminantsSince(req clusterapi.DeterminantsSinceRequest) 
 // determinantsSince is what job consumed after its snapshot id (which this host holds), from this host's
 // store.
 func (a *Agent) determinantsSince(job, id string) ([]intercept.Det, error) {
+	if a.det == nil {
+		return nil, errors.New("this agent keeps no determinants")
+	}
 	m, err := a.store.Manifest(job, id)
 	if err != nil {
 		return nil, fmt.Errorf("determinants since snapshot %s of job %s: %w", id, job, err)
