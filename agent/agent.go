@@ -66,6 +66,7 @@ type Agent struct {
 	failures *failureLog      // timelines of the failures this agent knows of
 	claims   *spare.Holder    // this host's claim state while it is a spare
 	clamp    *ackclamp.Clamp  // ACK clock for restored sockets that re-send what peers have; nil if unavailable
+	det      *detState        // receive-order determinants: recorded here, kept for the jobs protected here
 
 	wire       wireTimeouts    // deadlines of the agent-to-agent protocol; zero fields take the defaults
 	peerClient peerClient      // the agent-to-agent protocol's client (a.peers())
@@ -135,6 +136,7 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 			return nil, err
 		}
 	}
+	a.det = newDetState(a.log, cfg.Log.Enabled, cfg.CgroupParent, cfg.Log.RingMiB<<20)
 	if err := a.startAckClamp(); err != nil {
 		// Recovery still works, with the whole re-sent gap in the initial congestion window.
 		a.log.Warn("ACK clamp for restored sockets unavailable; large re-sent gaps may stall after a restore", "err", err)
@@ -167,6 +169,7 @@ func (a *Agent) adopt() (int, error) {
 			a.thawLeftFrozen(j)
 			a.checkAdoptedJobNet(j)
 			a.protect(j)
+			a.watchOrder(j, false, "") // what it consumed while no agent ran is not recorded
 			n++
 			a.log.Info("adopted job", "job", j.ID, "pid", j.PID, "protected", j.Protected())
 		}
@@ -271,6 +274,7 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 	}
 	// Logged from its first byte: the cgroup is protected before the job can open a socket.
 	a.protect(j)
+	a.watchOrder(j, true, "")
 	var pid int
 	err = inJobNet(j.Net, func() (err error) {
 		pid, err = shim.Launch(ctx, a.self, shim.Spec{
@@ -397,6 +401,7 @@ func (a *Agent) finish(j *Job, state JobState, st *shim.ExitStatus) {
 		a.log.Error("save job record", "job", j.ID, "err", err)
 	}
 	a.unprotect(j)
+	a.unwatchOrder(j.ID)
 	// Only this agent's own cgroup for the job: a record restored from an older agent's snapshot may name
 	// any path.
 	if want := a.layout().cgroup(j.ID); !validJobID(j.ID) || j.Cgroup != want {
@@ -464,6 +469,11 @@ func (a *Agent) Run(ctx context.Context, local LocalAPI) error {
 	}
 	if a.clamp != nil {
 		defer a.closeAckClamp()
+	}
+	if a.det.rec != nil {
+		defer a.det.rec.Close()
+		go a.recordOrder(ctx)
+		go a.shipOrder(ctx)
 	}
 	<-ctx.Done()
 	a.log.Info("agent stopping; jobs keep running under their shims")

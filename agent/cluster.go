@@ -192,6 +192,14 @@ func (s peerService) LogWatermark(context.Context, string) (LogWatermark, error)
 	return s.a.logWatermark()
 }
 
+func (s peerService) Determinants(_ context.Context, peer string, req clusterapi.DeterminantsRequest) error {
+	return s.a.serveDeterminants(peer, req)
+}
+
+func (s peerService) DeterminantsSince(_ context.Context, _ string, req clusterapi.DeterminantsSinceRequest) (clusterapi.DeterminantsSinceReply, error) {
+	return s.a.serveDeterminantsSince(req)
+}
+
 func (s peerService) Beat(_ string, b detect.Beat) { s.a.watchdog.Beat(b, time.Now()) }
 
 func (s peerService) Probe(_ context.Context, _ string, req clusterapi.ProbeRequest) (clusterapi.ProbeReply, error) {

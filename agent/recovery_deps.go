@@ -10,8 +10,10 @@ import (
 	"sync"
 
 	"github.com/ftkit/ftkit/ackclamp"
+	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/grant"
+	"github.com/ftkit/ftkit/intercept"
 	"github.com/ftkit/ftkit/recvdigest"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/restore/recovery"
@@ -43,7 +45,21 @@ func (a *Agent) recoveryDeps(track recovery.Tracker, net recovery.Network) recov
 	if a.clamp != nil {
 		d.Clamp = recoveryClamp{a.clamp}
 	}
+	if a.det != nil && a.det.rec != nil {
+		d.Determinants = recoveryDeterminants{a}
+	}
 	return d
+}
+
+// recoveryDeterminants gives a recovery the restored jobs' receive order (determinants.go).
+type recoveryDeterminants struct{ a *Agent }
+
+func (r recoveryDeterminants) Since(ctx context.Context, source string, m *ckpt.Manifest) ([]intercept.Det, error) {
+	return r.a.DeterminantsSince(ctx, source, m)
+}
+
+func (r recoveryDeterminants) Watch(job string) (<-chan intercept.Det, func()) {
+	return r.a.WatchOrder(job)
 }
 
 func (r *recoveryActions) Fetch(ctx context.Context, job string, c clusterapi.Candidate) (*recovery.Job, error) {

@@ -16,6 +16,9 @@ import (
 func (a *Agent) keepReplicas(ctx context.Context, got *ship.Received) {
 	m := got.Manifest
 	a.replicas.arrived(m.Node, m.Job, time.Now())
+	if a.det != nil {
+		a.det.store.Trim(m) // the determinants before it are no longer needed
+	}
 	deleted, err := a.store.PruneReceived(ctx, m.Job, m.Node, a.cfg.Checkpoint.Keep, m.ID)
 	if err != nil {
 		a.log.Warn("prune replicas", "job", m.Job, "from", m.Node, "err", err)

@@ -111,6 +111,7 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 	}
 	if err == nil {
 		a.protect(&j)
+		a.watchOrder(&j, true, m.ID)
 		// The shim, and the CRIU it runs, inside the job's network: CRIU restores the sockets into the
 		// namespace it runs in.
 		err = inJobNet(j.Net, func() (err error) {

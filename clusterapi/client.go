@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/detect"
+	"github.com/ftkit/ftkit/intercept"
 	"github.com/ftkit/ftkit/internal/clustertls"
 	"github.com/ftkit/ftkit/spare"
 )
@@ -167,6 +168,39 @@ func (c *Client) Trim(ctx context.Context, peer string, req TrimRequest) (TrimRe
 func (c *Client) CheckpointNow(ctx context.Context, peer string) error {
 	_, err := call[struct{}](c, ctx, peer, OpCheckpointNow, c.msg(), nil)
 	return err
+}
+
+// Determinants ships a batch of a job's receive-order determinants to peer, its protector.
+func (c *Client) Determinants(ctx context.Context, peer string, req DeterminantsRequest) error {
+	_, err := call[struct{}](c, ctx, peer, OpDeterminants, c.cfg.Timeouts.LargeTimeout(MaxMessage), req)
+	return err
+}
+
+// maxDeterminantsSince bounds what DeterminantsSince collects: what a Store keeps of a job, and a page.
+const maxDeterminantsSince = intercept.DefaultMaxPerJob + intercept.MaxBatch
+
+// DeterminantsSince asks peer, the holder of a snapshot, for what its job consumed after the dump: every
+// page, decoded and checked.
+func (c *Client) DeterminantsSince(ctx context.Context, peer string, job, snapshot string) ([]intercept.Det, error) {
+	var all []intercept.Det
+	for {
+		rep, err := call[DeterminantsSinceReply](c, ctx, peer, OpDeterminantsSince, c.cfg.Timeouts.LargeTimeout(MaxMessage),
+			DeterminantsSinceRequest{Job: job, Snapshot: snapshot, From: uint64(len(all))})
+		if err != nil {
+			return nil, err
+		}
+		dets, err := intercept.Unpack(rep.Packed)
+		if err != nil {
+			return nil, fmt.Errorf("determinants of job %s from %s: %w", job, peer, err)
+		}
+		all = append(all, dets...)
+		if len(all) > maxDeterminantsSince {
+			return nil, fmt.Errorf("determinants of job %s from %s: more than %d", job, peer, maxDeterminantsSince)
+		}
+		if !rep.More || len(dets) == 0 {
+			return all, nil
+		}
+	}
 }
 
 // Received asks peer for its record of what one of its sockets received, and checks it is well formed

@@ -4,7 +4,9 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"github.com/ftkit/ftkit/intercept"
 	"github.com/ftkit/ftkit/internal/testenv"
+	"github.com/ftkit/ftkit/tcpflow"
 	"io"
 	"log/slog"
 	"net"
@@ -221,6 +223,15 @@ func (f *fakeService) Received(_ context.Context, peer string, req ReceivedReque
 
 func (f *fakeService) LogWatermark(_ context.Context, peer string) (LogWatermark, error) {
 	return LogWatermark{Age: time.Second, Held: true, Addrs: []netip.Addr{netip.MustParseAddr("10.77.0.2")}}, f.seen(peer, OpLogWatermark)
+}
+
+func (f *fakeService) Determinants(_ context.Context, peer string, req DeterminantsRequest) error {
+	return f.seen(peer, req)
+}
+
+func (f *fakeService) DeterminantsSince(_ context.Context, peer string, req DeterminantsSinceRequest) (DeterminantsSinceReply, error) {
+	packed, _ := intercept.Pack([]intercept.Det{{Conn: tcpflow.Tuple{Local: testSrc, Remote: testDst}, End: 9, Len: 9}})
+	return DeterminantsSinceReply{Packed: packed}, f.seen(peer, req)
 }
 
 func (f *fakeService) Beat(peer string, b detect.Beat) {

@@ -20,6 +20,9 @@ const (
 	OpCheckpointNow Op = "checkpoint-now" // the caller's log is under pressure: snapshot the server's jobs
 	OpReceived      Op = "received"       // the server's record of what one of its sockets received
 	OpLogWatermark  Op = "log-watermark"  // how old is the server's oldest restore point
+	// Receive-order determinants (package intercept).
+	OpDeterminants      Op = "determinants"       // the caller's job consumed its connections in this order (to its protector)
+	OpDeterminantsSince Op = "determinants-since" // what a job consumed after a snapshot the server holds
 	// Failure detection and recovery.
 	OpHeartbeat      Op = "heartbeat"       // a stream of heartbeats from the server's predecessor in the ring
 	OpProbe          Op = "probe"           // does the server reach a suspect's agent
@@ -40,7 +43,7 @@ func (op Op) Path() string { return "/v1/" + string(op) }
 // Ops lists every operation.
 func Ops() []Op {
 	return []Op{OpPing, OpSnapshot, OpFetch, OpLocate, OpTrim, OpLogRange, OpCheckpointNow, OpReceived,
-		OpLogWatermark, OpHeartbeat, OpProbe, OpView, OpClaim, OpRecover, OpReplica, OpRecoveryStatus, OpGrant, OpRejoin, OpStartJob}
+		OpLogWatermark, OpDeterminants, OpDeterminantsSince, OpHeartbeat, OpProbe, OpView, OpClaim, OpRecover, OpReplica, OpRecoveryStatus, OpGrant, OpRejoin, OpStartJob}
 }
 
 // MaxHeader bounds a small request body; MaxMessage bounds the larger ones (views, trims), every reply

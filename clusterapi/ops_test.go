@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"github.com/ftkit/ftkit/intercept"
 	"github.com/ftkit/ftkit/tcpflow"
 	"io"
 	"net/netip"
@@ -59,6 +60,15 @@ func TestEveryOperation(t *testing.T) {
 			}
 			return req, "", err
 		}, ""},
+		{OpDeterminants, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
+			packed, _ := intercept.Pack([]intercept.Det{{Conn: tcpflow.Tuple{Local: testSrc, Remote: testDst}, End: 9, Len: 9}})
+			req := DeterminantsRequest{Job: "j1", Stream: 3, First: 7, Packed: packed}
+			return req, "", c.Determinants(ctx, "n2", req)
+		}, ""},
+		{OpDeterminantsSince, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
+			dets, err := c.DeterminantsSince(ctx, "n2", "j1", "s1")
+			return DeterminantsSinceRequest{Job: "j1", Snapshot: "s1"}, len(dets), err
+		}, 1},
 		{OpLogWatermark, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
 			r, err := c.LogWatermark(ctx, "n2")
 			return OpLogWatermark, r, err
@@ -205,12 +215,17 @@ func TestRefusalsReadTheSame(t *testing.T) {
 	c, logs := serve(t, f)
 	ctx := t.Context()
 	calls := map[Op]func() error{
-		OpPing:           func() error { _, err := c.Ping(ctx, "n2"); return err },
-		OpLocate:         func() error { _, err := c.Locate(ctx, "n2", LocateRequest{}); return err },
-		OpTrim:           func() error { _, err := c.Trim(ctx, "n2", TrimRequest{}); return err },
-		OpCheckpointNow:  func() error { return c.CheckpointNow(ctx, "n2") },
-		OpReceived:       func() error { _, err := c.Received(ctx, "n2", ReceivedRequest{}); return err },
-		OpLogWatermark:   func() error { _, err := c.LogWatermark(ctx, "n2"); return err },
+		OpPing:          func() error { _, err := c.Ping(ctx, "n2"); return err },
+		OpLocate:        func() error { _, err := c.Locate(ctx, "n2", LocateRequest{}); return err },
+		OpTrim:          func() error { _, err := c.Trim(ctx, "n2", TrimRequest{}); return err },
+		OpCheckpointNow: func() error { return c.CheckpointNow(ctx, "n2") },
+		OpReceived:      func() error { _, err := c.Received(ctx, "n2", ReceivedRequest{}); return err },
+		OpLogWatermark:  func() error { _, err := c.LogWatermark(ctx, "n2"); return err },
+		OpDeterminants:  func() error { return c.Determinants(ctx, "n2", DeterminantsRequest{}) },
+		OpDeterminantsSince: func() error {
+			_, err := c.DeterminantsSince(ctx, "n2", "", "")
+			return err
+		},
 		OpProbe:          func() error { _, err := c.Probe(ctx, "n2", ProbeRequest{}); return err },
 		OpView:           func() error { _, err := c.View(ctx, "n2", ViewMessage{}); return err },
 		OpClaim:          func() error { return c.Claim(ctx, "n2", spare.Claim{}) },

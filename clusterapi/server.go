@@ -38,6 +38,9 @@ type Service interface {
 	CheckpointNow(ctx context.Context, peer string) error
 	Received(ctx context.Context, peer string, req ReceivedRequest) (ReceivedReply, error)
 	LogWatermark(ctx context.Context, peer string) (LogWatermark, error)
+	// Determinants stores a batch of a job's receive-order determinants peer sent.
+	Determinants(ctx context.Context, peer string, req DeterminantsRequest) error
+	DeterminantsSince(ctx context.Context, peer string, req DeterminantsSinceRequest) (DeterminantsSinceReply, error)
 	// Beat records one heartbeat of peer's stream.
 	Beat(peer string, b detect.Beat)
 	Probe(ctx context.Context, peer string, req ProbeRequest) (ProbeReply, error)
@@ -100,6 +103,10 @@ func NewServer(ctx context.Context, svc Service, opts ServerOptions) *Server {
 	handle(s, OpLogWatermark, 0, func(ctx context.Context, peer string, _ struct{}) (LogWatermark, error) {
 		return svc.LogWatermark(ctx, peer)
 	})
+	handle(s, OpDeterminants, MaxMessage, func(ctx context.Context, peer string, req DeterminantsRequest) (struct{}, error) {
+		return struct{}{}, svc.Determinants(ctx, peer, req)
+	})
+	handle(s, OpDeterminantsSince, MaxHeader, svc.DeterminantsSince)
 	handle(s, OpProbe, MaxHeader, svc.Probe)
 	handle(s, OpView, MaxMessage, svc.View)
 	handle(s, OpClaim, MaxClaim, svc.Claim)

@@ -15,6 +15,13 @@
 // per flow, and drops a segment it cannot record (ring full, a hole before
 // it) so that TCP retransmits it.
 //
+// RecvOrder records receive determinants: a tp_btf/sock_recv_length program
+// (bpf/recvorder.c) writes one RecvEvent per successful receive call of the
+// jobs below a cgroup parent on their IPv4 TCP sockets (the connection,
+// copied_seq after the call, the length, the flags), in an order consistent
+// with every thread's program order, and counts per job the events it had to
+// lose.
+//
 // These programs observe packets; the one that rewrites them, the ACK clamp,
 // is the package ackclamp. A flow is a tcpflow.Tuple seen from the sending
 // socket: Local is the sender, for the receive tap too (it is the remote end).

@@ -69,6 +69,10 @@ type ConnPlan struct {
 	// Logged[:Live.DataEnd()-InqSeq] (not a copy). They are appended to the
 	// restored receive queue, whose end then matches the peer's snd_nxt.
 	Inject []byte
+	// Deferred says the connection's receive bytes are delivered after the restore, one receive call at
+	// a time (intercept.Gate): Rewrite empties the snapshot's receive queue and injects nothing, and the
+	// gate delivers the queue's bytes, then Inject, as the peer's segments.
+	Deferred bool
 	// HasTimestamp says the connection uses TCP timestamps and Timestamp
 	// must be set: at least Live.MinRestoredTimestamp(LiveAge +
 	// TimestampMargin) and the snapshot's own value, even.

@@ -65,7 +65,10 @@ func sameConn(c ckpt.Conn, img image.TCPConn) error {
 // lowering) the image's windows and send buffer.
 func connEdits(cp ConnPlan, img image.TCPConn) ([]image.Edit, error) {
 	var edits []image.Edit
-	if len(cp.Inject) > 0 {
+	switch {
+	case cp.Deferred && img.InqLen > 0:
+		edits = append(edits, image.ClearReceive())
+	case !cp.Deferred && len(cp.Inject) > 0:
 		edits = append(edits, image.InjectReceive(cp.Inject))
 	}
 	if cp.HasTimestamp {

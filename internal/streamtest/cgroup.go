@@ -46,7 +46,7 @@ func Cgroup2MountT(t testing.TB) string {
 	return root
 }
 
-// Cgroup is a child of the cgroup v2 root.
+// Cgroup is a child of the cgroup v2 root, or of another Cgroup (Sub).
 type Cgroup struct {
 	Dir string
 	ID  uint64 // the directory's inode number: what bpf_skb_cgroup_id returns
@@ -60,7 +60,31 @@ func NewCgroup(name string) (*Cgroup, error) {
 	if err != nil {
 		return nil, err
 	}
-	dir := filepath.Join(root, name)
+	return newCgroupAt(filepath.Join(root, name))
+}
+
+// Sub creates the cgroup name below c. Close it before c.
+func (c *Cgroup) Sub(name string) (*Cgroup, error) {
+	return newCgroupAt(filepath.Join(c.Dir, name))
+}
+
+// SubT is Sub for a test: the cgroup is removed at the end of the test,
+// before c if c was made by NewCgroupT earlier in the same test.
+func (c *Cgroup) SubT(t testing.TB, name string) *Cgroup {
+	t.Helper()
+	sub, err := c.Sub(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := sub.Close(); err != nil {
+			t.Error(err)
+		}
+	})
+	return sub
+}
+
+func newCgroupAt(dir string) (*Cgroup, error) {
 	if err := os.Mkdir(dir, 0o755); err != nil {
 		return nil, fmt.Errorf("create cgroup: %w", err)
 	}

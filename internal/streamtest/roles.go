@@ -147,7 +147,7 @@ func send(addr string) error {
 	if err != nil {
 		return err
 	}
-	seq, err := writeSeq(c.(*net.TCPConn))
+	seq, err := WriteSeq(c.(*net.TCPConn))
 	if err != nil {
 		return err
 	}
@@ -188,10 +188,11 @@ func ParseConnLine(line string) (netip.AddrPort, uint32, error) {
 // tcpSendQueue is TCP_SEND_QUEUE for TCP_REPAIR_QUEUE (include/uapi/linux/tcp.h).
 const tcpSendQueue = 2
 
-// writeSeq reads the socket's write_seq (the sequence number of the next byte
+// WriteSeq reads the socket's write_seq (the sequence number of the next byte
 // written) through TCP repair mode, the way CRIU does: an independent check
-// that a log is keyed by the real TCP sequence numbers.
-func writeSeq(c *net.TCPConn) (uint32, error) {
+// that a log is keyed by the real TCP sequence numbers. Before the first
+// write it is the peer's copied_seq before its first read.
+func WriteSeq(c *net.TCPConn) (uint32, error) {
 	rc, err := c.SyscallConn()
 	if err != nil {
 		return 0, err

@@ -9,6 +9,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/intercept"
 	"github.com/ftkit/ftkit/recvdigest"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/tcpflow"
@@ -71,6 +72,12 @@ type Job struct {
 	Net JobNetwork
 	// stopKeeping ends Log.Keep once the re-sent bytes are checked.
 	stopKeeping func()
+	// gate replays the job's receive order after the restore (nil: its bytes are in the images, gateWhy
+	// says why); gateDone reports its end.
+	gate     *intercept.Gate
+	gateWhy  string
+	gateLive map[tcpflow.Tuple]restore.Peer
+	gateDone chan gateResult
 }
 
 // Snapshots gives a job's snapshot to restore.
@@ -141,6 +148,8 @@ type Network interface {
 	Announce(ctx context.Context, ip netip.Addr) error
 	// ResetPeer sends conn's peer a TCP RST at seq (restore.ResetPeer), from this network.
 	ResetPeer(conn tcpflow.Tuple, seq uint32) error
+	// InjectFromPeer delivers payload to conn's local socket as its peer's segments (restore.InjectFromPeer).
+	InjectFromPeer(conn tcpflow.Tuple, h restore.PeerHeader, payload []byte) error
 }
 
 // JobNetwork is a job's own network on this host: Network inside the job's namespace (TakeOver is never
@@ -155,6 +164,15 @@ type JobNetwork interface {
 	Addr() netip.Addr
 }
 
+// Determinants gives a recovery the receive order of the jobs it restores (package intercept).
+type Determinants interface {
+	// Since is what m's job consumed after m was dumped, asked of source (the member m came from).
+	Since(ctx context.Context, source string, m *ckpt.Manifest) ([]intercept.Det, error)
+	// Watch delivers the job's receive calls on this host from now until stop; the channel is closed if
+	// some were lost.
+	Watch(job string) (events <-chan intercept.Det, stop func())
+}
+
 // Tracker keeps the recovery on disk as it goes, for an agent restarted mid-way to resume it.
 type Tracker interface {
 	// Persist records the jobs about to be restored, with their replays and what checking them needs.
@@ -165,13 +183,16 @@ type Tracker interface {
 
 // Deps are the agent's actions a recovery uses. Clamp is nil when the host runs no ACK clamp.
 type Deps struct {
-	Snapshots     Snapshots
-	Peers         Peers
-	Log           Log
-	Jobs          Jobs
-	Clamp         Clamp
-	Network       Network
-	Tracker       Tracker
+	Snapshots Snapshots
+	Peers     Peers
+	Log       Log
+	Jobs      Jobs
+	Clamp     Clamp
+	Network   Network
+	Tracker   Tracker
+	// Determinants is nil when this host records no receive order: restored jobs read their sockets
+	// with every byte there at once.
+	Determinants  Determinants
 	Logger        *slog.Logger
 	ReplayTimeout time.Duration // failover.replay_timeout
 	// ParallelJobs is how many jobs Run fetches, plans and restores at once (failover.parallel_restores;

@@ -249,6 +249,11 @@ func (f *fake) ResetPeer(conn tcpflow.Tuple, seq uint32) error {
 	return nil
 }
 
+func (f *fake) InjectFromPeer(conn tcpflow.Tuple, h restore.PeerHeader, payload []byte) error {
+	addTo(f, &f.net, fmt.Sprintf("inject %s at %d: %d bytes", conn, h.Seq, len(payload)))
+	return nil
+}
+
 func (f *fake) Persist(jobs []*Job) {
 	for _, j := range jobs {
 		addTo(f, &f.persisted, j.ID)

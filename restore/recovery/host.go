@@ -38,6 +38,10 @@ func (n HostNetwork) ResetPeer(conn tcpflow.Tuple, seq uint32) error {
 	return restore.ResetPeer(conn, seq)
 }
 
+func (n HostNetwork) InjectFromPeer(conn tcpflow.Tuple, h restore.PeerHeader, payload []byte) error {
+	return restore.InjectFromPeer(conn, h, payload)
+}
+
 func (n HostNetwork) Announce(ctx context.Context, ip netip.Addr) error {
 	return restore.Announce(ctx, n.Iface, ip)
 }
@@ -92,6 +96,10 @@ func (n JobNet) LowerPathMTU() (func() error, error) {
 
 func (n JobNet) ResetPeer(conn tcpflow.Tuple, seq uint32) error {
 	return n.in(func() error { return restore.ResetPeer(conn, seq) })
+}
+
+func (n JobNet) InjectFromPeer(conn tcpflow.Tuple, h restore.PeerHeader, payload []byte) error {
+	return n.in(func() error { return restore.InjectFromPeer(conn, h, payload) })
 }
 
 func (n JobNet) Announce(ctx context.Context, ip netip.Addr) error {

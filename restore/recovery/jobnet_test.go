@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
@@ -49,6 +50,10 @@ func (n fakeJobNet) LowerPathMTU() (func() error, error) {
 }
 func (n fakeJobNet) ResetPeer(conn tcpflow.Tuple, seq uint32) error {
 	n.rec(fmt.Sprintf("reset %s at %d", conn, seq))
+	return nil
+}
+func (n fakeJobNet) InjectFromPeer(conn tcpflow.Tuple, h restore.PeerHeader, payload []byte) error {
+	n.rec(fmt.Sprintf("inject %s at %d: %d bytes", conn, h.Seq, len(payload)))
 	return nil
 }
 func (n fakeJobNet) Announce(_ context.Context, ip netip.Addr) error {

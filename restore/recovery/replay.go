@@ -28,7 +28,12 @@ func ReplayAndVerify(ctx context.Context, d Deps, j *Job) (string, error) {
 	if j.stopKeeping != nil {
 		defer j.stopKeeping()
 	}
-	detail, err := waitReplay(ctx, d, j)
+	detail, err := waitGate(j)
+	if err == nil {
+		var rdetail string
+		rdetail, err = waitReplay(ctx, d, j)
+		detail += rdetail
+	}
 	if err == nil {
 		var vdetail string
 		vdetail, err = verifyResent(ctx, d, j)

@@ -13,6 +13,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/intercept"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/tcpflow"
 )
@@ -162,10 +163,19 @@ func prepare(ctx context.Context, d Deps, req clusterapi.RecoverRequest, rj clus
 func restoreJob(ctx context.Context, d Deps, j *Job, stage stageFunc) error {
 	start := time.Now()
 	j.stopKeeping = d.Log.Keep(j.Plan)
+	var events <-chan intercept.Det
+	stopEvents := func() {}
+	if j.gate != nil {
+		events, stopEvents = d.Determinants.Watch(j.ID) // before the job runs: none of its calls is missed
+	}
 	err := d.Jobs.Restore(ctx, j)
 	j.RestoredAt = time.Now()
+	if err == nil && j.gate != nil {
+		startGate(ctx, d, j, events, stopEvents)
+	}
 	stage(StageRestored, j.ID, start, "", err)
 	if err != nil {
+		stopEvents()
 		j.stopKeeping()
 		d.Tracker.SetPhase(j.ID, "", time.Time{})
 		netOf(d, j).Unguard(ctx, j.RunID)
@@ -243,6 +253,9 @@ func plan(ctx context.Context, d Deps, req clusterapi.RecoverRequest, j *Job) er
 	}
 	p, err := restore.NewPlan(conns, peers, restore.RestoredMSS)
 	j.Plan = p
+	if err == nil {
+		planGate(ctx, d, j, peers)
+	}
 	return err
 }
 

@@ -1,0 +1,333 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/intercept"
+)
+
+// Receive-order determinants (package intercept): this host records the receive calls of its jobs
+// (ebpfprobes.RecvOrder), numbers them per job and ships them to each job's protector; as a protector it
+// keeps those of the jobs it protects (intercept.Store) and serves them to the target of a recovery; as
+// the target it lets the recovery watch the restored job's calls (the gate's events).
+
+// detState is the agent's part of it. rec is nil when the recorder could not be loaded: the jobs of this
+// host then have no determinants, and their recoveries replay without them (checked all the same).
+type detState struct {
+	rec   *ebpfprobes.RecvOrder
+	store *intercept.Store
+
+	mu       sync.Mutex
+	byCgroup map[uint64]*detStream
+	byJob    map[string]*detStream
+	wake     chan struct{}
+}
+
+// detStream is one job's determinants on this host, numbered from 0 when the agent began recording it.
+type detStream struct {
+	job       string
+	cgroup    uint64
+	stream    uint64
+	first     uint64 // index of pending[0]
+	fromStart bool   // recording began before the job's processes ran here
+	base      string // the snapshot the job was restored from here
+	pending   []intercept.Det
+	lost      uint64 // the recorder's count of this job's lost calls, when last read
+	watchers  map[chan intercept.Det]bool
+}
+
+// maxPendingDets bounds the determinants a job keeps while its protector does not take them: beyond it
+// they are dropped (a hole: a replay from the current snapshot is refused, never wrong).
+const maxPendingDets = 1 << 20
+
+// newDetState loads the recorder if record (the host logs its jobs' traffic); a host that does not still
+// keeps the determinants of the jobs it protects.
+func newDetState(log *slog.Logger, record bool, cgroupParent string, ringBytes int) *detState {
+	d := &detState{store: intercept.NewStore(0), byCgroup: map[uint64]*detStream{}, byJob: map[string]*detStream{}, wake: make(chan struct{}, 1)}
+	if !record {
+		return d
+	}
+	rec, err := ebpfprobes.NewRecvOrder(ebpfprobes.RecvOrderOptions{CgroupParent: cgroupParent, RingBufferSize: ringBytes, Logger: log})
+	if err != nil {
+		log.Error("the receive-order recorder could not be loaded: restored jobs re-read their sockets in any order (a program that reads the first socket with data then fails its recovery, loudly)", "err", err)
+		return d
+	}
+	d.rec = rec
+	return d
+}
+
+// watch starts recording job j's receive calls (its cgroup's). fromStart: none of its processes ran on this
+// host yet (a start, a restore from base); false when the agent adopts a running job.
+func (a *Agent) watchOrder(j *Job, fromStart bool, base string) {
+	d := a.det
+	if d == nil || d.rec == nil {
+		return
+	}
+	id, err := ebpfprobes.CgroupID(j.Cgroup)
+	if err != nil {
+		a.log.Error("the job's receive order is not recorded: its recovery cannot replay it", "job", j.ID, "err", err)
+		return
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	s := &detStream{job: j.ID, cgroup: id, stream: rand.Uint64(), fromStart: fromStart, base: base, watchers: map[chan intercept.Det]bool{}}
+	if old := d.byJob[j.ID]; old != nil {
+		delete(d.byCgroup, old.cgroup)
+		s.watchers = old.watchers // a recovery watching the job it restores
+	}
+	d.byCgroup[id] = s
+	d.byJob[j.ID] = s
+}
+
+// unwatchOrder stops recording job id (it ended here).
+func (a *Agent) unwatchOrder(id string) {
+	d := a.det
+	if d == nil || d.rec == nil {
+		return
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if s := d.byJob[id]; s != nil {
+		d.rec.Forget(s.cgroup)
+		delete(d.byCgroup, s.cgroup)
+		delete(d.byJob, id)
+		for w := range s.watchers {
+			close(w)
+		}
+	}
+}
+
+// WatchOrder delivers job's receive calls as this host records them, until stop. The channel is closed if
+// calls were lost (the watcher fell behind, or the recorder lost some): the watcher must not go on.
+func (a *Agent) WatchOrder(job string) (<-chan intercept.Det, func()) {
+	d := a.det
+	ch := make(chan intercept.Det, 1<<14)
+	if d == nil || d.rec == nil {
+		close(ch)
+		return ch, func() {}
+	}
+	d.mu.Lock()
+	s := d.byJob[job]
+	if s == nil {
+		// Restore registers the job when it creates its cgroup; until then its calls wait here.
+		s = &detStream{job: job, stream: rand.Uint64(), watchers: map[chan intercept.Det]bool{}}
+		d.byJob[job] = s
+	}
+	s.watchers[ch] = true
+	d.mu.Unlock()
+	return ch, func() {
+		d.mu.Lock()
+		defer d.mu.Unlock()
+		if s.watchers[ch] {
+			delete(s.watchers, ch)
+			close(ch)
+		}
+	}
+}
+
+// recordOrder reads the recorder until ctx ends: each call goes to its job's stream and watchers.
+func (a *Agent) recordOrder(ctx context.Context) {
+	d := a.det
+	buf := make([]ebpfprobes.RecvEvent, 0, 4096)
+	for {
+		evs, err := d.rec.ReadBatch(ctx, buf[:0])
+		if err != nil {
+			if ctx.Err() == nil {
+				a.log.Error("the receive-order recorder stopped: jobs' receive order is no longer recorded", "err", err)
+			}
+			return
+		}
+		d.mu.Lock()
+		for _, e := range evs {
+			if e.Flags&(unix.MSG_PEEK|unix.MSG_ERRQUEUE|unix.MSG_OOB) != 0 {
+				continue // consumed nothing of the stream; the read after a peek is the determinant
+			}
+			s := d.byCgroup[e.Cgroup]
+			if s == nil {
+				continue
+			}
+			det := intercept.Det{Conn: e.Conn, End: e.CopiedSeq, Len: e.Len}
+			for w := range s.watchers {
+				select {
+				case w <- det:
+				default:
+					delete(s.watchers, w)
+					close(w)
+				}
+			}
+			if len(s.pending) >= maxPendingDets {
+				s.first += uint64(len(s.pending)) + 1
+				s.pending, s.fromStart = nil, false
+			}
+			s.pending = append(s.pending, det)
+		}
+		for _, s := range d.byJob {
+			// After the drain: a count that moved means this job's record has a hole here.
+			if s.cgroup == 0 {
+				continue
+			}
+			if lost, err := d.rec.Lost(s.cgroup); err == nil && lost != s.lost {
+				s.lost = lost
+				s.first += uint64(len(s.pending)) + 1
+				s.pending, s.fromStart = nil, false
+				s.dropWatchers()
+				a.log.Warn("the receive-order recorder lost calls of a job (its ring was full): a recovery from its current snapshot replays without determinants", "job", s.job, "lost_total", lost)
+			}
+		}
+		d.mu.Unlock()
+		select {
+		case d.wake <- struct{}{}:
+		default:
+		}
+	}
+}
+
+func (s *detStream) dropWatchers() {
+	for w := range s.watchers {
+		close(w)
+		delete(s.watchers, w)
+	}
+}
+
+// shipOrder sends each job's new determinants to its protector as they come, until ctx ends.
+func (a *Agent) shipOrder(ctx context.Context) {
+	d := a.det
+	retry := time.NewTicker(100 * time.Millisecond)
+	defer retry.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-d.wake:
+		case <-retry.C:
+		}
+		d.mu.Lock()
+		var todo []*detStream
+		for _, s := range d.byJob {
+			if len(s.pending) > 0 && s.cgroup != 0 {
+				todo = append(todo, s)
+			}
+		}
+		d.mu.Unlock()
+		for _, s := range todo {
+			a.shipStream(ctx, s)
+		}
+	}
+}
+
+// shipStream sends one batch of s's pending determinants to its job's protector.
+func (a *Agent) shipStream(ctx context.Context, s *detStream) {
+	a.mu.Lock()
+	j, ok := a.byID[s.job]
+	var p *Placement
+	if ok {
+		p = j.Spec.Placement
+	}
+	a.mu.Unlock()
+	prot, ok := a.protectorOf(a.View(), p)
+	if !ok {
+		return
+	}
+	d := a.det
+	d.mu.Lock()
+	n := min(len(s.pending), intercept.MaxBatch)
+	batch := intercept.Batch{Job: s.job, Stream: s.stream, First: s.first, FromStart: s.fromStart && s.first == 0, Base: s.base, Dets: s.pending[:n:n]}
+	d.mu.Unlock()
+	packed, err := intercept.Pack(batch.Dets)
+	if err == nil {
+		sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		err = a.peers().Determinants(sctx, prot.Name, clusterapi.DeterminantsRequest{
+			Job: batch.Job, Stream: batch.Stream, First: batch.First, FromStart: batch.FromStart, Base: batch.Base, Packed: packed})
+		cancel()
+	}
+	if err != nil {
+		a.log.Debug("determinants not shipped; retrying", "job", s.job, "protector", prot.Name, "err", err)
+		return
+	}
+	d.mu.Lock()
+	if s.first == batch.First { // no hole was made meanwhile
+		s.pending = s.pending[n:]
+		s.first += uint64(n)
+	}
+	d.mu.Unlock()
+}
+
+// serveDeterminants stores a batch a member shipped as its job's protector.
+func (a *Agent) serveDeterminants(peer string, req clusterapi.DeterminantsRequest) error {
+	if a.det == nil {
+		return errors.New("this agent keeps no determinants")
+	}
+	b, err := req.Batch()
+	if err != nil {
+		return err
+	}
+	if !validJobID(b.Job) {
+		return fmt.Errorf("determinants of job %q: not a job id an agent makes", b.Job)
+	}
+	if b.Base != "" {
+		if _, err := ckpt.ParseID(b.Base); err != nil {
+			return fmt.Errorf("determinants of job %s: base snapshot: %w", b.Job, err)
+		}
+	}
+	a.det.store.Add(peer, b)
+	return nil
+}
+
+// serveDeterminantsSince answers what a job consumed after a snapshot this host holds, a page at a time.
+func (a *Agent) serveDeterminantsSince(req clusterapi.DeterminantsSinceRequest) (clusterapi.DeterminantsSinceReply, error) {
+	dets, err := a.determinantsSince(req.Job, req.Snapshot)
+	if err != nil {
+		return clusterapi.DeterminantsSinceReply{}, err
+	}
+	if req.From > uint64(len(dets)) {
+		return clusterapi.DeterminantsSinceReply{}, fmt.Errorf("determinants of job %s since %s: page from %d of %d", req.Job, req.Snapshot, req.From, len(dets))
+	}
+	page := dets[req.From:]
+	more := len(page) > intercept.MaxBatch
+	if more {
+		page = page[:intercept.MaxBatch]
+	}
+	packed, err := intercept.Pack(page)
+	return clusterapi.DeterminantsSinceReply{Packed: packed, More: more}, err
+}
+
+// determinantsSince is what job consumed after its snapshot id (which this host holds), from this host's
+// store.
+func (a *Agent) determinantsSince(job, id string) ([]intercept.Det, error) {
+	if a.det == nil {
+		return nil, errors.New("this agent keeps no determinants")
+	}
+	m, err := a.store.Manifest(job, id)
+	if err != nil {
+		return nil, fmt.Errorf("determinants since snapshot %s of job %s: %w", id, job, err)
+	}
+	return a.det.store.Since(m)
+}
+
+// DeterminantsSince is what job consumed after snapshot m, asked of source (the member the snapshot came
+// from, which protects the job), or read here.
+func (a *Agent) DeterminantsSince(ctx context.Context, source string, m *ckpt.Manifest) ([]intercept.Det, error) {
+	if source == "" || source == a.cfg.Name {
+		return a.determinantsSince(m.Job, m.ID)
+	}
+	dets, err := a.peers().DeterminantsSince(ctx, source, m.Job, m.ID)
+	if err != nil {
+		var refused *clusterapi.Error
+		if errors.As(err, &refused) {
+			return nil, fmt.Errorf("%s has no complete determinants: %s", source, refused.Message)
+		}
+		return nil, err
+	}
+	return dets, nil
+}

@@ -1,0 +1,303 @@
+//go:build ignore
+
+// recvorder.c: the receive-order recorder (receive determinants, issue 11).
+//
+// A BTF raw tracepoint on sock_recv_length, which fires in
+// sock_recvmsg_nosec after a protocol's recvmsg returned, in the context of
+// the task that made the call (recv, recvfrom, recvmsg, recvmmsg, read and
+// readv on a socket, io_uring's recv). For every such call that
+//   - is made by a task in the jobs' parent cgroup or below it (parent, a
+//     one-entry cgroup array the loader fills with the agent's cgroup_parent
+//     directory), by a task in a job cgroup (a child of the parent),
+//   - on a TCP socket of an IPv4 connection (AF_INET, or AF_INET6 with
+//     IPv4-mapped addresses: a dual-stack listener's accepted IPv4
+//     connection, as Go's net package makes them),
+//   - that consumed something (ret > 0; errors, EAGAIN and EOF are not
+//     recorded: they change nothing a replay has to reproduce),
+// it writes one struct recv_event to the ring buffer: the job cgroup, the
+// connection, the socket's copied_seq after the call, ret, the call's flags
+// and the caller's tgid/tid. With MSG_PEEK copied_seq does not move: the
+// event says the bytes were looked at, not consumed. copied_seq counts the
+// peer's FIN too: a call that consumes the last bytes of a segment that
+// carries the FIN moves copied_seq one past them (tcp_recvmsg's
+// found_fin_ok), a call that stops before such a segment does not.
+// MSG_ERRQUEUE (timestamps, zerocopy completions) and MSG_OOB (the urgent
+// byte) calls are recorded too, flags and all, and do not move copied_seq
+// either: a consumer that replays the stream skips them.
+//
+// Order: the ring buffer is multi-producer, single-consumer; a reservation
+// takes the ring's spinlock, so the order of records in the ring (the order
+// the consumer reads them) is a total order of the reservations. A task
+// reserves its event inside its receive system call, before the call
+// returns, so the order is consistent with each thread's program order and
+// with every happens-before relation between threads (a thread that
+// receives after learning of another's receive, through a lock, a pipe, a
+// shared variable, finds the other's event before its own). Only the order
+// of truly concurrent calls of different threads is the ring's choice, and
+// any choice is an order they could have run in.
+//
+// copied_seq is read after the call, without the socket lock: two threads
+// receiving from the same socket at the same time may each see the other's
+// bytes included. One reader per socket at a time (MPI, most servers) gives
+// exact values.
+//
+// Not seen: receives that bypass recvmsg (splice and sendfile from a socket
+// through tcp_read_sock, TCP_ZEROCOPY_RECEIVE, kTLS and sockmap redirects).
+//
+// Losses: an event whose reservation fails (the ring is full: the consumer
+// is behind) cannot be written; the call itself is not delayed or failed.
+// The loss is counted per job cgroup in lost (a hash map the consumer reads)
+// before the call returns, so a consumer that drained the ring and then
+// reads a job's lost counter as 0 holds every event of that job up to that
+// point. A loss that cannot be attributed (lost map full) is counted in
+// lost_unattributed: the consumer must then treat every job as incomplete.
+
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
+
+#define AF_INET 2
+#define AF_INET6 10
+#define IPPROTO_TCP 6
+#define BPF_ANY 0
+#define BPF_NOEXIST 1
+// UAPI values (enum in linux/bpf.h, not in the trimmed vmlinux.h).
+#define BPF_RB_NO_WAKEUP 1
+#define BPF_RB_FORCE_WAKEUP 2
+#define BPF_RB_AVAIL_DATA 0
+
+// Deepest cgroup level the parent may be at (the kernel's limit is
+// cgroup.max.depth, unlimited by default; real hierarchies are shallow).
+#define MAX_LEVEL 32
+
+char __license[] SEC("license") = "Dual BSD/GPL";
+
+// The kernel structures, reduced to the fields read. The trimmed vmlinux.h
+// does not have them (completing it would pull in most of the kernel's
+// types); preserve_access_index relocates each field by name against the
+// running kernel's BTF, through the anonymous unions they sit in.
+struct in6_addr {
+	union {
+		__be32 u6_addr32[4];
+	} in6_u;
+} __attribute__((preserve_access_index));
+
+struct sock_common {
+	__be32 skc_daddr;       // remote address
+	__be32 skc_rcv_saddr;   // local address
+	__be16 skc_dport;       // remote port, network order
+	__u16 skc_num;          // local port, host order
+	unsigned short skc_family;
+	struct in6_addr skc_v6_daddr;
+} __attribute__((preserve_access_index));
+
+struct sock {
+	struct sock_common __sk_common;
+	__u16 sk_protocol;
+} __attribute__((preserve_access_index));
+
+struct tcp_sock {
+	__u32 copied_seq; // the next byte the application will read
+} __attribute__((preserve_access_index));
+
+// One ring buffer record per recorded receive call. Decoded by hand in
+// ebpfprobes.DecodeRecvEvent: keep the two in step.
+struct recv_event {
+	__u64 cgroup_id;   // the job cgroup (child of the parent) of the caller
+	__be32 laddr;      // this socket's address, network byte order
+	__be32 raddr;      // the peer's address, network byte order
+	__be16 lport;      // network byte order
+	__be16 rport;      // network byte order
+	__u32 copied_seq;  // the socket's copied_seq after the call
+	__u32 len;         // the call's return value (> 0)
+	__u32 flags;       // the call's MSG_* flags
+	__u32 pid;         // tgid of the caller
+	__u32 tid;         // thread id of the caller
+};
+
+_Static_assert(sizeof(struct recv_event) == 40, "recv_event must be 40 bytes without padding");
+
+// Puts recv_event in the object's BTF, for bpf2go's Go twin of it.
+const struct recv_event *unused_recv_event __attribute__((unused));
+
+// Per-CPU counters; the loader sums them over CPUs.
+struct order_counters {
+	__u64 recorded;          // events written
+	__u64 lost;              // events lost because the ring had no room
+	__u64 lost_unattributed; // of those, lost with no room in the lost map either
+	__u64 not_in_job;        // calls of tasks in the parent cgroup itself, not in a job below it
+	__u64 non_ipv4;          // consuming calls on sockets of jobs that are not IPv4 TCP
+};
+
+// Set by the loader: the ring buffer size in bytes, the wakeup threshold
+// (see tcplog.c), and the cgroup id of the parent (its inode number).
+volatile const __u32 ring_size = 0;
+volatile const __u32 wake_bytes = 0;
+volatile const __u64 parent_cgid = 0;
+// Set by the loader: nonzero to ignore consumer_polling and let the kernel
+// wake a waiting consumer for every event (a consumer that gates on each
+// event, the spare's replay, wants them at once rather than up to a poll
+// interval late).
+volatile const __u32 wake_every = 0;
+
+// Written by the consumer (mmapped .bss): nonzero while it polls the ring by
+// itself (the scheme of tcplog.c).
+volatile __u32 consumer_polling = 0;
+
+// The level of the job cgroups (the parent's + 1), found by the program the
+// first time a task under the parent receives: the loader would have to
+// guess it from a path, which a cgroup namespace shortens.
+__u32 job_level = 0;
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 1 << 22); // the loader overrides this
+} events SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_CGROUP_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32);
+} parent SEC(".maps");
+
+// Events lost per job cgroup id. The consumer deletes a job's entry when it
+// forgets the job.
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u64);
+	__type(value, __u64);
+} lost SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct order_counters);
+} stats SEC(".maps");
+
+// wake_flags returns the submit flags for a record of need ring bytes.
+static __always_inline __u64 wake_flags(__u64 need)
+{
+	if (wake_every || !consumer_polling)
+		return 0;
+	__u64 avail = bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA);
+	if (avail >= wake_bytes && avail < wake_bytes + need)
+		return BPF_RB_FORCE_WAKEUP;
+	return BPF_RB_NO_WAKEUP;
+}
+
+// find_job_level returns the level of the parent's children: the current
+// task is under the parent, so the parent is one of its ancestors.
+static __always_inline __u32 find_job_level(void)
+{
+	for (int l = 0; l < MAX_LEVEL; l++) {
+		__u64 id = bpf_get_current_ancestor_cgroup_id(l);
+		if (id == 0)
+			return 0; // past the task's own cgroup: cannot happen
+		if (id == parent_cgid)
+			return l + 1;
+	}
+	return 0;
+}
+
+static __always_inline void count_lost(struct order_counters *c, __u64 cgid)
+{
+	c->lost++;
+	__u64 one = 1;
+	__u64 *n = bpf_map_lookup_elem(&lost, &cgid);
+	if (n) {
+		__sync_fetch_and_add(n, 1);
+		return;
+	}
+	// Another CPU may create it first (BPF_NOEXIST fails): add to theirs.
+	if (bpf_map_update_elem(&lost, &cgid, &one, BPF_NOEXIST) == 0)
+		return;
+	n = bpf_map_lookup_elem(&lost, &cgid);
+	if (n) {
+		__sync_fetch_and_add(n, 1);
+		return;
+	}
+	c->lost_unattributed++;
+}
+
+SEC("tp_btf/sock_recv_length")
+int recvorder(__u64 *ctx)
+{
+	struct sock *sk = (struct sock *)ctx[0];
+	int ret = (int)ctx[1];
+	int flags = (int)ctx[2];
+
+	if (ret <= 0)
+		return 0;
+	// Cheapest test first: every receive of the machine comes here.
+	if (bpf_current_task_under_cgroup(&parent, 0) != 1)
+		return 0;
+
+	__u32 zero = 0;
+	struct order_counters *c = bpf_map_lookup_elem(&stats, &zero);
+	if (!c)
+		return 0; // cannot happen: a 1-entry array always has key 0
+
+	__u32 level = job_level;
+	if (level == 0) {
+		level = find_job_level();
+		if (level == 0) {
+			c->not_in_job++;
+			return 0;
+		}
+		job_level = level;
+	}
+	__u64 cgid = bpf_get_current_ancestor_cgroup_id(level);
+	if (cgid == 0) {
+		c->not_in_job++; // a task of the parent itself
+		return 0;
+	}
+
+	if (!sk || sk->sk_protocol != IPPROTO_TCP) {
+		c->non_ipv4++;
+		return 0;
+	}
+	unsigned short family = sk->__sk_common.skc_family;
+	if (family == AF_INET6) {
+		// IPv4-mapped (::ffff:a.b.c.d): the kernel keeps the IPv4
+		// addresses in skc_daddr/skc_rcv_saddr too. The peer's address
+		// decides: a dual-stack socket's local address can be ::.
+		struct in6_addr *a = &sk->__sk_common.skc_v6_daddr;
+		if (a->in6_u.u6_addr32[0] != 0 || a->in6_u.u6_addr32[1] != 0 ||
+		    a->in6_u.u6_addr32[2] != bpf_htonl(0xffff)) {
+			c->non_ipv4++;
+			return 0;
+		}
+	} else if (family != AF_INET) {
+		c->non_ipv4++;
+		return 0;
+	}
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
+	if (!tp) {
+		c->non_ipv4++;
+		return 0;
+	}
+
+	struct recv_event *e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
+	if (!e) {
+		count_lost(c, cgid);
+		return 0;
+	}
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	e->cgroup_id = cgid;
+	e->laddr = sk->__sk_common.skc_rcv_saddr;
+	e->raddr = sk->__sk_common.skc_daddr;
+	e->lport = bpf_htons(sk->__sk_common.skc_num);
+	e->rport = sk->__sk_common.skc_dport;
+	e->copied_seq = tp->copied_seq;
+	e->len = ret;
+	e->flags = flags;
+	e->pid = pid_tgid >> 32;
+	e->tid = (__u32)pid_tgid;
+	// A record is 8 bytes of kernel header plus the event, rounded to 8.
+	bpf_ringbuf_submit(e, wake_flags(sizeof(*e) + 8));
+	c->recorded++;
+	return 0;
+}

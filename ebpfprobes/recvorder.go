@@ -1,0 +1,313 @@
+//go:build linux
+
+package ebpfprobes
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/netip"
+	"path/filepath"
+	"sync"
+
+	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/link"
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// RecvOrderOptions configure NewRecvOrder.
+type RecvOrderOptions struct {
+	// CgroupParent is the cgroup v2 directory (absolute path) whose children
+	// are the job cgroups, e.g. /sys/fs/cgroup/unified/ftkit: receive calls
+	// of tasks below it are recorded, each under the id of the job cgroup
+	// (the parent's child) it is in.
+	CgroupParent string
+	// RingBufferSize in bytes: a power of two and a multiple of the page
+	// size. Each event takes 48 bytes of it. 0 means DefaultRingBufferSize.
+	RingBufferSize int
+	// WakeEveryEvent wakes a waiting ReadBatch for every event. By default,
+	// while ReadBatch keeps finding events it polls the ring every
+	// millisecond instead of being woken (cheaper per event, as for
+	// TCPLogger), so an event can reach it up to a poll interval late. A
+	// consumer that waits for one particular event (the spare's replay,
+	// which injects the next bytes once the restored process asked for
+	// them) wants it at once.
+	WakeEveryEvent bool
+	// Logger receives load/attach events; nil discards them.
+	Logger *slog.Logger
+}
+
+// RecvEvent is one recorded receive call (bpf/recvorder.c).
+type RecvEvent struct {
+	Cgroup    uint64        // the job cgroup's id (CgroupID of its directory)
+	Conn      tcpflow.Tuple // Local is the receiving socket, Remote its peer
+	CopiedSeq uint32        // the socket's copied_seq after the call: the next byte it will hand out (one more once the peer's FIN is consumed)
+	Len       uint32        // bytes the call returned (> 0)
+	Flags     uint32        // the call's MSG_* flags (MSG_PEEK, MSG_ERRQUEUE, MSG_OOB: copied_seq did not move)
+	Pid       uint32        // the caller's process (tgid)
+	Tid       uint32        // the caller's thread
+}
+
+// Peek reports whether the call only looked at the bytes (MSG_PEEK).
+func (e RecvEvent) Peek() bool { return e.Flags&unix.MSG_PEEK != 0 }
+
+// RecvEventSize is the size of a raw event (struct recv_event).
+const RecvEventSize = 40
+
+// ErrBadRecvEvent means a raw event does not have struct recv_event's size.
+var ErrBadRecvEvent = errors.New("malformed receive event")
+
+// DecodeRecvEvent decodes a raw ring buffer record of bpf/recvorder.c.
+// Addresses and ports are in network byte order, the rest in host order.
+func DecodeRecvEvent(raw []byte) (RecvEvent, error) {
+	if len(raw) != RecvEventSize {
+		return RecvEvent{}, fmt.Errorf("%w: %d bytes, want %d", ErrBadRecvEvent, len(raw), RecvEventSize)
+	}
+	h := binary.NativeEndian
+	return RecvEvent{
+		Cgroup: h.Uint64(raw[0:]),
+		Conn: tcpflow.Tuple{
+			Local:  netip.AddrPortFrom(netip.AddrFrom4([4]byte(raw[8:12])), binary.BigEndian.Uint16(raw[16:])),
+			Remote: netip.AddrPortFrom(netip.AddrFrom4([4]byte(raw[12:16])), binary.BigEndian.Uint16(raw[18:])),
+		},
+		CopiedSeq: h.Uint32(raw[20:]),
+		Len:       h.Uint32(raw[24:]),
+		Flags:     h.Uint32(raw[28:]),
+		Pid:       h.Uint32(raw[32:]),
+		Tid:       h.Uint32(raw[36:]),
+	}, nil
+}
+
+// RecvOrderCounters are the recorder's counters summed over all CPUs.
+type RecvOrderCounters struct {
+	Recorded         uint64 // events written
+	Lost             uint64 // events lost: the ring buffer was full (per job: RecvOrder.Lost)
+	LostUnattributed uint64 // of those, lost without knowing the job: every job's record is incomplete
+	NotInJob         uint64 // consuming calls of tasks in the parent cgroup itself, not recorded
+	NonIPv4          uint64 // consuming calls of jobs on sockets that are not IPv4 TCP, not recorded
+}
+
+// recvorderLoaded holds the objects the recorder uses.
+type recvorderLoaded struct {
+	Program         *ebpf.Program  `ebpf:"recvorder"`
+	Events          *ebpf.Map      `ebpf:"events"`
+	Parent          *ebpf.Map      `ebpf:"parent"`
+	Lost            *ebpf.Map      `ebpf:"lost"`
+	Stats           *ebpf.Map      `ebpf:"stats"`
+	Bss             *ebpf.Map      `ebpf:".bss"`
+	ConsumerPolling *ebpf.Variable `ebpf:"consumer_polling"`
+}
+
+// RecvOrder records the order and amounts in which the jobs below a cgroup
+// consume their TCP connections' bytes: one RecvEvent per successful receive
+// call (bpf/recvorder.c has what is and is not seen). Events come in ring
+// order, a total order consistent with each thread's program order and with
+// the causality between threads. An event that finds the ring full is lost
+// and counted against its job (Lost): a job whose count is not 0 has an
+// incomplete record, which must never be replayed.
+// Lost, Forget, Counters and Close may be called from any goroutine;
+// ReadBatch has a single consumer.
+type RecvOrder struct {
+	log      *slog.Logger
+	objs     recvorderLoaded
+	link     link.Link
+	ring     *ringReader
+	consumer ringConsumer
+
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// CgroupID returns the id of the cgroup v2 directory dir, as BPF helpers
+// report it (bpf_get_current_cgroup_id and friends): its inode number.
+func CgroupID(dir string) (uint64, error) {
+	fd, err := openCgroup(dir)
+	if err != nil {
+		return 0, fmt.Errorf("cgroup id: %w", err)
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return 0, fmt.Errorf("cgroup id: stat %s: %w", dir, err)
+	}
+	return st.Ino, nil
+}
+
+// NewRecvOrder loads the recorder and attaches it to the sock_recv_length
+// tracepoint: from its return on, the receive calls of the tasks below
+// opts.CgroupParent are recorded. The parent must exist; job cgroups may be
+// created below it at any time.
+func NewRecvOrder(opts RecvOrderOptions) (*RecvOrder, error) {
+	log := opts.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	if !filepath.IsAbs(opts.CgroupParent) {
+		return nil, fmt.Errorf("recvorder: cgroup parent %q: the path must be absolute", opts.CgroupParent)
+	}
+	dir := filepath.Clean(opts.CgroupParent)
+	size, err := checkRingSize("recvorder", opts.RingBufferSize)
+	if err != nil {
+		return nil, err
+	}
+	pfd, err := openCgroup(dir)
+	if err != nil {
+		return nil, fmt.Errorf("recvorder: cgroup parent: %w", err)
+	}
+	defer unix.Close(pfd)
+	var st unix.Stat_t
+	if err := unix.Fstat(pfd, &st); err != nil {
+		return nil, fmt.Errorf("recvorder: stat cgroup parent %s: %w", dir, err)
+	}
+
+	wakeEvery := uint32(0)
+	if opts.WakeEveryEvent {
+		wakeEvery = 1
+	}
+	spec, err := loadRecvorder()
+	if err != nil {
+		return nil, fmt.Errorf("recvorder: parse embedded BPF object: %w", err)
+	}
+	spec.Maps[recvorderMapEvents].MaxEntries = uint32(size)
+	for name, v := range map[string]any{
+		recvorderVarRingSize:   uint32(size),
+		recvorderVarWakeBytes:  uint32(size / 8), // an eighth of the ring, as for TCPLogger
+		recvorderVarParentCgid: st.Ino,
+		recvorderVarWakeEvery:  wakeEvery,
+	} {
+		if err := spec.Variables[name].Set(v); err != nil {
+			return nil, fmt.Errorf("recvorder: set %s: %w", name, err)
+		}
+	}
+
+	r := &RecvOrder{log: log}
+	if err := spec.LoadAndAssign(&r.objs, nil); err != nil {
+		var ve *ebpf.VerifierError
+		if errors.As(err, &ve) {
+			log.Error("recvorder: verifier rejected the program", "log", fmt.Sprintf("%+v", ve))
+		}
+		return nil, fmt.Errorf("recvorder: load BPF program and maps (needs root, Linux 6.6+ with BTF): %w", err)
+	}
+	// The array holds its own reference to the cgroup: pfd may be closed.
+	if err := r.objs.Parent.Update(uint32(0), uint32(pfd), ebpf.UpdateAny); err != nil {
+		_ = r.closeObjects()
+		return nil, fmt.Errorf("recvorder: put cgroup parent %s in the cgroup array: %w", dir, err)
+	}
+	r.ring, err = newRingReader("recvorder", r.objs.Events.FD(), size)
+	if err != nil {
+		_ = r.closeObjects()
+		return nil, fmt.Errorf("recvorder: open ring buffer reader: %w", err)
+	}
+	r.consumer = ringConsumer{log: log, ring: r.ring, flag: r.objs.ConsumerPolling}
+	r.link, err = link.AttachTracing(link.TracingOptions{Program: r.objs.Program})
+	if err != nil {
+		_ = r.ring.close()
+		_ = r.closeObjects()
+		return nil, fmt.Errorf("recvorder: attach to tracepoint sock_recv_length (needs root and a kernel with BTF): %w", err)
+	}
+	log.Info("recvorder: attached", "cgroup_parent", dir, "cgroup_parent_id", st.Ino, "ring_bytes", size)
+	return r, nil
+}
+
+// ReadBatch appends to dst the events waiting in the ring buffer, in ring
+// order, at most cap(dst)-len(dst) of them (256 if dst has no room), and
+// returns it. It blocks until there is at least one, ctx is done (after
+// draining what is there: ReadBatch then returns the events with ctx.Err()
+// only once the ring is empty) or the recorder is closed (ErrClosed).
+func (r *RecvOrder) ReadBatch(ctx context.Context, dst []RecvEvent) ([]RecvEvent, error) {
+	room := cap(dst) - len(dst)
+	if room <= 0 {
+		room = 256
+	}
+	var decodeErr error
+	_, err := r.consumer.readBatch(ctx, room, func(raw []byte) error {
+		e, err := DecodeRecvEvent(raw)
+		if err != nil {
+			// Cannot happen (the program writes only these): report it,
+			// but do not leave it blocking the ring.
+			decodeErr = err
+			return nil
+		}
+		dst = append(dst, e)
+		return nil
+	})
+	if decodeErr != nil {
+		return dst, fmt.Errorf("recvorder: %w", decodeErr)
+	}
+	return dst, err
+}
+
+// Lost returns how many events of the job cgroup with id cgroup were lost,
+// plus those lost without knowing their job: any other value than 0 means
+// the job's record is incomplete. Read it after draining the ring: 0 then
+// means every event of the job up to that moment was read.
+func (r *RecvOrder) Lost(cgroup uint64) (uint64, error) {
+	var n uint64
+	if err := r.objs.Lost.Lookup(cgroup, &n); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		return 0, fmt.Errorf("recvorder: read lost events of cgroup %d: %w", cgroup, err)
+	}
+	c, err := r.Counters()
+	if err != nil {
+		return 0, err
+	}
+	return n + c.LostUnattributed, nil
+}
+
+// Forget drops the lost-event count of a job cgroup that ended, so that the
+// map never fills (a full map makes losses unattributed).
+func (r *RecvOrder) Forget(cgroup uint64) error {
+	if err := r.objs.Lost.Delete(cgroup); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		return fmt.Errorf("recvorder: forget cgroup %d: %w", cgroup, err)
+	}
+	return nil
+}
+
+// Counters sums the per-CPU counters.
+func (r *RecvOrder) Counters() (RecvOrderCounters, error) {
+	var per []recvorderOrderCounters
+	if err := r.objs.Stats.Lookup(uint32(0), &per); err != nil {
+		return RecvOrderCounters{}, fmt.Errorf("recvorder: read counters: %w", err)
+	}
+	var c RecvOrderCounters
+	for _, p := range per {
+		c.Recorded += p.Recorded
+		c.Lost += p.Lost
+		c.LostUnattributed += p.LostUnattributed
+		c.NotInJob += p.NotInJob
+		c.NonIPv4 += p.NonIpv4
+	}
+	return c, nil
+}
+
+// Close detaches the recorder, interrupts ReadBatch and frees the program
+// and maps.
+func (r *RecvOrder) Close() error {
+	r.closeOnce.Do(func() {
+		var errs []error
+		if err := r.link.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("recvorder: detach from sock_recv_length: %w", err))
+		}
+		if err := r.ring.close(); err != nil {
+			errs = append(errs, fmt.Errorf("recvorder: close ring buffer reader: %w", err))
+		}
+		if err := r.closeObjects(); err != nil {
+			errs = append(errs, err)
+		}
+		r.closeErr = errors.Join(errs...)
+	})
+	return r.closeErr
+}
+
+func (r *RecvOrder) closeObjects() error {
+	var errs []error
+	for _, c := range []interface{ Close() error }{r.objs.Program, r.objs.Events, r.objs.Parent, r.objs.Lost, r.objs.Stats, r.objs.Bss} {
+		if err := c.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("recvorder: close BPF object: %w", err))
+		}
+	}
+	return errors.Join(errs...)
+}

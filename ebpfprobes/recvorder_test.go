@@ -1,0 +1,1046 @@
+//go:build linux
+
+package ebpfprobes
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/internal/streamtest"
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// recvOp is one receive call of the recvscript role.
+type recvOp struct {
+	conn int    // index of the accepted connection
+	n    int    // buffer size
+	mode string // recv, peek, read, waitall, dontwait
+}
+
+func (o recvOp) String() string { return fmt.Sprintf("%d:%d:%s", o.conn, o.n, o.mode) }
+
+func formatScript(ops []recvOp) string {
+	s := make([]string, len(ops))
+	for i, o := range ops {
+		s[i] = o.String()
+	}
+	return strings.Join(s, ",")
+}
+
+func parseScript(s string) ([]recvOp, error) {
+	var ops []recvOp
+	for f := range strings.SplitSeq(s, ",") {
+		count := 1
+		if i := strings.IndexByte(f, '*'); i >= 0 {
+			var err error
+			if count, err = strconv.Atoi(f[i+1:]); err != nil {
+				return nil, fmt.Errorf("op %q: %w", f, err)
+			}
+			f = f[:i]
+		}
+		var o recvOp
+		p := strings.Split(f, ":")
+		if len(p) != 3 {
+			return nil, fmt.Errorf("op %q: want conn:len:mode", f)
+		}
+		var err1, err2 error
+		o.conn, err1 = strconv.Atoi(p[0])
+		o.n, err2 = strconv.Atoi(p[1])
+		o.mode = p[2]
+		if err := errors.Join(err1, err2); err != nil {
+			return nil, fmt.Errorf("op %q: %w", f, err)
+		}
+		for range count {
+			ops = append(ops, o)
+		}
+	}
+	return ops, nil
+}
+
+// recvScript is the recvscript child role: a server made of raw system
+// calls on blocking sockets, so that each receive call is exactly one
+// recvmsg. It listens on FTKIT_ADDR, prints "ready", accepts one connection
+// per comma-separated byte count of FTKIT_EXPECT (printing "conn <i>" after
+// each), waits until connection i holds that many bytes (SIOCINQ, not a
+// receive), prints "pid <tgid> <tid>", runs the receive calls of
+// FTKIT_SCRIPT (see parseScript; "eof" and "dontwait" calls must return 0 or
+// EAGAIN, the others exactly len) on one thread, prints "done <ns per
+// call>", writes "ok" to every connection and waits for a line on stdin.
+func recvScript() error {
+	ap, err := netip.ParseAddrPort(os.Getenv("FTKIT_ADDR"))
+	if err != nil {
+		return fmt.Errorf("FTKIT_ADDR: %w", err)
+	}
+	var expect []int
+	for f := range strings.SplitSeq(os.Getenv("FTKIT_EXPECT"), ",") {
+		n, err := strconv.Atoi(f)
+		if err != nil {
+			return fmt.Errorf("FTKIT_EXPECT: %w", err)
+		}
+		expect = append(expect, n)
+	}
+	ops, err := parseScript(os.Getenv("FTKIT_SCRIPT"))
+	if err != nil {
+		return fmt.Errorf("FTKIT_SCRIPT: %w", err)
+	}
+	runtime.LockOSThread() // one thread makes every call: one tid
+
+	// An IPv6 address ([::]:port) makes a dual-stack listener, as Go's
+	// net.Listen("tcp", ":port") does: its IPv4 connections are AF_INET6
+	// sockets with IPv4-mapped addresses.
+	family := unix.AF_INET
+	if ap.Addr().Is6() {
+		family = unix.AF_INET6
+	}
+	ln, err := unix.Socket(family, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	if family == unix.AF_INET6 {
+		if err := unix.SetsockoptInt(ln, unix.IPPROTO_IPV6, unix.IPV6_V6ONLY, 0); err != nil {
+			return err
+		}
+	}
+	if err := unix.SetsockoptInt(ln, unix.SOL_SOCKET, unix.SO_REUSEADDR, 1); err != nil {
+		return err
+	}
+	// Room for every byte of a cost run before the first read: the sender
+	// never waits for the window.
+	if err := unix.SetsockoptInt(ln, unix.SOL_SOCKET, unix.SO_RCVBUF, 8<<20); err != nil {
+		return err
+	}
+	var sa unix.Sockaddr = &unix.SockaddrInet6{Addr: ap.Addr().As16(), Port: int(ap.Port())}
+	if family == unix.AF_INET {
+		sa = &unix.SockaddrInet4{Addr: ap.Addr().As4(), Port: int(ap.Port())}
+	}
+	if err := unix.Bind(ln, sa); err != nil {
+		return fmt.Errorf("bind %s: %w", ap, err)
+	}
+	if err := unix.Listen(ln, 8); err != nil {
+		return err
+	}
+	fmt.Println("ready")
+	conns := make([]int, len(expect))
+	for i := range conns {
+		if conns[i], _, err = unix.Accept4(ln, unix.SOCK_CLOEXEC); err != nil {
+			return fmt.Errorf("accept: %w", err)
+		}
+		fmt.Printf("conn %d\n", i)
+	}
+	for i, fd := range conns {
+		for {
+			n, err := unix.IoctlGetInt(fd, unix.SIOCINQ)
+			if err != nil {
+				return fmt.Errorf("SIOCINQ: %w", err)
+			}
+			if n >= expect[i] {
+				break
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	var gap time.Duration
+	if g := os.Getenv("FTKIT_GAP_US"); g != "" {
+		us, err := strconv.Atoi(g)
+		if err != nil {
+			return fmt.Errorf("FTKIT_GAP_US: %w", err)
+		}
+		gap = time.Duration(us) * time.Microsecond
+	}
+	var stamps []int64
+	fmt.Printf("pid %d %d\n", os.Getpid(), unix.Gettid())
+	buf := make([]byte, 1<<16)
+	start := time.Now()
+	for _, o := range ops {
+		// Spin: a sleep this short takes a millisecond in the Go runtime.
+		for end := monoNow() + gap.Nanoseconds(); gap > 0 && monoNow() < end; {
+		}
+		fd := conns[o.conn]
+		b := buf[:o.n]
+		var n int
+		var err error
+		switch o.mode {
+		case "recv", "eof":
+			n, _, err = unix.Recvfrom(fd, b, 0)
+		case "peek":
+			n, _, err = unix.Recvfrom(fd, b, unix.MSG_PEEK)
+		case "waitall":
+			n, _, err = unix.Recvfrom(fd, b, unix.MSG_WAITALL)
+		case "dontwait":
+			n, _, err = unix.Recvfrom(fd, b, unix.MSG_DONTWAIT)
+			if !errors.Is(err, unix.EAGAIN) {
+				return fmt.Errorf("op %s: returned %d, %v; want EAGAIN", o, n, err)
+			}
+			continue
+		case "read":
+			n, err = unix.Read(fd, b)
+		default:
+			return fmt.Errorf("op %s: unknown mode", o)
+		}
+		want := o.n
+		if o.mode == "eof" {
+			want = 0
+		}
+		if err != nil || n != want {
+			return fmt.Errorf("op %s: returned %d, %v; want %d", o, n, err, want)
+		}
+		if gap > 0 {
+			stamps = append(stamps, monoNow())
+		}
+	}
+	fmt.Printf("done %d\n", time.Since(start).Nanoseconds()/int64(max(len(ops), 1)))
+	if gap > 0 {
+		fmt.Printf("stamps %s\n", strings.Trim(fmt.Sprint(stamps), "[]"))
+	}
+	for _, fd := range conns {
+		if _, err := unix.Write(fd, []byte("ok")); err != nil {
+			return fmt.Errorf("write ok: %w", err)
+		}
+	}
+	_, _ = fmt.Scanln()
+	return nil
+}
+
+// monoNow is CLOCK_MONOTONIC in ns: one clock for every process.
+func monoNow() int64 {
+	var ts unix.Timespec
+	_ = unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts)
+	return ts.Nano()
+}
+
+// newRecvOrderT loads a recorder for a test, closed at its end.
+func newRecvOrderT(t *testing.T, parent string, ring int) *RecvOrder {
+	t.Helper()
+	requirePrivileges(t)
+	r, err := NewRecvOrder(RecvOrderOptions{CgroupParent: parent, RingBufferSize: ring})
+	if errors.Is(err, ebpf.ErrNotSupported) {
+		t.Skipf("SKIPPED: this kernel cannot load the receive-order recorder: %v", err)
+	}
+	if err != nil {
+		t.Fatalf("NewRecvOrder: %+v", err)
+	}
+	t.Cleanup(func() {
+		if err := r.Close(); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	})
+	return r
+}
+
+// orderCollector reads a recorder's events until its context is done.
+type orderCollector struct {
+	mu     sync.Mutex
+	events []RecvEvent
+	err    error
+	done   chan struct{}
+}
+
+func collectOrder(ctx context.Context, r *RecvOrder) *orderCollector {
+	c := &orderCollector{done: make(chan struct{})}
+	go func() {
+		defer close(c.done)
+		buf := make([]RecvEvent, 0, 64)
+		for {
+			var err error
+			buf, err = r.ReadBatch(ctx, buf[:0])
+			c.mu.Lock()
+			c.events = append(c.events, buf...)
+			c.mu.Unlock()
+			if err != nil {
+				if ctx.Err() == nil || !errors.Is(err, ctx.Err()) {
+					c.err = err
+				}
+				return
+			}
+		}
+	}()
+	return c
+}
+
+// waitEvents waits until the collector holds n events.
+func (c *orderCollector) waitEvents(ctx context.Context, t *testing.T, n int) []RecvEvent {
+	t.Helper()
+	for {
+		c.mu.Lock()
+		got := len(c.events)
+		c.mu.Unlock()
+		if got >= n {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("waiting for %d receive events: have %d: %v", n, got, ctx.Err())
+		case <-c.done:
+			t.Fatalf("collector stopped with %d of %d events: %v", got, n, c.err)
+		case <-time.After(time.Millisecond):
+		}
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([]RecvEvent(nil), c.events...)
+}
+
+// dialFrom connects from host of tn to addr; the socket lives in host's
+// namespace.
+func dialFrom(t *testing.T, tn *testNet, host string, addr netip.AddrPort) *net.TCPConn {
+	t.Helper()
+	var c net.Conn
+	err := tn.lab.Do(host, func() (err error) {
+		c, err = net.Dial("tcp", addr.String())
+		return err
+	})
+	if err != nil {
+		t.Fatalf("dial %s from %s: %v", addr, host, err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c.(*net.TCPConn)
+}
+
+func addrPort(a net.Addr) netip.AddrPort { return a.(*net.TCPAddr).AddrPort() }
+
+// TestRecvOrderSequence runs a server in a job cgroup (a child of the
+// recorder's parent) that reads two connections in a known interleaving, with
+// peeks, read(2), MSG_WAITALL, an EOF and an EAGAIN, and checks the exact
+// events: connection, copied_seq as an offset from the first byte (the
+// client's write_seq before it wrote, read through TCP repair), length,
+// flags, pid and tid, job cgroup id. The client's own reads (this test
+// process, outside the parent) are not recorded.
+func TestRecvOrderSequence(t *testing.T) {
+	requirePrivileges(t)
+	tn := newTestNet(t)
+	parent := streamtest.NewCgroupT(t, "ro-parent")
+	job := parent.SubT(t, "job1")
+	rec := newRecvOrderT(t, parent.Dir, 64<<10)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cctx, stop := context.WithCancel(ctx)
+	col := collectOrder(cctx, rec)
+	defer func() { stop(); <-col.done }()
+
+	if id, err := CgroupID(job.Dir); err != nil || id != job.ID {
+		t.Fatalf("CgroupID(%s) = %d, %v; want %d (its inode)", job.Dir, id, err, job.ID)
+	}
+
+	const a, b = 0, 1
+	ops := []recvOp{
+		{a, 100, "recv"},
+		{b, 7, "read"},
+		{a, 5, "peek"},
+		{a, 5, "recv"},
+		{b, 13, "waitall"},
+		{a, 15, "peek"},
+		{a, 15, "read"},
+		{b, 1, "eof"},      // returns 0: not recorded
+		{a, 1, "dontwait"}, // EAGAIN: not recorded
+	}
+	sizes := []int{120, 20}
+	srv := netip.AddrPortFrom(tn.ipB, 7301)
+	child := streamtest.StartT(t, tn.lab, hostB, job, "recvscript",
+		"FTKIT_ADDR="+srv.String(), "FTKIT_EXPECT=120,20", "FTKIT_SCRIPT="+formatScript(ops))
+	if l := child.LineT(ctx, t); l != "ready" {
+		t.Fatalf("server said %q, want ready", l)
+	}
+	clients := make([]*net.TCPConn, 2)
+	bases := make([]uint32, 2)
+	for i := range clients {
+		clients[i] = dialFrom(t, tn, hostA, srv)
+		if l := child.LineT(ctx, t); l != fmt.Sprintf("conn %d", i) {
+			t.Fatalf("server said %q, want conn %d", l, i)
+		}
+		seq, err := streamtest.WriteSeq(clients[i])
+		if err != nil {
+			t.Fatalf("read the client's write_seq: %v", err)
+		}
+		bases[i] = seq
+	}
+	for i, c := range clients {
+		if _, err := c.Write(streamtest.Stream(uint64(i), sizes[i])); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := clients[b].CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	var pid, tid uint32
+	if l := child.LineT(ctx, t); func() error { _, err := fmt.Sscanf(l, "pid %d %d", &pid, &tid); return err }() != nil {
+		t.Fatalf("server said %q, want pid <tgid> <tid>", l)
+	}
+	if l := child.LineT(ctx, t); !strings.HasPrefix(l, "done ") {
+		t.Fatalf("server said %q, want done", l)
+	}
+	// The test reads the server's answer outside the parent: not recorded.
+	for _, c := range clients {
+		buf := make([]byte, 2)
+		if _, err := c.Read(buf); err != nil || string(buf) != "ok" {
+			t.Fatalf("read the server's answer: %q, %v", buf, err)
+		}
+	}
+	if _, err := fmt.Fprintln(child.Stdin); err != nil {
+		t.Fatal(err)
+	}
+	if err := child.Wait(); err != nil {
+		t.Fatalf("server: %v", err)
+	}
+
+	type want struct {
+		conn  int
+		off   uint32 // copied_seq - first byte
+		len   uint32
+		flags uint32
+		fin   bool // the call may also have consumed the FIN: off or off+1
+	}
+	wants := []want{
+		{a, 100, 100, 0, false},
+		{b, 7, 7, 0, false},
+		{a, 100, 5, unix.MSG_PEEK, false},
+		{a, 105, 5, 0, false},
+		// B's last bytes: a FIN in the same skb is consumed with them (the
+		// client closed before the server read).
+		{b, 20, 13, unix.MSG_WAITALL, true},
+		{a, 105, 15, unix.MSG_PEEK, false},
+		{a, 120, 15, 0, false},
+	}
+	got := col.waitEvents(ctx, t, len(wants))
+	// The server has exited: every event it caused is counted.
+	cnt, err := rec.Counters()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cnt.Recorded != uint64(len(wants)) || cnt.Lost != 0 || cnt.NotInJob != 0 {
+		t.Errorf("counters %+v, want %d recorded and nothing else", cnt, len(wants))
+	}
+	if len(got) != len(wants) {
+		t.Fatalf("%d events, want %d: %+v", len(got), len(wants), got)
+	}
+	for i, w := range wants {
+		e := got[i]
+		conn := tcpflow.Tuple{Local: addrPort(clients[w.conn].RemoteAddr()), Remote: addrPort(clients[w.conn].LocalAddr())}
+		off := e.CopiedSeq - bases[w.conn]
+		if w.fin && off == w.off+1 {
+			off = w.off
+		}
+		if e.Conn != conn || off != w.off || e.Len != w.len || e.Flags != w.flags ||
+			e.Cgroup != job.ID || e.Pid != pid || e.Tid != tid {
+			t.Errorf("event %d (%s) = %+v (offset %d)\nwant conn %s offset %d len %d flags %#x cgroup %d pid %d tid %d",
+				i, ops[i], e, e.CopiedSeq-bases[w.conn], conn, w.off, w.len, w.flags, job.ID, pid, tid)
+		}
+		if e.Peek() != (w.flags&unix.MSG_PEEK != 0) {
+			t.Errorf("event %d: Peek() = %v", i, e.Peek())
+		}
+	}
+	if n, err := rec.Lost(job.ID); err != nil || n != 0 {
+		t.Errorf("Lost(job) = %d, %v; want 0", n, err)
+	}
+}
+
+// TestRecvOrderLostWhenRingFull fills a one-page ring with nobody reading:
+// the events that did not fit are counted against the job, the ones in the
+// ring are the first ones, in order.
+func TestRecvOrderLostWhenRingFull(t *testing.T) {
+	requirePrivileges(t)
+	tn := newTestNet(t)
+	parent := streamtest.NewCgroupT(t, "ro-parent")
+	job := parent.SubT(t, "job1")
+	page := os.Getpagesize()
+	rec := newRecvOrderT(t, parent.Dir, page)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+
+	const calls = 300
+	fits := page / (RecvEventSize + ringHdrLen)
+	srv := netip.AddrPortFrom(tn.ipB, 7302)
+	child := streamtest.StartT(t, tn.lab, hostB, job, "recvscript",
+		"FTKIT_ADDR="+srv.String(), fmt.Sprintf("FTKIT_EXPECT=%d", calls), fmt.Sprintf("FTKIT_SCRIPT=0:1:recv*%d", calls))
+	if l := child.LineT(ctx, t); l != "ready" {
+		t.Fatalf("server said %q, want ready", l)
+	}
+	c := dialFrom(t, tn, hostA, srv)
+	child.LineT(ctx, t) // conn 0
+	base, err := streamtest.WriteSeq(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Write(make([]byte, calls)); err != nil {
+		t.Fatal(err)
+	}
+	child.LineT(ctx, t) // pid
+	if l := child.LineT(ctx, t); !strings.HasPrefix(l, "done ") {
+		t.Fatalf("server said %q, want done", l)
+	}
+	fmt.Fprintln(child.Stdin)
+	if err := child.Wait(); err != nil {
+		t.Fatalf("server: %v", err)
+	}
+
+	cnt, err := rec.Counters()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cnt.Recorded != uint64(fits) || cnt.Lost != calls-uint64(fits) || cnt.LostUnattributed != 0 {
+		t.Errorf("counters %+v, want %d recorded (a %d-byte ring), %d lost", cnt, fits, page, calls-fits)
+	}
+	if n, err := rec.Lost(job.ID); err != nil || n != cnt.Lost {
+		t.Errorf("Lost(job) = %d, %v; want %d", n, err, cnt.Lost)
+	}
+	if n, err := rec.Lost(parent.ID); err != nil || n != 0 {
+		t.Errorf("Lost(another cgroup) = %d, %v; want 0", n, err)
+	}
+	// Drain: the ring holds the first events.
+	dctx, dcancel := context.WithCancel(ctx)
+	dcancel() // ReadBatch drains what is there, then returns ctx.Err()
+	var got []RecvEvent
+	for {
+		var err error
+		got, err = rec.ReadBatch(dctx, got)
+		if err != nil {
+			if !errors.Is(err, context.Canceled) {
+				t.Fatal(err)
+			}
+			break
+		}
+	}
+	if len(got) != fits {
+		t.Fatalf("drained %d events, want %d", len(got), fits)
+	}
+	for i, e := range got {
+		if e.CopiedSeq-base != uint32(i+1) || e.Len != 1 || e.Cgroup != job.ID {
+			t.Fatalf("event %d = %+v (offset %d), want offset %d len 1 cgroup %d", i, e, e.CopiedSeq-base, i+1, job.ID)
+		}
+	}
+	if err := rec.Forget(job.ID); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := rec.Lost(job.ID); err != nil || n != 0 {
+		t.Errorf("Lost(job) after Forget = %d, %v; want 0", n, err)
+	}
+}
+
+func TestNewRecvOrderRejects(t *testing.T) {
+	dir := t.TempDir()
+	for _, opts := range []RecvOrderOptions{
+		{CgroupParent: "relative/ftkit"},
+		{CgroupParent: dir}, // not a cgroup v2 directory
+		{CgroupParent: "/", RingBufferSize: 100},
+	} {
+		if r, err := NewRecvOrder(opts); err == nil {
+			r.Close()
+			t.Errorf("%+v accepted", opts)
+		} else {
+			t.Logf("%+v: %v", opts, err)
+		}
+	}
+	if _, err := CgroupID(dir); err == nil {
+		t.Errorf("CgroupID(%s) of a directory that is not a cgroup succeeded", dir)
+	}
+}
+
+// encodeRecvEvent is the inverse of DecodeRecvEvent (struct recv_event).
+func encodeRecvEvent(e RecvEvent) []byte {
+	b := make([]byte, RecvEventSize)
+	h := binary.NativeEndian
+	h.PutUint64(b[0:], e.Cgroup)
+	l, r := e.Conn.Local.Addr().As4(), e.Conn.Remote.Addr().As4()
+	copy(b[8:], l[:])
+	copy(b[12:], r[:])
+	binary.BigEndian.PutUint16(b[16:], e.Conn.Local.Port())
+	binary.BigEndian.PutUint16(b[18:], e.Conn.Remote.Port())
+	h.PutUint32(b[20:], e.CopiedSeq)
+	h.PutUint32(b[24:], e.Len)
+	h.PutUint32(b[28:], e.Flags)
+	h.PutUint32(b[32:], e.Pid)
+	h.PutUint32(b[36:], e.Tid)
+	return b
+}
+
+func TestDecodeRecvEvent(t *testing.T) {
+	if RecvEventSize != binary.Size(recvorderRecvEvent{}) {
+		t.Fatalf("RecvEventSize %d, struct recv_event %d bytes", RecvEventSize, binary.Size(recvorderRecvEvent{}))
+	}
+	e := RecvEvent{Cgroup: 1234, Conn: tcpflow.Tuple{
+		Local:  netip.MustParseAddrPort("10.0.0.2:5001"),
+		Remote: netip.MustParseAddrPort("10.0.0.1:40000"),
+	}, CopiedSeq: 0xfffffff0, Len: 7, Flags: unix.MSG_PEEK, Pid: 42, Tid: 43}
+	raw := encodeRecvEvent(e)
+	// The addresses and ports are the wire's bytes.
+	if raw[8] != 10 || raw[11] != 2 || raw[16] != 5001>>8 || raw[17] != 5001&0xff {
+		t.Fatalf("encoding % x", raw)
+	}
+	got, err := DecodeRecvEvent(raw)
+	if err != nil || got != e {
+		t.Fatalf("DecodeRecvEvent = %+v, %v; want %+v", got, err, e)
+	}
+	// The bpf2go twin of struct recv_event decodes the same bytes alike.
+	var twin recvorderRecvEvent
+	if _, err := binary.Decode(raw, binary.NativeEndian, &twin); err != nil {
+		t.Fatal(err)
+	}
+	if twin.CgroupId != e.Cgroup || twin.CopiedSeq != e.CopiedSeq || twin.Len != e.Len || twin.Flags != e.Flags || twin.Pid != e.Pid || twin.Tid != e.Tid {
+		t.Fatalf("bpf2go twin %+v disagrees with %+v", twin, e)
+	}
+	for _, n := range []int{0, RecvEventSize - 1, RecvEventSize + 1} {
+		if _, err := DecodeRecvEvent(make([]byte, n)); !errors.Is(err, ErrBadRecvEvent) {
+			t.Errorf("%d bytes: %v, want ErrBadRecvEvent", n, err)
+		}
+	}
+}
+
+func FuzzDecodeRecvEvent(f *testing.F) {
+	f.Add(make([]byte, RecvEventSize))
+	f.Add([]byte{1, 2, 3})
+	f.Fuzz(func(t *testing.T, raw []byte) {
+		e, err := DecodeRecvEvent(raw)
+		if len(raw) != RecvEventSize {
+			if err == nil {
+				t.Fatalf("%d bytes decoded", len(raw))
+			}
+			return
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if back := encodeRecvEvent(e); string(back) != string(raw) {
+			t.Fatalf("round trip % x -> %+v -> % x", raw, e, back)
+		}
+	})
+}
+
+// recvCost runs calls 1-byte receive calls in a recvscript child born in cg
+// on host b and returns the child's ns per call.
+func recvCost(ctx context.Context, t *testing.T, tn *testNet, cg *streamtest.Cgroup, port uint16, calls int) int64 {
+	t.Helper()
+	srv := netip.AddrPortFrom(tn.ipB, port)
+	child := streamtest.StartT(t, tn.lab, hostB, cg, "recvscript",
+		"FTKIT_ADDR="+srv.String(), fmt.Sprintf("FTKIT_EXPECT=%d", calls), fmt.Sprintf("FTKIT_SCRIPT=0:1:recv*%d", calls))
+	if l := child.LineT(ctx, t); l != "ready" {
+		t.Fatalf("server said %q, want ready", l)
+	}
+	c := dialFrom(t, tn, hostA, srv)
+	child.LineT(ctx, t) // conn 0
+	if _, err := c.Write(make([]byte, calls)); err != nil {
+		t.Fatal(err)
+	}
+	child.LineT(ctx, t) // pid
+	var ns int64
+	if l := child.LineT(ctx, t); func() error { _, err := fmt.Sscanf(l, "done %d", &ns); return err }() != nil {
+		t.Fatalf("server said %q, want done <ns>", l)
+	}
+	fmt.Fprintln(child.Stdin)
+	if err := child.Wait(); err != nil {
+		t.Fatalf("server: %v", err)
+	}
+	c.Close()
+	return ns
+}
+
+// TestRecvOrderCost measures what the recorder adds to a receive call: 1e5
+// one-byte recv calls (the data already queued) without the recorder, with
+// it loaded but the caller outside the parent cgroup (every other process of
+// the machine), and with it recording the caller (a consumer draining the
+// ring), by default and with WakeEveryEvent. It logs the median ns per call
+// of 5 rounds and the program's own run time (BPF statistics); no timing is
+// asserted.
+func TestRecvOrderCost(t *testing.T) {
+	if testing.Short() {
+		t.Skip("SKIPPED: a measurement (-short)")
+	}
+	requirePrivileges(t)
+	tn := newTestNet(t)
+	parent := streamtest.NewCgroupT(t, "ro-parent")
+	job := parent.SubT(t, "job1")
+	other := streamtest.NewCgroupT(t, "ro-other")
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	const calls, rounds = 100000, 5
+	// The kernel's run time statistics of BPF programs: the program's own
+	// cost, without the tracepoint's.
+	statsOn, err := ebpf.EnableStats(uint32(unix.BPF_STATS_RUN_TIME))
+	if err != nil {
+		t.Fatalf("enable BPF run time statistics: %v", err)
+	}
+	defer statsOn.Close()
+	port := uint16(7400)
+	// withRecorder loads a recorder with a draining consumer, runs fn and
+	// checks that every call of the job was recorded or counted lost
+	// (wantJob calls). It returns the program's own ns per run.
+	withRecorder := func(every bool, wantJob uint64, fn func()) int64 {
+		r, err := NewRecvOrder(RecvOrderOptions{CgroupParent: parent.Dir, RingBufferSize: 1 << 20, WakeEveryEvent: every})
+		if errors.Is(err, ebpf.ErrNotSupported) {
+			t.Skipf("SKIPPED: this kernel cannot load the receive-order recorder: %v", err)
+		}
+		if err != nil {
+			t.Fatalf("NewRecvOrder: %+v", err)
+		}
+		defer r.Close()
+		cctx, stop := context.WithCancel(ctx)
+		col := collectOrder(cctx, r)
+		defer func() { stop(); <-col.done }()
+		st0, err := r.objs.Program.Stats()
+		if err != nil {
+			t.Fatal(err)
+		}
+		fn()
+		st1, err := r.objs.Program.Stats()
+		if err != nil {
+			t.Fatal(err)
+		}
+		cnt, err := r.Counters()
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := cnt.Recorded
+		if cnt.Lost == 0 {
+			got = uint64(len(col.waitEvents(ctx, t, int(wantJob))))
+		}
+		if cnt.Recorded+cnt.Lost != wantJob || got != cnt.Recorded {
+			t.Errorf("counters %+v, %d events read; want %d calls recorded or lost", cnt, got, wantJob)
+		}
+		if cnt.Lost != 0 {
+			t.Logf("%d events lost with a 1 MiB ring and a draining consumer", cnt.Lost)
+		}
+		return int64(st1.Runtime-st0.Runtime) / int64(max(st1.RunCount-st0.RunCount, 1))
+	}
+	var off, outside, recorded, recordedWake, progOutside, progRecorded []int64
+	for range rounds {
+		port++
+		off = append(off, recvCost(ctx, t, tn, job, port, calls))
+		port++
+		progOutside = append(progOutside, withRecorder(false, 0, func() {
+			outside = append(outside, recvCost(ctx, t, tn, other, port, calls))
+		}))
+		port++
+		progRecorded = append(progRecorded, withRecorder(false, calls, func() {
+			recorded = append(recorded, recvCost(ctx, t, tn, job, port, calls))
+		}))
+		port++
+		withRecorder(true, calls, func() {
+			recordedWake = append(recordedWake, recvCost(ctx, t, tn, job, port, calls))
+		})
+	}
+	median := func(v []int64) int64 {
+		v = append([]int64(nil), v...)
+		slices.Sort(v)
+		return v[len(v)/2]
+	}
+	t.Logf("ns per 1-byte recv call (median of %d rounds of %d): no recorder %d, recorder loaded and caller outside the parent %d, caller recorded %d, caller recorded with WakeEveryEvent %d",
+		rounds, calls, median(off), median(outside), median(recorded), median(recordedWake))
+	t.Logf("the program's own run time per call (kernel BPF statistics, median): caller outside %d ns, caller recorded %d ns",
+		median(progOutside), median(progRecorded))
+	t.Logf("rounds: no recorder %v, outside %v, recorded %v, with WakeEveryEvent %v", off, outside, recorded, recordedWake)
+}
+
+// pingPong is the pingpong child role: it listens on FTKIT_ADDR, prints
+// "ready", accepts two connections A and B ("conn <i>" after each), waits
+// until each holds FTKIT_ROUNDS bytes, prints "pid <tgid>", then two threads
+// take turns, handing over through pipes (not sockets: not recorded): thread
+// X receives one byte of A and wakes Y, Y receives one byte of B and wakes
+// X, FTKIT_ROUNDS times. It prints "done" and waits for a line on stdin.
+func pingPong() error {
+	ap, err := netip.ParseAddrPort(os.Getenv("FTKIT_ADDR"))
+	if err != nil {
+		return fmt.Errorf("FTKIT_ADDR: %w", err)
+	}
+	rounds, err := strconv.Atoi(os.Getenv("FTKIT_ROUNDS"))
+	if err != nil {
+		return fmt.Errorf("FTKIT_ROUNDS: %w", err)
+	}
+	ln, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	if err := unix.Bind(ln, &unix.SockaddrInet4{Addr: ap.Addr().As4(), Port: int(ap.Port())}); err != nil {
+		return fmt.Errorf("bind %s: %w", ap, err)
+	}
+	if err := unix.Listen(ln, 8); err != nil {
+		return err
+	}
+	fmt.Println("ready")
+	var conns [2]int
+	for i := range conns {
+		if conns[i], _, err = unix.Accept4(ln, unix.SOCK_CLOEXEC); err != nil {
+			return fmt.Errorf("accept: %w", err)
+		}
+		fmt.Printf("conn %d\n", i)
+	}
+	for _, fd := range conns {
+		for {
+			n, err := unix.IoctlGetInt(fd, unix.SIOCINQ)
+			if err != nil {
+				return fmt.Errorf("SIOCINQ: %w", err)
+			}
+			if n >= rounds {
+				break
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	var toY, toX [2]int
+	if err := unix.Pipe2(toY[:], unix.O_CLOEXEC); err != nil {
+		return err
+	}
+	if err := unix.Pipe2(toX[:], unix.O_CLOEXEC); err != nil {
+		return err
+	}
+	fmt.Printf("pid %d\n", os.Getpid())
+	// turn receives one byte of conn, after waiting on in (if >= 0), and
+	// then wakes the other thread through out.
+	turn := func(conn, in, out int, first bool) error {
+		runtime.LockOSThread()
+		b := make([]byte, 1)
+		for i := range rounds {
+			if !first || i > 0 {
+				if _, err := unix.Read(in, b); err != nil {
+					return fmt.Errorf("pipe read: %w", err)
+				}
+			}
+			if n, _, err := unix.Recvfrom(conn, b, 0); n != 1 || err != nil {
+				return fmt.Errorf("recv: %d, %v", n, err)
+			}
+			if _, err := unix.Write(out, b); err != nil {
+				return fmt.Errorf("pipe write: %w", err)
+			}
+		}
+		return nil
+	}
+	errs := make(chan error, 2)
+	go func() { errs <- turn(conns[0], toX[0], toY[1], true) }()
+	go func() { errs <- turn(conns[1], toY[0], toX[1], false) }()
+	if err := errors.Join(<-errs, <-errs); err != nil {
+		return err
+	}
+	fmt.Println("done")
+	_, _ = fmt.Scanln()
+	return nil
+}
+
+// TestRecvOrderAcrossThreads checks that the order of events follows the
+// causality between threads: two threads of a job take turns receiving from
+// two connections, handing over through pipes; the events must alternate
+// exactly, each connection on its own thread, copied_seq one byte further
+// each turn.
+func TestRecvOrderAcrossThreads(t *testing.T) {
+	requirePrivileges(t)
+	tn := newTestNet(t)
+	parent := streamtest.NewCgroupT(t, "ro-parent")
+	job := parent.SubT(t, "job1")
+	rec := newRecvOrderT(t, parent.Dir, 1<<20)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cctx, stop := context.WithCancel(ctx)
+	col := collectOrder(cctx, rec)
+	defer func() { stop(); <-col.done }()
+
+	const rounds = 2000
+	srv := netip.AddrPortFrom(tn.ipB, 7310)
+	child := streamtest.StartT(t, tn.lab, hostB, job, "pingpong",
+		"FTKIT_ADDR="+srv.String(), fmt.Sprintf("FTKIT_ROUNDS=%d", rounds))
+	if l := child.LineT(ctx, t); l != "ready" {
+		t.Fatalf("server said %q, want ready", l)
+	}
+	var clients [2]*net.TCPConn
+	var bases [2]uint32
+	for i := range clients {
+		clients[i] = dialFrom(t, tn, hostA, srv)
+		child.LineT(ctx, t) // conn i
+		var err error
+		if bases[i], err = streamtest.WriteSeq(clients[i]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, c := range clients {
+		if _, err := c.Write(make([]byte, rounds)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var pid uint32
+	if l := child.LineT(ctx, t); func() error { _, err := fmt.Sscanf(l, "pid %d", &pid); return err }() != nil {
+		t.Fatalf("server said %q, want pid <tgid>", l)
+	}
+	if l := child.LineT(ctx, t); l != "done" {
+		t.Fatalf("server said %q, want done", l)
+	}
+	got := col.waitEvents(ctx, t, 2*rounds)
+	if len(got) != 2*rounds {
+		t.Fatalf("%d events, want %d", len(got), 2*rounds)
+	}
+	var tids [2]uint32
+	for i, e := range got {
+		k, round := i%2, uint32(i/2)
+		conn := tcpflow.Tuple{Local: addrPort(clients[k].RemoteAddr()), Remote: addrPort(clients[k].LocalAddr())}
+		if i < 2 {
+			tids[k] = e.Tid
+		}
+		if e.Conn != conn || e.CopiedSeq-bases[k] != round+1 || e.Len != 1 || e.Pid != pid || e.Tid != tids[k] {
+			t.Fatalf("event %d = %+v (offset %d), want conn %s offset %d len 1 pid %d tid %d",
+				i, e, e.CopiedSeq-bases[k], conn, round+1, pid, tids[k])
+		}
+	}
+	if tids[0] == tids[1] || tids[0] == pid && tids[1] == pid {
+		t.Errorf("both connections read by thread %d: the test did not use two threads", tids[0])
+	}
+}
+
+// TestRecvOrderOnlyJobsIPv4 runs the same reads in a job on a dual-stack
+// listener (an IPv4 connection, recorded with its IPv4 addresses, and an
+// IPv6 one, not recorded), in the parent cgroup itself (counted, not
+// recorded) and in a cgroup outside the parent (not even counted).
+func TestRecvOrderOnlyJobsIPv4(t *testing.T) {
+	requirePrivileges(t)
+	tn := newTestNet(t)
+	parent := streamtest.NewCgroupT(t, "ro-parent")
+	job := parent.SubT(t, "job1")
+	other := streamtest.NewCgroupT(t, "ro-other")
+	rec := newRecvOrderT(t, parent.Dir, 64<<10)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cctx, stop := context.WithCancel(ctx)
+	col := collectOrder(cctx, rec)
+	defer func() { stop(); <-col.done }()
+
+	// run starts a recvscript server born in cg, listening on listen, and
+	// connects to it from host: one connection per address of dial.
+	run := func(cg *streamtest.Cgroup, listen netip.AddrPort, dial []netip.AddrPort, hosts []string) []*net.TCPConn {
+		t.Helper()
+		// 4 bytes of the first connection, 10 of the second if any, 6 of the first.
+		ops := []recvOp{{0, 4, "recv"}, {0, 6, "recv"}}
+		if len(dial) == 2 {
+			ops = []recvOp{ops[0], {1, 10, "recv"}, ops[1]}
+		}
+		child := streamtest.StartT(t, tn.lab, hostB, cg, "recvscript", "FTKIT_ADDR="+listen.String(),
+			"FTKIT_EXPECT="+strings.Repeat("10,", len(dial)-1)+"10", "FTKIT_SCRIPT="+formatScript(ops))
+		if l := child.LineT(ctx, t); l != "ready" {
+			t.Fatalf("server said %q, want ready", l)
+		}
+		var cs []*net.TCPConn
+		for i, addr := range dial {
+			c := dialFrom(t, tn, hosts[i], addr)
+			child.LineT(ctx, t) // conn i
+			if _, err := c.Write(make([]byte, 10)); err != nil {
+				t.Fatal(err)
+			}
+			cs = append(cs, c)
+		}
+		child.LineT(ctx, t) // pid
+		if l := child.LineT(ctx, t); !strings.HasPrefix(l, "done ") {
+			t.Fatalf("server said %q, want done", l)
+		}
+		fmt.Fprintln(child.Stdin)
+		if err := child.Wait(); err != nil {
+			t.Fatalf("server: %v", err)
+		}
+		return cs
+	}
+
+	// Outside the parent: nothing.
+	run(other, netip.AddrPortFrom(tn.ipB, 7320), []netip.AddrPort{netip.AddrPortFrom(tn.ipB, 7320)}, []string{hostA})
+	if cnt, err := rec.Counters(); err != nil || cnt != (RecvOrderCounters{}) {
+		t.Fatalf("after reads outside the parent: counters %+v, %v; want none", cnt, err)
+	}
+	// In the parent itself: counted as not in a job.
+	run(parent, netip.AddrPortFrom(tn.ipB, 7321), []netip.AddrPort{netip.AddrPortFrom(tn.ipB, 7321)}, []string{hostA})
+	if cnt, err := rec.Counters(); err != nil || cnt != (RecvOrderCounters{NotInJob: 2}) {
+		t.Fatalf("after reads in the parent cgroup: counters %+v, %v; want 2 not in a job", cnt, err)
+	}
+	// In the job, dual stack: IPv4 from host a, IPv6 on host b's loopback.
+	cs := run(job, netip.MustParseAddrPort("[::]:7322"),
+		[]netip.AddrPort{netip.AddrPortFrom(tn.ipB, 7322), netip.MustParseAddrPort("[::1]:7322")}, []string{hostA, hostB})
+	cnt, err := rec.Counters()
+	if err != nil || cnt != (RecvOrderCounters{NotInJob: 2, Recorded: 2, NonIPv4: 1}) {
+		t.Fatalf("after reads in the job: counters %+v, %v; want 2 recorded, 1 not IPv4 (and the 2 not in a job)", cnt, err)
+	}
+	got := col.waitEvents(ctx, t, 2)
+	conn := tcpflow.Tuple{Local: addrPort(cs[0].RemoteAddr()), Remote: addrPort(cs[0].LocalAddr())}
+	if len(got) != 2 || got[0].Conn != conn || got[0].Len != 4 || got[1].Conn != conn || got[1].Len != 6 ||
+		got[1].CopiedSeq-got[0].CopiedSeq != 6 || got[0].Cgroup != job.ID {
+		t.Fatalf("events %+v, want 4 then 6 bytes of %s (IPv4 addresses) in cgroup %d", got, conn, job.ID)
+	}
+}
+
+// TestRecvOrderWakeLatency logs how late events reach a waiting ReadBatch:
+// a job makes 1-byte receive calls 100 us apart (it spins in between); each event's delay is its
+// arrival in ReadBatch minus the end of its call (CLOCK_MONOTONIC), by
+// default (the reader polls every millisecond while events keep coming) and
+// with WakeEveryEvent. Only the delivery of every event is asserted.
+func TestRecvOrderWakeLatency(t *testing.T) {
+	if testing.Short() {
+		t.Skip("SKIPPED: a measurement (-short)")
+	}
+	requirePrivileges(t)
+	tn := newTestNet(t)
+	parent := streamtest.NewCgroupT(t, "ro-parent")
+	job := parent.SubT(t, "job1")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	const calls = 1000
+	for i, every := range []bool{false, true} {
+		r, err := NewRecvOrder(RecvOrderOptions{CgroupParent: parent.Dir, RingBufferSize: 1 << 20, WakeEveryEvent: every})
+		if errors.Is(err, ebpf.ErrNotSupported) {
+			t.Skipf("SKIPPED: this kernel cannot load the receive-order recorder: %v", err)
+		}
+		if err != nil {
+			t.Fatalf("NewRecvOrder: %+v", err)
+		}
+		arrivals := make(chan []int64, 1)
+		go func() {
+			var at []int64
+			buf := make([]RecvEvent, 0, 64)
+			for len(at) < calls {
+				var err error
+				if buf, err = r.ReadBatch(ctx, buf[:0]); err != nil {
+					break
+				}
+				now := monoNow()
+				for range buf {
+					at = append(at, now)
+				}
+			}
+			arrivals <- at
+		}()
+		srv := netip.AddrPortFrom(tn.ipB, uint16(7500+i))
+		child := streamtest.StartT(t, tn.lab, hostB, job, "recvscript", "FTKIT_ADDR="+srv.String(),
+			fmt.Sprintf("FTKIT_EXPECT=%d", calls), fmt.Sprintf("FTKIT_SCRIPT=0:1:recv*%d", calls), "FTKIT_GAP_US=100")
+		child.LineT(ctx, t) // ready
+		c := dialFrom(t, tn, hostA, srv)
+		child.LineT(ctx, t) // conn 0
+		if _, err := c.Write(make([]byte, calls)); err != nil {
+			t.Fatal(err)
+		}
+		child.LineT(ctx, t) // pid
+		child.LineT(ctx, t) // done
+		var stamps []int64
+		for f := range strings.FieldsSeq(strings.TrimPrefix(child.LineT(ctx, t), "stamps ")) {
+			v, err := strconv.ParseInt(f, 10, 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			stamps = append(stamps, v)
+		}
+		at := <-arrivals
+		fmt.Fprintln(child.Stdin)
+		r.Close()
+		if len(at) != calls || len(stamps) != calls {
+			t.Fatalf("%d events read, %d calls stamped; want %d", len(at), len(stamps), calls)
+		}
+		d := make([]int64, calls)
+		for k := range d {
+			d[k] = at[k] - stamps[k]
+		}
+		slices.Sort(d)
+		t.Logf("WakeEveryEvent=%v: event delay after its call returned: median %d us, p90 %d us, p99 %d us, max %d us",
+			every, d[calls/2]/1000, d[calls*9/10]/1000, d[calls*99/100]/1000, d[calls-1]/1000)
+	}
+}

@@ -1,0 +1,130 @@
+package intercept
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net/netip"
+
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// A Det is one receive-order determinant: a receive call of a protected job that consumed bytes of one TCP
+// connection.
+type Det struct {
+	// Conn is the connection seen from the receiving socket (Local is the job's end).
+	Conn tcpflow.Tuple
+	// End is the socket's copied_seq after the call: every byte before it was consumed.
+	End uint32
+	// Len is how many bytes the call returned (it consumed [End-Len, End)).
+	Len uint32
+}
+
+func (d Det) String() string {
+	return fmt.Sprintf("%s consumed %d bytes up to %d", d.Conn, d.Len, d.End)
+}
+
+// seqAfter is serial-number a > b (RFC 1982).
+func seqAfter(a, b uint32) bool { return int32(a-b) > 0 }
+
+// Bounds of one encoded batch: a request of the cluster protocol is at most 1 MiB.
+const (
+	// MaxBatch is the most determinants one Pack holds (10 bytes each): with the connection table and base64, a page stays well inside 1 MiB.
+	MaxBatch = 1 << 15
+	// MaxConns is the most connections one Pack names (12 bytes each).
+	MaxConns = 1 << 12
+)
+
+// ErrFormat marks bytes that are not a Pack's encoding.
+var ErrFormat = errors.New("not an encoding of determinants")
+
+// Pack encodes dets compactly: a table of the IPv4 connections they name (u16 count, then local address,
+// local port, remote address, remote port: 12 bytes each), then the determinants (u32 count, then the
+// connection's index in the table, End and Len: 10 bytes each), all big-endian.
+func Pack(dets []Det) ([]byte, error) {
+	if len(dets) > MaxBatch {
+		return nil, fmt.Errorf("pack %d determinants: at most %d at a time", len(dets), MaxBatch)
+	}
+	idx := map[tcpflow.Tuple]uint16{}
+	var conns []tcpflow.Tuple
+	for _, d := range dets {
+		c := d.Conn.Unmap()
+		if _, ok := idx[c]; ok {
+			continue
+		}
+		if !c.Local.Addr().Is4() || !c.Remote.Addr().Is4() {
+			return nil, fmt.Errorf("pack determinant of %s: IPv4 connections only", c)
+		}
+		if len(conns) == MaxConns {
+			return nil, fmt.Errorf("pack determinants: more than %d connections in one batch", MaxConns)
+		}
+		idx[c] = uint16(len(conns))
+		conns = append(conns, c)
+	}
+	b := make([]byte, 0, 2+12*len(conns)+4+10*len(dets))
+	b = binary.BigEndian.AppendUint16(b, uint16(len(conns)))
+	for _, c := range conns {
+		b = append(b, c.Local.Addr().AsSlice()...)
+		b = binary.BigEndian.AppendUint16(b, c.Local.Port())
+		b = append(b, c.Remote.Addr().AsSlice()...)
+		b = binary.BigEndian.AppendUint16(b, c.Remote.Port())
+	}
+	b = binary.BigEndian.AppendUint32(b, uint32(len(dets)))
+	for _, d := range dets {
+		b = binary.BigEndian.AppendUint16(b, idx[d.Conn.Unmap()])
+		b = binary.BigEndian.AppendUint32(b, d.End)
+		b = binary.BigEndian.AppendUint32(b, d.Len)
+	}
+	return b, nil
+}
+
+// Unpack decodes Pack's encoding, which may come from another host: every count is bounded and checked
+// against the bytes that follow, every connection must be a valid one, and nothing may follow the last
+// determinant.
+func Unpack(b []byte) ([]Det, error) {
+	bad := func(format string, args ...any) ([]Det, error) {
+		return nil, fmt.Errorf("%w: %s", ErrFormat, fmt.Sprintf(format, args...))
+	}
+	if len(b) < 2 {
+		return bad("%d bytes, shorter than the connection count", len(b))
+	}
+	nc := int(binary.BigEndian.Uint16(b))
+	b = b[2:]
+	if nc > MaxConns {
+		return bad("%d connections, more than %d", nc, MaxConns)
+	}
+	if len(b) < 12*nc+4 {
+		return bad("%d connections announced, %d bytes follow", nc, len(b))
+	}
+	conns := make([]tcpflow.Tuple, nc)
+	for i := range conns {
+		e := b[12*i:]
+		c := tcpflow.Tuple{
+			Local:  netip.AddrPortFrom(netip.AddrFrom4([4]byte(e[0:4])), binary.BigEndian.Uint16(e[4:6])),
+			Remote: netip.AddrPortFrom(netip.AddrFrom4([4]byte(e[6:10])), binary.BigEndian.Uint16(e[10:12])),
+		}
+		if err := c.Validate(); err != nil {
+			return bad("connection %d: %v", i, err)
+		}
+		conns[i] = c
+	}
+	b = b[12*nc:]
+	nd := binary.BigEndian.Uint32(b)
+	b = b[4:]
+	if nd > MaxBatch {
+		return bad("%d determinants, more than %d", nd, MaxBatch)
+	}
+	if uint64(len(b)) != 10*uint64(nd) {
+		return bad("%d determinants announced, %d bytes follow (want %d)", nd, len(b), 10*nd)
+	}
+	dets := make([]Det, nd)
+	for i := range dets {
+		e := b[10*i:]
+		ci := int(binary.BigEndian.Uint16(e))
+		if ci >= nc {
+			return bad("determinant %d names connection %d of %d", i, ci, nc)
+		}
+		dets[i] = Det{Conn: conns[ci], End: binary.BigEndian.Uint32(e[2:6]), Len: binary.BigEndian.Uint32(e[6:10])}
+	}
+	return dets, nil
+}

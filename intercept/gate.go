@@ -1,0 +1,128 @@
+package intercept
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// An Injector delivers bytes to a restored socket as if its peer had sent them (restore.InjectSegment).
+type Injector interface {
+	Inject(conn tcpflow.Tuple, seq uint32, data []byte) error
+}
+
+// A Source is what a peer sent on one connection from the snapshot's copied_seq on: the bytes of the
+// snapshot's receive queue, then those of the peer's log.
+type Source struct {
+	Seq  uint32
+	Data []byte
+}
+
+func (s Source) end() uint32 { return s.Seq + uint32(len(s.Data)) }
+
+// ErrDiverged marks a restored job that consumed its connections in another order or other amounts than
+// its determinants say: it is not re-executing what its peers saw.
+var ErrDiverged = errors.New("the restored job's receive calls diverged from the recorded ones")
+
+// A Gate replays a restored job's determinants (see the package documentation).
+type Gate struct {
+	dets    []Det
+	sources map[tcpflow.Tuple]Source
+}
+
+// NewGate is the gate of a job restored with empty receive queues on the connections of sources, which
+// replays dets (the determinants since its snapshot, Store.Since) on those; determinants of other
+// connections (both ends restored, or made after the snapshot) are not gated. It fails if a determinant
+// consumed bytes its source does not hold, or consumed less than the one before on its connection.
+func NewGate(dets []Det, sources map[tcpflow.Tuple]Source) (*Gate, error) {
+	g := &Gate{sources: make(map[tcpflow.Tuple]Source, len(sources))}
+	at := map[tcpflow.Tuple]uint32{}
+	for c, s := range sources {
+		g.sources[c.Unmap()] = s
+		at[c.Unmap()] = s.Seq
+	}
+	for i, d := range dets {
+		c := d.Conn.Unmap()
+		s, ok := g.sources[c]
+		if !ok {
+			continue
+		}
+		if !seqAfter(d.End, at[c]) || seqAfter(d.End, s.end()) {
+			return nil, fmt.Errorf("determinant %d (%s): the peer's bytes run from %d to %d, and the connection's previous determinant ended at %d", i, d, s.Seq, s.end(), at[c])
+		}
+		at[c] = d.End
+		d.Conn = c
+		g.dets = append(g.dets, d)
+	}
+	return g, nil
+}
+
+// Len is how many determinants the gate replays.
+func (g *Gate) Len() int { return len(g.dets) }
+
+// Run replays: for each determinant in order it injects the bytes its connection lacks up to the
+// determinant's End, then waits for the restored job's receive call that consumes them, as this host's
+// recorder reports it on events (Conn, End; calls on other connections are ignored); after the last, it
+// injects the rest of every source, and the job reads freely. A call that consumed another connection or
+// another amount fails with ErrDiverged; a closed events channel (the recorder lost some) or ctx's end
+// fails too. Injected is the number of bytes injected when it returns.
+func (g *Gate) Run(ctx context.Context, inj Injector, events <-chan Det) (injected int64, err error) {
+	next := make(map[tcpflow.Tuple]uint32, len(g.sources))
+	for c, s := range g.sources {
+		next[c] = s.Seq
+	}
+	inject := func(c tcpflow.Tuple, end uint32) error {
+		s := g.sources[c]
+		from := next[c]
+		if !seqAfter(end, from) {
+			return nil
+		}
+		if err := inj.Inject(c, from, s.Data[from-s.Seq:end-s.Seq]); err != nil {
+			return fmt.Errorf("inject %d bytes of %s's peer at %d: %w", end-from, c, from, err)
+		}
+		injected += int64(end - from)
+		next[c] = end
+		return nil
+	}
+	prev := make(map[tcpflow.Tuple]uint32, len(g.sources)) // how far the restored job consumed
+	for c, s := range g.sources {
+		prev[c] = s.Seq
+	}
+	for i, d := range g.dets {
+		if err := inject(d.Conn, d.End); err != nil {
+			return injected, err
+		}
+		for matched := false; !matched; {
+			select {
+			case <-ctx.Done():
+				return injected, fmt.Errorf("determinant %d of %d (%s): the restored job did not make that receive call: %w", i+1, len(g.dets), d, context.Cause(ctx))
+			case e, ok := <-events:
+				if !ok {
+					return injected, fmt.Errorf("determinant %d of %d (%s): this host's recorder lost receive calls of the restored job", i+1, len(g.dets), d)
+				}
+				e.Conn = e.Conn.Unmap()
+				if _, gated := g.sources[e.Conn]; !gated {
+					continue
+				}
+				switch {
+				case e.Conn == d.Conn && e.End == d.End:
+					matched = true
+				case e.Conn == d.Conn && seqAfter(d.End, e.End) && seqAfter(e.End, prev[d.Conn]):
+					// Part of the bytes: a read woke between two injected segments. The rest follows.
+					prev[d.Conn] = e.End
+				default:
+					return injected, fmt.Errorf("determinant %d of %d: the original %s, the restored job %s: %w", i+1, len(g.dets), d, e, ErrDiverged)
+				}
+			}
+		}
+		prev[d.Conn] = d.End
+	}
+	for c, s := range g.sources {
+		if err := inject(c, s.end()); err != nil {
+			return injected, err
+		}
+	}
+	return injected, nil
+}

@@ -1,0 +1,108 @@
+package intercept
+
+import (
+	"reflect"
+	"strings"
+	"testing"
+
+	"github.com/ftkit/ftkit/ckpt"
+)
+
+// snap is a snapshot of job "j" on node "n1" whose connections A and B had consumed up to a and b.
+func snap(id string, a, b uint32) *ckpt.Manifest {
+	return &ckpt.Manifest{ID: id, Job: "j", Node: "n1", Info: ckpt.Info{Conns: []ckpt.Conn{
+		{Tuple: connA, InqSeq: a + 5, InqLen: 5},
+		{Tuple: connB, InqSeq: b, InqLen: 0},
+	}}}
+}
+
+func TestStoreSince(t *testing.T) {
+	d := func(c, end uint32) Det {
+		if c == 0 {
+			return Det{Conn: connA, End: end, Len: 1}
+		}
+		return Det{Conn: connB, End: end, Len: 1}
+	}
+	stream := []Det{d(0, 10), d(1, 10), d(0, 20), d(1, 20), d(0, 30)}
+	for _, tc := range []struct {
+		name    string
+		batches []Batch
+		m       *ckpt.Manifest
+		want    []Det
+		err     string
+	}{
+		{"after an anchor", []Batch{{Job: "j", Stream: 1, FromStart: true, Dets: stream}}, snap("s", 20, 10), stream[3:], ""},
+		{"every one consumed after", []Batch{{Job: "j", Stream: 1, FromStart: true, Dets: stream}}, snap("s", 0, 0), stream, ""},
+		{"nothing after", []Batch{{Job: "j", Stream: 1, FromStart: true, Dets: stream}}, snap("s", 30, 20), []Det{}, ""},
+		{"in two batches", []Batch{{Job: "j", Stream: 1, FromStart: true, Dets: stream[:2]}, {Job: "j", Stream: 1, First: 2, Dets: stream[2:]}}, snap("s", 20, 10), stream[3:], ""},
+		{"a hole starts over", []Batch{{Job: "j", Stream: 1, FromStart: true, Dets: stream[:2]}, {Job: "j", Stream: 1, First: 3, Dets: stream[3:]}}, snap("s", 10, 0), nil, "none is from before"},
+		{"hole, anchor after it", []Batch{{Job: "j", Stream: 1, FromStart: true, Dets: stream[:2]}, {Job: "j", Stream: 1, First: 3, Dets: stream[3:]}}, snap("s", 20, 20), stream[4:], ""},
+		{"mid-stream attach", []Batch{{Job: "j", Stream: 2, First: 0, FromStart: false, Dets: stream}}, snap("s", 0, 0), nil, "none is from before"},
+		{"restored from another snapshot", []Batch{{Job: "j", Stream: 2, FromStart: true, Base: "old", Dets: stream}}, snap("s", 0, 0), nil, "none is from before"},
+		{"restored from this snapshot", []Batch{{Job: "j", Stream: 2, FromStart: true, Base: "s", Dets: stream}}, snap("s", 0, 0), stream, ""},
+		{"new stream replaces", []Batch{{Job: "j", Stream: 1, FromStart: true, Dets: stream}, {Job: "j", Stream: 2, FromStart: false, Dets: stream[:1]}}, snap("s", 0, 0), nil, "none is from before"},
+		{"other node", nil, snap("s", 0, 0), nil, "no determinants"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := NewStore(0)
+			for _, b := range tc.batches {
+				s.Add("n1", b)
+			}
+			s.Add("n2", Batch{Job: "j", Stream: 9, FromStart: true, Dets: stream}) // never read for n1's snapshots
+			got, err := s.Since(tc.m)
+			if tc.err != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.err) {
+					t.Fatalf("err %v, want %q", err, tc.err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(got) != len(tc.want) || (len(got) > 0 && !reflect.DeepEqual(got, tc.want)) {
+				t.Fatalf("got %v, want %v", got, tc.want)
+			}
+		})
+	}
+}
+
+func TestStoreTrimKeepsAnchor(t *testing.T) {
+	s := NewStore(0)
+	dets := []Det{{Conn: connA, End: 10, Len: 10}, {Conn: connA, End: 20, Len: 10}, {Conn: connA, End: 30, Len: 10}, {Conn: connA, End: 40, Len: 10}}
+	s.Add("n1", Batch{Job: "j", Stream: 1, FromStart: true, Dets: dets})
+	s.Trim(snap("s2", 30, 0))
+	if n := s.Len("j", "n1"); n != 2 {
+		t.Fatalf("%d determinants kept, want 2 (the anchor and the one after)", n)
+	}
+	got, err := s.Since(snap("s2", 30, 0))
+	if err != nil || len(got) != 1 || got[0] != dets[3] {
+		t.Fatalf("since the trimmed snapshot: %v, %v", got, err)
+	}
+	// An older snapshot can no longer be replayed: its determinants are gone, and Since says so.
+	if _, err := s.Since(snap("s1", 10, 0)); err == nil {
+		t.Fatal("a replay from before the trim was allowed")
+	}
+	// The stream goes on after the trim.
+	s.Add("n1", Batch{Job: "j", Stream: 1, First: 4, Dets: []Det{{Conn: connA, End: 50, Len: 10}}})
+	if got, err := s.Since(snap("s2", 30, 0)); err != nil || len(got) != 2 {
+		t.Fatalf("after more: %v, %v", got, err)
+	}
+}
+
+func TestStoreBounded(t *testing.T) {
+	s := NewStore(3)
+	var dets []Det
+	for i := range 5 {
+		dets = append(dets, Det{Conn: connA, End: uint32(10 * (i + 1)), Len: 10})
+	}
+	s.Add("n1", Batch{Job: "j", Stream: 1, FromStart: true, Dets: dets})
+	if n := s.Len("j", "n1"); n != 3 {
+		t.Fatalf("%d kept, want 3", n)
+	}
+	if _, err := s.Since(snap("s", 0, 0)); err == nil {
+		t.Fatal("a replay past dropped determinants was allowed")
+	}
+	if got, err := s.Since(snap("s", 30, 0)); err != nil || len(got) != 2 {
+		t.Fatalf("since a kept anchor: %v, %v", got, err)
+	}
+}
