@@ -173,6 +173,16 @@ func TestInjectIntoRestoredSocket(t *testing.T) {
 	waitFile(ctx, t, filepath.Join(work, "queued"))
 	waitFor(ctx, t, "the peer's bytes acknowledged", func() bool { return queued(t, peer, unix.SIOCOUTQ) == 0 })
 
+	rcvState := func(what string) {
+		socks, err := l.TCPSockets("node1")
+		if err != nil {
+			t.Fatal(err)
+		}
+		i := socks[conn]
+		t.Logf("%s socket: rcv_ssthresh %d (bounds the window it offers) rcv_space %d rcv_wscale %d rcv_mss %d",
+			what, i.Rcv_ssthresh, i.Rcv_space, i.Rcv_wscale, i.Rcv_mss)
+	}
+	rcvState("original")
 	dumper := streamtest.StartT(t, l, "node1", nil, "criu-dump", fmt.Sprintf("FTKIT_PID=%d", job.Process.Pid), "FTKIT_DIR="+images, "FTKIT_KILL=1")
 	t.Logf("job snapshot: %s", dumper.LineT(ctx, t))
 	<-jobDone
@@ -211,6 +221,7 @@ func TestInjectIntoRestoredSocket(t *testing.T) {
 	}
 	t.Cleanup(func() { unix.PidfdSendSignal(pidfd, unix.SIGKILL, nil, 0); unix.Close(pidfd) })
 
+	rcvState("restored")
 	before := mibs(t, l, "node2")
 	peerMaxWindow := int(repairWindow(t, peer)[2])
 	seq := ic.InqSeq - ic.InqLen // the restored rcv_nxt
@@ -260,6 +271,7 @@ func TestInjectIntoRestoredSocket(t *testing.T) {
 	if got := waitFile(ctx, t, filepath.Join(work, "read-3.bin")); !bytes.Equal(got, fresh) {
 		t.Errorf("the restored job read %d bytes after the injection, want the peer's %d fresh ones", len(got), len(fresh))
 	}
+	rcvState("restored, after the injection")
 }
 
 // repairWindow is the socket's TCP_REPAIR_WINDOW (snd_wl1, snd_wnd, max_window, rcv_wnd, rcv_wup), read in
