@@ -30,6 +30,12 @@
 //
 // If the restore fails: Unguard and Release (and put the MTU back).
 //
+// For receive-order determinants the peers' bytes are delivered after the
+// restore instead of through the images: image.ClearReceive takes the
+// snapshot's receive queue out, and InjectFromPeer sends bytes to a restored
+// socket as segments from its peer, as the restored process makes its
+// receive calls (docs/tcp-relocation.md, "Injecting the peer's bytes").
+//
 // The network functions act on the calling OS thread's network namespace:
 // call them with the goroutine locked in the target namespace (lab.Do, or a
 // process that runs in it).

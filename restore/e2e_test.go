@@ -48,6 +48,7 @@ func TestMain(m *testing.M) {
 		"criu-restore": restoreRole,
 		"bulk-send":    bulkSendRole,
 		"bulk-sink":    bulkSinkRole,
+		"inq-holder":   inqHolderRole,
 	}, 2*time.Minute)
 	os.Exit(m.Run())
 }

@@ -10,32 +10,39 @@ import (
 )
 
 // PeerHeader is what InjectFromPeer writes into the TCP headers of the segments it sends as a local
-// socket's peer. The answers to "which values does the receiving socket accept" were measured on Linux 6.18
-// (TestInjectFromPeer, docs/tcp-relocation.md "Injecting the peer's bytes").
+// socket's peer. What the receiving socket accepts was measured on Linux 6.18 by TestInjectFromPeer,
+// TestInjectFromPeerLimits and TestInjectIntoRepairedSocket (docs/tcp-relocation.md, "Injecting the
+// peer's bytes").
 type PeerHeader struct {
 	// Seq is the peer's sequence number of the first payload byte. The local socket queues a segment only
-	// at its rcv_nxt (later ones wait in its out-of-order queue, earlier ones are duplicates it ACKs and
-	// drops), so deliver in order from rcv_nxt.
+	// at its rcv_nxt; a later one waits in its out-of-order queue and is merged once the bytes before it
+	// arrive, an earlier one is a duplicate it drops (with a D-SACK).
 	Seq uint32
-	// Ack must lie in [snd_una-min(max_window, bytes_acked), snd_nxt] of the local socket; anything else
-	// is dropped, data and all: after snd_nxt as an ACK of unsent data, before that range as too old (RFC
-	// 5961 5.2, with a challenge ACK to the peer). A socket fresh from TCP_REPAIR has bytes_acked 0, so
-	// until the peer's first real ACK only ack >= snd_una passes. An ack above snd_una frees the local
-	// socket's send queue up to it: give what the real peer has acknowledged (or received), never more,
-	// or bytes the peer lacks are lost for good.
+	// Ack must lie in [snd_una-min(max_window, bytes_acked), snd_nxt] of the local socket, or the segment
+	// is dropped, data and all, and the socket sends the peer a (rate-limited) challenge ACK: after
+	// snd_nxt as an ACK of unsent data, before the range as too old (RFC 5961 5.2). A socket fresh from
+	// TCP_REPAIR, as CRIU restores one, has bytes_acked 0: until the real peer has acknowledged something,
+	// only snd_una <= ack <= snd_nxt passes. An ack above snd_una frees the local socket's send queue up to
+	// it: never acknowledge more than the real peer has received, or bytes it lacks are lost for good. The
+	// socket's snd_una (the image's outq_seq - outq_len right after a restore) acknowledges nothing new and
+	// stays valid until the real peer has acknowledged max_window bytes beyond it. The peer's rcv_nxt
+	// (its agent's FlowState.Ack) is refused while the restored socket has not re-sent up to it.
 	Ack uint32
 	// Window is the raw 16-bit window field. The local socket scales it by its snd_wscale and takes it as
-	// the peer's receive window (the segments advance snd_wl1), so give the peer's real window >> the
+	// the peer's receive window, replacing what it had (the data segments advance snd_wl1; measured:
+	// tcpi_snd_wnd = the last injected field << snd_wscale), so give the peer's real window >> the
 	// local socket's snd_wscale: too small stalls the local socket's sending, too large makes it send
-	// what the peer drops.
+	// what the peer drops. The peer's own last window field (FlowState.Window) is in that scale already.
 	Window uint16
 	// TS adds the timestamp option (TSval, TSecr). When the connection negotiated timestamps, a segment
-	// without the option is accepted on 6.18 (Linux does not drop it as RFC 7323 3.2 says it SHOULD),
-	// but it is cleaner with one. TSval must pass PAWS: not below ts_recent-1, the last TSval the local
-	// socket took from the peer (any value passes on a socket fresh from TCP_REPAIR: its ts_recent is 0).
-	// It also becomes the new ts_recent, and the real peer's later segments must not fall behind it, or
-	// PAWS drops them: give a value of the peer's TS clock read no later than now (its TCP_TIMESTAMP, or
-	// the TSval of its latest segment), never an invented one ahead of it. TSecr is echoed; 0 is safe.
+	// without the option is still accepted on 6.18 (Linux does not drop it as RFC 7323 3.2 says it
+	// SHOULD), but then it does not move ts_recent (tcp_replace_ts_recent needs the option). TSval must
+	// pass PAWS: not below ts_recent-1, the last TSval the socket took from the peer (a socket fresh from
+	// TCP_REPAIR has ts_recent 0: any value passes, measured with 5). An in-order TSval also becomes the new ts_recent, and the real peer's later segments must
+	// not fall behind it, or PAWS drops them all (measured with a TSval 2^30 ahead: the peer's
+	// retransmission and its new bytes fail PAWS, nothing of it is delivered any more). So give a value of
+	// the peer's own TS clock read no later than now: the TSval of its latest segment (its agent's
+	// FlowState.TSval) or its TCP_TIMESTAMP, never one ahead of it. TSecr is echoed back only; 0 is safe.
 	TS           bool
 	TSval, TSecr uint32
 	// MaxPayload bounds each segment's payload; 0 means DefaultInjectPayload. Longer payloads are split.
@@ -43,10 +50,10 @@ type PeerHeader struct {
 }
 
 // Segment payload limits. An IPv4 datagram is at most 65535 bytes, the headers with the timestamp option
-// take 52; lo's MTU (65536) is larger. DefaultInjectPayload is the MSS of a 1500-byte-MTU path with
-// timestamps, what the receiving socket usually sees: large segments are accepted too (measured: 200 KB
-// in 64 KiB segments), but each occupies a 128 KiB buffer of the receiver's receive memory, twice its
-// payload, which lowers the window the socket offers its real peer.
+// take 52; lo's MTU (65536) is larger. Both limits work; DefaultInjectPayload is the MSS of a 1500-byte
+// MTU path with timestamps, what the receiving socket sees from its real peer. A large segment costs more
+// receive memory, which the socket's window follows (measured: 65483 bytes as one segment charge 131328
+// bytes of receive memory, as 1448-byte segments 104960).
 const (
 	MaxInjectPayload     = 65535 - 20 - 32
 	DefaultInjectPayload = 1448
@@ -57,18 +64,25 @@ const (
 // header fields of h, split at h.MaxPayload, correctly checksummed. It sends from the calling thread's
 // network namespace, which must hold conn.Local: the kernel loops the segments back through lo, so a
 // firewall rule that drops the real peer's segments on the way in from the network (iifname "eth0") does
-// not stop them. Only ordering and the window are the caller's: send each byte once it is the next one
-// the socket expects or will be soon; bytes beyond rcv_nxt plus the socket's receive window are dropped
-// (an in-sequence segment is taken whole even if it overshoots the window, as long as the window is not
-// zero and the receive memory allows).
+// not stop them. When the socket processes them is the kernel's (usually before the send returns); the
+// caller sees the bytes arrive in SIOCINQ or the socket's reads.
 //
-// What the local socket then does at the real peer: it ACKs the injected bytes. Where the peer had those
-// bytes acknowledged already (the failed original's), these ACKs are old or duplicates there and change
-// nothing (the peer's tcp_ack ignores an ack below its snd_una, and a too-old one gets a rate-limited
-// challenge ACK); where the peer had not (its bytes were lost on the way), they acknowledge what it sent,
-// its snd_una catches up, and its retransmissions become duplicates the local socket drops with a D-SACK.
-// Segments the real peer sends beyond the injected point meanwhile go to the local socket's out-of-order
-// queue and are merged once the injection reaches them.
+// The caller keeps to three rules. Inject only bytes the real peer has sent (up to its snd_nxt): the
+// socket ACKs them, and the peer drops an ACK of bytes it has not sent (with a challenge ACK), window
+// update and all, so nothing moves until the peer has sent up to that point by itself, which it cannot
+// beyond its send window (measured: the connection stuck for minutes). Keep within the socket's receive window: it grows with in-order data up to the
+// receive buffer, bytes beyond it are dropped (TcpExt:BeyondWindow; measured: of 141312 bytes sent at
+// once into a 70656-byte window, 86880 were taken). Mind h's Ack and TSval (PeerHeader).
+//
+// What the socket's ACKs of injected bytes do at the real peer: where the peer's bytes were acknowledged
+// before (by the failed original), the ACKs are below the peer's snd_una. Those within
+// min(max_window, bytes_acked) of it are old ACKs the peer ignores; older ones it drops with a challenge
+// ACK, rate-limited (measured after a CRIU restore: 100000 bytes injected, the peer's max_window 94208,
+// TcpExt:TCPACKSkippedChallenge +3, no retransmission, the connection fine afterwards). Where they were not (its segments were lost), they
+// acknowledge what it sent: its snd_una catches up, and its retransmission of injected bytes is a
+// duplicate the socket drops with a D-SACK (measured: TcpExt:TCPDSACKOldSent). Segments the real peer
+// sends beyond the injected point meanwhile wait in the socket's out-of-order queue (TcpExt:TCPOFOQueue)
+// and are merged once the injection reaches them.
 func InjectFromPeer(conn tcpflow.Tuple, h PeerHeader, payload []byte) error {
 	conn = conn.Unmap()
 	if !conn.Local.Addr().Is4() || !conn.Remote.Addr().Is4() {
@@ -89,12 +103,22 @@ func InjectFromPeer(conn tcpflow.Tuple, h PeerHeader, payload []byte) error {
 	// IPPROTO_RAW implies IP_HDRINCL: the source must be the peer's address, which is not one of this
 	// namespace's, so the IP header is ours (the kernel fills in its length, id and checksum).
 	to := &unix.SockaddrInet4{Addr: conn.Local.Addr().As4()}
+	return forEachSegment(h, payload, max, func(seg PeerHeader, part []byte) error {
+		if err := unix.Sendto(fd, peerDatagram(conn, seg, part), 0, to); err != nil {
+			return fmt.Errorf("inject into %s: send %d bytes at seq %d: %w", conn, len(part), seg.Seq, err)
+		}
+		return nil
+	})
+}
+
+// forEachSegment calls fn for each piece of payload of at most max bytes, in order, with h's Seq advanced
+// to the piece's first byte (mod 2^32).
+func forEachSegment(h PeerHeader, payload []byte, max int, fn func(PeerHeader, []byte) error) error {
 	for off := 0; off < len(payload); off += max {
-		end := min(off+max, len(payload))
 		seg := h
 		seg.Seq = h.Seq + uint32(off)
-		if err := unix.Sendto(fd, peerDatagram(conn, seg, payload[off:end]), 0, to); err != nil {
-			return fmt.Errorf("inject into %s: send bytes %d..%d (seq %d): %w", conn, off, end, seg.Seq, err)
+		if err := fn(seg, payload[off:min(off+max, len(payload))]); err != nil {
+			return err
 		}
 	}
 	return nil

@@ -9,6 +9,7 @@ package restore
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"fmt"
 	"io"
 	"net"
@@ -18,8 +19,10 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -153,19 +156,25 @@ func waitFor(ctx context.Context, t *testing.T, what string, cond func() bool) {
 
 var counterRE = regexp.MustCompile(`counter packets (\d+)`)
 
-// dropRule drops, in host's namespace, the connection's segments on eth0 both ways: the peer's on the way
-// in (not those injected through lo) and the local socket's ACKs on the way out, so that the peer neither
+var dropRules atomic.Int32 // names each dropRule's table
+
+// dropRule drops, in host's namespace, the connection's segments on eth0: the peer's on the way in (not
+// those injected through lo), and if acks the local socket's on the way out too, so that the peer neither
 // delivers its bytes nor learns what was injected. It uses a table of its own and returns the count of the
 // peer's segments dropped and the rule's removal.
-func dropRule(ctx context.Context, t *testing.T, l *lab.Lab, host string, conn tcpflow.Tuple) (count func() int, remove func()) {
+func dropRule(ctx context.Context, t *testing.T, l *lab.Lab, host string, conn tcpflow.Tuple, acks bool) (count func() int, remove func()) {
 	t.Helper()
-	table := fmt.Sprintf("ftkit_inject_%d", os.Getpid())
-	script := fmt.Sprintf("table ip %[1]s {\n"+
+	table := fmt.Sprintf("ftkit_inject_%d_%d", os.Getpid(), dropRules.Add(1))
+	out := ""
+	if acks {
+		out = fmt.Sprintf("\tchain post {\n\t\ttype filter hook postrouting priority -300;\n"+
+			"\t\toifname \"eth0\" ip saddr %s ip daddr %s tcp sport %d tcp dport %d counter drop\n\t}\n",
+			conn.Local.Addr(), conn.Remote.Addr(), conn.Local.Port(), conn.Remote.Port())
+	}
+	script := fmt.Sprintf("table ip %s {\n"+
 		"\tchain pre {\n\t\ttype filter hook prerouting priority -300;\n"+
-		"\t\tiifname \"eth0\" ip saddr %[2]s ip daddr %[3]s tcp sport %[4]d tcp dport %[5]d counter drop\n\t}\n"+
-		"\tchain post {\n\t\ttype filter hook postrouting priority -300;\n"+
-		"\t\toifname \"eth0\" ip saddr %[3]s ip daddr %[2]s tcp sport %[5]d tcp dport %[4]d counter drop\n\t}\n}\n",
-		table, conn.Remote.Addr(), conn.Local.Addr(), conn.Remote.Port(), conn.Local.Port())
+		"\t\tiifname \"eth0\" ip saddr %s ip daddr %s tcp sport %d tcp dport %d counter drop\n\t}\n%s}\n",
+		table, conn.Remote.Addr(), conn.Local.Addr(), conn.Remote.Port(), conn.Local.Port(), out)
 	if err := l.Do(host, func() error { return nft(ctx, script) }); err != nil {
 		t.Fatal(err)
 	}
@@ -298,7 +307,7 @@ func TestInjectFromPeer(t *testing.T) {
 	t.Logf("A: rcv_nxt %d snd_nxt %d bytes_acked %d rcv_mss %d rcv_wnd %d; B: rcv_wscale %d",
 		rcvNxt, sndNxt, infoA.Bytes_acked, infoA.Rcv_mss, infoA.Rcv_wnd, wscale)
 
-	count, unblock := dropRule(ctx, t, l, "node1", conn)
+	count, unblock := dropRule(ctx, t, l, "node1", conn, true)
 	const total = 256 << 10
 	data := streamBytes(tagInject, 0, total)
 	wrote := make(chan error, 1)
@@ -307,7 +316,7 @@ func TestInjectFromPeer(t *testing.T) {
 	// bytes before an ACK, so what it has sent is what can be injected. Only bytes the peer has sent may
 	// be: the local socket ACKs them, and the peer drops an ACK of bytes it has not sent (after its
 	// snd_nxt); measured: with the ACKs let through and all 256 KiB injected at once, B's SIOCOUTQ stayed
-	// at 76640 for 2 minutes after the rule went, the connection stalled for good.
+	// at 76640 for 2 minutes after the rule went (TestInjectFromPeerLimits shows the dropped ACK).
 	waitFor(ctx, t, "B to retransmit its dropped first flight", func() bool { return sockInfo(t, sb).Total_retrans > 0 })
 	sentB := func() int { i := sockInfo(t, sb); return int(i.Bytes_sent-i.Bytes_retrans) - 2 /* "hi" */ }
 	n := sentB()
@@ -320,8 +329,10 @@ func TestInjectFromPeer(t *testing.T) {
 		return PeerHeader{Seq: rcvNxt + uint32(off), Ack: sndNxt, Window: uint16(min(0xffff, sockInfo(t, sb).Rcv_wnd>>wscale)),
 			TS: true, TSval: tcpClock(t, sb), TSecr: tcpClock(t, ra)}
 	}
+	var lastWindow uint16
 	inject := func(h PeerHeader, b []byte) {
 		t.Helper()
+		lastWindow = h.Window
 		if err := l.Do("node1", func() error { return InjectFromPeer(conn, h, b) }); err != nil {
 			t.Fatal(err)
 		}
@@ -335,28 +346,27 @@ func TestInjectFromPeer(t *testing.T) {
 	for _, tc := range []struct {
 		name    string
 		mod     func(h *PeerHeader)
-		counter []string // one of them must grow
+		counter []string // one of them grows when the segment is dropped
 	}{
 		{"TSval behind ts_recent (PAWS)", func(h *PeerHeader) { h.TSval -= 1 << 20 }, []string{"TcpExt:PAWSEstab"}},
 		{"ack before snd_una-bytes_acked", func(h *PeerHeader) { h.Ack = sndNxt - uint32(infoA.Bytes_acked) - 1 },
 			[]string{"TcpExt:TCPChallengeACK", "TcpExt:TCPACKSkippedChallenge"}},
-		{"ack after snd_nxt", func(h *PeerHeader) { h.Ack = sndNxt + 1 }, nil},
+		{"ack after snd_nxt", func(h *PeerHeader) { h.Ack = sndNxt + 1 },
+			[]string{"TcpExt:TCPChallengeACK", "TcpExt:TCPACKSkippedChallenge"}},
 	} {
 		before, got0 := mibs(t, l, "node1"), received()
 		h := hdr(0)
 		tc.mod(&h)
 		inject(h, garbage)
-		if tc.counter != nil {
-			waitFor(ctx, t, tc.name+": "+strings.Join(tc.counter, " or "), func() bool {
-				after := mibs(t, l, "node1")
-				for _, c := range tc.counter {
-					if after[c] > before[c] {
-						return true
-					}
+		waitFor(ctx, t, tc.name+": "+strings.Join(tc.counter, " or "), func() bool {
+			after := mibs(t, l, "node1")
+			for _, c := range tc.counter {
+				if after[c] > before[c] {
+					return true
 				}
-				return false
-			})
-		}
+			}
+			return false
+		})
 		after := mibs(t, l, "node1")
 		t.Logf("%s: A's counters %s", tc.name, mibDiff(before, after))
 		if q, got := queued(t, ra, unix.SIOCINQ), received(); q != 0 || got != got0 {
@@ -419,6 +429,10 @@ func TestInjectFromPeer(t *testing.T) {
 	if q := queued(t, ra, unix.SIOCINQ); q != 0 {
 		t.Errorf("%d bytes queued at A beyond the %d injected", q, n)
 	}
+	// The window field became A's idea of B's receive window (the data segments advance snd_wl1).
+	if got, want := sockInfo(t, ra).Snd_wnd, uint32(lastWindow)<<wscale; got != want {
+		t.Errorf("A's snd_wnd is %d after segments with window field %d (scale %d), want %d", got, lastWindow, wscale, want)
+	}
 	if got := sentB(); got != n {
 		t.Fatalf("B sent new bytes while the rule dropped A's ACKs: %d, was %d", got, n)
 	}
@@ -456,5 +470,278 @@ func TestInjectFromPeer(t *testing.T) {
 	}
 	if paws := mibs(t, l, "node1")["TcpExt:PAWSEstab"]; paws != pawsBefore {
 		t.Errorf("%d of B's segments failed PAWS at A after the injections", paws-pawsBefore)
+	}
+}
+
+func rmemAlloc(t *testing.T, c *net.TCPConn) (n int) {
+	t.Helper()
+	sockCtl(t, c, func(fd int) error {
+		var mi [9]uint32 // SK_MEMINFO_VARS
+		l := uint32(len(mi) * 4)
+		_, _, errno := unix.Syscall6(unix.SYS_GETSOCKOPT, uintptr(fd), unix.SOL_SOCKET, unix.SO_MEMINFO,
+			uintptr(unsafe.Pointer(&mi[0])), uintptr(unsafe.Pointer(&l)), 0)
+		if errno != 0 {
+			return errno
+		}
+		n = int(mi[0]) // SK_MEMINFO_RMEM_ALLOC
+		return nil
+	})
+	return n
+}
+
+// TestInjectFromPeerLimits measures what InjectFromPeer's doc states beyond TestInjectFromPeer: a TSval
+// ahead of the peer's clock makes the peer's own later segments fail PAWS; segments beyond the injected
+// point wait in the out-of-order queue and merge; bytes beyond the receive window are dropped; what a large
+// segment costs in receive memory; the peer drops an ACK of injected bytes it has not sent.
+func TestInjectFromPeerLimits(t *testing.T) {
+	labtest.RequireRoot(t)
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+	defer cancel()
+	l := labtest.New(t, 2, 0)
+
+	t.Run("out of order, window, segment size", func(t *testing.T) {
+		ra, sb, conn := pair(t, l, "node1", "node2", 7320)
+		readN(ctx, t, sb, writeAll(t, ra, []byte("hello")))
+		waitFor(ctx, t, "A's hello acknowledged", func() bool { return queued(t, ra, unix.SIOCOUTQ) == 0 })
+		rcvNxt, sndNxt := seqs(t, ra)
+		// The peer hears nothing of this: its stream is not the garbage injected here.
+		dropRule(ctx, t, l, "node1", conn, true)
+		inject := func(off int, b []byte, max int) {
+			t.Helper()
+			h := PeerHeader{Seq: rcvNxt + uint32(off), Ack: sndNxt, Window: 64, TS: true, TSval: tcpClock(t, sb), TSecr: tcpClock(t, ra), MaxPayload: max}
+			if err := l.Do("node1", func() error { return InjectFromPeer(conn, h, b) }); err != nil {
+				t.Fatal(err)
+			}
+		}
+		junk := func(n int, c byte) []byte { return bytes.Repeat([]byte{c}, n) }
+
+		// Out of order: a segment 10000 bytes ahead waits, the gap's bytes merge it.
+		m0 := mibs(t, l, "node1")
+		inject(10000, junk(1000, 'b'), 0)
+		if q := queued(t, ra, unix.SIOCINQ); q != 0 {
+			t.Fatalf("a segment beyond rcv_nxt is readable (%d bytes)", q)
+		}
+		inject(0, junk(10000, 'a'), 0)
+		waitFor(ctx, t, "the gap filled", func() bool { return queued(t, ra, unix.SIOCINQ) == 11000 })
+		got := readN(ctx, t, ra, 11000)
+		if !bytes.Equal(got, append(junk(10000, 'a'), junk(1000, 'b')...)) {
+			t.Error("out-of-order bytes merged wrongly")
+		}
+		m1 := mibs(t, l, "node1")
+		t.Logf("out of order then gap: A's counters %s", mibDiff(m0, m1))
+		off := 11000
+
+		// A burst of twice the receive window: what lies beyond the window is dropped.
+		wnd := int(sockInfo(t, ra).Rcv_wnd)
+		inject(off, junk(2*wnd, 'd'), 0)
+		segs := int64((2*wnd + DefaultInjectPayload - 1) / DefaultInjectPayload)
+		var m2 map[string]int64
+		waitFor(ctx, t, "TCP to have taken in the burst's segments", func() bool {
+			m2 = mibs(t, l, "node1")
+			return m2["Tcp:InSegs"]-m1["Tcp:InSegs"] >= segs
+		})
+		nxt, _ := seqs(t, ra)
+		took := int(nxt - rcvNxt - uint32(off))
+		t.Logf("a burst of %d bytes into a window of %d: A took %d (SIOCINQ %d); counters %s",
+			2*wnd, wnd, took, queued(t, ra, unix.SIOCINQ), mibDiff(m1, m2))
+		if took >= 2*wnd || took < wnd {
+			t.Errorf("A took %d of a %d-byte burst into its %d-byte window", took, 2*wnd, wnd)
+		}
+		readN(ctx, t, ra, took)
+		off += took
+
+		// Receive memory charged for the same bytes in one large segment and in default-size ones.
+		for _, max := range []int{MaxInjectPayload, DefaultInjectPayload} {
+			n := min(int(sockInfo(t, ra).Rcv_wnd), MaxInjectPayload)
+			inject(off, junk(n, 'e'), max)
+			waitFor(ctx, t, "the bytes queued", func() bool { return queued(t, ra, unix.SIOCINQ) == n })
+			t.Logf("%d bytes in segments of %d: receive memory %d", n, max, rmemAlloc(t, ra))
+			readN(ctx, t, ra, n)
+			off += n
+		}
+	})
+	t.Run("TSval ahead of the peer's clock", func(t *testing.T) {
+		ra, sb, conn := pair(t, l, "node1", "node2", 7310)
+		readN(ctx, t, sb, writeAll(t, ra, []byte("hello")))
+		waitFor(ctx, t, "A's hello acknowledged", func() bool { return queued(t, ra, unix.SIOCOUTQ) == 0 })
+		rcvNxt, sndNxt := seqs(t, ra)
+		_, unblock := dropRule(ctx, t, l, "node1", conn, true)
+		data := streamBytes(tagInject, 0, 1000)
+		writeAll(t, sb, data)
+		waitFor(ctx, t, "B to retransmit", func() bool { return sockInfo(t, sb).Total_retrans > 0 })
+		h := PeerHeader{Seq: rcvNxt, Ack: sndNxt, Window: 64, TS: true, TSval: tcpClock(t, sb) + 1<<30, TSecr: tcpClock(t, ra)}
+		if err := l.Do("node1", func() error { return InjectFromPeer(conn, h, data) }); err != nil {
+			t.Fatal(err)
+		}
+		if got := readN(ctx, t, ra, len(data)); !bytes.Equal(got, data) {
+			t.Fatal("A read other bytes than injected")
+		}
+		unblock()
+		// B's retransmission of the injected bytes fails PAWS now; A's duplicate ACK still acknowledges them.
+		waitFor(ctx, t, "B's bytes acknowledged", func() bool { return queued(t, sb, unix.SIOCOUTQ) == 0 })
+		paws, got0 := mibs(t, l, "node1")["TcpExt:PAWSEstab"], sockInfo(t, ra).Bytes_received
+		writeAll(t, sb, streamBytes(tagInject, 1000, 1100))
+		waitFor(ctx, t, "B's new bytes to fail PAWS at A", func() bool { return mibs(t, l, "node1")["TcpExt:PAWSEstab"] > paws })
+		if q, got := queued(t, ra, unix.SIOCINQ), sockInfo(t, ra).Bytes_received; q != 0 || got != got0 {
+			t.Errorf("B's new bytes were accepted (SIOCINQ %d, bytes_received %d -> %d)", q, got0, got)
+		}
+		t.Logf("TSval 2^30 ahead of B's clock: B's next segment fails PAWS at A (TcpExt:PAWSEstab %d -> %d), its bytes are not delivered",
+			paws, mibs(t, l, "node1")["TcpExt:PAWSEstab"])
+	})
+
+	t.Run("bytes the peer has not sent", func(t *testing.T) {
+		ra, sb, conn := pair(t, l, "node1", "node2", 7340)
+		readN(ctx, t, sb, writeAll(t, ra, []byte("hello")))
+		waitFor(ctx, t, "A's hello acknowledged", func() bool { return queued(t, ra, unix.SIOCOUTQ) == 0 })
+		rcvNxt, sndNxt := seqs(t, ra)
+		dropRule(ctx, t, l, "node1", conn, false) // B's segments only: A's ACKs reach B
+		const total, injected = 256 << 10, 60000
+		data := streamBytes(tagInject, 0, total)
+		go sb.Write(data)
+		waitFor(ctx, t, "B to retransmit", func() bool { return sockInfo(t, sb).Total_retrans > 0 })
+		i := sockInfo(t, sb)
+		sent, outq := int(i.Bytes_sent-i.Bytes_retrans), queued(t, sb, unix.SIOCOUTQ)
+		if sent >= injected {
+			t.Fatalf("B's first flight is %d bytes, the test injects %d to go beyond it", sent, injected)
+		}
+		before := mibs(t, l, "node2")
+		// B's own bytes, beyond what it has sent.
+		h := PeerHeader{Seq: rcvNxt, Ack: sndNxt, Window: 64, TS: true, TSval: tcpClock(t, sb), TSecr: tcpClock(t, ra)}
+		if err := l.Do("node1", func() error { return InjectFromPeer(conn, h, data[:injected]) }); err != nil {
+			t.Fatal(err)
+		}
+		if got := readN(ctx, t, ra, injected); !bytes.Equal(got, data[:injected]) {
+			t.Fatal("A read other bytes than injected")
+		}
+		waitFor(ctx, t, "B to drop A's ACK of bytes it has not sent", func() bool {
+			after := mibs(t, l, "node2")
+			return after["TcpExt:TCPChallengeACK"] > before["TcpExt:TCPChallengeACK"] ||
+				after["TcpExt:TCPACKSkippedChallenge"] > before["TcpExt:TCPACKSkippedChallenge"]
+		})
+		t.Logf("B had sent %d bytes (SIOCOUTQ %d), %d injected: B's counters %s, SIOCOUTQ %d",
+			sent, outq, injected, mibDiff(before, mibs(t, l, "node2")), queued(t, sb, unix.SIOCOUTQ))
+	})
+}
+
+// writeAll writes b to c and returns its length.
+func writeAll(t *testing.T, c *net.TCPConn, b []byte) int {
+	t.Helper()
+	if _, err := c.Write(b); err != nil {
+		t.Fatal(err)
+	}
+	return len(b)
+}
+
+// repairedSocket makes, in host's namespace, an established socket from local to remote the way CRIU
+// restores one (TCP_REPAIR: sequence numbers set, connect without a handshake, MSS and timestamp options,
+// repair off without a window probe), with rcv_nxt rcvNxt and snd_nxt sndNxt and nothing queued. Its peer
+// need not exist: the caller drops what it sends.
+func repairedSocket(t *testing.T, l *lab.Lab, host string, conn tcpflow.Tuple, rcvNxt, sndNxt uint32) *net.TCPConn {
+	t.Helper()
+	var f *os.File
+	if err := l.Do(host, func() error {
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		f = os.NewFile(uintptr(fd), "repaired")
+		set := func(opt, v int) error { return unix.SetsockoptInt(fd, unix.IPPROTO_TCP, opt, v) }
+		if err := set(unix.TCP_REPAIR, unix.TCP_REPAIR_ON); err != nil {
+			return fmt.Errorf("TCP_REPAIR: %w", err)
+		}
+		for q, seq := range map[int]uint32{1: rcvNxt, 2: sndNxt} {
+			if err := set(unix.TCP_REPAIR_QUEUE, q); err != nil {
+				return err
+			}
+			if err := set(unix.TCP_QUEUE_SEQ, int(int32(seq))); err != nil {
+				return fmt.Errorf("TCP_QUEUE_SEQ: %w", err)
+			}
+		}
+		if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: conn.Local.Addr().As4(), Port: int(conn.Local.Port())}); err != nil {
+			return err
+		}
+		if err := unix.Connect(fd, &unix.SockaddrInet4{Addr: conn.Remote.Addr().As4(), Port: int(conn.Remote.Port())}); err != nil {
+			return fmt.Errorf("repair connect: %w", err)
+		}
+		var opts []byte // struct tcp_repair_opt { u32 code, val }: MSS 1448, timestamps
+		for _, o := range [][2]uint32{{2 /* TCPOPT_MSS */, 1448}, {8 /* TCPOPT_TIMESTAMP */, 0}} {
+			opts = binary.NativeEndian.AppendUint32(binary.NativeEndian.AppendUint32(opts, o[0]), o[1])
+		}
+		if err := unix.SetsockoptString(fd, unix.IPPROTO_TCP, unix.TCP_REPAIR_OPTIONS, string(opts)); err != nil {
+			return fmt.Errorf("TCP_REPAIR_OPTIONS: %w", err)
+		}
+		return set(unix.TCP_REPAIR, unix.TCP_REPAIR_OFF_NO_WP)
+	}); err != nil {
+		if f != nil {
+			f.Close()
+		}
+		t.Fatal(err)
+	}
+	defer f.Close()
+	c, err := net.FileConn(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c.(*net.TCPConn)
+}
+
+// TestInjectIntoRepairedSocket: on a socket fresh from TCP_REPAIR, as CRIU restores one, any TSval passes
+// PAWS (its ts_recent is 0) and then becomes ts_recent; and an ack below snd_una is too old (its
+// bytes_acked is 0), while ack == snd_una passes.
+func TestInjectIntoRepairedSocket(t *testing.T) {
+	labtest.RequireRoot(t)
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	l := labtest.New(t, 2, 0)
+	ha, _ := l.Host("node1")
+	hb, _ := l.Host("node2")
+	conn := tcpflow.Tuple{Local: netip.AddrPortFrom(ha.Addr.Addr(), 7330), Remote: netip.AddrPortFrom(hb.Addr.Addr(), 7331)}
+	dropRule(ctx, t, l, "node1", conn, true) // no socket at node2: it would answer A's ACKs with a reset
+	const rcvNxt, sndNxt = 0xfffff000, 0x10000000
+	ra := repairedSocket(t, l, "node1", conn, rcvNxt, sndNxt)
+	if i := sockInfo(t, ra); i.Options&1 == 0 || i.Bytes_acked != 0 {
+		t.Fatalf("repaired socket: tcpi_options %#x bytes_acked %d, want timestamps and 0", i.Options, i.Bytes_acked)
+	}
+	inject := func(off int, b []byte, ack, tsval uint32) {
+		t.Helper()
+		h := PeerHeader{Seq: rcvNxt + uint32(off), Ack: ack, Window: 1000, TS: true, TSval: tsval}
+		if err := l.Do("node1", func() error { return InjectFromPeer(conn, h, b) }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	refused := func(what string, counters ...string) {
+		t.Helper()
+		before, got0 := mibs(t, l, "node1"), sockInfo(t, ra).Bytes_received
+		inject(0, []byte("garbage"), sndNxt-1, 5)
+		waitFor(ctx, t, what, func() bool {
+			after := mibs(t, l, "node1")
+			for _, c := range counters {
+				if after[c] > before[c] {
+					return true
+				}
+			}
+			return false
+		})
+		if q, got := queued(t, ra, unix.SIOCINQ), sockInfo(t, ra).Bytes_received; q != 0 || got != got0 {
+			t.Errorf("%s: accepted (SIOCINQ %d, bytes_received %d -> %d)", what, q, got0, got)
+		}
+	}
+	refused("ack snd_una-1 refused as too old", "TcpExt:TCPChallengeACK", "TcpExt:TCPACKSkippedChallenge")
+
+	data := streamBytes(tagInject, 0, 8192) // crosses the 2^32 wrap of the sequence space at 4096
+	inject(0, data[:4096], sndNxt, 5)       // TSval 5: far behind any real clock, yet ts_recent is 0
+	if got := readN(ctx, t, ra, 4096); !bytes.Equal(got, data[:4096]) {
+		t.Fatal("A read other bytes than injected")
+	}
+	before := mibs(t, l, "node1")
+	inject(4096, data[4096:], sndNxt, 2) // now ts_recent is 5: 2 fails PAWS
+	waitFor(ctx, t, "TSval 2 after 5 to fail PAWS", func() bool { return mibs(t, l, "node1")["TcpExt:PAWSEstab"] > before["TcpExt:PAWSEstab"] })
+	if q := queued(t, ra, unix.SIOCINQ); q != 0 {
+		t.Errorf("TSval 2 after 5 accepted (%d bytes queued)", q)
+	}
+	inject(4096, data[4096:], sndNxt, 4) // within PAWS's window of 1
+	if got := readN(ctx, t, ra, 4096); !bytes.Equal(got, data[4096:]) {
+		t.Fatal("A read other bytes than injected")
 	}
 }

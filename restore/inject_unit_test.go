@@ -3,6 +3,7 @@ package restore
 import (
 	"bytes"
 	"encoding/binary"
+	"fmt"
 	"net/netip"
 	"testing"
 
@@ -57,5 +58,40 @@ func TestPeerSegment(t *testing.T) {
 	}
 	if err := InjectFromPeer(conn, PeerHeader{MaxPayload: MaxInjectPayload + 1}, []byte("x")); err == nil {
 		t.Error("MaxPayload over an IPv4 datagram's limit accepted")
+	}
+}
+
+// TestForEachSegment: a payload is cut into pieces of at most max bytes, in order, each with the sequence
+// number of its first byte, across the 2^32 wrap; an empty payload sends nothing.
+func TestForEachSegment(t *testing.T) {
+	payload := make([]byte, 3000)
+	for i := range payload {
+		payload[i] = byte(i)
+	}
+	for _, tc := range []struct {
+		seq   uint32
+		max   int
+		n     int
+		sizes []int
+	}{
+		{1000, 1448, 3000, []int{1448, 1448, 104}},
+		{0xffffff00, 1000, 3000, []int{1000, 1000, 1000}}, // the second piece starts at seq 0xffffff00+1000, past the wrap
+		{7, MaxInjectPayload, 3000, []int{3000}},
+		{7, 1, 3, []int{1, 1, 1}},
+		{7, 1448, 0, nil},
+	} {
+		var sizes []int
+		var joined []byte
+		err := forEachSegment(PeerHeader{Seq: tc.seq, Ack: 9}, payload[:tc.n], tc.max, func(h PeerHeader, part []byte) error {
+			if want := tc.seq + uint32(len(joined)); h.Seq != want || h.Ack != 9 {
+				t.Errorf("seq %d max %d: piece at offset %d has seq %d ack %d, want seq %d ack 9", tc.seq, tc.max, len(joined), h.Seq, h.Ack, want)
+			}
+			sizes = append(sizes, len(part))
+			joined = append(joined, part...)
+			return nil
+		})
+		if err != nil || !bytes.Equal(joined, payload[:tc.n]) || fmt.Sprint(sizes) != fmt.Sprint(tc.sizes) {
+			t.Errorf("seq %d max %d: pieces %v (err %v), want %v covering the payload in order", tc.seq, tc.max, sizes, err, tc.sizes)
+		}
 	}
 }
