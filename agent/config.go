@@ -169,6 +169,10 @@ type LogConfig struct {
 	High      float64 `toml:"high"`       // fraction of the cap at which destination nodes are asked to snapshot
 	Low       float64 `toml:"low"`        // fraction of the cap the controller aims for
 	SpillDir  string  `toml:"spill_dir"`  // last resort when snapshots do not free enough; empty: never spill
+	// ReceiveOrder records the order in which jobs consume their connections (package intercept), so that
+	// a restored job re-reads them in that order. Off, a job that reads whichever socket has data first
+	// fails its recovery (loudly) when it reads another one first.
+	ReceiveOrder bool `toml:"receive_order"`
 }
 
 // Defaults returns a Config with every default filled in.
@@ -190,7 +194,7 @@ func Defaults() Config {
 	c.Failover.ReplayTimeout = Duration{2 * time.Minute}
 	c.Failover.ParallelRestores = 4
 	c.Failover.FenceCommandTimeout = Duration{30 * time.Second}
-	c.Log = LogConfig{Enabled: true, RingMiB: 64, High: 0.8, Low: 0.6}
+	c.Log = LogConfig{Enabled: true, RingMiB: 64, High: 0.8, Low: 0.6, ReceiveOrder: true}
 	c.JobNetwork.Kind = jobnet.MACVlan
 	return c
 }

@@ -58,7 +58,10 @@ func newDetState(log *slog.Logger, record bool, cgroupParent string, ringBytes i
 	if !record {
 		return d
 	}
-	rec, err := ebpfprobes.NewRecvOrder(ebpfprobes.RecvOrderOptions{CgroupParent: cgroupParent, RingBufferSize: ringBytes, Logger: log})
+	// Woken for every call: a determinant reaches the protector sooner (fewer orphans at a crash), and a
+	// replay's gate sees each restored call at once; it costs about 1.5 us more per receive call
+	// (docs/ebpf-logging.md, "Receive order").
+	rec, err := ebpfprobes.NewRecvOrder(ebpfprobes.RecvOrderOptions{CgroupParent: cgroupParent, RingBufferSize: ringBytes, WakeEveryEvent: true, Logger: log})
 	if err != nil {
 		log.Error("the receive-order recorder could not be loaded: restored jobs re-read their sockets in any order (a program that reads the first socket with data then fails its recovery, loudly)", "err", err)
 		return d

@@ -62,6 +62,15 @@ func NewGate(dets []Det, sources map[tcpflow.Tuple]Source) (*Gate, error) {
 // Len is how many determinants the gate replays.
 func (g *Gate) Len() int { return len(g.dets) }
 
+// Conns is how many connections its determinants consumed.
+func (g *Gate) Conns() int {
+	seen := map[tcpflow.Tuple]bool{}
+	for _, d := range g.dets {
+		seen[d.Conn] = true
+	}
+	return len(seen)
+}
+
 // Run replays: for each determinant in order it injects the bytes its connection lacks up to the
 // determinant's End, then waits for the restored job's receive call that consumes them, as this host's
 // recorder reports it on events (Conn, End; calls on other connections are ignored); after the last, it

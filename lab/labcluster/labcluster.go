@@ -63,6 +63,8 @@ type Options struct {
 	FenceTimeout time.Duration
 	// ReplayTimeout is every agent's failover.replay_timeout (0: the default).
 	ReplayTimeout time.Duration
+	// NoReceiveOrder turns every agent's log.receive_order off.
+	NoReceiveOrder bool
 	// ParallelRestores is every agent's failover.parallel_restores (0: the default).
 	ParallelRestores int
 	// JobAddresses gives every agent a job_network.pool (JobPool) and gateway (JobGateway), so that jobs
@@ -268,6 +270,9 @@ func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
 	}
 	if c.opts.FenceTimeout > 0 {
 		cfg.Failover.FenceTimeout.Duration = c.opts.FenceTimeout
+	}
+	if c.opts.NoReceiveOrder {
+		cfg.Log.ReceiveOrder = false
 	}
 	if c.opts.ReplayTimeout > 0 {
 		cfg.Failover.ReplayTimeout.Duration = c.opts.ReplayTimeout
