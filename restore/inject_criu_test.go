@@ -222,6 +222,18 @@ func TestInjectIntoRestoredSocket(t *testing.T) {
 	t.Cleanup(func() { unix.PidfdSendSignal(pidfd, unix.SIGKILL, nil, 0); unix.Close(pidfd) })
 
 	rcvState("restored")
+	// A restored socket counts tcpi_bytes_received from 0: its rcv_nxt is the image's plus that count
+	// (what DeliverFromPeer's caller needs).
+	received := func() uint64 {
+		var r uint64
+		if err := l.Do("node1", func() (err error) { r, _, err = SocketReceived(conn); return err }); err != nil {
+			t.Fatal(err)
+		}
+		return r
+	}
+	if r := received(); r != 0 {
+		t.Errorf("the restored socket's bytes_received is %d before any injection, want 0", r)
+	}
 	before := mibs(t, l, "node2")
 	peerMaxWindow := int(repairWindow(t, peer)[2])
 	seq := ic.InqSeq - ic.InqLen // the restored rcv_nxt
@@ -245,6 +257,9 @@ func TestInjectIntoRestoredSocket(t *testing.T) {
 			t.Fatalf("read %d of the restored job returned %d bytes, want exactly the %d injected before it", k+1, len(got), len(part))
 		}
 		seq += uint32(len(part))
+	}
+	if r := received(); r != n {
+		t.Errorf("the restored socket's bytes_received is %d after %d bytes were injected", r, n)
 	}
 	after := mibs(t, l, "node2")
 	t.Logf("restored in %d ms; %d + %d bytes injected, each read whole; the peer's counters meanwhile: %s",

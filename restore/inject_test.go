@@ -745,3 +745,52 @@ func TestInjectIntoRepairedSocket(t *testing.T) {
 		t.Fatal("A read other bytes than injected")
 	}
 }
+
+// TestDeliverFromPeer: 1 MiB delivered into a socket whose window is far smaller, while its application
+// reads: InjectFromPeer alone loses what lies beyond the window (BeyondWindow), DeliverFromPeer re-injects
+// it as the window opens, and the application reads every byte in order.
+func TestDeliverFromPeer(t *testing.T) {
+	labtest.RequireRoot(t)
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	l := labtest.New(t, 2, 0)
+	ra, sb, conn := pair(t, l, "node1", "node2", 7360)
+	readN(ctx, t, sb, writeAll(t, ra, []byte("hello")))
+	waitFor(ctx, t, "A's hello acknowledged", func() bool { return queued(t, ra, unix.SIOCOUTQ) == 0 })
+	rcvNxt, sndNxt := seqs(t, ra)
+	dropRule(ctx, t, l, "node1", conn, true) // the peer hears nothing of these bytes, which it never sent
+	const n = 1 << 20
+	data := streamBytes(tagInject, 0, n)
+	m0 := mibs(t, l, "node1")
+	// The application starts reading once the socket has dropped bytes beyond its window.
+	got := make(chan []byte, 1)
+	go func() {
+		for mibs(t, l, "node1")["TcpExt:BeyondWindow"] == m0["TcpExt:BeyondWindow"] && ctx.Err() == nil {
+			time.Sleep(time.Millisecond)
+		}
+		b := make([]byte, n)
+		ra.SetReadDeadline(time.Now().Add(time.Minute))
+		k, _ := io.ReadFull(ra, b)
+		got <- b[:k]
+	}()
+	var received0 uint64
+	err := l.Do("node1", func() (err error) {
+		if received0, _, err = SocketReceived(conn); err != nil {
+			return err
+		}
+		h := PeerHeader{Seq: rcvNxt, Ack: sndNxt, Window: 64, TS: true, TSval: tcpClock(t, sb)}
+		return DeliverFromPeer(ctx, conn, h, data, func() (uint32, int, error) {
+			r, unread, err := SocketReceived(conn)
+			return rcvNxt + uint32(r-received0), unread, err
+		}, 50*time.Millisecond)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := <-got
+	m1 := mibs(t, l, "node1")
+	t.Logf("1 MiB delivered, A's window now %d: A's counters %s", sockInfo(t, ra).Rcv_wnd, mibDiff(m0, m1))
+	if !bytes.Equal(b, data) {
+		t.Fatalf("A read %d bytes, not the %d delivered in order", len(b), n)
+	}
+}

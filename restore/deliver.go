@@ -1,0 +1,97 @@
+package restore
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"time"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// deliverRound bounds what DeliverFromPeer injects at once.
+const deliverRound = 1 << 20
+
+// DeliverFromPeer injects payload (the peer's bytes from h.Seq on) into the local socket of conn with
+// InjectFromPeer until the socket has taken in all of it, re-injecting what it dropped. A socket drops
+// what lies beyond its receive window (measured: of 141312 bytes sent at once into a 70656-byte window,
+// 86880 taken) and nobody else sends those bytes again: the real peer had them acknowledged by the
+// failed original. The window opens as the application reads, so DeliverFromPeer re-injects from the
+// socket's rcv_nxt whenever it moved or the application read (the unread bytes went down), and every
+// retry otherwise. rcvNxt reports the socket's rcv_nxt (SocketReceived gives one way); it must not be
+// before h.Seq. It runs in the calling thread's network namespace, as InjectFromPeer, until the bytes are
+// in or ctx ends.
+func DeliverFromPeer(ctx context.Context, conn tcpflow.Tuple, h PeerHeader, payload []byte,
+	rcvNxt func() (nxt uint32, unread int, err error), retry time.Duration) error {
+	end := h.Seq + uint32(len(payload))
+	var lastNxt uint32
+	lastUnread, first := 0, true
+	for {
+		nxt, unread, err := rcvNxt()
+		if err != nil {
+			return fmt.Errorf("deliver to %s: %w", conn, err)
+		}
+		off := nxt - h.Seq
+		switch {
+		case int32(nxt-h.Seq) < 0:
+			return fmt.Errorf("deliver to %s: the socket's rcv_nxt %d is before the bytes to deliver (from %d): it lacks earlier bytes", conn, nxt, h.Seq)
+		case int32(nxt-end) >= 0:
+			return nil
+		}
+		if first || nxt != lastNxt || unread < lastUnread {
+			seg := h
+			seg.Seq = nxt
+			// At most deliverRound bytes a round: a window is rarely larger, and what lies beyond it is
+			// dropped anyway.
+			if err := InjectFromPeer(conn, seg, payload[off:min(len(payload), int(off)+deliverRound)]); err != nil {
+				return err
+			}
+			first = false
+		}
+		lastNxt, lastUnread = nxt, unread
+		// Until something changes: poll briefly, re-inject at the latest after retry.
+		deadline := time.Now().Add(retry)
+		for {
+			select {
+			case <-ctx.Done():
+				return fmt.Errorf("deliver to %s: %d of %d bytes in: %w", conn, off, len(payload), context.Cause(ctx))
+			case <-time.After(time.Millisecond):
+			}
+			n, u, err := rcvNxt()
+			if err != nil {
+				return fmt.Errorf("deliver to %s: %w", conn, err)
+			}
+			if n != nxt || u < unread {
+				break
+			}
+			if time.Now().After(deadline) {
+				first = true // re-inject even without a change
+				break
+			}
+		}
+	}
+}
+
+// SocketReceived returns, for the established IPv4 socket conn (conn.Local its local end) in the calling
+// thread's network namespace, how many bytes it has received in order (tcpi_bytes_received: rcv_nxt
+// minus its value when the socket was created or restored) and how many of them the application has not
+// read yet, read with sock_diag.
+func SocketReceived(conn tcpflow.Tuple) (received uint64, unread int, err error) {
+	conn = conn.Unmap()
+	socks, err := netlink.SocketDiagTCPInfo(unix.AF_INET)
+	if err != nil {
+		return 0, 0, fmt.Errorf("sock_diag: %w", err)
+	}
+	for _, s := range socks {
+		id := s.InetDiagMsg.ID
+		src, _ := netip.AddrFromSlice(id.Source.To4())
+		dst, _ := netip.AddrFromSlice(id.Destination.To4())
+		if s.TCPInfo != nil && (tcpflow.Tuple{Local: netip.AddrPortFrom(src, id.SourcePort), Remote: netip.AddrPortFrom(dst, id.DestinationPort)}) == conn {
+			return s.TCPInfo.Bytes_received, int(s.InetDiagMsg.RQueue), nil
+		}
+	}
+	return 0, 0, fmt.Errorf("no TCP socket %s in this network namespace", conn)
+}
