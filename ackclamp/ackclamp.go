@@ -204,6 +204,30 @@ func (c *Clamp) Clamp(f tcpflow.Tuple, sndNxt uint32) error {
 	return nil
 }
 
+// Hold makes the clamp drop (on) or pass (off) the payload segments the peer sends on a registered flow,
+// all but those marked as injected (restore.InjectedTOS): while a replay delivers the peer's logged bytes
+// itself, the peer's retransmissions of them must not overtake it. The peer's ACKs always pass. The egress
+// program may raise the flow's snd_nxt between this read and write; the write then lowers it until the
+// socket's next segment, which only clamps a few ACKs more than needed.
+func (c *Clamp) Hold(f tcpflow.Tuple, on bool) error {
+	k, err := clampKey(f)
+	if err != nil {
+		return err
+	}
+	var v ackclampClampState
+	if err := c.objs.Clamps.Lookup(k, &v); err != nil {
+		return fmt.Errorf("ackclamp: hold flow %v->%v: %w", f.Local, f.Remote, err)
+	}
+	v.Hold = 0
+	if on {
+		v.Hold = 1
+	}
+	if err := c.objs.Clamps.Update(k, v, ebpf.UpdateExist); err != nil {
+		return fmt.Errorf("ackclamp: hold flow %v->%v: %w", f.Local, f.Remote, err)
+	}
+	return nil
+}
+
 // ClampState is what the clamp saw of one flow.
 type ClampState struct {
 	SndNxt  uint32 // the restored socket's highest sequence number sent

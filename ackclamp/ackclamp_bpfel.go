@@ -24,7 +24,7 @@ type ackclampClampKey struct {
 type ackclampClampState struct {
 	_       structs.HostLayout
 	SndNxt  uint32
-	Pad     uint32
+	Hold    uint32
 	Clamped uint64
 }
 

@@ -91,3 +91,60 @@ func TestAckClamp(t *testing.T) {
 		t.Errorf("after Release: ack %#x changed", got)
 	}
 }
+
+// TestAckClampHold runs the ingress program on the peer's segments of a held flow: those with payload are
+// dropped, pure ACKs pass (and are still clamped), segments marked as injected (TOS 0x04, as
+// restore.InjectFromPeer sends them) pass; released from the hold, everything passes again.
+func TestAckClampHold(t *testing.T) {
+	requirePrivileges(t)
+	c, err := Load()
+	if errors.Is(err, ebpf.ErrNotSupported) {
+		t.Skipf("SKIPPED: this kernel cannot load TCX programs: %v", err)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	restored := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.9.0.12:7300"), Remote: netip.MustParseAddrPort("10.9.0.11:40000")}
+	peer := tcpflow.Tuple{Local: restored.Remote, Remote: restored.Local}
+	if err := c.Hold(restored, true); err == nil {
+		t.Fatal("an unregistered flow was held")
+	}
+	if err := c.Clamp(restored, 1000); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Hold(restored, true); err != nil {
+		t.Fatal(err)
+	}
+	const tcxDrop = 2
+	run := func(payload int, tos byte, ack uint32) (ret uint32, gotAck uint32) {
+		t.Helper()
+		fr := tcpframe.Segment{Seq: 7, Ack: ack, Flags: 0x10, Window: 100, Payload: payload}.Frame(peer)
+		fr[15] = tos
+		tcpframe.Checksum(fr, true)
+		out := make([]byte, len(fr))
+		ret, err := c.objs.AckclampIngress.Run(&ebpf.RunOptions{Data: fr, DataOut: out})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ret, binary.BigEndian.Uint32(out[14+20+8:])
+	}
+	if ret, _ := run(100, 0, 900); ret != tcxDrop {
+		t.Errorf("held flow: a peer segment with payload returned %d, want drop (%d)", ret, tcxDrop)
+	}
+	if ret, ack := run(0, 0, 5000); ret == tcxDrop || ack != 1000 {
+		t.Errorf("held flow: a pure ACK returned %d with ack %d, want it passed and clamped to 1000", ret, ack)
+	}
+	if ret, _ := run(100, 0x04, 900); ret == tcxDrop {
+		t.Errorf("held flow: an injected segment (TOS 0x04) was dropped")
+	}
+	if st, err := c.State(restored); err != nil || st.SndNxt != 1000 {
+		t.Errorf("hold changed the flow's state: %+v %v", st, err)
+	}
+	if err := c.Hold(restored, false); err != nil {
+		t.Fatal(err)
+	}
+	if ret, _ := run(100, 0, 900); ret == tcxDrop {
+		t.Errorf("released flow: a peer segment with payload was dropped")
+	}
+}

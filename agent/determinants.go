@@ -43,7 +43,8 @@ type detStream struct {
 	fromStart bool   // recording began before the job's processes ran here
 	base      string // the snapshot the job was restored from here
 	pending   []intercept.Det
-	lost      uint64 // the recorder's count of this job's lost calls, when last read
+	readAt    time.Time // when pending[0] was read off the recorder
+	lost      uint64    // the recorder's count of this job's lost calls, when last read
 	watchers  map[chan intercept.Det]bool
 }
 
@@ -151,6 +152,7 @@ func (a *Agent) recordOrder(ctx context.Context) {
 			}
 			return
 		}
+		now := time.Now()
 		d.mu.Lock()
 		for _, e := range evs {
 			if e.Flags&(unix.MSG_PEEK|unix.MSG_ERRQUEUE|unix.MSG_OOB) != 0 {
@@ -172,6 +174,10 @@ func (a *Agent) recordOrder(ctx context.Context) {
 			if len(s.pending) >= maxPendingDets {
 				s.first += uint64(len(s.pending)) + 1
 				s.pending, s.fromStart = nil, false
+				a.metrics.DeterminantsHole()
+			}
+			if len(s.pending) == 0 {
+				s.readAt = now
 			}
 			s.pending = append(s.pending, det)
 		}
@@ -185,6 +191,7 @@ func (a *Agent) recordOrder(ctx context.Context) {
 				s.first += uint64(len(s.pending)) + 1
 				s.pending, s.fromStart = nil, false
 				s.dropWatchers()
+				a.metrics.DeterminantsHole()
 				a.log.Warn("the receive-order recorder lost calls of a job (its ring was full): a recovery from its current snapshot replays without determinants", "job", s.job, "lost_total", lost)
 			}
 		}
@@ -246,6 +253,7 @@ func (a *Agent) shipStream(ctx context.Context, s *detStream) {
 	d.mu.Lock()
 	n := min(len(s.pending), intercept.MaxBatch)
 	batch := intercept.Batch{Job: s.job, Stream: s.stream, First: s.first, FromStart: s.fromStart && s.first == 0, Base: s.base, Dets: s.pending[:n:n]}
+	readAt := s.readAt
 	d.mu.Unlock()
 	packed, err := intercept.Pack(batch.Dets)
 	if err == nil {
@@ -262,8 +270,10 @@ func (a *Agent) shipStream(ctx context.Context, s *detStream) {
 	if s.first == batch.First { // no hole was made meanwhile
 		s.pending = s.pending[n:]
 		s.first += uint64(n)
+		// The rest keep the oldest read time: their lag is overstated, never understated.
 	}
 	d.mu.Unlock()
+	a.metrics.DeterminantsShipped(n, time.Since(readAt))
 }
 
 // serveDeterminants stores a batch a member shipped as its job's protector.

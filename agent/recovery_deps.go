@@ -163,6 +163,8 @@ type recoveryClamp struct{ c *ackclamp.Clamp }
 
 func (c recoveryClamp) Clamp(flow tcpflow.Tuple, sndNxt uint32) error { return c.c.Clamp(flow, sndNxt) }
 
+func (c recoveryClamp) Hold(flow tcpflow.Tuple, on bool) error { return c.c.Hold(flow, on) }
+
 func (c recoveryClamp) Release(flow tcpflow.Tuple) uint64 {
 	st, _ := c.c.Release(flow)
 	return st.Clamped

@@ -58,6 +58,8 @@ type recoveryJob struct {
 	Phase      string         `json:"phase"`
 	RestoredAt time.Time      `json:"restored_at,omitzero"`
 	Conns      []recoveryConn `json:"conns,omitempty"` // those with bytes to re-send
+	// Deferred are the connections whose receive bytes a gate delivers (its receive order replayed).
+	Deferred []recovery.DeferredConn `json:"deferred,omitempty"`
 }
 
 // recoveryConn is a restored connection's replay: from the snapshot's write_seq OutqSeq, Resend bytes the
@@ -171,7 +173,7 @@ func (t *recoveryTracker) Persist(jobs []*recovery.Job) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for _, r := range jobs {
-		rj := recoveryJob{Job: r.ID, Snapshot: r.Manifest.ID, Phase: phaseRestoring}
+		rj := recoveryJob{Job: r.ID, Snapshot: r.Manifest.ID, Phase: phaseRestoring, Deferred: recovery.Deferred(r)}
 		for _, c := range r.Plan.Conns {
 			if c.Resend == 0 {
 				continue
@@ -308,7 +310,18 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 			continue
 		}
 		r := a.resumedRecoveryJob(rj, j)
-		detail, err := recovery.ReplayAndVerify(ctx, a.recoveryDeps(t, nil), r)
+		deps, net, err := a.resumedRecoveryDeps(ctx, t, r, j)
+		if err == nil && len(rj.Deferred) > 0 {
+			// The gate that delivered its receive bytes died with the previous agent: the rest at once.
+			images := filepath.Join(a.store.Path(j.ID, rj.Snapshot), snapImages)
+			if derr := recovery.DeliverRest(ctx, deps, net, images, rj.Deferred); derr != nil {
+				a.log.Error("could not deliver the rest of a restored job's receive bytes: its replay will time out", "job", j.ID, "err", derr)
+			}
+		}
+		var detail string
+		if err == nil {
+			detail, err = recovery.ReplayAndVerify(ctx, deps, r)
+		}
 		if err != nil {
 			err = fmt.Errorf("job %s is not transparently recoverable (killed): %w", rj.Job, err)
 		}
@@ -339,6 +352,26 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 		return
 	}
 	a.log.Info("resumed recovery complete", "failure", rec.Failure)
+}
+
+// resumedRecoveryDeps is what a resumed recovery of restored job j (r) needs: the network it runs in
+// (to deliver receive bytes, and to reset its peers if it is killed).
+func (a *Agent) resumedRecoveryDeps(ctx context.Context, t *recoveryTracker, r *recovery.Job, j Job) (recovery.Deps, recovery.Network, error) {
+	if j.Net != nil {
+		spec, err := a.jobNetSpec(j.Net)
+		if err != nil {
+			return recovery.Deps{}, nil, fmt.Errorf("job network of %s: %w", j.ID, err)
+		}
+		n := recovery.JobNet{Spec: spec}
+		r.Net = n
+		return a.recoveryDeps(t, nil), n, nil
+	}
+	iface, own, err := hostInterface(a.cfg.Cluster.Listen.Addr())
+	if err != nil {
+		return recovery.Deps{}, nil, err
+	}
+	n := recovery.HostNetwork{Iface: iface, Bits: own.Bits()}
+	return a.recoveryDeps(t, n), n, nil
 }
 
 // resumedRecoveryJob rebuilds what recovery.ReplayAndVerify needs of a job from its record. A flow the

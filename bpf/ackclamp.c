@@ -55,9 +55,13 @@ struct clamp_key {
 
 struct clamp_state {
 	__u32 snd_nxt;  // restored socket's highest sequence sent (wrap-safe max)
-	__u32 pad;
+	__u32 hold;     // non-zero: drop the peer's segments that carry payload (see ackclamp_ingress)
 	__u64 clamped;  // peer segments whose ACK was lowered
 };
+
+// INJECTED_TOS marks the segments the agent injects as the peer's (restore.InjectFromPeer): never held.
+#define INJECTED_TOS 0x04
+#define TCX_DROP 2
 
 _Static_assert(sizeof(struct clamp_state) == 16, "clamp_state must have no padding");
 
@@ -127,11 +131,24 @@ int ackclamp_ingress(struct __sk_buff *skb)
 	__u32 nh;
 	struct iphdr ip;
 	struct tcphdr tcp;
-	if (headers(skb, &nh, &ip, &tcp) || !tcp.ack)
+	if (headers(skb, &nh, &ip, &tcp))
 		return TCX_NEXT;
 	struct clamp_key k = {.saddr = ip.daddr, .daddr = ip.saddr, .sport = tcp.dest, .dport = tcp.source};
 	struct clamp_state *st = bpf_map_lookup_elem(&clamps, &k);
-	if (!st)
+	if (!st || ip.tos == INJECTED_TOS)
+		return TCX_NEXT;
+	// While a replay delivers the peer's logged bytes one receive call at a time (intercept.Gate), the
+	// peer's own data segments must not reach the socket: they are retransmissions of bytes the log
+	// holds, and TCP would merge them into the queue ahead of the recorded order. Dropping them loses
+	// nothing (the gate delivers every byte up to the peer's snd_nxt); the peer's ACKs still pass.
+	if (st->hold) {
+		__u32 iplen = bpf_ntohs(ip.tot_len);
+		if (iplen == 0)
+			iplen = skb->len - nh;
+		if (iplen > ip.ihl * 4 + tcp.doff * 4)
+			return TCX_DROP;
+	}
+	if (!tcp.ack)
 		return TCX_NEXT;
 	__u32 ack = bpf_ntohl(tcp.ack_seq);
 	__u32 snd_nxt = st->snd_nxt;

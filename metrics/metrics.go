@@ -105,6 +105,9 @@ type Metrics struct {
 	heartbeats     *prometheus.CounterVec
 	suspicions     *prometheus.CounterVec
 	controller     *prometheus.CounterVec
+	detShipped     prometheus.Counter
+	detLag         prometheus.Histogram
+	detHoles       prometheus.Counter
 }
 
 // New builds the registry of an agent whose state src gives.
@@ -140,6 +143,13 @@ func New(src Source) *Metrics {
 		controller: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ftkit_log_controller_events_total",
 			Help: "Decisions of the sender-side log's resource controller, by kind (snapshot-requested, spill, pause-consumer, ...)."},
 			[]string{"kind"}),
+		detShipped: prometheus.NewCounter(prometheus.CounterOpts{Name: "ftkit_determinants_shipped_total",
+			Help: "Receive-order determinants of this host's jobs that reached their protectors."}),
+		detLag: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "ftkit_determinants_ship_lag_seconds",
+			Help:    "Time from reading a batch of determinants off the recorder to its protector's answer: the window in which a crash leaves orphans.",
+			Buckets: prometheus.ExponentialBuckets(50e-6, 2, 14)}),
+		detHoles: prometheus.NewCounter(prometheus.CounterOpts{Name: "ftkit_determinants_holes_total",
+			Help: "Holes in a job's determinants (the recorder lost calls, or too many waited for a protector): a replay from the snapshot before a hole is refused."}),
 	}
 	// Series that exist from the start, so that rate() and alerts see the zeros.
 	for _, r := range []string{"sent", "failed"} {
@@ -150,6 +160,7 @@ func New(src Source) *Metrics {
 	}
 	m.reg.MustRegister(m.snapshots, m.dumpSeconds, m.frozenSeconds, m.snapshotBytes, m.shipped, m.shipFailures,
 		m.shipBytes, m.shipWireBytes, m.shipSeconds, m.shipThroughput, m.heartbeats, m.suspicions, m.controller,
+		m.detShipped, m.detLag, m.detHoles,
 		newCollector(src),
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -168,6 +179,23 @@ func (m *Metrics) SnapshotTaken(dump, frozen time.Duration, bytes int64) {
 	m.dumpSeconds.Observe(dump.Seconds())
 	m.frozenSeconds.Observe(frozen.Seconds())
 	m.snapshotBytes.Observe(float64(bytes))
+}
+
+// DeterminantsShipped records a batch of n determinants a protector took, lag after the oldest was read.
+func (m *Metrics) DeterminantsShipped(n int, lag time.Duration) {
+	if m == nil {
+		return
+	}
+	m.detShipped.Add(float64(n))
+	m.detLag.Observe(lag.Seconds())
+}
+
+// DeterminantsHole records a hole in a job's determinants.
+func (m *Metrics) DeterminantsHole() {
+	if m == nil {
+		return
+	}
+	m.detHoles.Inc()
 }
 
 // SnapshotShipped records a snapshot a protector verified and holds: its bytes, wire bytes and wall time.

@@ -124,11 +124,16 @@ func forEachSegment(h PeerHeader, payload []byte, max int, fn func(PeerHeader, [
 	return nil
 }
 
+// InjectedTOS is the TOS byte of every injected datagram (DSCP 1, no ECN): the ACK clamp passes such
+// segments on a flow it holds (ackclamp.Clamp.Hold), and drops the peer's own payload segments.
+const InjectedTOS = 0x04
+
 // peerDatagram is an IPv4 datagram from conn.Remote to conn.Local holding peerSegment.
 func peerDatagram(conn tcpflow.Tuple, h PeerHeader, payload []byte) []byte {
 	tcp := peerSegment(conn, h, payload)
 	b := make([]byte, 20, 20+len(tcp))
 	b[0] = 0x45 // IPv4, 5 words
+	b[1] = InjectedTOS
 	binary.BigEndian.PutUint16(b[2:], uint16(20+len(tcp)))
 	b[6] = 0x40 // DF
 	b[8] = 64   // TTL

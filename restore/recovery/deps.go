@@ -131,6 +131,8 @@ type Jobs interface {
 // Clamp is the ACK clamp, which holds a restored flow's peer ACKs down until its replay is done.
 type Clamp interface {
 	Clamp(flow tcpflow.Tuple, sndNxt uint32) error
+	// Hold drops (on) or passes (off) the peer's payload segments on a clamped flow, all but injected ones.
+	Hold(flow tcpflow.Tuple, on bool) error
 	// Release unregisters flow and says how many peer ACKs it clamped.
 	Release(flow tcpflow.Tuple) (clamped uint64)
 }
@@ -148,8 +150,10 @@ type Network interface {
 	Announce(ctx context.Context, ip netip.Addr) error
 	// ResetPeer sends conn's peer a TCP RST at seq (restore.ResetPeer), from this network.
 	ResetPeer(conn tcpflow.Tuple, seq uint32) error
-	// InjectFromPeer delivers payload to conn's local socket as its peer's segments (restore.InjectFromPeer).
-	InjectFromPeer(conn tcpflow.Tuple, h restore.PeerHeader, payload []byte) error
+	// DeliverFromPeer delivers payload to conn's local socket as its peer's segments until the socket has
+	// taken in every byte (restore.DeliverFromPeer: what lay beyond its window is injected again); base is
+	// the socket's rcv_nxt when it was restored.
+	DeliverFromPeer(ctx context.Context, conn tcpflow.Tuple, h restore.PeerHeader, payload []byte, base uint32) error
 }
 
 // JobNetwork is a job's own network on this host: Network inside the job's namespace (TakeOver is never

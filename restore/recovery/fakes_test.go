@@ -200,6 +200,11 @@ func (f *fake) Clamp(flow tcpflow.Tuple, _ uint32) error {
 	return nil
 }
 
+func (f *fake) Hold(flow tcpflow.Tuple, on bool) error {
+	addTo(f, &f.net, fmt.Sprintf("hold %s %v", flow, on))
+	return nil
+}
+
 func (f *fake) Release(flow tcpflow.Tuple) uint64 {
 	addTo(f, &f.released, flow)
 	return 2
@@ -249,7 +254,7 @@ func (f *fake) ResetPeer(conn tcpflow.Tuple, seq uint32) error {
 	return nil
 }
 
-func (f *fake) InjectFromPeer(conn tcpflow.Tuple, h restore.PeerHeader, payload []byte) error {
+func (f *fake) DeliverFromPeer(_ context.Context, conn tcpflow.Tuple, h restore.PeerHeader, payload []byte, _ uint32) error {
 	addTo(f, &f.net, fmt.Sprintf("inject %s at %d: %d bytes", conn, h.Seq, len(payload)))
 	return nil
 }

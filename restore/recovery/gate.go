@@ -2,10 +2,13 @@ package recovery
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/criu/image"
+	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/intercept"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/tcpflow"
@@ -82,11 +85,31 @@ func startGate(ctx context.Context, d Deps, j *Job, events <-chan intercept.Det,
 	j.gateDone = make(chan gateResult, 1)
 	go func() {
 		defer stop()
+		defer endHold(d, j)
 		ctx, cancel := context.WithTimeoutCause(ctx, d.ReplayTimeout, fmt.Errorf("failover.replay_timeout (%s) passed", d.ReplayTimeout))
 		defer cancel()
-		n, err := j.gate.Run(ctx, gateInjector{d: d, j: j, net: netOf(d, j)}, events)
+		n, err := j.gate.Run(ctx, gateInjector{ctx: ctx, d: d, j: j, net: netOf(d, j)}, events)
 		j.gateDone <- gateResult{dets: j.gate.Len(), injected: n, err: err}
 	}()
+}
+
+// endHold lets the peers' own data segments through again on j's deferred connections, and unregisters
+// from the ACK clamp those that were clamped only to be held (nothing to re-send).
+func endHold(d Deps, j *Job) {
+	if d.Clamp == nil {
+		return
+	}
+	for _, c := range j.Plan.Conns {
+		if !c.Deferred {
+			continue
+		}
+		if err := d.Clamp.Hold(c.Conn.Tuple, false); err != nil {
+			d.Logger.Warn("could not stop holding a peer's segments: the connection stalls", "job", j.ID, "conn", c.Conn.Tuple, "err", err)
+		}
+		if c.Resend == 0 {
+			d.Clamp.Release(c.Conn.Tuple)
+		}
+	}
 }
 
 // waitGate waits for j's gate, if it has one, and says how it went.
@@ -107,6 +130,7 @@ func waitGate(j *Job) (string, error) {
 
 // gateInjector delivers a restored job's receive bytes as its peers' segments.
 type gateInjector struct {
+	ctx context.Context
 	d   Deps
 	j   *Job
 	net Network
@@ -120,20 +144,99 @@ func (g gateInjector) Inject(conn tcpflow.Tuple, seq uint32, data []byte) error 
 			break
 		}
 	}
-	live := g.j.gateLive[c.Conn.Tuple].Live
+	h := peerHeader(g.d, g.j.gateLive[c.Conn.Tuple].Live, c.Conn.Tuple, c.Conn.OutqSeq)
+	h.Seq = seq
+	// Restored with an empty queue: its rcv_nxt was the first unread byte of the snapshot.
+	return g.net.DeliverFromPeer(g.ctx, conn, h, data, c.Conn.InqSeq-c.Conn.InqLen)
+}
+
+// peerHeader is the header of the segments that deliver a peer's bytes to a restored socket of flow
+// (Local: the restored end), live being the peer's state and outqSeq the snapshot's write_seq.
+func peerHeader(d Deps, live ebpfprobes.FlowState, flow tcpflow.Tuple, outqSeq uint32) restore.PeerHeader {
 	// The ACK must lie between the restored socket's snd_una and snd_nxt, and never acknowledge a byte
 	// the peer does not have: what the peer acknowledged, capped at what the socket has sent (at least
 	// the snapshot's write_seq, which CRIU restores as sent).
-	sent := c.Conn.OutqSeq
-	if s, ok := g.d.Log.SentUpTo(c.Conn.Tuple); ok && int32(s-sent) > 0 {
+	sent := outqSeq
+	if s, ok := d.Log.SentUpTo(flow); ok && int32(s-sent) > 0 {
 		sent = s
 	}
 	ack := live.Ack
 	if int32(ack-sent) > 0 {
 		ack = sent
 	}
-	// TSval: the peer's latest, never ahead of its clock (PAWS on its later segments); the window: the
-	// largest, the restored socket's own send window edits stand for the peer's.
-	h := restore.PeerHeader{Seq: seq, Ack: ack, Window: 0xffff, TS: live.HasTS, TSval: live.TSval}
-	return g.net.InjectFromPeer(conn, h, data)
+	// TSval: the peer's latest, never ahead of its clock (PAWS on its later segments). The window field
+	// becomes the restored socket's idea of the peer's window: the peer's own last one (unscaled, as the
+	// socket scales it), the largest if it was closed when read.
+	win := live.Window
+	if win == 0 {
+		win = 0xffff
+	}
+	return restore.PeerHeader{Ack: ack, Window: win, TS: live.HasTS, TSval: live.TSval}
+}
+
+// DeferredConn is a connection whose receive bytes a gate delivers: what a recovery resumed by a
+// restarted agent needs to deliver the rest (part of the agent's on-disk recovery record).
+type DeferredConn struct {
+	tcpflow.Tuple
+	Inode   uint64 `json:"inode"`
+	InqSeq  uint32 `json:"inq_seq"`
+	InqLen  uint32 `json:"inq_len"`
+	OutqSeq uint32 `json:"outq_seq"`
+}
+
+// Deferred lists j's connections whose receive bytes a gate delivers.
+func Deferred(j *Job) []DeferredConn {
+	var out []DeferredConn
+	for _, c := range j.Plan.Conns {
+		if c.Deferred {
+			out = append(out, DeferredConn{Tuple: c.Conn.Tuple, Inode: c.Conn.Inode, InqSeq: c.Conn.InqSeq, InqLen: c.Conn.InqLen, OutqSeq: c.Conn.OutqSeq})
+		}
+	}
+	return out
+}
+
+// DeliverRest finishes, for a recovery resumed after the agent restarted, the delivery of a restored job's
+// receive bytes that a gate had begun. The gate's progress died with the agent, so the order cannot be
+// kept: every byte each peer sent that the socket lacks is delivered at once (from the snapshot's images
+// in images, then the peer's log, asked again), and the peers' own segments pass again. The job reads
+// freely from there; its re-sent bytes are still checked, so a program that then reads in another order
+// fails loudly.
+func DeliverRest(ctx context.Context, d Deps, net Network, images string, conns []DeferredConn) error {
+	var errs []error
+	for _, c := range conns {
+		if d.Clamp != nil {
+			d.Clamp.Hold(c.Tuple, false) // a flow released already has nothing to hold
+		}
+		if err := deliverRest(ctx, d, net, images, c); err != nil {
+			errs = append(errs, fmt.Errorf("connection %s: %w", c.Tuple, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func deliverRest(ctx context.Context, d Deps, net Network, images string, c DeferredConn) error {
+	owner := d.Peers.Owner(ctx, c.Remote.Addr())
+	if owner == "" {
+		return fmt.Errorf("no member holds the peer %s", c.Remote.Addr())
+	}
+	qctx, cancel := context.WithTimeout(ctx, time.Minute)
+	reply, data, err := d.Peers.LogRange(qctx, owner, clusterapi.LogRangeRequest{Tuple: c.Reverse(), From: c.InqSeq})
+	cancel()
+	if err != nil {
+		return fmt.Errorf("log of %s: %w", owner, err)
+	}
+	if reply.Live == nil {
+		return fmt.Errorf("%s has no live state of it", owner)
+	}
+	n := reply.Live.DataEnd() - c.InqSeq
+	if int32(n) < 0 || uint64(n) > uint64(len(data)) {
+		return fmt.Errorf("%s logged %d bytes from %d, its data ends at %d", owner, len(data), c.InqSeq, reply.Live.DataEnd())
+	}
+	q, err := image.ReceiveQueue(images, uint32(c.Inode))
+	if err != nil {
+		return err
+	}
+	h := peerHeader(d, *reply.Live, c.Tuple, c.OutqSeq)
+	h.Seq = c.InqSeq - c.InqLen
+	return net.DeliverFromPeer(ctx, c.Tuple, h, append(q, data[:n]...), h.Seq)
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/netip"
+	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/jobnet"
@@ -38,9 +39,21 @@ func (n HostNetwork) ResetPeer(conn tcpflow.Tuple, seq uint32) error {
 	return restore.ResetPeer(conn, seq)
 }
 
-func (n HostNetwork) InjectFromPeer(conn tcpflow.Tuple, h restore.PeerHeader, payload []byte) error {
-	return restore.InjectFromPeer(conn, h, payload)
+func (n HostNetwork) DeliverFromPeer(ctx context.Context, conn tcpflow.Tuple, h restore.PeerHeader, payload []byte, base uint32) error {
+	return deliver(ctx, conn, h, payload, base)
 }
+
+// deliver is restore.DeliverFromPeer with the socket's rcv_nxt read by sock_diag: base, the rcv_nxt it was
+// restored with, plus what it received since (a restored socket counts from 0).
+func deliver(ctx context.Context, conn tcpflow.Tuple, h restore.PeerHeader, payload []byte, base uint32) error {
+	return restore.DeliverFromPeer(ctx, conn, h, payload, func() (uint32, int, error) {
+		got, unread, err := restore.SocketReceived(conn)
+		return base + uint32(got), unread, err
+	}, deliverRetry)
+}
+
+// deliverRetry is how long DeliverFromPeer waits for a socket that took in nothing before injecting again.
+const deliverRetry = 50 * time.Millisecond
 
 func (n HostNetwork) Announce(ctx context.Context, ip netip.Addr) error {
 	return restore.Announce(ctx, n.Iface, ip)
@@ -98,8 +111,8 @@ func (n JobNet) ResetPeer(conn tcpflow.Tuple, seq uint32) error {
 	return n.in(func() error { return restore.ResetPeer(conn, seq) })
 }
 
-func (n JobNet) InjectFromPeer(conn tcpflow.Tuple, h restore.PeerHeader, payload []byte) error {
-	return n.in(func() error { return restore.InjectFromPeer(conn, h, payload) })
+func (n JobNet) DeliverFromPeer(ctx context.Context, conn tcpflow.Tuple, h restore.PeerHeader, payload []byte, base uint32) error {
+	return n.in(func() error { return deliver(ctx, conn, h, payload, base) })
 }
 
 func (n JobNet) Announce(ctx context.Context, ip netip.Addr) error {

@@ -52,7 +52,7 @@ func (n fakeJobNet) ResetPeer(conn tcpflow.Tuple, seq uint32) error {
 	n.rec(fmt.Sprintf("reset %s at %d", conn, seq))
 	return nil
 }
-func (n fakeJobNet) InjectFromPeer(conn tcpflow.Tuple, h restore.PeerHeader, payload []byte) error {
+func (n fakeJobNet) DeliverFromPeer(_ context.Context, conn tcpflow.Tuple, h restore.PeerHeader, payload []byte, _ uint32) error {
 	n.rec(fmt.Sprintf("inject %s at %d: %d bytes", conn, h.Seq, len(payload)))
 	return nil
 }

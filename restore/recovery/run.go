@@ -176,6 +176,7 @@ func restoreJob(ctx context.Context, d Deps, j *Job, stage stageFunc) error {
 	stage(StageRestored, j.ID, start, "", err)
 	if err != nil {
 		stopEvents()
+		endHold(d, j)
 		j.stopKeeping()
 		d.Tracker.SetPhase(j.ID, "", time.Time{})
 		netOf(d, j).Unguard(ctx, j.RunID)
@@ -371,7 +372,7 @@ func prepareNetwork(ctx context.Context, d Deps, req clusterapi.RecoverRequest, 
 	if d.Clamp != nil {
 		for _, j := range jobs {
 			for _, c := range j.Plan.Conns {
-				if c.Resend == 0 {
+				if c.Resend == 0 && !c.Deferred {
 					continue
 				}
 				// From the snapshot's write_seq: CRIU restores the out-queue as sent, and the peer, whose
@@ -381,6 +382,12 @@ func prepareNetwork(ctx context.Context, d Deps, req clusterapi.RecoverRequest, 
 					return nil, err
 				}
 				clamped = append(clamped, f)
+				// A replayed receive order: the peer's own data segments wait until the gate is done.
+				if c.Deferred {
+					if err := d.Clamp.Hold(f, true); err != nil {
+						return nil, err
+					}
+				}
 			}
 		}
 	}
