@@ -52,17 +52,23 @@ func DeliverFromPeer(ctx context.Context, conn tcpflow.Tuple, h PeerHeader, payl
 			first = false
 		}
 		lastNxt, lastUnread = nxt, unread
-		// Until something changes: poll briefly, re-inject at the latest after retry.
+		// Until something changes: look at once (loopback delivers within the send, so usually every byte
+		// is in by now), then poll briefly, and re-inject at the latest after retry.
 		deadline := time.Now().Add(retry)
-		for {
-			select {
-			case <-ctx.Done():
-				return fmt.Errorf("deliver to %s: %d of %d bytes in: %w", conn, off, len(payload), context.Cause(ctx))
-			case <-time.After(time.Millisecond):
+		for wait := false; ; wait = true {
+			if wait {
+				select {
+				case <-ctx.Done():
+					return fmt.Errorf("deliver to %s: %d of %d bytes in: %w", conn, off, len(payload), context.Cause(ctx))
+				case <-time.After(time.Millisecond):
+				}
 			}
 			n, u, err := rcvNxt()
 			if err != nil {
 				return fmt.Errorf("deliver to %s: %w", conn, err)
+			}
+			if int32(n-end) >= 0 {
+				return nil
 			}
 			if n != nxt || u < unread {
 				break
