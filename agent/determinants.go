@@ -107,9 +107,7 @@ func (a *Agent) unwatchOrder(id string) {
 		d.rec.Forget(s.cgroup)
 		delete(d.byCgroup, s.cgroup)
 		delete(d.byJob, id)
-		for w := range s.watchers {
-			close(w)
-		}
+		s.dropWatchers()
 	}
 }
 
@@ -137,6 +135,9 @@ func (a *Agent) WatchOrder(job string) (<-chan intercept.Det, func()) {
 		if s.watchers[ch] {
 			delete(s.watchers, ch)
 			close(ch)
+		}
+		if s.cgroup == 0 && len(s.watchers) == 0 && d.byJob[job] == s {
+			delete(d.byJob, job) // the restore never registered the job here
 		}
 	}
 }
