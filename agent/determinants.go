@@ -101,25 +101,40 @@ func (a *Agent) unwatchOrder(id string) {
 	if d == nil || d.rec == nil {
 		return
 	}
+	if s := d.unwatch(id); s != nil {
+		d.rec.Forget(s.cgroup)
+	}
+}
+
+// unwatch forgets job id's stream and closes its watchers; it returns the stream, nil if none.
+func (d *detState) unwatch(id string) *detStream {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	if s := d.byJob[id]; s != nil {
-		d.rec.Forget(s.cgroup)
-		delete(d.byCgroup, s.cgroup)
-		delete(d.byJob, id)
-		s.dropWatchers()
+	s := d.byJob[id]
+	if s == nil {
+		return nil
 	}
+	delete(d.byCgroup, s.cgroup)
+	delete(d.byJob, id)
+	s.dropWatchers()
+	return s
 }
 
 // WatchOrder delivers job's receive calls as this host records them, until stop. The channel is closed if
 // calls were lost (the watcher fell behind, or the recorder lost some): the watcher must not go on.
 func (a *Agent) WatchOrder(job string) (<-chan intercept.Det, func()) {
 	d := a.det
-	ch := make(chan intercept.Det, 1<<14)
 	if d == nil || d.rec == nil {
+		ch := make(chan intercept.Det)
 		close(ch)
 		return ch, func() {}
 	}
+	return d.watch(job)
+}
+
+// watch adds a watcher of job's receive calls (WatchOrder).
+func (d *detState) watch(job string) (<-chan intercept.Det, func()) {
+	ch := make(chan intercept.Det, 1<<14)
 	d.mu.Lock()
 	s := d.byJob[job]
 	if s == nil {
