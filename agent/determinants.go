@@ -45,7 +45,6 @@ type detStream struct {
 	pending   []intercept.Det
 	readAt    time.Time // when pending[0] was read off the recorder
 	lost      uint64    // the recorder's count of this job's lost calls, when last read
-	lastSend  bool      // the last call recorded was a send
 	watchers  map[chan intercept.Det]bool
 }
 
@@ -172,28 +171,20 @@ func (a *Agent) recordOrder(ctx context.Context) {
 		now := time.Now()
 		d.mu.Lock()
 		for _, e := range evs {
-			if !e.Send && e.Flags&(unix.MSG_PEEK|unix.MSG_ERRQUEUE|unix.MSG_OOB) != 0 {
+			if e.Flags&(unix.MSG_PEEK|unix.MSG_ERRQUEUE|unix.MSG_OOB) != 0 {
 				continue // consumed nothing of the stream; the read after a peek is the determinant
 			}
 			s := d.byCgroup[e.Cgroup]
 			if s == nil {
 				continue
 			}
-			if e.Send && s.lastSend {
-				continue // a run of sends separates two groups of receive calls as one does
-			}
-			s.lastSend = e.Send
-			det := intercept.Det{Conn: e.Conn, End: e.CopiedSeq, Len: e.Len, Send: e.Send}
-			if e.Send {
-				det.End, det.Len = 0, 0
-			} else {
-				for w := range s.watchers {
-					select {
-					case w <- det:
-					default:
-						delete(s.watchers, w)
-						close(w)
-					}
+			det := intercept.Det{Conn: e.Conn, End: e.CopiedSeq, Len: e.Len}
+			for w := range s.watchers {
+				select {
+				case w <- det:
+				default:
+					delete(s.watchers, w)
+					close(w)
 				}
 			}
 			if len(s.pending) >= maxPendingDets {

@@ -127,8 +127,6 @@ struct order_counters {
 	__u64 lost_unattributed; // of those, lost with no room in the lost map either
 	__u64 not_in_job;        // calls of tasks in the parent cgroup itself, not in a job below it
 	__u64 non_ipv4;          // consuming calls on sockets of jobs that are not IPv4 TCP
-	__u64 sends;             // send calls written (recorded counts receive calls)
-	__u64 sends_lost;        // of lost, send calls
 };
 
 // Set by the loader: the ring buffer size in bytes, the wakeup threshold
@@ -224,7 +222,8 @@ static __always_inline void count_lost(struct order_counters *c, __u64 cgid)
 	c->lost_unattributed++;
 }
 
-static __always_inline int record(__u64 *ctx, __u32 mark)
+SEC("tp_btf/sock_recv_length")
+int recvorder(__u64 *ctx)
 {
 	struct sock *sk = (struct sock *)ctx[0];
 	int ret = (int)ctx[1];
@@ -245,23 +244,19 @@ static __always_inline int record(__u64 *ctx, __u32 mark)
 	if (level == 0) {
 		level = find_job_level();
 		if (level == 0) {
-			if (!mark)
-				c->not_in_job++;
+			c->not_in_job++;
 			return 0;
 		}
 		job_level = level;
 	}
 	__u64 cgid = bpf_get_current_ancestor_cgroup_id(level);
 	if (cgid == 0) {
-		if (!mark)
-			c->not_in_job++; // a task of the parent itself
+		c->not_in_job++; // a task of the parent itself
 		return 0;
 	}
 
-	// The counters below count receive calls only: a job's sends on other sockets are no news.
 	if (!sk || sk->sk_protocol != IPPROTO_TCP) {
-		if (!mark)
-			c->non_ipv4++;
+		c->non_ipv4++;
 		return 0;
 	}
 	unsigned short family = sk->__sk_common.skc_family;
@@ -272,27 +267,22 @@ static __always_inline int record(__u64 *ctx, __u32 mark)
 		struct in6_addr *a = &sk->__sk_common.skc_v6_daddr;
 		if (a->in6_u.u6_addr32[0] != 0 || a->in6_u.u6_addr32[1] != 0 ||
 		    a->in6_u.u6_addr32[2] != bpf_htonl(0xffff)) {
-			if (!mark)
-				c->non_ipv4++;
+			c->non_ipv4++;
 			return 0;
 		}
 	} else if (family != AF_INET) {
-		if (!mark)
-			c->non_ipv4++;
+		c->non_ipv4++;
 		return 0;
 	}
 	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
 	if (!tp) {
-		if (!mark)
-			c->non_ipv4++;
+		c->non_ipv4++;
 		return 0;
 	}
 
 	struct recv_event *e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
 	if (!e) {
 		count_lost(c, cgid);
-		if (mark)
-			c->sends_lost++;
 		return 0;
 	}
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
@@ -303,30 +293,11 @@ static __always_inline int record(__u64 *ctx, __u32 mark)
 	e->rport = sk->__sk_common.skc_dport;
 	e->copied_seq = tp->copied_seq;
 	e->len = ret;
-	e->flags = (__u32)flags | mark;
+	e->flags = flags;
 	e->pid = pid_tgid >> 32;
 	e->tid = (__u32)pid_tgid;
 	// A record is 8 bytes of kernel header plus the event, rounded to 8.
 	bpf_ringbuf_submit(e, wake_flags(sizeof(*e) + 8));
-	if (mark)
-		c->sends++;
-	else
-		c->recorded++;
+	c->recorded++;
 	return 0;
-}
-
-SEC("tp_btf/sock_recv_length")
-int recvorder(__u64 *ctx)
-{
-	return record(ctx, 0);
-}
-
-// SEND_MARK in an event's flags: the call was a send (sock_send_length), recorded so that a replay knows
-// which receive calls the job made with no send in between (intercept.Gate delivers those together).
-#define SEND_MARK 0x80000000u
-
-SEC("tp_btf/sock_send_length")
-int sendorder(__u64 *ctx)
-{
-	return record(ctx, SEND_MARK);
 }

@@ -48,16 +48,12 @@ type RecvEvent struct {
 	CopiedSeq uint32        // the socket's copied_seq after the call: the next byte it will hand out (one more once the peer's FIN is consumed)
 	Len       uint32        // bytes the call returned (> 0)
 	Flags     uint32        // the call's MSG_* flags (MSG_PEEK, MSG_ERRQUEUE, MSG_OOB: copied_seq did not move)
-	Send      bool          // a send call (Len bytes sent), not a receive: CopiedSeq means nothing then
 	Pid       uint32        // the caller's process (tgid)
 	Tid       uint32        // the caller's thread
 }
 
 // Peek reports whether the call only looked at the bytes (MSG_PEEK).
 func (e RecvEvent) Peek() bool { return e.Flags&unix.MSG_PEEK != 0 }
-
-// sendMark is bpf/recvorder.c's SEND_MARK: set in the flags of a send call's event.
-const sendMark = 0x80000000
 
 // RecvEventSize is the size of a raw event (struct recv_event).
 const RecvEventSize = 40
@@ -80,8 +76,7 @@ func DecodeRecvEvent(raw []byte) (RecvEvent, error) {
 		},
 		CopiedSeq: h.Uint32(raw[20:]),
 		Len:       h.Uint32(raw[24:]),
-		Flags:     h.Uint32(raw[28:]) &^ sendMark,
-		Send:      h.Uint32(raw[28:])&sendMark != 0,
+		Flags:     h.Uint32(raw[28:]),
 		Pid:       h.Uint32(raw[32:]),
 		Tid:       h.Uint32(raw[36:]),
 	}, nil
@@ -89,10 +84,8 @@ func DecodeRecvEvent(raw []byte) (RecvEvent, error) {
 
 // RecvOrderCounters are the recorder's counters summed over all CPUs.
 type RecvOrderCounters struct {
-	Recorded         uint64 // receive events written
-	Sends            uint64 // send events written
+	Recorded         uint64 // events written
 	Lost             uint64 // events lost: the ring buffer was full (per job: RecvOrder.Lost)
-	SendsLost        uint64 // of those, send events
 	LostUnattributed uint64 // of those, lost without knowing the job: every job's record is incomplete
 	NotInJob         uint64 // consuming calls of tasks in the parent cgroup itself, not recorded
 	NonIPv4          uint64 // consuming calls of jobs on sockets that are not IPv4 TCP, not recorded
@@ -101,7 +94,6 @@ type RecvOrderCounters struct {
 // recvorderLoaded holds the objects the recorder uses.
 type recvorderLoaded struct {
 	Program         *ebpf.Program  `ebpf:"recvorder"`
-	SendProgram     *ebpf.Program  `ebpf:"sendorder"`
 	Events          *ebpf.Map      `ebpf:"events"`
 	Parent          *ebpf.Map      `ebpf:"parent"`
 	Lost            *ebpf.Map      `ebpf:"lost"`
@@ -123,7 +115,6 @@ type RecvOrder struct {
 	log      *slog.Logger
 	objs     recvorderLoaded
 	link     link.Link
-	sendLink link.Link
 	ring     *ringReader
 	consumer ringConsumer
 
@@ -218,13 +209,6 @@ func NewRecvOrder(opts RecvOrderOptions) (*RecvOrder, error) {
 		_ = r.closeObjects()
 		return nil, fmt.Errorf("recvorder: attach to tracepoint sock_recv_length (needs root and a kernel with BTF): %w", err)
 	}
-	r.sendLink, err = link.AttachTracing(link.TracingOptions{Program: r.objs.SendProgram})
-	if err != nil {
-		_ = r.link.Close()
-		_ = r.ring.close()
-		_ = r.closeObjects()
-		return nil, fmt.Errorf("recvorder: attach to tracepoint sock_send_length: %w", err)
-	}
 	log.Info("recvorder: attached", "cgroup_parent", dir, "cgroup_parent_id", st.Ino, "ring_bytes", size)
 	return r, nil
 }
@@ -295,8 +279,6 @@ func (r *RecvOrder) Counters() (RecvOrderCounters, error) {
 		c.LostUnattributed += p.LostUnattributed
 		c.NotInJob += p.NotInJob
 		c.NonIPv4 += p.NonIpv4
-		c.Sends += p.Sends
-		c.SendsLost += p.SendsLost
 	}
 	return c, nil
 }
@@ -308,9 +290,6 @@ func (r *RecvOrder) Close() error {
 		var errs []error
 		if err := r.link.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("recvorder: detach from sock_recv_length: %w", err))
-		}
-		if err := r.sendLink.Close(); err != nil {
-			errs = append(errs, fmt.Errorf("recvorder: detach from sock_send_length: %w", err))
 		}
 		if err := r.ring.close(); err != nil {
 			errs = append(errs, fmt.Errorf("recvorder: close ring buffer reader: %w", err))
@@ -325,7 +304,7 @@ func (r *RecvOrder) Close() error {
 
 func (r *RecvOrder) closeObjects() error {
 	var errs []error
-	for _, c := range []interface{ Close() error }{r.objs.Program, r.objs.SendProgram, r.objs.Events, r.objs.Parent, r.objs.Lost, r.objs.Stats, r.objs.Bss} {
+	for _, c := range []interface{ Close() error }{r.objs.Program, r.objs.Events, r.objs.Parent, r.objs.Lost, r.objs.Stats, r.objs.Bss} {
 		if err := c.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("recvorder: close BPF object: %w", err))
 		}

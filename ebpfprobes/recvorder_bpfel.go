@@ -20,8 +20,6 @@ type recvorderOrderCounters struct {
 	LostUnattributed uint64
 	NotInJob         uint64
 	NonIpv4          uint64
-	Sends            uint64
-	SendsLost        uint64
 }
 
 type recvorderRecvEvent struct {
@@ -47,7 +45,6 @@ const (
 	recvorderMapParent          = "parent"
 	recvorderMapStats           = "stats"
 	recvorderProgRecvorder      = "recvorder"
-	recvorderProgSendorder      = "sendorder"
 	recvorderVarConsumerPolling = "consumer_polling"
 	recvorderVarJobLevel        = "job_level"
 	recvorderVarParentCgid      = "parent_cgid"
@@ -100,7 +97,6 @@ type recvorderSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type recvorderProgramSpecs struct {
 	Recvorder *ebpf.ProgramSpec `ebpf:"recvorder"`
-	Sendorder *ebpf.ProgramSpec `ebpf:"sendorder"`
 }
 
 // recvorderMapSpecs contains maps before they are loaded into the kernel.
@@ -179,13 +175,11 @@ type recvorderVariables struct {
 // It can be passed to loadRecvorderObjects or ebpf.CollectionSpec.LoadAndAssign.
 type recvorderPrograms struct {
 	Recvorder *ebpf.Program `ebpf:"recvorder"`
-	Sendorder *ebpf.Program `ebpf:"sendorder"`
 }
 
 func (p *recvorderPrograms) Close() error {
 	return _RecvorderClose(
 		p.Recvorder,
-		p.Sendorder,
 	)
 }
 

@@ -7,7 +7,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/netip"
 	"os"
@@ -251,16 +250,7 @@ type orderCollector struct {
 	done   chan struct{}
 }
 
-// collectOrder collects the receive events r reads (collectAll: the send events too).
 func collectOrder(ctx context.Context, r *RecvOrder) *orderCollector {
-	return collectEvents(ctx, r, false)
-}
-
-func collectAll(ctx context.Context, r *RecvOrder) *orderCollector {
-	return collectEvents(ctx, r, true)
-}
-
-func collectEvents(ctx context.Context, r *RecvOrder, sends bool) *orderCollector {
 	c := &orderCollector{done: make(chan struct{})}
 	go func() {
 		defer close(c.done)
@@ -269,11 +259,7 @@ func collectEvents(ctx context.Context, r *RecvOrder, sends bool) *orderCollecto
 			var err error
 			buf, err = r.ReadBatch(ctx, buf[:0])
 			c.mu.Lock()
-			for _, e := range buf {
-				if sends || !e.Send {
-					c.events = append(c.events, e)
-				}
-			}
+			c.events = append(c.events, buf...)
 			c.mu.Unlock()
 			if err != nil {
 				if ctx.Err() == nil || !errors.Is(err, ctx.Err()) {
@@ -505,7 +491,7 @@ func TestRecvOrderLostWhenRingFull(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if cnt.Recorded != uint64(fits) || cnt.Lost-cnt.SendsLost != calls-uint64(fits) || cnt.LostUnattributed != 0 {
+	if cnt.Recorded != uint64(fits) || cnt.Lost != calls-uint64(fits) || cnt.LostUnattributed != 0 {
 		t.Errorf("counters %+v, want %d recorded (a %d-byte ring), %d lost", cnt, fits, page, calls-fits)
 	}
 	if n, err := rec.Lost(job.ID); err != nil || n != cnt.Lost {
@@ -720,7 +706,7 @@ func TestRecvOrderCost(t *testing.T) {
 		if cnt.Lost == 0 {
 			got = uint64(len(col.waitEvents(ctx, t, int(wantJob))))
 		}
-		if cnt.Recorded+cnt.Lost-cnt.SendsLost != wantJob || got != cnt.Recorded {
+		if cnt.Recorded+cnt.Lost != wantJob || got != cnt.Recorded {
 			t.Errorf("counters %+v, %d events read; want %d calls recorded or lost", cnt, got, wantJob)
 		}
 		if cnt.Lost != 0 {
@@ -973,9 +959,8 @@ func TestRecvOrderOnlyJobsIPv4(t *testing.T) {
 	cs := run(job, netip.MustParseAddrPort("[::]:7322"),
 		[]netip.AddrPort{netip.AddrPortFrom(tn.ipB, 7322), netip.MustParseAddrPort("[::1]:7322")}, []string{hostA, hostB})
 	cnt, err := rec.Counters()
-	// The script's "ok" to each connection: the IPv4 one is a recorded send, the IPv6 one is not recorded.
-	if err != nil || cnt != (RecvOrderCounters{NotInJob: 2, Recorded: 2, NonIPv4: 1, Sends: 1}) {
-		t.Fatalf("after reads in the job: counters %+v, %v; want 2 recorded, 1 not IPv4, 1 send (and the 2 not in a job)", cnt, err)
+	if err != nil || cnt != (RecvOrderCounters{NotInJob: 2, Recorded: 2, NonIPv4: 1}) {
+		t.Fatalf("after reads in the job: counters %+v, %v; want 2 recorded, 1 not IPv4 (and the 2 not in a job)", cnt, err)
 	}
 	got := col.waitEvents(ctx, t, 2)
 	conn := tcpflow.Tuple{Local: addrPort(cs[0].RemoteAddr()), Remote: addrPort(cs[0].LocalAddr())}
@@ -1019,10 +1004,8 @@ func TestRecvOrderWakeLatency(t *testing.T) {
 					break
 				}
 				now := monoNow()
-				for _, e := range buf {
-					if !e.Send && len(at) < calls {
-						at = append(at, now)
-					}
+				for range buf {
+					at = append(at, now)
 				}
 			}
 			arrivals <- at
@@ -1059,98 +1042,5 @@ func TestRecvOrderWakeLatency(t *testing.T) {
 		slices.Sort(d)
 		t.Logf("WakeEveryEvent=%v: event delay after its call returned: median %d us, p90 %d us, p99 %d us, max %d us",
 			every, d[calls/2]/1000, d[calls*9/10]/1000, d[calls*99/100]/1000, d[calls-1]/1000)
-	}
-}
-
-// echoRole is the echo child role: it listens on FTKIT_ADDR, prints "ready", accepts one connection and
-// echoes FTKIT_ROUNDS single bytes (recv one, send it back), then prints "done".
-func echoRole() error {
-	ap, err := netip.ParseAddrPort(os.Getenv("FTKIT_ADDR"))
-	if err != nil {
-		return fmt.Errorf("FTKIT_ADDR: %w", err)
-	}
-	rounds, err := strconv.Atoi(os.Getenv("FTKIT_ROUNDS"))
-	if err != nil {
-		return fmt.Errorf("FTKIT_ROUNDS: %w", err)
-	}
-	ln, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		return err
-	}
-	if err := unix.Bind(ln, &unix.SockaddrInet4{Addr: ap.Addr().As4(), Port: int(ap.Port())}); err != nil {
-		return fmt.Errorf("bind %s: %w", ap, err)
-	}
-	if err := unix.Listen(ln, 8); err != nil {
-		return err
-	}
-	fmt.Println("ready")
-	fd, _, err := unix.Accept4(ln, unix.SOCK_CLOEXEC)
-	if err != nil {
-		return fmt.Errorf("accept: %w", err)
-	}
-	b := make([]byte, 1)
-	for range rounds {
-		if n, _, err := unix.Recvfrom(fd, b, 0); n != 1 || err != nil {
-			return fmt.Errorf("recv: %d, %v", n, err)
-		}
-		if n, err := unix.Write(fd, b); n != 1 || err != nil {
-			return fmt.Errorf("send: %d, %v", n, err)
-		}
-	}
-	fmt.Println("done")
-	_, _ = fmt.Scanln()
-	return nil
-}
-
-// TestRecvOrderSends checks that a job's send calls are recorded too, marked as sends, in order with its
-// receive calls: a server echoing single bytes gives receive, send, receive, send, ...
-func TestRecvOrderSends(t *testing.T) {
-	requirePrivileges(t)
-	tn := newTestNet(t)
-	parent := streamtest.NewCgroupT(t, "ro-parent")
-	job := parent.SubT(t, "job1")
-	rec := newRecvOrderT(t, parent.Dir, 1<<20)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	cctx, stop := context.WithCancel(ctx)
-	col := collectAll(cctx, rec)
-	defer func() { stop(); <-col.done }()
-
-	const rounds = 5
-	srv := netip.AddrPortFrom(tn.ipB, 7330)
-	child := streamtest.StartT(t, tn.lab, hostB, job, "echo", "FTKIT_ADDR="+srv.String(), fmt.Sprintf("FTKIT_ROUNDS=%d", rounds))
-	if l := child.LineT(ctx, t); l != "ready" {
-		t.Fatalf("server said %q, want ready", l)
-	}
-	c := dialFrom(t, tn, hostA, srv)
-	base, err := streamtest.WriteSeq(c)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b := make([]byte, 1)
-	for i := range rounds {
-		if _, err := c.Write([]byte{byte(i)}); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := io.ReadFull(c, b); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if l := child.LineT(ctx, t); l != "done" {
-		t.Fatalf("server said %q, want done", l)
-	}
-	got := col.waitEvents(ctx, t, 2*rounds)
-	if len(got) != 2*rounds {
-		t.Fatalf("%d events, want %d", len(got), 2*rounds)
-	}
-	conn := tcpflow.Tuple{Local: addrPort(c.RemoteAddr()), Remote: addrPort(c.LocalAddr())}
-	for i, e := range got {
-		send := i%2 == 1
-		if e.Conn != conn || e.Send != send || e.Len != 1 || e.Flags&sendMark != 0 {
-			t.Fatalf("event %d = %+v, want send=%v of 1 byte on %s", i, e, send, conn)
-		}
-		if !send && e.CopiedSeq-base != uint32(i/2+1) {
-			t.Fatalf("event %d: copied_seq offset %d, want %d", i, e.CopiedSeq-base, i/2+1)
-		}
 	}
 }

@@ -18,15 +18,9 @@ type Det struct {
 	End uint32
 	// Len is how many bytes the call returned (it consumed [End-Len, End)).
 	Len uint32
-	// Send marks a send call on Conn (End and Len unused): the receive calls between two sends are what
-	// the program had read before its next visible action, and a replay delivers them together.
-	Send bool
 }
 
 func (d Det) String() string {
-	if d.Send {
-		return fmt.Sprintf("%s sent", d.Conn)
-	}
 	return fmt.Sprintf("%s consumed %d bytes up to %d", d.Conn, d.Len, d.End)
 }
 
@@ -41,15 +35,12 @@ const (
 	MaxConns = 1 << 12
 )
 
-// sendBit marks a send in an encoded connection index (MaxConns leaves it free).
-const sendBit = 1 << 15
-
 // ErrFormat marks bytes that are not a Pack's encoding.
 var ErrFormat = errors.New("not an encoding of determinants")
 
 // Pack encodes dets compactly: a table of the IPv4 connections they name (u16 count, then local address,
 // local port, remote address, remote port: 12 bytes each), then the determinants (u32 count, then the
-// connection's index in the table, its top bit set for a send, End and Len: 10 bytes each), all big-endian.
+// connection's index in the table, End and Len: 10 bytes each), all big-endian.
 func Pack(dets []Det) ([]byte, error) {
 	if len(dets) > MaxBatch {
 		return nil, fmt.Errorf("pack %d determinants: at most %d at a time", len(dets), MaxBatch)
@@ -80,11 +71,7 @@ func Pack(dets []Det) ([]byte, error) {
 	}
 	b = binary.BigEndian.AppendUint32(b, uint32(len(dets)))
 	for _, d := range dets {
-		ci := idx[d.Conn.Unmap()]
-		if d.Send {
-			ci |= sendBit
-		}
-		b = binary.BigEndian.AppendUint16(b, ci)
+		b = binary.BigEndian.AppendUint16(b, idx[d.Conn.Unmap()])
 		b = binary.BigEndian.AppendUint32(b, d.End)
 		b = binary.BigEndian.AppendUint32(b, d.Len)
 	}
@@ -133,12 +120,11 @@ func Unpack(b []byte) ([]Det, error) {
 	dets := make([]Det, nd)
 	for i := range dets {
 		e := b[10*i:]
-		raw := binary.BigEndian.Uint16(e)
-		ci := int(raw &^ sendBit)
+		ci := int(binary.BigEndian.Uint16(e))
 		if ci >= nc {
 			return bad("determinant %d names connection %d of %d", i, ci, nc)
 		}
-		dets[i] = Det{Conn: conns[ci], End: binary.BigEndian.Uint32(e[2:6]), Len: binary.BigEndian.Uint32(e[6:10]), Send: raw&sendBit != 0}
+		dets[i] = Det{Conn: conns[ci], End: binary.BigEndian.Uint32(e[2:6]), Len: binary.BigEndian.Uint32(e[6:10])}
 	}
 	return dets, nil
 }

@@ -33,10 +33,9 @@ type Gate struct {
 }
 
 // NewGate is the gate of a job restored with empty receive queues on the connections of sources, which
-// replays dets (the determinants since its snapshot, Store.Since) on those; receive determinants of other
-// connections (both ends restored, or made after the snapshot) are not gated, and every send marks where
-// one group of receive calls ends. It fails if a determinant consumed bytes its source does not hold, or
-// consumed less than the one before on its connection.
+// replays dets (the determinants since its snapshot, Store.Since) on those; determinants of other
+// connections (both ends restored, or made after the snapshot) are not gated. It fails if a determinant
+// consumed bytes its source does not hold, or consumed less than the one before on its connection.
 func NewGate(dets []Det, sources map[tcpflow.Tuple]Source) (*Gate, error) {
 	g := &Gate{sources: make(map[tcpflow.Tuple]Source, len(sources))}
 	at := map[tcpflow.Tuple]uint32{}
@@ -46,13 +45,6 @@ func NewGate(dets []Det, sources map[tcpflow.Tuple]Source) (*Gate, error) {
 	}
 	for i, d := range dets {
 		c := d.Conn.Unmap()
-		d.Conn = c
-		if d.Send {
-			if n := len(g.dets); n > 0 && !g.dets[n-1].Send {
-				g.dets = append(g.dets, d)
-			}
-			continue
-		}
 		s, ok := g.sources[c]
 		if !ok {
 			continue
@@ -61,48 +53,34 @@ func NewGate(dets []Det, sources map[tcpflow.Tuple]Source) (*Gate, error) {
 			return nil, fmt.Errorf("determinant %d (%s): the peer's bytes run from %d to %d, and the connection's previous determinant ended at %d", i, d, s.Seq, s.end(), at[c])
 		}
 		at[c] = d.End
+		d.Conn = c
 		g.dets = append(g.dets, d)
 	}
 	return g, nil
 }
 
-// Len is how many receive determinants the gate replays.
-func (g *Gate) Len() int {
-	n := 0
-	for _, d := range g.dets {
-		if !d.Send {
-			n++
-		}
-	}
-	return n
-}
+// Len is how many determinants the gate replays.
+func (g *Gate) Len() int { return len(g.dets) }
 
 // Conns is how many connections its determinants consumed.
 func (g *Gate) Conns() int {
 	seen := map[tcpflow.Tuple]bool{}
 	for _, d := range g.dets {
-		if !d.Send {
-			seen[d.Conn] = true
-		}
+		seen[d.Conn] = true
 	}
 	return len(seen)
 }
 
-// Run replays, one group at a time: the receive calls the original made between two of its sends. For a
-// group it injects the bytes each of its connections lacks up to the group's last determinant there, in
-// the order of the determinants (the sockets become readable in the order the original read them), then
-// waits until the restored job, as this host's recorder reports it on events, has consumed exactly those
-// bytes: the original had read them all before its next visible action, so the restored job has them all
-// before it can act. Within a group it may read them in other calls and another order (one read of what the
-// original read in two); consuming a connection the group does not read, or past its end, fails with
-// ErrDiverged. A closed events channel (the recorder lost some) or ctx's end fails too. After the last
-// group it injects the rest of every source, and the job reads freely. Injected is the number of bytes
-// injected when it returns.
+// Run replays: for each determinant in order it injects the bytes its connection lacks up to the
+// determinant's End, then waits for the restored job's receive call that consumes them, as this host's
+// recorder reports it on events (Conn, End; calls on other connections are ignored); after the last, it
+// injects the rest of every source, and the job reads freely. A call that consumed another connection or
+// another amount fails with ErrDiverged; a closed events channel (the recorder lost some) or ctx's end
+// fails too. Injected is the number of bytes injected when it returns.
 func (g *Gate) Run(ctx context.Context, inj Injector, events <-chan Det) (injected int64, err error) {
-	next := make(map[tcpflow.Tuple]uint32, len(g.sources)) // injected up to
-	prev := make(map[tcpflow.Tuple]uint32, len(g.sources)) // consumed up to
+	next := make(map[tcpflow.Tuple]uint32, len(g.sources))
 	for c, s := range g.sources {
-		next[c], prev[c] = s.Seq, s.Seq
+		next[c] = s.Seq
 	}
 	inject := func(c tcpflow.Tuple, end uint32) error {
 		s := g.sources[c]
@@ -117,46 +95,38 @@ func (g *Gate) Run(ctx context.Context, inj Injector, events <-chan Det) (inject
 		next[c] = end
 		return nil
 	}
-	done := 0 // receive determinants replayed
-	for i := 0; i < len(g.dets); {
-		if g.dets[i].Send {
-			i++
-			continue
+	prev := make(map[tcpflow.Tuple]uint32, len(g.sources)) // how far the restored job consumed
+	for c, s := range g.sources {
+		prev[c] = s.Seq
+	}
+	for i, d := range g.dets {
+		if err := inject(d.Conn, d.End); err != nil {
+			return injected, err
 		}
-		j := i
-		want := map[tcpflow.Tuple]uint32{} // per connection, where the group's consumption ends
-		for ; j < len(g.dets) && !g.dets[j].Send; j++ {
-			d := g.dets[j]
-			if err := inject(d.Conn, d.End); err != nil {
-				return injected, err
-			}
-			want[d.Conn] = d.End
-		}
-		for len(want) > 0 {
+		for matched := false; !matched; {
 			select {
 			case <-ctx.Done():
-				return injected, fmt.Errorf("determinants %d to %d of %d: the restored job did not make those receive calls: %w", done+1, done+j-i, g.Len(), context.Cause(ctx))
+				return injected, fmt.Errorf("determinant %d of %d (%s): the restored job did not make that receive call: %w", i+1, len(g.dets), d, context.Cause(ctx))
 			case e, ok := <-events:
 				if !ok {
-					return injected, fmt.Errorf("determinants %d to %d of %d: this host's recorder lost receive calls of the restored job", done+1, done+j-i, g.Len())
+					return injected, fmt.Errorf("determinant %d of %d (%s): this host's recorder lost receive calls of the restored job", i+1, len(g.dets), d)
 				}
 				e.Conn = e.Conn.Unmap()
-				if _, gated := g.sources[e.Conn]; !gated || e.Send {
+				if _, gated := g.sources[e.Conn]; !gated {
 					continue
 				}
-				w, ok := want[e.Conn]
-				if !ok || !seqAfter(e.End, prev[e.Conn]) || seqAfter(e.End, w) {
-					return injected, fmt.Errorf("determinants %d to %d of %d: the restored job %s, where the original read %s up to %d before its next send: %w",
-						done+1, done+j-i, g.Len(), e, e.Conn, w, ErrDiverged)
-				}
-				prev[e.Conn] = e.End
-				if e.End == w {
-					delete(want, e.Conn)
+				switch {
+				case e.Conn == d.Conn && e.End == d.End:
+					matched = true
+				case e.Conn == d.Conn && seqAfter(d.End, e.End) && seqAfter(e.End, prev[d.Conn]):
+					// Part of the bytes: a read woke between two injected segments. The rest follows.
+					prev[d.Conn] = e.End
+				default:
+					return injected, fmt.Errorf("determinant %d of %d: the original %s, the restored job %s: %w", i+1, len(g.dets), d, e, ErrDiverged)
 				}
 			}
 		}
-		done += j - i
-		i = j
+		prev[d.Conn] = d.End
 	}
 	for c, s := range g.sources {
 		if err := inject(c, s.end()); err != nil {

@@ -155,9 +155,6 @@ func consumedAt(m *ckpt.Manifest) map[tcpflow.Tuple]uint32 {
 // determinant of a connection the snapshot does not hold says nothing either way.
 func lastBefore(dets []Det, at map[tcpflow.Tuple]uint32) int {
 	for i := len(dets) - 1; i >= 0; i-- {
-		if dets[i].Send {
-			continue
-		}
 		if copied, ok := at[dets[i].Conn.Unmap()]; ok && !seqAfter(dets[i].End, copied) {
 			return i + 1
 		}
