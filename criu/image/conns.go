@@ -89,11 +89,7 @@ func TCPConnections(dir string) ([]TCPConn, error) {
 // SendQueue returns the send queue of the TCP socket inode in the dump at dir: the bytes the application
 // had written and the peer had not acknowledged, ending at outq_seq (TCPConn.OutqSeq).
 func SendQueue(dir string, inode uint32) ([]byte, error) {
-	b, err := os.ReadFile(tcpStreamPath(dir, inode))
-	if err != nil {
-		return nil, fmt.Errorf("read CRIU image: %w", err)
-	}
-	s, err := decodeTCPStream(tcpStreamName(inode), b)
+	s, err := readTCPStream(dir, inode)
 	if err != nil {
 		return nil, err
 	}
@@ -104,15 +100,20 @@ func SendQueue(dir string, inode uint32) ([]byte, error) {
 // sent and the application had not yet read, ending at inq_seq (TCPConn.InqSeq), so the first of them has
 // sequence number InqSeq-InqLen (mod 2^32). Read them before ClearReceive to deliver them later.
 func ReceiveQueue(dir string, inode uint32) ([]byte, error) {
-	b, err := os.ReadFile(tcpStreamPath(dir, inode))
-	if err != nil {
-		return nil, fmt.Errorf("read CRIU image: %w", err)
-	}
-	s, err := decodeTCPStream(tcpStreamName(inode), b)
+	s, err := readTCPStream(dir, inode)
 	if err != nil {
 		return nil, err
 	}
 	return s.inq, nil
+}
+
+// readTCPStream reads and decodes the tcp-stream image of socket inode in the dump at dir.
+func readTCPStream(dir string, inode uint32) (*tcpStream, error) {
+	b, err := os.ReadFile(tcpStreamPath(dir, inode))
+	if err != nil {
+		return nil, fmt.Errorf("read CRIU image: %w", err)
+	}
+	return decodeTCPStream(tcpStreamName(inode), b)
 }
 
 func newTCPConn(sk *sk_inet.InetSkEntry, s *tcpStream) (TCPConn, error) {
