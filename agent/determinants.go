@@ -160,6 +160,7 @@ func (d *detState) watch(job string) (<-chan intercept.Det, func()) {
 func (a *Agent) recordOrder(ctx context.Context) {
 	d := a.det
 	buf := make([]ebpfprobes.RecvEvent, 0, 4096)
+	var lostTotal uint64 // the recorder's count of lost calls, all jobs, when last read
 	for {
 		evs, err := d.rec.ReadBatch(ctx, buf[:0])
 		if err != nil {
@@ -197,9 +198,15 @@ func (a *Agent) recordOrder(ctx context.Context) {
 			}
 			s.pending = append(s.pending, det)
 		}
+		// After the drain: a count that moved means that job's record has a hole here. The recorder's total
+		// is one read; each job's only when it moved.
+		cnt, cerr := d.rec.Counters()
+		lostMoved := cerr != nil || cnt.Lost != lostTotal
+		if cerr == nil {
+			lostTotal = cnt.Lost
+		}
 		for _, s := range d.byJob {
-			// After the drain: a count that moved means this job's record has a hole here.
-			if s.cgroup == 0 {
+			if s.cgroup == 0 || !lostMoved {
 				continue
 			}
 			if lost, err := d.rec.Lost(s.cgroup); err == nil && lost != s.lost {
