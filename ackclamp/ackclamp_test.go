@@ -21,10 +21,9 @@ func requirePrivileges(t testing.TB) {
 	}
 }
 
-// TestAckClamp runs the real programs (BPF_PROG_TEST_RUN) on crafted segments: the restored end's
-// segments raise its snd_nxt, the peer's ACKs beyond it are lowered to it with a valid checksum, and
-// other flows and ACKs below snd_nxt are left alone.
-func TestAckClamp(t *testing.T) {
+// loadT loads the clamp's programs for a test, closed at its end; it skips where the kernel cannot.
+func loadT(t *testing.T) *Clamp {
+	t.Helper()
 	requirePrivileges(t)
 	c, err := Load()
 	if errors.Is(err, ebpf.ErrNotSupported) {
@@ -33,7 +32,15 @@ func TestAckClamp(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close()
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// TestAckClamp runs the real programs (BPF_PROG_TEST_RUN) on crafted segments: the restored end's
+// segments raise its snd_nxt, the peer's ACKs beyond it are lowered to it with a valid checksum, and
+// other flows and ACKs below snd_nxt are left alone.
+func TestAckClamp(t *testing.T) {
+	c := loadT(t)
 	restored := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.9.0.12:7300"), Remote: netip.MustParseAddrPort("10.9.0.11:40000")}
 	peer := tcpflow.Tuple{Local: restored.Remote, Remote: restored.Local}
 	other := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.9.0.13:1"), Remote: restored.Local}
@@ -96,15 +103,7 @@ func TestAckClamp(t *testing.T) {
 // dropped, pure ACKs pass (and are still clamped), segments marked as injected (TOS 0x04, as
 // restore.InjectFromPeer sends them) pass; released from the hold, everything passes again.
 func TestAckClampHold(t *testing.T) {
-	requirePrivileges(t)
-	c, err := Load()
-	if errors.Is(err, ebpf.ErrNotSupported) {
-		t.Skipf("SKIPPED: this kernel cannot load TCX programs: %v", err)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	c := loadT(t)
 	restored := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.9.0.12:7300"), Remote: netip.MustParseAddrPort("10.9.0.11:40000")}
 	peer := tcpflow.Tuple{Local: restored.Remote, Remote: restored.Local}
 	if err := c.Hold(restored, true); err == nil {

@@ -135,24 +135,9 @@ func recvScript() error {
 		return err
 	}
 	fmt.Println("ready")
-	conns := make([]int, len(expect))
-	for i := range conns {
-		if conns[i], _, err = unix.Accept4(ln, unix.SOCK_CLOEXEC); err != nil {
-			return fmt.Errorf("accept: %w", err)
-		}
-		fmt.Printf("conn %d\n", i)
-	}
-	for i, fd := range conns {
-		for {
-			n, err := unix.IoctlGetInt(fd, unix.SIOCINQ)
-			if err != nil {
-				return fmt.Errorf("SIOCINQ: %w", err)
-			}
-			if n >= expect[i] {
-				break
-			}
-			time.Sleep(time.Millisecond)
-		}
+	conns, err := acceptQueued(ln, expect)
+	if err != nil {
+		return err
 	}
 	var gap time.Duration
 	if g := os.Getenv("FTKIT_GAP_US"); g != "" {
@@ -214,6 +199,32 @@ func recvScript() error {
 	}
 	_, _ = fmt.Scanln()
 	return nil
+}
+
+// acceptQueued accepts one connection on listener ln per entry of need, printing "conn <i>" for each, then
+// waits until connection i has need[i] bytes queued: the child roles' reads then find their bytes there.
+func acceptQueued(ln int, need []int) ([]int, error) {
+	conns := make([]int, len(need))
+	for i := range conns {
+		var err error
+		if conns[i], _, err = unix.Accept4(ln, unix.SOCK_CLOEXEC); err != nil {
+			return nil, fmt.Errorf("accept: %w", err)
+		}
+		fmt.Printf("conn %d\n", i)
+	}
+	for i, fd := range conns {
+		for {
+			n, err := unix.IoctlGetInt(fd, unix.SIOCINQ)
+			if err != nil {
+				return nil, fmt.Errorf("SIOCINQ: %w", err)
+			}
+			if n >= need[i] {
+				break
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	return conns, nil
 }
 
 // monoNow is CLOCK_MONOTONIC in ns: one clock for every process.
@@ -769,24 +780,9 @@ func pingPong() error {
 		return err
 	}
 	fmt.Println("ready")
-	var conns [2]int
-	for i := range conns {
-		if conns[i], _, err = unix.Accept4(ln, unix.SOCK_CLOEXEC); err != nil {
-			return fmt.Errorf("accept: %w", err)
-		}
-		fmt.Printf("conn %d\n", i)
-	}
-	for _, fd := range conns {
-		for {
-			n, err := unix.IoctlGetInt(fd, unix.SIOCINQ)
-			if err != nil {
-				return fmt.Errorf("SIOCINQ: %w", err)
-			}
-			if n >= rounds {
-				break
-			}
-			time.Sleep(time.Millisecond)
-		}
+	conns, err := acceptQueued(ln, []int{rounds, rounds})
+	if err != nil {
+		return err
 	}
 	var toY, toX [2]int
 	if err := unix.Pipe2(toY[:], unix.O_CLOEXEC); err != nil {
