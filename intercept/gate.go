@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 
 	"github.com/ftkit/ftkit/tcpflow"
 )
@@ -128,10 +129,27 @@ func (g *Gate) Run(ctx context.Context, inj Injector, events <-chan Det) (inject
 		}
 		prev[d.Conn] = d.End
 	}
+	// The rest of every connection at once: delivering one connection's whole rest may wait for the job to
+	// read it (its window), while the job first reads another.
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var errs []error
 	for c, s := range g.sources {
-		if err := inject(c, s.end()); err != nil {
-			return injected, err
+		from := next[c]
+		if !seqAfter(s.end(), from) {
+			continue
 		}
+		wg.Go(func() {
+			err := inj.Inject(c, from, s.Data[from-s.Seq:])
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				errs = append(errs, fmt.Errorf("inject %d bytes of %s's peer at %d: %w", s.end()-from, c, from, err))
+				return
+			}
+			injected += int64(s.end() - from)
+		})
 	}
-	return injected, nil
+	wg.Wait()
+	return injected, errors.Join(errs...)
 }

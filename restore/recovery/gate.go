@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/ftkit/ftkit/clusterapi"
@@ -202,15 +203,21 @@ func Deferred(j *Job) []DeferredConn {
 // freely from there; its re-sent bytes are still checked, so a program that then reads in another order
 // fails loudly.
 func DeliverRest(ctx context.Context, d Deps, net Network, images string, conns []DeferredConn) error {
-	var errs []error
-	for _, c := range conns {
+	// Every connection at once: one connection's rest may wait for the job to read it (its window), while
+	// the job first reads another.
+	errs := make([]error, len(conns))
+	var wg sync.WaitGroup
+	for i, c := range conns {
 		if d.Clamp != nil {
 			d.Clamp.Hold(c.Tuple, false) // a flow released already has nothing to hold
 		}
-		if err := deliverRest(ctx, d, net, images, c); err != nil {
-			errs = append(errs, fmt.Errorf("connection %s: %w", c.Tuple, err))
-		}
+		wg.Go(func() {
+			if err := deliverRest(ctx, d, net, images, c); err != nil {
+				errs[i] = fmt.Errorf("connection %s: %w", c.Tuple, err)
+			}
+		})
 	}
+	wg.Wait()
 	return errors.Join(errs...)
 }
 
