@@ -173,6 +173,10 @@ type LogConfig struct {
 	// a restored job re-reads them in that order. Off, a job that reads whichever socket has data first
 	// fails its recovery (loudly) when it reads another one first.
 	ReceiveOrder bool `toml:"receive_order"`
+	// ReceiveOrderShipEvery is the least time between two shipments of a job's determinants to its
+	// protector: longer costs the jobs less (one cluster request per shipment), shorter leaves a crash fewer
+	// determinants to take with it (orphans, docs/receive-order.md).
+	ReceiveOrderShipEvery Duration `toml:"receive_order_ship_every"`
 }
 
 // Defaults returns a Config with every default filled in.
@@ -194,7 +198,7 @@ func Defaults() Config {
 	c.Failover.ReplayTimeout = Duration{2 * time.Minute}
 	c.Failover.ParallelRestores = 4
 	c.Failover.FenceCommandTimeout = Duration{30 * time.Second}
-	c.Log = LogConfig{Enabled: true, RingMiB: 64, High: 0.8, Low: 0.6, ReceiveOrder: true}
+	c.Log = LogConfig{Enabled: true, RingMiB: 64, High: 0.8, Low: 0.6, ReceiveOrder: true, ReceiveOrderShipEvery: Duration{DefaultShipEvery}}
 	c.JobNetwork.Kind = jobnet.MACVlan
 	return c
 }
@@ -286,6 +290,9 @@ func (c Config) Validate() error {
 	}
 	if c.Checkpoint.Keep < 1 {
 		errs = append(errs, fmt.Errorf("checkpoint.keep %d: keep at least 1 snapshot", c.Checkpoint.Keep))
+	}
+	if d := c.Log.ReceiveOrderShipEvery.Duration; d <= 0 || d > maxShipEvery {
+		errs = append(errs, fmt.Errorf("log.receive_order_ship_every %s: must be positive and at most %s", c.Log.ReceiveOrderShipEvery, maxShipEvery))
 	}
 	if c.Failover.ReplayTimeout.Duration <= 0 {
 		errs = append(errs, fmt.Errorf("failover: replay_timeout (%s) must be positive", c.Failover.ReplayTimeout))

@@ -25,6 +25,7 @@ import (
 // detState is the agent's part of it. rec is nil when the recorder could not be loaded: the jobs of this
 // host then have no determinants, and their recoveries replay without them (checked all the same).
 type detState struct {
+	log   *slog.Logger
 	rec   *ebpfprobes.RecvOrder
 	store *intercept.Store
 
@@ -32,6 +33,9 @@ type detState struct {
 	byCgroup map[uint64]*detStream
 	byJob    map[string]*detStream
 	wake     chan struct{}
+	// setWake switches the recorder's wakeup for every call (nil without a recorder); waking mirrors it.
+	setWake func(on bool) error
+	waking  bool
 }
 
 // detStream is one job's determinants on this host, numbered from 0 when the agent began recording it.
@@ -55,20 +59,43 @@ const maxPendingDets = 1 << 20
 // newDetState loads the recorder if record (the host logs its jobs' traffic); a host that does not still
 // keeps the determinants of the jobs it protects.
 func newDetState(log *slog.Logger, record bool, cgroupParent string, ringBytes int) *detState {
-	d := &detState{store: intercept.NewStore(0), byCgroup: map[uint64]*detStream{}, byJob: map[string]*detStream{}, wake: make(chan struct{}, 1)}
+	d := &detState{log: log, store: intercept.NewStore(0), byCgroup: map[uint64]*detStream{}, byJob: map[string]*detStream{}, wake: make(chan struct{}, 1)}
 	if !record {
 		return d
 	}
-	// Woken for every call: a determinant reaches the protector sooner (fewer orphans at a crash), and a
-	// replay's gate sees each restored call at once; it costs about 1.5 us more per receive call
-	// (docs/ebpf-logging.md, "Receive order").
-	rec, err := ebpfprobes.NewRecvOrder(ebpfprobes.RecvOrderOptions{CgroupParent: cgroupParent, RingBufferSize: ringBytes, WakeEveryEvent: true, Logger: log})
+	// Polled while calls keep coming (read a pause late, shipped in batches: log.receive_order_ship_every);
+	// woken for every call only while a recovery's gate waits for each restored call (wakeForWatchers),
+	// which costs about 1.5 us more per receive call (docs/ebpf-logging.md, "Receive order").
+	rec, err := ebpfprobes.NewRecvOrder(ebpfprobes.RecvOrderOptions{CgroupParent: cgroupParent, RingBufferSize: ringBytes, Logger: log})
 	if err != nil {
 		log.Error("the receive-order recorder could not be loaded: restored jobs re-read their sockets in any order (a program that reads the first socket with data then fails its recovery, loudly)", "err", err)
 		return d
 	}
-	d.rec = rec
+	d.rec, d.setWake = rec, rec.SetWakeEveryEvent
 	return d
+}
+
+// wakeForWatchers has the recorder wake the agent for every call while some recovery watches a restored
+// job's calls, and poll otherwise. Called with d.mu held, after watchers changed.
+func (d *detState) wakeForWatchers() {
+	if d.setWake == nil {
+		return
+	}
+	watched := false
+	for _, s := range d.byJob {
+		if len(s.watchers) > 0 {
+			watched = true
+			break
+		}
+	}
+	if watched == d.waking {
+		return
+	}
+	if err := d.setWake(watched); err != nil {
+		d.log.Warn("the receive-order recorder's wakeup could not be switched: a replay's gate may see each call up to a poll interval late", "err", err)
+		return
+	}
+	d.waking = watched
 }
 
 // watch starts recording job j's receive calls (its cgroup's). fromStart: none of its processes ran on this
@@ -116,6 +143,7 @@ func (d *detState) unwatch(id string) *detStream {
 	delete(d.byCgroup, s.cgroup)
 	delete(d.byJob, id)
 	s.dropWatchers()
+	d.wakeForWatchers()
 	return s
 }
 
@@ -142,6 +170,7 @@ func (d *detState) watch(job string) (<-chan intercept.Det, func()) {
 		d.byJob[job] = s
 	}
 	s.watchers[ch] = true
+	d.wakeForWatchers()
 	d.mu.Unlock()
 	return ch, func() {
 		d.mu.Lock()
@@ -149,6 +178,7 @@ func (d *detState) watch(job string) (<-chan intercept.Det, func()) {
 		if s.watchers[ch] {
 			delete(s.watchers, ch)
 			close(ch)
+			d.wakeForWatchers()
 		}
 		if s.cgroup == 0 && len(s.watchers) == 0 && d.byJob[job] == s {
 			delete(d.byJob, job) // the restore never registered the job here
@@ -218,13 +248,27 @@ func (a *Agent) recordOrder(ctx context.Context) {
 				a.log.Warn("the receive-order recorder lost calls of a job (its ring was full): a recovery from its current snapshot replays without determinants", "job", s.job, "lost_total", lost)
 			}
 		}
+		d.wakeForWatchers() // a watcher that fell behind or lost calls is gone
+		waking := d.waking
 		d.mu.Unlock()
 		select {
 		case d.wake <- struct{}{}:
 		default:
 		}
+		if !waking && len(evs) < cap(buf) {
+			// Polled: let calls gather for a while, so that a job receiving all the time costs a batch (a
+			// counter read, the lock, a wakeup of the shipper) per pause instead of per few calls: that cost
+			// a job reading a million messages a second 1.4 us a call. The ring holds far more than a pause's calls.
+			select {
+			case <-ctx.Done():
+			case <-time.After(recordPause):
+			}
+		}
 	}
 }
+
+// recordPause is how long the recorder's calls gather between two reads while no recovery watches.
+const recordPause = time.Millisecond
 
 func (s *detStream) dropWatchers() {
 	for w := range s.watchers {
@@ -233,11 +277,23 @@ func (s *detStream) dropWatchers() {
 	}
 }
 
-// shipOrder sends each job's new determinants to its protector as they come, until ctx ends.
+// DefaultShipEvery is log.receive_order_ship_every's default: the least time between two shipping rounds,
+// what the recorder gives meanwhile going in one batch per job. A batch is a cluster request (HTTPS, tens of
+// microseconds of CPU on both agents): a round per call cost a job reading 20,000 messages a second more
+// than a core of agent time, and stencil2d 13% (bench receive-order, docs/receive-order.md). The price: a
+// determinant reaches the protector up to this much later, which widens the orphan window.
+const DefaultShipEvery = 2 * time.Millisecond
+
+// maxShipEvery bounds log.receive_order_ship_every: beyond it nearly every crash takes determinants with it.
+const maxShipEvery = time.Second
+
+// shipOrder sends each job's new determinants to its protector as they come, in rounds at least
+// log.receive_order_ship_every apart, until ctx ends.
 func (a *Agent) shipOrder(ctx context.Context) {
 	d := a.det
 	retry := time.NewTicker(100 * time.Millisecond)
 	defer retry.Stop()
+	var last time.Time
 	for {
 		select {
 		case <-ctx.Done():
@@ -245,6 +301,14 @@ func (a *Agent) shipOrder(ctx context.Context) {
 		case <-d.wake:
 		case <-retry.C:
 		}
+		if wait := a.cfg.Log.ReceiveOrderShipEvery.Duration - time.Since(last); wait > 0 {
+			select {
+			case <-ctx.Done():
+				return
+			case <-time.After(wait):
+			}
+		}
+		last = time.Now()
 		d.mu.Lock()
 		var todo []*detStream
 		for _, s := range d.byJob {

@@ -1,13 +1,14 @@
 package agent
 
 import (
+	"log/slog"
 	"testing"
 
 	"github.com/ftkit/ftkit/intercept"
 )
 
 func newTestDetState() *detState {
-	return &detState{store: intercept.NewStore(0), byCgroup: map[uint64]*detStream{}, byJob: map[string]*detStream{}, wake: make(chan struct{}, 1)}
+	return &detState{log: slog.New(slog.DiscardHandler), store: intercept.NewStore(0), byCgroup: map[uint64]*detStream{}, byJob: map[string]*detStream{}, wake: make(chan struct{}, 1)}
 }
 
 // TestWatchOrderJobEnds: a job that ends while a recovery watches it closes the watcher once; the watcher's
@@ -41,4 +42,34 @@ func TestWatchOrderNeverRegistered(t *testing.T) {
 	if len(d.byJob) != 0 {
 		t.Fatalf("placeholder left: %v", d.byJob)
 	}
+}
+
+// TestWatchOrderWakesOnlyWhileWatched: the recorder wakes the agent for every call only while some recovery
+// watches a restored job's calls (the gate waits for each); otherwise it is polled, which costs the job's
+// receive calls less.
+func TestWatchOrderWakesOnlyWhileWatched(t *testing.T) {
+	d := newTestDetState()
+	var sets []bool
+	d.setWake = func(on bool) error { sets = append(sets, on); return nil }
+	_, stopA := d.watch("a")
+	_, stopB := d.watch("b")
+	if len(sets) != 1 || !sets[0] || !d.waking {
+		t.Fatalf("after two watches: wakeup switched %v, want on once", sets)
+	}
+	stopA()
+	if len(sets) != 1 {
+		t.Fatalf("one watcher left: wakeup switched %v, want still on", sets)
+	}
+	stopB()
+	if len(sets) != 2 || sets[1] || d.waking {
+		t.Fatalf("no watcher left: wakeup switched %v, want off", sets)
+	}
+	s := &detStream{job: "j", cgroup: 7, watchers: map[chan intercept.Det]bool{}}
+	d.byJob["j"], d.byCgroup[7] = s, s
+	_, stop := d.watch("j")
+	d.unwatch("j") // the job ended while watched
+	if len(sets) != 4 || sets[3] {
+		t.Fatalf("watched job ended: wakeup switched %v, want on then off", sets)
+	}
+	stop()
 }

@@ -134,11 +134,12 @@ struct order_counters {
 volatile const __u32 ring_size = 0;
 volatile const __u32 wake_bytes = 0;
 volatile const __u64 parent_cgid = 0;
-// Set by the loader: nonzero to ignore consumer_polling and let the kernel
-// wake a waiting consumer for every event (a consumer that gates on each
-// event, the spare's replay, wants them at once rather than up to a poll
-// interval late).
-volatile const __u32 wake_every = 0;
+// Written by the consumer (mmapped .bss): nonzero to ignore consumer_polling
+// and let the kernel wake a waiting consumer for every event. A consumer that
+// gates on each event (the spare's replay) wants them at once rather than up
+// to a poll interval late, but only while it gates: a wakeup costs the
+// receiving call about a microsecond.
+volatile __u32 wake_every = 0;
 
 // Written by the consumer (mmapped .bss): nonzero while it polls the ring by
 // itself (the scheme of tcplog.c).

@@ -29,7 +29,8 @@ type RecvOrderOptions struct {
 	// RingBufferSize in bytes: a power of two and a multiple of the page
 	// size. Each event takes 48 bytes of it. 0 means DefaultRingBufferSize.
 	RingBufferSize int
-	// WakeEveryEvent wakes a waiting ReadBatch for every event. By default,
+	// WakeEveryEvent wakes a waiting ReadBatch for every event (initially:
+	// SetWakeEveryEvent switches it later). By default,
 	// while ReadBatch keeps finding events it polls the ring every
 	// millisecond instead of being woken (cheaper per event, as for
 	// TCPLogger), so an event can reach it up to a poll interval late. A
@@ -100,6 +101,7 @@ type recvorderLoaded struct {
 	Stats           *ebpf.Map      `ebpf:"stats"`
 	Bss             *ebpf.Map      `ebpf:".bss"`
 	ConsumerPolling *ebpf.Variable `ebpf:"consumer_polling"`
+	WakeEvery       *ebpf.Variable `ebpf:"wake_every"`
 }
 
 // RecvOrder records the order and amounts in which the jobs below a cgroup
@@ -164,10 +166,6 @@ func NewRecvOrder(opts RecvOrderOptions) (*RecvOrder, error) {
 		return nil, fmt.Errorf("recvorder: stat cgroup parent %s: %w", dir, err)
 	}
 
-	wakeEvery := uint32(0)
-	if opts.WakeEveryEvent {
-		wakeEvery = 1
-	}
 	spec, err := loadRecvorder()
 	if err != nil {
 		return nil, fmt.Errorf("recvorder: parse embedded BPF object: %w", err)
@@ -177,7 +175,6 @@ func NewRecvOrder(opts RecvOrderOptions) (*RecvOrder, error) {
 		recvorderVarRingSize:   uint32(size),
 		recvorderVarWakeBytes:  uint32(size / 8), // an eighth of the ring, as for TCPLogger
 		recvorderVarParentCgid: st.Ino,
-		recvorderVarWakeEvery:  wakeEvery,
 	} {
 		if err := spec.Variables[name].Set(v); err != nil {
 			return nil, fmt.Errorf("recvorder: set %s: %w", name, err)
@@ -203,6 +200,11 @@ func NewRecvOrder(opts RecvOrderOptions) (*RecvOrder, error) {
 		return nil, fmt.Errorf("recvorder: open ring buffer reader: %w", err)
 	}
 	r.consumer = ringConsumer{log: log, ring: r.ring, flag: r.objs.ConsumerPolling}
+	if err := r.SetWakeEveryEvent(opts.WakeEveryEvent); err != nil {
+		_ = r.ring.close()
+		_ = r.closeObjects()
+		return nil, err
+	}
 	r.link, err = link.AttachTracing(link.TracingOptions{Program: r.objs.Program})
 	if err != nil {
 		_ = r.ring.close()
@@ -239,6 +241,20 @@ func (r *RecvOrder) ReadBatch(ctx context.Context, dst []RecvEvent) ([]RecvEvent
 		return dst, fmt.Errorf("recvorder: %w", decodeErr)
 	}
 	return dst, err
+}
+
+// SetWakeEveryEvent switches RecvOrderOptions.WakeEveryEvent on or off while
+// the recorder runs: a consumer that gates on each event turns it on for as
+// long as it gates.
+func (r *RecvOrder) SetWakeEveryEvent(on bool) error {
+	var v uint32
+	if on {
+		v = 1
+	}
+	if err := r.objs.WakeEvery.Set(v); err != nil {
+		return fmt.Errorf("recvorder: set wake_every: %w", err)
+	}
+	return nil
 }
 
 // Lost returns how many events of the job cgroup with id cgroup were lost,

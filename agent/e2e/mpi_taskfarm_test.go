@@ -88,55 +88,83 @@ func stageDetail(f *agent.Failure, name string) string {
 // runTaskFarmCrash runs the task farm, crashes node1 (mpirun and the master) mid-run and checks the run is
 // never silently wrong; it returns the failure's record.
 func runTaskFarmCrash(t *testing.T, opts labcluster.Options) *agent.Failure {
-	requirePrograms(t, "mpirun.openmpi")
-	if out, err := exec.Command("/usr/bin/python3", "-c", "import mpi4py").CombinedOutput(); err != nil {
-		t.Skipf("SKIPPED LOUDLY: Debian's python3 has no mpi4py (scripts/setup.sh installs python3-mpi4py): %v %s", err, out)
-	}
+	requireMPI4Py(t)
 	script, err := os.ReadFile("testdata/taskfarm.py")
 	if err != nil {
 		t.Fatal(err)
 	}
 	want := fmt.Sprintf("tasks %d sum %d", farmTasks, farmSum(farmTasks))
 	c := newCluster(t, 3, 1, opts)
-	ctx := context.Background()
 	r := startMPI(t, c, "farm", "taskfarm.py", script, "/usr/bin/python3", "taskfarm.py", strconv.Itoa(farmTasks))
-	r.waitRows(t, farmProgress, 200, 2*time.Minute)
-	master := jobNamed(t, c, "node1", "farm-node1")
-	waitProtected(t, c, "node1", master.ID, time.Minute)
-	reply, err := c.Client("node1").Checkpoint(ctx)
+	// 200 tasks handed out since the snapshot: what the restored master re-sends.
+	f := crashAfterSnapshot(t, c, r, "node1", farmProgress, 200, 200)
+	requireNeverWrong(t, f, r, func(out string) (string, error) {
+		got := ""
+		if i := strings.LastIndex(out, "tasks "); i >= 0 {
+			got = strings.TrimSpace(strings.SplitN(out[i:], "\n", 2)[0])
+		}
+		if got != want {
+			return got, fmt.Errorf("the run ended with %q, want %q", got, want)
+		}
+		return got, nil
+	})
+	return f
+}
+
+// crashAfterSnapshot waits until rows(output) of run r reaches first, snapshots host's part of it, waits
+// for more rows, crashes host and returns the record of its failure once the recovery has ended.
+func crashAfterSnapshot(t *testing.T, c *labcluster.Cluster, r *mpiRun, host string, rows func(string) int, first, more int) *agent.Failure {
+	t.Helper()
+	ctx := context.Background()
+	r.waitRows(t, rows, first, 2*time.Minute)
+	waitProtected(t, c, host, jobNamed(t, c, host, r.name+"-"+host).ID, time.Minute)
+	reply, err := c.Client(host).Checkpoint(ctx)
 	if err != nil || reply.Error != "" || len(reply.Results) != 1 || !reply.Results[0].Shipped {
-		t.Fatalf("checkpoint of node1: %+v %v", reply, err)
+		t.Fatalf("checkpoint of %s: %+v %v", host, reply, err)
 	}
-	at := farmProgress(r.out.String())
-	r.waitRows(t, farmProgress, at+200, 2*time.Minute) // tasks handed out since the snapshot: what the restored master re-sends
-	if err := c.Lab.Crash(ctx, "node1"); err != nil {
+	r.waitRows(t, rows, rows(r.out.String())+more, 2*time.Minute)
+	if err := c.Lab.Crash(ctx, host); err != nil {
 		t.Fatal(err)
 	}
-	f := waitFailure(t, c, "node1", 5*time.Minute)
+	f := waitFailure(t, c, host, 5*time.Minute)
 	logTimeline(t, f)
+	return f
+}
+
+// requireNeverWrong waits for run r to end and checks that a crash's recovery f was never silently wrong:
+// either every re-sent byte matched what the peers had received and the run ended successfully with a
+// result check accepts (check returns the result it found, and why it is wrong if it is), or the recovery
+// failed saying the job is not transparently recoverable and the run reported no success and no result.
+// It returns whether the recovery was transparent.
+func requireNeverWrong(t *testing.T, f *agent.Failure, r *mpiRun, check func(out string) (string, error)) bool {
+	t.Helper()
 	runErr := r.cmd.Wait()
 	out := r.out.String()
-	got := ""
-	if i := strings.LastIndex(out, "tasks "); i >= 0 {
-		got = strings.TrimSpace(strings.SplitN(out[i:], "\n", 2)[0])
-	}
-	switch {
-	case f.Error == "":
-		// Every re-sent byte matched what the workers had received: the run must be the failure-free one.
+	got, wrong := check(out)
+	if f.Error == "" {
 		requireStages(t, f)
-		if runErr != nil || got != want {
-			t.Errorf("recovered with every re-sent byte verified, but the run ended %v with %q, want %q:\n%s", runErr, got, want, tail(out))
+		if runErr != nil || wrong != nil {
+			t.Errorf("recovered with every re-sent byte verified, but the run ended %v: %v\n%s", runErr, wrong, tail(out))
 		}
-		t.Logf("outcome: recovered transparently (the restored master re-sent the same assignments), %q", got)
-	default:
-		// The re-execution differed: the recovery must say so, and the run must not report success.
-		if !strings.Contains(f.Error, "not transparently recoverable") {
-			t.Errorf("recovery failed without saying the job is not transparently recoverable: %s", f.Error)
-		}
-		if runErr == nil || got != "" {
-			t.Errorf("the recovery failed, yet the run ended %v with %q (a wrong result must never look like success):\n%s", runErr, got, tail(out))
-		}
-		t.Logf("outcome: a loud failure (%v): %s", runErr, f.Error)
+		t.Logf("outcome: recovered transparently, %q", got)
+		return true
 	}
-	return f
+	// The re-execution differed: the recovery must say so, and the run must not report success.
+	if !strings.Contains(f.Error, "not transparently recoverable") {
+		t.Errorf("recovery failed without saying the job is not transparently recoverable: %s", f.Error)
+	}
+	if runErr == nil || got != "" {
+		t.Errorf("the recovery failed, yet the run ended %v with %q (a wrong result must never look like success):\n%s", runErr, got, tail(out))
+	}
+	t.Logf("outcome: a loud failure (%v): %s", runErr, f.Error)
+	return false
+}
+
+// requireMPI4Py skips, loudly, where Open MPI or Debian's mpi4py is missing (scripts/setup.sh installs both).
+func requireMPI4Py(t *testing.T) {
+	t.Helper()
+	requirePrograms(t, "mpirun.openmpi")
+	if out, err := exec.Command("/usr/bin/python3", "-c", "import mpi4py").CombinedOutput(); err != nil {
+		t.Skipf("SKIPPED LOUDLY: Debian's python3 has no mpi4py (scripts/setup.sh installs python3-mpi4py): %v %s", err, out)
+	}
 }

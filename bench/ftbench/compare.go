@@ -169,7 +169,7 @@ func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compare
 	if _, err := os.Stat(prog); err != nil {
 		return nil, fmt.Errorf("stencil2d is not next to ftbench (run make build): %w", err)
 	}
-	agentBin := filepath.Join(binDir, "ftagent")
+	agents := cmpAgents(binDir)
 	args := []string{"--grid", fmt.Sprint(sz.Grid), "--iters", fmt.Sprint(sz.Iters)}
 	ref, err := loopbackChecksum(ctx, prog, sz.Ranks, args)
 	if err != nil {
@@ -194,7 +194,7 @@ func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compare
 	// Failure-free runs, in rounds (a fresh pair of labs each) so that the machine's other load spreads
 	// over all variants; the median round counts. a and d run in a lab without agents, b and c with.
 	for round := range sz.Rounds {
-		err = withLab(ctx, log, sz, "", func(l *lab.Lab, _ *labcluster.Cluster) error {
+		err = withLab(ctx, log, sz, nil, func(l *lab.Lab, _ *labcluster.Cluster) error {
 			for _, v := range []string{"a", "d"} {
 				r, err := plain.run(ctx, l, v, nil, 7600+10*round)
 				if err != nil {
@@ -215,7 +215,7 @@ func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compare
 		if err != nil {
 			return nil, err
 		}
-		err = withLab(ctx, log, sz, agentBin, func(l *lab.Lab, c *labcluster.Cluster) error {
+		err = withLab(ctx, log, sz, agents, func(l *lab.Lab, c *labcluster.Cluster) error {
 			for _, v := range []string{"b", "c"} {
 				interval := "1h"
 				if v == "c" {
@@ -239,7 +239,7 @@ func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compare
 
 	// Each failure run gets a fresh lab: the crash destroys node2 and uses up the spare.
 	for _, v := range []string{"a", "d"} {
-		err = withLab(ctx, log, sz, "", func(l *lab.Lab, _ *labcluster.Cluster) error {
+		err = withLab(ctx, log, sz, nil, func(l *lab.Lab, _ *labcluster.Cluster) error {
 			r, err := plain.run(ctx, l, v, &crashPlan{at: crashAt}, 7640)
 			if err != nil {
 				return err
@@ -251,7 +251,7 @@ func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compare
 			return nil, err
 		}
 	}
-	err = withLab(ctx, log, sz, agentBin, func(l *lab.Lab, c *labcluster.Cluster) error {
+	err = withLab(ctx, log, sz, agents, func(l *lab.Lab, c *labcluster.Cluster) error {
 		r, err := jobs.run(ctx, c, "c", o.Interval.String(), crashAt, 7650)
 		if err != nil {
 			return err
@@ -265,9 +265,16 @@ func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compare
 	return o, nil
 }
 
-// withLab builds the comparison's lab (the ranks' hosts and one spare), with agents unless agentBin is "", runs fn,
-// and removes the lab whatever happened.
-func withLab(ctx context.Context, log *slog.Logger, sz compareSize, agentBin string, fn func(*lab.Lab, *labcluster.Cluster) error) (err error) {
+// cmpAgents is the comparison's agents: every job protected from its start (interval 1h), the heartbeat
+// every variant's detection is matched to.
+func cmpAgents(binDir string) *labcluster.Options {
+	return &labcluster.Options{AgentBin: filepath.Join(binDir, "ftagent"), Interval: "1h",
+		LogLevel: "warn", Heartbeat: cmpHeartbeat, HeartbeatTimeout: cmpTimeout}
+}
+
+// withLab builds the comparison's lab (the ranks' hosts and one spare), with agents configured by agents
+// unless it is nil, runs fn, and removes the lab whatever happened.
+func withLab(ctx context.Context, log *slog.Logger, sz compareSize, agents *labcluster.Options, fn func(*lab.Lab, *labcluster.Cluster) error) (err error) {
 	l, err := lab.Up(ctx, lab.Config{ID: cmpLabID, Nodes: sz.Ranks, Spares: 1, Subnet: cmpSubnet}, lab.Options{Logger: log})
 	if err != nil {
 		return fmt.Errorf("lab up (if a previous run left it, `ftctl lab down --lab %s`): %w", cmpLabID, err)
@@ -278,9 +285,8 @@ func withLab(ctx context.Context, log *slog.Logger, sz compareSize, agentBin str
 		}
 	}()
 	var c *labcluster.Cluster
-	if agentBin != "" {
-		c, err = labcluster.Start(ctx, l, labcluster.Options{AgentBin: agentBin, Interval: "1h",
-			LogLevel: "warn", Heartbeat: cmpHeartbeat, HeartbeatTimeout: cmpTimeout})
+	if agents != nil {
+		c, err = labcluster.Start(ctx, l, *agents)
 		if err != nil {
 			return err
 		}

@@ -56,6 +56,7 @@ func benchmarks() (map[string]benchmark, map[string]*flag.FlagSet) {
 		"lab":                 benchLab,
 		"netlog":              benchNetlog,
 		"node-recovery":       benchNodeRecovery,
+		"receive-order":       benchReceiveOrder,
 		"recovery":            benchRecovery,
 		"restored-throughput": benchRestored,
 		"snapshot":            benchSnapshot,

@@ -30,7 +30,7 @@ import (
 // process of its own so that it can be born in the protected cgroup, as a job
 // is. No watchdog: a bulk run may take minutes.
 func init() {
-	streamtest.ChildMain(map[string]func() error{"bulkrecv": bulkRecv, "bulksend": bulkSend,
+	streamtest.ChildMain(map[string]func() error{"bulkrecv": bulkRecv, "bulksend": bulkSend, "msgrecv": msgRecv,
 		"bursttimer": burstTimer, "burstjob": burstJob, "benchdump": benchDump, "benchrestore": benchRestore}, 0)
 }
 
