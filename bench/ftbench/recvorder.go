@@ -35,14 +35,14 @@ const (
 )
 
 // roConfig is one agent configuration the benchmark compares: recording off, on with the default
-// shipping interval, on with a longer one.
+// shipping interval, on with a shorter one.
 type roConfig struct {
 	Name      string        `json:"name"`
 	Order     bool          `json:"receive_order"`
 	ShipEvery time.Duration `json:"ship_every_ns"` // 0: the default (agent.DefaultShipEvery)
 }
 
-var roConfigs = []roConfig{{Name: "off"}, {Name: "on", Order: true}, {Name: "on_ship_20ms", Order: true, ShipEvery: 20 * time.Millisecond}}
+var roConfigs = []roConfig{{Name: "off"}, {Name: "on", Order: true}, {Name: "on_ship_2ms", Order: true, ShipEvery: 2 * time.Millisecond}}
 
 // roRun is one lab's measurements in one configuration.
 type roRun struct {
@@ -60,7 +60,7 @@ type roRun struct {
 
 // benchReceiveOrder measures what recording receive-order determinants costs a job that never fails
 // (docs/receive-order.md): in rounds, a lab per configuration (roConfigs: log.receive_order off, on, on
-// with a longer log.receive_order_ship_every), each running stencil2d at compare's size as agent jobs (compare's variant
+// with a shorter log.receive_order_ship_every), each running stencil2d at compare's size as agent jobs (compare's variant
 // b: logging, the start snapshot only) and then a stream of 64-byte messages between two agent jobs whose
 // receiver reads each message with a call of its own. Ratios are medians of per-round ratios.
 func benchReceiveOrder(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
