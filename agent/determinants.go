@@ -34,8 +34,10 @@ type detState struct {
 	byJob    map[string]*detStream
 	wake     chan struct{}
 	// setWake switches the recorder's wakeup for every call (nil without a recorder); waking mirrors it.
-	setWake func(on bool) error
-	waking  bool
+	// alwaysWake keeps it on (log.receive_order_ship_every = 0: every call shipped at once).
+	setWake    func(on bool) error
+	waking     bool
+	alwaysWake bool
 }
 
 // detStream is one job's determinants on this host, numbered from 0 when the agent began recording it.
@@ -57,21 +59,22 @@ type detStream struct {
 const maxPendingDets = 1 << 20
 
 // newDetState loads the recorder if record (the host logs its jobs' traffic); a host that does not still
-// keeps the determinants of the jobs it protects.
-func newDetState(log *slog.Logger, record bool, cgroupParent string, ringBytes int) *detState {
+// keeps the determinants of the jobs it protects. alwaysWake: the agent is woken for every call.
+func newDetState(log *slog.Logger, record bool, cgroupParent string, ringBytes int, alwaysWake bool) *detState {
 	d := &detState{log: log, store: intercept.NewStore(0), byCgroup: map[uint64]*detStream{}, byJob: map[string]*detStream{}, wake: make(chan struct{}, 1)}
 	if !record {
 		return d
 	}
 	// Polled while calls keep coming (read a pause late, shipped in batches: log.receive_order_ship_every);
 	// woken for every call only while a recovery's gate waits for each restored call (wakeForWatchers),
-	// which costs about 1.5 us more per receive call (docs/ebpf-logging.md, "Receive order").
-	rec, err := ebpfprobes.NewRecvOrder(ebpfprobes.RecvOrderOptions{CgroupParent: cgroupParent, RingBufferSize: ringBytes, Logger: log})
+	// or always if asked, which costs about 1.5 us more per receive call (docs/ebpf-logging.md).
+	rec, err := ebpfprobes.NewRecvOrder(ebpfprobes.RecvOrderOptions{CgroupParent: cgroupParent, RingBufferSize: ringBytes, WakeEveryEvent: alwaysWake, Logger: log})
 	if err != nil {
 		log.Error("the receive-order recorder could not be loaded: restored jobs re-read their sockets in any order (a program that reads the first socket with data then fails its recovery, loudly)", "err", err)
 		return d
 	}
 	d.rec, d.setWake = rec, rec.SetWakeEveryEvent
+	d.waking, d.alwaysWake = alwaysWake, alwaysWake
 	return d
 }
 
@@ -81,7 +84,7 @@ func (d *detState) wakeForWatchers() {
 	if d.setWake == nil {
 		return
 	}
-	watched := false
+	watched := d.alwaysWake
 	for _, s := range d.byJob {
 		if len(s.watchers) > 0 {
 			watched = true

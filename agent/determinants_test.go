@@ -73,3 +73,17 @@ func TestWatchOrderWakesOnlyWhileWatched(t *testing.T) {
 	}
 	stop()
 }
+
+// TestWatchOrderAlwaysWakes: with log.receive_order_ship_every = 0 the recorder wakes the agent for every
+// call from the start, and a recovery's watcher leaving does not switch that off.
+func TestWatchOrderAlwaysWakes(t *testing.T) {
+	d := newTestDetState()
+	d.waking, d.alwaysWake = true, true
+	var sets []bool
+	d.setWake = func(on bool) error { sets = append(sets, on); return nil }
+	_, stop := d.watch("a")
+	stop()
+	if len(sets) != 0 || !d.waking {
+		t.Fatalf("wakeup switched %v, want it left on", sets)
+	}
+}

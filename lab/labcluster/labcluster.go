@@ -65,8 +65,10 @@ type Options struct {
 	ReplayTimeout time.Duration
 	// NoReceiveOrder turns every agent's log.receive_order off.
 	NoReceiveOrder bool
-	// ShipEvery is every agent's log.receive_order_ship_every (0: the default).
-	ShipEvery time.Duration
+	// ShipEvery is every agent's log.receive_order_ship_every (0: the default); ShipAtOnce sets it to 0
+	// (every call shipped as soon as it is recorded).
+	ShipEvery  time.Duration
+	ShipAtOnce bool
 	// ParallelRestores is every agent's failover.parallel_restores (0: the default).
 	ParallelRestores int
 	// JobAddresses gives every agent a job_network.pool (JobPool) and gateway (JobGateway), so that jobs
@@ -273,7 +275,7 @@ func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
 	if c.opts.FenceTimeout > 0 {
 		cfg.Failover.FenceTimeout.Duration = c.opts.FenceTimeout
 	}
-	if c.opts.ShipEvery > 0 {
+	if c.opts.ShipEvery > 0 || c.opts.ShipAtOnce {
 		cfg.Log.ReceiveOrderShipEvery.Duration = c.opts.ShipEvery
 	}
 	if c.opts.NoReceiveOrder {
