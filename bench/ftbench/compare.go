@@ -164,18 +164,26 @@ func (o *compareOutcome) run(variant string, failure bool) *variantRun {
 	return rs[len(rs)/2]
 }
 
-func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compareSize) (*compareOutcome, error) {
-	prog := filepath.Join(binDir, "stencil2d")
+// stencilRun is stencil2d at size sz: the program next to ftbench, its arguments, and the checksum every
+// rank of a correct run prints (from an unprotected run on loopback).
+func stencilRun(ctx context.Context, binDir string, sz compareSize) (prog string, args []string, ref string, err error) {
+	prog = filepath.Join(binDir, "stencil2d")
 	if _, err := os.Stat(prog); err != nil {
-		return nil, fmt.Errorf("stencil2d is not next to ftbench (run make build): %w", err)
+		return "", nil, "", fmt.Errorf("stencil2d is not next to ftbench (run make build): %w", err)
 	}
-	agents := cmpAgents(binDir)
-	args := []string{"--grid", fmt.Sprint(sz.Grid), "--iters", fmt.Sprint(sz.Iters)}
-	ref, err := loopbackChecksum(ctx, prog, sz.Ranks, args)
+	args = []string{"--grid", fmt.Sprint(sz.Grid), "--iters", fmt.Sprint(sz.Iters)}
+	if ref, err = loopbackChecksum(ctx, prog, sz.Ranks, args); err != nil {
+		return "", nil, "", err
+	}
+	return prog, append(args, "--delay", sz.Delay.String()), ref, nil
+}
+
+func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compareSize) (*compareOutcome, error) {
+	prog, args, ref, err := stencilRun(ctx, binDir, sz)
 	if err != nil {
 		return nil, err
 	}
-	args = append(args, "--delay", sz.Delay.String())
+	agents := cmpAgents(binDir)
 	o := &compareOutcome{Size: sz, Reference: ref, Notes: []string{
 		"a and d: ranks exec'd in the lab hosts' network namespaces, no agent running on the lab",
 		"b and c: agent jobs (PID namespace, cgroup, eBPF sender-side log); b's only snapshots are those the agent takes as the jobs start (interval 1h)",

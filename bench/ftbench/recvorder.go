@@ -9,7 +9,6 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
@@ -60,9 +59,10 @@ type roRun struct {
 
 // benchReceiveOrder measures what recording receive-order determinants costs a job that never fails
 // (docs/receive-order.md): in rounds, a lab per configuration (roConfigs: log.receive_order off, on, on
-// with a shorter log.receive_order_ship_every), each running stencil2d at compare's size as agent jobs (compare's variant
-// b: logging, the start snapshot only) and then a stream of 64-byte messages between two agent jobs whose
-// receiver reads each message with a call of its own. Ratios are medians of per-round ratios.
+// with a shorter log.receive_order_ship_every), each running stencil2d at compare's size as agent jobs
+// (compare's variant b: logging, the start snapshot only) and then a stream of 64-byte messages between two
+// agent jobs whose receiver reads each message with a call of its own. Ratios are medians of per-round
+// ratios.
 func benchReceiveOrder(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 	binDir, err := ownDir()
 	if err != nil {
@@ -72,13 +72,10 @@ func benchReceiveOrder(ctx context.Context, log *slog.Logger) ([]Metric, any, er
 	if err != nil {
 		return nil, nil, err
 	}
-	prog := filepath.Join(binDir, "stencil2d")
-	args := []string{"--grid", fmt.Sprint(sz.Grid), "--iters", fmt.Sprint(sz.Iters)}
-	ref, err := loopbackChecksum(ctx, prog, sz.Ranks, args)
+	prog, args, ref, err := stencilRun(ctx, binDir, sz)
 	if err != nil {
 		return nil, nil, err
 	}
-	args = append(args, "--delay", sz.Delay.String())
 	jobs := &jobLauncher{prog: prog, sz: sz, args: args, ref: ref, log: log}
 	self, err := os.Executable()
 	if err != nil {
