@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"log/slog"
+	"os"
 	"os/exec"
 	"strings"
 	"testing"
@@ -67,4 +68,47 @@ type testWriter struct{ t *testing.T }
 func (w testWriter) Write(b []byte) (int, error) {
 	w.t.Log(strings.TrimSpace(string(b)))
 	return len(b), nil
+}
+
+// TestReceiveOrderSmall runs one round of the receive-order benchmark at compare's small size: every
+// configuration's stencil must end with the failure-free checksum and its message stream must be received
+// whole, one call per message, and every metric must be there.
+func TestReceiveOrderSmall(t *testing.T) {
+	testenv.RequireKernel(t, "network namespaces, CRIU and eBPF")
+	dir := t.TempDir()
+	build := exec.Command("go", "build", "-o", dir+"/", "github.com/ftkit/ftkit/cmd/ftagent", "github.com/ftkit/ftkit/testdata/stencil2d")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	log := slog.New(slog.NewTextHandler(testWriter{t}, &slog.HandlerOptions{Level: slog.LevelInfo}))
+	metrics, runs, err := runReceiveOrder(ctx, log, dir, self, compareSizes["small"], 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(runs) != len(roConfigs) {
+		t.Fatalf("%d runs, want one per configuration (%d)", len(runs), len(roConfigs))
+	}
+	for _, r := range runs {
+		if !r.StencilOK || r.StencilS <= 0 || r.MsgCalls < roMsgCount || r.MsgRate <= 0 {
+			t.Errorf("%s: stencil identical %v in %.2fs, %d receive calls for %d messages at %.0f/s",
+				r.Config, r.StencilOK, r.StencilS, r.MsgCalls, roMsgCount, r.MsgRate)
+		}
+	}
+	got := map[string]bool{}
+	for _, m := range metrics {
+		got[m.Name] = true
+	}
+	for _, c := range roConfigs[1:] {
+		for _, name := range []string{"stencil_overhead_" + c.Name, "msg64_rate_ratio_" + c.Name} {
+			if !got[name] {
+				t.Errorf("metric %s missing from %v", name, metrics)
+			}
+		}
+	}
 }

@@ -72,16 +72,36 @@ func benchReceiveOrder(ctx context.Context, log *slog.Logger) ([]Metric, any, er
 	if err != nil {
 		return nil, nil, err
 	}
-	prog, args, ref, err := stencilRun(ctx, binDir, sz)
-	if err != nil {
-		return nil, nil, err
-	}
-	jobs := &jobLauncher{prog: prog, sz: sz, args: args, ref: ref, log: log}
 	self, err := os.Executable()
 	if err != nil {
 		return nil, nil, err
 	}
 	rounds := max(sz.Rounds, 3)
+	metrics, runs, err := runReceiveOrder(ctx, log, binDir, self, sz, rounds)
+	if err != nil {
+		return nil, nil, err
+	}
+	settings := map[string]any{
+		"size":     sz,
+		"rounds":   rounds,
+		"configs":  roConfigs,
+		"order":    "the configurations take turns going first in successive rounds, a fresh lab each; ratios are medians of per-round ratios against off",
+		"stencil":  "stencil2d, one rank per lab node, agent jobs with interval 1h: compare's variant b (sender-side log, the start snapshot)",
+		"messages": map[string]any{"size": roMsgSize, "count": roMsgCount, "nodelay": true, "sender": fmt.Sprintf("agent job on node1, %d messages per write", roMsgsPerWrite), "receiver": "agent job on node2, one read of at most 64 bytes per call"},
+		"cpu":      "receiver: the receiving job's getrusage (the recorder's in-kernel work runs in its receive calls); agents: utime+stime of every lab agent over the message run (recording, numbering, shipping to the protector, keeping there)",
+		"runs":     runs,
+	}
+	return metrics, settings, nil
+}
+
+// runReceiveOrder runs the benchmark's rounds with the agents and stencil2d of binDir and self (a binary
+// with ftbench's child roles) as the message jobs.
+func runReceiveOrder(ctx context.Context, log *slog.Logger, binDir, self string, sz compareSize, rounds int) ([]Metric, []roRun, error) {
+	prog, args, ref, err := stencilRun(ctx, binDir, sz)
+	if err != nil {
+		return nil, nil, err
+	}
+	jobs := &jobLauncher{prog: prog, sz: sz, args: args, ref: ref, log: log}
 	var runs []roRun
 	// Per configuration, per round: stencil seconds, message rate, CPU per call.
 	stencil, rate, recvCPU, agentCPU := map[string][]float64{}, map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
@@ -138,17 +158,7 @@ func benchReceiveOrder(ctx context.Context, log *slog.Logger) ([]Metric, any, er
 			m("msg64_rate_ratio", median(rateRatio[cfg.Name]), "x")
 		}
 	}
-	settings := map[string]any{
-		"size":     sz,
-		"rounds":   rounds,
-		"configs":  roConfigs,
-		"order":    "the configurations take turns going first in successive rounds, a fresh lab each; ratios are medians of per-round ratios against off",
-		"stencil":  "stencil2d, one rank per lab node, agent jobs with interval 1h: compare's variant b (sender-side log, the start snapshot)",
-		"messages": map[string]any{"size": roMsgSize, "count": roMsgCount, "nodelay": true, "sender": fmt.Sprintf("agent job on node1, %d messages per write", roMsgsPerWrite), "receiver": "agent job on node2, one read of at most 64 bytes per call"},
-		"cpu":      "receiver: the receiving job's getrusage (the recorder's in-kernel work runs in its receive calls); agents: utime+stime of every lab agent over the message run (recording, numbering, shipping to the protector, keeping there)",
-		"runs":     runs,
-	}
-	return metrics, settings, nil
+	return metrics, runs, nil
 }
 
 // msgStream runs one stream of roMsgCount 64-byte messages from a job on node1 to a job on node2.
