@@ -2,6 +2,7 @@ package recovery
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"slices"
@@ -28,6 +29,7 @@ func ReplayAndVerify(ctx context.Context, d Deps, j *Job) (string, error) {
 	if j.stopKeeping != nil {
 		defer j.stopKeeping()
 	}
+	gated := j.gateDone != nil
 	detail, err := waitGate(j)
 	if err == nil {
 		var rdetail string
@@ -38,6 +40,11 @@ func ReplayAndVerify(ctx context.Context, d Deps, j *Job) (string, error) {
 		var vdetail string
 		vdetail, err = verifyResent(ctx, d, j)
 		detail += "; " + vdetail
+	}
+	if gated && errors.Is(err, recvdigest.ErrNondeterministic) {
+		// The order of its receive calls was kept and it still re-sent other bytes: say what else it
+		// depends on, so that the operator does not look for a bug in the replay.
+		err = fmt.Errorf("%w (its receive calls were replayed in the recorded order: it decides from something else, such as which messages had arrived when it checked, as MPI_Waitany and MPI_ANY_SOURCE do, or the clock; or a crash took the determinants of its last receives: docs/receive-order.md)", err)
 	}
 	if err != nil {
 		abandon(d, j)

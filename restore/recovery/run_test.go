@@ -218,6 +218,7 @@ type replayCase struct {
 	sentUpTo uint32 // how far the restored socket got; 0: resend
 	replayed bool   // a previous agent saw this flow's replay complete
 	ended    bool   // the job ended by itself
+	gated    bool   // its receive order was replayed (a gate ran)
 	wantErr  error  // errors.Is target, or nil
 	wantMsg  string
 }
@@ -244,6 +245,8 @@ func TestReplayAndVerify(t *testing.T) {
 		{name: "no record was fetched", check: &Check{}, wantErr: recvdigest.ErrUnverified, wantMsg: "was not fetched"},
 		{name: "a re-sent byte differs", logged: other, wantErr: recvdigest.ErrNondeterministic,
 			wantMsg: "then connection " + conn.String() + " failed the check"},
+		{name: "a re-sent byte differs after the receive order was replayed", logged: other, gated: true,
+			wantErr: recvdigest.ErrNondeterministic, wantMsg: "its receive calls were replayed in the recorded order"},
 		{name: "the log lacks re-sent bytes", logged: stream[:100], wantErr: recvdigest.ErrUnverified},
 		{name: "replay times out", sentUpTo: resend - 1, wantMsg: "failover.replay_timeout"},
 		{name: "the job ends before its replay", sentUpTo: 1, ended: true, wantMsg: "job rank1 ended (ended) before it re-sent"},
@@ -271,6 +274,10 @@ func TestReplayAndVerify(t *testing.T) {
 			j := &Job{ID: "rank1", Plan: restore.Plan{Conns: []restore.ConnPlan{cp}}, Checks: map[tcpflow.Tuple]Check{conn: chk}}
 			if tt.replayed {
 				j.Replayed = []tcpflow.Tuple{conn}
+			}
+			if tt.gated {
+				j.gateDone = make(chan gateResult, 1)
+				j.gateDone <- gateResult{dets: 2, injected: 10}
 			}
 			j.stopKeeping = f.Keep(j.Plan)
 			detail, err := ReplayAndVerify(t.Context(), d, j)
