@@ -23,6 +23,18 @@ type Source struct {
 
 func (s Source) end() uint32 { return s.Seq + uint32(len(s.Data)) }
 
+// inject delivers s's bytes of conn c from from up to end (nothing if end is not after from) and says how
+// many.
+func (s Source) inject(inj Injector, c tcpflow.Tuple, from, end uint32) (int64, error) {
+	if !seqAfter(end, from) {
+		return 0, nil
+	}
+	if err := inj.Inject(c, from, s.Data[from-s.Seq:end-s.Seq]); err != nil {
+		return 0, fmt.Errorf("inject %d bytes of %s's peer at %d: %w", end-from, c, from, err)
+	}
+	return int64(end - from), nil
+}
+
 // ErrDiverged marks a restored job that consumed its connections in another order or other amounts than
 // its determinants say: it is not re-executing what its peers saw.
 var ErrDiverged = errors.New("the restored job's receive calls diverged from the recorded ones")
@@ -84,17 +96,12 @@ func (g *Gate) Run(ctx context.Context, inj Injector, events <-chan Det) (inject
 		next[c] = s.Seq
 	}
 	inject := func(c tcpflow.Tuple, end uint32) error {
-		s := g.sources[c]
-		from := next[c]
-		if !seqAfter(end, from) {
-			return nil
+		n, err := g.sources[c].inject(inj, c, next[c], end)
+		injected += n
+		if n > 0 {
+			next[c] = end
 		}
-		if err := inj.Inject(c, from, s.Data[from-s.Seq:end-s.Seq]); err != nil {
-			return fmt.Errorf("inject %d bytes of %s's peer at %d: %w", end-from, c, from, err)
-		}
-		injected += int64(end - from)
-		next[c] = end
-		return nil
+		return err
 	}
 	prev := make(map[tcpflow.Tuple]uint32, len(g.sources)) // how far the restored job consumed
 	for c, s := range g.sources {
@@ -131,25 +138,17 @@ func (g *Gate) Run(ctx context.Context, inj Injector, events <-chan Det) (inject
 	}
 	// The rest of every connection at once: delivering one connection's whole rest may wait for the job to
 	// read it (its window), while the job first reads another.
+	ns, errs := make([]int64, len(g.sources)), make([]error, len(g.sources))
 	var wg sync.WaitGroup
-	var mu sync.Mutex
-	var errs []error
+	i := 0
 	for c, s := range g.sources {
-		from := next[c]
-		if !seqAfter(s.end(), from) {
-			continue
-		}
-		wg.Go(func() {
-			err := inj.Inject(c, from, s.Data[from-s.Seq:])
-			mu.Lock()
-			defer mu.Unlock()
-			if err != nil {
-				errs = append(errs, fmt.Errorf("inject %d bytes of %s's peer at %d: %w", s.end()-from, c, from, err))
-				return
-			}
-			injected += int64(s.end() - from)
-		})
+		k, from := i, next[c]
+		wg.Go(func() { ns[k], errs[k] = s.inject(inj, c, from, s.end()) })
+		i++
 	}
 	wg.Wait()
+	for _, n := range ns {
+		injected += n
+	}
 	return injected, errors.Join(errs...)
 }
