@@ -245,19 +245,9 @@ func measureIdleCost(ctx context.Context, l *lab.Lab, period time.Duration) (*id
 			if err != nil {
 				return nil, err
 			}
-			pids, err := lab.PIDsInNetns(path)
-			if err != nil {
-				return nil, err
-			}
 			var s sample
-			for _, pid := range pids {
-				if comm, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid)); strings.TrimSpace(string(comm)) == "ftagent" {
-					t, err := procCPUTicks(pid)
-					if err != nil {
-						return nil, err
-					}
-					s.cpuTicks += t
-				}
+			if s.cpuTicks, err = agentCPUTicks(l, h.Name); err != nil {
+				return nil, err
 			}
 			if s.tx, err = ethTxBytes(path); err != nil {
 				return nil, err
@@ -290,6 +280,30 @@ func measureIdleCost(ctx context.Context, l *lab.Lab, period time.Duration) (*id
 	n := float64(len(after))
 	// USER_HZ is 100 on Linux.
 	return &idleCost{Seconds: secs, Nodes: len(after), CPUPercent: float64(ticks) / 100 / secs / n * 100, TxBytesPerSec: float64(tx) / secs / n}, nil
+}
+
+// agentCPUTicks is the utime+stime, in clock ticks (USER_HZ, 100 on Linux), of the agent in lab host
+// host's network namespace.
+func agentCPUTicks(l *lab.Lab, host string) (uint64, error) {
+	path, err := l.NetnsPath(host)
+	if err != nil {
+		return 0, err
+	}
+	pids, err := lab.PIDsInNetns(path)
+	if err != nil {
+		return 0, err
+	}
+	var ticks uint64
+	for _, pid := range pids {
+		if comm, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid)); strings.TrimSpace(string(comm)) == "ftagent" {
+			t, err := procCPUTicks(pid)
+			if err != nil {
+				return 0, err
+			}
+			ticks += t
+		}
+	}
+	return ticks, nil
 }
 
 // procCPUTicks is a process's utime+stime in clock ticks.

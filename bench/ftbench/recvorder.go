@@ -214,30 +214,15 @@ func msgStream(ctx context.Context, c *labcluster.Cluster, self string, port int
 	return r, nil
 }
 
-// agentsCPU is the CPU time (user + system, seconds) of every agent of c that this process started.
+// agentsCPU is the CPU time (user + system, seconds) of every lab host's agent.
 func agentsCPU(c *labcluster.Cluster) (map[string]float64, error) {
 	out := map[string]float64{}
 	for _, h := range c.Lab.State().Hosts {
-		pid, ok := c.AgentPID(h.Name)
-		if !ok {
-			continue
-		}
-		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		t, err := agentCPUTicks(c.Lab, h.Name)
 		if err != nil {
 			return nil, fmt.Errorf("CPU time of %s's agent: %w", h.Name, err)
 		}
-		// Fields after the command's closing parenthesis: state is field 3, utime 14, stime 15.
-		s := string(b)
-		f := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
-		if len(f) < 13 {
-			return nil, fmt.Errorf("CPU time of %s's agent: short /proc/%d/stat", h.Name, pid)
-		}
-		ut, err1 := strconv.ParseInt(f[11], 10, 64)
-		st, err2 := strconv.ParseInt(f[12], 10, 64)
-		if err := errors.Join(err1, err2); err != nil {
-			return nil, fmt.Errorf("CPU time of %s's agent: %w", h.Name, err)
-		}
-		out[h.Name] = float64(ut+st) / 100 // USER_HZ
+		out[h.Name] = float64(t) / 100 // USER_HZ
 	}
 	return out, nil
 }

@@ -65,10 +65,8 @@ type Options struct {
 	ReplayTimeout time.Duration
 	// NoReceiveOrder turns every agent's log.receive_order off.
 	NoReceiveOrder bool
-	// ShipEvery is every agent's log.receive_order_ship_every (0: the default); ShipAtOnce sets it to 0
-	// (every call shipped as soon as it is recorded).
-	ShipEvery  time.Duration
-	ShipAtOnce bool
+	// ShipEvery is every agent's log.receive_order_ship_every (0: the default).
+	ShipEvery time.Duration
 	// ParallelRestores is every agent's failover.parallel_restores (0: the default).
 	ParallelRestores int
 	// JobAddresses gives every agent a job_network.pool (JobPool) and gateway (JobGateway), so that jobs
@@ -275,7 +273,7 @@ func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
 	if c.opts.FenceTimeout > 0 {
 		cfg.Failover.FenceTimeout.Duration = c.opts.FenceTimeout
 	}
-	if c.opts.ShipEvery > 0 || c.opts.ShipAtOnce {
+	if c.opts.ShipEvery > 0 {
 		cfg.Log.ReceiveOrderShipEvery.Duration = c.opts.ShipEvery
 	}
 	if c.opts.NoReceiveOrder {
@@ -344,15 +342,6 @@ func (c *Cluster) StartAgent(ctx context.Context, host string) error {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-}
-
-// AgentPID is the PID of host's agent, as started by this process (benchmarks read its CPU time).
-func (c *Cluster) AgentPID(host string) (int, bool) {
-	ra, ok := c.agents[host]
-	if !ok {
-		return 0, false
-	}
-	return ra.cmd.Process.Pid, true
 }
 
 // KillAgent SIGKILLs host's agent (as a crash of the daemon alone would) and waits until it is gone.
