@@ -43,7 +43,10 @@ type Agent struct {
 	mu       sync.Mutex
 	byID     map[string]*Job
 	policies map[string]*interval.Policy // by job id ("" for the host in semi-coordinated mode)
-	changed  chan struct{}               // closed and replaced whenever a job changes, for long-polling clients
+	// replicaConns are the connections of each running job's replica, for the check of connections
+	// opened since (newconns.go).
+	replicaConns map[string]replicaConns
+	changed      chan struct{} // closed and replaced whenever a job changes, for long-polling clients
 	// reservedAddrs are job addresses handed to jobs being started, not yet in byID.
 	reservedAddrs map[netip.Addr]bool
 
@@ -96,6 +99,7 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 		cfg: cfg, log: log.With("node", cfg.Name), criu: criu.Client{Binary: bin}, self: self,
 		jobs: jobStore{dir: filepath.Join(cfg.StateDir, "jobs")},
 		byID: map[string]*Job{}, policies: map[string]*interval.Policy{}, changed: make(chan struct{}),
+		replicaConns:  map[string]replicaConns{},
 		reservedAddrs: map[netip.Addr]bool{},
 		criuVersion:   v,
 	}
@@ -451,6 +455,7 @@ func (a *Agent) Run(ctx context.Context, local LocalAPI) error {
 	defer ms.Close()
 	go a.watchJobs(ctx)
 	go a.schedule(ctx)
+	go a.checkConns(ctx)
 	go a.controlLog(ctx)
 	go a.sendBeats(ctx)
 	go a.watchSelf(ctx)

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"slices"
 	"sync"
 	"time"
 
@@ -200,7 +201,16 @@ func (s peerService) DeterminantsSince(_ context.Context, _ string, req clustera
 	return s.a.serveDeterminantsSince(req)
 }
 
-func (s peerService) Beat(_ string, b detect.Beat) { s.a.watchdog.Beat(b, time.Now()) }
+func (s peerService) Beat(_ string, b detect.Beat) {
+	prev, _, _ := s.a.watchdog.Last(b.From)
+	s.a.watchdog.Beat(b, time.Now())
+	for _, u := range b.Uncovered {
+		if !slices.Contains(prev.Uncovered, u) {
+			s.a.log.Info("a job of the member has connections its replica lacks: a failure of the member now would not restore it",
+				"member", b.From, "job", u.Job, "replica", u.Replica)
+		}
+	}
+}
 
 func (s peerService) Probe(_ context.Context, _ string, req clusterapi.ProbeRequest) (clusterapi.ProbeReply, error) {
 	return s.a.serveProbe(req)

@@ -70,6 +70,10 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 	var need spare.Need
 	var errs []error
 	ownAddrs := true // every job has an address of its own: the failed host's stays where it is
+	uncovered := map[string]string{}
+	for _, u := range s.Uncovered {
+		uncovered[u.Job] = u.Replica
+	}
 	for _, job := range s.Jobs {
 		// The failed node ships to the next node of the ring when its protector does not answer, so
 		// another member may hold a newer replica than this host: restoring an older one would need log
@@ -81,6 +85,10 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 			continue
 		}
 		cands := recoveryCandidates(held)
+		if err := lacksConns(job, cands[0].Snapshot, uncovered); err != nil {
+			errs = append(errs, err)
+			continue
+		}
 		if held[0].holder != a.cfg.Name {
 			a.log.Warn("the newest replica is on another member", "job", job, "snapshot", cands[0].Snapshot, "holder", cands[0].Source)
 		}
@@ -91,7 +99,7 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 		need.MemoryBytes += held[0].m.TotalSize()
 	}
 	if len(jobs) == 0 {
-		return errors.Join(append(errs, errors.New("no job of the failed node has a verified replica here"))...)
+		return errors.Join(append(errs, errors.New("no job of the failed node can be restored"))...)
 	}
 	target, absorb, basic := a.claimSpare(ctx, id, s.Name, need, a.runSparesOf(s.Name, runs), prefetchOf(jobs))
 	v := a.View()
@@ -481,4 +489,18 @@ func (a *Agent) idleForRun(v ring.View, cl spare.Claim) error {
 		a.log.Info("earlier claim released: its recovery is over and this node is idle", "failure", cur.Failure, "failed", cur.Failed)
 	}
 	return nil
+}
+
+// lacksConns refuses to restore job from its newest replica when the failed node's last heartbeat said
+// that replica (or a newer one) lacked connections the job had opened since (newconns.go): restored, the
+// job would connect or accept again while its peers' ends are established, and their next segments would
+// be answered with resets; the recovery would seem to succeed while the survivors fail.
+func lacksConns(job, newest string, uncovered map[string]string) error {
+	lacking, ok := uncovered[job]
+	if !ok || newest > lacking {
+		return nil
+	}
+	return fmt.Errorf("job %s not restored: its newest replica %s lacks connections the job opened after it "+
+		"(its node's last heartbeat said so; the snapshot that would have held them was not replicated before "+
+		"the failure): a restore would reset them under its peers; start the job again", job, newest)
 }

@@ -113,12 +113,16 @@ func (a *Agent) sendBeats(ctx context.Context) {
 		seq++
 		busy, _ := a.busy.Load().(string)
 		var jobs []string
+		var uncovered []detect.Uncovered
 		for _, j := range a.Jobs(0) {
 			if j.State == JobRunning {
 				jobs = append(jobs, j.ID)
+				if j.Protected() && len(j.NewConns) > 0 {
+					uncovered = append(uncovered, detect.Uncovered{Job: j.ID, Replica: j.Replica.Snapshot})
+				}
 			}
 		}
-		err := c.Send(detect.Beat{From: a.cfg.Name, Seq: seq, Busy: busy, Jobs: jobs, Sent: time.Now()})
+		err := c.Send(detect.Beat{From: a.cfg.Name, Seq: seq, Busy: busy, Jobs: jobs, Uncovered: uncovered, Sent: time.Now()})
 		a.metrics.Heartbeat(err == nil)
 		if err != nil {
 			a.log.Debug("heartbeat lost", "protector", to, "err", err)

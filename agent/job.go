@@ -108,6 +108,12 @@ type Job struct {
 	// Fenced: self-fencing killed the job here, and its protector restores it elsewhere, with its job
 	// address: this agent must not hand that address out again (addressHeld).
 	Fenced bool `json:"fenced,omitempty"`
+	// NewConns names the connections the job opened after its replica was taken (and connections waiting
+	// in its listeners' accept queues), as the agent's last check found them: a restore from the replica
+	// could not rebuild them, so the job is not protected until its next snapshot, which comes soon.
+	NewConns []string `json:"new_conns,omitempty"`
+	// ConnsChecked is when the agent's last listing of the job's connections began.
+	ConnsChecked time.Time `json:"conns_checked,omitzero"`
 }
 
 // Replica records a snapshot of a job that a protector verified and holds.
@@ -125,6 +131,10 @@ type Replica struct {
 // on the host the job runs on now (a restored job carries its old host's replica in its record until it
 // is snapshotted again).
 func (j *Job) Protected() bool { return j.Replica != nil && j.Replica.Node == j.Node }
+
+// Covered reports whether the job is protected and its replica holds every connection the agent's last
+// check found.
+func (j *Job) Covered() bool { return j.Protected() && len(j.NewConns) == 0 }
 
 // Output and status files inside a job directory. The directory's path is the same on every host (the
 // restored process reopens its output files by path), so it lives under the cluster-wide jobs_dir.

@@ -81,10 +81,20 @@ type snapScheduler struct {
 	last  map[string]time.Time // last attempt, by key: the job id, or "" for the host in semi-coordinated mode
 	tries map[string]int       // attempts since every job of the key had a replica
 	seen  map[string]bool      // running jobs already scheduled, by id
+	// streak counts the snapshots of a key taken for connections its replica lacked (Job.NewConns) in a
+	// row, each gap doubling from newConnGap: a job that opens connections all the time (a service with a
+	// connection per request) is snapshotted ever less often, never more than its interval asks.
+	streak  map[string]int
+	forConn map[string]bool // keys due now for new connections only
 }
 
+// newConnGap is the shortest time from a snapshot attempt to the next one taken because the job opened
+// connections its replica lacks (an MPI library opens them during its first exchanges).
+const newConnGap = time.Second
+
 func newSnapScheduler(semi bool) *snapScheduler {
-	return &snapScheduler{semi: semi, last: map[string]time.Time{}, tries: map[string]int{}, seen: map[string]bool{}}
+	return &snapScheduler{semi: semi, last: map[string]time.Time{}, tries: map[string]int{}, seen: map[string]bool{},
+		streak: map[string]int{}, forConn: map[string]bool{}}
 }
 
 func (s *snapScheduler) key(j Job) string {
@@ -102,6 +112,7 @@ func (s *snapScheduler) due(jobs []Job, now time.Time, interval func(id string) 
 			delete(s.last, j.ID)
 			delete(s.tries, j.ID)
 			delete(s.seen, j.ID)
+			delete(s.streak, j.ID)
 			continue
 		}
 		key := s.key(j)
@@ -124,11 +135,19 @@ func (s *snapScheduler) due(jobs []Job, now time.Time, interval func(id string) 
 		}
 		s.last[key] = last
 		iv := interval(j.ID)
-		if needsFirstSnapshot(j) && s.tries[key] > 0 {
+		uncovered := needsFirstSnapshot(j) || len(j.NewConns) > 0
+		if uncovered && s.tries[key] > 0 {
 			iv = min(iv, firstRetry<<min(s.tries[key]-1, 16))
 		}
-		if now.Sub(last) >= iv || needsFirstSnapshot(j) && s.tries[key] == 0 {
+		gap := min(iv, newConnGap<<min(s.streak[key], 16))
+		switch {
+		case now.Sub(last) >= iv || needsFirstSnapshot(j) && s.tries[key] == 0:
 			due = append(due, j.ID)
+		case len(j.NewConns) > 0 && s.tries[key] == 0 && now.Sub(last) >= gap:
+			due = append(due, j.ID)
+			s.forConn[key] = true
+		case !uncovered && now.Sub(last) >= 2*gap:
+			delete(s.streak, key) // quiet for a while: the next new connection is snapshotted soon again
 		}
 	}
 	if len(due) == 0 {
@@ -141,14 +160,18 @@ func (s *snapScheduler) due(jobs []Job, now time.Time, interval func(id string) 
 }
 
 // attempted records a snapshot attempt of keys at now, whatever its outcome (a failing job is not
-// retried in a tight loop); jobs is the state afterwards: a key whose jobs all have a replica is back on
-// its interval, one still without is retried after firstRetry, doubling.
+// retried in a tight loop); jobs is the state afterwards: a key whose jobs all have a replica covering
+// their connections is back on its interval, one still without is retried after firstRetry, doubling.
 func (s *snapScheduler) attempted(keys []string, jobs []Job, now time.Time) {
 	for _, k := range keys {
 		s.last[k] = now
+		if s.forConn[k] {
+			s.streak[k]++
+			delete(s.forConn, k)
+		}
 		waiting := false
 		for _, j := range jobs {
-			if j.State == JobRunning && s.key(j) == k && needsFirstSnapshot(j) {
+			if j.State == JobRunning && s.key(j) == k && (needsFirstSnapshot(j) || len(j.NewConns) > 0) {
 				waiting = true
 			}
 		}
@@ -176,6 +199,10 @@ func (a *Agent) recordReplica(ctx context.Context, m *ckpt.Manifest) {
 	}
 	first := !j.Protected()
 	j.Replica = &Replica{Snapshot: m.ID, Time: time.Now().UTC(), Node: a.cfg.Name, Holders: append([]string(nil), m.Replicas...), Unrecoverable: bad}
+	// The snapshot holds the connections the job had when it was dumped; the next check lists any opened
+	// since against it.
+	j.NewConns = nil
+	a.replicaConns[m.Job] = snapshotConns(m)
 	err := a.jobs.save(j)
 	a.notify()
 	created := j.Created

@@ -29,6 +29,10 @@ func TestSnapScheduler(t *testing.T) {
 	movedRecord.Replica.Node = "node2"
 	exited := job("a")
 	exited.State = JobExited
+	opened := func(j Job) Job {
+		j.NewConns = []string{"10.0.0.1:5000 -> 10.0.0.2:7000: opened after snapshot s"}
+		return j
+	}
 
 	type step struct {
 		at   time.Duration // after t0
@@ -78,6 +82,25 @@ func TestSnapScheduler(t *testing.T) {
 			{at: 0, jobs: []Job{job("a")}, want: []string{"a"}, after: []Job{protected(job("a"), t0)}},
 			{at: time.Second, jobs: []Job{exited}},
 			{at: 2 * time.Second, jobs: []Job{job("a")}, want: []string{"a"}},
+		}},
+		{name: "connections newer than the replica: due a second after the last snapshot, then ever later while they keep coming", interval: time.Hour, steps: []step{
+			{at: 0, jobs: []Job{protected(job("a"), t0)}},
+			{at: 500 * time.Millisecond, jobs: []Job{opened(protected(job("a"), t0))}},
+			{at: time.Second, jobs: []Job{opened(protected(job("a"), t0))}, want: []string{"a"}, after: []Job{protected(job("a"), t0.Add(time.Second))}},
+			{at: 1500 * time.Millisecond, jobs: []Job{opened(protected(job("a"), t0.Add(time.Second)))}},
+			// The gap has doubled; this attempt fails: retried like a first snapshot, 2 s later.
+			{at: 3 * time.Second, jobs: []Job{opened(protected(job("a"), t0.Add(time.Second)))}, want: []string{"a"}, after: []Job{opened(protected(job("a"), t0.Add(time.Second)))}},
+			{at: 4900 * time.Millisecond, jobs: []Job{opened(protected(job("a"), t0.Add(time.Second)))}},
+			{at: 5 * time.Second, jobs: []Job{opened(protected(job("a"), t0.Add(time.Second)))}, want: []string{"a"}, after: []Job{protected(job("a"), t0.Add(5*time.Second))}},
+			{at: 8 * time.Second, jobs: []Job{opened(protected(job("a"), t0.Add(5*time.Second)))}},
+			// Quiet for twice the gap (4 s): the next new connection is snapshotted a second after again.
+			{at: 13 * time.Second, jobs: []Job{protected(job("a"), t0.Add(5*time.Second))}},
+			{at: 14 * time.Second, jobs: []Job{opened(protected(job("a"), t0.Add(5*time.Second)))}, want: []string{"a"}},
+		}},
+		{name: "connections newer than the replica never make snapshots closer than the interval", interval: 500 * time.Millisecond, steps: []step{
+			{at: 0, jobs: []Job{protected(job("a"), t0)}},
+			{at: 400 * time.Millisecond, jobs: []Job{opened(protected(job("a"), t0))}},
+			{at: 500 * time.Millisecond, jobs: []Job{opened(protected(job("a"), t0))}, want: []string{"a"}},
 		}},
 		{name: "semi-coordinated: a new job makes the host due", semi: true, interval: time.Minute, steps: []step{
 			{at: 0, jobs: []Job{job("a")}, want: []string{""}, after: []Job{protected(job("a"), t0)}},

@@ -31,6 +31,21 @@ type Beat struct {
 	Busy string    `json:"busy,omitempty"` // "", BusyCheckpoint or BusyRestore
 	Jobs []string  `json:"jobs,omitempty"` // jobs running on the sender: what to restore if it fails
 	Sent time.Time `json:"sent"`           // sender's clock; only compared with the same sender's beats
+	// Uncovered are the sender's jobs whose replica lacks connections they opened since, as its last
+	// check found: a restore from that replica, or an older one, could not rebuild them.
+	Uncovered []Uncovered `json:"uncovered,omitempty"`
+}
+
+// Uncovered names a job and the replica that lacks some of its connections.
+type Uncovered struct {
+	Job     string `json:"job"`
+	Replica string `json:"replica"`
+}
+
+// clone copies the beat's slices, which the watchdog keeps and hands out.
+func (b Beat) clone() Beat {
+	b.Jobs, b.Uncovered = slices.Clone(b.Jobs), slices.Clone(b.Uncovered)
+	return b
 }
 
 // Config sets how long silence is tolerated.
@@ -61,10 +76,11 @@ func (c Config) Validate() error {
 
 // Suspect is a watched member that has been silent too long.
 type Suspect struct {
-	Name     string
-	LastBeat time.Time     // when its last beat arrived (zero if none ever did)
-	Silence  time.Duration // since its last beat, or since watching started if later
-	Jobs     []string      // from its last beat
+	Name      string
+	LastBeat  time.Time     // when its last beat arrived (zero if none ever did)
+	Silence   time.Duration // since its last beat, or since watching started if later
+	Jobs      []string      // from its last beat
+	Uncovered []Uncovered   // from its last beat
 }
 
 type beat struct {
@@ -117,7 +133,7 @@ func (w *Watchdog) Beat(b Beat, now time.Time) {
 	if b.From == "" {
 		return
 	}
-	b.Jobs = slices.Clone(b.Jobs)
+	b = b.clone()
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if prev, ok := w.last[b.From]; ok && b.Seq <= prev.b.Seq && !b.Sent.After(prev.b.Sent) {
@@ -137,9 +153,7 @@ func (w *Watchdog) Last(name string) (Beat, time.Time, bool) {
 	if !ok {
 		return Beat{}, time.Time{}, false
 	}
-	b := l.b
-	b.Jobs = slices.Clone(b.Jobs)
-	return b, l.at, true
+	return l.b.clone(), l.at, true
 }
 
 // Suspects returns, sorted by name, the watched members silent for longer than Timeout, or than
@@ -181,7 +195,8 @@ func (w *Watchdog) Suspects(now time.Time) []Suspect {
 		wt.suspected = true
 		s := Suspect{Name: name, Silence: silence}
 		if heard {
-			s.LastBeat, s.Jobs = l.at, slices.Clone(l.b.Jobs)
+			b := l.b.clone()
+			s.LastBeat, s.Jobs, s.Uncovered = l.at, b.Jobs, b.Uncovered
 		}
 		out = append(out, s)
 	}

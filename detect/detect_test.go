@@ -299,3 +299,21 @@ func TestHeardSince(t *testing.T) {
 		}
 	}
 }
+
+// A suspect carries its last beat's word on which of its jobs' replicas lack connections (what the
+// recovery must not restore from), as a copy of its own.
+func TestSuspectUncovered(t *testing.T) {
+	w := NewWatchdog(Config{Timeout: time.Second})
+	w.Watch("n1", at(0))
+	un := []Uncovered{{Job: "j1", Replica: "s2"}}
+	w.Beat(Beat{From: "n1", Seq: 1, Sent: at(0), Jobs: []string{"j1", "j2"}, Uncovered: un}, at(0))
+	un[0].Replica = "changed by the caller"
+	want := []Uncovered{{Job: "j1", Replica: "s2"}}
+	if b, _, _ := w.Last("n1"); !slices.Equal(b.Uncovered, want) {
+		t.Errorf("last beat %+v", b)
+	}
+	got := w.Suspects(at(1001))
+	if len(got) != 1 || !slices.Equal(got[0].Uncovered, want) {
+		t.Fatalf("suspects %+v", got)
+	}
+}

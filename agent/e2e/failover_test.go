@@ -115,6 +115,12 @@ func checksumOf(t *testing.T, out string) string {
 // startRing starts rank r on node r+1 (port is the ranks' listening port).
 func startRing(t *testing.T, c *labcluster.Cluster, ranks, port int, args []string) *ring {
 	t.Helper()
+	return startRanks(t, c, ranks, "rank", ringArgv(t, c, ranks, port, args))
+}
+
+// ringArgv is rank r's ringstencil command line, rank r on node r+1.
+func ringArgv(t *testing.T, c *labcluster.Cluster, ranks, port int, args []string) func(r int) []string {
+	t.Helper()
 	var peers []string
 	for r := range ranks {
 		h, err := c.Lab.Host(fmt.Sprintf("node%d", r+1))
@@ -123,25 +129,31 @@ func startRing(t *testing.T, c *labcluster.Cluster, ranks, port int, args []stri
 		}
 		peers = append(peers, netip.AddrPortFrom(h.Addr.Addr(), uint16(port)).String())
 	}
-	return startRanks(t, c, ranks, "rank", func(r int) []string {
+	return func(r int) []string {
 		return append([]string{bins.Ringstencil, "--rank", fmt.Sprint(r), "--peers", strings.Join(peers, ",")}, args...)
-	})
+	}
 }
 
 // startRanks starts rank r on node r+1 as job name<r> running argv(r); a failed test logs every rank's output.
 func startRanks(t *testing.T, c *labcluster.Cluster, ranks int, name string, argv func(r int) []string) *ring {
 	t.Helper()
-	rg := &ring{c: c, jobDir: labcluster.JobsDir(c.Lab.State().ID)}
+	rg := newRing(t, c, ranks)
 	for r := range ranks {
-		j, err := c.Client(fmt.Sprintf("node%d", r+1)).StartJob(context.Background(), agent.JobSpec{Name: fmt.Sprintf("%s%d", name, r), Argv: argv(r)})
-		if err != nil {
-			t.Fatal(err)
-		}
-		rg.jobs = append(rg.jobs, j)
+		rg.start(t, r, name, argv(r))
 	}
+	return rg
+}
+
+// newRing is a ring of ranks that start (ring.start) in the order a test chooses; a failed test logs
+// every started rank's output.
+func newRing(t *testing.T, c *labcluster.Cluster, ranks int) *ring {
+	rg := &ring{c: c, jobDir: labcluster.JobsDir(c.Lab.State().ID), jobs: make([]agent.Job, ranks)}
 	t.Cleanup(func() {
 		if t.Failed() {
 			for r, j := range rg.jobs {
+				if j.ID == "" {
+					continue
+				}
 				b, _ := os.ReadFile(j.StdoutPath())
 				e, _ := os.ReadFile(j.StderrPath())
 				x, _ := os.ReadFile(j.ExitPath())
@@ -150,6 +162,16 @@ func startRanks(t *testing.T, c *labcluster.Cluster, ranks int, name string, arg
 		}
 	})
 	return rg
+}
+
+// start starts rank r on node r+1 as job name<r> running argv.
+func (rg *ring) start(t *testing.T, r int, name string, argv []string) {
+	t.Helper()
+	j, err := rg.c.Client(fmt.Sprintf("node%d", r+1)).StartJob(context.Background(), agent.JobSpec{Name: fmt.Sprintf("%s%d", name, r), Argv: argv})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rg.jobs[r] = j
 }
 
 // wait waits for every rank's exit record and returns each rank's output.
@@ -232,6 +254,34 @@ func (rg *ring) waitProtected(t *testing.T, timeout time.Duration) {
 	t.Helper()
 	for r, j := range rg.jobs {
 		waitProtected(t, rg.c, fmt.Sprintf("node%d", r+1), j.ID, timeout)
+	}
+}
+
+// waitCovered waits until every rank's agent has listed the rank's connections since this call and
+// found them all in its replica (a connection opened after a snapshot makes the agent take another).
+func (rg *ring) waitCovered(t *testing.T, timeout time.Duration) {
+	t.Helper()
+	for r, j := range rg.jobs {
+		waitCovered(t, rg.c, fmt.Sprintf("node%d", r+1), j.ID, timeout)
+	}
+}
+
+// waitCovered waits until host's agent has listed job id's connections after this call and its replica
+// holds them all: a crash of host from then on restores every connection the job has. timeout is a
+// failure bound only.
+func waitCovered(t *testing.T, c *labcluster.Cluster, host, id string, timeout time.Duration) agent.Job {
+	t.Helper()
+	since := time.Now()
+	deadline := since.Add(timeout)
+	for {
+		j, err := c.Client(host).Job(context.Background(), id)
+		if err == nil && j.ConnsChecked.After(since) && j.Covered() {
+			return j
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("job %s on %s: connections not covered by its replica within %s: %+v (%v)", id, host, timeout, j, err)
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }
 

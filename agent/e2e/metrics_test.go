@@ -169,7 +169,11 @@ func TestMetricsRecovery(t *testing.T) {
 	// Long enough to be running still when the crash comes; the test stops it with the lab.
 	rg := startRing(t, c, 3, 7390, ringArgs(1_000_000, 64<<10, 10*time.Millisecond))
 	rg.waitProtected(t, 2*time.Minute)
-	rg.waitProgress(t, progressEvery, 2*time.Minute) // the ranks exchange: the snapshot has their connections
+	rg.waitProgress(t, progressEvery, 2*time.Minute) // the ranks exchange: their connections exist
+	// The start snapshot may predate them (a rank's agent dumps it as it starts); the agent snapshots it
+	// again once it finds connections the replica lacks. A crash before that would not be recoverable
+	// (TestConnectionAfterSnapshot).
+	rg.waitCovered(t, 2*time.Minute)
 	if m := scrape(t, c, "spare1"); m[`ftkit_jobs{state="running"}`] != 0 || m[`ftkit_recoveries{state="done"}`] != 0 {
 		t.Fatalf("before the crash, spare1 reports:\n%s", ftkitSamples(m))
 	}

@@ -310,6 +310,9 @@ func protection(j agent.Job, members []ring.Member, now time.Time) string {
 	if bad := j.Replica.Unrecoverable; len(bad) > 0 {
 		return fmt.Sprintf("UNRECOVERABLE (%d connection(s); first: %s)", len(bad), bad[0])
 	}
+	if fresh := j.NewConns; len(fresh) > 0 {
+		return fmt.Sprintf("UNPROTECTED (connections newer than its replica, which is being renewed: %s)", strings.Join(fresh, "; "))
+	}
 	alive := false
 	for _, h := range j.Replica.Holders {
 		for _, m := range members {

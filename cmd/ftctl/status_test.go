@@ -22,6 +22,8 @@ func TestProtection(t *testing.T) {
 	exited.State = agent.JobExited
 	outside := with(running, "node1", "node2")
 	outside.Replica.Unrecoverable = []string{"10.0.0.1:5000 -> 192.0.2.7:80: the peer is not a cluster member, so nobody logs what it sends"}
+	opened := with(running, "node1", "node2")
+	opened.NewConns = []string{"10.0.0.1:5000 -> 10.0.0.2:7000: opened after snapshot s1"}
 	tests := []struct {
 		name string
 		job  agent.Job
@@ -33,6 +35,7 @@ func TestProtection(t *testing.T) {
 		{"one holder of two alive", with(running, "node1", "node3", "node2"), "protected (42s)"},
 		{"restored here, replica from its old host", with(restored, "node4", "node1"), "UNPROTECTED (restored; awaiting its first snapshot here)"},
 		{"not running", exited, "-"},
+		{"a connection opened after the replica", opened, "UNPROTECTED (connections newer than its replica, which is being renewed: 10.0.0.1:5000 -> 10.0.0.2:7000: opened after snapshot s1)"},
 		{"a connection to a host outside the cluster", outside, "UNRECOVERABLE (1 connection(s); first: 10.0.0.1:5000 -> 192.0.2.7:80: the peer is not a cluster member, so nobody logs what it sends)"},
 	}
 	for _, tt := range tests {

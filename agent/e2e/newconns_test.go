@@ -1,0 +1,121 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/lab/labcluster"
+)
+
+// TestConnectionAfterSnapshot: rank 1 starts alone and is protected before its peers exist, so every
+// connection it will have is opened after its first snapshot. Its agent finds them missing from the
+// replica and snapshots it again (the interval is an hour), and a crash of its node afterwards is
+// recovered with the result of a failure-free run. Before, nothing renewed the snapshot: the recovery
+// restored a rank without connections, the survivors' next segments were answered with resets, and the
+// recovery ended in its replay timeout (CI, TestMetricsRecovery, when its start snapshot came first).
+func TestConnectionAfterSnapshot(t *testing.T) {
+	t.Parallel()
+	args := ringArgs(700, 64<<10, 10*time.Millisecond)
+	want := reference(t, 3, args)
+	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
+	argv := ringArgv(t, c, 3, 7380, args)
+	rg := newRing(t, c, 3)
+	rg.start(t, 1, "rank", argv(1))
+	first := waitProtected(t, c, "node2", rg.jobs[1].ID, 2*time.Minute).Replica.Snapshot
+	rg.start(t, 0, "rank", argv(0))
+	rg.start(t, 2, "rank", argv(2))
+	rg.waitProgress(t, progressEvery, 2*time.Minute)
+	j := waitCovered(t, c, "node2", rg.jobs[1].ID, 2*time.Minute)
+	if j.Replica.Snapshot == first {
+		t.Fatalf("rank 1's connections are all in its first snapshot %s, taken before its peers started", first)
+	}
+	m := manifestOn(t, c, "node2", j.ID, j.Replica.Snapshot)
+	if len(m.Conns) != 2 {
+		t.Fatalf("rank 1's renewed snapshot %s holds %d connections, want 2: %+v", m.ID, len(m.Conns), m.Conns)
+	}
+	if b, err := os.ReadFile(c.LogPath("node2")); err != nil || !strings.Contains(string(b), "job has connections its replica lacks") {
+		t.Errorf("node2's agent did not log the connections its replica lacked (%v)", err)
+	}
+	rg.waitProgress(t, 60, 2*time.Minute)
+	if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
+		t.Fatal(err)
+	}
+	f := waitFailure(t, c, "node2", 5*time.Minute)
+	requireStages(t, f)
+	checkRanks(t, rg.wait(t, 3*time.Minute), want)
+}
+
+// TestUncoveredJobRefused: a job whose listener holds a connection it never accepts cannot be dumped
+// again (CRIU refuses a listener with connections in its queue), so its replica, taken before the peer
+// connected, lacks that connection. Its record says so (`ftctl status`: UNPROTECTED), its heartbeats tell
+// its protector, and when its node fails the recovery refuses to restore it and says why. Before, the
+// recovery restored the job without the connection and reported success while the peer's connection was
+// reset (TestConnectionAfterSnapshot's old outcome).
+func TestUncoveredJobRefused(t *testing.T) {
+	t.Parallel()
+	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
+	ctx := context.Background()
+	h2, err := c.Lab.Host("node2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	listen := fmt.Sprintf("import socket, time\ns = socket.socket()\ns.bind(('%s', 7381))\ns.listen()\ntime.sleep(3600)\n", h2.Addr.Addr())
+	connect := fmt.Sprintf("import socket, time\ns = socket.create_connection(('%s', 7381))\nprint('connected', flush=True)\ntime.sleep(3600)\n", h2.Addr.Addr())
+	l, err := c.Client("node2").StartJob(ctx, agent.JobSpec{Name: "listener", Argv: []string{"/usr/bin/python3", "-c", listen}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	first := waitProtected(t, c, "node2", l.ID, 2*time.Minute).Replica.Snapshot
+	cl, err := c.Client("node1").StartJob(ctx, agent.JobSpec{Name: "client", Argv: []string{"/usr/bin/python3", "-c", connect}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var j agent.Job
+	for deadline := time.Now().Add(time.Minute); len(j.NewConns) == 0; time.Sleep(50 * time.Millisecond) {
+		if j, err = c.Client("node2").Job(ctx, l.ID); err != nil || time.Now().After(deadline) {
+			b, _ := os.ReadFile(cl.StdoutPath())
+			t.Fatalf("the listener's record never named the connection in its queue: %+v, %v (client: %q)", j, err, b)
+		}
+	}
+	if want := "a connection waits in its accept queue"; !strings.Contains(j.NewConns[0], want) || j.Covered() {
+		t.Fatalf("the listener's new connections %q: want %q, and not covered", j.NewConns, want)
+	}
+	// node3, node2's protector, has heard it from node2's heartbeats.
+	waitLog(t, c, "node3", "a job of the member has connections its replica lacks", time.Minute)
+	if err := c.Lab.Crash(ctx, "node2"); err != nil {
+		t.Fatal(err)
+	}
+	f := waitFailure(t, c, "node2", 5*time.Minute)
+	logTimeline(t, f)
+	want := fmt.Sprintf("job %s not restored: its newest replica %s lacks connections the job opened after it", l.ID, first)
+	if !strings.Contains(f.Error, want) {
+		t.Fatalf("recovery error %q, want it to say %q", f.Error, want)
+	}
+	for _, h := range []string{"spare1", "node3", "node1"} {
+		if jobs, err := c.Client(h).Jobs(ctx); err == nil {
+			for _, o := range jobs {
+				if o.ID == l.ID {
+					t.Errorf("the listener was restored on %s: %+v", h, o)
+				}
+			}
+		}
+	}
+}
+
+// waitLog waits until host's agent log holds line.
+func waitLog(t *testing.T, c *labcluster.Cluster, host, line string, timeout time.Duration) {
+	t.Helper()
+	for deadline := time.Now().Add(timeout); ; time.Sleep(50 * time.Millisecond) {
+		if b, err := os.ReadFile(c.LogPath(host)); err == nil && strings.Contains(string(b), line) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s's agent never logged %q within %s", host, line, timeout)
+		}
+	}
+}

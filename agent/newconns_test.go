@@ -1,0 +1,73 @@
+package agent
+
+import (
+	"fmt"
+	"net/netip"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/internal/heldconns"
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+func TestNewConns(t *testing.T) {
+	tuple := func(local, remote string) tcpflow.Tuple {
+		return tcpflow.Tuple{Local: netip.MustParseAddrPort(local), Remote: netip.MustParseAddrPort(remote)}
+	}
+	old := tuple("10.0.0.1:40000", "10.0.0.2:7000")
+	mapped := tcpflow.Tuple{Local: netip.MustParseAddrPort("[::ffff:10.0.0.1]:40001"), Remote: netip.MustParseAddrPort("[::ffff:10.0.0.3]:7000")}
+	known := snapshotConns(&ckpt.Manifest{ID: "s1", Info: ckpt.Info{Conns: []ckpt.Conn{{Tuple: old}, {Tuple: mapped}}}})
+	var many []tcpflow.Tuple
+	for p := range 20 {
+		many = append(many, tuple(fmt.Sprintf("10.0.0.1:%d", 50000+p), "10.0.0.9:80"))
+	}
+	tests := []struct {
+		name string
+		held heldconns.Held
+		want []string
+	}{
+		{"nothing new", heldconns.Held{Conns: []tcpflow.Tuple{old, mapped.Unmap()}}, nil},
+		{"a loopback connection is restored with both ends", heldconns.Held{Conns: []tcpflow.Tuple{old, tuple("127.0.0.1:4000", "127.0.0.1:5000")}}, nil},
+		{"a connection opened since", heldconns.Held{Conns: []tcpflow.Tuple{old, tuple("10.0.0.1:7000", "10.0.0.4:41000")}},
+			[]string{"10.0.0.1:7000 -> 10.0.0.4:41000: opened after snapshot s1"}},
+		{"a connection waiting to be accepted", heldconns.Held{Conns: []tcpflow.Tuple{old}, Pending: []netip.AddrPort{netip.MustParseAddrPort("10.0.0.1:7000")}},
+			[]string{"listener 10.0.0.1:7000: a connection waits in its accept queue"}},
+		{"at most 16 named", heldconns.Held{Conns: many}, nil},
+	}
+	for _, tt := range tests {
+		got := newConns(tt.held, known)
+		if tt.name == "at most 16 named" {
+			if len(got) != maxNewConnsListed || got[len(got)-1] != "and 5 more" {
+				t.Errorf("%s: %d entries ending %q", tt.name, len(got), got[len(got)-1])
+			}
+			continue
+		}
+		if !slices.Equal(got, tt.want) {
+			t.Errorf("%s: %q, want %q", tt.name, got, tt.want)
+		}
+	}
+}
+
+func TestLacksConns(t *testing.T) {
+	uncovered := map[string]string{"j1": "20261126T154304.404Z-node2-000002"}
+	tests := []struct {
+		job, newest string
+		refused     bool
+	}{
+		{"j1", "20261126T154304.404Z-node2-000002", true},  // the replica its node said lacks them
+		{"j1", "20261126T154301.000Z-node2-000001", true},  // an older one lacks them too
+		{"j1", "20261126T154305.100Z-node2-000003", false}, // taken after: it holds them
+		{"j2", "20261126T154304.404Z-node2-000002", false}, // nothing said of this job
+	}
+	for _, tt := range tests {
+		err := lacksConns(tt.job, tt.newest, uncovered)
+		if (err != nil) != tt.refused {
+			t.Errorf("%s from %s: %v, want refused %v", tt.job, tt.newest, err, tt.refused)
+		}
+		if err != nil && !strings.Contains(err.Error(), "lacks connections the job opened after it") {
+			t.Errorf("refusal does not say why: %v", err)
+		}
+	}
+}

@@ -1,0 +1,140 @@
+// Package heldconns lists the TCP connections the processes of a cgroup hold now: what a snapshot taken
+// at this moment would have to contain. The agent compares it with a job's last snapshot, because a
+// connection opened after that snapshot cannot be rebuilt by a restore from it: the restored process
+// would accept or connect again, while its peer's end is already established.
+package heldconns
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// Held is what List found.
+type Held struct {
+	// Conns are the connections of the cgroup's sockets (every state but listening and closed; addresses
+	// unmapped), seen from the cgroup's end.
+	Conns []tcpflow.Tuple
+	// Pending are the cgroup's listening sockets with connections the kernel completed and the program has
+	// not accepted yet: their peers are connected, and a snapshot now would not hold those connections
+	// (CRIU refuses to dump them).
+	Pending []netip.AddrPort
+}
+
+// List reads the sockets of every process in each cgroup (a cgroup v2 directory; its descendants
+// included) from /proc, and their TCP state from one sock_diag dump in the calling thread's network
+// namespace (enter the processes' namespace first), and returns what each cgroup holds. Processes that
+// exit meanwhile are skipped; a cgroup that cannot be read is an error.
+func List(cgroups ...string) (map[string]Held, error) {
+	inodes := map[uint64]string{} // socket inode -> cgroup
+	for _, cg := range cgroups {
+		if err := socketInodes(cg, inodes); err != nil {
+			return nil, err
+		}
+	}
+	out := make(map[string]Held, len(cgroups))
+	if len(inodes) == 0 {
+		return out, nil
+	}
+	for _, family := range []uint8{unix.AF_INET, unix.AF_INET6} {
+		socks, err := netlink.SocketDiagTCP(family)
+		if err != nil {
+			return nil, fmt.Errorf("list TCP sockets (sock_diag): %w", err)
+		}
+		for _, s := range socks {
+			cg, ok := inodes[uint64(s.INode)]
+			if !ok {
+				continue
+			}
+			h := out[cg]
+			local := netip.AddrPortFrom(addr(s.ID.Source), s.ID.SourcePort)
+			switch s.State {
+			case unix.BPF_TCP_LISTEN:
+				if s.RQueue > 0 {
+					h.Pending = append(h.Pending, local)
+				}
+			case unix.BPF_TCP_CLOSE, unix.BPF_TCP_TIME_WAIT:
+			default:
+				h.Conns = append(h.Conns, tcpflow.Tuple{Local: local, Remote: netip.AddrPortFrom(addr(s.ID.Destination), s.ID.DestinationPort)})
+			}
+			out[cg] = h
+		}
+	}
+	return out, nil
+}
+
+func addr(ip net.IP) netip.Addr {
+	a, _ := netip.AddrFromSlice(ip)
+	return a.Unmap()
+}
+
+// socketInodes adds the inodes of the sockets open in the processes of cgroup and its descendants.
+func socketInodes(cgroup string, inodes map[uint64]string) error {
+	return filepath.WalkDir(cgroup, func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			if path != cgroup && errors.Is(err, fs.ErrNotExist) {
+				return nil // a child cgroup removed meanwhile
+			}
+			return err
+		}
+		if !d.IsDir() {
+			return nil
+		}
+		b, err := os.ReadFile(filepath.Join(path, "cgroup.procs"))
+		if err != nil {
+			if path != cgroup && errors.Is(err, fs.ErrNotExist) {
+				return nil
+			}
+			return fmt.Errorf("list the processes of cgroup %s: %w", path, err)
+		}
+		for _, f := range strings.Fields(string(b)) {
+			if pid, err := strconv.Atoi(f); err == nil {
+				processSockets(pid, func(n uint64) { inodes[n] = cgroup })
+			}
+		}
+		return nil
+	})
+}
+
+// processSockets calls add with the inode of each of pid's sockets; a process gone meanwhile has none.
+func processSockets(pid int, add func(inode uint64)) {
+	dir := fmt.Sprintf("/proc/%d/fd", pid)
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return
+	}
+	for _, e := range entries {
+		target, err := os.Readlink(filepath.Join(dir, e.Name()))
+		if err != nil {
+			continue
+		}
+		if n, ok := socketInode(target); ok {
+			add(n)
+		}
+	}
+}
+
+// socketInode parses a descriptor's link, "socket:[INODE]".
+func socketInode(link string) (uint64, bool) {
+	s, ok := strings.CutPrefix(link, "socket:[")
+	if !ok {
+		return 0, false
+	}
+	s, ok = strings.CutSuffix(s, "]")
+	if !ok {
+		return 0, false
+	}
+	n, err := strconv.ParseUint(s, 10, 64)
+	return n, err == nil
+}

@@ -1,0 +1,122 @@
+package heldconns
+
+import (
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+func TestSocketInode(t *testing.T) {
+	for _, c := range []struct {
+		link string
+		want uint64
+		ok   bool
+	}{
+		{"socket:[12345]", 12345, true},
+		{"socket:[0]", 0, true},
+		{"pipe:[12345]", 0, false},
+		{"/dev/null", 0, false},
+		{"socket:[12345", 0, false},
+		{"socket:[x]", 0, false},
+		{"socket:[-1]", 0, false},
+	} {
+		n, ok := socketInode(c.link)
+		if n != c.want || ok != c.ok {
+			t.Errorf("socketInode(%q) = %d, %v; want %d, %v", c.link, n, ok, c.want, c.ok)
+		}
+	}
+}
+
+func tupleOf(c net.Conn) tcpflow.Tuple {
+	return tcpflow.Tuple{Local: c.LocalAddr().(*net.TCPAddr).AddrPort(), Remote: c.RemoteAddr().(*net.TCPAddr).AddrPort()}.Unmap()
+}
+
+// List on this test's own process (a directory whose cgroup.procs names it stands for its cgroup): an
+// accepted connection shows from both ends, a connection still in a listener's accept queue makes that
+// listener pending, a listener without one is not listed, a child cgroup that
+// names no process adds nothing, and a second cgroup listed in the same call gets none of them.
+func TestListOwnProcess(t *testing.T) {
+	cg := t.TempDir()
+	if err := os.WriteFile(filepath.Join(cg, "cgroup.procs"), []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(filepath.Join(cg, "child"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(cg, "child", "cgroup.procs"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	empty := t.TempDir()
+	if err := os.WriteFile(filepath.Join(empty, "cgroup.procs"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	listen := func() net.Listener {
+		l, err := net.Listen("tcp4", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { l.Close() })
+		return l
+	}
+	dial := func(l net.Listener) net.Conn {
+		c, err := net.Dial("tcp4", l.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+	accepting, idle, queued := listen(), listen(), listen()
+	client := dial(accepting)
+	server, err := accepting.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer server.Close()
+	waiting := dial(queued) // never accepted
+
+	// The kernel moves a completed connection to the accept queue as the client's final ACK arrives,
+	// which on loopback is before Dial returns; the listing is read until it shows it all the same.
+	var h Held
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		all, err := List(cg, empty)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if e := all[empty]; len(e.Conns)+len(e.Pending) != 0 {
+			t.Fatalf("a cgroup without processes holds %+v", e)
+		}
+		h = all[cg]
+		if len(h.Pending) > 0 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	for _, want := range []tcpflow.Tuple{tupleOf(client), tupleOf(server), tupleOf(waiting)} {
+		if !slices.Contains(h.Conns, want) {
+			t.Errorf("connection %s not listed: %v", want, h.Conns)
+		}
+	}
+	if len(h.Conns) != 3 {
+		t.Errorf("listed %d connections, want the 3 this process holds: %v", len(h.Conns), h.Conns)
+	}
+	wantPending := []netip.AddrPort{queued.Addr().(*net.TCPAddr).AddrPort()}
+	if !slices.Equal(h.Pending, wantPending) {
+		t.Errorf("pending listeners %v, want %v (and not %s, which has nothing queued)", h.Pending, wantPending, idle.Addr())
+	}
+}
+
+// A missing cgroup is an error, not an empty listing.
+func TestListMissing(t *testing.T) {
+	if _, err := List(filepath.Join(t.TempDir(), "gone")); err == nil {
+		t.Error("a missing cgroup listed without error")
+	}
+}
