@@ -179,21 +179,22 @@ func (h *crcFrom) Write(p []byte) (int, error) {
 
 func (h *crcFrom) Sum32() uint32 { return h.crc }
 
-// logOf is the log that holds what this host's jobs sent on conn: the cluster interface's, or for a peer on
-// this host the loopback capture's, which logs only the re-sent bytes of jobs restored next to their peers.
-func (a *Agent) logOf(conn tcpflow.Tuple) (*netlog.Log, error) {
+// logOf is the log that holds what this host's jobs sent on conn, and its capture's Urge: the cluster
+// interface's, or for a peer on this host the loopback capture's, which logs only the re-sent bytes of jobs
+// restored next to their peers.
+func (a *Agent) logOf(conn tcpflow.Tuple) (*netlog.Log, func() (done func()), error) {
 	if a.netlog == nil {
-		return nil, errors.New("the sender-side log is disabled on " + a.cfg.Name)
+		return nil, nil, errors.New("the sender-side log is disabled on " + a.cfg.Name)
 	}
 	if conn.Remote.Addr().Unmap().IsLoopback() || a.memberByIP(conn.Remote.Addr()) == a.cfg.Name {
 		a.netlog.mu.Lock()
 		defer a.netlog.mu.Unlock()
 		if a.netlog.lo == nil {
-			return nil, fmt.Errorf("%s is on this host, and no loopback log is running for this connection", conn.Remote)
+			return nil, nil, fmt.Errorf("%s is on this host, and no loopback log is running for this connection", conn.Remote)
 		}
-		return a.netlog.lo.Log(), nil
+		return a.netlog.lo.Log(), a.netlog.lo.Urge, nil
 	}
-	return a.netlog.node.Log(), nil
+	return a.netlog.node.Log(), a.netlog.node.Urge, nil
 }
 
 // keepResends makes sure the bytes a restored job re-sends stay readable until they are checked: those
@@ -284,7 +285,7 @@ func (a *Agent) releaseLocalLog() {
 
 // loggedRange writes the n bytes this host's log holds of conn from wire sequence seq on to w.
 func (a *Agent) loggedRange(ctx context.Context, w io.Writer, conn tcpflow.Tuple, seq, n uint32) error {
-	l, err := a.logOf(conn)
+	l, _, err := a.logOf(conn)
 	if err != nil {
 		return err
 	}
@@ -324,10 +325,12 @@ func (a *Agent) receivedOf(ctx context.Context, peer string, conn tcpflow.Tuple,
 
 // waitLogged waits (a little) until this host's log holds conn's bytes up to wire sequence end.
 func (a *Agent) waitLogged(ctx context.Context, conn tcpflow.Tuple, end uint32) {
-	l, err := a.logOf(conn)
+	l, urge, err := a.logOf(conn)
 	if err != nil {
 		return
 	}
+	// The bytes may be in the ring behind a consumer paused at the log's memory cap.
+	defer urge()()
 	ctx, cancel := context.WithTimeout(ctx, resentLogWait)
 	defer cancel()
 	for {

@@ -62,6 +62,7 @@ type Capture struct {
 	memCap       int64         // Options.MemoryCap
 	headroom     int64         // the most one append can add to the log's memory
 	paused       atomic.Bool   // the consumer is waiting for memory under the cap
+	urgent       atomic.Int32  // callers waiting for bytes still in the ring (Urge): the cap gives way by the ring's size
 	records      atomic.Uint64 // records consumed
 	badRecords   atomic.Uint64 // records DecodeRecord rejected
 	appendErrors atomic.Uint64 // Append errors other than conflicts (conflicts are in netlog.Stats)
@@ -153,8 +154,12 @@ func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 		if c.memCap <= 0 {
 			return false
 		}
+		limit := c.memCap
+		if c.urgent.Load() > 0 {
+			limit += int64(c.ring)
+		}
 		// Pooled slab buffers are reused before the log allocates anything: only live data counts.
-		return c.netlog.Stats().LiveBytes()+c.headroom > c.memCap
+		return c.netlog.Stats().LiveBytes()+c.headroom > limit
 	}
 	handle := func(raw []byte) error {
 		// At the memory cap: leave the records in the ring. Once it is full the probe drops segments and
@@ -217,6 +222,17 @@ func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 			return
 		}
 	}
+}
+
+// Urge lets the consumer drain the ring past the memory cap, by up to the ring's size, until the returned
+// function is called. It is for a caller that waits for bytes still in the ring: a snapshot reading what
+// its job sent before the dump, while the log sits at its cap. The log's memory is freed by the receivers'
+// snapshots, and a receiver's snapshot may be that very one (its job sends too): without the extra room
+// both would wait for each other until the caller's timeout.
+func (c *Capture) Urge() (done func()) {
+	c.urgent.Add(1)
+	var once sync.Once
+	return func() { once.Do(func() { c.urgent.Add(-1) }) }
 }
 
 // appender appends records to a log, remembering the store of the last

@@ -183,6 +183,78 @@ func TestCaptureEndToEnd(t *testing.T) {
 		t.Run(v.name, func(t *testing.T) { testFidelity(t, l, protected, other, v) })
 	}
 	t.Run("trim", func(t *testing.T) { testTrim(t, l, protected) })
+	t.Run("urge", func(t *testing.T) { testUrge(t, l, protected) })
+}
+
+// testUrge: at its memory cap the consumer leaves records in the ring; Urge lets it drain them past the
+// cap, by at most the ring's size, and once urging ends it stops again. (A snapshot waiting for bytes in
+// the ring while nothing could free the log's memory used to wait out its timeout.)
+func testUrge(t *testing.T, l *lab.Lab, protected *streamtest.Cgroup) {
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute) // a failure bound only
+	defer cancel()
+	const size, ring, capBytes = 32 << 20, 4 << 20, 6 << 20
+	c := newCapture(t, l, Options{Interface: "eth0", RingBufferSize: ring, MemoryCap: capBytes, Logger: testLogger(t)})
+	if err := c.ProtectCgroup(protected.Dir); err != nil {
+		t.Fatal(err)
+	}
+	dst := hostAddr(t, l, "node2", 6041)
+	recv := streamtest.StartT(t, l, "node2", nil, "recv", "FTKIT_ADDR="+dst.String())
+	if got := recv.LineT(ctx, t); got != "ready" {
+		t.Fatalf("receiver said %q", got)
+	}
+	_, conn, seq0 := startSender(ctx, t, l, protected, dst, 50, size)
+	lg := c.Log()
+	paused := func(want bool) netlog.Bounds {
+		t.Helper()
+		for {
+			cnt, err := c.Counters()
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, berr := lg.Bounds(conn)
+			if cnt.ConsumerPaused == want && berr == nil {
+				return b
+			}
+			select {
+			case <-ctx.Done():
+				t.Fatalf("consumer paused %v, want %v (bounds %+v, %v)", cnt.ConsumerPaused, want, b, berr)
+			case <-time.After(5 * time.Millisecond):
+			}
+		}
+	}
+	atCap := paused(true)
+	done := c.Urge()
+	for {
+		b, err := lg.Bounds(conn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if b.Last > atCap.Last {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("urged, the log stayed at %+v", b)
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	urged := paused(true) // at the cap plus the ring
+	done()
+	done() // a second call does nothing
+	if live, most := lg.Stats().LiveBytes(), int64(capBytes+ring+c.headroom); live > most {
+		t.Errorf("urged, the log holds %d bytes, more than cap + ring + one append (%d)", live, most)
+	}
+	from, err := lg.Unwrap(conn, seq0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if urged.Last >= from+size {
+		t.Fatalf("the whole stream (%d bytes) was logged under a %d-byte cap: the test proves nothing", size, capBytes)
+	}
+	if c.urgent.Load() != 0 {
+		t.Errorf("urgent callers %d after done", c.urgent.Load())
+	}
+	t.Logf("at the cap %d bytes logged, urged %d (ring %d)", atCap.Last-from, urged.Last-from, ring)
 }
 
 func testFidelity(t *testing.T, l *lab.Lab, protected, other *streamtest.Cgroup, v variant) {

@@ -32,6 +32,7 @@ type Source interface {
 	ProtectCgroup(dir string) error
 	UnprotectCgroup(dir string) error
 	Counters() (capture.Counters, error)
+	Urge() (done func())
 	Close() error
 }
 
@@ -159,6 +160,10 @@ func memTotalMiB() int64 {
 	}
 	return kb / 1024
 }
+
+// Urge lets the capture's consumer drain the ring past the log's memory cap until done is called
+// (capture.Capture.Urge): for a caller waiting for bytes still in the ring.
+func (n *Node) Urge() (done func()) { return n.src.Urge() }
 
 // Close detaches the capture.
 func (n *Node) Close() error { return n.src.Close() }
