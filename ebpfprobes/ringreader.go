@@ -239,6 +239,7 @@ type ringConsumer struct {
 	log  *slog.Logger
 	ring *ringReader
 	flag *ebpf.Variable // the program's consumer_polling, in its mmapped .bss
+	poll time.Duration  // how long it sleeps between looks while it polls; 0: pollInterval
 
 	// The reader's state: only the reading goroutine touches these.
 	polling     bool // mirror of flag
@@ -272,6 +273,9 @@ func (c *ringConsumer) readBatch(ctx context.Context, max int, fn func(raw []byt
 			return 0, ctx.Err()
 		}
 		timeout := pollInterval
+		if c.poll > 0 {
+			timeout = c.poll
+		}
 		if !c.polling || quiet {
 			// Idle: ask the program for a wakeup again, then look once
 			// more, since a record submitted before the flag was cleared

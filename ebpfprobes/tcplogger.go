@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"os"
 	"sync"
+	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
@@ -38,6 +39,11 @@ type TCPLoggerOptions struct {
 	// and it must hold the largest segment plus 44 bytes: 64 KiB covers GSO
 	// on a 1500-byte MTU, BIG TCP needs more. 0 means DefaultRingBufferSize.
 	RingBufferSize int
+	// PollInterval is how long a ReadBatch that keeps finding records sleeps
+	// before it looks again, unless woken (0: a millisecond). Longer costs the
+	// consumer less per byte on slow links (fewer wakeups, larger batches);
+	// the program wakes it anyway once an eighth of the ring is waiting.
+	PollInterval time.Duration
 	// Logger receives attach/detach events; nil discards them.
 	Logger *slog.Logger
 }
@@ -121,7 +127,7 @@ func NewTCPLogger(opts TCPLoggerOptions) (*TCPLogger, error) {
 		l.closeObjects()
 		return nil, fmt.Errorf("tcplog: open ring buffer reader: %w", err)
 	}
-	l.consumer = ringConsumer{log: log, ring: l.ring, flag: l.objs.ConsumerPolling}
+	l.consumer = ringConsumer{log: log, ring: l.ring, flag: l.objs.ConsumerPolling, poll: opts.PollInterval}
 	log.Debug("tcplog: loaded", "ring_bytes", size)
 	return l, nil
 }
