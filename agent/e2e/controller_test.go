@@ -10,12 +10,12 @@ import (
 	"github.com/ftkit/ftkit/lab/labcluster"
 )
 
-// With a small log cap and a sender as fast as the link allows, the log stays under its cap, the
-// controller makes the receiving node snapshot, and nothing is lost: the program's result is correct and
-// the log never has a hole.
+// With a small log cap and a sender as fast as the link allows, the log stays under its cap (plus the ring
+// while a snapshot waits for its job's bytes), the controller makes the receiving node snapshot, and
+// nothing is lost: the program's result is correct and the log never has a hole.
 func TestLogControllerKeepsCap(t *testing.T) {
-	const capMiB = 16
-	c := newCluster(t, 2, 0, labcluster.Options{Interval: "1h", LogMemoryMiB: capMiB, LogRingMiB: 4})
+	const capMiB, ringMiB = 16, 4
+	c := newCluster(t, 2, 0, labcluster.Options{Interval: "1h", LogMemoryMiB: capMiB, LogRingMiB: ringMiB})
 	ctx := context.Background()
 	st := c.Lab.State()
 	peers := st.Hosts[0].Addr.Addr().String() + ":7600," + st.Hosts[1].Addr.Addr().String() + ":7600"
@@ -81,8 +81,10 @@ func TestLogControllerKeepsCap(t *testing.T) {
 		}
 		t.Logf("%s: max log memory %.1f MiB (cap %d MiB), %d snapshot requests, %d backpressure drops, logged %.0f MiB",
 			h, float64(maxMem[h])/(1<<20), capMiB, requested, s.Log.Counters.DropsBackpressure, float64(s.Log.Counters.BytesLogged)/(1<<20))
-		if maxMem[h] > capMiB<<20 {
-			t.Errorf("%s's log reached %d bytes, over its cap of %d MiB", h, maxMem[h], capMiB)
+		// While a snapshot waits for bytes its job sent that are still in the ring, the consumer drains past
+		// the cap by at most the ring's size (capture.Capture.Urge).
+		if maxMem[h] > (capMiB+ringMiB)<<20 {
+			t.Errorf("%s's log reached %d bytes, over its cap of %d MiB and the ring's %d MiB", h, maxMem[h], capMiB, ringMiB)
 		}
 		if requested == 0 {
 			t.Errorf("%s's controller asked for no snapshot although its sender logged far more than the cap", h)
