@@ -25,7 +25,7 @@ func (s metricsSource) MetricsState() metrics.State {
 	for _, j := range a.Jobs(0) {
 		mj := metrics.Job{ID: j.ID, State: string(j.State)}
 		if j.Protected() {
-			mj.Replicated, mj.ReplicaAge = true, max(now.Sub(j.Replica.Time), 0)
+			mj.Replicated, mj.ReplicaAge, mj.Uncovered = true, max(now.Sub(j.Replica.Time), 0), len(j.NewConns) > 0
 		}
 		st.Jobs = append(st.Jobs, mj)
 	}
@@ -81,7 +81,7 @@ func (a *Agent) logMetrics() *metrics.Log {
 	}
 	l := &metrics.Log{
 		MemoryBytes: cnt.MemoryBytes, CapBytes: a.netlog.node.CapBytes(), RetainedBytes: cnt.RetainedBytes,
-		SpilledBytes: cnt.SpilledBytes, Conns: cnt.Conns, ConsumerPaused: cnt.ConsumerPaused,
+		SpilledBytes: cnt.SpilledBytes, Conns: cnt.Conns, ConsumerPaused: cnt.ConsumerPaused, ConsumerCPU: cnt.ConsumerCPU,
 		BytesLogged: cnt.BytesLogged, PacketsLogged: cnt.PacketsLogged,
 		DropsBackpressure: cnt.DropsBackpressure, DropsOversize: cnt.DropsOversize, DropsError: cnt.DropsError,
 		FragmentsPassed: cnt.FragmentsPassed, AppendErrors: cnt.AppendErrors,

@@ -14,8 +14,9 @@ var JobStates = []string{"running", "exited", "lost"}
 type collector struct {
 	src Source
 
-	jobs, replicaAge, unreplicated                               *prometheus.Desc
+	jobs, replicaAge, unreplicated, uncovered                    *prometheus.Desc
 	logMemory, logCap, logRetained, logSpilled, logConns, paused *prometheus.Desc
+	consumerCPU                                                  *prometheus.Desc
 	logBytes, logPackets, logDrops, releasedConns, releasedBytes *prometheus.Desc
 	receivedBytes, receiveDrops                                  *prometheus.Desc
 	beatAge                                                      *prometheus.Desc
@@ -29,6 +30,7 @@ func newCollector(src Source) *collector {
 		jobs:         d("ftkit_jobs", "Job records of this host, by state.", []string{"state"}, nil),
 		replicaAge:   d("ftkit_job_replica_age_seconds", "Age of a running job's newest replica (since its protector had it): the work a failure of this host would lose is at most this old.", []string{"job"}, nil),
 		unreplicated: d("ftkit_jobs_unreplicated", "Running jobs with no replica on a protector yet: a failure of this host loses them.", nil, nil),
+		uncovered:    d("ftkit_jobs_uncovered", "Running jobs whose replica lacks connections they opened since (the agent snapshots them again soon): a failure of this host now is refused for them.", nil, nil),
 
 		logMemory:     d("ftkit_log_memory_bytes", "Memory of the sender-side log (RAM, pooled and compressed); compare with ftkit_log_memory_cap_bytes.", nil, nil),
 		logCap:        d("ftkit_log_memory_cap_bytes", "Cap on the sender-side log's memory (log.memory_mib).", nil, nil),
@@ -36,6 +38,7 @@ func newCollector(src Source) *collector {
 		logSpilled:    d("ftkit_log_spilled_bytes", "Log bytes spilled to log.spill_dir.", nil, nil),
 		logConns:      d("ftkit_log_connections", "Connections in the sender-side log.", nil, nil),
 		paused:        d("ftkit_log_consumer_paused", "1 while the log is at its cap and stops draining the ring buffer (TCP backpressure on the jobs).", nil, nil),
+		consumerCPU:   d("ftkit_log_consumer_cpu_seconds_total", "CPU time of the log consumer's thread: what logging costs in user space (the probe's copy into the ring runs in the senders' context).", nil, nil),
 		logBytes:      d("ftkit_log_logged_bytes_total", "Payload bytes the egress probe wrote to the log, retransmissions included.", nil, nil),
 		logPackets:    d("ftkit_log_logged_packets_total", "Segments the egress probe wrote to the log.", nil, nil),
 		logDrops:      d("ftkit_log_drops_total", "Segments the log did not take, by reason: backpressure, oversize, error (dropped; TCP retransmits them), fragment (passed unlogged: must stay 0), append_error (a record the consumer could not append).", []string{"reason"}, nil),
@@ -53,8 +56,8 @@ func newCollector(src Source) *collector {
 }
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.jobs, c.replicaAge, c.unreplicated, c.logMemory, c.logCap, c.logRetained,
-		c.logSpilled, c.logConns, c.paused, c.logBytes, c.logPackets, c.logDrops, c.releasedConns, c.releasedBytes,
+	for _, d := range []*prometheus.Desc{c.jobs, c.replicaAge, c.unreplicated, c.uncovered, c.logMemory, c.logCap, c.logRetained,
+		c.logSpilled, c.logConns, c.paused, c.consumerCPU, c.logBytes, c.logPackets, c.logDrops, c.releasedConns, c.releasedBytes,
 		c.receivedBytes, c.receiveDrops, c.beatAge, c.recoveries, c.stageSeconds, c.recoverySeconds} {
 		ch <- d
 	}
@@ -77,7 +80,7 @@ func (c *collector) collectJobs(ch chan<- prometheus.Metric, jobs []Job) {
 	for _, s := range JobStates {
 		byState[s] = 0
 	}
-	unreplicated := 0
+	unreplicated, uncovered := 0, 0
 	for _, j := range jobs {
 		byState[j.State]++
 		if j.State != "running" {
@@ -87,12 +90,16 @@ func (c *collector) collectJobs(ch chan<- prometheus.Metric, jobs []Job) {
 			unreplicated++
 			continue
 		}
+		if j.Uncovered {
+			uncovered++
+		}
 		ch <- prometheus.MustNewConstMetric(c.replicaAge, prometheus.GaugeValue, j.ReplicaAge.Seconds(), j.ID)
 	}
 	for state, n := range byState {
 		ch <- prometheus.MustNewConstMetric(c.jobs, prometheus.GaugeValue, float64(n), state)
 	}
 	ch <- prometheus.MustNewConstMetric(c.unreplicated, prometheus.GaugeValue, float64(unreplicated))
+	ch <- prometheus.MustNewConstMetric(c.uncovered, prometheus.GaugeValue, float64(uncovered))
 }
 
 func (c *collector) collectLog(ch chan<- prometheus.Metric, l *Log) {
@@ -108,6 +115,7 @@ func (c *collector) collectLog(ch chan<- prometheus.Metric, l *Log) {
 	gauge(c.logSpilled, float64(l.SpilledBytes))
 	gauge(c.logConns, float64(l.Conns))
 	gauge(c.paused, b2f(l.ConsumerPaused))
+	counter(c.consumerCPU, l.ConsumerCPU.Seconds())
 	counter(c.logBytes, float64(l.BytesLogged))
 	counter(c.logPackets, float64(l.PacketsLogged))
 	counter(c.logDrops, float64(l.DropsBackpressure), "backpressure")

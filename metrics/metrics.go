@@ -36,6 +36,8 @@ type Job struct {
 	// ReplicaAge is how long ago the job's newest replica reached its protector; valid if Replicated.
 	ReplicaAge time.Duration
 	Replicated bool
+	// Uncovered: the replica lacks connections the job opened since (a new snapshot comes soon).
+	Uncovered bool
 }
 
 // Log holds the sender-side log's numbers (netlog/capture's counters and the agent's release counters).
@@ -43,6 +45,7 @@ type Log struct {
 	MemoryBytes, CapBytes, RetainedBytes, SpilledBytes int64
 	Conns                                              int
 	ConsumerPaused                                     bool
+	ConsumerCPU                                        time.Duration // the log consumer thread's CPU time
 	BytesLogged, PacketsLogged                         uint64
 	// Drops by reason: segments the probe dropped (TCP retransmits them), fragments passed unlogged, and
 	// records the consumer could not append.

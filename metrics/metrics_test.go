@@ -49,19 +49,24 @@ ftkit_recoveries{state="running"} 0
 			state: State{Jobs: []Job{
 				{ID: "a-1", State: "running", Replicated: true, ReplicaAge: 1500 * time.Millisecond},
 				{ID: "b-2", State: "running"},
+				{ID: "e-5", State: "running", Replicated: true, ReplicaAge: time.Second, Uncovered: true},
 				{ID: "c-3", State: "exited", Replicated: true, ReplicaAge: time.Hour},
 				{ID: "d-4", State: "lost"},
 			}},
-			names: []string{"ftkit_jobs", "ftkit_jobs_unreplicated", "ftkit_job_replica_age_seconds"},
+			names: []string{"ftkit_jobs", "ftkit_jobs_unreplicated", "ftkit_jobs_uncovered", "ftkit_job_replica_age_seconds"},
 			want: `
 # HELP ftkit_job_replica_age_seconds Age of a running job's newest replica (since its protector had it): the work a failure of this host would lose is at most this old.
 # TYPE ftkit_job_replica_age_seconds gauge
 ftkit_job_replica_age_seconds{job="a-1"} 1.5
+ftkit_job_replica_age_seconds{job="e-5"} 1
 # HELP ftkit_jobs Job records of this host, by state.
 # TYPE ftkit_jobs gauge
 ftkit_jobs{state="exited"} 1
 ftkit_jobs{state="lost"} 1
-ftkit_jobs{state="running"} 2
+ftkit_jobs{state="running"} 3
+# HELP ftkit_jobs_uncovered Running jobs whose replica lacks connections they opened since (the agent snapshots them again soon): a failure of this host now is refused for them.
+# TYPE ftkit_jobs_uncovered gauge
+ftkit_jobs_uncovered 1
 # HELP ftkit_jobs_unreplicated Running jobs with no replica on a protector yet: a failure of this host loses them.
 # TYPE ftkit_jobs_unreplicated gauge
 ftkit_jobs_unreplicated 1
@@ -69,14 +74,17 @@ ftkit_jobs_unreplicated 1
 		},
 		{
 			name: "log against its cap, bytes logged, drops by reason",
-			state: State{Log: &Log{MemoryBytes: 3 << 20, CapBytes: 64 << 20, Conns: 2, BytesLogged: 12345, ConsumerPaused: true,
+			state: State{Log: &Log{MemoryBytes: 3 << 20, CapBytes: 64 << 20, Conns: 2, BytesLogged: 12345, ConsumerPaused: true, ConsumerCPU: 1500 * time.Millisecond,
 				DropsBackpressure: 7, FragmentsPassed: 1, ReleasedBytes: 99, ReceiveDropsError: 2}},
-			names: []string{"ftkit_log_memory_bytes", "ftkit_log_memory_cap_bytes", "ftkit_log_connections", "ftkit_log_consumer_paused",
+			names: []string{"ftkit_log_memory_bytes", "ftkit_log_memory_cap_bytes", "ftkit_log_connections", "ftkit_log_consumer_paused", "ftkit_log_consumer_cpu_seconds_total",
 				"ftkit_log_logged_bytes_total", "ftkit_log_drops_total", "ftkit_log_released_bytes_total", "ftkit_receive_drops_total"},
 			want: `
 # HELP ftkit_log_connections Connections in the sender-side log.
 # TYPE ftkit_log_connections gauge
 ftkit_log_connections 2
+# HELP ftkit_log_consumer_cpu_seconds_total CPU time of the log consumer's thread: what logging costs in user space (the probe's copy into the ring runs in the senders' context).
+# TYPE ftkit_log_consumer_cpu_seconds_total counter
+ftkit_log_consumer_cpu_seconds_total 1.5
 # HELP ftkit_log_consumer_paused 1 while the log is at its cap and stops draining the ring buffer (TCP backpressure on the jobs).
 # TYPE ftkit_log_consumer_paused gauge
 ftkit_log_consumer_paused 1

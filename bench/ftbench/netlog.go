@@ -115,7 +115,8 @@ type netlogRun struct {
 	bytes      int64
 	ns         int64   // receiver: first byte to EOF
 	jobCPU     float64 // seconds: cgroup v2 cpu.stat of sender + receiver
-	captureCPU float64 // seconds: getrusage(RUSAGE_SELF) of ftbench, i.e. the consumer
+	captureCPU float64 // seconds: getrusage(RUSAGE_SELF) of ftbench: the consumer, the trimmer, the runtime, the harness
+	threadCPU  float64 // seconds: the consumer thread's own (capture.Counters.ConsumerCPU)
 	systemCPU  float64 // seconds: busy time of all CPUs from /proc/stat
 	logged     uint64  // payload bytes the probe logged (retransmissions included)
 	drops      uint64  // backpressure drops
@@ -148,7 +149,7 @@ func benchNetlog(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 		metrics = append(metrics, m...)
 	}
 
-	var with, without, ratios, consumer []float64
+	var with, without, ratios, consumer, thread []float64
 	for i := range pairs {
 		var pair [2]netlogRun
 		for _, logging := range pairOrder(i) {
@@ -161,6 +162,7 @@ func benchNetlog(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 		w, wo := msgRate(pair[1], msgSize), msgRate(pair[0], msgSize)
 		with, without, ratios = append(with, w), append(without, wo), append(ratios, w/wo)
 		consumer = append(consumer, pair[1].captureCPU/float64(msgCount)*1e6)
+		thread = append(thread, pair[1].threadCPU/float64(msgCount)*1e6)
 		log.Info("netlog messages", "pair", i, "msgs_s_without", int(wo), "msgs_s_with", int(w))
 	}
 	metrics = append(metrics,
@@ -168,19 +170,21 @@ func benchNetlog(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 		Metric{Name: "msg64_rate_with", Value: median(with), Unit: "msgs/s"},
 		Metric{Name: "msg64_rate_ratio", Value: median(ratios), Unit: "x"},
 		Metric{Name: "msg64_consumer_cpu_per_million", Value: median(consumer), Unit: "s"},
+		Metric{Name: "msg64_consumer_thread_cpu_per_million", Value: median(thread), Unit: "s"},
 	)
 	settings := map[string]any{
-		"pairs":         pairs,
-		"order":         "with/without alternate first in successive pairs; metrics are medians over pairs, ratios are medians of per-pair ratios",
-		"links":         links,
-		"messages":      map[string]any{"size": msgSize, "count": msgCount, "nodelay": true, "link": "unshaped"},
-		"topology":      "two lab hosts (network namespaces) on a bridge via veth pairs; sender in node1, receiver in node2, each a process of its own in a cgroup v2 child",
-		"capture":       "capture.New on node1 eth0, 64 MiB ring, sender's cgroup protected; log trimmed to its contiguous end every 50 ms (receiver checkpoints), no compression or spill",
-		"cpu_job":       "cgroup v2 cpu.stat usage_usec of the sender and receiver cgroups: includes the probe's in-kernel work and the softirq work run in their context (no IRQ time accounting)",
-		"cpu_consumer":  "getrusage(RUSAGE_SELF) of ftbench during a run: the Capture's consumer goroutine and the trimmer",
-		"cpu_system":    "busy time of all CPUs from /proc/stat: includes other tenants of the machine, noisy",
-		"gb":            "1e9 bytes received",
-		"shaping_qdisc": "tbf root qdisc on node1 eth0 (burst max(2 ms at rate, 128 KiB), queue 10 ms at rate plus burst)",
+		"pairs":               pairs,
+		"order":               "with/without alternate first in successive pairs; metrics are medians over pairs, ratios are medians of per-pair ratios",
+		"links":               links,
+		"messages":            map[string]any{"size": msgSize, "count": msgCount, "nodelay": true, "link": "unshaped"},
+		"topology":            "two lab hosts (network namespaces) on a bridge via veth pairs; sender in node1, receiver in node2, each a process of its own in a cgroup v2 child",
+		"capture":             "capture.New on node1 eth0, 64 MiB ring, sender's cgroup protected; log trimmed to its contiguous end every 50 ms (receiver checkpoints), no compression or spill",
+		"cpu_job":             "cgroup v2 cpu.stat usage_usec of the sender and receiver cgroups: includes the probe's in-kernel work and the softirq work run in their context (no IRQ time accounting)",
+		"cpu_consumer":        "getrusage(RUSAGE_SELF) of ftbench during a run: the Capture's consumer, the trimmer, the Go runtime and the harness's own goroutines",
+		"cpu_consumer_thread": "the consumer thread's CLOCK_THREAD_CPUTIME_ID (capture.Counters.ConsumerCPU): what logging costs in user space, without the harness",
+		"cpu_system":          "busy time of all CPUs from /proc/stat: includes other tenants of the machine, noisy",
+		"gb":                  "1e9 bytes received",
+		"shaping_qdisc":       "tbf root qdisc on node1 eth0 (burst max(2 ms at rate, 128 KiB), queue 10 ms at rate plus burst)",
 	}
 	return metrics, settings, nil
 }
@@ -211,7 +215,7 @@ func (b *netlogBench) linkSetting(ctx context.Context, lk netlogLink, pairs int)
 		return nil, err
 	}
 	defer undo()
-	var gbWith, gbWithout, ratios, cpuWith, cpuWithout, consumer, sysWith, sysWithout []float64
+	var gbWith, gbWithout, ratios, cpuWith, cpuWithout, consumer, thread, sysWith, sysWithout []float64
 	var drops uint64
 	for i := range pairs {
 		var pair [2]netlogRun
@@ -230,6 +234,7 @@ func (b *netlogBench) linkSetting(ctx context.Context, lk netlogLink, pairs int)
 		cpuWith = append(cpuWith, perGB(w.jobCPU+w.captureCPU, w))
 		cpuWithout = append(cpuWithout, perGB(wo.jobCPU, wo))
 		consumer = append(consumer, w.captureCPU/(float64(w.logged)/1e9))
+		thread = append(thread, w.threadCPU/(float64(w.logged)/1e9))
 		sysWith, sysWithout = append(sysWith, perGB(w.systemCPU, w)), append(sysWithout, perGB(wo.systemCPU, wo))
 		drops += w.drops
 		b.log.Info("netlog bulk", "link", lk.Name, "pair", i, "gbit_s_without", round2(gbps(wo)), "gbit_s_with", round2(gbps(w)),
@@ -243,6 +248,7 @@ func (b *netlogBench) linkSetting(ctx context.Context, lk netlogLink, pairs int)
 		{Name: p + "cpu_s_per_GB_without", Value: median(cpuWithout), Unit: "s/GB"},
 		{Name: p + "cpu_s_per_GB_with", Value: median(cpuWith), Unit: "s/GB"},
 		{Name: p + "consumer_cpu_s_per_GB_logged", Value: median(consumer), Unit: "s/GB"},
+		{Name: p + "consumer_thread_cpu_s_per_GB_logged", Value: median(thread), Unit: "s/GB"},
 		{Name: p + "system_cpu_s_per_GB_without", Value: median(sysWithout), Unit: "s/GB"},
 		{Name: p + "system_cpu_s_per_GB_with", Value: median(sysWith), Unit: "s/GB"},
 		{Name: p + "drops_backpressure", Value: float64(drops), Unit: "segments"},
@@ -412,6 +418,14 @@ func (b *netlogBench) run(ctx context.Context, logging bool, total int64, wsize 
 	if err != nil {
 		return r, err
 	}
+	var threadBefore time.Duration
+	if c != nil {
+		cnt, err := c.Counters()
+		if err != nil {
+			return r, err
+		}
+		threadBefore = cnt.ConsumerCPU
+	}
 	send, err := streamtest.Start(b.lab, "node1", b.sendCg, "bulksend", "FTBENCH_ADDR="+b.dst.String(),
 		fmt.Sprintf("FTBENCH_BYTES=%d", total), fmt.Sprintf("FTBENCH_WRITE=%d", wsize))
 	if err != nil {
@@ -456,6 +470,7 @@ func (b *netlogBench) run(ctx context.Context, logging bool, total int64, wsize 
 				cnt.BytesLogged, total, cnt.AppendErrors, cnt.BadRecords, cnt.Conflicts)
 		}
 		r.logged, r.drops = cnt.BytesLogged, cnt.DropsBackpressure
+		r.threadCPU = (cnt.ConsumerCPU - threadBefore).Seconds()
 	}
 	return r, nil
 }

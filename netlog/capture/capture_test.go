@@ -351,6 +351,9 @@ func testFidelity(t *testing.T, l *lab.Lab, protected, other *streamtest.Cgroup,
 	if !cnt.ConsumerRunning {
 		t.Errorf("consumer stopped: %s", cnt.ConsumerError)
 	}
+	if cnt.ConsumerCPU <= 0 {
+		t.Errorf("the consumer's thread used no CPU time (%v) logging %d bytes", cnt.ConsumerCPU, v.size)
+	}
 	if v.wantDrops && cnt.DropsBackpressure == 0 {
 		t.Errorf("no backpressure drops with a %d-byte ring and a consumer sleeping %v per record", v.ring, v.delay)
 	}

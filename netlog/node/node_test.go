@@ -38,7 +38,7 @@ func (f *fakeSource) Protects(uint64) bool                { return f.protects }
 func (f *fakeSource) ProtectCgroup(string) error          { return nil }
 func (f *fakeSource) UnprotectCgroup(string) error        { return nil }
 func (f *fakeSource) Counters() (capture.Counters, error) { return capture.Counters{}, nil }
-func (f *fakeSource) Urge() func()                         { return func() {} }
+func (f *fakeSource) Urge() func()                        { return func() {} }
 func (f *fakeSource) Close() error                        { return f.log.Close() }
 
 // fakeMembers: n2 holds 10.0.0.2 (unless owner is set), and answers watermark questions with mark.
