@@ -68,7 +68,13 @@ func (a *Agent) schedule(ctx context.Context) {
 		if len(keys) == 0 {
 			return
 		}
-		if _, err := a.Checkpoint(ctx, due, 0); err != nil {
+		// A snapshot due only for connections its replica lacked is dropped if another (an operator's, say)
+		// took them meanwhile.
+		var still func(Job) bool
+		if s.onlyForConns(keys) {
+			still = func(j Job) bool { return len(j.NewConns) > 0 }
+		}
+		if _, err := a.checkpoint(ctx, due, 0, still); err != nil {
 			a.log.Warn("scheduled snapshot failed; retrying later", "err", err)
 		}
 		s.attempted(keys, a.Jobs(0), time.Now())
@@ -157,6 +163,16 @@ func (s *snapScheduler) due(jobs []Job, now time.Time, interval func(id string) 
 		return nil, []string{""}, fresh // every running job of the host, frozen together
 	}
 	return due, due, fresh
+}
+
+// onlyForConns reports whether every key in keys is due only for connections its replica lacks.
+func (s *snapScheduler) onlyForConns(keys []string) bool {
+	for _, k := range keys {
+		if !s.forConn[k] {
+			return false
+		}
+	}
+	return true
 }
 
 // attempted records a snapshot attempt of keys at now, whatever its outcome (a failing job is not

@@ -147,17 +147,39 @@ func (a *Agent) shipTo(ctx context.Context, peer string, m *ckpt.Manifest) (*shi
 // Checkpoint snapshots the given running jobs now (all of this host's if ids is empty), ships each
 // snapshot, and prunes old ones. In semi-coordinated mode all of them are frozen together first.
 func (a *Agent) Checkpoint(ctx context.Context, ids []string, uid uint32) ([]SnapshotResult, error) {
-	var jobs []Job
-	for _, j := range a.Jobs(uid) {
-		if j.State == JobRunning && (len(ids) == 0 || slices.Contains(ids, j.ID)) {
-			jobs = append(jobs, j)
+	return a.checkpoint(ctx, ids, uid, nil)
+}
+
+// checkpoint is Checkpoint for the scheduler too: still, if set, is asked again once the previous
+// snapshot is done (a snapshot due because a job opened connections may have been overtaken by one that
+// holds them), and the snapshot is skipped unless it holds for some job (semi-coordinated mode: all of
+// them are snapshotted then) or for each job (otherwise).
+func (a *Agent) checkpoint(ctx context.Context, ids []string, uid uint32, still func(Job) bool) ([]SnapshotResult, error) {
+	running := func() []Job {
+		var jobs []Job
+		for _, j := range a.Jobs(uid) {
+			if j.State == JobRunning && (len(ids) == 0 || slices.Contains(ids, j.ID)) {
+				jobs = append(jobs, j)
+			}
 		}
+		return jobs
 	}
+	jobs := running()
 	if len(ids) > 0 && len(jobs) != len(ids) {
 		return nil, fmt.Errorf("%w: some of %v are not running on %s", ErrNoJob, ids, a.cfg.Name)
 	}
 	a.ckptMu.Lock()
 	defer a.ckptMu.Unlock()
+	if still != nil {
+		jobs = running()
+		keep := slices.DeleteFunc(slices.Clone(jobs), func(j Job) bool { return !still(j) })
+		switch {
+		case len(keep) == 0:
+			return nil, nil
+		case a.cfg.Checkpoint.Mode != SemiCoordinated:
+			jobs = keep
+		}
+	}
 	var manifests []*ckpt.Manifest
 	var errs []error
 	if a.cfg.Checkpoint.Mode == SemiCoordinated {

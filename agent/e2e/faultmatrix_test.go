@@ -368,13 +368,16 @@ func TestFaultCrashDuringSnapshot(t *testing.T) {
 	c, rg, want := startMatrix(t, 1, 7700, ref, nil, "--progress", "10", "--ballast", "256")
 	job := rg.jobs[1].ID
 	rg.checkpoint(t, "node2")
-	prev := replicaIDs(t, c, "node3", job, "node2") // newest first: the one just shipped, then the one at start
-	if len(prev) == 0 {
+	if len(replicaIDs(t, c, "node3", job, "node2")) == 0 {
 		t.Fatalf("node3 holds no replica of rank 1, want the one just shipped")
 	}
 	rg.waitIteration(t, 1, rg.lastIteration(1)+50, 2*time.Minute) // bytes past the snapshot for the replay
 	go c.Client("node2").Checkpoint(context.Background(), job)    // fails when node2 goes; nobody waits for it
 	n := waitPending(t, c, "node2", job, 1<<20, 2*time.Minute)
+	// Read while the dump is in flight, which keeps any other snapshot of node2 from starting: newest first,
+	// the replica the recovery must use (the agent may have taken one of its own before, for connections
+	// its start snapshot lacked).
+	prev := replicaIDs(t, c, "node3", job, "node2")
 	rg.requireRunning(t)
 	crash(t, c, "node2", fmt.Sprintf("with a dump of rank 1 in flight (%d MB written)", n>>20))
 

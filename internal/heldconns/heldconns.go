@@ -23,8 +23,9 @@ import (
 
 // Held is what List found.
 type Held struct {
-	// Conns are the connections of the cgroup's sockets (every state but listening and closed; addresses
-	// unmapped), seen from the cgroup's end.
+	// Conns are the connections of the cgroup's sockets (addresses unmapped), seen from the cgroup's end:
+	// every state from established to closing. A connect still waiting for its SYN-ACK is left out: its
+	// peer holds nothing yet, and a restored process would connect again.
 	Conns []tcpflow.Tuple
 	// Pending are the cgroup's listening sockets with connections the kernel completed and the program has
 	// not accepted yet: their peers are connected, and a snapshot now would not hold those connections
@@ -64,7 +65,7 @@ func List(cgroups ...string) (map[string]Held, error) {
 				if s.RQueue > 0 {
 					h.Pending = append(h.Pending, local)
 				}
-			case unix.BPF_TCP_CLOSE, unix.BPF_TCP_TIME_WAIT:
+			case unix.BPF_TCP_CLOSE, unix.BPF_TCP_TIME_WAIT, unix.BPF_TCP_SYN_SENT, unix.BPF_TCP_SYN_RECV:
 			default:
 				h.Conns = append(h.Conns, tcpflow.Tuple{Local: local, Remote: netip.AddrPortFrom(addr(s.ID.Destination), s.ID.DestinationPort)})
 			}
