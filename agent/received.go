@@ -182,7 +182,7 @@ func (h *crcFrom) Sum32() uint32 { return h.crc }
 // logOf is the log that holds what this host's jobs sent on conn, and its capture's Urge: the cluster
 // interface's, or for a peer on this host the loopback capture's, which logs only the re-sent bytes of jobs
 // restored next to their peers.
-func (a *Agent) logOf(conn tcpflow.Tuple) (*netlog.Log, func() (done func()), error) {
+func (a *Agent) logOf(conn tcpflow.Tuple) (*netlog.Log, logConsumer, error) {
 	if a.netlog == nil {
 		return nil, nil, errors.New("the sender-side log is disabled on " + a.cfg.Name)
 	}
@@ -192,9 +192,15 @@ func (a *Agent) logOf(conn tcpflow.Tuple) (*netlog.Log, func() (done func()), er
 		if a.netlog.lo == nil {
 			return nil, nil, fmt.Errorf("%s is on this host, and no loopback log is running for this connection", conn.Remote)
 		}
-		return a.netlog.lo.Log(), a.netlog.lo.Urge, nil
+		return a.netlog.lo.Log(), a.netlog.lo, nil
 	}
-	return a.netlog.node.Log(), a.netlog.node.Urge, nil
+	return a.netlog.node.Log(), a.netlog.node, nil
+}
+
+// logConsumer is what a caller waiting for logged bytes asks of the log's capture.
+type logConsumer interface {
+	Urge() (done func())
+	Wake()
 }
 
 // keepResends makes sure the bytes a restored job re-sends stay readable until they are checked: those
@@ -325,12 +331,13 @@ func (a *Agent) receivedOf(ctx context.Context, peer string, conn tcpflow.Tuple,
 
 // waitLogged waits (a little) until this host's log holds conn's bytes up to wire sequence end.
 func (a *Agent) waitLogged(ctx context.Context, conn tcpflow.Tuple, end uint32) {
-	l, urge, err := a.logOf(conn)
+	l, consumer, err := a.logOf(conn)
 	if err != nil {
 		return
 	}
-	// The bytes may be in the ring behind a consumer paused at the log's memory cap.
-	defer urge()()
+	// The bytes may be in the ring behind a consumer paused at the log's memory cap, or waiting for its
+	// next poll.
+	defer consumer.Urge()()
 	ctx, cancel := context.WithTimeout(ctx, resentLogWait)
 	defer cancel()
 	for {
@@ -344,6 +351,7 @@ func (a *Agent) waitLogged(ctx context.Context, conn tcpflow.Tuple, end uint32) 
 			return
 		case <-time.After(10 * time.Millisecond):
 		}
+		consumer.Wake()
 	}
 }
 

@@ -276,7 +276,7 @@ func (l *TCPLogger) Read(ctx context.Context) ([]byte, error) {
 // accepted. Only one goroutine may call Read or ReadBatch.
 //
 // ReadBatch is also what keeps wakeups rare: while records keep coming, the
-// consumer sleeps for a millisecond between batches instead of being woken by
+// consumer sleeps between batches (TCPLoggerOptions.PollInterval) instead of being woken by
 // every record (see consumer_polling in bpf/tcplog.c); a full eighth of the
 // ring still wakes it at once.
 //
@@ -285,6 +285,11 @@ func (l *TCPLogger) Read(ctx context.Context) ([]byte, error) {
 func (l *TCPLogger) ReadBatch(ctx context.Context, max int, fn func(raw []byte) error) (int, error) {
 	return l.consumer.readBatch(ctx, max, fn)
 }
+
+// Wake interrupts a ReadBatch waiting for records, so that it looks at the ring now instead of at its
+// next poll: for a caller that needs what is in the ring consumed soon. It may be called from any
+// goroutine.
+func (l *TCPLogger) Wake() error { return l.ring.flush() }
 
 // Close detaches the program from every interface, interrupts Read and
 // frees the program and maps. Segments are no longer logged after it.

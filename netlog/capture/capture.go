@@ -52,10 +52,11 @@ type Options struct {
 }
 
 // DefaultPollInterval is the capture's: the log is read for a replay or a trim, never byte by byte as it
-// is written, so its consumer need not look every millisecond. At 1 Gbit/s a millisecond's segments cost
-// it most per byte in wakeups (bench netlog, tbf_1gbit_consumer_cpu_s_per_GB_logged); at high rates the
-// program wakes it sooner (an eighth of the ring waiting).
-const DefaultPollInterval = 10 * time.Millisecond
+// is written, so its consumer need not look every millisecond. On slow links the wakeups cost it most per
+// byte (bench netlog, tbf_1gbit_consumer_thread_cpu_s_per_GB_logged: 0.12 s/GB at 10 ms, 0.09 at 25 ms);
+// at high rates the program wakes it sooner (an eighth of the ring waiting), and a caller that needs the
+// ring's bytes now wakes it (Wake, Urge).
+const DefaultPollInterval = 25 * time.Millisecond
 
 // Capture is a running logger: probe attached, consumer goroutine running.
 // All methods are safe for concurrent use.
@@ -258,8 +259,17 @@ func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 // both would wait for each other until the caller's timeout.
 func (c *Capture) Urge() (done func()) {
 	c.urgent.Add(1)
+	c.Wake()
 	var once sync.Once
 	return func() { once.Do(func() { c.urgent.Add(-1) }) }
+}
+
+// Wake makes the consumer look at the ring now instead of at its next poll (Options.PollInterval): for a
+// caller waiting for bytes that may be in it.
+func (c *Capture) Wake() {
+	if err := c.probe.Wake(); err != nil && !errors.Is(err, ebpfprobes.ErrClosed) {
+		c.log.Warn("capture: wake the consumer", "err", err)
+	}
 }
 
 // appender appends records to a log, remembering the store of the last

@@ -33,6 +33,7 @@ type Source interface {
 	UnprotectCgroup(dir string) error
 	Counters() (capture.Counters, error)
 	Urge() (done func())
+	Wake()
 	Close() error
 }
 
@@ -164,6 +165,9 @@ func memTotalMiB() int64 {
 // Urge lets the capture's consumer drain the ring past the log's memory cap until done is called
 // (capture.Capture.Urge): for a caller waiting for bytes still in the ring.
 func (n *Node) Urge() (done func()) { return n.src.Urge() }
+
+// Wake makes the capture's consumer look at its ring now (capture.Capture.Wake).
+func (n *Node) Wake() { n.src.Wake() }
 
 // Close detaches the capture.
 func (n *Node) Close() error { return n.src.Close() }

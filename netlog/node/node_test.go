@@ -27,6 +27,7 @@ type fakeSource struct {
 	log      *netlog.Log
 	states   map[tcpflow.Tuple]ebpfprobes.FlowState
 	protects bool
+	onWake   func() // the consumer's next poll, brought forward
 }
 
 func (f *fakeSource) Log() *netlog.Log { return f.log }
@@ -39,7 +40,12 @@ func (f *fakeSource) ProtectCgroup(string) error          { return nil }
 func (f *fakeSource) UnprotectCgroup(string) error        { return nil }
 func (f *fakeSource) Counters() (capture.Counters, error) { return capture.Counters{}, nil }
 func (f *fakeSource) Urge() func()                        { return func() {} }
-func (f *fakeSource) Close() error                        { return f.log.Close() }
+func (f *fakeSource) Wake() {
+	if f.onWake != nil {
+		f.onWake()
+	}
+}
+func (f *fakeSource) Close() error { return f.log.Close() }
 
 // fakeMembers: n2 holds 10.0.0.2 (unless owner is set), and answers watermark questions with mark.
 type fakeMembers struct {
@@ -132,6 +138,32 @@ func TestTrim(t *testing.T) {
 	defer n.mu.Unlock()
 	if n.seen["n2"].IsZero() {
 		t.Error("Trim did not record when n2 last relieved the log")
+	}
+}
+
+// A range asked for while the last segments the live state shows are still in the ring (the consumer
+// reads it at its poll interval) waits until the log holds them, waking the consumer: a range cut short
+// of the live state reads as bytes the log lost.
+func TestRangeCatchesUp(t *testing.T) {
+	n, src, payload := newTestNode(t, 5000, &fakeMembers{owner: "n2"})
+	src.states[connA] = ebpfprobes.FlowState{SndNxt: isn + 6000}
+	rest := make([]byte, 1000)
+	src.onWake = func() {
+		src.onWake = nil
+		b, err := netlog.AppendRecord(nil, netlog.Record{Conn: connA, Seq: isn + 5000, CgroupID: 7, Payload: rest})
+		if err == nil {
+			var r netlog.Record
+			if r, err = netlog.DecodeRecord(b); err == nil {
+				err = src.log.Append(r)
+			}
+		}
+		if err != nil {
+			t.Error(err)
+		}
+	}
+	r, err := n.Range(context.Background(), "n2", connA, isn)
+	if err != nil || r.Len != 6000 {
+		t.Fatalf("Range: %d bytes, %v; want the 6000 the live state shows (%d were logged before the wake)", r.Len, err, len(payload))
 	}
 }
 

@@ -55,6 +55,7 @@ type Range struct {
 // connection's receiver. A hole or trimmed data is refused before any byte is sent.
 func (n *Node) Range(ctx context.Context, peer string, conn tcpflow.Tuple, from uint32) (Range, error) {
 	l := n.Log()
+	n.catchUp(ctx, conn, from)
 	if live, ok := n.sentNothingSince(conn, from); ok {
 		// A one-way stream toward the restored job (or a peer that has been silent since the snapshot):
 		// nothing logged because nothing was sent, which the live state shows; nothing to replay.
@@ -95,6 +96,37 @@ func (n *Node) Range(ctx context.Context, peer string, conn tcpflow.Tuple, from 
 		return nil
 	}
 	return r, nil
+}
+
+// catchUpWait bounds how long Range waits for the log to hold what the live state says was sent.
+const catchUpWait = 250 * time.Millisecond
+
+// catchUp waits, briefly, until the log holds every byte the probe's live state says conn sent after
+// wire sequence from: the consumer reads the ring at its poll interval, and a range read between two polls
+// would end short of the live state, which the restorer takes for bytes the log lost.
+func (n *Node) catchUp(ctx context.Context, conn tcpflow.Tuple, from uint32) {
+	live, ok, err := n.src.FlowState(conn)
+	if err != nil || !ok || live.DataEnd() == from {
+		return
+	}
+	l := n.Log()
+	deadline := time.Now().Add(catchUpWait)
+	for {
+		if abs, err := l.Unwrap(conn, live.DataEnd()); err == nil {
+			if b, err := l.Bounds(conn); err != nil || b.Contiguous >= abs {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			return
+		}
+		n.src.Wake()
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(2 * time.Millisecond):
+		}
+	}
 }
 
 // sentNothingSince says whether this host's log has no store of conn because the sender sent no payload
