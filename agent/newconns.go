@@ -17,8 +17,9 @@ import (
 // connCheckEvery, names those its replica lacks in the job's record (Job.NewConns: `ftctl status` shows
 // the job UNPROTECTED) and the scheduler snapshots the job again soon (snapScheduler, newConnGap).
 
-// connCheckEvery is how often the agent lists its jobs' connections (sock_diag and /proc: well under a
-// millisecond for a job with a few hundred descriptors).
+// connCheckEvery is how often the agent reads its jobs' sockets (/proc: a few microseconds per
+// descriptor), and lists their connections when the sockets changed (sock_diag: about a millisecond per
+// network namespace).
 const connCheckEvery = 500 * time.Millisecond
 
 // maxNewConnsListed bounds Job.NewConns; the last entry then says how many more there are.
@@ -38,24 +39,67 @@ func snapshotConns(m *ckpt.Manifest) replicaConns {
 	return rc
 }
 
+// connListing is the last socket table read for the jobs of one network namespace.
+type connListing struct {
+	socks heldconns.Sockets
+	held  map[string]heldconns.Held
+	at    time.Time
+}
+
+// fresh reports whether the listing still holds for socks: the same sockets, none of them connecting or
+// with connections waiting to be accepted, and younger than connRelist.
+func (l connListing) fresh(socks heldconns.Sockets, now time.Time) bool {
+	if l.held == nil || now.Sub(l.at) >= connRelist || !l.socks.Equal(socks) {
+		return false
+	}
+	for _, h := range l.held {
+		if !h.Settled() {
+			return false
+		}
+	}
+	return true
+}
+
+// connRelist is how old a socket listing may be reused while the jobs' sockets stay the same (a
+// connection waiting in a listen queue appears without a new socket).
+const connRelist = 5 * time.Second
+
+// connCheckShare bounds the check's CPU: the next check waits at least this many times as long as the
+// last one took (a job with thousands of descriptors is checked less often).
+const connCheckShare = 200
+
 // checkConns runs the check until ctx ends.
 func (a *Agent) checkConns(ctx context.Context) {
-	every(ctx, connCheckEvery, func() {
+	listings := map[string]connListing{} // by network namespace: "" for the host's, else the job network's name
+	next := connCheckEvery
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(next):
+		}
+		start := time.Now()
 		running := map[string]bool{}
-		var host []Job // jobs in the host's network namespace: one socket listing serves them all
+		groups := map[string][]Job{}
+		nets := map[string]*JobNet{}
 		for _, j := range a.Jobs(0) {
 			if j.State != JobRunning || !j.Protected() {
 				continue
 			}
 			running[j.ID] = true
-			if j.Net == nil {
-				host = append(host, j)
-			} else {
-				a.checkJobConns(j.Net, j)
+			key := ""
+			if j.Net != nil {
+				key, nets[j.Net.Name] = j.Net.Name, j.Net
+			}
+			groups[key] = append(groups[key], j)
+		}
+		for key := range listings {
+			if groups[key] == nil {
+				delete(listings, key)
 			}
 		}
-		if len(host) > 0 {
-			a.checkJobConns(nil, host...)
+		for key, jobs := range groups {
+			listings[key] = a.checkJobConns(nets[key], listings[key], jobs)
 		}
 		a.mu.Lock()
 		for id := range a.replicaConns {
@@ -64,26 +108,36 @@ func (a *Agent) checkConns(ctx context.Context) {
 			}
 		}
 		a.mu.Unlock()
-	})
+		next = max(connCheckEvery, connCheckShare*time.Since(start))
+	}
 }
 
 // checkJobConns lists the connections of jobs, which share network namespace n (nil: the host's), and
-// records in each job's record those its replica lacks.
-func (a *Agent) checkJobConns(n *JobNet, jobs ...Job) {
+// records in each job's record those its replica lacks. last is the namespace's previous listing, reused
+// while it is fresh; it returns the listing used.
+func (a *Agent) checkJobConns(n *JobNet, last connListing, jobs []Job) connListing {
 	var cgroups []string
 	for _, j := range jobs {
 		cgroups = append(cgroups, j.Cgroup)
 	}
 	checked := time.Now().UTC() // before the listing: what it finds is at least this recent
-	var held map[string]heldconns.Held
-	err := inJobNet(n, func() error {
-		var err error
-		held, err = heldconns.List(cgroups...)
-		return err
-	})
+	socks, err := heldconns.Inodes(cgroups...)
 	if err != nil {
-		a.log.Debug("list the jobs' connections", "jobs", len(jobs), "err", err)
-		return
+		a.log.Debug("list the jobs' sockets", "jobs", len(jobs), "err", err)
+		return connListing{}
+	}
+	cur := last
+	if !last.fresh(socks, checked) {
+		cur = connListing{socks: socks, at: checked}
+		err = inJobNet(n, func() error {
+			var err error
+			cur.held, err = heldconns.List(socks)
+			return err
+		})
+		if err != nil {
+			a.log.Debug("list the jobs' connections", "jobs", len(jobs), "err", err)
+			return connListing{}
+		}
 	}
 	for _, j := range jobs {
 		known, err := a.connsOfReplica(j)
@@ -91,17 +145,17 @@ func (a *Agent) checkJobConns(n *JobNet, jobs ...Job) {
 			a.log.Debug("connections of the job's replica unknown: not checked", "job", j.ID, "err", err)
 			continue
 		}
-		fresh := newConns(held[j.Cgroup], known)
+		fresh := newConns(cur.held[j.Cgroup], known)
 		a.mu.Lock()
-		cur, ok := a.byID[j.ID]
+		rec, ok := a.byID[j.ID]
 		// A replica recorded meanwhile holds the connections the job had at its dump: this listing was
 		// compared with the one before and is stale.
-		if !ok || cur.Replica == nil || cur.Replica.Snapshot != known.snapshot {
+		if !ok || rec.Replica == nil || rec.Replica.Snapshot != known.snapshot {
 			a.mu.Unlock()
 			continue
 		}
-		changed := !slices.Equal(cur.NewConns, fresh)
-		cur.NewConns, cur.ConnsChecked = fresh, checked
+		changed := !slices.Equal(rec.NewConns, fresh)
+		rec.NewConns, rec.ConnsChecked = fresh, checked
 		if changed {
 			a.notify()
 		}
@@ -111,6 +165,7 @@ func (a *Agent) checkJobConns(n *JobNet, jobs ...Job) {
 				"job", j.ID, "replica", known.snapshot, "connections", fresh)
 		}
 	}
+	return cur
 }
 
 // connsOfReplica returns the connections of j's replica, from memory or, after a restart, its manifest.

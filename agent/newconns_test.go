@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/internal/heldconns"
@@ -88,5 +89,34 @@ func TestCheckpointStillDue(t *testing.T) {
 	a.mu.Unlock()
 	if _, err := a.checkpoint(ctx, []string{rootsJob}, 0, func(j Job) bool { return len(j.NewConns) > 0 }); err == nil {
 		t.Error("a snapshot still due was not attempted (the fixture's dump fails)")
+	}
+}
+
+// A socket listing is reused while the jobs hold the same sockets, none connecting or with a connection
+// waiting to be accepted, for at most connRelist.
+func TestConnListingFresh(t *testing.T) {
+	t0 := time.Date(2026, 11, 26, 16, 0, 0, 0, time.UTC)
+	socks := heldconns.Sockets{"/cg/a": {11: true, 12: true}}
+	settled := map[string]heldconns.Held{"/cg/a": {}}
+	tests := []struct {
+		name  string
+		last  connListing
+		socks heldconns.Sockets
+		at    time.Duration
+		want  bool
+	}{
+		{"same sockets, settled, young", connListing{socks: socks, held: settled, at: t0}, socks, time.Second, true},
+		{"never listed", connListing{}, socks, 0, false},
+		{"a new socket", connListing{socks: socks, held: settled, at: t0}, heldconns.Sockets{"/cg/a": {11: true, 12: true, 13: true}}, time.Second, false},
+		{"a socket closed", connListing{socks: socks, held: settled, at: t0}, heldconns.Sockets{"/cg/a": {11: true}}, time.Second, false},
+		{"another job", connListing{socks: socks, held: settled, at: t0}, heldconns.Sockets{"/cg/a": {11: true, 12: true}, "/cg/b": {}}, time.Second, false},
+		{"too old", connListing{socks: socks, held: settled, at: t0}, socks, connRelist, false},
+		{"a connect in progress", connListing{socks: socks, held: map[string]heldconns.Held{"/cg/a": {Connecting: 1}}, at: t0}, socks, time.Second, false},
+		{"a connection to accept", connListing{socks: socks, held: map[string]heldconns.Held{"/cg/a": {Pending: []netip.AddrPort{netip.MustParseAddrPort("10.0.0.1:7000")}}}, at: t0}, socks, time.Second, false},
+	}
+	for _, tt := range tests {
+		if got := tt.last.fresh(tt.socks, t0.Add(tt.at)); got != tt.want {
+			t.Errorf("%s: fresh %v, want %v", tt.name, got, tt.want)
+		}
 	}
 }

@@ -87,7 +87,15 @@ func TestListOwnProcess(t *testing.T) {
 	var h Held
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		all, err := List(cg, empty)
+		socks, err := Inodes(cg, empty)
+		if err != nil {
+			t.Fatal(err)
+		}
+		again, err := Inodes(cg, empty)
+		if err != nil || !socks.Equal(again) || socks.Equal(Sockets{cg: socks[cg]}) {
+			t.Fatalf("the same sockets read twice: %v and %v (%v)", socks, again, err)
+		}
+		all, err := List(socks)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -108,6 +116,9 @@ func TestListOwnProcess(t *testing.T) {
 	if len(h.Conns) != 3 {
 		t.Errorf("listed %d connections, want the 3 this process holds: %v", len(h.Conns), h.Conns)
 	}
+	if h.Settled() || h.Connecting != 0 {
+		t.Errorf("with a connection waiting to be accepted: settled %v, connecting %d", h.Settled(), h.Connecting)
+	}
 	wantPending := []netip.AddrPort{queued.Addr().(*net.TCPAddr).AddrPort()}
 	if !slices.Equal(h.Pending, wantPending) {
 		t.Errorf("pending listeners %v, want %v (and not %s, which has nothing queued)", h.Pending, wantPending, idle.Addr())
@@ -116,7 +127,51 @@ func TestListOwnProcess(t *testing.T) {
 
 // A missing cgroup is an error, not an empty listing.
 func TestListMissing(t *testing.T) {
-	if _, err := List(filepath.Join(t.TempDir(), "gone")); err == nil {
+	if _, err := Inodes(filepath.Join(t.TempDir(), "gone")); err == nil {
 		t.Error("a missing cgroup listed without error")
 	}
+}
+
+// BenchmarkList: a process holding 64 connections and a listener: reading its sockets' inodes (what the
+// agent pays per job and check) and listing them (per network namespace, when the inodes changed).
+func BenchmarkList(b *testing.B) {
+	cg := b.TempDir()
+	if err := os.WriteFile(filepath.Join(cg, "cgroup.procs"), []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
+		b.Fatal(err)
+	}
+	l, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer l.Close()
+	for range 32 {
+		c, err := net.Dial("tcp4", l.Addr().String())
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer c.Close()
+		s, err := l.Accept()
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer s.Close()
+	}
+	b.Run("inodes", func(b *testing.B) {
+		for b.Loop() {
+			if s, err := Inodes(cg); err != nil || len(s[cg]) < 65 {
+				b.Fatalf("%d sockets, %v", len(s[cg]), err)
+			}
+		}
+	})
+	b.Run("list", func(b *testing.B) {
+		s, err := Inodes(cg)
+		if err != nil {
+			b.Fatal(err)
+		}
+		for b.Loop() {
+			if h, err := List(s); err != nil || len(h[cg].Conns) != 64 {
+				b.Fatalf("%d connections, %v", len(h[cg].Conns), err)
+			}
+		}
+	})
 }
