@@ -64,6 +64,7 @@ type Agent struct {
 		prefix netip.Prefix
 	}
 	busy     atomic.Value     // string: the long operation in progress, carried by heartbeats
+	beatNow  chan struct{}    // a beat should not wait for the interval (a job's replica lacks connections)
 	watchdog *detect.Watchdog // over this node's predecessor in the ring
 	stalls   *detect.Stalls   // this agent's own scheduling delays (watchSelf)
 	failures *failureLog      // timelines of the failures this agent knows of
@@ -100,6 +101,7 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 		jobs: jobStore{dir: filepath.Join(cfg.StateDir, "jobs")},
 		byID: map[string]*Job{}, policies: map[string]*interval.Policy{}, changed: make(chan struct{}),
 		replicaConns:  map[string]replicaConns{},
+		beatNow:       make(chan struct{}, 1),
 		reservedAddrs: map[netip.Addr]bool{},
 		criuVersion:   v,
 	}

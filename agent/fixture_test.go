@@ -67,7 +67,7 @@ func newTestAgent(t *testing.T) *testAgent {
 		criu: criu.Client{Binary: filepath.Join(dir, "no-criu")}, self: filepath.Join(dir, "no-shim"),
 		jobs: jobStore{dir: filepath.Join(dir, "jobs")},
 		byID: map[string]*Job{}, policies: map[string]*interval.Policy{}, changed: make(chan struct{}),
-		replicaConns: map[string]replicaConns{},
+		replicaConns: map[string]replicaConns{}, beatNow: make(chan struct{}, 1),
 	}
 	for _, d := range []string{a.jobs.dir, cfg.JobsDir, cfg.CgroupParent} {
 		if err := os.MkdirAll(d, 0o755); err != nil {

@@ -79,57 +79,76 @@ func (a *Agent) setBusy(what string) func() {
 	return func() { a.busy.Store("") }
 }
 
-// sendBeats keeps a heartbeat stream to the current protector.
+// sendBeats keeps a heartbeat stream to the current protector: a beat every interval, and one at once
+// when a job's replica is found to lack connections (beatNow), so that the protector learns it before a
+// failure could make it restore that replica.
 func (a *Agent) sendBeats(ctx context.Context) {
-	var (
-		c   *clusterapi.BeatStream
-		to  string
-		seq uint64
-	)
-	defer func() {
-		if c != nil {
-			c.Close()
+	var b beatStream
+	defer b.close()
+	tick := time.NewTicker(a.cfg.Heartbeat.Interval.Duration)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		case <-a.beatNow:
 		}
-	}()
-	every(ctx, a.cfg.Heartbeat.Interval.Duration, func() {
-		p, ok := a.protector()
-		if c != nil && (!ok || p.Name != to) {
-			c.Close()
-			c = nil
-		}
-		if !ok {
+		a.sendBeat(ctx, &b)
+	}
+}
+
+// beatStream is the heartbeat stream to the current protector.
+type beatStream struct {
+	c   *clusterapi.BeatStream
+	to  string
+	seq uint64
+}
+
+func (b *beatStream) close() {
+	if b.c != nil {
+		b.c.Close()
+		b.c = nil
+	}
+}
+
+// sendBeat sends one beat on b, (re)opening it to the current protector as needed.
+func (a *Agent) sendBeat(ctx context.Context, b *beatStream) {
+	p, ok := a.protector()
+	if !ok || p.Name != b.to {
+		b.close()
+	}
+	if !ok {
+		return
+	}
+	if b.c == nil {
+		// The stream lives as long as ctx; each beat must be written within the heartbeat timeout.
+		conn, err := a.peers().Heartbeats(ctx, p.Name, a.cfg.Heartbeat.Timeout.Duration)
+		if err != nil {
+			a.log.Debug("heartbeat: protector unreachable", "protector", p.Name, "err", err)
+			a.metrics.Heartbeat(false)
 			return
 		}
-		if c == nil {
-			// The stream lives as long as ctx; each beat must be written within the heartbeat timeout.
-			conn, err := a.peers().Heartbeats(ctx, p.Name, a.cfg.Heartbeat.Timeout.Duration)
-			if err != nil {
-				a.log.Debug("heartbeat: protector unreachable", "protector", p.Name, "err", err)
-				a.metrics.Heartbeat(false)
-				return
-			}
-			c, to = conn, p.Name
-		}
-		seq++
-		busy, _ := a.busy.Load().(string)
-		var jobs []string
-		var uncovered []detect.Uncovered
-		for _, j := range a.Jobs(0) {
-			if j.State == JobRunning {
-				jobs = append(jobs, j.ID)
-				if j.Protected() && len(j.NewConns) > 0 {
-					uncovered = append(uncovered, detect.Uncovered{Job: j.ID, Replica: j.Replica.Snapshot})
-				}
+		b.c, b.to = conn, p.Name
+	}
+	b.seq++
+	busy, _ := a.busy.Load().(string)
+	var jobs []string
+	var uncovered []detect.Uncovered
+	for _, j := range a.Jobs(0) {
+		if j.State == JobRunning {
+			jobs = append(jobs, j.ID)
+			if j.Protected() && len(j.NewConns) > 0 {
+				uncovered = append(uncovered, detect.Uncovered{Job: j.ID, Replica: j.Replica.Snapshot})
 			}
 		}
-		err := c.Send(detect.Beat{From: a.cfg.Name, Seq: seq, Busy: busy, Jobs: jobs, Uncovered: uncovered, Sent: time.Now()})
-		a.metrics.Heartbeat(err == nil)
-		if err != nil {
-			a.log.Debug("heartbeat lost", "protector", to, "err", err)
-			c.Close()
-			c = nil
-		}
-	})
+	}
+	err := b.c.Send(detect.Beat{From: a.cfg.Name, Seq: b.seq, Busy: busy, Jobs: jobs, Uncovered: uncovered, Sent: time.Now()})
+	a.metrics.Heartbeat(err == nil)
+	if err != nil {
+		a.log.Debug("heartbeat lost", "protector", b.to, "err", err)
+		b.close()
+	}
 }
 
 // watchPredecessor runs the watchdog over this node's predecessor and starts a fail-over once a suspicion

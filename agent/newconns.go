@@ -163,6 +163,10 @@ func (a *Agent) checkJobConns(n *JobNet, last connListing, jobs []Job) connListi
 		if changed && len(fresh) > 0 {
 			a.log.Info("job has connections its replica lacks: not protected until its next snapshot, taken soon",
 				"job", j.ID, "replica", known.snapshot, "connections", fresh)
+			select {
+			case a.beatNow <- struct{}{}: // the protector must know before this host could fail
+			default:
+			}
 		}
 	}
 	return cur
