@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"fmt"
+	"maps"
 	"slices"
 	"time"
 
@@ -17,10 +18,11 @@ import (
 // connCheckEvery, names those its replica lacks in the job's record (Job.NewConns: `ftctl status` shows
 // the job UNPROTECTED) and the scheduler snapshots the job again soon (snapScheduler, newConnGap).
 
-// connCheckEvery is how often the agent reads its jobs' sockets (/proc: a few microseconds per
-// descriptor), and lists their connections when the sockets changed (sock_diag: about a millisecond per
-// network namespace).
-const connCheckEvery = 500 * time.Millisecond
+// connCheckEvery is how often the agent looks for its jobs' new connections: it reads the handshakes the
+// receive tap counted for each job (a map lookup), and only when they moved the jobs' sockets (/proc: a few
+// microseconds per descriptor) and their connections (sock_diag: about a millisecond per network
+// namespace, whatever the number of sockets).
+const connCheckEvery = 100 * time.Millisecond
 
 // maxNewConnsListed bounds Job.NewConns; the last entry then says how many more there are.
 const maxNewConnsListed = 16
@@ -43,13 +45,17 @@ func snapshotConns(m *ckpt.Manifest) replicaConns {
 type connListing struct {
 	socks heldconns.Sockets
 	held  map[string]heldconns.Held
+	hs    map[string]uint64 // the jobs' completed handshakes (receive tap) when it was read; nil: unknown
+	// again: read it again at the next check: the handshakes moved, and the socket of a passive open is
+	// made just after the tap counts it.
+	again bool
 	at    time.Time
 }
 
-// fresh reports whether the listing still holds for socks: the same sockets, none of them connecting or
-// with connections waiting to be accepted, and younger than connRelist.
-func (l connListing) fresh(socks heldconns.Sockets, now time.Time) bool {
-	if l.held == nil || now.Sub(l.at) >= connRelist || !l.socks.Equal(socks) {
+// settled reports whether the listing can change only with a new connection: none of its sockets
+// connecting or with connections waiting to be accepted, not to be read again, younger than connRelist.
+func (l connListing) settled(now time.Time) bool {
+	if l.held == nil || l.again || now.Sub(l.at) >= connRelist {
 		return false
 	}
 	for _, h := range l.held {
@@ -58,6 +64,17 @@ func (l connListing) fresh(socks heldconns.Sockets, now time.Time) bool {
 		}
 	}
 	return true
+}
+
+// unchanged reports whether the listing holds without reading the jobs' sockets: settled, and no handshake
+// completed since (a new connection completes one).
+func (l connListing) unchanged(hs map[string]uint64, now time.Time) bool {
+	return hs != nil && l.settled(now) && maps.Equal(hs, l.hs)
+}
+
+// fresh reports whether the listing holds for socks: settled, and the same sockets.
+func (l connListing) fresh(socks heldconns.Sockets, now time.Time) bool {
+	return l.settled(now) && l.socks.Equal(socks)
 }
 
 // connRelist is how old a socket listing may be reused while the jobs' sockets stay the same (a
@@ -121,22 +138,25 @@ func (a *Agent) checkJobConns(n *JobNet, last connListing, jobs []Job) connListi
 		cgroups = append(cgroups, j.Cgroup)
 	}
 	checked := time.Now().UTC() // before the listing: what it finds is at least this recent
-	socks, err := heldconns.Inodes(cgroups...)
-	if err != nil {
-		a.log.Debug("list the jobs' sockets", "jobs", len(jobs), "err", err)
-		return connListing{}
-	}
+	hs := a.handshakes(cgroups)
 	cur := last
-	if !last.fresh(socks, checked) {
-		cur = connListing{socks: socks, at: checked}
-		err = inJobNet(n, func() error {
-			var err error
-			cur.held, err = heldconns.List(socks)
-			return err
-		})
+	if !last.unchanged(hs, checked) {
+		socks, err := heldconns.Inodes(cgroups...)
 		if err != nil {
-			a.log.Debug("list the jobs' connections", "jobs", len(jobs), "err", err)
+			a.log.Debug("list the jobs' sockets", "jobs", len(jobs), "err", err)
 			return connListing{}
+		}
+		if moved := !maps.Equal(hs, last.hs); moved || !last.fresh(socks, checked) {
+			cur = connListing{socks: socks, hs: hs, again: moved && last.held != nil, at: checked}
+			err = inJobNet(n, func() error {
+				var err error
+				cur.held, err = heldconns.List(socks)
+				return err
+			})
+			if err != nil {
+				a.log.Debug("list the jobs' connections", "jobs", len(jobs), "err", err)
+				return connListing{}
+			}
 		}
 	}
 	for _, j := range jobs {
@@ -170,6 +190,23 @@ func (a *Agent) checkJobConns(n *JobNet, last connListing, jobs []Job) connListi
 		}
 	}
 	return cur
+}
+
+// handshakes reads the handshakes the receive tap counted for each cgroup; nil without a tap or when one
+// cannot be read (the check then reads the jobs' sockets every time).
+func (a *Agent) handshakes(cgroups []string) map[string]uint64 {
+	if a.netlog == nil || a.netlog.tap == nil {
+		return nil
+	}
+	out := make(map[string]uint64, len(cgroups))
+	for _, cg := range cgroups {
+		n, err := a.netlog.tap.Handshakes(cg)
+		if err != nil {
+			return nil
+		}
+		out[cg] = n
+	}
+	return out
 }
 
 // connsOfReplica returns the connections of j's replica, from memory or, after a restart, its manifest.

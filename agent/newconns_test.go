@@ -93,7 +93,8 @@ func TestCheckpointStillDue(t *testing.T) {
 }
 
 // A socket listing is reused while the jobs hold the same sockets, none connecting or with a connection
-// waiting to be accepted, for at most connRelist.
+// waiting to be accepted, for at most connRelist; and without reading the sockets while the receive tap
+// counted no handshake.
 func TestConnListingFresh(t *testing.T) {
 	t0 := time.Date(2026, 11, 26, 16, 0, 0, 0, time.UTC)
 	socks := heldconns.Sockets{"/cg/a": {11: true, 12: true}}
@@ -117,6 +118,26 @@ func TestConnListingFresh(t *testing.T) {
 	for _, tt := range tests {
 		if got := tt.last.fresh(tt.socks, t0.Add(tt.at)); got != tt.want {
 			t.Errorf("%s: fresh %v, want %v", tt.name, got, tt.want)
+		}
+	}
+
+	// Without reading the sockets: only while the receive tap counted no handshake since.
+	hs := map[string]uint64{"/cg/a": 3}
+	counted := connListing{socks: socks, held: settled, hs: hs, at: t0}
+	for _, tt := range []struct {
+		name string
+		last connListing
+		hs   map[string]uint64
+		want bool
+	}{
+		{"no handshake since", counted, map[string]uint64{"/cg/a": 3}, true},
+		{"a handshake completed", counted, map[string]uint64{"/cg/a": 4}, false},
+		{"no tap", counted, nil, false},
+		{"to be read again (the handshakes moved last time)", connListing{socks: socks, held: settled, hs: hs, again: true, at: t0}, hs, false},
+		{"never listed", connListing{}, hs, false},
+	} {
+		if got := tt.last.unchanged(tt.hs, t0.Add(time.Second)); got != tt.want {
+			t.Errorf("%s: unchanged %v, want %v", tt.name, got, tt.want)
 		}
 	}
 }

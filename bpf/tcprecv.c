@@ -190,6 +190,18 @@ struct {
 	__type(value, struct recv_counters);
 } stats SEC(".maps");
 
+// Handshakes completed by the sockets of each cgroup (by bpf_skb_cgroup_id): a
+// SYN-ACK reaching a socket in SYN_SENT, or the ACK that completes a passive
+// open reaching its listener. The agent looks for connections a job's
+// snapshot lacks when this moves. The loader deletes a cgroup's entry when it
+// detaches from it.
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 8192);
+	__type(key, __u64);
+	__type(value, __u64);
+} handshakes SEC(".maps");
+
 // The socket views of the sk_buff (UAPI, linux/bpf.h). The trimmed vmlinux.h
 // only declares them: completing them there would change the BTF of the
 // other programs' committed objects. Field offsets are relocated by name
@@ -242,6 +254,20 @@ static __always_inline __u64 wake_flags(__u64 need)
 	return BPF_RB_NO_WAKEUP;
 }
 
+// count_handshake adds one to the handshakes of the skb's cgroup. A count
+// lost to two CPUs creating the entry at once still leaves it changed.
+static __always_inline void count_handshake(struct __sk_buff *skb)
+{
+	__u64 id = bpf_skb_cgroup_id(skb);
+	__u64 *n = bpf_map_lookup_elem(&handshakes, &id);
+	if (n) {
+		__sync_fetch_and_add(n, 1);
+		return;
+	}
+	__u64 one = 1;
+	bpf_map_update_elem(&handshakes, &id, &one, BPF_NOEXIST);
+}
+
 // synchronized reports whether a socket in state holds a meaningful rcv_nxt
 // and can still accept payload: not listening, not waiting for its SYN-ACK,
 // and no FIN received yet (after one, every byte before it is in and any
@@ -288,6 +314,14 @@ int tcprecv_ingress(struct __sk_buff *skb)
 	__u32 len = iplen - iphl - tcphl;
 	__u8 flags = ((__u8 *)&tcp)[13];
 	__u32 seq = bpf_ntohl(tcp.seq);
+	if ((flags & (TCP_SYN | TCP_RST | TCP_ACK)) == TCP_ACK) {
+		// The ACK that completes a passive open reaches the listener (the
+		// child socket is made after this filter); state is in sock_common,
+		// readable without a full socket.
+		struct bpf_sock *lsk = skb->sk;
+		if (lsk && lsk->state == TCP_LISTEN)
+			count_handshake(skb);
+	}
 	if (len == 0 && !(flags & TCP_SYN))
 		return VERDICT_PASS; // pure ACK, bare FIN or RST: nothing to record
 
@@ -310,6 +344,8 @@ int tcprecv_ingress(struct __sk_buff *skb)
 	};
 
 	if (flags & TCP_SYN) {
+		if (state == TCP_SYN_SENT && (flags & TCP_ACK))
+			count_handshake(skb);
 		if (state != TCP_LISTEN && state != TCP_SYN_SENT) {
 			if (len)
 				c->syn_ignored++;

@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
 	"path/filepath"
 	"sync"
@@ -47,11 +48,12 @@ type RecvCounters struct {
 
 // tcprecvLoaded holds the objects the tap uses (LoadAndAssign loads exactly these).
 type tcprecvLoaded struct {
-	Program *ebpf.Program `ebpf:"tcprecv_ingress"`
-	Events  *ebpf.Map     `ebpf:"events"`
-	RxFlows *ebpf.Map     `ebpf:"rx_flows"`
-	Stats   *ebpf.Map     `ebpf:"stats"`
-	Bss     *ebpf.Map     `ebpf:".bss"`
+	Program    *ebpf.Program `ebpf:"tcprecv_ingress"`
+	Events     *ebpf.Map     `ebpf:"events"`
+	RxFlows    *ebpf.Map     `ebpf:"rx_flows"`
+	Stats      *ebpf.Map     `ebpf:"stats"`
+	Handshakes *ebpf.Map     `ebpf:"handshakes"`
+	Bss        *ebpf.Map     `ebpf:".bss"`
 	// ConsumerPolling lives in the mmapped .bss: setting it is a store, not a syscall.
 	ConsumerPolling *ebpf.Variable `ebpf:"consumer_polling"`
 }
@@ -172,6 +174,9 @@ func (t *RecvTap) DetachCgroup(dir string) error {
 	if err := lk.Close(); err != nil {
 		return fmt.Errorf("recvtap: detach from cgroup %s: %w", dir, err)
 	}
+	for _, id := range cgroupIDs(dir) {
+		_ = t.objs.Handshakes.Delete(id) // absent if no socket of it ever completed a handshake
+	}
 	t.log.Info("recvtap: detached", "cgroup", dir)
 	return nil
 }
@@ -233,6 +238,44 @@ func (t *RecvTap) Counters() (RecvCounters, error) {
 	return c, nil
 }
 
+// Handshakes returns how many TCP handshakes the sockets of the cgroup v2 directory dir and of its
+// descendants have completed since the tap was attached to it (a connect answered, or a connection
+// completed on a listener before it is accepted): a caller looking for a job's new connections needs to
+// look again only when this moves. It costs a map lookup per cgroup.
+func (t *RecvTap) Handshakes(dir string) (uint64, error) {
+	ids := cgroupIDs(dir)
+	if len(ids) == 0 {
+		return 0, fmt.Errorf("recvtap: handshakes of cgroup %s: not a readable cgroup directory", dir)
+	}
+	var sum uint64
+	for _, id := range ids {
+		var n uint64
+		err := t.objs.Handshakes.Lookup(id, &n)
+		switch {
+		case err == nil:
+			sum += n
+		case !errors.Is(err, ebpf.ErrKeyNotExist):
+			return 0, fmt.Errorf("recvtap: handshakes of cgroup %s: %w", dir, err)
+		}
+	}
+	return sum, nil
+}
+
+// cgroupIDs are the ids of dir and of its descendant cgroups (those removed meanwhile left out).
+func cgroupIDs(dir string) []uint64 {
+	var ids []uint64
+	_ = filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
+		if err != nil || !d.IsDir() {
+			return nil
+		}
+		if id, err := CgroupID(path); err == nil {
+			ids = append(ids, id)
+		}
+		return nil
+	})
+	return ids
+}
+
 // Close detaches the tap from every cgroup, interrupts ReadBatch and frees
 // the program and maps.
 func (t *RecvTap) Close() error {
@@ -261,7 +304,7 @@ func (t *RecvTap) Close() error {
 
 func (t *RecvTap) closeObjects() error {
 	var errs []error
-	for _, c := range []interface{ Close() error }{t.objs.Program, t.objs.Events, t.objs.RxFlows, t.objs.Stats, t.objs.Bss} {
+	for _, c := range []interface{ Close() error }{t.objs.Program, t.objs.Events, t.objs.RxFlows, t.objs.Stats, t.objs.Handshakes, t.objs.Bss} {
 		if err := c.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("recvtap: close BPF object: %w", err))
 		}

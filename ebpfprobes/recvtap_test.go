@@ -400,6 +400,14 @@ func runRecvScenario(t *testing.T, tn *testNet, tapped, other *streamtest.Cgroup
 	}
 	t.Logf("%.1f MiB to the tapped receiver in %v, %d records; counters %+v",
 		float64(sc.size)/(1<<20), elapsed.Round(time.Millisecond), col.records, cnt)
+	// The tapped receiver's listener completed one passive open (the handshake's ACK reached it); the
+	// untapped cgroup is not counted.
+	if n, err := tap.Handshakes(tapped.Dir); err != nil || n != 1 {
+		t.Errorf("handshakes of the tapped cgroup: %d, %v; want 1", n, err)
+	}
+	if n, err := tap.Handshakes(other.Dir); err != nil || n != 0 {
+		t.Errorf("handshakes of the untapped cgroup: %d, %v; want 0", n, err)
+	}
 
 	f := flows[0]
 	conn := tcpflow.Tuple{Local: f.src, Remote: netip.AddrPortFrom(tn.ipB, uint16(f.port))}

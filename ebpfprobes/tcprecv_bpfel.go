@@ -49,6 +49,7 @@ type tcprecvRxKey struct {
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
 	tcprecvMapEvents          = "events"
+	tcprecvMapHandshakes      = "handshakes"
 	tcprecvMapRxFlows         = "rx_flows"
 	tcprecvMapStats           = "stats"
 	tcprecvProgTcprecvIngress = "tcprecv_ingress"
@@ -106,9 +107,10 @@ type tcprecvProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type tcprecvMapSpecs struct {
-	Events  *ebpf.MapSpec `ebpf:"events"`
-	RxFlows *ebpf.MapSpec `ebpf:"rx_flows"`
-	Stats   *ebpf.MapSpec `ebpf:"stats"`
+	Events     *ebpf.MapSpec `ebpf:"events"`
+	Handshakes *ebpf.MapSpec `ebpf:"handshakes"`
+	RxFlows    *ebpf.MapSpec `ebpf:"rx_flows"`
+	Stats      *ebpf.MapSpec `ebpf:"stats"`
 }
 
 // tcprecvVariableSpecs contains global variables before they are loaded into the kernel.
@@ -140,14 +142,16 @@ func (o *tcprecvObjects) Close() error {
 //
 // It can be passed to loadTcprecvObjects or ebpf.CollectionSpec.LoadAndAssign.
 type tcprecvMaps struct {
-	Events  *ebpf.Map `ebpf:"events"`
-	RxFlows *ebpf.Map `ebpf:"rx_flows"`
-	Stats   *ebpf.Map `ebpf:"stats"`
+	Events     *ebpf.Map `ebpf:"events"`
+	Handshakes *ebpf.Map `ebpf:"handshakes"`
+	RxFlows    *ebpf.Map `ebpf:"rx_flows"`
+	Stats      *ebpf.Map `ebpf:"stats"`
 }
 
 func (m *tcprecvMaps) Close() error {
 	return _TcprecvClose(
 		m.Events,
+		m.Handshakes,
 		m.RxFlows,
 		m.Stats,
 	)
