@@ -340,6 +340,45 @@ func TestRecvTapEndToEnd(t *testing.T) {
 	})
 }
 
+// TestRecvTapHandshakes: a connect from a tapped cgroup counts its SYN-ACK as one handshake (the passive
+// side is counted in runRecvScenario), and detaching forgets the cgroup's count.
+func TestRecvTapHandshakes(t *testing.T) {
+	requirePrivileges(t)
+	tn := newTestNet(t)
+	tapped := streamtest.NewCgroupT(t, "rx-handshakes")
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	tap := newRecvTapT(t, 1<<20)
+	if err := tap.AttachCgroup(tapped.Dir); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := tap.Handshakes(tapped.Dir); err != nil || n != 0 {
+		t.Fatalf("handshakes before any connection: %d, %v", n, err)
+	}
+	const port, size = 5131, 1 << 20
+	recv := streamtest.StartT(t, tn.lab, hostB, nil, "recv", fmt.Sprintf("FTKIT_ADDR=%s:%d", tn.ipB, port))
+	if l := recv.LineT(ctx, t); l != "ready" {
+		t.Fatalf("receiver said %q", l)
+	}
+	send := streamtest.StartT(t, tn.lab, hostA, tapped, "send",
+		fmt.Sprintf("FTKIT_ADDR=%s:%d", tn.ipB, port), "FTKIT_SEED=3", fmt.Sprintf("FTKIT_SIZE=%d", size))
+	if _, _, err := streamtest.ParseConnLine(send.LineT(ctx, t)); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := recv.LineT(ctx, t), fmt.Sprintf("%d %x", size, sha256.Sum256(streamtest.Stream(3, size))); got != want {
+		t.Fatalf("receiver got %q, want %q", got, want)
+	}
+	if n, err := tap.Handshakes(tapped.Dir); err != nil || n != 1 {
+		t.Errorf("handshakes of the cgroup that connected once: %d, %v; want 1", n, err)
+	}
+	if err := tap.DetachCgroup(tapped.Dir); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := tap.Handshakes(tapped.Dir); err != nil || n != 0 {
+		t.Errorf("handshakes after detaching: %d, %v; want 0", n, err)
+	}
+}
+
 func runRecvScenario(t *testing.T, tn *testNet, tapped, other *streamtest.Cgroup, sc recvScenario) {
 	ctx, cancel := context.WithTimeout(t.Context(), sc.timeout)
 	defer cancel()
