@@ -53,9 +53,11 @@ type connListing struct {
 }
 
 // settled reports whether the listing can change only with a new connection: none of its sockets
-// connecting or with connections waiting to be accepted, not to be read again, younger than connRelist.
-func (l connListing) settled(now time.Time) bool {
-	if l.held == nil || l.again || now.Sub(l.at) >= connRelist {
+// connecting or with connections waiting to be accepted, not to be read again, younger than connRelist,
+// and read after replica, the newest of its jobs' replicas (one taken after the listing may lack a
+// connection the listing holds that closed meanwhile: compared with it, that connection would look new).
+func (l connListing) settled(now, replica time.Time) bool {
+	if l.held == nil || l.again || now.Sub(l.at) >= connRelist || !l.at.After(replica) {
 		return false
 	}
 	for _, h := range l.held {
@@ -68,13 +70,13 @@ func (l connListing) settled(now time.Time) bool {
 
 // unchanged reports whether the listing holds without reading the jobs' sockets: settled, and no handshake
 // completed since (a new connection completes one).
-func (l connListing) unchanged(hs map[string]uint64, now time.Time) bool {
-	return hs != nil && l.settled(now) && maps.Equal(hs, l.hs)
+func (l connListing) unchanged(hs map[string]uint64, now, replica time.Time) bool {
+	return hs != nil && l.settled(now, replica) && maps.Equal(hs, l.hs)
 }
 
 // fresh reports whether the listing holds for socks: settled, and the same sockets.
-func (l connListing) fresh(socks heldconns.Sockets, now time.Time) bool {
-	return l.settled(now) && l.socks.Equal(socks)
+func (l connListing) fresh(socks heldconns.Sockets, now, replica time.Time) bool {
+	return l.settled(now, replica) && l.socks.Equal(socks)
 }
 
 // connRelist is how old a socket listing may be reused while the jobs' sockets stay the same (a
@@ -134,19 +136,23 @@ func (a *Agent) checkConns(ctx context.Context) {
 // while it is fresh; it returns the listing used.
 func (a *Agent) checkJobConns(n *JobNet, last connListing, jobs []Job) connListing {
 	var cgroups []string
+	var replica time.Time // the newest of the jobs' replicas
 	for _, j := range jobs {
 		cgroups = append(cgroups, j.Cgroup)
+		if j.Replica.Time.After(replica) {
+			replica = j.Replica.Time
+		}
 	}
 	checked := time.Now().UTC() // before the listing: what it finds is at least this recent
 	hs := a.handshakes(cgroups)
 	cur := last
-	if !last.unchanged(hs, checked) {
+	if !last.unchanged(hs, checked, replica) {
 		socks, err := heldconns.Inodes(cgroups...)
 		if err != nil {
 			a.log.Debug("list the jobs' sockets", "jobs", len(jobs), "err", err)
 			return connListing{}
 		}
-		if moved := !maps.Equal(hs, last.hs); moved || !last.fresh(socks, checked) {
+		if moved := !maps.Equal(hs, last.hs); moved || !last.fresh(socks, checked, replica) {
 			cur = connListing{socks: socks, hs: hs, again: moved && last.held != nil, at: checked}
 			err = inJobNet(n, func() error {
 				var err error

@@ -93,11 +93,12 @@ func TestCheckpointStillDue(t *testing.T) {
 }
 
 // A socket listing is reused while the jobs hold the same sockets, none connecting or with a connection
-// waiting to be accepted, for at most connRelist; and without reading the sockets while the receive tap
-// counted no handshake.
+// waiting to be accepted, for at most connRelist, and only if read after the jobs' newest replica; and
+// without reading the sockets while the receive tap counted no handshake.
 func TestConnListingFresh(t *testing.T) {
 	t0 := time.Date(2026, 11, 26, 16, 0, 0, 0, time.UTC)
 	socks := heldconns.Sockets{"/cg/a": {11: true, 12: true}}
+	replica := t0.Add(-time.Minute) // the jobs' newest replica, older than the listings but where said
 	settled := map[string]heldconns.Held{"/cg/a": {}}
 	tests := []struct {
 		name  string
@@ -114,9 +115,10 @@ func TestConnListingFresh(t *testing.T) {
 		{"too old", connListing{socks: socks, held: settled, at: t0}, socks, connRelist, false},
 		{"a connect in progress", connListing{socks: socks, held: map[string]heldconns.Held{"/cg/a": {Connecting: 1}}, at: t0}, socks, time.Second, false},
 		{"a connection to accept", connListing{socks: socks, held: map[string]heldconns.Held{"/cg/a": {Pending: []netip.AddrPort{netip.MustParseAddrPort("10.0.0.1:7000")}}}, at: t0}, socks, time.Second, false},
+		{"read before the newest replica", connListing{socks: socks, held: settled, at: replica.Add(-time.Millisecond)}, socks, time.Second, false},
 	}
 	for _, tt := range tests {
-		if got := tt.last.fresh(tt.socks, t0.Add(tt.at)); got != tt.want {
+		if got := tt.last.fresh(tt.socks, t0.Add(tt.at), replica); got != tt.want {
 			t.Errorf("%s: fresh %v, want %v", tt.name, got, tt.want)
 		}
 	}
@@ -135,8 +137,9 @@ func TestConnListingFresh(t *testing.T) {
 		{"no tap", counted, nil, false},
 		{"to be read again (the handshakes moved last time)", connListing{socks: socks, held: settled, hs: hs, again: true, at: t0}, hs, false},
 		{"never listed", connListing{}, hs, false},
+		{"read before the newest replica (a connection closed since would look new)", connListing{socks: socks, held: settled, hs: hs, at: replica.Add(-time.Millisecond)}, hs, false},
 	} {
-		if got := tt.last.unchanged(tt.hs, t0.Add(time.Second)); got != tt.want {
+		if got := tt.last.unchanged(tt.hs, t0.Add(time.Second), replica); got != tt.want {
 			t.Errorf("%s: unchanged %v, want %v", tt.name, got, tt.want)
 		}
 	}
