@@ -340,19 +340,7 @@ func (a *Agent) waitLogged(ctx context.Context, conn tcpflow.Tuple, end uint32) 
 	defer consumer.Urge()()
 	ctx, cancel := context.WithTimeout(ctx, resentLogWait)
 	defer cancel()
-	for {
-		if b, err := l.Bounds(conn); err == nil && b.Anchored {
-			if abs, err := l.Unwrap(conn, end); err == nil && b.Contiguous >= abs {
-				return
-			}
-		}
-		select {
-		case <-ctx.Done():
-			return
-		case <-time.After(10 * time.Millisecond):
-		}
-		consumer.Wake()
-	}
+	l.WaitHolds(ctx, conn, end, 10*time.Millisecond, consumer.Wake)
 }
 
 // killJob stops a restored job that cannot continue (recovery.ReplayAndVerify decides); the shim records the signal and the agent marks the

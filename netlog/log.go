@@ -215,6 +215,32 @@ func (l *Log) Bounds(conn tcpflow.Tuple) (Bounds, error) {
 	return st.Bounds(), nil
 }
 
+// Holds reports whether the log holds every byte conn sent before wire sequence end, with no hole below
+// it. A store without a reference point holds nothing (and Unwrap, which would give it one, is not called).
+func (l *Log) Holds(conn tcpflow.Tuple, end uint32) bool {
+	b, err := l.Bounds(conn)
+	if err != nil || !b.Anchored {
+		return false
+	}
+	abs, err := l.Unwrap(conn, end)
+	return err == nil && b.Contiguous >= abs
+}
+
+// WaitHolds waits until the log holds conn's bytes before wire sequence end (Holds), looking every
+// period and calling poke before each wait (to wake whatever fills the log), until ctx ends. It reports
+// whether they are there.
+func (l *Log) WaitHolds(ctx context.Context, conn tcpflow.Tuple, end uint32, period time.Duration, poke func()) bool {
+	for !l.Holds(conn, end) {
+		poke()
+		select {
+		case <-ctx.Done():
+			return false
+		case <-time.After(period):
+		}
+	}
+	return true
+}
+
 // Store returns conn's store, for callers that make many calls on one connection.
 func (l *Log) Store(conn tcpflow.Tuple) (*Store, error) { return l.lookup(conn) }
 

@@ -346,3 +346,45 @@ func TestLogHold(t *testing.T) {
 		})
 	}
 }
+
+// Holds: nothing for an unknown connection, up to the contiguous end for a known one (a hole stops it);
+// WaitHolds returns once what poke appends fills the gap, or false when its context ends first.
+func TestLogHolds(t *testing.T) {
+	l := newTestLog(t, Options{SlabSize: 1024})
+	c := testConn(1)
+	if l.Holds(c, 100) {
+		t.Error("an unknown connection holds bytes")
+	}
+	p := testStream(1, 3000)
+	for _, r := range [][2]int{{0, 1000}, {2000, 3000}} { // a hole at [1000, 2000)
+		if err := l.Append(decoded(t, c, 100+uint32(r[0]), p[r[0]:r[1]])); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, tt := range []struct {
+		end  uint32
+		want bool
+	}{{100, true}, {1100, true}, {1101, false}, {3100, false}} {
+		if got := l.Holds(c, tt.end); got != tt.want {
+			t.Errorf("Holds(up to %d) = %v, want %v", tt.end, got, tt.want)
+		}
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute) // a failure bound only
+	defer cancel()
+	pokes := 0
+	fill := func() {
+		if pokes++; pokes == 2 {
+			if err := l.Append(decoded(t, c, 1100, p[1000:2000])); err != nil {
+				t.Error(err)
+			}
+		}
+	}
+	if !l.WaitHolds(ctx, c, 3100, time.Millisecond, fill) || pokes != 2 {
+		t.Errorf("WaitHolds after the gap was filled on the second poke: %d pokes", pokes)
+	}
+	done, stop := context.WithCancel(t.Context())
+	stop()
+	if l.WaitHolds(done, c, 3101, time.Millisecond, func() {}) {
+		t.Error("WaitHolds reported a byte the log does not hold")
+	}
+}

@@ -46,16 +46,7 @@ type Sockets map[string]map[uint64]bool
 
 // Equal reports whether s and o name the same sockets for the same cgroups.
 func (s Sockets) Equal(o Sockets) bool {
-	if len(s) != len(o) {
-		return false
-	}
-	for cg, in := range s {
-		oin, ok := o[cg]
-		if !ok || !maps.Equal(in, oin) {
-			return false
-		}
-	}
-	return true
+	return maps.EqualFunc(s, o, maps.Equal[map[uint64]bool])
 }
 
 // Inodes reads the socket inodes of every process in each cgroup (a cgroup v2 directory; its descendants

@@ -109,24 +109,9 @@ func (n *Node) catchUp(ctx context.Context, conn tcpflow.Tuple, from uint32) {
 	if err != nil || !ok || live.DataEnd() == from {
 		return
 	}
-	l := n.Log()
-	deadline := time.Now().Add(catchUpWait)
-	for {
-		if abs, err := l.Unwrap(conn, live.DataEnd()); err == nil {
-			if b, err := l.Bounds(conn); err != nil || b.Contiguous >= abs {
-				return
-			}
-		}
-		if time.Now().After(deadline) {
-			return
-		}
-		n.src.Wake()
-		select {
-		case <-ctx.Done():
-			return
-		case <-time.After(2 * time.Millisecond):
-		}
-	}
+	ctx, cancel := context.WithTimeout(ctx, catchUpWait)
+	defer cancel()
+	n.Log().WaitHolds(ctx, conn, live.DataEnd(), 2*time.Millisecond, n.src.Wake)
 }
 
 // sentNothingSince says whether this host's log has no store of conn because the sender sent no payload
