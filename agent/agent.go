@@ -58,6 +58,7 @@ type Agent struct {
 	jobAddrs jobAddrOwners   // who holds which job address (jobaddr_owners.go)
 	fetching fetchCalls      // snapshot transfers to this host under way
 	replicas replicaArrivals // when the newest replica of each job arrived, by node
+	received freshReceipts   // the snapshots received (and so verified) in the last freshFor
 	// clusterNet is the cluster network, looked up once (clusterPrefix).
 	clusterNet struct {
 		once   sync.Once

@@ -11,9 +11,11 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/restore/recovery"
+	"github.com/ftkit/ftkit/ring"
 	"golang.org/x/sys/unix"
 )
 
@@ -100,6 +102,9 @@ func (a *Agent) serveRecover(ctx context.Context, peer string, req RecoverReques
 // checkRecoverRequest refuses a recovery request unless this host was claimed for its failure by the
 // member that sends it, and it names only the failed node's addresses (which this host then takes over).
 func (a *Agent) checkRecoverRequest(req RecoverRequest, peer string) error {
+	if req.Migration {
+		return a.checkMigration(req, peer)
+	}
 	cl, ok := a.claims.Current()
 	switch {
 	case !ok || cl.Failure != req.Failure:
@@ -116,6 +121,39 @@ func (a *Agent) checkRecoverRequest(req RecoverRequest, peer string) error {
 	for _, ip := range req.Addrs {
 		if !slices.Contains(failed.Addrs, ip.Unmap()) {
 			return fmt.Errorf("address %s is not one of the failed node %s's addresses %v", ip, req.Failed, failed.Addrs)
+		}
+	}
+	return nil
+}
+
+// checkMigration refuses a migration unless it comes from the alive node of the ring the jobs run on,
+// for its own jobs and from its own snapshots, to this host as an alive node of the ring; it takes over no
+// host address (a job moves with its own).
+func (a *Agent) checkMigration(req RecoverRequest, peer string) error {
+	v := a.View()
+	self, _ := v.Member(a.cfg.Name)
+	from, ok := v.Member(peer)
+	switch {
+	case req.Failed != peer:
+		return fmt.Errorf("migration refused: %s may move only its own jobs, not %s's", peer, req.Failed)
+	case !ok || from.Role != ring.RoleNode || from.State != ring.StateAlive:
+		return fmt.Errorf("migration refused: %s is not an alive node of the ring", peer)
+	case self.Role != ring.RoleNode || self.State != ring.StateAlive:
+		return fmt.Errorf("migration refused: %s is not an alive node of the ring (role %s, state %s)", a.cfg.Name, self.Role, self.State)
+	case len(req.Addrs) > 0:
+		return fmt.Errorf("migration refused: it would take over host addresses %v", req.Addrs)
+	case len(req.Jobs) == 0 || len(req.Jobs) > maxRecoverJobs:
+		return fmt.Errorf("migration names %d jobs: 1 to %d", len(req.Jobs), maxRecoverJobs)
+	}
+	for _, rj := range req.Jobs {
+		cands, err := rj.CandidateList(peer)
+		if err != nil {
+			return err
+		}
+		for _, c := range cands {
+			if c.Source != peer {
+				return fmt.Errorf("migration refused: job %s's snapshot %s is to come from %s, not from %s, which moves it", rj.Job, c.Snapshot, c.Source, peer)
+			}
 		}
 	}
 	return nil
@@ -145,14 +183,14 @@ func (a *Agent) prepareCandidate(ctx context.Context, job string, c Candidate) (
 	if from, ok := a.takePrefetched(job, c.Snapshot); ok {
 		source = from // here already: fetched while the protector awaited the fence
 	}
-	m, err := a.store.Verify(ctx, job, c.Snapshot)
+	m, err := a.verifyUnlessFresh(ctx, job, c.Snapshot)
 	if err != nil && c.Source != "" && c.Source != a.cfg.Name {
 		// Missing here, or a damaged copy (which the holder's copy replaces once it verifies).
 		source = c.Source
 		if err := a.fetchOnce(ctx, source, job, c.Snapshot); err != nil {
 			return nil, Job{}, err
 		}
-		m, err = a.store.Verify(ctx, job, c.Snapshot)
+		m, err = a.verifyUnlessFresh(ctx, job, c.Snapshot)
 	}
 	if err != nil {
 		return nil, Job{}, fmt.Errorf("%w: %v", ErrCorruptSnapshot, err)
@@ -174,6 +212,15 @@ func (a *Agent) prepareCandidate(ctx context.Context, job string, c Candidate) (
 		return nil, Job{}, err
 	}
 	return &recovery.Job{ID: j.ID, Incarnation: j.Incarnation, Manifest: m, Work: work, RunID: runID, Source: source}, j, nil
+}
+
+// verifyUnlessFresh verifies snapshot id of job, or only reads its manifest if this agent received it
+// (verifying it as it arrived) moments ago (freshFor).
+func (a *Agent) verifyUnlessFresh(ctx context.Context, job, id string) (*ckpt.Manifest, error) {
+	if a.received.fresh(job, id, time.Now()) {
+		return a.store.Manifest(job, id)
+	}
+	return a.store.Verify(ctx, job, id)
 }
 
 // reprotect snapshots the restored jobs and ships the snapshot to this host's protector.

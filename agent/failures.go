@@ -19,7 +19,9 @@ import (
 // A Failure is the timeline of one node failure and its recovery, kept by the protector that handled it
 // and copied to every agent with the membership view (so `ftctl events` works on any host).
 type Failure struct {
-	ID        string    `json:"id"`
+	ID string `json:"id"`
+	// Kind is "" for a failure, KindMigration for a planned migration (Node: the host it left).
+	Kind      string    `json:"kind,omitempty"`
 	Node      string    `json:"node"`      // the failed node
 	Protector string    `json:"protector"` // who detected it and coordinated the recovery
 	Target    string    `json:"target"`    // where its jobs were restored (a spare, or the protector in basic mode)

@@ -29,6 +29,8 @@ const (
 	JobExited  JobState = "exited"
 	// JobLost: the job's process vanished without an exit record (killed with its shim, say).
 	JobLost JobState = "lost"
+	// JobMoved: the job was migrated to another host (MovedTo), where it runs on.
+	JobMoved JobState = "moved"
 )
 
 // JobSpec is what a client asks the agent to run.
@@ -108,6 +110,8 @@ type Job struct {
 	// Fenced: self-fencing killed the job here, and its protector restores it elsewhere, with its job
 	// address: this agent must not hand that address out again (addressHeld).
 	Fenced bool `json:"fenced,omitempty"`
+	// MovedTo is the host the job was migrated to (state moved).
+	MovedTo string `json:"moved_to,omitempty"`
 	// NewConns names the connections the job opened after its replica was taken (and connections waiting
 	// in its listeners' accept queues), as the agent's last check found them: a restore from the replica
 	// could not rebuild them, so the job is not protected until its next snapshot, which comes soon.

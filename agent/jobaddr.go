@@ -214,12 +214,13 @@ func (a *Agent) allocJobAddr() (netip.Prefix, error) {
 
 // addressHeld says whether job record j's address may be in use, here or on the host the job moved to: a
 // job that runs; one that vanished without an exit record (lost: a crash, after which a protector may have
-// restored it elsewhere with its address); one that self-fencing killed (its protector restores it). Only a
+// restored it elsewhere with its address); one that self-fencing killed (its protector restores it), or that
+// was migrated (it runs on with its address on the target). Only a
 // job that ended here otherwise (exited, killed by a user) gives its address back. An address is never
 // reused while a moved copy may hold it, at the cost of leaking the addresses of lost jobs that never
 // moved: nothing tells this agent where a job went (no coordination of addresses across hosts yet).
 func addressHeld(j *Job) bool {
-	return j.Net != nil && (j.State == JobRunning || j.State == JobLost || j.Fenced)
+	return j.Net != nil && (j.State == JobRunning || j.State == JobLost || j.State == JobMoved || j.Fenced)
 }
 
 // pickJobAddr is the first address of pool that is not used and not the network or broadcast address of

@@ -201,6 +201,7 @@ func TestAddressHeld(t *testing.T) {
 		{"running", Job{Net: n, State: JobRunning}, true},
 		{"lost: it may have been restored elsewhere with its address", Job{Net: n, State: JobLost}, true},
 		{"killed by self-fencing: its protector restores it elsewhere", Job{Net: n, State: JobExited, Fenced: true}, true},
+		{"migrated: it runs on the target with its address", Job{Net: n, State: JobMoved, MovedTo: "node3"}, true},
 		{"exited here", Job{Net: n, State: JobExited}, false},
 		{"no job address", Job{State: JobRunning}, false},
 	}

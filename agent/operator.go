@@ -71,3 +71,12 @@ func (s operatorService) Restore(ctx context.Context, _ string, req clusterapi.O
 	b, err := json.Marshal(j)
 	return clusterapi.OperatorRestoreReply{Job: b}, err
 }
+
+func (s operatorService) Migrate(ctx context.Context, _ string, req clusterapi.OperatorMigrateRequest) (clusterapi.OperatorMigrateReply, error) {
+	m, err := s.a.Migrate(ctx, MigrateRequest{Job: req.Job, To: req.To}, 0)
+	if err != nil {
+		return clusterapi.OperatorMigrateReply{}, notFound(err)
+	}
+	b, err := json.Marshal(m)
+	return clusterapi.OperatorMigrateReply{Migration: b}, err
+}

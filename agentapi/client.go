@@ -178,6 +178,12 @@ func (c *Client) Restore(ctx context.Context, req agent.RestoreRequest) (agent.J
 	return j, c.do(ctx, http.MethodPost, "/v1/restore", req, &j)
 }
 
+// Migrate moves a job of the host to another node of the ring (root only).
+func (c *Client) Migrate(ctx context.Context, req agent.MigrateRequest) (agent.Migration, error) {
+	var m agent.Migration
+	return m, c.do(ctx, http.MethodPost, "/v1/migrate", req, &m)
+}
+
 // LoggedConns lists the connections in the host's sender-side log (root only).
 func (c *Client) LoggedConns(ctx context.Context) ([]agent.LoggedConn, error) {
 	var cs []agent.LoggedConn

@@ -138,6 +138,10 @@ func (fb *fakeBackend) Restore(context.Context, agent.RestoreRequest, uint32) (*
 	return nil, errFake
 }
 
+func (fb *fakeBackend) Migrate(context.Context, agent.MigrateRequest, uint32) (*agent.Migration, error) {
+	return nil, errFake
+}
+
 func (fb *fakeBackend) AddSpare(context.Context, agent.SpareRequest) (ring.View, error) {
 	return ring.View{}, errFake
 }

@@ -42,6 +42,7 @@ type Backend interface {
 	CheckpointFloor() time.Duration
 	Snapshots(job string, uid uint32) ([]*ckpt.Manifest, error)
 	Restore(ctx context.Context, req agent.RestoreRequest, uid uint32) (*agent.Job, error)
+	Migrate(ctx context.Context, req agent.MigrateRequest, uid uint32) (*agent.Migration, error)
 	AddSpare(ctx context.Context, req agent.SpareRequest) (ring.View, error)
 	Events(uid uint32) []*agent.Failure
 	LoggedConns() []agent.LoggedConn
@@ -240,6 +241,28 @@ func Handler(a Backend, lim Limits) http.Handler {
 			writeError(w, http.StatusInternalServerError, err)
 		default:
 			writeJSON(w, http.StatusOK, j)
+		}
+	}))
+	mux.HandleFunc("POST /v1/migrate", bounded(0, func(w http.ResponseWriter, r *http.Request) {
+		if callerOf(r).Uid != 0 {
+			writeError(w, http.StatusForbidden, errors.New("moving a job between hosts is for root (the operator)"))
+			return
+		}
+		var req agent.MigrateRequest
+		if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 4096)).Decode(&req); err != nil || req.Job == "" || req.To == "" {
+			writeError(w, http.StatusBadRequest, fmt.Errorf("migrate request needs a job and a target host: %v", err))
+			return
+		}
+		m, err := a.Migrate(r.Context(), req, callerOf(r).Uid)
+		switch {
+		case errors.Is(err, agent.ErrNoJob):
+			writeError(w, http.StatusNotFound, err)
+		case errors.Is(err, agent.ErrNotMovable):
+			writeError(w, http.StatusConflict, err)
+		case err != nil:
+			writeError(w, http.StatusInternalServerError, err)
+		default:
+			writeJSON(w, http.StatusOK, m)
 		}
 	}))
 	handle("POST /v1/spares", func(w http.ResponseWriter, r *http.Request) {

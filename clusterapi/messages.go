@@ -299,6 +299,9 @@ type RecoverRequest struct {
 	Addrs   []netip.Addr `json:"addrs"` // the failed node's host addresses, taken over by the target
 	Jobs    []RecoverJob `json:"jobs"`
 	Source  string       `json:"source"` // the member holding the replicas
+	// Migration: not a failure but a planned move (`ftctl migrate`), asked by the node the jobs ran on
+	// (Failed), which is alive and holds their snapshots.
+	Migration bool `json:"migration,omitempty"`
 }
 
 // MaxRecoverRequest bounds a recovery request (the jobs of one node and their candidate snapshots).

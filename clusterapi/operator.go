@@ -31,11 +31,12 @@ const (
 	OpOperatorEvents     Op = "operator/events"     // the failure log (replicated: every agent holds it)
 	OpOperatorCheckpoint Op = "operator/checkpoint" // snapshot a job or every job of the host now
 	OpOperatorRestore    Op = "operator/restore"    // restore a job on the host from a snapshot (manual fail-over)
+	OpOperatorMigrate    Op = "operator/migrate"    // move a job of the host to another node (planned migration)
 )
 
 // OperatorOps lists the operator operations.
 func OperatorOps() []Op {
-	return []Op{OpOperatorStatus, OpOperatorSnapshots, OpOperatorEvents, OpOperatorCheckpoint, OpOperatorRestore}
+	return []Op{OpOperatorStatus, OpOperatorSnapshots, OpOperatorEvents, OpOperatorCheckpoint, OpOperatorRestore, OpOperatorMigrate}
 }
 
 // CodeNotFound refuses an operator request naming a job or snapshot the agent does not know.
@@ -160,6 +161,30 @@ type OperatorRestoreReply struct {
 	Job json.RawMessage `json:"job"`
 }
 
+// OperatorMigrateRequest asks the agent to move one of its jobs to another node of the ring.
+type OperatorMigrateRequest struct {
+	Job string `json:"job"`
+	To  string `json:"to"`
+}
+
+// Validate checks every name before the agent uses it.
+func (r OperatorMigrateRequest) Validate() error {
+	if err := ckpt.ValidName(r.Job); err != nil {
+		return fmt.Errorf("job: %w", err)
+	}
+	if err := clustertls.ValidateMemberName(r.To); err != nil {
+		return fmt.Errorf("to: %w", err)
+	}
+	return nil
+}
+
+func (r OperatorMigrateRequest) target() string { return "job " + r.Job + " to " + r.To }
+
+// OperatorMigrateReply carries the migration's outcome (the agent's Migration).
+type OperatorMigrateReply struct {
+	Migration json.RawMessage `json:"migration"`
+}
+
 // OperatorService is what a server does for operators: one method per operation, given the operator's
 // name (from its certificate) and its validated request. ctx ends when the operator goes away (or the
 // server stops): a checkpoint or restore nobody waits for stops, as with the local API. Errors are sent
@@ -170,6 +195,7 @@ type OperatorService interface {
 	Events(ctx context.Context, operator string) (OperatorEventsReply, error)
 	Checkpoint(ctx context.Context, operator string, req OperatorCheckpointRequest) (OperatorCheckpointReply, error)
 	Restore(ctx context.Context, operator string, req OperatorRestoreRequest) (OperatorRestoreReply, error)
+	Migrate(ctx context.Context, operator string, req OperatorMigrateRequest) (OperatorMigrateReply, error)
 }
 
 // validator is a request that checks itself; audited is one that names its target for the audit log.
@@ -203,6 +229,7 @@ func (s *Server) operatorRoutes(svc OperatorService) {
 		})
 		handleOperator(s, OpOperatorCheckpoint, MaxMessage, svc.Checkpoint)
 		handleOperator(s, OpOperatorRestore, MaxHeader, svc.Restore)
+		handleOperator(s, OpOperatorMigrate, MaxHeader, svc.Migrate)
 	}
 	s.ops.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		op := Op(strings.TrimPrefix(r.URL.Path, "/v1/"))
@@ -320,4 +347,13 @@ func (c *Client) OperatorRestore(ctx context.Context, peer string, req OperatorR
 		return OperatorRestoreReply{}, err
 	}
 	return operatorCall[OperatorRestoreReply](c, ctx, peer, OpOperatorRestore, req)
+}
+
+// OperatorMigrate asks peer to move one of its jobs to another node. It takes as long as the dump, the
+// transfer and the restore take: ctx bounds it.
+func (c *Client) OperatorMigrate(ctx context.Context, peer string, req OperatorMigrateRequest) (OperatorMigrateReply, error) {
+	if err := req.Validate(); err != nil {
+		return OperatorMigrateReply{}, err
+	}
+	return operatorCall[OperatorMigrateReply](c, ctx, peer, OpOperatorMigrate, req)
 }

@@ -61,6 +61,10 @@ func (f *fakeOperators) Restore(_ context.Context, op string, req OperatorRestor
 	return OperatorRestoreReply{Job: json.RawMessage(`{"id":"` + req.Job + `"}`)}, f.seen(op, req)
 }
 
+func (f *fakeOperators) Migrate(_ context.Context, op string, req OperatorMigrateRequest) (OperatorMigrateReply, error) {
+	return OperatorMigrateReply{Migration: json.RawMessage(`{"job":"` + req.Job + `","to":"` + req.To + `"}`)}, f.seen(op, req)
+}
+
 // operatorCreds installs operator name's certificate of pki's CA.
 func (p *testPKI) operatorCreds(t *testing.T, name string) clustertls.Config {
 	t.Helper()
@@ -149,9 +153,13 @@ func TestOperatorOperations(t *testing.T) {
 	if err != nil || string(rs.Job) != `{"id":"job-1"}` {
 		t.Errorf("restore: %s, %v", rs.Job, err)
 	}
+	mg, err := c.OperatorMigrate(ctx, "n2", OperatorMigrateRequest{Job: "job-1", To: "n3"})
+	if err != nil || string(mg.Migration) != `{"job":"job-1","to":"n3"}` {
+		t.Errorf("migrate: %s, %v", mg.Migration, err)
+	}
 
-	if ops.calls() != 5 {
-		t.Fatalf("the service saw %d requests, want 5", ops.calls())
+	if ops.calls() != 6 {
+		t.Fatalf("the service saw %d requests, want 6", ops.calls())
 	}
 	for _, op := range ops.operators {
 		if op != "alice" {
@@ -222,6 +230,10 @@ func TestMemberRefusedForOperatorOperations(t *testing.T) {
 			_, err := c.OperatorRestore(ctx, "n2", OperatorRestoreRequest{Snapshot: testManifest("job-1", "n2").ID})
 			return err
 		},
+		OpOperatorMigrate: func() error {
+			_, err := c.OperatorMigrate(ctx, "n2", OperatorMigrateRequest{Job: "job-1", To: "n3"})
+			return err
+		},
 	}
 	for _, op := range OperatorOps() {
 		err := calls[op]()
@@ -277,6 +289,8 @@ func TestOperatorBadRequests(t *testing.T) {
 		{"a checkpoint of a bad job", http.MethodPost, OpOperatorCheckpoint, `{"jobs":["ok","a/b"]}`, 400, CodeBadRequest},
 		{"a restore of no snapshot", http.MethodPost, OpOperatorRestore, `{"job":"a"}`, 400, CodeBadRequest},
 		{"a restore from a bad source", http.MethodPost, OpOperatorRestore, `{"snapshot":"` + testManifest("a", "n2").ID + `","source":"10.0.0.1"}`, 400, CodeBadRequest},
+		{"a migration to a bad host name", http.MethodPost, OpOperatorMigrate, `{"job":"a","to":"../n3"}`, 400, CodeBadRequest},
+		{"a migration of no job", http.MethodPost, OpOperatorMigrate, `{"to":"n3"}`, 400, CodeBadRequest},
 		{"an unknown operation", http.MethodPost, "operator/shutdown", "", 404, CodeUnknownOp},
 	}
 	for _, tc := range tests {

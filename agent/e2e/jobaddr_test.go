@@ -137,21 +137,8 @@ func crashJobNet(t *testing.T, name string) {
 // removeJobNets kills whatever runs in any host's job network of job id and removes the networks, pass or
 // fail (lab.Down kills the processes of the hosts' namespaces only).
 func removeJobNets(t *testing.T, id string) {
-	entries, err := os.ReadDir(jobnet.NetnsDir)
-	if err != nil {
-		return
-	}
-	for _, e := range entries {
-		if !strings.HasPrefix(e.Name(), "ftj-") || !strings.HasSuffix(e.Name(), "-"+id) {
-			continue
-		}
-		pids, _ := lab.PIDsInNetns(jobnet.Path(e.Name()))
-		for _, pid := range pids {
-			syscall.Kill(pid, syscall.SIGKILL)
-		}
-		if err := jobnet.Delete(context.Background(), e.Name(), ""); err != nil {
-			t.Errorf("remove job network %s: %v", e.Name(), err)
-		}
+	if err := labcluster.RemoveJobNets(id); err != nil {
+		t.Error(err)
 	}
 }
 

@@ -54,6 +54,7 @@ func benchmarks() (map[string]benchmark, map[string]*flag.FlagSet) {
 		"compare":             benchCompare,
 		"detect":              d.run,
 		"lab":                 benchLab,
+		"migrate":             benchMigrate,
 		"netlog":              benchNetlog,
 		"node-recovery":       benchNodeRecovery,
 		"receive-order":       benchReceiveOrder,

@@ -50,6 +50,7 @@ type agentClient interface {
 	Events(ctx context.Context) ([]*agent.Failure, error)
 	Checkpoint(ctx context.Context, jobs ...string) (agentapi.CheckpointReply, error)
 	Restore(ctx context.Context, req agent.RestoreRequest) (agent.Job, error)
+	Migrate(ctx context.Context, req agent.MigrateRequest) (agent.Migration, error)
 	Output(ctx context.Context, id, stream string, follow bool, w io.Writer) error
 	Signal(ctx context.Context, id string, sig syscall.Signal) error
 	AddSpare(ctx context.Context, req agent.SpareRequest) (ring.View, error)
@@ -532,6 +533,68 @@ fail-over with log replay; this command restores the job's own state only.`,
 	cmd.Flags().StringVar(&req.Job, "job", "", "job id (found from the snapshot if omitted)")
 	cmd.Flags().StringVar(&req.Source, "from", "", "member to fetch the snapshot from (default: the snapshot's protector, then any member)")
 	cmd.Flags().BoolVar(&req.Force, "force", false, "restore even if the job's node answers and still runs it")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+func newMigrateCmd(t *target) *cobra.Command {
+	var req agent.MigrateRequest
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "migrate --job ID --to HOST",
+		Short: "Move a running job to another node of the ring (planned migration)",
+		Long: `Move a running job to another node of the ring, for maintenance or ahead of a predicted failure. The
+job's host freezes and dumps it, takes its address off the wire and kills it; the target restores it
+from that snapshot with what its peers sent meanwhile replayed from their logs, as after a failure,
+and snapshots it again. Its peers keep running. Only a job with an address of its own can move. If the
+target fails, the job is restored on its host again. The job's timeline is in ftctl events.`,
+		Args: cli.Args(cobra.NoArgs),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if req.Job == "" || req.To == "" {
+				return cli.Usagef("--job and --to are required")
+			}
+			cs, err := t.clients()
+			if err != nil {
+				return err
+			}
+			ctx, cancel := context.WithTimeout(cmd.Context(), 15*time.Minute)
+			defer cancel()
+			// The job's own host moves it: with several hosts, the one that runs it.
+			var from *hostClient
+			var errs []error
+			for i, c := range cs {
+				j, err := c.client.Job(ctx, req.Job)
+				if err == nil && j.State == agent.JobRunning {
+					from = &cs[i]
+					break
+				}
+				if err != nil && len(cs) == 1 {
+					errs = append(errs, onHost(c.host, err))
+				}
+			}
+			if from == nil {
+				return agentErr(errors.Join(append(errs, fmt.Errorf("job %s runs on none of the hosts asked", req.Job))...))
+			}
+			progress := cli.NewProgress(cmd.ErrOrStderr(), asJSON)
+			progress.Stage("%s: freezing and dumping job %s, then restoring it on %s", hostName(*from), req.Job, req.To)
+			m, err := from.client.Migrate(ctx, req)
+			if err != nil {
+				return agentErr(err)
+			}
+			if asJSON {
+				return cli.PrintJSON(cmd.OutOrStdout(), m)
+			}
+			if m.Error != "" {
+				fmt.Fprintf(cmd.OutOrStdout(), "job %s NOT moved as asked: %s failed (%s); it runs on %s, restored from snapshot %s\n", m.Job, req.To, m.Error, m.To, m.Snapshot)
+				return cli.WithCode(1, fmt.Errorf("migration of job %s to %s failed", m.Job, req.To))
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "job %s moved from %s to %s (snapshot %s): stopped %s, replay done after %s (ftctl events --failure %s)\n",
+				m.Job, m.From, m.To, m.Snapshot, m.Frozen.Round(time.Millisecond), m.Replayed.Round(time.Millisecond), m.Event)
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&req.Job, "job", "", "job id")
+	cmd.Flags().StringVar(&req.To, "to", "", "the node to move it to")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	return cmd
 }

@@ -159,6 +159,9 @@ func (b *testBackend) Snapshots(string, uint32) ([]*ckpt.Manifest, error) {
 func (b *testBackend) Restore(context.Context, agent.RestoreRequest, uint32) (*agent.Job, error) {
 	return nil, errors.New("not here")
 }
+func (b *testBackend) Migrate(context.Context, agent.MigrateRequest, uint32) (*agent.Migration, error) {
+	return nil, errors.New("not here")
+}
 func (b *testBackend) AddSpare(context.Context, agent.SpareRequest) (ring.View, error) {
 	return ring.View{}, errors.New("not here")
 }

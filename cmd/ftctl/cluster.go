@@ -312,6 +312,14 @@ func (h *clusterHost) Restore(ctx context.Context, req agent.RestoreRequest) (ag
 	return decodeFrom[agent.Job](h, "restored job", rep.Job)
 }
 
+func (h *clusterHost) Migrate(ctx context.Context, req agent.MigrateRequest) (agent.Migration, error) {
+	rep, err := h.c.client.OperatorMigrate(ctx, h.name, clusterapi.OperatorMigrateRequest{Job: req.Job, To: req.To})
+	if err != nil {
+		return agent.Migration{}, h.errOf(err)
+	}
+	return decodeFrom[agent.Migration](h, "migration", rep.Migration)
+}
+
 // errLocalOnly refuses what operators are not served over the network: a job's output, its signals and
 // spare registration stay with the host's local API (and its users' own credentials).
 func (h *clusterHost) errLocalOnly(what string) error {

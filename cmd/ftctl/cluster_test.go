@@ -141,6 +141,10 @@ func (f *fakeAgent) Restore(context.Context, string, clusterapi.OperatorRestoreR
 	return clusterapi.OperatorRestoreReply{}, &clusterapi.Error{Code: clusterapi.CodeNotFound, Message: "snapshot not found"}
 }
 
+func (f *fakeAgent) Migrate(context.Context, string, clusterapi.OperatorMigrateRequest) (clusterapi.OperatorMigrateReply, error) {
+	return clusterapi.OperatorMigrateReply{}, &clusterapi.Error{Code: clusterapi.CodeNotFound, Message: "job not found"}
+}
+
 // noMembers serves no member operation (none of these tests calls one).
 type noMembers struct{ clusterapi.Service }
 

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"sort"
+	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -118,7 +119,14 @@ func printFailure(w io.Writer, f *agent.Failure) {
 	if f.Basic {
 		mode = "on protector " + f.Target + " (basic mode: no spare was free)"
 	}
-	fmt.Fprintf(w, "failure %s: node %s, jobs %v, %s, %s\n", f.ID, f.Node, f.Jobs, mode, state)
+	total := "total from the last heartbeat"
+	if f.Kind == agent.KindMigration {
+		state = strings.NewReplacer("recovering", "moving", "NOT RECOVERED", "NOT MOVED", "recovered", "moved").Replace(state)
+		fmt.Fprintf(w, "migration %s: jobs %v from %s to %s, %s\n", f.ID, f.Jobs, f.Node, f.Target, state)
+		total = "total from the freeze"
+	} else {
+		fmt.Fprintf(w, "failure %s: node %s, jobs %v, %s, %s\n", f.ID, f.Node, f.Jobs, mode, state)
+	}
 	t0 := f.LastBeat
 	for _, s := range f.Stages {
 		line := fmt.Sprintf("  +%7.3fs  %-17s %8s", s.End.Sub(t0).Seconds(), s.Name, s.Duration().Round(time.Millisecond))
@@ -135,7 +143,7 @@ func printFailure(w io.Writer, f *agent.Failure) {
 		fmt.Fprintln(w, line)
 	}
 	if f.Done && len(f.Stages) > 0 {
-		fmt.Fprintf(w, "  total from the last heartbeat: %s\n", f.Stages[len(f.Stages)-1].End.Sub(t0).Round(time.Millisecond))
+		fmt.Fprintf(w, "  %s: %s\n", total, f.Stages[len(f.Stages)-1].End.Sub(t0).Round(time.Millisecond))
 	}
 	if f.Error != "" {
 		fmt.Fprintf(w, "  error: %s\n", f.Error)

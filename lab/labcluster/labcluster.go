@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
 
@@ -18,6 +19,7 @@ import (
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/internal/clustertls"
+	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/lab"
 )
 
@@ -376,4 +378,28 @@ func (c *Cluster) Revive(ctx context.Context, host string) error {
 // Client returns a local-API client for host's agent.
 func (c *Cluster) Client(host string) *agentapi.Client {
 	return agentapi.NewClient(Socket(c.Lab.State().ID, host))
+}
+
+// RemoveJobNets kills whatever runs in any host's job network of job id and removes those networks. Lab
+// teardown kills the processes of the hosts' namespaces only, so a test or benchmark that starts jobs with
+// job addresses calls this for each, pass or fail.
+func RemoveJobNets(id string) error {
+	entries, err := os.ReadDir(jobnet.NetnsDir)
+	if err != nil {
+		return nil // no job network at all
+	}
+	var errs []error
+	for _, e := range entries {
+		if !strings.HasPrefix(e.Name(), "ftj-") || !strings.HasSuffix(e.Name(), "-"+id) {
+			continue
+		}
+		pids, _ := lab.PIDsInNetns(jobnet.Path(e.Name()))
+		for _, pid := range pids {
+			syscall.Kill(pid, syscall.SIGKILL)
+		}
+		if err := jobnet.Delete(context.Background(), e.Name(), ""); err != nil {
+			errs = append(errs, fmt.Errorf("remove job network %s: %w", e.Name(), err))
+		}
+	}
+	return errors.Join(errs...)
 }

@@ -29,6 +29,7 @@ type fake struct {
 	mu sync.Mutex
 	// Snapshots: fetchErr fails a candidate snapshot; conns are the fetched manifests' connections.
 	fetchErr map[string]error
+	takenOn  map[string]string // the node a candidate's manifest names (default node2)
 	conns    []ckpt.Conn
 	fetched  []string
 	// Peers: owners of the peers' addresses.
@@ -103,7 +104,11 @@ func (f *fake) Fetch(_ context.Context, job string, c clusterapi.Candidate) (*Jo
 	if err := f.fetchErr[c.Snapshot]; err != nil {
 		return nil, err
 	}
-	m := &ckpt.Manifest{Job: job, ID: c.Snapshot, Node: "node2", Info: ckpt.Info{Conns: f.conns}}
+	node := "node2"
+	if n, ok := f.takenOn[c.Snapshot]; ok {
+		node = n
+	}
+	m := &ckpt.Manifest{Job: job, ID: c.Snapshot, Node: node, Info: ckpt.Info{Conns: f.conns}}
 	j := &Job{ID: job, Incarnation: 3, Manifest: m, Work: emptyImages(f.t), RunID: "run-" + job, Source: c.Source}
 	if f.jobNet {
 		j.Net = fakeJobNet{f}

@@ -204,6 +204,11 @@ func fetch(ctx context.Context, d Deps, req clusterapi.RecoverRequest, rj cluste
 	var failed []string
 	for _, c := range cands {
 		j, err := d.Snapshots.Fetch(ctx, rj.Job, c)
+		if err == nil && j.Manifest.Node != req.Failed {
+			// A snapshot of the job taken on another host is not this recovery's to restore.
+			err = fmt.Errorf("snapshot %s was taken on %s, not on %s, whose jobs this recovery restores", c.Snapshot, j.Manifest.Node, req.Failed)
+			os.RemoveAll(j.Work)
+		}
 		if err != nil {
 			d.Logger.Warn("candidate snapshot failed; trying the next", "job", rj.Job, "snapshot", c.Snapshot, "source", c.Source, "err", err)
 			failed = append(failed, fmt.Sprintf("%s from %s: %v", c.Snapshot, c.Source, err))

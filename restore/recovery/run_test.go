@@ -87,6 +87,20 @@ func TestRun(t *testing.T) {
 			},
 		},
 		{
+			name:   "a candidate taken on another host: refused, the next one is used",
+			cands:  []string{snap1, snap2},
+			setup:  func(f *fake) { f.takenOn = map[string]string{snap1: "node4"} },
+			stages: []string{StageFetched, StageRewritten, StageRestored, StageReplayed, StageProtected},
+			check: func(t *testing.T, f *fake, stages []Stage) {
+				if d := stages[0].Detail; !strings.Contains(d, "snapshot "+snap2) || !strings.Contains(d, snap1+" was taken on node4, not on node2") {
+					t.Errorf("fetched detail %q; want the second snapshot and why the first was refused", d)
+				}
+				if !reflect.DeepEqual(f.claimed, []uint64{4}) {
+					t.Errorf("claimed %v, want one claim, for the second", f.claimed)
+				}
+			},
+		},
+		{
 			name:    "no candidate can be fetched",
 			cands:   []string{snap1, snap2},
 			setup:   func(f *fake) { f.fetchErr[snap1], f.fetchErr[snap2] = errors.New("gone"), errors.New("corrupt") },

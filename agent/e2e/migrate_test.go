@@ -1,0 +1,186 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/jobnet"
+	"github.com/ftkit/ftkit/lab/labcluster"
+)
+
+// TestMigrate: rank 1 of a two-rank ringstencil, on a job address of its own, is moved by the operator
+// from node2 to node3 and back while it exchanges with rank 0 on node1, which never stops. Each move
+// freezes and dumps the rank, kills it without a reset reaching rank 0 and restores it on the target with
+// what rank 0 sent meanwhile replayed; the run's checksum equals the failure-free one. The source keeps
+// no copy, no exit record and no job network; the move is in the event log; a job on its host's address
+// is refused and runs on. Last, a move to node4, whose snapshot store is full, fails at the transfer of the
+// dump: rank 1 is thawed and runs on where it was, the same process, and the run still ends with the
+// failure-free checksum.
+func TestMigrate(t *testing.T) {
+	const port = 7470
+	args := ringArgs(1500, 16<<10, 10*time.Millisecond)
+	ctx := context.Background()
+	want := reference(t, 2, args)
+	c := newCluster(t, 4, 0, labcluster.Options{Interval: "1h", JobAddresses: true})
+	st := c.Lab.State()
+	// node4's store is a tmpfs (its agent restarted over it while no job runs), to be filled later.
+	store := filepath.Join(labcluster.StateDir(st.ID, "node4"), "snapshots")
+	if err := c.KillAgent("node4"); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("ftkit-migrate", store, "tmpfs", 0, "size=1g,mode=0755"); err != nil {
+		t.Fatalf("mount a tmpfs on %s: %v", store, err)
+	}
+	t.Cleanup(func() { // registered after the lab's teardown, so it runs before it
+		if err := unix.Unmount(store, unix.MNT_DETACH); err != nil {
+			t.Errorf("unmount the tmpfs on %s: %v", store, err)
+		}
+	})
+	if err := c.StartAgent(ctx, "node4"); err != nil {
+		t.Fatal(err)
+	}
+	rank0Addr, rank1Addr := labcluster.JobPool(st, "node1").Addr(), labcluster.JobPool(st, "node2").Addr()
+	peers := netip.AddrPortFrom(rank0Addr, port).String() + "," + netip.AddrPortFrom(rank1Addr, port).String()
+	withGate, release := gated(t, args, 1490)
+	rg := &ring{c: c, jobDir: labcluster.JobsDir(st.ID), release: release}
+	for r, host := range []string{"node1", "node2"} {
+		j, err := c.Client(host).StartJob(ctx, agent.JobSpec{Name: fmt.Sprintf("rank%d", r), JobAddress: true,
+			Argv: append([]string{bins.Ringstencil, "--rank", fmt.Sprint(r), "--peers", peers}, withGate...)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { removeJobNets(t, j.ID) })
+		rg.jobs = append(rg.jobs, j)
+	}
+	if got := rg.jobs[1].Net; got == nil || got.Addr.Addr() != rank1Addr {
+		t.Fatalf("rank 1's job network %+v, want the address %s", got, rank1Addr)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			for r, j := range rg.jobs {
+				b, _ := os.ReadFile(j.StdoutPath())
+				e, _ := os.ReadFile(j.StderrPath())
+				t.Logf("rank %d (job %s): stdout %q stderr %q", r, j.ID, tail(string(b)), tail(string(e)))
+			}
+		}
+	})
+	rg.waitProgress(t, progressEvery, 2*time.Minute)
+	before0 := rg.job(t, "node1", 0)
+
+	// A job on its host's address cannot move: refused before anything stops, and it runs on.
+	other, err := c.Client("node1").StartJob(ctx, agent.JobSpec{Name: "other", Argv: []string{"/bin/sleep", "600"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = c.Client("node1").Migrate(ctx, agent.MigrateRequest{Job: other.ID, To: "node3"})
+	if err == nil || !strings.Contains(err.Error(), agent.ErrNotMovable.Error()) || !strings.Contains(err.Error(), "host address") {
+		t.Errorf("migrating a job without a job address: %v, want a refusal naming the host address", err)
+	}
+	if j, err := c.Client("node1").Job(ctx, other.ID); err != nil || j.State != agent.JobRunning || j.PID != other.PID {
+		t.Errorf("the refused job after the refusal: %+v %v, want it running as before", j, err)
+	}
+	if err := c.Client("node1").Signal(ctx, other.ID, 9); err != nil {
+		t.Fatal(err)
+	}
+
+	from := "node2"
+	for _, to := range []string{"node3", "node2"} {
+		old := rg.job(t, from, 1)
+		m, err := c.Client(from).Migrate(ctx, agent.MigrateRequest{Job: old.ID, To: to})
+		if err != nil {
+			t.Fatalf("migrate rank 1 from %s to %s: %v", from, to, err)
+		}
+		t.Logf("rank 1 %s -> %s: snapshot %s, running after %s, replay done after %s", from, to, m.Snapshot, m.Frozen, m.Replayed)
+		if m.To != to || m.Error != "" || m.Frozen <= 0 || m.Replayed < m.Frozen {
+			t.Fatalf("migration %+v, want rank 1 on %s with its restore and replay times", m, to)
+		}
+		moved := rg.job(t, to, 1)
+		if moved.State != agent.JobRunning || moved.Restored != m.Snapshot || moved.Incarnation != old.Incarnation+1 ||
+			moved.Net == nil || moved.Net.Addr != old.Net.Addr {
+			t.Fatalf("rank 1 on %s: %+v, want it running from %s, incarnation %d, with the address %s", to, moved, m.Snapshot, old.Incarnation+1, old.Net.Addr)
+		}
+		requireInJobNet(t, c, moved)
+		left := rg.job(t, from, 1)
+		if left.State != agent.JobMoved || left.MovedTo != to {
+			t.Errorf("rank 1's record on %s: state %s moved to %q, want moved to %s", from, left.State, left.MovedTo, to)
+		}
+		if ok, _ := jobnet.Exists(old.Net.Name); ok {
+			t.Errorf("%s kept rank 1's job network %s", from, old.Net.Name)
+		}
+		if _, err := os.Stat(old.ExitPath()); err == nil {
+			t.Errorf("rank 1's exit record exists after its move from %s: its killed copy must leave none", from)
+		}
+		f := findEvent(t, c, m.Event)
+		logTimeline(t, f)
+		if f.Kind != agent.KindMigration || !f.Done || f.Error != "" || f.Node != from || f.Target != to {
+			t.Errorf("event %s: %+v, want a completed migration from %s to %s", m.Event, f, from, to)
+		}
+		for _, s := range f.Stages {
+			if s.Error != "" {
+				t.Errorf("stage %s: %s", s.Name, s.Error)
+			}
+		}
+		rg.waitProgress(t, progressEvery, 2*time.Minute) // exchanging again, through the moved address
+		from = to
+	}
+
+	// node4 has no room for the snapshot: the move fails before rank 1 leaves node2, which thaws it.
+	var fs unix.Statfs_t
+	if err := unix.Statfs(store, &fs); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("ftkit-migrate", store, "tmpfs", unix.MS_REMOUNT, fmt.Sprintf("size=%d,mode=0755", int64(fs.Blocks-fs.Bfree)*fs.Bsize+64<<10)); err != nil {
+		t.Fatalf("shrink the tmpfs on %s: %v", store, err)
+	}
+	old := rg.job(t, "node2", 1)
+	_, err = c.Client("node2").Migrate(ctx, agent.MigrateRequest{Job: old.ID, To: "node4"})
+	t.Logf("rank 1 node2 -> node4 (full): %v", err)
+	if err == nil || !strings.Contains(err.Error(), "no space left on device") || !strings.Contains(err.Error(), "runs on here") {
+		t.Errorf("migration to a full node4: %v, want a refusal naming its full disk and saying the job runs on", err)
+	}
+	if back := rg.job(t, "node2", 1); back.State != agent.JobRunning || back.PID != old.PID || back.Incarnation != old.Incarnation {
+		t.Fatalf("rank 1 on node2 after the failed move: %+v, want the same process running on", back)
+	}
+	if _, err := c.Client("node4").Job(ctx, old.ID); err == nil {
+		t.Errorf("node4 has a record of rank 1 after the failed move")
+	}
+	rg.waitProgress(t, progressEvery, 2*time.Minute)
+	outs := rg.wait(t, 3*time.Minute)
+	checkRanks(t, outs, want)
+	if b, err := os.ReadFile(rg.jobs[1].ExitPath()); err != nil || !strings.Contains(string(b), `"node2"`) {
+		t.Errorf("rank 1 should have finished on node2: %s %v", b, err)
+	}
+	after0 := rg.job(t, "node1", 0)
+	if after0.PID != before0.PID || after0.Restored != "" || after0.Incarnation != 0 {
+		t.Errorf("rank 0 was disturbed: pid %d -> %d, restored from %q, incarnation %d", before0.PID, after0.PID, after0.Restored, after0.Incarnation)
+	}
+}
+
+// findEvent is event id as node1's agent lists it (the event log travels with the views).
+func findEvent(t *testing.T, c *labcluster.Cluster, id string) *agent.Failure {
+	t.Helper()
+	var found *agent.Failure
+	poll(t, 30*time.Second, "event "+id+" on node1", func() bool {
+		evs, err := c.Client("node1").Events(context.Background())
+		if err != nil {
+			return false
+		}
+		for _, f := range evs {
+			if f.ID == id && f.Done {
+				found = f
+				return true
+			}
+		}
+		return false
+	})
+	return found
+}
