@@ -76,6 +76,7 @@ type Agent struct {
 	wire       wireTimeouts    // deadlines of the agent-to-agent protocol; zero fields take the defaults
 	peerClient peerClient      // the agent-to-agent protocol's client (a.peers())
 	asked      atomic.Bool     // a snapshot a peer asked for (clusterapi.OpCheckpointNow) is pending
+	predicted  atomic.Bool     // the health command predicts a failure of this host (health.go)
 	grants     *grant.Registry // the job incarnations this member granted (exactly one live incarnation)
 
 	metrics *metrics.Metrics // served on metrics.listen; its recording methods accept nil
@@ -465,6 +466,7 @@ func (a *Agent) Run(ctx context.Context, local LocalAPI) error {
 	go a.keepPriority(ctx)
 	go a.watchPredecessor(ctx)
 	go a.selfFence(ctx)
+	go a.watchHealth(ctx)
 	go a.pushView(ctx)    // a restarted agent learns what changed while it was away
 	go a.watchRejoin(ctx) // and, if it was declared failed, drops its old jobs and comes back as a spare
 	if adopted > 0 && a.netlog != nil {

@@ -149,7 +149,9 @@ type Config struct {
 		FenceCommand        []string `toml:"fence_command"`
 		FenceCommandTimeout Duration `toml:"fence_command_timeout"`
 	} `toml:"failover"`
-	Log LogConfig `toml:"log"`
+	// Health is the site's failure predictor (health.go).
+	Health HealthConfig `toml:"health"`
+	Log    LogConfig    `toml:"log"`
 	// JobNetwork gives jobs that ask for one an address of their own (jobaddr.go); off without a pool.
 	JobNetwork JobNetworkConfig `toml:"job_network"`
 
@@ -199,6 +201,7 @@ func Defaults() Config {
 	c.Failover.ReplayTimeout = Duration{2 * time.Minute}
 	c.Failover.ParallelRestores = 4
 	c.Failover.FenceCommandTimeout = Duration{30 * time.Second}
+	c.Health = HealthConfig{Interval: Duration{30 * time.Second}, Timeout: Duration{10 * time.Second}, LeadTime: Duration{30 * time.Minute}}
 	c.Log = LogConfig{Enabled: true, RingMiB: 64, High: 0.8, Low: 0.6, ReceiveOrder: true, ReceiveOrderShipEvery: Duration{DefaultShipEvery}}
 	c.JobNetwork.Kind = jobnet.MACVlan
 	return c
@@ -314,6 +317,9 @@ func (c Config) Validate() error {
 	}
 	if c.Failover.FenceCommandTimeout.Duration <= 0 {
 		errs = append(errs, fmt.Errorf("failover.fence_command_timeout %s must be positive", c.Failover.FenceCommandTimeout))
+	}
+	if err := c.Health.validate(); err != nil {
+		errs = append(errs, fmt.Errorf("health: %w", err))
 	}
 	if c.Heartbeat.Nice < -20 || c.Heartbeat.Nice > 0 {
 		errs = append(errs, fmt.Errorf("heartbeat.nice %d must be between -20 and 0 (0: unchanged)", c.Heartbeat.Nice))

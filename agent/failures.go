@@ -124,6 +124,7 @@ func (f *Failure) bound() {
 		f.Jobs[i] = clip(f.Jobs[i], maxFailureName)
 	}
 	f.Node, f.Protector, f.Target = clip(f.Node, maxFailureName), clip(f.Protector, maxFailureName), clip(f.Target, maxFailureName)
+	f.Kind = clip(f.Kind, maxFailureName)
 	f.Error = clip(f.Error, maxFailureText)
 }
 

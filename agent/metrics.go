@@ -47,8 +47,8 @@ func (s metricsSource) MetricsState() metrics.State {
 func metricsFailures(fs []*Failure) []metrics.Failure {
 	out := make([]metrics.Failure, 0, len(fs))
 	for _, f := range fs {
-		if f.Kind == KindMigration {
-			continue // a planned move is no failure
+		if f.Kind != "" {
+			continue // a planned move or drain is no failure
 		}
 		mf := metrics.Failure{Done: f.Done, Failed: f.Error != ""}
 		var last time.Time

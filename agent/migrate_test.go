@@ -5,20 +5,22 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/ftkit/ftkit/ckpt/interval"
 	"github.com/ftkit/ftkit/ring"
 )
 
-// TestCheckMigration: a target accepts a migration only from the alive node of the ring the job runs on,
-// for snapshots that node holds, to itself as an alive node, without host addresses.
-func TestCheckMigration(t *testing.T) {
+// testView is a new view of the named members, nodes but for names starting with "spare".
+func testView(t *testing.T, names ...string) ring.View {
+	t.Helper()
 	var ms []ring.Member
-	for i, name := range []string{"node1", "node2", "node3", "spare1"} {
+	for i, name := range names {
 		role := ring.RoleNode
-		if name == "spare1" {
+		if strings.HasPrefix(name, "spare") {
 			role = ring.RoleSpare
 		}
 		ms = append(ms, ring.Member{Name: name, Role: role, Address: netip.MustParseAddrPort(fmt.Sprintf("10.0.0.%d:7420", i+1))})
@@ -27,6 +29,13 @@ func TestCheckMigration(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return v
+}
+
+// TestCheckMigration: a target accepts a migration only from the alive node of the ring the job runs on,
+// for snapshots that node holds, to itself as an alive node, without host addresses.
+func TestCheckMigration(t *testing.T) {
+	v := testView(t, "node1", "node2", "node3", "spare1")
 	failed, err := v.Fail("node1")
 	if err != nil {
 		t.Fatal(err)
@@ -131,5 +140,108 @@ func TestFreshReceipts(t *testing.T) {
 	f.note("j", "s2", t0.Add(2*freshFor)) // noting forgets the stale ones
 	if len(f.at) != 1 {
 		t.Errorf("%d receipts kept, want only the fresh one", len(f.at))
+	}
+}
+
+// TestDrainTargets: a drain goes to the given nodes, or to the ring's other alive nodes from the protector
+// on; never to itself, a spare or a failed node.
+func TestDrainTargets(t *testing.T) {
+	v := testView(t, "node1", "node2", "node3", "node4", "spare1")
+	failed, err := v.Fail("node4")
+	if err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		name string
+		view ring.View
+		self string
+		to   []string
+		want []string
+		err  string
+	}{
+		{"the ring from the protector on", v, "node2", nil, []string{"node3", "node4", "node1"}, ""},
+		{"a failed node is skipped", failed, "node3", nil, []string{"node1", "node2"}, ""},
+		{"as given", v, "node2", []string{"node4", "node1"}, []string{"node4", "node1"}, ""},
+		{"not to itself", v, "node2", []string{"node2"}, nil, `"node2" is not another alive node`},
+		{"not to a spare", v, "node2", []string{"spare1"}, nil, `"spare1" is not another alive node`},
+		{"not to a failed node", failed, "node2", []string{"node4"}, nil, `"node4" is not another alive node`},
+		{"not to a stranger", v, "node2", []string{"nodeX"}, nil, `"nodeX" is not another alive node`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := drainTargets(tt.view, tt.self, tt.to)
+			if tt.err != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.err) {
+					t.Fatalf("got %v, %v; want an error saying %s", got, err, tt.err)
+				}
+				return
+			}
+			if err != nil || !slices.Equal(got, tt.want) {
+				t.Fatalf("got %v, %v; want %v", got, err, tt.want)
+			}
+		})
+	}
+	alone, err := testView(t, "node1", "node2").Fail("node1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := drainTargets(alone, "node2", nil); err == nil {
+		t.Errorf("a ring with no other alive node: %v, want an error", got)
+	}
+}
+
+// TestHealthInterval: with a predictor the automatic interval counts only the failures it misses; while
+// it predicts a failure, snapshots come at Daly's interval for one a lead time away (never below the
+// floor), whatever the job's own interval.
+func TestHealthInterval(t *testing.T) {
+	a := resumeTestAgent(t)
+	a.policies = map[string]*interval.Policy{}
+	a.cfg.Checkpoint.Interval = Interval{Fixed: time.Hour}
+	a.cfg.Checkpoint.MTBF.Duration = 10 * time.Hour
+	a.cfg.Checkpoint.MinInterval.Duration = time.Second
+	a.cfg.Health = HealthConfig{Command: []string{"/bin/true"}, Recall: 0.75, LeadTime: Duration{10 * time.Minute}}
+	if got := a.unpredictedMTBF(); got != 40*time.Hour {
+		t.Errorf("MTBF for the checkpoint interval with recall 0.75: %s, want 40h", got)
+	}
+	if got := a.jobInterval("j"); got != time.Hour {
+		t.Errorf("interval while healthy: %s, want the fixed 1h", got)
+	}
+	a.predicted.Store(true)
+	want := interval.Daly(time.Second, 10*time.Minute) // the policy's initial cost estimate is 1 s
+	if got := a.jobInterval("j"); got != want || got >= time.Hour {
+		t.Errorf("interval while a failure is predicted: %s, want Daly(1s, 10m) = %s", got, want)
+	}
+	a.cfg.Health.Command = nil
+	if got := a.unpredictedMTBF(); got != 10*time.Hour {
+		t.Errorf("MTBF without a predictor: %s, want checkpoint.mtbf", got)
+	}
+}
+
+func TestHealthConfigValidate(t *testing.T) {
+	ok := HealthConfig{Command: []string{"/usr/local/sbin/ftkit-health", "{host}"}, Interval: Duration{30 * time.Second},
+		Timeout: Duration{10 * time.Second}, LeadTime: Duration{30 * time.Minute}, Recall: 0.5}
+	tests := []struct {
+		name   string
+		change func(*HealthConfig)
+		err    string
+	}{
+		{"valid", func(*HealthConfig) {}, ""},
+		{"no command: off, nothing else checked", func(h *HealthConfig) { *h = HealthConfig{} }, ""},
+		{"relative program", func(h *HealthConfig) { h.Command[0] = "ftkit-health" }, "absolute path"},
+		{"unknown placeholder", func(h *HealthConfig) { h.Command[1] = "{address}" }, "only placeholder is {host}"},
+		{"timeout beyond the interval", func(h *HealthConfig) { h.Timeout.Duration = time.Minute }, "at most the interval"},
+		{"no lead time", func(h *HealthConfig) { h.LeadTime.Duration = 0 }, "lead_time"},
+		{"recall 1", func(h *HealthConfig) { h.Recall = 1 }, "recall"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			h := ok
+			h.Command = slices.Clone(ok.Command)
+			tt.change(&h)
+			err := h.validate()
+			if tt.err == "" && err != nil || tt.err != "" && (err == nil || !strings.Contains(err.Error(), tt.err)) {
+				t.Fatalf("validate = %v, want %q", err, tt.err)
+			}
+		})
 	}
 }

@@ -80,3 +80,12 @@ func (s operatorService) Migrate(ctx context.Context, _ string, req clusterapi.O
 	b, err := json.Marshal(m)
 	return clusterapi.OperatorMigrateReply{Migration: b}, err
 }
+
+func (s operatorService) Drain(ctx context.Context, _ string, req clusterapi.OperatorDrainRequest) (clusterapi.OperatorDrainReply, error) {
+	r, err := s.a.Drain(ctx, DrainRequest{To: req.To}, 0)
+	if err != nil {
+		return clusterapi.OperatorDrainReply{}, err
+	}
+	b, err := json.Marshal(r)
+	return clusterapi.OperatorDrainReply{Result: b}, err
+}

@@ -34,7 +34,7 @@ func (a *Agent) policyFor(jobID string) *interval.Policy {
 			iv.UnmarshalText([]byte(j.Spec.Interval))
 		}
 	}
-	cfg := interval.Config{Fixed: iv.Fixed, MTBF: a.cfg.Checkpoint.MTBF.Duration, InitialCost: time.Second}
+	cfg := interval.Config{Fixed: iv.Fixed, MTBF: a.unpredictedMTBF(), InitialCost: time.Second}
 	p, err := interval.New(cfg)
 	if err != nil { // the configuration was validated; fall back to a safe fixed period
 		a.log.Error("interval policy", "err", err)
@@ -59,9 +59,8 @@ const freezeTimeout = 10 * time.Second
 // at once on the host's interval, and a new job makes the host snapshot now).
 func (a *Agent) schedule(ctx context.Context) {
 	s := newSnapScheduler(a.cfg.Checkpoint.Mode == SemiCoordinated)
-	interval := func(id string) time.Duration { return a.policyFor(id).Interval() }
 	every(ctx, 100*time.Millisecond, func() {
-		due, keys, fresh := s.due(a.Jobs(0), time.Now(), interval)
+		due, keys, fresh := s.due(a.Jobs(0), time.Now(), a.jobInterval)
 		for _, id := range fresh {
 			a.log.Info("job has no replica yet: snapshotting it now", "job", id)
 		}

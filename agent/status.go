@@ -29,6 +29,8 @@ type Status struct {
 	Version       string            `json:"version"`
 	CRIU          string            `json:"criu"`
 	Log           *LogStatus        `json:"log,omitempty"`
+	// FailurePredicted: the health command predicts a failure of this host, which was drained (health.go).
+	FailurePredicted bool `json:"failure_predicted,omitempty"`
 }
 
 // Status is this host as uid may see it: the cluster view, and the jobs uid may see (all for root).
@@ -39,7 +41,7 @@ func (a *Agent) Status(uid uint32) Status {
 	s := Status{
 		Node: a.cfg.Name, Role: Role(self.Role), Mode: a.cfg.Checkpoint.Mode, Interval: a.cfg.Checkpoint.Interval.String(),
 		Epoch: v.Epoch, Members: v.Members, Busy: busy, Jobs: a.Jobs(uid), Version: version.Ftkit(), CRIU: a.criu.Binary,
-		Log: a.logStatus(),
+		Log: a.logStatus(), FailurePredicted: a.predicted.Load(),
 	}
 	if p, ok := v.Protector(a.cfg.Name); ok {
 		s.Protector = p.Name

@@ -184,6 +184,12 @@ func (c *Client) Migrate(ctx context.Context, req agent.MigrateRequest) (agent.M
 	return m, c.do(ctx, http.MethodPost, "/v1/migrate", req, &m)
 }
 
+// Drain moves every job off the host (root only).
+func (c *Client) Drain(ctx context.Context, req agent.DrainRequest) (agent.DrainResult, error) {
+	var r agent.DrainResult
+	return r, c.do(ctx, http.MethodPost, "/v1/drain", req, &r)
+}
+
 // LoggedConns lists the connections in the host's sender-side log (root only).
 func (c *Client) LoggedConns(ctx context.Context) ([]agent.LoggedConn, error) {
 	var cs []agent.LoggedConn

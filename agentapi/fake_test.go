@@ -142,6 +142,10 @@ func (fb *fakeBackend) Migrate(context.Context, agent.MigrateRequest, uint32) (*
 	return nil, errFake
 }
 
+func (fb *fakeBackend) Drain(context.Context, agent.DrainRequest, uint32) (*agent.DrainResult, error) {
+	return nil, errFake
+}
+
 func (fb *fakeBackend) AddSpare(context.Context, agent.SpareRequest) (ring.View, error) {
 	return ring.View{}, errFake
 }

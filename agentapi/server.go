@@ -43,6 +43,7 @@ type Backend interface {
 	Snapshots(job string, uid uint32) ([]*ckpt.Manifest, error)
 	Restore(ctx context.Context, req agent.RestoreRequest, uid uint32) (*agent.Job, error)
 	Migrate(ctx context.Context, req agent.MigrateRequest, uid uint32) (*agent.Migration, error)
+	Drain(ctx context.Context, req agent.DrainRequest, uid uint32) (*agent.DrainResult, error)
 	AddSpare(ctx context.Context, req agent.SpareRequest) (ring.View, error)
 	Events(uid uint32) []*agent.Failure
 	LoggedConns() []agent.LoggedConn
@@ -263,6 +264,26 @@ func Handler(a Backend, lim Limits) http.Handler {
 			writeError(w, http.StatusInternalServerError, err)
 		default:
 			writeJSON(w, http.StatusOK, m)
+		}
+	}))
+	mux.HandleFunc("POST /v1/drain", bounded(0, func(w http.ResponseWriter, r *http.Request) {
+		if callerOf(r).Uid != 0 {
+			writeError(w, http.StatusForbidden, errors.New("draining a host is for root (the operator)"))
+			return
+		}
+		var req agent.DrainRequest
+		if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxBody)).Decode(&req); err != nil {
+			writeError(w, http.StatusBadRequest, fmt.Errorf("drain request: %w", err))
+			return
+		}
+		res, err := a.Drain(r.Context(), req, callerOf(r).Uid)
+		switch {
+		case errors.Is(err, agent.ErrNotMovable):
+			writeError(w, http.StatusConflict, err)
+		case err != nil:
+			writeError(w, http.StatusInternalServerError, err)
+		default:
+			writeJSON(w, http.StatusOK, res)
 		}
 	}))
 	handle("POST /v1/spares", func(w http.ResponseWriter, r *http.Request) {

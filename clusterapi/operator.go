@@ -32,11 +32,12 @@ const (
 	OpOperatorCheckpoint Op = "operator/checkpoint" // snapshot a job or every job of the host now
 	OpOperatorRestore    Op = "operator/restore"    // restore a job on the host from a snapshot (manual fail-over)
 	OpOperatorMigrate    Op = "operator/migrate"    // move a job of the host to another node (planned migration)
+	OpOperatorDrain      Op = "operator/drain"      // move every job off the host
 )
 
 // OperatorOps lists the operator operations.
 func OperatorOps() []Op {
-	return []Op{OpOperatorStatus, OpOperatorSnapshots, OpOperatorEvents, OpOperatorCheckpoint, OpOperatorRestore, OpOperatorMigrate}
+	return []Op{OpOperatorStatus, OpOperatorSnapshots, OpOperatorEvents, OpOperatorCheckpoint, OpOperatorRestore, OpOperatorMigrate, OpOperatorDrain}
 }
 
 // CodeNotFound refuses an operator request naming a job or snapshot the agent does not know.
@@ -185,6 +186,37 @@ type OperatorMigrateReply struct {
 	Migration json.RawMessage `json:"migration"`
 }
 
+// OperatorDrainRequest asks the agent to move every job off its host: to the nodes in To, in turn (none:
+// the ring's other alive nodes).
+type OperatorDrainRequest struct {
+	To []string `json:"to,omitempty"`
+}
+
+// Validate bounds the list and checks every name.
+func (r OperatorDrainRequest) Validate() error {
+	if len(r.To) > MaxOperatorJobs {
+		return fmt.Errorf("drain to %d hosts: at most %d in one request", len(r.To), MaxOperatorJobs)
+	}
+	for _, h := range r.To {
+		if err := clustertls.ValidateMemberName(h); err != nil {
+			return fmt.Errorf("to: %w", err)
+		}
+	}
+	return nil
+}
+
+func (r OperatorDrainRequest) target() string {
+	if len(r.To) == 0 {
+		return "every job, to the ring"
+	}
+	return "every job, to " + strings.Join(r.To, ",")
+}
+
+// OperatorDrainReply carries the drain's outcome (the agent's DrainResult).
+type OperatorDrainReply struct {
+	Result json.RawMessage `json:"result"`
+}
+
 // OperatorService is what a server does for operators: one method per operation, given the operator's
 // name (from its certificate) and its validated request. ctx ends when the operator goes away (or the
 // server stops): a checkpoint or restore nobody waits for stops, as with the local API. Errors are sent
@@ -196,6 +228,7 @@ type OperatorService interface {
 	Checkpoint(ctx context.Context, operator string, req OperatorCheckpointRequest) (OperatorCheckpointReply, error)
 	Restore(ctx context.Context, operator string, req OperatorRestoreRequest) (OperatorRestoreReply, error)
 	Migrate(ctx context.Context, operator string, req OperatorMigrateRequest) (OperatorMigrateReply, error)
+	Drain(ctx context.Context, operator string, req OperatorDrainRequest) (OperatorDrainReply, error)
 }
 
 // validator is a request that checks itself; audited is one that names its target for the audit log.
@@ -230,6 +263,7 @@ func (s *Server) operatorRoutes(svc OperatorService) {
 		handleOperator(s, OpOperatorCheckpoint, MaxMessage, svc.Checkpoint)
 		handleOperator(s, OpOperatorRestore, MaxHeader, svc.Restore)
 		handleOperator(s, OpOperatorMigrate, MaxHeader, svc.Migrate)
+		handleOperator(s, OpOperatorDrain, MaxMessage, svc.Drain)
 	}
 	s.ops.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		op := Op(strings.TrimPrefix(r.URL.Path, "/v1/"))
@@ -356,4 +390,13 @@ func (c *Client) OperatorMigrate(ctx context.Context, peer string, req OperatorM
 		return OperatorMigrateReply{}, err
 	}
 	return operatorCall[OperatorMigrateReply](c, ctx, peer, OpOperatorMigrate, req)
+}
+
+// OperatorDrain asks peer to move every job off its host. It takes as long as the migrations take: ctx
+// bounds it.
+func (c *Client) OperatorDrain(ctx context.Context, peer string, req OperatorDrainRequest) (OperatorDrainReply, error) {
+	if err := req.Validate(); err != nil {
+		return OperatorDrainReply{}, err
+	}
+	return operatorCall[OperatorDrainReply](c, ctx, peer, OpOperatorDrain, req)
 }

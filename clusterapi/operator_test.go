@@ -65,6 +65,10 @@ func (f *fakeOperators) Migrate(_ context.Context, op string, req OperatorMigrat
 	return OperatorMigrateReply{Migration: json.RawMessage(`{"job":"` + req.Job + `","to":"` + req.To + `"}`)}, f.seen(op, req)
 }
 
+func (f *fakeOperators) Drain(_ context.Context, op string, req OperatorDrainRequest) (OperatorDrainReply, error) {
+	return OperatorDrainReply{Result: json.RawMessage(`{"node":"n2"}`)}, f.seen(op, req)
+}
+
 // operatorCreds installs operator name's certificate of pki's CA.
 func (p *testPKI) operatorCreds(t *testing.T, name string) clustertls.Config {
 	t.Helper()
@@ -158,8 +162,13 @@ func TestOperatorOperations(t *testing.T) {
 		t.Errorf("migrate: %s, %v", mg.Migration, err)
 	}
 
-	if ops.calls() != 6 {
-		t.Fatalf("the service saw %d requests, want 6", ops.calls())
+	dr, err := c.OperatorDrain(ctx, "n2", OperatorDrainRequest{To: []string{"n3"}})
+	if err != nil || string(dr.Result) != `{"node":"n2"}` {
+		t.Errorf("drain: %s, %v", dr.Result, err)
+	}
+
+	if ops.calls() != 7 {
+		t.Fatalf("the service saw %d requests, want 7", ops.calls())
 	}
 	for _, op := range ops.operators {
 		if op != "alice" {
@@ -234,6 +243,10 @@ func TestMemberRefusedForOperatorOperations(t *testing.T) {
 			_, err := c.OperatorMigrate(ctx, "n2", OperatorMigrateRequest{Job: "job-1", To: "n3"})
 			return err
 		},
+		OpOperatorDrain: func() error {
+			_, err := c.OperatorDrain(ctx, "n2", OperatorDrainRequest{})
+			return err
+		},
 	}
 	for _, op := range OperatorOps() {
 		err := calls[op]()
@@ -291,6 +304,7 @@ func TestOperatorBadRequests(t *testing.T) {
 		{"a restore from a bad source", http.MethodPost, OpOperatorRestore, `{"snapshot":"` + testManifest("a", "n2").ID + `","source":"10.0.0.1"}`, 400, CodeBadRequest},
 		{"a migration to a bad host name", http.MethodPost, OpOperatorMigrate, `{"job":"a","to":"../n3"}`, 400, CodeBadRequest},
 		{"a migration of no job", http.MethodPost, OpOperatorMigrate, `{"to":"n3"}`, 400, CodeBadRequest},
+		{"a drain to a bad host name", http.MethodPost, OpOperatorDrain, `{"to":["n3","a b"]}`, 400, CodeBadRequest},
 		{"an unknown operation", http.MethodPost, "operator/shutdown", "", 404, CodeUnknownOp},
 	}
 	for _, tc := range tests {

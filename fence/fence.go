@@ -11,7 +11,6 @@
 package fence
 
 import (
-	"errors"
 	"fmt"
 	"time"
 )
@@ -84,6 +83,3 @@ func Decide(now, since time.Time, c Contact, timeout time.Duration) Decision {
 func (t Timing) ReadyAt(lastBeat time.Time) time.Time {
 	return lastBeat.Add(t.Timeout + t.Margin())
 }
-
-// ErrNoCommand is returned by a Command with no argv.
-var ErrNoCommand = errors.New("no fence command configured")

@@ -1,6 +1,7 @@
 package fence
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"os"
@@ -9,6 +10,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ftkit/ftkit/internal/sitecmd"
 )
 
 func TestDecide(t *testing.T) {
@@ -135,7 +138,7 @@ func TestCommandRun(t *testing.T) {
 		// Nothing of the agent's environment but PATH, no terminal or socket on stdin, and / as the
 		// working directory (not wherever the agent was started).
 		{"clean environment", `echo "secret=${FENCE_TEST_SECRET-unset} path=$PATH pwd=$(pwd)"; read line && echo "stdin=$line"; true`,
-			10 * time.Second, true, "secret=unset path=" + orDefault(os.Getenv("PATH"), defaultPath) + " pwd=/", ""},
+			10 * time.Second, true, "secret=unset path=" + cmp.Or(os.Getenv("PATH"), sitecmd.DefaultPath) + " pwd=/", ""},
 		{"host name is not shell syntax", `echo "arg=$1"`, 10 * time.Second, true, "arg=n2", ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -205,39 +208,6 @@ func TestCommandTimeoutKillsGroup(t *testing.T) {
 			t.Fatalf("the command's child still runs after the timeout: %s", s)
 		}
 		time.Sleep(20 * time.Millisecond)
-	}
-}
-
-func TestTailBuffer(t *testing.T) {
-	for _, tc := range []struct {
-		name   string
-		writes []int // sizes; byte i of the whole stream is 'a'+i%26
-		want   int   // bytes kept (the stream's last ones)
-	}{
-		{"empty", nil, 0},
-		{"small", []int{10, 20}, 30},
-		{"exactly full", []int{maxOutput}, maxOutput},
-		{"one write too big", []int{maxOutput + 100}, maxOutput},
-		{"fills over several", []int{maxOutput - 1, 2, 300}, maxOutput},
-		{"many small", []int{1000, 1000, 1000, 1000, 1000, 1000}, maxOutput},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			var all []byte
-			var w tailBuffer
-			for _, n := range tc.writes {
-				p := make([]byte, n)
-				for i := range p {
-					p[i] = byte('a' + (len(all)+i)%26)
-				}
-				all = append(all, p...)
-				if got, err := w.Write(p); got != n || err != nil {
-					t.Fatalf("Write = %d, %v, want %d", got, err, n)
-				}
-			}
-			if want := string(all[len(all)-tc.want:]); w.String() != want {
-				t.Errorf("kept %d bytes, want the last %d", len(w.String()), tc.want)
-			}
-		})
 	}
 }
 

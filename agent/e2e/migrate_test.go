@@ -48,22 +48,7 @@ func TestMigrate(t *testing.T) {
 	if err := c.StartAgent(ctx, "node4"); err != nil {
 		t.Fatal(err)
 	}
-	rank0Addr, rank1Addr := labcluster.JobPool(st, "node1").Addr(), labcluster.JobPool(st, "node2").Addr()
-	peers := netip.AddrPortFrom(rank0Addr, port).String() + "," + netip.AddrPortFrom(rank1Addr, port).String()
-	withGate, release := gated(t, args, 1490)
-	rg := &ring{c: c, jobDir: labcluster.JobsDir(st.ID), release: release}
-	for r, host := range []string{"node1", "node2"} {
-		j, err := c.Client(host).StartJob(ctx, agent.JobSpec{Name: fmt.Sprintf("rank%d", r), JobAddress: true,
-			Argv: append([]string{bins.Ringstencil, "--rank", fmt.Sprint(r), "--peers", peers}, withGate...)})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { removeJobNets(t, j.ID) })
-		rg.jobs = append(rg.jobs, j)
-	}
-	if got := rg.jobs[1].Net; got == nil || got.Addr.Addr() != rank1Addr {
-		t.Fatalf("rank 1's job network %+v, want the address %s", got, rank1Addr)
-	}
+	rg := startJobAddrRing(t, c, port, args)
 	t.Cleanup(func() {
 		if t.Failed() {
 			for r, j := range rg.jobs {
@@ -165,6 +150,30 @@ func TestMigrate(t *testing.T) {
 	}
 }
 
+// startJobAddrRing starts a two-rank ringstencil of args (gated near its end) on job addresses: rank 0 on
+// node1, rank 1 on node2, each on the first address of its host's pool.
+func startJobAddrRing(t *testing.T, c *labcluster.Cluster, port int, args []string) *ring {
+	t.Helper()
+	st := c.Lab.State()
+	addrs := []netip.Addr{labcluster.JobPool(st, "node1").Addr(), labcluster.JobPool(st, "node2").Addr()}
+	peers := netip.AddrPortFrom(addrs[0], uint16(port)).String() + "," + netip.AddrPortFrom(addrs[1], uint16(port)).String()
+	withGate, release := gated(t, args, 1490)
+	rg := &ring{c: c, jobDir: labcluster.JobsDir(st.ID), release: release}
+	for r, host := range []string{"node1", "node2"} {
+		j, err := c.Client(host).StartJob(context.Background(), agent.JobSpec{Name: fmt.Sprintf("rank%d", r), JobAddress: true,
+			Argv: append([]string{bins.Ringstencil, "--rank", fmt.Sprint(r), "--peers", peers}, withGate...)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { removeJobNets(t, j.ID) })
+		if j.Net == nil || j.Net.Addr.Addr() != addrs[r] {
+			t.Fatalf("rank %d's job network %+v, want the address %s", r, j.Net, addrs[r])
+		}
+		rg.jobs = append(rg.jobs, j)
+	}
+	return rg
+}
+
 // findEvent is event id as node1's agent lists it (the event log travels with the views).
 func findEvent(t *testing.T, c *labcluster.Cluster, id string) *agent.Failure {
 	t.Helper()
@@ -183,4 +192,90 @@ func findEvent(t *testing.T, c *labcluster.Cluster, id string) *agent.Failure {
 		return false
 	})
 	return found
+}
+
+// TestHealthDrain: node2's health command starts predicting a failure (exit 1, as an ECC predictor would):
+// its agent drains it by itself. Rank 1 of a ringstencil, on a job address, moves to node3, node2's
+// protector, while rank 0 runs on; a job on node2's host address cannot move and is snapshotted instead;
+// `ftctl status` says the failure is predicted and `ftctl events` has the drain. Once the command says
+// healthy again, an operator's drain of node3 (`ftctl drain --to node2`) brings rank 1 back, and the run
+// ends with the failure-free checksum.
+func TestHealthDrain(t *testing.T) {
+	const port = 7480
+	args := ringArgs(1500, 16<<10, 10*time.Millisecond)
+	ctx := context.Background()
+	want := reference(t, 2, args)
+	dir := t.TempDir()
+	health := filepath.Join(dir, "health")
+	script := "#!/bin/sh\nif [ -e " + dir + "/fail-$1 ]; then echo \"ECC: 3 uncorrectable errors on DIMM B2 of $1\"; exit 1; fi\necho healthy\n"
+	if err := os.WriteFile(health, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	c := newCluster(t, 3, 0, labcluster.Options{Interval: "1h", JobAddresses: true,
+		HealthCommand: []string{health, "{host}"}, HealthInterval: 200 * time.Millisecond})
+	rg := startJobAddrRing(t, c, port, args)
+	stay, err := c.Client("node2").StartJob(ctx, agent.JobSpec{Name: "stay", Argv: []string{"/bin/sleep", "600"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Client("node2").Signal(context.Background(), stay.ID, 9) })
+	waitProtected(t, c, "node2", stay.ID, 2*time.Minute)
+	rg.waitProgress(t, progressEvery, 2*time.Minute)
+
+	if err := os.WriteFile(filepath.Join(dir, "fail-node2"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var drain *agent.Failure
+	poll(t, 2*time.Minute, "node2 to drain itself", func() bool {
+		evs, err := c.Client("node2").Events(ctx)
+		if err != nil {
+			return false
+		}
+		for _, f := range evs {
+			if f.Kind == agent.KindDrain && f.Done {
+				drain = f
+				return true
+			}
+		}
+		return false
+	})
+	logTimeline(t, drain)
+	if drain.Error != "" || !strings.Contains(drain.Stages[0].Detail, "uncorrectable errors on DIMM B2 of node2") {
+		t.Errorf("drain %+v: want no error and the health command's reason", drain)
+	}
+	if s, err := c.Client("node2").Status(ctx); err != nil || !s.FailurePredicted {
+		t.Errorf("node2's status: predicted %v (%v), want the failure predicted", s.FailurePredicted, err)
+	}
+	moved := rg.job(t, "node3", 1)
+	if moved.State != agent.JobRunning || moved.Net == nil || moved.Net.Addr != rg.jobs[1].Net.Addr {
+		t.Fatalf("rank 1 on node3 after the drain: %+v, want it running with its address", moved)
+	}
+	if j, err := c.Client("node2").Job(ctx, stay.ID); err != nil || j.State != agent.JobRunning || j.PID != stay.PID {
+		t.Errorf("the job on node2's host address: %+v %v, want it running on where it was", j, err)
+	}
+	snapped := false
+	for _, s := range drain.Stages {
+		snapped = snapped || (s.Name == agent.StageSnapshotted && s.Job == stay.ID && s.Error == "")
+	}
+	if !snapped {
+		t.Errorf("the drain did not snapshot the job that cannot move")
+	}
+	rg.waitProgress(t, progressEvery, 2*time.Minute)
+
+	if err := os.Remove(filepath.Join(dir, "fail-node2")); err != nil {
+		t.Fatal(err)
+	}
+	poll(t, time.Minute, "node2 to be healthy again", func() bool {
+		s, err := c.Client("node2").Status(ctx)
+		return err == nil && !s.FailurePredicted
+	})
+	res, err := c.Client("node3").Drain(ctx, agent.DrainRequest{To: []string{"node2"}})
+	if err != nil || len(res.Moved) != 1 || res.Moved[0].To != "node2" || len(res.Failed) != 0 {
+		t.Fatalf("drain of node3 to node2: %+v %v, want rank 1 moved", res, err)
+	}
+	if j := rg.job(t, "node2", 1); j.State != agent.JobRunning || j.Incarnation != moved.Incarnation+1 {
+		t.Fatalf("rank 1 on node2 after node3's drain: %+v", j)
+	}
+	outs := rg.wait(t, 3*time.Minute)
+	checkRanks(t, outs, want)
 }

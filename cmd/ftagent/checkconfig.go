@@ -19,6 +19,7 @@ import (
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/fence"
+	"github.com/ftkit/ftkit/internal/sitecmd"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/internal/clustertls"
 	"github.com/ftkit/ftkit/internal/version"
@@ -60,7 +61,7 @@ func checkConfig(w io.Writer, path string, now time.Time) error {
 	checks = append(checks, check{"nft (nftables) on PATH", nftErr})
 	checks = append(checks, kernelChecks(cfg)...)
 	checks = append(checks, dirChecks(cfg)...)
-	checks = append(checks, checkFenceCommand(cfg))
+	checks = append(checks, checkFenceCommand(cfg), checkHealthCommand(cfg))
 	if cfg.JobNetwork.Pool.IsValid() {
 		checks = append(checks, check{"job_network.pool " + cfg.JobNetwork.Pool.String() + " on this host's cluster network", cfg.CheckJobNetwork()})
 	}
@@ -130,6 +131,16 @@ func checkFenceCommand(cfg agent.Config) check {
 		return check{"failover.fence_command: none (a protector waits fence_timeout + margin for a cut-off node to fence itself)", nil}
 	}
 	return check{"failover.fence_command " + argv[0] + " is root's alone", fence.CheckProgram(argv[0])}
+}
+
+// checkHealthCommand checks that the health command, which the agent runs as root, is root's alone (the
+// agent refuses to run it otherwise, and nothing predicts a failure).
+func checkHealthCommand(cfg agent.Config) check {
+	argv := cfg.Health.Command
+	if len(argv) == 0 {
+		return check{"health.command: none (no failure is predicted: jobs move only when an operator drains a host)", nil}
+	}
+	return check{"health.command " + argv[0] + " is root's alone", sitecmd.CheckProgram("health command", argv[0])}
 }
 
 // checkListen checks that cluster.listen is an address of this host, without binding it.

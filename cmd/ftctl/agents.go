@@ -51,6 +51,7 @@ type agentClient interface {
 	Checkpoint(ctx context.Context, jobs ...string) (agentapi.CheckpointReply, error)
 	Restore(ctx context.Context, req agent.RestoreRequest) (agent.Job, error)
 	Migrate(ctx context.Context, req agent.MigrateRequest) (agent.Migration, error)
+	Drain(ctx context.Context, req agent.DrainRequest) (agent.DrainResult, error)
 	Output(ctx context.Context, id, stream string, follow bool, w io.Writer) error
 	Signal(ctx context.Context, id string, sig syscall.Signal) error
 	AddSpare(ctx context.Context, req agent.SpareRequest) (ring.View, error)
@@ -219,7 +220,11 @@ up, every live host is shown.`,
 						running++
 					}
 				}
-				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%d running\tok\n", h.Node, h.Role, dash(h.Protector), h.Mode, h.Interval, running)
+				health := "ok"
+				if h.FailurePredicted {
+					health = "ok, FAILURE PREDICTED (health command): drained"
+				}
+				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%d running\t%s\n", h.Node, h.Role, dash(h.Protector), h.Mode, h.Interval, running, health)
 			}
 			w.Flush()
 			fmt.Fprintln(cmd.OutOrStdout())
@@ -595,6 +600,56 @@ target fails, the job is restored on its host again. The job's timeline is in ft
 	}
 	cmd.Flags().StringVar(&req.Job, "job", "", "job id")
 	cmd.Flags().StringVar(&req.To, "to", "", "the node to move it to")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+func newDrainCmd(t *target) *cobra.Command {
+	var req agent.DrainRequest
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "drain [--host HOST] [--to HOST,...]",
+		Short: "Move every job off a host (before maintenance)",
+		Long: `Move every running job off the chosen host, one after another, as ftctl migrate does: to the nodes
+given with --to in turn, or to the ring's other alive nodes in ring order. A job without an address of
+its own cannot move: it is snapshotted instead. It fails if a job is still on the host afterwards. The
+agent does the same by itself when its [health] command predicts a failure of its host.`,
+		Args: cli.Args(cobra.NoArgs),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			c, err := t.one()
+			if err != nil {
+				return err
+			}
+			ctx, cancel := context.WithTimeout(cmd.Context(), time.Hour)
+			defer cancel()
+			progress := cli.NewProgress(cmd.ErrOrStderr(), asJSON)
+			progress.Stage("%s: moving every job off the host", hostName(c))
+			r, err := c.client.Drain(ctx, req)
+			if err != nil {
+				return agentErr(err)
+			}
+			if asJSON {
+				if err := cli.PrintJSON(cmd.OutOrStdout(), r); err != nil {
+					return err
+				}
+			} else {
+				for _, m := range r.Moved {
+					fmt.Fprintf(cmd.OutOrStdout(), "job %s moved to %s (stopped %s)\n", m.Job, m.To, m.Frozen.Round(time.Millisecond))
+				}
+				for _, id := range r.Snapshotted {
+					fmt.Fprintf(cmd.OutOrStdout(), "job %s cannot move (no job address): snapshotted on %s\n", id, r.Node)
+				}
+				for _, f := range r.Failed {
+					fmt.Fprintf(cmd.OutOrStdout(), "NOT moved: %s\n", f)
+				}
+			}
+			if len(r.Failed) > 0 || len(r.Snapshotted) > 0 {
+				return cli.WithCode(1, fmt.Errorf("%s still runs %d job(s) (ftctl events --failure %s)", r.Node, len(r.Failed)+len(r.Snapshotted), r.Event))
+			}
+			return nil
+		},
+	}
+	cmd.Flags().StringSliceVar(&req.To, "to", nil, "the nodes to move the jobs to, in turn (default: the ring's other alive nodes)")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	return cmd
 }

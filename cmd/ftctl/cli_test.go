@@ -162,6 +162,9 @@ func (b *testBackend) Restore(context.Context, agent.RestoreRequest, uint32) (*a
 func (b *testBackend) Migrate(context.Context, agent.MigrateRequest, uint32) (*agent.Migration, error) {
 	return nil, errors.New("not here")
 }
+func (b *testBackend) Drain(context.Context, agent.DrainRequest, uint32) (*agent.DrainResult, error) {
+	return nil, errors.New("not here")
+}
 func (b *testBackend) AddSpare(context.Context, agent.SpareRequest) (ring.View, error) {
 	return ring.View{}, errors.New("not here")
 }

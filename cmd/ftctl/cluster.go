@@ -320,6 +320,14 @@ func (h *clusterHost) Migrate(ctx context.Context, req agent.MigrateRequest) (ag
 	return decodeFrom[agent.Migration](h, "migration", rep.Migration)
 }
 
+func (h *clusterHost) Drain(ctx context.Context, req agent.DrainRequest) (agent.DrainResult, error) {
+	rep, err := h.c.client.OperatorDrain(ctx, h.name, clusterapi.OperatorDrainRequest{To: req.To})
+	if err != nil {
+		return agent.DrainResult{}, h.errOf(err)
+	}
+	return decodeFrom[agent.DrainResult](h, "drain result", rep.Result)
+}
+
 // errLocalOnly refuses what operators are not served over the network: a job's output, its signals and
 // spare registration stay with the host's local API (and its users' own credentials).
 func (h *clusterHost) errLocalOnly(what string) error {

@@ -145,6 +145,10 @@ func (f *fakeAgent) Migrate(context.Context, string, clusterapi.OperatorMigrateR
 	return clusterapi.OperatorMigrateReply{}, &clusterapi.Error{Code: clusterapi.CodeNotFound, Message: "job not found"}
 }
 
+func (f *fakeAgent) Drain(context.Context, string, clusterapi.OperatorDrainRequest) (clusterapi.OperatorDrainReply, error) {
+	return clusterapi.OperatorDrainReply{}, &clusterapi.Error{Code: clusterapi.CodeNotFound, Message: "not here"}
+}
+
 // noMembers serves no member operation (none of these tests calls one).
 type noMembers struct{ clusterapi.Service }
 

@@ -120,11 +120,16 @@ func printFailure(w io.Writer, f *agent.Failure) {
 		mode = "on protector " + f.Target + " (basic mode: no spare was free)"
 	}
 	total := "total from the last heartbeat"
-	if f.Kind == agent.KindMigration {
+	switch f.Kind {
+	case agent.KindMigration:
 		state = strings.NewReplacer("recovering", "moving", "NOT RECOVERED", "NOT MOVED", "recovered", "moved").Replace(state)
 		fmt.Fprintf(w, "migration %s: jobs %v from %s to %s, %s\n", f.ID, f.Jobs, f.Node, f.Target, state)
 		total = "total from the freeze"
-	} else {
+	case agent.KindDrain:
+		state = strings.NewReplacer("recovering", "draining", "NOT RECOVERED", "NOT DRAINED", "recovered", "drained").Replace(state)
+		fmt.Fprintf(w, "drain %s: node %s, jobs %v, %s\n", f.ID, f.Node, f.Jobs, state)
+		total = "total"
+	default:
 		fmt.Fprintf(w, "failure %s: node %s, jobs %v, %s, %s\n", f.ID, f.Node, f.Jobs, mode, state)
 	}
 	t0 := f.LastBeat

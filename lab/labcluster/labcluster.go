@@ -75,6 +75,10 @@ type Options struct {
 	// JobAddresses gives every agent a job_network.pool (JobPool) and gateway (JobGateway), so that jobs
 	// may ask for an address of their own.
 	JobAddresses bool
+	// HealthCommand and HealthInterval are every agent's health.command and health.interval (nil, 0: no
+	// health command; the interval's default). The command's timeout is the interval.
+	HealthCommand  []string
+	HealthInterval time.Duration
 }
 
 // Job address pools of a lab: the hosts are .11 up and the spares .101 up in the lab's subnet; host i
@@ -287,6 +291,10 @@ func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
 	}
 	if c.opts.ParallelRestores > 0 {
 		cfg.Failover.ParallelRestores = c.opts.ParallelRestores
+	}
+	cfg.Health.Command = c.opts.HealthCommand
+	if c.opts.HealthInterval > 0 {
+		cfg.Health.Interval.Duration, cfg.Health.Timeout.Duration = c.opts.HealthInterval, c.opts.HealthInterval
 	}
 	return cfg
 }

@@ -1,0 +1,173 @@
+// Package sitecmd runs a site's command for the root daemon: a program the site installs (a fence
+// command that powers a host off, a health check that predicts a failure) run with a timeout.
+//
+// The agent runs it as root, so Run trusts only a program that root alone can change (CheckProgram), runs
+// it directly (no shell: an argument is never parsed as shell syntax) with a clean environment (PATH only:
+// the daemon's secrets and settings are not the command's business), standard input from /dev/null, the
+// root directory as its working directory, and its own process group, which the timeout kills whole (an
+// ipmitool left behind by a shell script must not outlive it).
+package sitecmd
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"syscall"
+	"time"
+)
+
+// Command is a site's command: argv as it runs, a timeout, and its name for messages ("fence command").
+type Command struct {
+	Name    string
+	Argv    []string
+	Timeout time.Duration
+}
+
+// MaxOutput bounds what of the command's output is kept: its last bytes, where a failing command says why.
+const MaxOutput = 4 << 10
+
+// DefaultPath is the command's PATH when the agent has none (a unit file may clear it).
+const DefaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+// waitDelay is how long Run waits, after the command exited or was killed, for whatever it left holding
+// its output open.
+const waitDelay = time.Second
+
+// ErrNoCommand means no command is configured.
+var ErrNoCommand = errors.New("no command configured")
+
+// Result is one run of a command.
+type Result struct {
+	Exit   int           // its exit status; -1 if it did not exit on its own (not run, killed, timed out)
+	Took   time.Duration // how long it ran
+	Output string        // the last MaxOutput bytes of its combined output
+	Err    error         // nil for exit status 0; else why: non-zero exit, timeout, an untrusted program, not started
+}
+
+// Run runs the command.
+func (c Command) Run(ctx context.Context) Result {
+	if len(c.Argv) == 0 {
+		return Result{Exit: -1, Err: ErrNoCommand}
+	}
+	start := time.Now()
+	if err := CheckProgram(c.Name, c.Argv[0]); err != nil {
+		return Result{Exit: -1, Err: fmt.Errorf("not run: %w", err)}
+	}
+	ctx, cancel := context.WithTimeout(ctx, c.Timeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, c.Argv[0], c.Argv[1:]...)
+	cmd.Env = []string{"PATH=" + orDefault(os.Getenv("PATH"), DefaultPath)}
+	cmd.Dir = "/"
+	var out tailBuffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	// On timeout the whole group goes: the leader is not reaped yet, so its pid (the group's id) cannot
+	// have been reused.
+	cmd.Cancel = func() error { return syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL) }
+	// A child that keeps the output pipe open must not hold Run past the timeout.
+	cmd.WaitDelay = waitDelay
+	err := cmd.Run()
+	r := Result{Exit: -1, Took: time.Since(start), Output: out.String(), Err: err}
+	var exit *exec.ExitError
+	switch {
+	case ctx.Err() != nil && errors.Is(ctx.Err(), context.DeadlineExceeded):
+		r.Err = fmt.Errorf("timed out after %s: %w", c.Timeout, ctx.Err())
+	case err == nil:
+		r.Exit = 0
+	case errors.As(err, &exit) && exit.Exited():
+		r.Exit = exit.ExitCode()
+	}
+	return r
+}
+
+// CheckProgram checks that root alone can change what path runs: the program (after symbolic links) is a
+// regular executable file owned by root and writable by nobody else, and so is every directory on the way
+// to it and to the link, unless the directory is sticky and root's (like /tmp: others cannot replace
+// root's entries there). Otherwise any user who can write one of them could run code as root. The caller's
+// own user counts as root (an agent run by another user, in tests, runs the command as that user). name
+// says which command it is, for the error.
+func CheckProgram(name, path string) error {
+	real, err := filepath.EvalSymlinks(path)
+	if err != nil {
+		return fmt.Errorf("%s %s: %w", name, path, err)
+	}
+	fi, err := os.Stat(real)
+	if err != nil {
+		return fmt.Errorf("%s %s: %w", name, path, err)
+	}
+	switch {
+	case !fi.Mode().IsRegular():
+		return fmt.Errorf("%s %s is not a regular file (mode %v)", name, real, fi.Mode())
+	case fi.Mode().Perm()&0o111 == 0:
+		return fmt.Errorf("%s %s is not executable: chmod 755 it", name, real)
+	}
+	if err := rootOnly(real, fi); err != nil {
+		return fmt.Errorf("%s %s: %w", name, path, err)
+	}
+	seen := map[string]bool{}
+	for _, p := range []string{filepath.Dir(filepath.Clean(path)), filepath.Dir(real)} {
+		for d := p; !seen[d]; d = filepath.Dir(d) {
+			seen[d] = true
+			di, err := os.Stat(d)
+			if err != nil {
+				return fmt.Errorf("%s %s: %w", name, path, err)
+			}
+			if di.Mode()&fs.ModeSticky == 0 || !trusted(ownerUID(di)) {
+				if err := rootOnly(d, di); err != nil {
+					return fmt.Errorf("%s %s: %w", name, path, err)
+				}
+			}
+		}
+	}
+	return nil
+}
+
+// rootOnly checks that fi (of path) is root's and writable by root alone.
+func rootOnly(path string, fi fs.FileInfo) error {
+	if uid := ownerUID(fi); !trusted(uid) {
+		return fmt.Errorf("%s is owned by uid %d, who could change what runs as root: chown root:root it", path, uid)
+	}
+	if fi.Mode().Perm()&0o022 != 0 {
+		return fmt.Errorf("%s has mode %04o, so others could change what runs as root: chmod go-w it", path, fi.Mode().Perm())
+	}
+	return nil
+}
+
+// trusted reports whether files of uid may decide what this process runs: root's and its own.
+func trusted(uid uint32) bool { return uid == 0 || int64(uid) == int64(os.Geteuid()) }
+
+func ownerUID(fi fs.FileInfo) uint32 {
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		return st.Uid
+	}
+	return ^uint32(0)
+}
+
+// orDefault returns s, or def when s is empty.
+func orDefault(s, def string) string {
+	if s == "" {
+		return def
+	}
+	return s
+}
+
+// tailBuffer keeps the last MaxOutput bytes written to it.
+type tailBuffer struct{ b []byte }
+
+func (w *tailBuffer) Write(p []byte) (int, error) {
+	n := len(p)
+	if len(p) > MaxOutput {
+		p = p[len(p)-MaxOutput:]
+	}
+	if over := len(w.b) + len(p) - MaxOutput; over > 0 {
+		w.b = append(w.b[:0], w.b[over:]...)
+	}
+	w.b = append(w.b, p...)
+	return n, nil
+}
+
+func (w *tailBuffer) String() string { return string(w.b) }
