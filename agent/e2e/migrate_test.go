@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"fmt"
+	"hash/fnv"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -22,9 +23,10 @@ import (
 // freezes and dumps the rank, kills it without a reset reaching rank 0 and restores it on the target with
 // what rank 0 sent meanwhile replayed; the run's checksum equals the failure-free one. The source keeps
 // no copy, no exit record and no job network; the move is in the event log; a job on its host's address
-// is refused and runs on. Last, a move to node4, whose snapshot store is full, fails at the transfer of the
-// dump: rank 1 is thawed and runs on where it was, the same process, and the run still ends with the
-// failure-free checksum.
+// is refused and runs on. Then two moves fail: to node4, whose snapshot store is full, at the transfer of
+// the dump (rank 1 is thawed and runs on where it was, the same process); to node3, whose restore fails
+// after rank 1 left node2 (node2 restores it again from the snapshot it left with). The run still ends
+// with the failure-free checksum.
 func TestMigrate(t *testing.T) {
 	const port = 7470
 	args := ringArgs(1500, 16<<10, 10*time.Millisecond)
@@ -137,6 +139,35 @@ func TestMigrate(t *testing.T) {
 	}
 	if _, err := c.Client("node4").Job(ctx, old.ID); err == nil {
 		t.Errorf("node4 has a record of rank 1 after the failed move")
+	}
+	rg.waitProgress(t, progressEvery, 2*time.Minute)
+
+	// node3 cannot make rank 1's job network (a directory stands where its namespace goes): its restore
+	// fails after rank 1 left node2, which restores it again from the snapshot it left with.
+	h := fnv.New32a()
+	h.Write([]byte("node3"))
+	block := filepath.Join(jobnet.NetnsDir, fmt.Sprintf("ftj-%08x-%s", h.Sum32(), old.ID))
+	if err := os.MkdirAll(filepath.Join(block, "in-the-way"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(block) })
+	m, err := c.Client("node2").Migrate(ctx, agent.MigrateRequest{Job: old.ID, To: "node3"})
+	if err != nil {
+		t.Fatalf("a migration whose target fails must end with the job running on its host again: %v", err)
+	}
+	t.Logf("rank 1 node2 -> node3 (its job network blocked): %+v", m)
+	if m.To != "node2" || !strings.Contains(m.Error, block) {
+		t.Errorf("migration %+v, want rank 1 back on node2 and node3's error naming %s", m, block)
+	}
+	back := rg.job(t, "node2", 1)
+	if back.State != agent.JobRunning || back.Restored != m.Snapshot || back.Incarnation != old.Incarnation+1 || back.Net == nil || back.Net.Addr != old.Net.Addr {
+		t.Fatalf("rank 1 on node2 after the failed move: %+v, want it running from %s, incarnation %d, with its address", back, m.Snapshot, old.Incarnation+1)
+	}
+	if f := findEvent(t, c, m.Event); !strings.Contains(f.Error, "not moved as asked") {
+		t.Errorf("event %s: error %q, want it to say the job was not moved", m.Event, f.Error)
+	}
+	if j, err := c.Client("node3").Job(ctx, old.ID); err == nil && j.State == agent.JobRunning {
+		t.Errorf("node3 runs rank 1 after its failed restore: %+v", j)
 	}
 	rg.waitProgress(t, progressEvery, 2*time.Minute)
 	outs := rg.wait(t, 3*time.Minute)
