@@ -419,6 +419,9 @@ func (a *Agent) finish(j *Job, state JobState, st *shim.ExitStatus) {
 	}
 	// The job's address leaves the wire with it (a job network lives on by its bind mount otherwise).
 	a.deleteJobNet(context.Background(), j.ID, j.Net)
+	if j.LazyWork != "" && a.ownRestoreDir(j.LazyWork) {
+		os.RemoveAll(j.LazyWork) // it ended before all its pages were in: they are not needed any more
+	}
 	if st != nil {
 		a.log.Info("job ended", "job", j.ID, "code", st.Code, "signal", st.Signal)
 	} else {

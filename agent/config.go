@@ -140,6 +140,9 @@ type Config struct {
 		// ParallelRestores is how many of a failed node's jobs the target fetches, plans and restores at
 		// once (1: one after another). Each restore holds its job's images and CRIU's memory at the same time.
 		ParallelRestores int `toml:"parallel_restores"`
+		// LazyRestore restores a job's memory on first touch (CRIU's lazy pages, from the local images):
+		// the job runs again without waiting for all its pages, which arrive in the background.
+		LazyRestore bool `toml:"lazy_restore"`
 		// FenceTimeout is how long a node may hear from neither ring neighbour before it kills its protected
 		// jobs (self-fencing); the protector waits longer than that before a restored copy goes live. 0:
 		// 2 × heartbeat.timeout + 1s. The same value on every member.

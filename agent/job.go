@@ -112,6 +112,10 @@ type Job struct {
 	Fenced bool `json:"fenced,omitempty"`
 	// MovedTo is the host the job was migrated to (state moved).
 	MovedTo string `json:"moved_to,omitempty"`
+	// LazyWork is the images directory a lazily restored job's pages still come from (failover.lazy_restore);
+	// its shim removes it once every page is in. The job is not snapshotted before: its missing pages would
+	// be dumped as zeros.
+	LazyWork string `json:"lazy_work,omitempty"`
 	// NewConns names the connections the job opened after its replica was taken (and connections waiting
 	// in its listeners' accept queues), as the agent's last check found them: a restore from the replica
 	// could not rebuild them, so the job is not protected until its next snapshot, which comes soon.

@@ -219,6 +219,9 @@ func (a *Agent) dumpFrozen(ctx context.Context, j Job) (*ckpt.Manifest, error) {
 	if cur, _, err := a.Job(j.ID, 0); err != nil || cur.State != JobRunning || cur.PID != j.PID {
 		return nil, fmt.Errorf("%w: job %s ended or changed before its migration began", ErrNotMovable, j.ID)
 	}
+	if err := a.waitPagesIn(ctx, j.ID); err != nil { // before the freeze: the job runs meanwhile
+		return nil, err
+	}
 	if err := setFrozen(j.Cgroup, true); err != nil {
 		return nil, fmt.Errorf("freeze job %s: %w", j.ID, err)
 	}

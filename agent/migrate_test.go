@@ -5,6 +5,7 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -243,5 +244,24 @@ func TestHealthConfigValidate(t *testing.T) {
 				t.Fatalf("validate = %v, want %q", err, tt.err)
 			}
 		})
+	}
+}
+
+// TestOwnRestoreDir: a job record's LazyWork is used only if it names one of this agent's restore
+// working directories.
+func TestOwnRestoreDir(t *testing.T) {
+	a := resumeTestAgent(t)
+	base := filepath.Join(a.cfg.StateDir, "restore")
+	for dir, want := range map[string]bool{
+		filepath.Join(base, "rank1-20261126T120000.000Z-node2-000001-0a1b2c3d"): true,
+		base:                                   false,
+		filepath.Join(base, "a", "b"):          false,
+		filepath.Join(base, "..", "snapshots"): false,
+		"/etc":                                 false,
+		"":                                     false,
+	} {
+		if got := a.ownRestoreDir(dir); got != want {
+			t.Errorf("ownRestoreDir(%q) = %v, want %v", dir, got, want)
+		}
 	}
 }

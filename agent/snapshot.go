@@ -39,6 +39,9 @@ type SnapshotResult struct {
 // snapshot dumps one running job and keeps it running (uncoordinated). If frozen, the caller froze the
 // job's cgroup (semi-coordinated): CRIU dumps it frozen and leaves it frozen.
 func (a *Agent) snapshot(ctx context.Context, j Job, frozen bool) (*ckpt.Manifest, error) {
+	if err := a.waitPagesIn(ctx, j.ID); err != nil {
+		return nil, err
+	}
 	opts := dump.Options{
 		Job: j.ID, PID: j.PID, Record: j, Logger: a.log,
 		Info: ckpt.Info{CRIUVersion: a.criuVersion.String(), KernelRelease: version.KernelRelease(), Mode: a.cfg.Checkpoint.Mode},

@@ -117,6 +117,7 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 		err = inJobNet(j.Net, func() (err error) {
 			pid, err = shim.Launch(ctx, a.self, shim.Spec{
 				JobID: j.ID, Mode: shim.ModeRestore, ImagesDir: work, CRIU: a.criu.Binary, ExitFile: j.ExitPath(), Node: a.cfg.Name,
+				LazyPages: a.cfg.Failover.LazyRestore,
 			}, a.shimLog(j.ID))
 			return err
 		})
@@ -130,7 +131,10 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 		return nil, err
 	}
 	journal.Close()
-	j.Node, j.PID, j.State, j.Exit, j.Restored = a.cfg.Name, pid, JobRunning, nil, m.ID
+	j.Node, j.PID, j.State, j.Exit, j.Restored, j.LazyWork = a.cfg.Name, pid, JobRunning, nil, m.ID, ""
+	if a.cfg.Failover.LazyRestore {
+		j.LazyWork, keepWork = work, true // the shim removes it once every page is in
+	}
 	if err := a.jobs.save(&j); err != nil {
 		return nil, err
 	}
@@ -138,6 +142,7 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 	a.byID[j.ID] = &j
 	a.notify()
 	a.mu.Unlock()
-	a.log.Info("job restored", "job", j.ID, "snapshot", m.ID, "from_node", m.Node, "pid", pid, "restore_ms", time.Since(start).Milliseconds())
+	a.log.Info("job restored", "job", j.ID, "snapshot", m.ID, "from_node", m.Node, "pid", pid, "restore_ms", time.Since(start).Milliseconds(),
+		"lazy_pages", a.cfg.Failover.LazyRestore)
 	return &j, nil
 }

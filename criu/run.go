@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"time"
@@ -104,6 +105,9 @@ func (c Client) Dump(ctx context.Context, opts DumpOptions) (DumpStats, error) {
 // RestoreOptions describe a restore.
 type RestoreOptions struct {
 	ImagesDir string
+	// LazyPages restores the private anonymous memory on first touch (userfaultfd), served by the
+	// lazy-pages daemon StartLazyPages started on ImagesDir: the tree runs before its pages are in.
+	LazyPages bool
 	// Notify, if set, is told about CRIU's restore stages (the restorer guards the network around them).
 	Notify gocriu.Notify
 }
@@ -130,6 +134,9 @@ func (c Client) Restore(ctx context.Context, opts RestoreOptions) (int, error) {
 		Root:       proto.String("/"),
 		AutoExtMnt: proto.Bool(true),
 	}
+	if opts.LazyPages {
+		req.LazyPages = proto.Bool(true)
+	}
 	nfy := &pidNotify{Notify: opts.Notify}
 	if nfy.Notify == nil {
 		nfy.Notify = gocriu.NoNotify{}
@@ -143,6 +150,35 @@ func (c Client) Restore(ctx context.Context, opts RestoreOptions) (int, error) {
 		return 0, errors.New("criu restore reported no pid for the restored tree")
 	}
 	return int(nfy.pid), nil
+}
+
+// lazyPagesSocket is where CRIU's lazy-pages daemon listens for the restore, in its work directory.
+const lazyPagesSocket = "lazy-pages.socket"
+
+// lazyPagesLog is the daemon's log in the images directory.
+const lazyPagesLog = "lazy-pages.log"
+
+// StartLazyPages starts CRIU's lazy-pages daemon on imagesDir, for a restore with LazyPages, and returns
+// once it listens. The daemon hands each page to the restored tree on its first touch and pushes the rest
+// in the background; it exits 0 once every page is in, non-zero if it failed, which leaves the tree with
+// pages that read as zeros: the caller must kill the tree then. The caller reaps the command.
+func (c Client) StartLazyPages(ctx context.Context, imagesDir string) (*exec.Cmd, error) {
+	cmd := exec.Command(c.Binary, "lazy-pages", "--images-dir", imagesDir, "--work-dir", imagesDir, "--log-file", lazyPagesLog)
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start criu lazy-pages: %w", err)
+	}
+	sock := filepath.Join(imagesDir, lazyPagesSocket)
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		if _, err := os.Stat(sock); err == nil {
+			return cmd, nil
+		}
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			cmd.Process.Kill()
+			cmd.Wait()
+			return nil, fmt.Errorf("criu lazy-pages did not listen on %s in time%s", sock, logTail(filepath.Join(imagesDir, lazyPagesLog)))
+		}
+		time.Sleep(time.Millisecond)
+	}
 }
 
 // pidNotify learns the restored root's PID from CRIU's post-restore notification.

@@ -51,6 +51,9 @@ type Spec struct {
 	Stderr    string   `json:"stderr"`
 	Cgroup    string   `json:"cgroup"` // cgroup v2 directory the job runs in
 	ImagesDir string   `json:"images_dir,omitempty"`
+	// LazyPages restores the job's memory on first touch, from a lazy-pages daemon the shim runs on
+	// ImagesDir; the shim removes ImagesDir once every page is in, and kills the job if the daemon fails.
+	LazyPages bool `json:"lazy_pages,omitempty"`
 	CRIU      string   `json:"criu,omitempty"`
 	ExitFile  string   `json:"exit_file"`
 	Node      string   `json:"node"`
@@ -94,11 +97,22 @@ func Run(ctx context.Context, in io.Reader, out io.Writer) int {
 	}
 	var pid int
 	var err error
+	var lazy *exec.Cmd
 	switch spec.Mode {
 	case ModeStart:
 		pid, err = startJob(spec)
 	case ModeRestore:
-		pid, err = criu.Client{Binary: spec.CRIU}.Restore(ctx, criu.RestoreOptions{ImagesDir: spec.ImagesDir})
+		c := criu.Client{Binary: spec.CRIU}
+		if spec.LazyPages {
+			lazy, err = c.StartLazyPages(ctx, spec.ImagesDir)
+		}
+		if err == nil {
+			pid, err = c.Restore(ctx, criu.RestoreOptions{ImagesDir: spec.ImagesDir, LazyPages: spec.LazyPages})
+		}
+		if err != nil && lazy != nil {
+			lazy.Process.Kill()
+			lazy.Wait()
+		}
 	default:
 		err = fmt.Errorf("unknown shim mode %q", spec.Mode)
 	}
@@ -107,7 +121,11 @@ func Run(ctx context.Context, in io.Reader, out io.Writer) int {
 		return 1
 	}
 	report(Report{PID: pid})
-	st := waitJob(pid)
+	var other func(int, unix.WaitStatus)
+	if lazy != nil {
+		other = lazyDone(spec, pid, lazy.Process.Pid)
+	}
+	st := waitJob(pid, other)
 	st.Node = spec.Node
 	if err := writeExit(spec.ExitFile, st); err != nil {
 		fmt.Fprintf(os.Stderr, "shim: record exit status of job %s: %v\n", spec.JobID, err)
@@ -239,9 +257,30 @@ func lookPath(name string, env []string, dir string) (string, error) {
 	return "", fmt.Errorf("program %q not found in the job's PATH %q", name, pathEnv)
 }
 
+// lazyDone is what the shim does when the lazy-pages daemon (pid daemon) of the job whose root is pid
+// ends: once it has put every page in, the images are no longer needed, and their removal tells the agent
+// the job's memory is complete (it snapshots the job only then); if it failed, the pages it did not put in
+// would read as zeros, so the job is killed: a loud failure, never a silently wrong run.
+func lazyDone(spec Spec, pid, daemon int) func(int, unix.WaitStatus) {
+	return func(got int, ws unix.WaitStatus) {
+		if got != daemon {
+			return
+		}
+		if ws.Exited() && ws.ExitStatus() == 0 {
+			if err := os.RemoveAll(spec.ImagesDir); err != nil {
+				fmt.Fprintf(os.Stderr, "shim: remove the images of job %s, all its pages in: %v\n", spec.JobID, err)
+			}
+			return
+		}
+		fmt.Fprintf(os.Stderr, "shim: the lazy-pages daemon of job %s failed (%v, see %s/lazy-pages.log): killing the job, whose missing pages would read as zeros\n",
+			spec.JobID, ws, spec.ImagesDir)
+		unix.Kill(pid, unix.SIGKILL)
+	}
+}
+
 // waitJob reaps children until the job's root exits. As a subreaper the shim may also inherit other
-// orphans (a CRIU helper, say); they are reaped and ignored.
-func waitJob(pid int) ExitStatus {
+// orphans (a CRIU helper, say); they are reaped and passed to other (if set), and otherwise ignored.
+func waitJob(pid int, other func(int, unix.WaitStatus)) ExitStatus {
 	for {
 		var ws unix.WaitStatus
 		got, err := unix.Wait4(-1, &ws, 0, nil)
@@ -252,6 +291,9 @@ func waitJob(pid int) ExitStatus {
 			return ExitStatus{Code: 255, Signal: "lost", Time: time.Now().UTC()}
 		}
 		if got != pid {
+			if other != nil {
+				other(got, ws)
+			}
 			continue
 		}
 		st := ExitStatus{Time: time.Now().UTC()}

@@ -370,18 +370,25 @@ func TestFailover(t *testing.T) {
 		after int
 		// late: the spare joins the pool only while the job runs (ftctl spare add).
 		late bool
+		// lazy: the spare restores with lazy pages (failover.lazy_restore); each rank holds a ballast,
+		// which it checks at its end, so a page lost on the way fails the run.
+		lazy bool
 	}{
 		{name: "right after a snapshot, spare added while running", iters: 1000, delay: 10 * time.Millisecond, after: 0, late: true},
 		{name: "long after a snapshot", iters: 1200, delay: 10 * time.Millisecond, after: 150},
 		{name: "during heavy traffic", iters: 8000, delay: 0, after: 100},
+		{name: "lazy pages", iters: 1200, delay: 10 * time.Millisecond, after: 50, lazy: true},
 	}
 	for i, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			args := ringArgs(tt.iters, block, tt.delay)
 			want := reference(t, 3, args)
-			opts := labcluster.Options{Interval: "1h"}
+			opts := labcluster.Options{Interval: "1h", LazyRestore: tt.lazy}
 			if tt.late {
 				opts.LateSpares = 1
+			}
+			if tt.lazy {
+				args = append(args, "--ballast", "64")
 			}
 			c := newCluster(t, 3, 1, opts)
 			rg := startRing(t, c, 3, 7300+i, args)
@@ -420,8 +427,11 @@ func TestFailover(t *testing.T) {
 					t.Errorf("rank %d was disturbed: pid %d -> %d, restored from %q", r, b.PID, after.PID, after.Restored)
 				}
 			}
-			if j := rg.job(t, "spare1", 1); j.Node != "spare1" || j.Restored == "" {
-				t.Errorf("rank 1 on spare1: %+v", j)
+			if j := rg.job(t, "spare1", 1); j.Node != "spare1" || j.Restored == "" || j.LazyWork != "" {
+				t.Errorf("rank 1 on spare1: %+v, want it restored, every page in", j)
+			}
+			if b, err := os.ReadFile(c.LogPath("spare1")); tt.lazy && (err != nil || !strings.Contains(string(b), "lazy_pages=true")) {
+				t.Errorf("spare1 did not restore rank 1 with lazy pages (%v)", err)
 			}
 			// node2's protector (node3) holds the replica: spare1 fetched it while node3 waited for node2's
 			// fence, so the recovery found it there.

@@ -18,12 +18,8 @@ import (
 	"github.com/ftkit/ftkit/lab/labcluster"
 )
 
-// labFenceScript writes the lab's stand-in for an IPMI power-off at p: given {host} and {address}, it
-// records its arguments in record, SIGKILLs every process in that lab host's network namespace (what a
-// power cut does to a host; the agents run in their host's namespace on the lab's shared mount namespace,
-// so the protector's command reaches /run/netns and /proc), and exits 0 only once it has confirmed none is
-// left, as the contract in docs/operations.md asks of a real fence command. With broken, it is a fence
-// command whose BMC does not answer: it records its arguments, touches nothing, and exits 4.
+// labFenceScript writes the lab's stand-in for an IPMI power-off at p (labcluster.WriteFenceScript), or, if
+// broken, one that cannot reach the host's BMC: it records its arguments and exits 4.
 func labFenceScript(t *testing.T, st lab.State, p, record string, broken bool) {
 	t.Helper()
 	if broken {
@@ -33,38 +29,7 @@ func labFenceScript(t *testing.T, st lab.State, p, record string, broken bool) {
 		}
 		return
 	}
-	ip, err := exec.LookPath("ip")
-	if err != nil {
-		t.Fatalf("the lab fence script needs iproute2's ip: %v", err)
-	}
-	sleep, err := exec.LookPath("sleep")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var cases strings.Builder
-	for _, h := range st.Hosts {
-		fmt.Fprintf(&cases, "%s) ns=%s ;;\n", h.Name, h.Namespace)
-	}
-	body := fmt.Sprintf(`#!/bin/sh
-echo "$1 $2" >> %[1]s
-case "$1" in
-%[2]s*) echo "no lab host $1" >&2; exit 2 ;;
-esac
-i=0
-while [ $i -lt 200 ]; do
-	pids=$(%[3]s netns pids "$ns") || exit 3
-	if [ -z "$pids" ]; then
-		echo "lab host $1 is off: no process left in namespace $ns"
-		exit 0
-	fi
-	kill -9 $pids 2>/dev/null
-	%[4]s 0.05
-	i=$((i+1))
-done
-echo "processes $pids of $1 survive SIGKILL" >&2
-exit 1
-`, record, cases.String(), ip, sleep)
-	if err := os.WriteFile(p, []byte(body), 0o700); err != nil {
+	if err := labcluster.WriteFenceScript(st, p, record); err != nil {
 		t.Fatal(err)
 	}
 }

@@ -54,6 +54,7 @@ func benchmarks() (map[string]benchmark, map[string]*flag.FlagSet) {
 		"compare":             benchCompare,
 		"detect":              d.run,
 		"lab":                 benchLab,
+		"lazy-restore":        benchLazyRestore,
 		"migrate":             benchMigrate,
 		"netlog":              benchNetlog,
 		"node-recovery":       benchNodeRecovery,

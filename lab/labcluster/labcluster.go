@@ -79,6 +79,8 @@ type Options struct {
 	// health command; the interval's default). The command's timeout is the interval.
 	HealthCommand  []string
 	HealthInterval time.Duration
+	// LazyRestore is every agent's failover.lazy_restore.
+	LazyRestore bool
 }
 
 // Job address pools of a lab: the hosts are .11 up and the spares .101 up in the lab's subnet; host i
@@ -292,6 +294,7 @@ func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
 	if c.opts.ParallelRestores > 0 {
 		cfg.Failover.ParallelRestores = c.opts.ParallelRestores
 	}
+	cfg.Failover.LazyRestore = c.opts.LazyRestore
 	cfg.Health.Command = c.opts.HealthCommand
 	if c.opts.HealthInterval > 0 {
 		cfg.Health.Interval.Duration, cfg.Health.Timeout.Duration = c.opts.HealthInterval, c.opts.HealthInterval
@@ -410,4 +413,49 @@ func RemoveJobNets(id string) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// WriteFenceScript writes the lab's stand-in for an IPMI power-off at path, for Options.FenceCommand with
+// the arguments {host} {address}: it appends its arguments to record, SIGKILLs every process in that lab
+// host's network namespace (what a power cut does to a host; the agents run in their host's namespace on
+// the lab's shared mount namespace, so the protector's command reaches /run/netns and /proc), and exits 0
+// only once it has confirmed none is left, as the contract in docs/operations.md asks of a real fence
+// command. A host whose namespace is gone (lab.Crash removes it after killing its processes) is off.
+func WriteFenceScript(st lab.State, path, record string) error {
+	ip, err := exec.LookPath("ip")
+	if err != nil {
+		return fmt.Errorf("the lab fence script needs iproute2's ip: %w", err)
+	}
+	sleep, err := exec.LookPath("sleep")
+	if err != nil {
+		return err
+	}
+	var cases strings.Builder
+	for _, h := range st.Hosts {
+		fmt.Fprintf(&cases, "%s) ns=%s ;;\n", h.Name, h.Namespace)
+	}
+	body := fmt.Sprintf(`#!/bin/sh
+echo "$1 $2" >> %[1]s
+case "$1" in
+%[2]s*) echo "no lab host $1" >&2; exit 2 ;;
+esac
+if [ ! -e "%[5]s/$ns" ]; then
+	echo "lab host $1 is off: its namespace $ns is gone"
+	exit 0
+fi
+i=0
+while [ $i -lt 200 ]; do
+	pids=$(%[3]s netns pids "$ns") || exit 3
+	if [ -z "$pids" ]; then
+		echo "lab host $1 is off: no process left in namespace $ns"
+		exit 0
+	fi
+	kill -9 $pids 2>/dev/null
+	%[4]s 0.05
+	i=$((i+1))
+done
+echo "processes $pids of $1 survive SIGKILL" >&2
+exit 1
+`, record, cases.String(), ip, sleep, lab.NetnsDir)
+	return os.WriteFile(path, []byte(body), 0o700)
 }

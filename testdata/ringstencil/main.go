@@ -15,6 +15,7 @@
 package main
 
 import (
+	"bytes"
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
@@ -24,7 +25,6 @@ import (
 	"io"
 	"net"
 	"os"
-	"runtime"
 	"strings"
 	"time"
 )
@@ -63,8 +63,13 @@ func main() {
 		fmt.Fprintf(os.Stderr, "ringstencil rank %d: %v\n", *rank, err)
 		os.Exit(1)
 	}
+	// The ballast is checked too: a restore that lost memory (a page read back as zeros) must not pass
+	// for a correct run because the pages it lost held no state of the exchange.
+	if !bytes.Equal(held, fillBallast(*ballast, *seed)) {
+		fmt.Fprintf(os.Stderr, "ringstencil rank %d: the ballast's content changed\n", *rank)
+		os.Exit(1)
+	}
 	fmt.Printf("rank %d checksum %s\n", *rank, sum)
-	runtime.KeepAlive(held)
 }
 
 // fillBallast allocates and touches mb MiB (incompressible bytes, so snapshots and shipping pay for them).
