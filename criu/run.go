@@ -155,15 +155,15 @@ func (c Client) Restore(ctx context.Context, opts RestoreOptions) (int, error) {
 // lazyPagesSocket is where CRIU's lazy-pages daemon listens for the restore, in its work directory.
 const lazyPagesSocket = "lazy-pages.socket"
 
-// lazyPagesLog is the daemon's log in the images directory.
-const lazyPagesLog = "lazy-pages.log"
+// LazyPagesLog is the daemon's log in the images directory.
+const LazyPagesLog = "lazy-pages.log"
 
 // StartLazyPages starts CRIU's lazy-pages daemon on imagesDir, for a restore with LazyPages, and returns
 // once it listens. The daemon hands each page to the restored tree on its first touch and pushes the rest
 // in the background; it exits 0 once every page is in, non-zero if it failed, which leaves the tree with
 // pages that read as zeros: the caller must kill the tree then. The caller reaps the command.
 func (c Client) StartLazyPages(ctx context.Context, imagesDir string) (*exec.Cmd, error) {
-	cmd := exec.Command(c.Binary, "lazy-pages", "--images-dir", imagesDir, "--work-dir", imagesDir, "--log-file", lazyPagesLog)
+	cmd := exec.Command(c.Binary, "lazy-pages", "--images-dir", imagesDir, "--work-dir", imagesDir, "--log-file", LazyPagesLog)
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start criu lazy-pages: %w", err)
 	}
@@ -175,7 +175,7 @@ func (c Client) StartLazyPages(ctx context.Context, imagesDir string) (*exec.Cmd
 		if time.Now().After(deadline) || ctx.Err() != nil {
 			cmd.Process.Kill()
 			cmd.Wait()
-			return nil, fmt.Errorf("criu lazy-pages did not listen on %s in time%s", sock, logTail(filepath.Join(imagesDir, lazyPagesLog)))
+			return nil, fmt.Errorf("criu lazy-pages did not listen on %s in time%s", sock, logTail(filepath.Join(imagesDir, LazyPagesLog)))
 		}
 		time.Sleep(time.Millisecond)
 	}

@@ -272,8 +272,11 @@ func lazyDone(spec Spec, pid, daemon int) func(int, unix.WaitStatus) {
 			}
 			return
 		}
-		fmt.Fprintf(os.Stderr, "shim: the lazy-pages daemon of job %s failed (%v, see %s/lazy-pages.log): killing the job, whose missing pages would read as zeros\n",
-			spec.JobID, ws, spec.ImagesDir)
+		// Its log goes with the images when the agent cleans up after the job: its end goes to the shim's log.
+		logTail, _ := os.ReadFile(filepath.Join(spec.ImagesDir, criu.LazyPagesLog))
+		logTail = logTail[max(0, len(logTail)-2048):]
+		fmt.Fprintf(os.Stderr, "shim: the lazy-pages daemon of job %s failed (status %#x): killing the job, whose missing pages would read as zeros; the daemon's log ends:\n%s\n",
+			spec.JobID, uint32(ws), logTail)
 		unix.Kill(pid, unix.SIGKILL)
 	}
 }
