@@ -18,8 +18,9 @@ import (
 // benchMigrate measures a planned migration (`ftctl migrate`, issue 13's target: frozen-to-running
 // <= 0.5 s for 100 MiB): rank 1 of a two-rank ringstencil, on a job address of its own and holding
 // 100 MiB or 1 GiB, is moved from node2 to node3 while rank 0 on node1 keeps exchanging with it. Reported
-// per size: the job's stop (freeze to the restored process running on node3), the time to its replay done,
-// each stage, and whether the run's result is the failure-free one.
+// per size, with the target restoring eagerly and with lazy pages (failover.lazy_restore): the job's stop
+// (freeze to the restored process running on node3), the time to its replay done, each stage, and whether
+// the run's result is the failure-free one.
 func benchMigrate(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 	binDir, err := ownDir()
 	if err != nil {
@@ -29,20 +30,25 @@ func benchMigrate(ctx context.Context, log *slog.Logger) ([]Metric, any, error) 
 	runs := map[string]any{}
 	identical, total := 0, 0
 	for _, mib := range []int{100, 1024} {
-		r, err := migrateRun(ctx, log, binDir, mib)
-		if err != nil {
-			return nil, nil, fmt.Errorf("%d MiB: %w", mib, err)
-		}
-		total++
-		if r.Identical {
-			identical++
-		}
-		p := fmt.Sprintf("%dMiB_", mib)
-		runs[p[:len(p)-1]] = r
-		metrics = append(metrics, Metric{Name: p + "frozen_to_running", Value: r.FrozenMs, Unit: "ms"},
-			Metric{Name: p + "frozen_to_replay_done", Value: r.ReplayedMs, Unit: "ms"})
-		for _, st := range r.Stages {
-			metrics = append(metrics, Metric{Name: p + strings.ReplaceAll(st.Name, " ", "_"), Value: st.Ms, Unit: "ms"})
+		for _, lazy := range []bool{false, true} {
+			r, err := migrateRun(ctx, log, binDir, mib, lazy)
+			if err != nil {
+				return nil, nil, fmt.Errorf("%d MiB (lazy %v): %w", mib, lazy, err)
+			}
+			total++
+			if r.Identical {
+				identical++
+			}
+			p := fmt.Sprintf("%dMiB_", mib)
+			if lazy {
+				p = fmt.Sprintf("%dMiB_lazy_", mib)
+			}
+			runs[p[:len(p)-1]] = r
+			metrics = append(metrics, Metric{Name: p + "frozen_to_running", Value: r.FrozenMs, Unit: "ms"},
+				Metric{Name: p + "frozen_to_replay_done", Value: r.ReplayedMs, Unit: "ms"})
+			for _, st := range r.Stages {
+				metrics = append(metrics, Metric{Name: p + strings.ReplaceAll(st.Name, " ", "_"), Value: st.Ms, Unit: "ms"})
+			}
 		}
 	}
 	metrics = append(metrics, Metric{Name: "runs_identical", Value: float64(identical), Unit: fmt.Sprintf("of %d", total)})
@@ -52,6 +58,7 @@ func benchMigrate(ctx context.Context, log *slog.Logger) ([]Metric, any, error) 
 
 type migrateResult struct {
 	MiB        int             `json:"mib"`
+	Lazy       bool            `json:"lazy"`
 	Snapshot   string          `json:"snapshot"`
 	FrozenMs   float64         `json:"frozen_to_running_ms"`
 	ReplayedMs float64         `json:"frozen_to_replay_done_ms"`
@@ -61,7 +68,7 @@ type migrateResult struct {
 	Reference  string          `json:"reference"`
 }
 
-func migrateRun(ctx context.Context, log *slog.Logger, binDir string, mib int) (*migrateResult, error) {
+func migrateRun(ctx context.Context, log *slog.Logger, binDir string, mib int, lazy bool) (*migrateResult, error) {
 	stencil := filepath.Join(binDir, "ringstencil")
 	args := []string{"--iters", "600", "--block", "65536", "--delay", "20ms"}
 	ref, err := loopbackChecksum(ctx, stencil, 2, args)
@@ -73,7 +80,7 @@ func migrateRun(ctx context.Context, log *slog.Logger, binDir string, mib int) (
 		return nil, err
 	}
 	defer l.Down(context.WithoutCancel(ctx))
-	c, err := labcluster.Start(ctx, l, labcluster.Options{AgentBin: filepath.Join(binDir, "ftagent"), Interval: "1h", LogLevel: "warn", JobAddresses: true})
+	c, err := labcluster.Start(ctx, l, labcluster.Options{AgentBin: filepath.Join(binDir, "ftagent"), Interval: "1h", LogLevel: "warn", JobAddresses: true, LazyRestore: lazy})
 	if err != nil {
 		return nil, err
 	}
@@ -101,7 +108,7 @@ func migrateRun(ctx context.Context, log *slog.Logger, binDir string, mib int) (
 	if m.Error != "" {
 		return nil, fmt.Errorf("migration not done as asked: %s", m.Error)
 	}
-	res := &migrateResult{MiB: mib, Snapshot: m.Snapshot, FrozenMs: float64(m.Frozen) / 1e6, ReplayedMs: float64(m.Replayed) / 1e6, Reference: ref, Identical: true}
+	res := &migrateResult{MiB: mib, Lazy: lazy, Snapshot: m.Snapshot, FrozenMs: float64(m.Frozen) / 1e6, ReplayedMs: float64(m.Replayed) / 1e6, Reference: ref, Identical: true}
 	evs, err := c.Client("node2").Events(ctx)
 	if err != nil {
 		return nil, err
@@ -126,6 +133,6 @@ func migrateRun(ctx context.Context, log *slog.Logger, binDir string, mib int) (
 		res.Checksums = append(res.Checksums, sum)
 		res.Identical = res.Identical && sum == ref
 	}
-	log.Info("migration", "mib", mib, "frozen_ms", res.FrozenMs, "replayed_ms", res.ReplayedMs, "stages", res.Stages, "identical", res.Identical)
+	log.Info("migration", "mib", mib, "lazy", lazy, "frozen_ms", res.FrozenMs, "replayed_ms", res.ReplayedMs, "stages", res.Stages, "identical", res.Identical)
 	return res, nil
 }
