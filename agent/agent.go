@@ -408,6 +408,17 @@ func (a *Agent) finish(j *Job, state JobState, st *shim.ExitStatus) {
 	if err != nil {
 		a.log.Error("save job record", "job", j.ID, "err", err)
 	}
+	a.releaseJob(j)
+	if st != nil {
+		a.log.Info("job ended", "job", j.ID, "code", st.Code, "signal", st.Signal)
+	} else {
+		a.log.Warn("job lost: its process is gone and left no exit record", "job", j.ID)
+	}
+}
+
+// releaseJob gives back what job j held on this host once its processes are gone (it ended, or moved):
+// its log and receive-tap attachments, its cgroup, its job network, a lazy restore's images.
+func (a *Agent) releaseJob(j *Job) {
 	a.unprotect(j)
 	a.unwatchOrder(j.ID)
 	// Only this agent's own cgroup for the job: a record restored from an older agent's snapshot may name
@@ -421,11 +432,6 @@ func (a *Agent) finish(j *Job, state JobState, st *shim.ExitStatus) {
 	a.deleteJobNet(context.Background(), j.ID, j.Net)
 	if j.LazyWork != "" && a.ownRestoreDir(j.LazyWork) {
 		os.RemoveAll(j.LazyWork) // it ended before all its pages were in: they are not needed any more
-	}
-	if st != nil {
-		a.log.Info("job ended", "job", j.ID, "code", st.Code, "signal", st.Signal)
-	} else {
-		a.log.Warn("job lost: its process is gone and left no exit record", "job", j.ID)
 	}
 }
 

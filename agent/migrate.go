@@ -249,7 +249,7 @@ func (a *Agent) thaw(j Job) {
 
 // leaveHost takes frozen job j off this host for good: recorded as moved to target, its address off the
 // wire first (so that closing its sockets sends nothing to its peers), then its shim killed (so that no
-// exit record says it ended), then its processes, and its cgroup removed.
+// exit record says it ended), then its processes, and what it held here released as for an ended job.
 func (a *Agent) leaveHost(ctx context.Context, j Job, target string) error {
 	shim, shimErr := shimOf(j.PID, a.self)
 	a.mu.Lock()
@@ -271,14 +271,11 @@ func (a *Agent) leaveHost(ctx context.Context, j Job, target string) error {
 	if err := a.killCgroup(j.ID); err != nil {
 		return fmt.Errorf("job %s dumped but its processes could not be killed here, so it is not moved: %w", j.ID, err)
 	}
-	if err := waitEmpty(ctx, j.Cgroup); err != nil {
+	if err := waitEmpty(ctx, a.layout().cgroup(j.ID)); err != nil { // the cgroup killCgroup killed
 		return fmt.Errorf("job %s dumped and killed, but its processes did not go: not moved: %w", j.ID, err)
 	}
-	a.unprotect(&j)
-	a.unwatchOrder(j.ID)
-	if err := os.Remove(j.Cgroup); err != nil && !errors.Is(err, os.ErrNotExist) {
-		a.log.Warn("remove job cgroup", "job", j.ID, "err", err)
-	}
+	j.Net = nil // off the wire already
+	a.releaseJob(&j)
 	return nil
 }
 

@@ -42,6 +42,7 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen bool) (*ckpt.Manifes
 	if err := a.waitPagesIn(ctx, j.ID); err != nil {
 		return nil, err
 	}
+	j.LazyWork = "" // every page is in: the record the snapshot carries names no images of this host
 	opts := dump.Options{
 		Job: j.ID, PID: j.PID, Record: j, Logger: a.log,
 		Info: ckpt.Info{CRIUVersion: a.criuVersion.String(), KernelRelease: version.KernelRelease(), Mode: a.cfg.Checkpoint.Mode},

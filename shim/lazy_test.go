@@ -45,14 +45,22 @@ func TestLazyDone(t *testing.T) {
 				got = daemon + 1
 			}
 			lazyDone(Spec{JobID: "j", ImagesDir: images}, job.Process.Pid, daemon)(got, tc.ws)
-			select {
-			case <-exited:
-				if !tc.jobKilled {
-					t.Error("the job was killed")
-				}
-			case <-time.After(200 * time.Millisecond):
-				if tc.jobKilled {
+			// lazyDone signals synchronously: a job it did not kill is running now; one it killed ends, as
+			// soon as the machine gets to it, by SIGKILL.
+			if tc.jobKilled {
+				select {
+				case <-exited:
+					if ws, ok := job.ProcessState.Sys().(syscall.WaitStatus); !ok || !ws.Signaled() || ws.Signal() != syscall.SIGKILL {
+						t.Errorf("the job ended with %v, want SIGKILL", job.ProcessState)
+					}
+				case <-time.After(30 * time.Second):
 					t.Error("the job runs on")
+				}
+			} else {
+				select {
+				case <-exited:
+					t.Errorf("the job ended: %v", job.ProcessState)
+				default:
 				}
 			}
 			if _, err := os.Stat(images); (err != nil) != tc.imagesGone {

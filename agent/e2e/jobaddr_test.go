@@ -163,13 +163,14 @@ func TestJobAddressFailover(t *testing.T) {
 		return netip.AddrPortFrom(rank0Addr, port).String() + "," + netip.AddrPortFrom(rank1, port).String()
 	}
 	ctx := context.Background()
-	rg := &ring{c: c, jobDir: labcluster.JobsDir(st.ID), release: release}
+	rg := newRing(t, c, 2)
+	rg.release = release
 	r1, err := c.Client("node2").StartJob(ctx, agent.JobSpec{Name: "rank1", JobAddress: true,
 		Argv: append([]string{bins.Ringstencil, "--rank", "1", "--peers", peers(jobAddr)}, withGate...)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	rg.jobs = append(rg.jobs, agent.Job{}, r1)
+	rg.jobs[1] = r1
 	t.Cleanup(func() { removeJobNets(t, r1.ID) }) // before the lab goes: its removal kills only hosts' processes
 	if r1.Net == nil || r1.Net.Addr.Addr() != jobAddr || r1.Net.Kind != jobnet.MACVlan {
 		t.Fatalf("rank 1's record: net %+v, want a macvlan job network with %s (node2's pool %s)", r1.Net, jobAddr, labcluster.JobPool(st, "node2"))
@@ -188,15 +189,6 @@ func TestJobAddressFailover(t *testing.T) {
 		t.Fatalf("rank 0's record: net %+v, want the job address %s", r0.Net, rank0Addr)
 	}
 	requireInJobNet(t, c, r0)
-	t.Cleanup(func() {
-		if t.Failed() {
-			for r, j := range rg.jobs {
-				b, _ := os.ReadFile(j.StdoutPath())
-				e, _ := os.ReadFile(j.StderrPath())
-				t.Logf("rank %d (job %s): stdout %q stderr %q", r, j.ID, tail(string(b)), tail(string(e)))
-			}
-		}
-	})
 	rg.waitProtected(t, 2*time.Minute) // the first snapshot of rank 1 was dumped inside its job network
 	rg.waitProgress(t, progressEvery, 2*time.Minute)
 	before0 := rg.job(t, "node1", 0)

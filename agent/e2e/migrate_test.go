@@ -51,15 +51,6 @@ func TestMigrate(t *testing.T) {
 		t.Fatal(err)
 	}
 	rg := startJobAddrRing(t, c, port, args)
-	t.Cleanup(func() {
-		if t.Failed() {
-			for r, j := range rg.jobs {
-				b, _ := os.ReadFile(j.StdoutPath())
-				e, _ := os.ReadFile(j.StderrPath())
-				t.Logf("rank %d (job %s): stdout %q stderr %q", r, j.ID, tail(string(b)), tail(string(e)))
-			}
-		}
-	})
 	rg.waitProgress(t, progressEvery, 2*time.Minute)
 	before0 := rg.job(t, "node1", 0)
 
@@ -182,14 +173,15 @@ func TestMigrate(t *testing.T) {
 }
 
 // startJobAddrRing starts a two-rank ringstencil of args (gated near its end) on job addresses: rank 0 on
-// node1, rank 1 on node2, each on the first address of its host's pool.
+// node1, rank 1 on node2, each on the first address of its host's pool; a failed test logs their output.
 func startJobAddrRing(t *testing.T, c *labcluster.Cluster, port int, args []string) *ring {
 	t.Helper()
 	st := c.Lab.State()
 	addrs := []netip.Addr{labcluster.JobPool(st, "node1").Addr(), labcluster.JobPool(st, "node2").Addr()}
 	peers := netip.AddrPortFrom(addrs[0], uint16(port)).String() + "," + netip.AddrPortFrom(addrs[1], uint16(port)).String()
 	withGate, release := gated(t, args, 1490)
-	rg := &ring{c: c, jobDir: labcluster.JobsDir(st.ID), release: release}
+	rg := newRing(t, c, 2)
+	rg.release = release
 	for r, host := range []string{"node1", "node2"} {
 		j, err := c.Client(host).StartJob(context.Background(), agent.JobSpec{Name: fmt.Sprintf("rank%d", r), JobAddress: true,
 			Argv: append([]string{bins.Ringstencil, "--rank", fmt.Sprint(r), "--peers", peers}, withGate...)})
@@ -200,7 +192,7 @@ func startJobAddrRing(t *testing.T, c *labcluster.Cluster, port int, args []stri
 		if j.Net == nil || j.Net.Addr.Addr() != addrs[r] {
 			t.Fatalf("rank %d's job network %+v, want the address %s", r, j.Net, addrs[r])
 		}
-		rg.jobs = append(rg.jobs, j)
+		rg.jobs[r] = j
 	}
 	return rg
 }

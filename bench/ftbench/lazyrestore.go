@@ -140,7 +140,7 @@ func lazyRestoreRun(ctx context.Context, log *slog.Logger, binDir string, mib in
 	if err != nil {
 		return nil, err
 	}
-	res := &lazyRestoreResult{MiB: mib, Lazy: lazy, Reference: ref, Identical: true}
+	res := &lazyRestoreResult{MiB: mib, Lazy: lazy, Reference: ref}
 	for _, s := range f.Stages {
 		if s.Error != "" {
 			return nil, fmt.Errorf("stage %s: %s", s.Name, s.Error)
@@ -157,14 +157,8 @@ func lazyRestoreRun(ctx context.Context, log *slog.Logger, binDir string, mib in
 			res.ReplayedMs = float64(s.End.Sub(crash)) / 1e6
 		}
 	}
-	for _, j := range jobs {
-		if err := waitExit(ctx, j, 3*time.Minute); err != nil {
-			return nil, err
-		}
-		b, _ := os.ReadFile(j.StdoutPath())
-		sum := checksumLine(string(b))
-		res.Checksums = append(res.Checksums, sum)
-		res.Identical = res.Identical && sum == ref
+	if res.Checksums, res.Identical, err = finalChecksums(ctx, jobs, ref); err != nil {
+		return nil, err
 	}
 	log.Info("lazy restore", "mib", mib, "lazy", lazy, "crash_to_running_ms", res.RunningMs, "stages", res.Stages, "identical", res.Identical)
 	return res, nil

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"log/slog"
 	"net/netip"
-	"os"
 	"path/filepath"
 	"strings"
 	"time"
@@ -108,7 +107,7 @@ func migrateRun(ctx context.Context, log *slog.Logger, binDir string, mib int, l
 	if m.Error != "" {
 		return nil, fmt.Errorf("migration not done as asked: %s", m.Error)
 	}
-	res := &migrateResult{MiB: mib, Lazy: lazy, Snapshot: m.Snapshot, FrozenMs: float64(m.Frozen) / 1e6, ReplayedMs: float64(m.Replayed) / 1e6, Reference: ref, Identical: true}
+	res := &migrateResult{MiB: mib, Lazy: lazy, Snapshot: m.Snapshot, FrozenMs: float64(m.Frozen) / 1e6, ReplayedMs: float64(m.Replayed) / 1e6, Reference: ref}
 	evs, err := c.Client("node2").Events(ctx)
 	if err != nil {
 		return nil, err
@@ -124,14 +123,8 @@ func migrateRun(ctx context.Context, log *slog.Logger, binDir string, mib int, l
 			res.Stages = append(res.Stages, recoveryStage{Name: s.Name, Ms: float64(s.Duration()) / 1e6})
 		}
 	}
-	for _, j := range jobs {
-		if err := waitExit(ctx, j, 3*time.Minute); err != nil {
-			return nil, err
-		}
-		b, _ := os.ReadFile(j.StdoutPath())
-		sum := checksumLine(string(b))
-		res.Checksums = append(res.Checksums, sum)
-		res.Identical = res.Identical && sum == ref
+	if res.Checksums, res.Identical, err = finalChecksums(ctx, jobs, ref); err != nil {
+		return nil, err
 	}
 	log.Info("migration", "mib", mib, "lazy", lazy, "frozen_ms", res.FrozenMs, "replayed_ms", res.ReplayedMs, "stages", res.Stages, "identical", res.Identical)
 	return res, nil

@@ -138,15 +138,8 @@ func recoveryRun(ctx context.Context, log *slog.Logger, binDir string, nodes, ba
 		res.Stages = append(res.Stages, recoveryStage{Name: name, Ms: stageMs[name]})
 	}
 	res.TotalMs = float64(last.Sub(crash)) / 1e6
-	res.Identical = true
-	for _, j := range jobs {
-		if err := waitExit(ctx, j, 3*time.Minute); err != nil {
-			return nil, err
-		}
-		b, _ := os.ReadFile(j.StdoutPath())
-		sum := checksumLine(string(b))
-		res.Checksums = append(res.Checksums, sum)
-		res.Identical = res.Identical && sum == ref
+	if res.Checksums, res.Identical, err = finalChecksums(ctx, jobs, ref); err != nil {
+		return nil, err
 	}
 	log.Info("recovery", "nodes", nodes, "total_ms", res.TotalMs, "stages", res.Stages, "identical", res.Identical)
 	return res, nil
@@ -195,6 +188,23 @@ func waitExit(ctx context.Context, j agent.Job, timeout time.Duration) error {
 		}
 	}
 	return fmt.Errorf("job %s did not finish within %s", j.ID, timeout)
+}
+
+// finalChecksums waits for every job of a run to end and returns their checksums, and whether each equals
+// the failure-free run's ref.
+func finalChecksums(ctx context.Context, jobs []agent.Job, ref string) ([]string, bool, error) {
+	var sums []string
+	identical := true
+	for _, j := range jobs {
+		if err := waitExit(ctx, j, 3*time.Minute); err != nil {
+			return nil, false, err
+		}
+		b, _ := os.ReadFile(j.StdoutPath())
+		sum := checksumLine(string(b))
+		sums = append(sums, sum)
+		identical = identical && sum == ref
+	}
+	return sums, identical, nil
 }
 
 // loopbackChecksum runs the ranks on loopback, unprotected and without compute delay: the reference.
