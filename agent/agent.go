@@ -52,7 +52,8 @@ type Agent struct {
 
 	ckptMu sync.Mutex // one checkpoint (or host-wide freeze) at a time
 
-	netlog *logState // nil when the sender-side log is disabled
+	netlog *logState  // nil when the sender-side log is disabled
+	coord  coordHolds // runs whose jobs this host holds frozen for a coordinated snapshot
 
 	members  membership      // the cluster view: ring, spares, who holds which address
 	jobAddrs jobAddrOwners   // who holds which job address (jobaddr_owners.go)
@@ -233,6 +234,9 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 	}
 	if err := spec.Placement.Validate(); err != nil {
 		return nil, err
+	}
+	if spec.Run != "" && !jobNameRE.MatchString(spec.Run) {
+		return nil, fmt.Errorf("run %q: use up to 48 letters, digits, '.', '_' or '-'", spec.Run)
 	}
 	if spec.Name == "" {
 		spec.Name = defaultJobName(spec.Argv)

@@ -46,6 +46,9 @@ type JobSpec struct {
 	// JobAddress asks for an address of the job's own on the cluster network (from the agent's
 	// job_network.pool), which moves with the job when its host fails.
 	JobAddress bool `json:"job_address,omitempty"`
+	// Run names the run (the MPI job, the pipeline) the job is a part of: coordinated snapshots and
+	// rollbacks take every running job of a run, on every host, together (coordinated.go).
+	Run string `json:"run,omitempty"`
 }
 
 // MaxPlacementHosts bounds a placement's lists: a placement arrives from a user and from other agents.

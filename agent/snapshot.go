@@ -206,6 +206,12 @@ func (a *Agent) checkpoint(ctx context.Context, ids []string, uid uint32, still 
 	for _, j := range jobs {
 		placements[j.ID] = j.Spec.Placement
 	}
+	return a.replicate(ctx, manifests, placements), errors.Join(errs...)
+}
+
+// replicate ships each committed snapshot to its job's protector (placements: the jobs' placements), records
+// the replicas, lets the senders trim their logs, and prunes old snapshots.
+func (a *Agent) replicate(ctx context.Context, manifests []*ckpt.Manifest, placements map[string]*Placement) []SnapshotResult {
 	var out []SnapshotResult
 	for _, m := range manifests {
 		res := SnapshotResult{Manifest: m}
@@ -231,7 +237,7 @@ func (a *Agent) checkpoint(ctx context.Context, ids []string, uid uint32, still 
 		}
 		out = append(out, res)
 	}
-	return out, errors.Join(errs...)
+	return out
 }
 
 // Snapshots lists the snapshots held on this host, newest first: its jobs' own and the replicas it keeps

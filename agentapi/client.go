@@ -184,6 +184,18 @@ func (c *Client) Migrate(ctx context.Context, req agent.MigrateRequest) (agent.M
 	return m, c.do(ctx, http.MethodPost, "/v1/migrate", req, &m)
 }
 
+// Cut takes a coordinated snapshot of a run, coordinated by this agent (root only).
+func (c *Client) Cut(ctx context.Context, run string) (agent.Cut, error) {
+	var cut agent.Cut
+	return cut, c.do(ctx, http.MethodPost, "/v1/cut", agent.RunRequest{Run: run}, &cut)
+}
+
+// Rollback rolls a run back to its newest coordinated snapshot, coordinated by this agent (root only).
+func (c *Client) Rollback(ctx context.Context, run string) (agent.Rollback, error) {
+	var r agent.Rollback
+	return r, c.do(ctx, http.MethodPost, "/v1/rollback", agent.RunRequest{Run: run}, &r)
+}
+
 // Drain moves every job off the host (root only).
 func (c *Client) Drain(ctx context.Context, req agent.DrainRequest) (agent.DrainResult, error) {
 	var r agent.DrainResult

@@ -44,6 +44,8 @@ type Backend interface {
 	Restore(ctx context.Context, req agent.RestoreRequest, uid uint32) (*agent.Job, error)
 	Migrate(ctx context.Context, req agent.MigrateRequest, uid uint32) (*agent.Migration, error)
 	Drain(ctx context.Context, req agent.DrainRequest, uid uint32) (*agent.DrainResult, error)
+	CoordinatedSnapshot(ctx context.Context, run string, uid uint32) (*agent.Cut, error)
+	Rollback(ctx context.Context, run string, uid uint32) (*agent.Rollback, error)
 	AddSpare(ctx context.Context, req agent.SpareRequest) (ring.View, error)
 	Events(uid uint32) []*agent.Failure
 	LoggedConns() []agent.LoggedConn
@@ -265,6 +267,37 @@ func Handler(a Backend, lim Limits) http.Handler {
 		default:
 			writeJSON(w, http.StatusOK, m)
 		}
+	}))
+	// A coordinated snapshot of a run, and the rollback of a run to its newest one (root only).
+	runOp := func(what string, op func(ctx context.Context, run string, uid uint32) (any, error)) http.HandlerFunc {
+		return bounded(0, func(w http.ResponseWriter, r *http.Request) {
+			if callerOf(r).Uid != 0 {
+				writeError(w, http.StatusForbidden, fmt.Errorf("%s stops jobs on every host of a run: it is for root (the operator)", what))
+				return
+			}
+			var req agent.RunRequest
+			if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 4096)).Decode(&req); err != nil || req.Run == "" {
+				writeError(w, http.StatusBadRequest, fmt.Errorf("%s needs a run: %v", what, err))
+				return
+			}
+			res, err := op(r.Context(), req.Run, callerOf(r).Uid)
+			switch {
+			case errors.Is(err, agent.ErrNoJob), errors.Is(err, agent.ErrNoCut):
+				writeError(w, http.StatusNotFound, err)
+			case errors.Is(err, agent.ErrNotMovable):
+				writeError(w, http.StatusConflict, err)
+			case err != nil:
+				writeError(w, http.StatusInternalServerError, err)
+			default:
+				writeJSON(w, http.StatusOK, res)
+			}
+		})
+	}
+	mux.HandleFunc("POST /v1/cut", runOp("a coordinated snapshot", func(ctx context.Context, run string, uid uint32) (any, error) {
+		return a.CoordinatedSnapshot(ctx, run, uid)
+	}))
+	mux.HandleFunc("POST /v1/rollback", runOp("a rollback", func(ctx context.Context, run string, uid uint32) (any, error) {
+		return a.Rollback(ctx, run, uid)
 	}))
 	mux.HandleFunc("POST /v1/drain", bounded(0, func(w http.ResponseWriter, r *http.Request) {
 		if callerOf(r).Uid != 0 {

@@ -459,3 +459,28 @@ func TestAPIStartJobOnHost(t *testing.T) {
 		t.Errorf("start on an unknown host: status %d; want 422", w.Code)
 	}
 }
+
+// TestAPIRunOps: coordinated snapshots and rollbacks stop jobs of every user on every host: root only;
+// a request without a run is refused; a run without a cut is not found.
+func TestAPIRunOps(t *testing.T) {
+	h := Handler(newFakeBackend(t), DefaultLimits())
+	for _, tt := range []struct {
+		name, path, body string
+		cred             *unix.Ucred
+		code             int
+		want             string
+	}{
+		{"cut as root", "/v1/cut", `{"run":"r1"}`, asRoot, 200, `"id":"cut-1"`},
+		{"cut as a user", "/v1/cut", `{"run":"r1"}`, asOwner, 403, "for root"},
+		{"cut without a run", "/v1/cut", `{}`, asRoot, 400, "needs a run"},
+		{"rollback as a user", "/v1/rollback", `{"run":"r1"}`, asOther, 403, "for root"},
+		{"rollback without a cut", "/v1/rollback", `{"run":"r1"}`, asRoot, 404, "no coordinated snapshot of run r1"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			w := call(t, h, tt.cred, "POST", tt.path, tt.body)
+			if w.Code != tt.code || !strings.Contains(w.Body.String(), tt.want) {
+				t.Fatalf("%d %s, want %d %q", w.Code, w.Body.String(), tt.code, tt.want)
+			}
+		})
+	}
+}

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/grant"
@@ -42,6 +43,8 @@ func messageSeeds() [][]byte {
 		ViewMessage{View: []byte("view"), Failures: json.RawMessage(`[{"id":"n3-1"}]`)},
 		spare.Claim{Failure: "n3-1", By: "n2", Failed: "n3", Need: spare.Need{Jobs: 1, MemoryBytes: 1 << 20}, At: now},
 		ReplicaRequest{Job: "job-1", Node: "n3"},
+		testCoordinate(),
+		CoordinateReply{Jobs: []string{"job-1"}, Parts: testCoordinate().Parts},
 		ReplicaReply{Manifest: testManifest("job-1", "n3")},
 		ReplicaReply{Manifest: testManifest("job-1", "n3"), RunSpares: []string{"n5", "n6"}},
 		spare.Claim{Failure: "n3-1", By: "n2", Failed: "n3", Need: spare.Need{Jobs: 1}, At: now, Spares: []string{"n5", "n6"}},
@@ -119,6 +122,14 @@ func FuzzClusterMessage(f *testing.F) {
 			}
 			if n > MaxStartJobBytes || len(sj.Argv) > MaxStartJobArgs || !filepath.IsAbs(sj.Dir) {
 				t.Fatalf("start-job request of %d bytes, %d args, dir %q validated", n, len(sj.Argv), sj.Dir)
+			}
+		}
+		var co CoordinateRequest
+		if request(&co, MaxMessage) && co.Validate() == nil {
+			for _, p := range co.Parts {
+				if _, err := ckpt.ParseID(p.Snapshot); err != nil || len(co.Parts) > MaxCutParts || p.Host == "" {
+					t.Fatalf("coordinate request with part %+v validated", p)
+				}
 			}
 		}
 		var rr RecoverRequest

@@ -35,6 +35,8 @@ const (
 	OpRejoin         Op = "rejoin"          // the caller, a failed member, asks to come back as a spare
 	// Runs.
 	OpStartJob Op = "start-job" // start a protected job on the server for a caller of the asking member
+	// OpCoordinate: one phase of a coordinated snapshot of a run, or of its rollback (coordinate.go).
+	OpCoordinate Op = "coordinate"
 )
 
 // Path is the operation's URL path.
@@ -43,7 +45,7 @@ func (op Op) Path() string { return "/v1/" + string(op) }
 // Ops lists every operation.
 func Ops() []Op {
 	return []Op{OpPing, OpSnapshot, OpFetch, OpLocate, OpTrim, OpLogRange, OpCheckpointNow, OpReceived,
-		OpLogWatermark, OpDeterminants, OpDeterminantsSince, OpHeartbeat, OpProbe, OpView, OpClaim, OpRecover, OpReplica, OpRecoveryStatus, OpGrant, OpRejoin, OpStartJob}
+		OpLogWatermark, OpDeterminants, OpDeterminantsSince, OpHeartbeat, OpProbe, OpView, OpClaim, OpRecover, OpReplica, OpRecoveryStatus, OpGrant, OpRejoin, OpStartJob, OpCoordinate}
 }
 
 // MaxHeader bounds a small request body; MaxMessage bounds the larger ones (views, trims), every reply

@@ -151,6 +151,11 @@ func TestEveryOperation(t *testing.T) {
 			r, err := c.StartJob(ctx, "n2", req)
 			return req, r, err
 		}, StartJobReply{ID: "run-node2-0a0b0c0d", Node: "n2", PID: 42, Dir: "/jobs/run-node2-0a0b0c0d"}},
+		{OpCoordinate, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
+			req := testCoordinate()
+			r, err := c.Coordinate(ctx, "n2", req)
+			return req, r, err
+		}, CoordinateReply{Jobs: []string{"run1-0a0b0c0d"}}},
 		{OpSnapshot, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
 			conn, err := c.Ship(ctx, "n2")
 			if err != nil {

@@ -56,6 +56,8 @@ type Service interface {
 	Rejoin(ctx context.Context, peer string, req RejoinRequest) (ViewMessage, error)
 	// StartJob starts a job as req.UID for a caller of peer; req is validated.
 	StartJob(ctx context.Context, peer string, req StartJobRequest) (StartJobReply, error)
+	// Coordinate runs one phase of a coordinated snapshot or rollback of a run; req is validated.
+	Coordinate(ctx context.Context, peer string, req CoordinateRequest) (CoordinateReply, error)
 }
 
 // ServerOptions configure a Server.
@@ -124,6 +126,12 @@ func NewServer(ctx context.Context, svc Service, opts ServerOptions) *Server {
 			return StartJobReply{}, &Error{Code: CodeBadRequest, Message: err.Error()}
 		}
 		return svc.StartJob(ctx, peer, req)
+	})
+	handle(s, OpCoordinate, MaxMessage, func(ctx context.Context, peer string, req CoordinateRequest) (CoordinateReply, error) {
+		if err := req.Validate(); err != nil {
+			return CoordinateReply{}, &Error{Code: CodeBadRequest, Message: err.Error()}
+		}
+		return svc.Coordinate(ctx, peer, req)
 	})
 	s.route(OpLogRange, s.logRange)
 	s.route(OpRecover, s.recover)

@@ -34,6 +34,8 @@ type StartJobRequest struct {
 	GID       uint32             `json:"gid"`
 	// JobAddress asks the target for an address of the job's own from its job_network.pool.
 	JobAddress bool `json:"job_address,omitempty"`
+	// Run is the run the job is a part of (agent.JobSpec.Run).
+	Run string `json:"run,omitempty"`
 }
 
 // StartJobPlacement is the run's membership (agent.Placement on the wire).
@@ -77,6 +79,9 @@ func (r StartJobRequest) Validate() error {
 	}
 	if !filepath.IsAbs(r.Dir) || filepath.Clean(r.Dir) != r.Dir {
 		return fmt.Errorf("start-job: working directory %q is not an absolute, clean path", r.Dir)
+	}
+	if r.Run != "" && !startJobNameRE.MatchString(r.Run) {
+		return fmt.Errorf("start-job: run %q: use up to 48 letters, digits, '.', '_' or '-'", r.Run)
 	}
 	if len(r.Interval) > 64 {
 		return errors.New("start-job: interval longer than 64 bytes")

@@ -50,7 +50,7 @@ func TestMigrate(t *testing.T) {
 	if err := c.StartAgent(ctx, "node4"); err != nil {
 		t.Fatal(err)
 	}
-	rg := startJobAddrRing(t, c, port, args)
+	rg := startJobAddrRing(t, c, port, args, "")
 	rg.waitProgress(t, progressEvery, 2*time.Minute)
 	before0 := rg.job(t, "node1", 0)
 
@@ -173,8 +173,9 @@ func TestMigrate(t *testing.T) {
 }
 
 // startJobAddrRing starts a two-rank ringstencil of args (gated near its end) on job addresses: rank 0 on
-// node1, rank 1 on node2, each on the first address of its host's pool; a failed test logs their output.
-func startJobAddrRing(t *testing.T, c *labcluster.Cluster, port int, args []string) *ring {
+// node1, rank 1 on node2, each on the first address of its host's pool; a failed test logs their output. Both
+// are jobs of run (none if "").
+func startJobAddrRing(t *testing.T, c *labcluster.Cluster, port int, args []string, run string) *ring {
 	t.Helper()
 	st := c.Lab.State()
 	addrs := []netip.Addr{labcluster.JobPool(st, "node1").Addr(), labcluster.JobPool(st, "node2").Addr()}
@@ -183,7 +184,7 @@ func startJobAddrRing(t *testing.T, c *labcluster.Cluster, port int, args []stri
 	rg := newRing(t, c, 2)
 	rg.release = release
 	for r, host := range []string{"node1", "node2"} {
-		j, err := c.Client(host).StartJob(context.Background(), agent.JobSpec{Name: fmt.Sprintf("rank%d", r), JobAddress: true,
+		j, err := c.Client(host).StartJob(context.Background(), agent.JobSpec{Name: fmt.Sprintf("rank%d", r), JobAddress: true, Run: run,
 			Argv: append([]string{bins.Ringstencil, "--rank", fmt.Sprint(r), "--peers", peers}, withGate...)})
 		if err != nil {
 			t.Fatal(err)
@@ -236,7 +237,7 @@ func TestHealthDrain(t *testing.T) {
 	}
 	c := newCluster(t, 3, 0, labcluster.Options{Interval: "1h", JobAddresses: true,
 		HealthCommand: []string{health, "{host}"}, HealthInterval: 200 * time.Millisecond})
-	rg := startJobAddrRing(t, c, port, args)
+	rg := startJobAddrRing(t, c, port, args, "")
 	stay, err := c.Client("node2").StartJob(ctx, agent.JobSpec{Name: "stay", Argv: []string{"/bin/sleep", "600"}})
 	if err != nil {
 		t.Fatal(err)

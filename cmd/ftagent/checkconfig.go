@@ -19,9 +19,9 @@ import (
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/fence"
-	"github.com/ftkit/ftkit/internal/sitecmd"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/internal/clustertls"
+	"github.com/ftkit/ftkit/internal/sitecmd"
 	"github.com/ftkit/ftkit/internal/version"
 )
 

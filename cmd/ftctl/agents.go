@@ -52,6 +52,8 @@ type agentClient interface {
 	Restore(ctx context.Context, req agent.RestoreRequest) (agent.Job, error)
 	Migrate(ctx context.Context, req agent.MigrateRequest) (agent.Migration, error)
 	Drain(ctx context.Context, req agent.DrainRequest) (agent.DrainResult, error)
+	Cut(ctx context.Context, run string) (agent.Cut, error)
+	Rollback(ctx context.Context, run string) (agent.Rollback, error)
 	Output(ctx context.Context, id, stream string, follow bool, w io.Writer) error
 	Signal(ctx context.Context, id string, sig syscall.Signal) error
 	AddSpare(ctx context.Context, req agent.SpareRequest) (ring.View, error)
@@ -420,6 +422,7 @@ func newSnapshotsCmd(t *target) *cobra.Command {
 func newCheckpointCmd(t *target) *cobra.Command {
 	var asJSON bool
 	var jobs []string
+	var run string
 	cmd := &cobra.Command{
 		Use:   "checkpoint",
 		Short: "Snapshot jobs now and ship the snapshots to the protector",
@@ -428,6 +431,12 @@ host's protector, and prune old snapshots. In semi-coordinated mode a host's job
 It fails if a snapshot could not be taken or did not reach the protector.`,
 		Args: cli.Args(cobra.NoArgs),
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if run != "" {
+				if len(jobs) > 0 {
+					return cli.Usagef("--run takes every job of the run: leave out --job")
+				}
+				return cutCmd(cmd, t, run, asJSON)
+			}
 			cs, err := t.clients()
 			if err != nil {
 				return err
@@ -494,6 +503,69 @@ It fails if a snapshot could not be taken or did not reach the protector.`,
 		},
 	}
 	cmd.Flags().StringSliceVar(&jobs, "job", nil, "job id (repeatable; default: every running job)")
+	cmd.Flags().StringVar(&run, "run", "", "take a coordinated snapshot of every job of this run, on every host, instead (root)")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+// cutCmd is `ftctl checkpoint --run RUN`: a coordinated snapshot of a run, coordinated by the agent asked.
+func cutCmd(cmd *cobra.Command, t *target, run string, asJSON bool) error {
+	c, err := t.one()
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(cmd.Context(), 15*time.Minute)
+	defer cancel()
+	cli.NewProgress(cmd.ErrOrStderr(), asJSON).Stage("%s: freezing every job of run %s on every host, dumping them, thawing them", hostName(c), run)
+	cut, err := c.client.Cut(ctx, run)
+	if err != nil {
+		return agentErr(err)
+	}
+	if asJSON {
+		return cli.PrintJSON(cmd.OutOrStdout(), cut)
+	}
+	fmt.Fprintf(cmd.OutOrStdout(), "run %s: coordinated snapshot %s of %d jobs, frozen %s\n", cut.Run, cut.ID, len(cut.Parts), cut.Frozen.Round(time.Millisecond))
+	for _, p := range cut.Parts {
+		fmt.Fprintf(cmd.OutOrStdout(), "  %s  job %s on %s\n", p.Snapshot, p.Job, p.Host)
+	}
+	return nil
+}
+
+func newRollbackCmd(t *target) *cobra.Command {
+	var run string
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "rollback --run RUN",
+		Short: "Roll every job of a run back to its newest coordinated snapshot",
+		Long: `Roll a whole run back to its newest coordinated snapshot (ftctl checkpoint --run): every job of the
+run, on every host, is killed without a word on the wire, then restored from its part of the snapshot
+on its host. For programs message logging cannot replay exactly (they decide from the clock, or from
+which messages had arrived). The run's timeline is in ftctl events.`,
+		Args: cli.Args(cobra.NoArgs),
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if run == "" {
+				return cli.Usagef("--run is required")
+			}
+			c, err := t.one()
+			if err != nil {
+				return err
+			}
+			ctx, cancel := context.WithTimeout(cmd.Context(), 15*time.Minute)
+			defer cancel()
+			cli.NewProgress(cmd.ErrOrStderr(), asJSON).Stage("%s: stopping every job of run %s, then restoring each from the run's coordinated snapshot", hostName(c), run)
+			r, err := c.client.Rollback(ctx, run)
+			if err != nil {
+				return agentErr(err)
+			}
+			if asJSON {
+				return cli.PrintJSON(cmd.OutOrStdout(), r)
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "run %s rolled back to %s: %d jobs restored, stopped %s (ftctl events --failure %s)\n",
+				r.Run, r.Cut, len(r.Parts), r.Stopped.Round(time.Millisecond), r.Event)
+			return nil
+		},
+	}
+	cmd.Flags().StringVar(&run, "run", "", "the run")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	return cmd
 }

@@ -320,6 +320,17 @@ func (h *clusterHost) Migrate(ctx context.Context, req agent.MigrateRequest) (ag
 	return decodeFrom[agent.Migration](h, "migration", rep.Migration)
 }
 
+// errRunOpsLocal: coordinated snapshots and rollbacks are not operator operations over the cluster yet.
+var errRunOpsLocal = errors.New("coordinated snapshots and rollbacks are asked of an agent's local socket (run ftctl on a member, as root); not over --cluster yet")
+
+func (h *clusterHost) Cut(context.Context, string) (agent.Cut, error) {
+	return agent.Cut{}, errRunOpsLocal
+}
+
+func (h *clusterHost) Rollback(context.Context, string) (agent.Rollback, error) {
+	return agent.Rollback{}, errRunOpsLocal
+}
+
 func (h *clusterHost) Drain(ctx context.Context, req agent.DrainRequest) (agent.DrainResult, error) {
 	rep, err := h.c.client.OperatorDrain(ctx, h.name, clusterapi.OperatorDrainRequest{To: req.To})
 	if err != nil {

@@ -58,7 +58,7 @@ Exit codes:
 	// On the root, so that `ftctl --cluster FILE status` reads as it is documented; only the commands that
 	// talk to agents use it.
 	root.PersistentFlags().StringVar(&t.cluster, "cluster", "", "talk to every agent of a cluster over mutual TLS with the operator certificate this `FILE` names (default $"+clusterEnv+"; see ftctl --help)")
-	for _, c := range []*cobra.Command{newStatusCmd(t), newSnapshotsCmd(t), newCheckpointCmd(t), newRestoreCmd(t), newMigrateCmd(t), newDrainCmd(t), newEventsCmd(t), newSpareCmd(t),
+	for _, c := range []*cobra.Command{newStatusCmd(t), newSnapshotsCmd(t), newCheckpointCmd(t), newRestoreCmd(t), newMigrateCmd(t), newRollbackCmd(t), newDrainCmd(t), newEventsCmd(t), newSpareCmd(t),
 		newJobsCmd(t), newLogsCmd(t), newKillCmd(t)} {
 		t.register(c)
 		root.AddCommand(c)

@@ -282,7 +282,7 @@ func (f *mpiRunFlags) run(ctx context.Context, labChosen bool, stdout, stderr io
 	if err != nil {
 		return err
 	}
-	wrap := []string{"--socket", p.socket, "--name", f.name + "-" + p.ranks[0]}
+	wrap := []string{"--socket", p.socket, "--name", f.name + "-" + p.ranks[0], "--run", f.name}
 	if f.jobAddrs {
 		wrap = append(wrap, "--job-address")
 	}
@@ -514,6 +514,7 @@ func newMPILaunchDaemonCmd(logs *cli.LogFlags) *cobra.Command {
 				Interval:   os.Getenv(envMPIInterval),
 				Placement:  placement,
 				JobAddress: os.Getenv(envMPIJobAddrs) == "1",
+				Run:        run,
 			}
 			var job agent.Job
 			if id != "" {

@@ -1,0 +1,676 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/internal/atomicfile"
+	"github.com/ftkit/ftkit/jobnet"
+	"github.com/ftkit/ftkit/restore"
+	"github.com/ftkit/ftkit/ring"
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// Coordinated snapshots ("cuts") and whole-run rollback (issue 11): for a program message logging cannot
+// replay exactly (it decides from the clock, or from which messages had arrived), the run's jobs, on
+// every host, are frozen before any is dumped and thawed only once all are: every byte between them is
+// then in exactly one snapshot's socket queues, which the coordinator checks from the snapshots'
+// sequence numbers before it records the cut. A rollback stops every job of the run (its address off the
+// wire first, so its peers see nothing) before any is restored from the cut, each on its host. Only jobs
+// with an address of their own take part: a job on its host's address cannot be killed silently, and its
+// restored sockets would meet the killed ones' in the host's tables.
+
+// KindRollback marks a whole-run rollback in the event log (Failure.Kind; Node: the coordinator).
+const KindRollback = "rollback"
+
+// Stages of a rollback.
+const (
+	StageStopped    = "stopped"
+	StageRolledBack = "restored from the cut"
+)
+
+// coordHoldMax is how long a host keeps a run's jobs frozen for a coordinator that does not come back
+// (crashed, cut off): then it thaws them by itself and the cut is given up.
+const coordHoldMax = time.Minute
+
+// cutAttempts is how often a coordinated snapshot is tried when its check finds a byte in no snapshot
+// (acknowledged by a receiver after its dump, before its sender's).
+const cutAttempts = 3
+
+// Cut is a coordinated snapshot of a run: one replicated snapshot per job.
+type Cut struct {
+	Run    string               `json:"run"`
+	ID     string               `json:"id"`
+	Taken  time.Time            `json:"taken"`
+	Frozen time.Duration        `json:"frozen_ns"` // from the first freeze to the last thaw
+	Parts  []clusterapi.CutPart `json:"parts"`
+}
+
+// RunRequest names a run for a coordinated snapshot or a rollback.
+type RunRequest struct {
+	Run string `json:"run"`
+}
+
+// Rollback is the outcome of a whole-run rollback.
+type Rollback struct {
+	Run     string               `json:"run"`
+	Cut     string               `json:"cut"`
+	Event   string               `json:"event"`
+	Stopped time.Duration        `json:"stopped_ns"` // from the first stop to the last restored job running
+	Parts   []clusterapi.CutPart `json:"parts"`
+}
+
+// ErrNoCut means a run has no coordinated snapshot this host knows of.
+var ErrNoCut = errors.New("no coordinated snapshot")
+
+// coordHolds are the runs whose jobs this host holds frozen for a coordinator, by run.
+type coordHolds struct {
+	mu sync.Mutex
+	m  map[string]*coordHold
+}
+
+type coordHold struct {
+	cut     string
+	jobs    []Job
+	dumped  []*ckpt.Manifest
+	timer   *time.Timer
+	release func() // gives back the agent's snapshot lock, once
+}
+
+func (h *coordHolds) take(run string) *coordHold {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	hold := h.m[run]
+	delete(h.m, run)
+	return hold
+}
+
+// CoordinatedSnapshot takes a cut of run across the cluster, with this agent as its coordinator (root
+// only: it freezes every job of the run, on every host).
+func (a *Agent) CoordinatedSnapshot(ctx context.Context, run string, uid uint32) (*Cut, error) {
+	if uid != 0 {
+		return nil, errors.New("a coordinated snapshot stops jobs on every host of a run: it is for root (the operator)")
+	}
+	if !jobNameRE.MatchString(run) {
+		return nil, fmt.Errorf("run %q: use up to 48 letters, digits, '.', '_' or '-'", run)
+	}
+	var errs []error
+	for range cutAttempts {
+		cut, err := a.takeCut(ctx, run)
+		var torn *tornCutError
+		if !errors.As(err, &torn) {
+			return cut, err
+		}
+		a.log.Warn("coordinated snapshot not consistent; taking it again", "run", run, "err", err)
+		errs = append(errs, err)
+	}
+	return nil, fmt.Errorf("run %s: %d coordinated snapshots in a row were not consistent: %w", run, cutAttempts, errors.Join(errs...))
+}
+
+// takeCut is one attempt: list, freeze, dump, thaw (and replicate), check, commit.
+func (a *Agent) takeCut(ctx context.Context, run string) (*Cut, error) {
+	hosts, err := a.runHosts(ctx, run)
+	if err != nil {
+		return nil, err
+	}
+	cut := &Cut{Run: run, ID: "cut-" + time.Now().UTC().Format("20060102T150405.000"), Taken: time.Now().UTC()}
+	req := func(phase clusterapi.CoordPhase) clusterapi.CoordinateRequest {
+		return clusterapi.CoordinateRequest{Run: run, Cut: cut.ID, Phase: phase}
+	}
+	abort := func(why error) error {
+		a.onHosts(context.WithoutCancel(ctx), hosts, func(string) clusterapi.CoordinateRequest { return req(clusterapi.CoordAbort) })
+		return fmt.Errorf("coordinated snapshot of run %s given up, its jobs thawed: %w", run, why)
+	}
+	start := time.Now()
+	if _, err := a.onHosts(ctx, hosts, func(string) clusterapi.CoordinateRequest { return req(clusterapi.CoordFreeze) }); err != nil {
+		return nil, abort(err)
+	}
+	dumped, err := a.onHosts(ctx, hosts, func(string) clusterapi.CoordinateRequest { return req(clusterapi.CoordDump) })
+	if err != nil {
+		return nil, abort(err)
+	}
+	// Thawing replicates the dumps: a cut is recorded only once every part of it is on a protector.
+	replicated, err := a.onHosts(ctx, hosts, func(string) clusterapi.CoordinateRequest { return req(clusterapi.CoordThaw) })
+	cut.Frozen = time.Since(start)
+	if err != nil {
+		return nil, fmt.Errorf("coordinated snapshot of run %s not recorded: %w", run, err)
+	}
+	var parts []clusterapi.CutPart
+	for _, h := range hosts {
+		parts = append(parts, dumped[h].Parts...)
+		if len(replicated[h].Parts) != len(dumped[h].Parts) {
+			return nil, fmt.Errorf("coordinated snapshot of run %s not recorded: %s replicated %d of its %d parts", run, h, len(replicated[h].Parts), len(dumped[h].Parts))
+		}
+	}
+	if err := checkCut(parts); err != nil {
+		return nil, err
+	}
+	for i := range parts {
+		parts[i].Conns = nil // checked; the record names the snapshots, which hold them
+	}
+	cut.Parts = parts
+	// Every alive member keeps the record, so that any of them can roll the run back.
+	var members []string
+	for _, m := range a.View().Members {
+		if m.State == ring.StateAlive {
+			members = append(members, m.Name)
+		}
+	}
+	commit := req(clusterapi.CoordCommit)
+	commit.Parts = parts
+	if _, err := a.onHosts(ctx, members, func(string) clusterapi.CoordinateRequest { return commit }); err != nil {
+		a.log.Warn("coordinated snapshot recorded on some members only", "run", run, "cut", cut.ID, "err", err)
+	}
+	a.log.Info("coordinated snapshot of a run", "run", run, "cut", cut.ID, "jobs", len(parts), "hosts", len(hosts), "frozen_ms", cut.Frozen.Milliseconds())
+	return cut, nil
+}
+
+// runHosts asks every alive member which of run's jobs it runs, and returns the members that run some.
+// A run's jobs must all belong to one user and have addresses of their own.
+func (a *Agent) runHosts(ctx context.Context, run string) ([]string, error) {
+	var alive []string
+	for _, m := range a.View().Members {
+		if m.State == ring.StateAlive {
+			alive = append(alive, m.Name)
+		}
+	}
+	listed, err := a.onHosts(ctx, alive, func(string) clusterapi.CoordinateRequest {
+		return clusterapi.CoordinateRequest{Run: run, Cut: "list", Phase: clusterapi.CoordList}
+	})
+	if err != nil {
+		return nil, fmt.Errorf("list the jobs of run %s: %w", run, err)
+	}
+	var hosts []string
+	for _, h := range alive {
+		if len(listed[h].Jobs) > 0 {
+			hosts = append(hosts, h)
+		}
+	}
+	if len(hosts) == 0 {
+		return nil, fmt.Errorf("%w: run %s has no running job on an alive member (a job joins a run with its spec's run, `ftctl mpirun` sets it)", ErrNoJob, run)
+	}
+	return hosts, nil
+}
+
+// onHosts runs the phase req(host) on each host at once (this agent's own directly) and returns the
+// replies by host; the error names every host that failed.
+func (a *Agent) onHosts(ctx context.Context, hosts []string, req func(host string) clusterapi.CoordinateRequest) (map[string]clusterapi.CoordinateReply, error) {
+	type result struct {
+		host string
+		rep  clusterapi.CoordinateReply
+		err  error
+	}
+	out := make(chan result, len(hosts))
+	for _, h := range hosts {
+		go func() {
+			r := req(h)
+			var rep clusterapi.CoordinateReply
+			var err error
+			if h == a.cfg.Name {
+				rep, err = a.serveCoordinate(ctx, h, r)
+			} else {
+				rep, err = a.peers().Coordinate(ctx, h, r)
+			}
+			if err != nil {
+				err = fmt.Errorf("%s on %s: %w", r.Phase, h, err)
+			}
+			out <- result{h, rep, err}
+		}()
+	}
+	reps := map[string]clusterapi.CoordinateReply{}
+	var errs []error
+	for range hosts {
+		r := <-out
+		reps[r.host] = r.rep
+		errs = append(errs, r.err)
+	}
+	return reps, errors.Join(errs...)
+}
+
+// tornCutError is a cut whose snapshots do not fit together; another attempt may succeed.
+type tornCutError struct{ problems []string }
+
+func (e *tornCutError) Error() string {
+	return "the snapshots do not fit together: " + strings.Join(e.problems, "; ")
+}
+
+// checkCut checks that parts restore the run's connections whole: each connection's other end is in the
+// cut, and every byte its sender wrote is either in the sender's send queue (not yet acknowledged) or
+// received by the other end, never neither (the receiver's dump came before it arrived and the sender's
+// after the acknowledgment) and never received beyond what was written. A connection to a job outside the
+// run is refused: a rollback could not restore its other end.
+func checkCut(parts []clusterapi.CutPart) error {
+	type end struct {
+		job string
+		c   ckpt.Conn
+	}
+	ends := map[tcpflow.Tuple]end{}
+	for _, p := range parts {
+		for _, c := range p.Conns {
+			ends[c.Tuple] = end{p.Job, c}
+		}
+	}
+	var outside, torn []string
+	for _, p := range parts {
+		for _, s := range p.Conns {
+			r, ok := ends[s.Reverse()]
+			if !ok {
+				outside = append(outside, fmt.Sprintf("job %s's connection %s -> %s", p.Job, s.Local, s.Remote))
+				continue
+			}
+			// s sends to r: s has written up to OutqSeq, of which the last OutqLen bytes are not acknowledged.
+			una, written, rcvd := s.OutqSeq-s.OutqLen, s.OutqSeq, r.c.InqSeq
+			switch {
+			case int32(rcvd-una) < 0:
+				torn = append(torn, fmt.Sprintf("%s -> %s: bytes %d..%d acknowledged by job %s after its dump, in neither snapshot", s.Local, s.Remote, rcvd, una, r.job))
+			case int32(written-rcvd) < 0:
+				torn = append(torn, fmt.Sprintf("%s -> %s: job %s received up to %d, beyond what job %s had written (%d)", s.Local, s.Remote, r.job, rcvd, p.Job, written))
+			}
+		}
+	}
+	if len(outside) > 0 {
+		slices.Sort(outside)
+		return fmt.Errorf("%w: a rollback could not restore the other end of %s: it is not a job of the run", ErrNotMovable, strings.Join(outside, ", "))
+	}
+	if len(torn) > 0 {
+		slices.Sort(torn)
+		return &tornCutError{torn}
+	}
+	return nil
+}
+
+// Rollback rolls run back to its newest cut this host knows: every job of the run is stopped, then each
+// is restored from its part of the cut on its host (root only).
+func (a *Agent) Rollback(ctx context.Context, run string, uid uint32) (*Rollback, error) {
+	if uid != 0 {
+		return nil, errors.New("a rollback kills and restores jobs on every host of a run: it is for root (the operator)")
+	}
+	cut, err := a.loadCut(run)
+	if err != nil {
+		return nil, err
+	}
+	byHost := map[string][]clusterapi.CutPart{}
+	var hosts []string
+	for _, p := range cut.Parts {
+		t := cmpOr(p.Target, p.Host)
+		if m, ok := a.member(t); !ok || m.State != ring.StateAlive {
+			return nil, fmt.Errorf("run %s not rolled back: %s, which holds job %s's part of cut %s, is not alive (a rollback onto a spare is not built yet)", run, t, p.Job, cut.ID)
+		}
+		if _, ok := byHost[t]; !ok {
+			hosts = append(hosts, t)
+		}
+		byHost[t] = append(byHost[t], p)
+	}
+	start := time.Now()
+	id := fmt.Sprintf("%s-rollback-%s", run, start.UTC().Format("20060102T150405.000"))
+	var jobs []string
+	for _, p := range cut.Parts {
+		jobs = append(jobs, p.Job)
+	}
+	a.failures.update(id, func(f *Failure) {
+		f.Kind, f.Node, f.Protector, f.LastBeat, f.Detected, f.Jobs = KindRollback, a.cfg.Name, a.cfg.Name, start, start, jobs
+	})
+	stage := func(name string, from time.Time, hosts []string, err error) {
+		a.failures.update(id, func(f *Failure) {
+			f.Stages = append(f.Stages, Stage{Name: name, Host: strings.Join(hosts, ","), Start: from, End: time.Now(), Detail: "cut " + cut.ID, Error: errString(err)})
+		})
+		a.saveFailures()
+	}
+	res := &Rollback{Run: run, Cut: cut.ID, Event: id, Parts: cut.Parts}
+	phase := func(p clusterapi.CoordPhase) func(string) clusterapi.CoordinateRequest {
+		return func(h string) clusterapi.CoordinateRequest {
+			return clusterapi.CoordinateRequest{Run: run, Cut: cut.ID, Phase: p, Parts: byHost[h]}
+		}
+	}
+	// Every job stops before any is restored: a restored job must never exchange with a live old one.
+	_, err = a.onHosts(ctx, hosts, phase(clusterapi.CoordStop))
+	stage(StageStopped, start, hosts, err)
+	if err == nil {
+		from := time.Now()
+		_, err = a.onHosts(ctx, hosts, phase(clusterapi.CoordRestore))
+		stage(StageRolledBack, from, hosts, err)
+	}
+	res.Stopped = time.Since(start)
+	if err != nil {
+		err = fmt.Errorf("rollback of run %s to cut %s failed: %w; `ftctl status` on its hosts shows which jobs run", run, cut.ID, err)
+	}
+	a.failures.update(id, func(f *Failure) {
+		f.Done, f.Error = true, errString(err)
+	})
+	a.saveFailures()
+	a.pushView(ctx)
+	if err != nil {
+		return nil, err
+	}
+	a.log.Info("run rolled back to its coordinated snapshot", "run", run, "cut", cut.ID, "jobs", len(cut.Parts), "ms", res.Stopped.Milliseconds())
+	return res, nil
+}
+
+func cmpOr(a, b string) string {
+	if a != "" {
+		return a
+	}
+	return b
+}
+
+// serveCoordinate runs one phase for a coordinator (peer; this agent itself when it coordinates).
+func (a *Agent) serveCoordinate(ctx context.Context, peer string, req clusterapi.CoordinateRequest) (clusterapi.CoordinateReply, error) {
+	if peer != a.cfg.Name {
+		if m, ok := a.member(peer); !ok || m.State != ring.StateAlive {
+			return clusterapi.CoordinateReply{}, &clusterapi.Error{Code: clusterapi.CodeRefused,
+				Message: fmt.Sprintf("coordinate from %s: not an alive member in this host's view", peer)}
+		}
+	}
+	switch req.Phase {
+	case clusterapi.CoordList:
+		var rep clusterapi.CoordinateReply
+		for _, j := range a.runJobs(req.Run) {
+			rep.Jobs = append(rep.Jobs, j.ID)
+		}
+		return rep, a.checkRunJobs(req.Run)
+	case clusterapi.CoordFreeze:
+		return a.coordFreeze(ctx, req)
+	case clusterapi.CoordDump:
+		return a.coordDump(ctx, req)
+	case clusterapi.CoordThaw, clusterapi.CoordAbort:
+		return a.coordThaw(ctx, req.Run, req.Cut, req.Phase == clusterapi.CoordThaw)
+	case clusterapi.CoordCommit:
+		return clusterapi.CoordinateReply{}, a.saveCut(Cut{Run: req.Run, ID: req.Cut, Taken: time.Now().UTC(), Parts: req.Parts})
+	case clusterapi.CoordStop:
+		return clusterapi.CoordinateReply{}, a.rollbackStop(ctx, req.Parts)
+	case clusterapi.CoordRestore:
+		return clusterapi.CoordinateReply{}, a.rollbackRestore(ctx, req.Parts)
+	}
+	return clusterapi.CoordinateReply{}, fmt.Errorf("no phase %q", req.Phase)
+}
+
+// runJobs are this host's running jobs of run.
+func (a *Agent) runJobs(run string) []Job {
+	var out []Job
+	for _, j := range a.Jobs(0) {
+		if j.State == JobRunning && j.Spec.Run == run {
+			out = append(out, j)
+		}
+	}
+	return out
+}
+
+// checkRunJobs refuses a run whose jobs here cannot take part in a cut.
+func (a *Agent) checkRunJobs(run string) error {
+	for _, j := range a.runJobs(run) {
+		if j.Net == nil {
+			return fmt.Errorf("%w: job %s of run %s uses %s's host address: coordinated snapshots and rollbacks need jobs with addresses of their own (job_address, `ftctl mpirun --job-addresses`)",
+				ErrNotMovable, j.ID, run, a.cfg.Name)
+		}
+	}
+	return nil
+}
+
+// coordFreeze freezes this host's jobs of the run and holds them (and the agent's snapshot lock) until
+// the coordinator's thaw, or coordHoldMax.
+func (a *Agent) coordFreeze(ctx context.Context, req clusterapi.CoordinateRequest) (clusterapi.CoordinateReply, error) {
+	if err := a.checkRunJobs(req.Run); err != nil {
+		return clusterapi.CoordinateReply{}, err
+	}
+	for _, j := range a.runJobs(req.Run) {
+		if err := a.waitPagesIn(ctx, j.ID); err != nil { // before the freeze: a dump needs every page in
+			return clusterapi.CoordinateReply{}, err
+		}
+	}
+	a.coord.mu.Lock()
+	if h, ok := a.coord.m[req.Run]; ok {
+		a.coord.mu.Unlock()
+		return clusterapi.CoordinateReply{}, fmt.Errorf("a coordinated snapshot of run %s is under way here (%s)", req.Run, h.cut)
+	}
+	hold := &coordHold{cut: req.Cut}
+	if a.coord.m == nil {
+		a.coord.m = map[string]*coordHold{}
+	}
+	a.coord.m[req.Run] = hold
+	a.coord.mu.Unlock()
+	a.ckptMu.Lock() // no scheduled snapshot, migration or drain of these jobs until they thaw
+	hold.release = sync.OnceFunc(a.ckptMu.Unlock)
+	hold.jobs = a.runJobs(req.Run)
+	var cgroups []string
+	for _, j := range hold.jobs {
+		if err := setFrozen(j.Cgroup, true); err != nil {
+			a.coordThaw(ctx, req.Run, req.Cut, false)
+			return clusterapi.CoordinateReply{}, fmt.Errorf("freeze job %s: %w", j.ID, err)
+		}
+		cgroups = append(cgroups, j.Cgroup)
+	}
+	if err := waitFrozen(ctx, cgroups, freezeTimeout); err != nil {
+		a.coordThaw(ctx, req.Run, req.Cut, false)
+		return clusterapi.CoordinateReply{}, err
+	}
+	hold.timer = time.AfterFunc(coordHoldMax, func() {
+		if _, err := a.coordThaw(context.Background(), req.Run, req.Cut, false); err == nil {
+			a.log.Error("coordinator of a coordinated snapshot did not come back: the run's jobs thawed here", "run", req.Run, "cut", req.Cut, "after", coordHoldMax)
+		}
+	})
+	var rep clusterapi.CoordinateReply
+	for _, j := range hold.jobs {
+		rep.Jobs = append(rep.Jobs, j.ID)
+	}
+	return rep, nil
+}
+
+// coordDump dumps the frozen jobs of the run, leaving them frozen.
+func (a *Agent) coordDump(ctx context.Context, req clusterapi.CoordinateRequest) (clusterapi.CoordinateReply, error) {
+	a.coord.mu.Lock()
+	hold := a.coord.m[req.Run]
+	a.coord.mu.Unlock()
+	if hold == nil || hold.cut != req.Cut {
+		return clusterapi.CoordinateReply{}, fmt.Errorf("run %s is not frozen here for cut %s (thawed after %s without word from its coordinator?)", req.Run, req.Cut, coordHoldMax)
+	}
+	hold.timer.Stop() // a dump takes as long as it needs; the wait for the thaw starts again after it
+	defer hold.timer.Reset(coordHoldMax)
+	var rep clusterapi.CoordinateReply
+	for _, j := range hold.jobs {
+		m, err := a.snapshot(ctx, j, true)
+		if err != nil {
+			return clusterapi.CoordinateReply{}, fmt.Errorf("dump job %s: %w", j.ID, err)
+		}
+		hold.dumped = append(hold.dumped, m)
+		rep.Parts = append(rep.Parts, clusterapi.CutPart{Job: j.ID, Host: a.cfg.Name, Snapshot: m.ID, Conns: m.Conns})
+	}
+	return rep, nil
+}
+
+// coordThaw ends the hold of the run for cut: its jobs thaw, and with replicate the dumps are shipped to
+// the jobs' protectors (the reply names those that arrived). Without a hold, nothing happens.
+func (a *Agent) coordThaw(ctx context.Context, run, cut string, replicate bool) (clusterapi.CoordinateReply, error) {
+	a.coord.mu.Lock()
+	hold := a.coord.m[run]
+	if hold == nil || hold.cut != cut {
+		a.coord.mu.Unlock()
+		if replicate {
+			return clusterapi.CoordinateReply{}, fmt.Errorf("run %s is not frozen here for cut %s", run, cut)
+		}
+		return clusterapi.CoordinateReply{}, nil
+	}
+	delete(a.coord.m, run)
+	a.coord.mu.Unlock()
+	if hold.timer != nil {
+		hold.timer.Stop()
+	}
+	for _, j := range hold.jobs {
+		a.thaw(j)
+	}
+	if hold.release != nil {
+		hold.release()
+	}
+	var rep clusterapi.CoordinateReply
+	if !replicate {
+		return rep, nil
+	}
+	placements := map[string]*Placement{}
+	for _, j := range hold.jobs {
+		placements[j.ID] = j.Spec.Placement
+	}
+	var errs []error
+	for _, r := range a.replicate(ctx, hold.dumped, placements) {
+		if !r.Shipped {
+			errs = append(errs, fmt.Errorf("snapshot %s of job %s not replicated: %s", r.Manifest.ID, r.Manifest.Job, r.ShipErr))
+			continue
+		}
+		rep.Parts = append(rep.Parts, clusterapi.CutPart{Job: r.Manifest.Job, Host: a.cfg.Name, Snapshot: r.Manifest.ID})
+	}
+	return rep, errors.Join(errs...)
+}
+
+// cutPath is where this host keeps the newest cut of run it was told of.
+func (a *Agent) cutPath(run string) string {
+	return filepath.Join(a.cfg.StateDir, "cuts", run+".json")
+}
+
+func (a *Agent) saveCut(c Cut) error {
+	if !jobNameRE.MatchString(c.Run) {
+		return fmt.Errorf("run %q is no run's name", c.Run)
+	}
+	if err := os.MkdirAll(filepath.Dir(a.cutPath(c.Run)), privateDir); err != nil {
+		return fmt.Errorf("record cut %s of run %s: %w", c.ID, c.Run, err)
+	}
+	if err := atomicfile.WriteJSON(a.cutPath(c.Run), c); err != nil {
+		return fmt.Errorf("record cut %s of run %s: %w", c.ID, c.Run, err)
+	}
+	return nil
+}
+
+// loadCut reads the newest cut of run recorded here, and validates it as it came from another member.
+func (a *Agent) loadCut(run string) (*Cut, error) {
+	if !jobNameRE.MatchString(run) {
+		return nil, fmt.Errorf("run %q: use up to 48 letters, digits, '.', '_' or '-'", run)
+	}
+	b, err := readBounded(a.cutPath(run), clusterapi.MaxMessage)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("%w of run %s is recorded on %s: take one with `ftctl checkpoint --run %s`", ErrNoCut, run, a.cfg.Name, run)
+	}
+	var c Cut
+	if err == nil {
+		err = json.Unmarshal(b, &c)
+	}
+	if err == nil {
+		err = clusterapi.CoordinateRequest{Run: c.Run, Cut: c.ID, Phase: clusterapi.CoordCommit, Parts: c.Parts}.Validate()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("cut record of run %s on %s: %w", run, a.cfg.Name, err)
+	}
+	return &c, nil
+}
+
+// rollbackStop checks that this host holds every part's snapshot, then takes each part's job off the host
+// as a migration does (address first, then shim and processes), and drops what the host logged of the
+// jobs' connections: after the rollback they send those sequence numbers again.
+func (a *Agent) rollbackStop(ctx context.Context, parts []clusterapi.CutPart) error {
+	var ms []*ckpt.Manifest
+	for _, p := range parts {
+		m, err := a.store.Verify(ctx, p.Job, p.Snapshot)
+		if err != nil {
+			return fmt.Errorf("nothing stopped: part %s of job %s: %w", p.Snapshot, p.Job, err)
+		}
+		ms = append(ms, m)
+	}
+	a.ckptMu.Lock()
+	defer a.ckptMu.Unlock()
+	var errs []error
+	for i, p := range parts {
+		j, _, err := a.Job(p.Job, 0)
+		if err == nil && j.State == JobRunning {
+			if err := a.leaveHost(ctx, j, a.cfg.Name); err != nil {
+				errs = append(errs, err)
+				continue
+			}
+		}
+		if a.netlog != nil {
+			for _, c := range ms[i].Conns {
+				a.netlog.node.Log().Remove(c.Tuple)
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// rollbackRestore restores each part's job on this host from its snapshot, fetched from the part's
+// source if this host lacks it. The job's network is made and guarded before CRIU rebuilds its sockets:
+// a peer restored first retransmits to it, and must meet dropped packets, never a reset.
+func (a *Agent) rollbackRestore(ctx context.Context, parts []clusterapi.CutPart) error {
+	var errs []error
+	for _, p := range parts {
+		if err := a.rollbackJob(ctx, p); err != nil {
+			errs = append(errs, fmt.Errorf("job %s: %w", p.Job, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func (a *Agent) rollbackJob(ctx context.Context, p clusterapi.CutPart) error {
+	if _, err := a.store.Manifest(p.Job, p.Snapshot); err != nil && p.Source != "" {
+		if err := a.fetch(ctx, p.Job, p.Snapshot, p.Source, p.Source); err != nil {
+			return err
+		}
+	}
+	m, err := a.store.Verify(ctx, p.Job, p.Snapshot)
+	if err != nil {
+		return err
+	}
+	j, err := a.snapshotJob(m)
+	if err != nil {
+		return err
+	}
+	if j.ID != m.Job || j.Net == nil {
+		return fmt.Errorf("snapshot %s carries the record of job %q (network %v): not a part of a cut", m.ID, j.ID, j.Net)
+	}
+	holder := newHolder("rollback")
+	n, err := a.claimForRestore(ctx, j, m, holder, true) // the run's jobs were stopped: none runs
+	if err != nil {
+		return err
+	}
+	j.Incarnation = n
+	defer a.setBusy("rollback")()
+	work, err := a.workCopy(m)
+	if err == nil {
+		err = a.guardJobNet(ctx, j, m, work)
+	}
+	if err != nil {
+		os.RemoveAll(work)
+		a.giveBack(ctx, j.ID, n, holder, nil)
+		return err
+	}
+	if _, err := a.restoreJob(ctx, m, j, work); err != nil {
+		a.giveBackUnlessStarted(ctx, j, n, holder, err)
+		return err
+	}
+	return nil
+}
+
+// guardJobNet makes job j's network on this host (restoreJob finds it made) and drops every packet of the
+// snapshot's connections in it until CRIU's restore of the dump in work has rebuilt them and removes the
+// guard (restore.Guard).
+func (a *Agent) guardJobNet(ctx context.Context, j Job, m *ckpt.Manifest, work string) error {
+	runID, err := restore.RunID(work)
+	if err != nil {
+		return err
+	}
+	n := *j.Net
+	n.Name = jobNetName(a.cfg.Name, j.ID)
+	if err := a.createJobNet(ctx, &n); err != nil {
+		return err
+	}
+	if err := jobnet.Do(n.Name, func() error { return restore.Guard(ctx, runID, m.Conns) }); err != nil {
+		a.deleteJobNet(ctx, j.ID, &n)
+		return fmt.Errorf("guard the connections of job %s: %w", j.ID, err)
+	}
+	return nil
+}

@@ -1,0 +1,55 @@
+package agent
+
+import (
+	"errors"
+	"net/netip"
+	"strings"
+	"testing"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// TestCheckCut: a cut is recorded only if every byte between its jobs is in exactly one place: in its
+// sender's send queue (not acknowledged) or received by the other end.
+func TestCheckCut(t *testing.T) {
+	a := netip.MustParseAddrPort("10.77.1.2:7000")
+	b := netip.MustParseAddrPort("10.77.1.3:41000")
+	conn := func(local, remote netip.AddrPort, inq, outq, outqLen uint32) ckpt.Conn {
+		return ckpt.Conn{Tuple: tcpflow.Tuple{Local: local, Remote: remote}, InqSeq: inq, OutqSeq: outq, OutqLen: outqLen}
+	}
+	cut := func(ca, cb ckpt.Conn) []clusterapi.CutPart {
+		return []clusterapi.CutPart{{Job: "ja", Conns: []ckpt.Conn{ca}}, {Job: "jb", Conns: []ckpt.Conn{cb}}}
+	}
+	for _, tt := range []struct {
+		name  string
+		parts []clusterapi.CutPart
+		torn  string // "" = consistent
+		other string // a refusal that is not a torn cut
+	}{
+		// a wrote up to 1000, b received up to 1000; b wrote up to 5000, a received it all.
+		{"quiet", cut(conn(a, b, 5000, 1000, 0), conn(b, a, 1000, 5000, 0)), "", ""},
+		// a's last 200 bytes not acknowledged; b received 100 of them: the other 100 are re-sent by a.
+		{"in flight, sender holds them", cut(conn(a, b, 5000, 1000, 200), conn(b, a, 900, 5000, 0)), "", ""},
+		{"sequence numbers wrap", cut(conn(a, b, 5000, 100, 300), conn(b, a, 4294967200, 5000, 0)), "", ""},
+		// b's dump came before 100 bytes arrived; a's after their acknowledgment: in neither.
+		{"acknowledged after the receiver's dump", cut(conn(a, b, 5000, 1000, 0), conn(b, a, 900, 5000, 0)), "in neither snapshot", ""},
+		{"received beyond what was written", cut(conn(a, b, 5000, 1000, 0), conn(b, a, 1100, 5000, 0)), "beyond what job ja had written", ""},
+		{"a connection leaving the run", []clusterapi.CutPart{{Job: "ja", Conns: []ckpt.Conn{conn(a, b, 1, 1, 0)}}}, "", "not a job of the run"},
+		{"no connections", []clusterapi.CutPart{{Job: "ja"}, {Job: "jb"}}, "", ""},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			err := checkCut(tt.parts)
+			var torn *tornCutError
+			switch {
+			case tt.torn == "" && tt.other == "" && err != nil:
+				t.Fatalf("refused: %v", err)
+			case tt.torn != "" && (!errors.As(err, &torn) || !strings.Contains(err.Error(), tt.torn)):
+				t.Fatalf("got %v, want a torn cut naming %q", err, tt.torn)
+			case tt.other != "" && (err == nil || errors.As(err, &torn) || !strings.Contains(err.Error(), tt.other)):
+				t.Fatalf("got %v, want a refusal naming %q (not retried)", err, tt.other)
+			}
+		})
+	}
+}
