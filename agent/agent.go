@@ -238,6 +238,9 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 	if spec.Run != "" && !jobNameRE.MatchString(spec.Run) {
 		return nil, fmt.Errorf("run %q: use up to 48 letters, digits, '.', '_' or '-'", spec.Run)
 	}
+	if err := spec.checkRecovery(); err != nil {
+		return nil, err
+	}
 	if spec.Name == "" {
 		spec.Name = defaultJobName(spec.Argv)
 	}
@@ -472,6 +475,7 @@ func (a *Agent) Run(ctx context.Context, local LocalAPI) error {
 	defer ms.Close()
 	go a.watchJobs(ctx)
 	go a.schedule(ctx)
+	go a.scheduleCuts(ctx)
 	go a.checkConns(ctx)
 	go a.controlLog(ctx)
 	go a.sendBeats(ctx)

@@ -300,18 +300,6 @@ func (a *Agent) Rollback(ctx context.Context, run string, uid uint32) (*Rollback
 	if err != nil {
 		return nil, err
 	}
-	byHost := map[string][]clusterapi.CutPart{}
-	var hosts []string
-	for _, p := range cut.Parts {
-		t := cmpOr(p.Target, p.Host)
-		if m, ok := a.member(t); !ok || m.State != ring.StateAlive {
-			return nil, fmt.Errorf("run %s not rolled back: %s, which holds job %s's part of cut %s, is not alive (a rollback onto a spare is not built yet)", run, t, p.Job, cut.ID)
-		}
-		if _, ok := byHost[t]; !ok {
-			hosts = append(hosts, t)
-		}
-		byHost[t] = append(byHost[t], p)
-	}
 	start := time.Now()
 	id := fmt.Sprintf("%s-rollback-%s", run, start.UTC().Format("20060102T150405.000"))
 	var jobs []string
@@ -321,30 +309,12 @@ func (a *Agent) Rollback(ctx context.Context, run string, uid uint32) (*Rollback
 	a.failures.update(id, func(f *Failure) {
 		f.Kind, f.Node, f.Protector, f.LastBeat, f.Detected, f.Jobs = KindRollback, a.cfg.Name, a.cfg.Name, start, start, jobs
 	})
-	stage := func(name string, from time.Time, hosts []string, err error) {
-		a.failures.update(id, func(f *Failure) {
-			f.Stages = append(f.Stages, Stage{Name: name, Host: strings.Join(hosts, ","), Start: from, End: time.Now(), Detail: "cut " + cut.ID, Error: errString(err)})
-		})
+	emit := func(st Stage) {
+		a.failures.update(id, func(f *Failure) { f.Stages = append(f.Stages, st) })
 		a.saveFailures()
 	}
-	res := &Rollback{Run: run, Cut: cut.ID, Event: id, Parts: cut.Parts}
-	phase := func(p clusterapi.CoordPhase) func(string) clusterapi.CoordinateRequest {
-		return func(h string) clusterapi.CoordinateRequest {
-			return clusterapi.CoordinateRequest{Run: run, Cut: cut.ID, Phase: p, Parts: byHost[h]}
-		}
-	}
-	// Every job stops before any is restored: a restored job must never exchange with a live old one.
-	_, err = a.onHosts(ctx, hosts, phase(clusterapi.CoordStop))
-	stage(StageStopped, start, hosts, err)
-	if err == nil {
-		from := time.Now()
-		_, err = a.onHosts(ctx, hosts, phase(clusterapi.CoordRestore))
-		stage(StageRolledBack, from, hosts, err)
-	}
-	res.Stopped = time.Since(start)
-	if err != nil {
-		err = fmt.Errorf("rollback of run %s to cut %s failed: %w; `ftctl status` on its hosts shows which jobs run", run, cut.ID, err)
-	}
+	err = a.rollbackCut(ctx, cut, emit)
+	res := &Rollback{Run: run, Cut: cut.ID, Event: id, Parts: cut.Parts, Stopped: time.Since(start)}
 	a.failures.update(id, func(f *Failure) {
 		f.Done, f.Error = true, errString(err)
 	})
@@ -353,8 +323,46 @@ func (a *Agent) Rollback(ctx context.Context, run string, uid uint32) (*Rollback
 	if err != nil {
 		return nil, err
 	}
-	a.log.Info("run rolled back to its coordinated snapshot", "run", run, "cut", cut.ID, "jobs", len(cut.Parts), "ms", res.Stopped.Milliseconds())
 	return res, nil
+}
+
+// rollbackCut stops every job of cut's run, on every host, then restores each from its part: on the
+// part's Target if set (a spare in place of a failed host), else on its Host. emit gets the stages.
+func (a *Agent) rollbackCut(ctx context.Context, cut *Cut, emit func(Stage)) error {
+	byHost := map[string][]clusterapi.CutPart{}
+	var hosts []string
+	for _, p := range cut.Parts {
+		t := cmpOr(p.Target, p.Host)
+		if m, ok := a.member(t); !ok || m.State != ring.StateAlive {
+			return fmt.Errorf("run %s not rolled back: %s, which holds job %s's part of cut %s, is not alive", cut.Run, t, p.Job, cut.ID)
+		}
+		if _, ok := byHost[t]; !ok {
+			hosts = append(hosts, t)
+		}
+		byHost[t] = append(byHost[t], p)
+	}
+	stage := func(name string, from time.Time, err error) {
+		emit(Stage{Name: name, Host: strings.Join(hosts, ","), Start: from, End: time.Now(), Detail: fmt.Sprintf("run %s, cut %s", cut.Run, cut.ID), Error: errString(err)})
+	}
+	phase := func(p clusterapi.CoordPhase) func(string) clusterapi.CoordinateRequest {
+		return func(h string) clusterapi.CoordinateRequest {
+			return clusterapi.CoordinateRequest{Run: cut.Run, Cut: cut.ID, Phase: p, Parts: byHost[h]}
+		}
+	}
+	// Every job stops before any is restored: a restored job must never exchange with a live old one.
+	start := time.Now()
+	_, err := a.onHosts(ctx, hosts, phase(clusterapi.CoordStop))
+	stage(StageStopped, start, err)
+	if err == nil {
+		from := time.Now()
+		_, err = a.onHosts(ctx, hosts, phase(clusterapi.CoordRestore))
+		stage(StageRolledBack, from, err)
+	}
+	if err != nil {
+		return fmt.Errorf("rollback of run %s to cut %s failed: %w; `ftctl status` on its hosts shows which jobs run", cut.Run, cut.ID, err)
+	}
+	a.log.Info("run rolled back to its coordinated snapshot", "run", cut.Run, "cut", cut.ID, "jobs", len(cut.Parts), "hosts", hosts, "ms", time.Since(start).Milliseconds())
+	return nil
 }
 
 func cmpOr(a, b string) string {
@@ -483,7 +491,7 @@ func (a *Agent) coordDump(ctx context.Context, req clusterapi.CoordinateRequest)
 			return clusterapi.CoordinateReply{}, fmt.Errorf("dump job %s: %w", j.ID, err)
 		}
 		hold.dumped = append(hold.dumped, m)
-		rep.Parts = append(rep.Parts, clusterapi.CutPart{Job: j.ID, Host: a.cfg.Name, Snapshot: m.ID, Conns: m.Conns})
+		rep.Parts = append(rep.Parts, clusterapi.CutPart{Job: j.ID, Host: a.cfg.Name, Snapshot: m.ID, Recovery: j.Spec.Recovery, Conns: m.Conns})
 	}
 	return rep, nil
 }
@@ -570,12 +578,19 @@ func (a *Agent) loadCut(run string) (*Cut, error) {
 	return &c, nil
 }
 
-// rollbackStop checks that this host holds every part's snapshot, then takes each part's job off the host
+// rollbackStop checks that this host holds every part's snapshot (fetching those of parts it restores in
+// place of a failed host), then takes each part's job off the host
 // as a migration does (address first, then shim and processes), and drops what the host logged of the
 // jobs' connections: after the rollback they send those sequence numbers again.
 func (a *Agent) rollbackStop(ctx context.Context, parts []clusterapi.CutPart) error {
 	var ms []*ckpt.Manifest
 	for _, p := range parts {
+		if _, err := a.store.Manifest(p.Job, p.Snapshot); err != nil && p.Target == a.cfg.Name && p.Target != p.Host {
+			// In place of a failed host: its part comes from a member that holds a copy.
+			if err := a.fetch(ctx, p.Job, p.Snapshot, p.Source, p.Source); err != nil {
+				return fmt.Errorf("nothing stopped: part %s of job %s: %w", p.Snapshot, p.Job, err)
+			}
+		}
 		m, err := a.store.Verify(ctx, p.Job, p.Snapshot)
 		if err != nil {
 			return fmt.Errorf("nothing stopped: part %s of job %s: %w", p.Snapshot, p.Job, err)
@@ -602,26 +617,32 @@ func (a *Agent) rollbackStop(ctx context.Context, parts []clusterapi.CutPart) er
 	return errors.Join(errs...)
 }
 
-// rollbackRestore restores each part's job on this host from its snapshot, fetched from the part's
-// source if this host lacks it. The job's network is made and guarded before CRIU rebuilds its sockets:
+// rollbackRestore restores each part's job on this host from its snapshot. The job's network is made and guarded before CRIU rebuilds its sockets:
 // a peer restored first retransmits to it, and must meet dropped packets, never a reset.
 func (a *Agent) rollbackRestore(ctx context.Context, parts []clusterapi.CutPart) error {
 	var errs []error
+	var restored []string
 	for _, p := range parts {
 		if err := a.rollbackJob(ctx, p); err != nil {
 			errs = append(errs, fmt.Errorf("job %s: %w", p.Job, err))
+			continue
 		}
+		restored = append(restored, p.Job)
+	}
+	if len(restored) > 0 {
+		// Protected again at once: the snapshots taken since the cut are of an execution that is gone (a
+		// restore from one is refused: its incarnation was superseded).
+		go func() {
+			if _, err := a.Checkpoint(context.WithoutCancel(ctx), restored, 0); err != nil {
+				a.log.Warn("snapshot after a rollback failed; the scheduler retries", "jobs", restored, "err", err)
+			}
+		}()
 	}
 	return errors.Join(errs...)
 }
 
 func (a *Agent) rollbackJob(ctx context.Context, p clusterapi.CutPart) error {
-	if _, err := a.store.Manifest(p.Job, p.Snapshot); err != nil && p.Source != "" {
-		if err := a.fetch(ctx, p.Job, p.Snapshot, p.Source, p.Source); err != nil {
-			return err
-		}
-	}
-	m, err := a.store.Verify(ctx, p.Job, p.Snapshot)
+	m, err := a.store.Manifest(p.Job, p.Snapshot) // verified by the stop phase
 	if err != nil {
 		return err
 	}
@@ -673,4 +694,171 @@ func (a *Agent) guardJobNet(ctx context.Context, j Job, m *ckpt.Manifest, work s
 		return fmt.Errorf("guard the connections of job %s: %w", j.ID, err)
 	}
 	return nil
+}
+
+// pinnedSnapshots are job's snapshots that a cut recorded here names: retention keeps them.
+func (a *Agent) pinnedSnapshots(job string) []string {
+	var out []string
+	for _, c := range a.cuts() {
+		for _, p := range c.Parts {
+			if p.Job == job {
+				out = append(out, p.Snapshot)
+			}
+		}
+	}
+	return out
+}
+
+// cuts are the cuts recorded here, one per run.
+func (a *Agent) cuts() []*Cut {
+	des, err := os.ReadDir(filepath.Join(a.cfg.StateDir, "cuts"))
+	if err != nil {
+		return nil
+	}
+	var out []*Cut
+	for _, de := range des {
+		run, ok := strings.CutSuffix(de.Name(), ".json")
+		if !ok || !de.Type().IsRegular() {
+			continue
+		}
+		if c, err := a.loadCut(run); err == nil {
+			out = append(out, c)
+		} else {
+			a.log.Warn("unreadable cut record", "run", run, "err", err)
+		}
+	}
+	return out
+}
+
+// cutWith is the recorded cut one of whose parts is job's, or nil.
+func (a *Agent) cutWith(job string) (*Cut, clusterapi.CutPart) {
+	for _, c := range a.cuts() {
+		for _, p := range c.Parts {
+			if p.Job == job {
+				return c, p
+			}
+		}
+	}
+	return nil, clusterapi.CutPart{}
+}
+
+// coordinatedJobs splits a failed host's jobs: those whose run rolls back as a whole without trying
+// message logging (RecoveryCoordinated, with a cut recorded here), and the others.
+func (a *Agent) coordinatedJobs(jobs []RecoverJob) (logging []RecoverJob, coordinated []string) {
+	for _, j := range jobs {
+		if c, p := a.cutWith(j.Job); c != nil && p.Recovery == RecoveryCoordinated {
+			coordinated = append(coordinated, j.Job)
+			continue
+		}
+		logging = append(logging, j)
+	}
+	return logging, coordinated
+}
+
+// rollbackAfterFailure recovers the failed host's jobs whose runs roll back as a whole: those in
+// coordinated mode, and, if message logging failed (mlErr), those in auto mode. Each such run rolls back
+// to its cut, the failed host's parts on target. It returns what is left unrecovered (nil if every
+// job of the failed host runs again).
+func (a *Agent) rollbackAfterFailure(ctx context.Context, failed, target string, jobs []RecoverJob, coordinated []string, mlErr error, emit func(Stage)) error {
+	runs := map[string]*Cut{}
+	var order []string
+	rolled := map[string]bool{}
+	for _, j := range jobs {
+		c, p := a.cutWith(j.Job)
+		switch {
+		case c == nil:
+			continue
+		case slices.Contains(coordinated, j.Job), mlErr != nil && p.Recovery == RecoveryAuto:
+		default:
+			continue
+		}
+		if _, ok := runs[c.Run]; !ok {
+			runs[c.Run] = c
+			order = append(order, c.Run)
+		}
+	}
+	if len(order) == 0 {
+		return mlErr
+	}
+	var errs []error
+	for _, run := range order {
+		c := runs[run]
+		for i, p := range c.Parts {
+			if p.Host == failed || p.Target == failed {
+				c.Parts[i].Target = target
+				c.Parts[i].Source = ""
+				if _, err := a.store.Manifest(p.Job, p.Snapshot); err == nil {
+					c.Parts[i].Source = a.cfg.Name
+				}
+			}
+		}
+		why := "coordinated mode"
+		if mlErr != nil {
+			why = "message logging failed: " + mlErr.Error()
+		}
+		a.log.Warn("rolling a whole run back to its coordinated snapshot", "run", run, "cut", c.ID, "failed", failed, "target", target, "why", why)
+		if err := a.rollbackCut(ctx, c, emit); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		for _, p := range c.Parts {
+			rolled[p.Job] = true
+		}
+	}
+	// A job neither message logging nor a rollback brought back keeps message logging's error.
+	for _, j := range jobs {
+		if !rolled[j.Job] && (mlErr != nil || slices.Contains(coordinated, j.Job)) {
+			return errors.Join(append(errs, mlErr)...)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// scheduleCuts takes the coordinated snapshots of the runs of this host's jobs in coordinated or auto
+// mode, at their jobs' interval since the run's newest cut. Of the hosts that run a part of a run, the
+// first by name coordinates; the others only take part.
+func (a *Agent) scheduleCuts(ctx context.Context) {
+	tried := map[string]time.Time{} // by run: the last attempt this host coordinated or declined
+	every(ctx, time.Second, func() {
+		now := time.Now()
+		due := map[string]time.Duration{}
+		for _, j := range a.Jobs(0) {
+			if j.State != JobRunning || !j.Spec.rollsBackRun() || j.LazyWork != "" {
+				continue
+			}
+			iv := a.jobInterval(j.ID)
+			if cur, ok := due[j.Spec.Run]; !ok || iv < cur {
+				due[j.Spec.Run] = iv
+			}
+		}
+		for run, iv := range due {
+			last := tried[run]
+			if c, err := a.loadCut(run); err == nil && c.Taken.After(last) {
+				last = c.Taken
+			}
+			if now.Sub(last) < iv {
+				continue
+			}
+			tried[run] = now
+			hosts, err := a.runHosts(ctx, run)
+			if err != nil || slices.Min(hosts) != a.cfg.Name {
+				continue // another host coordinates (or the run cannot be listed now: next interval)
+			}
+			if _, err := a.CoordinatedSnapshot(ctx, run, 0); err != nil {
+				a.log.Warn("scheduled coordinated snapshot failed; retrying at the next interval", "run", run, "err", err)
+			}
+		}
+		for run := range tried {
+			if _, ok := due[run]; !ok {
+				delete(tried, run)
+			}
+		}
+	})
+}
+
+// rollsBack reports whether job's run rolls back as a whole when the job's message-logging recovery fails
+// (auto mode, and a cut of the run is recorded here).
+func (a *Agent) rollsBack(job string) bool {
+	c, p := a.cutWith(job)
+	return c != nil && p.Recovery == RecoveryAuto
 }

@@ -145,10 +145,19 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 		a.log.Info("recovery stage", "failure", id, "stage", st.Name, "job", st.Job, "host", st.Host,
 			"ms", st.Duration().Milliseconds(), "detail", st.Detail, "err", st.Error)
 	}
-	if target == a.cfg.Name {
-		err = a.recoverJobs(ctx, req, emit)
-	} else {
-		err = a.remoteRecover(ctx, target, req, emit)
+	// Jobs whose runs roll back as a whole (coordinated mode) skip message logging; in auto mode a failed
+	// one falls back to that rollback.
+	var coordinated []string
+	req.Jobs, coordinated = a.coordinatedJobs(jobs)
+	if len(req.Jobs) > 0 {
+		if target == a.cfg.Name {
+			err = a.recoverJobs(ctx, req, emit)
+		} else {
+			err = a.remoteRecover(ctx, target, req, emit)
+		}
+	}
+	if err != nil || len(coordinated) > 0 {
+		err = a.rollbackAfterFailure(ctx, s.Name, target, jobs, coordinated, err, emit)
 	}
 	return errors.Join(append(errs, err)...)
 }

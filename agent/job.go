@@ -49,6 +49,41 @@ type JobSpec struct {
 	// Run names the run (the MPI job, the pipeline) the job is a part of: coordinated snapshots and
 	// rollbacks take every running job of a run, on every host, together (coordinated.go).
 	Run string `json:"run,omitempty"`
+	// Recovery is how a failure of the job's host is recovered: RecoveryLogging (the default), or, for a
+	// job of a run with an address of its own, RecoveryCoordinated or RecoveryAuto.
+	Recovery string `json:"recovery,omitempty"`
+}
+
+// Recovery modes (JobSpec.Recovery).
+const (
+	// RecoveryLogging: only the failed host's jobs roll back; their peers' logs replay what they had
+	// received (""; "message-logging" is accepted for it).
+	RecoveryLogging = "message-logging"
+	// RecoveryCoordinated: the whole run rolls back to its newest coordinated snapshot (the failed host's
+	// jobs on a spare), which the run takes at the jobs' interval; no replay.
+	RecoveryCoordinated = "coordinated"
+	// RecoveryAuto: message logging, and when a restored job's re-execution diverges (it re-sends other
+	// bytes, or never what its peers had received), the coordinated rollback of the whole run.
+	RecoveryAuto = "auto"
+)
+
+// checkRecovery refuses a recovery mode the job cannot have.
+func (s JobSpec) checkRecovery() error {
+	switch s.Recovery {
+	case "", RecoveryLogging:
+		return nil
+	case RecoveryCoordinated, RecoveryAuto:
+		if s.Run == "" || !s.JobAddress {
+			return fmt.Errorf("recovery %q rolls a whole run back: the job needs a run and an address of its own (ftwrap --run R --job-address, ftctl mpirun --job-addresses)", s.Recovery)
+		}
+		return nil
+	}
+	return fmt.Errorf("recovery %q: use %s, %s or %s", s.Recovery, RecoveryLogging, RecoveryCoordinated, RecoveryAuto)
+}
+
+// rollsBackRun reports whether a failure of the job's host may roll its whole run back.
+func (s JobSpec) rollsBackRun() bool {
+	return s.Run != "" && (s.Recovery == RecoveryCoordinated || s.Recovery == RecoveryAuto)
 }
 
 // MaxPlacementHosts bounds a placement's lists: a placement arrives from a user and from other agents.

@@ -350,6 +350,15 @@ func (a *Agent) killJob(id string, why error) {
 	if err != nil || j.State != JobRunning {
 		return
 	}
+	if a.rollsBack(id) {
+		// Its run rolls back to its cut (rollbackAfterFailure): take it off this host without a word to its
+		// peers or an exit record, as a rollback stops a job.
+		a.log.Error("restored job is not transparently recoverable: stopping it for its run's rollback", "job", id, "run", j.Spec.Run, "err", why)
+		if err := a.leaveHost(context.Background(), j, a.cfg.Name); err != nil {
+			a.log.Error("could not stop restored job", "job", id, "err", err)
+		}
+		return
+	}
 	a.log.Error("killing restored job: it is not transparently recoverable", "job", id, "pid", j.PID, "err", why)
 	if err := unix.Kill(j.PID, unix.SIGKILL); err != nil && !errors.Is(err, unix.ESRCH) {
 		a.log.Error("could not kill restored job", "job", id, "pid", j.PID, "err", err)

@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -60,7 +61,9 @@ const freezeTimeout = 10 * time.Second
 func (a *Agent) schedule(ctx context.Context) {
 	s := newSnapScheduler(a.cfg.Checkpoint.Mode == SemiCoordinated)
 	every(ctx, 100*time.Millisecond, func() {
-		due, keys, fresh := s.due(a.Jobs(0), time.Now(), a.jobInterval)
+		// A job in coordinated mode is snapshotted with its run (scheduleCuts) once its first snapshot is in.
+		jobs := slices.DeleteFunc(a.Jobs(0), func(j Job) bool { return j.Spec.Recovery == RecoveryCoordinated && j.Protected() })
+		due, keys, fresh := s.due(jobs, time.Now(), a.jobInterval)
 		for _, id := range fresh {
 			a.log.Info("job has no replica yet: snapshotting it now", "job", id)
 		}

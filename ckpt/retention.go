@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 )
 
 // Prune applies retention to job, per node of origin. For this node's own
@@ -11,8 +12,10 @@ import (
 // some newer one is replicated, so the last replicated copy is never lost
 // here. For copies received from another node (whose Replicas name the
 // sender, which says nothing about this copy) the rule of PruneReceived
-// applies, without a known-verified snapshot. It returns the ids it deleted.
-func (s *Store) Prune(ctx context.Context, job string, keep int) ([]string, error) {
+// applies, without a known-verified snapshot. The pinned snapshots (a run's
+// coordinated snapshot) are kept whatever their age. It returns the ids it
+// deleted.
+func (s *Store) Prune(ctx context.Context, job string, keep int, pinned ...string) ([]string, error) {
 	if keep < 1 {
 		return nil, fmt.Errorf("prune %s: keep must be at least 1, got %d", job, keep)
 	}
@@ -35,9 +38,9 @@ func (s *Store) Prune(ctx context.Context, job string, keep int) ([]string, erro
 		var d []string
 		var err error
 		if node == s.node {
-			d, err = s.pruneOwn(ctx, job, byNode[node], keep)
+			d, err = s.pruneOwn(ctx, job, byNode[node], keep, pinned)
 		} else {
-			d, err = s.pruneReceived(ctx, job, byNode[node], keep, "")
+			d, err = s.pruneReceived(ctx, job, byNode[node], keep, "", pinned)
 		}
 		deleted = append(deleted, d...)
 		if ctx.Err() != nil {
@@ -59,7 +62,7 @@ func (s *Store) Prune(ctx context.Context, job string, keep int) ([]string, erro
 // counts as verified without hashing it again; copies newer than it are
 // verified in full, which happens only when snapshots arrive out of order.
 // It returns the ids it deleted.
-func (s *Store) PruneReceived(ctx context.Context, job, node string, keep int, fresh string) ([]string, error) {
+func (s *Store) PruneReceived(ctx context.Context, job, node string, keep int, fresh string, pinned ...string) ([]string, error) {
 	if keep < 1 {
 		return nil, fmt.Errorf("prune %s: keep must be at least 1, got %d", job, keep)
 	}
@@ -73,7 +76,7 @@ func (s *Store) PruneReceived(ctx context.Context, job, node string, keep int, f
 	if err != nil {
 		return nil, err
 	}
-	deleted, err := s.pruneReceived(ctx, job, ids, keep, fresh)
+	deleted, err := s.pruneReceived(ctx, job, ids, keep, fresh, pinned)
 	if err != nil && ctx.Err() != nil {
 		err = fmt.Errorf("prune %s: %w", job, ctx.Err())
 	}
@@ -81,7 +84,7 @@ func (s *Store) PruneReceived(ctx context.Context, job, node string, keep int, f
 }
 
 // pruneOwn applies the replicated rule to this node's snapshots (newest first).
-func (s *Store) pruneOwn(ctx context.Context, job string, group []string, keep int) ([]string, error) {
+func (s *Store) pruneOwn(ctx context.Context, job string, group []string, keep int, pinned []string) ([]string, error) {
 	var deleted []string
 	var errs []error
 	newerReplicated := false
@@ -91,7 +94,7 @@ func (s *Store) pruneOwn(ctx context.Context, job string, group []string, keep i
 		}
 		// An unreadable manifest counts as not replicated.
 		m, merr := s.Manifest(job, id)
-		if i >= keep && newerReplicated {
+		if i >= keep && newerReplicated && !slices.Contains(pinned, id) {
 			if err := s.Delete(job, id); err != nil {
 				errs = append(errs, err)
 				continue
@@ -108,7 +111,7 @@ func (s *Store) pruneOwn(ctx context.Context, job string, group []string, keep i
 }
 
 // pruneReceived applies the verified rule to received copies (newest first).
-func (s *Store) pruneReceived(ctx context.Context, job string, group []string, keep int, fresh string) ([]string, error) {
+func (s *Store) pruneReceived(ctx context.Context, job string, group []string, keep int, fresh string, pinned []string) ([]string, error) {
 	if len(group) <= keep {
 		return nil, nil // nothing to delete: spare the hashing
 	}
@@ -139,6 +142,9 @@ func (s *Store) pruneReceived(ctx context.Context, job string, group []string, k
 	for _, id := range group[max(keep, anchor+1):] {
 		if err := ctx.Err(); err != nil {
 			return deleted, err
+		}
+		if slices.Contains(pinned, id) {
+			continue
 		}
 		if err := s.Delete(job, id); err != nil {
 			errs = append(errs, err)

@@ -422,13 +422,15 @@ func TestPrune(t *testing.T) {
 		replicated  []bool
 		keep        int
 		wantDeleted []int // indexes, newest = 0
+		pinned      []int // indexes of pinned snapshots (a run's coordinated snapshot)
 	}{
-		{"none replicated keeps all", []bool{false, false, false, false, false}, 2, nil},
-		{"newest replicated", []bool{true, false, false, false, false}, 2, []int{2, 3, 4}},
-		{"only an old one replicated", []bool{false, false, true, false, false}, 1, []int{3, 4}},
-		{"replicated one beyond keep is itself kept", []bool{false, true, false}, 1, []int{2}},
-		{"fewer than keep", []bool{true, true}, 3, nil},
-		{"keep one, all replicated", []bool{true, true, true}, 1, []int{1, 2}},
+		{"none replicated keeps all", []bool{false, false, false, false, false}, 2, nil, nil},
+		{"newest replicated", []bool{true, false, false, false, false}, 2, []int{2, 3, 4}, nil},
+		{"only an old one replicated", []bool{false, false, true, false, false}, 1, []int{3, 4}, nil},
+		{"replicated one beyond keep is itself kept", []bool{false, true, false}, 1, []int{2}, nil},
+		{"fewer than keep", []bool{true, true}, 3, nil, nil},
+		{"keep one, all replicated", []bool{true, true, true}, 1, []int{1, 2}, nil},
+		{"a pinned one is kept", []bool{true, true, true, true}, 1, []int{1, 3}, []int{2}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -444,7 +446,11 @@ func TestPrune(t *testing.T) {
 					}
 				}
 			}
-			deleted, err := s.Prune(context.Background(), "job", tc.keep)
+			var pinned []string
+			for _, i := range tc.pinned {
+				pinned = append(pinned, ids[i])
+			}
+			deleted, err := s.Prune(context.Background(), "job", tc.keep, pinned...)
 			if err != nil {
 				t.Fatal(err)
 			}

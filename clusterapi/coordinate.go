@@ -48,6 +48,9 @@ type CutPart struct {
 	Snapshot string `json:"snapshot"`
 	Target   string `json:"target,omitempty"`
 	Source   string `json:"source,omitempty"`
+	// Recovery is the job's recovery mode (agent.JobSpec.Recovery): whether a failure of its host rolls the
+	// run back to the cut by itself.
+	Recovery string `json:"recovery,omitempty"`
 	// Conns are the snapshot's connections, for the coordinator's check of the cut (dump's reply only).
 	Conns []ckpt.Conn `json:"conns,omitempty"`
 }
@@ -89,6 +92,9 @@ func (p CutPart) validate() error {
 	}
 	if _, err := ckpt.ParseID(p.Snapshot); err != nil {
 		return fmt.Errorf("part %s: snapshot: %w", p.Job, err)
+	}
+	if len(p.Recovery) > 64 {
+		return fmt.Errorf("part %s: recovery mode longer than 64 bytes", p.Job)
 	}
 	if err := clustertls.ValidateMemberName(p.Host); err != nil {
 		return fmt.Errorf("part %s: host: %w", p.Job, err)

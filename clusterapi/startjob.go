@@ -36,6 +36,8 @@ type StartJobRequest struct {
 	JobAddress bool `json:"job_address,omitempty"`
 	// Run is the run the job is a part of (agent.JobSpec.Run).
 	Run string `json:"run,omitempty"`
+	// Recovery is the job's recovery mode (agent.JobSpec.Recovery; the agent checks it).
+	Recovery string `json:"recovery,omitempty"`
 }
 
 // StartJobPlacement is the run's membership (agent.Placement on the wire).
@@ -83,8 +85,8 @@ func (r StartJobRequest) Validate() error {
 	if r.Run != "" && !startJobNameRE.MatchString(r.Run) {
 		return fmt.Errorf("start-job: run %q: use up to 48 letters, digits, '.', '_' or '-'", r.Run)
 	}
-	if len(r.Interval) > 64 {
-		return errors.New("start-job: interval longer than 64 bytes")
+	if len(r.Interval) > 64 || len(r.Recovery) > 64 {
+		return errors.New("start-job: interval or recovery longer than 64 bytes")
 	}
 	return r.Placement.Validate()
 }

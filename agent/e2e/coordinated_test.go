@@ -2,6 +2,11 @@ package e2e
 
 import (
 	"context"
+	"encoding/json"
+	"fmt"
+	"net/netip"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -9,6 +14,7 @@ import (
 
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/lab/labcluster"
 )
 
@@ -85,5 +91,66 @@ func TestCoordinatedRollback(t *testing.T) {
 	checkRanks(t, rg.wait(t, 3*time.Minute), want)
 	if err := c.Client("node2").Signal(ctx, other.ID, 9); err != nil {
 		t.Error(err)
+	}
+}
+
+// TestAutoRollback: a two-rank ping-pong whose rank 1 draws each block's bytes from the wall clock
+// (testdata/nondet --clock: message logging cannot recover it), on job addresses, as run "nd" in auto
+// mode: its jobs take snapshots of their own for message logging and, every interval, the run a
+// coordinated one (scheduled by node1, the first of its hosts). node2 crashes. Message logging restores
+// rank 1 on spare1, which re-sends other bytes than rank 0 had received; instead of failing, the
+// recovery rolls the whole run back to its cut: rank 0 on node1 and rank 1 on spare1, each from its part.
+// The run then completes: rank 0 received exactly what rank 1 sent (one execution's checksum on both
+// sides), and the failure's timeline says what happened and why.
+func TestAutoRollback(t *testing.T) {
+	const port = 7491
+	ctx := context.Background()
+	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", JobAddresses: true})
+	st := c.Lab.State()
+	peer := netip.AddrPortFrom(labcluster.JobPool(st, "node1").Addr(), port).String()
+	args, release := gated(t, []string{"--iters", "700", "--block", fmt.Sprint(64 << 10), "--delay", "10ms", "--clock", "--progress", "50"}, 680)
+	rg := newRing(t, c, 2)
+	rg.release = release
+	for r, host := range []string{"node1", "node2"} {
+		j, err := c.Client(host).StartJob(ctx, agent.JobSpec{Name: fmt.Sprintf("nd%d", r), JobAddress: true, Run: "nd", Recovery: agent.RecoveryAuto,
+			Interval: "3s", Argv: append([]string{bins.Nondet, "--rank", fmt.Sprint(r), "--peer", peer}, args...)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { removeJobNets(t, j.ID) })
+		rg.jobs[r] = j
+	}
+	// A scheduled cut, recorded on every member, and the ranks well past it.
+	var cut agent.Cut
+	poll(t, 2*time.Minute, "a scheduled coordinated snapshot of run nd", func() bool {
+		b, err := os.ReadFile(filepath.Join(labcluster.StateDir(st.ID, "spare1"), "cuts", "nd.json"))
+		return err == nil && json.Unmarshal(b, &cut) == nil && len(cut.Parts) == 2
+	})
+	t.Logf("cut %s: %+v", cut.ID, cut.Parts)
+	time.Sleep(time.Second) // a second of traffic after the cut, which the rollback takes back
+	if err := c.Lab.Crash(ctx, "node2"); err != nil {
+		t.Fatal(err)
+	}
+	f := waitFailure(t, c, "node2", 5*time.Minute)
+	logTimeline(t, f)
+	if f.Error != "" || f.Target != "spare1" {
+		t.Fatalf("recovery of node2: target %s, error %q; want the run rolled back with rank 1 on spare1", f.Target, f.Error)
+	}
+	if s := stageOf(t, f, agent.StageReplayed); !strings.Contains(s.Error, "not deterministic") {
+		t.Errorf("replay stage %+v: want message logging's refusal of rank 1's other bytes (why the run rolled back)", s)
+	}
+	rolled := stageOf(t, f, agent.StageRolledBack)
+	if rolled.Error != "" || !strings.Contains(rolled.Detail, "run nd") {
+		t.Errorf("rollback stage %+v, want run nd restored from its cut", rolled)
+	}
+	for r, host := range []string{"node1", "spare1"} {
+		j := rg.job(t, host, r)
+		if j.State != agent.JobRunning || !slices.ContainsFunc(cut.Parts, func(p clusterapi.CutPart) bool { return p.Snapshot == j.Restored }) {
+			t.Errorf("rank %d on %s: %+v, want it running from its part of cut %s", r, host, j, cut.ID)
+		}
+	}
+	outs := rg.wait(t, 3*time.Minute)
+	if s0, s1 := checksumOf(t, outs[0]), checksumOf(t, outs[1]); s0 != s1 {
+		t.Errorf("rank 0 received checksum %s, rank 1 sent %s: the rolled-back run is not one execution", s0, s1)
 	}
 }

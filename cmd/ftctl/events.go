@@ -125,6 +125,10 @@ func printFailure(w io.Writer, f *agent.Failure) {
 		state = strings.NewReplacer("recovering", "moving", "NOT RECOVERED", "NOT MOVED", "recovered", "moved").Replace(state)
 		fmt.Fprintf(w, "migration %s: jobs %v from %s to %s, %s\n", f.ID, f.Jobs, f.Node, f.Target, state)
 		total = "total from the freeze"
+	case agent.KindRollback:
+		state = strings.NewReplacer("recovering", "rolling back", "NOT RECOVERED", "NOT ROLLED BACK", "recovered", "rolled back").Replace(state)
+		fmt.Fprintf(w, "rollback %s: jobs %v to their coordinated snapshot, asked on %s, %s\n", f.ID, f.Jobs, f.Node, state)
+		total = "total"
 	case agent.KindDrain:
 		state = strings.NewReplacer("recovering", "draining", "NOT RECOVERED", "NOT DRAINED", "recovered", "drained").Replace(state)
 		fmt.Fprintf(w, "drain %s: node %s, jobs %v, %s\n", f.ID, f.Node, f.Jobs, state)

@@ -38,6 +38,7 @@ const (
 	envMPIInterval  = "FTKIT_MPI_INTERVAL"  // the jobs' checkpoint interval ("" = the agents')
 	envMPIPlacement = "FTKIT_MPI_PLACEMENT" // the run's hosts and spares, JSON ("" = the cluster ring's)
 	envMPIJobAddrs  = "FTKIT_MPI_JOB_ADDRS" // "1": every host's job runs on a job address of its own
+	envMPIRecovery  = "FTKIT_MPI_RECOVERY"  // the jobs' recovery mode ("" = message logging)
 )
 
 // envAgentSocket names the local agent's socket (as for ftwrap); a Slurm TaskProlog may set it.
@@ -52,6 +53,7 @@ const eagerLimit = "67108864"
 
 type mpiRunFlags struct {
 	labID, impl, name, interval, mpirun string
+	recovery                            string
 	hostfile, socket, dir, net          string
 	np, spares                          int
 	eagerOnly, jobAddrs                 bool
@@ -98,6 +100,7 @@ Output and exit status are mpirun's, as with ftwrap.`,
 	cmd.Flags().StringVar(&f.impl, "impl", "openmpi", "MPI implementation: openmpi or mpich")
 	cmd.Flags().StringVar(&f.name, "name", "", "run name; the jobs are NAME-HOST (default: mpi-RANDOM)")
 	cmd.Flags().StringVar(&f.interval, "interval", "", "the jobs' checkpoint interval: a duration or auto (default: the agents')")
+	cmd.Flags().StringVar(&f.recovery, "recovery", "", "after a host failure: message-logging (default), coordinated (the whole run rolls back to its coordinated snapshot, taken at --interval) or auto (message logging, and the whole run's rollback if a restored rank diverges); the last two need --job-addresses")
 	cmd.Flags().BoolVar(&f.jobAddrs, "job-addresses", false, "run every host's part of the run (MPI daemon, ranks, PMIx) on a job address of its own, which moves with it when the host fails (docs/job-addresses.md)")
 	cmd.Flags().BoolVar(&f.eagerOnly, "eager-only", true, "send messages eagerly, without rendezvous (Open MPI: up to 64 MiB; MPICH: UCX_RNDV_THRESH=inf; see docs/mpi.md)")
 	cmd.Flags().StringVar(&f.mpirun, "mpirun", "", "the MPI launcher (default: mpirun.openmpi or mpiexec.mpich)")
@@ -289,6 +292,9 @@ func (f *mpiRunFlags) run(ctx context.Context, labChosen bool, stdout, stderr io
 	if f.interval != "" {
 		wrap = append(wrap, "--interval", f.interval)
 	}
+	if f.recovery != "" {
+		wrap = append(wrap, "--recovery", f.recovery)
+	}
 	var placement []byte
 	if p.placement != nil {
 		wrap = append(wrap, "--placement-hosts", strings.Join(p.placement.Hosts, ","))
@@ -301,9 +307,9 @@ func (f *mpiRunFlags) run(ctx context.Context, labChosen bool, stdout, stderr io
 	}
 	cmd := exec.CommandContext(ctx, ftwrap, append(append(wrap, "--"), argv...)...)
 	cmd.Stdout, cmd.Stderr = stdout, stderr
-	cmd.Env = append(withoutEnv(os.Environ(), "TMPDIR", envMPILab, envMPISocket, envMPIRun, envMPIDir, envMPIInterval, envMPIPlacement, envMPIJobAddrs),
+	cmd.Env = append(withoutEnv(os.Environ(), "TMPDIR", envMPILab, envMPISocket, envMPIRun, envMPIDir, envMPIInterval, envMPIPlacement, envMPIJobAddrs, envMPIRecovery),
 		"TMPDIR="+filepath.Join(dir, "tmp", p.ranks[0]), envMPIRun+"="+f.name,
-		envMPIDir+"="+dir, envMPIInterval+"="+f.interval, envMPIPlacement+"="+string(placement))
+		envMPIDir+"="+dir, envMPIInterval+"="+f.interval, envMPIPlacement+"="+string(placement), envMPIRecovery+"="+f.recovery)
 	if f.jobAddrs {
 		cmd.Env = append(cmd.Env, envMPIJobAddrs+"=1")
 	}
@@ -515,6 +521,7 @@ func newMPILaunchDaemonCmd(logs *cli.LogFlags) *cobra.Command {
 				Placement:  placement,
 				JobAddress: os.Getenv(envMPIJobAddrs) == "1",
 				Run:        run,
+				Recovery:   os.Getenv(envMPIRecovery),
 			}
 			var job agent.Job
 			if id != "" {

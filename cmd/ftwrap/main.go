@@ -31,7 +31,7 @@ func main() { os.Exit(cli.Main(newRoot())) }
 
 func newRoot() *cobra.Command {
 	var logs cli.LogFlags
-	var name, interval, socket, run string
+	var name, interval, socket, run, recovery string
 	var jobAddress bool
 	var placeHosts, placeSpares []string
 	root := &cobra.Command{
@@ -63,7 +63,7 @@ started, 255 the job was lost without an exit status.`,
 			if err != nil {
 				return err
 			}
-			spec := agent.JobSpec{Name: name, Argv: args, Env: os.Environ(), Dir: cwd, Interval: interval, JobAddress: jobAddress, Run: run}
+			spec := agent.JobSpec{Name: name, Argv: args, Env: os.Environ(), Dir: cwd, Interval: interval, JobAddress: jobAddress, Run: run, Recovery: recovery}
 			if len(placeHosts) > 0 || len(placeSpares) > 0 {
 				spec.Placement = &agent.Placement{Hosts: placeHosts, Spares: placeSpares}
 				if err := spec.Placement.Validate(); err != nil {
@@ -78,6 +78,7 @@ started, 255 the job was lost without an exit status.`,
 	root.Flags().BoolVar(&jobAddress, "job-address", false, "run the job on an address of its own from the agent's job_network.pool, which moves with the job when its host fails")
 	root.Flags().StringVar(&interval, "interval", "", "checkpoint interval: a duration such as 30s, or auto (default: the agent's)")
 	root.Flags().StringVar(&socket, "socket", "", "the local agent's socket")
+	root.Flags().StringVar(&recovery, "recovery", "", "after a failure of the job's host: message-logging (default: only that host's jobs roll back), coordinated (the whole --run rolls back to its coordinated snapshot), or auto (message logging, and the coordinated rollback if a restored job diverges)")
 	root.Flags().StringVar(&run, "run", "", "the run (MPI job, pipeline) this job is a part of: `ftctl checkpoint --run` snapshots all its jobs together and `ftctl rollback` rolls them back together")
 	// A run of several jobs (ftctl mpirun) names its own hosts and spares; alone, a job has the ring's.
 	root.Flags().StringSliceVar(&placeHosts, "placement-hosts", nil, "the hosts of the run this job is part of, in order (comma-separated member names)")

@@ -124,6 +124,9 @@ type Jobs interface {
 	State(id string) (state string, running bool)
 	// Kill stops a restored job that cannot continue.
 	Kill(id string, why error)
+	// RollsBack reports whether a job that cannot continue is set aside for its whole run's rollback
+	// (auto mode): then its peers are left as they are, for the rollback to restore, never reset.
+	RollsBack(id string) bool
 	// Reprotect snapshots the jobs and ships the snapshot to this host's protector.
 	Reprotect(ctx context.Context, ids []string) (string, error)
 }

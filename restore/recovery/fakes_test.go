@@ -41,6 +41,7 @@ type fake struct {
 	// Jobs.
 	claimErr, restoreErr error
 	ended                bool // the restored job ended by itself
+	rollsBack            bool // RollsBack's answer
 	claimed              []uint64
 	givenBack, unlessSt  []string
 	restored, killed     []string
@@ -188,6 +189,8 @@ func (f *fake) State(id string) (string, bool) {
 	}
 	return "running", true
 }
+
+func (f *fake) RollsBack(string) bool { return f.rollsBack }
 
 func (f *fake) Kill(id string, _ error) {
 	f.mu.Lock()

@@ -47,7 +47,7 @@ func ReplayAndVerify(ctx context.Context, d Deps, j *Job) (string, error) {
 		err = fmt.Errorf("%w (its receive calls were replayed in the recorded order: it decides from something else, such as which messages had arrived when it checked, as MPI_Waitany and MPI_ANY_SOURCE do, or the clock; or a crash took the determinants of its last receives: docs/receive-order.md)", err)
 	}
 	if err != nil {
-		abandon(d, j)
+		abandon(d, j, !d.Jobs.RollsBack(j.ID))
 		d.Jobs.Kill(j.ID, err)
 	}
 	return detail, err
@@ -56,9 +56,10 @@ func ReplayAndVerify(ctx context.Context, d Deps, j *Job) (string, error) {
 // abandon lets go of a restored job that is about to be killed: the ACK clamp stops holding its flows'
 // peer ACKs down (else the RST this host's TCP sends for the dead sockets would carry those lowered
 // numbers, which the peers ignore), and every peer that received more than the job re-sent gets a RST at
-// exactly what it received, so that it fails at once instead of waiting for bytes that will never come.
-// A resumed recovery (no network: the agent restarted) only releases the clamp.
-func abandon(d Deps, j *Job) {
+// exactly what it received, so that it fails at once instead of waiting for bytes that will never come
+// (unless resetPeers is false: the whole run rolls back, the peers included). A resumed recovery (no
+// network: the agent restarted) only releases the clamp.
+func abandon(d Deps, j *Job, resetPeers bool) {
 	n := netOf(d, j)
 	for _, c := range j.Plan.Conns {
 		if c.Resend == 0 {
@@ -70,7 +71,7 @@ func abandon(d Deps, j *Job) {
 		if d.Clamp != nil && !slices.Contains(j.Replayed, flow) {
 			d.Clamp.Release(flow)
 		}
-		if ok && int32(sent-target) >= 0 || n == nil {
+		if ok && int32(sent-target) >= 0 || n == nil || !resetPeers {
 			continue // it re-sent all the peer had (its own close reaches the peer), or a resume: no network
 		}
 		if err := n.ResetPeer(flow, target); err != nil {

@@ -226,15 +226,16 @@ func TestRunRemovesWorkOfRefusedClaim(t *testing.T) {
 
 // replayCase is one restored job with one connection that re-sends stream[:resend].
 type replayCase struct {
-	name     string
-	check    *Check // nil: the record of stream
-	logged   []byte // what the log captured of the re-sent bytes; nil: stream
-	sentUpTo uint32 // how far the restored socket got; 0: resend
-	replayed bool   // a previous agent saw this flow's replay complete
-	ended    bool   // the job ended by itself
-	gated    bool   // its receive order was replayed (a gate ran)
-	wantErr  error  // errors.Is target, or nil
-	wantMsg  string
+	name      string
+	check     *Check // nil: the record of stream
+	logged    []byte // what the log captured of the re-sent bytes; nil: stream
+	sentUpTo  uint32 // how far the restored socket got; 0: resend
+	replayed  bool   // a previous agent saw this flow's replay complete
+	ended     bool   // the job ended by itself
+	rollsBack bool   // the job is set aside for its run's rollback (auto mode)
+	gated     bool   // its receive order was replayed (a gate ran)
+	wantErr   error  // errors.Is target, or nil
+	wantMsg   string
 }
 
 // TestReplayAndVerify checks the one place that kills a restored job: after a replay that does not
@@ -264,13 +265,15 @@ func TestReplayAndVerify(t *testing.T) {
 		{name: "the log lacks re-sent bytes", logged: stream[:100], wantErr: recvdigest.ErrUnverified},
 		{name: "replay times out", sentUpTo: resend - 1, wantMsg: "failover.replay_timeout"},
 		{name: "the job ends before its replay", sentUpTo: 1, ended: true, wantMsg: "job rank1 ended (ended) before it re-sent"},
+		// Auto mode: the run rolls back; its peers are restored by the rollback, never reset.
+		{name: "replay times out, the run rolls back", sentUpTo: resend - 1, rollsBack: true, wantMsg: "failover.replay_timeout"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			f := newFake(t)
 			d := f.deps()
 			d.ReplayTimeout = 100 * time.Millisecond // the failure's bound; the passing cases do not wait
-			f.ended = tt.ended
+			f.ended, f.rollsBack = tt.ended, tt.rollsBack
 			f.logged[conn] = stream
 			if tt.logged != nil {
 				f.logged[conn] = tt.logged
@@ -321,7 +324,7 @@ func TestReplayAndVerify(t *testing.T) {
 			}
 			// The peer had all resend bytes; a job that stopped short leaves it waiting unless reset there.
 			wantNet := []string(nil)
-			if failed && f.sent[conn] < resend {
+			if failed && f.sent[conn] < resend && !tt.rollsBack {
 				wantNet = []string{fmt.Sprintf("reset %s at %d", conn, resend)}
 			}
 			if !reflect.DeepEqual(f.net, wantNet) {
