@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -88,14 +89,6 @@ type coordHold struct {
 	release func() // gives back the agent's snapshot lock, once
 }
 
-func (h *coordHolds) take(run string) *coordHold {
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	hold := h.m[run]
-	delete(h.m, run)
-	return hold
-}
-
 // CoordinatedSnapshot takes a cut of run across the cluster, with this agent as its coordinator (root
 // only: it freezes every job of the run, on every host).
 func (a *Agent) CoordinatedSnapshot(ctx context.Context, run string, uid uint32) (*Cut, error) {
@@ -161,12 +154,7 @@ func (a *Agent) takeCut(ctx context.Context, run string) (*Cut, error) {
 	}
 	cut.Parts = parts
 	// Every alive member keeps the record, so that any of them can roll the run back.
-	var members []string
-	for _, m := range a.View().Members {
-		if m.State == ring.StateAlive {
-			members = append(members, m.Name)
-		}
-	}
+	members := a.aliveMembers()
 	commit := req(clusterapi.CoordCommit)
 	commit.Parts = parts
 	if _, err := a.onHosts(ctx, members, func(string) clusterapi.CoordinateRequest { return commit }); err != nil {
@@ -179,12 +167,7 @@ func (a *Agent) takeCut(ctx context.Context, run string) (*Cut, error) {
 // runHosts asks every alive member which of run's jobs it runs, and returns the members that run some.
 // A run's jobs must all belong to one user and have addresses of their own.
 func (a *Agent) runHosts(ctx context.Context, run string) ([]string, error) {
-	var alive []string
-	for _, m := range a.View().Members {
-		if m.State == ring.StateAlive {
-			alive = append(alive, m.Name)
-		}
-	}
+	alive := a.aliveMembers()
 	listed, err := a.onHosts(ctx, alive, func(string) clusterapi.CoordinateRequest {
 		return clusterapi.CoordinateRequest{Run: run, Cut: "list", Phase: clusterapi.CoordList}
 	})
@@ -313,7 +296,7 @@ func (a *Agent) Rollback(ctx context.Context, run string, uid uint32) (*Rollback
 		a.failures.update(id, func(f *Failure) { f.Stages = append(f.Stages, st) })
 		a.saveFailures()
 	}
-	err = a.rollbackCut(ctx, cut, emit)
+	err = a.rollbackCut(ctx, cut, "", emit)
 	res := &Rollback{Run: run, Cut: cut.ID, Event: id, Parts: cut.Parts, Stopped: time.Since(start)}
 	a.failures.update(id, func(f *Failure) {
 		f.Done, f.Error = true, errString(err)
@@ -326,20 +309,29 @@ func (a *Agent) Rollback(ctx context.Context, run string, uid uint32) (*Rollback
 	return res, nil
 }
 
-// rollbackCut stops every job of cut's run, on every host, then restores each from its part: on the
-// part's Target if set (a spare in place of a failed host), else on its Host. emit gets the stages.
-func (a *Agent) rollbackCut(ctx context.Context, cut *Cut, emit func(Stage)) error {
-	byHost := map[string][]clusterapi.CutPart{}
-	var hosts []string
-	for _, p := range cut.Parts {
-		t := cmpOr(p.Target, p.Host)
-		if m, ok := a.member(t); !ok || m.State != ring.StateAlive {
-			return fmt.Errorf("run %s not rolled back: %s, which holds job %s's part of cut %s, is not alive", cut.Run, t, p.Job, cut.ID)
+// rollbackCut stops every job of cut's run, on every host, then restores each from its part where it runs
+// now (the alive members are asked), or on its host if it runs nowhere; a part whose host is not alive and
+// that runs nowhere is restored on target (a spare in place of a failed host; "": refused). emit gets the
+// stages.
+func (a *Agent) rollbackCut(ctx context.Context, cut *Cut, target string, emit func(Stage)) error {
+	alive := a.aliveMembers()
+	listed, err := a.onHosts(ctx, alive, func(string) clusterapi.CoordinateRequest {
+		return clusterapi.CoordinateRequest{Run: cut.Run, Cut: cut.ID, Phase: clusterapi.CoordList}
+	})
+	if err != nil {
+		// A job of the run nobody could ask about could run on: a restored copy would be a second one.
+		return fmt.Errorf("run %s not rolled back: where its jobs run is not known: %w", cut.Run, err)
+	}
+	where := map[string]string{} // job -> the host it runs on now
+	for h, rep := range listed {
+		for _, j := range rep.Jobs {
+			where[j] = h
 		}
-		if _, ok := byHost[t]; !ok {
-			hosts = append(hosts, t)
-		}
-		byHost[t] = append(byHost[t], p)
+	}
+	held := func(p clusterapi.CutPart) bool { _, err := a.store.Manifest(p.Job, p.Snapshot); return err == nil }
+	byHost, hosts, err := placeParts(cut, where, alive, target, a.cfg.Name, held)
+	if err != nil {
+		return err
 	}
 	stage := func(name string, from time.Time, err error) {
 		emit(Stage{Name: name, Host: strings.Join(hosts, ","), Start: from, End: time.Now(), Detail: fmt.Sprintf("run %s, cut %s", cut.Run, cut.ID), Error: errString(err)})
@@ -351,7 +343,7 @@ func (a *Agent) rollbackCut(ctx context.Context, cut *Cut, emit func(Stage)) err
 	}
 	// Every job stops before any is restored: a restored job must never exchange with a live old one.
 	start := time.Now()
-	_, err := a.onHosts(ctx, hosts, phase(clusterapi.CoordStop))
+	_, err = a.onHosts(ctx, hosts, phase(clusterapi.CoordStop))
 	stage(StageStopped, start, err)
 	if err == nil {
 		from := time.Now()
@@ -363,13 +355,6 @@ func (a *Agent) rollbackCut(ctx context.Context, cut *Cut, emit func(Stage)) err
 	}
 	a.log.Info("run rolled back to its coordinated snapshot", "run", cut.Run, "cut", cut.ID, "jobs", len(cut.Parts), "hosts", hosts, "ms", time.Since(start).Milliseconds())
 	return nil
-}
-
-func cmpOr(a, b string) string {
-	if a != "" {
-		return a
-	}
-	return b
 }
 
 // serveCoordinate runs one phase for a coordinator (peer; this agent itself when it coordinates).
@@ -436,42 +421,60 @@ func (a *Agent) coordFreeze(ctx context.Context, req clusterapi.CoordinateReques
 			return clusterapi.CoordinateReply{}, err
 		}
 	}
+	a.ckptMu.Lock() // no scheduled snapshot, migration or drain of these jobs until they thaw
+	hold := &coordHold{cut: req.Cut, jobs: a.runJobs(req.Run), release: sync.OnceFunc(a.ckptMu.Unlock)}
 	a.coord.mu.Lock()
 	if h, ok := a.coord.m[req.Run]; ok {
 		a.coord.mu.Unlock()
+		hold.release()
 		return clusterapi.CoordinateReply{}, fmt.Errorf("a coordinated snapshot of run %s is under way here (%s)", req.Run, h.cut)
 	}
-	hold := &coordHold{cut: req.Cut}
 	if a.coord.m == nil {
 		a.coord.m = map[string]*coordHold{}
 	}
 	a.coord.m[req.Run] = hold
+	hold.timer = time.AfterFunc(coordHoldMax, func() {
+		if a.endHold(req.Run, req.Cut) != nil {
+			a.log.Error("coordinator of a coordinated snapshot did not come back: the run's jobs thawed here", "run", req.Run, "cut", req.Cut, "after", coordHoldMax)
+		}
+	})
 	a.coord.mu.Unlock()
-	a.ckptMu.Lock() // no scheduled snapshot, migration or drain of these jobs until they thaw
-	hold.release = sync.OnceFunc(a.ckptMu.Unlock)
-	hold.jobs = a.runJobs(req.Run)
 	var cgroups []string
 	for _, j := range hold.jobs {
 		if err := setFrozen(j.Cgroup, true); err != nil {
-			a.coordThaw(ctx, req.Run, req.Cut, false)
+			a.endHold(req.Run, req.Cut)
 			return clusterapi.CoordinateReply{}, fmt.Errorf("freeze job %s: %w", j.ID, err)
 		}
 		cgroups = append(cgroups, j.Cgroup)
 	}
 	if err := waitFrozen(ctx, cgroups, freezeTimeout); err != nil {
-		a.coordThaw(ctx, req.Run, req.Cut, false)
+		a.endHold(req.Run, req.Cut)
 		return clusterapi.CoordinateReply{}, err
 	}
-	hold.timer = time.AfterFunc(coordHoldMax, func() {
-		if _, err := a.coordThaw(context.Background(), req.Run, req.Cut, false); err == nil {
-			a.log.Error("coordinator of a coordinated snapshot did not come back: the run's jobs thawed here", "run", req.Run, "cut", req.Cut, "after", coordHoldMax)
-		}
-	})
 	var rep clusterapi.CoordinateReply
 	for _, j := range hold.jobs {
 		rep.Jobs = append(rep.Jobs, j.ID)
 	}
 	return rep, nil
+}
+
+// endHold ends the hold of run for cut, if there is one: its jobs thaw and the snapshot lock is given back.
+// It returns the hold, nil if there was none.
+func (a *Agent) endHold(run, cut string) *coordHold {
+	a.coord.mu.Lock()
+	hold := a.coord.m[run]
+	if hold == nil || hold.cut != cut {
+		a.coord.mu.Unlock()
+		return nil
+	}
+	delete(a.coord.m, run)
+	a.coord.mu.Unlock()
+	hold.timer.Stop()
+	for _, j := range hold.jobs {
+		a.thaw(j)
+	}
+	hold.release()
+	return hold
 }
 
 // coordDump dumps the frozen jobs of the run, leaving them frozen.
@@ -496,32 +499,16 @@ func (a *Agent) coordDump(ctx context.Context, req clusterapi.CoordinateRequest)
 	return rep, nil
 }
 
-// coordThaw ends the hold of the run for cut: its jobs thaw, and with replicate the dumps are shipped to
-// the jobs' protectors (the reply names those that arrived). Without a hold, nothing happens.
+// coordThaw ends the hold of the run for cut (endHold), and with replicate ships the dumps to the jobs'
+// protectors (the reply names those that arrived).
 func (a *Agent) coordThaw(ctx context.Context, run, cut string, replicate bool) (clusterapi.CoordinateReply, error) {
-	a.coord.mu.Lock()
-	hold := a.coord.m[run]
-	if hold == nil || hold.cut != cut {
-		a.coord.mu.Unlock()
-		if replicate {
-			return clusterapi.CoordinateReply{}, fmt.Errorf("run %s is not frozen here for cut %s", run, cut)
-		}
-		return clusterapi.CoordinateReply{}, nil
-	}
-	delete(a.coord.m, run)
-	a.coord.mu.Unlock()
-	if hold.timer != nil {
-		hold.timer.Stop()
-	}
-	for _, j := range hold.jobs {
-		a.thaw(j)
-	}
-	if hold.release != nil {
-		hold.release()
-	}
+	hold := a.endHold(run, cut)
 	var rep clusterapi.CoordinateReply
-	if !replicate {
+	switch {
+	case !replicate:
 		return rep, nil
+	case hold == nil:
+		return rep, fmt.Errorf("run %s is not frozen here for cut %s", run, cut)
 	}
 	placements := map[string]*Placement{}
 	for _, j := range hold.jobs {
@@ -783,21 +770,12 @@ func (a *Agent) rollbackAfterFailure(ctx context.Context, failed, target string,
 	var errs []error
 	for _, run := range order {
 		c := runs[run]
-		for i, p := range c.Parts {
-			if p.Host == failed || p.Target == failed {
-				c.Parts[i].Target = target
-				c.Parts[i].Source = ""
-				if _, err := a.store.Manifest(p.Job, p.Snapshot); err == nil {
-					c.Parts[i].Source = a.cfg.Name
-				}
-			}
-		}
 		why := "coordinated mode"
 		if mlErr != nil {
 			why = "message logging failed: " + mlErr.Error()
 		}
 		a.log.Warn("rolling a whole run back to its coordinated snapshot", "run", run, "cut", c.ID, "failed", failed, "target", target, "why", why)
-		if err := a.rollbackCut(ctx, c, emit); err != nil {
+		if err := a.rollbackCut(ctx, c, target, emit); err != nil {
 			errs = append(errs, err)
 			continue
 		}
@@ -861,4 +839,51 @@ func (a *Agent) scheduleCuts(ctx context.Context) {
 func (a *Agent) rollsBack(job string) bool {
 	c, p := a.cutWith(job)
 	return c != nil && p.Recovery == RecoveryAuto
+}
+
+// aliveMembers are the names of the view's alive members.
+func (a *Agent) aliveMembers() []string {
+	var out []string
+	for _, m := range a.View().Members {
+		if m.State == ring.StateAlive {
+			out = append(out, m.Name)
+		}
+	}
+	return out
+}
+
+// placeParts decides where each part of cut is restored: where its job runs now (where: job -> host), else
+// on its host if alive, else on target (if not ""). A part restored off its host is fetched from self if
+// held says this host has it, else from any holder. A job of the run that is not in the cut refuses the
+// rollback (it started after the cut). It returns the parts by host and the hosts in order.
+func placeParts(cut *Cut, where map[string]string, alive []string, target, self string, held func(clusterapi.CutPart) bool) (map[string][]clusterapi.CutPart, []string, error) {
+	where = maps.Clone(where)
+	byHost := map[string][]clusterapi.CutPart{}
+	var hosts []string
+	for _, p := range cut.Parts {
+		on, ok := where[p.Job]
+		delete(where, p.Job)
+		switch {
+		case ok:
+			p.Target = on
+		case slices.Contains(alive, p.Host):
+			p.Target = p.Host
+		case target != "":
+			p.Target = target
+		default:
+			return nil, nil, fmt.Errorf("run %s not rolled back: job %s runs nowhere and %s, whose snapshot is its part of cut %s, is not alive", cut.Run, p.Job, p.Host, cut.ID)
+		}
+		p.Source = ""
+		if p.Target != p.Host && held(p) {
+			p.Source = self
+		}
+		if _, ok := byHost[p.Target]; !ok {
+			hosts = append(hosts, p.Target)
+		}
+		byHost[p.Target] = append(byHost[p.Target], p)
+	}
+	if len(where) > 0 {
+		return nil, nil, fmt.Errorf("%w: run %s not rolled back: jobs %v of the run started after its cut %s (take a new one)", ErrNotMovable, cut.Run, slices.Sorted(maps.Keys(where)), cut.ID)
+	}
+	return byHost, hosts, nil
 }

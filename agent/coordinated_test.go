@@ -2,6 +2,7 @@ package agent
 
 import (
 	"errors"
+	"maps"
 	"net/netip"
 	"strings"
 	"testing"
@@ -49,6 +50,62 @@ func TestCheckCut(t *testing.T) {
 				t.Fatalf("got %v, want a torn cut naming %q", err, tt.torn)
 			case tt.other != "" && (err == nil || errors.As(err, &torn) || !strings.Contains(err.Error(), tt.other)):
 				t.Fatalf("got %v, want a refusal naming %q (not retried)", err, tt.other)
+			}
+		})
+	}
+}
+
+// TestPlaceParts: a rollback restores each part where its job runs now, else on its host, else (its host
+// failed) on the failure's target; never beside a copy that runs elsewhere, and never without knowing
+// where every job of the run is.
+func TestPlaceParts(t *testing.T) {
+	cut := &Cut{Run: "r", ID: "cut-1", Parts: []clusterapi.CutPart{
+		{Job: "a-00000001", Host: "n1", Snapshot: "s1"},
+		{Job: "b-00000002", Host: "n2", Snapshot: "s2"},
+	}}
+	held := func(p clusterapi.CutPart) bool { return p.Job == "b-00000002" }
+	type placed struct{ target, source string }
+	for _, tt := range []struct {
+		name   string
+		where  map[string]string
+		alive  []string
+		target string
+		want   map[string]placed // by job
+		err    string
+	}{
+		{"both run on their hosts", map[string]string{"a-00000001": "n1", "b-00000002": "n2"}, []string{"n1", "n2", "n3"}, "",
+			map[string]placed{"a-00000001": {"n1", ""}, "b-00000002": {"n2", ""}}, ""},
+		{"b moved to n3 after the cut", map[string]string{"a-00000001": "n1", "b-00000002": "n3"}, []string{"n1", "n2", "n3"}, "",
+			map[string]placed{"a-00000001": {"n1", ""}, "b-00000002": {"n3", "self"}}, ""},
+		{"b ended: restored on its host", map[string]string{"a-00000001": "n1"}, []string{"n1", "n2"}, "",
+			map[string]placed{"a-00000001": {"n1", ""}, "b-00000002": {"n2", ""}}, ""},
+		{"n2 failed: b on the spare", map[string]string{"a-00000001": "n1"}, []string{"n1", "n3", "s1"}, "s1",
+			map[string]placed{"a-00000001": {"n1", ""}, "b-00000002": {"s1", "self"}}, ""},
+		{"n2 failed, no target", map[string]string{"a-00000001": "n1"}, []string{"n1", "n3"}, "", nil, "runs nowhere"},
+		{"a job that started after the cut", map[string]string{"a-00000001": "n1", "b-00000002": "n2", "c-00000003": "n3"}, []string{"n1", "n2", "n3"}, "", nil, "started after its cut"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			byHost, hosts, err := placeParts(cut, tt.where, tt.alive, tt.target, "self", held)
+			if tt.err != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.err) {
+					t.Fatalf("got %v, want an error naming %q", err, tt.err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := map[string]placed{}
+			for _, h := range hosts {
+				for _, p := range byHost[h] {
+					if p.Target != h {
+						t.Errorf("part %s listed under %s, target %s", p.Job, h, p.Target)
+					}
+					got[p.Job] = placed{p.Target, p.Source}
+				}
+			}
+			if !maps.Equal(got, tt.want) {
+				t.Errorf("placed %v, want %v", got, tt.want)
 			}
 		})
 	}

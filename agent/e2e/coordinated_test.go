@@ -20,10 +20,11 @@ import (
 
 // TestCoordinatedRollback: a two-rank ringstencil on job addresses (rank 0 on node1, rank 1 on node2) is a
 // run. node3, which runs none of it, takes a coordinated snapshot of the run: both ranks frozen before
-// either is dumped, thawed once both are, the cut checked and recorded. The ranks run on well past it;
-// then node1 rolls the whole run back: both ranks are killed without a word on the wire and restored from
-// the cut on their hosts (new processes, incarnation + 1, their addresses), re-execute what they had
-// done since, and the run ends with the failure-free checksum. A run with a job on its host's address is
+// either is dumped, thawed once both are, the cut checked and recorded. The ranks run on well past it, rank
+// 1 moved to node3 meanwhile; then node1 rolls the whole run back: both ranks are killed without a word on
+// the wire and restored from the cut where they run (rank 1 on node3, from its part taken on node2; new
+// processes, incarnation + 1, their addresses), re-execute what they had done since, and the run ends
+// with the failure-free checksum. A run with a job on its host's address is
 // refused before anything stops.
 func TestCoordinatedRollback(t *testing.T) {
 	const port = 7490
@@ -66,15 +67,23 @@ func TestCoordinatedRollback(t *testing.T) {
 			t.Errorf("rank %d's part %s on %s: not a replicated snapshot there (%v)", r, parts[rg.jobs[r].ID], host, err)
 		}
 	}
-	rg.waitProgress(t, 3*progressEvery, 2*time.Minute) // well past the cut
+	rg.waitProgress(t, progressEvery, 2*time.Minute)
+	// Rank 1 moves to node3 after the cut: the rollback restores it where it runs now, from its part.
+	if _, err := c.Client("node2").Migrate(ctx, agent.MigrateRequest{Job: rg.jobs[1].ID, To: "node3"}); err != nil {
+		t.Fatalf("migrate rank 1 to node3: %v", err)
+	}
+	rg.waitProgress(t, 2*progressEvery, 2*time.Minute) // well past the cut
 
-	before := []agent.Job{rg.job(t, "node1", 0), rg.job(t, "node2", 1)}
+	before := []agent.Job{rg.job(t, "node1", 0), rg.job(t, "node3", 1)}
 	rb, err := c.Client("node1").Rollback(ctx, "ring1")
 	if err != nil {
 		t.Fatalf("rollback of run ring1: %v", err)
 	}
 	t.Logf("rolled back to %s: stopped %s", rb.Cut, rb.Stopped)
-	for r, host := range []string{"node1", "node2"} {
+	if j := rg.job(t, "node2", 1); j.State == agent.JobRunning {
+		t.Errorf("node2 runs rank 1 again after the rollback: %+v (it ran on node3)", j)
+	}
+	for r, host := range []string{"node1", "node3"} {
 		j := rg.job(t, host, r)
 		if j.State != agent.JobRunning || j.Restored != parts[j.ID] || j.Incarnation != before[r].Incarnation+1 || j.PID == before[r].PID ||
 			j.Net == nil || j.Net.Addr != before[r].Net.Addr {
