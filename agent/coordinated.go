@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -49,18 +50,21 @@ const coordHoldMax = time.Minute
 // (acknowledged by a receiver after its dump, before its sender's).
 const cutAttempts = 3
 
-// Cut is a coordinated snapshot of a run: one replicated snapshot per job.
+// Cut is a coordinated snapshot of a run (the jobs of user UID named Run): one replicated snapshot per job.
 type Cut struct {
 	Run    string               `json:"run"`
+	UID    uint32               `json:"uid"`
 	ID     string               `json:"id"`
 	Taken  time.Time            `json:"taken"`
-	Frozen time.Duration        `json:"frozen_ns"` // from the first freeze to the last thaw
+	Frozen time.Duration        `json:"frozen_ns"` // the longest any host held its jobs frozen
 	Parts  []clusterapi.CutPart `json:"parts"`
 }
 
-// RunRequest names a run for a coordinated snapshot or a rollback.
+// RunRequest names a run for a coordinated snapshot or a rollback: its name, and its user when users'
+// runs of that name would be ambiguous (nil: the one user whose run has that name).
 type RunRequest struct {
-	Run string `json:"run"`
+	Run string  `json:"run"`
+	UID *uint32 `json:"uid,omitempty"`
 }
 
 // Rollback is the outcome of a whole-run rollback.
@@ -82,25 +86,28 @@ type coordHolds struct {
 }
 
 type coordHold struct {
-	cut     string
-	jobs    []Job
-	dumped  []*ckpt.Manifest
-	timer   *time.Timer
-	release func() // gives back the agent's snapshot lock, once
+	cut       string
+	frozen    time.Time     // when the freeze began
+	frozenFor time.Duration // from the freeze to the thaw (endHold)
+	jobs      []Job
+	dumped    []*ckpt.Manifest
+	timer     *time.Timer
+	release   func() // gives back the agent's snapshot lock, once
 }
 
 // CoordinatedSnapshot takes a cut of run across the cluster, with this agent as its coordinator (root
 // only: it freezes every job of the run, on every host).
-func (a *Agent) CoordinatedSnapshot(ctx context.Context, run string, uid uint32) (*Cut, error) {
+func (a *Agent) CoordinatedSnapshot(ctx context.Context, req RunRequest, uid uint32) (*Cut, error) {
 	if uid != 0 {
 		return nil, errors.New("a coordinated snapshot stops jobs on every host of a run: it is for root (the operator)")
 	}
+	run := req.Run
 	if !jobNameRE.MatchString(run) {
 		return nil, fmt.Errorf("run %q: use up to 48 letters, digits, '.', '_' or '-'", run)
 	}
 	var errs []error
 	for range cutAttempts {
-		cut, err := a.takeCut(ctx, run)
+		cut, err := a.takeCut(ctx, run, req.UID)
 		var torn *tornCutError
 		if !errors.As(err, &torn) {
 			return cut, err
@@ -112,20 +119,19 @@ func (a *Agent) CoordinatedSnapshot(ctx context.Context, run string, uid uint32)
 }
 
 // takeCut is one attempt: list, freeze, dump, thaw (and replicate), check, commit.
-func (a *Agent) takeCut(ctx context.Context, run string) (*Cut, error) {
-	hosts, err := a.runHosts(ctx, run)
+func (a *Agent) takeCut(ctx context.Context, run string, owner *uint32) (*Cut, error) {
+	hosts, uid, err := a.runHosts(ctx, run, owner)
 	if err != nil {
 		return nil, err
 	}
-	cut := &Cut{Run: run, ID: "cut-" + time.Now().UTC().Format("20060102T150405.000"), Taken: time.Now().UTC()}
+	cut := &Cut{Run: run, UID: uid, ID: "cut-" + time.Now().UTC().Format("20060102T150405.000"), Taken: time.Now().UTC()}
 	req := func(phase clusterapi.CoordPhase) clusterapi.CoordinateRequest {
-		return clusterapi.CoordinateRequest{Run: run, Cut: cut.ID, Phase: phase}
+		return clusterapi.CoordinateRequest{Run: run, UID: &uid, Cut: cut.ID, Phase: phase}
 	}
 	abort := func(why error) error {
 		a.onHosts(context.WithoutCancel(ctx), hosts, func(string) clusterapi.CoordinateRequest { return req(clusterapi.CoordAbort) })
 		return fmt.Errorf("coordinated snapshot of run %s given up, its jobs thawed: %w", run, why)
 	}
-	start := time.Now()
 	if _, err := a.onHosts(ctx, hosts, func(string) clusterapi.CoordinateRequest { return req(clusterapi.CoordFreeze) }); err != nil {
 		return nil, abort(err)
 	}
@@ -135,7 +141,9 @@ func (a *Agent) takeCut(ctx context.Context, run string) (*Cut, error) {
 	}
 	// Thawing replicates the dumps: a cut is recorded only once every part of it is on a protector.
 	replicated, err := a.onHosts(ctx, hosts, func(string) clusterapi.CoordinateRequest { return req(clusterapi.CoordThaw) })
-	cut.Frozen = time.Since(start)
+	for _, rep := range replicated {
+		cut.Frozen = max(cut.Frozen, rep.Frozen)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("coordinated snapshot of run %s not recorded: %w", run, err)
 	}
@@ -164,26 +172,45 @@ func (a *Agent) takeCut(ctx context.Context, run string) (*Cut, error) {
 	return cut, nil
 }
 
-// runHosts asks every alive member which of run's jobs it runs, and returns the members that run some.
-// A run's jobs must all belong to one user and have addresses of their own.
-func (a *Agent) runHosts(ctx context.Context, run string) ([]string, error) {
-	alive := a.aliveMembers()
-	listed, err := a.onHosts(ctx, alive, func(string) clusterapi.CoordinateRequest {
-		return clusterapi.CoordinateRequest{Run: run, Cut: "list", Phase: clusterapi.CoordList}
+// runHosts asks every alive member which jobs of run (of user owner; nil: of the one user who has a run
+// of that name) it runs, and returns the members that run some and the run's user.
+func (a *Agent) runHosts(ctx context.Context, run string, owner *uint32) ([]string, uint32, error) {
+	listed, err := a.listRun(ctx, run, owner)
+	if err != nil {
+		return nil, 0, err
+	}
+	users := map[uint32]bool{}
+	var hosts []string
+	for _, h := range a.aliveMembers() {
+		if len(listed[h].Jobs) > 0 {
+			hosts = append(hosts, h)
+		}
+		for _, u := range listed[h].Owners {
+			users[u] = true
+		}
+	}
+	switch {
+	case len(hosts) == 0:
+		return nil, 0, fmt.Errorf("%w: run %s has no running job on an alive member (a job joins a run with its spec's run, `ftctl mpirun` sets it)", ErrNoJob, run)
+	case len(users) > 1:
+		return nil, 0, fmt.Errorf("%w: runs named %s of users %v: name the user (--uid)", ErrNotMovable, run, slices.Sorted(maps.Keys(users)))
+	}
+	var uid uint32
+	for u := range users {
+		uid = u
+	}
+	return hosts, uid, nil
+}
+
+// listRun asks every alive member which jobs of run (of user owner, nil: of any user) it runs.
+func (a *Agent) listRun(ctx context.Context, run string, owner *uint32) (map[string]clusterapi.CoordinateReply, error) {
+	listed, err := a.onHosts(ctx, a.aliveMembers(), func(string) clusterapi.CoordinateRequest {
+		return clusterapi.CoordinateRequest{Run: run, UID: owner, Cut: "list", Phase: clusterapi.CoordList}
 	})
 	if err != nil {
 		return nil, fmt.Errorf("list the jobs of run %s: %w", run, err)
 	}
-	var hosts []string
-	for _, h := range alive {
-		if len(listed[h].Jobs) > 0 {
-			hosts = append(hosts, h)
-		}
-	}
-	if len(hosts) == 0 {
-		return nil, fmt.Errorf("%w: run %s has no running job on an alive member (a job joins a run with its spec's run, `ftctl mpirun` sets it)", ErrNoJob, run)
-	}
-	return hosts, nil
+	return listed, nil
 }
 
 // onHosts runs the phase req(host) on each host at once (this agent's own directly) and returns the
@@ -274,12 +301,13 @@ func checkCut(parts []clusterapi.CutPart) error {
 }
 
 // Rollback rolls run back to its newest cut this host knows: every job of the run is stopped, then each
-// is restored from its part of the cut on its host (root only).
-func (a *Agent) Rollback(ctx context.Context, run string, uid uint32) (*Rollback, error) {
+// is restored from its part of the cut where it runs (rollbackCut; root only).
+func (a *Agent) Rollback(ctx context.Context, req RunRequest, uid uint32) (*Rollback, error) {
 	if uid != 0 {
 		return nil, errors.New("a rollback kills and restores jobs on every host of a run: it is for root (the operator)")
 	}
-	cut, err := a.loadCut(run)
+	run := req.Run
+	cut, err := a.loadCut(run, req.UID)
 	if err != nil {
 		return nil, err
 	}
@@ -315,9 +343,7 @@ func (a *Agent) Rollback(ctx context.Context, run string, uid uint32) (*Rollback
 // stages.
 func (a *Agent) rollbackCut(ctx context.Context, cut *Cut, target string, emit func(Stage)) error {
 	alive := a.aliveMembers()
-	listed, err := a.onHosts(ctx, alive, func(string) clusterapi.CoordinateRequest {
-		return clusterapi.CoordinateRequest{Run: cut.Run, Cut: cut.ID, Phase: clusterapi.CoordList}
-	})
+	listed, err := a.listRun(ctx, cut.Run, &cut.UID)
 	if err != nil {
 		// A job of the run nobody could ask about could run on: a restored copy would be a second one.
 		return fmt.Errorf("run %s not rolled back: where its jobs run is not known: %w", cut.Run, err)
@@ -338,7 +364,7 @@ func (a *Agent) rollbackCut(ctx context.Context, cut *Cut, target string, emit f
 	}
 	phase := func(p clusterapi.CoordPhase) func(string) clusterapi.CoordinateRequest {
 		return func(h string) clusterapi.CoordinateRequest {
-			return clusterapi.CoordinateRequest{Run: cut.Run, Cut: cut.ID, Phase: p, Parts: byHost[h]}
+			return clusterapi.CoordinateRequest{Run: cut.Run, UID: &cut.UID, Cut: cut.ID, Phase: p, Parts: byHost[h]}
 		}
 	}
 	// Every job stops before any is restored: a restored job must never exchange with a live old one.
@@ -367,32 +393,33 @@ func (a *Agent) serveCoordinate(ctx context.Context, peer string, req clusterapi
 	}
 	switch req.Phase {
 	case clusterapi.CoordList:
-		var rep clusterapi.CoordinateReply
-		for _, j := range a.runJobs(req.Run) {
+		rep := clusterapi.CoordinateReply{Owners: map[string]uint32{}}
+		for _, j := range a.runJobs(req.Run, req.UID) {
 			rep.Jobs = append(rep.Jobs, j.ID)
+			rep.Owners[j.ID] = j.UID
 		}
-		return rep, a.checkRunJobs(req.Run)
+		return rep, a.checkRunJobs(req.Run, req.UID)
 	case clusterapi.CoordFreeze:
 		return a.coordFreeze(ctx, req)
 	case clusterapi.CoordDump:
 		return a.coordDump(ctx, req)
 	case clusterapi.CoordThaw, clusterapi.CoordAbort:
-		return a.coordThaw(ctx, req.Run, req.Cut, req.Phase == clusterapi.CoordThaw)
+		return a.coordThaw(ctx, holdKey(req), req.Cut, req.Phase == clusterapi.CoordThaw)
 	case clusterapi.CoordCommit:
-		return clusterapi.CoordinateReply{}, a.saveCut(Cut{Run: req.Run, ID: req.Cut, Taken: time.Now().UTC(), Parts: req.Parts})
+		return clusterapi.CoordinateReply{}, a.saveCut(Cut{Run: req.Run, UID: *req.UID, ID: req.Cut, Taken: time.Now().UTC(), Parts: req.Parts})
 	case clusterapi.CoordStop:
-		return clusterapi.CoordinateReply{}, a.rollbackStop(ctx, req.Parts)
+		return clusterapi.CoordinateReply{}, a.rollbackStop(ctx, req.Run, *req.UID, req.Parts)
 	case clusterapi.CoordRestore:
-		return clusterapi.CoordinateReply{}, a.rollbackRestore(ctx, req.Parts)
+		return clusterapi.CoordinateReply{}, a.rollbackRestore(ctx, req.Run, *req.UID, req.Parts)
 	}
 	return clusterapi.CoordinateReply{}, fmt.Errorf("no phase %q", req.Phase)
 }
 
-// runJobs are this host's running jobs of run.
-func (a *Agent) runJobs(run string) []Job {
+// runJobs are this host's running jobs of run of user owner (nil: of any user).
+func (a *Agent) runJobs(run string, owner *uint32) []Job {
 	var out []Job
 	for _, j := range a.Jobs(0) {
-		if j.State == JobRunning && j.Spec.Run == run {
+		if j.State == JobRunning && j.Spec.Run == run && (owner == nil || j.UID == *owner) {
 			out = append(out, j)
 		}
 	}
@@ -400,8 +427,8 @@ func (a *Agent) runJobs(run string) []Job {
 }
 
 // checkRunJobs refuses a run whose jobs here cannot take part in a cut.
-func (a *Agent) checkRunJobs(run string) error {
-	for _, j := range a.runJobs(run) {
+func (a *Agent) checkRunJobs(run string, owner *uint32) error {
+	for _, j := range a.runJobs(run, owner) {
 		if j.Net == nil {
 			return fmt.Errorf("%w: job %s of run %s uses %s's host address: coordinated snapshots and rollbacks need jobs with addresses of their own (job_address, `ftctl mpirun --job-addresses`)",
 				ErrNotMovable, j.ID, run, a.cfg.Name)
@@ -413,18 +440,19 @@ func (a *Agent) checkRunJobs(run string) error {
 // coordFreeze freezes this host's jobs of the run and holds them (and the agent's snapshot lock) until
 // the coordinator's thaw, or coordHoldMax.
 func (a *Agent) coordFreeze(ctx context.Context, req clusterapi.CoordinateRequest) (clusterapi.CoordinateReply, error) {
-	if err := a.checkRunJobs(req.Run); err != nil {
+	if err := a.checkRunJobs(req.Run, req.UID); err != nil {
 		return clusterapi.CoordinateReply{}, err
 	}
-	for _, j := range a.runJobs(req.Run) {
+	for _, j := range a.runJobs(req.Run, req.UID) {
 		if err := a.waitPagesIn(ctx, j.ID); err != nil { // before the freeze: a dump needs every page in
 			return clusterapi.CoordinateReply{}, err
 		}
 	}
 	a.ckptMu.Lock() // no scheduled snapshot, migration or drain of these jobs until they thaw
-	hold := &coordHold{cut: req.Cut, jobs: a.runJobs(req.Run), release: sync.OnceFunc(a.ckptMu.Unlock)}
+	hold := &coordHold{cut: req.Cut, jobs: a.runJobs(req.Run, req.UID), release: sync.OnceFunc(a.ckptMu.Unlock), frozen: time.Now()}
 	a.coord.mu.Lock()
-	if h, ok := a.coord.m[req.Run]; ok {
+	key := holdKey(req)
+	if h, ok := a.coord.m[key]; ok {
 		a.coord.mu.Unlock()
 		hold.release()
 		return clusterapi.CoordinateReply{}, fmt.Errorf("a coordinated snapshot of run %s is under way here (%s)", req.Run, h.cut)
@@ -432,9 +460,9 @@ func (a *Agent) coordFreeze(ctx context.Context, req clusterapi.CoordinateReques
 	if a.coord.m == nil {
 		a.coord.m = map[string]*coordHold{}
 	}
-	a.coord.m[req.Run] = hold
+	a.coord.m[key] = hold
 	hold.timer = time.AfterFunc(coordHoldMax, func() {
-		if a.endHold(req.Run, req.Cut) != nil {
+		if a.endHold(key, req.Cut) != nil {
 			a.log.Error("coordinator of a coordinated snapshot did not come back: the run's jobs thawed here", "run", req.Run, "cut", req.Cut, "after", coordHoldMax)
 		}
 	})
@@ -442,13 +470,13 @@ func (a *Agent) coordFreeze(ctx context.Context, req clusterapi.CoordinateReques
 	var cgroups []string
 	for _, j := range hold.jobs {
 		if err := setFrozen(j.Cgroup, true); err != nil {
-			a.endHold(req.Run, req.Cut)
+			a.endHold(key, req.Cut)
 			return clusterapi.CoordinateReply{}, fmt.Errorf("freeze job %s: %w", j.ID, err)
 		}
 		cgroups = append(cgroups, j.Cgroup)
 	}
 	if err := waitFrozen(ctx, cgroups, freezeTimeout); err != nil {
-		a.endHold(req.Run, req.Cut)
+		a.endHold(key, req.Cut)
 		return clusterapi.CoordinateReply{}, err
 	}
 	var rep clusterapi.CoordinateReply
@@ -458,29 +486,33 @@ func (a *Agent) coordFreeze(ctx context.Context, req clusterapi.CoordinateReques
 	return rep, nil
 }
 
-// endHold ends the hold of run for cut, if there is one: its jobs thaw and the snapshot lock is given back.
-// It returns the hold, nil if there was none.
-func (a *Agent) endHold(run, cut string) *coordHold {
+// holdKey names the hold of a request's run: runs are per user.
+func holdKey(req clusterapi.CoordinateRequest) string { return fmt.Sprintf("%d/%s", *req.UID, req.Run) }
+
+// endHold ends the hold key (holdKey) for cut, if there is one: its jobs thaw and the snapshot lock is given
+// back. It returns the hold, nil if there was none.
+func (a *Agent) endHold(key, cut string) *coordHold {
 	a.coord.mu.Lock()
-	hold := a.coord.m[run]
+	hold := a.coord.m[key]
 	if hold == nil || hold.cut != cut {
 		a.coord.mu.Unlock()
 		return nil
 	}
-	delete(a.coord.m, run)
+	delete(a.coord.m, key)
 	a.coord.mu.Unlock()
 	hold.timer.Stop()
 	for _, j := range hold.jobs {
 		a.thaw(j)
 	}
 	hold.release()
+	hold.frozenFor = time.Since(hold.frozen)
 	return hold
 }
 
 // coordDump dumps the frozen jobs of the run, leaving them frozen.
 func (a *Agent) coordDump(ctx context.Context, req clusterapi.CoordinateRequest) (clusterapi.CoordinateReply, error) {
 	a.coord.mu.Lock()
-	hold := a.coord.m[req.Run]
+	hold := a.coord.m[holdKey(req)]
 	a.coord.mu.Unlock()
 	if hold == nil || hold.cut != req.Cut {
 		return clusterapi.CoordinateReply{}, fmt.Errorf("run %s is not frozen here for cut %s (thawed after %s without word from its coordinator?)", req.Run, req.Cut, coordHoldMax)
@@ -501,15 +533,16 @@ func (a *Agent) coordDump(ctx context.Context, req clusterapi.CoordinateRequest)
 
 // coordThaw ends the hold of the run for cut (endHold), and with replicate ships the dumps to the jobs'
 // protectors (the reply names those that arrived).
-func (a *Agent) coordThaw(ctx context.Context, run, cut string, replicate bool) (clusterapi.CoordinateReply, error) {
-	hold := a.endHold(run, cut)
+func (a *Agent) coordThaw(ctx context.Context, key, cut string, replicate bool) (clusterapi.CoordinateReply, error) {
+	hold := a.endHold(key, cut)
 	var rep clusterapi.CoordinateReply
 	switch {
 	case !replicate:
 		return rep, nil
 	case hold == nil:
-		return rep, fmt.Errorf("run %s is not frozen here for cut %s", run, cut)
+		return rep, fmt.Errorf("run %s is not frozen here for cut %s", key, cut)
 	}
+	rep.Frozen = hold.frozenFor
 	placements := map[string]*Placement{}
 	for _, j := range hold.jobs {
 		placements[j.ID] = j.Spec.Placement
@@ -525,39 +558,65 @@ func (a *Agent) coordThaw(ctx context.Context, run, cut string, replicate bool) 
 	return rep, errors.Join(errs...)
 }
 
-// cutPath is where this host keeps the newest cut of run it was told of.
-func (a *Agent) cutPath(run string) string {
-	return filepath.Join(a.cfg.StateDir, "cuts", run+".json")
+// cutsDir holds the newest cut of each run this host was told of, as <run>.<uid>.json.
+func (a *Agent) cutsDir() string { return filepath.Join(a.cfg.StateDir, "cuts") }
+
+func (a *Agent) cutPath(run string, uid uint32) string {
+	return filepath.Join(a.cutsDir(), fmt.Sprintf("%s.%d.json", run, uid))
 }
 
 func (a *Agent) saveCut(c Cut) error {
 	if !jobNameRE.MatchString(c.Run) {
 		return fmt.Errorf("run %q is no run's name", c.Run)
 	}
-	if err := os.MkdirAll(filepath.Dir(a.cutPath(c.Run)), privateDir); err != nil {
+	if old, err := a.loadCut(c.Run, &c.UID); err == nil && old.ID >= c.ID {
+		return nil // a newer cut's record arrived first (ids begin with the time)
+	}
+	if err := os.MkdirAll(a.cutsDir(), privateDir); err != nil {
 		return fmt.Errorf("record cut %s of run %s: %w", c.ID, c.Run, err)
 	}
-	if err := atomicfile.WriteJSON(a.cutPath(c.Run), c); err != nil {
+	if err := atomicfile.WriteJSON(a.cutPath(c.Run, c.UID), c); err != nil {
 		return fmt.Errorf("record cut %s of run %s: %w", c.ID, c.Run, err)
 	}
 	return nil
 }
 
-// loadCut reads the newest cut of run recorded here, and validates it as it came from another member.
-func (a *Agent) loadCut(run string) (*Cut, error) {
+// loadCut reads the newest cut of run of user owner recorded here (nil: of the one user with a cut of a
+// run of that name), and validates it as it came from another member.
+func (a *Agent) loadCut(run string, owner *uint32) (*Cut, error) {
 	if !jobNameRE.MatchString(run) {
 		return nil, fmt.Errorf("run %q: use up to 48 letters, digits, '.', '_' or '-'", run)
 	}
-	b, err := readBounded(a.cutPath(run), clusterapi.MaxMessage)
+	if owner == nil {
+		var users []uint32
+		for _, k := range a.cutKeys() {
+			if k.run == run {
+				users = append(users, k.uid)
+			}
+		}
+		switch len(users) {
+		case 0:
+			return nil, fmt.Errorf("%w of run %s is recorded on %s: take one with `ftctl checkpoint --run %s`", ErrNoCut, run, a.cfg.Name, run)
+		case 1:
+			owner = &users[0]
+		default:
+			slices.Sort(users)
+			return nil, fmt.Errorf("%w: runs named %s of users %v have coordinated snapshots: name the user (--uid)", ErrNotMovable, run, users)
+		}
+	}
+	b, err := readBounded(a.cutPath(run, *owner), clusterapi.MaxMessage)
 	if errors.Is(err, fs.ErrNotExist) {
-		return nil, fmt.Errorf("%w of run %s is recorded on %s: take one with `ftctl checkpoint --run %s`", ErrNoCut, run, a.cfg.Name, run)
+		return nil, fmt.Errorf("%w of run %s of uid %d is recorded on %s: take one with `ftctl checkpoint --run %s`", ErrNoCut, run, *owner, a.cfg.Name, run)
 	}
 	var c Cut
 	if err == nil {
 		err = json.Unmarshal(b, &c)
 	}
+	if err == nil && (c.Run != run || c.UID != *owner) {
+		err = fmt.Errorf("it names run %s of uid %d", c.Run, c.UID)
+	}
 	if err == nil {
-		err = clusterapi.CoordinateRequest{Run: c.Run, Cut: c.ID, Phase: clusterapi.CoordCommit, Parts: c.Parts}.Validate()
+		err = clusterapi.CoordinateRequest{Run: c.Run, UID: &c.UID, Cut: c.ID, Phase: clusterapi.CoordCommit, Parts: c.Parts}.Validate()
 	}
 	if err != nil {
 		return nil, fmt.Errorf("cut record of run %s on %s: %w", run, a.cfg.Name, err)
@@ -565,13 +624,43 @@ func (a *Agent) loadCut(run string) (*Cut, error) {
 	return &c, nil
 }
 
+type cutKey struct {
+	run string
+	uid uint32
+}
+
+// cutKeys are the runs with a cut recorded here.
+func (a *Agent) cutKeys() []cutKey {
+	des, err := os.ReadDir(a.cutsDir())
+	if err != nil {
+		return nil
+	}
+	var out []cutKey
+	for _, de := range des {
+		name, ok := strings.CutSuffix(de.Name(), ".json")
+		i := strings.LastIndexByte(name, '.')
+		if !ok || i < 0 || !de.Type().IsRegular() {
+			continue
+		}
+		uid, err := strconv.ParseUint(name[i+1:], 10, 32)
+		if err != nil || !jobNameRE.MatchString(name[:i]) {
+			continue
+		}
+		out = append(out, cutKey{name[:i], uint32(uid)})
+	}
+	return out
+}
+
 // rollbackStop checks that this host holds every part's snapshot (fetching those of parts it restores in
 // place of a failed host), then takes each part's job off the host
 // as a migration does (address first, then shim and processes), and drops what the host logged of the
 // jobs' connections: after the rollback they send those sequence numbers again.
-func (a *Agent) rollbackStop(ctx context.Context, parts []clusterapi.CutPart) error {
+func (a *Agent) rollbackStop(ctx context.Context, run string, uid uint32, parts []clusterapi.CutPart) error {
 	var ms []*ckpt.Manifest
 	for _, p := range parts {
+		if j, _, err := a.Job(p.Job, 0); err == nil && (j.Spec.Run != run || j.UID != uid) {
+			return fmt.Errorf("nothing stopped: job %s here is not a job of run %s of uid %d", p.Job, run, uid)
+		}
 		if _, err := a.store.Manifest(p.Job, p.Snapshot); err != nil && p.Target == a.cfg.Name && p.Target != p.Host {
 			// In place of a failed host: its part comes from a member that holds a copy.
 			if err := a.fetch(ctx, p.Job, p.Snapshot, p.Source, p.Source); err != nil {
@@ -606,11 +695,11 @@ func (a *Agent) rollbackStop(ctx context.Context, parts []clusterapi.CutPart) er
 
 // rollbackRestore restores each part's job on this host from its snapshot. The job's network is made and guarded before CRIU rebuilds its sockets:
 // a peer restored first retransmits to it, and must meet dropped packets, never a reset.
-func (a *Agent) rollbackRestore(ctx context.Context, parts []clusterapi.CutPart) error {
+func (a *Agent) rollbackRestore(ctx context.Context, run string, uid uint32, parts []clusterapi.CutPart) error {
 	var errs []error
 	var restored []string
 	for _, p := range parts {
-		if err := a.rollbackJob(ctx, p); err != nil {
+		if err := a.rollbackJob(ctx, run, uid, p); err != nil {
 			errs = append(errs, fmt.Errorf("job %s: %w", p.Job, err))
 			continue
 		}
@@ -628,7 +717,7 @@ func (a *Agent) rollbackRestore(ctx context.Context, parts []clusterapi.CutPart)
 	return errors.Join(errs...)
 }
 
-func (a *Agent) rollbackJob(ctx context.Context, p clusterapi.CutPart) error {
+func (a *Agent) rollbackJob(ctx context.Context, run string, uid uint32, p clusterapi.CutPart) error {
 	m, err := a.store.Manifest(p.Job, p.Snapshot) // verified by the stop phase
 	if err != nil {
 		return err
@@ -637,8 +726,8 @@ func (a *Agent) rollbackJob(ctx context.Context, p clusterapi.CutPart) error {
 	if err != nil {
 		return err
 	}
-	if j.ID != m.Job || j.Net == nil {
-		return fmt.Errorf("snapshot %s carries the record of job %q (network %v): not a part of a cut", m.ID, j.ID, j.Net)
+	if j.ID != m.Job || j.Net == nil || j.Spec.Run != run || j.UID != uid {
+		return fmt.Errorf("snapshot %s carries the record of job %q (run %q, uid %d, network %v): not a part of run %s of uid %d", m.ID, j.ID, j.Spec.Run, j.UID, j.Net, run, uid)
 	}
 	holder := newHolder("rollback")
 	n, err := a.claimForRestore(ctx, j, m, holder, true) // the run's jobs were stopped: none runs
@@ -698,20 +787,12 @@ func (a *Agent) pinnedSnapshots(job string) []string {
 
 // cuts are the cuts recorded here, one per run.
 func (a *Agent) cuts() []*Cut {
-	des, err := os.ReadDir(filepath.Join(a.cfg.StateDir, "cuts"))
-	if err != nil {
-		return nil
-	}
 	var out []*Cut
-	for _, de := range des {
-		run, ok := strings.CutSuffix(de.Name(), ".json")
-		if !ok || !de.Type().IsRegular() {
-			continue
-		}
-		if c, err := a.loadCut(run); err == nil {
+	for _, k := range a.cutKeys() {
+		if c, err := a.loadCut(k.run, &k.uid); err == nil {
 			out = append(out, c)
 		} else {
-			a.log.Warn("unreadable cut record", "run", run, "err", err)
+			a.log.Warn("unreadable cut record", "run", k.run, "uid", k.uid, "err", err)
 		}
 	}
 	return out
@@ -746,16 +827,16 @@ func (a *Agent) coordinatedJobs(jobs []RecoverJob) (logging []RecoverJob, coordi
 // coordinated mode, and, if message logging failed (mlErr), those in auto mode. Each such run rolls back
 // to its cut, the failed host's parts on target. It returns what is left unrecovered (nil if every
 // job of the failed host runs again).
-func (a *Agent) rollbackAfterFailure(ctx context.Context, failed, target string, jobs []RecoverJob, coordinated []string, mlErr error, emit func(Stage)) error {
+func (a *Agent) rollbackAfterFailure(ctx context.Context, failed, target string, jobs, coordinated []string, mlErr error, emit func(Stage)) error {
 	runs := map[string]*Cut{}
 	var order []string
 	rolled := map[string]bool{}
 	for _, j := range jobs {
-		c, p := a.cutWith(j.Job)
+		c, p := a.cutWith(j)
 		switch {
 		case c == nil:
 			continue
-		case slices.Contains(coordinated, j.Job), mlErr != nil && p.Recovery == RecoveryAuto:
+		case slices.Contains(coordinated, j), mlErr != nil && p.Recovery == RecoveryAuto:
 		default:
 			continue
 		}
@@ -785,7 +866,7 @@ func (a *Agent) rollbackAfterFailure(ctx context.Context, failed, target string,
 	}
 	// A job neither message logging nor a rollback brought back keeps message logging's error.
 	for _, j := range jobs {
-		if !rolled[j.Job] && (mlErr != nil || slices.Contains(coordinated, j.Job)) {
+		if !rolled[j] && (mlErr != nil || slices.Contains(coordinated, j)) {
 			return errors.Join(append(errs, mlErr)...)
 		}
 	}
@@ -796,39 +877,39 @@ func (a *Agent) rollbackAfterFailure(ctx context.Context, failed, target string,
 // mode, at their jobs' interval since the run's newest cut. Of the hosts that run a part of a run, the
 // first by name coordinates; the others only take part.
 func (a *Agent) scheduleCuts(ctx context.Context) {
-	tried := map[string]time.Time{} // by run: the last attempt this host coordinated or declined
+	tried := map[cutKey]time.Time{} // the last attempt this host coordinated or declined
 	every(ctx, time.Second, func() {
 		now := time.Now()
-		due := map[string]time.Duration{}
+		due := map[cutKey]time.Duration{}
 		for _, j := range a.Jobs(0) {
 			if j.State != JobRunning || !j.Spec.rollsBackRun() || j.LazyWork != "" {
 				continue
 			}
-			iv := a.jobInterval(j.ID)
-			if cur, ok := due[j.Spec.Run]; !ok || iv < cur {
-				due[j.Spec.Run] = iv
+			k, iv := cutKey{j.Spec.Run, j.UID}, a.jobInterval(j.ID)
+			if cur, ok := due[k]; !ok || iv < cur {
+				due[k] = iv
 			}
 		}
-		for run, iv := range due {
-			last := tried[run]
-			if c, err := a.loadCut(run); err == nil && c.Taken.After(last) {
+		for k, iv := range due {
+			last := tried[k]
+			if c, err := a.loadCut(k.run, &k.uid); err == nil && c.Taken.After(last) {
 				last = c.Taken
 			}
 			if now.Sub(last) < iv {
 				continue
 			}
-			tried[run] = now
-			hosts, err := a.runHosts(ctx, run)
+			tried[k] = now
+			hosts, _, err := a.runHosts(ctx, k.run, &k.uid)
 			if err != nil || slices.Min(hosts) != a.cfg.Name {
 				continue // another host coordinates (or the run cannot be listed now: next interval)
 			}
-			if _, err := a.CoordinatedSnapshot(ctx, run, 0); err != nil {
-				a.log.Warn("scheduled coordinated snapshot failed; retrying at the next interval", "run", run, "err", err)
+			if _, err := a.CoordinatedSnapshot(ctx, RunRequest{Run: k.run, UID: &k.uid}, 0); err != nil {
+				a.log.Warn("scheduled coordinated snapshot failed; retrying at the next interval", "run", k.run, "uid", k.uid, "err", err)
 			}
 		}
-		for run := range tried {
-			if _, ok := due[run]; !ok {
-				delete(tried, run)
+		for k := range tried {
+			if _, ok := due[k]; !ok {
+				delete(tried, k)
 			}
 		}
 	})
@@ -839,6 +920,13 @@ func (a *Agent) scheduleCuts(ctx context.Context) {
 func (a *Agent) rollsBack(job string) bool {
 	c, p := a.cutWith(job)
 	return c != nil && p.Recovery == RecoveryAuto
+}
+
+// rollsBackAlone reports whether job's run can roll back as a whole without message logging (coordinated or
+// auto mode, and a cut of the run is recorded here).
+func (a *Agent) rollsBackAlone(job string) bool {
+	c, p := a.cutWith(job)
+	return c != nil && (p.Recovery == RecoveryAuto || p.Recovery == RecoveryCoordinated)
 }
 
 // aliveMembers are the names of the view's alive members.

@@ -66,6 +66,7 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 		return err
 	}
 	var jobs []RecoverJob
+	var direct []string // jobs only their run's rollback can recover
 	var runs []jobRun
 	var need spare.Need
 	var errs []error
@@ -81,14 +82,23 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 		// when a holder fails to serve.
 		held, err := a.heldReplicas(ctx, job, s.Name)
 		if err != nil {
-			errs = append(errs, fmt.Errorf("job %s: %w", job, err))
-			continue
+			err = fmt.Errorf("job %s: %w", job, err)
+		} else {
+			err = lacksConns(job, recoveryCandidates(held)[0].Snapshot, uncovered)
 		}
-		cands := recoveryCandidates(held)
-		if err := lacksConns(job, cands[0].Snapshot, uncovered); err != nil {
+		if err != nil {
+			if a.rollsBackAlone(job) {
+				// Message logging cannot restore it, its run's coordinated snapshot can (the run's connections
+				// opened since are rolled back with both their ends).
+				a.log.Warn("message logging cannot recover the job: its run rolls back to its coordinated snapshot", "job", job, "err", err)
+				direct = append(direct, job)
+				need.Jobs++
+				continue
+			}
 			errs = append(errs, err)
 			continue
 		}
+		cands := recoveryCandidates(held)
 		if held[0].holder != a.cfg.Name {
 			a.log.Warn("the newest replica is on another member", "job", job, "snapshot", cands[0].Snapshot, "holder", cands[0].Source)
 		}
@@ -98,7 +108,7 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 		need.Jobs++
 		need.MemoryBytes += held[0].m.TotalSize()
 	}
-	if len(jobs) == 0 {
+	if len(jobs) == 0 && len(direct) == 0 {
 		return errors.Join(append(errs, errors.New("no job of the failed node can be restored"))...)
 	}
 	target, absorb, basic := a.claimSpare(ctx, id, s.Name, need, a.runSparesOf(s.Name, runs), prefetchOf(jobs))
@@ -149,6 +159,7 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 	// one falls back to that rollback.
 	var coordinated []string
 	req.Jobs, coordinated = a.coordinatedJobs(jobs)
+	coordinated = append(coordinated, direct...)
 	if len(req.Jobs) > 0 {
 		if target == a.cfg.Name {
 			err = a.recoverJobs(ctx, req, emit)
@@ -157,7 +168,11 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 		}
 	}
 	if err != nil || len(coordinated) > 0 {
-		err = a.rollbackAfterFailure(ctx, s.Name, target, jobs, coordinated, err, emit)
+		ids := slices.Clone(direct)
+		for _, j := range jobs {
+			ids = append(ids, j.Job)
+		}
+		err = a.rollbackAfterFailure(ctx, s.Name, target, ids, coordinated, err, emit)
 	}
 	return errors.Join(append(errs, err)...)
 }

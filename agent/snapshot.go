@@ -173,12 +173,12 @@ func (a *Agent) checkpoint(ctx context.Context, ids []string, uid uint32, still 
 		return nil, fmt.Errorf("%w: some of %v are not running on %s", ErrNoJob, ids, a.cfg.Name)
 	}
 	a.ckptMu.Lock()
-	defer a.ckptMu.Unlock()
 	if still != nil {
 		jobs = running()
 		keep := slices.DeleteFunc(slices.Clone(jobs), func(j Job) bool { return !still(j) })
 		switch {
 		case len(keep) == 0:
+			a.ckptMu.Unlock()
 			return nil, nil
 		case a.cfg.Checkpoint.Mode != SemiCoordinated:
 			jobs = keep
@@ -202,6 +202,9 @@ func (a *Agent) checkpoint(ctx context.Context, ids []string, uid uint32, still 
 			manifests = append(manifests, m)
 		}
 	}
+	// The dumps are done: shipping them needs no lock, and must not hold up a migration, a rollback or the
+	// next snapshot while it waits on a protector that died (its connect timeout).
+	a.ckptMu.Unlock()
 	placements := map[string]*Placement{}
 	for _, j := range jobs {
 		placements[j.ID] = j.Spec.Placement

@@ -185,15 +185,15 @@ func (c *Client) Migrate(ctx context.Context, req agent.MigrateRequest) (agent.M
 }
 
 // Cut takes a coordinated snapshot of a run, coordinated by this agent (root only).
-func (c *Client) Cut(ctx context.Context, run string) (agent.Cut, error) {
+func (c *Client) Cut(ctx context.Context, req agent.RunRequest) (agent.Cut, error) {
 	var cut agent.Cut
-	return cut, c.do(ctx, http.MethodPost, "/v1/cut", agent.RunRequest{Run: run}, &cut)
+	return cut, c.do(ctx, http.MethodPost, "/v1/cut", req, &cut)
 }
 
 // Rollback rolls a run back to its newest coordinated snapshot, coordinated by this agent (root only).
-func (c *Client) Rollback(ctx context.Context, run string) (agent.Rollback, error) {
+func (c *Client) Rollback(ctx context.Context, req agent.RunRequest) (agent.Rollback, error) {
 	var r agent.Rollback
-	return r, c.do(ctx, http.MethodPost, "/v1/rollback", agent.RunRequest{Run: run}, &r)
+	return r, c.do(ctx, http.MethodPost, "/v1/rollback", req, &r)
 }
 
 // Drain moves every job off the host (root only).

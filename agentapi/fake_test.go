@@ -146,12 +146,12 @@ func (fb *fakeBackend) Drain(context.Context, agent.DrainRequest, uint32) (*agen
 	return nil, errFake
 }
 
-func (fb *fakeBackend) CoordinatedSnapshot(_ context.Context, run string, _ uint32) (*agent.Cut, error) {
-	return &agent.Cut{Run: run, ID: "cut-1"}, nil
+func (fb *fakeBackend) CoordinatedSnapshot(_ context.Context, req agent.RunRequest, _ uint32) (*agent.Cut, error) {
+	return &agent.Cut{Run: req.Run, ID: "cut-1"}, nil
 }
 
-func (fb *fakeBackend) Rollback(_ context.Context, run string, _ uint32) (*agent.Rollback, error) {
-	return nil, fmt.Errorf("%w of run %s", agent.ErrNoCut, run)
+func (fb *fakeBackend) Rollback(_ context.Context, req agent.RunRequest, _ uint32) (*agent.Rollback, error) {
+	return nil, fmt.Errorf("%w of run %s", agent.ErrNoCut, req.Run)
 }
 
 func (fb *fakeBackend) AddSpare(context.Context, agent.SpareRequest) (ring.View, error) {

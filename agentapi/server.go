@@ -44,8 +44,8 @@ type Backend interface {
 	Restore(ctx context.Context, req agent.RestoreRequest, uid uint32) (*agent.Job, error)
 	Migrate(ctx context.Context, req agent.MigrateRequest, uid uint32) (*agent.Migration, error)
 	Drain(ctx context.Context, req agent.DrainRequest, uid uint32) (*agent.DrainResult, error)
-	CoordinatedSnapshot(ctx context.Context, run string, uid uint32) (*agent.Cut, error)
-	Rollback(ctx context.Context, run string, uid uint32) (*agent.Rollback, error)
+	CoordinatedSnapshot(ctx context.Context, req agent.RunRequest, uid uint32) (*agent.Cut, error)
+	Rollback(ctx context.Context, req agent.RunRequest, uid uint32) (*agent.Rollback, error)
 	AddSpare(ctx context.Context, req agent.SpareRequest) (ring.View, error)
 	Events(uid uint32) []*agent.Failure
 	LoggedConns() []agent.LoggedConn
@@ -269,7 +269,7 @@ func Handler(a Backend, lim Limits) http.Handler {
 		}
 	}))
 	// A coordinated snapshot of a run, and the rollback of a run to its newest one (root only).
-	runOp := func(what string, op func(ctx context.Context, run string, uid uint32) (any, error)) http.HandlerFunc {
+	runOp := func(what string, op func(ctx context.Context, req agent.RunRequest, uid uint32) (any, error)) http.HandlerFunc {
 		return bounded(0, func(w http.ResponseWriter, r *http.Request) {
 			if callerOf(r).Uid != 0 {
 				writeError(w, http.StatusForbidden, fmt.Errorf("%s stops jobs on every host of a run: it is for root (the operator)", what))
@@ -280,7 +280,7 @@ func Handler(a Backend, lim Limits) http.Handler {
 				writeError(w, http.StatusBadRequest, fmt.Errorf("%s needs a run: %v", what, err))
 				return
 			}
-			res, err := op(r.Context(), req.Run, callerOf(r).Uid)
+			res, err := op(r.Context(), req, callerOf(r).Uid)
 			switch {
 			case errors.Is(err, agent.ErrNoJob), errors.Is(err, agent.ErrNoCut):
 				writeError(w, http.StatusNotFound, err)
@@ -293,11 +293,11 @@ func Handler(a Backend, lim Limits) http.Handler {
 			}
 		})
 	}
-	mux.HandleFunc("POST /v1/cut", runOp("a coordinated snapshot", func(ctx context.Context, run string, uid uint32) (any, error) {
-		return a.CoordinatedSnapshot(ctx, run, uid)
+	mux.HandleFunc("POST /v1/cut", runOp("a coordinated snapshot", func(ctx context.Context, req agent.RunRequest, uid uint32) (any, error) {
+		return a.CoordinatedSnapshot(ctx, req, uid)
 	}))
-	mux.HandleFunc("POST /v1/rollback", runOp("a rollback", func(ctx context.Context, run string, uid uint32) (any, error) {
-		return a.Rollback(ctx, run, uid)
+	mux.HandleFunc("POST /v1/rollback", runOp("a rollback", func(ctx context.Context, req agent.RunRequest, uid uint32) (any, error) {
+		return a.Rollback(ctx, req, uid)
 	}))
 	mux.HandleFunc("POST /v1/drain", bounded(0, func(w http.ResponseWriter, r *http.Request) {
 		if callerOf(r).Uid != 0 {

@@ -32,9 +32,11 @@ const (
 // MaxCutParts bounds the parts of a cut (a run's jobs).
 const MaxCutParts = 4096
 
-// CoordinateRequest is one phase of cut Cut of run Run.
+// CoordinateRequest is one phase of cut Cut of run Run of user UID: a run is its jobs of one user that
+// share the run's name (users name their runs). UID may be nil only to list.
 type CoordinateRequest struct {
 	Run   string     `json:"run"`
+	UID   *uint32    `json:"uid,omitempty"`
 	Cut   string     `json:"cut"`
 	Phase CoordPhase `json:"phase"`
 	Parts []CutPart  `json:"parts,omitempty"`
@@ -55,10 +57,14 @@ type CutPart struct {
 	Conns []ckpt.Conn `json:"conns,omitempty"`
 }
 
-// CoordinateReply is a host's answer: its jobs of the run (list, freeze) or its parts (dump, thaw).
+// CoordinateReply is a host's answer: its jobs of the run (list, freeze; Owners: each listed job's user) or
+// its parts (dump, thaw).
 type CoordinateReply struct {
-	Jobs  []string  `json:"jobs,omitempty"`
+	Jobs   []string          `json:"jobs,omitempty"`
+	Owners map[string]uint32 `json:"owners,omitempty"`
 	Parts []CutPart `json:"parts,omitempty"`
+	// Frozen is how long the server held the run's jobs frozen (thaw: from its freeze to its thaw).
+	Frozen time.Duration `json:"frozen_ns,omitempty"`
 }
 
 // Validate refuses names that are no job's, run's or member's, phases that do not exist, and lists past
@@ -71,7 +77,11 @@ func (r CoordinateRequest) Validate() error {
 		return fmt.Errorf("coordinate: cut: %w", err)
 	}
 	switch r.Phase {
-	case CoordList, CoordFreeze, CoordDump, CoordThaw, CoordAbort, CoordCommit, CoordStop, CoordRestore:
+	case CoordList:
+	case CoordFreeze, CoordDump, CoordThaw, CoordAbort, CoordCommit, CoordStop, CoordRestore:
+		if r.UID == nil {
+			return fmt.Errorf("coordinate: %s of run %s names no user", r.Phase, r.Run)
+		}
 	default:
 		return fmt.Errorf("coordinate: no phase %q", r.Phase)
 	}

@@ -10,7 +10,8 @@ import (
 )
 
 func testCoordinate() CoordinateRequest {
-	return CoordinateRequest{Run: "run1", Cut: "cut-20260501T120000", Phase: CoordCommit, Parts: []CutPart{{
+	uid := uint32(1000)
+	return CoordinateRequest{Run: "run1", UID: &uid, Cut: "cut-20260501T120000", Phase: CoordCommit, Parts: []CutPart{{
 		Job: "run1-n2-0a0b0c0d", Host: "n2", Snapshot: "20260501T120000.000Z-n2-000001",
 		Conns: []ckpt.Conn{{Tuple: tcpflow.Tuple{Local: netip.MustParseAddrPort("10.77.0.2:5000"), Remote: netip.MustParseAddrPort("10.77.0.3:41000")}, InqSeq: 7, OutqSeq: 9, OutqLen: 2}},
 	}}}
@@ -31,6 +32,8 @@ func TestCoordinateRequestValidate(t *testing.T) {
 	}{
 		{"valid", testCoordinate(), ""},
 		{"list without parts", with(func(r *CoordinateRequest) { r.Phase, r.Parts = CoordList, nil }), ""},
+		{"list of any user's jobs", with(func(r *CoordinateRequest) { r.Phase, r.Parts, r.UID = CoordList, nil, nil }), ""},
+		{"a phase without its user", with(func(r *CoordinateRequest) { r.Phase, r.UID = CoordStop, nil }), "names no user"},
 		{"restore on a spare", with(func(r *CoordinateRequest) { r.Parts[0].Target, r.Parts[0].Source = "n4", "n3" }), ""},
 		{"run with a slash", with(func(r *CoordinateRequest) { r.Run = "../x" }), "run"},
 		{"empty cut", with(func(r *CoordinateRequest) { r.Cut = "" }), "cut"},

@@ -39,17 +39,25 @@ func TestCoordinatedRollback(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := c.Client("node3").Cut(ctx, "mixed"); err == nil || !strings.Contains(err.Error(), "host address") {
+	if _, err := c.Client("node3").Cut(ctx, agent.RunRequest{Run: "mixed"}); err == nil || !strings.Contains(err.Error(), "host address") {
 		t.Errorf("coordinated snapshot of a run with a job on its host's address: %v, want a refusal naming the host address", err)
 	}
 	if j, err := c.Client("node2").Job(ctx, other.ID); err != nil || j.State != agent.JobRunning || j.PID != other.PID {
 		t.Errorf("the refused run's job: %+v %v, want it running as before", j, err)
 	}
-	if _, err := c.Client("node3").Rollback(ctx, "ring1"); err == nil || !strings.Contains(err.Error(), agent.ErrNoCut.Error()) {
+	if _, err := c.Client("node3").Rollback(ctx, agent.RunRequest{Run: "ring1"}); err == nil || !strings.Contains(err.Error(), agent.ErrNoCut.Error()) {
 		t.Errorf("rollback of a run without a coordinated snapshot: %v, want %q", err, agent.ErrNoCut)
 	}
 
-	cut, err := c.Client("node3").Cut(ctx, "ring1")
+	// Another user names a run of theirs alike: the name alone is ambiguous, and their job is never part of
+	// root's run.
+	foreign := startWrappedAs(t, c, "node3", "foreign", nobodyID, "/", []string{"--run", "ring1", "--job-address"}, "/bin/sleep", "600")
+	t.Cleanup(func() { removeJobNets(t, foreign.ID) })
+	if _, err := c.Client("node3").Cut(ctx, agent.RunRequest{Run: "ring1"}); err == nil || !strings.Contains(err.Error(), "name the user") {
+		t.Errorf("coordinated snapshot of a run name two users have: %v, want a refusal asking for the user", err)
+	}
+	root := uint32(0)
+	cut, err := c.Client("node3").Cut(ctx, agent.RunRequest{Run: "ring1", UID: &root})
 	if err != nil {
 		t.Fatalf("coordinated snapshot of run ring1: %v", err)
 	}
@@ -75,7 +83,7 @@ func TestCoordinatedRollback(t *testing.T) {
 	rg.waitProgress(t, 2*progressEvery, 2*time.Minute) // well past the cut
 
 	before := []agent.Job{rg.job(t, "node1", 0), rg.job(t, "node3", 1)}
-	rb, err := c.Client("node1").Rollback(ctx, "ring1")
+	rb, err := c.Client("node1").Rollback(ctx, agent.RunRequest{Run: "ring1", UID: &root})
 	if err != nil {
 		t.Fatalf("rollback of run ring1: %v", err)
 	}
@@ -90,6 +98,9 @@ func TestCoordinatedRollback(t *testing.T) {
 			t.Fatalf("rank %d on %s after the rollback: %+v, want a new process from %s, incarnation %d, address %s", r, host, j, parts[j.ID], before[r].Incarnation+1, before[r].Net.Addr)
 		}
 		requireInJobNet(t, c, j)
+	}
+	if j, err := c.Client("node3").Job(ctx, foreign.ID); err != nil || j.State != agent.JobRunning || j.PID != foreign.PID {
+		t.Errorf("the other user's job of a run named alike: %+v %v, want it untouched by root's rollback", j, err)
 	}
 	f := findEvent(t, c, rb.Event)
 	logTimeline(t, f)
@@ -130,11 +141,7 @@ func TestAutoRollback(t *testing.T) {
 		rg.jobs[r] = j
 	}
 	// A scheduled cut, recorded on every member, and the ranks well past it.
-	var cut agent.Cut
-	poll(t, 2*time.Minute, "a scheduled coordinated snapshot of run nd", func() bool {
-		b, err := os.ReadFile(filepath.Join(labcluster.StateDir(st.ID, "spare1"), "cuts", "nd.json"))
-		return err == nil && json.Unmarshal(b, &cut) == nil && len(cut.Parts) == 2
-	})
+	cut := waitCut(t, c, "spare1", "nd", 2)
 	t.Logf("cut %s: %+v", cut.ID, cut.Parts)
 	time.Sleep(time.Second) // a second of traffic after the cut, which the rollback takes back
 	if err := c.Lab.Crash(ctx, "node2"); err != nil {
@@ -162,4 +169,16 @@ func TestAutoRollback(t *testing.T) {
 	if s0, s1 := checksumOf(t, outs[0]), checksumOf(t, outs[1]); s0 != s1 {
 		t.Errorf("rank 0 received checksum %s, rank 1 sent %s: the rolled-back run is not one execution", s0, s1)
 	}
+}
+
+// waitCut waits until host records a coordinated snapshot of root's run with parts parts, and returns it.
+func waitCut(t *testing.T, c *labcluster.Cluster, host, run string, parts int) agent.Cut {
+	t.Helper()
+	var cut agent.Cut
+	path := filepath.Join(labcluster.StateDir(c.Lab.State().ID, host), "cuts", run+".0.json")
+	poll(t, 3*time.Minute, "a coordinated snapshot of run "+run+" on "+host, func() bool {
+		b, err := os.ReadFile(path)
+		return err == nil && json.Unmarshal(b, &cut) == nil && len(cut.Parts) == parts
+	})
+	return cut
 }

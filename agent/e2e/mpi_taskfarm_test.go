@@ -4,11 +4,9 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
-	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
@@ -185,18 +183,13 @@ func TestTaskFarmAutoRollback(t *testing.T) {
 	}
 	want := fmt.Sprintf("tasks %d sum %d", farmTasks, farmSum(farmTasks))
 	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", JobAddresses: true, NoReceiveOrder: true})
-	st := c.Lab.State()
 	r := startMPIWith(t, c, []string{"--job-addresses", "--recovery", agent.RecoveryAuto, "--interval", "2s"}, "farm", "taskfarm.py", script,
 		"/usr/bin/python3", "taskfarm.py", strconv.Itoa(farmTasks))
 	r.waitRows(t, farmProgress, 200, 2*time.Minute)
 	node1 := jobNamed(t, c, "node1", "farm-node1")
 	t.Cleanup(func() { removeJobNets(t, node1.ID) })
 	// A cut of the whole run (mpirun's job and each host's MPI daemon and ranks), then 200 more tasks.
-	var cut agent.Cut
-	poll(t, 2*time.Minute, "a coordinated snapshot of run farm", func() bool {
-		b, err := os.ReadFile(filepath.Join(labcluster.StateDir(st.ID, "spare1"), "cuts", "farm.json"))
-		return err == nil && json.Unmarshal(b, &cut) == nil && len(cut.Parts) == 3
-	})
+	cut := waitCut(t, c, "spare1", "farm", 3)
 	t.Logf("cut %s: %+v", cut.ID, cut.Parts)
 	r.waitRows(t, farmProgress, farmProgress(r.out.String())+200, 2*time.Minute)
 	if err := c.Lab.Crash(context.Background(), "node1"); err != nil {

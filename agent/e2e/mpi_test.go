@@ -312,3 +312,52 @@ func failNode2MidRun(t *testing.T, c *labcluster.Cluster, r *mpiRun, rows func(o
 		t.Errorf("node2's job on spare1: restored from %q, exit %+v, %v", j.Restored, j.Exit, err)
 	}
 }
+
+// TestHPCCCoordinated is issue 11's HPCC crash (Debian's hpcc over Open MPI, one rank per lab node) under
+// `ftctl mpirun --recovery coordinated --job-addresses`: HPCC is not piecewise deterministic (RandomAccess
+// routes updates in arrival order, the latency tests loop on MPI_Wtime), so the whole run rolls back to its
+// newest coordinated snapshot, node2's part on spare1. node2 crashes once HPCC has written more of its
+// output after a coordinated snapshot; the run must finish with HPCC's own checks passing and the
+// timing-independent results of the failure-free run.
+func TestHPCCCoordinated(t *testing.T) {
+	t.Parallel()
+	requirePrograms(t, "mpirun.openmpi", "hpcc")
+	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", JobAddresses: true})
+	in := hpccInput(t)
+	flags := []string{"--job-addresses", "--recovery", agent.RecoveryCoordinated, "--interval", "2s"}
+	want := hpccVerified(t, startMPIWith(t, c, flags, "ref", "hpccinf.txt", in, "hpcc").hpccSummary(t))
+
+	r := startMPIWith(t, c, flags, "hp", "hpccinf.txt", in, "hpcc")
+	cut := waitCut(t, c, "spare1", "hp", 3)
+	t.Logf("cut %s", cut.ID)
+	out := filepath.Join(r.dir, "hpccoutf.txt")
+	written := func() string { b, _ := os.ReadFile(out); return string(b) }
+	at := len(written())
+	poll(t, 3*time.Minute, "HPCC's output to grow after the cut", func() bool {
+		w := written()
+		if strings.Contains(w, "Begin of Summary section") {
+			t.Fatalf("HPCC ended before the crash:\n%s", tail(r.out.String()))
+		}
+		return len(w) > at
+	})
+	node2 := jobNamed(t, c, "node2", "hp-node2")
+	t.Cleanup(func() { removeJobNets(t, node2.ID) })
+	if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
+		t.Fatal(err)
+	}
+	crashJobNet(t, node2.Net.Name)
+	f := waitFailure(t, c, "node2", 5*time.Minute)
+	logTimeline(t, f)
+	if f.Error != "" {
+		t.Fatalf("recovery of node2 failed: %s", f.Error)
+	}
+	got := hpccVerified(t, r.hpccSummary(t))
+	for k, v := range want {
+		if got[k] != v {
+			t.Errorf("%s: %s after the crash, %s without", k, got[k], v)
+		}
+	}
+	if stageDetail(f, agent.StageRolledBack) == "" {
+		t.Errorf("recovery of node2 %+v: no rollback to the run's coordinated snapshot", f.Stages)
+	}
+}

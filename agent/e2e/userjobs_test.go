@@ -20,7 +20,13 @@ import (
 // the agent lists it.
 func startInDir(t *testing.T, c *labcluster.Cluster, host, name string, uid uint32, dir string, argv ...string) agent.Job {
 	t.Helper()
-	cmd := ftwrap(c, host, append([]string{"--name", name, "--"}, argv...)...)
+	return startWrappedAs(t, c, host, name, uid, dir, nil, argv...)
+}
+
+// startWrappedAs is startInDir with more flags of ftwrap.
+func startWrappedAs(t *testing.T, c *labcluster.Cluster, host, name string, uid uint32, dir string, flags []string, argv ...string) agent.Job {
+	t.Helper()
+	cmd := ftwrap(c, host, append(append(append([]string{"--name", name}, flags...), "--"), argv...)...)
 	cmd.Dir = dir
 	if uid != 0 {
 		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uid, Gid: uid}}

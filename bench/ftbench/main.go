@@ -52,6 +52,7 @@ func benchmarks() (map[string]benchmark, map[string]*flag.FlagSet) {
 	d := &detectBench{}
 	return map[string]benchmark{
 		"compare":             benchCompare,
+		"coordinated":         benchCoordinated,
 		"detect":              d.run,
 		"lab":                 benchLab,
 		"lazy-restore":        benchLazyRestore,

@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"sort"
+	"strconv"
 	"strings"
 	"syscall"
 	"text/tabwriter"
@@ -52,8 +53,8 @@ type agentClient interface {
 	Restore(ctx context.Context, req agent.RestoreRequest) (agent.Job, error)
 	Migrate(ctx context.Context, req agent.MigrateRequest) (agent.Migration, error)
 	Drain(ctx context.Context, req agent.DrainRequest) (agent.DrainResult, error)
-	Cut(ctx context.Context, run string) (agent.Cut, error)
-	Rollback(ctx context.Context, run string) (agent.Rollback, error)
+	Cut(ctx context.Context, req agent.RunRequest) (agent.Cut, error)
+	Rollback(ctx context.Context, req agent.RunRequest) (agent.Rollback, error)
 	Output(ctx context.Context, id, stream string, follow bool, w io.Writer) error
 	Signal(ctx context.Context, id string, sig syscall.Signal) error
 	AddSpare(ctx context.Context, req agent.SpareRequest) (ring.View, error)
@@ -423,6 +424,7 @@ func newCheckpointCmd(t *target) *cobra.Command {
 	var asJSON bool
 	var jobs []string
 	var run string
+	var runUID optUID
 	cmd := &cobra.Command{
 		Use:   "checkpoint",
 		Short: "Snapshot jobs now and ship the snapshots to the protector",
@@ -435,7 +437,7 @@ It fails if a snapshot could not be taken or did not reach the protector.`,
 				if len(jobs) > 0 {
 					return cli.Usagef("--run takes every job of the run: leave out --job")
 				}
-				return cutCmd(cmd, t, run, asJSON)
+				return cutCmd(cmd, t, agent.RunRequest{Run: run, UID: runUID.ptr()}, asJSON)
 			}
 			cs, err := t.clients()
 			if err != nil {
@@ -504,20 +506,21 @@ It fails if a snapshot could not be taken or did not reach the protector.`,
 	}
 	cmd.Flags().StringSliceVar(&jobs, "job", nil, "job id (repeatable; default: every running job)")
 	cmd.Flags().StringVar(&run, "run", "", "take a coordinated snapshot of every job of this run, on every host, instead (root)")
+	cmd.Flags().Var(&runUID, "uid", "with --run: the run's user, when several users have runs of that name")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	return cmd
 }
 
 // cutCmd is `ftctl checkpoint --run RUN`: a coordinated snapshot of a run, coordinated by the agent asked.
-func cutCmd(cmd *cobra.Command, t *target, run string, asJSON bool) error {
+func cutCmd(cmd *cobra.Command, t *target, req agent.RunRequest, asJSON bool) error {
 	c, err := t.one()
 	if err != nil {
 		return err
 	}
 	ctx, cancel := context.WithTimeout(cmd.Context(), 15*time.Minute)
 	defer cancel()
-	cli.NewProgress(cmd.ErrOrStderr(), asJSON).Stage("%s: freezing every job of run %s on every host, dumping them, thawing them", hostName(c), run)
-	cut, err := c.client.Cut(ctx, run)
+	cli.NewProgress(cmd.ErrOrStderr(), asJSON).Stage("%s: freezing every job of run %s on every host, dumping them, thawing them", hostName(c), req.Run)
+	cut, err := c.client.Cut(ctx, req)
 	if err != nil {
 		return agentErr(err)
 	}
@@ -533,6 +536,7 @@ func cutCmd(cmd *cobra.Command, t *target, run string, asJSON bool) error {
 
 func newRollbackCmd(t *target) *cobra.Command {
 	var run string
+	var runUID optUID
 	var asJSON bool
 	cmd := &cobra.Command{
 		Use:   "rollback --run RUN",
@@ -553,7 +557,7 @@ which messages had arrived). The run's timeline is in ftctl events.`,
 			ctx, cancel := context.WithTimeout(cmd.Context(), 15*time.Minute)
 			defer cancel()
 			cli.NewProgress(cmd.ErrOrStderr(), asJSON).Stage("%s: stopping every job of run %s, then restoring each from the run's coordinated snapshot", hostName(c), run)
-			r, err := c.client.Rollback(ctx, run)
+			r, err := c.client.Rollback(ctx, agent.RunRequest{Run: run, UID: runUID.ptr()})
 			if err != nil {
 				return agentErr(err)
 			}
@@ -566,6 +570,7 @@ which messages had arrived). The run's timeline is in ftctl events.`,
 		},
 	}
 	cmd.Flags().StringVar(&run, "run", "", "the run")
+	cmd.Flags().Var(&runUID, "uid", "the run's user, when several users have runs of that name")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	return cmd
 }
@@ -724,4 +729,35 @@ agent does the same by itself when its [health] command predicts a failure of it
 	cmd.Flags().StringSliceVar(&req.To, "to", nil, "the nodes to move the jobs to, in turn (default: the ring's other alive nodes)")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	return cmd
+}
+
+// optUID is a flag holding a uid, or nothing.
+type optUID struct {
+	set bool
+	uid uint32
+}
+
+func (o *optUID) String() string {
+	if !o.set {
+		return ""
+	}
+	return strconv.FormatUint(uint64(o.uid), 10)
+}
+
+func (o *optUID) Set(v string) error {
+	n, err := strconv.ParseUint(v, 10, 32)
+	if err != nil {
+		return fmt.Errorf("a uid is a number: %w", err)
+	}
+	o.set, o.uid = true, uint32(n)
+	return nil
+}
+
+func (o *optUID) Type() string { return "uid" }
+
+func (o *optUID) ptr() *uint32 {
+	if !o.set {
+		return nil
+	}
+	return &o.uid
 }

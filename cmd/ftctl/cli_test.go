@@ -165,10 +165,10 @@ func (b *testBackend) Migrate(context.Context, agent.MigrateRequest, uint32) (*a
 func (b *testBackend) Drain(context.Context, agent.DrainRequest, uint32) (*agent.DrainResult, error) {
 	return nil, errors.New("not here")
 }
-func (b *testBackend) CoordinatedSnapshot(context.Context, string, uint32) (*agent.Cut, error) {
+func (b *testBackend) CoordinatedSnapshot(context.Context, agent.RunRequest, uint32) (*agent.Cut, error) {
 	return nil, errors.New("not here")
 }
-func (b *testBackend) Rollback(context.Context, string, uint32) (*agent.Rollback, error) {
+func (b *testBackend) Rollback(context.Context, agent.RunRequest, uint32) (*agent.Rollback, error) {
 	return nil, errors.New("not here")
 }
 func (b *testBackend) AddSpare(context.Context, agent.SpareRequest) (ring.View, error) {

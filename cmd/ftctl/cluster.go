@@ -323,11 +323,11 @@ func (h *clusterHost) Migrate(ctx context.Context, req agent.MigrateRequest) (ag
 // errRunOpsLocal: coordinated snapshots and rollbacks are not operator operations over the cluster yet.
 var errRunOpsLocal = errors.New("coordinated snapshots and rollbacks are asked of an agent's local socket (run ftctl on a member, as root); not over --cluster yet")
 
-func (h *clusterHost) Cut(context.Context, string) (agent.Cut, error) {
+func (h *clusterHost) Cut(context.Context, agent.RunRequest) (agent.Cut, error) {
 	return agent.Cut{}, errRunOpsLocal
 }
 
-func (h *clusterHost) Rollback(context.Context, string) (agent.Rollback, error) {
+func (h *clusterHost) Rollback(context.Context, agent.RunRequest) (agent.Rollback, error) {
 	return agent.Rollback{}, errRunOpsLocal
 }
 
