@@ -62,7 +62,7 @@ type CutPart struct {
 type CoordinateReply struct {
 	Jobs   []string          `json:"jobs,omitempty"`
 	Owners map[string]uint32 `json:"owners,omitempty"`
-	Parts []CutPart `json:"parts,omitempty"`
+	Parts  []CutPart         `json:"parts,omitempty"`
 	// Frozen is how long the server held the run's jobs frozen (thaw: from its freeze to its thaw).
 	Frozen time.Duration `json:"frozen_ns,omitempty"`
 }

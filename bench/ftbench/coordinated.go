@@ -64,6 +64,7 @@ func benchCoordinated(ctx context.Context, log *slog.Logger) ([]Metric, any, err
 		return nil, nil, fmt.Errorf("snapshot of rank 0: %+v %w", reply, err)
 	}
 	own := float64(reply.Results[0].Manifest.Stats.FrozenTime) / 1e6
+	ownDump := float64(reply.Results[0].Manifest.DumpDuration) / 1e6
 	var cuts []float64
 	var cutTotal []float64
 	for range 3 {
@@ -95,6 +96,7 @@ func benchCoordinated(ctx context.Context, log *slog.Logger) ([]Metric, any, err
 	}
 	return []Metric{
 			{Name: "one_rank_snapshot_frozen", Value: own, Unit: "ms"},
+			{Name: "one_rank_snapshot_dump", Value: ownDump, Unit: "ms"},
 			{Name: "coordinated_4_nodes_frozen_median", Value: frozen, Unit: "ms"},
 			{Name: "coordinated_vs_one_rank_frozen", Value: frozen / own, Unit: "ratio"},
 			{Name: "coordinated_snapshot_total_median", Value: median(cutTotal), Unit: "ms"},
