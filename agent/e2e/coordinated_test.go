@@ -182,3 +182,14 @@ func waitCut(t *testing.T, c *labcluster.Cluster, host, run string, parts int) a
 	})
 	return cut
 }
+
+// removeRunNets removes, at the test's end, the job networks of the MPI run name's jobs on hosts (their
+// restored copies have the same ids): a run that ends as the test does may leave them to the lab's teardown,
+// which does not remove job networks.
+func removeRunNets(t *testing.T, c *labcluster.Cluster, name string, hosts ...string) {
+	t.Helper()
+	for _, h := range hosts {
+		j := jobNamed(t, c, h, name+"-"+h)
+		t.Cleanup(func() { removeJobNets(t, j.ID) })
+	}
+}

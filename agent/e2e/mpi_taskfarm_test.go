@@ -187,7 +187,7 @@ func TestTaskFarmAutoRollback(t *testing.T) {
 		"/usr/bin/python3", "taskfarm.py", strconv.Itoa(farmTasks))
 	r.waitRows(t, farmProgress, 200, 2*time.Minute)
 	node1 := jobNamed(t, c, "node1", "farm-node1")
-	t.Cleanup(func() { removeJobNets(t, node1.ID) })
+	removeRunNets(t, c, "farm", "node1", "node2", "node3")
 	// A cut of the whole run (mpirun's job and each host's MPI daemon and ranks), then 200 more tasks.
 	cut := waitCut(t, c, "spare1", "farm", 3)
 	t.Logf("cut %s: %+v", cut.ID, cut.Parts)

@@ -341,7 +341,7 @@ func TestHPCCCoordinated(t *testing.T) {
 		return len(w) > at
 	})
 	node2 := jobNamed(t, c, "node2", "hp-node2")
-	t.Cleanup(func() { removeJobNets(t, node2.ID) })
+	removeRunNets(t, c, "hp", "node1", "node2", "node3")
 	if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
 		t.Fatal(err)
 	}
