@@ -193,3 +193,20 @@ func removeRunNets(t *testing.T, c *labcluster.Cluster, name string, hosts ...st
 		t.Cleanup(func() { removeJobNets(t, j.ID) })
 	}
 }
+
+// crashRunHost crashes host of MPI run name (with its job network, which the lab's crash leaves running) and
+// returns the record of its recovery, which must have succeeded.
+func crashRunHost(t *testing.T, c *labcluster.Cluster, name, host string) *agent.Failure {
+	t.Helper()
+	j := jobNamed(t, c, host, name+"-"+host)
+	if err := c.Lab.Crash(context.Background(), host); err != nil {
+		t.Fatal(err)
+	}
+	crashJobNet(t, j.Net.Name)
+	f := waitFailure(t, c, host, 5*time.Minute)
+	logTimeline(t, f)
+	if f.Error != "" {
+		t.Fatalf("recovery of %s failed: %s", host, f.Error)
+	}
+	return f
+}

@@ -186,21 +186,12 @@ func TestTaskFarmAutoRollback(t *testing.T) {
 	r := startMPIWith(t, c, []string{"--job-addresses", "--recovery", agent.RecoveryAuto, "--interval", "2s"}, "farm", "taskfarm.py", script,
 		"/usr/bin/python3", "taskfarm.py", strconv.Itoa(farmTasks))
 	r.waitRows(t, farmProgress, 200, 2*time.Minute)
-	node1 := jobNamed(t, c, "node1", "farm-node1")
 	removeRunNets(t, c, "farm", "node1", "node2", "node3")
 	// A cut of the whole run (mpirun's job and each host's MPI daemon and ranks), then 200 more tasks.
 	cut := waitCut(t, c, "spare1", "farm", 3)
 	t.Logf("cut %s: %+v", cut.ID, cut.Parts)
 	r.waitRows(t, farmProgress, farmProgress(r.out.String())+200, 2*time.Minute)
-	if err := c.Lab.Crash(context.Background(), "node1"); err != nil {
-		t.Fatal(err)
-	}
-	crashJobNet(t, node1.Net.Name)
-	f := waitFailure(t, c, "node1", 5*time.Minute)
-	logTimeline(t, f)
-	if f.Error != "" {
-		t.Fatalf("recovery of node1 failed: %s", f.Error)
-	}
+	f := crashRunHost(t, c, "farm", "node1")
 	if rolled := stageDetail(f, agent.StageRolledBack); rolled == "" {
 		t.Logf("message logging recovered the master transparently: no rollback was needed")
 	}

@@ -340,17 +340,8 @@ func TestHPCCCoordinated(t *testing.T) {
 		}
 		return len(w) > at
 	})
-	node2 := jobNamed(t, c, "node2", "hp-node2")
 	removeRunNets(t, c, "hp", "node1", "node2", "node3")
-	if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
-		t.Fatal(err)
-	}
-	crashJobNet(t, node2.Net.Name)
-	f := waitFailure(t, c, "node2", 5*time.Minute)
-	logTimeline(t, f)
-	if f.Error != "" {
-		t.Fatalf("recovery of node2 failed: %s", f.Error)
-	}
+	f := crashRunHost(t, c, "hp", "node2")
 	got := hpccVerified(t, r.hpccSummary(t))
 	for k, v := range want {
 		if got[k] != v {
