@@ -157,21 +157,18 @@ func (l *Lab) createHost(br *netlink.Bridge, h Host) error {
 		return fmt.Errorf("open namespace: %w", err)
 	}
 	defer ns.Close()
-	// The peer gets a temporary root-namespace name; it is renamed to eth0 once inside the host.
+	// The peer is created inside the host (then renamed to eth0), so that its interface index comes from the
+	// host's own counter. Created in the root namespace and moved, it kept the root's index, which grows with
+	// every lab: past 32767 Open MPI's PMIx (4.2.2) matches no interface and mpirun fails ("The PMIx server's
+	// listener thread failed to start"), seen on a machine that had run the suite many times.
 	peer := h.Veth + "p"
 	veth := &netlink.Veth{
-		LinkAttrs: netlink.LinkAttrs{Name: h.Veth, MasterIndex: br.Index},
-		PeerName:  peer,
+		LinkAttrs:     netlink.LinkAttrs{Name: h.Veth, MasterIndex: br.Index},
+		PeerName:      peer,
+		PeerNamespace: netlink.NsFd(ns),
 	}
 	if err := netlink.LinkAdd(veth); err != nil {
-		return fmt.Errorf("create veth %s: %w", h.Veth, err)
-	}
-	peerLink, err := netlink.LinkByName(peer)
-	if err != nil {
-		return fmt.Errorf("find veth peer %s: %w", peer, err)
-	}
-	if err := netlink.LinkSetNsFd(peerLink, int(ns)); err != nil {
-		return fmt.Errorf("move %s into %s: %w", peer, h.Namespace, err)
+		return fmt.Errorf("create veth %s with its peer in %s: %w", h.Veth, h.Namespace, err)
 	}
 	if err := netlink.LinkSetUp(veth); err != nil {
 		return fmt.Errorf("bring up %s: %w", h.Veth, err)
