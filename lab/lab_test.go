@@ -239,3 +239,24 @@ func TestLabRevive(t *testing.T) {
 		}
 	}
 }
+
+// TestHostInterfaceIndex: a host's eth0 is made inside the host's namespace, so its interface index is the
+// host's first after lo. Created in the root namespace and moved in, it kept the root's index, which grows
+// with every lab; past 32767 Open MPI's PMIx matched no interface and every mpirun failed.
+func TestHostInterfaceIndex(t *testing.T) {
+	l := labtest.New(t, 2, 0)
+	for _, h := range []string{"node1", "node2"} {
+		if err := l.Do(h, func() error {
+			eth0, err := net.InterfaceByName("eth0")
+			if err != nil {
+				return err
+			}
+			if eth0.Index != 2 {
+				t.Errorf("%s's eth0 has interface index %d, want 2 (the host's first after lo)", h, eth0.Index)
+			}
+			return nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
