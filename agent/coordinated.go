@@ -729,27 +729,9 @@ func (a *Agent) rollbackJob(ctx context.Context, run string, uid uint32, p clust
 	if j.ID != m.Job || j.Net == nil || j.Spec.Run != run || j.UID != uid {
 		return fmt.Errorf("snapshot %s carries the record of job %q (run %q, uid %d, network %v): not a part of run %s of uid %d", m.ID, j.ID, j.Spec.Run, j.UID, j.Net, run, uid)
 	}
-	holder := newHolder("rollback")
-	n, err := a.claimForRestore(ctx, j, m, holder, true) // the run's jobs were stopped: none runs
-	if err != nil {
-		return err
-	}
-	j.Incarnation = n
-	defer a.setBusy("rollback")()
-	work, err := a.workCopy(m)
-	if err == nil {
-		err = a.guardJobNet(ctx, j, m, work)
-	}
-	if err != nil {
-		os.RemoveAll(work)
-		a.giveBack(ctx, j.ID, n, holder, nil)
-		return err
-	}
-	if _, err := a.restoreJob(ctx, m, j, work); err != nil {
-		a.giveBackUnlessStarted(ctx, j, n, holder, err)
-		return err
-	}
-	return nil
+	// Forced: the run's jobs were stopped, none runs; the claim goes past any incarnation since the cut.
+	_, err = a.claimAndRestore(ctx, "rollback", m, j, true, func(work string) error { return a.guardJobNet(ctx, j, m, work) })
+	return err
 }
 
 // guardJobNet makes job j's network on this host (restoreJob finds it made) and drops every packet of the

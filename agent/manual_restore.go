@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"os"
 	"slices"
 	"time"
 
@@ -77,14 +78,26 @@ func (a *Agent) Restore(ctx context.Context, req RestoreRequest, uid uint32) (*J
 			return nil, err
 		}
 	}
-	holder := newHolder("restore")
-	n, err := a.claimForRestore(ctx, j, m, holder, req.Force)
+	return a.claimAndRestore(ctx, "restore", m, j, req.Force, nil)
+}
+
+// claimAndRestore claims job j's next incarnation (claimForRestore, as holder kind) and restores snapshot m
+// under it on this host; prepare, if set, runs on the images' working copy before the restore. The claim
+// is given back if nothing ran.
+func (a *Agent) claimAndRestore(ctx context.Context, kind string, m *ckpt.Manifest, j Job, force bool, prepare func(work string) error) (*Job, error) {
+	holder := newHolder(kind)
+	n, err := a.claimForRestore(ctx, j, m, holder, force)
 	if err != nil {
 		return nil, err
 	}
 	j.Incarnation = n
-	defer a.setBusy("restore")()
+	defer a.setBusy(kind)()
 	work, err := a.workCopy(m)
+	if err == nil && prepare != nil {
+		if err = prepare(work); err != nil {
+			os.RemoveAll(work)
+		}
+	}
 	if err != nil {
 		a.giveBack(ctx, j.ID, n, holder, nil)
 		return nil, err
