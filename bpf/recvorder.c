@@ -55,12 +55,17 @@
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
+#include <bpf/bpf_core_read.h>
 
 #define AF_INET 2
 #define AF_INET6 10
 #define IPPROTO_TCP 6
 #define BPF_ANY 0
 #define BPF_NOEXIST 1
+#define SIGSTOP 19
+#define EINTR 4
+#define ERESTARTSYS 512
+#define ERESTART_RESTARTBLOCK 516
 // UAPI values (enum in linux/bpf.h, not in the trimmed vmlinux.h).
 #define BPF_RB_NO_WAKEUP 1
 #define BPF_RB_FORCE_WAKEUP 2
@@ -100,7 +105,30 @@ struct tcp_sock {
 	__u32 copied_seq; // the next byte the application will read
 } __attribute__((preserve_access_index));
 
-// One ring buffer record per recorded receive call. Decoded by hand in
+struct upid {
+	int nr;
+	void *ns;
+} __attribute__((preserve_access_index));
+
+struct pid {
+	unsigned int level;
+	struct upid numbers[1];
+} __attribute__((preserve_access_index));
+
+struct task_struct {
+	struct pid *thread_pid;
+	struct task_struct *group_leader;
+} __attribute__((preserve_access_index));
+
+// The system call number is orig_ax on x86-64, syscallno on arm64.
+struct pt_regs {
+	unsigned long orig_ax;
+	long long syscallno;
+} __attribute__((preserve_access_index));
+
+// One ring buffer record per recorded receive call (kind EV_RECV), or per stop
+// of a thread at an armed readiness call (kind EV_POLL_STOP: only cgroup_id,
+// pid, tid, nstid, nspid and polls are set). Decoded by hand in
 // ebpfprobes.DecodeRecvEvent: keep the two in step.
 struct recv_event {
 	__u64 cgroup_id;   // the job cgroup (child of the parent) of the caller
@@ -113,12 +141,73 @@ struct recv_event {
 	__u32 flags;       // the call's MSG_* flags
 	__u32 pid;         // tgid of the caller
 	__u32 tid;         // thread id of the caller
+	__u32 nstid;       // the caller's thread id in its own (the job's) PID namespace
+	__u32 nspid;       // the caller's process id in that namespace
+	__u32 kind;        // EV_RECV or EV_POLL_STOP
+	__u32 stopped;     // nonzero: the thread was sent SIGSTOP at this event (an armed stop)
+	__u64 polls;       // the thread's readiness calls so far (struct position)
 };
 
-_Static_assert(sizeof(struct recv_event) == 40, "recv_event must be 40 bytes without padding");
+#define EV_RECV 0
+#define EV_POLL_STOP 1
+
+_Static_assert(sizeof(struct recv_event) == 64, "recv_event must be 64 bytes without padding");
 
 // Puts recv_event in the object's BTF, for bpf2go's Go twin of it.
 const struct recv_event *unused_recv_event __attribute__((unused));
+
+// Receive positions. A thread of a job that finds bytes by a readiness call
+// (epoll_wait, poll, select and their variants) reads them after it; what a
+// readiness call returns depends on which bytes had arrived. So each thread
+// counts its readiness calls, and each receive call is stamped with the count:
+// the replay can then make every bytes arrive between the same two readiness
+// calls of the restored thread as in the original (intercept.Gate). Keyed by
+// the job cgroup and the thread's id in the job's PID namespace, which CRIU
+// restores. Calls that return EINTR or a restart code are not counted: they
+// report nothing, and a dump or a stop makes them (a blocking epoll_wait
+// returns EINTR when its process is stopped and continued); one that the
+// kernel restarts through restart_syscall is counted when the restart ends.
+struct thread_key {
+	__u64 cgroup_id;
+	__u32 nstid;
+	__u32 pad;
+};
+
+struct position {
+	__u64 polls;           // readiness calls that returned (not EINTR, not a restart)
+	__u32 restart_pending; // the last one is to be restarted through restart_syscall
+	__u32 pad;
+};
+
+// An armed stop of one thread (the replay's): SIGSTOP once its count of
+// readiness calls reaches at_polls (0: no such stop), or right after a
+// receive call on the connection of local port lport and remote port rport
+// (network order; 0: none) that leaves copied_seq at end.
+struct stop {
+	__u64 at_polls;
+	__u32 end;
+	__be16 lport;
+	__be16 rport;
+};
+
+// Set by the loader: the numbers of the readiness system calls on this
+// architecture (unused slots repeat a number), and restart_syscall's.
+volatile const __u32 poll_nr[7] = {};
+volatile const __u32 restart_nr = 0;
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct thread_key);
+	__type(value, struct position);
+} positions SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct thread_key);
+	__type(value, struct stop);
+} stops SEC(".maps");
 
 // Per-CPU counters; the loader sums them over CPUs.
 struct order_counters {
@@ -127,6 +216,7 @@ struct order_counters {
 	__u64 lost_unattributed; // of those, lost with no room in the lost map either
 	__u64 not_in_job;        // calls of tasks in the parent cgroup itself, not in a job below it
 	__u64 non_ipv4;          // consuming calls on sockets of jobs that are not IPv4 TCP
+	__u64 untracked;         // readiness calls not counted: the positions map was full
 };
 
 // Set by the loader: the ring buffer size in bytes, the wakeup threshold
@@ -144,6 +234,10 @@ volatile __u32 wake_every = 0;
 // Written by the consumer (mmapped .bss): nonzero while it polls the ring by
 // itself (the scheme of tcplog.c).
 volatile __u32 consumer_polling = 0;
+
+// Written by the consumer (mmapped .bss): nonzero while some stop is armed,
+// so that no call looks the stops map up otherwise.
+volatile __u32 stops_armed = 0;
 
 // The level of the job cgroups (the parent's + 1), found by the program the
 // first time a task under the parent receives: the loader would have to
@@ -223,6 +317,137 @@ static __always_inline void count_lost(struct order_counters *c, __u64 cgid)
 	c->lost_unattributed++;
 }
 
+// ns_nr is a task's id in the innermost PID namespace it sees (a job's own).
+static __always_inline __u32 ns_nr(struct pid *p)
+{
+	int nr = 0;
+	if (!p)
+		return 0;
+	unsigned int level = p->level;
+	// numbers[] runs to level; read the entry at a variable index through
+	// the probe helper (the verifier allows no variable offset into a
+	// kernel structure).
+	bpf_probe_read_kernel(&nr, sizeof(nr), (void *)&p->numbers[0] + (level & 31) * sizeof(struct upid));
+	return nr;
+}
+
+// job_cgroup returns the job cgroup of the current task, 0 if it is not in
+// one (then counted in c).
+static __always_inline __u64 job_cgroup(struct order_counters *c)
+{
+	__u32 level = job_level;
+	if (level == 0) {
+		level = find_job_level();
+		if (level == 0) {
+			c->not_in_job++;
+			return 0;
+		}
+		job_level = level;
+	}
+	__u64 cgid = bpf_get_current_ancestor_cgroup_id(level);
+	if (cgid == 0)
+		c->not_in_job++; // a task of the parent itself
+	return cgid;
+}
+
+// current_key fills k with the current thread's key in job cgroup cgid and
+// sets *nspid to its process's id in the job's namespace.
+static __always_inline void current_key(struct thread_key *k, __u64 cgid, __u32 *nspid)
+{
+	struct task_struct *t = bpf_get_current_task_btf();
+	k->cgroup_id = cgid;
+	k->nstid = ns_nr(t->thread_pid);
+	k->pad = 0;
+	*nspid = ns_nr(t->group_leader->thread_pid);
+}
+
+static __always_inline int is_poll_nr(__u32 nr)
+{
+	for (int i = 0; i < 7; i++)
+		if (poll_nr[i] == nr)
+			return 1;
+	return 0;
+}
+
+// pollexit counts the readiness calls of the jobs' threads (struct position)
+// and stops a thread whose armed count it reaches.
+SEC("tp_btf/sys_exit")
+int pollexit(__u64 *ctx)
+{
+	struct pt_regs *regs = (struct pt_regs *)ctx[0];
+	long ret = (long)ctx[1];
+	__u32 nr;
+	if (bpf_core_field_exists(regs->orig_ax))
+		nr = (__u32)regs->orig_ax;
+	else
+		nr = (__u32)regs->syscallno;
+	int restart = nr == restart_nr;
+	// Cheapest tests first: every system call of the machine comes here.
+	if (!restart && !is_poll_nr(nr))
+		return 0;
+	if (bpf_current_task_under_cgroup(&parent, 0) != 1)
+		return 0;
+	__u32 zero = 0;
+	struct order_counters *c = bpf_map_lookup_elem(&stats, &zero);
+	if (!c)
+		return 0;
+	__u64 cgid = job_cgroup(c);
+	if (cgid == 0)
+		return 0;
+	struct thread_key k;
+	__u32 nspid;
+	current_key(&k, cgid, &nspid);
+	struct position *p = bpf_map_lookup_elem(&positions, &k);
+	if (!p) {
+		if (restart)
+			return 0; // restarts something else than a readiness call
+		struct position fresh = {};
+		if (bpf_map_update_elem(&positions, &k, &fresh, BPF_NOEXIST) != 0 && bpf_map_lookup_elem(&positions, &k) == 0) {
+			c->untracked++;
+			return 0;
+		}
+		p = bpf_map_lookup_elem(&positions, &k);
+		if (!p)
+			return 0;
+	}
+	if (restart) {
+		if (!p->restart_pending)
+			return 0;
+		p->restart_pending = 0;
+	}
+	if (ret == -EINTR || (ret <= -ERESTARTSYS && ret >= -ERESTART_RESTARTBLOCK)) {
+		if (ret == -ERESTART_RESTARTBLOCK)
+			p->restart_pending = 1;
+		return 0;
+	}
+	// Only the thread itself writes its entry: no atomics needed.
+	__u64 polls = p->polls + 1;
+	p->polls = polls;
+	if (!stops_armed)
+		return 0;
+	struct stop *s = bpf_map_lookup_elem(&stops, &k);
+	if (!s || s->at_polls != polls)
+		return 0;
+	bpf_send_signal_thread(SIGSTOP);
+	struct recv_event *e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
+	if (!e) {
+		count_lost(c, cgid);
+		return 0;
+	}
+	__builtin_memset(e, 0, sizeof(*e));
+	__u64 pid_tgid = bpf_get_current_pid_tgid();
+	e->cgroup_id = cgid;
+	e->pid = pid_tgid >> 32;
+	e->tid = (__u32)pid_tgid;
+	e->nstid = k.nstid;
+	e->nspid = nspid;
+	e->kind = EV_POLL_STOP;
+	e->stopped = 1;
+	e->polls = polls;
+	bpf_ringbuf_submit(e, BPF_RB_FORCE_WAKEUP);
+	return 0;
+}
+
 SEC("tp_btf/sock_recv_length")
 int recvorder(__u64 *ctx)
 {
@@ -241,20 +466,9 @@ int recvorder(__u64 *ctx)
 	if (!c)
 		return 0; // cannot happen: a 1-entry array always has key 0
 
-	__u32 level = job_level;
-	if (level == 0) {
-		level = find_job_level();
-		if (level == 0) {
-			c->not_in_job++;
-			return 0;
-		}
-		job_level = level;
-	}
-	__u64 cgid = bpf_get_current_ancestor_cgroup_id(level);
-	if (cgid == 0) {
-		c->not_in_job++; // a task of the parent itself
+	__u64 cgid = job_cgroup(c);
+	if (cgid == 0)
 		return 0;
-	}
 
 	if (!sk || sk->sk_protocol != IPPROTO_TCP) {
 		c->non_ipv4++;
@@ -286,6 +500,10 @@ int recvorder(__u64 *ctx)
 		count_lost(c, cgid);
 		return 0;
 	}
+	struct thread_key k;
+	__u32 nspid;
+	current_key(&k, cgid, &nspid);
+	struct position *p = bpf_map_lookup_elem(&positions, &k);
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	e->cgroup_id = cgid;
 	e->laddr = sk->__sk_common.skc_rcv_saddr;
@@ -297,8 +515,22 @@ int recvorder(__u64 *ctx)
 	e->flags = flags;
 	e->pid = pid_tgid >> 32;
 	e->tid = (__u32)pid_tgid;
+	e->nstid = k.nstid;
+	e->nspid = nspid;
+	e->kind = EV_RECV;
+	e->stopped = 0;
+	e->polls = p ? p->polls : 0;
+	__u64 wake = wake_flags(sizeof(*e) + 8);
+	if (stops_armed) {
+		struct stop *s = bpf_map_lookup_elem(&stops, &k);
+		if (s && s->lport == e->lport && s->rport == e->rport && s->end == e->copied_seq && s->lport != 0) {
+			bpf_send_signal_thread(SIGSTOP);
+			e->stopped = 1;
+			wake = BPF_RB_FORCE_WAKEUP;
+		}
+	}
 	// A record is 8 bytes of kernel header plus the event, rounded to 8.
-	bpf_ringbuf_submit(e, wake_flags(sizeof(*e) + 8));
+	bpf_ringbuf_submit(e, wake);
 	c->recorded++;
 	return 0;
 }

@@ -10,4 +10,4 @@ package ebpfprobes
 // -mcpu=v3 for the 32-bit compare-and-swap on rx_next (BPF atomics, Linux 5.12+).
 //go:generate go tool bpf2go -tags linux -target bpfel -type recv_counters tcprecv ../bpf/tcprecv.c -- -Wall -Werror -mcpu=v3
 
-//go:generate go tool bpf2go -tags linux -target bpfel -type recv_event -type order_counters recvorder ../bpf/recvorder.c -- -Wall -Werror
+//go:generate go tool bpf2go -tags linux -target bpfel -type recv_event -type order_counters -type thread_key -type position -type stop recvorder ../bpf/recvorder.c -- -Wall -Werror

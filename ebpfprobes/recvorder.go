@@ -42,7 +42,8 @@ type RecvOrderOptions struct {
 	Logger *slog.Logger
 }
 
-// RecvEvent is one recorded receive call (bpf/recvorder.c).
+// RecvEvent is one recorded receive call (bpf/recvorder.c), or, if PollStop, the stop of a thread at an
+// armed readiness call (only Cgroup, Pid, Tid, Thread, Proc, Polls and Stopped are set).
 type RecvEvent struct {
 	Cgroup    uint64        // the job cgroup's id (CgroupID of its directory)
 	Conn      tcpflow.Tuple // Local is the receiving socket, Remote its peer
@@ -51,13 +52,18 @@ type RecvEvent struct {
 	Flags     uint32        // the call's MSG_* flags (MSG_PEEK, MSG_ERRQUEUE, MSG_OOB: copied_seq did not move)
 	Pid       uint32        // the caller's process (tgid)
 	Tid       uint32        // the caller's thread
+	Thread    uint32        // the caller's thread id in its job's PID namespace (CRIU restores it)
+	Proc      uint32        // the caller's process id in that namespace
+	PollStop  bool          // the event is an armed stop at a readiness call, not a receive call
+	Stopped   bool          // the thread was sent SIGSTOP at this event (an armed stop)
+	Polls     uint64        // the readiness calls the thread had made when it made this call
 }
 
 // Peek reports whether the call only looked at the bytes (MSG_PEEK).
 func (e RecvEvent) Peek() bool { return e.Flags&unix.MSG_PEEK != 0 }
 
 // RecvEventSize is the size of a raw event (struct recv_event).
-const RecvEventSize = 40
+const RecvEventSize = 64
 
 // ErrBadRecvEvent means a raw event does not have struct recv_event's size.
 var ErrBadRecvEvent = errors.New("malformed receive event")
@@ -80,6 +86,11 @@ func DecodeRecvEvent(raw []byte) (RecvEvent, error) {
 		Flags:     h.Uint32(raw[28:]),
 		Pid:       h.Uint32(raw[32:]),
 		Tid:       h.Uint32(raw[36:]),
+		Thread:    h.Uint32(raw[40:]),
+		Proc:      h.Uint32(raw[44:]),
+		PollStop:  h.Uint32(raw[48:]) == 1,
+		Stopped:   h.Uint32(raw[52:]) != 0,
+		Polls:     h.Uint64(raw[56:]),
 	}, nil
 }
 
@@ -90,11 +101,16 @@ type RecvOrderCounters struct {
 	LostUnattributed uint64 // of those, lost without knowing the job: every job's record is incomplete
 	NotInJob         uint64 // consuming calls of tasks in the parent cgroup itself, not recorded
 	NonIPv4          uint64 // consuming calls of jobs on sockets that are not IPv4 TCP, not recorded
+	Untracked        uint64 // readiness calls not counted (the positions map was full): positions are wrong
 }
 
 // recvorderLoaded holds the objects the recorder uses.
 type recvorderLoaded struct {
 	Program         *ebpf.Program  `ebpf:"recvorder"`
+	PollExit        *ebpf.Program  `ebpf:"pollexit"`
+	Positions       *ebpf.Map      `ebpf:"positions"`
+	Stops           *ebpf.Map      `ebpf:"stops"`
+	StopsArmed      *ebpf.Variable `ebpf:"stops_armed"`
 	Events          *ebpf.Map      `ebpf:"events"`
 	Parent          *ebpf.Map      `ebpf:"parent"`
 	Lost            *ebpf.Map      `ebpf:"lost"`
@@ -117,6 +133,7 @@ type RecvOrder struct {
 	log      *slog.Logger
 	objs     recvorderLoaded
 	link     link.Link
+	pollLink link.Link // nil: readiness calls are not counted (Positions)
 	ring     *ringReader
 	consumer ringConsumer
 
@@ -175,6 +192,8 @@ func NewRecvOrder(opts RecvOrderOptions) (*RecvOrder, error) {
 		recvorderVarRingSize:   uint32(size),
 		recvorderVarWakeBytes:  uint32(size / 8), // an eighth of the ring, as for TCPLogger
 		recvorderVarParentCgid: st.Ino,
+		recvorderVarPollNr:     pollSyscalls,
+		recvorderVarRestartNr:  uint32(unix.SYS_RESTART_SYSCALL),
 	} {
 		if err := spec.Variables[name].Set(v); err != nil {
 			return nil, fmt.Errorf("recvorder: set %s: %w", name, err)
@@ -211,7 +230,14 @@ func NewRecvOrder(opts RecvOrderOptions) (*RecvOrder, error) {
 		_ = r.closeObjects()
 		return nil, fmt.Errorf("recvorder: attach to tracepoint sock_recv_length (needs root and a kernel with BTF): %w", err)
 	}
-	log.Info("recvorder: attached", "cgroup_parent", dir, "cgroup_parent_id", st.Ino, "ring_bytes", size)
+	// Counting every thread's readiness calls puts every system call of the host on the kernel's traced
+	// exit path (tens of nanoseconds each): without it receive calls are recorded all the same, with no
+	// positions, and a replay keeps their order only.
+	if r.pollLink, err = link.AttachTracing(link.TracingOptions{Program: r.objs.PollExit}); err != nil {
+		log.Warn("recvorder: readiness calls are not counted (tracepoint sys_exit): receive positions are not recorded", "err", err)
+		r.pollLink = nil
+	}
+	log.Info("recvorder: attached", "cgroup_parent", dir, "cgroup_parent_id", st.Ino, "ring_bytes", size, "positions", r.pollLink != nil)
 	return r, nil
 }
 
@@ -273,11 +299,112 @@ func (r *RecvOrder) Lost(cgroup uint64) (uint64, error) {
 	return n + c.LostUnattributed, nil
 }
 
-// Forget drops the lost-event count of a job cgroup that ended, so that the
-// map never fills (a full map makes losses unattributed).
+// Forget drops the lost-event count and the threads' positions of a job
+// cgroup that ended, so that the maps never fill (a full lost map makes
+// losses unattributed, a full positions map leaves threads uncounted).
 func (r *RecvOrder) Forget(cgroup uint64) error {
 	if err := r.objs.Lost.Delete(cgroup); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 		return fmt.Errorf("recvorder: forget cgroup %d: %w", cgroup, err)
+	}
+	var errs []error
+	for k := range r.threadKeys(cgroup) {
+		if err := r.objs.Positions.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			errs = append(errs, err)
+		}
+		if err := r.objs.Stops.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			errs = append(errs, err)
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("recvorder: forget the threads of cgroup %d: %w", cgroup, err)
+	}
+	return nil
+}
+
+// Positions reports whether readiness calls are counted: RecvEvent.Polls, PollCounts and the stops at
+// readiness calls work only then.
+func (r *RecvOrder) Positions() bool { return r.pollLink != nil }
+
+// threadKeys yields the keys of the positions map of one job cgroup.
+func (r *RecvOrder) threadKeys(cgroup uint64) func(yield func(recvorderThreadKey) bool) {
+	return func(yield func(recvorderThreadKey) bool) {
+		var keys []recvorderThreadKey
+		var k recvorderThreadKey
+		var v recvorderPosition
+		it := r.objs.Positions.Iterate()
+		for it.Next(&k, &v) {
+			if k.CgroupId == cgroup {
+				keys = append(keys, k)
+			}
+		}
+		// Deleting while iterating a hash map restarts the walk: collect first.
+		for _, k := range keys {
+			if !yield(k) {
+				return
+			}
+		}
+	}
+}
+
+// PollCounts returns, for each thread of the job cgroup that made a readiness call, how many it made, by
+// its id in the job's PID namespace. Read it while the cgroup is frozen: the counts are then those at that
+// point of the job's execution.
+func (r *RecvOrder) PollCounts(cgroup uint64) (map[uint32]uint64, error) {
+	out := map[uint32]uint64{}
+	var k recvorderThreadKey
+	var v recvorderPosition
+	it := r.objs.Positions.Iterate()
+	for it.Next(&k, &v) {
+		if k.CgroupId == cgroup {
+			out[k.Nstid] = v.Polls
+		}
+	}
+	if err := it.Err(); err != nil {
+		return nil, fmt.Errorf("recvorder: read the readiness calls of cgroup %d: %w", cgroup, err)
+	}
+	return out, nil
+}
+
+// A Stop is where a thread is stopped (SIGSTOP, before it runs any code of its own after the call): once
+// it has made AtPolls readiness calls, or (AtPolls 0) right after a receive call on Conn that leaves the
+// socket's copied_seq at End. The stop comes as a RecvEvent with Stopped set.
+type Stop struct {
+	AtPolls uint64
+	Conn    tcpflow.Tuple // Local is the thread's socket
+	End     uint32
+}
+
+// Arm sets thread's stop in job cgroup (replacing any), and has the recorder look at stops.
+func (r *RecvOrder) Arm(cgroup uint64, thread uint32, s Stop) error {
+	v := recvorderStop{AtPolls: s.AtPolls}
+	if s.AtPolls == 0 {
+		c := s.Conn.Unmap()
+		v.End, v.Lport, v.Rport = s.End, htons(c.Local.Port()), htons(c.Remote.Port())
+		if v.Lport == 0 || v.Rport == 0 {
+			return fmt.Errorf("recvorder: stop thread %d of cgroup %d on %s: no connection", thread, cgroup, s.Conn)
+		}
+	}
+	if err := r.objs.Stops.Update(recvorderThreadKey{CgroupId: cgroup, Nstid: thread}, v, ebpf.UpdateAny); err != nil {
+		return fmt.Errorf("recvorder: arm the stop of thread %d of cgroup %d: %w", thread, cgroup, err)
+	}
+	if err := r.objs.StopsArmed.Set(uint32(1)); err != nil {
+		return fmt.Errorf("recvorder: set stops_armed: %w", err)
+	}
+	return nil
+}
+
+// Disarm removes thread's stop in job cgroup; the recorder stops looking at stops once none is left.
+func (r *RecvOrder) Disarm(cgroup uint64, thread uint32) error {
+	if err := r.objs.Stops.Delete(recvorderThreadKey{CgroupId: cgroup, Nstid: thread}); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		return fmt.Errorf("recvorder: disarm the stop of thread %d of cgroup %d: %w", thread, cgroup, err)
+	}
+	var k recvorderThreadKey
+	var v recvorderStop
+	if r.objs.Stops.Iterate().Next(&k, &v) {
+		return nil
+	}
+	if err := r.objs.StopsArmed.Set(uint32(0)); err != nil {
+		return fmt.Errorf("recvorder: clear stops_armed: %w", err)
 	}
 	return nil
 }
@@ -307,6 +434,11 @@ func (r *RecvOrder) Close() error {
 		if err := r.link.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("recvorder: detach from sock_recv_length: %w", err))
 		}
+		if r.pollLink != nil {
+			if err := r.pollLink.Close(); err != nil {
+				errs = append(errs, fmt.Errorf("recvorder: detach from sys_exit: %w", err))
+			}
+		}
 		if err := r.ring.close(); err != nil {
 			errs = append(errs, fmt.Errorf("recvorder: close ring buffer reader: %w", err))
 		}
@@ -320,7 +452,7 @@ func (r *RecvOrder) Close() error {
 
 func (r *RecvOrder) closeObjects() error {
 	var errs []error
-	for _, c := range []interface{ Close() error }{r.objs.Program, r.objs.Events, r.objs.Parent, r.objs.Lost, r.objs.Stats, r.objs.Bss} {
+	for _, c := range []interface{ Close() error }{r.objs.Program, r.objs.PollExit, r.objs.Positions, r.objs.Stops, r.objs.Events, r.objs.Parent, r.objs.Lost, r.objs.Stats, r.objs.Bss} {
 		if err := c.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("recvorder: close BPF object: %w", err))
 		}

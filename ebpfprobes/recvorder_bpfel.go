@@ -20,6 +20,14 @@ type recvorderOrderCounters struct {
 	LostUnattributed uint64
 	NotInJob         uint64
 	NonIpv4          uint64
+	Untracked        uint64
+}
+
+type recvorderPosition struct {
+	_              structs.HostLayout
+	Polls          uint64
+	RestartPending uint32
+	Pad            uint32
 }
 
 type recvorderRecvEvent struct {
@@ -34,6 +42,26 @@ type recvorderRecvEvent struct {
 	Flags     uint32
 	Pid       uint32
 	Tid       uint32
+	Nstid     uint32
+	Nspid     uint32
+	Kind      uint32
+	Stopped   uint32
+	Polls     uint64
+}
+
+type recvorderStop struct {
+	_       structs.HostLayout
+	AtPolls uint64
+	End     uint32
+	Lport   uint16
+	Rport   uint16
+}
+
+type recvorderThreadKey struct {
+	_        structs.HostLayout
+	CgroupId uint64
+	Nstid    uint32
+	Pad      uint32
 }
 
 // Names of all BPF objects in the ELF.
@@ -43,12 +71,18 @@ const (
 	recvorderMapEvents          = "events"
 	recvorderMapLost            = "lost"
 	recvorderMapParent          = "parent"
+	recvorderMapPositions       = "positions"
 	recvorderMapStats           = "stats"
+	recvorderMapStops           = "stops"
+	recvorderProgPollexit       = "pollexit"
 	recvorderProgRecvorder      = "recvorder"
 	recvorderVarConsumerPolling = "consumer_polling"
 	recvorderVarJobLevel        = "job_level"
 	recvorderVarParentCgid      = "parent_cgid"
+	recvorderVarPollNr          = "poll_nr"
+	recvorderVarRestartNr       = "restart_nr"
 	recvorderVarRingSize        = "ring_size"
+	recvorderVarStopsArmed      = "stops_armed"
 	recvorderVarUnusedRecvEvent = "unused_recv_event"
 	recvorderVarWakeBytes       = "wake_bytes"
 	recvorderVarWakeEvery       = "wake_every"
@@ -96,6 +130,7 @@ type recvorderSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type recvorderProgramSpecs struct {
+	Pollexit  *ebpf.ProgramSpec `ebpf:"pollexit"`
 	Recvorder *ebpf.ProgramSpec `ebpf:"recvorder"`
 }
 
@@ -103,10 +138,12 @@ type recvorderProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type recvorderMapSpecs struct {
-	Events *ebpf.MapSpec `ebpf:"events"`
-	Lost   *ebpf.MapSpec `ebpf:"lost"`
-	Parent *ebpf.MapSpec `ebpf:"parent"`
-	Stats  *ebpf.MapSpec `ebpf:"stats"`
+	Events    *ebpf.MapSpec `ebpf:"events"`
+	Lost      *ebpf.MapSpec `ebpf:"lost"`
+	Parent    *ebpf.MapSpec `ebpf:"parent"`
+	Positions *ebpf.MapSpec `ebpf:"positions"`
+	Stats     *ebpf.MapSpec `ebpf:"stats"`
+	Stops     *ebpf.MapSpec `ebpf:"stops"`
 }
 
 // recvorderVariableSpecs contains global variables before they are loaded into the kernel.
@@ -116,7 +153,10 @@ type recvorderVariableSpecs struct {
 	ConsumerPolling *ebpf.VariableSpec `ebpf:"consumer_polling"`
 	JobLevel        *ebpf.VariableSpec `ebpf:"job_level"`
 	ParentCgid      *ebpf.VariableSpec `ebpf:"parent_cgid"`
+	PollNr          *ebpf.VariableSpec `ebpf:"poll_nr"`
+	RestartNr       *ebpf.VariableSpec `ebpf:"restart_nr"`
 	RingSize        *ebpf.VariableSpec `ebpf:"ring_size"`
+	StopsArmed      *ebpf.VariableSpec `ebpf:"stops_armed"`
 	UnusedRecvEvent *ebpf.VariableSpec `ebpf:"unused_recv_event"`
 	WakeBytes       *ebpf.VariableSpec `ebpf:"wake_bytes"`
 	WakeEvery       *ebpf.VariableSpec `ebpf:"wake_every"`
@@ -142,10 +182,12 @@ func (o *recvorderObjects) Close() error {
 //
 // It can be passed to loadRecvorderObjects or ebpf.CollectionSpec.LoadAndAssign.
 type recvorderMaps struct {
-	Events *ebpf.Map `ebpf:"events"`
-	Lost   *ebpf.Map `ebpf:"lost"`
-	Parent *ebpf.Map `ebpf:"parent"`
-	Stats  *ebpf.Map `ebpf:"stats"`
+	Events    *ebpf.Map `ebpf:"events"`
+	Lost      *ebpf.Map `ebpf:"lost"`
+	Parent    *ebpf.Map `ebpf:"parent"`
+	Positions *ebpf.Map `ebpf:"positions"`
+	Stats     *ebpf.Map `ebpf:"stats"`
+	Stops     *ebpf.Map `ebpf:"stops"`
 }
 
 func (m *recvorderMaps) Close() error {
@@ -153,7 +195,9 @@ func (m *recvorderMaps) Close() error {
 		m.Events,
 		m.Lost,
 		m.Parent,
+		m.Positions,
 		m.Stats,
+		m.Stops,
 	)
 }
 
@@ -164,7 +208,10 @@ type recvorderVariables struct {
 	ConsumerPolling *ebpf.Variable `ebpf:"consumer_polling"`
 	JobLevel        *ebpf.Variable `ebpf:"job_level"`
 	ParentCgid      *ebpf.Variable `ebpf:"parent_cgid"`
+	PollNr          *ebpf.Variable `ebpf:"poll_nr"`
+	RestartNr       *ebpf.Variable `ebpf:"restart_nr"`
 	RingSize        *ebpf.Variable `ebpf:"ring_size"`
+	StopsArmed      *ebpf.Variable `ebpf:"stops_armed"`
 	UnusedRecvEvent *ebpf.Variable `ebpf:"unused_recv_event"`
 	WakeBytes       *ebpf.Variable `ebpf:"wake_bytes"`
 	WakeEvery       *ebpf.Variable `ebpf:"wake_every"`
@@ -174,11 +221,13 @@ type recvorderVariables struct {
 //
 // It can be passed to loadRecvorderObjects or ebpf.CollectionSpec.LoadAndAssign.
 type recvorderPrograms struct {
+	Pollexit  *ebpf.Program `ebpf:"pollexit"`
 	Recvorder *ebpf.Program `ebpf:"recvorder"`
 }
 
 func (p *recvorderPrograms) Close() error {
 	return _RecvorderClose(
+		p.Pollexit,
 		p.Recvorder,
 	)
 }

@@ -3,10 +3,12 @@
 package ebpfprobes
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"os"
@@ -29,7 +31,7 @@ import (
 type recvOp struct {
 	conn int    // index of the accepted connection
 	n    int    // buffer size
-	mode string // recv, peek, read, waitall, dontwait
+	mode string // recv, peek, read, waitall, dontwait; poll, epoll (a readiness call on conn, n ignored), wait (a line on stdin)
 }
 
 func (o recvOp) String() string { return fmt.Sprintf("%d:%d:%s", o.conn, o.n, o.mode) }
@@ -150,6 +152,15 @@ func recvScript() error {
 	var stamps []int64
 	fmt.Printf("pid %d %d\n", os.Getpid(), unix.Gettid())
 	buf := make([]byte, 1<<16)
+	ep, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err != nil {
+		return err
+	}
+	for i, fd := range conns {
+		if err := unix.EpollCtl(ep, unix.EPOLL_CTL_ADD, fd, &unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(i)}); err != nil {
+			return err
+		}
+	}
 	start := time.Now()
 	for _, o := range ops {
 		// Spin: a sleep this short takes a millisecond in the Go runtime.
@@ -174,6 +185,26 @@ func recvScript() error {
 			continue
 		case "read":
 			n, err = unix.Read(fd, b)
+		case "poll":
+			_, err = unix.Poll([]unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}, 0)
+			if err != nil {
+				return fmt.Errorf("op %s: %w", o, err)
+			}
+			continue
+		case "epoll":
+			if _, err = unix.EpollWait(ep, make([]unix.EpollEvent, 4), 0); err != nil {
+				return fmt.Errorf("op %s: %w", o, err)
+			}
+			continue
+		case "wait":
+			// A raw read of stdin: not a socket, not recorded.
+			line := make([]byte, 1)
+			for line[0] != '\n' {
+				if _, err := unix.Read(0, line); err != nil {
+					return fmt.Errorf("op %s: %w", o, err)
+				}
+			}
+			continue
 		default:
 			return fmt.Errorf("op %s: unknown mode", o)
 		}
@@ -459,6 +490,149 @@ func TestRecvOrderSequence(t *testing.T) {
 	}
 }
 
+// TestRecvOrderPositions: every receive call carries the number of readiness calls its thread made before
+// it (poll and epoll_wait alike), PollCounts reads each thread's count, and an armed stop stops the thread
+// at the readiness call it names, or right after the receive call it names, before its next call.
+func TestRecvOrderPositions(t *testing.T) {
+	requirePrivileges(t)
+	tn := newTestNet(t)
+	parent := streamtest.NewCgroupT(t, "ro-parent")
+	job := parent.SubT(t, "job1")
+	rec := newRecvOrderT(t, parent.Dir, 64<<10)
+	if !rec.Positions() {
+		t.Skip("SKIPPED LOUDLY: this kernel cannot attach a BTF program to sys_exit: receive positions are not recorded")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cctx, stop := context.WithCancel(ctx)
+	col := collectOrder(cctx, rec)
+	defer func() { stop(); <-col.done }()
+
+	const a, b = 0, 1
+	ops := []recvOp{
+		{a, 0, "wait"},
+		{a, 0, "poll"},
+		{a, 10, "recv"}, // 1 readiness call before it
+		{b, 0, "epoll"},
+		{b, 0, "poll"},
+		{b, 0, "epoll"}, // the stop at 4 readiness calls
+		{b, 7, "read"},  // 4
+		{a, 10, "recv"}, // 4; the stop after this call
+		{a, 0, "poll"},
+		{a, 10, "recv"}, // 5
+	}
+	srv := netip.AddrPortFrom(tn.ipB, 7302)
+	child := streamtest.StartT(t, tn.lab, hostB, job, "recvscript",
+		"FTKIT_ADDR="+srv.String(), "FTKIT_EXPECT=30,7", "FTKIT_SCRIPT="+formatScript(ops))
+	if l := child.LineT(ctx, t); l != "ready" {
+		t.Fatalf("server said %q, want ready", l)
+	}
+	clients := make([]*net.TCPConn, 2)
+	for i := range clients {
+		clients[i] = dialFrom(t, tn, hostA, srv)
+		if l := child.LineT(ctx, t); l != fmt.Sprintf("conn %d", i) {
+			t.Fatalf("server said %q, want conn %d", l, i)
+		}
+	}
+	base, err := streamtest.WriteSeq(clients[a])
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, n := range []int{30, 7} {
+		if _, err := clients[i].Write(streamtest.Stream(uint64(i), n)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var pid, tid uint32
+	if l := child.LineT(ctx, t); func() error { _, err := fmt.Sscanf(l, "pid %d %d", &pid, &tid); return err }() != nil {
+		t.Fatalf("server said %q, want pid <tgid> <tid>", l)
+	}
+	// The child runs in this PID namespace: its thread's id there is its tid.
+	if err := rec.Arm(job.ID, tid, Stop{AtPolls: 4}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := fmt.Fprintln(child.Stdin); err != nil { // the "wait" op
+		t.Fatal(err)
+	}
+	waitStopped := func(what string) {
+		t.Helper()
+		for {
+			st, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/stat", pid, tid))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if f := strings.Fields(string(st[bytes.LastIndexByte(st, ')')+1:])); f[0] == "T" {
+				return
+			}
+			select {
+			case <-ctx.Done():
+				t.Fatalf("the thread did not stop %s", what)
+			case <-time.After(time.Millisecond):
+			}
+		}
+	}
+	waitStopped("at its 4th readiness call")
+	got := col.waitEvents(ctx, t, 2)
+	if len(got) != 2 || !got[1].PollStop || !got[1].Stopped || got[1].Polls != 4 || got[1].Thread != tid || got[1].Proc != pid {
+		t.Fatalf("events at the first stop: %+v; want a receive, then the stop at 4 readiness calls of thread %d", got, tid)
+	}
+	if counts, err := rec.PollCounts(job.ID); err != nil || counts[tid] != 4 {
+		t.Fatalf("PollCounts = %v, %v; want thread %d at 4", counts, err, tid)
+	}
+	conn := func(i int) tcpflow.Tuple {
+		return tcpflow.Tuple{Local: addrPort(clients[i].RemoteAddr()), Remote: addrPort(clients[i].LocalAddr())}
+	}
+	if err := rec.Arm(job.ID, tid, Stop{Conn: conn(a), End: base + 20}); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Kill(int(pid), unix.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	waitStopped("after its second receive call on a")
+	got = col.waitEvents(ctx, t, 4)
+	if len(got) != 4 || !got[3].Stopped || got[3].PollStop || got[3].CopiedSeq != base+20 {
+		t.Fatalf("events at the second stop: %+v; want the receive call on a that ends at %d, stopped", got, base+20)
+	}
+	if err := rec.Disarm(job.ID, tid); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Kill(int(pid), unix.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	if l := child.LineT(ctx, t); !strings.HasPrefix(l, "done ") {
+		t.Fatalf("server said %q, want done", l)
+	}
+	got = col.waitEvents(ctx, t, 5)
+	wants := []struct {
+		conn  int
+		polls uint64
+	}{{a, 1}, {-1, 4}, {b, 4}, {a, 4}, {a, 5}}
+	for i, w := range wants {
+		e := got[i]
+		if e.Thread != tid || e.Proc != pid || e.Polls != w.polls || (w.conn >= 0 && e.Conn != conn(w.conn)) || (w.conn < 0) != e.PollStop {
+			t.Errorf("event %d = %+v; want conn %d after %d readiness calls of thread %d", i, e, w.conn, w.polls, tid)
+		}
+	}
+	if counts, err := rec.PollCounts(job.ID); err != nil || counts[tid] != 5 {
+		t.Errorf("PollCounts = %v, %v; want thread %d at 5", counts, err, tid)
+	}
+	if _, err := fmt.Fprintln(child.Stdin); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range clients {
+		io.Copy(io.Discard, c)
+	}
+	if err := child.Wait(); err != nil {
+		t.Fatalf("server: %v", err)
+	}
+	if err := rec.Forget(job.ID); err != nil {
+		t.Fatal(err)
+	}
+	if counts, err := rec.PollCounts(job.ID); err != nil || len(counts) != 0 {
+		t.Errorf("PollCounts after Forget = %v, %v; want none", counts, err)
+	}
+}
+
 // TestRecvOrderLostWhenRingFull fills a one-page ring with nobody reading:
 // the events that did not fit are counted against the job, the ones in the
 // ring are the first ones, in order.
@@ -575,6 +749,15 @@ func encodeRecvEvent(e RecvEvent) []byte {
 	h.PutUint32(b[28:], e.Flags)
 	h.PutUint32(b[32:], e.Pid)
 	h.PutUint32(b[36:], e.Tid)
+	h.PutUint32(b[40:], e.Thread)
+	h.PutUint32(b[44:], e.Proc)
+	if e.PollStop {
+		h.PutUint32(b[48:], 1)
+	}
+	if e.Stopped {
+		h.PutUint32(b[52:], 1)
+	}
+	h.PutUint64(b[56:], e.Polls)
 	return b
 }
 
@@ -585,7 +768,7 @@ func TestDecodeRecvEvent(t *testing.T) {
 	e := RecvEvent{Cgroup: 1234, Conn: tcpflow.Tuple{
 		Local:  netip.MustParseAddrPort("10.0.0.2:5001"),
 		Remote: netip.MustParseAddrPort("10.0.0.1:40000"),
-	}, CopiedSeq: 0xfffffff0, Len: 7, Flags: unix.MSG_PEEK, Pid: 42, Tid: 43}
+	}, CopiedSeq: 0xfffffff0, Len: 7, Flags: unix.MSG_PEEK, Pid: 42, Tid: 43, Thread: 3, Proc: 2, Stopped: true, Polls: 1 << 40}
 	raw := encodeRecvEvent(e)
 	// The addresses and ports are the wire's bytes.
 	if raw[8] != 10 || raw[11] != 2 || raw[16] != 5001>>8 || raw[17] != 5001&0xff {
@@ -600,7 +783,8 @@ func TestDecodeRecvEvent(t *testing.T) {
 	if _, err := binary.Decode(raw, binary.NativeEndian, &twin); err != nil {
 		t.Fatal(err)
 	}
-	if twin.CgroupId != e.Cgroup || twin.CopiedSeq != e.CopiedSeq || twin.Len != e.Len || twin.Flags != e.Flags || twin.Pid != e.Pid || twin.Tid != e.Tid {
+	if twin.CgroupId != e.Cgroup || twin.CopiedSeq != e.CopiedSeq || twin.Len != e.Len || twin.Flags != e.Flags || twin.Pid != e.Pid || twin.Tid != e.Tid ||
+		twin.Nstid != e.Thread || twin.Nspid != e.Proc || twin.Stopped != 1 || twin.Kind != 0 || twin.Polls != e.Polls {
 		t.Fatalf("bpf2go twin %+v disagrees with %+v", twin, e)
 	}
 	for _, n := range []int{0, RecvEventSize - 1, RecvEventSize + 1} {
