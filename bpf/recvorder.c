@@ -12,8 +12,9 @@
 //   - on a TCP socket of an IPv4 connection (AF_INET, or AF_INET6 with
 //     IPv4-mapped addresses: a dual-stack listener's accepted IPv4
 //     connection, as Go's net package makes them),
-//   - that consumed something (ret > 0; errors, EAGAIN and EOF are not
-//     recorded: they change nothing a replay has to reproduce),
+//   - that consumed something (ret > 0) or found nothing to read (EAGAIN,
+//     recorded with len 0: a replay must know that the thread looked at the
+//     socket there); other errors and EOF are not recorded,
 // it writes one struct recv_event to the ring buffer: the job cgroup, the
 // connection, the socket's copied_seq after the call, ret, the call's flags
 // and the caller's tgid/tid. With MSG_PEEK copied_seq does not move: the
@@ -64,6 +65,7 @@
 #define BPF_NOEXIST 1
 #define SIGSTOP 19
 #define EINTR 4
+#define EAGAIN 11
 #define ERESTARTSYS 512
 #define ERESTART_RESTARTBLOCK 516
 // UAPI values (enum in linux/bpf.h, not in the trimmed vmlinux.h).
@@ -137,7 +139,7 @@ struct recv_event {
 	__be16 lport;      // network byte order
 	__be16 rport;      // network byte order
 	__u32 copied_seq;  // the socket's copied_seq after the call
-	__u32 len;         // the call's return value (> 0)
+	__u32 len;         // the call's return value (> 0), 0 for EAGAIN
 	__u32 flags;       // the call's MSG_* flags
 	__u32 pid;         // tgid of the caller
 	__u32 tid;         // thread id of the caller
@@ -180,14 +182,17 @@ struct position {
 };
 
 // An armed stop of one thread (the replay's): SIGSTOP once its count of
-// readiness calls reaches at_polls (0: no such stop), or right after a
-// receive call on the connection of local port lport and remote port rport
-// (network order; 0: none) that leaves copied_seq at end.
+// readiness calls reaches polls (a poll stop: lport 0), or right after a
+// receive call it makes with that count on the connection of local port lport
+// and remote port rport (network order) that returns len (0: EAGAIN) and
+// leaves copied_seq at end (a receive stop).
 struct stop {
-	__u64 at_polls;
+	__u64 polls;
 	__u32 end;
+	__u32 len;
 	__be16 lport;
 	__be16 rport;
+	__u32 pad;
 };
 
 // Set by the loader: the numbers of the readiness system calls on this
@@ -332,20 +337,21 @@ static __always_inline __u32 ns_nr(struct pid *p)
 }
 
 // job_cgroup returns the job cgroup of the current task, 0 if it is not in
-// one (then counted in c).
-static __always_inline __u64 job_cgroup(struct order_counters *c)
+// one (then counted in c if count).
+static __always_inline __u64 job_cgroup(struct order_counters *c, int count)
 {
 	__u32 level = job_level;
 	if (level == 0) {
 		level = find_job_level();
 		if (level == 0) {
-			c->not_in_job++;
+			if (count)
+				c->not_in_job++;
 			return 0;
 		}
 		job_level = level;
 	}
 	__u64 cgid = bpf_get_current_ancestor_cgroup_id(level);
-	if (cgid == 0)
+	if (cgid == 0 && count)
 		c->not_in_job++; // a task of the parent itself
 	return cgid;
 }
@@ -391,7 +397,7 @@ int pollexit(__u64 *ctx)
 	struct order_counters *c = bpf_map_lookup_elem(&stats, &zero);
 	if (!c)
 		return 0;
-	__u64 cgid = job_cgroup(c);
+	__u64 cgid = job_cgroup(c, 0);
 	if (cgid == 0)
 		return 0;
 	struct thread_key k;
@@ -426,7 +432,7 @@ int pollexit(__u64 *ctx)
 	if (!stops_armed)
 		return 0;
 	struct stop *s = bpf_map_lookup_elem(&stops, &k);
-	if (!s || s->at_polls != polls)
+	if (!s || s->lport != 0 || s->polls != polls)
 		return 0;
 	bpf_send_signal_thread(SIGSTOP);
 	struct recv_event *e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
@@ -455,7 +461,9 @@ int recvorder(__u64 *ctx)
 	int ret = (int)ctx[1];
 	int flags = (int)ctx[2];
 
-	if (ret <= 0)
+	// A call that found nothing (EAGAIN) is recorded too: a replay must
+	// know that the thread looked at the socket there.
+	if (ret <= 0 && ret != -EAGAIN)
 		return 0;
 	// Cheapest test first: every receive of the machine comes here.
 	if (bpf_current_task_under_cgroup(&parent, 0) != 1)
@@ -466,12 +474,13 @@ int recvorder(__u64 *ctx)
 	if (!c)
 		return 0; // cannot happen: a 1-entry array always has key 0
 
-	__u64 cgid = job_cgroup(c);
+	__u64 cgid = job_cgroup(c, ret > 0);
 	if (cgid == 0)
 		return 0;
 
 	if (!sk || sk->sk_protocol != IPPROTO_TCP) {
-		c->non_ipv4++;
+		if (ret > 0)
+			c->non_ipv4++;
 		return 0;
 	}
 	unsigned short family = sk->__sk_common.skc_family;
@@ -482,16 +491,19 @@ int recvorder(__u64 *ctx)
 		struct in6_addr *a = &sk->__sk_common.skc_v6_daddr;
 		if (a->in6_u.u6_addr32[0] != 0 || a->in6_u.u6_addr32[1] != 0 ||
 		    a->in6_u.u6_addr32[2] != bpf_htonl(0xffff)) {
-			c->non_ipv4++;
+			if (ret > 0)
+				c->non_ipv4++;
 			return 0;
 		}
 	} else if (family != AF_INET) {
-		c->non_ipv4++;
+		if (ret > 0)
+			c->non_ipv4++;
 		return 0;
 	}
 	struct tcp_sock *tp = bpf_skc_to_tcp_sock(sk);
 	if (!tp) {
-		c->non_ipv4++;
+		if (ret > 0)
+			c->non_ipv4++;
 		return 0;
 	}
 
@@ -511,7 +523,7 @@ int recvorder(__u64 *ctx)
 	e->lport = bpf_htons(sk->__sk_common.skc_num);
 	e->rport = sk->__sk_common.skc_dport;
 	e->copied_seq = tp->copied_seq;
-	e->len = ret;
+	e->len = ret > 0 ? ret : 0;
 	e->flags = flags;
 	e->pid = pid_tgid >> 32;
 	e->tid = (__u32)pid_tgid;
@@ -523,7 +535,8 @@ int recvorder(__u64 *ctx)
 	__u64 wake = wake_flags(sizeof(*e) + 8);
 	if (stops_armed) {
 		struct stop *s = bpf_map_lookup_elem(&stops, &k);
-		if (s && s->lport == e->lport && s->rport == e->rport && s->end == e->copied_seq && s->lport != 0) {
+		if (s && s->lport != 0 && s->lport == e->lport && s->rport == e->rport && s->end == e->copied_seq &&
+		    s->len == e->len && p && s->polls == p->polls) {
 			bpf_send_signal_thread(SIGSTOP);
 			e->stopped = 1;
 			wake = BPF_RB_FORCE_WAKEUP;

@@ -48,7 +48,7 @@ type RecvEvent struct {
 	Cgroup    uint64        // the job cgroup's id (CgroupID of its directory)
 	Conn      tcpflow.Tuple // Local is the receiving socket, Remote its peer
 	CopiedSeq uint32        // the socket's copied_seq after the call: the next byte it will hand out (one more once the peer's FIN is consumed)
-	Len       uint32        // bytes the call returned (> 0)
+	Len       uint32        // bytes the call returned (> 0); 0: it found nothing (EAGAIN)
 	Flags     uint32        // the call's MSG_* flags (MSG_PEEK, MSG_ERRQUEUE, MSG_OOB: copied_seq did not move)
 	Pid       uint32        // the caller's process (tgid)
 	Tid       uint32        // the caller's thread
@@ -366,22 +366,23 @@ func (r *RecvOrder) PollCounts(cgroup uint64) (map[uint32]uint64, error) {
 }
 
 // A Stop is where a thread is stopped (SIGSTOP, before it runs any code of its own after the call): once
-// it has made AtPolls readiness calls, or (AtPolls 0) right after a receive call on Conn that leaves the
-// socket's copied_seq at End. The stop comes as a RecvEvent with Stopped set.
+// it has made Polls readiness calls (a zero Conn), or right after a receive call it makes after Polls
+// readiness calls on Conn that returns Len bytes (0: EAGAIN) and leaves the socket's copied_seq at End. The
+// stop comes as a RecvEvent with Stopped set.
 type Stop struct {
-	AtPolls uint64
-	Conn    tcpflow.Tuple // Local is the thread's socket
-	End     uint32
+	Polls    uint64
+	Conn     tcpflow.Tuple // Local is the thread's socket
+	End, Len uint32
 }
 
 // Arm sets thread's stop in job cgroup (replacing any), and has the recorder look at stops.
 func (r *RecvOrder) Arm(cgroup uint64, thread uint32, s Stop) error {
-	v := recvorderStop{AtPolls: s.AtPolls}
-	if s.AtPolls == 0 {
+	v := recvorderStop{Polls: s.Polls}
+	if s.Conn.Local.IsValid() {
 		c := s.Conn.Unmap()
-		v.End, v.Lport, v.Rport = s.End, htons(c.Local.Port()), htons(c.Remote.Port())
+		v.End, v.Len, v.Lport, v.Rport = s.End, s.Len, htons(c.Local.Port()), htons(c.Remote.Port())
 		if v.Lport == 0 || v.Rport == 0 {
-			return fmt.Errorf("recvorder: stop thread %d of cgroup %d on %s: no connection", thread, cgroup, s.Conn)
+			return fmt.Errorf("recvorder: stop thread %d of cgroup %d on %s: a port is 0", thread, cgroup, s.Conn)
 		}
 	}
 	if err := r.objs.Stops.Update(recvorderThreadKey{CgroupId: cgroup, Nstid: thread}, v, ebpf.UpdateAny); err != nil {

@@ -50,11 +50,13 @@ type recvorderRecvEvent struct {
 }
 
 type recvorderStop struct {
-	_       structs.HostLayout
-	AtPolls uint64
-	End     uint32
-	Lport   uint16
-	Rport   uint16
+	_     structs.HostLayout
+	Polls uint64
+	End   uint32
+	Len   uint32
+	Lport uint16
+	Rport uint16
+	Pad   uint32
 }
 
 type recvorderThreadKey struct {

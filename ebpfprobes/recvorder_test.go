@@ -388,7 +388,7 @@ func TestRecvOrderSequence(t *testing.T) {
 		{a, 15, "peek"},
 		{a, 15, "read"},
 		{b, 1, "eof"},      // returns 0: not recorded
-		{a, 1, "dontwait"}, // EAGAIN: not recorded
+		{a, 1, "dontwait"}, // EAGAIN: recorded with no bytes
 	}
 	sizes := []int{120, 20}
 	srv := netip.AddrPortFrom(tn.ipB, 7301)
@@ -456,6 +456,7 @@ func TestRecvOrderSequence(t *testing.T) {
 		{b, 20, 13, unix.MSG_WAITALL, true},
 		{a, 105, 15, unix.MSG_PEEK, false},
 		{a, 120, 15, 0, false},
+		{a, 120, 0, unix.MSG_DONTWAIT, false}, // EAGAIN: recorded with no bytes
 	}
 	got := col.waitEvents(ctx, t, len(wants))
 	// The server has exited: every event it caused is counted.
@@ -548,7 +549,7 @@ func TestRecvOrderPositions(t *testing.T) {
 		t.Fatalf("server said %q, want pid <tgid> <tid>", l)
 	}
 	// The child runs in this PID namespace: its thread's id there is its tid.
-	if err := rec.Arm(job.ID, tid, Stop{AtPolls: 4}); err != nil {
+	if err := rec.Arm(job.ID, tid, Stop{Polls: 4}); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := fmt.Fprintln(child.Stdin); err != nil { // the "wait" op
@@ -582,7 +583,7 @@ func TestRecvOrderPositions(t *testing.T) {
 	conn := func(i int) tcpflow.Tuple {
 		return tcpflow.Tuple{Local: addrPort(clients[i].RemoteAddr()), Remote: addrPort(clients[i].LocalAddr())}
 	}
-	if err := rec.Arm(job.ID, tid, Stop{Conn: conn(a), End: base + 20}); err != nil {
+	if err := rec.Arm(job.ID, tid, Stop{Polls: 4, Conn: conn(a), End: base + 20, Len: 10}); err != nil {
 		t.Fatal(err)
 	}
 	if err := unix.Kill(int(pid), unix.SIGCONT); err != nil {
