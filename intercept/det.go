@@ -18,10 +18,16 @@ type Det struct {
 	End uint32
 	// Len is how many bytes the call returned (it consumed [End-Len, End)).
 	Len uint32
+	// Thread and Proc are the caller's thread and process ids in the job's PID namespace, which a restore
+	// keeps.
+	Thread, Proc uint32
+	// Pos is how many readiness calls (epoll_wait, poll, select...) the thread had made before this call,
+	// counted since the thread's job was started or restored on its host; 0 if the host counts none.
+	Pos uint64
 }
 
 func (d Det) String() string {
-	return fmt.Sprintf("%s consumed %d bytes up to %d", d.Conn, d.Len, d.End)
+	return fmt.Sprintf("%s consumed %d bytes up to %d (thread %d after %d readiness calls)", d.Conn, d.Len, d.End, d.Thread, d.Pos)
 }
 
 // seqAfter is serial-number a > b (RFC 1982).
@@ -29,8 +35,9 @@ func seqAfter(a, b uint32) bool { return int32(a-b) > 0 }
 
 // Bounds of one encoded batch: a request of the cluster protocol is at most 1 MiB.
 const (
-	// MaxBatch is the most determinants one Pack holds (10 bytes each): with the connection table and base64, a page stays well inside 1 MiB.
-	MaxBatch = 1 << 15
+	// MaxBatch is the most determinants one Pack holds (detSize bytes each): with the connection table and
+	// base64, a page stays well inside 1 MiB.
+	MaxBatch = 1 << 14
 	// MaxConns is the most connections one Pack names (12 bytes each).
 	MaxConns = 1 << 12
 )
@@ -38,9 +45,17 @@ const (
 // ErrFormat marks bytes that are not a Pack's encoding.
 var ErrFormat = errors.New("not an encoding of determinants")
 
-// Pack encodes dets compactly: a table of the IPv4 connections they name (u16 count, then local address,
-// local port, remote address, remote port: 12 bytes each), then the determinants (u32 count, then the
-// connection's index in the table, End and Len: 10 bytes each), all big-endian.
+// packVersion is the encoding's first byte: an agent of another version refuses the batch instead of
+// misreading it.
+const packVersion = 2
+
+// detSize is the size of one encoded determinant.
+const detSize = 26
+
+// Pack encodes dets compactly: the version byte, a table of the IPv4 connections they name (u16 count, then
+// local address, local port, remote address, remote port: 12 bytes each), then the determinants (u32 count,
+// then the connection's index in the table, End, Len, Thread, Proc and Pos: detSize bytes each), all
+// big-endian.
 func Pack(dets []Det) ([]byte, error) {
 	if len(dets) > MaxBatch {
 		return nil, fmt.Errorf("pack %d determinants: at most %d at a time", len(dets), MaxBatch)
@@ -61,7 +76,8 @@ func Pack(dets []Det) ([]byte, error) {
 		idx[c] = uint16(len(conns))
 		conns = append(conns, c)
 	}
-	b := make([]byte, 0, 2+12*len(conns)+4+10*len(dets))
+	b := make([]byte, 0, 1+2+12*len(conns)+4+detSize*len(dets))
+	b = append(b, packVersion)
 	b = binary.BigEndian.AppendUint16(b, uint16(len(conns)))
 	for _, c := range conns {
 		b = append(b, c.Local.Addr().AsSlice()...)
@@ -74,6 +90,9 @@ func Pack(dets []Det) ([]byte, error) {
 		b = binary.BigEndian.AppendUint16(b, idx[d.Conn.Unmap()])
 		b = binary.BigEndian.AppendUint32(b, d.End)
 		b = binary.BigEndian.AppendUint32(b, d.Len)
+		b = binary.BigEndian.AppendUint32(b, d.Thread)
+		b = binary.BigEndian.AppendUint32(b, d.Proc)
+		b = binary.BigEndian.AppendUint64(b, d.Pos)
 	}
 	return b, nil
 }
@@ -85,9 +104,13 @@ func Unpack(b []byte) ([]Det, error) {
 	bad := func(format string, args ...any) ([]Det, error) {
 		return nil, fmt.Errorf("%w: %s", ErrFormat, fmt.Sprintf(format, args...))
 	}
-	if len(b) < 2 {
-		return bad("%d bytes, shorter than the connection count", len(b))
+	if len(b) < 3 {
+		return bad("%d bytes, shorter than the version and connection count", len(b))
 	}
+	if b[0] != packVersion {
+		return bad("version %d, this agent reads %d (agents of one version must run together)", b[0], packVersion)
+	}
+	b = b[1:]
 	nc := int(binary.BigEndian.Uint16(b))
 	b = b[2:]
 	if nc > MaxConns {
@@ -114,17 +137,18 @@ func Unpack(b []byte) ([]Det, error) {
 	if nd > MaxBatch {
 		return bad("%d determinants, more than %d", nd, MaxBatch)
 	}
-	if uint64(len(b)) != 10*uint64(nd) {
-		return bad("%d determinants announced, %d bytes follow (want %d)", nd, len(b), 10*nd)
+	if uint64(len(b)) != detSize*uint64(nd) {
+		return bad("%d determinants announced, %d bytes follow (want %d)", nd, len(b), detSize*nd)
 	}
 	dets := make([]Det, nd)
 	for i := range dets {
-		e := b[10*i:]
+		e := b[detSize*i:]
 		ci := int(binary.BigEndian.Uint16(e))
 		if ci >= nc {
 			return bad("determinant %d names connection %d of %d", i, ci, nc)
 		}
-		dets[i] = Det{Conn: conns[ci], End: binary.BigEndian.Uint32(e[2:6]), Len: binary.BigEndian.Uint32(e[6:10])}
+		dets[i] = Det{Conn: conns[ci], End: binary.BigEndian.Uint32(e[2:6]), Len: binary.BigEndian.Uint32(e[6:10]),
+			Thread: binary.BigEndian.Uint32(e[10:14]), Proc: binary.BigEndian.Uint32(e[14:18]), Pos: binary.BigEndian.Uint64(e[18:26])}
 	}
 	return dets, nil
 }

@@ -22,7 +22,7 @@ func TestPackRoundTrip(t *testing.T) {
 	for _, dets := range [][]Det{
 		{},
 		{{Conn: connA, End: 100, Len: 100}},
-		{{Conn: connA, End: 100, Len: 100}, {Conn: connB, End: 7, Len: 7}, {Conn: connA, End: 0xffffff00 + 300 - 1<<32, Len: 300}},
+		{{Conn: connA, End: 100, Len: 100}, {Conn: connB, End: 7, Len: 7, Thread: 3, Proc: 2, Pos: 1 << 40}, {Conn: connA, End: 0xffffff00 + 300 - 1<<32, Len: 300, Thread: 1, Proc: 1, Pos: 9}},
 	} {
 		b, err := Pack(dets)
 		if err != nil {
@@ -57,10 +57,12 @@ func TestUnpackRefuses(t *testing.T) {
 		t.Fatal(err)
 	}
 	badIndex := append([]byte(nil), good...)
-	badIndex[len(badIndex)-10] = 0
-	badIndex[len(badIndex)-9] = 1 // connection 1 of 1
+	badIndex[len(badIndex)-detSize] = 0
+	badIndex[len(badIndex)-detSize+1] = 1 // connection 1 of 1
 	zeroPort := append([]byte(nil), good...)
-	zeroPort[2+4], zeroPort[2+5] = 0, 0
+	zeroPort[3+4], zeroPort[3+5] = 0, 0
+	oldVersion := append([]byte(nil), good...)
+	oldVersion[0] = 1
 	for _, tc := range []struct {
 		name string
 		b    []byte
@@ -70,8 +72,9 @@ func TestUnpackRefuses(t *testing.T) {
 		{"trailing", append(append([]byte(nil), good...), 0)},
 		{"index out of table", badIndex},
 		{"zero port", zeroPort},
-		{"too many conns", []byte{0xff, 0xff}},
-		{"too many dets", []byte{0, 0, 0xff, 0xff, 0xff, 0xff}},
+		{"too many conns", []byte{packVersion, 0xff, 0xff}},
+		{"too many dets", []byte{packVersion, 0, 0, 0xff, 0xff, 0xff, 0xff}},
+		{"another version", oldVersion},
 	} {
 		if _, err := Unpack(tc.b); !errors.Is(err, ErrFormat) {
 			t.Errorf("%s: %v, want ErrFormat", tc.name, err)
@@ -82,7 +85,7 @@ func TestUnpackRefuses(t *testing.T) {
 func FuzzUnpack(f *testing.F) {
 	good, _ := Pack([]Det{{Conn: connA, End: 10, Len: 10}, {Conn: connB, End: 3, Len: 3}})
 	f.Add(good)
-	f.Add([]byte{0, 0, 0, 0, 0, 0})
+	f.Add([]byte{packVersion, 0, 0, 0, 0, 0, 0})
 	f.Fuzz(func(t *testing.T, b []byte) {
 		dets, err := Unpack(b)
 		if err != nil {

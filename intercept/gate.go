@@ -41,8 +41,10 @@ var ErrDiverged = errors.New("the restored job's receive calls diverged from the
 
 // A Gate replays a restored job's determinants (see the package documentation).
 type Gate struct {
-	dets    []Det
+	dets    []Det // the receive calls that consumed bytes of a gated connection
+	all     []Det // every receive call on a gated connection, those that found nothing included
 	sources map[tcpflow.Tuple]Source
+	plans   []*threadPlan // positions mode (UsePositions); nil: the order of dets only
 }
 
 // NewGate is the gate of a job restored with empty receive queues on the connections of sources, which
@@ -62,11 +64,15 @@ func NewGate(dets []Det, sources map[tcpflow.Tuple]Source) (*Gate, error) {
 		if !ok {
 			continue
 		}
+		d.Conn = c
+		g.all = append(g.all, d)
+		if d.Len == 0 {
+			continue // found nothing: only positions mode uses it
+		}
 		if !seqAfter(d.End, at[c]) || seqAfter(d.End, s.end()) {
 			return nil, fmt.Errorf("determinant %d (%s): the peer's bytes run from %d to %d, and the connection's previous determinant ended at %d", i, d, s.Seq, s.end(), at[c])
 		}
 		at[c] = d.End
-		d.Conn = c
 		g.dets = append(g.dets, d)
 	}
 	return g, nil
@@ -84,13 +90,14 @@ func (g *Gate) Conns() int {
 	return len(seen)
 }
 
-// Run replays: for each determinant in order it injects the bytes its connection lacks up to the
+// Run replays. In positions mode (UsePositions; stops must then be set, and the job restored stopped), see
+// runPositions. Otherwise, for each determinant in order it injects the bytes its connection lacks up to the
 // determinant's End, then waits for the restored job's receive call that consumes them, as this host's
-// recorder reports it on events (Conn, End; calls on other connections are ignored); after the last, it
+// recorder reports it on events (Conn, End; calls on other connections are ignored). After the last, it
 // injects the rest of every source, and the job reads freely. A call that consumed another connection or
 // another amount fails with ErrDiverged; a closed events channel (the recorder lost some) or ctx's end
 // fails too. Injected is the number of bytes injected when it returns.
-func (g *Gate) Run(ctx context.Context, inj Injector, events <-chan Det) (injected int64, err error) {
+func (g *Gate) Run(ctx context.Context, inj Injector, events <-chan Event, stops Stopper) (injected int64, err error) {
 	next := make(map[tcpflow.Tuple]uint32, len(g.sources))
 	for c, s := range g.sources {
 		next[c] = s.Seq
@@ -102,6 +109,15 @@ func (g *Gate) Run(ctx context.Context, inj Injector, events <-chan Det) (inject
 			next[c] = end
 		}
 		return err
+	}
+	if g.plans != nil {
+		if stops == nil {
+			return 0, errors.New("a gate in positions mode needs the host's stops")
+		}
+		if err := g.runPositions(ctx, inj, events, stops, inject); err != nil {
+			return injected, err
+		}
+		return g.injectRest(inj, next, injected)
 	}
 	prev := make(map[tcpflow.Tuple]uint32, len(g.sources)) // how far the restored job consumed
 	for c, s := range g.sources {
@@ -115,12 +131,13 @@ func (g *Gate) Run(ctx context.Context, inj Injector, events <-chan Det) (inject
 			select {
 			case <-ctx.Done():
 				return injected, fmt.Errorf("determinant %d of %d (%s): the restored job did not make that receive call: %w", i+1, len(g.dets), d, context.Cause(ctx))
-			case e, ok := <-events:
+			case ev, ok := <-events:
 				if !ok {
 					return injected, fmt.Errorf("determinant %d of %d (%s): this host's recorder lost receive calls of the restored job", i+1, len(g.dets), d)
 				}
+				e := ev.Det
 				e.Conn = e.Conn.Unmap()
-				if _, gated := g.sources[e.Conn]; !gated {
+				if _, gated := g.sources[e.Conn]; !gated || ev.AtPoll || e.Len == 0 {
 					continue
 				}
 				switch {
@@ -136,6 +153,11 @@ func (g *Gate) Run(ctx context.Context, inj Injector, events <-chan Det) (inject
 		}
 		prev[d.Conn] = d.End
 	}
+	return g.injectRest(inj, next, injected)
+}
+
+// injectRest injects the rest of every source, from next on, and returns injected plus what it injected.
+func (g *Gate) injectRest(inj Injector, next map[tcpflow.Tuple]uint32, injected int64) (int64, error) {
 	// The rest of every connection at once: delivering one connection's whole rest may wait for the job to
 	// read it (its window), while the job first reads another.
 	ns, errs := make([]int64, len(g.sources)), make([]error, len(g.sources))

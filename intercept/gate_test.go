@@ -36,7 +36,7 @@ func (f *fakeSockets) Inject(c tcpflow.Tuple, seq uint32, data []byte) error {
 
 // program is a deterministic reader: it reads, in a fixed order, up to n bytes of a connection, waiting
 // until some are there (recv); it reports each read on events.
-func (f *fakeSockets) program(ctx context.Context, reads []Det, events chan<- Det) {
+func (f *fakeSockets) program(ctx context.Context, reads []Det, events chan<- Event) {
 	for _, r := range reads {
 		for {
 			f.mu.Lock()
@@ -47,7 +47,7 @@ func (f *fakeSockets) program(ctx context.Context, reads []Det, events chan<- De
 				f.next[r.Conn] += uint32(n)
 				end := f.next[r.Conn]
 				f.mu.Unlock()
-				events <- Det{Conn: r.Conn, End: end, Len: uint32(n)}
+				events <- Event{Det: Det{Conn: r.Conn, End: end, Len: uint32(n)}}
 				break // like recv: what is there, up to the buffer
 			}
 			f.mu.Unlock()
@@ -72,7 +72,7 @@ func TestGateReplaysOrder(t *testing.T) {
 		t.Fatal(err)
 	}
 	f := &fakeSockets{queued: map[tcpflow.Tuple][]byte{}, next: map[tcpflow.Tuple]uint32{connA: 1000, connB: 5}, changed: make(chan struct{}, 1)}
-	events := make(chan Det, 16)
+	events := make(chan Event, 16)
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
 	// A greedy program that would read all of A first if it could: only the gate keeps it in order.
@@ -82,14 +82,14 @@ func TestGateReplaysOrder(t *testing.T) {
 		defer close(done)
 		f.program(ctx, []Det{{Conn: connA, Len: 100}, {Conn: connB, Len: 100}, {Conn: connA, Len: 100}}, events)
 	}()
-	tee := make(chan Det, 16)
+	tee := make(chan Event, 16)
 	go func() {
 		for e := range events {
-			seen = append(seen, e)
+			seen = append(seen, e.Det)
 			tee <- e
 		}
 	}()
-	injected, err := g.Run(ctx, f, tee)
+	injected, err := g.Run(ctx, f, tee, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -110,12 +110,13 @@ func TestGateDivergence(t *testing.T) {
 		t.Fatal(err)
 	}
 	f := &fakeSockets{queued: map[tcpflow.Tuple][]byte{}, next: map[tcpflow.Tuple]uint32{}, changed: make(chan struct{}, 1)}
-	events := make(chan Det, 4)
-	events <- Det{Conn: connA, End: 3, Len: 3}                     // part of the first: fine
-	events <- Det{Conn: conn("10.9.0.1:1", "10.9.0.9:2"), End: 99} // another connection: ignored
-	events <- Det{Conn: connA, End: 4, Len: 1}                     // the rest
-	events <- Det{Conn: connA, End: 6, Len: 2}                     // A again, where the original read B
-	_, err = g.Run(t.Context(), f, events)
+	events := make(chan Event, 5)
+	events <- Event{Det: Det{Conn: connA, End: 3, Len: 3}}                     // part of the first: fine
+	events <- Event{Det: Det{Conn: conn("10.9.0.1:1", "10.9.0.9:2"), End: 99}} // another connection: ignored
+	events <- Event{Det: Det{Conn: connA, End: 4, Len: 1}}                     // the rest
+	events <- Event{Det: Det{Conn: connB, End: 0, Len: 0}}                     // B found nothing: ignored
+	events <- Event{Det: Det{Conn: connA, End: 6, Len: 2}}                     // A again, where the original read B
+	_, err = g.Run(t.Context(), f, events, nil)
 	if !errors.Is(err, ErrDiverged) || !strings.Contains(err.Error(), "determinant 2 of 2") {
 		t.Fatalf("err %v, want ErrDiverged at determinant 2", err)
 	}
@@ -128,7 +129,7 @@ func TestGateRefusesBadDeterminants(t *testing.T) {
 	sources := map[tcpflow.Tuple]Source{connA: {Seq: 100, Data: make([]byte, 10)}}
 	for _, dets := range [][]Det{
 		{{Conn: connA, End: 111, Len: 11}},                                 // past the peer's bytes
-		{{Conn: connA, End: 100, Len: 0}},                                  // consumed nothing
+		{{Conn: connA, End: 100, Len: 1}},                                  // consumed nothing new
 		{{Conn: connA, End: 105, Len: 5}, {Conn: connA, End: 104, Len: 1}}, // went back
 	} {
 		if _, err := NewGate(dets, sources); err == nil {
@@ -140,10 +141,10 @@ func TestGateRefusesBadDeterminants(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ev := make(chan Det)
+	ev := make(chan Event)
 	close(ev)
 	f := &fakeSockets{queued: map[tcpflow.Tuple][]byte{}, next: map[tcpflow.Tuple]uint32{connA: 100}, changed: make(chan struct{}, 1)}
-	if _, err := g.Run(t.Context(), f, ev); err == nil || !strings.Contains(err.Error(), "lost") {
+	if _, err := g.Run(t.Context(), f, ev, nil); err == nil || !strings.Contains(err.Error(), "lost") {
 		t.Fatalf("err %v, want the recorder's loss", err)
 	}
 }

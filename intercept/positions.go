@@ -1,0 +1,272 @@
+package intercept
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"slices"
+
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// Receive positions. Keeping the order and amounts of a restored thread's receive calls is not enough for
+// a program that decides from which bytes have arrived when it checks (an MPI library matching a wildcard
+// receive, MPI_Waitany, anything that polls): the same reads must also happen between the same two
+// readiness calls (epoll_wait, poll, select) as in the original, so that each readiness call reports what
+// it reported then. The recorder counts each thread's readiness calls and stamps every receive call with
+// the count (Det.Pos); the snapshot keeps each thread's count at the dump. In positions mode the gate
+// delivers each receive call's bytes at the last point of the thread's execution before that call where
+// the original could not have looked at the connection since: right after the thread's previous receive
+// call on the connection, if that was in the same or the previous interval between two readiness calls
+// (a call that found nothing is recorded too, for this), otherwise at the exit of the readiness call before
+// the one that found them. The thread is stopped there (Stopper: SIGSTOP from the recorder, before it runs
+// any code of its own), the bytes are injected, and it goes on. The job is restored stopped, so that the
+// bytes needed before its first readiness call are there before it runs.
+
+// An Event is what the restored job's host records of it while a gate replays: a receive call (Det; Len 0
+// for one that found nothing), or (AtPoll) the stop of a thread at its Pos-th readiness call since the
+// restore. Stopped: the thread was stopped there by an armed Stop and waits for Stopper.Continue.
+type Event struct {
+	Det
+	AtPoll  bool
+	Stopped bool
+	Pid     uint32 // the caller's process on this host
+}
+
+// A Stop is a point of a restored thread's execution where the gate stops it: the exit of its Polls-th
+// readiness call since the restore (a zero Conn), or right after a receive call on Conn made after Polls
+// readiness calls that returned Len bytes (0: nothing) and left copied_seq at End.
+type Stop struct {
+	Polls    uint64
+	Conn     tcpflow.Tuple
+	End, Len uint32
+}
+
+// A Stopper stops the restored job's threads where a gate in positions mode asks (the host's recorder).
+type Stopper interface {
+	// Arm sets the thread's next stop (its id in the job's PID namespace), replacing any.
+	Arm(thread uint32, s Stop) error
+	// Disarm removes the thread's stop.
+	Disarm(thread uint32) error
+	// Continue lets a stopped process (host pid) go on.
+	Continue(pid uint32) error
+	// ContinueAll lets every process of the job go on: it was restored stopped.
+	ContinueAll() error
+}
+
+// point is where a thread is stopped to receive bytes.
+type point struct {
+	polls  uint64 // the thread's readiness calls since the restore, at the point
+	after  int    // -1: at the exit of readiness call polls (0: before the job runs); else the index in the thread's events of the receive call it follows
+	inject map[tcpflow.Tuple]uint32
+}
+
+func (p *point) start() bool { return p.after < 0 && p.polls == 0 }
+
+// threadPlan is one restored thread's replay in positions mode.
+type threadPlan struct {
+	thread, proc uint32
+	events       []Det // its receive calls on gated connections, Pos relative to the restore
+	points       []*point
+	reads        []Det // events with bytes, in order: what the restored thread must consume
+	next         int   // index of the next point to reach
+	read         int   // index of the next read to match
+}
+
+// stop is the Stop of point p of t.
+func (t *threadPlan) stop(p *point) Stop {
+	if p.after < 0 {
+		return Stop{Polls: p.polls}
+	}
+	e := t.events[p.after]
+	return Stop{Polls: e.Pos, Conn: e.Conn, End: e.End, Len: e.Len}
+}
+
+// planPositions builds the plans of threads from events (the gated connections' receive calls since the
+// snapshot, in order) and base (each thread's readiness calls at the dump). It fails if positions cannot
+// be replayed: two threads of one process receive (a stop of one stops both, and continuing one would
+// cancel the other's pending stop), or a call's count is below its thread's count at the dump.
+func planPositions(events []Det, base map[uint32]uint64) ([]*threadPlan, error) {
+	byThread := map[uint32]*threadPlan{}
+	readerOf := map[uint32]uint32{} // process -> its receiving thread
+	var plans []*threadPlan
+	for _, d := range events {
+		t := byThread[d.Thread]
+		if t == nil {
+			if other, ok := readerOf[d.Proc]; ok {
+				return nil, fmt.Errorf("threads %d and %d of process %d both receive: receive positions are replayed for one receiving thread per process", other, d.Thread, d.Proc)
+			}
+			t = &threadPlan{thread: d.Thread, proc: d.Proc}
+			byThread[d.Thread], readerOf[d.Proc] = t, d.Thread
+			plans = append(plans, t)
+		}
+		if t.proc != d.Proc {
+			return nil, fmt.Errorf("thread %d is in processes %d and %d", d.Thread, t.proc, d.Proc)
+		}
+		b := base[d.Thread]
+		if d.Pos < b {
+			return nil, fmt.Errorf("thread %d's receive call %s comes after %d readiness calls, fewer than the %d at the dump", d.Thread, d, d.Pos, b)
+		}
+		d.Pos -= b
+		t.events = append(t.events, d)
+	}
+	for _, t := range plans {
+		at := map[[2]int]*point{}
+		for k, d := range t.events {
+			if d.Len == 0 {
+				continue
+			}
+			t.reads = append(t.reads, d)
+			key := [2]int{int(max(d.Pos, 1) - 1), -1}
+			for j := k - 1; j >= 0; j-- {
+				if e := t.events[j]; e.Conn == d.Conn {
+					if e.Pos+1 >= d.Pos {
+						key = [2]int{int(e.Pos), j}
+					}
+					break
+				}
+			}
+			p := at[key]
+			if p == nil {
+				p = &point{polls: uint64(key[0]), after: key[1], inject: map[tcpflow.Tuple]uint32{}}
+				at[key] = p
+				t.points = append(t.points, p)
+			}
+			if cur, ok := p.inject[d.Conn]; !ok || seqAfter(d.End, cur) {
+				p.inject[d.Conn] = d.End
+			}
+		}
+		slices.SortFunc(t.points, func(a, b *point) int {
+			return cmp.Or(cmp.Compare(a.polls, b.polls), cmp.Compare(a.after, b.after))
+		})
+	}
+	return plans, nil
+}
+
+// UsePositions switches the gate to positions mode, base being each thread's readiness calls at the dump
+// (the snapshot's). It fails, leaving the gate as it was, if its determinants cannot be replayed so.
+func (g *Gate) UsePositions(base map[uint32]uint64) error {
+	plans, err := planPositions(g.all, base)
+	if err != nil {
+		return err
+	}
+	g.plans = plans
+	return nil
+}
+
+// Positions reports whether the gate replays receive positions.
+func (g *Gate) Positions() bool { return g.plans != nil }
+
+// runPositions is Run in positions mode; the job was restored stopped.
+func (g *Gate) runPositions(ctx context.Context, inj Injector, events <-chan Event, stops Stopper, inject func(tcpflow.Tuple, uint32) error) error {
+	continued := false
+	defer func() {
+		for _, t := range g.plans {
+			stops.Disarm(t.thread)
+		}
+		if !continued {
+			stops.ContinueAll() // a job left stopped would hang; whoever called decides what becomes of it
+		}
+	}()
+	apply := func(p *point) error {
+		for c, end := range p.inject {
+			if err := inject(c, end); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	arm := func(t *threadPlan) error {
+		if t.next >= len(t.points) {
+			return stops.Disarm(t.thread)
+		}
+		return stops.Arm(t.thread, t.stop(t.points[t.next]))
+	}
+	byThread := map[uint32]*threadPlan{}
+	left := 0
+	for _, t := range g.plans {
+		byThread[t.thread] = t
+		left += len(t.reads)
+		for t.next < len(t.points) && t.points[t.next].start() {
+			if err := apply(t.points[t.next]); err != nil {
+				return err
+			}
+			t.next++
+		}
+		if err := arm(t); err != nil {
+			return err
+		}
+	}
+	continued = true
+	if err := stops.ContinueAll(); err != nil {
+		return fmt.Errorf("continue the restored job: %w", err)
+	}
+	for left > 0 {
+		var e Event
+		var ok bool
+		select {
+		case <-ctx.Done():
+			return g.stuck(ctx)
+		case e, ok = <-events:
+			if !ok {
+				return fmt.Errorf("this host's recorder lost receive calls of the restored job (%d of its receive calls not seen yet)", left)
+			}
+		}
+		e.Conn = e.Conn.Unmap()
+		t := byThread[e.Thread]
+		if !e.AtPoll && e.Len > 0 {
+			if _, gated := g.sources[e.Conn]; gated {
+				if t == nil || t.read >= len(t.reads) {
+					return fmt.Errorf("the restored job's thread %d made a receive call the original did not (%s): %w", e.Thread, e.Det, ErrDiverged)
+				}
+				d := &t.reads[t.read]
+				switch {
+				case e.Conn == d.Conn && e.End == d.End:
+					t.read++
+					left--
+				case e.Conn == d.Conn && seqAfter(d.End, e.End) && seqAfter(e.End, d.End-d.Len):
+					// Part of the bytes: a read woke between two injected segments. The rest follows.
+					d.Len = d.End - e.End
+				default:
+					return fmt.Errorf("thread %d's receive call %d of %d: the original %s, the restored job %s: %w", t.thread, t.read+1, len(t.reads), d, e.Det, ErrDiverged)
+				}
+			}
+		}
+		if !e.Stopped {
+			continue
+		}
+		if t == nil || t.next >= len(t.points) {
+			return fmt.Errorf("thread %d stopped where no stop was armed (%s)", e.Thread, e.Det)
+		}
+		p := t.points[t.next]
+		want := t.stop(p)
+		if e.AtPoll != (p.after < 0) || e.Pos != want.Polls || (!e.AtPoll && (e.Conn != want.Conn || e.End != want.End || e.Len != want.Len)) {
+			return fmt.Errorf("thread %d stopped at %s, armed at %+v: %w", t.thread, e.Det, want, ErrDiverged)
+		}
+		if err := apply(p); err != nil {
+			return err
+		}
+		t.next++
+		if err := arm(t); err != nil {
+			return err
+		}
+		if err := stops.Continue(e.Pid); err != nil {
+			return fmt.Errorf("continue thread %d of the restored job: %w", t.thread, err)
+		}
+	}
+	return nil
+}
+
+// stuck says where the positions replay stood when ctx ended.
+func (g *Gate) stuck(ctx context.Context) error {
+	for _, t := range g.plans {
+		if t.read < len(t.reads) {
+			at := "running"
+			if t.next < len(t.points) {
+				at = fmt.Sprintf("its stop at %+v not reached", t.stop(t.points[t.next]))
+			}
+			return fmt.Errorf("thread %d of the restored job did not make its receive call %d of %d (%s; %s): %w", t.thread, t.read+1, len(t.reads), t.reads[t.read], at, context.Cause(ctx))
+		}
+	}
+	return context.Cause(ctx)
+}

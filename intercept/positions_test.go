@@ -1,0 +1,306 @@
+package intercept
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// pollWorld is one thread's sockets and its host's stops: what the gate injected and not consumed yet, and
+// the stop armed for the thread (as ebpfprobes.RecvOrder does it).
+type pollWorld struct {
+	mu     sync.Mutex
+	queued map[tcpflow.Tuple][]byte
+	next   map[tcpflow.Tuple]uint32 // sequence of the next byte to consume
+	armed  *Stop
+	cont   chan uint32
+	all    chan struct{}
+}
+
+func newPollWorld(next map[tcpflow.Tuple]uint32) *pollWorld {
+	return &pollWorld{queued: map[tcpflow.Tuple][]byte{}, next: next, cont: make(chan uint32, 1), all: make(chan struct{})}
+}
+
+func (w *pollWorld) Inject(c tcpflow.Tuple, seq uint32, data []byte) error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if want := w.next[c] + uint32(len(w.queued[c])); seq != want {
+		return fmt.Errorf("injected at %d, the socket expects %d", seq, want)
+	}
+	w.queued[c] = append(w.queued[c], data...)
+	return nil
+}
+
+func (w *pollWorld) Arm(thread uint32, s Stop) error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.armed = &s
+	return nil
+}
+
+func (w *pollWorld) Disarm(thread uint32) error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.armed = nil
+	return nil
+}
+
+func (w *pollWorld) Continue(pid uint32) error { w.cont <- pid; return nil }
+
+func (w *pollWorld) ContinueAll() error {
+	select {
+	case <-w.all:
+	default:
+		close(w.all)
+	}
+	return nil
+}
+
+// stopped reports whether the armed stop is s (and disarms nothing: the gate re-arms).
+func (w *pollWorld) stopped(s Stop) bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.armed != nil && *w.armed == s
+}
+
+// program is a libevent-like loop of thread 7 of process 1: polls readiness calls, numbered from first;
+// after each it reads every connection that was ready at the call, in a fixed order, with a 64-byte buffer
+// until a read finds nothing. arrive(k), if set, delivers the peers' bytes before readiness call k. Every
+// receive call and armed stop goes to emit; a stopped thread waits for Continue. It returns what it read
+// at which call: its output.
+func (w *pollWorld) program(ctx context.Context, first, polls int, conns []tcpflow.Tuple, arrive func(k int), emit func(Event)) []string {
+	var trace []string
+	var count uint64
+	stop := func(e Event) {
+		e.Thread, e.Proc, e.Pid = 7, 1, 1001
+		s := Stop{Polls: e.Pos}
+		if !e.AtPoll {
+			s = Stop{Polls: e.Pos, Conn: e.Conn, End: e.End, Len: e.Len}
+		}
+		e.Stopped = w.stopped(s)
+		if e.AtPoll && !e.Stopped {
+			return // the recorder reports a readiness call only where it stops the thread
+		}
+		emit(e)
+		if e.Stopped {
+			select {
+			case <-w.cont:
+			case <-ctx.Done():
+			}
+		}
+	}
+	for k := first; k < first+polls; k++ {
+		if arrive != nil {
+			arrive(k)
+		}
+		w.mu.Lock()
+		var ready []tcpflow.Tuple
+		for _, c := range conns {
+			if len(w.queued[c]) > 0 {
+				ready = append(ready, c)
+			}
+		}
+		w.mu.Unlock()
+		count++
+		stop(Event{Det: Det{Pos: count}, AtPoll: true})
+		for _, c := range ready {
+			for {
+				w.mu.Lock()
+				n := min(64, len(w.queued[c]))
+				w.queued[c] = w.queued[c][n:]
+				w.next[c] += uint32(n)
+				end := w.next[c]
+				w.mu.Unlock()
+				trace = append(trace, fmt.Sprintf("call %d: %d bytes of %s", k, n, c))
+				stop(Event{Det: Det{Conn: c, End: end, Len: uint32(n), Pos: count}})
+				if n == 0 {
+					break
+				}
+			}
+		}
+	}
+	return trace
+}
+
+// TestGatePositions runs a polling program, then replays it from a snapshot taken after its third
+// readiness call: with positions, the restored program reads the same bytes at the same calls, although
+// every byte is available to the gate from the start.
+func TestGatePositions(t *testing.T) {
+	conns := []tcpflow.Tuple{connA, connB}
+	type arrival struct {
+		c tcpflow.Tuple
+		n int
+	}
+	schedule := map[int][]arrival{
+		2:  {{connA, 100}},            // read 64, 36, nothing at call 2: before the snapshot
+		5:  {{connB, 10}},             // call 5 finds B only
+		6:  {{connA, 20}, {connB, 5}}, // call 6 finds both
+		9:  {{connA, 70}},             // 64, 6, nothing
+		11: {{connB, 3}, {connA, 1}},  // the last
+	}
+	orig := newPollWorld(map[tcpflow.Tuple]uint32{connA: 0, connB: 0})
+	sent := map[tcpflow.Tuple][]byte{}
+	arrive := func(k int) {
+		for _, a := range schedule[k] {
+			b := []byte(strings.Repeat(fmt.Sprint(k%10), a.n))
+			sent[a.c] = append(sent[a.c], b...)
+			orig.mu.Lock()
+			orig.queued[a.c] = append(orig.queued[a.c], b...)
+			orig.mu.Unlock()
+		}
+	}
+	var recorded []Det
+	const calls, dumpAt = 12, 3
+	full := orig.program(t.Context(), 1, calls, conns, arrive, func(e Event) { recorded = append(recorded, e.Det) })
+	// The snapshot after call 3: A consumed up to 100, B nothing; what the thread read after it is replayed.
+	var dets []Det
+	for _, d := range recorded {
+		if d.Pos > dumpAt {
+			dets = append(dets, d)
+		}
+	}
+	sources := map[tcpflow.Tuple]Source{connA: {Seq: 100, Data: sent[connA][100:]}, connB: {Seq: 0, Data: sent[connB]}}
+	want := slices.DeleteFunc(slices.Clone(full), func(s string) bool { var k int; fmt.Sscanf(s, "call %d", &k); return k <= dumpAt })
+
+	g, err := NewGate(dets, sources)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := g.UsePositions(map[uint32]uint64{7: dumpAt}); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	re := newPollWorld(map[tcpflow.Tuple]uint32{connA: 100, connB: 0})
+	events := make(chan Event, 64)
+	got := make(chan []string, 1)
+	go func() {
+		select { // restored stopped
+		case <-re.all:
+		case <-ctx.Done():
+		}
+		got <- re.program(ctx, dumpAt+1, calls-dumpAt, conns, nil, func(e Event) { events <- e })
+	}()
+	injected, err := g.Run(ctx, re, events, re)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if injected != int64(len(sources[connA].Data)+len(sources[connB].Data)) {
+		t.Errorf("injected %d bytes, want every byte of the sources", injected)
+	}
+	if trace := <-got; !slices.Equal(trace, want) {
+		t.Fatalf("the restored program read\n%s\nthe original\n%s", strings.Join(trace, "\n"), strings.Join(want, "\n"))
+	}
+}
+
+func TestPlanPositions(t *testing.T) {
+	d := func(c tcpflow.Tuple, end, n uint32, thread, proc uint32, pos uint64) Det {
+		return Det{Conn: c, End: end, Len: n, Thread: thread, Proc: proc, Pos: pos}
+	}
+	for _, tc := range []struct {
+		name   string
+		events []Det
+		base   map[uint32]uint64
+		points []string // thread: polls/after -> injections
+		err    string
+	}{
+		{
+			name:   "a read found by the first call after the restore: before the job runs",
+			events: []Det{d(connA, 10, 10, 1, 1, 6)},
+			base:   map[uint32]uint64{1: 5},
+			points: []string{"1: 0/-1 A10"},
+		},
+		{
+			name:   "a read later: at the exit of the call before the one that found it",
+			events: []Det{d(connA, 10, 10, 1, 1, 9)},
+			base:   map[uint32]uint64{1: 5},
+			points: []string{"1: 3/-1 A10"},
+		},
+		{
+			name:   "a second read of the connection in the same interval: right after the first",
+			events: []Det{d(connA, 10, 10, 1, 1, 2), d(connA, 15, 5, 1, 1, 2)},
+			points: []string{"1: 1/-1 A10", "1: 2/0 A15"},
+		},
+		{
+			name:   "the connection read in the previous interval, found empty: right after that read",
+			events: []Det{d(connA, 10, 10, 1, 1, 2), d(connA, 10, 0, 1, 1, 2), d(connA, 12, 2, 1, 1, 3)},
+			points: []string{"1: 1/-1 A10", "1: 2/1 A12"},
+		},
+		{
+			name:   "two connections found by one call; a thread that never polled",
+			events: []Det{d(connA, 10, 10, 1, 1, 4), d(connB, 3, 3, 1, 1, 4), d(connB, 9, 6, 2, 2, 0)},
+			points: []string{"1: 3/-1 A10 B3", "2: 0/-1 B9"},
+		},
+		{
+			name:   "two receiving threads in one process",
+			events: []Det{d(connA, 10, 10, 1, 1, 4), d(connB, 3, 3, 2, 1, 4)},
+			err:    "both receive",
+		},
+		{
+			name:   "fewer calls than at the dump",
+			events: []Det{d(connA, 10, 10, 1, 1, 4)},
+			base:   map[uint32]uint64{1: 5},
+			err:    "fewer than",
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			plans, err := planPositions(tc.events, tc.base)
+			if tc.err != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.err) {
+					t.Fatalf("err %v, want %q", err, tc.err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			var got []string
+			for _, p := range plans {
+				for _, pt := range p.points {
+					s := fmt.Sprintf("%d: %d/%d", p.thread, pt.polls, pt.after)
+					for _, c := range []tcpflow.Tuple{connA, connB} {
+						if end, ok := pt.inject[c]; ok {
+							s += fmt.Sprintf(" %s%d", map[tcpflow.Tuple]string{connA: "A", connB: "B"}[c], end)
+						}
+					}
+					got = append(got, s)
+				}
+			}
+			if !slices.Equal(got, tc.points) {
+				t.Fatalf("points %q, want %q", got, tc.points)
+			}
+		})
+	}
+}
+
+// TestGatePositionsDivergence: a restored thread that stops elsewhere than armed, or reads what the
+// original did not, fails the replay.
+func TestGatePositionsDivergence(t *testing.T) {
+	sources := map[tcpflow.Tuple]Source{connA: {Seq: 0, Data: make([]byte, 10)}, connB: {Seq: 0, Data: make([]byte, 10)}}
+	g, err := NewGate([]Det{{Conn: connA, End: 4, Len: 4, Thread: 1, Proc: 1, Pos: 3}, {Conn: connB, End: 4, Len: 4, Thread: 1, Proc: 1, Pos: 3}}, sources)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := g.UsePositions(nil); err != nil {
+		t.Fatal(err)
+	}
+	w := newPollWorld(map[tcpflow.Tuple]uint32{})
+	events := make(chan Event, 4)
+	events <- Event{Det: Det{Thread: 1, Proc: 1, Pos: 1}, AtPoll: true, Stopped: true, Pid: 9} // armed at 2
+	_, err = g.Run(t.Context(), w, events, w)
+	if !errors.Is(err, ErrDiverged) {
+		t.Fatalf("err %v, want ErrDiverged", err)
+	}
+	select {
+	case <-w.all:
+	default:
+		t.Fatal("the job was left stopped")
+	}
+}
