@@ -6,6 +6,10 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -51,7 +55,7 @@ type detStream struct {
 	pending   []intercept.Det
 	readAt    time.Time // when pending[0] was read off the recorder
 	lost      uint64    // the recorder's count of this job's lost calls, when last read
-	watchers  map[chan intercept.Det]bool
+	watchers  map[chan intercept.Event]bool
 }
 
 // maxPendingDets bounds the determinants a job keeps while its protector does not take them: beyond it
@@ -113,9 +117,17 @@ func (a *Agent) watchOrder(j *Job, fromStart bool, base string) {
 		a.log.Error("the job's receive order is not recorded: its recovery cannot replay it", "job", j.ID, "err", err)
 		return
 	}
+	if fromStart {
+		// Its threads' readiness calls count from 0 here. A cgroup of that path may have held the job
+		// before (the lab's hosts share one kernel, and a job restored where it ran keeps its path): its
+		// counts and stops must go.
+		if err := d.rec.Forget(id); err != nil {
+			a.log.Error("the job's receive positions cannot be reset: a replay of them would stop its threads at the wrong calls", "job", j.ID, "err", err)
+		}
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	s := &detStream{job: j.ID, cgroup: id, stream: rand.Uint64(), fromStart: fromStart, base: base, watchers: map[chan intercept.Det]bool{}}
+	s := &detStream{job: j.ID, cgroup: id, stream: rand.Uint64(), fromStart: fromStart, base: base, watchers: map[chan intercept.Event]bool{}}
 	if old := d.byJob[j.ID]; old != nil {
 		delete(d.byCgroup, old.cgroup)
 		s.watchers = old.watchers // a recovery watching the job it restores
@@ -150,12 +162,12 @@ func (d *detState) unwatch(id string) *detStream {
 	return s
 }
 
-// WatchOrder delivers job's receive calls as this host records them, until stop. The channel is closed if
+// WatchOrder delivers job's receive calls, and the stops of its threads, as this host records them, until stop. The channel is closed if
 // calls were lost (the watcher fell behind, or the recorder lost some): the watcher must not go on.
-func (a *Agent) WatchOrder(job string) (<-chan intercept.Det, func()) {
+func (a *Agent) WatchOrder(job string) (<-chan intercept.Event, func()) {
 	d := a.det
 	if d == nil || d.rec == nil {
-		ch := make(chan intercept.Det)
+		ch := make(chan intercept.Event)
 		close(ch)
 		return ch, func() {}
 	}
@@ -163,13 +175,13 @@ func (a *Agent) WatchOrder(job string) (<-chan intercept.Det, func()) {
 }
 
 // watch adds a watcher of job's receive calls (WatchOrder).
-func (d *detState) watch(job string) (<-chan intercept.Det, func()) {
-	ch := make(chan intercept.Det, 1<<14)
+func (d *detState) watch(job string) (<-chan intercept.Event, func()) {
+	ch := make(chan intercept.Event, 1<<14)
 	d.mu.Lock()
 	s := d.byJob[job]
 	if s == nil {
 		// Restore registers the job when it creates its cgroup; until then its calls wait here.
-		s = &detStream{job: job, stream: rand.Uint64(), watchers: map[chan intercept.Det]bool{}}
+		s = &detStream{job: job, stream: rand.Uint64(), watchers: map[chan intercept.Event]bool{}}
 		d.byJob[job] = s
 	}
 	s.watchers[ch] = true
@@ -212,14 +224,18 @@ func (a *Agent) recordOrder(ctx context.Context) {
 			if s == nil {
 				continue
 			}
-			det := intercept.Det{Conn: e.Conn, End: e.CopiedSeq, Len: e.Len}
+			det := intercept.Det{Conn: e.Conn, End: e.CopiedSeq, Len: e.Len, Thread: e.Thread, Proc: e.Proc, Pos: e.Polls}
+			ev := intercept.Event{Det: det, AtPoll: e.PollStop, Stopped: e.Stopped, Pid: e.Pid}
 			for w := range s.watchers {
 				select {
-				case w <- det:
+				case w <- ev:
 				default:
 					delete(s.watchers, w)
 					close(w)
 				}
+			}
+			if e.PollStop {
+				continue // a replay's stop, not a receive call
 			}
 			if len(s.pending) >= maxPendingDets {
 				s.first += uint64(len(s.pending)) + 1
@@ -435,4 +451,79 @@ func (a *Agent) DeterminantsSince(ctx context.Context, source string, m *ckpt.Ma
 		return nil, err
 	}
 	return dets, nil
+}
+
+// jobStops stops the threads of a job restored here for a replay of its receive positions
+// (intercept.Stopper), through this host's recorder.
+type jobStops struct {
+	rec    *ebpfprobes.RecvOrder
+	cgroup uint64 // the job cgroup's id
+	dir    string // its directory
+}
+
+func (s jobStops) Arm(thread uint32, st intercept.Stop) error {
+	return s.rec.Arm(s.cgroup, thread, ebpfprobes.Stop{Polls: st.Polls, Conn: st.Conn, End: st.End, Len: st.Len})
+}
+
+func (s jobStops) Disarm(thread uint32) error { return s.rec.Disarm(s.cgroup, thread) }
+
+func (s jobStops) Polls(thread uint32) (uint64, error) { return s.rec.PollCount(s.cgroup, thread) }
+
+func (s jobStops) Continue(pid uint32) error {
+	if err := unix.Kill(int(pid), unix.SIGCONT); err != nil {
+		return fmt.Errorf("continue process %d: %w", pid, err)
+	}
+	return nil
+}
+
+// ContinueAll continues every process of the job's cgroup (CRIU restored them stopped).
+func (s jobStops) ContinueAll() error {
+	b, err := os.ReadFile(filepath.Join(s.dir, "cgroup.procs"))
+	if err != nil {
+		return fmt.Errorf("list the restored job's processes: %w", err)
+	}
+	var errs []error
+	for f := range strings.FieldsSeq(string(b)) {
+		pid, err := strconv.Atoi(f)
+		if err == nil {
+			err = unix.Kill(pid, unix.SIGCONT)
+		}
+		if err != nil && !errors.Is(err, unix.ESRCH) {
+			errs = append(errs, fmt.Errorf("continue process %s: %w", f, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// positions reports whether this host counts its jobs' readiness calls (receive positions).
+func (d *detState) positions() bool { return d != nil && d.rec != nil && d.rec.Positions() }
+
+// stopsOf is the Stopper of job id, restored here; nil if this host records no positions or does not
+// know the job.
+func (a *Agent) stopsOf(id string) intercept.Stopper {
+	d := a.det
+	if !d.positions() {
+		return nil
+	}
+	d.mu.Lock()
+	s := d.byJob[id]
+	d.mu.Unlock()
+	if s == nil || s.cgroup == 0 {
+		return nil
+	}
+	return jobStops{rec: d.rec, cgroup: s.cgroup, dir: a.layout().cgroup(id)}
+}
+
+// pollsAtDump reads the readiness-call counts of job j's threads for its snapshot; j's cgroup must be
+// frozen (the counts are then those at the dump). ok is false if this host records no positions.
+func (a *Agent) pollsAtDump(j Job) (counts map[uint32]uint64, ok bool, err error) {
+	if !a.det.positions() {
+		return nil, false, nil
+	}
+	id, err := ebpfprobes.CgroupID(j.Cgroup)
+	if err != nil {
+		return nil, false, err
+	}
+	counts, err = a.det.rec.PollCounts(id)
+	return counts, err == nil, err
 }

@@ -15,7 +15,7 @@ func newTestDetState() *detState {
 // stop afterwards must not close it again (it did: a panic).
 func TestWatchOrderJobEnds(t *testing.T) {
 	d := newTestDetState()
-	s := &detStream{job: "j", cgroup: 7, watchers: map[chan intercept.Det]bool{}}
+	s := &detStream{job: "j", cgroup: 7, watchers: map[chan intercept.Event]bool{}}
 	d.byJob["j"], d.byCgroup[7] = s, s
 	ch, stop := d.watch("j")
 	if got := d.unwatch("j"); got != s {
@@ -64,7 +64,7 @@ func TestWatchOrderWakesOnlyWhileWatched(t *testing.T) {
 	if len(sets) != 2 || sets[1] || d.waking {
 		t.Fatalf("no watcher left: wakeup switched %v, want off", sets)
 	}
-	s := &detStream{job: "j", cgroup: 7, watchers: map[chan intercept.Det]bool{}}
+	s := &detStream{job: "j", cgroup: 7, watchers: map[chan intercept.Event]bool{}}
 	d.byJob["j"], d.byCgroup[7] = s, s
 	_, stop := d.watch("j")
 	d.unwatch("j") // the job ended while watched

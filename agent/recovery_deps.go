@@ -58,9 +58,13 @@ func (r recoveryDeterminants) Since(ctx context.Context, source string, m *ckpt.
 	return r.a.DeterminantsSince(ctx, source, m)
 }
 
-func (r recoveryDeterminants) Watch(job string) (<-chan intercept.Det, func()) {
+func (r recoveryDeterminants) Watch(job string) (<-chan intercept.Event, func()) {
 	return r.a.WatchOrder(job)
 }
+
+func (r recoveryDeterminants) Positions() bool { return r.a.det.positions() }
+
+func (r recoveryDeterminants) Stopper(job string) intercept.Stopper { return r.a.stopsOf(job) }
 
 func (r *recoveryActions) Fetch(ctx context.Context, job string, c clusterapi.Candidate) (*recovery.Job, error) {
 	j, rec, err := r.a.prepareCandidate(ctx, job, c)
@@ -143,7 +147,7 @@ func (r *recoveryActions) GiveBackUnlessStarted(ctx context.Context, j *recovery
 func (r *recoveryActions) Restore(ctx context.Context, j *recovery.Job) error {
 	rec := r.record(j)
 	rec.Incarnation = j.Incarnation
-	_, err := r.a.restoreJob(ctx, j.Manifest, rec, j.Work)
+	_, err := r.a.restoreJob(ctx, j.Manifest, rec, j.Work, j.LeaveStopped)
 	return err
 }
 

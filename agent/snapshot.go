@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
@@ -55,8 +56,26 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen bool) (*ckpt.Manifes
 		},
 		Outputs: a.outputsOf(j),
 	}
+	if a.det.positions() && !frozen {
+		// The threads' readiness calls must be read at the point the dump catches the job: it is frozen
+		// for the dump instead of stopped by CRIU, and thawed as soon as CRIU is done.
+		if err := setFrozen(j.Cgroup, true); err != nil {
+			return nil, fmt.Errorf("freeze job %s for its snapshot: %w", j.ID, err)
+		}
+		opts.Dumped = sync.OnceFunc(func() { a.thaw(j) })
+		defer opts.Dumped()
+		if err := waitFrozen(ctx, []string{j.Cgroup}, freezeTimeout); err != nil {
+			return nil, fmt.Errorf("snapshot of job %s: %w", j.ID, err)
+		}
+		frozen = true
+	}
 	if frozen {
 		opts.FreezeCgroup = j.Cgroup
+		polls, ok, err := a.pollsAtDump(j)
+		if err != nil {
+			return nil, fmt.Errorf("snapshot of job %s: read its threads' readiness calls: %w", j.ID, err)
+		}
+		opts.Info.Positions, opts.Info.Polls = ok, polls
 	}
 	m, err := dump.Take(ctx, a.store, a.dumperFor(j), opts)
 	if err != nil {

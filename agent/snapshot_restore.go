@@ -80,8 +80,9 @@ const outputJournalDir = "output-journal"
 
 // restoreJob puts the job's output files back to their snapshot sizes and restores the images in work
 // under a new shim on this host; work is removed afterwards. A restore that fails leaves the output files
-// as it found them.
-func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work string) (*Job, error) {
+// as it found them. stopped leaves the restored processes stopped: a replay of receive positions
+// continues them.
+func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work string, stopped bool) (*Job, error) {
 	keepWork := false
 	defer func() {
 		if !keepWork {
@@ -117,7 +118,7 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 		err = inJobNet(j.Net, func() (err error) {
 			pid, err = shim.Launch(ctx, a.self, shim.Spec{
 				JobID: j.ID, Mode: shim.ModeRestore, ImagesDir: work, CRIU: a.criu.Binary, ExitFile: j.ExitPath(), Node: a.cfg.Name,
-				LazyPages: a.cfg.Failover.LazyRestore,
+				LazyPages: a.cfg.Failover.LazyRestore, LeaveStopped: stopped,
 			}, a.shimLog(j.ID))
 			return err
 		})

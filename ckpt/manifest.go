@@ -104,7 +104,15 @@ type Info struct {
 	Stats        DumpStats     `json:"stats"`
 	Conns        []Conn        `json:"conns"`
 	OpenFiles    []OpenFile    `json:"open_files"`
+	// Positions says Polls was read at the dump (the job frozen): each thread's readiness calls so far, by
+	// its id in the job's PID namespace (intercept's receive positions); a thread that made none is absent.
+	Positions bool              `json:"positions,omitempty"`
+	Polls     map[uint32]uint64 `json:"polls,omitempty"`
 }
+
+// MaxThreads bounds the threads whose readiness calls a manifest records (the recorder's map holds 65536
+// for all jobs of a host).
+const MaxThreads = 1 << 16
 
 // Manifest describes one committed snapshot.
 type Manifest struct {
@@ -275,6 +283,14 @@ func (m *Manifest) Validate() error {
 	for i, f := range m.OpenFiles {
 		if f.Path == "" || f.Size < 0 || strings.IndexByte(f.Path, 0) >= 0 {
 			return bad("open file %d: empty path, NUL byte or negative size", i)
+		}
+	}
+	if len(m.Polls) > MaxThreads || (!m.Positions && len(m.Polls) > 0) {
+		return bad("readiness calls of %d threads (at most %d, and only with positions)", len(m.Polls), MaxThreads)
+	}
+	for tid := range m.Polls {
+		if tid == 0 {
+			return bad("readiness calls of thread 0")
 		}
 	}
 	if len(m.Files) > MaxFiles {

@@ -110,6 +110,9 @@ type RestoreOptions struct {
 	LazyPages bool
 	// Notify, if set, is told about CRIU's restore stages (the restorer guards the network around them).
 	Notify gocriu.Notify
+	// LeaveStopped leaves every restored task stopped (SIGSTOP) before it runs any code of its own: the
+	// caller continues them.
+	LeaveStopped bool
 }
 
 // Restore recreates the tree from opts.ImagesDir as a child of the calling process (CRIU's rst_sibling:
@@ -133,6 +136,9 @@ func (c Client) Restore(ctx context.Context, opts RestoreOptions) (int, error) {
 		// bound from this host's namespace; snapshots of jobs in the host's namespace ignore both.
 		Root:       proto.String("/"),
 		AutoExtMnt: proto.Bool(true),
+	}
+	if opts.LeaveStopped {
+		req.LeaveStopped = proto.Bool(true)
 	}
 	if opts.LazyPages {
 		req.LazyPages = proto.Bool(true)

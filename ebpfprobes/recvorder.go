@@ -365,6 +365,19 @@ func (r *RecvOrder) PollCounts(cgroup uint64) (map[uint32]uint64, error) {
 	return out, nil
 }
 
+// PollCount returns how many readiness calls thread (its id in the job's PID namespace) of job cgroup
+// made so far (0 if none).
+func (r *RecvOrder) PollCount(cgroup uint64, thread uint32) (uint64, error) {
+	var v recvorderPosition
+	if err := r.objs.Positions.Lookup(recvorderThreadKey{CgroupId: cgroup, Nstid: thread}, &v); err != nil {
+		if errors.Is(err, ebpf.ErrKeyNotExist) {
+			return 0, nil
+		}
+		return 0, fmt.Errorf("recvorder: read the readiness calls of thread %d of cgroup %d: %w", thread, cgroup, err)
+	}
+	return v.Polls, nil
+}
+
 // A Stop is where a thread is stopped (SIGSTOP, before it runs any code of its own after the call): once
 // it has made Polls readiness calls (a zero Conn), or right after a receive call it makes after Polls
 // readiness calls on Conn that returns Len bytes (0: EAGAIN) and leaves the socket's copied_seq at End. The

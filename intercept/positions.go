@@ -52,6 +52,8 @@ type Stopper interface {
 	Continue(pid uint32) error
 	// ContinueAll lets every process of the job go on: it was restored stopped.
 	ContinueAll() error
+	// Polls is how many readiness calls the thread made since the restore (for error messages).
+	Polls(thread uint32) (uint64, error)
 }
 
 // point is where a thread is stopped to receive bytes.
@@ -155,7 +157,7 @@ func (g *Gate) UsePositions(base map[uint32]uint64) error {
 }
 
 // Positions reports whether the gate replays receive positions.
-func (g *Gate) Positions() bool { return g.plans != nil }
+func (g *Gate) Positions() bool { return g != nil && g.plans != nil }
 
 // runPositions is Run in positions mode; the job was restored stopped.
 func (g *Gate) runPositions(ctx context.Context, inj Injector, events <-chan Event, stops Stopper, inject func(tcpflow.Tuple, uint32) error) error {
@@ -206,7 +208,7 @@ func (g *Gate) runPositions(ctx context.Context, inj Injector, events <-chan Eve
 		var ok bool
 		select {
 		case <-ctx.Done():
-			return g.stuck(ctx)
+			return g.stuck(ctx, stops)
 		case e, ok = <-events:
 			if !ok {
 				return fmt.Errorf("this host's recorder lost receive calls of the restored job (%d of its receive calls not seen yet)", left)
@@ -258,12 +260,15 @@ func (g *Gate) runPositions(ctx context.Context, inj Injector, events <-chan Eve
 }
 
 // stuck says where the positions replay stood when ctx ended.
-func (g *Gate) stuck(ctx context.Context) error {
+func (g *Gate) stuck(ctx context.Context, stops Stopper) error {
 	for _, t := range g.plans {
 		if t.read < len(t.reads) {
 			at := "running"
 			if t.next < len(t.points) {
 				at = fmt.Sprintf("its stop at %+v not reached", t.stop(t.points[t.next]))
+			}
+			if n, err := stops.Polls(t.thread); err == nil {
+				at += fmt.Sprintf(", %d readiness calls made since the restore", n)
 			}
 			return fmt.Errorf("thread %d of the restored job did not make its receive call %d of %d (%s; %s): %w", t.thread, t.read+1, len(t.reads), t.reads[t.read], at, context.Cause(ctx))
 		}

@@ -52,6 +52,9 @@ type Options struct {
 	SentPrefix SentPrefixFunc
 	// Outputs is the job directory whose output files travel with the snapshot.
 	Outputs Outputs
+	// Dumped, if set, is called as soon as CRIU returns, whatever it returned: the caller that froze the
+	// job for the dump thaws it there, before the images are read and committed.
+	Dumped func()
 	Logger  *slog.Logger
 }
 
@@ -78,6 +81,9 @@ func Take(ctx context.Context, store *ckpt.Store, d Dumper, opts Options) (m *ck
 	start := time.Now()
 	stats, err := d.Dump(ctx, criu.DumpOptions{PID: opts.PID, ImagesDir: images, LeaveRunning: true, FreezeCgroup: opts.FreezeCgroup})
 	took := time.Since(start)
+	if opts.Dumped != nil {
+		opts.Dumped()
+	}
 	if err != nil {
 		return nil, err
 	}

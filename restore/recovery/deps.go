@@ -70,6 +70,9 @@ type Job struct {
 	// Net is the job's own network (a job address, package jobnet), nil for a job restored on the host's
 	// network: Run creates it, guards the job's connections and announces the job's address inside it.
 	Net JobNetwork
+	// LeaveStopped asks Jobs.Restore to leave the restored processes stopped: a gate replaying receive
+	// positions injects what they read first, then continues them.
+	LeaveStopped bool
 	// stopKeeping ends Log.Keep once the re-sent bytes are checked.
 	stopKeeping func()
 	// gate replays the job's receive order after the restore (nil: its bytes are in the images, gateWhy
@@ -175,9 +178,14 @@ type JobNetwork interface {
 type Determinants interface {
 	// Since is what m's job consumed after m was dumped, asked of source (the member m came from).
 	Since(ctx context.Context, source string, m *ckpt.Manifest) ([]intercept.Det, error)
-	// Watch delivers the job's receive calls on this host from now until stop; the channel is closed if
-	// some were lost.
-	Watch(job string) (events <-chan intercept.Det, stop func())
+	// Watch delivers the job's receive calls on this host, and its threads' stops, from now until stop;
+	// the channel is closed if some were lost.
+	Watch(job string) (events <-chan intercept.Event, stop func())
+	// Positions reports whether this host counts its jobs' readiness calls: a gate can then replay
+	// receive positions (intercept.Gate.UsePositions), with the job restored stopped.
+	Positions() bool
+	// Stopper stops the threads of job, restored here; nil without positions.
+	Stopper(job string) intercept.Stopper
 }
 
 // Tracker keeps the recovery on disk as it goes, for an agent restarted mid-way to resume it.

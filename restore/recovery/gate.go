@@ -74,6 +74,13 @@ func planGate(ctx context.Context, d Deps, j *Job, peers map[tcpflow.Tuple]resto
 		j.gateWhy = fmt.Sprintf("it read %d connection(s) to surviving peers since the snapshot: no order to keep", g.Conns())
 		return
 	}
+	if m := j.Manifest; m.Positions && d.Determinants.Positions() {
+		if err := g.UsePositions(m.Polls); err != nil {
+			d.Logger.Warn("receive positions cannot be replayed: the receive order is replayed without them", "job", j.ID, "err", err)
+		} else {
+			j.LeaveStopped = true
+		}
+	}
 	for i := range j.Plan.Conns {
 		j.Plan.Conns[i].Deferred = true
 	}
@@ -82,14 +89,18 @@ func planGate(ctx context.Context, d Deps, j *Job, peers map[tcpflow.Tuple]resto
 
 // startGate runs j's gate once j is restored; ReplayAndVerify waits for its end. events were subscribed
 // before the restore, so that no receive call of the restored job is missed.
-func startGate(ctx context.Context, d Deps, j *Job, events <-chan intercept.Det, stop func()) {
+func startGate(ctx context.Context, d Deps, j *Job, events <-chan intercept.Event, stop func()) {
 	j.gateDone = make(chan gateResult, 1)
+	var stops intercept.Stopper
+	if j.gate.Positions() {
+		stops = d.Determinants.Stopper(j.ID) // nil: Run fails, and the job is killed as diverged
+	}
 	go func() {
 		defer stop()
 		defer endHold(d, j)
 		ctx, cancel := context.WithTimeoutCause(ctx, d.ReplayTimeout, fmt.Errorf("failover.replay_timeout (%s) passed", d.ReplayTimeout))
 		defer cancel()
-		n, err := j.gate.Run(ctx, gateInjector{ctx: ctx, d: d, j: j, net: netOf(d, j)}, events)
+		n, err := j.gate.Run(ctx, gateInjector{ctx: ctx, d: d, j: j, net: netOf(d, j)}, events, stops)
 		j.gateDone <- gateResult{dets: j.gate.Len(), injected: n, err: err}
 	}()
 }
@@ -126,7 +137,11 @@ func waitGate(j *Job) (string, error) {
 	if r.err != nil {
 		return "", fmt.Errorf("receive order: %w", r.err)
 	}
-	return fmt.Sprintf("receive order replayed: %d receive calls, %d bytes delivered (%s after the restore); ", r.dets, r.injected, start.Sub(j.RestoredAt).Round(time.Millisecond)), nil
+	how := "receive order"
+	if j.gate.Positions() {
+		how = "receive order and positions"
+	}
+	return fmt.Sprintf("%s replayed: %d receive calls, %d bytes delivered (%s after the restore); ", how, r.dets, r.injected, start.Sub(j.RestoredAt).Round(time.Millisecond)), nil
 }
 
 // gateInjector delivers a restored job's receive bytes as its peers' segments.

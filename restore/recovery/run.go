@@ -163,7 +163,7 @@ func prepare(ctx context.Context, d Deps, req clusterapi.RecoverRequest, rj clus
 func restoreJob(ctx context.Context, d Deps, j *Job, stage stageFunc) error {
 	start := time.Now()
 	j.stopKeeping = d.Log.Keep(j.Plan)
-	var events <-chan intercept.Det
+	var events <-chan intercept.Event
 	stopEvents := func() {}
 	if j.gate != nil {
 		events, stopEvents = d.Determinants.Watch(j.ID) // before the job runs: none of its calls is missed
