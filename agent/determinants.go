@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -226,6 +227,9 @@ func (a *Agent) recordOrder(ctx context.Context) {
 			}
 			det := intercept.Det{Conn: e.Conn, End: e.CopiedSeq, Len: e.Len, Thread: e.Thread, Proc: e.Proc, Pos: e.Polls}
 			ev := intercept.Event{Det: det, AtPoll: e.PollStop, Stopped: e.Stopped, Pid: e.Pid}
+			if e.StopErr != 0 {
+				ev.StopErr = e.StopErr
+			}
 			for w := range s.watchers {
 				select {
 				case w <- ev:
@@ -456,6 +460,7 @@ func (a *Agent) DeterminantsSince(ctx context.Context, source string, m *ckpt.Ma
 // jobStops stops the threads of a job restored here for a replay of its receive positions
 // (intercept.Stopper), through this host's recorder.
 type jobStops struct {
+	log    *slog.Logger
 	rec    *ebpfprobes.RecvOrder
 	cgroup uint64 // the job cgroup's id
 	dir    string // its directory
@@ -476,6 +481,50 @@ func (s jobStops) Continue(pid uint32) error {
 	return nil
 }
 
+// WaitStopped waits until every thread of process pid is stopped (a group stop reaches each thread in
+// turn), a second at most.
+func (s jobStops) WaitStopped(pid uint32) error {
+	deadline := time.Now().Add(time.Second)
+	for {
+		running, err := runningThreads(int(pid))
+		if err != nil {
+			return err
+		}
+		if len(running) == 0 {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("process %d was sent SIGSTOP, and its threads %v still run a second later (something continued it)", pid, running)
+		}
+		time.Sleep(50 * time.Microsecond)
+	}
+}
+
+// runningThreads lists the threads of process pid that are not stopped.
+func runningThreads(pid int) ([]int, error) {
+	dir := fmt.Sprintf("/proc/%d/task", pid)
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, fmt.Errorf("list the threads of process %d: %w", pid, err)
+	}
+	var running []int
+	for _, e := range ents {
+		b, err := os.ReadFile(filepath.Join(dir, e.Name(), "stat"))
+		if err != nil {
+			continue // it exited
+		}
+		i := bytes.LastIndexByte(b, ')')
+		if i < 0 || i+2 >= len(b) {
+			return nil, fmt.Errorf("thread %s of process %d: malformed stat", e.Name(), pid)
+		}
+		if st := b[i+2]; st != 'T' && st != 't' && st != 'Z' && st != 'X' {
+			tid, _ := strconv.Atoi(e.Name())
+			running = append(running, tid)
+		}
+	}
+	return running, nil
+}
+
 // ContinueAll continues every process of the job's cgroup (CRIU restored them stopped).
 func (s jobStops) ContinueAll() error {
 	b, err := os.ReadFile(filepath.Join(s.dir, "cgroup.procs"))
@@ -486,6 +535,9 @@ func (s jobStops) ContinueAll() error {
 	for f := range strings.FieldsSeq(string(b)) {
 		pid, err := strconv.Atoi(f)
 		if err == nil {
+			if running, _ := runningThreads(pid); len(running) > 0 {
+				s.log.Warn("a process of a job restored stopped runs already: its receive positions may be missed", "pid", pid, "threads", running)
+			}
 			err = unix.Kill(pid, unix.SIGCONT)
 		}
 		if err != nil && !errors.Is(err, unix.ESRCH) {
@@ -511,7 +563,7 @@ func (a *Agent) stopsOf(id string) intercept.Stopper {
 	if s == nil || s.cgroup == 0 {
 		return nil
 	}
-	return jobStops{rec: d.rec, cgroup: s.cgroup, dir: a.layout().cgroup(id)}
+	return jobStops{log: a.log, rec: d.rec, cgroup: s.cgroup, dir: a.layout().cgroup(id)}
 }
 
 // pollsAtDump reads the readiness-call counts of job j's threads for its snapshot; j's cgroup must be

@@ -146,7 +146,7 @@ struct recv_event {
 	__u32 nstid;       // the caller's thread id in its own (the job's) PID namespace
 	__u32 nspid;       // the caller's process id in that namespace
 	__u32 kind;        // EV_RECV or EV_POLL_STOP
-	__u32 stopped;     // nonzero: the thread was sent SIGSTOP at this event (an armed stop)
+	__u32 stopped;     // an armed stop: 1, the thread was sent SIGSTOP; 2 + errno, sending it failed
 	__u64 polls;       // the thread's readiness calls so far (struct position)
 };
 
@@ -367,6 +367,13 @@ static __always_inline void current_key(struct thread_key *k, __u64 cgid, __u32 
 	*nspid = ns_nr(t->group_leader->thread_pid);
 }
 
+// stop_result is recv_event.stopped for bpf_send_signal_thread's result: 1
+// if the signal was sent, else 2 + the error number.
+static __always_inline __u32 stop_result(long sent)
+{
+	return sent == 0 ? 1 : 2 + (__u32)(-sent);
+}
+
 static __always_inline int is_poll_nr(__u32 nr)
 {
 	for (int i = 0; i < 7; i++)
@@ -434,7 +441,7 @@ int pollexit(__u64 *ctx)
 	struct stop *s = bpf_map_lookup_elem(&stops, &k);
 	if (!s || s->lport != 0 || s->polls != polls)
 		return 0;
-	bpf_send_signal_thread(SIGSTOP);
+	long sent = bpf_send_signal_thread(SIGSTOP);
 	struct recv_event *e = bpf_ringbuf_reserve(&events, sizeof(*e), 0);
 	if (!e) {
 		count_lost(c, cgid);
@@ -448,7 +455,7 @@ int pollexit(__u64 *ctx)
 	e->nstid = k.nstid;
 	e->nspid = nspid;
 	e->kind = EV_POLL_STOP;
-	e->stopped = 1;
+	e->stopped = stop_result(sent);
 	e->polls = polls;
 	bpf_ringbuf_submit(e, BPF_RB_FORCE_WAKEUP);
 	return 0;
@@ -537,8 +544,7 @@ int recvorder(__u64 *ctx)
 		struct stop *s = bpf_map_lookup_elem(&stops, &k);
 		if (s && s->lport != 0 && s->lport == e->lport && s->rport == e->rport && s->end == e->copied_seq &&
 		    s->len == e->len && p && s->polls == p->polls) {
-			bpf_send_signal_thread(SIGSTOP);
-			e->stopped = 1;
+			e->stopped = stop_result(bpf_send_signal_thread(SIGSTOP));
 			wake = BPF_RB_FORCE_WAKEUP;
 		}
 	}

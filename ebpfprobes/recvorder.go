@@ -56,6 +56,7 @@ type RecvEvent struct {
 	Proc      uint32        // the caller's process id in that namespace
 	PollStop  bool          // the event is an armed stop at a readiness call, not a receive call
 	Stopped   bool          // the thread was sent SIGSTOP at this event (an armed stop)
+	StopErr   unix.Errno    // an armed stop whose SIGSTOP could not be sent: why
 	Polls     uint64        // the readiness calls the thread had made when it made this call
 }
 
@@ -89,9 +90,18 @@ func DecodeRecvEvent(raw []byte) (RecvEvent, error) {
 		Thread:    h.Uint32(raw[40:]),
 		Proc:      h.Uint32(raw[44:]),
 		PollStop:  h.Uint32(raw[48:]) == 1,
-		Stopped:   h.Uint32(raw[52:]) != 0,
+		Stopped:   h.Uint32(raw[52:]) == 1,
+		StopErr:   stopErr(h.Uint32(raw[52:])),
 		Polls:     h.Uint64(raw[56:]),
 	}, nil
+}
+
+// stopErr decodes recv_event.stopped's error (2 + errno).
+func stopErr(v uint32) unix.Errno {
+	if v < 2 {
+		return 0
+	}
+	return unix.Errno(v - 2)
 }
 
 // RecvOrderCounters are the recorder's counters summed over all CPUs.

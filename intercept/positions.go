@@ -30,6 +30,7 @@ type Event struct {
 	Det
 	AtPoll  bool
 	Stopped bool
+	StopErr error  // an armed stop that could not stop the thread: why
 	Pid     uint32 // the caller's process on this host
 }
 
@@ -48,6 +49,8 @@ type Stopper interface {
 	Arm(thread uint32, s Stop) error
 	// Disarm removes the thread's stop.
 	Disarm(thread uint32) error
+	// WaitStopped waits until the process (host pid) is stopped, and fails if it does not stop soon.
+	WaitStopped(pid uint32) error
 	// Continue lets a stopped process (host pid) go on.
 	Continue(pid uint32) error
 	// ContinueAll lets every process of the job go on: it was restored stopped.
@@ -234,6 +237,9 @@ func (g *Gate) runPositions(ctx context.Context, inj Injector, events <-chan Eve
 				}
 			}
 		}
+		if e.StopErr != nil {
+			return fmt.Errorf("thread %d of the restored job could not be stopped at %s: %w", e.Thread, e.Det, e.StopErr)
+		}
 		if !e.Stopped {
 			continue
 		}
@@ -244,6 +250,11 @@ func (g *Gate) runPositions(ctx context.Context, inj Injector, events <-chan Eve
 		want := t.stop(p)
 		if e.AtPoll != (p.after < 0) || e.Pos != want.Polls || (!e.AtPoll && (e.Conn != want.Conn || e.End != want.End || e.Len != want.Len)) {
 			return fmt.Errorf("thread %d stopped at %s, armed at %+v: %w", t.thread, e.Det, want, ErrDiverged)
+		}
+		// The thread stops before it runs any code of its own, but it may not have got there yet: the bytes
+		// can be injected at once, and the next stop armed, only once it is there.
+		if err := stops.WaitStopped(e.Pid); err != nil {
+			return fmt.Errorf("thread %d of the restored job, stopped at %+v: %w", t.thread, want, err)
 		}
 		if err := apply(p); err != nil {
 			return err
