@@ -82,7 +82,8 @@ are logged like the ranks' and host 1 can fail over too. MPI launches the remote
 the local agent (--socket, else $FTKIT_AGENT_SOCKET, else ` + agentapi.DefaultSocket + `) to start each
 daemon's job on its host. Open MPI is restricted to pml ob1, btl tcp,self and oob tcp on the run's hosts'
 cluster addresses (or --net): no shared memory, no RDMA. MPICH's ranks are each a node of their own
-(MPIR_CVAR_NOLOCAL=1) and UCX uses TCP only (UCX_TLS=tcp,self). Outside a lab the run directory (--dir, default
+(MPIR_CVAR_NOLOCAL=1), UCX uses TCP only (UCX_TLS=tcp,self), and libftkit-mpich.so (next to ftctl, else in
+/usr/lib/ftkit) is preloaded so that MPI_Finalize cannot hang. Outside a lab the run directory (--dir, default
 ./.ftkit-mpi/NAME) and the agents' jobs_dir must be on a file system every host shares. See docs/mpi.md.
 
 Output and exit status are mpirun's, as with ftwrap.`,
