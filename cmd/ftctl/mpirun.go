@@ -312,6 +312,11 @@ func (f *mpiRunFlags) run(ctx context.Context, labChosen bool, stdout, stderr io
 	cmd.Env = append(withoutEnv(os.Environ(), "TMPDIR", envMPILab, envMPISocket, envMPIRun, envMPIDir, envMPIInterval, envMPIPlacement, envMPIJobAddrs, envMPIRecovery),
 		"TMPDIR="+filepath.Join(dir, "tmp", p.ranks[0]), envMPIRun+"="+f.name,
 		envMPIDir+"="+dir, envMPIInterval+"="+f.interval, envMPIPlacement+"="+string(placement), envMPIRecovery+"="+f.recovery)
+	if f.impl == "mpich" {
+		// The whole run, not only the ranks (-genv): the hydra proxies need it (scripts/mpi/ftkit-mpich-finalize.c,
+		// 2). Node1's proxy inherits mpiexec's environment, the others launch-daemon's, which is mpiexec's.
+		cmd.Env = withPreload(cmd.Env, filepath.Join(dir, mpichLibName))
+	}
 	if f.jobAddrs {
 		cmd.Env = append(cmd.Env, envMPIJobAddrs+"=1")
 	}
@@ -425,7 +430,8 @@ func (f *mpiRunFlags) launcherArgv(p *mpiPlan, self string, prog []string) ([]st
 // neighbours, and their bytes would never cross the logged interface.
 //
 // preload is the copy of libftkit-mpich.so the ranks load (mpichFinalizeLib): MPICH 4.0's MPI_Finalize
-// over UCX's TCP transport otherwise hangs in about half of the runs, without ftkit too.
+// over UCX's TCP transport otherwise hangs in about half of the runs, without ftkit too. (The rest of the
+// run gets it through mpiexec's environment, see run.)
 func mpichEnv(eagerOnly bool, preload string) [][2]string {
 	env := [][2]string{
 		// Every rank is a node of its own: no ch4 shared memory between ranks, whatever their hostnames.
@@ -439,7 +445,7 @@ func mpichEnv(eagerOnly bool, preload string) [][2]string {
 		{"UCX_WARN_UNUSED_ENV_VARS", "n"},
 		// ucp_disconnect_nb without the flush that waits for a peer already in the PMI barrier
 		// (scripts/mpi/ftkit-mpich-finalize.c says why); the user's own preloads stay.
-		{"LD_PRELOAD", strings.TrimSpace(preload + " " + os.Getenv("LD_PRELOAD"))},
+		{"LD_PRELOAD", preloadValue(preload, os.Getenv("LD_PRELOAD"))},
 	}
 	if eagerOnly {
 		// As for Open MPI (launcherArgv): UCX's rendezvous sends the sender's buffer address, remote key and
@@ -447,6 +453,22 @@ func mpichEnv(eagerOnly bool, preload string) [][2]string {
 		env = append(env, [2]string{"UCX_RNDV_THRESH", "inf"})
 	}
 	return env
+}
+
+// preloadValue is LD_PRELOAD with lib first and the user's own preloads after it.
+func preloadValue(lib, user string) string {
+	return strings.TrimSpace(lib + " " + user)
+}
+
+// withPreload is env with lib preloaded before the preloads env already has.
+func withPreload(env []string, lib string) []string {
+	user := ""
+	for _, kv := range env {
+		if v, ok := strings.CutPrefix(kv, "LD_PRELOAD="); ok {
+			user = v
+		}
+	}
+	return append(withoutEnv(env, "LD_PRELOAD"), "LD_PRELOAD="+preloadValue(lib, user))
 }
 
 // mpichLibName is built by `make build` next to ftctl (scripts/mpi/ftkit-mpich-finalize.c); the .deb

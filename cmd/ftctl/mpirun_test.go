@@ -88,3 +88,26 @@ func TestMPICHPreloadKeepsUsers(t *testing.T) {
 		t.Errorf("LD_PRELOAD %q, want %q", got, want)
 	}
 }
+
+// TestWithPreload: the run's environment (mpiexec, the hydra proxies) preloads the library first and keeps
+// the user's preloads, with one LD_PRELOAD.
+func TestWithPreload(t *testing.T) {
+	for _, c := range []struct {
+		env  []string
+		want string
+	}{
+		{[]string{"A=1"}, "LD_PRELOAD=/run/lib.so"},
+		{[]string{"LD_PRELOAD=/opt/mine.so", "A=1"}, "LD_PRELOAD=/run/lib.so /opt/mine.so"},
+	} {
+		got := withPreload(c.env, "/run/lib.so")
+		var preloads []string
+		for _, kv := range got {
+			if strings.HasPrefix(kv, "LD_PRELOAD=") {
+				preloads = append(preloads, kv)
+			}
+		}
+		if len(preloads) != 1 || preloads[0] != c.want || !slices.Contains(got, "A=1") {
+			t.Errorf("withPreload(%q) = %q, want A=1 and %s", c.env, got, c.want)
+		}
+	}
+}
