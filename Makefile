@@ -12,6 +12,9 @@ TESTFLAGS ?= -count=1 -p 2 -timeout 45m
 # The test programs (go's ./... skips testdata directories, so they are named).
 PROGS := $(patsubst %/,./%,$(wildcard testdata/*/))
 
+# Preloaded into MPICH ranks by `ftctl mpirun --impl mpich` (the file says why); ftctl finds it next to itself.
+MPICHLIB = $(CC) -shared -fPIC -O2 -Wall -Werror scripts/mpi/ftkit-mpich-finalize.c
+
 .PHONY: all setup build test unit lint generate check-generate demo bench clean package
 
 all: build
@@ -22,6 +25,7 @@ setup:
 build: setup
 	@mkdir -p $(BIN)
 	$(GO) build -ldflags '$(LDFLAGS)' -o $(BIN)/ ./cmd/... $(PROGS) ./bench/ftbench
+	$(MPICHLIB) -o $(BIN)/libftkit-mpich.so
 
 lint: setup
 	@$(GO) mod tidy -diff || { echo "go.mod/go.sum are not tidy (diff above): run 'go mod tidy' and commit"; exit 1; }
@@ -62,6 +66,7 @@ PKGSTAGE := build/package
 package:
 	@mkdir -p $(PKGSTAGE)/completion $(PKGOUT)
 	$(GO) build -ldflags '$(LDFLAGS)' -o $(PKGSTAGE)/ ./cmd/...
+	$(MPICHLIB) -o $(PKGSTAGE)/libftkit-mpich.so
 	$(PKGSTAGE)/ftctl completion bash > $(PKGSTAGE)/completion/ftctl.bash
 	$(PKGSTAGE)/ftctl completion zsh > $(PKGSTAGE)/completion/ftctl.zsh
 	FTKIT_DEB_VERSION='$(DEB_VERSION)' $(GO) tool nfpm package --config deploy/nfpm.yaml --packager deb --target $(PKGOUT)/

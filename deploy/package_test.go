@@ -85,6 +85,7 @@ func TestPackageInstalls(t *testing.T) {
 		{"usr/sbin/ftagent", 0o755},
 		{"usr/bin/ftctl", 0o755},
 		{"usr/bin/ftwrap", 0o755},
+		{"usr/lib/ftkit/libftkit-mpich.so", 0o644},
 		{"lib/systemd/system/ftagent.service", 0o644},
 		{"etc/ftkit/agent.toml", 0o644},
 		{"etc/ftkit/pki", 0o700 | os.ModeDir},

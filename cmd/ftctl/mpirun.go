@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -81,7 +82,8 @@ are logged like the ranks' and host 1 can fail over too. MPI launches the remote
 the local agent (--socket, else $FTKIT_AGENT_SOCKET, else ` + agentapi.DefaultSocket + `) to start each
 daemon's job on its host. Open MPI is restricted to pml ob1, btl tcp,self and oob tcp on the run's hosts'
 cluster addresses (or --net): no shared memory, no RDMA. MPICH's ranks are each a node of their own
-(MPIR_CVAR_NOLOCAL=1) and UCX uses TCP only (UCX_TLS=tcp,self). Outside a lab the run directory (--dir, default
+(MPIR_CVAR_NOLOCAL=1), UCX uses TCP only (UCX_TLS=tcp,self), and libftkit-mpich.so (next to ftctl, else in
+/usr/lib/ftkit) is preloaded so that MPI_Finalize cannot hang. Outside a lab the run directory (--dir, default
 ./.ftkit-mpi/NAME) and the agents' jobs_dir must be on a file system every host shares. See docs/mpi.md.
 
 Output and exit status are mpirun's, as with ftwrap.`,
@@ -310,6 +312,11 @@ func (f *mpiRunFlags) run(ctx context.Context, labChosen bool, stdout, stderr io
 	cmd.Env = append(withoutEnv(os.Environ(), "TMPDIR", envMPILab, envMPISocket, envMPIRun, envMPIDir, envMPIInterval, envMPIPlacement, envMPIJobAddrs, envMPIRecovery),
 		"TMPDIR="+filepath.Join(dir, "tmp", p.ranks[0]), envMPIRun+"="+f.name,
 		envMPIDir+"="+dir, envMPIInterval+"="+f.interval, envMPIPlacement+"="+string(placement), envMPIRecovery+"="+f.recovery)
+	if f.impl == "mpich" {
+		// The whole run, not only the ranks (-genv): the hydra proxies need it (scripts/mpi/ftkit-mpich-finalize.c,
+		// 2). Node1's proxy inherits mpiexec's environment, the others launch-daemon's, which is mpiexec's.
+		cmd.Env = withPreload(cmd.Env, filepath.Join(dir, mpichLibName))
+	}
 	if f.jobAddrs {
 		cmd.Env = append(cmd.Env, envMPIJobAddrs+"=1")
 	}
@@ -403,7 +410,11 @@ func (f *mpiRunFlags) launcherArgv(p *mpiPlan, self string, prog []string) ([]st
 		list := append([]string{"localhost"}, hosts[1:]...)
 		argv := []string{bin, "-launcher", "ssh", "-launcher-exec", agentCmd, "-hosts", strings.Join(list, ","),
 			"-ppn", "1", "-np", fmt.Sprint(len(hosts)), "-iface", mpiIface}
-		for _, kv := range mpichEnv(f.eagerOnly) {
+		preload, err := mpichFinalizeLib(self, dir)
+		if err != nil {
+			return nil, err
+		}
+		for _, kv := range mpichEnv(f.eagerOnly, preload) {
 			argv = append(argv, "-genv", kv[0], kv[1])
 		}
 		return append(argv, prog...), nil
@@ -417,7 +428,11 @@ func (f *mpiRunFlags) launcherArgv(p *mpiPlan, self string, prog []string) ([]st
 // its shared-memory and cross-memory transports (posix, sysv, cma) for peers it finds on the same machine.
 // Lab hosts share one kernel, hostname and /dev/shm, so both would take ranks of different lab hosts for
 // neighbours, and their bytes would never cross the logged interface.
-func mpichEnv(eagerOnly bool) [][2]string {
+//
+// preload is the copy of libftkit-mpich.so the ranks load (mpichFinalizeLib): MPICH 4.0's MPI_Finalize
+// over UCX's TCP transport otherwise hangs in about half of the runs, without ftkit too. (The rest of the
+// run gets it through mpiexec's environment, see run.)
+func mpichEnv(eagerOnly bool, preload string) [][2]string {
 	env := [][2]string{
 		// Every rank is a node of its own: no ch4 shared memory between ranks, whatever their hostnames.
 		{"MPIR_CVAR_NOLOCAL", "1"},
@@ -428,6 +443,9 @@ func mpichEnv(eagerOnly bool) [][2]string {
 		// send other bytes than its first execution.
 		{"UCX_KEEPALIVE_INTERVAL", "inf"},
 		{"UCX_WARN_UNUSED_ENV_VARS", "n"},
+		// ucp_disconnect_nb without the flush that waits for a peer already in the PMI barrier
+		// (scripts/mpi/ftkit-mpich-finalize.c says why); the user's own preloads stay.
+		{"LD_PRELOAD", preloadValue(preload, os.Getenv("LD_PRELOAD"))},
 	}
 	if eagerOnly {
 		// As for Open MPI (launcherArgv): UCX's rendezvous sends the sender's buffer address, remote key and
@@ -435,6 +453,50 @@ func mpichEnv(eagerOnly bool) [][2]string {
 		env = append(env, [2]string{"UCX_RNDV_THRESH", "inf"})
 	}
 	return env
+}
+
+// preloadValue is LD_PRELOAD with lib first and the user's own preloads after it.
+func preloadValue(lib, user string) string {
+	return strings.TrimSpace(lib + " " + user)
+}
+
+// withPreload is env with lib preloaded before the preloads env already has.
+func withPreload(env []string, lib string) []string {
+	user := ""
+	for _, kv := range env {
+		if v, ok := strings.CutPrefix(kv, "LD_PRELOAD="); ok {
+			user = v
+		}
+	}
+	return append(withoutEnv(env, "LD_PRELOAD"), "LD_PRELOAD="+preloadValue(lib, user))
+}
+
+// mpichLibName is built by `make build` next to ftctl (scripts/mpi/ftkit-mpich-finalize.c); the .deb
+// installs it in /usr/lib/ftkit.
+const mpichLibName = "libftkit-mpich.so"
+
+var mpichLibDirs = []string{"/usr/lib/ftkit"}
+
+// mpichFinalizeLib copies libftkit-mpich.so (found next to ftctl, else in /usr/lib/ftkit) into the run
+// directory, which every host shares, and returns the copy's path: every rank preloads it, whichever host
+// (or spare) it runs on, even where ftkit is installed elsewhere.
+func mpichFinalizeLib(self, dir string) (string, error) {
+	for _, d := range append([]string{filepath.Dir(self)}, mpichLibDirs...) {
+		b, err := os.ReadFile(filepath.Join(d, mpichLibName))
+		if errors.Is(err, fs.ErrNotExist) {
+			continue
+		}
+		if err != nil {
+			return "", fmt.Errorf("read %s: %w", mpichLibName, err)
+		}
+		dst := filepath.Join(dir, mpichLibName)
+		if err := os.WriteFile(dst, b, 0o755); err != nil {
+			return "", fmt.Errorf("copy %s into the run directory: %w", mpichLibName, err)
+		}
+		return dst, nil
+	}
+	return "", cli.WithCode(cli.ExitUnavailable, fmt.Errorf("no %s next to ftctl or in %s: run `make build` "+
+		"(MPICH's MPI_Finalize over TCP hangs without it, docs/mpi.md)", mpichLibName, strings.Join(mpichLibDirs, ", ")))
 }
 
 func findMPI(override, name, pkg string) (string, error) {

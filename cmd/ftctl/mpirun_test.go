@@ -1,7 +1,10 @@
 package main
 
 import (
+	"os"
+	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 )
 
@@ -23,7 +26,11 @@ func TestMPICHLauncherArgv(t *testing.T) {
 	for _, eager := range []bool{true, false} {
 		f := &mpiRunFlags{impl: "mpich", mpirun: "true", eagerOnly: eager}
 		p := &mpiPlan{ranks: []string{"node1", "node2", "node3"}, dir: t.TempDir(), cidrs: "10.0.0.0/24"}
-		argv, err := f.launcherArgv(p, "/usr/bin/ftctl", []string{"ring", "-genv", "X", "1"})
+		bin := t.TempDir() // where ftctl and libftkit-mpich.so are
+		if err := os.WriteFile(filepath.Join(bin, mpichLibName), []byte("lib"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		argv, err := f.launcherArgv(p, filepath.Join(bin, "ftctl"), []string{"ring", "-genv", "X", "1"})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -35,7 +42,10 @@ func TestMPICHLauncherArgv(t *testing.T) {
 			t.Errorf("argv %q: want -hosts localhost,node2,node3", argv)
 		}
 		env := genv(argv[:len(argv)-4])
-		want := map[string]string{"MPIR_CVAR_NOLOCAL": "1", "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "eth0", "UCX_KEEPALIVE_INTERVAL": "inf"}
+		// The ranks preload the run directory's copy of the library (every host sees it), not ftctl's.
+		lib := filepath.Join(p.dir, mpichLibName)
+		want := map[string]string{"MPIR_CVAR_NOLOCAL": "1", "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "eth0", "UCX_KEEPALIVE_INTERVAL": "inf",
+			"LD_PRELOAD": lib}
 		if eager {
 			want["UCX_RNDV_THRESH"] = "inf"
 		}
@@ -46,6 +56,58 @@ func TestMPICHLauncherArgv(t *testing.T) {
 		}
 		if _, ok := env["UCX_RNDV_THRESH"]; !eager && ok {
 			t.Errorf("--eager-only=false still sets UCX_RNDV_THRESH: %q", argv)
+		}
+		if b, err := os.ReadFile(lib); err != nil || string(b) != "lib" {
+			t.Errorf("the run directory's %s: %q, %v; want ftctl's copied", mpichLibName, b, err)
+		}
+	}
+}
+
+// TestMPICHLauncherArgvNoLib: without libftkit-mpich.so MPICH's MPI_Finalize can hang, so the run does not
+// start, and the error says how to get the library.
+func TestMPICHLauncherArgvNoLib(t *testing.T) {
+	old := mpichLibDirs
+	mpichLibDirs = []string{t.TempDir()}
+	t.Cleanup(func() { mpichLibDirs = old })
+	f := &mpiRunFlags{impl: "mpich", mpirun: "true", eagerOnly: true}
+	p := &mpiPlan{ranks: []string{"node1", "node2"}, dir: t.TempDir(), cidrs: "10.0.0.0/24"}
+	_, err := f.launcherArgv(p, filepath.Join(t.TempDir(), "ftctl"), []string{"ring"})
+	if err == nil || !strings.Contains(err.Error(), "make build") {
+		t.Errorf("launcherArgv without the library: %v; want an error saying to run make build", err)
+	}
+}
+
+// TestMPICHPreloadKeepsUsers: the user's own LD_PRELOAD still reaches the ranks, after ftkit's library.
+func TestMPICHPreloadKeepsUsers(t *testing.T) {
+	t.Setenv("LD_PRELOAD", "/opt/mine.so")
+	env := map[string]string{}
+	for _, kv := range mpichEnv(true, "/run/x/libftkit-mpich.so") {
+		env[kv[0]] = kv[1]
+	}
+	if got, want := env["LD_PRELOAD"], "/run/x/libftkit-mpich.so /opt/mine.so"; got != want {
+		t.Errorf("LD_PRELOAD %q, want %q", got, want)
+	}
+}
+
+// TestWithPreload: the run's environment (mpiexec, the hydra proxies) preloads the library first and keeps
+// the user's preloads, with one LD_PRELOAD.
+func TestWithPreload(t *testing.T) {
+	for _, c := range []struct {
+		env  []string
+		want string
+	}{
+		{[]string{"A=1"}, "LD_PRELOAD=/run/lib.so"},
+		{[]string{"LD_PRELOAD=/opt/mine.so", "A=1"}, "LD_PRELOAD=/run/lib.so /opt/mine.so"},
+	} {
+		got := withPreload(c.env, "/run/lib.so")
+		var preloads []string
+		for _, kv := range got {
+			if strings.HasPrefix(kv, "LD_PRELOAD=") {
+				preloads = append(preloads, kv)
+			}
+		}
+		if len(preloads) != 1 || preloads[0] != c.want || !slices.Contains(got, "A=1") {
+			t.Errorf("withPreload(%q) = %q, want A=1 and %s", c.env, got, c.want)
 		}
 	}
 }
