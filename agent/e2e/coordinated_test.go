@@ -144,7 +144,10 @@ func TestAutoRollback(t *testing.T) {
 	cut := waitCut(t, c, "spare1", "nd", 2)
 	t.Logf("cut %s: %+v", cut.ID, cut.Parts)
 	// Traffic after the cut, which the rollback takes back: rank 0 reports 50 more blocks received.
-	received := func() int { b, _ := os.ReadFile(rg.jobs[0].StdoutPath()); return strings.Count(string(b), " received ") }
+	received := func() int {
+		b, _ := os.ReadFile(rg.jobs[0].StdoutPath())
+		return strings.Count(string(b), " received ")
+	}
 	at := received()
 	poll(t, 2*time.Minute, "rank 0 to receive 50 blocks after the cut", func() bool { return received() > at })
 	if err := c.Lab.Crash(ctx, "node2"); err != nil {

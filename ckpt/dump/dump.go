@@ -55,7 +55,7 @@ type Options struct {
 	// Dumped, if set, is called as soon as CRIU returns, whatever it returned: the caller that froze the
 	// job for the dump thaws it there, before the images are read and committed.
 	Dumped func()
-	Logger  *slog.Logger
+	Logger *slog.Logger
 }
 
 // Take dumps the job with d into a new snapshot of store and commits it. On any error nothing is left in
