@@ -243,6 +243,12 @@ func TestPlanPositions(t *testing.T) {
 			points: []string{"1: 3/-1 A10 B3", "2: 0/-1 B9"},
 		},
 		{
+			name:   "a call that found nothing before the first readiness call since the dump: maybe before the dump",
+			events: []Det{d(connA, 10, 0, 1, 1, 5), d(connA, 12, 2, 1, 1, 5)},
+			base:   map[uint32]uint64{1: 5},
+			points: []string{"1: 0/-1 A12"},
+		},
+		{
 			name:   "two receiving threads in one process",
 			events: []Det{d(connA, 10, 10, 1, 1, 4), d(connB, 3, 3, 2, 1, 4)},
 			err:    "both receive",

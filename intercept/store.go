@@ -150,12 +150,13 @@ func consumedAt(m *ckpt.Manifest) map[tcpflow.Tuple]uint32 {
 	return at
 }
 
-// lastBefore is the index after the last determinant that consumed no further than at says for its
+// lastBefore is the index after the last determinant that consumed bytes no further than at says for its
 // connection (it was recorded before the dump: consumption only grows), -1 if there is none. A
-// determinant of a connection the snapshot does not hold says nothing either way.
+// determinant of a connection the snapshot does not hold says nothing either way, nor does a call that
+// found nothing (it may have come just after the dump, at the same copied_seq).
 func lastBefore(dets []Det, at map[tcpflow.Tuple]uint32) int {
 	for i := len(dets) - 1; i >= 0; i-- {
-		if copied, ok := at[dets[i].Conn.Unmap()]; ok && !seqAfter(dets[i].End, copied) {
+		if copied, ok := at[dets[i].Conn.Unmap()]; ok && dets[i].Len > 0 && !seqAfter(dets[i].End, copied) {
 			return i + 1
 		}
 	}

@@ -2,6 +2,7 @@ package intercept
 
 import (
 	"reflect"
+	"slices"
 	"strings"
 	"testing"
 
@@ -42,6 +43,8 @@ func TestStoreSince(t *testing.T) {
 		{"restored from this snapshot", []Batch{{Job: "j", Stream: 2, FromStart: true, Base: "s", Dets: stream}}, snap("s", 0, 0), stream, ""},
 		{"new stream replaces", []Batch{{Job: "j", Stream: 1, FromStart: true, Dets: stream}, {Job: "j", Stream: 2, FromStart: false, Dets: stream[:1]}}, snap("s", 0, 0), nil, "none is from before"},
 		{"other node", nil, snap("s", 0, 0), nil, "no determinants"},
+		// A call that found nothing at the dump's copied_seq may come after the dump: not an anchor.
+		{"found nothing at the dump's copied_seq", []Batch{{Job: "j", Stream: 1, FromStart: true, Dets: append(slices.Clone(stream[:4]), Det{Conn: connA, End: 20}, stream[4])}}, snap("s", 20, 10), []Det{stream[3], {Conn: connA, End: 20}, stream[4]}, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			s := NewStore(0)
