@@ -200,7 +200,7 @@ func (a *Agent) stopForMigration(ctx context.Context, j Job, target string, stag
 		return frozen, m, err
 	}
 	start := time.Now()
-	sent, err := a.shipTo(ctx, target, m)
+	sent, err := a.shipTo(ctx, target, m, true) // dumped and committed just above
 	if err != nil {
 		a.thaw(j)
 		err = fmt.Errorf("job %s not moved, it runs on here: %w", j.ID, err)
