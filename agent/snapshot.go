@@ -112,7 +112,7 @@ func (a *Agent) shipToProtector(ctx context.Context, m *ckpt.Manifest, p *Placem
 			continue
 		}
 		tried[prot] = true
-		sent, err := a.shipTo(ctx, prot, m, false)
+		sent, err := a.shipTo(ctx, prot, m, ship.SendOptions{})
 		if err == nil {
 			return sent, nil
 		}
@@ -127,9 +127,9 @@ func (a *Agent) shipToProtector(ctx context.Context, m *ckpt.Manifest, p *Placem
 	return nil, fmt.Errorf("ship %s: %w", m.ID, errors.Join(errs...))
 }
 
-// shipTo streams committed snapshot m to peer and records the replica. justCommitted says this agent
-// committed m moments ago (ship.SendOptions.JustCommitted: its files are not hashed a second time).
-func (a *Agent) shipTo(ctx context.Context, peer string, m *ckpt.Manifest, justCommitted bool) (*ship.Sent, error) {
+// shipTo streams committed snapshot m to peer and records the replica; opts may say more about m
+// (JustCommitted, Base), its Peer and Logger are set here.
+func (a *Agent) shipTo(ctx context.Context, peer string, m *ckpt.Manifest, opts ship.SendOptions) (*ship.Sent, error) {
 	// A protector that does not accept the connection in time is skipped (the next node of the ring takes
 	// the replica); the transfer itself may take as long as it needs.
 	dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
@@ -139,7 +139,8 @@ func (a *Agent) shipTo(ctx context.Context, peer string, m *ckpt.Manifest, justC
 		return nil, fmt.Errorf("ship %s to %s: %w", m.ID, peer, err)
 	}
 	defer c.Close()
-	sent, err := ship.Send(ctx, c, a.store, m.Job, m.ID, ship.SendOptions{Peer: peer, Logger: a.log, JustCommitted: justCommitted})
+	opts.Peer, opts.Logger = peer, a.log
+	sent, err := ship.Send(ctx, c, a.store, m.Job, m.ID, opts)
 	if err != nil {
 		return nil, fmt.Errorf("ship %s to %s: %w", m.ID, peer, err)
 	}
