@@ -204,5 +204,14 @@ func copyAgentLogs(c *labcluster.Cluster, dir string, log *slog.Logger) {
 			log.Warn("agent log not kept", "host", h, "err", err)
 		}
 	}
+	// And CRIU's log of each dump (its timestamps say where a dump's time went).
+	for _, h := range []string{"node2", "node3"} {
+		logs, _ := filepath.Glob(filepath.Join(labcluster.StateDir(c.Lab.State().ID, h), "snapshots", "*", "*", "images", "dump.log"))
+		for _, l := range logs {
+			if b, err := os.ReadFile(l); err == nil {
+				os.WriteFile(filepath.Join(dir, h+"-"+filepath.Base(filepath.Dir(filepath.Dir(l)))+"-dump.log"), b, 0o644)
+			}
+		}
+	}
 	log.Info("agent logs kept", "dir", dir)
 }
