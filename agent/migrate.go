@@ -254,7 +254,7 @@ func (a *Agent) dumpFrozen(ctx context.Context, j Job) (*ckpt.Manifest, error) {
 		a.thaw(j)
 		return nil, fmt.Errorf("job %s not moved, it runs on here: %w", j.ID, err)
 	}
-	m, err := a.snapshot(ctx, j, true)
+	m, err := a.snapshot(ctx, j, true, true)
 	if err != nil {
 		a.thaw(j)
 		return nil, fmt.Errorf("job %s not moved, it runs on here: dump: %w", j.ID, err)

@@ -37,8 +37,10 @@ type SnapshotResult struct {
 }
 
 // snapshot dumps one running job and keeps it running (uncoordinated). If frozen, the caller froze the
-// job's cgroup (semi-coordinated): CRIU dumps it frozen and leaves it frozen.
-func (a *Agent) snapshot(ctx context.Context, j Job, frozen bool) (*ckpt.Manifest, error) {
+// job's cgroup (semi-coordinated): CRIU dumps it frozen and leaves it frozen. hashWhileDumping hashes its
+// memory images as CRIU writes them (dump.Options.HashWhileDumping: a migration, whose stop counts the
+// hash pass).
+func (a *Agent) snapshot(ctx context.Context, j Job, frozen, hashWhileDumping bool) (*ckpt.Manifest, error) {
 	if err := a.waitPagesIn(ctx, j.ID); err != nil {
 		return nil, err
 	}
@@ -58,6 +60,7 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen bool) (*ckpt.Manifes
 	if frozen {
 		opts.FreezeCgroup = j.Cgroup
 	}
+	opts.HashWhileDumping = hashWhileDumping
 	m, err := dump.Take(ctx, a.store, a.dumperFor(j), opts)
 	if err != nil {
 		return nil, err
@@ -196,7 +199,7 @@ func (a *Agent) checkpoint(ctx context.Context, ids []string, uid uint32, still 
 		for _, j := range jobs {
 			// No retry: the one transient failure seen (two parasites racing to mkdir "/proc.crtools", EEXIST)
 			// cannot happen since each job has a /proc of its own (shim/jobinit.go).
-			m, err := a.snapshot(ctx, j, false)
+			m, err := a.snapshot(ctx, j, false, false)
 			if err != nil {
 				errs = append(errs, fmt.Errorf("job %s: %w", j.ID, err))
 				continue

@@ -52,7 +52,11 @@ type Options struct {
 	SentPrefix SentPrefixFunc
 	// Outputs is the job directory whose output files travel with the snapshot.
 	Outputs Outputs
-	Logger  *slog.Logger
+	// HashWhileDumping hashes CRIU's memory images as the dump writes them (pagesFollower) instead of
+	// after it: the snapshot is ready a hash pass sooner, at the price of that pass competing with CRIU
+	// for the CPU (a migration's stop counts both; a running job's snapshot prefers CRIU alone).
+	HashWhileDumping bool
+	Logger           *slog.Logger
 }
 
 // Take dumps the job with d into a new snapshot of store and commits it. On any error nothing is left in
@@ -75,9 +79,22 @@ func Take(ctx context.Context, store *ckpt.Store, d Dumper, opts Options) (m *ck
 	if err := os.Mkdir(images, 0o700); err != nil {
 		return nil, err
 	}
+	var follower *pagesFollower
+	if opts.HashWhileDumping {
+		follower = followPages(images)
+	}
 	start := time.Now()
 	stats, err := d.Dump(ctx, criu.DumpOptions{PID: opts.PID, ImagesDir: images, LeaveRunning: true, FreezeCgroup: opts.FreezeCgroup})
 	took := time.Since(start)
+	if follower != nil {
+		hashed, ferr := follower.finish()
+		if ferr != nil && err == nil {
+			log.Warn("memory images not hashed during the dump; the commit hashes them", "job", opts.Job, "err", ferr)
+		}
+		for name, h := range hashed {
+			p.Written(ImagesDir+"/"+name, h.size, h.sha256)
+		}
+	}
 	if err != nil {
 		return nil, err
 	}
