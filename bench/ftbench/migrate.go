@@ -116,6 +116,9 @@ type migrateResult struct {
 	Identical  bool            `json:"identical"`
 	Checksums  []string        `json:"checksums"`
 	Reference  string          `json:"reference"`
+	// LoadAvg is /proc/loadavg as the migration began: on a shared 2-vCPU machine the stop doubles when
+	// other tests keep both CPUs busy, and this says whether they did.
+	LoadAvg string `json:"loadavg"`
 }
 
 func migrateRun(ctx context.Context, log *slog.Logger, binDir string, mib int, lazy bool, logs string) (*migrateResult, error) {
@@ -159,6 +162,7 @@ func migrateRun(ctx context.Context, log *slog.Logger, binDir string, mib int, l
 		jobs = append(jobs, j)
 	}
 	time.Sleep(3 * time.Second)
+	load, _ := os.ReadFile("/proc/loadavg")
 	m, err := c.Client("node2").Migrate(ctx, agent.MigrateRequest{Job: jobs[1].ID, To: "node3"})
 	if err != nil {
 		return nil, err
@@ -166,7 +170,8 @@ func migrateRun(ctx context.Context, log *slog.Logger, binDir string, mib int, l
 	if m.Error != "" {
 		return nil, fmt.Errorf("migration not done as asked: %s", m.Error)
 	}
-	res := &migrateResult{MiB: mib, Lazy: lazy, Snapshot: m.Snapshot, FrozenMs: float64(m.Frozen) / 1e6, ReplayedMs: float64(m.Replayed) / 1e6, Reference: ref}
+	res := &migrateResult{MiB: mib, Lazy: lazy, Snapshot: m.Snapshot, FrozenMs: float64(m.Frozen) / 1e6, ReplayedMs: float64(m.Replayed) / 1e6, Reference: ref,
+		LoadAvg: strings.TrimSpace(string(load))}
 	evs, err := c.Client("node2").Events(ctx)
 	if err != nil {
 		return nil, err
@@ -185,7 +190,7 @@ func migrateRun(ctx context.Context, log *slog.Logger, binDir string, mib int, l
 	if res.Checksums, res.Identical, err = finalChecksums(ctx, jobs, ref); err != nil {
 		return nil, err
 	}
-	log.Info("migration", "mib", mib, "lazy", lazy, "frozen_ms", res.FrozenMs, "replayed_ms", res.ReplayedMs, "stages", res.Stages, "identical", res.Identical)
+	log.Info("migration", "mib", mib, "lazy", lazy, "loadavg", res.LoadAvg, "frozen_ms", res.FrozenMs, "replayed_ms", res.ReplayedMs, "stages", res.Stages, "identical", res.Identical)
 	return res, nil
 }
 
