@@ -521,7 +521,7 @@ func (a *Agent) coordDump(ctx context.Context, req clusterapi.CoordinateRequest)
 	defer hold.timer.Reset(coordHoldMax)
 	var rep clusterapi.CoordinateReply
 	for _, j := range hold.jobs {
-		m, err := a.snapshot(ctx, j, true)
+		m, err := a.snapshot(ctx, j, true, false)
 		if err != nil {
 			return clusterapi.CoordinateReply{}, fmt.Errorf("dump job %s: %w", j.ID, err)
 		}

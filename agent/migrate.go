@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/ckpt/ship"
 	"github.com/ftkit/ftkit/ring"
 )
 
@@ -88,7 +89,7 @@ func (a *Agent) Migrate(ctx context.Context, req MigrateRequest, uid uint32) (*M
 	stage := func(name string, from time.Time, detail string, err error) {
 		emit(Stage{Name: name, Job: j.ID, Host: a.cfg.Name, Start: from, End: time.Now(), Detail: detail, Error: errString(err)})
 	}
-	frozen, m, err := a.stopForMigration(ctx, j, req.To, stage)
+	frozen, m, err := a.stopForMigration(ctx, j, req.To, a.migrationBase(ctx, j.ID, req.To), stage)
 	if m != nil {
 		res.Snapshot = m.ID
 	}
@@ -183,10 +184,34 @@ func (a *Agent) movable(ctx context.Context, req MigrateRequest) (Job, error) {
 	return j, nil
 }
 
-// stopForMigration freezes and dumps job j, ships the dump to target, then takes the job off this host.
-// Until the dump is on the target the job can still be thawed, and runs on as before. It returns when
-// the job was frozen.
-func (a *Agent) stopForMigration(ctx context.Context, j Job, target string, stage func(string, time.Time, string, error)) (time.Time, *ckpt.Manifest, error) {
+// migrationBase indexes, while job still runs, the newest snapshot of it taken here that target holds a
+// replica of: the base the dump will be sent as a diff against (the protector offers its newest). Nil if
+// there is none or it cannot be read: the transfer then indexes whatever base target offers, or sends
+// the dump whole.
+func (a *Agent) migrationBase(ctx context.Context, job, target string) *ship.BaseIndex {
+	ids, err := a.store.List(job, a.cfg.Name)
+	if err != nil {
+		return nil
+	}
+	for _, id := range ids { // newest first
+		m, err := a.store.Manifest(job, id)
+		if err != nil || !slices.Contains(m.Replicas, target) {
+			continue
+		}
+		b, err := ship.IndexBase(ctx, a.store, job, id, 0)
+		if err != nil {
+			a.log.Warn("could not index the base of a migration's transfer ahead; the transfer will", "job", job, "snapshot", id, "err", err)
+			return nil
+		}
+		return b
+	}
+	return nil
+}
+
+// stopForMigration freezes and dumps job j, ships the dump to target (as a diff against base if target
+// offers it), then takes the job off this host. Until the dump is on the target the job can still be
+// thawed, and runs on as before. It returns when the job was frozen.
+func (a *Agent) stopForMigration(ctx context.Context, j Job, target string, base *ship.BaseIndex, stage func(string, time.Time, string, error)) (time.Time, *ckpt.Manifest, error) {
 	a.ckptMu.Lock() // no scheduled snapshot of the job in between
 	defer a.ckptMu.Unlock()
 	frozen := time.Now()
@@ -200,7 +225,7 @@ func (a *Agent) stopForMigration(ctx context.Context, j Job, target string, stag
 		return frozen, m, err
 	}
 	start := time.Now()
-	sent, err := a.shipTo(ctx, target, m)
+	sent, err := a.shipTo(ctx, target, m, ship.SendOptions{JustCommitted: true, Base: base}) // dumped and committed just above
 	if err != nil {
 		a.thaw(j)
 		err = fmt.Errorf("job %s not moved, it runs on here: %w", j.ID, err)
@@ -229,7 +254,7 @@ func (a *Agent) dumpFrozen(ctx context.Context, j Job) (*ckpt.Manifest, error) {
 		a.thaw(j)
 		return nil, fmt.Errorf("job %s not moved, it runs on here: %w", j.ID, err)
 	}
-	m, err := a.snapshot(ctx, j, true)
+	m, err := a.snapshot(ctx, j, true, true)
 	if err != nil {
 		a.thaw(j)
 		return nil, fmt.Errorf("job %s not moved, it runs on here: dump: %w", j.ID, err)

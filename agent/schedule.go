@@ -260,7 +260,7 @@ func (a *Agent) semiCoordinated(ctx context.Context, jobs []Job) ([]*ckpt.Manife
 	}
 	var out []*ckpt.Manifest
 	for _, j := range jobs {
-		m, err := a.snapshot(ctx, j, true)
+		m, err := a.snapshot(ctx, j, true, false)
 		if err != nil {
 			return out, fmt.Errorf("semi-coordinated snapshot of job %s: %w", j.ID, err)
 		}

@@ -38,8 +38,10 @@ type SnapshotResult struct {
 }
 
 // snapshot dumps one running job and keeps it running (uncoordinated). If frozen, the caller froze the
-// job's cgroup (semi-coordinated): CRIU dumps it frozen and leaves it frozen.
-func (a *Agent) snapshot(ctx context.Context, j Job, frozen bool) (*ckpt.Manifest, error) {
+// job's cgroup (semi-coordinated): CRIU dumps it frozen and leaves it frozen. hashWhileDumping hashes its
+// memory images as CRIU writes them (dump.Options.HashWhileDumping: a migration, whose stop counts the
+// hash pass).
+func (a *Agent) snapshot(ctx context.Context, j Job, frozen, hashWhileDumping bool) (*ckpt.Manifest, error) {
 	if err := a.waitPagesIn(ctx, j.ID); err != nil {
 		return nil, err
 	}
@@ -77,6 +79,7 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen bool) (*ckpt.Manifes
 		}
 		opts.Info.Positions, opts.Info.Polls = ok, polls
 	}
+	opts.HashWhileDumping = hashWhileDumping
 	m, err := dump.Take(ctx, a.store, a.dumperFor(j), opts)
 	if err != nil {
 		return nil, err
@@ -131,7 +134,7 @@ func (a *Agent) shipToProtector(ctx context.Context, m *ckpt.Manifest, p *Placem
 			continue
 		}
 		tried[prot] = true
-		sent, err := a.shipTo(ctx, prot, m)
+		sent, err := a.shipTo(ctx, prot, m, ship.SendOptions{})
 		if err == nil {
 			return sent, nil
 		}
@@ -146,7 +149,9 @@ func (a *Agent) shipToProtector(ctx context.Context, m *ckpt.Manifest, p *Placem
 	return nil, fmt.Errorf("ship %s: %w", m.ID, errors.Join(errs...))
 }
 
-func (a *Agent) shipTo(ctx context.Context, peer string, m *ckpt.Manifest) (*ship.Sent, error) {
+// shipTo streams committed snapshot m to peer and records the replica; opts may say more about m
+// (JustCommitted, Base), its Peer and Logger are set here.
+func (a *Agent) shipTo(ctx context.Context, peer string, m *ckpt.Manifest, opts ship.SendOptions) (*ship.Sent, error) {
 	// A protector that does not accept the connection in time is skipped (the next node of the ring takes
 	// the replica); the transfer itself may take as long as it needs.
 	dctx, cancel := context.WithTimeout(ctx, 10*time.Second)
@@ -156,7 +161,8 @@ func (a *Agent) shipTo(ctx context.Context, peer string, m *ckpt.Manifest) (*shi
 		return nil, fmt.Errorf("ship %s to %s: %w", m.ID, peer, err)
 	}
 	defer c.Close()
-	sent, err := ship.Send(ctx, c, a.store, m.Job, m.ID, ship.SendOptions{Peer: peer, Logger: a.log})
+	opts.Peer, opts.Logger = peer, a.log
+	sent, err := ship.Send(ctx, c, a.store, m.Job, m.ID, opts)
 	if err != nil {
 		return nil, fmt.Errorf("ship %s to %s: %w", m.ID, peer, err)
 	}
@@ -212,7 +218,7 @@ func (a *Agent) checkpoint(ctx context.Context, ids []string, uid uint32, still 
 		for _, j := range jobs {
 			// No retry: the one transient failure seen (two parasites racing to mkdir "/proc.crtools", EEXIST)
 			// cannot happen since each job has a /proc of its own (shim/jobinit.go).
-			m, err := a.snapshot(ctx, j, false)
+			m, err := a.snapshot(ctx, j, false, false)
 			if err != nil {
 				errs = append(errs, fmt.Errorf("job %s: %w", j.ID, err))
 				continue

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/ckpt/ship"
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/internal/clustertls"
@@ -132,7 +133,10 @@ func TestCallersGiveUpOnAStalledPeer(t *testing.T) {
 			return a.remoteRecover(bg, "n2", RecoverRequest{Jobs: []RecoverJob{{Job: "job-1"}}}, func(Stage) {})
 		}},
 		{"fetchFrom", func() error { return a.fetchFrom(bg, "n2", "job-1", "x") }},
-		{"shipTo", func() error { _, err := a.shipTo(bg, "n2", &ckpt.Manifest{Job: "job-1", ID: "x"}); return err }},
+		{"shipTo", func() error {
+			_, err := a.shipTo(bg, "n2", &ckpt.Manifest{Job: "job-1", ID: "x"}, ship.SendOptions{})
+			return err
+		}},
 		{"recoveryStatus", func() error { _, err := a.recoveryStatus(bg, "n2", "f", nil); return err }},
 		{"LogWatermarkOf", func() error { _, err := a.LogWatermarkOf(bg, "n2"); return err }},
 		{"askGrant", func() error { return a.askGrant(bg, "n2", grantMessage{Job: "job-1", Incarnation: 1, Holder: "h"}).Err }},

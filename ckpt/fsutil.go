@@ -47,6 +47,13 @@ func lockDir(dir string, wait bool) (*os.File, error) {
 	return d, nil
 }
 
+// StartWriteback asks the kernel to start writing f's dirty pages to disk now, without waiting
+// (sync_file_range SYNC_FILE_RANGE_WRITE): a later fsync then waits only for what is still in flight. It
+// is a hint; an error changes nothing (the fsync still makes the file durable).
+func StartWriteback(f *os.File) {
+	_ = unix.SyncFileRange(int(f.Fd()), 0, 0, unix.SYNC_FILE_RANGE_WRITE)
+}
+
 // writeFileSync writes data to path with filePerm and fsyncs it (not its
 // directory).
 func writeFileSync(path string, data []byte) error {

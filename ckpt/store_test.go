@@ -563,6 +563,66 @@ func TestCommitReceived(t *testing.T) {
 	}
 }
 
+// TestCommitReceivedTakesWrittenEntries: a file the receiver recorded as written and hashed (Written) is
+// not read back: its entry is the one recorded, still checked against the manifest, and a file whose size
+// on disk is not the one recorded is hashed from disk instead.
+func TestCommitReceivedTakesWrittenEntries(t *testing.T) {
+	origin := openStore(t, t.TempDir(), "node1")
+	m := snapshot(t, origin, "job", dumpFiles())
+	pages, _ := m.File("pages-1.img")
+
+	// Recorded and right: committed without reading it back, and what is on disk verifies.
+	prot := openStore(t, t.TempDir(), "node2")
+	p, err := prot.BeginReceive(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	copyInto(t, origin, m, p)
+	for _, f := range m.Files {
+		p.Written(f.Name, f.Size, f.SHA256)
+	}
+	if _, err := p.CommitReceived(context.Background(), "node1"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := prot.Verify(context.Background(), "job", m.ID); err != nil {
+		t.Fatal(err)
+	}
+
+	// The recorded entry is what the commit takes: a wrong sum there (the file on disk is right) fails
+	// the manifest check, which shows the file was not hashed again.
+	prot = openStore(t, t.TempDir(), "node3")
+	p, err = prot.BeginReceive(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	copyInto(t, origin, m, p)
+	p.Written(pages.Name, pages.Size, strings.Repeat("0", 64))
+	if _, err := p.CommitReceived(context.Background(), "node1"); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), pages.Name) {
+		t.Errorf("commit with a wrong recorded sum: %v, want ErrCorrupt naming %s", err, pages.Name)
+	}
+	if ids, _ := prot.List("job", ""); len(ids) != 0 {
+		t.Errorf("refused snapshot visible: %v", ids)
+	}
+
+	// A file that changed size after it was recorded is hashed from disk: appended to, it is refused.
+	prot = openStore(t, t.TempDir(), "node4")
+	p, err = prot.BeginReceive(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	copyInto(t, origin, m, p)
+	p.Written(pages.Name, pages.Size, pages.SHA256)
+	f, err := os.OpenFile(filepath.Join(p.Dir(), pages.Name), os.O_WRONLY|os.O_APPEND, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.Write([]byte("more"))
+	f.Close()
+	if _, err := p.CommitReceived(context.Background(), "node1"); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), pages.Name) {
+		t.Errorf("commit of a file grown after it was recorded: %v, want ErrCorrupt naming %s", err, pages.Name)
+	}
+}
+
 func TestIDsGrowWhenClockStepsBack(t *testing.T) {
 	clock := time.Date(2026, 11, 22, 15, 30, 0, 123_000_000, time.UTC)
 	root := t.TempDir()

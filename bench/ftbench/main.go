@@ -49,21 +49,21 @@ type benchmark func(ctx context.Context, log *slog.Logger) (metrics []Metric, se
 
 // benchmarks are the benchmarks by name, and the flags of those that take any.
 func benchmarks() (map[string]benchmark, map[string]*flag.FlagSet) {
-	d := &detectBench{}
+	d, m := &detectBench{}, &migrateBench{}
 	return map[string]benchmark{
 		"compare":             benchCompare,
 		"coordinated":         benchCoordinated,
 		"detect":              d.run,
 		"lab":                 benchLab,
 		"lazy-restore":        benchLazyRestore,
-		"migrate":             benchMigrate,
+		"migrate":             m.run,
 		"netlog":              benchNetlog,
 		"node-recovery":       benchNodeRecovery,
 		"receive-order":       benchReceiveOrder,
 		"recovery":            benchRecovery,
 		"restored-throughput": benchRestored,
 		"snapshot":            benchSnapshot,
-	}, map[string]*flag.FlagSet{"detect": d.flags()}
+	}, map[string]*flag.FlagSet{"detect": d.flags(), "migrate": m.flags()}
 }
 
 func main() {

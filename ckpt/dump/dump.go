@@ -55,7 +55,11 @@ type Options struct {
 	// Dumped, if set, is called as soon as CRIU returns, whatever it returned: the caller that froze the
 	// job for the dump thaws it there, before the images are read and committed.
 	Dumped func()
-	Logger *slog.Logger
+	// HashWhileDumping hashes CRIU's memory images as the dump writes them (pagesFollower) instead of
+	// after it: the snapshot is ready a hash pass sooner, at the price of that pass competing with CRIU
+	// for the CPU (a migration's stop counts both; a running job's snapshot prefers CRIU alone).
+	HashWhileDumping bool
+	Logger           *slog.Logger
 }
 
 // Take dumps the job with d into a new snapshot of store and commits it. On any error nothing is left in
@@ -78,11 +82,24 @@ func Take(ctx context.Context, store *ckpt.Store, d Dumper, opts Options) (m *ck
 	if err := os.Mkdir(images, 0o700); err != nil {
 		return nil, err
 	}
+	var follower *pagesFollower
+	if opts.HashWhileDumping {
+		follower = followPages(images)
+	}
 	start := time.Now()
 	stats, err := d.Dump(ctx, criu.DumpOptions{PID: opts.PID, ImagesDir: images, LeaveRunning: true, FreezeCgroup: opts.FreezeCgroup})
 	took := time.Since(start)
 	if opts.Dumped != nil {
 		opts.Dumped()
+	}
+	if follower != nil {
+		hashed, ferr := follower.finish()
+		if ferr != nil && err == nil {
+			log.Warn("memory images not hashed during the dump; the commit hashes them", "job", opts.Job, "err", ferr)
+		}
+		for name, h := range hashed {
+			p.Written(ImagesDir+"/"+name, h.size, h.sha256)
+		}
 	}
 	if err != nil {
 		return nil, err

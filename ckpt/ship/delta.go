@@ -410,7 +410,7 @@ func (b *rootBase) Close() {
 	b.root.Close()
 }
 
-// hashingReader hashes what passes through it.
+// hashingReader counts what passes through it, and hashes it into h unless h is nil.
 type hashingReader struct {
 	r io.Reader
 	h hash.Hash
@@ -419,7 +419,9 @@ type hashingReader struct {
 
 func (hr *hashingReader) Read(p []byte) (int, error) {
 	n, err := hr.r.Read(p)
-	hr.h.Write(p[:n])
+	if hr.h != nil {
+		hr.h.Write(p[:n])
+	}
 	hr.n += int64(n)
 	return n, err
 }

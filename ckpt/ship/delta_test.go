@@ -276,6 +276,57 @@ func TestSendDelta(t *testing.T) {
 	assertPrivate(t, prot)
 }
 
+// A base indexed ahead (IndexBase, SendOptions.Base) is used as it is: the sender does not read the
+// base again, so the diff goes even after the sender's copy of the base lost its pages file (without the
+// index ahead, indexing fails and the snapshot goes whole). An index of another snapshot than the one the
+// protector offers, or with another block size, is not used.
+func TestSendWithBaseIndexedAhead(t *testing.T) {
+	for _, c := range []struct {
+		name     string
+		ahead    func(m0, m1 *ckpt.Manifest) (string, int)
+		block    int
+		wantDiff bool
+	}{
+		{name: "indexed ahead", ahead: func(_, m1 *ckpt.Manifest) (string, int) { return m1.ID, 0 }, wantDiff: true},
+		{name: "none", wantDiff: false},
+		{name: "another snapshot", ahead: func(m0, _ *ckpt.Manifest) (string, int) { return m0.ID, 0 }, wantDiff: false},
+		{name: "another block size", ahead: func(_, m1 *ckpt.Manifest) (string, int) { return m1.ID, 64 << 10 }, wantDiff: false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			origin := openStore(t, "node1")
+			prot := openStore(t, "prot")
+			p1, p2 := memoryPages(4<<20, 1), memoryPages(2<<20, 2)
+			m0 := makeSnapshot(t, origin, "job", deltaFiles(memoryPages(4<<20, 9), p2)) // older, not offered first
+			shipPipe(t, origin, prot, m0.ID, SendOptions{})
+			m1 := makeSnapshot(t, origin, "job", deltaFiles(p1, p2))
+			shipPipe(t, origin, prot, m1.ID, SendOptions{})
+			var opts SendOptions
+			if c.ahead != nil {
+				id, bs := c.ahead(m0, m1)
+				b, err := IndexBase(context.Background(), origin, "job", id, bs)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if b.ID() != id {
+					t.Fatalf("index of %s says %s", id, b.ID())
+				}
+				opts.Base = b
+			}
+			if err := os.Remove(filepath.Join(origin.Path("job", m1.ID), "pages-1.img")); err != nil {
+				t.Fatal(err)
+			}
+			m2 := makeSnapshot(t, origin, "job", deltaFiles(rewritePages(p1, 10, 3), p2))
+			sent, got := shipPipe(t, origin, prot, m2.ID, opts)
+			if diff := sent.BaseID == m1.ID; diff != c.wantDiff || got.BaseID != sent.BaseID {
+				t.Errorf("sent against %q (receiver %q), want a diff against %s: %v", sent.BaseID, got.BaseID, m1.ID, c.wantDiff)
+			}
+			if _, err := prot.Verify(context.Background(), "job", m2.ID); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
+
 // When the protector's base is damaged (a block of it differs) or it lists
 // other files than the sender's copy, the diff is refused, the sender resends
 // whole on the same connection, and the protector's copy verifies. With

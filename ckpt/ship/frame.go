@@ -20,7 +20,8 @@
 // sender picks the newest it holds too, and the receiver answers RETRY when
 // the diff does not apply to its copy. Files are sent in manifest order and
 // must match it by name and size; the receiver checks every sha256 while
-// writing and again (from disk) when it commits into its store. A protocol-1
+// writing, and its commit takes those checked entries instead of reading the
+// files back (ckpt.Pending.Written). A protocol-1
 // sender (no BASE, whole files only) is still received.
 package ship
 

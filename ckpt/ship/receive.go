@@ -441,7 +441,7 @@ func (rc *receiver) receiveFile(root *os.Root, zr *lz4.Reader, h hash.Hash, want
 	h.Reset()
 	dr := &dataReader{rc: rc}
 	zr.Reset(dr)
-	lw := &limitedWriter{w: f, h: h, left: size}
+	lw := &limitedWriter{w: &writebackFile{f: f}, h: h, left: size}
 	var n int64
 	if delta {
 		var copied int64
@@ -484,7 +484,31 @@ func (rc *receiver) receiveFile(root *os.Root, zr *lz4.Reader, h hash.Hash, want
 		}
 		return n, fmt.Errorf("file %s: %w (sha256 differs from the manifest)", name, ckpt.ErrCorrupt)
 	}
-	return n, f.Close()
+	if err := f.Close(); err != nil {
+		return n, err
+	}
+	// Every byte of the file went through h on its way to the file: the commit need not read it back.
+	rc.pending.Written(name, n, want.SHA256)
+	return n, nil
+}
+
+// writebackEvery is how many bytes a received file takes between two starts of its writeback.
+const writebackEvery = 8 << 20
+
+// writebackFile writes to f and starts the disk's writes every writebackEvery bytes, so that the
+// commit's fsync waits only for the last few.
+type writebackFile struct {
+	f     *os.File
+	since int64
+}
+
+func (w *writebackFile) Write(p []byte) (int, error) {
+	n, err := w.f.Write(p)
+	if w.since += int64(n); w.since >= writebackEvery {
+		ckpt.StartWriteback(w.f)
+		w.since = 0
+	}
+	return n, err
 }
 
 // dataReader yields the payloads of DATA frames up to the END frame.

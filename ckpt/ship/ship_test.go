@@ -254,6 +254,7 @@ func TestShipRefusals(t *testing.T) {
 	tests := []struct {
 		name      string
 		recv      ReceiveOptions
+		send      SendOptions
 		damage    func(dir string)
 		wantLocal error  // error kind on the sender for local damage
 		wantMsg   string // in the sender's error
@@ -266,6 +267,16 @@ func TestShipRefusals(t *testing.T) {
 			b[len(b)/2] ^= 0xff
 			os.WriteFile(p, b, 0o644)
 		}, wantLocal: ckpt.ErrCorrupt, wantMsg: "pages-1.img"},
+		// A sender that does not hash again what it committed moments ago: the protector refuses the copy.
+		{name: "local corrupt, just committed", send: SendOptions{JustCommitted: true}, damage: func(dir string) {
+			p := filepath.Join(dir, "pages-1.img")
+			b, _ := os.ReadFile(p)
+			b[len(b)/2] ^= 0xff
+			os.WriteFile(p, b, 0o644)
+		}, wantMsg: "pages-1.img: corrupt"},
+		{name: "local truncated, just committed", send: SendOptions{JustCommitted: true}, damage: func(dir string) {
+			os.Truncate(filepath.Join(dir, "tcp-stream-77.img"), 100)
+		}, wantLocal: ckpt.ErrTruncated, wantMsg: "tcp-stream-77.img"},
 		{name: "local truncated", damage: func(dir string) {
 			os.Truncate(filepath.Join(dir, "tcp-stream-77.img"), 100)
 		}, wantLocal: ckpt.ErrTruncated, wantMsg: "tcp-stream-77.img"},
@@ -283,7 +294,9 @@ func TestShipRefusals(t *testing.T) {
 			}
 			addr, results := serveTCP(t, prot, tc.recv)
 			conn := dial(t, addr)
-			_, err := Send(context.Background(), conn, origin, "job", m.ID, SendOptions{Peer: "prot"})
+			opts := tc.send
+			opts.Peer = "prot"
+			_, err := Send(context.Background(), conn, origin, "job", m.ID, opts)
 			if err == nil {
 				t.Fatal("Send succeeded")
 			}
