@@ -100,6 +100,13 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 			err = fmt.Errorf("job id %q in snapshot %s is not one an agent makes", j.ID, m.ID)
 		} else if mkErr := os.Mkdir(a.layout().cgroup(j.ID), 0o755); mkErr != nil && !errors.Is(mkErr, fs.ErrExist) {
 			err = fmt.Errorf("create job cgroup: %w", mkErr)
+		} else if mkErr != nil {
+			// A cgroup left frozen (an agent killed during a snapshot's freeze, on this host or, in a lab whose
+			// hosts share one kernel, on the job's old host) would hold the restored processes frozen, and
+			// CRIU with them, for good.
+			if tErr := setFrozen(a.layout().cgroup(j.ID), false); tErr != nil {
+				err = fmt.Errorf("thaw the existing job cgroup before restoring into it: %w", tErr)
+			}
 		}
 	}
 	if err == nil && j.Net != nil {

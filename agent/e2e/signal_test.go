@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -77,6 +78,14 @@ func TestSignalJob(t *testing.T) {
 		t.Fatalf("checkpoint: %+v, %v", r, err)
 	}
 	if err := c.Lab.Crash(ctx, "node1"); err != nil {
+		t.Fatal(err)
+	}
+	// An agent killed during a snapshot's freeze leaves its job's cgroup frozen; the lab's hosts share one
+	// kernel, so node2 restores into that very cgroup: the restore must thaw it, not hang in it (it did).
+	if err := os.MkdirAll(moved.Cgroup, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(moved.Cgroup, "cgroup.freeze"), []byte("1"), 0); err != nil {
 		t.Fatal(err)
 	}
 	restored, err := n2.Restore(ctx, agent.RestoreRequest{Snapshot: r.Results[0].Manifest.ID, Job: moved.ID})
