@@ -178,6 +178,12 @@ type LogConfig struct {
 	// a restored job re-reads them in that order. Off, a job that reads whichever socket has data first
 	// fails its recovery (loudly) when it reads another one first.
 	ReceiveOrder bool `toml:"receive_order"`
+	// ReceivePositions also records, with receive_order, each receive call's place among its thread's
+	// readiness calls, and replays it (intercept's receive positions: MPI_Waitany, MPI_ANY_SOURCE). It counts
+	// every job thread's epoll_wait/poll/select (every system call of the host then takes the kernel's traced
+	// exit path) and freezes each job for its snapshots. Off by default: a replay's stop can still be undone
+	// by a SIGCONT the job's parent forwards (Open MPI's orted), docs/receive-order.md.
+	ReceivePositions bool `toml:"receive_positions"`
 	// ReceiveOrderShipEvery is the least time between two shipments of a job's determinants to its
 	// protector: longer costs the jobs less (one cluster request per shipment), shorter leaves a crash fewer
 	// determinants to take with it (orphans, docs/receive-order.md). 0: every call as soon as it is

@@ -65,7 +65,7 @@ const maxPendingDets = 1 << 20
 
 // newDetState loads the recorder if record (the host logs its jobs' traffic); a host that does not still
 // keeps the determinants of the jobs it protects. alwaysWake: the agent is woken for every call.
-func newDetState(log *slog.Logger, record bool, cgroupParent string, ringBytes int, alwaysWake bool) *detState {
+func newDetState(log *slog.Logger, record, positions bool, cgroupParent string, ringBytes int, alwaysWake bool) *detState {
 	d := &detState{log: log, store: intercept.NewStore(0), byCgroup: map[uint64]*detStream{}, byJob: map[string]*detStream{}, wake: make(chan struct{}, 1)}
 	if !record {
 		return d
@@ -73,7 +73,7 @@ func newDetState(log *slog.Logger, record bool, cgroupParent string, ringBytes i
 	// Polled while calls keep coming (read a pause late, shipped in batches: log.receive_order_ship_every);
 	// woken for every call only while a recovery's gate waits for each restored call (wakeForWatchers),
 	// or always if asked, which costs about 1.5 us more per receive call (docs/ebpf-logging.md).
-	rec, err := ebpfprobes.NewRecvOrder(ebpfprobes.RecvOrderOptions{CgroupParent: cgroupParent, RingBufferSize: ringBytes, WakeEveryEvent: alwaysWake, Logger: log})
+	rec, err := ebpfprobes.NewRecvOrder(ebpfprobes.RecvOrderOptions{CgroupParent: cgroupParent, RingBufferSize: ringBytes, WakeEveryEvent: alwaysWake, Positions: positions, Logger: log})
 	if err != nil {
 		log.Error("the receive-order recorder could not be loaded: restored jobs re-read their sockets in any order (a program that reads the first socket with data then fails its recovery, loudly)", "err", err)
 		return d

@@ -38,6 +38,9 @@ type RecvOrderOptions struct {
 	// which injects the next bytes once the restored process asked for
 	// them) wants it at once.
 	WakeEveryEvent bool
+	// Positions counts each job thread's readiness calls (RecvEvent.Polls, PollCounts, stops at readiness
+	// calls): every system call of the host then takes the kernel's traced exit path.
+	Positions bool
 	// Logger receives load/attach events; nil discards them.
 	Logger *slog.Logger
 }
@@ -243,9 +246,11 @@ func NewRecvOrder(opts RecvOrderOptions) (*RecvOrder, error) {
 	// Counting every thread's readiness calls puts every system call of the host on the kernel's traced
 	// exit path (tens of nanoseconds each): without it receive calls are recorded all the same, with no
 	// positions, and a replay keeps their order only.
-	if r.pollLink, err = link.AttachTracing(link.TracingOptions{Program: r.objs.PollExit}); err != nil {
-		log.Warn("recvorder: readiness calls are not counted (tracepoint sys_exit): receive positions are not recorded", "err", err)
-		r.pollLink = nil
+	if opts.Positions {
+		if r.pollLink, err = link.AttachTracing(link.TracingOptions{Program: r.objs.PollExit}); err != nil {
+			log.Warn("recvorder: readiness calls are not counted (tracepoint sys_exit): receive positions are not recorded", "err", err)
+			r.pollLink = nil
+		}
 	}
 	log.Info("recvorder: attached", "cgroup_parent", dir, "cgroup_parent_id", st.Ino, "ring_bytes", size, "positions", r.pollLink != nil)
 	return r, nil

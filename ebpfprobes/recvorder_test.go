@@ -269,7 +269,7 @@ func monoNow() int64 {
 func newRecvOrderT(t *testing.T, parent string, ring int) *RecvOrder {
 	t.Helper()
 	requirePrivileges(t)
-	r, err := NewRecvOrder(RecvOrderOptions{CgroupParent: parent, RingBufferSize: ring})
+	r, err := NewRecvOrder(RecvOrderOptions{CgroupParent: parent, RingBufferSize: ring, Positions: true})
 	if errors.Is(err, ebpf.ErrNotSupported) {
 		t.Skipf("SKIPPED: this kernel cannot load the receive-order recorder: %v", err)
 	}

@@ -68,6 +68,8 @@ type Options struct {
 	ReplayTimeout time.Duration
 	// NoReceiveOrder turns every agent's log.receive_order off.
 	NoReceiveOrder bool
+	// ReceivePositions turns every agent's log.receive_positions on.
+	ReceivePositions bool
 	// ShipEvery is every agent's log.receive_order_ship_every (0: the default).
 	ShipEvery time.Duration
 	// ParallelRestores is every agent's failover.parallel_restores (0: the default).
@@ -288,6 +290,7 @@ func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
 	if c.opts.NoReceiveOrder {
 		cfg.Log.ReceiveOrder = false
 	}
+	cfg.Log.ReceivePositions = c.opts.ReceivePositions
 	if c.opts.ReplayTimeout > 0 {
 		cfg.Failover.ReplayTimeout.Duration = c.opts.ReplayTimeout
 	}
