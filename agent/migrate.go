@@ -247,11 +247,7 @@ func (a *Agent) dumpFrozen(ctx context.Context, j Job) (*ckpt.Manifest, error) {
 	if err := a.waitPagesIn(ctx, j.ID); err != nil { // before the freeze: the job runs meanwhile
 		return nil, err
 	}
-	if err := setFrozen(j.Cgroup, true); err != nil {
-		return nil, fmt.Errorf("freeze job %s: %w", j.ID, err)
-	}
-	if err := waitFrozen(ctx, []string{j.Cgroup}, freezeTimeout); err != nil {
-		a.thaw(j)
+	if err := a.freezeJob(ctx, j); err != nil {
 		return nil, fmt.Errorf("job %s not moved, it runs on here: %w", j.ID, err)
 	}
 	m, err := a.snapshot(ctx, j, true, true)
@@ -264,6 +260,19 @@ func (a *Agent) dumpFrozen(ctx context.Context, j Job) (*ckpt.Manifest, error) {
 		return m, fmt.Errorf("%w: job %s runs on here: no restore could rebuild %s", ErrNotMovable, j.ID, strings.Join(bad, "; "))
 	}
 	return m, nil
+}
+
+// freezeJob freezes job j's cgroup and waits until every task of it is frozen; if that fails, j is thawed
+// again.
+func (a *Agent) freezeJob(ctx context.Context, j Job) error {
+	if err := setFrozen(j.Cgroup, true); err != nil {
+		return fmt.Errorf("freeze job %s: %w", j.ID, err)
+	}
+	if err := waitFrozen(ctx, []string{j.Cgroup}, freezeTimeout); err != nil {
+		a.thaw(j)
+		return err
+	}
+	return nil
 }
 
 func (a *Agent) thaw(j Job) {

@@ -61,14 +61,11 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen, hashWhileDumping bo
 	if a.det.positions() && !frozen {
 		// The threads' readiness calls must be read at the point the dump catches the job: it is frozen
 		// for the dump instead of stopped by CRIU, and thawed as soon as CRIU is done.
-		if err := setFrozen(j.Cgroup, true); err != nil {
-			return nil, fmt.Errorf("freeze job %s for its snapshot: %w", j.ID, err)
+		if err := a.freezeJob(ctx, j); err != nil {
+			return nil, fmt.Errorf("snapshot of job %s: %w", j.ID, err)
 		}
 		opts.Dumped = sync.OnceFunc(func() { a.thaw(j) })
 		defer opts.Dumped()
-		if err := waitFrozen(ctx, []string{j.Cgroup}, freezeTimeout); err != nil {
-			return nil, fmt.Errorf("snapshot of job %s: %w", j.ID, err)
-		}
 		frozen = true
 	}
 	if frozen {
