@@ -12,9 +12,10 @@
 //   - on a TCP socket of an IPv4 connection (AF_INET, or AF_INET6 with
 //     IPv4-mapped addresses: a dual-stack listener's accepted IPv4
 //     connection, as Go's net package makes them),
-//   - that consumed something (ret > 0) or found nothing to read (EAGAIN,
-//     recorded with len 0: a replay must know that the thread looked at the
-//     socket there); other errors and EOF are not recorded,
+//   - that consumed something (ret > 0), or, with receive positions
+//     (positions_on), found nothing to read (EAGAIN, recorded with len 0: a
+//     replay must know that the thread looked at the socket there); other
+//     errors and EOF are not recorded,
 // it writes one struct recv_event to the ring buffer: the job cgroup, the
 // connection, the socket's copied_seq after the call, ret, the call's flags
 // and the caller's tgid/tid. With MSG_PEEK copied_seq does not move: the
@@ -199,6 +200,10 @@ struct stop {
 // architecture (unused slots repeat a number), and restart_syscall's.
 volatile const __u32 poll_nr[7] = {};
 volatile const __u32 restart_nr = 0;
+// Set by the loader: nonzero when receive positions are recorded (pollexit is
+// attached). Without them the receive program does none of their work: no
+// namespace ids, no count, no calls that found nothing.
+volatile const __u32 positions_on = 0;
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -468,9 +473,9 @@ int recvorder(__u64 *ctx)
 	int ret = (int)ctx[1];
 	int flags = (int)ctx[2];
 
-	// A call that found nothing (EAGAIN) is recorded too: a replay must
-	// know that the thread looked at the socket there.
-	if (ret <= 0 && ret != -EAGAIN)
+	// With positions, a call that found nothing (EAGAIN) is recorded too: a
+	// replay must know that the thread looked at the socket there.
+	if (ret <= 0 && (ret != -EAGAIN || !positions_on))
 		return 0;
 	// Cheapest test first: every receive of the machine comes here.
 	if (bpf_current_task_under_cgroup(&parent, 0) != 1)
@@ -519,10 +524,13 @@ int recvorder(__u64 *ctx)
 		count_lost(c, cgid);
 		return 0;
 	}
-	struct thread_key k;
-	__u32 nspid;
-	current_key(&k, cgid, &nspid);
-	struct position *p = bpf_map_lookup_elem(&positions, &k);
+	struct thread_key k = {};
+	__u32 nspid = 0;
+	struct position *p = 0;
+	if (positions_on) {
+		current_key(&k, cgid, &nspid);
+		p = bpf_map_lookup_elem(&positions, &k);
+	}
 	__u64 pid_tgid = bpf_get_current_pid_tgid();
 	e->cgroup_id = cgid;
 	e->laddr = sk->__sk_common.skc_rcv_saddr;
@@ -540,7 +548,7 @@ int recvorder(__u64 *ctx)
 	e->stopped = 0;
 	e->polls = p ? p->polls : 0;
 	__u64 wake = wake_flags(sizeof(*e) + 8);
-	if (stops_armed) {
+	if (positions_on && stops_armed) {
 		struct stop *s = bpf_map_lookup_elem(&stops, &k);
 		if (s && s->lport != 0 && s->lport == e->lport && s->rport == e->rport && s->end == e->copied_seq &&
 		    s->len == e->len && p && s->polls == p->polls) {

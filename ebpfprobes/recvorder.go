@@ -201,12 +201,17 @@ func NewRecvOrder(opts RecvOrderOptions) (*RecvOrder, error) {
 		return nil, fmt.Errorf("recvorder: parse embedded BPF object: %w", err)
 	}
 	spec.Maps[recvorderMapEvents].MaxEntries = uint32(size)
+	var positionsOn uint32
+	if opts.Positions {
+		positionsOn = 1
+	}
 	for name, v := range map[string]any{
 		recvorderVarRingSize:   uint32(size),
 		recvorderVarWakeBytes:  uint32(size / 8), // an eighth of the ring, as for TCPLogger
 		recvorderVarParentCgid: st.Ino,
 		recvorderVarPollNr:     pollSyscalls,
 		recvorderVarRestartNr:  uint32(unix.SYS_RESTART_SYSCALL),
+		recvorderVarPositionsOn: positionsOn,
 	} {
 		if err := spec.Variables[name].Set(v); err != nil {
 			return nil, fmt.Errorf("recvorder: set %s: %w", name, err)
@@ -321,8 +326,11 @@ func (r *RecvOrder) Forget(cgroup uint64) error {
 	if err := r.objs.Lost.Delete(cgroup); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 		return fmt.Errorf("recvorder: forget cgroup %d: %w", cgroup, err)
 	}
-	var errs []error
-	for k := range r.threadKeys(cgroup) {
+	// Collected first: deleting while iterating a hash map restarts the walk.
+	threads, err := r.PollCounts(cgroup)
+	errs := []error{err}
+	for tid := range threads {
+		k := recvorderThreadKey{CgroupId: cgroup, Nstid: tid}
 		if err := r.objs.Positions.Delete(k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 			errs = append(errs, err)
 		}
@@ -339,27 +347,6 @@ func (r *RecvOrder) Forget(cgroup uint64) error {
 // Positions reports whether readiness calls are counted: RecvEvent.Polls, PollCounts and the stops at
 // readiness calls work only then.
 func (r *RecvOrder) Positions() bool { return r.pollLink != nil }
-
-// threadKeys yields the keys of the positions map of one job cgroup.
-func (r *RecvOrder) threadKeys(cgroup uint64) func(yield func(recvorderThreadKey) bool) {
-	return func(yield func(recvorderThreadKey) bool) {
-		var keys []recvorderThreadKey
-		var k recvorderThreadKey
-		var v recvorderPosition
-		it := r.objs.Positions.Iterate()
-		for it.Next(&k, &v) {
-			if k.CgroupId == cgroup {
-				keys = append(keys, k)
-			}
-		}
-		// Deleting while iterating a hash map restarts the walk: collect first.
-		for _, k := range keys {
-			if !yield(k) {
-				return
-			}
-		}
-	}
-}
 
 // PollCounts returns, for each thread of the job cgroup that made a readiness call, how many it made, by
 // its id in the job's PID namespace. Read it while the cgroup is frozen: the counts are then those at that

@@ -82,6 +82,7 @@ const (
 	recvorderVarJobLevel        = "job_level"
 	recvorderVarParentCgid      = "parent_cgid"
 	recvorderVarPollNr          = "poll_nr"
+	recvorderVarPositionsOn     = "positions_on"
 	recvorderVarRestartNr       = "restart_nr"
 	recvorderVarRingSize        = "ring_size"
 	recvorderVarStopsArmed      = "stops_armed"
@@ -156,6 +157,7 @@ type recvorderVariableSpecs struct {
 	JobLevel        *ebpf.VariableSpec `ebpf:"job_level"`
 	ParentCgid      *ebpf.VariableSpec `ebpf:"parent_cgid"`
 	PollNr          *ebpf.VariableSpec `ebpf:"poll_nr"`
+	PositionsOn     *ebpf.VariableSpec `ebpf:"positions_on"`
 	RestartNr       *ebpf.VariableSpec `ebpf:"restart_nr"`
 	RingSize        *ebpf.VariableSpec `ebpf:"ring_size"`
 	StopsArmed      *ebpf.VariableSpec `ebpf:"stops_armed"`
@@ -211,6 +213,7 @@ type recvorderVariables struct {
 	JobLevel        *ebpf.Variable `ebpf:"job_level"`
 	ParentCgid      *ebpf.Variable `ebpf:"parent_cgid"`
 	PollNr          *ebpf.Variable `ebpf:"poll_nr"`
+	PositionsOn     *ebpf.Variable `ebpf:"positions_on"`
 	RestartNr       *ebpf.Variable `ebpf:"restart_nr"`
 	RingSize        *ebpf.Variable `ebpf:"ring_size"`
 	StopsArmed      *ebpf.Variable `ebpf:"stops_armed"`
