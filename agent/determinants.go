@@ -482,9 +482,8 @@ func (s jobStops) Continue(pid uint32) error {
 }
 
 // WaitStopped waits until every thread of process pid is stopped (a group stop reaches each thread in
-// turn), a second at most.
-func (s jobStops) WaitStopped(pid uint32) error {
-	deadline := time.Now().Add(time.Second)
+// turn), until ctx ends (the replay's timeout: a process something continued never stops).
+func (s jobStops) WaitStopped(ctx context.Context, pid uint32) error {
 	for {
 		running, err := runningThreads(int(pid))
 		if err != nil {
@@ -493,10 +492,11 @@ func (s jobStops) WaitStopped(pid uint32) error {
 		if len(running) == 0 {
 			return nil
 		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("process %d was sent SIGSTOP, and its threads %v still run a second later (something continued it)", pid, running)
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("process %d was sent SIGSTOP, and its threads %v still run (something continued it): %w", pid, running, context.Cause(ctx))
+		case <-time.After(50 * time.Microsecond):
 		}
-		time.Sleep(50 * time.Microsecond)
 	}
 }
 

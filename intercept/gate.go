@@ -114,7 +114,7 @@ func (g *Gate) Run(ctx context.Context, inj Injector, events <-chan Event, stops
 		if stops == nil {
 			return 0, errors.New("a gate in positions mode needs the host's stops")
 		}
-		if err := g.runPositions(ctx, inj, events, stops, inject); err != nil {
+		if err := g.runPositions(ctx, events, stops, inject); err != nil {
 			return injected, err
 		}
 		return g.injectRest(inj, next, injected)

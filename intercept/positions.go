@@ -49,8 +49,8 @@ type Stopper interface {
 	Arm(thread uint32, s Stop) error
 	// Disarm removes the thread's stop.
 	Disarm(thread uint32) error
-	// WaitStopped waits until the process (host pid) is stopped, and fails if it does not stop soon.
-	WaitStopped(pid uint32) error
+	// WaitStopped waits until the process (host pid) is stopped, until ctx ends.
+	WaitStopped(ctx context.Context, pid uint32) error
 	// Continue lets a stopped process (host pid) go on.
 	Continue(pid uint32) error
 	// ContinueAll lets every process of the job go on: it was restored stopped.
@@ -168,7 +168,7 @@ func (g *Gate) UsePositions(base map[uint32]uint64) error {
 func (g *Gate) Positions() bool { return g != nil && g.plans != nil }
 
 // runPositions is Run in positions mode; the job was restored stopped.
-func (g *Gate) runPositions(ctx context.Context, inj Injector, events <-chan Event, stops Stopper, inject func(tcpflow.Tuple, uint32) error) error {
+func (g *Gate) runPositions(ctx context.Context, events <-chan Event, stops Stopper, inject func(tcpflow.Tuple, uint32) error) error {
 	continued := false
 	defer func() {
 		for _, t := range g.plans {
@@ -258,7 +258,7 @@ func (g *Gate) runPositions(ctx context.Context, inj Injector, events <-chan Eve
 		}
 		// The thread stops before it runs any code of its own, but it may not have got there yet: the bytes
 		// can be injected at once, and the next stop armed, only once it is there.
-		if err := stops.WaitStopped(e.Pid); err != nil {
+		if err := stops.WaitStopped(ctx, e.Pid); err != nil {
 			return fmt.Errorf("thread %d of the restored job, stopped at %+v: %w", t.thread, want, err)
 		}
 		if err := apply(p); err != nil {

@@ -54,7 +54,7 @@ func (w *pollWorld) Disarm(thread uint32) error {
 
 func (w *pollWorld) Continue(pid uint32) error { w.cont <- pid; return nil }
 
-func (w *pollWorld) WaitStopped(pid uint32) error { return nil }
+func (w *pollWorld) WaitStopped(ctx context.Context, pid uint32) error { return nil }
 
 func (w *pollWorld) Polls(thread uint32) (uint64, error) { return 0, nil }
 
