@@ -460,10 +460,8 @@ func (a *Agent) DeterminantsSince(ctx context.Context, source string, m *ckpt.Ma
 // jobStops stops the threads of a job restored here for a replay of its receive positions
 // (intercept.Stopper), through this host's recorder.
 type jobStops struct {
-	log    *slog.Logger
 	rec    *ebpfprobes.RecvOrder
 	cgroup uint64 // the job cgroup's id
-	dir    string // its directory
 }
 
 func (s jobStops) Arm(thread uint32, st intercept.Stop) error {
@@ -525,23 +523,23 @@ func runningThreads(pid int) ([]int, error) {
 	return running, nil
 }
 
-// ContinueAll continues every process of the job's cgroup (CRIU restored them stopped).
-func (s jobStops) ContinueAll() error {
-	b, err := os.ReadFile(filepath.Join(s.dir, "cgroup.procs"))
+// continueStopped continues each process of the job cgroup dir whose threads are all stopped.
+func continueStopped(dir string) error {
+	b, err := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
 	if err != nil {
-		return fmt.Errorf("list the restored job's processes: %w", err)
+		return fmt.Errorf("list the job's processes: %w", err)
 	}
 	var errs []error
 	for f := range strings.FieldsSeq(string(b)) {
 		pid, err := strconv.Atoi(f)
-		if err == nil {
-			if running, _ := runningThreads(pid); len(running) > 0 {
-				s.log.Warn("a process of a job restored stopped runs already: its receive positions may be missed", "pid", pid, "threads", running)
-			}
-			err = unix.Kill(pid, unix.SIGCONT)
+		if err != nil {
+			continue
 		}
-		if err != nil && !errors.Is(err, unix.ESRCH) {
-			errs = append(errs, fmt.Errorf("continue process %s: %w", f, err))
+		if running, err := runningThreads(pid); err != nil || len(running) > 0 {
+			continue // gone, or not stopped
+		}
+		if err := unix.Kill(pid, unix.SIGCONT); err != nil && !errors.Is(err, unix.ESRCH) {
+			errs = append(errs, fmt.Errorf("continue process %d: %w", pid, err))
 		}
 	}
 	return errors.Join(errs...)
@@ -563,7 +561,7 @@ func (a *Agent) stopsOf(id string) intercept.Stopper {
 	if s == nil || s.cgroup == 0 {
 		return nil
 	}
-	return jobStops{log: a.log, rec: d.rec, cgroup: s.cgroup, dir: a.layout().cgroup(id)}
+	return jobStops{rec: d.rec, cgroup: s.cgroup}
 }
 
 // pollsAtDump reads the readiness-call counts of job j's threads for its snapshot; j's cgroup must be

@@ -1,8 +1,17 @@
 package agent
 
 import (
+	"context"
+	"fmt"
 	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
 	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/intercept"
 )
@@ -85,5 +94,53 @@ func TestWatchOrderAlwaysWakes(t *testing.T) {
 	stop()
 	if len(sets) != 0 || !d.waking {
 		t.Fatalf("wakeup switched %v, want it left on", sets)
+	}
+}
+
+// TestStopsAndContinueStopped: WaitStopped returns once a stopped process's threads are all stopped, and
+// continueStopped (an agent resuming a recovery whose positions gate died with the previous agent)
+// continues a job's stopped processes, and only those.
+func TestStopsAndContinueStopped(t *testing.T) {
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	var pids []int
+	for range 2 {
+		cmd := exec.CommandContext(ctx, "sleep", "60")
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+		pids = append(pids, cmd.Process.Pid)
+	}
+	stopped, running := pids[0], pids[1]
+	if err := unix.Kill(stopped, unix.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	if err := (jobStops{}).WaitStopped(ctx, uint32(stopped)); err != nil {
+		t.Fatal(err)
+	}
+	short, cancelShort := context.WithTimeout(ctx, 50*time.Millisecond)
+	defer cancelShort()
+	if err := (jobStops{}).WaitStopped(short, uint32(running)); err == nil || !strings.Contains(err.Error(), "still run") {
+		t.Fatalf("WaitStopped of a running process: %v, want it to say its threads still run", err)
+	}
+	dir := t.TempDir() // stands in for the job's cgroup: only its cgroup.procs is read
+	if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), fmt.Appendf(nil, "%d\n%d\n", stopped, running), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := continueStopped(dir); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		if r, err := runningThreads(stopped); err != nil {
+			t.Fatal(err)
+		} else if len(r) > 0 {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatal("continueStopped did not continue the stopped process")
+		case <-time.After(time.Millisecond):
+		}
 	}
 }

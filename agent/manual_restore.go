@@ -102,7 +102,7 @@ func (a *Agent) claimAndRestore(ctx context.Context, kind string, m *ckpt.Manife
 		a.giveBack(ctx, j.ID, n, holder, nil)
 		return nil, err
 	}
-	restored, err := a.restoreJob(ctx, m, j, work, false)
+	restored, err := a.restoreJob(ctx, m, j, work, nil)
 	if err != nil {
 		a.giveBackUnlessStarted(ctx, j, n, holder, err)
 		return nil, err

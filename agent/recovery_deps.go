@@ -147,7 +147,7 @@ func (r *recoveryActions) GiveBackUnlessStarted(ctx context.Context, j *recovery
 func (r *recoveryActions) Restore(ctx context.Context, j *recovery.Job) error {
 	rec := r.record(j)
 	rec.Incarnation = j.Incarnation
-	_, err := r.a.restoreJob(ctx, j.Manifest, rec, j.Work, j.LeaveStopped)
+	_, err := r.a.restoreJob(ctx, j.Manifest, rec, j.Work, j.BeforeRun)
 	return err
 }
 

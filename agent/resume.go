@@ -317,6 +317,11 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 			if derr := recovery.DeliverRest(ctx, deps, net, images, rj.Deferred); derr != nil {
 				a.log.Error("could not deliver the rest of a restored job's receive bytes: its replay will time out", "job", j.ID, "err", derr)
 			}
+			// A gate replaying receive positions may have left a thread stopped at one of its stops; with the
+			// order given up, nothing is gained by keeping it there.
+			if cerr := continueStopped(a.layout().cgroup(j.ID)); cerr != nil {
+				a.log.Error("could not continue a restored job's stopped processes: its replay will time out", "job", j.ID, "err", cerr)
+			}
 		}
 		var detail string
 		if err == nil {

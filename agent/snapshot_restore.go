@@ -80,9 +80,9 @@ const outputJournalDir = "output-journal"
 
 // restoreJob puts the job's output files back to their snapshot sizes and restores the images in work
 // under a new shim on this host; work is removed afterwards. A restore that fails leaves the output files
-// as it found them. stopped leaves the restored processes stopped: a replay of receive positions
-// continues them.
-func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work string, stopped bool) (*Job, error) {
+// as it found them. beforeRun, if not nil, runs once the job's cgroup is recorded here and before CRIU
+// restores its processes (a replay of receive positions arms its first stops there).
+func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work string, beforeRun func() error) (*Job, error) {
 	keepWork := false
 	defer func() {
 		if !keepWork {
@@ -120,12 +120,19 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 	if err == nil {
 		a.protect(&j)
 		a.watchOrder(&j, true, m.ID)
+		if beforeRun != nil {
+			if err = beforeRun(); err != nil {
+				err = fmt.Errorf("prepare the replay of the job's receive positions: %w", err)
+			}
+		}
+	}
+	if err == nil {
 		// The shim, and the CRIU it runs, inside the job's network: CRIU restores the sockets into the
 		// namespace it runs in.
 		err = inJobNet(j.Net, func() (err error) {
 			pid, err = shim.Launch(ctx, a.self, shim.Spec{
 				JobID: j.ID, Mode: shim.ModeRestore, ImagesDir: work, CRIU: a.criu.Binary, ExitFile: j.ExitPath(), Node: a.cfg.Name,
-				LazyPages: a.cfg.Failover.LazyRestore, LeaveStopped: stopped,
+				LazyPages: a.cfg.Failover.LazyRestore,
 			}, a.shimLog(j.ID))
 			return err
 		})

@@ -44,7 +44,9 @@ type Gate struct {
 	dets    []Det // the receive calls that consumed bytes of a gated connection
 	all     []Det // every receive call on a gated connection, those that found nothing included
 	sources map[tcpflow.Tuple]Source
-	plans   []*threadPlan // positions mode (UsePositions); nil: the order of dets only
+	plans   []*threadPlan            // positions mode (UsePositions); nil: the order of dets only
+	preload map[tcpflow.Tuple]uint32 // positions mode: where each connection's bytes in the restored queue end
+	armed   bool                     // positions mode: ArmFirst ran
 }
 
 // NewGate is the gate of a job restored with empty receive queues on the connections of sources, which
@@ -90,8 +92,8 @@ func (g *Gate) Conns() int {
 	return len(seen)
 }
 
-// Run replays. In positions mode (UsePositions; stops must then be set, and the job restored stopped), see
-// runPositions. Otherwise, for each determinant in order it injects the bytes its connection lacks up to the
+// Run replays. In positions mode (UsePositions; the job restored with Preload's bytes in its queues and
+// ArmFirst called before it ran; stops must be set), see runPositions. Otherwise, for each determinant in order it injects the bytes its connection lacks up to the
 // determinant's End, then waits for the restored job's receive call that consumes them, as this host's
 // recorder reports it on events (Conn, End; calls on other connections are ignored). After the last, it
 // injects the rest of every source, and the job reads freely. A call that consumed another connection or
@@ -101,6 +103,9 @@ func (g *Gate) Run(ctx context.Context, inj Injector, events <-chan Event, stops
 	next := make(map[tcpflow.Tuple]uint32, len(g.sources))
 	for c, s := range g.sources {
 		next[c] = s.Seq
+		if end, ok := g.preload[c]; ok {
+			next[c] = end // in the restored queue already
+		}
 	}
 	inject := func(c tcpflow.Tuple, end uint32) error {
 		n, err := g.sources[c].inject(inj, c, next[c], end)

@@ -3,6 +3,7 @@ package intercept
 import (
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 
@@ -20,8 +21,11 @@ import (
 // call on the connection, if that was in the same or the previous interval between two readiness calls
 // (a call that found nothing is recorded too, for this), otherwise at the exit of the readiness call before
 // the one that found them. The thread is stopped there (Stopper: SIGSTOP from the recorder, before it runs
-// any code of its own), the bytes are injected, and it goes on. The job is restored stopped, so that the
-// bytes needed before its first readiness call are there before it runs.
+// any code of its own), the bytes are injected, and it goes on. The bytes needed before a thread's first
+// readiness call since the dump are in the restored receive queues (Preload), and each thread's first stop
+// is armed before the job runs (ArmFirst): no process is ever restored stopped and continued as a whole,
+// because a process that forwards the signals it receives to its children (Open MPI's orted forwards
+// SIGCONT) would undo a stop of one of them.
 
 // An Event is what the restored job's host records of it while a gate replays: a receive call (Det; Len 0
 // for one that found nothing), or (AtPoll) the stop of a thread at its Pos-th readiness call since the
@@ -53,8 +57,6 @@ type Stopper interface {
 	WaitStopped(ctx context.Context, pid uint32) error
 	// Continue lets a stopped process (host pid) go on.
 	Continue(pid uint32) error
-	// ContinueAll lets every process of the job go on: it was restored stopped.
-	ContinueAll() error
 	// Polls is how many readiness calls the thread made since the restore (for error messages).
 	Polls(thread uint32) (uint64, error)
 }
@@ -160,56 +162,71 @@ func (g *Gate) UsePositions(base map[uint32]uint64) error {
 	if err != nil {
 		return err
 	}
-	g.plans = plans
+	preload := map[tcpflow.Tuple]uint32{}
+	for _, t := range plans {
+		for ; t.next < len(t.points) && t.points[t.next].start(); t.next++ {
+			for c, end := range t.points[t.next].inject {
+				if cur, ok := preload[c]; !ok || seqAfter(end, cur) {
+					preload[c] = end
+				}
+			}
+		}
+	}
+	g.plans, g.preload = plans, preload
 	return nil
 }
 
 // Positions reports whether the gate replays receive positions.
 func (g *Gate) Positions() bool { return g != nil && g.plans != nil }
 
-// runPositions is Run in positions mode; the job was restored stopped.
+// Preload is, in positions mode, how many of each connection's bytes (from its source's Seq) the restored
+// socket must hold before the job runs: what its threads read before their first readiness call since the
+// dump. The restore puts them in the images' receive queues; Run delivers the rest.
+func (g *Gate) Preload() map[tcpflow.Tuple]uint32 {
+	n := make(map[tcpflow.Tuple]uint32, len(g.preload))
+	for c, end := range g.preload {
+		n[c] = end - g.sources[c].Seq
+	}
+	return n
+}
+
+// ArmFirst arms, in positions mode, each receiving thread's first stop. It is called once the restored
+// job's cgroup is known to stops and before any of its processes runs: a thread that got there first
+// would run past it.
+func (g *Gate) ArmFirst(stops Stopper) error {
+	for _, t := range g.plans {
+		if err := armNext(stops, t); err != nil {
+			return fmt.Errorf("arm the first stop of thread %d: %w", t.thread, err)
+		}
+	}
+	g.armed = true
+	return nil
+}
+
+// armNext arms t's next stop, or disarms t if it has none left.
+func armNext(stops Stopper, t *threadPlan) error {
+	if t.next >= len(t.points) {
+		return stops.Disarm(t.thread)
+	}
+	return stops.Arm(t.thread, t.stop(t.points[t.next]))
+}
+
+// runPositions is Run in positions mode; the job runs, its first stops armed (ArmFirst).
 func (g *Gate) runPositions(ctx context.Context, events <-chan Event, stops Stopper, inject func(tcpflow.Tuple, uint32) error) error {
-	continued := false
+	if !g.armed {
+		return errors.New("the restored job's first stops were not armed before it ran")
+	}
 	defer func() {
+		// On failure a thread may be left stopped: the job is killed (or rolled back) by the caller.
 		for _, t := range g.plans {
 			stops.Disarm(t.thread)
 		}
-		if !continued {
-			stops.ContinueAll() // a job left stopped would hang; whoever called decides what becomes of it
-		}
 	}()
-	apply := func(p *point) error {
-		for c, end := range p.inject {
-			if err := inject(c, end); err != nil {
-				return err
-			}
-		}
-		return nil
-	}
-	arm := func(t *threadPlan) error {
-		if t.next >= len(t.points) {
-			return stops.Disarm(t.thread)
-		}
-		return stops.Arm(t.thread, t.stop(t.points[t.next]))
-	}
 	byThread := map[uint32]*threadPlan{}
 	left := 0
 	for _, t := range g.plans {
 		byThread[t.thread] = t
 		left += len(t.reads)
-		for t.next < len(t.points) && t.points[t.next].start() {
-			if err := apply(t.points[t.next]); err != nil {
-				return err
-			}
-			t.next++
-		}
-		if err := arm(t); err != nil {
-			return err
-		}
-	}
-	continued = true
-	if err := stops.ContinueAll(); err != nil {
-		return fmt.Errorf("continue the restored job: %w", err)
 	}
 	for left > 0 {
 		var e Event
@@ -261,11 +278,13 @@ func (g *Gate) runPositions(ctx context.Context, events <-chan Event, stops Stop
 		if err := stops.WaitStopped(ctx, e.Pid); err != nil {
 			return fmt.Errorf("thread %d of the restored job, stopped at %+v: %w", t.thread, want, err)
 		}
-		if err := apply(p); err != nil {
-			return err
+		for c, end := range p.inject {
+			if err := inject(c, end); err != nil {
+				return err
+			}
 		}
 		t.next++
-		if err := arm(t); err != nil {
+		if err := armNext(stops, t); err != nil {
 			return err
 		}
 		if err := stops.Continue(e.Pid); err != nil {

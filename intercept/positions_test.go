@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"sync"
@@ -21,11 +22,10 @@ type pollWorld struct {
 	next   map[tcpflow.Tuple]uint32 // sequence of the next byte to consume
 	armed  *Stop
 	cont   chan uint32
-	all    chan struct{}
 }
 
 func newPollWorld(next map[tcpflow.Tuple]uint32) *pollWorld {
-	return &pollWorld{queued: map[tcpflow.Tuple][]byte{}, next: next, cont: make(chan uint32, 1), all: make(chan struct{})}
+	return &pollWorld{queued: map[tcpflow.Tuple][]byte{}, next: next, cont: make(chan uint32, 1)}
 }
 
 func (w *pollWorld) Inject(c tcpflow.Tuple, seq uint32, data []byte) error {
@@ -57,15 +57,6 @@ func (w *pollWorld) Continue(pid uint32) error { w.cont <- pid; return nil }
 func (w *pollWorld) WaitStopped(ctx context.Context, pid uint32) error { return nil }
 
 func (w *pollWorld) Polls(thread uint32) (uint64, error) { return 0, nil }
-
-func (w *pollWorld) ContinueAll() error {
-	select {
-	case <-w.all:
-	default:
-		close(w.all)
-	}
-	return nil
-}
 
 // stopped reports whether the armed stop is s (and disarms nothing: the gate re-arms).
 func (w *pollWorld) stopped(s Stop) bool {
@@ -161,46 +152,61 @@ func TestGatePositions(t *testing.T) {
 		}
 	}
 	var recorded []Det
-	const calls, dumpAt = 12, 3
+	const calls = 12
 	full := orig.program(t.Context(), 1, calls, conns, arrive, func(e Event) { recorded = append(recorded, e.Det) })
-	// The snapshot after call 3: A consumed up to 100, B nothing; what the thread read after it is replayed.
-	var dets []Det
-	for _, d := range recorded {
-		if d.Pos > dumpAt {
-			dets = append(dets, d)
-		}
-	}
-	sources := map[tcpflow.Tuple]Source{connA: {Seq: 100, Data: sent[connA][100:]}, connB: {Seq: 0, Data: sent[connB]}}
-	want := slices.DeleteFunc(slices.Clone(full), func(s string) bool { var k int; fmt.Sscanf(s, "call %d", &k); return k <= dumpAt })
+	// Snapshots after call 3 or 4: A consumed up to 100, B nothing; what the thread read after it is
+	// replayed. After call 4, call 5 is the thread's first since the dump: B's 10 bytes must be in the
+	// restored queue before it runs.
+	for _, tc := range []struct {
+		dumpAt  uint64
+		preload map[tcpflow.Tuple]uint32
+	}{{3, map[tcpflow.Tuple]uint32{}}, {4, map[tcpflow.Tuple]uint32{connB: 10}}} {
+		t.Run(fmt.Sprintf("dump after call %d", tc.dumpAt), func(t *testing.T) {
+			var dets []Det
+			for _, d := range recorded {
+				if d.Pos > tc.dumpAt {
+					dets = append(dets, d)
+				}
+			}
+			sources := map[tcpflow.Tuple]Source{connA: {Seq: 100, Data: sent[connA][100:]}, connB: {Seq: 0, Data: sent[connB]}}
+			want := slices.DeleteFunc(slices.Clone(full), func(s string) bool { var k uint64; fmt.Sscanf(s, "call %d", &k); return k <= tc.dumpAt })
 
-	g, err := NewGate(dets, sources)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := g.UsePositions(map[uint32]uint64{7: dumpAt}); err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	defer cancel()
-	re := newPollWorld(map[tcpflow.Tuple]uint32{connA: 100, connB: 0})
-	events := make(chan Event, 64)
-	got := make(chan []string, 1)
-	go func() {
-		select { // restored stopped
-		case <-re.all:
-		case <-ctx.Done():
-		}
-		got <- re.program(ctx, dumpAt+1, calls-dumpAt, conns, nil, func(e Event) { events <- e })
-	}()
-	injected, err := g.Run(ctx, re, events, re)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if injected != int64(len(sources[connA].Data)+len(sources[connB].Data)) {
-		t.Errorf("injected %d bytes, want every byte of the sources", injected)
-	}
-	if trace := <-got; !slices.Equal(trace, want) {
-		t.Fatalf("the restored program read\n%s\nthe original\n%s", strings.Join(trace, "\n"), strings.Join(want, "\n"))
+			g, err := NewGate(dets, sources)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := g.UsePositions(map[uint32]uint64{7: tc.dumpAt}); err != nil {
+				t.Fatal(err)
+			}
+			preload := g.Preload()
+			if !maps.Equal(preload, tc.preload) {
+				t.Fatalf("preload %v, want %v", preload, tc.preload)
+			}
+			ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+			defer cancel()
+			re := newPollWorld(map[tcpflow.Tuple]uint32{connA: 100, connB: 0})
+			for c, n := range preload { // the restored images' receive queues
+				re.queued[c] = sources[c].Data[:n]
+			}
+			if err := g.ArmFirst(re); err != nil {
+				t.Fatal(err)
+			}
+			events := make(chan Event, 64)
+			got := make(chan []string, 1)
+			go func() {
+				got <- re.program(ctx, int(tc.dumpAt)+1, calls-int(tc.dumpAt), conns, nil, func(e Event) { events <- e })
+			}()
+			injected, err := g.Run(ctx, re, events, re)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if total := len(sources[connA].Data) + len(sources[connB].Data) - int(preload[connB]); injected != int64(total) {
+				t.Errorf("injected %d bytes, want %d: every byte of the sources not preloaded", injected, total)
+			}
+			if trace := <-got; !slices.Equal(trace, want) {
+				t.Fatalf("the restored program read\n%s\nthe original\n%s", strings.Join(trace, "\n"), strings.Join(want, "\n"))
+			}
+		})
 	}
 }
 
@@ -304,13 +310,20 @@ func TestGatePositionsDivergence(t *testing.T) {
 	w := newPollWorld(map[tcpflow.Tuple]uint32{})
 	events := make(chan Event, 4)
 	events <- Event{Det: Det{Thread: 1, Proc: 1, Pos: 1}, AtPoll: true, Stopped: true, Pid: 9} // armed at 2
+	if _, err := g.Run(t.Context(), w, events, w); err == nil || !strings.Contains(err.Error(), "not armed") {
+		t.Fatalf("a run whose first stops were not armed before the job ran: err %v", err)
+	}
+	if err := g.ArmFirst(w); err != nil {
+		t.Fatal(err)
+	}
+	if w.armed == nil || *w.armed != (Stop{Polls: 2}) {
+		t.Fatalf("first stop armed %+v, want at the exit of readiness call 2", w.armed)
+	}
 	_, err = g.Run(t.Context(), w, events, w)
 	if !errors.Is(err, ErrDiverged) {
 		t.Fatalf("err %v, want ErrDiverged", err)
 	}
-	select {
-	case <-w.all:
-	default:
-		t.Fatal("the job was left stopped")
+	if w.armed != nil {
+		t.Fatalf("a failed replay left a stop armed: %+v", w.armed)
 	}
 }

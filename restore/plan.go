@@ -73,6 +73,10 @@ type ConnPlan struct {
 	// a time (intercept.Gate): Rewrite empties the snapshot's receive queue and injects nothing, and the
 	// gate delivers the queue's bytes, then Inject, as the peer's segments.
 	Deferred bool
+	// Preload, for a Deferred connection, are the first of those bytes, which the restored queue holds
+	// before the job runs (a gate replaying receive positions: what the job reads before its first
+	// readiness call); the gate delivers the rest.
+	Preload []byte
 	// HasTimestamp says the connection uses TCP timestamps and Timestamp
 	// must be set: at least Live.MinRestoredTimestamp(LiveAge +
 	// TimestampMargin) and the snapshot's own value, even.

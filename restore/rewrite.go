@@ -66,9 +66,14 @@ func sameConn(c ckpt.Conn, img image.TCPConn) error {
 func connEdits(cp ConnPlan, img image.TCPConn) ([]image.Edit, error) {
 	var edits []image.Edit
 	switch {
-	case cp.Deferred && img.InqLen > 0:
-		edits = append(edits, image.ClearReceive())
-	case !cp.Deferred && len(cp.Inject) > 0:
+	case cp.Deferred:
+		if img.InqLen > 0 {
+			edits = append(edits, image.ClearReceive())
+		}
+		if len(cp.Preload) > 0 {
+			edits = append(edits, image.InjectReceive(cp.Preload))
+		}
+	case len(cp.Inject) > 0:
 		edits = append(edits, image.InjectReceive(cp.Inject))
 	}
 	if cp.HasTimestamp {

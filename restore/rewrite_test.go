@@ -116,7 +116,9 @@ func TestRewrite(t *testing.T) {
 		img     synthImage
 		peer    Peer
 		seg     int
+		edit    func(p *Plan) // what a recovery changes in the plan before Rewrite
 		check   func(t *testing.T, before, after image.TCPConn)
+		queue   string // the receive queue after Rewrite, if check is set
 		wantErr string
 	}{
 		{
@@ -153,6 +155,34 @@ func TestRewrite(t *testing.T) {
 			},
 		},
 		{
+			name: "deferred to a gate: the queue emptied, nothing injected",
+			img:  base,
+			peer: Peer{Live: live(1020, 5000, 900), Logged: logged(30)},
+			seg:  1448,
+			edit: func(p *Plan) { p.Conns[0].Deferred = true },
+			check: func(t *testing.T, before, after image.TCPConn) {
+				if after.InqSeq != 997 || after.InqLen != 0 {
+					t.Errorf("receive side %d+%d, want 997+0: the gate delivers from the queue's first byte", after.InqSeq, after.InqLen)
+				}
+			},
+		},
+		{
+			name: "deferred with a preload: the queue holds only it",
+			img:  base,
+			peer: Peer{Live: live(1020, 5000, 900), Logged: logged(30)},
+			seg:  1448,
+			edit: func(p *Plan) {
+				p.Conns[0].Deferred = true
+				p.Conns[0].Preload = append([]byte("abc"), p.Conns[0].Inject[:2]...)
+			},
+			check: func(t *testing.T, before, after image.TCPConn) {
+				if after.InqSeq != 1002 || after.InqLen != 5 || after.RcvWup != 1002 {
+					t.Errorf("receive side %d+%d (rcv_wup %d), want 1002+5", after.InqSeq, after.InqLen, after.RcvWup)
+				}
+			},
+			queue: "abc\x01\x0e",
+		},
+		{
 			name:    "no window data to raise",
 			img:     func() synthImage { s := base; s.noWindow = true; return s }(),
 			peer:    Peer{Live: live(1000, 5000+4000, 900)},
@@ -176,6 +206,9 @@ func TestRewrite(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
+			if tt.edit != nil {
+				tt.edit(&p)
+			}
 			err = Rewrite(dir, p)
 			if tt.wantErr != "" {
 				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
@@ -190,6 +223,9 @@ func TestRewrite(t *testing.T) {
 				t.Fatal(err)
 			}
 			tt.check(t, before, onlyConn(t, dir))
+			if q, err := image.ReceiveQueue(dir, uint32(c.Inode)); err != nil || (tt.queue != "" && string(q) != tt.queue) {
+				t.Errorf("receive queue %q, %v; want %q", q, err, tt.queue)
+			}
 		})
 	}
 }

@@ -53,12 +53,10 @@ type Spec struct {
 	ImagesDir string   `json:"images_dir,omitempty"`
 	// LazyPages restores the job's memory on first touch, from a lazy-pages daemon the shim runs on
 	// ImagesDir; the shim removes ImagesDir once every page is in, and kills the job if the daemon fails.
-	LazyPages bool `json:"lazy_pages,omitempty"`
-	// LeaveStopped restores the job's processes stopped (SIGSTOP): the agent continues them.
-	LeaveStopped bool   `json:"leave_stopped,omitempty"`
-	CRIU         string `json:"criu,omitempty"`
-	ExitFile     string `json:"exit_file"`
-	Node         string `json:"node"`
+	LazyPages bool   `json:"lazy_pages,omitempty"`
+	CRIU      string `json:"criu,omitempty"`
+	ExitFile  string `json:"exit_file"`
+	Node      string `json:"node"`
 }
 
 // Report is the shim's one line on standard output: the job's host PID, or why it could not start.
@@ -109,7 +107,7 @@ func Run(ctx context.Context, in io.Reader, out io.Writer) int {
 			lazy, err = c.StartLazyPages(ctx, spec.ImagesDir)
 		}
 		if err == nil {
-			pid, err = c.Restore(ctx, criu.RestoreOptions{ImagesDir: spec.ImagesDir, LazyPages: spec.LazyPages, LeaveStopped: spec.LeaveStopped})
+			pid, err = c.Restore(ctx, criu.RestoreOptions{ImagesDir: spec.ImagesDir, LazyPages: spec.LazyPages})
 		}
 		if err != nil && lazy != nil {
 			lazy.Process.Kill()

@@ -70,9 +70,10 @@ type Job struct {
 	// Net is the job's own network (a job address, package jobnet), nil for a job restored on the host's
 	// network: Run creates it, guards the job's connections and announces the job's address inside it.
 	Net JobNetwork
-	// LeaveStopped asks Jobs.Restore to leave the restored processes stopped: a gate replaying receive
-	// positions injects what they read first, then continues them.
-	LeaveStopped bool
+	// BeforeRun, if set, is called by Jobs.Restore once the job's cgroup is recorded on this host and
+	// before any of its processes runs (a gate replaying receive positions arms the first stops there);
+	// an error fails the restore.
+	BeforeRun func() error
 	// stopKeeping ends Log.Keep once the re-sent bytes are checked.
 	stopKeeping func()
 	// gate replays the job's receive order after the restore (nil: its bytes are in the images, gateWhy
@@ -182,7 +183,7 @@ type Determinants interface {
 	// the channel is closed if some were lost.
 	Watch(job string) (events <-chan intercept.Event, stop func())
 	// Positions reports whether this host counts its jobs' readiness calls: a gate can then replay
-	// receive positions (intercept.Gate.UsePositions), with the job restored stopped.
+	// receive positions (intercept.Gate.UsePositions).
 	Positions() bool
 	// Stopper stops the threads of job, restored here; nil without positions.
 	Stopper(job string) intercept.Stopper

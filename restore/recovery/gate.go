@@ -77,14 +77,24 @@ func planGate(ctx context.Context, d Deps, j *Job, peers map[tcpflow.Tuple]resto
 	if m := j.Manifest; m.Positions && d.Determinants.Positions() {
 		if err := g.UsePositions(m.Polls); err != nil {
 			d.Logger.Warn("receive positions cannot be replayed: the receive order is replayed without them", "job", j.ID, "err", err)
-		} else {
-			j.LeaveStopped = true
 		}
 	}
+	preload := g.Preload()
 	for i := range j.Plan.Conns {
-		j.Plan.Conns[i].Deferred = true
+		cp := &j.Plan.Conns[i]
+		cp.Deferred = true
+		cp.Preload = sources[cp.Conn.Tuple].Data[:preload[cp.Conn.Tuple.Unmap()]]
 	}
 	j.gate, j.gateLive = g, peers
+	if g.Positions() {
+		j.BeforeRun = func() error {
+			stops := d.Determinants.Stopper(j.ID)
+			if stops == nil {
+				return errors.New("this host cannot stop the restored job's threads, which its receive positions need")
+			}
+			return g.ArmFirst(stops)
+		}
+	}
 }
 
 // startGate runs j's gate once j is restored; ReplayAndVerify waits for its end. events were subscribed
@@ -162,7 +172,8 @@ func (g gateInjector) Inject(conn tcpflow.Tuple, seq uint32, data []byte) error 
 	}
 	h := peerHeader(g.d, g.j.gateLive[c.Conn.Tuple].Live, c.Conn.Tuple, c.Conn.OutqSeq)
 	h.Seq = seq
-	// Restored with an empty queue: its rcv_nxt was the first unread byte of the snapshot.
+	// The restored socket counts what it received from the snapshot's first unread byte on: CRIU sets
+	// rcv_nxt there and sends the restored queue (the preload) through it.
 	return g.net.DeliverFromPeer(g.ctx, conn, h, data, c.Conn.InqSeq-c.Conn.InqLen)
 }
 
