@@ -63,9 +63,29 @@ type Stopper interface {
 
 // point is where a thread is stopped to receive bytes.
 type point struct {
-	polls  uint64 // the thread's readiness calls since the restore, at the point
-	after  int    // -1: at the exit of readiness call polls (0: before the job runs); else the index in the thread's events of the receive call it follows
-	inject map[tcpflow.Tuple]uint32
+	polls uint64 // the thread's readiness calls since the restore, at the point
+	after int    // -1: at the exit of readiness call polls (0: before the job runs); else the index in the thread's events of the receive call it follows
+	// inject: up to where each connection's bytes are delivered there, in the order the thread reads them
+	// next (an epoll set reports connections in the order their bytes arrived).
+	inject []injection
+}
+
+type injection struct {
+	conn tcpflow.Tuple
+	end  uint32
+}
+
+// add makes the point deliver c's bytes up to at least end.
+func (p *point) add(c tcpflow.Tuple, end uint32) {
+	for i := range p.inject {
+		if in := &p.inject[i]; in.conn == c {
+			if seqAfter(end, in.end) {
+				in.end = end
+			}
+			return
+		}
+	}
+	p.inject = append(p.inject, injection{c, end})
 }
 
 func (p *point) start() bool { return p.after < 0 && p.polls == 0 }
@@ -140,13 +160,11 @@ func planPositions(events []Det, base map[uint32]uint64) ([]*threadPlan, error) 
 			}
 			p := at[key]
 			if p == nil {
-				p = &point{polls: uint64(key[0]), after: key[1], inject: map[tcpflow.Tuple]uint32{}}
+				p = &point{polls: uint64(key[0]), after: key[1]}
 				at[key] = p
 				t.points = append(t.points, p)
 			}
-			if cur, ok := p.inject[d.Conn]; !ok || seqAfter(d.End, cur) {
-				p.inject[d.Conn] = d.End
-			}
+			p.add(d.Conn, d.End)
 		}
 		slices.SortFunc(t.points, func(a, b *point) int {
 			return cmp.Or(cmp.Compare(a.polls, b.polls), cmp.Compare(a.after, b.after))
@@ -165,9 +183,9 @@ func (g *Gate) UsePositions(base map[uint32]uint64) error {
 	preload := map[tcpflow.Tuple]uint32{}
 	for _, t := range plans {
 		for ; t.next < len(t.points) && t.points[t.next].start(); t.next++ {
-			for c, end := range t.points[t.next].inject {
-				if cur, ok := preload[c]; !ok || seqAfter(end, cur) {
-					preload[c] = end
+			for _, in := range t.points[t.next].inject {
+				if cur, ok := preload[in.conn]; !ok || seqAfter(in.end, cur) {
+					preload[in.conn] = in.end
 				}
 			}
 		}
@@ -278,8 +296,8 @@ func (g *Gate) runPositions(ctx context.Context, events <-chan Event, stops Stop
 		if err := stops.WaitStopped(ctx, e.Pid); err != nil {
 			return fmt.Errorf("thread %d of the restored job, stopped at %+v: %w", t.thread, want, err)
 		}
-		for c, end := range p.inject {
-			if err := inject(c, end); err != nil {
+		for _, in := range p.inject {
+			if err := inject(in.conn, in.end); err != nil {
 				return err
 			}
 		}

@@ -255,6 +255,11 @@ func TestPlanPositions(t *testing.T) {
 			points: []string{"1: 0/-1 A12"},
 		},
 		{
+			name:   "two connections found by one call, B read first: injected in that order",
+			events: []Det{d(connB, 3, 3, 1, 1, 4), d(connA, 10, 10, 1, 1, 4), d(connB, 5, 2, 1, 1, 4)},
+			points: []string{"1: 3/-1 B3 A10", "1: 4/0 B5"},
+		},
+		{
 			name:   "two receiving threads in one process",
 			events: []Det{d(connA, 10, 10, 1, 1, 4), d(connB, 3, 3, 2, 1, 4)},
 			err:    "both receive",
@@ -281,10 +286,8 @@ func TestPlanPositions(t *testing.T) {
 			for _, p := range plans {
 				for _, pt := range p.points {
 					s := fmt.Sprintf("%d: %d/%d", p.thread, pt.polls, pt.after)
-					for _, c := range []tcpflow.Tuple{connA, connB} {
-						if end, ok := pt.inject[c]; ok {
-							s += fmt.Sprintf(" %s%d", map[tcpflow.Tuple]string{connA: "A", connB: "B"}[c], end)
-						}
+					for _, in := range pt.inject {
+						s += fmt.Sprintf(" %s%d", map[tcpflow.Tuple]string{connA: "A", connB: "B"}[in.conn], in.end)
 					}
 					got = append(got, s)
 				}

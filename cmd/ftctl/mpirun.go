@@ -275,8 +275,17 @@ func (f *mpiRunFlags) run(ctx context.Context, labChosen bool, stdout, stderr io
 	// are named after hostname and PID, every job's root is PID 1 in its PID namespace, and all lab hosts
 	// share one hostname.
 	dir := p.dir
-	if _, err := os.Stat(dir); err == nil {
+	if err := checkRunDirParents(dir, os.Geteuid()); err != nil {
+		return cli.Usagef("%v", err)
+	}
+	if err := os.MkdirAll(filepath.Dir(dir), 0o755); err != nil {
+		return fmt.Errorf("create the run directory's parent: %w", err)
+	}
+	// Made here, not found: everything in it is this run's.
+	if err := os.Mkdir(dir, 0o755); errors.Is(err, fs.ErrExist) {
 		return cli.Usagef("--name %s: a run of that name exists (%s)", f.name, dir)
+	} else if err != nil {
+		return fmt.Errorf("create the run directory: %w", err)
 	}
 	for _, h := range p.ranks {
 		if err := os.MkdirAll(filepath.Join(dir, "tmp", h), 0o755); err != nil {
@@ -352,7 +361,7 @@ func (f *mpiRunFlags) launcherArgv(p *mpiPlan, self string, prog []string) ([]st
 	// directory (same as scripts/mpi/ftkit-rsh, with this ftctl's path).
 	agentCmd := filepath.Join(dir, "rsh")
 	script := fmt.Sprintf("#!/bin/sh\nexec '%s' mpirun launch-daemon \"$@\"\n", self)
-	if err := os.WriteFile(agentCmd, []byte(script), 0o755); err != nil {
+	if err := writeNewFile(agentCmd, []byte(script), 0o755); err != nil {
 		return nil, fmt.Errorf("write the MPI launcher script: %w", err)
 	}
 	subnet := p.cidrs
@@ -372,7 +381,7 @@ func (f *mpiRunFlags) launcherArgv(p *mpiPlan, self string, prog []string) ([]st
 			fmt.Fprintf(&hf, "%s slots=1\n", h)
 		}
 		hostfile := filepath.Join(dir, "hostfile")
-		if err := os.WriteFile(hostfile, []byte(hf.String()), 0o644); err != nil {
+		if err := writeNewFile(hostfile, []byte(hf.String()), 0o644); err != nil {
 			return nil, fmt.Errorf("write the hostfile: %w", err)
 		}
 		argv := []string{bin, "--hostfile", hostfile, "--np", fmt.Sprint(len(hosts)), "--map-by", "node",
@@ -490,7 +499,7 @@ func mpichFinalizeLib(self, dir string) (string, error) {
 			return "", fmt.Errorf("read %s: %w", mpichLibName, err)
 		}
 		dst := filepath.Join(dir, mpichLibName)
-		if err := os.WriteFile(dst, b, 0o755); err != nil {
+		if err := writeNewFile(dst, b, 0o755); err != nil {
 			return "", fmt.Errorf("copy %s into the run directory: %w", mpichLibName, err)
 		}
 		return dst, nil

@@ -1,0 +1,80 @@
+package main
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// TestCheckRunDirParents: root refuses a run directory under a directory another user owns or can write
+// (that user could swap the launcher script mpirun runs as root), also behind a link, and accepts one under
+// root's own directories and sticky ones such as /tmp.
+func TestCheckRunDirParents(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("SKIPPED: the ownership checks are root's (and chown needs root); CI runs as root")
+	}
+	base := t.TempDir() // under /tmp: root-owned, sticky
+	mk := func(name string, mode os.FileMode, uid int) string {
+		d := filepath.Join(base, name)
+		if err := os.Mkdir(d, mode); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chmod(d, mode); err != nil { // past the umask
+			t.Fatal(err)
+		}
+		if err := os.Chown(d, uid, 0); err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	good := mk("good", 0o755, 0)
+	sticky := mk("sticky", 0o777|os.ModeSticky, 0)
+	users := mk("users", 0o755, 65534)
+	open := mk("open", 0o777, 0)
+	link := filepath.Join(base, "link")
+	if err := os.Symlink(users, link); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		dir, err string
+		euid     int
+	}{
+		{dir: filepath.Join(good, "run")},
+		{dir: filepath.Join(good, "not", "yet", "run")},
+		{dir: filepath.Join(sticky, "run")},
+		{dir: filepath.Join(users, "run"), err: "owned by uid 65534"},
+		{dir: filepath.Join(users, "run"), euid: 1000}, // a user's own run: their rights, nothing checked
+		{dir: filepath.Join(open, "x", "run"), err: "writable by group or others"},
+		{dir: filepath.Join(link, "run"), err: "owned by uid 65534"},
+	} {
+		err := checkRunDirParents(tc.dir, tc.euid)
+		if (tc.err == "") != (err == nil) || (err != nil && !strings.Contains(err.Error(), tc.err)) {
+			t.Errorf("%s (euid %d): %v, want %q", tc.dir, tc.euid, err, tc.err)
+		}
+	}
+}
+
+// TestWriteNewFile: a file of a new run is created, never written through something already there.
+func TestWriteNewFile(t *testing.T) {
+	dir := t.TempDir()
+	target := filepath.Join(dir, "target")
+	if err := os.WriteFile(target, []byte("keep"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(target, filepath.Join(dir, "rsh")); err != nil {
+		t.Fatal(err)
+	}
+	if err := writeNewFile(filepath.Join(dir, "rsh"), []byte("evil"), 0o755); err == nil {
+		t.Fatal("wrote through a link")
+	}
+	if b, _ := os.ReadFile(target); string(b) != "keep" {
+		t.Fatalf("the link's target now holds %q", b)
+	}
+	if err := writeNewFile(filepath.Join(dir, "hostfile"), []byte("h"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if b, _ := os.ReadFile(filepath.Join(dir, "hostfile")); string(b) != "h" {
+		t.Fatalf("hostfile holds %q", b)
+	}
+}
