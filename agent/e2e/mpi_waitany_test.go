@@ -38,9 +38,8 @@ func waitanyRows(out string) int { return len(waitanyRowRE.FindAllString(out, -1
 // (log.receive_positions), and the replay delivers each message between the same two readiness calls of the
 // restored thread as in the original. A transparent recovery must verify every re-sent byte, leave node1's
 // and node3's jobs untouched (only node2 rolled back) and end with an output that a failure-free execution
-// prints (waitany.py --check recomputes every rank's accumulators from the printed orders). A replay's stop
-// can still be undone by the SIGCONT that node2's orted forwards to its rank when the restored job is
-// continued (docs/receive-order.md), so a loud failure is accepted too: never a wrong result.
+// prints (waitany.py --check recomputes every rank's accumulators from the printed orders). A loud failure
+// fails the test too.
 func TestWaitanyRecovers(t *testing.T) {
 	requireMPI4Py(t)
 	script, err := os.ReadFile("testdata/waitany.py")
@@ -69,7 +68,7 @@ func TestWaitanyRecovers(t *testing.T) {
 				return "done", nil
 			})
 			if !transparent {
-				return
+				t.Fatal("the recovery failed loudly: with receive positions this program must recover transparently")
 			}
 			if replay := stageDetail(f, agent.StageReplayed); !strings.Contains(replay, "receive order and positions replayed") {
 				t.Errorf("the replay stage says %q, want the receive order and positions replayed", replay)

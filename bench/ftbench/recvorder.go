@@ -34,14 +34,16 @@ const (
 )
 
 // roConfig is one agent configuration the benchmark compares: recording off, on with the default
-// shipping interval, on with a shorter one.
+// shipping interval, on with a shorter one, on with receive positions.
 type roConfig struct {
 	Name      string        `json:"name"`
 	Order     bool          `json:"receive_order"`
 	ShipEvery time.Duration `json:"ship_every_ns"` // 0: the default (agent.DefaultShipEvery)
+	Positions bool          `json:"receive_positions,omitempty"`
 }
 
-var roConfigs = []roConfig{{Name: "off"}, {Name: "on", Order: true}, {Name: "on_ship_2ms", Order: true, ShipEvery: 2 * time.Millisecond}}
+var roConfigs = []roConfig{{Name: "off"}, {Name: "on", Order: true}, {Name: "on_ship_2ms", Order: true, ShipEvery: 2 * time.Millisecond},
+	{Name: "positions", Order: true, Positions: true}}
 
 // roRun is one lab's measurements in one configuration.
 type roRun struct {
@@ -59,7 +61,7 @@ type roRun struct {
 
 // benchReceiveOrder measures what recording receive-order determinants costs a job that never fails
 // (docs/receive-order.md): in rounds, a lab per configuration (roConfigs: log.receive_order off, on, on
-// with a shorter log.receive_order_ship_every), each running stencil2d at compare's size as agent jobs
+// with a shorter log.receive_order_ship_every, on with log.receive_positions), each running stencil2d at compare's size as agent jobs
 // (compare's variant b: logging, the start snapshot only) and then a stream of 64-byte messages between two
 // agent jobs whose receiver reads each message with a call of its own. Ratios are medians of per-round
 // ratios.
@@ -109,9 +111,9 @@ func runReceiveOrder(ctx context.Context, log *slog.Logger, binDir, self string,
 	for round := range rounds {
 		byName := map[string]roRun{}
 		for k := range roConfigs {
-			cfg := roConfigs[(k+round)%len(roConfigs)] // every configuration goes first once in three rounds
+			cfg := roConfigs[(k+round)%len(roConfigs)] // the configurations take turns going first
 			opts := cmpAgents(binDir)
-			opts.NoReceiveOrder, opts.ShipEvery = !cfg.Order, cfg.ShipEvery
+			opts.NoReceiveOrder, opts.ShipEvery, opts.ReceivePositions = !cfg.Order, cfg.ShipEvery, cfg.Positions
 			var r roRun
 			err := withLab(ctx, log, sz, opts, func(l *lab.Lab, c *labcluster.Cluster) error {
 				st, err := jobs.run(ctx, c, "b", "1h", 0, 7700+10*round)
