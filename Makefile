@@ -29,6 +29,7 @@ build: setup
 
 lint: setup
 	@$(GO) mod tidy -diff || { echo "go.mod/go.sum are not tidy (diff above): run 'go mod tidy' and commit"; exit 1; }
+	@unformatted=$$(git ls-files '*.go' | xargs "$$($(GO) env GOROOT)/bin/gofmt" -l); [ -z "$$unformatted" ] || { echo "not gofmt'ed (run gofmt -w): $$unformatted"; exit 1; }
 	$(GO) vet ./... $(PROGS)
 	$(GO) tool staticcheck ./... $(PROGS)
 

@@ -462,6 +462,7 @@ func (a *Agent) DeterminantsSince(ctx context.Context, source string, m *ckpt.Ma
 type jobStops struct {
 	rec    *ebpfprobes.RecvOrder
 	cgroup uint64 // the job cgroup's id
+	dir    string // its directory
 }
 
 func (s jobStops) Arm(thread uint32, st intercept.Stop) error {
@@ -470,7 +471,64 @@ func (s jobStops) Arm(thread uint32, st intercept.Stop) error {
 
 func (s jobStops) Disarm(thread uint32) error { return s.rec.Disarm(s.cgroup, thread) }
 
-func (s jobStops) Polls(thread uint32) (uint64, error) { return s.rec.PollCount(s.cgroup, thread) }
+// Describe says how many readiness calls the thread made since the restore and, from /proc, its state and
+// the system call it is in.
+func (s jobStops) Describe(thread uint32) string {
+	var parts []string
+	if s.rec != nil {
+		if n, err := s.rec.PollCount(s.cgroup, thread); err == nil {
+			parts = append(parts, fmt.Sprintf("%d readiness calls made since the restore", n))
+		}
+	}
+	if tid, err := hostThread(s.dir, thread); err != nil {
+		parts = append(parts, err.Error())
+	} else {
+		parts = append(parts, fmt.Sprintf("host thread %d %s", tid, threadState(tid)))
+	}
+	return strings.Join(parts, ", ")
+}
+
+// hostThread is the host id of the thread of the job cgroup dir whose id in the job's PID namespace is ns.
+func hostThread(dir string, ns uint32) (int, error) {
+	b, err := os.ReadFile(filepath.Join(dir, "cgroup.threads"))
+	if err != nil {
+		return 0, fmt.Errorf("list the job's threads: %w", err)
+	}
+	for f := range strings.FieldsSeq(string(b)) {
+		status, err := os.ReadFile("/proc/" + f + "/status")
+		if err != nil {
+			continue // it exited
+		}
+		for l := range strings.Lines(string(status)) {
+			if ids, ok := strings.CutPrefix(l, "NSpid:"); ok {
+				if fs := strings.Fields(ids); len(fs) > 0 && fs[len(fs)-1] == strconv.FormatUint(uint64(ns), 10) {
+					return strconv.Atoi(f)
+				}
+				break
+			}
+		}
+	}
+	return 0, fmt.Errorf("no thread of the job has id %d in its PID namespace", ns)
+}
+
+// threadState is a thread's state, the system call it is in and where it sleeps, from /proc.
+func threadState(tid int) string {
+	dir := fmt.Sprintf("/proc/%d", tid)
+	state := "?"
+	if b, err := os.ReadFile(dir + "/stat"); err == nil {
+		if i := bytes.LastIndexByte(b, ')'); i >= 0 && i+2 < len(b) {
+			state = string(b[i+2])
+		}
+	}
+	call := "?"
+	if b, err := os.ReadFile(dir + "/syscall"); err == nil {
+		if f := strings.Fields(string(b)); len(f) > 0 {
+			call = f[0] // a number, or "running"
+		}
+	}
+	wchan, _ := os.ReadFile(dir + "/wchan")
+	return fmt.Sprintf("(state %s, system call %s, waiting in %q)", state, call, wchan)
+}
 
 func (s jobStops) Continue(pid uint32) error {
 	if err := unix.Kill(int(pid), unix.SIGCONT); err != nil {
@@ -561,7 +619,7 @@ func (a *Agent) stopsOf(id string) intercept.Stopper {
 	if s == nil || s.cgroup == 0 {
 		return nil
 	}
-	return jobStops{rec: d.rec, cgroup: s.cgroup}
+	return jobStops{rec: d.rec, cgroup: s.cgroup, dir: a.layout().cgroup(id)}
 }
 
 // pollsAtDump reads the readiness-call counts of job j's threads for its snapshot; j's cgroup must be

@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -142,5 +143,43 @@ func TestStopsAndContinueStopped(t *testing.T) {
 			t.Fatal("continueStopped did not continue the stopped process")
 		case <-time.After(time.Millisecond):
 		}
+	}
+}
+
+// TestStopsDescribe: a replay that timed out names the thread's host id, state and system call, found by
+// its id in the job's PID namespace (here the test's own: a thread blocked in a read of a pipe).
+func TestStopsDescribe(t *testing.T) {
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	tids := make(chan int)
+	done := make(chan struct{})
+	go func() {
+		runtime.LockOSThread() // the thread blocks in read(2) below, not in the Go scheduler
+		defer close(done)
+		tids <- unix.Gettid()
+		unix.Read(int(r.Fd()), make([]byte, 1))
+	}()
+	tid := <-tids
+	defer func() { w.Write([]byte{0}); <-done; r.Close() }()
+	dir := t.TempDir() // stands in for the job's cgroup: only its cgroup.threads is read
+	if err := os.WriteFile(filepath.Join(dir, "cgroup.threads"), fmt.Appendf(nil, "%d\n%d\n", os.Getpid(), tid), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	s := jobStops{dir: dir}
+	want := fmt.Sprintf("host thread %d (state S, system call %d,", tid, unix.SYS_READ)
+	for start := time.Now(); ; time.Sleep(time.Millisecond) {
+		got := s.Describe(uint32(tid))
+		if strings.Contains(got, want) {
+			break
+		}
+		if time.Since(start) > time.Minute {
+			t.Fatalf("Describe = %q, want it to contain %q", got, want)
+		}
+	}
+	if got := s.Describe(1 << 30); !strings.Contains(got, "no thread of the job has id") {
+		t.Errorf("Describe of an unknown thread = %q", got)
 	}
 }

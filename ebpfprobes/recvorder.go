@@ -206,11 +206,11 @@ func NewRecvOrder(opts RecvOrderOptions) (*RecvOrder, error) {
 		positionsOn = 1
 	}
 	for name, v := range map[string]any{
-		recvorderVarRingSize:   uint32(size),
-		recvorderVarWakeBytes:  uint32(size / 8), // an eighth of the ring, as for TCPLogger
-		recvorderVarParentCgid: st.Ino,
-		recvorderVarPollNr:     pollSyscalls,
-		recvorderVarRestartNr:  uint32(unix.SYS_RESTART_SYSCALL),
+		recvorderVarRingSize:    uint32(size),
+		recvorderVarWakeBytes:   uint32(size / 8), // an eighth of the ring, as for TCPLogger
+		recvorderVarParentCgid:  st.Ino,
+		recvorderVarPollNr:      pollSyscalls,
+		recvorderVarRestartNr:   uint32(unix.SYS_RESTART_SYSCALL),
 		recvorderVarPositionsOn: positionsOn,
 	} {
 		if err := spec.Variables[name].Set(v); err != nil {

@@ -57,8 +57,9 @@ type Stopper interface {
 	WaitStopped(ctx context.Context, pid uint32) error
 	// Continue lets a stopped process (host pid) go on.
 	Continue(pid uint32) error
-	// Polls is how many readiness calls the thread made since the restore (for error messages).
-	Polls(thread uint32) (uint64, error)
+	// Describe says where the thread is (its readiness calls since the restore, what it waits for), for
+	// the error of a replay that timed out.
+	Describe(thread uint32) string
 }
 
 // point is where a thread is stopped to receive bytes.
@@ -320,8 +321,8 @@ func (g *Gate) stuck(ctx context.Context, stops Stopper) error {
 			if t.next < len(t.points) {
 				at = fmt.Sprintf("its stop at %+v not reached", t.stop(t.points[t.next]))
 			}
-			if n, err := stops.Polls(t.thread); err == nil {
-				at += fmt.Sprintf(", %d readiness calls made since the restore", n)
+			if d := stops.Describe(t.thread); d != "" {
+				at += ", " + d
 			}
 			return fmt.Errorf("thread %d of the restored job did not make its receive call %d of %d (%s; %s): %w", t.thread, t.read+1, len(t.reads), t.reads[t.read], at, context.Cause(ctx))
 		}

@@ -56,7 +56,7 @@ func (w *pollWorld) Continue(pid uint32) error { w.cont <- pid; return nil }
 
 func (w *pollWorld) WaitStopped(ctx context.Context, pid uint32) error { return nil }
 
-func (w *pollWorld) Polls(thread uint32) (uint64, error) { return 0, nil }
+func (w *pollWorld) Describe(thread uint32) string { return "" }
 
 // stopped reports whether the armed stop is s (and disarms nothing: the gate re-arms).
 func (w *pollWorld) stopped(s Stop) bool {

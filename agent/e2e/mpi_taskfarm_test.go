@@ -170,33 +170,54 @@ func requireMPI4Py(t *testing.T) {
 }
 
 // TestTaskFarmAutoRollback is the task farm's crash in auto mode (`ftctl mpirun --recovery auto
-// --job-addresses`), with the receive order not recorded: message logging is tried, and when the restored
-// master re-sends other task assignments than its workers received, the whole run (mpirun and the master
-// on node1, the workers on node2 and node3) rolls back to its newest coordinated snapshot instead, node1's
-// part on spare1. The run completes with the failure-free result: every task once, the same sum.
+// --job-addresses`): message logging is tried, and when the restored master re-sends other task assignments
+// than its workers received, the whole run (mpirun and the master on node1, the workers on node2 and node3)
+// rolls back to its newest coordinated snapshot instead, node1's part on spare1. Either way the run
+// completes with the failure-free result: every task once, the same sum. Without determinants (the receive
+// order not recorded) message logging diverges and the run rolls back; with them (receive order and
+// positions), message logging recovers the master unless the crash took determinants its last assignments
+// depended on (orphans), and then the run rolls back.
 func TestTaskFarmAutoRollback(t *testing.T) {
-	t.Parallel()
 	requireMPI4Py(t)
 	script, err := os.ReadFile("testdata/taskfarm.py")
 	if err != nil {
 		t.Fatal(err)
 	}
 	want := fmt.Sprintf("tasks %d sum %d", farmTasks, farmSum(farmTasks))
-	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", JobAddresses: true, NoReceiveOrder: true})
-	r := startMPIWith(t, c, []string{"--job-addresses", "--recovery", agent.RecoveryAuto, "--interval", "2s"}, "farm", "taskfarm.py", script,
-		"/usr/bin/python3", "taskfarm.py", strconv.Itoa(farmTasks))
-	r.waitRows(t, farmProgress, 200, 2*time.Minute)
-	removeRunNets(t, c, "farm", "node1", "node2", "node3")
-	// A cut of the whole run (mpirun's job and each host's MPI daemon and ranks), then 200 more tasks.
-	cut := waitCut(t, c, "spare1", "farm", 3)
-	t.Logf("cut %s: %+v", cut.ID, cut.Parts)
-	r.waitRows(t, farmProgress, farmProgress(r.out.String())+200, 2*time.Minute)
-	f := crashRunHost(t, c, "farm", "node1")
-	if rolled := stageDetail(f, agent.StageRolledBack); rolled == "" {
-		t.Logf("message logging recovered the master transparently: no rollback was needed")
-	}
-	r.wait(t)
-	if out := r.out.String(); !strings.Contains(out, want) {
-		t.Errorf("the run ended without %q:\n%s", want, tail(out))
+	for _, tc := range []struct {
+		name string
+		opts labcluster.Options
+	}{
+		{"without determinants", labcluster.Options{Interval: "1h", JobAddresses: true, NoReceiveOrder: true}},
+		{"with determinants", labcluster.Options{Interval: "1h", JobAddresses: true, ReceivePositions: true}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			c := newCluster(t, 3, 1, tc.opts)
+			r := startMPIWith(t, c, []string{"--job-addresses", "--recovery", agent.RecoveryAuto, "--interval", "2s"}, "farm", "taskfarm.py", script,
+				"/usr/bin/python3", "taskfarm.py", strconv.Itoa(farmTasks))
+			r.waitRows(t, farmProgress, 200, 2*time.Minute)
+			removeRunNets(t, c, "farm", "node1", "node2", "node3")
+			// A cut of the whole run (mpirun's job and each host's MPI daemon and ranks), then 200 more tasks.
+			cut := waitCut(t, c, "spare1", "farm", 3)
+			t.Logf("cut %s: %+v", cut.ID, cut.Parts)
+			r.waitRows(t, farmProgress, farmProgress(r.out.String())+200, 2*time.Minute)
+			f := crashRunHost(t, c, "farm", "node1")
+			var replay agent.Stage
+			for _, s := range f.Stages {
+				if s.Name == agent.StageReplayed {
+					replay = s
+				}
+			}
+			if rolled := stageDetail(f, agent.StageRolledBack); rolled != "" {
+				t.Logf("outcome: rolled back (%s); message logging: %s %s", rolled, replay.Detail, replay.Error)
+			} else {
+				t.Logf("outcome: message logging recovered the master transparently (%s)", replay.Detail)
+			}
+			r.wait(t)
+			if out := r.out.String(); !strings.Contains(out, want) {
+				t.Errorf("the run ended without %q:\n%s", want, tail(out))
+			}
+		})
 	}
 }
