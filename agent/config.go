@@ -181,9 +181,13 @@ type LogConfig struct {
 	// ReceivePositions also records, with receive_order, each receive call's place among its thread's
 	// readiness calls, and replays it (intercept's receive positions: MPI_Waitany, MPI_ANY_SOURCE). It counts
 	// every job thread's epoll_wait/poll/select (every system call of the host then takes the kernel's traced
-	// exit path) and freezes each job for its snapshots. Off by default: a replay's stop can still be undone
-	// by a SIGCONT the job's parent forwards (Open MPI's orted), docs/receive-order.md.
+	// exit path) and freezes each job for its snapshots. Off by default for its cost (docs/receive-order.md).
 	ReceivePositions bool `toml:"receive_positions"`
+	// Pessimistic, with receive_order, stops a job's process after each receive call that consumed bytes
+	// until the call's determinant is stored at the job's protector: nothing the process sends afterwards
+	// depends on a determinant a crash could take (no orphans), at the price of a round trip to the
+	// protector per receive call. Each snapshot freezes the job. Off by default (docs/receive-order.md).
+	Pessimistic bool `toml:"pessimistic"`
 	// ReceiveOrderShipEvery is the least time between two shipments of a job's determinants to its
 	// protector: longer costs the jobs less (one cluster request per shipment), shorter leaves a crash fewer
 	// determinants to take with it (orphans, docs/receive-order.md). 0: every call as soon as it is

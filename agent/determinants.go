@@ -43,6 +43,9 @@ type detState struct {
 	setWake    func(on bool) error
 	waking     bool
 	alwaysWake bool
+	// pessimistic: each job's processes are held after each consuming receive call until its determinant
+	// is at the protector (log.pessimistic).
+	pessimistic bool
 }
 
 // detStream is one job's determinants on this host, numbered from 0 when the agent began recording it.
@@ -57,6 +60,17 @@ type detStream struct {
 	readAt    time.Time // when pending[0] was read off the recorder
 	lost      uint64    // the recorder's count of this job's lost calls, when last read
 	watchers  map[chan intercept.Event]bool
+	// held are the job's processes the recorder stopped after a receive call (pessimistic), each until
+	// the determinants up to its call's are at the protector. holdMu orders their release with a
+	// snapshot, which must not dump a process stopped so (releaseForDump).
+	held   []heldProc
+	holdMu sync.Mutex
+}
+
+// heldProc is a process held until the determinants before index upTo of its stream are stored.
+type heldProc struct {
+	pid  uint32
+	upTo uint64
 }
 
 // maxPendingDets bounds the determinants a job keeps while its protector does not take them: beyond it
@@ -65,7 +79,7 @@ const maxPendingDets = 1 << 20
 
 // newDetState loads the recorder if record (the host logs its jobs' traffic); a host that does not still
 // keeps the determinants of the jobs it protects. alwaysWake: the agent is woken for every call.
-func newDetState(log *slog.Logger, record, positions bool, cgroupParent string, ringBytes int, alwaysWake bool) *detState {
+func newDetState(log *slog.Logger, record, positions, pessimistic bool, cgroupParent string, ringBytes int, alwaysWake bool) *detState {
 	d := &detState{log: log, store: intercept.NewStore(0), byCgroup: map[uint64]*detStream{}, byJob: map[string]*detStream{}, wake: make(chan struct{}, 1)}
 	if !record {
 		return d
@@ -73,13 +87,15 @@ func newDetState(log *slog.Logger, record, positions bool, cgroupParent string, 
 	// Polled while calls keep coming (read a pause late, shipped in batches: log.receive_order_ship_every);
 	// woken for every call only while a recovery's gate waits for each restored call (wakeForWatchers),
 	// or always if asked, which costs about 1.5 us more per receive call (docs/ebpf-logging.md).
+	// A held process waits for its call to be read: woken for every call, not a pause late.
+	alwaysWake = alwaysWake || pessimistic
 	rec, err := ebpfprobes.NewRecvOrder(ebpfprobes.RecvOrderOptions{CgroupParent: cgroupParent, RingBufferSize: ringBytes, WakeEveryEvent: alwaysWake, Positions: positions, Logger: log})
 	if err != nil {
 		log.Error("the receive-order recorder could not be loaded: restored jobs re-read their sockets in any order (a program that reads the first socket with data then fails its recovery, loudly)", "err", err)
 		return d
 	}
 	d.rec, d.setWake = rec, rec.SetWakeEveryEvent
-	d.waking, d.alwaysWake = alwaysWake, alwaysWake
+	d.waking, d.alwaysWake, d.pessimistic = alwaysWake, alwaysWake, pessimistic
 	return d
 }
 
@@ -126,6 +142,18 @@ func (a *Agent) watchOrder(j *Job, fromStart bool, base string) {
 			a.log.Error("the job's receive positions cannot be reset: a replay of them would stop its threads at the wrong calls", "job", j.ID, "err", err)
 		}
 	}
+	if d.pessimistic {
+		if err := d.rec.SetPessimistic(id, true); err != nil {
+			a.log.Error("the job is not held after its receive calls: a crash can take determinants its sends depended on", "job", j.ID, "err", err)
+		}
+		if !fromStart {
+			// Adopted by a restarted agent: a process the previous one held waits for a release that died
+			// with it.
+			if err := continueStopped(j.Cgroup); err != nil {
+				a.log.Error("could not continue the job's held processes: they stay stopped", "job", j.ID, "err", err)
+			}
+		}
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	s := &detStream{job: j.ID, cgroup: id, stream: rand.Uint64(), fromStart: fromStart, base: base, watchers: map[chan intercept.Event]bool{}}
@@ -145,6 +173,10 @@ func (a *Agent) unwatchOrder(id string) {
 	}
 	if s := d.unwatch(id); s != nil {
 		d.rec.Forget(s.cgroup)
+		if d.pessimistic {
+			d.rec.SetPessimistic(s.cgroup, false)
+		}
+		a.releaseHeld(s, true)
 	}
 }
 
@@ -217,39 +249,11 @@ func (a *Agent) recordOrder(ctx context.Context) {
 		}
 		now := time.Now()
 		d.mu.Lock()
+		var release []uint32
 		for _, e := range evs {
-			if e.Flags&(unix.MSG_PEEK|unix.MSG_ERRQUEUE|unix.MSG_OOB) != 0 {
-				continue // consumed nothing of the stream; the read after a peek is the determinant
+			if pid := a.take(e, now); pid != 0 {
+				release = append(release, pid)
 			}
-			s := d.byCgroup[e.Cgroup]
-			if s == nil {
-				continue
-			}
-			det := intercept.Det{Conn: e.Conn, End: e.CopiedSeq, Len: e.Len, Thread: e.Thread, Proc: e.Proc, Pos: e.Polls}
-			ev := intercept.Event{Det: det, AtPoll: e.PollStop, Stopped: e.Stopped, Pid: e.Pid}
-			if e.StopErr != 0 {
-				ev.StopErr = e.StopErr
-			}
-			for w := range s.watchers {
-				select {
-				case w <- ev:
-				default:
-					delete(s.watchers, w)
-					close(w)
-				}
-			}
-			if e.PollStop {
-				continue // a replay's stop, not a receive call
-			}
-			if len(s.pending) >= maxPendingDets {
-				s.first += uint64(len(s.pending)) + 1
-				s.pending, s.fromStart = nil, false
-				a.metrics.DeterminantsHole()
-			}
-			if len(s.pending) == 0 {
-				s.readAt = now
-			}
-			s.pending = append(s.pending, det)
 		}
 		// After the drain: a count that moved means that job's record has a hole here. The recorder's total
 		// is one read; each job's only when it moved.
@@ -274,6 +278,9 @@ func (a *Agent) recordOrder(ctx context.Context) {
 		d.wakeForWatchers() // a watcher that fell behind or lost calls is gone
 		waking := d.waking
 		d.mu.Unlock()
+		for _, pid := range release {
+			unix.Kill(int(pid), unix.SIGCONT)
+		}
 		select {
 		case d.wake <- struct{}{}:
 		default:
@@ -288,6 +295,60 @@ func (a *Agent) recordOrder(ctx context.Context) {
 			}
 		}
 	}
+}
+
+// take files one recorded call, with d.mu held: to the watchers of its job, and as its job's determinant. It
+// returns a held process that nothing is to wait for (no job, no determinant), to be continued at once.
+func (a *Agent) take(e ebpfprobes.RecvEvent, now time.Time) (release uint32) {
+	d := a.det
+	held := e.Held && e.StopErr == 0
+	if e.Held && e.StopErr != 0 {
+		a.log.Warn("a receive call of a pessimistic job could not be held: its determinant may be lost in a crash after a send that depends on it", "pid", e.Pid, "err", e.StopErr)
+	}
+	if held {
+		release = e.Pid
+	}
+	if e.Flags&(unix.MSG_PEEK|unix.MSG_ERRQUEUE|unix.MSG_OOB) != 0 {
+		return release // consumed nothing of the stream; the read after a peek is the determinant
+	}
+	if !e.PollStop && e.Conn.Validate() != nil {
+		// A read on a socket already closed (unhashed: its local port reads 0) still consumes its queue, of
+		// a connection no recovery restores; as a determinant it would make its job's every batch refused.
+		return release
+	}
+	s := d.byCgroup[e.Cgroup]
+	if s == nil {
+		return release
+	}
+	det := intercept.Det{Conn: e.Conn, End: e.CopiedSeq, Len: e.Len, Thread: e.Thread, Proc: e.Proc, Pos: e.Polls}
+	ev := intercept.Event{Det: det, AtPoll: e.PollStop, Stopped: e.Stopped, Pid: e.Pid}
+	if e.StopErr != 0 && !e.Held {
+		ev.StopErr = e.StopErr
+	}
+	for w := range s.watchers {
+		select {
+		case w <- ev:
+		default:
+			delete(s.watchers, w)
+			close(w)
+		}
+	}
+	if e.PollStop {
+		return 0 // a replay's stop, not a receive call
+	}
+	if len(s.pending) >= maxPendingDets {
+		s.first += uint64(len(s.pending)) + 1
+		s.pending, s.fromStart = nil, false
+		a.metrics.DeterminantsHole()
+	}
+	if len(s.pending) == 0 {
+		s.readAt = now
+	}
+	s.pending = append(s.pending, det)
+	if held {
+		s.held = append(s.held, heldProc{pid: e.Pid, upTo: s.first + uint64(len(s.pending))})
+	}
+	return 0
 }
 
 // recordPause is how long the recorder's calls gather between two reads while no recovery watches.
@@ -326,7 +387,7 @@ func (a *Agent) shipOrder(ctx context.Context) {
 		case <-d.wake:
 		case <-retry.C:
 		}
-		if wait := a.cfg.Log.ReceiveOrderShipEvery.Duration - time.Since(last); wait > 0 {
+		if wait := a.cfg.Log.ReceiveOrderShipEvery.Duration - time.Since(last); wait > 0 && !d.holding() {
 			select {
 			case <-ctx.Done():
 				return
@@ -359,6 +420,7 @@ func (a *Agent) shipStream(ctx context.Context, s *detStream) {
 	a.mu.Unlock()
 	prot, ok := a.protectorOf(a.View(), p)
 	if !ok {
+		a.releaseHeld(s, true) // no protector to wait for: holding the job would stop it for good
 		return
 	}
 	d := a.det
@@ -386,6 +448,128 @@ func (a *Agent) shipStream(ctx context.Context, s *detStream) {
 	}
 	d.mu.Unlock()
 	a.metrics.DeterminantsShipped(n, time.Since(readAt))
+	a.releaseHeld(s, false)
+}
+
+// holding reports whether some process waits for its determinants to be shipped.
+func (d *detState) holding() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, s := range d.byJob {
+		if len(s.held) > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// releaseHeld continues s's held processes whose determinants are stored (before s.first), or all.
+func (a *Agent) releaseHeld(s *detStream, all bool) {
+	s.holdMu.Lock()
+	defer s.holdMu.Unlock()
+	d := a.det
+	d.mu.Lock()
+	var pids []uint32
+	keep := s.held[:0]
+	for _, h := range s.held {
+		if all || h.upTo <= s.first {
+			pids = append(pids, h.pid)
+		} else {
+			keep = append(keep, h)
+		}
+	}
+	s.held = keep
+	d.mu.Unlock()
+	for _, pid := range pids {
+		// Whether or not the recorder's SIGSTOP took effect yet: SIGCONT also discards a pending one.
+		if err := unix.Kill(int(pid), unix.SIGCONT); err != nil && !errors.Is(err, unix.ESRCH) {
+			a.log.Error("could not continue a process held for its determinant: it stays stopped", "job", s.job, "pid", pid, "err", err)
+		}
+	}
+}
+
+// releaseForDump prepares frozen job j's dump when it is held after receive calls: a process stopped (or
+// about to stop) by a hold would be dumped stopped and restored stopped, with nobody to continue it. Each
+// such process is continued while frozen (it stays frozen), and restop, called once CRIU is done and
+// before the thaw, stops it again: it stops as soon as it is thawed and waits for its release as before.
+func (a *Agent) releaseForDump(j Job) (restop func(), err error) {
+	d := a.det
+	if !d.holds() {
+		return func() {}, nil
+	}
+	d.mu.Lock()
+	s := d.byJob[j.ID]
+	d.mu.Unlock()
+	if s == nil {
+		return func() {}, nil
+	}
+	s.holdMu.Lock() // no release while the job is dumped: restop would stop a released process for good
+	pids, err := stoppingProcs(j.Cgroup)
+	for _, pid := range pids {
+		if kerr := unix.Kill(pid, unix.SIGCONT); kerr != nil && !errors.Is(kerr, unix.ESRCH) && err == nil {
+			err = fmt.Errorf("continue held process %d for the dump: %w", pid, kerr)
+		}
+	}
+	return sync.OnceFunc(func() {
+		defer s.holdMu.Unlock()
+		for _, pid := range pids {
+			if err := unix.Kill(pid, unix.SIGSTOP); err != nil && !errors.Is(err, unix.ESRCH) {
+				a.log.Error("could not hold a process again after its dump: it runs on before its determinant is stored", "job", j.ID, "pid", pid, "err", err)
+			}
+		}
+	}), err
+}
+
+// stoppingProcs lists the processes of cgroup dir that are stopped or have a SIGSTOP pending.
+func stoppingProcs(dir string) ([]int, error) {
+	b, err := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
+	if err != nil {
+		return nil, fmt.Errorf("list the job's processes: %w", err)
+	}
+	var out []int
+	for f := range strings.FieldsSeq(string(b)) {
+		pid, err := strconv.Atoi(f)
+		if err != nil {
+			continue
+		}
+		if stopping(pid) {
+			out = append(out, pid)
+		}
+	}
+	return out, nil
+}
+
+// stopping reports whether process pid is stopped, or a SIGSTOP is pending for it or one of its threads.
+func stopping(pid int) bool {
+	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil {
+		return false
+	}
+	const stopBit = 1 << (unix.SIGSTOP - 1)
+	for _, e := range ents {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/status", pid, e.Name()))
+		if err != nil {
+			continue
+		}
+		for l := range strings.Lines(string(b)) {
+			k, v, ok := strings.Cut(l, ":")
+			if !ok {
+				continue
+			}
+			v = strings.TrimSpace(v)
+			switch k {
+			case "State":
+				if strings.HasPrefix(v, "T") {
+					return true
+				}
+			case "SigPnd", "ShdPnd":
+				if m, err := strconv.ParseUint(v, 16, 64); err == nil && m&stopBit != 0 {
+					return true
+				}
+			}
+		}
+	}
+	return false
 }
 
 // serveDeterminants stores a batch a member shipped as its job's protector.
@@ -602,6 +786,9 @@ func continueStopped(dir string) error {
 	}
 	return errors.Join(errs...)
 }
+
+// holds reports whether this host holds its jobs' processes after their receive calls (log.pessimistic).
+func (d *detState) holds() bool { return d != nil && d.rec != nil && d.pessimistic }
 
 // positions reports whether this host counts its jobs' readiness calls (receive positions).
 func (d *detState) positions() bool { return d != nil && d.rec != nil && d.rec.Positions() }

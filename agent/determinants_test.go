@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,7 +15,9 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/intercept"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 func newTestDetState() *detState {
@@ -181,5 +184,94 @@ func TestStopsDescribe(t *testing.T) {
 	}
 	if got := s.Describe(1 << 30); !strings.Contains(got, "no thread of the job has id") {
 		t.Errorf("Describe of an unknown thread = %q", got)
+	}
+}
+
+// TestReleaseHeld: a process held after a receive call is continued once the determinants up to its call
+// are stored at the protector, not before; stopping sees a stopped process and one with a SIGSTOP pending.
+func TestReleaseHeld(t *testing.T) {
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	start := func() int {
+		cmd := exec.CommandContext(ctx, "sleep", "60")
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+		return cmd.Process.Pid
+	}
+	early, late, running := start(), start(), start()
+	for _, pid := range []int{early, late} {
+		if err := unix.Kill(pid, unix.SIGSTOP); err != nil {
+			t.Fatal(err)
+		}
+		if err := (jobStops{}).WaitStopped(ctx, uint32(pid)); err != nil {
+			t.Fatal(err)
+		}
+		if !stopping(pid) {
+			t.Fatalf("stopping(%d) = false for a stopped process", pid)
+		}
+	}
+	if stopping(running) {
+		t.Fatalf("stopping(%d) = true for a running process", running)
+	}
+	a := &Agent{log: slog.New(slog.DiscardHandler), det: newTestDetState()}
+	s := &detStream{job: "j", first: 10, held: []heldProc{{pid: uint32(early), upTo: 10}, {pid: uint32(late), upTo: 12}}}
+	a.releaseHeld(s, false)
+	isRunning := func(pid int) bool {
+		r, err := runningThreads(pid)
+		return err == nil && len(r) > 0
+	}
+	for !isRunning(early) {
+		if ctx.Err() != nil {
+			t.Fatal("the process whose determinants are stored was not continued")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if isRunning(late) || len(s.held) != 1 || s.held[0].pid != uint32(late) {
+		t.Fatalf("the process whose determinant is not stored yet was released: held %v", s.held)
+	}
+	s.first = 12
+	a.releaseHeld(s, false)
+	for !isRunning(late) {
+		if ctx.Err() != nil {
+			t.Fatal("the second process was not continued once its determinant was stored")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if len(s.held) != 0 {
+		t.Fatalf("held %v after every release", s.held)
+	}
+}
+
+// TestTakeDeterminant: a recorded call becomes its job's determinant, a held one also a hold until its
+// determinant is stored; a read on a socket already closed (local port 0) is no determinant (it made the
+// protector refuse every later batch of the job) and its process, if held, is released at once; so is a
+// held call of a job this host does not record.
+func TestTakeDeterminant(t *testing.T) {
+	a := &Agent{log: slog.New(slog.DiscardHandler), det: newTestDetState()}
+	s := &detStream{job: "j", cgroup: 7, watchers: map[chan intercept.Event]bool{}}
+	a.det.byJob["j"], a.det.byCgroup[7] = s, s
+	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:5001"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
+	closed := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:0"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
+	now := time.Now()
+	for i, tc := range []struct {
+		e       ebpfprobes.RecvEvent
+		release uint32
+		pending int
+		held    int
+	}{
+		{ebpfprobes.RecvEvent{Cgroup: 7, Conn: conn, CopiedSeq: 10, Len: 10, Pid: 100}, 0, 1, 0},
+		{ebpfprobes.RecvEvent{Cgroup: 7, Conn: conn, CopiedSeq: 20, Len: 10, Pid: 100, Held: true}, 0, 2, 1},
+		{ebpfprobes.RecvEvent{Cgroup: 7, Conn: closed, CopiedSeq: 30, Len: 5, Pid: 100, Held: true}, 100, 2, 1},
+		{ebpfprobes.RecvEvent{Cgroup: 7, Conn: conn, CopiedSeq: 30, Len: 0, Pid: 100, Held: true, StopErr: unix.ESRCH}, 0, 3, 1},
+		{ebpfprobes.RecvEvent{Cgroup: 9, Conn: conn, CopiedSeq: 30, Len: 5, Pid: 101, Held: true}, 101, 3, 1},
+	} {
+		if got := a.take(tc.e, now); got != tc.release || len(s.pending) != tc.pending || len(s.held) != tc.held {
+			t.Fatalf("event %d: release %d, %d pending, %d held; want %d, %d, %d", i, got, len(s.pending), len(s.held), tc.release, tc.pending, tc.held)
+		}
+	}
+	if h := s.held[0]; h.pid != 100 || h.upTo != 2 {
+		t.Errorf("hold %+v, want process 100 until determinant 2 is stored", h)
 	}
 }

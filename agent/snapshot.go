@@ -58,9 +58,10 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen, hashWhileDumping bo
 		},
 		Outputs: a.outputsOf(j),
 	}
-	if a.det.positions() && !frozen {
-		// The threads' readiness calls must be read at the point the dump catches the job: it is frozen
-		// for the dump instead of stopped by CRIU, and thawed as soon as CRIU is done.
+	if (a.det.positions() || a.det.holds()) && !frozen {
+		// The threads' readiness calls must be read at the point the dump catches the job, and a process
+		// held after a receive call must not be dumped stopped (releaseForDump): it is frozen for the dump
+		// instead of stopped by CRIU, and thawed as soon as CRIU is done.
 		if err := a.freezeJob(ctx, j); err != nil {
 			return nil, fmt.Errorf("snapshot of job %s: %w", j.ID, err)
 		}
@@ -69,6 +70,16 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen, hashWhileDumping bo
 		frozen = true
 	}
 	if frozen {
+		restop, err := a.releaseForDump(j)
+		defer restop()
+		if err != nil {
+			return nil, fmt.Errorf("snapshot of job %s: %w", j.ID, err)
+		}
+		if thaw := opts.Dumped; thaw != nil {
+			opts.Dumped = func() { restop(); thaw() }
+		} else {
+			opts.Dumped = restop
+		}
 		opts.FreezeCgroup = j.Cgroup
 		polls, ok, err := a.pollsAtDump(j)
 		if err != nil {

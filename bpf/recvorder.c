@@ -65,6 +65,9 @@
 #define BPF_ANY 0
 #define BPF_NOEXIST 1
 #define SIGSTOP 19
+#define MSG_OOB 1
+#define MSG_PEEK 2
+#define MSG_ERRQUEUE 0x2000
 #define EINTR 4
 #define EAGAIN 11
 #define ERESTARTSYS 512
@@ -118,9 +121,14 @@ struct pid {
 	struct upid numbers[1];
 } __attribute__((preserve_access_index));
 
+struct list_head {
+	struct list_head *next;
+} __attribute__((preserve_access_index));
+
 struct task_struct {
 	struct pid *thread_pid;
 	struct task_struct *group_leader;
+	struct list_head children;
 } __attribute__((preserve_access_index));
 
 // The system call number is orig_ax on x86-64, syscallno on arm64.
@@ -146,13 +154,16 @@ struct recv_event {
 	__u32 tid;         // thread id of the caller
 	__u32 nstid;       // the caller's thread id in its own (the job's) PID namespace
 	__u32 nspid;       // the caller's process id in that namespace
-	__u32 kind;        // EV_RECV or EV_POLL_STOP
+	__u32 kind;        // EV_RECV, EV_POLL_STOP or EV_HELD
 	__u32 stopped;     // an armed stop: 1, the thread was sent SIGSTOP; 2 + errno, sending it failed
 	__u64 polls;       // the thread's readiness calls so far (struct position)
 };
 
 #define EV_RECV 0
 #define EV_POLL_STOP 1
+// A receive call of a pessimistic job's thread, which was then stopped (stopped
+// says how) until the agent has its determinant at the job's protector.
+#define EV_HELD 2
 
 _Static_assert(sizeof(struct recv_event) == 64, "recv_event must be 64 bytes without padding");
 
@@ -219,6 +230,17 @@ struct {
 	__type(value, struct stop);
 } stops SEC(".maps");
 
+// Pessimistic jobs (cgroup ids): each receive call that consumes bytes stops
+// its thread's process (SIGSTOP) until the agent, having the call's
+// determinant stored at the job's protector, continues it: nothing the process
+// sends afterwards can depend on a determinant a crash could take.
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u64);
+	__type(value, __u8);
+} pessimistic SEC(".maps");
+
 // Per-CPU counters; the loader sums them over CPUs.
 struct order_counters {
 	__u64 recorded;          // events written
@@ -248,6 +270,10 @@ volatile __u32 consumer_polling = 0;
 // Written by the consumer (mmapped .bss): nonzero while some stop is armed,
 // so that no call looks the stops map up otherwise.
 volatile __u32 stops_armed = 0;
+
+// Written by the consumer (mmapped .bss): nonzero while some job is
+// pessimistic, so that no call looks the pessimistic map up otherwise.
+volatile __u32 pessimistic_any = 0;
 
 // The level of the job cgroups (the parent's + 1), found by the program the
 // first time a task under the parent receives: the loader would have to
@@ -370,6 +396,20 @@ static __always_inline void current_key(struct thread_key *k, __u64 cgid, __u32 
 	k->nstid = ns_nr(t->thread_pid);
 	k->pad = 0;
 	*nspid = ns_nr(t->group_leader->thread_pid);
+}
+
+// has_children reports whether the caller's process has children. Such a
+// process (a launcher, a daemon: mpirun, orted) is never held: the SIGCONT that
+// releases it would be forwarded to its children (Open MPI's mpirun and orted
+// forward it, and mpirun failed to route it before its daemons were up).
+// Children hang off the thread that forked them: the caller and its leader are
+// checked.
+static __always_inline int has_children(void)
+{
+	struct task_struct *t = bpf_get_current_task_btf();
+	struct task_struct *l = t->group_leader;
+	return (unsigned long)t->children.next != (unsigned long)&t->children ||
+	       (unsigned long)l->children.next != (unsigned long)&l->children;
 }
 
 // stop_result is recv_event.stopped for bpf_send_signal_thread's result: 1
@@ -555,6 +595,16 @@ int recvorder(__u64 *ctx)
 			e->stopped = stop_result(bpf_send_signal_thread(SIGSTOP));
 			wake = BPF_RB_FORCE_WAKEUP;
 		}
+	}
+	// A peek (or a read of urgent data or the error queue) consumes nothing of
+	// the stream, and a socket already closed (its local port reads 0) is of a
+	// connection no recovery restores: the agent records no determinant for them.
+	if (!e->stopped && ret > 0 && pessimistic_any && !(flags & (MSG_PEEK | MSG_OOB | MSG_ERRQUEUE)) &&
+	    e->lport != 0 && e->rport != 0 && !has_children() &&
+	    bpf_map_lookup_elem(&pessimistic, &cgid)) {
+		e->kind = EV_HELD;
+		e->stopped = stop_result(bpf_send_signal_thread(SIGSTOP));
+		wake = BPF_RB_FORCE_WAKEUP;
 	}
 	// A record is 8 bytes of kernel header plus the event, rounded to 8.
 	bpf_ringbuf_submit(e, wake);

@@ -239,11 +239,13 @@ func logTail(path string) string {
 		return ""
 	}
 	defer f.Close()
-	var lines []string
+	var lines, all []string
 	sc := bufio.NewScanner(f)
 	sc.Buffer(make([]byte, 64<<10), 1<<20)
 	for sc.Scan() {
-		if l := sc.Text(); strings.Contains(l, "Error") || strings.Contains(l, "error") {
+		l := sc.Text()
+		all = append(all, l)
+		if strings.Contains(l, "Error") || strings.Contains(l, "error") {
 			lines = append(lines, l)
 			if len(lines) > 6 {
 				lines = lines[1:]
@@ -252,6 +254,21 @@ func logTail(path string) string {
 	}
 	if len(lines) == 0 {
 		return " (see " + path + ")"
+	}
+	// A mapping the restorer could not make: what the log says of it (its file, flags), which the caller
+	// may not be able to read later (a lab's directory is gone with it).
+	for _, l := range lines {
+		if _, rest, ok := strings.Cut(l, "Can't restore "); ok && len(strings.Fields(rest)) > 0 {
+			addr := strings.TrimPrefix(strings.Fields(rest)[0], "0x")
+			var about []string
+			for _, a := range all {
+				if strings.Contains(a, addr) && !strings.Contains(a, "Can't restore") && len(about) < 8 {
+					about = append(about, a)
+				}
+			}
+			lines = append(lines, about...)
+			break
+		}
 	}
 	return "\n  " + strings.Join(lines, "\n  ") + "\n  (full log: " + path + ")"
 }

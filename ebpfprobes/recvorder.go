@@ -59,7 +59,8 @@ type RecvEvent struct {
 	Proc      uint32        // the caller's process id in that namespace
 	PollStop  bool          // the event is an armed stop at a readiness call, not a receive call
 	Stopped   bool          // the thread was sent SIGSTOP at this event (an armed stop)
-	StopErr   unix.Errno    // an armed stop whose SIGSTOP could not be sent: why
+	Held      bool          // a pessimistic job's receive call: its thread was sent SIGSTOP (unless StopErr), for the agent to continue once the determinant is stored (SetPessimistic)
+	StopErr   unix.Errno    // an armed stop's or a hold's SIGSTOP could not be sent: why
 	Polls     uint64        // the readiness calls the thread had made when it made this call
 }
 
@@ -79,6 +80,13 @@ func DecodeRecvEvent(raw []byte) (RecvEvent, error) {
 		return RecvEvent{}, fmt.Errorf("%w: %d bytes, want %d", ErrBadRecvEvent, len(raw), RecvEventSize)
 	}
 	h := binary.NativeEndian
+	kind, stopped := h.Uint32(raw[48:]), h.Uint32(raw[52:])
+	switch {
+	case kind > evHeld:
+		return RecvEvent{}, fmt.Errorf("%w: kind %d", ErrBadRecvEvent, kind)
+	case kind == evHeld && stopped == 0, stopped == 2:
+		return RecvEvent{}, fmt.Errorf("%w: kind %d with stop result %d", ErrBadRecvEvent, kind, stopped)
+	}
 	return RecvEvent{
 		Cgroup: h.Uint64(raw[0:]),
 		Conn: tcpflow.Tuple{
@@ -92,12 +100,19 @@ func DecodeRecvEvent(raw []byte) (RecvEvent, error) {
 		Tid:       h.Uint32(raw[36:]),
 		Thread:    h.Uint32(raw[40:]),
 		Proc:      h.Uint32(raw[44:]),
-		PollStop:  h.Uint32(raw[48:]) == 1,
-		Stopped:   h.Uint32(raw[52:]) == 1,
-		StopErr:   stopErr(h.Uint32(raw[52:])),
+		PollStop:  kind == evPollStop,
+		Stopped:   kind != evHeld && stopped == 1,
+		Held:      kind == evHeld,
+		StopErr:   stopErr(stopped),
 		Polls:     h.Uint64(raw[56:]),
 	}, nil
 }
+
+// recv_event.kind (EV_*).
+const (
+	evPollStop = 1
+	evHeld     = 2
+)
 
 // stopErr decodes recv_event.stopped's error (2 + errno).
 func stopErr(v uint32) unix.Errno {
@@ -124,6 +139,8 @@ type recvorderLoaded struct {
 	Positions       *ebpf.Map      `ebpf:"positions"`
 	Stops           *ebpf.Map      `ebpf:"stops"`
 	StopsArmed      *ebpf.Variable `ebpf:"stops_armed"`
+	Pessimistic     *ebpf.Map      `ebpf:"pessimistic"`
+	PessimisticAny  *ebpf.Variable `ebpf:"pessimistic_any"`
 	Events          *ebpf.Map      `ebpf:"events"`
 	Parent          *ebpf.Map      `ebpf:"parent"`
 	Lost            *ebpf.Map      `ebpf:"lost"`
@@ -421,6 +438,33 @@ func (r *RecvOrder) Disarm(cgroup uint64, thread uint32) error {
 	}
 	if err := r.objs.StopsArmed.Set(uint32(0)); err != nil {
 		return fmt.Errorf("recvorder: clear stops_armed: %w", err)
+	}
+	return nil
+}
+
+// SetPessimistic makes every receive call of job cgroup that consumes bytes stop its thread's process
+// (SIGSTOP, before the process runs any code of its own after the call; the call comes as a RecvEvent with
+// Held set), or no longer. The caller continues the process once the call's determinant is safe.
+func (r *RecvOrder) SetPessimistic(cgroup uint64, on bool) error {
+	if on {
+		if err := r.objs.Pessimistic.Update(cgroup, uint8(1), ebpf.UpdateAny); err != nil {
+			return fmt.Errorf("recvorder: make cgroup %d pessimistic: %w", cgroup, err)
+		}
+		if err := r.objs.PessimisticAny.Set(uint32(1)); err != nil {
+			return fmt.Errorf("recvorder: set pessimistic_any: %w", err)
+		}
+		return nil
+	}
+	if err := r.objs.Pessimistic.Delete(cgroup); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		return fmt.Errorf("recvorder: make cgroup %d optimistic: %w", cgroup, err)
+	}
+	var k uint64
+	var v uint8
+	if r.objs.Pessimistic.Iterate().Next(&k, &v) {
+		return nil
+	}
+	if err := r.objs.PessimisticAny.Set(uint32(0)); err != nil {
+		return fmt.Errorf("recvorder: clear pessimistic_any: %w", err)
 	}
 	return nil
 }

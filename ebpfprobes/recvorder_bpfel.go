@@ -73,6 +73,7 @@ const (
 	recvorderMapEvents          = "events"
 	recvorderMapLost            = "lost"
 	recvorderMapParent          = "parent"
+	recvorderMapPessimistic     = "pessimistic"
 	recvorderMapPositions       = "positions"
 	recvorderMapStats           = "stats"
 	recvorderMapStops           = "stops"
@@ -81,6 +82,7 @@ const (
 	recvorderVarConsumerPolling = "consumer_polling"
 	recvorderVarJobLevel        = "job_level"
 	recvorderVarParentCgid      = "parent_cgid"
+	recvorderVarPessimisticAny  = "pessimistic_any"
 	recvorderVarPollNr          = "poll_nr"
 	recvorderVarPositionsOn     = "positions_on"
 	recvorderVarRestartNr       = "restart_nr"
@@ -141,12 +143,13 @@ type recvorderProgramSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type recvorderMapSpecs struct {
-	Events    *ebpf.MapSpec `ebpf:"events"`
-	Lost      *ebpf.MapSpec `ebpf:"lost"`
-	Parent    *ebpf.MapSpec `ebpf:"parent"`
-	Positions *ebpf.MapSpec `ebpf:"positions"`
-	Stats     *ebpf.MapSpec `ebpf:"stats"`
-	Stops     *ebpf.MapSpec `ebpf:"stops"`
+	Events      *ebpf.MapSpec `ebpf:"events"`
+	Lost        *ebpf.MapSpec `ebpf:"lost"`
+	Parent      *ebpf.MapSpec `ebpf:"parent"`
+	Pessimistic *ebpf.MapSpec `ebpf:"pessimistic"`
+	Positions   *ebpf.MapSpec `ebpf:"positions"`
+	Stats       *ebpf.MapSpec `ebpf:"stats"`
+	Stops       *ebpf.MapSpec `ebpf:"stops"`
 }
 
 // recvorderVariableSpecs contains global variables before they are loaded into the kernel.
@@ -156,6 +159,7 @@ type recvorderVariableSpecs struct {
 	ConsumerPolling *ebpf.VariableSpec `ebpf:"consumer_polling"`
 	JobLevel        *ebpf.VariableSpec `ebpf:"job_level"`
 	ParentCgid      *ebpf.VariableSpec `ebpf:"parent_cgid"`
+	PessimisticAny  *ebpf.VariableSpec `ebpf:"pessimistic_any"`
 	PollNr          *ebpf.VariableSpec `ebpf:"poll_nr"`
 	PositionsOn     *ebpf.VariableSpec `ebpf:"positions_on"`
 	RestartNr       *ebpf.VariableSpec `ebpf:"restart_nr"`
@@ -186,12 +190,13 @@ func (o *recvorderObjects) Close() error {
 //
 // It can be passed to loadRecvorderObjects or ebpf.CollectionSpec.LoadAndAssign.
 type recvorderMaps struct {
-	Events    *ebpf.Map `ebpf:"events"`
-	Lost      *ebpf.Map `ebpf:"lost"`
-	Parent    *ebpf.Map `ebpf:"parent"`
-	Positions *ebpf.Map `ebpf:"positions"`
-	Stats     *ebpf.Map `ebpf:"stats"`
-	Stops     *ebpf.Map `ebpf:"stops"`
+	Events      *ebpf.Map `ebpf:"events"`
+	Lost        *ebpf.Map `ebpf:"lost"`
+	Parent      *ebpf.Map `ebpf:"parent"`
+	Pessimistic *ebpf.Map `ebpf:"pessimistic"`
+	Positions   *ebpf.Map `ebpf:"positions"`
+	Stats       *ebpf.Map `ebpf:"stats"`
+	Stops       *ebpf.Map `ebpf:"stops"`
 }
 
 func (m *recvorderMaps) Close() error {
@@ -199,6 +204,7 @@ func (m *recvorderMaps) Close() error {
 		m.Events,
 		m.Lost,
 		m.Parent,
+		m.Pessimistic,
 		m.Positions,
 		m.Stats,
 		m.Stops,
@@ -212,6 +218,7 @@ type recvorderVariables struct {
 	ConsumerPolling *ebpf.Variable `ebpf:"consumer_polling"`
 	JobLevel        *ebpf.Variable `ebpf:"job_level"`
 	ParentCgid      *ebpf.Variable `ebpf:"parent_cgid"`
+	PessimisticAny  *ebpf.Variable `ebpf:"pessimistic_any"`
 	PollNr          *ebpf.Variable `ebpf:"poll_nr"`
 	PositionsOn     *ebpf.Variable `ebpf:"positions_on"`
 	RestartNr       *ebpf.Variable `ebpf:"restart_nr"`

@@ -767,10 +767,16 @@ func encodeRecvEvent(e RecvEvent) []byte {
 	h.PutUint32(b[36:], e.Tid)
 	h.PutUint32(b[40:], e.Thread)
 	h.PutUint32(b[44:], e.Proc)
-	if e.PollStop {
+	switch {
+	case e.PollStop:
 		h.PutUint32(b[48:], 1)
+	case e.Held:
+		h.PutUint32(b[48:], 2)
 	}
-	if e.Stopped {
+	switch {
+	case e.StopErr != 0:
+		h.PutUint32(b[52:], 2+uint32(e.StopErr))
+	case e.Stopped || e.Held:
 		h.PutUint32(b[52:], 1)
 	}
 	h.PutUint64(b[56:], e.Polls)
@@ -808,6 +814,20 @@ func TestDecodeRecvEvent(t *testing.T) {
 			t.Errorf("%d bytes: %v, want ErrBadRecvEvent", n, err)
 		}
 	}
+	for _, held := range []RecvEvent{{Held: true, Len: 9}, {Held: true, StopErr: unix.ESRCH}, {PollStop: true, StopErr: unix.EPERM}} {
+		held.Conn = e.Conn
+		if got, err := DecodeRecvEvent(encodeRecvEvent(held)); err != nil || got != held {
+			t.Errorf("DecodeRecvEvent(encode(%+v)) = %+v, %v", held, got, err)
+		}
+	}
+	for _, bad := range [][2]uint32{{3, 0}, {2, 0}, {0, 2}} { // kind, stop result
+		raw := make([]byte, RecvEventSize)
+		binary.NativeEndian.PutUint32(raw[48:], bad[0])
+		binary.NativeEndian.PutUint32(raw[52:], bad[1])
+		if _, err := DecodeRecvEvent(raw); !errors.Is(err, ErrBadRecvEvent) {
+			t.Errorf("kind %d, stop result %d: %v, want ErrBadRecvEvent", bad[0], bad[1], err)
+		}
+	}
 }
 
 func FuzzDecodeRecvEvent(f *testing.F) {
@@ -815,14 +835,14 @@ func FuzzDecodeRecvEvent(f *testing.F) {
 	f.Add([]byte{1, 2, 3})
 	f.Fuzz(func(t *testing.T, raw []byte) {
 		e, err := DecodeRecvEvent(raw)
-		if len(raw) != RecvEventSize {
-			if err == nil {
-				t.Fatalf("%d bytes decoded", len(raw))
-			}
-			return
+		if len(raw) != RecvEventSize && err == nil {
+			t.Fatalf("%d bytes decoded", len(raw))
 		}
 		if err != nil {
-			t.Fatal(err)
+			if !errors.Is(err, ErrBadRecvEvent) {
+				t.Fatal(err)
+			}
+			return
 		}
 		if back := encodeRecvEvent(e); string(back) != string(raw) {
 			t.Fatalf("round trip % x -> %+v -> % x", raw, e, back)
@@ -1245,5 +1265,92 @@ func TestRecvOrderWakeLatency(t *testing.T) {
 		slices.Sort(d)
 		t.Logf("case %d, WakeEveryEvent=%v: event delay after its call returned: median %d us, p90 %d us, p99 %d us, max %d us",
 			i, every, d[calls/2]/1000, d[calls*9/10]/1000, d[calls*99/100]/1000, d[calls-1]/1000)
+	}
+}
+
+// TestRecvOrderPessimistic: in a pessimistic job every receive call that consumes bytes stops its process
+// right after the call (a Held event), a peek does not, and the process goes on when continued; without
+// positions too. Made optimistic again, the job's calls no longer stop it.
+func TestRecvOrderPessimistic(t *testing.T) {
+	requirePrivileges(t)
+	tn := newTestNet(t)
+	parent := streamtest.NewCgroupT(t, "ro-parent")
+	job := parent.SubT(t, "job1")
+	rec := newRecvOrderOptsT(t, RecvOrderOptions{CgroupParent: parent.Dir, RingBufferSize: 64 << 10})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cctx, stop := context.WithCancel(ctx)
+	col := collectOrder(cctx, rec)
+	defer func() { stop(); <-col.done }()
+	if err := rec.SetPessimistic(job.ID, true); err != nil {
+		t.Fatal(err)
+	}
+	ops := []recvOp{{0, 5, "peek"}, {0, 10, "recv"}, {0, 10, "recv"}, {0, 0, "wait"}, {0, 10, "recv"}}
+	srv := netip.AddrPortFrom(tn.ipB, 7303)
+	child := streamtest.StartT(t, tn.lab, hostB, job, "recvscript",
+		"FTKIT_ADDR="+srv.String(), "FTKIT_EXPECT=30", "FTKIT_SCRIPT="+formatScript(ops))
+	if l := child.LineT(ctx, t); l != "ready" {
+		t.Fatalf("server said %q, want ready", l)
+	}
+	client := dialFrom(t, tn, hostA, srv)
+	if l := child.LineT(ctx, t); l != "conn 0" {
+		t.Fatalf("server said %q, want conn 0", l)
+	}
+	if _, err := client.Write(streamtest.Stream(0, 30)); err != nil {
+		t.Fatal(err)
+	}
+	var pid, tid uint32
+	if l := child.LineT(ctx, t); func() error { _, err := fmt.Sscanf(l, "pid %d %d", &pid, &tid); return err }() != nil {
+		t.Fatalf("server said %q, want pid <tgid> <tid>", l)
+	}
+	waitState := func(what string, stopped bool) {
+		t.Helper()
+		for {
+			st, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/stat", pid, tid))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if f := strings.Fields(string(st[bytes.LastIndexByte(st, ')')+1:])); (f[0] == "T") == stopped {
+				return
+			}
+			select {
+			case <-ctx.Done():
+				t.Fatalf("the thread did not %s", what)
+			case <-time.After(time.Millisecond):
+			}
+		}
+	}
+	for i := range 2 {
+		waitState(fmt.Sprintf("stop after receive call %d", i+1), true)
+		got := col.waitEvents(ctx, t, 2+i)
+		if e := got[len(got)-1]; !e.Held || e.Stopped || e.Len != 10 || e.Pid != pid || e.Peek() {
+			t.Fatalf("event %d = %+v; want the held receive of 10 bytes", len(got)-1, e)
+		}
+		if got[0].Held || !got[0].Peek() {
+			t.Fatalf("the peek = %+v; want it recorded, not held", got[0])
+		}
+		if err := unix.Kill(int(pid), unix.SIGCONT); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The script now waits for a line: make the job optimistic first, then let it read the rest.
+	if err := rec.SetPessimistic(job.ID, false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := fmt.Fprintln(child.Stdin); err != nil {
+		t.Fatal(err)
+	}
+	if l := child.LineT(ctx, t); !strings.HasPrefix(l, "done ") {
+		t.Fatalf("server said %q, want done", l)
+	}
+	if got := col.waitEvents(ctx, t, 4); got[3].Held || got[3].Stopped || got[3].Len != 10 {
+		t.Fatalf("the receive after SetPessimistic(false) = %+v; want it neither held nor stopped", got[3])
+	}
+	if _, err := fmt.Fprintln(child.Stdin); err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, client)
+	if err := child.Wait(); err != nil {
+		t.Fatalf("server: %v", err)
 	}
 }

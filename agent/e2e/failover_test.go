@@ -206,8 +206,8 @@ func (rg *ring) wait(t *testing.T, timeout time.Duration) []string {
 }
 
 func tail(s string) string {
-	if len(s) > 300 {
-		return "..." + s[len(s)-300:]
+	if len(s) > 3000 {
+		return "..." + s[len(s)-3000:]
 	}
 	return s
 }

@@ -75,6 +75,17 @@ func TestTaskFarmReceiveOrder(t *testing.T) {
 	}
 }
 
+// TestTaskFarmPessimistic is the same crash with the master's process held after each receive call until
+// its determinant is at the protector (log.pessimistic), and receive positions: no assignment the master
+// sent can depend on a determinant the crash took, so message logging alone must recover it, transparently.
+func TestTaskFarmPessimistic(t *testing.T) {
+	t.Parallel()
+	f := runTaskFarmCrash(t, labcluster.Options{Interval: "1h", ReceivePositions: true, Pessimistic: true})
+	if f.Error != "" {
+		t.Fatalf("the recovery failed: with pessimistic determinants the task farm must recover transparently")
+	}
+}
+
 // stageDetail is the detail of f's stage name ("" if it has none).
 func stageDetail(f *agent.Failure, name string) string {
 	for _, s := range f.Stages {
@@ -122,7 +133,9 @@ func crashAfterSnapshot(t *testing.T, c *labcluster.Cluster, r *mpiRun, host str
 	if err != nil || reply.Error != "" || len(reply.Results) != 1 || !reply.Results[0].Shipped {
 		t.Fatalf("checkpoint of %s: %+v %v", host, reply, err)
 	}
-	r.waitRows(t, rows, rows(r.out.String())+more, 2*time.Minute)
+	from, start := rows(r.out.String()), time.Now()
+	r.waitRows(t, rows, from+more, 2*time.Minute)
+	t.Logf("%d rows after the snapshot in %s", rows(r.out.String())-from, time.Since(start).Round(time.Millisecond))
 	if err := c.Lab.Crash(ctx, host); err != nil {
 		t.Fatal(err)
 	}

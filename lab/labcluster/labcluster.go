@@ -70,6 +70,8 @@ type Options struct {
 	NoReceiveOrder bool
 	// ReceivePositions turns every agent's log.receive_positions on.
 	ReceivePositions bool
+	// Pessimistic turns every agent's log.pessimistic on.
+	Pessimistic bool
 	// ShipEvery is every agent's log.receive_order_ship_every (0: the default).
 	ShipEvery time.Duration
 	// ParallelRestores is every agent's failover.parallel_restores (0: the default).
@@ -291,6 +293,7 @@ func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
 		cfg.Log.ReceiveOrder = false
 	}
 	cfg.Log.ReceivePositions = c.opts.ReceivePositions
+	cfg.Log.Pessimistic = c.opts.Pessimistic
 	if c.opts.ReplayTimeout > 0 {
 		cfg.Failover.ReplayTimeout.Duration = c.opts.ReplayTimeout
 	}
