@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -522,21 +523,23 @@ func (a *Agent) releaseForDump(j Job) (restop func(), err error) {
 
 // stoppingProcs lists the processes of cgroup dir that are stopped or have a SIGSTOP pending.
 func stoppingProcs(dir string) ([]int, error) {
+	pids, err := jobProcs(dir)
+	return slices.DeleteFunc(pids, func(pid int) bool { return !stopping(pid) }), err
+}
+
+// jobProcs lists the processes of the job cgroup dir.
+func jobProcs(dir string) ([]int, error) {
 	b, err := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
 	if err != nil {
 		return nil, fmt.Errorf("list the job's processes: %w", err)
 	}
-	var out []int
+	var pids []int
 	for f := range strings.FieldsSeq(string(b)) {
-		pid, err := strconv.Atoi(f)
-		if err != nil {
-			continue
-		}
-		if stopping(pid) {
-			out = append(out, pid)
+		if pid, err := strconv.Atoi(f); err == nil {
+			pids = append(pids, pid)
 		}
 	}
-	return out, nil
+	return pids, nil
 }
 
 // stopping reports whether process pid is stopped, or a SIGSTOP is pending for it or one of its threads.
@@ -767,16 +770,12 @@ func runningThreads(pid int) ([]int, error) {
 
 // continueStopped continues each process of the job cgroup dir whose threads are all stopped.
 func continueStopped(dir string) error {
-	b, err := os.ReadFile(filepath.Join(dir, "cgroup.procs"))
+	pids, err := jobProcs(dir)
 	if err != nil {
-		return fmt.Errorf("list the job's processes: %w", err)
+		return err
 	}
 	var errs []error
-	for f := range strings.FieldsSeq(string(b)) {
-		pid, err := strconv.Atoi(f)
-		if err != nil {
-			continue
-		}
+	for _, pid := range pids {
 		if running, err := runningThreads(pid); err != nil || len(running) > 0 {
 			continue // gone, or not stopped
 		}
