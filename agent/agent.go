@@ -145,7 +145,7 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 			return nil, err
 		}
 	}
-	a.det = newDetState(a.log, cfg.Log.Enabled && cfg.Log.ReceiveOrder, cfg.Log.ReceivePositions, cfg.Log.Pessimistic, cfg.CgroupParent, cfg.Log.RingMiB<<20, cfg.Log.ReceiveOrderShipEvery.Duration == 0)
+	a.det = newDetState(a.log, cfg.Log.Enabled && cfg.Log.ReceiveOrder, cfg.Log.ReceivePositions, cfg.Log.Pessimistic, cfg.CgroupParent, cfg.Log.RingMiB<<20, cfg.Log.ReceiveOrderShipEvery.Duration)
 	if err := a.startAckClamp(); err != nil {
 		// Recovery still works, with the whole re-sent gap in the initial congestion window.
 		a.log.Warn("ACK clamp for restored sockets unavailable; large re-sent gaps may stall after a restore", "err", err)

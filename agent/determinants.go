@@ -44,6 +44,7 @@ type detState struct {
 	setWake    func(on bool) error
 	waking     bool
 	alwaysWake bool
+	pause      time.Duration // recordPause: how long calls gather between two reads while polled
 	// pessimistic: each job's processes are held after each consuming receive call until its determinant
 	// is at the protector (log.pessimistic).
 	pessimistic bool
@@ -79,8 +80,9 @@ type heldProc struct {
 const maxPendingDets = 1 << 20
 
 // newDetState loads the recorder if record (the host logs its jobs' traffic); a host that does not still
-// keeps the determinants of the jobs it protects. alwaysWake: the agent is woken for every call.
-func newDetState(log *slog.Logger, record, positions, pessimistic bool, cgroupParent string, ringBytes int, alwaysWake bool) *detState {
+// keeps the determinants of the jobs it protects. shipEvery is log.receive_order_ship_every (0: the agent
+// is woken for every call).
+func newDetState(log *slog.Logger, record, positions, pessimistic bool, cgroupParent string, ringBytes int, shipEvery time.Duration) *detState {
 	d := &detState{log: log, store: intercept.NewStore(0), byCgroup: map[uint64]*detStream{}, byJob: map[string]*detStream{}, wake: make(chan struct{}, 1)}
 	if !record {
 		return d
@@ -89,8 +91,9 @@ func newDetState(log *slog.Logger, record, positions, pessimistic bool, cgroupPa
 	// woken for every call only while a recovery's gate waits for each restored call (wakeForWatchers),
 	// or always if asked, which costs about 1.5 us more per receive call (docs/ebpf-logging.md).
 	// A held process waits for its call to be read: woken for every call, not a pause late.
-	alwaysWake = alwaysWake || pessimistic
-	rec, err := ebpfprobes.NewRecvOrder(ebpfprobes.RecvOrderOptions{CgroupParent: cgroupParent, RingBufferSize: ringBytes, WakeEveryEvent: alwaysWake, Positions: positions, Logger: log})
+	alwaysWake := shipEvery == 0 || pessimistic
+	d.pause = recordPause(shipEvery)
+	rec, err := ebpfprobes.NewRecvOrder(ebpfprobes.RecvOrderOptions{CgroupParent: cgroupParent, RingBufferSize: ringBytes, WakeEveryEvent: alwaysWake, Positions: positions, PollInterval: d.pause, Logger: log})
 	if err != nil {
 		log.Error("the receive-order recorder could not be loaded: restored jobs re-read their sockets in any order (a program that reads the first socket with data then fails its recovery, loudly)", "err", err)
 		return d
@@ -292,7 +295,7 @@ func (a *Agent) recordOrder(ctx context.Context) {
 			// a job reading a million messages a second 1.4 us a call. The ring holds far more than a pause's calls.
 			select {
 			case <-ctx.Done():
-			case <-time.After(recordPause):
+			case <-time.After(d.pause):
 			}
 		}
 	}
@@ -352,8 +355,14 @@ func (a *Agent) take(e ebpfprobes.RecvEvent, now time.Time) (release uint32) {
 	return 0
 }
 
-// recordPause is how long the recorder's calls gather between two reads while no recovery watches.
-const recordPause = time.Millisecond
+// recordPause is how long the recorder's calls gather between two reads while no recovery watches: half of
+// the shipping interval (they leave in batches that far apart anyway), between 1 and 10 ms. Every wakeup
+// of an agent costs more than its own work: the Go runtime's sysmon, woken by the first system call after
+// the process was idle, polls at 20 us intervals for the next millisecond. At 1 ms, a stencil's halo
+// exchange every 12 ms cost each agent about 400 wakeups a second for this reader alone.
+func recordPause(shipEvery time.Duration) time.Duration {
+	return min(max(shipEvery/2, time.Millisecond), 10*time.Millisecond)
+}
 
 func (s *detStream) dropWatchers() {
 	for w := range s.watchers {
@@ -378,15 +387,14 @@ const maxShipEvery = time.Second
 // log.receive_order_ship_every apart, until ctx ends.
 func (a *Agent) shipOrder(ctx context.Context) {
 	d := a.det
-	retry := time.NewTicker(100 * time.Millisecond)
-	defer retry.Stop()
+	var retry <-chan time.Time // armed while a round left determinants behind (no protector answered)
 	var last time.Time
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-d.wake:
-		case <-retry.C:
+		case <-retry:
 		}
 		if wait := a.cfg.Log.ReceiveOrderShipEvery.Duration - time.Since(last); wait > 0 && !d.holding() {
 			select {
@@ -404,14 +412,21 @@ func (a *Agent) shipOrder(ctx context.Context) {
 			}
 		}
 		d.mu.Unlock()
+		retry = nil
 		for _, s := range todo {
-			a.shipStream(ctx, s)
+			if !a.shipStream(ctx, s) {
+				retry = time.After(nextTick(time.Now(), shipRetry))
+			}
 		}
 	}
 }
 
-// shipStream sends one batch of s's pending determinants to its job's protector.
-func (a *Agent) shipStream(ctx context.Context, s *detStream) {
+// shipRetry is how soon a batch no protector took is offered again, new calls or not.
+const shipRetry = 100 * time.Millisecond
+
+// shipStream sends one batch of s's pending determinants to its job's protector. It reports whether it
+// left none behind for a retry (a batch refused or unanswered, more than a batch pending).
+func (a *Agent) shipStream(ctx context.Context, s *detStream) bool {
 	a.mu.Lock()
 	j, ok := a.byID[s.job]
 	var p *Placement
@@ -422,7 +437,7 @@ func (a *Agent) shipStream(ctx context.Context, s *detStream) {
 	prot, ok := a.protectorOf(a.View(), p)
 	if !ok {
 		a.releaseHeld(s, true) // no protector to wait for: holding the job would stop it for good
-		return
+		return false
 	}
 	d := a.det
 	d.mu.Lock()
@@ -439,7 +454,7 @@ func (a *Agent) shipStream(ctx context.Context, s *detStream) {
 	}
 	if err != nil {
 		a.log.Debug("determinants not shipped; retrying", "job", s.job, "protector", prot.Name, "err", err)
-		return
+		return false
 	}
 	d.mu.Lock()
 	if s.first == batch.First { // no hole was made meanwhile
@@ -447,9 +462,11 @@ func (a *Agent) shipStream(ctx context.Context, s *detStream) {
 		s.first += uint64(n)
 		// The rest keep the oldest read time: their lag is overstated, never understated.
 	}
+	left := len(s.pending) > 0
 	d.mu.Unlock()
 	a.metrics.DeterminantsShipped(n, time.Since(readAt))
 	a.releaseHeld(s, false)
+	return !left
 }
 
 // holding reports whether some process waits for its determinants to be shipped.

@@ -275,3 +275,17 @@ func TestTakeDeterminant(t *testing.T) {
 		t.Errorf("hold %+v, want process 100 until determinant 2 is stored", h)
 	}
 }
+
+func TestRecordPause(t *testing.T) {
+	for _, c := range []struct{ ship, want time.Duration }{
+		{DefaultShipEvery, 10 * time.Millisecond},
+		{2 * time.Millisecond, time.Millisecond},
+		{time.Millisecond, time.Millisecond}, // never below a millisecond
+		{maxShipEvery, 10 * time.Millisecond},
+		{8 * time.Millisecond, 4 * time.Millisecond},
+	} {
+		if got := recordPause(c.ship); got != c.want {
+			t.Errorf("recordPause(%s) = %s, want %s", c.ship, got, c.want)
+		}
+	}
+}

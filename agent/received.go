@@ -46,7 +46,9 @@ var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 // startReceiveDigests loads the receive tap and starts recording into a book; protect attaches the tap
 // to each job's cgroup.
 func (a *Agent) startReceiveDigests() (*ebpfprobes.RecvTap, *recvdigest.Book, *recvdigest.Recorder, error) {
-	tap, err := ebpfprobes.NewRecvTap(ebpfprobes.RecvTapOptions{RingBufferSize: a.cfg.Log.RingMiB << 20, Logger: a.log})
+	// Polled as the sender-side log is: a book is read at a recovery, after the failure's detection, never
+	// byte by byte as it is written.
+	tap, err := ebpfprobes.NewRecvTap(ebpfprobes.RecvTapOptions{RingBufferSize: a.cfg.Log.RingMiB << 20, PollInterval: capture.DefaultPollInterval, Logger: a.log})
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("load the receive tap (re-sent bytes could not be checked without it): %w", err)
 	}

@@ -11,6 +11,7 @@ import (
 	"net/netip"
 	"path/filepath"
 	"sync"
+	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
@@ -32,12 +33,15 @@ type RecvOrderOptions struct {
 	// WakeEveryEvent wakes a waiting ReadBatch for every event (initially:
 	// SetWakeEveryEvent switches it later). By default,
 	// while ReadBatch keeps finding events it polls the ring every
-	// millisecond instead of being woken (cheaper per event, as for
+	// PollInterval instead of being woken (cheaper per event, as for
 	// TCPLogger), so an event can reach it up to a poll interval late. A
 	// consumer that waits for one particular event (the spare's replay,
 	// which injects the next bytes once the restored process asked for
 	// them) wants it at once.
 	WakeEveryEvent bool
+	// PollInterval is how long a ReadBatch that keeps finding events sleeps before it looks again unless
+	// woken, as TCPLoggerOptions.PollInterval (0: a millisecond).
+	PollInterval time.Duration
 	// Positions counts each job thread's readiness calls (RecvEvent.Polls, PollCounts, stops at readiness
 	// calls): every system call of the host then takes the kernel's traced exit path.
 	Positions bool
@@ -253,7 +257,7 @@ func NewRecvOrder(opts RecvOrderOptions) (*RecvOrder, error) {
 		_ = r.closeObjects()
 		return nil, fmt.Errorf("recvorder: open ring buffer reader: %w", err)
 	}
-	r.consumer = ringConsumer{log: log, ring: r.ring, flag: r.objs.ConsumerPolling}
+	r.consumer = ringConsumer{log: log, ring: r.ring, flag: r.objs.ConsumerPolling, poll: opts.PollInterval}
 	if err := r.SetWakeEveryEvent(opts.WakeEveryEvent); err != nil {
 		_ = r.ring.close()
 		_ = r.closeObjects()

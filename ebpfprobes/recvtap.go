@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"path/filepath"
 	"sync"
+	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
@@ -26,6 +27,9 @@ type RecvTapOptions struct {
 	// of two and a multiple of the page size, holding the largest received
 	// (GRO) segment plus 44 bytes. 0 means DefaultRingBufferSize.
 	RingBufferSize int
+	// PollInterval is how long a ReadBatch that keeps finding records sleeps before it looks again, as
+	// TCPLoggerOptions.PollInterval (0: a millisecond).
+	PollInterval time.Duration
 	// Logger receives attach/detach events; nil discards them.
 	Logger *slog.Logger
 }
@@ -114,7 +118,7 @@ func NewRecvTap(opts RecvTapOptions) (*RecvTap, error) {
 		_ = t.closeObjects()
 		return nil, fmt.Errorf("recvtap: open ring buffer reader: %w", err)
 	}
-	t.consumer = ringConsumer{log: log, ring: t.ring, flag: t.objs.ConsumerPolling}
+	t.consumer = ringConsumer{log: log, ring: t.ring, flag: t.objs.ConsumerPolling, poll: opts.PollInterval}
 	log.Debug("recvtap: loaded", "ring_bytes", size)
 	return t, nil
 }

@@ -12,6 +12,7 @@ import (
 	"runtime"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 	"unsafe"
 
@@ -61,6 +62,13 @@ type ringReader struct {
 	life   sync.RWMutex
 	closed atomic.Bool
 	epfd   int
+	// ep is epfd in the Go runtime's poller: a wait parks the goroutine instead of holding a thread in
+	// epoll_wait. A thread blocked in a system call for more than 10 ms has its P taken back by the
+	// runtime's sysmon, which then polls at 20 us intervals for a while: three readers waiting 100 ms at a
+	// time kept each agent's sysmon awake thousands of times a second (half of an idle agent's CPU, measured
+	// with perf during the compare benchmark). nil if the runtime cannot poll it: wait then blocks.
+	ep     *os.File
+	epc    syscall.RawConn
 	evfd   int // eventfd: Flush and Close write it to interrupt a wait
 	cons   []byte
 	prod   []byte
@@ -100,6 +108,21 @@ func newRingReader(name string, mapFD, size int) (*ringReader, error) {
 		if err := unix.EpollCtl(r.epfd, unix.EPOLL_CTL_ADD, fd, &unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(fd)}); err != nil {
 			return fail(fmt.Errorf("epoll_ctl add fd %d: %w", fd, err))
 		}
+	}
+	if err := unix.SetNonblock(r.epfd, true); err != nil {
+		return fail(fmt.Errorf("epoll fd non-blocking: %w", err))
+	}
+	// The file owns epfd from here on (release closes it through the file).
+	r.ep = os.NewFile(uintptr(r.epfd), name+" ring buffer epoll")
+	if err := r.ep.SetReadDeadline(time.Time{}); err != nil {
+		// Not in the runtime's poller (os.ErrNoDeadline): wait blocks in epoll_wait, as before.
+		if err := unix.SetNonblock(r.epfd, false); err != nil {
+			return fail(fmt.Errorf("epoll fd blocking: %w", err))
+		}
+		return r, nil
+	}
+	if r.epc, err = r.ep.SyscallConn(); err != nil {
+		return fail(fmt.Errorf("epoll fd raw conn: %w", err))
 	}
 	return r, nil
 }
@@ -167,7 +190,12 @@ func (r *ringReader) empty() bool {
 // wait sleeps until the kernel wakes the ring, Flush or Close is called, or
 // timeout passes. It reports whether it was flushed. The caller holds r.life for reading.
 func (r *ringReader) wait(timeout time.Duration) (flushed bool, err error) {
-	n, err := unix.EpollWait(r.epfd, r.events, int(timeout.Milliseconds()))
+	var n int
+	if r.epc == nil {
+		n, err = unix.EpollWait(r.epfd, r.events, int(timeout.Milliseconds()))
+	} else {
+		n, err = r.pollWait(timeout)
+	}
 	if err != nil && !errors.Is(err, unix.EINTR) {
 		return false, fmt.Errorf("%s: wait for ring buffer: %w", r.name, err)
 	}
@@ -179,6 +207,25 @@ func (r *ringReader) wait(timeout time.Duration) (flushed bool, err error) {
 		}
 	}
 	return flushed, nil
+}
+
+// pollWait is wait's epoll_wait through the runtime's poller: it looks without blocking and, if nothing
+// is ready, parks until the epoll fd turns readable or timeout passes (0 events, no error).
+func (r *ringReader) pollWait(timeout time.Duration) (n int, err error) {
+	if err := r.ep.SetReadDeadline(time.Now().Add(timeout)); err != nil {
+		return 0, err
+	}
+	rerr := r.epc.Read(func(fd uintptr) bool {
+		n, err = unix.EpollWait(int(fd), r.events, 0)
+		return n > 0 || (err != nil && !errors.Is(err, unix.EINTR))
+	})
+	if errors.Is(rerr, os.ErrDeadlineExceeded) {
+		return 0, nil
+	}
+	if err == nil {
+		err = rerr
+	}
+	return n, err
 }
 
 // flush interrupts a wait. It holds life so that it never writes to the
@@ -211,6 +258,12 @@ func (r *ringReader) close() error {
 
 func (r *ringReader) release() error {
 	var errs []error
+	if r.ep != nil {
+		if err := r.ep.Close(); err != nil {
+			errs = append(errs, err)
+		}
+		r.ep, r.epc, r.epfd = nil, nil, -1
+	}
 	for _, fd := range []int{r.epfd, r.evfd} {
 		if fd >= 0 {
 			if err := unix.Close(fd); err != nil {
