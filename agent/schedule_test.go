@@ -66,9 +66,13 @@ func TestSnapScheduler(t *testing.T) {
 			{at: 5 * time.Second, jobs: []Job{job("a")}, want: []string{"a"}, after: []Job{job("a")}},
 			{at: 8 * time.Second, jobs: []Job{job("a")}, want: []string{"a"}, after: []Job{job("a")}},
 		}},
-		{name: "an adopted job with a replica keeps its interval", interval: time.Minute, steps: []step{
-			{at: 0, jobs: []Job{protected(job("a"), t0.Add(-50*time.Second))}},
-			{at: 10 * time.Second, jobs: []Job{protected(job("a"), t0.Add(-50*time.Second))}, want: []string{"a"}},
+		{name: "an adopted job with a replica is due at the grid point at least half an interval after it", interval: time.Minute, steps: []step{
+			{at: 0, jobs: []Job{protected(job("a"), t0.Add(-10*time.Second))}},
+			{at: 59 * time.Second, jobs: []Job{protected(job("a"), t0.Add(-10*time.Second))}},
+			{at: 60 * time.Second, jobs: []Job{protected(job("a"), t0.Add(-10*time.Second))}, want: []string{"a"}},
+		}},
+		{name: "an adopted job whose replica is old is due on the grid at once", interval: time.Minute, steps: []step{
+			{at: 0, jobs: []Job{protected(job("a"), t0.Add(-50*time.Second))}, want: []string{"a"}},
 		}},
 		{name: "a restored job is left to its recovery for an interval", interval: time.Minute, steps: []step{
 			{at: 0, jobs: []Job{restored}},
@@ -107,8 +111,9 @@ func TestSnapScheduler(t *testing.T) {
 			{at: 10 * time.Second, jobs: []Job{protected(job("a"), t0)}},
 			{at: 11 * time.Second, jobs: []Job{protected(job("a"), t0), job("b")}, want: []string{""},
 				after: []Job{protected(job("a"), t0), protected(job("b"), t0.Add(11*time.Second))}},
-			{at: 70 * time.Second, jobs: []Job{protected(job("a"), t0), protected(job("b"), t0.Add(11*time.Second))}},
-			{at: 71 * time.Second, jobs: []Job{protected(job("a"), t0), protected(job("b"), t0.Add(11*time.Second))}, want: []string{""}},
+			// On the grid (t0 is on it): 49 s after the attempt, more than half an interval.
+			{at: 59 * time.Second, jobs: []Job{protected(job("a"), t0), protected(job("b"), t0.Add(11*time.Second))}},
+			{at: 60 * time.Second, jobs: []Job{protected(job("a"), t0), protected(job("b"), t0.Add(11*time.Second))}, want: []string{""}},
 		}},
 		{name: "semi-coordinated: the host retries while one job lacks a replica", semi: true, interval: time.Hour, steps: []step{
 			{at: 0, jobs: []Job{protected(job("a"), t0), job("b")}, want: []string{""}, after: []Job{protected(job("a"), t0), job("b")}},
@@ -207,6 +212,83 @@ func TestUnrecoverableConns(t *testing.T) {
 		for _, g := range got {
 			if !strings.Contains(g, "192.0.2.7:80") || !strings.Contains(g, "not a cluster member") {
 				t.Errorf("%s: %q does not name the peer and why", tt.name, g)
+			}
+		}
+	}
+}
+
+func TestNextTick(t *testing.T) {
+	base := time.Unix(1_800_000_000, 0) // a multiple of every period below
+	for _, c := range []struct {
+		now    time.Time
+		period time.Duration
+		want   time.Duration
+	}{
+		{base, 100 * time.Millisecond, 100 * time.Millisecond},
+		{base.Add(30 * time.Millisecond), 100 * time.Millisecond, 70 * time.Millisecond},
+		{base.Add(130 * time.Millisecond), 200 * time.Millisecond, 70 * time.Millisecond},
+		{base.Add(999 * time.Millisecond), time.Second, time.Millisecond},
+		{base.Add(10 * time.Millisecond), 50 * time.Millisecond, 40 * time.Millisecond},
+	} {
+		got := nextTick(c.now, c.period)
+		if got != c.want {
+			t.Errorf("nextTick(base+%s, %s) = %s, want %s", c.now.Sub(base), c.period, got, c.want)
+		}
+		// Loops with periods that divide each other tick at the same instants.
+		if at := c.now.Add(got); at.UnixNano()%int64(c.period) != 0 {
+			t.Errorf("nextTick(base+%s, %s) lands at %s, not on a multiple of the period", c.now.Sub(base), c.period, at)
+		}
+	}
+}
+
+// TestSnapSchedulerAlignsRun: ranks of one run whose first snapshots were taken seconds apart are then
+// snapshotted at the same instants, an interval apart; the scheduler's ticks (100 ms) are simulated.
+func TestSnapSchedulerAlignsRun(t *testing.T) {
+	t0 := time.Date(2026, 11, 27, 10, 0, 0, 0, time.UTC)
+	const iv = 5 * time.Second
+	rank := func(id string, replica time.Duration) Job {
+		j := Job{ID: id, Node: "node1", State: JobRunning, Replica: &Replica{Snapshot: "s", Time: t0.Add(replica), Node: "node1"}}
+		j.Spec.Run = "lammps-42"
+		return j
+	}
+	for _, semi := range []bool{false, true} {
+		jobs := []Job{rank("r0", 0), rank("r1", 1300*time.Millisecond), rank("r2", 3700*time.Millisecond)}
+		s := newSnapScheduler(semi)
+		times := map[string][]time.Duration{}
+		for at := 3800 * time.Millisecond; at < 30*time.Second; at += 100 * time.Millisecond {
+			now := t0.Add(at)
+			due, keys, _ := s.due(jobs, now, func(string) time.Duration { return iv })
+			if semi && len(keys) > 0 {
+				due = []string{"r0", "r1", "r2"}
+			}
+			for _, id := range due {
+				times[id] = append(times[id], at)
+			}
+			s.attempted(keys, jobs, now)
+		}
+		after := func(id string) []time.Duration { // the instants once every rank had its first
+			return slices.DeleteFunc(slices.Clone(times[id]), func(d time.Duration) bool { return d < 10*time.Second })
+		}
+		for _, id := range []string{"r1", "r2"} {
+			if !slices.Equal(after(id), after("r0")) {
+				t.Errorf("semi %v: %s snapshotted at %v, r0 at %v: want the same instants after the first", semi, id, times[id], times["r0"])
+			}
+		}
+		ts := after("r0")
+		if len(ts) < 3 {
+			t.Fatalf("semi %v: %d snapshots from 10 s to 30 s at a 5 s interval", semi, len(ts))
+		}
+		for i := 1; i < len(ts); i++ {
+			if d := ts[i] - ts[i-1]; d != iv {
+				t.Errorf("semi %v: snapshots %s apart (%v), want the interval %s", semi, d, ts, iv)
+			}
+		}
+		if semi {
+			continue
+		}
+		for _, j := range jobs { // the first comes between half and one and a half intervals after the replica
+			if gap := times[j.ID][0] - j.Replica.Time.Sub(t0); gap < iv/2 || gap > 3*iv/2 {
+				t.Errorf("%s: first snapshot %s after its replica, want between %s and %s", j.ID, gap, iv/2, 3*iv/2)
 			}
 		}
 	}
