@@ -42,7 +42,8 @@ import (
 // a replicated snapshot, d's ranks have all written their first checkpoint. Failure-free runs are repeated
 // size.Rounds times (median reported). Every run's checksum is compared with an unprotected loopback run.
 //
-// FTBENCH_SIZE=small (CI, under a minute) or large (default).
+// FTBENCH_SIZE=small (CI, under a minute) or large (default). FTBENCH_COMPARE_VARIANTS=a,b (a list) runs
+// only those variants, without failures: a quick measurement of a change's failure-free cost.
 func benchCompare(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 	binDir, err := ownDir()
 	if err != nil {
@@ -137,6 +138,7 @@ type variantRun struct {
 	SnapshotMB       float64  `json:"snapshot_mean_mb,omitempty"`   // c: mean CRIU image size per rank
 	SnapshotFrozenMs float64  `json:"snapshot_frozen_ms,omitempty"` // c: median time a rank was frozen
 	AppCkptMB        float64  `json:"app_ckpt_mb,omitempty"`        // d: one rank's checkpoint file
+	AgentsCPUS       float64  `json:"agents_cpu_s,omitempty"`       // b, c without a failure: every agent's CPU time during the run
 	Checksums        []string `json:"checksums,omitempty"`
 }
 
@@ -196,6 +198,10 @@ func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compare
 		"the crash waits, if need be, until c's crashed rank has a replicated snapshot and d's ranks have all written a checkpoint: crash_offset_s is when it came",
 		"failure-free: median of size.rounds runs per variant; with a failure: one run each; a shared 2-core machine",
 	}}
+	only := variantFilter(os.Getenv("FTBENCH_COMPARE_VARIANTS"))
+	if only != nil {
+		o.Notes = append(o.Notes, fmt.Sprintf("FTBENCH_COMPARE_VARIANTS=%s: only these variants, without failures", os.Getenv("FTBENCH_COMPARE_VARIANTS")))
+	}
 	plain := &plainLauncher{prog: prog, sz: sz, args: args, ref: ref, log: log}
 	jobs := &jobLauncher{prog: prog, sz: sz, args: args, ref: ref, log: log}
 
@@ -204,6 +210,9 @@ func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compare
 	for round := range sz.Rounds {
 		err = withLab(ctx, log, sz, nil, func(l *lab.Lab, _ *labcluster.Cluster) error {
 			for _, v := range []string{"a", "d"} {
+				if !only.has(v) && !(v == "a" && round == 0) { // c's interval comes from a's first run
+					continue
+				}
 				r, err := plain.run(ctx, l, v, nil, 7600+10*round)
 				if err != nil {
 					return err
@@ -225,13 +234,27 @@ func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compare
 		}
 		err = withLab(ctx, log, sz, agents, func(l *lab.Lab, c *labcluster.Cluster) error {
 			for _, v := range []string{"b", "c"} {
+				if !only.has(v) {
+					continue
+				}
 				interval := "1h"
 				if v == "c" {
 					interval = o.Interval.String()
 				}
+				before, err := agentsCPU(c)
+				if err != nil {
+					return err
+				}
 				r, err := jobs.run(ctx, c, v, interval, 0, 7605+10*round)
 				if err != nil {
 					return err
+				}
+				after, err := agentsCPU(c)
+				if err != nil {
+					return err
+				}
+				for h, s := range after {
+					r.AgentsCPUS += s - before[h]
 				}
 				r.Round = round
 				o.Runs = append(o.Runs, *r)
@@ -241,6 +264,9 @@ func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compare
 		if err != nil {
 			return nil, err
 		}
+	}
+	if only != nil {
+		return o, nil
 	}
 	crashAt := time.Duration(sz.CrashAt * o.run("a", false).Seconds * float64(time.Second))
 	log.Info("compare: plain run measured", "seconds", o.run("a", false).Seconds, "ftkit_interval", o.Interval, "crash_at", crashAt)
@@ -272,6 +298,23 @@ func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compare
 	}
 	return o, nil
 }
+
+// variantSet is the variants FTBENCH_COMPARE_VARIANTS names (a comma-separated list, for a quick
+// failure-free measurement of some of them), or nil for all of them with their failure runs.
+type variantSet map[string]bool
+
+func variantFilter(env string) variantSet {
+	if env == "" {
+		return nil
+	}
+	set := variantSet{}
+	for _, v := range strings.Split(env, ",") {
+		set[strings.TrimSpace(v)] = true
+	}
+	return set
+}
+
+func (s variantSet) has(v string) bool { return s == nil || s[v] }
 
 // cmpAgents is the comparison's agents: every job protected from its start (interval 1h), the heartbeat
 // every variant's detection is matched to.
@@ -837,6 +880,9 @@ func (o *compareOutcome) metrics() []Metric {
 			add(v.key+"_seconds", r.Seconds, "s")
 			if v.key != "a" && base != nil {
 				add(v.key+"_overhead", (r.Seconds/base.Seconds-1)*100, "%")
+			}
+			if r.AgentsCPUS > 0 {
+				add(v.key+"_agents_cpu", r.AgentsCPUS, "s")
 			}
 		}
 	}
