@@ -21,6 +21,7 @@ import (
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/intercept"
+	"github.com/ftkit/ftkit/internal/tickgrid"
 )
 
 // Receive-order determinants (package intercept): this host records the receive calls of its jobs
@@ -295,7 +296,7 @@ func (a *Agent) recordOrder(ctx context.Context) {
 			// a job reading a million messages a second 1.4 us a call. The ring holds far more than a pause's calls.
 			select {
 			case <-ctx.Done():
-			case <-time.After(d.pause):
+			case <-time.After(tickgrid.Until(time.Now(), d.pause)):
 			}
 		}
 	}
@@ -383,8 +384,8 @@ const DefaultShipEvery = 20 * time.Millisecond
 // maxShipEvery bounds log.receive_order_ship_every: beyond it nearly every crash takes determinants with it.
 const maxShipEvery = time.Second
 
-// shipOrder sends each job's new determinants to its protector as they come, in rounds at least
-// log.receive_order_ship_every apart, until ctx ends.
+// shipOrder sends each job's new determinants to its protector as they come, in rounds on multiples of
+// log.receive_order_ship_every (tickgrid), until ctx ends.
 func (a *Agent) shipOrder(ctx context.Context) {
 	d := a.det
 	var retry <-chan time.Time // armed while a round left determinants behind (no protector answered)
@@ -396,11 +397,12 @@ func (a *Agent) shipOrder(ctx context.Context) {
 		case <-d.wake:
 		case <-retry:
 		}
-		if wait := a.cfg.Log.ReceiveOrderShipEvery.Duration - time.Since(last); wait > 0 && !d.holding() {
+		if every := a.cfg.Log.ReceiveOrderShipEvery.Duration; time.Since(last) < every && !d.holding() {
+			// On the grid of the interval, where the recorder's reads (half of it) fall too: one wakeup.
 			select {
 			case <-ctx.Done():
 				return
-			case <-time.After(wait):
+			case <-time.After(tickgrid.Until(time.Now(), every)):
 			}
 		}
 		last = time.Now()
@@ -415,7 +417,7 @@ func (a *Agent) shipOrder(ctx context.Context) {
 		retry = nil
 		for _, s := range todo {
 			if !a.shipStream(ctx, s) {
-				retry = time.After(nextTick(time.Now(), shipRetry))
+				retry = time.After(tickgrid.Until(time.Now(), shipRetry))
 			}
 		}
 	}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/interval"
+	"github.com/ftkit/ftkit/internal/tickgrid"
 )
 
 // policyFor returns the interval policy of a job (of the whole host in semi-coordinated mode, where all
@@ -346,10 +347,10 @@ func waitFrozen(ctx context.Context, cgroups []string, timeout time.Duration) er
 }
 
 // every runs fn each period until ctx ends: the shape of the agent's background loops. Its ticks fall on
-// multiples of period (nextTick), so loops whose periods divide each other wake the agent together; a tick
+// multiples of period (tickgrid), so loops whose periods divide each other wake the agent together; a tick
 // that finds fn still running is skipped, as a ticker drops it.
 func every(ctx context.Context, period time.Duration, fn func()) {
-	t := time.NewTimer(nextTick(time.Now(), period))
+	t := time.NewTimer(tickgrid.Until(time.Now(), period))
 	defer t.Stop()
 	for {
 		select {
@@ -358,16 +359,8 @@ func every(ctx context.Context, period time.Duration, fn func()) {
 		case <-t.C:
 		}
 		fn()
-		t.Reset(nextTick(time.Now(), period))
+		t.Reset(tickgrid.Until(time.Now(), period))
 	}
-}
-
-// nextTick is how long from now to the next multiple of period since the Unix epoch (period, not 0, when
-// now is one). Each wakeup of an idle agent costs more than the work it does: the Go runtime's sysmon,
-// woken by the first system call, polls at 20 us intervals for the next millisecond; ticks of separate
-// loops at separate instants paid that once each (perf, during the compare benchmark).
-func nextTick(now time.Time, period time.Duration) time.Duration {
-	return period - time.Duration(now.UnixNano()%int64(period))
 }
 
 // unrecoverableConns names the connections of a snapshot that no restore could rebuild, and why. A peer

@@ -217,30 +217,6 @@ func TestUnrecoverableConns(t *testing.T) {
 	}
 }
 
-func TestNextTick(t *testing.T) {
-	base := time.Unix(1_800_000_000, 0) // a multiple of every period below
-	for _, c := range []struct {
-		now    time.Time
-		period time.Duration
-		want   time.Duration
-	}{
-		{base, 100 * time.Millisecond, 100 * time.Millisecond},
-		{base.Add(30 * time.Millisecond), 100 * time.Millisecond, 70 * time.Millisecond},
-		{base.Add(130 * time.Millisecond), 200 * time.Millisecond, 70 * time.Millisecond},
-		{base.Add(999 * time.Millisecond), time.Second, time.Millisecond},
-		{base.Add(10 * time.Millisecond), 50 * time.Millisecond, 40 * time.Millisecond},
-	} {
-		got := nextTick(c.now, c.period)
-		if got != c.want {
-			t.Errorf("nextTick(base+%s, %s) = %s, want %s", c.now.Sub(base), c.period, got, c.want)
-		}
-		// Loops with periods that divide each other tick at the same instants.
-		if at := c.now.Add(got); at.UnixNano()%int64(c.period) != 0 {
-			t.Errorf("nextTick(base+%s, %s) lands at %s, not on a multiple of the period", c.now.Sub(base), c.period, at)
-		}
-	}
-}
-
 // TestSnapSchedulerAlignsRun: ranks of one run whose first snapshots were taken seconds apart are then
 // snapshotted at the same instants, an interval apart; the scheduler's ticks (100 ms) are simulated.
 func TestSnapSchedulerAlignsRun(t *testing.T) {

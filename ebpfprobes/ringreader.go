@@ -18,6 +18,8 @@ import (
 
 	"github.com/cilium/ebpf"
 	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/internal/tickgrid"
 )
 
 // Ring buffer record header bits (linux/bpf.h: BPF_RINGBUF_BUSY_BIT,
@@ -339,7 +341,8 @@ func (c *ringConsumer) readBatch(ctx context.Context, max int, fn func(raw []byt
 			}
 			timeout = idleTimeout
 		}
-		flushed, err := r.wait(timeout)
+		// On the grid of the interval: the agent's other loops, on multiples of theirs, wake it then too.
+		flushed, err := r.wait(tickgrid.Until(time.Now(), timeout))
 		if err != nil {
 			return 0, err
 		}

@@ -1,0 +1,18 @@
+// Package tickgrid puts periodic wakeups on a grid of wall-clock instants, multiples of their period since
+// the Unix epoch, so that loops whose periods divide each other wake a process together.
+//
+// A wakeup of a Go daemon costs more than the work it does: the runtime's sysmon thread, woken by the first
+// system call after the process was idle, polls at 20 us intervals while the process stays busy. An agent's
+// loops ticking at separate instants paid that once each (docs/design.md, "What an agent costs its host").
+package tickgrid
+
+import "time"
+
+// Until is how long from now to the next multiple of period since the Unix epoch: period, not 0, when now
+// is one. A period of 0 or less returns 0.
+func Until(now time.Time, period time.Duration) time.Duration {
+	if period <= 0 {
+		return 0
+	}
+	return period - time.Duration(now.UnixNano()%int64(period))
+}

@@ -1,0 +1,34 @@
+package tickgrid
+
+import (
+	"testing"
+	"time"
+)
+
+func TestUntil(t *testing.T) {
+	base := time.Unix(1_800_000_000, 0) // a multiple of every period below
+	for _, c := range []struct {
+		now    time.Time
+		period time.Duration
+		want   time.Duration
+	}{
+		{base, 100 * time.Millisecond, 100 * time.Millisecond},
+		{base.Add(30 * time.Millisecond), 100 * time.Millisecond, 70 * time.Millisecond},
+		{base.Add(130 * time.Millisecond), 200 * time.Millisecond, 70 * time.Millisecond},
+		{base.Add(999 * time.Millisecond), time.Second, time.Millisecond},
+		{base.Add(10 * time.Millisecond), 50 * time.Millisecond, 40 * time.Millisecond},
+		{base.Add(3 * time.Millisecond), 25 * time.Millisecond, 22 * time.Millisecond},
+	} {
+		got := Until(c.now, c.period)
+		if got != c.want {
+			t.Errorf("Until(base+%s, %s) = %s, want %s", c.now.Sub(base), c.period, got, c.want)
+		}
+		// Loops with periods that divide each other wake at the same instants.
+		if at := c.now.Add(got); at.UnixNano()%int64(c.period) != 0 {
+			t.Errorf("Until(base+%s, %s) lands at %s, not on a multiple of the period", c.now.Sub(base), c.period, at)
+		}
+	}
+	if got := Until(base, 0); got != 0 {
+		t.Errorf("Until(base, 0) = %s, want 0", got)
+	}
+}
