@@ -67,8 +67,8 @@ type ringReader struct {
 	// ep is epfd in the Go runtime's poller: a wait parks the goroutine instead of holding a thread in
 	// epoll_wait. A thread blocked in a system call for more than 10 ms has its P taken back by the
 	// runtime's sysmon, which then polls at 20 us intervals for a while: three readers waiting 100 ms at a
-	// time kept each agent's sysmon awake thousands of times a second (half of an idle agent's CPU, measured
-	// with perf during the compare benchmark). nil if the runtime cannot poll it: wait then blocks.
+	// time kept each agent's sysmon awake thousands of times a second (with the other wakeups, 45% of the
+	// agents' CPU samples during the compare benchmark). nil if the runtime cannot poll it: wait then blocks.
 	ep     *os.File
 	epc    syscall.RawConn
 	evfd   int // eventfd: Flush and Close write it to interrupt a wait
