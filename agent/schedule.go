@@ -95,7 +95,8 @@ type snapScheduler struct {
 	// row, each gap doubling from newConnGap: a job that opens connections all the time (a service with a
 	// connection per request) is snapshotted ever less often, never more than its interval asks.
 	streak  map[string]int
-	forConn map[string]bool // keys due now for new connections only
+	forConn map[string]bool  // keys due now for new connections only
+	phaseOf func(Job) uint64 // phase; tests of the interval logic alone put every grid at the epoch's
 }
 
 // newConnGap is the shortest time from a snapshot attempt to the next one taken because the job opened
@@ -103,8 +104,10 @@ type snapScheduler struct {
 const newConnGap = time.Second
 
 func newSnapScheduler(semi bool) *snapScheduler {
-	return &snapScheduler{semi: semi, last: map[string]time.Time{}, tries: map[string]int{}, seen: map[string]bool{},
+	s := &snapScheduler{semi: semi, last: map[string]time.Time{}, tries: map[string]int{}, seen: map[string]bool{},
 		streak: map[string]int{}, forConn: map[string]bool{}}
+	s.phaseOf = s.phase
+	return s
 }
 
 func (s *snapScheduler) key(j Job) string {
@@ -152,7 +155,7 @@ func (s *snapScheduler) due(jobs []Job, now time.Time, interval func(id string) 
 		gap := min(iv, newConnGap<<min(s.streak[key], 16))
 		next := last.Add(iv)
 		if !uncovered {
-			next = onGrid(last, iv, s.phase(j))
+			next = onGrid(last, iv, s.phaseOf(j))
 		}
 		switch {
 		case !now.Before(next) || needsFirstSnapshot(j) && s.tries[key] == 0:
@@ -174,13 +177,18 @@ func (s *snapScheduler) due(jobs []Job, now time.Time, interval func(id string) 
 }
 
 // phase places the grid of j's snapshots (onGrid): the jobs of one run share it, so that ranks started
-// apart are dumped together; jobs without a run name, and the host in semi-coordinated mode, share one.
+// apart are dumped together; a job without a run name has one of its own (from its id), so that unrelated
+// jobs of a host keep apart; in semi-coordinated mode the host's jobs are dumped together anyway.
 func (s *snapScheduler) phase(j Job) uint64 {
-	if s.semi || j.Spec.Run == "" {
+	if s.semi {
 		return 0
 	}
 	h := fnv.New64a()
-	h.Write([]byte(j.Spec.Run))
+	if j.Spec.Run != "" {
+		h.Write([]byte("run\x00" + j.Spec.Run))
+	} else {
+		h.Write([]byte("job\x00" + j.ID))
+	}
 	return h.Sum64()
 }
 

@@ -124,6 +124,7 @@ func TestSnapScheduler(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			s := newSnapScheduler(tt.semi)
+			s.phaseOf = func(Job) uint64 { return 0 } // t0 is on every grid: the cases read in whole intervals
 			for _, st := range tt.steps {
 				now := t0.Add(st.at)
 				due, keys, _ := s.due(st.jobs, now, func(string) time.Duration { return tt.interval })
@@ -265,6 +266,41 @@ func TestSnapSchedulerAlignsRun(t *testing.T) {
 		for _, j := range jobs { // the first comes between half and one and a half intervals after the replica
 			if gap := times[j.ID][0] - j.Replica.Time.Sub(t0); gap < iv/2 || gap > 3*iv/2 {
 				t.Errorf("%s: first snapshot %s after its replica, want between %s and %s", j.ID, gap, iv/2, 3*iv/2)
+			}
+		}
+	}
+}
+
+// TestSnapSchedulerSpreadsUnrelatedJobs: two jobs without a run name, their replicas taken at the same
+// moment, are not snapshotted at the same instants (each has a grid of its own), each an interval apart.
+func TestSnapSchedulerSpreadsUnrelatedJobs(t *testing.T) {
+	t0 := time.Date(2026, 11, 27, 10, 0, 0, 0, time.UTC)
+	const iv = 5 * time.Second
+	solo := func(id string) Job {
+		return Job{ID: id, Node: "node1", State: JobRunning, Replica: &Replica{Snapshot: "s", Time: t0, Node: "node1"}}
+	}
+	jobs := []Job{solo("backup-1f3a"), solo("web-9c2e")}
+	s := newSnapScheduler(false)
+	times := map[string][]time.Duration{}
+	for at := 100 * time.Millisecond; at < 30*time.Second; at += 100 * time.Millisecond {
+		now := t0.Add(at)
+		due, keys, _ := s.due(jobs, now, func(string) time.Duration { return iv })
+		for _, id := range due {
+			times[id] = append(times[id], at)
+		}
+		s.attempted(keys, jobs, now)
+	}
+	a, b := times["backup-1f3a"], times["web-9c2e"]
+	if len(a) < 4 || len(b) < 4 {
+		t.Fatalf("snapshots in 30 s at a 5 s interval: %v and %v", a, b)
+	}
+	if a[len(a)-1] == b[len(b)-1] {
+		t.Errorf("unrelated jobs snapshotted at the same instants: %v and %v", a, b)
+	}
+	for _, ts := range [][]time.Duration{a, b} {
+		for i := 2; i < len(ts); i++ {
+			if d := ts[i] - ts[i-1]; d != iv {
+				t.Errorf("snapshots %s apart (%v), want the interval %s", d, ts, iv)
 			}
 		}
 	}
