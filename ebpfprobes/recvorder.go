@@ -435,13 +435,17 @@ func (r *RecvOrder) Disarm(cgroup uint64, thread uint32) error {
 	if err := r.objs.Stops.Delete(recvorderThreadKey{CgroupId: cgroup, Nstid: thread}); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 		return fmt.Errorf("recvorder: disarm the stop of thread %d of cgroup %d: %w", thread, cgroup, err)
 	}
-	var k recvorderThreadKey
-	var v recvorderStop
-	if r.objs.Stops.Iterate().Next(&k, &v) {
+	return clearWhenEmpty(r.objs.Stops, r.objs.StopsArmed, "stops_armed")
+}
+
+// clearWhenEmpty sets flag, which lets the program skip its lookups in m, to 0 once m holds no key (or
+// cannot be read).
+func clearWhenEmpty(m *ebpf.Map, flag *ebpf.Variable, name string) error {
+	if k, err := m.NextKeyBytes(nil); err == nil && k != nil {
 		return nil
 	}
-	if err := r.objs.StopsArmed.Set(uint32(0)); err != nil {
-		return fmt.Errorf("recvorder: clear stops_armed: %w", err)
+	if err := flag.Set(uint32(0)); err != nil {
+		return fmt.Errorf("recvorder: clear %s: %w", name, err)
 	}
 	return nil
 }
@@ -462,15 +466,7 @@ func (r *RecvOrder) SetPessimistic(cgroup uint64, on bool) error {
 	if err := r.objs.Pessimistic.Delete(cgroup); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 		return fmt.Errorf("recvorder: make cgroup %d optimistic: %w", cgroup, err)
 	}
-	var k uint64
-	var v uint8
-	if r.objs.Pessimistic.Iterate().Next(&k, &v) {
-		return nil
-	}
-	if err := r.objs.PessimisticAny.Set(uint32(0)); err != nil {
-		return fmt.Errorf("recvorder: clear pessimistic_any: %w", err)
-	}
-	return nil
+	return clearWhenEmpty(r.objs.Pessimistic, r.objs.PessimisticAny, "pessimistic_any")
 }
 
 // Counters sums the per-CPU counters.

@@ -612,6 +612,7 @@ func TestRecvOrderPositions(t *testing.T) {
 	if err := rec.Disarm(job.ID, tid); err != nil {
 		t.Fatal(err)
 	}
+	assertFlagCleared(t, rec.objs.StopsArmed, "stops_armed")
 	if err := unix.Kill(int(pid), unix.SIGCONT); err != nil {
 		t.Fatal(err)
 	}
@@ -1337,6 +1338,7 @@ func TestRecvOrderPessimistic(t *testing.T) {
 	if err := rec.SetPessimistic(job.ID, false); err != nil {
 		t.Fatal(err)
 	}
+	assertFlagCleared(t, rec.objs.PessimisticAny, "pessimistic_any")
 	if _, err := fmt.Fprintln(child.Stdin); err != nil {
 		t.Fatal(err)
 	}
@@ -1352,5 +1354,17 @@ func TestRecvOrderPessimistic(t *testing.T) {
 	io.Copy(io.Discard, client)
 	if err := child.Wait(); err != nil {
 		t.Fatalf("server: %v", err)
+	}
+}
+
+// assertFlagCleared fails unless the program's flag variable is 0: its map has no key left.
+func assertFlagCleared(t *testing.T, flag *ebpf.Variable, name string) {
+	t.Helper()
+	var v uint32
+	if err := flag.Get(&v); err != nil {
+		t.Fatalf("read %s: %v", name, err)
+	}
+	if v != 0 {
+		t.Fatalf("%s = %d after its map's last key went; want 0", name, v)
 	}
 }
