@@ -456,8 +456,21 @@ func waitPlain(ctx context.Context, ranks []*plainRank, timeout time.Duration) e
 	return errors.Join(errs...)
 }
 
+// compareDataRoot holds the plain variants' run directories (their application checkpoints): on disk, where
+// the agents of the other variants keep their snapshots, not on a tmpfs /tmp.
+const compareDataRoot = "/var/lib/ftkit"
+
+// runDir makes a fresh run directory under root, creating root first: a fresh machine has no
+// /var/lib/ftkit before its first lab.
+func runDir(root string) (string, error) {
+	if err := os.MkdirAll(root, 0o755); err != nil {
+		return "", fmt.Errorf("compare: create %s: %w", root, err)
+	}
+	return os.MkdirTemp(root, "ftbench-compare-")
+}
+
 func (p *plainLauncher) run(ctx context.Context, l *lab.Lab, variant string, crash *crashPlan, port int) (*variantRun, error) {
-	dir, err := os.MkdirTemp("/var/lib/ftkit", "ftbench-compare-")
+	dir, err := runDir(compareDataRoot)
 	if err != nil {
 		return nil, err
 	}

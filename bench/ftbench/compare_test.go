@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -110,5 +111,21 @@ func TestReceiveOrderSmall(t *testing.T) {
 				t.Errorf("metric %s missing from %v", name, metrics)
 			}
 		}
+	}
+}
+
+// A fresh machine has no /var/lib/ftkit until a lab made it: the plain variants made their run
+// directory there with os.MkdirTemp alone and `ftbench compare` failed at once.
+func TestRunDirCreatesRoot(t *testing.T) {
+	root := filepath.Join(t.TempDir(), "var", "lib", "ftkit")
+	dir, err := runDir(root)
+	if err != nil {
+		t.Fatalf("runDir under a missing root: %v", err)
+	}
+	if filepath.Dir(dir) != root {
+		t.Fatalf("run directory %s is not under %s", dir, root)
+	}
+	if fi, err := os.Stat(dir); err != nil || !fi.IsDir() {
+		t.Fatalf("run directory %s: %v", dir, err)
 	}
 }
