@@ -169,12 +169,8 @@ func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 	// every wait (CLOCK_THREAD_CPUTIME_ID, a fraction of a microsecond).
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	account := func() {
-		var ts unix.Timespec
-		if unix.ClockGettime(unix.CLOCK_THREAD_CPUTIME_ID, &ts) == nil {
-			c.consumerCPU.Store(ts.Nano())
-		}
-	}
+	clock := startThreadClock()
+	account := func() { c.consumerCPU.Store(int64(clock.used())) }
 	defer account()
 	a := appender{log: c.netlog}
 	atCap := func() bool {
@@ -250,6 +246,25 @@ func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 			return
 		}
 	}
+}
+
+// threadClock measures the CPU time of the calling thread from its start. The runtime hands a thread
+// that was locked to a goroutine back to others when it unlocks, so a consumer may get one that already
+// ran earlier work, a previous Capture's consumer among them: its clock does not start at 0.
+type threadClock struct{ base time.Duration }
+
+// startThreadClock starts a clock on the calling thread; the caller must be locked to it.
+func startThreadClock() threadClock { return threadClock{base: threadCPU()} }
+
+// used is the CPU time the thread used since startThreadClock; call it on the same thread.
+func (t threadClock) used() time.Duration { return max(threadCPU()-t.base, 0) }
+
+func threadCPU() time.Duration {
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_THREAD_CPUTIME_ID, &ts); err != nil {
+		return 0
+	}
+	return time.Duration(ts.Nano())
 }
 
 // Urge lets the consumer drain the ring past the memory cap, by up to the ring's size, until the returned
