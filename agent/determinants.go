@@ -356,13 +356,15 @@ func (a *Agent) take(e ebpfprobes.RecvEvent, now time.Time) (release uint32) {
 	return 0
 }
 
-// recordPause is how long the recorder's calls gather between two reads while no recovery watches: half of
-// the shipping interval (they leave in batches that far apart anyway), between 1 and 10 ms. Every wakeup
-// of an agent costs more than its own work: the Go runtime's sysmon, woken by the first system call after
-// the process was idle, polls at 20 us intervals for the next millisecond. At 1 ms, a stencil's halo
-// exchange every 12 ms cost each agent about 400 wakeups a second for this reader alone.
+// recordPause is how long the recorder's calls gather between two reads while no recovery watches: the
+// shipping interval (at most 100 ms), on whose grid the shipper's rounds fall, so that each read is shipped at
+// once and an agent wakes once per interval for both. Every wakeup of an agent costs more than its own work:
+// the Go runtime's sysmon, woken by the first system call after the process was idle, polls at 20 us
+// intervals for the next millisecond. At 1 ms, a stencil's halo exchange every 12 ms cost each agent about
+// 400 wakeups a second for this reader alone; at half the interval, reads between two rounds waited for
+// the next round anyway, so a determinant could take one and a half intervals to leave.
 func recordPause(shipEvery time.Duration) time.Duration {
-	return min(max(shipEvery/2, time.Millisecond), 10*time.Millisecond)
+	return min(max(shipEvery, time.Millisecond), 100*time.Millisecond)
 }
 
 func (s *detStream) dropWatchers() {
@@ -372,8 +374,9 @@ func (s *detStream) dropWatchers() {
 	}
 }
 
-// DefaultShipEvery is log.receive_order_ship_every's default: the least time between two shipping rounds,
-// what the recorder gives meanwhile going in one batch per job. A batch is a cluster request (HTTPS, tens of
+// DefaultShipEvery is log.receive_order_ship_every's default: shipping rounds fall at most once in each
+// interval of its grid, right after the recorder's read there, what the recorder gave going in one batch
+// per job. A batch is a cluster request (HTTPS, tens of
 // microseconds of CPU on both agents, which run at a higher priority than the jobs). Measured (bench
 // receive-order, docs/receive-order.md): a round per call cost stencil2d 13.8%, rounds 2 ms apart 6.0-6.8%,
 // 20 ms apart 3.0-5.2%; since the agents' wakeups were cut (2026-11-27), 20 ms 1.8% and 2 ms 8.8%. The
@@ -385,8 +388,8 @@ const DefaultShipEvery = 20 * time.Millisecond
 // maxShipEvery bounds log.receive_order_ship_every: beyond it nearly every crash takes determinants with it.
 const maxShipEvery = time.Second
 
-// shipOrder sends each job's new determinants to its protector as they come, in rounds on multiples of
-// log.receive_order_ship_every (tickgrid), until ctx ends.
+// shipOrder sends each job's new determinants to its protector as they come, at most one round in each
+// interval of log.receive_order_ship_every's grid (tickgrid), until ctx ends.
 func (a *Agent) shipOrder(ctx context.Context) {
 	d := a.det
 	var retry <-chan time.Time // armed while a round left determinants behind (no protector answered)
@@ -398,8 +401,9 @@ func (a *Agent) shipOrder(ctx context.Context) {
 		case <-d.wake:
 		case <-retry:
 		}
-		if every := a.cfg.Log.ReceiveOrderShipEvery.Duration; time.Since(last) < every && !d.holding() {
-			// On the grid of the interval, where the recorder's reads (half of it) fall too: one wakeup.
+		if every := a.cfg.Log.ReceiveOrderShipEvery.Duration; tickgrid.Slot(time.Now(), every) == tickgrid.Slot(last, every) && !d.holding() {
+			// A round was made in this interval already: the next at the grid's next instant, where the
+			// recorder reads too (one wakeup). The recorder's read at an instant is shipped at once.
 			select {
 			case <-ctx.Done():
 				return

@@ -16,3 +16,12 @@ func Until(now time.Time, period time.Duration) time.Duration {
 	}
 	return period - time.Duration(now.UnixNano()%int64(period))
 }
+
+// Slot is the number of the period-long interval of the grid that t falls in: two instants with the same
+// slot lie between the same two multiples of period. A period of 0 or less makes every instant its own slot.
+func Slot(t time.Time, period time.Duration) int64 {
+	if period <= 0 {
+		return t.UnixNano()
+	}
+	return t.UnixNano() / int64(period)
+}

@@ -32,3 +32,25 @@ func TestUntil(t *testing.T) {
 		t.Errorf("Until(base, 0) = %s, want 0", got)
 	}
 }
+
+func TestSlot(t *testing.T) {
+	base := time.Unix(1_800_000_000, 0) // a multiple of 20 ms
+	const p = 20 * time.Millisecond
+	for _, c := range []struct {
+		a, b time.Duration // offsets from base
+		same bool
+	}{
+		{0, 19 * time.Millisecond, true},
+		{time.Millisecond, 19*time.Millisecond + 999*time.Microsecond, true},
+		{19 * time.Millisecond, 20 * time.Millisecond, false}, // a grid instant starts the next slot
+		{-time.Millisecond, 0, false},
+		{5 * time.Millisecond, 25 * time.Millisecond, false}, // a period apart is never the same slot
+	} {
+		if got := Slot(base.Add(c.a), p) == Slot(base.Add(c.b), p); got != c.same {
+			t.Errorf("Slot(base+%s) == Slot(base+%s): %v, want %v", c.a, c.b, got, c.same)
+		}
+	}
+	if Slot(base, 0) == Slot(base.Add(1), 0) {
+		t.Error("with no period, two instants share a slot")
+	}
+}

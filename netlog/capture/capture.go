@@ -55,8 +55,9 @@ type Options struct {
 // is written, so its consumer need not look every millisecond. On slow links the wakeups cost it most per
 // byte (bench netlog, tbf_1gbit_consumer_thread_cpu_s_per_GB_logged: 0.12 s/GB at 10 ms, 0.09 at 25 ms);
 // at high rates the program wakes it sooner (an eighth of the ring waiting), and a caller that needs the
-// ring's bytes now wakes it (Wake, Urge).
-const DefaultPollInterval = 25 * time.Millisecond
+// ring's bytes now wakes it (Wake, Urge). A multiple of the receive-order recorder's default interval
+// (20 ms), on the same grid: an agent wakes once for both.
+const DefaultPollInterval = 40 * time.Millisecond
 
 // Capture is a running logger: probe attached, consumer goroutine running.
 // All methods are safe for concurrent use.
