@@ -375,14 +375,14 @@ func (s *detStream) dropWatchers() {
 }
 
 // DefaultShipEvery is log.receive_order_ship_every's default: shipping rounds fall at most once in each
-// interval of its grid, right after the recorder's read there, what the recorder gave going in one batch
-// per job. A batch is a cluster request (HTTPS, tens of
-// microseconds of CPU on both agents, which run at a higher priority than the jobs). Measured (bench
-// receive-order, docs/receive-order.md): a round per call cost stencil2d 13.8%, rounds 2 ms apart 6.0-6.8%,
-// 20 ms apart 3.0-5.2%; since the agents' wakeups were cut (2026-11-27), 20 ms 1.8% and 2 ms 8.8%. The
-// price: a determinant reaches the protector up to this much later, which widens the window in which a
-// crash takes determinants that a send already depended on (an orphan: the recovery then fails loudly). A
-// site whose programs answer messages within milliseconds lowers it.
+// interval of its grid, right after the recorder's read there, what the recorder gave going in one batch per
+// job. A batch is a cluster request (HTTPS, tens of microseconds of CPU on both agents, which run at a higher
+// priority than the jobs). Measured (bench receive-order, docs/receive-order.md): a round per call cost
+// stencil2d 13.8%, rounds 2 ms apart 6.0-6.8%, 20 ms apart 3.0-5.2%; since the agents' wakeups were cut
+// (2026-11-27), 20 ms 1.8% and 2 ms 8.8%, and on a machine with CPUs half as fast 6.1% and 15%. The price:
+// a determinant reaches the protector up to this much later, which widens the window in which a crash takes
+// determinants that a send already depended on (an orphan: the recovery then fails loudly). A site whose
+// programs answer messages within milliseconds lowers it.
 const DefaultShipEvery = 20 * time.Millisecond
 
 // maxShipEvery bounds log.receive_order_ship_every: beyond it nearly every crash takes determinants with it.
