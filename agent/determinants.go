@@ -283,9 +283,7 @@ func (a *Agent) recordOrder(ctx context.Context) {
 		d.wakeForWatchers() // a watcher that fell behind or lost calls is gone
 		waking := d.waking
 		d.mu.Unlock()
-		for _, pid := range release {
-			unix.Kill(int(pid), unix.SIGCONT)
-		}
+		a.continueHeld("", release) // no job, or no determinant: nothing to wait for
 		select {
 		case d.wake <- struct{}{}:
 		default:
@@ -401,7 +399,7 @@ func (a *Agent) shipOrder(ctx context.Context) {
 		case <-d.wake:
 		case <-retry:
 		}
-		if every := a.cfg.Log.ReceiveOrderShipEvery.Duration; tickgrid.Slot(time.Now(), every) == tickgrid.Slot(last, every) && !d.holding() {
+		if every := a.cfg.Log.ReceiveOrderShipEvery.Duration; tickgrid.Slot(time.Now(), every) == tickgrid.Slot(last, every) && !d.anyHeld() {
 			// A round was made in this interval already: the next at the grid's next instant, where the
 			// recorder reads too (one wakeup). The recorder's read at an instant is shipped at once.
 			select {
@@ -476,8 +474,8 @@ func (a *Agent) shipStream(ctx context.Context, s *detStream) bool {
 	return !left
 }
 
-// holding reports whether some process waits for its determinants to be shipped.
-func (d *detState) holding() bool {
+// anyHeld reports whether some process waits for its determinants to be shipped.
+func (d *detState) anyHeld() bool {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	for _, s := range d.byJob {
@@ -505,10 +503,15 @@ func (a *Agent) releaseHeld(s *detStream, all bool) {
 	}
 	s.held = keep
 	d.mu.Unlock()
+	a.continueHeld(s.job, pids)
+}
+
+// continueHeld continues processes the recorder held after a receive call (job: theirs, "" if none),
+// whether or not its SIGSTOP took effect yet: SIGCONT also discards a pending one.
+func (a *Agent) continueHeld(job string, pids []uint32) {
 	for _, pid := range pids {
-		// Whether or not the recorder's SIGSTOP took effect yet: SIGCONT also discards a pending one.
 		if err := unix.Kill(int(pid), unix.SIGCONT); err != nil && !errors.Is(err, unix.ESRCH) {
-			a.log.Error("could not continue a process held for its determinant: it stays stopped", "job", s.job, "pid", pid, "err", err)
+			a.log.Error("could not continue a process held for its determinant: it stays stopped", "job", job, "pid", pid, "err", err)
 		}
 	}
 }
@@ -519,7 +522,7 @@ func (a *Agent) releaseHeld(s *detStream, all bool) {
 // before the thaw, stops it again: it stops as soon as it is thawed and waits for its release as before.
 func (a *Agent) releaseForDump(j Job) (restop func(), err error) {
 	d := a.det
-	if !d.holds() {
+	if !d.pessimisticOn() {
 		return func() {}, nil
 	}
 	d.mu.Lock()
@@ -810,8 +813,9 @@ func continueStopped(dir string) error {
 	return errors.Join(errs...)
 }
 
-// holds reports whether this host holds its jobs' processes after their receive calls (log.pessimistic).
-func (d *detState) holds() bool { return d != nil && d.rec != nil && d.pessimistic }
+// pessimisticOn reports whether this host holds its jobs' processes after their receive calls
+// (log.pessimistic).
+func (d *detState) pessimisticOn() bool { return d != nil && d.rec != nil && d.pessimistic }
 
 // positions reports whether this host counts its jobs' readiness calls (receive positions).
 func (d *detState) positions() bool { return d != nil && d.rec != nil && d.rec.Positions() }

@@ -58,7 +58,7 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen, hashWhileDumping bo
 		},
 		Outputs: a.outputsOf(j),
 	}
-	if (a.det.positions() || a.det.holds()) && !frozen {
+	if (a.det.positions() || a.det.pessimisticOn()) && !frozen {
 		// The threads' readiness calls must be read at the point the dump catches the job, and a process
 		// held after a receive call must not be dumped stopped (releaseForDump): it is frozen for the dump
 		// instead of stopped by CRIU, and thawed as soon as CRIU is done.
