@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -144,11 +145,19 @@ func TestRemoveIdleRacesAppender(t *testing.T) {
 	l := newTestLog(t, Options{SlabSize: 1024, PoolSlabs: -1})
 	p := testStream(5, seg*rounds)
 	var wg sync.WaitGroup
+	var removed atomic.Int32
 	wg.Add(1)
 	go func() { // the consumer
 		defer wg.Done()
 		stores := map[tcpflow.Tuple]*Store{}
 		for r := range rounds {
+			if r == 1 {
+				// Hold the stores until a removal took one: on a loaded machine the consumer could otherwise
+				// finish before the remover first looked, and nothing would be tested.
+				for removed.Load() == 0 {
+					time.Sleep(50 * time.Microsecond)
+				}
+			}
 			for i := range conns {
 				c := testConn(i)
 				rec := Record{Conn: c, Seq: uint32(r * seg), Payload: p[r*seg : (r+1)*seg], CgroupID: 3}
@@ -176,6 +185,7 @@ func TestRemoveIdleRacesAppender(t *testing.T) {
 					t.Fatal(err)
 				} else if ok {
 					removals++
+					removed.Add(1)
 				}
 			}
 		}
