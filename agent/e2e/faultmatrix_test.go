@@ -30,25 +30,28 @@ import (
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
+	"github.com/ftkit/ftkit/lab/labtest"
 	"github.com/ftkit/ftkit/shim"
 )
 
 // startMatrix runs the failure-free reference of ref, then starts 3 ranks of ref plus extra (flags that do
 // not change the checksum: --ballast, --progress) on node1..node3 of a lab with the given spares and
-// waits until every rank reports progress. prepare, if set, runs on the cluster before the ranks start.
-func startMatrix(t *testing.T, spares, port int, ref []string, prepare func(*labcluster.Cluster), extra ...string) (*labcluster.Cluster, *ring, string) {
+// waits until every rank reports progress. prepare, if set, runs on the lab before the agents start.
+func startMatrix(t *testing.T, spares, port int, ref []string, prepare func(*lab.Lab), extra ...string) (*labcluster.Cluster, *ring, string) {
 	t.Helper()
 	want := reference(t, 3, ref)
-	c := newCluster(t, 3, spares, labcluster.Options{Interval: "1h"})
+	l := labtest.New(t, 3, spares)
+	if prepare != nil {
+		prepare(l)
+	}
+	c := startCluster(t, l, labcluster.Options{Interval: "1h"})
 	t.Cleanup(func() {
 		if t.Failed() {
 			logEvents(t, c)
 		}
 	})
-	if prepare != nil {
-		prepare(c)
-	}
 	rg := startRing(t, c, 3, port, append(append([]string{}, ref...), extra...))
 	for r := range rg.jobs {
 		rg.waitIteration(t, r, 1, 2*time.Minute)
@@ -656,25 +659,7 @@ func TestFaultProtectorDiskFull(t *testing.T) {
 	t.Parallel() // mostly waiting (detection, replay, transfers): two rows at a time halve the suite
 	ref := ringArgs(2500, 64<<10, 10*time.Millisecond)
 	var store string
-	prepare := func(c *labcluster.Cluster) {
-		// The agent's store directory becomes a tmpfs mount: restart node3's agent over it (no job runs yet).
-		store = filepath.Join(labcluster.StateDir(c.Lab.State().ID, "node3"), "snapshots")
-		if err := c.KillAgent("node3"); err != nil {
-			t.Fatal(err)
-		}
-		if err := unix.Mount("ftkit-faultmatrix", store, "tmpfs", 0, "size=1g,mode=0755"); err != nil {
-			t.Fatalf("mount a tmpfs on %s: %v", store, err)
-		}
-		// Registered after the lab's teardown, so it runs before it.
-		t.Cleanup(func() {
-			if err := unix.Unmount(store, unix.MNT_DETACH); err != nil {
-				t.Errorf("unmount the tmpfs on %s: %v", store, err)
-			}
-		})
-		if err := c.StartAgent(context.Background(), "node3"); err != nil {
-			t.Fatal(err)
-		}
-	}
+	prepare := func(l *lab.Lab) { store = mountStore(t, l, "node3", "1g") }
 	c, rg, want := startMatrix(t, 1, 7740, ref, prepare, "--progress", "10", "--ballast", "64")
 	job := rg.jobs[1].ID
 	rg.checkpoint(t, "node2")
@@ -695,7 +680,7 @@ func TestFaultProtectorDiskFull(t *testing.T) {
 	used := int64(st.Blocks-st.Bfree) * st.Bsize
 	remount := func(bytes int64) {
 		t.Helper()
-		if err := unix.Mount("ftkit-faultmatrix", store, "tmpfs", unix.MS_REMOUNT, fmt.Sprintf("size=%d,mode=0755", bytes)); err != nil {
+		if err := unix.Mount("ftkit-test", store, "tmpfs", unix.MS_REMOUNT, fmt.Sprintf("size=%d,mode=0700", bytes)); err != nil {
 			t.Fatalf("resize the tmpfs on %s to %d bytes: %v", store, bytes, err)
 		}
 	}

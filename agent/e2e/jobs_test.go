@@ -14,9 +14,12 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/internal/testenv"
+	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
 	"github.com/ftkit/ftkit/lab/labtest"
 )
@@ -56,7 +59,12 @@ func TestMain(m *testing.M) {
 
 func newCluster(t *testing.T, nodes, spares int, opts labcluster.Options) *labcluster.Cluster {
 	t.Helper()
-	l := labtest.New(t, nodes, spares)
+	return startCluster(t, labtest.New(t, nodes, spares), opts)
+}
+
+// startCluster starts the agents of lab l, for a test that prepares a host before its agent runs.
+func startCluster(t *testing.T, l *lab.Lab, opts labcluster.Options) *labcluster.Cluster {
+	t.Helper()
 	opts.AgentBin = bins.Ftagent
 	c, err := labcluster.Start(context.Background(), l, opts)
 	if err != nil {
@@ -72,6 +80,26 @@ func newCluster(t *testing.T, nodes, spares int, opts labcluster.Options) *labcl
 		}
 	})
 	return c
+}
+
+// mountStore makes host's snapshot store a tmpfs of size (a tmpfs size= value) and returns its path; it is
+// unmounted before the lab's teardown. Called before host's agent starts: an agent restarted over a new
+// mount would be declared failed while away, and rejoin as a spare.
+func mountStore(t *testing.T, l *lab.Lab, host, size string) string {
+	t.Helper()
+	store := filepath.Join(labcluster.StateDir(l.State().ID, host), "snapshots")
+	if err := os.MkdirAll(store, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("ftkit-test", store, "tmpfs", 0, "size="+size+",mode=0700"); err != nil {
+		t.Fatalf("mount a tmpfs on %s: %v", store, err)
+	}
+	t.Cleanup(func() { // registered after the lab's teardown, so it runs before it
+		if err := unix.Unmount(store, unix.MNT_DETACH); err != nil {
+			t.Errorf("unmount the tmpfs on %s: %v", store, err)
+		}
+	})
+	return store
 }
 
 // ftwrap runs ftwrap against host's agent from the root namespace (a login node, not a lab host).

@@ -16,6 +16,7 @@ import (
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/lab/labcluster"
+	"github.com/ftkit/ftkit/lab/labtest"
 )
 
 // TestMigrate: rank 1 of a two-rank ringstencil, on a job address of its own, is moved by the operator
@@ -32,24 +33,9 @@ func TestMigrate(t *testing.T) {
 	args := ringArgs(1500, 16<<10, 10*time.Millisecond)
 	ctx := context.Background()
 	want := reference(t, 2, args)
-	c := newCluster(t, 4, 0, labcluster.Options{Interval: "1h", JobAddresses: true})
-	st := c.Lab.State()
-	// node4's store is a tmpfs (its agent restarted over it while no job runs), to be filled later.
-	store := filepath.Join(labcluster.StateDir(st.ID, "node4"), "snapshots")
-	if err := c.KillAgent("node4"); err != nil {
-		t.Fatal(err)
-	}
-	if err := unix.Mount("ftkit-migrate", store, "tmpfs", 0, "size=1g,mode=0755"); err != nil {
-		t.Fatalf("mount a tmpfs on %s: %v", store, err)
-	}
-	t.Cleanup(func() { // registered after the lab's teardown, so it runs before it
-		if err := unix.Unmount(store, unix.MNT_DETACH); err != nil {
-			t.Errorf("unmount the tmpfs on %s: %v", store, err)
-		}
-	})
-	if err := c.StartAgent(ctx, "node4"); err != nil {
-		t.Fatal(err)
-	}
+	l := labtest.New(t, 4, 0)
+	store := mountStore(t, l, "node4", "1g") // to be filled later
+	c := startCluster(t, l, labcluster.Options{Interval: "1h", JobAddresses: true})
 	rg := startJobAddrRing(t, c, port, args, "")
 	rg.waitProgress(t, progressEvery, 2*time.Minute)
 	before0 := rg.job(t, "node1", 0)
@@ -116,7 +102,7 @@ func TestMigrate(t *testing.T) {
 	if err := unix.Statfs(store, &fs); err != nil {
 		t.Fatal(err)
 	}
-	if err := unix.Mount("ftkit-migrate", store, "tmpfs", unix.MS_REMOUNT, fmt.Sprintf("size=%d,mode=0755", int64(fs.Blocks-fs.Bfree)*fs.Bsize+64<<10)); err != nil {
+	if err := unix.Mount("ftkit-test", store, "tmpfs", unix.MS_REMOUNT, fmt.Sprintf("size=%d,mode=0700", int64(fs.Blocks-fs.Bfree)*fs.Bsize+64<<10)); err != nil {
 		t.Fatalf("shrink the tmpfs on %s: %v", store, err)
 	}
 	old := rg.job(t, "node2", 1)
