@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/criu/image"
 	"github.com/ftkit/ftkit/shim"
 )
 
@@ -124,6 +125,14 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 			if err = beforeRun(); err != nil {
 				err = fmt.Errorf("prepare the replay of the job's receive positions: %w", err)
 			}
+		}
+	}
+	if err == nil {
+		var gone []string
+		if gone, err = image.PruneGoneMounts(work, "/"); err != nil {
+			err = fmt.Errorf("drop the mounts gone from this host from the job's mount namespace: %w", err)
+		} else if len(gone) > 0 {
+			a.log.Info("mounts of the job's old host are not on this one; restored without them", "job", j.ID, "snapshot", m.ID, "mounts", gone)
 		}
 	}
 	if err == nil {

@@ -25,7 +25,8 @@ import (
 // The job's mount namespace is otherwise a private copy of the host's, so the job sees the same files at
 // the same paths. CRIU then dumps that namespace: every mount but the job's /proc is a host mount, which
 // CRIU records as external (auto-detected) and binds from the restoring host's namespace, so each of them
-// must still exist there. prunedMount drops the copies of mounts that come and go on a host.
+// must still exist there. prunedMount drops the copies of the agent's and CRIU's own transient mounts as
+// the job starts; the restoring agent drops those of any other mount gone by then (image.PruneGoneMounts).
 
 // initReport is the descriptor the job's init reports a failure on, as a Report. It is close-on-exec,
 // so the shim reads end of file as soon as the job's program runs.

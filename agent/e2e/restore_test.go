@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/lab/labcluster"
 )
@@ -66,6 +68,23 @@ func TestCrashAndRestoreOnSpare(t *testing.T) {
 		fmt.Fprintln(&wantCount, i)
 	}
 
+	// A mount that exists as the jobs start and is gone from the hosts before the restore (a job's private
+	// tmpfs, an automounted home): a job's mount namespace copies it, and spare1 must restore without it.
+	gone := filepath.Join("/run", "ftkit-test-gone-"+c.Lab.State().ID)
+	for _, d := range []string{gone, filepath.Join(gone, "inner")} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Mount("ftkit-test", d, "tmpfs", 0, "size=1m"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	removeGone := func() {
+		unix.Unmount(gone, unix.MNT_DETACH)
+		os.RemoveAll(gone)
+	}
+	t.Cleanup(removeGone)
+
 	memCmd, memOut, memJob := startWrapped(t, c, "node1", "mem", memArgs...)
 	cntCmd, cntOut, cntJob := startWrapped(t, c, "node1", "count", "sh", "-c",
 		`i=0; while [ $i -lt 400 ]; do echo $i; i=$((i+1)); sleep 0.03; done`)
@@ -112,6 +131,7 @@ func TestCrashAndRestoreOnSpare(t *testing.T) {
 			}
 		}
 	}
+	removeGone()
 	if err := c.Lab.Crash(ctx, "node1"); err != nil {
 		t.Fatal(err)
 	}
@@ -126,6 +146,9 @@ func TestCrashAndRestoreOnSpare(t *testing.T) {
 			t.Fatalf("restored job %+v", j)
 		}
 		t.Logf("job %s restored on spare1 from %s in %s", job, latest[job], time.Since(start))
+	}
+	if b, err := os.ReadFile(c.LogPath("spare1")); err != nil || !strings.Contains(string(b), "restored without them") || !strings.Contains(string(b), gone+"/inner") {
+		t.Errorf("spare1's agent did not log restoring the jobs without the mounts gone from the hosts (%s, %s/inner): %v", gone, gone, err)
 	}
 	if err := waitCmd(t, memCmd, 60*time.Second); err != nil {
 		t.Fatalf("ftwrap of the memory job: %v", err)
