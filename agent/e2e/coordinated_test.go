@@ -153,6 +153,7 @@ func TestAutoRollback(t *testing.T) {
 	if err := c.Lab.Crash(ctx, "node2"); err != nil {
 		t.Fatal(err)
 	}
+	crashJobNet(t, rg.jobs[1].Net.Name)
 	f := waitFailure(t, c, "node2", 5*time.Minute)
 	logTimeline(t, f)
 	if f.Error != "" || f.Target != "spare1" {
