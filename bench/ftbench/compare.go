@@ -39,7 +39,7 @@ import (
 // from the start). For a and d the crash is "detected" after cmpDetect (what ftkit's suspect-then-confirm
 // watchdog takes), so that every variant pays the same detection delay. The crash comes at the same
 // offset for every variant, but never before what the variant recovers from exists: c's crashed rank has
-// a replicated snapshot, d's ranks have all written their first checkpoint. Failure-free runs are repeated
+// a replicated snapshot holding its connections, d's ranks have all written their first checkpoint. Failure-free runs are repeated
 // size.Rounds times (median reported). Every run's checksum is compared with an unprotected loopback run.
 //
 // FTBENCH_SIZE=small (CI, under a minute) or large (default). FTBENCH_COMPARE_VARIANTS=a,b (a list) runs
@@ -195,7 +195,7 @@ func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compare
 		"caught_up_ms: crash to the job back at the crash point (c: replay done, the restored rank re-sent what its peers had; a, d: every rank reached the iteration the survivors had reached)",
 		"delay: failure run minus the same variant's failure-free run",
 		"b with a failure: not run; its crashed rank would be restored from its start snapshot and recompute everything",
-		"the crash waits, if need be, until c's crashed rank has a replicated snapshot and d's ranks have all written a checkpoint: crash_offset_s is when it came",
+		"the crash waits, if need be, until c's crashed rank has a replicated snapshot holding its connections and d's ranks have all written a checkpoint: crash_offset_s is when it came",
 		"failure-free: median of size.rounds runs per variant; with a failure: one run each; a shared 2-core machine",
 	}}
 	only := variantFilter(os.Getenv("FTBENCH_COMPARE_VARIANTS"))
@@ -642,8 +642,9 @@ func (p *jobLauncher) run(ctx context.Context, c *labcluster.Cluster, variant, i
 		if err := sleepCtx(ctx, crashAt-time.Since(start)); err != nil {
 			return nil, err
 		}
-		// Recovery needs a replica of the crashed rank: the crash waits for one if it is not there yet.
-		if err := waitProtected(ctx, c, cmpCrashed, jobs[1].ID, 5*time.Minute); err != nil {
+		// Recovery needs a replica of the crashed rank holding its connections (opened after the snapshot
+		// taken as it started): the crash waits for one if it is not there yet.
+		if err := waitCovered(ctx, c, cmpCrashed, jobs[1].ID, 5*time.Minute); err != nil {
 			return nil, err
 		}
 		for r, j := range jobs {
@@ -760,17 +761,19 @@ func (p *jobLauncher) run(ctx context.Context, c *labcluster.Cluster, variant, i
 	return res, nil
 }
 
-// waitProtected waits until host's agent reports the job protected (a snapshot of it reached a
-// protector). timeout is a failure bound only.
-func waitProtected(ctx context.Context, c *labcluster.Cluster, host, id string, timeout time.Duration) error {
-	deadline := time.Now().Add(timeout)
+// waitCovered waits until host's agent reports the job covered (a snapshot of it holding every connection
+// it has now reached a protector) by a check of its connections that began after the call. timeout is a
+// failure bound only.
+func waitCovered(ctx context.Context, c *labcluster.Cluster, host, id string, timeout time.Duration) error {
+	since := time.Now()
+	deadline := since.Add(timeout)
 	for {
 		j, err := c.Client(host).Job(ctx, id)
-		if err == nil && j.Protected() {
+		if err == nil && j.ConnsChecked.After(since) && j.Covered() {
 			return nil
 		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("job %s on %s has no replicated snapshot after %s (last state %+v, %v)", id, host, timeout, j, err)
+			return fmt.Errorf("job %s on %s has no replicated snapshot holding its connections after %s (last state %+v, %v)", id, host, timeout, j, err)
 		}
 		if err := sleepCtx(ctx, 50*time.Millisecond); err != nil {
 			return err
