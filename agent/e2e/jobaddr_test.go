@@ -172,7 +172,7 @@ func TestJobAddressFailover(t *testing.T) {
 	const port = 7460
 	args := ringArgs(1500, 16<<10, 10*time.Millisecond)
 	want := reference(t, 2, args)
-	c := newCluster(t, 2, 1, labcluster.Options{Interval: "1h", JobAddresses: true})
+	c := newCluster(t, 2, 1, labcluster.Options{Interval: "1h", JobAddresses: true, HeartbeatTimeout: restartTimeout, ProbeTimeout: time.Second})
 	st := c.Lab.State()
 	node2, _ := c.Lab.Host("node2")
 	jobAddr := labcluster.JobPool(st, "node2").Addr()   // the first of node2's pool: rank 1 listens on it

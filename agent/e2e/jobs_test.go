@@ -149,8 +149,13 @@ func TestFtwrapOutputAndExitStatus(t *testing.T) {
 	}
 }
 
+// restartTimeout is the heartbeat timeout of a lab whose test restarts an agent while its host is a member:
+// an agent starting again on a loaded machine outlasted the lab's default (1 s, and as long to confirm) in
+// CI, and its host was declared failed while it was away.
+const restartTimeout = 5 * time.Second
+
 func TestAgentRestartAdoptsJob(t *testing.T) {
-	c := newCluster(t, 2, 0, labcluster.Options{})
+	c := newCluster(t, 2, 0, labcluster.Options{HeartbeatTimeout: restartTimeout})
 	cmd := ftwrap(c, "node2", "sh", "-c", `i=0; while [ $i -lt 30 ]; do echo tick$i; i=$((i+1)); sleep 0.1; done`)
 	var stdout bytes.Buffer
 	cmd.Stdout = &stdout

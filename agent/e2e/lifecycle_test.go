@@ -74,7 +74,7 @@ func TestJobProtectedAtStart(t *testing.T) {
 // TestAgentRestartThawsFrozenJob: an agent killed while it had the jobs' cgroups frozen for a
 // semi-coordinated snapshot leaves them frozen; the restarted agent thaws them, and the job runs on.
 func TestAgentRestartThawsFrozenJob(t *testing.T) {
-	c := newCluster(t, 2, 0, labcluster.Options{Interval: "1h", Mode: agent.SemiCoordinated})
+	c := newCluster(t, 2, 0, labcluster.Options{Interval: "1h", Mode: agent.SemiCoordinated, HeartbeatTimeout: restartTimeout})
 	ctx := context.Background()
 	_, _, id := startWrapped(t, c, "node1", "counter", "sh", "-c", `i=0; while true; do echo $i; i=$((i+1)); sleep 0.05; done`)
 	// The first host snapshot (which freezes and thaws the cgroup itself) is done.
