@@ -38,30 +38,15 @@ func readFiles(dir string) (*filesImage, error) {
 }
 
 func decodeFiles(name string, b []byte) (*filesImage, error) {
-	rest, err := readMagic(name, b, magicFiles)
-	if err != nil {
-		return nil, err
-	}
-	f := &filesImage{}
 	// AllowPartial: an entry whose type is newer than go-criu's fd_types enum
 	// (e.g. PIDFD) parses with its type as an unknown field, so the required
 	// field looks unset. Such entries are kept raw and never interpreted.
-	opts := proto.UnmarshalOptions{AllowPartial: true}
-	for off := 8; len(rest) > 0; {
-		var payload []byte
-		payload, rest, err = nextEntry(name, rest, off)
-		if err != nil {
-			return nil, err
-		}
-		e := &fdinfo.FileEntry{}
-		if err := opts.Unmarshal(payload, e); err != nil {
-			return nil, fmt.Errorf("image %s: FileEntry #%d at offset %d: %v: %w", name, len(f.entries), off, err, ErrFormat)
-		}
-		f.raw = append(f.raw, payload)
-		f.entries = append(f.entries, e)
-		off += 4 + len(payload)
+	raw, entries, err := decodeEntries(name, b, magicFiles, "FileEntry", func() *fdinfo.FileEntry { return &fdinfo.FileEntry{} },
+		proto.UnmarshalOptions{AllowPartial: true})
+	if err != nil {
+		return nil, err
 	}
-	return f, nil
+	return &filesImage{raw: raw, entries: entries}, nil
 }
 
 func (f *filesImage) encode() []byte {

@@ -20,6 +20,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+
+	"google.golang.org/protobuf/proto"
 )
 
 // Image magics from CRIU's criu/include/magic.h (go-criu's magic package has
@@ -63,6 +65,30 @@ func nextEntry(name string, b []byte, off int) (payload, rest []byte, err error)
 		return nil, nil, fmt.Errorf("image %s: offset %d: entry claims %d bytes, only %d follow: %w", name, off, n, len(b)-4, ErrFormat)
 	}
 	return b[4 : 4+n], b[4+n:], nil
+}
+
+// decodeEntries decodes an image of kind magic made of size-prefixed protobuf entries of type what, each
+// into a message from newMsg; raw keeps every entry's bytes as written, for entries written back unchanged.
+func decodeEntries[M proto.Message](name string, b []byte, magic uint32, what string, newMsg func() M, opts proto.UnmarshalOptions) (raw [][]byte, msgs []M, err error) {
+	rest, err := readMagic(name, b, magic)
+	if err != nil {
+		return nil, nil, err
+	}
+	for off := 8; len(rest) > 0; {
+		var payload []byte
+		payload, rest, err = nextEntry(name, rest, off)
+		if err != nil {
+			return nil, nil, err
+		}
+		m := newMsg()
+		if err := opts.Unmarshal(payload, m); err != nil {
+			return nil, nil, fmt.Errorf("image %s: %s #%d at offset %d: %v: %w", name, what, len(msgs), off, err, ErrFormat)
+		}
+		raw = append(raw, payload)
+		msgs = append(msgs, m)
+		off += 4 + len(payload)
+	}
+	return raw, msgs, nil
 }
 
 func appendHeader(buf []byte, kind uint32) []byte {

@@ -23,26 +23,11 @@ type mountsImage struct {
 }
 
 func decodeMounts(name string, b []byte) (*mountsImage, error) {
-	rest, err := readMagic(name, b, magicMounts)
+	raw, entries, err := decodeEntries(name, b, magicMounts, "MntEntry", func() *mnt.MntEntry { return &mnt.MntEntry{} }, proto.UnmarshalOptions{})
 	if err != nil {
 		return nil, err
 	}
-	m := &mountsImage{}
-	for off := 8; len(rest) > 0; {
-		var payload []byte
-		payload, rest, err = nextEntry(name, rest, off)
-		if err != nil {
-			return nil, err
-		}
-		e := &mnt.MntEntry{}
-		if err := proto.Unmarshal(payload, e); err != nil {
-			return nil, fmt.Errorf("image %s: MntEntry #%d at offset %d: %v: %w", name, len(m.entries), off, err, ErrFormat)
-		}
-		m.raw = append(m.raw, payload)
-		m.entries = append(m.entries, e)
-		off += 4 + len(payload)
-	}
-	return m, nil
+	return &mountsImage{raw: raw, entries: entries}, nil
 }
 
 func (m *mountsImage) encode() []byte {
@@ -83,10 +68,10 @@ func (m *mountsImage) gone(root string, used map[uint32]bool, exists func(string
 			continue // the job's own (its /proc, its devpts): CRIU recreates it
 		}
 		ok, err := exists(filepath.Join(root, e.GetMountpoint()))
-		if err != nil || ok {
-			if err != nil {
-				return nil, err
-			}
+		if err != nil {
+			return nil, err
+		}
+		if ok {
 			continue
 		}
 		var subtree []int
