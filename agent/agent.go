@@ -20,6 +20,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/interval"
 	"github.com/ftkit/ftkit/criu"
+	"github.com/ftkit/ftkit/criu/stalemounts"
 	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/internal/jobfs"
@@ -73,6 +74,8 @@ type Agent struct {
 	claims   *spare.Holder    // this host's claim state while it is a spare
 	clamp    *ackclamp.Clamp  // ACK clock for restored sockets that re-send what peers have; nil if unavailable
 	det      *detState        // receive-order determinants: recorded here, kept for the jobs protected here
+	// staleMounts remembers which mounts of each job's namespace are copies of host mounts (snapshot.go).
+	staleMounts stalemounts.Tracker
 
 	wire       wireTimeouts    // deadlines of the agent-to-agent protocol; zero fields take the defaults
 	peerClient peerClient      // the agent-to-agent protocol's client (a.peers())

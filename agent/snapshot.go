@@ -58,6 +58,15 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen, hashWhileDumping bo
 		},
 		Outputs: a.outputsOf(j),
 	}
+	// A host mount unmounted since the job started stays in the job's copy of the namespace; CRIU would
+	// dump it by content or refuse it. The restore does the same for the mounts gone from its host
+	// (image.PruneGoneMounts): the job then sees at that path what the host's other processes see.
+	if skip, err := a.staleMounts.Gone(j.ID, j.PID); err != nil {
+		a.log.Warn("the job's mounts could not be compared with the host's: its snapshot leaves none out", "job", j.ID, "err", err)
+	} else if len(skip) > 0 {
+		a.log.Info("mounts of the job's namespace that the host has since unmounted are left out of its snapshot", "job", j.ID, "mounts", skip)
+		opts.SkipMounts = skip
+	}
 	if (a.det.positions() || a.det.pessimisticOn()) && !frozen {
 		// The threads' readiness calls must be read at the point the dump catches the job, and a process
 		// held after a receive call must not be dumped stopped (releaseForDump): it is frozen for the dump

@@ -39,6 +39,10 @@ type DumpOptions struct {
 	// is run inside it, so that it dumps the job's sockets without the namespace itself and takes its
 	// network lock there (docs/job-addresses.md, fact c). Empty: the calling thread's namespace.
 	Netns string
+	// SkipMounts are mount points of the job's namespace CRIU leaves out of the dump (skip-mnt): copies of
+	// host mounts the host has since unmounted (package stalemounts). A file of the job open on one of
+	// them still fails the dump, naming it.
+	SkipMounts []string
 }
 
 // DumpStats are CRIU's own measurements of a dump (stats-dump), in microseconds and pages.
@@ -83,6 +87,7 @@ func (c Client) Dump(ctx context.Context, opts DumpOptions) (DumpStats, error) {
 	if opts.FreezeCgroup != "" {
 		req.FreezeCgroup = proto.String(opts.FreezeCgroup)
 	}
+	req.SkipMnt = opts.SkipMounts
 	if t := timeoutSeconds(ctx); t > 0 {
 		req.Timeout = proto.Uint32(t)
 	}

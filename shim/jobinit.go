@@ -1,16 +1,15 @@
 package shim
 
 import (
-	"bytes"
 	"encoding/json"
 	"fmt"
 	"os"
 	"runtime"
 	"slices"
-	"strconv"
 	"strings"
 	"syscall"
 
+	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 )
 
@@ -26,7 +25,8 @@ import (
 // the same paths. CRIU then dumps that namespace: every mount but the job's /proc is a host mount, which
 // CRIU records as external (auto-detected) and binds from the restoring host's namespace, so each of them
 // must still exist there. prunedMount drops the copies of the agent's and CRIU's own transient mounts as
-// the job starts; the restoring agent drops those of any other mount gone by then (image.PruneGoneMounts).
+// the job starts; the dumping agent leaves out those of host mounts unmounted since (criu/stalemounts), and
+// the restoring agent drops those of any mount gone from its host (image.PruneGoneMounts).
 
 // initReport is the descriptor the job's init reports a failure on, as a Report. It is close-on-exec,
 // so the shim reads end of file as soon as the job's program runs.
@@ -141,13 +141,9 @@ func setupMounts() error {
 	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
 		return fmt.Errorf("make the job's mounts private: %w", err)
 	}
-	info, err := os.ReadFile("/proc/self/mountinfo")
+	mounts, err := mountinfo.GetMounts(nil)
 	if err != nil {
-		return err
-	}
-	mounts, err := parseMountinfo(info)
-	if err != nil {
-		return err
+		return fmt.Errorf("read the job's mounts: %w", err)
 	}
 	for i := len(mounts) - 1; i >= 0; i-- { // children before their parents
 		m := mounts[i]
@@ -155,8 +151,8 @@ func setupMounts() error {
 			continue
 		}
 		// EINVAL: already gone with a pruned parent.
-		if err := unix.Unmount(m.Point, unix.MNT_DETACH); err != nil && err != unix.EINVAL && err != unix.ENOENT {
-			return fmt.Errorf("unmount the job's copy of %s: %w", m.Point, err)
+		if err := unix.Unmount(m.Mountpoint, unix.MNT_DETACH); err != nil && err != unix.EINVAL && err != unix.ENOENT {
+			return fmt.Errorf("unmount the job's copy of %s: %w", m.Mountpoint, err)
 		}
 	}
 	// The host's /proc goes (with anything mounted below it), so that only the job's /proc is left.
@@ -175,11 +171,11 @@ func setupMounts() error {
 // Unable to open dev/ptmx with specified index 1"). CRIU restores the job's instance as a new one, where
 // every index is free. Programs need nothing: /dev/ptmx opens the instance at the pts beside it (Linux
 // >= 4.7). A host without devpts at /dev/pts is left as it is.
-func privateDevpts(mounts []mountEntry) error {
-	var host *mountEntry
-	for i := range mounts {
-		if mounts[i].Point == "/dev/pts" && mounts[i].FSType == "devpts" {
-			host = &mounts[i] // the last one is on top
+func privateDevpts(mounts []*mountinfo.Info) error {
+	var host *mountinfo.Info
+	for _, m := range mounts {
+		if m.Mountpoint == "/dev/pts" && m.FSType == "devpts" {
+			host = m // the last one is on top
 		}
 	}
 	if host == nil {
@@ -192,63 +188,10 @@ func privateDevpts(mounts []mountEntry) error {
 			return fmt.Errorf("unmount the job's copy of the host's /dev/pts: %w", err)
 		}
 	}
-	if err := unix.Mount("devpts", "/dev/pts", "devpts", unix.MS_NOSUID|unix.MS_NOEXEC, host.Opts); err != nil {
-		return fmt.Errorf("mount the job's own devpts (options %q): %w", host.Opts, err)
+	if err := unix.Mount("devpts", "/dev/pts", "devpts", unix.MS_NOSUID|unix.MS_NOEXEC, host.VFSOptions); err != nil {
+		return fmt.Errorf("mount the job's own devpts (options %q): %w", host.VFSOptions, err)
 	}
 	return nil
-}
-
-// mountEntry is one line of /proc/PID/mountinfo, the fields ftkit needs.
-type mountEntry struct {
-	Point  string // mount point, unescaped
-	FSType string
-	Opts   string // super options, as mount(2) data
-}
-
-// parseMountinfo reads the mount points and file system types of a mountinfo file (proc(5)).
-func parseMountinfo(b []byte) ([]mountEntry, error) {
-	var out []mountEntry
-	for n, line := range bytes.Split(bytes.TrimSpace(b), []byte("\n")) {
-		if len(line) == 0 {
-			continue
-		}
-		f := strings.Fields(string(line))
-		sep := -1
-		for i := 6; i < len(f); i++ {
-			if f[i] == "-" {
-				sep = i
-				break
-			}
-		}
-		if len(f) < 5 || sep < 0 || sep+1 >= len(f) {
-			return nil, fmt.Errorf("mountinfo line %d is malformed: %q", n+1, line)
-		}
-		e := mountEntry{Point: unescapeMount(f[4]), FSType: f[sep+1]}
-		if sep+3 < len(f) {
-			e.Opts = f[sep+3]
-		}
-		out = append(out, e)
-	}
-	return out, nil
-}
-
-// unescapeMount undoes the octal escapes (\040 for a space) the kernel writes in mountinfo paths.
-func unescapeMount(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+4 <= len(s) {
-			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(v))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }
 
 // prunedMount says whether the job's copy of a host mount is dropped when the job starts. CRIU binds every
@@ -257,6 +200,6 @@ func unescapeMount(s string) string {
 // lab's host>". Dropped: namespace handles (nsfs, such as /run/netns/*, which would also keep another
 // host's network namespace alive for as long as the job runs) and CRIU's own transient mounts (the cgroup
 // yard and mount-namespace roots of a restore running at that instant, named ".criu.*").
-func prunedMount(m mountEntry) bool {
-	return m.FSType == "nsfs" || strings.Contains(m.Point, "/.criu.")
+func prunedMount(m *mountinfo.Info) bool {
+	return m.FSType == "nsfs" || strings.Contains(m.Mountpoint, "/.criu.")
 }

@@ -98,6 +98,10 @@ func mountStore(t *testing.T, l *lab.Lab, host, size string) string {
 		if err := unix.Unmount(store, unix.MNT_DETACH); err != nil {
 			t.Errorf("unmount the tmpfs on %s: %v", store, err)
 		}
+		// Removing the (now empty) mount point at once detaches the copies of the tmpfs held by the jobs of
+		// tests running beside this one: they would otherwise hold a copy the host no longer has until the
+		// lab's teardown removes the directory.
+		os.Remove(store)
 	})
 	return store
 }

@@ -84,6 +84,35 @@ func TestCrashAndRestoreOnSpare(t *testing.T) {
 		os.RemoveAll(gone)
 	}
 	t.Cleanup(removeGone)
+	// A mount the hosts unmount while the jobs run, its directory left in place: the jobs' copies of it
+	// stay, and their snapshots must leave them out rather than dump their content (or fail, for a file
+	// system CRIU cannot dump, such as NFS).
+	stale := filepath.Join("/run", "ftkit-test-stale-"+c.Lab.State().ID)
+	if err := os.MkdirAll(stale, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("ftkit-test", stale, "tmpfs", 0, "size=1m"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		unix.Unmount(stale, unix.MNT_DETACH)
+		os.RemoveAll(stale)
+	})
+	mountImagesName := func(job, id string) bool {
+		images := filepath.Join(labcluster.StateDir(c.Lab.State().ID, "node1"), "snapshots", job, id, "images")
+		names, err := filepath.Glob(filepath.Join(images, "mountpoints-*.img"))
+		if err != nil || len(names) == 0 {
+			t.Fatalf("snapshot %s of job %s has no mount image in %s: %v", id, job, images, err)
+		}
+		for _, n := range names {
+			if b, err := os.ReadFile(n); err != nil {
+				t.Fatal(err)
+			} else if bytes.Contains(b, []byte(stale)) {
+				return true
+			}
+		}
+		return false
+	}
 
 	memCmd, memOut, memJob := startWrapped(t, c, "node1", "mem", memArgs...)
 	cntCmd, cntOut, cntJob := startWrapped(t, c, "node1", "count", "sh", "-c",
@@ -115,6 +144,15 @@ func TestCrashAndRestoreOnSpare(t *testing.T) {
 			}
 			t.Logf("round %d: job %s snapshot %s, %.1f MB, frozen %s", round, r.Manifest.Job, r.Manifest.ID,
 				float64(r.Manifest.TotalSize())/1e6, r.Manifest.Stats.FrozenTime)
+			if has := mountImagesName(r.Manifest.Job, r.Manifest.ID); has != (round == 0) {
+				t.Errorf("round %d: snapshot %s of job %s names the mount on %s: %v, want %v (mounted on the host in round 0 only)",
+					round, r.Manifest.ID, r.Manifest.Job, stale, has, round == 0)
+			}
+		}
+		if round == 0 {
+			if err := unix.Unmount(stale, 0); err != nil {
+				t.Fatal(err)
+			}
 		}
 	}
 	// Output past the last snapshot, which the restored jobs write again: every job's stdout grows.
@@ -146,6 +184,9 @@ func TestCrashAndRestoreOnSpare(t *testing.T) {
 			t.Fatalf("restored job %+v", j)
 		}
 		t.Logf("job %s restored on spare1 from %s in %s", job, latest[job], time.Since(start))
+	}
+	if b, err := os.ReadFile(c.LogPath("node1")); err != nil || strings.Count(string(b), "unmounted are left out of its snapshot") < 2*2 || !strings.Contains(string(b), stale) {
+		t.Errorf("node1's agent did not log leaving %s out of both jobs' snapshots of rounds 1 and 2: %v", stale, err)
 	}
 	if b, err := os.ReadFile(c.LogPath("spare1")); err != nil || !strings.Contains(string(b), "restored without them") || !strings.Contains(string(b), gone+"/inner") {
 		t.Errorf("spare1's agent did not log restoring the jobs without the mounts gone from the hosts (%s, %s/inner): %v", gone, gone, err)

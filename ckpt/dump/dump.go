@@ -43,6 +43,8 @@ type Options struct {
 	// FreezeCgroup, if set, is the job's cgroup, which the caller froze (semi-coordinated): CRIU dumps it
 	// frozen and leaves it frozen. Otherwise the job keeps running during the dump.
 	FreezeCgroup string
+	// SkipMounts are mount points of the job's namespace the dump leaves out (criu.DumpOptions.SkipMounts).
+	SkipMounts []string
 	// Info carries what the caller records about the dump (CRIU version, kernel, mode); Take fills in
 	// the dump's duration and statistics, connections and open files.
 	Info ckpt.Info
@@ -87,7 +89,9 @@ func Take(ctx context.Context, store *ckpt.Store, d Dumper, opts Options) (m *ck
 		follower = followPages(images)
 	}
 	start := time.Now()
-	stats, err := d.Dump(ctx, criu.DumpOptions{PID: opts.PID, ImagesDir: images, LeaveRunning: true, FreezeCgroup: opts.FreezeCgroup})
+	stats, err := d.Dump(ctx, criu.DumpOptions{
+		PID: opts.PID, ImagesDir: images, LeaveRunning: true, FreezeCgroup: opts.FreezeCgroup, SkipMounts: opts.SkipMounts,
+	})
 	took := time.Since(start)
 	if opts.Dumped != nil {
 		opts.Dumped()

@@ -49,17 +49,7 @@ func decodeFiles(name string, b []byte) (*filesImage, error) {
 	return &filesImage{raw: raw, entries: entries}, nil
 }
 
-func (f *filesImage) encode() []byte {
-	n := 8
-	for _, r := range f.raw {
-		n += 4 + len(r)
-	}
-	buf := appendHeader(make([]byte, 0, n), magicFiles)
-	for _, r := range f.raw {
-		buf = appendEntry(buf, r)
-	}
-	return buf
-}
+func (f *filesImage) encode() []byte { return encodeEntries(magicFiles, f.raw) }
 
 // replace re-marshals entry i after an edit changed it.
 func (f *filesImage) replace(i int) error {

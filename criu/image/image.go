@@ -91,6 +91,19 @@ func decodeEntries[M proto.Message](name string, b []byte, magic uint32, what st
 	return raw, msgs, nil
 }
 
+// encodeEntries writes an image of kind back from its raw entries (as decodeEntries returned them, edited).
+func encodeEntries(kind uint32, raw [][]byte) []byte {
+	n := 8
+	for _, r := range raw {
+		n += 4 + len(r)
+	}
+	buf := appendHeader(make([]byte, 0, n), kind)
+	for _, r := range raw {
+		buf = appendEntry(buf, r)
+	}
+	return buf
+}
+
 func appendHeader(buf []byte, kind uint32) []byte {
 	buf = binary.LittleEndian.AppendUint32(buf, magicImgCommon)
 	return binary.LittleEndian.AppendUint32(buf, kind)

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"sync"
 	"syscall"
 
 	"github.com/checkpoint-restore/go-criu/v7/crit/images/mnt"
@@ -30,19 +31,14 @@ func decodeMounts(name string, b []byte) (*mountsImage, error) {
 	return &mountsImage{raw: raw, entries: entries}, nil
 }
 
-func (m *mountsImage) encode() []byte {
-	buf := appendHeader(nil, magicMounts)
-	for _, r := range m.raw {
-		buf = appendEntry(buf, r)
-	}
-	return buf
-}
+func (m *mountsImage) encode() []byte { return encodeEntries(magicMounts, m.raw) }
 
 // gone returns the indexes of the mounts to drop: each external mount (bound at restore from the
 // restoring host's namespace) whose mount point does not exist under root, with every mount below it,
 // unless one of those is in use (a mount a file of the job was opened on: CRIU then refuses the restore,
-// naming it). exists reports whether a path exists on this host.
-func (m *mountsImage) gone(root string, used map[uint32]bool, exists func(string) (bool, error)) ([]int, error) {
+// naming it). used returns the IDs of the mounts in use, asked only once a mount point is missing; exists
+// reports whether a path exists on this host.
+func (m *mountsImage) gone(root string, used func() (map[uint32]bool, error), exists func(string) (bool, error)) ([]int, error) {
 	byID := make(map[uint32]int, len(m.entries))
 	for i, e := range m.entries {
 		byID[e.GetMntId()] = i
@@ -74,15 +70,19 @@ func (m *mountsImage) gone(root string, used map[uint32]bool, exists func(string
 		if ok {
 			continue
 		}
+		inUse, err := used()
+		if err != nil {
+			return nil, err
+		}
 		var subtree []int
-		inUse := false
+		busy := false
 		for i := range m.entries {
 			if under(i, c) {
 				subtree = append(subtree, i)
-				inUse = inUse || used[m.entries[i].GetMntId()]
+				busy = busy || inUse[m.entries[i].GetMntId()]
 			}
 		}
-		if !inUse {
+		if !busy {
 			drop = append(drop, subtree...)
 		}
 	}
@@ -102,21 +102,25 @@ func PruneGoneMounts(dir, root string) ([]string, error) {
 	if err != nil || len(paths) == 0 {
 		return nil, err // no mount namespace of the job's own in the images: nothing to rebuild
 	}
-	files, err := readFiles(dir)
-	if err != nil {
-		return nil, err
-	}
-	used := map[uint32]bool{}
-	for _, e := range files.entries {
-		// A descriptor's or mapping's file (regular files, the cwd and root among them) and a unix socket
-		// bound to a path name the mount they are on.
-		if id := e.GetReg().GetMntId(); id >= 0 && e.GetReg() != nil {
-			used[uint32(id)] = true
+	// The job's files name the mounts in use; read only if a mount point is missing, which is rare.
+	used := sync.OnceValues(func() (map[uint32]bool, error) {
+		files, err := readFiles(dir)
+		if err != nil {
+			return nil, err
 		}
-		if id := e.GetUsk().GetMntId(); id >= 0 && e.GetUsk() != nil {
-			used[uint32(id)] = true
+		used := map[uint32]bool{}
+		for _, e := range files.entries {
+			// A descriptor's or mapping's file (regular files, the cwd and root among them) and a unix
+			// socket bound to a path name the mount they are on.
+			if id := e.GetReg().GetMntId(); id >= 0 && e.GetReg() != nil {
+				used[uint32(id)] = true
+			}
+			if id := e.GetUsk().GetMntId(); id >= 0 && e.GetUsk() != nil {
+				used[uint32(id)] = true
+			}
 		}
-	}
+		return used, nil
+	})
 	var dropped []string
 	for _, p := range paths {
 		name := filepath.Base(p)

@@ -128,7 +128,7 @@ func TestPruneGoneMountsWithoutMountImages(t *testing.T) {
 func TestPruneGoneMountsParentCycle(t *testing.T) {
 	// A corrupt image whose parents form a cycle: the walk up ends, nothing hangs.
 	m := &mountsImage{entries: []*mnt.MntEntry{mntEntry(1, 2, "/a", true), mntEntry(2, 1, "/b", true)}}
-	drop, err := m.gone("/", nil, func(string) (bool, error) { return false, nil })
+	drop, err := m.gone("/", func() (map[uint32]bool, error) { return nil, nil }, func(string) (bool, error) { return false, nil })
 	if err != nil || !slices.Equal(drop, []int{0, 1}) {
 		t.Fatalf("gone: %v %v", drop, err)
 	}
@@ -148,7 +148,7 @@ func FuzzDecodeMounts(f *testing.F) {
 		if !bytes.Equal(m.encode(), b) {
 			t.Fatal("re-encode differs")
 		}
-		if _, err := m.gone("/nonexistent-root", map[uint32]bool{1: true}, func(string) (bool, error) { return false, nil }); err != nil {
+		if _, err := m.gone("/nonexistent-root", func() (map[uint32]bool, error) { return map[uint32]bool{1: true}, nil }, func(string) (bool, error) { return false, nil }); err != nil {
 			t.Fatal(err)
 		}
 	})
