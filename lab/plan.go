@@ -5,6 +5,7 @@ package lab
 
 import (
 	"fmt"
+	"math/rand/v2"
 	"net/netip"
 	"regexp"
 	"strconv"
@@ -17,6 +18,13 @@ const DefaultID = "ftlab"
 
 // DefaultSubnet is a 10.x /24 picked to be unlikely on real hosts; Up refuses it if it is in use anyway.
 var DefaultSubnet = netip.MustParsePrefix("10.201.0.0/24")
+
+// RandomTestSubnet draws a /24 for a test's lab from 10.210-239.y.0/24, a range that holds no fixed subnet:
+// the demo's are 10.201 and 10.202, and the benchmarks' labs (bench/ftbench), run by tests beside the
+// others, have theirs in 10.240-249. Up refuses one in use (ErrSubnetInUse): draw again.
+func RandomTestSubnet() netip.Prefix {
+	return netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(210 + rand.IntN(30)), byte(rand.IntN(256)), 0}), 24)
+}
 
 // Role says what a host is for.
 type Role string

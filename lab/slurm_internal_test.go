@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io/fs"
 	"math/rand/v2"
-	"net/netip"
 	"os"
 	"os/exec"
 	"syscall"
@@ -21,7 +20,7 @@ func upForSlurmTest(t *testing.T, stateDir string) *Lab {
 	t.Helper()
 	for try := 0; try < 20; try++ {
 		id := fmt.Sprintf("u%06x", rand.Uint32()&0xffffff)
-		subnet := netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(210 + rand.IntN(40)), byte(rand.IntN(256)), 0}), 24)
+		subnet := RandomTestSubnet()
 		l, err := Up(context.Background(), Config{ID: id, Nodes: 1, Subnet: subnet}, Options{StateDir: stateDir})
 		if errors.Is(err, ErrExists) || errors.Is(err, ErrSubnetInUse) {
 			continue

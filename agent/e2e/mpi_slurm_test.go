@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -44,7 +43,7 @@ func newSlurmCluster(t *testing.T, nodes, spares int, opts labcluster.Options) *
 	var l *lab.Lab
 	for try := 0; try < 20 && l == nil; try++ {
 		id := fmt.Sprintf("t%06x", rand.Uint32()&0xffffff)
-		subnet := netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(210 + rand.IntN(40)), byte(rand.IntN(256)), 0}), 24)
+		subnet := lab.RandomTestSubnet()
 		var err error
 		l, err = lab.Up(context.Background(), lab.Config{ID: id, Nodes: nodes, Spares: spares, Subnet: subnet, Slurm: true}, lab.Options{})
 		if errors.Is(err, lab.ErrSubnetInUse) || errors.Is(err, lab.ErrExists) {

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"net/netip"
 	"testing"
 
 	"github.com/ftkit/ftkit/internal/testenv"
@@ -20,14 +19,14 @@ func RequireRoot(t testing.TB) {
 	testenv.RequireKernel(t, "network namespaces")
 }
 
-// New brings up a lab with a fresh id and a free 10.2xx.y.0/24 subnet and registers its teardown.
+// New brings up a lab with a fresh id and a free subnet (lab.RandomTestSubnet) and registers its teardown.
 func New(t testing.TB, nodes, spares int) *lab.Lab {
 	t.Helper()
 	RequireRoot(t)
 	ctx := context.Background()
 	for try := 0; try < 20; try++ {
 		id := fmt.Sprintf("t%06x", rand.Uint32()&0xffffff)
-		subnet := netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(210 + rand.IntN(40)), byte(rand.IntN(256)), 0}), 24)
+		subnet := lab.RandomTestSubnet()
 		l, err := lab.Up(ctx, lab.Config{ID: id, Nodes: nodes, Spares: spares, Subnet: subnet}, lab.Options{})
 		if errors.Is(err, lab.ErrSubnetInUse) || errors.Is(err, lab.ErrExists) {
 			continue
