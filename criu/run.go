@@ -83,6 +83,9 @@ func (c Client) Dump(ctx context.Context, opts DumpOptions) (DumpStats, error) {
 		// host's) as external ("mnt[]"), to be bound again from the restoring host's. Only the job's /proc
 		// is dumped as a mount. A job in the host's namespace (started by an older agent) dumps as before.
 		AutoExtMnt: proto.Bool(true),
+		// The job's mounts are slaves of the host's shared ones (shim/jobinit.go): CRIU records each
+		// master as external instead of refusing the mount ("unreachable sharing").
+		ExtMasters: proto.Bool(true),
 	}
 	if opts.FreezeCgroup != "" {
 		req.FreezeCgroup = proto.String(opts.FreezeCgroup)
@@ -141,6 +144,9 @@ func (c Client) Restore(ctx context.Context, opts RestoreOptions) (int, error) {
 		// bound from this host's namespace; snapshots of jobs in the host's namespace ignore both.
 		Root:       proto.String("/"),
 		AutoExtMnt: proto.Bool(true),
+		// A mount that was a slave of a host mount becomes a slave of this host's (see Dump), so the
+		// restored job keeps seeing what this host mounts and unmounts.
+		ExtMasters: proto.Bool(true),
 	}
 	if opts.LeaveStopped {
 		req.LeaveStopped = proto.Bool(true)

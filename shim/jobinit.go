@@ -21,8 +21,8 @@ import (
 // user but root (EACCES, then EPERM), and for root jobs when two parasites race in the same directory
 // (EEXIST). With the job's own /proc at /proc, the parasite takes its fast path and creates nothing.
 //
-// The job's mount namespace is otherwise a private copy of the host's, so the job sees the same files at
-// the same paths. CRIU then dumps that namespace: every mount but the job's /proc is a host mount, which
+// The job's mount namespace is otherwise a copy of the host's whose mounts are slaves of the host's
+// (setupMounts), so the job sees the same files at the same paths. CRIU then dumps that namespace: every mount but the job's /proc is a host mount, which
 // CRIU records as external (auto-detected) and binds from the restoring host's namespace, so each of them
 // must still exist there. prunedMount drops the copies of the agent's and CRIU's own transient mounts as
 // the job starts; the dumping agent leaves out those of host mounts unmounted since (criu/stalemounts), and
@@ -135,11 +135,16 @@ func withoutMPTCP(env []string) []string {
 	return out
 }
 
-// setupMounts makes the job's copy of the host's mounts private (nothing it mounts reaches the host),
-// drops the copies of mounts that must not follow the job, and mounts a /proc of the job's PID namespace.
+// setupMounts makes the job's copy of the host's mounts slaves of the host's (nothing it mounts reaches
+// the host; what the host mounts and unmounts later reaches the job), drops the copies of mounts that must
+// not follow the job, and mounts a /proc of the job's PID namespace. Why slaves: a private copy never saw
+// a mount made after the job started, and a path autofs mounts on first access failed inside the job
+// ("Too many levels of symbolic links", measured with automount: the daemon mounts in the host's
+// namespace). Only mounts the host shares propagate, as systemd shares every mount at boot; on a host
+// whose mounts are private the copy stays private, as before.
 func setupMounts() error {
-	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
-		return fmt.Errorf("make the job's mounts private: %w", err)
+	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_SLAVE, ""); err != nil {
+		return fmt.Errorf("make the job's mounts slaves of the host's: %w", err)
 	}
 	mounts, err := mountinfo.GetMounts(nil)
 	if err != nil {

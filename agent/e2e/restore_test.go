@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/agent"
@@ -86,18 +87,29 @@ func TestCrashAndRestoreOnSpare(t *testing.T) {
 	t.Cleanup(removeGone)
 	// A mount the hosts unmount while the jobs run, its directory left in place: the jobs' copies of it
 	// stay, and their snapshots must leave them out rather than dump their content (or fail, for a file
-	// system CRIU cannot dump, such as NFS).
-	stale := filepath.Join("/run", "ftkit-test-stale-"+c.Lab.State().ID)
-	if err := os.MkdirAll(stale, 0o755); err != nil {
+	// system CRIU cannot dump, such as NFS). An unmount propagates through the parent mount, so the mount
+	// goes on a private parent: as on a host that shares no mount (a container), nothing reaches the jobs.
+	staleParent := filepath.Join("/run", "ftkit-test-stale-"+c.Lab.State().ID)
+	stale := filepath.Join(staleParent, "m")
+	if err := os.MkdirAll(staleParent, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("ftkit-test", staleParent, "tmpfs", 0, "size=1m"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		unix.Unmount(staleParent, unix.MNT_DETACH)
+		os.RemoveAll(staleParent)
+	})
+	if err := unix.Mount("", staleParent, "", unix.MS_PRIVATE, ""); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(stale, 0o755); err != nil {
 		t.Fatal(err)
 	}
 	if err := unix.Mount("ftkit-test", stale, "tmpfs", 0, "size=1m"); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() {
-		unix.Unmount(stale, unix.MNT_DETACH)
-		os.RemoveAll(stale)
-	})
 	mountImagesName := func(job, id string) bool {
 		images := filepath.Join(labcluster.StateDir(c.Lab.State().ID, "node1"), "snapshots", job, id, "images")
 		names, err := filepath.Glob(filepath.Join(images, "mountpoints-*.img"))
@@ -218,4 +230,97 @@ func firstDiff(got, want string) string {
 		}
 	}
 	return fmt.Sprintf("got %d lines, want %d", len(g), len(w))
+}
+
+// TestJobSeesLaterHostMounts: what a host mounts and unmounts after a job started reaches the job, before
+// and after the job's restore on another host, where the host shares the mount (systemd shares every mount
+// at boot). An automounted home is the case that matters: autofs mounts it in the host's namespace on first
+// access, and a private copy of the namespace failed that access.
+func TestJobSeesLaterHostMounts(t *testing.T) {
+	c := newCluster(t, 2, 1, labcluster.Options{Interval: "1h", ManualFailover: true})
+	ctx := context.Background()
+	shared := filepath.Join("/run", "ftkit-test-shared-"+c.Lab.State().ID)
+	if err := os.MkdirAll(shared, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("ftkit-test", shared, "tmpfs", 0, "size=1m"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		unix.Unmount(shared, unix.MNT_DETACH) // with whatever is still mounted below it
+		os.RemoveAll(shared)
+	})
+	if err := unix.Mount("", shared, "", unix.MS_SHARED, ""); err != nil {
+		t.Fatal(err)
+	}
+	mountLater := func(name string) string {
+		t.Helper()
+		dir := filepath.Join(shared, name)
+		if err := os.Mkdir(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Mount("ftkit-test", dir, "tmpfs", 0, "size=1m"); err != nil {
+			t.Fatal(err)
+		}
+		return dir
+	}
+	// Propagation happens within mount(2) and umount(2): the job's namespace has the change when they return.
+	sees := func(pid int, path string) bool {
+		t.Helper()
+		f, err := os.Open(fmt.Sprintf("/proc/%d/mountinfo", pid))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		ms, err := mountinfo.GetMountsFromReader(f, mountinfo.SingleEntryFilter(path))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(ms) > 0
+	}
+
+	var want strings.Builder
+	for i := 0; i < 300; i++ {
+		fmt.Fprintln(&want, i)
+	}
+	cmd, out, id := startWrapped(t, c, "node1", "count", "sh", "-c",
+		`i=0; while [ $i -lt 300 ]; do echo $i; i=$((i+1)); sleep 0.03; done`)
+	j, err := c.Client("node1").Job(ctx, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := mountLater("before-snapshot")
+	if !sees(j.PID, before) {
+		t.Fatalf("job %s (pid %d) does not see %s, mounted on the host after it started", id, j.PID, before)
+	}
+	reply, err := c.Client("node1").Checkpoint(ctx, id)
+	if err != nil || reply.Error != "" || len(reply.Results) != 1 || !reply.Results[0].Shipped {
+		t.Fatalf("checkpoint: %+v, %v", reply, err)
+	}
+	if err := c.Lab.Crash(ctx, "node1"); err != nil {
+		t.Fatal(err)
+	}
+	r, err := c.Client("spare1").Restore(ctx, agent.RestoreRequest{Snapshot: reply.Results[0].Manifest.ID, Job: id})
+	if err != nil {
+		t.Fatalf("restore %s on spare1: %v", id, err)
+	}
+	if !sees(r.PID, before) {
+		t.Errorf("restored job (pid %d) does not see %s", r.PID, before)
+	}
+	after := mountLater("after-restore")
+	if !sees(r.PID, after) {
+		t.Errorf("restored job (pid %d) does not see %s, mounted on the host after its restore", r.PID, after)
+	}
+	if err := unix.Unmount(before, 0); err != nil {
+		t.Fatal(err)
+	}
+	if sees(r.PID, before) {
+		t.Errorf("restored job (pid %d) still has %s, unmounted from the host", r.PID, before)
+	}
+	if err := waitCmd(t, cmd, 60*time.Second); err != nil {
+		t.Fatalf("ftwrap: %v", err)
+	}
+	if out.String() != want.String() {
+		t.Errorf("output differs from a failure-free run:\n%s", firstDiff(out.String(), want.String()))
+	}
 }

@@ -2,8 +2,10 @@
 // has since unmounted, so that a dump leaves them out (CRIU's skip-mnt) instead of dumping or failing on
 // them.
 //
-// Why: a job runs in a private copy of its host's mount namespace (shim/jobinit.go), so a host mount
-// unmounted after the job started stays in the job's copy. CRIU records a mount of the job as external
+// Why: a job runs in a copy of its host's mount namespace whose mounts are slaves of the host's
+// (shim/jobinit.go). The host's unmounts reach the copy only for the mounts the host shares, so on a host
+// whose mounts are private (a container, this project's CI machine) a mount unmounted after the job
+// started stays in the job's copy. CRIU records a mount of the job as external
 // only if it finds its file system among its own (the host's) mounts; it dumps any other by content: the
 // whole of a stale tmpfs, for as long as the job runs, and a refusal for a file system it cannot dump by
 // content (an NFS home, a ramfs) or whose mount point went while it dumped (seen in CI: "mnt: Can't open
