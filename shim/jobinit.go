@@ -22,9 +22,9 @@ import (
 // (EEXIST). With the job's own /proc at /proc, the parasite takes its fast path and creates nothing.
 //
 // The job's mount namespace is otherwise a copy of the host's whose mounts are slaves of the host's
-// (setupMounts), so the job sees the same files at the same paths. CRIU then dumps that namespace: every mount but the job's /proc is a host mount, which
-// CRIU records as external (auto-detected) and binds from the restoring host's namespace, so each of them
-// must still exist there. prunedMount drops the copies of the agent's and CRIU's own transient mounts as
+// (setupMounts), so the job sees the same files at the same paths. CRIU then dumps that namespace: every
+// mount but the job's /proc is a host mount, which CRIU records as external (auto-detected) and binds from
+// the restoring host's namespace, so each of them must still exist there. prunedMount drops the copies of the agent's and CRIU's own transient mounts as
 // the job starts; the dumping agent leaves out those of host mounts unmounted since (criu/stalemounts), and
 // the restoring agent drops those of any mount gone from its host (image.PruneGoneMounts).
 

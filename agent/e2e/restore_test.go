@@ -72,44 +72,18 @@ func TestCrashAndRestoreOnSpare(t *testing.T) {
 	// A mount that exists as the jobs start and is gone from the hosts before the restore (a job's private
 	// tmpfs, an automounted home): a job's mount namespace copies it, and spare1 must restore without it.
 	gone := filepath.Join("/run", "ftkit-test-gone-"+c.Lab.State().ID)
-	for _, d := range []string{gone, filepath.Join(gone, "inner")} {
-		if err := os.MkdirAll(d, 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := unix.Mount("ftkit-test", d, "tmpfs", 0, "size=1m"); err != nil {
-			t.Fatal(err)
-		}
-	}
-	removeGone := func() {
-		unix.Unmount(gone, unix.MNT_DETACH)
-		os.RemoveAll(gone)
-	}
-	t.Cleanup(removeGone)
+	mountTmpfs(t, gone)
+	mountTmpfs(t, filepath.Join(gone, "inner"))
 	// A mount the hosts unmount while the jobs run, its directory left in place: the jobs' copies of it
 	// stay, and their snapshots must leave them out rather than dump their content (or fail, for a file
 	// system CRIU cannot dump, such as NFS). An unmount propagates through the parent mount, so the mount
 	// goes on a private parent: as on a host that shares no mount (a container), nothing reaches the jobs.
 	staleParent := filepath.Join("/run", "ftkit-test-stale-"+c.Lab.State().ID)
-	stale := filepath.Join(staleParent, "m")
-	if err := os.MkdirAll(staleParent, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := unix.Mount("ftkit-test", staleParent, "tmpfs", 0, "size=1m"); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		unix.Unmount(staleParent, unix.MNT_DETACH)
-		os.RemoveAll(staleParent)
-	})
+	mountTmpfs(t, staleParent)
 	if err := unix.Mount("", staleParent, "", unix.MS_PRIVATE, ""); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.Mkdir(stale, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := unix.Mount("ftkit-test", stale, "tmpfs", 0, "size=1m"); err != nil {
-		t.Fatal(err)
-	}
+	stale := mountTmpfs(t, filepath.Join(staleParent, "m"))
 	mountImagesName := func(job, id string) bool {
 		images := filepath.Join(labcluster.StateDir(c.Lab.State().ID, "node1"), "snapshots", job, id, "images")
 		names, err := filepath.Glob(filepath.Join(images, "mountpoints-*.img"))
@@ -181,7 +155,8 @@ func TestCrashAndRestoreOnSpare(t *testing.T) {
 			}
 		}
 	}
-	removeGone()
+	unix.Unmount(gone, unix.MNT_DETACH) // gone from the hosts before the restore
+	os.RemoveAll(gone)
 	if err := c.Lab.Crash(ctx, "node1"); err != nil {
 		t.Fatal(err)
 	}
@@ -222,6 +197,23 @@ func TestCrashAndRestoreOnSpare(t *testing.T) {
 	}
 }
 
+// mountTmpfs mounts a small tmpfs on dir, creating it, and returns dir. When the test ends, the tmpfs is
+// unmounted (with whatever is mounted below it) and dir removed.
+func mountTmpfs(t *testing.T, dir string) string {
+	t.Helper()
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("ftkit-test", dir, "tmpfs", 0, "size=1m"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		unix.Unmount(dir, unix.MNT_DETACH)
+		os.RemoveAll(dir)
+	})
+	return dir
+}
+
 func firstDiff(got, want string) string {
 	g, w := strings.Split(got, "\n"), strings.Split(want, "\n")
 	for i := 0; i < len(g) && i < len(w); i++ {
@@ -239,30 +231,9 @@ func firstDiff(got, want string) string {
 func TestJobSeesLaterHostMounts(t *testing.T) {
 	c := newCluster(t, 2, 1, labcluster.Options{Interval: "1h", ManualFailover: true})
 	ctx := context.Background()
-	shared := filepath.Join("/run", "ftkit-test-shared-"+c.Lab.State().ID)
-	if err := os.MkdirAll(shared, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := unix.Mount("ftkit-test", shared, "tmpfs", 0, "size=1m"); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		unix.Unmount(shared, unix.MNT_DETACH) // with whatever is still mounted below it
-		os.RemoveAll(shared)
-	})
+	shared := mountTmpfs(t, filepath.Join("/run", "ftkit-test-shared-"+c.Lab.State().ID))
 	if err := unix.Mount("", shared, "", unix.MS_SHARED, ""); err != nil {
 		t.Fatal(err)
-	}
-	mountLater := func(name string) string {
-		t.Helper()
-		dir := filepath.Join(shared, name)
-		if err := os.Mkdir(dir, 0o755); err != nil {
-			t.Fatal(err)
-		}
-		if err := unix.Mount("ftkit-test", dir, "tmpfs", 0, "size=1m"); err != nil {
-			t.Fatal(err)
-		}
-		return dir
 	}
 	// Propagation happens within mount(2) and umount(2): the job's namespace has the change when they return.
 	sees := func(pid int, path string) bool {
@@ -289,7 +260,7 @@ func TestJobSeesLaterHostMounts(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	before := mountLater("before-snapshot")
+	before := mountTmpfs(t, filepath.Join(shared, "before-snapshot"))
 	if !sees(j.PID, before) {
 		t.Fatalf("job %s (pid %d) does not see %s, mounted on the host after it started", id, j.PID, before)
 	}
@@ -307,7 +278,7 @@ func TestJobSeesLaterHostMounts(t *testing.T) {
 	if !sees(r.PID, before) {
 		t.Errorf("restored job (pid %d) does not see %s", r.PID, before)
 	}
-	after := mountLater("after-restore")
+	after := mountTmpfs(t, filepath.Join(shared, "after-restore"))
 	if !sees(r.PID, after) {
 		t.Errorf("restored job (pid %d) does not see %s, mounted on the host after its restore", r.PID, after)
 	}
