@@ -59,6 +59,7 @@ type Agent struct {
 	members  membership      // the cluster view: ring, spares, who holds which address
 	jobAddrs jobAddrOwners   // who holds which job address (jobaddr_owners.go)
 	fetching fetchCalls      // snapshot transfers to this host under way
+	replays  replayingJobs   // restored jobs whose recovery replays their peers' bytes: not snapshotted meanwhile
 	replicas replicaArrivals // when the newest replica of each job arrived, by node
 	received freshReceipts   // the snapshots received (and so verified) in the last freshFor
 	// clusterNet is the cluster network, looked up once (clusterPrefix).
@@ -460,7 +461,9 @@ func (a *Agent) Run(ctx context.Context, local LocalAPI) error {
 	if err != nil {
 		a.log.Error("some job records could not be read", "err", err)
 	}
-	go a.resumeRecoveries(ctx)
+	// Before any snapshot is scheduled: a job whose replay a previous agent left unverified is not dumped
+	// until its resumed recovery has verified it.
+	go a.resumeRecoveries(ctx, a.pendingRecoveries())
 	srv, err := local(ctx, a)
 	if err != nil {
 		return err

@@ -244,6 +244,9 @@ func (a *Agent) dumpFrozen(ctx context.Context, j Job) (*ckpt.Manifest, error) {
 	if cur, _, err := a.Job(j.ID, 0); err != nil || cur.State != JobRunning || cur.PID != j.PID {
 		return nil, fmt.Errorf("%w: job %s ended or changed before its migration began", ErrNotMovable, j.ID)
 	}
+	if a.replays.has(j.ID) {
+		return nil, fmt.Errorf("job %s not moved, it runs on here: %w", j.ID, ErrReplaying)
+	}
 	if err := a.waitPagesIn(ctx, j.ID); err != nil { // before the freeze: the job runs meanwhile
 		return nil, err
 	}

@@ -182,6 +182,7 @@ func (t *recoveryTracker) Persist(jobs []*recovery.Job) {
 				SentPrefix: c.Conn.SentPrefix, Check: r.Checks[c.Conn.Tuple]})
 		}
 		t.rec.Jobs = append(t.rec.Jobs, rj)
+		t.a.replays.set(r.ID, true) // before CRIU restores it: no snapshot catches it mid-replay
 	}
 	t.save()
 }
@@ -193,6 +194,9 @@ func (t *recoveryTracker) SetPhase(id, phase string, at time.Time) {
 	for i := range t.rec.Jobs {
 		if t.rec.Jobs[i].Job != id {
 			continue
+		}
+		if phase == "" || phase == phaseReplayed {
+			t.a.replays.set(id, false)
 		}
 		if phase == "" {
 			t.rec.Jobs = slices.Delete(t.rec.Jobs, i, i+1)
@@ -212,6 +216,9 @@ func (t *recoveryTracker) SetPhase(id, phase string, at time.Time) {
 func (t *recoveryTracker) done(ctx context.Context, err error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	for _, j := range t.rec.Jobs {
+		t.a.replays.set(j.Job, false) // verified, or killed: its recovery is over
+	}
 	if ctx.Err() != nil {
 		t.a.log.Warn("agent stopping during a recovery: the next agent resumes it", "failure", t.rec.Failure, "err", err)
 		return
@@ -223,9 +230,10 @@ func (t *recoveryTracker) done(ctx context.Context, err error) {
 	t.save()
 }
 
-// resumeRecoveries finishes the recoveries a previous agent of this host left unfinished, and forgets the
-// records of old finished ones. It runs once, after adopt.
-func (a *Agent) resumeRecoveries(ctx context.Context) {
+// pendingRecoveries reads the recoveries a previous agent of this host left unfinished, marks their jobs
+// whose replay is not verified yet as replaying, and forgets the records of old finished ones. It runs
+// once, after adopt.
+func (a *Agent) pendingRecoveries() []*recoveryRecord {
 	recs, err := loadRecoveries(a.cfg.StateDir)
 	if err != nil {
 		a.log.Error("some recovery records could not be read; those recoveries are not resumed", "err", err)
@@ -235,10 +243,18 @@ func (a *Agent) resumeRecoveries(ctx context.Context) {
 		switch {
 		case !rec.Done:
 			pending = append(pending, rec)
+			for _, j := range rec.Jobs {
+				a.replays.set(j.Job, j.Phase != phaseReplayed)
+			}
 		case time.Since(rec.Updated) > doneRecoveryKeep:
 			os.Remove(recoveryPath(a.cfg.StateDir, rec.Failure))
 		}
 	}
+	return pending
+}
+
+// resumeRecoveries finishes the pending recoveries (pendingRecoveries).
+func (a *Agent) resumeRecoveries(ctx context.Context, pending []*recoveryRecord) {
 	a.releaseStaleClamps(pending)
 	for _, rec := range pending {
 		a.resumeRecovery(ctx, rec)

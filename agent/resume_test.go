@@ -121,7 +121,7 @@ func TestResumeRecoveryJobGone(t *testing.T) {
 	if err := saveRecovery(a.cfg.StateDir, rec); err != nil {
 		t.Fatal(err)
 	}
-	a.resumeRecoveries(t.Context())
+	a.resumeRecoveries(t.Context(), a.pendingRecoveries())
 	got, err := loadRecovery(recoveryPath(a.cfg.StateDir, rec.Failure))
 	if err != nil {
 		t.Fatal(err)

@@ -63,8 +63,10 @@ const freezeTimeout = 10 * time.Second
 func (a *Agent) schedule(ctx context.Context) {
 	s := newSnapScheduler(a.cfg.Checkpoint.Mode == SemiCoordinated)
 	every(ctx, 100*time.Millisecond, func() {
-		// A job in coordinated mode is snapshotted with its run (scheduleCuts) once its first snapshot is in.
-		jobs := slices.DeleteFunc(a.Jobs(0), func(j Job) bool { return j.Spec.Recovery == RecoveryCoordinated && j.Protected() })
+		// A job in coordinated mode is snapshotted with its run (scheduleCuts) once its first snapshot is in;
+		// a job being replayed by its recovery, by its recovery once the replay is verified (ErrReplaying).
+		jobs, _ := a.replays.split(a.Jobs(0))
+		jobs = slices.DeleteFunc(jobs, func(j Job) bool { return j.Spec.Recovery == RecoveryCoordinated && j.Protected() })
 		due, keys, fresh := s.due(jobs, time.Now(), a.jobInterval)
 		for _, id := range fresh {
 			a.log.Info("job has no replica yet: snapshotting it now", "job", id)

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -42,6 +43,9 @@ type SnapshotResult struct {
 // memory images as CRIU writes them (dump.Options.HashWhileDumping: a migration, whose stop counts the
 // hash pass).
 func (a *Agent) snapshot(ctx context.Context, j Job, frozen, hashWhileDumping bool) (*ckpt.Manifest, error) {
+	if a.replays.has(j.ID) {
+		return nil, fmt.Errorf("snapshot of job %s: %w", j.ID, ErrReplaying)
+	}
 	if err := a.waitPagesIn(ctx, j.ID); err != nil {
 		return nil, err
 	}
@@ -201,8 +205,10 @@ func (a *Agent) Checkpoint(ctx context.Context, ids []string, uid uint32) ([]Sna
 // checkpoint is Checkpoint for the scheduler too: still, if set, is asked again once the previous
 // snapshot is done (a snapshot due because a job opened connections may have been overtaken by one that
 // holds them), and the snapshot is skipped unless it holds for some job (semi-coordinated mode: all of
-// them are snapshotted then) or for each job (otherwise).
+// them are snapshotted then) or for each job (otherwise). A snapshot of every job (no ids) leaves out
+// the jobs being replayed (ErrReplaying); one of named jobs is refused if a named job is.
 func (a *Agent) checkpoint(ctx context.Context, ids []string, uid uint32, still func(Job) bool) ([]SnapshotResult, error) {
+	var replaying []string
 	running := func() []Job {
 		var jobs []Job
 		for _, j := range a.Jobs(uid) {
@@ -210,11 +216,15 @@ func (a *Agent) checkpoint(ctx context.Context, ids []string, uid uint32, still 
 				jobs = append(jobs, j)
 			}
 		}
+		jobs, replaying = a.replays.split(jobs)
 		return jobs
 	}
 	jobs := running()
-	if len(ids) > 0 && len(jobs) != len(ids) {
+	if len(ids) > 0 && len(jobs)+len(replaying) != len(ids) {
 		return nil, fmt.Errorf("%w: some of %v are not running on %s", ErrNoJob, ids, a.cfg.Name)
+	}
+	if len(ids) > 0 && len(replaying) > 0 {
+		return nil, fmt.Errorf("snapshot of job(s) %s: %w", strings.Join(replaying, ", "), ErrReplaying)
 	}
 	a.ckptMu.Lock()
 	if still != nil {

@@ -203,8 +203,12 @@ func Handler(a Backend, lim Limits) http.Handler {
 			return
 		}
 		res, err := a.Checkpoint(r.Context(), req.Jobs, uid)
-		if errors.Is(err, agent.ErrNoJob) {
+		switch {
+		case errors.Is(err, agent.ErrNoJob):
 			writeError(w, http.StatusNotFound, err)
+			return
+		case errors.Is(err, agent.ErrReplaying):
+			writeError(w, http.StatusConflict, err)
 			return
 		}
 		if err != nil && len(res) == 0 {
