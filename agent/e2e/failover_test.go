@@ -442,6 +442,80 @@ func TestFailover(t *testing.T) {
 	}
 }
 
+// TestNoSnapshotDuringReplay: while a recovery replays its peers' bytes into a restored rank, a snapshot of
+// the rank asked for on its new host is refused (409, "replaying"), nothing else dumps it, and the recovery
+// completes with the failure-free output. CI, 2026-11-27: a snapshot taken one second after a restore (for
+// the connections its old replica lacked) locked the rank's connections while its receive order was being
+// replayed; CRIU's lock dropped the replay's segments (EPERM) and the recovery killed the rank.
+func TestNoSnapshotDuringReplay(t *testing.T) {
+	t.Parallel()
+	const after, delay = 150, 10 * time.Millisecond
+	args := ringArgs(1200, 64<<10, delay)
+	want := reference(t, 3, args)
+	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
+	rg := startRing(t, c, 3, 7390, args)
+	rg.waitProtected(t, 2*time.Minute)
+	rg.waitProgress(t, progressEvery, 2*time.Minute)
+	rg.checkpoint(t, "node2")
+	rg.waitProgress(t, after, 2*time.Minute)
+	if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
+		t.Fatal(err)
+	}
+	// The replay cannot end before rank 1 has re-executed the iterations since its snapshot, each with its
+	// delay: at least after*delay (1.5 s) from the restore.
+	id := rg.jobs[1].ID
+	restored := func() bool {
+		fs, err := c.Client("node3").Events(context.Background())
+		if err != nil {
+			return false
+		}
+		for _, f := range fs {
+			for _, s := range f.Stages {
+				if f.Node == "node2" && s.Name == agent.StageRestored && s.Job == id && s.Error == "" {
+					return true
+				}
+			}
+		}
+		return false
+	}
+	for deadline := time.Now().Add(5 * time.Minute); !restored(); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("rank 1 not restored within 5 minutes")
+		}
+	}
+	asked := time.Now()
+	reply, err := c.Client("spare1").Checkpoint(context.Background(), id)
+	f := waitFailure(t, c, "node2", 5*time.Minute)
+	requireStages(t, f)
+	var replayed time.Time
+	for _, s := range f.Stages {
+		if s.Name == agent.StageReplayed && s.Job == id {
+			replayed = s.End
+		}
+	}
+	t.Logf("snapshot of rank 1 asked for on spare1 during its replay: %v", err)
+	if err == nil || !strings.Contains(err.Error(), "replaying") {
+		// Refused unless the replay was over when it was asked for (a starved test process).
+		if replayed.IsZero() || asked.Before(replayed) {
+			t.Errorf("snapshot of rank 1 asked for during its replay (asked %s, replay done %s): %+v, %v; want it refused as replaying",
+				asked.Format(time.StampMilli), replayed.Format(time.StampMilli), reply, err)
+		}
+	}
+	outs := rg.wait(t, 2*time.Minute)
+	checkRanks(t, outs, want)
+	// Nothing dumped rank 1 on spare1 before its replay was verified: its first snapshot there is the
+	// re-protection's.
+	ms, err := c.Client("spare1").Snapshots(context.Background(), id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range ms {
+		if strings.Contains(m.ID, "-spare1-") && m.Created.Before(replayed) {
+			t.Errorf("snapshot %s of rank 1 on spare1 begun %s, before its replay was done (%s)", m.ID, m.Created.Format(time.StampMilli), replayed.Format(time.StampMilli))
+		}
+	}
+}
+
 // crashAfterSnapshot snapshots host, lets the ranks do after more iterations, crashes host and requires a
 // complete recovery on target (in basic mode or not).
 func (rg *ring) crashAfterSnapshot(t *testing.T, host string, after int, target string, basic bool) {
