@@ -77,11 +77,16 @@ func (a *Agent) drain(ctx context.Context, to []string, why string) *DrainResult
 	}
 	next := 0
 	for _, id := range ids {
+		t0 := time.Now()
+		if err := a.waitReplayed(ctx, id, 2*a.cfg.Failover.ReplayTimeout.Duration); err != nil {
+			stage(StageMoved, id, t0, "", err)
+			res.Failed = append(res.Failed, fmt.Sprintf("%s: %v", id, err))
+			continue
+		}
 		j, _, err := a.Job(id, 0)
 		if err != nil || j.State != JobRunning {
 			continue // ended meanwhile
 		}
-		t0 := time.Now()
 		if j.Net == nil {
 			_, err := a.Checkpoint(ctx, []string{id}, 0)
 			stage(StageSnapshotted, id, t0, "no address of its own: it cannot move", err)

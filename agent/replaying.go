@@ -1,9 +1,12 @@
 package agent
 
 import (
+	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"sync"
+	"time"
 )
 
 // ErrReplaying refuses a snapshot of a job whose recovery is replaying its peers' bytes into it. CRIU's
@@ -53,4 +56,23 @@ func (r *replayingJobs) split(jobs []Job) (rest []Job, replaying []string) {
 		return false
 	})
 	return rest, replaying
+}
+
+// waitReplayed returns once no recovery replays into job id (at once if none does), or an error wrapping
+// ErrReplaying after timeout (a recovery kills a job that has not re-sent its peers' bytes within
+// replay_timeout, so twice that leaves time for the check of those bytes). A drain moves such a job once
+// its replay is verified, instead of leaving it on a host predicted to fail.
+func (a *Agent) waitReplayed(ctx context.Context, id string, timeout time.Duration) error {
+	start := time.Now()
+	for a.replays.has(id) {
+		if time.Since(start) > timeout {
+			return fmt.Errorf("job %s still replaying after %s: %w", id, timeout, ErrReplaying)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("job %s: waiting for its replay: %w", id, ctx.Err())
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	return nil
 }

@@ -92,3 +92,23 @@ func TestPendingRecoveriesMarkReplaying(t *testing.T) {
 		}
 	}
 }
+
+// TestWaitReplayed: a drain waits for a job's replay to be verified before it moves the job, and gives up
+// with ErrReplaying after its bound.
+func TestWaitReplayed(t *testing.T) {
+	a := newTestAgent(t)
+	if err := a.waitReplayed(t.Context(), ownersJob, 0); err != nil {
+		t.Fatalf("job not replaying: %v; want no wait", err)
+	}
+	tr := a.trackRecovery(RecoverRequest{Failure: "node2-20250101T000001.000", Source: "node3"})
+	tr.Persist([]*recovery.Job{testRecoveryJob(ownersJob)})
+	if err := a.waitReplayed(t.Context(), ownersJob, 0); !errors.Is(err, ErrReplaying) {
+		t.Errorf("bound reached while replaying: %v; want ErrReplaying", err)
+	}
+	done := make(chan error)
+	go func() { done <- a.waitReplayed(t.Context(), ownersJob, time.Hour) }()
+	tr.SetPhase(ownersJob, phaseReplayed, time.Time{})
+	if err := <-done; err != nil {
+		t.Errorf("replay verified while waiting: %v; want the wait to end without error", err)
+	}
+}
