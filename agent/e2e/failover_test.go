@@ -465,19 +465,10 @@ func TestNoSnapshotDuringReplay(t *testing.T) {
 	// delay: at least after*delay (1.5 s) from the restore.
 	id := rg.jobs[1].ID
 	restored := func() bool { // on whichever member coordinates the recovery
-		for _, h := range c.Lab.State().Hosts {
-			if h.Crashed {
-				continue
-			}
-			fs, err := c.Client(h.Name).Events(context.Background())
-			if err != nil {
-				continue
-			}
-			for _, f := range fs {
-				for _, s := range f.Stages {
-					if f.Node == "node2" && s.Name == agent.StageRestored && s.Job == id && s.Error == "" {
-						return true
-					}
+		if f := failureOf(t, c, "node2"); f != nil {
+			for _, s := range f.Stages {
+				if s.Name == agent.StageRestored && s.Job == id && s.Error == "" {
+					return true
 				}
 			}
 		}
