@@ -99,6 +99,9 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := criu.CheckPatches(bin); err != nil {
+		log.Warn("CRIU is usable but lacks a fix ftkit needs", "node", cfg.Name, "err", err)
+	}
 	self, err := os.Executable()
 	if err != nil {
 		return nil, fmt.Errorf("find own executable for job shims: %w", err)

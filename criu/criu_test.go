@@ -15,8 +15,12 @@ import (
 )
 
 // TestMain lets the test binary play a CRIU of any version: go-criu runs `criu swrk FD` and asks for
-// the version over the inherited socket.
+// the version over the inherited socket. It also plays the TCP sender that TestLiveDumpSelectsNoRepairQueue
+// dumps.
 func TestMain(m *testing.M) {
+	if os.Getenv("FTKIT_CRIU_TEST_ROLE") == senderRole {
+		os.Exit(runSender(os.Getenv("FTKIT_ADDR")))
+	}
 	if v := os.Getenv("FTKIT_FAKE_CRIU_VERSION"); v != "" && len(os.Args) == 3 && os.Args[1] == "swrk" {
 		os.Exit(fakeSwrk(v, os.Args[2]))
 	}

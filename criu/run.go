@@ -63,6 +63,11 @@ const (
 
 // Dump snapshots the process tree rooted at opts.PID into opts.ImagesDir.
 func (c Client) Dump(ctx context.Context, opts DumpOptions) (DumpStats, error) {
+	return c.dump(ctx, opts, nil)
+}
+
+// dump is Dump with CRIU's notifications sent to nfy (nil: none).
+func (c Client) dump(ctx context.Context, opts DumpOptions, nfy gocriu.Notify) (DumpStats, error) {
 	dir, err := os.Open(opts.ImagesDir)
 	if err != nil {
 		return DumpStats{}, fmt.Errorf("open images dir: %w", err)
@@ -96,7 +101,7 @@ func (c Client) Dump(ctx context.Context, opts DumpOptions) (DumpStats, error) {
 	}
 	cr := gocriu.MakeCriu()
 	cr.SetCriuPath(c.Binary)
-	if err := run(ctx, inNetns(opts.Netns, func() error { return cr.Dump(req, nil) })); err != nil {
+	if err := run(ctx, inNetns(opts.Netns, func() error { return cr.Dump(req, nfy) })); err != nil {
 		return DumpStats{}, fmt.Errorf("criu dump of pid %d: %w%s", opts.PID, err, logTail(filepath.Join(opts.ImagesDir, dumpLog)))
 	}
 	st, err := crit.GetDumpStats(opts.ImagesDir)

@@ -3,8 +3,10 @@
 #
 #   scripts/setup.sh            everything: apt packages, CRIU 4.2.1, Go modules and tools
 #   scripts/setup.sh packages   only the Debian packages
-#   scripts/setup.sh criu       only CRIU (builds from Debian's source pool, verifies the pinned sha256)
+#   scripts/setup.sh criu       only CRIU (builds from Debian's source pool, verifies the pinned sha256,
+#                               applies criu/patches/*.patch)
 #   scripts/setup.sh go         only Go modules and Go tools
+#   scripts/setup.sh criu-level prints the patch level the CRIU build carries in its version (any user)
 #
 # Each part prints how long it took; a part that is already done costs well under a second.
 set -euo pipefail
@@ -25,7 +27,7 @@ top=$(cd "$(dirname "$0")/.." && pwd)
 PACKAGES=(
 	clang llvm libbpf-dev bpftool
 	nftables iproute2 iputils-arping util-linux procps psmisc ethtool
-	dpkg-dev xz-utils make gcc
+	dpkg-dev xz-utils make gcc patch
 	libbsd-dev libcap-dev libgnutls28-dev libnet1-dev libnftables-dev libnl-3-dev
 	libprotobuf-c-dev libprotobuf-dev pkgconf protobuf-c-compiler protobuf-compiler
 	uuid-dev python3-protobuf
@@ -45,7 +47,6 @@ timed() { # timed NAME CMD...: runs CMD, prints its wall time
 	awk -v n="$name" -v a="$t0" -v b="$t1" 'BEGIN{printf "setup: %-9s %6.1f s\n", n, b-a}' >&2
 }
 
-[ "$(id -u)" = 0 ] || die "run as root: ftkit needs root for CRIU, eBPF and network namespaces"
 
 packages() {
 	local missing=() p
@@ -79,8 +80,20 @@ SRC
 	apt-get update -qq
 }
 
+# The build carries ftkit's patches (criu/patches/*.patch) and says so in its version: 4.2.1.<level>, the
+# level being the first 7 hex digits of the patches' SHA-256 as a number (criu.PatchLevel). A CRIU built
+# from other patches, or none, is rebuilt; the agent warns about one without them.
+criu_level() {
+	local h LC_ALL=C # the glob in name order, as Go's fs.Glob
+	h=$(cat "$top"/criu/patches/*.patch | sha256sum)
+	echo $((16#${h:0:7}))
+}
+
 criu_ok() {
-	[ -x "$CRIU_BIN" ] && "$CRIU_BIN" --version 2>/dev/null | grep -q "Version: $CRIU_VERSION\$"
+	[ -x "$CRIU_BIN" ] || return 1
+	local v
+	v=$("$CRIU_BIN" --version 2>/dev/null) || return 1
+	grep -q "^Version: $CRIU_VERSION.$(criu_level)\$" <<<"$v"
 }
 
 criu() {
@@ -104,11 +117,15 @@ criu() {
 	}
 	rm -rf "criu-$CRIU_VERSION"
 	tar xf "$tarball"
-	say "building CRIU $CRIU_VERSION"
-	make -s -C "criu-$CRIU_VERSION" -j"$(nproc)" criu >build.log 2>&1 || { tail -30 build.log >&2; die "CRIU build failed, full log in $dir/build.log"; }
+	local p
+	for p in "$top"/criu/patches/*.patch; do
+		patch -s -p1 -d "criu-$CRIU_VERSION" <"$p" || die "$p does not apply to CRIU $CRIU_VERSION"
+	done
+	say "building CRIU $CRIU_VERSION.$(criu_level)"
+	make -s -C "criu-$CRIU_VERSION" -j"$(nproc)" CRIU_VERSION_EXTRA="$(criu_level)" criu >build.log 2>&1 || { tail -30 build.log >&2; die "CRIU build failed, full log in $dir/build.log"; }
 	install -D -m 0755 "criu-$CRIU_VERSION/criu/criu" "$CRIU_BIN"
 	"$CRIU_BIN" check 2>&1 | grep -q 'Looks good' || { "$CRIU_BIN" check >&2 || true; die "criu check did not say 'Looks good'"; }
-	say "CRIU $CRIU_VERSION installed at $CRIU_BIN; criu check: Looks good"
+	say "CRIU $CRIU_VERSION.$(criu_level) installed at $CRIU_BIN; criu check: Looks good"
 }
 
 gomod() {
@@ -120,6 +137,11 @@ gomod() {
 }
 
 what=${1:-all}
+if [ "$what" = criu-level ]; then # what criu.PatchLevel must say (its test compares them)
+	criu_level
+	exit 0
+fi
+[ "$(id -u)" = 0 ] || die "run as root: ftkit needs root for CRIU, eBPF and network namespaces"
 case $what in
 packages) timed packages packages ;;
 criu) timed criu criu ;;

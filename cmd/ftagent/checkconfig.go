@@ -53,7 +53,7 @@ func checkConfig(w io.Writer, path string, now time.Time) error {
 	checks = append(checks, check{"running as root", rootErr})
 	checks = append(checks, credentialChecks(cfg, now)...)
 	checks = append(checks, checkListen(cfg))
-	checks = append(checks, checkCRIU(cfg.CRIU))
+	checks = append(checks, checkCRIU(cfg.CRIU)...)
 	var nftErr error
 	if _, err := exec.LookPath("nft"); err != nil {
 		nftErr = fmt.Errorf("%w: a restore guards the restored connections with an nftables table: apt install nftables", err)
@@ -168,13 +168,17 @@ func checkListen(cfg agent.Config) check {
 	return check{what, errors.New("no interface of this host has that address: fix cluster.listen or the network configuration")}
 }
 
-// checkCRIU applies the agent's own CRIU version gate.
-func checkCRIU(path string) check {
+// checkCRIU applies the agent's own CRIU version gate, and says whether the binary carries ftkit's patches
+// (the agent runs without them, and warns).
+func checkCRIU(path string) []check {
 	bin, v, err := criu.Require(path)
 	if err != nil {
-		return check{"CRIU " + criu.MinVersion.String() + " or newer", err}
+		return []check{{"CRIU " + criu.MinVersion.String() + " or newer", err}}
 	}
-	return check{fmt.Sprintf("CRIU %s or newer (%s is %s)", criu.MinVersion, bin, v), nil}
+	return []check{
+		{fmt.Sprintf("CRIU %s or newer (%s is %s)", criu.MinVersion, bin, v), nil},
+		{fmt.Sprintf("CRIU built with ftkit's patches (version %s.%d)", v, criu.PatchLevel()), criu.CheckPatches(bin)},
+	}
 }
 
 // kernelChecks checks the kernel version and the file systems the agent uses: BTF for CO-RE eBPF, cgroup

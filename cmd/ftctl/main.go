@@ -9,6 +9,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/internal/version"
 )
@@ -91,8 +92,10 @@ not treated as a failure.`,
 				fmt.Fprintf(w, "criu\t%s (%s) UNUSABLE: %s\n", info.CRIU, info.CRIUPath, info.CRIUError)
 			case info.CRIUError != "":
 				fmt.Fprintf(w, "criu\tUNUSABLE: %s\n", info.CRIUError)
+			case info.CRIUPatchLevel != criu.PatchLevel():
+				fmt.Fprintf(w, "criu\t%s (%s) WITHOUT ftkit's patches (level %d): run `make setup`\n", info.CRIU, info.CRIUPath, criu.PatchLevel())
 			default:
-				fmt.Fprintf(w, "criu\t%s (%s)\n", info.CRIU, info.CRIUPath)
+				fmt.Fprintf(w, "criu\t%s.%d (%s, with ftkit's patches)\n", info.CRIU, info.CRIUPatchLevel, info.CRIUPath)
 			}
 			fmt.Fprintf(w, "kernel\t%s\n", info.Kernel)
 			return w.Flush()

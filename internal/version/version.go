@@ -35,7 +35,10 @@ type Info struct {
 	CRIU      string `json:"criu,omitempty"`
 	CRIUPath  string `json:"criu_path,omitempty"`
 	CRIUError string `json:"criu_error,omitempty"`
-	Kernel    string `json:"kernel"`
+	// CRIUPatchLevel is the extra version of the CRIU binary: criu.PatchLevel when `make setup` built it
+	// with ftkit's patches.
+	CRIUPatchLevel uint32 `json:"criu_patch_level,omitempty"`
+	Kernel         string `json:"kernel"`
 }
 
 // Collect gathers the versions; a missing or too old CRIU is reported in CRIUError, not as a failure.
@@ -48,6 +51,10 @@ func Collect(criuPath string) Info {
 	}
 	if err != nil {
 		info.CRIUError = err.Error()
+		return info
+	}
+	if level, err := criu.BinaryPatchLevel(bin); err == nil {
+		info.CRIUPatchLevel = level
 	}
 	return info
 }
