@@ -24,7 +24,18 @@
 // Per flow, rx_flows keeps rx_next, the next byte expected: every byte before
 // it has been recorded. A segment [seq, end) with payload:
 //   - end <= rx_next: bytes recorded before (a retransmission): pass.
-//   - seq <= rx_next < end: record [rx_next, end), advance rx_next to end, pass.
+//   - seq == rx_next: record it, advance rx_next to end, pass.
+//   - seq < rx_next < end: its first bytes were recorded from another copy:
+//     drop it, leave rx_next, count. TCP has the rest retransmitted (once
+//     TCP has acknowledged rx_next, that retransmission starts there and is
+//     recorded). The first design recorded its new part, and so recorded
+//     bytes that were not the stream's: on Linux 6.18 the original of a GSO
+//     segment that arrives after the sender has retransmitted its head
+//     (tcp_fragment splits the segment it keeps for retransmission while the
+//     original is still queued) can carry other bytes past the split; TCP
+//     dropped that copy as old data, the tap kept it (docs/ebpf-logging.md,
+//     "Late originals"): 6 of about 2200 64 MiB transfers in the lab under
+//     load, and in the 3 examined the bad record was of such a segment.
 //   - seq > rx_next: there is a hole before it (loss, reordering): record it
 //     whole, pass it, leave rx_next (the hole is still there). TCP keeps it
 //     in its out-of-order queue and accepts it once a retransmission fills
@@ -64,11 +75,11 @@
 //
 // Concurrency: cgroup_skb runs without the socket lock, so two CPUs may
 // handle segments of one flow at once. rx_next is only ever raised, with a
-// compare-and-swap after the record is submitted, and a record starts at or
-// below the rx_next its CPU read: every byte below rx_next is in a record
+// compare-and-swap after the record is submitted, and an in-order record
+// starts at the rx_next its CPU read: every byte below rx_next is in a record
 // reserved (so ordered in the ring) before rx_next covered it. Racing CPUs
-// can only record the same bytes twice or drop a segment whose predecessor
-// has not advanced rx_next yet; never leave a hole.
+// can only record the same bytes twice, or drop a copy whose first bytes the
+// other recorded meanwhile; never leave a hole.
 //
 // IPv4 only (a dual-stack IPv6 socket receiving IPv4 is fine: the packet is
 // parsed, not the socket); other packets pass and are counted. IP fragments
@@ -156,6 +167,7 @@ struct recv_counters {
 	__u64 non_tcp;            // IPv4 packets that are not TCP, passed
 	__u64 resyncs;            // rx_next raised to rcv_nxt: TCP had accepted unrecorded bytes
 	__u64 syn_ignored;        // SYNs with payload to synchronized sockets, passed unrecorded
+	__u64 drops_overlap;      // dropped: its first bytes were recorded from another copy (seq < rx_next < end)
 };
 
 // Set by the loader before load: the ring buffer size in bytes.
@@ -228,18 +240,19 @@ static __always_inline int after(__u32 a, __u32 b)
 }
 
 // raise_to raises *p from seen (the value last read) to v unless another CPU
-// already put it at or after v. It returns the value it leaves.
-static __always_inline __u32 raise_to(__u32 *p, __u32 seen, __u32 v)
+// already put it at or after v. It returns whether this call stored v: two
+// CPUs raising it to the same value store it once.
+static __always_inline int raise_to(__u32 *p, __u32 seen, __u32 v)
 {
 	for (int i = 0; i < CAS_TRIES; i++) {
 		__u32 old = __sync_val_compare_and_swap(p, seen, v);
 		if (old == seen)
-			return v;
+			return 1;
 		if (!after(v, old))
-			return old;
+			return 0;
 		seen = old;
 	}
-	return seen;
+	return 0;
 }
 
 // wake_flags returns the submit flags for a record of need ring bytes (see
@@ -400,10 +413,10 @@ int tcprecv_ingress(struct __sk_buff *skb)
 	if (synchronized(state)) {
 		__u32 rcv_nxt = tp->rcv_nxt;
 		if (after(rcv_nxt, cur)) {
-			__u32 now = raise_to(&f->rx_next, cur, rcv_nxt);
-			if (now == rcv_nxt)
+			// Counted once per raise, not by every CPU that saw the same rcv_nxt.
+			if (raise_to(&f->rx_next, cur, rcv_nxt))
 				c->resyncs++;
-			cur = now;
+			cur = f->rx_next; // at or after rcv_nxt now, whoever raised it
 		}
 	}
 
@@ -412,13 +425,13 @@ int tcprecv_ingress(struct __sk_buff *skb)
 		c->duplicates_passed++;
 		return VERDICT_PASS;
 	}
-	__u32 start = cur;
-	if (after(seq, cur)) {
-		start = seq; // past a hole: recorded whole, rx_next stays
-		c->out_of_order++;
+	if (after(cur, seq)) {
+		c->drops_overlap++;
+		return VERDICT_DROP; // a late or overlapping copy: see "seq < rx_next < end" above
 	}
-	__u32 skip = start - seq; // < len
-	__u32 n = end - start;
+	if (after(seq, cur))
+		c->out_of_order++; // past a hole: recorded whole, rx_next stays
+	__u32 n = len;
 
 	// The ring holds a record plus its 8-byte kernel header, rounded up to 8;
 	// a bigger one can never be reserved: count the stall apart.
@@ -432,7 +445,7 @@ int tcprecv_ingress(struct __sk_buff *skb)
 		.daddr = ip.daddr,
 		.sport = tcp.source,
 		.dport = tcp.dest,
-		.seq = start,
+		.seq = seq,
 		.len = n,
 		.cgroup_id = bpf_skb_cgroup_id(skb),
 		.ktime_ns = bpf_ktime_get_ns(),
@@ -448,13 +461,13 @@ int tcprecv_ingress(struct __sk_buff *skb)
 	// the reserved record.
 	if (bpf_dynptr_write(&rec, 0, &hdr, sizeof(hdr), 0) ||
 	    bpf_dynptr_from_skb(skb, 0, &pkt) ||
-	    bpf_dynptr_copy(&rec, sizeof(hdr), &pkt, iphl + tcphl + skip, n)) {
+	    bpf_dynptr_copy(&rec, sizeof(hdr), &pkt, iphl + tcphl, n)) {
 		bpf_ringbuf_discard_dynptr(&rec, 0);
 		c->drops_error++;
 		return VERDICT_DROP;
 	}
 	bpf_ringbuf_submit_dynptr(&rec, wake_flags(need));
-	if (start == cur)
+	if (seq == cur)
 		raise_to(&f->rx_next, cur, end);
 	c->packets_recorded++;
 	c->bytes_recorded += n;

@@ -31,6 +31,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/internal/streamtest"
+	"github.com/ftkit/ftkit/internal/tcpframe"
 	"github.com/ftkit/ftkit/lab/labtest"
 	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/tcpflow"
@@ -225,6 +226,35 @@ func (c *recvCollector) stream(conn tcpflow.Tuple, first uint32) ([]byte, error)
 		return nil, fmt.Errorf("record %d (stream offset %d, %d bytes) leaves a hole at stream offset %d", h.i, h.off, len(h.p), len(data))
 	}
 	return data, nil
+}
+
+// explainMismatch describes where a rebuilt stream first differs from what was sent, and each record over
+// it with where its bytes really are in the stream (a record copied from the wrong
+// place in its packet, or labelled with the wrong sequence number, shows as a shift).
+func (c *recvCollector) explainMismatch(conn tcpflow.Tuple, first uint32, data, want []byte) string {
+	d := 0
+	for d < min(len(data), len(want)) && data[d] == want[d] {
+		d++
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "first difference at stream offset %d", d)
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for i, r := range c.flows[conn] {
+		off := int64(int32(r.Seq - first))
+		if off > int64(d) || off+int64(len(r.Payload)) <= int64(d) {
+			continue
+		}
+		fmt.Fprintf(&b, "\n  record %d of %d: stream offset %d, %d bytes, ktime %d", i, len(c.flows[conn]), off, len(r.Payload), r.KtimeNs)
+		probe := r.Payload[int64(d)-off:]
+		probe = probe[:min(len(probe), 64)]
+		if at := bytes.Index(want, probe); at >= 0 {
+			fmt.Fprintf(&b, "; its bytes at offset %d are the stream's at %d (shift %d)", d, at, at-d)
+		} else {
+			fmt.Fprintf(&b, "; its bytes at offset %d are nowhere in the stream: % x", d, probe[:min(len(probe), 16)])
+		}
+	}
+	return b.String()
 }
 
 // conns lists the flows that have records.
@@ -465,8 +495,8 @@ func runRecvScenario(t *testing.T, tn *testNet, tapped, other *streamtest.Cgroup
 		t.Fatalf("tapped flow: %v", err)
 	}
 	if want := streamtest.Stream(f.seed, f.size); !bytes.Equal(data, want) {
-		t.Fatalf("tapped flow: rebuilt %d bytes (sha256 %x), sent %d (sha256 %x)",
-			len(data), sha256.Sum256(data), len(want), sha256.Sum256(want))
+		t.Fatalf("tapped flow: rebuilt %d bytes (sha256 %x), sent %d (sha256 %x)\n%s",
+			len(data), sha256.Sum256(data), len(want), sha256.Sum256(want), col.explainMismatch(conn, f.firstSeq, data, want))
 	}
 	col.mu.Lock()
 	recs := col.flows[conn]
@@ -1078,7 +1108,8 @@ func TestRecvTapClientSide(t *testing.T) {
 		t.Fatal(err)
 	}
 	if !bytes.Equal(data, want) {
-		t.Fatalf("rebuilt %d bytes (sha256 %x), sent %d (sha256 %x)", len(data), sha256.Sum256(data), len(want), sha256.Sum256(want))
+		t.Fatalf("rebuilt %d bytes (sha256 %x), sent %d (sha256 %x)\n%s", len(data), sha256.Sum256(data), len(want), sha256.Sum256(want),
+			col.explainMismatch(conn, recs[0].Seq, data, want))
 	}
 	if recs[0].CgroupID != cg.ID {
 		t.Errorf("record cgroup id %d, want %d", recs[0].CgroupID, cg.ID)
@@ -1178,5 +1209,119 @@ func TestRecvTapAttachWhileStreaming(t *testing.T) {
 	}
 	if cnt.DropsError != 0 || cnt.NoTCPSock != 0 {
 		t.Errorf("unexpected counters %+v", cnt)
+	}
+}
+
+// TestRecvTapDropsOverlappingCopy: a segment whose first bytes the tap has recorded and whose last bytes it
+// has not (seq < rx_next < end) is dropped, not recorded (bpf/tcprecv.c, docs/ebpf-logging.md "Late
+// originals": such late copies were seen carrying bytes that were not the stream's). The test sends half a
+// stream from its own socket on host a, lets the receiver read it, injects from host a's address a segment
+// of other bytes that straddles the receiver's rcv_nxt, then sends the rest: the tap counts one overlap drop,
+// the receiver reads exactly the stream, and the records rebuild it. The first design recorded the injected
+// bytes past rcv_nxt, and TCP took them.
+func TestRecvTapDropsOverlappingCopy(t *testing.T) {
+	requirePrivileges(t)
+	tn := newTestNet(t)
+	cg := streamtest.NewCgroupT(t, "rx-overlap")
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	tap := newRecvTapT(t, 4<<20)
+	if err := tap.AttachCgroup(cg.Dir); err != nil {
+		t.Fatal(err)
+	}
+	const size, half, seed, port, overlap = 256 << 10, 128 << 10, 51, 5161, 100
+	recv := streamtest.StartT(t, tn.lab, hostB, cg, "recv",
+		fmt.Sprintf("FTKIT_ADDR=%s:%d", tn.ipB, port), fmt.Sprintf("FTKIT_PAUSE_AT=%d", half))
+	if l := recv.LineT(ctx, t); l != "ready" {
+		t.Fatalf("receiver said %q", l)
+	}
+	col := collectRecv(ctx, tap, 0)
+	var c *net.TCPConn
+	if err := tn.lab.Do(hostA, func() error {
+		nc, err := net.Dial("tcp4", netip.AddrPortFrom(tn.ipB, port).String())
+		if err == nil {
+			c = nc.(*net.TCPConn)
+		}
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	first, err := streamtest.WriteSeq(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := streamtest.Stream(seed, size)
+	if _, err := c.Write(want[:half]); err != nil {
+		t.Fatal(err)
+	}
+	if l := recv.LineT(ctx, t); l != fmt.Sprintf("read %d", half) {
+		t.Fatalf("receiver said %q", l)
+	}
+	// The receiver sent nothing: what it sends next (the injected segment's ACK) is our rcv_nxt.
+	ack, err := streamtest.RecvSeq(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	src := netip.MustParseAddrPort(c.LocalAddr().String())
+	conn := tcpflow.Tuple{Local: src, Remote: netip.AddrPortFrom(tn.ipB, port)}
+	seg := tcpframe.Segment{Seq: first + half - overlap, Ack: ack, Flags: 0x18 /* PSH|ACK */, Window: 1024, Payload: 2 * overlap}
+	frame := seg.Frame(conn)
+	tcpframe.Checksum(frame, true)
+	if err := tn.lab.Do(hostB, func() error {
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.IPPROTO_RAW)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		return unix.Sendto(fd, frame[14:], 0, &unix.SockaddrInet4{Addr: tn.ipB.As4()})
+	}); err != nil {
+		t.Fatalf("inject the overlapping segment: %v", err)
+	}
+	// The tap has seen it once it dropped it, or once a record starts at rx_next (the first design's).
+	for seen := false; !seen; {
+		cnt, err := tap.Counters()
+		if err != nil {
+			t.Fatal(err)
+		}
+		col.mu.Lock()
+		for _, r := range col.flows[conn] {
+			seen = seen || r.Seq == first+half
+		}
+		col.mu.Unlock()
+		seen = seen || cnt.DropsOverlap > 0
+		if ctx.Err() != nil {
+			t.Fatalf("the tap neither dropped nor recorded the injected segment (counters %+v)", cnt)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if _, err := io.WriteString(recv.Stdin, "go\n"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Write(want[half:]); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	if got, w := recv.LineT(ctx, t), fmt.Sprintf("%d %x", size, sha256.Sum256(want)); got != w {
+		t.Errorf("receiver got %q, want %q: TCP took the injected bytes", got, w)
+	}
+	col.stop(t, cancel)
+	cnt, err := tap.Counters()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("counters %+v", cnt)
+	if cnt.DropsOverlap != 1 {
+		t.Errorf("%d overlap drops, want 1 (the injected segment)", cnt.DropsOverlap)
+	}
+	data, err := col.stream(conn, first)
+	if err != nil {
+		t.Fatalf("records: %v", err)
+	}
+	if !bytes.Equal(data, want) {
+		t.Fatalf("records rebuild %d bytes (sha256 %x), sent %d (sha256 %x)\n%s", len(data), sha256.Sum256(data), len(want), sha256.Sum256(want),
+			col.explainMismatch(conn, first, data, want))
 	}
 }

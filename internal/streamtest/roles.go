@@ -185,14 +185,24 @@ func ParseConnLine(line string) (netip.AddrPort, uint32, error) {
 	return ap, seq, nil
 }
 
-// tcpSendQueue is TCP_SEND_QUEUE for TCP_REPAIR_QUEUE (include/uapi/linux/tcp.h).
-const tcpSendQueue = 2
+// The queues TCP_REPAIR_QUEUE selects (include/uapi/linux/tcp.h).
+const (
+	tcpNoQueue   = 0
+	tcpRecvQueue = 1
+	tcpSendQueue = 2
+)
 
 // WriteSeq reads the socket's write_seq (the sequence number of the next byte
 // written) through TCP repair mode, the way CRIU does: an independent check
 // that a log is keyed by the real TCP sequence numbers. Before the first
 // write it is the peer's copied_seq before its first read.
-func WriteSeq(c *net.TCPConn) (uint32, error) {
+func WriteSeq(c *net.TCPConn) (uint32, error) { return queueSeq(c, tcpSendQueue) }
+
+// RecvSeq reads the socket's rcv_nxt (the sequence number of the next byte it
+// expects from its peer) through TCP repair mode.
+func RecvSeq(c *net.TCPConn) (uint32, error) { return queueSeq(c, tcpRecvQueue) }
+
+func queueSeq(c *net.TCPConn, queue int) (uint32, error) {
 	rc, err := c.SyscallConn()
 	if err != nil {
 		return 0, err
@@ -204,10 +214,12 @@ func WriteSeq(c *net.TCPConn) (uint32, error) {
 			serr = fmt.Errorf("enter TCP repair mode: %w", serr)
 			return
 		}
-		// Leave without a window probe: it would be an extra segment.
+		// Leave without a window probe (it would be an extra segment), and with no queue selected: with the
+		// send queue selected, whatever sends meanwhile takes unsent bytes for sent (criu/patches/0001).
 		defer unix.SetsockoptInt(int(fd), unix.SOL_TCP, unix.TCP_REPAIR, unix.TCP_REPAIR_OFF_NO_WP)
-		if serr = unix.SetsockoptInt(int(fd), unix.SOL_TCP, unix.TCP_REPAIR_QUEUE, tcpSendQueue); serr != nil {
-			serr = fmt.Errorf("select the send queue: %w", serr)
+		defer unix.SetsockoptInt(int(fd), unix.SOL_TCP, unix.TCP_REPAIR_QUEUE, tcpNoQueue)
+		if serr = unix.SetsockoptInt(int(fd), unix.SOL_TCP, unix.TCP_REPAIR_QUEUE, queue); serr != nil {
+			serr = fmt.Errorf("select repair queue %d: %w", queue, serr)
 			return
 		}
 		seq, serr = unix.GetsockoptInt(int(fd), unix.SOL_TCP, unix.TCP_QUEUE_SEQ)
