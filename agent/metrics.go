@@ -92,7 +92,6 @@ func (a *Agent) logMetrics() *metrics.Log {
 	if rc, err := a.netlog.tap.Counters(); err == nil {
 		l.ReceivedBytes = rc.BytesRecorded
 		l.ReceiveDropsBackpressure, l.ReceiveDropsOversize, l.ReceiveDropsError = rc.DropsBackpressure, rc.DropsOversize, rc.DropsError
-		l.ReceiveDropsOverlap = rc.DropsOverlap
 	}
 	rel := a.netlog.node.ReleasedSoFar()
 	l.ReleasedConns, l.ReleasedBytes = rel.Conns, rel.Bytes

@@ -25,17 +25,13 @@
 // it has been recorded. A segment [seq, end) with payload:
 //   - end <= rx_next: bytes recorded before (a retransmission): pass.
 //   - seq == rx_next: record it, advance rx_next to end, pass.
-//   - seq < rx_next < end: its first bytes were recorded from another copy:
-//     drop it, leave rx_next, count. TCP has the rest retransmitted (once
-//     TCP has acknowledged rx_next, that retransmission starts there and is
-//     recorded). The first design recorded its new part, and so recorded
-//     bytes that were not the stream's: on Linux 6.18 the original of a GSO
-//     segment that arrives after the sender has retransmitted its head
-//     (tcp_fragment splits the segment it keeps for retransmission while the
-//     original is still queued) can carry other bytes past the split; TCP
-//     dropped that copy as old data, the tap kept it (docs/ebpf-logging.md,
-//     "Late originals"): 6 of about 2200 64 MiB transfers in the lab under
-//     load, and in the 3 examined the bad record was of such a segment.
+//   - seq < rx_next < end: record it whole, advance rx_next to end, pass.
+//     Its first bytes were recorded before, from another copy (a
+//     retransmission of bytes the socket discarded, a late original, a race
+//     with another CPU); the consumer compares them with that record. It is
+//     copied from its first payload byte, never from rx_next: a copy from an
+//     skb dynptr at an offset past the skb's linear part reads other memory
+//     on Linux 6.18 (docs/ebpf-logging.md, "Copies past the linear part").
 //   - seq > rx_next: there is a hole before it (loss, reordering): record it
 //     whole, pass it, leave rx_next (the hole is still there). TCP keeps it
 //     in its out-of-order queue and accepts it once a retransmission fills
@@ -76,10 +72,9 @@
 // Concurrency: cgroup_skb runs without the socket lock, so two CPUs may
 // handle segments of one flow at once. rx_next is only ever raised, with a
 // compare-and-swap after the record is submitted, and an in-order record
-// starts at the rx_next its CPU read: every byte below rx_next is in a record
-// reserved (so ordered in the ring) before rx_next covered it. Racing CPUs
-// can only record the same bytes twice, or drop a copy whose first bytes the
-// other recorded meanwhile; never leave a hole.
+// starts at or below the rx_next its CPU read: every byte below rx_next is in
+// a record reserved (so ordered in the ring) before rx_next covered it.
+// Racing CPUs can only record the same bytes twice; never leave a hole.
 //
 // IPv4 only (a dual-stack IPv6 socket receiving IPv4 is fine: the packet is
 // parsed, not the socket); other packets pass and are counted. IP fragments
@@ -167,7 +162,6 @@ struct recv_counters {
 	__u64 non_tcp;            // IPv4 packets that are not TCP, passed
 	__u64 resyncs;            // rx_next raised to rcv_nxt: TCP had accepted unrecorded bytes
 	__u64 syn_ignored;        // SYNs with payload to synchronized sockets, passed unrecorded
-	__u64 drops_overlap;      // dropped: its first bytes were recorded from another copy (seq < rx_next < end)
 };
 
 // Set by the loader before load: the ring buffer size in bytes.
@@ -425,13 +419,9 @@ int tcprecv_ingress(struct __sk_buff *skb)
 		c->duplicates_passed++;
 		return VERDICT_PASS;
 	}
-	if (after(cur, seq)) {
-		c->drops_overlap++;
-		return VERDICT_DROP; // a late or overlapping copy: see "seq < rx_next < end" above
-	}
 	if (after(seq, cur))
 		c->out_of_order++; // past a hole: recorded whole, rx_next stays
-	__u32 n = len;
+	__u32 n = len; // whole, from the first payload byte: see "seq < rx_next < end" above
 
 	// The ring holds a record plus its 8-byte kernel header, rounded up to 8;
 	// a bigger one can never be reserved: count the stall apart.
@@ -467,7 +457,7 @@ int tcprecv_ingress(struct __sk_buff *skb)
 		return VERDICT_DROP;
 	}
 	bpf_ringbuf_submit_dynptr(&rec, wake_flags(need));
-	if (seq == cur)
+	if (!after(seq, cur))
 		raise_to(&f->rx_next, cur, end);
 	c->packets_recorded++;
 	c->bytes_recorded += n;

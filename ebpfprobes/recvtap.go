@@ -48,9 +48,6 @@ type RecvCounters struct {
 	NonTCP            uint64 // IPv4 packets that are not TCP, passed
 	Resyncs           uint64 // flows whose socket had accepted bytes never recorded (attached mid-flow): the records jump
 	SYNIgnored        uint64 // SYNs with payload to established sockets, passed unrecorded (TCP takes none of it)
-	// DropsOverlap are segments dropped because their first bytes were recorded from another copy (a late
-	// original whose head the sender retransmitted meanwhile, bpf/tcprecv.c): TCP gets the rest again.
-	DropsOverlap uint64
 }
 
 // tcprecvLoaded holds the objects the tap uses (LoadAndAssign loads exactly these).
@@ -241,7 +238,6 @@ func (t *RecvTap) Counters() (RecvCounters, error) {
 		c.NonTCP += p.NonTcp
 		c.Resyncs += p.Resyncs
 		c.SYNIgnored += p.SynIgnored
-		c.DropsOverlap += p.DropsOverlap
 	}
 	return c, nil
 }

@@ -1212,116 +1212,187 @@ func TestRecvTapAttachWhileStreaming(t *testing.T) {
 	}
 }
 
-// TestRecvTapDropsOverlappingCopy: a segment whose first bytes the tap has recorded and whose last bytes it
-// has not (seq < rx_next < end) is dropped, not recorded (bpf/tcprecv.c, docs/ebpf-logging.md "Late
-// originals": such late copies were seen carrying bytes that were not the stream's). The test sends half a
-// stream from its own socket on host a, lets the receiver read it, injects from host a's address a segment
-// of other bytes that straddles the receiver's rcv_nxt, then sends the rest: the tap counts one overlap drop,
-// the receiver reads exactly the stream, and the records rebuild it. The first design recorded the injected
-// bytes past rcv_nxt, and TCP took them.
-func TestRecvTapDropsOverlappingCopy(t *testing.T) {
+// TestRecvTapRecordsOverlappingSegment: segments whose first bytes the tap recorded from another copy and
+// whose last bytes it has not (seq < rx_next < end) are recorded whole, with their own bytes. Half a stream
+// goes from the test's own socket on host a to a receiver on host b; then a segment holding the stream's
+// next bytes is injected from host a's address, and the sender's own next segment, which starts where the
+// injected one does and is longer, overlaps it. Two cases: the socket took the injected bytes (a late or
+// repeated copy), or it dropped them for an unacceptable ACK after the tap had recorded them (a
+// retransmission of bytes the socket discarded). Either way the receiver reads the stream and the records
+// rebuild it. The first design recorded such a segment from rx_next on, with a copy from an offset past the
+// skb's linear part, and that copy held other bytes (docs/ebpf-logging.md, "Copies past the linear part").
+func TestRecvTapRecordsOverlappingSegment(t *testing.T) {
+	const injected = 1000
+	for _, tc := range []struct {
+		name    string
+		port    int
+		badAck  bool // an ACK of bytes the receiver never sent: TCP drops the segment, data and all
+		tcpTook bool
+	}{
+		{"socket took the first copy", 5161, false, true},
+		{"socket discarded the first copy", 5171, true, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := startHalfStream(t, "rx-overlap", tc.port)
+			ack := h.ack
+			if tc.badAck {
+				ack += 1 << 30
+			}
+			h.inject(t, tcpframe.Segment{Seq: h.first + h.half, Ack: ack, Flags: 0x18 /* PSH|ACK */, Window: 1024}, h.want[h.half:h.half+injected])
+			h.waitTap(t, "record the injected segment", func(recs []netlog.Record) bool {
+				for _, r := range recs {
+					if r.Seq == h.first+h.half {
+						return true
+					}
+				}
+				return false
+			})
+			if got, err := streamtest.RecvSeq(h.c); err != nil || got != h.ack {
+				t.Fatalf("test set-up: the sender's rcv_nxt moved (%d, %v)", got, err)
+			}
+			cnt := h.finish(t)
+			// The sender's segment from the first half's end on reached past the injected bytes: recorded whole.
+			var overlapping int
+			h.col.mu.Lock()
+			for _, r := range h.col.flows[h.conn] {
+				if r.Seq == h.first+h.half && len(r.Payload) > injected {
+					overlapping++
+				}
+			}
+			h.col.mu.Unlock()
+			if overlapping == 0 {
+				t.Errorf("no record of the sender's segment over the injected bytes; counters %+v", cnt)
+			}
+		})
+	}
+}
+
+// halfStream is a stream from the test's own socket on host a to a receiver on host b in a tapped cgroup,
+// stopped half way: the receiver has read the first half and waits.
+type halfStream struct {
+	tn         *testNet
+	tap        *RecvTap
+	col        *recvCollector
+	ctx        context.Context
+	cancel     context.CancelFunc
+	recv       *streamtest.Child
+	c          *net.TCPConn
+	conn       tcpflow.Tuple
+	want       []byte
+	first, ack uint32 // the stream's first sequence number; the receiver's snd_nxt
+	half       uint32
+}
+
+func startHalfStream(t *testing.T, cgName string, port int) *halfStream {
 	requirePrivileges(t)
-	tn := newTestNet(t)
-	cg := streamtest.NewCgroupT(t, "rx-overlap")
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	defer cancel()
-	tap := newRecvTapT(t, 4<<20)
-	if err := tap.AttachCgroup(cg.Dir); err != nil {
+	const size, seed = 256 << 10, 51
+	h := &halfStream{tn: newTestNet(t), half: size / 2, want: streamtest.Stream(seed, size)}
+	cg := streamtest.NewCgroupT(t, cgName)
+	h.ctx, h.cancel = context.WithTimeout(t.Context(), time.Minute)
+	t.Cleanup(h.cancel)
+	h.tap = newRecvTapT(t, 4<<20)
+	if err := h.tap.AttachCgroup(cg.Dir); err != nil {
 		t.Fatal(err)
 	}
-	const size, half, seed, port, overlap = 256 << 10, 128 << 10, 51, 5161, 100
-	recv := streamtest.StartT(t, tn.lab, hostB, cg, "recv",
-		fmt.Sprintf("FTKIT_ADDR=%s:%d", tn.ipB, port), fmt.Sprintf("FTKIT_PAUSE_AT=%d", half))
-	if l := recv.LineT(ctx, t); l != "ready" {
+	h.recv = streamtest.StartT(t, h.tn.lab, hostB, cg, "recv",
+		fmt.Sprintf("FTKIT_ADDR=%s:%d", h.tn.ipB, port), fmt.Sprintf("FTKIT_PAUSE_AT=%d", h.half))
+	if l := h.recv.LineT(h.ctx, t); l != "ready" {
 		t.Fatalf("receiver said %q", l)
 	}
-	col := collectRecv(ctx, tap, 0)
-	var c *net.TCPConn
-	if err := tn.lab.Do(hostA, func() error {
-		nc, err := net.Dial("tcp4", netip.AddrPortFrom(tn.ipB, port).String())
+	h.col = collectRecv(h.ctx, h.tap, 0)
+	if err := h.tn.lab.Do(hostA, func() error {
+		nc, err := net.Dial("tcp4", netip.AddrPortFrom(h.tn.ipB, uint16(port)).String())
 		if err == nil {
-			c = nc.(*net.TCPConn)
+			h.c = nc.(*net.TCPConn)
 		}
 		return err
 	}); err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close()
-	first, err := streamtest.WriteSeq(c)
-	if err != nil {
+	t.Cleanup(func() { h.c.Close() })
+	var err error
+	if h.first, err = streamtest.WriteSeq(h.c); err != nil {
 		t.Fatal(err)
 	}
-	want := streamtest.Stream(seed, size)
-	if _, err := c.Write(want[:half]); err != nil {
+	if _, err := h.c.Write(h.want[:h.half]); err != nil {
 		t.Fatal(err)
 	}
-	if l := recv.LineT(ctx, t); l != fmt.Sprintf("read %d", half) {
+	if l := h.recv.LineT(h.ctx, t); l != fmt.Sprintf("read %d", h.half) {
 		t.Fatalf("receiver said %q", l)
 	}
-	// The receiver sent nothing: what it sends next (the injected segment's ACK) is our rcv_nxt.
-	ack, err := streamtest.RecvSeq(c)
-	if err != nil {
+	// The receiver sent nothing: its snd_nxt is our rcv_nxt.
+	if h.ack, err = streamtest.RecvSeq(h.c); err != nil {
 		t.Fatal(err)
 	}
-	src := netip.MustParseAddrPort(c.LocalAddr().String())
-	conn := tcpflow.Tuple{Local: src, Remote: netip.AddrPortFrom(tn.ipB, port)}
-	seg := tcpframe.Segment{Seq: first + half - overlap, Ack: ack, Flags: 0x18 /* PSH|ACK */, Window: 1024, Payload: 2 * overlap}
-	frame := seg.Frame(conn)
+	h.conn = tcpflow.Tuple{Local: netip.MustParseAddrPort(h.c.LocalAddr().String()), Remote: netip.AddrPortFrom(h.tn.ipB, uint16(port))}
+	return h
+}
+
+// inject delivers seg with payload p to the receiver as if host a's socket had sent it.
+func (h *halfStream) inject(t *testing.T, seg tcpframe.Segment, p []byte) {
+	t.Helper()
+	seg.Payload = len(p)
+	frame := seg.Frame(h.conn)
+	copy(frame[len(frame)-len(p):], p)
 	tcpframe.Checksum(frame, true)
-	if err := tn.lab.Do(hostB, func() error {
+	if err := h.tn.lab.Do(hostB, func() error {
 		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.IPPROTO_RAW)
 		if err != nil {
 			return err
 		}
 		defer unix.Close(fd)
-		return unix.Sendto(fd, frame[14:], 0, &unix.SockaddrInet4{Addr: tn.ipB.As4()})
+		return unix.Sendto(fd, frame[14:], 0, &unix.SockaddrInet4{Addr: h.tn.ipB.As4()})
 	}); err != nil {
-		t.Fatalf("inject the overlapping segment: %v", err)
+		t.Fatalf("inject a segment: %v", err)
 	}
-	// The tap has seen it once it dropped it, or once a record starts at rx_next (the first design's).
-	for seen := false; !seen; {
-		cnt, err := tap.Counters()
-		if err != nil {
-			t.Fatal(err)
+}
+
+// waitTap waits until ok accepts the flow's records so far.
+func (h *halfStream) waitTap(t *testing.T, what string, ok func([]netlog.Record) bool) {
+	t.Helper()
+	for {
+		h.col.mu.Lock()
+		done := ok(h.col.flows[h.conn])
+		h.col.mu.Unlock()
+		if done {
+			return
 		}
-		col.mu.Lock()
-		for _, r := range col.flows[conn] {
-			seen = seen || r.Seq == first+half
-		}
-		col.mu.Unlock()
-		seen = seen || cnt.DropsOverlap > 0
-		if ctx.Err() != nil {
-			t.Fatalf("the tap neither dropped nor recorded the injected segment (counters %+v)", cnt)
+		if h.ctx.Err() != nil {
+			t.Fatalf("the tap did not %s", what)
 		}
 		time.Sleep(time.Millisecond)
 	}
-	if _, err := io.WriteString(recv.Stdin, "go\n"); err != nil {
+}
+
+// finish sends the second half and requires that the receiver read the stream and that the records rebuild
+// it; it returns the tap's counters.
+func (h *halfStream) finish(t *testing.T) RecvCounters {
+	t.Helper()
+	if _, err := io.WriteString(h.recv.Stdin, "go\n"); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := c.Write(want[half:]); err != nil {
+	if _, err := h.c.Write(h.want[h.half:]); err != nil {
 		t.Fatal(err)
 	}
-	if err := c.CloseWrite(); err != nil {
+	if err := h.c.CloseWrite(); err != nil {
 		t.Fatal(err)
 	}
-	if got, w := recv.LineT(ctx, t), fmt.Sprintf("%d %x", size, sha256.Sum256(want)); got != w {
-		t.Errorf("receiver got %q, want %q: TCP took the injected bytes", got, w)
+	if got, w := h.recv.LineT(h.ctx, t), fmt.Sprintf("%d %x", len(h.want), sha256.Sum256(h.want)); got != w {
+		t.Errorf("receiver got %q, want %q", got, w)
 	}
-	col.stop(t, cancel)
-	cnt, err := tap.Counters()
+	h.col.stop(t, h.cancel)
+	cnt, err := h.tap.Counters()
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Logf("counters %+v", cnt)
-	if cnt.DropsOverlap != 1 {
-		t.Errorf("%d overlap drops, want 1 (the injected segment)", cnt.DropsOverlap)
-	}
-	data, err := col.stream(conn, first)
+	data, err := h.col.stream(h.conn, h.first)
 	if err != nil {
 		t.Fatalf("records: %v", err)
 	}
-	if !bytes.Equal(data, want) {
-		t.Fatalf("records rebuild %d bytes (sha256 %x), sent %d (sha256 %x)\n%s", len(data), sha256.Sum256(data), len(want), sha256.Sum256(want),
-			col.explainMismatch(conn, first, data, want))
+	if !bytes.Equal(data, h.want) {
+		t.Fatalf("records rebuild %d bytes (sha256 %x), sent %d (sha256 %x)\n%s", len(data), sha256.Sum256(data), len(h.want), sha256.Sum256(h.want),
+			h.col.explainMismatch(h.conn, h.first, data, h.want))
 	}
+	return cnt
 }

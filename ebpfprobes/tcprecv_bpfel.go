@@ -27,7 +27,6 @@ type tcprecvRecvCounters struct {
 	NonTcp            uint64
 	Resyncs           uint64
 	SynIgnored        uint64
-	DropsOverlap      uint64
 }
 
 type tcprecvRxFlow struct {

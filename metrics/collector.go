@@ -45,7 +45,7 @@ func newCollector(src Source) *collector {
 		releasedConns: d("ftkit_log_released_connections_total", "Logs of finished connections freed.", nil, nil),
 		releasedBytes: d("ftkit_log_released_bytes_total", "Logged bytes the freed logs of finished connections still retained.", nil, nil),
 		receivedBytes: d("ftkit_receive_recorded_bytes_total", "Payload bytes the receive tap recorded (digests of what protected sockets received).", nil, nil),
-		receiveDrops:  d("ftkit_receive_drops_total", "Segments the receive tap dropped, by reason (backpressure, oversize, error, overlap: a late copy of bytes it recorded).", []string{"reason"}, nil),
+		receiveDrops:  d("ftkit_receive_drops_total", "Segments the receive tap dropped, by reason (backpressure, oversize, error).", []string{"reason"}, nil),
 
 		beatAge: d("ftkit_predecessor_heartbeat_age_seconds", "Time since the last heartbeat of the ring predecessor this agent watches (absent before the first).", []string{"node"}, nil),
 
@@ -129,7 +129,6 @@ func (c *collector) collectLog(ch chan<- prometheus.Metric, l *Log) {
 	counter(c.receiveDrops, float64(l.ReceiveDropsBackpressure), "backpressure")
 	counter(c.receiveDrops, float64(l.ReceiveDropsOversize), "oversize")
 	counter(c.receiveDrops, float64(l.ReceiveDropsError), "error")
-	counter(c.receiveDrops, float64(l.ReceiveDropsOverlap), "overlap")
 }
 
 // collectRecoveries summarizes the failure log. The log is bounded (old failures leave it), so the

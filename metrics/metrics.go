@@ -53,8 +53,8 @@ type Log struct {
 	// Logs of finished connections freed.
 	ReleasedConns, ReleasedBytes int64
 	// The receive tap (what this host's protected sockets received, to check a restored peer's re-sent bytes).
-	ReceivedBytes                                                                          uint64
-	ReceiveDropsBackpressure, ReceiveDropsOversize, ReceiveDropsError, ReceiveDropsOverlap uint64
+	ReceivedBytes                                                     uint64
+	ReceiveDropsBackpressure, ReceiveDropsOversize, ReceiveDropsError uint64
 }
 
 // Predecessor is the member this agent's watchdog watches.

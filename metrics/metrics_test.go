@@ -75,7 +75,7 @@ ftkit_jobs_unreplicated 1
 		{
 			name: "log against its cap, bytes logged, drops by reason",
 			state: State{Log: &Log{MemoryBytes: 3 << 20, CapBytes: 64 << 20, Conns: 2, BytesLogged: 12345, ConsumerPaused: true, ConsumerCPU: 1500 * time.Millisecond,
-				DropsBackpressure: 7, FragmentsPassed: 1, ReleasedBytes: 99, ReceiveDropsError: 2, ReceiveDropsOverlap: 3}},
+				DropsBackpressure: 7, FragmentsPassed: 1, ReleasedBytes: 99, ReceiveDropsError: 2}},
 			names: []string{"ftkit_log_memory_bytes", "ftkit_log_memory_cap_bytes", "ftkit_log_connections", "ftkit_log_consumer_paused", "ftkit_log_consumer_cpu_seconds_total",
 				"ftkit_log_logged_bytes_total", "ftkit_log_drops_total", "ftkit_log_released_bytes_total", "ftkit_receive_drops_total"},
 			want: `
@@ -107,11 +107,10 @@ ftkit_log_memory_cap_bytes 6.7108864e+07
 # HELP ftkit_log_released_bytes_total Logged bytes the freed logs of finished connections still retained.
 # TYPE ftkit_log_released_bytes_total counter
 ftkit_log_released_bytes_total 99
-# HELP ftkit_receive_drops_total Segments the receive tap dropped, by reason (backpressure, oversize, error, overlap: a late copy of bytes it recorded).
+# HELP ftkit_receive_drops_total Segments the receive tap dropped, by reason (backpressure, oversize, error).
 # TYPE ftkit_receive_drops_total counter
 ftkit_receive_drops_total{reason="backpressure"} 0
 ftkit_receive_drops_total{reason="error"} 2
-ftkit_receive_drops_total{reason="overlap"} 3
 ftkit_receive_drops_total{reason="oversize"} 0
 `,
 		},

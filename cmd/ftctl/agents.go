@@ -264,7 +264,7 @@ up, every live host is shown.`,
 				}
 				// Holes are bytes a receiver took that were never recorded: a restore re-sending them is refused.
 				fmt.Fprintf(w, "%s\t%d\t%s\t%d\t%d\t%d\t%s\n", h.Node, rs.Book.Flows, humanBytes(int64(rs.Book.Bytes)), rs.Book.Holes,
-					rs.Tap.OutOfOrder, rs.Tap.DropsBackpressure+rs.Tap.DropsOversize+rs.Tap.DropsError+rs.Tap.DropsOverlap, recorder)
+					rs.Tap.OutOfOrder, rs.Tap.DropsBackpressure+rs.Tap.DropsOversize+rs.Tap.DropsError, recorder)
 			}
 			w.Flush()
 			if len(events) > 0 {
