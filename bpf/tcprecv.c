@@ -28,7 +28,7 @@
 //   - seq < rx_next < end: record it whole, advance rx_next to end, pass.
 //     Its first bytes were recorded before, from another copy (a
 //     retransmission of bytes the socket discarded, a late original, a race
-//     with another CPU); the consumer compares them with that record. It is
+//     with another CPU); a consumer skips them or compares them. It is
 //     copied from its first payload byte, never from rx_next: a copy from an
 //     skb dynptr at an offset past the skb's linear part reads other memory
 //     on Linux 6.18 (docs/ebpf-logging.md, "Copies past the linear part").
