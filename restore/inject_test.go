@@ -26,6 +26,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ftkit/ftkit/internal/streamtest"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labtest"
 	"github.com/ftkit/ftkit/tcpflow"
@@ -52,27 +53,17 @@ func sockCtl(t *testing.T, c *net.TCPConn, fn func(fd int) error) {
 	}
 }
 
-// seqs reads a socket's rcv_nxt and write_seq through TCP_REPAIR, leaving repair mode without the window
-// probe TCP_REPAIR_OFF would send. Call it while the connection is quiet.
+// seqs reads a socket's rcv_nxt and write_seq through TCP_REPAIR (streamtest.RecvSeq, WriteSeq). Call it while
+// the connection is quiet.
 func seqs(t *testing.T, c *net.TCPConn) (rcvNxt, writeSeq uint32) {
 	t.Helper()
-	sockCtl(t, c, func(fd int) error {
-		if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_REPAIR, unix.TCP_REPAIR_ON); err != nil {
-			return fmt.Errorf("TCP_REPAIR on: %w", err)
-		}
-		defer unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_REPAIR, unix.TCP_REPAIR_OFF_NO_WP)
-		for q, p := range map[int]*uint32{1 /* TCP_RECV_QUEUE */ : &rcvNxt, 2 /* TCP_SEND_QUEUE */ : &writeSeq} {
-			if err := unix.SetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_REPAIR_QUEUE, q); err != nil {
-				return fmt.Errorf("TCP_REPAIR_QUEUE %d: %w", q, err)
-			}
-			v, err := unix.GetsockoptInt(fd, unix.IPPROTO_TCP, unix.TCP_QUEUE_SEQ)
-			if err != nil {
-				return fmt.Errorf("TCP_QUEUE_SEQ of queue %d: %w", q, err)
-			}
-			*p = uint32(v)
-		}
-		return nil
-	})
+	rcvNxt, err := streamtest.RecvSeq(c)
+	if err == nil {
+		writeSeq, err = streamtest.WriteSeq(c)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
 	return rcvNxt, writeSeq
 }
 
