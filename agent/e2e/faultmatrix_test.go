@@ -137,6 +137,40 @@ func waitPending(t *testing.T, c *labcluster.Cluster, host, job string, min int6
 	}
 }
 
+// holdDump stops (SIGSTOP) the CRIU process that writes an unfinished snapshot into dir, so that the snapshot
+// cannot complete however long the test takes to power-cut the host (which SIGKILLs it). go-criu waits for
+// CRIU to exit before the dump returns, so a stopped CRIU holds the snapshot even if it has written every
+// image. It returns false when no CRIU process has a file open there: the dump ended first.
+func holdDump(t *testing.T, dir string) bool {
+	t.Helper()
+	procs, err := os.ReadDir("/proc")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range procs {
+		pid, err := strconv.Atoi(p.Name())
+		if err != nil {
+			continue
+		}
+		if comm, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid)); strings.TrimSpace(string(comm)) != "criu" {
+			continue
+		}
+		fds, _ := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+		for _, fd := range fds {
+			target, _ := os.Readlink(fmt.Sprintf("/proc/%d/fd/%s", pid, fd.Name()))
+			if !strings.HasPrefix(target, dir+"/.tmp-") {
+				continue
+			}
+			if err := unix.Kill(pid, unix.SIGSTOP); err != nil {
+				return false // ESRCH: it exited after the readlink
+			}
+			t.Logf("stopped CRIU (pid %d), which was writing %s", pid, target)
+			return true
+		}
+	}
+	return false
+}
+
 // replicaIDs lists the snapshots of job taken on node that holder's agent holds, newest first.
 func replicaIDs(t *testing.T, c *labcluster.Cluster, holder, job, node string) []string {
 	t.Helper()
@@ -375,8 +409,30 @@ func TestFaultCrashDuringSnapshot(t *testing.T) {
 		t.Fatalf("node3 holds no replica of rank 1, want the one just shipped")
 	}
 	rg.waitIteration(t, 1, rg.lastIteration(1)+50, 2*time.Minute) // bytes past the snapshot for the replay
-	go c.Client("node2").Checkpoint(context.Background(), job)    // fails when node2 goes; nobody waits for it
-	n := waitPending(t, c, "node2", job, 1<<20, 2*time.Minute)
+	// The dump is stopped where it is once it has written some bytes: a dump of 256 MiB takes well under a
+	// second, less than the calls below may take on a loaded machine (ci: it ended and became a replica
+	// before the power cut). A dump that ends before the stop lands is a replica like any other: once it is
+	// shipped, try again.
+	var n int64
+	for attempt := 1; ; attempt++ {
+		done := make(chan struct{})
+		go func() { // the held one fails when node2 goes; nobody waits for it
+			defer close(done)
+			c.Client("node2").Checkpoint(context.Background(), job)
+		}()
+		n = waitPending(t, c, "node2", job, 1<<20, 2*time.Minute)
+		if holdDump(t, storeDir(c, "node2", job)) {
+			break
+		}
+		if attempt == 5 {
+			t.Fatalf("%d dumps of rank 1 on node2 ended before they could be stopped", attempt)
+		}
+		select {
+		case <-done:
+		case <-time.After(2 * time.Minute):
+			t.Fatalf("a checkpoint of rank 1 on node2 whose dump ended is still running after 2m")
+		}
+	}
 	// Read while the dump is in flight, which keeps any other snapshot of node2 from starting: newest first,
 	// the replica the recovery must use (the agent may have taken one of its own before, for connections
 	// its start snapshot lacked).
