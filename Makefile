@@ -40,8 +40,12 @@ generate: setup
 check-generate: generate
 	@git diff --exit-code -- ebpfprobes ackclamp bpf || { echo "generated eBPF files are stale: run 'make generate' and commit"; exit 1; }
 
+# go test's own output (gotestsum's standard-quiet), then every test that took 30 s or more: the suite's
+# budget is spent in agent/e2e, and a CI log should say where. build/test.json keeps every test's events.
 test: build lint check-generate
-	$(GO) test $(TESTFLAGS) ./... $(PROGS)
+	@mkdir -p build
+	$(GO) tool gotestsum --format standard-quiet --jsonfile build/test.json -- $(TESTFLAGS) ./... $(PROGS); \
+	rc=$$?; echo "tests that took 30 s or more:"; $(GO) tool gotestsum tool slowest --jsonfile build/test.json --threshold 30s; exit $$rc
 
 # Pure unit tests only, even as root: quick feedback while editing. In -short mode every test that needs
 # the kernel (labs, CRIU, eBPF, cgroups) or a browser skips itself (internal/testenv.RequireKernel).
