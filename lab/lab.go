@@ -26,6 +26,8 @@ type Lab struct {
 	store stateStore
 	log   *slog.Logger
 	st    State
+	// tearingDown, when set (tests), runs in Down between the state's update and the hosts' removal.
+	tearingDown func()
 }
 
 // Options locate the state directory and the logger; the zero value uses DefaultStateDir and slog's default.
@@ -271,19 +273,30 @@ func (l *Lab) Start(host string, cmd *exec.Cmd) error {
 // Crash is a fail-stop of a whole host: every process in its namespace is SIGKILLed, then the namespace
 // and its veth are deleted. Nothing on the host survives.
 func (l *Lab) Crash(ctx context.Context, name string) error {
+	var h Host
+	err := l.store.locked(func() error {
+		st, err := l.store.load(l.st.ID)
+		if err != nil {
+			return err
+		}
+		l.st = st
+		h, err = l.live(name)
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	// The cut itself runs without the store's lock, which every lab of the machine shares: another lab's
+	// teardown (seconds, with GBs of snapshots to remove) must not delay a fault a test injects now.
+	if err := removeHost(ctx, h); err != nil {
+		return fmt.Errorf("crash %s: %w", name, err)
+	}
 	return l.store.locked(func() error {
 		st, err := l.store.load(l.st.ID)
 		if err != nil {
 			return err
 		}
 		l.st = st
-		h, err := l.live(name)
-		if err != nil {
-			return err
-		}
-		if err := removeHost(ctx, h); err != nil {
-			return fmt.Errorf("crash %s: %w", name, err)
-		}
 		for i := range l.st.Hosts {
 			if l.st.Hosts[i].Name == name {
 				l.st.Hosts[i].Crashed = true
@@ -374,39 +387,51 @@ func removeHost(ctx context.Context, h Host) error {
 
 // Down removes everything the lab created. It is safe to call twice and after a half-done Up.
 func (l *Lab) Down(ctx context.Context) error {
-	return l.store.locked(func() error {
+	var errs []error
+	gone := false
+	err := l.store.locked(func() error {
 		if st, err := l.store.load(l.st.ID); err == nil {
 			l.st = st
 		} else if errors.Is(err, fs.ErrNotExist) {
-			return nil // already down
+			gone = true
+			return nil
 		}
-		var errs []error
-		// Slurm's daemons get a SIGTERM first (removing a host SIGKILLs what is left in it), and munged
-		// runs outside every host.
+		// Slurm's daemons get a SIGTERM first (removing a host SIGKILLs what is left in it), under the
+		// lock: munged runs outside every host and may be handed over to another lab's state.
 		if err := l.stopSlurm(ctx); err != nil {
 			errs = append(errs, fmt.Errorf("stop Slurm: %w", err))
 		}
-		for _, h := range l.st.Hosts {
-			if err := removeHost(ctx, h); err != nil {
-				errs = append(errs, fmt.Errorf("host %s: %w", h.Name, err))
-			}
-		}
-		for _, d := range l.st.Dirs {
-			if err := removeTree(d); err != nil {
-				errs = append(errs, err)
-			}
-		}
-		if link, err := netlink.LinkByName(l.st.Bridge); err == nil {
-			if err := netlink.LinkDel(link); err != nil && !errors.Is(err, unix.ENODEV) {
-				errs = append(errs, fmt.Errorf("delete bridge %s: %w", l.st.Bridge, err))
-			}
-		}
-		if len(errs) > 0 {
-			return fmt.Errorf("lab %s is partly down (state kept, run down again): %w", l.st.ID, errors.Join(errs...))
-		}
-		l.log.Debug("lab down")
-		return l.store.remove(l.st.ID)
+		return nil
 	})
+	if err != nil || gone {
+		return err
+	}
+	if l.tearingDown != nil {
+		l.tearingDown()
+	}
+	// What follows touches only this lab's namespaces, links and directories, so it runs without the
+	// lock every lab of the machine shares: removing GBs of snapshots must not hold up another lab's
+	// crash or start. The state file, kept until the end, still reserves the lab's names and subnet.
+	for _, h := range l.st.Hosts {
+		if err := removeHost(ctx, h); err != nil {
+			errs = append(errs, fmt.Errorf("host %s: %w", h.Name, err))
+		}
+	}
+	for _, d := range l.st.Dirs {
+		if err := removeTree(d); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if link, err := netlink.LinkByName(l.st.Bridge); err == nil {
+		if err := netlink.LinkDel(link); err != nil && !errors.Is(err, unix.ENODEV) {
+			errs = append(errs, fmt.Errorf("delete bridge %s: %w", l.st.Bridge, err))
+		}
+	}
+	if len(errs) > 0 {
+		return fmt.Errorf("lab %s is partly down (state kept, run down again): %w", l.st.ID, errors.Join(errs...))
+	}
+	l.log.Debug("lab down")
+	return l.store.locked(func() error { return l.store.remove(l.st.ID) })
 }
 
 // AddCleanup records a directory that Down must remove after the lab's processes are dead. A directory
