@@ -169,6 +169,7 @@ func removeJobNets(t *testing.T, id string) {
 // rejoins as a spare in every agent's view; then spare1 crashes and the rank is recovered onto node2. The
 // run's checksum equals the failure-free one (every byte exchanged, in order).
 func TestJobAddressFailover(t *testing.T) {
+	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
 	const port = 7460
 	args := ringArgs(1500, 16<<10, 10*time.Millisecond)
 	want := reference(t, 2, args)
@@ -372,6 +373,7 @@ func TestJobAddressFailover(t *testing.T) {
 // TestPartitionSelfFence must keep the link down until the ranks end), and the run ends with the
 // failure-free checksum; node2, idle, has rejoined as a spare.
 func TestJobAddressSelfFence(t *testing.T) {
+	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
 	const port = 7470
 	args := ringArgs(2500, 16<<10, 10*time.Millisecond)
 	want := reference(t, 3, args)

@@ -29,6 +29,7 @@ import (
 // after rank 1 left node2 (node2 restores it again from the snapshot it left with). The run still ends
 // with the failure-free checksum.
 func TestMigrate(t *testing.T) {
+	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
 	const port = 7470
 	args := ringArgs(1500, 16<<10, 10*time.Millisecond)
 	ctx := context.Background()
@@ -211,6 +212,7 @@ func findEvent(t *testing.T, c *labcluster.Cluster, id string) *agent.Failure {
 // healthy again, an operator's drain of node3 (`ftctl drain --to node2`) brings rank 1 back, and the run
 // ends with the failure-free checksum.
 func TestHealthDrain(t *testing.T) {
+	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
 	const port = 7480
 	args := ringArgs(1500, 16<<10, 10*time.Millisecond)
 	ctx := context.Background()

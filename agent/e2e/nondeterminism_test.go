@@ -224,6 +224,7 @@ func nondetReference(t *testing.T, args []string) string {
 // a lost log and refused ("connection not in log"); the live flow state says nothing was sent, so there is
 // nothing to replay, and the stream ends with the failure-free checksum.
 func TestOneWayStreamSenderCrash(t *testing.T) {
+	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
 	args := []string{"--iters", "400", "--block", fmt.Sprint(16 << 10), "--delay", "10ms", "--oneway"}
 	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
 	rg := startNondet(t, c, 7650, args)
