@@ -193,6 +193,9 @@ func requireMPI4Py(t *testing.T) {
 // positions), message logging recovers the master unless the crash took determinants its last assignments
 // depended on (orphans), and then the run rolls back.
 func TestTaskFarmAutoRollback(t *testing.T) {
+	// A diverged master that waits for a message nobody sends is declared diverged after replay_timeout
+	// (2 minutes by default; ci: the whole test then took 4 minutes); its replay takes well under a second.
+	const farmReplayTimeout = 20 * time.Second
 	requireMPI4Py(t)
 	script, err := os.ReadFile("testdata/taskfarm.py")
 	if err != nil {
@@ -203,8 +206,8 @@ func TestTaskFarmAutoRollback(t *testing.T) {
 		name string
 		opts labcluster.Options
 	}{
-		{"without determinants", labcluster.Options{Interval: "1h", JobAddresses: true, NoReceiveOrder: true}},
-		{"with determinants", labcluster.Options{Interval: "1h", JobAddresses: true, ReceivePositions: true}},
+		{"without determinants", labcluster.Options{Interval: "1h", JobAddresses: true, NoReceiveOrder: true, ReplayTimeout: farmReplayTimeout}},
+		{"with determinants", labcluster.Options{Interval: "1h", JobAddresses: true, ReceivePositions: true, ReplayTimeout: farmReplayTimeout}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
