@@ -15,8 +15,8 @@ import (
 	"github.com/ftkit/ftkit/lab/slurm"
 )
 
-// upForSlurmTest brings up a one-node lab in stateDir on a free subnet; Slurm itself is not started.
-func upForSlurmTest(t *testing.T, stateDir string) *Lab {
+// upOneNodeLab brings up a one-node lab in stateDir on a free subnet (no Slurm), removed at the test's end.
+func upOneNodeLab(t *testing.T, stateDir string) *Lab {
 	t.Helper()
 	for try := 0; try < 20; try++ {
 		id := fmt.Sprintf("u%06x", rand.Uint32()&0xffffff)
@@ -61,7 +61,7 @@ func fakeDaemon(t *testing.T, l *Lab, name, host string) slurm.Proc {
 func TestDownStopsRecordedSlurm(t *testing.T) {
 	testenv.RequireKernel(t, "network namespaces")
 	stateDir := t.TempDir()
-	a, b := upForSlurmTest(t, stateDir), upForSlurmTest(t, stateDir)
+	a, b := upOneNodeLab(t, stateDir), upOneNodeLab(t, stateDir)
 	munged := fakeDaemon(t, a, "munged", "")
 	slurmd := fakeDaemon(t, a, "slurmd", "node1")
 	dirA, dirB := t.TempDir()+"/a.slurm", t.TempDir()+"/b.slurm"
@@ -114,7 +114,7 @@ func TestDownStopsRecordedSlurm(t *testing.T) {
 // as dead so that revive restarts them.
 func TestCrashForgetsSlurmDaemons(t *testing.T) {
 	testenv.RequireKernel(t, "network namespaces")
-	l := upForSlurmTest(t, t.TempDir())
+	l := upOneNodeLab(t, t.TempDir())
 	slurmd := fakeDaemon(t, l, "slurmd", "node1")
 	dir := t.TempDir()
 	if err := os.MkdirAll(slurm.SpoolDir(dir, "node1"), 0o700); err != nil {

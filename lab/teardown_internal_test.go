@@ -14,7 +14,7 @@ import (
 func TestCrashWhileAnotherLabTearsDown(t *testing.T) {
 	testenv.RequireKernel(t, "network namespaces")
 	stateDir := t.TempDir()
-	a, b := upForSlurmTest(t, stateDir), upForSlurmTest(t, stateDir)
+	a, b := upOneNodeLab(t, stateDir), upOneNodeLab(t, stateDir)
 	crashed := make(chan error, 1)
 	a.tearingDown = func() {
 		go func() { crashed <- b.Crash(context.Background(), "node1") }()
