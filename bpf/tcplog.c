@@ -155,6 +155,7 @@ struct counters {
 	__u64 drops_error;        // dropped: dynptr setup/copy failed
 	__u64 seq_regressions;    // logged segments starting below the flow's highest logged end
 	__u64 fragments_passed;   // IP fragments of a protected socket, not logged
+	__u64 headers_pulled;     // segments whose headers were made linear before the copy
 };
 
 // Set by the loader before load: the ring buffer size in bytes.
@@ -517,6 +518,20 @@ int tcplog_egress(struct __sk_buff *skb)
 		.cgroup_id = cgid,
 		.ktime_ns = bpf_ktime_get_ns(),
 	};
+
+	// bpf_dynptr_copy from an offset past the skb's linear part copies the
+	// memory after it, not the packet (Linux 6.18: skb_pointer_if_linear's
+	// unsigned compare wraps; docs/ebpf-logging.md). A segment this host sent
+	// has its headers linear, but a forwarded one (a job namespace's or a
+	// container's traffic) can hold its TCP options in page fragments, where
+	// the receive path pulled only the base headers: pull them first.
+	if ((long)skb->data + off > (long)skb->data_end) {
+		if (bpf_skb_pull_data(skb, off)) {
+			c->drops_error++;
+			return VERDICT_DROP;
+		}
+		c->headers_pulled++;
+	}
 
 	struct bpf_dynptr rec, pkt;
 	if (bpf_ringbuf_reserve_dynptr(&events, sizeof(hdr) + len, 0, &rec)) {

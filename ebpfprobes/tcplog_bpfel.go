@@ -22,6 +22,7 @@ type tcplogCounters struct {
 	DropsError        uint64
 	SeqRegressions    uint64
 	FragmentsPassed   uint64
+	HeadersPulled     uint64
 }
 
 type tcplogFlowKey struct {

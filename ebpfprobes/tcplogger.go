@@ -57,6 +57,7 @@ type Counters struct {
 	DropsError        uint64 // segments dropped because copying them failed
 	SeqRegressions    uint64 // logged segments starting below the flow's highest logged byte (retransmissions, approximate)
 	FragmentsPassed   uint64 // IP fragments of protected sockets, passed unlogged (a hole: PMTU discovery is off)
+	HeadersPulled     uint64 // segments whose TCP header was not all in the skb's linear part (forwarded ones)
 }
 
 // tcplogLoaded holds only the objects the logger uses: LoadAndAssign loads
@@ -237,6 +238,7 @@ func (l *TCPLogger) Counters() (Counters, error) {
 		c.DropsError += p.DropsError
 		c.SeqRegressions += p.SeqRegressions
 		c.FragmentsPassed += p.FragmentsPassed
+		c.HeadersPulled += p.HeadersPulled
 	}
 	return c, nil
 }
