@@ -275,6 +275,7 @@ func blockConnections(t *testing.T, c *labcluster.Cluster, from, to string) func
 // its protector node2 when it took it), node2 holds an older one. When node1 fails, spare1 cannot fetch
 // from node3: it must take the next candidate, node2's replica, and say why the first one failed.
 func TestFailoverFallsBackToNextReplica(t *testing.T) {
+	t.Parallel()
 	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
 	ctx := context.Background()
 	j := startCounter(t, c, "node1", "fallback")

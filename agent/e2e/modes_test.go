@@ -15,6 +15,7 @@ import (
 )
 
 func TestCorruptSnapshotRefused(t *testing.T) {
+	t.Parallel()
 	c := newCluster(t, 2, 0, labcluster.Options{Interval: "1h", ManualFailover: true})
 	ctx := context.Background()
 	cmd, out, job := startWrapped(t, c, "node1", "count", "sh", "-c", `i=0; while [ $i -lt 300 ]; do echo $i; i=$((i+1)); sleep 0.03; done`)

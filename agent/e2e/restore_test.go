@@ -55,6 +55,7 @@ func waitCmd(t *testing.T, cmd *exec.Cmd, timeout time.Duration) error {
 }
 
 func TestCrashAndRestoreOnSpare(t *testing.T) {
+	t.Parallel()
 	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", ManualFailover: true})
 	ctx := context.Background()
 

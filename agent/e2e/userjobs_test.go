@@ -118,6 +118,7 @@ func TestSnapshotAndRestoreJobOfOtherUser(t *testing.T) {
 // race two agents dumping root jobs in "/" at the same instant lost. With the job's own /proc, the parasite
 // creates nothing.
 func TestSnapshotWithProcCrtoolsInWorkingDirectory(t *testing.T) {
+	t.Parallel()
 	c := newCluster(t, 2, 0, labcluster.Options{Interval: "1h", ManualFailover: true})
 	dir := t.TempDir()
 	if err := os.Mkdir(filepath.Join(dir, "proc.crtools"), 0o700); err != nil {
