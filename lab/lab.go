@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io/fs"
 	"log/slog"
+	"net"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -118,7 +119,7 @@ func (l *Lab) checkFree() error {
 	if _, err := netlink.LinkByName(l.st.Bridge); err == nil {
 		return fmt.Errorf("%w: link %s exists; remove it or run `ftctl lab down --lab %s`", ErrExists, l.st.Bridge, l.st.ID)
 	}
-	for _, h := range l.st.Hosts {
+	for _, h := range l.st.namespaces() {
 		if _, err := os.Stat(NetnsPath(h.Namespace)); err == nil {
 			return fmt.Errorf("%w: network namespace %s exists; remove it with `ip netns delete %s`", ErrExists, h.Namespace, h.Namespace)
 		}
@@ -146,7 +147,34 @@ func (l *Lab) create(ctx context.Context) error {
 		}
 		l.log.Debug("host up", "host", h.Name, "addr", h.Addr, "netns", h.Namespace)
 	}
+	if err := l.createHost(br, l.st.Router); err != nil {
+		return fmt.Errorf("create the lab's router: %w", err)
+	}
+	if err := configureRouter(l.st.Router); err != nil {
+		return err
+	}
 	return nil
+}
+
+// configureRouter makes every address outside the lab's subnet local to the router (a `local 0.0.0.0/0`
+// route), so that it answers for them itself: a TCP SYN gets a reset, a UDP datagram an ICMP port
+// unreachable, which fail a connect or a DNS lookup at once. Its ICMP rate limit is off, else a burst of
+// lookups (mpirun resolves every host name) would again wait for timeouts. Nothing is forwarded.
+func configureRouter(r Host) error {
+	return InNetns(NetnsPath(r.Namespace), func() error {
+		if err := os.WriteFile("/proc/sys/net/ipv4/icmp_ratelimit", []byte("0"), 0); err != nil {
+			return fmt.Errorf("router %s: turn off the ICMP rate limit: %w", r.Namespace, err)
+		}
+		lo, err := netlink.LinkByName("lo")
+		if err != nil {
+			return fmt.Errorf("router %s: find lo: %w", r.Namespace, err)
+		}
+		all := &net.IPNet{IP: net.IPv4zero, Mask: net.CIDRMask(0, 32)}
+		if err := netlink.RouteAdd(&netlink.Route{LinkIndex: lo.Attrs().Index, Dst: all, Type: unix.RTN_LOCAL, Scope: netlink.SCOPE_HOST}); err != nil {
+			return fmt.Errorf("router %s: route every outside address to itself: %w", r.Namespace, err)
+		}
+		return nil
+	})
 }
 
 // createHost adds the namespace and a veth pair whose inner end becomes eth0 with the host's address.
@@ -412,7 +440,7 @@ func (l *Lab) Down(ctx context.Context) error {
 	// What follows touches only this lab's namespaces, links and directories, so it runs without the
 	// lock every lab of the machine shares: removing GBs of snapshots must not hold up another lab's
 	// crash or start. The state file, kept until the end, still reserves the lab's names and subnet.
-	for _, h := range l.st.Hosts {
+	for _, h := range l.st.namespaces() {
 		if err := removeHost(ctx, h); err != nil {
 			errs = append(errs, fmt.Errorf("host %s: %w", h.Name, err))
 		}

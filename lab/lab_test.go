@@ -148,7 +148,10 @@ func TestLabDownRemovesEverything(t *testing.T) {
 	if err := l.Down(ctx); err != nil {
 		t.Fatalf("second down: %v", err)
 	}
-	for _, h := range st.Hosts {
+	if st.Router.Namespace == "" {
+		t.Fatal("the lab has no router")
+	}
+	for _, h := range append(st.Hosts, st.Router) {
 		if _, err := os.Stat(lab.NetnsPath(h.Namespace)); !errors.Is(err, fs.ErrNotExist) {
 			t.Errorf("namespace %s left behind", h.Namespace)
 		}
@@ -158,6 +161,56 @@ func TestLabDownRemovesEverything(t *testing.T) {
 	}
 	if _, err := netlink.LinkByName(st.Bridge); err == nil {
 		t.Errorf("bridge %s left behind", st.Bridge)
+	}
+}
+
+// TestRouterRefusesTrafficBeyondTheLab: a host that routes through the lab's router (as job networks do)
+// gets an immediate refusal for any address outside the lab, and nothing leaves the lab. Before the router
+// existed, the gateway was an address nobody held: a DNS lookup in a job network waited 18 s for its
+// timeouts, and `ftctl mpirun --job-addresses` took 50 s to start `hostname` on three hosts.
+func TestRouterRefusesTrafficBeyondTheLab(t *testing.T) {
+	l := labtest.New(t, 1, 0)
+	st := l.State()
+	gw := st.Router.Addr.Addr()
+	if want := st.Subnet.Masked().Addr().Next(); gw != want {
+		t.Fatalf("router at %v, want the subnet's first address %v", gw, want)
+	}
+	err := l.Do("node1", func() error {
+		eth0, err := netlink.LinkByName("eth0")
+		if err != nil {
+			return err
+		}
+		if err := netlink.RouteAdd(&netlink.Route{LinkIndex: eth0.Attrs().Index, Gw: gw.AsSlice()}); err != nil {
+			return fmt.Errorf("default route via %v: %w", gw, err)
+		}
+		// TEST-NET-1 addresses (RFC 5737): outside every lab, answered by the router itself.
+		start := time.Now()
+		if c, err := net.DialTimeout("tcp4", "192.0.2.1:80", 10*time.Second); !errors.Is(err, unix.ECONNREFUSED) {
+			if c != nil {
+				c.Close()
+			}
+			return fmt.Errorf("TCP connect beyond the lab: %v after %s, want connection refused", err, time.Since(start))
+		}
+		for i := range 20 { // a burst of lookups, as mpirun makes: no rate limit may turn one into a timeout
+			c, err := net.Dial("udp4", "192.0.2.53:53")
+			if err != nil {
+				return err
+			}
+			c.SetDeadline(time.Now().Add(10 * time.Second))
+			start := time.Now()
+			_, err = c.Write([]byte("query"))
+			if err == nil {
+				_, err = c.Read(make([]byte, 512))
+			}
+			c.Close()
+			if !errors.Is(err, unix.ECONNREFUSED) {
+				return fmt.Errorf("UDP datagram %d beyond the lab: %v after %s, want connection refused", i, err, time.Since(start))
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
 	}
 }
 

@@ -112,13 +112,9 @@ func JobPool(st lab.State, host string) netip.Prefix {
 	return netip.Prefix{}
 }
 
-// JobGateway is every job network's gateway in a lab started with Options.JobAddresses: the subnet's .1,
-// which no lab host holds (the route is on-link; nothing answers there, which no test needs).
-func JobGateway(st lab.State) netip.Addr {
-	b := st.Subnet.Masked().Addr().As4()
-	b[3] = 1
-	return netip.AddrFrom4(b)
-}
+// JobGateway is every job network's gateway in a lab started with Options.JobAddresses: the lab's router
+// (the subnet's .1), which refuses at once whatever is sent beyond the lab (lab.Plan.Router).
+func JobGateway(st lab.State) netip.Addr { return st.Router.Addr.Addr() }
 
 // Cluster is a lab whose hosts each run an agent.
 type Cluster struct {
