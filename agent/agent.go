@@ -119,6 +119,11 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 	if err := cfg.CheckJobNetwork(); err != nil {
 		return nil, err
 	}
+	if b, err := os.ReadFile("/etc/resolv.conf"); err == nil {
+		if err := cfg.CheckJobNameservers(b); err != nil {
+			a.log.Warn("jobs on job addresses cannot reach every nameserver of /etc/resolv.conf: their lookups wait for timeouts or fail", "err", err)
+		}
+	}
 	// The state directory is root's; jobs_dir and the socket's directory stay reachable by users.
 	if err := prepareDirs(cfg, a.jobs.dir); err != nil {
 		return nil, err

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/netip"
 	"slices"
+	"strings"
 
 	"github.com/ftkit/ftkit/ckpt/dump"
 	"github.com/ftkit/ftkit/criu"
@@ -329,4 +330,48 @@ type netnsDumper struct {
 func (d netnsDumper) Dump(ctx context.Context, opts criu.DumpOptions) (criu.DumpStats, error) {
 	opts.Netns = d.netns
 	return d.c.Dump(ctx, opts)
+}
+
+// CheckJobNameservers says which nameservers of resolvConf (the host's /etc/resolv.conf, which a job on a
+// job address shares with the host while its network namespace is its own) a job network cannot reach,
+// and why. Nil when every one is reachable, or when no pool is configured. A job that cannot reach one
+// waits for the resolver's timeouts on every lookup, or fails it (mpirun resolves every host name: in the
+// lab, through a gateway that dropped everything, a 3-host start took 50 s instead of 0.7 s).
+func (c Config) CheckJobNameservers(resolvConf []byte) error {
+	if !c.JobNetwork.Pool.IsValid() {
+		return nil
+	}
+	_, own, err := c.clusterNetwork()
+	if err != nil {
+		return fmt.Errorf("job_network: %w", err)
+	}
+	return unreachableNameservers(resolvConf, own.Masked(), c.JobNetwork.Gateway)
+}
+
+// unreachableNameservers checks each nameserver line of resolvConf against what a job network reaches:
+// the cluster network on-link, and anything else only through gateway (if valid).
+func unreachableNameservers(resolvConf []byte, cluster netip.Prefix, gateway netip.Addr) error {
+	var errs []error
+	for line := range strings.Lines(string(resolvConf)) {
+		f := strings.Fields(line)
+		if len(f) < 2 || f[0] != "nameserver" {
+			continue
+		}
+		a, err := netip.ParseAddr(f[1])
+		if err != nil {
+			errs = append(errs, fmt.Errorf("nameserver %s: not an address a job network can reach", f[1]))
+			continue
+		}
+		a = a.Unmap()
+		switch {
+		case a.IsLoopback():
+			errs = append(errs, fmt.Errorf("nameserver %s is on loopback (a local stub resolver such as systemd-resolved's): a job network has its own loopback, where nothing answers; list the upstream servers in /etc/resolv.conf", a))
+		case !a.Is4():
+			errs = append(errs, fmt.Errorf("nameserver %s: job networks have IPv4 only", a))
+		case cluster.Contains(a):
+		case !gateway.IsValid():
+			errs = append(errs, fmt.Errorf("nameserver %s is outside the cluster network %s and job_network.gateway is unset: set it to the router that reaches it", a, cluster))
+		}
+	}
+	return errors.Join(errs...)
 }

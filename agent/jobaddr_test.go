@@ -211,3 +211,46 @@ func TestAddressHeld(t *testing.T) {
 		}
 	}
 }
+
+func TestUnreachableNameservers(t *testing.T) {
+	cluster := netip.MustParsePrefix("10.1.0.0/24")
+	gw := netip.MustParseAddr("10.1.0.1")
+	for _, tc := range []struct {
+		name, resolv string
+		gateway      netip.Addr
+		want         []string // in the error, in order; none: nil
+	}{
+		{"on the cluster network", "nameserver 10.1.0.53\n", netip.Addr{}, nil},
+		{"beyond it through the gateway", "# comment\nsearch cluster\nnameserver 10.9.9.9\noptions ndots:1\n", gw, nil},
+		{"beyond it without a gateway", "nameserver 10.9.9.9\n", netip.Addr{}, []string{"10.9.9.9 is outside the cluster network 10.1.0.0/24", "set it to the router"}},
+		{"a local stub resolver", "nameserver 127.0.0.53\n", gw, []string{"127.0.0.53 is on loopback"}},
+		{"IPv6 loopback", "nameserver ::1\n", gw, []string{"::1 is on loopback"}},
+		{"IPv4-mapped", "nameserver ::ffff:10.1.0.53\n", netip.Addr{}, nil},
+		{"IPv6", "nameserver 2001:db8::53\n", gw, []string{"2001:db8::53: job networks have IPv4 only"}},
+		{"scoped IPv6", "nameserver fe80::1%eth0\n", gw, []string{"fe80::1%eth0", "IPv4 only"}},
+		{"not an address", "nameserver resolver.example\n", gw, []string{"resolver.example: not an address"}},
+		{"each one named", "nameserver 127.0.0.53\nnameserver 10.1.0.53\nnameserver 10.9.9.9\n", netip.Addr{}, []string{"127.0.0.53", "10.9.9.9"}},
+		{"no nameserver", "search cluster\n", netip.Addr{}, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := unreachableNameservers([]byte(tc.resolv), cluster, tc.gateway)
+			if len(tc.want) == 0 {
+				if err != nil {
+					t.Fatalf("unreachableNameservers: %v, want nil", err)
+				}
+				return
+			}
+			if err == nil {
+				t.Fatalf("unreachableNameservers: nil, want %q", tc.want)
+			}
+			msg := err.Error()
+			for _, w := range tc.want {
+				i := strings.Index(msg, w)
+				if i < 0 {
+					t.Fatalf("error %q does not say %q (in order: %q)", err, w, tc.want)
+				}
+				msg = msg[i+len(w):]
+			}
+		})
+	}
+}

@@ -35,11 +35,22 @@ type check struct {
 	err  error
 }
 
+// warning is a check's finding that is printed but fails nothing: it hurts only some jobs.
+type warning struct{ error }
+
+func (c check) warns() bool {
+	_, ok := errors.AsType[warning](c.err)
+	return ok
+}
+
+// resolvConf is where the resolver's configuration is, which jobs on job addresses share with the host.
+const resolvConf = "/etc/resolv.conf"
+
 // checkConfig runs every check of --check-config on the configuration at path, writing one line per check
 // to w. It creates, loads and binds nothing: it reads files, stats paths and asks CRIU for its version.
 // The exit status is 0 when all pass, 2 when the file cannot be read or is invalid (nothing else can be
-// checked then), 1 when another check fails.
-func checkConfig(w io.Writer, path string, now time.Time) error {
+// checked then), 1 when another check fails. resolv is the resolver's configuration (resolvConf).
+func checkConfig(w io.Writer, path, resolv string, now time.Time) error {
 	cfg, err := agent.LoadConfig(path)
 	if err != nil {
 		printChecks(w, []check{{"configuration " + path, err}})
@@ -64,11 +75,12 @@ func checkConfig(w io.Writer, path string, now time.Time) error {
 	checks = append(checks, checkFenceCommand(cfg), checkHealthCommand(cfg))
 	if cfg.JobNetwork.Pool.IsValid() {
 		checks = append(checks, check{"job_network.pool " + cfg.JobNetwork.Pool.String() + " on this host's cluster network", cfg.CheckJobNetwork()})
+		checks = append(checks, checkJobNameservers(cfg, resolv))
 	}
 	printChecks(w, checks)
 	failed := 0
 	for _, c := range checks {
-		if c.err != nil {
+		if c.err != nil && !c.warns() {
 			failed++
 		}
 	}
@@ -80,12 +92,28 @@ func checkConfig(w io.Writer, path string, now time.Time) error {
 
 func printChecks(w io.Writer, checks []check) {
 	for _, c := range checks {
-		if c.err != nil {
+		if c.err != nil && c.warns() {
+			fmt.Fprintf(w, "WARN  %s: %v\n", c.what, c.err)
+		} else if c.err != nil {
 			fmt.Fprintf(w, "FAIL  %s: %v\n", c.what, c.err)
 		} else {
 			fmt.Fprintf(w, "ok    %s\n", c.what)
 		}
 	}
+}
+
+// checkJobNameservers warns of nameservers a job network cannot reach (agent.Config.CheckJobNameservers):
+// jobs that resolve no names do not mind, so it is a warning.
+func checkJobNameservers(cfg agent.Config, resolv string) check {
+	what := "nameservers of " + resolv + " reachable from job networks"
+	b, err := os.ReadFile(resolv)
+	if err != nil {
+		return check{what, warning{fmt.Errorf("%w: jobs on job addresses read it like every process of this host", err)}}
+	}
+	if err := cfg.CheckJobNameservers(b); err != nil {
+		return check{what, warning{err}}
+	}
+	return check{what, nil}
 }
 
 // credentialChecks checks the member's certificate, key and CA, and that the key is root's alone.

@@ -26,6 +26,7 @@ import (
 // ftctl pki issue writes them, and a config naming them.
 type checkSetup struct {
 	dir    string
+	resolv string // the resolver configuration the check reads
 	ca     *clustertls.CA
 	tls    clustertls.Config
 	config string
@@ -38,7 +39,10 @@ func newCheckSetup(t *testing.T) *checkSetup {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := &checkSetup{dir: dir, ca: ca}
+	s := &checkSetup{dir: dir, ca: ca, resolv: filepath.Join(dir, "resolv.conf")}
+	if err := os.WriteFile(s.resolv, []byte("nameserver 127.0.0.2\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	s.issue(t, "node1", ca)
 	s.config = filepath.Join(dir, "agent.toml")
 	toml := fmt.Sprintf(`name = "node1"
@@ -128,7 +132,7 @@ func (s *checkSetup) expired(t *testing.T) (certPEM, keyPEM []byte) {
 func (s *checkSetup) run(t *testing.T) (map[string]string, string, error) {
 	t.Helper()
 	var out bytes.Buffer
-	err := checkConfig(&out, s.config, time.Now())
+	err := checkConfig(&out, s.config, s.resolv, time.Now())
 	lines := map[string]string{}
 	for _, l := range strings.Split(strings.TrimSpace(out.String()), "\n") {
 		status, rest, _ := strings.Cut(l, "  ")
@@ -234,6 +238,51 @@ func TestCheckConfigNamesTheProblem(t *testing.T) {
 	}
 }
 
+// TestCheckConfigJobNameservers: with job addresses, a nameserver a job network cannot reach is a warning
+// (WARN, exit 0), and a reachable one passes. The cases of each kind of nameserver are
+// agent.TestUnreachableNameservers' (this test's cluster network is loopback).
+func TestCheckConfigJobNameservers(t *testing.T) {
+	testenv.RequireKernel(t, "CRIU, cgroup v2 and bpffs as the agent needs them")
+	for _, tc := range []struct {
+		name, resolv, gateway string
+		want                  string // in the WARN line; "" for an ok line
+	}{
+		{"beyond it through the gateway", "search example\nnameserver 10.255.255.53\n", "127.0.0.9", ""},
+		{"beyond it without a gateway", "nameserver 10.255.255.53\n", "", "set it to the router"},
+		{"IPv6", "nameserver 10.255.255.53\nnameserver 2001:db8::53\n", "127.0.0.9", "IPv4 only"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := newCheckSetup(t)
+			if err := os.WriteFile(s.resolv, []byte(tc.resolv), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			jn := "[job_network]\npool = \"127.0.0.200/29\"\n"
+			if tc.gateway != "" {
+				jn += fmt.Sprintf("gateway = %q\n", tc.gateway)
+			}
+			b, _ := os.ReadFile(s.config)
+			os.WriteFile(s.config, append(b, jn...), 0o600)
+			lines, out, err := s.run(t)
+			if err != nil {
+				t.Fatalf("check-config failed: %v\n%s", err, out)
+			}
+			what := "nameservers of " + s.resolv + " reachable from job networks"
+			if tc.want == "" {
+				if lines[what] != "ok" {
+					t.Errorf("want an ok line for %q:\n%s", what, out)
+				}
+				return
+			}
+			for _, l := range strings.Split(out, "\n") {
+				if strings.HasPrefix(l, "WARN  "+what) && strings.Contains(l, tc.want) {
+					return
+				}
+			}
+			t.Errorf("no WARN line for %q saying %q:\n%s", what, tc.want, out)
+		})
+	}
+}
+
 func TestCheckConfigInvalidFile(t *testing.T) {
 	dir := t.TempDir()
 	for _, tc := range []struct{ name, content, want string }{
@@ -247,7 +296,7 @@ func TestCheckConfigInvalidFile(t *testing.T) {
 				os.WriteFile(path, []byte(tc.content), 0o600)
 			}
 			var out bytes.Buffer
-			err := checkConfig(&out, path, time.Now())
+			err := checkConfig(&out, path, "/nonexistent", time.Now())
 			ee, ok := errors.AsType[*cli.ExitError](err)
 			if !ok || ee.Code != cli.ExitUsage {
 				t.Errorf("error %v, want exit %d", err, cli.ExitUsage)

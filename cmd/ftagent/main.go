@@ -61,7 +61,7 @@ Exit codes:
 				return cli.Usagef("--config is required")
 			}
 			if checkOnly {
-				return checkConfig(cmd.OutOrStdout(), configPath, time.Now())
+				return checkConfig(cmd.OutOrStdout(), configPath, resolvConf, time.Now())
 			}
 			cfg, err := agent.LoadConfig(configPath)
 			if err != nil {
