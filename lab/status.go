@@ -24,6 +24,8 @@ type Status struct {
 	Bridge string       `json:"bridge"`
 	Phase  Phase        `json:"phase"`
 	Hosts  []HostStatus `json:"hosts"`
+	// Router is the lab's router (Plan.Router); nil for a lab started before routers existed.
+	Router *HostStatus `json:"router,omitempty"`
 	// SlurmConf is the lab's slurm.conf when it runs Slurm (clients need SLURM_CONF set to it).
 	SlurmConf string `json:"slurm_conf,omitempty"`
 }
@@ -33,6 +35,10 @@ func (l *Lab) Status() Status {
 	s := Status{ID: l.st.ID, Subnet: l.st.Subnet, Bridge: l.st.Bridge, Phase: l.st.Phase, SlurmConf: l.SlurmConf()}
 	for _, h := range l.st.Hosts {
 		s.Hosts = append(s.Hosts, hostStatus(h))
+	}
+	if l.st.Router.Namespace != "" {
+		r := hostStatus(l.st.Router)
+		s.Router = &r
 	}
 	return s
 }

@@ -359,7 +359,11 @@ func printStatus(w io.Writer, s lab.Status, asJSON bool) error {
 	}
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "HOST\tROLE\tADDRESS\tNAMESPACE\tSTATE\tPROCESSES\tADDRESSES NOW")
-	for _, h := range s.Hosts {
+	rows := s.Hosts
+	if s.Router != nil {
+		rows = append(rows[:len(rows):len(rows)], *s.Router)
+	}
+	for _, h := range rows {
 		state := "up"
 		switch {
 		case h.Crashed:

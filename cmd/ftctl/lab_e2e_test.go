@@ -118,6 +118,9 @@ func TestLabEndToEnd(t *testing.T) {
 	if len(up.Hosts) != 4 {
 		t.Fatalf("lab up made %d hosts, want 4", len(up.Hosts))
 	}
+	if r := up.Router; r == nil || !r.Exists || !r.LinkUp || r.Role != lab.RoleRouter {
+		t.Errorf("lab up's router: %+v, want one up", r)
+	}
 	addr3 := up.Hosts[2].Addr.Addr().String() + ":7000"
 
 	server := ftctlCmd("exec", "node3", "--", self)
@@ -195,7 +198,11 @@ func TestLabEndToEnd(t *testing.T) {
 
 func assertNoLeftovers(t *testing.T, s lab.Status) {
 	t.Helper()
-	for _, h := range s.Hosts {
+	hosts := s.Hosts
+	if s.Router != nil {
+		hosts = append(hosts[:len(hosts):len(hosts)], *s.Router)
+	}
+	for _, h := range hosts {
 		if _, err := os.Stat(lab.NetnsPath(h.Namespace)); !errors.Is(err, fs.ErrNotExist) {
 			t.Errorf("namespace %s left behind", h.Namespace)
 		}
