@@ -6,7 +6,6 @@ import (
 	"net"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -15,8 +14,6 @@ import (
 	"time"
 
 	gocriu "github.com/checkpoint-restore/go-criu/v7"
-	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/internal/netnsthread"
@@ -62,7 +59,7 @@ func TestRepairSendQueueSkipsTransmission(t *testing.T) {
 		{"no queue selected", tcpNoQueue, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			ns := newLoopbackNetns(t)
+			ns := testenv.Netns(t, "ftkit-criu-test")
 			var ln net.Listener
 			var snd net.Conn
 			if err := netnsthread.In(ns, func() error {
@@ -138,7 +135,7 @@ func TestLiveDumpSelectsNoRepairQueue(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ns := newLoopbackNetns(t)
+	ns := testenv.Netns(t, "ftkit-criu-test")
 	var ln net.Listener
 	if err := netnsthread.In(ns, func() error {
 		var err error
@@ -214,31 +211,6 @@ func (p *repairQueueProbe) PostDump() error {
 	}
 	p.queue.Store(int64(q))
 	return nil
-}
-
-// newLoopbackNetns creates a network namespace with its loopback up and removes it when the test ends.
-func newLoopbackNetns(t *testing.T) string {
-	t.Helper()
-	name := fmt.Sprintf("ftkit-criu-test-%d-%d", os.Getpid(), time.Now().UnixNano()%1e9)
-	if err := netnsthread.CreateNamed(name); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := netns.DeleteNamed(name); err != nil {
-			t.Errorf("remove network namespace %s: %v", name, err)
-		}
-	})
-	path := filepath.Join("/var/run/netns", name)
-	if err := netnsthread.In(path, func() error {
-		lo, err := netlink.LinkByName("lo")
-		if err == nil {
-			err = netlink.LinkSetUp(lo)
-		}
-		return err
-	}); err != nil {
-		t.Fatalf("bring up lo in %s: %v", name, err)
-	}
-	return path
 }
 
 // sockFD returns a non-blocking descriptor of c's socket, closed with the test.

@@ -11,17 +11,16 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/internal/netnsthread"
 	"github.com/ftkit/ftkit/internal/tcpframe"
+	"github.com/ftkit/ftkit/internal/testenv"
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
@@ -109,17 +108,9 @@ func TestTCPLoggerForwardedPagedHeaders(t *testing.T) {
 // its devices go with the test.
 func forwardingNetns(t *testing.T, l *TCPLogger, mac net.HardwareAddr) *os.File {
 	t.Helper()
-	name := fmt.Sprintf("ftkit-fwd-test-%d-%d", os.Getpid(), time.Now().UnixNano()%1e9)
-	if err := netnsthread.CreateNamed(name); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := netns.DeleteNamed(name); err != nil {
-			t.Errorf("remove network namespace %s: %v", name, err)
-		}
-	})
+	ns := testenv.Netns(t, "ftkit-fwd-test")
 	var tap *os.File
-	err := netnsthread.In(filepath.Join("/var/run/netns", name), func() error {
+	err := netnsthread.In(ns, func() error {
 		if err := os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("1"), 0); err != nil {
 			return fmt.Errorf("enable forwarding: %w", err)
 		}
@@ -180,7 +171,7 @@ func forwardingNetns(t *testing.T, l *TCPLogger, mac net.HardwareAddr) *os.File 
 		t.Cleanup(func() { tap.Close() })
 	}
 	if err != nil {
-		t.Fatalf("set up the forwarding namespace %s: %v", name, err)
+		t.Fatalf("set up the forwarding namespace %s: %v", ns, err)
 	}
 	return tap
 }
