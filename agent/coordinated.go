@@ -86,13 +86,14 @@ type coordHolds struct {
 }
 
 type coordHold struct {
-	cut       string
-	frozen    time.Time     // when the freeze began
-	frozenFor time.Duration // from the freeze to the thaw (endHold)
-	jobs      []Job
-	dumped    []*ckpt.Manifest
-	timer     *time.Timer
-	release   func() // gives back the agent's snapshot lock, once
+	cut         string
+	coordinator string        // the member whose freeze this is: when it is declared failed, the hold ends
+	frozen      time.Time     // when the freeze began
+	frozenFor   time.Duration // from the freeze to the thaw (endHold)
+	jobs        []Job
+	dumped      []*ckpt.Manifest
+	timer       *time.Timer
+	release     func() // gives back the agent's snapshot lock, once
 }
 
 // CoordinatedSnapshot takes a cut of run across the cluster, with this agent as its coordinator (root
@@ -400,7 +401,7 @@ func (a *Agent) serveCoordinate(ctx context.Context, peer string, req clusterapi
 		}
 		return rep, a.checkRunJobs(req.Run, req.UID)
 	case clusterapi.CoordFreeze:
-		return a.coordFreeze(ctx, req)
+		return a.coordFreeze(ctx, peer, req)
 	case clusterapi.CoordDump:
 		return a.coordDump(ctx, req)
 	case clusterapi.CoordThaw, clusterapi.CoordAbort:
@@ -438,8 +439,8 @@ func (a *Agent) checkRunJobs(run string, owner *uint32) error {
 }
 
 // coordFreeze freezes this host's jobs of the run and holds them (and the agent's snapshot lock) until
-// the coordinator's thaw, or coordHoldMax.
-func (a *Agent) coordFreeze(ctx context.Context, req clusterapi.CoordinateRequest) (clusterapi.CoordinateReply, error) {
+// the thaw of coordinator, its failure (endHoldsOfFailed), or coordHoldMax.
+func (a *Agent) coordFreeze(ctx context.Context, coordinator string, req clusterapi.CoordinateRequest) (clusterapi.CoordinateReply, error) {
 	if err := a.checkRunJobs(req.Run, req.UID); err != nil {
 		return clusterapi.CoordinateReply{}, err
 	}
@@ -449,7 +450,7 @@ func (a *Agent) coordFreeze(ctx context.Context, req clusterapi.CoordinateReques
 		}
 	}
 	a.ckptMu.Lock() // no scheduled snapshot, migration or drain of these jobs until they thaw
-	hold := &coordHold{cut: req.Cut, jobs: a.runJobs(req.Run, req.UID), release: sync.OnceFunc(a.ckptMu.Unlock), frozen: time.Now()}
+	hold := &coordHold{cut: req.Cut, coordinator: coordinator, jobs: a.runJobs(req.Run, req.UID), release: sync.OnceFunc(a.ckptMu.Unlock), frozen: time.Now()}
 	a.coord.mu.Lock()
 	key := holdKey(req)
 	if h, ok := a.coord.m[key]; ok {
@@ -507,6 +508,25 @@ func (a *Agent) endHold(key, cut string) *coordHold {
 	hold.release()
 	hold.frozenFor = time.Since(hold.frozen)
 	return hold
+}
+
+// endHoldsOfFailed ends the holds whose coordinator v declares failed. Such a cut never completes, and its
+// hold would keep the run's jobs here frozen, and this host's snapshot lock taken (which a rollback's stop
+// needs), until coordHoldMax: a task farm's rollback after its coordinator's crash waited 55 s for it.
+func (a *Agent) endHoldsOfFailed(v ring.View) {
+	a.coord.mu.Lock()
+	ended := map[string]*coordHold{}
+	for key, h := range a.coord.m {
+		if m, ok := v.Member(h.coordinator); ok && m.State == ring.StateFailed {
+			ended[key] = h
+		}
+	}
+	a.coord.mu.Unlock()
+	for key, h := range ended {
+		if a.endHold(key, h.cut) != nil {
+			a.log.Warn("coordinator of a coordinated snapshot failed: the run's jobs thawed here", "coordinator", h.coordinator, "cut", h.cut, "frozen_for", time.Since(h.frozen).Round(time.Millisecond))
+		}
+	}
 }
 
 // coordDump dumps the frozen jobs of the run, leaving them frozen.

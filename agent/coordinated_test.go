@@ -5,6 +5,7 @@ import (
 	"maps"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -177,5 +178,67 @@ func TestCutRecords(t *testing.T) {
 	}
 	if got := a.pinnedSnapshots("a-00000001"); len(got) != 0 {
 		t.Errorf("pinned from a refused record: %v", got)
+	}
+}
+
+// TestHoldEndsWhenCoordinatorFails: a host holds a run's jobs frozen, and its snapshot lock, from the
+// freeze of a cut to its coordinator's thaw. A view that declares the coordinator failed ends the hold at
+// once (the old code waited coordHoldMax, a minute, and a rollback's stop waited with it); a view that fails
+// another member does not.
+func TestHoldEndsWhenCoordinatorFails(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.members.view = testView(t, "node1", "node2", "node3")
+	uid := uint32(0)
+	j := ta.addJob(t, Job{ID: "farm-node1-1", UID: uid, State: JobRunning, PID: os.Getpid(),
+		Spec: JobSpec{Run: "farm"}, Net: &JobNet{Name: "ftj-test"}})
+	if err := os.WriteFile(filepath.Join(j.Cgroup, "cgroup.events"), []byte("populated 1\nfrozen 1\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	freeze := clusterapi.CoordinateRequest{Run: "farm", UID: &uid, Cut: "cut-1", Phase: clusterapi.CoordFreeze}
+	rep, err := ta.serveCoordinate(t.Context(), "node2", freeze)
+	if err != nil || !slices.Equal(rep.Jobs, []string{j.ID}) {
+		t.Fatalf("freeze from node2: %+v, %v", rep, err)
+	}
+	frozen := func() string {
+		b, _ := os.ReadFile(filepath.Join(j.Cgroup, "cgroup.freeze"))
+		return string(b)
+	}
+	held := func() bool {
+		if ta.ckptMu.TryLock() {
+			ta.ckptMu.Unlock()
+			return false
+		}
+		return true
+	}
+	if frozen() != "1" || !held() {
+		t.Fatalf("after the freeze: cgroup.freeze %q, snapshot lock held %v; want 1, true", frozen(), held())
+	}
+
+	other, err := ta.View().Fail("node3")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ta.adoptView(other); err != nil {
+		t.Fatal(err)
+	}
+	if frozen() != "1" || !held() {
+		t.Fatalf("node3 failed, not the coordinator: cgroup.freeze %q, snapshot lock held %v; want 1, true", frozen(), held())
+	}
+
+	failed, err := ta.View().Fail("node2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ta.adoptView(failed); err != nil {
+		t.Fatal(err)
+	}
+	if frozen() != "0" || held() {
+		t.Fatalf("coordinator node2 failed: cgroup.freeze %q, snapshot lock held %v; want 0 (thawed), false", frozen(), held())
+	}
+	ta.coord.mu.Lock()
+	left := len(ta.coord.m)
+	ta.coord.mu.Unlock()
+	if left != 0 {
+		t.Errorf("%d holds left after the coordinator's failure", left)
 	}
 }

@@ -65,6 +65,7 @@ func (a *Agent) adoptView(v ring.View) (bool, error) {
 	}
 	a.log.Info("membership view changed", "epoch", v.Epoch, "ring", ringNames(v))
 	a.members.view = v
+	a.endHoldsOfFailed(v)
 	return true, nil
 }
 

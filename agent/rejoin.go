@@ -275,5 +275,6 @@ func (a *Agent) updateView(change func(ring.View) (ring.View, error)) (ring.View
 	}
 	a.log.Info("membership view changed", "epoch", nv.Epoch, "ring", ringNames(nv))
 	a.members.view = nv
+	a.endHoldsOfFailed(nv)
 	return nv, nil
 }
