@@ -214,24 +214,22 @@ func TestHoldEndsWhenCoordinatorFails(t *testing.T) {
 		t.Fatalf("after the freeze: cgroup.freeze %q, snapshot lock held %v; want 1, true", frozen(), held())
 	}
 
-	other, err := ta.View().Fail("node3")
-	if err != nil {
-		t.Fatal(err)
+	fail := func(name string) {
+		t.Helper()
+		v, err := ta.View().Fail(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := ta.adoptView(v); err != nil {
+			t.Fatal(err)
+		}
 	}
-	if _, err := ta.adoptView(other); err != nil {
-		t.Fatal(err)
-	}
+	fail("node3")
 	if frozen() != "1" || !held() {
 		t.Fatalf("node3 failed, not the coordinator: cgroup.freeze %q, snapshot lock held %v; want 1, true", frozen(), held())
 	}
 
-	failed, err := ta.View().Fail("node2")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := ta.adoptView(failed); err != nil {
-		t.Fatal(err)
-	}
+	fail("node2")
 	if frozen() != "0" || held() {
 		t.Fatalf("coordinator node2 failed: cgroup.freeze %q, snapshot lock held %v; want 0 (thawed), false", frozen(), held())
 	}

@@ -63,10 +63,16 @@ func (a *Agent) adoptView(v ring.View) (bool, error) {
 	if err := ring.Save(a.members.path, v); err != nil {
 		return false, fmt.Errorf("save membership view: %w", err)
 	}
+	a.installView(v)
+	return true, nil
+}
+
+// installView makes v, already saved, the current view (called with members.mu held), and ends the holds
+// of coordinators it declares failed.
+func (a *Agent) installView(v ring.View) {
 	a.log.Info("membership view changed", "epoch", v.Epoch, "ring", ringNames(v))
 	a.members.view = v
 	a.endHoldsOfFailed(v)
-	return true, nil
 }
 
 func ringNames(v ring.View) []string {

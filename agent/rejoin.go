@@ -273,8 +273,6 @@ func (a *Agent) updateView(change func(ring.View) (ring.View, error)) (ring.View
 	if err := ring.Save(a.members.path, nv); err != nil {
 		return ring.View{}, fmt.Errorf("save membership view: %w", err)
 	}
-	a.log.Info("membership view changed", "epoch", nv.Epoch, "ring", ringNames(nv))
-	a.members.view = nv
-	a.endHoldsOfFailed(nv)
+	a.installView(nv)
 	return nv, nil
 }
