@@ -25,7 +25,8 @@ type Batch struct {
 	Dets []Det
 }
 
-// DefaultMaxPerJob bounds the determinants a Store keeps of one job and host (about 40 bytes each):
+// DefaultMaxPerJob bounds the determinants a Store keeps of one job and host (88 bytes each in memory, so
+// about 92 MB, and up to a quarter more while the array that holds them fills):
 // a job that consumes more between two snapshots loses the oldest, and its replay from the older
 // snapshot is refused (Since), not wrong.
 const DefaultMaxPerJob = 1 << 20
@@ -45,11 +46,33 @@ type record struct {
 	stream    uint64
 	fromStart bool
 	base      string
-	first     uint64 // index of dets[0]
-	dets      []Det
+	first     uint64 // index of the oldest determinant kept
+	buf       []Det  // the determinants kept are buf[head:]
+	head      int
 }
 
-func (r *record) next() uint64 { return r.first + uint64(len(r.dets)) }
+func (r *record) dets() []Det  { return r.buf[r.head:] }
+func (r *record) next() uint64 { return r.first + uint64(len(r.buf)-r.head) }
+
+// add appends dets to the record. Dropping the oldest (dropOldest) moves nothing, it only advances head;
+// the kept ones move to the front of buf when it is full and that frees a quarter of them or more, so that
+// each determinant is copied about four times at most. Deleting in place instead moved the whole record
+// for every batch once it had reached its bound: 8.9 ms for a batch of 100 at the default bound, 45% of a
+// core on the protector for a job shipping every 20 ms.
+func (r *record) add(dets []Det) {
+	if len(r.buf)+len(dets) > cap(r.buf) && r.head > 0 && r.head >= (len(r.buf)-r.head)/4 {
+		r.buf = r.buf[:copy(r.buf, r.dets())]
+		r.head = 0
+	}
+	r.buf = append(r.buf, dets...)
+}
+
+// dropOldest forgets the record's n oldest determinants.
+func (r *record) dropOldest(n int) {
+	r.head += n
+	r.first += uint64(n)
+	r.fromStart = false
+}
 
 // NewStore is an empty Store keeping at most maxPerJob determinants per job and host (0: DefaultMaxPerJob).
 func NewStore(maxPerJob int) *Store {
@@ -71,13 +94,11 @@ func (s *Store) Add(node string, b Batch) {
 		r = &record{stream: b.Stream, first: b.First, fromStart: b.FromStart && b.First == 0, base: b.Base}
 		s.recs[k] = r
 	}
-	r.dets = append(r.dets, b.Dets...)
-	if over := len(r.dets) - s.maxPerJob; over > 0 {
+	r.add(b.Dets)
+	if over := len(r.dets()) - s.maxPerJob; over > 0 {
 		// The oldest go: the record then starts mid-stream, and a replay needs a determinant from before
 		// its snapshot to know it misses nothing (Since).
-		r.dets = slices.Delete(r.dets, 0, over)
-		r.first += uint64(over)
-		r.fromStart = false
+		r.dropOldest(over)
 	}
 }
 
@@ -97,7 +118,7 @@ func (s *Store) Len(job, node string) int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if r := s.recs[storeKey{job, node}]; r != nil {
-		return len(r.dets)
+		return len(r.dets())
 	}
 	return 0
 }
@@ -112,10 +133,8 @@ func (s *Store) Trim(m *ckpt.Manifest) {
 	if r == nil {
 		return
 	}
-	if anchor := lastBefore(r.dets, consumedAt(m)) - 1; anchor > 0 {
-		r.dets = slices.Delete(r.dets, 0, anchor)
-		r.first += uint64(anchor)
-		r.fromStart = false
+	if anchor := lastBefore(r.dets(), consumedAt(m)) - 1; anchor > 0 {
+		r.dropOldest(anchor)
 	}
 }
 
@@ -130,14 +149,14 @@ func (s *Store) Since(m *ckpt.Manifest) ([]Det, error) {
 	if r == nil {
 		return nil, fmt.Errorf("no determinants of job %s from %s here", m.Job, m.Node)
 	}
-	cut := lastBefore(r.dets, consumedAt(m))
+	cut := lastBefore(r.dets(), consumedAt(m))
 	if cut < 0 {
 		if !r.fromStart || (r.base != "" && r.base != m.ID) {
 			return nil, fmt.Errorf("the determinants of job %s from %s start at number %d, and none is from before snapshot %s: some may be missing", m.Job, m.Node, r.first, m.ID)
 		}
 		cut = 0
 	}
-	return slices.Clone(r.dets[cut:]), nil
+	return slices.Clone(r.dets()[cut:]), nil
 }
 
 // consumedAt is, per connection of m, the socket's copied_seq at the dump: every byte before the receive
