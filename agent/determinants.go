@@ -49,6 +49,8 @@ type detState struct {
 	// pessimistic: each job's processes are held after each consuming receive call until its determinant
 	// is at the protector (log.pessimistic).
 	pessimistic bool
+	// streams are the open determinant streams, by protector; only shipOrder uses them.
+	streams map[string]*clusterapi.DeterminantStream
 }
 
 // detStream is one job's determinants on this host, numbered from 0 when the agent began recording it.
@@ -84,7 +86,8 @@ const maxPendingDets = 1 << 20
 // keeps the determinants of the jobs it protects. shipEvery is log.receive_order_ship_every (0: the agent
 // is woken for every call).
 func newDetState(log *slog.Logger, record, positions, pessimistic bool, cgroupParent string, ringBytes int, shipEvery time.Duration) *detState {
-	d := &detState{log: log, store: intercept.NewStore(0), byCgroup: map[uint64]*detStream{}, byJob: map[string]*detStream{}, wake: make(chan struct{}, 1)}
+	d := &detState{log: log, store: intercept.NewStore(0), byCgroup: map[uint64]*detStream{}, byJob: map[string]*detStream{}, wake: make(chan struct{}, 1),
+		streams: map[string]*clusterapi.DeterminantStream{}}
 	if !record {
 		return d
 	}
@@ -374,8 +377,8 @@ func (s *detStream) dropWatchers() {
 
 // DefaultShipEvery is log.receive_order_ship_every's default: shipping rounds fall at most once in each
 // interval of its grid, right after the recorder's read there, what the recorder gave going in one batch per
-// job. A batch is a cluster request (HTTPS, tens of microseconds of CPU on both agents, which run at a higher
-// priority than the jobs). Measured (bench receive-order, docs/receive-order.md): a round per call cost
+// job. A batch is a write and a read on each agent (a determinant stream to the protector; it was a cluster
+// request until 2026-11-28, and on 2 vCPUs a round cost about 1 ms of CPU over the two agents). Measured (bench receive-order, docs/receive-order.md): a round per call cost
 // stencil2d 13.8%, rounds 2 ms apart 6.0-6.8%, 20 ms apart 3.0-5.2%; since the agents' wakeups were cut
 // (2026-11-27), 20 ms 1.8% and 2 ms 8.8%, and on a machine with CPUs half as fast 6.1% and 15%. The price:
 // a determinant reaches the protector up to this much later, which widens the window in which a crash takes
@@ -390,6 +393,7 @@ const maxShipEvery = time.Second
 // interval of log.receive_order_ship_every's grid (tickgrid), until ctx ends.
 func (a *Agent) shipOrder(ctx context.Context) {
 	d := a.det
+	defer d.closeStreams(true)
 	var retry <-chan time.Time // armed while a round left determinants behind (no protector answered)
 	var last time.Time
 	for {
@@ -423,6 +427,47 @@ func (a *Agent) shipOrder(ctx context.Context) {
 				retry = time.After(tickgrid.Until(time.Now(), shipRetry))
 			}
 		}
+		d.closeStreams(false)
+	}
+}
+
+// sendDeterminants ships req to peer on the determinant stream there, opened as needed, and closes the
+// stream when it breaks. A peer that serves no streams (an agent of an earlier version) gets a request.
+func (a *Agent) sendDeterminants(ctx context.Context, peer string, req clusterapi.DeterminantsRequest) error {
+	d := a.det
+	st := d.streams[peer]
+	if st == nil || st.Stale() {
+		d.closeStream(peer)
+		var err error
+		if st, err = a.peers().DeterminantStream(ctx, peer); err != nil {
+			if e := clusterapi.Refusal(err); e != nil && e.Code == clusterapi.CodeUnknownOp {
+				return a.peers().Determinants(ctx, peer, req)
+			}
+			return err
+		}
+		d.streams[peer] = st
+	}
+	err := st.Send(ctx, req)
+	if err != nil && clusterapi.Refusal(err) == nil {
+		d.closeStream(peer)
+	}
+	return err
+}
+
+// closeStreams closes the determinant streams that fell silent (all of them with all): a job's protector
+// changed, or its jobs stopped receiving.
+func (d *detState) closeStreams(all bool) {
+	for peer, st := range d.streams {
+		if all || st.Stale() {
+			d.closeStream(peer)
+		}
+	}
+}
+
+func (d *detState) closeStream(peer string) {
+	if st := d.streams[peer]; st != nil {
+		st.Close()
+		delete(d.streams, peer)
 	}
 }
 
@@ -453,7 +498,7 @@ func (a *Agent) shipStream(ctx context.Context, s *detStream) bool {
 	packed, err := intercept.Pack(batch.Dets)
 	if err == nil {
 		sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		err = a.peers().Determinants(sctx, prot.Name, clusterapi.DeterminantsRequest{
+		err = a.sendDeterminants(sctx, prot.Name, clusterapi.DeterminantsRequest{
 			Job: batch.Job, Stream: batch.Stream, First: batch.First, FromStart: batch.FromStart, Base: batch.Base, Packed: packed})
 		cancel()
 	}

@@ -16,6 +16,7 @@ import (
 	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/grant"
+	"github.com/ftkit/ftkit/intercept"
 	"github.com/ftkit/ftkit/recvdigest"
 	"github.com/ftkit/ftkit/spare"
 	"github.com/ftkit/ftkit/tcpflow"
@@ -60,6 +61,8 @@ func messageSeeds() [][]byte {
 		Error{Op: OpPing, Code: CodeRefused, Message: "busy"},
 		testStartJob(),
 		StartJobReply{ID: "run-node2-0a0b0c0d", Node: "n2", PID: 42, Dir: "/jobs/run-node2-0a0b0c0d"},
+		DeterminantsRequest{Job: "j1", Stream: 3, First: 7, Packed: []byte{2, 0, 0, 0, 0, 0, 0}},
+		DeterminantsAck{Error: &Error{Code: CodeRefused, Message: "no"}},
 	}
 	var seeds [][]byte
 	for _, m := range msgs {
@@ -191,6 +194,14 @@ func FuzzClusterMessage(f *testing.F) {
 		line(&beat, MaxMessage)
 		var prog RecoverProgress
 		line(&prog, MaxMessage)
+		var dr DeterminantsRequest
+		if _, ok := line(&dr, MaxMessage); ok {
+			if b, err := dr.Batch(); err == nil && len(b.Dets) > intercept.MaxBatch {
+				t.Fatalf("a batch of %d determinants accepted", len(b.Dets))
+			}
+		}
+		var ack DeterminantsAck
+		line(&ack, MaxHeader)
 		var lrr LogRangeReply
 		if rest, ok := line(&lrr, MaxMessage); ok && lrr.Validate() == nil {
 			left := int64(len(data)) // at least what follows the line

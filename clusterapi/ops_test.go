@@ -65,6 +65,22 @@ func TestEveryOperation(t *testing.T) {
 			req := DeterminantsRequest{Job: "j1", Stream: 3, First: 7, Packed: packed}
 			return req, "", c.Determinants(ctx, "n2", req)
 		}, ""},
+		{OpDeterminantStream, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
+			st, err := c.DeterminantStream(ctx, "n2")
+			if err != nil {
+				return nil, nil, err
+			}
+			defer st.Close()
+			packed, _ := intercept.Pack([]intercept.Det{{Conn: tcpflow.Tuple{Local: testSrc, Remote: testDst}, End: 9, Len: 9}})
+			var req DeterminantsRequest
+			for first := range uint64(3) { // one connection carries batch after batch
+				req = DeterminantsRequest{Job: "j1", Stream: 3, First: first, Packed: packed}
+				if err := st.Send(ctx, req); err != nil {
+					return nil, nil, err
+				}
+			}
+			return req, "", nil
+		}, ""},
 		{OpDeterminantsSince, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
 			dets, err := c.DeterminantsSince(ctx, "n2", "j1", "s1")
 			return DeterminantsSinceRequest{Job: "j1", Snapshot: "s1"}, len(dets), err
@@ -227,6 +243,17 @@ func TestRefusalsReadTheSame(t *testing.T) {
 		OpReceived:      func() error { _, err := c.Received(ctx, "n2", ReceivedRequest{}); return err },
 		OpLogWatermark:  func() error { _, err := c.LogWatermark(ctx, "n2"); return err },
 		OpDeterminants:  func() error { return c.Determinants(ctx, "n2", DeterminantsRequest{}) },
+		OpDeterminantStream: func() error {
+			st, err := c.DeterminantStream(ctx, "n2")
+			if err != nil {
+				return err
+			}
+			defer st.Close()
+			if err := st.Send(ctx, DeterminantsRequest{}); Refusal(err) == nil {
+				return err
+			}
+			return st.Send(ctx, DeterminantsRequest{}) // a refused batch leaves the stream usable
+		},
 		OpDeterminantsSince: func() error {
 			_, err := c.DeterminantsSince(ctx, "n2", "", "")
 			return err

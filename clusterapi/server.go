@@ -138,6 +138,7 @@ func NewServer(ctx context.Context, svc Service, opts ServerOptions) *Server {
 	s.route(OpHeartbeat, s.heartbeat)
 	s.route(OpSnapshot, s.snapshot)
 	s.route(OpFetch, s.fetch)
+	s.route(OpDeterminantStream, s.determinantStream)
 	s.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		s.refuse(w, Op(strings.TrimPrefix(r.URL.Path, "/v1/")), "", &Error{Code: CodeUnknownOp, Message: "no such operation: " + r.URL.Path})
 	})
