@@ -49,8 +49,10 @@ type detState struct {
 	// pessimistic: each job's processes are held after each consuming receive call until its determinant
 	// is at the protector (log.pessimistic).
 	pessimistic bool
-	// streams are the open determinant streams, by protector; only shipOrder uses them.
-	streams map[string]*clusterapi.DeterminantStream
+	// streams are the open determinant streams, by protector, and noStream the protectors that serve none
+	// (agents of an earlier version: they get requests); only shipOrder uses them.
+	streams  map[string]*clusterapi.DeterminantStream
+	noStream map[string]bool
 }
 
 // detStream is one job's determinants on this host, numbered from 0 when the agent began recording it.
@@ -87,7 +89,7 @@ const maxPendingDets = 1 << 20
 // is woken for every call).
 func newDetState(log *slog.Logger, record, positions, pessimistic bool, cgroupParent string, ringBytes int, shipEvery time.Duration) *detState {
 	d := &detState{log: log, store: intercept.NewStore(0), byCgroup: map[uint64]*detStream{}, byJob: map[string]*detStream{}, wake: make(chan struct{}, 1),
-		streams: map[string]*clusterapi.DeterminantStream{}}
+		streams: map[string]*clusterapi.DeterminantStream{}, noStream: map[string]bool{}}
 	if !record {
 		return d
 	}
@@ -378,8 +380,9 @@ func (s *detStream) dropWatchers() {
 // DefaultShipEvery is log.receive_order_ship_every's default: shipping rounds fall at most once in each
 // interval of its grid, right after the recorder's read there, what the recorder gave going in one batch per
 // job. A batch is a write and a read on each agent (a determinant stream to the protector; it was a cluster
-// request until 2026-11-28, and on 2 vCPUs a round cost about 1 ms of CPU over the two agents). Measured (bench receive-order, docs/receive-order.md): a round per call cost
-// stencil2d 13.8%, rounds 2 ms apart 6.0-6.8%, 20 ms apart 3.0-5.2%; since the agents' wakeups were cut
+// request until 2026-11-28, and on 2 vCPUs a round cost about 1 ms of CPU over the two agents). Measured
+// (bench receive-order, docs/receive-order.md): a round per call cost stencil2d 13.8%, rounds 2 ms apart
+// 6.0-6.8%, 20 ms apart 3.0-5.2%; since the agents' wakeups were cut
 // (2026-11-27), 20 ms 1.8% and 2 ms 8.8%, and on a machine with CPUs half as fast 6.1% and 15%. The price:
 // a determinant reaches the protector up to this much later, which widens the window in which a crash takes
 // determinants that a send already depended on (an orphan: the recovery then fails loudly). A site whose
@@ -435,12 +438,17 @@ func (a *Agent) shipOrder(ctx context.Context) {
 // stream when it breaks. A peer that serves no streams (an agent of an earlier version) gets a request.
 func (a *Agent) sendDeterminants(ctx context.Context, peer string, req clusterapi.DeterminantsRequest) error {
 	d := a.det
+	if d.noStream[peer] {
+		return a.peers().Determinants(ctx, peer, req)
+	}
 	st := d.streams[peer]
 	if st == nil || st.Stale() {
 		d.closeStream(peer)
 		var err error
 		if st, err = a.peers().DeterminantStream(ctx, peer); err != nil {
 			if e := clusterapi.Refusal(err); e != nil && e.Code == clusterapi.CodeUnknownOp {
+				a.log.Info("a protector serves no determinant streams (an earlier version): it gets a request per batch", "protector", peer)
+				d.noStream[peer] = true
 				return a.peers().Determinants(ctx, peer, req)
 			}
 			return err
