@@ -80,6 +80,21 @@ func within(ctx context.Context, d time.Duration) (context.Context, context.Canc
 	return context.WithTimeout(ctx, d)
 }
 
+// endOnDone ends conn's reads and writes when ctx ends, by setting a deadline in the past (the error shows
+// there); stop undoes it.
+func endOnDone(ctx context.Context, conn net.Conn) (stop func() bool) {
+	return context.AfterFunc(ctx, func() { conn.SetDeadline(time.Unix(1, 0)) })
+}
+
+// withCause adds why ctx ended to err, the error of a read or write that endOnDone cut short (else just
+// "i/o timeout").
+func withCause(ctx context.Context, err error) error {
+	if ctx.Err() != nil {
+		return fmt.Errorf("%w (%v)", context.Cause(ctx), err)
+	}
+	return err
+}
+
 // post sends op's request body to peer and returns the response once its status is 200 (a refusal is an
 // *Error). The caller closes the body.
 func (c *Client) post(ctx context.Context, peer string, op Op, body io.Reader) (*http.Response, error) {
@@ -455,8 +470,7 @@ func (c *Client) upgrade(ctx context.Context, peer string, op Op, body any) (net
 	if err != nil {
 		return nil, fmt.Errorf("%s request to %s: %w", op, peer, err)
 	}
-	// ctx's end sets a past deadline, which ends the exchange's read or write (the error shows there).
-	stop := context.AfterFunc(ctx, func() { conn.SetDeadline(time.Unix(1, 0)) })
+	stop := endOnDone(ctx, conn)
 	ok := false
 	defer func() {
 		if !ok {
@@ -476,13 +490,7 @@ func (c *Client) upgrade(ctx context.Context, peer string, op Op, body any) (net
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("Connection", "Upgrade")
 	req.Header.Set("Upgrade", upgradeProto)
-	// A read or write cut short by ctx's end says so, not just "i/o timeout".
-	failed := func(err error) error {
-		if ctx.Err() != nil {
-			err = fmt.Errorf("%w (%v)", context.Cause(ctx), err)
-		}
-		return fmt.Errorf("%s request to %s: %w", op, peer, err)
-	}
+	failed := func(err error) error { return fmt.Errorf("%s request to %s: %w", op, peer, withCause(ctx, err)) }
 	if err := req.Write(conn); err != nil {
 		return nil, failed(err)
 	}

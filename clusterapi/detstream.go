@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"context"
 	"errors"
-	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -45,9 +44,6 @@ func (c *Client) DeterminantStream(ctx context.Context, peer string) (*Determina
 		idle: c.cfg.Timeouts.IdleTimeout(), used: time.Now()}, nil
 }
 
-// Peer is the member the stream goes to.
-func (s *DeterminantStream) Peer() string { return s.peer }
-
 // Stale reports whether the stream has been silent for so long that the server may be closing it: open a
 // new one rather than send on it.
 func (s *DeterminantStream) Stale() bool { return time.Since(s.used) > s.idle/2 }
@@ -56,22 +52,16 @@ func (s *DeterminantStream) Stale() bool { return time.Since(s.used) > s.idle/2 
 // message. A refusal of the batch is an *Error and leaves the stream usable; any other error breaks it
 // (a *StreamError): close it.
 func (s *DeterminantStream) Send(ctx context.Context, req DeterminantsRequest) error {
-	dl := time.Now().Add(s.timeout)
-	if d, ok := ctx.Deadline(); ok && d.Before(dl) {
-		dl = d
-	}
+	ctx, cancel := within(ctx, s.timeout)
+	defer cancel()
 	broke := func(err error) error {
-		if ctx.Err() != nil {
-			err = fmt.Errorf("%w (%v)", context.Cause(ctx), err)
-		}
-		return &StreamError{Op: OpDeterminantStream, Peer: s.peer, Err: err}
+		return &StreamError{Op: OpDeterminantStream, Peer: s.peer, Err: withCause(ctx, err)}
 	}
+	dl, _ := ctx.Deadline()
 	if err := s.conn.SetDeadline(dl); err != nil {
 		return broke(err)
 	}
-	// ctx's end sets a past deadline, which ends the write or the read (the error shows there).
-	stop := context.AfterFunc(ctx, func() { s.conn.SetDeadline(time.Unix(1, 0)) })
-	defer stop()
+	defer endOnDone(ctx, s.conn)()
 	if err := WriteLine(s.conn, req); err != nil {
 		return broke(err)
 	}
@@ -104,8 +94,7 @@ func (s *Server) determinantStream(w http.ResponseWriter, r *http.Request, peer 
 // closes the stream, it is silent for the idle timeout, or the server stops. A batch the service refuses
 // is answered with the refusal; a line that is no batch ends the stream.
 func (s *Server) serveDeterminants(peer string, c net.Conn) error {
-	stop := context.AfterFunc(s.base, func() { c.SetDeadline(time.Unix(1, 0)) })
-	defer stop()
+	defer endOnDone(s.base, c)()
 	in := bufio.NewReader(c)
 	for {
 		if err := c.SetReadDeadline(time.Now().Add(s.opts.Timeouts.IdleTimeout())); err != nil {

@@ -37,10 +37,12 @@ func TestDeterminantStreamEndsOnGarbage(t *testing.T) {
 }
 
 // TestDeterminantStreamIdle: the server closes a stream silent for its idle timeout, and the client calls
-// it stale after half of its own, before the server could close it under a batch.
+// a stream stale once it has been silent for half of its own, before the server could close it under a
+// batch.
 func TestDeterminantStreamIdle(t *testing.T) {
-	idle := 300 * time.Millisecond
-	c, _, _ := serveWith(t, &fakeService{}, Timeouts{Idle: idle}, Timeouts{Idle: idle})
+	// The client's idle timeout is long, so that only the test makes its stream stale; the server's is short.
+	clientIdle := time.Hour
+	c, _, _ := serveWith(t, &fakeService{}, Timeouts{Idle: 300 * time.Millisecond}, Timeouts{Idle: clientIdle})
 	st, err := c.DeterminantStream(t.Context(), "n2")
 	if err != nil {
 		t.Fatal(err)
@@ -49,14 +51,15 @@ func TestDeterminantStreamIdle(t *testing.T) {
 	if st.Stale() {
 		t.Fatal("a new stream is stale")
 	}
-	// The server's close shows as the end of the stream; Stale turned true before it.
+	st.used = time.Now().Add(-clientIdle/2 - time.Second)
+	if !st.Stale() {
+		t.Error("a stream silent for half the idle timeout is not stale")
+	}
+	// The server's close shows as the end of the stream.
 	st.conn.SetReadDeadline(time.Now().Add(failAfter))
 	var one [1]byte
 	if _, err := st.r.Read(one[:]); !errors.Is(err, io.EOF) {
 		t.Fatalf("read on an idle stream: %v; want the server's close", err)
-	}
-	if !st.Stale() {
-		t.Error("a stream the server closed for silence is not stale")
 	}
 	ctx, cancel := context.WithTimeout(t.Context(), failAfter)
 	defer cancel()
