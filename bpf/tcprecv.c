@@ -52,7 +52,12 @@
 //
 // Where rx_next comes from:
 //   - A SYN received by a listener or by a socket in SYN_SENT (the SYN-ACK)
-//     starts the flow: rx_next = ISN + 1, exact. A SYN that reaches a
+//     starts the flow: rx_next = ISN + 1, exact, and a record without
+//     payload at ISN + 1 tells the consumer where the flow's bytes begin.
+//     It is in the ring before any of the flow's data (the peer sends none
+//     before this SYN is answered), so a data record that reaches the ring
+//     ahead of an earlier one (two CPUs, the veth) is held by the consumer
+//     as past a hole, not taken as the flow's first byte. A SYN that reaches a
 //     synchronized socket changes nothing (TCP answers with a challenge ACK
 //     and accepts none of its bytes), and its payload is not recorded.
 //   - Otherwise (the connection predates the attach, the entry was evicted
@@ -261,6 +266,23 @@ static __always_inline __u64 wake_flags(__u64 need)
 	return BPF_RB_NO_WAKEUP;
 }
 
+// record_start writes the record without payload that starts a flow at seq
+// (see "Where rx_next comes from"). It fails if the ring has no room.
+static __always_inline int record_start(struct __sk_buff *skb, struct iphdr *ip, struct tcphdr *tcp, __u32 seq)
+{
+	struct record_hdr hdr = {
+		.saddr = ip->saddr,
+		.daddr = ip->daddr,
+		.sport = tcp->source,
+		.dport = tcp->dest,
+		.seq = seq,
+		.len = 0,
+		.cgroup_id = bpf_skb_cgroup_id(skb),
+		.ktime_ns = bpf_ktime_get_ns(),
+	};
+	return bpf_ringbuf_output(&events, &hdr, sizeof(hdr), wake_flags(sizeof(hdr) + 8));
+}
+
 // count_handshake adds one to the handshakes of the skb's cgroup. A count
 // lost to two CPUs creating the entry at once still leaves it changed.
 static __always_inline void count_handshake(struct __sk_buff *skb)
@@ -367,6 +389,10 @@ int tcprecv_ingress(struct __sk_buff *skb)
 		if (bpf_map_update_elem(&rx_flows, &key, &fresh, BPF_ANY)) {
 			c->drops_error++;
 			return VERDICT_DROP; // the sender retransmits the SYN
+		}
+		if (record_start(skb, &ip, &tcp, seq)) {
+			c->drops_backpressure++;
+			return VERDICT_DROP; // likewise: the start must be in the ring
 		}
 		if (len == 0)
 			return VERDICT_PASS;

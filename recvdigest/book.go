@@ -81,6 +81,7 @@ type flow struct {
 	cur    Piece   // the open piece, ending at next, when open
 	open   bool
 	next   uint32 // the next byte expected in order
+	first  uint32 // where the flow (or its last reset) started
 	// held are copies of out-of-order bytes, all after next, ascending, not overlapping.
 	held      []heldBytes
 	heldBytes int
@@ -115,13 +116,18 @@ func NewBook(opts BookOptions) *Book {
 // overlaps) are skipped; a record that starts after the next expected byte waits in the flow's reorder
 // buffer until the gap fills (the tap may deliver a flow's records from two CPUs slightly out of order).
 // If the buffer exceeds MaxReorderBytes, the gap is accepted as a hole: the run ends and a new one starts
-// at the first held byte. The first record of a flow starts a run at its sequence number.
+// at the first held byte.
+//
+// A record without payload says where a flow's bytes begin (the tap writes one at the SYN, before any of
+// the flow's data): the flow starts there, and a data record that reached the ring ahead of an earlier one
+// waits for it. A flow without one starts a run at its first record's sequence number.
 func (b *Book) Add(rec netlog.Record) {
-	if len(rec.Payload) == 0 {
-		return
-	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	if len(rec.Payload) == 0 {
+		b.begin(rec.Conn, rec.Seq)
+		return
+	}
 	f := b.flows[rec.Conn]
 	if f == nil {
 		f = b.newFlow(rec.Conn, rec.Seq)
@@ -153,12 +159,25 @@ func (b *Book) Add(rec netlog.Record) {
 	}
 }
 
+// begin starts conn's flow at seq. The same start again (a retransmitted SYN) changes nothing; another one
+// is a new connection on the same 4-tuple.
+func (b *Book) begin(conn tcpflow.Tuple, seq uint32) {
+	f := b.flows[conn]
+	switch {
+	case f == nil:
+		b.newFlow(conn, seq)
+	case f.first != seq:
+		b.lru.MoveToFront(f.elem)
+		b.reset(f, seq)
+	}
+}
+
 func (b *Book) newFlow(conn tcpflow.Tuple, seq uint32) *flow {
 	for len(b.flows) >= b.opts.MaxFlows {
 		b.drop(b.lru.Back().Value.(*flow))
 		b.stats.Evictions++
 	}
-	f := &flow{conn: conn, next: seq}
+	f := &flow{conn: conn, next: seq, first: seq}
 	f.elem = b.lru.PushFront(f)
 	b.flows[conn] = f
 	return f
@@ -186,7 +205,7 @@ func (b *Book) reset(f *flow, seq uint32) {
 	b.stats.HeldBytes -= f.heldBytes
 	b.stats.Resets++
 	f.pieces, f.open, f.held, f.heldBytes = nil, false, nil, 0
-	f.next = seq
+	f.next, f.first = seq, seq
 }
 
 // extend digests data, the bytes starting at f.next, closing a piece at each block boundary.

@@ -149,6 +149,38 @@ func TestBookReorderFilled(t *testing.T) {
 	}
 }
 
+// The tap's record without payload at the SYN says where a flow begins. In the lab (ftbench compare, CI)
+// a rank's first 2048-byte message reached the ring after its second: the Book started the flow at the
+// second one, dropped the first as a duplicate, and a later recovery could not verify the re-sent bytes of
+// that block ("the receiver's record and the sender's disagree on where the connection's bytes begin").
+func TestBookStartRecordAnchorsTheFlow(t *testing.T) {
+	for i, tb := range testBases {
+		t.Run(tb.name, func(t *testing.T) {
+			stream := randomBytes(uint64(i)+70, 3*B+100)
+			b := NewBook(BookOptions{})
+			b.Add(netlog.Record{Conn: testConn, Seq: tb.base}) // the SYN's record
+			b.Add(netlog.Record{Conn: testConn, Seq: tb.base}) // a retransmitted SYN's: the same start
+			addAll(b, testConn, tb.base, stream, []segment{{2048, 4096}, {0, 2048}, {6144, len(stream) - 6144}})
+			equalPieces(t, received(t, b, testConn, tb.base), piecesOf(tb.base, stream))
+			if st := b.Stats(); st.Holes != 0 || st.HeldBytes != 0 || st.DuplicateBytes != 0 || st.Resets != 0 || st.Bytes != uint64(len(stream)) {
+				t.Errorf("stats %+v", st)
+			}
+		})
+	}
+	t.Run("new connection on the same 4-tuple", func(t *testing.T) {
+		b := NewBook(BookOptions{})
+		b.Add(netlog.Record{Conn: testConn, Seq: 1000})
+		b.Add(netlog.Record{Conn: testConn, Seq: 1000, Payload: []byte("old connection")})
+		b.Add(netlog.Record{Conn: testConn, Seq: 5000}) // a SYN elsewhere, even within a window
+		b.Add(netlog.Record{Conn: testConn, Seq: 5003, Payload: []byte("later")})
+		b.Add(netlog.Record{Conn: testConn, Seq: 5000, Payload: []byte("new")})
+		equalPieces(t, received(t, b, testConn, 5000), piecesOf(5000, []byte("newlater")))
+		if st := b.Stats(); st.Resets != 1 || st.Pieces != 1 || st.HeldBytes != 0 {
+			t.Errorf("stats %+v", st)
+		}
+	})
+}
+
 func TestBookReorderOverflowMakesAHole(t *testing.T) {
 	const base = 5*B + 100
 	stream := randomBytes(30, 3*B)
