@@ -144,3 +144,32 @@ func TestConnListingFresh(t *testing.T) {
 		}
 	}
 }
+
+// A check slowed by a busy CPU must not space the next ones by its wall time; checks that are all slow
+// (a job with thousands of descriptors) must.
+func TestConnCheckPace(t *testing.T) {
+	ms := func(f float64) time.Duration { return time.Duration(f * float64(time.Millisecond)) }
+	for _, tc := range []struct {
+		name string
+		took []time.Duration
+		want time.Duration // after the last
+	}{
+		{"fast", []time.Duration{ms(0.2), ms(0.3)}, connCheckEvery},
+		{"first check slow", []time.Duration{ms(13)}, ms(2600)},
+		{"one slow among fast", []time.Duration{ms(0.3), ms(0.4), ms(13)}, connCheckEvery},
+		{"all slow", []time.Duration{ms(10), ms(12), ms(11)}, 2 * time.Second},
+		{"slow, then fast for a window", append(slices.Repeat([]time.Duration{ms(10)}, 3), slices.Repeat([]time.Duration{ms(1)}, connCheckWindow)...), ms(200)},
+		{"fast, then slow for a window", append([]time.Duration{ms(0.1)}, slices.Repeat([]time.Duration{ms(5)}, connCheckWindow)...), time.Second},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var p connCheckPace
+			var got time.Duration
+			for _, d := range tc.took {
+				got = p.next(d)
+			}
+			if got != tc.want {
+				t.Errorf("next check in %v, want %v", got, tc.want)
+			}
+		})
+	}
+}

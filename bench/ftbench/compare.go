@@ -772,11 +772,14 @@ func waitCovered(ctx context.Context, c *labcluster.Cluster, host, id string, ti
 		if err == nil && j.ConnsChecked.After(since) && j.Covered() {
 			return nil
 		}
+		if err == nil && j.State != agent.JobRunning {
+			return fmt.Errorf("job %s on %s ended (%s) before it was seen covered: a crash now has nothing to recover (last state %+v)", id, host, j.State, j)
+		}
 		if time.Now().After(deadline) {
 			return fmt.Errorf("job %s on %s has no replicated snapshot holding its connections after %s (last state %+v, %v)", id, host, timeout, j, err)
 		}
-		if err := sleepCtx(ctx, 50*time.Millisecond); err != nil {
-			return err
+		if serr := sleepCtx(ctx, 50*time.Millisecond); serr != nil {
+			return fmt.Errorf("waiting for job %s on %s to be covered (last state %+v, %v): %w", id, host, j, err, serr)
 		}
 	}
 }

@@ -164,7 +164,7 @@ func waitRecovered(ctx context.Context, c *labcluster.Cluster, node string, time
 		}
 		select {
 		case <-ctx.Done():
-			return nil, ctx.Err()
+			return nil, fmt.Errorf("waiting for the recovery of %s: %w", node, ctx.Err())
 		case <-time.After(50 * time.Millisecond):
 		}
 	}
@@ -183,7 +183,8 @@ func waitExit(ctx context.Context, j agent.Job, timeout time.Duration) error {
 		}
 		select {
 		case <-ctx.Done():
-			return ctx.Err()
+			b, _ := os.ReadFile(j.StderrPath())
+			return fmt.Errorf("waiting for job %s to exit: %w (its stderr: %s)", j.ID, ctx.Err(), tailOf(string(b)))
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
