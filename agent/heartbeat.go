@@ -12,6 +12,7 @@ import (
 
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/detect"
+	"github.com/ftkit/ftkit/internal/tickgrid"
 	"github.com/ftkit/ftkit/ring"
 	"golang.org/x/sys/unix"
 )
@@ -85,13 +86,16 @@ func (a *Agent) setBusy(what string) func() {
 func (a *Agent) sendBeats(ctx context.Context) {
 	var b beatStream
 	defer b.close()
-	tick := time.NewTicker(a.cfg.Heartbeat.Interval.Duration)
+	// On the grid of the interval (tickgrid), with the agent's other loops.
+	every := a.cfg.Heartbeat.Interval.Duration
+	tick := time.NewTimer(tickgrid.Until(time.Now(), every))
 	defer tick.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-tick.C:
+			tick.Reset(tickgrid.Until(time.Now(), every))
 		case <-a.beatNow:
 		}
 		a.sendBeat(ctx, &b)

@@ -9,6 +9,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/internal/heldconns"
+	"github.com/ftkit/ftkit/internal/tickgrid"
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
@@ -114,7 +115,7 @@ func (a *Agent) checkConns(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			return
-		case <-time.After(next):
+		case <-time.After(tickgrid.Within(time.Now(), next, connCheckEvery)):
 		}
 		start := time.Now()
 		running := map[string]bool{}

@@ -17,6 +17,13 @@ func Until(now time.Time, period time.Duration) time.Duration {
 	return period - time.Duration(now.UnixNano()%int64(period))
 }
 
+// Within is a wait of about d that ends on the grid: how long from now to the last multiple of period at
+// most d away (so more than d-period), or to the next multiple when d is shorter than period.
+func Within(now time.Time, d, period time.Duration) time.Duration {
+	lead := max(d-period, 0)
+	return lead + Until(now.Add(lead), period)
+}
+
 // Slot is the number of the period-long interval of the grid that t falls in: two instants with the same
 // slot lie between the same two multiples of period. A period of 0 or less makes every instant its own slot.
 func Slot(t time.Time, period time.Duration) int64 {

@@ -54,3 +54,29 @@ func TestSlot(t *testing.T) {
 		t.Error("with no period, two instants share a slot")
 	}
 }
+
+func TestWithin(t *testing.T) {
+	base := time.Unix(1_800_000_000, 0)
+	const p = 100 * time.Millisecond
+	for _, c := range []struct {
+		now  time.Time
+		d    time.Duration
+		want time.Duration
+	}{
+		{base, p, p},
+		{base.Add(30 * time.Millisecond), p, 70 * time.Millisecond},
+		{base.Add(30 * time.Millisecond), 10 * time.Millisecond, 70 * time.Millisecond},
+		{base.Add(30 * time.Millisecond), 0, 70 * time.Millisecond},
+		{base.Add(30 * time.Millisecond), 2600 * time.Millisecond, 2570 * time.Millisecond},
+		{base.Add(30 * time.Millisecond), 2570 * time.Millisecond, 2570 * time.Millisecond},
+		{base.Add(30 * time.Millisecond), 2569 * time.Millisecond, 2470 * time.Millisecond},
+	} {
+		got := Within(c.now, c.d, p)
+		if got != c.want {
+			t.Errorf("Within(base+%v, %v, %v) = %v, want %v", c.now.Sub(base), c.d, p, got, c.want)
+		}
+		if end := c.now.Add(got); end.UnixNano()%int64(p) != 0 {
+			t.Errorf("Within(base+%v, %v, %v) ends at %v, off the grid", c.now.Sub(base), c.d, p, end)
+		}
+	}
+}

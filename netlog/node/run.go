@@ -8,15 +8,18 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ftkit/ftkit/internal/tickgrid"
 	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/netlog/controller"
 	"github.com/ftkit/ftkit/netlog/release"
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
-// Run runs the resource controller until ctx ends: measure, decide, act, every 250 ms.
+// Run runs the resource controller until ctx ends: measure, decide, act, every 250 ms, on multiples of
+// 250 ms (tickgrid), so that every other round wakes the agent with its loops on 100 ms grids.
 func (n *Node) Run(ctx context.Context) {
-	tick := time.NewTicker(250 * time.Millisecond)
+	const every = 250 * time.Millisecond
+	tick := time.NewTimer(tickgrid.Until(time.Now(), every))
 	defer tick.Stop()
 	for {
 		select {
@@ -25,6 +28,7 @@ func (n *Node) Run(ctx context.Context) {
 		case <-tick.C:
 		}
 		n.step(ctx, time.Now())
+		tick.Reset(tickgrid.Until(time.Now(), every))
 	}
 }
 
