@@ -178,23 +178,14 @@ func (w *Watchdog) Suspects(now time.Time) []Suspect {
 		if wt.suspected {
 			continue
 		}
-		from, limit := wt.since, w.cfg.Timeout
-		l, heard := w.last[name]
-		if heard {
-			if l.at.After(from) {
-				from = l.at
-			}
-			if l.b.Busy != "" {
-				limit += w.cfg.BusyGrace
-			}
-		}
+		from, limit := w.silentSince(name, wt)
 		silence := now.Sub(from)
 		if silence <= limit {
 			continue
 		}
 		wt.suspected = true
 		s := Suspect{Name: name, Silence: silence}
-		if heard {
+		if l, heard := w.last[name]; heard {
 			b := l.b.clone()
 			s.LastBeat, s.Jobs, s.Uncovered = l.at, b.Jobs, b.Uncovered
 		}
@@ -202,6 +193,43 @@ func (w *Watchdog) Suspects(now time.Time) []Suspect {
 	}
 	slices.SortFunc(out, func(a, b Suspect) int { return strings.Compare(a.Name, b.Name) })
 	return out
+}
+
+// silentSince is when name's silence began, and how long it may last before name is suspected.
+func (w *Watchdog) silentSince(name string, wt *watch) (time.Time, time.Duration) {
+	from, limit := wt.since, w.cfg.Timeout
+	if l, heard := w.last[name]; heard {
+		if l.at.After(from) {
+			from = l.at
+		}
+		if l.b.Busy != "" {
+			limit += w.cfg.BusyGrace
+		}
+	}
+	return from, limit
+}
+
+// Due returns the first instant at which a call of Suspects could suspect a watched member not suspected
+// yet, if no beat comes before: when its silence reaches its limit (or, after a late check, when the
+// watchdog resumes). ok is false if there is none. A caller checking on a grid calls Suspects just after
+// it too: the beats may be on the same grid, and the check at that instant would find a silence a hair
+// short of the limit.
+func (w *Watchdog) Due() (due time.Time, ok bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for name, wt := range w.watched {
+		if wt.suspected {
+			continue
+		}
+		from, limit := w.silentSince(name, wt)
+		if at := from.Add(limit); !ok || at.Before(due) {
+			due, ok = at, true
+		}
+	}
+	if ok && due.Before(w.resume) {
+		due = w.resume
+	}
+	return due, ok
 }
 
 // Clear ends a suspicion that confirmation refuted (the suspect answered): its silence counts from now,

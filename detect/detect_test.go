@@ -317,3 +317,60 @@ func TestSuspectUncovered(t *testing.T) {
 		t.Fatalf("suspects %+v", got)
 	}
 }
+
+// TestDue: when a call of Suspects could first suspect someone, so that a caller checking on a grid shared
+// with the beats' can check just after it (a check at that very instant finds the silence a hair short).
+func TestDue(t *testing.T) {
+	cfg := Config{Timeout: 300 * time.Millisecond, BusyGrace: time.Second, MaxCheckGap: 100 * time.Millisecond}
+	type ev struct {
+		ms   int
+		op   string // watch, beat, busy-beat, suspects
+		name string
+	}
+	for _, tc := range []struct {
+		name string
+		evs  []ev
+		want int // ms; -1: none
+	}{
+		{"nobody watched", []ev{{0, "beat", "n1"}}, -1},
+		{"watched, never heard: from the watch", []ev{{50, "watch", "n1"}}, 350},
+		{"from the last beat's arrival", []ev{{0, "watch", "n1"}, {75, "beat", "n1"}, {150, "beat", "n1"}}, 450},
+		{"a busy beat adds the grace", []ev{{0, "watch", "n1"}, {75, "busy-beat", "n1"}}, 1375},
+		{"the earliest of two", []ev{{0, "watch", "n1"}, {0, "watch", "n2"}, {100, "beat", "n1"}}, 300},
+		{"a suspect is not due again", []ev{{0, "watch", "n1"}, {301, "suspects", ""}}, -1},
+		{"after a late check, not before the watchdog resumes", []ev{{0, "watch", "n1"}, {10, "suspects", ""}, {500, "suspects", ""}, {560, "suspects", ""}}, 600},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := NewWatchdog(cfg)
+			seq := uint64(0)
+			for _, e := range tc.evs {
+				switch e.op {
+				case "watch":
+					w.Watch(e.name, at(e.ms))
+				case "beat", "busy-beat":
+					seq++
+					b := Beat{From: e.name, Seq: seq, Sent: at(e.ms)}
+					if e.op == "busy-beat" {
+						b.Busy = "checkpointing"
+					}
+					w.Beat(b, at(e.ms))
+				case "suspects":
+					w.Suspects(at(e.ms))
+				}
+			}
+			due, ok := w.Due()
+			if tc.want < 0 {
+				if ok {
+					t.Fatalf("due at %v, want none", due.Sub(t0))
+				}
+				return
+			}
+			if !ok || !due.Equal(at(tc.want)) {
+				t.Fatalf("due at %v (%v), want %d ms", due.Sub(t0), ok, tc.want)
+			}
+			if s := w.Suspects(due.Add(time.Millisecond)); len(s) == 0 {
+				t.Errorf("nobody suspected 1 ms after the due time")
+			}
+		})
+	}
+}
