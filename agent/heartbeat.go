@@ -160,7 +160,11 @@ func (a *Agent) sendBeat(ctx context.Context, b *beatStream) {
 func (a *Agent) watchPredecessor(ctx context.Context) {
 	watching := ""
 	var late uint64
-	check := func() {
+	// On the grid of half the heartbeat interval, with the agent's other loops, and once more just after
+	// the predecessor's silence would pass the timeout (Watchdog.Due): its beats are on the grid of the
+	// interval too, so the check at that instant finds the silence a hair short of the timeout, and the
+	// next one would come half an interval later (detection took 30 ms longer at a 75 ms interval).
+	everyOrAt(ctx, a.cfg.Heartbeat.Interval.Duration/2, func() time.Time {
 		now := time.Now()
 		if n := a.watchdog.LateChecks(); n != late {
 			late = n
@@ -227,28 +231,11 @@ func (a *Agent) watchPredecessor(ctx context.Context) {
 			}
 			go a.failover(context.WithoutCancel(ctx), s, time.Now())
 		}
-	}
-	// On the grid of half the heartbeat interval, with the agent's other loops, and once more just after
-	// the predecessor's silence would pass the timeout (Watchdog.Due): its beats are on the grid of the
-	// interval too, so the check at that instant finds the silence a hair short of the timeout, and the
-	// next one would come half an interval later (detection took 30 ms longer at a 75 ms interval).
-	period := a.cfg.Heartbeat.Interval.Duration / 2
-	t := time.NewTimer(tickgrid.Until(time.Now(), period))
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-		check()
-		now := time.Now()
-		wait := tickgrid.Until(now, period)
 		if due, ok := a.watchdog.Due(); ok {
-			wait = min(wait, max(due.Sub(now), 0)+time.Millisecond)
+			return due.Add(time.Millisecond)
 		}
-		t.Reset(wait)
-	}
+		return time.Time{}
+	})
 }
 
 // refreshView exchanges views with every alive member but the suspect (which does not answer: waiting

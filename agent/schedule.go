@@ -360,6 +360,12 @@ func waitFrozen(ctx context.Context, cgroups []string, timeout time.Duration) er
 // multiples of period (tickgrid), so loops whose periods divide each other wake the agent together; a tick
 // that finds fn still running is skipped, as a ticker drops it.
 func every(ctx context.Context, period time.Duration, fn func()) {
+	everyOrAt(ctx, period, func() time.Time { fn(); return time.Time{} })
+}
+
+// everyOrAt is every for an fn that may want its next run sooner than the next tick: at the instant it
+// returns (the zero time: none).
+func everyOrAt(ctx context.Context, period time.Duration, fn func() time.Time) {
 	t := time.NewTimer(tickgrid.Until(time.Now(), period))
 	defer t.Stop()
 	for {
@@ -368,8 +374,13 @@ func every(ctx context.Context, period time.Duration, fn func()) {
 			return
 		case <-t.C:
 		}
-		fn()
-		t.Reset(tickgrid.Until(time.Now(), period))
+		at := fn()
+		now := time.Now()
+		wait := tickgrid.Until(now, period)
+		if !at.IsZero() {
+			wait = min(wait, max(at.Sub(now), 0))
+		}
+		t.Reset(wait)
 	}
 }
 
