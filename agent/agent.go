@@ -24,6 +24,7 @@ import (
 	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/internal/jobfs"
+	"github.com/ftkit/ftkit/internal/tickgrid"
 	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/metrics"
 	"github.com/ftkit/ftkit/shim"
@@ -383,7 +384,7 @@ func (a *Agent) Job(id string, uid uint32) (Job, <-chan struct{}, error) {
 // one is lost (its shim was killed too).
 func (a *Agent) watchJobs(ctx context.Context) {
 	gone := map[string]time.Time{}
-	every(ctx, 200*time.Millisecond, func() {
+	tickgrid.Every(ctx, 200*time.Millisecond, func() {
 		a.mu.Lock()
 		var running []*Job
 		for _, j := range a.byID {

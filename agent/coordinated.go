@@ -18,6 +18,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/internal/atomicfile"
+	"github.com/ftkit/ftkit/internal/tickgrid"
 	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/ring"
@@ -880,7 +881,7 @@ func (a *Agent) rollbackAfterFailure(ctx context.Context, failed, target string,
 // first by name coordinates; the others only take part.
 func (a *Agent) scheduleCuts(ctx context.Context) {
 	tried := map[cutKey]time.Time{} // the last attempt this host coordinated or declined
-	every(ctx, time.Second, func() {
+	tickgrid.Every(ctx, time.Second, func() {
 		now := time.Now()
 		due := map[cutKey]time.Duration{}
 		for _, j := range a.Jobs(0) {

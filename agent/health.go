@@ -10,6 +10,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt/interval"
 	"github.com/ftkit/ftkit/internal/sitecmd"
+	"github.com/ftkit/ftkit/internal/tickgrid"
 )
 
 // HealthConfig is the site's failure predictor (seed 001): a command the agent runs every Interval whose
@@ -73,7 +74,7 @@ func (a *Agent) watchHealth(ctx context.Context) {
 		argv[i] = strings.ReplaceAll(s, "{host}", a.cfg.Name)
 	}
 	cmd := sitecmd.Command{Name: "health command", Argv: argv, Timeout: h.Timeout.Duration}
-	every(ctx, h.Interval.Duration, func() {
+	tickgrid.Every(ctx, h.Interval.Duration, func() {
 		r := cmd.Run(ctx)
 		why := strings.Join(strings.Fields(r.Output), " ")
 		switch r.Exit {

@@ -42,7 +42,7 @@ func (c Config) stallLimit() time.Duration { return c.Heartbeat.Timeout.Duration
 // watchSelf ticks the stall monitor: a failed confirmation taken while this agent stalled is not
 // evidence (watchPredecessor).
 func (a *Agent) watchSelf(ctx context.Context) {
-	every(ctx, a.cfg.stallTick(), func() { a.stalls.Tick(time.Now()) })
+	tickgrid.Every(ctx, a.cfg.stallTick(), func() { a.stalls.Tick(time.Now()) })
 }
 
 // keepPriority gives every thread of the agent heartbeat.nice, with SCHED_RESET_ON_FORK so that the
@@ -71,7 +71,7 @@ func (a *Agent) keepPriority(ctx context.Context) {
 		}
 	}
 	apply()
-	every(ctx, time.Second, apply)
+	tickgrid.Every(ctx, time.Second, apply)
 }
 
 // setBusy records the long operation this host is in ("" when none); heartbeats carry it.
@@ -87,15 +87,15 @@ func (a *Agent) sendBeats(ctx context.Context) {
 	var b beatStream
 	defer b.close()
 	// On the grid of the interval (tickgrid), with the agent's other loops.
-	every := a.cfg.Heartbeat.Interval.Duration
-	tick := time.NewTimer(tickgrid.Until(time.Now(), every))
+	interval := a.cfg.Heartbeat.Interval.Duration
+	tick := time.NewTimer(tickgrid.Until(time.Now(), interval))
 	defer tick.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-tick.C:
-			tick.Reset(tickgrid.Until(time.Now(), every))
+			tick.Reset(tickgrid.Until(time.Now(), interval))
 		case <-a.beatNow:
 		}
 		a.sendBeat(ctx, &b)
@@ -164,7 +164,7 @@ func (a *Agent) watchPredecessor(ctx context.Context) {
 	// the predecessor's silence would pass the timeout (Watchdog.Due): its beats are on the grid of the
 	// interval too, so the check at that instant finds the silence a hair short of the timeout, and the
 	// next one would come half an interval later (detection took 30 ms longer at a 75 ms interval).
-	everyOrAt(ctx, a.cfg.Heartbeat.Interval.Duration/2, func() time.Time {
+	tickgrid.EveryOrAt(ctx, a.cfg.Heartbeat.Interval.Duration/2, func() time.Time {
 		now := time.Now()
 		if n := a.watchdog.LateChecks(); n != late {
 			late = n

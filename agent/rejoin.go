@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/internal/tickgrid"
 	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/ring"
 	"github.com/ftkit/ftkit/shim"
@@ -39,7 +40,7 @@ const rejoinTimeout = 15 * time.Second
 // lists this host as failed.
 func (a *Agent) watchRejoin(ctx context.Context) {
 	last := ""
-	every(ctx, rejoinPeriod, func() {
+	tickgrid.Every(ctx, rejoinPeriod, func() {
 		self, ok := a.View().Member(a.cfg.Name)
 		if !ok || self.State != ring.StateFailed {
 			last = ""

@@ -62,7 +62,7 @@ const freezeTimeout = 10 * time.Second
 // at once on the host's interval, and a new job makes the host snapshot now).
 func (a *Agent) schedule(ctx context.Context) {
 	s := newSnapScheduler(a.cfg.Checkpoint.Mode == SemiCoordinated)
-	every(ctx, 100*time.Millisecond, func() {
+	tickgrid.Every(ctx, 100*time.Millisecond, func() {
 		// A job in coordinated mode is snapshotted with its run (scheduleCuts) once its first snapshot is in;
 		// a job being replayed by its recovery, by its recovery once the replay is verified (ErrReplaying).
 		jobs, _ := a.replays.split(a.Jobs(0))
@@ -354,34 +354,6 @@ func waitFrozen(ctx context.Context, cgroups []string, timeout time.Duration) er
 		}
 	}
 	return nil
-}
-
-// every runs fn each period until ctx ends: the shape of the agent's background loops. Its ticks fall on
-// multiples of period (tickgrid), so loops whose periods divide each other wake the agent together; a tick
-// that finds fn still running is skipped, as a ticker drops it.
-func every(ctx context.Context, period time.Duration, fn func()) {
-	everyOrAt(ctx, period, func() time.Time { fn(); return time.Time{} })
-}
-
-// everyOrAt is every for an fn that may want its next run sooner than the next tick: at the instant it
-// returns (the zero time: none).
-func everyOrAt(ctx context.Context, period time.Duration, fn func() time.Time) {
-	t := time.NewTimer(tickgrid.Until(time.Now(), period))
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-		at := fn()
-		now := time.Now()
-		wait := tickgrid.Until(now, period)
-		if !at.IsZero() {
-			wait = min(wait, max(at.Sub(now), 0))
-		}
-		t.Reset(wait)
-	}
 }
 
 // unrecoverableConns names the connections of a snapshot that no restore could rebuild, and why. A peer

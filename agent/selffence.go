@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/fence"
+	"github.com/ftkit/ftkit/internal/tickgrid"
 )
 
 // Self-fencing: a node cut off from the ring (not dead) still runs its jobs, while its protector restores
@@ -55,7 +56,7 @@ func (c *contactClock) get(name string) time.Time {
 func (a *Agent) selfFence(ctx context.Context) {
 	t := a.cfg.FenceTiming()
 	var prot contactClock
-	go every(ctx, t.Interval, func() {
+	go tickgrid.Every(ctx, t.Interval, func() {
 		p, ok := a.protector()
 		if !ok {
 			return
@@ -74,7 +75,7 @@ func (a *Agent) selfFence(ctx context.Context) {
 		since              time.Time // when this pair of neighbours became ours
 		fenced             bool
 	)
-	every(ctx, t.Check(), func() {
+	tickgrid.Every(ctx, t.Check(), func() {
 		now := time.Now()
 		v := a.View()
 		p, okP := v.Protector(a.cfg.Name)

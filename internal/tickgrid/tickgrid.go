@@ -6,7 +6,10 @@
 // loops ticking at separate instants paid that once each (docs/design.md, "What an agent costs its host").
 package tickgrid
 
-import "time"
+import (
+	"context"
+	"time"
+)
 
 // Until is how long from now to the next multiple of period since the Unix epoch: period, not 0, when now
 // is one. A period of 0 or less returns 0.
@@ -31,4 +34,31 @@ func Slot(t time.Time, period time.Duration) int64 {
 		return t.UnixNano()
 	}
 	return t.UnixNano() / int64(period)
+}
+
+// Every runs fn each period until ctx ends, at multiples of period, so that loops whose periods divide each
+// other wake the process together; a tick that finds fn still running is skipped, as a ticker drops it.
+func Every(ctx context.Context, period time.Duration, fn func()) {
+	EveryOrAt(ctx, period, func() time.Time { fn(); return time.Time{} })
+}
+
+// EveryOrAt is Every for an fn that may want its next run sooner than the next tick: at the instant it
+// returns (the zero time: none).
+func EveryOrAt(ctx context.Context, period time.Duration, fn func() time.Time) {
+	t := time.NewTimer(Until(time.Now(), period))
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		at := fn()
+		now := time.Now()
+		wait := Until(now, period)
+		if !at.IsZero() {
+			wait = min(wait, max(at.Sub(now), 0))
+		}
+		t.Reset(wait)
+	}
 }

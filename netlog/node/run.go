@@ -18,18 +18,7 @@ import (
 // Run runs the resource controller until ctx ends: measure, decide, act, every 250 ms, on multiples of
 // 250 ms (tickgrid), so that every other round wakes the agent with its loops on 100 ms grids.
 func (n *Node) Run(ctx context.Context) {
-	const every = 250 * time.Millisecond
-	tick := time.NewTimer(tickgrid.Until(time.Now(), every))
-	defer tick.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-tick.C:
-		}
-		n.step(ctx, time.Now())
-		tick.Reset(tickgrid.Until(time.Now(), every))
-	}
+	tickgrid.Every(ctx, 250*time.Millisecond, func() { n.step(ctx, time.Now()) })
 }
 
 // step is one round of the controller at now.
