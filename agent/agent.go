@@ -63,6 +63,7 @@ type Agent struct {
 	replays  replayingJobs   // restored jobs whose recovery replays their peers' bytes: not snapshotted meanwhile
 	replicas replicaArrivals // when the newest replica of each job arrived, by node
 	received freshReceipts   // the snapshots received (and so verified) in the last freshFor
+	declared declaredFailed  // the peers this host declared failed: their snapshots are refused until their fail-over ends
 	// clusterNet is the cluster network, looked up once (clusterPrefix).
 	clusterNet struct {
 		once   sync.Once

@@ -142,7 +142,8 @@ func (a *Agent) serveCheckpointNow(ctx context.Context, peer string) bool {
 
 // serveSnapshot stores a snapshot a member ships to this host, its protector.
 func (a *Agent) serveSnapshot(ctx context.Context, peer string, c net.Conn) error {
-	got, err := ship.Receive(ctx, c, a.store, ship.ReceiveOptions{Peer: peer, Authorize: ship.FromNode(peer), Logger: a.log})
+	got, err := ship.Receive(ctx, c, a.store, ship.ReceiveOptions{Peer: peer, Authorize: ship.FromNode(peer),
+		BeforeCommit: a.beforeReplicaCommit, Logger: a.log})
 	if err != nil {
 		return err
 	}

@@ -22,6 +22,9 @@ import (
 // basic mode), hand the failed node's place in the ring and its addresses to the target in a new view,
 // and have the target restore the jobs with the peers' logged bytes replayed.
 func (a *Agent) failover(ctx context.Context, s detect.Suspect, declared time.Time) {
+	// Before its replicas are chosen: from here none of its snapshots commits, and those that did count.
+	defer a.declared.declare(s.Name)()
+	s.Jobs = a.replicas.since(s.Name, s.LastBeat, s.Jobs)
 	id := a.recordFailure(s, declared)
 	a.log.Error("node failed", "node", s.Name, "jobs", s.Jobs, "detection_ms", declared.Sub(s.LastBeat).Milliseconds(), "failure", id)
 	err := a.runFailover(ctx, id, s, declared)

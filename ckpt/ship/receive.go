@@ -31,6 +31,12 @@ type ReceiveOptions struct {
 	// Authorize, if set, may refuse a snapshot by its manifest before any
 	// file is transferred (e.g. FromNode(peer) on a protector).
 	Authorize func(*ckpt.Manifest) error
+	// BeforeCommit, if set, is asked once every file has arrived and verified, just before the commit:
+	// an error refuses the snapshot (the sender gets a NACK with it, the copy is discarded); otherwise
+	// done, if not nil, is called with the commit's result when it is over, so that the caller can hold a
+	// lock across it (a protector that declares the sender failed meanwhile must not see its replica
+	// commit after it chose which one to restore).
+	BeforeCommit func(*ckpt.Manifest) (done func(error), err error)
 	// MaxSnapshotBytes bounds the sum of file sizes; 0 means DefaultMaxSnapshotBytes.
 	MaxSnapshotBytes int64
 	// IdleTimeout bounds waiting for the sender (connections with deadlines
@@ -230,7 +236,16 @@ func (rc *receiver) run(reply func(frameType, []byte) error) (*Received, error) 
 		offers = nil
 		res.DeltaRefused = true
 	}
+	var done func(error)
+	if rc.opts.BeforeCommit != nil {
+		if done, err = rc.opts.BeforeCommit(m); err != nil {
+			return nil, fmt.Errorf("snapshot %s/%s not committed: %w", m.Job, m.ID, err)
+		}
+	}
 	got, err := rc.pending.CommitReceived(rc.ctx, rc.opts.Peer)
+	if done != nil {
+		done(err)
+	}
 	if err != nil {
 		return nil, err
 	}

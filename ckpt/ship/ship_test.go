@@ -261,6 +261,9 @@ func TestShipRefusals(t *testing.T) {
 	}{
 		{name: "peer not allowed", recv: ReceiveOptions{Peer: "node9", Authorize: FromNode("node9")}, wantMsg: `peer "node9" may not send snapshots of node "node1"`},
 		{name: "too big", recv: ReceiveOptions{MaxSnapshotBytes: 1000}, wantMsg: "more than the 1000 this receiver accepts"},
+		{name: "refused at the commit", recv: ReceiveOptions{BeforeCommit: func(*ckpt.Manifest) (func(error), error) {
+			return nil, errors.New("node1 was declared failed")
+		}}, wantMsg: "node1 was declared failed"},
 		{name: "local corrupt", damage: func(dir string) {
 			p := filepath.Join(dir, "pages-1.img")
 			b, _ := os.ReadFile(p)
