@@ -126,7 +126,8 @@ type Config struct {
 		ProbeTimeout Duration `toml:"probe_timeout"`
 		// Nice, if negative, is the agent's own nice value, so that CPU-bound jobs or a hog cannot starve
 		// its heartbeats and probes (corosync runs at realtime priority for this reason). The processes
-		// the agent starts (shims, jobs, CRIU) run at nice 0 (SCHED_RESET_ON_FORK). 0: unchanged.
+		// the agent starts (shims, jobs, CRIU) run at nice 0 (SCHED_RESET_ON_FORK). Its autogroup gets it
+		// too (raiseAutogroup), which CRIU, in the agent's session, shares. 0: unchanged.
 		Nice int `toml:"nice"`
 	} `toml:"heartbeat"`
 	Failover struct {
