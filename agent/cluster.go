@@ -147,7 +147,7 @@ func (a *Agent) serveSnapshot(ctx context.Context, peer string, c net.Conn) erro
 	if err != nil {
 		return err
 	}
-	a.received.note(got.Manifest.Job, got.Manifest.ID, time.Now())
+	a.noteReceived(got.Manifest.Job, got.Manifest.ID)
 	a.keepReplicas(ctx, got)
 	a.log.Info("replica stored", "peer", peer, "job", got.Manifest.Job, "snapshot", got.Manifest.ID,
 		"bytes", got.Bytes, "wire_bytes", got.WireBytes, "ms", got.Duration.Milliseconds())

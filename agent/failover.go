@@ -238,7 +238,8 @@ func (a *Agent) fenceStage(id string, start time.Time, detail, errText string) {
 	a.saveFailures()
 }
 
-// newestReplica is the newest snapshot of job taken on node that this host holds and that verifies.
+// newestReplica is the newest snapshot of job taken on node that this host holds and that verifies (or
+// arrived verified moments ago: verifyUnlessFresh; hashing a 1 GiB replica again took 0.6 s of a fail-over).
 func (a *Agent) newestReplica(ctx context.Context, job, node string) (*ckpt.Manifest, error) {
 	ids, err := a.store.List(job, node)
 	if err != nil {
@@ -246,7 +247,7 @@ func (a *Agent) newestReplica(ctx context.Context, job, node string) (*ckpt.Mani
 	}
 	var errs []error
 	for _, id := range ids {
-		m, err := a.store.Verify(ctx, job, id)
+		m, err := a.verifyUnlessFresh(ctx, job, id)
 		if err == nil {
 			return m, nil
 		}

@@ -11,7 +11,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/restore/recovery"
@@ -212,15 +211,6 @@ func (a *Agent) prepareCandidate(ctx context.Context, job string, c Candidate) (
 		return nil, Job{}, err
 	}
 	return &recovery.Job{ID: j.ID, Incarnation: j.Incarnation, Manifest: m, Work: work, RunID: runID, Source: source}, j, nil
-}
-
-// verifyUnlessFresh verifies snapshot id of job, or only reads its manifest if this agent received it
-// (verifying it as it arrived) moments ago (freshFor).
-func (a *Agent) verifyUnlessFresh(ctx context.Context, job, id string) (*ckpt.Manifest, error) {
-	if a.received.fresh(job, id, time.Now()) {
-		return a.store.Manifest(job, id)
-	}
-	return a.store.Verify(ctx, job, id)
 }
 
 // reprotect snapshots the restored jobs and ships the snapshot to this host's protector.

@@ -1,16 +1,20 @@
 package agent
 
 import (
+	"errors"
 	"fmt"
+	"log/slog"
 	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/interval"
 	"github.com/ftkit/ftkit/ring"
 )
@@ -116,31 +120,84 @@ func TestShimOf(t *testing.T) {
 	}
 }
 
-// TestFreshReceipts: a received snapshot counts as verified for freshFor, not after, and not another one.
+// TestFreshReceipts: a received snapshot counts as verified for freshFor, not after, not another one, and
+// not once its files changed (another stamp).
 func TestFreshReceipts(t *testing.T) {
 	var f freshReceipts
 	t0 := time.Date(2026, 11, 26, 12, 0, 0, 0, time.UTC)
-	f.note("j", "s1", t0)
+	f.note("j", "s1", "stamp", t0)
 	tests := []struct {
-		job, id string
-		at      time.Time
-		want    bool
+		job, id, stamp string
+		at             time.Time
+		want           bool
 	}{
-		{"j", "s1", t0.Add(time.Second), true},
-		{"j", "s1", t0.Add(freshFor), true},
-		{"j", "s1", t0.Add(freshFor + time.Millisecond), false},
-		{"j", "s1", t0.Add(-time.Second), false}, // a clock that went back proves nothing
-		{"j", "s2", t0.Add(time.Second), false},
-		{"k", "s1", t0.Add(time.Second), false},
+		{"j", "s1", "stamp", t0.Add(time.Second), true},
+		{"j", "s1", "stamp", t0.Add(freshFor), true},
+		{"j", "s1", "stamp", t0.Add(freshFor + time.Millisecond), false},
+		{"j", "s1", "stamp", t0.Add(-time.Second), false}, // a clock that went back proves nothing
+		{"j", "s1", "written since", t0.Add(time.Second), false},
+		{"j", "s2", "stamp", t0.Add(time.Second), false},
+		{"k", "s1", "stamp", t0.Add(time.Second), false},
 	}
 	for _, tt := range tests {
-		if got := f.fresh(tt.job, tt.id, tt.at); got != tt.want {
-			t.Errorf("fresh(%s, %s, t0%+v) = %v, want %v", tt.job, tt.id, tt.at.Sub(t0), got, tt.want)
+		if got := f.fresh(tt.job, tt.id, tt.stamp, tt.at); got != tt.want {
+			t.Errorf("fresh(%s, %s, %q, t0%+v) = %v, want %v", tt.job, tt.id, tt.stamp, tt.at.Sub(t0), got, tt.want)
 		}
 	}
-	f.note("j", "s2", t0.Add(2*freshFor)) // noting forgets the stale ones
+	f.note("j", "s2", "stamp", t0.Add(2*freshFor)) // noting forgets the stale ones
 	if len(f.at) != 1 {
 		t.Errorf("%d receipts kept, want only the fresh one", len(f.at))
+	}
+}
+
+// TestVerifyUnlessFresh: a snapshot received moments ago is not hashed again, unless a file of it was
+// written to since; then the damage is found. A restore's hard links to its files change nothing.
+func TestVerifyUnlessFresh(t *testing.T) {
+	a := &Agent{store: testStore(t, "node1"), log: slog.New(slog.DiscardHandler)}
+	ctx := t.Context()
+	m := testSnapshot(t, a.store, "counter-1a2b3c4d", "the job's memory")
+	pages := filepath.Join(a.store.Path(m.Job, m.ID), "pages-1.img")
+	a.noteReceived(m.Job, m.ID)
+	if err := os.Link(pages, filepath.Join(t.TempDir(), "work-copy.img")); err != nil {
+		t.Fatal(err)
+	}
+	stamp, err := filesStamp(a.store.Path(m.Job, m.ID))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !a.received.fresh(m.Job, m.ID, stamp, time.Now()) {
+		t.Error("a hard link to a file made a snapshot received moments ago stale")
+	}
+	if _, err := a.verifyUnlessFresh(ctx, m.Job, m.ID); err != nil {
+		t.Fatal(err)
+	}
+
+	// A write stamps the file with the file system's clock, which moves on ticks: wait until it has moved
+	// past the receipt, or the write would be indistinguishable from it.
+	old, err := os.Stat(pages)
+	if err != nil {
+		t.Fatal(err)
+	}
+	probe := filepath.Join(t.TempDir(), "probe")
+	for {
+		if err := os.WriteFile(probe, nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if st, err := os.Stat(probe); err != nil || st.ModTime().After(old.ModTime()) {
+			break
+		}
+		runtime.Gosched()
+	}
+	f, err := os.OpenFile(pages, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.WriteAt([]byte("T"), 0); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	if _, err := a.verifyUnlessFresh(ctx, m.Job, m.ID); !errors.Is(err, ckpt.ErrCorrupt) {
+		t.Errorf("a received snapshot written to since: %v, want it verified and found corrupt", err)
 	}
 }
 

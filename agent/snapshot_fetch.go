@@ -265,7 +265,7 @@ func (a *Agent) receiveFetch(ctx context.Context, c io.ReadWriter, from, job, id
 	if err != nil {
 		return err
 	}
-	a.received.note(job, id, time.Now())
+	a.noteReceived(job, id)
 	a.log.Info("snapshot fetched", "job", job, "snapshot", id, "from", from, "bytes", got.Bytes, "ms", got.Duration.Milliseconds())
 	return nil
 }
