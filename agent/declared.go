@@ -10,10 +10,10 @@ import (
 
 // declaredFailed orders the commits of the snapshots peers send this host with this host's declarations
 // of their senders' failures. A fail-over chooses the newest replica of each of the failed node's jobs; a
-// replica of it that arrived whole just before the crash, and committed after that choice (a commit hashes
-// and syncs the whole snapshot), would trim the determinants and prune the copies the older choice needs,
-// and the recovery would be refused for want of them. So a declaration waits for the commits under way,
-// which the choice then sees, and from then until the fail-over ends the node's snapshots are refused.
+// replica of it that arrived whole just before the crash, and committed after that choice (a commit syncs
+// every file of the snapshot to disk), would trim the determinants and prune the copies the older choice
+// needs, and the recovery would be refused for want of them. So a declaration waits for the commits under
+// way, which the choice then sees, and from then until the fail-over ends the node's snapshots are refused.
 type declaredFailed struct {
 	mu    sync.RWMutex
 	nodes map[string]bool
