@@ -11,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ftkit/ftkit/internal/coldcopy"
 	"github.com/pierrec/lz4/v4"
 )
 
@@ -325,14 +326,14 @@ func (s *Store) fill(sl *slab, off uint32, p []byte) (uint32, error) {
 	cur := off
 	for i := sl.firstSpanAfter(off); i < len(sl.spans) && sl.spans[i].lo < end; i++ {
 		if sp := sl.spans[i]; sp.lo > cur {
-			copy(sl.buf[cur-sl.bufLo:sp.lo-sl.bufLo], p[cur-off:sp.lo-off])
+			coldcopy.Copy(sl.buf[cur-sl.bufLo:sp.lo-sl.bufLo], p[cur-off:sp.lo-off])
 			cur = sp.hi
 		} else {
 			cur = max(cur, sp.hi)
 		}
 	}
 	if cur < end {
-		copy(sl.buf[cur-sl.bufLo:end-sl.bufLo], p[cur-off:])
+		coldcopy.Copy(sl.buf[cur-sl.bufLo:end-sl.bufLo], p[cur-off:])
 	}
 	sl.addSpan(off, end)
 	sl.valid += missing
