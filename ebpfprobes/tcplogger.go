@@ -243,6 +243,18 @@ func (l *TCPLogger) Counters() (Counters, error) {
 	return c, nil
 }
 
+// RunTime returns the CPU time the program has spent on the sending CPUs, and how many packets it ran
+// for: what logging costs on the senders' path, copies into the ring included. The kernel counts both
+// only while BPF statistics are enabled (ebpf.EnableStats with unix.BPF_STATS_RUN_TIME, or the sysctl
+// kernel.bpf_stats_enabled), since timing every run costs two clock reads per packet.
+func (l *TCPLogger) RunTime() (time.Duration, uint64, error) {
+	st, err := l.objs.Program.Stats()
+	if err != nil {
+		return 0, 0, fmt.Errorf("tcplog: read program statistics: %w", err)
+	}
+	return st.Runtime, st.RunCount, nil
+}
+
 // Pending returns how many bytes of records wait in the ring buffer.
 func (l *TCPLogger) Pending() int {
 	return l.ring.pending()

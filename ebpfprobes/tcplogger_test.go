@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/internal/streamtest"
 	"github.com/ftkit/ftkit/internal/testenv"
@@ -191,6 +192,7 @@ type scenario struct {
 	seed       uint64
 	sideBytes  int // bytes of the unprotected and the port-protected flows
 	timeoutSec int
+	runTime    bool // enable BPF statistics and check TCPLogger.RunTime
 }
 
 // TestTCPLoggerEndToEnd sends three flows from lab host a to host b with the
@@ -207,7 +209,7 @@ func TestTCPLoggerEndToEnd(t *testing.T) {
 	t.Run("lossless", func(t *testing.T) {
 		runScenario(t, tn, protected, other, scenario{
 			ring: 64 << 20, size: 32 << 20, basePort: 5001, localPort: 40001,
-			seed: 1, sideBytes: 4 << 20, timeoutSec: 30,
+			seed: 1, sideBytes: 4 << 20, timeoutSec: 30, runTime: true,
 		})
 	})
 	t.Run("backpressure", func(t *testing.T) {
@@ -281,6 +283,13 @@ func runScenario(t *testing.T, tn *testNet, protected, other *streamtest.Cgroup,
 		}
 	}
 
+	if sc.runTime {
+		stats, err := ebpf.EnableStats(uint32(unix.BPF_STATS_RUN_TIME))
+		if err != nil {
+			t.Fatalf("enable BPF run time statistics: %v", err)
+		}
+		defer stats.Close()
+	}
 	col := collect(ctx, l, sc.delay)
 	start := time.Now()
 	for i, f := range flows {
@@ -359,6 +368,17 @@ func runScenario(t *testing.T, tn *testNet, protected, other *streamtest.Cgroup,
 	}
 	if logged := uint64(sc.size + sc.sideBytes); cnt.BytesLogged < logged {
 		t.Errorf("counters say %d bytes logged, want at least %d", cnt.BytesLogged, logged)
+	}
+	if sc.runTime {
+		// Every logged packet was one run, and every run took some time; unprotected packets ran too.
+		rt, runs, err := l.RunTime()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("program: %d runs, %v (%.1f ns per logged KiB)", runs, rt, float64(rt.Nanoseconds())/(float64(cnt.BytesLogged)/1024))
+		if runs < cnt.PacketsLogged || rt <= 0 {
+			t.Errorf("RunTime: %v over %d runs, want > 0 over at least the %d packets logged", rt, runs, cnt.PacketsLogged)
+		}
 	}
 	if sc.wantDrops && cnt.DropsBackpressure == 0 {
 		t.Errorf("no backpressure drops with a %d-byte ring and a slow consumer", sc.ring)

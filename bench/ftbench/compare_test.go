@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -127,5 +128,28 @@ func TestRunDirCreatesRoot(t *testing.T) {
 	}
 	if fi, err := os.Stat(dir); err != nil || !fi.IsDir() {
 		t.Fatalf("run directory %s: %v", dir, err)
+	}
+}
+
+func TestRunOrder(t *testing.T) {
+	for _, tc := range []struct {
+		round int
+		modes []netlogMode
+		want  []netlogMode
+	}{
+		{0, []netlogMode{modePlain, modeCapture}, []netlogMode{modePlain, modeCapture}},
+		{1, []netlogMode{modePlain, modeCapture}, []netlogMode{modeCapture, modePlain}},
+		{2, []netlogMode{modePlain, modeCapture}, []netlogMode{modePlain, modeCapture}},
+		{1, []netlogMode{modePlain, modeProbe, modeCapture}, []netlogMode{modeProbe, modeCapture, modePlain}},
+		{2, []netlogMode{modePlain, modeProbe, modeCapture}, []netlogMode{modeCapture, modePlain, modeProbe}},
+		{4, []netlogMode{modePlain, modeProbe, modeCapture}, []netlogMode{modeProbe, modeCapture, modePlain}},
+	} {
+		in := slices.Clone(tc.modes)
+		if got := runOrder(tc.round, tc.modes...); !slices.Equal(got, tc.want) {
+			t.Errorf("runOrder(%d, %v) = %v, want %v", tc.round, in, got, tc.want)
+		}
+		if !slices.Equal(tc.modes, in) {
+			t.Errorf("runOrder(%d, ...) changed its argument to %v", tc.round, tc.modes)
+		}
 	}
 }

@@ -16,10 +16,13 @@ import (
 	"strings"
 	"time"
 
+	"github.com/cilium/ebpf"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/internal/coldcopy"
 	"github.com/ftkit/ftkit/internal/streamtest"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/netlog"
@@ -119,6 +122,7 @@ type netlogRun struct {
 	captureCPU float64 // seconds: getrusage(RUSAGE_SELF) of ftbench: the consumer, the trimmer, the runtime, the harness
 	threadCPU  float64 // seconds: the consumer thread's own (capture.Counters.ConsumerCPU)
 	systemCPU  float64 // seconds: busy time of all CPUs from /proc/stat
+	probeCPU   float64 // seconds: the TCX program's run time (modeProbe only)
 	logged     uint64  // payload bytes the probe logged (retransmissions included)
 	drops      uint64  // backpressure drops
 }
@@ -154,18 +158,18 @@ func benchNetlog(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 
 	var with, without, ratios, consumer, thread []float64
 	for i := range pairs {
-		var pair [2]netlogRun
-		for _, logging := range pairOrder(i) {
-			r, err := b.run(ctx, logging, msgCount*msgSize, msgSize)
+		var pair [modeCapture + 1]netlogRun
+		for _, mode := range runOrder(i, modePlain, modeCapture) {
+			r, err := b.run(ctx, mode, msgCount*msgSize, msgSize)
 			if err != nil {
 				return nil, nil, fmt.Errorf("netlog bench, %d-byte messages: %w", msgSize, err)
 			}
-			pair[boolIndex(logging)] = r
+			pair[mode] = r
 		}
-		w, wo := msgRate(pair[1], msgSize), msgRate(pair[0], msgSize)
+		w, wo := msgRate(pair[modeCapture], msgSize), msgRate(pair[modePlain], msgSize)
 		with, without, ratios = append(with, w), append(without, wo), append(ratios, w/wo)
-		consumer = append(consumer, pair[1].captureCPU/float64(msgCount)*1e6)
-		thread = append(thread, pair[1].threadCPU/float64(msgCount)*1e6)
+		consumer = append(consumer, pair[modeCapture].captureCPU/float64(msgCount)*1e6)
+		thread = append(thread, pair[modeCapture].threadCPU/float64(msgCount)*1e6)
 		log.Info("netlog messages", "pair", i, "msgs_s_without", int(wo), "msgs_s_with", int(w))
 	}
 	metrics = append(metrics,
@@ -175,14 +179,20 @@ func benchNetlog(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 		Metric{Name: "msg64_consumer_cpu_per_million", Value: median(consumer), Unit: "s"},
 		Metric{Name: "msg64_consumer_thread_cpu_per_million", Value: median(thread), Unit: "s"},
 	)
-	floor, err := copyFloor(pairs)
-	if err != nil {
-		return nil, nil, fmt.Errorf("netlog bench, copy floor: %w", err)
+	for _, f := range []struct {
+		name string
+		copy func(dst, src []byte) int
+	}{{"copy_floor_cpu_s_per_GB", func(dst, src []byte) int { return copy(dst, src) }}, {"copy_floor_cold_cpu_s_per_GB", coldcopy.Copy}} {
+		floor, err := copyFloor(pairs, f.copy)
+		if err != nil {
+			return nil, nil, fmt.Errorf("netlog bench, %s: %w", f.name, err)
+		}
+		metrics = append(metrics, Metric{Name: f.name, Value: floor, Unit: "s/GB"})
 	}
-	metrics = append(metrics, Metric{Name: "copy_floor_cpu_s_per_GB", Value: floor, Unit: "s/GB"})
 	settings := map[string]any{
 		"pairs":               pairs,
-		"order":               "with/without alternate first in successive pairs; metrics are medians over pairs, ratios are medians of per-pair ratios",
+		"order":               "each round of a link runs without logging, with the logger's program alone and with the capture, rotating which goes first; the messages alternate without and with; metrics are medians over rounds, ratios are medians of per-round ratios",
+		"program_alone":       "the TCX program protecting the sender's cgroup, its ring drained by a goroutine that keeps nothing, BPF run time statistics on: program_cpu_s_per_GB is the program's own run time (copies into the ring included) per GB, program_alone_throughput_ratio the throughput without the log's consumer",
 		"links":               links,
 		"messages":            map[string]any{"size": msgSize, "count": msgCount, "nodelay": true, "link": "unshaped"},
 		"topology":            "two lab hosts (network namespaces) on a bridge via veth pairs; sender in node1, receiver in node2, each a process of its own in a cgroup v2 child",
@@ -191,7 +201,7 @@ func benchNetlog(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 		"cpu_consumer":        "getrusage(RUSAGE_SELF) of ftbench during a run: the Capture's consumer, the trimmer, the Go runtime and the harness's own goroutines",
 		"cpu_consumer_thread": "the consumer thread's CLOCK_THREAD_CPUTIME_ID (capture.Counters.ConsumerCPU): what logging costs in user space, without the harness",
 		"cpu_system":          "busy time of all CPUs from /proc/stat: includes other tenants of the machine, noisy",
-		"copy_floor":          "one copy of each byte, in 64 KiB pieces, from a 64 MiB mapping (the ring's size) into 256 MiB of heap, on one locked thread (CLOCK_THREAD_CPUTIME_ID), median of `pairs` runs of 4 GiB: the least CPU per GB any consumer that copies the ring into user memory spends on this machine",
+		"copy_floor":          "one copy of each byte, in 64 KiB pieces, from a 64 MiB mapping (the ring's size) into 256 MiB of heap, on one locked thread (CLOCK_THREAD_CPUTIME_ID), median of `pairs` runs of 4 GiB: the least CPU per GB any consumer that copies the ring into user memory spends on this machine, with the built-in copy; copy_floor_cold: the same with coldcopy.Copy, the non-temporal copy the log uses",
 		"gb":                  "1e9 bytes received",
 		"targets":             "issue 13: throughput ratio >= 0.80 unshaped and >= 0.97 at 25 Gbit/s; consumer <= 0.1 CPU-s per GB logged at every rate",
 		"shaping_qdisc":       "tbf root qdisc on node1 eth0 (burst max(2 ms at rate, 128 KiB), queue 10 ms at rate plus burst)",
@@ -199,20 +209,11 @@ func benchNetlog(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 	return metrics, settings, nil
 }
 
-func boolIndex(b bool) int {
-	if b {
-		return 1
-	}
-	return 0
-}
-
-// pairOrder alternates which run of a pair goes first, so drift in the
-// machine's load does not favour one side.
-func pairOrder(i int) []bool {
-	if i%2 == 0 {
-		return []bool{false, true}
-	}
-	return []bool{true, false}
+// runOrder rotates the order of the modes in round i, so that drift in the machine's load does not
+// favour one of them.
+func runOrder(i int, modes ...netlogMode) []netlogMode {
+	k := i % len(modes)
+	return append(modes[k:len(modes):len(modes)], modes[:k]...)
 }
 
 func msgRate(r netlogRun, size int) float64 {
@@ -225,22 +226,24 @@ func (b *netlogBench) linkSetting(ctx context.Context, lk netlogLink, pairs int)
 		return nil, err
 	}
 	defer undo()
-	var gbWith, gbWithout, ratios, cpuWith, cpuWithout, consumer, thread, sysWith, sysWithout []float64
+	var gbWith, gbWithout, ratios, probeRatios, probeCPU, cpuWith, cpuWithout, consumer, thread, sysWith, sysWithout []float64
 	var drops uint64
 	for i := range pairs {
-		var pair [2]netlogRun
-		for _, logging := range pairOrder(i) {
-			r, err := b.run(ctx, logging, lk.Bytes, 256<<10)
+		var set [modeCapture + 1]netlogRun
+		for _, mode := range runOrder(i, modePlain, modeProbe, modeCapture) {
+			r, err := b.run(ctx, mode, lk.Bytes, 256<<10)
 			if err != nil {
 				return nil, err
 			}
-			pair[boolIndex(logging)] = r
+			set[mode] = r
 		}
-		w, wo := pair[1], pair[0]
+		w, wo, po := set[modeCapture], set[modePlain], set[modeProbe]
 		gbps := func(r netlogRun) float64 { return float64(r.bytes) * 8 / float64(r.ns) }
 		perGB := func(cpu float64, r netlogRun) float64 { return cpu / (float64(r.bytes) / 1e9) }
 		gbWith, gbWithout = append(gbWith, gbps(w)), append(gbWithout, gbps(wo))
 		ratios = append(ratios, gbps(w)/gbps(wo))
+		probeRatios = append(probeRatios, gbps(po)/gbps(wo))
+		probeCPU = append(probeCPU, perGB(po.probeCPU, po))
 		cpuWith = append(cpuWith, perGB(w.jobCPU+w.captureCPU, w))
 		cpuWithout = append(cpuWithout, perGB(wo.jobCPU, wo))
 		consumer = append(consumer, w.captureCPU/(float64(w.logged)/1e9))
@@ -248,13 +251,16 @@ func (b *netlogBench) linkSetting(ctx context.Context, lk netlogLink, pairs int)
 		sysWith, sysWithout = append(sysWith, perGB(w.systemCPU, w)), append(sysWithout, perGB(wo.systemCPU, wo))
 		drops += w.drops
 		b.log.Info("netlog bulk", "link", lk.Name, "pair", i, "gbit_s_without", round2(gbps(wo)), "gbit_s_with", round2(gbps(w)),
-			"cpu_s_per_gb_without", round2(perGB(wo.jobCPU, wo)), "cpu_s_per_gb_with", round2(perGB(w.jobCPU+w.captureCPU, w)), "drops", w.drops)
+			"cpu_s_per_gb_without", round2(perGB(wo.jobCPU, wo)), "cpu_s_per_gb_with", round2(perGB(w.jobCPU+w.captureCPU, w)), "drops", w.drops,
+			"gbit_s_program_alone", round2(gbps(po)), "program_cpu_s_per_gb", round2(perGB(po.probeCPU, po)))
 	}
 	p := lk.Name + "_"
 	return []Metric{
 		{Name: p + "gbit_s_without", Value: median(gbWithout), Unit: "Gbit/s"},
 		{Name: p + "gbit_s_with", Value: median(gbWith), Unit: "Gbit/s"},
 		{Name: p + "throughput_ratio", Value: median(ratios), Unit: "x"},
+		{Name: p + "program_alone_throughput_ratio", Value: median(probeRatios), Unit: "x"},
+		{Name: p + "program_cpu_s_per_GB", Value: median(probeCPU), Unit: "s/GB"},
 		{Name: p + "cpu_s_per_GB_without", Value: median(cpuWithout), Unit: "s/GB"},
 		{Name: p + "cpu_s_per_GB_with", Value: median(cpuWith), Unit: "s/GB"},
 		{Name: p + "consumer_cpu_s_per_GB_logged", Value: median(consumer), Unit: "s/GB"},
@@ -395,15 +401,41 @@ func (b *netlogBench) shapeHost(host string, rate uint64) (func(), error) {
 	}, nil
 }
 
-// run sends total bytes in writes of wsize from node1 to node2, with or
-// without a Capture logging the sender's cgroup.
-func (b *netlogBench) run(ctx context.Context, logging bool, total int64, wsize int) (r netlogRun, err error) {
+// netlogMode is what runs on the sender's host during a transfer.
+type netlogMode int
+
+const (
+	modePlain   netlogMode = iota // nothing
+	modeProbe                     // the TCX program alone, its ring drained and discarded, BPF run time statistics on
+	modeCapture                   // a Capture: the program and the log's consumer
+)
+
+// run sends total bytes in writes of wsize from node1 to node2 with mode's logging of the sender's cgroup.
+func (b *netlogBench) run(ctx context.Context, mode netlogMode, total int64, wsize int) (r netlogRun, err error) {
 	if err := ctx.Err(); err != nil {
+		return r, err
+	}
+	if mode == modeProbe {
+		probe, err := b.probeOnly()
+		if err != nil {
+			return r, err
+		}
+		defer func() {
+			if perr := probe.close(total); perr != nil && err == nil {
+				err = perr
+			}
+		}()
+		r, err = b.transfer(ctx, nil, total, wsize)
+		if err != nil {
+			return r, err
+		}
+		rt, _, err := probe.l.RunTime()
+		r.probeCPU = rt.Seconds()
 		return r, err
 	}
 	var c *capture.Capture
 	stopTrim := func() {}
-	if logging {
+	if mode == modeCapture {
 		err := b.lab.Do("node1", func() error {
 			var err error
 			c, err = capture.New(capture.Options{Interface: "eth0", Logger: b.log})
@@ -423,7 +455,12 @@ func (b *netlogBench) run(ctx context.Context, logging bool, total int64, wsize 
 		stopTrim = trimLoop(c.Log(), 50*time.Millisecond)
 	}
 	defer stopTrim()
+	return b.transfer(ctx, c, total, wsize)
+}
 
+// transfer runs one transfer of total bytes in writes of wsize, with c, if not nil, logging it, and
+// measures it.
+func (b *netlogBench) transfer(ctx context.Context, c *capture.Capture, total int64, wsize int) (r netlogRun, err error) {
 	before, err := b.cpuSnapshot()
 	if err != nil {
 		return r, err
@@ -483,6 +520,73 @@ func (b *netlogBench) run(ctx context.Context, logging bool, total int64, wsize 
 		r.threadCPU = (cnt.ConsumerCPU - threadBefore).Seconds()
 	}
 	return r, nil
+}
+
+// probeRun is the TCX program alone on node1's eth0, logging the sender's cgroup into its ring, which a
+// goroutine drains and discards, with BPF run time statistics enabled until close: what the program costs
+// the sender's path, without the log's consumer.
+type probeRun struct {
+	l      *ebpfprobes.TCPLogger
+	stats  io.Closer
+	cancel context.CancelFunc
+	done   chan error
+}
+
+func (b *netlogBench) probeOnly() (*probeRun, error) {
+	var l *ebpfprobes.TCPLogger
+	err := b.lab.Do("node1", func() error {
+		lk, err := netlink.LinkByName("eth0")
+		if err != nil {
+			return err
+		}
+		if l, err = ebpfprobes.NewTCPLogger(ebpfprobes.TCPLoggerOptions{PollInterval: capture.DefaultPollInterval, Logger: b.log}); err != nil {
+			return err
+		}
+		if err := l.Attach(lk.Attrs().Index); err != nil {
+			l.Close()
+			return err
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("the logger's program alone on node1: %w", err)
+	}
+	if err := l.Protect(b.sendCg.ID); err != nil {
+		l.Close()
+		return nil, err
+	}
+	stats, err := ebpf.EnableStats(uint32(unix.BPF_STATS_RUN_TIME))
+	if err != nil {
+		l.Close()
+		return nil, fmt.Errorf("enable BPF run time statistics: %w", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	p := &probeRun{l: l, stats: stats, cancel: cancel, done: make(chan error, 1)}
+	go func() {
+		for {
+			if _, err := l.ReadBatch(ctx, 0, func([]byte) error { return nil }); err != nil {
+				if ctx.Err() != nil {
+					err = nil
+				}
+				p.done <- err
+				return
+			}
+		}
+	}()
+	return p, nil
+}
+
+// close stops the drain, checks that the program logged every byte of a transfer of total bytes
+// without drops that would have slowed it, and frees everything.
+func (p *probeRun) close(total int64) error {
+	p.cancel()
+	err := <-p.done
+	if cnt, cerr := p.l.Counters(); cerr != nil {
+		err = errors.Join(err, cerr)
+	} else if cnt.BytesLogged < uint64(total) || cnt.DropsOversize+cnt.DropsError != 0 {
+		err = errors.Join(err, fmt.Errorf("the program alone logged %d of %d bytes (counters %+v)", cnt.BytesLogged, total, cnt))
+	}
+	return errors.Join(err, p.stats.Close(), p.l.Close())
 }
 
 // trimLoop trims every connection of lg to its contiguous end every period,
@@ -572,7 +676,8 @@ func procStatBusy() (float64, error) {
 // copyFloor measures, runs times, the thread CPU seconds one copy of a GB costs on this machine the way the
 // log's consumer copies (segments out of a 64 MiB ring mapping into log memory larger than any cache), and
 // returns the median: the consumer's per-GB figure cannot go below it without a design that does not copy.
-func copyFloor(runs int) (float64, error) {
+// copyFn is the copy measured: the built-in one, or the log's.
+func copyFloor(runs int, copyFn func(dst, src []byte) int) (float64, error) {
 	const ring, dst, piece, total = 64 << 20, 256 << 20, 64 << 10, 4 << 30
 	src, err := unix.Mmap(-1, 0, ring, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
 	if err != nil {
@@ -595,7 +700,7 @@ func copyFloor(runs int) (float64, error) {
 			}
 			for n, at := 0, 0; n < total; n += piece {
 				off := n % ring
-				copy(out[at:at+piece], src[off:off+piece])
+				copyFn(out[at:at+piece], src[off:off+piece])
 				at = (at + piece) % dst
 			}
 			end, err := threadCPUSeconds()
