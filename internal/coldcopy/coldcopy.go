@@ -1,11 +1,10 @@
 // Package coldcopy copies bytes that nobody reads again soon, such as a segment moved from the sender-side
 // log's ring buffer into the log, with stores that bypass the CPU's caches where the CPU has them.
 //
-// An ordinary copy first reads every destination line into the cache and then leaves both the source and
-// the destination there, evicting what the host's other work was using. The log's consumer copies every
-// byte a protected job sends, and on a 2-vCPU host the sender and receiver of that traffic then missed
-// their own data (measured in bench/results/netlog.json): a copy with non-temporal stores reads no
-// destination line and keeps none of them.
+// An ordinary copy first reads every destination line into the cache and then leaves the destination
+// there, evicting what the host's other work was using. The log's consumer copies every byte a protected
+// job sends: with non-temporal stores, which read no destination line and keep none, that copy costs about
+// half the CPU, and the job's own transfer runs faster beside it (ftbench netlog, docs/design.md).
 package coldcopy
 
 // minCold is the shortest copy worth non-temporal stores: below it, the partly written lines that the
