@@ -415,28 +415,29 @@ func (b *netlogBench) run(ctx context.Context, mode netlogMode, total int64, wsi
 	if err := ctx.Err(); err != nil {
 		return r, err
 	}
+	// The deferred closes below report into the function's err: nothing in their blocks may declare another.
 	if mode == modeProbe {
-		probe, err := b.probeOnly()
-		if err != nil {
-			return r, err
+		probe, perr := b.probeOnly()
+		if perr != nil {
+			return r, perr
 		}
 		defer func() {
-			if perr := probe.close(total); perr != nil && err == nil {
-				err = perr
+			if cerr := probe.close(total); cerr != nil && err == nil {
+				err = cerr
 			}
 		}()
-		r, err = b.transfer(ctx, nil, total, wsize)
-		if err != nil {
+		if r, err = b.transfer(ctx, nil, total, wsize); err != nil {
 			return r, err
 		}
-		rt, _, err := probe.l.RunTime()
+		var rt time.Duration
+		rt, _, err = probe.l.RunTime()
 		r.probeCPU = rt.Seconds()
 		return r, err
 	}
 	var c *capture.Capture
 	stopTrim := func() {}
 	if mode == modeCapture {
-		err := b.lab.Do("node1", func() error {
+		err = b.lab.Do("node1", func() error {
 			var err error
 			c, err = capture.New(capture.Options{Interface: "eth0", Logger: b.log})
 			return err
