@@ -11,8 +11,9 @@ import (
 	"sync"
 	"time"
 
-	"github.com/ftkit/ftkit/internal/coldcopy"
 	"github.com/pierrec/lz4/v4"
+
+	"github.com/ftkit/ftkit/internal/coldcopy"
 )
 
 // minBuf is the first allocation for a slab of a connection that has not yet sent a slab's
