@@ -136,11 +136,11 @@ func runDir(id string) string  { return filepath.Join(lab.DefaultStateDir, id+".
 func dataDir(id string) string { return filepath.Join("/var/lib/ftkit/labs", id) }
 
 // pinDir holds the eBPF pins of the lab's agents: the lab's hosts share the machine's bpffs, and labs with
-// the same host names run side by side.
-func pinDir(id string) string { return filepath.Join("/sys/fs/bpf/ftkit", "lab-"+id) }
-func cgroupDir(id string) string {
-	return filepath.Join("/sys/fs/cgroup/unified/ftkit", "lab-"+id)
-}
+// the same host names run side by side. It and cgroupDir are top-level directories of their own, not
+// under the agent's defaults (/sys/fs/bpf/ftkit, /sys/fs/cgroup/unified/ftkit): a lab removes what it
+// made, and a parent it shared with other labs, or with an agent of the machine, would stay behind.
+func pinDir(id string) string    { return filepath.Join("/sys/fs/bpf", "ftkit-lab-"+id) }
+func cgroupDir(id string) string { return filepath.Join("/sys/fs/cgroup/unified", "ftkit-lab-"+id) }
 
 // Socket is the local API socket of host's agent in lab id.
 func Socket(id, host string) string { return filepath.Join(runDir(id), host, "agent.sock") }

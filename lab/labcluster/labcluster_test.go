@@ -2,6 +2,8 @@ package labcluster_test
 
 import (
 	"context"
+	"errors"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -24,9 +26,24 @@ func TestClusterRevive(t *testing.T) {
 	}
 	// Manual fail-over: an automatic one would move node2's address to the spare, and revive refuses
 	// a host whose address another holds.
+	id := l.State().ID
+	kernelDirs := []string{labcluster.CgroupDir(id), labcluster.PinDir(id)}
+	var absent []string // what Start may create, Down must remove: the lab's cgroup and pins, and any parent
+	for _, d := range kernelDirs {
+		for ; d != "/"; d = filepath.Dir(d) {
+			if _, err := os.Lstat(d); errors.Is(err, fs.ErrNotExist) {
+				absent = append(absent, d)
+			}
+		}
+	}
 	c, err := labcluster.Start(ctx, l, labcluster.Options{AgentBin: bin, ManualFailover: true})
 	if err != nil {
 		t.Fatal(err)
+	}
+	for _, d := range kernelDirs {
+		if _, err := os.Stat(d); err != nil {
+			t.Fatalf("the lab's agents run without their directory %s: %v", d, err)
+		}
 	}
 	if err := l.Crash(ctx, "node2"); err != nil {
 		t.Fatal(err)
@@ -46,5 +63,13 @@ func TestClusterRevive(t *testing.T) {
 	p, _ := l.NetnsPath("node2")
 	if pids, err := lab.PIDsInNetns(p); err != nil || len(pids) == 0 {
 		t.Fatalf("no process in revived node2's namespace (%v, %v): the agent runs elsewhere", pids, err)
+	}
+	if err := l.Down(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range absent {
+		if _, err := os.Lstat(d); !errors.Is(err, fs.ErrNotExist) {
+			t.Errorf("%s, which the lab created, is still there after Down (%v)", d, err)
+		}
 	}
 }
