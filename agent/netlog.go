@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -199,9 +200,29 @@ func (a *Agent) serveLogRange(ctx context.Context, peer string, req LogRangeRequ
 }
 
 // LogRange fetches from member peer the bytes it logged on src->dst from sequence from on, with the
-// peer's live state of the connection.
+// peer's live state of the connection. This host's own log is read in place: a recovery on a host that
+// held one of the failed job's peers (its protector, in a ring) would otherwise encrypt, send, receive
+// and decrypt that connection's bytes to itself, on the CPUs the restore needs.
 func (a *Agent) LogRange(ctx context.Context, peer string, req LogRangeRequest) (LogRangeReply, []byte, error) {
-	return a.peers().LogRange(ctx, peer, req)
+	if peer != a.cfg.Name {
+		return a.peers().LogRange(ctx, peer, req)
+	}
+	rep, write, err := a.serveLogRange(ctx, peer, req)
+	if err == nil {
+		err = rep.Validate()
+	}
+	if err != nil || write == nil || rep.Len == 0 {
+		return rep, nil, err
+	}
+	var buf bytes.Buffer
+	buf.Grow(int(rep.Len))
+	if err := write(&buf); err != nil {
+		return rep, nil, err
+	}
+	if int64(buf.Len()) != rep.Len {
+		return rep, nil, fmt.Errorf("log range of %s: %d bytes announced, %d read", req.Tuple, rep.Len, buf.Len())
+	}
+	return rep, buf.Bytes(), nil
 }
 
 // controlLog runs the resource controller: measure, decide, act.
