@@ -65,9 +65,9 @@ func TestLogRangeLyingPeer(t *testing.T) {
 			} else if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
 				t.Errorf("error %v; want one saying %q", err, tt.wantErr)
 			}
-			// TLS, the handshake and the reply take well under a few MiB; the announced length must not
-			// show up (it is 1 GiB and more in the lying cases).
-			if alloc := after.TotalAlloc - before.TotalAlloc; alloc > 64<<20 {
+			// TLS, the handshake and the reply take well under a few MiB; of the announced length (1 GiB
+			// and more in the lying cases) no more than the buffer allocated up front may show up.
+			if alloc := after.TotalAlloc - before.TotalAlloc; alloc > logBytesUpFront+16<<20 {
 				t.Errorf("the call allocated %d MiB for %d bytes sent", alloc>>20, tt.send)
 			}
 		})
@@ -241,10 +241,12 @@ func TestReadLogBytes(t *testing.T) {
 		{"negative", -1, "", 10, "", "announces -1"},
 		{"short", 8, "abc", 10, "", "got 3: unexpected EOF"},
 		{"longer than the first buffer", 3<<20 + 5, strings.Repeat("z", 3<<20+5), 4 << 20, strings.Repeat("z", 3<<20+5), ""},
+		{"announces more than it sends", 3 << 20, "abc", 4 << 20, "", "got 3: unexpected EOF"},
 	}
+	const upFront = 1 << 20
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			got, err := ReadLogBytes(strings.NewReader(tt.in), tt.n, tt.limit)
+			got, err := readLogBytes(strings.NewReader(tt.in), tt.n, tt.limit, upFront)
 			if tt.wantErr != "" {
 				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
 					t.Fatalf("error %v; want one saying %q", err, tt.wantErr)
@@ -254,9 +256,30 @@ func TestReadLogBytes(t *testing.T) {
 			if err != nil || string(got) != tt.want {
 				t.Fatalf("got %d bytes, %v; want %d", len(got), err, len(tt.want))
 			}
-			if int64(cap(got)) > max(tt.n, 1<<20) {
+			if tt.n <= upFront && int64(cap(got)) != tt.n {
+				t.Errorf("capacity %d for %d bytes: not read into one buffer of their size", cap(got), tt.n)
+			}
+			if int64(cap(got)) > max(tt.n, upFront) {
 				t.Errorf("capacity %d for %d bytes", cap(got), tt.n)
 			}
 		})
+	}
+}
+
+// TestReadLogBytesOneBuffer: a range within logBytesUpFront is read into one buffer, allocated once, not
+// grown from a small one (each step of which is fresh memory to fault in).
+func TestReadLogBytesOneBuffer(t *testing.T) {
+	const n = 8 << 20
+	data := bytes.Repeat([]byte{'z'}, n)
+	r := bytes.NewReader(nil)
+	allocs := testing.AllocsPerRun(3, func() {
+		r.Reset(data)
+		got, err := ReadLogBytes(r, n, MaxLogRange)
+		if err != nil || len(got) != n {
+			t.Fatalf("got %d bytes, %v; want %d", len(got), err, n)
+		}
+	})
+	if allocs > 1 {
+		t.Errorf("%v allocations to read %d bytes; want 1", allocs, n)
 	}
 }

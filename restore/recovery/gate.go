@@ -61,7 +61,11 @@ func planGate(ctx context.Context, d Deps, j *Job, peers map[tcpflow.Tuple]resto
 			j.gateWhy = fmt.Sprintf("receive queue of %s holds %d bytes, the manifest says %d", c.Tuple, len(q), c.InqLen)
 			return
 		}
-		sources[c.Tuple] = intercept.Source{Seq: c.InqSeq - c.InqLen, Data: append(q, cp.Inject...)}
+		data := cp.Inject // the gate only reads it: no copy of what may be tens of MB
+		if len(q) > 0 {
+			data = append(q, cp.Inject...)
+		}
+		sources[c.Tuple] = intercept.Source{Seq: c.InqSeq - c.InqLen, Data: data}
 	}
 	g, err := intercept.NewGate(dets, sources)
 	switch {
