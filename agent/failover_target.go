@@ -170,6 +170,7 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 	if err != nil {
 		return err
 	}
+	defer a.warmLocalLog(req)()
 	return recovery.Run(ctx, req, a.recoveryDeps(track, recovery.HostNetwork{Iface: iface, Bits: own.Bits()}), func(s recovery.Stage) {
 		emit(Stage{Name: s.Name, Job: s.Job, Host: a.cfg.Name, Start: s.Start, End: s.End, Detail: s.Detail, Error: errString(s.Err)})
 	})

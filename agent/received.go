@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"hash/crc32"
 	"io"
+	"slices"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -278,6 +279,33 @@ func (a *Agent) acquireLocalLog() (*capture.Capture, error) {
 	}
 	a.netlog.loUsers++
 	return a.netlog.lo, nil
+}
+
+// warmLocalLog starts the loopback log in the background when a recovery's restored jobs may re-send bytes
+// to peers on this host (this host's log holds connections to the failed node), so that starting it, about
+// 50 ms of loading and attaching its eBPF program, overlaps fetching the snapshot and the peers' logs
+// instead of delaying the restore (keepResends then finds it started). The returned function drops this
+// reference once the recovery is over.
+func (a *Agent) warmLocalLog(req RecoverRequest) (release func()) {
+	if a.netlog == nil || req.Migration {
+		return func() {} // a migration re-sends nothing
+	}
+	peer := slices.ContainsFunc(a.LoggedConns(), func(c LoggedConn) bool {
+		return c.DstNode == req.Failed || slices.Contains(req.Addrs, c.Dst.Addr().Unmap())
+	})
+	if !peer {
+		return func() {}
+	}
+	started := make(chan bool, 1)
+	go func() {
+		_, err := a.acquireLocalLog() // a failure is logged by keepResends, which tries again
+		started <- err == nil
+	}()
+	return func() {
+		if <-started {
+			a.releaseLocalLog()
+		}
+	}
 }
 
 func (a *Agent) releaseLocalLog() {
