@@ -24,8 +24,6 @@ func TestClusterRevive(t *testing.T) {
 	if out, err := exec.CommandContext(ctx, "go", "build", "-o", bin, "github.com/ftkit/ftkit/cmd/ftagent").CombinedOutput(); err != nil {
 		t.Fatalf("go build ftagent: %v\n%s", err, out)
 	}
-	// Manual fail-over: an automatic one would move node2's address to the spare, and revive refuses
-	// a host whose address another holds.
 	id := l.State().ID
 	kernelDirs := []string{labcluster.CgroupDir(id), labcluster.PinDir(id)}
 	var absent []string // what Start may create, Down must remove: the lab's cgroup and pins, and any parent
@@ -36,6 +34,8 @@ func TestClusterRevive(t *testing.T) {
 			}
 		}
 	}
+	// Manual fail-over: an automatic one would move node2's address to the spare, and revive refuses
+	// a host whose address another holds.
 	c, err := labcluster.Start(ctx, l, labcluster.Options{AgentBin: bin, ManualFailover: true})
 	if err != nil {
 		t.Fatal(err)
