@@ -3,11 +3,7 @@ package restore
 import (
 	"context"
 	"fmt"
-	"net/netip"
 	"time"
-
-	"github.com/vishvananda/netlink"
-	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/tcpflow"
 )
@@ -79,25 +75,4 @@ func DeliverFromPeer(ctx context.Context, conn tcpflow.Tuple, h PeerHeader, payl
 			}
 		}
 	}
-}
-
-// SocketReceived returns, for the established IPv4 socket conn (conn.Local its local end) in the calling
-// thread's network namespace, how many bytes it has received in order (tcpi_bytes_received: rcv_nxt
-// minus its value when the socket was created or restored) and how many of them the application has not
-// read yet, read with sock_diag.
-func SocketReceived(conn tcpflow.Tuple) (received uint64, unread int, err error) {
-	conn = conn.Unmap()
-	socks, err := netlink.SocketDiagTCPInfo(unix.AF_INET)
-	if err != nil {
-		return 0, 0, fmt.Errorf("sock_diag: %w", err)
-	}
-	for _, s := range socks {
-		id := s.InetDiagMsg.ID
-		src, _ := netip.AddrFromSlice(id.Source.To4())
-		dst, _ := netip.AddrFromSlice(id.Destination.To4())
-		if s.TCPInfo != nil && (tcpflow.Tuple{Local: netip.AddrPortFrom(src, id.SourcePort), Remote: netip.AddrPortFrom(dst, id.DestinationPort)}) == conn {
-			return s.TCPInfo.Bytes_received, int(s.InetDiagMsg.RQueue), nil
-		}
-	}
-	return 0, 0, fmt.Errorf("no TCP socket %s in this network namespace", conn)
 }

@@ -1,0 +1,143 @@
+package restore
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// The kernel's sock_diag request and reply for one socket (linux/inet_diag.h), which x/sys/unix lacks.
+const (
+	sizeofNlMsghdr     = 16
+	sizeofInetDiagReq  = 56 // struct inet_diag_req_v2
+	sizeofInetDiagMsg  = 72 // struct inet_diag_msg
+	inetDiagInfo       = 2  // INET_DIAG_INFO: struct tcp_info
+	inetDiagNoCookie   = 0xffffffff
+	diagMsgRQueueAt    = 56 // idiag_rqueue in inet_diag_msg: rcv_nxt - copied_seq for an established socket
+	diagReplyBufferLen = 4096
+)
+
+// SocketReceived returns, for the established IPv4 socket conn (conn.Local its local end) in the calling
+// thread's network namespace, how many bytes it has received in order (tcpi_bytes_received: rcv_nxt
+// minus its value when the socket was created or restored) and how many of them the application has not
+// read yet. It asks sock_diag for that one socket by its addresses: a dump of every socket of the
+// namespace took about 5 ms on a lab host, twice per injection of a receive-order replay (a LAMMPS rank's
+// 2,000 calls took 24 s, nearly all of it in those dumps).
+func SocketReceived(conn tcpflow.Tuple) (received uint64, unread int, err error) {
+	conn = conn.Unmap()
+	if !conn.Local.Addr().Is4() || !conn.Remote.Addr().Is4() {
+		return 0, 0, fmt.Errorf("sock_diag %s: IPv4 only", conn)
+	}
+	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_INET_DIAG)
+	if err != nil {
+		return 0, 0, fmt.Errorf("sock_diag: netlink socket: %w", err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Sendto(fd, diagRequest(conn), 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
+		return 0, 0, fmt.Errorf("sock_diag %s: send: %w", conn, err)
+	}
+	buf := make([]byte, diagReplyBufferLen)
+	n, _, err := unix.Recvfrom(fd, buf, 0)
+	if err != nil {
+		return 0, 0, fmt.Errorf("sock_diag %s: receive: %w", conn, err)
+	}
+	received, unread, err = parseDiagReply(buf[:n], conn)
+	if err != nil {
+		return 0, 0, fmt.Errorf("sock_diag %s: %w", conn, err)
+	}
+	return received, unread, nil
+}
+
+// diagRequest is the netlink message that asks for conn's socket with its tcp_info.
+func diagRequest(conn tcpflow.Tuple) []byte {
+	b := make([]byte, sizeofNlMsghdr+sizeofInetDiagReq)
+	ne := binary.NativeEndian
+	ne.PutUint32(b[0:], uint32(len(b)))
+	ne.PutUint16(b[4:], unix.SOCK_DIAG_BY_FAMILY)
+	ne.PutUint16(b[6:], unix.NLM_F_REQUEST) // not a dump: the kernel looks the one socket up
+	ne.PutUint32(b[8:], 1)
+	r := b[sizeofNlMsghdr:]
+	r[0], r[1], r[2] = unix.AF_INET, unix.IPPROTO_TCP, 1<<(inetDiagInfo-1)
+	ne.PutUint32(r[4:], 0xffffffff) // every state
+	id := r[8:]
+	putSockID(id, conn)
+	ne.PutUint32(id[40:], inetDiagNoCookie)
+	ne.PutUint32(id[44:], inetDiagNoCookie)
+	return b
+}
+
+// putSockID writes conn's ports and addresses into a struct inet_diag_sockid (network byte order) at id.
+func putSockID(id []byte, conn tcpflow.Tuple) {
+	binary.BigEndian.PutUint16(id[0:], conn.Local.Port())
+	binary.BigEndian.PutUint16(id[2:], conn.Remote.Port())
+	src, dst := conn.Local.Addr().As4(), conn.Remote.Addr().As4()
+	copy(id[4:], src[:])
+	copy(id[20:], dst[:])
+}
+
+// sizeofSockIDAddrs is the part of an inet_diag_sockid that putSockID writes (ports, then two 16-byte
+// address fields).
+const sizeofSockIDAddrs = 36
+
+var errNoSocket = errors.New("no such TCP socket in this network namespace")
+
+// parseDiagReply reads the socket's received bytes and unread bytes from the kernel's reply to
+// diagRequest for conn (or the error it answered with). The reply comes from the kernel, yet every length
+// in it is checked against the buffer. The kernel's lookup falls back to a listener on the local port
+// when no connection matches: a reply about another socket than conn is errNoSocket.
+func parseDiagReply(b []byte, conn tcpflow.Tuple) (received uint64, unread int, err error) {
+	ne := binary.NativeEndian
+	if len(b) < sizeofNlMsghdr {
+		return 0, 0, fmt.Errorf("reply of %d bytes: shorter than a netlink header", len(b))
+	}
+	l, typ := int(ne.Uint32(b[0:])), ne.Uint16(b[4:])
+	if l < sizeofNlMsghdr || l > len(b) {
+		return 0, 0, fmt.Errorf("reply's netlink length %d outside %d..%d", l, sizeofNlMsghdr, len(b))
+	}
+	msg := b[sizeofNlMsghdr:l]
+	switch typ {
+	case unix.NLMSG_ERROR:
+		if len(msg) < 4 {
+			return 0, 0, errors.New("truncated netlink error")
+		}
+		errno := unix.Errno(-int32(ne.Uint32(msg)))
+		if errno == unix.ENOENT {
+			return 0, 0, errNoSocket
+		}
+		return 0, 0, fmt.Errorf("kernel answered: %w", errno)
+	case unix.SOCK_DIAG_BY_FAMILY:
+	default:
+		return 0, 0, fmt.Errorf("reply of netlink type %d", typ)
+	}
+	if len(msg) < sizeofInetDiagMsg {
+		return 0, 0, fmt.Errorf("reply of %d bytes: shorter than inet_diag_msg", len(msg))
+	}
+	var want [sizeofSockIDAddrs]byte
+	putSockID(want[:], conn)
+	if !bytes.Equal(msg[4:4+sizeofSockIDAddrs], want[:]) {
+		return 0, 0, errNoSocket
+	}
+	unread = int(ne.Uint32(msg[diagMsgRQueueAt:]))
+	const at = int(unsafe.Offsetof(unix.TCPInfo{}.Bytes_received))
+	for a := msg[sizeofInetDiagMsg:]; len(a) >= 4; {
+		alen, atyp := int(ne.Uint16(a[0:])), ne.Uint16(a[2:])
+		if alen < 4 || alen > len(a) {
+			return 0, 0, fmt.Errorf("attribute length %d outside 4..%d", alen, len(a))
+		}
+		if atyp == inetDiagInfo {
+			info := a[4:alen]
+			if len(info) < at+8 {
+				return 0, 0, fmt.Errorf("tcp_info of %d bytes has no bytes_received (Linux 4.1+)", len(info))
+			}
+			return ne.Uint64(info[at:]), unread, nil
+		}
+		a = a[min(len(a), (alen+3)&^3):]
+	}
+	return 0, 0, errors.New("reply without tcp_info")
+}
