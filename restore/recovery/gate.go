@@ -26,6 +26,7 @@ type gateResult struct {
 	dets     int
 	injected int64
 	err      error
+	done     time.Time // when the gate delivered its last byte
 }
 
 // planGate decides whether job j's receive order is replayed, and if so defers its connections' receive
@@ -115,7 +116,7 @@ func startGate(ctx context.Context, d Deps, j *Job, events <-chan intercept.Even
 		ctx, cancel := context.WithTimeoutCause(ctx, d.ReplayTimeout, fmt.Errorf("failover.replay_timeout (%s) passed", d.ReplayTimeout))
 		defer cancel()
 		n, err := j.gate.Run(ctx, gateInjector{ctx: ctx, d: d, j: j, net: netOf(d, j)}, events, stops)
-		j.gateDone <- gateResult{dets: j.gate.Len(), injected: n, err: err}
+		j.gateDone <- gateResult{dets: j.gate.Len(), injected: n, err: err, done: time.Now()}
 	}()
 }
 
@@ -146,7 +147,6 @@ func waitGate(j *Job) (string, error) {
 		}
 		return "receive order not replayed: " + j.gateWhy + "; ", nil
 	}
-	start := time.Now()
 	r := <-j.gateDone
 	if r.err != nil {
 		return "", fmt.Errorf("receive order: %w", r.err)
@@ -155,7 +155,7 @@ func waitGate(j *Job) (string, error) {
 	if j.gate.Positions() {
 		how = "receive order and positions"
 	}
-	return fmt.Sprintf("%s replayed: %d receive calls, %d bytes delivered (%s after the restore); ", how, r.dets, r.injected, start.Sub(j.RestoredAt).Round(time.Millisecond)), nil
+	return fmt.Sprintf("%s replayed: %d receive calls, %d bytes delivered (done %s after the restore); ", how, r.dets, r.injected, r.done.Sub(j.RestoredAt).Round(time.Millisecond)), nil
 }
 
 // gateInjector delivers a restored job's receive bytes as its peers' segments.
