@@ -64,12 +64,13 @@ type Agent struct {
 	replicas replicaArrivals // when the newest replica of each job arrived, by node
 	received freshReceipts   // the snapshots received (and so verified) in the last freshFor
 	declared declaredFailed  // the peers this host declared failed: their snapshots are refused until their fail-over ends
+	targets  followedTargets // the hosts this agent follows a recovery on: a view declaring one failed ends the wait
 	// clusterNet is the cluster network, looked up once (clusterPrefix).
 	clusterNet struct {
 		once   sync.Once
 		prefix netip.Prefix
 	}
-	busy     atomic.Value     // string: the long operation in progress, carried by heartbeats
+	busy     busyOps          // the long operations in progress (checkpoint, restore), carried by heartbeats
 	beatNow  chan struct{}    // a beat should not wait for the interval (a job's replica lacks connections)
 	watchdog *detect.Watchdog // over this node's predecessor in the ring
 	stalls   *detect.Stalls   // this agent's own scheduling delays (watchSelf)

@@ -25,9 +25,19 @@ func (a *Agent) failover(ctx context.Context, s detect.Suspect, declared time.Ti
 	// Before its replicas are chosen: from here none of its snapshots commits, and those that did count.
 	defer a.declared.declare(s.Name)()
 	s.Jobs = a.replicas.since(s.Name, s.LastBeat, s.Jobs)
-	id := a.recordFailure(s, declared)
+	id := failureID(s.Name, declared)
+	// A node that fails while it restores the jobs of an earlier failure this host coordinates (a spare
+	// that died mid-restore) takes those jobs down with it, whether or not its beats named them yet.
+	taken := a.failures.takeOver(a.cfg.Name, s.Name, id)
+	for job, from := range taken {
+		if !slices.Contains(s.Jobs, job) {
+			s.Jobs = append(s.Jobs, job)
+		}
+		a.log.Warn("the failed node was restoring a job of an earlier failure: this recovery takes it over", "node", s.Name, "job", job, "from", from)
+	}
+	a.recordFailure(s, declared)
 	a.log.Error("node failed", "node", s.Name, "jobs", s.Jobs, "detection_ms", declared.Sub(s.LastBeat).Milliseconds(), "failure", id)
-	err := a.runFailover(ctx, id, s, declared)
+	err := a.runFailover(ctx, id, s, declared, taken)
 	a.failures.update(id, func(f *Failure) {
 		f.Done = true
 		if err != nil {
@@ -43,22 +53,50 @@ func (a *Agent) failover(ctx context.Context, s detect.Suspect, declared time.Ti
 	a.log.Info("recovery complete", "node", s.Name, "failure", id)
 }
 
-// recordFailure starts the timeline of a confirmed failure and returns its id.
-func (a *Agent) recordFailure(s detect.Suspect, declared time.Time) string {
-	id := s.Name + "-" + declared.UTC().Format("20060102T150405.000")
+// failureID names the failure of node declared at that time.
+func failureID(node string, declared time.Time) string {
+	return node + "-" + declared.UTC().Format("20060102T150405.000")
+}
+
+// recordFailure starts the timeline of a confirmed failure (failureID names it).
+func (a *Agent) recordFailure(s detect.Suspect, declared time.Time) {
+	id := failureID(s.Name, declared)
+	// The silence of a suspicion cleared before counts from its clearing; with no beat heard since
+	// watching began (a ring change made s this host's predecessor moments before), from then.
+	silence, start := s.Silence, s.LastBeat
+	if start.IsZero() {
+		start = declared.Add(-silence)
+	}
+	silence = max(silence, declared.Sub(start))
+	detail := fmt.Sprintf("no heartbeat for %s; direct probe and the other neighbour confirmed", silence.Round(time.Millisecond))
+	if s.InGrace {
+		detail = fmt.Sprintf("no heartbeat for %s while %s, and its host did not answer a TCP handshake either; direct probe and the other neighbour confirmed",
+			silence.Round(time.Millisecond), busyDoing(s.Busy))
+	}
 	a.failures.update(id, func(f *Failure) {
 		f.Node, f.Protector, f.LastBeat, f.Detected, f.Jobs = s.Name, a.cfg.Name, s.LastBeat, declared, s.Jobs
-		f.Stages = append(f.Stages, Stage{Name: StageDetected, Host: a.cfg.Name, Start: s.LastBeat, End: declared,
-			Detail: fmt.Sprintf("no heartbeat for %s; direct probe and the other neighbour confirmed", s.Silence.Round(time.Millisecond))})
+		f.Stages = append(f.Stages, Stage{Name: StageDetected, Host: a.cfg.Name, Start: start, End: declared, Detail: detail})
 		if !a.cfg.Failover.Automatic {
 			f.Done, f.Error = true, "automatic fail-over is off: restore the jobs with ftctl restore"
 		}
 	})
 	a.saveFailures()
-	return id
 }
 
-func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, declared time.Time) error {
+// busyDoing says what a beat's Busy field means.
+func busyDoing(busy string) string {
+	switch busy {
+	case detect.BusyCheckpoint:
+		return "checkpointing"
+	case detect.BusyRestore:
+		return "restoring"
+	}
+	return "busy (" + busy + ")"
+}
+
+// runFailover restores the jobs of failure id. taken are jobs of earlier failures that s was restoring
+// when it failed, each with the node whose replicas it comes back from if s has none.
+func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, declared time.Time, taken map[string]string) error {
 	if len(s.Jobs) == 0 {
 		// Nothing to restore: the node only leaves the ring.
 		nv, err := a.View().Fail(s.Name)
@@ -84,6 +122,15 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 		// data the peers have already dropped. The newest anywhere comes first; the others follow, for
 		// when a holder fails to serve.
 		held, err := a.heldReplicas(ctx, job, s.Name)
+		if from, ok := taken[job]; ok {
+			earlier, ferr := a.heldReplicas(ctx, job, from, s.Name)
+			if held = append(held, earlier...); len(held) > 0 {
+				sortHeld(held)
+				err = nil
+			} else {
+				err = errors.Join(err, ferr)
+			}
+		}
 		if err != nil {
 			err = fmt.Errorf("job %s: %w", job, err)
 		} else {
@@ -105,7 +152,7 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 		if held[0].holder != a.cfg.Name {
 			a.log.Warn("the newest replica is on another member", "job", job, "snapshot", cands[0].Snapshot, "holder", cands[0].Source)
 		}
-		jobs = append(jobs, RecoverJob{Job: job, Snapshot: cands[0].Snapshot, Source: cands[0].Source, Candidates: cands})
+		jobs = append(jobs, RecoverJob{Job: job, Snapshot: cands[0].Snapshot, Source: cands[0].Source, Candidates: cands, TakenFrom: taken[job]})
 		ownAddrs = ownAddrs && slices.ContainsFunc(held, func(h heldReplica) bool { return h.jobAddr })
 		runs = append(runs, jobRun{job: job, spares: held[0].spares})
 		need.Jobs++
@@ -170,6 +217,10 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 			err = a.remoteRecover(ctx, target, req, emit)
 		}
 	}
+	if by := a.takenOverBy(id); by != "" && errors.Is(err, errTargetFailed) {
+		// The target's own recovery restores the jobs (and rolls back what must be): nothing more here.
+		return errors.Join(append(errs, fmt.Errorf("%w; the recovery of its failure %s takes the job(s) over", err, by))...)
+	}
 	if err != nil || len(coordinated) > 0 {
 		ids := slices.Clone(direct)
 		for _, j := range jobs {
@@ -178,6 +229,16 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 		err = a.rollbackAfterFailure(ctx, s.Name, target, ids, coordinated, err, emit)
 	}
 	return errors.Join(append(errs, err)...)
+}
+
+// takenOverBy is the failure whose recovery took failure id's jobs over ("" if none did).
+func (a *Agent) takenOverBy(id string) string {
+	for _, f := range a.failures.list() {
+		if f.ID == id {
+			return f.TakenOver
+		}
+	}
+	return ""
 }
 
 // StageFenced names the stage in which the protector makes sure the failed node's old copies are gone.
@@ -312,9 +373,10 @@ func (a *Agent) runSpares(m *ckpt.Manifest) []string {
 }
 
 // heldReplicas collects the newest verified replica of job from node held by this host and by each other
-// alive member, newest first (this host first among equals: no transfer when it is the target). An error
-// only if nobody holds one.
-func (a *Agent) heldReplicas(ctx context.Context, job, node string) ([]heldReplica, error) {
+// alive member but skip (members the caller knows are gone, which would cost a request timeout), newest
+// first (this host first among equals: no transfer when it is the target). An error only if nobody holds
+// one.
+func (a *Agent) heldReplicas(ctx context.Context, job, node string, skip ...string) ([]heldReplica, error) {
 	var held []heldReplica
 	var errs []error
 	if m, err := a.newestReplica(ctx, job, node); err == nil {
@@ -323,7 +385,7 @@ func (a *Agent) heldReplicas(ctx context.Context, job, node string) ([]heldRepli
 	} else {
 		errs = append(errs, fmt.Errorf("%s: %w", a.cfg.Name, err))
 	}
-	remote, err := a.remoteReplica(ctx, job, node)
+	remote, err := a.remoteReplica(ctx, job, node, skip...)
 	held = append(held, remote...)
 	if len(held) == 0 {
 		return nil, errors.Join(append(errs, err)...)
@@ -347,13 +409,13 @@ func recoveryCandidates(held []heldReplica) []Candidate {
 	return out
 }
 
-// remoteReplica asks the other alive members for their newest verified replica of job from node; the
-// error says why none had one (nil if some did).
-func (a *Agent) remoteReplica(ctx context.Context, job, node string) ([]heldReplica, error) {
+// remoteReplica asks the other alive members but skip for their newest verified replica of job from node;
+// the error says why none had one (nil if some did).
+func (a *Agent) remoteReplica(ctx context.Context, job, node string, skip ...string) ([]heldReplica, error) {
 	var held []heldReplica
 	var errs []error
 	for _, mb := range a.View().Members {
-		if mb.Name == a.cfg.Name || mb.Name == node || mb.State != ring.StateAlive {
+		if mb.Name == a.cfg.Name || mb.Name == node || mb.State != ring.StateAlive || slices.Contains(skip, mb.Name) {
 			continue
 		}
 		// The answer names the snapshot the target will ask for: the client checks it is this job's, from node.
@@ -499,7 +561,7 @@ func (a *Agent) idleForRun(v ring.View, cl spare.Claim) error {
 			running = append(running, j.ID)
 		}
 	}
-	if busy, _ := a.busy.Load().(string); len(running) > 0 || busy == "restore" {
+	if busy := a.busy.current(); len(running) > 0 || busy == detect.BusyRestore {
 		return fmt.Errorf("%w: %s runs jobs %v (busy %q): a node is a run's spare only while idle", spare.ErrBusy, a.cfg.Name, running, busy)
 	}
 	cur, ok := a.claims.Current()

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/restore/recovery"
 	"github.com/ftkit/ftkit/ring"
@@ -31,8 +32,61 @@ const (
 // fall silent for longer than the idle timeout (the target sends a keepalive line in between stages).
 const recoverLimit = 30 * time.Minute
 
-// remoteRecover has target run the recovery and relays its stages.
+// errTargetFailed ends the wait on a recovery whose target the membership view declared failed: its jobs
+// died with it, and the target's own failure is being handled.
+var errTargetFailed = errors.New("the recovery's target failed")
+
+// followedTargets are the recoveries this agent follows on other hosts, by target: a target that fails
+// mid-recovery falls silent, and its progress stream would otherwise be given up on only after the idle
+// timeout (a minute).
+type followedTargets struct {
+	mu   sync.Mutex
+	next uint64
+	m    map[uint64]followedTarget
+}
+
+type followedTarget struct {
+	name   string
+	cancel context.CancelCauseFunc
+}
+
+// follow registers a recovery on target whose context cancel ends; stop unregisters it.
+func (f *followedTargets) follow(target string, cancel context.CancelCauseFunc) (stop func()) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.m == nil {
+		f.m = map[uint64]followedTarget{}
+	}
+	f.next++
+	id := f.next
+	f.m[id] = followedTarget{target, cancel}
+	return func() {
+		f.mu.Lock()
+		defer f.mu.Unlock()
+		delete(f.m, id)
+	}
+}
+
+// failed ends the followed recoveries whose target v declares failed.
+func (f *followedTargets) failed(v ring.View) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, t := range f.m {
+		if m, ok := v.Member(t.name); ok && m.State == ring.StateFailed {
+			t.cancel(fmt.Errorf("%w: %s was declared failed", errTargetFailed, t.name))
+		}
+	}
+}
+
+// remoteRecover has target run the recovery and relays its stages. It ends as soon as the membership view
+// declares target failed (errTargetFailed).
 func (a *Agent) remoteRecover(ctx context.Context, target string, req RecoverRequest, emit func(Stage)) error {
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	defer a.targets.follow(target, cancel)()
+	if m, ok := a.member(target); ok && m.State == ring.StateFailed { // declared before it was followed
+		cancel(fmt.Errorf("%w: %s was declared failed", errTargetFailed, target))
+	}
 	end, err := a.peers().Recover(ctx, target, req, recoverLimit, func(m clusterapi.RecoverProgress) {
 		if len(m.Stage) == 0 {
 			return // a keepalive
@@ -45,7 +99,13 @@ func (a *Agent) remoteRecover(ctx context.Context, target string, req RecoverReq
 		emit(s)
 	})
 	var broken *clusterapi.StreamError
-	switch {
+	switch cause := context.Cause(ctx); {
+	case err != nil && errors.Is(cause, errTargetFailed):
+		var jobs []string
+		for _, j := range req.Jobs {
+			jobs = append(jobs, j.Job)
+		}
+		return fmt.Errorf("recovery on %s: %w: job(s) %s do NOT run there", target, cause, strings.Join(jobs, ", "))
 	case errors.As(err, &broken):
 		return a.afterBrokenStream(ctx, target, req, emit, broken.Err)
 	case clusterapi.Refusal(err) != nil:
@@ -122,6 +182,21 @@ func (a *Agent) checkRecoverRequest(req RecoverRequest, peer string) error {
 			return fmt.Errorf("address %s is not one of the failed node %s's addresses %v", ip, req.Failed, failed.Addrs)
 		}
 	}
+	return checkTakenFrom(a.View(), req.Jobs)
+}
+
+// checkTakenFrom refuses a job to be restored from snapshots of another node than the failed one unless
+// that node failed too (the failed node was restoring its jobs when it failed): a running job's snapshots
+// never are.
+func checkTakenFrom(v ring.View, jobs []RecoverJob) error {
+	for _, rj := range jobs {
+		if rj.TakenFrom == "" {
+			continue
+		}
+		if m, ok := v.Member(rj.TakenFrom); !ok || m.State != ring.StateFailed {
+			return fmt.Errorf("job %s: the request would restore it from snapshots of %s, which is not a failed member", rj.Job, rj.TakenFrom)
+		}
+	}
 	return nil
 }
 
@@ -162,7 +237,7 @@ func (a *Agent) checkMigration(req RecoverRequest, peer string) error {
 // on this host, keeping the recovery on disk as it goes so that an agent restarted mid-way resumes it
 // (resume.go).
 func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(Stage)) (err error) {
-	defer a.setBusy("restore")()
+	defer a.setBusy(detect.BusyRestore)()
 	track := a.trackRecovery(req)
 	emit = track.wrap(emit)
 	defer func() { track.done(ctx, err) }()
@@ -171,7 +246,11 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 		return err
 	}
 	defer a.warmLocalLog(req)()
-	return recovery.Run(ctx, req, a.recoveryDeps(track, recovery.HostNetwork{Iface: iface, Bits: own.Bits()}), func(s recovery.Stage) {
+	fenced := req.Failed
+	if req.Migration {
+		fenced = "" // the jobs' node is alive: it froze them and moves them
+	}
+	return recovery.Run(ctx, req, a.recoveryDeps(track, recovery.HostNetwork{Iface: iface, Bits: own.Bits()}, fenced), func(s recovery.Stage) {
 		emit(Stage{Name: s.Name, Job: s.Job, Host: a.cfg.Name, Start: s.Start, End: s.End, Detail: s.Detail, Error: errString(s.Err)})
 	})
 }

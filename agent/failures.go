@@ -36,6 +36,9 @@ type Failure struct {
 	Done          bool      `json:"done"`
 	Error         string    `json:"error,omitempty"` // set if recovery failed or is incomplete
 	Updated       time.Time `json:"updated"`
+	// TakenOver is the failure of this one's target, whose recovery took its jobs over: the target
+	// failed during this recovery.
+	TakenOver string `json:"taken_over,omitempty"`
 }
 
 // A Stage is one step of a recovery.
@@ -124,7 +127,7 @@ func (f *Failure) bound() {
 		f.Jobs[i] = clip(f.Jobs[i], maxFailureName)
 	}
 	f.Node, f.Protector, f.Target = clip(f.Node, maxFailureName), clip(f.Protector, maxFailureName), clip(f.Target, maxFailureName)
-	f.Kind = clip(f.Kind, maxFailureName)
+	f.Kind, f.TakenOver = clip(f.Kind, maxFailureName), clip(f.TakenOver, maxFailureName)
 	f.Error = clip(f.Error, maxFailureText)
 }
 
@@ -205,6 +208,26 @@ func (l *failureLog) update(id string, fn func(*Failure)) {
 	f.bound()
 	f.Updated = time.Now()
 	l.trim()
+}
+
+// takeOver marks the unfinished recoveries that protector coordinates on target as taken over by the
+// recovery of failure by (target's own failure), and returns their jobs, each with the node it was
+// restored from: a spare that fails while it restores a failed node's jobs takes them down with it, and
+// they come back from that node's replicas.
+func (l *failureLog) takeOver(protector, target, by string) map[string]string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	jobs := map[string]string{}
+	for _, f := range l.byID {
+		if f.Done || f.Kind != "" || f.Protector != protector || f.Target != target || f.ID == by || f.TakenOver != "" {
+			continue
+		}
+		f.TakenOver, f.Updated = by, time.Now()
+		for _, j := range f.Jobs {
+			jobs[j] = f.Node
+		}
+	}
+	return jobs
 }
 
 // list returns copies, oldest first.

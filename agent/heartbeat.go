@@ -101,10 +101,40 @@ func raiseAutogroup(nice int) error {
 	return nil
 }
 
-// setBusy records the long operation this host is in ("" when none); heartbeats carry it.
-func (a *Agent) setBusy(what string) func() {
-	a.busy.Store(what)
-	return func() { a.busy.Store("") }
+// setBusy records that this host is in a long operation (detect.BusyCheckpoint or BusyRestore) until the
+// returned func is called; heartbeats carry it.
+func (a *Agent) setBusy(what string) func() { return a.busy.begin(what) }
+
+// busyOps counts the long operations in progress by kind: a checkpoint may run while a restore does.
+type busyOps struct {
+	mu sync.Mutex
+	n  map[string]int
+}
+
+func (b *busyOps) begin(what string) (end func()) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.n == nil {
+		b.n = map[string]int{}
+	}
+	b.n[what]++
+	return sync.OnceFunc(func() {
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		b.n[what]--
+	})
+}
+
+// current is the operation a heartbeat announces: a restore before a checkpoint, "" for none.
+func (b *busyOps) current() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for _, what := range []string{detect.BusyRestore, detect.BusyCheckpoint} {
+		if b.n[what] > 0 {
+			return what
+		}
+	}
+	return ""
 }
 
 // sendBeats keeps a heartbeat stream to the current protector: a beat every interval, and one at once
@@ -163,7 +193,7 @@ func (a *Agent) sendBeat(ctx context.Context, b *beatStream) {
 		b.c, b.to = conn, p.Name
 	}
 	b.seq++
-	busy, _ := a.busy.Load().(string)
+	busy := a.busy.current()
 	var jobs []string
 	var uncovered []detect.Uncovered
 	for _, j := range a.Jobs(0) {
@@ -215,8 +245,28 @@ func (a *Agent) watchPredecessor(ctx context.Context) {
 			if s.Name != watching {
 				continue
 			}
-			a.log.Warn("predecessor suspected", "node", s.Name, "silence", s.Silence.Round(time.Millisecond))
+			// A predecessor whose last beat said it was busy keeps its grace while its host answers: its
+			// kernel is asked at the same time as the usual probes, so that a dead busy host costs no more.
+			var hostUp chan error
+			if s.InGrace {
+				hostUp = make(chan error, 1)
+				go func() { hostUp <- a.hostAnswers(ctx, s.Name) }()
+			} else {
+				a.log.Warn("predecessor suspected", "node", s.Name, "silence", s.Silence.Round(time.Millisecond))
+			}
 			why, alive := a.confirm(ctx, s.Name)
+			if hostUp != nil {
+				if err := <-hostUp; alive || err == nil {
+					a.log.Info("predecessor silent while busy, its host answers: waiting up to heartbeat.busy_grace",
+						"node", s.Name, "busy", s.Busy, "silence", s.Silence.Round(time.Millisecond))
+					a.metrics.BusySilence()
+					a.watchdog.Clear(s.Name, time.Now())
+					continue
+				} else {
+					a.log.Warn("predecessor suspected: silent while busy, and neither its agent nor its host answers",
+						"node", s.Name, "busy", s.Busy, "silence", s.Silence.Round(time.Millisecond), "err", err)
+				}
+			}
 			if !alive && a.watchdog.HeardSince(s.Name, now) {
 				why, alive = "it sent a heartbeat during confirmation", true
 			}
@@ -263,6 +313,14 @@ func (a *Agent) watchPredecessor(ctx context.Context) {
 		}
 		return time.Time{}
 	})
+}
+
+// hostAnswers checks that name's host still runs, whatever its agent does: its kernel completes a TCP
+// handshake (or refuses it) within the probe timeout.
+func (a *Agent) hostAnswers(ctx context.Context, name string) error {
+	ctx, cancel := context.WithTimeout(ctx, a.cfg.ProbeTimeout())
+	defer cancel()
+	return a.peers().HostAnswers(ctx, name)
 }
 
 // refreshView exchanges views with every alive member but the suspect (which does not answer: waiting

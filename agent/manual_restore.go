@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/grant"
 )
 
@@ -91,7 +92,7 @@ func (a *Agent) claimAndRestore(ctx context.Context, kind string, m *ckpt.Manife
 		return nil, err
 	}
 	j.Incarnation = n
-	defer a.setBusy(kind)()
+	defer a.setBusy(detect.BusyRestore)()
 	work, err := a.workCopy(m)
 	if err == nil && prepare != nil {
 		if err = prepare(work); err != nil {

@@ -68,11 +68,12 @@ func (a *Agent) adoptView(v ring.View) (bool, error) {
 }
 
 // installView makes v, already saved, the current view (called with members.mu held), and ends the holds
-// of coordinators it declares failed.
+// of coordinators it declares failed and the waits on recoveries whose target it declares failed.
 func (a *Agent) installView(v ring.View) {
 	a.log.Info("membership view changed", "epoch", v.Epoch, "ring", ringNames(v))
 	a.members.view = v
 	a.endHoldsOfFailed(v)
+	a.targets.failed(v)
 }
 
 func ringNames(v ring.View) []string {

@@ -32,8 +32,8 @@ func (s metricsSource) MetricsState() metrics.State {
 	st.Log = a.logMetrics()
 	if pred, ok := a.View().Predecessor(a.cfg.Name); ok && a.watchdog != nil {
 		p := &metrics.Predecessor{Node: pred.Name}
-		if _, at, ok := a.watchdog.Last(pred.Name); ok {
-			p.Beaten, p.BeatAge = true, max(now.Sub(at), 0)
+		if b, at, ok := a.watchdog.Last(pred.Name); ok {
+			p.Beaten, p.BeatAge, p.Busy = true, max(now.Sub(at), 0), b.Busy != ""
 		}
 		st.Predecessor = p
 	}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/internal/hostnet"
 	"github.com/ftkit/ftkit/netlog/capture"
@@ -302,7 +303,7 @@ func (a *Agent) logWatermark() (LogWatermark, error) {
 	if err != nil {
 		return LogWatermark{}, err
 	}
-	if busy, _ := a.busy.Load().(string); busy == "restore" {
+	if a.busy.current() == detect.BusyRestore {
 		return LogWatermark{}, errors.New("no log watermark now: a restore is in progress on " + a.cfg.Name)
 	}
 	now := time.Now()

@@ -28,6 +28,9 @@ type recoveryActions struct {
 	// GiveBackUnlessStarted looks at).
 	mu      sync.Mutex
 	records map[*recovery.Job]Job
+	// fenced is the failed node this recovery restores the jobs of: its coordinator made sure it was off
+	// before it asked for the recovery, so an incarnation claimed by a restore there runs nowhere.
+	fenced string
 }
 
 func (r *recoveryActions) record(j *recovery.Job) Job {
@@ -37,9 +40,10 @@ func (r *recoveryActions) record(j *recovery.Job) Job {
 }
 
 // recoveryDeps wires a recovery to this agent; track persists it, net is the host's network (nil for a
-// resume: recovery.ReplayAndVerify touches no network).
-func (a *Agent) recoveryDeps(track recovery.Tracker, net recovery.Network) recovery.Deps {
-	act := &recoveryActions{a: a, records: map[*recovery.Job]Job{}}
+// resume: recovery.ReplayAndVerify touches no network); fenced is the failed node the recovery is for
+// ("" if none: a migration, a resume).
+func (a *Agent) recoveryDeps(track recovery.Tracker, net recovery.Network, fenced string) recovery.Deps {
+	act := &recoveryActions{a: a, records: map[*recovery.Job]Job{}, fenced: fenced}
 	d := recovery.Deps{Snapshots: act, Peers: act, Log: act, Jobs: act, Network: net, Tracker: track,
 		Logger: a.log, ReplayTimeout: a.cfg.Failover.ReplayTimeout.Duration, ParallelJobs: a.cfg.Failover.ParallelRestores}
 	if a.clamp != nil {
@@ -127,13 +131,23 @@ func (r *recoveryActions) SentUpTo(flow tcpflow.Tuple) (uint32, bool) {
 	return 0, false
 }
 
-// Claim claims the incarnation cluster-wide; a refusal means the job runs elsewhere (ErrJobAlive).
-func (r *recoveryActions) Claim(ctx context.Context, j *recovery.Job, n uint64) error {
+// Claim claims the incarnation cluster-wide; a refusal means the job runs elsewhere (ErrJobAlive). An
+// incarnation the members recorded for a restore on the fenced node is superseded: that restore was cut
+// short by the node's failure (a spare that died while restoring a failed node's jobs), and its
+// coordinator, which asks for this recovery, took the jobs over.
+func (r *recoveryActions) Claim(ctx context.Context, j *recovery.Job, n uint64) (uint64, error) {
 	err := r.a.claimIncarnation(ctx, j.ID, n, j.Holder, j.Manifest.Node)
+	var refused *grant.RefusedError
+	if r.fenced != "" && errors.As(err, &refused) && refused.Record.Host == r.fenced {
+		n = max(n, refused.Record.Incarnation) + 1
+		r.a.log.Warn("the job's incarnation was claimed by a restore on the failed node this recovery is for: claiming the next one",
+			"job", j.ID, "failed", r.fenced, "recorded", refused.Record, "incarnation", n)
+		err = r.a.claimIncarnation(ctx, j.ID, n, j.Holder, j.Manifest.Node)
+	}
 	if errors.Is(err, grant.ErrConflict) {
 		err = fmt.Errorf("%w: %w", ErrJobAlive, err)
 	}
-	return err
+	return n, err
 }
 
 func (r *recoveryActions) GiveBack(ctx context.Context, j *recovery.Job) {

@@ -113,7 +113,7 @@ func (a *Agent) afterBrokenStream(ctx context.Context, target string, req Recove
 		// A target declared failed is not waited for: its jobs died with it, and the next recovery needs
 		// this one's outcome now.
 		if m, ok := a.member(target); ok && m.State != ring.StateAlive {
-			return fmt.Errorf("%w; %s itself failed: job(s) %s do NOT run there", broke, target, strings.Join(jobs, ", "))
+			return fmt.Errorf("%w; %w: %s was declared failed: job(s) %s do NOT run there", broke, errTargetFailed, target, strings.Join(jobs, ", "))
 		}
 		st, err := a.recoveryStatus(ctx, target, req.Failure, jobs)
 		if err != nil && last == nil && time.Since(silentSince) > a.brokenSilenceWait() {

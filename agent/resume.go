@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/internal/atomicfile"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/restore/recovery"
@@ -294,7 +295,7 @@ func (a *Agent) releaseStaleClamps(pending []*recoveryRecord) {
 // resumeRecovery finishes one recovery from its record: each adopted job waits for its replay, has its
 // re-sent bytes verified, and is re-protected; the outcome goes into the record.
 func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
-	defer a.setBusy("restore")()
+	defer a.setBusy(detect.BusyRestore)()
 	a.log.Warn("resuming a recovery the previous agent of this host left unfinished", "failure", rec.Failure, "coordinator", rec.Coordinator)
 	t := &recoveryTracker{a: a, rec: *rec}
 	t.mu.Lock()
@@ -385,14 +386,14 @@ func (a *Agent) resumedRecoveryDeps(ctx context.Context, t *recoveryTracker, r *
 		}
 		n := recovery.JobNet{Spec: spec}
 		r.Net = n
-		return a.recoveryDeps(t, nil), n, nil
+		return a.recoveryDeps(t, nil, ""), n, nil
 	}
 	iface, own, err := hostInterface(a.cfg.Cluster.Listen.Addr())
 	if err != nil {
 		return recovery.Deps{}, nil, err
 	}
 	n := recovery.HostNetwork{Iface: iface, Bits: own.Bits()}
-	return a.recoveryDeps(t, n), n, nil
+	return a.recoveryDeps(t, n, ""), n, nil
 }
 
 // resumedRecoveryJob rebuilds what recovery.ReplayAndVerify needs of a job from its record. A flow the

@@ -45,7 +45,9 @@ func TestServeClaimForRun(t *testing.T) {
 			if tt.running {
 				a.byID["run-00000001"] = &Job{ID: "run-00000001", State: JobRunning, Node: tt.self}
 			}
-			a.busy.Store(tt.busy)
+			if tt.busy != "" {
+				defer a.busy.begin(tt.busy)()
+			}
 			err := a.serveClaim(tt.by, tt.claim)
 			cur, claimed := a.claims.Current()
 			if tt.wantErr == "" {

@@ -16,6 +16,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt/dump"
 	"github.com/ftkit/ftkit/ckpt/ship"
 	"github.com/ftkit/ftkit/criu/image"
+	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/internal/version"
 	"github.com/ftkit/ftkit/ring"
 )
@@ -46,6 +47,7 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen, hashWhileDumping bo
 	if a.replays.has(j.ID) {
 		return nil, fmt.Errorf("snapshot of job %s: %w", j.ID, ErrReplaying)
 	}
+	defer a.setBusy(detect.BusyCheckpoint)()
 	if err := a.waitPagesIn(ctx, j.ID); err != nil {
 		return nil, err
 	}

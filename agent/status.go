@@ -37,7 +37,7 @@ type Status struct {
 func (a *Agent) Status(uid uint32) Status {
 	v := a.View()
 	self, _ := v.Member(a.cfg.Name)
-	busy, _ := a.busy.Load().(string)
+	busy := a.busy.current()
 	s := Status{
 		Node: a.cfg.Name, Role: Role(self.Role), Mode: a.cfg.Checkpoint.Mode, Interval: a.cfg.Checkpoint.Interval.String(),
 		Epoch: v.Epoch, Members: v.Members, Busy: busy, Jobs: a.Jobs(uid), Version: version.Ftkit(), CRIU: a.criu.Binary,

@@ -6,6 +6,7 @@ import (
 	"context"
 	"crypto/tls"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -13,6 +14,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/ftkit/ftkit/detect"
@@ -73,6 +75,26 @@ func (c *Client) dial(ctx context.Context, name string) (net.Conn, error) {
 		return nil, fmt.Errorf("%s is not a cluster member", name)
 	}
 	return clustertls.Dial(ctx, addr, name, c.cfg.TLS())
+}
+
+// HostAnswers returns nil if peer's host completes a TCP handshake on peer's cluster address or refuses
+// the connection: either is its kernel's answer, given while its agent may be too busy to answer a ping.
+// The connection is closed at once (the agent logs a TLS handshake that ended early).
+func (c *Client) HostAnswers(ctx context.Context, peer string) error {
+	addr, ok := c.cfg.Resolve(peer)
+	if !ok {
+		return fmt.Errorf("%s is not a cluster member", peer)
+	}
+	var d net.Dialer
+	conn, err := d.DialContext(ctx, "tcp", addr)
+	switch {
+	case err == nil:
+		conn.Close()
+		return nil
+	case errors.Is(err, syscall.ECONNREFUSED):
+		return nil
+	}
+	return fmt.Errorf("TCP handshake with %s (%s): %w", peer, addr, err)
 }
 
 // within bounds ctx by d from now.

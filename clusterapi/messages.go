@@ -269,6 +269,9 @@ type RecoverJob struct {
 	// Candidates are the replicas to try in order, newest first (Snapshot and Source are the first): when
 	// a holder fails to serve one, the target takes the next.
 	Candidates []Candidate `json:"candidates,omitempty"`
+	// TakenFrom is set when the failed node was itself restoring the job, for the recovery of this
+	// earlier failed node, when it failed: the job may come back from that node's snapshots too.
+	TakenFrom string `json:"taken_from,omitempty"`
 }
 
 // Candidate is one replica of a job: its snapshot id and the member that holds it.

@@ -50,8 +50,11 @@ func (b Beat) clone() Beat {
 
 // Config sets how long silence is tolerated.
 type Config struct {
-	Timeout   time.Duration // silence before suspecting
-	BusyGrace time.Duration // extra silence allowed while the last beat said Busy
+	Timeout time.Duration // silence before suspecting
+	// BusyGrace is extra silence allowed while the last beat said Busy, to a member whose host still
+	// answers (Suspect.InGrace): a busy member is suspected after Timeout like any other, and the caller
+	// checks its host before treating the suspicion as one.
+	BusyGrace time.Duration
 	// MaxCheckGap is the longest gap between two calls of Suspects that counts as on time (0: any). A later
 	// call means the watchdog itself was not scheduled (a starved or stopped host): beats may be queued
 	// unread behind the same stall, so the silence it measured is not evidence. It suspects nobody then,
@@ -81,6 +84,12 @@ type Suspect struct {
 	Silence   time.Duration // since its last beat, or since watching started if later
 	Jobs      []string      // from its last beat
 	Uncovered []Uncovered   // from its last beat
+	// Busy is what its last beat said it was doing ("" for nothing); InGrace, that this beat arrived at
+	// most Timeout+BusyGrace ago. A host that is checkpointing or restoring may starve its agent's beats,
+	// not its kernel: a suspect in grace whose host still completes a TCP handshake is left alone (and
+	// Cleared), one whose host does not is no different from any other suspect.
+	Busy    string
+	InGrace bool
 }
 
 type beat struct {
@@ -156,8 +165,8 @@ func (w *Watchdog) Last(name string) (Beat, time.Time, bool) {
 	return l.b.clone(), l.at, true
 }
 
-// Suspects returns, sorted by name, the watched members silent for longer than Timeout, or than
-// Timeout+BusyGrace if their last beat announced a long operation. Each suspicion is reported once,
+// Suspects returns, sorted by name, the watched members silent for longer than Timeout, saying which of
+// them are still within their BusyGrace (Suspect.InGrace). Each suspicion is reported once,
 // until Clear or a new beat from the suspect ends it. The caller calls it periodically: a call more than
 // MaxCheckGap after the previous one suspects nobody (see Config.MaxCheckGap).
 func (w *Watchdog) Suspects(now time.Time) []Suspect {
@@ -178,16 +187,17 @@ func (w *Watchdog) Suspects(now time.Time) []Suspect {
 		if wt.suspected {
 			continue
 		}
-		from, limit := w.silentSince(name, wt)
+		from := w.silentSince(name, wt)
 		silence := now.Sub(from)
-		if silence <= limit {
+		if silence <= w.cfg.Timeout {
 			continue
 		}
 		wt.suspected = true
 		s := Suspect{Name: name, Silence: silence}
 		if l, heard := w.last[name]; heard {
 			b := l.b.clone()
-			s.LastBeat, s.Jobs, s.Uncovered = l.at, b.Jobs, b.Uncovered
+			s.LastBeat, s.Jobs, s.Uncovered, s.Busy = l.at, b.Jobs, b.Uncovered, b.Busy
+			s.InGrace = b.Busy != "" && now.Sub(l.at) <= w.cfg.Timeout+w.cfg.BusyGrace
 		}
 		out = append(out, s)
 	}
@@ -195,25 +205,20 @@ func (w *Watchdog) Suspects(now time.Time) []Suspect {
 	return out
 }
 
-// silentSince is when name's silence began, and how long it may last before name is suspected.
-func (w *Watchdog) silentSince(name string, wt *watch) (time.Time, time.Duration) {
-	from, limit := wt.since, w.cfg.Timeout
-	if l, heard := w.last[name]; heard {
-		if l.at.After(from) {
-			from = l.at
-		}
-		if l.b.Busy != "" {
-			limit += w.cfg.BusyGrace
-		}
+// silentSince is when name's silence began.
+func (w *Watchdog) silentSince(name string, wt *watch) time.Time {
+	from := wt.since
+	if l, heard := w.last[name]; heard && l.at.After(from) {
+		from = l.at
 	}
-	return from, limit
+	return from
 }
 
 // Due returns the first instant at which a call of Suspects could suspect a watched member not suspected
-// yet, if no beat comes before: when its silence reaches its limit (or, after a late check, when the
+// yet, if no beat comes before: when its silence reaches the timeout (or, after a late check, when the
 // watchdog resumes). ok is false if there is none. A caller checking on a grid calls Suspects just after
 // it too: the beats may be on the same grid, and the check at that instant would find a silence a hair
-// short of the limit.
+// short of the timeout.
 func (w *Watchdog) Due() (due time.Time, ok bool) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -221,8 +226,7 @@ func (w *Watchdog) Due() (due time.Time, ok bool) {
 		if wt.suspected {
 			continue
 		}
-		from, limit := w.silentSince(name, wt)
-		if at := from.Add(limit); !ok || at.Before(due) {
+		if at := w.silentSince(name, wt).Add(w.cfg.Timeout); !ok || at.Before(due) {
 			due, ok = at, true
 		}
 	}

@@ -62,11 +62,17 @@ func TestWatchdog(t *testing.T) {
 			{ms: 4000, op: "watch", name: "n1"},
 			{ms: 7001, op: "suspects", want: []string{"n1/3001/-1/"}},
 		}},
-		{"busy beat extends the limit", []step{
+		// A busy member is suspected at the timeout like any other, in grace until Timeout+BusyGrace
+		// after its last beat (the caller checks its host then, and clears a host that answers).
+		{"busy beat: suspected in grace", []step{
 			{ms: 0, op: "watch", name: "n1"},
 			{ms: 0, op: "beat", name: "n1", seq: 1, sent: 0, busy: BusyCheckpoint},
-			{ms: 13000, op: "suspects"},
-			{ms: 13001, op: "suspects", want: []string{"n1/13001/0/"}},
+			{ms: 3000, op: "suspects"},
+			{ms: 3001, op: "suspects", want: []string{"n1/3001/0/ checkpoint in grace"}},
+			{ms: 3001, op: "clear", name: "n1"},
+			{ms: 13000, op: "suspects", want: []string{"n1/9999/0/ checkpoint in grace"}},
+			{ms: 13000, op: "clear", name: "n1"},
+			{ms: 16001, op: "suspects", want: []string{"n1/3001/0/ checkpoint"}},
 		}},
 		{"not busy any more", []step{
 			{ms: 0, op: "watch", name: "n1"},
@@ -157,7 +163,14 @@ func TestWatchdog(t *testing.T) {
 						if !x.LastBeat.IsZero() {
 							last = int(x.LastBeat.Sub(t0) / time.Millisecond)
 						}
-						got = append(got, fmt.Sprintf("%s/%d/%d/%s", x.Name, x.Silence/time.Millisecond, last, strings.Join(x.Jobs, ",")))
+						g := fmt.Sprintf("%s/%d/%d/%s", x.Name, x.Silence/time.Millisecond, last, strings.Join(x.Jobs, ","))
+						if x.Busy != "" {
+							g += " " + x.Busy
+						}
+						if x.InGrace {
+							g += " in grace"
+						}
+						got = append(got, g)
 					}
 					if !slices.Equal(got, s.want) {
 						t.Fatalf("step %d (t=%dms): suspects %q, want %q", i, s.ms, got, s.want)
@@ -335,7 +348,7 @@ func TestDue(t *testing.T) {
 		{"nobody watched", []ev{{0, "beat", "n1"}}, -1},
 		{"watched, never heard: from the watch", []ev{{50, "watch", "n1"}}, 350},
 		{"from the last beat's arrival", []ev{{0, "watch", "n1"}, {75, "beat", "n1"}, {150, "beat", "n1"}}, 450},
-		{"a busy beat adds the grace", []ev{{0, "watch", "n1"}, {75, "busy-beat", "n1"}}, 1375},
+		{"a busy beat is due at the timeout too", []ev{{0, "watch", "n1"}, {75, "busy-beat", "n1"}}, 375},
 		{"the earliest of two", []ev{{0, "watch", "n1"}, {0, "watch", "n2"}, {100, "beat", "n1"}}, 300},
 		{"a suspect is not due again", []ev{{0, "watch", "n1"}, {301, "suspects", ""}}, -1},
 		{"after a late check, not before the watchdog resumes", []ev{{0, "watch", "n1"}, {10, "suspects", ""}, {500, "suspects", ""}, {560, "suspects", ""}}, 600},

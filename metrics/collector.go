@@ -19,7 +19,7 @@ type collector struct {
 	consumerCPU                                                  *prometheus.Desc
 	logBytes, logPackets, logDrops, releasedConns, releasedBytes *prometheus.Desc
 	receivedBytes, receiveDrops                                  *prometheus.Desc
-	beatAge                                                      *prometheus.Desc
+	beatAge, busy                                                *prometheus.Desc
 	recoveries, stageSeconds, recoverySeconds                    *prometheus.Desc
 }
 
@@ -48,6 +48,7 @@ func newCollector(src Source) *collector {
 		receiveDrops:  d("ftkit_receive_drops_total", "Segments the receive tap dropped, by reason (backpressure, oversize, error).", []string{"reason"}, nil),
 
 		beatAge: d("ftkit_predecessor_heartbeat_age_seconds", "Time since the last heartbeat of the ring predecessor this agent watches (absent before the first).", []string{"node"}, nil),
+		busy:    d("ftkit_predecessor_busy", "1 if the last heartbeat of the ring predecessor this agent watches said it was checkpointing or restoring (absent before the first).", []string{"node"}, nil),
 
 		recoveries:      d("ftkit_recoveries", "Recoveries in the failure log, by state: running, done, failed. The log holds the newest failures and every member holds the same one: aggregate across agents with max, not sum.", []string{"state"}, nil),
 		stageSeconds:    d("ftkit_recovery_stage_seconds", "Durations of the finished stages of the recoveries in the failure log (the same on every member), by stage.", []string{"stage"}, nil),
@@ -58,7 +59,7 @@ func newCollector(src Source) *collector {
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{c.jobs, c.replicaAge, c.unreplicated, c.uncovered, c.logMemory, c.logCap, c.logRetained,
 		c.logSpilled, c.logConns, c.paused, c.consumerCPU, c.logBytes, c.logPackets, c.logDrops, c.releasedConns, c.releasedBytes,
-		c.receivedBytes, c.receiveDrops, c.beatAge, c.recoveries, c.stageSeconds, c.recoverySeconds} {
+		c.receivedBytes, c.receiveDrops, c.beatAge, c.busy, c.recoveries, c.stageSeconds, c.recoverySeconds} {
 		ch <- d
 	}
 }
@@ -71,6 +72,11 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	if p := s.Predecessor; p != nil && p.Beaten {
 		ch <- prometheus.MustNewConstMetric(c.beatAge, prometheus.GaugeValue, p.BeatAge.Seconds(), p.Node)
+		busy := 0.0
+		if p.Busy {
+			busy = 1
+		}
+		ch <- prometheus.MustNewConstMetric(c.busy, prometheus.GaugeValue, busy, p.Node)
 	}
 	c.collectRecoveries(ch, s.Failures)
 }

@@ -63,6 +63,8 @@ type Predecessor struct {
 	// BeatAge is how long ago its last heartbeat arrived; valid if Beaten.
 	BeatAge time.Duration
 	Beaten  bool
+	// Busy: that heartbeat said it was checkpointing or restoring.
+	Busy bool
 }
 
 // Failure is one recovery of the failure log.
@@ -107,6 +109,7 @@ type Metrics struct {
 	shipThroughput prometheus.Gauge
 	heartbeats     *prometheus.CounterVec
 	suspicions     *prometheus.CounterVec
+	busySilences   prometheus.Counter
 	controller     *prometheus.CounterVec
 	detShipped     prometheus.Counter
 	detLag         prometheus.Histogram
@@ -143,6 +146,8 @@ func New(src Source) *Metrics {
 		suspicions: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ftkit_suspicions_total",
 			Help: "Suspicions of the ring predecessor after heartbeat silence, by outcome: cleared (it was reachable) or confirmed (declared failed)."},
 			[]string{"outcome"}),
+		busySilences: prometheus.NewCounter(prometheus.CounterOpts{Name: "ftkit_busy_silences_total",
+			Help: "Times the ring predecessor was silent for heartbeat.timeout while its last beat said it was checkpointing or restoring, and its host still answered a TCP handshake: left alone, up to heartbeat.busy_grace (not a suspicion)."}),
 		controller: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ftkit_log_controller_events_total",
 			Help: "Decisions of the sender-side log's resource controller, by kind (snapshot-requested, spill, pause-consumer, ...)."},
 			[]string{"kind"}),
@@ -162,7 +167,7 @@ func New(src Source) *Metrics {
 		m.suspicions.WithLabelValues(o)
 	}
 	m.reg.MustRegister(m.snapshots, m.dumpSeconds, m.frozenSeconds, m.snapshotBytes, m.shipped, m.shipFailures,
-		m.shipBytes, m.shipWireBytes, m.shipSeconds, m.shipThroughput, m.heartbeats, m.suspicions, m.controller,
+		m.shipBytes, m.shipWireBytes, m.shipSeconds, m.shipThroughput, m.heartbeats, m.suspicions, m.busySilences, m.controller,
 		m.detShipped, m.detLag, m.detHoles,
 		newCollector(src),
 		collectors.NewGoCollector(),
@@ -245,6 +250,14 @@ func (m *Metrics) Suspicion(alive bool) {
 	} else {
 		m.suspicions.WithLabelValues("confirmed").Inc()
 	}
+}
+
+// BusySilence records a silence of a busy predecessor whose host still answers.
+func (m *Metrics) BusySilence() {
+	if m == nil {
+		return
+	}
+	m.busySilences.Inc()
 }
 
 // ControllerEvent records one decision of the log's controller. kind comes from the agent's own fixed set

@@ -115,10 +115,13 @@ ftkit_receive_drops_total{reason="oversize"} 0
 `,
 		},
 		{
-			name:  "predecessor's heartbeat age, absent before its first beat",
-			state: State{Predecessor: &Predecessor{Node: "node1", Beaten: true, BeatAge: 250 * time.Millisecond}},
-			names: []string{"ftkit_predecessor_heartbeat_age_seconds"},
+			name:  "predecessor's heartbeat age and busy, absent before its first beat",
+			state: State{Predecessor: &Predecessor{Node: "node1", Beaten: true, BeatAge: 250 * time.Millisecond, Busy: true}},
+			names: []string{"ftkit_predecessor_heartbeat_age_seconds", "ftkit_predecessor_busy"},
 			want: `
+# HELP ftkit_predecessor_busy 1 if the last heartbeat of the ring predecessor this agent watches said it was checkpointing or restoring (absent before the first).
+# TYPE ftkit_predecessor_busy gauge
+ftkit_predecessor_busy{node="node1"} 1
 # HELP ftkit_predecessor_heartbeat_age_seconds Time since the last heartbeat of the ring predecessor this agent watches (absent before the first).
 # TYPE ftkit_predecessor_heartbeat_age_seconds gauge
 ftkit_predecessor_heartbeat_age_seconds{node="node1"} 0.25
@@ -249,9 +252,13 @@ func TestEvents(t *testing.T) {
 	m.Heartbeat(true)
 	m.Heartbeat(false)
 	m.Suspicion(true)
+	m.BusySilence()
 	m.ControllerEvent("snapshot-requested")
 	m.ControllerEvent("snapshot-requested")
 	want := `
+# HELP ftkit_busy_silences_total Times the ring predecessor was silent for heartbeat.timeout while its last beat said it was checkpointing or restoring, and its host still answered a TCP handshake: left alone, up to heartbeat.busy_grace (not a suspicion).
+# TYPE ftkit_busy_silences_total counter
+ftkit_busy_silences_total 1
 # HELP ftkit_heartbeats_sent_total Heartbeats to this node's protector, by result: sent, or failed (protector unreachable or the write failed).
 # TYPE ftkit_heartbeats_sent_total counter
 ftkit_heartbeats_sent_total{result="failed"} 1
@@ -276,7 +283,7 @@ ftkit_snapshots_total 2
 ftkit_suspicions_total{outcome="cleared"} 1
 ftkit_suspicions_total{outcome="confirmed"} 0
 `
-	if err := testutil.GatherAndCompare(m.Registry(), strings.NewReader(want), "ftkit_heartbeats_sent_total",
+	if err := testutil.GatherAndCompare(m.Registry(), strings.NewReader(want), "ftkit_busy_silences_total", "ftkit_heartbeats_sent_total",
 		"ftkit_log_controller_events_total", "ftkit_snapshot_ship_bytes_total", "ftkit_snapshot_ship_failures_total",
 		"ftkit_snapshot_ship_throughput_bytes_per_second", "ftkit_snapshots_total", "ftkit_suspicions_total"); err != nil {
 		t.Error(err)

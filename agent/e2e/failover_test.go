@@ -297,6 +297,12 @@ func (rg *ring) checkpoint(t *testing.T, host string) {
 // waitFailure waits until some live agent reports a finished recovery of node.
 func waitFailure(t *testing.T, c *labcluster.Cluster, node string, timeout time.Duration) *agent.Failure {
 	t.Helper()
+	return waitFinished(t, c, "recovery of "+node, func(f *agent.Failure) bool { return f.Node == node }, timeout)
+}
+
+// waitFinished waits until a live agent knows a finished failure that match accepts.
+func waitFinished(t *testing.T, c *labcluster.Cluster, what string, match func(*agent.Failure) bool, timeout time.Duration) *agent.Failure {
+	t.Helper()
 	deadline := time.Now().Add(timeout)
 	for time.Now().Before(deadline) {
 		for _, h := range c.Lab.State().Hosts {
@@ -308,22 +314,26 @@ func waitFailure(t *testing.T, c *labcluster.Cluster, node string, timeout time.
 				continue
 			}
 			for _, f := range fs {
-				if f.Node == node && f.Done {
+				if f.Done && match(f) {
 					return f
 				}
 			}
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	t.Fatalf("no finished recovery of %s within %s", node, timeout)
+	t.Fatalf("no finished %s within %s", what, timeout)
 	return nil
 }
 
 func logTimeline(t *testing.T, f *agent.Failure) {
 	t.Helper()
 	t.Logf("failure %s: %s -> %s (basic %v) error %q", f.ID, f.Node, f.Target, f.Basic, f.Error)
+	t0 := f.LastBeat
+	if t0.IsZero() && len(f.Stages) > 0 {
+		t0 = f.Stages[0].Start // never heard: from when watching began
+	}
 	for _, s := range f.Stages {
-		t.Logf("  +%6.3fs %-17s %8s %s %s %s", s.End.Sub(f.LastBeat).Seconds(), s.Name, s.Duration().Round(time.Millisecond), s.Job, s.Detail, s.Error)
+		t.Logf("  +%6.3fs %-17s %8s %s %s %s", s.End.Sub(t0).Seconds(), s.Name, s.Duration().Round(time.Millisecond), s.Job, s.Detail, s.Error)
 	}
 }
 

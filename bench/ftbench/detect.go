@@ -341,14 +341,17 @@ func ethTxBytes(nsPath string) (uint64, error) {
 }
 
 type soakResult struct {
-	Seconds     float64  `json:"seconds"`
-	Suspicions  int      `json:"false_suspicions"` // "predecessor suspected" in any agent's log: every node is alive
-	Cleared     int      `json:"cleared"`          // suspicions that confirmation refuted
-	LateChecks  int      `json:"late_checks"`      // times a watchdog ran late and held suspicion back
-	Failures    int      `json:"false_failures"`   // failure records: a live node declared failed
-	Checkpoints int      `json:"checkpoints_1gib"`
-	BulkBytes   int64    `json:"bulk_bytes"`
-	Load        []string `json:"load"`
+	Seconds    float64 `json:"seconds"`
+	Suspicions int     `json:"false_suspicions"` // "predecessor suspected" in any agent's log: every node is alive
+	Cleared    int     `json:"cleared"`          // suspicions that confirmation refuted
+	// BusySilences are silences of a node that said it was checkpointing (the 1 GiB job's dumps) while its
+	// host answered: left alone within heartbeat.busy_grace, not suspicions.
+	BusySilences int      `json:"busy_silences"`
+	LateChecks   int      `json:"late_checks"`    // times a watchdog ran late and held suspicion back
+	Failures     int      `json:"false_failures"` // failure records: a live node declared failed
+	Checkpoints  int      `json:"checkpoints_1gib"`
+	BulkBytes    int64    `json:"bulk_bytes"`
+	Load         []string `json:"load"`
 }
 
 // soakRun runs a 4-node lab for d.soak with a CPU hog on every core in node1, a 1 GiB job on node2
@@ -447,6 +450,7 @@ func (d *detectBench) soakRun(ctx context.Context, log *slog.Logger, binDir stri
 		}
 		res.Suspicions += strings.Count(string(b), "predecessor suspected")
 		res.Cleared += strings.Count(string(b), "suspicion cleared")
+		res.BusySilences += strings.Count(string(b), "predecessor silent while busy")
 		res.LateChecks += strings.Count(string(b), "watchdog ran late")
 		fs, _ := c.Client(h.Name).Events(ctx)
 		res.Failures += len(fs)

@@ -137,6 +137,9 @@ func printFailure(w io.Writer, f *agent.Failure) {
 		fmt.Fprintf(w, "failure %s: node %s, jobs %v, %s, %s\n", f.ID, f.Node, f.Jobs, mode, state)
 	}
 	t0 := f.LastBeat
+	if t0.IsZero() && len(f.Stages) > 0 {
+		t0 = f.Stages[0].Start // no beat was ever heard: the detection's silence began when watching did
+	}
 	for _, s := range f.Stages {
 		line := fmt.Sprintf("  +%7.3fs  %-17s %8s", s.End.Sub(t0).Seconds(), s.Name, s.Duration().Round(time.Millisecond))
 		if s.Job != "" {
@@ -156,5 +159,8 @@ func printFailure(w io.Writer, f *agent.Failure) {
 	}
 	if f.Error != "" {
 		fmt.Fprintf(w, "  error: %s\n", f.Error)
+	}
+	if f.TakenOver != "" {
+		fmt.Fprintf(w, "  its jobs were taken over by the recovery of failure %s\n", f.TakenOver)
 	}
 }

@@ -374,6 +374,16 @@ func (c *Cluster) KillAgent(host string) error {
 	return nil
 }
 
+// SignalAgent sends sig to host's agent: SIGSTOP stands for an agent its host starves, SIGCONT lets it
+// run again.
+func (c *Cluster) SignalAgent(host string, sig syscall.Signal) error {
+	ra, ok := c.agents[host]
+	if !ok {
+		return fmt.Errorf("no agent of %s was started by this process", host)
+	}
+	return ra.cmd.Process.Signal(sig)
+}
+
 // Revive brings a crashed host back (lab.Lab.Revive: namespace, original address, slurmd) and starts its
 // agent again with its old configuration and state directory, as a repaired machine's systemd would.
 func (c *Cluster) Revive(ctx context.Context, host string) error {

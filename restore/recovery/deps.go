@@ -116,8 +116,8 @@ type Log interface {
 
 // Jobs runs the restored jobs and owns their incarnations.
 type Jobs interface {
-	// Claim claims incarnation n of j for j.Holder cluster-wide.
-	Claim(ctx context.Context, j *Job, n uint64) error
+	// Claim claims incarnation n of j for j.Holder cluster-wide, or a later one, which it returns.
+	Claim(ctx context.Context, j *Job, n uint64) (uint64, error)
 	// GiveBack returns j's claimed incarnation: the job never ran.
 	GiveBack(ctx context.Context, j *Job)
 	// GiveBackUnlessStarted returns it unless the failed restore may have left processes (cause).

@@ -155,11 +155,11 @@ func (f *fake) SentUpTo(flow tcpflow.Tuple) (uint32, bool) {
 	return s, ok
 }
 
-func (f *fake) Claim(_ context.Context, j *Job, n uint64) error {
+func (f *fake) Claim(_ context.Context, j *Job, n uint64) (uint64, error) {
 	f.mu.Lock()
 	f.claimed = append(f.claimed, n)
 	f.mu.Unlock()
-	return f.claimErr
+	return n, f.claimErr
 }
 
 func (f *fake) GiveBack(_ context.Context, j *Job) { addTo(f, &f.givenBack, j.ID) }

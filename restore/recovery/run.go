@@ -204,7 +204,7 @@ func fetch(ctx context.Context, d Deps, req clusterapi.RecoverRequest, rj cluste
 	var failed []string
 	for _, c := range cands {
 		j, err := d.Snapshots.Fetch(ctx, rj.Job, c)
-		if err == nil && j.Manifest.Node != req.Failed {
+		if err == nil && j.Manifest.Node != req.Failed && (rj.TakenFrom == "" || j.Manifest.Node != rj.TakenFrom) {
 			// A snapshot of the job taken on another host is not this recovery's to restore.
 			err = fmt.Errorf("snapshot %s was taken on %s, not on %s, whose jobs this recovery restores", c.Snapshot, j.Manifest.Node, req.Failed)
 			os.RemoveAll(j.Work)
@@ -215,8 +215,8 @@ func fetch(ctx context.Context, d Deps, req clusterapi.RecoverRequest, rj cluste
 			continue
 		}
 		j.Holder = "failover:" + req.Failure
-		n := j.Incarnation + 1
-		if err := d.Jobs.Claim(ctx, j, n); err != nil {
+		n, err := d.Jobs.Claim(ctx, j, j.Incarnation+1)
+		if err != nil {
 			os.RemoveAll(j.Work)
 			return nil, failed, fmt.Errorf("snapshot %s verified, but the job may not run here: %w", c.Snapshot, err)
 		}

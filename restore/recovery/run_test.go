@@ -45,6 +45,7 @@ func TestRun(t *testing.T) {
 	tests := []struct {
 		name    string
 		cands   []string
+		from    string // the request's TakenFrom
 		setup   func(f *fake)
 		wantErr string // "" for success
 		stages  []string
@@ -99,6 +100,22 @@ func TestRun(t *testing.T) {
 					t.Errorf("claimed %v, want one claim, for the second", f.claimed)
 				}
 			},
+		},
+		{
+			// The failed node (a spare) was restoring the job for node4's recovery when it failed.
+			name:   "a candidate taken on the node the failed one was restoring it for",
+			cands:  []string{snap1},
+			from:   "node4",
+			setup:  func(f *fake) { f.takenOn = map[string]string{snap1: "node4"} },
+			stages: []string{StageFetched, StageRewritten, StageRestored, StageReplayed, StageProtected},
+		},
+		{
+			name:    "a candidate taken on a third host, with TakenFrom set",
+			cands:   []string{snap1},
+			from:    "node4",
+			setup:   func(f *fake) { f.takenOn = map[string]string{snap1: "node5"} },
+			wantErr: snap1 + " was taken on node5, not on node2",
+			stages:  []string{StageFetched},
 		},
 		{
 			name:    "no candidate can be fetched",
@@ -188,7 +205,9 @@ func TestRun(t *testing.T) {
 				tt.setup(f)
 			}
 			var stages []Stage
-			err := Run(t.Context(), request(tt.cands...), f.deps(), func(s Stage) { stages = append(stages, s) })
+			req := request(tt.cands...)
+			req.Jobs[0].TakenFrom = tt.from
+			err := Run(t.Context(), req, f.deps(), func(s Stage) { stages = append(stages, s) })
 			if tt.wantErr == "" && err != nil || tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr)) {
 				t.Fatalf("Run = %v; want error containing %q", err, tt.wantErr)
 			}

@@ -1,0 +1,131 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"maps"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/grant"
+	"github.com/ftkit/ftkit/restore/recovery"
+	"github.com/ftkit/ftkit/ring"
+)
+
+// A spare that fails while it restores a failed node's jobs: its own failure's recovery takes them over.
+
+func TestFailureLogTakeOver(t *testing.T) {
+	l := &failureLog{path: t.TempDir() + "/failures.json", byID: map[string]*Failure{}}
+	add := func(f Failure) { l.update(f.ID, func(g *Failure) { *g = f }) }
+	add(Failure{ID: "node2-1", Node: "node2", Protector: "node3", Target: "spare1", Jobs: []string{"a", "b"}})
+	add(Failure{ID: "node4-1", Node: "node4", Protector: "node3", Target: "spare1", Jobs: []string{"c"}, Done: true})          // over
+	add(Failure{ID: "node5-1", Node: "node5", Protector: "node1", Target: "spare1", Jobs: []string{"d"}})                      // not ours
+	add(Failure{ID: "node6-1", Node: "node6", Protector: "node3", Target: "spare2", Jobs: []string{"e"}})                      // elsewhere
+	add(Failure{ID: "node7-1", Node: "node7", Protector: "node3", Target: "spare1", Jobs: []string{"f"}, Kind: KindMigration}) // a move
+
+	got := l.takeOver("node3", "spare1", "spare1-1")
+	if want := map[string]string{"a": "node2", "b": "node2"}; !maps.Equal(got, want) {
+		t.Fatalf("taken %v, want %v", got, want)
+	}
+	for _, f := range l.list() {
+		want := ""
+		if f.ID == "node2-1" {
+			want = "spare1-1"
+		}
+		if f.TakenOver != want {
+			t.Errorf("failure %s taken over by %q, want %q", f.ID, f.TakenOver, want)
+		}
+	}
+	if again := l.takeOver("node3", "spare1", "spare1-2"); len(again) != 0 {
+		t.Errorf("taken over twice: %v", again)
+	}
+}
+
+func TestFollowedTargets(t *testing.T) {
+	v := ring.View{Epoch: 1, Members: []ring.Member{
+		{Name: "node1", Role: ring.RoleNode, State: ring.StateAlive},
+		{Name: "spare1", Role: ring.RoleNode, State: ring.StateAlive},
+		{Name: "spare2", Role: ring.RoleSpare, State: ring.StateAlive},
+	}}
+	var f followedTargets
+	ctx1, cancel1 := context.WithCancelCause(context.Background())
+	ctx2, cancel2 := context.WithCancelCause(context.Background())
+	ctx3, cancel3 := context.WithCancelCause(context.Background())
+	defer f.follow("spare1", cancel1)()
+	defer f.follow("spare2", cancel2)()
+	f.follow("spare1", cancel3)() // no longer followed
+
+	f.failed(v)
+	if ctx1.Err() != nil || ctx2.Err() != nil {
+		t.Fatalf("a view with every target alive ended a wait: %v, %v", context.Cause(ctx1), context.Cause(ctx2))
+	}
+	v.Members[1].State = ring.StateFailed
+	f.failed(v)
+	if err := context.Cause(ctx1); !errors.Is(err, errTargetFailed) || !strings.Contains(err.Error(), "spare1") {
+		t.Errorf("the wait on spare1 ended with %v, want errTargetFailed naming it", err)
+	}
+	if ctx2.Err() != nil || ctx3.Err() != nil {
+		t.Errorf("waits on spare2 (%v) or an unfollowed one (%v) ended", context.Cause(ctx2), context.Cause(ctx3))
+	}
+}
+
+func TestCheckTakenFrom(t *testing.T) {
+	v := ring.View{Epoch: 3, Members: []ring.Member{
+		{Name: "node1", Role: ring.RoleNode, State: ring.StateAlive},
+		{Name: "node2", Role: ring.RoleNode, State: ring.StateFailed},
+		{Name: "spare1", Role: ring.RoleNode, State: ring.StateFailed},
+	}}
+	for _, tc := range []struct {
+		name, from, want string
+	}{
+		{"none", "", ""},
+		{"a failed member", "node2", ""},
+		{"an alive member", "node1", "node1, which is not a failed member"},
+		{"a stranger", "node9", "node9, which is not a failed member"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := checkTakenFrom(v, []RecoverJob{{Job: "j-1", Snapshot: "s", TakenFrom: tc.from}})
+			if (err == nil) != (tc.want == "") || err != nil && !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("err %v, want %q", err, tc.want)
+			}
+		})
+	}
+}
+
+// TestClaimSupersedesFencedHost: a recovery claims the incarnation after the one a restore on the failed
+// node it is for claimed (that restore died with the node), and only that one.
+func TestClaimSupersedesFencedHost(t *testing.T) {
+	for _, tc := range []struct {
+		name, fenced, heldOn string
+		want                 uint64 // 0: refused
+	}{
+		{"held on the fenced node", "spare1", "spare1", 2},
+		{"held elsewhere", "spare1", "node1", 0},
+		{"a recovery with no fenced node (migration, resume)", "", "spare1", 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ta := newTestAgent(t)
+			nv, err := ta.View().Fail("node2") // the only other member: this agent alone grants
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := ta.adoptView(nv); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := ta.grants.Grant(grant.Request{Job: goneJob, Incarnation: 1, Holder: "failover:node2-x", Host: tc.heldOn}, time.Now()); err != nil {
+				t.Fatal(err)
+			}
+			act := &recoveryActions{a: ta.Agent, records: map[*recovery.Job]Job{}, fenced: tc.fenced}
+			j := &recovery.Job{ID: goneJob, Holder: "failover:spare1-y", Manifest: &ckpt.Manifest{Job: goneJob, Node: "node2"}}
+			n, err := act.Claim(t.Context(), j, 1)
+			switch {
+			case tc.want == 0 && !errors.Is(err, ErrJobAlive):
+				t.Fatalf("claimed %d (%v), want a refusal: the job may run on %s", n, err, tc.heldOn)
+			case tc.want != 0 && (err != nil || n != tc.want):
+				t.Fatalf("claimed %d (%v), want %d", n, err, tc.want)
+			}
+		})
+	}
+}
