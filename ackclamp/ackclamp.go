@@ -64,10 +64,16 @@ func OpenPinned(dir string) (*Clamp, error) {
 	}
 	spec.Maps[ackclampMapClamps].Pinning = ebpf.PinByName
 	c := Clamp{pinDir: dir}
-	if err := spec.LoadAndAssign(&c.objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: dir}}); err != nil {
-		if errors.Is(err, ebpf.ErrMapIncompatible) {
-			return nil, fmt.Errorf("ackclamp: the map pinned in %s is from an incompatible version; once no restored job re-sends bytes, remove that directory: %w", dir, err)
+	err = spec.LoadAndAssign(&c.objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: dir}})
+	if errors.Is(err, ebpf.ErrMapIncompatible) {
+		// Pinned by an agent of another version (the flows' layout changed). With no flow in it, nothing
+		// needs it: its pins go and the clamp starts afresh.
+		if rerr := c.removeStale(); rerr != nil {
+			return nil, fmt.Errorf("ackclamp: the map pinned in %s is from an incompatible version (%v); once no restored job re-sends bytes, remove that directory: %w", dir, err, rerr)
 		}
+		err = spec.LoadAndAssign(&c.objs, &ebpf.CollectionOptions{Maps: ebpf.MapOptions{PinPath: dir}})
+	}
+	if err != nil {
 		return nil, fmt.Errorf("ackclamp: load eBPF programs: %w", err)
 	}
 	flows, err := c.Flows()
@@ -232,6 +238,11 @@ func (c *Clamp) Hold(f tcpflow.Tuple, on bool) error {
 type ClampState struct {
 	SndNxt  uint32 // the restored socket's highest sequence number sent
 	Clamped uint64 // peer segments whose ACK was lowered
+	Quieted uint64 // the restored socket's pure ACKs held back: below what the peer acknowledged
+}
+
+func stateOf(v ackclampClampState) ClampState {
+	return ClampState{SndNxt: v.SndNxt, Clamped: v.Clamped, Quieted: v.Quieted}
 }
 
 // State reads a registered flow's state.
@@ -244,7 +255,7 @@ func (c *Clamp) State(f tcpflow.Tuple) (ClampState, error) {
 	if err := c.objs.Clamps.Lookup(k, &v); err != nil {
 		return ClampState{}, fmt.Errorf("ackclamp: flow %v->%v: %w", f.Local, f.Remote, err)
 	}
-	return ClampState{SndNxt: v.SndNxt, Clamped: v.Clamped}, nil
+	return stateOf(v), nil
 }
 
 // Release stops clamping a flow and returns its last state.
@@ -273,7 +284,7 @@ func (c *Clamp) Flows() ([]ClampedFlow, error) {
 	var v ackclampClampState
 	it := c.objs.Clamps.Iterate()
 	for it.Next(&k, &v) {
-		out = append(out, ClampedFlow{Flow: flowOfClampKey(k), State: ClampState{SndNxt: v.SndNxt, Clamped: v.Clamped}})
+		out = append(out, ClampedFlow{Flow: flowOfClampKey(k), State: stateOf(v)})
 	}
 	if err := it.Err(); err != nil {
 		return nil, fmt.Errorf("ackclamp: list flows: %w", err)
@@ -292,6 +303,28 @@ func flowOfClampKey(k ackclampClampKey) tcpflow.Tuple {
 		Local:  netip.AddrPortFrom(addr(k.Saddr), htons(k.Sport)),
 		Remote: netip.AddrPortFrom(addr(k.Daddr), htons(k.Dport)),
 	}
+}
+
+// removeStale removes the pins of a map of another layout, and of its links, if the map holds no flow.
+func (c *Clamp) removeStale() error {
+	path := filepath.Join(c.pinDir, ackclampMapClamps)
+	m, err := ebpf.LoadPinnedMap(path, nil)
+	if err != nil {
+		return err
+	}
+	key := make([]byte, m.KeySize())
+	err = m.NextKey(nil, &key)
+	m.Close()
+	if err == nil {
+		return errors.New("it still holds flows")
+	}
+	if !errors.Is(err, ebpf.ErrKeyNotExist) {
+		return err
+	}
+	if err := c.unpinLinks(); err != nil {
+		return err
+	}
+	return os.Remove(path)
 }
 
 // unpinLinks removes every link pin of the directory; the links detach once no process holds them.

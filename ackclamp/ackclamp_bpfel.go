@@ -22,10 +22,13 @@ type ackclampClampKey struct {
 }
 
 type ackclampClampState struct {
-	_       structs.HostLayout
-	SndNxt  uint32
-	Hold    uint32
-	Clamped uint64
+	_         structs.HostLayout
+	SndNxt    uint32
+	Hold      uint32
+	Clamped   uint64
+	PeerAck   uint32
+	PeerAcked uint32
+	Quieted   uint64
 }
 
 // Names of all BPF objects in the ELF.

@@ -147,3 +147,58 @@ func TestAckClampHold(t *testing.T) {
 		t.Errorf("released flow: a peer segment with payload was dropped")
 	}
 }
+
+// TestAckClampQuiet runs the egress program on the restored end's segments once the peer has acknowledged
+// beyond them: its pure ACKs below the peer's (unclamped) ACK number are held back, since the peer would
+// discard them and answer each with a duplicate ACK (an ACK loop on hosts with
+// net.ipv4.tcp_invalid_ratelimit = 0); its data, FIN and RST segments, and pure ACKs at or beyond that
+// number, pass. Nothing is held back before the peer's first ACK.
+func TestAckClampQuiet(t *testing.T) {
+	c := loadT(t)
+	restored := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.9.0.12:7300"), Remote: netip.MustParseAddrPort("10.9.0.11:40000")}
+	peer := tcpflow.Tuple{Local: restored.Remote, Remote: restored.Local}
+	var base uint32 = 0xffffff00 // the peer's ACK wraps past the restored end's sequence numbers
+	if err := c.Clamp(restored, base); err != nil {
+		t.Fatal(err)
+	}
+	const tcxDrop = 2
+	egress := func(seg tcpframe.Segment) uint32 {
+		t.Helper()
+		ret, err := c.objs.AckclampEgress.Run(&ebpf.RunOptions{Data: seg.Frame(restored)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ret
+	}
+	pureACK := tcpframe.Segment{Seq: base, Ack: 1, Flags: 0x10, Window: 100}
+	if ret := egress(pureACK); ret == tcxDrop {
+		t.Fatal("a pure ACK was held back before the peer acknowledged anything")
+	}
+	// The peer has every byte up to base+5000: its ACK says so (and is clamped on its way in).
+	fr := tcpframe.Segment{Seq: 1, Ack: base + 5000, Flags: 0x10, Window: 100}.Frame(peer)
+	tcpframe.Checksum(fr, true)
+	if _, err := c.objs.AckclampIngress.Run(&ebpf.RunOptions{Data: fr, DataOut: make([]byte, len(fr))}); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name string
+		seg  tcpframe.Segment
+		drop bool
+	}{
+		{"pure ACK below the peer's ACK", pureACK, true},
+		{"pure ACK just below it, across the wrap", tcpframe.Segment{Seq: base + 4999, Ack: 1, Flags: 0x10}, true},
+		{"pure ACK at the peer's ACK", tcpframe.Segment{Seq: base + 5000, Ack: 1, Flags: 0x10}, false},
+		{"pure ACK beyond it", tcpframe.Segment{Seq: base + 6000, Ack: 1, Flags: 0x10}, false},
+		{"re-sent data below it", tcpframe.Segment{Seq: base, Ack: 1, Flags: 0x18, Payload: 100}, false},
+		{"FIN below it", tcpframe.Segment{Seq: base + 100, Ack: 1, Flags: 0x11}, false},
+		{"RST below it", tcpframe.Segment{Seq: base + 100, Ack: 1, Flags: 0x14}, false},
+	} {
+		if got := egress(tc.seg) == tcxDrop; got != tc.drop {
+			t.Errorf("%s: held back %v, want %v", tc.name, got, tc.drop)
+		}
+	}
+	st, err := c.State(restored)
+	if err != nil || st.Quieted != 2 {
+		t.Errorf("State = %+v, %v; want 2 ACKs held back", st, err)
+	}
+}

@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/cilium/ebpf"
@@ -180,5 +181,46 @@ func TestAckClampPinnedSurvivesClose(t *testing.T) {
 	}
 	if got := tcxPrograms(t, ifindex, ebpf.AttachTCXEgress); len(got) != 1 {
 		t.Errorf("after a fresh attach: egress programs %v, want one", got)
+	}
+}
+
+// TestAckClampPinnedOtherLayout is an agent upgraded across a change of the flows' layout (16-byte states
+// before 2026-11-29): an empty map pinned by the old version is replaced, one that still holds a flow is
+// left alone with an error that says what to do.
+func TestAckClampPinnedOtherLayout(t *testing.T) {
+	dir, _ := pinFixture(t)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	old, err := ebpf.NewMap(&ebpf.MapSpec{Name: "clamps", Type: ebpf.Hash, KeySize: 12, ValueSize: 16, MaxEntries: 4096})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer old.Close()
+	if err := old.Pin(filepath.Join(dir, "clamps")); err != nil {
+		t.Fatal(err)
+	}
+	if err := old.Put(make([]byte, 12), make([]byte, 16)); err != nil {
+		t.Fatal(err)
+	}
+	if c, err := OpenPinned(dir); err == nil {
+		c.Close()
+		t.Fatal("opened over an old map that still holds a flow")
+	} else if !strings.Contains(err.Error(), "incompatible version") || !strings.Contains(err.Error(), "still holds flows") {
+		t.Errorf("error %q does not say the old map is in use", err)
+	}
+	if err := old.Delete(make([]byte, 12)); err != nil {
+		t.Fatal(err)
+	}
+	c, err := OpenPinned(dir)
+	if err != nil {
+		t.Fatalf("over an empty old map: %v", err)
+	}
+	defer func() { c.Unpin(); c.Close() }()
+	if c.objs.Clamps.ValueSize() == 16 {
+		t.Errorf("the clamp's map has the old layout (value size %d)", c.objs.Clamps.ValueSize())
+	}
+	if _, err := os.Stat(filepath.Join(dir, "clamps")); err != nil {
+		t.Errorf("the new map is not pinned: %v", err)
 	}
 }

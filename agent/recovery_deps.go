@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/netip"
 	"os"
 	"sync"
@@ -47,7 +48,7 @@ func (a *Agent) recoveryDeps(track recovery.Tracker, net recovery.Network, fence
 	d := recovery.Deps{Snapshots: act, Peers: act, Log: act, Jobs: act, Network: net, Tracker: track,
 		Logger: a.log, ReplayTimeout: a.cfg.Failover.ReplayTimeout.Duration, ParallelJobs: a.cfg.Failover.ParallelRestores}
 	if a.clamp != nil {
-		d.Clamp = recoveryClamp{a.clamp}
+		d.Clamp = recoveryClamp{a.clamp, a.log}
 	}
 	if a.det != nil && a.det.rec != nil {
 		d.Determinants = recoveryDeterminants{a}
@@ -179,13 +180,19 @@ func (r *recoveryActions) Reprotect(ctx context.Context, ids []string) (string, 
 }
 
 // recoveryClamp is the ACK clamp as a recovery uses it.
-type recoveryClamp struct{ c *ackclamp.Clamp }
+type recoveryClamp struct {
+	c   *ackclamp.Clamp
+	log *slog.Logger
+}
 
 func (c recoveryClamp) Clamp(flow tcpflow.Tuple, sndNxt uint32) error { return c.c.Clamp(flow, sndNxt) }
 
 func (c recoveryClamp) Hold(flow tcpflow.Tuple, on bool) error { return c.c.Hold(flow, on) }
 
 func (c recoveryClamp) Release(flow tcpflow.Tuple) uint64 {
-	st, _ := c.c.Release(flow)
+	st, err := c.c.Release(flow)
+	if err == nil {
+		c.log.Info("ACK clamp released", "flow", flow, "snd_nxt", st.SndNxt, "peer_acks_clamped", st.Clamped, "own_acks_held_back", st.Quieted)
+	}
 	return st.Clamped
 }

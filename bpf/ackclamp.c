@@ -24,6 +24,17 @@
 // caught up with the peer's rcv_nxt no ACK is beyond snd_nxt and the program
 // changes nothing; the agent then removes the flow.
 //
+// Egress also holds back the restored socket's pure ACKs that lie wholly below
+// what the peer has acknowledged (the peer's ACK number before clamping, which
+// its rcv_wup is never below): the peer discards such a segment unread as an
+// old sequence and answers it with a duplicate ACK, which lies beyond the
+// restored socket's window while a replay still delivers the peer's bytes, so
+// the restored socket answers it with its own duplicate ACK, and so on. Linux
+// throttles that exchange with net.ipv4.tcp_invalid_ratelimit (500 ms); a host
+// with it at 0 ran it as fast as both CPUs could, millions of segments a
+// second, and the restored job starved (LAMMPS's replay failed 4 of 4 times).
+// Holding those ACKs back loses nothing: the peer discards them.
+//
 // IPv4, Ethernet framing (one optional 802.1Q tag), like tcplog.c.
 
 #include "vmlinux.h"
@@ -54,16 +65,19 @@ struct clamp_key {
 };
 
 struct clamp_state {
-	__u32 snd_nxt;  // restored socket's highest sequence sent (wrap-safe max)
-	__u32 hold;     // non-zero: drop the peer's segments that carry payload (see ackclamp_ingress)
-	__u64 clamped;  // peer segments whose ACK was lowered
+	__u32 snd_nxt;    // restored socket's highest sequence sent (wrap-safe max)
+	__u32 hold;       // non-zero: drop the peer's segments that carry payload (see ackclamp_ingress)
+	__u64 clamped;    // peer segments whose ACK was lowered
+	__u32 peer_ack;   // the highest ACK number the peer sent, before clamping (valid if peer_acked)
+	__u32 peer_acked; // non-zero once the peer's first ACK passed
+	__u64 quieted;    // the restored socket's pure ACKs held back (below peer_ack)
 };
 
 // INJECTED_TOS marks the segments the agent injects as the peer's (restore.InjectFromPeer): never held.
 #define INJECTED_TOS 0x04
 #define TCX_DROP 2
 
-_Static_assert(sizeof(struct clamp_state) == 16, "clamp_state must have no padding");
+_Static_assert(sizeof(struct clamp_state) == 32, "clamp_state must have no padding");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -119,9 +133,15 @@ int ackclamp_egress(struct __sk_buff *skb)
 	__u32 hl = ip.ihl * 4 + tcp.doff * 4;
 	if (iplen < hl)
 		return TCX_NEXT;
-	__u32 end = bpf_ntohl(tcp.seq) + (iplen - hl) + tcp.syn + tcp.fin;
+	__u32 seq = bpf_ntohl(tcp.seq);
+	__u32 end = seq + (iplen - hl) + tcp.syn + tcp.fin;
 	if (after(end, st->snd_nxt))
 		st->snd_nxt = end; // one socket's segments leave under its lock: no lost update
+	// A pure ACK below what the peer acknowledged: the peer would discard it and answer (see the top).
+	if (iplen == hl && tcp.ack && !tcp.syn && !tcp.fin && !tcp.rst && st->peer_acked && after(st->peer_ack, seq)) {
+		__sync_fetch_and_add(&st->quieted, 1);
+		return TCX_DROP;
+	}
 	return TCX_NEXT;
 }
 
@@ -137,6 +157,15 @@ int ackclamp_ingress(struct __sk_buff *skb)
 	struct clamp_state *st = bpf_map_lookup_elem(&clamps, &k);
 	if (!st || ip.tos == INJECTED_TOS)
 		return TCX_NEXT;
+	if (tcp.ack) {
+		// Segments of one flow may arrive on several CPUs at once: a lost update leaves peer_ack lower,
+		// which only holds back fewer of the restored socket's ACKs.
+		__u32 real = bpf_ntohl(tcp.ack_seq);
+		if (!st->peer_acked || after(real, st->peer_ack)) {
+			st->peer_ack = real;
+			st->peer_acked = 1;
+		}
+	}
 	// While a replay delivers the peer's logged bytes one receive call at a time (intercept.Gate), the
 	// peer's own data segments must not reach the socket: they are retransmissions of bytes the log
 	// holds, and TCP would merge them into the queue ahead of the recorded order. Dropping them loses

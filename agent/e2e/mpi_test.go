@@ -13,7 +13,9 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
+	"github.com/ftkit/ftkit/lab/labtest"
 )
 
 // hpccInput is Debian's example HPCC input with a problem small enough for this machine: N=1000, NB=40,
@@ -260,9 +262,33 @@ func thermoTable(out string) []string {
 func TestMPIFailover(t *testing.T) {
 	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
 	requirePrograms(t, "mpirun.openmpi", "lmp")
-	in := meltInput(t)
-	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
+	testMPIFailover(t, newCluster(t, 3, 1, labcluster.Options{Interval: "1h"}))
+}
 
+// TestMPIFailoverNoInvalidRatelimit is TestMPIFailover on hosts with net.ipv4.tcp_invalid_ratelimit = 0 (TCP
+// answers every out-of-window segment with a duplicate ACK, without the default 500 ms limit): during the
+// replay the restored rank's sockets and their peers answered each other's pure ACKs as fast as the CPUs
+// allowed, millions of segments, and the replay failed in 4 of 4 runs until the ACK clamp held back the
+// restored socket's pure ACKs below what the peer acknowledged (ackclamp.TestAckClampQuiet).
+func TestMPIFailoverNoInvalidRatelimit(t *testing.T) {
+	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	requirePrograms(t, "mpirun.openmpi", "lmp")
+	l := labtest.New(t, 3, 1)
+	for _, h := range l.State().Hosts {
+		err := lab.InNetns(lab.NetnsPath(h.Namespace), func() error {
+			return os.WriteFile("/proc/sys/net/ipv4/tcp_invalid_ratelimit", []byte("0"), 0)
+		})
+		if err != nil {
+			t.Fatalf("%s: net.ipv4.tcp_invalid_ratelimit = 0: %v", h.Name, err)
+		}
+	}
+	testMPIFailover(t, startCluster(t, l, labcluster.Options{Interval: "1h"}))
+}
+
+// testMPIFailover runs LAMMPS's melt on c without failure, then with node2 failed mid-run, and compares.
+func testMPIFailover(t *testing.T, c *labcluster.Cluster) {
+	t.Helper()
+	in := meltInput(t)
 	start := time.Now()
 	ref := startMPI(t, c, "ref", "in.melt", in, "lmp", "-in", "in.melt")
 	ref.wait(t)
