@@ -36,6 +36,19 @@ const recoverLimit = 30 * time.Minute
 // died with it, and the target's own failure is being handled.
 var errTargetFailed = errors.New("the recovery's target failed")
 
+func targetFailed(name string) error {
+	return fmt.Errorf("%w: %s was declared failed", errTargetFailed, name)
+}
+
+// recoverJobIDs lists the jobs a recovery request names.
+func recoverJobIDs(req RecoverRequest) []string {
+	ids := make([]string, 0, len(req.Jobs))
+	for _, j := range req.Jobs {
+		ids = append(ids, j.Job)
+	}
+	return ids
+}
+
 // followedTargets are the recoveries this agent follows on other hosts, by target: a target that fails
 // mid-recovery falls silent, and its progress stream would otherwise be given up on only after the idle
 // timeout (a minute).
@@ -73,7 +86,7 @@ func (f *followedTargets) failed(v ring.View) {
 	defer f.mu.Unlock()
 	for _, t := range f.m {
 		if m, ok := v.Member(t.name); ok && m.State == ring.StateFailed {
-			t.cancel(fmt.Errorf("%w: %s was declared failed", errTargetFailed, t.name))
+			t.cancel(targetFailed(t.name))
 		}
 	}
 }
@@ -85,7 +98,7 @@ func (a *Agent) remoteRecover(ctx context.Context, target string, req RecoverReq
 	defer cancel(nil)
 	defer a.targets.follow(target, cancel)()
 	if m, ok := a.member(target); ok && m.State == ring.StateFailed { // declared before it was followed
-		cancel(fmt.Errorf("%w: %s was declared failed", errTargetFailed, target))
+		cancel(targetFailed(target))
 	}
 	end, err := a.peers().Recover(ctx, target, req, recoverLimit, func(m clusterapi.RecoverProgress) {
 		if len(m.Stage) == 0 {
@@ -101,11 +114,7 @@ func (a *Agent) remoteRecover(ctx context.Context, target string, req RecoverReq
 	var broken *clusterapi.StreamError
 	switch cause := context.Cause(ctx); {
 	case err != nil && errors.Is(cause, errTargetFailed):
-		var jobs []string
-		for _, j := range req.Jobs {
-			jobs = append(jobs, j.Job)
-		}
-		return fmt.Errorf("recovery on %s: %w: job(s) %s do NOT run there", target, cause, strings.Join(jobs, ", "))
+		return fmt.Errorf("recovery on %s: %w: job(s) %s do NOT run there", target, cause, strings.Join(recoverJobIDs(req), ", "))
 	case errors.As(err, &broken):
 		return a.afterBrokenStream(ctx, target, req, emit, broken.Err)
 	case clusterapi.Refusal(err) != nil:

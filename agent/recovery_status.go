@@ -81,10 +81,7 @@ func (a *Agent) brokenSilenceWait() time.Duration {
 // not seen. The error names the jobs that do not run.
 func (a *Agent) afterBrokenStream(ctx context.Context, target string, req RecoverRequest, emit func(Stage), broke error) error {
 	broke = fmt.Errorf("recovery on %s: progress stream ended: %w", target, broke)
-	var jobs []string
-	for _, j := range req.Jobs {
-		jobs = append(jobs, j.Job)
-	}
+	jobs := recoverJobIDs(req)
 	a.log.Warn("the progress stream of a recovery broke; asking the target what became of it", "target", target, "failure", req.Failure, "jobs", jobs, "err", broke)
 	seen := map[string]bool{}
 	key := func(s Stage) string {
