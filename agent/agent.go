@@ -189,14 +189,16 @@ func (a *Agent) adopt() (int, error) {
 			a.settleGone(j) // nothing of it runs here (a crashed host came back): never adopted
 			continue
 		}
-		if j.State == JobRunning {
-			a.thawLeftFrozen(j)
-			a.checkAdoptedJobNet(j)
-			a.protect(j)
-			a.watchOrder(j, false, "") // what it consumed while no agent ran is not recorded
-			n++
-			a.log.Info("adopted job", "job", j.ID, "pid", j.PID, "protected", j.Protected())
+		if j.State != JobRunning {
+			a.removeEndedJobNet(j) // a previous agent stopped while the job's closed connections lingered
+			continue
 		}
+		a.thawLeftFrozen(j)
+		a.checkAdoptedJobNet(j)
+		a.protect(j)
+		a.watchOrder(j, false, "") // what it consumed while no agent ran is not recorded
+		n++
+		a.log.Info("adopted job", "job", j.ID, "pid", j.PID, "protected", j.Protected())
 	}
 	if err != nil {
 		return n, fmt.Errorf("adopt jobs: %w", err)
@@ -430,7 +432,7 @@ func (a *Agent) finish(j *Job, state JobState, st *shim.ExitStatus) {
 	if err != nil {
 		a.log.Error("save job record", "job", j.ID, "err", err)
 	}
-	a.releaseJob(j)
+	a.releaseEnded(j, state)
 	if st != nil {
 		a.log.Info("job ended", "job", j.ID, "code", st.Code, "signal", st.Signal)
 	} else {

@@ -218,6 +218,7 @@ func Defaults() Config {
 	c.Health = HealthConfig{Interval: Duration{30 * time.Second}, Timeout: Duration{10 * time.Second}, LeadTime: Duration{30 * time.Minute}}
 	c.Log = LogConfig{Enabled: true, RingMiB: 64, High: 0.8, Low: 0.6, ReceiveOrder: true, ReceiveOrderShipEvery: Duration{DefaultShipEvery}}
 	c.JobNetwork.Kind = jobnet.MACVlan
+	c.JobNetwork.Linger = Duration{30 * time.Second}
 	return c
 }
 

@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/ftkit/ftkit/ckpt/dump"
 	"github.com/ftkit/ftkit/criu"
@@ -33,7 +34,13 @@ type JobNetworkConfig struct {
 	// Gateway, if set, is the default route of every job network: a router on the cluster network, for
 	// jobs that talk to hosts beyond it (a file server, a licence server). Unset: the cluster network only.
 	Gateway netip.Addr `toml:"gateway"`
+	// Linger bounds how long an ended job's network outlives it while connections the job closed still
+	// send their last bytes and FIN (jobnet.Closing); 0: deleted at once.
+	Linger Duration `toml:"linger"`
 }
+
+// maxLinger bounds job_network.linger: the address of an ended job stays on the wire that long at most.
+const maxLinger = 10 * time.Minute
 
 // minPoolBits bounds a pool to 4096 addresses: allocation walks it.
 const minPoolBits = 20
@@ -47,6 +54,9 @@ func (c JobNetworkConfig) validate() error {
 	}
 	if c.Parent != "" && !validIfName(c.Parent) {
 		return fmt.Errorf("job_network.parent %q: not an interface name (1 to 15 bytes, no spaces, '/' or ':')", c.Parent)
+	}
+	if c.Linger.Duration < 0 || c.Linger.Duration > maxLinger {
+		return fmt.Errorf("job_network.linger %s: use 0 to %s", c.Linger, maxLinger)
 	}
 	if c.Gateway.IsValid() && !c.Gateway.Is4() {
 		return fmt.Errorf("job_network.gateway %s: only IPv4 is supported", c.Gateway)
@@ -289,6 +299,71 @@ func (a *Agent) deleteJobNet(ctx context.Context, id string, n *JobNet) {
 		return
 	}
 	a.log.Info("job network deleted", "job", id, "net", n.Name, "addr", n.Addr)
+}
+
+// releaseEnded gives back what job j held once it ended. The network of a job that exited outlives it while
+// connections the job closed still send their last bytes and FIN (jobnet.Closing), for up to
+// job_network.linger, its address held meanwhile. The network of a job that self-fencing killed, or that
+// was lost (it may run on elsewhere with its address), goes at once.
+func (a *Agent) releaseEnded(j *Job, state JobState) {
+	linger := a.cfg.JobNetwork.Linger.Duration
+	if j.Net == nil || state != JobExited || j.Fenced || linger <= 0 || j.Net.Name != jobNetName(a.cfg.Name, j.ID) {
+		a.releaseJob(j)
+		return
+	}
+	addr := j.Net.Addr.Addr()
+	a.mu.Lock()
+	a.reservedAddrs[addr] = true // not handed to a new job while this network holds it
+	a.mu.Unlock()
+	go func() {
+		defer a.releaseJobAddr(addr)
+		a.awaitCloses(j.ID, j.Net.Name, linger)
+		a.mu.Lock()
+		current := a.byID[j.ID] == j
+		a.mu.Unlock()
+		if !current {
+			// A new copy of the job was restored here meanwhile: the network is its own now.
+			a.log.Warn("a new copy of an ended job runs here: its network stays", "job", j.ID, "net", j.Net.Name)
+			return
+		}
+		a.releaseJob(j)
+	}()
+}
+
+// awaitCloses waits until job network name holds no connection whose close its peer has not acknowledged,
+// for up to linger.
+func (a *Agent) awaitCloses(id, name string, linger time.Duration) {
+	start := time.Now()
+	for {
+		n, err := jobnet.Closing(name)
+		switch {
+		case err == nil && n == 0:
+			if waited := time.Since(start); waited > closePoll {
+				a.log.Info("ended job's network kept until its closed connections were acknowledged", "job", id, "net", name, "ms", waited.Milliseconds())
+			}
+			return
+		case time.Since(start) >= linger:
+			a.log.Warn("deleting an ended job's network although some connections it closed are not acknowledged: their peers may wait for an end that never comes",
+				"job", id, "net", name, "closing", n, "linger", linger, "err", err)
+			return
+		}
+		time.Sleep(closePoll)
+	}
+}
+
+// closePoll is how often awaitCloses looks: a FIN retransmission comes no sooner than TCP's 200 ms minimum RTO.
+const closePoll = 50 * time.Millisecond
+
+// removeEndedJobNet deletes the network of a job record that no longer runs, if it is still there.
+func (a *Agent) removeEndedJobNet(j *Job) {
+	if j.Net == nil || !validJobID(j.ID) {
+		return
+	}
+	if ok, err := jobnet.Exists(jobNetName(a.cfg.Name, j.ID)); err != nil || !ok {
+		return
+	}
+	a.log.Warn("removing the network of a job that ended before this agent started", "job", j.ID, "state", j.State)
+	a.deleteJobNet(context.Background(), j.ID, j.Net)
 }
 
 // removeOrphanJobNet deletes the job network this agent would have made for job id, if there is one: a

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/ftkit/ftkit/jobnet"
 )
@@ -16,8 +17,13 @@ func TestJobNetworkConfig(t *testing.T) {
 	tests := []struct {
 		name, toml, wantErr string
 		wantPool            string
+		wantLinger          time.Duration
 	}{
 		{name: "absent: off, macvlan by default", toml: base},
+		{name: "no linger", toml: base + "[job_network]\nlinger = \"0s\"\n"},
+		{name: "linger", toml: base + "[job_network]\nlinger = \"2m\"\n", wantLinger: 2 * time.Minute},
+		{name: "negative linger", toml: base + "[job_network]\nlinger = \"-1s\"\n", wantErr: "job_network.linger -1s: use 0 to 10m0s"},
+		{name: "linger too long", toml: base + "[job_network]\nlinger = \"1h\"\n", wantErr: "job_network.linger 1h0m0s: use 0 to 10m0s"},
 		{name: "a pool", toml: base + "[job_network]\npool = \"10.1.0.200/29\"\n", wantPool: "10.1.0.200/29"},
 		{name: "ipvlan on a named parent", toml: base + "[job_network]\npool = \"10.1.0.200/29\"\nkind = \"ipvlan\"\nparent = \"bond0\"\n", wantPool: "10.1.0.200/29"},
 		{name: "empty pool: off", toml: base + "[job_network]\npool = \"\"\n"},
@@ -49,6 +55,13 @@ func TestJobNetworkConfig(t *testing.T) {
 			}
 			if c.JobNetwork.Kind == "" {
 				t.Error("kind has no default")
+			}
+			want := tt.wantLinger
+			if !strings.Contains(tt.toml, "linger") {
+				want = 30 * time.Second // the default
+			}
+			if c.JobNetwork.Linger.Duration != want {
+				t.Errorf("linger %v, want %v", c.JobNetwork.Linger, want)
 			}
 		})
 	}

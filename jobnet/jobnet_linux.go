@@ -277,3 +277,41 @@ func deleteLinks(name string) error {
 	}
 	return nil
 }
+
+// Closing counts the TCP sockets in the job's namespace whose close the peer has not acknowledged yet
+// (FIN_WAIT1, CLOSING, LAST_ACK): a process that exits leaves them to the kernel, which sends what they
+// still hold, then their FIN, and retransmits both until the peer acknowledges. Deleting the namespace
+// destroys them silently: a peer that missed the FIN (its host dropped it, as CRIU's network lock does
+// during a dump) then waits forever on a connection nobody answers. A missing network has none.
+func Closing(name string) (int, error) {
+	if err := ValidName(name); err != nil {
+		return 0, err
+	}
+	if ok, err := isNetns(Path(name)); err != nil || !ok {
+		return 0, err
+	}
+	job, err := netns.GetFromPath(Path(name))
+	if err != nil {
+		return 0, fmt.Errorf("job network %s: open namespace: %w", name, err)
+	}
+	defer job.Close()
+	jh, err := netlink.NewHandleAt(job, unix.NETLINK_INET_DIAG)
+	if err != nil {
+		return 0, fmt.Errorf("job network %s: sock_diag in its namespace: %w", name, err)
+	}
+	defer jh.Close()
+	n := 0
+	for _, family := range []uint8{unix.AF_INET, unix.AF_INET6} {
+		socks, err := jh.SocketDiagTCP(family)
+		if err != nil {
+			return 0, fmt.Errorf("job network %s: list TCP sockets: %w", name, err)
+		}
+		for _, s := range socks {
+			switch s.State {
+			case unix.BPF_TCP_FIN_WAIT1, unix.BPF_TCP_CLOSING, unix.BPF_TCP_LAST_ACK:
+				n++
+			}
+		}
+	}
+	return n, nil
+}

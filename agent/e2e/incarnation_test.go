@@ -235,36 +235,17 @@ func blockConnections(t *testing.T, c *labcluster.Cluster, from, to string) func
 	if err != nil {
 		t.Fatal(err)
 	}
-	table := "ftkit_e2e_block_" + to
-	nft := func(stdin string, args ...string) error {
-		return c.Lab.Do(from, func() error {
-			cmd := exec.Command("nft", args...)
-			cmd.Stdin = strings.NewReader(stdin)
-			if out, err := cmd.CombinedOutput(); err != nil {
-				return fmt.Errorf("nft %v: %v: %s", args, err, out)
-			}
-			return nil
-		})
-	}
-	rules := fmt.Sprintf(`table inet %s {
-	chain out {
+	chains := fmt.Sprintf(`	chain out {
 		type filter hook output priority 0; policy accept;
 		ip daddr %s tcp dport %d tcp flags & (syn | ack) == syn reject with tcp reset
-	}
-}`, table, dst.Addr.Addr(), labcluster.AgentPort)
-	if err := nft(rules, "-f", "-"); err != nil {
+	}`, dst.Addr.Addr(), labcluster.AgentPort)
+	undo, err := c.Lab.Filter(from, "ftkit_e2e_block_"+to, chains)
+	if err != nil {
 		t.Fatal(err)
 	}
-	removed := false
 	remove := func() {
-		if removed {
-			return
-		}
-		removed = true
-		if h, err := c.Lab.Host(from); err == nil && !h.Crashed {
-			if err := nft("", "delete", "table", "inet", table); err != nil {
-				t.Errorf("remove the block of %s -> %s: %v", from, to, err)
-			}
+		if err := undo(); err != nil {
+			t.Errorf("remove the block of %s -> %s: %v", from, to, err)
 		}
 	}
 	t.Cleanup(remove)

@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"fmt"
+	"io"
 	"net"
 	"net/netip"
 	"os"
@@ -18,6 +19,7 @@ import (
 	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
+	"github.com/ftkit/ftkit/lab/labtest"
 	membership "github.com/ftkit/ftkit/ring"
 )
 
@@ -483,4 +485,71 @@ func TestJobAddressSelfFence(t *testing.T) {
 		i := slices.IndexFunc(s.Members, func(m membership.Member) bool { return m.Name == "node2" })
 		return i >= 0 && s.Members[i].State == membership.StateAlive && s.Members[i].Role == membership.RoleSpare && s.Members[i].Incarnation == 1
 	})
+}
+
+// TestJobAddressLastBytes: a job with a job address writes its last bytes and exits while its peer's host
+// drops what it sends (as CRIU's network lock does while the peer is dumped). The job's network outlives
+// it until the peer has acknowledged them, its address handed to no other job meanwhile, and the peer
+// reads every byte and the end of the stream once the drop ends. Seen in CI (ci116, a task farm rolled
+// back): mpirun waited forever for the end of an orted's connection, whose FIN arrived during mpirun's
+// dump and whose network was deleted 30 ms after the orted exited, with the FIN still to be retransmitted.
+func TestJobAddressLastBytes(t *testing.T) {
+	t.Parallel()
+	c := newCluster(t, 2, 0, labcluster.Options{Interval: "1h", JobAddresses: true})
+	ctx := context.Background()
+	node1, _ := c.Lab.Host("node1")
+	addr := netip.AddrPortFrom(node1.Addr.Addr(), 7470)
+	var ln net.Listener
+	if err := c.Lab.Do("node1", func() (err error) { ln, err = net.Listen("tcp4", addr.String()); return err }); err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	const last = "the last words of the job"
+	script := fmt.Sprintf("exec 3<>/dev/tcp/%s/%d && read -r go <&3 && printf %%s '%s' >&3", addr.Addr(), addr.Port(), last)
+	j, err := c.Client("node2").StartJob(ctx, agent.JobSpec{Name: "last", JobAddress: true, Argv: []string{"/bin/bash", "-c", script}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { removeJobNets(t, j.ID) })
+	if j.Net == nil {
+		t.Fatalf("job %s has no job network", j.ID)
+	}
+	ln.(*net.TCPListener).SetDeadline(time.Now().Add(time.Minute))
+	conn, err := ln.Accept()
+	if err != nil {
+		t.Fatalf("the job did not connect to %s: %v", addr, err)
+	}
+	defer conn.Close()
+	undrop := labtest.DropFrom(t, c.Lab, "node1", j.Net.Addr.Addr())
+	if _, err := conn.Write([]byte("go\n")); err != nil {
+		t.Fatal(err)
+	}
+	poll(t, time.Minute, "the job to exit", func() bool {
+		got, err := c.Client("node2").Job(ctx, j.ID)
+		return err == nil && got.State == agent.JobExited
+	})
+	// Its FIN unacknowledged, its network is still there, and its address is not given to a new job.
+	if ok, err := jobnet.Exists(j.Net.Name); err != nil || !ok {
+		t.Fatalf("the network %s of the ended job was deleted (%v) while its last bytes were not acknowledged", j.Net.Name, err)
+	}
+	next, err := c.Client("node2").StartJob(ctx, agent.JobSpec{Name: "next", JobAddress: true, Argv: []string{"/bin/sleep", "600"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { removeJobNets(t, next.ID) })
+	if next.Net == nil || next.Net.Addr == j.Net.Addr {
+		t.Errorf("a job started while %s's network lingers got the job network %+v, want an address other than %s", j.ID, next.Net, j.Net.Addr)
+	}
+	undrop()
+	conn.SetReadDeadline(time.Now().Add(time.Minute)) // the retransmissions back off from 200 ms
+	if got, err := io.ReadAll(conn); err != nil || string(got) != last {
+		t.Fatalf("the peer read %q (%v), want %q and the end of the stream", got, err, last)
+	}
+	poll(t, time.Minute, "the ended job's network to be deleted", func() bool {
+		ok, err := jobnet.Exists(j.Net.Name)
+		return err == nil && !ok
+	})
+	if b, err := os.ReadFile(c.LogPath("node2")); err != nil || !strings.Contains(string(b), "ended job's network kept until its closed connections were acknowledged") {
+		t.Errorf("node2's agent did not report keeping the network until the close was acknowledged (%v)", err)
+	}
 }
