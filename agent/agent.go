@@ -51,6 +51,8 @@ type Agent struct {
 	changed      chan struct{} // closed and replaced whenever a job changes, for long-polling clients
 	// reservedAddrs are job addresses handed to jobs being started, not yet in byID.
 	reservedAddrs map[netip.Addr]bool
+	// lingering are the networks of ended jobs that outlive them (releaseEnded).
+	lingering lingerNets
 
 	ckptMu sync.Mutex // one checkpoint (or host-wide freeze) at a time
 
@@ -71,7 +73,7 @@ type Agent struct {
 		prefix netip.Prefix
 	}
 	busy     busyOps          // the long operations in progress (checkpoint, restore), carried by heartbeats
-	beatNow  chan struct{}    // a beat should not wait for the interval (a job's replica lacks connections)
+	beatNow  chan struct{}    // a beat should not wait for the interval (a job's replica lacks connections, a long operation begins)
 	watchdog *detect.Watchdog // over this node's predecessor in the ring
 	stalls   *detect.Stalls   // this agent's own scheduling delays (watchSelf)
 	failures *failureLog      // timelines of the failures this agent knows of
@@ -441,8 +443,15 @@ func (a *Agent) finish(j *Job, state JobState, st *shim.ExitStatus) {
 }
 
 // releaseJob gives back what job j held on this host once its processes are gone (it ended, or moved):
-// its log and receive-tap attachments, its cgroup, its job network, a lazy restore's images.
+// its log and receive-tap attachments, its cgroup, a lazy restore's images, its job network.
 func (a *Agent) releaseJob(j *Job) {
+	a.releaseResources(j)
+	// The job's address leaves the wire with it (a job network lives on by its bind mount otherwise).
+	a.deleteJobNet(context.Background(), j.ID, j.Net)
+}
+
+// releaseResources gives back what releaseJob does but the job network.
+func (a *Agent) releaseResources(j *Job) {
 	a.unprotect(j)
 	a.unwatchOrder(j.ID)
 	// Only this agent's own cgroup for the job: a record restored from an older agent's snapshot may name
@@ -452,8 +461,6 @@ func (a *Agent) releaseJob(j *Job) {
 	} else if err := os.Remove(j.Cgroup); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		a.log.Warn("remove job cgroup", "job", j.ID, "err", err)
 	}
-	// The job's address leaves the wire with it (a job network lives on by its bind mount otherwise).
-	a.deleteJobNet(context.Background(), j.ID, j.Net)
 	if j.LazyWork != "" && a.ownRestoreDir(j.LazyWork) {
 		os.RemoveAll(j.LazyWork) // it ended before all its pages were in: they are not needed any more
 	}

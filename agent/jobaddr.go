@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt/dump"
@@ -279,6 +280,7 @@ func (a *Agent) createJobNet(ctx context.Context, n *JobNet) error {
 	if err != nil {
 		return err
 	}
+	a.claimJobNet(ctx, n.Name)
 	if err := jobnet.Create(ctx, s); err != nil {
 		return fmt.Errorf("create the job's network %s (%s on %s): %w", s.Name, s.Addr, s.Parent, err)
 	}
@@ -301,8 +303,8 @@ func (a *Agent) deleteJobNet(ctx context.Context, id string, n *JobNet) {
 	a.log.Info("job network deleted", "job", id, "net", n.Name, "addr", n.Addr)
 }
 
-// releaseEnded gives back what job j held once it ended. The network of a job that exited outlives it while
-// connections the job closed still send their last bytes and FIN (jobnet.Closing), for up to
+// releaseEnded gives back what job j held once it ended. The network of a job that exited outlives the
+// rest while connections the job closed still send their last bytes and FIN (jobnet.Closing), for up to
 // job_network.linger, its address held meanwhile. The network of a job that self-fencing killed, or that
 // was lost (it may run on elsewhere with its address), goes at once.
 func (a *Agent) releaseEnded(j *Job, state JobState) {
@@ -311,30 +313,24 @@ func (a *Agent) releaseEnded(j *Job, state JobState) {
 		a.releaseJob(j)
 		return
 	}
-	addr := j.Net.Addr.Addr()
+	n := *j.Net
+	a.releaseResources(j)
 	a.mu.Lock()
-	a.reservedAddrs[addr] = true // not handed to a new job while this network holds it
+	a.reservedAddrs[n.Addr.Addr()] = true // not handed to a new job while this network holds it
 	a.mu.Unlock()
+	a.lingering.add(n.Name, j.ID)
 	go func() {
-		defer a.releaseJobAddr(addr)
-		a.awaitCloses(j.ID, j.Net.Name, linger)
-		a.mu.Lock()
-		current := a.byID[j.ID] == j
-		a.mu.Unlock()
-		if !current {
-			// A new copy of the job was restored here meanwhile: the network is its own now.
-			a.log.Warn("a new copy of an ended job runs here: its network stays", "job", j.ID, "net", j.Net.Name)
-			return
-		}
-		a.releaseJob(j)
+		defer a.releaseJobAddr(n.Addr.Addr())
+		a.awaitCloses(j.ID, n.Name, linger)
+		a.lingering.end(n.Name, func() { a.deleteJobNet(context.Background(), j.ID, &n) })
 	}()
 }
 
 // awaitCloses waits until job network name holds no connection whose close its peer has not acknowledged,
-// for up to linger.
+// for up to linger, or until a new copy of the job takes the name over.
 func (a *Agent) awaitCloses(id, name string, linger time.Duration) {
 	start := time.Now()
-	for {
+	for a.lingering.has(name) {
 		n, err := jobnet.Closing(name)
 		switch {
 		case err == nil && n == 0:
@@ -353,6 +349,63 @@ func (a *Agent) awaitCloses(id, name string, linger time.Duration) {
 
 // closePoll is how often awaitCloses looks: a FIN retransmission comes no sooner than TCP's 200 ms minimum RTO.
 const closePoll = 50 * time.Millisecond
+
+// lingerNets are the networks of ended jobs that outlive them (releaseEnded): job ids by network name. A
+// new copy of the job restored on this host takes the name over: the old network, whose sockets are its
+// previous copy's (on the same 4-tuples), is deleted first, and its lingering ends without touching the
+// new one.
+type lingerNets struct {
+	mu sync.Mutex
+	m  map[string]string
+}
+
+func (l *lingerNets) add(name, id string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.m == nil {
+		l.m = map[string]string{}
+	}
+	l.m[name] = id
+}
+
+func (l *lingerNets) has(name string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	_, ok := l.m[name]
+	return ok
+}
+
+// end runs remove unless a new copy took the name over, and forgets the name.
+func (l *lingerNets) end(name string, remove func()) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if _, ok := l.m[name]; ok {
+		remove()
+	}
+	delete(l.m, name)
+}
+
+// takeOver runs remove with the ended job's id if name lingers, and ends its lingering; it reports whether
+// it did.
+func (l *lingerNets) takeOver(name string, remove func(id string)) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	id, ok := l.m[name]
+	if ok {
+		remove(id)
+		delete(l.m, name)
+	}
+	return ok
+}
+
+// claimJobNet ends the lingering of a network an ended copy of a job left under name, deleting it, before
+// a new copy's network is made with that name.
+func (a *Agent) claimJobNet(ctx context.Context, name string) {
+	a.lingering.takeOver(name, func(id string) {
+		a.log.Warn("a new copy of an ended job comes to this host while the old one's network lingers: deleting that first", "job", id, "net", name)
+		a.deleteJobNet(ctx, id, &JobNet{Name: name})
+	})
+}
 
 // removeEndedJobNet deletes the network of a job record that no longer runs, if it is still there.
 func (a *Agent) removeEndedJobNet(j *Job) {

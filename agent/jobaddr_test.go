@@ -267,3 +267,29 @@ func TestUnreachableNameservers(t *testing.T) {
 		})
 	}
 }
+
+// A lingering network is removed when its wait ends, unless a new copy of the job took its name over
+// first: then the new copy's claim removes the old network, once, and the wait's end leaves the name alone.
+func TestLingerNets(t *testing.T) {
+	var l lingerNets
+	var removed []string
+	l.add("ftj-a", "job-a")
+	l.add("ftj-b", "job-b")
+	if !l.has("ftj-a") || l.has("ftj-c") {
+		t.Fatal("has: want ftj-a only among ftj-a and ftj-c")
+	}
+	l.end("ftj-a", func() { removed = append(removed, "end ftj-a") })
+	if l.has("ftj-a") {
+		t.Error("ftj-a still lingers after its end")
+	}
+	if !l.takeOver("ftj-b", func(id string) { removed = append(removed, "claim "+id) }) {
+		t.Error("takeOver of the lingering ftj-b = false")
+	}
+	if l.takeOver("ftj-b", func(string) { removed = append(removed, "claim again") }) {
+		t.Error("a second takeOver of ftj-b = true")
+	}
+	l.end("ftj-b", func() { removed = append(removed, "end ftj-b") })
+	if want := []string{"end ftj-a", "claim job-b"}; !slices.Equal(removed, want) {
+		t.Errorf("removals %q, want %q", removed, want)
+	}
+}

@@ -80,6 +80,7 @@ func (r *recoveryActions) Fetch(ctx context.Context, job string, c clusterapi.Ca
 		// The same address (and so the same 4-tuples for the peers), in a namespace of this host's.
 		n := *rec.Net
 		n.Name = jobNetName(r.a.cfg.Name, rec.ID)
+		r.a.claimJobNet(ctx, n.Name) // recovery.JobNet creates it, not createJobNet
 		spec, err := r.a.jobNetSpec(&n)
 		if err != nil {
 			os.RemoveAll(j.Work)
