@@ -102,8 +102,16 @@ func raiseAutogroup(nice int) error {
 }
 
 // setBusy records that this host is in a long operation (detect.BusyCheckpoint or BusyRestore) until the
-// returned func is called; heartbeats carry it.
-func (a *Agent) setBusy(what string) func() { return a.busy.begin(what) }
+// returned func is called; heartbeats carry it. A beat goes at once: the operation may starve the next
+// ones (a large dump on a loaded host), and the protector must know before their silence makes it suspect.
+func (a *Agent) setBusy(what string) func() {
+	end := a.busy.begin(what)
+	select {
+	case a.beatNow <- struct{}{}:
+	default: // one is due already
+	}
+	return end
+}
 
 // busyOps counts the long operations in progress by kind: a checkpoint may run while a restore does.
 type busyOps struct {
@@ -138,8 +146,8 @@ func (b *busyOps) current() string {
 }
 
 // sendBeats keeps a heartbeat stream to the current protector: a beat every interval, and one at once
-// when a job's replica is found to lack connections (beatNow), so that the protector learns it before a
-// failure could make it restore that replica.
+// (beatNow) when a job's replica is found to lack connections, so that the protector learns it before a
+// failure could make it restore that replica, and when a long operation begins (setBusy).
 func (a *Agent) sendBeats(ctx context.Context) {
 	var b beatStream
 	defer b.close()
@@ -241,7 +249,8 @@ func (a *Agent) watchPredecessor(ctx context.Context) {
 			}
 			watching = pred.Name
 		}
-		for _, s := range a.watchdog.Suspects(now) {
+		suspects := a.watchdog.Suspects(now)
+		for _, s := range suspects {
 			if s.Name != watching {
 				continue
 			}
@@ -307,6 +316,9 @@ func (a *Agent) watchPredecessor(ctx context.Context) {
 				continue
 			}
 			go a.failover(context.WithoutCancel(ctx), s, time.Now())
+		}
+		if len(suspects) > 0 {
+			a.watchdog.Checked(time.Now()) // the confirmations' probes took this time, not a stall of the watchdog
 		}
 		if due, ok := a.watchdog.Due(); ok {
 			return due.Add(time.Millisecond)

@@ -271,6 +271,12 @@ func (a *Agent) checkpoint(ctx context.Context, ids []string, uid uint32, still 
 // replicate ships each committed snapshot to its job's protector (placements: the jobs' placements), records
 // the replicas, lets the senders trim their logs, and prunes old snapshots.
 func (a *Agent) replicate(ctx context.Context, manifests []*ckpt.Manifest, placements map[string]*Placement) []SnapshotResult {
+	if len(manifests) > 0 {
+		// Part of the checkpoint for the protector's watchdog: a 1 GiB transfer and the commit and pruning
+		// that end it load both hosts (the detect soak's two false suspicions of 2026-11-29 each began as
+		// such a transfer ended, 5 s after the dump's busy flag had gone).
+		defer a.setBusy(detect.BusyCheckpoint)()
+	}
 	var out []SnapshotResult
 	for _, m := range manifests {
 		res := SnapshotResult{Manifest: m}

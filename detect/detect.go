@@ -247,6 +247,16 @@ func (w *Watchdog) Clear(name string, now time.Time) {
 	}
 }
 
+// Checked tells the watchdog its caller spent the time until now on purpose (confirming a suspicion, whose
+// probes take up to their timeout): the next call's gap counts from now, not as the watchdog's own lateness.
+func (w *Watchdog) Checked(now time.Time) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if now.After(w.checked) {
+		w.checked = now
+	}
+}
+
 // LateChecks is how many calls of Suspects came more than MaxCheckGap after the previous one: how often
 // this host's own scheduling, not a peer's silence, held suspicion back.
 func (w *Watchdog) LateChecks() uint64 {

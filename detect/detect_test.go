@@ -292,6 +292,34 @@ func TestLateWatchdog(t *testing.T) {
 	}
 }
 
+// TestCheckedAfterConfirmation: the time a caller spends confirming a suspicion (Checked) is not a late
+// check; the same gap without it is.
+func TestCheckedAfterConfirmation(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		checked bool
+		late    uint64
+	}{
+		{"confirmation reported", true, 0},
+		{"confirmation not reported", false, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := NewWatchdog(Config{Timeout: 200 * time.Millisecond, MaxCheckGap: 100 * time.Millisecond})
+			w.Watch("n1", at(0))
+			for _, c := range []int{50, 100, 150, 201} { // n1 suspected at 201
+				w.Suspects(at(c))
+			}
+			if tc.checked {
+				w.Checked(at(400)) // confirmed alive at 400
+			}
+			w.Suspects(at(450))
+			if w.LateChecks() != tc.late {
+				t.Errorf("LateChecks %d, want %d", w.LateChecks(), tc.late)
+			}
+		})
+	}
+}
+
 // TestHeardSince: only a beat that arrived after the given time counts (the confirmation's last check).
 func TestHeardSince(t *testing.T) {
 	w := NewWatchdog(Config{Timeout: time.Second})

@@ -363,7 +363,7 @@ func (d *detectBench) soakRun(ctx context.Context, log *slog.Logger, binDir stri
 		return nil, err
 	}
 	defer l.Down(context.WithoutCancel(ctx))
-	c, err := labcluster.Start(ctx, l, d.options(labcluster.Options{AgentBin: filepath.Join(binDir, "ftagent"), Interval: "1h", Keep: 1, LogLevel: "warn"}))
+	c, err := labcluster.Start(ctx, l, d.options(labcluster.Options{AgentBin: filepath.Join(binDir, "ftagent"), Interval: "1h", Keep: 1, LogLevel: "info"})) // info: suspicions cleared and busy silences are counted from it
 	if err != nil {
 		return nil, err
 	}
