@@ -192,7 +192,9 @@ func (a *Agent) adopt() (int, error) {
 			continue
 		}
 		if j.State != JobRunning {
-			a.removeEndedJobNet(j) // a previous agent stopped while the job's closed connections lingered
+			if j.Net != nil { // a previous agent may have stopped while its closed connections lingered
+				a.removeOrphanJobNet(context.Background(), j.ID, "the job ended before this agent started")
+			}
 			continue
 		}
 		a.thawLeftFrozen(j)

@@ -322,7 +322,7 @@ func (a *Agent) releaseEnded(j *Job, state JobState) {
 	go func() {
 		defer a.releaseJobAddr(n.Addr.Addr())
 		a.awaitCloses(j.ID, n.Name, linger)
-		a.lingering.end(n.Name, func() { a.deleteJobNet(context.Background(), j.ID, &n) })
+		a.lingering.take(n.Name, func(string) { a.deleteJobNet(context.Background(), j.ID, &n) })
 	}()
 }
 
@@ -375,19 +375,10 @@ func (l *lingerNets) has(name string) bool {
 	return ok
 }
 
-// end runs remove unless a new copy took the name over, and forgets the name.
-func (l *lingerNets) end(name string, remove func()) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if _, ok := l.m[name]; ok {
-		remove()
-	}
-	delete(l.m, name)
-}
-
-// takeOver runs remove with the ended job's id if name lingers, and ends its lingering; it reports whether
-// it did.
-func (l *lingerNets) takeOver(name string, remove func(id string)) bool {
+// take runs remove with the ended job's id if name lingers, and forgets the name; it reports whether it
+// did. The lingering's own end and a new copy's claim both take it: whichever comes first deletes the old
+// network, the other finds nothing.
+func (l *lingerNets) take(name string, remove func(id string)) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	id, ok := l.m[name]
@@ -401,28 +392,16 @@ func (l *lingerNets) takeOver(name string, remove func(id string)) bool {
 // claimJobNet ends the lingering of a network an ended copy of a job left under name, deleting it, before
 // a new copy's network is made with that name.
 func (a *Agent) claimJobNet(ctx context.Context, name string) {
-	a.lingering.takeOver(name, func(id string) {
+	a.lingering.take(name, func(id string) {
 		a.log.Warn("a new copy of an ended job comes to this host while the old one's network lingers: deleting that first", "job", id, "net", name)
 		a.deleteJobNet(ctx, id, &JobNet{Name: name})
 	})
 }
 
-// removeEndedJobNet deletes the network of a job record that no longer runs, if it is still there.
-func (a *Agent) removeEndedJobNet(j *Job) {
-	if j.Net == nil || !validJobID(j.ID) {
-		return
-	}
-	if ok, err := jobnet.Exists(jobNetName(a.cfg.Name, j.ID)); err != nil || !ok {
-		return
-	}
-	a.log.Warn("removing the network of a job that ended before this agent started", "job", j.ID, "state", j.State)
-	a.deleteJobNet(context.Background(), j.ID, j.Net)
-}
-
-// removeOrphanJobNet deletes the job network this agent would have made for job id, if there is one: a
-// recovery interrupted after creating it and before the job ran leaves it, its address answering with
-// nothing behind it.
-func (a *Agent) removeOrphanJobNet(ctx context.Context, id string) {
+// removeOrphanJobNet deletes the job network this agent would have made for job id, if there is one (why
+// says how it was left): a recovery interrupted after creating it and before the job ran, or an agent that
+// stopped while an ended job's network lingered, leaves it, its address answering with nothing behind it.
+func (a *Agent) removeOrphanJobNet(ctx context.Context, id, why string) {
 	if !validJobID(id) {
 		return
 	}
@@ -430,7 +409,7 @@ func (a *Agent) removeOrphanJobNet(ctx context.Context, id string) {
 	if ok, err := jobnet.Exists(name); err != nil || !ok {
 		return
 	}
-	a.log.Warn("removing the job network of a job that does not run here (an interrupted recovery made it)", "job", id, "net", name)
+	a.log.Warn("removing the job network of a job that does not run here", "job", id, "net", name, "why", why)
 	a.deleteJobNet(ctx, id, &JobNet{Name: name})
 }
 

@@ -278,18 +278,18 @@ func TestLingerNets(t *testing.T) {
 	if !l.has("ftj-a") || l.has("ftj-c") {
 		t.Fatal("has: want ftj-a only among ftj-a and ftj-c")
 	}
-	l.end("ftj-a", func() { removed = append(removed, "end ftj-a") })
+	l.take("ftj-a", func(id string) { removed = append(removed, "end "+id) })
 	if l.has("ftj-a") {
 		t.Error("ftj-a still lingers after its end")
 	}
-	if !l.takeOver("ftj-b", func(id string) { removed = append(removed, "claim "+id) }) {
-		t.Error("takeOver of the lingering ftj-b = false")
+	if !l.take("ftj-b", func(id string) { removed = append(removed, "claim "+id) }) {
+		t.Error("a claim of the lingering ftj-b = false")
 	}
-	if l.takeOver("ftj-b", func(string) { removed = append(removed, "claim again") }) {
-		t.Error("a second takeOver of ftj-b = true")
+	if l.take("ftj-b", func(string) { removed = append(removed, "claim again") }) {
+		t.Error("a second claim of ftj-b = true")
 	}
-	l.end("ftj-b", func() { removed = append(removed, "end ftj-b") })
-	if want := []string{"end ftj-a", "claim job-b"}; !slices.Equal(removed, want) {
+	l.take("ftj-b", func(string) { removed = append(removed, "end ftj-b") })
+	if want := []string{"end job-a", "claim job-b"}; !slices.Equal(removed, want) {
 		t.Errorf("removals %q, want %q", removed, want)
 	}
 }

@@ -315,7 +315,7 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 				state = string(j.State)
 			}
 			if jerr != nil {
-				a.removeOrphanJobNet(ctx, rj.Job)
+				a.removeOrphanJobNet(ctx, rj.Job, "an interrupted recovery made it")
 			}
 			err := fmt.Errorf("job %s (%s when the agent restarted) does not run on %s: its state is %s", rj.Job, rj.Phase, a.cfg.Name, state)
 			stage(Stage{Name: StageReplayed, Job: rj.Job, Host: a.cfg.Name, Start: time.Now(), End: time.Now(), Error: err.Error()})
