@@ -73,14 +73,16 @@ func BinaryPatchLevel(path string) (uint32, error) {
 // the CRIU at path lacks ftkit's patches. Such a CRIU works, with the faults the patches fix: a live
 // snapshot can make TCP count a job's unsent bytes as sent without transmitting them
 // (patches/0001-soccr-select-no-queue-after-save.patch), which stalls the connection until the job's TCP
-// retransmits them and leaves the sender-side log a hole that makes a recovery in that time refuse.
+// retransmits them and leaves the sender-side log a hole that makes a recovery in that time refuse; and on
+// a host whose /run is not a tmpfs, every dump and restore probes the kernel afresh, about 50 ms longer
+// (patches/0002-kerndat-cache-on-any-filesystem.patch).
 func CheckPatches(path string) error {
 	level, err := BinaryPatchLevel(path)
 	if err != nil {
 		return err
 	}
 	if want := PatchLevel(); level != want {
-		return fmt.Errorf("%w: %s has patch level %d, not %d: a live snapshot can make TCP count unsent bytes as sent without transmitting them (the connection stalls until TCP retransmits them, and a recovery meanwhile is refused); run `make setup` (scripts/setup.sh criu) to build CRIU with them",
+		return fmt.Errorf("%w: %s has patch level %d, not %d: a live snapshot can make TCP count unsent bytes as sent without transmitting them (the connection stalls until TCP retransmits them, and a recovery meanwhile is refused), and where /run is not a tmpfs every dump and restore probes the kernel afresh (about 50 ms); run `make setup` (scripts/setup.sh criu) to build CRIU with them",
 			ErrUnpatched, path, level, want)
 	}
 	return nil
