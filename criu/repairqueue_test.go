@@ -135,32 +135,7 @@ func TestLiveDumpSelectsNoRepairQueue(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ns := testenv.Netns(t, "ftkit-criu-test")
-	var ln net.Listener
-	if err := netnsthread.In(ns, func() error {
-		var err error
-		ln, err = net.Listen("tcp", "127.0.0.1:0")
-		return err
-	}); err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	self, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
-	}
-	child := exec.Command(self)
-	child.Env = append(os.Environ(), "FTKIT_CRIU_TEST_ROLE="+senderRole, "FTKIT_ADDR="+ln.Addr().String())
-	child.SysProcAttr = &syscall.SysProcAttr{Setsid: true} // its own session: CRIU dumps it as a tree of its own
-	if err := netnsthread.In(ns, child.Start); err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = child.Process.Kill(); _ = child.Wait() }()
-	rcv, err := ln.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rcv.Close()
+	child, ns := startSender(t)
 
 	pidfd, err := unix.PidfdOpen(child.Process.Pid, 0)
 	if err != nil {
@@ -291,4 +266,39 @@ func childTCPSocket(t *testing.T, pid, pidfd int) int {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
+}
+
+// startSender starts a child of role senderRole in a network namespace of the test's own, in a session of
+// its own (CRIU dumps it as a tree of its own), writing over TCP to a listener in that namespace that
+// accepts its connection and reads nothing. It returns the child and the namespace; the test's cleanup
+// kills the child.
+func startSender(t *testing.T) (*exec.Cmd, string) {
+	t.Helper()
+	ns := testenv.Netns(t, "ftkit-criu-test")
+	var ln net.Listener
+	if err := netnsthread.In(ns, func() error {
+		var err error
+		ln, err = net.Listen("tcp", "127.0.0.1:0")
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	child := exec.Command(self)
+	child.Env = append(os.Environ(), "FTKIT_CRIU_TEST_ROLE="+senderRole, "FTKIT_ADDR="+ln.Addr().String())
+	child.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := netnsthread.In(ns, child.Start); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = child.Process.Kill(); _ = child.Wait() })
+	rcv, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rcv.Close() })
+	return child, ns
 }
