@@ -24,6 +24,7 @@ import (
 	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/internal/jobfs"
+	"github.com/ftkit/ftkit/internal/netnsthread"
 	"github.com/ftkit/ftkit/internal/tickgrid"
 	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/metrics"
@@ -138,6 +139,12 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 	}
 	if _, err := os.Stat(filepath.Join(cfg.CgroupParent, "cgroup.controllers")); err != nil {
 		return nil, fmt.Errorf("cgroup_parent %s is not in a cgroup v2 hierarchy: %w", cfg.CgroupParent, err)
+	}
+	// Every host's /run/netns a mount point of its own before a job starts, as job networks make it: a job's
+	// mount namespace, a copy of its host's, then holds that mount wherever it started, and every host that
+	// may restore it has the directory to bind it from.
+	if err := netnsthread.ShareRunDir(); err != nil {
+		return nil, fmt.Errorf("prepare %s for network namespaces: %w", netnsthread.RunDir, err)
 	}
 	if err := a.loadView(); err != nil {
 		return nil, err
