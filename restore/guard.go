@@ -43,18 +43,26 @@ func Guard(ctx context.Context, runID string, conns []ckpt.Conn) error {
 	if !runIDRE.MatchString(runID) {
 		return fmt.Errorf("guard: run id %q is not a CRIU run id (a UUID); get it with RunID", runID)
 	}
-	script, err := guardScript(GuardTable(runID), conns)
+	t := GuardTable(runID)
+	script, err := guardScript(t, conns)
 	if err != nil {
 		return fmt.Errorf("guard: %w", err)
 	}
-	if err := nft(ctx, script); err != nil {
-		return fmt.Errorf("guard: create table inet %s: %w", GuardTable(runID), err)
+	// Usually the table does not exist, and "create" fails if it does. The
+	// replacement ("add" then "delete" in the same transaction, atomic
+	// whether or not the table exists) is only run then: the deletion makes
+	// nft's exit wait for the kernel to destroy the table, an RCU grace
+	// period (about 15 ms of every restore here).
+	if err := nft(ctx, "create table inet "+t+"\n"+script); err == nil {
+		return nil
+	}
+	if err := nft(ctx, fmt.Sprintf("add table inet %s\ndelete table inet %s\n%s", t, t, script)); err != nil {
+		return fmt.Errorf("guard: create table inet %s: %w", t, err)
 	}
 	return nil
 }
 
-// guardScript is the nft script Guard runs. "add" then "delete" makes the
-// table's replacement atomic whether or not it exists.
+// guardScript is the table Guard creates, as an nft script.
 func guardScript(table string, conns []ckpt.Conn) (string, error) {
 	var v4, v6 []string
 	for _, c := range conns {
@@ -85,7 +93,7 @@ func guardScript(table string, conns []ckpt.Conn) (string, error) {
 			"\t\tip6 saddr . tcp sport . ip6 daddr . tcp dport @conns6 drop\n\t}\n", name, name, soccrMark)
 	}
 	var b strings.Builder
-	fmt.Fprintf(&b, "add table inet %s\ndelete table inet %s\ntable inet %s {\n", table, table, table)
+	fmt.Fprintf(&b, "table inet %s {\n", table)
 	b.WriteString(set("conns4", "ipv4", v4))
 	b.WriteString(set("conns6", "ipv6", v6))
 	b.WriteString(chain("output"))

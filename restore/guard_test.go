@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/netip"
 	"os/exec"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -119,8 +120,11 @@ func TestGuard(t *testing.T) {
 		return ok
 	}
 
-	for range 2 { // idempotent
-		if err := l.Do("node1", func() error { return Guard(ctx, testRunID, conns) }); err != nil {
+	// A second Guard replaces the table: the connection only the first one
+	// named is not guarded any more.
+	earlier := append(slices.Clone(conns), ckpt.Conn{Tuple: tcpflow.Tuple{Local: from(40202), Remote: srv}, Inode: 4})
+	for _, cs := range [][]ckpt.Conn{earlier, conns} {
+		if err := l.Do("node1", func() error { return Guard(ctx, testRunID, cs) }); err != nil {
 			t.Fatal(err)
 		}
 	}
