@@ -88,7 +88,7 @@ func CreateNamed(name string) error {
 // shared again.
 func ShareRunDir() error {
 	if err := os.MkdirAll(RunDir, 0o755); err != nil {
-		return err
+		return fmt.Errorf("create %s: %w", RunDir, err)
 	}
 	for bound := false; ; bound = true {
 		err := unix.Mount("", RunDir, "none", unix.MS_SHARED|unix.MS_REC, "")
