@@ -11,6 +11,8 @@ import (
 
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/internal/netnsthread"
 )
 
 // The job's first process is `ftagent shim` in ModeInit mode, started by the shim as root in the job's new
@@ -145,6 +147,13 @@ func withoutMPTCP(env []string) []string {
 func setupMounts() error {
 	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_SLAVE, ""); err != nil {
 		return fmt.Errorf("make the job's mounts slaves of the host's: %w", err)
+	}
+	// Except the directory of named network namespaces, a shared mount on the agent's host
+	// (netnsthread.ShareRunDir): a job network made after the job started would propagate into the job's
+	// copy, and a snapshot would then name a namespace that is gone where it is restored ("Can't stat
+	// mountpoint .../ftj-..."). Namespace handles are pruned below; none may come later.
+	if err := unix.Mount("", netnsthread.RunDir, "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil && err != unix.EINVAL && err != unix.ENOENT {
+		return fmt.Errorf("make the job's copy of %s private: %w", netnsthread.RunDir, err)
 	}
 	mounts, err := mountinfo.GetMounts(nil)
 	if err != nil {

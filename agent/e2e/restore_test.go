@@ -12,9 +12,11 @@ import (
 	"time"
 
 	"github.com/moby/sys/mountinfo"
+	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/internal/netnsthread"
 	"github.com/ftkit/ftkit/lab/labcluster"
 )
 
@@ -264,6 +266,17 @@ func TestJobSeesLaterHostMounts(t *testing.T) {
 	before := mountTmpfs(t, filepath.Join(shared, "before-snapshot"))
 	if !sees(j.PID, before) {
 		t.Fatalf("job %s (pid %d) does not see %s, mounted on the host after it started", id, j.PID, before)
+	}
+	// Except a network namespace named after the job started (a job network, a lab host): its handle in
+	// /run/netns, a shared mount, must not reach the job, whose snapshot would then name a namespace gone
+	// where it is restored (ci124: "Can't stat mountpoint .../ftj-...").
+	later := "ftkit-test-later-" + c.Lab.State().ID
+	if err := netnsthread.CreateNamed(later); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { netns.DeleteNamed(later) })
+	if sees(j.PID, filepath.Join(netnsthread.RunDir, later)) {
+		t.Fatalf("job %s (pid %d) sees network namespace %s, named on the host after it started", id, j.PID, later)
 	}
 	reply, err := c.Client("node1").Checkpoint(ctx, id)
 	if err != nil || reply.Error != "" || len(reply.Results) != 1 || !reply.Results[0].Shipped {
