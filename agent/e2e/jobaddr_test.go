@@ -229,6 +229,12 @@ func TestJobAddressFailover(t *testing.T) {
 		t.Errorf("the restarted agent of node2 did not report finding rank 1's job network (%v)", err)
 	}
 
+	// The restarted agent's log holds only what was sent after it started. The check of re-sent bytes needs
+	// what the snapshot's connection carried in the 64 KiB block holding its write_seq (the sent prefix): so
+	// the snapshot comes after more than a block was sent (10 iterations of 16 KiB). Taken at once, its
+	// block could start before the restart, and the recovery then refused as unverifiable (ci125: "the
+	// restored sender could not tell what it had sent").
+	rg.waitProgress(t, progressEvery, 2*time.Minute)
 	rg.checkpoint(t, "node2")
 	rg.waitProgress(t, 40, 2*time.Minute)
 	if err := c.Lab.Crash(ctx, "node2"); err != nil {
