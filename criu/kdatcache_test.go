@@ -7,8 +7,6 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
-
-	"github.com/ftkit/ftkit/internal/testenv"
 )
 
 // TestKernelProbeCacheKeptOnAnyFilesystem: the CRIU `make setup` builds keeps what it probed of the kernel
@@ -20,11 +18,7 @@ import (
 // The cache goes to a directory of the test's own (an unprivileged CRIU's $XDG_RUNTIME_DIR), on the
 // filesystem of the test's temporary files, so the host's /run/criu.kdat is not touched.
 func TestKernelProbeCacheKeptOnAnyFilesystem(t *testing.T) {
-	testenv.RequireKernel(t, "CRIU")
-	bin, _, err := Require("")
-	if err != nil {
-		t.Fatal(err)
-	}
+	bin := requireCRIU(t, "CRIU")
 	bootID, err := os.ReadFile("/proc/sys/kernel/random/boot_id")
 	if err != nil {
 		t.Fatal(err)

@@ -7,8 +7,6 @@ import (
 	"path/filepath"
 	"testing"
 	"time"
-
-	"github.com/ftkit/ftkit/internal/testenv"
 )
 
 // TestDumpResumesBeforeUnlockCloses: the CRIU `make setup` builds resumes a live-dumped task before it
@@ -16,11 +14,7 @@ import (
 // netlink socket, and that close waits for the kernel to destroy the table, an RCU grace period (6-14 ms on
 // this project's machines), which CRIU 4.2.1 spent with the task stopped.
 func TestDumpResumesBeforeUnlockCloses(t *testing.T) {
-	testenv.RequireKernel(t, "CRIU and a network namespace")
-	bin, _, err := Require("")
-	if err != nil {
-		t.Fatal(err)
-	}
+	bin := requireCRIU(t, "CRIU and a network namespace")
 	child, ns := startSender(t)
 	dir := t.TempDir()
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)

@@ -130,11 +130,7 @@ func TestRepairSendQueueSkipsTransmission(t *testing.T) {
 // count as sent without transmitting them (TestRepairSendQueueSkipsTransmission). CRIU 4.2.1 without the
 // patch leaves TCP_SEND_QUEUE selected.
 func TestLiveDumpSelectsNoRepairQueue(t *testing.T) {
-	testenv.RequireKernel(t, "CRIU and a network namespace")
-	bin, _, err := Require("")
-	if err != nil {
-		t.Fatal(err)
-	}
+	bin := requireCRIU(t, "CRIU and a network namespace")
 	child, ns := startSender(t)
 
 	pidfd, err := unix.PidfdOpen(child.Process.Pid, 0)
@@ -301,4 +297,16 @@ func startSender(t *testing.T) (*exec.Cmd, string) {
 	}
 	t.Cleanup(func() { rcv.Close() })
 	return child, ns
+}
+
+// requireCRIU is the CRIU binary for a test that runs it: the test needs root (needs says what for) and
+// a CRIU that Require accepts.
+func requireCRIU(t *testing.T, needs string) string {
+	t.Helper()
+	testenv.RequireKernel(t, needs)
+	bin, _, err := Require("")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return bin
 }
