@@ -19,6 +19,7 @@ import (
 	"github.com/ftkit/ftkit/netlog/capture"
 	"github.com/ftkit/ftkit/recvdigest"
 	"github.com/ftkit/ftkit/restore"
+	"github.com/ftkit/ftkit/shim"
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
@@ -390,7 +391,8 @@ func (a *Agent) killJob(id string, why error) {
 		return
 	}
 	a.log.Error("killing restored job: it is not transparently recoverable", "job", id, "pid", j.PID, "err", why)
-	if err := unix.Kill(j.PID, unix.SIGKILL); err != nil && !errors.Is(err, unix.ESRCH) {
+	// By pidfd, checked in the job's cgroup: the PID alone may name another process by now.
+	if err := shim.Signal(j.PID, j.Cgroup, unix.SIGKILL); err != nil && !errors.Is(err, shim.ErrJobGone) {
 		a.log.Error("could not kill restored job", "job", id, "pid", j.PID, "err", err)
 	}
 }

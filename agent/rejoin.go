@@ -77,7 +77,7 @@ func (a *Agent) dropFailedJobs(self ring.Member) int {
 		if a.ownCopyRuns(j) {
 			// Its root is the init of the job's PID namespace: the kernel kills the whole namespace with it.
 			// Not the cgroup: on hosts that share a kernel (the lab) it is the restored copy's too.
-			if err := unix.Kill(j.PID, unix.SIGKILL); err != nil && !errors.Is(err, unix.ESRCH) {
+			if err := shim.Signal(j.PID, j.Cgroup, unix.SIGKILL); err != nil && !errors.Is(err, shim.ErrJobGone) {
 				a.log.Error("this host was declared failed and its job restored elsewhere, but its copy here could not be killed", "job", j.ID, "pid", j.PID, "err", err)
 				left++
 				continue

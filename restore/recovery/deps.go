@@ -65,7 +65,8 @@ type Job struct {
 	RestoredAt time.Time
 	// Checks are the peers' records of what they received, per connection (Local: the restored end).
 	Checks map[tcpflow.Tuple]Check
-	// Replayed are flows whose replay a previous agent saw complete (a resume): not waited for again.
+	// Replayed are flows whose replay is complete, seen by this recovery or by a previous agent's (a
+	// resume): not waited for again, their clamp released.
 	Replayed []tcpflow.Tuple
 	// Net is the job's own network (a job address, package jobnet), nil for a job restored on the host's
 	// network: Run creates it, guards the job's connections and announces the job's address inside it.

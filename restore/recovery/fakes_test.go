@@ -148,9 +148,13 @@ func (f *fake) ReadRange(_ context.Context, w io.Writer, conn tcpflow.Tuple, seq
 	return err
 }
 
+// SentUpTo answers as the agent's does with an ACK clamp: nothing for a flow the clamp let go of.
 func (f *fake) SentUpTo(flow tcpflow.Tuple) (uint32, bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if slices.Contains(f.released, flow) {
+		return 0, false
+	}
 	s, ok := f.sent[flow]
 	return s, ok
 }
@@ -257,8 +261,16 @@ func (f *fake) Announce(_ context.Context, ip netip.Addr) error {
 	return nil
 }
 
+// ResetPeer records the reset, and whether it came before a kill of the job (it must not).
 func (f *fake) ResetPeer(conn tcpflow.Tuple, seq uint32) error {
-	addTo(f, &f.net, fmt.Sprintf("reset %s at %d", conn, seq))
+	f.mu.Lock()
+	early := len(f.killed) == 0
+	f.mu.Unlock()
+	msg := fmt.Sprintf("reset %s at %d", conn, seq)
+	if early {
+		msg += " before the kill"
+	}
+	addTo(f, &f.net, msg)
 	return nil
 }
 

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/recvdigest"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // Checking re-sent bytes. After a restore, the restored job re-emits the bytes its surviving peers already
@@ -47,35 +48,56 @@ func ReplayAndVerify(ctx context.Context, d Deps, j *Job) (string, error) {
 		err = fmt.Errorf("%w (its receive calls were replayed in the recorded order: it decides from something else, such as which messages had arrived when it checked, as MPI_Waitany and MPI_ANY_SOURCE do, or the clock; or a crash took the determinants of its last receives: docs/receive-order.md)", err)
 	}
 	if err != nil {
-		abandon(d, j, !d.Jobs.RollsBack(j.ID))
+		rollsBack := d.Jobs.RollsBack(j.ID) // the whole run rolls back, the peers included: nobody to reset
+		short := abandon(d, j)
 		d.Jobs.Kill(j.ID, err)
+		if !rollsBack {
+			resetPeers(d, j, short)
+		}
 	}
 	return detail, err
 }
 
+// shortPeer is a peer that received more than an abandoned job re-sent: up to target on flow.
+type shortPeer struct {
+	flow   tcpflow.Tuple
+	target uint32
+}
+
 // abandon lets go of a restored job that is about to be killed: the ACK clamp stops holding its flows'
 // peer ACKs down (else the RST this host's TCP sends for the dead sockets would carry those lowered
-// numbers, which the peers ignore), and every peer that received more than the job re-sent gets a RST at
-// exactly what it received, so that it fails at once instead of waiting for bytes that will never come
-// (unless resetPeers is false: the whole run rolls back, the peers included). A resumed recovery (no
-// network: the agent restarted) only releases the clamp.
-func abandon(d Deps, j *Job, resetPeers bool) {
-	n := netOf(d, j)
+// numbers, which the peers ignore). It returns the peers that received more than the job re-sent.
+func abandon(d Deps, j *Job) []shortPeer {
+	var short []shortPeer
 	for _, c := range j.Plan.Conns {
-		if c.Resend == 0 {
-			continue // the peer has no byte the job would not send again: the job's own close reaches it
+		if c.Resend == 0 || slices.Contains(j.Replayed, c.Conn.Tuple) {
+			continue // the peer has no byte the job did not send again: the job's own close reaches it
 		}
 		flow, target := c.Conn.Tuple, c.Conn.OutqSeq+c.Resend
 		// Read before the clamp lets go of the flow: with a clamp, it is what knows how far the socket sent.
 		sent, ok := d.Log.SentUpTo(flow)
-		if d.Clamp != nil && !slices.Contains(j.Replayed, flow) {
+		if d.Clamp != nil {
 			d.Clamp.Release(flow)
 		}
-		if ok && int32(sent-target) >= 0 || n == nil || !resetPeers {
-			continue // it re-sent all the peer had (its own close reaches the peer), or a resume: no network
+		if !ok || int32(sent-target) < 0 {
+			short = append(short, shortPeer{flow, target})
 		}
-		if err := n.ResetPeer(flow, target); err != nil {
-			d.Logger.Warn("could not reset a peer of the abandoned job: it may wait until its keepalive finds the connection dead", "job", j.ID, "conn", flow, "err", err)
+	}
+	return short
+}
+
+// resetPeers sends each peer an abandoned job left short a RST at exactly what it received, so that it
+// fails at once instead of waiting for bytes that will never come. It runs after the kill: a RST first
+// could make the peer close before the job is dead, and the job then see the peer's reset and exit on its
+// own instead of being killed (ci124). A resumed recovery without a network resets nobody.
+func resetPeers(d Deps, j *Job, short []shortPeer) {
+	n := netOf(d, j)
+	if n == nil {
+		return
+	}
+	for _, p := range short {
+		if err := n.ResetPeer(p.flow, p.target); err != nil {
+			d.Logger.Warn("could not reset a peer of the abandoned job: it may wait until its keepalive finds the connection dead", "job", j.ID, "conn", p.flow, "err", err)
 		}
 	}
 }
@@ -116,6 +138,9 @@ func waitReplay(ctx context.Context, d Deps, j *Job) (string, error) {
 		if d.Clamp != nil {
 			clamped += d.Clamp.Release(flow)
 		}
+		// Complete: an abandon after a failed check must neither release it again nor, the clamp no
+		// longer knowing how far it sent, take its peer for one left short (ci124).
+		j.Replayed = append(j.Replayed, flow)
 	}
 	return fmt.Sprintf("%d bytes re-sent and discarded by the peers; %d peer ACKs clamped", total, clamped), nil
 }

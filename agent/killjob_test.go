@@ -1,0 +1,63 @@
+package agent
+
+import (
+	"errors"
+	"os/exec"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// TestKillJob: the agent kills a restored job that is not transparently recoverable by its root's PID only
+// while that PID is a process of the job (listed in the job's cgroup): a PID the job's root left may name
+// another user's process by the time the agent acts on its record.
+func TestKillJob(t *testing.T) {
+	ta := newTestAgent(t)
+	start := func() *exec.Cmd {
+		cmd := exec.Command("sleep", "600")
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+		return cmd
+	}
+	root, stranger := start(), start()
+	ended := func(cmd *exec.Cmd) <-chan error {
+		ch := make(chan error, 1)
+		go func() { ch <- cmd.Wait() }()
+		return ch
+	}
+	rootEnded, strangerEnded := ended(root), ended(stranger)
+
+	// The job's record names root, which its cgroup lists: killed.
+	ta.addJob(t, Job{ID: "job-restored", State: JobRunning, PID: root.Process.Pid})
+	ta.killJob("job-restored", errors.New("test"))
+	select {
+	case err := <-rootEnded:
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
+			t.Errorf("the job's root ended with %v, want SIGKILL", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the job's root was not killed")
+	}
+
+	// This record's PID names a process its cgroup does not list (the root exited, the PID was reused):
+	// not signalled.
+	j := ta.addJob(t, Job{ID: "job-pid-reused", State: JobRunning, PID: stranger.Process.Pid})
+	ta.setProcs(t, j)
+	ta.killJob("job-pid-reused", errors.New("test"))
+	// Then this test ends it with SIGTERM: it dies of SIGKILL only if the agent had sent one.
+	if err := stranger.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatalf("a process outside the job is gone: the agent killed it (%v)", err)
+	}
+	select {
+	case err := <-strangerEnded:
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != syscall.SIGTERM {
+			t.Errorf("a process outside the job ended with %v, want this test's SIGTERM: the agent signalled it", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the process outside the job did not end")
+	}
+}
