@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/netip"
 	"os/exec"
+	"reflect"
 	"slices"
 	"strings"
 	"syscall"
@@ -32,26 +33,34 @@ func TestGuardTable(t *testing.T) {
 	}
 }
 
-func TestGuardScript(t *testing.T) {
+func TestGuardKeys(t *testing.T) {
 	c4 := ckpt.Conn{Tuple: tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.11:40000"), Remote: netip.MustParseAddrPort("10.0.0.12:7000")}}
-	c6 := ckpt.Conn{Tuple: tcpflow.Tuple{Local: netip.MustParseAddrPort("[fd00::1]:1"), Remote: netip.MustParseAddrPort("[fd00::2]:2")}}
+	c6 := ckpt.Conn{Tuple: tcpflow.Tuple{Local: netip.MustParseAddrPort("[fd00::1]:1"), Remote: netip.MustParseAddrPort("[fd00::2]:258")}}
 	mapped := ckpt.Conn{Tuple: tcpflow.Tuple{Local: netip.MustParseAddrPort("[::ffff:10.0.0.11]:5"), Remote: netip.MustParseAddrPort("[::ffff:10.0.0.13]:6")}}
-	s, err := guardScript("CRIU-x", []ckpt.Conn{c4, c6, mapped})
+	k, err := guardKeys([]ckpt.Conn{c4, c6, mapped})
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{
-		"10.0.0.11 . 40000 . 10.0.0.12 . 7000", "10.0.0.12 . 7000 . 10.0.0.11 . 40000", // both directions
-		"10.0.0.11 . 5 . 10.0.0.13 . 6", // v4-mapped goes to the IPv4 set
-		"fd00::1 . 1 . fd00::2 . 2", "fd00::2 . 2 . fd00::1 . 1",
-		"meta mark 0xc114 accept", "type filter hook input priority 0", "type filter hook output priority 0",
-	} {
-		if !strings.Contains(s, want) {
-			t.Errorf("script lacks %q:\n%s", want, s)
-		}
+	v6 := func(last byte) []byte { return append(make([]byte, 15, 16), last) }
+	fd := func(last byte) []byte { b := v6(last); b[0] = 0xfd; return b }
+	cat := func(parts ...[]byte) []byte { return slices.Concat(parts...) }
+	want := guardSets{
+		v4: [][]byte{ // both directions; the v4-mapped connection in the IPv4 set; ports big-endian, padded to 4 bytes
+			{10, 0, 0, 11, 0x9c, 0x40, 0, 0, 10, 0, 0, 12, 0x1b, 0x58, 0, 0},
+			{10, 0, 0, 12, 0x1b, 0x58, 0, 0, 10, 0, 0, 11, 0x9c, 0x40, 0, 0},
+			{10, 0, 0, 11, 0, 5, 0, 0, 10, 0, 0, 13, 0, 6, 0, 0},
+			{10, 0, 0, 13, 0, 6, 0, 0, 10, 0, 0, 11, 0, 5, 0, 0},
+		},
+		v6: [][]byte{
+			cat(fd(1), []byte{0, 1, 0, 0}, fd(2), []byte{1, 2, 0, 0}),
+			cat(fd(2), []byte{1, 2, 0, 0}, fd(1), []byte{0, 1, 0, 0}),
+		},
+	}
+	if !reflect.DeepEqual(k, want) {
+		t.Errorf("guardKeys =\n%v\nwant\n%v", k, want)
 	}
 	mixed := ckpt.Conn{Tuple: tcpflow.Tuple{Local: c4.Local, Remote: c6.Remote}}
-	if _, err := guardScript("CRIU-x", []ckpt.Conn{mixed}); err == nil {
+	if _, err := guardKeys([]ckpt.Conn{mixed}); err == nil {
 		t.Error("a connection with an IPv4 and an IPv6 end was accepted")
 	}
 	for _, id := range []string{"", "x; flush ruleset", strings.ToUpper(testRunID)} {
@@ -130,6 +139,37 @@ func TestGuard(t *testing.T) {
 	}
 	if !exists() {
 		t.Fatal("no guard table after Guard")
+	}
+	// nft reads the table back as the rules CRIU's own lock has (criu/netfilter.c): the netlink batch
+	// built what nft would have, the IPv6 half too, which the traffic below does not exercise.
+	var listed []byte
+	if err := l.Do("node1", func() error {
+		bin, err := nftBinary()
+		if err == nil {
+			listed, err = execOutput(ctx, bin, "list", "table", "inet", GuardTable(testRunID))
+		}
+		return err
+	}); err != nil {
+		t.Fatalf("nft list: %v: %s", err, listed)
+	}
+	for _, want := range []string{
+		"type ipv4_addr . inet_service . ipv4_addr . inet_service",
+		"type ipv6_addr . inet_service . ipv6_addr . inet_service",
+		from(40200).Addr().String() + " . 40200 . " + srv.Addr().String() + " . 7200",
+		srv.Addr().String() + " . 7200 . " + from(40200).Addr().String() + " . 40200",
+		"fd00::1 . 1 . fd00::2 . 2", "fd00::2 . 2 . fd00::1 . 1",
+		"type filter hook output priority filter; policy accept;",
+		"type filter hook input priority filter; policy accept;",
+		"meta mark 0x0000c114 accept",
+		"ip saddr . tcp sport . ip daddr . tcp dport @conns4 drop",
+		"ip6 saddr . tcp sport . ip6 daddr . tcp dport @conns6 drop",
+	} {
+		if !strings.Contains(string(listed), want) {
+			t.Errorf("the guard as nft lists it lacks %q:\n%s", want, listed)
+		}
+	}
+	if strings.Contains(string(listed), "40202") {
+		t.Errorf("the replaced guard still names the first one's connection:\n%s", listed)
 	}
 	if err := dial(40200, false); err == nil {
 		t.Error("a guarded connection's SYN got through")

@@ -7,7 +7,6 @@ import (
 	"io/fs"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -23,6 +22,7 @@ import (
 	"github.com/ftkit/ftkit/internal/clustertls"
 	"github.com/ftkit/ftkit/internal/sitecmd"
 	"github.com/ftkit/ftkit/internal/version"
+	"github.com/ftkit/ftkit/restore"
 )
 
 // minKernel is the oldest kernel with everything the agent attaches: TCX (6.6), BPF ring buffers and
@@ -65,11 +65,7 @@ func checkConfig(w io.Writer, path, resolv string, now time.Time) error {
 	checks = append(checks, credentialChecks(cfg, now)...)
 	checks = append(checks, checkListen(cfg))
 	checks = append(checks, checkCRIU(cfg.CRIU)...)
-	var nftErr error
-	if _, err := exec.LookPath("nft"); err != nil {
-		nftErr = fmt.Errorf("%w: a restore guards the restored connections with an nftables table: apt install nftables", err)
-	}
-	checks = append(checks, check{"nft (nftables) on PATH", nftErr})
+	checks = append(checks, check{"nftables in the kernel (a restore's connection guard)", restore.CheckGuards()})
 	checks = append(checks, kernelChecks(cfg)...)
 	checks = append(checks, dirChecks(cfg)...)
 	checks = append(checks, checkFenceCommand(cfg), checkHealthCommand(cfg))
