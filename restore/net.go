@@ -102,13 +102,19 @@ func SetInitCwnd(iface string, segments int) error {
 
 // Announce broadcasts gratuitous ARP for ip out of iface (an ARP request
 // whose sender and target are ip, sender hardware address iface's, as
-// `arping -U` sends), twice 100 ms apart, so that peers' neighbour entries
-// for the failed node's address move to this host instead of waiting for
-// them to go stale (Linux updates an existing entry from such a request even
-// with arp_accept=0). Call it once the restored sockets exist: a peer that
-// sends here before then meets the guard at best. IPv4 only; the packet
-// socket is opened in the calling thread's network namespace.
+// `arping -U` sends), so that peers' neighbour entries for the failed node's
+// address move to this host instead of waiting for them to go stale (Linux
+// updates an existing entry from such a request even with arp_accept=0). It
+// returns once the first is sent; a repeat 100 ms later, in case the first
+// was lost, is sent from the same socket without anyone waiting for it (the
+// recovery's replay and its re-protection waited 100 ms for it before). Call
+// it once the restored sockets exist: a peer that sends here before then
+// meets the guard at best. IPv4 only; the packet socket is opened in the
+// calling thread's network namespace.
 func Announce(ctx context.Context, iface string, ip netip.Addr) error {
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("announce %s: %w", ip, err)
+	}
 	ip = ip.Unmap()
 	if !ip.Is4() {
 		return fmt.Errorf("announce %s: only IPv4 is announced (ARP); IPv6 peers rediscover by neighbour solicitation", ip)
@@ -125,24 +131,25 @@ func Announce(ctx context.Context, iface string, ip netip.Addr) error {
 	if err != nil {
 		return fmt.Errorf("announce %s: open a packet socket (needs CAP_NET_RAW): %w", ip, err)
 	}
-	defer unix.Close(fd)
 	to := &unix.SockaddrLinklayer{Protocol: htons(unix.ETH_P_ARP), Ifindex: link.Attrs().Index, Halen: 6}
 	copy(to.Addr[:], []byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff})
 	pkt := garp(mac, ip.As4())
-	for i := range 2 {
-		if i > 0 {
-			select {
-			case <-ctx.Done():
-				return fmt.Errorf("announce %s: %w", ip, ctx.Err())
-			case <-time.After(100 * time.Millisecond):
-			}
-		}
-		if err := unix.Sendto(fd, pkt, 0, to); err != nil {
-			return fmt.Errorf("announce %s: send gratuitous ARP on %s: %w", ip, iface, err)
-		}
+	if err := unix.Sendto(fd, pkt, 0, to); err != nil {
+		unix.Close(fd)
+		return fmt.Errorf("announce %s: send gratuitous ARP on %s: %w", ip, iface, err)
 	}
+	// The socket keeps the namespace it was opened in: the repeat needs no thread of it. Best effort: an
+	// interface gone by then (the job ended) has nobody to announce.
+	// Not bound to ctx either, which a recovery's end cancels: one packet.
+	time.AfterFunc(announceRepeat, func() {
+		unix.Sendto(fd, pkt, 0, to)
+		unix.Close(fd)
+	})
 	return nil
 }
+
+// announceRepeat is how long after the first announcement Announce repeats it.
+const announceRepeat = 100 * time.Millisecond
 
 // garp is the ARP payload of a gratuitous request (RFC 5227 announcement).
 func garp(mac net.HardwareAddr, ip [4]byte) []byte {

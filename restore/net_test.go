@@ -54,6 +54,16 @@ func TestTakeOverAnnounce(t *testing.T) {
 		t.Fatal(err)
 	}
 
+	// node1 counts the announcements it receives: the first and, without anyone waiting for it, the repeat.
+	var arpFd int
+	if err := l.Do("node1", func() (err error) {
+		arpFd, err = unix.Socket(unix.AF_PACKET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, int(htons(unix.ETH_P_ARP)))
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(arpFd)
+
 	var spareMAC net.HardwareAddr
 	var ln net.Listener
 	if err := l.Do("spare1", func() error {
@@ -116,6 +126,18 @@ func TestTakeOverAnnounce(t *testing.T) {
 	}
 	if !bytes.Equal(mac, spareMAC) {
 		t.Fatalf("node1's neighbour entry for %v is %v after the announcement, want the spare's %v", moved.Addr(), mac, spareMAC)
+	}
+	want := garp(spareMAC, moved.Addr().As4())
+	seen := 0
+	unix.SetsockoptTimeval(arpFd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &unix.Timeval{Sec: 10})
+	for buf := make([]byte, 128); seen < 2; {
+		n, _, err := unix.Recvfrom(arpFd, buf, 0)
+		if err != nil {
+			t.Fatalf("node1 received %d of the 2 announcements: %v", seen, err)
+		}
+		if bytes.Equal(buf[:n], want) {
+			seen++
+		}
 	}
 	if err := l.Do("node1", func() error {
 		c, err := (&net.Dialer{Timeout: time.Second}).DialContext(ctx, "tcp4", netip.AddrPortFrom(moved.Addr(), 7300).String())
