@@ -127,8 +127,9 @@ func broadcast(p netip.Prefix) netip.Addr {
 // Path is the bind-mount path of the namespace name; name must be valid.
 func Path(name string) string { return filepath.Join(NetnsDir, name) }
 
-// tempLinkName is the name the interface has in the parent's namespace between its creation and its move
-// into the job's: derived from the job's name, so that a Create interrupted by a crash finds and removes it.
+// tempLinkName is the name agents before 2026-11-29 gave the interface in the parent's namespace between
+// its creation and its move into the job's (derived from the job's name): Create and Delete remove one
+// that such an agent's crash left. The interface is now made inside the job's namespace.
 func tempLinkName(name string) string {
 	h := fnv.New32a()
 	h.Write([]byte(name))
