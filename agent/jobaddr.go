@@ -287,6 +287,22 @@ func (a *Agent) createJobNet(ctx context.Context, n *JobNet) error {
 	return nil
 }
 
+// withdrawJobNet takes job id's address off the wire at once (its network, if this agent's, stays until
+// deleteJobNet); if that fails, it deletes the network instead, which takes the address too.
+func (a *Agent) withdrawJobNet(ctx context.Context, id string, n *JobNet) {
+	if n == nil {
+		return
+	}
+	if n.Name == jobNetName(a.cfg.Name, id) {
+		err := jobnet.Withdraw(n.Name)
+		if err == nil {
+			return
+		}
+		a.log.Warn("could not take the job's address off its network; deleting the network now", "job", id, "net", n.Name, "err", err)
+	}
+	a.deleteJobNet(ctx, id, n)
+}
+
 // deleteJobNet removes job id's network if it is this agent's (never a name from a record as such).
 func (a *Agent) deleteJobNet(ctx context.Context, id string, n *JobNet) {
 	if n == nil {

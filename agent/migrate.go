@@ -89,14 +89,22 @@ func (a *Agent) Migrate(ctx context.Context, req MigrateRequest, uid uint32) (*M
 	stage := func(name string, from time.Time, detail string, err error) {
 		emit(Stage{Name: name, Job: j.ID, Host: a.cfg.Name, Start: from, End: time.Now(), Detail: detail, Error: errString(err)})
 	}
-	frozen, m, err := a.stopForMigration(ctx, j, req.To, a.migrationBase(ctx, j.ID, req.To), stage)
+	frozen, m, deleteNet, err := a.stopForMigration(ctx, j, req.To, a.migrationBase(ctx, j.ID, req.To), stage)
 	if m != nil {
 		res.Snapshot = m.ID
 	}
 	if err != nil {
+		deleteNet()
 		a.endMigration(id, err)
 		return nil, err
 	}
+	// The job's address is off the wire already; its network goes while the target restores the job,
+	// and before the job could come back here (afterFailedMove makes it again).
+	netDeleted := make(chan struct{})
+	go func() {
+		defer close(netDeleted)
+		deleteNet()
+	}()
 	rreq := RecoverRequest{Failure: id, Failed: a.cfg.Name, Source: a.cfg.Name, Migration: true,
 		Jobs: []RecoverJob{{Job: j.ID, Snapshot: m.ID, Source: a.cfg.Name, Candidates: []Candidate{{Snapshot: m.ID, Source: a.cfg.Name}}}}}
 	times := func(s Stage) {
@@ -108,7 +116,9 @@ func (a *Agent) Migrate(ctx context.Context, req MigrateRequest, uid uint32) (*M
 		}
 		emit(s)
 	}
-	if err := a.remoteRecover(ctx, req.To, rreq, times); err != nil {
+	err = a.remoteRecover(ctx, req.To, rreq, times)
+	<-netDeleted
+	if err != nil {
 		res.Error = err.Error()
 		if err := a.afterFailedMove(ctx, res, rreq, times); err != nil {
 			a.endMigration(id, err)
@@ -210,19 +220,21 @@ func (a *Agent) migrationBase(ctx context.Context, job, target string) *ship.Bas
 
 // stopForMigration freezes and dumps job j, ships the dump to target (as a diff against base if target
 // offers it), then takes the job off this host. Until the dump is on the target the job can still be
-// thawed, and runs on as before. It returns when the job was frozen.
-func (a *Agent) stopForMigration(ctx context.Context, j Job, target string, base *ship.BaseIndex, stage func(string, time.Time, string, error)) (time.Time, *ckpt.Manifest, error) {
+// thawed, and runs on as before. It returns when the job was frozen, and the deletion of the job's network
+// (leave), which the caller must call.
+func (a *Agent) stopForMigration(ctx context.Context, j Job, target string, base *ship.BaseIndex, stage func(string, time.Time, string, error)) (frozen time.Time, m *ckpt.Manifest, deleteNet func(), err error) {
 	a.ckptMu.Lock() // no scheduled snapshot of the job in between
 	defer a.ckptMu.Unlock()
-	frozen := time.Now()
-	m, err := a.dumpFrozen(ctx, j)
+	deleteNet = func() {}
+	frozen = time.Now()
+	m, err = a.dumpFrozen(ctx, j)
 	detail := ""
 	if m != nil {
 		detail = fmt.Sprintf("snapshot %s, %d MB", m.ID, m.TotalSize()>>20)
 	}
 	stage(StageDumped, frozen, detail, err)
 	if err != nil {
-		return frozen, m, err
+		return frozen, m, deleteNet, err
 	}
 	start := time.Now()
 	sent, err := a.shipTo(ctx, target, m, ship.SendOptions{JustCommitted: true, Base: base}) // dumped and committed just above
@@ -230,13 +242,13 @@ func (a *Agent) stopForMigration(ctx context.Context, j Job, target string, base
 		a.thaw(j)
 		err = fmt.Errorf("job %s not moved, it runs on here: %w", j.ID, err)
 		stage(StageShipped, start, "", err)
-		return frozen, m, err
+		return frozen, m, deleteNet, err
 	}
 	stage(StageShipped, start, fmt.Sprintf("%d MB on the wire", sent.WireBytes>>20), nil)
 	start = time.Now()
-	err = a.leaveHost(ctx, j, target)
+	deleteNet, err = a.leave(ctx, j, target)
 	stage(StageLeft, start, "", err)
-	return frozen, m, err
+	return frozen, m, deleteNet, err
 }
 
 // dumpFrozen freezes job j and dumps it, leaving it frozen; on an error it thaws it.
@@ -288,6 +300,16 @@ func (a *Agent) thaw(j Job) {
 // wire first (so that closing its sockets sends nothing to its peers), then its shim killed (so that no
 // exit record says it ended), then its processes, and what it held here released as for an ended job.
 func (a *Agent) leaveHost(ctx context.Context, j Job, target string) error {
+	deleteNet, err := a.leave(ctx, j, target)
+	deleteNet()
+	return err
+}
+
+// leave is leaveHost but for the job network's deletion, which waits for the kernel to unregister its
+// interface (20-40 ms) and is left to the caller: deleteNet, which the caller must call, also when err is
+// set, and before anything may make the job's network here again. The job's address is off the wire
+// when leave returns.
+func (a *Agent) leave(ctx context.Context, j Job, target string) (deleteNet func(), err error) {
 	shim, shimErr := shimOf(j.PID, a.self)
 	a.mu.Lock()
 	if cur, ok := a.byID[j.ID]; ok {
@@ -299,21 +321,23 @@ func (a *Agent) leaveHost(ctx context.Context, j Job, target string) error {
 		a.notify()
 	}
 	a.mu.Unlock()
-	a.deleteJobNet(ctx, j.ID, j.Net)
+	net := j.Net
+	deleteNet = func() { a.deleteJobNet(context.Background(), j.ID, net) }
+	a.withdrawJobNet(ctx, j.ID, net)
 	if shimErr != nil {
 		a.log.Warn("the job's shim was not found: it may record the job's kill in its directory", "job", j.ID, "err", shimErr)
 	} else if err := unix.Kill(shim, unix.SIGKILL); err != nil && !errors.Is(err, unix.ESRCH) {
 		a.log.Warn("could not stop the job's shim: it may record the job's kill in its directory", "job", j.ID, "pid", shim, "err", err)
 	}
 	if err := a.killCgroup(j.ID); err != nil {
-		return fmt.Errorf("job %s dumped but its processes could not be killed here, so it is not moved: %w", j.ID, err)
+		return deleteNet, fmt.Errorf("job %s dumped but its processes could not be killed here, so it is not moved: %w", j.ID, err)
 	}
 	if err := waitEmpty(ctx, a.layout().cgroup(j.ID)); err != nil { // the cgroup killCgroup killed
-		return fmt.Errorf("job %s dumped and killed, but its processes did not go: not moved: %w", j.ID, err)
+		return deleteNet, fmt.Errorf("job %s dumped and killed, but its processes did not go: not moved: %w", j.ID, err)
 	}
-	j.Net = nil // off the wire already
+	j.Net = nil // deleteNet's
 	a.releaseJob(&j)
-	return nil
+	return deleteNet, nil
 }
 
 // shimOf is the shim of the job whose root is pid: its parent, if that runs this agent's binary.

@@ -747,3 +747,111 @@ func TestJobNetIngressOnParent(t *testing.T) {
 		t.Fatalf("TCX ingress on the parent counted %d packets to the job, want at least %d", n, segments)
 	}
 }
+
+// TestWithdraw: Withdraw takes the job's address off its interface, so that a socket the job closes after
+// it (as a kill closes them) sends nothing: its FIN is dropped for want of a route (the namespace's
+// OutNoRoutes counts it) and the peer on node2 reads no end of stream; the network is still there for
+// Delete, which then removes it.
+func TestWithdraw(t *testing.T) {
+	l := labtest.New(t, 2, 0)
+	ctx := context.Background()
+	a := jobSpec(t, l, "node1", jobnet.MACVlan, 1)
+	if err := jobnet.Create(ctx, a); err != nil {
+		t.Fatal(err)
+	}
+	node2, _ := l.Host("node2")
+	to := netip.AddrPortFrom(node2.Addr.Addr(), 7003).String()
+	var ln net.Listener
+	if err := l.Do("node2", func() (err error) { ln, err = net.Listen("tcp4", to); return err }); err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		if c, err := ln.Accept(); err == nil {
+			accepted <- c
+		}
+	}()
+	var c net.Conn
+	if err := jobnet.Do(a.Name, func() (err error) { c, err = net.DialTimeout("tcp4", to, 10*time.Second); return err }); err != nil {
+		t.Fatal(err)
+	}
+	var peer net.Conn
+	select {
+	case peer = <-accepted:
+		defer peer.Close()
+	case <-time.After(30 * time.Second):
+		t.Fatal("node2 accepted no connection")
+	}
+	noRoutes := func() int {
+		t.Helper()
+		var b []byte
+		if err := jobnet.Do(a.Name, func() (err error) { b, err = os.ReadFile("/proc/net/snmp"); return err }); err != nil {
+			t.Fatal(err)
+		}
+		return snmpField(t, b, "Ip:", "OutNoRoutes")
+	}
+	before := noRoutes()
+
+	for range 2 { // idempotent
+		if err := jobnet.Withdraw(a.Name); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := jobnet.Do(a.Name, func() error {
+		lk, err := netlink.LinkByName(jobnet.DefaultIfName)
+		if err != nil {
+			return err
+		}
+		addrs, err := netlink.AddrList(lk, netlink.FAMILY_ALL)
+		if len(addrs) > 0 {
+			t.Errorf("addresses left on the job's interface: %v", addrs)
+		}
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	c.Close()
+	for deadline := time.Now().Add(30 * time.Second); noRoutes() == before; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the job's FIN was never tried after Withdraw")
+		}
+	}
+	// Tried and dropped before it left: nothing for node2 to read, not even the end of the stream.
+	peer.SetReadDeadline(time.Now().Add(50 * time.Millisecond))
+	if n, err := peer.Read(make([]byte, 1)); !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Errorf("node2 read %d bytes, %v after the job closed its withdrawn socket; want nothing", n, err)
+	}
+	if ok, err := jobnet.Exists(a.Name); err != nil || !ok {
+		t.Fatalf("Exists(%s) = %v, %v after Withdraw; want the network still there for Delete", a.Name, ok, err)
+	}
+	if err := jobnet.Delete(ctx, a.Name, a.ParentNetns); err != nil {
+		t.Fatal(err)
+	}
+	if err := jobnet.Withdraw(a.Name); err != nil {
+		t.Errorf("Withdraw of a deleted network: %v", err)
+	}
+}
+
+// snmpField reads field of the /proc/net/snmp line pair whose prefix is proto.
+func snmpField(t *testing.T, snmp []byte, proto, field string) int {
+	t.Helper()
+	lines := strings.Split(string(snmp), "\n")
+	for i := 0; i+1 < len(lines); i++ {
+		names, values := strings.Fields(lines[i]), strings.Fields(lines[i+1])
+		if len(names) == 0 || names[0] != proto || len(values) != len(names) || values[0] != proto {
+			continue
+		}
+		for k, n := range names {
+			if n == field {
+				v, err := strconv.Atoi(values[k])
+				if err != nil {
+					t.Fatalf("%s %s: %v", proto, field, err)
+				}
+				return v
+			}
+		}
+	}
+	t.Fatalf("no %s %s in /proc/net/snmp", proto, field)
+	return 0
+}
