@@ -98,13 +98,6 @@ func (a *Agent) Migrate(ctx context.Context, req MigrateRequest, uid uint32) (*M
 		a.endMigration(id, err)
 		return nil, err
 	}
-	// The job's address is off the wire already; its network goes while the target restores the job,
-	// and before the job could come back here (afterFailedMove makes it again).
-	netDeleted := make(chan struct{})
-	go func() {
-		defer close(netDeleted)
-		deleteNet()
-	}()
 	rreq := RecoverRequest{Failure: id, Failed: a.cfg.Name, Source: a.cfg.Name, Migration: true,
 		Jobs: []RecoverJob{{Job: j.ID, Snapshot: m.ID, Source: a.cfg.Name, Candidates: []Candidate{{Snapshot: m.ID, Source: a.cfg.Name}}}}}
 	times := func(s Stage) {
@@ -117,7 +110,10 @@ func (a *Agent) Migrate(ctx context.Context, req MigrateRequest, uid uint32) (*M
 		emit(s)
 	}
 	err = a.remoteRecover(ctx, req.To, rreq, times)
-	<-netDeleted
+	// The job's address went off the wire as it left; its network goes once the target is done (while it
+	// restored, the deletion slowed its network preparation in the lab, whose hosts share a kernel), and
+	// before the job could come back here (afterFailedMove makes it again).
+	deleteNet()
 	if err != nil {
 		res.Error = err.Error()
 		if err := a.afterFailedMove(ctx, res, rreq, times); err != nil {
