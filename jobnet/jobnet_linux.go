@@ -124,35 +124,18 @@ func Withdraw(name string) error {
 	if ok, err := isNetns(Path(name)); err != nil || !ok {
 		return err
 	}
-	job, err := netns.GetFromPath(Path(name))
-	if err != nil {
-		return fmt.Errorf("job network %s: open namespace: %w", name, err)
-	}
-	defer job.Close()
-	jh, err := netlink.NewHandleAt(job)
-	if err != nil {
-		return fmt.Errorf("job network %s: netlink in its namespace: %w", name, err)
-	}
-	defer jh.Close()
-	links, err := jh.LinkList()
-	if err != nil {
-		return fmt.Errorf("job network %s: list interfaces: %w", name, err)
-	}
-	for _, lk := range links {
-		if lk.Attrs().Name == "lo" {
-			continue
-		}
+	return eachLink(name, func(jh *netlink.Handle, lk netlink.Link) error {
 		addrs, err := jh.AddrList(lk, netlink.FAMILY_ALL)
 		if err != nil {
-			return fmt.Errorf("job network %s: list addresses of %s: %w", name, lk.Attrs().Name, err)
+			return fmt.Errorf("list addresses of %s: %w", lk.Attrs().Name, err)
 		}
 		for _, a := range addrs {
 			if err := jh.AddrDel(lk, &a); err != nil && !errors.Is(err, unix.EADDRNOTAVAIL) {
-				return fmt.Errorf("job network %s: remove %s from %s: %w", name, a.IPNet, lk.Attrs().Name, err)
+				return fmt.Errorf("remove %s from %s: %w", a.IPNet, lk.Attrs().Name, err)
 			}
 		}
-	}
-	return nil
+		return nil
+	})
 }
 
 // Exists reports whether the job's namespace is there (an agent after a restart: is this job's network up?).
@@ -284,6 +267,17 @@ func ensureAddr(jh *netlink.Handle, lk netlink.Link, addr netip.Prefix) error {
 
 // deleteLinks removes every interface but lo from the job's namespace.
 func deleteLinks(name string) error {
+	return eachLink(name, func(jh *netlink.Handle, lk netlink.Link) error {
+		if err := jh.LinkDel(lk); err != nil && !errors.Is(err, unix.ENODEV) {
+			return fmt.Errorf("delete %s: %w", lk.Attrs().Name, err)
+		}
+		return nil
+	})
+}
+
+// eachLink calls fn with a netlink handle in the job's namespace for every interface in it but lo, until
+// fn fails; the error names the job network.
+func eachLink(name string, fn func(jh *netlink.Handle, lk netlink.Link) error) error {
 	job, err := netns.GetFromPath(Path(name))
 	if err != nil {
 		return fmt.Errorf("job network %s: open namespace: %w", name, err)
@@ -302,8 +296,8 @@ func deleteLinks(name string) error {
 		if lk.Attrs().Name == "lo" {
 			continue
 		}
-		if err := jh.LinkDel(lk); err != nil && !errors.Is(err, unix.ENODEV) {
-			return fmt.Errorf("job network %s: delete %s: %w", name, lk.Attrs().Name, err)
+		if err := fn(jh, lk); err != nil {
+			return fmt.Errorf("job network %s: %w", name, err)
 		}
 	}
 	return nil
