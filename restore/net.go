@@ -138,9 +138,9 @@ func Announce(ctx context.Context, iface string, ip netip.Addr) error {
 		unix.Close(fd)
 		return fmt.Errorf("announce %s: send gratuitous ARP on %s: %w", ip, iface, err)
 	}
-	// The socket keeps the namespace it was opened in: the repeat needs no thread of it. Best effort: an
-	// interface gone by then (the job ended) has nobody to announce.
-	// Not bound to ctx either, which a recovery's end cancels: one packet.
+	// The socket keeps the namespace it was opened in, so the repeat needs no thread of it. Best effort (an
+	// interface gone by then, its job ended, has nobody to announce) and not bound to ctx, which the
+	// recovery's end cancels.
 	time.AfterFunc(announceRepeat, func() {
 		unix.Sendto(fd, pkt, 0, to)
 		unix.Close(fd)
