@@ -125,6 +125,12 @@ func (a *Agent) fenceJobs(silence time.Duration, protector, predecessor string) 
 	if len(running) == 0 {
 		return false
 	}
+	// Every job address off the wire first: the killed jobs' sockets then send nothing (no FIN, no reset) to
+	// peers this host may still reach (cut off from the agents only), whose connections the jobs' copies
+	// restored elsewhere go on with.
+	for _, j := range running {
+		a.withdrawJobNet(context.Background(), j.ID, j.Net)
+	}
 	var killed, failed []string
 	for _, j := range running {
 		if err := a.killCgroup(j.ID); err != nil {

@@ -380,8 +380,22 @@ func TestJobAddressFailover(t *testing.T) {
 // only its own address, so nothing on the wire points the peers' connections at it (with host addresses,
 // TestPartitionSelfFence must keep the link down until the ranks end), and the run ends with the
 // failure-free checksum; node2, idle, has rejoined as a spare.
+//
+// Cut off from the other agents only (their port blocked), node2's rank still reaches its peers when node2
+// kills it: its sockets must send them nothing then (no FIN, no reset), or the peers would read the end of
+// connections that its copy on spare1 goes on with. Before the fence withdrew the job's address first, the
+// kill's FINs reached them.
 func TestJobAddressSelfFence(t *testing.T) {
 	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	for _, tc := range []struct {
+		name       string
+		agentsOnly bool
+	}{{"link down", false}, {"agents cut off, job traffic flowing", true}} {
+		t.Run(tc.name, func(t *testing.T) { testJobAddressSelfFence(t, tc.agentsOnly) })
+	}
+}
+
+func testJobAddressSelfFence(t *testing.T, agentsOnly bool) {
 	const port = 7470
 	args := ringArgs(2500, 16<<10, 10*time.Millisecond)
 	want := reference(t, 3, args)
@@ -425,11 +439,37 @@ func TestJobAddressSelfFence(t *testing.T) {
 	rg.checkpoint(t, "node2")
 	rg.waitProgress(t, 30, 2*time.Minute)
 
-	setLink(t, c, "node2", false)
+	cut := func(on bool) { setLink(t, c, "node2", !on) }
+	if agentsOnly {
+		var undo func() error
+		cut = func(on bool) {
+			if !on {
+				if err := undo(); err != nil {
+					t.Errorf("unblock node2's agent port: %v", err)
+				}
+				return
+			}
+			var err error
+			undo, err = c.Lab.Filter("node2", "ftkit_e2e_agents", fmt.Sprintf(`	chain in {
+		type filter hook input priority 0; policy accept;
+		tcp dport %[1]d drop
+		tcp sport %[1]d drop
+	}
+	chain out {
+		type filter hook output priority 0; policy accept;
+		tcp dport %[1]d drop
+		tcp sport %[1]d drop
+	}`, labcluster.AgentPort))
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	cut(true)
 	linkDown := true
 	t.Cleanup(func() {
 		if linkDown {
-			setLink(t, c, "node2", true)
+			cut(false)
 		}
 	})
 	fenced := selfFence(t, c, "node2", time.Minute)
@@ -461,7 +501,7 @@ func TestJobAddressSelfFence(t *testing.T) {
 	rg.waitProgress(t, progressEvery, 2*time.Minute)
 
 	// The link comes back while the moved rank runs: node2 has its own address only.
-	setLink(t, c, "node2", true)
+	cut(false)
 	linkDown = false
 	if addrs := hostAddrs(t, c, "node2"); !slices.Contains(addrs, node2.Addr.Addr()) || slices.Contains(addrs, jobAddr) {
 		t.Errorf("node2 holds %v, want its own address %s and not the job address %s", addrs, node2.Addr.Addr(), jobAddr)
