@@ -22,6 +22,10 @@ import (
 // killTimeout bounds how long a crash or teardown waits for SIGKILLed processes to disappear.
 const killTimeout = 10 * time.Second
 
+// stopBound bounds how long a crash or teardown waits for the host's processes to stop before it kills them
+// (a process in an uninterruptible sleep stops only when it leaves it).
+const stopBound = time.Second
+
 // Lab is a handle on a lab that exists on this machine.
 type Lab struct {
 	store stateStore
@@ -399,6 +403,10 @@ func (l *Lab) Revive(ctx context.Context, name string) error {
 // later, from a kernel work queue.
 func removeHost(ctx context.Context, h Host) error {
 	var errs []error
+	// Everything stops before anything goes, as in a power cut (stopNetns).
+	if err := stopNetns(NetnsPath(h.Namespace), stopBound); err != nil {
+		errs = append(errs, err)
+	}
 	if link, err := netlink.LinkByName(h.Veth); err == nil {
 		if err := netlink.LinkDel(link); err != nil && !errors.Is(err, unix.ENODEV) {
 			errs = append(errs, fmt.Errorf("delete veth %s: %w", h.Veth, err))

@@ -313,3 +313,46 @@ func TestHostInterfaceIndex(t *testing.T) {
 		}
 	}
 }
+
+// TestCrashIsAtOnce: a crash ends a host's processes before anything else of it goes, as a power cut does.
+// A process of the host that acts when the host's network goes (here it records each interface deleted,
+// as ci130's crashing spare's agent, seeing its network gone, killed the job it had just restored and its
+// shim recorded the exit) records nothing of the crash.
+func TestCrashIsAtOnce(t *testing.T) {
+	l := labtest.New(t, 1, 0)
+	seen := filepath.Join(t.TempDir(), "deleted")
+	script := fmt.Sprintf(`ip -o monitor link | while read -r line; do case "$line" in Deleted*) echo "$line" >> %s;; esac; done`, seen)
+	cmd := exec.Command("bash", "-c", script)
+	if err := l.Do("node1", cmd.Start); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	// Ready once it reports a probe interface deleted.
+	if err := l.Do("node1", func() error {
+		for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+			if err := exec.Command("ip", "link", "add", "probe0", "type", "veth", "peer", "name", "probe1").Run(); err != nil {
+				return fmt.Errorf("add a probe interface: %w", err)
+			}
+			if err := exec.Command("ip", "link", "del", "probe0").Run(); err != nil {
+				return fmt.Errorf("delete the probe interface: %w", err)
+			}
+			if b, _ := os.ReadFile(seen); strings.Contains(string(b), "probe0") {
+				return nil
+			}
+			if time.Now().After(deadline) {
+				return errors.New("the link monitor saw no probe interface deleted")
+			}
+		}
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Crash(context.Background(), "node1"); err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Wait(); err == nil {
+		t.Error("the monitor ended by itself; want it killed by the crash")
+	}
+	if b, _ := os.ReadFile(seen); strings.Contains(string(b), "eth0") {
+		t.Errorf("a process of the crashed host acted on its network going:\n%s", b)
+	}
+}

@@ -1,6 +1,7 @@
 package lab
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -79,6 +80,55 @@ func pidsInNetnsIno(ino uint64) ([]int, error) {
 		}
 	}
 	return pids, nil
+}
+
+// stopNetns SIGSTOPs every process in the namespace and waits, up to bound, until none runs: a power cut
+// ends them all at once, where killed one by one a process could see another die, or the network go, and
+// act on it first (ci130: a crashing spare's agent saw its network gone, killed the job it had just
+// restored, and the job's shim recorded that exit for the test to read). A process that does not stop
+// within bound (in the kernel, uninterruptible) is killed as it is.
+func stopNetns(path string, bound time.Duration) error {
+	ino, err := netnsIno(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("stat network namespace %s: %w", path, err)
+	}
+	for deadline := time.Now().Add(bound); ; time.Sleep(time.Millisecond) {
+		pids, err := pidsInNetnsIno(ino)
+		if err != nil {
+			return err
+		}
+		running := 0
+		for _, pid := range pids {
+			_ = unix.Kill(pid, unix.SIGSTOP) // ESRCH: already gone
+			if !stopped(pid) {
+				running++
+			}
+		}
+		if running == 0 || time.Now().After(deadline) {
+			return nil
+		}
+	}
+}
+
+// stopped says whether process pid is stopped, a zombie, or gone.
+func stopped(pid int) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return true
+	}
+	// "pid (comm) state ...": comm may hold spaces and parentheses.
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 || len(b) < i+3 {
+		return false
+	}
+	switch b[i+2] {
+	case 'T', 't', 'Z', 'X':
+		return true
+	}
+	return false
 }
 
 // killNetns SIGKILLs every process in the namespace until none is left, like a power cut: processes that
