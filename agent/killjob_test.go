@@ -2,6 +2,7 @@ package agent
 
 import (
 	"errors"
+	"fmt"
 	"os/exec"
 	"syscall"
 	"testing"
@@ -32,14 +33,8 @@ func TestKillJob(t *testing.T) {
 	// The job's record names root, which its cgroup lists: killed.
 	ta.addJob(t, Job{ID: "job-restored", State: JobRunning, PID: root.Process.Pid})
 	ta.killJob("job-restored", errors.New("test"))
-	select {
-	case err := <-rootEnded:
-		var ee *exec.ExitError
-		if !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
-			t.Errorf("the job's root ended with %v, want SIGKILL", err)
-		}
-	case <-time.After(30 * time.Second):
-		t.Fatal("the job's root was not killed")
+	if err := endedBy(rootEnded, syscall.SIGKILL); err != nil {
+		t.Errorf("the job's root: %v", err)
 	}
 
 	// This record's PID names a process its cgroup does not list (the root exited, the PID was reused):
@@ -51,13 +46,21 @@ func TestKillJob(t *testing.T) {
 	if err := stranger.Process.Signal(syscall.SIGTERM); err != nil {
 		t.Fatalf("a process outside the job is gone: the agent killed it (%v)", err)
 	}
+	if err := endedBy(strangerEnded, syscall.SIGTERM); err != nil {
+		t.Errorf("a process outside the job, which only this test signalled: %v", err)
+	}
+}
+
+// endedBy waits for a process's Wait result on ended and says how it differs from death by sig.
+func endedBy(ended <-chan error, sig syscall.Signal) error {
 	select {
-	case err := <-strangerEnded:
+	case err := <-ended:
 		var ee *exec.ExitError
-		if !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != syscall.SIGTERM {
-			t.Errorf("a process outside the job ended with %v, want this test's SIGTERM: the agent signalled it", err)
+		if !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != sig {
+			return fmt.Errorf("ended with %v, want %v", err, sig)
 		}
+		return nil
 	case <-time.After(30 * time.Second):
-		t.Fatal("the process outside the job did not end")
+		return fmt.Errorf("did not end within 30s, want %v", sig)
 	}
 }

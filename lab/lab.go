@@ -398,7 +398,7 @@ func (l *Lab) Revive(ctx context.Context, name string) error {
 	return nil
 }
 
-// removeHost cuts the host's veth, kills its processes and deletes its namespace; what is already gone is
+// removeHost stops the host's processes, cuts its veth, kills the processes and deletes its namespace; what is already gone is
 // fine. The veth goes first because it is deleted synchronously, while a namespace's own links disappear
 // later, from a kernel work queue.
 func removeHost(ctx context.Context, h Host) error {
