@@ -323,6 +323,7 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 		pid, err = shim.Launch(ctx, a.self, shim.Spec{
 			JobID: id, Mode: shim.ModeStart, Argv: spec.Argv, Env: spec.Env, Dir: spec.Dir, UID: uid, GID: gid,
 			Stdout: j.StdoutPath(), Stderr: j.StderrPath(), Cgroup: j.Cgroup, ExitFile: j.ExitPath(), Node: a.cfg.Name,
+			Superseded: a.copyMark(id, j.Incarnation),
 		}, a.shimLog(id))
 		return err
 	})
@@ -366,6 +367,35 @@ func (a *Agent) checkAdoptedJobNet(j *Job) {
 }
 
 func (a *Agent) shimLog(id string) string { return filepath.Join(a.jobs.dir, id+".shim.log") }
+
+// supersededMark is the file that tells the shim of job id's copy of incarnation inc on this host that the
+// copy's end is not the job's (shim.Spec.Superseded); beside the job records, where only root writes.
+func (a *Agent) supersededMark(id string, inc uint64) string {
+	return filepath.Join(a.jobs.dir, fmt.Sprintf("%s.%d.superseded", id, inc))
+}
+
+// copyMark returns the superseded mark of a copy of job id about to be launched here, after removing the
+// one an earlier copy of the same incarnation left.
+func (a *Agent) copyMark(id string, inc uint64) string {
+	p := a.supersededMark(id, inc)
+	if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		a.log.Warn("could not remove an earlier copy's superseded mark: this copy's end may go unrecorded", "job", id, "mark", p, "err", err)
+	}
+	return p
+}
+
+// supersede tells job j's shim that the copy it runs is not the job any more (it moved, was fenced, or
+// runs elsewhere), before the caller kills it: the shim then writes no exit record, which ftwrap and the
+// agents, following the job through its directory, would read as the job's end.
+func (a *Agent) supersede(j Job) {
+	f, err := os.OpenFile(a.supersededMark(j.ID, j.Incarnation), os.O_WRONLY|os.O_CREATE|unix.O_NOFOLLOW, 0o600)
+	if err == nil {
+		err = f.Close()
+	}
+	if err != nil {
+		a.log.Warn("could not mark the job's copy superseded: its shim may record its kill as the job's end", "job", j.ID, "err", err)
+	}
+}
 
 // Jobs returns copies of the jobs of this host that uid may see (every job for root).
 func (a *Agent) Jobs(uid uint32) []Job {
@@ -411,8 +441,9 @@ func (a *Agent) watchJobs(ctx context.Context) {
 		for _, j := range running {
 			st, err := shim.ReadExit(j.ExitPath())
 			if err == nil && st.Node != "" && st.Node != a.cfg.Name {
-				// An older copy's record in the cluster-wide job directory: a fenced host's shim records
-				// the kill of its copy, which says nothing about the copy restored here.
+				// An older copy's record in the cluster-wide job directory (a fenced host marks its copy
+				// superseded first, but a shim of an older agent records the kill): it says nothing about
+				// the copy restored here.
 				err = fs.ErrNotExist
 			}
 			switch {

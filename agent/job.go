@@ -145,8 +145,9 @@ type Job struct {
 	// Net is the job's own network (JobSpec.JobAddress); nil: the job uses its host's. The address and
 	// kind travel with the job's snapshots; the name is the namespace's on the host the job runs on.
 	Net *JobNet `json:"net,omitempty"`
-	// Fenced: self-fencing killed the job here, and its protector restores it elsewhere, with its job
-	// address: this agent must not hand that address out again (addressHeld).
+	// Fenced: this host's copy was killed because the job goes on elsewhere: self-fencing killed it (its
+	// protector restores it), or it was a copy of this host's failed incarnation (rejoin). This agent must
+	// not hand its address out again (addressHeld), and ftwrap follows the job on instead of ending.
 	Fenced bool `json:"fenced,omitempty"`
 	// MovedTo is the host the job was migrated to (state moved).
 	MovedTo string `json:"moved_to,omitempty"`

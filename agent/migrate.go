@@ -8,11 +8,8 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 	"time"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/ship"
@@ -293,8 +290,9 @@ func (a *Agent) thaw(j Job) {
 }
 
 // leaveHost takes frozen job j off this host for good: recorded as moved to target, its address off the
-// wire first (so that closing its sockets sends nothing to its peers), then its shim killed (so that no
-// exit record says it ended), then its processes, and what it held here released as for an ended job.
+// wire first (so that closing its sockets sends nothing to its peers), then its copy marked superseded (so
+// that its shim writes no exit record saying it ended), then its processes killed, and what it held here
+// released as for an ended job.
 func (a *Agent) leaveHost(ctx context.Context, j Job, target string) error {
 	deleteNet, err := a.leave(ctx, j, target)
 	deleteNet()
@@ -306,7 +304,6 @@ func (a *Agent) leaveHost(ctx context.Context, j Job, target string) error {
 // set, and before anything may make the job's network here again. The job's address is off the wire
 // when leave returns.
 func (a *Agent) leave(ctx context.Context, j Job, target string) (deleteNet func(), err error) {
-	shim, shimErr := shimOf(j.PID, a.self)
 	a.mu.Lock()
 	if cur, ok := a.byID[j.ID]; ok {
 		cur.State = JobMoved
@@ -320,11 +317,7 @@ func (a *Agent) leave(ctx context.Context, j Job, target string) (deleteNet func
 	net := j.Net
 	deleteNet = func() { a.deleteJobNet(context.Background(), j.ID, net) }
 	a.withdrawJobNet(ctx, j.ID, net)
-	if shimErr != nil {
-		a.log.Warn("the job's shim was not found: it may record the job's kill in its directory", "job", j.ID, "err", shimErr)
-	} else if err := unix.Kill(shim, unix.SIGKILL); err != nil && !errors.Is(err, unix.ESRCH) {
-		a.log.Warn("could not stop the job's shim: it may record the job's kill in its directory", "job", j.ID, "pid", shim, "err", err)
-	}
+	a.supersede(j)
 	if err := a.killCgroup(j.ID); err != nil {
 		return deleteNet, fmt.Errorf("job %s dumped but its processes could not be killed here, so it is not moved: %w", j.ID, err)
 	}
@@ -334,36 +327,6 @@ func (a *Agent) leave(ctx context.Context, j Job, target string) (deleteNet func
 	j.Net = nil // deleteNet's
 	a.releaseJob(&j)
 	return deleteNet, nil
-}
-
-// shimOf is the shim of the job whose root is pid: its parent, if that runs this agent's binary.
-func shimOf(pid int, self string) (int, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0, err
-	}
-	// "pid (comm) state ppid ...": comm may hold spaces and parentheses, so parse after the last ')'.
-	i := strings.LastIndexByte(string(b), ')')
-	f := strings.Fields(string(b[i+1:]))
-	if i < 0 || len(f) < 2 {
-		return 0, fmt.Errorf("/proc/%d/stat: unexpected format", pid)
-	}
-	ppid, err := strconv.Atoi(f[1])
-	if err != nil || ppid <= 1 {
-		return 0, fmt.Errorf("job root %d has parent %q, not a shim", pid, f[1])
-	}
-	exe, err := os.Readlink(fmt.Sprintf("/proc/%d/exe", ppid))
-	if err != nil {
-		return 0, err
-	}
-	want, err := filepath.EvalSymlinks(self)
-	if err != nil {
-		return 0, err
-	}
-	if strings.TrimSuffix(exe, " (deleted)") != want {
-		return 0, fmt.Errorf("job root %d has parent %d running %s, not the agent's shim %s", pid, ppid, exe, want)
-	}
-	return ppid, nil
 }
 
 // waitEmpty waits until no process is left in cgroup (cgroup.events: populated 0).

@@ -6,7 +6,6 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"runtime"
 	"slices"
@@ -95,28 +94,6 @@ func TestCheckMigration(t *testing.T) {
 				t.Errorf("got %v, want a refusal saying %q", err, tt.refusal)
 			}
 		})
-	}
-}
-
-// TestShimOf: the parent of a job's root is killed as its shim only if it runs the agent's binary.
-func TestShimOf(t *testing.T) {
-	self, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
-	}
-	child := exec.Command("sleep", "60")
-	if err := child.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { child.Process.Kill(); child.Wait() })
-	if got, err := shimOf(child.Process.Pid, self); err != nil || got != os.Getpid() {
-		t.Errorf("shimOf(child, this binary) = %d, %v; want this process %d", got, err, os.Getpid())
-	}
-	if got, err := shimOf(child.Process.Pid, "/bin/true"); err == nil {
-		t.Errorf("shimOf(child, /bin/true) = %d: a parent running another binary is no shim", got)
-	}
-	if _, err := shimOf(1<<30, self); err == nil {
-		t.Error("shimOf of a process that does not exist found a shim")
 	}
 }
 

@@ -77,6 +77,7 @@ func (a *Agent) dropFailedJobs(self ring.Member) int {
 		if a.ownCopyRuns(j) {
 			// Its root is the init of the job's PID namespace: the kernel kills the whole namespace with it.
 			// Not the cgroup: on hosts that share a kernel (the lab) it is the restored copy's too.
+			a.supersede(j) // the job goes on elsewhere: this kill is not its end
 			if err := shim.Signal(j.PID, j.Cgroup, unix.SIGKILL); err != nil && !errors.Is(err, shim.ErrJobGone) {
 				a.log.Error("this host was declared failed and its job restored elsewhere, but its copy here could not be killed", "job", j.ID, "pid", j.PID, "err", err)
 				left++
@@ -85,6 +86,7 @@ func (a *Agent) dropFailedJobs(self ring.Member) int {
 		}
 		a.log.Warn("dropping a job of this host's failed incarnation: the cluster declared this host failed and its protector restored the job elsewhere (or keeps its replica for ftctl restore); its copy here never runs again",
 			"job", j.ID, "job_incarnation", j.Incarnation, "member_incarnation", self.Incarnation, "restored_on", a.restoredOn(j.ID))
+		a.markFenced(j.ID)
 		a.finishRunning(j.ID, JobLost, nil)
 	}
 	return left

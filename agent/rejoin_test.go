@@ -122,12 +122,17 @@ func TestDropFailedJobs(t *testing.T) {
 		}
 		var saved Job
 		b, _ := os.ReadFile(filepath.Join(ta.jobs.dir, id+".json"))
-		if json.Unmarshal(b, &saved); saved.State != JobLost {
-			t.Errorf("job %s's record on disk says %q, want lost", id, saved.State)
+		if json.Unmarshal(b, &saved); saved.State != JobLost || !saved.Fenced {
+			t.Errorf("job %s's record on disk says %q (fenced %v), want lost and fenced: it goes on elsewhere, and ftwrap follows it there",
+				id, saved.State, saved.Fenced)
 		}
 	}
-	if j, _, _ := ta.Job(doneJob, 0); j.State != JobExited {
-		t.Errorf("a job that had ended changed: %q", j.State)
+	// The copy that ran was marked superseded before its kill: its shim records no end of the job.
+	if _, err := os.Lstat(ta.supersededMark(rootsJob, 0)); err != nil {
+		t.Errorf("the running copy was not marked superseded before it was killed: %v", err)
+	}
+	if j, _, _ := ta.Job(doneJob, 0); j.State != JobExited || j.Fenced {
+		t.Errorf("a job that had ended changed: %q (fenced %v)", j.State, j.Fenced)
 	}
 }
 

@@ -133,14 +133,15 @@ func (a *Agent) fenceJobs(silence time.Duration, protector, predecessor string) 
 	}
 	var killed, failed []string
 	for _, j := range running {
+		a.supersede(j) // the job goes on elsewhere: this kill is not its end
 		if err := a.killCgroup(j.ID); err != nil {
 			failed = append(failed, j.ID)
 			a.log.Error("self-fence: could not kill job", "job", j.ID, "err", err)
 			continue
 		}
 		killed = append(killed, j.ID)
+		a.markFenced(j.ID)
 		if j.Net != nil {
-			a.markFenced(j.ID)
 			a.deleteJobNet(context.Background(), j.ID, j.Net)
 		}
 	}
@@ -164,7 +165,7 @@ func (a *Agent) fenceJobs(silence time.Duration, protector, predecessor string) 
 	return true
 }
 
-// markFenced records in job id's record that self-fencing killed it (addressHeld).
+// markFenced records in job id's record that its copy here was killed because it goes on elsewhere (Job.Fenced).
 func (a *Agent) markFenced(id string) {
 	a.mu.Lock()
 	defer a.mu.Unlock()

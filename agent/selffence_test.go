@@ -37,6 +37,16 @@ func TestFenceJobs(t *testing.T) {
 	if b, _ := os.ReadFile(target); len(b) != 0 {
 		t.Errorf("the link planted as cgroup.kill was written through: %q", b)
 	}
+	// The killed job's record says it goes on elsewhere (ftwrap follows it there), and its shim was told
+	// before the kill not to record the copy's end as the job's; the one not killed, not.
+	if j, _, _ := ta.Job(ownersJob, 0); !j.Fenced {
+		t.Errorf("the killed job's record %+v does not say it was fenced", j)
+	} else if _, err := os.Lstat(ta.supersededMark(ownersJob, j.Incarnation)); err != nil {
+		t.Errorf("the killed job's copy was not marked superseded: %v", err)
+	}
+	if j, _, _ := ta.Job(rootsJob, 0); j.Fenced {
+		t.Errorf("the job that could not be killed is marked fenced: %+v", j)
+	}
 	var got *Failure
 	for _, f := range ta.Failures() {
 		if len(f.Stages) == 1 && f.Stages[0].Name == StageSelfFenced {

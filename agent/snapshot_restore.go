@@ -141,7 +141,7 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 		err = inJobNet(j.Net, func() (err error) {
 			pid, err = shim.Launch(ctx, a.self, shim.Spec{
 				JobID: j.ID, Mode: shim.ModeRestore, ImagesDir: work, CRIU: a.criu.Binary, ExitFile: j.ExitPath(), Node: a.cfg.Name,
-				LazyPages: a.cfg.Failover.LazyRestore,
+				LazyPages: a.cfg.Failover.LazyRestore, Superseded: a.copyMark(j.ID, j.Incarnation),
 			}, a.shimLog(j.ID))
 			return err
 		})

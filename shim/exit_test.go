@@ -155,3 +155,39 @@ func TestShimRefusesPlantedOutput(t *testing.T) {
 		t.Errorf("root's file changed: %q", got)
 	}
 }
+
+// TestRecordEnd: a copy's end is recorded unless the agent superseded the copy first.
+func TestRecordEnd(t *testing.T) {
+	dir := t.TempDir()
+	mark := filepath.Join(dir, "job-00000001.2.superseded")
+	for _, tc := range []struct {
+		name       string
+		superseded string
+		marked     bool
+		want       bool
+	}{
+		{"no mark given (a shim of an older agent)", "", false, true},
+		{"mark given, not made: the job ended", mark, false, true},
+		{"mark made: the copy was superseded", mark, true, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			exit := filepath.Join(t.TempDir(), "exit.json")
+			if tc.marked {
+				if err := os.WriteFile(mark, nil, 0o600); err != nil {
+					t.Fatal(err)
+				}
+				defer os.Remove(mark)
+			}
+			if err := recordEnd(Spec{JobID: "job-00000001", ExitFile: exit, Superseded: tc.superseded}, ExitStatus{Code: 137, Signal: "SIGKILL", Node: "node2"}); err != nil {
+				t.Fatal(err)
+			}
+			st, err := ReadExit(exit)
+			if got := err == nil; got != tc.want {
+				t.Fatalf("exit record written %v (%+v, %v), want %v", got, st, err, tc.want)
+			}
+			if tc.want && st.Code != 137 {
+				t.Errorf("exit record %+v, want code 137", st)
+			}
+		})
+	}
+}

@@ -57,6 +57,11 @@ type Spec struct {
 	CRIU      string `json:"criu,omitempty"`
 	ExitFile  string `json:"exit_file"`
 	Node      string `json:"node"`
+	// Superseded is a file the agent creates before it kills this copy of the job because the job goes on
+	// elsewhere (it moved, its host fenced itself or was declared failed): if it exists when the job ends,
+	// the end is not recorded, as it is not the job's. Its name is the agent's, in a directory only root
+	// may write.
+	Superseded string `json:"superseded,omitempty"`
 }
 
 // Report is the shim's one line on standard output: the job's host PID, or why it could not start.
@@ -127,11 +132,24 @@ func Run(ctx context.Context, in io.Reader, out io.Writer) int {
 	}
 	st := waitJob(pid, other)
 	st.Node = spec.Node
-	if err := writeExit(spec.ExitFile, st); err != nil {
+	if err := recordEnd(spec, st); err != nil {
 		fmt.Fprintf(os.Stderr, "shim: record exit status of job %s: %v\n", spec.JobID, err)
 		return 1
 	}
 	return 0
+}
+
+// recordEnd writes the job's exit record, unless the agent superseded this copy (Spec.Superseded): ftwrap and
+// the agents follow the job through its directory, and a record there says the job is over.
+func recordEnd(spec Spec, st ExitStatus) error {
+	if spec.Superseded != "" {
+		if _, err := os.Lstat(spec.Superseded); err == nil {
+			fmt.Fprintf(os.Stderr, "shim: job %s: this copy was superseded (%s): its end (%d) is not the job's, not recorded\n",
+				spec.JobID, spec.Superseded, st.Code)
+			return nil
+		}
+	}
+	return writeExit(spec.ExitFile, st)
 }
 
 // writeExit records how the job ended in its directory: written and renamed inside the directory's own

@@ -1,12 +1,16 @@
 package e2e
 
 import (
+	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"net"
 	"net/netip"
 	"os"
+	"os/exec"
 	"slices"
 	"strings"
 	"syscall"
@@ -419,16 +423,41 @@ func testJobAddressSelfFence(t *testing.T, agentsOnly bool) {
 	withGate, release := gated(t, args, 2490)
 	ctx := context.Background()
 	rg := &ring{c: c, jobDir: labcluster.JobsDir(st.ID), release: release}
+	// Rank 1 runs under ftwrap, which must follow it through its host's self-fence to the end of its
+	// restored copy, and end as the rank ends.
+	var wrapped *exec.Cmd
+	var wrappedOut, wrappedErr bytes.Buffer
 	for r, h := range []string{"node1", "node2", "node3"} {
-		j, err := c.Client(h).StartJob(ctx, agent.JobSpec{Name: fmt.Sprintf("rank%d", r), JobAddress: r == 1,
-			Argv: append([]string{bins.Ringstencil, "--rank", fmt.Sprint(r), "--peers", strings.Join(peers, ",")}, withGate...)})
-		if err != nil {
+		argv := append([]string{bins.Ringstencil, "--rank", fmt.Sprint(r), "--peers", strings.Join(peers, ",")}, withGate...)
+		if r != 1 {
+			j, err := c.Client(h).StartJob(ctx, agent.JobSpec{Name: fmt.Sprintf("rank%d", r), Argv: argv})
+			if err != nil {
+				t.Fatal(err)
+			}
+			rg.jobs = append(rg.jobs, j)
+			continue
+		}
+		wrapped = ftwrap(c, h, append([]string{"--name", "rank1", "--job-address", "--"}, argv...)...)
+		wrapped.Stdout, wrapped.Stderr = &wrappedOut, &wrappedErr
+		if err := wrapped.Start(); err != nil {
 			t.Fatal(err)
 		}
+		t.Cleanup(func() {
+			wrapped.Process.Kill()
+			wrapped.Wait()
+		})
+		var j agent.Job
+		poll(t, time.Minute, "ftwrap's rank 1 to run on node2", func() bool {
+			jobs, err := c.Client(h).Jobs(ctx)
+			i := slices.IndexFunc(jobs, func(j agent.Job) bool { return j.Spec.Name == "rank1" })
+			if err != nil || i < 0 {
+				return false
+			}
+			j = jobs[i]
+			return true
+		})
 		rg.jobs = append(rg.jobs, j)
-		if r == 1 {
-			t.Cleanup(func() { removeJobNets(t, j.ID) })
-		}
+		t.Cleanup(func() { removeJobNets(t, j.ID) })
 	}
 	old := rg.jobs[1]
 	if old.Net == nil || old.Net.Addr.Addr() != jobAddr {
@@ -499,6 +528,11 @@ func testJobAddressSelfFence(t *testing.T, agentsOnly bool) {
 		t.Errorf("spare1 holds node2's host address: %v", addrs)
 	}
 	rg.waitProgress(t, progressEvery, 2*time.Minute)
+	// The kill of the fenced copy is not the job's end: its shim was stopped first and recorded nothing,
+	// where ftwrap, which follows the job through its directory, would have read the end of the job.
+	if b, err := os.ReadFile(old.ExitPath()); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("rank 1's exit record while its restored copy runs on spare1: %s (%v); want none", b, err)
+	}
 
 	// The link comes back while the moved rank runs: node2 has its own address only.
 	cut(false)
@@ -519,6 +553,12 @@ func testJobAddressSelfFence(t *testing.T, agentsOnly bool) {
 	release()
 	outs := []string{rg.waitExitOn(t, 0, "node1", 3*time.Minute), rg.waitExitOn(t, 1, "spare1", 3*time.Minute), rg.waitExitOn(t, 2, "node3", 3*time.Minute)}
 	checkRanks(t, outs, want)
+	// ftwrap followed rank 1 to its end on spare1: its exit status and its whole output, once.
+	if err := wrapped.Wait(); err != nil {
+		t.Errorf("ftwrap of rank 1: %v, want the rank's exit status 0; its stderr:\n%s", err, wrappedErr.String())
+	} else if wrappedOut.String() != outs[1] {
+		t.Errorf("ftwrap printed rank 1's output as\n%s\nwhere the rank wrote\n%s", wrappedOut.String(), outs[1])
+	}
 	if j := rg.job(t, "node2", 1); j.State == agent.JobRunning {
 		t.Errorf("node2 runs its copy of rank 1 again: %+v", j)
 	}

@@ -136,7 +136,7 @@ func waitExit(ctx context.Context, log *slog.Logger, c *agentapi.Client, job age
 	exitPath := job.ExitPath()
 	tick := time.NewTicker(100 * time.Millisecond)
 	defer tick.Stop()
-	agentDown := false
+	agentDown, elsewhere := false, false
 	lastPoll := time.Time{}
 	signals := 0
 	for {
@@ -170,6 +170,13 @@ func waitExit(ctx context.Context, log *slog.Logger, c *agentapi.Client, job age
 			agentDown = true
 			log.Warn("the job's agent is unreachable; following the job through its directory until it ends, wherever it is restored",
 				"job", job.ID, "dir", job.Dir, "err", err)
+		case err == nil && j.State == agent.JobLost && j.Fenced:
+			// This host's copy was killed because the cluster restores the job elsewhere: follow it on.
+			if !elsewhere {
+				elsewhere = true
+				log.Warn("the job's copy on this host was stopped (this host was cut off or declared failed) and the job is restored elsewhere; following it through its directory until it ends",
+					"job", job.ID, "dir", job.Dir)
+			}
 		case err == nil && j.State == agent.JobLost:
 			return nil, cli.WithCode(255, fmt.Errorf("job %s was lost on %s without an exit status", job.ID, j.Node))
 		case err == nil:
