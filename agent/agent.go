@@ -320,10 +320,11 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 	a.watchOrder(j, true, "")
 	var pid int
 	err = inJobNet(j.Net, func() (err error) {
+		superseded, refusal := a.copyMarks(id, j.Incarnation)
 		pid, err = shim.Launch(ctx, a.self, shim.Spec{
 			JobID: id, Mode: shim.ModeStart, Argv: spec.Argv, Env: spec.Env, Dir: spec.Dir, UID: uid, GID: gid,
 			Stdout: j.StdoutPath(), Stderr: j.StderrPath(), Cgroup: j.Cgroup, ExitFile: j.ExitPath(), Node: a.cfg.Name,
-			Superseded: a.copyMark(id, j.Incarnation),
+			Superseded: superseded, Refusal: refusal,
 		}, a.shimLog(id))
 		return err
 	})
@@ -374,25 +375,38 @@ func (a *Agent) supersededMark(id string, inc uint64) string {
 	return filepath.Join(a.jobs.dir, fmt.Sprintf("%s.%d.superseded", id, inc))
 }
 
-// copyMark returns the superseded mark of a copy of job id about to be launched here, after removing the
-// one an earlier copy of the same incarnation left.
-func (a *Agent) copyMark(id string, inc uint64) string {
-	p := a.supersededMark(id, inc)
-	if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		a.log.Warn("could not remove an earlier copy's superseded mark: this copy's end may go unrecorded", "job", id, "mark", p, "err", err)
+// refusalMark is the file that tells the same shim why the agent killed the copy (shim.Spec.Refusal).
+func (a *Agent) refusalMark(id string, inc uint64) string {
+	return filepath.Join(a.jobs.dir, fmt.Sprintf("%s.%d.refused", id, inc))
+}
+
+// copyMarks returns the marks of a copy of job id about to be launched here, for its shim.Spec, after
+// removing those an earlier copy of the same incarnation left.
+func (a *Agent) copyMarks(id string, inc uint64) (superseded, refusal string) {
+	superseded, refusal = a.supersededMark(id, inc), a.refusalMark(id, inc)
+	for _, p := range []string{superseded, refusal} {
+		if err := os.Remove(p); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			a.log.Warn("could not remove an earlier copy's mark: this copy's end may be recorded wrong", "job", id, "mark", p, "err", err)
+		}
 	}
-	return p
+	return superseded, refusal
+}
+
+// writeMark writes one of a copy's marks (copyMarks), never through a link.
+func writeMark(path, content string) error {
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC|unix.O_NOFOLLOW, 0o600)
+	if err != nil {
+		return err
+	}
+	_, err = f.WriteString(content)
+	return errors.Join(err, f.Close())
 }
 
 // supersede tells job j's shim that the copy it runs is not the job any more (it moved, was fenced, or
 // runs elsewhere), before the caller kills it: the shim then writes no exit record, which ftwrap and the
 // agents, following the job through its directory, would read as the job's end.
 func (a *Agent) supersede(j Job) {
-	f, err := os.OpenFile(a.supersededMark(j.ID, j.Incarnation), os.O_WRONLY|os.O_CREATE|unix.O_NOFOLLOW, 0o600)
-	if err == nil {
-		err = f.Close()
-	}
-	if err != nil {
+	if err := writeMark(a.supersededMark(j.ID, j.Incarnation), ""); err != nil {
 		a.log.Warn("could not mark the job's copy superseded: its shim may record its kill as the job's end", "job", j.ID, "err", err)
 	}
 }
@@ -476,7 +490,7 @@ func (a *Agent) finish(j *Job, state JobState, st *shim.ExitStatus) {
 	}
 	a.releaseEnded(j, state)
 	if st != nil {
-		a.log.Info("job ended", "job", j.ID, "code", st.Code, "signal", st.Signal)
+		a.log.Info("job ended", "job", j.ID, "code", st.Code, "signal", st.Signal, "reason", st.Reason)
 	} else {
 		a.log.Warn("job lost: its process is gone and left no exit record", "job", j.ID)
 	}

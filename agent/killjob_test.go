@@ -3,7 +3,9 @@ package agent
 import (
 	"errors"
 	"fmt"
+	"os"
 	"os/exec"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -32,9 +34,13 @@ func TestKillJob(t *testing.T) {
 
 	// The job's record names root, which its cgroup lists: killed.
 	ta.addJob(t, Job{ID: "job-restored", State: JobRunning, PID: root.Process.Pid})
-	ta.killJob("job-restored", errors.New("test"))
+	ta.killJob("job-restored", errors.New("re-sent bytes differ"))
 	if err := endedBy(rootEnded, syscall.SIGKILL); err != nil {
 		t.Errorf("the job's root: %v", err)
+	}
+	// Its shim is told why, for the exit record ftwrap prints.
+	if b, err := os.ReadFile(ta.refusalMark("job-restored", 0)); err != nil || !strings.Contains(string(b), "killed by ftkit on node1") || !strings.Contains(string(b), "re-sent bytes differ") {
+		t.Errorf("the reason left for the job's shim: %q, %v", b, err)
 	}
 
 	// This record's PID names a process its cgroup does not list (the root exited, the PID was reused):

@@ -391,6 +391,11 @@ func (a *Agent) killJob(id string, why error) {
 		return
 	}
 	a.log.Error("killing restored job: it is not transparently recoverable", "job", id, "pid", j.PID, "err", why)
+	// Its shim puts why into the exit record, which ftwrap prints: the job's user learns that ftkit refused.
+	reason := fmt.Sprintf("killed by ftkit on %s: the job's restore could not reproduce the failure-free run: %v", a.cfg.Name, why)
+	if err := writeMark(a.refusalMark(id, j.Incarnation), reason); err != nil {
+		a.log.Warn("could not record why the job is killed: its exit record will not say", "job", id, "err", err)
+	}
 	// By pidfd, checked in the job's cgroup: the PID alone may name another process by now.
 	if err := shim.Signal(j.PID, j.Cgroup, unix.SIGKILL); err != nil && !errors.Is(err, shim.ErrJobGone) {
 		a.log.Error("could not kill restored job", "job", id, "pid", j.PID, "err", err)

@@ -139,9 +139,10 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 		// The shim, and the CRIU it runs, inside the job's network: CRIU restores the sockets into the
 		// namespace it runs in.
 		err = inJobNet(j.Net, func() (err error) {
+			superseded, refusal := a.copyMarks(j.ID, j.Incarnation)
 			pid, err = shim.Launch(ctx, a.self, shim.Spec{
 				JobID: j.ID, Mode: shim.ModeRestore, ImagesDir: work, CRIU: a.criu.Binary, ExitFile: j.ExitPath(), Node: a.cfg.Name,
-				LazyPages: a.cfg.Failover.LazyRestore, Superseded: a.copyMark(j.ID, j.Incarnation),
+				LazyPages: a.cfg.Failover.LazyRestore, Superseded: superseded, Refusal: refusal,
 			}, a.shimLog(j.ID))
 			return err
 		})

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -156,19 +157,33 @@ func TestShimRefusesPlantedOutput(t *testing.T) {
 	}
 }
 
-// TestRecordEnd: a copy's end is recorded unless the agent superseded the copy first.
+// TestRecordEnd: a copy's end is recorded unless the agent superseded the copy first; a job the agent
+// killed carries its reason, read without following a link and bounded.
 func TestRecordEnd(t *testing.T) {
 	dir := t.TempDir()
 	mark := filepath.Join(dir, "job-00000001.2.superseded")
+	refusal := filepath.Join(dir, "job-00000001.2.refused")
+	secret := filepath.Join(dir, "secret")
+	if err := os.WriteFile(secret, []byte("root's secret"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	killed := ExitStatus{Code: 137, Signal: "SIGKILL", Node: "node2"}
 	for _, tc := range []struct {
 		name       string
 		superseded string
 		marked     bool
+		refused    string // content of the refusal; "->" plants a link to secret
+		st         ExitStatus
 		want       bool
+		reason     string
 	}{
-		{"no mark given (a shim of an older agent)", "", false, true},
-		{"mark given, not made: the job ended", mark, false, true},
-		{"mark made: the copy was superseded", mark, true, false},
+		{"no mark given (a shim of an older agent)", "", false, "", killed, true, ""},
+		{"mark given, not made: the job ended", mark, false, "", killed, true, ""},
+		{"mark made: the copy was superseded", mark, true, "", killed, false, ""},
+		{"killed by the agent, which says why", mark, false, "killed by ftkit: re-sent bytes differ\n", killed, true, "killed by ftkit: re-sent bytes differ"},
+		{"ended by itself before the agent's kill", mark, false, "killed by ftkit", ExitStatus{Code: 0, Node: "node2"}, true, ""},
+		{"a link as the refusal is not followed", mark, false, "->", killed, true, ""},
+		{"a long reason is cut", mark, false, strings.Repeat("x", 10<<10), killed, true, strings.Repeat("x", maxRefusal)},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			exit := filepath.Join(t.TempDir(), "exit.json")
@@ -178,15 +193,32 @@ func TestRecordEnd(t *testing.T) {
 				}
 				defer os.Remove(mark)
 			}
-			if err := recordEnd(Spec{JobID: "job-00000001", ExitFile: exit, Superseded: tc.superseded}, ExitStatus{Code: 137, Signal: "SIGKILL", Node: "node2"}); err != nil {
+			switch tc.refused {
+			case "":
+			case "->":
+				if err := os.Symlink(secret, refusal); err != nil {
+					t.Fatal(err)
+				}
+				defer os.Remove(refusal)
+			default:
+				if err := os.WriteFile(refusal, []byte(tc.refused), 0o600); err != nil {
+					t.Fatal(err)
+				}
+				defer os.Remove(refusal)
+			}
+			spec := Spec{JobID: "job-00000001", ExitFile: exit, Superseded: tc.superseded, Refusal: refusal}
+			if err := recordEnd(spec, tc.st); err != nil {
 				t.Fatal(err)
 			}
 			st, err := ReadExit(exit)
 			if got := err == nil; got != tc.want {
 				t.Fatalf("exit record written %v (%+v, %v), want %v", got, st, err, tc.want)
 			}
-			if tc.want && st.Code != 137 {
-				t.Errorf("exit record %+v, want code 137", st)
+			if !tc.want {
+				return
+			}
+			if st.Code != tc.st.Code || st.Reason != tc.reason {
+				t.Errorf("exit record %+v, want code %d and reason %q", st, tc.st.Code, tc.reason)
 			}
 		})
 	}

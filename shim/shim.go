@@ -14,6 +14,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
 
@@ -62,6 +63,10 @@ type Spec struct {
 	// the end is not recorded, as it is not the job's. Its name is the agent's, in a directory only root
 	// may write.
 	Superseded string `json:"superseded,omitempty"`
+	// Refusal is a file the agent writes, before it kills the job, with why ftkit refused to let this copy
+	// run on (a restore that could not reproduce the failure-free run): the exit record carries it as its
+	// Reason, so that ftwrap says why the job was killed. Beside Superseded.
+	Refusal string `json:"refusal,omitempty"`
 }
 
 // Report is the shim's one line on standard output: the job's host PID, or why it could not start.
@@ -76,6 +81,8 @@ type ExitStatus struct {
 	Signal string    `json:"signal,omitempty"` // set when the job was killed by a signal
 	Time   time.Time `json:"time"`
 	Node   string    `json:"node"`
+	// Reason is why ftkit killed the job, when it did (Spec.Refusal): its recovery was refused.
+	Reason string `json:"reason,omitempty"`
 }
 
 // Run is the body of `ftagent shim`: read the spec, start or restore the job, report its PID, wait for
@@ -140,7 +147,8 @@ func Run(ctx context.Context, in io.Reader, out io.Writer) int {
 }
 
 // recordEnd writes the job's exit record, unless the agent superseded this copy (Spec.Superseded): ftwrap and
-// the agents follow the job through its directory, and a record there says the job is over.
+// the agents follow the job through its directory, and a record there says the job is over. A job the agent
+// killed carries the agent's reason (Spec.Refusal).
 func recordEnd(spec Spec, st ExitStatus) error {
 	if spec.Superseded != "" {
 		if _, err := os.Lstat(spec.Superseded); err == nil {
@@ -149,7 +157,27 @@ func recordEnd(spec Spec, st ExitStatus) error {
 			return nil
 		}
 	}
+	if spec.Refusal != "" && st.Signal == "SIGKILL" { // a job that ended by itself first ended so
+		st.Reason = readRefusal(spec.Refusal)
+	}
 	return writeExit(spec.ExitFile, st)
+}
+
+// maxRefusal bounds the reason an exit record carries.
+const maxRefusal = 4 << 10
+
+// readRefusal returns the agent's reason for killing the job, "" if it wrote none.
+func readRefusal(path string) string {
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	if st, err := f.Stat(); err != nil || !st.Mode().IsRegular() {
+		return ""
+	}
+	b, _ := io.ReadAll(io.LimitReader(f, maxRefusal))
+	return strings.ToValidUTF8(strings.TrimSpace(string(b)), "?")
 }
 
 // writeExit records how the job ended in its directory: written and renamed inside the directory's own

@@ -97,8 +97,8 @@ func TestResentBytesVerified(t *testing.T) {
 			// The restored rank was killed; the survivor sees its connection end and fails instead of going
 			// on with bytes from a different execution.
 			st, _ := waitExit(t, rg.jobs[1], time.Minute)
-			if st.Node != "spare1" || st.Signal != "SIGKILL" {
-				t.Errorf("restored rank 1 ended %+v, want killed on spare1", st)
+			if st.Node != "spare1" || st.Signal != "SIGKILL" || !strings.Contains(st.Reason, "killed by ftkit on spare1: the job's restore could not reproduce the failure-free run") {
+				t.Errorf("restored rank 1 ended %+v, want killed on spare1, and the record saying why", st)
 			}
 			st, out := waitExit(t, rg.jobs[0], time.Minute)
 			if st.Code == 0 {

@@ -638,6 +638,9 @@ func newMPIFollowCmd() *cobra.Command {
 				outAt += copyTail(j.StdoutPath(), outAt, cmd.OutOrStdout())
 				errAt += copyTail(j.StderrPath(), errAt, cmd.ErrOrStderr())
 				if exitErr == nil {
+					if st.Reason != "" {
+						return cli.WithCode(st.Code, fmt.Errorf("MPI daemon job in %s exited with status %d: %s", args[0], st.Code, st.Reason))
+					}
 					if st.Code != 0 {
 						return cli.WithCode(st.Code, fmt.Errorf("MPI daemon job in %s exited with status %d", args[0], st.Code))
 					}

@@ -116,6 +116,9 @@ func wrap(ctx context.Context, log *slog.Logger, c *agentapi.Client, spec agent.
 	if err != nil {
 		return err
 	}
+	if st.Reason != "" { // ftkit killed it, and says why
+		return cli.WithCode(st.Code, fmt.Errorf("job %s exited with status %d%s: %s", job.ID, st.Code, sigSuffix(st), st.Reason))
+	}
 	if st.Code != 0 {
 		return cli.WithCode(st.Code, fmt.Errorf("job %s exited with status %d%s", job.ID, st.Code, sigSuffix(st)))
 	}
