@@ -241,3 +241,20 @@ func TestJobCommands(t *testing.T) {
 		t.Errorf("kill of a gone job: exit %d, %q", code, stderr)
 	}
 }
+
+func TestJobStateText(t *testing.T) {
+	for _, tc := range []struct {
+		row  jobRow
+		want string
+	}{
+		{jobRow{State: agent.JobRunning}, "running"},
+		{jobRow{State: agent.JobLost}, "lost"},
+		{jobRow{State: agent.JobLost, Fenced: true}, "lost here (runs elsewhere)"},
+		{jobRow{State: agent.JobExited, Fenced: true}, "exited"},
+		{jobRow{State: agent.JobMoved}, "moved"},
+	} {
+		if got := tc.row.stateText(); got != tc.want {
+			t.Errorf("%+v: %q, want %q", tc.row, got, tc.want)
+		}
+	}
+}

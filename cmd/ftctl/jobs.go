@@ -25,6 +25,7 @@ type jobRow struct {
 	UID          uint32         `json:"uid"`
 	PID          int            `json:"pid"`
 	Address      string         `json:"address,omitempty"` // the job's own address (job_network), "" for its host's
+	Fenced       bool           `json:"fenced,omitempty"`  // this host's copy was killed because the job goes on elsewhere
 	LastSnapshot string         `json:"last_snapshot,omitempty"`
 	SnapshotTime *time.Time     `json:"snapshot_time,omitempty"`
 }
@@ -52,7 +53,7 @@ sees their own jobs, root every job. With a local lab up, every live host is ask
 				}
 				ms, _ := c.client.Snapshots(cmd.Context(), "") // newest first; a job without one shows "-"
 				for _, j := range js {
-					r := jobRow{ID: j.ID, State: j.State, Host: j.Node, UID: j.UID, PID: j.PID}
+					r := jobRow{ID: j.ID, State: j.State, Host: j.Node, UID: j.UID, PID: j.PID, Fenced: j.Fenced}
 					if j.Net != nil {
 						r.Address = j.Net.Addr.Addr().String()
 					}
@@ -79,13 +80,22 @@ sees their own jobs, root every job. With a local lab up, every live host is ask
 				if addr == "" {
 					addr = "(host)"
 				}
-				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%d\t%d\t%s\t%s\n", r.ID, r.State, r.Host, addr, r.UID, r.PID, dash(r.LastSnapshot), age)
+				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%d\t%d\t%s\t%s\n", r.ID, r.stateText(), r.Host, addr, r.UID, r.PID, dash(r.LastSnapshot), age)
 			}
 			return w.Flush()
 		},
 	}
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	return cmd
+}
+
+// stateText is the row's state as the table shows it: a copy this host killed because the job goes on
+// elsewhere (self-fenced, or a copy of the host's failed incarnation) is not a job that was lost.
+func (r jobRow) stateText() string {
+	if r.Fenced && r.State == agent.JobLost {
+		return "lost here (runs elsewhere)"
+	}
+	return string(r.State)
 }
 
 // newestOf is the newest of ms (newest first) that is job's.
