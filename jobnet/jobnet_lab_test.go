@@ -783,10 +783,12 @@ func TestWithdraw(t *testing.T) {
 	case <-time.After(30 * time.Second):
 		t.Fatal("node2 accepted no connection")
 	}
+	// Read in the job's network from this thread: /proc/net is the network of the process's main thread
+	// (ci133 read the root namespace's counter there, which did not move), /proc/thread-self/net this one's.
 	noRoutes := func() int {
 		t.Helper()
 		var b []byte
-		if err := jobnet.Do(a.Name, func() (err error) { b, err = os.ReadFile("/proc/net/snmp"); return err }); err != nil {
+		if err := jobnet.Do(a.Name, func() (err error) { b, err = os.ReadFile("/proc/thread-self/net/snmp"); return err }); err != nil {
 			t.Fatal(err)
 		}
 		return snmpField(t, b, "Ip:", "OutNoRoutes")
@@ -811,16 +813,45 @@ func TestWithdraw(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
+	// The job's socket as the job's network sees it: its state in /proc/net/tcp (hex), and the table.
+	port := c.LocalAddr().(*net.TCPAddr).Port
+	sockState := func() (state, table string) {
+		t.Helper()
+		var b []byte
+		if err := jobnet.Do(a.Name, func() (err error) { b, err = os.ReadFile("/proc/thread-self/net/tcp"); return err }); err != nil {
+			t.Fatal(err)
+		}
+		for _, line := range strings.Split(string(b), "\n")[1:] {
+			f := strings.Fields(line)
+			if len(f) > 3 && strings.HasSuffix(f[1], fmt.Sprintf(":%04X", port)) {
+				return f[3], string(b)
+			}
+		}
+		return "none", string(b)
+	}
 	c.Close()
-	for deadline := time.Now().Add(30 * time.Second); noRoutes() == before; time.Sleep(10 * time.Millisecond) {
+	// Closed: the FIN is queued (FIN_WAIT1, 04) and finds no route, so it stays there; a FIN that left
+	// would be acknowledged by node2 at once (FIN_WAIT2) and node2 would read the end of the stream.
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		st, table := sockState()
+		if st == "04" {
+			break
+		}
 		if time.Now().After(deadline) {
-			t.Fatal("the job's FIN was never tried after Withdraw")
+			t.Fatalf("the job's closed socket (port %d) is in state %s, not FIN_WAIT1 (04), OutNoRoutes +%d; /proc/net/tcp:\n%s", port, st, noRoutes()-before, table)
 		}
 	}
-	// Tried and dropped before it left: nothing for node2 to read, not even the end of the stream.
-	peer.SetReadDeadline(time.Now().Add(50 * time.Millisecond))
+	peer.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
 	if n, err := peer.Read(make([]byte, 1)); !errors.Is(err, os.ErrDeadlineExceeded) {
 		t.Errorf("node2 read %d bytes, %v after the job closed its withdrawn socket; want nothing", n, err)
+	}
+	if st, table := sockState(); st != "04" {
+		t.Errorf("200 ms after its close the job's socket is in state %s, not FIN_WAIT1: its FIN left; /proc/net/tcp:\n%s", st, table)
+	}
+	if n := noRoutes() - before; n < 1 {
+		t.Errorf("the job's FIN was never tried (OutNoRoutes +%d)", n)
+	} else {
+		t.Logf("the FIN was tried %d time(s) and found no route (OutNoRoutes)", n)
 	}
 	if ok, err := jobnet.Exists(a.Name); err != nil || !ok {
 		t.Fatalf("Exists(%s) = %v, %v after Withdraw; want the network still there for Delete", a.Name, ok, err)
