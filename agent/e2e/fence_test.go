@@ -173,7 +173,7 @@ func TestPartitionSelfFence(t *testing.T) {
 		j, err := c.Client("node2").Job(context.Background(), old.ID)
 		return err == nil && j.State != agent.JobRunning
 	})
-	// Killed (the process watch below says when), its shim stopped first: no exit record, as the job goes on.
+	// Killed (the process watch below says when), marked superseded first: no exit record, as the job goes on.
 	if j := rg.job(t, "node2", 1); j.State != agent.JobLost || !j.Fenced || j.Exit != nil {
 		t.Errorf("node2's record of its killed copy of rank 1: state %s, fenced %v, exit %+v; want lost and fenced without an exit record (the job goes on elsewhere)",
 			j.State, j.Fenced, j.Exit)

@@ -528,8 +528,8 @@ func testJobAddressSelfFence(t *testing.T, agentsOnly bool) {
 		t.Errorf("spare1 holds node2's host address: %v", addrs)
 	}
 	rg.waitProgress(t, progressEvery, 2*time.Minute)
-	// The kill of the fenced copy is not the job's end: its shim was stopped first and recorded nothing,
-	// where ftwrap, which follows the job through its directory, would have read the end of the job.
+	// The kill of the fenced copy is not the job's end: the copy was marked superseded first and its shim
+	// recorded nothing, where ftwrap, which follows the job through its directory, would read the job's end.
 	if b, err := os.ReadFile(old.ExitPath()); !errors.Is(err, fs.ErrNotExist) {
 		t.Errorf("rank 1's exit record while its restored copy runs on spare1: %s (%v); want none", b, err)
 	}
