@@ -778,10 +778,16 @@ func TestFaultProtectorDiskFull(t *testing.T) {
 	c, rg, want := startMatrix(t, 1, 7740, ref, prepare, "--progress", "10", "--ballast", "64")
 	job := rg.jobs[1].ID
 	rg.checkpoint(t, "node2")
-	prev := replicaIDs(t, c, "node3", job, "node2")
-	if len(prev) == 0 {
-		t.Fatal("node3 lists no replica of rank 1 after a shipped checkpoint")
-	}
+	// The agent may take a snapshot of rank 1 of its own around the test's (one whose first replica lacks
+	// connections opened since is taken again at once); ci135's arrived on node3 after the list below was
+	// read. Snapshots are taken one at a time, so by now node2 has committed both: wait until node3 holds
+	// node2's newest.
+	var prev []string
+	poll(t, 2*time.Minute, "node3 to hold node2's newest snapshot of rank 1", func() bool {
+		local := replicaIDs(t, c, "node2", job, "node2")
+		prev = replicaIDs(t, c, "node3", job, "node2")
+		return len(local) > 0 && len(prev) > 0 && prev[0] == local[0]
+	})
 	ms, err := c.Client("node3").Snapshots(context.Background(), job)
 	if err != nil || len(ms) == 0 || ms[0].ID != prev[0] {
 		t.Fatalf("snapshots on node3: %v, %v; want %s first", ms, err, prev[0])

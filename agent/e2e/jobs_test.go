@@ -84,7 +84,32 @@ func startCluster(t *testing.T, l *lab.Lab, opts labcluster.Options) *labcluster
 			}
 		}
 	})
+	if opts.JobAddresses {
+		t.Cleanup(func() { removeLabJobNets(t, c) }) // before the lab's teardown, registered before this
+	}
 	return c
+}
+
+// removeLabJobNets removes the job networks of every job the lab's agents know, pass or fail: a job network
+// outlives the lab's hosts, and one whose job ended with its last bytes unacknowledged lingers up to
+// job_network.linger, longer than a test that started the job through ftctl mpirun may run on (ci132 left
+// TestMPIHostfile's node1 network behind). A job restored elsewhere has the same id on its new host.
+func removeLabJobNets(t *testing.T, c *labcluster.Cluster) {
+	seen := map[string]bool{}
+	for _, h := range c.Lab.State().Hosts {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		jobs, err := c.Client(h.Name).Jobs(ctx)
+		cancel()
+		if err != nil {
+			continue // a crashed host: its jobs are restored elsewhere, under the same ids, or their test removes them
+		}
+		for _, j := range jobs {
+			if j.Net != nil && !seen[j.ID] {
+				seen[j.ID] = true
+				removeJobNets(t, j.ID)
+			}
+		}
+	}
 }
 
 // mountStore makes host's snapshot store a tmpfs of size (a tmpfs size= value) and returns its path; it is

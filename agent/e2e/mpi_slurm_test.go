@@ -79,6 +79,9 @@ func newSlurmCluster(t *testing.T, nodes, spares int, opts labcluster.Options) *
 			}
 		}
 	})
+	if opts.JobAddresses {
+		t.Cleanup(func() { removeLabJobNets(t, c) })
+	}
 	return c
 }
 
