@@ -22,19 +22,12 @@ const maxExitRecord = 64 << 10
 // a FIFO (in a job directory an older agent handed to the user) is refused, not followed or waited on, and
 // so is a record root did not write: the user could forge one there.
 func ReadExit(path string) (*ExitStatus, error) {
-	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK|syscall.O_NOCTTY, 0)
-	if errors.Is(err, syscall.ELOOP) {
-		return nil, fmt.Errorf("exit record %s is a symbolic link: not read", path)
-	}
+	f, fi, err := openRegular(path, "exit record")
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	if st, err := f.Stat(); err != nil {
-		return nil, err
-	} else if !st.Mode().IsRegular() {
-		return nil, fmt.Errorf("exit record %s is not a regular file: not read", path)
-	} else if sys, ok := st.Sys().(*syscall.Stat_t); ok && sys.Uid != 0 {
+	if sys, ok := fi.Sys().(*syscall.Stat_t); ok && sys.Uid != 0 {
 		return nil, fmt.Errorf("exit record %s belongs to uid %d, so no shim wrote it: not read", path, sys.Uid)
 	}
 	b, err := io.ReadAll(io.LimitReader(f, maxExitRecord+1))
@@ -49,6 +42,27 @@ func ReadExit(path string) (*ExitStatus, error) {
 		return nil, fmt.Errorf("exit record %s: %w", path, err)
 	}
 	return &st, nil
+}
+
+// openRegular opens a file root reads (what names the file), refusing a link, which it does not follow, and
+// anything but a regular file, which it neither waits on (a FIFO) nor lets become its terminal.
+func openRegular(path, what string) (*os.File, os.FileInfo, error) {
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK|syscall.O_NOCTTY, 0)
+	if errors.Is(err, syscall.ELOOP) {
+		return nil, nil, fmt.Errorf("%s %s is a symbolic link: not read", what, path)
+	}
+	if err != nil {
+		return nil, nil, err
+	}
+	st, err := f.Stat()
+	if err == nil && !st.Mode().IsRegular() {
+		err = fmt.Errorf("%s %s is not a regular file: not read", what, path)
+	}
+	if err != nil {
+		f.Close()
+		return nil, nil, err
+	}
+	return f, st, nil
 }
 
 // ErrJobGone means the job's root process is gone: it exited, or its PID now names another process.

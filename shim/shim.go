@@ -168,14 +168,11 @@ const maxRefusal = 4 << 10
 
 // readRefusal returns the agent's reason for killing the job, "" if it wrote none.
 func readRefusal(path string) string {
-	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	f, _, err := openRegular(path, "refusal")
 	if err != nil {
 		return ""
 	}
 	defer f.Close()
-	if st, err := f.Stat(); err != nil || !st.Mode().IsRegular() {
-		return ""
-	}
 	b, _ := io.ReadAll(io.LimitReader(f, maxRefusal))
 	return strings.ToValidUTF8(strings.TrimSpace(string(b)), "?")
 }

@@ -446,16 +446,7 @@ func testJobAddressSelfFence(t *testing.T, agentsOnly bool) {
 			wrapped.Process.Kill()
 			wrapped.Wait()
 		})
-		var j agent.Job
-		poll(t, time.Minute, "ftwrap's rank 1 to run on node2", func() bool {
-			jobs, err := c.Client(h).Jobs(ctx)
-			i := slices.IndexFunc(jobs, func(j agent.Job) bool { return j.Spec.Name == "rank1" })
-			if err != nil || i < 0 {
-				return false
-			}
-			j = jobs[i]
-			return true
-		})
+		j := jobOn(t, c, h, "rank1", time.Minute, func(agent.Job) bool { return true })
 		rg.jobs = append(rg.jobs, j)
 		t.Cleanup(func() { removeJobNets(t, j.ID) })
 	}
