@@ -1,7 +1,6 @@
 package agent
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -21,6 +20,7 @@ import (
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/intercept"
+	"github.com/ftkit/ftkit/internal/procstate"
 	"github.com/ftkit/ftkit/internal/tickgrid"
 )
 
@@ -781,11 +781,9 @@ func hostThread(dir string, ns uint32) (int, error) {
 // threadState is a thread's state, the system call it is in and where it sleeps, from /proc.
 func threadState(tid int) string {
 	dir := fmt.Sprintf("/proc/%d", tid)
-	state := "?"
-	if b, err := os.ReadFile(dir + "/stat"); err == nil {
-		if i := bytes.LastIndexByte(b, ')'); i >= 0 && i+2 < len(b) {
-			state = string(b[i+2])
-		}
+	state, err := procstate.Of(tid)
+	if err != nil {
+		state = "?"
 	}
 	call := "?"
 	if b, err := os.ReadFile(dir + "/syscall"); err == nil {
@@ -808,7 +806,7 @@ func (s jobStops) Continue(pid uint32) error {
 // turn), until ctx ends (the replay's timeout: a process something continued never stops).
 func (s jobStops) WaitStopped(ctx context.Context, pid uint32) error {
 	for {
-		running, err := runningThreads(int(pid))
+		running, err := procstate.RunningThreads(int(pid))
 		if err != nil {
 			return err
 		}
@@ -823,31 +821,6 @@ func (s jobStops) WaitStopped(ctx context.Context, pid uint32) error {
 	}
 }
 
-// runningThreads lists the threads of process pid that are not stopped.
-func runningThreads(pid int) ([]int, error) {
-	dir := fmt.Sprintf("/proc/%d/task", pid)
-	ents, err := os.ReadDir(dir)
-	if err != nil {
-		return nil, fmt.Errorf("list the threads of process %d: %w", pid, err)
-	}
-	var running []int
-	for _, e := range ents {
-		b, err := os.ReadFile(filepath.Join(dir, e.Name(), "stat"))
-		if err != nil {
-			continue // it exited
-		}
-		i := bytes.LastIndexByte(b, ')')
-		if i < 0 || i+2 >= len(b) {
-			return nil, fmt.Errorf("thread %s of process %d: malformed stat", e.Name(), pid)
-		}
-		if st := b[i+2]; st != 'T' && st != 't' && st != 'Z' && st != 'X' {
-			tid, _ := strconv.Atoi(e.Name())
-			running = append(running, tid)
-		}
-	}
-	return running, nil
-}
-
 // continueStopped continues each process of the job cgroup dir whose threads are all stopped.
 func continueStopped(dir string) error {
 	pids, err := jobProcs(dir)
@@ -856,7 +829,7 @@ func continueStopped(dir string) error {
 	}
 	var errs []error
 	for _, pid := range pids {
-		if running, err := runningThreads(pid); err != nil || len(running) > 0 {
+		if running, err := procstate.RunningThreads(pid); err != nil || len(running) > 0 {
 			continue // gone, or not stopped
 		}
 		if err := unix.Kill(pid, unix.SIGCONT); err != nil && !errors.Is(err, unix.ESRCH) {

@@ -17,6 +17,7 @@ import (
 
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/intercept"
+	"github.com/ftkit/ftkit/internal/procstate"
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
@@ -136,7 +137,7 @@ func TestStopsAndContinueStopped(t *testing.T) {
 		t.Fatal(err)
 	}
 	for {
-		if r, err := runningThreads(stopped); err != nil {
+		if r, err := procstate.RunningThreads(stopped); err != nil {
 			t.Fatal(err)
 		} else if len(r) > 0 {
 			break
@@ -219,7 +220,7 @@ func TestReleaseHeld(t *testing.T) {
 	s := &detStream{job: "j", first: 10, held: []heldProc{{pid: uint32(early), upTo: 10}, {pid: uint32(late), upTo: 12}}}
 	a.releaseHeld(s, false)
 	isRunning := func(pid int) bool {
-		r, err := runningThreads(pid)
+		r, err := procstate.RunningThreads(pid)
 		return err == nil && len(r) > 0
 	}
 	for !isRunning(early) {

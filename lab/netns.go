@@ -1,7 +1,6 @@
 package lab
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -14,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/internal/netnsthread"
+	"github.com/ftkit/ftkit/internal/procstate"
 )
 
 // NetnsDir is where named network namespaces are bind-mounted (the `ip netns` convention).
@@ -115,20 +115,8 @@ func stopNetns(path string, bound time.Duration) error {
 
 // stopped says whether process pid is stopped, a zombie, or gone.
 func stopped(pid int) bool {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
-	if err != nil {
-		return true
-	}
-	// "pid (comm) state ...": comm may hold spaces and parentheses.
-	i := bytes.LastIndexByte(b, ')')
-	if i < 0 || len(b) < i+3 {
-		return false
-	}
-	switch b[i+2] {
-	case 'T', 't', 'Z', 'X':
-		return true
-	}
-	return false
+	state, err := procstate.Of(pid)
+	return err != nil || procstate.Halted(state)
 }
 
 // killNetns SIGKILLs every process in the namespace until none is left, like a power cut: processes that

@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -14,16 +13,17 @@ import (
 	"path/filepath"
 	"runtime"
 	"slices"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
+	"github.com/prometheus/procfs"
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
-	"github.com/vishvananda/netlink"
-	"github.com/vishvananda/netns"
 )
 
 // detectBench measures failure detection in the lab: crash -> failure confirmed by the protector over
@@ -308,18 +308,12 @@ func agentCPUTicks(l *lab.Lab, host string) (uint64, error) {
 
 // procCPUTicks is a process's utime+stime in clock ticks.
 func procCPUTicks(pid int) (uint64, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	p, err := procfs.NewProc(pid)
 	if err != nil {
 		return 0, err
 	}
-	// The command may hold spaces: fields count from the last ')'.
-	f := strings.Fields(string(b[strings.LastIndexByte(string(b), ')')+1:]))
-	if len(f) < 13 {
-		return 0, fmt.Errorf("short /proc/%d/stat", pid)
-	}
-	u, err1 := strconv.ParseUint(f[11], 10, 64)
-	s, err2 := strconv.ParseUint(f[12], 10, 64)
-	return u + s, errors.Join(err1, err2)
+	s, err := p.Stat()
+	return uint64(s.UTime + s.STime), err
 }
 
 func ethTxBytes(nsPath string) (uint64, error) {

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
+	"github.com/prometheus/procfs"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
@@ -654,24 +655,16 @@ func cgroupUsage(dir string) (float64, error) {
 // procStatBusy returns the busy time of all CPUs (user, nice, system, irq,
 // softirq, steal) in seconds.
 func procStatBusy() (float64, error) {
-	raw, err := os.ReadFile("/proc/stat")
+	fs, err := procfs.NewDefaultFS()
 	if err != nil {
 		return 0, err
 	}
-	line, _, _ := strings.Cut(string(raw), "\n")
-	f := strings.Fields(line)
-	if len(f) < 9 || f[0] != "cpu" {
-		return 0, fmt.Errorf("/proc/stat: unexpected first line %q", line)
+	st, err := fs.Stat()
+	if err != nil {
+		return 0, err
 	}
-	var ticks int64
-	for _, i := range []int{1, 2, 3, 6, 7, 8} {
-		v, err := strconv.ParseInt(f[i], 10, 64)
-		if err != nil {
-			return 0, fmt.Errorf("/proc/stat: %w", err)
-		}
-		ticks += v
-	}
-	return float64(ticks) / 100, nil // USER_HZ is 100 on Linux
+	c := st.CPUTotal
+	return c.User + c.Nice + c.System + c.IRQ + c.SoftIRQ + c.Steal, nil
 }
 
 // copyFloor measures, runs times, the thread CPU seconds one copy of a GB costs on this machine the way the

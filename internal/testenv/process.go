@@ -3,14 +3,13 @@ package testenv
 import (
 	"bytes"
 	"errors"
-	"os"
 	"os/exec"
-	"strconv"
-	"strings"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/ftkit/ftkit/internal/procstate"
 )
 
 // StartSleep starts a child that stands for a job's root process; it is killed and reaped at the end.
@@ -40,12 +39,11 @@ func WaitSignalled(t *testing.T, cmd *exec.Cmd, sig syscall.Signal) {
 // StillRuns checks that nothing killed cmd: it is not a zombie either.
 func StillRuns(t *testing.T, cmd *exec.Cmd) {
 	t.Helper()
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(cmd.Process.Pid) + "/stat")
+	state, err := procstate.Of(cmd.Process.Pid)
 	if err != nil {
 		t.Fatalf("process %d is gone: %v", cmd.Process.Pid, err)
 	}
-	// Field 3, after the parenthesised command name, is the state.
-	if _, rest, _ := strings.Cut(string(b), ") "); strings.HasPrefix(rest, "Z") {
+	if state == "Z" {
 		t.Fatalf("process %d was signalled: it is a zombie", cmd.Process.Pid)
 	}
 }

@@ -4,11 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
-	"strconv"
-	"strings"
 	"time"
 
+	"github.com/prometheus/procfs"
 	"golang.org/x/sys/unix"
 )
 
@@ -21,31 +19,14 @@ type Proc struct {
 	Start uint64 `json:"start"`
 }
 
-// procStat returns the state letter and start time of pid.
-func procStat(pid int) (state byte, start uint64, err error) {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+// procStat returns the state and start time of pid.
+func procStat(pid int) (state string, start uint64, err error) {
+	p, err := procfs.NewProc(pid)
 	if err != nil {
-		return 0, 0, err
+		return "", 0, err
 	}
-	return parseStat(string(b))
-}
-
-// parseStat reads fields 3 (state) and 22 (starttime) of a /proc/PID/stat line. The command name (field
-// 2) is in parentheses and may itself hold spaces and parentheses, so fields count from the last ')'.
-func parseStat(s string) (byte, uint64, error) {
-	i := strings.LastIndexByte(s, ')')
-	if i < 0 {
-		return 0, 0, fmt.Errorf("/proc stat %q: no command name", s)
-	}
-	f := strings.Fields(s[i+1:])
-	if len(f) < 20 || len(f[0]) != 1 {
-		return 0, 0, fmt.Errorf("/proc stat %q: too few fields", s)
-	}
-	start, err := strconv.ParseUint(f[19], 10, 64)
-	if err != nil {
-		return 0, 0, fmt.Errorf("/proc stat starttime %q: %w", f[19], err)
-	}
-	return f[0][0], start, nil
+	s, err := p.Stat()
+	return s.State, s.Starttime, err
 }
 
 // Identify records the running process pid as name on host.
@@ -63,7 +44,7 @@ func (p Proc) Alive() bool {
 		return false
 	}
 	state, start, err := procStat(p.PID)
-	return err == nil && start == p.Start && state != 'Z' && state != 'X'
+	return err == nil && start == p.Start && state != "Z" && state != "X"
 }
 
 // Stop sends SIGTERM, waits up to grace for the process to exit, then SIGKILLs it and waits again as
