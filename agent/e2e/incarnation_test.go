@@ -53,7 +53,9 @@ func counterLines(t *testing.T, path string) int {
 	return len(lines)
 }
 
-// startCounter starts the counter on host and waits until it has printed something.
+// startCounter starts the counter on host and waits until it has printed something and its first snapshot,
+// which the agent takes as the job starts, is replicated: a test's own snapshot is then the job's newest
+// everywhere (ci137: the agent's first snapshot waited behind the test's, and reached node2 after it).
 func startCounter(t *testing.T, c *labcluster.Cluster, host, name string) agent.Job {
 	t.Helper()
 	j, err := c.Client(host).StartJob(context.Background(), agent.JobSpec{Name: name, Argv: counterArgv, Env: []string{"PATH=/usr/bin:/bin"}})
@@ -64,6 +66,7 @@ func startCounter(t *testing.T, c *labcluster.Cluster, host, name string) agent.
 		b, _ := os.ReadFile(j.StdoutPath())
 		return len(b) > 0
 	})
+	waitProtected(t, c, host, j.ID, time.Minute)
 	return j
 }
 
