@@ -75,6 +75,7 @@ type Agent struct {
 	}
 	busy     busyOps          // the long operations in progress (checkpoint, restore), carried by heartbeats
 	beatNow  chan struct{}    // a beat should not wait for the interval (a job's replica lacks connections, a long operation begins)
+	beating  beatContact      // the heartbeat stream to the protector, whose acknowledgements the self-fence reads
 	watchdog *detect.Watchdog // over this node's predecessor in the ring
 	stalls   *detect.Stalls   // this agent's own scheduling delays (watchSelf)
 	failures *failureLog      // timelines of the failures this agent knows of

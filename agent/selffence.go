@@ -28,7 +28,7 @@ import (
 // StageSelfFenced names the one stage of a self-fence event in the failure log (ftctl events).
 const StageSelfFenced = "self-fenced"
 
-// contactClock holds when this node's protector last answered a probe, on the monotonic clock.
+// contactClock holds when this node last reached its protector, on the monotonic clock.
 type contactClock struct {
 	mu   sync.Mutex
 	name string // the protector the time belongs to
@@ -52,24 +52,12 @@ func (c *contactClock) get(name string) time.Time {
 	return c.at
 }
 
-// selfFence probes the protector and checks, every fence.Timing.Check, whether this node is cut off.
+// selfFence checks, every fence.Timing.Check, whether this node is cut off: whether it heard from its
+// predecessor (its beats) and reached its protector (which acknowledged its own beats) within the fence
+// timeout.
 func (a *Agent) selfFence(ctx context.Context) {
 	t := a.cfg.FenceTiming()
 	var prot contactClock
-	go tickgrid.Every(ctx, t.Interval, func() {
-		p, ok := a.protector()
-		if !ok {
-			return
-		}
-		// The contact counts from when the probe was sent: an answer proves the link was up then at the
-		// latest, which is what the protector's wait (measured from the last beat it received) assumes.
-		sent := time.Now()
-		pctx, cancel := context.WithTimeout(ctx, a.cfg.Heartbeat.Timeout.Duration)
-		defer cancel()
-		if _, err := a.Ping(pctx, p.Name); err == nil {
-			prot.set(p.Name, sent)
-		}
-	})
 	var (
 		protName, predName string
 		since              time.Time // when this pair of neighbours became ours
@@ -88,6 +76,11 @@ func (a *Agent) selfFence(ctx context.Context) {
 		}
 		if p.Name != protName || s.Name != predName {
 			protName, predName, since, fenced = p.Name, s.Name, now, false
+		}
+		// The contact counts from when the newest beat the protector's host acknowledged was sent: the link
+		// was up then or later, which is what the protector's wait (from the last beat it received) assumes.
+		if to, at, ok := a.beating.last(); ok {
+			prot.set(to, at)
 		}
 		c := fence.Contact{Protector: prot.get(p.Name)}
 		if _, at, ok := a.watchdog.Last(s.Name); ok {

@@ -14,6 +14,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -75,6 +76,27 @@ func (c *Client) dial(ctx context.Context, name string) (net.Conn, error) {
 		return nil, fmt.Errorf("%s is not a cluster member", name)
 	}
 	return clustertls.Dial(ctx, addr, name, c.cfg.TLS())
+}
+
+// dialAcked is dial over an ackedConn, which it returns too: it stamps the writes after the TLS handshake
+// and the first of them.
+func (c *Client) dialAcked(ctx context.Context, name string) (net.Conn, *ackedConn, error) {
+	addr, ok := c.cfg.Resolve(name)
+	if !ok {
+		return nil, nil, fmt.Errorf("%s is not a cluster member", name)
+	}
+	var d net.Dialer
+	raw, err := d.DialContext(ctx, "tcp", addr)
+	if err == nil {
+		ac := &ackedConn{TCPConn: raw.(*net.TCPConn)}
+		var conn net.Conn
+		if conn, err = clustertls.Client(ctx, ac, name, c.cfg.TLS()); err == nil {
+			ac.skipFrom(1) // the request's headers, alone or with the first beat
+			return conn, ac, nil
+		}
+		raw.Close()
+	}
+	return nil, nil, fmt.Errorf("dial %s (%s): %w", name, addr, err)
 }
 
 // HostAnswers returns nil if peer's host completes a TCP handshake on peer's cluster address or refuses
@@ -409,6 +431,7 @@ type BeatStream struct {
 	cancel context.CancelFunc
 	done   chan error
 	mu     sync.Mutex
+	conn   atomic.Pointer[ackedConn] // the stream's connection, once dialed
 }
 
 // Heartbeats opens a heartbeat stream to peer; every Send must be written within timeout.
@@ -425,8 +448,19 @@ func (c *Client) Heartbeats(ctx context.Context, peer string, timeout time.Durat
 		return nil, fmt.Errorf("heartbeat stream to %s: %w", peer, err)
 	}
 	req.Header.Set("Content-Type", "application/x-ndjson")
+	// A connection of its own, whose acknowledgements Acked reads.
+	tr := c.tr.Clone()
+	tr.DisableKeepAlives = true
+	tr.DialTLSContext = func(ctx context.Context, _, _ string) (net.Conn, error) {
+		conn, ac, err := c.dialAcked(ctx, peer)
+		if err == nil {
+			s.conn.Store(ac)
+		}
+		return conn, err
+	}
 	go func() {
-		resp, err := c.hc.Do(req)
+		defer tr.CloseIdleConnections()
+		resp, err := (&http.Client{Transport: tr, CheckRedirect: c.hc.CheckRedirect}).Do(req)
 		if err == nil {
 			if resp.StatusCode != http.StatusOK {
 				err = readRefusal(resp, OpHeartbeat, peer)
@@ -452,6 +486,18 @@ func (s *BeatStream) Send(b detect.Beat) error {
 		return fmt.Errorf("heartbeat to %s: %w", s.peer, s.watch.err(err))
 	}
 	return nil
+}
+
+// Acked returns when the newest write of the stream that the peer's host acknowledged began (a beat, or
+// the connection's handshake): the peer was reachable then or later. False before the first
+// acknowledgement, or if the kernel cannot say.
+func (s *BeatStream) Acked() (time.Time, bool) {
+	c := s.conn.Load()
+	if c == nil {
+		return time.Time{}, false
+	}
+	at, ok, err := c.Acked()
+	return at, ok && err == nil
 }
 
 // Close ends the stream.

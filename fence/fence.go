@@ -4,8 +4,8 @@
 //
 // Both sides measure durations on their own monotonic clock, never compare wall clocks across hosts. The
 // shared event is the cut: the protector's last received heartbeat arrived before it, and the victim's
-// last confirmed contact with its protector (a probe it sent that was answered) was sent before it too,
-// at most one heartbeat interval after that beat arrived (beats go out every interval). So the victim has
+// last confirmed contact with its protector (a beat whose bytes the protector's host acknowledged) was
+// sent before it too, at most one heartbeat interval after that beat arrived (beats go out every interval). So the victim has
 // fenced by lastBeat + Interval + FenceTimeout + Check + KillBound on any clock running at the same rate;
 // Margin adds that plus a rate allowance.
 package fence
@@ -29,9 +29,9 @@ const KillBound = time.Second
 func (t Timing) Check() time.Duration { return t.Interval / 2 }
 
 // Margin is what the protector adds to the fence timeout, measured from the victim's last heartbeat: the
-// victim's last answered probe may be one interval younger than that beat, its check runs every Check,
-// the kill takes up to KillBound, and two hosts' clocks may tick at slightly different rates (NTP slews
-// by at most 500 ppm; 1% leaves room).
+// victim's newest acknowledged write may be one interval younger than that beat (the next beat, received
+// in part), its check runs every Check, the kill takes up to KillBound, and two hosts' clocks may tick at
+// slightly different rates (NTP slews by at most 500 ppm; 1% leaves room).
 func (t Timing) Margin() time.Duration {
 	return t.Interval + t.Check() + KillBound + t.Timeout/100
 }

@@ -12,16 +12,30 @@ import (
 // client handshake finishes, so a server that refuses us shows up as an error
 // on the first Read, not from Dial.
 func Dial(ctx context.Context, addr, expectPeer string, cfg Config) (*tls.Conn, error) {
+	var d net.Dialer
+	raw, err := d.DialContext(ctx, "tcp", addr)
+	if err == nil {
+		var tc *tls.Conn
+		if tc, err = Client(ctx, raw, expectPeer, cfg); err == nil {
+			return tc, nil
+		}
+		raw.Close()
+	}
+	return nil, fmt.Errorf("dial %s (%s): %w", expectPeer, addr, err)
+}
+
+// Client completes a mutual TLS handshake with member expectPeer over conn, a connection the caller
+// dialed (Dial's, over a connection of the caller's own).
+func Client(ctx context.Context, conn net.Conn, expectPeer string, cfg Config) (*tls.Conn, error) {
 	tlsCfg, err := cfg.ClientTLS(expectPeer)
 	if err != nil {
-		return nil, fmt.Errorf("dial %s (%s): %w", expectPeer, addr, err)
+		return nil, err
 	}
-	d := tls.Dialer{Config: tlsCfg}
-	conn, err := d.DialContext(ctx, "tcp", addr)
-	if err != nil {
-		return nil, fmt.Errorf("dial %s (%s): %w", expectPeer, addr, err)
+	tc := tls.Client(conn, tlsCfg)
+	if err := tc.HandshakeContext(ctx); err != nil {
+		return nil, fmt.Errorf("TLS handshake with %s: %w", expectPeer, err)
 	}
-	return conn.(*tls.Conn), nil
+	return tc, nil
 }
 
 // Listen accepts mutual TLS connections from cluster members on addr. The
