@@ -48,6 +48,9 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen, hashWhileDumping bo
 		return nil, fmt.Errorf("snapshot of job %s: %w", j.ID, ErrReplaying)
 	}
 	defer a.setBusy(detect.BusyCheckpoint)()
+	if a.netlog != nil {
+		defer a.netlog.node.HoldTrims()() // until SentPrefix has read the connections' last blocks
+	}
 	if err := a.waitPagesIn(ctx, j.ID); err != nil {
 		return nil, err
 	}

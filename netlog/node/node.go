@@ -73,6 +73,11 @@ type Node struct {
 	aged time.Time            // last Age of the log (Run only)
 
 	// Freeing finished connections (releaseFinished).
+	// Trims held back while a snapshot of this host reads its connections' last blocks (HoldTrims).
+	holds    int
+	held     map[tcpflow.Tuple]uint32 // connection -> the furthest trim point asked meanwhile
+	heldFrom map[string]bool          // the receiving nodes that asked
+
 	marks    map[string]release.Watermark      // receiving node -> its latest watermark, on our clock
 	asked    map[string]time.Time              // receiving node -> when we last asked it for its watermark
 	asking   map[string]bool                   // a question to that node is in flight
@@ -101,6 +106,7 @@ func New(src Source, cfg Config) (*Node, error) {
 		cfg.Event = func(controller.EventKind) {}
 	}
 	return &Node{src: src, ctl: ctl, cfg: cfg, log: cfg.Logger, seen: map[string]time.Time{},
+		held: map[tcpflow.Tuple]uint32{}, heldFrom: map[string]bool{},
 		marks: map[string]release.Watermark{}, asked: map[string]time.Time{}, asking: map[string]bool{}}, nil
 }
 

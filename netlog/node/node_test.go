@@ -141,6 +141,53 @@ func TestTrim(t *testing.T) {
 	}
 }
 
+// TestHoldTrims: a trim that arrives while a snapshot holds them drops nothing until the last holder
+// releases them; then the furthest point asked for each connection applies, and the receiver counts as
+// relieved. Without the hold, a receiver's snapshot taken after ours trimmed the block our snapshot's
+// sent prefix still had to read (ci138).
+func TestHoldTrims(t *testing.T) {
+	n, _, payload := newTestNode(t, 300_000, &fakeMembers{owner: "n2"})
+	first, second := n.HoldTrims(), n.HoldTrims()
+	near, far := uint32(isn+100_000), uint32(isn+200_000)
+	if got := n.Trim("n2", []Point{{Conn: connA, Seq: far}}); got != 1 {
+		t.Errorf("held Trim counted %d connections, want 1", got)
+	}
+	n.Trim("n2", []Point{{Conn: connA, Seq: near}}) // an older point, after a newer one: the newer stays
+	readAll := func(from uint32) ([]byte, error) {
+		r, err := n.Range(context.Background(), "n2", connA, from)
+		if err != nil {
+			return nil, err
+		}
+		var b bytes.Buffer
+		err = r.Write(&b)
+		return b.Bytes(), err
+	}
+	first()
+	first() // a release runs once
+	if b, err := readAll(isn); err != nil || !bytes.Equal(b, payload) {
+		t.Fatalf("while a holder remains: %d bytes from the start, %v; want all %d", len(b), err, len(payload))
+	}
+	n.mu.Lock()
+	seen := n.seen["n2"]
+	n.mu.Unlock()
+	if !seen.IsZero() {
+		t.Error("n2 counted as relieved before its trim applied")
+	}
+	second()
+	keep := recvdigest.BlockStart(far)
+	if b, err := readAll(keep); err != nil || !bytes.Equal(b, payload[keep-isn:]) {
+		t.Fatalf("after the release, from the far point's block %d: %d bytes, %v", keep, len(b), err)
+	}
+	if _, err := readAll(recvdigest.BlockStart(near)); !errors.Is(err, netlog.ErrTrimmed) {
+		t.Fatalf("after the release, from the near point's block: %v, want ErrTrimmed (the far point applies)", err)
+	}
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.seen["n2"].IsZero() {
+		t.Error("n2 not counted as relieved once its held trim applied")
+	}
+}
+
 // A range asked for while the last segments the live state shows are still in the ring (the consumer
 // reads it at its poll interval) waits until the log holds them, waking the consumer: a range cut short
 // of the live state reads as bytes the log lost.

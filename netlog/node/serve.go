@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"sync"
 	"time"
 
 	"github.com/ftkit/ftkit/ebpfprobes"
@@ -21,8 +22,21 @@ type Point struct {
 }
 
 // Trim drops the log data that receiving member peer's snapshot covers and returns how many
-// connections it trimmed. The caller checked that peer holds each point's receiving end.
+// connections it trimmed, or, while a snapshot holds the trims (HoldTrims), how many it will trim then.
+// The caller checked that peer holds each point's receiving end.
 func (n *Node) Trim(peer string, pts []Point) int {
+	n.mu.Lock()
+	if n.holds > 0 {
+		for _, p := range pts {
+			if old, ok := n.held[p.Conn]; !ok || int32(p.Seq-old) > 0 {
+				n.held[p.Conn] = p.Seq
+			}
+		}
+		n.heldFrom[peer] = true
+		n.mu.Unlock()
+		return len(pts)
+	}
+	n.mu.Unlock()
 	trimmed := 0
 	for _, p := range pts {
 		// Down to the start of the receive-digest block: a snapshot of ours taken meanwhile may need
@@ -31,11 +45,44 @@ func (n *Node) Trim(peer string, pts []Point) int {
 			trimmed++
 		}
 	}
+	n.relieved(peer)
+	return trimmed
+}
+
+func (n *Node) relieved(peer string) {
 	n.mu.Lock()
+	defer n.mu.Unlock()
 	n.seen[peer] = time.Now()
 	n.ctl.Relieved(peer)
+}
+
+// HoldTrims holds back the trims that arrive until every holder has called its release, which applies
+// them. A snapshot of a job of this host holds them from before its dump until it has read, from the log,
+// what each connection sent of its last receive-digest block (sentPrefix): the job runs again before that,
+// and a receiver's snapshot taken meanwhile could trim the block away (ci138: "the bytes before the
+// snapshot's write_seq in its digest block are unknown", and the recovery from that snapshot refused).
+// Trims that came before the dump cannot reach that block: the receiver had not got beyond it.
+func (n *Node) HoldTrims() (release func()) {
+	n.mu.Lock()
+	n.holds++
 	n.mu.Unlock()
-	return trimmed
+	return sync.OnceFunc(func() {
+		n.mu.Lock()
+		n.holds--
+		if n.holds > 0 {
+			n.mu.Unlock()
+			return
+		}
+		held, peers := n.held, n.heldFrom
+		n.held, n.heldFrom = map[tcpflow.Tuple]uint32{}, map[string]bool{}
+		n.mu.Unlock()
+		for conn, seq := range held {
+			_, _ = n.Log().Trim(conn, recvdigest.BlockStart(seq)) // a connection gone meanwhile has nothing to trim
+		}
+		for peer := range peers {
+			n.relieved(peer)
+		}
+	})
 }
 
 // Range is the logged bytes of one connection from a sequence number to the highest contiguous byte,
