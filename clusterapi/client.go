@@ -488,9 +488,9 @@ func (s *BeatStream) Send(b detect.Beat) error {
 	return nil
 }
 
-// Acked returns when the newest write of the stream that the peer's host acknowledged began (a beat, or
-// the connection's handshake): the peer was reachable then or later. False before the first
-// acknowledgement, or if the kernel cannot say.
+// Acked returns when the newest write of the stream that the peer's host acknowledged began (always a
+// beat: the handshake and the request's headers are not stamped): the peer was reachable then or later.
+// False before the first acknowledged beat, or if the kernel cannot say.
 func (s *BeatStream) Acked() (time.Time, bool) {
 	c := s.conn.Load()
 	if c == nil {

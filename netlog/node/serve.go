@@ -59,9 +59,9 @@ func (n *Node) relieved(peer string) {
 // HoldTrims holds back the trims that arrive until every holder has called its release, which applies
 // them. A snapshot of a job of this host holds them from before its dump until it has read, from the log,
 // what each connection sent of its last receive-digest block (sentPrefix): the job runs again before that,
-// and a receiver's snapshot taken meanwhile could trim the block away (ci138: "the bytes before the
-// snapshot's write_seq in its digest block are unknown", and the recovery from that snapshot refused).
-// Trims that came before the dump cannot reach that block: the receiver had not got beyond it.
+// and a receiver's snapshot taken meanwhile could trim the block away: the snapshot's sent prefix would be
+// unknown, and a recovery from it refused as unverifiable. Trims that came before the dump cannot reach
+// that block: the receiver had not got beyond it.
 func (n *Node) HoldTrims() (release func()) {
 	n.mu.Lock()
 	n.holds++
