@@ -12,6 +12,8 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime"
+	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -226,11 +228,15 @@ func TestRealDumpEditRestore(t *testing.T) {
 	// nsenter execs the helper in place (no --fork), so cmd's PID is the
 	// helper's. Setsid makes it a session and group leader of its own, so
 	// CRIU needs no --shell-job (-j) for a session leader outside the dump;
-	// stdin is /dev/null, so no tty is involved either.
+	// stdin is /dev/null, so no tty is involved either. The helper is the
+	// init of a PID namespace of its own, as the agent starts jobs: CRIU
+	// restores its threads' ids, which in the host's namespace another
+	// process can take between the kill and the restore (pid_max 32768 on
+	// this machine kind; ci140 failed so, "Unable to create a thread: -17").
 	cmd := exec.Command("nsenter", "--net="+nsPath, "--", exe, "-test.run=^$")
 	cmd.Env = append(os.Environ(), helperEnv+"="+work)
 	cmd.Stdout, cmd.Stderr = helperLog, helperLog
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Cloneflags: syscall.CLONE_NEWPID}
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
@@ -385,12 +391,21 @@ func TestRealDumpEditRestore(t *testing.T) {
 
 	cmd.Process.Kill()
 	<-exited
+	pidFile := filepath.Join(work, "restored.pid")
 	restoreTook := runCRIU(t, ctx, nsPath, filepath.Join(imgDir, "restore.log"), "restore", "-D", imgDir,
-		"--tcp-established", "-d", "-o", "restore.log", "-v4")
+		"--tcp-established", "-d", "--pidfile", pidFile, "-o", "restore.log", "-v4")
 	t.Logf("criu restore -d took %v", restoreTook)
-	// The restored helper has the original PID but is not our child; a
-	// pidfd makes sure later signals reach it and never a reused PID. It
-	// waits for SIGUSR1 and then to be killed, so it is alive here.
+	b, err := os.ReadFile(pidFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if pid, err = strconv.Atoi(strings.TrimSpace(string(b))); err != nil {
+		t.Fatalf("criu restore's pid file: %v", err)
+	}
+	// The restored helper (PID 1 of a new namespace, pid in ours) is not
+	// our child; a pidfd makes sure later signals reach it and never a
+	// reused PID. It waits for SIGUSR1 and then to be killed, so it is
+	// alive here.
 	pidfd, err := unix.PidfdOpen(pid, 0)
 	if err != nil {
 		t.Fatalf("pidfd of restored helper %d: %v", pid, err)
