@@ -277,9 +277,17 @@ func checkCut(parts []clusterapi.CutPart) error {
 	for _, p := range parts {
 		for _, s := range p.Conns {
 			r, ok := ends[s.Reverse()]
-			if !ok {
+			switch {
+			case s.Connecting && ok && !r.c.Connecting:
+				torn = append(torn, fmt.Sprintf("%s -> %s: still connecting in job %s's snapshot, accepted in job %s's", s.Local, s.Remote, p.Job, r.job))
+				continue
+			case s.Connecting:
+				continue // restored, it connects again to the restored listener
+			case !ok:
 				outside = append(outside, fmt.Sprintf("job %s's connection %s -> %s", p.Job, s.Local, s.Remote))
 				continue
+			case r.c.Connecting:
+				continue // said from the connecting end
 			}
 			// s sends to r: s has written up to OutqSeq, of which the last OutqLen bytes are not acknowledged.
 			una, written, rcvd := s.OutqSeq-s.OutqLen, s.OutqSeq, r.c.InqSeq

@@ -24,6 +24,9 @@ func TestCheckCut(t *testing.T) {
 	conn := func(local, remote netip.AddrPort, inq, outq, outqLen uint32) ckpt.Conn {
 		return ckpt.Conn{Tuple: tcpflow.Tuple{Local: local, Remote: remote}, InqSeq: inq, OutqSeq: outq, OutqLen: outqLen}
 	}
+	connecting := func(local, remote netip.AddrPort) ckpt.Conn {
+		return ckpt.Conn{Tuple: tcpflow.Tuple{Local: local, Remote: remote}, OutqSeq: 1001, Connecting: true}
+	}
 	cut := func(ca, cb ckpt.Conn) []clusterapi.CutPart {
 		return []clusterapi.CutPart{{Job: "ja", Conns: []ckpt.Conn{ca}}, {Job: "jb", Conns: []ckpt.Conn{cb}}}
 	}
@@ -43,6 +46,10 @@ func TestCheckCut(t *testing.T) {
 		{"received beyond what was written", cut(conn(a, b, 5000, 1000, 0), conn(b, a, 1100, 5000, 0)), "beyond what job ja had written", ""},
 		{"a connection leaving the run", []clusterapi.CutPart{{Job: "ja", Conns: []ckpt.Conn{conn(a, b, 1, 1, 0)}}}, "", "not a job of the run"},
 		{"no connections", []clusterapi.CutPart{{Job: "ja"}, {Job: "jb"}}, "", ""},
+		// A connect pending at a's dump (InqSeq the kernel's 0): with b not yet holding the connection,
+		// the restored a connects again; with b holding it accepted, the two snapshots disagree.
+		{"a connect not yet accepted", []clusterapi.CutPart{{Job: "ja", Conns: []ckpt.Conn{connecting(a, b)}}, {Job: "jb"}}, "", ""},
+		{"a connect accepted after the connecting end's dump", cut(connecting(a, b), conn(b, a, 1001, 3000000000, 0)), "still connecting in job ja's snapshot, accepted in job jb's", ""},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			err := checkCut(tt.parts)

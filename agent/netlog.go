@@ -118,20 +118,33 @@ func (a *Agent) unprotect(j *Job) {
 // announceReceivePoints tells every sender of bytes to the snapshotted job where its new durable snapshot
 // starts receiving, so that each sender drops the log data before it (sender-based logging's GC).
 func (a *Agent) announceReceivePoints(ctx context.Context, m *ckpt.Manifest) {
-	byPeer := map[string][]TrimPoint{}
-	for _, c := range m.Conns {
-		peer := a.memberByIPWait(ctx, c.Remote.Addr())
-		if peer == "" || peer == a.cfg.Name {
-			continue // not cluster traffic, or traffic inside this host (never logged)
-		}
-		byPeer[peer] = append(byPeer[peer], TrimPoint{Tuple: c.Reverse(), Seq: c.InqSeq})
-	}
-	for peer, pts := range byPeer {
+	owner := func(ip netip.Addr) string { return a.memberByIPWait(ctx, ip) }
+	for peer, pts := range receivePoints(m.Conns, owner, a.cfg.Name) {
 		if err := a.sendTrim(ctx, peer, pts); err != nil {
 			// Not fatal: the peer keeps the data a little longer and trims at the next snapshot.
 			a.log.Warn("could not tell a sender to trim its log", "peer", peer, "snapshot", m.ID, "err", err)
 		}
 	}
+}
+
+// receivePoints groups by sending member the receive points of a snapshot's connections (owner names the
+// member that holds an address; self is this host).
+func receivePoints(conns []ckpt.Conn, owner func(netip.Addr) string, self string) map[string][]TrimPoint {
+	byPeer := map[string][]TrimPoint{}
+	for _, c := range conns {
+		if c.Connecting {
+			// Its InqSeq is the kernel's 0, no point of the peer's stream: a trim there could land ahead of
+			// everything the peer's log holds of the connection once it is accepted, and the log would drop
+			// all the peer sends next (ci138: a recovery refused as unverifiable).
+			continue
+		}
+		peer := owner(c.Remote.Addr())
+		if peer == "" || peer == self {
+			continue // not cluster traffic, or traffic inside this host (never logged)
+		}
+		byPeer[peer] = append(byPeer[peer], TrimPoint{Tuple: c.Reverse(), Seq: c.InqSeq})
+	}
+	return byPeer
 }
 
 // maxTrimPoints bounds one trim request; a snapshot with more connections to one peer is announced in

@@ -31,13 +31,15 @@ const maxNewConnsListed = 16
 // replicaConns is the set of connections of a job's replica, by snapshot.
 type replicaConns struct {
 	snapshot string
-	conns    map[tcpflow.Tuple]bool
+	conns    map[tcpflow.Tuple]bool // false: still connecting at the dump
 }
 
 func snapshotConns(m *ckpt.Manifest) replicaConns {
 	rc := replicaConns{snapshot: m.ID, conns: make(map[tcpflow.Tuple]bool, len(m.Conns))}
 	for _, c := range m.Conns {
-		rc.conns[c.Tuple.Unmap()] = true
+		// A socket still connecting at the dump holds nothing of the connection it becomes (false): once
+		// established, the replica lacks it, as one opened after the snapshot.
+		rc.conns[c.Tuple.Unmap()] = !c.Connecting
 	}
 	return rc
 }
@@ -259,10 +261,15 @@ func (a *Agent) connsOfReplica(j Job) (replicaConns, error) {
 func newConns(held heldconns.Held, known replicaConns) []string {
 	var out []string
 	for _, c := range held.Conns {
-		if c.Remote.Addr().IsLoopback() || known.conns[c] {
+		established, ok := known.conns[c]
+		switch {
+		case c.Remote.Addr().IsLoopback() || established:
 			continue
+		case ok:
+			out = append(out, fmt.Sprintf("%s -> %s: still connecting at snapshot %s", c.Local, c.Remote, known.snapshot))
+		default:
+			out = append(out, fmt.Sprintf("%s -> %s: opened after snapshot %s", c.Local, c.Remote, known.snapshot))
 		}
-		out = append(out, fmt.Sprintf("%s -> %s: opened after snapshot %s", c.Local, c.Remote, known.snapshot))
 	}
 	for _, l := range held.Pending {
 		out = append(out, fmt.Sprintf("listener %s: a connection waits in its accept queue", l))

@@ -20,7 +20,8 @@ func TestNewConns(t *testing.T) {
 	}
 	old := tuple("10.0.0.1:40000", "10.0.0.2:7000")
 	mapped := tcpflow.Tuple{Local: netip.MustParseAddrPort("[::ffff:10.0.0.1]:40001"), Remote: netip.MustParseAddrPort("[::ffff:10.0.0.3]:7000")}
-	known := snapshotConns(&ckpt.Manifest{ID: "s1", Info: ckpt.Info{Conns: []ckpt.Conn{{Tuple: old}, {Tuple: mapped}}}})
+	connecting := tuple("10.0.0.1:40002", "10.0.0.5:7000")
+	known := snapshotConns(&ckpt.Manifest{ID: "s1", Info: ckpt.Info{Conns: []ckpt.Conn{{Tuple: old}, {Tuple: mapped}, {Tuple: connecting, Connecting: true}}}})
 	var many []tcpflow.Tuple
 	for p := range 20 {
 		many = append(many, tuple(fmt.Sprintf("10.0.0.1:%d", 50000+p), "10.0.0.9:80"))
@@ -34,6 +35,8 @@ func TestNewConns(t *testing.T) {
 		{"a loopback connection is restored with both ends", heldconns.Held{Conns: []tcpflow.Tuple{old, tuple("127.0.0.1:4000", "127.0.0.1:5000")}}, nil},
 		{"a connection opened since", heldconns.Held{Conns: []tcpflow.Tuple{old, tuple("10.0.0.1:7000", "10.0.0.4:41000")}},
 			[]string{"10.0.0.1:7000 -> 10.0.0.4:41000: opened after snapshot s1"}},
+		{"a connect pending at the snapshot, established since", heldconns.Held{Conns: []tcpflow.Tuple{old, connecting}},
+			[]string{"10.0.0.1:40002 -> 10.0.0.5:7000: still connecting at snapshot s1"}},
 		{"a connection waiting to be accepted", heldconns.Held{Conns: []tcpflow.Tuple{old}, Pending: []netip.AddrPort{netip.MustParseAddrPort("10.0.0.1:7000")}},
 			[]string{"listener 10.0.0.1:7000: a connection waits in its accept queue"}},
 		{"at most 16 named", heldconns.Held{Conns: many}, nil},

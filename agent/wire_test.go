@@ -4,11 +4,10 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"github.com/ftkit/ftkit/internal/testenv"
-	"github.com/ftkit/ftkit/tcpflow"
 	"log/slog"
 	"net/netip"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -16,8 +15,10 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/detect"
+	"github.com/ftkit/ftkit/internal/testenv"
 	"github.com/ftkit/ftkit/ring"
 	"github.com/ftkit/ftkit/spare"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // Tests of the agent's side of the agent-to-agent protocol (package clusterapi tests the protocol itself:
@@ -148,6 +149,31 @@ func TestOwnTrimPoints(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestReceivePoints: a snapshot announces each connection's receive point to the member that sends on it,
+// except for a socket still connecting, whose InqSeq (the kernel's 0) is no point of the peer's stream.
+func TestReceivePoints(t *testing.T) {
+	owner := func(ip netip.Addr) string {
+		return map[netip.Addr]string{addrN1: "n1", addrN2: "n2", addrN3: "n3"}[ip]
+	}
+	conn := func(port uint16, remote netip.Addr, inq uint32, connecting bool) ckpt.Conn {
+		return ckpt.Conn{Tuple: tcpflow.Tuple{Local: netip.AddrPortFrom(addrN1, port), Remote: netip.AddrPortFrom(remote, 7000)}, InqSeq: inq, Connecting: connecting}
+	}
+	got := receivePoints([]ckpt.Conn{
+		conn(1, addrN2, 3000000000, false),
+		conn(2, addrN2, 0, true), // connecting: no point
+		conn(3, addrN3, 12, false),
+		conn(4, addrN1, 5, false),                           // inside this host: never logged
+		conn(5, netip.MustParseAddr("192.0.2.9"), 5, false), // no member's
+	}, owner, "n1")
+	want := map[string][]TrimPoint{
+		"n2": {{Tuple: conn(1, addrN2, 0, false).Reverse(), Seq: 3000000000}},
+		"n3": {{Tuple: conn(3, addrN3, 0, false).Reverse(), Seq: 12}},
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("receivePoints = %+v, want %+v", got, want)
 	}
 }
 

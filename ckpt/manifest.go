@@ -56,6 +56,9 @@ type Conn struct {
 	OutqSeq   uint32 `json:"outq_seq"`
 	OutqLen   uint32 `json:"outq_len"`
 	Timestamp uint32 `json:"timestamp"`
+	// Connecting says the socket was still connecting (SYN_SENT) at the dump: InqSeq is no sequence number
+	// of the peer's stream (the kernel's 0), so no receive point or replay may be based on it.
+	Connecting bool `json:"connecting,omitempty"`
 	// SentPrefix is what the job had written before the dump in the 64 KiB receive-digest block holding
 	// OutqSeq (recvdigest): the check of the bytes a restore re-sends begins mid-block with it. Nil if the
 	// sender could not read them: the re-sent bytes of that block are then unverifiable.

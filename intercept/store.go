@@ -164,6 +164,9 @@ func (s *Store) Since(m *ckpt.Manifest) ([]Det, error) {
 func consumedAt(m *ckpt.Manifest) map[tcpflow.Tuple]uint32 {
 	at := make(map[tcpflow.Tuple]uint32, len(m.Conns))
 	for _, c := range m.Conns {
+		if c.Connecting {
+			continue // its InqSeq is the kernel's 0: it says nothing of what the job consumed after
+		}
 		at[c.Tuple.Unmap()] = c.InqSeq - c.InqLen
 	}
 	return at

@@ -25,6 +25,7 @@ func TestStoreSince(t *testing.T) {
 		return Det{Conn: connB, End: end, Len: 1}
 	}
 	stream := []Det{d(0, 10), d(1, 10), d(0, 20), d(1, 20), d(0, 30)}
+	connectingStream := []Det{d(0, 10), d(1, 0xffffff00), d(0, 20)}
 	for _, tc := range []struct {
 		name    string
 		batches []Batch
@@ -43,6 +44,12 @@ func TestStoreSince(t *testing.T) {
 		{"restored from this snapshot", []Batch{{Job: "j", Stream: 2, FromStart: true, Base: "s", Dets: stream}}, snap("s", 0, 0), stream, ""},
 		{"new stream replaces", []Batch{{Job: "j", Stream: 1, FromStart: true, Dets: stream}, {Job: "j", Stream: 2, FromStart: false, Dets: stream[:1]}}, snap("s", 0, 0), nil, "none is from before"},
 		{"other node", nil, snap("s", 0, 0), nil, "no determinants"},
+		// A socket still connecting at the dump (InqSeq the kernel's 0) anchors nothing: its stream's
+		// sequence numbers are unrelated to 0, and one "before" 0 would cut the record after it.
+		{"a connect pending at the dump", []Batch{{Job: "j", Stream: 1, FromStart: true, Dets: connectingStream}},
+			&ckpt.Manifest{ID: "s", Job: "j", Node: "n1", Info: ckpt.Info{Conns: []ckpt.Conn{
+				{Tuple: connA, InqSeq: 15, InqLen: 5}, {Tuple: connB, Connecting: true}}}},
+			connectingStream[1:], ""},
 		// A call that found nothing at the dump's copied_seq may come after the dump: not an anchor.
 		{"found nothing at the dump's copied_seq", []Batch{{Job: "j", Stream: 1, FromStart: true, Dets: append(slices.Clone(stream[:4]), Det{Conn: connA, End: 20}, stream[4])}}, snap("s", 20, 10), []Det{stream[3], {Conn: connA, End: 20}, stream[4]}, ""},
 	} {

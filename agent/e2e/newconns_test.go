@@ -3,7 +3,9 @@ package e2e
 import (
 	"context"
 	"fmt"
+	"net/netip"
 	"os"
+	"os/exec"
 	"strings"
 	"testing"
 	"time"
@@ -117,5 +119,107 @@ func waitLog(t *testing.T, c *labcluster.Cluster, host, line string, timeout tim
 		if time.Now().After(deadline) {
 			t.Fatalf("%s's agent never logged %q within %s", host, line, timeout)
 		}
+	}
+}
+
+// TestConnectCaughtBySnapshot: a snapshot taken while a job's connect waits for its SYN-ACK holds the
+// socket in SYN_SENT, whose receive sequence is the kernel's placeholder 0. The manifest marks it
+// connecting; the snapshot announces no receive point for it (a trim of the peer's log at 0 could land
+// ahead of all the peer had logged and make it drop what it logs next: ci138's recovery refused as
+// unverifiable); once the connect completes the job's record names the connection as one its replica
+// lacks and the job is snapshotted again. Its host then crashes mid-stream and the job comes back
+// exactly, its peer's acknowledgements replayed from the peer's log and its re-sent blocks verified.
+// Before, the connecting snapshot stayed the job's replica for its whole interval.
+func TestConnectCaughtBySnapshot(t *testing.T) {
+	t.Parallel()
+	const (
+		port   = 7383
+		block  = 16 << 10
+		blocks = 4000
+		every  = 50
+	)
+	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
+	ctx := context.Background()
+	h2, err := c.Lab.Host("node2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	peer := netip.AddrPortFrom(h2.Addr.Addr(), port).String()
+	// node2 drops the sender's SYNs until the sender's snapshot has its connect in SYN_SENT.
+	undo, err := c.Lab.Filter("node2", "ftkit_e2e_syn", fmt.Sprintf(`	chain in {
+		type filter hook input priority 0; policy accept;
+		tcp dport %d tcp flags & (syn | ack) == syn drop
+	}`, port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { undo() })
+	withGate, release := gated(t, []string{"--rank", "1", "--peer", peer, "--iters", fmt.Sprint(blocks),
+		"--block", fmt.Sprint(block), "--delay", "5ms", "--progress", fmt.Sprint(every)}, blocks-200)
+	defer release()
+	ch := &chain{c: c}
+	ch.start(t, "node2", "receiver", bins.Nondet, "--rank", "0", "--peer", peer, "--iters", fmt.Sprint(blocks),
+		"--block", fmt.Sprint(block), "--progress", fmt.Sprint(every))
+	ch.start(t, "node1", "sender", append([]string{bins.Nondet}, withGate...)...)
+	recv, send := ch.jobs[0], ch.jobs[1]
+	waitProtected(t, c, "node2", recv.ID, 2*time.Minute)
+	waitProtected(t, c, "node1", send.ID, 2*time.Minute)
+	ns, err := c.Lab.NetnsPath("node1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	poll(t, time.Minute, "the sender's connect in SYN_SENT", func() bool {
+		out, err := exec.Command("nsenter", "--net="+ns, "ss", "-Htn", "state", "syn-sent", "dst", peer).Output()
+		return err == nil && len(strings.TrimSpace(string(out))) > 0
+	})
+	reply, err := c.Client("node1").Checkpoint(ctx)
+	if err != nil || reply.Error != "" || len(reply.Results) == 0 || !reply.Results[0].Shipped {
+		t.Fatalf("checkpoint of node1: %+v %v", reply, err)
+	}
+	connecting := ch.job(t, "node1", send.ID).Replica.Snapshot
+	m := manifestOn(t, c, "node1", send.ID, connecting)
+	if len(m.Conns) != 1 || !m.Conns[0].Connecting {
+		t.Fatalf("snapshot %s taken while the sender connected: connections %+v, want one marked connecting", connecting, m.Conns)
+	}
+	if err := undo(); err != nil {
+		t.Fatal(err)
+	}
+	// The connect completes at the SYN's next retransmission; the sender is snapshotted again after it.
+	var j agent.Job
+	poll(t, 2*time.Minute, "a snapshot of the sender after its connect completed", func() bool {
+		j = ch.job(t, "node1", send.ID)
+		return j.Replica != nil && j.Replica.Snapshot > connecting && j.Covered()
+	})
+	if m := manifestOn(t, c, "node1", send.ID, j.Replica.Snapshot); len(m.Conns) != 1 || m.Conns[0].Connecting {
+		t.Fatalf("the sender's snapshot %s after its connect: connections %+v, want one established", m.ID, m.Conns)
+	}
+	if b, err := os.ReadFile(c.LogPath("node1")); err != nil || !strings.Contains(string(b), "still connecting at snapshot "+connecting) {
+		t.Errorf("node1's agent did not name the connection its replica caught connecting (%v)", err)
+	}
+	before := ch.job(t, "node2", recv.ID)
+	ch.waitReceived(t, recv, ch.received(recv)+2*every, 2*time.Minute)
+	if err := c.Lab.Crash(ctx, "node1"); err != nil {
+		t.Fatal(err)
+	}
+	f := waitFailure(t, c, "node1", 5*time.Minute)
+	requireStages(t, f)
+	replay := stageOf(t, f, agent.StageReplayed)
+	if resent, verified := resentBytes(t, replay.Detail), verifiedBytes(t, replay.Detail); verified != resent {
+		t.Errorf("re-sent %d bytes, verified %d: want all verified (%s)", resent, verified, replay.Detail)
+	}
+	release()
+	want := streamSum(blocks, block)
+	for _, j := range ch.jobs {
+		st, out := waitExit(t, j, 3*time.Minute)
+		if st.Code != 0 || st.Signal != "" {
+			t.Errorf("job %s ended %+v on %s: %s", j.Spec.Name, st, st.Node, tail(out))
+			continue
+		}
+		if got := checksumOf(t, out); got != want {
+			t.Errorf("%s checksum %s, want the generator's %s", j.Spec.Name, got, want)
+		}
+	}
+	if a := ch.job(t, "node2", recv.ID); a.PID != before.PID || a.Restored != "" {
+		t.Errorf("the receiver on node2 was disturbed: pid %d -> %d, restored from %q", before.PID, a.PID, a.Restored)
 	}
 }

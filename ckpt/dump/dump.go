@@ -125,7 +125,7 @@ func Take(ctx context.Context, store *ckpt.Store, d Dumper, opts Options) (m *ck
 	info.Conns, info.OpenFiles = nil, nil
 	for _, c := range conns {
 		var prefix *ckpt.SentPrefix
-		if opts.SentPrefix != nil {
+		if opts.SentPrefix != nil && !c.Connecting() { // a connecting socket sent no byte yet
 			var err error
 			if prefix, err = opts.SentPrefix(ctx, images, c); err != nil {
 				prefix = nil
@@ -135,7 +135,7 @@ func Take(ctx context.Context, store *ckpt.Store, d Dumper, opts Options) (m *ck
 		}
 		info.Conns = append(info.Conns, ckpt.Conn{
 			Tuple: c.Tuple, Inode: uint64(c.Inode), InqSeq: c.InqSeq, InqLen: c.InqLen,
-			OutqSeq: c.OutqSeq, OutqLen: c.OutqLen, Timestamp: c.Timestamp, SentPrefix: prefix,
+			OutqSeq: c.OutqSeq, OutqLen: c.OutqLen, Timestamp: c.Timestamp, Connecting: c.Connecting(), SentPrefix: prefix,
 		})
 	}
 	info.OpenFiles = WrittenFiles(files)

@@ -21,7 +21,7 @@ import (
 // sent to it.
 type TCPConn struct {
 	Inode uint32
-	State uint32 // Linux TCP state: 1 ESTABLISHED, 4/5 FIN_WAIT1/2, 8 CLOSE_WAIT, ...
+	State uint32 // Linux TCP state: 1 ESTABLISHED, 2 SYN_SENT, 4/5 FIN_WAIT1/2, 8 CLOSE_WAIT, ...
 	tcpflow.Tuple
 
 	InqSeq  uint32 // rcv_nxt: sequence number after the last byte received
@@ -47,6 +47,11 @@ type TCPConn struct {
 	SoSndbuf uint32 // SO_SNDBUF as getsockopt reports it (twice the value setsockopt takes)
 	SoRcvbuf uint32
 }
+
+// Connecting says the socket was still connecting (SYN_SENT) when it was dumped: CRIU keeps it, and its
+// restore connects again, but nothing was exchanged and InqSeq is the kernel's placeholder 0, not a
+// sequence number of the peer's stream.
+func (c TCPConn) Connecting() bool { return c.State == tcpSynSent }
 
 // TCPConnections lists every connected TCP socket in the dump at dir (those
 // CRIU wrote a tcp-stream image for; filter on State for ESTABLISHED only),

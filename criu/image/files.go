@@ -17,6 +17,7 @@ const (
 	afInet6       = 10
 	ipprotoTCP    = 6
 	tcpEstablish  = 1
+	tcpSynSent    = 2
 	tcpFinWait1   = 4
 	tcpFinWait2   = 5
 	sockStreamTyp = 1

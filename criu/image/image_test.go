@@ -592,3 +592,17 @@ func TestClearReceive(t *testing.T) {
 		}
 	}
 }
+
+// TestConnecting: a socket CRIU dumped while it was connecting (SYN_SENT, which CRIU keeps and connects
+// again at the restore) says so; its InqSeq is the kernel's placeholder, no point of the peer's stream.
+func TestConnecting(t *testing.T) {
+	for _, tc := range []struct {
+		state uint32
+		want  bool
+	}{{tcpEstablish, false}, {tcpSynSent, true}, {tcpFinWait1, false}} {
+		dir := synthDump(t, baseStream(1000, 0, 0), tc.state, nil, nil)
+		if got := onlyConn(t, dir).Connecting(); got != tc.want {
+			t.Errorf("state %d: Connecting() = %v, want %v", tc.state, got, tc.want)
+		}
+	}
+}

@@ -153,15 +153,7 @@ func TestHoldTrims(t *testing.T) {
 		t.Errorf("held Trim counted %d connections, want 1", got)
 	}
 	n.Trim("n2", []Point{{Conn: connA, Seq: near}}) // an older point, after a newer one: the newer stays
-	readAll := func(from uint32) ([]byte, error) {
-		r, err := n.Range(context.Background(), "n2", connA, from)
-		if err != nil {
-			return nil, err
-		}
-		var b bytes.Buffer
-		err = r.Write(&b)
-		return b.Bytes(), err
-	}
+	readAll := func(from uint32) ([]byte, error) { return readConnA(n, from) }
 	first()
 	first() // a release runs once
 	if b, err := readAll(isn); err != nil || !bytes.Equal(b, payload) {
@@ -185,6 +177,41 @@ func TestHoldTrims(t *testing.T) {
 	defer n.mu.Unlock()
 	if n.seen["n2"].IsZero() {
 		t.Error("n2 not counted as relieved once its held trim applied")
+	}
+}
+
+// readConnA reads what n's log holds of connA from wire sequence from on, as a restore asks for it.
+func readConnA(n *Node, from uint32) ([]byte, error) {
+	r, err := n.Range(context.Background(), "n2", connA, from)
+	if err != nil {
+		return nil, err
+	}
+	var b bytes.Buffer
+	err = r.Write(&b)
+	return b.Bytes(), err
+}
+
+// A trim point beyond what this host sent on the connection (the live state's snd_nxt) is ignored: no
+// receiver holds such bytes, and the log would take the point for one ahead and drop all it logs up to
+// it. A receiver's snapshot of a socket still connecting once sent its placeholder 0 so (ci138).
+func TestTrimBeyondSentIgnored(t *testing.T) {
+	const n = 300_000
+	node, src, payload := newTestNode(t, n, &fakeMembers{owner: "n2"})
+	src.states[connA] = ebpfprobes.FlowState{SndNxt: isn + n}
+	readAll := func(from uint32) ([]byte, error) { return readConnA(node, from) }
+	if got := node.Trim("n2", []Point{{Conn: connA, Seq: isn + n + 1<<20}}); got != 0 {
+		t.Errorf("Trim beyond snd_nxt counted %d connections, want 0", got)
+	}
+	if b, err := readAll(isn); err != nil || !bytes.Equal(b, payload) {
+		t.Fatalf("after a point beyond snd_nxt: %d bytes from the start, %v; want all %d", len(b), err, len(payload))
+	}
+	// A point at snd_nxt is a receiver that has everything: it trims down to its block's start.
+	if got := node.Trim("n2", []Point{{Conn: connA, Seq: isn + n}}); got != 1 {
+		t.Errorf("Trim at snd_nxt counted %d connections, want 1", got)
+	}
+	keep := recvdigest.BlockStart(isn + n)
+	if b, err := readAll(keep); err != nil || !bytes.Equal(b, payload[keep-isn:]) {
+		t.Fatalf("after a point at snd_nxt, from its block %d: %d bytes, %v", keep, len(b), err)
 	}
 }
 

@@ -39,14 +39,27 @@ func (n *Node) Trim(peer string, pts []Point) int {
 	n.mu.Unlock()
 	trimmed := 0
 	for _, p := range pts {
-		// Down to the start of the receive-digest block: a snapshot of ours taken meanwhile may need
-		// the bytes before its write_seq in that block (sentPrefix).
-		if _, err := n.Log().Trim(p.Conn, recvdigest.BlockStart(p.Seq)); err == nil {
+		if n.trim(peer, p) {
 			trimmed++
 		}
 	}
 	n.relieved(peer)
 	return trimmed
+}
+
+// trim drops the log of p.Conn before p's receive-digest block (a snapshot of ours taken meanwhile may need
+// the bytes before its write_seq in that block: sentPrefix) and reports whether the connection was there.
+// A point beyond what this host has sent on the connection is ignored: no receiver holds bytes never sent,
+// and the log, which places a sequence number within 2^31 of its position, would take it for a point ahead
+// and drop everything sent up to it.
+func (n *Node) trim(peer string, p Point) bool {
+	if fs, ok, err := n.src.FlowState(p.Conn); err == nil && ok && int32(p.Seq-fs.SndNxt) > 0 {
+		n.log.Warn("trim point ignored: beyond what this host sent on the connection", "peer", peer, "conn", p.Conn,
+			"seq", p.Seq, "snd_nxt", fs.SndNxt)
+		return false
+	}
+	_, err := n.Log().Trim(p.Conn, recvdigest.BlockStart(p.Seq))
+	return err == nil
 }
 
 func (n *Node) relieved(peer string) {
@@ -77,7 +90,7 @@ func (n *Node) HoldTrims() (release func()) {
 		n.held, n.heldFrom = map[tcpflow.Tuple]uint32{}, map[string]bool{}
 		n.mu.Unlock()
 		for conn, seq := range held {
-			_, _ = n.Log().Trim(conn, recvdigest.BlockStart(seq)) // a connection gone meanwhile has nothing to trim
+			n.trim("", Point{Conn: conn, Seq: seq}) // a connection gone meanwhile has nothing to trim
 		}
 		for peer := range peers {
 			n.relieved(peer)

@@ -278,6 +278,12 @@ type fetchedConn struct {
 // fetchConn fetches, from the member that holds c's peer, the bytes it logged on c since the snapshot with
 // its live state, then its record of what it received on c.
 func fetchConn(ctx context.Context, d Deps, c ckpt.Conn) fetchedConn {
+	if c.Connecting {
+		// Restored, the socket connects again with the same first sequence number; the peer may have
+		// accepted it since the snapshot and exchanged bytes on it, which no connecting socket can take up.
+		return fetchedConn{err: fmt.Errorf("connection %s -> %s was still connecting when the snapshot was taken (SYN_SENT), so the snapshot holds nothing of what was exchanged on it since: a newer snapshot is needed: %w",
+			c.Local, c.Remote, restore.ErrNotRecoverable)}
+	}
 	owner := d.Peers.Owner(ctx, c.Remote.Addr())
 	if owner == "" {
 		return fetchedConn{err: fmt.Errorf("connection %s -> %s: the peer is not a cluster member, so nobody logged what it sent", c.Local, c.Remote)}

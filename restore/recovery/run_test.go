@@ -440,6 +440,18 @@ func TestFetchConnNothingToResend(t *testing.T) {
 	}
 }
 
+// TestFetchConnConnecting: a connection whose socket was still connecting at the snapshot is refused
+// without asking its peer from the placeholder InqSeq 0: whatever was exchanged on it since is in no
+// snapshot.
+func TestFetchConnConnecting(t *testing.T) {
+	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:40000"), Remote: netip.MustParseAddrPort("10.0.0.1:7000")}
+	got := fetchConn(t.Context(), Deps{Peers: receivedFunc(func() (*recvdigest.Received, error) { return nil, errors.New("not asked") })},
+		ckpt.Conn{Tuple: conn, OutqSeq: 5000, Connecting: true})
+	if !errors.Is(got.err, restore.ErrNotRecoverable) || !strings.Contains(got.err.Error(), "still connecting") {
+		t.Errorf("fetchConn of a connecting socket: %v, want it refused as still connecting", got.err)
+	}
+}
+
 // onePeer is Peers with one member, node1, holding every peer address.
 type onePeer struct {
 	live  ebpfprobes.FlowState
