@@ -49,12 +49,13 @@ func (n *Node) Trim(peer string, pts []Point) int {
 
 // trim drops the log of p.Conn before p's receive-digest block (a snapshot of ours taken meanwhile may need
 // the bytes before its write_seq in that block: sentPrefix) and reports whether the connection was there.
-// A point beyond what this host has sent on the connection is ignored: no receiver holds bytes never sent,
-// and the log, which places a sequence number within 2^31 of its position, would take it for a point ahead
-// and drop everything sent up to it.
+// A point beyond what this host has sent on the connection is ignored (the next one trims): the log, which
+// places a sequence number within 2^31 of its position, would take it for a point ahead and drop everything
+// sent up to it. A job restored here that still re-sends what its peer already had is behind its peer's
+// points for a moment; otherwise no receiver holds bytes never sent, and the point is a bad one.
 func (n *Node) trim(peer string, p Point) bool {
 	if fs, ok, err := n.src.FlowState(p.Conn); err == nil && ok && int32(p.Seq-fs.SndNxt) > 0 {
-		n.log.Warn("trim point ignored: beyond what this host sent on the connection", "peer", peer, "conn", p.Conn,
+		n.log.Info("trim point ignored: beyond what this host has sent on the connection so far", "peer", peer, "conn", p.Conn,
 			"seq", p.Seq, "snd_nxt", fs.SndNxt)
 		return false
 	}
