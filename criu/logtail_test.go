@@ -21,6 +21,9 @@ func TestLogTail(t *testing.T) {
 		t.Fatal(err)
 	}
 	got := logTail(path)
+	if strings.Contains(got, "RLIMIT_NOFILE") {
+		t.Errorf("logTail carries the rlimit line CRIU logs at every start without CAP_SYS_RESOURCE:\n%s", got)
+	}
 	for _, want := range []string{"Restoring FAILED", "Can't restore 0x7f90ec427000", "hwloc.sm shared", "Opening 0x007f90ec427000", "full log: " + path} {
 		if !strings.Contains(got, want) {
 			t.Errorf("logTail lacks %q:\n%s", want, got)
@@ -31,5 +34,12 @@ func TestLogTail(t *testing.T) {
 	}
 	if got := logTail(path); !strings.Contains(got, "Can't restore") {
 		t.Errorf("logTail of a truncated line: %q", got)
+	}
+	// No error line (CRIU killed mid-run): the last lines say where it stopped.
+	if err := os.WriteFile(path, []byte("(00.1) one\n(00.2) two\n(00.3) three\n(00.4) Restoring 7 mappings\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if got := logTail(path); !strings.Contains(got, "Restoring 7 mappings") || strings.Contains(got, "one") || !strings.Contains(got, "full log: "+path) {
+		t.Errorf("logTail of a log without errors: %q", got)
 	}
 }

@@ -248,6 +248,11 @@ func timeoutSeconds(ctx context.Context) uint32 {
 	return uint32(s)
 }
 
+// benignRlimit is an error CRIU logs at every start without CAP_SYS_RESOURCE (a container's root, as in
+// CI) and then goes on with the inherited limit: in a failure's tail it stood where the real error belongs,
+// and was taken for the cause (ci140).
+const benignRlimit = "rlimit: Can't setup RLIMIT_NOFILE for self"
+
 // logTail returns the last error lines of a CRIU log, for error messages.
 func logTail(path string) string {
 	f, err := os.Open(path)
@@ -261,6 +266,9 @@ func logTail(path string) string {
 	for sc.Scan() {
 		l := sc.Text()
 		all = append(all, l)
+		if strings.Contains(l, benignRlimit) {
+			continue
+		}
 		if strings.Contains(l, "Error") || strings.Contains(l, "error") {
 			lines = append(lines, l)
 			if len(lines) > 6 {
@@ -269,7 +277,11 @@ func logTail(path string) string {
 		}
 	}
 	if len(lines) == 0 {
-		return " (see " + path + ")"
+		// No error logged (CRIU killed, or a failure it reports otherwise): where it stopped.
+		lines = all[max(len(all)-3, 0):]
+		if len(lines) == 0 {
+			return " (see " + path + ")"
+		}
 	}
 	// A mapping the restorer could not make: what the log says of it (its file, flags), which the caller
 	// may not be able to read later (a lab's directory is gone with it).
