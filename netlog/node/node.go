@@ -72,12 +72,12 @@ type Node struct {
 	seen map[string]time.Time // destination node -> when its log data was last trimmed (or first seen)
 	aged time.Time            // last Age of the log (Run only)
 
-	// Freeing finished connections (releaseFinished).
 	// Trims held back while a snapshot of this host reads its connections' last blocks (HoldTrims).
 	holds    int
 	held     map[tcpflow.Tuple]uint32 // connection -> the furthest trim point asked meanwhile
 	heldFrom map[string]bool          // the receiving nodes that asked
 
+	// Freeing finished connections (releaseFinished).
 	marks    map[string]release.Watermark      // receiving node -> its latest watermark, on our clock
 	asked    map[string]time.Time              // receiving node -> when we last asked it for its watermark
 	asking   map[string]bool                   // a question to that node is in flight

@@ -205,10 +205,17 @@ func TestTrimBeyondSentIgnored(t *testing.T) {
 	if b, err := readAll(isn); err != nil || !bytes.Equal(b, payload) {
 		t.Fatalf("after a point beyond snd_nxt: %d bytes from the start, %v; want all %d", len(b), err, len(payload))
 	}
-	// A point at snd_nxt is a receiver that has everything: it trims down to its block's start.
+	// While a snapshot holds the trims, a point beyond snd_nxt that comes after a good one does not
+	// displace it: the good one applies at the release. A point at snd_nxt is a receiver that has
+	// everything: it trims down to its block's start.
+	release := node.HoldTrims()
 	if got := node.Trim("n2", []Point{{Conn: connA, Seq: isn + n}}); got != 1 {
-		t.Errorf("Trim at snd_nxt counted %d connections, want 1", got)
+		t.Errorf("held Trim at snd_nxt counted %d connections, want 1", got)
 	}
+	if got := node.Trim("n2", []Point{{Conn: connA, Seq: isn + n + 1<<20}}); got != 0 {
+		t.Errorf("held Trim beyond snd_nxt counted %d connections, want 0", got)
+	}
+	release()
 	keep := recvdigest.BlockStart(isn + n)
 	if b, err := readAll(keep); err != nil || !bytes.Equal(b, payload[keep-isn:]) {
 		t.Fatalf("after a point at snd_nxt, from its block %d: %d bytes, %v", keep, len(b), err)

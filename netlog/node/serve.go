@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"sync"
 	"time"
 
@@ -25,6 +26,7 @@ type Point struct {
 // connections it trimmed, or, while a snapshot holds the trims (HoldTrims), how many it will trim then.
 // The caller checked that peer holds each point's receiving end.
 func (n *Node) Trim(peer string, pts []Point) int {
+	pts = n.sentPoints(peer, pts)
 	n.mu.Lock()
 	if n.holds > 0 {
 		for _, p := range pts {
@@ -39,7 +41,7 @@ func (n *Node) Trim(peer string, pts []Point) int {
 	n.mu.Unlock()
 	trimmed := 0
 	for _, p := range pts {
-		if n.trim(peer, p) {
+		if n.trim(p.Conn, p.Seq) {
 			trimmed++
 		}
 	}
@@ -47,19 +49,28 @@ func (n *Node) Trim(peer string, pts []Point) int {
 	return trimmed
 }
 
-// trim drops the log of p.Conn before p's receive-digest block (a snapshot of ours taken meanwhile may need
-// the bytes before its write_seq in that block: sentPrefix) and reports whether the connection was there.
-// A point beyond what this host has sent on the connection is ignored (the next one trims): the log, which
-// places a sequence number within 2^31 of its position, would take it for a point ahead and drop everything
-// sent up to it. A job restored here that still re-sends what its peer already had is behind its peer's
-// points for a moment; otherwise no receiver holds bytes never sent, and the point is a bad one.
-func (n *Node) trim(peer string, p Point) bool {
-	if fs, ok, err := n.src.FlowState(p.Conn); err == nil && ok && int32(p.Seq-fs.SndNxt) > 0 {
+// sentPoints returns the points of pts that are not beyond what this host has sent on their connection so
+// far (the live state's snd_nxt); the others are ignored (the next one trims), before a snapshot's hold
+// could let one displace a good point of its connection. The log, which places a sequence number within
+// 2^31 of its position, would take such a point for one ahead and drop everything sent up to it. A job
+// restored here that still re-sends what its peer already had is behind its peer's points for a moment;
+// otherwise no receiver holds bytes never sent, and the point is a bad one.
+func (n *Node) sentPoints(peer string, pts []Point) []Point {
+	return slices.DeleteFunc(slices.Clone(pts), func(p Point) bool {
+		fs, ok, err := n.src.FlowState(p.Conn)
+		if err != nil || !ok || int32(p.Seq-fs.SndNxt) <= 0 {
+			return false
+		}
 		n.log.Info("trim point ignored: beyond what this host has sent on the connection so far", "peer", peer, "conn", p.Conn,
 			"seq", p.Seq, "snd_nxt", fs.SndNxt)
-		return false
-	}
-	_, err := n.Log().Trim(p.Conn, recvdigest.BlockStart(p.Seq))
+		return true
+	})
+}
+
+// trim drops the log of conn before the receive-digest block of seq (a snapshot of ours taken meanwhile may
+// need the bytes before its write_seq in that block: sentPrefix) and reports whether the connection was there.
+func (n *Node) trim(conn tcpflow.Tuple, seq uint32) bool {
+	_, err := n.Log().Trim(conn, recvdigest.BlockStart(seq))
 	return err == nil
 }
 
@@ -91,7 +102,7 @@ func (n *Node) HoldTrims() (release func()) {
 		n.held, n.heldFrom = map[tcpflow.Tuple]uint32{}, map[string]bool{}
 		n.mu.Unlock()
 		for conn, seq := range held {
-			n.trim("", Point{Conn: conn, Seq: seq}) // a connection gone meanwhile has nothing to trim
+			n.trim(conn, seq) // a connection gone meanwhile has nothing to trim
 		}
 		for peer := range peers {
 			n.relieved(peer)
