@@ -22,7 +22,6 @@ import (
 	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/ring"
-	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // Coordinated snapshots ("cuts") and whole-run rollback (issue 11): for a program message logging cannot
@@ -257,46 +256,19 @@ func (e *tornCutError) Error() string {
 	return "the snapshots do not fit together: " + strings.Join(e.problems, "; ")
 }
 
-// checkCut checks that parts restore the run's connections whole: each connection's other end is in the
-// cut, and every byte its sender wrote is either in the sender's send queue (not yet acknowledged) or
-// received by the other end, never neither (the receiver's dump came before it arrived and the sender's
-// after the acknowledgment) and never received beyond what was written. A connection to a job outside the
-// run is refused: a rollback could not restore its other end.
+// checkCut checks that parts restore the run's connections whole (ckpt.Match): a connection to a job outside
+// the run is refused, since a rollback could not restore its other end; a torn one may fit at another try.
 func checkCut(parts []clusterapi.CutPart) error {
-	type end struct {
-		job string
-		c   ckpt.Conn
-	}
-	ends := map[tcpflow.Tuple]end{}
-	for _, p := range parts {
-		for _, c := range p.Conns {
-			ends[c.Tuple] = end{p.Job, c}
-		}
+	snaps := make([]ckpt.Part, len(parts))
+	for i, p := range parts {
+		snaps[i] = ckpt.Part{Job: p.Job, Conns: p.Conns}
 	}
 	var outside, torn []string
-	for _, p := range parts {
-		for _, s := range p.Conns {
-			r, ok := ends[s.Reverse()]
-			switch {
-			case s.Connecting && ok && !r.c.Connecting:
-				torn = append(torn, fmt.Sprintf("%s -> %s: still connecting in job %s's snapshot, accepted in job %s's", s.Local, s.Remote, p.Job, r.job))
-				continue
-			case s.Connecting:
-				continue // restored, it connects again to the restored listener
-			case !ok:
-				outside = append(outside, fmt.Sprintf("job %s's connection %s -> %s", p.Job, s.Local, s.Remote))
-				continue
-			case r.c.Connecting:
-				continue // said from the connecting end
-			}
-			// s sends to r: s has written up to OutqSeq, of which the last OutqLen bytes are not acknowledged.
-			una, written, rcvd := s.OutqSeq-s.OutqLen, s.OutqSeq, r.c.InqSeq
-			switch {
-			case int32(rcvd-una) < 0:
-				torn = append(torn, fmt.Sprintf("%s -> %s: bytes %d..%d acknowledged by job %s after its dump, in neither snapshot", s.Local, s.Remote, rcvd, una, r.job))
-			case int32(written-rcvd) < 0:
-				torn = append(torn, fmt.Sprintf("%s -> %s: job %s received up to %d, beyond what job %s had written (%d)", s.Local, s.Remote, r.job, rcvd, p.Job, written))
-			}
+	for _, m := range ckpt.Match(snaps, nil) {
+		if m.Peer == "" {
+			outside = append(outside, fmt.Sprintf("job %s's connection %s -> %s", m.Job, m.Conn.Local, m.Conn.Remote))
+		} else {
+			torn = append(torn, fmt.Sprintf("%s -> %s: %s", m.Conn.Local, m.Conn.Remote, m.Why))
 		}
 	}
 	if len(outside) > 0 {

@@ -263,7 +263,8 @@ func (a *Agent) dumpFrozen(ctx context.Context, j Job) (*ckpt.Manifest, error) {
 		a.thaw(j)
 		return nil, fmt.Errorf("job %s not moved, it runs on here: dump: %w", j.ID, err)
 	}
-	if bad := unrecoverableConns(m.Conns, func(ip netip.Addr) string { return a.memberByIPWait(ctx, ip) }); len(bad) > 0 {
+	// A peer on this host stays behind: moved alone, the job could not take up its connection to it.
+	if bad := unrecoverableConns(m.Conns, func(ip netip.Addr) string { return a.memberByIPWait(ctx, ip) }, a.onThisHost); len(bad) > 0 {
 		a.thaw(j)
 		return m, fmt.Errorf("%w: job %s runs on here: no restore could rebuild %s", ErrNotMovable, j.ID, strings.Join(bad, "; "))
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/interval"
 	"github.com/ftkit/ftkit/internal/tickgrid"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // policyFor returns the interval policy of a job (of the whole host in semi-coordinated mode, where all
@@ -250,7 +251,7 @@ func needsFirstSnapshot(j Job) bool { return !j.Protected() && j.Restored == "" 
 // this host is recoverable (`ftctl status` shows the job as protected).
 func (a *Agent) recordReplica(ctx context.Context, m *ckpt.Manifest) {
 	// Before a.mu: who holds a job address is asked of the members (and holderOf takes a.mu).
-	bad := unrecoverableConns(m.Conns, func(ip netip.Addr) string { return a.memberByIPWait(ctx, ip) })
+	bad := unrecoverableConns(m.Conns, func(ip netip.Addr) string { return a.memberByIPWait(ctx, ip) }, a.dumpedApart())
 	a.mu.Lock()
 	j, ok := a.byID[m.Job]
 	if !ok || j.Node != a.cfg.Name || (j.Protected() && j.Replica.Snapshot >= m.ID) {
@@ -358,14 +359,41 @@ func waitFrozen(ctx context.Context, cgroups []string, timeout time.Duration) er
 
 // unrecoverableConns names the connections of a snapshot that no restore could rebuild, and why. A peer
 // outside the cluster runs no agent: nobody logs what it sends, so the bytes it sent after the snapshot
-// could never be given back. (Connections inside the host are restored together with both ends.)
-func unrecoverableConns(conns []ckpt.Conn, owner func(netip.Addr) string) []string {
+// could never be given back. A peer on this host (apart: on loopback or one of its addresses) that is not
+// in the snapshot itself is dumped apart from the job, and what crossed between them reaches no log either:
+// after a failure of this host the two snapshots disagree (restore/recovery refuses them). apart is nil
+// when the host's jobs are dumped in one freeze (semi-coordinated mode), whose snapshots always agree.
+func unrecoverableConns(conns []ckpt.Conn, owner func(netip.Addr) string, apart func(netip.Addr) bool) []string {
+	inSnapshot := map[tcpflow.Tuple]bool{}
+	for _, c := range conns {
+		inSnapshot[c.Tuple] = true
+	}
 	var out []string
 	for _, c := range conns {
-		if c.Remote.Addr().Unmap().IsLoopback() || owner(c.Remote.Addr()) != "" {
-			continue
+		ip := c.Remote.Addr().Unmap()
+		switch {
+		case apart != nil && apart(ip) && !inSnapshot[c.Reverse()]:
+			out = append(out, fmt.Sprintf("%s -> %s: the peer is another process of this host, dumped apart from this job, and nothing logs what crosses the host's own interface (snapshots of one freeze restore both ends: checkpoint.mode = \"semi-coordinated\")", c.Local, c.Remote))
+		case ip.IsLoopback() || owner(ip) != "":
+		default:
+			out = append(out, fmt.Sprintf("%s -> %s: the peer is not a cluster member, so nobody logs what it sends", c.Local, c.Remote))
 		}
-		out = append(out, fmt.Sprintf("%s -> %s: the peer is not a cluster member, so nobody logs what it sends", c.Local, c.Remote))
 	}
 	return out
+}
+
+// onThisHost says whether a peer at ip is on this host: loopback or one of the host addresses it holds.
+func (a *Agent) onThisHost(ip netip.Addr) bool {
+	ip = ip.Unmap()
+	owner, ok := a.View().Owner(ip)
+	return ip.IsLoopback() || ok && owner == a.cfg.Name
+}
+
+// dumpedApart is onThisHost where each job is dumped on its own (uncoordinated mode), nil where the host's
+// jobs are dumped together.
+func (a *Agent) dumpedApart() func(netip.Addr) bool {
+	if a.cfg.Checkpoint.Mode == SemiCoordinated {
+		return nil
+	}
+	return a.onThisHost
 }

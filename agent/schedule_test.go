@@ -192,27 +192,41 @@ func TestUnrecoverableConns(t *testing.T) {
 		}
 		return ""
 	}
+	// This host is node1; each job is dumped on its own unless the mode dumps the host's jobs together.
+	apart := func(a netip.Addr) bool { return a.Unmap().IsLoopback() || owner(a) == "node1" }
 	conn := func(local, remote string) ckpt.Conn {
 		return ckpt.Conn{Tuple: tcpflow.Tuple{Local: netip.MustParseAddrPort(local), Remote: netip.MustParseAddrPort(remote)}}
 	}
+	const stranger, local = "not a cluster member", "another process of this host"
 	tests := []struct {
-		name  string
-		conns []ckpt.Conn
-		want  int
+		name     string
+		conns    []ckpt.Conn
+		together bool     // semi-coordinated mode
+		want     []string // why, per connection named
 	}{
-		{"peers on members", []ckpt.Conn{conn("10.0.0.1:5000", "10.0.0.2:7000"), conn("10.0.0.1:5001", "10.0.0.1:7001")}, 0},
-		{"loopback: both ends restored together", []ckpt.Conn{conn("127.0.0.1:5000", "127.0.0.1:7000"), conn("[::1]:5000", "[::1]:7000")}, 0},
-		{"a v4-mapped member address", []ckpt.Conn{conn("[::ffff:10.0.0.1]:5000", "[::ffff:10.0.0.2]:7000")}, 0},
-		{"a host outside the cluster", []ckpt.Conn{conn("10.0.0.1:5000", "10.0.0.2:7000"), conn("10.0.0.1:5002", "192.0.2.7:80")}, 1},
+		{"peers on members", []ckpt.Conn{conn("10.0.0.1:5000", "10.0.0.2:7000")}, false, nil},
+		{"a v4-mapped member address", []ckpt.Conn{conn("[::ffff:10.0.0.1]:5000", "[::ffff:10.0.0.2]:7000")}, false, nil},
+		{"a host outside the cluster", []ckpt.Conn{conn("10.0.0.1:5000", "10.0.0.2:7000"), conn("10.0.0.1:5002", "192.0.2.7:80")}, false, []string{stranger}},
+		{"loopback, both ends in the job", []ckpt.Conn{conn("127.0.0.1:5000", "127.0.0.1:7000"), conn("127.0.0.1:7000", "127.0.0.1:5000"),
+			conn("[::1]:5000", "[::1]:7000"), conn("[::1]:7000", "[::1]:5000")}, false, nil},
+		{"this host's address, both ends in the job", []ckpt.Conn{conn("10.0.0.1:5001", "10.0.0.1:7001"), conn("10.0.0.1:7001", "10.0.0.1:5001")}, false, nil},
+		{"loopback, the peer in another job", []ckpt.Conn{conn("127.0.0.1:5000", "127.0.0.1:7000")}, false, []string{local}},
+		{"this host's address, the peer in another job", []ckpt.Conn{conn("10.0.0.1:5001", "10.0.0.1:7001")}, false, []string{local}},
+		{"the host's jobs dumped together", []ckpt.Conn{conn("127.0.0.1:5000", "127.0.0.1:7000"), conn("10.0.0.1:5001", "10.0.0.1:7001")}, true, nil},
 	}
 	for _, tt := range tests {
-		got := unrecoverableConns(tt.conns, owner)
-		if len(got) != tt.want {
-			t.Errorf("%s: %q, want %d connection(s)", tt.name, got, tt.want)
+		a := apart
+		if tt.together {
+			a = nil
 		}
-		for _, g := range got {
-			if !strings.Contains(g, "192.0.2.7:80") || !strings.Contains(g, "not a cluster member") {
-				t.Errorf("%s: %q does not name the peer and why", tt.name, g)
+		got := unrecoverableConns(tt.conns, owner, a)
+		if len(got) != len(tt.want) {
+			t.Errorf("%s: %q, want %d connection(s)", tt.name, got, len(tt.want))
+			continue
+		}
+		for i, g := range got {
+			if !strings.Contains(g, tt.want[i]) {
+				t.Errorf("%s: %q does not say %q", tt.name, g, tt.want[i])
 			}
 		}
 	}

@@ -31,6 +31,7 @@ type fake struct {
 	fetchErr map[string]error
 	takenOn  map[string]string // the node a candidate's manifest names (default node2)
 	conns    []ckpt.Conn
+	connsOf  map[string][]ckpt.Conn // by job, instead of conns
 	fetched  []string
 	// Peers: owners of the peers' addresses.
 	owners map[netip.Addr]string
@@ -109,7 +110,11 @@ func (f *fake) Fetch(_ context.Context, job string, c clusterapi.Candidate) (*Jo
 	if n, ok := f.takenOn[c.Snapshot]; ok {
 		node = n
 	}
-	m := &ckpt.Manifest{Job: job, ID: c.Snapshot, Node: node, Info: ckpt.Info{Conns: f.conns}}
+	conns := f.conns
+	if cs, ok := f.connsOf[job]; ok {
+		conns = cs
+	}
+	m := &ckpt.Manifest{Job: job, ID: c.Snapshot, Node: node, Info: ckpt.Info{Conns: conns}}
 	j := &Job{ID: job, Incarnation: 3, Manifest: m, Work: emptyImages(f.t), RunID: "run-" + job, Source: c.Source}
 	if f.jobNet {
 		j.Net = fakeJobNet{f}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net/netip"
 	"os"
 	"slices"
@@ -49,6 +50,8 @@ func Run(ctx context.Context, req clusterapi.RecoverRequest, d Deps, emit func(S
 	})
 	errs := slices.DeleteFunc(prepErrs, func(err error) bool { return err == nil })
 	jobs := slices.DeleteFunc(prepared, func(j *Job) bool { return j == nil })
+	jobs, tornErrs := refuseTorn(ctx, d, req, jobs, stage)
+	errs = append(errs, tornErrs...)
 	if len(jobs) == 0 {
 		return errors.Join(append(errs, errors.New("no job could be prepared"))...)
 	}
@@ -158,6 +161,62 @@ func prepare(ctx context.Context, d Deps, req clusterapi.RecoverRequest, rj clus
 	return j, nil
 }
 
+// onFailedNode says whether c's other end was on the failed node too: on one of its host addresses, or on
+// loopback (the job's own, or its host's for jobs without a network of their own).
+func onFailedNode(req clusterapi.RecoverRequest, c ckpt.Conn) bool {
+	ip := c.Remote.Addr().Unmap()
+	return ip.IsLoopback() || slices.Contains(req.Addrs, ip)
+}
+
+// refuseTorn drops the jobs whose connections to other jobs of the failed node their snapshots alone cannot
+// rebuild (ckpt.Match), and then the jobs connected to a dropped one, until the rest agree. plan leaves such
+// connections out: their bytes crossed the failed host's own interface, which no log sees, so both ends come
+// from the jobs' snapshots. Snapshots of one semi-coordinated freeze always agree; snapshots taken one job at
+// a time rarely do, and restored as they are the two jobs wait forever for bytes neither holds. Each
+// dropped job gets its claim back and a failed "restored" stage saying why.
+func refuseTorn(ctx context.Context, d Deps, req clusterapi.RecoverRequest, jobs []*Job, stage stageFunc) ([]*Job, []error) {
+	local := func(c ckpt.Conn) bool { return onFailedNode(req, c) }
+	why := map[string][]string{}
+	for {
+		parts := make([]ckpt.Part, len(jobs))
+		for i, j := range jobs {
+			parts[i] = ckpt.Part{Job: j.ID, Conns: j.Manifest.Conns}
+		}
+		ms := ckpt.Match(parts, local)
+		if len(ms) == 0 {
+			break
+		}
+		for _, m := range ms {
+			conn := fmt.Sprintf("connection %s -> %s", m.Conn.Local, m.Conn.Remote)
+			if m.Peer == "" {
+				why[m.Job] = append(why[m.Job], conn+": its other end was on the failed node too, in no job restored with it")
+				continue
+			}
+			why[m.Job] = append(why[m.Job], fmt.Sprintf("%s to job %s: %s", conn, m.Peer, m.Why))
+			if m.Peer != m.Job {
+				why[m.Peer] = append(why[m.Peer], fmt.Sprintf("connection %s -> %s to job %s: %s", m.Conn.Remote, m.Conn.Local, m.Job, m.Why))
+			}
+		}
+		jobs = slices.DeleteFunc(jobs, func(j *Job) bool {
+			if _, bad := why[j.ID]; !bad {
+				return false
+			}
+			os.RemoveAll(j.Work)
+			d.Jobs.GiveBack(ctx, j)
+			return true
+		})
+	}
+	var errs []error
+	for _, id := range slices.Sorted(maps.Keys(why)) {
+		err := fmt.Errorf("job %s is not transparently recoverable: %s (no log holds what crosses a host's own interface: "+
+			"the snapshots of jobs that talk to each other on one host must be taken together, checkpoint.mode = \"semi-coordinated\"): %w",
+			id, strings.Join(why[id], "; "), restore.ErrNotRecoverable)
+		stage(StageRestored, id, time.Now(), "", err)
+		errs = append(errs, err)
+	}
+	return jobs, errs
+}
+
 // restoreJob restores one prepared job under its guard, or undoes what its preparation left (the guard,
 // its job network, its claimed incarnation unless processes may have started).
 func restoreJob(ctx context.Context, d Deps, j *Job, stage stageFunc) error {
@@ -231,8 +290,8 @@ func fetch(ctx context.Context, d Deps, req clusterapi.RecoverRequest, rj cluste
 func plan(ctx context.Context, d Deps, req clusterapi.RecoverRequest, j *Job) error {
 	var conns []ckpt.Conn
 	for _, c := range j.Manifest.Conns {
-		if slices.Contains(req.Addrs, c.Remote.Addr().Unmap()) {
-			continue // both ends were on the failed node: restored from the same node snapshot
+		if onFailedNode(req, c) {
+			continue // both ends come from the failed node's snapshots (refuseTorn checks that they agree)
 		}
 		if j.Net != nil && c.Remote.Addr().Unmap() == j.Net.Addr() {
 			continue // both ends in the job's own network: both in this snapshot

@@ -611,3 +611,78 @@ func TestRunRestoresJobsAtOnce(t *testing.T) {
 		t.Errorf("network %v: want rank2's guard removed, and only it", f.net)
 	}
 }
+
+// TestRunLocalPeers: connections between two jobs of the failed node (on its own address) are restored from
+// the two jobs' snapshots, which must agree on them; when they do not, or the other end is in no job of the
+// recovery, the jobs concerned are refused by name, their claims given back, and the others go on.
+func TestRunLocalPeers(t *testing.T) {
+	a := netip.AddrPortFrom(failedAddr, 7000)
+	b := netip.AddrPortFrom(failedAddr, 41000)
+	c := netip.AddrPortFrom(failedAddr, 42000)
+	conn := func(local, remote netip.AddrPort, inq, outq, outqLen uint32) ckpt.Conn {
+		return ckpt.Conn{Tuple: tcpflow.Tuple{Local: local, Remote: remote}, InqSeq: inq, OutqSeq: outq, OutqLen: outqLen}
+	}
+	for _, tt := range []struct {
+		name    string
+		connsOf map[string][]ckpt.Conn
+		refused []string // jobs refused, in order
+		why     string
+	}{
+		{"one freeze: both ends agree", map[string][]ckpt.Conn{
+			"rank1": {conn(a, b, 5000, 1000, 0)}, "rank2": {conn(b, a, 1000, 5000, 0)}, "rank3": nil}, nil, ""},
+		{"both ends in one job", map[string][]ckpt.Conn{
+			"rank1": {conn(a, b, 5000, 1000, 0), conn(b, a, 1000, 5000, 0)}, "rank2": nil, "rank3": nil}, nil, ""},
+		// rank2 was dumped before 100 bytes of rank1's arrived, rank1 after they were acknowledged.
+		{"dumped apart: bytes in neither snapshot", map[string][]ckpt.Conn{
+			"rank1": {conn(a, b, 5000, 1000, 0)}, "rank2": {conn(b, a, 900, 5000, 0)}, "rank3": nil},
+			[]string{"rank1", "rank2"}, "in neither snapshot"},
+		{"the other end in no job of the node", map[string][]ckpt.Conn{
+			"rank1": {conn(a, b, 5000, 1000, 0)}, "rank2": nil, "rank3": nil},
+			[]string{"rank1"}, "its other end was on the failed node too, in no job restored with it"},
+		// rank3 talks to rank2, which is refused for its connection to rank1: rank3 cannot go on alone.
+		{"connected to a refused job", map[string][]ckpt.Conn{
+			"rank1": {conn(a, b, 5000, 1000, 0)}, "rank2": {conn(b, a, 900, 5000, 0), conn(b, c, 1, 1, 0)}, "rank3": {conn(c, b, 1, 1, 0)}},
+			[]string{"rank1", "rank2", "rank3"}, ""},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			f := newFake(t)
+			f.connsOf = tt.connsOf
+			req := request(snap1)
+			req.Jobs = nil
+			for _, id := range []string{"rank1", "rank2", "rank3"} {
+				req.Jobs = append(req.Jobs, clusterapi.RecoverJob{Job: id, Candidates: []clusterapi.Candidate{{Snapshot: snap1, Source: "node3"}}})
+			}
+			var mu sync.Mutex
+			var refused []string
+			err := Run(context.Background(), req, f.deps(), func(s Stage) {
+				if s.Name == StageRestored && s.Err != nil {
+					mu.Lock()
+					refused = append(refused, s.Job)
+					mu.Unlock()
+				}
+			})
+			slices.Sort(refused)
+			if !slices.Equal(refused, tt.refused) {
+				t.Fatalf("refused %v, want %v (err %v)", refused, tt.refused, err)
+			}
+			if len(tt.refused) == 0 {
+				if err != nil {
+					t.Fatalf("Run: %v", err)
+				}
+				return
+			}
+			if !errors.Is(err, restore.ErrNotRecoverable) || !strings.Contains(err.Error(), tt.why) || !strings.Contains(err.Error(), "semi-coordinated") {
+				t.Errorf("Run: %v; want ErrNotRecoverable naming %q and the mode that avoids it", err, tt.why)
+			}
+			slices.Sort(f.givenBack)
+			if !slices.Equal(f.givenBack, tt.refused) {
+				t.Errorf("claims given back %v, want %v", f.givenBack, tt.refused)
+			}
+			for _, id := range f.restored {
+				if slices.Contains(tt.refused, id) {
+					t.Errorf("refused job %s restored", id)
+				}
+			}
+		})
+	}
+}

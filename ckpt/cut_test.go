@@ -1,0 +1,30 @@
+package ckpt
+
+import (
+	"net/netip"
+	"testing"
+
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// TestMatchSelects: Match checks only the connections want selects, and names both jobs of a torn pair.
+// (agent's TestCheckCut has the cases of the check itself.)
+func TestMatchSelects(t *testing.T) {
+	a, b := netip.MustParseAddrPort("10.0.0.2:7000"), netip.MustParseAddrPort("10.0.0.2:41000")
+	far := netip.MustParseAddrPort("10.0.0.9:7000")
+	conn := func(local, remote netip.AddrPort, inq, outq uint32) Conn {
+		return Conn{Tuple: tcpflow.Tuple{Local: local, Remote: remote}, InqSeq: inq, OutqSeq: outq}
+	}
+	parts := []Part{
+		{Job: "j1", Conns: []Conn{conn(a, b, 5000, 1000), conn(a, far, 1, 1)}},
+		{Job: "j2", Conns: []Conn{conn(b, a, 900, 5000)}}, // received less than j1 had written, all of it acknowledged
+	}
+	local := func(c Conn) bool { return c.Remote.Addr() == a.Addr() }
+	ms := Match(parts, local)
+	if len(ms) != 1 || ms[0].Job != "j1" || ms[0].Peer != "j2" || ms[0].Conn.Tuple != parts[0].Conns[0].Tuple {
+		t.Fatalf("Match: %+v; want j1's connection to j2, torn, and nothing about the one to %s", ms, far)
+	}
+	if all := Match(parts, nil); len(all) != 2 || all[1].Peer != "" {
+		t.Fatalf("Match of every connection: %+v; want the torn one and the one whose other end is in no part", all)
+	}
+}
