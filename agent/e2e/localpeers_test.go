@@ -14,20 +14,27 @@ import (
 	"github.com/ftkit/ftkit/lab/labcluster"
 )
 
-// TestLocalPeers crashes a node whose two jobs talk to each other over the node's own address, a
-// connection no sender-side log sees (it never crosses the cluster interface): both of its ends come back
-// from the two jobs' snapshots. Snapshotted together (semi-coordinated mode), the jobs are restored on the
-// spare and finish with the failure-free result. Snapshotted one after the other (uncoordinated mode), the
+// TestLocalPeers crashes a node whose two jobs talk to each other over the node's own address (or, in the
+// last case, each on an address of its own), a connection no sender-side log sees (it never crosses the
+// cluster interface): both of its ends come back from the two jobs' snapshots. Snapshotted together
+// (semi-coordinated mode), the jobs are restored on the spare and finish with the failure-free result
+// (with job addresses the recovery refused them before 2026-11-30: it asked the cluster who held the other
+// job's address, and nobody did). Snapshotted one after the other (uncoordinated mode), the
 // snapshots disagree on the bytes between the jobs; restored as they were, the two waited forever for bytes
 // neither held while the recovery reported success (this test's first run, on the code before the check).
 // Now the recovery refuses both jobs by name, loudly.
 func TestLocalPeers(t *testing.T) {
 	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
 	for _, tc := range []struct {
-		name string
-		mode agent.Mode
-	}{{"semi-coordinated", agent.SemiCoordinated}, {"uncoordinated", agent.Uncoordinated}} {
-		t.Run(tc.name, func(t *testing.T) { testLocalPeers(t, tc.mode) })
+		name     string
+		mode     agent.Mode
+		jobAddrs bool // each job on an address of its own instead of the host's
+	}{
+		{"semi-coordinated", agent.SemiCoordinated, false},
+		{"uncoordinated", agent.Uncoordinated, false},
+		{"semi-coordinated, job addresses", agent.SemiCoordinated, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) { testLocalPeers(t, tc.mode, tc.jobAddrs) })
 	}
 	t.Run("one job, loopback", testLoopbackInJob)
 }
@@ -78,10 +85,10 @@ func testLoopbackInJob(t *testing.T) {
 	checkRanks(t, []string{out(0), out(1)}, want)
 }
 
-func testLocalPeers(t *testing.T, mode agent.Mode) {
+func testLocalPeers(t *testing.T, mode agent.Mode, jobAddrs bool) {
 	args := ringArgs(2000, 16<<10, 10*time.Millisecond)
 	want := reference(t, 2, args)
-	c := newCluster(t, 2, 1, labcluster.Options{Interval: "1h", Mode: mode})
+	c := newCluster(t, 2, 1, labcluster.Options{Interval: "1h", Mode: mode, JobAddresses: jobAddrs})
 	t.Cleanup(func() {
 		if t.Failed() {
 			logEvents(t, c)
@@ -92,16 +99,28 @@ func testLocalPeers(t *testing.T, mode agent.Mode) {
 		t.Fatal(err)
 	}
 	const port = 7480
-	peers := []string{netip.AddrPortFrom(h.Addr.Addr(), port).String(), netip.AddrPortFrom(h.Addr.Addr(), port+1).String()}
+	addrs := []netip.Addr{h.Addr.Addr(), h.Addr.Addr()}
+	if jobAddrs {
+		// The agent hands out its pool's addresses in order, the first free one to each job.
+		first := labcluster.JobPool(c.Lab.State(), "node1").Addr()
+		addrs = []netip.Addr{first, first.Next()}
+	}
+	peers := []string{netip.AddrPortFrom(addrs[0], port).String(), netip.AddrPortFrom(addrs[1], port+1).String()}
 	rg := newRing(t, c, 2)
 	ctx := context.Background()
 	for r := range 2 {
 		argv := append([]string{bins.Ringstencil, "--rank", fmt.Sprint(r), "--peers", strings.Join(peers, ",")}, args...)
-		j, err := c.Client("node1").StartJob(ctx, agent.JobSpec{Name: fmt.Sprintf("local%d", r), Argv: argv})
+		j, err := c.Client("node1").StartJob(ctx, agent.JobSpec{Name: fmt.Sprintf("local%d", r), Argv: argv, JobAddress: jobAddrs})
 		if err != nil {
 			t.Fatal(err)
 		}
 		rg.jobs[r] = j
+		if jobAddrs {
+			t.Cleanup(func() { removeJobNets(t, j.ID) })
+			if j.Net == nil || j.Net.Addr.Addr() != addrs[r] {
+				t.Fatalf("rank %d's job network %+v, want the address %s", r, j.Net, addrs[r])
+			}
+		}
 	}
 	for _, j := range rg.jobs {
 		waitProtected(t, c, "node1", j.ID, 2*time.Minute)

@@ -56,6 +56,7 @@ type fake struct {
 	// jobNet gives fetched jobs a job network (fakeJobNet, recorded in net with a "job: " prefix);
 	// createErr fails its Create.
 	jobNet    bool
+	jobAddrOf map[string]netip.Addr // a job's address, if not jobAddr
 	createErr error
 	// fetchHook and restoreHook run first in Fetch and Restore when set; an error from restoreHook fails
 	// the restore.
@@ -117,7 +118,7 @@ func (f *fake) Fetch(_ context.Context, job string, c clusterapi.Candidate) (*Jo
 	m := &ckpt.Manifest{Job: job, ID: c.Snapshot, Node: node, Info: ckpt.Info{Conns: conns}}
 	j := &Job{ID: job, Incarnation: 3, Manifest: m, Work: emptyImages(f.t), RunID: "run-" + job, Source: c.Source}
 	if f.jobNet {
-		j.Net = fakeJobNet{f}
+		j.Net = fakeJobNet{f: f, addr: f.jobAddrOf[job]}
 	}
 	return j, nil
 }

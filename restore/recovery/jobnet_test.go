@@ -16,8 +16,12 @@ import (
 
 var jobAddr = netip.MustParseAddr("10.0.0.201")
 
-// fakeJobNet is a job's own network, recording into the fake's net list with a "job: " prefix.
-type fakeJobNet struct{ f *fake }
+// fakeJobNet is a job's own network, recording into the fake's net list with a "job: " prefix; its address
+// is addr, or jobAddr.
+type fakeJobNet struct {
+	f    *fake
+	addr netip.Addr
+}
 
 func (n fakeJobNet) rec(s string) { addTo(n.f, &n.f.net, "job: "+s) }
 
@@ -29,7 +33,12 @@ func (n fakeJobNet) Create(context.Context) error {
 	return nil
 }
 func (n fakeJobNet) Delete(context.Context) { n.rec("delete") }
-func (n fakeJobNet) Addr() netip.Addr       { return jobAddr }
+func (n fakeJobNet) Addr() netip.Addr {
+	if n.addr.IsValid() {
+		return n.addr
+	}
+	return jobAddr
+}
 func (n fakeJobNet) Guard(_ context.Context, runID string, _ []ckpt.Conn) error {
 	n.rec("guard " + runID)
 	return nil

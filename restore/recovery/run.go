@@ -43,14 +43,22 @@ func Run(ctx context.Context, req clusterapi.RecoverRequest, d Deps, emit func(S
 		parallel = DefaultParallelJobs
 	}
 	// Errors are kept per job and joined in the request's order, whatever order the jobs finish in.
+	// Every snapshot first, then the plans: a connection to another job of the failed node (on its host's
+	// address, or on that job's own) is known as one only once that job's snapshot is in.
 	prepared := make([]*Job, len(req.Jobs))
 	prepErrs := make([]error, len(req.Jobs))
 	inParallel(len(req.Jobs), parallel, func(i int) {
-		prepared[i], prepErrs[i] = prepare(ctx, d, req, req.Jobs[i], stage)
+		prepared[i], prepErrs[i] = fetchJob(ctx, d, req, req.Jobs[i], stage)
+	})
+	local := onFailedNode(req, prepared)
+	inParallel(len(req.Jobs), parallel, func(i int) {
+		if prepared[i] != nil {
+			prepared[i], prepErrs[i] = planJob(ctx, d, prepared[i], local, stage)
+		}
 	})
 	errs := slices.DeleteFunc(prepErrs, func(err error) bool { return err == nil })
 	jobs := slices.DeleteFunc(prepared, func(j *Job) bool { return j == nil })
-	jobs, tornErrs := refuseTorn(ctx, d, req, jobs, stage)
+	jobs, tornErrs := refuseTorn(ctx, d, jobs, local, stage)
 	errs = append(errs, tornErrs...)
 	if len(jobs) == 0 {
 		return errors.Join(append(errs, errors.New("no job could be prepared"))...)
@@ -132,9 +140,8 @@ func inParallel(n, limit int, fn func(i int)) {
 	wg.Wait()
 }
 
-// prepare fetches one job's snapshot, plans its connections from the peers' logs and rewrites its images;
-// nil and why if it cannot be restored.
-func prepare(ctx context.Context, d Deps, req clusterapi.RecoverRequest, rj clusterapi.RecoverJob, stage stageFunc) (*Job, error) {
+// fetchJob fetches one job's snapshot and claims its next incarnation; nil and why if none can be had.
+func fetchJob(ctx context.Context, d Deps, req clusterapi.RecoverRequest, rj clusterapi.RecoverJob, stage stageFunc) (*Job, error) {
 	start := time.Now()
 	j, failed, err := fetch(ctx, d, req, rj)
 	detail := ""
@@ -148,24 +155,39 @@ func prepare(ctx context.Context, d Deps, req clusterapi.RecoverRequest, rj clus
 	if err != nil {
 		return nil, fmt.Errorf("job %s: %w", rj.Job, err)
 	}
-	start = time.Now()
-	err = plan(ctx, d, req, j)
+	return j, nil
+}
+
+// planJob plans a fetched job's connections from the peers' logs (those local selects aside) and rewrites
+// its images; nil and why if it cannot be restored.
+func planJob(ctx context.Context, d Deps, j *Job, local func(ckpt.Conn) bool, stage stageFunc) (*Job, error) {
+	start := time.Now()
+	err := plan(ctx, d, j, local)
 	if err == nil {
 		err = restore.Rewrite(j.Work, j.Plan)
 	}
-	stage(StageRewritten, rj.Job, start, PlanSummary(j.Plan), err)
+	stage(StageRewritten, j.ID, start, PlanSummary(j.Plan), err)
 	if err != nil {
 		d.Jobs.GiveBack(ctx, j)
-		return nil, fmt.Errorf("job %s is not transparently recoverable: %w", rj.Job, err)
+		return nil, fmt.Errorf("job %s is not transparently recoverable: %w", j.ID, err)
 	}
 	return j, nil
 }
 
-// onFailedNode says whether c's other end was on the failed node too: on one of its host addresses, or on
-// loopback (the job's own, or its host's for jobs without a network of their own).
-func onFailedNode(req clusterapi.RecoverRequest, c ckpt.Conn) bool {
-	ip := c.Remote.Addr().Unmap()
-	return ip.IsLoopback() || slices.Contains(req.Addrs, ip)
+// onFailedNode selects the connections whose other end was on the failed node too: on loopback (the job's
+// own, or its host's for jobs without a network of their own), on one of the node's host addresses, or on
+// the job address of one of its jobs restored here (jobs: the fetched ones, nil for the others).
+func onFailedNode(req clusterapi.RecoverRequest, jobs []*Job) func(ckpt.Conn) bool {
+	addrs := slices.Clone(req.Addrs)
+	for _, j := range jobs {
+		if j != nil && j.Net != nil {
+			addrs = append(addrs, j.Net.Addr())
+		}
+	}
+	return func(c ckpt.Conn) bool {
+		ip := c.Remote.Addr().Unmap()
+		return ip.IsLoopback() || slices.Contains(addrs, ip)
+	}
 }
 
 // refuseTorn drops the jobs whose connections to other jobs of the failed node their snapshots alone cannot
@@ -174,8 +196,7 @@ func onFailedNode(req clusterapi.RecoverRequest, c ckpt.Conn) bool {
 // from the jobs' snapshots. Snapshots of one semi-coordinated freeze always agree; snapshots taken one job at
 // a time rarely do, and restored as they are the two jobs wait forever for bytes neither holds. Each
 // dropped job gets its claim back and a failed "restored" stage saying why.
-func refuseTorn(ctx context.Context, d Deps, req clusterapi.RecoverRequest, jobs []*Job, stage stageFunc) ([]*Job, []error) {
-	local := func(c ckpt.Conn) bool { return onFailedNode(req, c) }
+func refuseTorn(ctx context.Context, d Deps, jobs []*Job, local func(ckpt.Conn) bool, stage stageFunc) ([]*Job, []error) {
 	why := map[string][]string{}
 	for {
 		parts := make([]ckpt.Part, len(jobs))
@@ -285,18 +306,15 @@ func fetch(ctx context.Context, d Deps, req clusterapi.RecoverRequest, rj cluste
 	return nil, failed, fmt.Errorf("none of %d candidate snapshot(s) could be fetched and verified: %s", len(cands), strings.Join(failed, "; "))
 }
 
-// plan asks every peer of the job's connections for what it sent since the snapshot, for its live state
-// and for its record of what it received, and computes the image edits.
-func plan(ctx context.Context, d Deps, req clusterapi.RecoverRequest, j *Job) error {
+// plan asks every peer of the job's connections but the local ones (both ends on the failed node, restored
+// from its snapshots: refuseTorn) for what it sent since the snapshot, for its live state and for its record
+// of what it received, and computes the image edits.
+func plan(ctx context.Context, d Deps, j *Job, local func(ckpt.Conn) bool) error {
 	var conns []ckpt.Conn
 	for _, c := range j.Manifest.Conns {
-		if onFailedNode(req, c) {
-			continue // both ends come from the failed node's snapshots (refuseTorn checks that they agree)
+		if !local(c) {
+			conns = append(conns, c)
 		}
-		if j.Net != nil && c.Remote.Addr().Unmap() == j.Net.Addr() {
-			continue // both ends in the job's own network: both in this snapshot
-		}
-		conns = append(conns, c)
 	}
 	// Each connection's bytes come from another host: fetched a few at a time, a job with many
 	// connections waits for the slowest, not for the sum.

@@ -511,8 +511,8 @@ func TestPlanFetchesConnectionsAtOnce(t *testing.T) {
 	}
 	// Inside a job network: both ends are the job's, in its snapshot.
 	conns = append(conns, ckpt.Conn{Tuple: tcpflow.Tuple{Local: netip.AddrPortFrom(jobAddr, 5001), Remote: netip.AddrPortFrom(jobAddr, 6001)}})
-	j := &Job{Manifest: &ckpt.Manifest{Info: ckpt.Info{Conns: conns}}, Net: fakeJobNet{f}}
-	err := plan(context.Background(), f.deps(), request(), j)
+	j := &Job{Manifest: &ckpt.Manifest{Info: ckpt.Info{Conns: conns}}, Net: fakeJobNet{f: f}}
+	err := plan(context.Background(), f.deps(), j, onFailedNode(request(), []*Job{j}))
 	if err == nil {
 		t.Fatal("plan succeeded with every peer refusing")
 	}
@@ -622,32 +622,45 @@ func TestRunLocalPeers(t *testing.T) {
 	conn := func(local, remote netip.AddrPort, inq, outq, outqLen uint32) ckpt.Conn {
 		return ckpt.Conn{Tuple: tcpflow.Tuple{Local: local, Remote: remote}, InqSeq: inq, OutqSeq: outq, OutqLen: outqLen}
 	}
+	// The same, each job on an address of its own.
+	ja, jb := netip.MustParseAddrPort("10.0.0.201:7000"), netip.MustParseAddrPort("10.0.0.202:41000")
 	for _, tt := range []struct {
 		name    string
 		connsOf map[string][]ckpt.Conn
 		refused []string // jobs refused, in order
 		why     string
+		jobNets bool
 	}{
 		{"one freeze: both ends agree", map[string][]ckpt.Conn{
-			"rank1": {conn(a, b, 5000, 1000, 0)}, "rank2": {conn(b, a, 1000, 5000, 0)}, "rank3": nil}, nil, ""},
+			"rank1": {conn(a, b, 5000, 1000, 0)}, "rank2": {conn(b, a, 1000, 5000, 0)}, "rank3": nil}, nil, "", false},
 		{"both ends in one job", map[string][]ckpt.Conn{
-			"rank1": {conn(a, b, 5000, 1000, 0), conn(b, a, 1000, 5000, 0)}, "rank2": nil, "rank3": nil}, nil, ""},
+			"rank1": {conn(a, b, 5000, 1000, 0), conn(b, a, 1000, 5000, 0)}, "rank2": nil, "rank3": nil}, nil, "", false},
 		// rank2 was dumped before 100 bytes of rank1's arrived, rank1 after they were acknowledged.
 		{"dumped apart: bytes in neither snapshot", map[string][]ckpt.Conn{
 			"rank1": {conn(a, b, 5000, 1000, 0)}, "rank2": {conn(b, a, 900, 5000, 0)}, "rank3": nil},
-			[]string{"rank1", "rank2"}, "in neither snapshot"},
+			[]string{"rank1", "rank2"}, "in neither snapshot", false},
 		{"the other end in no job of the node", map[string][]ckpt.Conn{
 			"rank1": {conn(a, b, 5000, 1000, 0)}, "rank2": nil, "rank3": nil},
-			[]string{"rank1"}, "its other end was on the failed node too, in no job restored with it"},
+			[]string{"rank1"}, "its other end was on the failed node too, in no job restored with it", false},
 		// rank3 talks to rank2, which is refused for its connection to rank1: rank3 cannot go on alone.
 		{"connected to a refused job", map[string][]ckpt.Conn{
 			"rank1": {conn(a, b, 5000, 1000, 0)}, "rank2": {conn(b, a, 900, 5000, 0), conn(b, c, 1, 1, 0)}, "rank3": {conn(c, b, 1, 1, 0)}},
-			[]string{"rank1", "rank2", "rank3"}, ""},
+			[]string{"rank1", "rank2", "rank3"}, "", false},
+		{"job addresses, one freeze", map[string][]ckpt.Conn{
+			"rank1": {conn(ja, jb, 5000, 1000, 0)}, "rank2": {conn(jb, ja, 1000, 5000, 0)}, "rank3": nil}, nil, "", true},
+		{"job addresses, dumped apart", map[string][]ckpt.Conn{
+			"rank1": {conn(ja, jb, 5000, 1000, 0)}, "rank2": {conn(jb, ja, 900, 5000, 0)}, "rank3": nil},
+			[]string{"rank1", "rank2"}, "in neither snapshot", true},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			f := newFake(t)
 			f.connsOf = tt.connsOf
 			req := request(snap1)
+			if tt.jobNets {
+				// Every job of the node had its own address: its host address is not taken over.
+				f.jobNet, req.Addrs = true, nil
+				f.jobAddrOf = map[string]netip.Addr{"rank1": ja.Addr(), "rank2": jb.Addr(), "rank3": netip.MustParseAddr("10.0.0.203")}
+			}
 			req.Jobs = nil
 			for _, id := range []string{"rank1", "rank2", "rank3"} {
 				req.Jobs = append(req.Jobs, clusterapi.RecoverJob{Job: id, Candidates: []clusterapi.Candidate{{Snapshot: snap1, Source: "node3"}}})
