@@ -382,11 +382,18 @@ func unrecoverableConns(conns []ckpt.Conn, owner func(netip.Addr) string, apart 
 	return out
 }
 
-// onThisHost says whether a peer at ip is on this host: loopback or one of the host addresses it holds.
+// onThisHost says whether a peer at ip is on this host: loopback, one of the host addresses it holds, or the
+// address of one of its running jobs (job networks on one host reach each other inside it, never through
+// the logged interface: macvlan bridge mode).
 func (a *Agent) onThisHost(ip netip.Addr) bool {
 	ip = ip.Unmap()
-	owner, ok := a.View().Owner(ip)
-	return ip.IsLoopback() || ok && owner == a.cfg.Name
+	if ip.IsLoopback() {
+		return true
+	}
+	if owner, ok := a.View().Owner(ip); ok {
+		return owner == a.cfg.Name
+	}
+	return a.runsJobAddr(ip)
 }
 
 // dumpedApart is onThisHost where each job is dumped on its own (uncoordinated mode), nil where the host's

@@ -33,6 +33,7 @@ func TestLocalPeers(t *testing.T) {
 		{"semi-coordinated", agent.SemiCoordinated, false},
 		{"uncoordinated", agent.Uncoordinated, false},
 		{"semi-coordinated, job addresses", agent.SemiCoordinated, true},
+		{"uncoordinated, job addresses", agent.Uncoordinated, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) { testLocalPeers(t, tc.mode, tc.jobAddrs) })
 	}
@@ -153,6 +154,11 @@ func testLocalPeers(t *testing.T, mode agent.Mode, jobAddrs bool) {
 	}
 	if err := c.Lab.Crash(ctx, "node1"); err != nil {
 		t.Fatal(err)
+	}
+	if jobAddrs {
+		for _, j := range rg.jobs {
+			crashJobNet(t, j.Net.Name)
+		}
 	}
 	f := waitFailure(t, c, "node1", 2*time.Minute)
 	if mode == agent.SemiCoordinated {
