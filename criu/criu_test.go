@@ -16,10 +16,13 @@ import (
 
 // TestMain lets the test binary play a CRIU of any version: go-criu runs `criu swrk FD` and asks for
 // the version over the inherited socket. It also plays the TCP sender that TestLiveDumpSelectsNoRepairQueue
-// dumps.
+// dumps and the process TestSharedMappingRemappedWritable dumps.
 func TestMain(m *testing.M) {
-	if os.Getenv("FTKIT_CRIU_TEST_ROLE") == senderRole {
+	switch os.Getenv("FTKIT_CRIU_TEST_ROLE") {
+	case senderRole:
 		os.Exit(runSender(os.Getenv("FTKIT_ADDR")))
+	case remapRole:
+		os.Exit(runRemap(os.Getenv("FTKIT_DIR")))
 	}
 	if v := os.Getenv("FTKIT_FAKE_CRIU_VERSION"); v != "" && len(os.Args) == 3 && os.Args[1] == "swrk" {
 		os.Exit(fakeSwrk(v, os.Args[2]))
