@@ -372,7 +372,7 @@ func unrecoverableConns(conns []ckpt.Conn, owner func(netip.Addr) string, apart 
 	for _, c := range conns {
 		ip := c.Remote.Addr().Unmap()
 		switch {
-		case apart != nil && apart(ip) && !inSnapshot[c.Reverse()]:
+		case apart != nil && !inSnapshot[c.Reverse()] && apart(ip):
 			out = append(out, fmt.Sprintf("%s -> %s: the peer is another process of this host, dumped apart from this job, and nothing logs what crosses the host's own interface (snapshots of one freeze restore both ends: checkpoint.mode = \"semi-coordinated\")", c.Local, c.Remote))
 		case ip.IsLoopback() || owner(ip) != "":
 		default:

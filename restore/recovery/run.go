@@ -66,8 +66,7 @@ func Run(ctx context.Context, req clusterapi.RecoverRequest, d Deps, emit func(S
 	putBackMTU, err := prepareNetwork(ctx, d, req, jobs)
 	if err != nil {
 		for _, j := range jobs {
-			os.RemoveAll(j.Work)
-			d.Jobs.GiveBack(ctx, j)
+			discard(ctx, d, j)
 		}
 		return errors.Join(append(errs, err)...)
 	}
@@ -195,7 +194,7 @@ func onFailedNode(req clusterapi.RecoverRequest, jobs []*Job) func(ckpt.Conn) bo
 // connections out: their bytes crossed the failed host's own interface, which no log sees, so both ends come
 // from the jobs' snapshots. Snapshots of one semi-coordinated freeze always agree; snapshots taken one job at
 // a time rarely do, and restored as they are the two jobs wait forever for bytes neither holds. Each
-// dropped job gets its claim back and a failed "restored" stage saying why.
+// dropped job is discarded and gets a failed "restored" stage saying why.
 func refuseTorn(ctx context.Context, d Deps, jobs []*Job, local func(ckpt.Conn) bool, stage stageFunc) ([]*Job, []error) {
 	why := map[string][]string{}
 	for {
@@ -222,8 +221,7 @@ func refuseTorn(ctx context.Context, d Deps, jobs []*Job, local func(ckpt.Conn) 
 			if _, bad := why[j.ID]; !bad {
 				return false
 			}
-			os.RemoveAll(j.Work)
-			d.Jobs.GiveBack(ctx, j)
+			discard(ctx, d, j)
 			return true
 		})
 	}
@@ -236,6 +234,12 @@ func refuseTorn(ctx context.Context, d Deps, jobs []*Job, local func(ckpt.Conn) 
 		errs = append(errs, err)
 	}
 	return jobs, errs
+}
+
+// discard drops a prepared job that will not be restored: its working copy, and its claimed incarnation.
+func discard(ctx context.Context, d Deps, j *Job) {
+	os.RemoveAll(j.Work)
+	d.Jobs.GiveBack(ctx, j)
 }
 
 // restoreJob restores one prepared job under its guard, or undoes what its preparation left (the guard,
