@@ -167,7 +167,7 @@ func planJob(ctx context.Context, d Deps, j *Job, local func(ckpt.Conn) bool, st
 	}
 	stage(StageRewritten, j.ID, start, PlanSummary(j.Plan), err)
 	if err != nil {
-		d.Jobs.GiveBack(ctx, j)
+		discard(ctx, d, j)
 		return nil, fmt.Errorf("job %s is not transparently recoverable: %w", j.ID, err)
 	}
 	return j, nil

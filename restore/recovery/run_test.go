@@ -243,6 +243,25 @@ func TestRunRemovesWorkOfRefusedClaim(t *testing.T) {
 	}
 }
 
+// TestRunRemovesWorkOfUnplannableJob: a job whose connections cannot be planned (here, a peer that is no
+// cluster member) leaves no working copy behind, as large as its snapshot, and gives its claim back.
+func TestRunRemovesWorkOfUnplannableJob(t *testing.T) {
+	f := newFake(t)
+	f.conns = []ckpt.Conn{{Tuple: tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("192.0.2.9:4000")}}}
+	var work string
+	d := f.deps()
+	d.Snapshots = snapshotsFunc(func(j *Job) { work = j.Work }, f)
+	if err := Run(t.Context(), request(snap1), d, func(Stage) {}); err == nil || !strings.Contains(err.Error(), "not a cluster member") {
+		t.Fatalf("Run: %v; want the job refused, its peer not a cluster member", err)
+	}
+	if _, err := os.Stat(work); !os.IsNotExist(err) {
+		t.Errorf("work directory %s: %v; want it removed", work, err)
+	}
+	if !reflect.DeepEqual(f.givenBack, []string{"rank1"}) {
+		t.Errorf("given back %v, want rank1's claim", f.givenBack)
+	}
+}
+
 // replayCase is one restored job with one connection that re-sends stream[:resend].
 type replayCase struct {
 	name      string
