@@ -549,7 +549,7 @@ func (a *Agent) coordThaw(ctx context.Context, key, cut string, replicate bool) 
 		placements[j.ID] = j.Spec.Placement
 	}
 	var errs []error
-	for _, r := range a.replicate(ctx, hold.dumped, placements) {
+	for _, r := range a.replicate(ctx, hold.dumped, placements, nil) {
 		if !r.Shipped {
 			errs = append(errs, fmt.Errorf("snapshot %s of job %s not replicated: %s", r.Manifest.ID, r.Manifest.Job, r.ShipErr))
 			continue

@@ -248,10 +248,11 @@ func (s *snapScheduler) attempted(keys []string, jobs []Job, now time.Time) {
 func needsFirstSnapshot(j Job) bool { return !j.Protected() && j.Restored == "" }
 
 // recordReplica notes in the job's record that snapshot m reached a protector: from now on a failure of
-// this host is recoverable (`ftctl status` shows the job as protected).
-func (a *Agent) recordReplica(ctx context.Context, m *ckpt.Manifest) {
+// this host is recoverable (`ftctl status` shows the job as protected), unless m's connections (or strays,
+// those the other snapshots of its freeze do not complete) say otherwise.
+func (a *Agent) recordReplica(ctx context.Context, m *ckpt.Manifest, strays []string) {
 	// Before a.mu: who holds a job address is asked of the members (and holderOf takes a.mu).
-	bad := unrecoverableConns(m.Conns, func(ip netip.Addr) string { return a.memberByIPWait(ctx, ip) }, a.dumpedApart())
+	bad := append(unrecoverableConns(m.Conns, func(ip netip.Addr) string { return a.memberByIPWait(ctx, ip) }, a.dumpedApart()), strays...)
 	a.mu.Lock()
 	j, ok := a.byID[m.Job]
 	if !ok || j.Node != a.cfg.Name || (j.Protected() && j.Replica.Snapshot >= m.ID) {
@@ -378,6 +379,30 @@ func unrecoverableConns(conns []ckpt.Conn, owner func(netip.Addr) string, apart 
 		default:
 			out = append(out, fmt.Sprintf("%s -> %s: the peer is not a cluster member, so nobody logs what it sends", c.Local, c.Remote))
 		}
+	}
+	return out
+}
+
+// strayLocalConns names, by snapshot, the connections of ms (the snapshots of one semi-coordinated freeze)
+// that a restore of exactly ms would not rebuild although their other end was a process of this host
+// (onHost): a process in none of the frozen jobs (a program not started under ftkit), or, should the
+// freeze have caught one, a connect pending in one snapshot and accepted in the other. No log sees what
+// crosses the host's own interface, so the recovery of this host would refuse the job.
+func strayLocalConns(ms []*ckpt.Manifest, onHost func(netip.Addr) bool) map[string][]string {
+	parts := make([]ckpt.Part, len(ms))
+	ids := map[string]string{}
+	for i, m := range ms {
+		parts[i] = ckpt.Part{Job: m.Job, Conns: m.Conns}
+		ids[m.Job] = m.ID
+	}
+	out := map[string][]string{}
+	for _, mm := range ckpt.Match(parts, func(c ckpt.Conn) bool { return onHost(c.Remote.Addr()) }) {
+		why := fmt.Sprintf("%s -> %s: %s", mm.Conn.Local, mm.Conn.Remote, mm.Why)
+		if mm.Peer == "" {
+			why = fmt.Sprintf("%s -> %s: the peer is a process of this host in no job snapshotted with this one (not started under ftkit?), "+
+				"and nothing logs what crosses the host's own interface (run it as a job of this host, or on another host)", mm.Conn.Local, mm.Conn.Remote)
+		}
+		out[ids[mm.Job]] = append(out[ids[mm.Job]], why)
 	}
 	return out
 }

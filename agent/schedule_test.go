@@ -232,6 +232,58 @@ func TestUnrecoverableConns(t *testing.T) {
 	}
 }
 
+// TestStrayLocalConns: in semi-coordinated mode a connection to a process of this host is flagged only when
+// no snapshot of the freeze holds its other end.
+func TestStrayLocalConns(t *testing.T) {
+	onHost := func(a netip.Addr) bool {
+		return a.Unmap().IsLoopback() || a.Unmap() == netip.MustParseAddr("10.0.0.1") || a.Unmap() == netip.MustParseAddr("10.0.1.5")
+	}
+	conn := func(local, remote string) ckpt.Conn {
+		return ckpt.Conn{Tuple: tcpflow.Tuple{Local: netip.MustParseAddrPort(local), Remote: netip.MustParseAddrPort(remote)}}
+	}
+	snap := func(job string, conns ...ckpt.Conn) *ckpt.Manifest {
+		return &ckpt.Manifest{Job: job, ID: "s-" + job, Info: ckpt.Info{Conns: conns}}
+	}
+	const stray = "the peer is a process of this host in no job snapshotted with this one"
+	tests := []struct {
+		name string
+		ms   []*ckpt.Manifest
+		want map[string][]string // why, per snapshot
+	}{
+		{"two jobs of the freeze, host address and loopback", []*ckpt.Manifest{
+			snap("a", conn("10.0.0.1:5001", "10.0.0.1:7001"), conn("127.0.0.1:5000", "127.0.0.1:7000")),
+			snap("b", conn("10.0.0.1:7001", "10.0.0.1:5001"), conn("127.0.0.1:7000", "127.0.0.1:5000"))}, nil},
+		{"a peer on another host", []*ckpt.Manifest{snap("a", conn("10.0.0.1:5001", "10.0.0.2:7001"))}, nil},
+		{"a process of this host in no job", []*ckpt.Manifest{
+			snap("a", conn("10.0.0.1:5001", "10.0.0.1:7001"), conn("10.0.0.1:5002", "10.0.0.2:7001")),
+			snap("b", conn("[::1]:7000", "[::1]:6000"))},
+			map[string][]string{"s-a": {"10.0.0.1:5001 -> 10.0.0.1:7001: " + stray}, "s-b": {"[::1]:7000 -> [::1]:6000: " + stray}}},
+		{"another job's address on this host, that job in the freeze", []*ckpt.Manifest{
+			snap("a", conn("10.0.1.4:5001", "10.0.1.5:7001")), snap("b", conn("10.0.1.5:7001", "10.0.1.4:5001"))}, nil},
+		{"a connect the other end had accepted", []*ckpt.Manifest{
+			snap("a", ckpt.Conn{Tuple: conn("10.0.0.1:5001", "10.0.0.1:7001").Tuple, Connecting: true}), snap("b", conn("10.0.0.1:7001", "10.0.0.1:5001"))},
+			map[string][]string{"s-a": {"still connecting in job a's snapshot, accepted in job b's"}}},
+	}
+	for _, tt := range tests {
+		got := strayLocalConns(tt.ms, onHost)
+		if len(got) != len(tt.want) {
+			t.Errorf("%s: %q, want %q", tt.name, got, tt.want)
+			continue
+		}
+		for id, whys := range tt.want {
+			if len(got[id]) != len(whys) {
+				t.Errorf("%s: snapshot %s: %q, want %q", tt.name, id, got[id], whys)
+				continue
+			}
+			for i, w := range whys {
+				if !strings.Contains(got[id][i], w) {
+					t.Errorf("%s: snapshot %s: %q does not say %q", tt.name, id, got[id][i], w)
+				}
+			}
+		}
+	}
+}
+
 // TestSnapSchedulerAlignsRun: ranks of one run whose first snapshots were taken seconds apart are then
 // snapshotted at the same instants, an interval apart; the scheduler's ticks (100 ms) are simulated.
 func TestSnapSchedulerAlignsRun(t *testing.T) {

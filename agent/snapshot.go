@@ -245,9 +245,11 @@ func (a *Agent) checkpoint(ctx context.Context, ids []string, uid uint32, still 
 	}
 	var manifests []*ckpt.Manifest
 	var errs []error
+	var strays map[string][]string
 	if a.cfg.Checkpoint.Mode == SemiCoordinated {
 		ms, err := a.semiCoordinated(ctx, jobs)
 		manifests, errs = ms, append(errs, err)
+		strays = strayLocalConns(ms, a.onThisHost)
 	} else {
 		for _, j := range jobs {
 			// No retry: the one transient failure seen (two parasites racing to mkdir "/proc.crtools", EEXIST)
@@ -268,12 +270,13 @@ func (a *Agent) checkpoint(ctx context.Context, ids []string, uid uint32, still 
 	for _, j := range jobs {
 		placements[j.ID] = j.Spec.Placement
 	}
-	return a.replicate(ctx, manifests, placements), errors.Join(errs...)
+	return a.replicate(ctx, manifests, placements, strays), errors.Join(errs...)
 }
 
 // replicate ships each committed snapshot to its job's protector (placements: the jobs' placements), records
-// the replicas, lets the senders trim their logs, and prunes old snapshots.
-func (a *Agent) replicate(ctx context.Context, manifests []*ckpt.Manifest, placements map[string]*Placement) []SnapshotResult {
+// the replicas, lets the senders trim their logs, and prunes old snapshots. strays names, by snapshot, the
+// connections that other snapshots of its freeze do not complete (strayLocalConns).
+func (a *Agent) replicate(ctx context.Context, manifests []*ckpt.Manifest, placements map[string]*Placement, strays map[string][]string) []SnapshotResult {
 	if len(manifests) > 0 {
 		// Part of the checkpoint for the protector's watchdog: a 1 GiB transfer and the commit and pruning
 		// that end it load both hosts (the detect soak's two false suspicions of 2026-11-29 each began as
@@ -291,7 +294,7 @@ func (a *Agent) replicate(ctx context.Context, manifests []*ckpt.Manifest, place
 		} else {
 			res.Manifest, res.Shipped = sent.Manifest, true
 			res.ShipBytes, res.ShipWire, res.ShipDuration = sent.Bytes, sent.WireBytes, sent.Duration
-			a.recordReplica(ctx, sent.Manifest) // the job is protected from here on
+			a.recordReplica(ctx, sent.Manifest, strays[m.ID]) // the job is protected from here on
 			// Durable on the protector: the senders may now drop what the snapshot before it had received
 			// (this one's, if a sender asked for it under log pressure).
 			if base := a.releaseBase(sent.Manifest, a.asked.Load()); base != nil {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -38,6 +39,87 @@ func TestLocalPeers(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) { testLocalPeers(t, tc.mode, tc.jobAddrs) })
 	}
 	t.Run("one job, loopback", testLoopbackInJob)
+	t.Run("semi-coordinated, a peer in no job", testPeerInNoJob)
+}
+
+// testPeerInNoJob: rank 0 is a job, rank 1 a plain process of the same host (not started under ftkit), on
+// the host's address. Semi-coordinated mode freezes the host's jobs together, but rank 1 is in none of them:
+// the job's replica is flagged UNRECOVERABLE when it is made (until 2026-11-30 only uncoordinated mode
+// flagged such a peer, and semi-coordinated mode learned of it at the recovery's refusal), and the recovery
+// refuses the job by name.
+func testPeerInNoJob(t *testing.T) {
+	args := ringArgs(2000, 16<<10, 10*time.Millisecond)
+	c := newCluster(t, 2, 1, labcluster.Options{Interval: "1h", Mode: agent.SemiCoordinated})
+	t.Cleanup(func() {
+		if t.Failed() {
+			logEvents(t, c)
+		}
+	})
+	h, err := c.Lab.Host("node1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const port = 7480
+	peers := netip.AddrPortFrom(h.Addr.Addr(), port).String() + "," + netip.AddrPortFrom(h.Addr.Addr(), port+1).String()
+	dir := t.TempDir()
+	out1, err := os.Create(filepath.Join(dir, "rank1.out"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer out1.Close()
+	plain := exec.Command(bins.Ringstencil, append([]string{"--rank", "1", "--peers", peers}, args...)...)
+	plain.Stdout, plain.Stderr = out1, out1
+	if err := c.Lab.Start("node1", plain); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		plain.Process.Kill()
+		plain.Wait()
+	})
+	ctx := context.Background()
+	j, err := c.Client("node1").StartJob(ctx, agent.JobSpec{Name: "rank0", Argv: append([]string{bins.Ringstencil, "--rank", "0", "--peers", peers}, args...)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitProtected(t, c, "node1", j.ID, 2*time.Minute)
+	poll(t, 2*time.Minute, "50 iterations of rank 1", func() bool {
+		b, _ := os.ReadFile(out1.Name())
+		return strings.Count(string(b), " iteration ") >= 50/progressEvery
+	})
+	reply, err := c.Client("node1").Checkpoint(ctx)
+	if err != nil || reply.Error != "" || len(reply.Results) != 1 || !reply.Results[0].Shipped {
+		t.Fatalf("checkpoint of node1: %+v %v", reply, err)
+	}
+	got, err := c.Client("node1").Job(ctx, j.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Both connections of the pair (each rank connects to the other) are flagged.
+	bad := got.Replica.Unrecoverable
+	if len(bad) != 2 {
+		t.Errorf("replica %s: unrecoverable %q, want both connections to rank 1 flagged", got.Replica.Snapshot, bad)
+	}
+	for _, b := range bad {
+		if !strings.Contains(b, "the peer is a process of this host in no job snapshotted with this one") {
+			t.Errorf("replica %s: unrecoverable %q, want it to say that the peer is in no job", got.Replica.Snapshot, b)
+		}
+	}
+	if err := c.Lab.Crash(ctx, "node1"); err != nil {
+		t.Fatal(err)
+	}
+	f := waitFailure(t, c, "node1", 2*time.Minute)
+	var refusal string
+	for _, s := range f.Stages {
+		if s.Name == agent.StageRestored && s.Job == j.ID {
+			refusal = s.Error
+		}
+	}
+	if f.Error == "" || !strings.Contains(refusal, "in no job restored with it") || !strings.Contains(refusal, "must run as a job of that host") {
+		t.Errorf("recovery of node1: error %q, job's restored stage %q; want the job refused, its peer in no job", f.Error, refusal)
+	}
+	if procs, _ := copies(t, c, j); procs != 0 {
+		t.Errorf("job %s: %d process(es) run after its recovery was refused", j.ID, procs)
+	}
 }
 
 // testLoopbackInJob: both ranks in one job, talking over loopback: both ends of each connection are in the

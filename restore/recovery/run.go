@@ -197,6 +197,8 @@ func onFailedNode(req clusterapi.RecoverRequest, jobs []*Job) func(ckpt.Conn) bo
 // dropped job is discarded and gets a failed "restored" stage saying why.
 func refuseTorn(ctx context.Context, d Deps, jobs []*Job, local func(ckpt.Conn) bool, stage stageFunc) ([]*Job, []error) {
 	why := map[string][]string{}
+	torn, stray := map[string]bool{}, map[string]bool{} // the jobs with each kind of refused connection
+	droppedEnd := map[tcpflow.Tuple]string{}            // the connections of the jobs dropped so far, by job
 	for {
 		parts := make([]ckpt.Part, len(jobs))
 		for i, j := range jobs {
@@ -208,18 +210,28 @@ func refuseTorn(ctx context.Context, d Deps, jobs []*Job, local func(ckpt.Conn) 
 		}
 		for _, m := range ms {
 			conn := fmt.Sprintf("connection %s -> %s", m.Conn.Local, m.Conn.Remote)
+			if peer, ok := droppedEnd[m.Conn.Reverse()]; ok {
+				why[m.Job] = append(why[m.Job], fmt.Sprintf("%s to job %s, which is refused", conn, peer))
+				continue
+			}
 			if m.Peer == "" {
 				why[m.Job] = append(why[m.Job], conn+": its other end was on the failed node too, in no job restored with it")
+				stray[m.Job] = true
 				continue
 			}
 			why[m.Job] = append(why[m.Job], fmt.Sprintf("%s to job %s: %s", conn, m.Peer, m.Why))
+			torn[m.Job] = true
 			if m.Peer != m.Job {
 				why[m.Peer] = append(why[m.Peer], fmt.Sprintf("connection %s -> %s to job %s: %s", m.Conn.Remote, m.Conn.Local, m.Job, m.Why))
+				torn[m.Peer] = true
 			}
 		}
 		jobs = slices.DeleteFunc(jobs, func(j *Job) bool {
 			if _, bad := why[j.ID]; !bad {
 				return false
+			}
+			for _, c := range j.Manifest.Conns {
+				droppedEnd[c.Tuple] = j.ID
 			}
 			discard(ctx, d, j)
 			return true
@@ -227,9 +239,18 @@ func refuseTorn(ctx context.Context, d Deps, jobs []*Job, local func(ckpt.Conn) 
 	}
 	var errs []error
 	for _, id := range slices.Sorted(maps.Keys(why)) {
-		err := fmt.Errorf("job %s is not transparently recoverable: %s (no log holds what crosses a host's own interface: "+
-			"the snapshots of jobs that talk to each other on one host must be taken together, checkpoint.mode = \"semi-coordinated\"): %w",
-			id, strings.Join(why[id], "; "), restore.ErrNotRecoverable)
+		var remedy []string
+		if torn[id] {
+			remedy = append(remedy, "the snapshots of jobs that talk to each other on one host must be taken together, checkpoint.mode = \"semi-coordinated\"")
+		}
+		if stray[id] {
+			remedy = append(remedy, "a peer on the same host must run as a job of that host, or of a host of its own")
+		}
+		cause := ""
+		if len(remedy) > 0 {
+			cause = fmt.Sprintf(" (no log holds what crosses a host's own interface: %s)", strings.Join(remedy, "; "))
+		}
+		err := fmt.Errorf("job %s is not transparently recoverable: %s%s: %w", id, strings.Join(why[id], "; "), cause, restore.ErrNotRecoverable)
 		stage(StageRestored, id, time.Now(), "", err)
 		errs = append(errs, err)
 	}

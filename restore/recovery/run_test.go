@@ -643,33 +643,35 @@ func TestRunLocalPeers(t *testing.T) {
 	}
 	// The same, each job on an address of its own.
 	ja, jb := netip.MustParseAddrPort("10.0.0.201:7000"), netip.MustParseAddrPort("10.0.0.202:41000")
+	const semi = `checkpoint.mode = "semi-coordinated"`
 	for _, tt := range []struct {
 		name    string
 		connsOf map[string][]ckpt.Conn
 		refused []string // jobs refused, in order
 		why     string
+		remedy  string // what the error says to do
 		jobNets bool
 	}{
 		{"one freeze: both ends agree", map[string][]ckpt.Conn{
-			"rank1": {conn(a, b, 5000, 1000, 0)}, "rank2": {conn(b, a, 1000, 5000, 0)}, "rank3": nil}, nil, "", false},
+			"rank1": {conn(a, b, 5000, 1000, 0)}, "rank2": {conn(b, a, 1000, 5000, 0)}, "rank3": nil}, nil, "", "", false},
 		{"both ends in one job", map[string][]ckpt.Conn{
-			"rank1": {conn(a, b, 5000, 1000, 0), conn(b, a, 1000, 5000, 0)}, "rank2": nil, "rank3": nil}, nil, "", false},
+			"rank1": {conn(a, b, 5000, 1000, 0), conn(b, a, 1000, 5000, 0)}, "rank2": nil, "rank3": nil}, nil, "", "", false},
 		// rank2 was dumped before 100 bytes of rank1's arrived, rank1 after they were acknowledged.
 		{"dumped apart: bytes in neither snapshot", map[string][]ckpt.Conn{
 			"rank1": {conn(a, b, 5000, 1000, 0)}, "rank2": {conn(b, a, 900, 5000, 0)}, "rank3": nil},
-			[]string{"rank1", "rank2"}, "in neither snapshot", false},
+			[]string{"rank1", "rank2"}, "in neither snapshot", semi, false},
 		{"the other end in no job of the node", map[string][]ckpt.Conn{
 			"rank1": {conn(a, b, 5000, 1000, 0)}, "rank2": nil, "rank3": nil},
-			[]string{"rank1"}, "its other end was on the failed node too, in no job restored with it", false},
+			[]string{"rank1"}, "its other end was on the failed node too, in no job restored with it", "must run as a job of that host", false},
 		// rank3 talks to rank2, which is refused for its connection to rank1: rank3 cannot go on alone.
 		{"connected to a refused job", map[string][]ckpt.Conn{
 			"rank1": {conn(a, b, 5000, 1000, 0)}, "rank2": {conn(b, a, 900, 5000, 0), conn(b, c, 1, 1, 0)}, "rank3": {conn(c, b, 1, 1, 0)}},
-			[]string{"rank1", "rank2", "rank3"}, "", false},
+			[]string{"rank1", "rank2", "rank3"}, "job rank3 is not transparently recoverable: connection 10.0.0.2:42000 -> 10.0.0.2:41000 to job rank2, which is refused: ", semi, false},
 		{"job addresses, one freeze", map[string][]ckpt.Conn{
-			"rank1": {conn(ja, jb, 5000, 1000, 0)}, "rank2": {conn(jb, ja, 1000, 5000, 0)}, "rank3": nil}, nil, "", true},
+			"rank1": {conn(ja, jb, 5000, 1000, 0)}, "rank2": {conn(jb, ja, 1000, 5000, 0)}, "rank3": nil}, nil, "", "", true},
 		{"job addresses, dumped apart", map[string][]ckpt.Conn{
 			"rank1": {conn(ja, jb, 5000, 1000, 0)}, "rank2": {conn(jb, ja, 900, 5000, 0)}, "rank3": nil},
-			[]string{"rank1", "rank2"}, "in neither snapshot", true},
+			[]string{"rank1", "rank2"}, "in neither snapshot", semi, true},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			f := newFake(t)
@@ -703,8 +705,8 @@ func TestRunLocalPeers(t *testing.T) {
 				}
 				return
 			}
-			if !errors.Is(err, restore.ErrNotRecoverable) || !strings.Contains(err.Error(), tt.why) || !strings.Contains(err.Error(), "semi-coordinated") {
-				t.Errorf("Run: %v; want ErrNotRecoverable naming %q and the mode that avoids it", err, tt.why)
+			if !errors.Is(err, restore.ErrNotRecoverable) || !strings.Contains(err.Error(), tt.why) || !strings.Contains(err.Error(), tt.remedy) {
+				t.Errorf("Run: %v; want ErrNotRecoverable naming %q and what avoids it, %q", err, tt.why, tt.remedy)
 			}
 			slices.Sort(f.givenBack)
 			if !slices.Equal(f.givenBack, tt.refused) {
