@@ -194,7 +194,7 @@ func (nopHash) Size() int                   { return 0 }
 func (nopHash) BlockSize() int              { return 1 }
 
 // shipPipe sends snapshot id from origin to prot over a pipe.
-func shipPipe(t *testing.T, origin, prot *ckpt.Store, id string, sopts SendOptions) (*Sent, *Received) {
+func shipPipe(t testing.TB, origin, prot *ckpt.Store, id string, sopts SendOptions) (*Sent, *Received) {
 	t.Helper()
 	c1, c2 := net.Pipe()
 	defer c1.Close()

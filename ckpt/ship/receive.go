@@ -3,11 +3,9 @@ package ship
 import (
 	"bufio"
 	"context"
-	"crypto/sha256"
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"hash"
 	"io"
 	"log/slog"
 	"os"
@@ -17,6 +15,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/pierrec/lz4/v4"
+	"golang.org/x/sys/unix"
 )
 
 // DefaultMaxSnapshotBytes bounds the uncompressed size of one received snapshot.
@@ -317,7 +316,7 @@ func (rc *receiver) attempt(m *ckpt.Manifest, offers []string, reply func(frameT
 
 	var written int64
 	zr := lz4.NewReader(nil)
-	h := sha256.New()
+	h := newHashPipe()
 	rc.copied = 0
 	for _, want := range m.Files {
 		if err := rc.ctx.Err(); err != nil {
@@ -419,7 +418,7 @@ func sameFiles(a, b *ckpt.Manifest) bool {
 	return true
 }
 
-func (rc *receiver) receiveFile(root *os.Root, zr *lz4.Reader, h hash.Hash, want ckpt.FileEntry) (int64, error) {
+func (rc *receiver) receiveFile(root *os.Root, zr *lz4.Reader, h *hashPipe, want ckpt.FileEntry) (int64, error) {
 	t, p, err := rc.fr.next()
 	if err != nil {
 		return 0, fmt.Errorf("read FILE %s: %w", want.Name, err)
@@ -453,10 +452,16 @@ func (rc *receiver) receiveFile(root *os.Root, zr *lz4.Reader, h hash.Hash, want
 		return 0, fmt.Errorf("create %s: %w", name, err)
 	}
 	defer f.Close()
-	h.Reset()
+	h.start()
+	hashing := true
+	defer func() {
+		if hashing {
+			h.finish()
+		}
+	}()
 	dr := &dataReader{rc: rc}
 	zr.Reset(dr)
-	lw := &limitedWriter{w: &writebackFile{f: f}, h: h, left: size}
+	lw := &limitedWriter{w: &writebackFile{f: f, size: size}, h: h, left: size}
 	var n int64
 	if delta {
 		var copied int64
@@ -491,7 +496,8 @@ func (rc *receiver) receiveFile(root *os.Root, zr *lz4.Reader, h hash.Hash, want
 	if n != size {
 		return n, fmt.Errorf("file %s: %w (got %d bytes, manifest says %d)", name, ckpt.ErrTruncated, n, size)
 	}
-	if got := hex.EncodeToString(h.Sum(nil)); got != want.SHA256 {
+	hashing = false
+	if got := hex.EncodeToString(h.finish()); got != want.SHA256 {
 		if delta {
 			// The base blocks hashed right yet the whole differs (a fast
 			// hash collision, or a base that changed under us): resend whole.
@@ -510,15 +516,32 @@ func (rc *receiver) receiveFile(root *os.Root, zr *lz4.Reader, h hash.Hash, want
 // writebackEvery is how many bytes a received file takes between two starts of its writeback.
 const writebackEvery = 8 << 20
 
-// writebackFile writes to f and starts the disk's writes every writebackEvery bytes, so that the
-// commit's fsync waits only for the last few.
+// allocAhead is how far past what is written a received file's blocks are allocated.
+const allocAhead = 64 << 20
+
+// writebackFile writes to f (a file of size bytes) and starts the disk's writes every writebackEvery bytes,
+// so that the commit's fsync waits only for the last few. It allocates the file's blocks allocAhead bytes
+// at a time rather than one write at a time: with the hash on a goroutine of its own (hashPipe), a
+// 100 MiB diff was received in 107-115 ms, against 139-158 without this (BenchmarkShipDelta). Ahead only
+// so far, so that a sender announcing a huge file reserves little more of the disk than it sends; the
+// file's size still grows only with what is written.
 type writebackFile struct {
-	f     *os.File
-	since int64
+	f       *os.File
+	size    int64
+	written int64
+	alloc   int64 // blocks allocated up to here
+	since   int64
 }
 
 func (w *writebackFile) Write(p []byte) (int, error) {
+	if end := w.written + int64(len(p)); end > w.alloc && w.alloc < w.size {
+		n := min(max(end-w.alloc, allocAhead), w.size-w.alloc)
+		// A file system without fallocate allocates as the writes come, as before.
+		_ = unix.Fallocate(int(w.f.Fd()), unix.FALLOC_FL_KEEP_SIZE, w.alloc, n)
+		w.alloc += n
+	}
 	n, err := w.f.Write(p)
+	w.written += int64(n)
 	if w.since += int64(n); w.since >= writebackEvery {
 		ckpt.StartWriteback(w.f)
 		w.since = 0
@@ -568,7 +591,7 @@ func (d *dataReader) Read(p []byte) (int, error) {
 // decompression bomb cannot fill the disk.
 type limitedWriter struct {
 	w    io.Writer
-	h    hash.Hash
+	h    io.Writer // the sha256 of what is written
 	left int64
 	over bool
 }
