@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
 )
 
@@ -42,14 +43,10 @@ func TestLocalPeers(t *testing.T) {
 	t.Run("semi-coordinated, a peer in no job", testPeerInNoJob)
 }
 
-// testPeerInNoJob: rank 0 is a job, rank 1 a plain process of the same host (not started under ftkit), on
-// the host's address. Semi-coordinated mode freezes the host's jobs together, but rank 1 is in none of them:
-// the job's replica is flagged UNRECOVERABLE when it is made (until 2026-11-30 only uncoordinated mode
-// flagged such a peer, and semi-coordinated mode learned of it at the recovery's refusal), and the recovery
-// refuses the job by name.
-func testPeerInNoJob(t *testing.T) {
-	args := ringArgs(2000, 16<<10, 10*time.Millisecond)
-	c := newCluster(t, 2, 1, labcluster.Options{Interval: "1h", Mode: agent.SemiCoordinated})
+// node1Lab is a lab of two nodes and a spare whose recovery timeline is logged if the test fails, and its
+// node1.
+func node1Lab(t *testing.T, opts labcluster.Options) (*labcluster.Cluster, lab.Host) {
+	c := newCluster(t, 2, 1, opts)
 	t.Cleanup(func() {
 		if t.Failed() {
 			logEvents(t, c)
@@ -59,6 +56,17 @@ func testPeerInNoJob(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return c, h
+}
+
+// testPeerInNoJob: rank 0 is a job, rank 1 a plain process of the same host (not started under ftkit), on
+// the host's address. Semi-coordinated mode freezes the host's jobs together, but rank 1 is in none of them:
+// the job's replica is flagged UNRECOVERABLE when it is made (until 2026-11-30 only uncoordinated mode
+// flagged such a peer, and semi-coordinated mode learned of it at the recovery's refusal), and the recovery
+// refuses the job by name.
+func testPeerInNoJob(t *testing.T) {
+	args := ringArgs(2000, 16<<10, 10*time.Millisecond)
+	c, h := node1Lab(t, labcluster.Options{Interval: "1h", Mode: agent.SemiCoordinated})
 	const port = 7480
 	peers := netip.AddrPortFrom(h.Addr.Addr(), port).String() + "," + netip.AddrPortFrom(h.Addr.Addr(), port+1).String()
 	dir := t.TempDir()
@@ -171,16 +179,7 @@ func testLoopbackInJob(t *testing.T) {
 func testLocalPeers(t *testing.T, mode agent.Mode, jobAddrs bool) {
 	args := ringArgs(2000, 16<<10, 10*time.Millisecond)
 	want := reference(t, 2, args)
-	c := newCluster(t, 2, 1, labcluster.Options{Interval: "1h", Mode: mode, JobAddresses: jobAddrs})
-	t.Cleanup(func() {
-		if t.Failed() {
-			logEvents(t, c)
-		}
-	})
-	h, err := c.Lab.Host("node1")
-	if err != nil {
-		t.Fatal(err)
-	}
+	c, h := node1Lab(t, labcluster.Options{Interval: "1h", Mode: mode, JobAddresses: jobAddrs})
 	const port = 7480
 	addrs := []netip.Addr{h.Addr.Addr(), h.Addr.Addr()}
 	if jobAddrs {
