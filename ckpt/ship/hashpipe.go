@@ -14,6 +14,7 @@ import (
 type hashPipe struct {
 	h    hash.Hash
 	free chan []byte // buffers ready to fill
+	made int         // buffers allocated so far (as needed: a snapshot of small files needs one)
 	work chan []byte // filled buffers, in order; nil between files
 	sum  chan []byte // the file's sum, once work is closed
 }
@@ -24,11 +25,22 @@ const (
 )
 
 func newHashPipe() *hashPipe {
-	p := &hashPipe{h: sha256.New(), free: make(chan []byte, hashPipeBuffers)}
-	for range hashPipeBuffers {
-		p.free <- make([]byte, hashPipeBuffer)
+	return &hashPipe{h: sha256.New(), free: make(chan []byte, hashPipeBuffers)}
+}
+
+// buffer returns a buffer to fill: a free one, a new one while fewer than hashPipeBuffers exist, or the
+// next one the hashing goroutine frees.
+func (p *hashPipe) buffer() []byte {
+	select {
+	case b := <-p.free:
+		return b
+	default:
 	}
-	return p
+	if p.made < hashPipeBuffers {
+		p.made++
+		return make([]byte, hashPipeBuffer)
+	}
+	return <-p.free
 }
 
 // start begins a file: what Write gives from now on is hashed until sum.
@@ -48,7 +60,7 @@ func (p *hashPipe) start() {
 func (p *hashPipe) Write(b []byte) (int, error) {
 	n := len(b)
 	for len(b) > 0 {
-		buf := <-p.free
+		buf := p.buffer()
 		k := copy(buf, b)
 		p.work <- buf[:k]
 		b = b[k:]
