@@ -282,8 +282,11 @@ func (a *Agent) recordReplica(ctx context.Context, m *ckpt.Manifest, strays []st
 }
 
 // semiCoordinated freezes every job's cgroup, dumps them all while frozen, and thaws them: one
-// consistent snapshot of the host, so traffic between its jobs never needs to be logged.
-func (a *Agent) semiCoordinated(ctx context.Context, jobs []Job) ([]*ckpt.Manifest, error) {
+// consistent snapshot of the host, so traffic between its jobs never needs to be logged. With withPeers
+// (jobs are not all of the host's), the running jobs of the host that the frozen ones talk to are frozen
+// and dumped with them (localPeers), listed again once they are frozen too, until none is left out. It
+// returns the jobs it dumped.
+func (a *Agent) semiCoordinated(ctx context.Context, jobs []Job, withPeers bool) ([]Job, []*ckpt.Manifest, error) {
 	start := time.Now()
 	var frozen []string
 	defer func() {
@@ -293,26 +296,48 @@ func (a *Agent) semiCoordinated(ctx context.Context, jobs []Job) ([]*ckpt.Manife
 			}
 		}
 	}()
-	for _, j := range jobs {
-		if err := setFrozen(j.Cgroup, true); err != nil {
-			return nil, fmt.Errorf("freeze job %s: %w", j.ID, err)
+	freeze := func(jobs []Job) error {
+		for _, j := range jobs {
+			if err := setFrozen(j.Cgroup, true); err != nil {
+				return fmt.Errorf("freeze job %s: %w", j.ID, err)
+			}
+			frozen = append(frozen, j.Cgroup)
 		}
-		frozen = append(frozen, j.Cgroup)
+		if err := waitFrozen(ctx, frozen, freezeTimeout); err != nil {
+			return fmt.Errorf("semi-coordinated snapshot skipped, jobs thawed: %w", err)
+		}
+		return nil
 	}
-	if err := waitFrozen(ctx, frozen, freezeTimeout); err != nil {
-		return nil, fmt.Errorf("semi-coordinated snapshot skipped, jobs thawed: %w", err)
+	if err := freeze(jobs); err != nil {
+		return nil, nil, err
+	}
+	// Frozen, the jobs make no new connection; a peer that connects to one of them meanwhile is found at
+	// the next listing, or fails the dump (a connection waiting in a listen queue).
+	for withPeers {
+		peers, err := a.localPeers(jobs)
+		if err != nil {
+			return nil, nil, fmt.Errorf("semi-coordinated snapshot skipped, jobs thawed: %w", err)
+		}
+		if len(peers) == 0 {
+			break
+		}
+		a.log.Info("snapshotting with the jobs named the jobs of this host they talk to", "jobs", jobsOf(jobs), "peers", jobsOf(peers))
+		jobs = append(jobs, peers...)
+		if err := freeze(peers); err != nil {
+			return nil, nil, err
+		}
 	}
 	var out []*ckpt.Manifest
 	for _, j := range jobs {
 		m, err := a.snapshot(ctx, j, true, false)
 		if err != nil {
-			return out, fmt.Errorf("semi-coordinated snapshot of job %s: %w", j.ID, err)
+			return jobs, out, fmt.Errorf("semi-coordinated snapshot of job %s: %w", j.ID, err)
 		}
 		out = append(out, m)
 	}
 	a.policyFor("").Observe(time.Since(start))
 	a.log.Info("host snapshot (semi-coordinated)", "jobs", len(jobs), "frozen_ms", time.Since(start).Milliseconds())
-	return out, nil
+	return jobs, out, nil
 }
 
 // setFrozen writes cgroup v2's cgroup.freeze.

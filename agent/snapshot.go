@@ -246,9 +246,11 @@ func (a *Agent) checkpoint(ctx context.Context, ids []string, uid uint32, still 
 	var manifests []*ckpt.Manifest
 	var errs []error
 	var strays map[string][]string
+	asked := jobs
 	if a.cfg.Checkpoint.Mode == SemiCoordinated {
-		ms, err := a.semiCoordinated(ctx, jobs)
-		manifests, errs = ms, append(errs, err)
+		// Named jobs, or a user's, are not all of the host's: the jobs they talk to are dumped with them.
+		dumped, ms, err := a.semiCoordinated(ctx, jobs, len(ids) > 0 || uid != 0)
+		jobs, manifests, errs = dumped, ms, append(errs, err)
 		strays = strayLocalConns(ms, a.onThisHost)
 	} else {
 		for _, j := range jobs {
@@ -270,7 +272,18 @@ func (a *Agent) checkpoint(ctx context.Context, ids []string, uid uint32, still 
 	for _, j := range jobs {
 		placements[j.ID] = j.Spec.Placement
 	}
-	return a.replicate(ctx, manifests, placements, strays), errors.Join(errs...)
+	res := a.replicate(ctx, manifests, placements, strays)
+	if uid != 0 { // the snapshots of another user's jobs dumped with the caller's are not the caller's to see
+		res = resultsOf(res, asked)
+	}
+	return res, errors.Join(errs...)
+}
+
+// resultsOf keeps the results of snapshots of jobs.
+func resultsOf(res []SnapshotResult, jobs []Job) []SnapshotResult {
+	return slices.DeleteFunc(res, func(r SnapshotResult) bool {
+		return !slices.ContainsFunc(jobs, func(j Job) bool { return j.ID == r.Manifest.Job })
+	})
 }
 
 // replicate ships each committed snapshot to its job's protector (placements: the jobs' placements), records

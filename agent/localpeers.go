@@ -1,0 +1,118 @@
+package agent
+
+import (
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/ftkit/ftkit/internal/heldconns"
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// In semi-coordinated mode a snapshot of some of a host's jobs (a checkpoint of named jobs, a user's of
+// their own, a recovery's re-protection of the jobs it restored) takes with it the jobs of the host they
+// talk to: no log holds what crosses the host's own interface, so only snapshots of one freeze agree on
+// it (ckpt.Match). Taken alone, the named job's snapshot was torn against its peers' older replicas: a
+// failure of the host before its next scheduled freeze refused them all.
+
+// heldBy is what one job's sockets hold, listed in its network namespace ("" for the host's).
+type heldBy struct {
+	job, netns string
+	conns      []tcpflow.Tuple
+}
+
+// localPeerIDs returns the jobs not in in that hold the other end of a connection of a job in in, sorted.
+// Two jobs that hold the two ends of one connection are on one host (held lists one host's jobs); only a
+// loopback connection is private to a network namespace.
+func localPeerIDs(in map[string]bool, held []heldBy) []string {
+	type end struct {
+		netns string
+		t     tcpflow.Tuple
+	}
+	key := func(netns string, t tcpflow.Tuple) end {
+		if !t.Local.Addr().IsLoopback() {
+			netns = ""
+		}
+		return end{netns, t}
+	}
+	holder := map[end]string{}
+	for _, h := range held {
+		if !in[h.job] {
+			for _, t := range h.conns {
+				holder[key(h.netns, t)] = h.job
+			}
+		}
+	}
+	var out []string
+	for _, h := range held {
+		if !in[h.job] {
+			continue
+		}
+		for _, t := range h.conns {
+			if p, ok := holder[key(h.netns, t.Reverse())]; ok && !slices.Contains(out, p) {
+				out = append(out, p)
+			}
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// localPeers returns the running jobs of this host, other than jobs, that hold the other end of one of
+// jobs' connections now. A peer being replayed by its recovery is an error (ErrReplaying): its snapshot
+// waits for the replay's check, and one of jobs taken without it would be torn against it.
+func (a *Agent) localPeers(jobs []Job) ([]Job, error) {
+	in := map[string]bool{}
+	for _, j := range jobs {
+		in[j.ID] = true
+	}
+	byID := map[string]Job{}
+	groups := map[string][]Job{} // by network namespace, as checkConns lists them
+	nets := map[string]*JobNet{}
+	for _, j := range a.Jobs(0) {
+		if j.State != JobRunning {
+			continue
+		}
+		byID[j.ID] = j
+		key := ""
+		if j.Net != nil {
+			key, nets[j.Net.Name] = j.Net.Name, j.Net
+		}
+		groups[key] = append(groups[key], j)
+	}
+	var held []heldBy
+	for key, js := range groups {
+		var cgroups []string
+		for _, j := range js {
+			cgroups = append(cgroups, j.Cgroup)
+		}
+		socks, err := heldconns.Inodes(cgroups...)
+		if err != nil {
+			return nil, fmt.Errorf("list the sockets of this host's jobs: %w", err)
+		}
+		var conns map[string]heldconns.Held
+		if err := inJobNet(nets[key], func() (err error) { conns, err = heldconns.List(socks); return err }); err != nil {
+			return nil, fmt.Errorf("list the connections of this host's jobs: %w", err)
+		}
+		for _, j := range js {
+			held = append(held, heldBy{job: j.ID, netns: key, conns: conns[j.Cgroup].Conns})
+		}
+	}
+	var peers []Job
+	for _, id := range localPeerIDs(in, held) {
+		if a.replays.has(id) {
+			return nil, fmt.Errorf("%s talks to job %s of this host, whose recovery is replaying its peers' bytes: their snapshots must be taken together, once the replay is checked: %w", "job(s) "+jobsOf(jobs), id, ErrReplaying)
+		}
+		peers = append(peers, byID[id])
+	}
+	return peers, nil
+}
+
+// jobsOf names jobs for a message.
+func jobsOf(jobs []Job) string {
+	ids := make([]string, len(jobs))
+	for i, j := range jobs {
+		ids[i] = j.ID
+	}
+	return strings.Join(ids, ", ")
+}
