@@ -13,7 +13,9 @@ func TestLocalPeerIDs(t *testing.T) {
 	tuple := func(local, remote string) tcpflow.Tuple {
 		return tcpflow.Tuple{Local: netip.MustParseAddrPort(local), Remote: netip.MustParseAddrPort(remote)}
 	}
-	held := func(job, netns string, conns ...tcpflow.Tuple) heldBy { return heldBy{job: job, netns: netns, conns: conns} }
+	held := func(job, netns string, conns ...tcpflow.Tuple) heldBy {
+		return heldBy{job: job, netns: netns, conns: conns}
+	}
 	tests := []struct {
 		name string
 		in   []string
