@@ -1,7 +1,10 @@
 package agent
 
 import (
+	"errors"
 	"fmt"
+	"io/fs"
+	"maps"
 	"slices"
 	"strings"
 
@@ -82,16 +85,24 @@ func (a *Agent) localPeers(jobs []Job) ([]Job, error) {
 	}
 	var held []heldBy
 	for key, js := range groups {
-		var cgroups []string
+		socks := heldconns.Sockets{}
 		for _, j := range js {
-			cgroups = append(cgroups, j.Cgroup)
-		}
-		socks, err := heldconns.Inodes(cgroups...)
-		if err != nil {
-			return nil, fmt.Errorf("list the sockets of this host's jobs: %w", err)
+			s, err := heldconns.Inodes(j.Cgroup)
+			switch {
+			case err == nil:
+				maps.Copy(socks, s)
+			case !in[j.ID] && errors.Is(err, fs.ErrNotExist):
+				// It ended meanwhile: nothing of it to take along.
+			default:
+				return nil, fmt.Errorf("list the sockets of job %s: %w", j.ID, err)
+			}
 		}
 		var conns map[string]heldconns.Held
-		if err := inJobNet(nets[key], func() (err error) { conns, err = heldconns.List(socks); return err }); err != nil {
+		err := inJobNet(nets[key], func() (err error) { conns, err = heldconns.List(socks); return err })
+		switch {
+		case key != "" && !in[js[0].ID] && errors.Is(err, fs.ErrNotExist):
+			continue // the network of a job (its own) that ended meanwhile
+		case err != nil:
 			return nil, fmt.Errorf("list the connections of this host's jobs: %w", err)
 		}
 		for _, j := range js {
