@@ -127,3 +127,24 @@ func jobsOf(jobs []Job) string {
 	}
 	return strings.Join(ids, ", ")
 }
+
+// peerError is a failure of a snapshot at a job taken along with the jobs asked for (localPeers), which
+// may be another user's: that user is told of it without what the job is (peerErrorFor).
+type peerError struct{ err error }
+
+func (e *peerError) Error() string { return e.err.Error() }
+func (e *peerError) Unwrap() error { return e.err }
+
+// peerErrorFor is what uid is told of err: for a non-root caller, a failure at a job taken along is named
+// by what it means for theirs, and logged in full.
+func (a *Agent) peerErrorFor(uid uint32, err error) error {
+	var pe *peerError
+	if uid == 0 || !errors.As(err, &pe) {
+		return err
+	}
+	a.log.Warn("a user's snapshot failed at a job of this host that theirs talk to", "uid", uid, "err", err)
+	if errors.Is(err, ErrReplaying) {
+		return fmt.Errorf("snapshot skipped: a job of this host that yours talk to is being recovered, and must be snapshotted with them: %w", ErrReplaying)
+	}
+	return errors.New("snapshot skipped: a job of this host that yours talk to could not be frozen or snapshotted with them (the agent's log says why)")
+}

@@ -1,8 +1,12 @@
 package agent
 
 import (
+	"errors"
+	"fmt"
+	"log/slog"
 	"net/netip"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/ftkit/ftkit/ckpt"
@@ -65,5 +69,43 @@ func TestResultsOf(t *testing.T) {
 	got := resultsOf(res, []Job{{ID: "mine"}, {ID: "mine2"}})
 	if len(got) != 2 || got[0].Manifest.Job != "mine" || got[1].Manifest.Job != "mine2" {
 		t.Errorf("resultsOf = %+v, want the results of mine and mine2", got)
+	}
+}
+
+// A failure at another user's job taken along with a user's own is told to that user without naming the
+// job or repeating its error.
+func TestPeerErrorFor(t *testing.T) {
+	a := &Agent{log: slog.New(slog.DiscardHandler)}
+	peer := &peerError{fmt.Errorf("semi-coordinated snapshot of job theirs-00000001: criu dump of pid 42: /home/bob/secret: %w", errors.New("boom"))}
+	replaying := &peerError{fmt.Errorf("job(s) mine talks to job theirs-00000001 of this host: %w", ErrReplaying)}
+	own := fmt.Errorf("semi-coordinated snapshot of job mine-00000001: %w", errors.New("boom"))
+	for _, tt := range []struct {
+		name      string
+		uid       uint32
+		err       error
+		want      string // "" : err itself
+		replaying bool
+	}{
+		{"root sees all", 0, peer, "", false},
+		{"a user's own job", 1000, own, "", false},
+		{"another's job", 1000, peer, "could not be frozen or snapshotted with them", false},
+		{"another's job being replayed", 1000, replaying, "is being recovered", true},
+		{"no error", 1000, nil, "", false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			got := a.peerErrorFor(tt.uid, tt.err)
+			if tt.want == "" {
+				if got != tt.err {
+					t.Errorf("peerErrorFor = %v, want %v", got, tt.err)
+				}
+				return
+			}
+			if got == nil || !strings.Contains(got.Error(), tt.want) || strings.Contains(got.Error(), "theirs") || strings.Contains(got.Error(), "secret") {
+				t.Errorf("peerErrorFor = %v, want it to say %q and name nothing of the other job", got, tt.want)
+			}
+			if errors.Is(got, ErrReplaying) != tt.replaying {
+				t.Errorf("peerErrorFor = %v: errors.Is(ErrReplaying) = %v, want %v", got, !tt.replaying, tt.replaying)
+			}
+		})
 	}
 }

@@ -313,10 +313,11 @@ func (a *Agent) semiCoordinated(ctx context.Context, jobs []Job, withPeers bool)
 	}
 	// Frozen, the jobs make no new connection; a peer that connects to one of them meanwhile is found at
 	// the next listing, or fails the dump (a connection waiting in a listen queue).
+	named := len(jobs)
 	for withPeers {
 		peers, err := a.localPeers(jobs)
 		if err != nil {
-			return nil, nil, fmt.Errorf("semi-coordinated snapshot skipped, jobs thawed: %w", err)
+			return nil, nil, &peerError{fmt.Errorf("semi-coordinated snapshot skipped, jobs thawed: %w", err)}
 		}
 		if len(peers) == 0 {
 			break
@@ -324,14 +325,18 @@ func (a *Agent) semiCoordinated(ctx context.Context, jobs []Job, withPeers bool)
 		a.log.Info("snapshotting with the jobs named the jobs of this host they talk to", "jobs", jobsOf(jobs), "peers", jobsOf(peers))
 		jobs = append(jobs, peers...)
 		if err := freeze(peers); err != nil {
-			return nil, nil, err
+			return nil, nil, &peerError{err}
 		}
 	}
 	var out []*ckpt.Manifest
-	for _, j := range jobs {
+	for i, j := range jobs {
 		m, err := a.snapshot(ctx, j, true, false)
 		if err != nil {
-			return jobs, out, fmt.Errorf("semi-coordinated snapshot of job %s: %w", j.ID, err)
+			err = fmt.Errorf("semi-coordinated snapshot of job %s: %w", j.ID, err)
+			if i >= named {
+				err = &peerError{err}
+			}
+			return jobs, out, err
 		}
 		out = append(out, m)
 	}

@@ -250,7 +250,7 @@ func (a *Agent) checkpoint(ctx context.Context, ids []string, uid uint32, still 
 	if a.cfg.Checkpoint.Mode == SemiCoordinated {
 		// Named jobs, or a user's, are not all of the host's: the jobs they talk to are dumped with them.
 		dumped, ms, err := a.semiCoordinated(ctx, jobs, len(ids) > 0 || uid != 0)
-		jobs, manifests, errs = dumped, ms, append(errs, err)
+		jobs, manifests, errs = dumped, ms, append(errs, a.peerErrorFor(uid, err))
 		strays = strayLocalConns(ms, a.onThisHost)
 	} else {
 		for _, j := range jobs {
