@@ -517,7 +517,7 @@ func (a *Agent) releaseResources(j *Job) {
 		a.log.Warn("remove job cgroup", "job", j.ID, "err", err)
 	}
 	if j.LazyWork != "" && a.ownRestoreDir(j.LazyWork) {
-		os.RemoveAll(j.LazyWork) // it ended before all its pages were in: they are not needed any more
+		criu.RemoveWorkDir(j.LazyWork) // it ended before all its pages were in: they are not needed any more
 	}
 }
 

@@ -5,13 +5,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"os"
 	"slices"
 	"strings"
 	"sync"
 	"time"
 
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/restore/recovery"
@@ -296,7 +296,7 @@ func (a *Agent) prepareCandidate(ctx context.Context, job string, c Candidate) (
 	}
 	runID, err := restore.RunID(work)
 	if err != nil {
-		os.RemoveAll(work)
+		criu.RemoveWorkDir(work)
 		return nil, Job{}, err
 	}
 	return &recovery.Job{ID: j.ID, Incarnation: j.Incarnation, Manifest: m, Work: work, RunID: runID, Source: source}, j, nil

@@ -5,11 +5,11 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"os"
 	"slices"
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/grant"
 )
@@ -96,7 +96,7 @@ func (a *Agent) claimAndRestore(ctx context.Context, kind string, m *ckpt.Manife
 	work, err := a.workCopy(m)
 	if err == nil && prepare != nil {
 		if err = prepare(work); err != nil {
-			os.RemoveAll(work)
+			criu.RemoveWorkDir(work)
 		}
 	}
 	if err != nil {

@@ -7,12 +7,12 @@ import (
 	"io"
 	"log/slog"
 	"net/netip"
-	"os"
 	"sync"
 
 	"github.com/ftkit/ftkit/ackclamp"
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/intercept"
 	"github.com/ftkit/ftkit/recvdigest"
@@ -83,7 +83,7 @@ func (r *recoveryActions) Fetch(ctx context.Context, job string, c clusterapi.Ca
 		r.a.claimJobNet(ctx, n.Name) // recovery.JobNet creates it, not createJobNet
 		spec, err := r.a.jobNetSpec(&n)
 		if err != nil {
-			os.RemoveAll(j.Work)
+			criu.RemoveWorkDir(j.Work)
 			return nil, fmt.Errorf("job network of snapshot %s: %w", j.Manifest.ID, err)
 		}
 		rec.Net, j.Net = &n, recovery.JobNet{Spec: spec}

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/criu/image"
 	"github.com/ftkit/ftkit/shim"
 )
@@ -87,7 +88,9 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 	keepWork := false
 	defer func() {
 		if !keepWork {
-			os.RemoveAll(work)
+			if err := criu.RemoveWorkDir(work); err != nil {
+				a.log.Warn("restore's work directory not removed", "dir", work, "err", err)
+			}
 		}
 	}()
 	journal, err := a.restoreOutputs(m, j, filepath.Join(work, outputJournalDir))

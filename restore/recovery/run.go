@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"maps"
 	"net/netip"
-	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -14,6 +13,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/intercept"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/tcpflow"
@@ -259,7 +259,7 @@ func refuseTorn(ctx context.Context, d Deps, jobs []*Job, local func(ckpt.Conn) 
 
 // discard drops a prepared job that will not be restored: its working copy, and its claimed incarnation.
 func discard(ctx context.Context, d Deps, j *Job) {
-	os.RemoveAll(j.Work)
+	criu.RemoveWorkDir(j.Work)
 	d.Jobs.GiveBack(ctx, j)
 }
 
@@ -312,7 +312,7 @@ func fetch(ctx context.Context, d Deps, req clusterapi.RecoverRequest, rj cluste
 		if err == nil && j.Manifest.Node != req.Failed && (rj.TakenFrom == "" || j.Manifest.Node != rj.TakenFrom) {
 			// A snapshot of the job taken on another host is not this recovery's to restore.
 			err = fmt.Errorf("snapshot %s was taken on %s, not on %s, whose jobs this recovery restores", c.Snapshot, j.Manifest.Node, req.Failed)
-			os.RemoveAll(j.Work)
+			criu.RemoveWorkDir(j.Work)
 		}
 		if err != nil {
 			d.Logger.Warn("candidate snapshot failed; trying the next", "job", rj.Job, "snapshot", c.Snapshot, "source", c.Source, "err", err)
@@ -322,7 +322,7 @@ func fetch(ctx context.Context, d Deps, req clusterapi.RecoverRequest, rj cluste
 		j.Holder = "failover:" + req.Failure
 		n, err := d.Jobs.Claim(ctx, j, j.Incarnation+1)
 		if err != nil {
-			os.RemoveAll(j.Work)
+			criu.RemoveWorkDir(j.Work)
 			return nil, failed, fmt.Errorf("snapshot %s verified, but the job may not run here: %w", c.Snapshot, err)
 		}
 		j.Incarnation = n
