@@ -112,7 +112,7 @@ func (a *Agent) localPeers(jobs []Job) ([]Job, error) {
 	var peers []Job
 	for _, id := range localPeerIDs(in, held) {
 		if a.replays.has(id) {
-			return nil, fmt.Errorf("%s talks to job %s of this host, whose recovery is replaying its peers' bytes: their snapshots must be taken together, once the replay is checked: %w", "job(s) "+jobsOf(jobs), id, ErrReplaying)
+			return nil, fmt.Errorf("job(s) %s talk to job %s of this host, whose recovery is replaying its peers' bytes: their snapshots must be taken together, once the replay is checked: %w", jobsOf(jobs), id, ErrReplaying)
 		}
 		peers = append(peers, byID[id])
 	}
