@@ -70,19 +70,14 @@ func (a *Agent) localPeers(jobs []Job) ([]Job, error) {
 		in[j.ID] = true
 	}
 	byID := map[string]Job{}
-	groups := map[string][]Job{} // by network namespace, as checkConns lists them
-	nets := map[string]*JobNet{}
+	var running []Job
 	for _, j := range a.Jobs(0) {
-		if j.State != JobRunning {
-			continue
+		if j.State == JobRunning {
+			byID[j.ID] = j
+			running = append(running, j)
 		}
-		byID[j.ID] = j
-		key := ""
-		if j.Net != nil {
-			key, nets[j.Net.Name] = j.Net.Name, j.Net
-		}
-		groups[key] = append(groups[key], j)
 	}
+	groups, nets := byNetns(running)
 	var held []heldBy
 	for key, js := range groups {
 		socks := heldconns.Sockets{}

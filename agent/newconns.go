@@ -121,19 +121,14 @@ func (a *Agent) checkConns(ctx context.Context) {
 		}
 		start := time.Now()
 		running := map[string]bool{}
-		groups := map[string][]Job{}
-		nets := map[string]*JobNet{}
+		var protected []Job
 		for _, j := range a.Jobs(0) {
-			if j.State != JobRunning || !j.Protected() {
-				continue
+			if j.State == JobRunning && j.Protected() {
+				running[j.ID] = true
+				protected = append(protected, j)
 			}
-			running[j.ID] = true
-			key := ""
-			if j.Net != nil {
-				key, nets[j.Net.Name] = j.Net.Name, j.Net
-			}
-			groups[key] = append(groups[key], j)
 		}
+		groups, nets := byNetns(protected)
 		for key := range listings {
 			if groups[key] == nil {
 				delete(listings, key)
@@ -151,6 +146,20 @@ func (a *Agent) checkConns(ctx context.Context) {
 		a.mu.Unlock()
 		next = pace.next(time.Since(start))
 	}
+}
+
+// byNetns groups jobs by network namespace, as one socket table lists them: "" for the host's, else the
+// name of the job network, which nets holds.
+func byNetns(jobs []Job) (groups map[string][]Job, nets map[string]*JobNet) {
+	groups, nets = map[string][]Job{}, map[string]*JobNet{}
+	for _, j := range jobs {
+		key := ""
+		if j.Net != nil {
+			key, nets[j.Net.Name] = j.Net.Name, j.Net
+		}
+		groups[key] = append(groups[key], j)
+	}
+	return groups, nets
 }
 
 // checkJobConns lists the connections of jobs, which share network namespace n (nil: the host's), and
