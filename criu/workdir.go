@@ -5,10 +5,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"slices"
-	"strings"
 
-	"github.com/moby/sys/mountinfo"
+	"github.com/moby/sys/mount"
 	"golang.org/x/sys/unix"
 )
 
@@ -17,7 +15,8 @@ import (
 // tmpfs holding a mount of each of the host's cgroup hierarchies, cgroup v2's whole tree among them) and
 // unmounts it at its end, so a CRIU killed or still running leaves it mounted: os.RemoveAll walked into it
 // and removed every empty cgroup of the host. Every mount under dir is detached first (MNT_DETACH), and a
-// directory on another file system than dir's, mounted meanwhile, is detached instead of entered.
+// directory on another file system than dir's, mounted meanwhile, is detached instead of entered. The lab
+// removes its directories with it too.
 func RemoveWorkDir(dir string) error {
 	var st unix.Stat_t
 	if err := unix.Lstat(dir, &st); err != nil {
@@ -29,36 +28,17 @@ func RemoveWorkDir(dir string) error {
 	if st.Mode&unix.S_IFMT != unix.S_IFDIR {
 		return fmt.Errorf("remove %s: not a directory", dir)
 	}
-	if err := detachBelow(dir); err != nil {
-		return err
+	if err := mount.RecursiveUnmount(filepath.Clean(dir)); err != nil { // deepest first, MNT_DETACH
+		return fmt.Errorf("remove %s: detach what is mounted under it: %w", dir, err)
+	}
+	if err := unix.Lstat(dir, &st); err != nil { // dir itself may have been a mount point
+		return fmt.Errorf("remove %s: %w", dir, err)
 	}
 	if err := removeBelow(dir, st.Dev); err != nil {
 		return err
 	}
 	if err := unix.Rmdir(dir); err != nil && !errors.Is(err, unix.ENOENT) {
 		return fmt.Errorf("remove %s: %w", dir, err)
-	}
-	return nil
-}
-
-// detachBelow detaches every mount under dir, the deepest first.
-func detachBelow(dir string) error {
-	dir = filepath.Clean(dir)
-	mounts, err := mountinfo.GetMounts(mountinfo.PrefixFilter(dir))
-	if err != nil {
-		return fmt.Errorf("remove %s: list the mounts under it: %w", dir, err)
-	}
-	points := make([]string, 0, len(mounts))
-	for _, m := range mounts {
-		if strings.HasPrefix(m.Mountpoint, dir+"/") {
-			points = append(points, m.Mountpoint)
-		}
-	}
-	slices.SortFunc(points, func(a, b string) int { return len(b) - len(a) })
-	for _, p := range points {
-		if err := unix.Unmount(p, unix.MNT_DETACH); err != nil && !errors.Is(err, unix.EINVAL) && !errors.Is(err, unix.ENOENT) {
-			return fmt.Errorf("remove %s: detach the mount at %s: %w", dir, p, err)
-		}
 	}
 	return nil
 }

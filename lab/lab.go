@@ -13,7 +13,7 @@ import (
 	"path/filepath"
 	"time"
 
-	"github.com/moby/sys/mount"
+	"github.com/ftkit/ftkit/criu"
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
@@ -501,14 +501,8 @@ func removeTree(dir string) error {
 	}
 	if st.Type != unix.CGROUP2_SUPER_MAGIC {
 		// A CRIU killed in the middle of a restore leaves its cgroup yard (a tmpfs with cgroup mounts)
-		// in the lab's restore directory, and nothing under a mount point can be removed.
-		if err := mount.RecursiveUnmount(dir); err != nil {
-			return fmt.Errorf("remove %s: unmount what is mounted under it: %w", dir, err)
-		}
-		if err := os.RemoveAll(dir); err != nil {
-			return fmt.Errorf("remove %s: %w", dir, err)
-		}
-		return nil
+		// in the lab's restore directory: removed without entering it.
+		return criu.RemoveWorkDir(dir)
 	}
 	var dirs []string
 	filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
