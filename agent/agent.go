@@ -135,6 +135,11 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 	if err := prepareDirs(cfg, a.jobs.dir); err != nil {
 		return nil, err
 	}
+	if yard, err := criu.PrepareCgroupYard(filepath.Join(cfg.StateDir, "criu-cgroup-yard")); err != nil {
+		a.log.Warn("dumps run without a cgroup yard: CRIU mounts each cgroup hierarchy itself, inside the job's stop", "err", err)
+	} else {
+		a.criu.CgroupYard = yard
+	}
 	if err := os.MkdirAll(cfg.CgroupParent, 0o755); err != nil {
 		return nil, fmt.Errorf("create %s: %w", cfg.CgroupParent, err)
 	}

@@ -24,6 +24,9 @@ import (
 // it runs in.
 type Client struct {
 	Binary string
+	// CgroupYard, if set, is a cgroup yard made by PrepareCgroupYard, which dumps use while it covers
+	// every hierarchy of the host (otherwise CRIU mounts the hierarchies itself, as without one).
+	CgroupYard string
 }
 
 // DumpOptions are the knobs ftkit uses; everything else is fixed by the design (TCP established
@@ -94,6 +97,9 @@ func (c Client) dump(ctx context.Context, opts DumpOptions, nfy gocriu.Notify) (
 	}
 	if opts.FreezeCgroup != "" {
 		req.FreezeCgroup = proto.String(opts.FreezeCgroup)
+	}
+	if c.CgroupYard != "" && cgroupYardCovers(c.CgroupYard) {
+		req.CgroupYard = proto.String(c.CgroupYard)
 	}
 	req.SkipMnt = opts.SkipMounts
 	if t := timeoutSeconds(ctx); t > 0 {

