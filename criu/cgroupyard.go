@@ -9,6 +9,7 @@ import (
 	"strings"
 
 	"github.com/moby/sys/mountinfo"
+	"golang.org/x/sys/unix"
 )
 
 // A cgroup yard is a directory with an entry for each cgroup hierarchy of the host, named as CRIU names
@@ -58,19 +59,35 @@ func PrepareCgroupYard(dir string) (string, error) {
 	return dir, nil
 }
 
-// cgroupYardCovers reports whether the yard in dir has an entry for every hierarchy this process is in
-// now: a hierarchy mounted after the yard was made would fail CRIU's dump.
-func cgroupYardCovers(dir string) bool {
+// cgroupYardUsable reports whether the yard in dir leads to the root of every hierarchy this process is in
+// now. A hierarchy mounted after the yard was made would fail CRIU's dump, and so would one unmounted since
+// (its entry then leads to an empty directory).
+func cgroupYardUsable(dir string) bool {
 	ctls, err := ownHierarchies()
 	if err != nil {
 		return false
 	}
 	for _, ctl := range ctls {
-		if _, err := os.Lstat(filepath.Join(dir, yardName(ctl))); err != nil {
+		if !isHierarchyRoot(filepath.Join(dir, yardName(ctl)), ctl == "") {
 			return false
 		}
 	}
 	return true
+}
+
+// isHierarchyRoot reports whether path (links followed) is the root directory of a cgroup hierarchy: on a
+// cgroup2 file system if v2, a cgroup (v1) one otherwise, and the file system's root, whose inode is 1.
+func isHierarchyRoot(path string, v2 bool) bool {
+	var fs unix.Statfs_t
+	if err := unix.Statfs(path, &fs); err != nil {
+		return false
+	}
+	magic := int64(unix.CGROUP_SUPER_MAGIC)
+	if v2 {
+		magic = unix.CGROUP2_SUPER_MAGIC
+	}
+	var st unix.Stat_t
+	return int64(fs.Type) == magic && unix.Stat(path, &st) == nil && st.Ino == 1
 }
 
 // ownHierarchies returns the controller lists of the cgroup hierarchies this process is in ("" for

@@ -7,6 +7,7 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -100,8 +101,9 @@ func TestYardLinks(t *testing.T) {
 }
 
 // TestDumpWithCgroupYard: a dump given a yard by PrepareCgroupYard writes the cgroup image a dump without
-// one writes, and it is the yard CRIU reads (a yard whose cgroup v2 entry leads to an empty directory
-// changes the dump); a yard that lacks a hierarchy of the host is not given to CRIU.
+// one writes, and it is the yard CRIU reads (a yard with two v1 entries swapped changes the dump); a yard
+// that does not lead to the root of every hierarchy of the host (an entry missing, or leading to a plain
+// directory or to a cgroup below a root) is not given to CRIU.
 func TestDumpWithCgroupYard(t *testing.T) {
 	bin := requireCRIU(t, "CRIU, a network namespace and the host's cgroup mounts")
 	child, ns := startSender(t)
@@ -112,7 +114,7 @@ func TestDumpWithCgroupYard(t *testing.T) {
 	if fi, err := os.Stat(yard); err != nil || fi.Mode().Perm() != 0o700 {
 		t.Fatalf("yard %s: %v, %v; want a directory of mode 0700", yard, fi, err)
 	}
-	// The child in a cgroup of its own, as a job is: CRIU writes no cgroup image for a task in its own.
+	// The child in a cgroup of its own, as a job is: CRIU writes no cgroup image for a task in CRIU's cgroups.
 	cg := filepath.Join(yard, "unified", fmt.Sprintf("ftkit-criu-test-%d", child.Process.Pid))
 	if err := os.Mkdir(cg, 0o755); err != nil {
 		t.Fatal(err)
@@ -148,26 +150,80 @@ func TestDumpWithCgroupYard(t *testing.T) {
 		t.Fatalf("the cgroup image of a dump with the yard (%d bytes) differs from one without (%d bytes)", len(got), len(ref))
 	}
 
-	// The same yard with its cgroup v2 entry leading elsewhere: CRIU reads the hierarchy there.
-	wrong := filepath.Join(t.TempDir(), "yard")
-	if err := os.CopyFS(wrong, os.DirFS(yard)); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Remove(filepath.Join(wrong, "unified")); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Symlink(t.TempDir(), filepath.Join(wrong, "unified")); err != nil {
-		t.Fatal(err)
-	}
-	if got, err := dump(wrong); err == nil && bytes.Equal(got, ref) {
-		t.Fatal("a dump whose yard's cgroup v2 entry leads to an empty directory wrote the same cgroup image: CRIU did not read the yard")
+	if !cgroupYardUsable(yard) {
+		t.Fatalf("the yard %s made by PrepareCgroupYard is not usable", yard)
 	}
 
-	// Without that entry the yard does not cover the host: the dump goes without it.
-	if err := os.Remove(filepath.Join(wrong, "unified")); err != nil {
+	// Yards that do not lead to every hierarchy's root go unused: the dump is as without one.
+	for _, c := range []struct {
+		name   string
+		target string // where "unified" leads; "" removes it
+	}{
+		{"entry missing", ""},
+		{"entry leading to a plain directory", t.TempDir()},
+		{"entry leading to a cgroup below the root", cg},
+	} {
+		bad := copyYard(t, yard)
+		if err := os.Remove(filepath.Join(bad, "unified")); err != nil {
+			t.Fatal(err)
+		}
+		if c.target != "" {
+			if err := os.Symlink(c.target, filepath.Join(bad, "unified")); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if cgroupYardUsable(bad) {
+			t.Errorf("%s: the yard is taken as usable", c.name)
+		}
+		if got, err := dump(bad); err != nil || !bytes.Equal(got, ref) {
+			t.Errorf("%s: %v (image equal: %v); want it dumped without the yard", c.name, err, bytes.Equal(got, ref))
+		}
+	}
+
+	// The cpuset hierarchy swapped with another v1 one: each entry still leads to a hierarchy's root, and
+	// CRIU, reading cpuset's properties (cpuset.cpus, cpuset.mems: every cpuset cgroup has them) where the
+	// other's are, writes another image or fails.
+	ctls, err := ownHierarchies()
+	if err != nil {
 		t.Fatal(err)
 	}
-	if got, err := dump(wrong); err != nil || !bytes.Equal(got, ref) {
-		t.Fatalf("a dump with a yard lacking a hierarchy: %v (image equal: %v); want it dumped without the yard", err, bytes.Equal(got, ref))
+	var other string
+	for _, ctl := range ctls {
+		if ctl != "" && !strings.Contains(ctl, "cpuset") && !strings.HasPrefix(ctl, "name=") {
+			other = yardName(ctl)
+		}
 	}
+	if !slices.Contains(ctls, "cpuset") || other == "" {
+		t.Logf("this host has no cgroup v1 cpuset hierarchy beside another v1 one (%q): the check that CRIU reads the yard, which swaps them, is left out", ctls)
+		return
+	}
+	swapped := copyYard(t, yard)
+	for _, p := range [][2]string{{"cpuset", other}, {other, "cpuset"}} {
+		target, err := os.Readlink(filepath.Join(yard, p[1]))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Remove(filepath.Join(swapped, p[0])); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Symlink(target, filepath.Join(swapped, p[0])); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !cgroupYardUsable(swapped) {
+		t.Fatal("a yard with two v1 entries swapped is not usable: the check cannot tell")
+	}
+	if got, err := dump(swapped); err == nil && bytes.Equal(got, ref) {
+		t.Fatalf("a dump whose yard has cpuset and %s swapped wrote the same cgroup image: CRIU did not read the yard", other)
+	}
+}
+
+// copyYard copies the links of yard into a new directory.
+func copyYard(t *testing.T, yard string) string {
+	t.Helper()
+	dir := filepath.Join(t.TempDir(), "yard")
+	if err := os.CopyFS(dir, os.DirFS(yard)); err != nil {
+		t.Fatal(err)
+	}
+	return dir
 }

@@ -24,7 +24,7 @@ import (
 // it runs in.
 type Client struct {
 	Binary string
-	// CgroupYard, if set, is a cgroup yard made by PrepareCgroupYard, which dumps use while it covers
+	// CgroupYard, if set, is a cgroup yard made by PrepareCgroupYard, which dumps use while it leads to
 	// every hierarchy of the host (otherwise CRIU mounts the hierarchies itself, as without one).
 	CgroupYard string
 }
@@ -98,7 +98,7 @@ func (c Client) dump(ctx context.Context, opts DumpOptions, nfy gocriu.Notify) (
 	if opts.FreezeCgroup != "" {
 		req.FreezeCgroup = proto.String(opts.FreezeCgroup)
 	}
-	if c.CgroupYard != "" && cgroupYardCovers(c.CgroupYard) {
+	if c.CgroupYard != "" && cgroupYardUsable(c.CgroupYard) {
 		req.CgroupYard = proto.String(c.CgroupYard)
 	}
 	req.SkipMnt = opts.SkipMounts
