@@ -25,9 +25,9 @@ import (
 // the yard lacks (one of the dumping host's) inside the yard itself.
 
 // PrepareCgroupYard makes dir (mode 0700) the cgroup yard of this host's hierarchies, replacing what it
-// held, and returns its absolute path (CRIU opens it from its own working directory). It fails, and leaves
-// dir without entries, if a hierarchy of /proc/self/cgroup has no mount of its root here: CRIU would then
-// fail every dump that used it.
+// held, and returns its absolute path (CRIU opens it from its own working directory). It fails if a
+// hierarchy of /proc/self/cgroup has no mount of its root here (CRIU would fail every dump that used such
+// a yard), leaving dir as it was; the caller then passes no yard.
 func PrepareCgroupYard(dir string) (string, error) {
 	dir, err := filepath.Abs(dir)
 	if err != nil {
