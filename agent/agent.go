@@ -135,7 +135,7 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 	if err := prepareDirs(cfg, a.jobs.dir); err != nil {
 		return nil, err
 	}
-	if yard, err := criu.PrepareCgroupYard(filepath.Join(cfg.StateDir, "criu-cgroup-yard")); err != nil {
+	if yard, err := criu.NewCgroupYard(filepath.Join(cfg.StateDir, "criu-cgroup-yard"), a.log); err != nil {
 		a.log.Warn("dumps run without a cgroup yard: CRIU mounts each cgroup hierarchy itself, inside the job's stop", "err", err)
 	} else {
 		a.criu.CgroupYard = yard

@@ -3,10 +3,12 @@ package criu
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
@@ -24,11 +26,61 @@ import (
 // Restores do not use a yard: they were no faster with one, and CRIU mounts a hierarchy of the image that
 // the yard lacks (one of the dumping host's) inside the yard itself.
 
-// PrepareCgroupYard makes dir (mode 0700) the cgroup yard of this host's hierarchies, replacing what it
-// held, and returns its absolute path (CRIU opens it from its own working directory). It fails if a
-// hierarchy of /proc/self/cgroup has no mount of its root here (CRIU would fail every dump that used such
-// a yard), leaving dir as it was; the caller then passes no yard.
-func PrepareCgroupYard(dir string) (string, error) {
+// CgroupYard is the cgroup yard of this host's hierarchies that a Client's dumps use. A host whose
+// hierarchies change after it was made (one mounted or unmounted) gets it made again at the next dump.
+type CgroupYard struct {
+	dir string
+	log *slog.Logger
+
+	mu      sync.Mutex
+	without bool // the last dump went without it (said once in the log, until it is usable again)
+}
+
+// NewCgroupYard makes dir (mode 0700) the cgroup yard of this host's hierarchies, replacing what it held.
+// It fails if a hierarchy of /proc/self/cgroup has no mount of its root here, leaving dir as it was; the
+// caller then gives its Client no yard, and CRIU mounts the hierarchies itself.
+func NewCgroupYard(dir string, log *slog.Logger) (*CgroupYard, error) {
+	dir, err := prepareCgroupYard(dir)
+	if err != nil {
+		return nil, err
+	}
+	return &CgroupYard{dir: dir, log: log}, nil
+}
+
+// forDump returns the yard's directory for one dump, or "" if the yard cannot serve it: every entry must
+// lead to the root of a hierarchy this process is in now, or CRIU would fail the dump. A yard that does
+// not is made again first; one that cannot be is skipped, and the log says so once.
+func (y *CgroupYard) forDump() string {
+	if y == nil {
+		return ""
+	}
+	y.mu.Lock()
+	defer y.mu.Unlock()
+	err := cgroupYardUsable(y.dir)
+	if err == nil {
+		y.without = false
+		return y.dir
+	}
+	if _, perr := prepareCgroupYard(y.dir); perr != nil {
+		err = errors.Join(err, perr)
+	} else if uerr := cgroupYardUsable(y.dir); uerr != nil {
+		err = errors.Join(err, uerr)
+	} else {
+		y.log.Info("cgroup yard made again: the host's cgroup hierarchies changed since it was made", "dir", y.dir, "was", err)
+		y.without = false
+		return y.dir
+	}
+	if !y.without {
+		y.log.Warn("dumps go without the cgroup yard until the host's cgroup hierarchies are all mounted at their roots again: CRIU mounts each one itself, inside the job's stop",
+			"dir", y.dir, "err", err)
+		y.without = true
+	}
+	return ""
+}
+
+// prepareCgroupYard makes dir the cgroup yard (NewCgroupYard says what it requires) and returns its
+// absolute path (CRIU opens it from its own working directory). A failure leaves dir as it was.
+func prepareCgroupYard(dir string) (string, error) {
 	dir, err := filepath.Abs(dir)
 	if err != nil {
 		return "", fmt.Errorf("cgroup yard: %w", err)
@@ -59,20 +111,20 @@ func PrepareCgroupYard(dir string) (string, error) {
 	return dir, nil
 }
 
-// cgroupYardUsable reports whether the yard in dir leads to the root of every hierarchy this process is in
-// now. A hierarchy mounted after the yard was made would fail CRIU's dump, and so would one unmounted since
-// (its entry then leads to an empty directory).
-func cgroupYardUsable(dir string) bool {
+// cgroupYardUsable says why the yard in dir does not lead to the root of every hierarchy this process is
+// in now, if it does not. A hierarchy mounted after the yard was made would fail CRIU's dump, and so would
+// one unmounted since (its entry then leads to an empty directory).
+func cgroupYardUsable(dir string) error {
 	ctls, err := ownHierarchies()
 	if err != nil {
-		return false
+		return err
 	}
 	for _, ctl := range ctls {
 		if !isHierarchyRoot(filepath.Join(dir, yardName(ctl)), ctl == "") {
-			return false
+			return fmt.Errorf("cgroup yard %s: entry %q does not lead to the root of hierarchy %q", dir, yardName(ctl), ctl)
 		}
 	}
-	return true
+	return nil
 }
 
 // isHierarchyRoot reports whether path (links followed) is the root directory of a cgroup hierarchy: on a

@@ -4,12 +4,14 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"log/slog"
 	"maps"
 	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -100,17 +102,21 @@ func TestYardLinks(t *testing.T) {
 	}
 }
 
-// TestDumpWithCgroupYard: a dump given a yard by PrepareCgroupYard writes the cgroup image a dump without
+// TestDumpWithCgroupYard: a dump given a yard by NewCgroupYard writes the cgroup image a dump without
 // one writes, and it is the yard CRIU reads (a yard with two v1 entries swapped changes the dump); a yard
 // that does not lead to the root of every hierarchy of the host (an entry missing, or leading to a plain
-// directory or to a cgroup below a root) is not given to CRIU.
+// directory or to a cgroup below a root) is made again before the dump, which writes the same image.
+// (Until 2026-11-30 such a yard went unused, and unrepaired, for the rest of the agent's life.)
 func TestDumpWithCgroupYard(t *testing.T) {
 	bin := requireCRIU(t, "CRIU, a network namespace and the host's cgroup mounts")
 	child, ns := startSender(t)
-	yard, err := PrepareCgroupYard(filepath.Join(t.TempDir(), "yard"))
+	logs := &lockedBuffer{}
+	log := slog.New(slog.NewTextHandler(logs, nil))
+	y, err := NewCgroupYard(filepath.Join(t.TempDir(), "yard"), log)
 	if err != nil {
 		t.Fatal(err)
 	}
+	yard := y.dir
 	if fi, err := os.Stat(yard); err != nil || fi.Mode().Perm() != 0o700 {
 		t.Fatalf("yard %s: %v, %v; want a directory of mode 0700", yard, fi, err)
 	}
@@ -131,18 +137,18 @@ func TestDumpWithCgroupYard(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 	defer cancel()
-	dump := func(yard string) ([]byte, error) {
+	dump := func(yard *CgroupYard) ([]byte, error) {
 		dir := t.TempDir()
 		if _, err := (Client{Binary: bin, CgroupYard: yard}).Dump(ctx, DumpOptions{PID: child.Process.Pid, ImagesDir: dir, LeaveRunning: true, Netns: ns}); err != nil {
 			return nil, err
 		}
 		return os.ReadFile(filepath.Join(dir, "cgroup.img"))
 	}
-	ref, err := dump("")
+	ref, err := dump(nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	got, err := dump(yard)
+	got, err := dump(y)
 	if err != nil {
 		t.Fatalf("dump with the yard: %v", err)
 	}
@@ -150,11 +156,11 @@ func TestDumpWithCgroupYard(t *testing.T) {
 		t.Fatalf("the cgroup image of a dump with the yard (%d bytes) differs from one without (%d bytes)", len(got), len(ref))
 	}
 
-	if !cgroupYardUsable(yard) {
-		t.Fatalf("the yard %s made by PrepareCgroupYard is not usable", yard)
+	if err := cgroupYardUsable(yard); err != nil {
+		t.Fatalf("the yard made by NewCgroupYard is not usable: %v", err)
 	}
 
-	// Yards that do not lead to every hierarchy's root go unused: the dump is as without one.
+	// Yards that do not lead to every hierarchy's root are made again: the dump is as with a good one.
 	for _, c := range []struct {
 		name   string
 		target string // where "unified" leads; "" removes it
@@ -172,11 +178,18 @@ func TestDumpWithCgroupYard(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		if cgroupYardUsable(bad) {
+		if cgroupYardUsable(bad) == nil {
 			t.Errorf("%s: the yard is taken as usable", c.name)
 		}
-		if got, err := dump(bad); err != nil || !bytes.Equal(got, ref) {
-			t.Errorf("%s: %v (image equal: %v); want it dumped without the yard", c.name, err, bytes.Equal(got, ref))
+		logs.Reset()
+		if got, err := dump(&CgroupYard{dir: bad, log: log}); err != nil || !bytes.Equal(got, ref) {
+			t.Errorf("%s: %v (image equal: %v); want it dumped as with a good yard", c.name, err, bytes.Equal(got, ref))
+		}
+		if err := cgroupYardUsable(bad); err != nil {
+			t.Errorf("%s: the yard was not made again: %v", c.name, err)
+		}
+		if !strings.Contains(logs.String(), "cgroup yard made again") {
+			t.Errorf("%s: the log does not say the yard was made again: %q", c.name, logs.String())
 		}
 	}
 
@@ -210,10 +223,10 @@ func TestDumpWithCgroupYard(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if !cgroupYardUsable(swapped) {
-		t.Fatal("a yard with two v1 entries swapped is not usable: the check cannot tell")
+	if err := cgroupYardUsable(swapped); err != nil {
+		t.Fatalf("a yard with two v1 entries swapped is not usable (%v): the check cannot tell", err)
 	}
-	if got, err := dump(swapped); err == nil && bytes.Equal(got, ref) {
+	if got, err := dump(&CgroupYard{dir: swapped, log: log}); err == nil && bytes.Equal(got, ref) {
 		t.Fatalf("a dump whose yard has cpuset and %s swapped wrote the same cgroup image: CRIU did not read the yard", other)
 	}
 }
@@ -226,4 +239,28 @@ func copyYard(t *testing.T, yard string) string {
 		t.Fatal(err)
 	}
 	return dir
+}
+
+// lockedBuffer is a log's output that CRIU's goroutines and the test may use at once.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+func (l *lockedBuffer) Reset() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.b.Reset()
 }

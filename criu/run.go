@@ -24,9 +24,9 @@ import (
 // it runs in.
 type Client struct {
 	Binary string
-	// CgroupYard, if set, is a cgroup yard made by PrepareCgroupYard, which dumps use while it leads to
-	// every hierarchy of the host (otherwise CRIU mounts the hierarchies itself, as without one).
-	CgroupYard string
+	// CgroupYard, if set, is the host's cgroup yard, which dumps use while it leads to every hierarchy of
+	// the host (otherwise CRIU mounts the hierarchies itself, as without one).
+	CgroupYard *CgroupYard
 }
 
 // DumpOptions are the knobs ftkit uses; everything else is fixed by the design (TCP established
@@ -98,8 +98,8 @@ func (c Client) dump(ctx context.Context, opts DumpOptions, nfy gocriu.Notify) (
 	if opts.FreezeCgroup != "" {
 		req.FreezeCgroup = proto.String(opts.FreezeCgroup)
 	}
-	if c.CgroupYard != "" && cgroupYardUsable(c.CgroupYard) {
-		req.CgroupYard = proto.String(c.CgroupYard)
+	if yard := c.CgroupYard.forDump(); yard != "" {
+		req.CgroupYard = proto.String(yard)
 	}
 	req.SkipMnt = opts.SkipMounts
 	if t := timeoutSeconds(ctx); t > 0 {
