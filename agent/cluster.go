@@ -178,6 +178,10 @@ func (s peerService) Trim(ctx context.Context, peer string, req clusterapi.TrimR
 	return s.a.serveTrim(ctx, peer, req.Points), nil
 }
 
+func (s peerService) Logged(ctx context.Context, peer string, req clusterapi.LoggedRequest) (clusterapi.LoggedReply, error) {
+	return s.a.serveLogged(ctx, peer, req.Flows), nil
+}
+
 func (s peerService) LogRange(ctx context.Context, peer string, req LogRangeRequest) (LogRangeReply, func(io.Writer) error, error) {
 	return s.a.serveLogRange(ctx, peer, req)
 }

@@ -8,6 +8,7 @@ import (
 	"io"
 	"net/netip"
 	"os"
+	"slices"
 	"sync"
 	"time"
 
@@ -21,6 +22,7 @@ import (
 	"github.com/ftkit/ftkit/netlog/node"
 	"github.com/ftkit/ftkit/netlog/release"
 	"github.com/ftkit/ftkit/recvdigest"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // logState is the agent's sender-side log (netlog/node) and its record of what this host's protected
@@ -194,6 +196,62 @@ func ownTrimPoints(pts []TrimPoint, peer string, owner func(netip.Addr) string) 
 		own = append(own, p)
 	}
 	return own, foreign
+}
+
+// unloggedConns names the connections of snapshot m whose peer is on another member host that logs
+// nothing that peer sends on them: a process there not started under ftkit, or a host whose sender-side
+// log is off. A restore of the job from m could not be given what such a peer sent after m, so a failure
+// of this host would end in the recovery's refusal; said now, when m is replicated. Each member is asked
+// about its connections once per replica; a member that cannot answer (unreachable, or an agent older
+// than the question) flags nothing, and the log says so.
+func (a *Agent) unloggedConns(ctx context.Context, m *ckpt.Manifest) []string {
+	var out []string
+	owner := func(ip netip.Addr) string { return a.memberByIPWait(ctx, ip) }
+	for peer, pts := range receivePoints(m.Conns, owner, a.cfg.Name) {
+		flows := make([]tcpflow.Tuple, len(pts))
+		for i, p := range pts {
+			flows[i] = p.Tuple
+		}
+		for len(flows) > 0 {
+			n := min(len(flows), clusterapi.MaxLoggedFlows)
+			cctx, cancel := context.WithTimeout(ctx, loggedTimeout)
+			rep, err := a.peers().Logged(cctx, peer, clusterapi.LoggedRequest{Flows: flows[:n]})
+			cancel()
+			if err != nil {
+				a.log.Warn("could not ask a member whether it logs what it sends to this job: if it does not, a failure of this host ends in a refusal not announced now",
+					"job", m.Job, "snapshot", m.ID, "peer", peer, "err", err)
+				break
+			}
+			for _, f := range rep.Unlogged {
+				why := fmt.Sprintf("a process of %s not started under ftkit, whose sends nobody logs (run it under ftwrap, or as a job)", peer)
+				if rep.LogOff {
+					why = fmt.Sprintf("on %s, whose sender-side log is off", peer)
+				}
+				out = append(out, fmt.Sprintf("%s -> %s: the peer is %s: a restore could not be given what it sent after the snapshot", f.Remote, f.Local, why))
+			}
+			flows = flows[n:]
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// loggedTimeout bounds one question of unloggedConns: it delays the trims and pruning after a replica.
+const loggedTimeout = 2 * time.Second
+
+// serveLogged answers which of flows (seen from this host's end) this host does not log. Only flows
+// whose other end the caller holds are answered: a member may ask only about its own connections.
+func (a *Agent) serveLogged(ctx context.Context, peer string, flows []tcpflow.Tuple) clusterapi.LoggedReply {
+	rep := clusterapi.LoggedReply{LogOff: a.netlog == nil}
+	for _, f := range flows {
+		if !f.Remote.IsValid() || a.memberByIPWait(ctx, f.Remote.Addr()) != peer {
+			continue
+		}
+		if rep.LogOff || !a.netlog.node.Knows(f) {
+			rep.Unlogged = append(rep.Unlogged, f)
+		}
+	}
+	return rep
 }
 
 // maxLogRange bounds one log range (clusterapi.MaxLogRange says why). The log's memory cap is no bound:

@@ -202,6 +202,11 @@ func TestAgentAnswersEveryOperation(t *testing.T) {
 		{clusterapi.OpTrim, func() (any, error) {
 			return c.Trim(ctx, "s1", clusterapi.TrimRequest{Points: []TrimPoint{{Tuple: tcpflow.Tuple{Local: src, Remote: dst}}}})
 		}, `"trimmed":0`},
+		{clusterapi.OpLogged, func() (any, error) {
+			// s1's log is off: the flow toward n2's address is unlogged, the one toward n1's is not n2's to ask about.
+			mine, other := netip.AddrPortFrom(addrN2, 6000), netip.AddrPortFrom(addrN1, 6000)
+			return c.Logged(ctx, "s1", clusterapi.LoggedRequest{Flows: []tcpflow.Tuple{{Local: src, Remote: mine}, {Local: src, Remote: other}}})
+		}, `{"unlogged":[{"local":"10.77.0.2:5000","remote":"` + addrN2.String() + `:6000"}],"log_off":true}`},
 		{clusterapi.OpLogRange, func() (any, error) {
 			r, _, err := c.LogRange(ctx, "s1", LogRangeRequest{Tuple: tcpflow.Tuple{Local: src, Remote: dst}})
 			return r, err

@@ -223,6 +223,18 @@ func (c *Client) Trim(ctx context.Context, peer string, req TrimRequest) (TrimRe
 	return call[TrimReply](c, ctx, peer, OpTrim, c.cfg.Timeouts.LargeTimeout(MaxMessage), req)
 }
 
+// Logged asks peer which of req's flows it does not log.
+func (c *Client) Logged(ctx context.Context, peer string, req LoggedRequest) (LoggedReply, error) {
+	if err := req.Validate(); err != nil {
+		return LoggedReply{}, err
+	}
+	rep, err := call[LoggedReply](c, ctx, peer, OpLogged, c.cfg.Timeouts.LargeTimeout(MaxMessage), req)
+	if err == nil {
+		err = rep.Check(req)
+	}
+	return rep, err
+}
+
 // CheckpointNow asks peer to snapshot its jobs now.
 func (c *Client) CheckpointNow(ctx context.Context, peer string) error {
 	_, err := call[struct{}](c, ctx, peer, OpCheckpointNow, c.msg(), nil)

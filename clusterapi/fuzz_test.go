@@ -33,6 +33,8 @@ func messageSeeds() [][]byte {
 		LocateReply{ID: "x", Job: "job-1"},
 		TrimRequest{Points: []TrimPoint{{Tuple: tcpflow.Tuple{Local: testSrc, Remote: testDst}, Seq: 12345}}},
 		TrimReply{Trimmed: 3},
+		LoggedRequest{Flows: []tcpflow.Tuple{{Local: testSrc, Remote: testDst}}},
+		LoggedReply{Unlogged: []tcpflow.Tuple{{Local: testSrc, Remote: testDst}}, LogOff: true},
 		LogRangeRequest{Tuple: tcpflow.Tuple{Local: testSrc, Remote: testDst}, From: 77},
 		LogRangeReply{From: 77, Len: 5, Live: &live},
 		ReceivedRequest{Tuple: tcpflow.Tuple{Local: testSrc, Remote: testDst}, From: 77},
@@ -94,6 +96,10 @@ func FuzzClusterMessage(f *testing.F) {
 		var tr TrimRequest
 		if request(&tr, MaxMessage) && tr.Validate() == nil && len(tr.Points) > MaxTrimPoints {
 			t.Fatalf("%d trim points validated", len(tr.Points))
+		}
+		var lg LoggedRequest
+		if request(&lg, MaxMessage) && lg.Validate() == nil && len(lg.Flows) > MaxLoggedFlows {
+			t.Fatalf("%d flows validated", len(lg.Flows))
 		}
 		var lrq LogRangeRequest
 		request(&lrq, MaxHeader)
@@ -158,6 +164,15 @@ func FuzzClusterMessage(f *testing.F) {
 			}
 			if len(rep.RunSpares) > spare.MaxRunSpares {
 				t.Fatalf("a replica naming %d spares of its run accepted", len(rep.RunSpares))
+			}
+		}
+		var lgr LoggedReply
+		asked := LoggedRequest{Flows: []tcpflow.Tuple{{Local: testSrc, Remote: testDst}}}
+		if json.Unmarshal(body, &lgr) == nil && lgr.Check(asked) == nil {
+			for _, f := range lgr.Unlogged {
+				if f != asked.Flows[0] {
+					t.Fatalf("a reply naming flow %s, not asked about, accepted", f)
+				}
 			}
 		}
 		var wm LogWatermark

@@ -203,6 +203,10 @@ func (f *fakeService) Trim(_ context.Context, peer string, req TrimRequest) (Tri
 	return TrimReply{Trimmed: len(req.Points)}, f.seen(peer, req)
 }
 
+func (f *fakeService) Logged(_ context.Context, peer string, req LoggedRequest) (LoggedReply, error) {
+	return LoggedReply{Unlogged: req.Flows[len(req.Flows)/2:]}, f.seen(peer, req)
+}
+
 func (f *fakeService) LogRange(_ context.Context, peer string, req LogRangeRequest) (LogRangeReply, func(io.Writer) error, error) {
 	if err := f.seen(peer, req); err != nil {
 		return LogRangeReply{}, nil, err

@@ -115,6 +115,39 @@ func TestReceivedChecksTheRecord(t *testing.T) {
 	}
 }
 
+// TestLoggedChecksTheAnswer: a peer may name only flows it was asked about as unlogged.
+func TestLoggedChecksTheAnswer(t *testing.T) {
+	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.77.0.3:6000"), Remote: netip.MustParseAddrPort("10.77.0.2:5000")}
+	other := tcpflow.Tuple{Local: conn.Local, Remote: netip.MustParseAddrPort("10.77.0.2:5001")}
+	tests := []struct {
+		name    string
+		reply   LoggedReply
+		wantErr string
+	}{
+		{"all logged", LoggedReply{}, ""},
+		{"the flow asked about", LoggedReply{Unlogged: []tcpflow.Tuple{conn}}, ""},
+		{"the log off", LoggedReply{Unlogged: []tcpflow.Tuple{conn}, LogOff: true}, ""},
+		{"a flow not asked about", LoggedReply{Unlogged: []tcpflow.Tuple{conn, other}}, "not asked about"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			pki := newTestPKI(t)
+			addr := serveHandler(t, pki, "n2", answering(tt.reply))
+			c := clientOf(t, pki, "n1", map[string]string{"n2": addr}, testTimeouts)
+			got, err := c.Logged(t.Context(), "n2", LoggedRequest{Flows: []tcpflow.Tuple{conn}})
+			if tt.wantErr == "" {
+				if err != nil || !slices.Equal(got.Unlogged, tt.reply.Unlogged) || got.LogOff != tt.reply.LogOff {
+					t.Fatalf("Logged = %+v, %v; want %+v", got, err, tt.reply)
+				}
+				return
+			}
+			if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+				t.Errorf("error %v; want one saying %q", err, tt.wantErr)
+			}
+		})
+	}
+}
+
 // TestReplicaChecksTheAnswer: another member's replica names the snapshot a target will fetch: it must be
 // of the job and node asked about, with a valid id.
 func TestReplicaChecksTheAnswer(t *testing.T) {

@@ -80,6 +80,46 @@ type TrimReply struct {
 	Trimmed int `json:"trimmed"`
 }
 
+// MaxLoggedFlows bounds one OpLogged request, as MaxTrimPoints does a trim.
+const MaxLoggedFlows = MaxTrimPoints
+
+// LoggedRequest is OpLogged's request: connections of a job of the caller's that was just snapshotted,
+// each seen from the server's socket (Local is the server's end: the sender of what the job receives).
+type LoggedRequest struct {
+	Flows []tcpflow.Tuple `json:"flows"`
+}
+
+// Validate bounds the request.
+func (r LoggedRequest) Validate() error {
+	if len(r.Flows) > MaxLoggedFlows {
+		return fmt.Errorf("%d flows, more than the %d one message may carry", len(r.Flows), MaxLoggedFlows)
+	}
+	return nil
+}
+
+// LoggedReply names the flows of a LoggedRequest that the server does not log, so that no restore of the
+// caller's job could be given what the server's end sent after the snapshot: the server's log knows
+// nothing of them (their sending process is not a protected one), or the server's sender-side log is off
+// (LogOff: then all of them). Flows whose other end the caller does not hold are left out.
+type LoggedReply struct {
+	Unlogged []tcpflow.Tuple `json:"unlogged,omitempty"`
+	LogOff   bool            `json:"log_off,omitempty"`
+}
+
+// Check refuses a reply that names a flow req did not ask about.
+func (r LoggedReply) Check(req LoggedRequest) error {
+	asked := make(map[tcpflow.Tuple]bool, len(req.Flows))
+	for _, f := range req.Flows {
+		asked[f] = true
+	}
+	for _, f := range r.Unlogged {
+		if !asked[f] {
+			return fmt.Errorf("the peer names flow %s, which was not asked about", f)
+		}
+	}
+	return nil
+}
+
 // LogRangeRequest asks a sender for the bytes it logged on a connection from a sequence number on.
 type LogRangeRequest struct {
 	tcpflow.Tuple        // the flow seen from the sender's socket: Local is the sender

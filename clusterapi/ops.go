@@ -20,6 +20,7 @@ const (
 	OpCheckpointNow Op = "checkpoint-now" // the caller's log is under pressure: snapshot the server's jobs
 	OpReceived      Op = "received"       // the server's record of what one of its sockets received
 	OpLogWatermark  Op = "log-watermark"  // how old is the server's oldest restore point
+	OpLogged        Op = "logged"         // which of these connections to the caller's job does the server log
 	// Receive-order determinants (package intercept).
 	OpDeterminants      Op = "determinants"       // the caller's job consumed its connections in this order (to its protector)
 	OpDeterminantsSince Op = "determinants-since" // what a job consumed after a snapshot the server holds
@@ -46,7 +47,7 @@ func (op Op) Path() string { return "/v1/" + string(op) }
 // Ops lists every operation.
 func Ops() []Op {
 	return []Op{OpPing, OpSnapshot, OpFetch, OpLocate, OpTrim, OpLogRange, OpCheckpointNow, OpReceived,
-		OpLogWatermark, OpDeterminants, OpDeterminantsSince, OpDeterminantStream, OpHeartbeat, OpProbe, OpView, OpClaim, OpRecover, OpReplica, OpRecoveryStatus, OpGrant, OpRejoin, OpStartJob, OpCoordinate}
+		OpLogWatermark, OpLogged, OpDeterminants, OpDeterminantsSince, OpDeterminantStream, OpHeartbeat, OpProbe, OpView, OpClaim, OpRecover, OpReplica, OpRecoveryStatus, OpGrant, OpRejoin, OpStartJob, OpCoordinate}
 }
 
 // MaxHeader bounds a small request body; MaxMessage bounds the larger ones (views, trims), every reply

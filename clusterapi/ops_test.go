@@ -49,6 +49,11 @@ func TestEveryOperation(t *testing.T) {
 			r, err := c.Trim(ctx, "n2", req)
 			return req, r, err
 		}, TrimReply{Trimmed: 2}},
+		{OpLogged, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
+			req := LoggedRequest{Flows: []tcpflow.Tuple{{Local: testSrc, Remote: testDst}, {Local: testDst, Remote: testSrc}}}
+			r, err := c.Logged(ctx, "n2", req)
+			return req, r, err
+		}, LoggedReply{Unlogged: []tcpflow.Tuple{{Local: testDst, Remote: testSrc}}}},
 		{OpCheckpointNow, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
 			return OpCheckpointNow, "", c.CheckpointNow(ctx, "n2")
 		}, ""},
@@ -239,6 +244,7 @@ func TestRefusalsReadTheSame(t *testing.T) {
 		OpPing:          func() error { _, err := c.Ping(ctx, "n2"); return err },
 		OpLocate:        func() error { _, err := c.Locate(ctx, "n2", LocateRequest{}); return err },
 		OpTrim:          func() error { _, err := c.Trim(ctx, "n2", TrimRequest{}); return err },
+		OpLogged:        func() error { _, err := c.Logged(ctx, "n2", LoggedRequest{}); return err },
 		OpCheckpointNow: func() error { return c.CheckpointNow(ctx, "n2") },
 		OpReceived:      func() error { _, err := c.Received(ctx, "n2", ReceivedRequest{}); return err },
 		OpLogWatermark:  func() error { _, err := c.LogWatermark(ctx, "n2"); return err },

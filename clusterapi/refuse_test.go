@@ -12,6 +12,8 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // calls counts the requests the service saw.
@@ -84,6 +86,7 @@ func TestMalformedRequestsRefused(t *testing.T) {
 		{"two values", "POST", OpProbe, []byte(`{"name":"n3"} {"name":"n4"}`), "", 400, CodeBadRequest},
 		{"the wrong type", "POST", OpGrant, []byte(`{"incarnation":"three"}`), "", 400, CodeBadRequest},
 		{"more trim points than one request carries", "POST", OpTrim, trimBody(MaxTrimPoints + 1), "", 422, CodeRefused},
+		{"more flows than one logged request carries", "POST", OpLogged, loggedBody(MaxLoggedFlows + 1), "", 422, CodeRefused},
 		{"a recovery of no job", "POST", OpRecover, []byte(`{"failure":"f","jobs":[]}`), "", 422, CodeRefused},
 		{"a status question about too many jobs", "POST", OpRecoveryStatus, jobsBody(MaxRecoveryStatusJobs + 1), "", 422, CodeRefused},
 		{"a GET", "GET", OpPing, nil, "", 405, CodeMethod},
@@ -125,6 +128,11 @@ func trimBody(n int) []byte {
 	return b
 }
 
+func loggedBody(n int) []byte {
+	b, _ := json.Marshal(LoggedRequest{Flows: make([]tcpflow.Tuple, n)})
+	return b
+}
+
 func jobsBody(n int) []byte {
 	b, _ := json.Marshal(RecoveryStatusRequest{Failure: "f", Jobs: make([]string, n)})
 	return b
@@ -137,6 +145,9 @@ func TestClientRefusesWhatItCannotSend(t *testing.T) {
 	ctx := t.Context()
 	if _, err := c.Trim(ctx, "n2", TrimRequest{Points: make([]TrimPoint, MaxTrimPoints+1)}); err == nil {
 		t.Error("a trim of too many points was sent")
+	}
+	if _, err := c.Logged(ctx, "n2", LoggedRequest{Flows: make([]tcpflow.Tuple, MaxLoggedFlows+1)}); err == nil {
+		t.Error("a logged request of too many flows was sent")
 	}
 	if _, err := c.Recover(ctx, "n2", RecoverRequest{}, failAfter, func(RecoverProgress) {}); err == nil {
 		t.Error("a recovery of no job was sent")

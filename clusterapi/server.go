@@ -33,6 +33,8 @@ type Service interface {
 	Fetch(ctx context.Context, peer string, req FetchRequest, conn net.Conn) error
 	Locate(ctx context.Context, peer string, req LocateRequest) (LocateReply, error)
 	Trim(ctx context.Context, peer string, req TrimRequest) (TrimReply, error)
+	// Logged says which of req's flows (validated) the server does not log.
+	Logged(ctx context.Context, peer string, req LoggedRequest) (LoggedReply, error)
 	// LogRange answers with the reply and the function that writes its Len bytes (nil if Len is 0).
 	LogRange(ctx context.Context, peer string, req LogRangeRequest) (LogRangeReply, func(w io.Writer) error, error)
 	CheckpointNow(ctx context.Context, peer string) error
@@ -97,6 +99,12 @@ func NewServer(ctx context.Context, svc Service, opts ServerOptions) *Server {
 			return TrimReply{}, err
 		}
 		return svc.Trim(ctx, peer, req)
+	})
+	handle(s, OpLogged, MaxMessage, func(ctx context.Context, peer string, req LoggedRequest) (LoggedReply, error) {
+		if err := req.Validate(); err != nil {
+			return LoggedReply{}, err
+		}
+		return svc.Logged(ctx, peer, req)
 	})
 	handle(s, OpCheckpointNow, 0, func(ctx context.Context, peer string, _ struct{}) (struct{}, error) {
 		return struct{}{}, svc.CheckpointNow(ctx, peer)

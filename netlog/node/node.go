@@ -8,6 +8,7 @@ package node
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net/netip"
@@ -184,6 +185,17 @@ func (n *Node) Log() *netlog.Log { return n.src.Log() }
 // FlowState is the sender's live state of conn from its last egress segment.
 func (n *Node) FlowState(conn tcpflow.Tuple) (ebpfprobes.FlowState, bool, error) {
 	return n.src.FlowState(conn)
+}
+
+// Knows reports whether this host logs what it sends on conn: its log holds a store of conn, or the
+// capture has seen a segment of it (it keeps the live state of protected flows only). A connection of a
+// process the host does not protect is neither: a restore of its peer could be given nothing it sent.
+func (n *Node) Knows(conn tcpflow.Tuple) bool {
+	if _, err := n.Log().Bounds(conn); !errors.Is(err, netlog.ErrUnknownConn) {
+		return true
+	}
+	_, ok, err := n.src.FlowState(conn)
+	return ok || err != nil
 }
 
 // Protect logs what the processes of cgroup dir send.

@@ -141,6 +141,27 @@ func TestTrim(t *testing.T) {
 	}
 }
 
+// TestKnows: a connection is known when the log holds bytes of it or the capture has its live state (a
+// protected flow that sent only ACKs); one with neither was sent on by no protected process.
+func TestKnows(t *testing.T) {
+	n, src, _ := newTestNode(t, 3000, &fakeMembers{owner: "n2"})
+	connC := tcpflow.Tuple{Local: connA.Local, Remote: netip.MustParseAddrPort("10.0.0.3:5201")}
+	src.states[connB] = ebpfprobes.FlowState{SndNxt: 77}
+	for _, tc := range []struct {
+		name string
+		conn tcpflow.Tuple
+		want bool
+	}{
+		{"bytes in the log", connA, true},
+		{"a live state only", connB, true},
+		{"neither", connC, false},
+	} {
+		if got := n.Knows(tc.conn); got != tc.want {
+			t.Errorf("%s: Knows(%s) = %v, want %v", tc.name, tc.conn, got, tc.want)
+		}
+	}
+}
+
 // TestHoldTrims: a trim that arrives while a snapshot holds them drops nothing until the last holder
 // releases them; then the furthest point asked for each connection applies, and the receiver counts as
 // relieved. Without the hold, a receiver's snapshot taken after ours trimmed the block our snapshot's

@@ -1,0 +1,135 @@
+package e2e
+
+import (
+	"context"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/lab/labcluster"
+)
+
+// TestUnprotectedPeerOnMember: rank 0 is a job on node1, rank 1 a plain process of node2, a member host
+// (not started under ftkit): nothing logs what rank 1 sends. The job's replica is flagged UNRECOVERABLE
+// when it is made, naming both connections and why (until 2026-11-30 nothing said so before node1
+// failed), and the recovery of node1 refuses the job, naming node2's log. With rank 1 a job of node2, the
+// same replica is not flagged.
+func TestUnprotectedPeerOnMember(t *testing.T) {
+	t.Parallel()
+	t.Run("a plain process", testUnprotectedPeerOnMember)
+	t.Run("a job (not flagged)", testProtectedPeerOnMember)
+}
+
+func testProtectedPeerOnMember(t *testing.T) {
+	c, h1 := node1Lab(t, labcluster.Options{Interval: "1h"})
+	h2, err := c.Lab.Host("node2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	args := ringArgs(2000, 16<<10, 10*time.Millisecond)
+	const port = 7480
+	peers := netip.AddrPortFrom(h1.Addr.Addr(), port).String() + "," + netip.AddrPortFrom(h2.Addr.Addr(), port+1).String()
+	ctx := context.Background()
+	var j agent.Job
+	for rank, host := range []string{"node1", "node2"} {
+		argv := append([]string{bins.Ringstencil, "--rank", strconv.Itoa(rank), "--peers", peers}, args...)
+		r, err := c.Client(host).StartJob(ctx, agent.JobSpec{Name: "rank" + strconv.Itoa(rank), Argv: argv})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if rank == 0 {
+			j = r
+		}
+	}
+	waitProtected(t, c, "node1", j.ID, 2*time.Minute)
+	// Snapshots of rank 0 until one holds both connections to rank 1.
+	poll(t, 2*time.Minute, "a replica of rank 0 holding its two connections", func() bool {
+		reply, err := c.Client("node1").Checkpoint(ctx)
+		if err != nil || reply.Error != "" || len(reply.Results) != 1 || !reply.Results[0].Shipped {
+			t.Fatalf("checkpoint of node1: %+v %v", reply, err)
+		}
+		return len(reply.Results[0].Manifest.Conns) == 2
+	})
+	got, err := c.Client("node1").Job(ctx, j.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if bad := got.Replica.Unrecoverable; len(bad) != 0 {
+		t.Errorf("replica %s: unrecoverable %q, want none: rank 1 is a job of node2, whose log knows its connections", got.Replica.Snapshot, bad)
+	}
+}
+
+func testUnprotectedPeerOnMember(t *testing.T) {
+	c, h1 := node1Lab(t, labcluster.Options{Interval: "1h"})
+	h2, err := c.Lab.Host("node2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	args := ringArgs(2000, 16<<10, 10*time.Millisecond)
+	const port = 7480
+	peers := netip.AddrPortFrom(h1.Addr.Addr(), port).String() + "," + netip.AddrPortFrom(h2.Addr.Addr(), port+1).String()
+	out1, err := os.Create(filepath.Join(t.TempDir(), "rank1.out"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer out1.Close()
+	plain := exec.Command(bins.Ringstencil, append([]string{"--rank", "1", "--peers", peers}, args...)...)
+	plain.Stdout, plain.Stderr = out1, out1
+	if err := c.Lab.Start("node2", plain); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		plain.Process.Kill()
+		plain.Wait()
+	})
+	ctx := context.Background()
+	j, err := c.Client("node1").StartJob(ctx, agent.JobSpec{Name: "rank0", Argv: append([]string{bins.Ringstencil, "--rank", "0", "--peers", peers}, args...)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitProtected(t, c, "node1", j.ID, 2*time.Minute)
+	poll(t, 2*time.Minute, "50 iterations of rank 1", func() bool {
+		b, _ := os.ReadFile(out1.Name())
+		return strings.Count(string(b), " iteration ") >= 50/progressEvery
+	})
+	reply, err := c.Client("node1").Checkpoint(ctx)
+	if err != nil || reply.Error != "" || len(reply.Results) != 1 || !reply.Results[0].Shipped {
+		t.Fatalf("checkpoint of node1: %+v %v", reply, err)
+	}
+	got, err := c.Client("node1").Job(ctx, j.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Both connections of the pair (each rank connects to the other) are flagged.
+	bad := got.Replica.Unrecoverable
+	if len(bad) != 2 {
+		t.Errorf("replica %s: unrecoverable %q, want both connections to rank 1 flagged", got.Replica.Snapshot, bad)
+	}
+	for _, b := range bad {
+		if !strings.Contains(b, "the peer is a process of node2 not started under ftkit") {
+			t.Errorf("replica %s: unrecoverable %q, want it to say that the peer is a process of node2 not started under ftkit", got.Replica.Snapshot, b)
+		}
+	}
+	if err := c.Lab.Crash(ctx, "node1"); err != nil {
+		t.Fatal(err)
+	}
+	f := waitFailure(t, c, "node1", 2*time.Minute)
+	var refusal string
+	for _, s := range f.Stages {
+		if s.Job == j.ID && s.Error != "" {
+			refusal = s.Error
+		}
+	}
+	if f.Error == "" || !strings.Contains(refusal, "log of node2") {
+		t.Errorf("recovery of node1: error %q, job's refusal %q; want the job refused, naming node2's log", f.Error, refusal)
+	}
+	if procs, _ := copies(t, c, j); procs != 0 {
+		t.Errorf("job %s: %d process(es) run after its recovery was refused", j.ID, procs)
+	}
+}
