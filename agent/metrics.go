@@ -26,6 +26,7 @@ func (s metricsSource) MetricsState() metrics.State {
 		mj := metrics.Job{ID: j.ID, State: string(j.State)}
 		if j.Protected() {
 			mj.Replicated, mj.ReplicaAge, mj.Uncovered = true, max(now.Sub(j.Replica.Time), 0), len(j.NewConns) > 0
+			mj.Unrecoverable = len(j.Replica.Unrecoverable) > 0
 		}
 		st.Jobs = append(st.Jobs, mj)
 	}

@@ -14,7 +14,7 @@ var JobStates = []string{"running", "exited", "lost"}
 type collector struct {
 	src Source
 
-	jobs, replicaAge, unreplicated, uncovered                    *prometheus.Desc
+	jobs, replicaAge, unreplicated, uncovered, unrecoverable     *prometheus.Desc
 	logMemory, logCap, logRetained, logSpilled, logConns, paused *prometheus.Desc
 	consumerCPU                                                  *prometheus.Desc
 	logBytes, logPackets, logDrops, releasedConns, releasedBytes *prometheus.Desc
@@ -26,11 +26,12 @@ type collector struct {
 func newCollector(src Source) *collector {
 	d := prometheus.NewDesc
 	return &collector{
-		src:          src,
-		jobs:         d("ftkit_jobs", "Job records of this host, by state.", []string{"state"}, nil),
-		replicaAge:   d("ftkit_job_replica_age_seconds", "Age of a running job's newest replica (since its protector had it): the work a failure of this host would lose is at most this old.", []string{"job"}, nil),
-		unreplicated: d("ftkit_jobs_unreplicated", "Running jobs with no replica on a protector yet: a failure of this host loses them.", nil, nil),
-		uncovered:    d("ftkit_jobs_uncovered", "Running jobs whose replica lacks connections they opened since (the agent snapshots them again soon): a failure of this host now is refused for them.", nil, nil),
+		src:           src,
+		jobs:          d("ftkit_jobs", "Job records of this host, by state.", []string{"state"}, nil),
+		replicaAge:    d("ftkit_job_replica_age_seconds", "Age of a running job's newest replica (since its protector had it): the work a failure of this host would lose is at most this old.", []string{"job"}, nil),
+		unreplicated:  d("ftkit_jobs_unreplicated", "Running jobs with no replica on a protector yet: a failure of this host loses them.", nil, nil),
+		unrecoverable: d("ftkit_jobs_unrecoverable", "Running jobs whose replica holds connections no restore could rebuild (a peer whose sends nobody logs, or one on this host dumped apart from the job; ftctl status: UNRECOVERABLE): a failure of this host now is refused for them, and a new snapshot does not change that.", nil, nil),
+		uncovered:     d("ftkit_jobs_uncovered", "Running jobs whose replica lacks connections they opened since (the agent snapshots them again soon): a failure of this host now is refused for them.", nil, nil),
 
 		logMemory:     d("ftkit_log_memory_bytes", "Memory of the sender-side log (RAM, pooled and compressed); compare with ftkit_log_memory_cap_bytes.", nil, nil),
 		logCap:        d("ftkit_log_memory_cap_bytes", "Cap on the sender-side log's memory (log.memory_mib).", nil, nil),
@@ -57,7 +58,7 @@ func newCollector(src Source) *collector {
 }
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.jobs, c.replicaAge, c.unreplicated, c.uncovered, c.logMemory, c.logCap, c.logRetained,
+	for _, d := range []*prometheus.Desc{c.jobs, c.replicaAge, c.unreplicated, c.uncovered, c.unrecoverable, c.logMemory, c.logCap, c.logRetained,
 		c.logSpilled, c.logConns, c.paused, c.consumerCPU, c.logBytes, c.logPackets, c.logDrops, c.releasedConns, c.releasedBytes,
 		c.receivedBytes, c.receiveDrops, c.beatAge, c.busy, c.recoveries, c.stageSeconds, c.recoverySeconds} {
 		ch <- d
@@ -86,7 +87,7 @@ func (c *collector) collectJobs(ch chan<- prometheus.Metric, jobs []Job) {
 	for _, s := range JobStates {
 		byState[s] = 0
 	}
-	unreplicated, uncovered := 0, 0
+	unreplicated, uncovered, unrecoverable := 0, 0, 0
 	for _, j := range jobs {
 		byState[j.State]++
 		if j.State != "running" {
@@ -99,6 +100,9 @@ func (c *collector) collectJobs(ch chan<- prometheus.Metric, jobs []Job) {
 		if j.Uncovered {
 			uncovered++
 		}
+		if j.Unrecoverable {
+			unrecoverable++
+		}
 		ch <- prometheus.MustNewConstMetric(c.replicaAge, prometheus.GaugeValue, j.ReplicaAge.Seconds(), j.ID)
 	}
 	for state, n := range byState {
@@ -106,6 +110,7 @@ func (c *collector) collectJobs(ch chan<- prometheus.Metric, jobs []Job) {
 	}
 	ch <- prometheus.MustNewConstMetric(c.unreplicated, prometheus.GaugeValue, float64(unreplicated))
 	ch <- prometheus.MustNewConstMetric(c.uncovered, prometheus.GaugeValue, float64(uncovered))
+	ch <- prometheus.MustNewConstMetric(c.unrecoverable, prometheus.GaugeValue, float64(unrecoverable))
 }
 
 func (c *collector) collectLog(ch chan<- prometheus.Metric, l *Log) {

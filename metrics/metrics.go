@@ -38,6 +38,8 @@ type Job struct {
 	Replicated bool
 	// Uncovered: the replica lacks connections the job opened since (a new snapshot comes soon).
 	Uncovered bool
+	// Unrecoverable: the replica holds connections no restore could rebuild (`ftctl status`: UNRECOVERABLE).
+	Unrecoverable bool
 }
 
 // Log holds the sender-side log's numbers (netlog/capture's counters and the agent's release counters).

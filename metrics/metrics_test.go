@@ -50,23 +50,28 @@ ftkit_recoveries{state="running"} 0
 				{ID: "a-1", State: "running", Replicated: true, ReplicaAge: 1500 * time.Millisecond},
 				{ID: "b-2", State: "running"},
 				{ID: "e-5", State: "running", Replicated: true, ReplicaAge: time.Second, Uncovered: true},
-				{ID: "c-3", State: "exited", Replicated: true, ReplicaAge: time.Hour},
+				{ID: "f-6", State: "running", Replicated: true, ReplicaAge: 2 * time.Second, Unrecoverable: true},
+				{ID: "c-3", State: "exited", Replicated: true, ReplicaAge: time.Hour, Unrecoverable: true},
 				{ID: "d-4", State: "lost"},
 			}},
-			names: []string{"ftkit_jobs", "ftkit_jobs_unreplicated", "ftkit_jobs_uncovered", "ftkit_job_replica_age_seconds"},
+			names: []string{"ftkit_jobs", "ftkit_jobs_unreplicated", "ftkit_jobs_uncovered", "ftkit_jobs_unrecoverable", "ftkit_job_replica_age_seconds"},
 			want: `
 # HELP ftkit_job_replica_age_seconds Age of a running job's newest replica (since its protector had it): the work a failure of this host would lose is at most this old.
 # TYPE ftkit_job_replica_age_seconds gauge
 ftkit_job_replica_age_seconds{job="a-1"} 1.5
 ftkit_job_replica_age_seconds{job="e-5"} 1
+ftkit_job_replica_age_seconds{job="f-6"} 2
 # HELP ftkit_jobs Job records of this host, by state.
 # TYPE ftkit_jobs gauge
 ftkit_jobs{state="exited"} 1
 ftkit_jobs{state="lost"} 1
-ftkit_jobs{state="running"} 3
+ftkit_jobs{state="running"} 4
 # HELP ftkit_jobs_uncovered Running jobs whose replica lacks connections they opened since (the agent snapshots them again soon): a failure of this host now is refused for them.
 # TYPE ftkit_jobs_uncovered gauge
 ftkit_jobs_uncovered 1
+# HELP ftkit_jobs_unrecoverable Running jobs whose replica holds connections no restore could rebuild (a peer whose sends nobody logs, or one on this host dumped apart from the job; ftctl status: UNRECOVERABLE): a failure of this host now is refused for them, and a new snapshot does not change that.
+# TYPE ftkit_jobs_unrecoverable gauge
+ftkit_jobs_unrecoverable 1
 # HELP ftkit_jobs_unreplicated Running jobs with no replica on a protector yet: a failure of this host loses them.
 # TYPE ftkit_jobs_unreplicated gauge
 ftkit_jobs_unreplicated 1

@@ -18,8 +18,8 @@ import (
 // TestUnprotectedPeerOnMember: rank 0 is a job on node1, rank 1 a plain process of node2, a member host
 // (not started under ftkit): nothing logs what rank 1 sends. The job's replica is flagged UNRECOVERABLE
 // when it is made, naming both connections and why (until 2026-11-30 nothing said so before node1
-// failed), and the recovery of node1 refuses the job, naming node2's log. With rank 1 a job of node2, the
-// same replica is not flagged.
+// failed; ftkit_jobs_unrecoverable counts it), and the recovery of node1 refuses the job, naming node2's
+// log. With rank 1 a job of node2, the same replica is not flagged.
 func TestUnprotectedPeerOnMember(t *testing.T) {
 	t.Parallel()
 	t.Run("a plain process", testUnprotectedPeerOnMember)
@@ -27,7 +27,7 @@ func TestUnprotectedPeerOnMember(t *testing.T) {
 }
 
 func testProtectedPeerOnMember(t *testing.T) {
-	c, h1 := node1Lab(t, labcluster.Options{Interval: "1h"})
+	c, h1 := node1Lab(t, labcluster.Options{Interval: "1h", MetricsListen: metricsAddr})
 	h2, err := c.Lab.Host("node2")
 	if err != nil {
 		t.Fatal(err)
@@ -63,10 +63,13 @@ func testProtectedPeerOnMember(t *testing.T) {
 	if bad := got.Replica.Unrecoverable; len(bad) != 0 {
 		t.Errorf("replica %s: unrecoverable %q, want none: rank 1 is a job of node2, whose log knows its connections", got.Replica.Snapshot, bad)
 	}
+	if n := scrape(t, c, "node1")["ftkit_jobs_unrecoverable"]; n != 0 {
+		t.Errorf("node1's ftkit_jobs_unrecoverable = %v, want 0", n)
+	}
 }
 
 func testUnprotectedPeerOnMember(t *testing.T) {
-	c, h1 := node1Lab(t, labcluster.Options{Interval: "1h"})
+	c, h1 := node1Lab(t, labcluster.Options{Interval: "1h", MetricsListen: metricsAddr})
 	h2, err := c.Lab.Host("node2")
 	if err != nil {
 		t.Fatal(err)
@@ -115,6 +118,9 @@ func testUnprotectedPeerOnMember(t *testing.T) {
 		if !strings.Contains(b, "the peer is a process of node2 not started under ftkit") {
 			t.Errorf("replica %s: unrecoverable %q, want it to say that the peer is a process of node2 not started under ftkit", got.Replica.Snapshot, b)
 		}
+	}
+	if n := scrape(t, c, "node1")["ftkit_jobs_unrecoverable"]; n != 1 {
+		t.Errorf("node1's ftkit_jobs_unrecoverable = %v, want 1", n)
 	}
 	if err := c.Lab.Crash(ctx, "node1"); err != nil {
 		t.Fatal(err)
