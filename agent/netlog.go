@@ -202,42 +202,67 @@ func ownTrimPoints(pts []TrimPoint, peer string, owner func(netip.Addr) string) 
 // nothing that peer sends on them: a process there not started under ftkit, or a host whose sender-side
 // log is off. A restore of the job from m could not be given what such a peer sent after m, so a failure
 // of this host would end in the recovery's refusal; said now, when m is replicated. Each member is asked
-// about its connections once per replica; a member that cannot answer (unreachable, or an agent older
-// than the question) flags nothing, and the log says so.
+// about its connections once per replica, a few members at a time; a member that cannot answer
+// (unreachable, or an agent older than the question) flags nothing, and the log says so.
 func (a *Agent) unloggedConns(ctx context.Context, m *ckpt.Manifest) []string {
-	var out []string
+	var (
+		mu  sync.Mutex
+		out []string
+		wg  sync.WaitGroup
+	)
+	sem := make(chan struct{}, maxLoggedQuestions)
 	owner := func(ip netip.Addr) string { return a.memberByIPWait(ctx, ip) }
 	for peer, pts := range receivePoints(m.Conns, owner, a.cfg.Name) {
-		flows := make([]tcpflow.Tuple, len(pts))
-		for i, p := range pts {
-			flows[i] = p.Tuple
-		}
-		for len(flows) > 0 {
-			n := min(len(flows), clusterapi.MaxLoggedFlows)
-			cctx, cancel := context.WithTimeout(ctx, loggedTimeout)
-			rep, err := a.peers().Logged(cctx, peer, clusterapi.LoggedRequest{Flows: flows[:n]})
-			cancel()
+		wg.Go(func() {
+			sem <- struct{}{}
+			defer func() { <-sem }()
+			bad, err := a.askLogged(ctx, peer, pts)
 			if err != nil {
 				a.log.Warn("could not ask a member whether it logs what it sends to this job: if it does not, a failure of this host ends in a refusal not announced now",
 					"job", m.Job, "snapshot", m.ID, "peer", peer, "err", err)
-				break
 			}
-			for _, f := range rep.Unlogged {
-				why := fmt.Sprintf("a process of %s not started under ftkit, whose sends nobody logs (run it under ftwrap, or as a job)", peer)
-				if rep.LogOff {
-					why = fmt.Sprintf("on %s, whose sender-side log is off", peer)
-				}
-				out = append(out, fmt.Sprintf("%s -> %s: the peer is %s: a restore could not be given what it sent after the snapshot", f.Remote, f.Local, why))
-			}
-			flows = flows[n:]
-		}
+			mu.Lock()
+			out = append(out, bad...)
+			mu.Unlock()
+		})
 	}
+	wg.Wait()
 	slices.Sort(out)
 	return out
 }
 
-// loggedTimeout bounds one question of unloggedConns: it delays the trims and pruning after a replica.
-const loggedTimeout = 2 * time.Second
+// maxLoggedQuestions bounds the members unloggedConns asks at once; loggedTimeout bounds one question.
+// They delay the trims and pruning after a replica.
+const (
+	maxLoggedQuestions = 8
+	loggedTimeout      = 2 * time.Second
+)
+
+// askLogged asks member peer which of the connections of pts (seen from its end) it does not log, and
+// says why for each.
+func (a *Agent) askLogged(ctx context.Context, peer string, pts []TrimPoint) ([]string, error) {
+	var out []string
+	for chunk := range slices.Chunk(pts, clusterapi.MaxLoggedFlows) {
+		req := clusterapi.LoggedRequest{Flows: make([]tcpflow.Tuple, len(chunk))}
+		for i, p := range chunk {
+			req.Flows[i] = p.Tuple
+		}
+		cctx, cancel := context.WithTimeout(ctx, loggedTimeout)
+		rep, err := a.peers().Logged(cctx, peer, req)
+		cancel()
+		if err != nil {
+			return out, err
+		}
+		why := fmt.Sprintf("a process of %s not started under ftkit, whose sends nobody logs (run it under ftwrap, or as a job)", peer)
+		if rep.LogOff {
+			why = fmt.Sprintf("on %s, whose sender-side log is off", peer)
+		}
+		for _, f := range rep.Unlogged {
+			out = append(out, fmt.Sprintf("%s -> %s: the peer is %s: a restore could not be given what it sent after the snapshot", f.Remote, f.Local, why))
+		}
+	}
+	return out, nil
+}
 
 // serveLogged answers which of flows (seen from this host's end) this host does not log. Only flows
 // whose other end the caller holds are answered: a member may ask only about its own connections.
