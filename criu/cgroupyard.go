@@ -38,11 +38,15 @@ type CgroupYard struct {
 
 // NewCgroupYard makes dir (mode 0700) the cgroup yard of this host's hierarchies, replacing what it held.
 // It fails if a hierarchy of /proc/self/cgroup has no mount of its root here, leaving dir as it was; the
-// caller then gives its Client no yard, and CRIU mounts the hierarchies itself.
+// caller then gives its Client no yard, and CRIU mounts the hierarchies itself. log (nil: none) hears when
+// the yard is made again, or skipped.
 func NewCgroupYard(dir string, log *slog.Logger) (*CgroupYard, error) {
 	dir, err := prepareCgroupYard(dir)
 	if err != nil {
 		return nil, err
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
 	}
 	return &CgroupYard{dir: dir, log: log}, nil
 }
@@ -79,7 +83,8 @@ func (y *CgroupYard) forDump() string {
 }
 
 // prepareCgroupYard makes dir the cgroup yard (NewCgroupYard says what it requires) and returns its
-// absolute path (CRIU opens it from its own working directory). A failure leaves dir as it was.
+// absolute path (CRIU opens it from its own working directory). A hierarchy without a mount of its root
+// fails it before dir is touched; a file system error while dir is made again leaves no yard.
 func prepareCgroupYard(dir string) (string, error) {
 	dir, err := filepath.Abs(dir)
 	if err != nil {
