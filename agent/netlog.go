@@ -202,8 +202,8 @@ func ownTrimPoints(pts []TrimPoint, peer string, owner func(netip.Addr) string) 
 // nothing that peer sends on them: a process there not started under ftkit, or a host whose sender-side
 // log is off. A restore of the job from m could not be given what such a peer sent after m, so a failure
 // of this host would end in the recovery's refusal; said now, when m is replicated. Each member is asked
-// about its connections once per replica, a few members at a time; a member that cannot answer
-// (unreachable, or an agent older than the question) flags nothing, and the log says so.
+// about its connections once per replica, a few members at a time; a member that cannot answer flags
+// nothing, and the log says so (a warning if it is unreachable, at debug level for an older agent).
 func (a *Agent) unloggedConns(ctx context.Context, m *ckpt.Manifest) []string {
 	var (
 		mu  sync.Mutex
@@ -217,7 +217,10 @@ func (a *Agent) unloggedConns(ctx context.Context, m *ckpt.Manifest) []string {
 			sem <- struct{}{}
 			defer func() { <-sem }()
 			bad, err := a.askLogged(ctx, peer, pts)
-			if err != nil {
+			if e := clusterapi.Refusal(err); e != nil && e.Code == clusterapi.CodeUnknownOp {
+				// An agent older than the question (a rolling upgrade): not worth a warning at every replica.
+				a.log.Debug("a member's agent does not answer whether it logs what it sends to this job (an older version)", "job", m.Job, "peer", peer)
+			} else if err != nil {
 				a.log.Warn("could not ask a member whether it logs what it sends to this job: if it does not, a failure of this host ends in a refusal not announced now",
 					"job", m.Job, "snapshot", m.ID, "peer", peer, "err", err)
 			}
