@@ -66,43 +66,11 @@ func node1Lab(t *testing.T, opts labcluster.Options) (*labcluster.Cluster, lab.H
 // flagged such a peer, and semi-coordinated mode learned of it at the recovery's refusal), and the recovery
 // refuses the job by name.
 func testPeerInNoJob(t *testing.T) {
-	args := ringArgs(2000, 16<<10, 10*time.Millisecond)
 	c, h := node1Lab(t, labcluster.Options{Interval: "1h", Mode: agent.SemiCoordinated})
 	const port = 7480
 	peers := netip.AddrPortFrom(h.Addr.Addr(), port).String() + "," + netip.AddrPortFrom(h.Addr.Addr(), port+1).String()
-	dir := t.TempDir()
-	out1, err := os.Create(filepath.Join(dir, "rank1.out"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer out1.Close()
-	plain := exec.Command(bins.Ringstencil, append([]string{"--rank", "1", "--peers", peers}, args...)...)
-	plain.Stdout, plain.Stderr = out1, out1
-	if err := c.Lab.Start("node1", plain); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		plain.Process.Kill()
-		plain.Wait()
-	})
+	j, got := ringWithPlainRank1(t, c, "node1", peers)
 	ctx := context.Background()
-	j, err := c.Client("node1").StartJob(ctx, agent.JobSpec{Name: "rank0", Argv: append([]string{bins.Ringstencil, "--rank", "0", "--peers", peers}, args...)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	waitProtected(t, c, "node1", j.ID, 2*time.Minute)
-	poll(t, 2*time.Minute, "50 iterations of rank 1", func() bool {
-		b, _ := os.ReadFile(out1.Name())
-		return strings.Count(string(b), " iteration ") >= 50/progressEvery
-	})
-	reply, err := c.Client("node1").Checkpoint(ctx)
-	if err != nil || reply.Error != "" || len(reply.Results) != 1 || !reply.Results[0].Shipped {
-		t.Fatalf("checkpoint of node1: %+v %v", reply, err)
-	}
-	got, err := c.Client("node1").Job(ctx, j.ID)
-	if err != nil {
-		t.Fatal(err)
-	}
 	// Both connections of the pair (each rank connects to the other) are flagged.
 	bad := got.Replica.Unrecoverable
 	if len(bad) != 2 {
@@ -129,6 +97,47 @@ func testPeerInNoJob(t *testing.T) {
 	if procs, _ := copies(t, c, j); procs != 0 {
 		t.Errorf("job %s: %d process(es) run after its recovery was refused", j.ID, procs)
 	}
+}
+
+// ringWithPlainRank1 runs the ring stencil with rank 1 a plain process of host (not started under ftkit)
+// and rank 0 a job of node1, the two at peers (rank 0's address first). Once rank 0 is protected and rank 1
+// has done 50 iterations, it checkpoints node1 and returns rank 0's job as started and as recorded after.
+func ringWithPlainRank1(t *testing.T, c *labcluster.Cluster, host, peers string) (started, checkpointed agent.Job) {
+	t.Helper()
+	args := ringArgs(2000, 16<<10, 10*time.Millisecond)
+	out1, err := os.Create(filepath.Join(t.TempDir(), "rank1.out"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { out1.Close() })
+	plain := exec.Command(bins.Ringstencil, append([]string{"--rank", "1", "--peers", peers}, args...)...)
+	plain.Stdout, plain.Stderr = out1, out1
+	if err := c.Lab.Start(host, plain); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		plain.Process.Kill()
+		plain.Wait()
+	})
+	ctx := context.Background()
+	j, err := c.Client("node1").StartJob(ctx, agent.JobSpec{Name: "rank0", Argv: append([]string{bins.Ringstencil, "--rank", "0", "--peers", peers}, args...)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitProtected(t, c, "node1", j.ID, 2*time.Minute)
+	poll(t, 2*time.Minute, "50 iterations of rank 1", func() bool {
+		b, _ := os.ReadFile(out1.Name())
+		return strings.Count(string(b), " iteration ") >= 50/progressEvery
+	})
+	reply, err := c.Client("node1").Checkpoint(ctx)
+	if err != nil || reply.Error != "" || len(reply.Results) != 1 || !reply.Results[0].Shipped {
+		t.Fatalf("checkpoint of node1: %+v %v", reply, err)
+	}
+	got, err := c.Client("node1").Job(ctx, j.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return j, got
 }
 
 // testLoopbackInJob: both ranks in one job, talking over loopback: both ends of each connection are in the

@@ -3,9 +3,6 @@ package e2e
 import (
 	"context"
 	"net/netip"
-	"os"
-	"os/exec"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -26,15 +23,21 @@ func TestUnprotectedPeerOnMember(t *testing.T) {
 	t.Run("a job (not flagged)", testProtectedPeerOnMember)
 }
 
-func testProtectedPeerOnMember(t *testing.T) {
+// node1node2Ring is a lab with metrics whose ring stencil's rank 0 is on node1 and rank 1 on node2: the lab
+// and the ranks' addresses.
+func node1node2Ring(t *testing.T) (*labcluster.Cluster, string) {
 	c, h1 := node1Lab(t, labcluster.Options{Interval: "1h", MetricsListen: metricsAddr})
 	h2, err := c.Lab.Host("node2")
 	if err != nil {
 		t.Fatal(err)
 	}
-	args := ringArgs(2000, 16<<10, 10*time.Millisecond)
 	const port = 7480
-	peers := netip.AddrPortFrom(h1.Addr.Addr(), port).String() + "," + netip.AddrPortFrom(h2.Addr.Addr(), port+1).String()
+	return c, netip.AddrPortFrom(h1.Addr.Addr(), port).String() + "," + netip.AddrPortFrom(h2.Addr.Addr(), port+1).String()
+}
+
+func testProtectedPeerOnMember(t *testing.T) {
+	c, peers := node1node2Ring(t)
+	args := ringArgs(2000, 16<<10, 10*time.Millisecond)
 	ctx := context.Background()
 	var j agent.Job
 	for rank, host := range []string{"node1", "node2"} {
@@ -69,46 +72,9 @@ func testProtectedPeerOnMember(t *testing.T) {
 }
 
 func testUnprotectedPeerOnMember(t *testing.T) {
-	c, h1 := node1Lab(t, labcluster.Options{Interval: "1h", MetricsListen: metricsAddr})
-	h2, err := c.Lab.Host("node2")
-	if err != nil {
-		t.Fatal(err)
-	}
-	args := ringArgs(2000, 16<<10, 10*time.Millisecond)
-	const port = 7480
-	peers := netip.AddrPortFrom(h1.Addr.Addr(), port).String() + "," + netip.AddrPortFrom(h2.Addr.Addr(), port+1).String()
-	out1, err := os.Create(filepath.Join(t.TempDir(), "rank1.out"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer out1.Close()
-	plain := exec.Command(bins.Ringstencil, append([]string{"--rank", "1", "--peers", peers}, args...)...)
-	plain.Stdout, plain.Stderr = out1, out1
-	if err := c.Lab.Start("node2", plain); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		plain.Process.Kill()
-		plain.Wait()
-	})
+	c, peers := node1node2Ring(t)
+	j, got := ringWithPlainRank1(t, c, "node2", peers)
 	ctx := context.Background()
-	j, err := c.Client("node1").StartJob(ctx, agent.JobSpec{Name: "rank0", Argv: append([]string{bins.Ringstencil, "--rank", "0", "--peers", peers}, args...)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	waitProtected(t, c, "node1", j.ID, 2*time.Minute)
-	poll(t, 2*time.Minute, "50 iterations of rank 1", func() bool {
-		b, _ := os.ReadFile(out1.Name())
-		return strings.Count(string(b), " iteration ") >= 50/progressEvery
-	})
-	reply, err := c.Client("node1").Checkpoint(ctx)
-	if err != nil || reply.Error != "" || len(reply.Results) != 1 || !reply.Results[0].Shipped {
-		t.Fatalf("checkpoint of node1: %+v %v", reply, err)
-	}
-	got, err := c.Client("node1").Job(ctx, j.ID)
-	if err != nil {
-		t.Fatal(err)
-	}
 	// Both connections of the pair (each rank connects to the other) are flagged.
 	bad := got.Replica.Unrecoverable
 	if len(bad) != 2 {
