@@ -11,11 +11,12 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/moby/sys/mountinfo"
+
+	"github.com/ftkit/ftkit/internal/testenv"
 )
 
 func TestYardLinks(t *testing.T) {
@@ -110,9 +111,7 @@ func TestYardLinks(t *testing.T) {
 func TestDumpWithCgroupYard(t *testing.T) {
 	bin := requireCRIU(t, "CRIU, a network namespace and the host's cgroup mounts")
 	child, ns := startSender(t)
-	logs := &lockedBuffer{}
-	log := slog.New(slog.NewTextHandler(logs, nil))
-	y, err := NewCgroupYard(filepath.Join(t.TempDir(), "yard"), log)
+	y, err := NewCgroupYard(filepath.Join(t.TempDir(), "yard"), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -181,8 +180,8 @@ func TestDumpWithCgroupYard(t *testing.T) {
 		if cgroupYardUsable(bad) == nil {
 			t.Errorf("%s: the yard is taken as usable", c.name)
 		}
-		logs.Reset()
-		if got, err := dump(&CgroupYard{dir: bad, log: log}); err != nil || !bytes.Equal(got, ref) {
+		logs := &testenv.SyncBuffer{}
+		if got, err := dump(&CgroupYard{dir: bad, log: slog.New(slog.NewTextHandler(logs, nil))}); err != nil || !bytes.Equal(got, ref) {
 			t.Errorf("%s: %v (image equal: %v); want it dumped as with a good yard", c.name, err, bytes.Equal(got, ref))
 		}
 		if err := cgroupYardUsable(bad); err != nil {
@@ -226,7 +225,7 @@ func TestDumpWithCgroupYard(t *testing.T) {
 	if err := cgroupYardUsable(swapped); err != nil {
 		t.Fatalf("a yard with two v1 entries swapped is not usable (%v): the check cannot tell", err)
 	}
-	if got, err := dump(&CgroupYard{dir: swapped, log: log}); err == nil && bytes.Equal(got, ref) {
+	if got, err := dump(&CgroupYard{dir: swapped, log: slog.New(slog.DiscardHandler)}); err == nil && bytes.Equal(got, ref) {
 		t.Fatalf("a dump whose yard has cpuset and %s swapped wrote the same cgroup image: CRIU did not read the yard", other)
 	}
 }
@@ -239,28 +238,4 @@ func copyYard(t *testing.T, yard string) string {
 		t.Fatal(err)
 	}
 	return dir
-}
-
-// lockedBuffer is a log's output that CRIU's goroutines and the test may use at once.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
-func (l *lockedBuffer) Reset() {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.b.Reset()
 }
