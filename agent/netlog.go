@@ -189,13 +189,19 @@ func (a *Agent) serveTrim(ctx context.Context, peer string, pts []TrimPoint) clu
 // that holds an address), and counts the others.
 func ownTrimPoints(pts []TrimPoint, peer string, owner func(netip.Addr) string) (own []TrimPoint, foreign int) {
 	for _, p := range pts {
-		if !p.Remote.IsValid() || owner(p.Remote.Addr()) != peer {
+		if !destinedFor(p.Tuple, peer, owner) {
 			foreign++
 			continue
 		}
 		own = append(own, p)
 	}
 	return own, foreign
+}
+
+// destinedFor says whether member peer holds the receiving end (Remote) of flow f now: a member may only ask
+// about, or release the log of, what is destined for itself.
+func destinedFor(f tcpflow.Tuple, peer string, owner func(netip.Addr) string) bool {
+	return f.Remote.IsValid() && owner(f.Remote.Addr()) == peer
 }
 
 // unloggedConns names the connections of snapshot m whose peer is on another member host that logs
@@ -271,8 +277,9 @@ func (a *Agent) askLogged(ctx context.Context, peer string, pts []TrimPoint) ([]
 // whose other end the caller holds are answered: a member may ask only about its own connections.
 func (a *Agent) serveLogged(ctx context.Context, peer string, flows []tcpflow.Tuple) clusterapi.LoggedReply {
 	rep := clusterapi.LoggedReply{LogOff: a.netlog == nil}
+	owner := func(ip netip.Addr) string { return a.memberByIPWait(ctx, ip) }
 	for _, f := range flows {
-		if !f.Remote.IsValid() || a.memberByIPWait(ctx, f.Remote.Addr()) != peer {
+		if !destinedFor(f, peer, owner) {
 			continue
 		}
 		if rep.LogOff || !a.netlog.node.Knows(f) {

@@ -191,11 +191,17 @@ func (n *Node) FlowState(conn tcpflow.Tuple) (ebpfprobes.FlowState, bool, error)
 // capture has seen a segment of it (it keeps the live state of protected flows only). A connection of a
 // process the host does not protect is neither: a restore of its peer could be given nothing it sent.
 func (n *Node) Knows(conn tcpflow.Tuple) bool {
-	if _, err := n.Log().Bounds(conn); !errors.Is(err, netlog.ErrUnknownConn) {
+	if n.logHolds(conn) {
 		return true
 	}
 	_, ok, err := n.src.FlowState(conn)
 	return ok || err != nil
+}
+
+// logHolds reports whether the log has a store of conn (what sentNothingSince and Knows first ask).
+func (n *Node) logHolds(conn tcpflow.Tuple) bool {
+	_, err := n.Log().Bounds(conn)
+	return !errors.Is(err, netlog.ErrUnknownConn)
 }
 
 // Protect logs what the processes of cgroup dir send.

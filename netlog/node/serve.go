@@ -2,7 +2,6 @@ package node
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"slices"
@@ -190,7 +189,7 @@ func (n *Node) catchUp(ctx context.Context, conn tcpflow.Tuple, from uint32) {
 // on it after wire sequence from: the live state's data end is exactly there. A store that exists, or a
 // live state that went further, are for the log to answer (bytes, or a hole it names).
 func (n *Node) sentNothingSince(conn tcpflow.Tuple, from uint32) (ebpfprobes.FlowState, bool) {
-	if _, err := n.Log().Bounds(conn); !errors.Is(err, netlog.ErrUnknownConn) {
+	if n.logHolds(conn) {
 		return ebpfprobes.FlowState{}, false
 	}
 	live, ok, err := n.src.FlowState(conn)
