@@ -71,16 +71,7 @@ func testPeerInNoJob(t *testing.T) {
 	peers := netip.AddrPortFrom(h.Addr.Addr(), port).String() + "," + netip.AddrPortFrom(h.Addr.Addr(), port+1).String()
 	j, got := ringWithPlainRank1(t, c, "node1", peers)
 	ctx := context.Background()
-	// Both connections of the pair (each rank connects to the other) are flagged.
-	bad := got.Replica.Unrecoverable
-	if len(bad) != 2 {
-		t.Errorf("replica %s: unrecoverable %q, want both connections to rank 1 flagged", got.Replica.Snapshot, bad)
-	}
-	for _, b := range bad {
-		if !strings.Contains(b, "the peer is a process of this host in no job snapshotted with this one") {
-			t.Errorf("replica %s: unrecoverable %q, want it to say that the peer is in no job", got.Replica.Snapshot, b)
-		}
-	}
+	wantPairFlagged(t, got, "the peer is a process of this host in no job snapshotted with this one")
 	if err := c.Lab.Crash(ctx, "node1"); err != nil {
 		t.Fatal(err)
 	}
@@ -96,6 +87,21 @@ func testPeerInNoJob(t *testing.T) {
 	}
 	if procs, _ := copies(t, c, j); procs != 0 {
 		t.Errorf("job %s: %d process(es) run after its recovery was refused", j.ID, procs)
+	}
+}
+
+// wantPairFlagged checks that job's replica flags both connections of the ring's pair (each rank connects
+// to the other), each saying why.
+func wantPairFlagged(t *testing.T, job agent.Job, why string) {
+	t.Helper()
+	bad := job.Replica.Unrecoverable
+	if len(bad) != 2 {
+		t.Errorf("replica %s: unrecoverable %q, want both connections to rank 1 flagged", job.Replica.Snapshot, bad)
+	}
+	for _, b := range bad {
+		if !strings.Contains(b, why) {
+			t.Errorf("replica %s: unrecoverable %q, want it to say %q", job.Replica.Snapshot, b, why)
+		}
 	}
 }
 

@@ -75,16 +75,7 @@ func testUnprotectedPeerOnMember(t *testing.T) {
 	c, peers := node1node2Ring(t)
 	j, got := ringWithPlainRank1(t, c, "node2", peers)
 	ctx := context.Background()
-	// Both connections of the pair (each rank connects to the other) are flagged.
-	bad := got.Replica.Unrecoverable
-	if len(bad) != 2 {
-		t.Errorf("replica %s: unrecoverable %q, want both connections to rank 1 flagged", got.Replica.Snapshot, bad)
-	}
-	for _, b := range bad {
-		if !strings.Contains(b, "the peer is a process of node2 not started under ftkit") {
-			t.Errorf("replica %s: unrecoverable %q, want it to say that the peer is a process of node2 not started under ftkit", got.Replica.Snapshot, b)
-		}
-	}
+	wantPairFlagged(t, got, "the peer is a process of node2 not started under ftkit")
 	if n := scrape(t, c, "node1")["ftkit_jobs_unrecoverable"]; n != 1 {
 		t.Errorf("node1's ftkit_jobs_unrecoverable = %v, want 1", n)
 	}
