@@ -10,14 +10,17 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"log/slog"
+	"maps"
 	"os"
 	"os/signal"
 	"path/filepath"
 	"runtime"
-	"sort"
+	"slices"
+	"strings"
 	"syscall"
 	"text/tabwriter"
 	"time"
@@ -47,10 +50,10 @@ type Result struct {
 
 type benchmark func(ctx context.Context, log *slog.Logger) (metrics []Metric, settings any, err error)
 
-// benchmarks are the benchmarks by name, and the flags of those that take any.
+// benchmarks are the benchmarks by name, and the flags of each (empty for most).
 func benchmarks() (map[string]benchmark, map[string]*flag.FlagSet) {
 	d, m := &detectBench{}, &migrateBench{}
-	return map[string]benchmark{
+	all := map[string]benchmark{
 		"compare":             benchCompare,
 		"coordinated":         benchCoordinated,
 		"detect":              d.run,
@@ -63,32 +66,66 @@ func benchmarks() (map[string]benchmark, map[string]*flag.FlagSet) {
 		"recovery":            benchRecovery,
 		"restored-throughput": benchRestored,
 		"snapshot":            benchSnapshot,
-	}, map[string]*flag.FlagSet{"detect": d.flags(), "migrate": m.flags()}
+	}
+	flagSets := map[string]*flag.FlagSet{"detect": d.flags(), "migrate": m.flags()}
+	for name := range all {
+		if flagSets[name] == nil {
+			fs := flag.NewFlagSet(name, flag.ContinueOnError)
+			fs.Usage = func() { fmt.Fprintf(fs.Output(), "ftbench %s takes no flags\n", name) }
+			flagSets[name] = fs
+		}
+	}
+	return all, flagSets
 }
+
+// selectBenchmarks reads the benchmark names of args, each followed by its own flags, and returns them
+// in order; none means every benchmark. It checks every name and flag before any benchmark runs: one
+// that takes minutes and sets up a lab must not run only for the command to fail on a typo after it.
+func selectBenchmarks(args []string, all map[string]benchmark, flagSets map[string]*flag.FlagSet) ([]string, error) {
+	var names []string
+	for len(args) > 0 {
+		name := args[0]
+		if _, ok := all[name]; !ok {
+			return nil, fmt.Errorf("no benchmark %q (there are: %s)", name, strings.Join(slices.Sorted(maps.Keys(all)), ", "))
+		}
+		fs := flagSets[name]
+		if err := fs.Parse(args[1:]); err != nil {
+			return nil, flagError{err} // the flag set printed it, with its usage
+		}
+		names, args = append(names, name), fs.Args()
+	}
+	if len(names) == 0 {
+		names = slices.Sorted(maps.Keys(all))
+	}
+	return names, nil
+}
+
+// flagError is a benchmark's flag that did not parse, already reported by its flag set.
+type flagError struct{ error }
+
+func (e flagError) Unwrap() error { return e.error }
 
 func main() {
 	out := flag.String("out", "bench/results", "directory for the JSON results")
+	flag.Usage = func() {
+		fmt.Fprintf(flag.CommandLine.Output(), "usage: ftbench [--out DIR] [NAME [FLAG...]...]  (default: every benchmark; NAME --help lists its flags)\n")
+		flag.PrintDefaults()
+	}
 	flag.Parse()
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 
 	all, flagSets := benchmarks()
-	var names []string
-	for args := flag.Args(); len(args) > 0; {
-		names, args = append(names, args[0]), args[1:]
-		if fs, ok := flagSets[names[len(names)-1]]; ok {
-			if err := fs.Parse(args); err != nil {
-				os.Exit(cli.ExitUsage)
-			}
-			args = fs.Args()
-		}
-	}
-	if len(names) == 0 {
-		for n := range all {
-			names = append(names, n)
-		}
-		sort.Strings(names)
+	names, err := selectBenchmarks(flag.Args(), all, flagSets)
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+		return
+	case errors.As(err, new(flagError)):
+		os.Exit(cli.ExitUsage)
+	case err != nil:
+		fmt.Fprintln(os.Stderr, "ftbench:", err)
+		os.Exit(cli.ExitUsage)
 	}
 	if err := os.MkdirAll(*out, 0o755); err != nil {
 		fmt.Fprintln(os.Stderr, "ftbench:", err)
@@ -98,11 +135,7 @@ func main() {
 	fmt.Fprintln(tw, "benchmark\tmetric\tvalue\tunit\t")
 	failed := false
 	for _, name := range names {
-		b, ok := all[name]
-		if !ok {
-			fmt.Fprintf(os.Stderr, "ftbench: no benchmark %q\n", name)
-			os.Exit(cli.ExitUsage)
-		}
+		b := all[name]
 		start := time.Now()
 		log.Info("benchmark", "name", name)
 		metrics, settings, err := b(ctx, log)
