@@ -59,6 +59,8 @@ type Agent struct {
 
 	netlog *logState  // nil when the sender-side log is disabled
 	coord  coordHolds // runs whose jobs this host holds frozen for a coordinated snapshot
+	// unloggedSeen are the connections of this host's unprotected processes members asked about (serveLogged).
+	unloggedSeen unloggedReports
 
 	members  membership      // the cluster view: ring, spares, who holds which address
 	jobAddrs jobAddrOwners   // who holds which job address (jobaddr_owners.go)

@@ -286,7 +286,60 @@ func (a *Agent) serveLogged(ctx context.Context, peer string, flows []tcpflow.Tu
 			rep.Unlogged = append(rep.Unlogged, f)
 		}
 	}
+	for _, f := range a.unloggedSeen.fresh(rep.Unlogged, time.Now()) {
+		// This host's operator is told too: the process is here, the job that cannot be recovered there.
+		msg := "a process of this host not started under ftkit talks to a job of another member: nothing logs what it sends, so that job cannot be recovered if its host fails (run the process under ftwrap, or as a job; ss -tnp names it by its address)"
+		if rep.LogOff {
+			msg = "this host's sender-side log is off: a job of another member talks to a process of this host, and cannot be recovered if its host fails"
+		}
+		a.log.Warn(msg, "local", f.Local, "remote", f.Remote, "member", peer)
+	}
 	return rep
+}
+
+// unloggedReports remembers the connections a member was told this host does not log (serveLogged), so
+// that its log names each once a day rather than at every replica of the job.
+type unloggedReports struct {
+	mu   sync.Mutex
+	seen map[tcpflow.Tuple]time.Time // when each was last logged
+}
+
+// unloggedReportEvery is how often one connection is named again; maxUnloggedReports bounds the memory
+// of them, the oldest dropped first.
+const (
+	unloggedReportEvery = 24 * time.Hour
+	maxUnloggedReports  = 4096
+)
+
+// fresh returns the flows not named in the last unloggedReportEvery, and notes them as named at now.
+func (u *unloggedReports) fresh(flows []tcpflow.Tuple, now time.Time) []tcpflow.Tuple {
+	if len(flows) == 0 {
+		return nil
+	}
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.seen == nil {
+		u.seen = map[tcpflow.Tuple]time.Time{}
+	}
+	var out []tcpflow.Tuple
+	for _, f := range flows {
+		if at, ok := u.seen[f]; ok && now.Sub(at) < unloggedReportEvery {
+			continue
+		}
+		if _, ok := u.seen[f]; !ok && len(u.seen) >= maxUnloggedReports {
+			oldest := now
+			var drop tcpflow.Tuple
+			for g, at := range u.seen {
+				if !at.After(oldest) {
+					oldest, drop = at, g
+				}
+			}
+			delete(u.seen, drop)
+		}
+		u.seen[f] = now
+		out = append(out, f)
+	}
+	return out
 }
 
 // maxLogRange bounds one log range (clusterapi.MaxLogRange says why). The log's memory cap is no bound:

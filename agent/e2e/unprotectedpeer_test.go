@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"net/netip"
+	"os"
 	"strconv"
 	"strings"
 	"testing"
@@ -69,6 +70,9 @@ func testProtectedPeerOnMember(t *testing.T) {
 	if n := scrape(t, c, "node1")["ftkit_jobs_unrecoverable"]; n != 0 {
 		t.Errorf("node1's ftkit_jobs_unrecoverable = %v, want 0", n)
 	}
+	if b, err := os.ReadFile(c.LogPath("node2")); err != nil || strings.Contains(string(b), "not started under ftkit") {
+		t.Errorf("node2's log (err %v) names a process of node2 not started under ftkit; rank 1 is a job:\n%s", err, b)
+	}
 }
 
 func testUnprotectedPeerOnMember(t *testing.T) {
@@ -79,6 +83,21 @@ func testUnprotectedPeerOnMember(t *testing.T) {
 	if n := scrape(t, c, "node1")["ftkit_jobs_unrecoverable"]; n != 1 {
 		t.Errorf("node1's ftkit_jobs_unrecoverable = %v, want 1", n)
 	}
+	// node2's operator is told too, once per connection, from node2's end.
+	poll(t, time.Minute, "node2's log naming both connections of its plain process", func() bool {
+		b, _ := os.ReadFile(c.LogPath("node2"))
+		n := 0
+		for line := range strings.Lines(string(b)) {
+			if strings.Contains(line, "a process of this host not started under ftkit talks to a job of another member") &&
+				strings.Contains(line, "member=node1") {
+				n++
+			}
+		}
+		if n > 2 {
+			t.Fatalf("node2's log names its plain process's connections %d times, want 2:\n%s", n, b)
+		}
+		return n == 2
+	})
 	if err := c.Lab.Crash(ctx, "node1"); err != nil {
 		t.Fatal(err)
 	}
