@@ -286,47 +286,63 @@ func (a *Agent) serveLogged(ctx context.Context, peer string, flows []tcpflow.Tu
 			rep.Unlogged = append(rep.Unlogged, f)
 		}
 	}
-	for _, f := range a.unloggedSeen.fresh(rep.Unlogged, time.Now()) {
-		// This host's operator is told too: the process is here, the job that cannot be recovered there.
+	// This host's operator is told too: the process is here, the job that cannot be recovered there.
+	named, unnamed := a.unloggedSeen.fresh(rep.Unlogged, time.Now())
+	for _, f := range named {
 		msg := "a process of this host not started under ftkit talks to a job of another member: nothing logs what it sends, so that job cannot be recovered if its host fails (run the process under ftwrap, or as a job; ss -tnp names it by its address)"
 		if rep.LogOff {
 			msg = "this host's sender-side log is off: a job of another member talks to a process of this host, and cannot be recovered if its host fails"
 		}
 		a.log.Warn(msg, "local", f.Local, "remote", f.Remote, "member", peer)
 	}
+	if unnamed > 0 {
+		a.log.Warn("more connections of processes of this host that nothing logs were asked about this hour than the log names one by one: ftctl status on the asking member lists its jobs' connections", "member", peer, "unnamed", unnamed)
+	}
 	return rep
 }
 
-// unloggedReports remembers the connections a member was told this host does not log (serveLogged), so
-// that its log names each once a day rather than at every replica of the job.
+// unloggedReports remembers the connections members were told this host does not log (serveLogged), so
+// that its log names each once a day rather than at every replica of the job, and at most a few hundred an
+// hour: a member's questions, however many or wrong, cannot flood the log.
 type unloggedReports struct {
-	mu   sync.Mutex
-	seen map[tcpflow.Tuple]time.Time // when each was last logged
+	mu     sync.Mutex
+	seen   map[tcpflow.Tuple]time.Time // when each was last named
+	window time.Time                   // the start of the hour whose names are counted
+	named  int                         // connections named since window
 }
 
-// unloggedReportEvery is how often one connection is named again; maxUnloggedReports bounds the memory
-// of them, the oldest dropped first.
+// unloggedReportEvery is how often one connection is named again, unloggedReportsPerHour how many are
+// named in an hour at most, and maxUnloggedReports how many are remembered, the oldest forgotten first.
 const (
-	unloggedReportEvery = 24 * time.Hour
-	maxUnloggedReports  = 4096
+	unloggedReportEvery    = 24 * time.Hour
+	unloggedReportsPerHour = 256
+	maxUnloggedReports     = 4096
 )
 
-// fresh returns the flows not named in the last unloggedReportEvery, and notes them as named at now.
-func (u *unloggedReports) fresh(flows []tcpflow.Tuple, now time.Time) []tcpflow.Tuple {
+// fresh returns the flows to name now: those not named in the last unloggedReportEvery, within the hour's
+// budget; it notes them as named at now. unnamed counts those the budget kept back (named at a later ask).
+func (u *unloggedReports) fresh(flows []tcpflow.Tuple, now time.Time) (named []tcpflow.Tuple, unnamed int) {
 	if len(flows) == 0 {
-		return nil
+		return nil, 0
 	}
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	if u.seen == nil {
 		u.seen = map[tcpflow.Tuple]time.Time{}
 	}
-	var out []tcpflow.Tuple
+	if now.Sub(u.window) >= time.Hour {
+		u.window, u.named = now, 0
+	}
 	for _, f := range flows {
-		if at, ok := u.seen[f]; ok && now.Sub(at) < unloggedReportEvery {
+		at, ok := u.seen[f]
+		if ok && now.Sub(at) < unloggedReportEvery {
 			continue
 		}
-		if _, ok := u.seen[f]; !ok && len(u.seen) >= maxUnloggedReports {
+		if u.named >= unloggedReportsPerHour {
+			unnamed++
+			continue
+		}
+		if !ok && len(u.seen) >= maxUnloggedReports {
 			oldest := now
 			var drop tcpflow.Tuple
 			for g, at := range u.seen {
@@ -337,9 +353,10 @@ func (u *unloggedReports) fresh(flows []tcpflow.Tuple, now time.Time) []tcpflow.
 			delete(u.seen, drop)
 		}
 		u.seen[f] = now
-		out = append(out, f)
+		u.named++
+		named = append(named, f)
 	}
-	return out
+	return named, unnamed
 }
 
 // maxLogRange bounds one log range (clusterapi.MaxLogRange says why). The log's memory cap is no bound:
