@@ -296,7 +296,7 @@ func (a *Agent) serveLogged(ctx context.Context, peer string, flows []tcpflow.Tu
 		a.log.Warn(msg, "local", f.Local, "remote", f.Remote, "member", peer)
 	}
 	if unnamed > 0 {
-		a.log.Warn("more connections of processes of this host that nothing logs were asked about this hour than the log names one by one: ftctl status on the asking member lists its jobs' connections", "member", peer, "unnamed", unnamed)
+		a.log.Warn("more connections of processes of this host that nothing logs were asked about this hour than the log names one by one (said once an hour): ftctl status on the asking members lists their jobs' connections", "member", peer, "unnamed", unnamed)
 	}
 	return rep
 }
@@ -309,6 +309,7 @@ type unloggedReports struct {
 	seen   map[tcpflow.Tuple]time.Time // when each was last named
 	window time.Time                   // the start of the hour whose names are counted
 	named  int                         // connections named since window
+	told   bool                        // fresh reported connections kept back since window
 }
 
 // unloggedReportEvery is how often one connection is named again, unloggedReportsPerHour how many are
@@ -320,7 +321,8 @@ const (
 )
 
 // fresh returns the flows to name now: those not named in the last unloggedReportEvery, within the hour's
-// budget; it notes them as named at now. unnamed counts those the budget kept back (named at a later ask).
+// budget; it notes them as named at now. unnamed counts those the budget kept back (named at a later ask),
+// once an hour: 0 after that.
 func (u *unloggedReports) fresh(flows []tcpflow.Tuple, now time.Time) (named []tcpflow.Tuple, unnamed int) {
 	if len(flows) == 0 {
 		return nil, 0
@@ -331,7 +333,7 @@ func (u *unloggedReports) fresh(flows []tcpflow.Tuple, now time.Time) (named []t
 		u.seen = map[tcpflow.Tuple]time.Time{}
 	}
 	if now.Sub(u.window) >= time.Hour {
-		u.window, u.named = now, 0
+		u.window, u.named, u.told = now, 0, false
 	}
 	for _, f := range flows {
 		at, ok := u.seen[f]
@@ -356,6 +358,10 @@ func (u *unloggedReports) fresh(flows []tcpflow.Tuple, now time.Time) (named []t
 		u.named++
 		named = append(named, f)
 	}
+	if u.told {
+		return named, 0
+	}
+	u.told = unnamed > 0
 	return named, unnamed
 }
 
