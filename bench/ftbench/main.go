@@ -4,7 +4,8 @@
 //
 //	ftbench [--out DIR] [NAME [FLAG...]...]     (default: every benchmark)
 //
-// A benchmark name may be followed by its own flags (ftbench detect --crashes 5 --soak 10m).
+// A benchmark name may be followed by its own flags (ftbench detect --crashes 5 --soak 10m; NAME --help
+// lists them). Every name and flag is checked before the first benchmark runs.
 package main
 
 import (
