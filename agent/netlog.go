@@ -288,11 +288,11 @@ func (a *Agent) serveLogged(ctx context.Context, peer string, flows []tcpflow.Tu
 	}
 	// This host's operator is told too: the process is here, the job that cannot be recovered there.
 	named, unnamed := a.unloggedSeen.fresh(rep.Unlogged, time.Now())
+	msg := "a process of this host not started under ftkit talks to a job of another member: nothing logs what it sends, so that job cannot be recovered if its host fails (run the process under ftwrap, or as a job; ss -tnp names it by its address)"
+	if rep.LogOff {
+		msg = "this host's sender-side log is off: a job of another member talks to a process of this host, and cannot be recovered if its host fails"
+	}
 	for _, f := range named {
-		msg := "a process of this host not started under ftkit talks to a job of another member: nothing logs what it sends, so that job cannot be recovered if its host fails (run the process under ftwrap, or as a job; ss -tnp names it by its address)"
-		if rep.LogOff {
-			msg = "this host's sender-side log is off: a job of another member talks to a process of this host, and cannot be recovered if its host fails"
-		}
 		a.log.Warn(msg, "local", f.Local, "remote", f.Remote, "member", peer)
 	}
 	if unnamed > 0 {
