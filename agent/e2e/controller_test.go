@@ -14,6 +14,7 @@ import (
 // while a snapshot waits for its job's bytes), the controller makes the receiving node snapshot, and
 // nothing is lost: the program's result is correct and the log never has a hole.
 func TestLogControllerKeepsCap(t *testing.T) {
+	t.Parallel() // each test has its own lab
 	const capMiB, ringMiB = 16, 4
 	c := newCluster(t, 2, 0, labcluster.Options{Interval: "1h", LogMemoryMiB: capMiB, LogRingMiB: ringMiB})
 	ctx := context.Background()

@@ -391,6 +391,7 @@ func TestFailover(t *testing.T) {
 	}
 	for i, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel() // each row has its own lab
 			args := ringArgs(tt.iters, block, tt.delay)
 			want := reference(t, 3, args)
 			opts := labcluster.Options{Interval: "1h", LazyRestore: tt.lazy}

@@ -77,6 +77,7 @@ func TestPartitionFenceCommand(t *testing.T) {
 		{"fails", true, 5 * time.Second, []string{"fence command failed (exit status 4)", "lab BMC of node2 unreachable", "waited until fence_timeout 5s"}, "confirmed"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel() // each row has its own lab
 			partitionFenceCommand(t, args, want, tc.broken, tc.fenceTimeout, tc.detail, tc.notDetail)
 		})
 	}

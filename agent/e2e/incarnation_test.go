@@ -182,6 +182,7 @@ func TestManualRestoreDuringFailover(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel() // each row has its own lab
 			c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", HeartbeatTimeout: tt.heartbeatTimeout})
 			ctx := context.Background()
 			j := startCounter(t, c, "node1", "counter")
@@ -297,6 +298,7 @@ func TestFailoverFallsBackToNextReplica(t *testing.T) {
 // refused before the snapshot moves: the host it asked never holds a copy. (A job of another user cannot
 // be snapshotted here: CRIU refuses to dump an unprivileged task whose /proc does not belong to it.)
 func TestRestoreChecksOwnerBeforeFetch(t *testing.T) {
+	t.Parallel() // each test has its own lab
 	const nobody = 65534
 	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", ManualFailover: true})
 	ctx := context.Background()

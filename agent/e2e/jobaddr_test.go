@@ -395,7 +395,10 @@ func TestJobAddressSelfFence(t *testing.T) {
 		name       string
 		agentsOnly bool
 	}{{"link down", false}, {"agents cut off, job traffic flowing", true}} {
-		t.Run(tc.name, func(t *testing.T) { testJobAddressSelfFence(t, tc.agentsOnly) })
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel() // each row has its own lab
+			testJobAddressSelfFence(t, tc.agentsOnly)
+		})
 	}
 }
 

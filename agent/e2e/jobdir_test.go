@@ -158,6 +158,7 @@ func rootFiles(t *testing.T, names ...string) (map[string]string, func(when stri
 // so it cannot plant a link for the shim, a snapshot or a restore (all root) to write through, nor forge
 // the exit record.
 func TestJobUserCannotPlantInJobDirectory(t *testing.T) {
+	t.Parallel() // each test has its own lab
 	c := newCluster(t, 2, 0, labcluster.Options{Interval: "1h"})
 	targets, untouched := rootFiles(t, "stdout", "stderr", "exit", "other")
 	home := userDir(t)

@@ -144,6 +144,7 @@ func ftwrap(c *labcluster.Cluster, host string, args ...string) *exec.Cmd {
 }
 
 func TestFtwrapOutputAndExitStatus(t *testing.T) {
+	t.Parallel() // each test has its own lab
 	c := newCluster(t, 2, 0, labcluster.Options{})
 	cmd := ftwrap(c, "node1", "--name", "counter", "--", "sh", "-c", `for i in 1 2 3; do echo out$i; echo err$i >&2; done; exit 3`)
 	var stdout, stderr bytes.Buffer
@@ -189,6 +190,7 @@ func TestFtwrapOutputAndExitStatus(t *testing.T) {
 const restartTimeout = 5 * time.Second
 
 func TestAgentRestartAdoptsJob(t *testing.T) {
+	t.Parallel() // each test has its own lab
 	c := newCluster(t, 2, 0, labcluster.Options{HeartbeatTimeout: restartTimeout})
 	cmd := ftwrap(c, "node2", "sh", "-c", `i=0; while [ $i -lt 30 ]; do echo tick$i; i=$((i+1)); sleep 0.1; done`)
 	var stdout bytes.Buffer
@@ -247,6 +249,7 @@ func TestAgentRestartAdoptsJob(t *testing.T) {
 // The local API identifies callers by SO_PEERCRED: a user's job runs as that user, and a user sees and
 // acts on its own jobs only, while root sees everything.
 func TestPeerCredentials(t *testing.T) {
+	t.Parallel() // each test has its own lab
 	c := newCluster(t, 2, 0, labcluster.Options{})
 	const nobody = 65534
 	cmd := ftwrap(c, "node1", "--name", "mine", "--", "sh", "-c", "id -u; sleep 3")

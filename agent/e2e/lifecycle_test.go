@@ -33,6 +33,7 @@ func waitProtected(t *testing.T, c *labcluster.Cluster, host, id string, timeout
 // TestJobProtectedAtStart: a job's first snapshot is taken as it starts and replicated, long before its
 // interval (10 min here); its record says so, and the protector holds that snapshot.
 func TestJobProtectedAtStart(t *testing.T) {
+	t.Parallel() // each test has its own lab
 	tests := []struct {
 		name string
 		mode agent.Mode
@@ -74,6 +75,7 @@ func TestJobProtectedAtStart(t *testing.T) {
 // TestAgentRestartThawsFrozenJob: an agent killed while it had the jobs' cgroups frozen for a
 // semi-coordinated snapshot leaves them frozen; the restarted agent thaws them, and the job runs on.
 func TestAgentRestartThawsFrozenJob(t *testing.T) {
+	t.Parallel() // each test has its own lab
 	c := newCluster(t, 2, 0, labcluster.Options{Interval: "1h", Mode: agent.SemiCoordinated, HeartbeatTimeout: restartTimeout})
 	ctx := context.Background()
 	_, _, id := startWrapped(t, c, "node1", "counter", "sh", "-c", `i=0; while true; do echo $i; i=$((i+1)); sleep 0.05; done`)

@@ -38,10 +38,13 @@ func TestLocalPeers(t *testing.T) {
 		{"semi-coordinated, job addresses", agent.SemiCoordinated, true},
 		{"uncoordinated, job addresses", agent.Uncoordinated, true},
 	} {
-		t.Run(tc.name, func(t *testing.T) { testLocalPeers(t, tc.mode, tc.jobAddrs) })
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel() // each row has its own lab
+			testLocalPeers(t, tc.mode, tc.jobAddrs)
+		})
 	}
-	t.Run("one job, loopback", testLoopbackInJob)
-	t.Run("semi-coordinated, a peer in no job", testPeerInNoJob)
+	t.Run("one job, loopback", func(t *testing.T) { t.Parallel(); testLoopbackInJob(t) })
+	t.Run("semi-coordinated, a peer in no job", func(t *testing.T) { t.Parallel(); testPeerInNoJob(t) })
 }
 
 // node1Lab is a lab of two nodes and a spare whose recovery timeline is logged if the test fails, and its

@@ -28,6 +28,7 @@ func init() { streamtest.ChildMain(nil, 10*time.Minute) }
 // 64 MiB of random bytes to node2's job, several times in a row, with a 32 MiB log cap: each run's
 // connection must be freed after the jobs exit, so every next run starts with an empty log.
 func TestFinishedConnLogFreed(t *testing.T) {
+	t.Parallel() // each test has its own lab
 	const capMiB, size, runs = 32, 64 << 20, 3
 	c := newCluster(t, 2, 0, labcluster.Options{Interval: "1h", LogMemoryMiB: capMiB, LogRingMiB: 4})
 	ctx := context.Background()

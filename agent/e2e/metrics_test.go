@@ -94,6 +94,7 @@ func ftkitSamples(m map[string]float64) string {
 // shipping, replica age), a manual checkpoint adds one more, the sender-side log grows with the job's
 // traffic to the other host, heartbeats flow both ways.
 func TestMetricsMove(t *testing.T) {
+	t.Parallel() // each test has its own lab
 	c := newCluster(t, 2, 0, labcluster.Options{Interval: "1h", MetricsListen: metricsAddr})
 	ctx := context.Background()
 
@@ -165,6 +166,7 @@ func TestMetricsMove(t *testing.T) {
 // agent reports the finished recovery with its stage durations (the failure log travels with the view),
 // and the restored rank counts as a running job on the spare.
 func TestMetricsRecovery(t *testing.T) {
+	t.Parallel() // each test has its own lab
 	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", MetricsListen: metricsAddr})
 	// Long enough to be running still when the crash comes; the test stops it with the lab.
 	rg := startRing(t, c, 3, 7390, ringArgs(1_000_000, 64<<10, 10*time.Millisecond))

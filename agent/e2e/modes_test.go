@@ -78,6 +78,7 @@ func TestCorruptSnapshotRefused(t *testing.T) {
 // In semi-coordinated mode the jobs of a host are frozen together, so a connection between two of them
 // is captured consistently: what one side has sent is exactly what the other side has received.
 func TestSemiCoordinatedSnapshotIsConsistent(t *testing.T) {
+	t.Parallel() // each test has its own lab
 	c := newCluster(t, 2, 0, labcluster.Options{Interval: "1h", Mode: agent.SemiCoordinated})
 	ctx := context.Background()
 	peers := "127.0.0.1:7301,127.0.0.1:7302"
@@ -141,6 +142,7 @@ func TestSemiCoordinatedSnapshotIsConsistent(t *testing.T) {
 }
 
 func TestPeriodicSnapshots(t *testing.T) {
+	t.Parallel() // each test has its own lab
 	c := newCluster(t, 2, 0, labcluster.Options{Interval: "1s"})
 	ctx := context.Background()
 	_, _, job := startWrapped(t, c, "node1", "sleeper", "sleep", "30")

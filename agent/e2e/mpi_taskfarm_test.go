@@ -193,6 +193,7 @@ func requireMPI4Py(t *testing.T) {
 // positions), message logging recovers the master unless the crash took determinants its last assignments
 // depended on (orphans), and then the run rolls back.
 func TestTaskFarmAutoRollback(t *testing.T) {
+	t.Parallel() // each row has its own lab
 	// A diverged master that waits for a message nobody sends is declared diverged after replay_timeout
 	// (2 minutes by default; ci: the whole test then took 4 minutes); its replay takes well under a second.
 	const farmReplayTimeout = 20 * time.Second

@@ -41,6 +41,7 @@ func waitanyRows(out string) int { return len(waitanyRowRE.FindAllString(out, -1
 // prints (waitany.py --check recomputes every rank's accumulators from the printed orders). A loud failure
 // fails the test too.
 func TestWaitanyRecovers(t *testing.T) {
+	t.Parallel() // each row has its own lab
 	requireMPI4Py(t)
 	script, err := os.ReadFile("testdata/waitany.py")
 	if err != nil {

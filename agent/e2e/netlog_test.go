@@ -13,6 +13,7 @@ import (
 // Sender-based logging's garbage collection across agents: once a receiver's snapshot is durable on its
 // protector, each sender's log for that connection starts exactly at the snapshot's receive point.
 func TestLogTrimmedAtReceiverSnapshot(t *testing.T) {
+	t.Parallel() // each test has its own lab
 	c := newCluster(t, 3, 0, labcluster.Options{Interval: "1h"})
 	ctx := context.Background()
 	st := c.Lab.State()

@@ -42,6 +42,7 @@ func TestResentBytesVerified(t *testing.T) {
 	}
 	for i, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel() // each row has its own lab
 			args := []string{"--iters", "600", "--block", fmt.Sprint(tt.block), "--delay", "10ms"}
 			if tt.clock {
 				args = append(args, "--clock")

@@ -232,6 +232,7 @@ func firstDiff(got, want string) string {
 // at boot). An automounted home is the case that matters: autofs mounts it in the host's namespace on first
 // access, and a private copy of the namespace failed that access.
 func TestJobSeesLaterHostMounts(t *testing.T) {
+	t.Parallel() // each test has its own lab
 	c := newCluster(t, 2, 1, labcluster.Options{Interval: "1h", ManualFailover: true})
 	ctx := context.Background()
 	shared := mountTmpfs(t, filepath.Join("/run", "ftkit-test-shared-"+c.Lab.State().ID))

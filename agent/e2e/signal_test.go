@@ -49,6 +49,7 @@ func waitJobEnd(t *testing.T, c *agentapi.Client, id string) agent.Job {
 // The signal endpoint reaches the job through a pidfd checked against the job's cgroup: in a real cgroup
 // for a started job and for one CRIU restored on another host, and it refuses a job that has ended.
 func TestSignalJob(t *testing.T) {
+	t.Parallel() // each test has its own lab
 	c := newCluster(t, 2, 0, labcluster.Options{Interval: "1h", ManualFailover: true})
 	ctx := context.Background()
 	n1, n2 := c.Client("node1"), c.Client("node2")

@@ -9,6 +9,7 @@ import (
 )
 
 func TestCheckpointShipsToProtector(t *testing.T) {
+	t.Parallel() // each test has its own lab
 	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
 	ctx := context.Background()
 	cmd := ftwrap(c, "node1", "--name", "counter", "--", "sh", "-c", `i=0; while true; do echo $i; i=$((i+1)); sleep 0.05; done`)

@@ -102,6 +102,7 @@ func snapshotRestoreElsewhere(t *testing.T, c *labcluster.Cluster, j agent.Job, 
 // found the host's /proc and tried to mount its own ("Can't create a directory (-13)", "can't dump
 // unprivileged task whose /proc doesn't belong to it").
 func TestSnapshotAndRestoreJobOfOtherUser(t *testing.T) {
+	t.Parallel() // each test has its own lab
 	requireSysResource(t)
 	c := newCluster(t, 2, 0, labcluster.Options{Interval: "1h", ManualFailover: true})
 	const lines = 300
