@@ -114,7 +114,7 @@ func main() {
 	}
 	flag.Parse()
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo}))
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	ctx, stop := stopContext()
 	defer stop()
 
 	all, flagSets := benchmarks()
@@ -159,6 +159,14 @@ func main() {
 	if failed {
 		os.Exit(cli.ExitFailure)
 	}
+}
+
+// stopContext is canceled by every signal that would otherwise kill ftbench without its cleanup, which
+// removes the benchmark's lab (namespaces, cgroups, agents): SIGINT and SIGTERM, SIGHUP (the terminal went
+// away) and SIGPIPE (`ftbench ... | head` once left a lab behind when head exited; notified, a write to the
+// closed pipe fails instead, and the benchmark stops as if interrupted).
+func stopContext() (context.Context, context.CancelFunc) {
+	return signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM, syscall.SIGHUP, syscall.SIGPIPE)
 }
 
 func writeJSON(path string, v any) error {

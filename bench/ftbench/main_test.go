@@ -1,9 +1,13 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"flag"
+	"fmt"
 	"io"
+	"os"
+	"os/exec"
 	"slices"
 	"strings"
 	"testing"
@@ -53,5 +57,37 @@ func TestSelectBenchmarks(t *testing.T) {
 	flagSets["detect"] = d.flags()
 	if _, err := selectBenchmarks([]string{"detect", "--crashes", "3"}, all, flagSets); err != nil || d.crashes != 3 {
 		t.Fatalf("detect --crashes 3: crashes %d, err %v", d.crashes, err)
+	}
+}
+
+// A reader of ftbench's output that goes away (`ftbench ... | head`) stops the benchmark through its context,
+// so that its lab is removed: ftbench once died of SIGPIPE and left the lab behind. The test runs itself as
+// ftbench would, writing to a pipe whose reader is gone.
+func TestStopContextOnBrokenPipe(t *testing.T) {
+	if os.Getenv("FTBENCH_TEST_BROKEN_PIPE") != "" {
+		ctx, stop := stopContext()
+		defer stop()
+		for ctx.Err() == nil {
+			fmt.Println("a benchmark's line")
+		}
+		fmt.Fprintln(os.Stderr, "stopped by", context.Cause(ctx))
+		os.Exit(0)
+	}
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.Close() // nobody reads: the first write gets EPIPE, and SIGPIPE
+	cmd := exec.Command(os.Args[0], "-test.run=^TestStopContextOnBrokenPipe$")
+	cmd.Env = append(os.Environ(), "FTBENCH_TEST_BROKEN_PIPE=1")
+	var stderr strings.Builder
+	cmd.Stdout, cmd.Stderr = w, &stderr
+	err = cmd.Run()
+	w.Close()
+	if err != nil || !strings.Contains(stderr.String(), "stopped by") {
+		t.Fatalf("ftbench writing to a closed pipe: %v (%s), want its context canceled and a clean exit", err, stderr.String())
+	}
+	if !strings.Contains(stderr.String(), "broken pipe") {
+		t.Errorf("stopped by %q, want the broken pipe's signal", stderr.String())
 	}
 }
