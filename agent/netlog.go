@@ -262,15 +262,30 @@ func (a *Agent) askLogged(ctx context.Context, peer string, pts []TrimPoint) ([]
 		if err != nil {
 			return out, err
 		}
-		why := fmt.Sprintf("a process of %s not started under ftkit, whose sends nobody logs (run it under ftwrap, or as a job)", peer)
-		if rep.LogOff {
-			why = fmt.Sprintf("on %s, whose sender-side log is off", peer)
-		}
-		for _, f := range rep.Unlogged {
-			out = append(out, fmt.Sprintf("%s -> %s: the peer is %s: a restore could not be given what it sent after the snapshot", f.Remote, f.Local, why))
-		}
+		out = append(out, unloggedReasons(peer, rep)...)
 	}
 	return out, nil
+}
+
+// unloggedReasons says, for each connection member peer named in rep, why a restore of this host's job
+// could not be given what the peer sent after the snapshot (the job's end first).
+func unloggedReasons(peer string, rep clusterapi.LoggedReply) []string {
+	why := fmt.Sprintf("a process of %s not started under ftkit, whose sends nobody logs (run it under ftwrap, or as a job)", peer)
+	if rep.LogOff {
+		why = fmt.Sprintf("on %s, whose sender-side log is off", peer)
+	}
+	lost := setOf(rep.StateLost)
+	var out []string
+	for _, f := range rep.Unlogged {
+		if lost[f] {
+			out = append(out, fmt.Sprintf("%s -> %s: the peer is a protected process of %s, but that host's log has lost the connection's live state "+
+				"(its capture keeps the most recently active connections only): a restore could not be told what it sent after the snapshot "+
+				"until the connection carries a segment again", f.Remote, f.Local, peer))
+			continue
+		}
+		out = append(out, fmt.Sprintf("%s -> %s: the peer is %s: a restore could not be given what it sent after the snapshot", f.Remote, f.Local, why))
+	}
+	return out
 }
 
 // serveLogged answers which of flows (seen from this host's end) this host does not log. Only flows
@@ -284,6 +299,9 @@ func (a *Agent) serveLogged(ctx context.Context, peer string, flows []tcpflow.Tu
 		}
 		if rep.LogOff || !a.netlog.node.Knows(f) {
 			rep.Unlogged = append(rep.Unlogged, f)
+			if !rep.LogOff && a.netlog.node.LostState(f) {
+				rep.StateLost = append(rep.StateLost, f)
+			}
 		}
 	}
 	// This host's operator is told too: the process is here, the job that cannot be recovered there.
@@ -292,13 +310,27 @@ func (a *Agent) serveLogged(ctx context.Context, peer string, flows []tcpflow.Tu
 	if rep.LogOff {
 		msg = "this host's sender-side log is off: a job of another member talks to a process of this host, and cannot be recovered if its host fails"
 	}
+	lost := setOf(rep.StateLost)
 	for _, f := range named {
+		if lost[f] {
+			a.log.Warn("a connection of a protected process of this host has no live state in the sender-side log's capture any more (it keeps those of the 8192 most recently active connections; this one sent nothing meanwhile): the job of another member it talks to cannot be recovered if its host fails until the connection carries a segment again",
+				"local", f.Local, "remote", f.Remote, "member", peer)
+			continue
+		}
 		a.log.Warn(msg, "local", f.Local, "remote", f.Remote, "member", peer)
 	}
 	if unnamed > 0 {
 		a.log.Warn("more connections of processes of this host that nothing logs were asked about this hour than the log names one by one (said once an hour): ftctl status on the asking members lists their jobs' connections", "member", peer, "unnamed", unnamed)
 	}
 	return rep
+}
+
+func setOf(flows []tcpflow.Tuple) map[tcpflow.Tuple]bool {
+	s := make(map[tcpflow.Tuple]bool, len(flows))
+	for _, f := range flows {
+		s[f] = true
+	}
+	return s
 }
 
 // unloggedReports remembers the connections members were told this host does not log (serveLogged), so

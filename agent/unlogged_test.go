@@ -3,9 +3,11 @@ package agent
 import (
 	"net/netip"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
@@ -69,4 +71,36 @@ func TestUnloggedReports(t *testing.T) {
 			t.Errorf("a connection named an hour ago: named %v again", got)
 		}
 	})
+}
+
+// The job's host says why each connection a member named cannot be replayed: an unprotected process, the
+// member's log off, or a protected process whose live state the member's capture lost (until 2026-11-30 told
+// as an unprotected process, and the member's log said so too).
+func TestUnloggedReasons(t *testing.T) {
+	a := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:5000"), Remote: netip.MustParseAddrPort("10.0.0.1:7480")}
+	b := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:5001"), Remote: netip.MustParseAddrPort("10.0.0.1:7481")}
+	for _, tc := range []struct {
+		name string
+		rep  clusterapi.LoggedReply
+		want []string // a substring of each reason, in order
+	}{
+		{"all logged", clusterapi.LoggedReply{}, nil},
+		{"unprotected processes", clusterapi.LoggedReply{Unlogged: []tcpflow.Tuple{a, b}},
+			[]string{"10.0.0.1:7480 -> 10.0.0.2:5000: the peer is a process of node2 not started under ftkit", "10.0.0.1:7481 -> 10.0.0.2:5001: the peer is a process of node2 not started"}},
+		{"the log off", clusterapi.LoggedReply{Unlogged: []tcpflow.Tuple{a}, LogOff: true}, []string{"on node2, whose sender-side log is off"}},
+		{"one live state lost", clusterapi.LoggedReply{Unlogged: []tcpflow.Tuple{a, b}, StateLost: []tcpflow.Tuple{b}},
+			[]string{"not started under ftkit", "10.0.0.1:7481 -> 10.0.0.2:5001: the peer is a protected process of node2, but that host's log has lost the connection's live state"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got := unloggedReasons("node2", tc.rep)
+			if len(got) != len(tc.want) {
+				t.Fatalf("reasons %q, want %d", got, len(tc.want))
+			}
+			for i, w := range tc.want {
+				if !strings.Contains(got[i], w) {
+					t.Errorf("reason %d: %q, want it to say %q", i, got[i], w)
+				}
+			}
+		})
+	}
 }

@@ -35,6 +35,7 @@ func messageSeeds() [][]byte {
 		TrimReply{Trimmed: 3},
 		LoggedRequest{Flows: []tcpflow.Tuple{{Local: testSrc, Remote: testDst}}},
 		LoggedReply{Unlogged: []tcpflow.Tuple{{Local: testSrc, Remote: testDst}}, LogOff: true},
+		LoggedReply{Unlogged: []tcpflow.Tuple{{Local: testSrc, Remote: testDst}}, StateLost: []tcpflow.Tuple{{Local: testSrc, Remote: testDst}}},
 		LogRangeRequest{Tuple: tcpflow.Tuple{Local: testSrc, Remote: testDst}, From: 77},
 		LogRangeReply{From: 77, Len: 5, Live: &live},
 		ReceivedRequest{Tuple: tcpflow.Tuple{Local: testSrc, Remote: testDst}, From: 77},

@@ -115,7 +115,8 @@ func TestReceivedChecksTheRecord(t *testing.T) {
 	}
 }
 
-// TestLoggedChecksTheAnswer: a peer may name only flows it was asked about as unlogged.
+// TestLoggedChecksTheAnswer: a peer may name only flows it was asked about as unlogged, and say of only
+// those that they lost their live state.
 func TestLoggedChecksTheAnswer(t *testing.T) {
 	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.77.0.3:6000"), Remote: netip.MustParseAddrPort("10.77.0.2:5000")}
 	other := tcpflow.Tuple{Local: conn.Local, Remote: netip.MustParseAddrPort("10.77.0.2:5001")}
@@ -128,6 +129,8 @@ func TestLoggedChecksTheAnswer(t *testing.T) {
 		{"the flow asked about", LoggedReply{Unlogged: []tcpflow.Tuple{conn}}, ""},
 		{"the log off", LoggedReply{Unlogged: []tcpflow.Tuple{conn}, LogOff: true}, ""},
 		{"a flow not asked about", LoggedReply{Unlogged: []tcpflow.Tuple{conn, other}}, "not asked about"},
+		{"its live state lost", LoggedReply{Unlogged: []tcpflow.Tuple{conn}, StateLost: []tcpflow.Tuple{conn}}, ""},
+		{"a live state lost, not named unlogged", LoggedReply{StateLost: []tcpflow.Tuple{conn}}, "does not name it unlogged"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -136,7 +139,8 @@ func TestLoggedChecksTheAnswer(t *testing.T) {
 			c := clientOf(t, pki, "n1", map[string]string{"n2": addr}, testTimeouts)
 			got, err := c.Logged(t.Context(), "n2", LoggedRequest{Flows: []tcpflow.Tuple{conn}})
 			if tt.wantErr == "" {
-				if err != nil || !slices.Equal(got.Unlogged, tt.reply.Unlogged) || got.LogOff != tt.reply.LogOff {
+				if err != nil || !slices.Equal(got.Unlogged, tt.reply.Unlogged) || got.LogOff != tt.reply.LogOff ||
+					!slices.Equal(got.StateLost, tt.reply.StateLost) {
 					t.Fatalf("Logged = %+v, %v; want %+v", got, err, tt.reply)
 				}
 				return

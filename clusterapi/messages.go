@@ -104,17 +104,29 @@ func (r LoggedRequest) Validate() error {
 type LoggedReply struct {
 	Unlogged []tcpflow.Tuple `json:"unlogged,omitempty"`
 	LogOff   bool            `json:"log_off,omitempty"`
+	// StateLost are the flows of Unlogged whose sending socket is a protected process's all the same:
+	// nothing in the log, and the capture no longer holds their live state (it keeps the most recently
+	// active protected flows only). The restore needs that state as it needs the bytes; only the reason
+	// differs. An agent older than the field sends none: its flows are then all told as unprotected.
+	StateLost []tcpflow.Tuple `json:"state_lost,omitempty"`
 }
 
-// Check refuses a reply that names a flow req did not ask about.
+// Check refuses a reply that names a flow req did not ask about, or one in StateLost not in Unlogged.
 func (r LoggedReply) Check(req LoggedRequest) error {
 	asked := make(map[tcpflow.Tuple]bool, len(req.Flows))
 	for _, f := range req.Flows {
 		asked[f] = true
 	}
+	unlogged := make(map[tcpflow.Tuple]bool, len(r.Unlogged))
 	for _, f := range r.Unlogged {
 		if !asked[f] {
 			return fmt.Errorf("the peer names flow %s, which was not asked about", f)
+		}
+		unlogged[f] = true
+	}
+	for _, f := range r.StateLost {
+		if !unlogged[f] {
+			return fmt.Errorf("the peer says flow %s lost its live state, but does not name it unlogged", f)
 		}
 	}
 	return nil

@@ -17,7 +17,7 @@ const deliverRound = 1 << 20
 // 86880 taken) and nobody else sends those bytes again: the real peer had them acknowledged by the
 // failed original. The window opens as the application reads, so DeliverFromPeer re-injects from the
 // socket's rcv_nxt whenever it moved or the application read (the unread bytes went down), and every
-// retry otherwise. rcvNxt reports the socket's rcv_nxt (SocketReceived gives one way); it must not be
+// retry otherwise. rcvNxt reports the socket's rcv_nxt (sockdiag.Lookup gives one way); it must not be
 // before h.Seq. It runs in the calling thread's network namespace, as InjectFromPeer, until the bytes are
 // in or ctx ends.
 func DeliverFromPeer(ctx context.Context, conn tcpflow.Tuple, h PeerHeader, payload []byte,

@@ -27,6 +27,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/criu/image"
+	"github.com/ftkit/ftkit/internal/sockdiag"
 	"github.com/ftkit/ftkit/internal/streamtest"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labtest"
@@ -226,7 +227,7 @@ func TestInjectIntoRestoredSocket(t *testing.T) {
 	// (what DeliverFromPeer's caller needs).
 	received := func() uint64 {
 		var r uint64
-		if err := l.Do("node1", func() (err error) { r, _, err = SocketReceived(conn); return err }); err != nil {
+		if err := l.Do("node1", func() error { s, err := sockdiag.Lookup(conn); r = s.Received; return err }); err != nil {
 			t.Fatal(err)
 		}
 		return r

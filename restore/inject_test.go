@@ -26,6 +26,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ftkit/ftkit/internal/sockdiag"
 	"github.com/ftkit/ftkit/internal/streamtest"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labtest"
@@ -766,13 +767,15 @@ func TestDeliverFromPeer(t *testing.T) {
 	}()
 	var received0 uint64
 	err := l.Do("node1", func() (err error) {
-		if received0, _, err = SocketReceived(conn); err != nil {
+		s, err := sockdiag.Lookup(conn)
+		if err != nil {
 			return err
 		}
+		received0 = s.Received
 		h := PeerHeader{Seq: rcvNxt, Ack: sndNxt, Window: 64, TS: true, TSval: tcpClock(t, sb)}
 		return DeliverFromPeer(ctx, conn, h, data, func() (uint32, int, error) {
-			r, unread, err := SocketReceived(conn)
-			return rcvNxt + uint32(r-received0), unread, err
+			s, err := sockdiag.Lookup(conn)
+			return rcvNxt + uint32(s.Received-received0), s.Unread, err
 		}, 50*time.Millisecond)
 	})
 	if err != nil {

@@ -22,6 +22,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/internal/sockdiag"
 	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/tcpflow"
 )
@@ -332,6 +333,22 @@ func (c *Capture) FlowState(conn tcpflow.Tuple) (ebpfprobes.FlowState, bool, err
 		return ebpfprobes.FlowState{}, false, fmt.Errorf("capture: flow state: %w", netlog.ErrClosed)
 	}
 	return c.probe.FlowState(conn)
+}
+
+// LogsSocket reports whether the probe logs what conn's local socket sends: the socket's cgroup (the one
+// the probe reads from each segment) is protected. It asks the socket itself (sock_diag, in the calling
+// thread's network namespace), where FlowState answers from the probe's live state, which keeps the
+// most recently active flows only (8192): a protected flow that sent nothing while more than that many
+// others did has none. A socket that does not exist is logged by no one.
+func (c *Capture) LogsSocket(conn tcpflow.Tuple) (bool, error) {
+	s, err := sockdiag.Lookup(conn)
+	if errors.Is(err, sockdiag.ErrNoSocket) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("capture: whose socket %v is: %w", conn, err)
+	}
+	return s.CgroupID != 0 && c.Protects(s.CgroupID), nil
 }
 
 // isPow2 rate-limits repeated error logs to counts 1, 2, 4, 8, ...

@@ -184,6 +184,47 @@ func TestCaptureEndToEnd(t *testing.T) {
 	}
 	t.Run("trim", func(t *testing.T) { testTrim(t, l, protected) })
 	t.Run("urge", func(t *testing.T) { testUrge(t, l, protected) })
+	t.Run("logs socket", func(t *testing.T) { testLogsSocket(t, l, protected, other) })
+}
+
+// testLogsSocket: LogsSocket answers from the socket's cgroup, not from the probe's live state (which keeps
+// the 8192 most recently active flows: a protected flow idle for long was once named unlogged). Two
+// senders, one per cgroup, each held alive by a paused receiver, and a connection that does not exist.
+func testLogsSocket(t *testing.T, l *lab.Lab, protected, other *streamtest.Cgroup) {
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute) // a failure bound only
+	defer cancel()
+	c := newCapture(t, l, Options{Interface: "eth0", RingBufferSize: 1 << 20, Logger: testLogger(t)})
+	if err := c.ProtectCgroup(protected.Dir); err != nil {
+		t.Fatal(err)
+	}
+	conns := map[*streamtest.Cgroup]tcpflow.Tuple{}
+	for i, cg := range []*streamtest.Cgroup{protected, other} {
+		dst := hostAddr(t, l, "node2", uint16(6041+i))
+		recv := streamtest.StartT(t, l, "node2", nil, "recv", "FTKIT_ADDR="+dst.String(), "FTKIT_PAUSE_AT=1")
+		if got := recv.LineT(ctx, t); got != "ready" {
+			t.Fatalf("receiver said %q", got)
+		}
+		_, conns[cg], _ = startSender(ctx, t, l, cg, dst, uint64(50+i), 8<<20)
+		if got := recv.LineT(ctx, t); got != "read 1" {
+			t.Fatalf("receiver said %q", got)
+		}
+	}
+	gone := conns[protected]
+	gone.Remote = netip.AddrPortFrom(gone.Remote.Addr(), 6049)
+	check := func(when string, want map[tcpflow.Tuple]bool) {
+		t.Helper()
+		for conn, w := range want {
+			var got bool
+			if err := l.Do("node1", func() (err error) { got, err = c.LogsSocket(conn); return err }); err != nil || got != w {
+				t.Errorf("%s: LogsSocket(%v) = %v, %v; want %v", when, conn, got, err, w)
+			}
+		}
+	}
+	check("protected", map[tcpflow.Tuple]bool{conns[protected]: true, conns[other]: false, gone: false})
+	if err := c.UnprotectCgroup(protected.Dir); err != nil {
+		t.Fatal(err)
+	}
+	check("unprotected", map[tcpflow.Tuple]bool{conns[protected]: false})
 }
 
 // testUrge: at its memory cap the consumer leaves records in the ring; Urge lets it drain them past the

@@ -29,6 +29,7 @@ import (
 type Source interface {
 	Log() *netlog.Log
 	FlowState(conn tcpflow.Tuple) (ebpfprobes.FlowState, bool, error)
+	LogsSocket(conn tcpflow.Tuple) (bool, error)
 	Protects(cgroupID uint64) bool
 	ProtectCgroup(dir string) error
 	UnprotectCgroup(dir string) error
@@ -196,6 +197,16 @@ func (n *Node) Knows(conn tcpflow.Tuple) bool {
 	}
 	_, ok, err := n.src.FlowState(conn)
 	return ok || err != nil
+}
+
+// LostState reports, for a connection Knows does not know, whether its local socket is a protected
+// process's all the same: the capture keeps the live state of the most recently active protected flows
+// only (8192), and this one, with nothing in the log, sent nothing while more than that many others did.
+// A restore of its peer needs that state as much as an unprotected process's bytes; only the reason told
+// differs, and what fixes it (the connection's next segment, or fewer active connections on this host).
+func (n *Node) LostState(conn tcpflow.Tuple) bool {
+	logs, err := n.src.LogsSocket(conn)
+	return logs && err == nil
 }
 
 // logHolds reports whether the log has a store of conn (what sentNothingSince and Knows first ask).

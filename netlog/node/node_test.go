@@ -26,6 +26,7 @@ import (
 type fakeSource struct {
 	log      *netlog.Log
 	states   map[tcpflow.Tuple]ebpfprobes.FlowState
+	sockets  map[tcpflow.Tuple]bool // LogsSocket's answer (an error for a connection mapped to false)
 	protects bool
 	onWake   func() // the consumer's next poll, brought forward
 }
@@ -34,6 +35,13 @@ func (f *fakeSource) Log() *netlog.Log { return f.log }
 func (f *fakeSource) FlowState(c tcpflow.Tuple) (ebpfprobes.FlowState, bool, error) {
 	s, ok := f.states[c]
 	return s, ok, nil
+}
+func (f *fakeSource) LogsSocket(c tcpflow.Tuple) (bool, error) {
+	logs, ok := f.sockets[c]
+	if ok && !logs {
+		return false, errors.New("sock_diag: no answer")
+	}
+	return logs, nil
 }
 func (f *fakeSource) Protects(uint64) bool                { return f.protects }
 func (f *fakeSource) ProtectCgroup(string) error          { return nil }
@@ -142,22 +150,31 @@ func TestTrim(t *testing.T) {
 }
 
 // TestKnows: a connection is known when the log holds bytes of it or the capture has its live state (a
-// protected flow that sent only ACKs); one with neither was sent on by no protected process.
+// protected flow that sent only ACKs); one with neither was sent on by no protected process, or lost its
+// live state (LostState: its socket is in a protected cgroup, which a failed lookup does not show).
 func TestKnows(t *testing.T) {
 	n, src, _ := newTestNode(t, 3000, &fakeMembers{owner: "n2"})
-	connC := tcpflow.Tuple{Local: connA.Local, Remote: netip.MustParseAddrPort("10.0.0.3:5201")}
+	conn := func(port uint16) tcpflow.Tuple {
+		return tcpflow.Tuple{Local: connA.Local, Remote: netip.AddrPortFrom(netip.MustParseAddr("10.0.0.3"), port)}
+	}
 	src.states[connB] = ebpfprobes.FlowState{SndNxt: 77}
+	src.sockets = map[tcpflow.Tuple]bool{conn(1): true, conn(2): false}
 	for _, tc := range []struct {
-		name string
-		conn tcpflow.Tuple
-		want bool
+		name            string
+		conn            tcpflow.Tuple
+		known, lostLive bool
 	}{
-		{"bytes in the log", connA, true},
-		{"a live state only", connB, true},
-		{"neither", connC, false},
+		{"bytes in the log", connA, true, false},
+		{"a live state only", connB, true, false},
+		{"a protected process's socket, its live state evicted", conn(1), false, true},
+		{"a socket sock_diag did not answer for", conn(2), false, false},
+		{"an unprotected process's socket", conn(3), false, false},
 	} {
-		if got := n.Knows(tc.conn); got != tc.want {
-			t.Errorf("%s: Knows(%s) = %v, want %v", tc.name, tc.conn, got, tc.want)
+		if got := n.Knows(tc.conn); got != tc.known {
+			t.Errorf("%s: Knows(%s) = %v, want %v", tc.name, tc.conn, got, tc.known)
+		}
+		if got := !tc.known && n.LostState(tc.conn); got != tc.lostLive {
+			t.Errorf("%s: LostState(%s) = %v, want %v", tc.name, tc.conn, got, tc.lostLive)
 		}
 	}
 }

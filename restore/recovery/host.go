@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/internal/sockdiag"
 	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/tcpflow"
@@ -47,8 +48,8 @@ func (n HostNetwork) DeliverFromPeer(ctx context.Context, conn tcpflow.Tuple, h 
 // restored with, plus what it received since (a restored socket counts from 0).
 func deliver(ctx context.Context, conn tcpflow.Tuple, h restore.PeerHeader, payload []byte, base uint32) error {
 	return restore.DeliverFromPeer(ctx, conn, h, payload, func() (uint32, int, error) {
-		got, unread, err := restore.SocketReceived(conn)
-		return base + uint32(got), unread, err
+		s, err := sockdiag.Lookup(conn)
+		return base + uint32(s.Received), s.Unread, err
 	}, deliverRetry)
 }
 

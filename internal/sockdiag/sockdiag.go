@@ -1,4 +1,6 @@
-package restore
+// Package sockdiag looks one TCP socket up by its addresses with the kernel's sock_diag (linux/inet_diag.h),
+// which x/sys/unix and vishvananda/netlink do not offer for one socket with its cgroup.
+package sockdiag
 
 import (
 	"bytes"
@@ -18,40 +20,52 @@ const (
 	sizeofInetDiagReq  = 56 // struct inet_diag_req_v2
 	sizeofInetDiagMsg  = 72 // struct inet_diag_msg
 	inetDiagInfo       = 2  // INET_DIAG_INFO: struct tcp_info
+	inetDiagCgroupID   = 21 // INET_DIAG_CGROUP_ID: u64, the cgroup v2 id of the socket (Linux 5.7+)
 	inetDiagNoCookie   = 0xffffffff
 	diagMsgRQueueAt    = 56 // idiag_rqueue in inet_diag_msg: rcv_nxt - copied_seq for an established socket
 	diagReplyBufferLen = 4096
 )
 
-// SocketReceived returns, for the established IPv4 socket conn (conn.Local its local end) in the calling
-// thread's network namespace, how many bytes it has received in order (tcpi_bytes_received: rcv_nxt
-// minus its value when the socket was created or restored) and how many of them the application has not
-// read yet. It asks sock_diag for that one socket by its addresses: a dump of every socket of the
+// Socket is what sock_diag says of one established TCP socket.
+type Socket struct {
+	// Received is how many bytes the socket has received in order (tcpi_bytes_received: rcv_nxt minus
+	// its value when the socket was created or restored), Unread how many of them the application has not
+	// read yet.
+	Received uint64
+	Unread   int
+	// CgroupID is the cgroup v2 id (the directory's inode number) of the socket: the cgroup its creator was
+	// in when it created it, the one the sender-side log's program reads from each segment. 0 if the kernel
+	// gave none.
+	CgroupID uint64
+}
+
+// Lookup returns what sock_diag says of the IPv4 TCP socket conn (conn.Local its local end) in the calling
+// thread's network namespace. It asks for that one socket by its addresses: a dump of every socket of the
 // namespace took about 5 ms on a lab host, twice per injection of a receive-order replay (a LAMMPS rank's
-// 2,000 calls took 24 s, nearly all of it in those dumps).
-func SocketReceived(conn tcpflow.Tuple) (received uint64, unread int, err error) {
+// 2,000 calls took 24 s, nearly all of it in those dumps). A socket that does not exist is ErrNoSocket.
+func Lookup(conn tcpflow.Tuple) (Socket, error) {
 	conn = conn.Unmap()
 	if !conn.Local.Addr().Is4() || !conn.Remote.Addr().Is4() {
-		return 0, 0, fmt.Errorf("sock_diag %s: IPv4 only", conn)
+		return Socket{}, fmt.Errorf("sock_diag %s: IPv4 only", conn)
 	}
 	fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_INET_DIAG)
 	if err != nil {
-		return 0, 0, fmt.Errorf("sock_diag: netlink socket: %w", err)
+		return Socket{}, fmt.Errorf("sock_diag: netlink socket: %w", err)
 	}
 	defer unix.Close(fd)
 	if err := unix.Sendto(fd, diagRequest(conn), 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
-		return 0, 0, fmt.Errorf("sock_diag %s: send: %w", conn, err)
+		return Socket{}, fmt.Errorf("sock_diag %s: send: %w", conn, err)
 	}
 	buf := make([]byte, diagReplyBufferLen)
 	n, _, err := unix.Recvfrom(fd, buf, 0)
 	if err != nil {
-		return 0, 0, fmt.Errorf("sock_diag %s: receive: %w", conn, err)
+		return Socket{}, fmt.Errorf("sock_diag %s: receive: %w", conn, err)
 	}
-	received, unread, err = parseDiagReply(buf[:n], conn)
+	s, err := parseDiagReply(buf[:n], conn)
 	if err != nil {
-		return 0, 0, fmt.Errorf("sock_diag %s: %w", conn, err)
+		return Socket{}, fmt.Errorf("sock_diag %s: %w", conn, err)
 	}
-	return received, unread, nil
+	return s, nil
 }
 
 // diagRequest is the netlink message that asks for conn's socket with its tcp_info.
@@ -85,59 +99,69 @@ func putSockID(id []byte, conn tcpflow.Tuple) {
 // address fields).
 const sizeofSockIDAddrs = 36
 
-var errNoSocket = errors.New("no such TCP socket in this network namespace")
+// ErrNoSocket is Lookup's error for a socket that does not exist.
+var ErrNoSocket = errors.New("no such TCP socket in this network namespace")
 
-// parseDiagReply reads the socket's received bytes and unread bytes from the kernel's reply to
+// parseDiagReply reads the socket's received and unread bytes and its cgroup from the kernel's reply to
 // diagRequest for conn (or the error it answered with). The reply comes from the kernel, yet every length
 // in it is checked against the buffer. The kernel's lookup falls back to a listener on the local port
-// when no connection matches: a reply about another socket than conn is errNoSocket.
-func parseDiagReply(b []byte, conn tcpflow.Tuple) (received uint64, unread int, err error) {
+// when no connection matches: a reply about another socket than conn is ErrNoSocket.
+func parseDiagReply(b []byte, conn tcpflow.Tuple) (Socket, error) {
 	ne := binary.NativeEndian
 	if len(b) < sizeofNlMsghdr {
-		return 0, 0, fmt.Errorf("reply of %d bytes: shorter than a netlink header", len(b))
+		return Socket{}, fmt.Errorf("reply of %d bytes: shorter than a netlink header", len(b))
 	}
 	l, typ := int(ne.Uint32(b[0:])), ne.Uint16(b[4:])
 	if l < sizeofNlMsghdr || l > len(b) {
-		return 0, 0, fmt.Errorf("reply's netlink length %d outside %d..%d", l, sizeofNlMsghdr, len(b))
+		return Socket{}, fmt.Errorf("reply's netlink length %d outside %d..%d", l, sizeofNlMsghdr, len(b))
 	}
 	msg := b[sizeofNlMsghdr:l]
 	switch typ {
 	case unix.NLMSG_ERROR:
 		if len(msg) < 4 {
-			return 0, 0, errors.New("truncated netlink error")
+			return Socket{}, errors.New("truncated netlink error")
 		}
 		errno := unix.Errno(-int32(ne.Uint32(msg)))
 		if errno == unix.ENOENT {
-			return 0, 0, errNoSocket
+			return Socket{}, ErrNoSocket
 		}
-		return 0, 0, fmt.Errorf("kernel answered: %w", errno)
+		return Socket{}, fmt.Errorf("kernel answered: %w", errno)
 	case unix.SOCK_DIAG_BY_FAMILY:
 	default:
-		return 0, 0, fmt.Errorf("reply of netlink type %d", typ)
+		return Socket{}, fmt.Errorf("reply of netlink type %d", typ)
 	}
 	if len(msg) < sizeofInetDiagMsg {
-		return 0, 0, fmt.Errorf("reply of %d bytes: shorter than inet_diag_msg", len(msg))
+		return Socket{}, fmt.Errorf("reply of %d bytes: shorter than inet_diag_msg", len(msg))
 	}
 	var want [sizeofSockIDAddrs]byte
 	putSockID(want[:], conn)
 	if !bytes.Equal(msg[4:4+sizeofSockIDAddrs], want[:]) {
-		return 0, 0, errNoSocket
+		return Socket{}, ErrNoSocket
 	}
-	unread = int(ne.Uint32(msg[diagMsgRQueueAt:]))
+	s := Socket{Unread: int(ne.Uint32(msg[diagMsgRQueueAt:]))}
 	const at = int(unsafe.Offsetof(unix.TCPInfo{}.Bytes_received))
+	info := false
 	for a := msg[sizeofInetDiagMsg:]; len(a) >= 4; {
 		alen, atyp := int(ne.Uint16(a[0:])), ne.Uint16(a[2:])
 		if alen < 4 || alen > len(a) {
-			return 0, 0, fmt.Errorf("attribute length %d outside 4..%d", alen, len(a))
+			return Socket{}, fmt.Errorf("attribute length %d outside 4..%d", alen, len(a))
 		}
-		if atyp == inetDiagInfo {
-			info := a[4:alen]
-			if len(info) < at+8 {
-				return 0, 0, fmt.Errorf("tcp_info of %d bytes has no bytes_received (Linux 4.1+)", len(info))
+		switch v := a[4:alen]; atyp {
+		case inetDiagInfo:
+			if len(v) < at+8 {
+				return Socket{}, fmt.Errorf("tcp_info of %d bytes has no bytes_received (Linux 4.1+)", len(v))
 			}
-			return ne.Uint64(info[at:]), unread, nil
+			s.Received, info = ne.Uint64(v[at:]), true
+		case inetDiagCgroupID:
+			if len(v) < 8 {
+				return Socket{}, fmt.Errorf("cgroup id of %d bytes", len(v))
+			}
+			s.CgroupID = ne.Uint64(v)
 		}
 		a = a[min(len(a), (alen+3)&^3):]
 	}
-	return 0, 0, errors.New("reply without tcp_info")
+	if !info {
+		return Socket{}, errors.New("reply without tcp_info")
+	}
+	return s, nil
 }

@@ -1,0 +1,141 @@
+package sockdiag
+
+import (
+	"encoding/binary"
+	"errors"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// TestLookup looks up one end of a loopback connection (no privileges needed) before and after bytes
+// arrive and after the application read part of them; a socket that does not exist (the kernel answers
+// with the listener on its local port) and an IPv6 flow are errors. The socket's cgroup is the test's.
+func TestLookup(t *testing.T) {
+	ln, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	client, err := net.Dial("tcp4", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	server, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer server.Close()
+	conn := tcpflow.Tuple{Local: server.LocalAddr().(*net.TCPAddr).AddrPort(), Remote: server.RemoteAddr().(*net.TCPAddr).AddrPort()}
+
+	s, err := Lookup(conn)
+	if err != nil || s.Received != 0 || s.Unread != 0 {
+		t.Fatalf("before any byte: %+v, %v; want 0 received, 0 unread", s, err)
+	}
+	if want := ownCgroupID(t); s.CgroupID != want {
+		t.Errorf("socket's cgroup id %d, want the test's %d", s.CgroupID, want)
+	}
+	if _, err := client.Write(make([]byte, 5000)); err != nil {
+		t.Fatal(err)
+	}
+	// Loopback delivers within the write, but the test does not rely on it.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		s, err := Lookup(conn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if s.Received == 5000 && s.Unread == 5000 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after 5000 bytes sent: %+v", s)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if _, err := io.ReadFull(server, make([]byte, 1200)); err != nil {
+		t.Fatal(err)
+	}
+	if s, err := Lookup(conn); err != nil || s.Received != 5000 || s.Unread != 3800 {
+		t.Errorf("after reading 1200: %+v, %v; want 5000 received, 3800 unread", s, err)
+	}
+
+	gone := conn
+	gone.Remote = netip.AddrPortFrom(conn.Remote.Addr(), conn.Remote.Port()^1)
+	if _, err := Lookup(gone); !errors.Is(err, ErrNoSocket) {
+		t.Errorf("a socket that does not exist: %v, want %v", err, ErrNoSocket)
+	}
+	v6 := tcpflow.Tuple{Local: netip.MustParseAddrPort("[::1]:1"), Remote: netip.MustParseAddrPort("[::1]:2")}
+	if _, err := Lookup(v6); err == nil {
+		t.Error("an IPv6 flow was looked up")
+	}
+}
+
+// ownCgroupID is the cgroup v2 id of the test process: the inode number of its cgroup's directory, under
+// the cgroup2 mount (/sys/fs/cgroup, or /sys/fs/cgroup/unified on a hybrid host).
+func ownCgroupID(t *testing.T) uint64 {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/cgroup")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var path string
+	for line := range strings.Lines(string(b)) {
+		if p, ok := strings.CutPrefix(strings.TrimSpace(line), "0::"); ok {
+			path = p
+		}
+	}
+	mi, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for line := range strings.Lines(string(mi)) {
+		f := strings.Fields(line)
+		if i := slices.Index(f, "-"); i > 4 && i+1 < len(f) && f[i+1] == "cgroup2" {
+			var st unix.Stat_t
+			if err := unix.Stat(filepath.Join(f[4], path), &st); err != nil {
+				t.Fatal(err)
+			}
+			return st.Ino
+		}
+	}
+	t.Fatalf("no cgroup2 mount in /proc/self/mountinfo (cgroup %q)", path)
+	return 0
+}
+
+// FuzzParseDiagReply: whatever the reply's bytes, parsing returns an error or values, and never reads
+// outside the buffer.
+func FuzzParseDiagReply(f *testing.F) {
+	ok := make([]byte, sizeofNlMsghdr+sizeofInetDiagMsg+4+unix.SizeofTCPInfo)
+	ne := binary.NativeEndian
+	ne.PutUint32(ok[0:], uint32(len(ok)))
+	ne.PutUint16(ok[4:], unix.SOCK_DIAG_BY_FAMILY)
+	a := ok[sizeofNlMsghdr+sizeofInetDiagMsg:]
+	ne.PutUint16(a[0:], uint16(len(a)))
+	ne.PutUint16(a[2:], inetDiagInfo)
+	f.Add(ok)
+	withCgroup := append(slices.Clone(ok), 12, 0, inetDiagCgroupID, 0, 1, 2, 3, 4, 5, 6, 7, 8)
+	ne.PutUint32(withCgroup[0:], uint32(len(withCgroup)))
+	f.Add(withCgroup)
+	e := make([]byte, sizeofNlMsghdr+4)
+	ne.PutUint32(e[0:], uint32(len(e)))
+	ne.PutUint16(e[4:], unix.NLMSG_ERROR)
+	enoent := -int32(unix.ENOENT)
+	ne.PutUint32(e[16:], uint32(enoent))
+	f.Add(e)
+	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("0.0.0.0:0"), Remote: netip.MustParseAddrPort("0.0.0.0:0")}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		parseDiagReply(b, conn)
+	})
+}
