@@ -325,6 +325,7 @@ func (a *Agent) serveLogged(ctx context.Context, peer string, flows []tcpflow.Tu
 	return rep
 }
 
+// setOf is flows as a set.
 func setOf(flows []tcpflow.Tuple) map[tcpflow.Tuple]bool {
 	s := make(map[tcpflow.Tuple]bool, len(flows))
 	for _, f := range flows {
