@@ -104,3 +104,31 @@ func TestUnloggedReasons(t *testing.T) {
 		})
 	}
 }
+
+// A member looks a socket of a job address up in that job's network: only a running job of this host holds it.
+func TestJobNetHolding(t *testing.T) {
+	ip := netip.MustParseAddr("10.0.0.50")
+	net := func(addr string) *JobNet {
+		return &JobNet{Name: "ftj-" + addr, Addr: netip.PrefixFrom(netip.MustParseAddr(addr), 24)}
+	}
+	for _, tc := range []struct {
+		name string
+		jobs map[string]*Job
+		want string // the network's name, "" for none
+	}{
+		{"no jobs", nil, ""},
+		{"a running job of this host", map[string]*Job{"j1": {State: JobRunning, Node: "node2", Net: net("10.0.0.50")}}, "ftj-10.0.0.50"},
+		{"another address", map[string]*Job{"j1": {State: JobRunning, Node: "node2", Net: net("10.0.0.51")}}, ""},
+		{"a job on the host's address", map[string]*Job{"j1": {State: JobRunning, Node: "node2"}}, ""},
+		{"a job that ended", map[string]*Job{"j1": {State: JobExited, Node: "node2", Net: net("10.0.0.50")}}, ""},
+		{"a job of another host", map[string]*Job{"j1": {State: JobRunning, Node: "node3", Net: net("10.0.0.50")}}, ""},
+	} {
+		name := ""
+		if n := jobNetHolding(tc.jobs, "node2", ip); n != nil {
+			name = n.Name
+		}
+		if name != tc.want {
+			t.Errorf("%s: job network %q, want %q", tc.name, name, tc.want)
+		}
+	}
+}
