@@ -71,8 +71,34 @@ func (a *Agent) clusterPrefix() (netip.Prefix, bool) {
 }
 
 // runsJobAddr says whether a running job of this host holds job address ip.
-func (a *Agent) runsJobAddr(ip netip.Addr) bool {
-	return slices.Contains(a.runningJobAddrs(), ip)
+func (a *Agent) runsJobAddr(ip netip.Addr) bool { return a.runningJobNet(ip) != nil }
+
+// runningJobNet is the job network of the running job of this host that holds job address ip, nil if none
+// does.
+func (a *Agent) runningJobNet(ip netip.Addr) *JobNet {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return jobNetHolding(a.byID, a.cfg.Name, ip)
+}
+
+// jobNetHolding is the job network of the running job of node among jobs that holds job address ip, nil if
+// none does.
+func jobNetHolding(jobs map[string]*Job, node string, ip netip.Addr) *JobNet {
+	for _, j := range jobs {
+		if n := ownJobNet(j, node); n != nil && n.Addr.Addr() == ip {
+			c := *n
+			return &c
+		}
+	}
+	return nil
+}
+
+// ownJobNet is j's job network if j is a running job of node on a job address of its own, else nil.
+func ownJobNet(j *Job, node string) *JobNet {
+	if j.State == JobRunning && j.Net != nil && j.Node == node {
+		return j.Net
+	}
+	return nil
 }
 
 // runningJobAddrs are the job addresses of this host's running jobs (what its ping reply says).
@@ -81,8 +107,8 @@ func (a *Agent) runningJobAddrs() []netip.Addr {
 	defer a.mu.Unlock()
 	var out []netip.Addr
 	for _, j := range a.byID {
-		if j.State == JobRunning && j.Net != nil && j.Node == a.cfg.Name {
-			out = append(out, j.Net.Addr.Addr())
+		if n := ownJobNet(j, a.cfg.Name); n != nil {
+			out = append(out, n.Addr.Addr())
 		}
 	}
 	return out

@@ -329,24 +329,9 @@ func (a *Agent) serveLogged(ctx context.Context, peer string, flows []tcpflow.Tu
 // live state (node.LostState), where that socket lives: in the job network of the running job of this
 // host that holds f's local address, or else in the agent's own network namespace.
 func (a *Agent) lostState(f tcpflow.Tuple) bool {
-	a.mu.Lock()
-	n := jobNetHolding(a.byID, a.cfg.Name, f.Local.Addr())
-	a.mu.Unlock()
 	lost := false
-	err := inJobNet(n, func() error { lost = a.netlog.node.LostState(f); return nil })
+	err := inJobNet(a.runningJobNet(f.Local.Addr()), func() error { lost = a.netlog.node.LostState(f); return nil })
 	return err == nil && lost
-}
-
-// jobNetHolding is the job network of the running job of node among jobs that holds job address ip, nil if
-// none does.
-func jobNetHolding(jobs map[string]*Job, node string, ip netip.Addr) *JobNet {
-	for _, j := range jobs {
-		if j.State == JobRunning && j.Node == node && j.Net != nil && j.Net.Addr.Addr() == ip {
-			n := *j.Net
-			return &n
-		}
-	}
-	return nil
 }
 
 // setOf is flows as a set.
