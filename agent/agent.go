@@ -23,6 +23,8 @@ import (
 	"github.com/ftkit/ftkit/criu/stalemounts"
 	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/grant"
+	"github.com/ftkit/ftkit/intercept"
+	"github.com/ftkit/ftkit/intercept/record"
 	"github.com/ftkit/ftkit/internal/jobfs"
 	"github.com/ftkit/ftkit/internal/netnsthread"
 	"github.com/ftkit/ftkit/internal/tickgrid"
@@ -83,7 +85,8 @@ type Agent struct {
 	failures *failureLog      // timelines of the failures this agent knows of
 	claims   *spare.Holder    // this host's claim state while it is a spare
 	clamp    *ackclamp.Clamp  // ACK clock for restored sockets that re-send what peers have; nil if unavailable
-	det      *detState        // receive-order determinants: recorded here, kept for the jobs protected here
+	det      *record.Recorder // this host's jobs' receive-order determinants, recorded and shipped
+	detStore *intercept.Store // the determinants of the jobs protected here
 	// staleMounts remembers which mounts of each job's namespace are copies of host mounts (snapshot.go).
 	staleMounts stalemounts.Tracker
 
@@ -177,7 +180,10 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 			return nil, err
 		}
 	}
-	a.det = newDetState(a.log, cfg.Log.Enabled && cfg.Log.ReceiveOrder, cfg.Log.ReceivePositions, cfg.Log.Pessimistic, cfg.CgroupParent, cfg.Log.RingMiB<<20, cfg.Log.ReceiveOrderShipEvery.Duration)
+	a.detStore = intercept.NewStore(0)
+	a.det = record.New(record.Options{Logger: a.log, Record: cfg.Log.Enabled && cfg.Log.ReceiveOrder, Positions: cfg.Log.ReceivePositions,
+		Pessimistic: cfg.Log.Pessimistic, CgroupParent: cfg.CgroupParent, RingBytes: cfg.Log.RingMiB << 20, ShipEvery: cfg.Log.ReceiveOrderShipEvery.Duration,
+		Protector: a.detProtector, Peers: func() record.Peers { return a.peers() }, Metrics: a.metrics})
 	if err := a.startAckClamp(); err != nil {
 		// Recovery still works, with the whole re-sent gap in the initial congestion window.
 		a.log.Warn("ACK clamp for restored sockets unavailable; large re-sent gaps may stall after a restore", "err", err)
@@ -215,7 +221,7 @@ func (a *Agent) adopt() (int, error) {
 		a.thawLeftFrozen(j)
 		a.checkAdoptedJobNet(j)
 		a.protect(j)
-		a.watchOrder(j, false, "") // what it consumed while no agent ran is not recorded
+		a.det.Watch(j.ID, j.Cgroup, false, "") // what it consumed while no agent ran is not recorded
 		n++
 		a.log.Info("adopted job", "job", j.ID, "pid", j.PID, "protected", j.Protected())
 	}
@@ -325,7 +331,7 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 	}
 	// Logged from its first byte: the cgroup is protected before the job can open a socket.
 	a.protect(j)
-	a.watchOrder(j, true, "")
+	a.det.Watch(j.ID, j.Cgroup, true, "")
 	var pid int
 	err = inJobNet(j.Net, func() (err error) {
 		superseded, refusal := a.copyMarks(id, j.Incarnation)
@@ -515,7 +521,7 @@ func (a *Agent) releaseJob(j *Job) {
 // releaseResources gives back what releaseJob does but the job network.
 func (a *Agent) releaseResources(j *Job) {
 	a.unprotect(j)
-	a.unwatchOrder(j.ID)
+	a.det.Unwatch(j.ID)
 	// Only this agent's own cgroup for the job: a record restored from an older agent's snapshot may name
 	// any path.
 	if want := a.layout().cgroup(j.ID); !validJobID(j.ID) || j.Cgroup != want {
@@ -585,11 +591,7 @@ func (a *Agent) Run(ctx context.Context, local LocalAPI) error {
 	if a.clamp != nil {
 		defer a.closeAckClamp()
 	}
-	if a.det.rec != nil {
-		defer a.det.rec.Close()
-		go a.recordOrder(ctx)
-		go a.shipOrder(ctx)
-	}
+	go a.det.Run(ctx)
 	<-ctx.Done()
 	a.log.Info("agent stopping; jobs keep running under their shims")
 	return nil

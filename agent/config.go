@@ -14,6 +14,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/fence"
+	"github.com/ftkit/ftkit/intercept/record"
 	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/metrics"
 )
@@ -216,7 +217,7 @@ func Defaults() Config {
 	c.Failover.ParallelRestores = 4
 	c.Failover.FenceCommandTimeout = Duration{30 * time.Second}
 	c.Health = HealthConfig{Interval: Duration{30 * time.Second}, Timeout: Duration{10 * time.Second}, LeadTime: Duration{30 * time.Minute}}
-	c.Log = LogConfig{Enabled: true, RingMiB: 64, High: 0.8, Low: 0.6, ReceiveOrder: true, ReceiveOrderShipEvery: Duration{DefaultShipEvery}}
+	c.Log = LogConfig{Enabled: true, RingMiB: 64, High: 0.8, Low: 0.6, ReceiveOrder: true, ReceiveOrderShipEvery: Duration{record.DefaultShipEvery}}
 	c.JobNetwork.Kind = jobnet.MACVlan
 	c.JobNetwork.Linger = Duration{30 * time.Second}
 	return c
@@ -310,8 +311,8 @@ func (c Config) Validate() error {
 	if c.Checkpoint.Keep < 1 {
 		errs = append(errs, fmt.Errorf("checkpoint.keep %d: keep at least 1 snapshot", c.Checkpoint.Keep))
 	}
-	if d := c.Log.ReceiveOrderShipEvery.Duration; d < 0 || d > maxShipEvery {
-		errs = append(errs, fmt.Errorf("log.receive_order_ship_every %s: must be between 0 (at once) and %s", c.Log.ReceiveOrderShipEvery, maxShipEvery))
+	if d := c.Log.ReceiveOrderShipEvery.Duration; d < 0 || d > record.MaxShipEvery {
+		errs = append(errs, fmt.Errorf("log.receive_order_ship_every %s: must be between 0 (at once) and %s", c.Log.ReceiveOrderShipEvery, record.MaxShipEvery))
 	}
 	if c.Failover.ReplayTimeout.Duration <= 0 {
 		errs = append(errs, fmt.Errorf("failover: replay_timeout (%s) must be positive", c.Failover.ReplayTimeout))

@@ -50,13 +50,13 @@ func (a *Agent) recoveryDeps(track recovery.Tracker, net recovery.Network, fence
 	if a.clamp != nil {
 		d.Clamp = recoveryClamp{a.clamp, a.log}
 	}
-	if a.det != nil && a.det.rec != nil {
+	if a.det.Recording() {
 		d.Determinants = recoveryDeterminants{a}
 	}
 	return d
 }
 
-// recoveryDeterminants gives a recovery the restored jobs' receive order (determinants.go).
+// recoveryDeterminants gives a recovery the restored jobs' receive order (intercept/record, determinants.go).
 type recoveryDeterminants struct{ a *Agent }
 
 func (r recoveryDeterminants) Since(ctx context.Context, source string, m *ckpt.Manifest) ([]intercept.Det, error) {
@@ -64,12 +64,14 @@ func (r recoveryDeterminants) Since(ctx context.Context, source string, m *ckpt.
 }
 
 func (r recoveryDeterminants) Watch(job string) (<-chan intercept.Event, func()) {
-	return r.a.WatchOrder(job)
+	return r.a.det.Calls(job)
 }
 
-func (r recoveryDeterminants) Positions() bool { return r.a.det.positions() }
+func (r recoveryDeterminants) Positions() bool { return r.a.det.Positions() }
 
-func (r recoveryDeterminants) Stopper(job string) intercept.Stopper { return r.a.stopsOf(job) }
+func (r recoveryDeterminants) Stopper(job string) intercept.Stopper {
+	return r.a.det.Stopper(job, r.a.layout().cgroup(job))
+}
 
 func (r *recoveryActions) Fetch(ctx context.Context, job string, c clusterapi.Candidate) (*recovery.Job, error) {
 	j, rec, err := r.a.prepareCandidate(ctx, job, c)

@@ -16,8 +16,8 @@ import (
 func (a *Agent) keepReplicas(ctx context.Context, got *ship.Received) {
 	m := got.Manifest
 	a.replicas.arrived(m.Node, m.Job, time.Now())
-	if a.det != nil {
-		a.det.store.Trim(m) // the determinants before it are no longer needed
+	if a.detStore != nil {
+		a.detStore.Trim(m) // the determinants before it are no longer needed
 	}
 	deleted, err := a.store.PruneReceived(ctx, m.Job, m.Node, a.cfg.Checkpoint.Keep, m.ID, a.pinnedSnapshots(m.Job)...)
 	if err != nil {

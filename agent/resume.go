@@ -15,6 +15,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/detect"
+	"github.com/ftkit/ftkit/intercept/record"
 	"github.com/ftkit/ftkit/internal/atomicfile"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/restore/recovery"
@@ -336,7 +337,7 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 			}
 			// A gate replaying receive positions may have left a thread stopped at one of its stops; with the
 			// order given up, nothing is gained by keeping it there.
-			if cerr := continueStopped(a.layout().cgroup(j.ID)); cerr != nil {
+			if cerr := record.ContinueStopped(a.layout().cgroup(j.ID)); cerr != nil {
 				a.log.Error("could not continue a restored job's stopped processes: its replay will time out", "job", j.ID, "err", cerr)
 			}
 		}

@@ -76,9 +76,9 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen, hashWhileDumping bo
 		a.log.Info("mounts of the job's namespace that the host has since unmounted are left out of its snapshot", "job", j.ID, "mounts", skip)
 		opts.SkipMounts = skip
 	}
-	if (a.det.positions() || a.det.pessimisticOn()) && !frozen {
+	if (a.det.Positions() || a.det.Pessimistic()) && !frozen {
 		// The threads' readiness calls must be read at the point the dump catches the job, and a process
-		// held after a receive call must not be dumped stopped (releaseForDump): it is frozen for the dump
+		// held after a receive call must not be dumped stopped (record's ReleaseForDump): it is frozen for the dump
 		// instead of stopped by CRIU, and thawed as soon as CRIU is done.
 		if err := a.freezeJob(ctx, j); err != nil {
 			return nil, fmt.Errorf("snapshot of job %s: %w", j.ID, err)
@@ -88,7 +88,7 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen, hashWhileDumping bo
 		frozen = true
 	}
 	if frozen {
-		restop, err := a.releaseForDump(j)
+		restop, err := a.det.ReleaseForDump(j.ID, j.Cgroup)
 		defer restop()
 		if err != nil {
 			return nil, fmt.Errorf("snapshot of job %s: %w", j.ID, err)
@@ -99,7 +99,7 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen, hashWhileDumping bo
 			opts.Dumped = restop
 		}
 		opts.FreezeCgroup = j.Cgroup
-		polls, ok, err := a.pollsAtDump(j)
+		polls, ok, err := a.det.PollsAtDump(j.Cgroup)
 		if err != nil {
 			return nil, fmt.Errorf("snapshot of job %s: read its threads' readiness calls: %w", j.ID, err)
 		}

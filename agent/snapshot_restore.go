@@ -123,7 +123,7 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 	}
 	if err == nil {
 		a.protect(&j)
-		a.watchOrder(&j, true, m.ID)
+		a.det.Watch(j.ID, j.Cgroup, true, m.ID)
 		if beforeRun != nil {
 			if err = beforeRun(); err != nil {
 				err = fmt.Errorf("prepare the replay of the job's receive positions: %w", err)

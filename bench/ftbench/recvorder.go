@@ -38,7 +38,7 @@ const (
 type roConfig struct {
 	Name      string        `json:"name"`
 	Order     bool          `json:"receive_order"`
-	ShipEvery time.Duration `json:"ship_every_ns"` // 0: the default (agent.DefaultShipEvery)
+	ShipEvery time.Duration `json:"ship_every_ns"` // 0: the default (record.DefaultShipEvery)
 	Positions bool          `json:"receive_positions,omitempty"`
 }
 

@@ -1,9 +1,8 @@
-package agent
+package record
 
 import (
 	"context"
 	"fmt"
-	"log/slog"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -21,15 +20,13 @@ import (
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
-func newTestDetState() *detState {
-	return &detState{log: slog.New(slog.DiscardHandler), store: intercept.NewStore(0), byCgroup: map[uint64]*detStream{}, byJob: map[string]*detStream{}, wake: make(chan struct{}, 1)}
-}
+func newTestRecorder() *Recorder { return newRecorder(Options{ShipEvery: DefaultShipEvery}) }
 
 // TestWatchOrderJobEnds: a job that ends while a recovery watches it closes the watcher once; the watcher's
 // stop afterwards must not close it again (it did: a panic).
 func TestWatchOrderJobEnds(t *testing.T) {
-	d := newTestDetState()
-	s := &detStream{job: "j", cgroup: 7, watchers: map[chan intercept.Event]bool{}}
+	d := newTestRecorder()
+	s := &stream{job: "j", cgroup: 7, watchers: map[chan intercept.Event]bool{}}
 	d.byJob["j"], d.byCgroup[7] = s, s
 	ch, stop := d.watch("j")
 	if got := d.unwatch("j"); got != s {
@@ -46,7 +43,7 @@ func TestWatchOrderJobEnds(t *testing.T) {
 
 // TestWatchOrderNeverRegistered: a watch for a job whose restore never registered it leaves nothing behind.
 func TestWatchOrderNeverRegistered(t *testing.T) {
-	d := newTestDetState()
+	d := newTestRecorder()
 	_, stop := d.watch("j")
 	if d.byJob["j"] == nil {
 		t.Fatal("no placeholder stream while watching")
@@ -62,7 +59,7 @@ func TestWatchOrderNeverRegistered(t *testing.T) {
 // watches a restored job's calls (the gate waits for each); otherwise it is polled, which costs the job's
 // receive calls less.
 func TestWatchOrderWakesOnlyWhileWatched(t *testing.T) {
-	d := newTestDetState()
+	d := newTestRecorder()
 	var sets []bool
 	d.setWake = func(on bool) error { sets = append(sets, on); return nil }
 	_, stopA := d.watch("a")
@@ -78,7 +75,7 @@ func TestWatchOrderWakesOnlyWhileWatched(t *testing.T) {
 	if len(sets) != 2 || sets[1] || d.waking {
 		t.Fatalf("no watcher left: wakeup switched %v, want off", sets)
 	}
-	s := &detStream{job: "j", cgroup: 7, watchers: map[chan intercept.Event]bool{}}
+	s := &stream{job: "j", cgroup: 7, watchers: map[chan intercept.Event]bool{}}
 	d.byJob["j"], d.byCgroup[7] = s, s
 	_, stop := d.watch("j")
 	d.unwatch("j") // the job ended while watched
@@ -91,7 +88,7 @@ func TestWatchOrderWakesOnlyWhileWatched(t *testing.T) {
 // TestWatchOrderAlwaysWakes: with log.receive_order_ship_every = 0 the recorder wakes the agent for every
 // call from the start, and a recovery's watcher leaving does not switch that off.
 func TestWatchOrderAlwaysWakes(t *testing.T) {
-	d := newTestDetState()
+	d := newTestRecorder()
 	d.waking, d.alwaysWake = true, true
 	var sets []bool
 	d.setWake = func(on bool) error { sets = append(sets, on); return nil }
@@ -103,7 +100,7 @@ func TestWatchOrderAlwaysWakes(t *testing.T) {
 }
 
 // TestStopsAndContinueStopped: WaitStopped returns once a stopped process's threads are all stopped, and
-// continueStopped (an agent resuming a recovery whose positions gate died with the previous agent)
+// ContinueStopped (an agent resuming a recovery whose positions gate died with the previous agent)
 // continues a job's stopped processes, and only those.
 func TestStopsAndContinueStopped(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
@@ -133,7 +130,7 @@ func TestStopsAndContinueStopped(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(dir, "cgroup.procs"), fmt.Appendf(nil, "%d\n%d\n", stopped, running), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if err := continueStopped(dir); err != nil {
+	if err := ContinueStopped(dir); err != nil {
 		t.Fatal(err)
 	}
 	for {
@@ -144,7 +141,7 @@ func TestStopsAndContinueStopped(t *testing.T) {
 		}
 		select {
 		case <-ctx.Done():
-			t.Fatal("continueStopped did not continue the stopped process")
+			t.Fatal("ContinueStopped did not continue the stopped process")
 		case <-time.After(time.Millisecond):
 		}
 	}
@@ -216,8 +213,8 @@ func TestReleaseHeld(t *testing.T) {
 	if stopping(running) {
 		t.Fatalf("stopping(%d) = true for a running process", running)
 	}
-	a := &Agent{log: slog.New(slog.DiscardHandler), det: newTestDetState()}
-	s := &detStream{job: "j", first: 10, held: []heldProc{{pid: uint32(early), upTo: 10}, {pid: uint32(late), upTo: 12}}}
+	a := newTestRecorder()
+	s := &stream{job: "j", first: 10, held: []heldProc{{pid: uint32(early), upTo: 10}, {pid: uint32(late), upTo: 12}}}
 	a.releaseHeld(s, false)
 	isRunning := func(pid int) bool {
 		r, err := procstate.RunningThreads(pid)
@@ -250,9 +247,9 @@ func TestReleaseHeld(t *testing.T) {
 // protector refuse every later batch of the job) and its process, if held, is released at once; so is a
 // held call of a job this host does not record.
 func TestTakeDeterminant(t *testing.T) {
-	a := &Agent{log: slog.New(slog.DiscardHandler), det: newTestDetState()}
-	s := &detStream{job: "j", cgroup: 7, watchers: map[chan intercept.Event]bool{}}
-	a.det.byJob["j"], a.det.byCgroup[7] = s, s
+	a := newTestRecorder()
+	s := &stream{job: "j", cgroup: 7, watchers: map[chan intercept.Event]bool{}}
+	a.byJob["j"], a.byCgroup[7] = s, s
 	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:5001"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
 	closed := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:0"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
 	now := time.Now()
@@ -283,7 +280,7 @@ func TestRecordPause(t *testing.T) {
 		{2 * time.Millisecond, 2 * time.Millisecond},
 		{time.Millisecond, time.Millisecond},
 		{100 * time.Microsecond, time.Millisecond}, // never below a millisecond
-		{maxShipEvery, 100 * time.Millisecond},
+		{MaxShipEvery, 100 * time.Millisecond},
 	} {
 		if got := recordPause(c.ship); got != c.want {
 			t.Errorf("recordPause(%s) = %s, want %s", c.ship, got, c.want)
