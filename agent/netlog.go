@@ -6,17 +6,22 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net/netip"
 	"os"
 	"slices"
 	"sync"
 	"time"
 
+	"github.com/prometheus/procfs"
+
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/internal/hostnet"
+	"github.com/ftkit/ftkit/internal/sockdiag"
+	"github.com/ftkit/ftkit/internal/sockowner"
 	"github.com/ftkit/ftkit/netlog/capture"
 	"github.com/ftkit/ftkit/netlog/controller"
 	"github.com/ftkit/ftkit/netlog/node"
@@ -306,18 +311,28 @@ func (a *Agent) serveLogged(ctx context.Context, peer string, flows []tcpflow.Tu
 	}
 	// This host's operator is told too: the process is here, the job that cannot be recovered there.
 	named, unnamed := a.unloggedSeen.fresh(rep.Unlogged, time.Now())
-	msg := "a process of this host not started under ftkit talks to a job of another member: nothing logs what it sends, so that job cannot be recovered if its host fails (run the process under ftwrap, or as a job; ss -tnp names it by its address)"
+	msg := "a process of this host not started under ftkit talks to a job of another member: nothing logs what it sends, so that job cannot be recovered if its host fails (run the process under ftwrap, or as a job)"
 	if rep.LogOff {
 		msg = "this host's sender-side log is off: a job of another member talks to a process of this host, and cannot be recovered if its host fails"
 	}
 	lost := setOf(rep.StateLost)
+	var plain []tcpflow.Tuple
 	for _, f := range named {
 		if lost[f] {
 			a.log.Warn("a connection of a protected process of this host has no live state in the sender-side log's capture any more (it keeps those of the 8192 most recently active connections; this one sent nothing meanwhile): the job of another member it talks to cannot be recovered if its host fails until the connection carries a segment again",
 				"local", f.Local, "remote", f.Remote, "member", peer)
 			continue
 		}
-		a.log.Warn(msg, "local", f.Local, "remote", f.Remote, "member", peer)
+		plain = append(plain, f)
+	}
+	if len(plain) > 0 {
+		// Naming each connection's process takes a pass over /proc: not on the asking member's time.
+		go func() {
+			owners := a.socketOwners(plain)
+			for _, f := range plain {
+				a.log.Warn(msg, append([]any{"local", f.Local, "remote", f.Remote, "member", peer}, owners[f]...)...)
+			}
+		}()
 	}
 	if unnamed > 0 {
 		a.log.Warn("more connections of processes of this host that nothing logs were asked about this hour than the log names one by one (said once an hour): ftctl status on the asking members lists their jobs' connections", "member", peer, "unnamed", unnamed)
@@ -332,6 +347,41 @@ func (a *Agent) lostState(f tcpflow.Tuple) bool {
 	lost := false
 	err := inJobNet(a.runningJobNet(f.Local.Addr()), func() error { lost = a.netlog.node.LostState(f); return nil })
 	return err == nil && lost
+}
+
+// socketOwners names, for the operator, the process of this host that holds each flow's local socket
+// and the socket's owner, as log attributes ("uid", then "pid" and "command" when a process was found);
+// a flow whose socket is gone has none. Each socket is looked up where it lives (lostState), the
+// processes in one pass over /proc.
+func (a *Agent) socketOwners(flows []tcpflow.Tuple) map[tcpflow.Tuple][]any {
+	attrs := map[tcpflow.Tuple][]any{}
+	inodes := map[tcpflow.Tuple]uint32{}
+	for _, f := range flows {
+		var s sockdiag.Socket
+		err := inJobNet(a.runningJobNet(f.Local.Addr()), func() (err error) { s, err = sockdiag.Lookup(f); return err })
+		if err != nil {
+			continue
+		}
+		attrs[f], inodes[f] = []any{"uid", s.UID}, s.Inode
+	}
+	if len(inodes) == 0 {
+		return attrs
+	}
+	proc, err := procfs.NewDefaultFS()
+	if err != nil {
+		return attrs
+	}
+	owners, err := sockowner.Find(proc, slices.Collect(maps.Values(inodes)))
+	if err != nil {
+		a.log.Debug("the processes of connections that nothing logs could not be named", "err", err)
+		return attrs
+	}
+	for f, ino := range inodes {
+		if p, ok := owners[ino]; ok {
+			attrs[f] = append(attrs[f], "pid", p.PID, "command", p.Comm)
+		}
+	}
+	return attrs
 }
 
 // setOf is flows as a set.

@@ -83,13 +83,19 @@ func testUnprotectedPeerOnMember(t *testing.T) {
 	if n := scrape(t, c, "node1")["ftkit_jobs_unrecoverable"]; n != 1 {
 		t.Errorf("node1's ftkit_jobs_unrecoverable = %v, want 1", n)
 	}
-	// node2's operator is told too, once per connection, from node2's end.
+	// node2's operator is told too, once per connection, from node2's end, with the process that holds it.
 	poll(t, time.Minute, "node2's log naming both connections of its plain process", func() bool {
 		b, _ := os.ReadFile(c.LogPath("node2"))
 		n := 0
 		for line := range strings.Lines(string(b)) {
 			if strings.Contains(line, "a process of this host not started under ftkit talks to a job of another member") &&
 				strings.Contains(line, "member=node1") {
+				if !strings.Contains(line, "command=ringstencil") || !strings.Contains(line, " pid=") || !strings.Contains(line, " uid=0") {
+					t.Fatalf("node2's line does not name the plain process (ringstencil, pid, uid 0): %s", line)
+				}
+				if n == 0 {
+					t.Logf("node2: %s", line)
+				}
 				n++
 			}
 		}

@@ -23,6 +23,8 @@ const (
 	inetDiagCgroupID   = 21 // INET_DIAG_CGROUP_ID: u64, the cgroup v2 id of the socket (Linux 5.7+)
 	inetDiagNoCookie   = 0xffffffff
 	diagMsgRQueueAt    = 56 // idiag_rqueue in inet_diag_msg: rcv_nxt - copied_seq for an established socket
+	diagMsgUIDAt       = 64 // idiag_uid: the socket's owner
+	diagMsgInodeAt     = 68 // idiag_inode: the socket's inode, as /proc/PID/fd links name it ("socket:[N]")
 	diagReplyBufferLen = 4096
 )
 
@@ -37,6 +39,9 @@ type Socket struct {
 	// in when it created it, the one the sender-side log's program reads from each segment. 0 if the kernel
 	// gave none.
 	CgroupID uint64
+	// UID is the socket's owner (the creator's file-system uid) and Inode its inode number, by which
+	// /proc/PID/fd names it (internal/sockowner finds the processes holding it).
+	UID, Inode uint32
 }
 
 // Lookup returns what sock_diag says of the IPv4 TCP socket conn (conn.Local its local end) in the calling
@@ -102,7 +107,7 @@ const sizeofSockIDAddrs = 36
 // ErrNoSocket is Lookup's error for a socket that does not exist.
 var ErrNoSocket = errors.New("no such TCP socket in this network namespace")
 
-// parseDiagReply reads the socket's received and unread bytes and its cgroup from the kernel's reply to
+// parseDiagReply reads the socket's received and unread bytes, owner, inode and cgroup from the kernel's reply to
 // diagRequest for conn (or the error it answered with). The reply comes from the kernel, yet every length
 // in it is checked against the buffer. The kernel's lookup falls back to a listener on the local port
 // when no connection matches: a reply about another socket than conn is ErrNoSocket.
@@ -138,7 +143,7 @@ func parseDiagReply(b []byte, conn tcpflow.Tuple) (Socket, error) {
 	if !bytes.Equal(msg[4:4+sizeofSockIDAddrs], want[:]) {
 		return Socket{}, ErrNoSocket
 	}
-	s := Socket{Unread: int(ne.Uint32(msg[diagMsgRQueueAt:]))}
+	s := Socket{Unread: int(ne.Uint32(msg[diagMsgRQueueAt:])), UID: ne.Uint32(msg[diagMsgUIDAt:]), Inode: ne.Uint32(msg[diagMsgInodeAt:])}
 	const at = int(unsafe.Offsetof(unix.TCPInfo{}.Bytes_received))
 	info := false
 	for a := msg[sizeofInetDiagMsg:]; len(a) >= 4; {

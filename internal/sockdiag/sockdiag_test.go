@@ -46,6 +46,12 @@ func TestLookup(t *testing.T) {
 	if want := ownCgroupID(t); s.CgroupID != want {
 		t.Errorf("socket's cgroup id %d, want the test's %d", s.CgroupID, want)
 	}
+	if s.UID != uint32(os.Geteuid()) {
+		t.Errorf("socket's owner %d, want the test's uid %d", s.UID, os.Geteuid())
+	}
+	if want := fdInode(t, server); s.Inode != want {
+		t.Errorf("socket's inode %d, want %d (its descriptor's)", s.Inode, want)
+	}
 	if _, err := client.Write(make([]byte, 5000)); err != nil {
 		t.Fatal(err)
 	}
@@ -138,4 +144,19 @@ func FuzzParseDiagReply(f *testing.F) {
 	f.Fuzz(func(t *testing.T, b []byte) {
 		parseDiagReply(b, conn)
 	})
+}
+
+// fdInode is the inode of c's socket, from its descriptor.
+func fdInode(t *testing.T, c net.Conn) uint32 {
+	t.Helper()
+	raw, err := c.(*net.TCPConn).SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var st unix.Stat_t
+	var serr error
+	if err := raw.Control(func(fd uintptr) { serr = unix.Fstat(int(fd), &st) }); err != nil || serr != nil {
+		t.Fatal(err, serr)
+	}
+	return uint32(st.Ino)
 }
