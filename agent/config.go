@@ -13,6 +13,7 @@ import (
 	"github.com/pelletier/go-toml/v2"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/fence"
 	"github.com/ftkit/ftkit/intercept/record"
 	"github.com/ftkit/ftkit/jobnet"
@@ -169,9 +170,13 @@ type Config struct {
 
 // LogConfig configures the sender-side log of the bytes this host's jobs send to other hosts.
 type LogConfig struct {
-	Enabled   bool    `toml:"enabled"`
-	Interface string  `toml:"interface"`  // egress interface; empty: the one holding cluster.listen's address
-	RingMiB   int     `toml:"ring_mib"`   // eBPF ring buffer (power of two); full means TCP backpressure, never loss
+	Enabled   bool   `toml:"enabled"`
+	Interface string `toml:"interface"` // egress interface; empty: the one holding cluster.listen's address
+	RingMiB   int    `toml:"ring_mib"`  // eBPF ring buffer (power of two); full means TCP backpressure, never loss
+	// MaxFlows is how many protected connections of this host keep a live state in the capture at once
+	// (the least recently active is forgotten beyond it; a recovery needs the state of a peer that sent
+	// nothing since the snapshot). Each costs the kernel 120 bytes, preallocated (7.9 MB for the default).
+	MaxFlows  int     `toml:"max_flows"`
 	MemoryMiB int     `toml:"memory_mib"` // cap on the log's RAM; 0: 10% of this host's memory
 	High      float64 `toml:"high"`       // fraction of the cap at which destination nodes are asked to snapshot
 	Low       float64 `toml:"low"`        // fraction of the cap the controller aims for
@@ -197,6 +202,10 @@ type LogConfig struct {
 	ReceiveOrderShipEvery Duration `toml:"receive_order_ship_every"`
 }
 
+// minMaxFlows is log.max_flows' least value: fewer would have idle connections of an ordinary host lose
+// their live state.
+const minMaxFlows = 1024
+
 // Defaults returns a Config with every default filled in.
 func Defaults() Config {
 	var c Config
@@ -217,7 +226,8 @@ func Defaults() Config {
 	c.Failover.ParallelRestores = 4
 	c.Failover.FenceCommandTimeout = Duration{30 * time.Second}
 	c.Health = HealthConfig{Interval: Duration{30 * time.Second}, Timeout: Duration{10 * time.Second}, LeadTime: Duration{30 * time.Minute}}
-	c.Log = LogConfig{Enabled: true, RingMiB: 64, High: 0.8, Low: 0.6, ReceiveOrder: true, ReceiveOrderShipEvery: Duration{record.DefaultShipEvery}}
+	c.Log = LogConfig{Enabled: true, RingMiB: 64, High: 0.8, Low: 0.6, ReceiveOrder: true, ReceiveOrderShipEvery: Duration{record.DefaultShipEvery},
+		MaxFlows: ebpfprobes.DefaultMaxFlows}
 	c.JobNetwork.Kind = jobnet.MACVlan
 	c.JobNetwork.Linger = Duration{30 * time.Second}
 	return c
@@ -349,6 +359,9 @@ func (c Config) Validate() error {
 	if c.Log.Enabled {
 		if c.Log.RingMiB <= 0 || c.Log.RingMiB&(c.Log.RingMiB-1) != 0 {
 			errs = append(errs, fmt.Errorf("log.ring_mib %d: use a power of two", c.Log.RingMiB))
+		}
+		if c.Log.MaxFlows < minMaxFlows || c.Log.MaxFlows > ebpfprobes.MaxMaxFlows {
+			errs = append(errs, fmt.Errorf("log.max_flows %d: use %d..%d", c.Log.MaxFlows, minMaxFlows, ebpfprobes.MaxMaxFlows))
 		}
 		if c.Log.MemoryMiB < 0 || !(0 < c.Log.Low && c.Log.Low < c.Log.High && c.Log.High <= 1) {
 			errs = append(errs, fmt.Errorf("log: memory_mib must be >= 0 and 0 < low (%.2f) < high (%.2f) <= 1", c.Log.Low, c.Log.High))

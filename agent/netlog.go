@@ -59,7 +59,7 @@ func (a *Agent) startLog() error {
 		}
 	}
 	n, err := node.Start(node.StartConfig{
-		Interface: iface, RingMiB: lc.RingMiB, MemoryMiB: lc.MemoryMiB, SpillDir: lc.SpillDir, High: lc.High, Low: lc.Low,
+		Interface: iface, RingMiB: lc.RingMiB, MaxFlows: lc.MaxFlows, MemoryMiB: lc.MemoryMiB, SpillDir: lc.SpillDir, High: lc.High, Low: lc.Low,
 		MaxRange: maxLogRange, Members: logMembers{a}, Logger: a.log,
 		Event: func(k controller.EventKind) { a.metrics.ControllerEvent(string(k)) },
 	})
@@ -72,7 +72,7 @@ func (a *Agent) startLog() error {
 		return err
 	}
 	a.netlog = &logState{node: n, tap: tap, book: book, recorder: recorder}
-	a.log.Info("sender-side log attached", "interface", iface, "ring_mib", lc.RingMiB, "memory_cap_mib", n.CapBytes()>>20)
+	a.log.Info("sender-side log attached", "interface", iface, "ring_mib", lc.RingMiB, "max_flows", lc.MaxFlows, "memory_cap_mib", n.CapBytes()>>20)
 	return nil
 }
 
@@ -319,8 +319,8 @@ func (a *Agent) serveLogged(ctx context.Context, peer string, flows []tcpflow.Tu
 	var plain []tcpflow.Tuple
 	for _, f := range named {
 		if lost[f] {
-			a.log.Warn("a connection of a protected process of this host has no live state in the sender-side log's capture any more (it keeps those of the 8192 most recently active connections; this one sent nothing meanwhile): the job of another member it talks to cannot be recovered if its host fails until the connection carries a segment again",
-				"local", f.Local, "remote", f.Remote, "member", peer)
+			a.log.Warn("a connection of a protected process of this host has no live state in the sender-side log's capture any more (it keeps those of the log.max_flows most recently active connections; this one sent nothing meanwhile): the job of another member it talks to cannot be recovered if its host fails until the connection carries a segment again",
+				"local", f.Local, "remote", f.Remote, "member", peer, "max_flows", a.cfg.Log.MaxFlows)
 			continue
 		}
 		plain = append(plain, f)

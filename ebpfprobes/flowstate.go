@@ -192,7 +192,7 @@ func flowStateFrom(v tcplogFlowState) FlowState {
 // FlowState returns the live state of flow f (Local is the sending end: for
 // the restorer, the peer toward the failed node). ok is false when the
 // logger has seen no segment of f since it was loaded (f is not protected,
-// sends nothing, or was evicted: the map keeps the 8192 most recently active
+// sends nothing, or was evicted: the map keeps the MaxFlows most recently active
 // protected flows).
 //
 // The program updates the state in place without a lock; FlowState reads it

@@ -44,9 +44,25 @@ type TCPLoggerOptions struct {
 	// consumer less per byte on slow links (fewer wakeups, larger batches);
 	// the program wakes it anyway once an eighth of the ring is waiting.
 	PollInterval time.Duration
+	// MaxFlows is how many protected flows keep a live state (FlowState) at
+	// once: the least recently active is evicted beyond it. 0 means
+	// DefaultMaxFlows.
+	MaxFlows int
 	// Logger receives attach/detach events; nil discards them.
 	Logger *slog.Logger
 }
+
+// DefaultMaxFlows is TCPLoggerOptions.MaxFlows' default: an MPI job over TCP
+// opens a connection per pair of ranks that talk, and each host of an
+// all-to-all over 17 hosts of 64 ranks holds 64 x 64 x 16 = 65,536 of them
+// (8192, the bound until 2026-11-30, was passed at 3 such hosts).
+// The kernel preallocates every entry of the LRU map: 120 bytes each
+// (bpftool's memlock: 0.98 MB for 8192, 7.9 MB for the default, 126 MB for
+// 2^20). MaxMaxFlows bounds what a configuration may ask.
+const (
+	DefaultMaxFlows = 1 << 16
+	MaxMaxFlows     = 1 << 22
+)
 
 // Counters are the program's counters summed over all CPUs.
 type Counters struct {
@@ -105,6 +121,14 @@ func NewTCPLogger(opts TCPLoggerOptions) (*TCPLogger, error) {
 		return nil, fmt.Errorf("tcplog: parse embedded BPF object: %w", err)
 	}
 	spec.Maps[tcplogMapEvents].MaxEntries = uint32(size)
+	flows := opts.MaxFlows
+	if flows == 0 {
+		flows = DefaultMaxFlows
+	}
+	if flows < 0 || flows > MaxMaxFlows {
+		return nil, fmt.Errorf("tcplog: %d flows with a live state: use 1..%d", flows, MaxMaxFlows)
+	}
+	spec.Maps[tcplogMapFlowStates].MaxEntries = uint32(flows)
 	if err := spec.Variables[tcplogVarRingSize].Set(uint32(size)); err != nil {
 		return nil, fmt.Errorf("tcplog: set ring_size: %w", err)
 	}

@@ -447,3 +447,32 @@ func TestTCPLoggerAPI(t *testing.T) {
 		t.Fatal("Close did not interrupt Read")
 	}
 }
+
+// TestTCPLoggerMaxFlows: the live states' map has as many entries as asked (the default without a
+// number), as the kernel reports it; a number out of bounds is refused before anything is loaded.
+func TestTCPLoggerMaxFlows(t *testing.T) {
+	for _, bad := range []int{-1, MaxMaxFlows + 1} {
+		if l, err := NewTCPLogger(TCPLoggerOptions{RingBufferSize: 64 << 10, MaxFlows: bad}); err == nil {
+			l.Close()
+			t.Errorf("%d flows accepted", bad)
+		}
+	}
+	requirePrivileges(t)
+	for _, c := range []struct{ asked, want int }{{0, DefaultMaxFlows}, {2048, 2048}} {
+		l, err := NewTCPLogger(TCPLoggerOptions{RingBufferSize: 64 << 10, MaxFlows: c.asked})
+		if errors.Is(err, ebpf.ErrNotSupported) {
+			t.Skipf("SKIPPED: this kernel cannot load the TCX logger: %v", err)
+		}
+		if err != nil {
+			t.Fatalf("NewTCPLogger: %+v", err)
+		}
+		info, err := l.objs.FlowStates.Info()
+		l.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info.MaxEntries != uint32(c.want) {
+			t.Errorf("MaxFlows %d: the kernel's map has %d entries, want %d", c.asked, info.MaxEntries, c.want)
+		}
+	}
+}

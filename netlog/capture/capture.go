@@ -43,6 +43,9 @@ type Options struct {
 	// PollInterval is how long the consumer sleeps between two drains of the ring while segments keep
 	// coming (ebpfprobes.TCPLoggerOptions); 0 means DefaultPollInterval.
 	PollInterval time.Duration
+	// MaxFlows is how many protected flows keep a live state at once (ebpfprobes.TCPLoggerOptions); 0
+	// means ebpfprobes.DefaultMaxFlows.
+	MaxFlows int
 	// MemoryCap, if positive, bounds the log's memory (netlog.Stats.MemoryBytes): the consumer stops
 	// draining the ring rather than let one more append exceed it (TCP backpressure, never loss).
 	MemoryCap int64
@@ -116,7 +119,7 @@ func New(opts Options) (*Capture, error) {
 	if poll <= 0 {
 		poll = DefaultPollInterval
 	}
-	probe, err := ebpfprobes.NewTCPLogger(ebpfprobes.TCPLoggerOptions{RingBufferSize: opts.RingBufferSize, PollInterval: poll, Logger: log})
+	probe, err := ebpfprobes.NewTCPLogger(ebpfprobes.TCPLoggerOptions{RingBufferSize: opts.RingBufferSize, PollInterval: poll, MaxFlows: opts.MaxFlows, Logger: log})
 	if err != nil {
 		nl.Close()
 		return nil, fmt.Errorf("capture: %w", err)
@@ -338,7 +341,7 @@ func (c *Capture) FlowState(conn tcpflow.Tuple) (ebpfprobes.FlowState, bool, err
 // LogsSocket reports whether the probe logs what conn's local socket sends: the socket's cgroup (the one
 // the probe reads from each segment) is protected. It asks the socket itself (sock_diag, in the calling
 // thread's network namespace), where FlowState answers from the probe's live state, which keeps the
-// most recently active flows only (8192): a protected flow that sent nothing while more than that many
+// most recently active flows only (Options.MaxFlows): a protected flow that sent nothing while more than that many
 // others did has none. A socket that does not exist is logged by no one.
 func (c *Capture) LogsSocket(conn tcpflow.Tuple) (bool, error) {
 	s, err := sockdiag.Lookup(conn)

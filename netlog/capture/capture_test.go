@@ -188,7 +188,7 @@ func TestCaptureEndToEnd(t *testing.T) {
 }
 
 // testLogsSocket: LogsSocket answers from the socket's cgroup, not from the probe's live state (which keeps
-// the 8192 most recently active flows: a protected flow idle for long was once named unlogged). Two
+// the most recently active flows only: a protected flow idle for long was once named unlogged). Two
 // senders, one per cgroup, each held alive by a paused receiver, and a connection that does not exist.
 func testLogsSocket(t *testing.T, l *lab.Lab, protected, other *streamtest.Cgroup) {
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute) // a failure bound only

@@ -116,6 +116,7 @@ func New(src Source, cfg Config) (*Node, error) {
 type StartConfig struct {
 	Interface string // the cluster interface, in the caller's network namespace
 	RingMiB   int
+	MaxFlows  int     // protected flows with a live state at once; 0: ebpfprobes.DefaultMaxFlows
 	MemoryMiB int     // the log's memory cap; 0: a tenth of this host's memory
 	SpillDir  string  // "" for none
 	High, Low float64 // the controller's thresholds, fractions of the cap
@@ -141,7 +142,7 @@ func Start(sc StartConfig) (*Node, error) {
 		opts.SpillDir = sc.SpillDir
 		opts.SpillAboveRAM = int64(float64(capBytes) * sc.Low)
 	}
-	c, err := capture.New(capture.Options{Interface: sc.Interface, RingBufferSize: sc.RingMiB << 20, Log: opts, Logger: sc.Logger, MemoryCap: capBytes})
+	c, err := capture.New(capture.Options{Interface: sc.Interface, RingBufferSize: sc.RingMiB << 20, MaxFlows: sc.MaxFlows, Log: opts, Logger: sc.Logger, MemoryCap: capBytes})
 	if err != nil {
 		return nil, fmt.Errorf("start the sender-side log on %s: %w", sc.Interface, err)
 	}
@@ -201,7 +202,7 @@ func (n *Node) Knows(conn tcpflow.Tuple) bool {
 
 // LostState reports, for a connection Knows does not know, whether its local socket is a protected
 // process's all the same: the capture keeps the live state of the most recently active protected flows
-// only (8192), and this one, with nothing in the log, sent nothing while more than that many others did.
+// only (StartConfig.MaxFlows), and this one, with nothing in the log, sent nothing while more than that many others did.
 // A restore of its peer needs that state as much as an unprotected process's bytes; only the reason told
 // differs, and what fixes it (the connection's next segment, or fewer active connections on this host).
 func (n *Node) LostState(conn tcpflow.Tuple) bool {
