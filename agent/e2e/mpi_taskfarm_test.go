@@ -55,7 +55,7 @@ func farmProgress(out string) int {
 // It runs with the agents' log.receive_order off: the restored master reads freely.
 func TestTaskFarmNeverSilentlyWrong(t *testing.T) {
 	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
-	f := runTaskFarmCrash(t, labcluster.Options{Interval: "1h", NoReceiveOrder: true})
+	f := runTaskFarmCrash(t, labcluster.Options{Interval: "1h", NoReceiveOrder: true, ReplayTimeout: farmReplayTimeout})
 	if replay := stageDetail(f, agent.StageReplayed); !strings.Contains(replay, "receive order not replayed") {
 		t.Errorf("with log.receive_order off, the replay stage says %q, want \"receive order not replayed\"", replay)
 	}
@@ -69,7 +69,7 @@ func TestTaskFarmNeverSilentlyWrong(t *testing.T) {
 // failure, never a wrong sum. docs/receive-order.md has how often each outcome was measured.
 func TestTaskFarmReceiveOrder(t *testing.T) {
 	t.Parallel()
-	f := runTaskFarmCrash(t, labcluster.Options{Interval: "1h"})
+	f := runTaskFarmCrash(t, labcluster.Options{Interval: "1h", ReplayTimeout: farmReplayTimeout})
 	if replay := stageDetail(f, agent.StageReplayed); !strings.Contains(replay, "receive order replayed") && !strings.Contains(replay, "receive order and positions replayed") {
 		t.Errorf("the replay stage says %q, want the receive order replayed", replay)
 	}
@@ -82,11 +82,17 @@ func TestTaskFarmReceiveOrder(t *testing.T) {
 // (docs/receive-order.md): the outcome is still one of the two, never a wrong result.
 func TestTaskFarmPessimistic(t *testing.T) {
 	t.Parallel()
-	f := runTaskFarmCrash(t, labcluster.Options{Interval: "1h", ReceivePositions: true, Pessimistic: true})
+	f := runTaskFarmCrash(t, labcluster.Options{Interval: "1h", ReceivePositions: true, Pessimistic: true, ReplayTimeout: farmReplayTimeout})
 	if replay := stageDetail(f, agent.StageReplayed); !strings.Contains(replay, "receive order and positions replayed") {
 		t.Errorf("the replay stage says %q, want the receive order and positions replayed", replay)
 	}
 }
+
+// farmReplayTimeout is the task farm tests' failover.replay_timeout: a diverged master that waits for a
+// message nobody sends is declared diverged after it (2 minutes by default: TestTaskFarmAutoRollback then
+// took 4 minutes in CI, TestTaskFarmNeverSilentlyWrong 133 s in ci174); a replay that is not diverged takes
+// well under a second (with positions, at most a few).
+const farmReplayTimeout = 20 * time.Second
 
 // stageDetail is the detail of f's stage name ("" if it has none).
 func stageDetail(f *agent.Failure, name string) string {
@@ -194,9 +200,6 @@ func requireMPI4Py(t *testing.T) {
 // depended on (orphans), and then the run rolls back.
 func TestTaskFarmAutoRollback(t *testing.T) {
 	t.Parallel() // each row has its own lab
-	// A diverged master that waits for a message nobody sends is declared diverged after replay_timeout
-	// (2 minutes by default; ci: the whole test then took 4 minutes); its replay takes well under a second.
-	const farmReplayTimeout = 20 * time.Second
 	requireMPI4Py(t)
 	script, err := os.ReadFile("testdata/taskfarm.py")
 	if err != nil {
