@@ -55,7 +55,8 @@ type TCPLoggerOptions struct {
 // DefaultMaxFlows is TCPLoggerOptions.MaxFlows' default: an MPI job over TCP
 // opens a connection per pair of ranks that talk, and each host of an
 // all-to-all over 17 hosts of 64 ranks holds 64 x 64 x 16 = 65,536 of them
-// (8192, the bound until 2026-11-30, was passed at 3 such hosts).
+// (8192, the bound until 2026-11-30, was reached at 3 such hosts and passed
+// at 4).
 // The kernel preallocates every entry of the LRU map: 120 bytes each
 // (bpftool's memlock: 0.98 MB for 8192, 7.9 MB for the default, 126 MB for
 // 2^20). MaxMaxFlows bounds what a configuration may ask.
