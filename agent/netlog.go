@@ -340,25 +340,30 @@ func (a *Agent) serveLogged(ctx context.Context, peer string, flows []tcpflow.Tu
 	return rep
 }
 
+// inSocketNet runs fn in the network namespace where f's local socket lives: the job network of the
+// running job of this host that holds f's local address, or else the agent's own.
+func (a *Agent) inSocketNet(f tcpflow.Tuple, fn func() error) error {
+	return inJobNet(a.runningJobNet(f.Local.Addr()), fn)
+}
+
 // lostState asks the log whether f's local socket, unknown to it, is a protected process's that lost its
-// live state (node.LostState), where that socket lives: in the job network of the running job of this
-// host that holds f's local address, or else in the agent's own network namespace.
+// live state (node.LostState), where that socket lives.
 func (a *Agent) lostState(f tcpflow.Tuple) bool {
 	lost := false
-	err := inJobNet(a.runningJobNet(f.Local.Addr()), func() error { lost = a.netlog.node.LostState(f); return nil })
+	err := a.inSocketNet(f, func() error { lost = a.netlog.node.LostState(f); return nil })
 	return err == nil && lost
 }
 
 // socketOwners names, for the operator, the process of this host that holds each flow's local socket
 // and the socket's owner, as log attributes ("uid", then "pid" and "command" when a process was found);
-// a flow whose socket is gone has none. Each socket is looked up where it lives (lostState), the
+// a flow whose socket is gone has none. Each socket is looked up where it lives (inSocketNet), the
 // processes in one pass over /proc.
 func (a *Agent) socketOwners(flows []tcpflow.Tuple) map[tcpflow.Tuple][]any {
 	attrs := map[tcpflow.Tuple][]any{}
 	inodes := map[tcpflow.Tuple]uint32{}
 	for _, f := range flows {
 		var s sockdiag.Socket
-		err := inJobNet(a.runningJobNet(f.Local.Addr()), func() (err error) { s, err = sockdiag.Lookup(f); return err })
+		err := a.inSocketNet(f, func() (err error) { s, err = sockdiag.Lookup(f); return err })
 		if err != nil {
 			continue
 		}
