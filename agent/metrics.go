@@ -84,7 +84,7 @@ func (a *Agent) logMetrics() *metrics.Log {
 		return nil
 	}
 	l := &metrics.Log{
-		MemoryBytes: cnt.MemoryBytes, CapBytes: a.netlog.node.CapBytes(), RetainedBytes: cnt.RetainedBytes,
+		MemoryBytes: cnt.MemoryBytes, CapBytes: a.netlog.node.CapBytes(), PooledBytes: cnt.PooledBytes, RetainedBytes: cnt.RetainedBytes,
 		SpilledBytes: cnt.SpilledBytes, Conns: cnt.Conns, ConsumerPaused: cnt.ConsumerPaused, ConsumerCPU: cnt.ConsumerCPU,
 		BytesLogged: cnt.BytesLogged, PacketsLogged: cnt.PacketsLogged,
 		DropsBackpressure: cnt.DropsBackpressure, DropsOversize: cnt.DropsOversize, DropsError: cnt.DropsError,

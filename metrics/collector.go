@@ -15,7 +15,8 @@ type collector struct {
 	src Source
 
 	jobs, replicaAge, unreplicated, uncovered, unrecoverable     *prometheus.Desc
-	logMemory, logCap, logRetained, logSpilled, logConns, paused *prometheus.Desc
+	logMemory, logCap, logPooled, logRetained, logSpilled        *prometheus.Desc
+	logConns, paused                                             *prometheus.Desc
 	consumerCPU                                                  *prometheus.Desc
 	logBytes, logPackets, logDrops, releasedConns, releasedBytes *prometheus.Desc
 	receivedBytes, receiveDrops                                  *prometheus.Desc
@@ -33,8 +34,9 @@ func newCollector(src Source) *collector {
 		unrecoverable: d("ftkit_jobs_unrecoverable", "Running jobs whose replica holds connections no restore could rebuild (a peer whose sends nobody logs, or one on this host dumped apart from the job; ftctl status: UNRECOVERABLE): a failure of this host now is refused for them, and a new snapshot does not change that.", nil, nil),
 		uncovered:     d("ftkit_jobs_uncovered", "Running jobs whose replica lacks connections they opened since (the agent snapshots them again soon): a failure of this host now is refused for them.", nil, nil),
 
-		logMemory:     d("ftkit_log_memory_bytes", "Memory of the sender-side log (RAM, pooled and compressed); compare with ftkit_log_memory_cap_bytes.", nil, nil),
+		logMemory:     d("ftkit_log_memory_bytes", "Memory of the sender-side log (RAM, pooled and compressed); less ftkit_log_pooled_bytes, compare with ftkit_log_memory_cap_bytes.", nil, nil),
 		logCap:        d("ftkit_log_memory_cap_bytes", "Cap on the sender-side log's memory (log.memory_mib).", nil, nil),
+		logPooled:     d("ftkit_log_pooled_bytes", "Part of ftkit_log_memory_bytes holding no logged bytes: buffers freed by trims, kept for reuse up to 10 minutes; not counted against the cap.", nil, nil),
 		logRetained:   d("ftkit_log_retained_bytes", "Logged bytes retained for possible replay.", nil, nil),
 		logSpilled:    d("ftkit_log_spilled_bytes", "Log bytes spilled to log.spill_dir.", nil, nil),
 		logConns:      d("ftkit_log_connections", "Connections in the sender-side log.", nil, nil),
@@ -58,7 +60,7 @@ func newCollector(src Source) *collector {
 }
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{c.jobs, c.replicaAge, c.unreplicated, c.uncovered, c.unrecoverable, c.logMemory, c.logCap, c.logRetained,
+	for _, d := range []*prometheus.Desc{c.jobs, c.replicaAge, c.unreplicated, c.uncovered, c.unrecoverable, c.logMemory, c.logCap, c.logPooled, c.logRetained,
 		c.logSpilled, c.logConns, c.paused, c.consumerCPU, c.logBytes, c.logPackets, c.logDrops, c.releasedConns, c.releasedBytes,
 		c.receivedBytes, c.receiveDrops, c.beatAge, c.busy, c.recoveries, c.stageSeconds, c.recoverySeconds} {
 		ch <- d
@@ -122,6 +124,7 @@ func (c *collector) collectLog(ch chan<- prometheus.Metric, l *Log) {
 	}
 	gauge(c.logMemory, float64(l.MemoryBytes))
 	gauge(c.logCap, float64(l.CapBytes))
+	gauge(c.logPooled, float64(l.PooledBytes))
 	gauge(c.logRetained, float64(l.RetainedBytes))
 	gauge(c.logSpilled, float64(l.SpilledBytes))
 	gauge(c.logConns, float64(l.Conns))

@@ -45,6 +45,7 @@ type Job struct {
 // Log holds the sender-side log's numbers (netlog/capture's counters and the agent's release counters).
 type Log struct {
 	MemoryBytes, CapBytes, RetainedBytes, SpilledBytes int64
+	PooledBytes                                        int64 // freed slab buffers kept for reuse, part of MemoryBytes, not counted against the cap
 	Conns                                              int
 	ConsumerPaused                                     bool
 	ConsumerCPU                                        time.Duration // the log consumer thread's CPU time

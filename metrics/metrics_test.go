@@ -79,9 +79,9 @@ ftkit_jobs_unreplicated 1
 		},
 		{
 			name: "log against its cap, bytes logged, drops by reason",
-			state: State{Log: &Log{MemoryBytes: 3 << 20, CapBytes: 64 << 20, Conns: 2, BytesLogged: 12345, ConsumerPaused: true, ConsumerCPU: 1500 * time.Millisecond,
+			state: State{Log: &Log{MemoryBytes: 3 << 20, CapBytes: 64 << 20, PooledBytes: 1 << 20, Conns: 2, BytesLogged: 12345, ConsumerPaused: true, ConsumerCPU: 1500 * time.Millisecond,
 				DropsBackpressure: 7, FragmentsPassed: 1, ReleasedBytes: 99, ReceiveDropsError: 2}},
-			names: []string{"ftkit_log_memory_bytes", "ftkit_log_memory_cap_bytes", "ftkit_log_connections", "ftkit_log_consumer_paused", "ftkit_log_consumer_cpu_seconds_total",
+			names: []string{"ftkit_log_memory_bytes", "ftkit_log_memory_cap_bytes", "ftkit_log_pooled_bytes", "ftkit_log_connections", "ftkit_log_consumer_paused", "ftkit_log_consumer_cpu_seconds_total",
 				"ftkit_log_logged_bytes_total", "ftkit_log_drops_total", "ftkit_log_released_bytes_total", "ftkit_receive_drops_total"},
 			want: `
 # HELP ftkit_log_connections Connections in the sender-side log.
@@ -103,12 +103,15 @@ ftkit_log_drops_total{reason="oversize"} 0
 # HELP ftkit_log_logged_bytes_total Payload bytes the egress probe wrote to the log, retransmissions included.
 # TYPE ftkit_log_logged_bytes_total counter
 ftkit_log_logged_bytes_total 12345
-# HELP ftkit_log_memory_bytes Memory of the sender-side log (RAM, pooled and compressed); compare with ftkit_log_memory_cap_bytes.
+# HELP ftkit_log_memory_bytes Memory of the sender-side log (RAM, pooled and compressed); less ftkit_log_pooled_bytes, compare with ftkit_log_memory_cap_bytes.
 # TYPE ftkit_log_memory_bytes gauge
 ftkit_log_memory_bytes 3.145728e+06
 # HELP ftkit_log_memory_cap_bytes Cap on the sender-side log's memory (log.memory_mib).
 # TYPE ftkit_log_memory_cap_bytes gauge
 ftkit_log_memory_cap_bytes 6.7108864e+07
+# HELP ftkit_log_pooled_bytes Part of ftkit_log_memory_bytes holding no logged bytes: buffers freed by trims, kept for reuse up to 10 minutes; not counted against the cap.
+# TYPE ftkit_log_pooled_bytes gauge
+ftkit_log_pooled_bytes 1.048576e+06
 # HELP ftkit_log_released_bytes_total Logged bytes the freed logs of finished connections still retained.
 # TYPE ftkit_log_released_bytes_total counter
 ftkit_log_released_bytes_total 99

@@ -42,7 +42,7 @@ type ager struct {
 // now is passed in so callers (and tests) control the clock.
 func (s *Store) Age(ctx context.Context, now time.Time) (AgeReport, error) {
 	if s.standalone {
-		s.env.pool.shrink()
+		s.env.pool.shrink(now)
 	}
 	var a ager
 	r, err := s.compress(ctx, now, &a)
@@ -127,7 +127,7 @@ func (s *Store) compress(ctx context.Context, now time.Time, a *ager) (AgeReport
 			s.add(cCompRaw, int64(len(c.raw)))
 			s.add(cCompSlabs, 1)
 			if uint32(len(c.raw)) == s.env.size {
-				s.env.pool.put(c.raw)
+				s.env.pool.put(c.raw, now)
 			}
 			c.sl.buf, c.sl.comp, c.sl.crc = nil, comp, crc
 			r.Compressed++

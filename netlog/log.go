@@ -339,8 +339,8 @@ func (l *Log) ConnStats(conn tcpflow.Tuple) (Stats, error) {
 
 // Age compresses aged slabs of every store (Options.CompressAfter, CompressAboveRAM) and,
 // if the log's memory still exceeds Options.SpillAboveRAM, spills the oldest sealed slabs of
-// the largest stores first. It also releases the pooled slab buffers that were not reused
-// since the previous Age (see Options.PoolSlabs). Run it periodically from a maintenance
+// the largest stores first. It also releases the pooled slab buffers that sat unused for
+// Options.PoolKeep. Run it periodically from a maintenance
 // goroutine.
 func (l *Log) Age(ctx context.Context, now time.Time) (AgeReport, error) {
 	l.mu.RLock()
@@ -350,7 +350,7 @@ func (l *Log) Age(ctx context.Context, now time.Time) (AgeReport, error) {
 	}
 	l.mu.RUnlock()
 
-	l.env.pool.shrink()
+	l.env.pool.shrink(now)
 	var r AgeReport
 	var a ager
 	for _, st := range stores {

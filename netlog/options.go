@@ -11,6 +11,10 @@ import (
 // DefaultSlabSize is the slab size used when Options.SlabSize is 0.
 const DefaultSlabSize = 1 << 20
 
+// DefaultPoolKeep is Options.PoolKeep's default: ten times the agent's default snapshot interval
+// (60 s), short enough that a log's peak is not held for long after its traffic stopped.
+const DefaultPoolKeep = 10 * time.Minute
+
 // Options configure a Store or a Log. The zero value keeps everything in RAM, uncompressed,
 // in 1 MiB slabs.
 type Options struct {
@@ -20,12 +24,18 @@ type Options struct {
 	SlabSize int
 	// PoolSlabs is how many freed full-size slab buffers are always kept for reuse instead of
 	// being handed back to the Go heap (0 means 4, negative means none, not even the ones
-	// below). Beyond that, every buffer a Trim or Remove frees is kept until the next Age,
-	// which releases those not reused since the Age before: with regular checkpoints the
-	// freed slabs are needed again right away, and allocating (zeroing, faulting in) a fresh
-	// MiB per MiB logged cost the consumer about a fifth of its CPU at 40 Gbit/s. Pooled
+	// below). Beyond that, a buffer a Trim or Remove frees is kept until an Age finds it unused
+	// for PoolKeep: a log fills and empties at the pace of its receivers' snapshots, so the
+	// buffers one snapshot frees are needed again over the next interval, and a buffer handed
+	// back to the heap comes back as fresh memory, zeroed and faulted in page by page: logging at
+	// 1 Gbit/s with a trim every 20 s cost 1.01 CPU-s per GB when Age handed back what it found
+	// unused since the Age before, 0.13 with PoolKeep (ftbench netlog, log_cycle). Pooled
 	// buffers never raise memory above its previous peak; they count in PooledBytes.
 	PoolSlabs int
+	// PoolKeep is how long a pooled buffer beyond PoolSlabs may stay unused before Age hands it
+	// back to the Go heap (0 means DefaultPoolKeep). It should exceed the receivers' snapshot
+	// interval, within which the log refills.
+	PoolKeep time.Duration
 
 	// CompressAfter: Age compresses (lz4 block format) every sealed slab - one whose bytes
 	// above the trim point are all present, so it can no longer change - that was sealed at
@@ -69,6 +79,12 @@ func newEnv(opt Options) (*env, error) {
 	if opt.SlabSize < 256 || opt.SlabSize > 64<<20 || opt.SlabSize&(opt.SlabSize-1) != 0 {
 		return nil, fmt.Errorf("netlog options: SlabSize %d must be a power of two between 256 and %d", opt.SlabSize, 64<<20)
 	}
+	if opt.PoolKeep < 0 {
+		return nil, fmt.Errorf("netlog options: PoolKeep must not be negative")
+	}
+	if opt.PoolKeep == 0 {
+		opt.PoolKeep = DefaultPoolKeep
+	}
 	switch {
 	case opt.PoolSlabs == 0:
 		opt.PoolSlabs = 4
@@ -91,7 +107,9 @@ func newEnv(opt Options) (*env, error) {
 		e.log = slog.Default()
 	}
 	e.pool.max = opt.PoolSlabs
-	e.pool.elastic = opt.PoolSlabs > 0
+	if opt.PoolSlabs > 0 {
+		e.pool.keep = opt.PoolKeep
+	}
 	e.pool.m = &e.meter
 	e.scratch.New = func() any { b := make([]byte, e.size); return &b }
 	return e, nil
@@ -128,23 +146,28 @@ func (e *env) closeSpill() error {
 }
 
 // slabPool keeps freed full-size slab buffers so a steady stream with regular Trims does not
-// allocate (and zero) a fresh MiB per MiB logged: max of them for good, more until shrink.
+// allocate (zero, fault in) a fresh MiB per MiB logged: max of them for good, the others until
+// they sat unused for keep.
 type slabPool struct {
-	mu      sync.Mutex
-	free    [][]byte
-	max     int  // kept for good
-	elastic bool // keep more than max until shrink
-	low     int  // fewest buffers in free since the last shrink: that many were not needed
-	m       *meter
+	mu   sync.Mutex
+	free []pooledBuf // a stack: get reuses the most recently freed, so the bottom ones are the idle ones
+	max  int
+	keep time.Duration // 0: none kept beyond max
+	m    *meter
+}
+
+// pooledBuf is a pooled buffer and when it was freed.
+type pooledBuf struct {
+	b  []byte
+	at time.Time
 }
 
 func (p *slabPool) get(size uint32) []byte {
 	p.mu.Lock()
 	if n := len(p.free); n > 0 {
-		b := p.free[n-1]
-		p.free[n-1] = nil
+		b := p.free[n-1].b
+		p.free[n-1] = pooledBuf{}
 		p.free = p.free[:n-1]
-		p.low = min(p.low, n-1)
 		p.mu.Unlock()
 		p.m.pooled.Add(-int64(len(b)))
 		return b
@@ -153,32 +176,32 @@ func (p *slabPool) get(size uint32) []byte {
 	return make([]byte, size)
 }
 
-func (p *slabPool) put(b []byte) {
+// put pools b, freed at now.
+func (p *slabPool) put(b []byte, now time.Time) {
 	p.mu.Lock()
-	if len(p.free) >= p.max && !p.elastic {
+	if len(p.free) >= p.max && p.keep == 0 {
 		p.mu.Unlock()
 		return
 	}
-	p.free = append(p.free, b)
+	p.free = append(p.free, pooledBuf{b, now})
 	p.mu.Unlock()
 	p.m.pooled.Add(int64(len(b)))
 }
 
-// shrink releases the buffers above max that were not reused since the last shrink.
-func (p *slabPool) shrink() {
+// shrink releases the buffers above max that sat unused for keep at now.
+func (p *slabPool) shrink(now time.Time) {
 	p.mu.Lock()
-	k := min(p.low, len(p.free)-p.max)
-	var n int64
-	if k > 0 {
-		// The oldest buffers sit at the bottom of the stack: get reuses the top.
-		for i, b := range p.free[:k] {
-			n += int64(len(b))
-			p.free[i] = nil
-		}
-		p.free = append(p.free[:0], p.free[k:]...)
-		clear(p.free[len(p.free):cap(p.free)])
+	k := 0
+	for k < len(p.free)-p.max && now.Sub(p.free[k].at) >= p.keep {
+		k++
 	}
-	p.low = len(p.free)
+	var n int64
+	for i := range p.free[:k] {
+		n += int64(len(p.free[i].b))
+		p.free[i] = pooledBuf{}
+	}
+	p.free = append(p.free[:0], p.free[k:]...)
+	clear(p.free[len(p.free):cap(p.free)])
 	p.mu.Unlock()
 	p.m.pooled.Add(-n)
 }
@@ -188,11 +211,10 @@ func (p *slabPool) drain() {
 	p.mu.Lock()
 	var n int64
 	for i, b := range p.free {
-		n += int64(len(b))
-		p.free[i] = nil
+		n += int64(len(b.b))
+		p.free[i] = pooledBuf{}
 	}
 	p.free = p.free[:0]
-	p.low = 0
 	p.mu.Unlock()
 	p.m.pooled.Add(-n)
 }

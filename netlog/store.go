@@ -675,7 +675,7 @@ func (s *Store) drop(sl *slab) {
 		s.add(cRAM, -int64(len(sl.buf)))
 		s.add(cRAMSlabs, -1)
 		if !sl.busy && uint32(len(sl.buf)) == s.env.size {
-			s.env.pool.put(sl.buf)
+			s.env.pool.put(sl.buf, time.Now())
 		}
 	case sl.comp != nil:
 		s.add(cComp, -int64(len(sl.comp)))

@@ -233,7 +233,7 @@ func TestStoreEmptyAndInvalid(t *testing.T) {
 	if err := s.TrimAbs(AnchorEpoch); err == nil {
 		t.Fatal("TrimAbs on an unanchored store accepted")
 	}
-	for _, bad := range []Options{{SlabSize: 1000}, {SlabSize: 128}, {SpillAboveRAM: 1}, {CompressAfter: -1}} {
+	for _, bad := range []Options{{SlabSize: 1000}, {SlabSize: 128}, {SpillAboveRAM: 1}, {CompressAfter: -1}, {PoolKeep: -time.Second}} {
 		if _, err := NewStore(bad); err == nil {
 			t.Fatalf("options %+v accepted", bad)
 		}
@@ -271,10 +271,11 @@ func TestStoreTrimReleasesSlabs(t *testing.T) {
 	if st.RetainedBytes != 4*slab || st.RAMSlabs > 5 || st.RAMBytes > 5*slab || st.PooledBytes != 60*slab {
 		t.Fatalf("after trim: %+v", st)
 	}
-	// A buffer stays pooled for at least one whole Age interval; those not reused in it are
-	// released down to PoolSlabs.
-	for i, want := range []int64{60 * slab, 2 * slab, 2 * slab} {
-		if _, err := s.Age(t.Context(), time.Now()); err != nil {
+	// A buffer stays pooled until an Age finds it unused for PoolKeep; then the pool is released
+	// down to PoolSlabs.
+	now := time.Now()
+	for i, want := range []int64{60 * slab, 60 * slab, 2 * slab, 2 * slab} {
+		if _, err := s.Age(t.Context(), now.Add(time.Duration(i)*DefaultPoolKeep/2)); err != nil {
 			t.Fatal(err)
 		}
 		if got := s.Stats().PooledBytes; got != want {
