@@ -108,6 +108,9 @@ func bulkSend() error {
 	return c.Close()
 }
 
+// netlogWarmup is what a capture logs before each measured transfer, not measured.
+const netlogWarmup = 256 << 20
+
 // netlogLink is one link setting of the bulk benchmark.
 type netlogLink struct {
 	Name  string `json:"name"`
@@ -148,8 +151,14 @@ func benchNetlog(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 	}
 	defer b.close()
 
+	// FTBENCH_NETLOG_LINKS=tbf_1gbit,msg64,cycle (link names, msg64 for the messages, cycle for logCycle) runs
+	// only those; the copy floors always run.
+	only := variantFilter(os.Getenv("FTBENCH_NETLOG_LINKS"))
 	var metrics []Metric
 	for _, lk := range links {
+		if !only.has(lk.Name) {
+			continue
+		}
 		m, err := b.linkSetting(ctx, lk, pairs)
 		if err != nil {
 			return nil, nil, fmt.Errorf("netlog bench, %s link: %w", lk.Name, err)
@@ -157,29 +166,13 @@ func benchNetlog(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 		metrics = append(metrics, m...)
 	}
 
-	var with, without, ratios, consumer, thread []float64
-	for i := range pairs {
-		var pair [modeCapture + 1]netlogRun
-		for _, mode := range runOrder(i, modePlain, modeCapture) {
-			r, err := b.run(ctx, mode, msgCount*msgSize, msgSize)
-			if err != nil {
-				return nil, nil, fmt.Errorf("netlog bench, %d-byte messages: %w", msgSize, err)
-			}
-			pair[mode] = r
+	if only.has("msg64") {
+		m, err := b.messages(ctx, log, pairs, msgSize, msgCount)
+		if err != nil {
+			return nil, nil, err
 		}
-		w, wo := msgRate(pair[modeCapture], msgSize), msgRate(pair[modePlain], msgSize)
-		with, without, ratios = append(with, w), append(without, wo), append(ratios, w/wo)
-		consumer = append(consumer, pair[modeCapture].captureCPU/float64(msgCount)*1e6)
-		thread = append(thread, pair[modeCapture].threadCPU/float64(msgCount)*1e6)
-		log.Info("netlog messages", "pair", i, "msgs_s_without", int(wo), "msgs_s_with", int(w))
+		metrics = append(metrics, m...)
 	}
-	metrics = append(metrics,
-		Metric{Name: "msg64_rate_without", Value: median(without), Unit: "msgs/s"},
-		Metric{Name: "msg64_rate_with", Value: median(with), Unit: "msgs/s"},
-		Metric{Name: "msg64_rate_ratio", Value: median(ratios), Unit: "x"},
-		Metric{Name: "msg64_consumer_cpu_per_million", Value: median(consumer), Unit: "s"},
-		Metric{Name: "msg64_consumer_thread_cpu_per_million", Value: median(thread), Unit: "s"},
-	)
 	for _, f := range []struct {
 		name string
 		copy func(dst, src []byte) int
@@ -190,6 +183,20 @@ func benchNetlog(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 		}
 		metrics = append(metrics, Metric{Name: f.name, Value: floor, Unit: "s/GB"})
 	}
+	if only.has("cycle") {
+		first, steady, err := logCycle(ctx)
+		if err != nil {
+			return nil, nil, fmt.Errorf("netlog bench: %w", err)
+		}
+		metrics = append(metrics,
+			Metric{Name: "log_cycle_first_fill_cpu_s_per_GB", Value: first.cpuPerGB, Unit: "s/GB"},
+			Metric{Name: "log_cycle_first_fill_faults_per_GB", Value: first.faultsPerGB, Unit: "faults/GB"},
+			Metric{Name: "log_cycle_cpu_s_per_GB", Value: steady.cpuPerGB, Unit: "s/GB"},
+			Metric{Name: "log_cycle_faults_per_GB", Value: steady.faultsPerGB, Unit: "faults/GB"},
+		)
+		b.log.Info("netlog log cycle", "first_fill_cpu_s_per_gb", round2(first.cpuPerGB), "first_fill_faults_per_gb", int(first.faultsPerGB),
+			"cpu_s_per_gb", round2(steady.cpuPerGB), "faults_per_gb", int(steady.faultsPerGB))
+	}
 	settings := map[string]any{
 		"pairs":               pairs,
 		"order":               "each round of a link runs without logging, with the logger's program alone and with the capture, rotating which goes first; the messages alternate without and with; metrics are medians over rounds, ratios are medians of per-round ratios",
@@ -197,15 +204,19 @@ func benchNetlog(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 		"links":               links,
 		"messages":            map[string]any{"size": msgSize, "count": msgCount, "nodelay": true, "link": "unshaped"},
 		"topology":            "two lab hosts (network namespaces) on a bridge via veth pairs; sender in node1, receiver in node2, each a process of its own in a cgroup v2 child",
-		"capture":             "capture.New on node1 eth0, 64 MiB ring, sender's cgroup protected; log trimmed to its contiguous end every 50 ms (receiver checkpoints), no compression or spill",
+		"capture":             "capture.New on node1 eth0, 64 MiB ring, sender's cgroup protected; log trimmed to its contiguous end every 50 ms (receiver checkpoints), no compression or spill; before each measured transfer the capture logs a 256 MiB one, not measured, so that the log's pool holds the slab buffers its trims freed, as a running agent's log does (since 2026-12-01; before, the measured transfer paid for faulting in its log's memory)",
 		"cpu_job":             "cgroup v2 cpu.stat usage_usec of the sender and receiver cgroups: includes the probe's in-kernel work and the softirq work run in their context (no IRQ time accounting)",
 		"cpu_consumer":        "getrusage(RUSAGE_SELF) of ftbench during a run: the Capture's consumer, the trimmer, the Go runtime and the harness's own goroutines",
 		"cpu_consumer_thread": "the consumer thread's CLOCK_THREAD_CPUTIME_ID (capture.Counters.ConsumerCPU): what logging costs in user space, without the harness",
 		"cpu_system":          "busy time of all CPUs from /proc/stat: includes other tenants of the machine, noisy",
 		"copy_floor":          "one copy of each byte, in 64 KiB pieces, from a 64 MiB mapping (the ring's size) into 256 MiB of heap, on one locked thread (CLOCK_THREAD_CPUTIME_ID), median of `pairs` runs of 4 GiB: the least CPU per GB any consumer that copies the ring into user memory spends on this machine, with the built-in copy; copy_floor_cold: the same with coldcopy.Copy, the non-temporal copy the log uses",
 		"gb":                  "1e9 bytes received",
+		"log_cycle":           fmt.Sprintf("no network: one thread appends 64 KiB records to a netlog.Log at %.0f MB/s, a drain every %s, for a first fill and %d cycles of %s, each ended by a trim of everything (a receiver's snapshot); Age every %s as netlog/node runs it; CPU (RUSAGE_THREAD) and minor faults of that thread per GB appended, the first fill apart, the cycles' median", cycleRate/1e6, cyclePoll, cycleCount, cycleLen, cycleAge),
 		"targets":             "issue 13: throughput ratio >= 0.80 unshaped and >= 0.97 at 25 Gbit/s; consumer <= 0.1 CPU-s per GB logged at every rate",
 		"shaping_qdisc":       "tbf root qdisc on node1 eth0 (burst max(2 ms at rate, 128 KiB), queue 10 ms at rate plus burst)",
+	}
+	if only != nil {
+		settings["only"] = "FTBENCH_NETLOG_LINKS=" + os.Getenv("FTBENCH_NETLOG_LINKS")
 	}
 	return metrics, settings, nil
 }
@@ -457,6 +468,14 @@ func (b *netlogBench) run(ctx context.Context, mode netlogMode, total int64, wsi
 		stopTrim = trimLoop(c.Log(), 50*time.Millisecond)
 	}
 	defer stopTrim()
+	if c != nil {
+		// An agent's log lives as long as the agent, and its pool holds the slab buffers its trims
+		// freed (netlog.Options.PoolKeep): the measured transfer logs into such a log, not into
+		// fresh memory, which costs the consumer a page fault per 4 KiB.
+		if _, err := b.transfer(ctx, c, netlogWarmup, 256<<10); err != nil {
+			return r, fmt.Errorf("warm-up transfer: %w", err)
+		}
+	}
 	return b.transfer(ctx, c, total, wsize)
 }
 
@@ -467,13 +486,11 @@ func (b *netlogBench) transfer(ctx context.Context, c *capture.Capture, total in
 	if err != nil {
 		return r, err
 	}
-	var threadBefore time.Duration
+	var cntBefore capture.Counters
 	if c != nil {
-		cnt, err := c.Counters()
-		if err != nil {
+		if cntBefore, err = c.Counters(); err != nil {
 			return r, err
 		}
-		threadBefore = cnt.ConsumerCPU
 	}
 	send, err := streamtest.Start(b.lab, "node1", b.sendCg, "bulksend", "FTBENCH_ADDR="+b.dst.String(),
 		fmt.Sprintf("FTBENCH_BYTES=%d", total), fmt.Sprintf("FTBENCH_WRITE=%d", wsize))
@@ -514,12 +531,12 @@ func (b *netlogBench) transfer(ctx context.Context, c *capture.Capture, total in
 		if err != nil {
 			return r, err
 		}
-		if cnt.BytesLogged < uint64(total) || cnt.AppendErrors+cnt.BadRecords+uint64(cnt.Conflicts) != 0 {
+		r.logged, r.drops = cnt.BytesLogged-cntBefore.BytesLogged, cnt.DropsBackpressure-cntBefore.DropsBackpressure
+		if r.logged < uint64(total) || cnt.AppendErrors+cnt.BadRecords+uint64(cnt.Conflicts) != 0 {
 			return r, fmt.Errorf("capture logged %d of %d bytes, %d append errors, %d bad records, %d conflicts",
-				cnt.BytesLogged, total, cnt.AppendErrors, cnt.BadRecords, cnt.Conflicts)
+				r.logged, total, cnt.AppendErrors, cnt.BadRecords, cnt.Conflicts)
 		}
-		r.logged, r.drops = cnt.BytesLogged, cnt.DropsBackpressure
-		r.threadCPU = (cnt.ConsumerCPU - threadBefore).Seconds()
+		r.threadCPU = (cnt.ConsumerCPU - cntBefore.ConsumerCPU).Seconds()
 	}
 	return r, nil
 }
@@ -718,4 +735,31 @@ func threadCPUSeconds() (float64, error) {
 		return 0, fmt.Errorf("thread CPU clock: %w", err)
 	}
 	return float64(ts.Nano()) / 1e9, nil
+}
+
+// messages measures the stream of msgCount messages of msgSize bytes, with and without the capture.
+func (b *netlogBench) messages(ctx context.Context, log *slog.Logger, pairs, msgSize, msgCount int) ([]Metric, error) {
+	var with, without, ratios, consumer, thread []float64
+	for i := range pairs {
+		var pair [modeCapture + 1]netlogRun
+		for _, mode := range runOrder(i, modePlain, modeCapture) {
+			r, err := b.run(ctx, mode, int64(msgCount*msgSize), msgSize)
+			if err != nil {
+				return nil, fmt.Errorf("netlog bench, %d-byte messages: %w", msgSize, err)
+			}
+			pair[mode] = r
+		}
+		w, wo := msgRate(pair[modeCapture], msgSize), msgRate(pair[modePlain], msgSize)
+		with, without, ratios = append(with, w), append(without, wo), append(ratios, w/wo)
+		consumer = append(consumer, pair[modeCapture].captureCPU/float64(msgCount)*1e6)
+		thread = append(thread, pair[modeCapture].threadCPU/float64(msgCount)*1e6)
+		log.Info("netlog messages", "pair", i, "msgs_s_without", int(wo), "msgs_s_with", int(w))
+	}
+	return []Metric{
+		{Name: "msg64_rate_without", Value: median(without), Unit: "msgs/s"},
+		{Name: "msg64_rate_with", Value: median(with), Unit: "msgs/s"},
+		{Name: "msg64_rate_ratio", Value: median(ratios), Unit: "x"},
+		{Name: "msg64_consumer_cpu_per_million", Value: median(consumer), Unit: "s"},
+		{Name: "msg64_consumer_thread_cpu_per_million", Value: median(thread), Unit: "s"},
+	}, nil
 }
