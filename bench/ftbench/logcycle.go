@@ -35,6 +35,8 @@ type cycleWindow struct {
 // the trims freed as long as the log keeps it (netlog.Options.PoolKeep). The network bench's transfers
 // are too short and trimmed too often to see the difference: a log trimmed every 50 ms needs a few MiB.
 func logCycle(ctx context.Context) (first, steady cycleWindow, err error) {
+	ctx, cancel := context.WithCancel(ctx) // an Age that fails stops the appender too
+	defer cancel()
 	l, err := netlog.NewLog(netlog.Options{})
 	if err != nil {
 		return first, steady, err
@@ -105,6 +107,7 @@ func logCycle(ctx context.Context) (first, steady cycleWindow, err error) {
 			return res.windows[0], cycleWindow{cpuPerGB: median(cpu), faultsPerGB: median(faults)}, nil
 		case now := <-age.C:
 			if _, err := l.Age(ctx, now); err != nil {
+				cancel()
 				<-done
 				return first, steady, fmt.Errorf("log cycle: age: %w", err)
 			}

@@ -167,7 +167,7 @@ func benchNetlog(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 	}
 
 	if only.has("msg64") {
-		m, err := b.messages(ctx, log, pairs, msgSize, msgCount)
+		m, err := b.messages(ctx, pairs, msgSize, msgCount)
 		if err != nil {
 			return nil, nil, err
 		}
@@ -738,7 +738,7 @@ func threadCPUSeconds() (float64, error) {
 }
 
 // messages measures the stream of msgCount messages of msgSize bytes, with and without the capture.
-func (b *netlogBench) messages(ctx context.Context, log *slog.Logger, pairs, msgSize, msgCount int) ([]Metric, error) {
+func (b *netlogBench) messages(ctx context.Context, pairs, msgSize, msgCount int) ([]Metric, error) {
 	var with, without, ratios, consumer, thread []float64
 	for i := range pairs {
 		var pair [modeCapture + 1]netlogRun
@@ -753,7 +753,7 @@ func (b *netlogBench) messages(ctx context.Context, log *slog.Logger, pairs, msg
 		with, without, ratios = append(with, w), append(without, wo), append(ratios, w/wo)
 		consumer = append(consumer, pair[modeCapture].captureCPU/float64(msgCount)*1e6)
 		thread = append(thread, pair[modeCapture].threadCPU/float64(msgCount)*1e6)
-		log.Info("netlog messages", "pair", i, "msgs_s_without", int(wo), "msgs_s_with", int(w))
+		b.log.Info("netlog messages", "pair", i, "msgs_s_without", int(wo), "msgs_s_with", int(w))
 	}
 	return []Metric{
 		{Name: "msg64_rate_without", Value: median(without), Unit: "msgs/s"},
