@@ -275,6 +275,11 @@ volatile __u32 stops_armed = 0;
 // pessimistic, so that no call looks the pessimistic map up otherwise.
 volatile __u32 pessimistic_any = 0;
 
+// Events lost so far, every job's together (the per-CPU stats' lost summed):
+// the consumer reads it in the mmapped .bss after each drain, without a
+// system call, and looks each job's count up only when it moved.
+volatile __u64 lost_total = 0;
+
 // The level of the job cgroups (the parent's + 1), found by the program the
 // first time a task under the parent receives: the loader would have to
 // guess it from a path, which a cgroup namespace shortens.
@@ -336,6 +341,7 @@ static __always_inline __u32 find_job_level(void)
 static __always_inline void count_lost(struct order_counters *c, __u64 cgid)
 {
 	c->lost++;
+	__sync_fetch_and_add(&lost_total, 1);
 	__u64 one = 1;
 	__u64 *n = bpf_map_lookup_elem(&lost, &cgid);
 	if (n) {

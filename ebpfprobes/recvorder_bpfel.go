@@ -81,6 +81,7 @@ const (
 	recvorderProgRecvorder      = "recvorder"
 	recvorderVarConsumerPolling = "consumer_polling"
 	recvorderVarJobLevel        = "job_level"
+	recvorderVarLostTotal       = "lost_total"
 	recvorderVarParentCgid      = "parent_cgid"
 	recvorderVarPessimisticAny  = "pessimistic_any"
 	recvorderVarPollNr          = "poll_nr"
@@ -158,6 +159,7 @@ type recvorderMapSpecs struct {
 type recvorderVariableSpecs struct {
 	ConsumerPolling *ebpf.VariableSpec `ebpf:"consumer_polling"`
 	JobLevel        *ebpf.VariableSpec `ebpf:"job_level"`
+	LostTotal       *ebpf.VariableSpec `ebpf:"lost_total"`
 	ParentCgid      *ebpf.VariableSpec `ebpf:"parent_cgid"`
 	PessimisticAny  *ebpf.VariableSpec `ebpf:"pessimistic_any"`
 	PollNr          *ebpf.VariableSpec `ebpf:"poll_nr"`
@@ -217,6 +219,7 @@ func (m *recvorderMaps) Close() error {
 type recvorderVariables struct {
 	ConsumerPolling *ebpf.Variable `ebpf:"consumer_polling"`
 	JobLevel        *ebpf.Variable `ebpf:"job_level"`
+	LostTotal       *ebpf.Variable `ebpf:"lost_total"`
 	ParentCgid      *ebpf.Variable `ebpf:"parent_cgid"`
 	PessimisticAny  *ebpf.Variable `ebpf:"pessimistic_any"`
 	PollNr          *ebpf.Variable `ebpf:"poll_nr"`

@@ -482,6 +482,9 @@ func testRecvOrderSequence(t *testing.T, positions bool) {
 	if cnt.Recorded != uint64(len(wants)) || cnt.Lost != 0 || cnt.NotInJob != 0 {
 		t.Errorf("counters %+v, want %d recorded and nothing else", cnt, len(wants))
 	}
+	if n, err := rec.LostTotal(); err != nil || n != 0 {
+		t.Errorf("LostTotal() = %d, %v; want 0", n, err)
+	}
 	if len(got) != len(wants) {
 		t.Fatalf("%d events, want %d: %+v", len(got), len(wants), got)
 	}
@@ -698,6 +701,9 @@ func TestRecvOrderLostWhenRingFull(t *testing.T) {
 	}
 	if n, err := rec.Lost(job.ID); err != nil || n != cnt.Lost {
 		t.Errorf("Lost(job) = %d, %v; want %d", n, err, cnt.Lost)
+	}
+	if n, err := rec.LostTotal(); err != nil || n != cnt.Lost {
+		t.Errorf("LostTotal() = %d, %v; want the per-CPU counters' %d", n, err, cnt.Lost)
 	}
 	if n, err := rec.Lost(parent.ID); err != nil || n != 0 {
 		t.Errorf("Lost(another cgroup) = %d, %v; want 0", n, err)

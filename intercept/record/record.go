@@ -316,11 +316,11 @@ func (r *Recorder) record(ctx context.Context) {
 			}
 		}
 		// After the drain: a count that moved means that job's record has a hole here. The recorder's total
-		// is one read; each job's only when it moved.
-		cnt, cerr := r.rec.Counters()
-		lostMoved := cerr != nil || cnt.Lost != lostTotal
-		if cerr == nil {
-			lostTotal = cnt.Lost
+		// is a read of memory; each job's a lookup, only when it moved.
+		lost, lerr := r.rec.LostTotal()
+		lostMoved := lerr != nil || lost != lostTotal
+		if lerr == nil {
+			lostTotal = lost
 		}
 		for _, s := range r.byJob {
 			if s.cgroup == 0 || !lostMoved {
