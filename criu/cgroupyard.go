@@ -27,13 +27,22 @@ import (
 // the yard lacks (one of the dumping host's) inside the yard itself.
 
 // CgroupYard is the cgroup yard of this host's hierarchies that a Client's dumps use. A host whose
-// hierarchies change after it was made (one mounted or unmounted) gets it made again at the next dump.
+// hierarchies change after it was made (one mounted or unmounted) gets it made again at the next dump,
+// once the dumps using it have ended.
 type CgroupYard struct {
 	dir string
 	log *slog.Logger
 
-	mu      sync.Mutex
+	mu sync.Mutex
+	// users counts the dumps whose CRIU may be reading the yard; a yard found stale is made again only
+	// once it is 0 (idle, on mu, says so). Until 2026-12-01 a dump that found the yard stale removed and
+	// remade it at once, under another dump's CRIU.
+	users   int
+	idle    sync.Cond
 	without bool // the last dump went without it (said once in the log, until it is usable again)
+	// waitingForDumps, if set, is called each time a dump waits for the others to end to make the yard
+	// again (tests).
+	waitingForDumps func()
 }
 
 // NewCgroupYard makes dir (mode 0700) the cgroup yard of this host's hierarchies, replacing what it held.
@@ -53,33 +62,62 @@ func NewCgroupYard(dir string, log *slog.Logger) (*CgroupYard, error) {
 
 // forDump returns the yard's directory for one dump, or "" if the yard cannot serve it: every entry must
 // lead to the root of a hierarchy this process is in now, or CRIU would fail the dump. A yard that does
-// not is made again first; one that cannot be is skipped, and the log says so once.
-func (y *CgroupYard) forDump() string {
+// not is made again first, once the dumps using it have ended; one that cannot be is skipped, and the log
+// says so once. The dump calls release when its CRIU is done.
+func (y *CgroupYard) forDump() (dir string, release func()) {
 	if y == nil {
-		return ""
+		return "", func() {}
 	}
 	y.mu.Lock()
 	defer y.mu.Unlock()
+	if y.idle.L == nil {
+		y.idle.L = &y.mu
+	}
 	err := cgroupYardUsable(y.dir)
-	if err == nil {
-		y.without = false
-		return y.dir
+	if err != nil {
+		for y.users > 0 {
+			if y.waitingForDumps != nil {
+				y.waitingForDumps()
+			}
+			y.idle.Wait()
+		}
+		err = y.remake(err)
 	}
-	if _, perr := prepareCgroupYard(y.dir); perr != nil {
-		err = errors.Join(err, perr)
-	} else if uerr := cgroupYardUsable(y.dir); uerr != nil {
-		err = errors.Join(err, uerr)
-	} else {
-		y.log.Info("cgroup yard made again: the host's cgroup hierarchies changed since it was made", "dir", y.dir, "was", err)
-		y.without = false
-		return y.dir
+	if err != nil {
+		if !y.without {
+			y.log.Warn("dumps go without the cgroup yard until the host's cgroup hierarchies are all mounted at their roots again: CRIU mounts each one itself, inside the job's stop",
+				"dir", y.dir, "err", err)
+			y.without = true
+		}
+		return "", func() {}
 	}
-	if !y.without {
-		y.log.Warn("dumps go without the cgroup yard until the host's cgroup hierarchies are all mounted at their roots again: CRIU mounts each one itself, inside the job's stop",
-			"dir", y.dir, "err", err)
-		y.without = true
+	y.without = false
+	y.users++
+	return y.dir, y.release
+}
+
+func (y *CgroupYard) release() {
+	y.mu.Lock()
+	defer y.mu.Unlock()
+	if y.users--; y.users == 0 {
+		y.idle.Broadcast()
 	}
-	return ""
+}
+
+// remake makes the yard again, found unusable for the reason was, and returns nil if it is usable then.
+// The caller holds mu, and no dump uses the yard.
+func (y *CgroupYard) remake(was error) error {
+	if cgroupYardUsable(y.dir) == nil {
+		return nil // another dump made it again while this one waited
+	}
+	if _, err := prepareCgroupYard(y.dir); err != nil {
+		return errors.Join(was, err)
+	}
+	if err := cgroupYardUsable(y.dir); err != nil {
+		return errors.Join(was, err)
+	}
+	y.log.Info("cgroup yard made again: the host's cgroup hierarchies changed since it was made", "dir", y.dir, "was", was)
+	return nil
 }
 
 // prepareCgroupYard makes dir the cgroup yard (NewCgroupYard says what it requires) and returns its

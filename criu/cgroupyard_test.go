@@ -3,6 +3,7 @@ package criu
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"maps"
@@ -11,6 +12,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -227,6 +229,56 @@ func TestDumpWithCgroupYard(t *testing.T) {
 	}
 	if got, err := dump(&CgroupYard{dir: swapped, log: slog.New(slog.DiscardHandler)}); err == nil && bytes.Equal(got, ref) {
 		t.Fatalf("a dump whose yard has cpuset and %s swapped wrote the same cgroup image: CRIU did not read the yard", other)
+	}
+}
+
+// TestCgroupYardRemadeOnlyWhenUnused: a dump that finds the yard stale makes it again only once the
+// dumps using it have ended, and then dumps with it. Until 2026-12-01 it removed and remade the directory at
+// once, under the CRIU of a dump that was using it.
+func TestCgroupYardRemadeOnlyWhenUnused(t *testing.T) {
+	testenv.RequireKernel(t, "the host's cgroup mounts, read as root")
+	y, err := NewCgroupYard(filepath.Join(t.TempDir(), "yard"), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir, release := y.forDump()
+	if dir == "" {
+		t.Fatal("a yard just made is not used")
+	}
+	// The host's hierarchies change while the first dump runs: the yard no longer leads to cgroup v2.
+	entry := filepath.Join(dir, "unified")
+	if err := os.Remove(entry); err != nil {
+		t.Fatal(err)
+	}
+	waiting := make(chan struct{})
+	y.waitingForDumps = sync.OnceFunc(func() { close(waiting) })
+	second := make(chan string, 1)
+	go func() {
+		d, rel := y.forDump()
+		rel()
+		second <- d
+	}()
+	select {
+	case <-waiting:
+	case d := <-second:
+		t.Fatalf("a second dump made the yard again (%q) while the first one used it", d)
+	}
+	// The second dump waits for the first to release the yard: it is as the first dump's CRIU found it.
+	if _, err := os.Lstat(entry); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the yard was made again while a dump used it (%v)", err)
+	}
+	release()
+	if d := <-second; d != dir {
+		t.Fatalf("the second dump got yard %q, want %q made again", d, dir)
+	}
+	if err := cgroupYardUsable(dir); err != nil {
+		t.Fatalf("the yard was not made again: %v", err)
+	}
+	y.waitingForDumps = func() { t.Error("a dump waited for others to make a usable yard again") }
+	if d, rel := y.forDump(); d != dir {
+		t.Errorf("a third dump got yard %q, want %q", d, dir)
+	} else {
+		rel()
 	}
 }
 

@@ -98,7 +98,9 @@ func (c Client) dump(ctx context.Context, opts DumpOptions, nfy gocriu.Notify) (
 	if opts.FreezeCgroup != "" {
 		req.FreezeCgroup = proto.String(opts.FreezeCgroup)
 	}
-	if yard := c.CgroupYard.forDump(); yard != "" {
+	yard, release := c.CgroupYard.forDump()
+	defer release()
+	if yard != "" {
 		req.CgroupYard = proto.String(yard)
 	}
 	req.SkipMnt = opts.SkipMounts
