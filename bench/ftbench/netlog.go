@@ -14,6 +14,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/cilium/ebpf"
@@ -176,8 +177,10 @@ func benchNetlog(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 	for _, f := range []struct {
 		name string
 		copy func(dst, src []byte) int
-	}{{"copy_floor_cpu_s_per_GB", func(dst, src []byte) int { return copy(dst, src) }}, {"copy_floor_cold_cpu_s_per_GB", coldcopy.Copy}} {
-		floor, err := copyFloor(pairs, f.copy)
+		fed  bool
+	}{{"copy_floor_cpu_s_per_GB", func(dst, src []byte) int { return copy(dst, src) }, false},
+		{"copy_floor_cold_cpu_s_per_GB", coldcopy.Copy, false}, {"copy_floor_cold_fed_cpu_s_per_GB", coldcopy.Copy, true}} {
+		floor, err := copyFloor(pairs, f.copy, f.fed)
 		if err != nil {
 			return nil, nil, fmt.Errorf("netlog bench, %s: %w", f.name, err)
 		}
@@ -209,7 +212,7 @@ func benchNetlog(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 		"cpu_consumer":        "getrusage(RUSAGE_SELF) of ftbench during a run: the Capture's consumer, the trimmer, the Go runtime and the harness's own goroutines",
 		"cpu_consumer_thread": "the consumer thread's CLOCK_THREAD_CPUTIME_ID (capture.Counters.ConsumerCPU): what logging costs in user space, without the harness",
 		"cpu_system":          "busy time of all CPUs from /proc/stat: includes other tenants of the machine, noisy",
-		"copy_floor":          "one copy of each byte, in 64 KiB pieces, from a 64 MiB mapping (the ring's size) into 256 MiB of heap, on one locked thread (CLOCK_THREAD_CPUTIME_ID), median of `pairs` runs of 4 GiB: the least CPU per GB any consumer that copies the ring into user memory spends on this machine, with the built-in copy; copy_floor_cold: the same with coldcopy.Copy, the non-temporal copy the log uses",
+		"copy_floor":          "one copy of each byte, in 64 KiB pieces, from a 64 MiB mapping (the ring's size) into 256 MiB of heap, on one locked thread (CLOCK_THREAD_CPUTIME_ID), median of `pairs` runs of 4 GiB: the least CPU per GB any consumer that copies the ring into user memory spends on this machine, with the built-in copy; copy_floor_cold: the same with coldcopy.Copy, the non-temporal copy the log uses; copy_floor_cold_fed: the same while another locked thread writes the ring at 10 Gbit/s (as the probe does on the sending CPU), the copy taking what was written each time 8 MiB more are (an eighth of the ring, when the probe wakes the consumer), only the copies timed",
 		"gb":                  "1e9 bytes received",
 		"log_cycle":           fmt.Sprintf("no network: one thread appends 64 KiB records to a netlog.Log at %.0f MB/s, a drain every %s, for a first fill and %d cycles of %s, each ended by a trim of everything (a receiver's snapshot); Age every %s as netlog/node runs it; CPU (RUSAGE_THREAD) and minor faults of that thread per GB appended, the first fill apart, the cycles' median", cycleRate/1e6, cyclePoll, cycleCount, cycleLen, cycleAge),
 		"targets":             "issue 13: throughput ratio >= 0.80 unshaped and >= 0.97 at 25 Gbit/s; consumer <= 0.1 CPU-s per GB logged at every rate",
@@ -687,8 +690,10 @@ func procStatBusy() (float64, error) {
 // copyFloor measures, runs times, the thread CPU seconds one copy of a GB costs on this machine the way the
 // log's consumer copies (segments out of a 64 MiB ring mapping into log memory larger than any cache), and
 // returns the median: the consumer's per-GB figure cannot go below it without a design that does not copy.
-// copyFn is the copy measured: the built-in one, or the log's.
-func copyFloor(runs int, copyFn func(dst, src []byte) int) (float64, error) {
+// copyFn is the copy measured: the built-in one, or the log's. fed: another thread writes each piece of the
+// ring shortly before it is copied, as the probe does on the sending CPU, and competes for the memory; the
+// copy then takes a batch of pieces at a time, and only the batches' copies are timed.
+func copyFloor(runs int, copyFn func(dst, src []byte) int, fed bool) (float64, error) {
 	const ring, dst, piece, total = 64 << 20, 256 << 20, 64 << 10, 4 << 30
 	src, err := unix.Mmap(-1, 0, ring, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
 	if err != nil {
@@ -704,22 +709,41 @@ func copyFloor(runs int, copyFn func(dst, src []byte) int) (float64, error) {
 		runtime.LockOSThread() // the thread clock must be this goroutine's thread's alone
 		defer runtime.UnlockOSThread()
 		for i := range per {
-			start, err := threadCPUSeconds()
+			var feed *ringFeeder
+			if fed {
+				feed = newRingFeeder(src, piece, total)
+			}
+			spent, err := func() (float64, error) {
+				defer feed.stop()
+				var spent float64
+				for n, at := 0, 0; n < total; {
+					batch := total - n
+					if feed != nil {
+						batch = feed.await(n, feedBatch) // the wait for the writer is not timed
+					}
+					start, err := threadCPUSeconds()
+					if err != nil {
+						return 0, err
+					}
+					for end := n + batch; n < end; n += piece {
+						off := n % ring
+						copyFn(out[at:at+piece], src[off:off+piece])
+						at = (at + piece) % dst
+					}
+					end, err := threadCPUSeconds()
+					if err != nil {
+						return 0, err
+					}
+					spent += end - start
+					feed.copied(n)
+				}
+				return spent, nil
+			}()
 			if err != nil {
 				errc <- err
 				return
 			}
-			for n, at := 0, 0; n < total; n += piece {
-				off := n % ring
-				copyFn(out[at:at+piece], src[off:off+piece])
-				at = (at + piece) % dst
-			}
-			end, err := threadCPUSeconds()
-			if err != nil {
-				errc <- err
-				return
-			}
-			per[i] = (end - start) / (float64(total) / 1e9)
+			per[i] = spent / (float64(total) / 1e9)
 		}
 		errc <- nil
 	}()
@@ -727,6 +751,79 @@ func copyFloor(runs int, copyFn func(dst, src []byte) int) (float64, error) {
 		return 0, err
 	}
 	return median(per), nil
+}
+
+// feedBatch is how much a fed copy floor copies at a time: an eighth of the 64 MiB ring, when the logger's
+// program wakes its consumer.
+const feedBatch = 8 << 20
+
+// feedRate is the rate at which a fed copy floor's ring is written: 10 Gbit/s, about what the unshaped veth
+// carries here with the log.
+const feedRate = 1.25e9
+
+// ringFeeder is a thread that writes a ring piece by piece at feedRate bytes per second (never more than
+// its reader freed), up to total bytes: the logger's program, which writes each segment into the ring on
+// the sending CPU.
+type ringFeeder struct {
+	written, freed atomic.Int64
+	quit, done     chan struct{}
+}
+
+func newRingFeeder(ring []byte, piece, total int) *ringFeeder {
+	f := &ringFeeder{quit: make(chan struct{}), done: make(chan struct{})}
+	data := make([]byte, piece)
+	_, _ = rand.NewChaCha8([32]byte{4}).Read(data)
+	go func() {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		defer close(f.done)
+		began := time.Now()
+		for n := 0; n < total; n += piece {
+			// Ahead of the rate, or the ring is full (the reader is behind): wait.
+			for float64(n) > feedRate*time.Since(began).Seconds() || int64(n+piece)-f.freed.Load() > int64(len(ring)) {
+				select {
+				case <-f.quit:
+					return
+				case <-time.After(100 * time.Microsecond):
+				}
+			}
+			off := n % len(ring)
+			copy(ring[off:off+piece], data)
+			f.written.Store(int64(n + piece))
+		}
+	}()
+	return f
+}
+
+// await waits until the writer is want bytes past n, or has written everything, and returns how far past n
+// it is. The reader freed everything before n, so the writer can always get that far.
+func (f *ringFeeder) await(n, want int) int {
+	for {
+		select {
+		case <-f.done:
+			return int(f.written.Load()) - n
+		default:
+		}
+		if w := int(f.written.Load()); w-n >= want {
+			return w - n
+		}
+		time.Sleep(20 * time.Microsecond)
+	}
+}
+
+// copied frees the ring up to n; nil does nothing (an unfed floor).
+func (f *ringFeeder) copied(n int) {
+	if f != nil {
+		f.freed.Store(int64(n))
+	}
+}
+
+// stop ends the writer, when the reader stopped early, and waits for it; nil does nothing.
+func (f *ringFeeder) stop() {
+	if f != nil {
+		close(f.quit)
+		<-f.done
+	}
 }
 
 func threadCPUSeconds() (float64, error) {
