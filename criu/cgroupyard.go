@@ -62,8 +62,8 @@ func NewCgroupYard(dir string, log *slog.Logger) (*CgroupYard, error) {
 
 // forDump returns the yard's directory for one dump, or "" if the yard cannot serve it: every entry must
 // lead to the root of a hierarchy this process is in now, or CRIU would fail the dump. A yard that does
-// not is made again first, once the dumps using it have ended; one that cannot be is skipped, and the log
-// says so once. The dump calls release when its CRIU is done.
+// not is made again first, once the dumps using it have ended (each bounded by its CRIU's timeout); one
+// that cannot be is skipped, and the log says so once. The dump calls release when its CRIU is done.
 func (y *CgroupYard) forDump() (dir string, release func()) {
 	if y == nil {
 		return "", func() {}
@@ -93,9 +93,10 @@ func (y *CgroupYard) forDump() (dir string, release func()) {
 	}
 	y.without = false
 	y.users++
-	return y.dir, y.release
+	return y.dir, sync.OnceFunc(y.release)
 }
 
+// release ends one dump's use of the yard.
 func (y *CgroupYard) release() {
 	y.mu.Lock()
 	defer y.mu.Unlock()

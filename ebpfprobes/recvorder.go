@@ -343,8 +343,8 @@ func (r *RecvOrder) Lost(cgroup uint64) (uint64, error) {
 
 // LostTotal returns how many events were lost so far, every job's together (Counters' Lost), read from
 // the program's mmapped .bss without a system call: the recorder reads it after each drain and looks each
-// job's count up (Lost) only when it moved. The per-CPU counters cost a system call and a decoding of
-// every CPU's values, 60% of the recorder goroutine's CPU samples in the agents running stencil2d.
+// job's count up (Lost) only when it moved. Summing the per-CPU counters (Counters) takes a system call and
+// a decoding of every CPU's values: 3.1 us a read against 57 ns here (2026-12-01).
 func (r *RecvOrder) LostTotal() (uint64, error) {
 	var n uint64
 	if err := r.objs.LostTotal.Get(&n); err != nil {
