@@ -77,6 +77,12 @@ func Create(ctx context.Context, s Spec) error {
 // once, even if a process still holds the namespace), then the namespace's name. A missing network is not
 // an error. parentNetns is Spec.ParentNetns, where a half-created interface may have been left.
 func Delete(ctx context.Context, name, parentNetns string) error {
+	return deleteNet(ctx, name, parentNetns, nil)
+}
+
+// deleteNet is Delete. found, if set, runs once the namespace was found (tests: another deleter removes it
+// then, as an agent removing a finished job's network may while an operator's cleanup runs).
+func deleteNet(ctx context.Context, name, parentNetns string, found func()) error {
 	if err := ValidName(name); err != nil {
 		return err
 	}
@@ -99,7 +105,11 @@ func Delete(ctx context.Context, name, parentNetns string) error {
 		return fmt.Errorf("job network %s: %w", name, err)
 	}
 	if ok {
-		if err := deleteLinks(name); err != nil {
+		if found != nil {
+			found()
+		}
+		// Gone since it was found: removed by another deleter, which is not an error here either.
+		if err := deleteLinks(name); err != nil && !errors.Is(err, fs.ErrNotExist) {
 			return err
 		}
 	}

@@ -121,3 +121,41 @@ func TestCreateAfterCrash(t *testing.T) {
 		t.Errorf("Exists = %v, %v after Delete", ok, err)
 	}
 }
+
+// TestDeleteRacingAnotherDelete: a job network removed by another deleter after Delete found it (the agent
+// removing a finished job's network while a cleanup of the same network runs) is deleted, not an error.
+// Until 2026-12-01 Delete failed with "open namespace: no such file or directory" (ci181, a test's cleanup
+// racing the agents after TestTaskFarmAutoRollback's run ended).
+func TestDeleteRacingAnotherDelete(t *testing.T) {
+	l := labtest.New(t, 1, 0)
+	ctx := context.Background()
+	parentPath, err := l.NetnsPath("node1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := l.State().Subnet.Masked().Addr().As4()
+	b[3] = 202
+	s := Spec{Name: l.State().ID + "-race", Parent: "eth0", Kind: MACVlan, ParentNetns: parentPath,
+		Addr: netip.PrefixFrom(netip.AddrFrom4(b), l.State().Subnet.Bits())}
+	b[3] = 1
+	s.Gateway = netip.AddrFrom4(b)
+	t.Cleanup(func() {
+		if err := Delete(context.Background(), s.Name, s.ParentNetns); err != nil {
+			t.Errorf("cleanup: %v", err)
+		}
+	})
+	if err := Create(ctx, s); err != nil {
+		t.Fatal(err)
+	}
+	other := func() {
+		if err := Delete(ctx, s.Name, s.ParentNetns); err != nil {
+			t.Errorf("the other deleter: %v", err)
+		}
+	}
+	if err := deleteNet(ctx, s.Name, s.ParentNetns, other); err != nil {
+		t.Errorf("Delete of a job network another deleter removed meanwhile: %v", err)
+	}
+	if ok, err := Exists(s.Name); err != nil || ok {
+		t.Errorf("Exists = %v, %v after both deletes", ok, err)
+	}
+}
