@@ -14,20 +14,18 @@ import (
 	"github.com/ftkit/ftkit/lab/labtest"
 )
 
-// TestCreateAfterCrash: what an agent crashing inside Create can leave behind (a plain file where the
-// namespace's mount should be, the interface still under its temporary name on the parent, a stale address)
-// does not stop the next Create, which leaves exactly the job's network (one address, one default route via
-// the gateway); Delete then removes it all.
-func TestCreateAfterCrash(t *testing.T) {
+// labJobNet is the spec of a macvlan job network on node1 of a new one-host lab, named after the lab and
+// suffix, with host number host of the lab's subnet; the network is deleted, pass or fail.
+func labJobNet(t *testing.T, suffix string, host byte) Spec {
+	t.Helper()
 	l := labtest.New(t, 1, 0)
-	ctx := context.Background()
 	parentPath, err := l.NetnsPath("node1")
 	if err != nil {
 		t.Fatal(err)
 	}
 	b := l.State().Subnet.Masked().Addr().As4()
-	b[3] = 201
-	s := Spec{Name: l.State().ID + "-crash", Parent: "eth0", Kind: MACVlan, ParentNetns: parentPath,
+	b[3] = host
+	s := Spec{Name: l.State().ID + "-" + suffix, Parent: "eth0", Kind: MACVlan, ParentNetns: parentPath,
 		Addr: netip.PrefixFrom(netip.AddrFrom4(b), l.State().Subnet.Bits())}
 	b[3] = 1
 	s.Gateway = netip.AddrFrom4(b) // no host there: the route is on-link, which is all Create sets up
@@ -36,7 +34,17 @@ func TestCreateAfterCrash(t *testing.T) {
 			t.Errorf("cleanup: %v", err)
 		}
 	})
-	pns, err := netns.GetFromPath(parentPath)
+	return s
+}
+
+// TestCreateAfterCrash: what an agent crashing inside Create can leave behind (a plain file where the
+// namespace's mount should be, the interface still under its temporary name on the parent, a stale address)
+// does not stop the next Create, which leaves exactly the job's network (one address, one default route via
+// the gateway); Delete then removes it all.
+func TestCreateAfterCrash(t *testing.T) {
+	ctx := context.Background()
+	s := labJobNet(t, "crash", 201)
+	pns, err := netns.GetFromPath(s.ParentNetns)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -127,23 +135,8 @@ func TestCreateAfterCrash(t *testing.T) {
 // Until 2026-12-01 Delete failed with "open namespace: no such file or directory" (ci181, a test's cleanup
 // racing the agents after TestTaskFarmAutoRollback's run ended).
 func TestDeleteRacingAnotherDelete(t *testing.T) {
-	l := labtest.New(t, 1, 0)
 	ctx := context.Background()
-	parentPath, err := l.NetnsPath("node1")
-	if err != nil {
-		t.Fatal(err)
-	}
-	b := l.State().Subnet.Masked().Addr().As4()
-	b[3] = 202
-	s := Spec{Name: l.State().ID + "-race", Parent: "eth0", Kind: MACVlan, ParentNetns: parentPath,
-		Addr: netip.PrefixFrom(netip.AddrFrom4(b), l.State().Subnet.Bits())}
-	b[3] = 1
-	s.Gateway = netip.AddrFrom4(b)
-	t.Cleanup(func() {
-		if err := Delete(context.Background(), s.Name, s.ParentNetns); err != nil {
-			t.Errorf("cleanup: %v", err)
-		}
-	})
+	s := labJobNet(t, "race", 202)
 	if err := Create(ctx, s); err != nil {
 		t.Fatal(err)
 	}
