@@ -196,7 +196,7 @@ func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compare
 		"delay: failure run minus the same variant's failure-free run",
 		"b with a failure: not run; its crashed rank would be restored from its start snapshot and recompute everything",
 		"the crash waits, if need be, until c's crashed rank has a replicated snapshot holding its connections and d's ranks have all written a checkpoint: crash_offset_s is when it came",
-		"failure-free: median of size.rounds runs per variant; with a failure: one run each; a shared 2-core machine",
+		"failure-free: median of size.rounds runs per variant; overhead: median over the rounds of each round's ratio to a; with a failure: one run each; a shared 2-core machine",
 	}}
 	only := variantFilter(os.Getenv("FTBENCH_COMPARE_VARIANTS"))
 	if only != nil {
@@ -899,7 +899,7 @@ func (o *compareOutcome) metrics() []Metric {
 		if r := o.run(v.key, false); r != nil {
 			add(v.key+"_seconds", r.Seconds, "s")
 			if v.key != "a" && base != nil {
-				add(v.key+"_overhead", (r.Seconds/base.Seconds-1)*100, "%")
+				add(v.key+"_overhead", (o.ratioToPlain(v.key)-1)*100, "%")
 			}
 			if r.AgentsCPUS > 0 {
 				add(v.key+"_agents_cpu", r.AgentsCPUS, "s")
@@ -938,6 +938,29 @@ func (o *compareOutcome) metrics() []Metric {
 	}
 	add("runs_identical", float64(identical), fmt.Sprintf("of %d", len(o.Runs)))
 	return ms
+}
+
+// ratioToPlain is variant v's failure-free run time over a's: the median over the rounds that ran both of
+// each round's ratio, as the receive-order benchmark pairs its runs (the machine's load drifts between
+// rounds, minutes apart, more than within one), or the ratio of the medians when no round ran both
+// (FTBENCH_COMPARE_VARIANTS runs a in the first round only).
+func (o *compareOutcome) ratioToPlain(v string) float64 {
+	plain := map[int]float64{}
+	for _, r := range o.Runs {
+		if r.Variant == "a" && !r.Failure {
+			plain[r.Round] = r.Seconds
+		}
+	}
+	var ratios []float64
+	for _, r := range o.Runs {
+		if a := plain[r.Round]; r.Variant == v && !r.Failure && a > 0 {
+			ratios = append(ratios, r.Seconds/a)
+		}
+	}
+	if len(ratios) < 2 {
+		return o.run(v, false).Seconds / o.run("a", false).Seconds
+	}
+	return median(ratios)
 }
 
 // svg draws grouped bars of run time per variant, without and with the failure, as plain SVG text.

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"log/slog"
+	"math"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -150,6 +151,31 @@ func TestRunOrder(t *testing.T) {
 		}
 		if !slices.Equal(tc.modes, in) {
 			t.Errorf("runOrder(%d, ...) changed its argument to %v", tc.round, tc.modes)
+		}
+	}
+}
+
+func TestRatioToPlain(t *testing.T) {
+	run := func(v string, round int, s float64) variantRun { return variantRun{Variant: v, Round: round, Seconds: s} }
+	for _, tc := range []struct {
+		name string
+		runs []variantRun
+		want float64
+	}{
+		{"paired by round: the drift between rounds cancels", []variantRun{
+			run("a", 0, 20), run("c", 0, 21), run("a", 1, 30), run("c", 1, 31.5), run("a", 2, 25), run("c", 2, 27.5),
+		}, 1.05}, // ratios 1.05, 1.05, 1.10; median(c)/median(a) would be 27.5/25 = 1.10
+		{"a in the first round only: the medians", []variantRun{
+			run("a", 0, 20), run("c", 0, 22), run("c", 1, 24), run("c", 2, 23),
+		}, 23.0 / 20},
+		{"failure runs do not count", []variantRun{
+			run("a", 0, 20), run("c", 0, 21), run("a", 1, 20), run("c", 1, 21),
+			{Variant: "a", Failure: true, Seconds: 40}, {Variant: "c", Failure: true, Seconds: 25},
+		}, 1.05},
+	} {
+		o := &compareOutcome{Runs: tc.runs}
+		if got := o.ratioToPlain("c"); math.Abs(got-tc.want) > 1e-9 {
+			t.Errorf("%s: ratio %.4f, want %.4f", tc.name, got, tc.want)
 		}
 	}
 }
