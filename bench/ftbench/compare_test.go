@@ -156,7 +156,9 @@ func TestRunOrder(t *testing.T) {
 }
 
 func TestRatioToPlain(t *testing.T) {
-	run := func(v string, round int, s float64) variantRun { return variantRun{Variant: v, Round: round, Seconds: s} }
+	run := func(v string, round int, s float64) variantRun {
+		return variantRun{Variant: v, Round: round, Seconds: s}
+	}
 	for _, tc := range []struct {
 		name string
 		runs []variantRun
