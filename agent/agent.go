@@ -19,6 +19,7 @@ import (
 	"github.com/ftkit/ftkit/ackclamp"
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/interval"
+	"github.com/ftkit/ftkit/ckpt/ship"
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/criu/stalemounts"
 	"github.com/ftkit/ftkit/detect"
@@ -44,6 +45,7 @@ type Agent struct {
 
 	store       *ckpt.Store // this host's snapshots and the replicas it keeps for the nodes it protects
 	criuVersion criu.Version
+	diffs       ship.DiffHistory // whether diffing each job's scheduled snapshots against a base pays
 
 	mu       sync.Mutex
 	byID     map[string]*Job

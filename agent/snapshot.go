@@ -156,14 +156,17 @@ func (a *Agent) shipToProtector(ctx context.Context, m *ckpt.Manifest, p *Placem
 			prot, ok = v.Protector(prot.Name)
 		}
 	}
+	// A job that rewrote nearly all its memory since its last snapshot gains nothing from a diff.
+	opts := ship.SendOptions{JustCommitted: true, NoDelta: !a.diffs.Diff(m.Job)}
 	tried := map[string]bool{}
 	for prot := range candidates {
 		if tried[prot] || prot == a.cfg.Name {
 			continue
 		}
 		tried[prot] = true
-		sent, err := a.shipTo(ctx, prot, m, ship.SendOptions{JustCommitted: true})
+		sent, err := a.shipTo(ctx, prot, m, opts)
 		if err == nil {
+			a.diffs.Record(m.Job, sent)
 			return sent, nil
 		}
 		errs = append(errs, err)

@@ -942,8 +942,8 @@ func (o *compareOutcome) metrics() []Metric {
 
 // ratioToPlain is variant v's failure-free run time over a's: the median over the rounds that ran both of
 // each round's ratio, as the receive-order benchmark pairs its runs (the machine's load drifts between
-// rounds, minutes apart, more than within one), or the ratio of the medians when no round ran both
-// (FTBENCH_COMPARE_VARIANTS runs a in the first round only).
+// rounds, minutes apart, more than within one), or the ratio of the medians when fewer than two rounds ran
+// both (FTBENCH_COMPARE_VARIANTS runs a in the first round only).
 func (o *compareOutcome) ratioToPlain(v string) float64 {
 	plain := map[int]float64{}
 	for _, r := range o.Runs {
