@@ -33,7 +33,7 @@ type SnapshotResult struct {
 	Manifest *ckpt.Manifest `json:"manifest"`
 	Shipped  bool           `json:"shipped"`
 	ShipErr  string         `json:"ship_error,omitempty"`
-	// Shipping cost: snapshot bytes, bytes on the wire (lz4), and wall time.
+	// Shipping cost: snapshot bytes, bytes on the wire (compressed), and wall time.
 	ShipBytes    int64         `json:"ship_bytes,omitempty"`
 	ShipWire     int64         `json:"ship_wire_bytes,omitempty"`
 	ShipDuration time.Duration `json:"ship_duration_ns,omitempty"`

@@ -138,7 +138,7 @@ func New(src Source) *Metrics {
 		shipBytes: prometheus.NewCounter(prometheus.CounterOpts{Name: "ftkit_snapshot_ship_bytes_total",
 			Help: "Snapshot bytes shipped to protectors."}),
 		shipWireBytes: prometheus.NewCounter(prometheus.CounterOpts{Name: "ftkit_snapshot_ship_wire_bytes_total",
-			Help: "Bytes on the wire (lz4) of the snapshots shipped to protectors."}),
+			Help: "Bytes on the wire (compressed) of the snapshots shipped to protectors."}),
 		shipSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "ftkit_snapshot_ship_seconds",
 			Help: "Wall time of shipping one snapshot to a protector.", Buckets: stageBuckets}),
 		shipThroughput: prometheus.NewGauge(prometheus.GaugeOpts{Name: "ftkit_snapshot_ship_throughput_bytes_per_second",

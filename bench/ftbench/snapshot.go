@@ -19,7 +19,7 @@ import (
 )
 
 // benchSnapshot measures what a snapshot costs a job (frozen time, dump wall time) for 100 MB and 1 GB of
-// resident memory, the lz4 compression ratio on the wire, and shipping throughput to the protector.
+// resident memory, the compression ratio on the wire, and shipping throughput to the protector.
 func benchSnapshot(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 	binDir, err := ownDir()
 	if err != nil {
@@ -83,7 +83,7 @@ func benchSnapshot(ctx context.Context, log *slog.Logger) ([]Metric, any, error)
 	}
 	metrics = append(metrics, dm...)
 	return metrics, map[string]any{"rounds": rounds, "sizes_mb": sizes, "content": "per page 40% zero, 30% random, 30% text (testdata/memcounter)",
-		"link": "veth + bridge between two lab namespaces, mutual TLS, lz4",
+		"link": "veth + bridge between two lab namespaces, mutual TLS, s2",
 		"note": "from the second round on, snapshots go as diffs against the protector's previous replica (ckpt/ship)",
 		"delta": map[string]any{"mb": deltaMB, "rewritten_pct": 10, "rounds": deltaRounds, "block": ship.DefaultDeltaBlock,
 			"job": "testdata/heaprewrite: random scattered pages rewritten with new random content on SIGUSR1"}}, nil

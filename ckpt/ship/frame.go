@@ -4,7 +4,7 @@
 // Wire format: a sequence of frames, each a 1-byte type, a 4-byte big-endian
 // payload length, and the payload; every type has its own length limit, so
 // a hostile or truncated stream cannot make the receiver allocate or write
-// without bound. One transfer (protocol 2) is:
+// without bound. One transfer (protocols 2 and 3) is:
 //
 //	sender:   HELLO MANIFEST
 //	receiver: ACCEPT <bases offered> | HAVE <node> | NACK <reason>
@@ -14,8 +14,9 @@
 //	after RETRY: sender ABORT (unless DONE was sent); receiver ACCEPT <none>;
 //	          sender BASE <empty> and every file whole, as above.
 //
-// File contents are LZ4 frames (github.com/pierrec/lz4/v4) cut into DATA
-// frames. A DFILE's content is its diff against the base (delta.go): the
+// File contents are S2 streams (github.com/klauspost/compress/s2; LZ4
+// frames, github.com/pierrec/lz4/v4, from a protocol-1 or -2 sender) cut
+// into DATA frames. A DFILE's content is its diff against the base (delta.go): the
 // receiver offers the snapshots of the same job and node it holds, the
 // sender picks the newest it holds too, and the receiver answers RETRY when
 // the diff does not apply to its copy. Files are sent in manifest order and
@@ -33,6 +34,8 @@ import (
 	"strings"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/klauspost/compress/s2"
+	"github.com/pierrec/lz4/v4"
 )
 
 type frameType byte
@@ -62,8 +65,12 @@ const (
 	dataChunk      = 256 << 10
 	maxReasonLen   = 4096
 	// protoVersion 2 adds diffs against a base (BASE, DFILE, RETRY, the
-	// offers in ACCEPT); a v2 receiver still accepts v1 senders.
-	protoVersion = 2
+	// offers in ACCEPT); 3 compresses with S2 instead of LZ4. A receiver
+	// still accepts senders of every earlier version.
+	protoVersion = 3
+	// s2Block is the S2 block size of the sender, and the largest block a
+	// receiver decodes (what it allocates for one).
+	s2Block = 1 << 20
 	// maxOffers bounds the base snapshots a receiver offers in ACCEPT.
 	maxOffers = 8
 )
@@ -194,14 +201,14 @@ func helloPayload() []byte {
 	return binary.BigEndian.AppendUint16(b, protoVersion)
 }
 
-// checkHello returns the sender's protocol version (1 or 2).
+// checkHello returns the sender's protocol version (1 to protoVersion).
 func checkHello(p []byte) (uint16, error) {
 	if len(p) != len(helloMagic)+2 || string(p[:len(helloMagic)]) != string(helloMagic[:]) {
 		return 0, protoErr("not an ftkit snapshot stream (bad HELLO)")
 	}
 	v := binary.BigEndian.Uint16(p[len(helloMagic):])
-	if v != 1 && v != protoVersion {
-		return 0, protoErr("sender speaks protocol version %d, this node speaks 1 and %d (upgrade the older node)", v, protoVersion)
+	if v < 1 || v > protoVersion {
+		return 0, protoErr("sender speaks protocol version %d, this node speaks 1 to %d (upgrade the older node)", v, protoVersion)
 	}
 	return v, nil
 }
@@ -331,4 +338,18 @@ func sanitize(p []byte) string {
 		}
 	}
 	return b.String()
+}
+
+// decompressor reads a file's contents from its DATA frames.
+type decompressor interface {
+	io.Reader
+	Reset(io.Reader)
+}
+
+// newDecompressor reads what a sender of protocol version v compresses with.
+func newDecompressor(v uint16) decompressor {
+	if v < 3 {
+		return lz4.NewReader(nil)
+	}
+	return s2.NewReader(nil, s2.ReaderMaxBlockSize(s2Block))
 }

@@ -14,7 +14,6 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
-	"github.com/pierrec/lz4/v4"
 	"golang.org/x/sys/unix"
 )
 
@@ -315,7 +314,7 @@ func (rc *receiver) attempt(m *ckpt.Manifest, offers []string, reply func(frameT
 	}
 
 	var written int64
-	zr := lz4.NewReader(nil)
+	zr := newDecompressor(rc.version)
 	h := newHashPipe()
 	rc.copied = 0
 	for _, want := range m.Files {
@@ -418,7 +417,7 @@ func sameFiles(a, b *ckpt.Manifest) bool {
 	return true
 }
 
-func (rc *receiver) receiveFile(root *os.Root, zr *lz4.Reader, h *hashPipe, want ckpt.FileEntry) (int64, error) {
+func (rc *receiver) receiveFile(root *os.Root, zr decompressor, h *hashPipe, want ckpt.FileEntry) (int64, error) {
 	t, p, err := rc.fr.next()
 	if err != nil {
 		return 0, fmt.Errorf("read FILE %s: %w", want.Name, err)

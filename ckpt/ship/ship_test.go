@@ -19,6 +19,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/tcpflow"
+	"github.com/klauspost/compress/s2"
 	"github.com/pierrec/lz4/v4"
 	"golang.org/x/sys/unix"
 )
@@ -361,8 +362,10 @@ func TestSendHonoursContext(t *testing.T) {
 type streamParts struct {
 	hello    []byte
 	manifest []byte
+	base     []byte   // protocol 2 and later: the BASE frame
 	files    [][]byte // each FILE..END, in order
 	done     []byte
+	compress func([]byte) []byte // as the sender's protocol version does
 }
 
 func frame(t frameType, p []byte) []byte {
@@ -371,9 +374,19 @@ func frame(t frameType, p []byte) []byte {
 	return b.Bytes()
 }
 
+// compress is what a protocol-1 or -2 sender sends: an LZ4 frame.
 func compress(data []byte) []byte {
 	var b bytes.Buffer
 	zw := lz4.NewWriter(&b)
+	zw.Write(data)
+	zw.Close()
+	return b.Bytes()
+}
+
+// compressS2 is what a protocol-3 sender sends: an S2 stream.
+func compressS2(data []byte) []byte {
+	var b bytes.Buffer
+	zw := s2.NewWriter(&b, s2.WriterBlockSize(s2Block))
 	zw.Write(data)
 	zw.Close()
 	return b.Bytes()
@@ -396,15 +409,25 @@ func validStream(t testing.TB, m *ckpt.Manifest, files map[string][]byte) stream
 	if err != nil {
 		t.Fatal(err)
 	}
-	sp := streamParts{hello: frame(frameHello, helloV1()), manifest: frame(frameManifest, mb), done: frame(frameDone, nil)}
+	sp := streamParts{hello: frame(frameHello, helloV1()), manifest: frame(frameManifest, mb), done: frame(frameDone, nil), compress: compress}
 	for _, f := range m.Files {
 		sp.files = append(sp.files, fileFrames(f.Name, f.Size, compress(files[f.Name])))
 	}
 	return sp
 }
 
+// validStreamV3 is validStream as this version's sender speaks it: no base, S2.
+func validStreamV3(t testing.TB, m *ckpt.Manifest, files map[string][]byte) streamParts {
+	sp := validStream(t, m, files)
+	sp.hello, sp.base, sp.compress = frame(frameHello, helloPayload()), frame(frameBase, nil), compressS2
+	for i, f := range m.Files {
+		sp.files[i] = fileFrames(f.Name, f.Size, compressS2(files[f.Name]))
+	}
+	return sp
+}
+
 func (sp streamParts) bytes() []byte {
-	b := slices.Concat(sp.hello, sp.manifest)
+	b := slices.Concat(sp.hello, sp.manifest, sp.base)
 	for _, f := range sp.files {
 		b = append(b, f...)
 	}
@@ -449,32 +472,32 @@ func TestReceiveHostileStreams(t *testing.T) {
 		}, "exceeds"},
 		{"corrupt manifest", func(sp streamParts) []byte { sp.manifest[40] ^= 1; return sp.bytes() }, "manifest"},
 		{"path traversal", func(sp streamParts) []byte {
-			sp.files[0] = fileFrames("../../escape.img", 17, compress(files["a.img"]))
+			sp.files[0] = fileFrames("../../escape.img", 17, sp.compress(files["a.img"]))
 			return sp.bytes()
 		}, "file name"},
 		{"absolute path", func(sp streamParts) []byte {
-			sp.files[0] = fileFrames("/tmp/escape.img", 17, compress(files["a.img"]))
+			sp.files[0] = fileFrames("/tmp/escape.img", 17, sp.compress(files["a.img"]))
 			return sp.bytes()
 		}, "file name"},
 		{"wrong order", func(sp streamParts) []byte { sp.files[0], sp.files[1] = sp.files[1], sp.files[0]; return sp.bytes() }, "manifest order"},
 		{"wrong content", func(sp streamParts) []byte {
-			sp.files[0] = fileFrames("a.img", 17, compress([]byte("hellO hello hello")))
+			sp.files[0] = fileFrames("a.img", 17, sp.compress([]byte("hellO hello hello")))
 			return sp.bytes()
 		}, "sha256"},
 		{"short content", func(sp streamParts) []byte {
-			sp.files[0] = fileFrames("a.img", 17, compress([]byte("hello")))
+			sp.files[0] = fileFrames("a.img", 17, sp.compress([]byte("hello")))
 			return sp.bytes()
 		}, "truncated"},
 		{"decompression bomb", func(sp streamParts) []byte {
-			sp.files[1] = fileFrames("d/b.img", 10000, compress(make([]byte, 50<<20)))
+			sp.files[1] = fileFrames("d/b.img", 10000, sp.compress(make([]byte, 50<<20)))
 			return sp.bytes()
 		}, "more than the 10000 bytes"},
-		{"garbage instead of lz4", func(sp streamParts) []byte {
-			sp.files[0] = fileFrames("a.img", 17, []byte("definitely not lz4"))
+		{"garbage instead of compressed data", func(sp streamParts) []byte {
+			sp.files[0] = fileFrames("a.img", 17, []byte("definitely not compressed"))
 			return sp.bytes()
 		}, "decompress"},
-		{"trailing garbage after lz4", func(sp streamParts) []byte {
-			sp.files[0] = fileFrames("a.img", 17, append(compress(files["a.img"]), 1, 2, 3, 4, 5, 6, 7))
+		{"trailing garbage after the compressed data", func(sp streamParts) []byte {
+			sp.files[0] = fileFrames("a.img", 17, append(sp.compress(files["a.img"]), 1, 2, 3, 4, 5, 6, 7))
 			return sp.bytes()
 		}, "decompress"},
 		{"truncated mid-file", func(sp streamParts) []byte { b := sp.bytes(); return b[:len(sp.hello)+len(sp.manifest)+30] }, "EOF"},
@@ -489,32 +512,37 @@ func TestReceiveHostileStreams(t *testing.T) {
 		}, "sender aborted: disk on fire?[2J"},
 	}
 	for _, tc := range tests {
-		t.Run(tc.name, func(t *testing.T) {
-			prot := openStore(t, "prot")
-			conn := &fakeConn{Reader: bytes.NewReader(tc.stream(validStream(t, m, files)))}
-			res, err := Receive(context.Background(), conn, prot, ReceiveOptions{})
-			ids, _ := prot.List("job", "")
-			if tc.want == "" {
-				if err != nil {
-					t.Fatalf("valid stream refused: %v", err)
+		for _, sender := range []struct {
+			name   string
+			stream func(testing.TB, *ckpt.Manifest, map[string][]byte) streamParts
+		}{{"lz4 of v1", validStream}, {"s2 of v3", validStreamV3}} {
+			t.Run(tc.name+"/"+sender.name, func(t *testing.T) {
+				prot := openStore(t, "prot")
+				conn := &fakeConn{Reader: bytes.NewReader(tc.stream(sender.stream(t, m, files)))}
+				res, err := Receive(context.Background(), conn, prot, ReceiveOptions{})
+				ids, _ := prot.List("job", "")
+				if tc.want == "" {
+					if err != nil {
+						t.Fatalf("valid stream refused: %v", err)
+					}
+					if len(ids) != 1 || res.Bytes != m.TotalSize() || !bytes.Contains(conn.out.Bytes(), frame(frameOK, []byte("prot"))) {
+						t.Errorf("ids %v res %+v", ids, res)
+					}
+					return
 				}
-				if len(ids) != 1 || res.Bytes != m.TotalSize() || !bytes.Contains(conn.out.Bytes(), frame(frameOK, []byte("prot"))) {
-					t.Errorf("ids %v res %+v", ids, res)
+				if err == nil || !strings.Contains(err.Error(), tc.want) {
+					t.Fatalf("Receive = %v, want error containing %q", err, tc.want)
 				}
-				return
-			}
-			if err == nil || !strings.Contains(err.Error(), tc.want) {
-				t.Fatalf("Receive = %v, want error containing %q", err, tc.want)
-			}
-			if len(ids) != 0 {
-				t.Errorf("snapshot visible after refusal: %v", ids)
-			}
-			noLeftovers(t, prot, "job")
-			if tc.name != "sender abort" && !bytes.Contains(conn.out.Bytes(), []byte{byte(frameNack)}) {
-				t.Errorf("no NACK sent: %q", conn.out.Bytes())
-			}
-			assertConfined(t, prot)
-		})
+				if len(ids) != 0 {
+					t.Errorf("snapshot visible after refusal: %v", ids)
+				}
+				noLeftovers(t, prot, "job")
+				if tc.name != "sender abort" && !bytes.Contains(conn.out.Bytes(), []byte{byte(frameNack)}) {
+					t.Errorf("no NACK sent: %q", conn.out.Bytes())
+				}
+				assertConfined(t, prot)
+			})
+		}
 	}
 }
 
@@ -603,17 +631,22 @@ func FuzzFrameReader(f *testing.F) {
 	})
 }
 
-// FuzzReceive feeds a valid HELLO+MANIFEST followed by fuzzed file frames to
+// FuzzReceive feeds a valid HELLO+MANIFEST (+BASE for S2, protocol 3) followed by fuzzed file frames to
 // the receiver: whatever it accepts must verify, and a refusal must leave
 // nothing behind.
 func FuzzReceive(f *testing.F) {
 	m, files := hostileManifest(f)
-	sp := validStream(f, m, files)
-	prefix := slices.Concat(sp.hello, sp.manifest)
-	f.Add(slices.Concat(slices.Concat(sp.files...), sp.done))
-	f.Add(sp.files[0])
-	f.Fuzz(func(t *testing.T, data []byte) {
+	v1, v3 := validStream(f, m, files), validStreamV3(f, m, files)
+	for _, sp := range []streamParts{v1, v3} {
+		f.Add(sp.base != nil, slices.Concat(slices.Concat(sp.files...), sp.done))
+		f.Add(sp.base != nil, sp.files[0])
+	}
+	f.Fuzz(func(t *testing.T, s2 bool, data []byte) {
 		prot := memStore(t, "prot")
+		prefix := slices.Concat(v1.hello, v1.manifest)
+		if s2 {
+			prefix = slices.Concat(v3.hello, v3.manifest, v3.base)
+		}
 		conn := &fakeConn{Reader: bytes.NewReader(slices.Concat(prefix, data))}
 		_, err := Receive(context.Background(), conn, prot, ReceiveOptions{})
 		ids, _ := prot.List("job", "")
