@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"log/slog"
+	"math/rand/v2"
 	"net"
 	"os"
 	"path/filepath"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/ship"
+	"github.com/ftkit/ftkit/clusterapi"
 )
 
 // A protector receiving more snapshots of a job than checkpoint.keep keeps the newest keep of them.
@@ -101,6 +103,71 @@ func TestReplicaArrivalsSince(t *testing.T) {
 	} {
 		if got := r.since(tc.node, beat, tc.named); !slices.Equal(got, tc.want) {
 			t.Errorf("since(%s, %v) = %v, want %v", tc.node, tc.named, got, tc.want)
+		}
+	}
+}
+
+// replicaService is a protector that only stores the snapshots it is sent.
+type replicaService struct {
+	clusterapi.Service
+	store *ckpt.Store
+}
+
+func (s replicaService) ReceiveSnapshot(ctx context.Context, peer string, c net.Conn) error {
+	_, err := ship.Receive(ctx, c, s.store, ship.ReceiveOptions{Peer: peer, Authorize: ship.FromNode(peer)})
+	return err
+}
+
+// The agent's scheduled snapshots go whole after a diff that saved nothing (ship.DiffHistory), over mutual
+// TLS to the protector of its ring: a job that rewrites all its memory pays no diffs it gains nothing
+// from, and one that rewrites a little keeps diffing.
+func TestShipToProtectorSkipsUselessDiffs(t *testing.T) {
+	pki := newTestPKI(t)
+	prot, err := ckpt.Open(filepath.Join(t.TempDir(), "prot"), ckpt.Options{Node: "n2"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, _ := clientAgent(t, pki, map[string]uint16{"n2": scriptedPeer(t, pki, "n2", replicaService{store: prot})})
+	rng := rand.NewChaCha8([32]byte{1})
+	pages := make([]byte, 2<<20)
+	for _, tt := range []struct {
+		job       string
+		rewritten int // of every 10 pages, between two snapshots
+		want      []bool
+	}{
+		// The first snapshot has no base; the second diffs and shares nothing; four go whole; a diff again.
+		{"all-00000001", 10, []bool{false, true, false, false, false, false, true}},
+		{"tenth-00000001", 1, []bool{false, true, true, true, true, true, true}},
+	} {
+		var got []bool
+		for i := range tt.want {
+			for p := 0; p < len(pages)/4096; p++ {
+				if i == 0 || p%10 < tt.rewritten {
+					rng.Read(pages[p*4096 : (p+1)*4096])
+				}
+			}
+			pend, err := a.store.Begin(tt.job)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := os.WriteFile(filepath.Join(pend.Dir(), "pages-1.img"), pages, 0o600); err != nil {
+				t.Fatal(err)
+			}
+			m, err := pend.Commit(t.Context(), ckpt.Info{CRIUVersion: "4.2.1", Mode: ckpt.ModeUncoordinated})
+			if err != nil {
+				t.Fatal(err)
+			}
+			sent, err := a.shipToProtector(t.Context(), m, nil)
+			if err != nil {
+				t.Fatalf("%s, snapshot %d: %v", tt.job, i, err)
+			}
+			if _, err := prot.Verify(t.Context(), tt.job, m.ID); err != nil {
+				t.Fatalf("%s, snapshot %d: the protector's copy: %v", tt.job, i, err)
+			}
+			got = append(got, sent.BaseID != "")
+		}
+		if !slices.Equal(got, tt.want) {
+			t.Errorf("%s: diffed %v, want %v", tt.job, got, tt.want)
 		}
 	}
 }
