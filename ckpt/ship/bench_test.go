@@ -7,7 +7,6 @@ import (
 	"os"
 	"testing"
 
-	"github.com/klauspost/compress/s2"
 	"github.com/pierrec/lz4/v4"
 )
 
@@ -80,7 +79,9 @@ func BenchmarkCompressOnly(b *testing.B) {
 		new  func(io.Writer) io.WriteCloser
 	}{
 		{"s2", func(w io.Writer) io.WriteCloser {
-			return s2.NewWriter(w, s2.WriterConcurrency(1), s2.WriterBlockSize(s2Block))
+			zw := newCompressor(1)
+			zw.Reset(w)
+			return zw
 		}},
 		{"lz4", func(w io.Writer) io.WriteCloser {
 			zw := lz4.NewWriter(w)

@@ -346,6 +346,12 @@ type decompressor interface {
 	Reset(io.Reader)
 }
 
+// newCompressor writes file contents as this version sends them (protocol 3: S2 with s2Block blocks),
+// compressing on n goroutines (at least one). Reset it onto each file's DATA frames.
+func newCompressor(n int) *s2.Writer {
+	return s2.NewWriter(nil, s2.WriterConcurrency(max(n, 1)), s2.WriterBlockSize(s2Block))
+}
+
 // newDecompressor reads what a sender of protocol version v compresses with.
 func newDecompressor(v uint16) decompressor {
 	if v < 3 {

@@ -19,7 +19,6 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/tcpflow"
-	"github.com/klauspost/compress/s2"
 	"github.com/pierrec/lz4/v4"
 	"golang.org/x/sys/unix"
 )
@@ -386,7 +385,8 @@ func compress(data []byte) []byte {
 // compressS2 is what a protocol-3 sender sends: an S2 stream.
 func compressS2(data []byte) []byte {
 	var b bytes.Buffer
-	zw := s2.NewWriter(&b, s2.WriterBlockSize(s2Block))
+	zw := newCompressor(1)
+	zw.Reset(&b)
 	zw.Write(data)
 	zw.Close()
 	return b.Bytes()
