@@ -15,6 +15,8 @@ type DeterminantsRequest struct {
 	FromStart bool   `json:"from_start,omitempty"`
 	Base      string `json:"base,omitempty"`
 	Packed    []byte `json:"packed"`
+	// Ack asks the protector to answer (on OpDeterminantStream2 only: detstream.go).
+	Ack bool `json:"ack,omitempty"`
 }
 
 // Batch decodes the request, which comes from another host: the job id and base must be names an agent

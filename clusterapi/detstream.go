@@ -12,30 +12,40 @@ import (
 )
 
 // A determinant stream carries a member's receive-order determinants to one protector: one batch after
-// another on one connection (switched from HTTP like a snapshot transfer), each answered before the next
-// is sent. OpDeterminants makes an HTTPS request of each batch instead, and a member ships a round every
-// log.receive_order_ship_every (20 ms) for each job that received anything: on 2 vCPUs that cost about
-// 1 ms of CPU a batch over both agents, most of it the request's handoffs between the HTTP client's and
-// server's goroutines; on the stream a batch is one write and one read on each side.
+// another on one connection (switched from HTTP like a snapshot transfer). OpDeterminants makes an HTTPS
+// request of each batch instead, and a member ships a round every log.receive_order_ship_every (20 ms) for
+// each job that received anything: on 2 vCPUs that cost about 1 ms of CPU a batch over both agents, most
+// of it the request's handoffs between the HTTP client's and server's goroutines.
+//
+// On OpDeterminantStream every batch is answered before the next is sent. On OpDeterminantStream2 the
+// member asks for an answer only now and then (DeterminantsRequest.Ack), and writes the other batches
+// without waiting: an answer cost the protector as much as the batch (a write across the network to a
+// waiting reader), and the member needs one only to learn what it may forget and when a held process may
+// go on. A batch reaches the protector as soon either way. The protector answers a refused batch at once
+// and ends the stream, so that it stores nothing sent after it: the member sends again, on a new stream,
+// all it has not seen answered.
 
-// DeterminantsAck answers one batch of a determinant stream: Error is nil when the protector stored it.
+// DeterminantsAck answers one batch of a determinant stream: Error is nil when the protector stored it
+// (and on OpDeterminantStream2, every batch before it on the stream).
 type DeterminantsAck struct {
 	Error *Error `json:"error,omitempty"`
 }
 
-// DeterminantStream is an open determinant stream to a member, for one goroutine at a time.
+// DeterminantStream is an open determinant stream (OpDeterminantStream2) to a member, for one goroutine at
+// a time.
 type DeterminantStream struct {
 	peer    string
 	conn    net.Conn
 	r       *bufio.Reader
 	timeout time.Duration // of one batch and its answer
 	idle    time.Duration // the server closes a stream silent for longer
-	used    time.Time     // when the stream was opened or last answered
+	used    time.Time     // when the stream was opened or last sent on
 }
 
-// DeterminantStream opens a determinant stream to peer.
+// DeterminantStream opens a determinant stream to peer. An agent of an earlier version refuses it as an
+// unknown operation (CodeUnknownOp): send it requests.
 func (c *Client) DeterminantStream(ctx context.Context, peer string) (*DeterminantStream, error) {
-	conn, err := c.upgrade(ctx, peer, OpDeterminantStream, nil)
+	conn, err := c.upgrade(ctx, peer, OpDeterminantStream2, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -48,14 +58,16 @@ func (c *Client) DeterminantStream(ctx context.Context, peer string) (*Determina
 // new one rather than send on it.
 func (s *DeterminantStream) Stale() bool { return time.Since(s.used) > s.idle/2 }
 
-// Send ships one batch and waits for the protector's answer, within ctx and the protocol's bound for a
-// message. A refusal of the batch is an *Error and leaves the stream usable; any other error breaks it
-// (a *StreamError): close it.
+// Send ships one batch within ctx and the protocol's bound for a message. With req.Ack it then waits for
+// the protector's answer, which covers every batch sent before on the stream: nil when all are stored, a
+// refusal (an *Error, after which the protector stored none that followed and ended the stream) or a
+// broken stream (a *StreamError). Without it, nil says only that the batch was written. After any error,
+// close the stream.
 func (s *DeterminantStream) Send(ctx context.Context, req DeterminantsRequest) error {
 	ctx, cancel := within(ctx, s.timeout)
 	defer cancel()
 	broke := func(err error) error {
-		return &StreamError{Op: OpDeterminantStream, Peer: s.peer, Err: withCause(ctx, err)}
+		return &StreamError{Op: OpDeterminantStream2, Peer: s.peer, Err: withCause(ctx, err)}
 	}
 	dl, _ := ctx.Deadline()
 	if err := s.conn.SetDeadline(dl); err != nil {
@@ -65,13 +77,16 @@ func (s *DeterminantStream) Send(ctx context.Context, req DeterminantsRequest) e
 	if err := WriteLine(s.conn, req); err != nil {
 		return broke(err)
 	}
+	s.used = time.Now()
+	if !req.Ack {
+		return nil
+	}
 	var ack DeterminantsAck
 	if err := ReadLine(s.r, &ack, MaxHeader); err != nil {
 		return broke(err)
 	}
-	s.used = time.Now()
 	if ack.Error != nil {
-		ack.Error.Op, ack.Error.Peer, ack.Error.Status = OpDeterminantStream, s.peer, statusOf(ack.Error.Code)
+		ack.Error.Op, ack.Error.Peer, ack.Error.Status = OpDeterminantStream2, s.peer, statusOf(ack.Error.Code)
 		return ack.Error
 	}
 	return nil
@@ -80,21 +95,26 @@ func (s *DeterminantStream) Send(ctx context.Context, req DeterminantsRequest) e
 // Close ends the stream.
 func (s *DeterminantStream) Close() error { return s.conn.Close() }
 
-// determinantStream switches to a determinant stream and serves it.
-func (s *Server) determinantStream(w http.ResponseWriter, r *http.Request, peer string) {
-	var none struct{}
-	if err := s.readRequest(w, r, OpDeterminantStream, 0, &none); err != nil {
-		s.refuse(w, OpDeterminantStream, peer, err)
-		return
+// determinantStream serves op (OpDeterminantStream or OpDeterminantStream2): it switches to a
+// determinant stream and serves it.
+func (s *Server) determinantStream(op Op) opHandler {
+	return func(w http.ResponseWriter, r *http.Request, peer string) {
+		var none struct{}
+		if err := s.readRequest(w, r, op, 0, &none); err != nil {
+			s.refuse(w, op, peer, err)
+			return
+		}
+		s.upgrade(w, r, op, peer, func(c net.Conn) error { return s.serveDeterminants(op, peer, c) })
 	}
-	s.upgrade(w, r, OpDeterminantStream, peer, func(c net.Conn) error { return s.serveDeterminants(peer, c) })
 }
 
-// serveDeterminants hands each batch of peer's stream on c to the service and answers it, until peer
-// closes the stream, it is silent for the idle timeout, or the server stops. A batch the service refuses
-// is answered with the refusal; a line that is no batch ends the stream.
-func (s *Server) serveDeterminants(peer string, c net.Conn) error {
+// serveDeterminants hands each batch of peer's stream on c to the service, until peer closes the stream,
+// it is silent for the idle timeout, or the server stops. A line that is no batch ends the stream. On
+// OpDeterminantStream every batch is answered, a refusal too; on OpDeterminantStream2 only the batches
+// that ask, and a refusal ends the stream (detstream.go).
+func (s *Server) serveDeterminants(op Op, peer string, c net.Conn) error {
 	defer endOnDone(s.base, c)()
+	answerAll := op == OpDeterminantStream
 	in := bufio.NewReader(c)
 	for {
 		if err := c.SetReadDeadline(time.Now().Add(s.opts.Timeouts.IdleTimeout())); err != nil {
@@ -113,14 +133,19 @@ func (s *Server) serveDeterminants(peer string, c net.Conn) error {
 			if ack.Error == nil {
 				ack.Error = &Error{Code: CodeRefused, Message: err.Error()}
 			}
-			ack.Error.Op = OpDeterminantStream
-			s.log.Warn("cluster request refused", "peer", peer, "op", OpDeterminantStream, "code", ack.Error.Code, "err", ack.Error.Message)
+			ack.Error.Op = op
+			s.log.Warn("cluster request refused", "peer", peer, "op", op, "code", ack.Error.Code, "err", ack.Error.Message)
+		} else if !answerAll && !req.Ack {
+			continue
 		}
 		if err := c.SetWriteDeadline(time.Now().Add(s.opts.Timeouts.MessageTimeout())); err != nil {
 			return err
 		}
 		if err := WriteLine(c, ack); err != nil {
 			return err
+		}
+		if ack.Error != nil && !answerAll {
+			return nil // the member sends again what followed, on a new stream
 		}
 	}
 }

@@ -3,12 +3,17 @@ package clusterapi
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
+
+	"github.com/ftkit/ftkit/intercept"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // TestDeterminantStreamEndsOnGarbage: a line that is not a batch ends the stream (the server closes it and
@@ -64,18 +69,19 @@ func TestDeterminantStreamIdle(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), failAfter)
 	defer cancel()
 	var se *StreamError
-	if err := st.Send(ctx, DeterminantsRequest{Job: "j1"}); !errors.As(err, &se) {
+	if err := st.Send(ctx, DeterminantsRequest{Job: "j1", Ack: true}); !errors.As(err, &se) {
 		t.Errorf("send on a closed stream: %v; want a broken stream", err)
 	}
 }
 
 // TestDeterminantStreamUnknownToOlderAgents: an agent of an earlier version, which serves no determinant
-// streams, refuses one as an unknown operation, which tells the caller to send requests instead.
+// streams of this version, refuses one as an unknown operation, which tells the caller to send requests
+// instead.
 func TestDeterminantStreamUnknownToOlderAgents(t *testing.T) {
 	pki := newTestPKI(t)
 	s := NewServer(t.Context(), &fakeService{}, ServerOptions{Timeouts: testTimeouts, Logger: slog.New(slog.DiscardHandler)})
 	older := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.URL.Path == OpDeterminantStream.Path() {
+		if r.URL.Path == OpDeterminantStream2.Path() {
 			r.URL.Path = "/v1/not-yet-an-operation"
 		}
 		s.ServeHTTP(w, r)
@@ -87,5 +93,100 @@ func TestDeterminantStreamUnknownToOlderAgents(t *testing.T) {
 	}
 	if err := c.Determinants(t.Context(), "n2", DeterminantsRequest{Job: "j1"}); err != nil {
 		t.Errorf("a request to the same agent: %v", err)
+	}
+}
+
+// refuseJob is a service that refuses the determinants of one job.
+type refuseJob struct {
+	fakeService
+	job string
+}
+
+func (f *refuseJob) Determinants(ctx context.Context, peer string, req DeterminantsRequest) error {
+	if req.Job == f.job {
+		return errTest
+	}
+	return f.fakeService.Determinants(ctx, peer, req)
+}
+
+// takeDeterminants takes every batch and keeps none (the fake keeps every request).
+type takeDeterminants struct{ fakeService }
+
+func (*takeDeterminants) Determinants(context.Context, string, DeterminantsRequest) error { return nil }
+
+// TestDeterminantStream2AnswersWhenAsked: the server answers only a batch that asks, and a refused one,
+// after which it ends the stream and stores nothing that followed on it.
+func TestDeterminantStream2AnswersWhenAsked(t *testing.T) {
+	f := &refuseJob{job: "bad"}
+	c, _ := serve(t, f)
+	ctx, cancel := context.WithTimeout(t.Context(), failAfter)
+	defer cancel()
+	st, err := c.DeterminantStream(ctx, "n2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	for i, req := range []DeterminantsRequest{{Job: "j1", First: 0}, {Job: "j1", First: 1}, {Job: "j1", First: 2, Ack: true},
+		{Job: "bad", First: 3}, {Job: "j1", First: 4}} {
+		if err := st.Send(ctx, req); err != nil {
+			t.Fatalf("batch %d: %v", i, err)
+		}
+	}
+	// Had the server answered the first two, the answer read for the third would have been the first's,
+	// and the rest would come before the refusal.
+	st.conn.SetReadDeadline(time.Now().Add(failAfter))
+	rest, err := io.ReadAll(st.r)
+	if err != nil && !errors.Is(err, syscall.ECONNRESET) {
+		t.Fatalf("after the refused batch: %v", err)
+	}
+	var ack DeterminantsAck
+	if lines := strings.Split(strings.TrimSuffix(string(rest), "\n"), "\n"); len(lines) != 1 || decodeStrict([]byte(lines[0]), &ack) != nil ||
+		ack.Error == nil || ack.Error.Code != CodeRefused {
+		t.Fatalf("the server sent %q after the answered batch; want only the refusal, then the stream's end", rest)
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if len(f.reqs) != 3 {
+		t.Errorf("the service stored %d batches, want the 3 before the refused one: %+v", len(f.reqs), f.reqs)
+	}
+}
+
+// BenchmarkDeterminantStream ships a stencil rank's round (two determinants) every pace, client and server
+// in this process over loopback TLS, answered every batch (OpDeterminantStream's way) or one in 12 (a
+// member's default: one answer in 250 ms of 20 ms rounds). cpu-us/batch is the process's CPU, user and
+// system, per batch: paced, each batch wakes both ends as it does between two agents.
+func BenchmarkDeterminantStream(b *testing.B) {
+	const pace = 2 * time.Millisecond
+	packed, err := intercept.Pack([]intercept.Det{{Conn: tcpflow.Tuple{Local: testSrc, Remote: testDst}, End: 9, Len: 9},
+		{Conn: tcpflow.Tuple{Local: testSrc, Remote: testDst}, End: 18, Len: 9}})
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, every := range []int{1, 12} {
+		b.Run(fmt.Sprintf("answer-every-%d", every), func(b *testing.B) {
+			c, _ := serve(b, &takeDeterminants{})
+			st, err := c.DeterminantStream(b.Context(), "n2")
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer st.Close()
+			cpu := func() time.Duration {
+				var ru syscall.Rusage
+				syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+				return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+			}
+			tick := time.NewTicker(pace)
+			defer tick.Stop()
+			b.ResetTimer()
+			start := cpu()
+			for i := range b.N {
+				<-tick.C
+				req := DeterminantsRequest{Job: "j1", First: uint64(2 * i), Packed: packed, Ack: (i+1)%every == 0 || i == b.N-1}
+				if err := st.Send(b.Context(), req); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64(cpu()-start)/float64(b.N)/1e3, "cpu-us/batch")
+		})
 	}
 }

@@ -38,7 +38,7 @@ type testPKI struct {
 	dir string
 }
 
-func newTestPKI(t *testing.T) *testPKI {
+func newTestPKI(t testing.TB) *testPKI {
 	t.Helper()
 	ca, err := clustertls.NewCA("ftkit-test", 24*time.Hour)
 	if err != nil {
@@ -48,7 +48,7 @@ func newTestPKI(t *testing.T) *testPKI {
 }
 
 // creds installs member name's certificate; the configuration accepts the members listed (any if none).
-func (p *testPKI) creds(t *testing.T, name string, members ...string) clustertls.Config {
+func (p *testPKI) creds(t testing.TB, name string, members ...string) clustertls.Config {
 	t.Helper()
 	cert, key, err := p.ca.Issue(name, []netip.Addr{netip.MustParseAddr("127.0.0.1")}, time.Hour)
 	if err != nil {
@@ -74,7 +74,7 @@ func (p *testPKI) creds(t *testing.T, name string, members ...string) clustertls
 
 // serveHandler serves h as member name on loopback over mutual TLS (members: who may connect) and returns
 // its address.
-func serveHandler(t *testing.T, pki *testPKI, name string, h http.Handler, members ...string) string {
+func serveHandler(t testing.TB, pki *testPKI, name string, h http.Handler, members ...string) string {
 	t.Helper()
 	ln, err := clustertls.Listen("127.0.0.1:0", pki.creds(t, name, members...))
 	if err != nil {
@@ -91,14 +91,14 @@ func serveHandler(t *testing.T, pki *testPKI, name string, h http.Handler, membe
 
 // serve runs a protocol server over svc as member "n2" and returns a client of member "n1" that reaches it,
 // and the server's log.
-func serve(t *testing.T, svc Service) (*Client, *testenv.SyncBuffer) {
+func serve(t testing.TB, svc Service) (*Client, *testenv.SyncBuffer) {
 	c, logs, _ := serveWith(t, svc, testTimeouts, testTimeouts)
 	return c, logs
 }
 
 // serveWith is serve with the server's and the client's deadlines; it also returns the server's address
 // and the PKI, for raw clients.
-func serveWith(t *testing.T, svc Service, server, client Timeouts) (*Client, *testenv.SyncBuffer, served) {
+func serveWith(t testing.TB, svc Service, server, client Timeouts) (*Client, *testenv.SyncBuffer, served) {
 	t.Helper()
 	pki := newTestPKI(t)
 	logs := &testenv.SyncBuffer{}
@@ -115,7 +115,7 @@ type served struct {
 }
 
 // clientOf is a client of member self with the given member addresses.
-func clientOf(t *testing.T, pki *testPKI, self string, addrs map[string]string, timeouts Timeouts) *Client {
+func clientOf(t testing.TB, pki *testPKI, self string, addrs map[string]string, timeouts Timeouts) *Client {
 	t.Helper()
 	cfg := pki.creds(t, self)
 	c := NewClient(ClientConfig{
@@ -128,7 +128,7 @@ func clientOf(t *testing.T, pki *testPKI, self string, addrs map[string]string, 
 }
 
 // rawClient is an HTTP client of member self to member peer at addr that sends whatever it is given.
-func rawClient(t *testing.T, pki *testPKI, self, peer, addr string) *http.Client {
+func rawClient(t testing.TB, pki *testPKI, self, peer, addr string) *http.Client {
 	t.Helper()
 	cfg := pki.creds(t, self)
 	tr := &http.Transport{

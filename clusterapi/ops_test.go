@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"github.com/ftkit/ftkit/intercept"
 	"github.com/ftkit/ftkit/tcpflow"
 	"io"
@@ -71,6 +72,27 @@ func TestEveryOperation(t *testing.T) {
 			return req, "", c.Determinants(ctx, "n2", req)
 		}, ""},
 		{OpDeterminantStream, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
+			// An agent of an earlier version's stream: every batch is answered.
+			conn, err := c.upgrade(ctx, "n2", OpDeterminantStream, nil)
+			if err != nil {
+				return nil, nil, err
+			}
+			defer conn.Close()
+			packed, _ := intercept.Pack([]intercept.Det{{Conn: tcpflow.Tuple{Local: testSrc, Remote: testDst}, End: 9, Len: 9}})
+			var req DeterminantsRequest
+			for first := range uint64(3) { // one connection carries batch after batch
+				req = DeterminantsRequest{Job: "j1", Stream: 3, First: first, Packed: packed}
+				if err := WriteLine(conn, req); err != nil {
+					return nil, nil, err
+				}
+				var ack DeterminantsAck
+				if err := ReadLine(conn.(bufferedConn).r, &ack, MaxHeader); err != nil || ack.Error != nil {
+					return nil, nil, fmt.Errorf("answer %+v: %w", ack, err)
+				}
+			}
+			return req, "", nil
+		}, ""},
+		{OpDeterminantStream2, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
 			st, err := c.DeterminantStream(ctx, "n2")
 			if err != nil {
 				return nil, nil, err
@@ -78,8 +100,8 @@ func TestEveryOperation(t *testing.T) {
 			defer st.Close()
 			packed, _ := intercept.Pack([]intercept.Det{{Conn: tcpflow.Tuple{Local: testSrc, Remote: testDst}, End: 9, Len: 9}})
 			var req DeterminantsRequest
-			for first := range uint64(3) { // one connection carries batch after batch
-				req = DeterminantsRequest{Job: "j1", Stream: 3, First: first, Packed: packed}
+			for first := range uint64(3) { // one connection carries batch after batch, the last asking for an answer
+				req = DeterminantsRequest{Job: "j1", Stream: 3, First: first, Packed: packed, Ack: first == 2}
 				if err := st.Send(ctx, req); err != nil {
 					return nil, nil, err
 				}
@@ -249,16 +271,13 @@ func TestRefusalsReadTheSame(t *testing.T) {
 		OpReceived:      func() error { _, err := c.Received(ctx, "n2", ReceivedRequest{}); return err },
 		OpLogWatermark:  func() error { _, err := c.LogWatermark(ctx, "n2"); return err },
 		OpDeterminants:  func() error { return c.Determinants(ctx, "n2", DeterminantsRequest{}) },
-		OpDeterminantStream: func() error {
+		OpDeterminantStream2: func() error {
 			st, err := c.DeterminantStream(ctx, "n2")
 			if err != nil {
 				return err
 			}
 			defer st.Close()
-			if err := st.Send(ctx, DeterminantsRequest{}); Refusal(err) == nil {
-				return err
-			}
-			return st.Send(ctx, DeterminantsRequest{}) // a refused batch leaves the stream usable
+			return st.Send(ctx, DeterminantsRequest{Ack: true})
 		},
 		OpDeterminantsSince: func() error {
 			_, err := c.DeterminantsSince(ctx, "n2", "", "")

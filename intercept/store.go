@@ -84,17 +84,22 @@ func NewStore(maxPerJob int) *Store {
 
 // Add stores a batch node sent. A batch of another stream replaces the job's record from node; one that
 // does not continue the record (the host lost determinants, or a batch was lost) starts it over at its own
-// first index, so that Since never bridges a hole.
+// first index, so that Since never bridges a hole. A batch the record already holds in part (the host sends
+// again what it did not see answered) adds only the rest.
 func (s *Store) Add(node string, b Batch) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	k := storeKey{b.Job, node}
 	r := s.recs[k]
-	if r == nil || r.stream != b.Stream || r.next() != b.First {
+	dets := b.Dets
+	switch {
+	case r != nil && r.stream == b.Stream && b.First <= r.next():
+		dets = b.Dets[min(r.next()-b.First, uint64(len(b.Dets))):]
+	case r == nil || r.stream != b.Stream || r.next() != b.First:
 		r = &record{stream: b.Stream, first: b.First, fromStart: b.FromStart && b.First == 0, base: b.Base}
 		s.recs[k] = r
 	}
-	r.add(b.Dets)
+	r.add(dets)
 	if over := len(r.dets()) - s.maxPerJob; over > 0 {
 		// The oldest go: the record then starts mid-stream, and a replay needs a determinant from before
 		// its snapshot to know it misses nothing (Since).

@@ -37,6 +37,9 @@ func TestStoreSince(t *testing.T) {
 		{"every one consumed after", []Batch{{Job: "j", Stream: 1, FromStart: true, Dets: stream}}, snap("s", 0, 0), stream, ""},
 		{"nothing after", []Batch{{Job: "j", Stream: 1, FromStart: true, Dets: stream}}, snap("s", 30, 20), []Det{}, ""},
 		{"in two batches", []Batch{{Job: "j", Stream: 1, FromStart: true, Dets: stream[:2]}, {Job: "j", Stream: 1, First: 2, Dets: stream[2:]}}, snap("s", 20, 10), stream[3:], ""},
+		// A batch sent again (its answer was not seen) adds only what the record lacks.
+		{"sent again in part", []Batch{{Job: "j", Stream: 1, FromStart: true, Dets: stream[:3]}, {Job: "j", Stream: 1, First: 1, Dets: stream[1:]}}, snap("s", 0, 0), stream, ""},
+		{"sent again whole", []Batch{{Job: "j", Stream: 1, FromStart: true, Dets: stream}, {Job: "j", Stream: 1, First: 2, Dets: stream[2:4]}}, snap("s", 0, 0), stream, ""},
 		{"a hole starts over", []Batch{{Job: "j", Stream: 1, FromStart: true, Dets: stream[:2]}, {Job: "j", Stream: 1, First: 3, Dets: stream[3:]}}, snap("s", 10, 0), nil, "none is from before"},
 		{"hole, anchor after it", []Batch{{Job: "j", Stream: 1, FromStart: true, Dets: stream[:2]}, {Job: "j", Stream: 1, First: 3, Dets: stream[3:]}}, snap("s", 20, 20), stream[4:], ""},
 		{"mid-stream attach", []Batch{{Job: "j", Stream: 2, First: 0, FromStart: false, Dets: stream}}, snap("s", 0, 0), nil, "none is from before"},

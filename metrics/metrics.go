@@ -155,9 +155,9 @@ func New(src Source) *Metrics {
 			Help: "Decisions of the sender-side log's resource controller, by kind (snapshot-requested, spill, pause-consumer, ...)."},
 			[]string{"kind"}),
 		detShipped: prometheus.NewCounter(prometheus.CounterOpts{Name: "ftkit_determinants_shipped_total",
-			Help: "Receive-order determinants of this host's jobs that reached their protectors."}),
+			Help: "Receive-order determinants of this host's jobs sent to their protectors."}),
 		detLag: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "ftkit_determinants_ship_lag_seconds",
-			Help:    "Time from reading a batch of determinants off the recorder to its protector's answer: the window in which a crash leaves orphans.",
+			Help:    "Time from reading a batch of determinants off the recorder to sending it to its protector: the window in which a crash leaves orphans.",
 			Buckets: prometheus.ExponentialBuckets(50e-6, 2, 14)}),
 		detHoles: prometheus.NewCounter(prometheus.CounterOpts{Name: "ftkit_determinants_holes_total",
 			Help: "Holes in a job's determinants (the recorder lost calls, or too many waited for a protector): a replay from the snapshot before a hole is refused."}),
@@ -192,7 +192,7 @@ func (m *Metrics) SnapshotTaken(dump, frozen time.Duration, bytes int64) {
 	m.snapshotBytes.Observe(float64(bytes))
 }
 
-// DeterminantsShipped records a batch of n determinants a protector took, lag after the oldest was read.
+// DeterminantsShipped records a batch of n determinants sent to a protector, lag after the oldest was read.
 func (m *Metrics) DeterminantsShipped(n int, lag time.Duration) {
 	if m == nil {
 		return

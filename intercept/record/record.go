@@ -27,9 +27,16 @@ type Peers interface {
 	Determinants(ctx context.Context, peer string, req clusterapi.DeterminantsRequest) error
 }
 
+// detStream is an open determinant stream (clusterapi.DeterminantStream).
+type detStream interface {
+	Send(ctx context.Context, req clusterapi.DeterminantsRequest) error
+	Stale() bool
+	Close() error
+}
+
 // Metrics counts what shipping did (metrics.Metrics).
 type Metrics interface {
-	DeterminantsShipped(n int, lag time.Duration) // a protector took n, lag after the oldest was read
+	DeterminantsShipped(n int, lag time.Duration) // n sent to a protector, lag after the oldest was read
 	DeterminantsHole()                            // a job's record starts over (calls lost)
 }
 
@@ -79,9 +86,13 @@ type Recorder struct {
 	// is at the protector (log.pessimistic).
 	pessimistic bool
 	// streams are the open determinant streams, by protector, and noStream the protectors that serve none
-	// (agents of an earlier version: they get requests); only Ship uses them.
-	streams  map[string]*clusterapi.DeterminantStream
+	// (agents of an earlier version: they get requests); only Ship uses them. open opens a stream (a
+	// test's stands in for the cluster protocol).
+	streams  map[string]detStream
 	noStream map[string]bool
+	open     func(ctx context.Context, peer string) (detStream, error)
+	// answerEvery is how long a job's batches go unanswered at most (answerEvery, the const).
+	answerEvery time.Duration
 }
 
 // stream is one job's determinants on this host, numbered from 0 when the agent began recording it.
@@ -89,13 +100,20 @@ type stream struct {
 	job       string
 	cgroup    uint64
 	id        uint64
-	first     uint64 // index of pending[0]
-	fromStart bool   // recording began before the job's processes ran here
-	base      string // the snapshot the job was restored from here
-	pending   []intercept.Det
-	readAt    time.Time // when pending[0] was read off the recorder
-	lost      uint64    // the recorder's count of this job's lost calls, when last read
-	watchers  map[chan intercept.Event]bool
+	first     uint64          // index of pending[0]
+	fromStart bool            // recording began before the job's processes ran here
+	base      string          // the snapshot the job was restored from here
+	pending   []intercept.Det // not answered by the protector yet
+	readAt    time.Time       // when pending[0] was read off the recorder
+	// sent is how many of pending went on sentOn (the stream to the protector; nil: requests, each
+	// answered) without an answer yet, and unsentAt when pending[sent] was read. answeredAt is when the
+	// protector last answered.
+	sent       int
+	sentOn     detStream
+	unsentAt   time.Time
+	answeredAt time.Time
+	lost       uint64 // the recorder's count of this job's lost calls, when last read
+	watchers   map[chan intercept.Event]bool
 	// held are the job's processes the recorder stopped after a receive call (pessimistic), each until
 	// the determinants up to its call's are at the protector. holdMu orders their release with a
 	// snapshot, which must not dump a process stopped so (ReleaseForDump).
@@ -143,7 +161,13 @@ func newRecorder(o Options) *Recorder {
 	}
 	return &Recorder{log: log, shipEvery: o.ShipEvery, protector: o.Protector, peers: o.Peers, metrics: o.Metrics,
 		byCgroup: map[uint64]*stream{}, byJob: map[string]*stream{}, wake: make(chan struct{}, 1), pause: recordPause(o.ShipEvery),
-		streams: map[string]*clusterapi.DeterminantStream{}, noStream: map[string]bool{}}
+		streams: map[string]detStream{}, noStream: map[string]bool{}, answerEvery: answerEvery, open: func(ctx context.Context, peer string) (detStream, error) {
+			st, err := o.Peers().DeterminantStream(ctx, peer)
+			if err != nil {
+				return nil, err // not a detStream holding a nil pointer
+			}
+			return st, nil
+		}}
 }
 
 // Recording reports whether this host records its jobs' receive calls.
@@ -328,8 +352,7 @@ func (r *Recorder) record(ctx context.Context) {
 			}
 			if lost, err := r.rec.Lost(s.cgroup); err == nil && lost != s.lost {
 				s.lost = lost
-				s.first += uint64(len(s.pending)) + 1
-				s.pending, s.fromStart = nil, false
+				s.dropPending()
 				s.dropWatchers()
 				r.hole()
 				r.log.Warn("the receive-order recorder lost calls of a job (its ring was full): a recovery from its current snapshot replays without determinants", "job", s.job, "lost_total", lost)
@@ -394,18 +417,27 @@ func (r *Recorder) take(e ebpfprobes.RecvEvent, now time.Time) (release uint32) 
 		return 0 // a replay's stop, not a receive call
 	}
 	if len(s.pending) >= maxPendingDets {
-		s.first += uint64(len(s.pending)) + 1
-		s.pending, s.fromStart = nil, false
+		s.dropPending()
 		r.hole()
 	}
 	if len(s.pending) == 0 {
 		s.readAt = now
+	}
+	if len(s.pending) == s.sent {
+		s.unsentAt = now
 	}
 	s.pending = append(s.pending, det)
 	if held {
 		s.held = append(s.held, heldProc{pid: e.Pid, upTo: s.first + uint64(len(s.pending))})
 	}
 	return 0
+}
+
+// dropPending forgets s's pending determinants and leaves a hole after them: its protector's record starts
+// over with the next.
+func (s *stream) dropPending() {
+	s.first += uint64(len(s.pending)) + 1
+	s.pending, s.sent, s.fromStart = nil, 0, false
 }
 
 func (r *Recorder) hole() {

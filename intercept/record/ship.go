@@ -28,14 +28,14 @@ const MaxShipEvery = time.Second
 // interval of the shipping grid (tickgrid), until ctx ends.
 func (r *Recorder) ship(ctx context.Context) {
 	defer r.closeStreams(true)
-	var retry <-chan time.Time // armed while a round left determinants behind (no protector answered)
+	var again <-chan time.Time // armed while a job has determinants to send, or to see answered
 	var last time.Time
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-r.wake:
-		case <-retry:
+		case <-again:
 		}
 		if tickgrid.Slot(time.Now(), r.shipEvery) == tickgrid.Slot(last, r.shipEvery) && !r.anyHeld() {
 			// A round was made in this interval already: the next at the grid's next instant, where the
@@ -55,42 +55,42 @@ func (r *Recorder) ship(ctx context.Context) {
 			}
 		}
 		r.mu.Unlock()
-		retry = nil
+		var next time.Duration
 		for _, s := range todo {
-			if !r.shipStream(ctx, s) {
-				retry = time.After(tickgrid.Until(time.Now(), shipRetry))
+			if d := r.shipStream(ctx, s); d > 0 && (next == 0 || d < next) {
+				next = d
 			}
+		}
+		again = nil
+		if next > 0 {
+			again = time.After(tickgrid.Within(time.Now(), next, r.shipEvery)) // on the grid the recorder reads on
 		}
 		r.closeStreams(false)
 	}
 }
 
-// send ships req to peer on the determinant stream there, opened as needed, and closes the stream when it
-// breaks. A peer that serves no streams (an agent of an earlier version) gets a request.
-func (r *Recorder) send(ctx context.Context, peer string, req clusterapi.DeterminantsRequest) error {
-	peers := r.peers()
+// streamTo is the determinant stream to peer, opened as needed; nil for a peer that serves none (an
+// agent of an earlier version: it gets a request per batch).
+func (r *Recorder) streamTo(ctx context.Context, peer string) (detStream, error) {
 	if r.noStream[peer] {
-		return peers.Determinants(ctx, peer, req)
+		return nil, nil
 	}
 	st := r.streams[peer]
-	if st == nil || st.Stale() {
-		r.closeStream(peer)
-		var err error
-		if st, err = peers.DeterminantStream(ctx, peer); err != nil {
-			if e := clusterapi.Refusal(err); e != nil && e.Code == clusterapi.CodeUnknownOp {
-				r.log.Info("a protector serves no determinant streams (an earlier version): it gets a request per batch", "protector", peer)
-				r.noStream[peer] = true
-				return peers.Determinants(ctx, peer, req)
-			}
-			return err
+	if st != nil && !st.Stale() {
+		return st, nil
+	}
+	r.closeStream(peer)
+	st, err := r.open(ctx, peer)
+	if err != nil {
+		if e := clusterapi.Refusal(err); e != nil && e.Code == clusterapi.CodeUnknownOp {
+			r.log.Info("a protector serves no determinant streams of this version (an earlier one): it gets a request per batch", "protector", peer)
+			r.noStream[peer] = true
+			return nil, nil
 		}
-		r.streams[peer] = st
+		return nil, err
 	}
-	err := st.Send(ctx, req)
-	if err != nil && clusterapi.Refusal(err) == nil {
-		r.closeStream(peer)
-	}
-	return err
+	r.streams[peer] = st
+	return st, nil
 }
 
 // closeStreams closes the determinant streams that fell silent (all of them with all): a job's protector
@@ -113,41 +113,91 @@ func (r *Recorder) closeStream(peer string) {
 // shipRetry is how soon a batch no protector took is offered again, new calls or not.
 const shipRetry = 100 * time.Millisecond
 
-// shipStream sends one batch of s's pending determinants to its job's protector. It reports whether it
-// left none behind for a retry (a batch refused or unanswered, more than a batch pending).
-func (r *Recorder) shipStream(ctx context.Context, s *stream) bool {
+// answerEvery is how long a job's batches go unanswered on a determinant stream at most, while no held
+// process waits for one: the protector then stores each as it comes, and the member learns that it may
+// forget them (and of a refusal) this much later. Each answer cost the protector as much as a batch.
+const answerEvery = 250 * time.Millisecond
+
+// maxUnanswered is how many determinants a job sends at most before it asks for an answer: what it sends
+// again after a broken stream.
+const maxUnanswered = 4 * intercept.MaxBatch
+
+// shipStream sends one batch of s's pending determinants not sent yet to its job's protector, asking for an
+// answer when one is due. It returns how soon it wants to be called again, 0 when nothing is left to
+// send or to see answered.
+func (r *Recorder) shipStream(ctx context.Context, s *stream) time.Duration {
 	prot, ok := r.protector(s.job)
 	if !ok {
 		r.releaseHeld(s, true) // no protector to wait for: holding the job would stop it for good
-		return false
+		return shipRetry
 	}
+	on, err := r.streamTo(ctx, prot)
+	if err != nil {
+		r.log.Debug("determinants not shipped; retrying", "job", s.job, "protector", prot, "err", err)
+		return shipRetry
+	}
+	now := time.Now()
 	r.mu.Lock()
-	n := min(len(s.pending), intercept.MaxBatch)
-	batch := intercept.Batch{Job: s.job, Stream: s.id, First: s.first, FromStart: s.fromStart && s.first == 0, Base: s.base, Dets: s.pending[:n:n]}
-	readAt := s.readAt
+	if len(s.pending) == 0 {
+		r.mu.Unlock()
+		return 0
+	}
+	if s.sentOn != on {
+		// Sent on a stream that is gone, to this protector or another: sent again, from the oldest the
+		// protector did not answer (the store keeps what it has).
+		s.sent, s.sentOn, s.unsentAt = 0, on, s.readAt
+	}
+	n := min(len(s.pending)-s.sent, intercept.MaxBatch)
+	ask := on == nil || len(s.held) > 0 || s.sent+n >= maxUnanswered || now.Sub(s.answeredAt) >= r.answerEvery
+	if n == 0 && !ask {
+		wait := r.answerEvery - now.Sub(s.answeredAt)
+		r.mu.Unlock()
+		return wait
+	}
+	first := s.first
+	batch := intercept.Batch{Job: s.job, Stream: s.id, First: first + uint64(s.sent), Base: s.base, Dets: s.pending[s.sent : s.sent+n : s.sent+n]}
+	batch.FromStart = s.fromStart && batch.First == 0
+	unsentAt := s.unsentAt
 	r.mu.Unlock()
 	packed, err := intercept.Pack(batch.Dets)
 	if err == nil {
+		req := clusterapi.DeterminantsRequest{Job: batch.Job, Stream: batch.Stream, First: batch.First, FromStart: batch.FromStart,
+			Base: batch.Base, Packed: packed, Ack: ask && on != nil}
 		sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		err = r.send(sctx, prot, clusterapi.DeterminantsRequest{
-			Job: batch.Job, Stream: batch.Stream, First: batch.First, FromStart: batch.FromStart, Base: batch.Base, Packed: packed})
+		if on == nil {
+			err = r.peers().Determinants(sctx, prot, req)
+		} else if err = on.Send(sctx, req); err != nil {
+			r.closeStream(prot) // what it carried unanswered goes again on the next
+		}
 		cancel()
 	}
 	if err != nil {
 		r.log.Debug("determinants not shipped; retrying", "job", s.job, "protector", prot, "err", err)
-		return false
+		return shipRetry
 	}
 	r.mu.Lock()
-	if s.first == batch.First { // no hole was made meanwhile
-		s.pending = s.pending[n:]
-		s.first += uint64(n)
-		// The rest keep the oldest read time: their lag is overstated, never understated.
+	if s.first == first { // no hole was made meanwhile
+		s.sent += n
+		if ask { // answered: the protector stored every batch sent before on the stream
+			s.pending = s.pending[s.sent:]
+			s.first += uint64(s.sent)
+			s.sent, s.answeredAt, s.readAt = 0, time.Now(), s.unsentAt
+		}
+		// The unsent rest keep the oldest read time: their lag is overstated, never understated.
 	}
-	left := len(s.pending) > 0
+	var again time.Duration
+	switch {
+	case len(s.pending) > s.sent:
+		again = shipRetry
+	case len(s.pending) > 0:
+		again = max(r.answerEvery-time.Since(s.answeredAt), time.Millisecond)
+	}
 	r.mu.Unlock()
-	if r.metrics != nil {
-		r.metrics.DeterminantsShipped(n, time.Since(readAt))
+	if r.metrics != nil && n > 0 {
+		r.metrics.DeterminantsShipped(n, time.Since(unsentAt))
 	}
-	r.releaseHeld(s, false)
-	return !left
+	if ask {
+		r.releaseHeld(s, false)
+	}
+	return again
 }

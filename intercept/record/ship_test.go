@@ -1,0 +1,133 @@
+package record
+
+import (
+	"context"
+	"errors"
+	"net/netip"
+	"reflect"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/intercept"
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// fakeStream is a determinant stream into a protector's store: each batch is stored as it comes, as the
+// protector does, until the stream breaks.
+type fakeStream struct {
+	store  *intercept.Store
+	asked  []bool // per batch sent: did it ask for an answer
+	broken bool   // batches from now on are lost and Send fails
+}
+
+func (f *fakeStream) Send(_ context.Context, req clusterapi.DeterminantsRequest) error {
+	if f.broken {
+		return &clusterapi.StreamError{Op: clusterapi.OpDeterminantStream2, Peer: "n2", Err: errors.New("connection reset")}
+	}
+	f.asked = append(f.asked, req.Ack)
+	b, err := req.Batch()
+	if err != nil {
+		return err
+	}
+	f.store.Add("n1", b)
+	return nil
+}
+
+func (f *fakeStream) Stale() bool  { return false }
+func (f *fakeStream) Close() error { return nil }
+
+// TestShipAsksForAnswersNowAndThen: a job's batches go on its protector's stream without waiting for an
+// answer, except the first, one that a held process waits for, and one every answerEvery (answers cost the
+// protector as much as the batches). What a broken stream carried unanswered goes again on the next, and
+// the protector's record stays whole: every determinant once, in order, from the job's start.
+func TestShipAsksForAnswersNowAndThen(t *testing.T) {
+	ctx := t.Context()
+	store := intercept.NewStore(0)
+	var opened []*fakeStream
+	r := newTestRecorder()
+	r.answerEvery = time.Hour // only the test makes an answer due
+	r.protector = func(string) (string, bool) { return "n2", true }
+	r.open = func(context.Context, string) (detStream, error) {
+		f := &fakeStream{store: store}
+		opened = append(opened, f)
+		return f, nil
+	}
+	s := &stream{job: "j", cgroup: 7, id: 1, fromStart: true, watchers: map[chan intercept.Event]bool{}}
+	r.byJob["j"], r.byCgroup[7] = s, s
+	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:5001"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
+	var all []intercept.Det
+	receive := func(n int) {
+		for range n {
+			d := intercept.Det{Conn: conn, End: uint32(len(all)+1) * 10, Len: 10, Thread: 1, Proc: 1}
+			all = append(all, d)
+			r.mu.Lock()
+			r.take(ebpfprobes.RecvEvent{Cgroup: 7, Conn: d.Conn, CopiedSeq: d.End, Len: d.Len, Thread: d.Thread, Proc: d.Proc, Pid: 100}, time.Now())
+			r.mu.Unlock()
+		}
+	}
+	ship := func(step string, wantAsked []bool, wantPending, wantStored int) {
+		t.Helper()
+		r.shipStream(ctx, s)
+		f := opened[len(opened)-1]
+		if !reflect.DeepEqual(f.asked, wantAsked) {
+			t.Errorf("%s: batches on stream %d asked for answers %v, want %v", step, len(opened), f.asked, wantAsked)
+		}
+		if len(s.pending) != wantPending {
+			t.Errorf("%s: %d determinants wait for an answer, want %d", step, len(s.pending), wantPending)
+		}
+		if got := store.Len("j", "n1"); got != wantStored {
+			t.Errorf("%s: the protector holds %d determinants, want %d", step, got, wantStored)
+		}
+	}
+
+	receive(2)
+	ship("the first batch", []bool{true}, 0, 2)
+	receive(3)
+	ship("the next", []bool{true, false}, 3, 5)
+	receive(1)
+	ship("one more", []bool{true, false, false}, 4, 6)
+
+	opened[0].broken = true
+	receive(2)
+	ship("on a broken stream", []bool{true, false, false}, 6, 6)
+	// The next round opens a new stream and sends every unanswered determinant again: the protector adds
+	// what it lacked and keeps the rest.
+	ship("on a new stream", []bool{false}, 6, 8)
+	if len(opened) != 2 {
+		t.Fatalf("%d streams opened, want 2", len(opened))
+	}
+
+	// A held process waits for its determinant to be stored: its batch asks, and the answer releases it.
+	r.mu.Lock()
+	s.held = []heldProc{{pid: 1 << 30, upTo: s.first + uint64(len(s.pending)) + 1}} // no such process: continuing it is a no-op
+	r.mu.Unlock()
+	receive(1)
+	ship("a held process", []bool{false, true}, 0, 9)
+	if len(s.held) != 0 {
+		t.Errorf("held %v after the answer", s.held)
+	}
+
+	// With nothing new, an answer falls due all the same (an empty batch asks), so that nothing stays
+	// unanswered for long.
+	receive(1)
+	ship("unanswered", []bool{false, true, false}, 1, 10)
+	if again := r.shipStream(ctx, s); again <= 0 || again > r.answerEvery {
+		t.Errorf("with one determinant unanswered and its answer not due, come back in %s", again)
+	}
+	s.answeredAt = time.Time{}
+	ship("an answer due", []bool{false, true, false, true}, 0, 10)
+	if again := r.shipStream(ctx, s); again != 0 {
+		t.Errorf("with every determinant answered, come back in %s; want never", again)
+	}
+
+	got, err := store.Since(&ckpt.Manifest{ID: "s", Job: "j", Node: "n1", Info: ckpt.Info{Conns: []ckpt.Conn{{Tuple: conn}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(got, all) {
+		t.Errorf("the protector's record:\n%v\nwant\n%v", got, all)
+	}
+}
