@@ -11,8 +11,9 @@ import (
 
 // DefaultShipEvery is log.receive_order_ship_every's default: shipping rounds fall at most once in each
 // interval of its grid, right after the recorder's read there, what the recorder gave going in one batch per
-// job. A batch is a write and a read on each agent (a determinant stream to the protector; it was a cluster
-// request until 2026-11-28, and on 2 vCPUs a round cost about 1 ms of CPU over the two agents). Measured
+// job. A batch is a write on the member and a read on the protector, answered only now and then (a
+// determinant stream to the protector; until 2026-12-01 every batch was answered, and until 2026-11-28 it
+// was a cluster request, a round costing about 1 ms of CPU over the two agents on 2 vCPUs). Measured
 // (bench receive-order, docs/receive-order.md): a round per call cost stencil2d 13.8%, rounds 2 ms apart
 // 6.0-6.8%, 20 ms apart 3.0-5.2%; since the agents' wakeups were cut
 // (2026-11-27), 20 ms 1.8% and 2 ms 8.8%, and on a machine with CPUs half as fast 6.1% and 15%. The price:
