@@ -209,7 +209,19 @@ func (s peerService) DeterminantsSince(_ context.Context, _ string, req clustera
 
 func (s peerService) Beat(_ string, b detect.Beat) {
 	prev, _, _ := s.a.watchdog.Last(b.From)
-	s.a.watchdog.Beat(b, time.Now())
+	// A gap past half the timeout is a near miss or a suspicion: say where it was spent, the sender's
+	// scheduling or the way here, which is what an operator tunes against (docs/detection.md).
+	if gap, ok := s.a.watchdog.Beat(b, time.Now()); ok {
+		s.a.metrics.HeartbeatGap(gap.Arrived, gap.Sender())
+		if gap.Arrived > s.a.cfg.Heartbeat.Timeout.Duration/2 {
+			where := "on the way here (network, this host's kernel or agent)"
+			if gap.Sender() {
+				where = "on the sender (its beat was sent late)"
+			}
+			s.a.log.Info("heartbeat gap", "member", b.From, "arrived_after", gap.Arrived.Round(time.Millisecond),
+				"sent_after", gap.Sent.Round(time.Millisecond), "missing", gap.Missing, "late", where)
+		}
+	}
 	for _, u := range b.Uncovered {
 		if !slices.Contains(prev.Uncovered, u) {
 			s.a.log.Info("a job of the member has connections its replica lacks: a failure of the member now would not restore it",

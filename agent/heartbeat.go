@@ -155,17 +155,31 @@ func (a *Agent) sendBeats(ctx context.Context) {
 	defer b.close()
 	// On the grid of the interval (tickgrid), with the agent's other loops.
 	interval := a.cfg.Heartbeat.Interval.Duration
-	tick := time.NewTimer(tickgrid.Until(time.Now(), interval))
+	next := func(now time.Time) time.Time { return now.Add(tickgrid.Until(now, interval)) }
+	due := next(time.Now())
+	tick := time.NewTimer(time.Until(due))
 	defer tick.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
-		case <-tick.C:
-			tick.Reset(tickgrid.Until(time.Now(), interval))
 		case <-a.beatNow:
+			a.sendBeat(ctx, &b)
+		case <-tick.C:
+			// Not the channel's value: since Go 1.23 it is the instant the timer was due, not when this
+			// goroutine ran.
+			woke, was := time.Now(), due
+			due = next(woke)
+			tick.Reset(time.Until(due))
+			a.sendBeat(ctx, &b)
+			// A beat that left a quarter timeout after its instant is the sender's share of a silence its
+			// protector may take for a failure: say whether this agent woke late (a starved host) or the
+			// beat took long to go.
+			if sent := time.Now(); sent.Sub(was) > a.cfg.Heartbeat.Timeout.Duration/4 {
+				a.log.Info("heartbeat sent late", "protector", b.to, "late", sent.Sub(was).Round(time.Millisecond),
+					"woke_late", woke.Sub(was).Round(time.Millisecond), "took", sent.Sub(woke).Round(time.Millisecond))
+			}
 		}
-		a.sendBeat(ctx, &b)
 	}
 }
 

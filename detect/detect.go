@@ -134,24 +134,43 @@ func (w *Watchdog) Unwatch(name string) {
 	delete(w.watched, name)
 }
 
+// Gap is the time between two consecutive recorded beats of one sender, as each side measured it.
+type Gap struct {
+	Arrived time.Duration // between their arrivals, on this host's clock
+	Sent    time.Duration // between their sending, on the sender's clock
+	Missing uint64        // beats of the sender's sequence between them that were never recorded
+}
+
+// Sender reports whether the sender, rather than the way to this host's watchdog (the network, this
+// host's kernel or its agent), spent most of the gap: its clock says it sent the later beat late. Two
+// readings of one clock each, so the hosts' clocks need not agree.
+func (g Gap) Sender() bool { return g.Sent >= g.Arrived/2 }
+
 // Beat records a heartbeat that arrived at now, from a watched member or not (a ring change may make
 // the sender watched later). A beat older than the last one recorded from the same sender (a lower or
 // equal Seq, not sent later) is a duplicate or arrived out of order and is ignored; a lower Seq sent later
-// is a restarted sender and is recorded. A recorded beat ends any suspicion of its sender.
-func (w *Watchdog) Beat(b Beat, now time.Time) {
+// is a restarted sender and is recorded. A recorded beat ends any suspicion of its sender. ok says that
+// gap is the one since the sender's previous beat (the beat is recorded and continues its sequence), so
+// that a long silence can be told apart: a late sender or late delivery.
+func (w *Watchdog) Beat(b Beat, now time.Time) (gap Gap, ok bool) {
 	if b.From == "" {
-		return
+		return Gap{}, false
 	}
 	b = b.clone()
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if prev, ok := w.last[b.From]; ok && b.Seq <= prev.b.Seq && !b.Sent.After(prev.b.Sent) {
-		return
+	prev, heard := w.last[b.From]
+	if heard && b.Seq <= prev.b.Seq && !b.Sent.After(prev.b.Sent) {
+		return Gap{}, false
 	}
 	w.last[b.From] = beat{b: b, at: now}
 	if wt := w.watched[b.From]; wt != nil {
 		wt.suspected = false
 	}
+	if !heard || b.Seq <= prev.b.Seq {
+		return Gap{}, false
+	}
+	return Gap{Arrived: now.Sub(prev.at), Sent: b.Sent.Sub(prev.b.Sent), Missing: b.Seq - prev.b.Seq - 1}, true
 }
 
 // Last returns name's last recorded beat and when it arrived.

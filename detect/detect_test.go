@@ -415,3 +415,39 @@ func TestDue(t *testing.T) {
 		})
 	}
 }
+
+// TestBeatGap: a recorded beat that continues its sender's sequence reports the gap since the previous
+// one on both clocks, and which side spent it; a first beat, a duplicate and a restarted sender do not.
+func TestBeatGap(t *testing.T) {
+	type b struct{ seq, sent, arrived int }
+	for _, tc := range []struct {
+		name   string
+		beats  []b
+		ok     bool
+		gap    Gap
+		sender bool
+	}{
+		{"first beat", []b{{1, 0, 5}}, false, Gap{}, false},
+		{"on time", []b{{1, 0, 5}, {2, 75, 80}}, true, Gap{Arrived: 75 * time.Millisecond, Sent: 75 * time.Millisecond}, true},
+		{"sent late", []b{{1, 0, 5}, {2, 300, 305}}, true, Gap{Arrived: 300 * time.Millisecond, Sent: 300 * time.Millisecond}, true},
+		{"delivered late", []b{{1, 0, 5}, {2, 75, 310}}, true, Gap{Arrived: 305 * time.Millisecond, Sent: 75 * time.Millisecond}, false},
+		{"beats lost between", []b{{1, 0, 5}, {4, 225, 230}}, true, Gap{Arrived: 225 * time.Millisecond, Sent: 225 * time.Millisecond, Missing: 2}, true},
+		{"duplicate", []b{{1, 0, 5}, {1, 0, 90}}, false, Gap{}, false},
+		{"restarted sender", []b{{7, 0, 5}, {1, 400, 405}}, false, Gap{}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := NewWatchdog(Config{Timeout: time.Second})
+			var gap Gap
+			var ok bool
+			for _, x := range tc.beats {
+				gap, ok = w.Beat(Beat{From: "n1", Seq: uint64(x.seq), Sent: at(x.sent)}, at(x.arrived))
+			}
+			if ok != tc.ok || gap != tc.gap {
+				t.Fatalf("gap %+v ok %v, want %+v %v", gap, ok, tc.gap, tc.ok)
+			}
+			if ok && gap.Sender() != tc.sender {
+				t.Errorf("Sender() %v, want %v", gap.Sender(), tc.sender)
+			}
+		})
+	}
+}

@@ -113,6 +113,7 @@ type Metrics struct {
 	heartbeats     *prometheus.CounterVec
 	suspicions     *prometheus.CounterVec
 	busySilences   prometheus.Counter
+	beatGaps       *prometheus.HistogramVec
 	controller     *prometheus.CounterVec
 	detShipped     prometheus.Counter
 	detLag         prometheus.Histogram
@@ -151,6 +152,10 @@ func New(src Source) *Metrics {
 			[]string{"outcome"}),
 		busySilences: prometheus.NewCounter(prometheus.CounterOpts{Name: "ftkit_busy_silences_total",
 			Help: "Times the ring predecessor was silent for heartbeat.timeout while its last beat said it was checkpointing or restoring, and its host still answered a TCP handshake: left alone, up to heartbeat.busy_grace (not a suspicion)."}),
+		beatGaps: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "ftkit_predecessor_heartbeat_gap_seconds",
+			Help:    "Time between two consecutive heartbeats of a member as they arrived here, by the side that spent most of it: sender (its clock says it sent the later one late) or delivery (the network, or this host late to read it). How close beats come to heartbeat.timeout.",
+			Buckets: []float64{0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 3, 5, 10}},
+			[]string{"late"}),
 		controller: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ftkit_log_controller_events_total",
 			Help: "Decisions of the sender-side log's resource controller, by kind (snapshot-requested, spill, pause-consumer, ...)."},
 			[]string{"kind"}),
@@ -170,7 +175,7 @@ func New(src Source) *Metrics {
 		m.suspicions.WithLabelValues(o)
 	}
 	m.reg.MustRegister(m.snapshots, m.dumpSeconds, m.frozenSeconds, m.snapshotBytes, m.shipped, m.shipFailures,
-		m.shipBytes, m.shipWireBytes, m.shipSeconds, m.shipThroughput, m.heartbeats, m.suspicions, m.busySilences, m.controller,
+		m.shipBytes, m.shipWireBytes, m.shipSeconds, m.shipThroughput, m.heartbeats, m.suspicions, m.busySilences, m.beatGaps, m.controller,
 		m.detShipped, m.detLag, m.detHoles,
 		newCollector(src),
 		collectors.NewGoCollector(),
@@ -261,6 +266,19 @@ func (m *Metrics) BusySilence() {
 		return
 	}
 	m.busySilences.Inc()
+}
+
+// HeartbeatGap records the time between two consecutive heartbeats of a member as they arrived, and
+// whether the sender (rather than the delivery) spent most of it.
+func (m *Metrics) HeartbeatGap(gap time.Duration, sender bool) {
+	if m == nil {
+		return
+	}
+	late := "delivery"
+	if sender {
+		late = "sender"
+	}
+	m.beatGaps.WithLabelValues(late).Observe(gap.Seconds())
 }
 
 // ControllerEvent records one decision of the log's controller. kind comes from the agent's own fixed set

@@ -261,6 +261,8 @@ func TestEvents(t *testing.T) {
 	m.Heartbeat(false)
 	m.Suspicion(true)
 	m.BusySilence()
+	m.HeartbeatGap(75*time.Millisecond, true)
+	m.HeartbeatGap(180*time.Millisecond, false)
 	m.ControllerEvent("snapshot-requested")
 	m.ControllerEvent("snapshot-requested")
 	want := `
@@ -295,6 +297,9 @@ ftkit_suspicions_total{outcome="confirmed"} 0
 		"ftkit_log_controller_events_total", "ftkit_snapshot_ship_bytes_total", "ftkit_snapshot_ship_failures_total",
 		"ftkit_snapshot_ship_throughput_bytes_per_second", "ftkit_snapshots_total", "ftkit_suspicions_total"); err != nil {
 		t.Error(err)
+	}
+	if n := testutil.CollectAndCount(m.beatGaps, "ftkit_predecessor_heartbeat_gap_seconds"); n != 2 {
+		t.Errorf("heartbeat gap histogram: %d series, want one per side", n)
 	}
 	if n := testutil.CollectAndCount(m.frozenSeconds); n != 1 {
 		t.Errorf("frozen time histogram: %d series", n)

@@ -109,7 +109,9 @@ func (d *detectBench) run(ctx context.Context, log *slog.Logger) ([]Metric, any,
 			return nil, nil, fmt.Errorf("soak: %w", err)
 		}
 		metrics = append(metrics, Metric{Name: "soak_false_suspicions", Value: float64(s.Suspicions), Unit: "count"},
-			Metric{Name: "soak_false_failures", Value: float64(s.Failures), Unit: "count"})
+			Metric{Name: "soak_false_failures", Value: float64(s.Failures), Unit: "count"},
+			Metric{Name: "soak_heartbeat_gaps_over_half_timeout", Value: float64(s.Gaps.Count), Unit: "count"},
+			Metric{Name: "soak_longest_heartbeat_gap", Value: s.Gaps.Longest, Unit: "ms"})
 		settings["soak"] = s
 	}
 	return metrics, settings, nil
@@ -340,12 +342,16 @@ type soakResult struct {
 	Cleared    int     `json:"cleared"`          // suspicions that confirmation refuted
 	// BusySilences are silences of a node that said it was checkpointing (the 1 GiB job's dumps) while its
 	// host answered: left alone within heartbeat.busy_grace, not suspicions.
-	BusySilences int      `json:"busy_silences"`
-	LateChecks   int      `json:"late_checks"`    // times a watchdog ran late and held suspicion back
-	Failures     int      `json:"false_failures"` // failure records: a live node declared failed
-	Checkpoints  int      `json:"checkpoints_1gib"`
-	BulkBytes    int64    `json:"bulk_bytes"`
-	Load         []string `json:"load"`
+	BusySilences int `json:"busy_silences"`
+	LateChecks   int `json:"late_checks"`    // times a watchdog ran late and held suspicion back
+	Failures     int `json:"false_failures"` // failure records: a live node declared failed
+	// Gaps are the beats that arrived more than half a timeout after their sender's previous one (the
+	// agents' "heartbeat gap" lines): the near misses, the suspicions among them, and which side spent
+	// the time.
+	Gaps        gapStats `json:"gaps"`
+	Checkpoints int      `json:"checkpoints_1gib"`
+	BulkBytes   int64    `json:"bulk_bytes"`
+	Load        []string `json:"load"`
 }
 
 // soakRun runs a 4-node lab for d.soak with a CPU hog on every core in node1, a 1 GiB job on node2
@@ -446,11 +452,38 @@ func (d *detectBench) soakRun(ctx context.Context, log *slog.Logger, binDir stri
 		res.Cleared += strings.Count(string(b), "suspicion cleared")
 		res.BusySilences += strings.Count(string(b), "predecessor silent while busy")
 		res.LateChecks += strings.Count(string(b), "watchdog ran late")
+		res.Gaps.add(string(b))
 		fs, _ := c.Client(h.Name).Events(ctx)
 		res.Failures += len(fs)
 	}
 	log.Info("detect soak", "result", res)
 	return res, nil
+}
+
+// gapStats sums the "heartbeat gap" lines of agents' logs (agent/cluster.go).
+type gapStats struct {
+	Count    int     `json:"count"`
+	OnSender int     `json:"on_sender"` // its beat was sent late; the rest arrived late (network, or the receiver stalled)
+	Longest  float64 `json:"longest_ms"`
+}
+
+func (g *gapStats) add(log string) {
+	for line := range strings.Lines(log) {
+		if !strings.Contains(line, `msg="heartbeat gap"`) {
+			continue
+		}
+		g.Count++
+		if strings.Contains(line, `late="on the sender`) {
+			g.OnSender++
+		}
+		for f := range strings.FieldsSeq(line) {
+			if v, ok := strings.CutPrefix(f, "arrived_after="); ok {
+				if d, err := time.ParseDuration(v); err == nil {
+					g.Longest = max(g.Longest, float64(d)/float64(time.Millisecond))
+				}
+			}
+		}
+	}
 }
 
 // bulkFlow sends zeros from host from to host to over TCP until ctx ends; the channel gets the bytes sent.

@@ -91,3 +91,16 @@ func TestStopContextOnBrokenPipe(t *testing.T) {
 		t.Errorf("stopped by %q, want the broken pipe's signal", stderr.String())
 	}
 }
+
+// TestGapStats reads the agents' "heartbeat gap" lines as agent/cluster.go writes them.
+func TestGapStats(t *testing.T) {
+	log := `time=2026-12-01T15:08:45.192Z level=INFO msg="heartbeat gap" node=node1 member=node4 arrived_after=187ms sent_after=176ms missing=0 late="on the sender (its beat was sent late)"
+time=2026-12-01T15:08:45.193Z level=INFO msg="snapshot taken" node=node2 arrived_after=900ms
+time=2026-12-01T15:08:45.197Z level=INFO msg="heartbeat gap" node=node4 member=node3 arrived_after=1.25s sent_after=85ms missing=0 late="on the way here (network, this host's kernel or agent)"
+`
+	var g gapStats
+	g.add(log)
+	if want := (gapStats{Count: 2, OnSender: 1, Longest: 1250}); g != want {
+		t.Errorf("gapStats %+v, want %+v", g, want)
+	}
+}
