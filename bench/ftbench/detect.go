@@ -34,6 +34,7 @@ type detectBench struct {
 	soak    time.Duration
 	// Overrides of labcluster.FastDetection (0: its values), to try other timings.
 	interval, timeout, probe time.Duration
+	nice                     int
 }
 
 // options is the lab's agent options with the bench's detection timing.
@@ -48,6 +49,9 @@ func (d *detectBench) options(o labcluster.Options) labcluster.Options {
 	if d.probe > 0 {
 		o.ProbeTimeout = d.probe
 	}
+	if d.nice != 0 {
+		o.Nice = d.nice
+	}
 	return o
 }
 
@@ -58,6 +62,7 @@ func (d *detectBench) flags() *flag.FlagSet {
 	fs.DurationVar(&d.interval, "interval", 0, "heartbeat interval (0: labcluster.FastDetection's)")
 	fs.DurationVar(&d.timeout, "timeout", 0, "heartbeat timeout (0: labcluster.FastDetection's)")
 	fs.DurationVar(&d.probe, "probe", 0, "probe timeout (0: labcluster.FastDetection's)")
+	fs.IntVar(&d.nice, "nice", 0, "the agents' heartbeat.nice (0: labcluster.FastDetection's)")
 	return fs
 }
 
