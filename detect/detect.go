@@ -141,9 +141,10 @@ type Gap struct {
 	Missing uint64        // beats of the sender's sequence between them that were never recorded
 }
 
-// Sender reports whether the sender, rather than the way to this host's watchdog (the network, this
-// host's kernel or its agent), spent most of the gap: its clock says it sent the later beat late. Two
-// readings of one clock each, so the hosts' clocks need not agree.
+// Sender reports whether most of the gap went between the sender's two writes (its interval included:
+// an on-time beat's gap is the sender's) rather than into delivering the later beat (the network, this
+// host's kernel or its agent). Each side's figure is two readings of its own clock, so the hosts' clocks
+// need not agree.
 func (g Gap) Sender() bool { return g.Sent >= g.Arrived/2 }
 
 // Beat records a heartbeat that arrived at now, from a watched member or not (a ring change may make

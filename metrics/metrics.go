@@ -153,7 +153,7 @@ func New(src Source) *Metrics {
 		busySilences: prometheus.NewCounter(prometheus.CounterOpts{Name: "ftkit_busy_silences_total",
 			Help: "Times the ring predecessor was silent for heartbeat.timeout while its last beat said it was checkpointing or restoring, and its host still answered a TCP handshake: left alone, up to heartbeat.busy_grace (not a suspicion)."}),
 		beatGaps: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "ftkit_predecessor_heartbeat_gap_seconds",
-			Help:    "Time between two consecutive heartbeats of a member as they arrived here, by the side that spent most of it: sender (its clock says it sent the later one late) or delivery (the network, or this host late to read it). How close beats come to heartbeat.timeout.",
+			Help:    "Time between two consecutive heartbeats of a member as they arrived here, by where most of it went: sender (between its two writes, its interval included, on its own clock) or delivery (the network, or this agent late to read it). How close beats come to heartbeat.timeout.",
 			Buckets: []float64{0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 3, 5, 10}},
 			[]string{"late"}),
 		controller: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ftkit_log_controller_events_total",
