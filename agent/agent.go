@@ -496,15 +496,21 @@ func (a *Agent) watchJobs(ctx context.Context) {
 }
 
 func (a *Agent) finish(j *Job, state JobState, st *shim.ExitStatus) {
+	lingers := a.netLingers(j, state)
 	a.mu.Lock()
 	j.State, j.Exit = state, st
+	if lingers {
+		// In the same step as the state that gives the address back (addressHeld): a job started by
+		// someone who saw this one end must not get the address its lingering network still holds.
+		a.reservedAddrs[j.Net.Addr.Addr()] = true
+	}
 	err := a.jobs.save(j)
 	a.notify()
 	a.mu.Unlock()
 	if err != nil {
 		a.log.Error("save job record", "job", j.ID, "err", err)
 	}
-	a.releaseEnded(j, state)
+	a.releaseEnded(j, lingers)
 	if st != nil {
 		a.log.Info("job ended", "job", j.ID, "code", st.Code, "signal", st.Signal, "reason", st.Reason)
 	} else {

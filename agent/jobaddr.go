@@ -319,25 +319,28 @@ func (a *Agent) deleteJobNet(ctx context.Context, id string, n *JobNet) {
 	a.log.Info("job network deleted", "job", id, "net", n.Name, "addr", n.Addr)
 }
 
-// releaseEnded gives back what job j held once it ended. The network of a job that exited outlives the
-// rest while connections the job closed still send their last bytes and FIN (jobnet.Closing), for up to
-// job_network.linger, its address held meanwhile. The network of a job that self-fencing killed, or that
-// was lost (it may run on elsewhere with its address), goes at once.
-func (a *Agent) releaseEnded(j *Job, state JobState) {
-	linger := a.cfg.JobNetwork.Linger.Duration
-	if j.Net == nil || state != JobExited || j.Fenced || linger <= 0 || j.Net.Name != jobNetName(a.cfg.Name, j.ID) {
+// netLingers says whether the network of job j, ending in state, outlives the rest of the job
+// (releaseEnded): a job that exited keeps it while connections it closed still send their last bytes and
+// FIN (jobnet.Closing), for up to job_network.linger, its address held meanwhile. The network of a job that
+// self-fencing killed, or that was lost (it may run on elsewhere with its address), goes at once.
+func (a *Agent) netLingers(j *Job, state JobState) bool {
+	return j.Net != nil && state == JobExited && !j.Fenced && a.cfg.JobNetwork.Linger.Duration > 0 &&
+		j.Net.Name == jobNetName(a.cfg.Name, j.ID)
+}
+
+// releaseEnded gives back what job j held once it ended. A lingering network (netLingers), whose address
+// finish reserved, is deleted once its closes are acknowledged, and the address given back then.
+func (a *Agent) releaseEnded(j *Job, lingers bool) {
+	if !lingers {
 		a.releaseJob(j)
 		return
 	}
 	n := *j.Net
 	a.releaseResources(j)
-	a.mu.Lock()
-	a.reservedAddrs[n.Addr.Addr()] = true // not handed to a new job while this network holds it
-	a.mu.Unlock()
 	a.lingering.add(n.Name, j.ID)
 	go func() {
 		defer a.releaseJobAddr(n.Addr.Addr())
-		a.awaitCloses(j.ID, n.Name, linger)
+		a.awaitCloses(j.ID, n.Name, a.cfg.JobNetwork.Linger.Duration)
 		a.lingering.take(n.Name, func(string) { a.deleteJobNet(context.Background(), j.ID, &n) })
 	}()
 }

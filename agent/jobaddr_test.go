@@ -2,6 +2,7 @@ package agent
 
 import (
 	"encoding/json"
+	"fmt"
 	"net/netip"
 	"os"
 	"slices"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/jobnet"
+	"github.com/ftkit/ftkit/shim"
 )
 
 func TestJobNetworkConfig(t *testing.T) {
@@ -291,5 +293,65 @@ func TestLingerNets(t *testing.T) {
 	l.take("ftj-b", func(string) { removed = append(removed, "end ftj-b") })
 	if want := []string{"end job-a", "claim job-b"}; !slices.Equal(removed, want) {
 		t.Errorf("removals %q, want %q", removed, want)
+	}
+}
+
+// TestEndedJobAddressNotReused: the address of a job whose network lingers after it exited is held from
+// the instant anyone can see the job ended, so a job started by a client that watched for the end (as
+// TestJobAddressLastBytes does) gets another one. The agent once reserved it only after it had marked the
+// job exited and released its other resources, and a start in between got it (CI, 2026-12-01).
+func TestEndedJobAddressNotReused(t *testing.T) {
+	ta := newTestAgent(t)
+	a := ta.Agent
+	a.reservedAddrs = map[netip.Addr]bool{}
+	a.cfg.Cluster.Listen = netip.MustParseAddrPort("127.0.0.1:1") // the pool's cluster network: lo's 127/8
+	a.cfg.JobNetwork.Pool = netip.MustParsePrefix("127.0.0.200/30")
+	a.cfg.JobNetwork.Linger = Duration{time.Minute}
+	for i := range 50 {
+		addr, err := a.allocJobAddr()
+		if err != nil {
+			t.Fatal(err)
+		}
+		id := fmt.Sprintf("last-%08x", i)
+		name := jobNetName(a.cfg.Name, id)
+		j := ta.addJob(t, Job{ID: id, State: JobRunning, PID: os.Getpid(), Net: &JobNet{Name: name, Kind: jobnet.MACVlan, Addr: addr}})
+		a.releaseJobAddr(addr.Addr()) // as StartJob does once the job is listed
+		_, changed, err := a.Job(id, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// The lingering's wait cannot start, nor end and give the address back, before the next job has one.
+		a.lingering.mu.Lock()
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			a.finish(j, JobExited, &shim.ExitStatus{})
+		}()
+		<-changed // the client sees the job end and starts the next one at once
+		p, err := a.allocJobAddr()
+		a.lingering.mu.Unlock()
+		<-done
+		if err != nil {
+			t.Fatal(err)
+		}
+		if p.Addr() == addr.Addr() {
+			t.Fatalf("round %d: a job started as soon as %s was seen ended got %s, which its lingering network holds", i, id, p)
+		}
+		a.releaseJobAddr(p.Addr())
+		if !a.netLingers(j, JobExited) {
+			t.Fatalf("round %d: the network of %s does not linger", i, id)
+		}
+		// With no network made, the wait ends at its first look and gives the address back.
+		for deadline := time.Now().Add(time.Minute); ; time.Sleep(10 * time.Millisecond) {
+			a.mu.Lock()
+			held := a.reservedAddrs[addr.Addr()]
+			a.mu.Unlock()
+			if !held {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("round %d: %s still reserved a minute after its network's lingering ended", i, addr)
+			}
+		}
 	}
 }
