@@ -54,8 +54,10 @@ type Agent struct {
 	// opened since (newconns.go).
 	replicaConns map[string]replicaConns
 	changed      chan struct{} // closed and replaced whenever a job changes, for long-polling clients
-	// reservedAddrs are job addresses handed to jobs being started, not yet in byID.
-	reservedAddrs map[netip.Addr]bool
+	// reservedAddrs count the holds on job addresses that no running job's record shows: a job being
+	// started, not yet in byID; an ended job's lingering network (releaseEnded). Counted: a job that ends
+	// before its StartJob returns holds its address both ways.
+	reservedAddrs map[netip.Addr]int
 	// lingering are the networks of ended jobs that outlive them (releaseEnded).
 	lingering lingerNets
 
@@ -126,7 +128,7 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 		byID: map[string]*Job{}, policies: map[string]*interval.Policy{}, changed: make(chan struct{}),
 		replicaConns:  map[string]replicaConns{},
 		beatNow:       make(chan struct{}, 1),
-		reservedAddrs: map[netip.Addr]bool{},
+		reservedAddrs: map[netip.Addr]int{},
 		criuVersion:   v,
 	}
 	a.metrics = metrics.New(metricsSource{a})
@@ -502,7 +504,7 @@ func (a *Agent) finish(j *Job, state JobState, st *shim.ExitStatus) {
 	if lingers {
 		// In the same step as the state that gives the address back (addressHeld): a job started by
 		// someone who saw this one end must not get the address its lingering network still holds.
-		a.reservedAddrs[j.Net.Addr.Addr()] = true
+		a.reservedAddrs[j.Net.Addr.Addr()]++
 	}
 	err := a.jobs.save(j)
 	a.notify()

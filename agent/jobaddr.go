@@ -189,9 +189,9 @@ func (a *Agent) memberAddrs() []netip.Addr {
 	return out
 }
 
-// allocJobAddr picks the first address of the pool held by no job record of this agent nor reserved by
-// a job being started, and reserves it; call release with it when the job does not start. a.mu must not
-// be held.
+// allocJobAddr picks the first address of the pool held by no job record of this agent (addressHeld) nor
+// reserved (reservedAddrs), and reserves it: call releaseJobAddr with it once the job is listed, or did not
+// start. a.mu must not be held.
 func (a *Agent) allocJobAddr() (netip.Prefix, error) {
 	pool := a.cfg.JobNetwork.Pool
 	if !pool.IsValid() {
@@ -220,7 +220,7 @@ func (a *Agent) allocJobAddr() (netip.Prefix, error) {
 	if !ok {
 		return netip.Prefix{}, fmt.Errorf("job_network.pool %s is exhausted: every address is held by a running job", pool)
 	}
-	a.reservedAddrs[p.Addr()] = true
+	a.reservedAddrs[p.Addr()]++
 	return p, nil
 }
 
@@ -248,10 +248,13 @@ func pickJobAddr(pool, own netip.Prefix, used map[netip.Addr]bool) (netip.Prefix
 	return netip.Prefix{}, false
 }
 
+// releaseJobAddr ends one hold on ip (allocJobAddr, finish).
 func (a *Agent) releaseJobAddr(ip netip.Addr) {
 	a.mu.Lock()
-	delete(a.reservedAddrs, ip)
-	a.mu.Unlock()
+	defer a.mu.Unlock()
+	if a.reservedAddrs[ip]--; a.reservedAddrs[ip] <= 0 {
+		delete(a.reservedAddrs, ip)
+	}
 }
 
 // lastAddr is the broadcast address of an IPv4 prefix.

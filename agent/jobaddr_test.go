@@ -299,11 +299,12 @@ func TestLingerNets(t *testing.T) {
 // TestEndedJobAddressNotReused: the address of a job whose network lingers after it exited is held from
 // the instant anyone can see the job ended, so a job started by a client that watched for the end (as
 // TestJobAddressLastBytes does) gets another one. The agent once reserved it only after it had marked the
-// job exited and released its other resources, and a start in between got it (CI, 2026-12-01).
+// job exited and released its other resources, and a start in between got it (CI, 2026-12-01); and a job
+// that ended before its StartJob returned lost the hold when StartJob released its own.
 func TestEndedJobAddressNotReused(t *testing.T) {
 	ta := newTestAgent(t)
 	a := ta.Agent
-	a.reservedAddrs = map[netip.Addr]bool{}
+	a.reservedAddrs = map[netip.Addr]int{}
 	a.cfg.Cluster.Listen = netip.MustParseAddrPort("127.0.0.1:1") // the pool's cluster network: lo's 127/8
 	a.cfg.JobNetwork.Pool = netip.MustParsePrefix("127.0.0.200/30")
 	a.cfg.JobNetwork.Linger = Duration{time.Minute}
@@ -344,7 +345,7 @@ func TestEndedJobAddressNotReused(t *testing.T) {
 		// With no network made, the wait ends at its first look and gives the address back.
 		for deadline := time.Now().Add(time.Minute); ; time.Sleep(10 * time.Millisecond) {
 			a.mu.Lock()
-			held := a.reservedAddrs[addr.Addr()]
+			held := a.reservedAddrs[addr.Addr()] > 0
 			a.mu.Unlock()
 			if !held {
 				break
@@ -353,5 +354,31 @@ func TestEndedJobAddressNotReused(t *testing.T) {
 				t.Fatalf("round %d: %s still reserved a minute after its network's lingering ended", i, addr)
 			}
 		}
+	}
+
+	// A job that ends before its StartJob returns: StartJob's release of its own hold leaves the lingering's.
+	addr, err := a.allocJobAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := "quick-00000001"
+	j := ta.addJob(t, Job{ID: id, State: JobRunning, PID: os.Getpid(), Net: &JobNet{Name: jobNetName(a.cfg.Name, id), Kind: jobnet.MACVlan, Addr: addr}})
+	_, changed, _ := a.Job(id, 0)
+	a.lingering.mu.Lock()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		a.finish(j, JobExited, &shim.ExitStatus{})
+	}()
+	<-changed
+	a.releaseJobAddr(addr.Addr()) // StartJob returns
+	p, err := a.allocJobAddr()
+	a.lingering.mu.Unlock()
+	<-done
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.Addr() == addr.Addr() {
+		t.Errorf("a job started after %s ended before its StartJob returned got %s, which its lingering network holds", id, p)
 	}
 }
