@@ -498,9 +498,9 @@ func (a *Agent) watchJobs(ctx context.Context) {
 }
 
 func (a *Agent) finish(j *Job, state JobState, st *shim.ExitStatus) {
-	lingers := a.netLingers(j, state)
 	a.mu.Lock()
 	j.State, j.Exit = state, st
+	lingers := a.netLingers(j, state)
 	if lingers {
 		// In the same step as the state that gives the address back (addressHeld): a job started by
 		// someone who saw this one end must not get the address its lingering network still holds.

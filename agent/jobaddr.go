@@ -218,7 +218,7 @@ func (a *Agent) allocJobAddr() (netip.Prefix, error) {
 	}
 	p, ok := pickJobAddr(pool, own, used)
 	if !ok {
-		return netip.Prefix{}, fmt.Errorf("job_network.pool %s is exhausted: every address is held by a running job", pool)
+		return netip.Prefix{}, fmt.Errorf("job_network.pool %s is exhausted: every address is held by a running job, one being started, or an ended job's network until its closes are acknowledged (job_network.linger)", pool)
 	}
 	a.reservedAddrs[p.Addr()]++
 	return p, nil
