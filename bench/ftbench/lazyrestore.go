@@ -139,7 +139,7 @@ type lazyRestoreResult struct {
 	Reference  string          `json:"reference"`
 }
 
-func lazyRestoreRun(ctx context.Context, log *slog.Logger, binDir string, mib int, lazy bool) (*lazyRestoreResult, error) {
+func lazyRestoreRun(ctx context.Context, log *slog.Logger, binDir string, mib int, lazy bool) (_ *lazyRestoreResult, err error) {
 	stencil := filepath.Join(binDir, "ringstencil")
 	args := []string{"--iters", "700", "--block", "65536", "--delay", "20ms", "--progress", "10"}
 	ref, err := loopbackChecksum(ctx, stencil, 3, args)
@@ -160,12 +160,13 @@ func lazyRestoreRun(ctx context.Context, log *slog.Logger, binDir string, mib in
 	if err := labcluster.WriteFenceScript(l.State(), fence, filepath.Join(dir, "fenced")); err != nil {
 		return nil, err
 	}
-	opts := labcluster.FastDetection(labcluster.Options{AgentBin: filepath.Join(binDir, "ftagent"), Interval: "1h", LogLevel: "warn",
+	opts := labcluster.FastDetection(labcluster.Options{AgentBin: filepath.Join(binDir, "ftagent"), Interval: "1h", LogLevel: "info",
 		FenceCommand: []string{fence, "{host}", "{address}"}, LazyRestore: lazy})
 	c, err := labcluster.Start(ctx, l, opts)
 	if err != nil {
 		return nil, err
 	}
+	defer keepLogsOnError(c, fmt.Sprintf("lazy-restore-%dMiB-lazy%v", mib, lazy), &err, log)
 	var peers []string
 	for r := range 3 {
 		h, _ := l.Host(fmt.Sprintf("node%d", r+1))

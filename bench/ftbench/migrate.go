@@ -200,7 +200,8 @@ func copyAgentLogs(c *labcluster.Cluster, dir string, log *slog.Logger) {
 		log.Warn("agent logs not kept", "err", err)
 		return
 	}
-	for _, h := range []string{"node1", "node2", "node3"} {
+	for _, host := range c.Lab.State().Hosts {
+		h := host.Name
 		b, err := os.ReadFile(c.LogPath(h))
 		if err == nil {
 			err = os.WriteFile(filepath.Join(dir, h+".log"), b, 0o644)
@@ -210,7 +211,8 @@ func copyAgentLogs(c *labcluster.Cluster, dir string, log *slog.Logger) {
 		}
 	}
 	// And CRIU's log of each dump (its timestamps say where a dump's time went).
-	for _, h := range []string{"node2", "node3"} {
+	for _, host := range c.Lab.State().Hosts {
+		h := host.Name
 		logs, _ := filepath.Glob(filepath.Join(labcluster.StateDir(c.Lab.State().ID, h), "snapshots", "*", "*", "images", "dump.log"))
 		for _, l := range logs {
 			if b, err := os.ReadFile(l); err == nil {
@@ -219,4 +221,16 @@ func copyAgentLogs(c *labcluster.Cluster, dir string, log *slog.Logger) {
 		}
 	}
 	log.Info("agent logs kept", "dir", dir)
+}
+
+// keepLogsOnError copies the agents' logs of a run that failed with *err (copyAgentLogs) into a new
+// directory under os.TempDir() named after run, and says where in *err: a run that failed once in many
+// is then read, not guessed at. Deferred after the lab's Down, so that it runs before it.
+func keepLogsOnError(c *labcluster.Cluster, run string, err *error, log *slog.Logger) {
+	if *err == nil {
+		return
+	}
+	dir := filepath.Join(os.TempDir(), fmt.Sprintf("ftbench-%s-%s", run, time.Now().UTC().Format("20060102T150405")))
+	copyAgentLogs(c, dir, log)
+	*err = fmt.Errorf("%w (the agents' logs are in %s)", *err, dir)
 }
