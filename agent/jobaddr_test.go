@@ -308,39 +308,48 @@ func TestEndedJobAddressNotReused(t *testing.T) {
 	a.cfg.Cluster.Listen = netip.MustParseAddrPort("127.0.0.1:1") // the pool's cluster network: lo's 127/8
 	a.cfg.JobNetwork.Pool = netip.MustParsePrefix("127.0.0.200/30")
 	a.cfg.JobNetwork.Linger = Duration{time.Minute}
-	for i := range 50 {
+	// start lists a job that holds an address, as StartJob does before it releases its own hold.
+	start := func(id string) (*Job, netip.Prefix) {
 		addr, err := a.allocJobAddr()
 		if err != nil {
 			t.Fatal(err)
 		}
-		id := fmt.Sprintf("last-%08x", i)
-		name := jobNetName(a.cfg.Name, id)
-		j := ta.addJob(t, Job{ID: id, State: JobRunning, PID: os.Getpid(), Net: &JobNet{Name: name, Kind: jobnet.MACVlan, Addr: addr}})
-		a.releaseJobAddr(addr.Addr()) // as StartJob does once the job is listed
-		_, changed, err := a.Job(id, 0)
+		return ta.addJob(t, Job{ID: id, State: JobRunning, PID: os.Getpid(), Net: &JobNet{Name: jobNetName(a.cfg.Name, id), Kind: jobnet.MACVlan, Addr: addr}}), addr
+	}
+	// endThenStart ends job j (finish) and, as a client woken by the end, runs between and starts the next job
+	// at once: the address it gets. The lingering's wait cannot start meanwhile, nor end and give the address
+	// back before the next job has one.
+	endThenStart := func(j *Job, between func()) netip.Prefix {
+		_, changed, err := a.Job(j.ID, 0)
 		if err != nil {
 			t.Fatal(err)
 		}
-		// The lingering's wait cannot start, nor end and give the address back, before the next job has one.
 		a.lingering.mu.Lock()
 		done := make(chan struct{})
 		go func() {
 			defer close(done)
 			a.finish(j, JobExited, &shim.ExitStatus{})
 		}()
-		<-changed // the client sees the job end and starts the next one at once
+		<-changed
+		between()
 		p, err := a.allocJobAddr()
 		a.lingering.mu.Unlock()
 		<-done
 		if err != nil {
 			t.Fatal(err)
 		}
+		return p
+	}
+	for i := range 50 {
+		j, addr := start(fmt.Sprintf("last-%08x", i))
+		a.releaseJobAddr(addr.Addr()) // StartJob returns
+		p := endThenStart(j, func() {})
 		if p.Addr() == addr.Addr() {
-			t.Fatalf("round %d: a job started as soon as %s was seen ended got %s, which its lingering network holds", i, id, p)
+			t.Fatalf("round %d: a job started as soon as %s was seen ended got %s, which its lingering network holds", i, j.ID, p)
 		}
 		a.releaseJobAddr(p.Addr())
 		if !a.netLingers(j, JobExited) {
-			t.Fatalf("round %d: the network of %s does not linger", i, id)
+			t.Fatalf("round %d: the network of %s does not linger", i, j.ID)
 		}
 		// With no network made, the wait ends at its first look and gives the address back.
 		for deadline := time.Now().Add(time.Minute); ; time.Sleep(10 * time.Millisecond) {
@@ -357,28 +366,8 @@ func TestEndedJobAddressNotReused(t *testing.T) {
 	}
 
 	// A job that ends before its StartJob returns: StartJob's release of its own hold leaves the lingering's.
-	addr, err := a.allocJobAddr()
-	if err != nil {
-		t.Fatal(err)
-	}
-	id := "quick-00000001"
-	j := ta.addJob(t, Job{ID: id, State: JobRunning, PID: os.Getpid(), Net: &JobNet{Name: jobNetName(a.cfg.Name, id), Kind: jobnet.MACVlan, Addr: addr}})
-	_, changed, _ := a.Job(id, 0)
-	a.lingering.mu.Lock()
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		a.finish(j, JobExited, &shim.ExitStatus{})
-	}()
-	<-changed
-	a.releaseJobAddr(addr.Addr()) // StartJob returns
-	p, err := a.allocJobAddr()
-	a.lingering.mu.Unlock()
-	<-done
-	if err != nil {
-		t.Fatal(err)
-	}
-	if p.Addr() == addr.Addr() {
-		t.Errorf("a job started after %s ended before its StartJob returned got %s, which its lingering network holds", id, p)
+	j, addr := start("quick-00000001")
+	if p := endThenStart(j, func() { a.releaseJobAddr(addr.Addr()) }); p.Addr() == addr.Addr() {
+		t.Errorf("a job started after %s ended before its StartJob returned got %s, which its lingering network holds", j.ID, p)
 	}
 }
