@@ -225,12 +225,18 @@ func copyAgentLogs(c *labcluster.Cluster, dir string, log *slog.Logger) {
 
 // keepLogsOnError copies the agents' logs of a run that failed with *err (copyAgentLogs) into a new
 // directory under os.TempDir() named after run, and says where in *err: a run that failed once in many
-// is then read, not guessed at. Deferred after the lab's Down, so that it runs before it.
+// is then read, not guessed at. Deferred after the lab's Down, so that it runs before it. The directory is
+// made by MkdirTemp (a fresh name, 0700): ftbench runs as root, and a name guessed ahead in the shared
+// /tmp could be a user's link.
 func keepLogsOnError(c *labcluster.Cluster, run string, err *error, log *slog.Logger) {
 	if *err == nil {
 		return
 	}
-	dir := filepath.Join(os.TempDir(), fmt.Sprintf("ftbench-%s-%s", run, time.Now().UTC().Format("20060102T150405")))
+	dir, mkErr := os.MkdirTemp("", "ftbench-"+run+"-")
+	if mkErr != nil {
+		log.Warn("agent logs of the failed run not kept", "err", mkErr)
+		return
+	}
 	copyAgentLogs(c, dir, log)
 	*err = fmt.Errorf("%w (the agents' logs are in %s)", *err, dir)
 }
