@@ -62,6 +62,7 @@ func benchmarks() (map[string]benchmark, map[string]*flag.FlagSet) {
 		"lazy-restore":        benchLazyRestore,
 		"migrate":             m.run,
 		"netlog":              benchNetlog,
+		"mpi-crash":           benchMPICrash,
 		"node-recovery":       benchNodeRecovery,
 		"receive-order":       benchReceiveOrder,
 		"recovery":            benchRecovery,
