@@ -20,6 +20,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/interval"
 	"github.com/ftkit/ftkit/ckpt/ship"
+	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/criu/stalemounts"
 	"github.com/ftkit/ftkit/detect"
@@ -63,8 +64,8 @@ type Agent struct {
 
 	ckptMu sync.Mutex // one checkpoint (or host-wide freeze) at a time
 
-	netlog *logState  // nil when the sender-side log is disabled
-	coord  coordHolds // runs whose jobs this host holds frozen for a coordinated snapshot
+	netlog *logState              // nil when the sender-side log is disabled
+	coord  coordinated.Holds[Job] // runs whose jobs this host holds frozen for a coordinated snapshot
 	// unloggedSeen are the connections of this host's unprotected processes members asked about (serveLogged).
 	unloggedSeen unloggedReports
 

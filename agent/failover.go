@@ -137,7 +137,7 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 			err = lacksConns(job, recoveryCandidates(held)[0].Snapshot, uncovered)
 		}
 		if err != nil {
-			if a.rollsBackAlone(job) {
+			if a.cutRecords().RollsBackAlone(job) {
 				// Message logging cannot restore it, its run's coordinated snapshot can (the run's connections
 				// opened since are rolled back with both their ends).
 				a.log.Warn("message logging cannot recover the job: its run rolls back to its coordinated snapshot", "job", job, "err", err)

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/internal/atomicfile"
 	"github.com/ftkit/ftkit/internal/clustertls"
 	"github.com/ftkit/ftkit/shim"
@@ -47,7 +48,7 @@ type JobSpec struct {
 	// job_network.pool), which moves with the job when its host fails.
 	JobAddress bool `json:"job_address,omitempty"`
 	// Run names the run (the MPI job, the pipeline) the job is a part of: coordinated snapshots and
-	// rollbacks take every running job of a run, on every host, together (coordinated.go).
+	// rollbacks take every running job of a run, on every host, together (package coordinated).
 	Run string `json:"run,omitempty"`
 	// Recovery is how a failure of the job's host is recovered: RecoveryLogging (the default), or, for a
 	// job of a run with an address of its own, RecoveryCoordinated or RecoveryAuto.
@@ -61,10 +62,10 @@ const (
 	RecoveryLogging = "message-logging"
 	// RecoveryCoordinated: the whole run rolls back to its newest coordinated snapshot (the failed host's
 	// jobs on a spare), which the run takes at the jobs' interval; no replay.
-	RecoveryCoordinated = "coordinated"
+	RecoveryCoordinated = coordinated.RecoveryCoordinated
 	// RecoveryAuto: message logging, and when a restored job's re-execution diverges (it re-sends other
 	// bytes, or never what its peers had received), the coordinated rollback of the whole run.
-	RecoveryAuto = "auto"
+	RecoveryAuto = coordinated.RecoveryAuto
 )
 
 // checkRecovery refuses a recovery mode the job cannot have.

@@ -381,7 +381,7 @@ func (a *Agent) killJob(id string, why error) {
 	if err != nil || j.State != JobRunning {
 		return
 	}
-	if a.rollsBack(id) {
+	if a.cutRecords().RollsBack(id) {
 		// Its run rolls back to its cut (rollbackAfterFailure): take it off this host without a word to its
 		// peers or an exit record, as a rollback stops a job.
 		a.log.Error("restored job is not transparently recoverable: stopping it for its run's rollback", "job", id, "run", j.Spec.Run, "err", why)

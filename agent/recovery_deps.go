@@ -176,7 +176,7 @@ func (r *recoveryActions) State(id string) (string, bool) {
 
 func (r *recoveryActions) Kill(id string, why error) { r.a.killJob(id, why) }
 
-func (r *recoveryActions) RollsBack(id string) bool { return r.a.rollsBack(id) }
+func (r *recoveryActions) RollsBack(id string) bool { return r.a.cutRecords().RollsBack(id) }
 
 func (r *recoveryActions) Reprotect(ctx context.Context, ids []string) (string, error) {
 	return r.a.reprotect(ctx, ids)

@@ -316,7 +316,7 @@ func (a *Agent) replicate(ctx context.Context, manifests []*ckpt.Manifest, place
 			if base := a.releaseBase(sent.Manifest, a.asked.Load()); base != nil {
 				a.announceReceivePoints(ctx, base)
 			}
-			if pruned, err := a.store.Prune(ctx, m.Job, a.cfg.Checkpoint.Keep, a.pinnedSnapshots(m.Job)...); err != nil {
+			if pruned, err := a.store.Prune(ctx, m.Job, a.cfg.Checkpoint.Keep, a.cutRecords().Pinned(m.Job)...); err != nil {
 				a.log.Warn("prune snapshots", "job", m.Job, "err", err)
 			} else if len(pruned) > 0 {
 				a.log.Debug("pruned snapshots", "job", m.Job, "ids", pruned)

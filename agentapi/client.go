@@ -15,6 +15,7 @@ import (
 
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/ring"
 )
 
@@ -185,14 +186,14 @@ func (c *Client) Migrate(ctx context.Context, req agent.MigrateRequest) (agent.M
 }
 
 // Cut takes a coordinated snapshot of a run, coordinated by this agent (root only).
-func (c *Client) Cut(ctx context.Context, req agent.RunRequest) (agent.Cut, error) {
-	var cut agent.Cut
+func (c *Client) Cut(ctx context.Context, req coordinated.RunRequest) (coordinated.Cut, error) {
+	var cut coordinated.Cut
 	return cut, c.do(ctx, http.MethodPost, "/v1/cut", req, &cut)
 }
 
 // Rollback rolls a run back to its newest coordinated snapshot, coordinated by this agent (root only).
-func (c *Client) Rollback(ctx context.Context, req agent.RunRequest) (agent.Rollback, error) {
-	var r agent.Rollback
+func (c *Client) Rollback(ctx context.Context, req coordinated.RunRequest) (coordinated.Rollback, error) {
+	var r coordinated.Rollback
 	return r, c.do(ctx, http.MethodPost, "/v1/rollback", req, &r)
 }
 

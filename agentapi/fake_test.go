@@ -18,6 +18,7 @@ import (
 
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/ring"
 )
 
@@ -146,12 +147,12 @@ func (fb *fakeBackend) Drain(context.Context, agent.DrainRequest, uint32) (*agen
 	return nil, errFake
 }
 
-func (fb *fakeBackend) CoordinatedSnapshot(_ context.Context, req agent.RunRequest, _ uint32) (*agent.Cut, error) {
-	return &agent.Cut{Run: req.Run, ID: "cut-1"}, nil
+func (fb *fakeBackend) CoordinatedSnapshot(_ context.Context, req coordinated.RunRequest, _ uint32) (*coordinated.Cut, error) {
+	return &coordinated.Cut{Run: req.Run, ID: "cut-1"}, nil
 }
 
-func (fb *fakeBackend) Rollback(_ context.Context, req agent.RunRequest, _ uint32) (*agent.Rollback, error) {
-	return nil, fmt.Errorf("%w of run %s", agent.ErrNoCut, req.Run)
+func (fb *fakeBackend) Rollback(_ context.Context, req coordinated.RunRequest, _ uint32) (*coordinated.Rollback, error) {
+	return nil, fmt.Errorf("%w of run %s", coordinated.ErrNoCut, req.Run)
 }
 
 func (fb *fakeBackend) AddSpare(context.Context, agent.SpareRequest) (ring.View, error) {

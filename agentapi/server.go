@@ -23,6 +23,7 @@ import (
 
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/ring"
 	"github.com/ftkit/ftkit/shim"
 )
@@ -44,8 +45,8 @@ type Backend interface {
 	Restore(ctx context.Context, req agent.RestoreRequest, uid uint32) (*agent.Job, error)
 	Migrate(ctx context.Context, req agent.MigrateRequest, uid uint32) (*agent.Migration, error)
 	Drain(ctx context.Context, req agent.DrainRequest, uid uint32) (*agent.DrainResult, error)
-	CoordinatedSnapshot(ctx context.Context, req agent.RunRequest, uid uint32) (*agent.Cut, error)
-	Rollback(ctx context.Context, req agent.RunRequest, uid uint32) (*agent.Rollback, error)
+	CoordinatedSnapshot(ctx context.Context, req coordinated.RunRequest, uid uint32) (*coordinated.Cut, error)
+	Rollback(ctx context.Context, req coordinated.RunRequest, uid uint32) (*coordinated.Rollback, error)
 	AddSpare(ctx context.Context, req agent.SpareRequest) (ring.View, error)
 	Events(uid uint32) []*agent.Failure
 	LoggedConns() []agent.LoggedConn
@@ -273,22 +274,22 @@ func Handler(a Backend, lim Limits) http.Handler {
 		}
 	}))
 	// A coordinated snapshot of a run, and the rollback of a run to its newest one (root only).
-	runOp := func(what string, op func(ctx context.Context, req agent.RunRequest, uid uint32) (any, error)) http.HandlerFunc {
+	runOp := func(what string, op func(ctx context.Context, req coordinated.RunRequest, uid uint32) (any, error)) http.HandlerFunc {
 		return bounded(0, func(w http.ResponseWriter, r *http.Request) {
 			if callerOf(r).Uid != 0 {
 				writeError(w, http.StatusForbidden, fmt.Errorf("%s stops jobs on every host of a run: it is for root (the operator)", what))
 				return
 			}
-			var req agent.RunRequest
+			var req coordinated.RunRequest
 			if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 4096)).Decode(&req); err != nil || req.Run == "" {
 				writeError(w, http.StatusBadRequest, fmt.Errorf("%s needs a run: %v", what, err))
 				return
 			}
 			res, err := op(r.Context(), req, callerOf(r).Uid)
 			switch {
-			case errors.Is(err, agent.ErrNoJob), errors.Is(err, agent.ErrNoCut):
+			case errors.Is(err, coordinated.ErrNoRun), errors.Is(err, coordinated.ErrNoCut):
 				writeError(w, http.StatusNotFound, err)
-			case errors.Is(err, agent.ErrNotMovable):
+			case errors.Is(err, coordinated.ErrRefused), errors.Is(err, agent.ErrNotMovable):
 				writeError(w, http.StatusConflict, err)
 			case err != nil:
 				writeError(w, http.StatusInternalServerError, err)
@@ -297,10 +298,10 @@ func Handler(a Backend, lim Limits) http.Handler {
 			}
 		})
 	}
-	mux.HandleFunc("POST /v1/cut", runOp("a coordinated snapshot", func(ctx context.Context, req agent.RunRequest, uid uint32) (any, error) {
+	mux.HandleFunc("POST /v1/cut", runOp("a coordinated snapshot", func(ctx context.Context, req coordinated.RunRequest, uid uint32) (any, error) {
 		return a.CoordinatedSnapshot(ctx, req, uid)
 	}))
-	mux.HandleFunc("POST /v1/rollback", runOp("a rollback", func(ctx context.Context, req agent.RunRequest, uid uint32) (any, error) {
+	mux.HandleFunc("POST /v1/rollback", runOp("a rollback", func(ctx context.Context, req coordinated.RunRequest, uid uint32) (any, error) {
 		return a.Rollback(ctx, req, uid)
 	}))
 	mux.HandleFunc("POST /v1/drain", bounded(0, func(w http.ResponseWriter, r *http.Request) {

@@ -67,11 +67,19 @@ type CoordinateReply struct {
 	Frozen time.Duration `json:"frozen_ns,omitempty"`
 }
 
+// ValidRunName refuses a run name that could not be a job's (runs are named as their jobs are).
+func ValidRunName(run string) error {
+	if !startJobNameRE.MatchString(run) {
+		return fmt.Errorf("run %q: use up to 48 letters, digits, '.', '_' or '-'", run)
+	}
+	return nil
+}
+
 // Validate refuses names that are no job's, run's or member's, phases that do not exist, and lists past
 // MaxCutParts.
 func (r CoordinateRequest) Validate() error {
-	if !startJobNameRE.MatchString(r.Run) {
-		return fmt.Errorf("coordinate: run %q: use up to 48 letters, digits, '.', '_' or '-'", r.Run)
+	if err := ValidRunName(r.Run); err != nil {
+		return fmt.Errorf("coordinate: %w", err)
 	}
 	if err := ckpt.ValidName(r.Cut); err != nil {
 		return fmt.Errorf("coordinate: cut: %w", err)

@@ -15,6 +15,7 @@ import (
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/lab/labcluster"
 )
 
@@ -40,25 +41,25 @@ func TestCoordinatedRollback(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := c.Client("node3").Cut(ctx, agent.RunRequest{Run: "mixed"}); err == nil || !strings.Contains(err.Error(), "host address") {
+	if _, err := c.Client("node3").Cut(ctx, coordinated.RunRequest{Run: "mixed"}); err == nil || !strings.Contains(err.Error(), "host address") {
 		t.Errorf("coordinated snapshot of a run with a job on its host's address: %v, want a refusal naming the host address", err)
 	}
 	if j, err := c.Client("node2").Job(ctx, other.ID); err != nil || j.State != agent.JobRunning || j.PID != other.PID {
 		t.Errorf("the refused run's job: %+v %v, want it running as before", j, err)
 	}
-	if _, err := c.Client("node3").Rollback(ctx, agent.RunRequest{Run: "ring1"}); err == nil || !strings.Contains(err.Error(), agent.ErrNoCut.Error()) {
-		t.Errorf("rollback of a run without a coordinated snapshot: %v, want %q", err, agent.ErrNoCut)
+	if _, err := c.Client("node3").Rollback(ctx, coordinated.RunRequest{Run: "ring1"}); err == nil || !strings.Contains(err.Error(), coordinated.ErrNoCut.Error()) {
+		t.Errorf("rollback of a run without a coordinated snapshot: %v, want %q", err, coordinated.ErrNoCut)
 	}
 
 	// Another user names a run of theirs alike: the name alone is ambiguous, and their job is never part of
 	// root's run.
 	foreign := startWrappedAs(t, c, "node3", "foreign", nobodyID, "/", []string{"--run", "ring1", "--job-address"}, "/bin/sleep", "600")
 	t.Cleanup(func() { removeJobNets(t, foreign.ID) })
-	if _, err := c.Client("node3").Cut(ctx, agent.RunRequest{Run: "ring1"}); err == nil || !strings.Contains(err.Error(), "name the user") {
+	if _, err := c.Client("node3").Cut(ctx, coordinated.RunRequest{Run: "ring1"}); err == nil || !strings.Contains(err.Error(), "name the user") {
 		t.Errorf("coordinated snapshot of a run name two users have: %v, want a refusal asking for the user", err)
 	}
 	root := uint32(0)
-	cut, err := c.Client("node3").Cut(ctx, agent.RunRequest{Run: "ring1", UID: &root})
+	cut, err := c.Client("node3").Cut(ctx, coordinated.RunRequest{Run: "ring1", UID: &root})
 	if err != nil {
 		t.Fatalf("coordinated snapshot of run ring1: %v", err)
 	}
@@ -84,7 +85,7 @@ func TestCoordinatedRollback(t *testing.T) {
 	rg.waitProgress(t, 2*progressEvery, 2*time.Minute) // well past the cut
 
 	before := []agent.Job{rg.job(t, "node1", 0), rg.job(t, "node3", 1)}
-	rb, err := c.Client("node1").Rollback(ctx, agent.RunRequest{Run: "ring1", UID: &root})
+	rb, err := c.Client("node1").Rollback(ctx, coordinated.RunRequest{Run: "ring1", UID: &root})
 	if err != nil {
 		t.Fatalf("rollback of run ring1: %v", err)
 	}
@@ -105,7 +106,7 @@ func TestCoordinatedRollback(t *testing.T) {
 	}
 	f := findEvent(t, c, rb.Event)
 	logTimeline(t, f)
-	if f.Kind != agent.KindRollback || !f.Done || f.Error != "" || len(f.Stages) != 2 {
+	if f.Kind != coordinated.KindRollback || !f.Done || f.Error != "" || len(f.Stages) != 2 {
 		t.Errorf("event %s: %+v, want a completed rollback with its two stages", rb.Event, f)
 	}
 	rg.waitProgress(t, progressEvery, 2*time.Minute)
@@ -164,7 +165,7 @@ func TestAutoRollback(t *testing.T) {
 	if s := stageOf(t, f, agent.StageReplayed); !strings.Contains(s.Error, "not deterministic") {
 		t.Errorf("replay stage %+v: want message logging's refusal of rank 1's other bytes (why the run rolled back)", s)
 	}
-	rolled := stageOf(t, f, agent.StageRolledBack)
+	rolled := stageOf(t, f, coordinated.StageRolledBack)
 	if rolled.Error != "" || !strings.Contains(rolled.Detail, "run nd") {
 		t.Errorf("rollback stage %+v, want run nd restored from its cut", rolled)
 	}
@@ -181,9 +182,9 @@ func TestAutoRollback(t *testing.T) {
 }
 
 // waitCut waits until host records a coordinated snapshot of root's run with parts parts, and returns it.
-func waitCut(t *testing.T, c *labcluster.Cluster, host, run string, parts int) agent.Cut {
+func waitCut(t *testing.T, c *labcluster.Cluster, host, run string, parts int) coordinated.Cut {
 	t.Helper()
-	var cut agent.Cut
+	var cut coordinated.Cut
 	path := filepath.Join(labcluster.StateDir(c.Lab.State().ID, host), "cuts", run+".0.json")
 	poll(t, 3*time.Minute, "a coordinated snapshot of run "+run+" on "+host, func() bool {
 		b, err := os.ReadFile(path)

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/lab/labcluster"
 )
 
@@ -231,7 +232,7 @@ func TestTaskFarmAutoRollback(t *testing.T) {
 					replay = s
 				}
 			}
-			if rolled := stageDetail(f, agent.StageRolledBack); rolled != "" {
+			if rolled := stageDetail(f, coordinated.StageRolledBack); rolled != "" {
 				t.Logf("outcome: rolled back (%s); message logging: %s %s", rolled, replay.Detail, replay.Error)
 			} else {
 				t.Logf("outcome: message logging recovered the master transparently (%s)", replay.Detail)

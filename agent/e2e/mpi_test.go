@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
 	"github.com/ftkit/ftkit/lab/labtest"
@@ -375,7 +376,7 @@ func TestHPCCCoordinated(t *testing.T) {
 			t.Errorf("%s: %s after the crash, %s without", k, got[k], v)
 		}
 	}
-	if stageDetail(f, agent.StageRolledBack) == "" {
+	if stageDetail(f, coordinated.StageRolledBack) == "" {
 		t.Errorf("recovery of node2 %+v: no rollback to the run's coordinated snapshot", f.Stages)
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
 )
@@ -69,7 +70,7 @@ func benchCoordinated(ctx context.Context, log *slog.Logger) ([]Metric, any, err
 	var cutTotal []float64
 	for range 3 {
 		start := time.Now()
-		cut, err := c.Client("node1").Cut(ctx, agent.RunRequest{Run: "bench"})
+		cut, err := c.Client("node1").Cut(ctx, coordinated.RunRequest{Run: "bench"})
 		if err != nil {
 			return nil, nil, err
 		}
@@ -79,7 +80,7 @@ func benchCoordinated(ctx context.Context, log *slog.Logger) ([]Metric, any, err
 	}
 	time.Sleep(2 * time.Second) // past the last cut, for the rollback to take back
 	start := time.Now()
-	rb, err := c.Client("node1").Rollback(ctx, agent.RunRequest{Run: "bench"})
+	rb, err := c.Client("node1").Rollback(ctx, coordinated.RunRequest{Run: "bench"})
 	if err != nil {
 		return nil, nil, err
 	}

@@ -18,6 +18,7 @@ import (
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
@@ -53,8 +54,8 @@ type agentClient interface {
 	Restore(ctx context.Context, req agent.RestoreRequest) (agent.Job, error)
 	Migrate(ctx context.Context, req agent.MigrateRequest) (agent.Migration, error)
 	Drain(ctx context.Context, req agent.DrainRequest) (agent.DrainResult, error)
-	Cut(ctx context.Context, req agent.RunRequest) (agent.Cut, error)
-	Rollback(ctx context.Context, req agent.RunRequest) (agent.Rollback, error)
+	Cut(ctx context.Context, req coordinated.RunRequest) (coordinated.Cut, error)
+	Rollback(ctx context.Context, req coordinated.RunRequest) (coordinated.Rollback, error)
 	Output(ctx context.Context, id, stream string, follow bool, w io.Writer) error
 	Signal(ctx context.Context, id string, sig syscall.Signal) error
 	AddSpare(ctx context.Context, req agent.SpareRequest) (ring.View, error)
@@ -438,7 +439,7 @@ It fails if a snapshot could not be taken or did not reach the protector.`,
 				if len(jobs) > 0 {
 					return cli.Usagef("--run takes every job of the run: leave out --job")
 				}
-				return cutCmd(cmd, t, agent.RunRequest{Run: run, UID: runUID.ptr()}, asJSON)
+				return cutCmd(cmd, t, coordinated.RunRequest{Run: run, UID: runUID.ptr()}, asJSON)
 			}
 			cs, err := t.clients()
 			if err != nil {
@@ -513,7 +514,7 @@ It fails if a snapshot could not be taken or did not reach the protector.`,
 }
 
 // cutCmd is `ftctl checkpoint --run RUN`: a coordinated snapshot of a run, coordinated by the agent asked.
-func cutCmd(cmd *cobra.Command, t *target, req agent.RunRequest, asJSON bool) error {
+func cutCmd(cmd *cobra.Command, t *target, req coordinated.RunRequest, asJSON bool) error {
 	c, err := t.one()
 	if err != nil {
 		return err
@@ -558,7 +559,7 @@ which messages had arrived). The run's timeline is in ftctl events.`,
 			ctx, cancel := context.WithTimeout(cmd.Context(), 15*time.Minute)
 			defer cancel()
 			cli.NewProgress(cmd.ErrOrStderr(), asJSON).Stage("%s: stopping every job of run %s, then restoring each from the run's coordinated snapshot", hostName(c), run)
-			r, err := c.client.Rollback(ctx, agent.RunRequest{Run: run, UID: runUID.ptr()})
+			r, err := c.client.Rollback(ctx, coordinated.RunRequest{Run: run, UID: runUID.ptr()})
 			if err != nil {
 				return agentErr(err)
 			}

@@ -21,6 +21,7 @@ import (
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/ring"
 )
@@ -165,10 +166,10 @@ func (b *testBackend) Migrate(context.Context, agent.MigrateRequest, uint32) (*a
 func (b *testBackend) Drain(context.Context, agent.DrainRequest, uint32) (*agent.DrainResult, error) {
 	return nil, errors.New("not here")
 }
-func (b *testBackend) CoordinatedSnapshot(context.Context, agent.RunRequest, uint32) (*agent.Cut, error) {
+func (b *testBackend) CoordinatedSnapshot(context.Context, coordinated.RunRequest, uint32) (*coordinated.Cut, error) {
 	return nil, errors.New("not here")
 }
-func (b *testBackend) Rollback(context.Context, agent.RunRequest, uint32) (*agent.Rollback, error) {
+func (b *testBackend) Rollback(context.Context, coordinated.RunRequest, uint32) (*coordinated.Rollback, error) {
 	return nil, errors.New("not here")
 }
 func (b *testBackend) AddSpare(context.Context, agent.SpareRequest) (ring.View, error) {

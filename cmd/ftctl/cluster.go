@@ -20,6 +20,7 @@ import (
 	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/internal/clustertls"
 	"github.com/ftkit/ftkit/ring"
@@ -323,12 +324,12 @@ func (h *clusterHost) Migrate(ctx context.Context, req agent.MigrateRequest) (ag
 // errRunOpsLocal: coordinated snapshots and rollbacks are not operator operations over the cluster yet.
 var errRunOpsLocal = errors.New("coordinated snapshots and rollbacks are asked of an agent's local socket (run ftctl on a member, as root); not over --cluster yet")
 
-func (h *clusterHost) Cut(context.Context, agent.RunRequest) (agent.Cut, error) {
-	return agent.Cut{}, errRunOpsLocal
+func (h *clusterHost) Cut(context.Context, coordinated.RunRequest) (coordinated.Cut, error) {
+	return coordinated.Cut{}, errRunOpsLocal
 }
 
-func (h *clusterHost) Rollback(context.Context, agent.RunRequest) (agent.Rollback, error) {
-	return agent.Rollback{}, errRunOpsLocal
+func (h *clusterHost) Rollback(context.Context, coordinated.RunRequest) (coordinated.Rollback, error) {
+	return coordinated.Rollback{}, errRunOpsLocal
 }
 
 func (h *clusterHost) Drain(ctx context.Context, req agent.DrainRequest) (agent.DrainResult, error) {

@@ -11,6 +11,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/internal/cli"
 )
 
@@ -125,7 +126,7 @@ func printFailure(w io.Writer, f *agent.Failure) {
 		state = strings.NewReplacer("recovering", "moving", "NOT RECOVERED", "NOT MOVED", "recovered", "moved").Replace(state)
 		fmt.Fprintf(w, "migration %s: jobs %v from %s to %s, %s\n", f.ID, f.Jobs, f.Node, f.Target, state)
 		total = "total from the freeze"
-	case agent.KindRollback:
+	case coordinated.KindRollback:
 		state = strings.NewReplacer("recovering", "rolling back", "NOT RECOVERED", "NOT ROLLED BACK", "recovered", "rolled back").Replace(state)
 		fmt.Fprintf(w, "rollback %s: jobs %v to their coordinated snapshot, asked on %s, %s\n", f.ID, f.Jobs, f.Node, state)
 		total = "total"

@@ -1,0 +1,305 @@
+package coordinated
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"maps"
+	"slices"
+	"time"
+
+	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/internal/tickgrid"
+)
+
+// attempts is how often a coordinated snapshot is tried when its check finds a byte in no snapshot
+// (acknowledged by a receiver after its dump, before its sender's).
+const attempts = 3
+
+// Members is what a coordinator needs of its cluster.
+type Members interface {
+	// Alive are the names of the alive members in this host's view.
+	Alive() []string
+	// Coordinate runs one phase on host: a peer's agent, or this host's own when host is this one.
+	Coordinate(ctx context.Context, host string, req clusterapi.CoordinateRequest) (clusterapi.CoordinateReply, error)
+}
+
+// Coordinator drives the cuts and rollbacks this host coordinates.
+type Coordinator struct {
+	Self    string // this host's name
+	Members Members
+	Records Records
+	Log     *slog.Logger
+}
+
+// Snapshot takes a cut of run (of user owner; nil: of the one user with a run of that name) across the
+// cluster, trying again when the snapshots do not fit together.
+func (c *Coordinator) Snapshot(ctx context.Context, run string, owner *uint32) (*Cut, error) {
+	if err := clusterapi.ValidRunName(run); err != nil {
+		return nil, err
+	}
+	var errs []error
+	for range attempts {
+		cut, err := c.take(ctx, run, owner)
+		var torn *TornError
+		if !errors.As(err, &torn) {
+			return cut, err
+		}
+		c.Log.Warn("coordinated snapshot not consistent; taking it again", "run", run, "err", err)
+		errs = append(errs, err)
+	}
+	return nil, fmt.Errorf("run %s: %d coordinated snapshots in a row were not consistent: %w", run, attempts, errors.Join(errs...))
+}
+
+// take is one attempt: list, freeze, dump, thaw (and replicate), check, commit.
+func (c *Coordinator) take(ctx context.Context, run string, owner *uint32) (*Cut, error) {
+	hosts, uid, err := c.RunHosts(ctx, run, owner)
+	if err != nil {
+		return nil, err
+	}
+	cut := &Cut{Run: run, UID: uid, ID: "cut-" + time.Now().UTC().Format("20060102T150405.000"), Taken: time.Now().UTC()}
+	req := func(phase clusterapi.CoordPhase) clusterapi.CoordinateRequest {
+		return clusterapi.CoordinateRequest{Run: run, UID: &uid, Cut: cut.ID, Phase: phase}
+	}
+	abort := func(why error) error {
+		c.onHosts(context.WithoutCancel(ctx), hosts, func(string) clusterapi.CoordinateRequest { return req(clusterapi.CoordAbort) })
+		return fmt.Errorf("coordinated snapshot of run %s given up, its jobs thawed: %w", run, why)
+	}
+	if _, err := c.onHosts(ctx, hosts, func(string) clusterapi.CoordinateRequest { return req(clusterapi.CoordFreeze) }); err != nil {
+		return nil, abort(err)
+	}
+	dumped, err := c.onHosts(ctx, hosts, func(string) clusterapi.CoordinateRequest { return req(clusterapi.CoordDump) })
+	if err != nil {
+		return nil, abort(err)
+	}
+	// Thawing replicates the dumps: a cut is recorded only once every part of it is on a protector.
+	replicated, err := c.onHosts(ctx, hosts, func(string) clusterapi.CoordinateRequest { return req(clusterapi.CoordThaw) })
+	for _, rep := range replicated {
+		cut.Frozen = max(cut.Frozen, rep.Frozen)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("coordinated snapshot of run %s not recorded: %w", run, err)
+	}
+	var parts []clusterapi.CutPart
+	for _, h := range hosts {
+		parts = append(parts, dumped[h].Parts...)
+		if len(replicated[h].Parts) != len(dumped[h].Parts) {
+			return nil, fmt.Errorf("coordinated snapshot of run %s not recorded: %s replicated %d of its %d parts", run, h, len(replicated[h].Parts), len(dumped[h].Parts))
+		}
+	}
+	if err := Check(parts); err != nil {
+		return nil, err
+	}
+	for i := range parts {
+		parts[i].Conns = nil // checked; the record names the snapshots, which hold them
+	}
+	cut.Parts = parts
+	// Every alive member keeps the record, so that any of them can roll the run back.
+	commit := req(clusterapi.CoordCommit)
+	commit.Parts = parts
+	if _, err := c.onHosts(ctx, c.Members.Alive(), func(string) clusterapi.CoordinateRequest { return commit }); err != nil {
+		c.Log.Warn("coordinated snapshot recorded on some members only", "run", run, "cut", cut.ID, "err", err)
+	}
+	c.Log.Info("coordinated snapshot of a run", "run", run, "cut", cut.ID, "jobs", len(parts), "hosts", len(hosts), "frozen_ms", cut.Frozen.Milliseconds())
+	return cut, nil
+}
+
+// RunHosts asks every alive member which jobs of run (of user owner; nil: of the one user who has a run
+// of that name) it runs, and returns the members that run some and the run's user.
+func (c *Coordinator) RunHosts(ctx context.Context, run string, owner *uint32) ([]string, uint32, error) {
+	alive := c.Members.Alive()
+	listed, err := c.list(ctx, alive, run, owner)
+	if err != nil {
+		return nil, 0, err
+	}
+	users := map[uint32]bool{}
+	var hosts []string
+	for _, h := range alive {
+		if len(listed[h].Jobs) > 0 {
+			hosts = append(hosts, h)
+		}
+		for _, u := range listed[h].Owners {
+			users[u] = true
+		}
+	}
+	switch {
+	case len(hosts) == 0:
+		return nil, 0, fmt.Errorf("%w: run %s has no running job on an alive member (a job joins a run with its spec's run, `ftctl mpirun` sets it)", ErrNoRun, run)
+	case len(users) > 1:
+		return nil, 0, fmt.Errorf("%w: runs named %s of users %v: name the user (--uid)", ErrRefused, run, slices.Sorted(maps.Keys(users)))
+	}
+	var uid uint32
+	for u := range users {
+		uid = u
+	}
+	return hosts, uid, nil
+}
+
+// list asks hosts which jobs of run (of user owner, nil: of any user) they run.
+func (c *Coordinator) list(ctx context.Context, hosts []string, run string, owner *uint32) (map[string]clusterapi.CoordinateReply, error) {
+	listed, err := c.onHosts(ctx, hosts, func(string) clusterapi.CoordinateRequest {
+		return clusterapi.CoordinateRequest{Run: run, UID: owner, Cut: "list", Phase: clusterapi.CoordList}
+	})
+	if err != nil {
+		return nil, fmt.Errorf("list the jobs of run %s: %w", run, err)
+	}
+	return listed, nil
+}
+
+// onHosts runs the phase req(host) on each host at once and returns the replies by host; the error
+// names every host that failed.
+func (c *Coordinator) onHosts(ctx context.Context, hosts []string, req func(host string) clusterapi.CoordinateRequest) (map[string]clusterapi.CoordinateReply, error) {
+	type result struct {
+		host string
+		rep  clusterapi.CoordinateReply
+		err  error
+	}
+	out := make(chan result, len(hosts))
+	for _, h := range hosts {
+		go func() {
+			r := req(h)
+			rep, err := c.Members.Coordinate(ctx, h, r)
+			if err != nil {
+				err = fmt.Errorf("%s on %s: %w", r.Phase, h, err)
+			}
+			out <- result{h, rep, err}
+		}()
+	}
+	reps := map[string]clusterapi.CoordinateReply{}
+	var errs []error
+	for range hosts {
+		r := <-out
+		reps[r.host] = r.rep
+		errs = append(errs, r.err)
+	}
+	return reps, errors.Join(errs...)
+}
+
+// RollBack stops every job of cut's run, on every host, then restores each from its part where it runs
+// now (the alive members are asked), or on its host if it runs nowhere; a part whose host is not alive and
+// that runs nowhere is restored on target (a spare in place of a failed host; "": refused). held says
+// whether this host holds a part's snapshot; stage gets the stages.
+func (c *Coordinator) RollBack(ctx context.Context, cut *Cut, target string, held func(clusterapi.CutPart) bool, stage func(Stage)) error {
+	alive := c.Members.Alive()
+	listed, err := c.list(ctx, alive, cut.Run, &cut.UID)
+	if err != nil {
+		// A job of the run nobody could ask about could run on: a restored copy would be a second one.
+		return fmt.Errorf("run %s not rolled back: where its jobs run is not known: %w", cut.Run, err)
+	}
+	where := map[string]string{} // job -> the host it runs on now
+	for h, rep := range listed {
+		for _, j := range rep.Jobs {
+			where[j] = h
+		}
+	}
+	byHost, hosts, err := Place(cut, where, alive, target, c.Self, held)
+	if err != nil {
+		return err
+	}
+	done := func(name string, from time.Time, err error) {
+		stage(Stage{Name: name, Hosts: hosts, Start: from, End: time.Now(), Detail: fmt.Sprintf("run %s, cut %s", cut.Run, cut.ID), Err: err})
+	}
+	phase := func(p clusterapi.CoordPhase) func(string) clusterapi.CoordinateRequest {
+		return func(h string) clusterapi.CoordinateRequest {
+			return clusterapi.CoordinateRequest{Run: cut.Run, UID: &cut.UID, Cut: cut.ID, Phase: p, Parts: byHost[h]}
+		}
+	}
+	// Every job stops before any is restored: a restored job must never exchange with a live old one.
+	start := time.Now()
+	_, err = c.onHosts(ctx, hosts, phase(clusterapi.CoordStop))
+	done(StageStopped, start, err)
+	if err == nil {
+		from := time.Now()
+		_, err = c.onHosts(ctx, hosts, phase(clusterapi.CoordRestore))
+		done(StageRolledBack, from, err)
+	}
+	if err != nil {
+		return fmt.Errorf("rollback of run %s to cut %s failed: %w; `ftctl status` on its hosts shows which jobs run", cut.Run, cut.ID, err)
+	}
+	c.Log.Info("run rolled back to its coordinated snapshot", "run", cut.Run, "cut", cut.ID, "jobs", len(cut.Parts), "hosts", hosts, "ms", time.Since(start).Milliseconds())
+	return nil
+}
+
+// AfterFailure recovers the failed host's jobs whose runs roll back as a whole: those in coordinated
+// mode (coordinated), and, if message logging failed (mlErr), those in auto mode. Each such run rolls back
+// to its cut, the failed host's parts on target. It returns what is left unrecovered (nil if every job of
+// the failed host runs again).
+func (c *Coordinator) AfterFailure(ctx context.Context, failed, target string, jobs, coordinated []string, mlErr error, held func(clusterapi.CutPart) bool, stage func(Stage)) error {
+	runs := map[string]*Cut{}
+	var order []string
+	rolled := map[string]bool{}
+	for _, j := range jobs {
+		cut, p := c.Records.With(j)
+		switch {
+		case cut == nil:
+			continue
+		case slices.Contains(coordinated, j), mlErr != nil && p.Recovery == RecoveryAuto:
+		default:
+			continue
+		}
+		if _, ok := runs[cut.Run]; !ok {
+			runs[cut.Run] = cut
+			order = append(order, cut.Run)
+		}
+	}
+	if len(order) == 0 {
+		return mlErr
+	}
+	var errs []error
+	for _, run := range order {
+		cut := runs[run]
+		why := "coordinated mode"
+		if mlErr != nil {
+			why = "message logging failed: " + mlErr.Error()
+		}
+		c.Log.Warn("rolling a whole run back to its coordinated snapshot", "run", run, "cut", cut.ID, "failed", failed, "target", target, "why", why)
+		if err := c.RollBack(ctx, cut, target, held, stage); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		for _, p := range cut.Parts {
+			rolled[p.Job] = true
+		}
+	}
+	// A job neither message logging nor a rollback brought back keeps message logging's error.
+	for _, j := range jobs {
+		if !rolled[j] && (mlErr != nil || slices.Contains(coordinated, j)) {
+			return errors.Join(append(errs, mlErr)...)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Schedule takes the coordinated snapshots of the runs due names (each with its jobs' shortest interval),
+// at that interval since the run's newest cut, until ctx ends. Of the hosts that run a part of a run, the
+// first by name coordinates; the others only take part.
+func (c *Coordinator) Schedule(ctx context.Context, due func() map[Run]time.Duration) {
+	tried := map[Run]time.Time{} // the last attempt this host coordinated or declined
+	tickgrid.Every(ctx, time.Second, func() {
+		now := time.Now()
+		runs := due()
+		for k, iv := range runs {
+			last := tried[k]
+			if cut, err := c.Records.Load(k.Name, &k.UID); err == nil && cut.Taken.After(last) {
+				last = cut.Taken
+			}
+			if now.Sub(last) < iv {
+				continue
+			}
+			tried[k] = now
+			hosts, _, err := c.RunHosts(ctx, k.Name, &k.UID)
+			if err != nil || slices.Min(hosts) != c.Self {
+				continue // another host coordinates (or the run cannot be listed now: next interval)
+			}
+			if _, err := c.Snapshot(ctx, k.Name, &k.UID); err != nil {
+				c.Log.Warn("scheduled coordinated snapshot failed; retrying at the next interval", "run", k.Name, "uid", k.UID, "err", err)
+			}
+		}
+		for k := range tried {
+			if _, ok := runs[k]; !ok {
+				delete(tried, k)
+			}
+		}
+	})
+}

@@ -1,0 +1,64 @@
+package coordinated
+
+import (
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/clusterapi"
+)
+
+// TestHolds: one hold per run; its end runs once, when the coordinator thaws it or is declared failed,
+// and never for a second freeze of a run already held (those jobs are the first hold's).
+func TestHolds(t *testing.T) {
+	var hs Holds[string]
+	uid := uint32(1000)
+	key := HoldKey(clusterapi.CoordinateRequest{Run: "farm", UID: &uid})
+	if key != "1000/farm" {
+		t.Fatalf("HoldKey = %q", key)
+	}
+	ends := map[string]int{}
+	begin := func(key, cut, coordinator string) error {
+		h := &Hold[string]{Cut: cut, Coordinator: coordinator, Jobs: []string{"j-" + cut}, Frozen: time.Now()}
+		return hs.Begin(key, h, func() { ends[cut]++ }, func() { t.Errorf("hold %s expired", cut) })
+	}
+	if err := begin(key, "cut-1", "node2"); err != nil {
+		t.Fatal(err)
+	}
+	if err := begin(key, "cut-2", "node3"); err == nil || !strings.Contains(err.Error(), "cut-1") {
+		t.Fatalf("second freeze of a held run: %v, want a refusal naming cut-1", err)
+	}
+	if ends["cut-2"] != 0 || ends["cut-1"] != 0 {
+		t.Fatalf("ends after a refused freeze: %v, want none", ends)
+	}
+	if h := hs.Get(key, "cut-2"); h != nil {
+		t.Errorf("Get of another cut: %+v, want nil", h)
+	}
+	h := hs.Get(key, "cut-1")
+	if h == nil || h.Jobs[0] != "j-cut-1" {
+		t.Fatalf("Get: %+v", h)
+	}
+	h.Pause()()
+	if hs.End(key, "cut-2") != nil || ends["cut-1"] != 0 {
+		t.Fatalf("End of another cut ended the hold: ends %v", ends)
+	}
+	if got := hs.End(key, "cut-1"); got != h || ends["cut-1"] != 1 || hs.Len() != 0 {
+		t.Fatalf("End: %+v, ends %v, %d left", got, ends, hs.Len())
+	}
+	if hs.End(key, "cut-1") != nil || ends["cut-1"] != 1 {
+		t.Fatalf("a second End: ends %v, want the end run once", ends)
+	}
+
+	other := HoldKey(clusterapi.CoordinateRequest{Run: "ring", UID: &uid})
+	if err := begin(key, "cut-3", "node2"); err != nil {
+		t.Fatal(err)
+	}
+	if err := begin(other, "cut-4", "node3"); err != nil {
+		t.Fatal(err)
+	}
+	ended := hs.EndOf(func(c string) bool { return c == "node2" })
+	if len(ended) != 1 || ended[0].Cut != "cut-3" || ends["cut-3"] != 1 || ends["cut-4"] != 0 || hs.Len() != 1 {
+		t.Fatalf("EndOf(node2): %d ended, ends %v, %d left; want cut-3 alone", len(ended), ends, hs.Len())
+	}
+	hs.End(other, "cut-4")
+}

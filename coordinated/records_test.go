@@ -1,0 +1,79 @@
+package coordinated
+
+import (
+	"errors"
+	"log/slog"
+	"os"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/internal/atomicfile"
+)
+
+// TestCutRecords: cut records are kept per run and user; a run name alone finds the one user's; two users'
+// runs of one name need the user; a record whose content names another run or user, or a part that is no
+// snapshot, is refused; retention keeps the snapshots a record names.
+func TestCutRecords(t *testing.T) {
+	r := Records{Dir: t.TempDir(), Host: "node1", Log: slog.New(slog.DiscardHandler)}
+	part := func(job, snap string) clusterapi.CutPart {
+		return clusterapi.CutPart{Job: job, Host: "node1", Snapshot: snap}
+	}
+	const s1, s2 = "20260501T120000.000Z-node1-000001", "20260501T120100.000Z-node2-000002"
+	mine := Cut{Run: "r1", UID: 1000, ID: "cut-1", Parts: []clusterapi.CutPart{part("a-00000001", s1)}}
+	if err := r.Save(mine); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.Load("r2", nil); !errors.Is(err, ErrNoCut) {
+		t.Errorf("a run without a cut: %v, want ErrNoCut", err)
+	}
+	if c, err := r.Load("r1", nil); err != nil || c.ID != "cut-1" || c.UID != 1000 {
+		t.Errorf("the one user's cut of r1: %+v %v", c, err)
+	}
+	older := mine
+	older.ID = "cut-0"
+	if err := r.Save(older); err != nil { // a commit that arrives after a newer one's
+		t.Fatal(err)
+	}
+	if c, err := r.Load("r1", nil); err != nil || c.ID != "cut-1" {
+		t.Errorf("after an older cut's late commit: %+v %v, want cut-1 kept", c, err)
+	}
+	theirs := Cut{Run: "r1", UID: 2000, ID: "cut-2", Parts: []clusterapi.CutPart{part("b-00000002", s2)}}
+	if err := r.Save(theirs); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.Load("r1", nil); err == nil || !strings.Contains(err.Error(), "name the user") {
+		t.Errorf("r1 of two users without a user: %v, want a refusal asking for it", err)
+	}
+	uid := uint32(2000)
+	if c, err := r.Load("r1", &uid); err != nil || c.ID != "cut-2" {
+		t.Errorf("uid 2000's cut of r1: %+v %v", c, err)
+	}
+	if got := r.Pinned("b-00000002"); !slices.Equal(got, []string{s2}) {
+		t.Errorf("pinned snapshots of b: %v, want [%s]", got, s2)
+	}
+	if c, p := r.With("a-00000001"); c == nil || c.UID != 1000 || p.Snapshot != s1 {
+		t.Errorf("cut with job a: %+v %+v", c, p)
+	}
+	// A record is read as another member wrote it: a renamed or edited one is refused, never used.
+	if err := os.Rename(r.path("r1", 2000), r.path("r1", 3000)); err != nil {
+		t.Fatal(err)
+	}
+	other := uint32(3000)
+	if _, err := r.Load("r1", &other); err == nil || !strings.Contains(err.Error(), "names run r1 of uid 2000") {
+		t.Errorf("a record moved to another user's name: %v, want it refused", err)
+	}
+	bad := mine
+	bad.Parts = []clusterapi.CutPart{part("a-00000001", "../../etc/passwd")}
+	if err := atomicfile.WriteJSON(r.path("r1", 1000), bad); err != nil {
+		t.Fatal(err)
+	}
+	mineUID := uint32(1000)
+	if _, err := r.Load("r1", &mineUID); err == nil || !strings.Contains(err.Error(), "snapshot") {
+		t.Errorf("a record naming a path as a snapshot: %v, want it refused", err)
+	}
+	if got := r.Pinned("a-00000001"); len(got) != 0 {
+		t.Errorf("pinned from a refused record: %v", got)
+	}
+}
