@@ -1,7 +1,6 @@
-package agent
+package statedir
 
 import (
-	"bufio"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -33,10 +32,11 @@ func writeOld(t *testing.T, p string, mode fs.FileMode) {
 	}
 }
 
-// TestPrepareDirs checks the modes of the agent's directories and files under the systemd unit's umask,
-// for an older version's state directory, in both layouts: jobs_dir inside state_dir (the default) and
-// beside it (the lab's).
-func TestPrepareDirs(t *testing.T) {
+// TestPrepare checks the modes of an agent's directories and files under the systemd unit's umask (its
+// state directory and job records private; its jobs_dir and socket directory public), for an older
+// version's state directory, in both layouts: jobs_dir inside state_dir (the default) and beside it (the
+// lab's).
+func TestPrepare(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("SKIPPED: needs root (chown of a user's job directory)")
 	}
@@ -58,43 +58,43 @@ func TestPrepareDirs(t *testing.T) {
 			old := unix.Umask(0o022)
 			defer unix.Umask(old)
 			base := t.TempDir()
-			cfg := Defaults()
-			cfg.StateDir = filepath.Join(base, tc.state)
-			cfg.JobsDir = filepath.Join(base, tc.jobs)
-			cfg.Socket = filepath.Join(base, "run/ftkit/agent.sock")
-			records := filepath.Join(cfg.StateDir, "jobs")
+			stateDir := filepath.Join(base, tc.state)
+			jobsDir := filepath.Join(base, tc.jobs)
+			socketDir := filepath.Join(base, "run/ftkit")
+			records := filepath.Join(stateDir, "jobs")
+			prepare := func() error { return Prepare([]string{stateDir, records}, []string{jobsDir, socketDir}) }
 
 			want := map[string]fs.FileMode{
-				cfg.StateDir:                     tc.wantState,
-				cfg.JobsDir:                      0o755,
+				stateDir:                         tc.wantState,
+				jobsDir:                          0o755,
 				filepath.Join(base, "run"):       0o755,
 				filepath.Join(base, "run/ftkit"): 0o755,
 			}
 			if !tc.recordsArePublic {
 				want[records] = 0o700
-				want[filepath.Dir(cfg.JobsDir)] = 0o755
+				want[filepath.Dir(jobsDir)] = 0o755
 			}
 			if !tc.fresh {
 				// What an older version left: everything world-readable.
-				if err := os.MkdirAll(cfg.StateDir, 0o755); err != nil {
+				if err := os.MkdirAll(stateDir, 0o755); err != nil {
 					t.Fatal(err)
 				}
-				os.Chmod(cfg.StateDir, 0o755)
+				os.Chmod(stateDir, 0o755)
 				for _, f := range []string{"view.json", "failures.json", "claim.json"} {
-					writeOld(t, filepath.Join(cfg.StateDir, f), 0o644)
-					want[filepath.Join(cfg.StateDir, f)] = 0o600
+					writeOld(t, filepath.Join(stateDir, f), 0o644)
+					want[filepath.Join(stateDir, f)] = 0o600
 				}
 				writeOld(t, filepath.Join(records, "lu-1.json"), 0o644)
 				writeOld(t, filepath.Join(records, "lu-1.shim.log"), 0o644)
-				writeOld(t, filepath.Join(cfg.StateDir, "restore", "x", "pages-1.img"), 0o644)
+				writeOld(t, filepath.Join(stateDir, "restore", "x", "pages-1.img"), 0o644)
 				for _, d := range []string{"restore", "restore/x", "jobs"} {
-					os.Chmod(filepath.Join(cfg.StateDir, d), 0o755)
+					os.Chmod(filepath.Join(stateDir, d), 0o755)
 				}
-				want[filepath.Join(cfg.StateDir, "restore")] = 0o700
+				want[filepath.Join(stateDir, "restore")] = 0o700
 				want[filepath.Join(records, "lu-1.json")] = 0o600
 				want[filepath.Join(records, "lu-1.shim.log")] = 0o600
 				// A user's job directory in jobs_dir, and a link a user might plant there.
-				userDir := filepath.Join(cfg.JobsDir, "lu-1")
+				userDir := filepath.Join(jobsDir, "lu-1")
 				if err := os.MkdirAll(userDir, 0o755); err != nil {
 					t.Fatal(err)
 				}
@@ -105,14 +105,14 @@ func TestPrepareDirs(t *testing.T) {
 				want[userDir] = 0o755
 				outside := filepath.Join(base, "outside")
 				writeOld(t, outside, 0o644)
-				if err := os.Symlink(outside, filepath.Join(cfg.JobsDir, "evil.json")); err != nil {
+				if err := os.Symlink(outside, filepath.Join(jobsDir, "evil.json")); err != nil {
 					t.Fatal(err)
 				}
 				want[outside] = 0o644
 			}
 
 			unix.Umask(0o077) // which would make new directories 0700
-			if err := prepareDirs(cfg, records); err != nil {
+			if err := prepare(); err != nil {
 				t.Fatal(err)
 			}
 			for p, m := range want {
@@ -121,43 +121,12 @@ func TestPrepareDirs(t *testing.T) {
 				}
 			}
 			// Idempotent: a second start changes nothing and fails on nothing.
-			if err := prepareDirs(cfg, records); err != nil {
+			if err := prepare(); err != nil {
 				t.Fatal(err)
 			}
-			if got := perm(t, cfg.StateDir); got != tc.wantState {
+			if got := perm(t, stateDir); got != tc.wantState {
 				t.Errorf("state dir mode %v after a second start", got)
 			}
 		})
-	}
-}
-
-// The unit must give the agent a private umask and keep KillMode=process (jobs outlive the agent).
-func TestSystemdUnit(t *testing.T) {
-	f, err := os.Open("../deploy/systemd/ftagent.service")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	section := ""
-	got := map[string]string{}
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		line := strings.TrimSpace(sc.Text())
-		switch {
-		case line == "" || strings.HasPrefix(line, "#"):
-		case strings.HasPrefix(line, "["):
-			section = line
-		case section == "[Service]":
-			k, v, _ := strings.Cut(line, "=")
-			got[strings.TrimSpace(k)] = strings.TrimSpace(v)
-		}
-	}
-	if err := sc.Err(); err != nil {
-		t.Fatal(err)
-	}
-	for k, v := range map[string]string{"UMask": "0077", "KillMode": "process"} {
-		if got[k] != v {
-			t.Errorf("[Service] %s=%q, want %q", k, got[k], v)
-		}
 	}
 }
