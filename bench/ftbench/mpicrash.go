@@ -86,7 +86,7 @@ func benchMPICrash(ctx context.Context, log *slog.Logger) ([]Metric, any, error)
 		Metric{Name: "node1_vs_node2_crashed", Value: crashed["node1"] / crashed["node2"], Unit: "x"},
 		Metric{Name: "runs_identical", Value: float64(identical), Unit: fmt.Sprintf("of %d", len(runs))})
 	return metrics, map[string]any{
-		"program":          "LAMMPS melt (4000 atoms, run 3000, thermo 500), ftctl mpirun --np 3, one rank per lab node, a spare",
+		"program":          "LAMMPS melt (4000 atoms, run 3000, thermo 500), ftctl mpirun --np 3, one rank per lab node, a spare, OMPI_MCA_mpi_yield_when_idle=1",
 		"crash":            "the host's jobs snapshotted once the first thermo row is out, the host crashed at the next row",
 		"detection":        "labcluster.FastDetection, fence script",
 		"target":           "node1_vs_node2_crashed <= 1.10 (issue 13)",
@@ -236,6 +236,10 @@ func startLAMMPS(ctx context.Context, ftctl, labID, dir, name string) *lammpsRun
 	r := &lammpsRun{done: make(chan error, 1)}
 	r.cmd = exec.CommandContext(ctx, ftctl, "mpirun", "--lab", labID, "--np", "3", "--name", name, "--", "lmp", "-in", "in.melt")
 	r.cmd.Dir = dir
+	// The lab's hosts share this machine's CPUs while Open MPI sees one slot per host: ranks told to yield
+	// when idle leave the CPU to the rank that would send (docs/mpi.md; LAMMPS's melt 9-12 s instead of
+	// 47-50 s in the same lab, 2026-12-01), as agent/e2e's tests run them.
+	r.cmd.Env = append(os.Environ(), "OMPI_MCA_mpi_yield_when_idle=1")
 	r.cmd.Stdout, r.cmd.Stderr = &r.out, &r.out
 	// ftctl runs ftwrap, which holds the output pipe: a group of their own, killed together.
 	r.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
