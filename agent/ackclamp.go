@@ -11,7 +11,7 @@ import (
 
 // pinDir is where this agent pins the eBPF objects that must outlive it. The node name is in the default:
 // the hosts of a lab share one bpffs.
-func (c Config) pinDir() string {
+func pinDir(c Config) string {
 	if c.BPFPinDir != "" {
 		return c.BPFPinDir
 	}
@@ -22,7 +22,7 @@ func (c Config) pinDir() string {
 // sockets keep their ACK clock when this process dies and the next agent finds them. Without a bpffs it
 // falls back to a clamp that lives as long as the process.
 func (a *Agent) openAckClamp() (*ackclamp.Clamp, error) {
-	dir := filepath.Join(a.cfg.pinDir(), "ackclamp")
+	dir := filepath.Join(pinDir(a.cfg), "ackclamp")
 	var err error
 	if root := ackclamp.DefaultBPFFS; strings.HasPrefix(dir, root+"/") {
 		err = ackclamp.MountBPFFS(root)

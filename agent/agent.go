@@ -174,8 +174,8 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 	if a.grants, err = grant.Open(filepath.Join(cfg.StateDir, "grants.json"), grant.Options{}); err != nil {
 		return nil, err
 	}
-	a.watchdog = detect.NewWatchdog(cfg.watchdogConfig())
-	a.stalls = detect.NewStalls(cfg.stallTick(), cfg.stallLimit())
+	a.watchdog = detect.NewWatchdog(watchdogConfig(cfg))
+	a.stalls = detect.NewStalls(stallTick(cfg), stallLimit(cfg))
 	a.store, err = ckpt.Open(filepath.Join(cfg.StateDir, "snapshots"), ckpt.Options{Node: cfg.Name, Logger: a.log})
 	if err != nil {
 		return nil, err

@@ -63,7 +63,7 @@ func TestReleaseOneSnapshotBehind(t *testing.T) {
 func TestPolicyAppliesIntervalFloor(t *testing.T) {
 	cfg := Config{}
 	cfg.Checkpoint.Interval = Interval{Fixed: time.Minute}
-	cfg.Checkpoint.MinInterval = Duration{time.Second}
+	cfg.Checkpoint.MinInterval = Duration{Duration: time.Second}
 	a := &Agent{cfg: cfg, log: slog.New(slog.DiscardHandler), byID: map[string]*Job{}, policies: map[string]*interval.Policy{}}
 	a.byID["fast-00000001"] = &Job{ID: "fast-00000001", Spec: JobSpec{Interval: "1ms"}}
 	a.byID["slow-00000001"] = &Job{ID: "slow-00000001", Spec: JobSpec{Interval: "5s"}}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"github.com/ftkit/ftkit/agentconfig"
 	"log/slog"
 	"net/netip"
 	"os"
@@ -52,7 +53,7 @@ type testAgent struct {
 func newTestAgent(t *testing.T) *testAgent {
 	t.Helper()
 	dir := t.TempDir()
-	cfg := Defaults()
+	cfg := agentconfig.Defaults()
 	cfg.Name = "node1"
 	cfg.StateDir = dir
 	cfg.JobsDir = filepath.Join(dir, "jobdirs")
@@ -222,15 +223,17 @@ var (
 	TestFailures             = testFailures
 )
 
-func NewTestAgent(t *testing.T) *TestAgent               { return newTestAgent(t) }
-func (ta *testAgent) AddJob(t *testing.T, j Job) *Job    { return ta.addJob(t, j) }
-func (ta *testAgent) Dir() string                        { return ta.dir }
-func (ta *testAgent) StoreRoot() string                  { return ta.store.Root() }
-func (ta *testAgent) JobsDir() string                    { return ta.cfg.JobsDir }
-func (ta *testAgent) OwnSnap() string                    { return ta.ownSnap }
-func (ta *testAgent) GoneSnap() string                   { return ta.goneSnap }
-func (ta *testAgent) SetShim(path string)                { ta.self = path }
-func (ta *testAgent) SetCheckpointFloor(d time.Duration) { ta.cfg.Checkpoint.MinInterval = Duration{d} }
+func NewTestAgent(t *testing.T) *TestAgent            { return newTestAgent(t) }
+func (ta *testAgent) AddJob(t *testing.T, j Job) *Job { return ta.addJob(t, j) }
+func (ta *testAgent) Dir() string                     { return ta.dir }
+func (ta *testAgent) StoreRoot() string               { return ta.store.Root() }
+func (ta *testAgent) JobsDir() string                 { return ta.cfg.JobsDir }
+func (ta *testAgent) OwnSnap() string                 { return ta.ownSnap }
+func (ta *testAgent) GoneSnap() string                { return ta.goneSnap }
+func (ta *testAgent) SetShim(path string)             { ta.self = path }
+func (ta *testAgent) SetCheckpointFloor(d time.Duration) {
+	ta.cfg.Checkpoint.MinInterval = Duration{Duration: d}
+}
 func (ta *testAgent) AddFailures(fs []*Failure) {
 	for _, f := range fs {
 		ta.failures.merge(f)

@@ -30,7 +30,7 @@ import (
 // watchdogConfig is the watchdog of this configuration. Its checks run every half interval; one that comes
 // more than half a timeout after the previous one means this agent was not scheduled, and the silence it
 // measured may be its own (corosync runs at realtime priority for the same reason; see docs/detection.md).
-func (c Config) watchdogConfig() detect.Config {
+func watchdogConfig(c Config) detect.Config {
 	return detect.Config{Timeout: c.Heartbeat.Timeout.Duration, BusyGrace: c.Heartbeat.BusyGrace.Duration,
 		MaxCheckGap: max(c.Heartbeat.Timeout.Duration/2, 2*c.Heartbeat.Interval.Duration)}
 }
@@ -39,13 +39,13 @@ func (c Config) watchdogConfig() detect.Config {
 // interval, on the watchdog's grid (a quarter interval doubled the instants the idle agent woke at: with
 // the self-fence's pings, 598-624 context switches a second against 433-470 without both), a stall when
 // one is later than a quarter timeout, well below the probe timeout.
-func (c Config) stallTick() time.Duration  { return c.Heartbeat.Interval.Duration / 2 }
-func (c Config) stallLimit() time.Duration { return c.Heartbeat.Timeout.Duration / 4 }
+func stallTick(c Config) time.Duration  { return c.Heartbeat.Interval.Duration / 2 }
+func stallLimit(c Config) time.Duration { return c.Heartbeat.Timeout.Duration / 4 }
 
 // watchSelf ticks the stall monitor: a failed confirmation taken while this agent stalled is not
 // evidence (watchPredecessor).
 func (a *Agent) watchSelf(ctx context.Context) {
-	tickgrid.Every(ctx, a.cfg.stallTick(), func() { a.stalls.Tick(time.Now()) })
+	tickgrid.Every(ctx, stallTick(a.cfg), func() { a.stalls.Tick(time.Now()) })
 }
 
 // keepPriority gives every thread of the agent heartbeat.nice, with SCHED_RESET_ON_FORK so that the

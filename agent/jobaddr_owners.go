@@ -63,7 +63,7 @@ func (a *Agent) mayBeJobAddr(ip netip.Addr) bool {
 // clusterPrefix is the cluster network (the cluster interface's address with its length), looked up once.
 func (a *Agent) clusterPrefix() (netip.Prefix, bool) {
 	a.clusterNet.once.Do(func() {
-		if _, own, err := a.cfg.clusterNetwork(); err == nil {
+		if _, own, err := a.cfg.ClusterNetwork(); err == nil {
 			a.clusterNet.prefix = own.Masked()
 		}
 	})

@@ -108,7 +108,7 @@ func TestAwaitFence(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ta := newTestAgent(t)
-			ta.cfg.Failover.FenceTimeout = Duration{tc.timeout}
+			ta.cfg.Failover.FenceTimeout = Duration{Duration: tc.timeout}
 			if tc.command != "" {
 				ta.cfg.Failover.FenceCommand = []string{fenceScript(t, tc.command), "{host}", "{address}"}
 			}

@@ -37,7 +37,7 @@ func (a *Agent) snapshotJob(m *ckpt.Manifest) (Job, error) {
 		return Job{}, fmt.Errorf("%w; refusing to restore it", err)
 	}
 	if j.Net != nil {
-		_, own, err := a.cfg.clusterNetwork()
+		_, own, err := a.cfg.ClusterNetwork()
 		if err == nil {
 			err = checkPeerJobNet(j.Net, own, a.memberAddrs())
 		}

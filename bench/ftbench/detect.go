@@ -22,6 +22,7 @@ import (
 	"github.com/vishvananda/netns"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/agentconfig"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
 )
@@ -149,7 +150,7 @@ func (d *detectBench) crashLab(ctx context.Context, log *slog.Logger, binDir str
 	if err != nil {
 		return nil, nil, agent.Config{}, err
 	}
-	cfg, err := agent.LoadConfig(c.ConfigPath("node1"))
+	cfg, err := agentconfig.LoadConfig(c.ConfigPath("node1"))
 	if err != nil {
 		return nil, nil, agent.Config{}, err
 	}

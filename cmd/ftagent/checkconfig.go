@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/agentconfig"
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/fence"
 	"github.com/ftkit/ftkit/internal/cli"
@@ -51,7 +52,7 @@ const resolvConf = "/etc/resolv.conf"
 // The exit status is 0 when all pass, 2 when the file cannot be read or is invalid (nothing else can be
 // checked then), 1 when another check fails. resolv is the resolver's configuration (resolvConf).
 func checkConfig(w io.Writer, path, resolv string, now time.Time) error {
-	cfg, err := agent.LoadConfig(path)
+	cfg, err := agentconfig.LoadConfig(path)
 	if err != nil {
 		printChecks(w, []check{{"configuration " + path, err}})
 		return cli.WithCode(cli.ExitUsage, errors.New("the configuration is invalid: fix it and check again"))

@@ -15,6 +15,7 @@ import (
 
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/agentapi"
+	"github.com/ftkit/ftkit/agentconfig"
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/internal/version"
@@ -63,7 +64,7 @@ Exit codes:
 			if checkOnly {
 				return checkConfig(cmd.OutOrStdout(), configPath, resolvConf, time.Now())
 			}
-			cfg, err := agent.LoadConfig(configPath)
+			cfg, err := agentconfig.LoadConfig(configPath)
 			if err != nil {
 				return cli.WithCode(cli.ExitUsage, err)
 			}

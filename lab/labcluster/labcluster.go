@@ -18,6 +18,7 @@ import (
 
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/agentapi"
+	"github.com/ftkit/ftkit/agentconfig"
 	"github.com/ftkit/ftkit/internal/clustertls"
 	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/lab"
@@ -223,7 +224,7 @@ func Open(l *lab.Lab, opts Options) (c *Cluster, ok bool) {
 
 // Config builds the agent configuration of one lab host.
 func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
-	cfg := agent.Defaults()
+	cfg := agentconfig.Defaults()
 	cfg.Name = h.Name
 	cfg.StateDir = StateDir(st.ID, h.Name)
 	cfg.JobsDir = JobsDir(st.ID)

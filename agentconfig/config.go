@@ -1,0 +1,425 @@
+// Package agentconfig is the node agent's configuration file (docs/agent.example.toml documents every
+// key): its types, defaults, parsing, and the checks an operator can act on, apart from the daemon, so
+// that a configuration is checked (ftagent --check-config) and written (the lab) without starting one.
+package agentconfig
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"net/netip"
+	"os"
+	"time"
+
+	"github.com/pelletier/go-toml/v2"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/fence"
+	"github.com/ftkit/ftkit/intercept/record"
+	"github.com/ftkit/ftkit/jobnet"
+	"github.com/ftkit/ftkit/metrics"
+)
+
+// Role is what a cluster member is for.
+type Role string
+
+const (
+	RoleNode  Role = "node"
+	RoleSpare Role = "spare"
+)
+
+// Mode is how a host's jobs are snapshotted; it is recorded in every snapshot's manifest.
+type Mode = ckpt.Mode
+
+const (
+	Uncoordinated   = ckpt.ModeUncoordinated
+	SemiCoordinated = ckpt.ModeSemiCoordinated
+)
+
+// maxParallelRestores bounds failover.parallel_restores: beyond it, restores only compete for the spare's
+// disk and memory.
+const maxParallelRestores = 16
+
+// Duration is a time.Duration written as "500ms" in TOML.
+type Duration struct{ time.Duration }
+
+func (d *Duration) UnmarshalText(b []byte) error {
+	v, err := time.ParseDuration(string(b))
+	if err != nil {
+		return err
+	}
+	d.Duration = v
+	return nil
+}
+
+func (d Duration) MarshalText() ([]byte, error) { return []byte(d.String()), nil }
+
+// Interval is a checkpoint interval: fixed, or Auto (Daly's optimum from measured cost and MTBF).
+type Interval struct {
+	Auto  bool
+	Fixed time.Duration
+}
+
+func (i *Interval) UnmarshalText(b []byte) error {
+	if string(b) == "auto" {
+		*i = Interval{Auto: true}
+		return nil
+	}
+	d, err := time.ParseDuration(string(b))
+	if err != nil {
+		return fmt.Errorf("interval %q: use a duration like 60s, or auto", b)
+	}
+	*i = Interval{Fixed: d}
+	return nil
+}
+
+func (i Interval) MarshalText() ([]byte, error) {
+	if i.Auto {
+		return []byte("auto"), nil
+	}
+	return []byte(i.Fixed.String()), nil
+}
+
+func (i Interval) String() string { b, _ := i.MarshalText(); return string(b) }
+
+// Member is one host of the cluster.
+type Member struct {
+	Name    string         `toml:"name"`
+	Address netip.AddrPort `toml:"address"`
+	Role    Role           `toml:"role"`
+}
+
+// Config is the agent's configuration file; docs/agent.example.toml documents every key.
+type Config struct {
+	Name         string `toml:"name"`
+	StateDir     string `toml:"state_dir"`
+	Socket       string `toml:"socket"`
+	CRIU         string `toml:"criu"`
+	JobsDir      string `toml:"jobs_dir"`
+	CgroupParent string `toml:"cgroup_parent"`
+	// BPFPinDir is where the agent pins the eBPF objects that must outlive it (the ACK clamp of restored
+	// sockets); empty: /sys/fs/bpf/ftkit/<name>.
+	BPFPinDir string `toml:"bpf_pin_dir"`
+	Cluster   struct {
+		Listen netip.AddrPort `toml:"listen"`
+		CA     string         `toml:"ca"`
+		Cert   string         `toml:"cert"`
+		Key    string         `toml:"key"`
+		// CRL is optional: the CA's revocation list (ftctl pki revoke); a peer it lists is refused.
+		CRL     string   `toml:"crl"`
+		Members []Member `toml:"member"`
+	} `toml:"cluster"`
+	Checkpoint struct {
+		Mode     Mode     `toml:"mode"`
+		Interval Interval `toml:"interval"`
+		// MinInterval is the shortest fixed interval a job may ask for, and the shortest time between two
+		// manual checkpoints of a non-root user: any local user can start a job, and every dump costs the
+		// host CPU, I/O and a transfer to the protector.
+		MinInterval Duration `toml:"min_interval"`
+		MTBF        Duration `toml:"mtbf"`
+		Keep        int      `toml:"keep"`
+	} `toml:"checkpoint"`
+	Heartbeat struct {
+		Interval  Duration `toml:"interval"`
+		Timeout   Duration `toml:"timeout"`
+		BusyGrace Duration `toml:"busy_grace"`
+		// ProbeTimeout bounds the direct probe that confirms a suspicion (0: timeout). A crashed host does
+		// not answer at all, so confirmation costs this long; a live one answers a ping in milliseconds.
+		ProbeTimeout Duration `toml:"probe_timeout"`
+		// Nice, if negative, is the agent's own nice value, so that CPU-bound jobs or a hog cannot starve
+		// its heartbeats and probes (corosync runs at realtime priority for this reason). The processes
+		// the agent starts (shims, jobs, CRIU) run at nice 0 (SCHED_RESET_ON_FORK). Its autogroup gets it
+		// too (raiseAutogroup), which CRIU, in the agent's session, shares. 0: unchanged.
+		Nice int `toml:"nice"`
+	} `toml:"heartbeat"`
+	Failover struct {
+		// Automatic: the protector restores a confirmed-failed predecessor's jobs on a spare (or on itself)
+		// at once. Off: the failure is only reported, and the operator restores with `ftctl restore`.
+		Automatic bool `toml:"automatic"`
+		// ReplayTimeout bounds how long a restored job may take to re-send what its peers had received:
+		// one that has not by then (it diverged and waits for a message nobody will send) is killed and
+		// the recovery fails, naming the connection.
+		ReplayTimeout Duration `toml:"replay_timeout"`
+		// ParallelRestores is how many of a failed node's jobs the target fetches, plans and restores at
+		// once (1: one after another). Each restore holds its job's images and CRIU's memory at the same time.
+		ParallelRestores int `toml:"parallel_restores"`
+		// LazyRestore restores a job's memory on first touch (CRIU's lazy pages, from the local images):
+		// the job runs again without waiting for all its pages, which arrive in the background.
+		LazyRestore bool `toml:"lazy_restore"`
+		// FenceTimeout is how long a node may hear from neither ring neighbour before it kills its protected
+		// jobs (self-fencing); the protector waits longer than that before a restored copy goes live. 0:
+		// 2 × heartbeat.timeout + 1s. The same value on every member.
+		FenceTimeout Duration `toml:"fence_timeout"`
+		// FenceCommand, if set, is run by the protector before a takeover ({host} and {address} substituted):
+		// exit status 0 confirms the failed host is off and the fence wait is skipped.
+		FenceCommand        []string `toml:"fence_command"`
+		FenceCommandTimeout Duration `toml:"fence_command_timeout"`
+	} `toml:"failover"`
+	// Health is the site's failure predictor (HealthConfig).
+	Health HealthConfig `toml:"health"`
+	Log    LogConfig    `toml:"log"`
+	// JobNetwork gives jobs that ask for one an address of their own (JobNetworkConfig); off without a pool.
+	JobNetwork JobNetworkConfig `toml:"job_network"`
+
+	Metrics struct {
+		// Listen is the ip:port of the Prometheus endpoint (/metrics); empty: none. The endpoint has no
+		// authentication and names jobs and members: keep it on loopback unless the network is trusted.
+		Listen string `toml:"listen"`
+	} `toml:"metrics"`
+}
+
+// LogConfig configures the sender-side log of the bytes this host's jobs send to other hosts.
+type LogConfig struct {
+	Enabled   bool   `toml:"enabled"`
+	Interface string `toml:"interface"` // egress interface; empty: the one holding cluster.listen's address
+	RingMiB   int    `toml:"ring_mib"`  // eBPF ring buffer (power of two); full means TCP backpressure, never loss
+	// MaxFlows is how many protected connections of this host keep a live state in the capture at once
+	// (the least recently active is forgotten beyond it; a recovery needs the state of a peer that sent
+	// nothing since the snapshot). Each costs the kernel 120 bytes, preallocated (7.9 MB for the default).
+	MaxFlows  int     `toml:"max_flows"`
+	MemoryMiB int     `toml:"memory_mib"` // cap on the log's RAM; 0: 10% of this host's memory
+	High      float64 `toml:"high"`       // fraction of the cap at which destination nodes are asked to snapshot
+	Low       float64 `toml:"low"`        // fraction of the cap the controller aims for
+	SpillDir  string  `toml:"spill_dir"`  // last resort when snapshots do not free enough; empty: never spill
+	// ReceiveOrder records the order in which jobs consume their connections (package intercept), so that
+	// a restored job re-reads them in that order. Off, a job that reads whichever socket has data first
+	// fails its recovery (loudly) when it reads another one first.
+	ReceiveOrder bool `toml:"receive_order"`
+	// ReceivePositions also records, with receive_order, each receive call's place among its thread's
+	// readiness calls, and replays it (intercept's receive positions: MPI_Waitany, MPI_ANY_SOURCE). It counts
+	// every job thread's epoll_wait/poll/select (every system call of the host then takes the kernel's traced
+	// exit path) and freezes each job for its snapshots. Off by default for its cost (docs/receive-order.md).
+	ReceivePositions bool `toml:"receive_positions"`
+	// Pessimistic, with receive_order, stops a job's process after each receive call that consumed bytes
+	// until the call's determinant is stored at the job's protector: nothing the process sends afterwards
+	// depends on a determinant a crash could take (no orphans), at the price of a round trip to the
+	// protector per receive call. Each snapshot freezes the job. Off by default (docs/receive-order.md).
+	Pessimistic bool `toml:"pessimistic"`
+	// ReceiveOrderShipEvery is the least time between two shipments of a job's determinants to its
+	// protector: longer costs the jobs less (one cluster request per shipment), shorter leaves a crash fewer
+	// determinants to take with it (orphans, docs/receive-order.md). 0: every call as soon as it is
+	// recorded, the agent woken for each (the lowest lag, at several times the cost).
+	ReceiveOrderShipEvery Duration `toml:"receive_order_ship_every"`
+}
+
+// minMaxFlows is log.max_flows' least value: fewer would have idle connections of an ordinary host lose
+// their live state.
+const minMaxFlows = 1024
+
+// Defaults returns a Config with every default filled in.
+func Defaults() Config {
+	var c Config
+	c.StateDir = "/var/lib/ftkit"
+	c.Socket = "/run/ftkit/agent.sock"
+	c.JobsDir = "/var/lib/ftkit/jobs"
+	c.CgroupParent = "/sys/fs/cgroup/unified/ftkit"
+	c.Checkpoint.Mode = Uncoordinated
+	c.Checkpoint.Interval = Interval{Fixed: 60 * time.Second}
+	c.Checkpoint.MinInterval = Duration{time.Second}
+	c.Checkpoint.MTBF = Duration{24 * time.Hour}
+	c.Checkpoint.Keep = 3
+	c.Heartbeat.Interval = Duration{500 * time.Millisecond}
+	c.Heartbeat.Timeout = Duration{3 * time.Second}
+	c.Heartbeat.BusyGrace = Duration{60 * time.Second}
+	c.Failover.Automatic = true
+	c.Failover.ReplayTimeout = Duration{2 * time.Minute}
+	c.Failover.ParallelRestores = 4
+	c.Failover.FenceCommandTimeout = Duration{30 * time.Second}
+	c.Health = HealthConfig{Interval: Duration{30 * time.Second}, Timeout: Duration{10 * time.Second}, LeadTime: Duration{30 * time.Minute}}
+	c.Log = LogConfig{Enabled: true, RingMiB: 64, High: 0.8, Low: 0.6, ReceiveOrder: true, ReceiveOrderShipEvery: Duration{record.DefaultShipEvery},
+		MaxFlows: ebpfprobes.DefaultMaxFlows}
+	c.JobNetwork.Kind = jobnet.MACVlan
+	c.JobNetwork.Linger = Duration{30 * time.Second}
+	return c
+}
+
+// LoadConfig reads and validates a configuration file; unknown keys are errors (a typo must not silently
+// fall back to a default).
+func LoadConfig(path string) (Config, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return Config{}, fmt.Errorf("read agent config: %w", err)
+	}
+	c, err := ParseConfig(b)
+	if err != nil {
+		return Config{}, fmt.Errorf("agent config %s: %w", path, err)
+	}
+	return c, nil
+}
+
+// ParseConfig decodes and validates a configuration.
+func ParseConfig(b []byte) (Config, error) {
+	c := Defaults()
+	dec := toml.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&c); err != nil {
+		var sme *toml.StrictMissingError
+		if errors.As(err, &sme) {
+			return Config{}, fmt.Errorf("unknown key: %s", sme.String())
+		}
+		var de *toml.DecodeError
+		if errors.As(err, &de) {
+			row, col := de.Position()
+			return Config{}, fmt.Errorf("line %d column %d: %s", row, col, de.Error())
+		}
+		return Config{}, err
+	}
+	return c, c.Validate()
+}
+
+// Validate checks the configuration for mistakes an operator can fix.
+func (c Config) Validate() error {
+	var errs []error
+	if c.Name == "" {
+		errs = append(errs, errors.New("name: this host's member name is required"))
+	}
+	if c.StateDir == "" || c.JobsDir == "" || c.Socket == "" || c.CgroupParent == "" {
+		errs = append(errs, errors.New("state_dir, jobs_dir, socket and cgroup_parent must not be empty"))
+	}
+	seenName, seenAddr := map[string]bool{}, map[netip.AddrPort]bool{}
+	self := false
+	nodes := 0
+	for i, m := range c.Cluster.Members {
+		switch {
+		case m.Name == "":
+			errs = append(errs, fmt.Errorf("cluster.member %d: name is required", i+1))
+		case seenName[m.Name]:
+			errs = append(errs, fmt.Errorf("cluster.member %q appears twice", m.Name))
+		case !m.Address.IsValid():
+			errs = append(errs, fmt.Errorf("cluster.member %q: address must be ip:port", m.Name))
+		case seenAddr[m.Address]:
+			errs = append(errs, fmt.Errorf("cluster.member %q: address %s is used twice", m.Name, m.Address))
+		case m.Role != RoleNode && m.Role != RoleSpare:
+			errs = append(errs, fmt.Errorf("cluster.member %q: role %q: use node or spare", m.Name, m.Role))
+		}
+		seenName[m.Name], seenAddr[m.Address] = true, true
+		self = self || m.Name == c.Name
+		if m.Role == RoleNode {
+			nodes++
+		}
+	}
+	if len(c.Cluster.Members) > 0 && !self {
+		errs = append(errs, fmt.Errorf("name %q is not a cluster.member", c.Name))
+	}
+	if len(c.Cluster.Members) > 0 && nodes < 2 {
+		errs = append(errs, errors.New("cluster: a protection ring needs at least 2 members with role node"))
+	}
+	switch c.Checkpoint.Mode {
+	case Uncoordinated, SemiCoordinated:
+	default:
+		errs = append(errs, fmt.Errorf("checkpoint.mode %q: use uncoordinated or semi-coordinated", c.Checkpoint.Mode))
+	}
+	if c.Checkpoint.MinInterval.Duration <= 0 {
+		errs = append(errs, fmt.Errorf("checkpoint.min_interval %s: must be positive", c.Checkpoint.MinInterval))
+	} else if !c.Checkpoint.Interval.Auto && c.Checkpoint.Interval.Fixed < c.Checkpoint.MinInterval.Duration {
+		errs = append(errs, fmt.Errorf("checkpoint.interval %s is below checkpoint.min_interval: use at least %s, or auto",
+			c.Checkpoint.Interval.Fixed, c.Checkpoint.MinInterval))
+	}
+	if c.Checkpoint.Interval.Auto && c.Checkpoint.MTBF.Duration <= 0 {
+		errs = append(errs, errors.New("checkpoint.mtbf must be positive when checkpoint.interval is auto"))
+	}
+	if c.Checkpoint.Keep < 1 {
+		errs = append(errs, fmt.Errorf("checkpoint.keep %d: keep at least 1 snapshot", c.Checkpoint.Keep))
+	}
+	if d := c.Log.ReceiveOrderShipEvery.Duration; d < 0 || d > record.MaxShipEvery {
+		errs = append(errs, fmt.Errorf("log.receive_order_ship_every %s: must be between 0 (at once) and %s", c.Log.ReceiveOrderShipEvery, record.MaxShipEvery))
+	}
+	if c.Failover.ReplayTimeout.Duration <= 0 {
+		errs = append(errs, fmt.Errorf("failover: replay_timeout (%s) must be positive", c.Failover.ReplayTimeout))
+	}
+	if c.Failover.ParallelRestores < 1 || c.Failover.ParallelRestores > maxParallelRestores {
+		errs = append(errs, fmt.Errorf("failover: parallel_restores %d: 1 (one job after another) to %d", c.Failover.ParallelRestores, maxParallelRestores))
+	}
+	if c.Heartbeat.Interval.Duration <= 0 || c.Heartbeat.Timeout.Duration <= c.Heartbeat.Interval.Duration {
+		errs = append(errs, fmt.Errorf("heartbeat: timeout (%s) must be longer than a positive interval (%s)", c.Heartbeat.Timeout, c.Heartbeat.Interval))
+	}
+	if c.Failover.FenceTimeout.Duration < 0 {
+		errs = append(errs, fmt.Errorf("failover.fence_timeout %s must not be negative (0: 2 × heartbeat.timeout + 1s)", c.Failover.FenceTimeout))
+	} else if err := c.FenceTiming().Validate(c.Heartbeat.Timeout.Duration); err != nil {
+		errs = append(errs, fmt.Errorf("failover: %w", err))
+	}
+	if err := fence.CheckArgv(c.Failover.FenceCommand); err != nil {
+		errs = append(errs, fmt.Errorf("failover: %w", err))
+	}
+	if c.Failover.FenceCommandTimeout.Duration <= 0 {
+		errs = append(errs, fmt.Errorf("failover.fence_command_timeout %s must be positive", c.Failover.FenceCommandTimeout))
+	}
+	if err := c.Health.validate(); err != nil {
+		errs = append(errs, fmt.Errorf("health: %w", err))
+	}
+	if c.Heartbeat.Nice < -20 || c.Heartbeat.Nice > 0 {
+		errs = append(errs, fmt.Errorf("heartbeat.nice %d must be between -20 and 0 (0: unchanged)", c.Heartbeat.Nice))
+	}
+	if c.Heartbeat.ProbeTimeout.Duration < 0 {
+		errs = append(errs, fmt.Errorf("heartbeat.probe_timeout %s must not be negative (0: heartbeat.timeout)", c.Heartbeat.ProbeTimeout))
+	}
+	if c.Heartbeat.BusyGrace.Duration < 0 {
+		errs = append(errs, fmt.Errorf("heartbeat.busy_grace %s must not be negative", c.Heartbeat.BusyGrace))
+	}
+	if c.Log.Enabled {
+		if c.Log.RingMiB <= 0 || c.Log.RingMiB&(c.Log.RingMiB-1) != 0 {
+			errs = append(errs, fmt.Errorf("log.ring_mib %d: use a power of two", c.Log.RingMiB))
+		}
+		if c.Log.MaxFlows < minMaxFlows || c.Log.MaxFlows > ebpfprobes.MaxMaxFlows {
+			errs = append(errs, fmt.Errorf("log.max_flows %d: use %d..%d", c.Log.MaxFlows, minMaxFlows, ebpfprobes.MaxMaxFlows))
+		}
+		if c.Log.MemoryMiB < 0 || !(0 < c.Log.Low && c.Log.Low < c.Log.High && c.Log.High <= 1) {
+			errs = append(errs, fmt.Errorf("log: memory_mib must be >= 0 and 0 < low (%.2f) < high (%.2f) <= 1", c.Log.Low, c.Log.High))
+		}
+	}
+	if err := c.JobNetwork.validate(); err != nil {
+		errs = append(errs, err)
+	}
+	if err := metrics.CheckListen(c.Metrics.Listen); err != nil {
+		errs = append(errs, fmt.Errorf("metrics.listen %w", err))
+	}
+	return errors.Join(errs...)
+}
+
+// ProbeTimeout is heartbeat.probe_timeout, its default filled in.
+func (c Config) ProbeTimeout() time.Duration {
+	if c.Heartbeat.ProbeTimeout.Duration > 0 {
+		return c.Heartbeat.ProbeTimeout.Duration
+	}
+	return c.Heartbeat.Timeout.Duration
+}
+
+// FenceTiming is the self-fencing timing of this configuration, fence_timeout's default filled in.
+func (c Config) FenceTiming() fence.Timing {
+	t := fence.Timing{Interval: c.Heartbeat.Interval.Duration, Timeout: c.Failover.FenceTimeout.Duration}
+	if t.Timeout == 0 {
+		t.Timeout = 2*c.Heartbeat.Timeout.Duration + time.Second
+	}
+	return t
+}
+
+// CheckJobInterval validates the interval a job asks for ("" means the agent's own): a duration of at
+// least checkpoint.min_interval, or auto (whose computed period the scheduler clamps).
+func (c Config) CheckJobInterval(s string) error {
+	if s == "" {
+		return nil
+	}
+	var iv Interval
+	if err := iv.UnmarshalText([]byte(s)); err != nil {
+		return err
+	}
+	if !iv.Auto && iv.Fixed <= 0 {
+		return fmt.Errorf("interval %s: use a positive duration of at least %s, or auto", s, c.Checkpoint.MinInterval)
+	}
+	if !iv.Auto && iv.Fixed < c.Checkpoint.MinInterval.Duration {
+		return fmt.Errorf("interval %s is below this agent's minimum of %s (checkpoint.min_interval): ask for at least %s, or auto",
+			s, c.Checkpoint.MinInterval, c.Checkpoint.MinInterval)
+	}
+	return nil
+}
+
+// Member returns the member with the given name.
+func (c Config) Member(name string) (Member, bool) {
+	for _, m := range c.Cluster.Members {
+		if m.Name == name {
+			return m, true
+		}
+	}
+	return Member{}, false
+}
