@@ -99,7 +99,7 @@ func saveRecovery(stateDir string, rec *recoveryRecord) error {
 }
 
 func loadRecovery(path string) (*recoveryRecord, error) {
-	b, err := readBounded(path, maxRecoverRequest)
+	b, err := atomicfile.ReadBounded(path, maxRecoverRequest)
 	if err != nil {
 		return nil, err
 	}

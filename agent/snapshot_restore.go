@@ -7,7 +7,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -16,6 +15,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/criu/image"
+	"github.com/ftkit/ftkit/internal/atomicfile"
 	"github.com/ftkit/ftkit/shim"
 )
 
@@ -26,7 +26,7 @@ const maxJobRecord = 4 << 20
 // this agent's layout: both come from whichever node took the snapshot.
 func (a *Agent) snapshotJob(m *ckpt.Manifest) (Job, error) {
 	var j Job
-	b, err := readBounded(filepath.Join(a.store.Path(m.Job, m.ID), snapJob), maxJobRecord)
+	b, err := atomicfile.ReadBounded(filepath.Join(a.store.Path(m.Job, m.ID), snapJob), maxJobRecord)
 	if err == nil {
 		err = json.Unmarshal(b, &j)
 	}
@@ -46,19 +46,6 @@ func (a *Agent) snapshotJob(m *ckpt.Manifest) (Job, error) {
 		}
 	}
 	return j, nil
-}
-
-func readBounded(path string, limit int64) ([]byte, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	b, err := io.ReadAll(io.LimitReader(f, limit+1))
-	if err == nil && int64(len(b)) > limit {
-		err = fmt.Errorf("%s is larger than %d bytes", path, limit)
-	}
-	return b, err
 }
 
 // workCopy lays out the snapshot's images in a working directory that restoreJob removes.

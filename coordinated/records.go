@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"log/slog"
 	"os"
@@ -12,7 +11,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"syscall"
 
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/internal/atomicfile"
@@ -77,7 +75,7 @@ func (r Records) Load(run string, owner *uint32) (*Cut, error) {
 			return nil, fmt.Errorf("%w: runs named %s of users %v have coordinated snapshots: name the user (--uid)", ErrRefused, run, users)
 		}
 	}
-	b, err := readBounded(r.path(run, *owner), clusterapi.MaxMessage)
+	b, err := atomicfile.ReadBounded(r.path(run, *owner), clusterapi.MaxMessage)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, fmt.Errorf("%w of run %s of uid %d is recorded on %s: take one with `ftctl checkpoint --run %s`", ErrNoCut, run, *owner, r.Host, run)
 	}
@@ -95,21 +93,6 @@ func (r Records) Load(run string, owner *uint32) (*Cut, error) {
 		return nil, fmt.Errorf("cut record of run %s on %s: %w", run, r.Host, err)
 	}
 	return &c, nil
-}
-
-// readBounded reads path (opened without following a link: the directory is the agent's own, and
-// nothing in it should be one) up to limit bytes.
-func readBounded(path string, limit int64) ([]byte, error) {
-	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	b, err := io.ReadAll(io.LimitReader(f, limit+1))
-	if err == nil && int64(len(b)) > limit {
-		err = fmt.Errorf("%s is larger than %d bytes", path, limit)
-	}
-	return b, err
 }
 
 // Runs are the runs with a cut recorded here.

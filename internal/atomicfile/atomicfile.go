@@ -1,13 +1,15 @@
 // Package atomicfile writes files so that readers, and a machine that crashes midway, see either the old
 // content or the new one, never a torn file: write a temporary file beside the target, fsync it, rename
-// it into place, fsync the directory.
+// it into place, fsync the directory. ReadBounded reads such a file back.
 package atomicfile
 
 import (
 	"encoding/json"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
+	"syscall"
 )
 
 // WriteFile atomically replaces path with data; the file gets mode perm
@@ -71,4 +73,19 @@ func SyncDir(dir string) error {
 		return fmt.Errorf("sync dir %s: %w", dir, err)
 	}
 	return nil
+}
+
+// ReadBounded reads path, a file of the caller's own state that may have come from elsewhere (a peer's
+// record, a snapshot's), refusing one larger than limit bytes and a link in its last component.
+func ReadBounded(path string, limit int64) ([]byte, error) {
+	f, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, limit+1))
+	if err == nil && int64(len(b)) > limit {
+		err = fmt.Errorf("%s is larger than %d bytes", path, limit)
+	}
+	return b, err
 }

@@ -1,8 +1,10 @@
 package atomicfile
 
 import (
+	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 )
@@ -76,5 +78,28 @@ func TestWriteJSONPermIgnoresUmask(t *testing.T) {
 	}
 	if st, _ := os.Stat(p); st.Mode().Perm() != 0o644 {
 		t.Errorf("mode %v, want 0644", st.Mode().Perm())
+	}
+}
+
+// TestReadBounded: a file up to the limit is read whole; one byte more, or a link in its place, is
+// refused.
+func TestReadBounded(t *testing.T) {
+	dir := t.TempDir()
+	p := filepath.Join(dir, "rec.json")
+	if err := WriteFile(p, []byte("0123456789"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if b, err := ReadBounded(p, 10); err != nil || string(b) != "0123456789" {
+		t.Errorf("at the limit: %q, %v", b, err)
+	}
+	if _, err := ReadBounded(p, 9); err == nil || !strings.Contains(err.Error(), "larger than 9 bytes") {
+		t.Errorf("past the limit: %v, want a refusal", err)
+	}
+	link := filepath.Join(dir, "link.json")
+	if err := os.Symlink(p, link); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ReadBounded(link, 100); !errors.Is(err, syscall.ELOOP) {
+		t.Errorf("through a link: %v, want ELOOP", err)
 	}
 }
