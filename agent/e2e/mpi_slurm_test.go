@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/internal/lammps"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
 	"github.com/ftkit/ftkit/lab/slurm"
@@ -279,7 +280,7 @@ func TestMPISlurmFailover(t *testing.T) {
 	// listen queue, where CRIU cannot dump it) and every job of ft has its first replica, taken as it started.
 	for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(200 * time.Millisecond) {
 		b, _ := os.ReadFile(filepath.Join(ft.dir, "out"))
-		if len(thermoTable(string(b))) > 0 {
+		if len(lammps.ThermoTable(string(b))) > 0 {
 			break
 		}
 		if time.Now().After(deadline) {

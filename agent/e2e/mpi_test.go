@@ -3,6 +3,8 @@ package e2e
 import (
 	"bytes"
 	"context"
+	"errors"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,6 +16,7 @@ import (
 
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/coordinated"
+	"github.com/ftkit/ftkit/internal/lammps"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
 	"github.com/ftkit/ftkit/lab/labtest"
@@ -205,37 +208,24 @@ func TestMPIHPCC(t *testing.T) {
 	}
 }
 
-// meltInput is LAMMPS's Lennard-Jones melt example from Debian's lammps-examples (4000 atoms), run for 3000
-// steps with thermodynamic output every 500.
+// meltInput is LAMMPS's melt (lammps.MeltInput): 3000 steps, a thermo row every 500.
 func meltInput(t *testing.T) []byte {
 	t.Helper()
-	const example = "/usr/share/lammps/examples/melt/in.melt"
-	b, err := os.ReadFile(example)
+	b, err := lammps.MeltInput()
+	if errors.Is(err, fs.ErrNotExist) {
+		t.Skipf("SKIPPED LOUDLY: %v", err)
+	}
 	if err != nil {
-		t.Skipf("SKIPPED LOUDLY: %s missing (apt-get install lammps-examples): %v", example, err)
+		t.Fatal(err)
 	}
-	var out []string
-	edited := 0
-	for _, l := range strings.Split(string(b), "\n") {
-		switch f := strings.Fields(l); {
-		case len(f) == 2 && f[0] == "run":
-			l, edited = "run 3000", edited+1
-		case len(f) == 2 && f[0] == "thermo":
-			l, edited = "thermo 500", edited+1
-		}
-		out = append(out, l)
-	}
-	if edited != 2 {
-		t.Fatalf("%s has no run and thermo lines to edit", example)
-	}
-	return []byte(strings.Join(out, "\n"))
+	return b
 }
 
 // thermo is LAMMPS's thermodynamic table (step, temperature, energies, pressure): every value depends on
 // every atom's trajectory, so on every byte the ranks exchanged.
 func thermo(t *testing.T, out string) string {
 	t.Helper()
-	rows := thermoTable(out)
+	rows := lammps.ThermoTable(out)
 	if len(rows) != 7 {
 		t.Fatalf("want 7 thermo rows (steps 0 to 3000 by 500), got %d in:\n%s", len(rows), tail(out))
 	}
@@ -243,18 +233,7 @@ func thermo(t *testing.T, out string) string {
 }
 
 // thermoRows counts the rows of LAMMPS's thermodynamic table printed so far.
-func thermoRows(out string) int { return len(thermoTable(out)) }
-
-// thermoTable is the rows of LAMMPS's thermodynamic table printed so far.
-func thermoTable(out string) []string {
-	var rows []string
-	for _, l := range strings.Split(out, "\n") {
-		if f := strings.Fields(l); len(f) == 6 && f[0] != "Step" && strings.Trim(f[0], "0123456789") == "" {
-			rows = append(rows, strings.Join(f, " "))
-		}
-	}
-	return rows
-}
+func thermoRows(out string) int { return len(lammps.ThermoTable(out)) }
 
 // TestMPIFailover runs LAMMPS (Debian's lmp, Open MPI over TCP), one rank per lab node, each host's MPI
 // process tree one protected job: first without failure, then with node2 snapshotted and crashed mid-run.

@@ -10,11 +10,11 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/internal/lammps"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
 )
@@ -23,7 +23,7 @@ import (
 // `ftctl mpirun`, one rank per lab node, failure-free and with node1 or node2 crashed mid-run. node1's job
 // holds mpirun and rank 0, whose connections to every other rank are restored; node2's only rank 1's. The
 // target: the run with node1 crashed within 10% of the run with node2 crashed, which it was not while
-// restored sockets sent 524-byte segments (32 s against 13). Each round crashes each host once, in a lab of
+// restored sockets sent 524-byte segments (32 s, against 13 s failure-free). Each round crashes each host once, in a lab of
 // its own that first runs the failure-free reference; every crashed run's thermodynamic table must equal
 // its reference's.
 func benchMPICrash(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
@@ -36,7 +36,7 @@ func benchMPICrash(ctx context.Context, log *slog.Logger) ([]Metric, any, error)
 			return nil, nil, fmt.Errorf("%s is not installed (scripts/setup.sh installs openmpi-bin lammps lammps-examples): %w", p, err)
 		}
 	}
-	input, err := meltInput()
+	input, err := lammps.MeltInput()
 	if err != nil {
 		return nil, nil, err
 	}
@@ -226,25 +226,30 @@ func jobOn(ctx context.Context, c *labcluster.Cluster, host, name string) (strin
 // lammpsRun is one `ftctl mpirun --np 3` of LAMMPS on a lab.
 type lammpsRun struct {
 	cmd   *exec.Cmd
-	out   lockedBuffer
+	out   string // the file that takes its output, read as it is written
 	start time.Time
 	took  time.Duration
 	done  chan error
 }
 
 func startLAMMPS(ctx context.Context, ftctl, labID, dir, name string) *lammpsRun {
-	r := &lammpsRun{done: make(chan error, 1)}
+	r := &lammpsRun{out: filepath.Join(dir, name+".out"), done: make(chan error, 1)}
+	out, err := os.Create(r.out)
+	if err != nil {
+		r.done <- err
+		return r
+	}
+	defer out.Close() // the command has its own descriptor once started
 	r.cmd = exec.CommandContext(ctx, ftctl, "mpirun", "--lab", labID, "--np", "3", "--name", name, "--", "lmp", "-in", "in.melt")
 	r.cmd.Dir = dir
 	// The lab's hosts share this machine's CPUs while Open MPI sees one slot per host: ranks told to yield
 	// when idle leave the CPU to the rank that would send (docs/mpi.md; LAMMPS's melt 9-12 s instead of
 	// 47-50 s in the same lab, 2026-12-01), as agent/e2e's tests run them.
 	r.cmd.Env = append(os.Environ(), "OMPI_MCA_mpi_yield_when_idle=1")
-	r.cmd.Stdout, r.cmd.Stderr = &r.out, &r.out
-	// ftctl runs ftwrap, which holds the output pipe: a group of their own, killed together.
+	r.cmd.Stdout, r.cmd.Stderr = out, out
+	// ftctl runs ftwrap: a group of their own, killed together.
 	r.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	r.cmd.Cancel = func() error { return syscall.Kill(-r.cmd.Process.Pid, syscall.SIGKILL) }
-	r.cmd.WaitDelay = 10 * time.Second
 	r.start = time.Now()
 	if err := r.cmd.Start(); err != nil {
 		r.done <- err
@@ -271,9 +276,15 @@ func (r *lammpsRun) wait() error {
 }
 
 func (r *lammpsRun) stop() {
-	if r.cmd.Process != nil {
+	if r.cmd != nil && r.cmd.Process != nil {
 		syscall.Kill(-r.cmd.Process.Pid, syscall.SIGKILL)
 	}
+}
+
+// output is what the run printed so far.
+func (r *lammpsRun) output() string {
+	b, _ := os.ReadFile(r.out)
+	return string(b)
 }
 
 // with adds the run's last output to err.
@@ -281,69 +292,17 @@ func (r *lammpsRun) with(err error) error {
 	if err == nil {
 		return nil
 	}
-	return fmt.Errorf("ftctl mpirun: %w; its output ends:\n%s", err, tailOf(r.out.String()))
+	return fmt.Errorf("ftctl mpirun: %w; its output ends:\n%s", err, tailOf(r.output()))
 }
 
-func (r *lammpsRun) rows() int { return len(thermoTable(r.out.String())) }
+func (r *lammpsRun) rows() int { return len(lammps.ThermoTable(r.output())) }
 
 // thermo is LAMMPS's thermodynamic table (steps 0 to 3000 by 500): every value depends on every atom's
 // trajectory, so on every byte the ranks exchanged.
 func (r *lammpsRun) thermo() (string, error) {
-	rows := thermoTable(r.out.String())
+	rows := lammps.ThermoTable(r.output())
 	if len(rows) != 7 {
 		return "", r.with(fmt.Errorf("%d thermo rows, want 7", len(rows)))
 	}
 	return strings.Join(rows, "\n"), nil
-}
-
-func thermoTable(out string) []string {
-	var rows []string
-	for _, l := range strings.Split(out, "\n") {
-		if f := strings.Fields(l); len(f) == 6 && f[0] != "Step" && strings.Trim(f[0], "0123456789") == "" {
-			rows = append(rows, strings.Join(f, " "))
-		}
-	}
-	return rows
-}
-
-// meltInput is LAMMPS's Lennard-Jones melt example from Debian's lammps-examples (4000 atoms), run for 3000
-// steps with thermodynamic output every 500, as agent/e2e's TestMPIFailover runs it.
-func meltInput() ([]byte, error) {
-	const example = "/usr/share/lammps/examples/melt/in.melt"
-	b, err := os.ReadFile(example)
-	if err != nil {
-		return nil, fmt.Errorf("LAMMPS's example input (scripts/setup.sh installs lammps-examples): %w", err)
-	}
-	lines := strings.Split(string(b), "\n")
-	edited := 0
-	for i, l := range lines {
-		switch f := strings.Fields(l); {
-		case len(f) == 2 && f[0] == "run":
-			lines[i], edited = "run 3000", edited+1
-		case len(f) == 2 && f[0] == "thermo":
-			lines[i], edited = "thermo 500", edited+1
-		}
-	}
-	if edited != 2 {
-		return nil, fmt.Errorf("%s has no run and thermo lines to edit", example)
-	}
-	return []byte(strings.Join(lines, "\n")), nil
-}
-
-// lockedBuffer is a command's output, read while the command writes it.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (o *lockedBuffer) Write(p []byte) (int, error) {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	return o.b.Write(p)
-}
-
-func (o *lockedBuffer) String() string {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	return o.b.String()
 }
