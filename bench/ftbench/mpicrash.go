@@ -243,8 +243,8 @@ func startLAMMPS(ctx context.Context, ftctl, labID, dir, name string) *lammpsRun
 	r.cmd = exec.CommandContext(ctx, ftctl, "mpirun", "--lab", labID, "--np", "3", "--name", name, "--", "lmp", "-in", "in.melt")
 	r.cmd.Dir = dir
 	// The lab's hosts share this machine's CPUs while Open MPI sees one slot per host: ranks told to yield
-	// when idle leave the CPU to the rank that would send (docs/mpi.md; LAMMPS's melt 9-12 s instead of
-	// 47-50 s in the same lab, 2026-12-01), as agent/e2e's tests run them.
+	// when idle leave the CPU to the rank that would send (docs/mpi.md; LAMMPS's melt took 47-50 s without
+	// it in this lab, 9-15 s with it, 2026-12-01), as agent/e2e's tests run them.
 	r.cmd.Env = append(os.Environ(), "OMPI_MCA_mpi_yield_when_idle=1")
 	r.cmd.Stdout, r.cmd.Stderr = out, out
 	// ftctl runs ftwrap: a group of their own, killed together.
