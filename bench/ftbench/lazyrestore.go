@@ -212,23 +212,11 @@ func lazyRestoreRun(ctx context.Context, log *slog.Logger, binDir string, mib in
 	if err != nil {
 		return nil, err
 	}
-	res := &lazyRestoreResult{MiB: mib, Lazy: lazy, Reference: ref}
-	for _, s := range f.Stages {
-		if s.Error != "" {
-			return nil, fmt.Errorf("stage %s: %s", s.Name, s.Error)
-		}
-		d := s.Duration()
-		if s.Name == agent.StageDetected {
-			d = s.End.Sub(crash)
-		}
-		res.Stages = append(res.Stages, recoveryStage{Name: s.Name, Ms: float64(d) / 1e6})
-		switch s.Name {
-		case agent.StageRestored:
-			res.RunningMs, res.RestoreMs = float64(s.End.Sub(crash))/1e6, float64(d)/1e6
-		case agent.StageReplayed:
-			res.ReplayedMs = float64(s.End.Sub(crash)) / 1e6
-		}
+	t, err := timelineOf(f, crash)
+	if err != nil {
+		return nil, err
 	}
+	res := &lazyRestoreResult{MiB: mib, Lazy: lazy, Reference: ref, Stages: t.stages, RunningMs: t.runningMs, ReplayedMs: t.replayedMs, RestoreMs: t.restoreMs}
 	if res.Checksums, res.Identical, err = finalChecksums(ctx, jobs, ref); err != nil {
 		return nil, err
 	}

@@ -13,7 +13,6 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/internal/lammps"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
@@ -183,19 +182,11 @@ func mpiCrashRun(ctx context.Context, log *slog.Logger, binDir string, input []b
 	if err != nil {
 		return nil, r.with(err)
 	}
-	for _, s := range f.Stages {
-		d := s.Duration()
-		if s.Name == agent.StageDetected {
-			d = s.End.Sub(crash)
-		}
-		res.Stages = append(res.Stages, recoveryStage{Name: s.Name, Ms: float64(d) / 1e6})
-		switch s.Name {
-		case agent.StageRestored:
-			res.RunningMs = float64(s.End.Sub(crash)) / 1e6
-		case agent.StageReplayed:
-			res.ReplayedMs = float64(s.End.Sub(crash)) / 1e6
-		}
+	t, err := timelineOf(f, crash)
+	if err != nil {
+		return nil, r.with(err)
 	}
+	res.Stages, res.RunningMs, res.ReplayedMs = t.stages, t.runningMs, t.replayedMs
 	if err := r.wait(); err != nil {
 		return nil, err
 	}

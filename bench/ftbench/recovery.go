@@ -62,6 +62,36 @@ type recoveryStage struct {
 	Ms   float64 `json:"ms"`
 }
 
+// crashTimeline is a one-job recovery as the crash benches report it: its stages, detection counted from
+// the crash, and the milliseconds from the crash to the job running again and to its replay done, and of
+// the restore stage alone.
+type crashTimeline struct {
+	stages                           []recoveryStage
+	runningMs, replayedMs, restoreMs float64
+}
+
+// timelineOf is f's crashTimeline for a crash at crash; a stage that failed is an error.
+func timelineOf(f *agent.Failure, crash time.Time) (crashTimeline, error) {
+	var t crashTimeline
+	for _, s := range f.Stages {
+		if s.Error != "" {
+			return t, fmt.Errorf("stage %s: %s", s.Name, s.Error)
+		}
+		d := s.Duration()
+		if s.Name == agent.StageDetected {
+			d = s.End.Sub(crash)
+		}
+		t.stages = append(t.stages, recoveryStage{Name: s.Name, Ms: float64(d) / 1e6})
+		switch s.Name {
+		case agent.StageRestored:
+			t.runningMs, t.restoreMs = float64(s.End.Sub(crash))/1e6, float64(d)/1e6
+		case agent.StageReplayed:
+			t.replayedMs = float64(s.End.Sub(crash)) / 1e6
+		}
+	}
+	return t, nil
+}
+
 type recoveryResult struct {
 	Nodes     int             `json:"nodes"`
 	Stages    []recoveryStage `json:"stages"`
