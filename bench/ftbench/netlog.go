@@ -88,6 +88,10 @@ func bulkSend() error {
 	}
 	data := make([]byte, max(wsize, 1<<20))
 	_, _ = rand.NewChaCha8([32]byte{1}).Read(data)
+	shadow, err := newShadowCopy(os.Getenv("FTBENCH_COPY"), data)
+	if err != nil {
+		return err
+	}
 	c, err := net.Dial("tcp4", addr)
 	if err != nil {
 		return err
@@ -103,10 +107,19 @@ func bulkSend() error {
 		if _, err := c.Write(data[off : off+n]); err != nil {
 			return err
 		}
+		shadow.sent(off, n)
 		sent += int64(n)
 		off += n
 	}
-	return c.Close()
+	if err := c.Close(); err != nil {
+		return err
+	}
+	copied, cpu, err := shadow.finish()
+	if err != nil {
+		return err
+	}
+	fmt.Printf("copied %d %d\n", copied, cpu.Nanoseconds())
+	return nil
 }
 
 // netlogWarmup is what a capture logs before each measured transfer, not measured.
@@ -117,6 +130,7 @@ type netlogLink struct {
 	Name  string `json:"name"`
 	Rate  uint64 `json:"rate_bit_s,omitempty"` // tbf rate on the sender's eth0; 0: unshaped veth
 	Bytes int64  `json:"bytes_per_run"`
+	Bound bool   `json:"copy_bound,omitempty"` // also run the copy modes (netlogbound.go)
 }
 
 // netlogRun is what one transfer measured.
@@ -128,6 +142,8 @@ type netlogRun struct {
 	threadCPU  float64 // seconds: the consumer thread's own (capture.Counters.ConsumerCPU)
 	systemCPU  float64 // seconds: busy time of all CPUs from /proc/stat
 	probeCPU   float64 // seconds: the TCX program's run time (modeProbe only)
+	copied     int64   // bytes the sender copied (the copy modes)
+	copyCPU    float64 // seconds: the beside copier's thread CPU time (modeCopyBeside), the freeing thread's (modePark)
 	logged     uint64  // payload bytes the probe logged (retransmissions included)
 	drops      uint64  // backpressure drops
 }
@@ -138,9 +154,9 @@ type netlogRun struct {
 func benchNetlog(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 	const pairs = 5
 	links := []netlogLink{
-		{Name: "unshaped", Bytes: 8 << 30},
+		{Name: "unshaped", Bytes: 8 << 30, Bound: true},
 		// Issue 13's cluster rate: on a machine whose veth carries less, this is the unshaped link again.
-		{Name: "tbf_25gbit", Rate: 25e9, Bytes: 4 << 30},
+		{Name: "tbf_25gbit", Rate: 25e9, Bytes: 4 << 30, Bound: true},
 		{Name: "tbf_10gbit", Rate: 10e9, Bytes: 2 << 30},
 		{Name: "tbf_1gbit", Rate: 1e9, Bytes: 256 << 20},
 	}
@@ -202,8 +218,9 @@ func benchNetlog(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 	}
 	settings := map[string]any{
 		"pairs":               pairs,
-		"order":               "each round of a link runs without logging, with the logger's program alone and with the capture, rotating which goes first; the messages alternate without and with; metrics are medians over rounds, ratios are medians of per-round ratios",
+		"order":               "each round of a link runs without logging, with the logger's program alone, with the capture (and, for copy_bound links, with each of the two copies alone and with the parked clones), rotating which goes first; the messages alternate without and with; metrics are medians over rounds, ratios are medians of per-round ratios",
 		"program_alone":       "the TCX program protecting the sender's cgroup, its ring drained by a goroutine that keeps nothing, BPF run time statistics on: program_cpu_s_per_GB is the program's own run time (copies into the ring included) per GB, program_alone_throughput_ratio the throughput without the log's consumer",
+		"copy_bound":          "links with copy_bound also run the transfer without any log but with the one copy of every sent byte that any sender-side log makes, at its two best places: in the sending thread after each write (copy_in_sender) and on a thread of the sender's own woken every 8 MiB (copy_beside, whose thread CPU per GB is copy_beside_cpu_s_per_GB); both copy from the sender's own buffer with the log's non-temporal copy into 256 MiB faulted in beforehand. copy_bound_throughput_ratio, the better of the two, bounds what any design that copies reaches on this machine. park: the ceiling of one that does not, each segment of the sender cloned to a tap device's queue by a TCX program (the clone shares the segment's pages) and freed every 40 ms by a read of its headers (which tell its flow and place; their TCP payload is checked against the bytes sent); park_program_cpu_s_per_GB is the program's run time, park_free_cpu_s_per_GB the freeing thread's (bench/ftbench/netlogbound.go)",
 		"links":               links,
 		"messages":            map[string]any{"size": msgSize, "count": msgCount, "nodelay": true, "link": "unshaped"},
 		"topology":            "two lab hosts (network namespaces) on a bridge via veth pairs; sender in node1, receiver in node2, each a process of its own in a cgroup v2 child",
@@ -242,10 +259,15 @@ func (b *netlogBench) linkSetting(ctx context.Context, lk netlogLink, pairs int)
 	}
 	defer undo()
 	var gbWith, gbWithout, ratios, probeRatios, probeCPU, cpuWith, cpuWithout, consumer, thread, sysWith, sysWithout []float64
+	var senderRatios, besideRatios, besideCPU, parkRatios, parkProg, parkFree []float64
 	var drops uint64
+	modes := []netlogMode{modePlain, modeProbe, modeCapture}
+	if lk.Bound {
+		modes = append(modes, modeCopySender, modeCopyBeside, modePark)
+	}
 	for i := range pairs {
-		var set [modeCapture + 1]netlogRun
-		for _, mode := range runOrder(i, modePlain, modeProbe, modeCapture) {
+		var set [numModes]netlogRun
+		for _, mode := range runOrder(i, modes...) {
 			r, err := b.run(ctx, mode, lk.Bytes, 256<<10)
 			if err != nil {
 				return nil, err
@@ -265,12 +287,33 @@ func (b *netlogBench) linkSetting(ctx context.Context, lk netlogLink, pairs int)
 		thread = append(thread, w.threadCPU/(float64(w.logged)/1e9))
 		sysWith, sysWithout = append(sysWith, perGB(w.systemCPU, w)), append(sysWithout, perGB(wo.systemCPU, wo))
 		drops += w.drops
+		if lk.Bound {
+			cs, cb, pk := set[modeCopySender], set[modeCopyBeside], set[modePark]
+			senderRatios, besideRatios = append(senderRatios, gbps(cs)/gbps(wo)), append(besideRatios, gbps(cb)/gbps(wo))
+			besideCPU = append(besideCPU, perGB(cb.copyCPU, cb))
+			parkRatios, parkProg, parkFree = append(parkRatios, gbps(pk)/gbps(wo)), append(parkProg, perGB(pk.probeCPU, pk)), append(parkFree, perGB(pk.copyCPU, pk))
+			b.log.Info("netlog copy bound", "link", lk.Name, "pair", i, "gbit_s_without", round2(gbps(wo)),
+				"gbit_s_copy_in_sender", round2(gbps(cs)), "gbit_s_copy_beside", round2(gbps(cb)), "beside_cpu_s_per_gb", round2(perGB(cb.copyCPU, cb)),
+				"gbit_s_park", round2(gbps(pk)), "park_program_cpu_s_per_gb", round2(perGB(pk.probeCPU, pk)), "park_free_cpu_s_per_gb", round2(perGB(pk.copyCPU, pk)))
+		}
 		b.log.Info("netlog bulk", "link", lk.Name, "pair", i, "gbit_s_without", round2(gbps(wo)), "gbit_s_with", round2(gbps(w)),
 			"cpu_s_per_gb_without", round2(perGB(wo.jobCPU, wo)), "cpu_s_per_gb_with", round2(perGB(w.jobCPU+w.captureCPU, w)), "drops", w.drops,
 			"gbit_s_program_alone", round2(gbps(po)), "program_cpu_s_per_gb", round2(perGB(po.probeCPU, po)))
 	}
 	p := lk.Name + "_"
-	return []Metric{
+	var bound []Metric
+	if lk.Bound {
+		bound = []Metric{
+			{Name: p + "copy_in_sender_throughput_ratio", Value: median(senderRatios), Unit: "x"},
+			{Name: p + "copy_beside_throughput_ratio", Value: median(besideRatios), Unit: "x"},
+			{Name: p + "copy_bound_throughput_ratio", Value: max(median(senderRatios), median(besideRatios)), Unit: "x"},
+			{Name: p + "copy_beside_cpu_s_per_GB", Value: median(besideCPU), Unit: "s/GB"},
+			{Name: p + "park_throughput_ratio", Value: median(parkRatios), Unit: "x"},
+			{Name: p + "park_program_cpu_s_per_GB", Value: median(parkProg), Unit: "s/GB"},
+			{Name: p + "park_free_cpu_s_per_GB", Value: median(parkFree), Unit: "s/GB"},
+		}
+	}
+	return append([]Metric{
 		{Name: p + "gbit_s_without", Value: median(gbWithout), Unit: "Gbit/s"},
 		{Name: p + "gbit_s_with", Value: median(gbWith), Unit: "Gbit/s"},
 		{Name: p + "throughput_ratio", Value: median(ratios), Unit: "x"},
@@ -283,7 +326,7 @@ func (b *netlogBench) linkSetting(ctx context.Context, lk netlogLink, pairs int)
 		{Name: p + "system_cpu_s_per_GB_without", Value: median(sysWithout), Unit: "s/GB"},
 		{Name: p + "system_cpu_s_per_GB_with", Value: median(sysWith), Unit: "s/GB"},
 		{Name: p + "drops_backpressure", Value: float64(drops), Unit: "segments"},
-	}, nil
+	}, bound...), nil
 }
 
 func round2(v float64) float64 { return float64(int64(v*100+0.5)) / 100 }
@@ -420,10 +463,17 @@ func (b *netlogBench) shapeHost(host string, rate uint64) (func(), error) {
 type netlogMode int
 
 const (
-	modePlain   netlogMode = iota // nothing
-	modeProbe                     // the TCX program alone, its ring drained and discarded, BPF run time statistics on
-	modeCapture                   // a Capture: the program and the log's consumer
+	modePlain      netlogMode = iota // nothing
+	modeProbe                        // the TCX program alone, its ring drained and discarded, BPF run time statistics on
+	modeCapture                      // a Capture: the program and the log's consumer
+	modeCopySender                   // no log: the sender copies what it sent after each write (netlogbound.go)
+	modeCopyBeside                   // no log: a thread of the sender's copies what it sent, 8 MiB at a time
+	modePark                         // no log: the segments' clones wait in a tap's queue, freed every poll
+	numModes
 )
+
+// copyEnv is the sender's FTBENCH_COPY for a copy mode.
+var copyEnv = map[netlogMode]string{modeCopySender: "sender", modeCopyBeside: "beside"}
 
 // run sends total bytes in writes of wsize from node1 to node2 with mode's logging of the sender's cgroup.
 func (b *netlogBench) run(ctx context.Context, mode netlogMode, total int64, wsize int) (r netlogRun, err error) {
@@ -448,6 +498,19 @@ func (b *netlogBench) run(ctx context.Context, mode netlogMode, total int64, wsi
 		rt, _, err = probe.l.RunTime()
 		r.probeCPU = rt.Seconds()
 		return r, err
+	}
+	if env, ok := copyEnv[mode]; ok {
+		return b.transfer(ctx, nil, total, wsize, "FTBENCH_COPY="+env)
+	}
+	if mode == modePark {
+		p, err := b.parkClones()
+		if err != nil {
+			return r, err
+		}
+		r, err = b.transfer(ctx, nil, total, wsize)
+		prog, freeing, cerr := p.close(b, total)
+		r.probeCPU, r.copyCPU = prog.Seconds(), freeing.Seconds()
+		return r, errors.Join(err, cerr)
 	}
 	var c *capture.Capture
 	stopTrim := func() {}
@@ -484,7 +547,7 @@ func (b *netlogBench) run(ctx context.Context, mode netlogMode, total int64, wsi
 
 // transfer runs one transfer of total bytes in writes of wsize, with c, if not nil, logging it, and
 // measures it.
-func (b *netlogBench) transfer(ctx context.Context, c *capture.Capture, total int64, wsize int) (r netlogRun, err error) {
+func (b *netlogBench) transfer(ctx context.Context, c *capture.Capture, total int64, wsize int, env ...string) (r netlogRun, err error) {
 	before, err := b.cpuSnapshot()
 	if err != nil {
 		return r, err
@@ -495,8 +558,8 @@ func (b *netlogBench) transfer(ctx context.Context, c *capture.Capture, total in
 			return r, err
 		}
 	}
-	send, err := streamtest.Start(b.lab, "node1", b.sendCg, "bulksend", "FTBENCH_ADDR="+b.dst.String(),
-		fmt.Sprintf("FTBENCH_BYTES=%d", total), fmt.Sprintf("FTBENCH_WRITE=%d", wsize))
+	send, err := streamtest.Start(b.lab, "node1", b.sendCg, "bulksend", append([]string{"FTBENCH_ADDR=" + b.dst.String(),
+		fmt.Sprintf("FTBENCH_BYTES=%d", total), fmt.Sprintf("FTBENCH_WRITE=%d", wsize)}, env...)...)
 	if err != nil {
 		return r, err
 	}
@@ -513,6 +576,16 @@ func (b *netlogBench) transfer(ctx context.Context, c *capture.Capture, total in
 	}
 	if _, err := fmt.Sscanf(line, "%d %d", &r.bytes, &r.ns); err != nil || r.bytes != total || r.ns <= 0 {
 		return r, fmt.Errorf("receiver reported %q after %d bytes were sent", line, total)
+	}
+	if len(env) > 0 { // a copy mode: the sender says what it copied
+		lctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		line, err := send.Line(lctx)
+		cancel()
+		var ns int64
+		if _, serr := fmt.Sscanf(line, "copied %d %d", &r.copied, &ns); err != nil || serr != nil || r.copied != total {
+			return r, fmt.Errorf("sender reported %q (%v) after sending %d bytes with %v", line, err, total, env)
+		}
+		r.copyCPU = float64(ns) / 1e9
 	}
 	if c != nil {
 		// Count the consumer's work on the tail of the transfer too.
@@ -838,7 +911,7 @@ func threadCPUSeconds() (float64, error) {
 func (b *netlogBench) messages(ctx context.Context, pairs, msgSize, msgCount int) ([]Metric, error) {
 	var with, without, ratios, consumer, thread []float64
 	for i := range pairs {
-		var pair [modeCapture + 1]netlogRun
+		var pair [numModes]netlogRun
 		for _, mode := range runOrder(i, modePlain, modeCapture) {
 			r, err := b.run(ctx, mode, int64(msgCount*msgSize), msgSize)
 			if err != nil {
