@@ -232,11 +232,7 @@ func startLAMMPS(ctx context.Context, ftctl, labID, dir, name string) *lammpsRun
 	}
 	defer out.Close() // the command has its own descriptor once started
 	r.cmd = exec.CommandContext(ctx, ftctl, "mpirun", "--lab", labID, "--np", "3", "--name", name, "--", "lmp", "-in", "in.melt")
-	r.cmd.Dir = dir
-	// The lab's hosts share this machine's CPUs while Open MPI sees one slot per host: ranks told to yield
-	// when idle leave the CPU to the rank that would send (docs/mpi.md; LAMMPS's melt took 47-50 s without
-	// it in this lab, 9-15 s with it, 2026-12-01), as agent/e2e's tests run them.
-	r.cmd.Env = append(os.Environ(), "OMPI_MCA_mpi_yield_when_idle=1")
+	r.cmd.Dir = dir // ftctl mpirun --lab tells the ranks to yield when idle (docs/mpi.md)
 	r.cmd.Stdout, r.cmd.Stderr = out, out
 	// ftctl runs ftwrap: a group of their own, killed together.
 	r.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}

@@ -337,6 +337,9 @@ func (f *mpiRunFlags) run(ctx context.Context, labChosen bool, stdout, stderr io
 	if os.Geteuid() == 0 { // the lab needs root, and so the ranks run as root
 		cmd.Env = append(cmd.Env, "OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1")
 	}
+	if f.impl == "openmpi" && p.labID != "" {
+		cmd.Env = labYield(cmd.Env)
+	}
 	if f.impl == "openmpi" {
 		// PMIx (rank <-> its host's daemon) listens on loopback TCP by default. A loopback connection's peer
 		// address names no host, so a restorer cannot tell it stays inside the job; on the host's cluster
@@ -517,6 +520,22 @@ func findMPI(override, name, pkg string) (string, error) {
 		return "", cli.WithCode(cli.ExitUnavailable, fmt.Errorf("%s not found: install %s", name, pkg))
 	}
 	return p, nil
+}
+
+// yieldWhenIdle is the Open MPI parameter that makes a rank waiting for a message yield its CPU instead of
+// busy-polling (mpirun forwards it to every rank).
+const yieldWhenIdle = "OMPI_MCA_mpi_yield_when_idle"
+
+// labYield is env with yieldWhenIdle set to 1 unless the user set it. A lab's hosts share the machine's
+// cores while Open MPI sees one slot per host, so its ranks would busy-poll while they wait and take the
+// CPU from the rank that would send (docs/mpi.md: LAMMPS's melt took 47-50 s in a lab instead of 9-15 s).
+func labYield(env []string) []string {
+	for _, kv := range env {
+		if k, _, _ := strings.Cut(kv, "="); k == yieldWhenIdle {
+			return env
+		}
+	}
+	return append(env, yieldWhenIdle+"=1")
 }
 
 func withoutEnv(env []string, names ...string) []string {

@@ -111,3 +111,20 @@ func TestWithPreload(t *testing.T) {
 		}
 	}
 }
+
+func TestLabYield(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		env  []string
+		want []string
+	}{
+		{"unset", []string{"PATH=/bin"}, []string{"PATH=/bin", "OMPI_MCA_mpi_yield_when_idle=1"}},
+		{"the user's 0 stays", []string{"OMPI_MCA_mpi_yield_when_idle=0", "PATH=/bin"}, []string{"OMPI_MCA_mpi_yield_when_idle=0", "PATH=/bin"}},
+		{"a longer name is another", []string{"OMPI_MCA_mpi_yield_when_idle_x=0"}, []string{"OMPI_MCA_mpi_yield_when_idle_x=0", "OMPI_MCA_mpi_yield_when_idle=1"}},
+		{"empty", nil, []string{"OMPI_MCA_mpi_yield_when_idle=1"}},
+	} {
+		if got := labYield(slices.Clone(tc.env)); !slices.Equal(got, tc.want) {
+			t.Errorf("%s: labYield(%q) = %q, want %q", tc.name, tc.env, got, tc.want)
+		}
+	}
+}
