@@ -24,6 +24,7 @@ import (
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/criu/stalemounts"
 	"github.com/ftkit/ftkit/detect"
+	"github.com/ftkit/ftkit/failurelog"
 	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/intercept"
 	"github.com/ftkit/ftkit/intercept/record"
@@ -87,7 +88,7 @@ type Agent struct {
 	beating  beatContact      // the heartbeat stream to the protector, whose acknowledgements the self-fence reads
 	watchdog *detect.Watchdog // over this node's predecessor in the ring
 	stalls   *detect.Stalls   // this agent's own scheduling delays (watchSelf)
-	failures *failureLog      // timelines of the failures this agent knows of
+	failures *failurelog.Log  // timelines of the failures this agent knows of
 	claims   *spare.Holder    // this host's claim state while it is a spare
 	clamp    *ackclamp.Clamp  // ACK clock for restored sockets that re-send what peers have; nil if unavailable
 	det      *record.Recorder // this host's jobs' receive-order determinants, recorded and shipped
@@ -165,7 +166,7 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 	if err := a.loadView(); err != nil {
 		return nil, err
 	}
-	if a.failures, err = openFailureLog(cfg.StateDir); err != nil {
+	if a.failures, err = failurelog.Open(cfg.StateDir); err != nil {
 		return nil, fmt.Errorf("failure timelines in %s: %w", cfg.StateDir, err)
 	}
 	if a.claims, err = spare.OpenHolder(filepath.Join(cfg.StateDir, "claim.json")); err != nil {

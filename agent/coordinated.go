@@ -70,16 +70,16 @@ func (a *Agent) Rollback(ctx context.Context, req coordinated.RunRequest, uid ui
 	for _, p := range cut.Parts {
 		jobs = append(jobs, p.Job)
 	}
-	a.failures.update(id, func(f *Failure) {
+	a.failures.Update(id, func(f *Failure) {
 		f.Kind, f.Node, f.Protector, f.LastBeat, f.Detected, f.Jobs = coordinated.KindRollback, a.cfg.Name, a.cfg.Name, start, start, jobs
 	})
 	emit := func(st coordinated.Stage) {
-		a.failures.update(id, func(f *Failure) { f.Stages = append(f.Stages, cutStage(st)) })
+		a.failures.Update(id, func(f *Failure) { f.Stages = append(f.Stages, cutStage(st)) })
 		a.saveFailures()
 	}
 	err = a.coordinator().RollBack(ctx, cut, "", a.holdsCutPart, emit)
 	res := &coordinated.Rollback{Run: run, Cut: cut.ID, Event: id, Parts: cut.Parts, Stopped: time.Since(start)}
-	a.failures.update(id, func(f *Failure) {
+	a.failures.Update(id, func(f *Failure) {
 		f.Done, f.Error = true, errString(err)
 	})
 	a.saveFailures()

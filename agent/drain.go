@@ -64,13 +64,13 @@ func (a *Agent) drain(ctx context.Context, to []string, why string) *DrainResult
 			ids = append(ids, j.ID)
 		}
 	}
-	a.failures.update(res.Event, func(f *Failure) {
+	a.failures.Update(res.Event, func(f *Failure) {
 		f.Kind, f.Node, f.Protector, f.LastBeat, f.Detected, f.Jobs = KindDrain, a.cfg.Name, a.cfg.Name, start, start, ids
 		f.Stages = append(f.Stages, Stage{Name: "drain", Host: a.cfg.Name, Start: start, End: start, Detail: why})
 	})
 	a.saveFailures()
 	stage := func(name, job string, from time.Time, detail string, err error) {
-		a.failures.update(res.Event, func(f *Failure) {
+		a.failures.Update(res.Event, func(f *Failure) {
 			f.Stages = append(f.Stages, Stage{Name: name, Job: job, Host: a.cfg.Name, Start: from, End: time.Now(), Detail: detail, Error: errString(err)})
 		})
 		a.saveFailures()
@@ -129,7 +129,7 @@ func (a *Agent) drain(ctx context.Context, to []string, why string) *DrainResult
 			res.Failed = append(res.Failed, fmt.Sprintf("%s: %v", id, err))
 		}
 	}
-	a.failures.update(res.Event, func(f *Failure) {
+	a.failures.Update(res.Event, func(f *Failure) {
 		f.Done = true
 		if len(res.Failed) > 0 {
 			f.Error = fmt.Sprintf("%d job(s) still here: %v", len(res.Failed), res.Failed)

@@ -28,7 +28,7 @@ func (a *Agent) failover(ctx context.Context, s detect.Suspect, declared time.Ti
 	id := failureID(s.Name, declared)
 	// A node that fails while it restores the jobs of an earlier failure this host coordinates (a spare
 	// that died mid-restore) takes those jobs down with it, whether or not its beats named them yet.
-	taken := a.failures.takeOver(a.cfg.Name, s.Name, id)
+	taken := a.failures.TakeOver(a.cfg.Name, s.Name, id)
 	for job, from := range taken {
 		if !slices.Contains(s.Jobs, job) {
 			s.Jobs = append(s.Jobs, job)
@@ -38,7 +38,7 @@ func (a *Agent) failover(ctx context.Context, s detect.Suspect, declared time.Ti
 	a.recordFailure(s, declared)
 	a.log.Error("node failed", "node", s.Name, "jobs", s.Jobs, "detection_ms", declared.Sub(s.LastBeat).Milliseconds(), "failure", id)
 	err := a.runFailover(ctx, id, s, declared, taken)
-	a.failures.update(id, func(f *Failure) {
+	a.failures.Update(id, func(f *Failure) {
 		f.Done = true
 		if err != nil {
 			f.Error = err.Error()
@@ -73,7 +73,7 @@ func (a *Agent) recordFailure(s detect.Suspect, declared time.Time) {
 		detail = fmt.Sprintf("no heartbeat for %s while %s, and its host did not answer a TCP handshake either; direct probe and the other neighbour confirmed",
 			silence.Round(time.Millisecond), busyDoing(s.Busy))
 	}
-	a.failures.update(id, func(f *Failure) {
+	a.failures.Update(id, func(f *Failure) {
 		f.Node, f.Protector, f.LastBeat, f.Detected, f.Jobs = s.Name, a.cfg.Name, s.LastBeat, declared, s.Jobs
 		f.Stages = append(f.Stages, Stage{Name: StageDetected, Host: a.cfg.Name, Start: start, End: declared, Detail: detail})
 		if !a.cfg.Failover.Automatic {
@@ -189,7 +189,7 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 	if _, err := a.adoptView(nv); err != nil {
 		return err
 	}
-	a.failures.update(id, func(f *Failure) { f.Target, f.Basic = target, basic })
+	a.failures.Update(id, func(f *Failure) { f.Target, f.Basic = target, basic })
 	a.pushView(ctx) // peers must know who holds the failed node's addresses before replay starts
 	failed, _ := v.Member(s.Name)
 	req := RecoverRequest{Failure: id, Failed: s.Name, Addrs: failed.Addrs, Jobs: jobs, Source: a.cfg.Name}
@@ -200,7 +200,7 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 		a.log.Info("every job of the failed node has a job address: its host address is not taken over", "node", s.Name, "addrs", failed.Addrs)
 	}
 	emit := func(st Stage) {
-		a.failures.update(id, func(f *Failure) { f.Stages = append(f.Stages, st) })
+		a.failures.Update(id, func(f *Failure) { f.Stages = append(f.Stages, st) })
 		a.saveFailures()
 		a.log.Info("recovery stage", "failure", id, "stage", st.Name, "job", st.Job, "host", st.Host,
 			"ms", st.Duration().Milliseconds(), "detail", st.Detail, "err", st.Error)
@@ -233,7 +233,7 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 
 // takenOverBy is the failure whose recovery took failure id's jobs over ("" if none did).
 func (a *Agent) takenOverBy(id string) string {
-	for _, f := range a.failures.list() {
+	for _, f := range a.failures.List() {
 		if f.ID == id {
 			return f.TakenOver
 		}
@@ -293,7 +293,7 @@ func (a *Agent) awaitFence(ctx context.Context, id string, s detect.Suspect, dec
 }
 
 func (a *Agent) fenceStage(id string, start time.Time, detail, errText string) {
-	a.failures.update(id, func(f *Failure) {
+	a.failures.Update(id, func(f *Failure) {
 		f.Stages = append(f.Stages, Stage{Name: StageFenced, Host: a.cfg.Name, Start: start, End: time.Now(), Detail: detail, Error: errText})
 	})
 	a.saveFailures()
@@ -440,7 +440,7 @@ func (a *Agent) remoteReplica(ctx context.Context, job, node string, skip ...str
 func (a *Agent) claimSpare(ctx context.Context, failure, failed string, need spare.Need, runSpares []string, prefetch []spare.Prefetch) (target string, absorb, basic bool) {
 	start := time.Now()
 	claimed := func(name, detail string) {
-		a.failures.update(failure, func(f *Failure) {
+		a.failures.Update(failure, func(f *Failure) {
 			f.Stages = append(f.Stages, Stage{Name: StageClaimed, Host: name, Start: start, End: time.Now(),
 				Detail: fmt.Sprintf("%s%d job(s), %d MB", detail, need.Jobs, need.MemoryBytes>>20)})
 		})
@@ -483,7 +483,7 @@ func (a *Agent) claimSpare(ctx context.Context, failure, failed string, need spa
 	}
 	a.log.Error("no spare available: restoring the failed node's jobs on its protector (basic mode); add spares with `ftctl spare add`",
 		"failed", failed, "why", runBusy+detail)
-	a.failures.update(failure, func(f *Failure) {
+	a.failures.Update(failure, func(f *Failure) {
 		f.Stages = append(f.Stages, Stage{Name: StageClaimed, Host: a.cfg.Name, Start: start, End: time.Now(),
 			Detail: "basic mode on the protector: " + runBusy + detail})
 	})

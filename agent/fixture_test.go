@@ -19,6 +19,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/interval"
 	"github.com/ftkit/ftkit/criu"
+	"github.com/ftkit/ftkit/failurelog"
 	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/shim"
 )
@@ -79,7 +80,7 @@ func newTestAgent(t *testing.T) *testAgent {
 		t.Fatal(err)
 	}
 	var err error
-	if a.failures, err = openFailureLog(dir); err != nil {
+	if a.failures, err = failurelog.Open(dir); err != nil {
 		t.Fatal(err)
 	}
 	if a.store, err = ckpt.Open(filepath.Join(dir, "snapshots"), ckpt.Options{Node: cfg.Name}); err != nil {
@@ -236,6 +237,6 @@ func (ta *testAgent) SetCheckpointFloor(d time.Duration) {
 }
 func (ta *testAgent) AddFailures(fs []*Failure) {
 	for _, f := range fs {
-		ta.failures.merge(f)
+		ta.failures.Merge(f)
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/failurelog"
 	"github.com/ftkit/ftkit/ring"
 )
 
@@ -129,8 +130,8 @@ func (a *Agent) viewMessage() viewMessage {
 	// The receiver reads at most maxMessage bytes: the newest failures that fit next to the view (which
 	// JSON carries in base64) go along.
 	budget := maxMessage - base64.StdEncoding.EncodedLen(len(b)) - viewMessageOverhead
-	fs := a.failures.newest(budget)
-	fb, _ := json.Marshal(fs[max(0, len(fs)-maxFailures):]) // no more than a peer accepts
+	fs := a.failures.Newest(budget)
+	fb, _ := json.Marshal(fs[max(0, len(fs)-failurelog.MaxFailures):]) // no more than a peer accepts
 	return viewMessage{View: b, Failures: fb}
 }
 
@@ -197,7 +198,7 @@ func decodeFailures(b json.RawMessage) ([]*Failure, error) {
 }
 
 // mergeFailures merges the failure timelines another agent sent, refusing the whole list if it is
-// longer than an agent keeps; the log clips each timeline to its bounds and keeps the newest maxFailures.
+// longer than an agent keeps; the log clips each timeline to its bounds and keeps the newest failurelog.MaxFailures.
 func (a *Agent) mergeFailures(fs []*Failure) error {
 	if err := checkFailures(fs); err != nil {
 		return err
@@ -206,24 +207,24 @@ func (a *Agent) mergeFailures(fs []*Failure) error {
 		return nil
 	}
 	for _, f := range fs {
-		a.failures.merge(f)
+		a.failures.Merge(f)
 	}
 	a.saveFailures()
 	return nil
 }
 
 // A timeline from a peer with more stages or jobs than these is malformed, not just long (the log clips
-// what it keeps to maxStages and maxFailureJobs).
+// what it keeps to failurelog.MaxStages and failurelog.MaxJobs).
 const (
-	maxWireStages = 128 * maxStages
-	maxWireJobs   = 4 * maxFailureJobs
+	maxWireStages = 128 * failurelog.MaxStages
+	maxWireJobs   = 4 * failurelog.MaxJobs
 )
 
 // checkFailures refuses a list of failure timelines longer than an agent keeps, or with a timeline far
 // longer than a recovery writes (the log would clip it, but such a list is malformed).
 func checkFailures(fs []*Failure) error {
-	if len(fs) > maxFailures {
-		return fmt.Errorf("%d failure timelines, more than the %d an agent keeps", len(fs), maxFailures)
+	if len(fs) > failurelog.MaxFailures {
+		return fmt.Errorf("%d failure timelines, more than the %d an agent keeps", len(fs), failurelog.MaxFailures)
 	}
 	for _, f := range fs {
 		if f == nil {

@@ -39,7 +39,7 @@ func (s metricsSource) MetricsState() metrics.State {
 		st.Predecessor = p
 	}
 	if a.failures != nil {
-		st.Failures = metricsFailures(a.failures.list())
+		st.Failures = metricsFailures(a.failures.List())
 	}
 	return st
 }

@@ -73,11 +73,11 @@ func (a *Agent) Migrate(ctx context.Context, req MigrateRequest, uid uint32) (*M
 	}
 	start := time.Now()
 	id := fmt.Sprintf("%s-migrate-%s", j.ID, start.UTC().Format("20060102T150405.000"))
-	a.failures.update(id, func(f *Failure) {
+	a.failures.Update(id, func(f *Failure) {
 		f.Kind, f.Node, f.Protector, f.Target, f.LastBeat, f.Detected, f.Jobs = KindMigration, a.cfg.Name, a.cfg.Name, req.To, start, start, []string{j.ID}
 	})
 	emit := func(st Stage) {
-		a.failures.update(id, func(f *Failure) { f.Stages = append(f.Stages, st) })
+		a.failures.Update(id, func(f *Failure) { f.Stages = append(f.Stages, st) })
 		a.saveFailures()
 		a.log.Info("migration stage", "migration", id, "stage", st.Name, "job", st.Job, "host", st.Host,
 			"ms", st.Duration().Milliseconds(), "detail", st.Detail, "err", st.Error)
@@ -150,7 +150,7 @@ func (a *Agent) afterFailedMove(ctx context.Context, res *Migration, rreq Recove
 
 // endMigration closes migration id's record.
 func (a *Agent) endMigration(id string, err error) {
-	a.failures.update(id, func(f *Failure) {
+	a.failures.Update(id, func(f *Failure) {
 		f.Done = true
 		if err != nil {
 			f.Error = err.Error()

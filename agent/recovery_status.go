@@ -87,7 +87,7 @@ func (a *Agent) afterBrokenStream(ctx context.Context, target string, req Recove
 	key := func(s Stage) string {
 		return s.Name + "\x00" + s.Job + "\x00" + s.Host + "\x00" + s.Start.UTC().String()
 	}
-	for _, f := range a.failures.list() {
+	for _, f := range a.failures.List() {
 		if f.ID == req.Failure {
 			for _, s := range f.Stages {
 				seen[key(s)] = true

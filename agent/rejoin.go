@@ -95,7 +95,7 @@ func (a *Agent) dropFailedJobs(self ring.Member) int {
 // restoredOn is the host that the newest known failure of this host restored job on ("" if unknown).
 func (a *Agent) restoredOn(job string) string {
 	var best *Failure
-	for _, f := range a.failures.list() {
+	for _, f := range a.failures.List() {
 		if f.Node != a.cfg.Name || f.Target == "" {
 			continue
 		}
@@ -256,7 +256,7 @@ func (a *Agent) serveRejoin(ctx context.Context, peer string, req clusterapi.Rej
 // recoveryUnderWay names a failure of member whose recovery is not over, as this host knows of it; one
 // older than a recovery may take is over, whatever its record says (its coordinator is gone).
 func (a *Agent) recoveryUnderWay(member string) (string, bool) {
-	for _, f := range a.failures.list() {
+	for _, f := range a.failures.List() {
 		if f.Node == member && !f.Done && time.Since(f.Detected) < recoverLimit {
 			return f.ID, true
 		}

@@ -66,7 +66,7 @@ func TestServeRejoin(t *testing.T) {
 			ta := newTestAgent(t)
 			ta.members.view = tc.view
 			if tc.underWay {
-				ta.failures.update("node2-1", func(f *Failure) { f.Node, f.Detected = "node2", time.Now() })
+				ta.failures.Update("node2-1", func(f *Failure) { f.Node, f.Detected = "node2", time.Now() })
 			}
 			got, err := ta.serveRejoin(t.Context(), tc.peer, clusterapi.RejoinRequest{Incarnation: tc.inc})
 			if tc.err == "" {

@@ -143,7 +143,7 @@ func (a *Agent) fenceJobs(silence time.Duration, protector, predecessor string) 
 	a.log.Error("self-fenced: cut off from both ring neighbours; the protector restores the jobs elsewhere",
 		"protector", protector, "predecessor", predecessor, "silence_ms", silence.Milliseconds(), "killed", killed, "failed", failed)
 	id := a.cfg.Name + "-fenced-" + start.UTC().Format("20060102T150405.000")
-	a.failures.update(id, func(f *Failure) {
+	a.failures.Update(id, func(f *Failure) {
 		// LastBeat is the last contact with either neighbour: the timeline counts from it, as a recovery's
 		// counts from the failed node's last heartbeat.
 		f.Node, f.Protector, f.LastBeat, f.Detected, f.Jobs, f.Done = a.cfg.Name, a.cfg.Name, start.Add(-silence), start, killed, true

@@ -3,7 +3,6 @@ package agent
 import (
 	"context"
 	"errors"
-	"maps"
 	"strings"
 	"testing"
 	"time"
@@ -13,35 +12,6 @@ import (
 	"github.com/ftkit/ftkit/restore/recovery"
 	"github.com/ftkit/ftkit/ring"
 )
-
-// A spare that fails while it restores a failed node's jobs: its own failure's recovery takes them over.
-
-func TestFailureLogTakeOver(t *testing.T) {
-	l := &failureLog{path: t.TempDir() + "/failures.json", byID: map[string]*Failure{}}
-	add := func(f Failure) { l.update(f.ID, func(g *Failure) { *g = f }) }
-	add(Failure{ID: "node2-1", Node: "node2", Protector: "node3", Target: "spare1", Jobs: []string{"a", "b"}})
-	add(Failure{ID: "node4-1", Node: "node4", Protector: "node3", Target: "spare1", Jobs: []string{"c"}, Done: true})          // over
-	add(Failure{ID: "node5-1", Node: "node5", Protector: "node1", Target: "spare1", Jobs: []string{"d"}})                      // not ours
-	add(Failure{ID: "node6-1", Node: "node6", Protector: "node3", Target: "spare2", Jobs: []string{"e"}})                      // elsewhere
-	add(Failure{ID: "node7-1", Node: "node7", Protector: "node3", Target: "spare1", Jobs: []string{"f"}, Kind: KindMigration}) // a move
-
-	got := l.takeOver("node3", "spare1", "spare1-1")
-	if want := map[string]string{"a": "node2", "b": "node2"}; !maps.Equal(got, want) {
-		t.Fatalf("taken %v, want %v", got, want)
-	}
-	for _, f := range l.list() {
-		want := ""
-		if f.ID == "node2-1" {
-			want = "spare1-1"
-		}
-		if f.TakenOver != want {
-			t.Errorf("failure %s taken over by %q, want %q", f.ID, f.TakenOver, want)
-		}
-	}
-	if again := l.takeOver("node3", "spare1", "spare1-2"); len(again) != 0 {
-		t.Errorf("taken over twice: %v", again)
-	}
-}
 
 func TestFollowedTargets(t *testing.T) {
 	v := ring.View{Epoch: 1, Members: []ring.Member{

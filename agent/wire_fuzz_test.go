@@ -2,6 +2,7 @@ package agent
 
 import (
 	"encoding/json"
+	"github.com/ftkit/ftkit/failurelog"
 	"github.com/ftkit/ftkit/tcpflow"
 	"net/netip"
 	"testing"
@@ -26,7 +27,7 @@ func FuzzWireTimelines(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, data []byte) {
 		if fs, err := decodeFailures(data); err == nil {
-			if len(fs) > maxFailures {
+			if len(fs) > failurelog.MaxFailures {
 				t.Fatalf("%d failure timelines accepted", len(fs))
 			}
 			for _, x := range fs {

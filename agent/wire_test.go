@@ -15,6 +15,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/detect"
+	"github.com/ftkit/ftkit/failurelog"
 	"github.com/ftkit/ftkit/internal/testenv"
 	"github.com/ftkit/ftkit/ring"
 	"github.com/ftkit/ftkit/spare"
@@ -74,7 +75,7 @@ func newWireAgent(t *testing.T, name string, members []ring.Member) (*Agent, *te
 		t.Fatal(err)
 	}
 	a.members.view, a.members.path = v, filepath.Join(dir, viewFile)
-	if a.failures, err = openFailureLog(dir); err != nil {
+	if a.failures, err = failurelog.Open(dir); err != nil {
 		t.Fatal(err)
 	}
 	if a.claims, err = spare.OpenHolder(filepath.Join(dir, "claim.json")); err != nil {
@@ -192,7 +193,7 @@ func TestServeViewBoundsFailures(t *testing.T) {
 		wantLog  string
 	}{
 		{"within the bounds", mustJSON(many(3, 7)), 3, ""},
-		{"more timelines than an agent keeps", mustJSON(many(maxFailures+1, 1)), 0, "failure timelines from peer refused"},
+		{"more timelines than an agent keeps", mustJSON(many(failurelog.MaxFailures+1, 1)), 0, "failure timelines from peer refused"},
 		{"a timeline longer than a recovery writes", mustJSON(many(1, maxWireStages+1)), 0, "4097 stages"},
 		{"not timelines", json.RawMessage(`{"id":"f1"}`), 0, "not the expected JSON"},
 	}
@@ -200,7 +201,10 @@ func TestServeViewBoundsFailures(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			a, logs := newWireAgent(t, "n1", testMembers(nil))
 			peer, _ := newWireAgent(t, "n2", testMembers(nil))
-			peer.failures.byID = map[string]*Failure{}
+			var err error
+			if peer.failures, err = failurelog.Open(t.TempDir()); err != nil { // none of its own
+				t.Fatal(err)
+			}
 			msg := peer.viewMessage()
 			msg.Failures = tt.failures
 			back := a.serveView("n2", msg)

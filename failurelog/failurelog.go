@@ -1,0 +1,262 @@
+// Package failurelog keeps the timelines of the failures an agent knows of: one Failure per node failure (or
+// planned migration), with the Stages of its recovery. The protector that handles a failure writes its
+// timeline; every agent receives copies with the membership views, so `ftctl events` works on any host. The
+// copies come from other nodes, so the log bounds everything in them, and it is kept on disk so that a
+// restarted agent still shows them.
+package failurelog
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"sort"
+	"sync"
+	"time"
+	"unicode/utf8"
+
+	"github.com/ftkit/ftkit/internal/atomicfile"
+)
+
+// A Failure is the timeline of one node failure and its recovery, kept by the protector that handled it
+// and copied to every agent with the membership view (so `ftctl events` works on any host).
+type Failure struct {
+	ID string `json:"id"`
+	// Kind is "" for a failure, "migration" (agent.KindMigration) for a planned one (Node: the host it left).
+	Kind      string    `json:"kind,omitempty"`
+	Node      string    `json:"node"`      // the failed node
+	Protector string    `json:"protector"` // who detected it and coordinated the recovery
+	Target    string    `json:"target"`    // where its jobs were restored (a spare, or the protector in basic mode)
+	Basic     bool      `json:"basic,omitempty"`
+	LastBeat  time.Time `json:"last_beat"` // the failed node's last heartbeat
+	Detected  time.Time `json:"detected"`
+	Stages    []Stage   `json:"stages"`
+	// StagesDropped counts the stages left out between the first and the newest MaxStages-1 (a recovery
+	// of very many jobs).
+	StagesDropped int       `json:"stages_dropped,omitempty"`
+	Jobs          []string  `json:"jobs"`
+	Done          bool      `json:"done"`
+	Error         string    `json:"error,omitempty"` // set if recovery failed or is incomplete
+	Updated       time.Time `json:"updated"`
+	// TakenOver is the failure of this one's target, whose recovery took its jobs over: the target
+	// failed during this recovery.
+	TakenOver string `json:"taken_over,omitempty"`
+}
+
+// A Stage is one step of a recovery.
+type Stage struct {
+	Name   string    `json:"name"` // detected, spare claimed, snapshot fetched, images rewritten, restored, replay done, re-protected
+	Job    string    `json:"job,omitempty"`
+	Host   string    `json:"host"`
+	Start  time.Time `json:"start"`
+	End    time.Time `json:"end"`
+	Detail string    `json:"detail,omitempty"`
+	Error  string    `json:"error,omitempty"`
+}
+
+// Duration is how long the stage took.
+func (s Stage) Duration() time.Duration { return s.End.Sub(s.Start) }
+
+// Bounds of the failure log. It travels inside every membership view message, whose size is bounded, and comes
+// from other nodes, so neither the number of failures nor anything in one may grow without bound.
+const (
+	MaxFailures = 100  // the most recent ones are kept
+	MaxStages   = 32   // per failure: the first (detection) and the newest
+	MaxJobs     = 256  // job ids listed per failure
+	maxText     = 1024 // bytes of an error or a stage's detail: room for a whole recovery error
+	maxName     = 128  // bytes of an id, a node, host, job or stage name
+)
+
+// Log holds the failures an agent knows of, on disk so that a restarted agent still shows them.
+type Log struct {
+	mu   sync.Mutex
+	path string
+	byID map[string]*Failure
+}
+
+// Open reads the log kept in dir (failures.json), or starts an empty one.
+func Open(dir string) (*Log, error) {
+	l := &Log{path: filepath.Join(dir, "failures.json"), byID: map[string]*Failure{}}
+	b, err := os.ReadFile(l.path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return l, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var fs []*Failure
+	if err := json.Unmarshal(b, &fs); err != nil {
+		return nil, fmt.Errorf("%s is corrupt (move it away to start with an empty failure history): %w", l.path, err)
+	}
+	for _, f := range fs {
+		if f != nil && validID(f.ID) {
+			f.bound()
+			l.byID[f.ID] = f
+		}
+	}
+	l.trim() // a file written before the log was bounded
+	return l, nil
+}
+
+func validID(id string) bool { return id != "" && len(id) <= maxName }
+
+// bound clips a failure to the log's limits.
+func (f *Failure) bound() {
+	if n := len(f.Stages); n > MaxStages {
+		// Keep the detection (the start of the timeline) and the newest stages (where the recovery is).
+		kept := append([]Stage{f.Stages[0]}, f.Stages[n-(MaxStages-1):]...)
+		f.StagesDropped += n - len(kept)
+		f.Stages = kept
+	}
+	for i := range f.Stages {
+		st := &f.Stages[i]
+		st.Name, st.Job, st.Host = clip(st.Name, maxName), clip(st.Job, maxName), clip(st.Host, maxName)
+		st.Detail, st.Error = clip(st.Detail, maxText), clip(st.Error, maxText)
+	}
+	// A copy: the caller may still hold the slice it set.
+	f.Jobs = append([]string(nil), f.Jobs[:min(len(f.Jobs), MaxJobs)]...)
+	for i := range f.Jobs {
+		f.Jobs[i] = clip(f.Jobs[i], maxName)
+	}
+	f.Node, f.Protector, f.Target = clip(f.Node, maxName), clip(f.Protector, maxName), clip(f.Target, maxName)
+	f.Kind, f.TakenOver = clip(f.Kind, maxName), clip(f.TakenOver, maxName)
+	f.Error = clip(f.Error, maxText)
+}
+
+// clip cuts s to at most n bytes, at a character boundary, marking the cut.
+func clip(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	const mark = "..."
+	cut := n - len(mark)
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + mark
+}
+
+// when orders failures: by detection, or by the last update for one not yet stamped.
+func (f *Failure) when() time.Time {
+	if f.Detected.IsZero() {
+		return f.Updated
+	}
+	return f.Detected
+}
+
+// trim drops the oldest failures beyond MaxFailures; call with l.mu held.
+func (l *Log) trim() {
+	if len(l.byID) <= MaxFailures {
+		return
+	}
+	all := make([]*Failure, 0, len(l.byID))
+	for _, f := range l.byID {
+		all = append(all, f)
+	}
+	sortFailures(all)
+	for _, f := range all[:len(all)-MaxFailures] {
+		delete(l.byID, f.ID)
+	}
+}
+
+// sortFailures orders oldest first (ties by id, so that every agent trims the same ones).
+func sortFailures(fs []*Failure) {
+	sort.Slice(fs, func(i, j int) bool {
+		if wi, wj := fs[i].when(), fs[j].when(); !wi.Equal(wj) {
+			return wi.Before(wj)
+		}
+		return fs[i].ID < fs[j].ID
+	})
+}
+
+// Merge keeps the most recently updated copy of a failure. The copy may come from another node: it is
+// clipped to the log's bounds, and the oldest failures leave the log when it is full.
+func (l *Log) Merge(f *Failure) {
+	if f == nil || !validID(f.ID) {
+		return
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if cur, ok := l.byID[f.ID]; !ok || f.Updated.After(cur.Updated) {
+		c := *f
+		c.Stages = append([]Stage(nil), f.Stages...)
+		c.Jobs = append([]string(nil), f.Jobs...)
+		c.bound()
+		l.byID[f.ID] = &c
+		l.trim()
+	}
+}
+
+// Update changes a failure under the lock and stamps it.
+func (l *Log) Update(id string, fn func(*Failure)) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	f, ok := l.byID[id]
+	if !ok {
+		f = &Failure{ID: id}
+		l.byID[id] = f
+	}
+	fn(f)
+	f.bound()
+	f.Updated = time.Now()
+	l.trim()
+}
+
+// TakeOver marks the unfinished recoveries that protector coordinates on target as taken over by the
+// recovery of failure by (target's own failure), and returns their jobs, each with the node it was
+// restored from: a spare that fails while it restores a failed node's jobs takes them down with it, and
+// they come back from that node's replicas.
+func (l *Log) TakeOver(protector, target, by string) map[string]string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	jobs := map[string]string{}
+	for _, f := range l.byID {
+		if f.Done || f.Kind != "" || f.Protector != protector || f.Target != target || f.ID == by || f.TakenOver != "" {
+			continue
+		}
+		f.TakenOver, f.Updated = by, time.Now()
+		for _, j := range f.Jobs {
+			jobs[j] = f.Node
+		}
+	}
+	return jobs
+}
+
+// List returns copies, oldest first.
+func (l *Log) List() []*Failure {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	out := make([]*Failure, 0, len(l.byID))
+	for _, f := range l.byID {
+		c := *f
+		c.Stages = append([]Stage(nil), f.Stages...)
+		c.Jobs = append([]string(nil), f.Jobs...)
+		out = append(out, &c)
+	}
+	sortFailures(out)
+	return out
+}
+
+// Newest returns the most recent failures whose JSON encoding, as a list, takes at most budget bytes,
+// oldest first: what fits in a view message next to the view.
+func (l *Log) Newest(budget int) []*Failure {
+	all := l.List()
+	used := len("[]")
+	i := len(all)
+	for i > 0 {
+		b, err := json.Marshal(all[i-1])
+		if err != nil || used+len(b)+1 > budget { // +1: the comma
+			break
+		}
+		used += len(b) + 1
+		i--
+	}
+	return all[i:]
+}
+
+// Save writes the log to its file (write, fsync, rename).
+func (l *Log) Save() error {
+	return atomicfile.WriteJSON(l.path, l.List())
+}
