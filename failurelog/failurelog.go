@@ -10,7 +10,6 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"os"
 	"path/filepath"
 	"sort"
 	"sync"
@@ -67,6 +66,9 @@ const (
 	MaxJobs     = 256  // job ids listed per failure
 	maxText     = 1024 // bytes of an error or a stage's detail: room for a whole recovery error
 	maxName     = 128  // bytes of an id, a node, host, job or stage name
+	// maxFile bounds the log's file: MaxFailures timelines at the bounds above take about 11 MB, 70 MB
+	// if every byte of their texts is one that JSON escapes to six.
+	maxFile = 128 << 20
 )
 
 // Log holds the failures an agent knows of, on disk so that a restarted agent still shows them.
@@ -79,12 +81,12 @@ type Log struct {
 // Open reads the log kept in dir (failures.json), or starts an empty one.
 func Open(dir string) (*Log, error) {
 	l := &Log{path: filepath.Join(dir, "failures.json"), byID: map[string]*Failure{}}
-	b, err := os.ReadFile(l.path)
+	b, err := atomicfile.ReadBounded(l.path, maxFile)
 	if errors.Is(err, fs.ErrNotExist) {
 		return l, nil
 	}
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("read the failure history %s (move it away to start with an empty one): %w", l.path, err)
 	}
 	var fs []*Failure
 	if err := json.Unmarshal(b, &fs); err != nil {

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"maps"
 	"net/netip"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -235,5 +237,21 @@ func TestTakeOver(t *testing.T) {
 	}
 	if again := l.TakeOver("node3", "spare1", "spare1-2"); len(again) != 0 {
 		t.Errorf("taken over twice: %v", again)
+	}
+}
+
+// TestOpenRefusesALink: the log's file is read without following a link, as the agent's other state files
+// are; an operator is told to move it away.
+func TestOpenRefusesALink(t *testing.T) {
+	dir := t.TempDir()
+	target := filepath.Join(t.TempDir(), "elsewhere.json")
+	if err := os.WriteFile(target, []byte("[]"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(target, filepath.Join(dir, "failures.json")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Open(dir); err == nil || !strings.Contains(err.Error(), "move it away") {
+		t.Fatalf("Open over a link: %v, want a refusal that says what to do", err)
 	}
 }
