@@ -18,16 +18,16 @@ import (
 )
 
 // The copy bound. Issue 13 asks for 0.80 of the unshaped throughput with the sender-side log, or a measured
-// bound showing that no design reaches it on this machine. Every design copies each byte the job sends at
-// least once: the kernel frees a segment's pages once it is acknowledged, no eBPF program can keep them, and
-// the job, unmodified, cannot hand its buffers over. So the bench runs the transfer with exactly that one
-// copy and nothing else, at the two best places a design could put it, both more favourable than any real
-// one: in the sending thread right after each write, from the buffer the kernel has just read (in that CPU's
-// cache; a probe on the sender's path copies from the segment instead, after walking it), and on a thread
-// of its own beside the sender, woken once per 8 MiB sent as the log's consumer is, copying from that same
-// buffer rather than from a ring the probe wrote. Both copy into 256 MiB of memory faulted in beforehand (a
-// warm log's pool) with the log's own non-temporal copy. The throughput either reaches is an upper bound for
-// a design that copies there; the better of the two bounds every design.
+// bound showing that no design reaches it on this machine. A design either copies each byte the job sends
+// at least once (the kernel frees a segment's pages once it is acknowledged, and the job, unmodified,
+// cannot hand its buffers over), or keeps clones of the segments in the kernel (modePark, below). For the
+// first kind the bench runs the transfer with exactly that one copy and nothing else, at the two best
+// places a design could put it, both more favourable than any real one: in the sending thread right after
+// each write, from the buffer the kernel has just read (in that CPU's cache; a probe on the sender's path
+// copies from the segment instead, after walking it), and on a thread of its own beside the sender, woken
+// once per 8 MiB sent as the log's consumer is, copying from that same buffer rather than from a ring the
+// probe wrote. Both copy into 256 MiB of memory faulted in beforehand (a warm log's pool) with the log's own
+// non-temporal copy. The better of the two throughputs bounds every design that copies.
 
 // copyBatch is how much the beside copier is handed at a time: an eighth of the log's 64 MiB ring, when
 // the logger's program wakes its consumer (feedBatch).
@@ -136,12 +136,11 @@ func (s *shadowCopy) finish() (int64, time.Duration, error) {
 	return r.copied, r.cpu, r.err
 }
 
-// The bound above holds for designs that copy. One kind of design would not: the probe clones each segment
-// to a tap device (bpf_clone_redirect: the clone shares the segment's pages, so nothing is copied) and the
-// clones wait in the tap's queue, which is the log, until a receiver's snapshot lets them go, when a read
-// of the clone's headers, which tell its flow and place, frees it. Its ceiling is measured too (modePark):
-// the clones of every segment the sender sends, freed every poll interval by such reads. Not built as a
-// log: see docs/design.md.
+// The other kind of design copies nothing: the probe clones each segment to a tap device
+// (bpf_clone_redirect: the clone shares the segment's pages) and the clones wait in the tap's queue, which
+// is the log, until a receiver's snapshot lets them go, when a read of the clone's headers, which tell its
+// flow and place, frees it. Its ceiling is measured too (modePark): the clones of every segment the sender
+// sends, freed every poll interval by such reads. Not built as a log: see docs/design.md.
 
 // parkTap is the tap device the park mode's clones wait in, in node1's network namespace.
 const parkTap = "ftpark0"
