@@ -122,6 +122,17 @@ func pendingBytes(dir string) (found bool, n int64) {
 	return found, n
 }
 
+// storeBusy reports whether the snapshot store at dir holds an unfinished snapshot of any job.
+func storeBusy(dir string) bool {
+	ents, _ := os.ReadDir(dir)
+	for _, e := range ents {
+		if found, _ := pendingBytes(filepath.Join(dir, e.Name())); found {
+			return true
+		}
+	}
+	return false
+}
+
 // waitPending waits until host's store holds an unfinished snapshot of job with at least min bytes written,
 // and returns how many.
 func waitPending(t *testing.T, c *labcluster.Cluster, host, job string, min int64, timeout time.Duration) int64 {
@@ -780,10 +791,14 @@ func TestFaultProtectorDiskFull(t *testing.T) {
 	rg.checkpoint(t, "node2")
 	// The agent may take a snapshot of rank 1 of its own around the test's (one whose first replica lacks
 	// connections opened since is taken again at once); ci135's arrived on node3 after the list below was
-	// read. Snapshots are taken one at a time, so by now node2 has committed both: wait until node3 holds
-	// node2's newest.
+	// read, and ci206's was still being dumped on node2 when node3 held the test's. Wait until node3 holds
+	// node2's newest and nothing is in flight: no dump on node2, no dump or receive on node3, whose
+	// unfinished bytes would count below as used space and be freed again when they end.
 	var prev []string
-	poll(t, 2*time.Minute, "node3 to hold node2's newest snapshot of rank 1", func() bool {
+	poll(t, 2*time.Minute, "node3 to hold node2's newest snapshot of rank 1, nothing in flight", func() bool {
+		if dumping, _ := pendingBytes(storeDir(c, "node2", job)); dumping || storeBusy(store) {
+			return false
+		}
 		local := replicaIDs(t, c, "node2", job, "node2")
 		prev = replicaIDs(t, c, "node3", job, "node2")
 		return len(local) > 0 && len(prev) > 0 && prev[0] == local[0]
@@ -793,12 +808,20 @@ func TestFaultProtectorDiskFull(t *testing.T) {
 		t.Fatalf("snapshots on node3: %v, %v; want %s first", ms, err, prev[0])
 	}
 	size := ms[0].TotalSize()
-	// Leave half a snapshot of free space: the next replica cannot fit next to the previous one.
-	var st unix.Statfs_t
-	if err := unix.Statfs(store, &st); err != nil {
-		t.Fatal(err)
-	}
-	used := int64(st.Blocks-st.Bfree) * st.Bsize
+	// Leave half a snapshot of free space: the next replica cannot fit next to the previous one. The used
+	// space is read while nothing is in flight on node3 (a snapshot of its own job may begin at any time).
+	var used int64
+	poll(t, 2*time.Minute, "node3's used space, read with no snapshot in flight", func() bool {
+		if storeBusy(store) {
+			return false
+		}
+		var st unix.Statfs_t
+		if err := unix.Statfs(store, &st); err != nil {
+			t.Fatal(err)
+		}
+		used = int64(st.Blocks-st.Bfree) * st.Bsize
+		return !storeBusy(store)
+	})
 	remount := func(bytes int64) {
 		t.Helper()
 		if err := unix.Mount("ftkit-test", store, "tmpfs", unix.MS_REMOUNT, fmt.Sprintf("size=%d,mode=0700", bytes)); err != nil {
