@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"fmt"
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
 // TestCopy compares Copy with the built-in copy for every alignment of both ends, lengths around the
@@ -65,5 +67,29 @@ func BenchmarkCopy(b *testing.B) {
 				so, do = (so+piece)%ring, (do+piece)%dst
 			}
 		})
+	}
+}
+
+// TestCopyBeforeUnmappedPage copies the last bytes of a mapping whose next page is not readable: the
+// copy's prefetches reach past the source's end and must not fault.
+func TestCopyBeforeUnmappedPage(t *testing.T) {
+	page := unix.Getpagesize()
+	m, err := unix.Mmap(-1, 0, 3*page, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatalf("map three pages: %v", err)
+	}
+	defer unix.Munmap(m)
+	if err := unix.Mprotect(m[2*page:], unix.PROT_NONE); err != nil {
+		t.Fatalf("make the third page unreadable: %v", err)
+	}
+	src := m[:2*page]
+	for i := range src {
+		src[i] = byte(i * 7)
+	}
+	for _, n := range []int{minCold, page, 2 * page} {
+		dst := make([]byte, n)
+		if got := Copy(dst, src[len(src)-n:]); got != n || !bytes.Equal(dst, src[len(src)-n:]) {
+			t.Fatalf("copy of the last %d bytes before an unreadable page: returned %d, bytes equal %v", n, got, bytes.Equal(dst, src[len(src)-n:]))
+		}
 	}
 }
