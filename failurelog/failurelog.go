@@ -140,6 +140,14 @@ func clip(s string, n int) string {
 	return s[:cut] + mark
 }
 
+// clone is a copy of f that shares none of its slices.
+func (f *Failure) clone() *Failure {
+	c := *f
+	c.Stages = append([]Stage(nil), f.Stages...)
+	c.Jobs = append([]string(nil), f.Jobs...)
+	return &c
+}
+
 // when orders failures: by detection, or by the last update for one not yet stamped.
 func (f *Failure) when() time.Time {
 	if f.Detected.IsZero() {
@@ -182,11 +190,9 @@ func (l *Log) Merge(f *Failure) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if cur, ok := l.byID[f.ID]; !ok || f.Updated.After(cur.Updated) {
-		c := *f
-		c.Stages = append([]Stage(nil), f.Stages...)
-		c.Jobs = append([]string(nil), f.Jobs...)
+		c := f.clone()
 		c.bound()
-		l.byID[f.ID] = &c
+		l.byID[f.ID] = c
 		l.trim()
 	}
 }
@@ -232,10 +238,7 @@ func (l *Log) List() []*Failure {
 	defer l.mu.Unlock()
 	out := make([]*Failure, 0, len(l.byID))
 	for _, f := range l.byID {
-		c := *f
-		c.Stages = append([]Stage(nil), f.Stages...)
-		c.Jobs = append([]string(nil), f.Jobs...)
-		out = append(out, &c)
+		out = append(out, f.clone())
 	}
 	sortFailures(out)
 	return out
