@@ -28,6 +28,7 @@ import (
 	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/intercept"
 	"github.com/ftkit/ftkit/intercept/record"
+	"github.com/ftkit/ftkit/internal/autogroup"
 	"github.com/ftkit/ftkit/internal/jobfs"
 	"github.com/ftkit/ftkit/internal/netnsthread"
 	"github.com/ftkit/ftkit/internal/tickgrid"
@@ -132,6 +133,9 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 		beatNow:       make(chan struct{}, 1),
 		reservedAddrs: map[netip.Addr]int{},
 		criuVersion:   v,
+	}
+	if n := cfg.Checkpoint.DumpNice; n != 0 {
+		a.criu.Raise = autogroup.NewRaiser(n, a.log).Hold
 	}
 	a.metrics = metrics.New(metricsSource{a})
 	if err := cfg.CheckJobNetwork(); err != nil {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io/fs"
 	"os"
 	"strconv"
 	"sync"
@@ -13,6 +12,7 @@ import (
 
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/detect"
+	"github.com/ftkit/ftkit/internal/autogroup"
 	"github.com/ftkit/ftkit/internal/tickgrid"
 	"github.com/ftkit/ftkit/ring"
 	"golang.org/x/sys/unix"
@@ -51,12 +51,13 @@ func (a *Agent) watchSelf(ctx context.Context) {
 // keepPriority gives every thread of the agent heartbeat.nice, with SCHED_RESET_ON_FORK so that the
 // processes it starts run at nice 0. The flag also resets the Go runtime's new threads (created by clone),
 // so it is applied again every second: a thread the runtime adds runs at nice 0 for at most that long.
-// The agent's autogroup gets it too (raiseAutogroup).
+// The agent's autogroup gets it too (package autogroup: against jobs in other sessions only the group's
+// value counts).
 func (a *Agent) keepPriority(ctx context.Context) {
 	if a.cfg.Heartbeat.Nice == 0 {
 		return
 	}
-	if err := raiseAutogroup(a.cfg.Heartbeat.Nice); err != nil {
+	if err := autogroup.Set(a.cfg.Heartbeat.Nice); err != nil {
 		a.log.Warn("heartbeat.nice: this agent's autogroup keeps its priority, so that jobs in other sessions weigh as much as the agent", "err", err)
 	}
 	apply := func() {
@@ -79,28 +80,6 @@ func (a *Agent) keepPriority(ctx context.Context) {
 	}
 	apply()
 	tickgrid.Every(ctx, time.Second, apply)
-}
-
-// raiseAutogroup gives this process's autogroup nice value nice. Where the kernel schedules processes
-// grouped by session (autogroup: on in most distributions' kernels, when the CPU controller of a cgroup
-// does not group them instead), a thread's nice value weighs only against the threads of its own session,
-// and the jobs run in sessions of their own (their shims call setsid): against them only the group's nice
-// counts. Measured here: two busy loops on one CPU, one at nice 19, got 50.0% and 49.5% of it in two
-// sessions, 98.5% and 1.4% in one. Only a session leader changes it (systemd and the lab start the agent
-// as one): otherwise the group is that of whoever started the agent, a login shell say. A kernel without
-// autogroup has nothing to change.
-func raiseAutogroup(nice int) error {
-	if sid, err := unix.Getsid(0); err != nil || sid != os.Getpid() {
-		return fmt.Errorf("the agent is not the leader of its session (started without setsid): its autogroup is its session's (%d)", sid)
-	}
-	err := os.WriteFile("/proc/self/autogroup", []byte(strconv.Itoa(nice)), 0)
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil
-	}
-	if err != nil {
-		return fmt.Errorf("set the nice value of this agent's autogroup (needs CAP_SYS_NICE): %w", err)
-	}
-	return nil
 }
 
 // setBusy records that this host is in a long operation (detect.BusyCheckpoint or BusyRestore) until the

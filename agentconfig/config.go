@@ -119,6 +119,10 @@ type Config struct {
 		MinInterval Duration `toml:"min_interval"`
 		MTBF        Duration `toml:"mtbf"`
 		Keep        int      `toml:"keep"`
+		// DumpNice is the nice value of the agent's autogroup while CRIU dumps a job: CRIU runs in the
+		// agent's session, and the job stays stopped until it is done, so CRIU goes before the host's other
+		// sessions (the jobs) meanwhile. A group already higher (heartbeat.nice) keeps its value. 0: unchanged.
+		DumpNice int `toml:"dump_nice"`
 	} `toml:"checkpoint"`
 	Heartbeat struct {
 		Interval  Duration `toml:"interval"`
@@ -130,7 +134,7 @@ type Config struct {
 		// Nice, if negative, is the agent's own nice value, so that CPU-bound jobs or a hog cannot starve
 		// its heartbeats and probes (corosync runs at realtime priority for this reason). The processes
 		// the agent starts (shims, jobs, CRIU) run at nice 0 (SCHED_RESET_ON_FORK). Its autogroup gets it
-		// too (raiseAutogroup), which CRIU, in the agent's session, shares. 0: unchanged.
+		// too (package autogroup), which CRIU, in the agent's session, shares. 0: unchanged.
 		Nice int `toml:"nice"`
 	} `toml:"heartbeat"`
 	Failover struct {
@@ -219,6 +223,7 @@ func Defaults() Config {
 	c.Checkpoint.MinInterval = Duration{time.Second}
 	c.Checkpoint.MTBF = Duration{24 * time.Hour}
 	c.Checkpoint.Keep = 3
+	c.Checkpoint.DumpNice = -10
 	c.Heartbeat.Interval = Duration{500 * time.Millisecond}
 	c.Heartbeat.Timeout = Duration{3 * time.Second}
 	c.Heartbeat.BusyGrace = Duration{60 * time.Second}
@@ -347,6 +352,9 @@ func (c Config) Validate() error {
 	}
 	if err := c.Health.validate(); err != nil {
 		errs = append(errs, fmt.Errorf("health: %w", err))
+	}
+	if c.Checkpoint.DumpNice < -20 || c.Checkpoint.DumpNice > 0 {
+		errs = append(errs, fmt.Errorf("checkpoint.dump_nice %d must be between -20 and 0 (0: unchanged)", c.Checkpoint.DumpNice))
 	}
 	if c.Heartbeat.Nice < -20 || c.Heartbeat.Nice > 0 {
 		errs = append(errs, fmt.Errorf("heartbeat.nice %d must be between -20 and 0 (0: unchanged)", c.Heartbeat.Nice))

@@ -27,6 +27,9 @@ func TestMain(m *testing.M) {
 	if v := os.Getenv("FTKIT_FAKE_CRIU_VERSION"); v != "" && len(os.Args) == 3 && os.Args[1] == "swrk" {
 		os.Exit(fakeSwrk(v, os.Args[2]))
 	}
+	if d := os.Getenv("FTKIT_FAKE_CRIU_DUMP"); d != "" && len(os.Args) == 3 && os.Args[1] == "swrk" {
+		os.Exit(fakeDumpSwrk(d, os.Args[2]))
+	}
 	os.Exit(m.Run())
 }
 
@@ -128,5 +131,58 @@ func TestDumpInNetns(t *testing.T) {
 	_, err := Client{Binary: "/nonexistent/criu"}.Dump(t.Context(), DumpOptions{PID: 1, ImagesDir: t.TempDir(), Netns: missing})
 	if err == nil || !strings.Contains(err.Error(), "open network namespace "+missing) {
 		t.Fatalf("Dump in %s = %v, want an error opening that namespace", missing, err)
+	}
+}
+
+// fakeDumpSwrk answers one request, a dump, with a failure, after it left a file named ran in dir.
+func fakeDumpSwrk(dir, fdArg string) int {
+	fd, err := strconv.Atoi(fdArg)
+	if err != nil {
+		return 2
+	}
+	sk := os.NewFile(uintptr(fd), "swrk")
+	buf := make([]byte, 4096)
+	if _, err := sk.Read(buf); err != nil {
+		return 3
+	}
+	if err := os.WriteFile(filepath.Join(dir, "ran"), nil, 0o600); err != nil {
+		return 4
+	}
+	resp, _ := proto.Marshal(&rpc.CriuResp{Type: rpc.CriuReqType_DUMP.Enum(), Success: proto.Bool(false)})
+	if _, err := sk.Write(resp); err != nil {
+		return 5
+	}
+	return 0
+}
+
+// A dump raises the caller's priority (Client.Raise) before CRIU runs and lowers it once CRIU is done,
+// also when the dump fails.
+func TestDumpRaisesWhileCRIURuns(t *testing.T) {
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	work := t.TempDir()
+	t.Setenv("FTKIT_FAKE_CRIU_DUMP", work)
+	ran := filepath.Join(work, "ran")
+	var raised, lowered int
+	c := Client{Binary: self, Raise: func() func() {
+		raised++
+		if _, err := os.Stat(ran); err == nil {
+			t.Error("raised after CRIU ran")
+		}
+		return func() {
+			lowered++
+			if _, err := os.Stat(ran); err != nil {
+				t.Errorf("lowered before CRIU ran: %v", err)
+			}
+		}
+	}}
+	_, err = c.Dump(t.Context(), DumpOptions{PID: os.Getpid(), ImagesDir: t.TempDir(), LeaveRunning: true})
+	if err == nil {
+		t.Fatal("the fake CRIU's failed dump returned no error")
+	}
+	if raised != 1 || lowered != 1 {
+		t.Errorf("raised %d and lowered %d times, want 1 and 1", raised, lowered)
 	}
 }

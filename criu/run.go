@@ -27,6 +27,9 @@ type Client struct {
 	// CgroupYard, if set, is the host's cgroup yard, which dumps use while it leads to every hierarchy of
 	// the host (otherwise CRIU mounts the hierarchies itself, as without one).
 	CgroupYard *CgroupYard
+	// Raise, if set, is called as a dump begins, and what it returns once CRIU is done: the job is stopped
+	// meanwhile, and the agent raises the CPU priority of its session, CRIU's, with it (package autogroup).
+	Raise func() (release func())
 }
 
 // DumpOptions are the knobs ftkit uses; everything else is fixed by the design (TCP established
@@ -109,7 +112,13 @@ func (c Client) dump(ctx context.Context, opts DumpOptions, nfy gocriu.Notify) (
 	}
 	cr := gocriu.MakeCriu()
 	cr.SetCriuPath(c.Binary)
-	if err := run(ctx, inNetns(opts.Netns, func() error { return cr.Dump(req, nfy) })); err != nil {
+	lower := func() {}
+	if c.Raise != nil {
+		lower = c.Raise()
+	}
+	err = run(ctx, inNetns(opts.Netns, func() error { return cr.Dump(req, nfy) }))
+	lower()
+	if err != nil {
 		return DumpStats{}, fmt.Errorf("criu dump of pid %d: %w%s", opts.PID, err, logTail(filepath.Join(opts.ImagesDir, dumpLog)))
 	}
 	st, err := crit.GetDumpStats(opts.ImagesDir)

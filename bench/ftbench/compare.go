@@ -42,8 +42,9 @@ import (
 // a replicated snapshot holding its connections, d's ranks have all written their first checkpoint. Failure-free runs are repeated
 // size.Rounds times (median reported). Every run's checksum is compared with an unprotected loopback run.
 //
-// FTBENCH_SIZE=small (CI, under a minute) or large (default). FTBENCH_COMPARE_VARIANTS=a,b (a list) runs
-// only those variants, without failures: a quick measurement of a change's failure-free cost.
+// FTBENCH_SIZE=small (CI, under a minute) or large (default). FTBENCH_COMPARE_VARIANTS=b,c (a list) runs
+// only those variants and a, without failures: a quick measurement of a change's failure-free cost, each
+// round's runs against that round's a.
 func benchCompare(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 	binDir, err := ownDir()
 	if err != nil {
@@ -210,7 +211,7 @@ func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compare
 	for round := range sz.Rounds {
 		err = withLab(ctx, log, sz, nil, func(l *lab.Lab, _ *labcluster.Cluster) error {
 			for _, v := range []string{"a", "d"} {
-				if !only.has(v) && !(v == "a" && round == 0) { // c's interval comes from a's first run
+				if !only.has(v) && v != "a" { // a in every round: c's interval comes from its first run, and overheads pair rounds
 					continue
 				}
 				r, err := plain.run(ctx, l, v, nil, 7600+10*round)
@@ -943,7 +944,7 @@ func (o *compareOutcome) metrics() []Metric {
 // ratioToPlain is variant v's failure-free run time over a's: the median over the rounds that ran both of
 // each round's ratio, as the receive-order benchmark pairs its runs (the machine's load drifts between
 // rounds, minutes apart, more than within one), or the ratio of the medians when fewer than two rounds ran
-// both (FTBENCH_COMPARE_VARIANTS runs a in the first round only).
+// both.
 func (o *compareOutcome) ratioToPlain(v string) float64 {
 	plain := map[int]float64{}
 	for _, r := range o.Runs {

@@ -167,7 +167,7 @@ func TestRatioToPlain(t *testing.T) {
 		{"paired by round: the drift between rounds cancels", []variantRun{
 			run("a", 0, 20), run("c", 0, 21), run("a", 1, 30), run("c", 1, 31.5), run("a", 2, 25), run("c", 2, 27.5),
 		}, 1.05}, // ratios 1.05, 1.05, 1.10; median(c)/median(a) would be 27.5/25 = 1.10
-		{"a in the first round only: the medians", []variantRun{
+		{"fewer than two rounds with both: the medians", []variantRun{
 			run("a", 0, 20), run("c", 0, 22), run("c", 1, 24), run("c", 2, 23),
 		}, 23.0 / 20},
 		{"failure runs do not count", []variantRun{
