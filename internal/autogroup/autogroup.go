@@ -131,6 +131,6 @@ func (r *Raiser) raise() {
 func (r *Raiser) warn(err error) {
 	if err != nil && !r.warned {
 		r.warned = true
-		r.log.Warn("autogroup: the work runs at its session's priority", "nice", r.nice, "err", err)
+		r.log.Warn("autogroup: the work runs at its session's priority instead of the nice value asked for", "nice", r.nice, "err", err)
 	}
 }
