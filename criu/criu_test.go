@@ -33,14 +33,20 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-func fakeSwrk(version, fdArg string) int {
+// fakeRequest reads go-criu's one request on the swrk socket fdArg names.
+func fakeRequest(fdArg string) (*os.File, error) {
 	fd, err := strconv.Atoi(fdArg)
 	if err != nil {
-		return 2
+		return nil, err
 	}
 	sk := os.NewFile(uintptr(fd), "swrk")
-	buf := make([]byte, 4096)
-	if _, err := sk.Read(buf); err != nil {
+	_, err = sk.Read(make([]byte, 4096))
+	return sk, err
+}
+
+func fakeSwrk(version, fdArg string) int {
+	sk, err := fakeRequest(fdArg)
+	if err != nil {
 		return 3
 	}
 	parts := strings.Split(version, ".")
@@ -136,13 +142,8 @@ func TestDumpInNetns(t *testing.T) {
 
 // fakeDumpSwrk answers one request, a dump, with a failure, after it left a file named ran in dir.
 func fakeDumpSwrk(dir, fdArg string) int {
-	fd, err := strconv.Atoi(fdArg)
+	sk, err := fakeRequest(fdArg)
 	if err != nil {
-		return 2
-	}
-	sk := os.NewFile(uintptr(fd), "swrk")
-	buf := make([]byte, 4096)
-	if _, err := sk.Read(buf); err != nil {
 		return 3
 	}
 	if err := os.WriteFile(filepath.Join(dir, "ran"), nil, 0o600); err != nil {
