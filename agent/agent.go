@@ -135,7 +135,7 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 		criuVersion:   v,
 	}
 	if n := cfg.Checkpoint.DumpNice; n != 0 {
-		a.criu.Raise = autogroup.NewRaiser(n, a.log.With("setting", "checkpoint.dump_nice")).Hold
+		a.criu.Raise = autogroup.NewRaiser(n, cfg.Heartbeat.Nice, a.log.With("setting", "checkpoint.dump_nice")).Hold
 	}
 	a.metrics = metrics.New(metricsSource{a})
 	if err := cfg.CheckJobNetwork(); err != nil {
