@@ -13,17 +13,47 @@ import (
 	"testing"
 )
 
-// current reads this process's autogroup nice value from the kernel's "/autogroup-<id> nice <n>\n".
-func current() (int, error) {
+// current reads this process's autogroup nice value.
+func current() (nice int, own bool, err error) {
 	b, err := os.ReadFile(path)
 	if err != nil {
-		return 0, err
+		return 0, false, err
+	}
+	return parse(b)
+}
+
+// parse reads the kernel's "/autogroup-<id> nice <n>\n". A process in the kernel's default group, the one
+// of pid 1's session, which no one can reweigh, reads as nothing: own is false. CI harnesses run there.
+func parse(b []byte) (nice int, own bool, err error) {
+	if len(b) == 0 {
+		return 0, false, nil
 	}
 	f := strings.Fields(string(b))
 	if len(f) != 3 || !strings.HasPrefix(f[0], "/autogroup-") || f[1] != "nice" {
-		return 0, fmt.Errorf("%s: unexpected %q", path, b)
+		return 0, false, fmt.Errorf("%s: unexpected %q", path, b)
 	}
-	return strconv.Atoi(f[2])
+	nice, err = strconv.Atoi(f[2])
+	return nice, err == nil, err
+}
+
+func TestParse(t *testing.T) {
+	for _, c := range []struct {
+		in      string
+		nice    int
+		own, ok bool
+	}{
+		{"/autogroup-16288 nice 0\n", 0, true, true},
+		{"/autogroup-7 nice -5\n", -5, true, true},
+		{"", 0, false, true}, // pid 1's session: the kernel's default group (ci on the old reader: "unexpected")
+		{"/autogroup-7 nice\n", 0, false, false},
+		{"/autogroup-7 nice x\n", 0, false, false},
+		{"/cgroup-7 nice 0\n", 0, false, false},
+	} {
+		nice, own, err := parse([]byte(c.in))
+		if (err == nil) != c.ok || nice != c.nice || own != c.own {
+			t.Errorf("parse(%q) = %d, %v, %v; want %d, %v, ok %v", c.in, nice, own, err, c.nice, c.own, c.ok)
+		}
+	}
 }
 
 // fakeGroup is an autogroup whose changes a test reads back.
@@ -105,26 +135,29 @@ func TestSetAndRaiseInASessionOfItsOwn(t *testing.T) {
 	if os.Getenv("FTKIT_TEST_AUTOGROUP_CHILD") == "1" {
 		// The child, in a session of its own: what an agent started by systemd or the lab is.
 		err := Set(-5)
-		n1, _ := current()
+		n1, _, _ := current()
 		release := NewRaiser(-8, -5, slog.New(slog.DiscardHandler)).Hold()
-		n2, _ := current()
+		n2, _, _ := current()
 		release()
-		n3, _ := current()
+		n3, _, _ := current()
 		fmt.Printf("err=%v nice=%d,%d,%d\n", err, n1, n2, n3)
 		return
 	}
 	if _, err := os.Stat(path); errors.Is(err, os.ErrNotExist) {
 		t.Skip("SKIP: this kernel has no autogroup: the threads' nice values are all there is to set")
 	}
-	before, err := current()
+	before, own, err := current()
 	if err != nil {
 		t.Fatal(err)
+	}
+	if !own {
+		t.Logf("the test runs in the kernel's default group (pid 1's session), which has no nice value of its own")
 	}
 	if err := Set(-5); err == nil || !strings.Contains(err.Error(), "not the leader of its session") {
 		t.Errorf("the test, which does not lead its session: %v, want refused", err)
 	}
-	if after, _ := current(); after != before {
-		t.Errorf("the session's autogroup changed from %d to %d", before, after)
+	if after, ownAfter, _ := current(); after != before || ownAfter != own {
+		t.Errorf("the session's autogroup changed from %d (own %v) to %d (own %v)", before, own, after, ownAfter)
 	}
 
 	cmd := exec.Command(os.Args[0], "-test.run=^TestSetAndRaiseInASessionOfItsOwn$", "-test.count=1")
