@@ -131,10 +131,12 @@ type Config struct {
 		// ProbeTimeout bounds the direct probe that confirms a suspicion (0: timeout). A crashed host does
 		// not answer at all, so confirmation costs this long; a live one answers a ping in milliseconds.
 		ProbeTimeout Duration `toml:"probe_timeout"`
-		// Nice, if negative, is the agent's own nice value, so that CPU-bound jobs or a hog cannot starve
-		// its heartbeats and probes (corosync runs at realtime priority for this reason). The processes
-		// the agent starts (shims, jobs, CRIU) run at nice 0 (SCHED_RESET_ON_FORK). Its autogroup gets it
-		// too (package autogroup), which CRIU, in the agent's session, shares. 0: unchanged.
+		// Nice is the agent's own nice value. Negative, CPU-bound jobs or a hog cannot starve its heartbeats
+		// and probes (corosync runs at realtime priority for this reason); positive, the agent's steady work
+		// (the log, the determinants, shipping and receiving snapshots) waits for the jobs' CPU instead,
+		// while CRIU still dumps at checkpoint.dump_nice (restores run in the job's shim, a session of its
+		// own). The processes the agent starts (shims, jobs, CRIU) run at nice 0 (SCHED_RESET_ON_FORK). Its
+		// autogroup gets it too (package autogroup), which CRIU, in the agent's session, shares. 0: unchanged.
 		Nice int `toml:"nice"`
 	} `toml:"heartbeat"`
 	Failover struct {
@@ -356,8 +358,8 @@ func (c Config) Validate() error {
 	if c.Checkpoint.DumpNice < -20 || c.Checkpoint.DumpNice > 0 {
 		errs = append(errs, fmt.Errorf("checkpoint.dump_nice %d must be between -20 and 0 (0: unchanged)", c.Checkpoint.DumpNice))
 	}
-	if c.Heartbeat.Nice < -20 || c.Heartbeat.Nice > 0 {
-		errs = append(errs, fmt.Errorf("heartbeat.nice %d must be between -20 and 0 (0: unchanged)", c.Heartbeat.Nice))
+	if c.Heartbeat.Nice < -20 || c.Heartbeat.Nice > 19 {
+		errs = append(errs, fmt.Errorf("heartbeat.nice %d must be between -20 and 19 (0: unchanged)", c.Heartbeat.Nice))
 	}
 	if c.Heartbeat.ProbeTimeout.Duration < 0 {
 		errs = append(errs, fmt.Errorf("heartbeat.probe_timeout %s must not be negative (0: heartbeat.timeout)", c.Heartbeat.ProbeTimeout))

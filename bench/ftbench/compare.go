@@ -111,9 +111,14 @@ const (
 	cmpTimeout   = time.Second
 	// cmpDetect is when a and d learn of the crash: ftkit's watchdog suspects after one timeout and
 	// confirms with a probe that must time out too, so a and d get the same two timeouts.
-	cmpDetect  = 2 * cmpTimeout
-	cmpLabID   = "fbcmp"
-	cmpCrashed = "node2" // rank 1
+	cmpDetect = 2 * cmpTimeout
+	// cmpAgentNice is the agents' heartbeat.nice: the jobs first. The agents' steady work (the log,
+	// the determinants, shipping and receiving snapshots) takes the CPU the ranks leave, while CRIU dumps
+	// at checkpoint.dump_nice. In four alternating pairs of b and c runs against 0 (docs/design.md), c's
+	// overhead was lower in each pair (by 0.4 to 4.1 points), b's moved within its spread.
+	cmpAgentNice = 19
+	cmpLabID     = "fbcmp"
+	cmpCrashed   = "node2" // rank 1
 )
 
 var cmpSubnet = netip.MustParsePrefix("10.246.0.0/24")
@@ -192,6 +197,7 @@ func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compare
 		"b and c: agent jobs (PID namespace, cgroup, eBPF sender-side log); b's only snapshots are those the agent takes as the jobs start (interval 1h)",
 		"d: checkpoint files on the lab's shared disk (ext4, fsync), like FT-SPMD on NFS or a local disk that survives",
 		fmt.Sprintf("failure detection: heartbeat %s, timeout %s (+ confirmation); a and d are killed and restarted %s after the crash", cmpHeartbeat, cmpTimeout, cmpDetect),
+		fmt.Sprintf("b and c: the agents at heartbeat.nice %d (the jobs first), CRIU's dumps at checkpoint.dump_nice -10", cmpAgentNice),
 		"restart_ms: crash to every rank computing again (c: restored; d: every rank loaded its checkpoint)",
 		"caught_up_ms: crash to the job back at the crash point (c: replay done, the restored rank re-sent what its peers had; a, d: every rank reached the iteration the survivors had reached)",
 		"delay: failure run minus the same variant's failure-free run",
@@ -321,7 +327,7 @@ func (s variantSet) has(v string) bool { return s == nil || s[v] }
 // every variant's detection is matched to.
 func cmpAgents(binDir string) *labcluster.Options {
 	return &labcluster.Options{AgentBin: filepath.Join(binDir, "ftagent"), Interval: "1h",
-		LogLevel: "warn", Heartbeat: cmpHeartbeat, HeartbeatTimeout: cmpTimeout}
+		LogLevel: "warn", Heartbeat: cmpHeartbeat, HeartbeatTimeout: cmpTimeout, Nice: cmpAgentNice}
 }
 
 // withLab builds the comparison's lab (the ranks' hosts and one spare), with agents configured by agents

@@ -132,11 +132,12 @@ func TestRaiserKeepsAValueSetWhileHeld(t *testing.T) {
 // Set changes the autogroup of a session leader, and leaves that of a session the process does not lead
 // (a login shell's) alone; a Raiser in a leader raises it and puts it back.
 func TestSetAndRaiseInASessionOfItsOwn(t *testing.T) {
-	if os.Getenv("FTKIT_TEST_AUTOGROUP_CHILD") == "1" {
+	if base := os.Getenv("FTKIT_TEST_AUTOGROUP_CHILD"); base != "" {
 		// The child, in a session of its own: what an agent started by systemd or the lab is.
-		err := Set(-5)
+		n, _ := strconv.Atoi(base)
+		err := Set(n)
 		n1, _, _ := current()
-		release := NewRaiser(-8, -5, slog.New(slog.DiscardHandler)).Hold()
+		release := NewRaiser(-8, n, slog.New(slog.DiscardHandler)).Hold()
 		n2, _, _ := current()
 		release()
 		n3, _, _ := current()
@@ -160,14 +161,17 @@ func TestSetAndRaiseInASessionOfItsOwn(t *testing.T) {
 		t.Errorf("the session's autogroup changed from %d (own %v) to %d (own %v)", before, own, after, ownAfter)
 	}
 
-	cmd := exec.Command(os.Args[0], "-test.run=^TestSetAndRaiseInASessionOfItsOwn$", "-test.count=1")
-	cmd.Env = append(os.Environ(), "FTKIT_TEST_AUTOGROUP_CHILD=1")
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	out, err := cmd.CombinedOutput()
-	if err != nil {
-		t.Fatalf("child: %v\n%s", err, out)
-	}
-	if !strings.Contains(string(out), "err=<nil> nice=-5,-8,-5") {
-		t.Errorf("a session leader's autogroup after Set(-5), while raised to -8, and after:\n%s\nwant err=<nil> nice=-5,-8,-5", out)
+	// heartbeat.nice's two directions: the agent before the jobs, and after them.
+	for _, base := range []int{-5, 19} {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestSetAndRaiseInASessionOfItsOwn$", "-test.count=1")
+		cmd.Env = append(os.Environ(), fmt.Sprintf("FTKIT_TEST_AUTOGROUP_CHILD=%d", base))
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("child: %v\n%s", err, out)
+		}
+		if want := fmt.Sprintf("err=<nil> nice=%d,-8,%d", base, base); !strings.Contains(string(out), want) {
+			t.Errorf("a session leader's autogroup after Set(%d), while raised to -8, and after:\n%s\nwant %s", base, out, want)
+		}
 	}
 }
