@@ -43,8 +43,12 @@ type Agent struct {
 	cfg  Config
 	log  *slog.Logger
 	criu criu.Client
-	self string // this executable, run as `shim` for each job
-	jobs jobStore
+	// raise, if set (checkpoint.dump_nice), raises the agent's CPU priority until what it returns is
+	// called: CRIU's dumps hold it (criu.Client.Raise), and so do the windows in which the agent keeps jobs
+	// frozen (raised).
+	raise func() (release func())
+	self  string // this executable, run as `shim` for each job
+	jobs  jobStore
 
 	store       *ckpt.Store // this host's snapshots and the replicas it keeps for the nodes it protects
 	criuVersion criu.Version
@@ -135,7 +139,8 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 		criuVersion:   v,
 	}
 	if n := cfg.Checkpoint.DumpNice; n != 0 {
-		a.criu.Raise = autogroup.NewRaiser(n, cfg.Heartbeat.Nice, a.log.With("setting", "checkpoint.dump_nice")).Hold
+		a.raise = autogroup.NewRaiser(n, cfg.Heartbeat.Nice, a.log.With("setting", "checkpoint.dump_nice")).Hold
+		a.criu.Raise = a.raise
 	}
 	a.metrics = metrics.New(metricsSource{a})
 	if err := cfg.CheckJobNetwork(); err != nil {

@@ -167,7 +167,8 @@ func (a *Agent) coordFreeze(ctx context.Context, coordinator string, req cluster
 		}
 	}
 	a.ckptMu.Lock() // no scheduled snapshot, migration or drain of these jobs until they thaw
-	release := sync.OnceFunc(a.ckptMu.Unlock)
+	lower := a.raised()
+	release := sync.OnceFunc(func() { a.ckptMu.Unlock(); lower() })
 	key := coordinated.HoldKey(req)
 	hold := &coordinated.Hold[Job]{Cut: req.Cut, Coordinator: coordinator, Jobs: a.runJobs(req.Run, req.UID), Frozen: time.Now()}
 	end := func() {

@@ -22,6 +22,8 @@ func TestHoldEndsWhenCoordinatorFails(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(j.Cgroup, "cgroup.events"), []byte("populated 1\nfrozen 1\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
+	r := &raiseRecorder{cgroup: j.Cgroup}
+	ta.raise = r.raise
 	freeze := clusterapi.CoordinateRequest{Run: "farm", UID: &uid, Cut: "cut-1", Phase: clusterapi.CoordFreeze}
 	rep, err := ta.serveCoordinate(t.Context(), "node2", freeze)
 	if err != nil || !slices.Equal(rep.Jobs, []string{j.ID}) {
@@ -38,8 +40,8 @@ func TestHoldEndsWhenCoordinatorFails(t *testing.T) {
 		}
 		return true
 	}
-	if frozen() != "1" || !held() {
-		t.Fatalf("after the freeze: cgroup.freeze %q, snapshot lock held %v; want 1, true", frozen(), held())
+	if frozen() != "1" || !held() || r.held != 1 {
+		t.Fatalf("after the freeze: cgroup.freeze %q, snapshot lock held %v, priority raised %d times; want 1, true, 1", frozen(), held(), r.held)
 	}
 
 	fail := func(name string) {
@@ -58,8 +60,8 @@ func TestHoldEndsWhenCoordinatorFails(t *testing.T) {
 	}
 
 	fail("node2")
-	if frozen() != "0" || held() {
-		t.Fatalf("coordinator node2 failed: cgroup.freeze %q, snapshot lock held %v; want 0 (thawed), false", frozen(), held())
+	if frozen() != "0" || held() || r.held != 0 {
+		t.Fatalf("coordinator node2 failed: cgroup.freeze %q, snapshot lock held %v, priority raised %d times; want 0 (thawed), false, 0", frozen(), held(), r.held)
 	}
 	if left := ta.coord.Len(); left != 0 {
 		t.Errorf("%d holds left after the coordinator's failure", left)

@@ -218,6 +218,7 @@ func (a *Agent) migrationBase(ctx context.Context, job, target string) *ship.Bas
 func (a *Agent) stopForMigration(ctx context.Context, j Job, target string, base *ship.BaseIndex, stage func(string, time.Time, string, error)) (frozen time.Time, m *ckpt.Manifest, deleteNet func(), err error) {
 	a.ckptMu.Lock() // no scheduled snapshot of the job in between
 	defer a.ckptMu.Unlock()
+	defer a.raised()() // the job is frozen from the dump until it has left, or thawed
 	deleteNet = func() {}
 	frozen = time.Now()
 	m, err = a.dumpFrozen(ctx, j)

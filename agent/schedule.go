@@ -289,6 +289,7 @@ func (a *Agent) recordReplica(ctx context.Context, m *ckpt.Manifest, strays []st
 // returns the jobs it dumped.
 func (a *Agent) semiCoordinated(ctx context.Context, jobs []Job, withPeers bool) ([]Job, []*ckpt.Manifest, error) {
 	start := time.Now()
+	defer a.raised()() // after the thaw below
 	var frozen []string
 	defer func() {
 		for _, cg := range frozen {
@@ -344,6 +345,15 @@ func (a *Agent) semiCoordinated(ctx context.Context, jobs []Job, withPeers bool)
 	a.policyFor("").Observe(time.Since(start))
 	a.log.Info("host snapshot (semi-coordinated)", "jobs", len(jobs), "frozen_ms", time.Since(start).Milliseconds())
 	return jobs, out, nil
+}
+
+// raised raises the agent's CPU priority (raise) until release is called. A job the agent keeps frozen waits
+// for all of its work, not only CRIU's (heartbeat.nice may put the agent below the jobs).
+func (a *Agent) raised() (release func()) {
+	if a.raise == nil {
+		return func() {}
+	}
+	return a.raise()
 }
 
 // setFrozen writes cgroup v2's cgroup.freeze.

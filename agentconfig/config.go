@@ -119,9 +119,11 @@ type Config struct {
 		MinInterval Duration `toml:"min_interval"`
 		MTBF        Duration `toml:"mtbf"`
 		Keep        int      `toml:"keep"`
-		// DumpNice is the nice value of the agent's autogroup while CRIU dumps a job: CRIU runs in the
-		// agent's session, and the job stays stopped until it is done, so CRIU goes before the host's other
-		// sessions (the jobs) meanwhile. A group already higher (heartbeat.nice) keeps its value. 0: unchanged.
+		// DumpNice is the nice value of the agent's autogroup while CRIU dumps a job, and while the agent
+		// keeps jobs frozen (a semi-coordinated snapshot, a migration's stop, a coordinated freeze): CRIU
+		// runs in the agent's session, and the job stays stopped until the work is done, so it goes before
+		// the host's other sessions (the jobs) meanwhile. A group already higher (heartbeat.nice) keeps its
+		// value. 0: unchanged.
 		DumpNice int `toml:"dump_nice"`
 	} `toml:"checkpoint"`
 	Heartbeat struct {
