@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/agentconfig"
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/internal/atomicfile"
 	"github.com/ftkit/ftkit/lab"
@@ -197,7 +198,7 @@ func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compare
 		"b and c: agent jobs (PID namespace, cgroup, eBPF sender-side log); b's only snapshots are those the agent takes as the jobs start (interval 1h)",
 		"d: checkpoint files on the lab's shared disk (ext4, fsync), like FT-SPMD on NFS or a local disk that survives",
 		fmt.Sprintf("failure detection: heartbeat %s, timeout %s (+ confirmation); a and d are killed and restarted %s after the crash", cmpHeartbeat, cmpTimeout, cmpDetect),
-		fmt.Sprintf("b and c: the agents at heartbeat.nice %d (the jobs first), CRIU's dumps at checkpoint.dump_nice -10", cmpAgentNice),
+		fmt.Sprintf("b and c: the agents at heartbeat.nice %d (the jobs first), CRIU's dumps at checkpoint.dump_nice %d", cmpAgentNice, agentconfig.Defaults().Checkpoint.DumpNice),
 		"restart_ms: crash to every rank computing again (c: restored; d: every rank loaded its checkpoint)",
 		"caught_up_ms: crash to the job back at the crash point (c: replay done, the restored rank re-sent what its peers had; a, d: every rank reached the iteration the survivors had reached)",
 		"delay: failure run minus the same variant's failure-free run",
