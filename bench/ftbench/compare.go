@@ -89,6 +89,14 @@ type compareSize struct {
 	Rounds  int     `json:"rounds"` // failure-free runs of each variant (the median counts)
 }
 
+// warmIters is the iteration every rank of a failure-free run has done before its steady state is timed:
+// past the launch, the connections and, in b and c, the snapshot the agents take as the jobs start, costs
+// a job pays once whatever its length.
+func (s compareSize) warmIters() int { return max(s.Iters/20, 1) }
+
+// warmArgs makes the ranks say when they have done warmIters (stencil2d's "reached" line).
+func (s compareSize) warmArgs() []string { return []string{"--report-at", fmt.Sprint(s.warmIters())} }
+
 var compareSizes = map[string]compareSize{
 	"small": {Name: "small", Ranks: 3, Grid: 256, Iters: 400, Delay: 5 * time.Millisecond, CkptEvery: 150, CrashAt: 0.56, Rounds: 1},
 	"large": {Name: "large", Ranks: 4, Grid: 2048, Iters: 2000, Delay: 8 * time.Millisecond, CkptEvery: 400, CrashAt: 0.5, Rounds: 3},
@@ -130,7 +138,8 @@ type variantRun struct {
 	Round     int     `json:"round"`
 	Failure   bool    `json:"failure"`
 	Seconds   float64 `json:"seconds"`
-	Identical bool    `json:"identical"` // every rank's checksum is the failure-free one
+	SteadyS   float64 `json:"steady_s,omitempty"` // failure-free: from the last rank's iteration warmIters to the end
+	Identical bool    `json:"identical"`          // every rank's checksum is the failure-free one
 	// With a failure:
 	CrashOffsetS     float64  `json:"crash_offset_s,omitempty"`
 	RestartMs        float64  `json:"restart_ms,omitempty"`         // crash to every rank computing again
@@ -205,6 +214,7 @@ func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compare
 		"b with a failure: not run; its crashed rank would be restored from its start snapshot and recompute everything",
 		"the crash waits, if need be, until c's crashed rank has a replicated snapshot holding its connections and d's ranks have all written a checkpoint: crash_offset_s is when it came",
 		"failure-free: median of size.rounds runs per variant; overhead: median over the rounds of each round's ratio to a; with a failure: one run each; a shared 2-core machine",
+		"steady_overhead: the same ratio of the runs' steady states, from the moment the last rank has done iteration size.iters/20 to the end: without the launch, the connections and, in b and c, the snapshot the agents take as the jobs start (start_seconds, the median run's), costs a job pays once however long it runs",
 	}}
 	only := variantFilter(os.Getenv("FTBENCH_COMPARE_VARIANTS"))
 	if only != nil {
@@ -496,8 +506,12 @@ func (p *plainLauncher) run(ctx context.Context, l *lab.Lab, variant string, cra
 		hosts[r] = hostOf(r)
 	}
 	res := &variantRun{Variant: variant, Failure: crash != nil}
+	first := extra
+	if crash == nil {
+		first = append(append([]string(nil), extra...), p.sz.warmArgs()...)
+	}
 	start := time.Now()
-	ranks, err := p.start(l, dir, hosts, port, extra, "first")
+	ranks, err := p.start(l, dir, hosts, port, first, "first")
 	defer func() { kill(ranks, syscall.SIGKILL) }()
 	if err != nil {
 		return nil, err
@@ -575,7 +589,18 @@ func (p *plainLauncher) run(ctx context.Context, l *lab.Lab, variant string, cra
 		if err := waitPlain(ctx, final, 10*time.Minute); err != nil {
 			return nil, err
 		}
-		res.Seconds = time.Since(start).Seconds()
+		end := time.Now()
+		res.Seconds = end.Sub(start).Seconds()
+		var outs []string
+		for _, pr := range final {
+			b, _ := os.ReadFile(pr.out)
+			outs = append(outs, string(b))
+		}
+		warm, err := warmedUp(outs)
+		if err != nil {
+			return nil, err
+		}
+		res.SteadyS = end.Sub(warm).Seconds()
 	}
 	if variant == "d" {
 		its, _ := os.ReadDir(ckptDir)
@@ -627,6 +652,9 @@ func (p *jobLauncher) run(ctx context.Context, c *labcluster.Cluster, variant, i
 	start := time.Now()
 	for r, host := range hosts {
 		argv := append([]string{p.prog, "--rank", fmt.Sprint(r), "--peers", peers}, p.args...)
+		if crashAt == 0 {
+			argv = append(argv, p.sz.warmArgs()...)
+		}
 		// One run, as ftctl mpirun makes it: its ranks' snapshots share a grid (docs/design.md).
 		j, err := c.Client(host).StartJob(ctx, agent.JobSpec{Name: fmt.Sprintf("%s%d", variant, r), Argv: argv, Interval: interval, Run: "stencil2d-" + variant})
 		if err != nil {
@@ -704,11 +732,20 @@ func (p *jobLauncher) run(ctx context.Context, c *labcluster.Cluster, variant, i
 	}
 	res.Seconds = end.Sub(start).Seconds()
 	res.Identical = true
+	var outs []string
 	for _, j := range jobs {
 		b, _ := os.ReadFile(j.StdoutPath())
+		outs = append(outs, string(b))
 		sum := checksumLine(string(b))
 		res.Checksums = append(res.Checksums, sum)
 		res.Identical = res.Identical && sum == p.ref
+	}
+	if crashAt == 0 {
+		warm, err := warmedUp(outs)
+		if err != nil {
+			return nil, err
+		}
+		res.SteadyS = end.Sub(warm).Seconds()
 	}
 	// Snapshots of every rank, from whichever live hosts hold them (own node, protector, restore target).
 	manifests := map[string]*ckpt.Manifest{}
@@ -875,6 +912,19 @@ func stampedLine(out, what string) (int, time.Time, bool) {
 	return 0, time.Time{}, false
 }
 
+// warmedUp is when the last rank reached warmIters, from the ranks' outputs.
+func warmedUp(outs []string) (time.Time, error) {
+	var t time.Time
+	for r, out := range outs {
+		_, reached, ok := stampedLine(out, "reached")
+		if !ok {
+			return time.Time{}, fmt.Errorf("rank %d did not say when it reached the steady state's first iteration: %s", r, tailOf(out))
+		}
+		t = latest(t, reached)
+	}
+	return t, nil
+}
+
 func latest(a, b time.Time) time.Time {
 	if b.After(a) {
 		return b
@@ -907,7 +957,13 @@ func (o *compareOutcome) metrics() []Metric {
 		if r := o.run(v.key, false); r != nil {
 			add(v.key+"_seconds", r.Seconds, "s")
 			if v.key != "a" && base != nil {
-				add(v.key+"_overhead", (o.ratioToPlain(v.key)-1)*100, "%")
+				add(v.key+"_overhead", (o.ratioToPlain(v.key, runSeconds)-1)*100, "%")
+				if r.SteadyS > 0 && base.SteadyS > 0 {
+					add(v.key+"_steady_overhead", (o.ratioToPlain(v.key, steadySeconds)-1)*100, "%")
+				}
+			}
+			if r.SteadyS > 0 {
+				add(v.key+"_start_seconds", r.Seconds-r.SteadyS, "s")
 			}
 			if r.AgentsCPUS > 0 {
 				add(v.key+"_agents_cpu", r.AgentsCPUS, "s")
@@ -948,25 +1004,28 @@ func (o *compareOutcome) metrics() []Metric {
 	return ms
 }
 
-// ratioToPlain is variant v's failure-free run time over a's: the median over the rounds that ran both of
-// each round's ratio, as the receive-order benchmark pairs its runs (the machine's load drifts between
-// rounds, minutes apart, more than within one), or the ratio of the medians when fewer than two rounds ran
-// both.
-func (o *compareOutcome) ratioToPlain(v string) float64 {
+func runSeconds(r *variantRun) float64    { return r.Seconds }
+func steadySeconds(r *variantRun) float64 { return r.SteadyS }
+
+// ratioToPlain is variant v's failure-free time (of: the whole run's, or its steady state's) over a's: the
+// median over the rounds that ran both of each round's ratio, as the receive-order benchmark pairs its runs
+// (the machine's load drifts between rounds, minutes apart, more than within one), or the ratio of the
+// medians when fewer than two rounds ran both.
+func (o *compareOutcome) ratioToPlain(v string, of func(*variantRun) float64) float64 {
 	plain := map[int]float64{}
-	for _, r := range o.Runs {
-		if r.Variant == "a" && !r.Failure {
-			plain[r.Round] = r.Seconds
+	for i := range o.Runs {
+		if r := &o.Runs[i]; r.Variant == "a" && !r.Failure {
+			plain[r.Round] = of(r)
 		}
 	}
 	var ratios []float64
-	for _, r := range o.Runs {
-		if a := plain[r.Round]; r.Variant == v && !r.Failure && a > 0 {
-			ratios = append(ratios, r.Seconds/a)
+	for i := range o.Runs {
+		if r := &o.Runs[i]; r.Variant == v && !r.Failure && plain[r.Round] > 0 && of(r) > 0 {
+			ratios = append(ratios, of(r)/plain[r.Round])
 		}
 	}
 	if len(ratios) < 2 {
-		return o.run(v, false).Seconds / o.run("a", false).Seconds
+		return of(o.run(v, false)) / of(o.run("a", false))
 	}
 	return median(ratios)
 }

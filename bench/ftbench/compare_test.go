@@ -176,8 +176,34 @@ func TestRatioToPlain(t *testing.T) {
 		}, 1.05},
 	} {
 		o := &compareOutcome{Runs: tc.runs}
-		if got := o.ratioToPlain("c"); math.Abs(got-tc.want) > 1e-9 {
+		if got := o.ratioToPlain("c", runSeconds); math.Abs(got-tc.want) > 1e-9 {
 			t.Errorf("%s: ratio %.4f, want %.4f", tc.name, got, tc.want)
 		}
+	}
+	// The steady state's ratio pairs the same rounds on SteadyS, and a run that did not time one (a
+	// failure run) does not count.
+	steady := func(v string, round int, s, steady float64) variantRun {
+		return variantRun{Variant: v, Round: round, Seconds: s, SteadyS: steady}
+	}
+	o := &compareOutcome{Runs: []variantRun{
+		steady("a", 0, 20, 19), steady("c", 0, 22, 19.95), steady("a", 1, 30, 28), steady("c", 1, 32, 29.4),
+		{Variant: "c", Round: 1, Failure: true, Seconds: 40},
+	}}
+	if got := o.ratioToPlain("c", steadySeconds); math.Abs(got-1.05) > 1e-9 {
+		t.Errorf("steady ratio %.4f, want 1.05", got)
+	}
+}
+
+func TestWarmedUp(t *testing.T) {
+	outs := []string{
+		"rank 0 reached iteration 100 at 2000000000\nrank 0 checksum abc\n",
+		"rank 1 reached iteration 100 at 3000000000\nrank 1 checksum abc\n",
+	}
+	got, err := warmedUp(outs)
+	if err != nil || !got.Equal(time.Unix(3, 0)) {
+		t.Fatalf("warmedUp = %v, %v; want the last rank's stamp, %v", got, err, time.Unix(3, 0))
+	}
+	if _, err := warmedUp(append(outs, "rank 2 checksum abc\n")); err == nil {
+		t.Fatal("warmedUp accepted a rank that never said it reached the iteration")
 	}
 }
