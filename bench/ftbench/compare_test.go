@@ -44,6 +44,10 @@ func TestCompareSmall(t *testing.T) {
 		if !r.Identical || r.Seconds <= 0 {
 			t.Errorf("%s (failure %v): identical %v, %.2fs", want.variant, want.failure, r.Identical, r.Seconds)
 		}
+		// A failure-free run's steady state starts once every rank has done warmIters, inside the run.
+		if !want.failure && (r.SteadyS <= 0 || r.SteadyS >= r.Seconds) {
+			t.Errorf("%s: steady state %.2fs of a %.2fs run", want.variant, r.SteadyS, r.Seconds)
+		}
 	}
 	if c := o.run("c", true); !c.SurvivorsKept || c.RestartMs <= 0 || c.CaughtUpMs < c.RestartMs {
 		t.Errorf("ftkit recovery: survivors kept %v, restart %.0f ms, caught up %.0f ms", c.SurvivorsKept, c.RestartMs, c.CaughtUpMs)
