@@ -517,6 +517,7 @@ func (p *plainLauncher) run(ctx context.Context, l *lab.Lab, variant string, cra
 		return nil, err
 	}
 	final := ranks
+	var end time.Time // failure-free: when the last rank ended
 	if crash != nil {
 		if err := sleepCtx(ctx, crash.at-time.Since(start)); err != nil {
 			return nil, err
@@ -589,18 +590,8 @@ func (p *plainLauncher) run(ctx context.Context, l *lab.Lab, variant string, cra
 		if err := waitPlain(ctx, final, 10*time.Minute); err != nil {
 			return nil, err
 		}
-		end := time.Now()
+		end = time.Now()
 		res.Seconds = end.Sub(start).Seconds()
-		var outs []string
-		for _, pr := range final {
-			b, _ := os.ReadFile(pr.out)
-			outs = append(outs, string(b))
-		}
-		warm, err := warmedUp(outs)
-		if err != nil {
-			return nil, err
-		}
-		res.SteadyS = end.Sub(warm).Seconds()
 	}
 	if variant == "d" {
 		its, _ := os.ReadDir(ckptDir)
@@ -611,11 +602,18 @@ func (p *plainLauncher) run(ctx context.Context, l *lab.Lab, variant string, cra
 		}
 	}
 	res.Identical = true
+	var outs []string
 	for _, pr := range final {
 		b, _ := os.ReadFile(pr.out)
+		outs = append(outs, string(b))
 		sum := checksumLine(string(b))
 		res.Checksums = append(res.Checksums, sum)
 		res.Identical = res.Identical && sum == p.ref
+	}
+	if crash == nil {
+		if res.SteadyS, err = steadySeconds(outs, end); err != nil {
+			return nil, err
+		}
 	}
 	p.log.Info("compare run", "variant", variant, "failure", crash != nil, "seconds", res.Seconds, "restart_ms", res.RestartMs, "caught_up_ms", res.CaughtUpMs,
 		"iters_at_crash", res.ItersAtCrash, "resumed_from", res.ResumedFrom, "identical", res.Identical)
@@ -741,11 +739,9 @@ func (p *jobLauncher) run(ctx context.Context, c *labcluster.Cluster, variant, i
 		res.Identical = res.Identical && sum == p.ref
 	}
 	if crashAt == 0 {
-		warm, err := warmedUp(outs)
-		if err != nil {
+		if res.SteadyS, err = steadySeconds(outs, end); err != nil {
 			return nil, err
 		}
-		res.SteadyS = end.Sub(warm).Seconds()
 	}
 	// Snapshots of every rank, from whichever live hosts hold them (own node, protector, restore target).
 	manifests := map[string]*ckpt.Manifest{}
@@ -912,17 +908,18 @@ func stampedLine(out, what string) (int, time.Time, bool) {
 	return 0, time.Time{}, false
 }
 
-// warmedUp is when the last rank reached warmIters, from the ranks' outputs.
-func warmedUp(outs []string) (time.Time, error) {
+// steadySeconds is a failure-free run's steady state, from the moment the last rank reached warmIters (the
+// ranks' outputs say when) to end.
+func steadySeconds(outs []string, end time.Time) (float64, error) {
 	var t time.Time
 	for r, out := range outs {
 		_, reached, ok := stampedLine(out, "reached")
 		if !ok {
-			return time.Time{}, fmt.Errorf("rank %d did not say when it reached the steady state's first iteration: %s", r, tailOf(out))
+			return 0, fmt.Errorf("rank %d did not say when it reached the steady state's first iteration: %s", r, tailOf(out))
 		}
 		t = latest(t, reached)
 	}
-	return t, nil
+	return end.Sub(t).Seconds(), nil
 }
 
 func latest(a, b time.Time) time.Time {
@@ -957,9 +954,9 @@ func (o *compareOutcome) metrics() []Metric {
 		if r := o.run(v.key, false); r != nil {
 			add(v.key+"_seconds", r.Seconds, "s")
 			if v.key != "a" && base != nil {
-				add(v.key+"_overhead", (o.ratioToPlain(v.key, runSeconds)-1)*100, "%")
+				add(v.key+"_overhead", (o.ratioToPlain(v.key, runTime)-1)*100, "%")
 				if r.SteadyS > 0 && base.SteadyS > 0 {
-					add(v.key+"_steady_overhead", (o.ratioToPlain(v.key, steadySeconds)-1)*100, "%")
+					add(v.key+"_steady_overhead", (o.ratioToPlain(v.key, steadyTime)-1)*100, "%")
 				}
 			}
 			if r.SteadyS > 0 {
@@ -1004,8 +1001,8 @@ func (o *compareOutcome) metrics() []Metric {
 	return ms
 }
 
-func runSeconds(r *variantRun) float64    { return r.Seconds }
-func steadySeconds(r *variantRun) float64 { return r.SteadyS }
+func runTime(r *variantRun) float64    { return r.Seconds }
+func steadyTime(r *variantRun) float64 { return r.SteadyS }
 
 // ratioToPlain is variant v's failure-free time (of: the whole run's, or its steady state's) over a's: the
 // median over the rounds that ran both of each round's ratio, as the receive-order benchmark pairs its runs

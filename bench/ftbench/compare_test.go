@@ -180,7 +180,7 @@ func TestRatioToPlain(t *testing.T) {
 		}, 1.05},
 	} {
 		o := &compareOutcome{Runs: tc.runs}
-		if got := o.ratioToPlain("c", runSeconds); math.Abs(got-tc.want) > 1e-9 {
+		if got := o.ratioToPlain("c", runTime); math.Abs(got-tc.want) > 1e-9 {
 			t.Errorf("%s: ratio %.4f, want %.4f", tc.name, got, tc.want)
 		}
 	}
@@ -193,21 +193,21 @@ func TestRatioToPlain(t *testing.T) {
 		steady("a", 0, 20, 19), steady("c", 0, 22, 19.95), steady("a", 1, 30, 28), steady("c", 1, 32, 29.4),
 		{Variant: "c", Round: 1, Failure: true, Seconds: 40},
 	}}
-	if got := o.ratioToPlain("c", steadySeconds); math.Abs(got-1.05) > 1e-9 {
+	if got := o.ratioToPlain("c", steadyTime); math.Abs(got-1.05) > 1e-9 {
 		t.Errorf("steady ratio %.4f, want 1.05", got)
 	}
 }
 
-func TestWarmedUp(t *testing.T) {
+func TestSteadySeconds(t *testing.T) {
 	outs := []string{
 		"rank 0 reached iteration 100 at 2000000000\nrank 0 checksum abc\n",
 		"rank 1 reached iteration 100 at 3000000000\nrank 1 checksum abc\n",
 	}
-	got, err := warmedUp(outs)
-	if err != nil || !got.Equal(time.Unix(3, 0)) {
-		t.Fatalf("warmedUp = %v, %v; want the last rank's stamp, %v", got, err, time.Unix(3, 0))
+	got, err := steadySeconds(outs, time.Unix(5, 0))
+	if err != nil || got != 2 {
+		t.Fatalf("steadySeconds = %v, %v; want 2 (from the last rank's stamp, 3 s, to the end, 5 s)", got, err)
 	}
-	if _, err := warmedUp(append(outs, "rank 2 checksum abc\n")); err == nil {
-		t.Fatal("warmedUp accepted a rank that never said it reached the iteration")
+	if _, err := steadySeconds(append(outs, "rank 2 checksum abc\n"), time.Unix(5, 0)); err == nil {
+		t.Fatal("steadySeconds accepted a rank that never said it reached the iteration")
 	}
 }
