@@ -17,13 +17,7 @@ func TestHoldEndsWhenCoordinatorFails(t *testing.T) {
 	ta := newTestAgent(t)
 	ta.members.view = testView(t, "node1", "node2", "node3")
 	uid := uint32(0)
-	j := ta.addJob(t, Job{ID: "farm-node1-1", UID: uid, State: JobRunning, PID: os.Getpid(),
-		Spec: JobSpec{Run: "farm"}, Net: &JobNet{Name: "ftj-test"}})
-	if err := os.WriteFile(filepath.Join(j.Cgroup, "cgroup.events"), []byte("populated 1\nfrozen 1\n"), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	r := &raiseRecorder{cgroup: j.Cgroup}
-	ta.raise = r.raise
+	j, r := frozenJob(t, ta, Job{ID: "farm-node1-1", UID: uid, Spec: JobSpec{Run: "farm"}, Net: &JobNet{Name: "ftj-test"}})
 	freeze := clusterapi.CoordinateRequest{Run: "farm", UID: &uid, Cut: "cut-1", Phase: clusterapi.CoordFreeze}
 	rep, err := ta.serveCoordinate(t.Context(), "node2", freeze)
 	if err != nil || !slices.Equal(rep.Jobs, []string{j.ID}) {

@@ -35,11 +35,12 @@ func (r *raiseRecorder) freeze() string {
 	return strings.TrimSpace(string(b))
 }
 
-// frozenJob adds a running job whose (fake) cgroup reports frozen as soon as it is asked, and makes the
-// agent's raise record that cgroup.
-func frozenJob(t *testing.T, ta *testAgent, id string) (*Job, *raiseRecorder) {
+// frozenJob adds job, running as this process, whose (fake) cgroup reports frozen as soon as it is asked,
+// and makes the agent's raise record that cgroup.
+func frozenJob(t *testing.T, ta *testAgent, job Job) (*Job, *raiseRecorder) {
 	t.Helper()
-	j := ta.addJob(t, Job{ID: id, UID: 0, State: JobRunning, PID: os.Getpid()})
+	job.State, job.PID = JobRunning, os.Getpid()
+	j := ta.addJob(t, job)
 	if err := os.WriteFile(filepath.Join(j.Cgroup, "cgroup.events"), []byte("populated 1\nfrozen 1\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -55,7 +56,7 @@ func TestFrozenWindowsAreRaised(t *testing.T) {
 	want := []string{"raised, cgroup.freeze unset", "lowered, cgroup.freeze 0"}
 	t.Run("semi-coordinated", func(t *testing.T) {
 		ta := newTestAgent(t)
-		j, r := frozenJob(t, ta, "semi-00000001")
+		j, r := frozenJob(t, ta, Job{ID: "semi-00000001"})
 		if _, _, err := ta.semiCoordinated(t.Context(), []Job{*j}, false); err == nil {
 			t.Fatal("a semi-coordinated snapshot without CRIU succeeded")
 		}
@@ -65,7 +66,7 @@ func TestFrozenWindowsAreRaised(t *testing.T) {
 	})
 	t.Run("migration", func(t *testing.T) {
 		ta := newTestAgent(t)
-		j, r := frozenJob(t, ta, "move-00000001")
+		j, r := frozenJob(t, ta, Job{ID: "move-00000001"})
 		_, _, deleteNet, err := ta.stopForMigration(t.Context(), *j, "node2", nil, func(string, time.Time, string, error) {})
 		deleteNet()
 		if err == nil {
