@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/netip"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -261,9 +262,9 @@ func (a *Agent) coordThaw(ctx context.Context, req clusterapi.CoordinateRequest,
 }
 
 // rollbackStop checks that this host holds every part's snapshot (fetching those of parts it restores in
-// place of a failed host), then takes each part's job off the host
-// as a migration does (address first, then shim and processes), and drops what the host logged of the
-// jobs' connections: after the rollback they send those sequence numbers again.
+// place of a failed host), then takes each part's job off the host as a migration does (address first,
+// then shim and processes), and an ended copy's lingering network with it, and drops what the host logged
+// of the jobs' connections: after the rollback they send those sequence numbers again.
 func (a *Agent) rollbackStop(ctx context.Context, run string, uid uint32, parts []clusterapi.CutPart) error {
 	var ms []*ckpt.Manifest
 	for _, p := range parts {
@@ -293,6 +294,10 @@ func (a *Agent) rollbackStop(ctx context.Context, run string, uid uint32, parts 
 				continue
 			}
 		}
+		// A copy that ended here (a worker that exited on a diverged master's bytes, say) may have left
+		// its network lingering, its address on the wire: a part restored on another host before this
+		// host's restore claims the name would meet the old sockets' resets.
+		a.endLingering(ctx, jobNetName(a.cfg.Name, p.Job), "a rollback takes an ended copy's lingering network off the wire before any part of its run is restored")
 		if a.netlog != nil {
 			for _, c := range ms[i].Conns {
 				a.netlog.node.Log().Remove(c.Tuple)
@@ -302,8 +307,9 @@ func (a *Agent) rollbackStop(ctx context.Context, run string, uid uint32, parts 
 	return errors.Join(errs...)
 }
 
-// rollbackRestore restores each part's job on this host from its snapshot. The job's network is made and guarded before CRIU rebuilds its sockets:
-// a peer restored first retransmits to it, and must meet dropped packets, never a reset.
+// rollbackRestore restores each part's job on this host from its snapshot. The job's network is made and
+// guarded before CRIU rebuilds its sockets: a peer restored first retransmits to it, or connects to it
+// (the cut caught the run before it connected), and must meet dropped packets, never a reset.
 func (a *Agent) rollbackRestore(ctx context.Context, run string, uid uint32, parts []clusterapi.CutPart) error {
 	var errs []error
 	var restored []string
@@ -344,8 +350,8 @@ func (a *Agent) rollbackJob(ctx context.Context, run string, uid uint32, p clust
 }
 
 // guardJobNet makes job j's network on this host (restoreJob finds it made) and drops every packet of the
-// snapshot's connections in it until CRIU's restore of the dump in work has rebuilt them and removes the
-// guard (restore.Guard).
+// snapshot's connections in it, and every connection request to the job's address, until CRIU's restore of
+// the dump in work has rebuilt them and removes the guard (restore.Guard).
 func (a *Agent) guardJobNet(ctx context.Context, j Job, m *ckpt.Manifest, work string) error {
 	runID, err := restore.RunID(work)
 	if err != nil {
@@ -356,7 +362,7 @@ func (a *Agent) guardJobNet(ctx context.Context, j Job, m *ckpt.Manifest, work s
 	if err := a.createJobNet(ctx, &n); err != nil {
 		return err
 	}
-	if err := jobnet.Do(n.Name, func() error { return restore.Guard(ctx, runID, m.Conns) }); err != nil {
+	if err := jobnet.Do(n.Name, func() error { return restore.Guard(ctx, runID, m.Conns, []netip.Addr{n.Addr.Addr()}) }); err != nil {
 		a.deleteJobNet(ctx, j.ID, &n)
 		return fmt.Errorf("guard the connections of job %s: %w", j.ID, err)
 	}

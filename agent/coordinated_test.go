@@ -61,3 +61,30 @@ func TestHoldEndsWhenCoordinatorFails(t *testing.T) {
 		t.Errorf("%d holds left after the coordinator's failure", left)
 	}
 }
+
+// TestRollbackStopEndsLingeringNet: a rollback's stop takes off the wire the network a part's ended copy
+// left lingering (its closed connections not yet acknowledged), not only the networks of the parts' running
+// jobs. The old code left it to this host's restore phase, and a part restored meanwhile on another host
+// could send to the address and meet the old sockets' resets. A lingering network of a job outside the
+// run stays.
+func TestRollbackStopEndsLingeringNet(t *testing.T) {
+	ta := newTestAgent(t)
+	uid := uint32(0)
+	const id, other = "farm-node3-1", "other-1"
+	name := jobNetName(ta.cfg.Name, id)
+	ta.addJob(t, Job{ID: id, UID: uid, State: JobExited, Spec: JobSpec{Run: "farm"}, Net: &JobNet{Name: name}})
+	snap := ta.addSnapshot(t, Job{ID: id, UID: uid, Node: ta.cfg.Name, Spec: JobSpec{Run: "farm"}})
+	ta.lingering.add(name, id)
+	ta.lingering.add(jobNetName(ta.cfg.Name, other), other)
+
+	parts := []clusterapi.CutPart{{Job: id, Host: ta.cfg.Name, Snapshot: snap}}
+	if err := ta.rollbackStop(t.Context(), "farm", uid, parts); err != nil {
+		t.Fatal(err)
+	}
+	if ta.lingering.has(name) {
+		t.Errorf("the ended part's network %s still lingers after the rollback's stop", name)
+	}
+	if !ta.lingering.has(jobNetName(ta.cfg.Name, other)) {
+		t.Errorf("the lingering network of %s, a job of no part, was ended by the rollback's stop", other)
+	}
+}

@@ -303,8 +303,13 @@ func (l *lingerNets) take(name string, remove func(id string)) bool {
 // claimJobNet ends the lingering of a network an ended copy of a job left under name, deleting it, before
 // a new copy's network is made with that name.
 func (a *Agent) claimJobNet(ctx context.Context, name string) {
+	a.endLingering(ctx, name, "a new copy of an ended job comes to this host while the old one's network lingers: deleting that first")
+}
+
+// endLingering deletes the network an ended copy of a job left lingering under name, if any, saying why.
+func (a *Agent) endLingering(ctx context.Context, name, why string) {
 	a.lingering.take(name, func(id string) {
-		a.log.Warn("a new copy of an ended job comes to this host while the old one's network lingers: deleting that first", "job", id, "net", name)
+		a.log.Warn(why, "job", id, "net", name)
 		a.deleteJobNet(ctx, id, &JobNet{Name: name})
 	})
 }

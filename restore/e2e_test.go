@@ -448,7 +448,7 @@ func TestRelocateJob(t *testing.T) {
 		t.Fatal(err)
 	}
 	if err := l.Do("spare1", func() error {
-		if err := Guard(ctx, runID, conns); err != nil {
+		if err := Guard(ctx, runID, conns, nil); err != nil {
 			return err
 		}
 		if err := TakeOver("eth0", node1.Addr); err != nil {

@@ -37,18 +37,33 @@ func GuardTable(runID string) string {
 // Guard creates, in the calling thread's network namespace, the nftables
 // table CRIU's restore of dump runID will delete (GuardTable), dropping
 // every packet of conns in both directions on input and output, except
-// packets marked like CRIU's own (0xC114). It replaces a table of that name
-// in one transaction, so calling it again is harmless. Built as CRIU's own
-// per-connection lock (criu/netfilter.c): sets conns4/conns6 of
-// saddr . sport . daddr . dport. It speaks netlink itself: an nft process
-// cost 7-9 ms of every restore, more on a loaded host.
-func Guard(ctx context.Context, runID string, conns []ckpt.Conn) error {
+// packets marked like CRIU's own (0xC114), and every connection request (a
+// TCP SYN without ACK) coming in to one of addrs: until CRIU has rebuilt the
+// job's listening sockets, a peer restored or running elsewhere that
+// connects to the job must meet a dropped SYN, which its TCP sends again,
+// never a reset, which fails its connect (ECONNREFUSED). It replaces a table
+// of that name in one transaction, so calling it again is harmless. Built
+// as CRIU's own per-connection lock (criu/netfilter.c): sets conns4/conns6
+// of saddr . sport . daddr . dport, and addrs4/addrs6. It speaks netlink
+// itself: an nft process cost 7-9 ms of every restore, more on a loaded
+// host.
+func Guard(ctx context.Context, runID string, conns []ckpt.Conn, addrs []netip.Addr) error {
 	if !runIDRE.MatchString(runID) {
 		return fmt.Errorf("guard: run id %q is not a CRIU run id (a UUID); get it with RunID", runID)
 	}
 	keys, err := guardKeys(conns)
 	if err != nil {
 		return fmt.Errorf("guard: %w", err)
+	}
+	for _, a := range addrs {
+		switch a = a.Unmap(); {
+		case a.Is4():
+			keys.addrs4 = append(keys.addrs4, a.AsSlice())
+		case a.Is6():
+			keys.addrs6 = append(keys.addrs6, a.AsSlice())
+		default:
+			return fmt.Errorf("guard: invalid address %v", a)
+		}
 	}
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("guard: %w", err)
@@ -76,8 +91,9 @@ func Guard(ctx context.Context, runID string, conns []ckpt.Conn) error {
 
 // guardSets are the elements of a guard's sets: each connection both ways,
 // as saddr . sport . daddr . dport, each field padded to 4 bytes as nftables
-// concatenates them (IPv4-mapped addresses go to the IPv4 set).
-type guardSets struct{ v4, v6 [][]byte }
+// concatenates them (IPv4-mapped addresses go to the IPv4 set), and the
+// addresses whose incoming connection requests are dropped.
+type guardSets struct{ v4, v6, addrs4, addrs6 [][]byte }
 
 func guardKeys(conns []ckpt.Conn) (guardSets, error) {
 	var k guardSets
@@ -107,12 +123,17 @@ func guardKeys(conns []ckpt.Conn) (guardSets, error) {
 //	ip saddr . tcp sport . ip daddr . tcp dport @conns4 drop
 //	ip6 saddr . tcp sport . ip6 daddr . tcp dport @conns6 drop
 //
+// and on input also
+//
+//	ip daddr @addrs4 tcp flags syn / syn,ack drop
+//	ip6 daddr @addrs6 tcp flags syn / syn,ack drop
+//
 // (the registers are nft's: each field of a concatenation starts a 32-bit
 // register, the first at NFT_REG_1).
 func addGuard(c *nftables.Conn, t *nftables.Table, keys guardSets) error {
 	type family struct {
-		set              *nftables.Set
-		keys             [][]byte
+		set, addrSet     *nftables.Set
+		keys, addrs      [][]byte
 		nfproto          byte
 		addrOff, addrLen uint32
 		regs             [4]uint32
@@ -120,18 +141,25 @@ func addGuard(c *nftables.Conn, t *nftables.Table, keys guardSets) error {
 	fams := []family{
 		{set: &nftables.Set{Table: t, Name: "conns4", Concatenation: true,
 			KeyType: nftables.MustConcatSetType(nftables.TypeIPAddr, nftables.TypeInetService, nftables.TypeIPAddr, nftables.TypeInetService)},
-			keys: keys.v4, nfproto: unix.NFPROTO_IPV4, addrOff: 12, addrLen: 4, regs: [4]uint32{1, 9, 10, 11}},
+			addrSet: &nftables.Set{Table: t, Name: "addrs4", KeyType: nftables.TypeIPAddr},
+			keys:    keys.v4, addrs: keys.addrs4, nfproto: unix.NFPROTO_IPV4, addrOff: 12, addrLen: 4, regs: [4]uint32{1, 9, 10, 11}},
 		{set: &nftables.Set{Table: t, Name: "conns6", Concatenation: true,
 			KeyType: nftables.MustConcatSetType(nftables.TypeIP6Addr, nftables.TypeInetService, nftables.TypeIP6Addr, nftables.TypeInetService)},
-			keys: keys.v6, nfproto: unix.NFPROTO_IPV6, addrOff: 8, addrLen: 16, regs: [4]uint32{1, 12, 13, 17}},
+			addrSet: &nftables.Set{Table: t, Name: "addrs6", KeyType: nftables.TypeIP6Addr},
+			keys:    keys.v6, addrs: keys.addrs6, nfproto: unix.NFPROTO_IPV6, addrOff: 8, addrLen: 16, regs: [4]uint32{1, 12, 13, 17}},
 	}
 	for _, f := range fams {
-		elems := make([]nftables.SetElement, len(f.keys))
-		for i, k := range f.keys {
-			elems[i] = nftables.SetElement{Key: k}
-		}
-		if err := c.AddSet(f.set, elems); err != nil {
-			return fmt.Errorf("set %s: %w", f.set.Name, err)
+		for _, s := range []struct {
+			set  *nftables.Set
+			keys [][]byte
+		}{{f.set, f.keys}, {f.addrSet, f.addrs}} {
+			elems := make([]nftables.SetElement, len(s.keys))
+			for i, k := range s.keys {
+				elems[i] = nftables.SetElement{Key: k}
+			}
+			if err := c.AddSet(s.set, elems); err != nil {
+				return fmt.Errorf("set %s: %w", s.set.Name, err)
+			}
 		}
 	}
 	for _, hook := range []struct {
@@ -159,9 +187,32 @@ func addGuard(c *nftables.Conn, t *nftables.Table, keys guardSets) error {
 				&expr.Verdict{Kind: expr.VerdictDrop},
 			}})
 		}
+		if hook.num != nftables.ChainHookInput {
+			continue
+		}
+		for _, f := range fams {
+			c.AddRule(&nftables.Rule{Table: t, Chain: ch, Exprs: []expr.Any{
+				&expr.Meta{Key: expr.MetaKeyNFPROTO, Register: 1},
+				&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{f.nfproto}},
+				&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseNetworkHeader, Offset: f.addrOff + f.addrLen, Len: f.addrLen},
+				&expr.Lookup{SourceRegister: 1, SetName: f.addrSet.Name, SetID: f.addrSet.ID},
+				&expr.Meta{Key: expr.MetaKeyL4PROTO, Register: 1},
+				&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{unix.IPPROTO_TCP}},
+				&expr.Payload{DestRegister: 1, Base: expr.PayloadBaseTransportHeader, Offset: 13, Len: 1}, // the flags
+				&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 1, Mask: []byte{tcpSYN | tcpACK}, Xor: []byte{0}},
+				&expr.Cmp{Op: expr.CmpOpEq, Register: 1, Data: []byte{tcpSYN}},
+				&expr.Verdict{Kind: expr.VerdictDrop},
+			}})
+		}
 	}
 	return nil
 }
+
+// The TCP header's flags.
+const (
+	tcpSYN = 0x02
+	tcpACK = 0x10
+)
 
 // Unguard deletes the guard table of runID in the calling thread's network
 // namespace if it still exists (the restore failed before CRIU deleted it).

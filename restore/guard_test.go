@@ -4,6 +4,7 @@ package restore
 
 import (
 	"context"
+	"errors"
 	"net"
 	"net/netip"
 	"os/exec"
@@ -64,7 +65,7 @@ func TestGuardKeys(t *testing.T) {
 		t.Error("a connection with an IPv4 and an IPv6 end was accepted")
 	}
 	for _, id := range []string{"", "x; flush ruleset", strings.ToUpper(testRunID)} {
-		if err := Guard(context.Background(), id, nil); err == nil {
+		if err := Guard(context.Background(), id, nil, nil); err == nil {
 			t.Errorf("Guard accepted run id %q", id)
 		}
 		if err := Unguard(context.Background(), id); err == nil {
@@ -133,7 +134,7 @@ func TestGuard(t *testing.T) {
 	// named is not guarded any more.
 	earlier := append(slices.Clone(conns), ckpt.Conn{Tuple: tcpflow.Tuple{Local: from(40202), Remote: srv}, Inode: 4})
 	for _, cs := range [][]ckpt.Conn{earlier, conns} {
-		if err := l.Do("node1", func() error { return Guard(ctx, testRunID, cs) }); err != nil {
+		if err := l.Do("node1", func() error { return Guard(ctx, testRunID, cs, nil) }); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -203,5 +204,106 @@ func TestGuard(t *testing.T) {
 	}
 	if err := dial(40200, false); err != nil {
 		t.Errorf("the connection is still dropped after Unguard: %v", err)
+	}
+}
+
+// TestGuardHoldsNewConnections: a guard also drops the connection requests coming in to the addresses it
+// names, so that a peer connecting to a job CRIU is still restoring (its listening socket not rebuilt yet)
+// is not refused: its TCP sends the SYN again and connects once the job listens and the guard is gone.
+// The old guard covered only the dump's connections, and the peer's connect failed at once with
+// ECONNREFUSED (ci, 2026-12-02: ORTE daemons restored from a cut taken while they started could not reach
+// mpirun, restored a moment later on another host). Connections the guarded host opens itself, and
+// requests to other addresses, pass.
+func TestGuardHoldsNewConnections(t *testing.T) {
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	l := labtest.New(t, 2, 0)
+	h1, err := l.Host("node1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	h2, err := l.Host("node2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	job := netip.AddrPortFrom(h2.Addr.Addr(), 7210) // the job being restored on node2
+	dial := func(from string, to netip.AddrPort, timeout time.Duration) error {
+		return l.Do(from, func() error {
+			d := net.Dialer{Timeout: timeout}
+			c, err := d.DialContext(ctx, "tcp4", to.String())
+			if err == nil {
+				c.Close()
+			}
+			return err
+		})
+	}
+	if err := dial("node1", job, 2*time.Second); !errors.Is(err, syscall.ECONNREFUSED) {
+		t.Fatalf("before any guard, a connect to %v where nothing listens: %v, want ECONNREFUSED", job, err)
+	}
+	if err := l.Do("node2", func() error { return Guard(ctx, testRunID, nil, []netip.Addr{job.Addr()}) }); err != nil {
+		t.Fatal(err)
+	}
+	defer l.Do("node2", func() error { return Unguard(context.Background(), testRunID) })
+	var listed []byte
+	if err := l.Do("node2", func() error {
+		bin, err := nftBinary()
+		if err == nil {
+			listed, err = execOutput(ctx, bin, "list", "table", "inet", GuardTable(testRunID))
+		}
+		return err
+	}); err != nil {
+		t.Fatalf("nft list: %v: %s", err, listed)
+	}
+	for _, want := range []string{"ip daddr @addrs4 tcp flags syn / syn,ack drop", "ip6 daddr @addrs6 tcp flags syn / syn,ack drop", "elements = { " + job.Addr().String() + " }"} {
+		if !strings.Contains(string(listed), want) {
+			t.Errorf("the guard as nft lists it lacks %q:\n%s", want, listed)
+		}
+	}
+
+	// The guarded host connects out: its peer's SYN-ACK (an ACK) passes.
+	out := netip.AddrPortFrom(h1.Addr.Addr(), 7211)
+	var ln1 net.Listener
+	if err := l.Do("node1", func() (err error) { ln1, err = net.Listen("tcp4", out.String()); return err }); err != nil {
+		t.Fatal(err)
+	}
+	defer ln1.Close()
+	if err := dial("node2", out, 2*time.Second); err != nil {
+		t.Errorf("a connection the guarded host opened failed: %v", err)
+	}
+
+	// A peer connects while the job is not listening yet: nothing answers (no reset) ...
+	if err := dial("node1", job, 300*time.Millisecond); err == nil || errors.Is(err, syscall.ECONNREFUSED) {
+		t.Fatalf("a connect to the guarded address where nothing listens yet: %v, want a timeout (its SYN dropped)", err)
+	}
+	// ... and one that keeps trying connects once the job listens and the guard is gone, as CRIU's
+	// restore of the listening socket and its unlock do.
+	done := make(chan error, 1)
+	go func() { done <- dial("node1", job, 10*time.Second) }()
+	for synSent := false; !synSent; { // its SYN sent and unanswered
+		select {
+		case err := <-done:
+			t.Fatalf("a peer connecting before the job listens: %v, want it waiting", err)
+		case <-ctx.Done():
+			t.Fatal("the peer's connect never reached SYN-SENT")
+		case <-time.After(10 * time.Millisecond):
+		}
+		if err := l.Do("node1", func() error {
+			b, err := exec.Command("ss", "-Htn", "state", "syn-sent", "dst", job.String()).CombinedOutput()
+			synSent = err == nil && strings.Contains(string(b), job.String())
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var ln2 net.Listener
+	if err := l.Do("node2", func() (err error) { ln2, err = net.Listen("tcp4", job.String()); return err }); err != nil {
+		t.Fatal(err)
+	}
+	defer ln2.Close()
+	if err := l.Do("node2", func() error { return Unguard(ctx, testRunID) }); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Errorf("a peer connecting during the restore: %v, want connected once the job listens", err)
 	}
 }

@@ -216,7 +216,7 @@ func TestRestoredSocketSegmentSize(t *testing.T) {
 	}
 	var putBack func() error
 	if err := l.Do("spare1", func() error {
-		if err := Guard(ctx, runID, conns); err != nil {
+		if err := Guard(ctx, runID, conns, nil); err != nil {
 			return err
 		}
 		if err := TakeOver("eth0", node1.Addr); err != nil {

@@ -193,7 +193,7 @@ func restoredRun(ctx context.Context, log *slog.Logger, criuBin string, bursts i
 	putBack := func() error { return nil }
 	if err := l.Do("spare1", func() error {
 		if err := restore.Guard(ctx, runID, []ckpt.Conn{{Tuple: ic.Tuple, Inode: uint64(ic.Inode), InqSeq: ic.InqSeq, InqLen: ic.InqLen,
-			OutqSeq: ic.OutqSeq, OutqLen: ic.OutqLen, Timestamp: ic.Timestamp}}); err != nil {
+			OutqSeq: ic.OutqSeq, OutqLen: ic.OutqLen, Timestamp: ic.Timestamp}}, []netip.Addr{node1.Addr.Addr()}); err != nil {
 			return err
 		}
 		if err := restore.TakeOver("eth0", node1.Addr); err != nil {

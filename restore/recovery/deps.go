@@ -147,7 +147,9 @@ type Clamp interface {
 
 // Network is the host's network around CRIU's restore (HostNetwork; the restore package's mechanics).
 type Network interface {
-	Guard(ctx context.Context, runID string, conns []ckpt.Conn) error
+	// Guard drops the packets of conns and the connection requests to addrs until CRIU's restore of the
+	// dump runID unlocks the network (restore.Guard).
+	Guard(ctx context.Context, runID string, conns []ckpt.Conn, addrs []netip.Addr) error
 	Unguard(ctx context.Context, runID string)
 	TakeOver(ip netip.Addr) error
 	Release(ip netip.Addr)

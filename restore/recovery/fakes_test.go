@@ -228,9 +228,15 @@ func (f *fake) Release(flow tcpflow.Tuple) uint64 {
 	return 2
 }
 
-func (f *fake) Guard(_ context.Context, runID string, _ []ckpt.Conn) error {
-	addTo(f, &f.net, "guard "+runID)
+func (f *fake) Guard(_ context.Context, runID string, _ []ckpt.Conn, addrs []netip.Addr) error {
+	addTo(f, &f.net, guardEntry(runID, addrs))
 	return nil
+}
+
+// guardEntry is how the fakes record a guard: its run id and the addresses whose connection requests it
+// holds.
+func guardEntry(runID string, addrs []netip.Addr) string {
+	return fmt.Sprintf("guard %s holding %v", runID, addrs)
 }
 
 func (f *fake) Unguard(_ context.Context, runID string) { addTo(f, &f.net, "unguard "+runID) }

@@ -20,8 +20,8 @@ type HostNetwork struct {
 	Bits  int
 }
 
-func (n HostNetwork) Guard(ctx context.Context, runID string, conns []ckpt.Conn) error {
-	return restore.Guard(ctx, runID, conns)
+func (n HostNetwork) Guard(ctx context.Context, runID string, conns []ckpt.Conn, addrs []netip.Addr) error {
+	return restore.Guard(ctx, runID, conns, addrs)
 }
 
 func (n HostNetwork) Unguard(ctx context.Context, runID string) { restore.Unguard(ctx, runID) }
@@ -81,8 +81,8 @@ func (n JobNet) Delete(ctx context.Context) { jobnet.Delete(ctx, n.Spec.Name, n.
 
 func (n JobNet) Addr() netip.Addr { return n.Spec.Addr.Addr() }
 
-func (n JobNet) Guard(ctx context.Context, runID string, conns []ckpt.Conn) error {
-	return n.in(func() error { return restore.Guard(ctx, runID, conns) })
+func (n JobNet) Guard(ctx context.Context, runID string, conns []ckpt.Conn, addrs []netip.Addr) error {
+	return n.in(func() error { return restore.Guard(ctx, runID, conns, addrs) })
 }
 
 func (n JobNet) Unguard(ctx context.Context, runID string) {

@@ -39,8 +39,8 @@ func (n fakeJobNet) Addr() netip.Addr {
 	}
 	return jobAddr
 }
-func (n fakeJobNet) Guard(_ context.Context, runID string, _ []ckpt.Conn) error {
-	n.rec("guard " + runID)
+func (n fakeJobNet) Guard(_ context.Context, runID string, _ []ckpt.Conn, addrs []netip.Addr) error {
+	n.rec(guardEntry(runID, addrs))
 	return nil
 }
 func (n fakeJobNet) Unguard(_ context.Context, runID string) { n.rec("unguard " + runID) }
@@ -86,14 +86,14 @@ func TestRunJobNetwork(t *testing.T) {
 	}{
 		{
 			name: "restored inside its network, its address announced, no host address taken over",
-			wantNet: []string{"job: create", "job: guard run-rank1", "initcwnd 10", "job: initcwnd 10", "lower mtu", "job: lower mtu",
+			wantNet: []string{"job: create", "job: guard run-rank1 holding [10.0.0.201]", "initcwnd 10", "job: initcwnd 10", "lower mtu", "job: lower mtu",
 				"put back mtu", "job: put back mtu", "job: announce 10.0.0.201"},
 		},
 		{
 			name:    "CRIU restore fails: unguarded and deleted",
 			setup:   func(f *fake) { f.restoreErr = errors.New("criu restore: exit 1") },
 			wantErr: "criu restore: exit 1",
-			wantNet: []string{"job: create", "job: guard run-rank1", "initcwnd 10", "job: initcwnd 10", "lower mtu", "job: lower mtu",
+			wantNet: []string{"job: create", "job: guard run-rank1 holding [10.0.0.201]", "initcwnd 10", "job: initcwnd 10", "lower mtu", "job: lower mtu",
 				"job: unguard run-rank1", "job: delete", "put back mtu", "job: put back mtu"},
 		},
 		{

@@ -470,7 +470,13 @@ func prepareNetwork(ctx context.Context, d Deps, req clusterapi.RecoverRequest, 
 			}
 			created = append(created, j)
 		}
-		if err := netOf(d, j).Guard(ctx, j.RunID, j.Manifest.Conns); err != nil {
+		// New connections to the job wait too (a peer's SYN is dropped, and sent again) until CRIU has
+		// rebuilt its listening sockets: the job's own address, or the addresses taken over for it.
+		addrs := req.Addrs
+		if j.Net != nil {
+			addrs = []netip.Addr{j.Net.Addr()}
+		}
+		if err := netOf(d, j).Guard(ctx, j.RunID, j.Manifest.Conns, addrs); err != nil {
 			return nil, fmt.Errorf("guard connections of job %s: %w", j.ID, err)
 		}
 		guarded = append(guarded, j)

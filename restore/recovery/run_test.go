@@ -59,7 +59,7 @@ func TestRun(t *testing.T) {
 				if !reflect.DeepEqual(f.claimed, []uint64{4}) || !reflect.DeepEqual(f.reprotected, []string{"rank1"}) {
 					t.Errorf("claimed %v, re-protected %v; want incarnation 4 claimed and rank1 re-protected", f.claimed, f.reprotected)
 				}
-				wantNet := []string{"guard run-rank1", "take over 10.0.0.2", "initcwnd 10", "lower mtu", "put back mtu", "announce 10.0.0.2"}
+				wantNet := []string{"guard run-rank1 holding [10.0.0.2]", "take over 10.0.0.2", "initcwnd 10", "lower mtu", "put back mtu", "announce 10.0.0.2"}
 				if !reflect.DeepEqual(f.net, wantNet) {
 					t.Errorf("network %v, want %v", f.net, wantNet)
 				}
@@ -163,7 +163,7 @@ func TestRun(t *testing.T) {
 			wantErr: "take over address 10.0.0.2: EPERM",
 			stages:  []string{StageFetched, StageRewritten},
 			check: func(t *testing.T, f *fake, _ []Stage) {
-				if !reflect.DeepEqual(f.net, []string{"guard run-rank1", "unguard run-rank1"}) || !reflect.DeepEqual(f.givenBack, []string{"rank1"}) {
+				if !reflect.DeepEqual(f.net, []string{"guard run-rank1 holding [10.0.0.2]", "unguard run-rank1"}) || !reflect.DeepEqual(f.givenBack, []string{"rank1"}) {
 					t.Errorf("network %v, given back %v; want the guard undone and rank1 given back", f.net, f.givenBack)
 				}
 			},
@@ -174,7 +174,7 @@ func TestRun(t *testing.T) {
 			setup:  func(f *fake) { f.lowerMTUErr = errors.New("netlink: operation not permitted") },
 			stages: []string{StageFetched, StageRewritten, StageRestored, StageReplayed, StageProtected},
 			check: func(t *testing.T, f *fake, _ []Stage) {
-				wantNet := []string{"guard run-rank1", "take over 10.0.0.2", "initcwnd 10", "announce 10.0.0.2"}
+				wantNet := []string{"guard run-rank1 holding [10.0.0.2]", "take over 10.0.0.2", "initcwnd 10", "announce 10.0.0.2"}
 				if !reflect.DeepEqual(f.net, wantNet) || !reflect.DeepEqual(f.reprotected, []string{"rank1"}) {
 					t.Errorf("network %v, re-protected %v; want %v and rank1 re-protected", f.net, f.reprotected, wantNet)
 				}
