@@ -44,6 +44,10 @@ func TestBrowserRendersTimeline(t *testing.T) {
 	cmd := exec.CommandContext(ctx, chromium, "--headless", "--no-sandbox", "--disable-gpu",
 		"--user-data-dir="+filepath.Join(dir, "profile"), // its own profile: several tests may run browsers at once
 		"--force-device-scale-factor=1", "--hide-scrollbars", "--no-first-run", "--disable-extensions",
+		// Nothing to the network: on a host without one, Chromium's background requests (updates, sync,
+		// Google's hosts) fail over and over, and in ci223 it wrote the screenshot and then did not exit
+		// for a minute.
+		"--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-quic",
 		"--screenshot="+out, fmt.Sprintf("--window-size=%d,%d", width, height), "file://"+in)
 	cmd.Env = append(os.Environ(), "HOME="+dir) // nothing written to the user's home
 	var logs bytes.Buffer
