@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labtest"
 	"github.com/ftkit/ftkit/tcpflow"
 )
@@ -74,21 +75,41 @@ func TestGuardKeys(t *testing.T) {
 	}
 }
 
+// listGuard is the guard table of testRunID on host as nft lists it.
+func listGuard(ctx context.Context, t *testing.T, l *lab.Lab, host string) []byte {
+	t.Helper()
+	var listed []byte
+	if err := l.Do(host, func() error {
+		bin, err := nftBinary()
+		if err == nil {
+			listed, err = execOutput(ctx, bin, "list", "table", "inet", GuardTable(testRunID))
+		}
+		return err
+	}); err != nil {
+		t.Fatalf("nft list: %v: %s", err, listed)
+	}
+	return listed
+}
+
+// twoHosts is a lab of two hosts, node1 and node2.
+func twoHosts(t *testing.T) (*lab.Lab, lab.Host, lab.Host) {
+	t.Helper()
+	l := labtest.New(t, 2, 0)
+	h1, err1 := l.Host("node1")
+	h2, err2 := l.Host("node2")
+	if err := errors.Join(err1, err2); err != nil {
+		t.Fatal(err)
+	}
+	return l, h1, h2
+}
+
 // TestGuard checks on real traffic that the guard drops the guarded
 // connections both ways, lets others through, lets CRIU-marked packets out,
 // and that Unguard removes it.
 func TestGuard(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 	defer cancel()
-	l := labtest.New(t, 2, 0)
-	h1, err := l.Host("node1")
-	if err != nil {
-		t.Fatal(err)
-	}
-	h2, err := l.Host("node2")
-	if err != nil {
-		t.Fatal(err)
-	}
+	l, h1, h2 := twoHosts(t)
 	srv := netip.AddrPortFrom(h2.Addr.Addr(), 7200)
 	var ln net.Listener
 	if err := l.Do("node2", func() (err error) { ln, err = net.Listen("tcp4", srv.String()); return err }); err != nil {
@@ -143,16 +164,7 @@ func TestGuard(t *testing.T) {
 	}
 	// nft reads the table back as the rules CRIU's own lock has (criu/netfilter.c): the netlink batch
 	// built what nft would have, the IPv6 half too, which the traffic below does not exercise.
-	var listed []byte
-	if err := l.Do("node1", func() error {
-		bin, err := nftBinary()
-		if err == nil {
-			listed, err = execOutput(ctx, bin, "list", "table", "inet", GuardTable(testRunID))
-		}
-		return err
-	}); err != nil {
-		t.Fatalf("nft list: %v: %s", err, listed)
-	}
+	listed := listGuard(ctx, t, l, "node1")
 	for _, want := range []string{
 		"type ipv4_addr . inet_service . ipv4_addr . inet_service",
 		"type ipv6_addr . inet_service . ipv6_addr . inet_service",
@@ -217,15 +229,7 @@ func TestGuard(t *testing.T) {
 func TestGuardHoldsNewConnections(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 	defer cancel()
-	l := labtest.New(t, 2, 0)
-	h1, err := l.Host("node1")
-	if err != nil {
-		t.Fatal(err)
-	}
-	h2, err := l.Host("node2")
-	if err != nil {
-		t.Fatal(err)
-	}
+	l, h1, h2 := twoHosts(t)
 	job := netip.AddrPortFrom(h2.Addr.Addr(), 7210) // the job being restored on node2
 	dial := func(from string, to netip.AddrPort, timeout time.Duration) error {
 		return l.Do(from, func() error {
@@ -240,20 +244,20 @@ func TestGuardHoldsNewConnections(t *testing.T) {
 	if err := dial("node1", job, 2*time.Second); !errors.Is(err, syscall.ECONNREFUSED) {
 		t.Fatalf("before any guard, a connect to %v where nothing listens: %v, want ECONNREFUSED", job, err)
 	}
-	if err := l.Do("node2", func() error { return Guard(ctx, testRunID, nil, []netip.Addr{job.Addr()}) }); err != nil {
-		t.Fatal(err)
+	// A guard of another address lets the request through; the guard of the job's address replaces it.
+	for _, addr := range []netip.Addr{netip.MustParseAddr("10.255.255.1"), job.Addr()} {
+		if err := l.Do("node2", func() error { return Guard(ctx, testRunID, nil, []netip.Addr{addr}) }); err != nil {
+			t.Fatal(err)
+		}
+		if addr == job.Addr() {
+			break
+		}
+		if err := dial("node1", job, 2*time.Second); !errors.Is(err, syscall.ECONNREFUSED) {
+			t.Fatalf("a connect to %v, with only %v guarded: %v, want ECONNREFUSED", job, addr, err)
+		}
 	}
 	defer l.Do("node2", func() error { return Unguard(context.Background(), testRunID) })
-	var listed []byte
-	if err := l.Do("node2", func() error {
-		bin, err := nftBinary()
-		if err == nil {
-			listed, err = execOutput(ctx, bin, "list", "table", "inet", GuardTable(testRunID))
-		}
-		return err
-	}); err != nil {
-		t.Fatalf("nft list: %v: %s", err, listed)
-	}
+	listed := listGuard(ctx, t, l, "node2")
 	for _, want := range []string{"ip daddr @addrs4 tcp flags syn / syn,ack drop", "ip6 daddr @addrs6 tcp flags syn / syn,ack drop", "elements = { " + job.Addr().String() + " }"} {
 		if !strings.Contains(string(listed), want) {
 			t.Errorf("the guard as nft lists it lacks %q:\n%s", want, listed)
