@@ -87,6 +87,10 @@ type compareSize struct {
 	// between two checkpoints, so that neither c nor d is lucky with the phase.
 	CrashAt float64 `json:"crash_at_fraction"`
 	Rounds  int     `json:"rounds"` // failure-free runs of each variant (the median counts)
+	// AgentNice is the agents' heartbeat.nice. The small size runs inside `make test`, next to other
+	// packages' labs: agents at 19 there waited behind the whole suite's work (23 s without a beat in
+	// ci225) and self-fenced, killing the ranks, as a starved host must; so they run at 0 there.
+	AgentNice int `json:"agent_nice"`
 }
 
 // warmIters is the iteration every rank of a failure-free run has done before its steady state is timed:
@@ -99,7 +103,7 @@ func (s compareSize) warmArgs() []string { return []string{"--report-at", fmt.Sp
 
 var compareSizes = map[string]compareSize{
 	"small": {Name: "small", Ranks: 3, Grid: 256, Iters: 400, Delay: 5 * time.Millisecond, CkptEvery: 150, CrashAt: 0.56, Rounds: 1},
-	"large": {Name: "large", Ranks: 4, Grid: 2048, Iters: 2000, Delay: 8 * time.Millisecond, CkptEvery: 400, CrashAt: 0.5, Rounds: 3},
+	"large": {Name: "large", Ranks: 4, Grid: 2048, Iters: 2000, Delay: 8 * time.Millisecond, CkptEvery: 400, CrashAt: 0.5, Rounds: 3, AgentNice: cmpAgentNice},
 }
 
 func compareSizeFromEnv() (compareSize, error) {
@@ -201,13 +205,13 @@ func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compare
 	if err != nil {
 		return nil, err
 	}
-	agents := cmpAgents(binDir)
+	agents := cmpAgents(binDir, sz)
 	o := &compareOutcome{Size: sz, Reference: ref, Notes: []string{
 		"a and d: ranks exec'd in the lab hosts' network namespaces, no agent running on the lab",
 		"b and c: agent jobs (PID namespace, cgroup, eBPF sender-side log); b's only snapshots are those the agent takes as the jobs start (interval 1h)",
 		"d: checkpoint files on the lab's shared disk (ext4, fsync), like FT-SPMD on NFS or a local disk that survives",
 		fmt.Sprintf("failure detection: heartbeat %s, timeout %s (+ confirmation); a and d are killed and restarted %s after the crash", cmpHeartbeat, cmpTimeout, cmpDetect),
-		fmt.Sprintf("b and c: the agents at heartbeat.nice %d (the jobs first), CRIU's dumps at checkpoint.dump_nice %d", cmpAgentNice, agentconfig.Defaults().Checkpoint.DumpNice),
+		fmt.Sprintf("b and c: the agents at heartbeat.nice %d (19: the jobs first), CRIU's dumps at checkpoint.dump_nice %d", sz.AgentNice, agentconfig.Defaults().Checkpoint.DumpNice),
 		"restart_ms: crash to every rank computing again (c: restored; d: every rank loaded its checkpoint)",
 		"caught_up_ms: crash to the job back at the crash point (c: replay done, the restored rank re-sent what its peers had; a, d: every rank reached the iteration the survivors had reached)",
 		"delay: failure run minus the same variant's failure-free run",
@@ -335,10 +339,10 @@ func variantFilter(env string) variantSet {
 func (s variantSet) has(v string) bool { return s == nil || s[v] }
 
 // cmpAgents is the comparison's agents: every job protected from its start (interval 1h), the heartbeat
-// every variant's detection is matched to.
-func cmpAgents(binDir string) *labcluster.Options {
+// every variant's detection is matched to, at size sz's heartbeat.nice.
+func cmpAgents(binDir string, sz compareSize) *labcluster.Options {
 	return &labcluster.Options{AgentBin: filepath.Join(binDir, "ftagent"), Interval: "1h",
-		LogLevel: "warn", Heartbeat: cmpHeartbeat, HeartbeatTimeout: cmpTimeout, Nice: cmpAgentNice}
+		LogLevel: "warn", Heartbeat: cmpHeartbeat, HeartbeatTimeout: cmpTimeout, Nice: sz.AgentNice}
 }
 
 // withLab builds the comparison's lab (the ranks' hosts and one spare), with agents configured by agents

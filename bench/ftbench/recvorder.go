@@ -112,7 +112,7 @@ func runReceiveOrder(ctx context.Context, log *slog.Logger, binDir, self string,
 		byName := map[string]roRun{}
 		for k := range roConfigs {
 			cfg := roConfigs[(k+round)%len(roConfigs)] // the configurations take turns going first
-			opts := cmpAgents(binDir)
+			opts := cmpAgents(binDir, sz)
 			opts.NoReceiveOrder, opts.ShipEvery, opts.ReceivePositions = !cfg.Order, cfg.ShipEvery, cfg.Positions
 			var r roRun
 			err := withLab(ctx, log, sz, opts, func(l *lab.Lab, c *labcluster.Cluster) error {
