@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
@@ -15,8 +16,10 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/dump"
 	"github.com/ftkit/ftkit/ckpt/ship"
+	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/criu/image"
 	"github.com/ftkit/ftkit/detect"
+	"github.com/ftkit/ftkit/internal/heldconns"
 	"github.com/ftkit/ftkit/internal/version"
 	"github.com/ftkit/ftkit/ring"
 )
@@ -257,9 +260,9 @@ func (a *Agent) checkpoint(ctx context.Context, ids []string, uid uint32, still 
 		strays = strayLocalConns(ms, a.onThisHost)
 	} else {
 		for _, j := range jobs {
-			// No retry: the one transient failure seen (two parasites racing to mkdir "/proc.crtools", EEXIST)
-			// cannot happen since each job has a /proc of its own (shim/jobinit.go).
-			m, err := a.snapshot(ctx, j, false, false)
+			// No other retry: the one transient failure seen (two parasites racing to mkdir "/proc.crtools",
+			// EEXIST) cannot happen since each job has a /proc of its own (shim/jobinit.go).
+			m, err := a.snapshotAccepted(ctx, j)
 			if err != nil {
 				errs = append(errs, fmt.Errorf("job %s: %w", j.ID, err))
 				continue
@@ -280,6 +283,80 @@ func (a *Agent) checkpoint(ctx context.Context, ids []string, uid uint32, still 
 		res = resultsOf(res, asked)
 	}
 	return res, errors.Join(errs...)
+}
+
+// acceptWait bounds how long a snapshot of a running job waits for it to accept the connections waiting in
+// its listen queues, which CRIU cannot dump (criu.ErrInFlight). A program accepts within moments unless
+// it is busy elsewhere (a ring rank that still connects to its next one; an MPI library accepts only when
+// the program calls it): the snapshot then fails, naming the cause, and a scheduled one is taken later.
+const acceptWait = 2 * time.Second
+
+// snapshotAccepted is snapshot of running job j, taken again once j has accepted the connections that failed
+// its dump (whenAccepted).
+func (a *Agent) snapshotAccepted(ctx context.Context, j Job) (*ckpt.Manifest, error) {
+	logged := false
+	return whenAccepted(ctx, acceptWait,
+		func() (*ckpt.Manifest, error) { return a.snapshot(ctx, j, false, false) },
+		func() ([]netip.AddrPort, error) {
+			waiting, err := a.waitingAccepts(j)
+			if len(waiting) > 0 && !logged {
+				logged = true
+				a.log.Info("a connection waits in a listen queue of the job, which CRIU cannot dump: the snapshot waits for the job to accept it",
+					"job", j.ID, "listeners", waiting, "for_at_most", acceptWait)
+			}
+			return waiting, err
+		})
+}
+
+// waitingAccepts lists j's listening sockets that hold connections j has not accepted yet.
+func (a *Agent) waitingAccepts(j Job) ([]netip.AddrPort, error) {
+	socks, err := heldconns.Inodes(j.Cgroup)
+	if err != nil {
+		return nil, err
+	}
+	var held map[string]heldconns.Held
+	err = inJobNet(j.Net, func() error {
+		held, err = heldconns.List(socks)
+		return err
+	})
+	return held[j.Cgroup].Pending, err
+}
+
+// acceptPoll is how often whenAccepted looks at the job's listen queues.
+const acceptPoll = 20 * time.Millisecond
+
+// whenAccepted runs dump, and again each time it fails on a connection waiting in a listen queue
+// (criu.ErrInFlight) once waiting lists no such queue, for up to wait in all. The failed dump cost the job
+// only the moment CRIU held it.
+func whenAccepted(ctx context.Context, wait time.Duration, dump func() (*ckpt.Manifest, error), waiting func() ([]netip.AddrPort, error)) (*ckpt.Manifest, error) {
+	deadline := time.Now().Add(wait)
+	for {
+		m, err := dump()
+		if !errors.Is(err, criu.ErrInFlight) {
+			return m, err
+		}
+		for {
+			select {
+			case <-ctx.Done():
+				return nil, fmt.Errorf("%w (%w)", err, ctx.Err())
+			case <-time.After(acceptPoll):
+			}
+			queues, werr := waiting()
+			if werr != nil {
+				return nil, fmt.Errorf("%w (and the job's listen queues could not be read: %v)", err, werr)
+			}
+			if len(queues) == 0 {
+				break
+			}
+			if time.Now().After(deadline) {
+				return nil, fmt.Errorf("%w: the job did not accept them within %s (listeners %v): snapshot it again once it has; the schedule retries",
+					err, wait, queues)
+			}
+		}
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("%w: new connections kept arriving for %s: snapshot it again later", err, wait)
+		}
+	}
 }
 
 // resultsOf keeps the results of snapshots of jobs.

@@ -1,6 +1,7 @@
 package criu
 
 import (
+	"errors"
 	"os"
 	"path/filepath"
 	"strings"
@@ -41,5 +42,43 @@ func TestLogTail(t *testing.T) {
 	}
 	if got := logTail(path); !strings.Contains(got, "Restoring 7 mappings") || strings.Contains(got, "one") || !strings.Contains(got, "full log: "+path) {
 		t.Errorf("logTail of a log without errors: %q", got)
+	}
+}
+
+// TestDumpErrorInFlight: a dump CRIU refused for a connection waiting in a listen queue is ErrInFlight
+// (the agent snapshots the job again once it has accepted: ci of 577c21d, TestUnprotectedPeerOnMember);
+// another failure is not.
+func TestDumpErrorInFlight(t *testing.T) {
+	for _, tc := range []struct {
+		name, log string
+		inFlight  bool
+	}{
+		{"in-flight", `(00.020000) Error (criu/util.c:1534): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted
+(00.065527) Error (criu/sk-inet.c:185): inet: In-flight connection (l) for 1f5505
+(00.065531) Error (criu/sk-inet.c:186): inet: In-flight connections can be ignored with the --skip-in-flight option.
+(00.065628) Error (criu/cr-dump.c:1545): Dump files (pid: 2731) failed with -1
+(00.077372) Error (criu/cr-dump.c:1976): Dumping FAILED.
+`, true},
+		{"another failure", `(00.065628) Error (criu/files-reg.c:1): Can't lookup mount=22 for fd=3 path=/x
+(00.077372) Error (criu/cr-dump.c:1976): Dumping FAILED.
+`, false},
+		{"no log", "", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "dump.log")
+			if tc.log != "" {
+				if err := os.WriteFile(path, []byte(tc.log), 0o600); err != nil {
+					t.Fatal(err)
+				}
+			}
+			cause := errors.New("criu swrk failed: exit status 1")
+			err := dumpError(2731, cause, path)
+			if got := errors.Is(err, ErrInFlight); got != tc.inFlight {
+				t.Errorf("errors.Is(%v, ErrInFlight) = %v, want %v", err, got, tc.inFlight)
+			}
+			if !errors.Is(err, cause) || !strings.Contains(err.Error(), "criu dump of pid 2731") {
+				t.Errorf("error %q does not carry the dump's pid and cause", err)
+			}
+		})
 	}
 }

@@ -2,6 +2,7 @@ package criu
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -119,7 +120,7 @@ func (c Client) dump(ctx context.Context, opts DumpOptions, nfy gocriu.Notify) (
 	err = run(ctx, inNetns(opts.Netns, func() error { return cr.Dump(req, nfy) }))
 	lower()
 	if err != nil {
-		return DumpStats{}, fmt.Errorf("criu dump of pid %d: %w%s", opts.PID, err, logTail(filepath.Join(opts.ImagesDir, dumpLog)))
+		return DumpStats{}, dumpError(opts.PID, err, filepath.Join(opts.ImagesDir, dumpLog))
 	}
 	st, err := crit.GetDumpStats(opts.ImagesDir)
 	if err != nil {
@@ -263,6 +264,24 @@ func timeoutSeconds(ctx context.Context) uint32 {
 		return 1
 	}
 	return uint32(s)
+}
+
+// ErrInFlight means a dump failed because a listening socket of the tree held a connection the kernel had
+// completed and the program had not accepted yet. CRIU cannot dump such a connection, and its
+// --skip-in-flight would drop it: the peer's end, established, would meet a reset after a restore. The
+// tree runs on; a dump after the program has accepted succeeds.
+var ErrInFlight = errors.New("a listening socket holds a connection the job has not accepted yet, which CRIU cannot dump")
+
+// inFlightLine is how CRIU's dump log names such a connection ("inet: In-flight connection (l) for 1f5505").
+const inFlightLine = "In-flight connection"
+
+// dumpError is the error of a failed dump of pid: err, what CRIU's log at path says of it, and
+// ErrInFlight when that is the cause.
+func dumpError(pid int, err error, path string) error {
+	if b, rerr := os.ReadFile(path); rerr == nil && bytes.Contains(b, []byte(inFlightLine)) {
+		err = fmt.Errorf("%w: %w", ErrInFlight, err)
+	}
+	return fmt.Errorf("criu dump of pid %d: %w%s", pid, err, logTail(path))
 }
 
 // benignRlimit is an error CRIU logs at every start without CAP_SYS_RESOURCE (a container's root, as in

@@ -3,15 +3,20 @@ package e2e
 import (
 	"context"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"os/exec"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/agentapi"
+	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/lab/labcluster"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // TestConnectionAfterSnapshot: rank 1 starts alone and is protected before its peers exist, so every
@@ -221,5 +226,78 @@ func TestConnectCaughtBySnapshot(t *testing.T) {
 	}
 	if a := ch.job(t, "node2", recv.ID); a.PID != before.PID || a.Restored != "" {
 		t.Errorf("the receiver on node2 was disturbed: pid %d -> %d, restored from %q", before.PID, a.PID, a.Restored)
+	}
+}
+
+// TestCheckpointWaitsForAccept: a snapshot asked for while a connection waits in a job's listen queue (the
+// job has not accepted it yet) waits for the job to accept it and then holds it. CRIU cannot dump such a
+// connection; until 2026-12-02 the snapshot failed at once ("In-flight connection"), as it did in the CI
+// run of 577c21d when TestUnprotectedPeerOnMember checkpointed a ring whose rank 0 still connected to
+// rank 1. Here rank 0 of a ring stencil listens, then connects to its next rank, which does not listen
+// yet, and accepts only after that: the test's connection to rank 0 waits in its queue until the test
+// listens as rank 1.
+func TestCheckpointWaitsForAccept(t *testing.T) {
+	t.Parallel()
+	c, h1 := node1Lab(t, labcluster.Options{Interval: "1h"})
+	h2, err := c.Lab.Host("node2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rank0, rank1 := netip.AddrPortFrom(h1.Addr.Addr(), 7490), netip.AddrPortFrom(h2.Addr.Addr(), 7491)
+	ctx := context.Background()
+	j, err := c.Client("node1").StartJob(ctx, agent.JobSpec{Name: "rank0", Argv: append([]string{bins.Ringstencil,
+		"--rank", "0", "--peers", rank0.String() + "," + rank1.String()}, ringArgs(2000, 16<<10, 10*time.Millisecond)...)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitProtected(t, c, "node1", j.ID, 2*time.Minute)
+	var left net.Conn
+	if err := c.Lab.Do("node2", func() (err error) {
+		left, err = net.DialTimeout("tcp", rank0.String(), 10*time.Second)
+		return err
+	}); err != nil {
+		t.Fatalf("connect to rank 0 from node2: %v", err)
+	}
+	defer left.Close()
+	type result struct {
+		reply agentapi.CheckpointReply
+		err   error
+	}
+	done := make(chan result, 1)
+	go func() {
+		reply, err := c.Client("node1").Checkpoint(ctx, j.ID)
+		done <- result{reply, err}
+	}()
+	poll(t, time.Minute, "node1's agent to log that the snapshot waits for the job to accept", func() bool {
+		select {
+		case r := <-done:
+			t.Fatalf("the checkpoint returned before the job accepted the connection waiting in its queue: %+v %v", r.reply, r.err)
+		default:
+		}
+		b, err := os.ReadFile(c.LogPath("node1"))
+		return err == nil && strings.Contains(string(b), "the snapshot waits for the job to accept it")
+	})
+	// Rank 0's next connect attempt (every 50 ms) reaches this listener; it then accepts the test's connection.
+	var ln net.Listener
+	if err := c.Lab.Do("node2", func() (err error) {
+		ln, err = net.Listen("tcp", rank1.String())
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	var r result
+	select {
+	case r = <-done:
+	case <-time.After(2 * time.Minute):
+		t.Fatal("the checkpoint did not return within 2 minutes")
+	}
+	if r.err != nil || r.reply.Error != "" || len(r.reply.Results) != 1 || !r.reply.Results[0].Shipped {
+		t.Fatalf("checkpoint of rank 0: %+v %v", r.reply, r.err)
+	}
+	m := r.reply.Results[0].Manifest
+	accepted := tcpflow.Tuple{Local: rank0, Remote: netip.MustParseAddrPort(left.LocalAddr().String())}
+	if !slices.ContainsFunc(m.Conns, func(c ckpt.Conn) bool { return c.Tuple.Unmap() == accepted }) {
+		t.Errorf("snapshot %s: connections %+v, want the one rank 0 accepted (%s)", m.ID, m.Conns, accepted)
 	}
 }
