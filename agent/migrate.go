@@ -220,8 +220,7 @@ func (a *Agent) stopForMigration(ctx context.Context, j Job, target string, base
 	defer a.ckptMu.Unlock()
 	defer a.raised()() // the job is frozen from the dump until it has left, or thawed
 	deleteNet = func() {}
-	frozen = time.Now()
-	m, err = a.dumpFrozen(ctx, j)
+	m, frozen, err = a.dumpFrozen(ctx, j)
 	detail := ""
 	if m != nil {
 		detail = fmt.Sprintf("snapshot %s, %d MB", m.ID, m.TotalSize()>>20)
@@ -245,31 +244,47 @@ func (a *Agent) stopForMigration(ctx context.Context, j Job, target string, base
 	return frozen, m, deleteNet, err
 }
 
-// dumpFrozen freezes job j and dumps it, leaving it frozen; on an error it thaws it.
-func (a *Agent) dumpFrozen(ctx context.Context, j Job) (*ckpt.Manifest, error) {
+// dumpFrozen freezes job j and dumps it, leaving it frozen; on an error it thaws it. A dump CRIU refused for a
+// connection waiting in a listen queue is taken again once the thawed job has accepted it (whenAccepted).
+// frozen is when the job was frozen for the dump it returns.
+func (a *Agent) dumpFrozen(ctx context.Context, j Job) (m *ckpt.Manifest, frozen time.Time, err error) {
+	frozen = time.Now()
 	if cur, _, err := a.Job(j.ID, 0); err != nil || cur.State != JobRunning || cur.PID != j.PID {
-		return nil, fmt.Errorf("%w: job %s ended or changed before its migration began", ErrNotMovable, j.ID)
+		return nil, frozen, fmt.Errorf("%w: job %s ended or changed before its migration began", ErrNotMovable, j.ID)
 	}
 	if a.replays.has(j.ID) {
-		return nil, fmt.Errorf("job %s not moved, it runs on here: %w", j.ID, ErrReplaying)
+		return nil, frozen, fmt.Errorf("job %s not moved, it runs on here: %w", j.ID, ErrReplaying)
 	}
 	if err := a.waitPagesIn(ctx, j.ID); err != nil { // before the freeze: the job runs meanwhile
-		return nil, err
+		return nil, frozen, err
 	}
-	if err := a.freezeJob(ctx, j); err != nil {
-		return nil, fmt.Errorf("job %s not moved, it runs on here: %w", j.ID, err)
-	}
-	m, err := a.snapshot(ctx, j, true, true)
+	m, err = whenAccepted(ctx, acceptWait, func() (*ckpt.Manifest, error) {
+		frozen = time.Now()
+		if err := a.freezeJob(ctx, j); err != nil {
+			return nil, err
+		}
+		m, err := a.snapshot(ctx, j, true, true)
+		if err != nil {
+			a.thaw(j)
+			return nil, fmt.Errorf("dump: %w", err)
+		}
+		return m, nil
+	}, a.acceptsWaiting(j))
 	if err != nil {
-		a.thaw(j)
-		return nil, fmt.Errorf("job %s not moved, it runs on here: dump: %w", j.ID, err)
+		return nil, frozen, fmt.Errorf("job %s not moved, it runs on here: %w", j.ID, err)
 	}
-	// A peer on this host stays behind: moved alone, the job could not take up its connection to it.
-	if bad := unrecoverableConns(m.Conns, func(ip netip.Addr) string { return a.memberByIPWait(ctx, ip) }, a.onThisHost); len(bad) > 0 {
-		a.thaw(j)
-		return m, fmt.Errorf("%w: job %s runs on here: no restore could rebuild %s", ErrNotMovable, j.ID, strings.Join(bad, "; "))
+	// A peer on this host stays behind: moved alone, the job could not take up its connection to it. A peer
+	// whose sends no log keeps: what it sends while the job moves would be lost, and the target's restore
+	// refuses the job once it has left here (until 2026-12-02 the job was lost so).
+	bad := unrecoverableConns(m.Conns, func(ip netip.Addr) string { return a.memberByIPWait(ctx, ip) }, a.onThisHost)
+	if len(bad) == 0 {
+		bad = a.unloggedConns(ctx, m)
 	}
-	return m, nil
+	if len(bad) > 0 {
+		a.thaw(j)
+		return m, frozen, fmt.Errorf("%w: job %s runs on here: no restore could rebuild %s", ErrNotMovable, j.ID, strings.Join(bad, "; "))
+	}
+	return m, frozen, nil
 }
 
 // freezeJob freezes job j's cgroup and waits until every task of it is frozen; if that fails, j is thawed

@@ -29,7 +29,7 @@ func TestReplayingJobNotSnapshotted(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := a.dumpFrozen(t.Context(), j); !errors.Is(err, ErrReplaying) {
+	if _, _, err := a.dumpFrozen(t.Context(), j); !errors.Is(err, ErrReplaying) {
 		t.Errorf("migration's dump of the replaying job: %v; want ErrReplaying", err)
 	}
 	if _, err := a.snapshot(t.Context(), j, false, false); !errors.Is(err, ErrReplaying) {

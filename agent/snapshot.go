@@ -294,32 +294,31 @@ const acceptWait = 2 * time.Second
 // snapshotAccepted is snapshot of running job j, taken again once j has accepted the connections that failed
 // its dump (whenAccepted).
 func (a *Agent) snapshotAccepted(ctx context.Context, j Job) (*ckpt.Manifest, error) {
-	logged := false
-	return whenAccepted(ctx, acceptWait,
-		func() (*ckpt.Manifest, error) { return a.snapshot(ctx, j, false, false) },
-		func() ([]netip.AddrPort, error) {
-			waiting, err := a.waitingAccepts(j)
-			if len(waiting) > 0 && !logged {
-				logged = true
-				a.log.Info("a connection waits in a listen queue of the job, which CRIU cannot dump: the snapshot waits for the job to accept it",
-					"job", j.ID, "listeners", waiting, "for_at_most", acceptWait)
-			}
-			return waiting, err
-		})
+	return whenAccepted(ctx, acceptWait, func() (*ckpt.Manifest, error) { return a.snapshot(ctx, j, false, false) }, a.acceptsWaiting(j))
 }
 
-// waitingAccepts lists j's listening sockets that hold connections j has not accepted yet.
-func (a *Agent) waitingAccepts(j Job) ([]netip.AddrPort, error) {
-	socks, err := heldconns.Inodes(j.Cgroup)
-	if err != nil {
-		return nil, err
+// acceptsWaiting returns what lists j's listening sockets that hold connections j has not accepted yet, for
+// whenAccepted; the first time it finds one, the log says the snapshot waits.
+func (a *Agent) acceptsWaiting(j Job) func() ([]netip.AddrPort, error) {
+	logged := false
+	return func() ([]netip.AddrPort, error) {
+		socks, err := heldconns.Inodes(j.Cgroup)
+		if err != nil {
+			return nil, err
+		}
+		var held map[string]heldconns.Held
+		err = inJobNet(j.Net, func() error {
+			held, err = heldconns.List(socks)
+			return err
+		})
+		waiting := held[j.Cgroup].Pending
+		if len(waiting) > 0 && !logged {
+			logged = true
+			a.log.Info("a connection waits in a listen queue of the job, which CRIU cannot dump: the snapshot waits for the job to accept it",
+				"job", j.ID, "listeners", waiting, "for_at_most", acceptWait)
+		}
+		return waiting, err
 	}
-	var held map[string]heldconns.Held
-	err = inJobNet(j.Net, func() error {
-		held, err = heldconns.List(socks)
-		return err
-	})
-	return held[j.Cgroup].Pending, err
 }
 
 // acceptPoll is how often whenAccepted looks at the job's listen queues.

@@ -13,7 +13,6 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/agent"
-	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/lab/labcluster"
 	"github.com/ftkit/ftkit/tcpflow"
@@ -230,74 +229,182 @@ func TestConnectCaughtBySnapshot(t *testing.T) {
 }
 
 // TestCheckpointWaitsForAccept: a snapshot asked for while a connection waits in a job's listen queue (the
-// job has not accepted it yet) waits for the job to accept it and then holds it. CRIU cannot dump such a
-// connection; until 2026-12-02 the snapshot failed at once ("In-flight connection"), as it did in the CI
-// run of 577c21d when TestUnprotectedPeerOnMember checkpointed a ring whose rank 0 still connected to
-// rank 1. Here rank 0 of a ring stencil listens, then connects to its next rank, which does not listen
-// yet, and accepts only after that: the test's connection to rank 0 waits in its queue until the test
-// listens as rank 1.
+// job has not accepted it yet) waits for the job to accept it and then holds it; so does a migration's dump.
+// CRIU cannot dump such a connection; until 2026-12-02 the snapshot failed at once ("In-flight
+// connection"), as it did in the CI run of 577c21d when TestUnprotectedPeerOnMember checkpointed a ring
+// whose rank 0 still connected to rank 1. Here rank 0 of a ring stencil listens, then connects to its next
+// rank, which does not listen yet, and accepts only after that: a connection to rank 0 from node2 waits in
+// its queue until something listens there as rank 1.
+//
+// The peers are socat jobs of node2, whose sends node2 logs, or the test itself, a process not started under
+// ftkit: a migration must then refuse, the job running on (until 2026-12-02 only the target's restore
+// refused, after the job had left: it was lost).
 func TestCheckpointWaitsForAccept(t *testing.T) {
 	t.Parallel()
-	c, h1 := node1Lab(t, labcluster.Options{Interval: "1h"})
+	checkpoint := func(c *labcluster.Cluster, j agent.Job) (string, error) {
+		reply, err := c.Client("node1").Checkpoint(context.Background(), j.ID)
+		if err != nil || reply.Error != "" || len(reply.Results) != 1 || !reply.Results[0].Shipped {
+			return "", fmt.Errorf("checkpoint of rank 0: %+v %v", reply, err)
+		}
+		return reply.Results[0].Manifest.ID, nil
+	}
+	migrate := func(c *labcluster.Cluster, j agent.Job) (string, error) {
+		m, err := c.Client("node1").Migrate(context.Background(), agent.MigrateRequest{Job: j.ID, To: "node3"})
+		if err != nil || m.Error != "" {
+			return "", fmt.Errorf("migration of rank 0 to node3: %+v %w", m, err)
+		}
+		return m.Snapshot, nil
+	}
+	for _, tc := range []struct {
+		name      string
+		plain     bool
+		migration bool
+	}{
+		{"checkpoint", true, false},
+		{"migration", false, true},
+		{"migration, a plain peer", true, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			snapshot := checkpoint
+			if tc.migration {
+				snapshot = migrate
+			}
+			testWaitsForAccept(t, tc.plain, tc.migration, snapshot)
+		})
+	}
+}
+
+// testWaitsForAccept runs rank 0 on node1 (at a job address for a migration) with a connection from node2 (a
+// job, or the test if plain) waiting in its queue, and snapshot, which returns the id of the snapshot it took
+// (found on node1, and on node3 after a migration).
+func testWaitsForAccept(t *testing.T, plain, migration bool, snapshot func(*labcluster.Cluster, agent.Job) (string, error)) {
+	var socat string
+	if !plain {
+		requirePrograms(t, "socat")
+		socat, _ = exec.LookPath("socat")
+	}
+	c := newCluster(t, 3, 0, labcluster.Options{Interval: "1h", JobAddresses: migration})
+	h1, err := c.Lab.Host("node1")
+	if err != nil {
+		t.Fatal(err)
+	}
 	h2, err := c.Lab.Host("node2")
 	if err != nil {
 		t.Fatal(err)
 	}
-	rank0, rank1 := netip.AddrPortFrom(h1.Addr.Addr(), 7490), netip.AddrPortFrom(h2.Addr.Addr(), 7491)
-	ctx := context.Background()
-	j, err := c.Client("node1").StartJob(ctx, agent.JobSpec{Name: "rank0", Argv: append([]string{bins.Ringstencil,
+	addr0 := h1.Addr.Addr()
+	if migration {
+		addr0 = labcluster.JobPool(c.Lab.State(), "node1").Addr()
+	}
+	rank0, rank1 := netip.AddrPortFrom(addr0, 7490), netip.AddrPortFrom(h2.Addr.Addr(), 7491)
+	ch := &chain{c: c}
+	j, err := c.Client("node1").StartJob(context.Background(), agent.JobSpec{Name: "rank0", JobAddress: migration, Argv: append([]string{bins.Ringstencil,
 		"--rank", "0", "--peers", rank0.String() + "," + rank1.String()}, ringArgs(2000, 16<<10, 10*time.Millisecond)...)})
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitProtected(t, c, "node1", j.ID, 2*time.Minute)
-	var left net.Conn
-	if err := c.Lab.Do("node2", func() (err error) {
-		left, err = net.DialTimeout("tcp", rank0.String(), 10*time.Second)
-		return err
-	}); err != nil {
-		t.Fatalf("connect to rank 0 from node2: %v", err)
+	if migration {
+		t.Cleanup(func() { removeJobNets(t, j.ID) })
 	}
-	defer left.Close()
+	waitProtected(t, c, "node1", j.ID, 2*time.Minute)
+	// The connection that waits: it sends nothing, and holds on.
+	var from netip.AddrPort
+	if plain {
+		var left net.Conn
+		if err := c.Lab.Do("node2", func() (err error) {
+			left, err = net.DialTimeout("tcp", rank0.String(), 10*time.Second)
+			return err
+		}); err != nil {
+			t.Fatalf("connect to rank 0 from node2: %v", err)
+		}
+		defer left.Close()
+		from = netip.MustParseAddrPort(left.LocalAddr().String())
+	} else {
+		ch.start(t, "node2", "left", socat, "-u", "EXEC:sleep 600", "TCP:"+rank0.String())
+		poll(t, time.Minute, "node2's connection to rank 0", func() bool {
+			from = connectedTo(t, c, "node2", rank0)
+			return from.IsValid()
+		})
+	}
 	type result struct {
-		reply agentapi.CheckpointReply
-		err   error
+		id  string
+		err error
 	}
 	done := make(chan result, 1)
 	go func() {
-		reply, err := c.Client("node1").Checkpoint(ctx, j.ID)
-		done <- result{reply, err}
+		id, err := snapshot(c, j)
+		done <- result{id, err}
 	}()
 	poll(t, time.Minute, "node1's agent to log that the snapshot waits for the job to accept", func() bool {
 		select {
 		case r := <-done:
-			t.Fatalf("the checkpoint returned before the job accepted the connection waiting in its queue: %+v %v", r.reply, r.err)
+			t.Fatalf("the snapshot returned before the job accepted the connection waiting in its queue: %s %v", r.id, r.err)
 		default:
 		}
 		b, err := os.ReadFile(c.LogPath("node1"))
 		return err == nil && strings.Contains(string(b), "the snapshot waits for the job to accept it")
 	})
-	// Rank 0's next connect attempt (every 50 ms) reaches this listener; it then accepts the test's connection.
-	var ln net.Listener
-	if err := c.Lab.Do("node2", func() (err error) {
-		ln, err = net.Listen("tcp", rank1.String())
-		return err
-	}); err != nil {
-		t.Fatal(err)
+	// Rank 0's next connect attempt (every 50 ms) reaches this listener; it then accepts the waiting connection.
+	if plain {
+		var ln net.Listener
+		if err := c.Lab.Do("node2", func() (err error) {
+			ln, err = net.Listen("tcp", rank1.String())
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		defer ln.Close()
+	} else {
+		ch.start(t, "node2", "right", socat, "-u", fmt.Sprintf("TCP-LISTEN:%d,bind=%s", rank1.Port(), rank1.Addr()), "EXEC:sleep 600")
 	}
-	defer ln.Close()
 	var r result
 	select {
 	case r = <-done:
 	case <-time.After(2 * time.Minute):
-		t.Fatal("the checkpoint did not return within 2 minutes")
+		t.Fatal("the snapshot did not return within 2 minutes")
 	}
-	if r.err != nil || r.reply.Error != "" || len(r.reply.Results) != 1 || !r.reply.Results[0].Shipped {
-		t.Fatalf("checkpoint of rank 0: %+v %v", r.reply, r.err)
+	if plain && migration {
+		// Refused before the job left: it runs on node1 as before.
+		if r.err == nil || !strings.Contains(r.err.Error(), agent.ErrNotMovable.Error()) || !strings.Contains(r.err.Error(), "not started under ftkit") {
+			t.Fatalf("migration with a peer not started under ftkit: %s %v; want a refusal naming it", r.id, r.err)
+		}
+		if got, err := c.Client("node1").Job(context.Background(), j.ID); err != nil || got.State != agent.JobRunning || got.PID != j.PID {
+			t.Errorf("rank 0 after the refused migration: %+v %v, want it running on node1 as before", got, err)
+		}
+		return
 	}
-	m := r.reply.Results[0].Manifest
-	accepted := tcpflow.Tuple{Local: rank0, Remote: netip.MustParseAddrPort(left.LocalAddr().String())}
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	host := "node1"
+	if migration {
+		host = "node3"
+	}
+	m := manifestOn(t, c, host, j.ID, r.id)
+	accepted := tcpflow.Tuple{Local: rank0, Remote: from}
 	if !slices.ContainsFunc(m.Conns, func(c ckpt.Conn) bool { return c.Tuple.Unmap() == accepted }) {
 		t.Errorf("snapshot %s: connections %+v, want the one rank 0 accepted (%s)", m.ID, m.Conns, accepted)
 	}
+}
+
+// connectedTo returns the local end of an established connection of host to remote, if there is one.
+func connectedTo(t *testing.T, c *labcluster.Cluster, host string, remote netip.AddrPort) netip.AddrPort {
+	t.Helper()
+	ns, err := c.Lab.NetnsPath(host)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := exec.Command("nsenter", "--net="+ns, "ss", "-Htn", "state", "established", "dst", remote.String()).Output()
+	if err != nil {
+		t.Fatalf("ss on %s: %v", host, err)
+	}
+	for line := range strings.Lines(string(out)) {
+		if f := strings.Fields(line); len(f) >= 4 {
+			if local, err := netip.ParseAddrPort(f[2]); err == nil {
+				return local
+			}
+		}
+	}
+	return netip.AddrPort{}
 }
