@@ -51,19 +51,9 @@ func Guard(ctx context.Context, runID string, conns []ckpt.Conn, addrs []netip.A
 	if !runIDRE.MatchString(runID) {
 		return fmt.Errorf("guard: run id %q is not a CRIU run id (a UUID); get it with RunID", runID)
 	}
-	keys, err := guardKeys(conns)
+	keys, err := guardKeys(conns, addrs)
 	if err != nil {
 		return fmt.Errorf("guard: %w", err)
-	}
-	for _, a := range addrs {
-		switch a = a.Unmap(); {
-		case a.Is4():
-			keys.addrs4 = append(keys.addrs4, a.AsSlice())
-		case a.Is6():
-			keys.addrs6 = append(keys.addrs6, a.AsSlice())
-		default:
-			return fmt.Errorf("guard: invalid address %v", a)
-		}
 	}
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("guard: %w", err)
@@ -95,8 +85,18 @@ func Guard(ctx context.Context, runID string, conns []ckpt.Conn, addrs []netip.A
 // addresses whose incoming connection requests are dropped.
 type guardSets struct{ v4, v6, addrs4, addrs6 [][]byte }
 
-func guardKeys(conns []ckpt.Conn) (guardSets, error) {
+func guardKeys(conns []ckpt.Conn, addrs []netip.Addr) (guardSets, error) {
 	var k guardSets
+	for _, a := range addrs {
+		switch a = a.Unmap(); {
+		case a.Is4():
+			k.addrs4 = append(k.addrs4, a.AsSlice())
+		case a.Is6():
+			k.addrs6 = append(k.addrs6, a.AsSlice())
+		default:
+			return guardSets{}, fmt.Errorf("invalid address %v", a)
+		}
+	}
 	for _, c := range conns {
 		l, r := c.Local.Addr().Unmap(), c.Remote.Addr().Unmap()
 		if !c.Local.IsValid() || !c.Remote.IsValid() || l.Is4() != r.Is4() {

@@ -39,7 +39,8 @@ func TestGuardKeys(t *testing.T) {
 	c4 := ckpt.Conn{Tuple: tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.11:40000"), Remote: netip.MustParseAddrPort("10.0.0.12:7000")}}
 	c6 := ckpt.Conn{Tuple: tcpflow.Tuple{Local: netip.MustParseAddrPort("[fd00::1]:1"), Remote: netip.MustParseAddrPort("[fd00::2]:258")}}
 	mapped := ckpt.Conn{Tuple: tcpflow.Tuple{Local: netip.MustParseAddrPort("[::ffff:10.0.0.11]:5"), Remote: netip.MustParseAddrPort("[::ffff:10.0.0.13]:6")}}
-	k, err := guardKeys([]ckpt.Conn{c4, c6, mapped})
+	addrs := []netip.Addr{netip.MustParseAddr("10.0.0.11"), netip.MustParseAddr("::ffff:10.0.0.14"), netip.MustParseAddr("fd00::1")}
+	k, err := guardKeys([]ckpt.Conn{c4, c6, mapped}, addrs)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -57,13 +58,18 @@ func TestGuardKeys(t *testing.T) {
 			cat(fd(1), []byte{0, 1, 0, 0}, fd(2), []byte{1, 2, 0, 0}),
 			cat(fd(2), []byte{1, 2, 0, 0}, fd(1), []byte{0, 1, 0, 0}),
 		},
+		addrs4: [][]byte{{10, 0, 0, 11}, {10, 0, 0, 14}}, // the v4-mapped address in the IPv4 set
+		addrs6: [][]byte{fd(1)},
 	}
 	if !reflect.DeepEqual(k, want) {
 		t.Errorf("guardKeys =\n%v\nwant\n%v", k, want)
 	}
 	mixed := ckpt.Conn{Tuple: tcpflow.Tuple{Local: c4.Local, Remote: c6.Remote}}
-	if _, err := guardKeys([]ckpt.Conn{mixed}); err == nil {
+	if _, err := guardKeys([]ckpt.Conn{mixed}, nil); err == nil {
 		t.Error("a connection with an IPv4 and an IPv6 end was accepted")
+	}
+	if _, err := guardKeys(nil, []netip.Addr{{}}); err == nil {
+		t.Error("an invalid address was accepted")
 	}
 	for _, id := range []string{"", "x; flush ruleset", strings.ToUpper(testRunID)} {
 		if err := Guard(context.Background(), id, nil, nil); err == nil {
