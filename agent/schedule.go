@@ -288,16 +288,18 @@ func (a *Agent) recordReplica(ctx context.Context, m *ckpt.Manifest, strays []st
 // and dumped with them (localPeers), listed again once they are frozen too, until none is left out. It
 // returns the jobs it dumped.
 func (a *Agent) semiCoordinated(ctx context.Context, jobs []Job, withPeers bool) ([]Job, []*ckpt.Manifest, error) {
-	start := time.Now()
-	defer a.raised()() // after the thaw below
+	var start time.Time // of the freeze the jobs are dumped in
+	defer a.raised()()  // after the thaw below
 	var frozen []string
-	defer func() {
+	thaw := func() {
 		for _, cg := range frozen {
 			if err := setFrozen(cg, false); err != nil {
 				a.log.Error("thaw job cgroup (the job stays frozen until this is fixed)", "cgroup", cg, "err", err)
 			}
 		}
-	}()
+		frozen = nil
+	}
+	defer thaw()
 	freeze := func(jobs []Job) error {
 		for _, j := range jobs {
 			if err := setFrozen(j.Cgroup, true); err != nil {
@@ -310,25 +312,38 @@ func (a *Agent) semiCoordinated(ctx context.Context, jobs []Job, withPeers bool)
 		}
 		return nil
 	}
-	if err := freeze(jobs); err != nil {
-		return nil, nil, err
-	}
-	// Frozen, the jobs make no new connection; a peer that connects to one of them meanwhile is found at
-	// the next listing, or fails the dump (a connection waiting in a listen queue).
-	named := len(jobs)
-	for withPeers {
-		peers, err := a.localPeers(jobs)
-		if err != nil {
-			return nil, nil, &peerError{fmt.Errorf("semi-coordinated snapshot skipped, jobs thawed: %w", err)}
+	named, asked := len(jobs), jobs
+	deadline := time.Now().Add(acceptWait)
+	for {
+		start, jobs = time.Now(), asked
+		if err := freeze(jobs); err != nil {
+			return nil, nil, err
 		}
-		if len(peers) == 0 {
+		// Frozen, the jobs make no new connection; a peer that connects to one of them meanwhile is found at
+		// the next listing.
+		for withPeers {
+			peers, err := a.localPeers(jobs)
+			if err != nil {
+				return nil, nil, &peerError{fmt.Errorf("semi-coordinated snapshot skipped, jobs thawed: %w", err)}
+			}
+			if len(peers) == 0 {
+				break
+			}
+			a.log.Info("snapshotting with the jobs named the jobs of this host they talk to", "jobs", jobsOf(jobs), "peers", jobsOf(peers))
+			jobs = append(jobs, peers...)
+			if err := freeze(peers); err != nil {
+				return nil, nil, &peerError{err}
+			}
+		}
+		// Nor can they accept: a connection waiting in a listen queue would fail the dump (criu.ErrInFlight).
+		// They are thawed until they have accepted it, for up to acceptWait in all; one that comes in later
+		// still fails the dump, and the error says so.
+		waiting := a.acceptsWaitingIn(jobs)
+		if queues, err := waiting(); err != nil || len(queues) == 0 || time.Now().After(deadline) {
 			break
 		}
-		a.log.Info("snapshotting with the jobs named the jobs of this host they talk to", "jobs", jobsOf(jobs), "peers", jobsOf(peers))
-		jobs = append(jobs, peers...)
-		if err := freeze(peers); err != nil {
-			return nil, nil, &peerError{err}
-		}
+		thaw()
+		untilAccepted(ctx, deadline, waiting) // what it found is looked at again once the jobs are frozen
 	}
 	var out []*ckpt.Manifest
 	for i, j := range jobs {

@@ -300,28 +300,49 @@ func (a *Agent) snapshotAccepted(ctx context.Context, j Job) (*ckpt.Manifest, er
 // acceptsWaiting returns what lists j's listening sockets that hold connections j has not accepted yet, for
 // whenAccepted; the first time it finds one, the log says the snapshot waits.
 func (a *Agent) acceptsWaiting(j Job) func() ([]netip.AddrPort, error) {
+	return a.acceptsWaitingIn([]Job{j})
+}
+
+// acceptsWaitingIn is acceptsWaiting for jobs, which it lists together (one socket table per network
+// namespace).
+func (a *Agent) acceptsWaitingIn(jobs []Job) func() ([]netip.AddrPort, error) {
 	logged := false
 	return func() ([]netip.AddrPort, error) {
-		socks, err := heldconns.Inodes(j.Cgroup)
-		if err != nil {
-			return nil, err
+		var waiting []netip.AddrPort
+		var ids []string
+		groups, nets := byNetns(jobs)
+		for key, group := range groups {
+			var cgroups []string
+			for _, j := range group {
+				cgroups = append(cgroups, j.Cgroup)
+			}
+			socks, err := heldconns.Inodes(cgroups...)
+			if err != nil {
+				return nil, err
+			}
+			var held map[string]heldconns.Held
+			if err := inJobNet(nets[key], func() (err error) {
+				held, err = heldconns.List(socks)
+				return err
+			}); err != nil {
+				return nil, err
+			}
+			for _, j := range group {
+				if p := held[j.Cgroup].Pending; len(p) > 0 {
+					waiting, ids = append(waiting, p...), append(ids, j.ID)
+				}
+			}
 		}
-		var held map[string]heldconns.Held
-		err = inJobNet(j.Net, func() error {
-			held, err = heldconns.List(socks)
-			return err
-		})
-		waiting := held[j.Cgroup].Pending
 		if len(waiting) > 0 && !logged {
 			logged = true
 			a.log.Info("a connection waits in a listen queue of the job, which CRIU cannot dump: the snapshot waits for the job to accept it",
-				"job", j.ID, "listeners", waiting, "for_at_most", acceptWait)
+				"jobs", ids, "listeners", waiting, "for_at_most", acceptWait)
 		}
-		return waiting, err
+		return waiting, nil
 	}
 }
 
-// acceptPoll is how often whenAccepted looks at the job's listen queues.
+// acceptPoll is how often the listen queues are looked at while a snapshot waits for them.
 const acceptPoll = 20 * time.Millisecond
 
 // whenAccepted runs dump, and again each time it fails on a connection waiting in a listen queue
@@ -334,26 +355,34 @@ func whenAccepted(ctx context.Context, wait time.Duration, dump func() (*ckpt.Ma
 		if !errors.Is(err, criu.ErrInFlight) {
 			return m, err
 		}
-		for {
-			select {
-			case <-ctx.Done():
-				return nil, fmt.Errorf("%w (%w)", err, ctx.Err())
-			case <-time.After(acceptPoll):
-			}
-			queues, werr := waiting()
-			if werr != nil {
-				return nil, fmt.Errorf("%w (and the job's listen queues could not be read: %v)", err, werr)
-			}
-			if len(queues) == 0 {
-				break
-			}
-			if time.Now().After(deadline) {
-				return nil, fmt.Errorf("%w: the job did not accept them within %s (listeners %v): snapshot it again once it has; the schedule retries",
-					err, wait, queues)
-			}
+		queues, werr := untilAccepted(ctx, deadline, waiting)
+		switch {
+		case werr != nil:
+			return nil, fmt.Errorf("%w (while it waited for the job to accept: %w)", err, werr)
+		case len(queues) > 0:
+			return nil, fmt.Errorf("%w: the job did not accept them within %s (listeners %v): snapshot it again once it has; the schedule retries",
+				err, wait, queues)
+		case time.Now().After(deadline):
+			return nil, fmt.Errorf("%w: new connections kept arriving for %s: snapshot it again later", err, wait)
+		}
+	}
+}
+
+// untilAccepted looks at the listen queues (waiting) every acceptPoll until they are empty (nil), or
+// returns what they hold once deadline has passed.
+func untilAccepted(ctx context.Context, deadline time.Time, waiting func() ([]netip.AddrPort, error)) ([]netip.AddrPort, error) {
+	for {
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(acceptPoll):
+		}
+		queues, err := waiting()
+		if err != nil || len(queues) == 0 {
+			return nil, err
 		}
 		if time.Now().After(deadline) {
-			return nil, fmt.Errorf("%w: new connections kept arriving for %s: snapshot it again later", err, wait)
+			return queues, nil
 		}
 	}
 }

@@ -236,9 +236,10 @@ func TestConnectCaughtBySnapshot(t *testing.T) {
 // rank, which does not listen yet, and accepts only after that: a connection to rank 0 from node2 waits in
 // its queue until something listens there as rank 1.
 //
-// The peers are socat jobs of node2, whose sends node2 logs, or the test itself, a process not started under
-// ftkit: a migration must then refuse, the job running on (until 2026-12-02 only the target's restore
-// refused, after the job had left: it was lost).
+// In semi-coordinated mode the agent thaws the job it froze until the job has accepted. The peers are socat
+// jobs of node2, whose sends node2 logs, or the test itself, a process not started under ftkit: a migration
+// must then refuse, the job running on (until 2026-12-02 only the target's restore refused, after the job
+// had left: it was lost).
 func TestCheckpointWaitsForAccept(t *testing.T) {
 	t.Parallel()
 	checkpoint := func(c *labcluster.Cluster, j agent.Job) (string, error) {
@@ -259,10 +260,12 @@ func TestCheckpointWaitsForAccept(t *testing.T) {
 		name      string
 		plain     bool
 		migration bool
+		mode      agent.Mode
 	}{
-		{"checkpoint", true, false},
-		{"migration", false, true},
-		{"migration, a plain peer", true, true},
+		{"checkpoint", true, false, agent.Uncoordinated},
+		{"checkpoint, semi-coordinated", true, false, agent.SemiCoordinated},
+		{"migration", false, true, agent.Uncoordinated},
+		{"migration, a plain peer", true, true, agent.Uncoordinated},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -270,7 +273,7 @@ func TestCheckpointWaitsForAccept(t *testing.T) {
 			if tc.migration {
 				snapshot = migrate
 			}
-			testWaitsForAccept(t, tc.plain, tc.migration, snapshot)
+			testWaitsForAccept(t, tc.plain, tc.migration, tc.mode, snapshot)
 		})
 	}
 }
@@ -278,13 +281,13 @@ func TestCheckpointWaitsForAccept(t *testing.T) {
 // testWaitsForAccept runs rank 0 on node1 (at a job address for a migration) with a connection from node2 (a
 // job, or the test if plain) waiting in its queue, and snapshot, which returns the id of the snapshot it took
 // (found on node1, and on node3 after a migration).
-func testWaitsForAccept(t *testing.T, plain, migration bool, snapshot func(*labcluster.Cluster, agent.Job) (string, error)) {
+func testWaitsForAccept(t *testing.T, plain, migration bool, mode agent.Mode, snapshot func(*labcluster.Cluster, agent.Job) (string, error)) {
 	var socat string
 	if !plain {
 		requirePrograms(t, "socat")
 		socat, _ = exec.LookPath("socat")
 	}
-	c := newCluster(t, 3, 0, labcluster.Options{Interval: "1h", JobAddresses: migration})
+	c := newCluster(t, 3, 0, labcluster.Options{Interval: "1h", JobAddresses: migration, Mode: mode})
 	h1, err := c.Lab.Host("node1")
 	if err != nil {
 		t.Fatal(err)
