@@ -172,10 +172,13 @@ func (a *Agent) coordFreeze(ctx context.Context, coordinator string, req cluster
 	release := sync.OnceFunc(func() { a.ckptMu.Unlock(); lower() })
 	key := coordinated.HoldKey(req)
 	hold := &coordinated.Hold[Job]{Cut: req.Cut, Coordinator: coordinator, Jobs: a.runJobs(req.Run, req.UID), Frozen: time.Now()}
-	end := func() {
+	thaw := func() {
 		for _, j := range hold.Jobs {
 			a.thaw(j)
 		}
+	}
+	end := func() {
+		thaw()
 		release()
 	}
 	expired := func() {
@@ -187,15 +190,24 @@ func (a *Agent) coordFreeze(ctx context.Context, coordinator string, req cluster
 	}
 	var cgroups []string
 	for _, j := range hold.Jobs {
-		if err := setFrozen(j.Cgroup, true); err != nil {
-			a.coord.End(key, req.Cut)
-			return clusterapi.CoordinateReply{}, fmt.Errorf("freeze job %s: %w", j.ID, err)
-		}
 		cgroups = append(cgroups, j.Cgroup)
 	}
-	if err := waitFrozen(ctx, cgroups, freezeTimeout); err != nil {
+	freeze := func() error {
+		if err := hold.Freeze(func() error {
+			for _, j := range hold.Jobs {
+				if err := setFrozen(j.Cgroup, true); err != nil {
+					return fmt.Errorf("freeze job %s: %w", j.ID, err)
+				}
+			}
+			return nil
+		}); err != nil {
+			return fmt.Errorf("run %s, cut %s: %w", req.Run, req.Cut, err)
+		}
+		return waitFrozen(ctx, cgroups, freezeTimeout)
+	}
+	if err := freezeAccepted(ctx, acceptWait, freeze, thaw, a.acceptsWaitingIn(hold.Jobs)); err != nil {
 		a.coord.End(key, req.Cut)
-		return clusterapi.CoordinateReply{}, err
+		return clusterapi.CoordinateReply{}, fmt.Errorf("run %s: %w", req.Run, err)
 	}
 	var rep clusterapi.CoordinateReply
 	for _, j := range hold.Jobs {

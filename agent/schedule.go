@@ -313,18 +313,18 @@ func (a *Agent) semiCoordinated(ctx context.Context, jobs []Job, withPeers bool)
 		return nil
 	}
 	named, asked := len(jobs), jobs
-	deadline := time.Now().Add(acceptWait)
-	for {
+	var waiting func() ([]netip.AddrPort, error) // the listen queues of the jobs frozen last
+	freezeAll := func() error {
 		start, jobs = time.Now(), asked
 		if err := freeze(jobs); err != nil {
-			return nil, nil, err
+			return err
 		}
 		// Frozen, the jobs make no new connection; a peer that connects to one of them meanwhile is found at
 		// the next listing.
 		for withPeers {
 			peers, err := a.localPeers(jobs)
 			if err != nil {
-				return nil, nil, &peerError{fmt.Errorf("semi-coordinated snapshot skipped, jobs thawed: %w", err)}
+				return &peerError{fmt.Errorf("semi-coordinated snapshot skipped, jobs thawed: %w", err)}
 			}
 			if len(peers) == 0 {
 				break
@@ -332,18 +332,16 @@ func (a *Agent) semiCoordinated(ctx context.Context, jobs []Job, withPeers bool)
 			a.log.Info("snapshotting with the jobs named the jobs of this host they talk to", "jobs", jobsOf(jobs), "peers", jobsOf(peers))
 			jobs = append(jobs, peers...)
 			if err := freeze(peers); err != nil {
-				return nil, nil, &peerError{err}
+				return &peerError{err}
 			}
 		}
-		// Nor can they accept: a connection waiting in a listen queue would fail the dump (criu.ErrInFlight).
-		// They are thawed until they have accepted it, for up to acceptWait in all; one that comes in later
-		// still fails the dump, and the error says so.
-		waiting := a.acceptsWaitingIn(jobs)
-		if queues, err := waiting(); err != nil || len(queues) == 0 || time.Now().After(deadline) {
-			break
-		}
-		thaw()
-		untilAccepted(ctx, deadline, waiting) // what it found is looked at again once the jobs are frozen
+		waiting = a.acceptsWaitingIn(jobs)
+		return nil
+	}
+	// Nor can the frozen jobs accept (freezeAccepted); a connection that comes in after the last look still
+	// fails the dump, and the error says so.
+	if err := freezeAccepted(ctx, acceptWait, freezeAll, thaw, func() ([]netip.AddrPort, error) { return waiting() }); err != nil {
+		return nil, nil, err
 	}
 	var out []*ckpt.Manifest
 	for i, j := range jobs {

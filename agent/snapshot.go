@@ -387,6 +387,39 @@ func untilAccepted(ctx context.Context, deadline time.Time, waiting func() ([]ne
 	}
 }
 
+// acceptBeforeDump looks at the listen queues of frozen jobs (waiting): a connection waiting in one would
+// fail their dump (criu.ErrInFlight), and frozen they cannot accept it. If one waits and deadline has not
+// passed, it thaws them (thaw), waits until they have accepted (untilAccepted) and returns again: freeze
+// them and look once more. Past deadline it returns the queues that still hold connections.
+func acceptBeforeDump(ctx context.Context, deadline time.Time, waiting func() ([]netip.AddrPort, error), thaw func()) (again bool, queues []netip.AddrPort) {
+	// A queue that cannot be read is left to the dump, whose error names what CRIU found.
+	if queues, err := waiting(); err != nil || len(queues) == 0 || time.Now().After(deadline) {
+		return false, queues
+	}
+	thaw()
+	untilAccepted(ctx, deadline, waiting) // what it found is looked at again once the jobs are frozen
+	return true, nil
+}
+
+// freezeAccepted freezes jobs (freeze) and, while a connection waits in their listen queues (waiting),
+// thaws them (thaw) until they have accepted it and freezes them again (acceptBeforeDump), for up to wait
+// in all: a dump of the frozen jobs then meets no connection they have not accepted.
+func freezeAccepted(ctx context.Context, wait time.Duration, freeze func() error, thaw func(), waiting func() ([]netip.AddrPort, error)) error {
+	for deadline := time.Now().Add(wait); ; {
+		if err := freeze(); err != nil {
+			return err
+		}
+		again, queues := acceptBeforeDump(ctx, deadline, waiting, thaw)
+		if len(queues) > 0 {
+			return fmt.Errorf("%w: the jobs did not accept the connections waiting in their listen queues (%v) within %s: snapshot them again once they have",
+				criu.ErrInFlight, queues, wait)
+		}
+		if !again {
+			return nil
+		}
+	}
+}
+
 // resultsOf keeps the results of snapshots of jobs.
 func resultsOf(res []SnapshotResult, jobs []Job) []SnapshotResult {
 	return slices.DeleteFunc(res, func(r SnapshotResult) bool {

@@ -94,3 +94,59 @@ func TestWhenAccepted(t *testing.T) {
 		})
 	}
 }
+
+// TestFreezeAccepted: frozen jobs (a coordinated or semi-coordinated snapshot's) with a connection waiting
+// in a listen queue are thawed until they have accepted it and frozen again, before any dump; within a
+// bound, after which the error names the listeners. (Before, only an uncoordinated snapshot waited: a
+// coordinated one failed its dump with criu.ErrInFlight.)
+func TestFreezeAccepted(t *testing.T) {
+	listener := netip.MustParseAddrPort("10.1.0.1:7480")
+	ended := errors.New("the hold ended")
+	for _, tc := range []struct {
+		name     string
+		waiting  [][]netip.AddrPort // each look at the listen queues, in turn; the last repeats
+		waitErr  error              // the looks fail
+		freezes  []error            // each freeze's result, in turn; the last repeats
+		wantErr  error
+		wantText string
+		froze    int // freezes run
+		thawed   int
+	}{
+		{name: "nothing waits", waiting: [][]netip.AddrPort{nil}, freezes: []error{nil}, froze: 1},
+		{name: "accepted while thawed", waiting: [][]netip.AddrPort{{listener}, {listener}, nil}, freezes: []error{nil}, froze: 2, thawed: 1},
+		{name: "another one after the freeze", waiting: [][]netip.AddrPort{{listener}, nil, {listener}, nil}, freezes: []error{nil}, froze: 3, thawed: 2},
+		{name: "never accepted", waiting: [][]netip.AddrPort{{listener}}, freezes: []error{nil},
+			wantErr: criu.ErrInFlight, wantText: "10.1.0.1:7480", froze: 2, thawed: 1}, // looked at once more, frozen
+		{name: "queues unreadable: left to the dump", waitErr: errors.New("sock_diag: EPERM"), freezes: []error{nil}, froze: 1},
+		{name: "the hold ended while thawed", waiting: [][]netip.AddrPort{{listener}, nil}, freezes: []error{nil, ended},
+			wantErr: ended, froze: 2, thawed: 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			froze, thawed, looked := 0, 0, 0
+			freeze := func() error {
+				froze++
+				return tc.freezes[min(froze, len(tc.freezes))-1]
+			}
+			waiting := func() ([]netip.AddrPort, error) {
+				looked++
+				if tc.waitErr != nil {
+					return nil, tc.waitErr
+				}
+				return tc.waiting[min(looked, len(tc.waiting))-1], nil
+			}
+			const wait = 150 * time.Millisecond
+			err := freezeAccepted(t.Context(), wait, freeze, func() { thawed++ }, waiting)
+			switch {
+			case tc.wantErr == nil && err != nil:
+				t.Fatalf("error %v, want none", err)
+			case tc.wantErr != nil && !errors.Is(err, tc.wantErr):
+				t.Fatalf("error %v, want one that is %v", err, tc.wantErr)
+			case tc.wantErr != nil && !strings.Contains(err.Error(), tc.wantText):
+				t.Errorf("error %q lacks %q", err, tc.wantText)
+			}
+			if froze != tc.froze || thawed != tc.thawed {
+				t.Errorf("froze %d times, thawed %d; want %d, %d", froze, thawed, tc.froze, tc.thawed)
+			}
+		})
+	}
+}

@@ -1,6 +1,7 @@
 package coordinated
 
 import (
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -31,7 +32,13 @@ type Hold[J any] struct {
 	Dumped    []*ckpt.Manifest
 	timer     *time.Timer
 	end       func() // thaws the jobs and gives back what the freeze took, once
+
+	mu    sync.Mutex // orders Freeze and the end
+	ended bool
 }
+
+// ErrEnded is a Freeze of a hold that has ended.
+var ErrEnded = errors.New("the hold of the run's jobs ended (its coordinator failed, or it held them too long): they stay thawed")
 
 // HoldKey names the hold of a request's run: runs are per user.
 func HoldKey(req clusterapi.CoordinateRequest) string { return fmt.Sprintf("%d/%s", *req.UID, req.Run) }
@@ -40,7 +47,12 @@ func HoldKey(req clusterapi.CoordinateRequest) string { return fmt.Sprintf("%d/%
 // coordinator the hold ends by itself after HoldMax, and expired is called. A run already held is refused,
 // and end is not called: the jobs are the other hold's.
 func (hs *Holds[J]) Begin(key string, h *Hold[J], end func(), expired func()) error {
-	h.end = sync.OnceFunc(end)
+	h.end = sync.OnceFunc(func() {
+		h.mu.Lock()
+		h.ended = true
+		h.mu.Unlock()
+		end()
+	})
 	hs.mu.Lock()
 	defer hs.mu.Unlock()
 	if old, ok := hs.m[key]; ok {
@@ -68,6 +80,19 @@ func (hs *Holds[J]) Get(key, cut string) *Hold[J] {
 	return nil
 }
 
+// Freeze runs freeze (which freezes h's jobs again, after they were thawed to accept a connection) and
+// makes now h's Frozen, unless h has ended (ErrEnded). The end, which thaws the jobs, runs either before or
+// after it, never during: a hold that has ended never leaves its jobs frozen.
+func (h *Hold[J]) Freeze(freeze func() error) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.ended {
+		return ErrEnded
+	}
+	h.Frozen = time.Now()
+	return freeze()
+}
+
 // Pause stops h's clock while the host works for its cut (a dump takes as long as it needs); the returned
 // function starts it again.
 func (h *Hold[J]) Pause() (resume func()) {
@@ -88,7 +113,9 @@ func (hs *Holds[J]) End(key, cut string) *Hold[J] {
 	hs.mu.Unlock()
 	h.timer.Stop()
 	h.end()
+	h.mu.Lock()
 	h.FrozenFor = time.Since(h.Frozen)
+	h.mu.Unlock()
 	return h
 }
 

@@ -1,7 +1,11 @@
 package coordinated
 
 import (
+	"errors"
+	"fmt"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -61,4 +65,59 @@ func TestHolds(t *testing.T) {
 		t.Fatalf("EndOf(node2): %d ended, ends %v, %d left; want cut-3 alone", len(ended), ends, hs.Len())
 	}
 	hs.End(other, "cut-4")
+}
+
+// TestHoldFreeze: a host that thawed a held run's jobs to let them accept a connection freezes them again
+// through the hold. Once the hold has ended (its coordinator failed, or HoldMax passed), which thawed the
+// jobs, they are never frozen again for it: the end comes before or after a freeze, never during, and a
+// freeze after the end is refused.
+func TestHoldFreeze(t *testing.T) {
+	uid := uint32(1000)
+	key := HoldKey(clusterapi.CoordinateRequest{Run: "farm", UID: &uid})
+	t.Run("before and after the end", func(t *testing.T) {
+		var hs Holds[string]
+		first := time.Now().Add(-time.Second)
+		h := &Hold[string]{Cut: "cut-1", Frozen: first}
+		thawed := 0
+		if err := hs.Begin(key, h, func() { thawed++ }, func() {}); err != nil {
+			t.Fatal(err)
+		}
+		froze := 0
+		freeze := func() error { froze++; return nil }
+		if err := h.Freeze(freeze); err != nil || froze != 1 || !h.Frozen.After(first) {
+			t.Fatalf("Freeze of a hold: %v, froze %d, Frozen %v; want the jobs frozen and Frozen now", err, froze, h.Frozen)
+		}
+		if hs.End(key, "cut-1") != h || thawed != 1 || h.FrozenFor >= time.Second {
+			t.Fatalf("End: thawed %d, FrozenFor %v; want one thaw, frozen since the last Freeze", thawed, h.FrozenFor)
+		}
+		if err := h.Freeze(freeze); !errors.Is(err, ErrEnded) || froze != 1 {
+			t.Fatalf("Freeze of an ended hold: %v, froze %d; want ErrEnded and no freeze", err, froze)
+		}
+	})
+	t.Run("racing the end", func(t *testing.T) {
+		for i := range 200 {
+			var hs Holds[string]
+			var mu sync.Mutex
+			var events []string
+			record := func(e string) {
+				mu.Lock()
+				events = append(events, e)
+				mu.Unlock()
+			}
+			h := &Hold[string]{Cut: fmt.Sprint("cut-", i), Frozen: time.Now()}
+			if err := hs.Begin(key, h, func() { record("thaw") }, func() {}); err != nil {
+				t.Fatal(err)
+			}
+			done := make(chan error)
+			go func() { done <- h.Freeze(func() error { record("freeze"); return nil }) }()
+			hs.End(key, h.Cut)
+			err := <-done
+			switch {
+			case slices.Equal(events, []string{"freeze", "thaw"}) && err == nil:
+			case slices.Equal(events, []string{"thaw"}) && errors.Is(err, ErrEnded):
+			default:
+				t.Fatalf("run %d: events %q, Freeze %v; want a freeze before the thaw, or none after it", i, events, err)
+			}
+		}
+	})
 }

@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -14,6 +15,9 @@ import (
 
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/coordinated"
+	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/lab/labcluster"
 	"github.com/ftkit/ftkit/tcpflow"
 )
@@ -276,6 +280,10 @@ func TestCheckpointWaitsForAccept(t *testing.T) {
 			testWaitsForAccept(t, tc.plain, tc.migration, tc.mode, snapshot)
 		})
 	}
+	t.Run("coordinated snapshot", func(t *testing.T) {
+		t.Parallel()
+		testCutWaitsForAccept(t)
+	})
 }
 
 // testWaitsForAccept runs rank 0 on node1 (at a job address for a migration) with a connection from node2 (a
@@ -391,6 +399,99 @@ func testWaitsForAccept(t *testing.T, plain, migration bool, mode agent.Mode, sn
 	}
 }
 
+// testCutWaitsForAccept: a run in coordinated recovery, on job addresses: rank 0 on node1, whose right
+// neighbour is a job of node1 that listens only once the test opens its gate, and on node2 a job that connects
+// to rank 0 and waits in its listen queue (rank 0 accepts once it has connected to its right). A coordinated
+// snapshot of the run freezes node1's jobs with that connection in the queue: node1 thaws them until rank 0
+// has accepted it, freezes them again, and the cut is taken with the connection in rank 0's part. Before,
+// rank 0's dump failed (criu.ErrInFlight) and so did the cut.
+func testCutWaitsForAccept(t *testing.T) {
+	requirePrograms(t, "socat")
+	socat, _ := exec.LookPath("socat")
+	ctx := context.Background()
+	const run = "accept"
+	c := newCluster(t, 3, 0, labcluster.Options{Interval: "1h", JobAddresses: true})
+	st := c.Lab.State()
+	pool := labcluster.JobPool(st, "node1")
+	rank0, right := netip.AddrPortFrom(pool.Addr(), 7490), netip.AddrPortFrom(pool.Addr().Next(), 7491)
+	dir := t.TempDir()
+	gate := filepath.Join(dir, "open")
+	start := func(host, name string, addr netip.Addr, argv ...string) agent.Job {
+		t.Helper()
+		j, err := c.Client(host).StartJob(ctx, agent.JobSpec{Name: name, Run: run, JobAddress: true, Recovery: agent.RecoveryCoordinated, Argv: argv})
+		if err != nil {
+			t.Fatalf("start %s on %s: %v", name, host, err)
+		}
+		t.Cleanup(func() { removeJobNets(t, j.ID) })
+		if addr.IsValid() && (j.Net == nil || j.Net.Addr.Addr() != addr) {
+			t.Fatalf("%s's job network %+v, want the address %s", name, j.Net, addr)
+		}
+		return j
+	}
+	r0 := start("node1", "rank0", rank0.Addr(), append([]string{bins.Ringstencil, "--rank", "0", "--peers", rank0.String() + "," + right.String()},
+		ringArgs(2000, 16<<10, 10*time.Millisecond)...)...)
+	start("node1", "right", right.Addr(), "/bin/sh", "-c", fmt.Sprintf(`while [ ! -e %s ]; do sleep 0.05; done; exec %s -u TCP-LISTEN:%d,bind=%s "EXEC:sleep 600"`,
+		gate, socat, right.Port(), right.Addr()))
+	// node1 coordinates the run's scheduled cuts, the first at once, then one an hour: the cut below is the
+	// test's alone once that first one has been tried.
+	poll(t, 2*time.Minute, "node1's first scheduled coordinated snapshot of the run", func() bool {
+		b, err := os.ReadFile(c.LogPath("node1"))
+		return err == nil && (strings.Contains(string(b), "coordinated snapshot of a run") || strings.Contains(string(b), "scheduled coordinated snapshot failed"))
+	})
+	waitProtected(t, c, "node1", r0.ID, 2*time.Minute)
+	left := start("node2", "left", netip.Addr{}, socat, "-u", "EXEC:sleep 600", "TCP:"+rank0.String())
+	var from netip.AddrPort
+	poll(t, time.Minute, "node2's connection to rank 0", func() bool {
+		from = connectedIn(t, jobnet.Path(left.Net.Name), rank0)
+		return from.IsValid()
+	})
+	waitProtected(t, c, "node2", left.ID, 2*time.Minute)
+
+	type result struct {
+		cut coordinated.Cut
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		root := uint32(0)
+		cut, err := c.Client("node3").Cut(ctx, coordinated.RunRequest{Run: run, UID: &root})
+		done <- result{cut, err}
+	}()
+	poll(t, time.Minute, "node1's agent to log that the coordinated snapshot waits for rank 0 to accept", func() bool {
+		select {
+		case r := <-done:
+			t.Fatalf("the coordinated snapshot returned before rank 0 accepted the connection waiting in its queue: %+v %v", r.cut, r.err)
+		default:
+		}
+		b, err := os.ReadFile(c.LogPath("node1"))
+		return err == nil && strings.Contains(string(b), "the snapshot waits for the job to accept it")
+	})
+	if err := os.WriteFile(gate, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var r result
+	select {
+	case r = <-done:
+	case <-time.After(2 * time.Minute):
+		t.Fatal("the coordinated snapshot did not return within 2 minutes")
+	}
+	if r.err != nil {
+		t.Fatalf("coordinated snapshot of run %s: %v", run, r.err)
+	}
+	if len(r.cut.Parts) != 3 {
+		t.Fatalf("cut %+v, want a part for each of the run's 3 jobs", r.cut)
+	}
+	i := slices.IndexFunc(r.cut.Parts, func(p clusterapi.CutPart) bool { return p.Job == r0.ID })
+	if i < 0 {
+		t.Fatalf("cut %+v has no part for rank 0", r.cut)
+	}
+	m := manifestOn(t, c, "node1", r0.ID, r.cut.Parts[i].Snapshot)
+	accepted := tcpflow.Tuple{Local: rank0, Remote: from}
+	if !slices.ContainsFunc(m.Conns, func(c ckpt.Conn) bool { return c.Tuple.Unmap() == accepted }) {
+		t.Errorf("rank 0's part %s: connections %+v, want the one rank 0 accepted (%s)", m.ID, m.Conns, accepted)
+	}
+}
+
 // connectedTo returns the local end of an established connection of host to remote, if there is one.
 func connectedTo(t *testing.T, c *labcluster.Cluster, host string, remote netip.AddrPort) netip.AddrPort {
 	t.Helper()
@@ -398,9 +499,16 @@ func connectedTo(t *testing.T, c *labcluster.Cluster, host string, remote netip.
 	if err != nil {
 		t.Fatal(err)
 	}
+	return connectedIn(t, ns, remote)
+}
+
+// connectedIn returns the local end of an established connection to remote in network namespace ns (a
+// path), if there is one.
+func connectedIn(t *testing.T, ns string, remote netip.AddrPort) netip.AddrPort {
+	t.Helper()
 	out, err := exec.Command("nsenter", "--net="+ns, "ss", "-Htn", "state", "established", "dst", remote.String()).Output()
 	if err != nil {
-		t.Fatalf("ss on %s: %v", host, err)
+		t.Fatalf("ss in %s: %v", ns, err)
 	}
 	for line := range strings.Lines(string(out)) {
 		if f := strings.Fields(line); len(f) >= 4 {
