@@ -273,33 +273,123 @@ func (c *Coordinator) AfterFailure(ctx context.Context, failed, target string, j
 
 // Schedule takes the coordinated snapshots of the runs due names (each with its jobs' shortest interval),
 // at that interval since the run's newest cut, until ctx ends. Of the hosts that run a part of a run, the
-// first by name coordinates; the others only take part.
+// first by name coordinates; the others only take part. The coordinator tries a failed cut again sooner,
+// and looks whether its newest cut holds every job of the run (pace): a rank that starts after the run's
+// first cut, which an MPI launch makes likely, could not be rolled back until the next.
 func (c *Coordinator) Schedule(ctx context.Context, due func() map[Run]time.Duration) {
-	tried := map[Run]time.Time{} // the last attempt this host coordinated or declined
+	paces := map[Run]*pace{}
 	tickgrid.Every(ctx, time.Second, func() {
 		now := time.Now()
 		runs := due()
 		for k, iv := range runs {
-			last := tried[k]
-			if cut, err := c.Records.Load(k.Name, &k.UID); err == nil && cut.Taken.After(last) {
-				last = cut.Taken
+			p := paces[k]
+			if p == nil {
+				p = &pace{}
+				paces[k] = p
 			}
-			if now.Sub(last) < iv {
+			newest, err := c.Records.Load(k.Name, &k.UID)
+			if err != nil {
+				newest = nil
+			}
+			take, look := p.next(now, iv, newest)
+			if look {
+				p.looked = now
+				out, err := c.outOf(ctx, newest)
+				if err != nil || len(out) == 0 {
+					p.looks++
+					continue
+				}
+				c.Log.Info("jobs of a run are not in its newest coordinated snapshot (started after it): taking one now",
+					"run", k.Name, "uid", k.UID, "cut", newest.ID, "jobs", out)
+				take = true
+			}
+			if !take {
 				continue
 			}
-			tried[k] = now
+			p.tried = now
 			hosts, _, err := c.RunHosts(ctx, k.Name, &k.UID)
-			if err != nil || slices.Min(hosts) != c.Self {
-				continue // another host coordinates (or the run cannot be listed now: next interval)
+			switch {
+			case err != nil:
+				p.failed++
+				c.Log.Warn("scheduled coordinated snapshot: the run's jobs cannot be listed; retrying", "run", k.Name, "uid", k.UID,
+					"in", backoff(p.failed, iv), "err", err)
+				continue
+			case slices.Min(hosts) != c.Self:
+				*p = pace{tried: now} // another host coordinates
+				continue
 			}
+			p.coordinates = true
 			if _, err := c.Snapshot(ctx, k.Name, &k.UID); err != nil {
-				c.Log.Warn("scheduled coordinated snapshot failed; retrying at the next interval", "run", k.Name, "uid", k.UID, "err", err)
+				p.failed++
+				c.Log.Warn("scheduled coordinated snapshot failed; retrying", "run", k.Name, "uid", k.UID, "in", backoff(p.failed, iv), "err", err)
+				continue
 			}
+			p.failed, p.looks = 0, 0
 		}
-		for k := range tried {
+		for k := range paces {
 			if _, ok := runs[k]; !ok {
-				delete(tried, k)
+				delete(paces, k)
 			}
 		}
 	})
+}
+
+// outOf lists the jobs of cut's run that cut does not hold.
+func (c *Coordinator) outOf(ctx context.Context, cut *Cut) ([]string, error) {
+	listed, err := c.list(ctx, c.Members.Alive(), cut.Run, &cut.UID)
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, rep := range listed {
+		for _, j := range rep.Jobs {
+			if !slices.ContainsFunc(cut.Parts, func(p clusterapi.CutPart) bool { return p.Job == j }) {
+				out = append(out, j)
+			}
+		}
+	}
+	slices.Sort(out)
+	return out, nil
+}
+
+// retryFirst is how long after a failed cut, or after its newest cut, the coordinator of a run tries or looks
+// again, doubling up to the run's interval.
+const retryFirst = 2 * time.Second
+
+// backoff is the wait before the nth retry or look: retryFirst, doubling, at most iv.
+func backoff(n int, iv time.Duration) time.Duration {
+	return min(iv, retryFirst<<min(max(n, 1)-1, 16))
+}
+
+// pace is what Schedule keeps of one run.
+type pace struct {
+	tried       time.Time // the last attempt this host coordinated or declined
+	coordinates bool      // this host coordinated the last attempt
+	failed      int       // the attempts in a row that failed
+	looks       int       // the looks since the newest cut (or, with failed, since the attempts failed)
+	looked      time.Time // the last look
+}
+
+// next says whether to take a cut of a run of interval iv now, or first look whether its newest cut
+// (nil: none) holds every job of the run. A host that coordinates the run tries a failed cut again after
+// backoff, and looks after backoff since the newest cut or the last look; any host takes a cut an interval
+// after the newest or its last attempt, whichever is later (the first at once).
+func (p *pace) next(now time.Time, iv time.Duration, newest *Cut) (take, look bool) {
+	last := p.tried
+	if newest != nil && newest.Taken.After(last) {
+		last = newest.Taken
+	}
+	switch {
+	case p.failed > 0:
+		return now.Sub(p.tried) >= backoff(p.failed, iv), false
+	case now.Sub(last) >= iv:
+		return true, false
+	case p.coordinates && newest != nil:
+		since := newest.Taken
+		if p.looked.After(since) {
+			since = p.looked
+		}
+		return false, now.Sub(since) >= backoff(p.looks+1, iv)
+	}
+	return false, false
 }

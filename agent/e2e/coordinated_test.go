@@ -185,6 +185,43 @@ func TestAutoRollback(t *testing.T) {
 	}
 }
 
+// TestCutOfALateRank: a two-rank ringstencil in coordinated recovery, on job addresses, whose rank 1 starts
+// after the run's first cut (as an MPI launch starts its ranks one host after another), with an interval of
+// an hour. node1, which coordinates the run, looks whether its newest cut holds every job of the run (2 s
+// after it, then 4 s after that, doubling) and takes a cut with rank 1 at once; the run then ends with the
+// failure-free checksum. Before, the next cut came an interval after the first, and until then a failure of
+// rank 1's host could not be rolled back (its job is in no cut).
+func TestCutOfALateRank(t *testing.T) {
+	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	const port, run = 7492, "late"
+	ctx := context.Background()
+	args := ringArgs(600, 16<<10, 10*time.Millisecond)
+	want := reference(t, 2, args)
+	c := newCluster(t, 3, 0, labcluster.Options{Interval: "1h", JobAddresses: true})
+	st := c.Lab.State()
+	peers := netip.AddrPortFrom(labcluster.JobPool(st, "node1").Addr(), port).String() + "," +
+		netip.AddrPortFrom(labcluster.JobPool(st, "node2").Addr(), port).String()
+	rg := newRing(t, c, 2)
+	start := func(r int, host string) {
+		j, err := c.Client(host).StartJob(ctx, agent.JobSpec{Name: fmt.Sprintf("rank%d", r), JobAddress: true, Run: run, Recovery: agent.RecoveryCoordinated,
+			Argv: append([]string{bins.Ringstencil, "--rank", fmt.Sprint(r), "--peers", peers}, args...)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { removeJobNets(t, j.ID) })
+		rg.jobs[r] = j
+	}
+	start(0, "node1")
+	first := waitCut(t, c, "node1", run, 1)
+	start(1, "node2")
+	cut := waitCut(t, c, "node1", run, 2)
+	t.Logf("first cut %s at %s; cut %s at %s: %+v", first.ID, first.Taken.Format(time.StampMilli), cut.ID, cut.Taken.Format(time.StampMilli), cut.Parts)
+	if !slices.ContainsFunc(cut.Parts, func(p clusterapi.CutPart) bool { return p.Job == rg.jobs[1].ID && p.Host == "node2" }) {
+		t.Errorf("cut %s: parts %+v, want one of rank 1 on node2", cut.ID, cut.Parts)
+	}
+	checkRanks(t, rg.wait(t, 3*time.Minute), want)
+}
+
 // waitCut waits until host records a coordinated snapshot of root's run with parts parts, and returns it.
 func waitCut(t *testing.T, c *labcluster.Cluster, host, run string, parts int) coordinated.Cut {
 	t.Helper()

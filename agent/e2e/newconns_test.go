@@ -400,8 +400,9 @@ func testWaitsForAccept(t *testing.T, plain, migration bool, mode agent.Mode, sn
 }
 
 // testCutWaitsForAccept: a run in coordinated recovery, on job addresses: rank 0 on node1, whose right
-// neighbour is a job of node1 that listens only once the test opens its gate, and on node2 a job that connects
-// to rank 0 and waits in its listen queue (rank 0 accepts once it has connected to its right). A coordinated
+// neighbour is a job of node1 that listens only once the test opens a gate, and on node2 a job that, once the
+// run has a cut of all three and the test opens another gate, connects to rank 0 and waits in its listen
+// queue (rank 0 accepts once it has connected to its right). A coordinated
 // snapshot of the run freezes node1's jobs with that connection in the queue: node1 thaws them until rank 0
 // has accepted it, freezes them again, and the cut is taken with the connection in rank 0's part. Before,
 // rank 0's dump failed (criu.ErrInFlight) and so did the cut.
@@ -415,7 +416,10 @@ func testCutWaitsForAccept(t *testing.T) {
 	pool := labcluster.JobPool(st, "node1")
 	rank0, right := netip.AddrPortFrom(pool.Addr(), 7490), netip.AddrPortFrom(pool.Addr().Next(), 7491)
 	dir := t.TempDir()
-	gate := filepath.Join(dir, "open")
+	gate, connect := filepath.Join(dir, "listen"), filepath.Join(dir, "connect")
+	behind := func(gate, cmd string) []string {
+		return []string{"/bin/sh", "-c", fmt.Sprintf(`while [ ! -e %s ]; do sleep 0.05; done; exec %s`, gate, cmd)}
+	}
 	start := func(host, name string, addr netip.Addr, argv ...string) agent.Job {
 		t.Helper()
 		j, err := c.Client(host).StartJob(ctx, agent.JobSpec{Name: name, Run: run, JobAddress: true, Recovery: agent.RecoveryCoordinated, Argv: argv})
@@ -430,22 +434,19 @@ func testCutWaitsForAccept(t *testing.T) {
 	}
 	r0 := start("node1", "rank0", rank0.Addr(), append([]string{bins.Ringstencil, "--rank", "0", "--peers", rank0.String() + "," + right.String()},
 		ringArgs(2000, 16<<10, 10*time.Millisecond)...)...)
-	start("node1", "right", right.Addr(), "/bin/sh", "-c", fmt.Sprintf(`while [ ! -e %s ]; do sleep 0.05; done; exec %s -u TCP-LISTEN:%d,bind=%s "EXEC:sleep 600"`,
-		gate, socat, right.Port(), right.Addr()))
-	// node1 coordinates the run's scheduled cuts, the first at once, then one an hour: the cut below is the
-	// test's alone once that first one has been tried.
-	poll(t, 2*time.Minute, "node1's first scheduled coordinated snapshot of the run", func() bool {
-		b, err := os.ReadFile(c.LogPath("node1"))
-		return err == nil && (strings.Contains(string(b), "coordinated snapshot of a run") || strings.Contains(string(b), "scheduled coordinated snapshot failed"))
-	})
-	waitProtected(t, c, "node1", r0.ID, 2*time.Minute)
-	left := start("node2", "left", netip.Addr{}, socat, "-u", "EXEC:sleep 600", "TCP:"+rank0.String())
+	start("node1", "right", right.Addr(), behind(gate, fmt.Sprintf(`%s -u TCP-LISTEN:%d,bind=%s "EXEC:sleep 600"`, socat, right.Port(), right.Addr()))...)
+	left := start("node2", "left", netip.Addr{}, behind(connect, fmt.Sprintf(`%s -u "EXEC:sleep 600" TCP:%s`, socat, rank0))...)
+	// node1 coordinates the run's scheduled cuts: at once, again within seconds while a job of the run is in
+	// none, then one an hour. The cut below is the test's alone once one holds all three jobs.
+	waitCut(t, c, "node1", run, 3)
+	if err := os.WriteFile(connect, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
 	var from netip.AddrPort
 	poll(t, time.Minute, "node2's connection to rank 0", func() bool {
 		from = connectedIn(t, jobnet.Path(left.Net.Name), rank0)
 		return from.IsValid()
 	})
-	waitProtected(t, c, "node2", left.ID, 2*time.Minute)
 
 	type result struct {
 		cut coordinated.Cut
