@@ -117,18 +117,17 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 			}
 		}
 	}
-	if err == nil {
-		var gone []string
-		if gone, err = image.PruneGoneMounts(work, "/"); err != nil {
-			err = fmt.Errorf("drop the mounts gone from this host from the job's mount namespace: %w", err)
-		} else if len(gone) > 0 {
+	launch := func() error {
+		gone, err := image.PruneGoneMounts(work, "/")
+		if err != nil {
+			return fmt.Errorf("drop the mounts gone from this host from the job's mount namespace: %w", err)
+		}
+		if len(gone) > 0 {
 			a.log.Info("mounts of the job's old host are not on this one; restored without them", "job", j.ID, "snapshot", m.ID, "mounts", gone)
 		}
-	}
-	if err == nil {
 		// The shim, and the CRIU it runs, inside the job's network: CRIU restores the sockets into the
 		// namespace it runs in.
-		err = inJobNet(j.Net, func() (err error) {
+		return inJobNet(j.Net, func() (err error) {
 			superseded, refusal := a.copyMarks(j.ID, j.Incarnation)
 			pid, err = shim.Launch(ctx, a.self, shim.Spec{
 				JobID: j.ID, Mode: shim.ModeRestore, ImagesDir: work, CRIU: a.criu.Binary, ExitFile: j.ExitPath(), Node: a.cfg.Name,
@@ -136,6 +135,15 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 			}, a.shimLog(j.ID))
 			return err
 		})
+	}
+	if err == nil {
+		err = launch()
+		// A mount that went from this host after the prune, before CRIU rebuilt the job's mount namespace,
+		// failed the restore before any of the job's processes ran: once more, pruned again.
+		if criu.MountpointGone(err) {
+			a.log.Warn("a mount went from this host while CRIU restored the job: restoring it again without that mount", "job", j.ID, "snapshot", m.ID, "err", err)
+			err = launch()
+		}
 	}
 	if err != nil {
 		if j.Net != nil && j.Net.Name == jobNetName(a.cfg.Name, j.ID) {

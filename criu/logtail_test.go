@@ -82,3 +82,27 @@ func TestDumpErrorInFlight(t *testing.T) {
 		})
 	}
 }
+
+// TestMountpointGone: a restore CRIU failed on a mount point that went from the host after the images were
+// pruned is told apart (the agent prunes again and restores once more: ci231, TestRestoredPtyIndexIsFree,
+// when a parallel test removed its mount during the restore); another failure is not.
+func TestMountpointGone(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		err  error
+		want bool
+	}{
+		{"a mount point gone", errors.New(`job pty-63d4266b: criu restore from /var/lib/ftkit/x: operation failed (msg:Error (criu/util.c:1534): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted
+ err:0)
+criu swrk failed: exit status 1
+  (00.126673)      1: Error (criu/mount-v2.c:634): mnt-v2: Can't stat mountpoint /tmp/.criu.mntns.RIuFmj/mnt-0000000158/run/ftkit-test-gone-t35a90c: No such file or directory
+  (00.137085) Error (criu/cr-restore.c:2332): Restoring FAILED.`), true},
+		{"another failure", errors.New(`criu swrk failed: exit status 1
+  (00.137085) Error (criu/cr-restore.c:2332): Restoring FAILED.`), false},
+		{"none", nil, false},
+	} {
+		if got := MountpointGone(tc.err); got != tc.want {
+			t.Errorf("%s: MountpointGone = %v, want %v", tc.name, got, tc.want)
+		}
+	}
+}

@@ -275,6 +275,18 @@ var ErrInFlight = errors.New("a listening socket holds a connection the job has 
 // inFlightLine is how CRIU's dump log names such a connection ("inet: In-flight connection (l) for 1f5505").
 const inFlightLine = "In-flight connection"
 
+// mountpointGoneLine is how CRIU's restore log names a mount point it did not find while it rebuilt the
+// tree's mount namespace ("mnt-v2: Can't stat mountpoint /tmp/.criu.mntns.X/mnt-0000000158/run/m: No such
+// file or directory").
+const mountpointGoneLine = "Can't stat mountpoint"
+
+// MountpointGone reports whether err, a failed restore with the tail of CRIU's log, failed on a mount point
+// that was not there. A mount can go from a host between the pruning of the gone mounts from the images
+// (image.PruneGoneMounts) and CRIU's restore; the restore fails before any process of the tree runs.
+func MountpointGone(err error) bool {
+	return err != nil && strings.Contains(err.Error(), mountpointGoneLine)
+}
+
 // dumpError is the error of a failed dump of pid: err, what CRIU's log at path says of it, and
 // ErrInFlight when that is the cause.
 func dumpError(pid int, err error, path string) error {
