@@ -292,16 +292,16 @@ func (c *Coordinator) Schedule(ctx context.Context, due func() map[Run]time.Dura
 				newest = nil
 			}
 			take, look := p.next(now, iv, newest)
+			forJobs := false
 			if look {
-				p.looked = now
 				out, err := c.outOf(ctx, newest)
+				p.lookedAt(now, err == nil && len(out) > 0)
 				if err != nil || len(out) == 0 {
-					p.looks++
 					continue
 				}
 				c.Log.Info("jobs of a run are not in its newest coordinated snapshot (started after it): taking one now",
 					"run", k.Name, "uid", k.UID, "cut", newest.ID, "jobs", out)
-				take = true
+				take, forJobs = true, true
 			}
 			if !take {
 				continue
@@ -319,12 +319,11 @@ func (c *Coordinator) Schedule(ctx context.Context, due func() map[Run]time.Dura
 				continue
 			}
 			p.coordinates = true
-			if _, err := c.Snapshot(ctx, k.Name, &k.UID); err != nil {
-				p.failed++
+			_, err = c.Snapshot(ctx, k.Name, &k.UID)
+			p.took(err == nil, forJobs)
+			if err != nil {
 				c.Log.Warn("scheduled coordinated snapshot failed; retrying", "run", k.Name, "uid", k.UID, "in", backoff(p.failed, iv), "err", err)
-				continue
 			}
-			p.failed, p.looks = 0, 0
 		}
 		for k := range paces {
 			if _, ok := runs[k]; !ok {
@@ -366,8 +365,34 @@ type pace struct {
 	tried       time.Time // the last attempt this host coordinated or declined
 	coordinates bool      // this host coordinated the last attempt
 	failed      int       // the attempts in a row that failed
-	looks       int       // the looks since the newest cut (or, with failed, since the attempts failed)
+	looks       int       // counts the gaps before the next look (backoff), from the newest cut
 	looked      time.Time // the last look
+	// streak counts the cuts in a row taken for jobs the cut before lacked: a run whose jobs keep coming
+	// (a job per task) is looked at, and frozen for them, ever less often, never more than its interval asks.
+	streak int
+}
+
+// lookedAt records a look at now, which found jobs of the run that its newest cut lacks or not.
+func (p *pace) lookedAt(now time.Time, missing bool) {
+	p.looked = now
+	if !missing {
+		p.looks++
+		p.streak = 0
+	}
+}
+
+// took records the end of a cut this host coordinated, taken for jobs its predecessor lacked (forJobs) or
+// on the interval: the next look comes backoff(streak+1) after it.
+func (p *pace) took(ok, forJobs bool) {
+	if !ok {
+		p.failed++
+		return
+	}
+	p.failed = 0
+	if forJobs {
+		p.streak++
+	}
+	p.looks = p.streak
 }
 
 // next says whether to take a cut of a run of interval iv now, or first look whether its newest cut

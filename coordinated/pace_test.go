@@ -86,3 +86,45 @@ func TestOutOf(t *testing.T) {
 		t.Fatalf("outOf a cut of every job = %v, %v; want none", out, err)
 	}
 }
+
+// TestPaceOverTime runs the pace of a coordinating host second by second, as Schedule does: a run whose
+// jobs all started before its first cut is looked at 2, 6, 14, 30 s after it and cut again on its
+// interval; a run whose jobs keep coming (a job per task) is cut for them ever less often, the gaps
+// doubling up to its interval, never every look.
+func TestPaceOverTime(t *testing.T) {
+	const iv = time.Minute
+	t0 := time.Date(2026, 12, 3, 7, 0, 0, 0, time.UTC)
+	run := func(missing bool) (cuts, looks []int) {
+		p := &pace{}
+		var newest *Cut
+		for s := 0; s <= 300; s++ {
+			now := t0.Add(time.Duration(s) * time.Second)
+			take, look := p.next(now, iv, newest)
+			forJobs := false
+			if look {
+				looks = append(looks, s)
+				p.lookedAt(now, missing)
+				take, forJobs = missing, missing
+			}
+			if !take {
+				continue
+			}
+			p.tried, p.coordinates = now, true
+			newest = &Cut{ID: fmt.Sprint(s), Taken: now}
+			p.took(true, forJobs)
+			cuts = append(cuts, s)
+		}
+		return cuts, looks
+	}
+	cuts, looks := run(false)
+	if want := []int{0, 60, 120, 180, 240, 300}; !slices.Equal(cuts, want) {
+		t.Errorf("a run whose cuts hold every job: cuts at %v s, want %v", cuts, want)
+	}
+	if want := []int{2, 6, 14, 30, 62, 66, 74, 90}; !slices.Equal(looks[:8], want) {
+		t.Errorf("a run whose cuts hold every job: looks at %v s, want %v first", looks, want)
+	}
+	cuts, _ = run(true)
+	if want := []int{0, 2, 6, 14, 30, 62, 122, 182, 242}; !slices.Equal(cuts, want) { // gaps 2, 4, 8, 16, 32, then the interval
+		t.Errorf("a run whose jobs keep coming: cuts at %v s, want %v", cuts, want)
+	}
+}
