@@ -201,7 +201,7 @@ func (a *Agent) coordFreeze(ctx context.Context, coordinator string, req cluster
 			}
 			return nil
 		}); err != nil {
-			return fmt.Errorf("run %s, cut %s: %w", req.Run, req.Cut, err)
+			return fmt.Errorf("cut %s: %w", req.Cut, err)
 		}
 		return waitFrozen(ctx, cgroups, freezeTimeout)
 	}
@@ -409,7 +409,7 @@ func (a *Agent) scheduleCuts(ctx context.Context) {
 	a.coordinator().Schedule(ctx, func() map[coordinated.Run]time.Duration {
 		due := map[coordinated.Run]time.Duration{}
 		for _, j := range a.Jobs(0) {
-			if j.State != JobRunning || !j.Spec.rollsBackRun() || j.LazyWork != "" {
+			if j.State != JobRunning || !j.Spec.RollsBackRun() || j.LazyWork != "" {
 				continue
 			}
 			k, iv := coordinated.Run{Name: j.Spec.Run, UID: j.UID}, a.jobInterval(j.ID)

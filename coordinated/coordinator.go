@@ -295,7 +295,7 @@ func (c *Coordinator) Schedule(ctx context.Context, due func() map[Run]time.Dura
 			forJobs := false
 			if look {
 				out, err := c.outOf(ctx, newest)
-				p.lookedAt(now, err == nil && len(out) > 0)
+				p.lookedAt(now, len(out) > 0)
 				if err != nil || len(out) == 0 {
 					continue
 				}
@@ -310,7 +310,7 @@ func (c *Coordinator) Schedule(ctx context.Context, due func() map[Run]time.Dura
 			hosts, _, err := c.RunHosts(ctx, k.Name, &k.UID)
 			switch {
 			case err != nil:
-				p.failed++
+				p.took(false, forJobs)
 				c.Log.Warn("scheduled coordinated snapshot: the run's jobs cannot be listed; retrying", "run", k.Name, "uid", k.UID,
 					"in", backoff(p.failed, iv), "err", err)
 				continue
