@@ -82,8 +82,8 @@ func (s JobSpec) checkRecovery() error {
 	return fmt.Errorf("recovery %q: use %s, %s or %s", s.Recovery, RecoveryLogging, RecoveryCoordinated, RecoveryAuto)
 }
 
-// rollsBackRun reports whether a failure of the job's host may roll its whole run back.
-func (s JobSpec) rollsBackRun() bool {
+// RollsBackRun reports whether a failure of the job's host may roll its whole run back.
+func (s JobSpec) RollsBackRun() bool {
 	return s.Run != "" && (s.Recovery == RecoveryCoordinated || s.Recovery == RecoveryAuto)
 }
 

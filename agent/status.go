@@ -1,10 +1,12 @@
 package agent
 
 import (
+	"errors"
 	"sort"
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/internal/version"
 	"github.com/ftkit/ftkit/ring"
 )
@@ -31,6 +33,10 @@ type Status struct {
 	Log           *LogStatus        `json:"log,omitempty"`
 	// FailurePredicted: the health command predicts a failure of this host, which was drained (health.go).
 	FailurePredicted bool `json:"failure_predicted,omitempty"`
+	// Cuts are the newest coordinated snapshots recorded here of the runs of the running jobs shown that
+	// roll their run back (coordinated and auto recovery): `ftctl status` names a run's running jobs that
+	// its newest cut lacks, since a rollback of the run refuses until a cut holds them.
+	Cuts []*coordinated.Cut `json:"cuts,omitempty"`
 }
 
 // Status is this host as uid may see it: the cluster view, and the jobs uid may see (all for root).
@@ -54,7 +60,30 @@ func (a *Agent) Status(uid uint32) Status {
 			s.JobProtectors[j.ID] = p.Name
 		}
 	}
+	s.Cuts = a.runCuts(s.Jobs)
 	return s
+}
+
+// runCuts are the newest cuts recorded here of the runs of jobs' running jobs that roll their run back.
+func (a *Agent) runCuts(jobs []Job) []*coordinated.Cut {
+	records := a.cutRecords()
+	var cuts []*coordinated.Cut
+	seen := map[coordinated.Run]bool{}
+	for _, j := range jobs {
+		k := coordinated.Run{Name: j.Spec.Run, UID: j.UID}
+		if j.State != JobRunning || !j.Spec.RollsBackRun() || seen[k] {
+			continue
+		}
+		seen[k] = true
+		c, err := records.Load(k.Name, &k.UID)
+		switch {
+		case err == nil:
+			cuts = append(cuts, c)
+		case !errors.Is(err, coordinated.ErrNoCut):
+			a.log.Warn("status: the run's cut record is unreadable", "run", k.Name, "uid", k.UID, "err", err)
+		}
+	}
+	return cuts
 }
 
 func sortJobs(js []Job) {

@@ -213,11 +213,21 @@ func TestCutOfALateRank(t *testing.T) {
 	}
 	start(0, "node1")
 	first := waitCut(t, c, "node1", run, 1)
+	if s, err := c.Client("node1").Status(ctx); err != nil || len(s.Cuts) != 1 || s.Cuts[0].ID != first.ID {
+		t.Errorf("node1's status with rank 0 in cut %s alone: cuts %+v, err %v", first.ID, s.Cuts, err)
+	}
 	start(1, "node2")
 	cut := waitCut(t, c, "node1", run, 2)
 	t.Logf("first cut %s at %s; cut %s at %s: %+v", first.ID, first.Taken.Format(time.StampMilli), cut.ID, cut.Taken.Format(time.StampMilli), cut.Parts)
 	if !slices.ContainsFunc(cut.Parts, func(p clusterapi.CutPart) bool { return p.Job == rg.jobs[1].ID && p.Host == "node2" }) {
 		t.Errorf("cut %s: parts %+v, want one of rank 1 on node2", cut.ID, cut.Parts)
+	}
+	// Each host's status carries the run's newest cut, from which `ftctl status` names the jobs a cut lacks.
+	for _, h := range []string{"node1", "node2"} {
+		poll(t, time.Minute, "cut "+cut.ID+" in the status of "+h, func() bool {
+			s, err := c.Client(h).Status(ctx)
+			return err == nil && slices.ContainsFunc(s.Cuts, func(got *coordinated.Cut) bool { return got.ID == cut.ID && len(got.Parts) == 2 })
+		})
 	}
 	checkRanks(t, rg.wait(t, 3*time.Minute), want)
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -18,6 +19,7 @@ import (
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/lab"
@@ -176,8 +178,10 @@ func newStatusCmd(t *target) *cobra.Command {
 		Long: `Show each agent's host (role, protector) and jobs: state, PID, whether the job is protected, and the
 last snapshot of each job with its age, size and where its replicas live. A running job is UNPROTECTED
 until a snapshot of it has reached a protector (the agent takes the first one as the job starts), or when
-every node holding its newest replica has failed: a failure of its host then loses it. With a local lab
-up, every live host is shown.`,
+every node holding its newest replica has failed: a failure of its host then loses it. A job of a run in
+coordinated recovery is also UNPROTECTED while its run's newest coordinated snapshot lacks a running job
+of the run (one started after it): a rollback of the run refuses until the next snapshot, which its
+coordinator takes within seconds. With a local lab up, every live host is shown.`,
 		Args: cli.Args(cobra.NoArgs),
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			cs, err := t.clients()
@@ -275,6 +279,13 @@ up, every live host is shown.`,
 					fmt.Fprintln(cmd.OutOrStdout(), "  "+e)
 				}
 			}
+			var reached []agent.Status
+			for _, h := range all {
+				if h.Error == "" {
+					reached = append(reached, h.Status)
+				}
+			}
+			gaps := cutGaps(reached)
 			fmt.Fprintln(cmd.OutOrStdout())
 			w = tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
 			fmt.Fprintln(w, "JOB\tHOST\tSTATE\tPID\tPROTECTION\tPROTECTOR\tLAST SNAPSHOT\tAGE\tSIZE\tREPLICAS")
@@ -284,7 +295,7 @@ up, every live host is shown.`,
 					if j.Exit != nil {
 						state = fmt.Sprintf("exited(%d)", j.Exit.Code)
 					}
-					prot := protection(j, h.Members, time.Now())
+					prot := protection(j, h.Members, gaps, time.Now())
 					// A job of a run (a placement) is protected by its run's next host, not the ring's.
 					protector := dash(h.JobProtectors[j.ID])
 					last := latestOf(snaps, j.ID, h.Node)
@@ -307,10 +318,17 @@ up, every live host is shown.`,
 }
 
 // protection says whether a failure of the job's host could be recovered: "protected (AGE)" with the age
-// of its newest replica, or UNPROTECTED and why. members is the host's membership view.
-func protection(j agent.Job, members []ring.Member, now time.Time) string {
+// of its newest replica, or UNPROTECTED and why. members is the host's membership view; gaps are the
+// runs whose newest cut lacks running jobs (cutGaps).
+func protection(j agent.Job, members []ring.Member, gaps map[coordinated.Run]cutGap, now time.Time) string {
 	if j.State != agent.JobRunning {
 		return "-"
+	}
+	gap, inGap := gaps[coordinated.Run{Name: j.Spec.Run, UID: j.UID}]
+	inGap = inGap && j.Spec.RollsBackRun()
+	if inGap && j.Spec.Recovery == agent.RecoveryCoordinated {
+		return fmt.Sprintf("UNPROTECTED (run %s's coordinated snapshot %s lacks %s, started after it: a rollback of the run refuses until the next)",
+			j.Spec.Run, gap.cut, gap.jobs())
 	}
 	if !j.Protected() {
 		if j.Restored != "" {
@@ -335,7 +353,61 @@ func protection(j agent.Job, members []ring.Member, now time.Time) string {
 	if !alive {
 		return fmt.Sprintf("UNPROTECTED (replica holders %s failed)", strings.Join(j.Replica.Holders, ","))
 	}
-	return fmt.Sprintf("protected (%s)", now.Sub(j.Replica.Time).Round(time.Second))
+	age := now.Sub(j.Replica.Time).Round(time.Second)
+	if inGap {
+		// Auto recovery: message logging recovers the job; the rollback it falls back to would refuse.
+		return fmt.Sprintf("protected (%s; a rollback of run %s refuses until a coordinated snapshot holds %s)", age, j.Spec.Run, gap.jobs())
+	}
+	return fmt.Sprintf("protected (%s)", age)
+}
+
+// cutGap is what the newest coordinated snapshot of a run lacks: running jobs of the run that started
+// after it, which a rollback of the run refuses (coordinated.Place).
+type cutGap struct {
+	cut   string
+	lacks []string
+}
+
+// jobs names the jobs the cut lacks, the first three of them.
+func (g cutGap) jobs() string {
+	if len(g.lacks) <= 3 {
+		return strings.Join(g.lacks, ",")
+	}
+	return fmt.Sprintf("%s and %d more", strings.Join(g.lacks[:3], ","), len(g.lacks)-3)
+}
+
+// cutGaps are the runs, over the hosts' statuses, whose newest cut any host records lacks running jobs
+// of the run that roll it back.
+func cutGaps(hosts []agent.Status) map[coordinated.Run]cutGap {
+	newest := map[coordinated.Run]*coordinated.Cut{}
+	for _, h := range hosts {
+		for _, c := range h.Cuts {
+			k := coordinated.Run{Name: c.Run, UID: c.UID}
+			if o := newest[k]; o == nil || c.ID > o.ID { // cut ids begin with their time
+				newest[k] = c
+			}
+		}
+	}
+	gaps := map[coordinated.Run]cutGap{}
+	for _, h := range hosts {
+		for _, j := range h.Jobs {
+			k := coordinated.Run{Name: j.Spec.Run, UID: j.UID}
+			c := newest[k]
+			if j.State != agent.JobRunning || !j.Spec.RollsBackRun() || c == nil ||
+				slices.ContainsFunc(c.Parts, func(p clusterapi.CutPart) bool { return p.Job == j.ID }) {
+				continue
+			}
+			g := gaps[k]
+			g.cut, g.lacks = c.ID, append(g.lacks, j.ID)
+			gaps[k] = g
+		}
+	}
+	for k, g := range gaps {
+		slices.Sort(g.lacks)
+		g.lacks = slices.Compact(g.lacks)
+		gaps[k] = g
+	}
+	return gaps
 }
 
 // latestOf is the newest snapshot of job taken on node.

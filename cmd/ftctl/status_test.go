@@ -1,10 +1,13 @@
 package main
 
 import (
+	"reflect"
 	"testing"
 	"time"
 
 	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/ring"
 )
 
@@ -22,6 +25,12 @@ func TestProtection(t *testing.T) {
 	exited.State = agent.JobExited
 	outside := with(running, "node1", "node2")
 	outside.Replica.Unrecoverable = []string{"10.0.0.1:5000 -> 192.0.2.7:80: the peer is not a cluster member, so nobody logs what it sends"}
+	coord := with(running, "node1", "node2")
+	coord.Spec.Run, coord.Spec.Recovery = "r", agent.RecoveryCoordinated
+	auto := coord
+	auto.Spec.Recovery = agent.RecoveryAuto
+	logging := coord
+	logging.Spec.Recovery = ""
 	opened := with(running, "node1", "node2")
 	opened.NewConns = []string{"10.0.0.1:5000 -> 10.0.0.2:7000: opened after snapshot s1"}
 	tests := []struct {
@@ -36,11 +45,82 @@ func TestProtection(t *testing.T) {
 		{"restored here, replica from its old host", with(restored, "node4", "node1"), "UNPROTECTED (restored; awaiting its first snapshot here)"},
 		{"not running", exited, "-"},
 		{"a connection opened after the replica", opened, "UNPROTECTED (connections newer than its replica, which is being renewed: 10.0.0.1:5000 -> 10.0.0.2:7000: opened after snapshot s1)"},
+		{"coordinated, its run's cut lacks a job", coord, "UNPROTECTED (run r's coordinated snapshot c1 lacks late-00000002, started after it: a rollback of the run refuses until the next)"},
+		{"auto, its run's cut lacks a job", auto, "protected (42s; a rollback of run r refuses until a coordinated snapshot holds late-00000002)"},
+		{"message logging, a run's cut lacks a job", logging, "protected (42s)"},
 		{"a connection to a host outside the cluster", outside, "UNRECOVERABLE (1 connection(s); first: 10.0.0.1:5000 -> 192.0.2.7:80: the peer is not a cluster member, so nobody logs what it sends)"},
 	}
 	for _, tt := range tests {
-		if got := protection(tt.job, members, now); got != tt.want {
+		gaps := map[coordinated.Run]cutGap{{Name: "r"}: {cut: "c1", lacks: []string{"late-00000002"}}}
+		if got := protection(tt.job, members, gaps, now); got != tt.want {
 			t.Errorf("%s: %q, want %q", tt.name, got, tt.want)
+		}
+	}
+}
+
+func TestCutGaps(t *testing.T) {
+	job := func(id, run, recovery string, uid uint32, state agent.JobState) agent.Job {
+		return agent.Job{ID: id, UID: uid, State: state, Spec: agent.JobSpec{Run: run, Recovery: recovery}}
+	}
+	cut := func(id, run string, uid uint32, jobs ...string) *coordinated.Cut {
+		c := &coordinated.Cut{Run: run, UID: uid, ID: id}
+		for _, j := range jobs {
+			c.Parts = append(c.Parts, clusterapi.CutPart{Job: j})
+		}
+		return c
+	}
+	const co, au = agent.RecoveryCoordinated, agent.RecoveryAuto
+	run, exited := agent.JobRunning, agent.JobExited
+	tests := []struct {
+		name  string
+		hosts []agent.Status
+		want  map[coordinated.Run]cutGap
+	}{
+		{"the cut holds every running job", []agent.Status{
+			{Jobs: []agent.Job{job("a", "r", co, 0, run)}, Cuts: []*coordinated.Cut{cut("c1", "r", 0, "a", "b")}},
+			{Jobs: []agent.Job{job("b", "r", co, 0, run)}, Cuts: []*coordinated.Cut{cut("c1", "r", 0, "a", "b")}},
+		}, map[coordinated.Run]cutGap{}},
+		{"a rank started after the cut", []agent.Status{
+			{Jobs: []agent.Job{job("a", "r", co, 0, run)}, Cuts: []*coordinated.Cut{cut("c1", "r", 0, "a")}},
+			{Jobs: []agent.Job{job("b", "r", co, 0, run)}},
+		}, map[coordinated.Run]cutGap{{Name: "r"}: {cut: "c1", lacks: []string{"b"}}}},
+		{"the newest cut any host records counts", []agent.Status{
+			{Jobs: []agent.Job{job("a", "r", au, 0, run)}, Cuts: []*coordinated.Cut{cut("c1", "r", 0, "a")}},
+			{Jobs: []agent.Job{job("b", "r", au, 0, run)}, Cuts: []*coordinated.Cut{cut("c2", "r", 0, "a", "b")}},
+		}, map[coordinated.Run]cutGap{}},
+		{"an older cut's record on the newer job's host", []agent.Status{
+			{Jobs: []agent.Job{job("a", "r", co, 0, run)}, Cuts: []*coordinated.Cut{cut("c2", "r", 0, "a")}},
+			{Jobs: []agent.Job{job("c", "r", co, 0, run), job("b", "r", co, 0, run)}, Cuts: []*coordinated.Cut{cut("c1", "r", 0, "a", "b")}},
+		}, map[coordinated.Run]cutGap{{Name: "r"}: {cut: "c2", lacks: []string{"b", "c"}}}},
+		{"exited jobs and message-logging jobs take no part", []agent.Status{
+			{Jobs: []agent.Job{job("a", "r", co, 0, run), job("x", "r", co, 0, exited), job("y", "r", "", 0, run)}, Cuts: []*coordinated.Cut{cut("c1", "r", 0, "a")}},
+		}, map[coordinated.Run]cutGap{}},
+		{"runs are per user", []agent.Status{
+			// uid 1000's run r has no cut; uid 0's cut holds a job named like uid 1000's, not its own.
+			{Jobs: []agent.Job{job("a", "r", co, 0, run), job("b", "r", co, 1000, run)}, Cuts: []*coordinated.Cut{cut("c1", "r", 0, "b")}},
+		}, map[coordinated.Run]cutGap{{Name: "r"}: {cut: "c1", lacks: []string{"a"}}}},
+		{"a run with no cut yet", []agent.Status{
+			{Jobs: []agent.Job{job("a", "r", co, 0, run)}},
+		}, map[coordinated.Run]cutGap{}},
+	}
+	for _, tt := range tests {
+		if got := cutGaps(tt.hosts); !reflect.DeepEqual(got, tt.want) {
+			t.Errorf("%s: %+v, want %+v", tt.name, got, tt.want)
+		}
+	}
+}
+
+func TestCutGapJobs(t *testing.T) {
+	for _, tt := range []struct {
+		lacks []string
+		want  string
+	}{
+		{[]string{"a"}, "a"},
+		{[]string{"a", "b", "c"}, "a,b,c"},
+		{[]string{"a", "b", "c", "d", "e"}, "a,b,c and 2 more"},
+	} {
+		if got := (cutGap{lacks: tt.lacks}).jobs(); got != tt.want {
+			t.Errorf("%v: %q, want %q", tt.lacks, got, tt.want)
 		}
 	}
 }
