@@ -205,7 +205,7 @@ func (a *Agent) coordFreeze(ctx context.Context, coordinator string, req cluster
 		}
 		return waitFrozen(ctx, cgroups, freezeTimeout)
 	}
-	if err := freezeAccepted(ctx, acceptWait, freeze, thaw, a.acceptsWaitingIn(hold.Jobs)); err != nil {
+	if err := freezeAccepted(ctx, a.acceptWait(), freeze, thaw, a.acceptsWaitingIn(hold.Jobs)); err != nil {
 		a.coord.End(key, req.Cut)
 		return clusterapi.CoordinateReply{}, fmt.Errorf("run %s: %w", req.Run, err)
 	}

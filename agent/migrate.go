@@ -258,7 +258,7 @@ func (a *Agent) dumpFrozen(ctx context.Context, j Job) (m *ckpt.Manifest, frozen
 	if err := a.waitPagesIn(ctx, j.ID); err != nil { // before the freeze: the job runs meanwhile
 		return nil, frozen, err
 	}
-	m, err = whenAccepted(ctx, acceptWait, func() (*ckpt.Manifest, error) {
+	m, err = whenAccepted(ctx, a.acceptWait(), func() (*ckpt.Manifest, error) {
 		frozen = time.Now()
 		if err := a.freezeJob(ctx, j); err != nil {
 			return nil, err

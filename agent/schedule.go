@@ -340,7 +340,7 @@ func (a *Agent) semiCoordinated(ctx context.Context, jobs []Job, withPeers bool)
 	}
 	// Nor can the frozen jobs accept (freezeAccepted); a connection that comes in after the last look still
 	// fails the dump, and the error says so.
-	if err := freezeAccepted(ctx, acceptWait, freezeAll, thaw, func() ([]netip.AddrPort, error) { return waiting() }); err != nil {
+	if err := freezeAccepted(ctx, a.acceptWait(), freezeAll, thaw, func() ([]netip.AddrPort, error) { return waiting() }); err != nil {
 		return nil, nil, err
 	}
 	var out []*ckpt.Manifest

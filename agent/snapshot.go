@@ -286,15 +286,16 @@ func (a *Agent) checkpoint(ctx context.Context, ids []string, uid uint32, still 
 }
 
 // acceptWait bounds how long a snapshot of a running job waits for it to accept the connections waiting in
-// its listen queues, which CRIU cannot dump (criu.ErrInFlight). A program accepts within moments unless
-// it is busy elsewhere (a ring rank that still connects to its next one; an MPI library accepts only when
-// the program calls it): the snapshot then fails, naming the cause, and a scheduled one is taken later.
-const acceptWait = 2 * time.Second
+// its listen queues, which CRIU cannot dump (criu.ErrInFlight; checkpoint.accept_wait). A program accepts
+// within moments unless it is busy elsewhere (a ring rank that still connects to its next one; an MPI
+// library accepts only when the program calls it): the snapshot then fails, naming the cause, and a
+// scheduled one is taken later.
+func (a *Agent) acceptWait() time.Duration { return a.cfg.Checkpoint.AcceptWait.Duration }
 
 // snapshotAccepted is snapshot of running job j, taken again once j has accepted the connections that failed
 // its dump (whenAccepted).
 func (a *Agent) snapshotAccepted(ctx context.Context, j Job) (*ckpt.Manifest, error) {
-	return whenAccepted(ctx, acceptWait, func() (*ckpt.Manifest, error) { return a.snapshot(ctx, j, false, false) }, a.acceptsWaiting(j))
+	return whenAccepted(ctx, a.acceptWait(), func() (*ckpt.Manifest, error) { return a.snapshot(ctx, j, false, false) }, a.acceptsWaiting(j))
 }
 
 // acceptsWaiting returns what lists j's listening sockets that hold connections j has not accepted yet, for
@@ -336,7 +337,7 @@ func (a *Agent) acceptsWaitingIn(jobs []Job) func() ([]netip.AddrPort, error) {
 		if len(waiting) > 0 && !logged {
 			logged = true
 			a.log.Info("a connection waits in a listen queue of the job, which CRIU cannot dump: the snapshot waits for the job to accept it",
-				"jobs", ids, "listeners", waiting, "for_at_most", acceptWait)
+				"jobs", ids, "listeners", waiting, "for_at_most", a.acceptWait())
 		}
 		return waiting, nil
 	}

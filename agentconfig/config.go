@@ -41,6 +41,10 @@ const (
 // disk and memory.
 const maxParallelRestores = 16
 
+// maxAcceptWait bounds checkpoint.accept_wait: half of the minute a host holds a run's jobs frozen for a
+// coordinated snapshot without word from its coordinator (coordinated.HoldMax).
+const maxAcceptWait = 30 * time.Second
+
 // Duration is a time.Duration written as "500ms" in TOML.
 type Duration struct{ time.Duration }
 
@@ -125,6 +129,10 @@ type Config struct {
 		// the host's other sessions (the jobs) meanwhile. A group already higher (heartbeat.nice) keeps its
 		// value. 0: unchanged.
 		DumpNice int `toml:"dump_nice"`
+		// AcceptWait bounds how long a snapshot waits for a job to accept the connections waiting in its
+		// listen queues, which CRIU cannot dump. A coordinated snapshot waits with the run's jobs on the
+		// other hosts frozen, so it is bounded well below a frozen run's hold (a minute).
+		AcceptWait Duration `toml:"accept_wait"`
 	} `toml:"checkpoint"`
 	Heartbeat struct {
 		Interval  Duration `toml:"interval"`
@@ -228,6 +236,7 @@ func Defaults() Config {
 	c.Checkpoint.MTBF = Duration{24 * time.Hour}
 	c.Checkpoint.Keep = 3
 	c.Checkpoint.DumpNice = -10
+	c.Checkpoint.AcceptWait = Duration{2 * time.Second}
 	c.Heartbeat.Interval = Duration{500 * time.Millisecond}
 	c.Heartbeat.Timeout = Duration{3 * time.Second}
 	c.Heartbeat.BusyGrace = Duration{60 * time.Second}
@@ -359,6 +368,9 @@ func (c Config) Validate() error {
 	}
 	if c.Checkpoint.DumpNice < -20 || c.Checkpoint.DumpNice > 0 {
 		errs = append(errs, fmt.Errorf("checkpoint.dump_nice %d must be between -20 and 0 (0: unchanged)", c.Checkpoint.DumpNice))
+	}
+	if w := c.Checkpoint.AcceptWait.Duration; w <= 0 || w > maxAcceptWait {
+		errs = append(errs, fmt.Errorf("checkpoint.accept_wait %s must be positive and at most %s", c.Checkpoint.AcceptWait, maxAcceptWait))
 	}
 	if c.Heartbeat.Nice < -20 || c.Heartbeat.Nice > 19 {
 		errs = append(errs, fmt.Errorf("heartbeat.nice %d must be between -20 and 19 (0: unchanged)", c.Heartbeat.Nice))

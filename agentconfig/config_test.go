@@ -74,6 +74,8 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "probe timeout and nice", extra: "[heartbeat]\nprobe_timeout = \"150ms\"\nnice = -10\n"},
 		{name: "probe timeout negative", extra: "[heartbeat]\nprobe_timeout = \"-1s\"\n", wantErr: "heartbeat.probe_timeout -1s must not be negative"},
 		{name: "nice positive: the jobs first", extra: "[heartbeat]\nnice = 19\n"},
+		{name: "accept_wait zero", extra: "[checkpoint]\naccept_wait = \"0s\"\n", wantErr: "checkpoint.accept_wait 0s must be positive and at most 30s"},
+		{name: "accept_wait over half a hold", extra: "[checkpoint]\naccept_wait = \"31s\"\n", wantErr: "checkpoint.accept_wait 31s"},
 		{name: "nice too high", extra: "[heartbeat]\nnice = 20\n", wantErr: "heartbeat.nice 20 must be between -20 and 19"},
 		{name: "nice too low", extra: "[heartbeat]\nnice = -21\n", wantErr: "heartbeat.nice -21"},
 		{name: "fence timeout", extra: "[failover]\nfence_timeout = \"10s\"\n"},

@@ -244,6 +244,10 @@ func TestConnectCaughtBySnapshot(t *testing.T) {
 // jobs of node2, whose sends node2 logs, or the test itself, a process not started under ftkit: a migration
 // must then refuse, the job running on (until 2026-12-02 only the target's restore refused, after the job
 // had left: it was lost).
+// acceptWaitLab is the agents' checkpoint.accept_wait in TestCheckpointWaitsForAccept: the test lets the job
+// accept once the agent logs that it waits, which a loaded machine can delay past the default 2 s.
+const acceptWaitLab = 20 * time.Second
+
 func TestCheckpointWaitsForAccept(t *testing.T) {
 	t.Parallel()
 	checkpoint := func(c *labcluster.Cluster, j agent.Job) (string, error) {
@@ -295,7 +299,7 @@ func testWaitsForAccept(t *testing.T, plain, migration bool, mode agent.Mode, sn
 		requirePrograms(t, "socat")
 		socat, _ = exec.LookPath("socat")
 	}
-	c := newCluster(t, 3, 0, labcluster.Options{Interval: "1h", JobAddresses: migration, Mode: mode})
+	c := newCluster(t, 3, 0, labcluster.Options{Interval: "1h", JobAddresses: migration, Mode: mode, AcceptWait: acceptWaitLab})
 	h1, err := c.Lab.Host("node1")
 	if err != nil {
 		t.Fatal(err)
@@ -411,7 +415,7 @@ func testCutWaitsForAccept(t *testing.T) {
 	socat, _ := exec.LookPath("socat")
 	ctx := context.Background()
 	const run = "accept"
-	c := newCluster(t, 3, 0, labcluster.Options{Interval: "1h", JobAddresses: true})
+	c := newCluster(t, 3, 0, labcluster.Options{Interval: "1h", JobAddresses: true, AcceptWait: acceptWaitLab})
 	st := c.Lab.State()
 	pool := labcluster.JobPool(st, "node1")
 	rank0, right := netip.AddrPortFrom(pool.Addr(), 7490), netip.AddrPortFrom(pool.Addr().Next(), 7491)

@@ -87,6 +87,8 @@ type Options struct {
 	HealthInterval time.Duration
 	// LazyRestore is every agent's failover.lazy_restore.
 	LazyRestore bool
+	// AcceptWait is every agent's checkpoint.accept_wait (0: the default).
+	AcceptWait time.Duration
 }
 
 // Job address pools of a lab: the hosts are .11 up and the spares .101 up in the lab's subnet; host i
@@ -294,6 +296,9 @@ func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
 	cfg.Log.Pessimistic = c.opts.Pessimistic
 	if c.opts.ReplayTimeout > 0 {
 		cfg.Failover.ReplayTimeout.Duration = c.opts.ReplayTimeout
+	}
+	if c.opts.AcceptWait > 0 {
+		cfg.Checkpoint.AcceptWait.Duration = c.opts.AcceptWait
 	}
 	if c.opts.ParallelRestores > 0 {
 		cfg.Failover.ParallelRestores = c.opts.ParallelRestores
