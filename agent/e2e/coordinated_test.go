@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -216,6 +218,9 @@ func TestCutOfALateRank(t *testing.T) {
 	if s, err := c.Client("node1").Status(ctx); err != nil || len(s.Cuts) != 1 || s.Cuts[0].ID != first.ID {
 		t.Errorf("node1's status with rank 0 in cut %s alone: cuts %+v, err %v", first.ID, s.Cuts, err)
 	}
+	if out := ftctlStatus(t, c); !regexp.MustCompile(`(?m)^late +0 +1 +` + first.ID + ` `).MatchString(out) {
+		t.Errorf("ftctl status with rank 0 in cut %s: want the run's row:\n%s", first.ID, out)
+	}
 	start(1, "node2")
 	cut := waitCut(t, c, "node1", run, 2)
 	t.Logf("first cut %s at %s; cut %s at %s: %+v", first.ID, first.Taken.Format(time.StampMilli), cut.ID, cut.Taken.Format(time.StampMilli), cut.Parts)
@@ -229,7 +234,20 @@ func TestCutOfALateRank(t *testing.T) {
 			return err == nil && slices.ContainsFunc(s.Cuts, func(got *coordinated.Cut) bool { return got.ID == cut.ID && len(got.Parts) == 2 })
 		})
 	}
+	if out := ftctlStatus(t, c); !regexp.MustCompile(`(?m)^late +0 +2 +`+cut.ID+` +\S+ +-$`).MatchString(out) || strings.Contains(out, "UNPROTECTED") {
+		t.Errorf("ftctl status with both ranks in cut %s: want the run's row with no job in no cut, and no job unprotected:\n%s", cut.ID, out)
+	}
 	checkRanks(t, rg.wait(t, 3*time.Minute), want)
+}
+
+// ftctlStatus is `ftctl status` of the lab.
+func ftctlStatus(t *testing.T, c *labcluster.Cluster) string {
+	t.Helper()
+	out, err := exec.Command(bins.Ftctl, "status", "--lab", c.Lab.State().ID).CombinedOutput()
+	if err != nil {
+		t.Fatalf("ftctl status: %v\n%s", err, out)
+	}
+	return string(out)
 }
 
 // waitCut waits until host records a coordinated snapshot of root's run with parts parts, and returns it.

@@ -1,10 +1,12 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"slices"
 	"sort"
@@ -286,6 +288,15 @@ coordinator takes within seconds. With a local lab up, every live host is shown.
 				}
 			}
 			gaps := cutGaps(reached)
+			if rows := runRows(reached, gaps, time.Now()); len(rows) > 0 {
+				fmt.Fprintln(cmd.OutOrStdout())
+				w = tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
+				fmt.Fprintln(w, "RUN\tUID\tRUNNING JOBS\tNEWEST CUT\tAGE\tJOBS IN NO CUT")
+				for _, r := range rows {
+					fmt.Fprintln(w, r)
+				}
+				w.Flush()
+			}
 			fmt.Fprintln(cmd.OutOrStdout())
 			w = tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
 			fmt.Fprintln(w, "JOB\tHOST\tSTATE\tPID\tPROTECTION\tPROTECTOR\tLAST SNAPSHOT\tAGE\tSIZE\tREPLICAS")
@@ -327,7 +338,7 @@ func protection(j agent.Job, members []ring.Member, gaps map[coordinated.Run]cut
 	gap, inGap := gaps[coordinated.Run{Name: j.Spec.Run, UID: j.UID}]
 	inGap = inGap && j.Spec.RollsBackRun()
 	if inGap && j.Spec.Recovery == agent.RecoveryCoordinated {
-		return fmt.Sprintf("UNPROTECTED (run %s's coordinated snapshot %s lacks %s, started after it: a rollback of the run refuses until the next)",
+		return fmt.Sprintf("UNPROTECTED (run %s's newest cut %s lacks %s, started after it: a rollback refuses until the next)",
 			j.Spec.Run, gap.cut, gap.jobs())
 	}
 	if !j.Protected() {
@@ -376,9 +387,8 @@ func (g cutGap) jobs() string {
 	return fmt.Sprintf("%s and %d more", strings.Join(g.lacks[:3], ","), len(g.lacks)-3)
 }
 
-// cutGaps are the runs, over the hosts' statuses, whose newest cut any host records lacks running jobs
-// of the run that roll it back.
-func cutGaps(hosts []agent.Status) map[coordinated.Run]cutGap {
+// newestCuts are the newest cut of each run that any of the hosts records.
+func newestCuts(hosts []agent.Status) map[coordinated.Run]*coordinated.Cut {
 	newest := map[coordinated.Run]*coordinated.Cut{}
 	for _, h := range hosts {
 		for _, c := range h.Cuts {
@@ -388,6 +398,43 @@ func cutGaps(hosts []agent.Status) map[coordinated.Run]cutGap {
 			}
 		}
 	}
+	return newest
+}
+
+// runRows are the rows of status's table of runs that roll back as a whole (coordinated and auto
+// recovery): each with its running jobs, its newest cut, and the jobs that cut lacks (gaps).
+func runRows(hosts []agent.Status, gaps map[coordinated.Run]cutGap, now time.Time) []string {
+	running := map[coordinated.Run]int{}
+	for _, h := range hosts {
+		for _, j := range h.Jobs {
+			if j.State == agent.JobRunning && j.Spec.RollsBackRun() {
+				running[coordinated.Run{Name: j.Spec.Run, UID: j.UID}]++
+			}
+		}
+	}
+	newest := newestCuts(hosts)
+	var rows []string
+	for _, k := range slices.SortedFunc(maps.Keys(running), func(a, b coordinated.Run) int {
+		return cmp.Or(strings.Compare(a.Name, b.Name), cmp.Compare(a.UID, b.UID))
+	}) {
+		c := newest[k]
+		if c == nil {
+			rows = append(rows, fmt.Sprintf("%s\t%d\t%d\tnone yet\t-\t-", k.Name, k.UID, running[k]))
+			continue
+		}
+		lacks := "-"
+		if g, ok := gaps[k]; ok {
+			lacks = g.jobs()
+		}
+		rows = append(rows, fmt.Sprintf("%s\t%d\t%d\t%s\t%s\t%s", k.Name, k.UID, running[k], c.ID, now.Sub(c.Taken).Round(time.Second), lacks))
+	}
+	return rows
+}
+
+// cutGaps are the runs, over the hosts' statuses, whose newest cut any host records lacks running jobs
+// of the run that roll it back.
+func cutGaps(hosts []agent.Status) map[coordinated.Run]cutGap {
+	newest := newestCuts(hosts)
 	gaps := map[coordinated.Run]cutGap{}
 	for _, h := range hosts {
 		for _, j := range h.Jobs {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"reflect"
+	"slices"
 	"testing"
 	"time"
 
@@ -45,7 +46,7 @@ func TestProtection(t *testing.T) {
 		{"restored here, replica from its old host", with(restored, "node4", "node1"), "UNPROTECTED (restored; awaiting its first snapshot here)"},
 		{"not running", exited, "-"},
 		{"a connection opened after the replica", opened, "UNPROTECTED (connections newer than its replica, which is being renewed: 10.0.0.1:5000 -> 10.0.0.2:7000: opened after snapshot s1)"},
-		{"coordinated, its run's cut lacks a job", coord, "UNPROTECTED (run r's coordinated snapshot c1 lacks late-00000002, started after it: a rollback of the run refuses until the next)"},
+		{"coordinated, its run's cut lacks a job", coord, "UNPROTECTED (run r's newest cut c1 lacks late-00000002, started after it: a rollback refuses until the next)"},
 		{"auto, its run's cut lacks a job", auto, "protected (42s; a rollback of run r refuses until a coordinated snapshot holds late-00000002)"},
 		{"message logging, a run's cut lacks a job", logging, "protected (42s)"},
 		{"a connection to a host outside the cluster", outside, "UNRECOVERABLE (1 connection(s); first: 10.0.0.1:5000 -> 192.0.2.7:80: the peer is not a cluster member, so nobody logs what it sends)"},
@@ -122,5 +123,25 @@ func TestCutGapJobs(t *testing.T) {
 		if got := (cutGap{lacks: tt.lacks}).jobs(); got != tt.want {
 			t.Errorf("%v: %q, want %q", tt.lacks, got, tt.want)
 		}
+	}
+}
+
+func TestRunRows(t *testing.T) {
+	now := time.Date(2026, 12, 3, 10, 0, 0, 0, time.UTC)
+	job := func(id, run, recovery string, uid uint32) agent.Job {
+		return agent.Job{ID: id, UID: uid, State: agent.JobRunning, Spec: agent.JobSpec{Run: run, Recovery: recovery}}
+	}
+	cut := &coordinated.Cut{Run: "b", ID: "cut-2", Taken: now.Add(-90 * time.Second), Parts: []clusterapi.CutPart{{Job: "b1"}}}
+	hosts := []agent.Status{
+		{Jobs: []agent.Job{job("b1", "b", agent.RecoveryCoordinated, 0), job("a1", "a", agent.RecoveryAuto, 1000), job("l1", "l", "", 0)}, Cuts: []*coordinated.Cut{cut}},
+		{Jobs: []agent.Job{job("b2", "b", agent.RecoveryCoordinated, 0)}},
+	}
+	got := runRows(hosts, cutGaps(hosts), now)
+	want := []string{
+		"a\t1000\t1\tnone yet\t-\t-",
+		"b\t0\t2\tcut-2\t1m30s\tb2",
+	}
+	if !slices.Equal(got, want) {
+		t.Errorf("rows %q, want %q (a message-logging run has none)", got, want)
 	}
 }
