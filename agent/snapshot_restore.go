@@ -137,13 +137,9 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 		})
 	}
 	if err == nil {
-		err = launch()
-		// A mount that went from this host after the prune, before CRIU rebuilt the job's mount namespace,
-		// failed the restore before any of the job's processes ran: once more, pruned again.
-		if criu.MountpointGone(err) {
+		err = againIfMountGone(launch, func(err error) {
 			a.log.Warn("a mount went from this host while CRIU restored the job: restoring it again without that mount", "job", j.ID, "snapshot", m.ID, "err", err)
-			err = launch()
-		}
+		})
 	}
 	if err != nil {
 		if j.Net != nil && j.Net.Name == jobNetName(a.cfg.Name, j.ID) {
@@ -168,4 +164,16 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 	a.log.Info("job restored", "job", j.ID, "snapshot", m.ID, "from_node", m.Node, "pid", pid, "restore_ms", time.Since(start).Milliseconds(),
 		"lazy_pages", a.cfg.Failover.LazyRestore)
 	return &j, nil
+}
+
+// againIfMountGone runs launch, and once more if CRIU failed it on a mount point that went from this host
+// after launch pruned the gone mounts from the images, before CRIU rebuilt the job's mount namespace: the
+// restore failed before any of the job's processes ran, and launch prunes again.
+func againIfMountGone(launch func() error, retrying func(error)) error {
+	err := launch()
+	if criu.MountpointGone(err) {
+		retrying(err)
+		err = launch()
+	}
+	return err
 }
