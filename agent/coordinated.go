@@ -13,6 +13,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/coordinated"
+	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/ring"
@@ -238,7 +239,14 @@ func (a *Agent) coordDump(ctx context.Context, req clusterapi.CoordinateRequest)
 	for _, j := range hold.Jobs {
 		m, err := a.snapshot(ctx, j, true, false)
 		if err != nil {
-			return clusterapi.CoordinateReply{}, fmt.Errorf("dump job %s: %w", j.ID, err)
+			err = fmt.Errorf("dump job %s: %w", j.ID, err)
+			if errors.Is(err, criu.ErrInFlight) {
+				// A connection reached the frozen job's listen queue after the freeze looked (a job of the run
+				// on another host, thawed there to accept, connected to it): the cut's next attempt freezes
+				// again and waits there for the job to accept it.
+				err = &clusterapi.Error{Code: clusterapi.CodeRetry, Message: err.Error()}
+			}
+			return clusterapi.CoordinateReply{}, err
 		}
 		hold.Dumped = append(hold.Dumped, m)
 		rep.Parts = append(rep.Parts, clusterapi.CutPart{Job: j.ID, Host: a.cfg.Name, Snapshot: m.ID, Recovery: j.Spec.Recovery, Conns: m.Conns})

@@ -25,6 +25,9 @@ const (
 	CodeTooLarge        = "too-large"       // 413: the body is longer than the operation allows
 	CodeRefused         = "refused"         // 422: the server understood the request and refused it
 	CodeUnavailable     = "unavailable"     // 503: the server cannot serve it now (shutting down)
+	// CodeRetry (409): refused for a condition that passes by itself (a connection reached a frozen job's
+	// listen queue during a cut's dump): the whole operation, asked again, may succeed.
+	CodeRetry = "retry"
 )
 
 func statusOf(code string) int {
@@ -41,6 +44,8 @@ func statusOf(code string) int {
 		return http.StatusRequestEntityTooLarge
 	case CodeUnavailable:
 		return http.StatusServiceUnavailable
+	case CodeRetry:
+		return http.StatusConflict
 	}
 	return http.StatusUnprocessableEntity
 }
@@ -60,6 +65,28 @@ func Refusal(err error) *Error {
 		return e
 	}
 	return nil
+}
+
+// Retry reports whether err holds a refusal that asks for the operation again (CodeRetry), whichever of
+// the errors it joins.
+func Retry(err error) bool {
+	if err == nil {
+		return false
+	}
+	if e, ok := err.(*Error); ok && e.Code == CodeRetry {
+		return true
+	}
+	switch u := err.(type) {
+	case interface{ Unwrap() error }:
+		return Retry(u.Unwrap())
+	case interface{ Unwrap() []error }:
+		for _, e := range u.Unwrap() {
+			if Retry(e) {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // StreamError means a stream broke after the server accepted the request: the operation may have gone on

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"github.com/ftkit/ftkit/intercept"
 	"github.com/ftkit/ftkit/tcpflow"
@@ -313,5 +314,35 @@ func TestRefusalsReadTheSame(t *testing.T) {
 	}
 	if !strings.Contains(logs.String(), "cluster request refused") {
 		t.Errorf("the server did not log its refusals:\n%s", logs.String())
+	}
+}
+
+// TestRetryRefusalTravels: a refusal that asks for the operation again (a cut's dump that met a connection
+// in a frozen job's listen queue) reaches the coordinator as CodeRetry with HTTP 409, and Retry finds it
+// wherever the coordinator's errors wrap or join it; other refusals ask for nothing.
+func TestRetryRefusalTravels(t *testing.T) {
+	f := &fakeService{err: &Error{Code: CodeRetry, Message: "dump job a-1: in flight"}}
+	c, _ := serve(t, f)
+	uid := uint32(0)
+	_, err := c.Coordinate(t.Context(), "n2", CoordinateRequest{Run: "r", UID: &uid, Cut: "cut-1", Phase: CoordDump})
+	if e := Refusal(err); e == nil || e.Code != CodeRetry || e.Status != 409 || e.Op != OpCoordinate {
+		t.Fatalf("refusal %+v (%v); want %s with 409", e, err, CodeRetry)
+	}
+	refused := &Error{Code: CodeRefused, Message: "no"}
+	for _, tc := range []struct {
+		name string
+		err  error
+		want bool
+	}{
+		{"the refusal as it came", err, true},
+		{"wrapped", fmt.Errorf("dump on n2: %w", err), true},
+		{"joined after another host's refusal", fmt.Errorf("given up: %w", errors.Join(fmt.Errorf("dump on n1: %w", refused), fmt.Errorf("dump on n2: %w", err))), true},
+		{"another refusal", refused, false},
+		{"a plain error", errTest, false},
+		{"none", nil, false},
+	} {
+		if got := Retry(tc.err); got != tc.want {
+			t.Errorf("%s: Retry = %v, want %v", tc.name, got, tc.want)
+		}
 	}
 }

@@ -14,7 +14,8 @@ import (
 )
 
 // attempts is how often a coordinated snapshot is tried when its check finds a byte in no snapshot
-// (acknowledged by a receiver after its dump, before its sender's).
+// (acknowledged by a receiver after its dump, before its sender's), or a host's dump asks for it again
+// (clusterapi.CodeRetry: a connection reached a frozen job's listen queue after its freeze looked).
 const attempts = 3
 
 // Members is what a coordinator needs of its cluster.
@@ -34,7 +35,7 @@ type Coordinator struct {
 }
 
 // Snapshot takes a cut of run (of user owner; nil: of the one user with a run of that name) across the
-// cluster, trying again when the snapshots do not fit together.
+// cluster, trying again when the snapshots do not fit together or a host's dump asks for it.
 func (c *Coordinator) Snapshot(ctx context.Context, run string, owner *uint32) (*Cut, error) {
 	if err := clusterapi.ValidRunName(run); err != nil {
 		return nil, err
@@ -43,13 +44,13 @@ func (c *Coordinator) Snapshot(ctx context.Context, run string, owner *uint32) (
 	for range attempts {
 		cut, err := c.take(ctx, run, owner)
 		var torn *TornError
-		if !errors.As(err, &torn) {
+		if !errors.As(err, &torn) && !clusterapi.Retry(err) {
 			return cut, err
 		}
-		c.Log.Warn("coordinated snapshot not consistent; taking it again", "run", run, "err", err)
+		c.Log.Warn("coordinated snapshot not taken; taking it again", "run", run, "err", err)
 		errs = append(errs, err)
 	}
-	return nil, fmt.Errorf("run %s: %d coordinated snapshots in a row were not consistent: %w", run, attempts, errors.Join(errs...))
+	return nil, fmt.Errorf("run %s: %d coordinated snapshots in a row were not taken: %w", run, attempts, errors.Join(errs...))
 }
 
 // take is one attempt: list, freeze, dump, thaw (and replicate), check, commit.
