@@ -288,10 +288,7 @@ func (c *Coordinator) Schedule(ctx context.Context, due func() map[Run]time.Dura
 				p = &pace{}
 				paces[k] = p
 			}
-			newest, err := c.Records.Load(k.Name, &k.UID)
-			if err != nil {
-				newest = nil
-			}
+			newest, _ := c.Records.Load(k.Name, &k.UID) // nil: none recorded, or an unreadable record
 			take, look := p.next(now, iv, newest)
 			forJobs := false
 			if look {
@@ -343,7 +340,7 @@ func (c *Coordinator) outOf(ctx context.Context, cut *Cut) ([]string, error) {
 	var out []string
 	for _, rep := range listed {
 		for _, j := range rep.Jobs {
-			if !slices.ContainsFunc(cut.Parts, func(p clusterapi.CutPart) bool { return p.Job == j }) {
+			if !cut.Holds(j) {
 				out = append(out, j)
 			}
 		}

@@ -50,6 +50,11 @@ type Cut struct {
 	Parts  []clusterapi.CutPart `json:"parts"`
 }
 
+// Holds reports whether one of the cut's parts is job's.
+func (c *Cut) Holds(job string) bool {
+	return slices.ContainsFunc(c.Parts, func(p clusterapi.CutPart) bool { return p.Job == job })
+}
+
 // RunRequest names a run for a coordinated snapshot or a rollback: its name, and its user when users'
 // runs of that name would be ambiguous (nil: the one user whose run has that name).
 type RunRequest struct {

@@ -21,7 +21,6 @@ import (
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/ckpt"
-	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/lab"
@@ -287,8 +286,9 @@ coordinator takes within seconds. With a local lab up, every live host is shown.
 					reached = append(reached, h.Status)
 				}
 			}
-			gaps := cutGaps(reached)
-			if rows := runRows(reached, gaps, time.Now()); len(rows) > 0 {
+			newest := newestCuts(reached)
+			gaps := cutGaps(reached, newest)
+			if rows := runRows(reached, newest, gaps, time.Now()); len(rows) > 0 {
 				fmt.Fprintln(cmd.OutOrStdout())
 				w = tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
 				fmt.Fprintln(w, "RUN\tUID\tRUNNING JOBS\tNEWEST CUT\tAGE\tJOBS IN NO CUT")
@@ -402,8 +402,8 @@ func newestCuts(hosts []agent.Status) map[coordinated.Run]*coordinated.Cut {
 }
 
 // runRows are the rows of status's table of runs that roll back as a whole (coordinated and auto
-// recovery): each with its running jobs, its newest cut, and the jobs that cut lacks (gaps).
-func runRows(hosts []agent.Status, gaps map[coordinated.Run]cutGap, now time.Time) []string {
+// recovery): each with its running jobs, its newest cut (newestCuts), and the jobs that cut lacks (gaps).
+func runRows(hosts []agent.Status, newest map[coordinated.Run]*coordinated.Cut, gaps map[coordinated.Run]cutGap, now time.Time) []string {
 	running := map[coordinated.Run]int{}
 	for _, h := range hosts {
 		for _, j := range h.Jobs {
@@ -412,7 +412,6 @@ func runRows(hosts []agent.Status, gaps map[coordinated.Run]cutGap, now time.Tim
 			}
 		}
 	}
-	newest := newestCuts(hosts)
 	var rows []string
 	for _, k := range slices.SortedFunc(maps.Keys(running), func(a, b coordinated.Run) int {
 		return cmp.Or(strings.Compare(a.Name, b.Name), cmp.Compare(a.UID, b.UID))
@@ -431,17 +430,15 @@ func runRows(hosts []agent.Status, gaps map[coordinated.Run]cutGap, now time.Tim
 	return rows
 }
 
-// cutGaps are the runs, over the hosts' statuses, whose newest cut any host records lacks running jobs
-// of the run that roll it back.
-func cutGaps(hosts []agent.Status) map[coordinated.Run]cutGap {
-	newest := newestCuts(hosts)
+// cutGaps are the runs, over the hosts' statuses, whose newest cut any host records (newestCuts) lacks
+// running jobs of the run that roll it back.
+func cutGaps(hosts []agent.Status, newest map[coordinated.Run]*coordinated.Cut) map[coordinated.Run]cutGap {
 	gaps := map[coordinated.Run]cutGap{}
 	for _, h := range hosts {
 		for _, j := range h.Jobs {
 			k := coordinated.Run{Name: j.Spec.Run, UID: j.UID}
 			c := newest[k]
-			if j.State != agent.JobRunning || !j.Spec.RollsBackRun() || c == nil ||
-				slices.ContainsFunc(c.Parts, func(p clusterapi.CutPart) bool { return p.Job == j.ID }) {
+			if j.State != agent.JobRunning || !j.Spec.RollsBackRun() || c == nil || c.Holds(j.ID) {
 				continue
 			}
 			g := gaps[k]

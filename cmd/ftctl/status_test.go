@@ -105,7 +105,7 @@ func TestCutGaps(t *testing.T) {
 		}, map[coordinated.Run]cutGap{}},
 	}
 	for _, tt := range tests {
-		if got := cutGaps(tt.hosts); !reflect.DeepEqual(got, tt.want) {
+		if got := cutGaps(tt.hosts, newestCuts(tt.hosts)); !reflect.DeepEqual(got, tt.want) {
 			t.Errorf("%s: %+v, want %+v", tt.name, got, tt.want)
 		}
 	}
@@ -136,7 +136,8 @@ func TestRunRows(t *testing.T) {
 		{Jobs: []agent.Job{job("b1", "b", agent.RecoveryCoordinated, 0), job("a1", "a", agent.RecoveryAuto, 1000), job("l1", "l", "", 0)}, Cuts: []*coordinated.Cut{cut}},
 		{Jobs: []agent.Job{job("b2", "b", agent.RecoveryCoordinated, 0)}},
 	}
-	got := runRows(hosts, cutGaps(hosts), now)
+	newest := newestCuts(hosts)
+	got := runRows(hosts, newest, cutGaps(hosts, newest), now)
 	want := []string{
 		"a\t1000\t1\tnone yet\t-\t-",
 		"b\t0\t2\tcut-2\t1m30s\tb2",
