@@ -59,6 +59,7 @@ func benchmarks() (map[string]benchmark, map[string]*flag.FlagSet) {
 		"coordinated":         benchCoordinated,
 		"detect":              d.run,
 		"lab":                 benchLab,
+		"large-messages":      benchLargeMessages,
 		"lazy-restore":        benchLazyRestore,
 		"migrate":             m.run,
 		"netlog":              benchNetlog,

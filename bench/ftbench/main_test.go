@@ -21,7 +21,7 @@ func TestSelectBenchmarks(t *testing.T) {
 		want    []string
 		wantErr string // substring; "help" for flag.ErrHelp
 	}{
-		{args: nil, want: []string{"compare", "coordinated", "detect", "lab", "lazy-restore", "migrate", "mpi-crash", "netlog",
+		{args: nil, want: []string{"compare", "coordinated", "detect", "lab", "large-messages", "lazy-restore", "migrate", "mpi-crash", "netlog",
 			"node-recovery", "receive-order", "recovery", "restored-throughput", "snapshot"}},
 		{args: []string{"netlog"}, want: []string{"netlog"}},
 		{args: []string{"detect", "--crashes", "3", "migrate", "--sizes", "100", "netlog"}, want: []string{"detect", "migrate", "netlog"}},

@@ -37,7 +37,8 @@ import (
 // is. No watchdog: a bulk run may take minutes.
 func init() {
 	streamtest.ChildMain(map[string]func() error{"bulkrecv": bulkRecv, "bulksend": bulkSend, "msgrecv": msgRecv,
-		"bursttimer": burstTimer, "burstjob": burstJob, "benchdump": benchDump, "benchrestore": benchRestore}, 0)
+		"bursttimer": burstTimer, "burstjob": burstJob, "benchdump": benchDump, "benchrestore": benchRestore,
+		"ppserve": ppServe, "ppclient": ppClient}, 0)
 }
 
 // bulkRecv is the bulkrecv role: listen on FTBENCH_ADDR, print "ready"; for
