@@ -14,6 +14,20 @@
 // logged then, so the log never has a hole; it may hold the same bytes twice
 // (retransmissions), which the consumer dedupes by sequence range.
 //
+// What a drop costs the sender, and the two ways it is kept short (both
+// measured with `ftbench large-messages`: 2 MB ping-pongs stalled 200-650 ms
+// on TCP's timers when the consumer fell a ring behind):
+//  - A segment whose bytes all have a record already (a retransmission of
+//    logged bytes, below the flow's logged_next in flow_states) is passed
+//    unlogged when the ring is full: dropping it would add nothing to the log
+//    and cost the sender its retransmission timer again, doubled.
+//  - TCP counts a segment its own host dropped as not sent and sends it again
+//    when an ACK comes; if none is in flight, only its window probe timer
+//    (200 ms at least, then doubling) does. So each drop marks its flow in
+//    stalled_flows and raises stalled_pending; the consumer, once an eighth
+//    of the ring is free again, runs tcplog_kick (iter/tcp), which pushes the
+//    queued data of each marked socket at once.
+//
 // Which flows are protected:
 //  1. bpf_skb_cgroup_id(skb): the cgroup v2 id of the sending socket. This
 //     works at TCX egress of the veth inside the sender's network namespace
@@ -95,6 +109,7 @@
 #define SEEN_TS 0x04  // tsval/tsecr are valid
 #define SEEN_FIN 0x08 // the sender sent a FIN
 #define SEEN_RST 0x10 // the sender sent a RST
+#define SEEN_LOGGED 0x20 // logged_next is valid: the entry started at the SYN
 
 // Pass: TCX_NEXT lets programs attached after us run and decide; if there is
 // none the packet is sent (same as TC_ACT_OK).
@@ -142,9 +157,15 @@ struct flow_state {
 	__u8 seen;      // SEEN_* bits
 	__u64 ktime_ns; // bpf_ktime_get_ns (CLOCK_MONOTONIC) of the last update
 	__u64 segments; // segments seen since the entry was created
+	// With SEEN_LOGGED: every payload byte from isn + 1 up to logged_next has
+	// a record (the contiguous logged prefix; a segment logged after a hole,
+	// possible for forwarded flows, does not raise it). Not SEEN_LOGGED when
+	// the entry did not start at the SYN: nothing is known then.
+	__u32 logged_next;
+	__u32 reserved;
 };
 
-_Static_assert(sizeof(struct flow_state) == 40, "flow_state must have no padding");
+_Static_assert(sizeof(struct flow_state) == 48, "flow_state must have no padding");
 
 // Per-CPU counters; the loader sums them over CPUs.
 struct counters {
@@ -156,6 +177,8 @@ struct counters {
 	__u64 seq_regressions;    // logged segments starting below the flow's highest logged end
 	__u64 fragments_passed;   // IP fragments of a protected socket, not logged
 	__u64 headers_pulled;     // segments whose headers were made linear before the copy
+	__u64 logged_passed;      // ring full, passed unlogged: every byte had a record already
+	__u64 kicks;              // sockets tcplog_kick pushed after a drop
 };
 
 // Set by the loader before load: the ring buffer size in bytes.
@@ -172,6 +195,10 @@ volatile const __u32 wake_bytes = 0;
 // the ring passes wake_bytes. When the consumer goes idle it clears the flag
 // and the kernel's default wakes it on the next record.
 volatile __u32 consumer_polling = 0;
+
+// Set by the program when it drops a segment for backpressure (its flow is
+// then in stalled_flows); the consumer clears it before it runs tcplog_kick.
+volatile __u32 stalled_pending = 0;
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
@@ -198,6 +225,15 @@ struct {
 	__type(key, struct flow_key);
 	__type(value, __u32); // highest logged end sequence number (seq + len)
 } flow_high SEC(".maps");
+
+// Flows with a segment dropped for backpressure since tcplog_kick last ran.
+// LRU: a flow evicted before the kick waits for TCP's own timer, as before.
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct flow_key);
+	__type(value, __u8); // unused
+} stalled_flows SEC(".maps");
 
 // LRU: only protected flows get an entry, so one is evicted only when more
 // than max_entries protected flows were active since it was last updated.
@@ -355,8 +391,9 @@ static __always_inline int parse_timestamp(struct __sk_buff *skb, __u32 off, __u
 	return 1;
 }
 
-// update_flow_state records one transmitted segment of a protected flow.
-static __always_inline void update_flow_state(struct flow_key *fk, struct tcphdr *tcp, __u32 len,
+// update_flow_state records one transmitted segment of a protected flow;
+// logged says whether its len payload bytes were just logged.
+static __always_inline void update_flow_state(struct flow_key *fk, struct tcphdr *tcp, __u32 len, int logged,
 					      int has_ts, __u32 tsval, __u32 tsecr)
 {
 	__u8 flags = ((__u8 *)tcp)[13];
@@ -380,7 +417,10 @@ static __always_inline void update_flow_state(struct flow_key *fk, struct tcphdr
 		};
 		if (flags & TCP_SYN) {
 			fresh.isn = seq;
-			fresh.seen |= SEEN_SYN;
+			// Payload of a SYN (TCP Fast Open) is left out of logged_next:
+			// it errs on the side of logging.
+			fresh.logged_next = seq + 1;
+			fresh.seen |= SEEN_SYN | SEEN_LOGGED;
 		}
 		if (flags & TCP_ACK) {
 			fresh.ack = bpf_ntohl(tcp->ack_seq);
@@ -404,6 +444,11 @@ static __always_inline void update_flow_state(struct flow_key *fk, struct tcphdr
 	// Retransmissions end at or before snd_nxt and leave it alone.
 	if (!(flags & TCP_RST) && (__s32)(end - st->snd_nxt) > 0)
 		st->snd_nxt = end;
+	// The logged prefix grows only by a logged segment that starts inside it.
+	__u32 data_end = seq + len;
+	if (logged && len && (st->seen & SEEN_LOGGED) && (__s32)(seq - st->logged_next) <= 0 &&
+	    (__s32)(data_end - st->logged_next) > 0)
+		st->logged_next = data_end;
 	__u8 seen = st->seen;
 	if (flags & TCP_ACK) {
 		st->ack = bpf_ntohl(tcp->ack_seq);
@@ -423,6 +468,16 @@ static __always_inline void update_flow_state(struct flow_key *fk, struct tcphdr
 	st->flags = flags;
 	st->ktime_ns = now;
 	st->segments++;
+}
+
+// all_logged reports whether every payload byte of [seq, seq + len) of the
+// flow has a record already (see flow_state.logged_next).
+static __always_inline int all_logged(struct flow_key *fk, __u32 seq, __u32 len)
+{
+	struct flow_state *st = bpf_map_lookup_elem(&flow_states, fk);
+	if (!st || !(st->seen & SEEN_LOGGED))
+		return 0;
+	return (__s32)(seq - (st->isn + 1)) >= 0 && (__s32)(seq + len - st->logged_next) <= 0;
 }
 
 SEC("tcx/egress")
@@ -491,7 +546,7 @@ int tcplog_egress(struct __sk_buff *skb)
 	__u32 tsval = 0, tsecr = 0;
 	int has_ts = parse_timestamp(skb, nh + iphl + sizeof(tcp), tcphl - sizeof(tcp), &tsval, &tsecr);
 	if (len == 0) {
-		update_flow_state(&fk, &tcp, 0, has_ts, tsval, tsecr);
+		update_flow_state(&fk, &tcp, 0, 0, has_ts, tsval, tsecr);
 		return VERDICT_PASS;
 	}
 
@@ -537,7 +592,15 @@ int tcplog_egress(struct __sk_buff *skb)
 	if (bpf_ringbuf_reserve_dynptr(&events, sizeof(hdr) + len, 0, &rec)) {
 		// The verifier wants the failed dynptr released too.
 		bpf_ringbuf_discard_dynptr(&rec, 0);
+		if (all_logged(&fk, hdr.seq, len)) {
+			c->logged_passed++;
+			update_flow_state(&fk, &tcp, len, 0, has_ts, tsval, tsecr);
+			return VERDICT_PASS;
+		}
 		c->drops_backpressure++;
+		__u8 one = 1;
+		bpf_map_update_elem(&stalled_flows, &fk, &one, BPF_ANY);
+		stalled_pending = 1;
 		return VERDICT_DROP;
 	}
 	// One copy from the skb (linear part and page frags alike) straight
@@ -554,6 +617,73 @@ int tcplog_egress(struct __sk_buff *skb)
 	c->packets_logged++;
 	c->bytes_logged += len;
 	note_seq(c, &fk, hdr.seq, len);
-	update_flow_state(&fk, &tcp, len, has_ts, tsval, tsecr);
+	update_flow_state(&fk, &tcp, len, 1, has_ts, tsval, tsecr);
 	return VERDICT_PASS;
+}
+
+// The kernel structures tcplog_kick reads, reduced to the fields read: the
+// trimmed vmlinux.h does not have them, and preserve_access_index relocates
+// each field by name against the running kernel's BTF (as in recvorder.c).
+struct sock_common {
+	__be32 skc_daddr;     // remote address
+	__be32 skc_rcv_saddr; // local address
+	__be16 skc_dport;     // remote port, network order
+	__u16 skc_num;        // local port, host order
+} __attribute__((preserve_access_index));
+
+struct tcp_sock {
+	__u32 snd_nxt;   // the next byte to send
+	__u32 write_seq; // the byte after the last one the application wrote
+} __attribute__((preserve_access_index));
+
+struct bpf_iter_meta {
+	void *seq;
+} __attribute__((preserve_access_index));
+
+struct bpf_iter__tcp {
+	struct bpf_iter_meta *meta;
+	struct sock_common *sk_common;
+} __attribute__((preserve_access_index));
+
+#define SOL_TCP 6
+#define TCP_NODELAY 1
+
+// tcplog_kick runs over the TCP sockets of the network namespace its
+// iterator was opened in. A socket whose flow is in stalled_flows, with data
+// queued and not sent, has its queue pushed now: setting TCP_NODELAY does
+// that (tcp_push_pending_frames), and it is set back when it was off, so the
+// application's Nagle setting is as before (what stays is TCP_NAGLE_PUSH,
+// which the kernel clears at the application's next write: only the data
+// already queued goes out at once, as it would have without the drop).
+SEC("iter/tcp")
+int tcplog_kick(struct bpf_iter__tcp *ctx)
+{
+	struct sock_common *skc = ctx->sk_common;
+	if (!skc)
+		return 0;
+	struct tcp_sock *tp = bpf_skc_to_tcp_sock(skc);
+	if (!tp)
+		return 0; // a request or TIME_WAIT socket
+	struct flow_key fk = {
+		.saddr = skc->skc_rcv_saddr,
+		.daddr = skc->skc_daddr,
+		.sport = bpf_htons(skc->skc_num),
+		.dport = skc->skc_dport,
+	};
+	if (!bpf_map_lookup_elem(&stalled_flows, &fk))
+		return 0;
+	bpf_map_delete_elem(&stalled_flows, &fk);
+	if (tp->write_seq == tp->snd_nxt)
+		return 0; // sent meanwhile: nothing waits
+	int was = 0, on = 1;
+	if (bpf_getsockopt(tp, SOL_TCP, TCP_NODELAY, &was, sizeof(was)))
+		return 0;
+	if (bpf_setsockopt(tp, SOL_TCP, TCP_NODELAY, &on, sizeof(on)))
+		return 0;
+	if (!was)
+		bpf_setsockopt(tp, SOL_TCP, TCP_NODELAY, &was, sizeof(was));
+	struct counters *c = get_counters();
+	if (c)
+		c->kicks++;
+	return 0;
 }

@@ -588,3 +588,97 @@ func (tn *testNet) quickack(host string) error {
 		return nil
 	})
 }
+
+// TestFullRingPassesLoggedBytes runs the real program on crafted segments with its ring full: a segment
+// whose bytes all have a record already (a retransmission) passes unlogged, one with a byte that has none
+// is dropped and marks its flow stalled, and a flow whose entry did not start at its SYN gets no such
+// pass, since nothing is known of its logged bytes. Each case is one that the old program dropped.
+func TestFullRingPassesLoggedBytes(t *testing.T) {
+	page := os.Getpagesize()
+	l := newTestLogger(t, page) // the smallest ring: a few 1000-byte records fill it
+	f := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.9.0.1:40002"), Remote: netip.MustParseAddrPort("10.9.0.2:5001")}
+	if err := l.ProtectFlow(f); err != nil {
+		t.Fatal(err)
+	}
+	const isn = 0xfffffc00 // the logged bytes cross the 2^32 wrap 1 KiB in
+	seg := func(seq uint32, payload int) tcpframe.Segment {
+		return tcpframe.Segment{Seq: seq, Ack: 1, Flags: TCPFlagACK, Opts: tsOpt(seq, 1), Payload: payload}
+	}
+	if v := run(t, l, f, tcpframe.Segment{Seq: isn, Flags: TCPFlagSYN, Opts: synOpts(1)}); v != verdictNext {
+		t.Fatalf("SYN: verdict %#x", v)
+	}
+	// Log until the ring has no room for another record, not even of one byte.
+	next := uint32(isn + 1)
+	for _, size := range []int{1000, 1} {
+		for {
+			v := run(t, l, f, seg(next, size))
+			if v == verdictDrop {
+				break
+			}
+			if v != verdictNext {
+				t.Fatalf("verdict %#x", v)
+			}
+			next += uint32(size)
+		}
+	}
+	if next-(isn+1) < 2000 {
+		t.Fatalf("the ring took only %d bytes", next-(isn+1))
+	}
+	dropped := func() uint64 {
+		c, err := l.Counters()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c.DropsBackpressure
+	}
+	for _, tc := range []struct {
+		name string
+		seq  uint32
+		len  int
+		want uint32
+	}{
+		{"the first logged bytes again", isn + 1, 1000, verdictNext},
+		{"logged bytes, across the wrap", isn + 1 + 500, 1000, verdictNext},
+		{"the last logged bytes", next - 500, 500, verdictNext},
+		{"one byte past them", next - 500, 501, verdictDrop},
+		{"new bytes", next, 1000, verdictDrop},
+		{"before the first byte", isn - 1000, 1000, verdictDrop},
+	} {
+		before := dropped()
+		if v := run(t, l, f, seg(tc.seq, tc.len)); v != tc.want {
+			t.Errorf("%s [%d, +%d): verdict %#x, want %#x", tc.name, tc.seq, tc.len, v, tc.want)
+		}
+		if wantDrops := before + map[bool]uint64{true: 1}[tc.want == verdictDrop]; dropped() != wantDrops {
+			t.Errorf("%s: %d drops, want %d", tc.name, dropped(), wantDrops)
+		}
+	}
+	c, err := l.Counters()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.LoggedPassed != 3 {
+		t.Errorf("%d segments passed unlogged, want 3 (counters %+v)", c.LoggedPassed, c)
+	}
+	var pending uint32
+	if err := l.objs.StalledPending.Get(&pending); err != nil || pending != 1 {
+		t.Errorf("stalled_pending %d (%v) after drops, want 1", pending, err)
+	}
+	var one uint8
+	k, _ := flowKey(f)
+	if err := l.objs.StalledFlows.Lookup(k, &one); err != nil {
+		t.Errorf("the dropping flow is not in stalled_flows: %v", err)
+	}
+
+	// A flow first seen mid-stream (its SYN went by before it was protected, or its entry was evicted):
+	// its logged bytes are unknown, so nothing passes unlogged.
+	g := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.9.0.1:40003"), Remote: netip.MustParseAddrPort("10.9.0.2:5001")}
+	if err := l.ProtectFlow(g); err != nil {
+		t.Fatal(err)
+	}
+	if v := run(t, l, g, tcpframe.Segment{Seq: 5000, Ack: 1, Flags: TCPFlagACK, Opts: tsOpt(1, 1)}); v != verdictNext {
+		t.Fatalf("pure ACK: verdict %#x", v)
+	}
+	if v := run(t, l, g, seg(4000, 1000)); v != verdictDrop {
+		t.Errorf("bytes below the snd_nxt of a flow seen mid-stream: verdict %#x, want a drop", v)
+	}
+}

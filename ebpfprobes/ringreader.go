@@ -139,7 +139,7 @@ func (r *ringReader) pending() int {
 	if r.closed.Load() {
 		return 0
 	}
-	return int(atomic.LoadUint64(r.prodPos()) - atomic.LoadUint64(r.consPos()))
+	return int(r.filled())
 }
 
 // drain calls fn with each committed record in order, at most max of them,
@@ -182,6 +182,12 @@ func (r *ringReader) drain(max int, fn func(raw []byte) error) (int, error) {
 		}
 	}
 	return n, nil
+}
+
+// filled returns the bytes of records (and their headers) not yet consumed. The caller holds r.life for
+// reading (pending takes it).
+func (r *ringReader) filled() uint64 {
+	return atomic.LoadUint64(r.prodPos()) - atomic.LoadUint64(r.consPos())
 }
 
 // empty reports whether every committed record was consumed. The caller holds r.life for reading.

@@ -23,6 +23,8 @@ type tcplogCounters struct {
 	SeqRegressions    uint64
 	FragmentsPassed   uint64
 	HeadersPulled     uint64
+	LoggedPassed      uint64
+	Kicks             uint64
 }
 
 type tcplogFlowKey struct {
@@ -34,17 +36,19 @@ type tcplogFlowKey struct {
 }
 
 type tcplogFlowState struct {
-	_        structs.HostLayout
-	SndNxt   uint32
-	Ack      uint32
-	Tsval    uint32
-	Tsecr    uint32
-	Isn      uint32
-	Window   uint16
-	Flags    uint8
-	Seen     uint8
-	KtimeNs  uint64
-	Segments uint64
+	_          structs.HostLayout
+	SndNxt     uint32
+	Ack        uint32
+	Tsval      uint32
+	Tsecr      uint32
+	Isn        uint32
+	Window     uint16
+	Flags      uint8
+	Seen       uint8
+	KtimeNs    uint64
+	Segments   uint64
+	LoggedNext uint32
+	Reserved   uint32
 }
 
 // Names of all BPF objects in the ELF.
@@ -56,10 +60,13 @@ const (
 	tcplogMapFlowStates       = "flow_states"
 	tcplogMapProtectedCgroups = "protected_cgroups"
 	tcplogMapProtectedFlows   = "protected_flows"
+	tcplogMapStalledFlows     = "stalled_flows"
 	tcplogMapStats            = "stats"
 	tcplogProgTcplogEgress    = "tcplog_egress"
+	tcplogProgTcplogKick      = "tcplog_kick"
 	tcplogVarConsumerPolling  = "consumer_polling"
 	tcplogVarRingSize         = "ring_size"
+	tcplogVarStalledPending   = "stalled_pending"
 	tcplogVarWakeBytes        = "wake_bytes"
 )
 
@@ -106,6 +113,7 @@ type tcplogSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type tcplogProgramSpecs struct {
 	TcplogEgress *ebpf.ProgramSpec `ebpf:"tcplog_egress"`
+	TcplogKick   *ebpf.ProgramSpec `ebpf:"tcplog_kick"`
 }
 
 // tcplogMapSpecs contains maps before they are loaded into the kernel.
@@ -117,6 +125,7 @@ type tcplogMapSpecs struct {
 	FlowStates       *ebpf.MapSpec `ebpf:"flow_states"`
 	ProtectedCgroups *ebpf.MapSpec `ebpf:"protected_cgroups"`
 	ProtectedFlows   *ebpf.MapSpec `ebpf:"protected_flows"`
+	StalledFlows     *ebpf.MapSpec `ebpf:"stalled_flows"`
 	Stats            *ebpf.MapSpec `ebpf:"stats"`
 }
 
@@ -126,6 +135,7 @@ type tcplogMapSpecs struct {
 type tcplogVariableSpecs struct {
 	ConsumerPolling *ebpf.VariableSpec `ebpf:"consumer_polling"`
 	RingSize        *ebpf.VariableSpec `ebpf:"ring_size"`
+	StalledPending  *ebpf.VariableSpec `ebpf:"stalled_pending"`
 	WakeBytes       *ebpf.VariableSpec `ebpf:"wake_bytes"`
 }
 
@@ -154,6 +164,7 @@ type tcplogMaps struct {
 	FlowStates       *ebpf.Map `ebpf:"flow_states"`
 	ProtectedCgroups *ebpf.Map `ebpf:"protected_cgroups"`
 	ProtectedFlows   *ebpf.Map `ebpf:"protected_flows"`
+	StalledFlows     *ebpf.Map `ebpf:"stalled_flows"`
 	Stats            *ebpf.Map `ebpf:"stats"`
 }
 
@@ -164,6 +175,7 @@ func (m *tcplogMaps) Close() error {
 		m.FlowStates,
 		m.ProtectedCgroups,
 		m.ProtectedFlows,
+		m.StalledFlows,
 		m.Stats,
 	)
 }
@@ -174,6 +186,7 @@ func (m *tcplogMaps) Close() error {
 type tcplogVariables struct {
 	ConsumerPolling *ebpf.Variable `ebpf:"consumer_polling"`
 	RingSize        *ebpf.Variable `ebpf:"ring_size"`
+	StalledPending  *ebpf.Variable `ebpf:"stalled_pending"`
 	WakeBytes       *ebpf.Variable `ebpf:"wake_bytes"`
 }
 
@@ -182,11 +195,13 @@ type tcplogVariables struct {
 // It can be passed to loadTcplogObjects or ebpf.CollectionSpec.LoadAndAssign.
 type tcplogPrograms struct {
 	TcplogEgress *ebpf.Program `ebpf:"tcplog_egress"`
+	TcplogKick   *ebpf.Program `ebpf:"tcplog_kick"`
 }
 
 func (p *tcplogPrograms) Close() error {
 	return _TcplogClose(
 		p.TcplogEgress,
+		p.TcplogKick,
 	)
 }
 

@@ -7,15 +7,21 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
+	"runtime"
+	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
 
+	"github.com/ftkit/ftkit/internal/netnsthread"
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
@@ -75,20 +81,26 @@ type Counters struct {
 	SeqRegressions    uint64 // logged segments starting below the flow's highest logged byte (retransmissions, approximate)
 	FragmentsPassed   uint64 // IP fragments of protected sockets, passed unlogged (a hole: PMTU discovery is off)
 	HeadersPulled     uint64 // segments whose TCP header was not all in the skb's linear part (forwarded ones)
+	LoggedPassed      uint64 // segments passed unlogged while the ring was full: every byte had a record already
+	Kicks             uint64 // sockets KickStalled pushed after a drop
 }
 
 // tcplogLoaded holds only the objects the logger uses: LoadAndAssign loads
 // exactly these (and the maps the program references), nothing else in the ELF.
 type tcplogLoaded struct {
 	Program          *ebpf.Program `ebpf:"tcplog_egress"`
+	Kick             *ebpf.Program `ebpf:"tcplog_kick"`
 	Events           *ebpf.Map     `ebpf:"events"`
 	ProtectedCgroups *ebpf.Map     `ebpf:"protected_cgroups"`
 	ProtectedFlows   *ebpf.Map     `ebpf:"protected_flows"`
 	Stats            *ebpf.Map     `ebpf:"stats"`
 	FlowStates       *ebpf.Map     `ebpf:"flow_states"`
+	StalledFlows     *ebpf.Map     `ebpf:"stalled_flows"`
 	Bss              *ebpf.Map     `ebpf:".bss"`
 	// ConsumerPolling lives in the mmapped .bss: setting it is a store, not a syscall.
 	ConsumerPolling *ebpf.Variable `ebpf:"consumer_polling"`
+	// StalledPending says a segment was dropped for backpressure since KickStalled last ran.
+	StalledPending *ebpf.Variable `ebpf:"stalled_pending"`
 }
 
 // TCPLogger is the loaded TCX egress logger. Attach, Protect*, Counters and
@@ -99,10 +111,14 @@ type TCPLogger struct {
 	ring     *ringReader
 	consumer ringConsumer
 
-	mu    sync.Mutex // guards links
+	mu    sync.Mutex // guards links, netns and kick
 	links []link.Link
+	// netns is the network namespace of the first Attach: the sockets KickStalled looks at.
+	netns *os.File
+	kick  *link.Iter // nil if the kernel refused it: stalled flows then wait for TCP's timers
 
-	buf []byte // Read's copy of the last record: only the reading goroutine touches it
+	buf        []byte // Read's copy of the last record: only the reading goroutine touches it
+	kickErrors atomic.Uint64
 }
 
 // NewTCPLogger loads the logger's program and maps into the kernel. Nothing
@@ -154,6 +170,10 @@ func NewTCPLogger(opts TCPLoggerOptions) (*TCPLogger, error) {
 		return nil, fmt.Errorf("tcplog: open ring buffer reader: %w", err)
 	}
 	l.consumer = ringConsumer{log: log, ring: l.ring, flag: l.objs.ConsumerPolling, poll: opts.PollInterval}
+	if l.kick, err = link.AttachIter(link.IterOptions{Program: l.objs.Kick}); err != nil {
+		log.Warn("tcplog: cannot attach the iterator that resumes flows stalled by a full ring: after a drop, TCP's own timers resume them (200 ms or more)", "err", err)
+		l.kick = nil
+	}
 	log.Debug("tcplog: loaded", "ring_bytes", size)
 	return l, nil
 }
@@ -183,9 +203,76 @@ func (l *TCPLogger) Attach(ifindex int) error {
 	}
 	l.mu.Lock()
 	l.links = append(l.links, lk)
+	if l.netns == nil {
+		// /proc/thread-self: the calling thread's namespace, which the caller entered for this Attach.
+		if l.netns, err = os.Open("/proc/thread-self/ns/net"); err != nil {
+			l.log.Warn("tcplog: open this thread's network namespace: flows stalled by a full ring wait for TCP's timers", "err", err)
+			l.netns = nil
+		}
+	}
 	l.mu.Unlock()
 	l.log.Info("tcplog: attached", "ifname", attrs.Name, "ifindex", ifindex)
 	return nil
+}
+
+// KickStalled resumes the flows whose segments the program dropped for backpressure since its last call:
+// each such socket of the network namespace of the first Attach that still has data queued has it sent now
+// (tcplog_kick in bpf/tcplog.c), instead of when an ACK comes or its window probe timer fires (200 ms or
+// more, doubling). ReadBatch calls it whenever an eighth of the ring is free again; a kick into a fuller
+// ring would only drop again. It costs a load when nothing was dropped, a walk over the namespace's TCP
+// sockets when something was. It reports whether it walked them.
+func (l *TCPLogger) KickStalled() (bool, error) {
+	var pending uint32
+	if err := l.objs.StalledPending.Get(&pending); err != nil {
+		return false, fmt.Errorf("tcplog: read stalled_pending: %w", err)
+	}
+	if pending == 0 {
+		return false, nil
+	}
+	// Held throughout: Close must not close the namespace or the iterator under the walk.
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	ns := l.netns
+	if l.kick == nil || ns == nil {
+		return false, nil
+	}
+	// Cleared before the walk: a drop from here on raises it again, and its flow is in the map the walk reads.
+	if err := l.objs.StalledPending.Set(uint32(0)); err != nil {
+		return false, fmt.Errorf("tcplog: clear stalled_pending: %w", err)
+	}
+	walk := func() error {
+		rd, err := l.kick.Open() // the iterator walks the namespace of the thread that opens it
+		if err != nil {
+			return fmt.Errorf("tcplog: open the kick iterator: %w", err)
+		}
+		defer rd.Close()
+		if _, err := io.Copy(io.Discard, rd); err != nil {
+			return fmt.Errorf("tcplog: run the kick iterator: %w", err)
+		}
+		return nil
+	}
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	same, err := inNetns(ns)
+	if err != nil {
+		return false, err
+	}
+	if same {
+		return true, walk()
+	}
+	return true, netnsthread.In("/proc/self/fd/"+strconv.Itoa(int(ns.Fd())), walk)
+}
+
+// inNetns reports whether the calling thread is in the network namespace ns.
+func inNetns(ns *os.File) (bool, error) {
+	var want, have unix.Stat_t
+	if err := unix.Fstat(int(ns.Fd()), &want); err != nil {
+		return false, fmt.Errorf("tcplog: stat the attach's network namespace: %w", err)
+	}
+	if err := unix.Stat("/proc/thread-self/ns/net", &have); err != nil {
+		return false, fmt.Errorf("tcplog: stat this thread's network namespace: %w", err)
+	}
+	return want.Dev == have.Dev && want.Ino == have.Ino, nil
 }
 
 // Protect logs the flows of sockets created in cgroup v2 cgroupID (the inode
@@ -264,6 +351,8 @@ func (l *TCPLogger) Counters() (Counters, error) {
 		c.SeqRegressions += p.SeqRegressions
 		c.FragmentsPassed += p.FragmentsPassed
 		c.HeadersPulled += p.HeadersPulled
+		c.LoggedPassed += p.LoggedPassed
+		c.Kicks += p.Kicks
 	}
 	return c, nil
 }
@@ -322,7 +411,34 @@ func (l *TCPLogger) Read(ctx context.Context) ([]byte, error) {
 // When ctx is done, ReadBatch still returns the records already in the ring,
 // then ctx.Err(). After Close it returns an error wrapping ErrClosed.
 func (l *TCPLogger) ReadBatch(ctx context.Context, max int, fn func(raw []byte) error) (int, error) {
-	return l.consumer.readBatch(ctx, max, fn)
+	taken := 0
+	n, err := l.consumer.readBatch(ctx, max, func(raw []byte) error {
+		if err := fn(raw); err != nil {
+			return err
+		}
+		// A drain lasts as long as the senders keep the ring busy (up to a second on 2 vCPUs, measured):
+		// a flow stalled by a drop need not wait for its end, only for room in the ring.
+		if taken++; taken%kickEvery == 0 && l.ring.filled() <= l.ring.mask-l.ring.mask/8 {
+			l.kickStalled()
+		}
+		return nil
+	})
+	if err == nil {
+		l.kickStalled() // the ring was empty a moment ago
+	}
+	return n, err
+}
+
+// kickEvery is how many records a drain takes between two looks at stalled_pending (a load).
+const kickEvery = 32
+
+// kickStalled is KickStalled for the reader, which logs its errors (a few: they repeat).
+func (l *TCPLogger) kickStalled() {
+	if _, err := l.KickStalled(); err != nil {
+		if n := l.kickErrors.Add(1); n&(n-1) == 0 {
+			l.log.Warn("tcplog: resume flows stalled by a full ring (they wait for TCP's timers instead)", "err", err, "count", n)
+		}
+	}
 }
 
 // Wake interrupts a ReadBatch waiting for records, so that it looks at the ring now instead of at its
@@ -341,6 +457,16 @@ func (l *TCPLogger) Close() error {
 		}
 	}
 	l.links = nil
+	if l.netns != nil {
+		l.netns.Close()
+		l.netns = nil
+	}
+	if l.kick != nil {
+		if err := l.kick.Close(); err != nil {
+			errs = append(errs, fmt.Errorf("tcplog: close the kick iterator: %w", err))
+		}
+		l.kick = nil
+	}
 	l.mu.Unlock()
 	if err := l.ring.close(); err != nil {
 		errs = append(errs, fmt.Errorf("tcplog: close ring buffer reader: %w", err))
@@ -353,7 +479,7 @@ func (l *TCPLogger) Close() error {
 
 func (l *TCPLogger) closeObjects() error {
 	var errs []error
-	for _, c := range []interface{ Close() error }{l.objs.Program, l.objs.Events, l.objs.ProtectedCgroups, l.objs.ProtectedFlows, l.objs.Stats, l.objs.FlowStates, l.objs.Bss} {
+	for _, c := range []interface{ Close() error }{l.objs.Program, l.objs.Kick, l.objs.Events, l.objs.ProtectedCgroups, l.objs.ProtectedFlows, l.objs.Stats, l.objs.FlowStates, l.objs.StalledFlows, l.objs.Bss} {
 		if err := c.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("tcplog: close BPF object: %w", err))
 		}

@@ -223,9 +223,9 @@ func TestTCPLoggerEndToEnd(t *testing.T) {
 	t.Run("tiny-ring", func(t *testing.T) {
 		// 64 KiB holds exactly one full GSO segment (65,160 bytes of
 		// payload plus 44 bytes of headers). Every drop stalls the flow
-		// with nothing in flight until TCP's probe timer (200 ms, then
-		// 500 ms), so throughput collapses to well under 1 MiB/s here: the
-		// stream is kept small.
+		// with nothing in flight until the consumer's kick once the ring is
+		// drained (before it, TCP's probe timer: 200 ms, then 500 ms, under
+		// 1 MiB/s here): the stream is kept small.
 		runScenario(t, tn, protected, other, scenario{
 			ring: 64 << 10, size: 256 << 10, delay: 200 * time.Microsecond, basePort: 5021, localPort: 40021,
 			wantDrops: true, seed: 3, sideBytes: 64 << 10, timeoutSec: 60,

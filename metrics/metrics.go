@@ -53,6 +53,9 @@ type Log struct {
 	// Drops by reason: segments the probe dropped (TCP retransmits them), fragments passed unlogged, and
 	// records the consumer could not append.
 	DropsBackpressure, DropsOversize, DropsError, FragmentsPassed, AppendErrors uint64
+	// What keeps a backpressure drop cheap for the sender: sockets pushed once the ring had room again, and
+	// retransmissions passed unlogged while it was full (their bytes had a record already).
+	Kicks, LoggedPassed uint64
 	// Logs of finished connections freed.
 	ReleasedConns, ReleasedBytes int64
 	// The receive tap (what this host's protected sockets received, to check a restored peer's re-sent bytes).

@@ -80,9 +80,9 @@ ftkit_jobs_unreplicated 1
 		{
 			name: "log against its cap, bytes logged, drops by reason",
 			state: State{Log: &Log{MemoryBytes: 3 << 20, CapBytes: 64 << 20, PooledBytes: 1 << 20, Conns: 2, BytesLogged: 12345, ConsumerPaused: true, ConsumerCPU: 1500 * time.Millisecond,
-				DropsBackpressure: 7, FragmentsPassed: 1, ReleasedBytes: 99, ReceiveDropsError: 2}},
+				DropsBackpressure: 7, FragmentsPassed: 1, ReleasedBytes: 99, ReceiveDropsError: 2, Kicks: 3, LoggedPassed: 4}},
 			names: []string{"ftkit_log_memory_bytes", "ftkit_log_memory_cap_bytes", "ftkit_log_pooled_bytes", "ftkit_log_connections", "ftkit_log_consumer_paused", "ftkit_log_consumer_cpu_seconds_total",
-				"ftkit_log_logged_bytes_total", "ftkit_log_drops_total", "ftkit_log_released_bytes_total", "ftkit_receive_drops_total"},
+				"ftkit_log_logged_bytes_total", "ftkit_log_drops_total", "ftkit_log_kicks_total", "ftkit_log_logged_passed_total", "ftkit_log_released_bytes_total", "ftkit_receive_drops_total"},
 			want: `
 # HELP ftkit_log_connections Connections in the sender-side log.
 # TYPE ftkit_log_connections gauge
@@ -100,9 +100,15 @@ ftkit_log_drops_total{reason="backpressure"} 7
 ftkit_log_drops_total{reason="error"} 0
 ftkit_log_drops_total{reason="fragment"} 1
 ftkit_log_drops_total{reason="oversize"} 0
+# HELP ftkit_log_kicks_total Sockets the log pushed once its ring had room again after dropping their segments for backpressure, instead of leaving them to TCP's window probe timer (200 ms or more).
+# TYPE ftkit_log_kicks_total counter
+ftkit_log_kicks_total 3
 # HELP ftkit_log_logged_bytes_total Payload bytes the egress probe wrote to the log, retransmissions included.
 # TYPE ftkit_log_logged_bytes_total counter
 ftkit_log_logged_bytes_total 12345
+# HELP ftkit_log_logged_passed_total Segments passed unlogged while the log's ring was full because every byte of them had a record already (retransmissions).
+# TYPE ftkit_log_logged_passed_total counter
+ftkit_log_logged_passed_total 4
 # HELP ftkit_log_memory_bytes Memory of the sender-side log (RAM, pooled and compressed); less ftkit_log_pooled_bytes, compare with ftkit_log_memory_cap_bytes.
 # TYPE ftkit_log_memory_bytes gauge
 ftkit_log_memory_bytes 3.145728e+06

@@ -483,6 +483,8 @@ type Counters struct {
 	DropsError        uint64 `json:"drops_error"`
 	SeqRegressions    uint64 `json:"seq_regressions"`  // retransmissions seen, approximate
 	FragmentsPassed   uint64 `json:"fragments_passed"` // IP fragments passed unlogged: a hole, must stay 0
+	LoggedPassed      uint64 `json:"logged_passed"`    // segments passed unlogged while the ring was full: all their bytes had a record
+	Kicks             uint64 `json:"kicks"`            // sockets pushed after a backpressure drop instead of waiting for TCP's timers
 
 	// Consumer.
 	RecordsConsumed uint64 `json:"records_consumed"`
@@ -536,6 +538,8 @@ func (c *Capture) Counters() (Counters, error) {
 		DropsOversize:      pc.DropsOversize,
 		DropsError:         pc.DropsError,
 		SeqRegressions:     pc.SeqRegressions,
+		LoggedPassed:       pc.LoggedPassed,
+		Kicks:              pc.Kicks,
 		FragmentsPassed:    pc.FragmentsPassed,
 		RecordsConsumed:    c.records.Load(),
 		BadRecords:         c.badRecords.Load(),
