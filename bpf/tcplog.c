@@ -110,6 +110,7 @@
 #define SEEN_FIN 0x08 // the sender sent a FIN
 #define SEEN_RST 0x10 // the sender sent a RST
 #define SEEN_LOGGED 0x20 // logged_next is valid: the entry started at the SYN
+#define SEEN_LONG 0x40   // the logged prefix is 2^31 bytes or longer (see all_logged)
 
 // Pass: TCX_NEXT lets programs attached after us run and decide; if there is
 // none the packet is sent (same as TC_ACT_OK).
@@ -446,10 +447,13 @@ static __always_inline void update_flow_state(struct flow_key *fk, struct tcphdr
 		st->snd_nxt = end;
 	// The logged prefix grows only by a logged segment that starts inside it.
 	__u32 data_end = seq + len;
-	if (logged && len && (st->seen & SEEN_LOGGED) && (__s32)(seq - st->logged_next) <= 0 &&
-	    (__s32)(data_end - st->logged_next) > 0)
-		st->logged_next = data_end;
 	__u8 seen = st->seen;
+	if (logged && len && (seen & SEEN_LOGGED) && (__s32)(seq - st->logged_next) <= 0 &&
+	    (__s32)(data_end - st->logged_next) > 0) {
+		st->logged_next = data_end;
+		if ((__s32)(data_end - (st->isn + 1)) < 0)
+			seen |= SEEN_LONG; // half the sequence space logged: see all_logged
+	}
 	if (flags & TCP_ACK) {
 		st->ack = bpf_ntohl(tcp->ack_seq);
 		seen |= SEEN_ACK;
@@ -471,13 +475,22 @@ static __always_inline void update_flow_state(struct flow_key *fk, struct tcphdr
 }
 
 // all_logged reports whether every payload byte of [seq, seq + len) of the
-// flow has a record already (see flow_state.logged_next).
+// flow has a record already (see flow_state.logged_next). The segment must
+// end at or before logged_next and start in the logged prefix: at or after
+// isn + 1 while the prefix is shorter than 2^31 bytes (serial arithmetic
+// cannot order points further apart), and within 2^31 bytes before
+// logged_next once it is longer, where that is all of the prefix TCP can
+// still send (its window is at most 2^30).
 static __always_inline int all_logged(struct flow_key *fk, __u32 seq, __u32 len)
 {
 	struct flow_state *st = bpf_map_lookup_elem(&flow_states, fk);
 	if (!st || !(st->seen & SEEN_LOGGED))
 		return 0;
-	return (__s32)(seq - (st->isn + 1)) >= 0 && (__s32)(seq + len - st->logged_next) <= 0;
+	if ((__s32)(seq + len - st->logged_next) > 0)
+		return 0;
+	if (st->seen & SEEN_LONG)
+		return (__s32)(st->logged_next - seq) > 0;
+	return (__s32)(seq - (st->isn + 1)) >= 0;
 }
 
 SEC("tcx/egress")

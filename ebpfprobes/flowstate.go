@@ -34,6 +34,9 @@ const (
 	seenTS  = 0x04
 	seenFIN = 0x08
 	seenRST = 0x10
+	// For the program only: logged_next is valid; the logged prefix is 2^31 bytes or longer.
+	seenLogged = 0x20
+	seenLong   = 0x40
 )
 
 // FlowState is the live TCP state of one flow as its SENDER put it on the

@@ -669,6 +669,53 @@ func TestFullRingPassesLoggedBytes(t *testing.T) {
 		t.Errorf("the dropping flow is not in stalled_flows: %v", err)
 	}
 
+	// A flow that has logged more than 2^31 bytes: serial arithmetic cannot tell its first byte from one
+	// 2^31 before logged_next, so what counts is being within 2^31 bytes before logged_next. The entry is
+	// written as the program leaves it after 3 GiB (logging them through the ring would take minutes).
+	long := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.9.0.1:40004"), Remote: netip.MustParseAddrPort("10.9.0.2:5001")}
+	if err := l.ProtectFlow(long); err != nil {
+		t.Fatal(err)
+	}
+	lk, _ := flowKey(long)
+	const longISN, logged3G = 1000, 3 << 30
+	if err := l.objs.FlowStates.Put(lk, tcplogFlowState{SndNxt: longISN + 1 + logged3G, Isn: longISN, Seen: seenSYN | seenLogged | seenLong,
+		LoggedNext: longISN + 1 + logged3G}); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name string
+		seq  uint32
+		want uint32
+	}{
+		{"the last logged bytes", longISN + 1 + logged3G - 1000, verdictNext},
+		{"logged bytes 1 GiB back", longISN + 1 + logged3G - 1<<30, verdictNext},
+		{"new bytes", longISN + 1 + logged3G, verdictDrop},
+	} {
+		if v := run(t, l, long, seg(tc.seq, 1000)); v != tc.want {
+			t.Errorf("flow past 2^31 bytes, %s: verdict %#x, want %#x", tc.name, v, tc.want)
+		}
+	}
+
+	// The program marks the prefix long when a logged segment takes it past 2^31 bytes.
+	l2 := newTestLogger(t, page)
+	if err := l2.ProtectFlow(long); err != nil {
+		t.Fatal(err)
+	}
+	edge := uint32(longISN + 1 + 1<<31 - 500)
+	if err := l2.objs.FlowStates.Put(lk, tcplogFlowState{SndNxt: edge, Isn: longISN, Seen: seenSYN | seenLogged, LoggedNext: edge}); err != nil {
+		t.Fatal(err)
+	}
+	if v := run(t, l2, long, seg(edge, 1000)); v != verdictNext {
+		t.Fatalf("the segment that takes the prefix past 2^31 bytes: verdict %#x", v)
+	}
+	var st tcplogFlowState
+	if err := l2.objs.FlowStates.Lookup(lk, &st); err != nil {
+		t.Fatal(err)
+	}
+	if st.LoggedNext != edge+1000 || st.Seen&seenLong == 0 {
+		t.Errorf("after the prefix passed 2^31 bytes: logged_next %d (want %d), seen %#x (want the long bit)", st.LoggedNext, edge+1000, st.Seen)
+	}
+
 	// A flow first seen mid-stream (its SYN went by before it was protected, or its entry was evicted):
 	// its logged bytes are unknown, so nothing passes unlogged.
 	g := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.9.0.1:40003"), Remote: netip.MustParseAddrPort("10.9.0.2:5001")}

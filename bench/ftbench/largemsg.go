@@ -313,12 +313,7 @@ func ppServe() error {
 	if err != nil {
 		return err
 	}
-	ln, err := net.Listen("tcp4", addr)
-	if err != nil {
-		return err
-	}
-	fmt.Println("ready")
-	c, err := ln.Accept()
+	c, err := acceptOne(addr)
 	if err != nil {
 		return err
 	}

@@ -41,6 +41,19 @@ func init() {
 		"ppserve": ppServe, "ppclient": ppClient}, 0)
 }
 
+// acceptOne is how a role that serves one connection starts: listen on addr, print "ready" (its starter
+// waits for that line), accept one connection and close the listener (no listening socket is left for a
+// snapshot to take).
+func acceptOne(addr string) (net.Conn, error) {
+	ln, err := net.Listen("tcp4", addr)
+	if err != nil {
+		return nil, err
+	}
+	defer ln.Close()
+	fmt.Println("ready")
+	return ln.Accept()
+}
+
 // bulkRecv is the bulkrecv role: listen on FTBENCH_ADDR, print "ready"; for
 // each connection in turn read to EOF and print "<bytes> <ns from first byte
 // to EOF>". It hashes nothing, unlike streamtest's recv, to cost the job

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"net/netip"
 	"os"
 	"strconv"
@@ -237,12 +236,7 @@ func msgRecv() error {
 	if err != nil || size <= 0 {
 		return fmt.Errorf("FTBENCH_MSG %q: must be a positive number of bytes", os.Getenv("FTBENCH_MSG"))
 	}
-	ln, err := net.Listen("tcp4", os.Getenv("FTBENCH_ADDR"))
-	if err != nil {
-		return err
-	}
-	fmt.Println("ready")
-	c, err := ln.Accept()
+	c, err := acceptOne(os.Getenv("FTBENCH_ADDR"))
 	if err != nil {
 		return err
 	}

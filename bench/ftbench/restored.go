@@ -296,16 +296,10 @@ func readSockInfo(l *lab.Lab, host string, f tcpflow.Tuple) (sockInfo, error) {
 // send a burst and wait for the job's 1-byte acknowledgement that it read all of it.
 func burstTimer() error {
 	push := os.Getenv("FTBENCH_MODE") == "push"
-	ln, err := net.Listen("tcp4", os.Getenv("FTBENCH_ADDR"))
+	c, err := acceptOne(os.Getenv("FTBENCH_ADDR"))
 	if err != nil {
 		return err
 	}
-	fmt.Println("ready")
-	c, err := ln.Accept()
-	if err != nil {
-		return err
-	}
-	ln.Close()
 	buf := make([]byte, 1<<20)
 	in := make([]byte, 1)
 	for {
