@@ -24,8 +24,8 @@
 //  - TCP counts a segment its own host dropped as not sent and sends it again
 //    when an ACK comes; if none is in flight, only its window probe timer
 //    (200 ms at least, then doubling) does. So each drop marks its flow in
-//    stalled_flows and raises stalled_pending; the consumer, once an eighth
-//    of the ring is free again, runs tcplog_kick (iter/tcp), which pushes the
+//    stalled_flows and raises stalled_pending; the consumer, once half the
+//    ring is free again, runs tcplog_kick (iter/tcp), which pushes the
 //    queued data of each marked socket at once.
 //
 // Which flows are protected:

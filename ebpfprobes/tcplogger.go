@@ -218,8 +218,9 @@ func (l *TCPLogger) Attach(ifindex int) error {
 // KickStalled resumes the flows whose segments the program dropped for backpressure since its last call:
 // each such socket of the network namespace of the first Attach that still has data queued has it sent now
 // (tcplog_kick in bpf/tcplog.c), instead of when an ACK comes or its window probe timer fires (200 ms or
-// more, doubling). ReadBatch calls it whenever an eighth of the ring is free again; a kick into a fuller
-// ring would only drop again. It costs a load when nothing was dropped, a walk over the namespace's TCP
+// more, doubling). ReadBatch calls it whenever half the ring is free again: kicks into a fuller ring drop
+// again and again, and each drop halves the flow's congestion window (with an eighth free, HPCC's ring
+// exchange ran at a quarter of the bandwidth, docs/mpi.md). It costs a load when nothing was dropped, a walk over the namespace's TCP
 // sockets when something was. It reports whether it walked them.
 func (l *TCPLogger) KickStalled() (bool, error) {
 	var pending uint32
@@ -418,7 +419,7 @@ func (l *TCPLogger) ReadBatch(ctx context.Context, max int, fn func(raw []byte) 
 		}
 		// A drain lasts as long as the senders keep the ring busy (up to a second on 2 vCPUs, measured):
 		// a flow stalled by a drop need not wait for its end, only for room in the ring.
-		if taken++; taken%kickEvery == 0 && l.ring.filled() <= l.ring.mask-l.ring.mask/8 {
+		if taken++; taken%kickEvery == 0 && l.ring.filled() <= l.ring.mask/2 {
 			l.kickStalled()
 		}
 		return nil
