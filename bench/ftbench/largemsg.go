@@ -65,7 +65,8 @@ type lmRun struct {
 // ends plain processes in the hosts' namespaces, then both ends agent jobs (interval 1h: the sender-side
 // log and the receive tap, no snapshot during the run) 1 + lmWarm times. The first protected run is the
 // first traffic of its agents, so the log's memory is new to them, as it is for a job's first large
-// messages; the later ones find it in the log's pool.
+// messages; the later ones reuse the log's freed buffers once the logs of earlier runs' connections are
+// released (the third protected run of a lab usually finds them, the second is too early).
 func benchLargeMessages(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 	binDir, err := ownDir()
 	if err != nil {
@@ -127,7 +128,7 @@ func benchLargeMessages(ctx context.Context, log *slog.Logger) ([]Metric, any, e
 		"order": "in each fresh 2-host lab (agents running, interval 1h): the unprotected ping-pong, then the protected one 1 + warm_runs_per_lab times, the first being the first traffic of its agents; metrics are medians over the runs of a kind, the ratios medians of each run's mean over its lab's unprotected mean",
 		lmPlain: "server on node2 and client on node1, processes started in the hosts' namespaces",
 		lmFirst: "the same two programs as agent jobs (sender-side log and receive tap on both hosts), the first run on fresh agents: the log's memory is touched for the first time",
-		lmWarmK: "the same, later runs on the same agents",
+		lmWarmK: "the same, later runs on the same agents: they write into pooled buffers once the earlier runs' logs are released (the third run usually, the second rarely)",
 		"runs":  runs,
 	}
 	return metrics, settings, nil
