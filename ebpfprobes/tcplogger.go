@@ -219,9 +219,9 @@ func (l *TCPLogger) Attach(ifindex int) error {
 // each such socket of the network namespace of the first Attach that still has data queued has it sent now
 // (tcplog_kick in bpf/tcplog.c), instead of when an ACK comes or its window probe timer fires (200 ms or
 // more, doubling). ReadBatch calls it whenever half the ring is free again: kicks into a fuller ring drop
-// again and again, and each drop halves the flow's congestion window (with an eighth free, HPCC's ring
-// exchange ran at a quarter of the bandwidth, docs/mpi.md). It costs a load when nothing was dropped, a walk over the namespace's TCP
-// sockets when something was. It reports whether it walked them.
+// again and again, and each drop cuts the flow's congestion window (with an eighth free, HPCC's ring
+// exchange ran at a quarter of the bandwidth, docs/mpi.md). It costs a load when nothing was dropped, a
+// walk over the namespace's TCP sockets when something was. It reports whether it walked them.
 func (l *TCPLogger) KickStalled() (bool, error) {
 	var pending uint32
 	if err := l.objs.StalledPending.Get(&pending); err != nil {

@@ -27,10 +27,10 @@ import (
 // The large-messages benchmark's ping-pong: HPCC's LatencyBandwidth exchanges 2 MB messages, and its run
 // under ftkit took 19 s against 1 s without (docs/mpi.md, "Large messages between protected ranks").
 const (
-	lmMsgSize = 2 << 20
-	lmRounds  = 300
-	lmLabs    = 3
-	lmWarm    = 3 // protected runs after the first in each lab
+	lmMsgSize  = 2 << 20
+	lmRounds   = 300
+	lmLabs     = 3
+	lmWarmRuns = 3 // protected runs after the first in each lab
 	// lmStall is the round trip counted as a stall: above any the unprotected ping-pong showed (37 ms at
 	// most), below TCP's shortest timer (200 ms), which is what a stalled round trip waits for.
 	lmStall = 100 * time.Millisecond
@@ -63,7 +63,7 @@ type lmRun struct {
 
 // benchLargeMessages measures 2 MB ping-pongs between two lab hosts, in each of lmLabs fresh labs: both
 // ends plain processes in the hosts' namespaces, then both ends agent jobs (interval 1h: the sender-side
-// log and the receive tap, no snapshot during the run) 1 + lmWarm times. The first protected run is the
+// log and the receive tap, no snapshot during the run) 1 + lmWarmRuns times. The first protected run is the
 // first traffic of its agents, so the log's memory is new to them, as it is for a job's first large
 // messages; the later ones reuse the log's freed buffers once the logs of earlier runs' connections are
 // released (the third protected run of a lab usually finds them, the second is too early).
@@ -124,7 +124,7 @@ func benchLargeMessages(ctx context.Context, log *slog.Logger) ([]Metric, any, e
 		metrics = append(metrics, Metric{Name: "pingpong_2MB_mean_ratio_" + name, Value: median(ratios[name]), Unit: "x"})
 	}
 	settings := map[string]any{
-		"message_bytes": lmMsgSize, "round_trips": lmRounds, "labs": lmLabs, "warm_runs_per_lab": lmWarm, "stall_ms": lmStall.Milliseconds(),
+		"message_bytes": lmMsgSize, "round_trips": lmRounds, "labs": lmLabs, "warm_runs_per_lab": lmWarmRuns, "stall_ms": lmStall.Milliseconds(),
 		"order": "in each fresh 2-host lab (agents running, interval 1h): the unprotected ping-pong, then the protected one 1 + warm_runs_per_lab times, the first being the first traffic of its agents; metrics are medians over the runs of a kind, the ratios medians of each run's mean over its lab's unprotected mean",
 		lmPlain: "server on node2 and client on node1, processes started in the hosts' namespaces",
 		lmFirst: "the same two programs as agent jobs (sender-side log and receive tap on both hosts), the first run on fresh agents: the log's memory is touched for the first time",
@@ -164,7 +164,7 @@ func largeMessagesLab(ctx context.Context, log *slog.Logger, binDir, self string
 	}
 	r.Lab, r.Kind = i, lmPlain
 	runs = append(runs, r)
-	for k := range 1 + lmWarm {
+	for k := range 1 + lmWarmRuns {
 		kind := map[bool]string{true: lmFirst, false: lmWarmK}[k == 0]
 		before, err := lmDrops(ctx, c)
 		if err != nil {
