@@ -2,7 +2,6 @@ package intercept
 
 import (
 	"fmt"
-	"slices"
 	"sync"
 
 	"github.com/ftkit/ftkit/ckpt"
@@ -25,8 +24,8 @@ type Batch struct {
 	Dets []Det
 }
 
-// DefaultMaxPerJob bounds the determinants a Store keeps of one job and host (88 bytes each in memory, so
-// about 92 MB, and up to a quarter more while the array that holds them fills):
+// DefaultMaxPerJob bounds the determinants a Store keeps of one job and host (32 bytes each in memory, so
+// 32 MiB, and up to a quarter more while the array that holds them fills):
 // a job that consumes more between two snapshots loses the oldest, and its replay from the older
 // snapshot is refused (Since), not wrong.
 const DefaultMaxPerJob = 1 << 20
@@ -42,17 +41,45 @@ type Store struct {
 
 type storeKey struct{ job, node string }
 
+// keptDet is a determinant as a record keeps it: its connection is an index into the record's table. Unlike
+// a Det (88 bytes, with the pointers of its addresses' zones) it holds no pointer, so that a record of a
+// million takes 32 MiB and the garbage collector never scans it. Keeping Dets, the protector of a job
+// receiving a million 64-byte messages spent a fifth of its CPU growing, zeroing and scanning the arrays
+// (ftbench receive-order's message stream, docs/receive-order.md).
+type keptDet struct {
+	pos                    uint64
+	end, len, thread, proc uint32
+	conn                   uint32 // index in record.conns
+}
+
 type record struct {
 	stream    uint64
 	fromStart bool
 	base      string
-	first     uint64 // index of the oldest determinant kept
-	buf       []Det  // the determinants kept are buf[head:]
+	first     uint64    // index of the oldest determinant kept
+	buf       []keptDet // the determinants kept are buf[head:]
 	head      int
+	conns     []tcpflow.Tuple          // the connections the kept name, by index
+	connIdx   map[tcpflow.Tuple]uint32 // and their indexes
 }
 
-func (r *record) dets() []Det  { return r.buf[r.head:] }
-func (r *record) next() uint64 { return r.first + uint64(len(r.buf)-r.head) }
+func (r *record) kept() []keptDet { return r.buf[r.head:] }
+func (r *record) next() uint64    { return r.first + uint64(len(r.buf)-r.head) }
+
+// det is k as a Det.
+func (r *record) det(k keptDet) Det {
+	return Det{Conn: r.conns[k.conn], End: k.end, Len: k.len, Thread: k.thread, Proc: k.proc, Pos: k.pos}
+}
+
+// dets are the determinants kept from index i of kept() on.
+func (r *record) dets(i int) []Det {
+	ks := r.kept()[i:]
+	out := make([]Det, len(ks))
+	for j, k := range ks {
+		out[j] = r.det(k)
+	}
+	return out
+}
 
 // add appends dets to the record. Dropping the oldest (dropOldest) moves nothing, it only advances head;
 // the kept ones move to the front of buf when it is full and that frees a quarter of them or more, so that
@@ -61,10 +88,52 @@ func (r *record) next() uint64 { return r.first + uint64(len(r.buf)-r.head) }
 // core on the protector for a job shipping every 20 ms.
 func (r *record) add(dets []Det) {
 	if len(r.buf)+len(dets) > cap(r.buf) && r.head > 0 && r.head >= (len(r.buf)-r.head)/4 {
-		r.buf = r.buf[:copy(r.buf, r.dets())]
+		r.buf = r.buf[:copy(r.buf, r.kept())]
 		r.head = 0
+		r.shrinkConns()
 	}
-	r.buf = append(r.buf, dets...)
+	if r.connIdx == nil {
+		r.connIdx = map[tcpflow.Tuple]uint32{}
+	}
+	var last tcpflow.Tuple
+	var lastIdx uint32
+	for i, d := range dets {
+		if i == 0 || d.Conn != last { // a batch is mostly runs of one connection
+			idx, ok := r.connIdx[d.Conn]
+			if !ok {
+				idx = uint32(len(r.conns))
+				r.conns = append(r.conns, d.Conn)
+				r.connIdx[d.Conn] = idx
+			}
+			last, lastIdx = d.Conn, idx
+		}
+		r.buf = append(r.buf, keptDet{pos: d.Pos, end: d.End, len: d.Len, thread: d.Thread, proc: d.Proc, conn: lastIdx})
+	}
+}
+
+// shrinkConns drops the connections no kept determinant names any more, once the table holds more than 64 and
+// more than an eighth as many as the determinants kept: a job that opens connection after connection would
+// otherwise grow it for good.
+func (r *record) shrinkConns() {
+	ks := r.kept()
+	if len(r.conns) <= 64 || len(r.conns) <= len(ks)/8 {
+		return
+	}
+	renum := make(map[uint32]uint32)
+	var conns []tcpflow.Tuple
+	for i := range ks {
+		idx, ok := renum[ks[i].conn]
+		if !ok {
+			idx = uint32(len(conns))
+			conns = append(conns, r.conns[ks[i].conn])
+			renum[ks[i].conn] = idx
+		}
+		ks[i].conn = idx
+	}
+	r.conns, r.connIdx = conns, make(map[tcpflow.Tuple]uint32, len(conns))
+	for i, c := range conns {
+		r.connIdx[c] = uint32(i)
+	}
 }
 
 // dropOldest forgets the record's n oldest determinants.
@@ -100,7 +169,7 @@ func (s *Store) Add(node string, b Batch) {
 		s.recs[k] = r
 	}
 	r.add(dets)
-	if over := len(r.dets()) - s.maxPerJob; over > 0 {
+	if over := len(r.kept()) - s.maxPerJob; over > 0 {
 		// The oldest go: the record then starts mid-stream, and a replay needs a determinant from before
 		// its snapshot to know it misses nothing (Since).
 		r.dropOldest(over)
@@ -123,7 +192,7 @@ func (s *Store) Len(job, node string) int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if r := s.recs[storeKey{job, node}]; r != nil {
-		return len(r.dets())
+		return len(r.kept())
 	}
 	return 0
 }
@@ -138,7 +207,7 @@ func (s *Store) Trim(m *ckpt.Manifest) {
 	if r == nil {
 		return
 	}
-	if anchor := lastBefore(r.dets(), consumedAt(m)) - 1; anchor > 0 {
+	if anchor := r.lastBefore(consumedAt(m)) - 1; anchor > 0 {
 		r.dropOldest(anchor)
 	}
 }
@@ -154,14 +223,14 @@ func (s *Store) Since(m *ckpt.Manifest) ([]Det, error) {
 	if r == nil {
 		return nil, fmt.Errorf("no determinants of job %s from %s here", m.Job, m.Node)
 	}
-	cut := lastBefore(r.dets(), consumedAt(m))
+	cut := r.lastBefore(consumedAt(m))
 	if cut < 0 {
 		if !r.fromStart || (r.base != "" && r.base != m.ID) {
 			return nil, fmt.Errorf("the determinants of job %s from %s start at number %d, and none is from before snapshot %s: some may be missing", m.Job, m.Node, r.first, m.ID)
 		}
 		cut = 0
 	}
-	return slices.Clone(r.dets()[cut:]), nil
+	return r.dets(cut), nil
 }
 
 // consumedAt is, per connection of m, the socket's copied_seq at the dump: every byte before the receive
@@ -177,13 +246,22 @@ func consumedAt(m *ckpt.Manifest) map[tcpflow.Tuple]uint32 {
 	return at
 }
 
-// lastBefore is the index after the last determinant that consumed bytes no further than at says for its
-// connection (it was recorded before the dump: consumption only grows), -1 if there is none. A
+// lastBefore is the index in kept() after the last determinant that consumed bytes no further than at
+// says for its connection (it was recorded before the dump: consumption only grows), -1 if there is none. A
 // determinant of a connection the snapshot does not hold says nothing either way, nor does a call that
 // found nothing (it may have come just after the dump, at the same copied_seq).
-func lastBefore(dets []Det, at map[tcpflow.Tuple]uint32) int {
-	for i := len(dets) - 1; i >= 0; i-- {
-		if copied, ok := at[dets[i].Conn.Unmap()]; ok && dets[i].Len > 0 && !seqAfter(dets[i].End, copied) {
+func (r *record) lastBefore(at map[tcpflow.Tuple]uint32) int {
+	type consumed struct {
+		seq uint32
+		ok  bool
+	}
+	byIdx := make([]consumed, len(r.conns))
+	for i, c := range r.conns {
+		byIdx[i].seq, byIdx[i].ok = at[c.Unmap()]
+	}
+	ks := r.kept()
+	for i := len(ks) - 1; i >= 0; i-- {
+		if c := byIdx[ks[i].conn]; c.ok && ks[i].len > 0 && !seqAfter(ks[i].end, c.seq) {
 			return i + 1
 		}
 	}

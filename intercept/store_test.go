@@ -1,6 +1,7 @@
 package intercept
 
 import (
+	"fmt"
 	"reflect"
 	"slices"
 	"strings"
@@ -138,7 +139,7 @@ func TestStoreAtBoundMovesLittle(t *testing.T) {
 	for first < bound {
 		add()
 	}
-	rec := func() []Det { return s.recs[storeKey{"j", "n1"}].dets() }
+	rec := func() []keptDet { return s.recs[storeKey{"j", "n1"}].kept() }
 	moves := 0
 	for range adds {
 		oldest := &rec()[batch] // the oldest determinant kept once the next batch is in
@@ -152,10 +153,42 @@ func TestStoreAtBoundMovesLittle(t *testing.T) {
 		t.Errorf("the kept determinants moved %d times in %d batches, want at most %d", moves, adds, most)
 	}
 	got := rec()
-	if len(got) != bound || got[0].End != uint32(first)-bound+1 || got[bound-1].End != uint32(first) {
-		t.Errorf("kept %d determinants, ends %d..%d, want %d, %d..%d", len(got), got[0].End, got[len(got)-1].End, bound, first-bound+1, first)
+	if len(got) != bound || got[0].end != uint32(first)-bound+1 || got[bound-1].end != uint32(first) {
+		t.Errorf("kept %d determinants, ends %d..%d, want %d, %d..%d", len(got), got[0].end, got[len(got)-1].end, bound, first-bound+1, first)
 	}
 	if n := s.Len("j", "n1"); n != bound {
 		t.Errorf("Len %d, want %d", n, bound)
+	}
+}
+
+// TestStoreConnTable: a record keeps each determinant's connection as an index into its table. Since gives
+// back every determinant as it was added, and the table of a job that opens connection after connection
+// stays near the determinants kept instead of growing for good.
+func TestStoreConnTable(t *testing.T) {
+	const bound, conns = 100, 5000
+	s := NewStore(bound)
+	var want []Det
+	for i := range conns {
+		c := conn("10.9.0.1:5000", fmt.Sprintf("10.9.0.2:%d", 10000+i))
+		// Two calls on the new connection between calls on A, whose copied_seq anchors the replay.
+		dets := []Det{
+			{Conn: c, End: 100, Len: 100, Thread: uint32(i), Proc: 7, Pos: uint64(i)},
+			{Conn: connA, End: uint32(10 * (i + 1)), Len: 10, Thread: 1, Proc: 7, Pos: uint64(i)},
+			{Conn: c, End: 150, Len: 50, Thread: uint32(i), Proc: 7, Pos: uint64(i) + 1},
+		}
+		s.Add("n1", Batch{Job: "j", Stream: 1, First: uint64(3 * i), FromStart: i == 0, Dets: dets})
+		want = append(want, dets...)
+	}
+	r := s.recs[storeKey{"j", "n1"}]
+	if n := len(r.conns); n > 4*bound {
+		t.Errorf("the connection table holds %d connections for %d determinants kept", n, len(r.kept()))
+	}
+	// A snapshot taken after A's last-but-one call: Since is the last four determinants.
+	got, err := s.Since(snap("s", 10*(conns-1), 0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(got, want[len(want)-4:]) {
+		t.Errorf("Since gave\n%v\nwant\n%v", got, want[len(want)-4:])
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net/netip"
 	"reflect"
+	"slices"
 	"testing"
 	"time"
 
@@ -129,5 +130,45 @@ func TestShipAsksForAnswersNowAndThen(t *testing.T) {
 	}
 	if !reflect.DeepEqual(got, all) {
 		t.Errorf("the protector's record:\n%v\nwant\n%v", got, all)
+	}
+}
+
+// TestForgetSent: an answer drops the determinants it covers and moves the unanswered rest to the front of
+// the same array, which the next calls fill again (reslicing made append allocate a fresh array after
+// every answer); an array a burst left much larger than its rest is given back.
+func TestForgetSent(t *testing.T) {
+	dets := func(n, cap_ int) []intercept.Det {
+		out := make([]intercept.Det, n, cap_)
+		for i := range out {
+			out[i].End = uint32(i)
+		}
+		return out
+	}
+	for _, tc := range []struct {
+		name          string
+		pending       []intercept.Det
+		sent          int
+		wantSameArray bool
+		wantCapAtMost int
+	}{
+		{"rest moved to the front", dets(10, 100), 6, true, 100},
+		{"everything answered", dets(10, 100), 10, true, 100},
+		{"a burst's array given back", dets(3*maxUnanswered, 3*maxUnanswered), 3*maxUnanswered - 5, false, 8},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			base := &tc.pending[:1][0]
+			rest := slices.Clone(tc.pending[tc.sent:])
+			s := &stream{pending: tc.pending, sent: tc.sent}
+			s.forgetSent()
+			if !reflect.DeepEqual(s.pending, rest) {
+				t.Errorf("pending %v, want the %d unanswered %v", s.pending, len(rest), rest)
+			}
+			if same := cap(s.pending) > 0 && &s.pending[:1][0] == base; same != tc.wantSameArray {
+				t.Errorf("the same array kept: %v, want %v", same, tc.wantSameArray)
+			}
+			if cap(s.pending) > tc.wantCapAtMost {
+				t.Errorf("capacity %d, want at most %d", cap(s.pending), tc.wantCapAtMost)
+			}
+		})
 	}
 }
