@@ -15,8 +15,10 @@ type DeterminantsRequest struct {
 	FromStart bool   `json:"from_start,omitempty"`
 	Base      string `json:"base,omitempty"`
 	Packed    []byte `json:"packed"`
-	// Ack asks the protector to answer (on OpDeterminantStream2 only: detstream.go).
+	// Ack asks the protector to answer (on OpDeterminantStream2 and 3 only: detstream.go).
 	Ack bool `json:"ack,omitempty"`
+	// PackedLen is, on OpDeterminantStream3, how many bytes of Packed follow the line, which carries none.
+	PackedLen int `json:"packed_len,omitempty"`
 }
 
 // Batch decodes the request, which comes from another host: the job id and base must be names an agent
@@ -24,6 +26,9 @@ type DeterminantsRequest struct {
 func (r DeterminantsRequest) Batch() (intercept.Batch, error) {
 	if r.Job == "" || len(r.Job) > 128 || len(r.Base) > 128 {
 		return intercept.Batch{}, fmt.Errorf("determinants of job %.128q (base %.128q): bad name", r.Job, r.Base)
+	}
+	if r.PackedLen != 0 && r.PackedLen != len(r.Packed) {
+		return intercept.Batch{}, fmt.Errorf("determinants of job %s: %d packed bytes announced, %d there", r.Job, r.PackedLen, len(r.Packed))
 	}
 	dets, err := intercept.Unpack(r.Packed)
 	if err != nil {

@@ -1,6 +1,8 @@
 package clusterapi
 
 import (
+	"bufio"
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -74,25 +76,124 @@ func TestDeterminantStreamIdle(t *testing.T) {
 	}
 }
 
-// TestDeterminantStreamUnknownToOlderAgents: an agent of an earlier version, which serves no determinant
-// streams of this version, refuses one as an unknown operation, which tells the caller to send requests
-// instead.
+// TestDeterminantStreamUnknownToOlderAgents: an agent of an earlier version that serves no determinant
+// streams refuses them as an unknown operation, which tells the caller to send requests instead; one that
+// serves OpDeterminantStream2 but not 3 gets a stream of 2, whose batches carry their packed bytes inside
+// their lines.
 func TestDeterminantStreamUnknownToOlderAgents(t *testing.T) {
-	pki := newTestPKI(t)
-	s := NewServer(t.Context(), &fakeService{}, ServerOptions{Timeouts: testTimeouts, Logger: slog.New(slog.DiscardHandler)})
-	older := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.URL.Path == OpDeterminantStream2.Path() {
-			r.URL.Path = "/v1/not-yet-an-operation"
-		}
-		s.ServeHTTP(w, r)
-	})
-	c := clientOf(t, pki, "n1", map[string]string{"n2": serveHandler(t, pki, "n2", older, "n1")}, testTimeouts)
-	_, err := c.DeterminantStream(t.Context(), "n2")
-	if e := Refusal(err); e == nil || e.Code != CodeUnknownOp {
-		t.Fatalf("stream to an older agent: %v; want its refusal as an unknown operation", err)
+	packed, err := intercept.Pack([]intercept.Det{{Conn: tcpflow.Tuple{Local: testSrc, Remote: testDst}, End: 9, Len: 9}})
+	if err != nil {
+		t.Fatal(err)
 	}
-	if err := c.Determinants(t.Context(), "n2", DeterminantsRequest{Job: "j1"}); err != nil {
-		t.Errorf("a request to the same agent: %v", err)
+	for _, tc := range []struct {
+		name    string
+		unknown []Op
+		want    Op // "": no stream
+	}{
+		{"serves none", []Op{OpDeterminantStream2, OpDeterminantStream3}, ""},
+		{"serves 2", []Op{OpDeterminantStream3}, OpDeterminantStream2},
+		{"serves 3", nil, OpDeterminantStream3},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pki := newTestPKI(t)
+			f := &fakeService{}
+			s := NewServer(t.Context(), f, ServerOptions{Timeouts: testTimeouts, Logger: slog.New(slog.DiscardHandler)})
+			older := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				for _, op := range tc.unknown {
+					if r.URL.Path == op.Path() {
+						r.URL.Path = "/v1/not-yet-an-operation"
+					}
+				}
+				s.ServeHTTP(w, r)
+			})
+			c := clientOf(t, pki, "n1", map[string]string{"n2": serveHandler(t, pki, "n2", older, "n1")}, testTimeouts)
+			st, err := c.DeterminantStream(t.Context(), "n2")
+			if tc.want == "" {
+				if e := Refusal(err); e == nil || e.Code != CodeUnknownOp {
+					t.Fatalf("stream to an older agent: %v; want its refusal as an unknown operation", err)
+				}
+				if err := c.Determinants(t.Context(), "n2", DeterminantsRequest{Job: "j1", Packed: packed}); err != nil {
+					t.Errorf("a request to the same agent: %v", err)
+				}
+			} else {
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer st.Close()
+				if st.op != tc.want {
+					t.Errorf("opened a stream of %s, want %s", st.op, tc.want)
+				}
+				if err := st.Send(t.Context(), DeterminantsRequest{Job: "j1", Packed: packed, Ack: true}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			_, req := f.last()
+			if r, ok := req.(DeterminantsRequest); !ok || r.Job != "j1" || !bytes.Equal(r.Packed, packed) {
+				t.Errorf("the service got %+v, want job j1's batch with its %d packed bytes", req, len(packed))
+			}
+		})
+	}
+}
+
+// TestDeterminantStream3Frames: on OpDeterminantStream3 each batch's packed bytes follow its line. Batches
+// of every size up to the bound reach the service whole and in order; a line that carries packed bytes
+// itself, or announces more than the bound, ends the stream with nothing of it stored.
+func TestDeterminantStream3Frames(t *testing.T) {
+	f := &fakeService{}
+	c, _ := serve(t, f)
+	ctx, cancel := context.WithTimeout(t.Context(), failAfter)
+	defer cancel()
+	st, err := c.DeterminantStream(ctx, "n2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	var dets []intercept.Det
+	for i := range intercept.MaxBatch {
+		dets = append(dets, intercept.Det{Conn: tcpflow.Tuple{Local: testSrc, Remote: testDst}, End: uint32(i + 1), Len: 1, Pos: uint64(i)})
+	}
+	var sent [][]byte
+	for i, n := range []int{1, 0, 2, intercept.MaxBatch, 7} {
+		packed, err := intercept.Pack(dets[:n])
+		if err != nil {
+			t.Fatal(err)
+		}
+		sent = append(sent, packed)
+		if err := st.Send(ctx, DeterminantsRequest{Job: "j1", First: uint64(i), Packed: packed, Ack: i == 4}); err != nil {
+			t.Fatalf("batch %d: %v", i, err)
+		}
+	}
+	f.mu.Lock()
+	if len(f.reqs) != len(sent) {
+		t.Fatalf("the service got %d batches, want %d", len(f.reqs), len(sent))
+	}
+	for i, r := range f.reqs {
+		if r := r.(DeterminantsRequest); r.First != uint64(i) || !bytes.Equal(r.Packed, sent[i]) || r.PackedLen != len(sent[i]) {
+			t.Errorf("batch %d arrived as number %d with %d packed bytes (%d announced), want %d", i, r.First, len(r.Packed), r.PackedLen, len(sent[i]))
+		}
+	}
+	f.mu.Unlock()
+
+	for _, line := range []string{
+		`{"job":"j2","packed":"AAAA","packed_len":3}` + "\nAAA",
+		fmt.Sprintf(`{"job":"j2","packed_len":%d}`, MaxMessage+1) + "\n",
+		`{"job":"j2","packed_len":-1}` + "\n",
+	} {
+		conn, err := c.upgrade(ctx, "n2", OpDeterminantStream3, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.WriteString(conn, line); err != nil {
+			t.Fatal(err)
+		}
+		conn.SetReadDeadline(time.Now().Add(failAfter))
+		if n, err := io.ReadAll(conn); err != nil || len(n) != 0 {
+			t.Errorf("after %q the server answered %q (%v); want the stream closed", line, n, err)
+		}
+		conn.Close()
+	}
+	if _, req := f.last(); req.(DeterminantsRequest).Job != "j1" {
+		t.Errorf("the service got %+v from a bad frame", req)
 	}
 }
 
@@ -189,4 +290,33 @@ func BenchmarkDeterminantStream(b *testing.B) {
 			b.ReportMetric(float64(cpu()-start)/float64(b.N)/1e3, "cpu-us/batch")
 		})
 	}
+}
+
+// FuzzDeterminantStream3 reads arbitrary bytes as a determinant stream of each kind: nothing may panic,
+// and no batch may hold more packed bytes than the protocol's bound for a message.
+func FuzzDeterminantStream3(f *testing.F) {
+	packed, err := intercept.Pack([]intercept.Det{{Conn: tcpflow.Tuple{Local: testSrc, Remote: testDst}, End: 9, Len: 9}})
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Add([]byte(fmt.Sprintf(`{"job":"j1","packed_len":%d}`+"\n", len(packed)) + string(packed) + `{"job":"j1","packed_len":0,"ack":true}` + "\n"))
+	f.Add([]byte(`{"job":"j1","packed_len":1048576}` + "\nabc"))
+	f.Add([]byte(`{"job":"j1","packed":"AAAA"}` + "\n"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		for _, op := range []Op{OpDeterminantStream2, OpDeterminantStream3} {
+			in := bufio.NewReader(bytes.NewReader(data))
+			for {
+				req, err := readBatch(in, op)
+				if err != nil {
+					break
+				}
+				if len(req.Packed) > MaxMessage {
+					t.Fatalf("%s: a batch of %d packed bytes read", op, len(req.Packed))
+				}
+				if b, err := req.Batch(); err == nil && len(b.Dets) > intercept.MaxBatch {
+					t.Fatalf("%s: a batch of %d determinants read", op, len(b.Dets))
+				}
+			}
+		}
+	})
 }

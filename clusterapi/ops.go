@@ -27,6 +27,8 @@ const (
 	OpDeterminantStream Op = "determinant-stream" // OpDeterminants' batches one after another on one connection, each answered (detstream.go)
 	// OpDeterminantStream2: the same batches, answered only when the caller asks or the server refuses one.
 	OpDeterminantStream2 Op = "determinant-stream-2"
+	// OpDeterminantStream3: as OpDeterminantStream2, each batch's packed determinants as raw bytes after its line.
+	OpDeterminantStream3 Op = "determinant-stream-3"
 	// Failure detection and recovery.
 	OpHeartbeat      Op = "heartbeat"       // a stream of heartbeats from the server's predecessor in the ring
 	OpProbe          Op = "probe"           // does the server reach a suspect's agent
@@ -49,7 +51,7 @@ func (op Op) Path() string { return "/v1/" + string(op) }
 // Ops lists every operation.
 func Ops() []Op {
 	return []Op{OpPing, OpSnapshot, OpFetch, OpLocate, OpTrim, OpLogRange, OpCheckpointNow, OpReceived,
-		OpLogWatermark, OpLogged, OpDeterminants, OpDeterminantsSince, OpDeterminantStream, OpDeterminantStream2, OpHeartbeat, OpProbe, OpView, OpClaim, OpRecover, OpReplica, OpRecoveryStatus, OpGrant, OpRejoin, OpStartJob, OpCoordinate}
+		OpLogWatermark, OpLogged, OpDeterminants, OpDeterminantsSince, OpDeterminantStream, OpDeterminantStream2, OpDeterminantStream3, OpHeartbeat, OpProbe, OpView, OpClaim, OpRecover, OpReplica, OpRecoveryStatus, OpGrant, OpRejoin, OpStartJob, OpCoordinate}
 }
 
 // MaxHeader bounds a small request body; MaxMessage bounds the larger ones (views, trims), every reply

@@ -94,11 +94,12 @@ func TestEveryOperation(t *testing.T) {
 			return req, "", nil
 		}, ""},
 		{OpDeterminantStream2, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
-			st, err := c.DeterminantStream(ctx, "n2")
+			conn, err := c.upgrade(ctx, "n2", OpDeterminantStream2, nil) // what an agent of an earlier version opens
 			if err != nil {
 				return nil, nil, err
 			}
-			defer st.Close()
+			defer conn.Close()
+			st := &DeterminantStream{op: OpDeterminantStream2, peer: "n2", conn: conn, r: conn.(bufferedConn).r, timeout: failAfter}
 			packed, _ := intercept.Pack([]intercept.Det{{Conn: tcpflow.Tuple{Local: testSrc, Remote: testDst}, End: 9, Len: 9}})
 			var req DeterminantsRequest
 			for first := range uint64(3) { // one connection carries batch after batch, the last asking for an answer
@@ -107,6 +108,26 @@ func TestEveryOperation(t *testing.T) {
 					return nil, nil, err
 				}
 			}
+			return req, "", nil
+		}, ""},
+		{OpDeterminantStream3, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
+			st, err := c.DeterminantStream(ctx, "n2")
+			if err != nil {
+				return nil, nil, err
+			}
+			defer st.Close()
+			if st.op != OpDeterminantStream3 {
+				return nil, nil, fmt.Errorf("opened a stream of %s", st.op)
+			}
+			packed, _ := intercept.Pack([]intercept.Det{{Conn: tcpflow.Tuple{Local: testSrc, Remote: testDst}, End: 9, Len: 9}})
+			var req DeterminantsRequest
+			for first := range uint64(3) { // one connection carries batch after batch, the last asking for an answer
+				req = DeterminantsRequest{Job: "j1", Stream: 3, First: first, Packed: packed, Ack: first == 2}
+				if err := st.Send(ctx, req); err != nil {
+					return nil, nil, err
+				}
+			}
+			req.PackedLen = len(packed) // as the server read it
 			return req, "", nil
 		}, ""},
 		{OpDeterminantsSince, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
@@ -272,7 +293,7 @@ func TestRefusalsReadTheSame(t *testing.T) {
 		OpReceived:      func() error { _, err := c.Received(ctx, "n2", ReceivedRequest{}); return err },
 		OpLogWatermark:  func() error { _, err := c.LogWatermark(ctx, "n2"); return err },
 		OpDeterminants:  func() error { return c.Determinants(ctx, "n2", DeterminantsRequest{}) },
-		OpDeterminantStream2: func() error {
+		OpDeterminantStream3: func() error {
 			st, err := c.DeterminantStream(ctx, "n2")
 			if err != nil {
 				return err

@@ -148,6 +148,7 @@ func NewServer(ctx context.Context, svc Service, opts ServerOptions) *Server {
 	s.route(OpFetch, s.fetch)
 	s.route(OpDeterminantStream, s.determinantStream(OpDeterminantStream))
 	s.route(OpDeterminantStream2, s.determinantStream(OpDeterminantStream2))
+	s.route(OpDeterminantStream3, s.determinantStream(OpDeterminantStream3))
 	s.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		s.refuse(w, Op(strings.TrimPrefix(r.URL.Path, "/v1/")), "", &Error{Code: CodeUnknownOp, Message: "no such operation: " + r.URL.Path})
 	})
