@@ -135,19 +135,26 @@ func TestDeterminantStreamUnknownToOlderAgents(t *testing.T) {
 	}
 }
 
+// openStream serves svc and opens a determinant stream to it, within a context of failAfter; both end with
+// the test.
+func openStream(t *testing.T, svc Service) (context.Context, *Client, *DeterminantStream) {
+	c, _ := serve(t, svc)
+	ctx, cancel := context.WithTimeout(t.Context(), failAfter)
+	t.Cleanup(cancel)
+	st, err := c.DeterminantStream(ctx, "n2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	return ctx, c, st
+}
+
 // TestDeterminantStream3Frames: on OpDeterminantStream3 each batch's packed bytes follow its line. Batches
 // of every size up to the bound reach the service whole and in order; a line that carries packed bytes
 // itself, or announces more than the bound, ends the stream with nothing of it stored.
 func TestDeterminantStream3Frames(t *testing.T) {
 	f := &fakeService{}
-	c, _ := serve(t, f)
-	ctx, cancel := context.WithTimeout(t.Context(), failAfter)
-	defer cancel()
-	st, err := c.DeterminantStream(ctx, "n2")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer st.Close()
+	ctx, c, st := openStream(t, f)
 	var dets []intercept.Det
 	for i := range intercept.MaxBatch {
 		dets = append(dets, intercept.Det{Conn: tcpflow.Tuple{Local: testSrc, Remote: testDst}, End: uint32(i + 1), Len: 1, Pos: uint64(i)})
@@ -219,14 +226,7 @@ func (*takeDeterminants) Determinants(context.Context, string, DeterminantsReque
 // after which it ends the stream and stores nothing that followed on it.
 func TestDeterminantStream2AnswersWhenAsked(t *testing.T) {
 	f := &refuseJob{job: "bad"}
-	c, _ := serve(t, f)
-	ctx, cancel := context.WithTimeout(t.Context(), failAfter)
-	defer cancel()
-	st, err := c.DeterminantStream(ctx, "n2")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer st.Close()
+	ctx, _, st := openStream(t, f)
 	for i, req := range []DeterminantsRequest{{Job: "j1", First: 0}, {Job: "j1", First: 1}, {Job: "j1", First: 2, Ack: true},
 		{Job: "bad", First: 3}, {Job: "j1", First: 4}} {
 		if err := st.Send(ctx, req); err != nil {

@@ -100,15 +100,8 @@ func TestEveryOperation(t *testing.T) {
 			}
 			defer conn.Close()
 			st := &DeterminantStream{op: OpDeterminantStream2, peer: "n2", conn: conn, r: conn.(bufferedConn).r, timeout: failAfter}
-			packed, _ := intercept.Pack([]intercept.Det{{Conn: tcpflow.Tuple{Local: testSrc, Remote: testDst}, End: 9, Len: 9}})
-			var req DeterminantsRequest
-			for first := range uint64(3) { // one connection carries batch after batch, the last asking for an answer
-				req = DeterminantsRequest{Job: "j1", Stream: 3, First: first, Packed: packed, Ack: first == 2}
-				if err := st.Send(ctx, req); err != nil {
-					return nil, nil, err
-				}
-			}
-			return req, "", nil
+			req, err := sendThreeBatches(ctx, st)
+			return req, "", err
 		}, ""},
 		{OpDeterminantStream3, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
 			st, err := c.DeterminantStream(ctx, "n2")
@@ -119,16 +112,9 @@ func TestEveryOperation(t *testing.T) {
 			if st.op != OpDeterminantStream3 {
 				return nil, nil, fmt.Errorf("opened a stream of %s", st.op)
 			}
-			packed, _ := intercept.Pack([]intercept.Det{{Conn: tcpflow.Tuple{Local: testSrc, Remote: testDst}, End: 9, Len: 9}})
-			var req DeterminantsRequest
-			for first := range uint64(3) { // one connection carries batch after batch, the last asking for an answer
-				req = DeterminantsRequest{Job: "j1", Stream: 3, First: first, Packed: packed, Ack: first == 2}
-				if err := st.Send(ctx, req); err != nil {
-					return nil, nil, err
-				}
-			}
-			req.PackedLen = len(packed) // as the server read it
-			return req, "", nil
+			req, err := sendThreeBatches(ctx, st)
+			req.PackedLen = len(req.Packed) // as the server read it
+			return req, "", err
 		}, ""},
 		{OpDeterminantsSince, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
 			dets, err := c.DeterminantsSince(ctx, "n2", "j1", "s1")
@@ -276,6 +262,20 @@ func TestEveryOperation(t *testing.T) {
 			}
 		})
 	}
+}
+
+// sendThreeBatches sends batch after batch of one determinant on st, the last asking for an answer, and
+// returns the last.
+func sendThreeBatches(ctx context.Context, st *DeterminantStream) (DeterminantsRequest, error) {
+	packed, _ := intercept.Pack([]intercept.Det{{Conn: tcpflow.Tuple{Local: testSrc, Remote: testDst}, End: 9, Len: 9}})
+	var req DeterminantsRequest
+	for first := range uint64(3) {
+		req = DeterminantsRequest{Job: "j1", Stream: 3, First: first, Packed: packed, Ack: first == 2}
+		if err := st.Send(ctx, req); err != nil {
+			return req, err
+		}
+	}
+	return req, nil
 }
 
 // TestRefusalsReadTheSame: an operation the service refuses comes back to the caller as the same typed
