@@ -44,13 +44,22 @@ type roConfig struct {
 var roConfigs = []roConfig{{Name: "off"}, {Name: "on", Order: true}, {Name: "on_ship_2ms", Order: true, ShipEvery: 2 * time.Millisecond},
 	{Name: "positions", Order: true, Positions: true}}
 
-// roRun is one lab's measurements in one configuration.
+// roRun is one lab's measurements in one configuration: the stencil, then two message streams one after
+// the other. The first is the agents' first, which also pays for their memory's first growth (on a
+// hypervisor that backs a guest's memory on first touch, a good part of it: docs/mpi.md); the second
+// shows what the same stream costs agents that run already.
 type roRun struct {
-	Config        string  `json:"config"`
-	Order         bool    `json:"receive_order"`
-	Round         int     `json:"round"`
-	StencilS      float64 `json:"stencil_seconds"`      // stencil2d, every rank an agent job, interval 1h (compare's b)
-	StencilOK     bool    `json:"stencil_identical"`    // every rank's checksum is the unprotected run's
+	Config    string   `json:"config"`
+	Order     bool     `json:"receive_order"`
+	Round     int      `json:"round"`
+	StencilS  float64  `json:"stencil_seconds"`   // stencil2d, every rank an agent job, interval 1h (compare's b)
+	StencilOK bool     `json:"stencil_identical"` // every rank's checksum is the unprotected run's
+	roStream           // the first message stream
+	Second    roStream `json:"second_stream"`
+}
+
+// roStream is one message stream's measurements.
+type roStream struct {
 	MsgRate       float64 `json:"msg_rate"`             // messages/s, receiver's first byte to EOF
 	MsgCalls      int64   `json:"msg_receive_calls"`    // receive calls that returned bytes
 	RecvCPUS      float64 `json:"receiver_cpu_s"`       // the receiving job's own CPU time (the recorder runs in its calls)
@@ -104,9 +113,9 @@ func runReceiveOrder(ctx context.Context, log *slog.Logger, binDir, self string,
 	}
 	jobs := &jobLauncher{prog: prog, sz: sz, args: args, ref: ref, log: log}
 	var runs []roRun
-	// Per configuration, per round: stencil seconds, message rate, CPU per call.
-	stencil, rate, recvCPU, agentCPU := map[string][]float64{}, map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
-	stencilRatio, rateRatio := map[string][]float64{}, map[string][]float64{}
+	// Per configuration, per round: stencil seconds, and per stream the message rate and CPU per call.
+	stencil, stencilRatio := map[string][]float64{}, map[string][]float64{}
+	first, second := roStreamStats{}, roStreamStats{}
 	for round := range rounds {
 		byName := map[string]roRun{}
 		for k := range roConfigs {
@@ -122,8 +131,11 @@ func runReceiveOrder(ctx context.Context, log *slog.Logger, binDir, self string,
 				if !st.Identical {
 					return fmt.Errorf("stencil2d: checksums %v, want %s on every rank", st.Checksums, ref)
 				}
-				r, err = msgStream(ctx, c, self, 7705+10*round)
 				r.StencilS, r.StencilOK = st.Seconds, st.Identical
+				if r.roStream, err = msgStream(ctx, c, self, 7705+10*round); err != nil {
+					return err
+				}
+				r.Second, err = msgStream(ctx, c, self, 7706+10*round)
 				return err
 			})
 			if err != nil {
@@ -133,16 +145,15 @@ func runReceiveOrder(ctx context.Context, log *slog.Logger, binDir, self string,
 			byName[cfg.Name] = r
 			runs = append(runs, r)
 			log.Info("receive-order bench", "round", round, "config", cfg.Name, "stencil_s", round2(r.StencilS),
-				"msgs_s", int(r.MsgRate), "receive_calls", r.MsgCalls, "agents_cpu_s", round2(r.AgentCPUS))
+				"msgs_s", int(r.MsgRate), "second_msgs_s", int(r.Second.MsgRate), "receive_calls", r.MsgCalls,
+				"agents_cpu_s", round2(r.AgentCPUS), "second_agents_cpu_s", round2(r.Second.AgentCPUS))
 		}
 		off := byName[roConfigs[0].Name]
 		for name, r := range byName {
 			stencil[name] = append(stencil[name], r.StencilS)
-			rate[name] = append(rate[name], r.MsgRate)
-			recvCPU[name] = append(recvCPU[name], r.RecvCPUS/float64(r.MsgCalls)*1e9)
-			agentCPU[name] = append(agentCPU[name], r.AgentCPUS/float64(r.MsgCalls)*1e9)
 			stencilRatio[name] = append(stencilRatio[name], r.StencilS/off.StencilS)
-			rateRatio[name] = append(rateRatio[name], r.MsgRate/off.MsgRate)
+			first.add(name, r.roStream, off.roStream)
+			second.add(name, r.Second, off.Second)
 		}
 	}
 	var metrics []Metric
@@ -151,63 +162,86 @@ func runReceiveOrder(ctx context.Context, log *slog.Logger, binDir, self string,
 			metrics = append(metrics, Metric{Name: name + "_" + cfg.Name, Value: v, Unit: unit})
 		}
 		m("stencil_seconds", median(stencil[cfg.Name]), "s")
-		m("msg64_rate", median(rate[cfg.Name]), "msgs/s")
-		m("msg64_receiver_cpu_per_call", median(recvCPU[cfg.Name]), "ns")
-		m("msg64_agents_cpu_per_call", median(agentCPU[cfg.Name]), "ns")
+		for _, st := range []struct {
+			suffix string
+			stats  roStreamStats
+		}{{"", first}, {"_second", second}} {
+			m("msg64_rate"+st.suffix, median(st.stats.rate[cfg.Name]), "msgs/s")
+			m("msg64_receiver_cpu_per_call"+st.suffix, median(st.stats.recvCPU[cfg.Name]), "ns")
+			m("msg64_agents_cpu_per_call"+st.suffix, median(st.stats.agentCPU[cfg.Name]), "ns")
+			if i > 0 {
+				m("msg64_rate_ratio"+st.suffix, median(st.stats.rateRatio[cfg.Name]), "x")
+			}
+		}
 		if i > 0 {
 			m("stencil_overhead", (median(stencilRatio[cfg.Name])-1)*100, "%")
-			m("msg64_rate_ratio", median(rateRatio[cfg.Name]), "x")
 		}
 	}
 	return metrics, runs, nil
 }
 
+// roStreamStats gathers one of the labs' message streams (the first or the second) per configuration, a
+// value per round: the rate, the CPU per call, the rate against recording off's stream of the same round.
+type roStreamStats struct {
+	rate, recvCPU, agentCPU, rateRatio map[string][]float64
+}
+
+func (s *roStreamStats) add(config string, r, off roStream) {
+	if s.rate == nil {
+		s.rate, s.recvCPU, s.agentCPU, s.rateRatio = map[string][]float64{}, map[string][]float64{}, map[string][]float64{}, map[string][]float64{}
+	}
+	s.rate[config] = append(s.rate[config], r.MsgRate)
+	s.recvCPU[config] = append(s.recvCPU[config], r.RecvCPUS/float64(r.MsgCalls)*1e9)
+	s.agentCPU[config] = append(s.agentCPU[config], r.AgentCPUS/float64(r.MsgCalls)*1e9)
+	s.rateRatio[config] = append(s.rateRatio[config], r.MsgRate/off.MsgRate)
+}
+
 // msgStream runs one stream of roMsgCount 64-byte messages from a job on node1 to a job on node2.
-func msgStream(ctx context.Context, c *labcluster.Cluster, self string, port int) (roRun, error) {
+func msgStream(ctx context.Context, c *labcluster.Cluster, self string, port int) (roStream, error) {
 	h2, err := c.Lab.Host("node2")
 	if err != nil {
-		return roRun{}, err
+		return roStream{}, err
 	}
 	addr := netip.AddrPortFrom(h2.Addr.Addr(), uint16(port)).String()
 	recv, err := c.Client("node2").StartJob(ctx, agent.JobSpec{Name: "msgrecv", Argv: []string{self}, Interval: "1h",
 		Env: []string{streamtest.RoleEnv + "=msgrecv", "FTBENCH_ADDR=" + addr, "FTBENCH_MSG=" + strconv.Itoa(roMsgSize)}})
 	if err != nil {
-		return roRun{}, fmt.Errorf("start the receiver: %w", err)
+		return roStream{}, fmt.Errorf("start the receiver: %w", err)
 	}
 	defer c.Client("node2").Signal(context.WithoutCancel(ctx), recv.ID, syscall.SIGKILL)
 	if err := waitOutput(ctx, recv.StdoutPath(), time.Minute); err != nil { // "ready": it listens
-		return roRun{}, fmt.Errorf("receiver: %w", err)
+		return roStream{}, fmt.Errorf("receiver: %w", err)
 	}
 	before, err := agentsCPU(c)
 	if err != nil {
-		return roRun{}, err
+		return roStream{}, err
 	}
 	send, err := c.Client("node1").StartJob(ctx, agent.JobSpec{Name: "msgsend", Argv: []string{self}, Interval: "1h",
 		Env: []string{streamtest.RoleEnv + "=bulksend", "FTBENCH_ADDR=" + addr,
 			"FTBENCH_BYTES=" + strconv.Itoa(roMsgSize*roMsgCount), "FTBENCH_WRITE=" + strconv.Itoa(roMsgSize*roMsgsPerWrite)}})
 	if err != nil {
-		return roRun{}, fmt.Errorf("start the sender: %w", err)
+		return roStream{}, fmt.Errorf("start the sender: %w", err)
 	}
 	defer c.Client("node1").Signal(context.WithoutCancel(ctx), send.ID, syscall.SIGKILL)
 	for _, j := range []agent.Job{send, recv} {
 		if err := waitExit(ctx, j, 5*time.Minute); err != nil {
-			return roRun{}, err
+			return roStream{}, err
 		}
 	}
 	after, err := agentsCPU(c)
 	if err != nil {
-		return roRun{}, err
+		return roStream{}, err
 	}
 	out, err := os.ReadFile(recv.StdoutPath())
 	if err != nil {
-		return roRun{}, err
+		return roStream{}, err
 	}
 	var bytes, ns, calls, cpuNs int64
 	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
 	if _, err := fmt.Sscanf(lines[len(lines)-1], "%d %d %d %d", &bytes, &ns, &calls, &cpuNs); err != nil || bytes != roMsgSize*roMsgCount {
-		return roRun{}, fmt.Errorf("receiver said %q, want %d bytes and its times (%v)", out, roMsgSize*roMsgCount, err)
+		return roStream{}, fmt.Errorf("receiver said %q, want %d bytes and its times (%v)", out, roMsgSize*roMsgCount, err)
 	}
-	r := roRun{MsgRate: float64(roMsgCount) / (float64(ns) / 1e9), MsgCalls: calls, RecvCPUS: float64(cpuNs) / 1e9,
+	r := roStream{MsgRate: float64(roMsgCount) / (float64(ns) / 1e9), MsgCalls: calls, RecvCPUS: float64(cpuNs) / 1e9,
 		ReceiverAgent: after["node2"] - before["node2"]}
 	for h, v := range after {
 		r.AgentCPUS += v - before[h]
