@@ -34,13 +34,13 @@ import (
 // receive-order's message stream). A member opens the newest stream its protector serves.
 
 // DeterminantsAck answers one batch of a determinant stream: Error is nil when the protector stored it
-// (and on OpDeterminantStream2, every batch before it on the stream).
+// (and on OpDeterminantStream2 and 3, every batch before it on the stream).
 type DeterminantsAck struct {
 	Error *Error `json:"error,omitempty"`
 }
 
-// DeterminantStream is an open determinant stream (OpDeterminantStream2) to a member, for one goroutine at
-// a time.
+// DeterminantStream is an open determinant stream (OpDeterminantStream3, or 2) to a member, for one
+// goroutine at a time.
 type DeterminantStream struct {
 	op      Op // OpDeterminantStream3, or 2 to an agent of an earlier version
 	peer    string
