@@ -166,7 +166,13 @@ func TestLabSlurm(t *testing.T) {
 			t.Errorf("sbatch --wait of a script exiting %d: status %d, job %q", tc.exit, code, jobID)
 			continue
 		}
+		// sbatch --wait returns once the script has exited; slurmctld may still show the job COMPLETING (its
+		// epilog and cleanup on the node) for a moment before its final state (ci247).
 		show := run("exec", "node1", "--", "scontrol", "--oneliner", "show", "job", jobID)
+		for deadline := time.Now().Add(time.Minute); strings.Contains(show, "JobState=COMPLETING ") && time.Now().Before(deadline); {
+			time.Sleep(50 * time.Millisecond)
+			show = run("exec", "node1", "--", "scontrol", "--oneliner", "show", "job", jobID)
+		}
 		for _, want := range []string{"JobState=" + tc.state + " ", fmt.Sprintf("ExitCode=%d:0", tc.exit)} {
 			if !strings.Contains(show, want) {
 				t.Errorf("job %s exiting %d: scontrol lacks %q:\n%s", jobID, tc.exit, want, show)
