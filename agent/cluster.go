@@ -262,6 +262,10 @@ func (s peerService) Grant(_ context.Context, peer string, req clusterapi.GrantR
 	return s.a.localGrant(req, peer)
 }
 
+func (s peerService) Vouch(_ context.Context, peer string, req clusterapi.VouchRequest) (clusterapi.VouchReply, error) {
+	return s.a.serveVouch(peer, req), nil
+}
+
 func (s peerService) Rejoin(ctx context.Context, peer string, req clusterapi.RejoinRequest) (clusterapi.ViewMessage, error) {
 	return s.a.serveRejoin(ctx, peer, req)
 }

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -14,14 +15,46 @@ import (
 // every file of the snapshot to disk), would trim the determinants and prune the copies the older choice
 // needs, and the recovery would be refused for want of them. So a declaration waits for the commits under
 // way, which the choice then sees, and from then until the fail-over ends the node's snapshots are refused.
+//
+// It also orders declarations with vouches (OpVouch): a node back from a stall of its own that looked like
+// isolation asks its protector whether it is still a member before it kills its jobs. Either the vouch
+// comes first, and a declaration on the silence before it is dropped (the node answered after it), or the
+// declaration does, and the vouch is refused (the node kills its jobs, which go on elsewhere). vmu, not mu,
+// orders the two: a declaration holds mu while commits finish, which a vouch must not wait for.
 type declaredFailed struct {
 	mu    sync.RWMutex
 	nodes map[string]bool
+
+	vmu     sync.Mutex
+	vouched map[string]time.Time // the last vouch for each member
+	failed  map[string]uint64    // the incarnation of each member this host declared failed, the last one
 }
 
-// declare marks node failed once every commit of a snapshot under way is over; forget, returned, lifts
-// the mark (its fail-over is over).
-func (d *declaredFailed) declare(node string) (forget func()) {
+// errVouched refuses a declaration: the node was vouched for after its silence began.
+var errVouched = errors.New("vouched for after its silence began")
+
+// fail records that this host declares incarnation inc of node failed, on a silence that began at
+// silentSince: from now on it vouches for that incarnation no more. It refuses (errVouched) if node was
+// vouched for since silentSince.
+func (d *declaredFailed) fail(node string, inc uint64, silentSince time.Time) error {
+	d.vmu.Lock()
+	defer d.vmu.Unlock()
+	if at, ok := d.vouched[node]; ok && at.After(silentSince) {
+		return fmt.Errorf("%s: %w (at %s)", node, errVouched, at.Format(time.StampMilli))
+	}
+	if d.failed == nil {
+		d.failed = map[string]uint64{}
+	}
+	d.failed[node] = inc
+	return nil
+}
+
+// declare declares incarnation inc of node failed (fail) and marks it so once every commit of a snapshot
+// under way is over; forget, returned, lifts the mark (its fail-over is over).
+func (d *declaredFailed) declare(node string, inc uint64, silentSince time.Time) (forget func(), err error) {
+	if err := d.fail(node, inc, silentSince); err != nil {
+		return nil, err
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.nodes == nil {
@@ -32,7 +65,22 @@ func (d *declaredFailed) declare(node string) (forget func()) {
 		d.mu.Lock()
 		defer d.mu.Unlock()
 		delete(d.nodes, node)
+	}, nil
+}
+
+// vouch records, at now, that incarnation inc of node answered after any silence so far, unless this host
+// declared that incarnation failed: its jobs go on elsewhere then, or nowhere.
+func (d *declaredFailed) vouch(node string, inc uint64, now time.Time) error {
+	d.vmu.Lock()
+	defer d.vmu.Unlock()
+	if f, ok := d.failed[node]; ok && f == inc {
+		return fmt.Errorf("this node declared %s (incarnation %d) failed: its jobs go on elsewhere, or wait for ftctl restore", node, inc)
 	}
+	if d.vouched == nil {
+		d.vouched = map[string]time.Time{}
+	}
+	d.vouched[node] = now
+	return nil
 }
 
 // enter refuses a commit of a snapshot of node if node is declared failed; otherwise declarations wait
@@ -59,4 +107,12 @@ func (a *Agent) beforeReplicaCommit(m *ckpt.Manifest) (func(error), error) {
 		}
 		release()
 	}, nil
+}
+
+// lastVouch is when this host last vouched for node (zero if never): the node counts the vouch as contact
+// with its protector, so a fence wait counts from it too (awaitFence).
+func (d *declaredFailed) lastVouch(node string) time.Time {
+	d.vmu.Lock()
+	defer d.vmu.Unlock()
+	return d.vouched[node]
 }

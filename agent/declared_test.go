@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"errors"
 	"runtime"
 	"slices"
 	"strings"
@@ -21,7 +22,10 @@ func TestDeclaredFailedOrdersCommits(t *testing.T) {
 	events := make(chan string, 2)
 	forgot := make(chan func(), 1)
 	go func() {
-		forget := d.declare("node2")
+		forget, err := d.declare("node2", 0, time.Now())
+		if err != nil {
+			panic(err)
+		}
 		events <- "declared"
 		forgot <- forget
 	}()
@@ -69,12 +73,83 @@ func TestBeforeReplicaCommit(t *testing.T) {
 		t.Fatal(err)
 	}
 	done(ckpt.ErrCorrupt)
-	forget := a.declared.declare("node2")
+	forget, err := a.declared.declare("node2", 0, time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
 	defer forget()
 	if _, err := a.beforeReplicaCommit(&ckpt.Manifest{Node: "node2", Job: "late"}); err == nil {
 		t.Error("a replica of a node declared failed was let through to its commit")
 	}
 	if got := a.replicas.since("node2", past, nil); !slices.Equal(got, []string{"fresh"}) {
 		t.Errorf("jobs with a replica since the last beat: %v, want [fresh]", got)
+	}
+}
+
+// A vouch and a declaration of the same member are ordered: a vouch after the silence began drops a
+// declaration on that silence (and only on that one), and a declared incarnation is vouched for no more
+// (a later one is).
+func TestVouchOrdersDeclarations(t *testing.T) {
+	t0 := time.Date(2026, 12, 4, 12, 0, 0, 0, time.UTC)
+	ms := func(n int) time.Time { return t0.Add(time.Duration(n) * time.Millisecond) }
+	type step struct {
+		op      string // vouch, declare (automatic fail-over), fail (recorded only)
+		node    string
+		inc     uint64
+		at      int // vouch: when; declare/fail: when the silence began
+		refused bool
+	}
+	for _, tc := range []struct {
+		name  string
+		steps []step
+	}{
+		{"vouch after the silence began drops the declaration", []step{
+			{op: "vouch", node: "node2", at: 3200},
+			{op: "declare", node: "node2", at: 100, refused: true},
+			{op: "fail", node: "node2", at: 100, refused: true},
+		}},
+		{"a silence that began after the vouch is declared", []step{
+			{op: "vouch", node: "node2", at: 3200},
+			{op: "declare", node: "node2", at: 3200},
+			{op: "vouch", node: "node2", at: 9000, refused: true},
+		}},
+		{"another member's vouch does not count", []step{
+			{op: "vouch", node: "node3", at: 3200},
+			{op: "declare", node: "node2", at: 100},
+		}},
+		{"declared first: the vouch is refused", []step{
+			{op: "fail", node: "node2", at: 100},
+			{op: "vouch", node: "node2", at: 3200, refused: true},
+			{op: "vouch", node: "node3", at: 3200},
+		}},
+		{"a later incarnation is vouched for", []step{
+			{op: "declare", node: "node2", inc: 0, at: 100},
+			{op: "vouch", node: "node2", inc: 1, at: 60000},
+			{op: "declare", node: "node2", inc: 1, at: 1000, refused: true},
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var d declaredFailed
+			for i, s := range tc.steps {
+				var err error
+				switch s.op {
+				case "vouch":
+					err = d.vouch(s.node, s.inc, ms(s.at))
+				case "declare":
+					var forget func()
+					if forget, err = d.declare(s.node, s.inc, ms(s.at)); err == nil {
+						forget()
+					}
+				case "fail":
+					err = d.fail(s.node, s.inc, ms(s.at))
+				}
+				if (err != nil) != s.refused {
+					t.Fatalf("step %d %+v: err %v, want refused %v", i, s, err, s.refused)
+				}
+				if err != nil && s.op != "vouch" && !errors.Is(err, errVouched) {
+					t.Fatalf("step %d: refusal %v is not errVouched", i, err)
+				}
+			}
+		})
 	}
 }

@@ -23,7 +23,13 @@ import (
 // and have the target restore the jobs with the peers' logged bytes replayed.
 func (a *Agent) failover(ctx context.Context, s detect.Suspect, declared time.Time) {
 	// Before its replicas are chosen: from here none of its snapshots commits, and those that did count.
-	defer a.declared.declare(s.Name)()
+	forget, err := a.declared.declare(s.Name, a.incarnationOf(s.Name), s.Since)
+	if err != nil {
+		a.log.Warn("not failing over: the node answered after its silence began (back from a stall, it asked this protector to vouch for it)",
+			"node", s.Name, "err", err)
+		return
+	}
+	defer forget()
 	s.Jobs = a.replicas.since(s.Name, s.LastBeat, s.Jobs)
 	id := failureID(s.Name, declared)
 	// A node that fails while it restores the jobs of an earlier failure this host coordinates (a spare
@@ -37,7 +43,7 @@ func (a *Agent) failover(ctx context.Context, s detect.Suspect, declared time.Ti
 	}
 	a.recordFailure(s, declared)
 	a.log.Error("node failed", "node", s.Name, "jobs", s.Jobs, "detection_ms", declared.Sub(s.LastBeat).Milliseconds(), "failure", id)
-	err := a.runFailover(ctx, id, s, declared, taken)
+	err = a.runFailover(ctx, id, s, declared, taken)
 	a.failures.Update(id, func(f *Failure) {
 		f.Done = true
 		if err != nil {
@@ -267,9 +273,13 @@ func (a *Agent) awaitFence(ctx context.Context, id string, s detect.Suspect, dec
 			return nil
 		}
 	}
-	// The reference is the last beat that arrived; with none since watching started (a ring change just
-	// made s our predecessor), when watching started, which is later and so waits longer.
+	// The reference is the last beat that arrived, or this host's last vouch for s if later (s counts it as
+	// contact from when it asked); with neither since watching started (a ring change just made s our
+	// predecessor), when watching started, which is later and so waits longer.
 	ref := s.LastBeat
+	if v := a.declared.lastVouch(s.Name); v.After(ref) {
+		ref = v
+	}
 	if from := declared.Add(-s.Silence); ref.IsZero() || from.Sub(ref) > a.cfg.Heartbeat.Timeout.Duration+t.Timeout {
 		ref = from
 	}

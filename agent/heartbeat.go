@@ -339,6 +339,10 @@ func (a *Agent) watchPredecessor(ctx context.Context) {
 			}
 			s.Jobs = a.replicas.since(s.Name, s.LastBeat, s.Jobs)
 			if !a.cfg.Failover.Automatic {
+				if err := a.declared.fail(s.Name, a.incarnationOf(s.Name), s.Since); err != nil {
+					a.log.Warn("not declaring it failed: the node answered after its silence began", "node", s.Name, "err", err)
+					continue
+				}
 				a.log.Error("node failed; automatic fail-over is off: restore its jobs with `ftctl restore`", "node", s.Name, "jobs", s.Jobs)
 				a.recordFailure(s, time.Now())
 				continue

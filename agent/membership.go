@@ -91,6 +91,12 @@ func (a *Agent) member(name string) (ring.Member, bool) {
 	return a.View().Member(name)
 }
 
+// incarnationOf is member name's incarnation in the current view (0 if it is not a member).
+func (a *Agent) incarnationOf(name string) uint64 {
+	m, _ := a.member(name)
+	return m.Incarnation
+}
+
 // memberByIP is the alive cluster member that holds ip now, a host address or a job address ("" if none
 // is known): it does not wait for the members' answer about a job address it does not know yet
 // (holderOf; memberByIPWait does).

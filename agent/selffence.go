@@ -13,8 +13,10 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/fence"
 	"github.com/ftkit/ftkit/internal/tickgrid"
+	"github.com/ftkit/ftkit/ring"
 )
 
 // Self-fencing: a node cut off from the ring (not dead) still runs its jobs, while its protector restores
@@ -101,20 +103,88 @@ func (a *Agent) selfFence(ctx context.Context) {
 			return
 		}
 		// Only a host with jobs fences (and records it): a spare or an idle node has nothing to run twice.
-		fenced = a.fenceJobs(d.Silence, p.Name, s.Name)
+		running := a.runningJobs()
+		if len(running) == 0 {
+			return
+		}
+		why := ""
+		if a.stalls.Since(now.Add(-d.Silence), now) {
+			// This agent stalled within the silence (a starved or paused host): the silence may be its own
+			// absence only, as when a whole machine or cluster pauses. Its protector knows whether it declared
+			// this node failed (and refuses to vouch then), and a stalled protector declared nobody.
+			sent := time.Now()
+			vouched, reason := a.askVouch(ctx, p.Name, t.VouchBy(sent, since, c.Protector))
+			if vouched {
+				a.log.Warn("heard from neither ring neighbour for fence_timeout, but this agent stalled meanwhile and its protector vouches for it: not fencing",
+					"protector", p.Name, "predecessor", s.Name, "silence_ms", d.Silence.Milliseconds(), "vouch_ms", time.Since(sent).Milliseconds())
+				prot.set(p.Name, sent)
+				return
+			}
+			why = "; this agent stalled meanwhile, and " + reason
+		}
+		fenced = a.fenceJobs(running, d.Silence, p.Name, s.Name, why)
 	})
 }
 
-// fenceJobs kills every running job of this host (its whole cgroup) and records the fence as an event. It
-// reports whether there was any job to kill.
-func (a *Agent) fenceJobs(silence time.Duration, protector, predecessor string) bool {
-	start := time.Now()
+// runningJobs lists this host's running jobs.
+func (a *Agent) runningJobs() []Job {
 	var running []Job
 	for _, j := range a.Jobs(0) {
 		if j.State == JobRunning {
 			running = append(running, j)
 		}
 	}
+	return running
+}
+
+// askVouch asks protector, by deadline, whether it still holds this node alive (OpVouch); false comes
+// with why not, as a clause for the fence event's detail.
+func (a *Agent) askVouch(ctx context.Context, protector string, deadline time.Time) (bool, string) {
+	ctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	r, err := a.peers().Vouch(ctx, protector, clusterapi.VouchRequest{Incarnation: a.incarnationOf(a.cfg.Name)})
+	switch {
+	case err != nil:
+		a.metrics.Vouch("unanswered")
+		return false, fmt.Sprintf("%s did not vouch for it in time: %v", protector, err)
+	case !r.Member:
+		a.metrics.Vouch("refused")
+		return false, fmt.Sprintf("%s refused to vouch for it: %s", protector, r.Why)
+	}
+	a.metrics.Vouch("vouched")
+	return true, ""
+}
+
+// serveVouch answers peer, back from a stall of its own with both ring neighbours silent for its fence
+// timeout, whether this node, its protector, still holds it alive; yes binds this node not to declare it
+// failed on the silence before (declaredFailed), and its silence counts from now.
+func (a *Agent) serveVouch(peer string, req clusterapi.VouchRequest) clusterapi.VouchReply {
+	v := a.View()
+	no := func(format string, args ...any) clusterapi.VouchReply {
+		why := fmt.Sprintf(format, args...)
+		a.log.Warn("not vouching for a member back from a stall", "member", peer, "why", why)
+		return clusterapi.VouchReply{Why: why}
+	}
+	if m, ok := v.Member(peer); !ok || m.State != ring.StateAlive || m.Incarnation != req.Incarnation {
+		return no("view %d does not list it alive as incarnation %d", v.Epoch, req.Incarnation)
+	}
+	if pred, ok := v.Predecessor(a.cfg.Name); !ok || pred.Name != peer {
+		return no("in view %d this node does not watch it", v.Epoch)
+	}
+	now := time.Now()
+	if err := a.declared.vouch(peer, req.Incarnation, now); err != nil {
+		return no("%v", err)
+	}
+	a.watchdog.Clear(peer, now)
+	a.log.Warn("vouched for the predecessor: back from a stall of its own, it had heard from neither ring neighbour for its fence timeout",
+		"member", peer, "incarnation", req.Incarnation)
+	return clusterapi.VouchReply{Member: true}
+}
+
+// fenceJobs kills the running jobs of this host (their whole cgroups) and records the fence as an event,
+// why appended to its detail. It reports whether there was any job to kill.
+func (a *Agent) fenceJobs(running []Job, silence time.Duration, protector, predecessor, why string) bool {
+	start := time.Now()
 	if len(running) == 0 {
 		return false
 	}
@@ -138,8 +208,8 @@ func (a *Agent) fenceJobs(silence time.Duration, protector, predecessor string) 
 			a.deleteJobNet(context.Background(), j.ID, j.Net)
 		}
 	}
-	detail := fmt.Sprintf("no contact with %s and %s for %s; killed jobs %s", protector, predecessor,
-		silence.Round(time.Millisecond), strings.Join(killed, " "))
+	detail := fmt.Sprintf("no contact with %s and %s for %s%s; killed jobs %s", protector, predecessor,
+		silence.Round(time.Millisecond), why, strings.Join(killed, " "))
 	a.log.Error("self-fenced: cut off from both ring neighbours; the protector restores the jobs elsewhere",
 		"protector", protector, "predecessor", predecessor, "silence_ms", silence.Milliseconds(), "killed", killed, "failed", failed)
 	id := a.cfg.Name + "-fenced-" + start.UTC().Format("20060102T150405.000")

@@ -9,7 +9,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/detect"
+	"github.com/ftkit/ftkit/ring"
 )
 
 // TestFenceJobs: a fencing node writes 1 to cgroup.kill of each running job's own cgroup (the test agent's
@@ -28,7 +30,7 @@ func TestFenceJobs(t *testing.T) {
 	if err := os.Symlink(target, kill(rootsJob)); err != nil {
 		t.Fatal(err)
 	}
-	if !ta.fenceJobs(4*time.Second, "node2", "node3") {
+	if !ta.fenceJobs(ta.runningJobs(), 4*time.Second, "node2", "node3", "") {
 		t.Fatal("fenceJobs found no job to kill")
 	}
 	if b, _ := os.ReadFile(kill(ownersJob)); string(b) != "1" {
@@ -68,7 +70,7 @@ func TestFenceJobsNothingRunning(t *testing.T) {
 	for _, id := range []string{ownersJob, rootsJob} {
 		ta.byID[id].State = JobExited
 	}
-	if ta.fenceJobs(4*time.Second, "node2", "node3") {
+	if ta.fenceJobs(ta.runningJobs(), 4*time.Second, "node2", "node3", "") {
 		t.Fatal("fenceJobs reported a fence with no job running")
 	}
 	if fs := ta.Failures(); len(fs) != 0 {
@@ -95,6 +97,7 @@ func TestAwaitFence(t *testing.T) {
 		command string // exit code of the fence command; "" none
 		timeout time.Duration
 		ago     time.Duration // how long before the call the last beat arrived
+		vouched time.Duration // how long before the call this host vouched for the node (0: never)
 		cancel  bool
 		wantErr bool
 		detail  []string
@@ -104,6 +107,8 @@ func TestAwaitFence(t *testing.T) {
 			detail: []string{"fence command failed (exit status 3)", "waited until fence_timeout 6s"}},
 		{name: "no command, wait", timeout: 6 * time.Second, ago: 6 * time.Second, detail: []string{"waited until fence_timeout 6s"}},
 		{name: "no command, long past", timeout: 6 * time.Second, ago: time.Minute, detail: []string{"waited until"}},
+		// The node counts the vouch as contact: the wait counts from it, not from the older beat.
+		{name: "vouched after the last beat", timeout: 6 * time.Second, ago: 9 * time.Second, vouched: 6 * time.Second, detail: []string{"waited until"}},
 		{name: "cancelled", timeout: time.Hour, cancel: true, wantErr: true, detail: []string{"waited until"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -119,12 +124,19 @@ func TestAwaitFence(t *testing.T) {
 			}
 			now := time.Now()
 			s := detect.Suspect{Name: "node2", LastBeat: now.Add(-tc.ago), Silence: tc.ago}
+			ref := s.LastBeat
+			if tc.vouched > 0 {
+				ref = now.Add(-tc.vouched)
+				if err := ta.declared.vouch("node2", 0, ref); err != nil {
+					t.Fatal(err)
+				}
+			}
 			id := "node2-test"
 			err := ta.awaitFence(ctx, id, s, now, "127.0.0.2:1")
 			if (err != nil) != tc.wantErr || tc.wantErr && !errors.Is(err, context.Canceled) {
 				t.Fatalf("awaitFence = %v, want error %v", err, tc.wantErr)
 			}
-			ready := ta.cfg.FenceTiming().ReadyAt(s.LastBeat)
+			ready := ta.cfg.FenceTiming().ReadyAt(ref)
 			switch {
 			case tc.command == "0" && !time.Now().Before(ready):
 				t.Errorf("waited until %s although the fence command confirmed", ready)
@@ -144,6 +156,60 @@ func TestAwaitFence(t *testing.T) {
 				if !strings.Contains(st.Detail, d) {
 					t.Errorf("stage detail %q lacks %q", st.Detail, d)
 				}
+			}
+		})
+	}
+}
+
+// TestServeVouch: a protector vouches only for its alive predecessor as the incarnation it says, and not
+// after declaring it failed; a vouch clears the watchdog's silence and drops a declaration on the silence
+// before it.
+func TestServeVouch(t *testing.T) {
+	base, failed, _ := rejoinViews(t) // node1 (this agent) watches node3
+	for _, tc := range []struct {
+		name     string
+		view     ring.View
+		peer     string
+		inc      uint64
+		declared bool   // this agent declared node3 (incarnation 0) failed before
+		refusal  string // "" for vouched
+	}{
+		{"its predecessor", base, "node3", 0, false, ""},
+		{"not a member", base, "node9", 0, false, "does not list it alive as incarnation 0"},
+		{"another incarnation", base, "node3", 2, false, "does not list it alive as incarnation 2"},
+		{"failed in the view", failed, "node2", 0, false, "does not list it alive"},
+		{"not its predecessor", base, "node2", 0, false, "this node does not watch it"},
+		{"declared failed here", base, "node3", 0, true, "declared node3 (incarnation 0) failed"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ta := newTestAgent(t)
+			ta.members.view = tc.view
+			ta.watchdog = detect.NewWatchdog(detect.Config{Timeout: time.Second})
+			silent := time.Now().Add(-time.Minute)
+			ta.watchdog.Watch(tc.peer, silent)
+			if tc.declared {
+				if err := ta.declared.fail("node3", 0, silent); err != nil {
+					t.Fatal(err)
+				}
+			}
+			got := ta.serveVouch(tc.peer, clusterapi.VouchRequest{Incarnation: tc.inc})
+			if tc.refusal != "" {
+				if got.Member || !strings.Contains(got.Why, tc.refusal) {
+					t.Fatalf("answer %+v, want refused with %q", got, tc.refusal)
+				}
+				if len(ta.watchdog.Suspects(time.Now())) != 1 {
+					t.Error("a refused vouch cleared the watchdog's suspicion")
+				}
+				return
+			}
+			if !got.Member {
+				t.Fatalf("answer %+v, want vouched", got)
+			}
+			if s := ta.watchdog.Suspects(time.Now()); len(s) != 0 {
+				t.Errorf("suspects %+v after the vouch: its silence should count from the vouch", s)
+			}
+			if _, err := ta.declared.declare(tc.peer, tc.inc, silent); !errors.Is(err, errVouched) {
+				t.Errorf("a declaration on the silence before the vouch: %v, want errVouched", err)
 			}
 		})
 	}

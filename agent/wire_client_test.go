@@ -231,6 +231,7 @@ func TestAgentAnswersEveryOperation(t *testing.T) {
 		{clusterapi.OpGrant, func() (any, error) {
 			return c.Grant(ctx, "s1", clusterapi.GrantRequest{Job: "job-1", Incarnation: 1, Holder: "restore:ab"})
 		}, `"granted":true`},
+		{clusterapi.OpVouch, func() (any, error) { return c.Vouch(ctx, "s1", clusterapi.VouchRequest{}) }, "this node does not watch it"},
 		{clusterapi.OpCheckpointNow, func() (any, error) {
 			a.ckptMu.Lock() // the snapshot it starts waits here; the test only checks the answer
 			defer a.ckptMu.Unlock()

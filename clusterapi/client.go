@@ -341,6 +341,12 @@ func (c *Client) Grant(ctx context.Context, peer string, req GrantRequest) (Gran
 	return rep, err
 }
 
+// Vouch asks peer, this member's protector, whether it still holds this member alive (OpVouch), within
+// ctx's deadline.
+func (c *Client) Vouch(ctx context.Context, peer string, req VouchRequest) (VouchReply, error) {
+	return call[VouchReply](c, ctx, peer, OpVouch, c.msg(), req)
+}
+
 // Rejoin asks peer to admit this member, failed as incarnation req.Incarnation, back as a spare; the
 // answer is peer's view after it (the caller decodes and checks it like any view). The peer asks the
 // caller whether it is idle before it answers: two message timeouts.

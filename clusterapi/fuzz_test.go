@@ -61,6 +61,8 @@ func messageSeeds() [][]byte {
 		GrantRequest{Job: "job-1", Incarnation: 2, Holder: "restore:ab"},
 		GrantReply{Conflict: &grant.Record{Incarnation: 2, Holder: "restore:cd", Host: "s1"}},
 		RejoinRequest{Incarnation: 1},
+		VouchRequest{Incarnation: 1},
+		VouchReply{Why: "view 7 lists it failed"},
 		Error{Op: OpPing, Code: CodeRefused, Message: "busy"},
 		testStartJob(),
 		StartJobReply{ID: "run-node2-0a0b0c0d", Node: "n2", PID: 42, Dir: "/jobs/run-node2-0a0b0c0d"},
@@ -120,6 +122,8 @@ func FuzzClusterMessage(f *testing.F) {
 		request(&gr, MaxHeader)
 		var rjq RejoinRequest
 		request(&rjq, MaxHeader)
+		var vq VouchRequest
+		request(&vq, MaxHeader)
 		var rs RecoveryStatusRequest
 		if request(&rs, MaxMessage) && rs.Validate() == nil && len(rs.Jobs) > MaxRecoveryStatusJobs {
 			t.Fatalf("a status question about %d jobs validated", len(rs.Jobs))

@@ -285,6 +285,10 @@ func (f *fakeService) Rejoin(_ context.Context, peer string, req RejoinRequest) 
 	return ViewMessage{View: []byte("view")}, f.seen(peer, req)
 }
 
+func (f *fakeService) Vouch(_ context.Context, peer string, req VouchRequest) (VouchReply, error) {
+	return VouchReply{Member: true}, f.seen(peer, req)
+}
+
 func (f *fakeService) StartJob(_ context.Context, peer string, req StartJobRequest) (StartJobReply, error) {
 	return StartJobReply{ID: req.Name + "-0a0b0c0d", Node: "n2", PID: 42, Dir: "/jobs/" + req.Name + "-0a0b0c0d"}, f.seen(peer, req)
 }

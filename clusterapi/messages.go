@@ -266,6 +266,19 @@ type ProbeReply struct {
 	Reachable bool   `json:"reachable"`
 }
 
+// VouchRequest asks the caller's protector to vouch for it (OpVouch): Incarnation is the caller's member
+// incarnation, which the protector's view must list alive.
+type VouchRequest struct {
+	Incarnation uint64 `json:"incarnation"`
+}
+
+// VouchReply is the answer: Member is true if the protector holds the caller alive and did not declare it
+// failed, and will not on the silence before this answer; otherwise Why says what the protector knows.
+type VouchReply struct {
+	Member bool   `json:"member"`
+	Why    string `json:"why,omitempty"`
+}
+
 // ViewMessage carries the membership view (ring.Encode) and the failure timelines (the agent's
 // []*Failure), both ways.
 type ViewMessage struct {

@@ -39,6 +39,9 @@ const (
 	OpRecoveryStatus Op = "recovery-status" // how a recovery the server was the target of went
 	OpGrant          Op = "grant"           // grant (or give back) the next incarnation of a job to a restore
 	OpRejoin         Op = "rejoin"          // the caller, a failed member, asks to come back as a spare
+	// OpVouch: the caller, back from a stall of its own that its fence timeout saw as isolation, asks its
+	// protector whether it is still a member; yes binds the protector not to declare it failed on that silence.
+	OpVouch Op = "vouch"
 	// Runs.
 	OpStartJob Op = "start-job" // start a protected job on the server for a caller of the asking member
 	// OpCoordinate: one phase of a coordinated snapshot of a run, or of its rollback (coordinate.go).
@@ -51,7 +54,7 @@ func (op Op) Path() string { return "/v1/" + string(op) }
 // Ops lists every operation.
 func Ops() []Op {
 	return []Op{OpPing, OpSnapshot, OpFetch, OpLocate, OpTrim, OpLogRange, OpCheckpointNow, OpReceived,
-		OpLogWatermark, OpLogged, OpDeterminants, OpDeterminantsSince, OpDeterminantStream, OpDeterminantStream2, OpDeterminantStream3, OpHeartbeat, OpProbe, OpView, OpClaim, OpRecover, OpReplica, OpRecoveryStatus, OpGrant, OpRejoin, OpStartJob, OpCoordinate}
+		OpLogWatermark, OpLogged, OpDeterminants, OpDeterminantsSince, OpDeterminantStream, OpDeterminantStream2, OpDeterminantStream3, OpHeartbeat, OpProbe, OpView, OpClaim, OpRecover, OpReplica, OpRecoveryStatus, OpGrant, OpRejoin, OpVouch, OpStartJob, OpCoordinate}
 }
 
 // MaxHeader bounds a small request body; MaxMessage bounds the larger ones (views, trims), every reply

@@ -158,6 +158,11 @@ func TestEveryOperation(t *testing.T) {
 			r, err := c.Rejoin(ctx, "n2", req)
 			return req, r, err
 		}, ViewMessage{View: []byte("view")}},
+		{OpVouch, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
+			req := VouchRequest{Incarnation: 2}
+			r, err := c.Vouch(ctx, "n2", req)
+			return req, r, err
+		}, VouchReply{Member: true}},
 		{OpLogRange, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
 			f.logBytes = bytes.Repeat([]byte("logged "), 100_000) // several flushes
 			req := LogRangeRequest{Tuple: tcpflow.Tuple{Local: testSrc, Remote: testDst}, From: 77}
@@ -312,6 +317,7 @@ func TestRefusalsReadTheSame(t *testing.T) {
 		OpRecoveryStatus: func() error { _, err := c.RecoveryStatus(ctx, "n2", RecoveryStatusRequest{}); return err },
 		OpGrant:          func() error { _, err := c.Grant(ctx, "n2", GrantRequest{}); return err },
 		OpRejoin:         func() error { _, err := c.Rejoin(ctx, "n2", RejoinRequest{}); return err },
+		OpVouch:          func() error { _, err := c.Vouch(ctx, "n2", VouchRequest{}); return err },
 		OpLogRange:       func() error { _, _, err := c.LogRange(ctx, "n2", LogRangeRequest{}); return err },
 		OpRecover: func() error {
 			_, err := c.Recover(ctx, "n2", RecoverRequest{Jobs: []RecoverJob{{}}}, time.Minute, func(RecoverProgress) {})

@@ -56,6 +56,8 @@ type Service interface {
 	Grant(ctx context.Context, peer string, req GrantRequest) (GrantReply, error)
 	// Rejoin admits peer, a failed member, back as a spare and answers with the new view.
 	Rejoin(ctx context.Context, peer string, req RejoinRequest) (ViewMessage, error)
+	// Vouch answers peer, back from a stall of its own, whether it is still a member (OpVouch).
+	Vouch(ctx context.Context, peer string, req VouchRequest) (VouchReply, error)
 	// StartJob starts a job as req.UID for a caller of peer; req is validated.
 	StartJob(ctx context.Context, peer string, req StartJobRequest) (StartJobReply, error)
 	// Coordinate runs one phase of a coordinated snapshot or rollback of a run; req is validated.
@@ -129,6 +131,7 @@ func NewServer(ctx context.Context, svc Service, opts ServerOptions) *Server {
 	})
 	handle(s, OpGrant, MaxHeader, svc.Grant)
 	handle(s, OpRejoin, MaxHeader, svc.Rejoin)
+	handle(s, OpVouch, MaxHeader, svc.Vouch)
 	handle(s, OpStartJob, MaxMessage, func(ctx context.Context, peer string, req StartJobRequest) (StartJobReply, error) {
 		if err := req.Validate(); err != nil {
 			return StartJobReply{}, &Error{Code: CodeBadRequest, Message: err.Error()}

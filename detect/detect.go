@@ -82,6 +82,7 @@ type Suspect struct {
 	Name      string
 	LastBeat  time.Time     // when its last beat arrived (zero if none ever did)
 	Silence   time.Duration // since its last beat, or since watching started if later
+	Since     time.Time     // when that silence began: the start of Silence, on this host's clock
 	Jobs      []string      // from its last beat
 	Uncovered []Uncovered   // from its last beat
 	// Busy is what its last beat said it was doing ("" for nothing); InGrace, that this beat arrived at
@@ -213,7 +214,7 @@ func (w *Watchdog) Suspects(now time.Time) []Suspect {
 			continue
 		}
 		wt.suspected = true
-		s := Suspect{Name: name, Silence: silence}
+		s := Suspect{Name: name, Silence: silence, Since: from}
 		if l, heard := w.last[name]; heard {
 			b := l.b.clone()
 			s.LastBeat, s.Jobs, s.Uncovered, s.Busy = l.at, b.Jobs, b.Uncovered, b.Busy

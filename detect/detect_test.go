@@ -159,6 +159,9 @@ func TestWatchdog(t *testing.T) {
 				case "suspects":
 					var got []string
 					for _, x := range w.Suspects(now) {
+						if !x.Since.Equal(now.Add(-x.Silence)) {
+							t.Fatalf("step %d: suspect %s silent %s since %s, not since now - silence", i, x.Name, x.Silence, x.Since.Sub(t0))
+						}
 						last := -1
 						if !x.LastBeat.IsZero() {
 							last = int(x.LastBeat.Sub(t0) / time.Millisecond)

@@ -78,6 +78,26 @@ func Decide(now, since time.Time, c Contact, timeout time.Duration) Decision {
 	return Decision{Fence: s >= timeout, Silence: s}
 }
 
+// VouchBy is how long a node that finds itself cut off (Decide) after a stall of its own may wait for its
+// protector's vouch (OpVouch) before it kills its jobs: until the kill must begin for the jobs to be gone
+// when the protector's restored copies may go live (ReadyAt), half of KillBound left for the kill, counted
+// from the node's last contact with its protector (since, when it has none). A node that woke up later
+// than that still asks, for Check at most: if its protector declared it, its copies may run already, and
+// the protector answers "no" in a round trip; if its protector stalled too (a paused machine or cluster),
+// nobody declared it, and the answer keeps its jobs. A vouch is contact on both sides: the node counts it
+// from when it asked, the protector from when it answered, later, so ReadyAt's rule holds from it too.
+func (t Timing) VouchBy(now, since, protector time.Time) time.Time {
+	base := since
+	if protector.After(base) {
+		base = protector
+	}
+	by := base.Add(t.Timeout + t.Check() + KillBound/2)
+	if floor := now.Add(t.Check()); by.Before(floor) {
+		return floor
+	}
+	return by
+}
+
 // ReadyAt is when the protector may let a restored copy of a node go live: once the node has surely
 // fenced itself, measured from the last heartbeat that arrived from it.
 func (t Timing) ReadyAt(lastBeat time.Time) time.Time {

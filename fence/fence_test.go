@@ -67,6 +67,43 @@ func TestProtectorWaitsLongerThanVictim(t *testing.T) {
 	}
 }
 
+// TestVouchBy: a node that stalled asks for a vouch until the kill must begin, and whenever that is not
+// past, its kill (KillBound/2 of the bound left) still ends before the protector's ReadyAt, with its clock
+// ticking 0.5% slower; a node that woke up later asks for Check.
+func TestVouchBy(t *testing.T) {
+	tm := Timing{Interval: 200 * time.Millisecond, Timeout: 3 * time.Second}
+	lastBeat := time.Date(2026, 11, 23, 12, 0, 0, 0, time.UTC)
+	ms := func(n int) time.Time { return lastBeat.Add(time.Duration(n) * time.Millisecond) }
+	for _, tc := range []struct {
+		name                  string
+		now, since, protector time.Time
+		want                  time.Time
+	}{
+		// Contact one interval after the last beat arrived (the next beat, received in part): the latest the
+		// protector's wait allows for.
+		{"woke just past the timeout", ms(3210), ms(-5000), ms(200), ms(200 + 3000 + 100 + 500)},
+		{"woke on the check grid", ms(3300), ms(-5000), ms(200), ms(3800)},
+		{"no contact since watching began", ms(3100), ms(0), time.Time{}, ms(3600)},
+		{"watching began after the contact", ms(3500), ms(100), ms(50), ms(3700)},
+		{"woke within Check of the deadline", ms(3750), ms(0), ms(200), ms(3850)},
+		{"woke long after", ms(9000), ms(0), ms(200), ms(9100)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got := tm.VouchBy(tc.now, tc.since, tc.protector)
+			if !got.Equal(tc.want) {
+				t.Fatalf("VouchBy = %s after the last beat, want %s", got.Sub(lastBeat), tc.want.Sub(lastBeat))
+			}
+			if got.Sub(tc.now) > tm.Check() {
+				killed := got.Add(KillBound / 2)
+				slow := lastBeat.Add(time.Duration(float64(killed.Sub(lastBeat)) * 1.005))
+				if ready := tm.ReadyAt(lastBeat); !ready.After(slow) {
+					t.Fatalf("protector ready %s after the last beat, vouch asked and kill done only by %s", ready.Sub(lastBeat), slow.Sub(lastBeat))
+				}
+			}
+		})
+	}
+}
+
 func TestValidate(t *testing.T) {
 	for _, tc := range []struct {
 		name string

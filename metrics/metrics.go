@@ -116,6 +116,7 @@ type Metrics struct {
 	heartbeats     *prometheus.CounterVec
 	suspicions     *prometheus.CounterVec
 	busySilences   prometheus.Counter
+	vouches        *prometheus.CounterVec
 	beatGaps       *prometheus.HistogramVec
 	controller     *prometheus.CounterVec
 	detShipped     prometheus.Counter
@@ -155,6 +156,9 @@ func New(src Source) *Metrics {
 			[]string{"outcome"}),
 		busySilences: prometheus.NewCounter(prometheus.CounterOpts{Name: "ftkit_busy_silences_total",
 			Help: "Times the ring predecessor was silent for heartbeat.timeout while its last beat said it was checkpointing or restoring, and its host still answered a TCP handshake: left alone, up to heartbeat.busy_grace (not a suspicion)."}),
+		vouches: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ftkit_stall_vouches_total",
+			Help: "Times this agent heard from neither ring neighbour for fence_timeout after a stall of its own and asked its protector to vouch for it before killing its jobs, by outcome: vouched (jobs kept), refused (the protector declared it failed) or unanswered."},
+			[]string{"outcome"}),
 		beatGaps: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "ftkit_predecessor_heartbeat_gap_seconds",
 			Help:    "Time between two consecutive heartbeats of a member as they arrived here, by where most of it went: sender (between its two writes, its interval included, on its own clock) or delivery (the network, or this agent late to read it). How close beats come to heartbeat.timeout.",
 			Buckets: []float64{0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 3, 5, 10}},
@@ -178,7 +182,7 @@ func New(src Source) *Metrics {
 		m.suspicions.WithLabelValues(o)
 	}
 	m.reg.MustRegister(m.snapshots, m.dumpSeconds, m.frozenSeconds, m.snapshotBytes, m.shipped, m.shipFailures,
-		m.shipBytes, m.shipWireBytes, m.shipSeconds, m.shipThroughput, m.heartbeats, m.suspicions, m.busySilences, m.beatGaps, m.controller,
+		m.shipBytes, m.shipWireBytes, m.shipSeconds, m.shipThroughput, m.heartbeats, m.suspicions, m.busySilences, m.vouches, m.beatGaps, m.controller,
 		m.detShipped, m.detLag, m.detHoles,
 		newCollector(src),
 		collectors.NewGoCollector(),
@@ -269,6 +273,14 @@ func (m *Metrics) BusySilence() {
 		return
 	}
 	m.busySilences.Inc()
+}
+
+// Vouch records the outcome of a vouch this agent asked for after a stall (vouched, refused, unanswered).
+func (m *Metrics) Vouch(outcome string) {
+	if m == nil {
+		return
+	}
+	m.vouches.WithLabelValues(outcome).Inc()
 }
 
 // HeartbeatGap records the time between two consecutive heartbeats of a member as they arrived, and
