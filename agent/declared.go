@@ -28,6 +28,7 @@ type declaredFailed struct {
 	vmu     sync.Mutex
 	vouched map[string]time.Time // the last vouch for each member
 	failed  map[string]uint64    // the incarnation of each member this host declared failed, the last one
+	refused map[string]time.Time // the last vouch refused because of such a declaration
 }
 
 // errVouched refuses a declaration: the node was vouched for after its silence began.
@@ -74,6 +75,10 @@ func (d *declaredFailed) vouch(node string, inc uint64, now time.Time) error {
 	d.vmu.Lock()
 	defer d.vmu.Unlock()
 	if f, ok := d.failed[node]; ok && f == inc {
+		if d.refused == nil {
+			d.refused = map[string]time.Time{}
+		}
+		d.refused[node] = now
 		return fmt.Errorf("this node declared %s (incarnation %d) failed: its jobs go on elsewhere, or wait for ftctl restore", node, inc)
 	}
 	if d.vouched == nil {
@@ -115,4 +120,23 @@ func (d *declaredFailed) lastVouch(node string) time.Time {
 	d.vmu.Lock()
 	defer d.vmu.Unlock()
 	return d.vouched[node]
+}
+
+// refusedSince is when this host last refused to vouch for node because it had declared it failed, if
+// that was after t: the node killed its jobs on that answer.
+func (d *declaredFailed) refusedSince(node string, t time.Time) (time.Time, bool) {
+	d.vmu.Lock()
+	defer d.vmu.Unlock()
+	at, ok := d.refused[node]
+	return at, ok && at.After(t)
+}
+
+// undeclare withdraws this host's declaration of incarnation inc of node, whose fail-over ended with the
+// node still a member (nothing of it was restored): a vouch for it is no longer refused.
+func (d *declaredFailed) undeclare(node string, inc uint64) {
+	d.vmu.Lock()
+	defer d.vmu.Unlock()
+	if f, ok := d.failed[node]; ok && f == inc {
+		delete(d.failed, node)
+	}
 }

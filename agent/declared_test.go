@@ -93,7 +93,7 @@ func TestVouchOrdersDeclarations(t *testing.T) {
 	t0 := time.Date(2026, 12, 4, 12, 0, 0, 0, time.UTC)
 	ms := func(n int) time.Time { return t0.Add(time.Duration(n) * time.Millisecond) }
 	type step struct {
-		op      string // vouch, declare (automatic fail-over), fail (recorded only)
+		op      string // vouch, declare (automatic fail-over), fail (recorded only), undeclare
 		node    string
 		inc     uint64
 		at      int // vouch: when; declare/fail: when the silence began
@@ -122,6 +122,11 @@ func TestVouchOrdersDeclarations(t *testing.T) {
 			{op: "vouch", node: "node2", at: 3200, refused: true},
 			{op: "vouch", node: "node3", at: 3200},
 		}},
+		{"undeclared after a fail-over that restored nothing", []step{
+			{op: "declare", node: "node2", at: 100},
+			{op: "undeclare", node: "node2"},
+			{op: "vouch", node: "node2", at: 3200},
+		}},
 		{"a later incarnation is vouched for", []step{
 			{op: "declare", node: "node2", inc: 0, at: 100},
 			{op: "vouch", node: "node2", inc: 1, at: 60000},
@@ -142,6 +147,8 @@ func TestVouchOrdersDeclarations(t *testing.T) {
 					}
 				case "fail":
 					err = d.fail(s.node, s.inc, ms(s.at))
+				case "undeclare":
+					d.undeclare(s.node, s.inc)
 				}
 				if (err != nil) != s.refused {
 					t.Fatalf("step %d %+v: err %v, want refused %v", i, s, err, s.refused)

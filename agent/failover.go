@@ -23,13 +23,21 @@ import (
 // and have the target restore the jobs with the peers' logged bytes replayed.
 func (a *Agent) failover(ctx context.Context, s detect.Suspect, declared time.Time) {
 	// Before its replicas are chosen: from here none of its snapshots commits, and those that did count.
-	forget, err := a.declared.declare(s.Name, a.incarnationOf(s.Name), s.Since)
+	inc := a.incarnationOf(s.Name)
+	forget, err := a.declared.declare(s.Name, inc, s.Since)
 	if err != nil {
 		a.log.Warn("not failing over: the node answered after its silence began (back from a stall, it asked this protector to vouch for it)",
 			"node", s.Name, "err", err)
 		return
 	}
 	defer forget()
+	defer func() {
+		// A fail-over that ended before the view changed restored nothing: the node, if it runs, is a member
+		// as before (awaitFence abandons a recovery of a node that beats again), and may be vouched for.
+		if m, ok := a.member(s.Name); ok && m.State == ring.StateAlive && m.Incarnation == inc {
+			a.declared.undeclare(s.Name, inc)
+		}
+	}()
 	s.Jobs = a.replicas.since(s.Name, s.LastBeat, s.Jobs)
 	id := failureID(s.Name, declared)
 	// A node that fails while it restores the jobs of an earlier failure this host coordinates (a spare
@@ -298,8 +306,67 @@ func (a *Agent) awaitFence(ctx context.Context, id string, s detect.Suspect, dec
 			return err
 		}
 	}
+	if err := a.beatsAgain(ctx, s); err != nil {
+		if ctx.Err() != nil {
+			err = fmt.Errorf("waiting for %s to fence itself: %w; its jobs were not restored, restore them with ftctl restore", s.Name, err)
+		}
+		a.fenceStage(id, start, strings.Join(detail, "; "), err.Error())
+		return err
+	}
 	a.fenceStage(id, start, strings.Join(detail, "; "), "")
 	return nil
+}
+
+// beatsAgain refuses to go on with the recovery of s if s beat again after its last beat before the
+// declaration, with jobs of the recovery still running, and its agent answers: it runs and reaches this
+// host, so it has contact and will not fence itself (the fence wait assumed it would), and its jobs run on
+// there. An agent stalled past the heartbeat timeout but not the fence timeout, or a short partition, looks
+// like that. A node told so by a refused vouch killed its jobs on that answer: the recovery goes on once
+// that kill is surely over. One that beat again but does not answer now had contact until that beat: the
+// fence wait starts again from it.
+func (a *Agent) beatsAgain(ctx context.Context, s detect.Suspect) error {
+	t := a.cfg.FenceTiming()
+	ref := s.LastBeat
+	for {
+		b, at, ok := a.watchdog.Last(s.Name)
+		if !ok || !at.After(ref) {
+			return nil
+		}
+		var running []string
+		for _, j := range b.Jobs {
+			if slices.Contains(s.Jobs, j) {
+				running = append(running, j)
+			}
+		}
+		if len(running) == 0 {
+			return nil // back without the jobs (a restarted host): nothing runs twice
+		}
+		if r, ok := a.declared.refusedSince(s.Name, s.LastBeat); ok {
+			return sleepUntil(ctx, r.Add(fence.KillBound))
+		}
+		if _, alive := a.reaches(ctx, s.Name); alive {
+			return fmt.Errorf("%s beat again after it was declared failed, running %s, and its agent answers: it did not fence itself; "+
+				"the recovery is abandoned and its jobs run on there (a stall or a short partition, not a failure)", s.Name, strings.Join(running, " "))
+		}
+		a.log.Warn("the failed node beat again after it was declared failed, and does not answer now: waiting for it to have fenced itself since that beat",
+			"node", s.Name, "running", running)
+		if err := sleepUntil(ctx, t.ReadyAt(at)); err != nil {
+			return err
+		}
+		ref = at
+	}
+}
+
+// sleepUntil waits until t or until ctx ends.
+func sleepUntil(ctx context.Context, t time.Time) error {
+	tm := time.NewTimer(time.Until(t))
+	defer tm.Stop()
+	select {
+	case <-tm.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }
 
 func (a *Agent) fenceStage(id string, start time.Time, detail, errText string) {

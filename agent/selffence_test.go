@@ -11,6 +11,7 @@ import (
 
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/detect"
+	"github.com/ftkit/ftkit/fence"
 	"github.com/ftkit/ftkit/ring"
 )
 
@@ -98,6 +99,8 @@ func TestAwaitFence(t *testing.T) {
 		timeout time.Duration
 		ago     time.Duration // how long before the call the last beat arrived
 		vouched time.Duration // how long before the call this host vouched for the node (0: never)
+		beat    []string      // the jobs a beat of the node that arrived after the last one named (nil: none came)
+		refused time.Duration // how long before the call this host refused to vouch for it, declared (0: never)
 		cancel  bool
 		wantErr bool
 		detail  []string
@@ -110,6 +113,10 @@ func TestAwaitFence(t *testing.T) {
 		// The node counts the vouch as contact: the wait counts from it, not from the older beat.
 		{name: "vouched after the last beat", timeout: 6 * time.Second, ago: 9 * time.Second, vouched: 6 * time.Second, detail: []string{"waited until"}},
 		{name: "cancelled", timeout: time.Hour, cancel: true, wantErr: true, detail: []string{"waited until"}},
+		// Back without the recovery's jobs (a restarted host): nothing runs twice.
+		{name: "beat again without its jobs", timeout: 6 * time.Second, ago: 9 * time.Second, beat: []string{"other"}, detail: []string{"waited until"}},
+		// Told by the refused vouch that it was declared: it killed its jobs then, and the wait covers the kill.
+		{name: "beat again, vouch refused", timeout: 6 * time.Second, ago: 9 * time.Second, beat: []string{"j1"}, refused: 200 * time.Millisecond, detail: []string{"waited until"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ta := newTestAgent(t)
@@ -123,7 +130,20 @@ func TestAwaitFence(t *testing.T) {
 				cancel()
 			}
 			now := time.Now()
-			s := detect.Suspect{Name: "node2", LastBeat: now.Add(-tc.ago), Silence: tc.ago}
+			s := detect.Suspect{Name: "node2", LastBeat: now.Add(-tc.ago), Silence: tc.ago, Jobs: []string{"j1"}}
+			ta.watchdog = detect.NewWatchdog(detect.Config{Timeout: time.Second})
+			ta.watchdog.Beat(detect.Beat{From: "node2", Seq: 1, Jobs: s.Jobs, Sent: s.LastBeat}, s.LastBeat)
+			if tc.beat != nil {
+				ta.watchdog.Beat(detect.Beat{From: "node2", Seq: 2, Jobs: tc.beat, Sent: now}, now)
+			}
+			if tc.refused > 0 {
+				if err := ta.declared.fail("node2", 0, s.LastBeat); err != nil {
+					t.Fatal(err)
+				}
+				if ta.declared.vouch("node2", 0, now.Add(-tc.refused)) == nil {
+					t.Fatal("vouched for a node declared failed")
+				}
+			}
 			ref := s.LastBeat
 			if tc.vouched > 0 {
 				ref = now.Add(-tc.vouched)
@@ -137,6 +157,9 @@ func TestAwaitFence(t *testing.T) {
 				t.Fatalf("awaitFence = %v, want error %v", err, tc.wantErr)
 			}
 			ready := ta.cfg.FenceTiming().ReadyAt(ref)
+			if tc.refused > 0 {
+				ready = now.Add(-tc.refused + fence.KillBound)
+			}
 			switch {
 			case tc.command == "0" && !time.Now().Before(ready):
 				t.Errorf("waited until %s although the fence command confirmed", ready)

@@ -355,3 +355,83 @@ func TestWholeLabStallNotFenced(t *testing.T) {
 		}
 	}
 }
+
+// TestAgentStallPastDeclaration stops node2's agent, its rank running on, until node3 (its protector) has
+// declared it failed, and lets it run again well before fence_timeout: node2 then has contact with both
+// neighbours and does not fence itself, so the fence wait's assumption (it has fenced by then) does not
+// hold. Before, node3 went on at the end of the wait and restored rank 1 on the spare while node2's copy
+// still ran (the restore failed only because that copy had written to the job's stdout since the
+// snapshot, and node2 killed its copy 2.6 s after the wait, once the new view cut it off). Now node3 sees
+// node2 beat again with the rank, and abandons the recovery; the rank runs on where it was and the job
+// ends with the failure-free result. (If the stall outlasted fence_timeout, node2 asks node3 to vouch for
+// it, is refused, kills its copy, and the recovery goes on: either way one copy runs.)
+func TestAgentStallPastDeclaration(t *testing.T) {
+	t.Parallel() // mostly waiting: two tests at a time keep the suite under its CI budget
+	args := ringArgs(3000, 64<<10, 10*time.Millisecond)
+	want := reference(t, 3, args)
+	const fenceTimeout = 3 * time.Second
+	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", FenceTimeout: fenceTimeout})
+	t.Cleanup(func() {
+		if t.Failed() {
+			logEvents(t, c)
+		}
+	})
+	rg := startRing(t, c, 3, 7397, args)
+	rg.waitProtected(t, 2*time.Minute)
+	rg.waitProgress(t, progressEvery, 2*time.Minute)
+	rg.checkpoint(t, "node2")
+	rg.waitProgress(t, progressEvery, 2*time.Minute)
+	old := rg.job(t, "node2", 1)
+
+	if err := c.SignalAgent("node2", unix.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	stoppedAt, stopped := time.Now(), true
+	t.Cleanup(func() {
+		if stopped {
+			c.SignalAgent("node2", unix.SIGCONT)
+		}
+	})
+	poll(t, time.Minute, "node3 to declare node2 failed", func() bool {
+		fs, err := c.Client("node3").Events(context.Background())
+		if err != nil {
+			return false
+		}
+		for _, f := range fs {
+			if f.Node == "node2" && len(f.Stages) > 0 && f.Stages[0].Name == agent.StageDetected {
+				return true
+			}
+		}
+		return false
+	})
+	if err := c.SignalAgent("node2", unix.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	stopped = false
+	stall := time.Since(stoppedAt)
+	t.Logf("node2's agent stopped %s, until node3 declared it failed", stall.Round(time.Millisecond))
+
+	// Never two copies of rank 1, until the recovery ends.
+	var f *agent.Failure
+	poll(t, 2*time.Minute, "node3 to end the recovery of node2", func() bool {
+		if procs, _ := copies(t, c, rg.jobs[1]); procs > 1 {
+			t.Fatalf("%d processes of rank 1 run at once", procs)
+		}
+		f = failureOf(t, c, "node2")
+		return f != nil && f.Done && len(f.Stages) > 0 && f.Stages[0].Name == agent.StageDetected
+	})
+	outs := rg.wait(t, 3*time.Minute)
+	checkRanks(t, outs, want)
+	abandoned := strings.Contains(f.Error, "beat again after it was declared failed")
+	switch {
+	case abandoned:
+		if after := rg.job(t, "node2", 1); after.PID != old.PID || after.Fenced {
+			t.Errorf("node2's copy of rank 1 after the abandoned recovery: pid %d -> %d, fenced %v", old.PID, after.PID, after.Fenced)
+		}
+	case stall < fenceTimeout-500*time.Millisecond:
+		t.Errorf("node2 stalled %s, less than fence_timeout %s, but the recovery was not abandoned: %q", stall, fenceTimeout, f.Error)
+	default:
+		t.Logf("node2 stalled %s, near fence_timeout: it was told it had been declared and the recovery went on (error %q)", stall, f.Error)
+	}
+	t.Logf("recovery of node2: %q", f.Error)
+}
