@@ -595,6 +595,7 @@ func (a *Agent) serveClaim(peer string, cl spare.Claim) error {
 		if failed, ok := v.Member(cl.Failed); !ok || failed.Role != ring.RoleNode || cl.Failed == peer || cl.Failed == a.cfg.Name {
 			return fmt.Errorf("claim refused: %q is not another node of the ring", cl.Failed)
 		}
+		a.releaseAbandonedClaim(v)
 		if runSpare {
 			if err := a.idleForRun(v, cl); err != nil {
 				return err
@@ -614,6 +615,29 @@ func (a *Agent) serveClaim(peer string, cl spare.Claim) error {
 		go a.prefetch(cl)
 	}
 	return nil
+}
+
+// releaseAbandonedClaim frees this node from a claim whose recovery ended before the view changed (the
+// failed node beat again, and its jobs ran on: beatsAgain): the failure's timeline, which the protector
+// pushes to every member, says done, and the node is an alive member still, so no job came here.
+func (a *Agent) releaseAbandonedClaim(v ring.View) {
+	cur, ok := a.claims.Current()
+	if !ok {
+		return
+	}
+	if m, ok := v.Member(cur.Failed); !ok || m.State != ring.StateAlive {
+		return
+	}
+	for _, f := range a.failures.List() {
+		if f.ID == cur.Failure && f.Done {
+			if err := a.claims.Release(cur.Failure); err != nil {
+				a.log.Error("release the claim of an abandoned recovery", "failure", cur.Failure, "err", err)
+				return
+			}
+			a.log.Info("claim released: its recovery was abandoned and the node it was for is a member still", "failure", cur.Failure, "failed", cur.Failed)
+			return
+		}
+	}
 }
 
 // prefetchOf names the snapshot each job will be restored from first, and its holder, for the claimed

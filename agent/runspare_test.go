@@ -121,6 +121,41 @@ func TestServeClaimReleasesFinishedRun(t *testing.T) {
 	}
 }
 
+// TestServeClaimReleasesAbandoned: a spare claimed for a recovery that ended before the view changed (the
+// failed node beat again) accepts a new claim once that failure's timeline says done, the node being an
+// alive member still; not while the recovery may go on.
+func TestServeClaimReleasesAbandoned(t *testing.T) {
+	for _, tt := range []struct {
+		name     string
+		done     bool // the failure's timeline here says done
+		accepted bool
+	}{
+		{"recovery abandoned", true, true},
+		{"recovery under way", false, false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			a, _ := newWireAgent(t, "s1", testMembers(nil))
+			if err := a.claims.Claim(spare.Claim{Failure: "n3-old", By: "n2", Failed: "n3", At: time.Now()}, 1<<40); err != nil {
+				t.Fatal(err)
+			}
+			a.failures.Update("n3-old", func(f *Failure) {
+				f.Node, f.Protector, f.Detected, f.Done = "n3", "n2", time.Now(), tt.done
+			})
+			err := a.serveClaim("n2", spare.Claim{Failure: "n3-2", Failed: "n3", Need: spare.Need{Jobs: 1}})
+			cur, _ := a.claims.Current()
+			if tt.accepted {
+				if err != nil || cur.Failure != "n3-2" {
+					t.Fatalf("refused (%v); holds %+v", err, cur)
+				}
+				return
+			}
+			if !errors.Is(err, spare.ErrBusy) || cur.Failure != "n3-old" {
+				t.Fatalf("error %v, holds %+v; want busy with the earlier claim kept", err, cur)
+			}
+		})
+	}
+}
+
 // TestClaimSpareForRun: the coordinator claims its run's spares first, itself included when it is one
 // (it absorbs the failed node); with none free it falls back to the ring's spares, then basic mode, and
 // the claimed stage says the run's own spares were busy.
