@@ -296,17 +296,12 @@ func (a *Agent) awaitFence(ctx context.Context, id string, s detect.Suspect, dec
 		t.Timeout, t.Margin().Round(time.Millisecond), s.Name, ready.Sub(ref).Round(time.Millisecond)))
 	if wait := time.Until(ready); wait > 0 {
 		a.log.Info("waiting for the failed node to have fenced itself", "node", s.Name, "wait_ms", wait.Milliseconds())
-		tm := time.NewTimer(wait)
-		defer tm.Stop()
-		select {
-		case <-tm.C:
-		case <-ctx.Done():
-			err := fmt.Errorf("waiting for %s to fence itself: %w; its jobs were not restored, restore them with ftctl restore", s.Name, ctx.Err())
-			a.fenceStage(id, start, strings.Join(detail, "; "), err.Error())
-			return err
-		}
 	}
-	if err := a.beatsAgain(ctx, s); err != nil {
+	err := sleepUntil(ctx, ready)
+	if err == nil {
+		err = a.beatsAgain(ctx, s)
+	}
+	if err != nil {
 		if ctx.Err() != nil {
 			err = fmt.Errorf("waiting for %s to fence itself: %w; its jobs were not restored, restore them with ftctl restore", s.Name, err)
 		}
