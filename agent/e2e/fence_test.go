@@ -361,7 +361,7 @@ func TestWholeLabStallNotFenced(t *testing.T) {
 // neighbours and does not fence itself, so the fence wait's assumption (it has fenced by then) does not
 // hold. Before, node3 went on at the end of the wait and restored rank 1 on the spare while node2's copy
 // still ran (the restore failed only because that copy had written to the job's stdout since the
-// snapshot, and node2 killed its copy 2.6 s after the wait, once the new view cut it off). Now node3 sees
+// snapshot, and node2 killed its copy 4.6 s after the wait, once the new view cut it off). Now node3 sees
 // node2 beat again with the rank, and abandons the recovery; the rank runs on where it was and the job
 // ends with the failure-free result. (If the stall outlasted fence_timeout, node2 asks node3 to vouch for
 // it, is refused, kills its copy, and the recovery goes on: either way one copy runs.)
