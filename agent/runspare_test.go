@@ -107,16 +107,7 @@ func TestServeClaimReleasesFinishedRun(t *testing.T) {
 			}
 			// The testMembers ring has three nodes: the next failure to claim for is n3's again (a later one).
 			err := a.serveClaim("n2", spare.Claim{Failure: "n3-2", Failed: "n3", Spares: []string{"n1"}, Need: spare.Need{Jobs: 1}})
-			cur, _ := a.claims.Current()
-			if tt.accepted {
-				if err != nil || cur.Failure != "n3-2" {
-					t.Fatalf("refused (%v); holds %+v", err, cur)
-				}
-				return
-			}
-			if !errors.Is(err, spare.ErrBusy) || cur.Failure != "n3-old" {
-				t.Fatalf("error %v, holds %+v; want busy with the earlier claim kept", err, cur)
-			}
+			requireClaimHeld(t, a, err, tt.accepted, "n3-2", "n3-old")
 		})
 	}
 }
@@ -142,17 +133,24 @@ func TestServeClaimReleasesAbandoned(t *testing.T) {
 				f.Node, f.Protector, f.Detected, f.Done = "n3", "n2", time.Now(), tt.done
 			})
 			err := a.serveClaim("n2", spare.Claim{Failure: "n3-2", Failed: "n3", Need: spare.Need{Jobs: 1}})
-			cur, _ := a.claims.Current()
-			if tt.accepted {
-				if err != nil || cur.Failure != "n3-2" {
-					t.Fatalf("refused (%v); holds %+v", err, cur)
-				}
-				return
-			}
-			if !errors.Is(err, spare.ErrBusy) || cur.Failure != "n3-old" {
-				t.Fatalf("error %v, holds %+v; want busy with the earlier claim kept", err, cur)
-			}
+			requireClaimHeld(t, a, err, tt.accepted, "n3-2", "n3-old")
 		})
+	}
+}
+
+// requireClaimHeld checks a claim made while an earlier one was held: accepted, the newer one is held;
+// refused as busy, the earlier one is kept.
+func requireClaimHeld(t *testing.T, a *Agent, err error, accepted bool, newer, earlier string) {
+	t.Helper()
+	cur, _ := a.claims.Current()
+	if accepted {
+		if err != nil || cur.Failure != newer {
+			t.Fatalf("refused (%v); holds %+v", err, cur)
+		}
+		return
+	}
+	if !errors.Is(err, spare.ErrBusy) || cur.Failure != earlier {
+		t.Fatalf("error %v, holds %+v; want busy with the earlier claim kept", err, cur)
 	}
 }
 
