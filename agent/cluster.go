@@ -113,13 +113,7 @@ func (a *Agent) Ping(ctx context.Context, name string) (PingReply, error) {
 
 // servePing answers with this host's name, its running jobs and their job addresses.
 func (a *Agent) servePing() PingReply {
-	var jobs []string
-	for _, j := range a.Jobs(0) {
-		if j.State == JobRunning {
-			jobs = append(jobs, j.ID)
-		}
-	}
-	return PingReply{Node: a.cfg.Name, Jobs: jobs, JobAddrs: a.runningJobAddrs(), JobPool: a.cfg.JobNetwork.Pool}
+	return PingReply{Node: a.cfg.Name, Jobs: a.runningJobIDs(), JobAddrs: a.runningJobAddrs(), JobPool: a.cfg.JobNetwork.Pool}
 }
 
 // serveCheckpointNow snapshots this host's jobs for a sender whose log is under pressure. Requests that

@@ -58,12 +58,7 @@ func (a *Agent) Drain(ctx context.Context, req DrainRequest, uid uint32) (*Drain
 func (a *Agent) drain(ctx context.Context, to []string, why string) *DrainResult {
 	start := time.Now()
 	res := &DrainResult{Node: a.cfg.Name, Event: a.cfg.Name + "-drain-" + start.UTC().Format("20060102T150405.000")}
-	var ids []string
-	for _, j := range a.Jobs(0) {
-		if j.State == JobRunning {
-			ids = append(ids, j.ID)
-		}
-	}
+	ids := a.runningJobIDs()
 	a.failures.Update(res.Event, func(f *Failure) {
 		f.Kind, f.Node, f.Protector, f.LastBeat, f.Detected, f.Jobs = KindDrain, a.cfg.Name, a.cfg.Name, start, start, ids
 		f.Stages = append(f.Stages, Stage{Name: "drain", Host: a.cfg.Name, Start: start, End: start, Detail: why})

@@ -651,12 +651,7 @@ func prefetchOf(jobs []RecoverJob) []spare.Prefetch {
 // earlier (it took a failed node's jobs, which have ended since) is released first once its recovery is
 // over: its record here says done, or none came within the time a recovery may take.
 func (a *Agent) idleForRun(v ring.View, cl spare.Claim) error {
-	var running []string
-	for _, j := range a.Jobs(0) {
-		if j.State == JobRunning {
-			running = append(running, j.ID)
-		}
-	}
+	running := a.runningJobIDs()
 	if busy := a.busy.current(); len(running) > 0 || busy == detect.BusyRestore {
 		return fmt.Errorf("%w: %s runs jobs %v (busy %q): a node is a run's spare only while idle", spare.ErrBusy, a.cfg.Name, running, busy)
 	}

@@ -137,6 +137,15 @@ func (a *Agent) runningJobs() []Job {
 	return running
 }
 
+// runningJobIDs lists the ids of this host's running jobs.
+func (a *Agent) runningJobIDs() []string {
+	var ids []string
+	for _, j := range a.runningJobs() {
+		ids = append(ids, j.ID)
+	}
+	return ids
+}
+
 // askVouch asks protector, by deadline, whether it still holds this node alive (OpVouch); false comes
 // with why not, as a clause for the fence event's detail.
 func (a *Agent) askVouch(ctx context.Context, protector string, deadline time.Time) (bool, string) {

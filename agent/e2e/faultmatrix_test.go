@@ -47,11 +47,7 @@ func startMatrix(t *testing.T, spares, port int, ref []string, prepare func(*lab
 		prepare(l)
 	}
 	c := startCluster(t, l, labcluster.Options{Interval: "1h"})
-	t.Cleanup(func() {
-		if t.Failed() {
-			logEvents(t, c)
-		}
-	})
+	logEventsOnFailure(t, c)
 	rg := startRing(t, c, 3, port, append(append([]string{}, ref...), extra...))
 	for r := range rg.jobs {
 		rg.waitIteration(t, r, 1, 2*time.Minute)
@@ -259,6 +255,15 @@ func waitStage(t *testing.T, c *labcluster.Cluster, node, stage, host string, ti
 	}
 	t.Fatalf("no stage %q of the recovery of %s within %s", stage, node, timeout)
 	return nil
+}
+
+// logEventsOnFailure logs the failure timelines (logEvents) when the test has failed, at its end.
+func logEventsOnFailure(t *testing.T, c *labcluster.Cluster) {
+	t.Cleanup(func() {
+		if t.Failed() {
+			logEvents(t, c)
+		}
+	})
 }
 
 // logEvents logs every failure timeline the live agents know (the newest copy of each), for a failed test.

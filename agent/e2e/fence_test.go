@@ -121,11 +121,7 @@ func TestPartitionSelfFence(t *testing.T) {
 	args := ringArgs(3000, 64<<10, 10*time.Millisecond)
 	want := reference(t, 3, args)
 	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
-	t.Cleanup(func() {
-		if t.Failed() {
-			logEvents(t, c)
-		}
-	})
+	logEventsOnFailure(t, c)
 	rg := startRing(t, c, 3, 7390, args)
 	rg.waitProtected(t, 2*time.Minute)
 	rg.waitProgress(t, progressEvery, 2*time.Minute)
@@ -268,11 +264,7 @@ func TestWholeLabStallNotFenced(t *testing.T) {
 	want := reference(t, 3, args)
 	const fenceTimeout, interval = 3 * time.Second, 200 * time.Millisecond
 	c := newCluster(t, 3, 0, labcluster.Options{Interval: "1h", MetricsListen: metricsAddr, FenceTimeout: fenceTimeout, Heartbeat: interval})
-	t.Cleanup(func() {
-		if t.Failed() {
-			logEvents(t, c)
-		}
-	})
+	logEventsOnFailure(t, c)
 	rg := startRing(t, c, 3, 7395, args)
 	rg.waitProtected(t, 2*time.Minute)
 	rg.waitProgress(t, progressEvery, 2*time.Minute)
@@ -371,11 +363,7 @@ func TestAgentStallPastDeclaration(t *testing.T) {
 	want := reference(t, 3, args)
 	const fenceTimeout = 3 * time.Second
 	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", FenceTimeout: fenceTimeout})
-	t.Cleanup(func() {
-		if t.Failed() {
-			logEvents(t, c)
-		}
-	})
+	logEventsOnFailure(t, c)
 	rg := startRing(t, c, 3, 7397, args)
 	rg.waitProtected(t, 2*time.Minute)
 	rg.waitProgress(t, progressEvery, 2*time.Minute)

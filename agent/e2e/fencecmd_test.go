@@ -91,11 +91,7 @@ func partitionFenceCommand(t *testing.T, args []string, want string, broken bool
 	script := filepath.Join(dir, "fence")
 	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", FenceCommand: []string{script, "{host}", "{address}"}, FenceTimeout: fenceTimeout})
 	labFenceScript(t, c.Lab.State(), script, record, broken)
-	t.Cleanup(func() {
-		if t.Failed() {
-			logEvents(t, c)
-		}
-	})
+	logEventsOnFailure(t, c)
 	rg := startRing(t, c, 3, 7390, args)
 	rg.waitProtected(t, 2*time.Minute)
 	rg.waitProgress(t, progressEvery, 2*time.Minute)

@@ -407,11 +407,7 @@ func testJobAddressSelfFence(t *testing.T, agentsOnly bool) {
 	args := ringArgs(2500, 16<<10, 10*time.Millisecond)
 	want := reference(t, 3, args)
 	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", JobAddresses: true})
-	t.Cleanup(func() {
-		if t.Failed() {
-			logEvents(t, c)
-		}
-	})
+	logEventsOnFailure(t, c)
 	st := c.Lab.State()
 	jobAddr := labcluster.JobPool(st, "node2").Addr()
 	var peers []string

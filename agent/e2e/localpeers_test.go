@@ -51,11 +51,7 @@ func TestLocalPeers(t *testing.T) {
 // node1.
 func node1Lab(t *testing.T, opts labcluster.Options) (*labcluster.Cluster, lab.Host) {
 	c := newCluster(t, 2, 1, opts)
-	t.Cleanup(func() {
-		if t.Failed() {
-			logEvents(t, c)
-		}
-	})
+	logEventsOnFailure(t, c)
 	h, err := c.Lab.Host("node1")
 	if err != nil {
 		t.Fatal(err)
@@ -156,11 +152,7 @@ func testLoopbackInJob(t *testing.T) {
 	args := ringArgs(2000, 16<<10, 10*time.Millisecond)
 	want := reference(t, 2, args)
 	c := newCluster(t, 2, 1, labcluster.Options{Interval: "1h"})
-	t.Cleanup(func() {
-		if t.Failed() {
-			logEvents(t, c)
-		}
-	})
+	logEventsOnFailure(t, c)
 	peers := "127.0.0.1:7480,127.0.0.1:7481"
 	rank := func(r int) string {
 		return fmt.Sprintf("%s --rank %d --peers %s %s > rank%d.out", bins.Ringstencil, r, peers, strings.Join(args, " "), r)
