@@ -362,7 +362,7 @@ func TestAgentStallPastDeclaration(t *testing.T) {
 	args := ringArgs(3000, 64<<10, 10*time.Millisecond)
 	want := reference(t, 3, args)
 	const fenceTimeout = 3 * time.Second
-	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", FenceTimeout: fenceTimeout})
+	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", MetricsListen: metricsAddr, FenceTimeout: fenceTimeout})
 	logEventsOnFailure(t, c)
 	rg := startRing(t, c, 3, 7397, args)
 	rg.waitProtected(t, 2*time.Minute)
@@ -370,6 +370,12 @@ func TestAgentStallPastDeclaration(t *testing.T) {
 	rg.checkpoint(t, "node2")
 	rg.waitProgress(t, progressEvery, 2*time.Minute)
 	old := rg.job(t, "node2", 1)
+	// A last beat that says busy makes node3 wait busy_grace before it declares, and it never does while
+	// node2's host answers: stop the agent only once node3 has heard it idle after the checkpoint.
+	pollMetrics(t, c, "node3", "node3 hears node2 idle", time.Minute, func(m map[string]float64) bool {
+		v, ok := m[`ftkit_predecessor_busy{node="node2"}`]
+		return ok && v == 0
+	})
 
 	if err := c.SignalAgent("node2", unix.SIGSTOP); err != nil {
 		t.Fatal(err)
