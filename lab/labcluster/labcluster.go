@@ -435,11 +435,11 @@ func RemoveJobNets(id string) error {
 }
 
 // WriteFenceScript writes the lab's stand-in for an IPMI power-off at path, for Options.FenceCommand with
-// the arguments {host} {address}: it appends its arguments to record, SIGKILLs every process in that lab
-// host's network namespace (what a power cut does to a host; the agents run in their host's namespace on
-// the lab's shared mount namespace, so the protector's command reaches /run/netns and /proc), and exits 0
-// only once it has confirmed none is left, as the contract in docs/operations.md asks of a real fence
-// command. A host whose namespace is gone (lab.Crash removes it after killing its processes) is off.
+// the arguments {host} {address}: it appends its arguments to record, takes that lab host's link down and
+// SIGKILLs every process in its network namespace (what a power cut does to a host; the agents run in their
+// host's namespace on the lab's shared mount namespace, so the protector's command reaches /run/netns and
+// /proc), and exits 0 only once it has confirmed none is left, as the contract in docs/operations.md asks of
+// a real fence command. A host whose namespace is gone (lab.Crash removes it after killing its processes) is off.
 func WriteFenceScript(st lab.State, path, record string) error {
 	ip, err := exec.LookPath("ip")
 	if err != nil {
@@ -462,11 +462,14 @@ if [ ! -e "%[5]s/$ns" ]; then
 	echo "lab host $1 is off: its namespace $ns is gone"
 	exit 0
 fi
+# Off the wire first, as a host losing power is at once: the processes killed below then send nothing (no
+# FIN, no reset) to peers whose connections a restored copy on a spare will carry on, with this address.
+%[3]s -n "$ns" link set dev eth0 down || exit 3
 i=0
 while [ $i -lt 200 ]; do
 	pids=$(%[3]s netns pids "$ns") || exit 3
 	if [ -z "$pids" ]; then
-		echo "lab host $1 is off: no process left in namespace $ns"
+		echo "lab host $1 is off: its link down, no process left in namespace $ns"
 		exit 0
 	fi
 	kill -9 $pids 2>/dev/null
