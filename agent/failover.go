@@ -280,6 +280,11 @@ func (a *Agent) awaitFence(ctx context.Context, id string, s detect.Suspect, dec
 			a.fenceStage(id, start, strings.Join(detail, "; "), "")
 			return nil
 		}
+		if err := a.agentHungOnLiveHost(ctx, s.Name); err != nil {
+			err = fmt.Errorf("the fence command did not power %s off, and %w", s.Name, err)
+			a.fenceStage(id, start, strings.Join(detail, "; "), err.Error())
+			return err
+		}
 	}
 	// The reference is the last beat that arrived, or this host's last vouch for s if later (s counts it as
 	// contact from when it asked); with neither since watching started (a ring change just made s our
@@ -309,6 +314,22 @@ func (a *Agent) awaitFence(ctx context.Context, id string, s detect.Suspect, dec
 		return err
 	}
 	a.fenceStage(id, start, strings.Join(detail, "; "), "")
+	return nil
+}
+
+// agentHungOnLiveHost returns an error if name's host answers a TCP handshake while its agent does not
+// answer a probe: the host is up and reachable, so it is not cut off and will not fence itself, and its
+// agent will not either (judge does not declare such a node without a fence command).
+func (a *Agent) agentHungOnLiveHost(ctx context.Context, name string) error {
+	if a.hostAnswers(ctx, name) != nil {
+		return nil
+	}
+	pctx, cancel := context.WithTimeout(ctx, a.cfg.ProbeTimeout())
+	defer cancel()
+	if _, err := a.Ping(pctx, name); err != nil {
+		return fmt.Errorf("its host answers while its agent does not (%v): its jobs may still run there, so they are not restored elsewhere; "+
+			"power the host off, then restore them with ftctl restore", err)
+	}
 	return nil
 }
 

@@ -282,42 +282,49 @@ func (a *Agent) watchPredecessor(ctx context.Context) {
 			if s.Name != watching {
 				continue
 			}
-			// A predecessor whose last beat said it was busy keeps its grace while its host answers: its
-			// kernel is asked at the same time as the usual probes, so that a dead busy host costs no more.
-			var hostUp chan error
-			if s.InGrace {
-				hostUp = make(chan error, 1)
-				go func() { hostUp <- a.hostAnswers(ctx, s.Name) }()
-			} else {
+			// The predecessor's kernel is asked at the same time as the usual probes, so that a dead host costs
+			// no more: a busy predecessor keeps its grace while it answers, and one whose agent is silent while
+			// its host answers is not failed over without a fence command (judge).
+			hostUp := make(chan error, 1)
+			go func() { hostUp <- a.hostAnswers(ctx, s.Name) }()
+			if !s.InGrace {
 				a.log.Warn("predecessor suspected", "node", s.Name, "silence", s.Silence.Round(time.Millisecond))
 			}
 			why, alive := a.confirm(ctx, s.Name)
-			if hostUp != nil {
-				if err := <-hostUp; alive || err == nil {
-					a.log.Info("predecessor silent while busy, its host answers: waiting up to heartbeat.busy_grace",
-						"node", s.Name, "busy", s.Busy, "silence", s.Silence.Round(time.Millisecond))
-					a.metrics.BusySilence()
-					a.watchdog.Clear(s.Name, time.Now())
-					continue
-				} else {
-					a.log.Warn("predecessor suspected: silent while busy, and neither its agent nor its host answers",
-						"node", s.Name, "busy", s.Busy, "silence", s.Silence.Round(time.Millisecond), "err", err)
-				}
+			hostErr := errHostNotAsked
+			if s.InGrace || !alive {
+				hostErr = <-hostUp
 			}
-			if !alive && a.watchdog.HeardSince(s.Name, now) {
-				why, alive = "it sent a heartbeat during confirmation", true
-			}
-			// The silence and the failed probes were measured by this agent: if it stalled meanwhile
-			// (a starved host), the beats and answers may be sitting unread behind the stall.
-			if !alive && a.stalls.Since(now.Add(-s.Silence), time.Now()) {
-				why, alive = "this agent itself stalled while measuring the silence or probing (starved host?); not evidence", true
-			}
-			a.metrics.Suspicion(alive)
-			if alive {
+			v, why := judge(probed{
+				inGrace: s.InGrace, agentAlive: alive, why: why, hostAnswers: hostErr == nil,
+				heard: a.watchdog.HeardSince(s.Name, now), stalled: a.stalls.Since(now.Add(-s.Silence), time.Now()),
+				fenceCommand: len(a.cfg.Failover.FenceCommand) > 0,
+			})
+			switch v {
+			case verdictBusy:
+				a.log.Info("predecessor silent while busy, its host answers: waiting up to heartbeat.busy_grace",
+					"node", s.Name, "busy", s.Busy, "silence", s.Silence.Round(time.Millisecond))
+				a.metrics.BusySilence()
+				a.watchdog.Clear(s.Name, time.Now())
+				continue
+			case verdictUnresponsive:
+				a.metrics.UnresponsiveAgent()
+				a.log.Error("predecessor's agent does not answer but its host does: not failing over, its jobs may still run there; "+
+					"restart ftagent there, or configure failover.fence_command so that such a host is powered off and its jobs restored",
+					"node", s.Name, "silence", s.Silence.Round(time.Millisecond))
+				a.watchdog.Clear(s.Name, time.Now())
+				continue
+			case verdictCleared:
+				a.metrics.Suspicion(true)
 				a.log.Info("suspicion cleared", "node", s.Name, "why", why)
 				a.watchdog.Clear(s.Name, time.Now())
 				continue
 			}
+			if s.InGrace {
+				a.log.Warn("predecessor suspected: silent while busy, and neither its agent nor its host answers",
+					"node", s.Name, "busy", s.Busy, "silence", s.Silence.Round(time.Millisecond), "err", hostErr)
+			}
+			a.metrics.Suspicion(false)
 			// A node cut off from the ring sees its predecessor fall silent too: if its own protector (another
 			// node) does not answer either, this node is the one isolated, and it fences itself instead.
 			if p, ok := a.protector(); ok && p.Name != s.Name {
@@ -358,6 +365,52 @@ func (a *Agent) watchPredecessor(ctx context.Context) {
 		return time.Time{}
 	})
 }
+
+// probed is what a suspicion's confirmation found out about the predecessor.
+type probed struct {
+	inGrace      bool   // its last beat said busy, and its busy_grace has not run out
+	agentAlive   bool   // its agent answered a probe, directly or through its other neighbour
+	why          string // how it answered
+	hostAnswers  bool   // its kernel completed or refused a TCP handshake
+	heard        bool   // a beat of it arrived during the confirmation
+	stalled      bool   // this agent stalled while it measured the silence or probed
+	fenceCommand bool   // a fence command can power its host off
+}
+
+// verdict is what a suspicion leads to.
+type verdict int
+
+const (
+	verdictFailed       verdict = iota // declared failed (if nothing else stops the fail-over)
+	verdictBusy                        // a busy predecessor whose host answers: left alone within its grace
+	verdictCleared                     // alive, or the silence is no evidence
+	verdictUnresponsive                // its agent is silent while its host answers: not failed over
+)
+
+// judge decides a suspicion, with why for a cleared one.
+func judge(p probed) (verdict, string) {
+	switch {
+	case p.inGrace && (p.agentAlive || p.hostAnswers):
+		return verdictBusy, ""
+	case p.agentAlive:
+		return verdictCleared, p.why
+	case p.heard:
+		return verdictCleared, "it sent a heartbeat during confirmation"
+	case p.stalled:
+		// The silence and the failed probes were measured by this agent: if it stalled meanwhile (a starved
+		// host), the beats and answers may be sitting unread behind the stall.
+		return verdictCleared, "this agent itself stalled while measuring the silence or probing (starved host?); not evidence"
+	case p.hostAnswers && !p.fenceCommand:
+		// A host that completes a TCP handshake is up and reachable: it is not cut off, so it will not fence
+		// itself, and its agent (hung, stopped or starved) will not either. Restoring its jobs elsewhere would
+		// run them twice; only a fence command, which powers the host off first, makes that safe.
+		return verdictUnresponsive, ""
+	}
+	return verdictFailed, ""
+}
+
+// errHostNotAsked stands for a host whose answer was not awaited: its agent answered.
+var errHostNotAsked = errors.New("host not asked: its agent answered")
 
 // hostAnswers checks that name's host still runs, whatever its agent does: its kernel completes a TCP
 // handshake (or refuses it) within the probe timeout.

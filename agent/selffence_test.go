@@ -3,6 +3,8 @@ package agent
 import (
 	"context"
 	"errors"
+	"net"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
@@ -13,6 +15,7 @@ import (
 	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/fence"
 	"github.com/ftkit/ftkit/ring"
+	"golang.org/x/sys/unix"
 )
 
 // TestFenceJobs: a fencing node writes 1 to cgroup.kill of each running job's own cgroup (the test agent's
@@ -89,30 +92,79 @@ func fenceScript(t *testing.T, code string) string {
 	return p
 }
 
+// failedHost puts something at node2's address for TestAwaitFence, and returns that address: "silent", a
+// listener whose accept queue is full, so that the kernel drops the next handshake as a cut-off host's goes
+// unanswered; "hung", one that completes handshakes and never answers, as a host whose agent is stopped;
+// "down", nothing, so the kernel refuses, as a host whose agent does not run.
+func failedHost(t *testing.T, kind string) netip.AddrPort {
+	t.Helper()
+	switch kind {
+	case "down":
+		return netip.MustParseAddrPort("127.0.0.2:1")
+	case "hung":
+		l, err := net.Listen("tcp", "127.0.0.2:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { l.Close() })
+		return netip.MustParseAddrPort(l.Addr().String())
+	}
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Close(fd) })
+	// A backlog of 0 queues one connection: the one made here. The kernel drops the SYNs after it.
+	if err := unix.Bind(fd, &unix.SockaddrInet4{Addr: [4]byte{127, 0, 0, 2}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Listen(fd, 0); err != nil {
+		t.Fatal(err)
+	}
+	sa, err := unix.Getsockname(fd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := netip.AddrPortFrom(netip.AddrFrom4([4]byte{127, 0, 0, 2}), uint16(sa.(*unix.SockaddrInet4).Port))
+	c, err := net.DialTimeout("tcp", addr.String(), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return addr
+}
+
 // TestAwaitFence: the protector's fenced stage. A fence command that confirms the host is off ends the
-// wait at once; one that fails (or none) falls back to waiting until ReadyAt of the last beat; a cancelled
-// wait is an error in the stage.
+// wait at once; one that fails (or none) falls back to waiting until ReadyAt of the last beat, unless the
+// host answers while its agent does not (it will not fence itself); a cancelled wait is an error in the
+// stage.
 func TestAwaitFence(t *testing.T) {
 	for _, tc := range []struct {
 		name    string
 		command string // exit code of the fence command; "" none
+		host    string // what answers at node2's address (failedHost); "" the fixture's, which refuses
 		timeout time.Duration
 		ago     time.Duration // how long before the call the last beat arrived
 		vouched time.Duration // how long before the call this host vouched for the node (0: never)
 		beat    []string      // the jobs a beat of the node that arrived after the last one named (nil: none came)
 		refused time.Duration // how long before the call this host refused to vouch for it, declared (0: never)
 		cancel  bool
-		wantErr bool
+		wantErr string // in the error; "" none
 		detail  []string
 	}{
 		{name: "command confirms", command: "0", timeout: time.Hour, detail: []string{"fence command confirmed the host is off", "fence node2 127.0.0.2:1"}},
-		{name: "command fails, wait", command: "3", timeout: 6 * time.Second, ago: 6 * time.Second,
+		{name: "command fails, host silent: wait", command: "3", host: "silent", timeout: 6 * time.Second, ago: 6 * time.Second,
 			detail: []string{"fence command failed (exit status 3)", "waited until fence_timeout 6s"}},
+		// Up and reachable, it is not cut off; with its agent stopped or not running, nothing kills its jobs.
+		{name: "command fails, agent hung on a live host", command: "3", host: "hung", timeout: 6 * time.Second, ago: 6 * time.Second,
+			wantErr: "its host answers while its agent does not", detail: []string{"fence command failed (exit status 3)"}},
+		{name: "command fails, agent down on a live host", command: "3", host: "down", timeout: 6 * time.Second, ago: 6 * time.Second,
+			wantErr: "its host answers while its agent does not", detail: []string{"fence command failed (exit status 3)"}},
 		{name: "no command, wait", timeout: 6 * time.Second, ago: 6 * time.Second, detail: []string{"waited until fence_timeout 6s"}},
 		{name: "no command, long past", timeout: 6 * time.Second, ago: time.Minute, detail: []string{"waited until"}},
 		// The node counts the vouch as contact: the wait counts from it, not from the older beat.
 		{name: "vouched after the last beat", timeout: 6 * time.Second, ago: 9 * time.Second, vouched: 6 * time.Second, detail: []string{"waited until"}},
-		{name: "cancelled", timeout: time.Hour, cancel: true, wantErr: true, detail: []string{"waited until"}},
+		{name: "cancelled", timeout: time.Hour, cancel: true, wantErr: context.Canceled.Error(), detail: []string{"waited until"}},
 		// Back without the recovery's jobs (a restarted host): nothing runs twice.
 		{name: "beat again without its jobs", timeout: 6 * time.Second, ago: 9 * time.Second, beat: []string{"other"}, detail: []string{"waited until"}},
 		// Told by the refused vouch that it was declared: it killed its jobs then, and the wait covers the kill.
@@ -121,6 +173,13 @@ func TestAwaitFence(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			ta := newTestAgent(t)
 			ta.cfg.Failover.FenceTimeout = Duration{Duration: tc.timeout}
+			ta.cfg.Heartbeat.ProbeTimeout = Duration{Duration: 300 * time.Millisecond}
+			if tc.host != "" {
+				ta.cfg.Cluster.Members[1].Address = failedHost(t, tc.host)
+				if err := ta.loadView(); err != nil {
+					t.Fatal(err)
+				}
+			}
 			if tc.command != "" {
 				ta.cfg.Failover.FenceCommand = []string{fenceScript(t, tc.command), "{host}", "{address}"}
 			}
@@ -153,8 +212,8 @@ func TestAwaitFence(t *testing.T) {
 			}
 			id := "node2-test"
 			err := ta.awaitFence(ctx, id, s, now, "127.0.0.2:1")
-			if (err != nil) != tc.wantErr || tc.wantErr && !errors.Is(err, context.Canceled) {
-				t.Fatalf("awaitFence = %v, want error %v", err, tc.wantErr)
+			if (err != nil) != (tc.wantErr != "") || err != nil && !strings.Contains(err.Error(), tc.wantErr) {
+				t.Fatalf("awaitFence = %v, want error %q", err, tc.wantErr)
 			}
 			ready := ta.cfg.FenceTiming().ReadyAt(ref)
 			if tc.refused > 0 {
@@ -163,7 +222,7 @@ func TestAwaitFence(t *testing.T) {
 			switch {
 			case tc.command == "0" && !time.Now().Before(ready):
 				t.Errorf("waited until %s although the fence command confirmed", ready)
-			case tc.command != "0" && !tc.cancel && time.Now().Before(ready):
+			case tc.command != "0" && tc.wantErr == "" && time.Now().Before(ready):
 				t.Errorf("returned before %s, when the failed node may not have fenced itself yet", ready)
 			}
 			var st *Stage
@@ -172,7 +231,7 @@ func TestAwaitFence(t *testing.T) {
 					st = &f.Stages[0]
 				}
 			}
-			if st == nil || st.Name != StageFenced || (st.Error != "") != tc.wantErr {
+			if st == nil || st.Name != StageFenced || !strings.Contains(st.Error, tc.wantErr) || (st.Error == "") != (tc.wantErr == "") {
 				t.Fatalf("stage %+v", st)
 			}
 			for _, d := range tc.detail {

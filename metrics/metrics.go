@@ -152,7 +152,7 @@ func New(src Source) *Metrics {
 			Help: "Heartbeats to this node's protector, by result: sent, or failed (protector unreachable or the write failed)."},
 			[]string{"result"}),
 		suspicions: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "ftkit_suspicions_total",
-			Help: "Suspicions of the ring predecessor after heartbeat silence, by outcome: cleared (it was reachable) or confirmed (declared failed)."},
+			Help: "Suspicions of the ring predecessor after heartbeat silence, by outcome: cleared (it was reachable), agent_unresponsive (its agent did not answer but its host did, and no fence command is configured: not failed over, since its jobs may still run there) or confirmed (declared failed)."},
 			[]string{"outcome"}),
 		busySilences: prometheus.NewCounter(prometheus.CounterOpts{Name: "ftkit_busy_silences_total",
 			Help: "Times the ring predecessor was silent for heartbeat.timeout while its last beat said it was checkpointing or restoring, and its host still answered a TCP handshake: left alone, up to heartbeat.busy_grace (not a suspicion)."}),
@@ -178,7 +178,7 @@ func New(src Source) *Metrics {
 	for _, r := range []string{"sent", "failed"} {
 		m.heartbeats.WithLabelValues(r)
 	}
-	for _, o := range []string{"cleared", "confirmed"} {
+	for _, o := range []string{"cleared", "agent_unresponsive", "confirmed"} {
 		m.suspicions.WithLabelValues(o)
 	}
 	m.reg.MustRegister(m.snapshots, m.dumpSeconds, m.frozenSeconds, m.snapshotBytes, m.shipped, m.shipFailures,
@@ -265,6 +265,15 @@ func (m *Metrics) Suspicion(alive bool) {
 	} else {
 		m.suspicions.WithLabelValues("confirmed").Inc()
 	}
+}
+
+// UnresponsiveAgent records a suspicion of the predecessor whose agent did not answer while its host did,
+// not failed over for want of a fence command.
+func (m *Metrics) UnresponsiveAgent() {
+	if m == nil {
+		return
+	}
+	m.suspicions.WithLabelValues("agent_unresponsive").Inc()
 }
 
 // BusySilence records a silence of a busy predecessor whose host still answers.

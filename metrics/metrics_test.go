@@ -266,6 +266,8 @@ func TestEvents(t *testing.T) {
 	m.Heartbeat(true)
 	m.Heartbeat(false)
 	m.Suspicion(true)
+	m.UnresponsiveAgent()
+	m.UnresponsiveAgent()
 	m.BusySilence()
 	m.HeartbeatGap(75*time.Millisecond, true)
 	m.HeartbeatGap(180*time.Millisecond, false)
@@ -294,8 +296,9 @@ ftkit_snapshot_ship_throughput_bytes_per_second 4.194304e+06
 # HELP ftkit_snapshots_total Snapshots of this host's jobs taken (committed to the local store).
 # TYPE ftkit_snapshots_total counter
 ftkit_snapshots_total 2
-# HELP ftkit_suspicions_total Suspicions of the ring predecessor after heartbeat silence, by outcome: cleared (it was reachable) or confirmed (declared failed).
+# HELP ftkit_suspicions_total Suspicions of the ring predecessor after heartbeat silence, by outcome: cleared (it was reachable), agent_unresponsive (its agent did not answer but its host did, and no fence command is configured: not failed over, since its jobs may still run there) or confirmed (declared failed).
 # TYPE ftkit_suspicions_total counter
+ftkit_suspicions_total{outcome="agent_unresponsive"} 2
 ftkit_suspicions_total{outcome="cleared"} 1
 ftkit_suspicions_total{outcome="confirmed"} 0
 `
@@ -329,12 +332,13 @@ ftkit_suspicions_total{outcome="confirmed"} 0
 func TestNilMetrics(t *testing.T) {
 	var m *Metrics
 	calls := map[string]func(){
-		"SnapshotTaken":   func() { m.SnapshotTaken(time.Second, time.Millisecond, 1) },
-		"SnapshotShipped": func() { m.SnapshotShipped(1, 1, time.Second) },
-		"ShipFailed":      m.ShipFailed,
-		"Heartbeat":       func() { m.Heartbeat(true) },
-		"Suspicion":       func() { m.Suspicion(false) },
-		"ControllerEvent": func() { m.ControllerEvent("spill") },
+		"SnapshotTaken":     func() { m.SnapshotTaken(time.Second, time.Millisecond, 1) },
+		"SnapshotShipped":   func() { m.SnapshotShipped(1, 1, time.Second) },
+		"ShipFailed":        m.ShipFailed,
+		"Heartbeat":         func() { m.Heartbeat(true) },
+		"Suspicion":         func() { m.Suspicion(false) },
+		"UnresponsiveAgent": m.UnresponsiveAgent,
+		"ControllerEvent":   func() { m.ControllerEvent("spill") },
 	}
 	for name, call := range calls {
 		func() {

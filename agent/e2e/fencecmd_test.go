@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
@@ -57,7 +59,11 @@ func dead(pid int) bool {
 // output, and that the protector fell back to the self-fence wait: it ends no earlier than fence_timeout
 // after the last heartbeat, node2 having fenced itself.
 //
-// In both, the old copy is dead before the fenced stage ends and so before the new copy comes up on the
+// "agent stopped, confirms": node2's link stays up and only its agent stops (a hung agent). Its host answers,
+// so without a fence command node3 would not fail it over (TestHungAgentNotFailedOver); with one, it does,
+// as in "confirms".
+//
+// In all, the old copy is dead before the fenced stage ends and so before the new copy comes up on the
 // spare, every rank's checksum equals the failure-free run's, the command ran once with node2's name and
 // cluster address, and `ftctl events` shows its outcome, as JSON and in the SVG timeline.
 func TestPartitionFenceCommand(t *testing.T) {
@@ -65,31 +71,33 @@ func TestPartitionFenceCommand(t *testing.T) {
 	args := ringArgs(3000, 64<<10, 10*time.Millisecond)
 	want := reference(t, 3, args)
 	for _, tc := range []struct {
-		name   string
-		broken bool
+		name      string
+		agentOnly bool // the agent stops; the link stays up
+		broken    bool
 		// Confirming: long, so that node2 cannot fence itself before the command has, and a stage ended
 		// by the wait could not pass the check. Failing: short, the wait is the test's cost.
 		fenceTimeout time.Duration
 		detail       []string // in the fenced stage's detail
 		notDetail    string
 	}{
-		{"confirms", false, 20 * time.Second, []string{"fence command confirmed the host is off", "lab host node2 is off"}, "waited until"},
-		{"fails", true, 5 * time.Second, []string{"fence command failed (exit status 4)", "lab BMC of node2 unreachable", "waited until fence_timeout 5s"}, "confirmed"},
+		{"confirms", false, false, 20 * time.Second, []string{"fence command confirmed the host is off", "lab host node2 is off"}, "waited until"},
+		{"fails", false, true, 5 * time.Second, []string{"fence command failed (exit status 4)", "lab BMC of node2 unreachable", "waited until fence_timeout 5s"}, "confirmed"},
+		{"agent stopped, confirms", true, false, 20 * time.Second, []string{"fence command confirmed the host is off", "lab host node2 is off"}, "waited until"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel() // each row has its own lab
-			partitionFenceCommand(t, args, want, tc.broken, tc.fenceTimeout, tc.detail, tc.notDetail)
+			partitionFenceCommand(t, args, want, tc.agentOnly, tc.broken, tc.fenceTimeout, tc.detail, tc.notDetail)
 		})
 	}
 }
 
-func partitionFenceCommand(t *testing.T, args []string, want string, broken bool, fenceTimeout time.Duration, detail []string, notDetail string) {
+func partitionFenceCommand(t *testing.T, args []string, want string, agentOnly, broken bool, fenceTimeout time.Duration, detail []string, notDetail string) {
 	dir := t.TempDir()
 	record := filepath.Join(dir, "fenced")
 	// The agents' configuration names the script; it is written once the lab exists (it names the lab's
 	// namespaces), before any failure runs it.
 	script := filepath.Join(dir, "fence")
-	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", FenceCommand: []string{script, "{host}", "{address}"}, FenceTimeout: fenceTimeout})
+	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", MetricsListen: metricsAddr, FenceCommand: []string{script, "{host}", "{address}"}, FenceTimeout: fenceTimeout})
 	labFenceScript(t, c.Lab.State(), script, record, broken)
 	logEventsOnFailure(t, c)
 	rg := startRing(t, c, 3, 7390, args)
@@ -120,9 +128,22 @@ func partitionFenceCommand(t *testing.T, args []string, want string, broken bool
 	}()
 	t.Cleanup(func() { close(stop); <-watched })
 
-	// node2 stays cut off to the end (powered off, or fenced with its address still up): the lab's
-	// teardown removes it.
-	setLink(t, c, "node2", false)
+	if agentOnly {
+		// A busy predecessor whose host answers is left alone for busy_grace: stop an idle one. The fence
+		// command kills the stopped agent with the rest of the host.
+		pollMetrics(t, c, "node3", "node3 hears node2 idle", time.Minute, func(m map[string]float64) bool {
+			v, ok := m[`ftkit_predecessor_busy{node="node2"}`]
+			return ok && v == 0
+		})
+		if err := c.SignalAgent("node2", unix.SIGSTOP); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.SignalAgent("node2", unix.SIGCONT) })
+	} else {
+		// node2 stays cut off to the end (powered off, or fenced with its address still up): the lab's
+		// teardown removes it.
+		setLink(t, c, "node2", false)
+	}
 
 	f := waitRecovery(t, c, "node2", 2*time.Minute)
 	requireStages(t, f)
