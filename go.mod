@@ -6,6 +6,7 @@ require (
 	github.com/cespare/xxhash/v2 v2.3.0
 	github.com/checkpoint-restore/go-criu/v7 v7.2.0
 	github.com/cilium/ebpf v0.22.0
+	github.com/coreos/go-systemd/v22 v22.7.0
 	github.com/google/nftables v0.3.0
 	github.com/klauspost/compress v1.20.1
 	github.com/moby/sys/mount v0.3.4

@@ -30,6 +30,7 @@ import (
 	"github.com/ftkit/ftkit/intercept/record"
 	"github.com/ftkit/ftkit/internal/autogroup"
 	"github.com/ftkit/ftkit/internal/jobfs"
+	"github.com/ftkit/ftkit/internal/liveness"
 	"github.com/ftkit/ftkit/internal/netnsthread"
 	"github.com/ftkit/ftkit/internal/tickgrid"
 	"github.com/ftkit/ftkit/jobnet"
@@ -93,6 +94,8 @@ type Agent struct {
 	beating  beatContact      // the heartbeat stream to the protector, whose acknowledgements the self-fence reads
 	watchdog *detect.Watchdog // over this node's predecessor in the ring
 	stalls   *detect.Stalls   // this agent's own scheduling delays (watchSelf)
+	loops    *liveness.Loops  // whether the loops the ring depends on still turn (StaleLoops); set by Run
+	serving  chan struct{}    // closed once Run serves
 	failures *failurelog.Log  // timelines of the failures this agent knows of
 	claims   *spare.Holder    // this host's claim state while it is a spare
 	clamp    *ackclamp.Clamp  // ACK clock for restored sockets that re-send what peers have; nil if unavailable
@@ -135,6 +138,7 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 		byID: map[string]*Job{}, policies: map[string]*interval.Policy{}, changed: make(chan struct{}),
 		replicaConns:  map[string]replicaConns{},
 		beatNow:       make(chan struct{}, 1),
+		serving:       make(chan struct{}),
 		reservedAddrs: map[netip.Addr]int{},
 		criuVersion:   v,
 	}
@@ -559,6 +563,27 @@ func alive(pid int) bool {
 	return pid > 0 && unix.Kill(pid, 0) != unix.ESRCH
 }
 
+// Names of the loops StaleLoops watches.
+const (
+	loopBeats     = "heartbeats"
+	loopWatchdog  = "predecessor watchdog"
+	loopSelfFence = "self-fence"
+)
+
+// Serving is closed once Run serves: its APIs listen and its loops run (systemd's READY=1).
+func (a *Agent) Serving() <-chan struct{} { return a.serving }
+
+// StaleLoops lists the loops the ring depends on that have not turned within limit before now: a
+// deadlocked agent, which must not tell systemd's watchdog that it is alive (cmd/ftagent). Nil before Run.
+func (a *Agent) StaleLoops(now time.Time, limit time.Duration) []string {
+	select {
+	case <-a.serving:
+		return a.loops.Stale(now, limit)
+	default:
+		return nil
+	}
+}
+
 // LocalAPI starts the host's local API (package agentapi) over the agent. Run starts it once the jobs a
 // previous agent left are adopted, and closes it when it returns.
 type LocalAPI func(ctx context.Context, a *Agent) (io.Closer, error)
@@ -588,6 +613,9 @@ func (a *Agent) Run(ctx context.Context, local LocalAPI) error {
 		return err
 	}
 	defer ms.Close()
+	// The loops a deadlock would stop, that the ring depends on: beats out, the watch over the predecessor,
+	// the self-fence. Beats and the self-fence read the jobs under a.mu, so most deadlocks stop them too.
+	a.loops = liveness.New(time.Now(), loopBeats, loopWatchdog, loopSelfFence)
 	go a.watchJobs(ctx)
 	go a.schedule(ctx)
 	go a.scheduleCuts(ctx)
@@ -613,6 +641,7 @@ func (a *Agent) Run(ctx context.Context, local LocalAPI) error {
 		defer a.closeAckClamp()
 	}
 	go a.det.Run(ctx)
+	close(a.serving)
 	<-ctx.Done()
 	a.log.Info("agent stopping; jobs keep running under their shims")
 	return nil

@@ -151,6 +151,7 @@ func (a *Agent) sendBeats(ctx context.Context) {
 			due = next(woke)
 			tick.Reset(time.Until(due))
 			a.sendBeat(ctx, &b)
+			a.loops.Mark(loopBeats, time.Now())
 			// A beat that left a quarter timeout after its instant is the sender's share of a silence its
 			// protector may take for a failure: say whether this agent woke late (a starved host) or the
 			// beat took long to go.
@@ -259,6 +260,7 @@ func (a *Agent) watchPredecessor(ctx context.Context) {
 	// next one would come half an interval later (detection took 30 ms longer at a 75 ms interval).
 	tickgrid.EveryOrAt(ctx, a.cfg.Heartbeat.Interval.Duration/2, func() time.Time {
 		now := time.Now()
+		a.loops.Mark(loopWatchdog, now)
 		if n := a.watchdog.LateChecks(); n != late {
 			late = n
 			a.log.Warn("this agent's watchdog ran late (starved host?): no suspicion until it runs on time again", "late_checks", n)

@@ -67,6 +67,7 @@ func (a *Agent) selfFence(ctx context.Context) {
 	)
 	tickgrid.Every(ctx, t.Check(), func() {
 		now := time.Now()
+		a.loops.Mark(loopSelfFence, now)
 		v := a.View()
 		p, okP := v.Protector(a.cfg.Name)
 		s, okS := v.Predecessor(a.cfg.Name)

@@ -7,7 +7,8 @@ import (
 	"testing"
 )
 
-// The unit must give the agent a private umask and keep KillMode=process (jobs outlive the agent).
+// The unit must give the agent a private umask, keep KillMode=process (jobs outlive the agent), and wait for
+// its READY=1 and watch it (Type=notify, WatchdogSec: cmd/ftagent notifies it).
 func TestSystemdUnit(t *testing.T) {
 	f, err := os.Open("../deploy/systemd/ftagent.service")
 	if err != nil {
@@ -31,7 +32,7 @@ func TestSystemdUnit(t *testing.T) {
 	if err := sc.Err(); err != nil {
 		t.Fatal(err)
 	}
-	for k, v := range map[string]string{"UMask": "0077", "KillMode": "process"} {
+	for k, v := range map[string]string{"UMask": "0077", "KillMode": "process", "Type": "notify", "WatchdogSec": "60s"} {
 		if got[k] != v {
 			t.Errorf("[Service] %s=%q, want %q", k, got[k], v)
 		}

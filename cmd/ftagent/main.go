@@ -77,6 +77,7 @@ Exit codes:
 			}
 			ctx, stop := signal.NotifyContext(cmd.Context(), os.Interrupt, syscall.SIGTERM)
 			defer stop()
+			go notifySystemd(ctx, a, log)
 			return a.Run(ctx, func(ctx context.Context, a *agent.Agent) (io.Closer, error) {
 				return agentapi.Listen(ctx, cfg.Socket, a, log.With("node", cfg.Name))
 			})
