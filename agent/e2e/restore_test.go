@@ -24,13 +24,20 @@ import (
 func startWrapped(t *testing.T, c *labcluster.Cluster, host, name string, argv ...string) (*exec.Cmd, *bytes.Buffer, string) {
 	t.Helper()
 	cmd := ftwrap(c, host, append([]string{"--name", name, "--"}, argv...)...)
-	var out bytes.Buffer
+	var out, stderr bytes.Buffer
 	cmd.Stdout = &out
-	cmd.Stderr = os.Stderr
+	// The program's complaint, under this test's name: in the shared stderr of parallel tests it lands
+	// under whichever test gotestsum saw last (ci258).
+	cmd.Stderr = &stderr
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	t.Cleanup(func() {
+		if t.Failed() && stderr.Len() > 0 {
+			t.Logf("stderr of ftwrap %s on %s:\n%s", name, host, stderr.String())
+		}
+	})
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() }) // first: the stderr buffer is complete after Wait
 	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
 		jobs, _ := c.Client(host).Jobs(context.Background())
 		for _, j := range jobs {
