@@ -106,7 +106,7 @@ type Agent struct {
 
 	wire       wireTimeouts    // deadlines of the agent-to-agent protocol; zero fields take the defaults
 	peerClient peerClient      // the agent-to-agent protocol's client (a.peers())
-	asked      atomic.Bool     // a snapshot a peer asked for (clusterapi.OpCheckpointNow) is pending
+	asked      atomic.Int32    // the snapshots peers asked for (clusterapi.OpCheckpointNow): askIdle, askRunning, askQueued
 	predicted  atomic.Bool     // the health command predicts a failure of this host (health.go)
 	grants     *grant.Registry // the job incarnations this member granted (exactly one live incarnation)
 

@@ -116,22 +116,61 @@ func (a *Agent) servePing() PingReply {
 	return PingReply{Node: a.cfg.Name, Jobs: a.runningJobIDs(), JobAddrs: a.runningJobAddrs(), JobPool: a.cfg.JobNetwork.Pool}
 }
 
-// serveCheckpointNow snapshots this host's jobs for a sender whose log is under pressure. Requests that
-// arrive while one is pending are folded into it: peers must not queue snapshots without bound. It
-// reports whether it started one.
+// The snapshots senders ask for under log pressure (clusterapi.OpCheckpointNow): none, one being taken, or
+// one being taken and another asked for meanwhile.
+const (
+	askIdle int32 = iota
+	askRunning
+	askQueued
+)
+
+// serveCheckpointNow snapshots this host's jobs for a sender whose log is under pressure. A request that
+// arrives while one is being taken is not folded into it (that snapshot may have been dumped before the
+// sender's bytes arrived) but queues one more, after it; further requests fold into that one, so peers
+// cannot queue snapshots without bound. It reports whether it started one.
 func (a *Agent) serveCheckpointNow(ctx context.Context, peer string) bool {
-	if !a.asked.CompareAndSwap(false, true) {
-		a.log.Info("snapshot requested by a sender whose log is under pressure; one is already pending", "peer", peer)
-		return false
+	for {
+		switch a.asked.Load() {
+		case askIdle:
+			if !a.asked.CompareAndSwap(askIdle, askRunning) {
+				continue
+			}
+			a.log.Info("snapshot requested by a sender whose log is under pressure", "peer", peer)
+			go a.takeAskedSnapshots(context.WithoutCancel(ctx))
+			return true
+		case askRunning:
+			if !a.asked.CompareAndSwap(askRunning, askQueued) {
+				continue
+			}
+			a.log.Info("snapshot requested by a sender whose log is under pressure while one is being taken: another follows it", "peer", peer)
+			return false
+		default:
+			a.log.Info("snapshot requested by a sender whose log is under pressure; one is already queued", "peer", peer)
+			return false
+		}
 	}
-	a.log.Info("snapshot requested by a sender whose log is under pressure", "peer", peer)
-	go func() {
-		defer a.asked.Store(false)
-		if _, err := a.Checkpoint(context.WithoutCancel(ctx), nil, 0); err != nil {
+}
+
+// takeAskedSnapshots takes the snapshot a sender asked for, and one more each time another was asked for
+// meanwhile. Before, such a request was folded into the snapshot being taken: in ci258 a sender asked
+// again once that snapshot's receive points had trimmed its log, the receiver answered with the snapshot
+// it was finishing (dumped 0.5 s earlier), and the sender's log waited at its cap for a snapshot nobody
+// took, until a connection timed out.
+func (a *Agent) takeAskedSnapshots(ctx context.Context) {
+	for {
+		a.log.Debug("taking the snapshot a sender asked for")
+		if _, err := a.Checkpoint(ctx, nil, 0); err != nil {
 			a.log.Warn("requested snapshot failed", "err", err)
 		}
-	}()
-	return true
+		for {
+			if a.asked.CompareAndSwap(askQueued, askRunning) {
+				break
+			}
+			if a.asked.CompareAndSwap(askRunning, askIdle) {
+				return
+			}
+		}
+	}
 }
 
 // serveSnapshot stores a snapshot a member ships to this host, its protector.

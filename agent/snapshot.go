@@ -452,7 +452,7 @@ func (a *Agent) replicate(ctx context.Context, manifests []*ckpt.Manifest, place
 			a.recordReplica(ctx, sent.Manifest, strays[m.ID]) // the job is protected from here on
 			// Durable on the protector: the senders may now drop what the snapshot before it had received
 			// (this one's, if a sender asked for it under log pressure).
-			if base := a.releaseBase(sent.Manifest, a.asked.Load()); base != nil {
+			if base := a.releaseBase(sent.Manifest, a.asked.Load() != askIdle); base != nil {
 				a.announceReceivePoints(ctx, base)
 			}
 			if pruned, err := a.store.Prune(ctx, m.Job, a.cfg.Checkpoint.Keep, a.cutRecords().Pinned(m.Job)...); err != nil {

@@ -254,7 +254,7 @@ func TestAgentAnswersEveryOperation(t *testing.T) {
 			}
 		})
 	}
-	for a.asked.Load() { // let the requested snapshot finish before the agent's directory goes
+	for a.asked.Load() != askIdle { // let the requested snapshot finish before the agent's directory goes
 		time.Sleep(time.Millisecond)
 	}
 }

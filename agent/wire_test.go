@@ -307,10 +307,11 @@ func TestServeRecoverRefuses(t *testing.T) {
 	}
 }
 
-// TestCheckpointNowCoalesces: a peer that asks for snapshots over and over gets one pending snapshot, not
-// one goroutine per request.
+// TestCheckpointNowCoalesces: a peer that asks for snapshots over and over gets the snapshot being taken
+// and one more after it (the first may have been dumped before the bytes that made it ask), not one
+// goroutine per request. Before, every request was folded into the one being taken (ci258).
 func TestCheckpointNowCoalesces(t *testing.T) {
-	a, _ := newWireAgent(t, "n1", testMembers(nil))
+	a, logs := newWireAgent(t, "n1", testMembers(nil))
 	a.ckptMu.Lock() // the first requested snapshot waits here: it stays pending
 	started := 0
 	for range 100 {
@@ -323,16 +324,19 @@ func TestCheckpointNowCoalesces(t *testing.T) {
 		t.Fatalf("%d snapshots started for 100 requests while one was pending; want 1", started)
 	}
 	deadline := time.Now().Add(failAfter)
-	for a.asked.Load() {
+	for a.asked.Load() != askIdle {
 		if time.Now().After(deadline) {
-			t.Fatal("the requested snapshot never finished")
+			t.Fatal("the requested snapshots never finished")
 		}
 		time.Sleep(time.Millisecond)
+	}
+	if n := strings.Count(logs.String(), "taking the snapshot a sender asked for"); n != 2 {
+		t.Errorf("%d snapshots taken for 100 requests, the first 99 while one was being taken; want 2:\n%s", n, logs.String())
 	}
 	if !a.serveCheckpointNow(t.Context(), "n2") {
 		t.Error("a request after the pending snapshot finished was folded into it")
 	}
-	for a.asked.Load() && time.Now().Before(deadline) {
+	for a.asked.Load() != askIdle && time.Now().Before(deadline) {
 		time.Sleep(time.Millisecond) // let it finish before the agent's directory goes
 	}
 }
