@@ -28,6 +28,10 @@ type Config struct {
 	// Cooldown is how long an unanswered snapshot request to one node stands before it is repeated
 	// (default 30 s); a node whose snapshot trimmed the log may be asked again at once (Relieved).
 	Cooldown time.Duration
+	// PausedRetry replaces Cooldown while the log is paused at its cap (default 2 s): the jobs' segments
+	// are held back then, and TCP gives up on a connection within seconds (ci258: 10 s after a lost
+	// request). A receiver folds repeated requests into one snapshot after the one it is taking.
+	PausedRetry time.Duration
 	// SpillGrace is how long memory may stay above High, with requests outstanding, before spilling
 	// (default 10 s: a snapshot and its shipping normally finish well within it).
 	SpillGrace time.Duration
@@ -42,6 +46,9 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.Cooldown == 0 {
 		c.Cooldown = 30 * time.Second
+	}
+	if c.PausedRetry == 0 {
+		c.PausedRetry = 2 * time.Second
 	}
 	if c.SpillGrace == 0 {
 		c.SpillGrace = 10 * time.Second
@@ -161,12 +168,16 @@ func (c *Controller) Step(s State) (Action, []Event) {
 	sort.SliceStable(dests, func(i, j int) bool { return dests[i].Oldest.Before(dests[j].Oldest) })
 	need := s.Memory - low
 	var covered int64
+	cooldown := c.cfg.Cooldown
+	if c.paused {
+		cooldown = min(cooldown, c.cfg.PausedRetry)
+	}
 	for _, d := range dests {
 		if covered >= need || d.Bytes == 0 {
 			continue
 		}
 		covered += d.Bytes
-		if last, ok := c.lastRequest[d.Node]; ok && s.Now.Sub(last) < c.cfg.Cooldown {
+		if last, ok := c.lastRequest[d.Node]; ok && s.Now.Sub(last) < cooldown {
 			continue // already asked; its snapshot is on its way
 		}
 		c.lastRequest[d.Node] = s.Now

@@ -17,7 +17,7 @@ func TestConfigValidation(t *testing.T) {
 		}
 	}
 	c, err := New(Config{Cap: 1000})
-	if err != nil || c.Config().High != 0.8 || c.Config().Low != 0.6 || c.Config().Cooldown != 30*time.Second {
+	if err != nil || c.Config().High != 0.8 || c.Config().Low != 0.6 || c.Config().Cooldown != 30*time.Second || c.Config().PausedRetry != 2*time.Second {
 		t.Fatalf("defaults: %+v, %v", c.Config(), err)
 	}
 }
@@ -44,10 +44,10 @@ func TestStepSequence(t *testing.T) {
 		{name: "still high within cooldown: node2's pending snapshot covers the excess, no spill yet",
 			state:  State{Now: at(5), Memory: 900, Destinations: dests, CanSpill: true},
 			action: Action{}}, // need 300, node2 (already asked) holds 300
-		{name: "at the cap: pause, ask the next oldest, and spill after the grace period",
+		{name: "at the cap: pause, ask node2 again (paused, its request stood past PausedRetry) and the next oldest, and spill after the grace period",
 			state:  State{Now: at(12), Memory: 1000, Destinations: dests, CanSpill: true},
-			action: Action{RequestSnapshots: []string{"node3"}, SpillBytes: 400, Pause: true}, // need 400: node2 300 + node3 150
-			events: []EventKind{EventPause, EventRequest, EventSpill}},
+			action: Action{RequestSnapshots: []string{"node2", "node3"}, SpillBytes: 400, Pause: true}, // need 400: node2 300 + node3 150
+			events: []EventKind{EventPause, EventRequest, EventRequest, EventSpill}},
 		{name: "between high and cap: still paused (hysteresis)",
 			state:  State{Now: at(13), Memory: 850, Destinations: dests, CanSpill: false},
 			action: Action{Pause: true}},
@@ -58,7 +58,7 @@ func TestStepSequence(t *testing.T) {
 			state:  State{Now: at(15), Memory: 500},
 			action: Action{}, events: []EventKind{EventRelieved}},
 		{name: "high again after the cooldown: node2 asked again",
-			state:  State{Now: at(40), Memory: 820, Destinations: dests},
+			state:  State{Now: at(43), Memory: 820, Destinations: dests},
 			action: Action{RequestSnapshots: []string{"node2"}},
 			events: []EventKind{EventHigh, EventRequest}},
 	}
@@ -110,5 +110,33 @@ func TestRelievedEndsCooldown(t *testing.T) {
 	c.Relieved("node2")
 	if a, _ := c.Step(State{Now: at(2), Memory: 900, Destinations: dests}); len(a.RequestSnapshots) != 1 {
 		t.Fatalf("not asked again after its snapshot trimmed the log: %+v", a)
+	}
+}
+
+// TestPausedRetry: at the cap, with the jobs' segments held back, an unanswered request is repeated after
+// PausedRetry rather than the cooldown (a lost request left a log paused until TCP gave up: ci258); back
+// under the cap, the cooldown applies again.
+func TestPausedRetry(t *testing.T) {
+	c, _ := New(Config{Cap: 1000})
+	dests := []Destination{{Node: "node2", Bytes: 500, Oldest: t0}}
+	for _, st := range []struct {
+		at     float64
+		memory int64
+		ask    bool
+	}{
+		{0, 900, true},    // above High: asked
+		{1, 1000, false},  // paused, within PausedRetry of the request
+		{2.5, 1000, true}, // paused, PausedRetry passed: asked again
+		{3, 1000, false},
+		{5, 950, true},  // still paused (it resumes only under High), PausedRetry passed
+		{6, 700, false}, // resumed, under High: nothing to ask
+		{7, 850, false}, // above High again, not paused: the cooldown from the request at 5 s
+		{20, 850, false},
+		{35.1, 850, true},
+	} {
+		a, _ := c.Step(State{Now: at(st.at), Memory: st.memory, Destinations: dests})
+		if asked := len(a.RequestSnapshots) == 1; asked != st.ask {
+			t.Errorf("at %vs, memory %d (paused %v): asked %v, want %v", st.at, st.memory, a.Pause, asked, st.ask)
+		}
 	}
 }
