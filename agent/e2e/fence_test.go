@@ -40,6 +40,17 @@ func setLink(t *testing.T, c *labcluster.Cluster, host string, up bool) {
 	}
 }
 
+// waitIdle waits until protector has heard node, its predecessor, say in a beat that it is neither
+// checkpointing nor restoring: a busy node whose host answers is given busy_grace rather than suspected.
+// Needs MetricsListen.
+func waitIdle(t *testing.T, c *labcluster.Cluster, protector, node string) {
+	t.Helper()
+	pollMetrics(t, c, protector, protector+" hears "+node+" idle", time.Minute, func(m map[string]float64) bool {
+		v, ok := m[`ftkit_predecessor_busy{node="`+node+`"}`]
+		return ok && v == 0
+	})
+}
+
 // selfFence waits until host's agent reports that it fenced itself.
 func selfFence(t *testing.T, c *labcluster.Cluster, host string, timeout time.Duration) agent.Stage {
 	t.Helper()
@@ -441,10 +452,7 @@ func TestHungAgentNotFailedOver(t *testing.T) {
 	rg.waitProgress(t, progressEvery, 2*time.Minute)
 	old := rg.job(t, "node2", 1)
 	// A busy predecessor whose host answers is left alone anyway (busy_grace): stop an idle one.
-	pollMetrics(t, c, "node3", "node3 hears node2 idle", time.Minute, func(m map[string]float64) bool {
-		v, ok := m[`ftkit_predecessor_busy{node="node2"}`]
-		return ok && v == 0
-	})
+	waitIdle(t, c, "node3", "node2")
 
 	if err := c.SignalAgent("node2", unix.SIGSTOP); err != nil {
 		t.Fatal(err)
