@@ -51,6 +51,37 @@ func waitIdle(t *testing.T, c *labcluster.Cluster, protector, node string) {
 	})
 }
 
+// stopAgent stops (SIGSTOP) host's agent, a hung or starved agent, its jobs running on; resume lets it run
+// again, and the test's end does if the test did not.
+func stopAgent(t *testing.T, c *labcluster.Cluster, host string) (resume func()) {
+	t.Helper()
+	if err := c.SignalAgent(host, unix.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	stopped := true
+	t.Cleanup(func() {
+		if stopped {
+			c.SignalAgent(host, unix.SIGCONT)
+		}
+	})
+	return func() {
+		t.Helper()
+		if err := c.SignalAgent(host, unix.SIGCONT); err != nil {
+			t.Fatal(err)
+		}
+		stopped = false
+	}
+}
+
+// requireNoDeclaration fails the test at once if protector's metrics m show a confirmed suspicion or a
+// running recovery: while what.
+func requireNoDeclaration(t *testing.T, m map[string]float64, protector, what string) {
+	t.Helper()
+	if m[`ftkit_suspicions_total{outcome="confirmed"}`] != 0 || m[`ftkit_recoveries{state="running"}`] != 0 {
+		t.Fatalf("%s declared a failure while %s:\n%s", protector, what, ftkitSamples(m))
+	}
+}
+
 // selfFence waits until host's agent reports that it fenced itself.
 func selfFence(t *testing.T, c *labcluster.Cluster, host string, timeout time.Duration) agent.Stage {
 	t.Helper()
@@ -454,28 +485,16 @@ func TestHungAgentNotFailedOver(t *testing.T) {
 	// A busy predecessor whose host answers is left alone anyway (busy_grace): stop an idle one.
 	waitIdle(t, c, "node3", "node2")
 
-	if err := c.SignalAgent("node2", unix.SIGSTOP); err != nil {
-		t.Fatal(err)
-	}
-	stoppedAt, stopped := time.Now(), true
-	t.Cleanup(func() {
-		if stopped {
-			c.SignalAgent("node2", unix.SIGCONT)
-		}
-	})
+	resume := stopAgent(t, c, "node2")
+	stoppedAt := time.Now()
 	m := pollMetrics(t, c, "node3", "node3 to find node2's agent unresponsive twice", 2*time.Minute, func(m map[string]float64) bool {
-		if m[`ftkit_suspicions_total{outcome="confirmed"}`] != 0 || m[`ftkit_recoveries{state="running"}`] != 0 {
-			t.Fatalf("node3 declared node2 failed while only its agent was stopped:\n%s", ftkitSamples(m))
-		}
+		requireNoDeclaration(t, m, "node3", "only node2's agent was stopped")
 		return m[`ftkit_suspicions_total{outcome="agent_unresponsive"}`] >= 2
 	})
 	if procs, _ := copies(t, c, rg.jobs[1]); procs != 1 {
 		t.Errorf("%d processes of rank 1 while node2's agent was stopped, want 1", procs)
 	}
-	if err := c.SignalAgent("node2", unix.SIGCONT); err != nil {
-		t.Fatal(err)
-	}
-	stopped = false
+	resume()
 	t.Logf("node2's agent stopped %s: node3 found it unresponsive %v times, its host answering",
 		time.Since(stoppedAt).Round(time.Millisecond), m[`ftkit_suspicions_total{outcome="agent_unresponsive"}`])
 

@@ -13,8 +13,6 @@ import (
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
@@ -131,10 +129,7 @@ func partitionFenceCommand(t *testing.T, args []string, want string, agentOnly, 
 	if agentOnly {
 		// The fence command kills the stopped agent with the rest of the host.
 		waitIdle(t, c, "node3", "node2")
-		if err := c.SignalAgent("node2", unix.SIGSTOP); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.SignalAgent("node2", unix.SIGCONT) })
+		stopAgent(t, c, "node2")
 	} else {
 		// node2 stays cut off to the end (powered off, or fenced with its address still up): the lab's
 		// teardown removes it.
