@@ -24,25 +24,30 @@ type heldBy struct {
 	conns      []tcpflow.Tuple
 }
 
+// connEnd is one end of a connection between jobs of one host, as the other end finds it (endIn).
+type connEnd struct {
+	netns string
+	t     tcpflow.Tuple
+}
+
+// endIn is the end of connection t held in network namespace netns ("" for the host's): only a loopback
+// connection is private to its namespace, so the other end of any other is found by its tuple alone.
+func endIn(netns string, t tcpflow.Tuple) connEnd {
+	if !t.Local.Addr().IsLoopback() {
+		netns = ""
+	}
+	return connEnd{netns, t}
+}
+
 // localPeerIDs returns the jobs not in in that hold the other end of a connection of a job in in, sorted.
 // Two jobs that hold the two ends of one connection are on one host (held lists one host's jobs); only a
 // loopback connection is private to a network namespace.
 func localPeerIDs(in map[string]bool, held []heldBy) []string {
-	type end struct {
-		netns string
-		t     tcpflow.Tuple
-	}
-	key := func(netns string, t tcpflow.Tuple) end {
-		if !t.Local.Addr().IsLoopback() {
-			netns = ""
-		}
-		return end{netns, t}
-	}
-	holder := map[end]string{}
+	holder := map[connEnd]string{}
 	for _, h := range held {
 		if !in[h.job] {
 			for _, t := range h.conns {
-				holder[key(h.netns, t)] = h.job
+				holder[endIn(h.netns, t)] = h.job
 			}
 		}
 	}
@@ -52,7 +57,7 @@ func localPeerIDs(in map[string]bool, held []heldBy) []string {
 			continue
 		}
 		for _, t := range h.conns {
-			if p, ok := holder[key(h.netns, t.Reverse())]; ok && !slices.Contains(out, p) {
+			if p, ok := holder[endIn(h.netns, t.Reverse())]; ok && !slices.Contains(out, p) {
 				out = append(out, p)
 			}
 		}

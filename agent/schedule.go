@@ -282,11 +282,11 @@ func (a *Agent) recordReplica(ctx context.Context, m *ckpt.Manifest, strays []st
 	}
 }
 
-// semiCoordinated freezes every job's cgroup, dumps them all while frozen, and thaws them: one
-// consistent snapshot of the host, so traffic between its jobs never needs to be logged. With withPeers
-// (jobs are not all of the host's), the running jobs of the host that the frozen ones talk to are frozen
-// and dumped with them (localPeers), listed again once they are frozen too, until none is left out. It
-// returns the jobs it dumped.
+// semiCoordinated freezes every job's cgroup, waits for the bytes in flight between them (awaitInFlight),
+// dumps them all while frozen, and thaws them: one consistent snapshot of the host, so traffic between its
+// jobs never needs to be logged. With withPeers (jobs are not all of the host's), the running jobs of the
+// host that the frozen ones talk to are frozen and dumped with them (localPeers), listed again once they
+// are frozen too, until none is left out. It returns the jobs it dumped.
 func (a *Agent) semiCoordinated(ctx context.Context, jobs []Job, withPeers bool) ([]Job, []*ckpt.Manifest, error) {
 	var start time.Time // of the freeze the jobs are dumped in
 	defer a.raised()()  // after the thaw below
@@ -341,6 +341,12 @@ func (a *Agent) semiCoordinated(ctx context.Context, jobs []Job, withPeers bool)
 	// Nor can the frozen jobs accept (freezeAccepted); a connection that comes in after the last look still
 	// fails the dump, and the error says so.
 	if err := freezeAccepted(ctx, a.acceptWait(), freezeAll, thaw, func() ([]netip.AddrPort, error) { return waiting() }); err != nil {
+		return nil, nil, err
+	}
+	if err := a.awaitInFlight(ctx, jobs); err != nil {
+		if len(jobs) > named {
+			err = &peerError{err} // it may name another user's connections
+		}
 		return nil, nil, err
 	}
 	var out []*ckpt.Manifest

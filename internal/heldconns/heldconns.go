@@ -65,16 +65,24 @@ func Inodes(cgroups ...string) (Sockets, error) {
 	return out, nil
 }
 
-// List returns what the sockets of each cgroup hold, from one sock_diag dump of the TCP sockets in the
-// calling thread's network namespace (enter the processes' namespace first).
-func List(socks Sockets) (map[string]Held, error) {
+// owners maps each socket inode of socks to its cgroup.
+func owners(socks Sockets) map[uint64]string {
 	owner := map[uint64]string{}
-	out := make(map[string]Held, len(socks))
 	for cg, in := range socks {
-		out[cg] = Held{}
 		for n := range in {
 			owner[n] = cg
 		}
+	}
+	return owner
+}
+
+// List returns what the sockets of each cgroup hold, from one sock_diag dump of the TCP sockets in the
+// calling thread's network namespace (enter the processes' namespace first).
+func List(socks Sockets) (map[string]Held, error) {
+	owner := owners(socks)
+	out := make(map[string]Held, len(socks))
+	for cg := range socks {
+		out[cg] = Held{}
 	}
 	if len(owner) == 0 {
 		return out, nil
@@ -90,22 +98,81 @@ func List(socks Sockets) (map[string]Held, error) {
 				continue
 			}
 			h := out[cg]
-			local := netip.AddrPortFrom(addr(s.ID.Source), s.ID.SourcePort)
 			switch s.State {
 			case unix.BPF_TCP_LISTEN:
 				if s.RQueue > 0 {
-					h.Pending = append(h.Pending, local)
+					h.Pending = append(h.Pending, connOf(s).Local)
 				}
 			case unix.BPF_TCP_SYN_SENT:
 				h.Connecting++
-			case unix.BPF_TCP_CLOSE, unix.BPF_TCP_TIME_WAIT, unix.BPF_TCP_SYN_RECV:
 			default:
-				h.Conns = append(h.Conns, tcpflow.Tuple{Local: local, Remote: netip.AddrPortFrom(addr(s.ID.Destination), s.ID.DestinationPort)})
+				if isConn(s.State) {
+					h.Conns = append(h.Conns, connOf(s))
+				}
 			}
 			out[cg] = h
 		}
 	}
 	return out, nil
+}
+
+// Flow is how far one connection has come, seen from one end.
+type Flow struct {
+	Conn tcpflow.Tuple
+	// Sent counts the bytes this end sent, each once (tcpi_bytes_sent less tcpi_bytes_retrans), Received
+	// the bytes it received in order (tcpi_bytes_received). Both count from the socket's creation, or from
+	// its restore: the counts of the two ends of a connection restored at one end do not compare.
+	Sent, Received uint64
+	// Unacked counts the segments this end sent that its peer has not acknowledged (tcpi_unacked).
+	Unacked uint32
+}
+
+// Flows returns the flows of the connections of each cgroup's sockets (the connections List puts in
+// Conns), from one sock_diag dump with TCP_INFO in the calling thread's network namespace.
+func Flows(socks Sockets) (map[string][]Flow, error) {
+	owner := owners(socks)
+	out := make(map[string][]Flow, len(socks))
+	if len(owner) == 0 {
+		return out, nil
+	}
+	for _, family := range []uint8{unix.AF_INET, unix.AF_INET6} {
+		diag, err := netlink.SocketDiagTCPInfo(family)
+		if err != nil {
+			return nil, fmt.Errorf("list TCP sockets with their counters (sock_diag): %w", err)
+		}
+		for _, d := range diag {
+			s, info := d.InetDiagMsg, d.TCPInfo
+			cg, ok := owner[uint64(s.INode)]
+			if !ok || info == nil || !isConn(s.State) {
+				continue
+			}
+			out[cg] = append(out[cg], Flow{
+				Conn:     connOf(s),
+				Sent:     info.Bytes_sent - min(info.Bytes_retrans, info.Bytes_sent),
+				Received: info.Bytes_received,
+				Unacked:  info.Unacked,
+			})
+		}
+	}
+	return out, nil
+}
+
+// isConn says whether a socket in state is a connection a snapshot holds: every state from established to
+// closing. A connect still waiting for its SYN-ACK is not: its peer holds nothing yet.
+func isConn(state uint8) bool {
+	switch state {
+	case unix.BPF_TCP_LISTEN, unix.BPF_TCP_SYN_SENT, unix.BPF_TCP_SYN_RECV, unix.BPF_TCP_CLOSE, unix.BPF_TCP_TIME_WAIT:
+		return false
+	}
+	return true
+}
+
+// connOf is s's connection, seen from s (addresses unmapped).
+func connOf(s *netlink.Socket) tcpflow.Tuple {
+	return tcpflow.Tuple{
+		Local:  netip.AddrPortFrom(addr(s.ID.Source), s.ID.SourcePort),
+		Remote: netip.AddrPortFrom(addr(s.ID.Destination), s.ID.DestinationPort),
+	}
 }
 
 func addr(ip net.IP) netip.Addr {

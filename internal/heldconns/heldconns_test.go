@@ -175,3 +175,59 @@ func BenchmarkList(b *testing.B) {
 		}
 	})
 }
+
+// Flows on this test's own process: the two ends of a loopback connection count the bytes one sent and the
+// other received, and once the receiver's kernel has them (read or not), the sender's count equals the
+// receiver's and nothing is left unacknowledged.
+func TestFlowsOwnProcess(t *testing.T) {
+	cg := t.TempDir()
+	if err := os.WriteFile(filepath.Join(cg, "cgroup.procs"), []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	l, err := net.Listen("tcp4", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	client, err := net.Dial("tcp4", l.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer client.Close()
+	server, err := l.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer server.Close()
+	const n = 100_000
+	if _, err := client.Write(make([]byte, n)); err != nil {
+		t.Fatal(err)
+	}
+	ends := map[tcpflow.Tuple]Flow{}
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		socks, err := Inodes(cg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		flows, err := Flows(socks)
+		if err != nil {
+			t.Fatal(err)
+		}
+		clear(ends)
+		for _, f := range flows[cg] {
+			ends[f.Conn] = f
+		}
+		s := ends[tupleOf(server)]
+		if (s.Received == n && ends[tupleOf(client)].Unacked == 0) || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	c, s := ends[tupleOf(client)], ends[tupleOf(server)]
+	if c.Sent != n || c.Received != 0 || c.Unacked != 0 {
+		t.Errorf("client end %+v: want %d bytes sent, none received, none unacknowledged", c, n)
+	}
+	if s.Sent != 0 || s.Received != n {
+		t.Errorf("server end %+v: want none sent, %d received (its kernel holds them, unread)", s, n)
+	}
+}

@@ -3,6 +3,7 @@
 package labtest
 
 import (
+	"sync"
 	"testing"
 
 	"github.com/cilium/ebpf"
@@ -18,6 +19,13 @@ import (
 // spared to keep tests' timing predictable. This kernel is built without sch_netem, so the loss is a TCX
 // ingress program instead of a netem qdisc; it is detached when the test ends.
 func InjectLoss(t testing.TB, l *lab.Lab, host string, permille int32) {
+	t.Helper()
+	InjectLossOn(t, l, host, "eth0", permille)
+}
+
+// InjectLossOn is InjectLoss on host's interface dev ("lo": between the host's own processes); detach ends
+// the loss before the test does.
+func InjectLossOn(t testing.TB, l *lab.Lab, host, dev string, permille int32) (detach func()) {
 	t.Helper()
 	prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{
 		Name:    "ftkit_test_loss",
@@ -41,7 +49,7 @@ func InjectLoss(t testing.TB, l *lab.Lab, host string, permille int32) {
 	t.Cleanup(func() { prog.Close() })
 	var lk link.Link
 	err = l.Do(host, func() error {
-		nl, err := netlink.LinkByName("eth0")
+		nl, err := netlink.LinkByName(dev)
 		if err != nil {
 			return err
 		}
@@ -49,11 +57,16 @@ func InjectLoss(t testing.TB, l *lab.Lab, host string, permille int32) {
 		return err
 	})
 	if err != nil {
-		t.Fatalf("attach loss injector to %s eth0 ingress: %v", host, err)
+		t.Fatalf("attach loss injector to %s %s ingress: %v", host, dev, err)
 	}
-	t.Cleanup(func() {
-		if err := lk.Close(); err != nil {
-			t.Errorf("detach loss injector: %v", err)
-		}
-	})
+	var once sync.Once
+	detach = func() {
+		once.Do(func() {
+			if err := lk.Close(); err != nil {
+				t.Errorf("detach loss injector: %v", err)
+			}
+		})
+	}
+	t.Cleanup(detach)
+	return detach
 }
