@@ -28,6 +28,18 @@
 //    ring is free again, runs tcplog_kick (iter/tcp), which pushes the
 //    queued data of each marked socket at once.
 //
+// What a long drop costs: TCP gives up on a connection with nothing in
+// flight once its own host has dropped 15 window probes in a row
+// (tcp_retries2), sent 500 ms apart after a local drop: "connection timed
+// out" 7.9 s after the first (measured), while a consumer paused at the log's
+// memory cap can leave the ring full for longer (10 s in ci258). So the last
+// sixteenth of the ring is a reserve while the consumer is paused at the cap:
+// it drains only what keeps the reserve free (ebpfprobes.TCPLogger.ReadPaused),
+// and a segment may use it only if its flow has had its segments dropped for
+// STALL_RESERVE_NS or more. Each flow held back that long gets one
+// segment through every STALL_RESERVE_NS, which resets TCP's count; the log
+// grows past its cap by those segments only.
+//
 // Which flows are protected:
 //  1. bpf_skb_cgroup_id(skb): the cgroup v2 id of the sending socket. This
 //     works at TCX egress of the veth inside the sender's network namespace
@@ -86,6 +98,7 @@
 #define IP_MF 0x2000
 #define IP_OFFSET 0x1fff
 #define BPF_ANY 0
+#define BPF_NOEXIST 1
 // UAPI values (enum in linux/bpf.h, not in the trimmed vmlinux.h).
 #define BPF_RB_NO_WAKEUP 1
 #define BPF_RB_FORCE_WAKEUP 2
@@ -180,7 +193,13 @@ struct counters {
 	__u64 headers_pulled;     // segments whose headers were made linear before the copy
 	__u64 logged_passed;      // ring full, passed unlogged: every byte had a record already
 	__u64 kicks;              // sockets tcplog_kick pushed after a drop
+	__u64 reserve_logged;     // segments of flows stalled STALL_RESERVE_NS or more, logged into the reserve
 };
+
+// A flow whose segments have been dropped this long may use the ring's reserve.
+#define STALL_RESERVE_NS 2000000000ULL
+// The reserve is the last 1/2^RESERVE_SHIFT of the ring (ebpfprobes.reserveShift).
+#define RESERVE_SHIFT 4
 
 // Set by the loader before load: the ring buffer size in bytes.
 volatile const __u32 ring_size = 0;
@@ -196,6 +215,11 @@ volatile const __u32 wake_bytes = 0;
 // the ring passes wake_bytes. When the consumer goes idle it clears the flag
 // and the kernel's default wakes it on the next record.
 volatile __u32 consumer_polling = 0;
+
+// Written by the consumer (mmapped .bss): nonzero while it is paused at the
+// log's memory cap and drains only what keeps the ring's reserve free: only
+// then do other segments leave the reserve to flows held back long.
+volatile __u32 consumer_paused = 0;
 
 // Set by the program when it drops a segment for backpressure (its flow is
 // then in stalled_flows); the consumer clears it before it runs tcplog_kick.
@@ -227,13 +251,14 @@ struct {
 	__type(value, __u32); // highest logged end sequence number (seq + len)
 } flow_high SEC(".maps");
 
-// Flows with a segment dropped for backpressure since tcplog_kick last ran.
-// LRU: a flow evicted before the kick waits for TCP's own timer, as before.
+// Flows with a segment dropped for backpressure since tcplog_kick last ran or
+// the flow last logged into the reserve. LRU: a flow evicted before the kick
+// waits for TCP's own timer, as before.
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 4096);
 	__type(key, struct flow_key);
-	__type(value, __u8); // unused
+	__type(value, __u64); // bpf_ktime_get_ns of the first of these drops
 } stalled_flows SEC(".maps");
 
 // LRU: only protected flows get an entry, so one is evicted only when more
@@ -493,6 +518,38 @@ static __always_inline int all_logged(struct flow_key *fk, __u32 seq, __u32 len)
 	return (__s32)(seq - (st->isn + 1)) >= 0;
 }
 
+// ring_room says whether a record of need ring bytes may be reserved for
+// flow fk now (1), or may only go into the reserve, which fk has earned by
+// being held back STALL_RESERVE_NS (2), or neither (0). The reserve is kept
+// only while the consumer is paused.
+static __always_inline int ring_room(struct flow_key *fk, __u64 need, __u64 now)
+{
+	if (!consumer_paused ||
+	    bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA) + need + (ring_size >> RESERVE_SHIFT) <= ring_size)
+		return 1;
+	__u64 *since = bpf_map_lookup_elem(&stalled_flows, fk);
+	if (since && (__s64)(now - *since) >= (__s64)STALL_RESERVE_NS)
+		return 2;
+	return 0;
+}
+
+// ring_full is the verdict on a segment that found no room in the ring: it
+// passes if its bytes all have a record already, else it is dropped and its
+// flow marked stalled (since now, unless it already was).
+static __always_inline int ring_full(struct counters *c, struct flow_key *fk, struct tcphdr *tcp, __u32 seq,
+				     __u32 len, __u64 now, int has_ts, __u32 tsval, __u32 tsecr)
+{
+	if (all_logged(fk, seq, len)) {
+		c->logged_passed++;
+		update_flow_state(fk, tcp, len, 0, has_ts, tsval, tsecr);
+		return VERDICT_PASS;
+	}
+	c->drops_backpressure++;
+	bpf_map_update_elem(&stalled_flows, fk, &now, BPF_NOEXIST);
+	stalled_pending = 1;
+	return VERDICT_DROP;
+}
+
 SEC("tcx/egress")
 int tcplog_egress(struct __sk_buff *skb)
 {
@@ -601,20 +658,14 @@ int tcplog_egress(struct __sk_buff *skb)
 		c->headers_pulled++;
 	}
 
+	int room = ring_room(&fk, need, hdr.ktime_ns);
+	if (!room)
+		return ring_full(c, &fk, &tcp, hdr.seq, len, hdr.ktime_ns, has_ts, tsval, tsecr);
 	struct bpf_dynptr rec, pkt;
 	if (bpf_ringbuf_reserve_dynptr(&events, sizeof(hdr) + len, 0, &rec)) {
 		// The verifier wants the failed dynptr released too.
 		bpf_ringbuf_discard_dynptr(&rec, 0);
-		if (all_logged(&fk, hdr.seq, len)) {
-			c->logged_passed++;
-			update_flow_state(&fk, &tcp, len, 0, has_ts, tsval, tsecr);
-			return VERDICT_PASS;
-		}
-		c->drops_backpressure++;
-		__u8 one = 1;
-		bpf_map_update_elem(&stalled_flows, &fk, &one, BPF_ANY);
-		stalled_pending = 1;
-		return VERDICT_DROP;
+		return ring_full(c, &fk, &tcp, hdr.seq, len, hdr.ktime_ns, has_ts, tsval, tsecr);
 	}
 	// One copy from the skb (linear part and page frags alike) straight
 	// into the reserved record.
@@ -626,6 +677,11 @@ int tcplog_egress(struct __sk_buff *skb)
 		return VERDICT_DROP;
 	}
 	bpf_ringbuf_submit_dynptr(&rec, wake_flags(need));
+	if (room == 2) {
+		// Its next drop starts its wait for the reserve again.
+		bpf_map_delete_elem(&stalled_flows, &fk);
+		c->reserve_logged++;
+	}
 
 	c->packets_logged++;
 	c->bytes_logged += len;

@@ -663,10 +663,10 @@ func TestFullRingPassesLoggedBytes(t *testing.T) {
 	if err := l.objs.StalledPending.Get(&pending); err != nil || pending != 1 {
 		t.Errorf("stalled_pending %d (%v) after drops, want 1", pending, err)
 	}
-	var one uint8
+	var since uint64
 	k, _ := flowKey(f)
-	if err := l.objs.StalledFlows.Lookup(k, &one); err != nil {
-		t.Errorf("the dropping flow is not in stalled_flows: %v", err)
+	if err := l.objs.StalledFlows.Lookup(k, &since); err != nil || since == 0 {
+		t.Errorf("the dropping flow is not in stalled_flows with the time of its first drop: %d, %v", since, err)
 	}
 
 	// A flow that has logged more than 2^31 bytes: serial arithmetic cannot tell its first byte from one

@@ -22,14 +22,53 @@ func TestKickResumesStalledFlow(t *testing.T) {
 	requirePrivileges(t)
 	tn := newTestNet(t)
 	l := newTestLogger(t, 64<<10)
-	const lport, size = 40041, 1 << 20
-	if err := l.ProtectPort(lport); err != nil {
+	const size = 1 << 20
+	// Nagle on, as a program may leave it (Go turns it off by default).
+	sf := stallFlow(t, tn, l, 40041, 5041, size, false)
+	sf.drain(t, l, size)
+	c, err := l.Counters()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("counters %+v", c)
+	if c.Kicks == 0 {
+		t.Errorf("no kick after %d backpressure drops", c.DropsBackpressure)
+	}
+	var nodelay int
+	raw, err := sf.conn.SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cerr := raw.Control(func(fd uintptr) {
+		nodelay, err = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NODELAY)
+	}); cerr != nil || err != nil {
+		t.Fatalf("getsockopt TCP_NODELAY: %v %v", cerr, err)
+	}
+	if nodelay != 0 {
+		t.Errorf("TCP_NODELAY is %d after the kick, want 0: the application's setting changed", nodelay)
+	}
+}
+
+// stalledFlow is a stream from a socket of the test process on lab host a to a receiver on host b that
+// reads it all, whose segments the logger has started to drop for backpressure.
+type stalledFlow struct {
+	conn     *net.TCPConn
+	received chan int64 // what the receiver read, once the stream ends (-1: no connection)
+	wrote    chan error // the writer's end: nil once all size bytes are written and the write side closed
+}
+
+// stallFlow starts the stream (size bytes from local port lport to port on b; nodelay as the socket's
+// TCP_NODELAY) under l, attached to a's interface with nobody reading its ring, and returns once the
+// program has dropped one of its segments: the ring is full.
+func stallFlow(t *testing.T, tn *testNet, l *TCPLogger, lport, port, size int, nodelay bool) stalledFlow {
+	t.Helper()
+	if err := l.ProtectPort(uint16(lport)); err != nil {
 		t.Fatal(err)
 	}
 	if err := tn.attach(l, hostA); err != nil {
 		t.Fatalf("Attach: %v", err)
 	}
-	dst := &net.TCPAddr{IP: tn.ipB.AsSlice(), Port: 5041}
+	dst := &net.TCPAddr{IP: tn.ipB.AsSlice(), Port: port}
 	var ln *net.TCPListener
 	if err := tn.lab.Do(hostB, func() (err error) {
 		ln, err = net.ListenTCP("tcp4", dst)
@@ -37,62 +76,60 @@ func TestKickResumesStalledFlow(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
-	received := make(chan int64, 1)
+	t.Cleanup(func() { ln.Close() })
+	sf := stalledFlow{received: make(chan int64, 1), wrote: make(chan error, 1)}
 	go func() {
 		c, err := ln.Accept()
 		if err != nil {
-			received <- -1
+			sf.received <- -1
 			return
 		}
 		defer c.Close()
 		n, _ := io.Copy(io.Discard, c)
-		received <- n
+		sf.received <- n
 	}()
-	var conn *net.TCPConn
 	if err := tn.lab.Do(hostA, func() (err error) {
-		conn, err = net.DialTCP("tcp4", &net.TCPAddr{Port: lport}, dst)
+		sf.conn, err = net.DialTCP("tcp4", &net.TCPAddr{Port: lport}, dst)
 		return err
 	}); err != nil {
 		t.Fatal(err)
 	}
-	defer conn.Close()
-	// Nagle on, as a program may leave it (Go turns it off by default).
-	if err := conn.SetNoDelay(false); err != nil {
+	t.Cleanup(func() { sf.conn.Close() })
+	if err := sf.conn.SetNoDelay(nodelay); err != nil {
 		t.Fatal(err)
 	}
-	wrote := make(chan error, 1)
 	go func() {
-		_, err := conn.Write(make([]byte, size))
+		_, err := sf.conn.Write(make([]byte, size))
 		if err == nil {
-			err = conn.CloseWrite()
+			err = sf.conn.CloseWrite()
 		}
-		wrote <- err
+		sf.wrote <- err
 	}()
-
-	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
-	defer cancel()
-	for {
+	for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(time.Millisecond) {
 		c, err := l.Counters()
 		if err != nil {
 			t.Fatal(err)
 		}
 		if c.DropsBackpressure > 0 {
-			break
+			return sf
 		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("no backpressure drop with a 64 KiB ring nobody reads: counters %+v", c)
-		case <-time.After(time.Millisecond):
+		if time.Now().After(deadline) {
+			t.Fatalf("no backpressure drop with a ring nobody reads: counters %+v", c)
 		}
 	}
+}
 
-	// Drain until the receiver has everything; ReadBatch kicks the stalled flow once the ring has room.
+// drain reads l's ring until the receiver has the whole stream (ReadBatch kicks the stalled flow once the
+// ring has room), and checks that it got all size bytes and that the writer saw no error.
+func (sf stalledFlow) drain(t *testing.T, l *TCPLogger, size int) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+	defer cancel()
 	var got int64
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		got = <-received
+		got = <-sf.received
 		cancel()
 	}()
 	for {
@@ -105,31 +142,43 @@ func TestKickResumesStalledFlow(t *testing.T) {
 		}
 	}
 	<-done
-	if got != size {
+	if got != int64(size) {
 		t.Fatalf("the receiver got %d bytes, want %d (the flow did not finish within the test's timeout)", got, size)
 	}
-	if err := <-wrote; err != nil {
+	if err := <-sf.wrote; err != nil {
 		t.Fatalf("write: %v", err)
+	}
+}
+
+// TestPausedFlowOutlivesTCPGiveUp holds a stream's segments back as a consumer paused at its log's memory
+// cap does (ReadPaused every 5 ms, nothing else) for 16 s, twice the time after which TCP gives up on a
+// connection whose window probes its own host drops (7.9 s measured, "connection timed out"). Without the
+// ring's reserve the stream's write failed so; with it, the flow gets a segment through the reserve
+// every 2 s, and once the pause ends the whole stream arrives.
+func TestPausedFlowOutlivesTCPGiveUp(t *testing.T) {
+	requirePrivileges(t)
+	tn := newTestNet(t)
+	l := newTestLogger(t, 64<<10)
+	const size = 4 << 20
+	sf := stallFlow(t, tn, l, 40042, 5042, size, true)
+	const pause = 16 * time.Second
+	for end := time.Now().Add(pause); time.Now().Before(end); time.Sleep(5 * time.Millisecond) {
+		if _, err := l.ReadPaused(func([]byte) error { return nil }); err != nil {
+			t.Fatalf("ReadPaused: %v", err)
+		}
+		select {
+		case err := <-sf.wrote:
+			t.Fatalf("the stream's write ended during the pause: %v", err)
+		default:
+		}
 	}
 	c, err := l.Counters()
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("counters %+v", c)
-	if c.Kicks == 0 {
-		t.Errorf("no kick after %d backpressure drops", c.DropsBackpressure)
+	t.Logf("after the pause: counters %+v, ring pending %d of %d", c, l.Pending(), 64<<10)
+	if c.ReserveLogged < 3 {
+		t.Errorf("%d segments went through the reserve in %s, want one every 2 s or so", c.ReserveLogged, pause)
 	}
-	var nodelay int
-	raw, err := conn.SyscallConn()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if cerr := raw.Control(func(fd uintptr) {
-		nodelay, err = unix.GetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_NODELAY)
-	}); cerr != nil || err != nil {
-		t.Fatalf("getsockopt TCP_NODELAY: %v %v", cerr, err)
-	}
-	if nodelay != 0 {
-		t.Errorf("TCP_NODELAY is %d after the kick, want 0: the application's setting changed", nodelay)
-	}
+	sf.drain(t, l, size)
 }

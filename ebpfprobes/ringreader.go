@@ -184,6 +184,30 @@ func (r *ringReader) drain(max int, fn func(raw []byte) error) (int, error) {
 	return n, nil
 }
 
+// errFree stops drainUntilFree's drain.
+var errFree = errors.New("enough of the ring is free")
+
+// drainUntilFree is drain for as long as fewer than free bytes of the ring are free (all of its records
+// while it is smaller). It never blocks.
+func (r *ringReader) drainUntilFree(free uint64, fn func(raw []byte) error) (int, error) {
+	r.life.RLock()
+	defer r.life.RUnlock()
+	if r.closed.Load() {
+		return 0, r.errClosed
+	}
+	size := r.mask + 1
+	n, err := r.drain(int(^uint(0)>>1), func(raw []byte) error {
+		if size-r.filled() >= free {
+			return errFree
+		}
+		return fn(raw)
+	})
+	if errors.Is(err, errFree) {
+		err = nil
+	}
+	return n, err
+}
+
 // filled returns the bytes of records (and their headers) not yet consumed. The caller holds r.life for
 // reading (pending takes it).
 func (r *ringReader) filled() uint64 {

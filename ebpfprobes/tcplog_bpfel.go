@@ -25,6 +25,7 @@ type tcplogCounters struct {
 	HeadersPulled     uint64
 	LoggedPassed      uint64
 	Kicks             uint64
+	ReserveLogged     uint64
 }
 
 type tcplogFlowKey struct {
@@ -64,6 +65,7 @@ const (
 	tcplogMapStats            = "stats"
 	tcplogProgTcplogEgress    = "tcplog_egress"
 	tcplogProgTcplogKick      = "tcplog_kick"
+	tcplogVarConsumerPaused   = "consumer_paused"
 	tcplogVarConsumerPolling  = "consumer_polling"
 	tcplogVarRingSize         = "ring_size"
 	tcplogVarStalledPending   = "stalled_pending"
@@ -133,6 +135,7 @@ type tcplogMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type tcplogVariableSpecs struct {
+	ConsumerPaused  *ebpf.VariableSpec `ebpf:"consumer_paused"`
 	ConsumerPolling *ebpf.VariableSpec `ebpf:"consumer_polling"`
 	RingSize        *ebpf.VariableSpec `ebpf:"ring_size"`
 	StalledPending  *ebpf.VariableSpec `ebpf:"stalled_pending"`
@@ -184,6 +187,7 @@ func (m *tcplogMaps) Close() error {
 //
 // It can be passed to loadTcplogObjects or ebpf.CollectionSpec.LoadAndAssign.
 type tcplogVariables struct {
+	ConsumerPaused  *ebpf.Variable `ebpf:"consumer_paused"`
 	ConsumerPolling *ebpf.Variable `ebpf:"consumer_polling"`
 	RingSize        *ebpf.Variable `ebpf:"ring_size"`
 	StalledPending  *ebpf.Variable `ebpf:"stalled_pending"`

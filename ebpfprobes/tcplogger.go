@@ -83,6 +83,7 @@ type Counters struct {
 	HeadersPulled     uint64 // segments whose TCP header was not all in the skb's linear part (forwarded ones)
 	LoggedPassed      uint64 // segments passed unlogged while the ring was full: every byte had a record already
 	Kicks             uint64 // sockets KickStalled pushed after a drop
+	ReserveLogged     uint64 // segments of flows held back 2 s or more, logged into the ring's reserve (ReadPaused)
 }
 
 // tcplogLoaded holds only the objects the logger uses: LoadAndAssign loads
@@ -101,6 +102,8 @@ type tcplogLoaded struct {
 	ConsumerPolling *ebpf.Variable `ebpf:"consumer_polling"`
 	// StalledPending says a segment was dropped for backpressure since KickStalled last ran.
 	StalledPending *ebpf.Variable `ebpf:"stalled_pending"`
+	// ConsumerPaused says the consumer reads with ReadPaused, which keeps the ring's reserve free.
+	ConsumerPaused *ebpf.Variable `ebpf:"consumer_paused"`
 }
 
 // TCPLogger is the loaded TCX egress logger. Attach, Protect*, Counters and
@@ -118,6 +121,7 @@ type TCPLogger struct {
 	kick  *link.Iter // nil if the kernel refused it: stalled flows then wait for TCP's timers
 
 	buf        []byte // Read's copy of the last record: only the reading goroutine touches it
+	paused     bool   // mirror of consumer_paused: only the reading goroutine touches it
 	kickErrors atomic.Uint64
 }
 
@@ -354,6 +358,7 @@ func (l *TCPLogger) Counters() (Counters, error) {
 		c.HeadersPulled += p.HeadersPulled
 		c.LoggedPassed += p.LoggedPassed
 		c.Kicks += p.Kicks
+		c.ReserveLogged += p.ReserveLogged
 	}
 	return c, nil
 }
@@ -378,7 +383,7 @@ func (l *TCPLogger) Pending() int {
 // Read returns the next raw record (RecordHeaderLen bytes of header, then the
 // payload), blocking until one arrives. The slice is reused: it is valid only
 // until the next Read. Read copies the record out of the ring; ReadBatch
-// avoids that copy. Only one goroutine may call Read or ReadBatch.
+// avoids that copy. Only one goroutine may call Read, ReadBatch or ReadPaused.
 //
 // When ctx is done, Read still returns the records already in the ring, then
 // ctx.Err(): cancel the context after detaching to drain the log. After
@@ -402,7 +407,7 @@ func (l *TCPLogger) Read(ctx context.Context) ([]byte, error) {
 // fn can copy the payload once, straight to where it is kept. If fn returns
 // an error, that record stays in the ring (the next ReadBatch offers it
 // again) and ReadBatch returns the error. It returns how many records fn
-// accepted. Only one goroutine may call Read or ReadBatch.
+// accepted. Only one goroutine may call Read, ReadBatch or ReadPaused.
 //
 // ReadBatch is also what keeps wakeups rare: while records keep coming, the
 // consumer sleeps between batches (TCPLoggerOptions.PollInterval) instead of being woken by
@@ -412,6 +417,7 @@ func (l *TCPLogger) Read(ctx context.Context) ([]byte, error) {
 // When ctx is done, ReadBatch still returns the records already in the ring,
 // then ctx.Err(). After Close it returns an error wrapping ErrClosed.
 func (l *TCPLogger) ReadBatch(ctx context.Context, max int, fn func(raw []byte) error) (int, error) {
+	l.setPaused(false)
 	taken := 0
 	n, err := l.consumer.readBatch(ctx, max, func(raw []byte) error {
 		if err := fn(raw); err != nil {
@@ -428,6 +434,36 @@ func (l *TCPLogger) ReadBatch(ctx context.Context, max int, fn func(raw []byte) 
 		l.kickStalled() // the ring was empty a moment ago
 	}
 	return n, err
+}
+
+// reserveShift makes the ring's last 1/2^reserveShift its reserve (RESERVE_SHIFT in bpf/tcplog.c).
+const reserveShift = 4
+
+// ReadPaused is ReadBatch for a consumer paused at its log's memory cap, which leaves the records in the
+// ring: it takes only what keeps the ring's reserve free, its last sixteenth, which the program gives to
+// flows whose segments it has dropped for 2 s or more (bpf/tcplog.c). Each of them then gets a segment
+// through every 2 s: TCP gives up on a connection with nothing in flight once its own host has dropped 15
+// window probes in a row, 7.9 s after the first (measured), and a pause at the cap can last longer. It
+// never blocks, and returns how many records fn accepted.
+func (l *TCPLogger) ReadPaused(fn func(raw []byte) error) (int, error) {
+	l.setPaused(true)
+	return l.ring.drainUntilFree((l.ring.mask+1)>>reserveShift, fn)
+}
+
+// setPaused tells the program whether the consumer reads with ReadPaused (consumer_paused); only the
+// consumer's goroutine calls it.
+func (l *TCPLogger) setPaused(on bool) {
+	if on == l.paused {
+		return
+	}
+	l.paused = on
+	var v uint32
+	if on {
+		v = 1
+	}
+	if err := l.objs.ConsumerPaused.Set(v); err != nil {
+		l.log.Warn("tcplog: set consumer_paused", "err", err)
+	}
 }
 
 // kickEvery is how many records a drain takes between two looks at stalled_pending (a load).

@@ -19,6 +19,7 @@ type collector struct {
 	logConns, paused                                                                  *prometheus.Desc
 	consumerCPU                                                                       *prometheus.Desc
 	logBytes, logPackets, logDrops, logKicks, logPassed, releasedConns, releasedBytes *prometheus.Desc
+	logReserve                                                                        *prometheus.Desc
 	receivedBytes, receiveDrops                                                       *prometheus.Desc
 	beatAge, busy                                                                     *prometheus.Desc
 	recoveries, stageSeconds, recoverySeconds                                         *prometheus.Desc
@@ -47,6 +48,7 @@ func newCollector(src Source) *collector {
 		logDrops:      d("ftkit_log_drops_total", "Segments the log did not take, by reason: backpressure, oversize, error (dropped; TCP retransmits them), fragment (passed unlogged: must stay 0), append_error (a record the consumer could not append).", []string{"reason"}, nil),
 		logKicks:      d("ftkit_log_kicks_total", "Sockets the log pushed once its ring had room again after dropping their segments for backpressure, instead of leaving them to TCP's window probe timer (200 ms or more).", nil, nil),
 		logPassed:     d("ftkit_log_logged_passed_total", "Segments passed unlogged while the log's ring was full because every byte of them had a record already (retransmissions).", nil, nil),
+		logReserve:    d("ftkit_log_reserve_logged_total", "Segments of connections held back 2 s or more while the log was paused at its cap, let through its ring's reserve so that TCP does not give up on them.", nil, nil),
 		releasedConns: d("ftkit_log_released_connections_total", "Logs of finished connections freed.", nil, nil),
 		releasedBytes: d("ftkit_log_released_bytes_total", "Logged bytes the freed logs of finished connections still retained.", nil, nil),
 		receivedBytes: d("ftkit_receive_recorded_bytes_total", "Payload bytes the receive tap recorded (digests of what protected sockets received).", nil, nil),
@@ -63,7 +65,7 @@ func newCollector(src Source) *collector {
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{c.jobs, c.replicaAge, c.unreplicated, c.uncovered, c.unrecoverable, c.logMemory, c.logCap, c.logPooled, c.logRetained,
-		c.logSpilled, c.logConns, c.paused, c.consumerCPU, c.logBytes, c.logPackets, c.logDrops, c.logKicks, c.logPassed, c.releasedConns, c.releasedBytes,
+		c.logSpilled, c.logConns, c.paused, c.consumerCPU, c.logBytes, c.logPackets, c.logDrops, c.logKicks, c.logPassed, c.logReserve, c.releasedConns, c.releasedBytes,
 		c.receivedBytes, c.receiveDrops, c.beatAge, c.busy, c.recoveries, c.stageSeconds, c.recoverySeconds} {
 		ch <- d
 	}
@@ -141,6 +143,7 @@ func (c *collector) collectLog(ch chan<- prometheus.Metric, l *Log) {
 	counter(c.logDrops, float64(l.AppendErrors), "append_error")
 	counter(c.logKicks, float64(l.Kicks))
 	counter(c.logPassed, float64(l.LoggedPassed))
+	counter(c.logReserve, float64(l.ReserveLogged))
 	counter(c.releasedConns, float64(l.ReleasedConns))
 	counter(c.releasedBytes, float64(l.ReleasedBytes))
 	counter(c.receivedBytes, float64(l.ReceivedBytes))

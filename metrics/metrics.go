@@ -54,8 +54,10 @@ type Log struct {
 	// records the consumer could not append.
 	DropsBackpressure, DropsOversize, DropsError, FragmentsPassed, AppendErrors uint64
 	// What keeps a backpressure drop cheap for the sender: sockets pushed once the ring had room again, and
-	// retransmissions passed unlogged while it was full (their bytes had a record already).
-	Kicks, LoggedPassed uint64
+	// retransmissions passed unlogged while it was full (their bytes had a record already); and what keeps a
+	// connection alive while the log is paused at its cap: segments of flows held back 2 s or more, logged
+	// into the ring's reserve.
+	Kicks, LoggedPassed, ReserveLogged uint64
 	// Logs of finished connections freed.
 	ReleasedConns, ReleasedBytes int64
 	// The receive tap (what this host's protected sockets received, to check a restored peer's re-sent bytes).

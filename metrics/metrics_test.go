@@ -80,9 +80,9 @@ ftkit_jobs_unreplicated 1
 		{
 			name: "log against its cap, bytes logged, drops by reason",
 			state: State{Log: &Log{MemoryBytes: 3 << 20, CapBytes: 64 << 20, PooledBytes: 1 << 20, Conns: 2, BytesLogged: 12345, ConsumerPaused: true, ConsumerCPU: 1500 * time.Millisecond,
-				DropsBackpressure: 7, FragmentsPassed: 1, ReleasedBytes: 99, ReceiveDropsError: 2, Kicks: 3, LoggedPassed: 4}},
+				DropsBackpressure: 7, FragmentsPassed: 1, ReleasedBytes: 99, ReceiveDropsError: 2, Kicks: 3, LoggedPassed: 4, ReserveLogged: 5}},
 			names: []string{"ftkit_log_memory_bytes", "ftkit_log_memory_cap_bytes", "ftkit_log_pooled_bytes", "ftkit_log_connections", "ftkit_log_consumer_paused", "ftkit_log_consumer_cpu_seconds_total",
-				"ftkit_log_logged_bytes_total", "ftkit_log_drops_total", "ftkit_log_kicks_total", "ftkit_log_logged_passed_total", "ftkit_log_released_bytes_total", "ftkit_receive_drops_total"},
+				"ftkit_log_logged_bytes_total", "ftkit_log_drops_total", "ftkit_log_kicks_total", "ftkit_log_logged_passed_total", "ftkit_log_reserve_logged_total", "ftkit_log_released_bytes_total", "ftkit_receive_drops_total"},
 			want: `
 # HELP ftkit_log_connections Connections in the sender-side log.
 # TYPE ftkit_log_connections gauge
@@ -118,6 +118,9 @@ ftkit_log_memory_cap_bytes 6.7108864e+07
 # HELP ftkit_log_pooled_bytes Part of ftkit_log_memory_bytes holding no logged bytes: buffers freed by trims, kept for reuse up to 10 minutes; not counted against the cap.
 # TYPE ftkit_log_pooled_bytes gauge
 ftkit_log_pooled_bytes 1.048576e+06
+# HELP ftkit_log_reserve_logged_total Segments of connections held back 2 s or more while the log was paused at its cap, let through its ring's reserve so that TCP does not give up on them.
+# TYPE ftkit_log_reserve_logged_total counter
+ftkit_log_reserve_logged_total 5
 # HELP ftkit_log_released_bytes_total Logged bytes the freed logs of finished connections still retained.
 # TYPE ftkit_log_released_bytes_total counter
 ftkit_log_released_bytes_total 99

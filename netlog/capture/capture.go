@@ -189,12 +189,7 @@ func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 		// Pooled slab buffers are reused before the log allocates anything: only live data counts.
 		return c.netlog.Stats().LiveBytes()+c.headroom > limit
 	}
-	handle := func(raw []byte) error {
-		// At the memory cap: leave the records in the ring. Once it is full the probe drops segments and
-		// TCP retransmits them later, so senders slow down, the cap holds, and nothing is lost.
-		if atCap() {
-			return errAtCap
-		}
+	take := func(raw []byte) error {
 		c.records.Add(1)
 		rec, err := netlog.DecodeRecord(raw)
 		if err != nil {
@@ -223,6 +218,26 @@ func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 		}
 		return nil
 	}
+	handle := func(raw []byte) error {
+		// At the memory cap: leave the records in the ring. Once it is full the probe drops segments and
+		// TCP retransmits them later, so senders slow down, the cap holds, and nothing is lost.
+		if atCap() {
+			return errAtCap
+		}
+		return take(raw)
+	}
+	// stopped says whether the consumer must stop after err from the probe.
+	stopped := func(err error) bool {
+		switch {
+		case err == nil, errors.Is(err, errAtCap):
+			return false
+		case ctx.Err() != nil, errors.Is(err, ebpfprobes.ErrClosed), errors.Is(err, netlog.ErrClosed):
+		default:
+			c.consErr = fmt.Errorf("capture: consumer stopped: %w", err)
+			c.log.Error("capture: consumer stopped, nothing more is logged", "err", err)
+		}
+		return true
+	}
 	for {
 		// Stop as soon as Close asks: the log is freed right after, so
 		// draining what is left in the ring would be wasted work.
@@ -232,6 +247,11 @@ func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 		account()
 		if atCap() {
 			c.paused.Store(true)
+			// Even so, keep the ring's reserve free: the probe gives it to the flows it has held back
+			// longest, one segment each every 2 s, or TCP would give up on them.
+			if _, err := c.probe.ReadPaused(take); stopped(err) {
+				return
+			}
 			select {
 			case <-ctx.Done():
 				return
@@ -240,14 +260,7 @@ func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 			continue
 		}
 		c.paused.Store(false)
-		_, err := c.probe.ReadBatch(ctx, 0, handle)
-		switch {
-		case err == nil, errors.Is(err, errAtCap):
-		case ctx.Err() != nil, errors.Is(err, ebpfprobes.ErrClosed), errors.Is(err, netlog.ErrClosed):
-			return
-		default:
-			c.consErr = fmt.Errorf("capture: consumer stopped: %w", err)
-			c.log.Error("capture: consumer stopped, nothing more is logged", "err", err)
+		if _, err := c.probe.ReadBatch(ctx, 0, handle); stopped(err) {
 			return
 		}
 	}
@@ -485,6 +498,7 @@ type Counters struct {
 	FragmentsPassed   uint64 `json:"fragments_passed"` // IP fragments passed unlogged: a hole, must stay 0
 	LoggedPassed      uint64 `json:"logged_passed"`    // segments passed unlogged while the ring was full: all their bytes had a record
 	Kicks             uint64 `json:"kicks"`            // sockets pushed after a backpressure drop instead of waiting for TCP's timers
+	ReserveLogged     uint64 `json:"reserve_logged"`   // segments of flows held back 2 s or more, let through the ring's reserve while paused
 
 	// Consumer.
 	RecordsConsumed uint64 `json:"records_consumed"`
@@ -540,6 +554,7 @@ func (c *Capture) Counters() (Counters, error) {
 		SeqRegressions:     pc.SeqRegressions,
 		LoggedPassed:       pc.LoggedPassed,
 		Kicks:              pc.Kicks,
+		ReserveLogged:      pc.ReserveLogged,
 		FragmentsPassed:    pc.FragmentsPassed,
 		RecordsConsumed:    c.records.Load(),
 		BadRecords:         c.badRecords.Load(),

@@ -228,7 +228,7 @@ func testLogsSocket(t *testing.T, l *lab.Lab, protected, other *streamtest.Cgrou
 }
 
 // testUrge: at its memory cap the consumer leaves records in the ring; Urge lets it drain them past the
-// cap, by at most the ring's size, and once urging ends it stops again. (A snapshot waiting for bytes in
+// cap, by at most the ring's size, and once urging ends it stops again, but for the ring's reserve. (A snapshot waiting for bytes in
 // the ring while nothing could free the log's memory used to wait out its timeout.)
 func testUrge(t *testing.T, l *lab.Lab, protected *streamtest.Cgroup) {
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute) // a failure bound only
@@ -296,6 +296,28 @@ func testUrge(t *testing.T, l *lab.Lab, protected *streamtest.Cgroup) {
 		t.Errorf("urgent callers %d after done", c.urgent.Load())
 	}
 	t.Logf("at the cap %d bytes logged, urged %d (ring %d)", atCap.Last-from, urged.Last-from, ring)
+
+	// Paused again, the consumer still keeps the ring's reserve free for the flow the probe holds back: a
+	// segment of it goes through every 2 s or so, so that TCP does not give up on the connection.
+	before, err := c.Counters()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for {
+		cnt, err := c.Counters()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if cnt.ReserveLogged > before.ReserveLogged && cnt.ConsumerPaused {
+			t.Logf("paused: %d segments through the reserve, ring %d of %d bytes", cnt.ReserveLogged, cnt.RingPendingBytes, ring)
+			break
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("paused at the cap, no segment went through the ring's reserve: %+v", cnt)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
 }
 
 func testFidelity(t *testing.T, l *lab.Lab, protected, other *streamtest.Cgroup, v variant) {
