@@ -88,7 +88,7 @@ func (a *Agent) logMetrics() *metrics.Log {
 		SpilledBytes: cnt.SpilledBytes, Conns: cnt.Conns, ConsumerPaused: cnt.ConsumerPaused, ConsumerCPU: cnt.ConsumerCPU,
 		BytesLogged: cnt.BytesLogged, PacketsLogged: cnt.PacketsLogged,
 		DropsBackpressure: cnt.DropsBackpressure, DropsOversize: cnt.DropsOversize, DropsError: cnt.DropsError,
-		FragmentsPassed: cnt.FragmentsPassed, AppendErrors: cnt.AppendErrors, Kicks: cnt.Kicks, LoggedPassed: cnt.LoggedPassed, ReserveLogged: cnt.ReserveLogged,
+		FragmentsPassed: cnt.FragmentsPassed, AppendErrors: cnt.AppendErrors, Kicks: cnt.Kicks, LoggedPassed: cnt.LoggedPassed, ReserveLogged: cnt.ReserveLogged, UnloggedPassed: cnt.UnloggedPassed,
 	}
 	if rc, err := a.netlog.tap.Counters(); err == nil {
 		l.ReceivedBytes = rc.BytesRecorded

@@ -40,6 +40,15 @@
 // segment through every STALL_RESERVE_NS, which resets TCP's count; the log
 // grows past its cap by those segments only.
 //
+// A consumer that takes nothing from the full ring for CONSUMER_GONE_NS, and
+// is not paused at the cap (which it says every few milliseconds in
+// paused_seen_ns), is gone: its agent stopped, hung or starved. Its segments
+// are passed unlogged from then on, and counted (unlogged_passed), as they are
+// when an agent exits and its program is detached: the log has a hole there,
+// a recovery that needs those bytes is refused (netlog.ErrHole), and the
+// receivers' next snapshots close it. Dropping them instead made TCP give up
+// on the jobs' connections 8 s later, for a fault of the agent's own.
+//
 // Which flows are protected:
 //  1. bpf_skb_cgroup_id(skb): the cgroup v2 id of the sending socket. This
 //     works at TCX egress of the veth inside the sender's network namespace
@@ -103,6 +112,7 @@
 #define BPF_RB_NO_WAKEUP 1
 #define BPF_RB_FORCE_WAKEUP 2
 #define BPF_RB_AVAIL_DATA 0
+#define BPF_RB_CONS_POS 2
 
 // TCP header flags (byte 13 of the header).
 #define TCP_FIN 0x01
@@ -194,7 +204,11 @@ struct counters {
 	__u64 logged_passed;      // ring full, passed unlogged: every byte had a record already
 	__u64 kicks;              // sockets tcplog_kick pushed after a drop
 	__u64 reserve_logged;     // segments of flows stalled STALL_RESERVE_NS or more, logged into the reserve
+	__u64 unlogged_passed;    // ring full and its consumer gone: passed unlogged (a hole in the log)
 };
+
+// A consumer that took nothing from the full ring this long is gone.
+#define CONSUMER_GONE_NS 4000000000ULL
 
 // A flow whose segments have been dropped this long may use the ring's reserve.
 #define STALL_RESERVE_NS 2000000000ULL
@@ -220,6 +234,16 @@ volatile __u32 consumer_polling = 0;
 // log's memory cap and drains only what keeps the ring's reserve free: only
 // then do other segments leave the reserve to flows held back long.
 volatile __u32 consumer_paused = 0;
+// Written by the paused consumer at each look at the ring (bpf_ktime_get_ns's
+// clock, CLOCK_MONOTONIC): it is alive, though it takes nothing.
+volatile __u64 paused_seen_ns = 0;
+
+// The consumer's position in the ring when a drop last found it moved, and
+// when: a consumer that has not moved for CONSUMER_GONE_NS is gone. Updated
+// by the drops of every CPU without a lock: a race moves the clock by one
+// segment's time at most.
+volatile __u64 cons_seen = 0;
+volatile __u64 cons_seen_ns = 0;
 
 // Set by the program when it drops a segment for backpressure (its flow is
 // then in stalled_flows); the consumer clears it before it runs tcplog_kick.
@@ -533,14 +557,35 @@ static __always_inline int ring_room(struct flow_key *fk, __u64 need, __u64 now)
 	return 0;
 }
 
+// consumer_gone says whether the ring's consumer has taken nothing for
+// CONSUMER_GONE_NS while not paused at the cap (see cons_seen).
+static __always_inline int consumer_gone(__u64 now)
+{
+	__u64 cons = bpf_ringbuf_query(&events, BPF_RB_CONS_POS);
+	if (cons != cons_seen || !cons_seen_ns) {
+		cons_seen = cons;
+		cons_seen_ns = now;
+		return 0;
+	}
+	if (consumer_paused && (__s64)(now - paused_seen_ns) < (__s64)CONSUMER_GONE_NS)
+		return 0;
+	return (__s64)(now - cons_seen_ns) >= (__s64)CONSUMER_GONE_NS;
+}
+
 // ring_full is the verdict on a segment that found no room in the ring: it
-// passes if its bytes all have a record already, else it is dropped and its
-// flow marked stalled (since now, unless it already was).
+// passes if its bytes all have a record already, or unlogged if the consumer
+// is gone, else it is dropped and its flow marked stalled (since now, unless
+// it already was).
 static __always_inline int ring_full(struct counters *c, struct flow_key *fk, struct tcphdr *tcp, __u32 seq,
 				     __u32 len, __u64 now, int has_ts, __u32 tsval, __u32 tsecr)
 {
 	if (all_logged(fk, seq, len)) {
 		c->logged_passed++;
+		update_flow_state(fk, tcp, len, 0, has_ts, tsval, tsecr);
+		return VERDICT_PASS;
+	}
+	if (consumer_gone(now)) {
+		c->unlogged_passed++;
 		update_flow_state(fk, tcp, len, 0, has_ts, tsval, tsecr);
 		return VERDICT_PASS;
 	}

@@ -182,3 +182,53 @@ func TestPausedFlowOutlivesTCPGiveUp(t *testing.T) {
 	}
 	sf.drain(t, l, size)
 }
+
+// TestGoneConsumerPassesUnlogged stops reading a stream's ring altogether, as a stopped or hung agent
+// does. After 4 s without the consumer taking anything, the program passes the stream's segments
+// unlogged instead of dropping them: the stream arrives whole, where dropping made TCP give up on it after
+// 15 dropped window probes ("connection timed out" 9.6 s into TestPausedFlowOutlivesTCPGiveUp without its
+// reserve); the ring then holds the stream with a hole, and the passes are counted.
+func TestGoneConsumerPassesUnlogged(t *testing.T) {
+	requirePrivileges(t)
+	tn := newTestNet(t)
+	l := newTestLogger(t, 64<<10)
+	const size = 4 << 20
+	sf := stallFlow(t, tn, l, 40043, 5043, size, true)
+	wrote, deadline := sf.wrote, time.After(2*time.Minute)
+	for got := int64(-2); got != size || wrote != nil; {
+		select {
+		case got = <-sf.received:
+			if got != size {
+				t.Fatalf("the receiver got %d bytes, want %d", got, size)
+			}
+		case err := <-wrote:
+			if err != nil {
+				t.Fatalf("write: %v", err)
+			}
+			wrote = nil
+		case <-deadline:
+			t.Fatal("the stream did not arrive within 2 minutes while nobody read the ring")
+		}
+	}
+	c, err := l.Counters()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("counters %+v", c)
+	if c.UnloggedPassed == 0 {
+		t.Fatalf("the stream arrived with no segment passed unlogged: %+v", c)
+	}
+	// What the ring holds of the stream: its start, then nothing but what TCP sent again.
+	var logged int
+	for l.Pending() > 0 {
+		if _, err := l.ReadBatch(t.Context(), 0, func(raw []byte) error {
+			logged += len(raw) - RecordHeaderLen
+			return nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if logged >= size {
+		t.Errorf("the ring holds %d payload bytes of the %d-byte stream: no hole where segments passed unlogged", logged, size)
+	}
+}

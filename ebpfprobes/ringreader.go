@@ -386,15 +386,19 @@ func (c *ringConsumer) setPolling(on bool) {
 		return
 	}
 	c.polling = on
-	var v uint32
-	if on {
-		v = 1
-	}
-	// Cannot fail for a uint32 variable in a loaded .bss; without mmap
-	// support it is a map update, which also works.
-	if err := c.flag.Set(v); err != nil {
+	if err := setFlag(c.flag, on); err != nil {
 		c.log.Warn(c.ring.name+": set consumer_polling", "err", err)
 	}
+}
+
+// setFlag sets a program's uint32 flag to 1 (on) or 0. It cannot fail for a variable in a loaded .bss;
+// without mmap support it is a map update, which also works.
+func setFlag(v *ebpf.Variable, on bool) error {
+	var x uint32
+	if on {
+		x = 1
+	}
+	return v.Set(x)
 }
 
 // watch makes the cancellation of ctx interrupt a blocked readBatch. One

@@ -26,6 +26,7 @@ type tcplogCounters struct {
 	LoggedPassed      uint64
 	Kicks             uint64
 	ReserveLogged     uint64
+	UnloggedPassed    uint64
 }
 
 type tcplogFlowKey struct {
@@ -65,8 +66,11 @@ const (
 	tcplogMapStats            = "stats"
 	tcplogProgTcplogEgress    = "tcplog_egress"
 	tcplogProgTcplogKick      = "tcplog_kick"
+	tcplogVarConsSeen         = "cons_seen"
+	tcplogVarConsSeenNs       = "cons_seen_ns"
 	tcplogVarConsumerPaused   = "consumer_paused"
 	tcplogVarConsumerPolling  = "consumer_polling"
+	tcplogVarPausedSeenNs     = "paused_seen_ns"
 	tcplogVarRingSize         = "ring_size"
 	tcplogVarStalledPending   = "stalled_pending"
 	tcplogVarWakeBytes        = "wake_bytes"
@@ -135,8 +139,11 @@ type tcplogMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type tcplogVariableSpecs struct {
+	ConsSeen        *ebpf.VariableSpec `ebpf:"cons_seen"`
+	ConsSeenNs      *ebpf.VariableSpec `ebpf:"cons_seen_ns"`
 	ConsumerPaused  *ebpf.VariableSpec `ebpf:"consumer_paused"`
 	ConsumerPolling *ebpf.VariableSpec `ebpf:"consumer_polling"`
+	PausedSeenNs    *ebpf.VariableSpec `ebpf:"paused_seen_ns"`
 	RingSize        *ebpf.VariableSpec `ebpf:"ring_size"`
 	StalledPending  *ebpf.VariableSpec `ebpf:"stalled_pending"`
 	WakeBytes       *ebpf.VariableSpec `ebpf:"wake_bytes"`
@@ -187,8 +194,11 @@ func (m *tcplogMaps) Close() error {
 //
 // It can be passed to loadTcplogObjects or ebpf.CollectionSpec.LoadAndAssign.
 type tcplogVariables struct {
+	ConsSeen        *ebpf.Variable `ebpf:"cons_seen"`
+	ConsSeenNs      *ebpf.Variable `ebpf:"cons_seen_ns"`
 	ConsumerPaused  *ebpf.Variable `ebpf:"consumer_paused"`
 	ConsumerPolling *ebpf.Variable `ebpf:"consumer_polling"`
+	PausedSeenNs    *ebpf.Variable `ebpf:"paused_seen_ns"`
 	RingSize        *ebpf.Variable `ebpf:"ring_size"`
 	StalledPending  *ebpf.Variable `ebpf:"stalled_pending"`
 	WakeBytes       *ebpf.Variable `ebpf:"wake_bytes"`

@@ -84,6 +84,7 @@ type Counters struct {
 	LoggedPassed      uint64 // segments passed unlogged while the ring was full: every byte had a record already
 	Kicks             uint64 // sockets KickStalled pushed after a drop
 	ReserveLogged     uint64 // segments of flows held back 2 s or more, logged into the ring's reserve (ReadPaused)
+	UnloggedPassed    uint64 // segments passed unlogged: the ring was full and its consumer had taken nothing for 4 s (a hole)
 }
 
 // tcplogLoaded holds only the objects the logger uses: LoadAndAssign loads
@@ -102,8 +103,10 @@ type tcplogLoaded struct {
 	ConsumerPolling *ebpf.Variable `ebpf:"consumer_polling"`
 	// StalledPending says a segment was dropped for backpressure since KickStalled last ran.
 	StalledPending *ebpf.Variable `ebpf:"stalled_pending"`
-	// ConsumerPaused says the consumer reads with ReadPaused, which keeps the ring's reserve free.
+	// ConsumerPaused says the consumer reads with ReadPaused, which keeps the ring's reserve free;
+	// PausedSeen when it last did (CLOCK_MONOTONIC ns): a paused consumer is not gone.
 	ConsumerPaused *ebpf.Variable `ebpf:"consumer_paused"`
+	PausedSeen     *ebpf.Variable `ebpf:"paused_seen_ns"`
 }
 
 // TCPLogger is the loaded TCX egress logger. Attach, Protect*, Counters and
@@ -359,6 +362,7 @@ func (l *TCPLogger) Counters() (Counters, error) {
 		c.LoggedPassed += p.LoggedPassed
 		c.Kicks += p.Kicks
 		c.ReserveLogged += p.ReserveLogged
+		c.UnloggedPassed += p.UnloggedPassed
 	}
 	return c, nil
 }
@@ -443,10 +447,19 @@ const reserveShift = 4
 // ring: it takes only what keeps the ring's reserve free, its last sixteenth, which the program gives to
 // flows whose segments it has dropped for 2 s or more (bpf/tcplog.c). Each of them then gets a segment
 // through every 2 s: TCP gives up on a connection with nothing in flight once its own host has dropped 15
-// window probes in a row, 7.9 s after the first (measured), and a pause at the cap can last longer. It
-// never blocks, and returns how many records fn accepted.
+// window probes in a row, 7.9 s after the first (measured), and a pause at the cap can last longer. Each
+// call also tells the program the consumer is alive: one that takes nothing for 4 s otherwise counts as
+// gone, and the program then passes segments unlogged. It never blocks, and returns how many records fn
+// accepted.
 func (l *TCPLogger) ReadPaused(fn func(raw []byte) error) (int, error) {
 	l.setPaused(true)
+	var now unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &now); err == nil {
+		// Else the program takes the consumer for gone after 4 s, and its segments pass unlogged.
+		if err := l.objs.PausedSeen.Set(uint64(now.Nano())); err != nil {
+			l.log.Warn("tcplog: set paused_seen_ns", "err", err)
+		}
+	}
 	return l.ring.drainUntilFree((l.ring.mask+1)>>reserveShift, fn)
 }
 
@@ -457,11 +470,7 @@ func (l *TCPLogger) setPaused(on bool) {
 		return
 	}
 	l.paused = on
-	var v uint32
-	if on {
-		v = 1
-	}
-	if err := l.objs.ConsumerPaused.Set(v); err != nil {
+	if err := setFlag(l.objs.ConsumerPaused, on); err != nil {
 		l.log.Warn("tcplog: set consumer_paused", "err", err)
 	}
 }

@@ -45,7 +45,7 @@ func newCollector(src Source) *collector {
 		consumerCPU:   d("ftkit_log_consumer_cpu_seconds_total", "CPU time of the log consumer's thread: what logging costs in user space (the probe's copy into the ring runs in the senders' context).", nil, nil),
 		logBytes:      d("ftkit_log_logged_bytes_total", "Payload bytes the egress probe wrote to the log, retransmissions included.", nil, nil),
 		logPackets:    d("ftkit_log_logged_packets_total", "Segments the egress probe wrote to the log.", nil, nil),
-		logDrops:      d("ftkit_log_drops_total", "Segments the log did not take, by reason: backpressure, oversize, error (dropped; TCP retransmits them), fragment (passed unlogged: must stay 0), append_error (a record the consumer could not append).", []string{"reason"}, nil),
+		logDrops:      d("ftkit_log_drops_total", "Segments the log did not take, by reason: backpressure, oversize, error (dropped; TCP retransmits them), fragment (passed unlogged: must stay 0), consumer_gone (passed unlogged: the agent took nothing from the full ring for 4 s; the receivers are not recoverable until their next snapshot), append_error (a record the consumer could not append).", []string{"reason"}, nil),
 		logKicks:      d("ftkit_log_kicks_total", "Sockets the log pushed once its ring had room again after dropping their segments for backpressure, instead of leaving them to TCP's window probe timer (200 ms or more).", nil, nil),
 		logPassed:     d("ftkit_log_logged_passed_total", "Segments passed unlogged while the log's ring was full because every byte of them had a record already (retransmissions).", nil, nil),
 		logReserve:    d("ftkit_log_reserve_logged_total", "Segments of connections held back 2 s or more while the log was paused at its cap, let through its ring's reserve so that TCP does not give up on them.", nil, nil),
@@ -140,6 +140,7 @@ func (c *collector) collectLog(ch chan<- prometheus.Metric, l *Log) {
 	counter(c.logDrops, float64(l.DropsOversize), "oversize")
 	counter(c.logDrops, float64(l.DropsError), "error")
 	counter(c.logDrops, float64(l.FragmentsPassed), "fragment")
+	counter(c.logDrops, float64(l.UnloggedPassed), "consumer_gone")
 	counter(c.logDrops, float64(l.AppendErrors), "append_error")
 	counter(c.logKicks, float64(l.Kicks))
 	counter(c.logPassed, float64(l.LoggedPassed))

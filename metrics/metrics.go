@@ -50,9 +50,9 @@ type Log struct {
 	ConsumerPaused                                     bool
 	ConsumerCPU                                        time.Duration // the log consumer thread's CPU time
 	BytesLogged, PacketsLogged                         uint64
-	// Drops by reason: segments the probe dropped (TCP retransmits them), fragments passed unlogged, and
-	// records the consumer could not append.
-	DropsBackpressure, DropsOversize, DropsError, FragmentsPassed, AppendErrors uint64
+	// Drops by reason: segments the probe dropped (TCP retransmits them), fragments passed unlogged,
+	// segments passed unlogged while the consumer was gone, and records the consumer could not append.
+	DropsBackpressure, DropsOversize, DropsError, FragmentsPassed, UnloggedPassed, AppendErrors uint64
 	// What keeps a backpressure drop cheap for the sender: sockets pushed once the ring had room again, and
 	// retransmissions passed unlogged while it was full (their bytes had a record already); and what keeps a
 	// connection alive while the log is paused at its cap: segments of flows held back 2 s or more, logged

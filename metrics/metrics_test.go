@@ -93,10 +93,11 @@ ftkit_log_consumer_cpu_seconds_total 1.5
 # HELP ftkit_log_consumer_paused 1 while the log is at its cap and stops draining the ring buffer (TCP backpressure on the jobs).
 # TYPE ftkit_log_consumer_paused gauge
 ftkit_log_consumer_paused 1
-# HELP ftkit_log_drops_total Segments the log did not take, by reason: backpressure, oversize, error (dropped; TCP retransmits them), fragment (passed unlogged: must stay 0), append_error (a record the consumer could not append).
+# HELP ftkit_log_drops_total Segments the log did not take, by reason: backpressure, oversize, error (dropped; TCP retransmits them), fragment (passed unlogged: must stay 0), consumer_gone (passed unlogged: the agent took nothing from the full ring for 4 s; the receivers are not recoverable until their next snapshot), append_error (a record the consumer could not append).
 # TYPE ftkit_log_drops_total counter
 ftkit_log_drops_total{reason="append_error"} 0
 ftkit_log_drops_total{reason="backpressure"} 7
+ftkit_log_drops_total{reason="consumer_gone"} 0
 ftkit_log_drops_total{reason="error"} 0
 ftkit_log_drops_total{reason="fragment"} 1
 ftkit_log_drops_total{reason="oversize"} 0

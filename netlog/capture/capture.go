@@ -499,6 +499,7 @@ type Counters struct {
 	LoggedPassed      uint64 `json:"logged_passed"`    // segments passed unlogged while the ring was full: all their bytes had a record
 	Kicks             uint64 `json:"kicks"`            // sockets pushed after a backpressure drop instead of waiting for TCP's timers
 	ReserveLogged     uint64 `json:"reserve_logged"`   // segments of flows held back 2 s or more, let through the ring's reserve while paused
+	UnloggedPassed    uint64 `json:"unlogged_passed"`  // segments passed unlogged while the consumer was gone (a stopped or hung agent): a hole
 
 	// Consumer.
 	RecordsConsumed uint64 `json:"records_consumed"`
@@ -555,6 +556,7 @@ func (c *Capture) Counters() (Counters, error) {
 		LoggedPassed:       pc.LoggedPassed,
 		Kicks:              pc.Kicks,
 		ReserveLogged:      pc.ReserveLogged,
+		UnloggedPassed:     pc.UnloggedPassed,
 		FragmentsPassed:    pc.FragmentsPassed,
 		RecordsConsumed:    c.records.Load(),
 		BadRecords:         c.badRecords.Load(),
