@@ -82,7 +82,9 @@
 // docs/tcp-relocation.md); fentry/kprobes are refused here
 // and TCP_INFO has no sequence numbers, so this is where it can be seen.
 // Segments dropped for backpressure were never transmitted and do not update
-// the state: every data byte below the recorded snd_nxt has a log record.
+// the state: every data byte below the recorded snd_nxt has a log record,
+// but for those passed unlogged while the consumer was gone (consumer_gone),
+// whose hole the log reports to the recovery that reads it.
 // The value is updated in place without a lock: TCP transmits a socket's
 // segments under its socket lock and TC egress runs synchronously inside
 // that transmit, so updates of one flow do not overlap in practice. A segment
