@@ -23,9 +23,9 @@ type flowIn struct {
 
 // inFlight names the directions of the connections between two of ends whose receiver has not received all
 // that the sender sent. A direction has nothing in flight when the sender's bytes are all acknowledged, or
-// when the receiver received as many bytes as the sender sent; the second holds back no snapshot for a
-// delayed acknowledgment, but compares only counts of sockets that were not restored (heldconns.Flow), and
-// is taken for the first where the counts differ.
+// when the receiver received as many bytes as the sender sent. The second spares a wait for a delayed
+// acknowledgment; the first decides where an end was restored, since its counts start at its restore
+// (heldconns.Flow).
 func inFlight(ends []flowIn) []string {
 	by := make(map[connEnd]heldconns.Flow, len(ends))
 	for _, e := range ends {
