@@ -53,13 +53,16 @@ func inFlight(ends []flowIn) []string {
 func (a *Agent) awaitInFlight(ctx context.Context, jobs []Job) error {
 	list, err := flowLister(jobs)
 	if err != nil {
-		return err
+		return fmt.Errorf("semi-coordinated snapshot skipped, jobs thawed: %w", err)
 	}
 	waited, err := settle(ctx, list, inFlightWait)
-	if err == nil && waited > 10*time.Millisecond {
+	if err != nil {
+		return fmt.Errorf("semi-coordinated snapshot skipped, jobs thawed: %w", err)
+	}
+	if waited > 10*time.Millisecond {
 		a.log.Info("bytes in flight between frozen jobs arrived before their snapshot", "jobs", jobsOf(jobs), "waited_ms", waited.Milliseconds())
 	}
-	return err
+	return nil
 }
 
 // settle lists the flows of frozen jobs (list) until nothing is in flight between them, for at most bound,
@@ -77,12 +80,12 @@ func settle(ctx context.Context, list func() ([]flowIn, error), bound time.Durat
 		case len(late) == 0:
 			return waited, nil
 		case waited > bound:
-			return waited, fmt.Errorf("semi-coordinated snapshot skipped, jobs thawed: bytes sent between the jobs (%s) did not arrive within %s of their freeze, "+
+			return waited, fmt.Errorf("bytes sent between the jobs (%s) did not arrive within %s of their freeze, "+
 				"and snapshots taken now would hold them in neither job; the previous snapshots stay (is the host's loopback dropping packets?)", strings.Join(late, "; "), bound)
 		}
 		select {
 		case <-ctx.Done():
-			return waited, fmt.Errorf("semi-coordinated snapshot skipped, jobs thawed: %w", ctx.Err())
+			return waited, ctx.Err()
 		case <-time.After(2 * time.Millisecond):
 		}
 	}
@@ -100,7 +103,7 @@ func flowLister(jobs []Job) (func() ([]flowIn, error), error) {
 		}
 		s, err := heldconns.Inodes(cgroups...)
 		if err != nil {
-			return nil, fmt.Errorf("semi-coordinated snapshot skipped, jobs thawed: list the sockets of jobs %s: %w", jobsOf(js), err)
+			return nil, fmt.Errorf("list the sockets of jobs %s: %w", jobsOf(js), err)
 		}
 		socks[key] = s
 	}
@@ -109,7 +112,7 @@ func flowLister(jobs []Job) (func() ([]flowIn, error), error) {
 		for key, s := range socks {
 			var flows map[string][]heldconns.Flow
 			if err := inJobNet(nets[key], func() (err error) { flows, err = heldconns.Flows(s); return err }); err != nil {
-				return nil, fmt.Errorf("semi-coordinated snapshot skipped, jobs thawed: list the connections of jobs %s: %w", jobsOf(groups[key]), err)
+				return nil, fmt.Errorf("list the connections of jobs %s: %w", jobsOf(groups[key]), err)
 			}
 			for _, fs := range flows {
 				for _, f := range fs {
