@@ -239,9 +239,11 @@ const noID = ^uint32(0)
 
 // checkPeerJob validates a snapshot's manifest and its job record, which come from another node, against
 // this agent's layout before any path or id in them is used: the id names files in the state directory,
-// dir is where outputs are truncated or created, cgroup is removed when the job ends. Dir and cgroup are
-// not recomputed but must equal this agent's own: the images carry them too (CRIU restores the cgroup and
-// reopens the files by path), so a node configured differently could not restore the job anyway.
+// dir is where outputs are truncated or created. Dir is not recomputed but must equal this agent's own: the
+// images carry it too (CRIU reopens the files by path), so a node configured differently could not restore
+// the job anyway. The cgroup becomes this agent's for the job, whichever the snapshot's node used (its
+// cgroup_parent may differ): CRIU restores the job into it (criu.RestoreOptions.Cgroup), and it is removed
+// when the job ends.
 //
 // The uid is not compared with the credentials in the images (nothing here parses them): a peer able to
 // forge a job record can forge images, which CRIU restores as root with whatever credentials they say.
@@ -258,9 +260,7 @@ func checkPeerJob(l jobLayout, m *ckpt.Manifest, j *Job) error {
 	if want := l.dir(j.ID); j.Dir != want {
 		return bad("dir", j.Dir, fmt.Sprintf("%q", want))
 	}
-	if want := l.cgroup(j.ID); j.Cgroup != want {
-		return bad("cgroup", j.Cgroup, fmt.Sprintf("%q", want))
-	}
+	j.Cgroup = l.cgroup(j.ID)
 	if j.UID == noID {
 		return bad("uid", fmt.Sprint(j.UID), "a user id (not 4294967295, which chown takes as \"unchanged\")")
 	}

@@ -35,8 +35,9 @@ func TestCheckPeerJob(t *testing.T) {
 			`snapshot snap-1: job record field "dir" is "/etc", want "/var/lib/ftkit/jobs/count-0123abcd"`},
 		{"dir of another job", func(_ *ckpt.Manifest, j *Job) { j.Dir = "/var/lib/ftkit/jobs/x-00000000" }, `field "dir"`},
 		{"dir unclean", func(_ *ckpt.Manifest, j *Job) { j.Dir = dir + "/." }, `field "dir"`},
-		{"cgroup elsewhere", func(_ *ckpt.Manifest, j *Job) { j.Cgroup = "/sys/fs/cgroup" },
-			`job record field "cgroup" is "/sys/fs/cgroup", want "/sys/fs/cgroup/ftkit/count-0123abcd"`},
+		// The record's cgroup is never used: it becomes this agent's (another cgroup_parent, or a forged path).
+		{"cgroup of another node's parent", func(_ *ckpt.Manifest, j *Job) { j.Cgroup = "/sys/fs/cgroup/other/" + id }, ""},
+		{"cgroup elsewhere", func(_ *ckpt.Manifest, j *Job) { j.Cgroup = "/sys/fs/cgroup" }, ""},
 		{"uid -1", func(_ *ckpt.Manifest, j *Job) { j.UID = noID }, `field "uid" is "4294967295"`},
 		{"gid -1", func(_ *ckpt.Manifest, j *Job) { j.GID = noID }, `field "gid" is "4294967295"`},
 		{"open file relative", func(m *ckpt.Manifest, _ *Job) { m.OpenFiles[2].Path = "home/u/out.log" },
@@ -61,6 +62,8 @@ func TestCheckPeerJob(t *testing.T) {
 				t.Fatalf("accepted; want an error with %q", tc.want)
 			case tc.want != "" && !strings.Contains(err.Error(), tc.want):
 				t.Fatalf("error %q\ndoes not contain %q", err, tc.want)
+			case err == nil && j.Cgroup != l.cgroup(id):
+				t.Fatalf("accepted with cgroup %q; want this agent's %q", j.Cgroup, l.cgroup(id))
 			}
 		})
 	}

@@ -144,6 +144,10 @@ type RestoreOptions struct {
 	// LeaveStopped leaves every restored task stopped (SIGSTOP) before it runs any code of its own: the
 	// caller continues them.
 	LeaveStopped bool
+	// Cgroup, if set, is the cgroup v2 directory (absolute path) the tree's root is restored into, its
+	// sub-cgroups below it: the restoring host's cgroup for the job, whichever the dumping host used.
+	// Unset, CRIU restores into the dumped paths.
+	Cgroup string
 }
 
 // Restore recreates the tree from opts.ImagesDir as a child of the calling process (CRIU's rst_sibling:
@@ -173,6 +177,13 @@ func (c Client) Restore(ctx context.Context, opts RestoreOptions) (int, error) {
 	}
 	if opts.LeaveStopped {
 		req.LeaveStopped = proto.Bool(true)
+	}
+	if opts.Cgroup != "" {
+		root, err := restoreCgroupRoot(opts.Cgroup)
+		if err != nil {
+			return 0, fmt.Errorf("criu restore into cgroup %s: %w", opts.Cgroup, err)
+		}
+		req.CgRoot = []*rpc.CgroupRoot{root}
 	}
 	if opts.LazyPages {
 		req.LazyPages = proto.Bool(true)

@@ -50,7 +50,7 @@ type Spec struct {
 	GID       uint32   `json:"gid"`
 	Stdout    string   `json:"stdout"`
 	Stderr    string   `json:"stderr"`
-	Cgroup    string   `json:"cgroup"` // cgroup v2 directory the job runs in
+	Cgroup    string   `json:"cgroup"` // cgroup v2 directory the job runs in (restored into, for ModeRestore)
 	ImagesDir string   `json:"images_dir,omitempty"`
 	// LazyPages restores the job's memory on first touch, from a lazy-pages daemon the shim runs on
 	// ImagesDir; the shim removes ImagesDir once every page is in, and kills the job if the daemon fails.
@@ -119,7 +119,7 @@ func Run(ctx context.Context, in io.Reader, out io.Writer) int {
 			lazy, err = c.StartLazyPages(ctx, spec.ImagesDir)
 		}
 		if err == nil {
-			pid, err = c.Restore(ctx, criu.RestoreOptions{ImagesDir: spec.ImagesDir, LazyPages: spec.LazyPages})
+			pid, err = c.Restore(ctx, criu.RestoreOptions{ImagesDir: spec.ImagesDir, LazyPages: spec.LazyPages, Cgroup: spec.Cgroup})
 		}
 		if err != nil && lazy != nil {
 			lazy.Process.Kill()

@@ -30,7 +30,7 @@ import (
 // with the failure-free checksum. A run with a job on its host's address is
 // refused before anything stops.
 func TestCoordinatedRollback(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	const port = 7490
 	args := ringArgs(1500, 16<<10, 10*time.Millisecond)
 	ctx := context.Background()
@@ -127,7 +127,7 @@ func TestCoordinatedRollback(t *testing.T) {
 // The run then completes: rank 0 received exactly what rank 1 sent (one execution's checksum on both
 // sides), and the failure's timeline says what happened and why.
 func TestAutoRollback(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	const port = 7491
 	ctx := context.Background()
 	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", JobAddresses: true})
@@ -194,7 +194,7 @@ func TestAutoRollback(t *testing.T) {
 // failure-free checksum. Before, the next cut came an interval after the first, and until then a failure of
 // rank 1's host could not be rolled back (its job is in no cut).
 func TestCutOfALateRank(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	const port, run = 7492, "late"
 	ctx := context.Background()
 	args := ringArgs(600, 16<<10, 10*time.Millisecond)

@@ -370,7 +370,7 @@ func checkRanks(t *testing.T, outs []string, want string) {
 }
 
 func TestFailover(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	const block = 64 << 10
 	tests := []struct {
 		name  string
@@ -543,7 +543,7 @@ func (rg *ring) crashAfterSnapshot(t *testing.T, host string, after int, target 
 // hosting the moved rank) fails, and with no spare left its protector restores the rank itself (basic
 // mode). Then a third failure of another original node, also in basic mode.
 func TestSequentialFailures(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	args := ringArgs(2000, 64<<10, 10*time.Millisecond)
 	want := reference(t, 4, args)
 	c := newCluster(t, 4, 1, labcluster.Options{Interval: "1h"})

@@ -32,7 +32,6 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
-	"github.com/ftkit/ftkit/lab/labtest"
 	"github.com/ftkit/ftkit/shim"
 )
 
@@ -42,7 +41,7 @@ import (
 func startMatrix(t *testing.T, spares, port int, ref []string, prepare func(*lab.Lab), extra ...string) (*labcluster.Cluster, *ring, string) {
 	t.Helper()
 	want := reference(t, 3, ref)
-	l := labtest.New(t, 3, spares)
+	l := newLab(t, 3, spares, false)
 	if prepare != nil {
 		prepare(l)
 	}
@@ -337,7 +336,45 @@ func (rg *ring) requireOneCopy(t *testing.T, r int) {
 	}
 	if procs != 1 || listed != 1 {
 		t.Errorf("rank %d (job %s) runs as %d process(es), listed as running by %d agent(s); want exactly one", r, rg.jobs[r].ID, procs, listed)
+		return
 	}
+	requireOwnCgroup(t, rg.c, rg.jobs[r].ID)
+}
+
+// requireOwnCgroup checks that the running copy of job id is in the cgroup its host's agent made for it,
+// wherever the snapshot it was restored from was taken (each lab host has a cgroup tree of its own). It
+// reports whether a host runs the job (one that ended meanwhile is not checked).
+func requireOwnCgroup(t *testing.T, c *labcluster.Cluster, id string) (running bool) {
+	t.Helper()
+	for _, h := range c.Lab.State().Hosts {
+		if h.Crashed {
+			continue
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		j, err := c.Client(h.Name).Job(ctx, id)
+		cancel()
+		if err != nil || j.State != agent.JobRunning {
+			continue
+		}
+		running = true
+		want := filepath.Join(labcluster.CgroupParent(c.Lab.State().ID, h.Name), id)
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", j.PID))
+		if err != nil {
+			t.Errorf("job %s on %s (pid %d): %v", id, h.Name, j.PID, err)
+			continue
+		}
+		var got string
+		for _, l := range strings.Split(string(b), "\n") {
+			if p, ok := strings.CutPrefix(l, "0::"); ok {
+				got = filepath.Join(labcluster.CgroupMount, p)
+			}
+		}
+		t.Logf("job %s on %s (pid %d) runs in cgroup %s", id, h.Name, j.PID, got)
+		if got != want || j.Cgroup != want {
+			t.Errorf("job %s on %s (pid %d) runs in cgroup %q, its record says %q; want %s's own %q", id, h.Name, j.PID, got, j.Cgroup, h.Name, want)
+		}
+	}
+	return running
 }
 
 // requireNothingLeft checks, once every rank has exited, that no process of any rank survives, no agent
@@ -347,19 +384,25 @@ func (rg *ring) requireNothingLeft(t *testing.T) {
 	t.Helper()
 	for r, j := range rg.jobs {
 		var procs, listed int
-		var cgErr error
+		var left []string // the job's cgroups on the hosts that ran it
 		for deadline := time.Now().Add(15 * time.Second); ; time.Sleep(100 * time.Millisecond) {
 			procs, listed = copies(t, rg.c, j)
-			_, cgErr = os.Stat(j.Cgroup)
-			if (procs == 0 && listed == 0 && errors.Is(cgErr, fs.ErrNotExist)) || time.Now().After(deadline) {
+			left = nil
+			for _, h := range rg.c.Lab.State().Hosts {
+				cg := filepath.Join(labcluster.CgroupParent(rg.c.Lab.State().ID, h.Name), j.ID)
+				if _, err := os.Stat(cg); !errors.Is(err, fs.ErrNotExist) {
+					left = append(left, cg)
+				}
+			}
+			if (procs == 0 && listed == 0 && len(left) == 0) || time.Now().After(deadline) {
 				break
 			}
 		}
 		if procs != 0 || listed != 0 {
 			t.Errorf("rank %d (job %s) ended, but %d process(es) of it survive and %d agent(s) list it as running", r, j.ID, procs, listed)
 		}
-		if !errors.Is(cgErr, fs.ErrNotExist) {
-			t.Errorf("rank %d's cgroup %s is left behind (%v)", r, j.Cgroup, cgErr)
+		if len(left) > 0 {
+			t.Errorf("rank %d's cgroups %v are left behind", r, left)
 		}
 	}
 	nft, err := exec.LookPath("nft")
@@ -418,7 +461,7 @@ func crash(t *testing.T, c *labcluster.Cluster, host, why string) {
 // node3. The recovery restores that previous replica on the spare, the unfinished dump never becomes a
 // replica, and the result is the failure-free one.
 func TestFaultCrashDuringSnapshot(t *testing.T) {
-	t.Parallel() // mostly waiting (detection, replay, transfers): two rows at a time halve the suite
+	t.Parallel() // each row has its own lab (labSlots)
 	ref := ringArgs(2500, 64<<10, 10*time.Millisecond)
 	// 256 MiB of ballast: the dump writes for long enough to be caught in flight.
 	c, rg, want := startMatrix(t, 1, 7700, ref, nil, "--progress", "10", "--ballast", "256")
@@ -490,7 +533,7 @@ func holdCheckpoint(t *testing.T, c *labcluster.Cluster, host, job string) (stri
 // it is watched as before once its agent runs again. (The other half, a busy node whose host is gone, is
 // declared failed like any other: TestFaultCrashDuringSnapshot, TestFaultSpareDies*.)
 func TestBusyAgentStallNotFailed(t *testing.T) {
-	t.Parallel() // mostly waiting: two rows at a time halve the suite
+	t.Parallel() // each row has its own lab (labSlots)
 	// An agent that hears from neither neighbour for fence_timeout kills its jobs (it cannot tell its own
 	// stall from a partition in which it was declared failed): 3 s in the lab by default, less than the
 	// scrapes below may take on a loaded machine.
@@ -529,7 +572,7 @@ func TestBusyAgentStallNotFailed(t *testing.T) {
 // shipping must end (the next node of the ring takes the replica, or the snapshot is reported unreplicated),
 // node2's own rank is recovered by node3 (node2's protector), and every rank's result is identical.
 func TestFaultProtectorCrashWhileReceiving(t *testing.T) {
-	t.Parallel() // mostly waiting (detection, replay, transfers): two rows at a time halve the suite
+	t.Parallel() // each row has its own lab (labSlots)
 	ref := ringArgs(3000, 64<<10, 10*time.Millisecond)
 	// 256 MiB of incompressible ballast: the power cut follows the first 16 MB received within
 	// milliseconds, and the rest takes the transfer most of a second at least (on a loaded machine, longer
@@ -601,7 +644,7 @@ func TestFaultProtectorCrashWhileReceiving(t *testing.T) {
 // adopts it (one copy, never two); the run ends with the failure-free result, or the failure, naming the
 // job, is in the timeline; it never hangs.
 func TestFaultAgentKilledDuringReplay(t *testing.T) {
-	t.Parallel() // mostly waiting (detection, replay, transfers): two rows at a time halve the suite
+	t.Parallel() // each row has its own lab (labSlots)
 	const block = 64 << 10
 	ref := ringArgs(6000, block, 0)
 	c, rg, want := startMatrix(t, 1, 7720, ref, nil, "--progress", "50")
@@ -693,14 +736,14 @@ func tcpRmemMax(t *testing.T) int {
 // and hand its rank over to the recovery of spare1's failure, which restores it on spare2 from node2's
 // replica with the failure-free result: never a hang, never two copies of the rank.
 func TestFaultSpareDiesAfterFetch(t *testing.T) {
-	t.Parallel() // mostly waiting (detection, replay, transfers): two rows at a time halve the suite
+	t.Parallel() // each row has its own lab (labSlots)
 	testSpareDiesWhileRestoring(t, agent.StageFetched, 7730)
 }
 
 // Row 4, later: spare1 is power-cut once the restored rank runs there (during its replay), so the rank
 // dies with it and must be restored again from node2's replica.
 func TestFaultSpareDiesAfterRestore(t *testing.T) {
-	t.Parallel() // mostly waiting (detection, replay, transfers): two rows at a time halve the suite
+	t.Parallel() // each row has its own lab (labSlots)
 	testSpareDiesWhileRestoring(t, agent.StageRestored, 7731)
 }
 
@@ -779,7 +822,7 @@ func failureOf(t *testing.T, c *labcluster.Cluster, node string) *agent.Failure 
 // visible, the previous replica is still there and verifies, and a crash of node2 then recovers from that
 // previous replica with the failure-free result.
 func TestFaultProtectorDiskFull(t *testing.T) {
-	t.Parallel() // mostly waiting (detection, replay, transfers): two rows at a time halve the suite
+	t.Parallel() // each row has its own lab (labSlots)
 	ref := ringArgs(2500, 64<<10, 10*time.Millisecond)
 	var store string
 	prepare := func(l *lab.Lab) { store = mountStore(t, l, "node3", "1g") }
@@ -869,7 +912,7 @@ func TestFaultProtectorDiskFull(t *testing.T) {
 // the next older replica that verifies (still recoverable: the peers keep the log data it needs) with the
 // failure-free result, and the timeline or the holder's log names the corrupt snapshot.
 func TestFaultCorruptNewestReplica(t *testing.T) {
-	t.Parallel() // mostly waiting (detection, replay, transfers): two rows at a time halve the suite
+	t.Parallel() // each row has its own lab (labSlots)
 	ref := ringArgs(2500, 64<<10, 10*time.Millisecond)
 	c, rg, want := startMatrix(t, 1, 7750, ref, nil, "--progress", "10")
 	job := rg.jobs[1].ID

@@ -65,7 +65,7 @@ func dead(pid int) bool {
 // spare, every rank's checksum equals the failure-free run's, the command ran once with node2's name and
 // cluster address, and `ftctl events` shows its outcome, as JSON and in the SVG timeline.
 func TestPartitionFenceCommand(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	args := ringArgs(3000, 64<<10, 10*time.Millisecond)
 	want := reference(t, 3, args)
 	for _, tc := range []struct {

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io/fs"
 	"os"
@@ -86,29 +87,35 @@ func replicate(t *testing.T, c *labcluster.Cluster, host, holder string, j agent
 	return id
 }
 
-// liveIncarnations counts the copies of a job that run anywhere in the lab: the lab's hosts share one
-// cgroup tree, and each restore (or start) runs the job as the init of a PID namespace of its own, so the
-// distinct PID namespaces of the processes in the job's cgroup are its live copies.
-func liveIncarnations(t *testing.T, cgroup string) int {
+// liveIncarnations counts the copies of job id that run anywhere in the lab: each restore (or start) runs
+// the job as the init of a PID namespace of its own, so the distinct PID namespaces of the processes in the
+// job's cgroups, one per host, are its live copies.
+func liveIncarnations(t *testing.T, c *labcluster.Cluster, id string) int {
 	t.Helper()
 	ns := map[string]bool{}
-	err := filepath.WalkDir(cgroup, func(p string, d fs.DirEntry, err error) error {
-		if err != nil || d.IsDir() || d.Name() != "cgroup.procs" {
-			return err
-		}
-		b, err := os.ReadFile(p)
-		if err != nil {
-			return err
-		}
-		for _, f := range strings.Fields(string(b)) {
-			if l, err := os.Readlink("/proc/" + f + "/ns/pid"); err == nil {
-				ns[l] = true
+	for _, h := range c.Lab.State().Hosts {
+		cgroup := filepath.Join(labcluster.CgroupParent(c.Lab.State().ID, h.Name), id)
+		err := filepath.WalkDir(cgroup, func(p string, d fs.DirEntry, err error) error {
+			if p == cgroup && errors.Is(err, fs.ErrNotExist) {
+				return nil // the job never ran on h
 			}
+			if err != nil || d.IsDir() || d.Name() != "cgroup.procs" {
+				return err
+			}
+			b, err := os.ReadFile(p)
+			if err != nil {
+				return err
+			}
+			for _, f := range strings.Fields(string(b)) {
+				if l, err := os.Readlink("/proc/" + f + "/ns/pid"); err == nil {
+					ns[l] = true
+				}
+			}
+			return nil
+		})
+		if err != nil {
+			t.Fatalf("processes of cgroup %s: %v", cgroup, err)
 		}
-		return nil
-	})
-	if err != nil {
-		t.Fatalf("processes of cgroup %s: %v", cgroup, err)
 	}
 	return len(ns)
 }
@@ -143,7 +150,7 @@ func requireOneIncarnation(t *testing.T, c *labcluster.Cluster, j agent.Job, lin
 		b, _ := os.ReadFile(j.StdoutPath())
 		return strings.Count(string(b), "\n") >= before+lines
 	})
-	if n := liveIncarnations(t, j.Cgroup); n != 1 {
+	if n := liveIncarnations(t, c, j.ID); n != 1 {
 		t.Errorf("%d live copies of job %s in the lab, want exactly 1", n, j.ID)
 	}
 	if hosts := runningOn(t, c, j.ID); len(hosts) != 1 {
@@ -169,7 +176,7 @@ func timelineText(f *agent.Failure) string {
 // comes surely first (detection slowed down), surely after the fail-over, or at once as in the docs (the
 // two race; either may win).
 func TestManualRestoreDuringFailover(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	tests := []struct {
 		name string
 		// first: which restore must win ("manual", "failover", or "" for either).

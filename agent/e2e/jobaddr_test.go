@@ -175,7 +175,7 @@ func removeJobNets(t *testing.T, id string) {
 // rejoins as a spare in every agent's view; then spare1 crashes and the rank is recovered onto node2. The
 // run's checksum equals the failure-free one (every byte exchanged, in order).
 func TestJobAddressFailover(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	const port = 7460
 	args := ringArgs(1500, 16<<10, 10*time.Millisecond)
 	want := reference(t, 2, args)
@@ -390,7 +390,7 @@ func TestJobAddressFailover(t *testing.T) {
 // connections that its copy on spare1 goes on with. Before the fence withdrew the job's address first, the
 // kill's FINs reached them.
 func TestJobAddressSelfFence(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	for _, tc := range []struct {
 		name       string
 		agentsOnly bool

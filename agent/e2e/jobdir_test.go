@@ -216,7 +216,7 @@ func head(s string) string {
 // The job runs as root: CRIU cannot dump a job of another user in its own PID namespace ("can't dump
 // unprivileged task whose /proc doesn't belong to it"), so no snapshot of one exists to restore.
 func TestRestoreNeverWritesThroughLinks(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	c := newCluster(t, 2, 0, labcluster.Options{Interval: "1h", ManualFailover: true})
 	ctx := context.Background()
 	targets, untouched := rootFiles(t, "stdout", "stderr", "out.log")
@@ -294,7 +294,7 @@ func TestRestoreNeverWritesThroughLinks(t *testing.T) {
 // A restore that fails leaves the job's files exactly as it found them: the next attempt, or an older
 // snapshot, needs the bytes written since the snapshot (the next snapshot's outputs hold them).
 func TestFailedRestoreLeavesOutputsAsTheyWere(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	c := newCluster(t, 2, 0, labcluster.Options{Interval: "1h", ManualFailover: true})
 	ctx := context.Background()
 	dir := userDir(t)

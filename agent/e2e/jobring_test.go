@@ -65,7 +65,7 @@ func snapshotTo(t *testing.T, c *labcluster.Cluster, host string, j agent.Job, h
 // crashes and its part is restored on node3, the run's idle spare, which absorbs node2's address; run B
 // (node4, node5) is never touched: same processes, incarnation 0, no claim on its hosts.
 func TestRunPlacement(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	args := ringArgs(3000, 16<<10, 20*time.Millisecond)
 	want := reference(t, 2, args)
 	c := newCluster(t, 5, 0, labcluster.Options{Interval: "1h"})
@@ -159,7 +159,7 @@ func TestRunPlacement(t *testing.T) {
 // successor (as an allocation's spare usually is): the detector (node3, in no run) claims node4 over the
 // wire, node4 absorbs node2 and restores the part, fetched from the run's protector node1.
 func TestRunSpareNotTheDetector(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	args := ringArgs(3000, 16<<10, 20*time.Millisecond)
 	want := reference(t, 2, args)
 	c := newCluster(t, 4, 0, labcluster.Options{Interval: "1h"})

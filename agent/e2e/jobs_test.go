@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"flag"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -40,6 +41,12 @@ func TestMain(m *testing.M) {
 		os.Exit(0)
 	}
 	testenv.EndPackageIfShort("labs, CRIU and eBPF")
+	flag.Parse()
+	given := false
+	flag.Visit(func(f *flag.Flag) { given = given || f.Name == "test.parallel" })
+	if !given {
+		flag.Set("test.parallel", "1000") // labSlots sets how many labs run at once
+	}
 	// Every lab host shares this machine's cores, but Open MPI sees one slot per host, so its ranks
 	// busy-poll while they wait for a message and take the CPU from the rank that would send it. Told to
 	// yield (an MCA parameter mpirun forwards to every rank, through ftctl, sbatch and the agents'
@@ -64,7 +71,21 @@ func TestMain(m *testing.M) {
 
 func newCluster(t *testing.T, nodes, spares int, opts labcluster.Options) *labcluster.Cluster {
 	t.Helper()
-	return startCluster(t, labtest.New(t, nodes, spares), opts)
+	return startCluster(t, newLab(t, nodes, spares, false), opts)
+}
+
+// newMPICluster is newCluster for an MPI program's run (labSlots).
+func newMPICluster(t *testing.T, nodes, spares int, opts labcluster.Options) *labcluster.Cluster {
+	t.Helper()
+	return startCluster(t, newLab(t, nodes, spares, true), opts)
+}
+
+// newLab is a lab of nodes and spares for t, once one of the package's lab slots is free (labSlots); mpi
+// says that it runs an MPI program.
+func newLab(t *testing.T, nodes, spares int, mpi bool) *lab.Lab {
+	t.Helper()
+	slots.take(t, mpi)
+	return labtest.New(t, nodes, spares)
 }
 
 // startCluster starts the agents of lab l, for a test that prepares a host before its agent runs.

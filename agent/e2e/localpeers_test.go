@@ -27,7 +27,7 @@ import (
 // neither held while the recovery reported success (this test's first run, on the code before the check).
 // Now the recovery refuses both jobs by name, loudly.
 func TestLocalPeers(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	for _, tc := range []struct {
 		name     string
 		mode     agent.Mode

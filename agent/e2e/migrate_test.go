@@ -16,7 +16,6 @@ import (
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/lab/labcluster"
-	"github.com/ftkit/ftkit/lab/labtest"
 )
 
 // TestMigrate: rank 1 of a two-rank ringstencil, on a job address of its own, is moved by the operator
@@ -29,12 +28,12 @@ import (
 // after rank 1 left node2 (node2 restores it again from the snapshot it left with). The run still ends
 // with the failure-free checksum.
 func TestMigrate(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	const port = 7470
 	args := ringArgs(1500, 16<<10, 10*time.Millisecond)
 	ctx := context.Background()
 	want := reference(t, 2, args)
-	l := labtest.New(t, 4, 0)
+	l := newLab(t, 4, 0, false)
 	store := mountStore(t, l, "node4", "1g") // to be filled later
 	c := startCluster(t, l, labcluster.Options{Interval: "1h", JobAddresses: true})
 	rg := startJobAddrRing(t, c, port, args, "")
@@ -212,7 +211,7 @@ func findEvent(t *testing.T, c *labcluster.Cluster, id string) *agent.Failure {
 // healthy again, an operator's drain of node3 (`ftctl drain --to node2`) brings rank 1 back, and the run
 // ends with the failure-free checksum.
 func TestHealthDrain(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	const port = 7480
 	args := ringArgs(1500, 16<<10, 10*time.Millisecond)
 	ctx := context.Background()

@@ -17,10 +17,10 @@ import (
 // with node2's job address, which nobody's host address is: the output equals the failure-free run's, the
 // other hosts' jobs are never disturbed, and node2's host address is nowhere but on node2.
 func TestMPIJobAddresses(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	requirePrograms(t, "mpirun.openmpi", "lmp")
 	in := meltInput(t)
-	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", JobAddresses: true})
+	c := newMPICluster(t, 3, 1, labcluster.Options{Interval: "1h", JobAddresses: true})
 	st := c.Lab.State()
 	flags := []string{"--job-addresses"}
 

@@ -41,6 +41,7 @@ func newSlurmCluster(t *testing.T, nodes, spares int, opts labcluster.Options) *
 		}
 		t.Skipf("SKIPPED LOUDLY: %s not installed (scripts/setup.sh packages)", strings.Join(missing, ", "))
 	}
+	slots.take(t, true) // its labs run MPI programs
 	var l *lab.Lab
 	for try := 0; try < 20 && l == nil; try++ {
 		id := fmt.Sprintf("t%06x", rand.Uint32()&0xffffff)
@@ -178,7 +179,7 @@ func waitSlurmJob(t *testing.T, ctx context.Context, c *labcluster.Cluster, id s
 // addresses (`ftctl mpirun --job-addresses`; its part moves with its address, the host's stays), the other
 // on host addresses.
 func TestMPISlurmFailover(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	requirePrograms(t, "mpirun.openmpi", "lmp")
 	in := longMeltInput(t)
 	c := newSlurmCluster(t, 8, 0, labcluster.Options{Interval: "1h", JobAddresses: true})
@@ -348,10 +349,10 @@ func TestMPISlurmFailover(t *testing.T) {
 // protocol with the request for a job address; every job carries the run's placement and runs on a job
 // address of its host's pool, and the run directory defaults to ./.ftkit-mpi/NAME.
 func TestMPIHostfile(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	requirePrograms(t, "mpirun.openmpi", "lmp")
 	in := meltInput(t)
-	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", JobAddresses: true})
+	c := newMPICluster(t, 3, 1, labcluster.Options{Interval: "1h", JobAddresses: true})
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute) // a failure bound only
 	defer cancel()
 	dir := t.TempDir()

@@ -55,7 +55,7 @@ func farmProgress(out string) int {
 // S (before the re-sent bytes were all checked, 2 of 2 such runs ended with exit status 0 and a task lost).
 // It runs with the agents' log.receive_order off: the restored master reads freely.
 func TestTaskFarmNeverSilentlyWrong(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	f := runTaskFarmCrash(t, labcluster.Options{Interval: "1h", NoReceiveOrder: true, ReplayTimeout: farmReplayTimeout})
 	if replay := stageDetail(f, agent.StageReplayed); !strings.Contains(replay, "receive order not replayed") {
 		t.Errorf("with log.receive_order off, the replay stage says %q, want \"receive order not replayed\"", replay)
@@ -114,7 +114,7 @@ func runTaskFarmCrash(t *testing.T, opts labcluster.Options) *agent.Failure {
 		t.Fatal(err)
 	}
 	want := fmt.Sprintf("tasks %d sum %d", farmTasks, farmSum(farmTasks))
-	c := newCluster(t, 3, 1, opts)
+	c := newMPICluster(t, 3, 1, opts)
 	r := startMPI(t, c, "farm", "taskfarm.py", script, "/usr/bin/python3", "taskfarm.py", strconv.Itoa(farmTasks))
 	// 200 tasks handed out since the snapshot: what the restored master re-sends.
 	f := crashAfterSnapshot(t, c, r, "node1", farmProgress, 200, 200)
@@ -216,7 +216,7 @@ func TestTaskFarmAutoRollback(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
-			c := newCluster(t, 3, 1, tc.opts)
+			c := newMPICluster(t, 3, 1, tc.opts)
 			r := startMPIWith(t, c, []string{"--job-addresses", "--recovery", agent.RecoveryAuto, "--interval", "2s"}, "farm", "taskfarm.py", script,
 				"/usr/bin/python3", "taskfarm.py", strconv.Itoa(farmTasks))
 			r.waitRows(t, farmProgress, 200, 2*time.Minute)

@@ -19,7 +19,6 @@ import (
 	"github.com/ftkit/ftkit/internal/lammps"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
-	"github.com/ftkit/ftkit/lab/labtest"
 )
 
 // hpccInput is Debian's example HPCC input with a problem small enough for this machine: N=1000, NB=40,
@@ -220,9 +219,9 @@ func thermoRows(out string) int { return len(lammps.ThermoTable(out)) }
 // The run must finish with the same thermodynamic output, node2's job restored on the spare, and the other
 // hosts' jobs untouched.
 func TestMPIFailover(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	requirePrograms(t, "mpirun.openmpi", "lmp")
-	testMPIFailover(t, newCluster(t, 3, 1, labcluster.Options{Interval: "1h"}))
+	testMPIFailover(t, newMPICluster(t, 3, 1, labcluster.Options{Interval: "1h"}))
 }
 
 // TestMPIFailoverNoInvalidRatelimit is TestMPIFailover on hosts with net.ipv4.tcp_invalid_ratelimit = 0 (TCP
@@ -231,9 +230,9 @@ func TestMPIFailover(t *testing.T) {
 // allowed, millions of segments, and the replay failed in 4 of 4 runs until the ACK clamp held back the
 // restored socket's pure ACKs below what the peer acknowledged (ackclamp.TestAckClampQuiet).
 func TestMPIFailoverNoInvalidRatelimit(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	requirePrograms(t, "mpirun.openmpi", "lmp")
-	l := labtest.New(t, 3, 1)
+	l := newLab(t, 3, 1, true)
 	for _, h := range l.State().Hosts {
 		err := lab.InNetns(lab.NetnsPath(h.Namespace), func() error {
 			return os.WriteFile("/proc/sys/net/ipv4/tcp_invalid_ratelimit", []byte("0"), 0)
@@ -311,7 +310,7 @@ func failNode2MidRun(t *testing.T, c *labcluster.Cluster, r *mpiRun, rows func(o
 func TestHPCCCoordinated(t *testing.T) {
 	t.Parallel()
 	requirePrograms(t, "mpirun.openmpi", "hpcc")
-	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", JobAddresses: true})
+	c := newMPICluster(t, 3, 1, labcluster.Options{Interval: "1h", JobAddresses: true})
 	in := hpccInput(t)
 	start := time.Now()
 	want := hpccVerified(t, startMPI(t, c, "ref", "hpccinf.txt", in, "hpcc").hpccSummary(t))

@@ -49,8 +49,8 @@ func TestWaitanyRecovers(t *testing.T) {
 	}
 	for _, mode := range []string{"waitany", "anysource"} {
 		t.Run(mode, func(t *testing.T) {
-			t.Parallel() // each has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
-			c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", ReceivePositions: true})
+			t.Parallel() // each has its own lab (labSlots)
+			c := newMPICluster(t, 3, 1, labcluster.Options{Interval: "1h", ReceivePositions: true})
 			r := startMPI(t, c, "wa", "waitany.py", script, "/usr/bin/python3", "waitany.py",
 				strconv.Itoa(waitanyIters), strconv.Itoa(waitanySleep), mode)
 			r.waitRows(t, waitanyRows, 1, 2*time.Minute)

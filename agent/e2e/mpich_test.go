@@ -174,9 +174,9 @@ func requireTCPBetweenRanks(t *testing.T, c *labcluster.Cluster, r *mpiRun, host
 // then with node2 snapshotted and crashed mid-run. The run must print the same hashes, node2's job must be
 // restored on the spare and exit 0, and the other hosts' jobs must be untouched.
 func TestMPICHFailover(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	ring := mpichRing(t)
-	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
+	c := newMPICluster(t, 3, 1, labcluster.Options{Interval: "1h"})
 	impl := []string{"--impl", "mpich"}
 	prog := []string{ring, strconv.Itoa(ringIters), strconv.Itoa(ringWork), strconv.Itoa(ringEvery)}
 	hosts := []string{"node1", "node2", "node3"}

@@ -28,7 +28,7 @@ import (
 // checked only whole blocks that had reached the protector, so that recovery reported success with
 // "0 of 0 blocks" verified and rank 0 went on with bytes of a different execution.
 func TestResentBytesVerified(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	tests := []struct {
 		name  string
 		clock bool
@@ -225,7 +225,7 @@ func nondetReference(t *testing.T, args []string) string {
 // a lost log and refused ("connection not in log"); the live flow state says nothing was sent, so there is
 // nothing to replay, and the stream ends with the failure-free checksum.
 func TestOneWayStreamSenderCrash(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	args := []string{"--iters", "400", "--block", fmt.Sprint(16 << 10), "--delay", "10ms", "--oneway"}
 	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
 	rg := startNondet(t, c, 7650, args)
@@ -268,7 +268,7 @@ func TestOneWayStreamSenderCrash(t *testing.T) {
 // within failover.replay_timeout with a clear failure naming the connection and the setting, kill the
 // restored rank, and leave rank 0 to fail instead of going on: never a recovery that stays at "restored".
 func TestDivergedRankBounded(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	const (
 		resyncAfter   = 2 * time.Second
 		replayTimeout = 10 * time.Second

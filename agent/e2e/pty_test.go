@@ -33,7 +33,7 @@ while True:
 // failed with "tty: Unable to open dev/ptmx with specified index N", as TestMPIFailover did in CI while
 // another test's mpirun held that index.
 func TestRestoredPtyIndexIsFree(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
 	ctx := context.Background()
 	j, err := c.Client("node1").StartJob(ctx, agent.JobSpec{Name: "pty", Argv: []string{"/usr/bin/python3", "-c", ptyCounterScript},

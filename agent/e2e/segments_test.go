@@ -34,7 +34,7 @@ func rankSockets(t *testing.T, c *labcluster.Cluster, host string, port uint16) 
 // is set: without the fail-over's restore.LowerPathMTU around CRIU's restore, these sockets send 524-byte
 // segments (measured: snd_mss 1448 -> 524); a route left lowered would show as pmtu 1499.
 func TestFailoverRestoresSegmentSize(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	const port = 7390
 	args := ringArgs(3000, 4<<10, 10*time.Millisecond)
 	want := reference(t, 3, args)

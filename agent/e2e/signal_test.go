@@ -81,12 +81,13 @@ func TestSignalJob(t *testing.T) {
 	if err := c.Lab.Crash(ctx, "node1"); err != nil {
 		t.Fatal(err)
 	}
-	// An agent killed during a snapshot's freeze leaves its job's cgroup frozen; the lab's hosts share one
-	// kernel, so node2 restores into that very cgroup: the restore must thaw it, not hang in it (it did).
-	if err := os.MkdirAll(moved.Cgroup, 0o755); err != nil {
+	// An agent killed during a snapshot's freeze leaves its job's cgroup frozen (as node2's would be had the
+	// job run there before): node2 restores into that very cgroup, and must thaw it, not hang in it (it did).
+	frozen := filepath.Join(labcluster.CgroupParent(c.Lab.State().ID, "node2"), moved.ID)
+	if err := os.MkdirAll(frozen, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.WriteFile(filepath.Join(moved.Cgroup, "cgroup.freeze"), []byte("1"), 0); err != nil {
+	if err := os.WriteFile(filepath.Join(frozen, "cgroup.freeze"), []byte("1"), 0); err != nil {
 		t.Fatal(err)
 	}
 	restored, err := n2.Restore(ctx, agent.RestoreRequest{Snapshot: r.Results[0].Manifest.ID, Job: moved.ID})

@@ -30,7 +30,7 @@ import (
 // gets node2's logged bytes again, re-sends to node4 what node4 already had (every byte checked against
 // node4's receive record), and the sink's SHA-256 is the source's.
 func TestSocatRelayChain(t *testing.T) {
-	t.Parallel() // each test has its own lab; two at a time (GOMAXPROCS) keep the suite under its CI budget
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	requirePrograms(t, "socat")
 	socat, _ := exec.LookPath("socat") // a job's PATH is its own: an absolute path
 	const (

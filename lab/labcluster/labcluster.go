@@ -144,7 +144,13 @@ func dataDir(id string) string { return filepath.Join("/var/lib/ftkit/labs", id)
 // under the agent's defaults (/sys/fs/bpf/ftkit, /sys/fs/cgroup/unified/ftkit): a lab removes what it
 // made, and a parent it shared with other labs, or with an agent of the machine, would stay behind.
 func pinDir(id string) string    { return filepath.Join("/sys/fs/bpf", "ftkit-lab-"+id) }
-func cgroupDir(id string) string { return filepath.Join("/sys/fs/cgroup/unified", "ftkit-lab-"+id) }
+func cgroupDir(id string) string { return filepath.Join(CgroupMount, "ftkit-lab-"+id) }
+
+// CgroupMount is where the lab's cgroup v2 hierarchy is mounted.
+const CgroupMount = "/sys/fs/cgroup/unified"
+
+// CgroupParent is the cgroup_parent of host's agent in lab id: a tree of its own, as on separate machines.
+func CgroupParent(id, host string) string { return filepath.Join(cgroupDir(id), host) }
 
 // Socket is the local API socket of host's agent in lab id.
 func Socket(id, host string) string { return filepath.Join(runDir(id), host, "agent.sock") }
@@ -231,7 +237,9 @@ func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
 	cfg.StateDir = StateDir(st.ID, h.Name)
 	cfg.JobsDir = JobsDir(st.ID)
 	cfg.Socket = Socket(st.ID, h.Name)
-	cfg.CgroupParent = cgroupDir(st.ID)
+	// Not one tree for the lab: a job restored on another host must not land in the cgroup its old host's
+	// agent still kills, removes and taps (a self-fenced node's agent removed it under a spare's restore).
+	cfg.CgroupParent = CgroupParent(st.ID, h.Name)
 	cfg.BPFPinDir = filepath.Join(pinDir(st.ID), h.Name)
 	cfg.Cluster.Listen = netip.AddrPortFrom(h.Addr.Addr(), AgentPort)
 	tc := c.tls[h.Name]
