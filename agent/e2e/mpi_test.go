@@ -85,7 +85,8 @@ func startMPIWith(t *testing.T, c *labcluster.Cluster, flags []string, name, inp
 			t.Fatal(err)
 		}
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	// A hang's bound only: a run takes 1.5-4 minutes beside two other labs.
+	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
 	t.Cleanup(cancel)
 	args := append(append(append([]string{"mpirun", "--lab", c.Lab.State().ID, "--np", "3", "--name", name}, flags...), "--"), prog...)
 	r.cmd = exec.CommandContext(ctx, bins.Ftctl, args...)
