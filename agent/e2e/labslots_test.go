@@ -9,9 +9,9 @@ import (
 // How many of the package's labs run at once. Go's own limit on parallel tests (GOMAXPROCS, 2 here) kept
 // the labs two at a time while the machine was 20-70% busy: most of a lab's time is spent waiting
 // (detection, fencing, transfers, the programs' own pacing). Three at a time took the package from 1587 s
-// to 1228 s. MPI programs compute and poll for their messages on every core they get: two MPI labs at once
-// beside a third lab slowed HPCC's run 1.5-fold (144 s against 93 s), past its bound, so one at a time.
-// TestMain lifts go's own limit, and these slots bound the labs instead.
+// to 1321 s in CI (ci269, ci271). MPI programs compute and poll for their messages on every core they get:
+// two MPI labs at once beside a third lab slowed HPCC's run 1.5-fold (144 s against 93 s), past its bound,
+// so one at a time. TestMain lifts go's own limit, and these slots bound the labs instead.
 const (
 	maxLabs    = 3
 	maxMPILabs = 1
