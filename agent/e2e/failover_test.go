@@ -2,7 +2,6 @@ package e2e
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -61,28 +60,47 @@ const progressEvery = 10
 // reference runs the ranks on loopback without any protection and returns the checksum they agree on.
 func reference(t *testing.T, ranks int, args []string) string {
 	t.Helper()
-	var peers []string
-	for _, p := range freeLoopbackPorts(t, ranks) {
-		peers = append(peers, fmt.Sprintf("127.0.0.1:%d", p))
-	}
+	outs := loopbackRun(t, ranks, ranks, func(ctx context.Context, ports []int, r int) *exec.Cmd {
+		var peers []string
+		for _, p := range ports {
+			peers = append(peers, fmt.Sprintf("127.0.0.1:%d", p))
+		}
+		a := append([]string{"--rank", fmt.Sprint(r), "--peers", strings.Join(peers, ",")}, args...)
+		return exec.CommandContext(ctx, bins.Ringstencil, append(a, "--delay", "0s")...)
+	})
+	return checksumOf(t, outs[0])
+}
+
+// loopbackRuns lets one loopback run of the package at a time choose its ports and run: ports chosen free
+// are free only until their run binds them, and the labs' tests start together (labSlots), so two runs
+// chose the same ports, their ranks connected across the runs and hung (ci272).
+var loopbackRuns sync.Mutex
+
+// loopbackRun runs ranks processes, rank r made by cmd with nports loopback ports free now, and returns
+// their outputs. It fails t if one fails, or if the run takes more than five minutes (seconds, normally).
+func loopbackRun(t *testing.T, nports, ranks int, cmd func(ctx context.Context, ports []int, r int) *exec.Cmd) []string {
+	t.Helper()
+	loopbackRuns.Lock()
+	defer loopbackRuns.Unlock()
+	ports := freeLoopbackPorts(t, nports)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
 	outs := make([]string, ranks)
-	var wg sync.WaitGroup
 	errs := make([]error, ranks)
+	var wg sync.WaitGroup
 	for r := range ranks {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			a := append([]string{"--rank", fmt.Sprint(r), "--peers", strings.Join(peers, ",")}, args...)
-			a = append(a, "--delay", "0s")
-			b, err := exec.Command(bins.Ringstencil, a...).CombinedOutput()
+		wg.Go(func() {
+			b, err := cmd(ctx, ports, r).CombinedOutput()
 			outs[r], errs[r] = string(b), err
-		}()
+		})
 	}
 	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
-		t.Fatalf("reference run: %v\n%v", err, outs)
+	for r, err := range errs {
+		if err != nil {
+			t.Fatalf("reference run, rank %d: %v (%v): %s", r, err, context.Cause(ctx), outs[r])
+		}
 	}
-	return checksumOf(t, outs[0])
+	return outs
 }
 
 // freeLoopbackPorts returns n loopback ports free now. Reference runs share the root network namespace

@@ -9,7 +9,6 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -193,26 +192,10 @@ func verifiedBytes(t *testing.T, detail string) int {
 // nondetReference runs both ranks on loopback without protection and returns their common checksum.
 func nondetReference(t *testing.T, args []string) string {
 	t.Helper()
-	peer := fmt.Sprintf("127.0.0.1:%d", freeLoopbackPorts(t, 1)[0])
-	outs := make([]string, 2)
-	errs := make([]error, 2)
-	var wg sync.WaitGroup
-	for r := range 2 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			a := append([]string{"--rank", fmt.Sprint(r), "--peer", peer}, args...)
-			a = append(a, "--delay", "0s")
-			b, err := exec.Command(bins.Nondet, a...).CombinedOutput()
-			outs[r], errs[r] = string(b), err
-		}()
-	}
-	wg.Wait()
-	for r := range 2 {
-		if errs[r] != nil {
-			t.Fatalf("reference rank %d: %v: %s", r, errs[r], outs[r])
-		}
-	}
+	outs := loopbackRun(t, 1, 2, func(ctx context.Context, ports []int, r int) *exec.Cmd {
+		a := append([]string{"--rank", fmt.Sprint(r), "--peer", fmt.Sprintf("127.0.0.1:%d", ports[0])}, args...)
+		return exec.CommandContext(ctx, bins.Nondet, append(a, "--delay", "0s")...)
+	})
 	if a, b := checksumOf(t, outs[0]), checksumOf(t, outs[1]); a != b {
 		t.Fatalf("reference ranks disagree: %s and %s", a, b)
 	}
