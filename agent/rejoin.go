@@ -5,13 +5,12 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
-	"os"
-	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/internal/cgroupv2"
 	"github.com/ftkit/ftkit/internal/tickgrid"
 	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/ring"
@@ -112,24 +111,17 @@ func (a *Agent) restoredOn(job string) string {
 }
 
 // ownCopyRuns reports whether this host's copy of job j runs: its root process (j.PID) is alive, in the
-// job's cgroup, and in this host's network namespace or the job network this host made for it. The cgroup
-// alone does not tell: hosts that share a kernel (the lab) share a job's cgroup path, where another host's
-// restored copy runs; and the PID alone may have been reused.
+// job's cgroup, and in this host's network namespace or the job network this host made for it. The PID
+// alone does not tell: it may have been reused.
 func (a *Agent) ownCopyRuns(j Job) bool {
 	if j.PID <= 0 || j.Cgroup == "" {
 		return false
 	}
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", j.PID))
+	in, err := cgroupv2.Of(j.PID)
 	if err != nil {
 		return false // gone
 	}
-	inCgroup := false
-	for _, line := range strings.Split(string(b), "\n") {
-		if p, ok := strings.CutPrefix(line, "0::"); ok && p != "/" && strings.HasSuffix(j.Cgroup, p) {
-			inCgroup = true
-		}
-	}
-	if !inCgroup {
+	if want, err := cgroupv2.HierarchyPath(j.Cgroup); err != nil || in != want {
 		return false
 	}
 	var want, got unix.Stat_t

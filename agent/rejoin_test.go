@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/internal/cgroupv2"
 	"github.com/ftkit/ftkit/ring"
 	"github.com/ftkit/ftkit/shim"
 )
@@ -179,6 +180,12 @@ func jobProcess(t *testing.T) (string, *os.Process) {
 func TestOwnCopyRuns(t *testing.T) {
 	ta := newTestAgent(t)
 	cg, child := jobProcess(t)
+	hp, err := cgroupv2.HierarchyPath(cg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The same path in another tree ends like the job's (a lab host's neighbour restored the job there).
+	elsewhere := filepath.Join(strings.TrimSuffix(cg, hp), "elsewhere", hp)
 	for _, tc := range []struct {
 		name string
 		j    Job
@@ -186,6 +193,7 @@ func TestOwnCopyRuns(t *testing.T) {
 	}{
 		{"this host's copy", Job{ID: rootsJob, PID: child.Pid, Cgroup: cg}, true},
 		{"no pid", Job{ID: rootsJob, Cgroup: cg}, false},
+		{"the process in a cgroup of the same name in another tree", Job{ID: rootsJob, PID: child.Pid, Cgroup: elsewhere}, false},
 		{"a process in another cgroup (a reused pid)", Job{ID: rootsJob, PID: os.Getpid(), Cgroup: cg}, false},
 		{"the process in another host's job network", Job{ID: rootsJob, PID: child.Pid, Cgroup: cg, Net: &JobNet{Name: "x"}}, false},
 		{"a pid that does not exist", Job{ID: rootsJob, PID: 1 << 30, Cgroup: cg}, false},

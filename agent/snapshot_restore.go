@@ -89,13 +89,16 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 		// for a new job.
 		if !validJobID(j.ID) {
 			err = fmt.Errorf("job id %q in snapshot %s is not one an agent makes", j.ID, m.ID)
-		} else if mkErr := os.Mkdir(a.layout().cgroup(j.ID), 0o755); mkErr != nil && !errors.Is(mkErr, fs.ErrExist) {
-			err = fmt.Errorf("create job cgroup: %w", mkErr)
-		} else if mkErr != nil {
-			// A cgroup left frozen (an agent killed during a snapshot's freeze of the job's earlier copy on
-			// this host) would hold the restored processes frozen, and CRIU with them, for good.
-			if tErr := setFrozen(a.layout().cgroup(j.ID), false); tErr != nil {
-				err = fmt.Errorf("thaw the existing job cgroup before restoring into it: %w", tErr)
+		} else {
+			j.Cgroup = a.layout().cgroup(j.ID)
+			if mkErr := os.Mkdir(j.Cgroup, 0o755); mkErr != nil && !errors.Is(mkErr, fs.ErrExist) {
+				err = fmt.Errorf("create job cgroup: %w", mkErr)
+			} else if mkErr != nil {
+				// A cgroup left frozen (an agent killed during a snapshot's freeze of the job's earlier copy on
+				// this host) would hold the restored processes frozen, and CRIU with them, for good.
+				if tErr := setFrozen(j.Cgroup, false); tErr != nil {
+					err = fmt.Errorf("thaw the existing job cgroup before restoring into it: %w", tErr)
+				}
 			}
 		}
 	}
@@ -130,7 +133,7 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 			superseded, refusal := a.copyMarks(j.ID, j.Incarnation)
 			pid, err = shim.Launch(ctx, a.self, shim.Spec{
 				JobID: j.ID, Mode: shim.ModeRestore, ImagesDir: work, CRIU: a.criu.Binary, ExitFile: j.ExitPath(), Node: a.cfg.Name,
-				Cgroup:    a.layout().cgroup(j.ID),
+				Cgroup:    j.Cgroup,
 				LazyPages: a.cfg.Failover.LazyRestore, Superseded: superseded, Refusal: refusal,
 			}, a.shimLog(j.ID))
 			return err

@@ -17,6 +17,7 @@ import (
 	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
 
+	"github.com/ftkit/ftkit/internal/cgroupv2"
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
@@ -176,21 +177,6 @@ type RecvOrder struct {
 	closeErr  error
 }
 
-// CgroupID returns the id of the cgroup v2 directory dir, as BPF helpers
-// report it (bpf_get_current_cgroup_id and friends): its inode number.
-func CgroupID(dir string) (uint64, error) {
-	fd, err := openCgroup(dir)
-	if err != nil {
-		return 0, fmt.Errorf("cgroup id: %w", err)
-	}
-	defer unix.Close(fd)
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
-		return 0, fmt.Errorf("cgroup id: stat %s: %w", dir, err)
-	}
-	return st.Ino, nil
-}
-
 // NewRecvOrder loads the recorder and attaches it to the sock_recv_length
 // tracepoint: from its return on, the receive calls of the tasks below
 // opts.CgroupParent are recorded. The parent must exist; job cgroups may be
@@ -208,7 +194,7 @@ func NewRecvOrder(opts RecvOrderOptions) (*RecvOrder, error) {
 	if err != nil {
 		return nil, err
 	}
-	pfd, err := openCgroup(dir)
+	pfd, err := cgroupv2.Open(dir)
 	if err != nil {
 		return nil, fmt.Errorf("recvorder: cgroup parent: %w", err)
 	}

@@ -387,10 +387,6 @@ func testRecvOrderSequence(t *testing.T, positions bool) {
 	col := collectOrder(cctx, rec)
 	defer func() { stop(); <-col.done }()
 
-	if id, err := CgroupID(job.Dir); err != nil || id != job.ID {
-		t.Fatalf("CgroupID(%s) = %d, %v; want %d (its inode)", job.Dir, id, err, job.ID)
-	}
-
 	const a, b = 0, 1
 	ops := []recvOp{
 		{a, 100, "recv"},
@@ -751,9 +747,6 @@ func TestNewRecvOrderRejects(t *testing.T) {
 		} else {
 			t.Logf("%+v: %v", opts, err)
 		}
-	}
-	if _, err := CgroupID(dir); err == nil {
-		t.Errorf("CgroupID(%s) of a directory that is not a cgroup succeeded", dir)
 	}
 }
 

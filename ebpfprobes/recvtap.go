@@ -15,6 +15,8 @@ import (
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/internal/cgroupv2"
 )
 
 // ErrAlreadyAttached is returned by AttachCgroup for a cgroup the tap is
@@ -144,7 +146,7 @@ func (t *RecvTap) AttachCgroup(dir string) error {
 	if _, ok := t.links[dir]; ok {
 		return fmt.Errorf("recvtap: attach to cgroup %s: %w", dir, ErrAlreadyAttached)
 	}
-	fd, err := openCgroup(dir)
+	fd, err := cgroupv2.Open(dir)
 	if err != nil {
 		return fmt.Errorf("recvtap: attach to cgroup: %w", err)
 	}
@@ -183,29 +185,6 @@ func (t *RecvTap) DetachCgroup(dir string) error {
 	}
 	t.log.Info("recvtap: detached", "cgroup", dir)
 	return nil
-}
-
-// openCgroup opens the cgroup v2 directory dir without following symbolic
-// links: a job's cgroup may be delegated to its user, who must not redirect
-// the tap to another cgroup.
-func openCgroup(dir string) (int, error) {
-	fd, err := unix.Openat2(unix.AT_FDCWD, dir, &unix.OpenHow{
-		Flags:   unix.O_RDONLY | unix.O_DIRECTORY | unix.O_CLOEXEC,
-		Resolve: unix.RESOLVE_NO_SYMLINKS,
-	})
-	if err != nil {
-		return -1, fmt.Errorf("open %s (a cgroup v2 directory, no symbolic links): %w", dir, err)
-	}
-	var st unix.Statfs_t
-	if err := unix.Fstatfs(fd, &st); err != nil {
-		unix.Close(fd)
-		return -1, fmt.Errorf("statfs %s: %w", dir, err)
-	}
-	if st.Type != unix.CGROUP2_SUPER_MAGIC {
-		unix.Close(fd)
-		return -1, fmt.Errorf("%s is not in a cgroup v2 hierarchy (filesystem type %#x)", dir, st.Type)
-	}
-	return fd, nil
 }
 
 // ReadBatch calls fn with each record waiting in the ring buffer, exactly as
@@ -272,7 +251,7 @@ func cgroupIDs(dir string) []uint64 {
 		if err != nil || !d.IsDir() {
 			return nil
 		}
-		if id, err := CgroupID(path); err == nil {
+		if id, err := cgroupv2.ID(path); err == nil {
 			ids = append(ids, id)
 		}
 		return nil

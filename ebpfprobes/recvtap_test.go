@@ -30,6 +30,7 @@ import (
 	"github.com/cilium/ebpf/link"
 	"golang.org/x/sys/unix"
 
+	"github.com/ftkit/ftkit/internal/cgroupv2"
 	"github.com/ftkit/ftkit/internal/streamtest"
 	"github.com/ftkit/ftkit/internal/tcpframe"
 	"github.com/ftkit/ftkit/lab/labtest"
@@ -305,7 +306,7 @@ func (c *recvCollector) stop(t *testing.T, cancel context.CancelFunc) {
 // inet ingress hook (the cgroup's own, not inherited ones).
 func cgroupPrograms(t *testing.T, dir string) []ebpf.ProgramID {
 	t.Helper()
-	fd, err := openCgroup(dir)
+	fd, err := cgroupv2.Open(dir)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -28,6 +28,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/internal/cgroupv2"
 	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labtest"
@@ -355,29 +356,15 @@ func TestJobNetEgressLogger(t *testing.T) {
 // selfCgroupID is the cgroup v2 id (its directory's inode) of this process.
 func selfCgroupID(t *testing.T) uint64 {
 	t.Helper()
-	b, err := os.ReadFile("/proc/self/cgroup")
+	d, err := cgroupv2.ProcessDir(0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	var rel string
-	for _, line := range strings.Split(string(b), "\n") {
-		if r, ok := strings.CutPrefix(line, "0::"); ok {
-			rel = r
-		}
+	id, err := cgroupv2.ID(d)
+	if err != nil {
+		t.Fatal(err)
 	}
-	for _, root := range []string{"/sys/fs/cgroup", "/sys/fs/cgroup/unified"} {
-		var fs unix.Statfs_t
-		if unix.Statfs(root, &fs) != nil || fs.Type != unix.CGROUP2_SUPER_MAGIC || rel == "" {
-			continue
-		}
-		var st unix.Stat_t
-		if err := unix.Stat(filepath.Join(root, rel), &st); err != nil {
-			t.Fatal(err)
-		}
-		return st.Ino
-	}
-	t.Skipf("SKIPPED: no cgroup v2 hierarchy for this process: %q", b)
-	return 0
+	return id
 }
 
 const criuBin = "/usr/local/sbin/criu"

@@ -30,6 +30,7 @@ import (
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/internal/cgroupv2"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
 	"github.com/ftkit/ftkit/shim"
@@ -357,17 +358,11 @@ func requireOwnCgroup(t *testing.T, c *labcluster.Cluster, id string) (running b
 			continue
 		}
 		running = true
-		want := filepath.Join(labcluster.CgroupParent(c.Lab.State().ID, h.Name), id)
-		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", j.PID))
+		want := c.JobCgroup(h.Name, id)
+		got, err := cgroupv2.ProcessDir(j.PID)
 		if err != nil {
 			t.Errorf("job %s on %s (pid %d): %v", id, h.Name, j.PID, err)
 			continue
-		}
-		var got string
-		for _, l := range strings.Split(string(b), "\n") {
-			if p, ok := strings.CutPrefix(l, "0::"); ok {
-				got = filepath.Join(labcluster.CgroupMount, p)
-			}
 		}
 		t.Logf("job %s on %s (pid %d) runs in cgroup %s", id, h.Name, j.PID, got)
 		if got != want || j.Cgroup != want {
@@ -392,7 +387,7 @@ func (rg *ring) requireNothingLeft(t *testing.T) {
 				if h.Crashed {
 					continue // a power-cut machine's cgroups go with it (the lab's teardown removes them)
 				}
-				cg := filepath.Join(labcluster.CgroupParent(rg.c.Lab.State().ID, h.Name), j.ID)
+				cg := rg.c.JobCgroup(h.Name, j.ID)
 				if _, err := os.Stat(cg); !errors.Is(err, fs.ErrNotExist) {
 					left = append(left, cg)
 				}

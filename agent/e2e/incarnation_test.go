@@ -94,7 +94,7 @@ func liveIncarnations(t *testing.T, c *labcluster.Cluster, id string) int {
 	t.Helper()
 	ns := map[string]bool{}
 	for _, h := range c.Lab.State().Hosts {
-		cgroup := filepath.Join(labcluster.CgroupParent(c.Lab.State().ID, h.Name), id)
+		cgroup := c.JobCgroup(h.Name, id)
 		err := filepath.WalkDir(cgroup, func(p string, d fs.DirEntry, err error) error {
 			if p == cgroup && errors.Is(err, fs.ErrNotExist) {
 				return nil // the job never ran on h

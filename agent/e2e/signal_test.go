@@ -83,7 +83,7 @@ func TestSignalJob(t *testing.T) {
 	}
 	// An agent killed during a snapshot's freeze leaves its job's cgroup frozen (as node2's would be had the
 	// job run there before): node2 restores into that very cgroup, and must thaw it, not hang in it (it did).
-	frozen := filepath.Join(labcluster.CgroupParent(c.Lab.State().ID, "node2"), moved.ID)
+	frozen := c.JobCgroup("node2", moved.ID)
 	if err := os.MkdirAll(frozen, 0o755); err != nil {
 		t.Fatal(err)
 	}

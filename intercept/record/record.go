@@ -18,6 +18,7 @@ import (
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/intercept"
+	"github.com/ftkit/ftkit/internal/cgroupv2"
 	"github.com/ftkit/ftkit/internal/tickgrid"
 )
 
@@ -215,7 +216,7 @@ func (r *Recorder) Watch(job, cgroupDir string, fromStart bool, base string) {
 	if !r.Recording() {
 		return
 	}
-	id, err := ebpfprobes.CgroupID(cgroupDir)
+	id, err := cgroupv2.ID(cgroupDir)
 	if err != nil {
 		r.log.Error("the job's receive order is not recorded: its recovery cannot replay it", "job", job, "err", err)
 		return
@@ -478,7 +479,7 @@ func (r *Recorder) PollsAtDump(cgroupDir string) (counts map[uint32]uint64, ok b
 	if !r.Positions() {
 		return nil, false, nil
 	}
-	id, err := ebpfprobes.CgroupID(cgroupDir)
+	id, err := cgroupv2.ID(cgroupDir)
 	if err != nil {
 		return nil, false, err
 	}

@@ -7,14 +7,13 @@ import (
 	"net"
 	"net/netip"
 	"os"
-	"path/filepath"
 	"slices"
-	"strings"
 	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ftkit/ftkit/internal/cgroupv2"
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
@@ -88,36 +87,18 @@ func TestLookup(t *testing.T) {
 	}
 }
 
-// ownCgroupID is the cgroup v2 id of the test process: the inode number of its cgroup's directory, under
-// the cgroup2 mount (/sys/fs/cgroup, or /sys/fs/cgroup/unified on a hybrid host).
+// ownCgroupID is the cgroup v2 id of the test process: the inode number of its cgroup's directory.
 func ownCgroupID(t *testing.T) uint64 {
 	t.Helper()
-	b, err := os.ReadFile("/proc/self/cgroup")
+	d, err := cgroupv2.ProcessDir(0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	var path string
-	for line := range strings.Lines(string(b)) {
-		if p, ok := strings.CutPrefix(strings.TrimSpace(line), "0::"); ok {
-			path = p
-		}
-	}
-	mi, err := os.ReadFile("/proc/self/mountinfo")
+	id, err := cgroupv2.ID(d)
 	if err != nil {
 		t.Fatal(err)
 	}
-	for line := range strings.Lines(string(mi)) {
-		f := strings.Fields(line)
-		if i := slices.Index(f, "-"); i > 4 && i+1 < len(f) && f[i+1] == "cgroup2" {
-			var st unix.Stat_t
-			if err := unix.Stat(filepath.Join(f[4], path), &st); err != nil {
-				t.Fatal(err)
-			}
-			return st.Ino
-		}
-	}
-	t.Fatalf("no cgroup2 mount in /proc/self/mountinfo (cgroup %q)", path)
-	return 0
+	return id
 }
 
 // FuzzParseDiagReply: whatever the reply's bytes, parsing returns an error or values, and never reads

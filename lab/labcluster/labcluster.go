@@ -144,10 +144,10 @@ func dataDir(id string) string { return filepath.Join("/var/lib/ftkit/labs", id)
 // under the agent's defaults (/sys/fs/bpf/ftkit, /sys/fs/cgroup/unified/ftkit): a lab removes what it
 // made, and a parent it shared with other labs, or with an agent of the machine, would stay behind.
 func pinDir(id string) string    { return filepath.Join("/sys/fs/bpf", "ftkit-lab-"+id) }
-func cgroupDir(id string) string { return filepath.Join(CgroupMount, "ftkit-lab-"+id) }
+func cgroupDir(id string) string { return filepath.Join(cgroupMount, "ftkit-lab-"+id) }
 
-// CgroupMount is where the lab's cgroup v2 hierarchy is mounted.
-const CgroupMount = "/sys/fs/cgroup/unified"
+// cgroupMount is where the lab's cgroup v2 hierarchy is mounted.
+const cgroupMount = "/sys/fs/cgroup/unified"
 
 // CgroupParent is the cgroup_parent of host's agent in lab id: a tree of its own, as on separate machines.
 func CgroupParent(id, host string) string { return filepath.Join(cgroupDir(id), host) }
@@ -326,6 +326,11 @@ func (c *Cluster) ConfigPath(host string) string { return filepath.Join(c.hostDi
 
 // LogPath is host's agent log.
 func (c *Cluster) LogPath(host string) string { return filepath.Join(c.hostDir(host), "agent.log") }
+
+// JobCgroup is the cgroup directory of job id on host: its agent's cgroup_parent and the job's id.
+func (c *Cluster) JobCgroup(host, id string) string {
+	return filepath.Join(CgroupParent(c.Lab.State().ID, host), id)
+}
 
 func (c *Cluster) writeConfig(st lab.State, h lab.Host) error {
 	cfg := c.config(st, h)

@@ -22,6 +22,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/internal/cgroupv2"
 	"github.com/ftkit/ftkit/internal/sockdiag"
 	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/tcpflow"
@@ -373,35 +374,15 @@ func isPow2(n uint64) bool { return n != 0 && n&(n-1) == 0 }
 // Log returns the log the consumer appends to. It is freed by Close.
 func (c *Capture) Log() *netlog.Log { return c.netlog }
 
-// cgroupID returns the cgroup v2 id of directory dir: its inode number, which
-// is what bpf_skb_cgroup_id reports for sockets created in it.
-func cgroupID(dir string) (uint64, error) {
-	var fs unix.Statfs_t
-	if err := unix.Statfs(dir, &fs); err != nil {
-		return 0, fmt.Errorf("capture: cgroup directory %s: %w", dir, err)
-	}
-	if fs.Type != unix.CGROUP2_SUPER_MAGIC {
-		return 0, fmt.Errorf("capture: %s is not in a cgroup v2 hierarchy (on this machine that is under /sys/fs/cgroup/unified)", dir)
-	}
-	var st unix.Stat_t
-	if err := unix.Stat(dir, &st); err != nil {
-		return 0, fmt.Errorf("capture: cgroup directory %s: %w", dir, err)
-	}
-	if st.Mode&unix.S_IFMT != unix.S_IFDIR {
-		return 0, fmt.Errorf("capture: %s is not a cgroup directory", dir)
-	}
-	return st.Ino, nil
-}
-
 // ProtectCgroup logs the TCP bytes sent by sockets created in the cgroup v2
 // directory dir (not its descendants: each cgroup is protected on its own).
 // A socket belongs to the cgroup its creator was in when it was created, so
 // protect the cgroup before the job starts (clone it into the cgroup).
 func (c *Capture) ProtectCgroup(dir string) error {
 	dir = filepath.Clean(dir)
-	id, err := cgroupID(dir)
+	id, err := cgroupv2.ID(dir)
 	if err != nil {
-		return err
+		return fmt.Errorf("capture: protect: %w", err)
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -429,8 +410,8 @@ func (c *Capture) UnprotectCgroup(dir string) error {
 	id, ok := c.protected[dir]
 	if !ok {
 		var err error
-		if id, err = cgroupID(dir); err != nil {
-			return err
+		if id, err = cgroupv2.ID(dir); err != nil {
+			return fmt.Errorf("capture: unprotect: %w", err)
 		}
 	}
 	if err := c.probe.Unprotect(id); err != nil {

@@ -14,7 +14,6 @@ import (
 	"net/netip"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -35,40 +34,6 @@ func TestIsPow2(t *testing.T) {
 		if got := isPow2(tc.n); got != tc.want {
 			t.Errorf("isPow2(%d) = %v, want %v", tc.n, got, tc.want)
 		}
-	}
-}
-
-func TestCgroupID(t *testing.T) {
-	root := streamtest.Cgroup2MountT(t)
-	var st syscall.Stat_t
-	if err := syscall.Stat(root, &st); err != nil {
-		t.Fatal(err)
-	}
-	for _, tc := range []struct {
-		name    string
-		dir     string
-		wantErr string
-	}{
-		{"cgroup2 root", root, ""},
-		{"not a cgroup", t.TempDir(), "not in a cgroup v2 hierarchy"},
-		{"missing", filepath.Join(root, "ftkit-capture-no-such-cgroup"), "no such file"},
-		{"a file", filepath.Join(root, "cgroup.procs"), "not a cgroup directory"},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			id, err := cgroupID(tc.dir)
-			if tc.wantErr != "" {
-				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
-					t.Fatalf("cgroupID(%s) = %d, %v; want error containing %q", tc.dir, id, err, tc.wantErr)
-				}
-				return
-			}
-			if err != nil {
-				t.Fatal(err)
-			}
-			if id != st.Ino {
-				t.Fatalf("cgroupID(%s) = %d, want the directory's inode %d", tc.dir, id, st.Ino)
-			}
-		})
 	}
 }
 
