@@ -278,10 +278,8 @@ func (a *Agent) thawLeftFrozen(j *Job) {
 // needs them.
 func (a *Agent) renewReceiverSnapshots(ctx context.Context) {
 	a.log.Warn("agent restarted with running jobs: the log of what they sent before is gone; asking every node to snapshot now")
-	for _, m := range a.View().Ring() {
-		if m.Name != a.cfg.Name {
-			a.requestSnapshot(ctx, m.Name)
-		}
+	for _, name := range (logMembers{a}).Others() {
+		a.requestSnapshot(ctx, name)
 	}
 }
 

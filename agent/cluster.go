@@ -116,15 +116,15 @@ func (a *Agent) servePing() PingReply {
 	return PingReply{Node: a.cfg.Name, Jobs: a.runningJobIDs(), JobAddrs: a.runningJobAddrs(), JobPool: a.cfg.JobNetwork.Pool}
 }
 
-// The snapshots senders ask for under log pressure (clusterapi.OpCheckpointNow): none, one being taken, or
-// one being taken and another asked for meanwhile.
+// The snapshots senders ask for (clusterapi.OpCheckpointNow: a log under pressure, or one that lost bytes):
+// none, one being taken, or one being taken and another asked for meanwhile.
 const (
 	askIdle int32 = iota
 	askRunning
 	askQueued
 )
 
-// serveCheckpointNow snapshots this host's jobs for a sender whose log is under pressure. A request that
+// serveCheckpointNow snapshots this host's jobs for a sender whose log needs it. A request that
 // arrives while one is being taken is not folded into it (that snapshot may have been dumped before the
 // sender's bytes arrived) but queues one more, after it; further requests fold into that one, so peers
 // cannot queue snapshots without bound. It reports whether it started one.
@@ -135,17 +135,17 @@ func (a *Agent) serveCheckpointNow(ctx context.Context, peer string) bool {
 			if !a.asked.CompareAndSwap(askIdle, askRunning) {
 				continue
 			}
-			a.log.Info("snapshot requested by a sender whose log is under pressure", "peer", peer)
+			a.log.Info("snapshot requested by a sender for its log", "peer", peer)
 			go a.takeAskedSnapshots(context.WithoutCancel(ctx))
 			return true
 		case askRunning:
 			if !a.asked.CompareAndSwap(askRunning, askQueued) {
 				continue
 			}
-			a.log.Info("snapshot requested by a sender whose log is under pressure while one is being taken: another follows it", "peer", peer)
+			a.log.Info("snapshot requested by a sender for its log while one is being taken: another follows it", "peer", peer)
 			return false
 		default:
-			a.log.Info("snapshot requested by a sender whose log is under pressure; one is already queued", "peer", peer)
+			a.log.Info("snapshot requested by a sender for its log; one is already queued", "peer", peer)
 			return false
 		}
 	}

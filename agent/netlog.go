@@ -89,6 +89,16 @@ func (m logMembers) Watermark(ctx context.Context, node string) (release.Waterma
 	return m.a.LogWatermarkOf(ctx, node)
 }
 
+func (m logMembers) Others() []string {
+	var names []string
+	for _, mb := range m.a.View().Ring() {
+		if mb.Name != m.a.cfg.Name {
+			names = append(names, mb.Name)
+		}
+	}
+	return names
+}
+
 // interfaceOf names the interface that holds addr in this network namespace.
 func interfaceOf(addr netip.Addr) (string, error) {
 	name, _, err := hostInterface(addr)

@@ -215,12 +215,31 @@ func (rg *ring) wait(t *testing.T, timeout time.Duration) []string {
 			if time.Now().After(deadline) {
 				b, _ := os.ReadFile(j.StdoutPath())
 				e, _ := os.ReadFile(j.StderrPath())
+				logSockets(t, rg.c)
 				t.Fatalf("rank %d (job %s) did not finish within %s; stdout %q stderr %q", r, j.ID, timeout, tail(string(b)), tail(string(e)))
 			}
 			time.Sleep(50 * time.Millisecond)
 		}
 	}
 	return outs
+}
+
+// logSockets logs the TCP sockets of every live host (ss: state, queues, windows, timers), for a run that
+// stalled.
+func logSockets(t *testing.T, c *labcluster.Cluster) {
+	t.Helper()
+	for _, h := range c.Lab.State().Hosts {
+		if h.Crashed {
+			continue
+		}
+		ns, err := c.Lab.NetnsPath(h.Name)
+		if err != nil {
+			t.Logf("sockets of %s: %v", h.Name, err)
+			continue
+		}
+		out, err := exec.Command("nsenter", "--net="+ns, "ss", "-tanoie").CombinedOutput()
+		t.Logf("sockets of %s (%v):\n%s", h.Name, err, out)
+	}
 }
 
 func tail(s string) string {

@@ -475,13 +475,18 @@ func TestShortPartitionPastDeclaration(t *testing.T) {
 // wait ended, restored the rank beside the copy still running on node2. Now node3 counts each suspicion as
 // agent_unresponsive and declares nothing; once the agent runs again, the rank runs on where it was and the
 // run ends with the failure-free result.
+//
+// The stop also outlasts the time after which node2's log program takes its consumer for gone: the ring
+// full (1 MiB), rank 1's segments pass unlogged, and its log has a hole, which a recovery of rank 0 or 2
+// would refuse to replay. Once node2's agent runs again it asks every other member for a snapshot, which
+// covers those bytes. Before, only a metric said so, until the receivers' next interval.
 func TestHungAgentNotFailedOver(t *testing.T) {
 	t.Parallel() // each test has its own lab (labSlots)
 	args := ringArgs(3000, 64<<10, 10*time.Millisecond)
 	want := reference(t, 3, args)
 	// Longer than the stop (two suspicions of up to three seconds each): node2's agent wakes up before its
 	// own fence deadline, so that it keeps its rank without asking node3 to vouch for it.
-	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", MetricsListen: metricsAddr, FenceTimeout: 30 * time.Second})
+	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", MetricsListen: metricsAddr, FenceTimeout: 30 * time.Second, LogRingMiB: 1})
 	logEventsOnFailure(t, c)
 	rg := startRing(t, c, 3, 7398, args)
 	rg.waitProtected(t, 2*time.Minute)
@@ -499,9 +504,23 @@ func TestHungAgentNotFailedOver(t *testing.T) {
 	if procs, _ := copies(t, c, rg.jobs[1]); procs != 1 {
 		t.Errorf("%d processes of rank 1 while node2's agent was stopped, want 1", procs)
 	}
+	// The program takes the consumer for gone 4 s after the ring filled (CONSUMER_GONE_NS, bpf/tcplog.c);
+	// the segments it dropped before are sent again on TCP's backed-off timer (the first one past 4 s comes
+	// 6.2 s after the first drop), and that one passes unlogged.
+	if d := 12*time.Second - time.Since(stoppedAt); d > 0 {
+		time.Sleep(d)
+	}
 	resume()
 	t.Logf("node2's agent stopped %s: node3 found it unresponsive %v times, its host answering",
 		time.Since(stoppedAt).Round(time.Millisecond), m[`ftkit_suspicions_total{outcome="agent_unresponsive"}`])
+
+	pollMetrics(t, c, "node2", "node2's log to count segments passed unlogged and ask for snapshots", time.Minute, func(m map[string]float64) bool {
+		return m[`ftkit_log_drops_total{reason="consumer_gone"}`] > 0 && m[`ftkit_log_controller_events_total{kind="hole-snapshots-requested"}`] > 0
+	})
+	waitLog(t, c, "node2", "the sender-side log lost bytes", time.Minute)
+	for _, h := range []string{"node1", "node3"} {
+		waitLog(t, c, h, `msg="snapshot requested by a sender for its log" node=`+h+` peer=node2`, time.Minute)
+	}
 
 	outs := rg.wait(t, 3*time.Minute)
 	checkRanks(t, outs, want)

@@ -295,7 +295,14 @@ func TestPeerCredentials(t *testing.T) {
 	if err := rootJob.Start(); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(time.Second)
+	// Both jobs are listed before nobody asks (their records stay after they end).
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(50 * time.Millisecond) {
+		if all, err := c.Client("node1").Jobs(context.Background()); err == nil && len(all) == 2 {
+			break
+		} else if time.Now().After(deadline) {
+			t.Fatalf("node1 lists %d jobs a minute after both started, want 2 (%v)", len(all), err)
+		}
+	}
 	// Ask the agent as nobody: only nobody's job is listed.
 	// The test binary lives in a directory other users cannot enter: run a copy from the shared bin dir.
 	self, _ := os.Executable()

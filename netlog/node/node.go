@@ -48,6 +48,8 @@ type Members interface {
 	RequestSnapshot(ctx context.Context, node string) error
 	// Watermark asks member node for its receive watermark, placed on this host's clock.
 	Watermark(ctx context.Context, node string) (release.Watermark, error)
+	// Others names the cluster's other members.
+	Others() []string
 }
 
 // Config is how the node runs.
@@ -85,6 +87,12 @@ type Node struct {
 	asking   map[string]bool                   // a question to that node is in flight
 	verdicts map[tcpflow.Tuple]release.Verdict // the last decision on each logged connection
 	released Released
+
+	// Holes (checkHoles): the count of segments and records the log lost, as of the last request for
+	// snapshots it made, when it made it, and the least time to the next.
+	holes      uint64
+	holesAsked time.Time
+	holeGap    time.Duration
 }
 
 // Released counts the logs of finished connections freed since the node started.
@@ -107,9 +115,13 @@ func New(src Source, cfg Config) (*Node, error) {
 	if cfg.Event == nil {
 		cfg.Event = func(controller.EventKind) {}
 	}
-	return &Node{src: src, ctl: ctl, cfg: cfg, log: cfg.Logger, seen: map[string]time.Time{},
+	n := &Node{src: src, ctl: ctl, cfg: cfg, log: cfg.Logger, seen: map[string]time.Time{},
 		held: map[tcpflow.Tuple]uint32{}, heldFrom: map[string]bool{},
-		marks: map[string]release.Watermark{}, asked: map[string]time.Time{}, asking: map[string]bool{}}, nil
+		marks: map[string]release.Watermark{}, asked: map[string]time.Time{}, asking: map[string]bool{}, holeGap: holeAskEvery}
+	if c, err := src.Counters(); err == nil {
+		n.holes = holes(c)
+	}
+	return n, nil
 }
 
 // StartConfig is the capture to start (Start).

@@ -29,6 +29,7 @@ type fakeSource struct {
 	sockets  map[tcpflow.Tuple]bool // LogsSocket's answer (an error for a connection mapped to false)
 	protects bool
 	onWake   func() // the consumer's next poll, brought forward
+	counters capture.Counters
 }
 
 func (f *fakeSource) Log() *netlog.Log { return f.log }
@@ -46,7 +47,7 @@ func (f *fakeSource) LogsSocket(c tcpflow.Tuple) (bool, error) {
 func (f *fakeSource) Protects(uint64) bool                { return f.protects }
 func (f *fakeSource) ProtectCgroup(string) error          { return nil }
 func (f *fakeSource) UnprotectCgroup(string) error        { return nil }
-func (f *fakeSource) Counters() (capture.Counters, error) { return capture.Counters{}, nil }
+func (f *fakeSource) Counters() (capture.Counters, error) { return f.counters, nil }
 func (f *fakeSource) Urge() func()                        { return func() {} }
 func (f *fakeSource) Wake() {
 	if f.onWake != nil {
@@ -57,9 +58,10 @@ func (f *fakeSource) Close() error { return f.log.Close() }
 
 // fakeMembers: n2 holds 10.0.0.2 (unless owner is set), and answers watermark questions with mark.
 type fakeMembers struct {
-	owner string
-	mark  release.Watermark
-	err   error
+	owner  string
+	others []string
+	mark   release.Watermark
+	err    error
 
 	mu        sync.Mutex
 	asked     int
@@ -72,6 +74,12 @@ func (m *fakeMembers) RequestSnapshot(_ context.Context, node string) error {
 	defer m.mu.Unlock()
 	m.snapshots = append(m.snapshots, node)
 	return nil
+}
+func (m *fakeMembers) Others() []string { return m.others }
+func (m *fakeMembers) requested() []string {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return append([]string(nil), m.snapshots...)
 }
 func (m *fakeMembers) Watermark(context.Context, string) (release.Watermark, error) {
 	m.mu.Lock()
@@ -444,5 +452,78 @@ func TestStepRequestsSnapshot(t *testing.T) {
 			t.Fatalf("no snapshot requested at %d bytes over a cap of 100000; events %+v", n.Log().Stats().LiveBytes(), n.Status().Events)
 		}
 		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// A log that lost bytes (segments passed unlogged, records not appended) asks every other member for a
+// snapshot at once; while it keeps losing, at most every holeAskEvery, a gap that doubles; not again once
+// it stops; from holeAskEvery again after a quiet spell.
+func TestHoleAsksEveryMemberForSnapshots(t *testing.T) {
+	m := &fakeMembers{owner: "n2", others: []string{"n2", "n3"}}
+	n, src, _ := newTestNode(t, 3000, m)
+	t0 := time.Now()
+	holeEvents := func() int {
+		k := 0
+		for _, e := range n.Status().Events {
+			if e.Kind == EventHole {
+				k++
+			}
+		}
+		return k
+	}
+	more := func(c *capture.Counters) { c.UnloggedPassed++ }
+	for _, step := range []struct {
+		at     time.Duration
+		set    func(c *capture.Counters)
+		events int // hole events so far
+	}{
+		{0, func(*capture.Counters) {}, 0},
+		{time.Second, more, 1},
+		{2 * time.Second, func(c *capture.Counters) { c.FragmentsPassed = 1 }, 1}, // within holeAskEvery
+		{time.Second + holeAskEvery, func(*capture.Counters) {}, 2},               // the loss since the last request; the gap doubles
+		{time.Minute, func(*capture.Counters) {}, 2},                              // nothing lost since
+		{2 * time.Minute, func(c *capture.Counters) { c.AppendErrors = 1 }, 3},    // after a quiet spell: the gap is holeAskEvery again
+		{2*time.Minute + holeAskEvery, func(c *capture.Counters) { c.BadRecords = 1 }, 4},
+		{2*time.Minute + 2*holeAskEvery, more, 4}, // the gap is 2*holeAskEvery now
+		{2*time.Minute + 3*holeAskEvery, more, 5},
+		{2*time.Minute + 6*holeAskEvery, more, 5}, // and 4*holeAskEvery
+		{2*time.Minute + 7*holeAskEvery, more, 6},
+		{time.Hour, func(c *capture.Counters) { c.DropsBackpressure = 100; c.LoggedPassed = 9 }, 6}, // TCP retransmits these: no hole
+	} {
+		step.set(&src.counters)
+		n.checkHoles(context.Background(), t0.Add(step.at))
+		if got := holeEvents(); got != step.events {
+			t.Fatalf("at +%s with counters %+v: %d hole events, want %d", step.at, src.counters, got, step.events)
+		}
+	}
+	// Each request asked both other members; the requests run in the background.
+	const asks = 6
+	for deadline := time.Now().Add(time.Minute); len(m.requested()) < asks*2; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("snapshots requested of %v, want n2 and n3 %d times", m.requested(), asks)
+		}
+	}
+	if got := m.requested(); len(got) != asks*2 || strings.Count(strings.Join(got, " "), "n3") != asks {
+		t.Fatalf("snapshots requested of %v, want n2 and n3 %d times", got, asks)
+	}
+}
+
+// What the source had lost when the node started is not a new hole.
+func TestHolesBeforeStartAreNotNew(t *testing.T) {
+	logger := slog.New(slog.NewTextHandler(io.Discard, nil))
+	l, err := netlog.NewLog(netlog.Options{Logger: logger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	src := &fakeSource{log: l, counters: capture.Counters{UnloggedPassed: 5}}
+	m := &fakeMembers{others: []string{"n2"}}
+	n, err := New(src, Config{Controller: controller.Config{Cap: 64 << 20, High: 0.8, Low: 0.5}, MaxRange: 1 << 20, Members: m, Logger: logger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Close()
+	n.checkHoles(context.Background(), time.Now())
+	if ev := n.Status().Events; len(ev) != 0 {
+		t.Fatalf("events %+v, want none", ev)
 	}
 }

@@ -10,6 +10,7 @@ import (
 
 	"github.com/ftkit/ftkit/internal/tickgrid"
 	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/netlog/capture"
 	"github.com/ftkit/ftkit/netlog/controller"
 	"github.com/ftkit/ftkit/netlog/release"
 	"github.com/ftkit/ftkit/tcpflow"
@@ -51,6 +52,7 @@ func (n *Node) step(ctx context.Context, now time.Time) {
 	for _, node := range act.RequestSnapshots {
 		go n.RequestSnapshot(ctx, node)
 	}
+	n.checkHoles(ctx, now)
 	// Age compresses old slabs, spills when the controller says so, and hands slab buffers that
 	// were not reused since the last call back to the heap.
 	if act.SpillBytes > 0 || now.Sub(n.aged) > 5*time.Second {
@@ -75,6 +77,60 @@ func (n *Node) RequestSnapshot(ctx context.Context, node string) {
 	defer cancel()
 	if err := n.cfg.Members.RequestSnapshot(cctx, node); err != nil {
 		n.log.Warn("could not ask for a snapshot", "node", node, "err", err)
+	}
+}
+
+// EventHole is the log event of a new hole: every other member was asked for a snapshot.
+const EventHole controller.EventKind = "hole-snapshots-requested"
+
+// A log that keeps losing bytes (IP fragments on a path with a small MTU, a consumer that stalls again and
+// again) asks every member for a snapshot at most every holeAskEvery, a gap that doubles, up to
+// holeAskMax, while the losses go on: every member's snapshots every 5 s would load the whole cluster.
+const (
+	holeAskEvery = 5 * time.Second
+	holeAskMax   = 5 * time.Minute
+)
+
+// holes counts what was sent but never reached the log: segments passed unlogged (IP fragments; segments
+// passed while the consumer was gone, a stopped or hung agent) and records the consumer rejected or could
+// not append.
+func holes(c capture.Counters) uint64 {
+	return c.FragmentsPassed + c.UnloggedPassed + c.BadRecords + c.AppendErrors
+}
+
+// checkHoles asks every other member for a snapshot when the log has lost bytes since it last asked. A
+// recovery that needs bytes of a hole is refused (netlog.ErrHole) until the receiver's next snapshot
+// covers them; asking now shortens that spell from a checkpoint interval to a snapshot's time. Which
+// receivers the lost bytes were for is not known (a segment passed unlogged leaves no record), so every
+// member is asked.
+func (n *Node) checkHoles(ctx context.Context, now time.Time) {
+	c, err := n.src.Counters()
+	if err != nil {
+		return
+	}
+	h := holes(c)
+	n.mu.Lock()
+	since := now.Sub(n.holesAsked)
+	if h <= n.holes || since < n.holeGap {
+		n.mu.Unlock()
+		return
+	}
+	if since < 2*n.holeGap {
+		n.holeGap = min(2*n.holeGap, holeAskMax) // lost again soon after the last request
+	} else {
+		n.holeGap = holeAskEvery
+	}
+	lost := h - n.holes
+	n.holes, n.holesAsked = h, now
+	n.mu.Unlock()
+	others := n.cfg.Members.Others()
+	n.log.Error("the sender-side log lost bytes: recoveries of their receivers are refused until the receivers' next snapshots; asking every member to snapshot now",
+		"lost", lost, "fragments_passed", c.FragmentsPassed, "unlogged_passed", c.UnloggedPassed, "bad_records", c.BadRecords,
+		"append_errors", c.AppendErrors, "members", others)
+	n.addEvents([]controller.Event{{Time: now, Kind: EventHole, Memory: c.MemoryBytes}})
+	n.cfg.Event(EventHole)
+	for _, node := range others {
+		go n.RequestSnapshot(ctx, node)
 	}
 }
 
