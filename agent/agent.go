@@ -278,9 +278,20 @@ func (a *Agent) thawLeftFrozen(j *Job) {
 // needs them.
 func (a *Agent) renewReceiverSnapshots(ctx context.Context) {
 	a.log.Warn("agent restarted with running jobs: the log of what they sent before is gone; asking every node to snapshot now")
-	for _, name := range (logMembers{a}).Others() {
+	for _, name := range a.otherMembers() {
 		a.requestSnapshot(ctx, name)
 	}
+}
+
+// otherMembers names every member of the ring but this node.
+func (a *Agent) otherMembers() []string {
+	var names []string
+	for _, mb := range a.View().Ring() {
+		if mb.Name != a.cfg.Name {
+			names = append(names, mb.Name)
+		}
+	}
+	return names
 }
 
 // StartJob creates a job and starts its program under a shim.

@@ -89,15 +89,7 @@ func (m logMembers) Watermark(ctx context.Context, node string) (release.Waterma
 	return m.a.LogWatermarkOf(ctx, node)
 }
 
-func (m logMembers) Others() []string {
-	var names []string
-	for _, mb := range m.a.View().Ring() {
-		if mb.Name != m.a.cfg.Name {
-			names = append(names, mb.Name)
-		}
-	}
-	return names
-}
+func (m logMembers) Others() []string { return m.a.otherMembers() }
 
 // interfaceOf names the interface that holds addr in this network namespace.
 func interfaceOf(addr netip.Addr) (string, error) {
