@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -228,63 +229,80 @@ func runCompare(ctx context.Context, log *slog.Logger, binDir string, sz compare
 	jobs := &jobLauncher{prog: prog, sz: sz, args: args, ref: ref, log: log}
 
 	// Failure-free runs, in rounds (a fresh pair of labs each) so that the machine's other load spreads
-	// over all variants; the median round counts. a and d run in a lab without agents, b and c with.
+	// over all variants; the median round counts. a and d run in a lab without agents, b and c with. Odd
+	// rounds run every variant in the reverse order (round 0's a comes first: it sets c's interval): in a
+	// fixed order, a drift of the shared machine within a round lands on the later variants every time (the
+	// 2026-12-02 compare had c over a +11%, +27% and +2% in its three rounds, b -2% to +10%).
 	for round := range sz.Rounds {
-		err = withLab(ctx, log, sz, nil, func(l *lab.Lab, _ *labcluster.Cluster) error {
-			for _, v := range []string{"a", "d"} {
-				if !only.has(v) && v != "a" { // a in every round: c's interval comes from its first run, and overheads pair rounds
-					continue
-				}
-				r, err := plain.run(ctx, l, v, nil, 7600+10*round)
-				if err != nil {
-					return err
-				}
-				r.Round = round
-				o.Runs = append(o.Runs, *r)
-				if v == "a" && round == 0 {
-					// c's snapshot interval is K iterations of the plain run, in seconds.
-					jobs.perIter = time.Duration(r.Seconds / float64(sz.Iters) * float64(time.Second))
-					// Never below the agents' floor (checkpoint.min_interval, 1 s by default), which refuses
-					// faster job intervals: the small size's K iterations take about that long.
-					o.Interval = max((jobs.perIter * time.Duration(sz.CkptEvery)).Round(10*time.Millisecond), minJobInterval)
-				}
+		reversed := round%2 == 1
+		order := func(vs ...string) []string {
+			if reversed {
+				slices.Reverse(vs)
 			}
-			return nil
-		})
-		if err != nil {
-			return nil, err
+			return vs
 		}
-		err = withLab(ctx, log, sz, agents, func(l *lab.Lab, c *labcluster.Cluster) error {
-			for _, v := range []string{"b", "c"} {
-				if !only.has(v) {
-					continue
+		plainRuns := func() error {
+			return withLab(ctx, log, sz, nil, func(l *lab.Lab, _ *labcluster.Cluster) error {
+				for _, v := range order("a", "d") {
+					if !only.has(v) && v != "a" { // a in every round: c's interval comes from its first run, and overheads pair rounds
+						continue
+					}
+					r, err := plain.run(ctx, l, v, nil, 7600+10*round)
+					if err != nil {
+						return err
+					}
+					r.Round = round
+					o.Runs = append(o.Runs, *r)
+					if v == "a" && round == 0 {
+						// c's snapshot interval is K iterations of the plain run, in seconds.
+						jobs.perIter = time.Duration(r.Seconds / float64(sz.Iters) * float64(time.Second))
+						// Never below the agents' floor (checkpoint.min_interval, 1 s by default), which refuses
+						// faster job intervals: the small size's K iterations take about that long.
+						o.Interval = max((jobs.perIter * time.Duration(sz.CkptEvery)).Round(10*time.Millisecond), minJobInterval)
+					}
 				}
-				interval := "1h"
-				if v == "c" {
-					interval = o.Interval.String()
+				return nil
+			})
+		}
+		agentRuns := func() error {
+			return withLab(ctx, log, sz, agents, func(l *lab.Lab, c *labcluster.Cluster) error {
+				for _, v := range order("b", "c") {
+					if !only.has(v) {
+						continue
+					}
+					interval := "1h"
+					if v == "c" {
+						interval = o.Interval.String()
+					}
+					before, err := agentsCPU(c)
+					if err != nil {
+						return err
+					}
+					r, err := jobs.run(ctx, c, v, interval, 0, 7605+10*round)
+					if err != nil {
+						return err
+					}
+					after, err := agentsCPU(c)
+					if err != nil {
+						return err
+					}
+					for h, s := range after {
+						r.AgentsCPUS += s - before[h]
+					}
+					r.Round = round
+					o.Runs = append(o.Runs, *r)
 				}
-				before, err := agentsCPU(c)
-				if err != nil {
-					return err
-				}
-				r, err := jobs.run(ctx, c, v, interval, 0, 7605+10*round)
-				if err != nil {
-					return err
-				}
-				after, err := agentsCPU(c)
-				if err != nil {
-					return err
-				}
-				for h, s := range after {
-					r.AgentsCPUS += s - before[h]
-				}
-				r.Round = round
-				o.Runs = append(o.Runs, *r)
+				return nil
+			})
+		}
+		labs := []func() error{plainRuns, agentRuns}
+		if reversed {
+			slices.Reverse(labs)
+		}
+		for _, run := range labs {
+			if err := run(); err != nil {
+				return nil, err
 			}
-			return nil
-		})
-		if err != nil {
-			return nil, err
 		}
 	}
 	if only != nil {
