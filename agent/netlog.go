@@ -60,6 +60,7 @@ func (a *Agent) startLog() error {
 	}
 	n, err := node.Start(node.StartConfig{
 		Interface: iface, RingMiB: lc.RingMiB, MaxFlows: lc.MaxFlows, MemoryMiB: lc.MemoryMiB, SpillDir: lc.SpillDir, High: lc.High, Low: lc.Low,
+		Park: lc.Park, ParkMiB: lc.ParkMiB,
 		MaxRange: maxLogRange, Members: logMembers{a}, Logger: a.log,
 		Event: func(k controller.EventKind) { a.metrics.ControllerEvent(string(k)) },
 	})
@@ -72,7 +73,8 @@ func (a *Agent) startLog() error {
 		return err
 	}
 	a.netlog = &logState{node: n, tap: tap, book: book, recorder: recorder}
-	a.log.Info("sender-side log attached", "interface", iface, "ring_mib", lc.RingMiB, "max_flows", lc.MaxFlows, "memory_cap_mib", n.CapBytes()>>20)
+	a.log.Info("sender-side log attached", "interface", iface, "ring_mib", lc.RingMiB, "max_flows", lc.MaxFlows, "memory_cap_mib", n.CapBytes()>>20,
+		"park_mib", n.ParkCapBytes()>>20)
 	return nil
 }
 

@@ -198,6 +198,14 @@ type LogConfig struct {
 	High      float64 `toml:"high"`       // fraction of the cap at which destination nodes are asked to snapshot
 	Low       float64 `toml:"low"`        // fraction of the cap the controller aims for
 	SpillDir  string  `toml:"spill_dir"`  // last resort when snapshots do not free enough; empty: never spill
+	// Park keeps sent segments of 4 KiB or more as clones in the kernel (a tap device, ftpark0, with a
+	// queue per CPU) instead of copying them into the log as they leave: a clone shares the segment's
+	// pages, so the sender pays no copy, and a clone whose bytes a receiver's snapshot covers is freed
+	// unread. Clones are copied into the log only for a recovery or once the park is three quarters
+	// full (docs/design.md). ParkMiB bounds the payload waiting in clones, kernel memory outside the
+	// log's cap; 0: a quarter of the log's cap, at most 1024.
+	Park    bool `toml:"park"`
+	ParkMiB int  `toml:"park_mib"`
 	// ReceiveOrder records the order in which jobs consume their connections (package intercept), so that
 	// a restored job re-reads them in that order. Off, a job that reads whichever socket has data first
 	// fails its recovery (loudly) when it reads another one first.
@@ -246,7 +254,7 @@ func Defaults() Config {
 	c.Failover.FenceCommandTimeout = Duration{30 * time.Second}
 	c.Health = HealthConfig{Interval: Duration{30 * time.Second}, Timeout: Duration{10 * time.Second}, LeadTime: Duration{30 * time.Minute}}
 	c.Log = LogConfig{Enabled: true, RingMiB: 64, High: 0.8, Low: 0.6, ReceiveOrder: true, ReceiveOrderShipEvery: Duration{record.DefaultShipEvery},
-		MaxFlows: ebpfprobes.DefaultMaxFlows}
+		MaxFlows: ebpfprobes.DefaultMaxFlows, Park: true}
 	c.JobNetwork.Kind = jobnet.MACVlan
 	c.JobNetwork.Linger = Duration{30 * time.Second}
 	return c
@@ -387,6 +395,9 @@ func (c Config) Validate() error {
 		}
 		if c.Log.MaxFlows < minMaxFlows || c.Log.MaxFlows > ebpfprobes.MaxMaxFlows {
 			errs = append(errs, fmt.Errorf("log.max_flows %d: use %d..%d", c.Log.MaxFlows, minMaxFlows, ebpfprobes.MaxMaxFlows))
+		}
+		if c.Log.ParkMiB < 0 {
+			errs = append(errs, fmt.Errorf("log.park_mib %d: use 0 (a quarter of the log's cap) or more", c.Log.ParkMiB))
 		}
 		if c.Log.MemoryMiB < 0 || !(0 < c.Log.Low && c.Log.Low < c.Log.High && c.Log.High <= 1) {
 			errs = append(errs, fmt.Errorf("log: memory_mib must be >= 0 and 0 < low (%.2f) < high (%.2f) <= 1", c.Log.Low, c.Log.High))

@@ -207,6 +207,10 @@ struct counters {
 	__u64 kicks;              // sockets tcplog_kick pushed after a drop
 	__u64 reserve_logged;     // segments of flows stalled STALL_RESERVE_NS or more, logged into the reserve
 	__u64 unlogged_passed;    // ring full and its consumer gone: passed unlogged (a hole in the log)
+	__u64 packets_parked;     // segments cloned into the park, a header record in the ring
+	__u64 bytes_parked;       // their payload bytes
+	__u64 park_failed;        // the park refused a clone (its queue full): the segment was copied instead
+	__u64 park_full;          // the park held park_cap bytes: the segment was copied instead
 };
 
 // A consumer that took nothing from the full ring this long is gone.
@@ -246,6 +250,37 @@ volatile __u64 paused_seen_ns = 0;
 // segment's time at most.
 volatile __u64 cons_seen = 0;
 volatile __u64 cons_seen_ns = 0;
+
+// The park (netlog/park, docs/design.md): a tap device with a queue per CPU,
+// which a steering program fills by the CPU that sends. A segment of
+// park_min..park_max payload bytes sent on a CPU below park_queues is cloned
+// into the park (bpf_clone_redirect: the clone shares the segment's pages, no
+// byte is copied) and only its header goes into the ring, naming the queue.
+// A queue's clones come out in the order this CPU parked them, which is the
+// order of its records in the ring: the consumer knows which clone is next
+// in each queue and reads either its headers only (its bytes are no longer
+// needed) or all of it (into the log). park_ifindex 0: nothing is parked.
+volatile const __u32 park_ifindex = 0;
+volatile const __u32 park_queues = 0;
+volatile const __u32 park_min = 0;
+volatile const __u32 park_max = 0;
+// Payload bytes parked so far (the program's, atomic) and freed or taken out
+// of the park (the consumer's): at most park_cap bytes wait at a time (the
+// consumer sets it; 0 parks nothing), give or take the segments of CPUs that
+// checked at once.
+volatile __u64 parked_total = 0;
+volatile __u64 parked_freed = 0;
+volatile __u64 park_cap = 0;
+
+#define PARKED_FLAG 0x80000000U
+
+// A parked record: the header, with PARKED_FLAG in len, and the queue.
+struct park_record {
+	struct record_hdr hdr;
+	__u32 queue;
+} __attribute__((packed));
+
+_Static_assert(sizeof(struct park_record) == 40, "park record must be 40 bytes");
 
 // Set by the program when it drops a segment for backpressure (its flow is
 // then in stalled_flows); the consumer clears it before it runs tcplog_kick.
@@ -597,6 +632,50 @@ static __always_inline int ring_full(struct counters *c, struct flow_key *fk, st
 	return VERDICT_DROP;
 }
 
+// park_segment parks the segment hdr describes (see park_ifindex): 1 if it
+// did, 0 if the segment must be copied into the ring instead, -1 if the ring
+// has no room even for the header (the caller's ring_full decides then).
+static __always_inline int park_segment(struct __sk_buff *skb, struct counters *c, struct flow_key *fk,
+					struct record_hdr *hdr)
+{
+	__u32 len = hdr->len;
+	if (!park_ifindex || len < park_min || len > park_max)
+		return 0;
+	__u32 cpu = bpf_get_smp_processor_id();
+	if (cpu >= park_queues)
+		return 0;
+	if (parked_total - parked_freed + len > park_cap) {
+		c->park_full++;
+		return 0;
+	}
+	__u64 need = (sizeof(struct park_record) + 8 + 7) & ~7ULL;
+	int room = ring_room(fk, need, hdr->ktime_ns);
+	if (!room)
+		return -1;
+	struct park_record *r = bpf_ringbuf_reserve(&events, sizeof(*r), 0);
+	if (!r)
+		return -1;
+	__builtin_memcpy(&r->hdr, hdr, sizeof(*hdr));
+	r->hdr.len = len | PARKED_FLAG;
+	r->queue = cpu;
+	// The clone goes out of the park's egress into the queue steering picks
+	// for this CPU; with no qdisc on the park, a full queue fails the call.
+	if (bpf_clone_redirect(skb, park_ifindex, 0)) {
+		bpf_ringbuf_discard(r, 0);
+		c->park_failed++;
+		return 0;
+	}
+	bpf_ringbuf_submit(r, wake_flags(need));
+	__sync_fetch_and_add(&parked_total, len);
+	if (room == 2) {
+		bpf_map_delete_elem(&stalled_flows, fk);
+		c->reserve_logged++;
+	}
+	c->packets_parked++;
+	c->bytes_parked += len;
+	return 1;
+}
+
 SEC("tcx/egress")
 int tcplog_egress(struct __sk_buff *skb)
 {
@@ -690,6 +769,15 @@ int tcplog_egress(struct __sk_buff *skb)
 		.cgroup_id = cgid,
 		.ktime_ns = bpf_ktime_get_ns(),
 	};
+
+	int parked = park_segment(skb, c, &fk, &hdr);
+	if (parked < 0)
+		return ring_full(c, &fk, &tcp, hdr.seq, len, hdr.ktime_ns, has_ts, tsval, tsecr);
+	if (parked) {
+		note_seq(c, &fk, hdr.seq, len);
+		update_flow_state(&fk, &tcp, len, 1, has_ts, tsval, tsecr);
+		return VERDICT_PASS;
+	}
 
 	// bpf_dynptr_copy from an offset past the skb's linear part copies the
 	// memory after it, not the packet (Linux 6.18: skb_pointer_if_linear's

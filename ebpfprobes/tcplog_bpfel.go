@@ -27,6 +27,10 @@ type tcplogCounters struct {
 	Kicks             uint64
 	ReserveLogged     uint64
 	UnloggedPassed    uint64
+	PacketsParked     uint64
+	BytesParked       uint64
+	ParkFailed        uint64
+	ParkFull          uint64
 }
 
 type tcplogFlowKey struct {
@@ -70,6 +74,13 @@ const (
 	tcplogVarConsSeenNs       = "cons_seen_ns"
 	tcplogVarConsumerPaused   = "consumer_paused"
 	tcplogVarConsumerPolling  = "consumer_polling"
+	tcplogVarParkCap          = "park_cap"
+	tcplogVarParkIfindex      = "park_ifindex"
+	tcplogVarParkMax          = "park_max"
+	tcplogVarParkMin          = "park_min"
+	tcplogVarParkQueues       = "park_queues"
+	tcplogVarParkedFreed      = "parked_freed"
+	tcplogVarParkedTotal      = "parked_total"
 	tcplogVarPausedSeenNs     = "paused_seen_ns"
 	tcplogVarRingSize         = "ring_size"
 	tcplogVarStalledPending   = "stalled_pending"
@@ -143,6 +154,13 @@ type tcplogVariableSpecs struct {
 	ConsSeenNs      *ebpf.VariableSpec `ebpf:"cons_seen_ns"`
 	ConsumerPaused  *ebpf.VariableSpec `ebpf:"consumer_paused"`
 	ConsumerPolling *ebpf.VariableSpec `ebpf:"consumer_polling"`
+	ParkCap         *ebpf.VariableSpec `ebpf:"park_cap"`
+	ParkIfindex     *ebpf.VariableSpec `ebpf:"park_ifindex"`
+	ParkMax         *ebpf.VariableSpec `ebpf:"park_max"`
+	ParkMin         *ebpf.VariableSpec `ebpf:"park_min"`
+	ParkQueues      *ebpf.VariableSpec `ebpf:"park_queues"`
+	ParkedFreed     *ebpf.VariableSpec `ebpf:"parked_freed"`
+	ParkedTotal     *ebpf.VariableSpec `ebpf:"parked_total"`
 	PausedSeenNs    *ebpf.VariableSpec `ebpf:"paused_seen_ns"`
 	RingSize        *ebpf.VariableSpec `ebpf:"ring_size"`
 	StalledPending  *ebpf.VariableSpec `ebpf:"stalled_pending"`
@@ -198,6 +216,13 @@ type tcplogVariables struct {
 	ConsSeenNs      *ebpf.Variable `ebpf:"cons_seen_ns"`
 	ConsumerPaused  *ebpf.Variable `ebpf:"consumer_paused"`
 	ConsumerPolling *ebpf.Variable `ebpf:"consumer_polling"`
+	ParkCap         *ebpf.Variable `ebpf:"park_cap"`
+	ParkIfindex     *ebpf.Variable `ebpf:"park_ifindex"`
+	ParkMax         *ebpf.Variable `ebpf:"park_max"`
+	ParkMin         *ebpf.Variable `ebpf:"park_min"`
+	ParkQueues      *ebpf.Variable `ebpf:"park_queues"`
+	ParkedFreed     *ebpf.Variable `ebpf:"parked_freed"`
+	ParkedTotal     *ebpf.Variable `ebpf:"parked_total"`
 	PausedSeenNs    *ebpf.Variable `ebpf:"paused_seen_ns"`
 	RingSize        *ebpf.Variable `ebpf:"ring_size"`
 	StalledPending  *ebpf.Variable `ebpf:"stalled_pending"`

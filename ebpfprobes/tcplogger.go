@@ -56,6 +56,21 @@ type TCPLoggerOptions struct {
 	MaxFlows int
 	// Logger receives attach/detach events; nil discards them.
 	Logger *slog.Logger
+	// Park, when its Ifindex is set, parks segments in a tap device's queues instead of copying them into
+	// the ring (see ParkOptions); nothing is parked until SetParkCap.
+	Park ParkOptions
+}
+
+// ParkOptions name the park a logger clones segments into: a tap device (netlog/park) with a queue per
+// CPU, which a steering program fills by the sending CPU. A segment of MinLen..MaxLen payload bytes sent
+// on a CPU below Queues is cloned into that CPU's queue (the clone shares the segment's pages: no byte is
+// copied) and only a header record goes into the ring (netlog.Record.Parked). A segment sent on another
+// CPU, of another size, or one the park refuses, is copied into the ring as always.
+type ParkOptions struct {
+	Ifindex int
+	Queues  int
+	MinLen  uint32
+	MaxLen  uint32
 }
 
 // DefaultMaxFlows is TCPLoggerOptions.MaxFlows' default: an MPI job over TCP
@@ -85,6 +100,10 @@ type Counters struct {
 	Kicks             uint64 // sockets KickStalled pushed after a drop
 	ReserveLogged     uint64 // segments of flows held back 2 s or more, logged into the ring's reserve (ReadPaused)
 	UnloggedPassed    uint64 // segments passed unlogged: the ring was full and its consumer had taken nothing for 4 s (a hole)
+	PacketsParked     uint64 // segments cloned into the park, a header record in the ring
+	BytesParked       uint64 // their payload bytes
+	ParkFailed        uint64 // segments the park refused (a queue full): copied into the ring instead
+	ParkFull          uint64 // segments copied into the ring because the park held its cap (SetParkCap)
 }
 
 // tcplogLoaded holds only the objects the logger uses: LoadAndAssign loads
@@ -107,6 +126,10 @@ type tcplogLoaded struct {
 	// PausedSeen when it last did (CLOCK_MONOTONIC ns): a paused consumer is not gone.
 	ConsumerPaused *ebpf.Variable `ebpf:"consumer_paused"`
 	PausedSeen     *ebpf.Variable `ebpf:"paused_seen_ns"`
+	// The park's account (park_cap in bpf/tcplog.c): bytes freed so far
+	// (the consumer's) and how many may wait at once.
+	ParkedFreed *ebpf.Variable `ebpf:"parked_freed"`
+	ParkCap     *ebpf.Variable `ebpf:"park_cap"`
 }
 
 // TCPLogger is the loaded TCX egress logger. Attach, Protect*, Counters and
@@ -161,6 +184,9 @@ func NewTCPLogger(opts TCPLoggerOptions) (*TCPLogger, error) {
 	// ring is left before backpressure.
 	if err := spec.Variables[tcplogVarWakeBytes].Set(uint32(size / 8)); err != nil {
 		return nil, fmt.Errorf("tcplog: set wake_bytes: %w", err)
+	}
+	if err := setPark(spec, opts.Park, size); err != nil {
+		return nil, err
 	}
 
 	l := &TCPLogger{log: log}
@@ -363,6 +389,10 @@ func (l *TCPLogger) Counters() (Counters, error) {
 		c.Kicks += p.Kicks
 		c.ReserveLogged += p.ReserveLogged
 		c.UnloggedPassed += p.UnloggedPassed
+		c.PacketsParked += p.PacketsParked
+		c.BytesParked += p.BytesParked
+		c.ParkFailed += p.ParkFailed
+		c.ParkFull += p.ParkFull
 	}
 	return c, nil
 }
@@ -531,6 +561,47 @@ func (l *TCPLogger) closeObjects() error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// setPark sets the park's constants (park_ifindex and the rest in bpf/tcplog.c) in spec.
+func setPark(spec *ebpf.CollectionSpec, p ParkOptions, ring int) error {
+	if p.Ifindex == 0 {
+		return nil
+	}
+	switch {
+	case p.Ifindex < 0 || p.Queues <= 0:
+		return fmt.Errorf("tcplog: park on interface %d with %d queues: want a positive index and at least one queue", p.Ifindex, p.Queues)
+	case p.MinLen == 0 || p.MaxLen < p.MinLen:
+		return fmt.Errorf("tcplog: park segments of %d..%d bytes: want 0 < MinLen <= MaxLen", p.MinLen, p.MaxLen)
+	}
+	for name, v := range map[string]uint32{
+		tcplogVarParkIfindex: uint32(p.Ifindex),
+		tcplogVarParkQueues:  uint32(p.Queues),
+		tcplogVarParkMin:     p.MinLen,
+		tcplogVarParkMax:     p.MaxLen,
+	} {
+		if err := spec.Variables[name].Set(v); err != nil {
+			return fmt.Errorf("tcplog: set %s: %w", name, err)
+		}
+	}
+	return nil
+}
+
+// SetParkCap sets how many payload bytes may wait in the park at once (0: park nothing more).
+func (l *TCPLogger) SetParkCap(bytes uint64) error {
+	if err := l.objs.ParkCap.Set(bytes); err != nil {
+		return fmt.Errorf("tcplog: set park_cap: %w", err)
+	}
+	return nil
+}
+
+// ParkFreed tells the program that total payload bytes have left the park so far (freed or taken into
+// the log): what it may park again under its cap. Only the consumer calls it.
+func (l *TCPLogger) ParkFreed(total uint64) error {
+	if err := l.objs.ParkedFreed.Set(total); err != nil {
+		return fmt.Errorf("tcplog: set parked_freed: %w", err)
+	}
+	return nil
 }
 
 // portKey is the protected_flows key that matches every segment sent from a

@@ -97,6 +97,15 @@ func (l *Log) Append(rec Record) error {
 	}
 }
 
+// NoteParked notes a parked segment of rec.Conn (Store.NoteParked), creating its store if needed.
+func (l *Log) NoteParked(rec Record) error {
+	st, err := l.lookupOrCreate(rec.Conn)
+	if err != nil {
+		return err
+	}
+	return st.NoteParked(rec)
+}
+
 // SetBase anchors conn's store at seq (see Store.SetBase), creating the store if needed.
 func (l *Log) SetBase(conn tcpflow.Tuple, seq uint32) (uint64, error) {
 	st, err := l.lookupOrCreate(conn)

@@ -23,7 +23,18 @@ import (
 //	 20    8 cgroup_id  little-endian
 //	 28    8 ktime_ns   little-endian
 //	 36  len payload
+//
+// A parked record (ParkedFlag set in len) carries no payload: its segment's bytes wait in a clone in the
+// park (package netlog/park), in the queue of the CPU named by the 4 bytes after the header.
+//
+//	36    4 cpu        little-endian: the park queue holding the clone
 const RecordHeaderLen = 36
+
+// ParkedFlag marks a parked record in the len field; the other bits are the parked payload's length.
+const ParkedFlag = 1 << 31
+
+// parkedRecordLen is the size of a parked record: the header and the queue.
+const parkedRecordLen = RecordHeaderLen + 4
 
 // MaxPayload bounds a record's payload: 512 KiB covers BIG TCP GSO packets with room to spare.
 // Anything larger is not a packet and is rejected before a caller sizes buffers from it.
@@ -43,6 +54,10 @@ type Record struct {
 	// Payload aliases the buffer DecodeRecord was given; Store.Append copies it, so the
 	// buffer may be reused once Append returns.
 	Payload []byte
+	// Parked, when not 0, is the length of the segment's payload, which is not in the record but in a
+	// clone in park queue Queue (Payload is empty).
+	Parked uint32
+	Queue  uint32
 }
 
 // DecodeRecord parses one ring-buffer record (layout at RecordHeaderLen). It does not copy
@@ -52,6 +67,18 @@ func DecodeRecord(b []byte) (Record, error) {
 		return Record{}, fmt.Errorf("%w: %d bytes, shorter than the %d-byte header (probe and consumer disagree on the layout?)", ErrBadRecord, len(b), RecordHeaderLen)
 	}
 	n := binary.LittleEndian.Uint32(b[16:20])
+	var parked, queue uint32
+	if n&ParkedFlag != 0 {
+		parked, n = n&^ParkedFlag, 0
+		if parked == 0 || parked > MaxPayload {
+			return Record{}, fmt.Errorf("%w: parked payload length %d: want 1..%d", ErrBadRecord, parked, MaxPayload)
+		}
+		if len(b) != parkedRecordLen {
+			return Record{}, fmt.Errorf("%w: a parked record of %d bytes, want %d", ErrBadRecord, len(b), parkedRecordLen)
+		}
+		queue = binary.LittleEndian.Uint32(b[RecordHeaderLen:])
+		b = b[:RecordHeaderLen]
+	}
 	if n > MaxPayload {
 		return Record{}, fmt.Errorf("%w: payload length %d exceeds %d", ErrBadRecord, n, MaxPayload)
 	}
@@ -67,6 +94,8 @@ func DecodeRecord(b []byte) (Record, error) {
 		CgroupID: binary.LittleEndian.Uint64(b[20:28]),
 		KtimeNs:  binary.LittleEndian.Uint64(b[28:36]),
 		Payload:  b[RecordHeaderLen:],
+		Parked:   parked,
+		Queue:    queue,
 	}, nil
 }
 
@@ -77,8 +106,11 @@ func AppendRecord(dst []byte, r Record) ([]byte, error) {
 	if !src.Is4() || !dstAddr.Is4() {
 		return dst, fmt.Errorf("encode record for %v: the ring-buffer layout holds IPv4 addresses only", r.Conn)
 	}
-	if len(r.Payload) > MaxPayload {
-		return dst, fmt.Errorf("encode record for %v: payload of %d bytes exceeds %d", r.Conn, len(r.Payload), MaxPayload)
+	if len(r.Payload) > MaxPayload || r.Parked > MaxPayload {
+		return dst, fmt.Errorf("encode record for %v: payload of %d bytes exceeds %d", r.Conn, max(len(r.Payload), int(r.Parked)), MaxPayload)
+	}
+	if r.Parked > 0 && len(r.Payload) > 0 {
+		return dst, fmt.Errorf("encode record for %v: a parked record carries no payload", r.Conn)
 	}
 	var h [RecordHeaderLen]byte
 	s4, d4 := src.As4(), dstAddr.As4()
@@ -90,6 +122,11 @@ func AppendRecord(dst []byte, r Record) ([]byte, error) {
 	binary.LittleEndian.PutUint32(h[16:20], uint32(len(r.Payload)))
 	binary.LittleEndian.PutUint64(h[20:28], r.CgroupID)
 	binary.LittleEndian.PutUint64(h[28:36], r.KtimeNs)
+	if r.Parked > 0 {
+		binary.LittleEndian.PutUint32(h[16:20], r.Parked|ParkedFlag)
+		dst = append(dst, h[:]...)
+		return binary.LittleEndian.AppendUint32(dst, r.Queue), nil
+	}
 	dst = append(dst, h[:]...)
 	return append(dst, r.Payload...), nil
 }

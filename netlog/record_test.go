@@ -2,6 +2,7 @@ package netlog
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"net/netip"
 	"testing"
@@ -51,6 +52,23 @@ func TestDecodeRecord(t *testing.T) {
 			buf:  rawRecord(src, dst, 1, 65535, 0, 0, 0, 0, nil),
 			want: Record{Conn: tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.1:1"), Remote: netip.MustParseAddrPort("192.168.7.254:65535")}, Payload: []byte{}},
 		},
+		{
+			name: "parked",
+			buf:  binary.LittleEndian.AppendUint32(rawRecord(src, dst, 40000, 5201, 7, 65160|ParkedFlag, 9, 10, nil), 3),
+			want: Record{
+				Conn:     tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.1:40000"), Remote: netip.MustParseAddrPort("192.168.7.254:5201")},
+				Seq:      7,
+				CgroupID: 9,
+				KtimeNs:  10,
+				Payload:  []byte{},
+				Parked:   65160,
+				Queue:    3,
+			},
+		},
+		{name: "parked without its queue", buf: rawRecord(src, dst, 1, 2, 3, 100|ParkedFlag, 0, 0, nil), wantErr: true},
+		{name: "parked with a payload", buf: rawRecord(src, dst, 1, 2, 3, 8|ParkedFlag, 0, 0, []byte("abcdefgh")), wantErr: true},
+		{name: "parked, no length", buf: binary.LittleEndian.AppendUint32(rawRecord(src, dst, 1, 2, 3, ParkedFlag, 0, 0, nil), 0), wantErr: true},
+		{name: "parked beyond MaxPayload", buf: binary.LittleEndian.AppendUint32(rawRecord(src, dst, 1, 2, 3, (MaxPayload+1)|ParkedFlag, 0, 0, nil), 0), wantErr: true},
 		{name: "empty buffer", buf: nil, wantErr: true},
 		{name: "header cut short", buf: rawRecord(src, dst, 1, 2, 3, 0, 0, 0, nil)[:RecordHeaderLen-1], wantErr: true},
 		{name: "len larger than buffer", buf: rawRecord(src, dst, 1, 2, 3, 11, 0, 0, payload), wantErr: true},
@@ -71,7 +89,8 @@ func TestDecodeRecord(t *testing.T) {
 				t.Fatal(err)
 			}
 			if got.Conn != tt.want.Conn || got.Seq != tt.want.Seq || got.CgroupID != tt.want.CgroupID ||
-				got.KtimeNs != tt.want.KtimeNs || !bytes.Equal(got.Payload, tt.want.Payload) {
+				got.KtimeNs != tt.want.KtimeNs || !bytes.Equal(got.Payload, tt.want.Payload) ||
+				got.Parked != tt.want.Parked || got.Queue != tt.want.Queue {
 				t.Fatalf("got %+v, want %+v", got, tt.want)
 			}
 			enc, err := AppendRecord(nil, got)
@@ -105,6 +124,7 @@ func FuzzDecodeRecord(f *testing.F) {
 	f.Add(rawRecord([4]byte{1, 2, 3, 4}, [4]byte{5, 6, 7, 8}, 1, 2, 3, 3, 4, 5, []byte("abc")))
 	f.Add(rawRecord([4]byte{}, [4]byte{}, 0, 0, 0, 0, 0, 0, nil))
 	f.Add([]byte{1, 2, 3})
+	f.Add(binary.LittleEndian.AppendUint32(rawRecord([4]byte{1, 2, 3, 4}, [4]byte{5, 6, 7, 8}, 1, 2, 3, 1000|ParkedFlag, 4, 5, nil), 1))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		r, err := DecodeRecord(b)
 		if err != nil {
@@ -113,7 +133,10 @@ func FuzzDecodeRecord(f *testing.F) {
 			}
 			return
 		}
-		if len(b) != RecordHeaderLen+len(r.Payload) {
+		switch {
+		case r.Parked > 0 && (len(b) != RecordHeaderLen+4 || len(r.Payload) != 0):
+			t.Fatalf("accepted a parked record of %d bytes with a %d-byte payload", len(b), len(r.Payload))
+		case r.Parked == 0 && len(b) != RecordHeaderLen+len(r.Payload):
 			t.Fatalf("accepted %d bytes with a %d-byte payload", len(b), len(r.Payload))
 		}
 		enc, err := AppendRecord(nil, r)

@@ -123,6 +123,38 @@ func (s *Store) AppendRecord(rec Record) error {
 	return s.appendLocked(rec.Seq, rec.Payload)
 }
 
+// NoteParked notes a segment whose bytes wait elsewhere, in the park (Record.Parked), until they are
+// appended or trimmed: it anchors the store as an append would, moves its reference on (so that the
+// sequences after a long parked stretch unwrap right), and counts as activity. It stores nothing.
+func (s *Store) NoteParked(rec Record) error {
+	if rec.Parked == 0 {
+		return nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return ErrClosed
+	}
+	s.lastAppend = time.Now()
+	if rec.CgroupID != 0 {
+		s.cgroup = rec.CgroupID
+	}
+	s.lastKtime = max(s.lastKtime, rec.KtimeNs)
+	if !s.u.Anchored() {
+		s.base = s.u.Anchor(rec.Seq)
+	}
+	s.u.Observe(s.u.Unwrap(rec.Seq) + uint64(rec.Parked))
+	return nil
+}
+
+// Trimmed reports whether every byte before wire sequence end is below the trim point: no replay
+// can need them. A closed store needs nothing.
+func (s *Store) Trimmed(end uint32) bool {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.closed || (s.u.Anchored() && s.u.Peek(end) <= s.floor)
+}
+
 func (s *Store) appendLocked(seq uint32, p []byte) error {
 	if s.closed {
 		return ErrClosed
@@ -705,6 +737,9 @@ type Bounds struct {
 	Contiguous uint64 // every byte of [First, Contiguous) is retained
 	Last       uint64 // one past the highest retained byte
 	Retained   int64  // bytes retained; Last-First minus the holes
+	// Seen is one past the highest byte offered, retained or not: appended, parked (NoteParked),
+	// or trimmed.
+	Seen uint64
 }
 
 // Bounds returns the store's live bounds. With nothing retained, First, Contiguous and
@@ -713,7 +748,7 @@ func (s *Store) Bounds() Bounds {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
 	return Bounds{Anchored: s.u.Anchored(), Base: s.base, Floor: s.floor,
-		First: s.first, Contiguous: s.contig, Last: s.last, Retained: s.retained}
+		First: s.first, Contiguous: s.contig, Last: s.last, Retained: s.retained, Seen: s.u.Ref()}
 }
 
 // Stats returns the store's memory accounting and counters.

@@ -479,14 +479,15 @@ func TestShortPartitionPastDeclaration(t *testing.T) {
 // The stop also outlasts the time after which node2's log program takes its consumer for gone: the ring
 // full (1 MiB), rank 1's segments pass unlogged, and its log has a hole, which a recovery of rank 0 or 2
 // would refuse to replay. Once node2's agent runs again it asks every other member for a snapshot, which
-// covers those bytes. Before, only a metric said so, until the receivers' next interval.
+// covers those bytes. Before, only a metric said so, until the receivers' next interval. The agents park
+// no segments (a park would hold the rank's traffic all the while, and the ring never fill).
 func TestHungAgentNotFailedOver(t *testing.T) {
 	t.Parallel() // each test has its own lab (labSlots)
 	args := ringArgs(3000, 64<<10, 10*time.Millisecond)
 	want := reference(t, 3, args)
 	// Longer than the stop (two suspicions of up to three seconds each): node2's agent wakes up before its
 	// own fence deadline, so that it keeps its rank without asking node3 to vouch for it.
-	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", MetricsListen: metricsAddr, FenceTimeout: 30 * time.Second, LogRingMiB: 1})
+	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", MetricsListen: metricsAddr, FenceTimeout: 30 * time.Second, LogRingMiB: 1, LogNoPark: true})
 	logEventsOnFailure(t, c)
 	rg := startRing(t, c, 3, 7398, args)
 	rg.waitProtected(t, 2*time.Minute)

@@ -158,8 +158,10 @@ type netlogRun struct {
 	probeCPU   float64 // seconds: the TCX program's run time (modeProbe only)
 	copied     int64   // bytes the sender copied (the copy modes)
 	copyCPU    float64 // seconds: the beside copier's thread CPU time (modeCopyBeside), the freeing thread's (modePark)
-	logged     uint64  // payload bytes the probe logged (retransmissions included)
+	logged     uint64  // payload bytes the probe logged or parked (retransmissions included)
 	drops      uint64  // backpressure drops
+	parked     uint64  // payload bytes parked (modeParked)
+	freed      uint64  // parked bytes freed unread: trimmed while parked
 }
 
 // benchNetlog measures what the sender-side TCP log costs a bulk transfer and a
@@ -232,13 +234,14 @@ func benchNetlog(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 	}
 	settings := map[string]any{
 		"pairs":               pairs,
-		"order":               "each round of a link runs without logging, with the logger's program alone, with the capture (and, for copy_bound links, with each of the two copies alone and with the parked clones), rotating which goes first; the messages alternate without and with; metrics are medians over rounds, ratios are medians of per-round ratios",
+		"order":               "each round of a link runs without logging, with the logger's program alone, with the capture, with the parked capture (and, for copy_bound links, with each of the two copies alone and with the parked clones), rotating which goes first; the messages alternate without and with; metrics are medians over rounds, ratios are medians of per-round ratios",
 		"program_alone":       "the TCX program protecting the sender's cgroup, its ring drained by a goroutine that keeps nothing, BPF run time statistics on: program_cpu_s_per_GB is the program's own run time (copies into the ring included) per GB, program_alone_throughput_ratio the throughput without the log's consumer",
 		"copy_bound":          "links with copy_bound also run the transfer without any log but with the one copy of every sent byte that any sender-side log makes, at its two best places: in the sending thread after each write (copy_in_sender) and on a thread of the sender's own woken every 8 MiB (copy_beside, whose thread CPU per GB is copy_beside_cpu_s_per_GB); both copy from the sender's own buffer with the log's non-temporal copy into 256 MiB faulted in beforehand. copy_bound_throughput_ratio, the better of the two, bounds what any design that copies reaches on this machine. park: the ceiling of one that does not, each segment of the sender cloned to a tap device's queue by a TCX program (the clone shares the segment's pages) and freed every 40 ms by a read of its headers (which tell its flow and place; their TCP payload is checked against the bytes sent); park_program_cpu_s_per_GB is the program's run time, park_free_cpu_s_per_GB the freeing thread's (bench/ftbench/netlogbound.go)",
 		"links":               links,
 		"messages":            map[string]any{"size": msgSize, "count": msgCount, "nodelay": true, "link": "unshaped"},
 		"topology":            "two lab hosts (network namespaces) on a bridge via veth pairs; sender in node1, receiver in node2, each a process of its own in a cgroup v2 child",
-		"capture":             "capture.New on node1 eth0, 64 MiB ring, sender's cgroup protected; log trimmed to its contiguous end every 50 ms (receiver checkpoints), no compression or spill; before each measured transfer the capture logs a 256 MiB one, not measured, so that the log's pool holds the slab buffers its trims freed, as a running agent's log does (since 2026-12-01; before, the measured transfer paid for faulting in its log's memory)",
+		"parked":              "the same capture with capture.ParkOptions{} (defaults: segments of 4 KiB to 256 KiB cloned into a tap device with a queue per CPU, at most 1 GiB waiting, freed unread once trimmed, taken into the log past three quarters of that): parked_throughput_ratio against the run without logging, the consumer thread's CPU per GB logged or parked, and the fraction of the bytes freed unread (never copied)",
+		"capture":             "capture.New on node1 eth0, 64 MiB ring, sender's cgroup protected; log trimmed to the end of what it has seen every 50 ms (receiver checkpoints; to its contiguous end until 2026-12-05), no compression or spill; before each measured transfer the capture logs a 256 MiB one, not measured, so that the log's pool holds the slab buffers its trims freed, as a running agent's log does (since 2026-12-01; before, the measured transfer paid for faulting in its log's memory)",
 		"cpu_job":             "cgroup v2 cpu.stat usage_usec of the sender and receiver cgroups: includes the probe's in-kernel work and the softirq work run in their context (no IRQ time accounting)",
 		"cpu_consumer":        "getrusage(RUSAGE_SELF) of ftbench during a run: the Capture's consumer, the trimmer, the Go runtime and the harness's own goroutines",
 		"cpu_consumer_thread": "the consumer thread's CLOCK_THREAD_CPUTIME_ID (capture.Counters.ConsumerCPU): what logging costs in user space, without the harness",
@@ -274,8 +277,9 @@ func (b *netlogBench) linkSetting(ctx context.Context, lk netlogLink, pairs int)
 	defer undo()
 	var gbWith, gbWithout, ratios, probeRatios, probeCPU, cpuWith, cpuWithout, consumer, thread, sysWith, sysWithout []float64
 	var senderRatios, besideRatios, besideCPU, parkRatios, parkProg, parkFree []float64
+	var parkedRatios, parkedThread, parkedFreed []float64
 	var drops uint64
-	modes := []netlogMode{modePlain, modeProbe, modeCapture}
+	modes := []netlogMode{modePlain, modeProbe, modeCapture, modeParked}
 	if lk.Bound {
 		modes = append(modes, modeCopySender, modeCopyBeside, modePark)
 	}
@@ -301,6 +305,12 @@ func (b *netlogBench) linkSetting(ctx context.Context, lk netlogLink, pairs int)
 		thread = append(thread, w.threadCPU/(float64(w.logged)/1e9))
 		sysWith, sysWithout = append(sysWith, perGB(w.systemCPU, w)), append(sysWithout, perGB(wo.systemCPU, wo))
 		drops += w.drops
+		pd := set[modeParked]
+		parkedRatios = append(parkedRatios, gbps(pd)/gbps(wo))
+		parkedThread = append(parkedThread, pd.threadCPU/(float64(pd.logged)/1e9))
+		parkedFreed = append(parkedFreed, float64(pd.freed)/float64(max(pd.logged, 1)))
+		b.log.Info("netlog parked", "link", lk.Name, "pair", i, "gbit_s_without", round2(gbps(wo)), "gbit_s_parked", round2(gbps(pd)),
+			"thread_cpu_s_per_gb", round2(pd.threadCPU/(float64(pd.logged)/1e9)), "parked_mb", pd.parked>>20, "freed_unread_mb", pd.freed>>20, "drops", pd.drops)
 		if lk.Bound {
 			cs, cb, pk := set[modeCopySender], set[modeCopyBeside], set[modePark]
 			senderRatios, besideRatios = append(senderRatios, gbps(cs)/gbps(wo)), append(besideRatios, gbps(cb)/gbps(wo))
@@ -340,6 +350,9 @@ func (b *netlogBench) linkSetting(ctx context.Context, lk netlogLink, pairs int)
 		{Name: p + "system_cpu_s_per_GB_without", Value: median(sysWithout), Unit: "s/GB"},
 		{Name: p + "system_cpu_s_per_GB_with", Value: median(sysWith), Unit: "s/GB"},
 		{Name: p + "drops_backpressure", Value: float64(drops), Unit: "segments"},
+		{Name: p + "parked_throughput_ratio", Value: median(parkedRatios), Unit: "x"},
+		{Name: p + "parked_consumer_thread_cpu_s_per_GB_logged", Value: median(parkedThread), Unit: "s/GB"},
+		{Name: p + "parked_freed_unread_fraction", Value: median(parkedFreed), Unit: "x"},
 	}, bound...), nil
 }
 
@@ -483,6 +496,7 @@ const (
 	modeCopySender                   // no log: the sender copies what it sent after each write (netlogbound.go)
 	modeCopyBeside                   // no log: a thread of the sender's copies what it sent, 8 MiB at a time
 	modePark                         // no log: the segments' clones wait in a tap's queue, freed every poll
+	modeParked                       // a Capture that parks segments (capture.ParkOptions): the parked log
 	numModes
 )
 
@@ -528,10 +542,14 @@ func (b *netlogBench) run(ctx context.Context, mode netlogMode, total int64, wsi
 	}
 	var c *capture.Capture
 	stopTrim := func() {}
-	if mode == modeCapture {
+	if mode == modeCapture || mode == modeParked {
+		opts := capture.Options{Interface: "eth0", Logger: b.log}
+		if mode == modeParked {
+			opts.Park = &capture.ParkOptions{}
+		}
 		err = b.lab.Do("node1", func() error {
 			var err error
-			c, err = capture.New(capture.Options{Interface: "eth0", Logger: b.log})
+			c, err = capture.New(opts)
 			return err
 		})
 		if err != nil {
@@ -602,9 +620,9 @@ func (b *netlogBench) transfer(ctx context.Context, c *capture.Capture, total in
 		r.copyCPU = float64(ns) / 1e9
 	}
 	if c != nil {
-		// Count the consumer's work on the tail of the transfer too.
+		// Count the consumer's work on the tail of the transfer too: the ring drained, the clones freed.
 		for deadline := time.Now().Add(2 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-			if cnt, err := c.Counters(); err != nil || cnt.RingPendingBytes == 0 {
+			if cnt, err := c.Counters(); err != nil || cnt.RingPendingBytes == 0 && cnt.ParkWaitingBytes == 0 {
 				break
 			}
 		}
@@ -621,10 +639,11 @@ func (b *netlogBench) transfer(ctx context.Context, c *capture.Capture, total in
 		if err != nil {
 			return r, err
 		}
-		r.logged, r.drops = cnt.BytesLogged-cntBefore.BytesLogged, cnt.DropsBackpressure-cntBefore.DropsBackpressure
-		if r.logged < uint64(total) || cnt.AppendErrors+cnt.BadRecords+uint64(cnt.Conflicts) != 0 {
-			return r, fmt.Errorf("capture logged %d of %d bytes, %d append errors, %d bad records, %d conflicts",
-				r.logged, total, cnt.AppendErrors, cnt.BadRecords, cnt.Conflicts)
+		r.logged, r.drops = cnt.BytesLogged+cnt.BytesParked-cntBefore.BytesLogged-cntBefore.BytesParked, cnt.DropsBackpressure-cntBefore.DropsBackpressure
+		r.parked, r.freed = cnt.BytesParked-cntBefore.BytesParked, cnt.ParkFreedBytes-cntBefore.ParkFreedBytes
+		if r.logged < uint64(total) || cnt.AppendErrors+cnt.BadRecords+uint64(cnt.Conflicts)+cnt.ParkLost != 0 {
+			return r, fmt.Errorf("capture logged or parked %d of %d bytes, %d append errors, %d bad records, %d conflicts, %d parked clones lost",
+				r.logged, total, cnt.AppendErrors, cnt.BadRecords, cnt.Conflicts, cnt.ParkLost)
 		}
 		r.threadCPU = (cnt.ConsumerCPU - cntBefore.ConsumerCPU).Seconds()
 	}
@@ -698,8 +717,9 @@ func (p *probeRun) close(total int64) error {
 	return errors.Join(err, p.stats.Close(), p.l.Close())
 }
 
-// trimLoop trims every connection of lg to its contiguous end every period,
-// as the receivers' checkpoints would, until the returned function is called.
+// trimLoop trims every connection of lg to the end of what it has seen every period (netlog.Bounds.Seen:
+// logged, parked or trimmed), as the receivers' checkpoints would, until the returned function is called.
+// (Until 2026-12-05 it trimmed to the contiguous end; parked bytes are not in it until taken.)
 func trimLoop(lg *netlog.Log, period time.Duration) func() {
 	stop, done := make(chan struct{}), make(chan struct{})
 	go func() {
@@ -714,7 +734,7 @@ func trimLoop(lg *netlog.Log, period time.Duration) func() {
 			}
 			for _, conn := range lg.Conns() {
 				if bd, err := lg.Bounds(conn); err == nil {
-					_, _ = lg.Trim(conn, netlog.Wire(bd.Contiguous))
+					_, _ = lg.Trim(conn, netlog.Wire(bd.Seen))
 				}
 			}
 		}

@@ -48,6 +48,8 @@ type Options struct {
 	LogLevel string // ftagent --log-level ("" = info)
 	// LogMemoryMiB and LogRingMiB bound the agents' sender-side logs (0: the agent defaults).
 	LogMemoryMiB, LogRingMiB int
+	// LogNoPark has the agents copy every segment into the log's ring, none parked (log.park = false).
+	LogNoPark bool
 	// Heartbeat and HeartbeatTimeout drive failure detection (0: 200ms and 1s, quicker than a real
 	// cluster's defaults because the lab's links never lose a beat); ProbeTimeout bounds the confirmation
 	// (0: HeartbeatTimeout). FastDetection sets quicker ones.
@@ -274,6 +276,9 @@ func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
 	}
 	if c.opts.LogRingMiB > 0 {
 		cfg.Log.RingMiB = c.opts.LogRingMiB
+	}
+	if c.opts.LogNoPark {
+		cfg.Log.Park = false
 	}
 	cfg.Heartbeat.Interval.Duration, cfg.Heartbeat.Timeout.Duration = 200*time.Millisecond, time.Second
 	cfg.Heartbeat.Nice = c.opts.Nice

@@ -25,6 +25,7 @@ import (
 	"github.com/ftkit/ftkit/internal/cgroupv2"
 	"github.com/ftkit/ftkit/internal/sockdiag"
 	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/netlog/park"
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
@@ -50,6 +51,8 @@ type Options struct {
 	// MemoryCap, if positive, bounds the log's memory (netlog.Stats.MemoryBytes): the consumer stops
 	// draining the ring rather than let one more append exceed it (TCP backpressure, never loss).
 	MemoryCap int64
+	// Park, if set, parks segments in the kernel instead of copying them into the ring (ParkOptions).
+	Park *ParkOptions
 
 	// afterRecord, when set, runs after each record is appended: tests use it
 	// to slow the consumer down and provoke backpressure drops.
@@ -76,6 +79,9 @@ type Capture struct {
 	done    chan struct{} // closed when the consumer returns
 	consErr error         // the consumer's fatal error, readable after done
 
+	poll         time.Duration // Options.PollInterval
+	park         *parked       // nil without Options.Park
+	parkFlush    atomic.Bool   // a caller waits for bytes: take every parked clone into the log (Wake)
 	memCap       int64         // Options.MemoryCap
 	headroom     int64         // the most one append can add to the log's memory
 	paused       atomic.Bool   // the consumer is waiting for memory under the cap
@@ -85,9 +91,10 @@ type Capture struct {
 	badRecords   atomic.Uint64 // records DecodeRecord rejected
 	appendErrors atomic.Uint64 // Append errors other than conflicts (conflicts are in netlog.Stats)
 
-	mu        sync.Mutex
-	protected map[string]uint64 // cleaned cgroup directory -> cgroup id
-	closed    bool
+	mu         sync.Mutex
+	protected  map[string]uint64  // cleaned cgroup directory -> cgroup id
+	readCancel context.CancelFunc // ends the consumer's wait for records, which has a park to service
+	closed     bool
 }
 
 // New loads the probe, attaches it to the egress of opts.Interface and starts
@@ -120,13 +127,31 @@ func New(opts Options) (*Capture, error) {
 	if poll <= 0 {
 		poll = DefaultPollInterval
 	}
-	probe, err := ebpfprobes.NewTCPLogger(ebpfprobes.TCPLoggerOptions{RingBufferSize: opts.RingBufferSize, PollInterval: poll, MaxFlows: opts.MaxFlows, Logger: log})
-	if err != nil {
-		nl.Close()
-		return nil, fmt.Errorf("capture: %w", err)
+	popts := ebpfprobes.TCPLoggerOptions{RingBufferSize: opts.RingBufferSize, PollInterval: poll, MaxFlows: opts.MaxFlows, Logger: log}
+	var pk *park.Park
+	var parkOpts ParkOptions
+	if opts.Park != nil {
+		parkOpts = opts.Park.withDefaults()
+		if pk, err = openPark(parkOpts); err != nil {
+			nl.Close()
+			return nil, err
+		}
+		popts.Park = ebpfprobes.ParkOptions{Ifindex: pk.Ifindex(), Queues: pk.Queues(), MinLen: parkOpts.MinLen, MaxLen: parkOpts.MaxLen}
 	}
-	if err := probe.Attach(lk.Attrs().Index); err != nil {
-		probe.Close()
+	probe, err := ebpfprobes.NewTCPLogger(popts)
+	if err == nil && pk != nil {
+		err = probe.SetParkCap(uint64(parkOpts.Cap))
+	}
+	if err == nil {
+		err = probe.Attach(lk.Attrs().Index)
+	}
+	if err != nil {
+		if probe != nil {
+			probe.Close()
+		}
+		if pk != nil {
+			pk.Close()
+		}
 		nl.Close()
 		return nil, fmt.Errorf("capture: %w", err)
 	}
@@ -145,6 +170,10 @@ func New(opts Options) (*Capture, error) {
 		done:      make(chan struct{}),
 		protected: make(map[string]uint64),
 		memCap:    opts.MemoryCap,
+		poll:      poll,
+	}
+	if pk != nil {
+		c.park = newParked(pk, probe, parkOpts)
 	}
 	// One append of a record of up to 64 KiB can open at most two new slabs (and use a pooled one).
 	slab := int64(opts.Log.SlabSize)
@@ -155,6 +184,9 @@ func New(opts Options) (*Capture, error) {
 	if c.memCap > 0 && c.memCap < 2*c.headroom {
 		cancel()
 		probe.Close()
+		if pk != nil {
+			pk.Close()
+		}
 		nl.Close()
 		return nil, fmt.Errorf("capture: memory cap %d bytes is below twice one append's worst case (%d): raise it", c.memCap, c.headroom)
 	}
@@ -190,29 +222,43 @@ func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 		// Pooled slab buffers are reused before the log allocates anything: only live data counts.
 		return c.netlog.Stats().LiveBytes()+c.headroom > limit
 	}
+	// logged classifies an error of the log: only a closed log stops the consumer.
+	logged := func(err error) error {
+		switch {
+		case err == nil:
+		case errors.Is(err, netlog.ErrClosed):
+			return err
+		case errors.Is(err, netlog.ErrConflict):
+			// Counted in netlog.Stats.Conflicts; log a few.
+			if n := c.netlog.Stats().Conflicts; isPow2(uint64(n)) {
+				c.log.Warn("capture: segment conflicts with logged bytes, kept the first version", "err", err, "count", n)
+			}
+		default:
+			if n := c.appendErrors.Add(1); isPow2(n) {
+				c.log.Error("capture: append to log", "err", err, "count", n)
+			}
+		}
+		return nil
+	}
 	take := func(raw []byte) error {
 		c.records.Add(1)
 		rec, err := netlog.DecodeRecord(raw)
+		if err == nil && rec.Parked > 0 && c.park == nil {
+			err = errors.New("a parked record, and no park")
+		}
 		if err != nil {
 			if n := c.badRecords.Add(1); isPow2(n) {
 				c.log.Error("capture: bad ring buffer record (probe and netlog disagree on the layout?)", "err", err, "count", n)
 			}
 			return nil
 		}
-		if err := a.append(rec); err != nil {
-			switch {
-			case errors.Is(err, netlog.ErrClosed):
-				return err
-			case errors.Is(err, netlog.ErrConflict):
-				// Counted in netlog.Stats.Conflicts; log a few.
-				if n := c.netlog.Stats().Conflicts; isPow2(uint64(n)) {
-					c.log.Warn("capture: segment conflicts with logged bytes, kept the first version", "err", err, "count", n)
-				}
-			default:
-				if n := c.appendErrors.Add(1); isPow2(n) {
-					c.log.Error("capture: append to log", "err", err, "count", n)
-				}
-			}
+		if rec.Parked > 0 {
+			// Booked even if the log refuses the note: the clone is in its queue all the same.
+			c.park.push(rec)
+			return logged(a.noteParked(rec))
+		}
+		if err := logged(a.append(rec)); err != nil {
+			return err
 		}
 		if afterRecord != nil {
 			afterRecord()
@@ -261,10 +307,37 @@ func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 			continue
 		}
 		c.paused.Store(false)
-		if _, err := c.probe.ReadBatch(ctx, 0, handle); stopped(err) {
+		if _, err := c.readBatch(ctx, handle); stopped(err) {
 			return
 		}
+		if c.park != nil {
+			takeAll := c.parkFlush.Swap(false) || c.urgent.Load() > 0
+			if err := c.park.service(c.netlog, func(rec netlog.Record) error { return logged(a.append(rec)) }, takeAll, func() bool { return !atCap() }); stopped(err) {
+				return
+			}
+		}
 	}
+}
+
+// readBatch is the probe's ReadBatch, which returns after the poll interval if a clone waits in the park
+// (service frees clones as receivers' snapshots trim the log, records or not), or when Wake asks.
+func (c *Capture) readBatch(ctx context.Context, fn func(raw []byte) error) (int, error) {
+	if c.park == nil || !c.park.holding() {
+		return c.probe.ReadBatch(ctx, 0, fn)
+	}
+	rctx, cancel := context.WithTimeout(ctx, c.poll)
+	c.mu.Lock()
+	c.readCancel = cancel
+	c.mu.Unlock()
+	n, err := c.probe.ReadBatch(rctx, 0, fn)
+	c.mu.Lock()
+	c.readCancel = nil
+	c.mu.Unlock()
+	cancel()
+	if err != nil && ctx.Err() == nil && rctx.Err() != nil {
+		err = nil
+	}
+	return n, err
 }
 
 // threadClock measures the CPU time of the calling thread from its start. The runtime hands a thread
@@ -301,6 +374,14 @@ func (c *Capture) Urge() (done func()) {
 // Wake makes the consumer look at the ring now instead of at its next poll (Options.PollInterval): for a
 // caller waiting for bytes that may be in it.
 func (c *Capture) Wake() {
+	if c.park != nil {
+		c.parkFlush.Store(true)
+		c.mu.Lock()
+		if c.readCancel != nil {
+			c.readCancel()
+		}
+		c.mu.Unlock()
+	}
 	if err := c.probe.Wake(); err != nil && !errors.Is(err, ebpfprobes.ErrClosed) {
 		c.log.Warn("capture: wake the consumer", "err", err)
 	}
@@ -339,6 +420,23 @@ func (a *appender) append(rec netlog.Record) error {
 	return nil
 }
 
+// noteParked is append for a parked record (netlog.Store.NoteParked).
+func (a *appender) noteParked(rec netlog.Record) error {
+	if a.st != nil && rec.Conn == a.conn {
+		if err := a.st.NoteParked(rec); !errors.Is(err, netlog.ErrClosed) {
+			return err
+		}
+	}
+	a.st = nil
+	if err := a.log.NoteParked(rec); err != nil {
+		return fmt.Errorf("netlog %v: %w", rec.Conn, err)
+	}
+	if st, err := a.log.Store(rec.Conn); err == nil {
+		a.conn, a.st = rec.Conn, st
+	}
+	return nil
+}
+
 // FlowState is the live state of conn as its last egress segment showed it (the sender's snd_nxt, its
 // rcv_nxt as the ACK number, TSval/TSecr): what a restorer needs about a peer. ok is false if no segment
 // of conn was seen.
@@ -370,6 +468,14 @@ func (c *Capture) LogsSocket(conn tcpflow.Tuple) (bool, error) {
 
 // isPow2 rate-limits repeated error logs to counts 1, 2, 4, 8, ...
 func isPow2(n uint64) bool { return n != 0 && n&(n-1) == 0 }
+
+// ParkCap is the park's cap in bytes, 0 without a park.
+func (c *Capture) ParkCap() int64 {
+	if c.park == nil {
+		return 0
+	}
+	return c.park.cap
+}
 
 // Log returns the log the consumer appends to. It is freed by Close.
 func (c *Capture) Log() *netlog.Log { return c.netlog }
@@ -481,6 +587,16 @@ type Counters struct {
 	Kicks             uint64 `json:"kicks"`            // sockets pushed after a backpressure drop instead of waiting for TCP's timers
 	ReserveLogged     uint64 `json:"reserve_logged"`   // segments of flows held back 2 s or more, let through the ring's reserve while paused
 	UnloggedPassed    uint64 `json:"unlogged_passed"`  // segments passed unlogged while the consumer was gone (a stopped or hung agent): a hole
+	PacketsParked     uint64 `json:"packets_parked"`   // segments cloned into the park (Options.Park), not copied
+	BytesParked       uint64 `json:"bytes_parked"`
+	ParkFailed        uint64 `json:"park_failed"` // segments the park refused (a queue full): copied into the ring
+	ParkFull          uint64 `json:"park_full"`   // segments copied into the ring because the park held its cap
+
+	// The park's book (Options.Park).
+	ParkWaitingBytes int64  `json:"park_waiting_bytes"` // payload bytes waiting in clones
+	ParkFreedBytes   uint64 `json:"park_freed_bytes"`   // freed unread: trimmed while parked, never copied
+	ParkTakenBytes   uint64 `json:"park_taken_bytes"`   // read into the log (a replay waited, or the park was full)
+	ParkLost         uint64 `json:"park_lost"`          // clones missing or not the one expected: a hole, must stay 0
 
 	// Consumer.
 	RecordsConsumed uint64 `json:"records_consumed"`
@@ -539,6 +655,10 @@ func (c *Capture) Counters() (Counters, error) {
 		ReserveLogged:      pc.ReserveLogged,
 		UnloggedPassed:     pc.UnloggedPassed,
 		FragmentsPassed:    pc.FragmentsPassed,
+		PacketsParked:      pc.PacketsParked,
+		BytesParked:        pc.BytesParked,
+		ParkFailed:         pc.ParkFailed,
+		ParkFull:           pc.ParkFull,
 		RecordsConsumed:    c.records.Load(),
 		BadRecords:         c.badRecords.Load(),
 		AppendErrors:       c.appendErrors.Load(),
@@ -566,6 +686,12 @@ func (c *Capture) Counters() (Counters, error) {
 		out.ConsumerRunning = true
 	}
 	out.ConsumerPaused = c.paused.Load()
+	if c.park != nil {
+		out.ParkWaitingBytes = c.park.waiting.Load()
+		out.ParkFreedBytes = c.park.freed.Load()
+		out.ParkTakenBytes = c.park.taken.Load()
+		out.ParkLost = c.park.lost.Load()
+	}
 	return out, nil
 }
 
@@ -590,6 +716,11 @@ func (c *Capture) Close() error {
 	}
 	if err := c.probe.Close(); err != nil {
 		errs = append(errs, fmt.Errorf("capture: %w", err))
+	}
+	if c.park != nil {
+		if err := c.park.close(); err != nil {
+			errs = append(errs, fmt.Errorf("capture: %w", err))
+		}
 	}
 	if err := c.netlog.Close(); err != nil {
 		errs = append(errs, fmt.Errorf("capture: %w", err))

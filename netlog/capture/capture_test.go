@@ -86,10 +86,13 @@ func startSender(ctx context.Context, t *testing.T, l *lab.Lab, cg *streamtest.C
 	return s, tcpflow.Tuple{Local: src, Remote: dst}, seq
 }
 
-// waitLogged waits until the log holds every byte of conn below abs end.
-func waitLogged(ctx context.Context, t *testing.T, lg *netlog.Log, conn tcpflow.Tuple, end uint64) netlog.Bounds {
+// waitLogged waits until c's log holds every byte of conn below abs end, waking its consumer as a
+// recovery that waits does (parked bytes are taken into the log then).
+func waitLogged(ctx context.Context, t *testing.T, c *Capture, conn tcpflow.Tuple, end uint64) netlog.Bounds {
 	t.Helper()
+	lg := c.Log()
 	for {
+		c.Wake()
 		b, err := lg.Bounds(conn)
 		if err == nil && b.Contiguous >= end {
 			return b
@@ -122,6 +125,7 @@ type variant struct {
 	delay     time.Duration // consumer sleep per record
 	lossPerK  int32         // packets per 1000 dropped on the way into node2
 	wantDrops bool          // backpressure drops must happen
+	park      *ParkOptions  // park segments (the log then takes them when waitLogged wakes it)
 	port      uint16
 	seed      uint64
 }
@@ -144,10 +148,18 @@ func TestCaptureEndToEnd(t *testing.T) {
 		// every record lets it fill, so the probe drops segments and TCP
 		// sends them again later.
 		{name: "tiny-ring", ring: 256 << 10, size: 4 << 20, side: 1 << 20, delay: 500 * time.Microsecond, wantDrops: true, port: 6021, seed: 3},
+		// Segments parked, taken into the log only when waitLogged wakes the consumer; with loss, the
+		// retransmissions are parked again.
+		{name: "park", ring: 8 << 20, size: 64 << 20, side: 8 << 20, port: 6031, seed: 4, park: &ParkOptions{}},
+		{name: "park-loss", ring: 8 << 20, size: 32 << 20, side: 4 << 20, lossPerK: 15, port: 6032, seed: 5, park: &ParkOptions{}},
+		// A park of 1 MiB is full at once: segments go through the ring beside it, and the consumer takes
+		// clones into the log as the park passes three quarters of its cap.
+		{name: "park-small", ring: 8 << 20, size: 32 << 20, side: 4 << 20, port: 6033, seed: 6, park: &ParkOptions{Cap: 1 << 20}},
 	} {
 		t.Run(v.name, func(t *testing.T) { testFidelity(t, l, protected, other, v) })
 	}
 	t.Run("trim", func(t *testing.T) { testTrim(t, l, protected) })
+	t.Run("park-trim", func(t *testing.T) { testParkTrim(t, l, protected) })
 	t.Run("urge", func(t *testing.T) { testUrge(t, l, protected) })
 	t.Run("logs socket", func(t *testing.T) { testLogsSocket(t, l, protected, other) })
 }
@@ -288,7 +300,7 @@ func testUrge(t *testing.T, l *lab.Lab, protected *streamtest.Cgroup) {
 func testFidelity(t *testing.T, l *lab.Lab, protected, other *streamtest.Cgroup, v variant) {
 	ctx, cancel := context.WithTimeout(t.Context(), 4*time.Minute) // a failure bound only: 64 MiB took 39 s on a loaded CI machine, and then every check reads the log
 	defer cancel()
-	opts := Options{Interface: "eth0", RingBufferSize: v.ring, Logger: testLogger(t)}
+	opts := Options{Interface: "eth0", RingBufferSize: v.ring, Logger: testLogger(t), Park: v.park}
 	if v.delay > 0 {
 		opts.afterRecord = func() { time.Sleep(v.delay) }
 	}
@@ -323,7 +335,7 @@ func testFidelity(t *testing.T, l *lab.Lab, protected, other *streamtest.Cgroup,
 		t.Fatalf("the protected flow is not in the log: %v", err)
 	}
 	to := from + uint64(v.size)
-	b := waitLogged(ctx, t, lg, conn, to)
+	b := waitLogged(ctx, t, c, conn, to)
 	if b.First != from || b.Last != to || b.Retained != int64(v.size) {
 		t.Errorf("bounds %+v, want exactly [%d, %d) (the stream from its first byte, wire seq %d)", b, from, to, seq0)
 	}
@@ -388,6 +400,81 @@ func testFidelity(t *testing.T, l *lab.Lab, protected, other *streamtest.Cgroup,
 	if v.lossPerK > 0 && cnt.DuplicateBytes == 0 {
 		t.Errorf("no retransmitted bytes logged with %d/1000 packets lost", v.lossPerK)
 	}
+	if v.park != nil {
+		switch {
+		case cnt.BytesParked == 0 || v.park.Cap == 0 && cnt.BytesParked < uint64(v.size)/2:
+			t.Errorf("%d of the %d bytes parked: the park is not used", cnt.BytesParked, v.size)
+		case cnt.ParkLost != 0:
+			t.Errorf("%d clones lost", cnt.ParkLost)
+		case cnt.ParkTakenBytes == 0:
+			t.Errorf("no parked bytes taken into the log")
+		case v.park.Cap > 0 && v.park.Cap < int64(v.size)/4 && cnt.ParkFull == 0:
+			t.Errorf("a park of %d bytes never full with %d sent", v.park.Cap, v.size)
+		}
+	}
+}
+
+// testParkTrim: trims while the flow runs, to every byte sent so far (receivers' snapshots, very
+// frequent), let the park free the clones of most bytes unread, copied nowhere, and lose none.
+func testParkTrim(t *testing.T, l *lab.Lab, protected *streamtest.Cgroup) {
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute) // a failure bound only
+	defer cancel()
+	c := newCapture(t, l, Options{Interface: "eth0", RingBufferSize: 8 << 20, Logger: testLogger(t), Park: &ParkOptions{}})
+	if err := c.ProtectCgroup(protected.Dir); err != nil {
+		t.Fatal(err)
+	}
+	const size = 64 << 20
+	dst := hostAddr(t, l, "node2", 6034)
+	recv := streamtest.StartT(t, l, "node2", nil, "recv", "FTKIT_ADDR="+dst.String())
+	if got := recv.LineT(ctx, t); got != "ready" {
+		t.Fatalf("receiver said %q", got)
+	}
+	_, conn, _ := startSender(ctx, t, l, protected, dst, 60, size)
+	lg := c.Log()
+	trim := func() {
+		if b, err := lg.Bounds(conn); err == nil {
+			if _, err := lg.Trim(conn, netlog.Wire(b.Seen)); err != nil {
+				t.Errorf("trim: %v", err)
+			}
+		}
+	}
+	stop, done := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(20 * time.Millisecond):
+				trim()
+			}
+		}
+	}()
+	expectReceived(ctx, t, recv, streamtest.Stream(60, size))
+	close(stop)
+	<-done
+	// The consumer frees what is trimmed at each poll: wait until nothing is parked.
+	var cnt Counters
+	for {
+		trim()
+		var err error
+		if cnt, err = c.Counters(); err != nil {
+			t.Fatal(err)
+		}
+		if cnt.ParkWaitingBytes == 0 && cnt.BytesParked > 0 && cnt.RingPendingBytes == 0 {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("the park still holds clones: %+v", cnt)
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	t.Logf("counters %+v", cnt)
+	if cnt.ParkFreedBytes < cnt.BytesParked/2 || cnt.BytesParked < size/2 || cnt.ParkLost != 0 {
+		t.Errorf("of %d bytes sent, %d parked, %d freed unread, %d taken, %d clones lost; want most parked and freed, none lost",
+			size, cnt.BytesParked, cnt.ParkFreedBytes, cnt.ParkTakenBytes, cnt.ParkLost)
+	}
 }
 
 // testTrim checks garbage collection: once the receiver has read up to byte
@@ -417,7 +504,7 @@ func testTrim(t *testing.T, l *lab.Lab, protected *streamtest.Cgroup) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	waitLogged(ctx, t, lg, conn, from+n)
+	waitLogged(ctx, t, c, conn, from+n)
 	// The receiver is paused, so the sender stops once the receive window
 	// is full: wait for the log to stop growing before measuring memory.
 	var b netlog.Bounds
@@ -469,7 +556,7 @@ func testTrim(t *testing.T, l *lab.Lab, protected *streamtest.Cgroup) {
 		t.Fatal(err)
 	}
 	expectReceived(ctx, t, recv, data)
-	waitLogged(ctx, t, lg, conn, from+size)
+	waitLogged(ctx, t, c, conn, from+size)
 	if got, err := lg.Range(conn, from+n, from+size); err != nil || sha256.Sum256(got) != sha256.Sum256(data[n:]) {
 		t.Errorf("Range [n, size) after trim: %v, hash match %v", err, err == nil && sha256.Sum256(got) == sha256.Sum256(data[n:]))
 	}
@@ -594,7 +681,7 @@ func TestCaptureLoneSegment(t *testing.T) {
 		}
 		_, conn, seq0 := startSender(ctx, t, l, protected, dst, seed, size)
 		from := waitUnwrap(ctx, t, lg, conn, seq0)
-		waitLogged(ctx, t, lg, conn, from+size)
+		waitLogged(ctx, t, c, conn, from+size)
 		var buf bytes.Buffer
 		if _, err := lg.WriteRange(ctx, &buf, conn, from, from+size); err != nil {
 			t.Fatalf("read back the lone segment of %v: %v", conn, err)
@@ -618,7 +705,7 @@ func TestCaptureLoneSegment(t *testing.T) {
 		if got := send.LineT(ctx, t); got != fmt.Sprintf("sent %d", bulk) {
 			t.Fatalf("bulk sender said %q", got)
 		}
-		waitLogged(ctx, t, lg, conn, from+bulk)
+		waitLogged(ctx, t, c, conn, from+bulk)
 		expectReceived(ctx, t, recv, streamtest.Stream(42, bulk))
 	})
 }

@@ -131,6 +131,8 @@ type StartConfig struct {
 	MaxFlows  int     // protected flows with a live state at once; 0: ebpfprobes.DefaultMaxFlows
 	MemoryMiB int     // the log's memory cap; 0: a tenth of this host's memory
 	SpillDir  string  // "" for none
+	Park      bool    // park segments in the kernel (capture.ParkOptions)
+	ParkMiB   int     // the park's cap; 0: a quarter of the log's, at most 1024
 	High, Low float64 // the controller's thresholds, fractions of the cap
 	MaxRange  int64
 	Members   Members
@@ -154,7 +156,21 @@ func Start(sc StartConfig) (*Node, error) {
 		opts.SpillDir = sc.SpillDir
 		opts.SpillAboveRAM = int64(float64(capBytes) * sc.Low)
 	}
-	c, err := capture.New(capture.Options{Interface: sc.Interface, RingBufferSize: sc.RingMiB << 20, MaxFlows: sc.MaxFlows, Log: opts, Logger: sc.Logger, MemoryCap: capBytes})
+	copts := capture.Options{Interface: sc.Interface, RingBufferSize: sc.RingMiB << 20, MaxFlows: sc.MaxFlows, Log: opts, Logger: sc.Logger, MemoryCap: capBytes}
+	if sc.Park {
+		park := int64(sc.ParkMiB) << 20
+		if park == 0 {
+			park = min(capBytes/4, 1<<30)
+		}
+		copts.Park = &capture.ParkOptions{Cap: park}
+	}
+	c, err := capture.New(copts)
+	if err != nil && copts.Park != nil {
+		// The log works without: every segment is copied into its ring, as before the park.
+		sc.Logger.Warn("cannot park sent segments in the kernel: the log copies every segment instead (log.park = false silences this)", "err", err)
+		copts.Park = nil
+		c, err = capture.New(copts)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("start the sender-side log on %s: %w", sc.Interface, err)
 	}
@@ -233,6 +249,14 @@ func (n *Node) Protect(dir string) error { return n.src.ProtectCgroup(dir) }
 
 // Unprotect stops logging cgroup dir.
 func (n *Node) Unprotect(dir string) error { return n.src.UnprotectCgroup(dir) }
+
+// ParkCapBytes is the park's cap, 0 without a park.
+func (n *Node) ParkCapBytes() int64 {
+	if c, ok := n.src.(interface{ ParkCap() int64 }); ok {
+		return c.ParkCap()
+	}
+	return 0
+}
 
 // CapBytes is the log's memory cap.
 func (n *Node) CapBytes() int64 { return n.ctl.Config().Cap }

@@ -92,10 +92,10 @@ const (
 )
 
 // holes counts what was sent but never reached the log: segments passed unlogged (IP fragments; segments
-// passed while the consumer was gone, a stopped or hung agent) and records the consumer rejected or could
-// not append.
+// passed while the consumer was gone, a stopped or hung agent), records the consumer rejected or could
+// not append, and parked clones lost.
 func holes(c capture.Counters) uint64 {
-	return c.FragmentsPassed + c.UnloggedPassed + c.BadRecords + c.AppendErrors
+	return c.FragmentsPassed + c.UnloggedPassed + c.BadRecords + c.AppendErrors + c.ParkLost
 }
 
 // checkHoles asks every other member for a snapshot when the log has lost bytes since it last asked. A
@@ -126,7 +126,7 @@ func (n *Node) checkHoles(ctx context.Context, now time.Time) {
 	others := n.cfg.Members.Others()
 	n.log.Error("the sender-side log lost bytes: recoveries of their receivers are refused until the receivers' next snapshots; asking every member to snapshot now",
 		"lost", lost, "fragments_passed", c.FragmentsPassed, "unlogged_passed", c.UnloggedPassed, "bad_records", c.BadRecords,
-		"append_errors", c.AppendErrors, "members", others)
+		"append_errors", c.AppendErrors, "park_lost", c.ParkLost, "members", others)
 	n.addEvents([]controller.Event{{Time: now, Kind: EventHole, Memory: c.MemoryBytes}})
 	n.cfg.Event(EventHole)
 	for _, node := range others {

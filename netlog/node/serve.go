@@ -169,8 +169,13 @@ func (n *Node) Range(ctx context.Context, peer string, conn tcpflow.Tuple, from 
 	return r, nil
 }
 
-// catchUpWait bounds how long Range waits for the log to hold what the live state says was sent.
-const catchUpWait = 250 * time.Millisecond
+// catchUpWait bounds how long Range waits for the log to hold what the live state says was sent, and
+// parkTakeRate, in bytes per second, is the least rate at which the consumer takes parked clones into the
+// log (a read and a copy each), by which the wait grows with what the park holds.
+const (
+	catchUpWait  = 250 * time.Millisecond
+	parkTakeRate = 256 << 20
+)
 
 // catchUp waits, briefly, until the log holds every byte the probe's live state says conn sent after
 // wire sequence from: the consumer reads the ring at its poll interval, and a range read between two polls
@@ -180,7 +185,12 @@ func (n *Node) catchUp(ctx context.Context, conn tcpflow.Tuple, from uint32) {
 	if err != nil || !ok || live.DataEnd() == from {
 		return
 	}
-	ctx, cancel := context.WithTimeout(ctx, catchUpWait)
+	wait := catchUpWait
+	if c, err := n.src.Counters(); err == nil && c.ParkWaitingBytes > 0 {
+		// The consumer takes every parked clone into the log first, in queue order.
+		wait += time.Duration(c.ParkWaitingBytes) * time.Second / parkTakeRate
+	}
+	ctx, cancel := context.WithTimeout(ctx, wait)
 	defer cancel()
 	n.Log().WaitHolds(ctx, conn, live.DataEnd(), 2*time.Millisecond, n.src.Wake)
 }

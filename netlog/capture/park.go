@@ -1,0 +1,217 @@
+//go:build linux
+
+package capture
+
+import (
+	"errors"
+	"fmt"
+	"sync/atomic"
+
+	"github.com/cilium/ebpf"
+
+	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/netlog/park"
+	"github.com/ftkit/ftkit/tcpflow"
+)
+
+// ParkOptions make a capture park segments instead of copying them into its ring (package netlog/park,
+// docs/design.md): the program clones each segment of MinLen..MaxLen payload bytes into the park, a tap
+// device with a queue per CPU, where it waits, sharing the sender's pages, until a receiver's snapshot
+// covers its bytes (freed by reading its headers only) or they are needed (read into the log: a replay,
+// or the park at three quarters of Cap). Segments sent while the park holds Cap bytes, or by CPUs past
+// park.MaxQueues, go through the ring as before.
+type ParkOptions struct {
+	// Device is the tap device's name, in the capture's network namespace; "" means DefaultParkDevice.
+	Device string
+	// Cap bounds the payload bytes waiting in the park; 0 means DefaultParkCap. The clones' memory is
+	// the kernel's, outside the log's (Options.MemoryCap): the two caps add up.
+	Cap int64
+	// MinLen is the shortest payload parked (0: DefaultParkMinLen): a clone costs a packet's metadata
+	// and a read whatever its length, so short segments are cheaper copied.
+	MinLen uint32
+	// MaxLen is the longest (0: DefaultParkMaxLen): the size of the consumer's buffer for a clone.
+	MaxLen uint32
+}
+
+// The park's defaults.
+const (
+	DefaultParkDevice        = "ftpark0"
+	DefaultParkCap           = 1 << 30
+	DefaultParkMinLen uint32 = 4096
+	DefaultParkMaxLen uint32 = 256 << 10
+	// maxParkQueueLen bounds each queue (the kernel allocates a pointer per slot and queue): a queue that
+	// is full makes the program copy into the ring.
+	maxParkQueueLen = 1 << 16
+)
+
+func (o ParkOptions) withDefaults() ParkOptions {
+	if o.Device == "" {
+		o.Device = DefaultParkDevice
+	}
+	if o.Cap == 0 {
+		o.Cap = DefaultParkCap
+	}
+	if o.MinLen == 0 {
+		o.MinLen = DefaultParkMinLen
+	}
+	if o.MaxLen == 0 {
+		o.MaxLen = DefaultParkMaxLen
+	}
+	return o
+}
+
+// openPark opens the park opts describe, in the calling thread's network namespace, with a queue per
+// possible CPU (up to park.MaxQueues).
+func openPark(opts ParkOptions) (*park.Park, error) {
+	if opts.Cap < 0 || opts.MaxLen < opts.MinLen || opts.MaxLen > netlog.MaxPayload {
+		return nil, fmt.Errorf("capture: park cap %d bytes, segments of %d..%d bytes: want a cap of 0 or more and 0 < MinLen <= MaxLen <= %d",
+			opts.Cap, opts.MinLen, opts.MaxLen, netlog.MaxPayload)
+	}
+	cpus, err := ebpf.PossibleCPU()
+	if err != nil {
+		return nil, fmt.Errorf("capture: count the CPUs for the park's queues: %w", err)
+	}
+	qlen := int(min(max(opts.Cap/int64(opts.MinLen), 1), maxParkQueueLen))
+	p, err := park.Open(opts.Device, min(cpus, park.MaxQueues), qlen)
+	if err != nil {
+		return nil, fmt.Errorf("capture: %w", err)
+	}
+	return p, nil
+}
+
+// parked is the consumer's book of the park: the clones each queue holds, in order. Only the consumer's
+// goroutine touches it, but for the counters.
+type parked struct {
+	p     *park.Park
+	probe *ebpfprobes.TCPLogger
+	cap   int64
+	q     [][]parkEntry // per queue, oldest first, from head[i]
+	head  []int
+	bytes int64  // payload bytes waiting
+	left  uint64 // payload bytes that left the park so far (the program's parked_freed)
+	hdr   []byte // Free's buffer
+	buf   []byte // Take's
+
+	waiting atomic.Int64  // bytes, for Counters
+	freed   atomic.Uint64 // payload bytes freed unread: what parking saved
+	taken   atomic.Uint64 // payload bytes read into the log
+	lost    atomic.Uint64 // clones missing or not the one expected: their bytes are a hole
+}
+
+type parkEntry struct {
+	conn     tcpflow.Tuple
+	seq, len uint32
+	cgroup   uint64
+	ktime    uint64
+}
+
+func newParked(p *park.Park, probe *ebpfprobes.TCPLogger, opts ParkOptions) *parked {
+	return &parked{
+		p: p, probe: probe, cap: opts.Cap,
+		q: make([][]parkEntry, p.Queues()), head: make([]int, p.Queues()),
+		hdr: make([]byte, park.HeaderRoom), buf: make([]byte, int(opts.MaxLen)+park.HeaderRoom+1),
+	}
+}
+
+// push books a parked record: its clone is the last in its queue.
+func (k *parked) push(rec netlog.Record) {
+	if int(rec.Queue) >= len(k.q) {
+		// The program parks only on CPUs below the queue count: a record naming another is not its.
+		k.lost.Add(1)
+		return
+	}
+	k.q[rec.Queue] = append(k.q[rec.Queue], parkEntry{conn: rec.Conn, seq: rec.Seq, len: rec.Parked, cgroup: rec.CgroupID, ktime: rec.KtimeNs})
+	k.bytes += int64(rec.Parked)
+	k.waiting.Store(k.bytes)
+}
+
+// errParkStop stops service at the log's memory cap.
+var errParkStop = errors.New("stop")
+
+// service frees the clones at the queues' heads whose bytes the log has trimmed, and takes into the log
+// those it must keep while takeAll is set (a caller waits for them) or the park holds more than three
+// quarters of its cap; room says whether the log may grow by one more. A queue waits at the first clone
+// that is neither. Each clone read is checked against its record; one that is not the expected clone
+// counts as lost.
+func (k *parked) service(log *netlog.Log, store func(netlog.Record) error, takeAll bool, room func() bool) error {
+	var err error
+	for qi := range k.q {
+		if err = k.serviceQueue(qi, log, store, takeAll, room); err != nil {
+			break
+		}
+	}
+	k.waiting.Store(k.bytes)
+	if errors.Is(err, errParkStop) {
+		err = nil
+	}
+	return errors.Join(err, k.probe.ParkFreed(k.left))
+}
+
+func (k *parked) serviceQueue(qi int, log *netlog.Log, store func(netlog.Record) error, takeAll bool, room func() bool) error {
+	q := k.q[qi]
+	defer func() {
+		// Keep the slice short: reuse it once drained, move it down once half is done.
+		switch h := k.head[qi]; {
+		case h == len(k.q[qi]):
+			k.q[qi], k.head[qi] = k.q[qi][:0], 0
+		case h > 1024 && h > len(k.q[qi])/2:
+			n := copy(k.q[qi], k.q[qi][h:])
+			k.q[qi], k.head[qi] = k.q[qi][:n], 0
+		}
+	}()
+	for k.head[qi] < len(q) {
+		e := q[k.head[qi]]
+		var f park.Frame
+		var err error
+		trimmed := storeTrimmed(log, e)
+		switch {
+		case trimmed:
+			f, err = k.p.Free(qi, k.hdr)
+		case takeAll || k.bytes > k.cap/4*3:
+			if !room() {
+				return errParkStop
+			}
+			f, err = k.p.Take(qi, k.buf)
+		default:
+			return nil
+		}
+		k.head[qi]++
+		k.bytes -= int64(e.len)
+		k.left += uint64(e.len)
+		switch {
+		case errors.Is(err, park.ErrEmpty):
+			// The program queues the clone before it submits the record: it cannot be missing.
+			k.lost.Add(1)
+			continue
+		case errors.Is(err, park.ErrNotTCP):
+			k.lost.Add(1)
+			continue
+		case err != nil:
+			k.lost.Add(1)
+			return err
+		case f.Conn != e.conn || f.Seq != e.seq || (!trimmed && len(f.Payload) != int(e.len)):
+			k.lost.Add(1)
+			continue
+		case trimmed:
+			k.freed.Add(uint64(e.len))
+			continue
+		}
+		k.taken.Add(uint64(e.len))
+		if err := store(netlog.Record{Conn: e.conn, Seq: e.seq, CgroupID: e.cgroup, KtimeNs: e.ktime, Payload: f.Payload}); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// storeTrimmed says whether the log needs none of e's bytes: trimmed, or the connection's log removed.
+func storeTrimmed(log *netlog.Log, e parkEntry) bool {
+	st, err := log.Store(e.conn)
+	return err != nil || st.Trimmed(e.seq+e.len)
+}
+
+// holding says whether any clone waits.
+func (k *parked) holding() bool { return k.bytes > 0 }
+
+func (k *parked) close() error { return k.p.Close() }
