@@ -89,6 +89,8 @@ func (a *Agent) logMetrics() *metrics.Log {
 		BytesLogged: cnt.BytesLogged, PacketsLogged: cnt.PacketsLogged,
 		DropsBackpressure: cnt.DropsBackpressure, DropsOversize: cnt.DropsOversize, DropsError: cnt.DropsError,
 		FragmentsPassed: cnt.FragmentsPassed, AppendErrors: cnt.AppendErrors, Kicks: cnt.Kicks, LoggedPassed: cnt.LoggedPassed, ReserveLogged: cnt.ReserveLogged, UnloggedPassed: cnt.UnloggedPassed,
+		ParkCapBytes: a.netlog.node.ParkCapBytes(), ParkWaitingBytes: cnt.ParkWaitingBytes, BytesParked: cnt.BytesParked,
+		ParkFreed: cnt.ParkFreedBytes, ParkTaken: cnt.ParkTakenBytes, ParkLost: cnt.ParkLost,
 	}
 	if rc, err := a.netlog.tap.Counters(); err == nil {
 		l.ReceivedBytes = rc.BytesRecorded

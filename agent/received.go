@@ -205,6 +205,7 @@ func (a *Agent) logOf(conn tcpflow.Tuple) (*netlog.Log, logConsumer, error) {
 type logConsumer interface {
 	Urge() (done func())
 	Wake()
+	TakeParked(ctx context.Context) error
 }
 
 // keepResends makes sure the bytes a restored job re-sends stay readable until they are checked: those
@@ -371,6 +372,11 @@ func (a *Agent) waitLogged(ctx context.Context, conn tcpflow.Tuple, end uint32) 
 	defer consumer.Urge()()
 	ctx, cancel := context.WithTimeout(ctx, resentLogWait)
 	defer cancel()
+	if !l.Holds(conn, end) {
+		if err := consumer.TakeParked(ctx); err != nil {
+			a.log.Warn("reading logged bytes without those still parked", "conn", conn, "err", err)
+		}
+	}
 	l.WaitHolds(ctx, conn, end, 10*time.Millisecond, consumer.Wake)
 }
 

@@ -8,6 +8,10 @@
 // number. It never modifies a packet. Facts this design rests on are in
 // docs/ebpf-logging.md.
 //
+// Or it parks the segment (park_ifindex below, docs/design.md "The park"):
+// a clone of it goes into the park's queue of this CPU and the record holds
+// no payload, only the queue.
+//
 // Lossless by backpressure: when a payload cannot be logged (ring buffer
 // full, record larger than the ring, copy error) the segment is dropped
 // (TCX_DROP == TC_ACT_SHOT) and counted. TCP retransmits it later and it is

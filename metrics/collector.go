@@ -20,6 +20,7 @@ type collector struct {
 	consumerCPU                                                                       *prometheus.Desc
 	logBytes, logPackets, logDrops, logKicks, logPassed, releasedConns, releasedBytes *prometheus.Desc
 	logReserve                                                                        *prometheus.Desc
+	parkWaiting, parkCap, parkedBytes, parkBytes                                      *prometheus.Desc
 	receivedBytes, receiveDrops                                                       *prometheus.Desc
 	beatAge, busy                                                                     *prometheus.Desc
 	recoveries, stageSeconds, recoverySeconds                                         *prometheus.Desc
@@ -45,10 +46,14 @@ func newCollector(src Source) *collector {
 		consumerCPU:   d("ftkit_log_consumer_cpu_seconds_total", "CPU time of the log consumer's thread: what logging costs in user space (the probe's copy into the ring runs in the senders' context).", nil, nil),
 		logBytes:      d("ftkit_log_logged_bytes_total", "Payload bytes the egress probe wrote to the log, retransmissions included.", nil, nil),
 		logPackets:    d("ftkit_log_logged_packets_total", "Segments the egress probe wrote to the log.", nil, nil),
-		logDrops:      d("ftkit_log_drops_total", "Segments the log did not take, by reason: backpressure, oversize, error (dropped; TCP retransmits them), fragment (passed unlogged: must stay 0), consumer_gone (passed unlogged: the agent took nothing from the full ring for 4 s; the receivers are not recoverable until their next snapshot), append_error (a record the consumer could not append).", []string{"reason"}, nil),
+		logDrops:      d("ftkit_log_drops_total", "Segments the log did not take, by reason: backpressure, oversize, error (dropped; TCP retransmits them), fragment (passed unlogged: must stay 0), consumer_gone (passed unlogged: the agent took nothing from the full ring for 4 s; the receivers are not recoverable until their next snapshot), append_error (a record the consumer could not append), park_lost (a parked clone missing or not the one expected: must stay 0).", []string{"reason"}, nil),
 		logKicks:      d("ftkit_log_kicks_total", "Sockets the log pushed once its ring had room again after dropping their segments for backpressure, instead of leaving them to TCP's window probe timer (200 ms or more).", nil, nil),
 		logPassed:     d("ftkit_log_logged_passed_total", "Segments passed unlogged while the log's ring was full because every byte of them had a record already (retransmissions).", nil, nil),
 		logReserve:    d("ftkit_log_reserve_logged_total", "Segments of connections held back 2 s or more while the log was paused at its cap, let through its ring's reserve so that TCP does not give up on them.", nil, nil),
+		parkWaiting:   d("ftkit_log_park_bytes", "Payload bytes waiting in parked clones of sent segments (log.park): kernel memory, outside ftkit_log_memory_bytes.", nil, nil),
+		parkCap:       d("ftkit_log_park_cap_bytes", "Cap on ftkit_log_park_bytes (log.park_mib); past three quarters of it the oldest clones are taken into the log.", nil, nil),
+		parkedBytes:   d("ftkit_log_parked_bytes_total", "Payload bytes the egress probe parked as clones instead of copying them into the log.", nil, nil),
+		parkBytes:     d("ftkit_log_park_left_bytes_total", "Parked payload bytes that left the park, by fate: freed (unread: a receiver's snapshot covered them, nothing was copied) or taken (copied into the log: a recovery needed them, or the park was three quarters full).", []string{"fate"}, nil),
 		releasedConns: d("ftkit_log_released_connections_total", "Logs of finished connections freed.", nil, nil),
 		releasedBytes: d("ftkit_log_released_bytes_total", "Logged bytes the freed logs of finished connections still retained.", nil, nil),
 		receivedBytes: d("ftkit_receive_recorded_bytes_total", "Payload bytes the receive tap recorded (digests of what protected sockets received).", nil, nil),
@@ -65,7 +70,7 @@ func newCollector(src Source) *collector {
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{c.jobs, c.replicaAge, c.unreplicated, c.uncovered, c.unrecoverable, c.logMemory, c.logCap, c.logPooled, c.logRetained,
-		c.logSpilled, c.logConns, c.paused, c.consumerCPU, c.logBytes, c.logPackets, c.logDrops, c.logKicks, c.logPassed, c.logReserve, c.releasedConns, c.releasedBytes,
+		c.logSpilled, c.logConns, c.paused, c.consumerCPU, c.logBytes, c.logPackets, c.logDrops, c.logKicks, c.logPassed, c.logReserve, c.parkWaiting, c.parkCap, c.parkedBytes, c.parkBytes, c.releasedConns, c.releasedBytes,
 		c.receivedBytes, c.receiveDrops, c.beatAge, c.busy, c.recoveries, c.stageSeconds, c.recoverySeconds} {
 		ch <- d
 	}
@@ -142,6 +147,12 @@ func (c *collector) collectLog(ch chan<- prometheus.Metric, l *Log) {
 	counter(c.logDrops, float64(l.FragmentsPassed), "fragment")
 	counter(c.logDrops, float64(l.UnloggedPassed), "consumer_gone")
 	counter(c.logDrops, float64(l.AppendErrors), "append_error")
+	counter(c.logDrops, float64(l.ParkLost), "park_lost")
+	gauge(c.parkWaiting, float64(l.ParkWaitingBytes))
+	gauge(c.parkCap, float64(l.ParkCapBytes))
+	counter(c.parkedBytes, float64(l.BytesParked))
+	counter(c.parkBytes, float64(l.ParkFreed), "freed")
+	counter(c.parkBytes, float64(l.ParkTaken), "taken")
 	counter(c.logKicks, float64(l.Kicks))
 	counter(c.logPassed, float64(l.LoggedPassed))
 	counter(c.logReserve, float64(l.ReserveLogged))

@@ -53,6 +53,10 @@ type Log struct {
 	// Drops by reason: segments the probe dropped (TCP retransmits them), fragments passed unlogged,
 	// segments passed unlogged while the consumer was gone, and records the consumer could not append.
 	DropsBackpressure, DropsOversize, DropsError, FragmentsPassed, UnloggedPassed, AppendErrors uint64
+	// The park (log.park): its cap, the payload waiting in clones, bytes parked so far, and what became of
+	// them: freed unread (trimmed while parked) or taken into the log; clones lost count as drops.
+	ParkCapBytes, ParkWaitingBytes              int64
+	BytesParked, ParkFreed, ParkTaken, ParkLost uint64
 	// What keeps a backpressure drop cheap for the sender: sockets pushed once the ring had room again, and
 	// retransmissions passed unlogged while it was full (their bytes had a record already); and what keeps a
 	// connection alive while the log is paused at its cap: segments of flows held back 2 s or more, logged

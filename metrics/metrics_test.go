@@ -80,9 +80,11 @@ ftkit_jobs_unreplicated 1
 		{
 			name: "log against its cap, bytes logged, drops by reason",
 			state: State{Log: &Log{MemoryBytes: 3 << 20, CapBytes: 64 << 20, PooledBytes: 1 << 20, Conns: 2, BytesLogged: 12345, ConsumerPaused: true, ConsumerCPU: 1500 * time.Millisecond,
-				DropsBackpressure: 7, FragmentsPassed: 1, ReleasedBytes: 99, ReceiveDropsError: 2, Kicks: 3, LoggedPassed: 4, ReserveLogged: 5}},
+				DropsBackpressure: 7, FragmentsPassed: 1, ReleasedBytes: 99, ReceiveDropsError: 2, Kicks: 3, LoggedPassed: 4, ReserveLogged: 5,
+				ParkCapBytes: 8 << 20, ParkWaitingBytes: 1 << 20, BytesParked: 100, ParkFreed: 60, ParkTaken: 30, ParkLost: 1}},
 			names: []string{"ftkit_log_memory_bytes", "ftkit_log_memory_cap_bytes", "ftkit_log_pooled_bytes", "ftkit_log_connections", "ftkit_log_consumer_paused", "ftkit_log_consumer_cpu_seconds_total",
-				"ftkit_log_logged_bytes_total", "ftkit_log_drops_total", "ftkit_log_kicks_total", "ftkit_log_logged_passed_total", "ftkit_log_reserve_logged_total", "ftkit_log_released_bytes_total", "ftkit_receive_drops_total"},
+				"ftkit_log_logged_bytes_total", "ftkit_log_drops_total", "ftkit_log_kicks_total", "ftkit_log_logged_passed_total", "ftkit_log_reserve_logged_total", "ftkit_log_released_bytes_total", "ftkit_receive_drops_total",
+				"ftkit_log_park_bytes", "ftkit_log_park_cap_bytes", "ftkit_log_parked_bytes_total", "ftkit_log_park_left_bytes_total"},
 			want: `
 # HELP ftkit_log_connections Connections in the sender-side log.
 # TYPE ftkit_log_connections gauge
@@ -93,7 +95,7 @@ ftkit_log_consumer_cpu_seconds_total 1.5
 # HELP ftkit_log_consumer_paused 1 while the log is at its cap and stops draining the ring buffer (TCP backpressure on the jobs).
 # TYPE ftkit_log_consumer_paused gauge
 ftkit_log_consumer_paused 1
-# HELP ftkit_log_drops_total Segments the log did not take, by reason: backpressure, oversize, error (dropped; TCP retransmits them), fragment (passed unlogged: must stay 0), consumer_gone (passed unlogged: the agent took nothing from the full ring for 4 s; the receivers are not recoverable until their next snapshot), append_error (a record the consumer could not append).
+# HELP ftkit_log_drops_total Segments the log did not take, by reason: backpressure, oversize, error (dropped; TCP retransmits them), fragment (passed unlogged: must stay 0), consumer_gone (passed unlogged: the agent took nothing from the full ring for 4 s; the receivers are not recoverable until their next snapshot), append_error (a record the consumer could not append), park_lost (a parked clone missing or not the one expected: must stay 0).
 # TYPE ftkit_log_drops_total counter
 ftkit_log_drops_total{reason="append_error"} 0
 ftkit_log_drops_total{reason="backpressure"} 7
@@ -101,6 +103,7 @@ ftkit_log_drops_total{reason="consumer_gone"} 0
 ftkit_log_drops_total{reason="error"} 0
 ftkit_log_drops_total{reason="fragment"} 1
 ftkit_log_drops_total{reason="oversize"} 0
+ftkit_log_drops_total{reason="park_lost"} 1
 # HELP ftkit_log_kicks_total Sockets the log pushed once its ring had room again after dropping their segments for backpressure, instead of leaving them to TCP's window probe timer (200 ms or more).
 # TYPE ftkit_log_kicks_total counter
 ftkit_log_kicks_total 3
@@ -116,6 +119,19 @@ ftkit_log_memory_bytes 3.145728e+06
 # HELP ftkit_log_memory_cap_bytes Cap on the sender-side log's memory (log.memory_mib).
 # TYPE ftkit_log_memory_cap_bytes gauge
 ftkit_log_memory_cap_bytes 6.7108864e+07
+# HELP ftkit_log_park_bytes Payload bytes waiting in parked clones of sent segments (log.park): kernel memory, outside ftkit_log_memory_bytes.
+# TYPE ftkit_log_park_bytes gauge
+ftkit_log_park_bytes 1.048576e+06
+# HELP ftkit_log_park_cap_bytes Cap on ftkit_log_park_bytes (log.park_mib); past three quarters of it the oldest clones are taken into the log.
+# TYPE ftkit_log_park_cap_bytes gauge
+ftkit_log_park_cap_bytes 8.388608e+06
+# HELP ftkit_log_park_left_bytes_total Parked payload bytes that left the park, by fate: freed (unread: a receiver's snapshot covered them, nothing was copied) or taken (copied into the log: a recovery needed them, or the park was three quarters full).
+# TYPE ftkit_log_park_left_bytes_total counter
+ftkit_log_park_left_bytes_total{fate="freed"} 60
+ftkit_log_park_left_bytes_total{fate="taken"} 30
+# HELP ftkit_log_parked_bytes_total Payload bytes the egress probe parked as clones instead of copying them into the log.
+# TYPE ftkit_log_parked_bytes_total counter
+ftkit_log_parked_bytes_total 100
 # HELP ftkit_log_pooled_bytes Part of ftkit_log_memory_bytes holding no logged bytes: buffers freed by trims, kept for reuse up to 10 minutes; not counted against the cap.
 # TYPE ftkit_log_pooled_bytes gauge
 ftkit_log_pooled_bytes 1.048576e+06

@@ -225,14 +225,16 @@ func (l *Log) Bounds(conn tcpflow.Tuple) (Bounds, error) {
 }
 
 // Holds reports whether the log holds every byte conn sent before wire sequence end, with no hole below
-// it. A store without a reference point holds nothing (and Unwrap, which would give it one, is not called).
+// it: from the lowest byte offered above the trim point on (Bounds.Low), not only from the lowest one
+// retained, since bytes offered first may come later (parked ones, taken into the log on Wake). A store
+// without a reference point holds nothing (and Unwrap, which would give it one, is not called).
 func (l *Log) Holds(conn tcpflow.Tuple, end uint32) bool {
 	b, err := l.Bounds(conn)
 	if err != nil || !b.Anchored {
 		return false
 	}
 	abs, err := l.Unwrap(conn, end)
-	return err == nil && b.Contiguous >= abs
+	return err == nil && b.Contiguous >= abs && (b.Low == 0 || b.First <= b.Low)
 }
 
 // WaitHolds waits until the log holds conn's bytes before wire sequence end (Holds), looking every

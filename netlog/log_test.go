@@ -388,3 +388,54 @@ func TestLogHolds(t *testing.T) {
 		t.Error("WaitHolds reported a byte the log does not hold")
 	}
 }
+
+// TestLogHoldsParkedBelow: bytes parked before the lowest stored ones are a hole too. A parked segment is
+// taken into the log only when a reader wakes the consumer, so a short segment stored at once, right
+// after it, made the store start there: Holds said yes for a range whose first bytes were still parked,
+// no reader woke the consumer, and the read of the range was refused ("range not logged": every restored
+// job's re-sent bytes failed their check in CI on 8991361).
+func TestLogHoldsParkedBelow(t *testing.T) {
+	l := newTestLog(t, Options{SlabSize: 1024})
+	c := testConn(2)
+	p := testStream(2, 5000)
+	parked := func(from, to int) Record {
+		return Record{Conn: c, Seq: 100 + uint32(from), Parked: uint32(to - from)}
+	}
+	store := func(from, to int) {
+		t.Helper()
+		if err := l.Append(decoded(t, c, 100+uint32(from), p[from:to])); err != nil {
+			t.Fatal(err)
+		}
+	}
+	check := func(when string, end int, want bool) {
+		t.Helper()
+		if got := l.Holds(c, 100+uint32(end)); got != want {
+			b, _ := l.Bounds(c)
+			t.Errorf("%s: Holds(up to %d) = %v, want %v (bounds %+v)", when, end, got, want, b)
+		}
+	}
+	if err := l.NoteParked(parked(0, 2000)); err != nil {
+		t.Fatal(err)
+	}
+	store(2000, 2100) // a short segment, stored at once
+	check("[0, 2000) parked, [2000, 2100) stored", 2100, false)
+	store(0, 2000) // taken
+	check("all stored", 2100, true)
+
+	// After a trim, the same within what is left.
+	if _, err := l.Trim(c, 100+2100); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.NoteParked(parked(2100, 4000)); err != nil {
+		t.Fatal(err)
+	}
+	store(4000, 4100)
+	check("trimmed, [2100, 4000) parked", 4100, false)
+	store(2100, 4000)
+	check("trimmed, all stored", 4100, true)
+	// A parked segment wholly below the trim point is no hole.
+	if err := l.NoteParked(parked(1000, 2000)); err != nil {
+		t.Fatal(err)
+	}
+	check("a parked retransmission of trimmed bytes", 4100, true)
+}

@@ -36,6 +36,7 @@ type Store struct {
 	first    uint64 // lowest retained byte, valid when retained > 0
 	contig   uint64 // [first, contig) is retained
 	last     uint64 // one past the highest retained byte
+	low      uint64 // lowest byte offered (appended or parked) at or above the floor; 0: none
 	retained int64
 	bulk     bool // has logged at least a slab: allocate whole slabs from now on
 	slab0    uint64
@@ -143,8 +144,20 @@ func (s *Store) NoteParked(rec Record) error {
 	if !s.u.Anchored() {
 		s.base = s.u.Anchor(rec.Seq)
 	}
-	s.u.Observe(s.u.Unwrap(rec.Seq) + uint64(rec.Parked))
+	a := s.u.Unwrap(rec.Seq)
+	if end := a + uint64(rec.Parked); end > s.floor {
+		s.offered(max(a, s.floor))
+		s.u.Observe(end)
+	}
 	return nil
+}
+
+// offered notes that byte a, at or above the floor, was offered: Holds then wants every byte from the
+// lowest such one on. The caller holds s.mu for writing.
+func (s *Store) offered(a uint64) {
+	if s.low == 0 || a < s.low {
+		s.low = a
+	}
 }
 
 // Trimmed reports whether every byte before wire sequence end is below the trim point: no replay
@@ -180,6 +193,7 @@ func (s *Store) appendAbs(a uint64, p []byte) error {
 		p = p[d:]
 		a = s.floor
 	}
+	s.offered(a)
 	if s.retained > 0 && a < s.last {
 		if err := s.compare(a, p); err != nil {
 			if errors.Is(err, ErrConflict) {
@@ -658,6 +672,9 @@ func (s *Store) trimAbs(t uint64) {
 		return
 	}
 	s.floor = t
+	if s.low != 0 && s.low < t {
+		s.low = t
+	}
 	s.u.Observe(t)
 	for len(s.slabs) > 0 && s.windowStart(s.slab0+1) <= t {
 		if sl := s.slabs[0]; sl != nil {
@@ -740,6 +757,9 @@ type Bounds struct {
 	// Seen is one past the highest byte offered, retained or not: appended, parked (NoteParked),
 	// or trimmed.
 	Seen uint64
+	// Low is the lowest byte offered (appended or parked) at or above Floor, 0 if none: a First above
+	// it is a hole at the bottom, bytes still parked, say.
+	Low uint64
 }
 
 // Bounds returns the store's live bounds. With nothing retained, First, Contiguous and
@@ -748,7 +768,7 @@ func (s *Store) Bounds() Bounds {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
 	return Bounds{Anchored: s.u.Anchored(), Base: s.base, Floor: s.floor,
-		First: s.first, Contiguous: s.contig, Last: s.last, Retained: s.retained, Seen: s.u.Ref()}
+		First: s.first, Contiguous: s.contig, Last: s.last, Retained: s.retained, Seen: s.u.Ref(), Low: s.low}
 }
 
 // Stats returns the store's memory accounting and counters.

@@ -337,3 +337,82 @@ func TestAppendAllocations(t *testing.T) {
 		t.Fatalf("%.4f allocations per 1448-byte append", allocs)
 	}
 }
+
+// TestStoreNoteParked: a parked segment anchors the store and moves its reference on without storing a
+// byte, so that a trim far past everything stored, and the segments after it, unwrap right; Trimmed says
+// whether a parked segment's bytes are below the trim point. Sequences start near the 32-bit wrap.
+func TestStoreNoteParked(t *testing.T) {
+	s := newTestStore(t, Options{})
+	const base = math.MaxUint32 - 1000
+	parked := func(off, n int) Record {
+		return Record{Seq: uint32(base + off), Parked: uint32(n), CgroupID: 7, KtimeNs: uint64(off)}
+	}
+	steps := []struct {
+		name        string
+		note        *Record
+		trim        int // trim at base+trim when not 0
+		append      [2]int
+		end         int  // the segment Trimmed asks about ends at base+end
+		wantTrimmed bool // for end
+		wantSeen    int  // Bounds.Seen, relative to base
+	}{
+		{name: "first parked segment anchors", note: ptr(parked(0, 64<<10)), end: 64 << 10, wantSeen: 64 << 10},
+		// 3 GiB parked in 64 KiB segments, trimmed as they go: more than the 2^31 an unwrap reaches from a
+		// reference that did not move.
+		{name: "a long parked stretch", note: nil, end: 3 << 30, wantSeen: 3 << 30},
+		{name: "trimmed up to a parked end", trim: 3<<30 - 64<<10, end: 3<<30 - 64<<10, wantTrimmed: true, wantSeen: 3 << 30},
+		{name: "the last parked segment is not", end: 3 << 30, wantSeen: 3 << 30},
+		{name: "a segment stored after it", append: [2]int{3 << 30, 3<<30 + 100}, end: 3<<30 + 100, wantSeen: 3<<30 + 100},
+	}
+	for _, st := range steps {
+		switch {
+		case st.note != nil:
+			if err := s.NoteParked(*st.note); err != nil {
+				t.Fatalf("%s: %v", st.name, err)
+			}
+		case st.name == "a long parked stretch":
+			for off := 64 << 10; off < 3<<30; off += 64 << 10 {
+				if err := s.NoteParked(parked(off, 64<<10)); err != nil {
+					t.Fatal(err)
+				}
+				if off%(1<<30) == 0 {
+					if _, err := s.Trim(uint32(base + off)); err != nil {
+						t.Fatal(err)
+					}
+				}
+			}
+		}
+		if st.trim != 0 {
+			if _, err := s.Trim(uint32(base + st.trim)); err != nil {
+				t.Fatalf("%s: %v", st.name, err)
+			}
+		}
+		if st.append[1] != 0 {
+			if err := s.Append(uint32(base+st.append[0]), make([]byte, st.append[1]-st.append[0])); err != nil {
+				t.Fatalf("%s: %v", st.name, err)
+			}
+		}
+		b := s.Bounds()
+		if got := s.Trimmed(uint32(base + st.end)); got != st.wantTrimmed {
+			t.Errorf("%s: Trimmed(base+%d) = %v, want %v (bounds %+v)", st.name, st.end, got, st.wantTrimmed, b)
+		}
+		if want := AnchorEpoch | base + uint64(st.wantSeen); b.Seen != want || !b.Anchored {
+			t.Errorf("%s: Seen %#x, want %#x (bounds %+v)", st.name, b.Seen, want, b)
+		}
+	}
+	if a := s.Activity(); a.CgroupID != 7 || a.LastAppend.IsZero() {
+		t.Errorf("activity %+v: want the parked records' cgroup and a time", a)
+	}
+	if s.Stats().RetainedBytes != 100 {
+		t.Errorf("retained %d bytes, want only the 100 stored", s.Stats().RetainedBytes)
+	}
+	s.Close()
+	if !s.Trimmed(base) {
+		t.Error("a closed store still needs bytes")
+	}
+	if err := s.NoteParked(parked(0, 1)); !errors.Is(err, ErrClosed) {
+		t.Errorf("NoteParked on a closed store: %v, want ErrClosed", err)
+	}
+}
+
+func ptr[T any](v T) *T { return &v }

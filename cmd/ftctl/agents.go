@@ -238,7 +238,7 @@ coordinator takes within seconds. With a local lab up, every live host is shown.
 			w.Flush()
 			fmt.Fprintln(cmd.OutOrStdout())
 			w = tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
-			fmt.Fprintln(w, "HOST\tLOG MEMORY\tCAP\tPOOLED\tCONNS\tLOGGED\tBACKPRESSURE DROPS\tSPILLED\tCONSUMER")
+			fmt.Fprintln(w, "HOST\tLOG MEMORY\tCAP\tPOOLED\tPARKED\tCONNS\tLOGGED\tBACKPRESSURE DROPS\tSPILLED\tCONSUMER")
 			var events []string
 			for _, h := range all {
 				if h.Log == nil {
@@ -249,9 +249,11 @@ coordinator takes within seconds. With a local lab up, every live host is shown.
 				if !lc.ConsumerRunning {
 					consumer = "STOPPED " + lc.ConsumerError
 				}
-				// LOG MEMORY is what the cap bounds: the pooled buffers hold no logged bytes.
-				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%d\t%s\t%d\t%s\t%s\n", h.Node, humanBytes(lc.MemoryBytes-lc.PooledBytes), humanBytes(h.Log.CapBytes),
-					humanBytes(lc.PooledBytes), lc.Conns, humanBytes(int64(lc.BytesLogged)), lc.DropsBackpressure, humanBytes(lc.SpilledBytes), consumer)
+				// LOG MEMORY is what the cap bounds: the pooled buffers hold no logged bytes. PARKED is the payload
+				// waiting in clones in the kernel (log.park), outside it; LOGGED counts parked bytes too.
+				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%d\t%s\t%s\n", h.Node, humanBytes(lc.MemoryBytes-lc.PooledBytes), humanBytes(h.Log.CapBytes),
+					humanBytes(lc.PooledBytes), humanBytes(lc.ParkWaitingBytes), lc.Conns, humanBytes(int64(lc.BytesLogged+lc.BytesParked)), lc.DropsBackpressure,
+					humanBytes(lc.SpilledBytes), consumer)
 				for _, e := range h.Log.Events {
 					events = append(events, fmt.Sprintf("%s  %s  %s %s memory %s", e.Time.Format("15:04:05.000"), h.Node, e.Kind, e.Node, humanBytes(e.Memory)))
 				}

@@ -82,6 +82,7 @@ type Capture struct {
 	poll         time.Duration // Options.PollInterval
 	park         *parked       // nil without Options.Park
 	parkFlush    atomic.Bool   // a caller waits for bytes: take every parked clone into the log (Wake)
+	parkRounds   atomic.Uint64 // rounds of the consumer that took every parked clone it could (TakeParked)
 	memCap       int64         // Options.MemoryCap
 	headroom     int64         // the most one append can add to the log's memory
 	paused       atomic.Bool   // the consumer is waiting for memory under the cap
@@ -285,6 +286,19 @@ func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 		}
 		return true
 	}
+	// servicePark frees the parked clones receivers' snapshots have trimmed and takes those the log must
+	// hold now, while it has room (parked.service).
+	servicePark := func() error {
+		if c.park == nil {
+			return nil
+		}
+		takeAll := c.parkFlush.Swap(false) || c.urgent.Load() > 0
+		err := c.park.service(c.netlog, func(rec netlog.Record) error { return logged(a.append(rec)) }, takeAll, func() bool { return !atCap() })
+		if takeAll {
+			c.parkRounds.Add(1)
+		}
+		return err
+	}
 	for {
 		// Stop as soon as Close asks: the log is freed right after, so
 		// draining what is left in the ring would be wasted work.
@@ -295,8 +309,12 @@ func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 		if atCap() {
 			c.paused.Store(true)
 			// Even so, keep the ring's reserve free: the probe gives it to the flows it has held back
-			// longest, one segment each every 2 s, or TCP would give up on them.
+			// longest, one segment each every 2 s, or TCP would give up on them. And free the clones the
+			// snapshots that will end the pause trim: the park goes on holding the jobs' segments.
 			if _, err := c.probe.ReadPaused(take); stopped(err) {
+				return
+			}
+			if err := servicePark(); stopped(err) {
 				return
 			}
 			select {
@@ -310,22 +328,26 @@ func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 		if _, err := c.readBatch(ctx, handle); stopped(err) {
 			return
 		}
-		if c.park != nil {
-			takeAll := c.parkFlush.Swap(false) || c.urgent.Load() > 0
-			if err := c.park.service(c.netlog, func(rec netlog.Record) error { return logged(a.append(rec)) }, takeAll, func() bool { return !atCap() }); stopped(err) {
-				return
-			}
+		if err := servicePark(); stopped(err) {
+			return
 		}
 	}
 }
 
-// readBatch is the probe's ReadBatch, which returns after the poll interval if a clone waits in the park
-// (service frees clones as receivers' snapshots trim the log, records or not), or when Wake asks.
+// readBatch is the probe's ReadBatch, which with a park also returns when Wake asks (TakeParked waits
+// for the consumer's rounds), and after the poll interval if a clone waits in the park (service frees
+// clones as receivers' snapshots trim the log, records or not).
 func (c *Capture) readBatch(ctx context.Context, fn func(raw []byte) error) (int, error) {
-	if c.park == nil || !c.park.holding() {
+	if c.park == nil {
 		return c.probe.ReadBatch(ctx, 0, fn)
 	}
-	rctx, cancel := context.WithTimeout(ctx, c.poll)
+	var rctx context.Context
+	var cancel context.CancelFunc
+	if c.park.holding() {
+		rctx, cancel = context.WithTimeout(ctx, c.poll)
+	} else {
+		rctx, cancel = context.WithCancel(ctx)
+	}
 	c.mu.Lock()
 	c.readCancel = cancel
 	c.mu.Unlock()
@@ -385,6 +407,30 @@ func (c *Capture) Wake() {
 	if err := c.probe.Wake(); err != nil && !errors.Is(err, ebpfprobes.ErrClosed) {
 		c.log.Warn("capture: wake the consumer", "err", err)
 	}
+}
+
+// TakeParked has the consumer take every clone parked so far into the log, and returns once it has (or
+// ctx ends): once a round of the consumer that began after the call has taken every parked clone it
+// could (the log at its cap stops it; WaitHolds says whether the bytes are there). For a reader that
+// needs parked bytes now: a recovery's range read. Without a park it returns at once.
+func (c *Capture) TakeParked(ctx context.Context) error {
+	if c.park == nil {
+		return nil
+	}
+	// The round under way when the call came may have begun before the records of the latest clones
+	// were read from the ring: the one after it reads them first.
+	want := c.parkRounds.Load() + 2
+	for c.parkRounds.Load() < want {
+		c.Wake()
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("capture: take the parked clones into the log: %w", ctx.Err())
+		case <-c.done:
+			return errors.New("capture: take the parked clones into the log: the consumer stopped")
+		case <-time.After(2 * time.Millisecond):
+		}
+	}
+	return nil
 }
 
 // appender appends records to a log, remembering the store of the last

@@ -126,9 +126,6 @@ func (k *parked) push(rec netlog.Record) {
 	k.waiting.Store(k.bytes)
 }
 
-// errParkStop stops service at the log's memory cap.
-var errParkStop = errors.New("stop")
-
 // service frees the clones at the queues' heads whose bytes the log has trimmed, and takes into the log
 // those it must keep while takeAll is set (a caller waits for them) or the park holds more than three
 // quarters of its cap; room says whether the log may grow by one more. A queue waits at the first clone
@@ -142,9 +139,6 @@ func (k *parked) service(log *netlog.Log, store func(netlog.Record) error, takeA
 		}
 	}
 	k.waiting.Store(k.bytes)
-	if errors.Is(err, errParkStop) {
-		err = nil
-	}
 	return errors.Join(err, k.probe.ParkFreed(k.left))
 }
 
@@ -170,7 +164,7 @@ func (k *parked) serviceQueue(qi int, log *netlog.Log, store func(netlog.Record)
 			f, err = k.p.Free(qi, k.hdr)
 		case takeAll || k.bytes > k.cap/4*3:
 			if !room() {
-				return errParkStop
+				return nil // the log at its cap: this queue waits, the others may still free
 			}
 			f, err = k.p.Take(qi, k.buf)
 		default:

@@ -36,6 +36,7 @@ type Source interface {
 	Counters() (capture.Counters, error)
 	Urge() (done func())
 	Wake()
+	TakeParked(ctx context.Context) error
 	Close() error
 }
 
@@ -205,6 +206,9 @@ func (n *Node) Urge() (done func()) { return n.src.Urge() }
 
 // Wake makes the capture's consumer look at its ring now (capture.Capture.Wake).
 func (n *Node) Wake() { n.src.Wake() }
+
+// TakeParked has the capture take every parked clone into the log, and waits until it has.
+func (n *Node) TakeParked(ctx context.Context) error { return n.src.TakeParked(ctx) }
 
 // Close detaches the capture.
 func (n *Node) Close() error { return n.src.Close() }

@@ -49,6 +49,8 @@ func (f *fakeSource) ProtectCgroup(string) error          { return nil }
 func (f *fakeSource) UnprotectCgroup(string) error        { return nil }
 func (f *fakeSource) Counters() (capture.Counters, error) { return f.counters, nil }
 func (f *fakeSource) Urge() func()                        { return func() {} }
+func (f *fakeSource) TakeParked(context.Context) error    { return nil }
+
 func (f *fakeSource) Wake() {
 	if f.onWake != nil {
 		f.onWake()

@@ -169,12 +169,12 @@ func (n *Node) Range(ctx context.Context, peer string, conn tcpflow.Tuple, from 
 	return r, nil
 }
 
-// catchUpWait bounds how long Range waits for the log to hold what the live state says was sent, and
-// parkTakeRate, in bytes per second, is the least rate at which the consumer takes parked clones into the
-// log (a read and a copy each), by which the wait grows with what the park holds.
+// catchUpWait bounds how long Range waits for the log to hold what the live state says was sent, once
+// the parked clones are taken, which parkTakeWait bounds (a failure bound: it takes a fraction of a second
+// per 100 MB parked).
 const (
 	catchUpWait  = 250 * time.Millisecond
-	parkTakeRate = 256 << 20
+	parkTakeWait = 30 * time.Second
 )
 
 // catchUp waits, briefly, until the log holds every byte the probe's live state says conn sent after
@@ -185,12 +185,15 @@ func (n *Node) catchUp(ctx context.Context, conn tcpflow.Tuple, from uint32) {
 	if err != nil || !ok || live.DataEnd() == from {
 		return
 	}
-	wait := catchUpWait
 	if c, err := n.src.Counters(); err == nil && c.ParkWaitingBytes > 0 {
-		// The consumer takes every parked clone into the log first, in queue order.
-		wait += time.Duration(c.ParkWaitingBytes) * time.Second / parkTakeRate
+		// Parked bytes are taken into the log first, all of them, in queue order: however long that takes.
+		tctx, cancel := context.WithTimeout(ctx, parkTakeWait)
+		if err := n.src.TakeParked(tctx); err != nil {
+			n.log.Warn("a range read goes on without the bytes still parked", "conn", conn, "err", err)
+		}
+		cancel()
 	}
-	ctx, cancel := context.WithTimeout(ctx, wait)
+	ctx, cancel := context.WithTimeout(ctx, catchUpWait)
 	defer cancel()
 	n.Log().WaitHolds(ctx, conn, live.DataEnd(), 2*time.Millisecond, n.src.Wake)
 }

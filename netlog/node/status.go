@@ -34,7 +34,7 @@ type Conn struct {
 	Contiguous uint32         `json:"contiguous"` // every byte of [first, contiguous) is retained
 	Retained   int64          `json:"retained"`
 	Trimmed    bool           `json:"trimmed"` // a receiver's snapshot released the bytes before first
-	Hole       bool           `json:"hole"`    // bytes are missing between contiguous and the last byte (must never happen)
+	Hole       bool           `json:"hole"`    // bytes are missing between contiguous and the last byte: still parked (log.park), else a hole (must never happen)
 	// Live is the sender's current state of the connection from its last egress segment.
 	Live *ebpfprobes.FlowState `json:"live,omitempty"`
 	// Release is where the connection stands on the way to being freed (release.Verdict): "open"
