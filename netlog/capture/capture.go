@@ -174,7 +174,7 @@ func New(opts Options) (*Capture, error) {
 		poll:      poll,
 	}
 	if pk != nil {
-		c.park = newParked(pk, probe, parkOpts)
+		c.park = newParked(c.log, pk, probe, parkOpts)
 	}
 	// One append of a record of up to 64 KiB can open at most two new slabs (and use a pooled one).
 	slab := int64(opts.Log.SlabSize)
@@ -643,6 +643,7 @@ type Counters struct {
 	ParkFreedBytes   uint64 `json:"park_freed_bytes"`   // freed unread: trimmed while parked, never copied
 	ParkTakenBytes   uint64 `json:"park_taken_bytes"`   // read into the log (a replay waited, or the park was full)
 	ParkLost         uint64 `json:"park_lost"`          // clones missing or not the one expected: a hole, must stay 0
+	ParkStrays       uint64 `json:"park_strays"`        // frames in the park no record names (something else sent them), skipped
 
 	// Consumer.
 	RecordsConsumed uint64 `json:"records_consumed"`
@@ -737,6 +738,7 @@ func (c *Capture) Counters() (Counters, error) {
 		out.ParkFreedBytes = c.park.freed.Load()
 		out.ParkTakenBytes = c.park.taken.Load()
 		out.ParkLost = c.park.lost.Load()
+		out.ParkStrays = c.park.strays.Load()
 	}
 	return out, nil
 }

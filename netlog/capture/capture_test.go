@@ -13,11 +13,13 @@ import (
 	"math/rand/v2"
 	"net/netip"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/cilium/ebpf"
+	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/internal/streamtest"
 	"github.com/ftkit/ftkit/lab"
@@ -160,6 +162,7 @@ func TestCaptureEndToEnd(t *testing.T) {
 	}
 	t.Run("trim", func(t *testing.T) { testTrim(t, l, protected) })
 	t.Run("park-trim", func(t *testing.T) { testParkTrim(t, l, protected) })
+	t.Run("park-stray", func(t *testing.T) { testParkStray(t, l, protected) })
 	t.Run("urge", func(t *testing.T) { testUrge(t, l, protected) })
 	t.Run("logs socket", func(t *testing.T) { testLogsSocket(t, l, protected, other) })
 }
@@ -412,6 +415,86 @@ func testFidelity(t *testing.T, l *lab.Lab, protected, other *streamtest.Cgroup,
 			t.Errorf("a park of %d bytes never full with %d sent", v.park.Cap, v.size)
 		}
 	}
+}
+
+// testParkStray: frames that something else sends out of the park sit in its queues before the clones;
+// the consumer skips them, and the clones behind them are still each where their records say. (Before,
+// one stray frame put a queue's book one clone off for good, and every later clone of it counted lost.)
+func testParkStray(t *testing.T, l *lab.Lab, protected *streamtest.Cgroup) {
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute) // a failure bound only
+	defer cancel()
+	c := newCapture(t, l, Options{Interface: "eth0", RingBufferSize: 8 << 20, Logger: testLogger(t), Park: &ParkOptions{}})
+	if err := c.ProtectCgroup(protected.Dir); err != nil {
+		t.Fatal(err)
+	}
+	strays := sendStrays(t, l, c.park.p.Ifindex(), c.park.p.Queues())
+	const size = 16 << 20
+	dst := hostAddr(t, l, "node2", 6035)
+	recv := streamtest.StartT(t, l, "node2", nil, "recv", "FTKIT_ADDR="+dst.String())
+	if got := recv.LineT(ctx, t); got != "ready" {
+		t.Fatalf("receiver said %q", got)
+	}
+	_, conn, seq0 := startSender(ctx, t, l, protected, dst, 70, size)
+	data := streamtest.Stream(70, size)
+	expectReceived(ctx, t, recv, data)
+	from, err := c.Log().Unwrap(conn, seq0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitLogged(ctx, t, c, conn, from+size)
+	h := sha256.New()
+	if n, err := c.Log().WriteRange(ctx, h, conn, from, from+size); err != nil || n != size || [32]byte(h.Sum(nil)) != sha256.Sum256(data) {
+		t.Errorf("the log of the stream: %d bytes, %v, hash match %v", n, err, [32]byte(h.Sum(nil)) == sha256.Sum256(data))
+	}
+	cnt, err := c.Counters()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cnt.ParkLost != 0 || cnt.ParkStrays != uint64(strays) || cnt.BytesParked < size/2 {
+		t.Errorf("%d clones lost, %d strays skipped of the %d sent, %d bytes parked; want none lost, every stray skipped, most bytes parked",
+			cnt.ParkLost, cnt.ParkStrays, strays, cnt.BytesParked)
+	}
+}
+
+// sendStrays sends a TCP frame of no flow of the log out of the park on node1, from each of its queues'
+// CPUs, and returns how many it sent.
+func sendStrays(t *testing.T, l *lab.Lab, ifindex, queues int) int {
+	t.Helper()
+	var sock int
+	if err := l.Do("node1", func() (err error) {
+		sock, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, 0)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(sock)
+	frame := make([]byte, 14+20+20+100)
+	frame[12], frame[13] = 0x08, 0x00
+	ip := frame[14:]
+	ip[0], ip[9] = 0x45, 6
+	ip[2], ip[3] = 0, 140
+	copy(ip[12:], []byte{10, 9, 9, 9, 10, 9, 9, 8})
+	ip[20+12] = 5 << 4
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	var old unix.CPUSet
+	if err := unix.SchedGetaffinity(0, &old); err != nil {
+		t.Fatal(err)
+	}
+	defer unix.SchedSetaffinity(0, &old)
+	sent := 0
+	for cpu := range min(queues, runtime.NumCPU()) {
+		var one unix.CPUSet
+		one.Set(cpu)
+		if err := unix.SchedSetaffinity(0, &one); err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Sendto(sock, frame, 0, &unix.SockaddrLinklayer{Ifindex: ifindex, Protocol: 0x0008}); err != nil {
+			t.Fatalf("send a stray frame out of the park from CPU %d: %v", cpu, err)
+		}
+		sent++
+	}
+	return sent
 }
 
 // testParkTrim: trims while the flow runs, to every byte sent so far (receivers' snapshots, very

@@ -5,6 +5,7 @@ package capture
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"sync/atomic"
 
 	"github.com/cilium/ebpf"
@@ -83,6 +84,7 @@ func openPark(opts ParkOptions) (*park.Park, error) {
 // parked is the consumer's book of the park: the clones each queue holds, in order. Only the consumer's
 // goroutine touches it, but for the counters.
 type parked struct {
+	log   *slog.Logger
 	p     *park.Park
 	probe *ebpfprobes.TCPLogger
 	cap   int64
@@ -97,6 +99,7 @@ type parked struct {
 	freed   atomic.Uint64 // payload bytes freed unread: what parking saved
 	taken   atomic.Uint64 // payload bytes read into the log
 	lost    atomic.Uint64 // clones missing or not the one expected: their bytes are a hole
+	strays  atomic.Uint64 // frames in the park no record names, skipped
 }
 
 type parkEntry struct {
@@ -106,9 +109,9 @@ type parkEntry struct {
 	ktime    uint64
 }
 
-func newParked(p *park.Park, probe *ebpfprobes.TCPLogger, opts ParkOptions) *parked {
+func newParked(log *slog.Logger, p *park.Park, probe *ebpfprobes.TCPLogger, opts ParkOptions) *parked {
 	return &parked{
-		p: p, probe: probe, cap: opts.Cap,
+		log: log, p: p, probe: probe, cap: opts.Cap,
 		q: make([][]parkEntry, p.Queues()), head: make([]int, p.Queues()),
 		hdr: make([]byte, park.HeaderRoom), buf: make([]byte, int(opts.MaxLen)+park.HeaderRoom+1),
 	}
@@ -118,7 +121,7 @@ func newParked(p *park.Park, probe *ebpfprobes.TCPLogger, opts ParkOptions) *par
 func (k *parked) push(rec netlog.Record) {
 	if int(rec.Queue) >= len(k.q) {
 		// The program parks only on CPUs below the queue count: a record naming another is not its.
-		k.lost.Add(1)
+		k.lose(rec.Conn, rec.Seq, fmt.Errorf("a record names park queue %d of %d", rec.Queue, len(k.q)))
 		return
 	}
 	k.q[rec.Queue] = append(k.q[rec.Queue], parkEntry{conn: rec.Conn, seq: rec.Seq, len: rec.Parked, cgroup: rec.CgroupID, ktime: rec.KtimeNs})
@@ -129,8 +132,8 @@ func (k *parked) push(rec netlog.Record) {
 // service frees the clones at the queues' heads whose bytes the log has trimmed, and takes into the log
 // those it must keep while takeAll is set (a caller waits for them) or the park holds more than three
 // quarters of its cap; room says whether the log may grow by one more. A queue waits at the first clone
-// that is neither. Each clone read is checked against its record; one that is not the expected clone
-// counts as lost.
+// that is neither. Each clone read is checked against its record: a frame no record names is skipped, and
+// the clones a later one's turn shows missing count as lost.
 func (k *parked) service(log *netlog.Log, store func(netlog.Record) error, takeAll bool, room func() bool) error {
 	var err error
 	for qi := range k.q {
@@ -154,6 +157,11 @@ func (k *parked) serviceQueue(qi int, log *netlog.Log, store func(netlog.Record)
 			k.q[qi], k.head[qi] = k.q[qi][:n], 0
 		}
 	}()
+	pop := func(e parkEntry) {
+		k.head[qi]++
+		k.bytes -= int64(e.len)
+		k.left += uint64(e.len)
+	}
 	for k.head[qi] < len(q) {
 		e := q[k.head[qi]]
 		var f park.Frame
@@ -170,25 +178,42 @@ func (k *parked) serviceQueue(qi int, log *netlog.Log, store func(netlog.Record)
 		default:
 			return nil
 		}
-		k.head[qi]++
-		k.bytes -= int64(e.len)
-		k.left += uint64(e.len)
+		if err != nil {
+			// Empty: the program queues the clone before it submits the record, so it cannot be missing.
+			// Else the clone read is lost, and presumably it was e.
+			pop(e)
+			k.lose(e.conn, e.seq, err)
+			continue
+		}
+		if f.Conn != e.conn || f.Seq != e.seq {
+			j := k.find(qi, f)
+			if j < 0 {
+				// Not a clone of ours (a frame something else sent out of the park): e is still queued.
+				if n := k.strays.Add(1); isPow2(n) {
+					k.log.Warn("capture: a frame in the park that no record names, skipped", "queue", qi, "conn", f.Conn, "seq", f.Seq, "count", n)
+				}
+				continue
+			}
+			// The clones before it are missing.
+			for k.head[qi] < j {
+				lost := q[k.head[qi]]
+				pop(lost)
+				k.lose(lost.conn, lost.seq, fmt.Errorf("the queue gave the clone of %v seq %d first", f.Conn, f.Seq))
+			}
+			e = q[j]
+			if trimmed = storeTrimmed(log, e); !trimmed && len(f.Payload) != int(e.len) {
+				pop(e)
+				k.lose(e.conn, e.seq, errors.New("its clone was freed unread, out of turn"))
+				continue
+			}
+		}
+		pop(e)
 		switch {
-		case errors.Is(err, park.ErrEmpty):
-			// The program queues the clone before it submits the record: it cannot be missing.
-			k.lost.Add(1)
-			continue
-		case errors.Is(err, park.ErrNotTCP):
-			k.lost.Add(1)
-			continue
-		case err != nil:
-			k.lost.Add(1)
-			return err
-		case f.Conn != e.conn || f.Seq != e.seq || (!trimmed && len(f.Payload) != int(e.len)):
-			k.lost.Add(1)
-			continue
 		case trimmed:
 			k.freed.Add(uint64(e.len))
+			continue
+		case len(f.Payload) != int(e.len):
+			k.lose(e.conn, e.seq, fmt.Errorf("its clone holds %d payload bytes, its record %d", len(f.Payload), e.len))
 			continue
 		}
 		k.taken.Add(uint64(e.len))
@@ -197,6 +222,29 @@ func (k *parked) serviceQueue(qi int, log *netlog.Log, store func(netlog.Record)
 		}
 	}
 	return nil
+}
+
+// findWindow bounds how far past a queue's head find looks for the clone a read gave.
+const findWindow = 64
+
+// find returns the index of the entry of queue qi, past its head and at most findWindow on, whose clone f
+// is, or -1.
+func (k *parked) find(qi int, f park.Frame) int {
+	q := k.q[qi]
+	for j := k.head[qi] + 1; j < len(q) && j <= k.head[qi]+findWindow; j++ {
+		if q[j].conn == f.Conn && q[j].seq == f.Seq {
+			return j
+		}
+	}
+	return -1
+}
+
+// lose counts a clone lost, and logs a few: its bytes are a hole in the log (the node's controller asks
+// every member for a snapshot, which covers it).
+func (k *parked) lose(conn tcpflow.Tuple, seq uint32, err error) {
+	if n := k.lost.Add(1); isPow2(n) {
+		k.log.Error("capture: a parked clone is lost: its bytes are a hole in the log", "conn", conn, "seq", seq, "err", err, "count", n)
+	}
 }
 
 // storeTrimmed says whether the log needs none of e's bytes: trimmed, or the connection's log removed.
