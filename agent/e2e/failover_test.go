@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"net"
 	"net/netip"
@@ -224,8 +225,8 @@ func (rg *ring) wait(t *testing.T, timeout time.Duration) []string {
 	return outs
 }
 
-// logSockets logs the TCP sockets of every live host (ss: state, queues, windows, timers), for a run that
-// stalled.
+// logSockets logs the TCP sockets of every live host (ss: state, queues, windows, timers) and its agent's
+// log counters (backpressure drops, a paused consumer), for a run that stalled.
 func logSockets(t *testing.T, c *labcluster.Cluster) {
 	t.Helper()
 	for _, h := range c.Lab.State().Hosts {
@@ -239,6 +240,19 @@ func logSockets(t *testing.T, c *labcluster.Cluster) {
 		}
 		out, err := exec.Command("nsenter", "--net="+ns, "ss", "-tanoie").CombinedOutput()
 		t.Logf("sockets of %s (%v):\n%s", h.Name, err, out)
+		// The host's TCP counters (window probes, local drops, TSQ): what a sender with notsent bytes and
+		// nothing in flight is waiting for.
+		out, err = exec.Command("nsenter", "--net="+ns, "nstat", "-as", "Tcp*").CombinedOutput()
+		t.Logf("TCP counters of %s (%v): %s", h.Name, err, strings.Join(strings.Fields(string(out)), " "))
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		st, err := c.Client(h.Name).Status(ctx)
+		cancel()
+		if err != nil || st.Log == nil {
+			t.Logf("log counters of %s: none (%v)", h.Name, err)
+			continue
+		}
+		b, _ := json.Marshal(st.Log.Counters)
+		t.Logf("log counters of %s: %s", h.Name, b)
 	}
 }
 
