@@ -238,11 +238,12 @@ func (c *Clamp) Hold(f tcpflow.Tuple, on bool) error {
 type ClampState struct {
 	SndNxt  uint32 // the restored socket's highest sequence number sent
 	Clamped uint64 // peer segments whose ACK was lowered
-	Quieted uint64 // the restored socket's pure ACKs held back: below what the peer acknowledged
+	Quieted uint64 // the restored socket's pure ACKs held back: below what the peer acknowledged, and nothing new
+	Lifted  uint64 // the restored socket's pure ACKs below what the peer acknowledged, lifted to it: each acknowledged more
 }
 
 func stateOf(v ackclampClampState) ClampState {
-	return ClampState{SndNxt: v.SndNxt, Clamped: v.Clamped, Quieted: v.Quieted}
+	return ClampState{SndNxt: v.SndNxt, Clamped: v.Clamped, Quieted: v.Quieted, Lifted: v.Lifted}
 }
 
 // State reads a registered flow's state.

@@ -29,6 +29,9 @@ type ackclampClampState struct {
 	PeerAck   uint32
 	PeerAcked uint32
 	Quieted   uint64
+	Lifted    uint64
+	LiftAck   uint32
+	Pad       uint32
 }
 
 // Names of all BPF objects in the ELF.

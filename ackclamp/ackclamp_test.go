@@ -149,10 +149,11 @@ func TestAckClampHold(t *testing.T) {
 }
 
 // TestAckClampQuiet runs the egress program on the restored end's segments once the peer has acknowledged
-// beyond them: its pure ACKs below the peer's (unclamped) ACK number are held back, since the peer would
-// discard them and answer each with a duplicate ACK (an ACK loop on hosts with
-// net.ipv4.tcp_invalid_ratelimit = 0); its data, FIN and RST segments, and pure ACKs at or beyond that
-// number, pass. Nothing is held back before the peer's first ACK.
+// beyond them: a pure ACK below the peer's (unclamped) ACK number that acknowledges more than any before it
+// is lifted to that number (the peer takes it, and learns what the replay delivered of its bytes); one that
+// does not is held back, since the peer would discard it and answer with a duplicate ACK (an ACK loop on
+// hosts with net.ipv4.tcp_invalid_ratelimit = 0). Data, FIN and RST segments, and pure ACKs at or beyond
+// that number, pass unchanged. Nothing is touched before the peer's first ACK.
 func TestAckClampQuiet(t *testing.T) {
 	c := loadT(t)
 	restored := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.9.0.12:7300"), Remote: netip.MustParseAddrPort("10.9.0.11:40000")}
@@ -162,43 +163,56 @@ func TestAckClampQuiet(t *testing.T) {
 		t.Fatal(err)
 	}
 	const tcxDrop = 2
-	egress := func(seg tcpframe.Segment) uint32 {
+	// egress returns whether the program dropped seg, and the sequence number it left in it.
+	egress := func(seg tcpframe.Segment) (bool, uint32) {
 		t.Helper()
-		ret, err := c.objs.AckclampEgress.Run(&ebpf.RunOptions{Data: seg.Frame(restored)})
+		fr := seg.Frame(restored)
+		tcpframe.Checksum(fr, true)
+		out := make([]byte, len(fr))
+		ret, err := c.objs.AckclampEgress.Run(&ebpf.RunOptions{Data: fr, DataOut: out})
 		if err != nil {
 			t.Fatal(err)
 		}
-		return ret
+		if ret != tcxDrop && !tcpframe.Checksum(out, false) {
+			t.Fatalf("TCP checksum wrong after the program (seq %#x)", seg.Seq)
+		}
+		return ret == tcxDrop, binary.BigEndian.Uint32(out[14+20+4:])
 	}
 	pureACK := tcpframe.Segment{Seq: base, Ack: 1, Flags: 0x10, Window: 100}
-	if ret := egress(pureACK); ret == tcxDrop {
-		t.Fatal("a pure ACK was held back before the peer acknowledged anything")
+	if drop, seq := egress(pureACK); drop || seq != base {
+		t.Fatalf("a pure ACK before the peer acknowledged anything: dropped %v, seq %#x", drop, seq)
 	}
 	// The peer has every byte up to base+5000: its ACK says so (and is clamped on its way in).
-	fr := tcpframe.Segment{Seq: 1, Ack: base + 5000, Flags: 0x10, Window: 100}.Frame(peer)
+	peerAck := base + 5000
+	fr := tcpframe.Segment{Seq: 1, Ack: peerAck, Flags: 0x10, Window: 100}.Frame(peer)
 	tcpframe.Checksum(fr, true)
 	if _, err := c.objs.AckclampIngress.Run(&ebpf.RunOptions{Data: fr, DataOut: make([]byte, len(fr))}); err != nil {
 		t.Fatal(err)
 	}
 	for _, tc := range []struct {
-		name string
-		seg  tcpframe.Segment
-		drop bool
+		name    string
+		seg     tcpframe.Segment
+		drop    bool
+		wantSeq uint32
 	}{
-		{"pure ACK below the peer's ACK", pureACK, true},
-		{"pure ACK just below it, across the wrap", tcpframe.Segment{Seq: base + 4999, Ack: 1, Flags: 0x10}, true},
-		{"pure ACK at the peer's ACK", tcpframe.Segment{Seq: base + 5000, Ack: 1, Flags: 0x10}, false},
-		{"pure ACK beyond it", tcpframe.Segment{Seq: base + 6000, Ack: 1, Flags: 0x10}, false},
-		{"re-sent data below it", tcpframe.Segment{Seq: base, Ack: 1, Flags: 0x18, Payload: 100}, false},
-		{"FIN below it", tcpframe.Segment{Seq: base + 100, Ack: 1, Flags: 0x11}, false},
-		{"RST below it", tcpframe.Segment{Seq: base + 100, Ack: 1, Flags: 0x14}, false},
+		{"pure ACK below the peer's ACK: lifted", pureACK, false, peerAck},
+		{"the same ACK again: held back", pureACK, true, 0},
+		{"its window update: held back", tcpframe.Segment{Seq: base, Ack: 1, Flags: 0x10, Window: 200}, true, 0},
+		{"a later ACK, across the wrap: lifted", tcpframe.Segment{Seq: base + 4999, Ack: 1000, Flags: 0x10}, false, peerAck},
+		{"an older ACK: held back", tcpframe.Segment{Seq: base + 4999, Ack: 999, Flags: 0x10}, true, 0},
+		{"pure ACK at the peer's ACK", tcpframe.Segment{Seq: peerAck, Ack: 1000, Flags: 0x10}, false, peerAck},
+		{"pure ACK beyond it", tcpframe.Segment{Seq: base + 6000, Ack: 1000, Flags: 0x10}, false, base + 6000},
+		{"re-sent data below it", tcpframe.Segment{Seq: base, Ack: 1000, Flags: 0x18, Payload: 100}, false, base},
+		{"FIN below it", tcpframe.Segment{Seq: base + 100, Ack: 1000, Flags: 0x11}, false, base + 100},
+		{"RST below it", tcpframe.Segment{Seq: base + 100, Ack: 1000, Flags: 0x14}, false, base + 100},
 	} {
-		if got := egress(tc.seg) == tcxDrop; got != tc.drop {
-			t.Errorf("%s: held back %v, want %v", tc.name, got, tc.drop)
+		drop, seq := egress(tc.seg)
+		if drop != tc.drop || !drop && seq != tc.wantSeq {
+			t.Errorf("%s: dropped %v, seq %#x; want dropped %v, seq %#x", tc.name, drop, seq, tc.drop, tc.wantSeq)
 		}
 	}
 	st, err := c.State(restored)
-	if err != nil || st.Quieted != 2 {
-		t.Errorf("State = %+v, %v; want 2 ACKs held back", st, err)
+	if err != nil || st.Quieted != 3 || st.Lifted != 2 {
+		t.Errorf("State = %+v, %v; want 3 ACKs held back, 2 lifted", st, err)
 	}
 }

@@ -195,7 +195,7 @@ func (c recoveryClamp) Hold(flow tcpflow.Tuple, on bool) error { return c.c.Hold
 func (c recoveryClamp) Release(flow tcpflow.Tuple) uint64 {
 	st, err := c.c.Release(flow)
 	if err == nil {
-		c.log.Info("ACK clamp released", "flow", flow, "snd_nxt", st.SndNxt, "peer_acks_clamped", st.Clamped, "own_acks_held_back", st.Quieted)
+		c.log.Info("ACK clamp released", "flow", flow, "snd_nxt", st.SndNxt, "peer_acks_clamped", st.Clamped, "own_acks_held_back", st.Quieted, "own_acks_lifted", st.Lifted)
 	}
 	return st.Clamped
 }

@@ -24,16 +24,25 @@
 // caught up with the peer's rcv_nxt no ACK is beyond snd_nxt and the program
 // changes nothing; the agent then removes the flow.
 //
-// Egress also holds back the restored socket's pure ACKs that lie wholly below
-// what the peer has acknowledged (the peer's ACK number before clamping, which
-// its rcv_wup is never below): the peer discards such a segment unread as an
-// old sequence and answers it with a duplicate ACK, which lies beyond the
-// restored socket's window while a replay still delivers the peer's bytes, so
-// the restored socket answers it with its own duplicate ACK, and so on. Linux
-// throttles that exchange with net.ipv4.tcp_invalid_ratelimit (500 ms); a host
-// with it at 0 ran it as fast as both CPUs could, millions of segments a
-// second, and the restored job starved (LAMMPS's replay failed 4 of 4 times).
-// Holding those ACKs back loses nothing: the peer discards them.
+// Egress also sees the restored socket's pure ACKs that lie wholly below what
+// the peer has acknowledged (the peer's ACK number before clamping, which its
+// rcv_wup is never below): the peer would discard such a segment unread as an
+// old sequence, its ACK number and window unseen, and answer it with a
+// duplicate ACK, which lies beyond the restored socket's window while a replay
+// still delivers the peer's bytes, so the restored socket answers it with its
+// own duplicate ACK, and so on. Linux throttles that exchange with
+// net.ipv4.tcp_invalid_ratelimit (500 ms); a host with it at 0 ran it as fast
+// as both CPUs could, millions of segments a second, and the restored job
+// starved (LAMMPS's replay failed 4 of 4 times). So such an ACK that
+// acknowledges more than any before it is lifted: its sequence number becomes
+// the peer's ACK number (a pure ACK carries no byte, and the restored socket
+// sends its next byte there once it has re-sent the rest), and the peer takes
+// it, learning what the replay delivered of its bytes; one that does not
+// (a duplicate, the answer of a loop) is held back. Until 2026-12-05 every one
+// was held back: a peer then heard nothing of the bytes it sent during the
+// replay, its retransmissions backed off for seconds, and its congestion
+// control (BBR's model) came out of it so slow that a ring of three ranks
+// stalled for minutes after its recovery (CI: ci274, ci277, ci278).
 //
 // IPv4, Ethernet framing (one optional 802.1Q tag), like tcplog.c.
 
@@ -70,14 +79,17 @@ struct clamp_state {
 	__u64 clamped;    // peer segments whose ACK was lowered
 	__u32 peer_ack;   // the highest ACK number the peer sent, before clamping (valid if peer_acked)
 	__u32 peer_acked; // non-zero once the peer's first ACK passed
-	__u64 quieted;    // the restored socket's pure ACKs held back (below peer_ack)
+	__u64 quieted;    // the restored socket's pure ACKs held back (below peer_ack, acknowledging nothing new)
+	__u64 lifted;     // the restored socket's pure ACKs lifted to peer_ack (acknowledging more than before)
+	__u32 lift_ack;   // the highest ACK number lifted (valid if lifted)
+	__u32 pad;
 };
 
 // INJECTED_TOS marks the segments the agent injects as the peer's (restore.InjectFromPeer): never held.
 #define INJECTED_TOS 0x04
 #define TCX_DROP 2
 
-_Static_assert(sizeof(struct clamp_state) == 32, "clamp_state must have no padding");
+_Static_assert(sizeof(struct clamp_state) == 48, "clamp_state must have no padding");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -139,8 +151,20 @@ int ackclamp_egress(struct __sk_buff *skb)
 		st->snd_nxt = end; // one socket's segments leave under its lock: no lost update
 	// A pure ACK below what the peer acknowledged: the peer would discard it and answer (see the top).
 	if (iplen == hl && tcp.ack && !tcp.syn && !tcp.fin && !tcp.rst && st->peer_acked && after(st->peer_ack, seq)) {
-		__sync_fetch_and_add(&st->quieted, 1);
-		return TCX_DROP;
+		__u32 ack = bpf_ntohl(tcp.ack_seq);
+		if (st->lifted && !after(ack, st->lift_ack)) {
+			__sync_fetch_and_add(&st->quieted, 1);
+			return TCX_DROP;
+		}
+		__be32 old = tcp.seq, new = bpf_htonl(st->peer_ack);
+		__u32 tcpoff = nh + ip.ihl * 4;
+		if (bpf_l4_csum_replace(skb, tcpoff + offsetof(struct tcphdr, check), old, new, sizeof(new)) ||
+		    bpf_skb_store_bytes(skb, tcpoff + offsetof(struct tcphdr, seq), &new, sizeof(new), BPF_F_RECOMPUTE_CSUM)) {
+			__sync_fetch_and_add(&st->quieted, 1);
+			return TCX_DROP;
+		}
+		st->lift_ack = ack;
+		__sync_fetch_and_add(&st->lifted, 1);
 	}
 	return TCX_NEXT;
 }

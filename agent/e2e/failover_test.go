@@ -225,6 +225,36 @@ func (rg *ring) wait(t *testing.T, timeout time.Duration) []string {
 	return outs
 }
 
+// requireLiftedACKs checks that on every connection of the rank restored on spare1 the ACK clamp lifted
+// some of the restored socket's pure ACKs, so that its peer heard during the replay what the replay
+// delivered of its bytes (ackclamp.TestAckClampQuiet). Before, each was held back: the peers' TCP backed
+// off for the whole replay, and in CI (ci274, ci277, ci278) a ring of three ranks then stalled for minutes.
+func requireLiftedACKs(t *testing.T, c *labcluster.Cluster) {
+	t.Helper()
+	b, err := os.ReadFile(c.LogPath("spare1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	released := 0
+	for _, line := range strings.Split(string(b), "\n") {
+		if !strings.Contains(line, `msg="ACK clamp released"`) {
+			continue
+		}
+		released++
+		var lifted int
+		if i := strings.Index(line, "own_acks_lifted="); i < 0 {
+			t.Errorf("spare1 logged no lifted ACKs: %s", line)
+		} else if fmt.Sscan(line[i+len("own_acks_lifted="):], &lifted); lifted == 0 {
+			t.Errorf("the ACK clamp lifted none of the restored socket's ACKs: %s", line)
+		} else {
+			t.Logf("spare1: %s", line[strings.Index(line, "flow="):])
+		}
+	}
+	if released == 0 {
+		t.Error("spare1 released no ACK clamp")
+	}
+}
+
 // logSockets logs the TCP sockets of every live host (ss: state, queues, windows, timers) and its agent's
 // log counters (backpressure drops, a paused consumer), for a run that stalled.
 func logSockets(t *testing.T, c *labcluster.Cluster) {
@@ -494,6 +524,9 @@ func TestFailover(t *testing.T) {
 			}
 			if b, err := os.ReadFile(c.LogPath("spare1")); tt.lazy && (err != nil || !strings.Contains(string(b), "lazy_pages=true")) {
 				t.Errorf("spare1 did not restore rank 1 with lazy pages (%v)", err)
+			}
+			if tt.delay == 0 {
+				requireLiftedACKs(t, c)
 			}
 			// node2's protector (node3) holds the replica: spare1 fetched it while node3 waited for node2's
 			// fence, so the recovery found it there.
