@@ -39,10 +39,10 @@
 // sends its next byte there once it has re-sent the rest), and the peer takes
 // it, learning what the replay delivered of its bytes; one that does not
 // (a duplicate, the answer of a loop) is held back. Until 2026-12-05 every one
-// was held back: a peer then heard nothing of the bytes it sent during the
-// replay, its retransmissions backed off for seconds, and its congestion
-// control (BBR's model) came out of it so slow that a ring of three ranks
-// stalled for minutes after its recovery (CI: ci274, ci277, ci278).
+// was held back, and a peer heard nothing of what the replay delivered of its
+// bytes until the restored socket had re-sent all of its own. (CI's stalls
+// after a recovery, ci274, ci277 and ci278, had a peer in a long backoff; that
+// this was their cause is not shown: docs/receive-order.md.)
 //
 // IPv4, Ethernet framing (one optional 802.1Q tag), like tcplog.c.
 

@@ -227,8 +227,8 @@ func (rg *ring) wait(t *testing.T, timeout time.Duration) []string {
 
 // requireLiftedACKs checks that on every connection of the rank restored on spare1 the ACK clamp lifted
 // some of the restored socket's pure ACKs, so that its peer heard during the replay what the replay
-// delivered of its bytes (ackclamp.TestAckClampQuiet). Before, each was held back: the peers' TCP backed
-// off for the whole replay, and in CI (ci274, ci277, ci278) a ring of three ranks then stalled for minutes.
+// delivered of its bytes (ackclamp.TestAckClampQuiet). Before, each was held back, and the peer heard
+// nothing until the restored socket had re-sent everything.
 func requireLiftedACKs(t *testing.T, c *labcluster.Cluster) {
 	t.Helper()
 	b, err := os.ReadFile(c.LogPath("spare1"))
