@@ -127,6 +127,15 @@ static __always_inline int headers(struct __sk_buff *skb, __u32 *nh, struct iphd
 	return 0;
 }
 
+// set_tcp32 replaces a 32-bit field of the TCP header at tcpoff (at offset
+// field, old its current value), keeping the checksum valid; 0 on success.
+static __always_inline int set_tcp32(struct __sk_buff *skb, __u32 tcpoff, __u32 field, __be32 old, __be32 new)
+{
+	if (bpf_l4_csum_replace(skb, tcpoff + offsetof(struct tcphdr, check), old, new, sizeof(new)))
+		return -1;
+	return bpf_skb_store_bytes(skb, tcpoff + field, &new, sizeof(new), BPF_F_RECOMPUTE_CSUM);
+}
+
 SEC("tcx/egress")
 int ackclamp_egress(struct __sk_buff *skb)
 {
@@ -156,10 +165,7 @@ int ackclamp_egress(struct __sk_buff *skb)
 			__sync_fetch_and_add(&st->quieted, 1);
 			return TCX_DROP;
 		}
-		__be32 old = tcp.seq, new = bpf_htonl(st->peer_ack);
-		__u32 tcpoff = nh + ip.ihl * 4;
-		if (bpf_l4_csum_replace(skb, tcpoff + offsetof(struct tcphdr, check), old, new, sizeof(new)) ||
-		    bpf_skb_store_bytes(skb, tcpoff + offsetof(struct tcphdr, seq), &new, sizeof(new), BPF_F_RECOMPUTE_CSUM)) {
+		if (set_tcp32(skb, nh + ip.ihl * 4, offsetof(struct tcphdr, seq), tcp.seq, bpf_htonl(st->peer_ack))) {
 			__sync_fetch_and_add(&st->quieted, 1);
 			return TCX_DROP;
 		}
@@ -207,11 +213,7 @@ int ackclamp_ingress(struct __sk_buff *skb)
 	__u32 snd_nxt = st->snd_nxt;
 	if (!after(ack, snd_nxt))
 		return TCX_NEXT;
-	__be32 old = tcp.ack_seq, new = bpf_htonl(snd_nxt);
-	__u32 tcpoff = nh + ip.ihl * 4;
-	if (bpf_l4_csum_replace(skb, tcpoff + offsetof(struct tcphdr, check), old, new, sizeof(new)))
-		return TCX_NEXT;
-	if (bpf_skb_store_bytes(skb, tcpoff + offsetof(struct tcphdr, ack_seq), &new, sizeof(new), BPF_F_RECOMPUTE_CSUM))
+	if (set_tcp32(skb, nh + ip.ihl * 4, offsetof(struct tcphdr, ack_seq), tcp.ack_seq, bpf_htonl(snd_nxt)))
 		return TCX_NEXT;
 	__sync_fetch_and_add(&st->clamped, 1);
 	return TCX_NEXT;
