@@ -11,10 +11,18 @@ import (
 	"time"
 
 	"github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
 )
 
 // newTestRing returns a ring reader over a fresh BPF ring buffer map.
 func newTestRing(t *testing.T) *ringReader {
+	t.Helper()
+	r, _ := newTestRingMap(t)
+	return r
+}
+
+// newTestRingMap is newTestRing that also returns the map.
+func newTestRingMap(t *testing.T) (*ringReader, *ebpf.Map) {
 	t.Helper()
 	size := os.Getpagesize()
 	m, err := ebpf.NewMap(&ebpf.MapSpec{Type: ebpf.RingBuf, MaxEntries: uint32(size)})
@@ -30,7 +38,66 @@ func newTestRing(t *testing.T) *ringReader {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { r.close() })
-	return r
+	return r, m
+}
+
+// TestRingDrainEndsWithItsBatch: a drain takes the records that were in the ring when it began and
+// returns, even while a producer keeps adding more. Here each record taken makes the producer (a program
+// run by BPF_PROG_TEST_RUN) add one: a drain that read on until the ring was empty would never end. It
+// did (ci277): the capture's consumer never got back to its park, and a snapshot waiting for the parked
+// clones gave up.
+func TestRingDrainEndsWithItsBatch(t *testing.T) {
+	r, m := newTestRingMap(t)
+	prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{
+		Type:    ebpf.SocketFilter,
+		License: "GPL",
+		Instructions: asm.Instructions{
+			// bpf_ringbuf_output(map, &(u64){0}, 8, 0)
+			asm.Mov.Imm(asm.R1, 0),
+			asm.StoreMem(asm.R10, -8, asm.R1, asm.DWord),
+			asm.LoadMapPtr(asm.R1, m.FD()),
+			asm.Mov.Reg(asm.R2, asm.R10),
+			asm.Add.Imm(asm.R2, -8),
+			asm.Mov.Imm(asm.R3, 8),
+			asm.Mov.Imm(asm.R4, 0),
+			asm.FnRingbufOutput.Call(),
+			asm.Mov.Imm(asm.R0, 0),
+			asm.Return(),
+		},
+	})
+	if err != nil {
+		t.Fatalf("load a program that writes to the ring: %v", err)
+	}
+	defer prog.Close()
+	produce := func() {
+		t.Helper()
+		if _, err := prog.Run(&ebpf.RunOptions{Data: make([]byte, 14)}); err != nil {
+			t.Fatalf("run the producer: %v", err)
+		}
+	}
+	const batch, bound = 3, 1000
+	for range batch {
+		produce()
+	}
+	if got := r.pending(); got != batch*16 {
+		t.Fatalf("the ring holds %d bytes, want %d records of 16", got, batch)
+	}
+	produced := 0
+	r.life.RLock()
+	n, err := r.drain(int(^uint(0)>>1), func([]byte) error {
+		if produced < bound { // the bound only keeps a failing drain from running for ever
+			produce()
+			produced++
+		}
+		return nil
+	})
+	r.life.RUnlock()
+	if err != nil || n != batch {
+		t.Fatalf("drain took %d records (%v) while each one taken made another; want the %d in the ring when it began", n, err, batch)
+	}
+	if got := r.pending(); got != batch*16 {
+		t.Errorf("after the drain the ring holds %d bytes, want the %d records made during it", got, batch)
+	}
 }
 
 // parkedWaits counts the goroutines parked in the runtime's poller inside a ring wait.

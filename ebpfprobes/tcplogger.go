@@ -435,7 +435,7 @@ func (l *TCPLogger) Read(ctx context.Context) ([]byte, error) {
 
 // ReadBatch calls fn with each record waiting in the ring buffer, in order,
 // at most max of them (max <= 0: no limit), blocking until there is at least
-// one. raw (RecordHeaderLen bytes of header, then the payload) is the
+// one; records that come meanwhile wait for the next call. raw (RecordHeaderLen bytes of header, then the payload) is the
 // record's place in the shared ring itself: it is valid only until fn
 // returns, when its space is given back to the kernel. Nothing is copied, so
 // fn can copy the payload once, straight to where it is kept. If fn returns
@@ -457,15 +457,15 @@ func (l *TCPLogger) ReadBatch(ctx context.Context, max int, fn func(raw []byte) 
 		if err := fn(raw); err != nil {
 			return err
 		}
-		// A drain lasts as long as the senders keep the ring busy (up to a second on 2 vCPUs, measured):
-		// a flow stalled by a drop need not wait for its end, only for room in the ring.
+		// A drain takes up to a ring's worth of records (tens of milliseconds on 2 vCPUs): a flow stalled
+		// by a drop need not wait for its end, only for room in the ring.
 		if taken++; taken%kickEvery == 0 && l.ring.filled() <= l.ring.mask/2 {
 			l.kickStalled()
 		}
 		return nil
 	})
-	if err == nil {
-		l.kickStalled() // the ring was empty a moment ago
+	if err == nil && l.ring.pending() <= int(l.ring.mask/2) {
+		l.kickStalled() // the batch is consumed, and the ring has room
 	}
 	return n, err
 }
