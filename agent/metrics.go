@@ -95,6 +95,7 @@ func (a *Agent) logMetrics() *metrics.Log {
 	if rc, err := a.netlog.tap.Counters(); err == nil {
 		l.ReceivedBytes = rc.BytesRecorded
 		l.ReceiveDropsBackpressure, l.ReceiveDropsOversize, l.ReceiveDropsError = rc.DropsBackpressure, rc.DropsOversize, rc.DropsError
+		l.ReceiveUnrecordedPassed = rc.UnrecordedPassed
 	}
 	rel := a.netlog.node.ReleasedSoFar()
 	l.ReleasedConns, l.ReleasedBytes = rel.Conns, rel.Bytes

@@ -58,18 +58,26 @@ func (a *Agent) startLog() error {
 			return err
 		}
 	}
+	tap, book, recorder, err := a.startReceiveDigests()
+	if err != nil {
+		return err
+	}
 	n, err := node.Start(node.StartConfig{
 		Interface: iface, RingMiB: lc.RingMiB, MaxFlows: lc.MaxFlows, MemoryMiB: lc.MemoryMiB, SpillDir: lc.SpillDir, High: lc.High, Low: lc.Low,
 		Park: lc.Park, ParkMiB: lc.ParkMiB,
 		MaxRange: maxLogRange, Members: logMembers{a}, Logger: a.log,
 		Event: func(k controller.EventKind) { a.metrics.ControllerEvent(string(k)) },
+		ReceiveHoles: func() uint64 {
+			c, err := tap.Counters()
+			if err != nil {
+				return 0
+			}
+			return c.UnrecordedPassed
+		},
 	})
 	if err != nil {
-		return err
-	}
-	tap, book, recorder, err := a.startReceiveDigests()
-	if err != nil {
-		n.Close()
+		recorder.Close()
+		tap.Close()
 		return err
 	}
 	a.netlog = &logState{node: n, tap: tap, book: book, recorder: recorder}

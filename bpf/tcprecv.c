@@ -97,6 +97,7 @@
 #define BPF_RB_NO_WAKEUP 1
 #define BPF_RB_FORCE_WAKEUP 2
 #define BPF_RB_AVAIL_DATA 0
+#define BPF_RB_CONS_POS 2
 
 // TCP header flags (byte 13 of the header).
 #define TCP_SYN 0x02
@@ -167,6 +168,7 @@ struct recv_counters {
 	__u64 non_tcp;            // IPv4 packets that are not TCP, passed
 	__u64 resyncs;            // rx_next raised to rcv_nxt: TCP had accepted unrecorded bytes
 	__u64 syn_ignored;        // SYNs with payload to synchronized sockets, passed unrecorded
+	__u64 unrecorded_passed;  // ring full and its consumer gone: passed unrecorded (a hole in the record)
 };
 
 // Set by the loader before load: the ring buffer size in bytes.
@@ -178,6 +180,17 @@ volatile const __u32 wake_bytes = 0;
 // itself. Same scheme as tcplog.c: records are then submitted without a
 // wakeup unless the ring passes wake_bytes.
 volatile __u32 consumer_polling = 0;
+
+// A consumer that takes nothing from the full ring for CONSUMER_GONE_NS is
+// gone (its agent stopped or hung): the jobs' segments then pass unrecorded
+// instead of being dropped, as in tcplog.c. Dropped, the jobs received nothing
+// for as long as their agent was stopped, and their senders' TCP gives up
+// after its retries. The hole is seen by the consumer (a record past bytes it
+// never got) and makes a check of re-sent bytes over it fail, loudly; the
+// agent asks every member for a snapshot, which moves the checks past it.
+#define CONSUMER_GONE_NS 4000000000ULL
+volatile __u64 cons_seen = 0;
+volatile __u64 cons_seen_ns = 0;
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
@@ -256,6 +269,19 @@ static __always_inline int raise_to(__u32 *p, __u32 seen, __u32 v)
 
 // wake_flags returns the submit flags for a record of need ring bytes (see
 // consumer_polling and tcplog.c).
+// consumer_gone says whether the ring's consumer has taken nothing for
+// CONSUMER_GONE_NS, judged at drops (see cons_seen in tcplog.c).
+static __always_inline int consumer_gone(__u64 now)
+{
+	__u64 cons = bpf_ringbuf_query(&events, BPF_RB_CONS_POS);
+	if (cons != cons_seen || !cons_seen_ns) {
+		cons_seen = cons;
+		cons_seen_ns = now;
+		return 0;
+	}
+	return (__s64)(now - cons_seen_ns) >= (__s64)CONSUMER_GONE_NS;
+}
+
 static __always_inline __u64 wake_flags(__u64 need)
 {
 	if (!consumer_polling)
@@ -470,6 +496,10 @@ int tcprecv_ingress(struct __sk_buff *skb)
 	if (bpf_ringbuf_reserve_dynptr(&events, sizeof(hdr) + n, 0, &rec)) {
 		// The verifier wants the failed dynptr released too.
 		bpf_ringbuf_discard_dynptr(&rec, 0);
+		if (consumer_gone(hdr.ktime_ns)) {
+			c->unrecorded_passed++; // rx_next stays: the next segment resyncs past the hole
+			return VERDICT_PASS;
+		}
 		c->drops_backpressure++;
 		return VERDICT_DROP;
 	}

@@ -50,6 +50,9 @@ type RecvCounters struct {
 	NonTCP            uint64 // IPv4 packets that are not TCP, passed
 	Resyncs           uint64 // flows whose socket had accepted bytes never recorded (attached mid-flow): the records jump
 	SYNIgnored        uint64 // SYNs with payload to established sockets, passed unrecorded (TCP takes none of it)
+	// UnrecordedPassed counts segments passed unrecorded because the ring was full and its consumer had
+	// taken nothing for 4 s (a stopped or hung agent): a hole in what the sockets received is recorded.
+	UnrecordedPassed uint64
 }
 
 // tcprecvLoaded holds the objects the tap uses (LoadAndAssign loads exactly these).
@@ -217,6 +220,7 @@ func (t *RecvTap) Counters() (RecvCounters, error) {
 		c.NonTCP += p.NonTcp
 		c.Resyncs += p.Resyncs
 		c.SYNIgnored += p.SynIgnored
+		c.UnrecordedPassed += p.UnrecordedPassed
 	}
 	return c, nil
 }

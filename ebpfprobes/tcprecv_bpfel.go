@@ -27,6 +27,7 @@ type tcprecvRecvCounters struct {
 	NonTcp            uint64
 	Resyncs           uint64
 	SynIgnored        uint64
+	UnrecordedPassed  uint64
 }
 
 type tcprecvRxFlow struct {
@@ -53,6 +54,8 @@ const (
 	tcprecvMapRxFlows         = "rx_flows"
 	tcprecvMapStats           = "stats"
 	tcprecvProgTcprecvIngress = "tcprecv_ingress"
+	tcprecvVarConsSeen        = "cons_seen"
+	tcprecvVarConsSeenNs      = "cons_seen_ns"
 	tcprecvVarConsumerPolling = "consumer_polling"
 	tcprecvVarRingSize        = "ring_size"
 	tcprecvVarWakeBytes       = "wake_bytes"
@@ -117,6 +120,8 @@ type tcprecvMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type tcprecvVariableSpecs struct {
+	ConsSeen        *ebpf.VariableSpec `ebpf:"cons_seen"`
+	ConsSeenNs      *ebpf.VariableSpec `ebpf:"cons_seen_ns"`
 	ConsumerPolling *ebpf.VariableSpec `ebpf:"consumer_polling"`
 	RingSize        *ebpf.VariableSpec `ebpf:"ring_size"`
 	WakeBytes       *ebpf.VariableSpec `ebpf:"wake_bytes"`
@@ -161,6 +166,8 @@ func (m *tcprecvMaps) Close() error {
 //
 // It can be passed to loadTcprecvObjects or ebpf.CollectionSpec.LoadAndAssign.
 type tcprecvVariables struct {
+	ConsSeen        *ebpf.Variable `ebpf:"cons_seen"`
+	ConsSeenNs      *ebpf.Variable `ebpf:"cons_seen_ns"`
 	ConsumerPolling *ebpf.Variable `ebpf:"consumer_polling"`
 	RingSize        *ebpf.Variable `ebpf:"ring_size"`
 	WakeBytes       *ebpf.Variable `ebpf:"wake_bytes"`

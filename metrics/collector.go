@@ -57,7 +57,7 @@ func newCollector(src Source) *collector {
 		releasedConns: d("ftkit_log_released_connections_total", "Logs of finished connections freed.", nil, nil),
 		releasedBytes: d("ftkit_log_released_bytes_total", "Logged bytes the freed logs of finished connections still retained.", nil, nil),
 		receivedBytes: d("ftkit_receive_recorded_bytes_total", "Payload bytes the receive tap recorded (digests of what protected sockets received).", nil, nil),
-		receiveDrops:  d("ftkit_receive_drops_total", "Segments the receive tap dropped, by reason (backpressure, oversize, error).", []string{"reason"}, nil),
+		receiveDrops:  d("ftkit_receive_drops_total", "Segments the receive tap did not record, by reason: backpressure, oversize, error (dropped; the sender retransmits them), consumer_gone (passed unrecorded: the agent took nothing from the full ring for 4 s; the senders' recoveries are refused until their next snapshots).", []string{"reason"}, nil),
 
 		beatAge: d("ftkit_predecessor_heartbeat_age_seconds", "Time since the last heartbeat of the ring predecessor this agent watches (absent before the first).", []string{"node"}, nil),
 		busy:    d("ftkit_predecessor_busy", "1 if the last heartbeat of the ring predecessor this agent watches said it was checkpointing or restoring (absent before the first).", []string{"node"}, nil),
@@ -162,6 +162,7 @@ func (c *collector) collectLog(ch chan<- prometheus.Metric, l *Log) {
 	counter(c.receiveDrops, float64(l.ReceiveDropsBackpressure), "backpressure")
 	counter(c.receiveDrops, float64(l.ReceiveDropsOversize), "oversize")
 	counter(c.receiveDrops, float64(l.ReceiveDropsError), "error")
+	counter(c.receiveDrops, float64(l.ReceiveUnrecordedPassed), "consumer_gone")
 }
 
 // collectRecoveries summarizes the failure log. The log is bounded (old failures leave it), so the

@@ -67,6 +67,7 @@ type Log struct {
 	// The receive tap (what this host's protected sockets received, to check a restored peer's re-sent bytes).
 	ReceivedBytes                                                     uint64
 	ReceiveDropsBackpressure, ReceiveDropsOversize, ReceiveDropsError uint64
+	ReceiveUnrecordedPassed                                           uint64 // passed unrecorded: the tap's consumer gone
 }
 
 // Predecessor is the member this agent's watchdog watches.

@@ -80,7 +80,7 @@ ftkit_jobs_unreplicated 1
 		{
 			name: "log against its cap, bytes logged, drops by reason",
 			state: State{Log: &Log{MemoryBytes: 3 << 20, CapBytes: 64 << 20, PooledBytes: 1 << 20, Conns: 2, BytesLogged: 12345, ConsumerPaused: true, ConsumerCPU: 1500 * time.Millisecond,
-				DropsBackpressure: 7, FragmentsPassed: 1, ReleasedBytes: 99, ReceiveDropsError: 2, Kicks: 3, LoggedPassed: 4, ReserveLogged: 5,
+				DropsBackpressure: 7, FragmentsPassed: 1, ReleasedBytes: 99, ReceiveDropsError: 2, ReceiveUnrecordedPassed: 3, Kicks: 3, LoggedPassed: 4, ReserveLogged: 5,
 				ParkCapBytes: 8 << 20, ParkWaitingBytes: 1 << 20, BytesParked: 100, ParkFreed: 60, ParkTaken: 30, ParkLost: 1}},
 			names: []string{"ftkit_log_memory_bytes", "ftkit_log_memory_cap_bytes", "ftkit_log_pooled_bytes", "ftkit_log_connections", "ftkit_log_consumer_paused", "ftkit_log_consumer_cpu_seconds_total",
 				"ftkit_log_logged_bytes_total", "ftkit_log_drops_total", "ftkit_log_kicks_total", "ftkit_log_logged_passed_total", "ftkit_log_reserve_logged_total", "ftkit_log_released_bytes_total", "ftkit_receive_drops_total",
@@ -141,9 +141,10 @@ ftkit_log_reserve_logged_total 5
 # HELP ftkit_log_released_bytes_total Logged bytes the freed logs of finished connections still retained.
 # TYPE ftkit_log_released_bytes_total counter
 ftkit_log_released_bytes_total 99
-# HELP ftkit_receive_drops_total Segments the receive tap dropped, by reason (backpressure, oversize, error).
+# HELP ftkit_receive_drops_total Segments the receive tap did not record, by reason: backpressure, oversize, error (dropped; the sender retransmits them), consumer_gone (passed unrecorded: the agent took nothing from the full ring for 4 s; the senders' recoveries are refused until their next snapshots).
 # TYPE ftkit_receive_drops_total counter
 ftkit_receive_drops_total{reason="backpressure"} 0
+ftkit_receive_drops_total{reason="consumer_gone"} 3
 ftkit_receive_drops_total{reason="error"} 2
 ftkit_receive_drops_total{reason="oversize"} 0
 `,

@@ -491,9 +491,10 @@ func TestHungAgentNotFailedOver(t *testing.T) {
 	t.Parallel() // each test has its own lab (labSlots)
 	args := ringArgs(3000, 64<<10, 10*time.Millisecond)
 	want := reference(t, 3, args)
-	// Longer than the stop (two suspicions of up to three seconds each): node2's agent wakes up before its
-	// own fence deadline, so that it keeps its rank without asking node3 to vouch for it.
-	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", MetricsListen: metricsAddr, FenceTimeout: 30 * time.Second, LogRingMiB: 1, LogNoPark: true})
+	// Longer than the stop (two suspicions, and TCP's backed-off retransmissions up to the ones that pass
+	// unlogged: 40 s at most, 14 s as a rule): node2's agent wakes up before its own fence deadline, so
+	// that it keeps its rank without asking node3 to vouch for it.
+	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h", MetricsListen: metricsAddr, FenceTimeout: time.Minute, LogRingMiB: 1, LogNoPark: true})
 	logEventsOnFailure(t, c)
 	rg := startRing(t, c, 3, 7398, args)
 	rg.waitProtected(t, 2*time.Minute)
@@ -504,6 +505,11 @@ func TestHungAgentNotFailedOver(t *testing.T) {
 
 	resume := stopAgent(t, c, "node2")
 	stoppedAt := time.Now()
+	// Rank 1 exchanges a 64 KiB block with each neighbour per iteration, its blocks out through node2's
+	// logging program and theirs in through its receive tap, and the ranks go in step: while the stopped
+	// agent's rings hold what passes (1 MiB each, 8 iterations), ranks 0 and 2 get at most that much further
+	// than now.
+	passedFrom := min(rg.progress(0), rg.progress(2)) + 30
 	m := pollMetrics(t, c, "node3", "node3 to find node2's agent unresponsive twice", 2*time.Minute, func(m map[string]float64) bool {
 		requireNoDeclaration(t, m, "node3", "only node2's agent was stopped")
 		return m[`ftkit_suspicions_total{outcome="agent_unresponsive"}`] >= 2
@@ -511,18 +517,24 @@ func TestHungAgentNotFailedOver(t *testing.T) {
 	if procs, _ := copies(t, c, rg.jobs[1]); procs != 1 {
 		t.Errorf("%d processes of rank 1 while node2's agent was stopped, want 1", procs)
 	}
-	// The program takes the consumer for gone 4 s after the ring filled (CONSUMER_GONE_NS, bpf/tcplog.c);
-	// the segments it dropped before are sent again on TCP's backed-off timer (the first one past 4 s comes
-	// 6.2 s after the first drop), and that one passes unlogged.
-	if d := 12*time.Second - time.Since(stoppedAt); d > 0 {
-		time.Sleep(d)
+	// Each program takes its consumer for gone 4 s after its ring filled (CONSUMER_GONE_NS, bpf/tcplog.c and
+	// bpf/tcprecv.c); the segments dropped before are sent again on TCP's timers, and from then on they pass
+	// unlogged and unrecorded: the ranks run on. Before, the receive tap had no such escape and dropped rank
+	// 1's input for as long as the agent was stopped; the test only waited 12 s, and ci279's stalled ring
+	// sent too little for the log's program to pass anything in that time.
+	for deadline := stoppedAt.Add(40 * time.Second); min(rg.progress(0), rg.progress(2)) < passedFrom; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("ranks 0 and 2 at iterations %d and %d after %s with node2's agent stopped, want %d: the ranks "+
+				"stalled (a program of node2 did not take its agent's consumer for gone)", rg.progress(0), rg.progress(2), time.Since(stoppedAt).Round(time.Millisecond), passedFrom)
+		}
 	}
 	resume()
 	t.Logf("node2's agent stopped %s: node3 found it unresponsive %v times, its host answering",
 		time.Since(stoppedAt).Round(time.Millisecond), m[`ftkit_suspicions_total{outcome="agent_unresponsive"}`])
 
 	pollMetrics(t, c, "node2", "node2's log to count segments passed unlogged and ask for snapshots", time.Minute, func(m map[string]float64) bool {
-		return m[`ftkit_log_drops_total{reason="consumer_gone"}`] > 0 && m[`ftkit_log_controller_events_total{kind="hole-snapshots-requested"}`] > 0
+		return m[`ftkit_log_drops_total{reason="consumer_gone"}`] > 0 && m[`ftkit_receive_drops_total{reason="consumer_gone"}`] > 0 &&
+			m[`ftkit_log_controller_events_total{kind="hole-snapshots-requested"}`] > 0
 	})
 	waitLog(t, c, "node2", "the sender-side log lost bytes", time.Minute)
 	for _, h := range []string{"node1", "node3"} {

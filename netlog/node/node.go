@@ -63,6 +63,11 @@ type Config struct {
 	// Event is called for each controller decision and freeing of finished connections (metrics); nil
 	// for none.
 	Event func(kind controller.EventKind)
+	// ReceiveHoles counts the segments this host's receive tap passed unrecorded
+	// (ebpfprobes.RecvCounters.UnrecordedPassed): a check of a restored sender's re-sent bytes over them
+	// fails until the sender's next snapshot, so they ask every member for snapshots as the log's holes
+	// do. nil: none.
+	ReceiveHoles func() uint64
 }
 
 // Node is the sender-side log of one host.
@@ -116,11 +121,14 @@ func New(src Source, cfg Config) (*Node, error) {
 	if cfg.Event == nil {
 		cfg.Event = func(controller.EventKind) {}
 	}
+	if cfg.ReceiveHoles == nil {
+		cfg.ReceiveHoles = func() uint64 { return 0 }
+	}
 	n := &Node{src: src, ctl: ctl, cfg: cfg, log: cfg.Logger, seen: map[string]time.Time{},
 		held: map[tcpflow.Tuple]uint32{}, heldFrom: map[string]bool{},
 		marks: map[string]release.Watermark{}, asked: map[string]time.Time{}, asking: map[string]bool{}, holeGap: holeAskEvery}
 	if c, err := src.Counters(); err == nil {
-		n.holes = holes(c)
+		n.holes = holes(c) + cfg.ReceiveHoles()
 	}
 	return n, nil
 }
@@ -139,6 +147,8 @@ type StartConfig struct {
 	Members   Members
 	Logger    *slog.Logger
 	Event     func(kind controller.EventKind)
+	// ReceiveHoles is Config.ReceiveHoles.
+	ReceiveHoles func() uint64
 }
 
 // Start attaches the probe to the cluster interface and returns the node over it. The caller logs that
@@ -178,6 +188,7 @@ func Start(sc StartConfig) (*Node, error) {
 	n, err := New(c, Config{
 		Controller: controller.Config{Cap: capBytes, High: sc.High, Low: sc.Low},
 		CanSpill:   sc.SpillDir != "", MaxRange: sc.MaxRange, Members: sc.Members, Logger: sc.Logger, Event: sc.Event,
+		ReceiveHoles: sc.ReceiveHoles,
 	})
 	if err != nil {
 		c.Close()

@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -463,6 +464,8 @@ func TestStepRequestsSnapshot(t *testing.T) {
 func TestHoleAsksEveryMemberForSnapshots(t *testing.T) {
 	m := &fakeMembers{owner: "n2", others: []string{"n2", "n3"}}
 	n, src, _ := newTestNode(t, 3000, m)
+	var received atomic.Uint64 // the receive tap's segments passed unrecorded
+	n.cfg.ReceiveHoles = received.Load
 	t0 := time.Now()
 	holeEvents := func() int {
 		k := 0
@@ -491,6 +494,7 @@ func TestHoleAsksEveryMemberForSnapshots(t *testing.T) {
 		{2*time.Minute + 6*holeAskEvery, more, 5}, // and 4*holeAskEvery
 		{2*time.Minute + 7*holeAskEvery, more, 6},
 		{time.Hour, func(c *capture.Counters) { c.DropsBackpressure = 100; c.LoggedPassed = 9 }, 6}, // TCP retransmits these: no hole
+		{2 * time.Hour, func(*capture.Counters) { received.Add(1) }, 7},                             // the receive tap's hole
 	} {
 		step.set(&src.counters)
 		n.checkHoles(context.Background(), t0.Add(step.at))
@@ -499,7 +503,7 @@ func TestHoleAsksEveryMemberForSnapshots(t *testing.T) {
 		}
 	}
 	// Each request asked both other members; the requests run in the background.
-	const asks = 6
+	const asks = 7
 	for deadline := time.Now().Add(time.Minute); len(m.requested()) < asks*2; time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatalf("snapshots requested of %v, want n2 and n3 %d times", m.requested(), asks)

@@ -102,13 +102,15 @@ func holes(c capture.Counters) uint64 {
 // recovery that needs bytes of a hole is refused (netlog.ErrHole) until the receiver's next snapshot
 // covers them; asking now shortens that spell from a checkpoint interval to a snapshot's time. Which
 // receivers the lost bytes were for is not known (a segment passed unlogged leaves no record), so every
-// member is asked.
+// member is asked. The same for the receive tap's holes (Config.ReceiveHoles), which the senders'
+// snapshots cure.
 func (n *Node) checkHoles(ctx context.Context, now time.Time) {
 	c, err := n.src.Counters()
 	if err != nil {
 		return
 	}
-	h := holes(c)
+	recv := n.cfg.ReceiveHoles()
+	h := holes(c) + recv
 	n.mu.Lock()
 	since := now.Sub(n.holesAsked)
 	if h <= n.holes || since < n.holeGap {
@@ -124,9 +126,9 @@ func (n *Node) checkHoles(ctx context.Context, now time.Time) {
 	n.holes, n.holesAsked = h, now
 	n.mu.Unlock()
 	others := n.cfg.Members.Others()
-	n.log.Error("the sender-side log lost bytes: recoveries of their receivers are refused until the receivers' next snapshots; asking every member to snapshot now",
+	n.log.Error("the sender-side log lost bytes, or the receive tap left some unrecorded: recoveries of their receivers, or of their senders, are refused until their next snapshots; asking every member to snapshot now",
 		"lost", lost, "fragments_passed", c.FragmentsPassed, "unlogged_passed", c.UnloggedPassed, "bad_records", c.BadRecords,
-		"append_errors", c.AppendErrors, "park_lost", c.ParkLost, "members", others)
+		"append_errors", c.AppendErrors, "park_lost", c.ParkLost, "received_unrecorded", recv, "members", others)
 	n.addEvents([]controller.Event{{Time: now, Kind: EventHole, Memory: c.MemoryBytes}})
 	n.cfg.Event(EventHole)
 	for _, node := range others {
