@@ -203,8 +203,9 @@ type LogConfig struct {
 	// pages, so the sender pays no copy, and a clone whose bytes a receiver's snapshot covers is freed
 	// unread. Clones are copied into the log only for a recovery or once the park is three quarters
 	// full (docs/design.md). ParkMiB bounds the payload waiting in clones, kernel memory outside the
-	// log's cap; 0: a quarter of the log's cap, at most 1024. On by default; false copies every segment
-	// into the log's ring as it leaves.
+	// log's cap; 0: a quarter of the log's cap, at most 1024. Off by default: a recovery's read of the
+	// log first takes every parked clone into it, up to park_mib, and in ci285 that took a loaded host
+	// past the reader's 10 s stall bound, so the recovery was refused.
 	Park    bool `toml:"park"`
 	ParkMiB int  `toml:"park_mib"`
 	// ReceiveOrder records the order in which jobs consume their connections (package intercept), so that
@@ -255,7 +256,7 @@ func Defaults() Config {
 	c.Failover.FenceCommandTimeout = Duration{30 * time.Second}
 	c.Health = HealthConfig{Interval: Duration{30 * time.Second}, Timeout: Duration{10 * time.Second}, LeadTime: Duration{30 * time.Minute}}
 	c.Log = LogConfig{Enabled: true, RingMiB: 64, High: 0.8, Low: 0.6, ReceiveOrder: true, ReceiveOrderShipEvery: Duration{record.DefaultShipEvery},
-		MaxFlows: ebpfprobes.DefaultMaxFlows, Park: true}
+		MaxFlows: ebpfprobes.DefaultMaxFlows}
 	c.JobNetwork.Kind = jobnet.MACVlan
 	c.JobNetwork.Linger = Duration{30 * time.Second}
 	return c

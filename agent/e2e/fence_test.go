@@ -489,7 +489,8 @@ func TestShortPartitionPastDeclaration(t *testing.T) {
 // no segments (a park would hold the rank's traffic all the while, and the ring never fill).
 func TestHungAgentNotFailedOver(t *testing.T) {
 	t.Parallel() // each test has its own lab (labSlots)
-	args := ringArgs(3000, 64<<10, 10*time.Millisecond)
+	// 60 s at least: the ranks run on while the agent is stopped, and must not end before it resumes.
+	args := ringArgs(6000, 64<<10, 10*time.Millisecond)
 	want := reference(t, 3, args)
 	// Longer than the stop (two suspicions, and TCP's backed-off retransmissions up to the ones that pass
 	// unlogged: 40 s at most, 14 s as a rule): node2's agent wakes up before its own fence deadline, so
@@ -499,6 +500,9 @@ func TestHungAgentNotFailedOver(t *testing.T) {
 	rg := startRing(t, c, 3, 7398, args)
 	rg.waitProtected(t, 2*time.Minute)
 	rg.waitProgress(t, progressEvery, 2*time.Minute)
+	// The snapshot that covers the ranks' connections comes after the first; stopped while it was under
+	// way, node2 was busy and node3 waited out busy_grace (ci285: a stop of 74 s).
+	rg.waitCovered(t, 2*time.Minute)
 	old := rg.job(t, "node2", 1)
 	// A busy predecessor whose host answers is left alone anyway (busy_grace): stop an idle one.
 	waitIdle(t, c, "node3", "node2")
