@@ -435,8 +435,9 @@ func (l *TCPLogger) Read(ctx context.Context) ([]byte, error) {
 
 // ReadBatch calls fn with each record waiting in the ring buffer, in order,
 // at most max of them (max <= 0: no limit), blocking until there is at least
-// one; records that come meanwhile wait for the next call. raw (RecordHeaderLen bytes of header, then the payload) is the
-// record's place in the shared ring itself: it is valid only until fn
+// one; records that come meanwhile wait for the next call. raw
+// (RecordHeaderLen bytes of header, then the payload) is the record's place
+// in the shared ring itself: it is valid only until fn
 // returns, when its space is given back to the kernel. Nothing is copied, so
 // fn can copy the payload once, straight to where it is kept. If fn returns
 // an error, that record stays in the ring (the next ReadBatch offers it
