@@ -24,8 +24,11 @@ type ring struct {
 	c      *labcluster.Cluster
 	jobs   []agent.Job // as started
 	jobDir string
-	// release opens the run's gate (gated): wait calls it before it waits for the ranks to end.
+	// release opens the run's gate (gated): wait and waitRanks call it before they wait for the ranks to end.
 	release func()
+	// heldAt is the iteration the gate holds the ranks at (they report it, then wait), 0 for a run without
+	// one: waitIteration waits for no later iteration before the release.
+	heldAt int
 }
 
 // gated adds a gate to a run's arguments: rank 0 holds before iteration at until the ring's wait releases
@@ -193,12 +196,17 @@ func (rg *ring) start(t *testing.T, r int, name string, argv []string) {
 	rg.jobs[r] = j
 }
 
-// wait waits for every rank's exit record and returns each rank's output.
-func (rg *ring) wait(t *testing.T, timeout time.Duration) []string {
-	t.Helper()
+// open releases the run's gate, if it has one.
+func (rg *ring) open() {
 	if rg.release != nil {
 		rg.release()
 	}
+}
+
+// wait waits for every rank's exit record and returns each rank's output.
+func (rg *ring) wait(t *testing.T, timeout time.Duration) []string {
+	t.Helper()
+	rg.open()
 	deadline := time.Now().Add(timeout)
 	outs := make([]string, len(rg.jobs))
 	for r, j := range rg.jobs {

@@ -39,20 +39,47 @@ import (
 // startMatrix runs the failure-free reference of ref, then starts 3 ranks of ref plus extra (flags that do
 // not change the checksum: --ballast, --progress) on node1..node3 of a lab with the given spares and
 // waits until every rank reports progress. prepare, if set, runs on the lab before the agents start.
+//
+// The run is gated 100 iterations before its end (rg.wait releases it): on a loaded machine a row's
+// snapshots can take longer than the whole paced run (CI: rank 1 of TestFaultCrashDuringSnapshot ended
+// while the test's first snapshot of it was still being shipped), and a fault injected after the end tests
+// nothing.
 func startMatrix(t *testing.T, spares, port int, ref []string, prepare func(*lab.Lab), extra ...string) (*labcluster.Cluster, *ring, string) {
 	t.Helper()
 	want := reference(t, 3, ref)
+	held := flagInt(t, ref, "--iters") - 100
+	if p := flagInt(t, append(append([]string{}, ref...), extra...), "--progress"); held <= 0 || held%p != 0 {
+		t.Fatalf("a run of %d iterations reporting every %d cannot be held 100 before its end", held+100, p)
+	}
 	l := newLab(t, 3, spares, false)
 	if prepare != nil {
 		prepare(l)
 	}
 	c := startCluster(t, l, labcluster.Options{Interval: "1h"})
 	logEventsOnFailure(t, c)
-	rg := startRing(t, c, 3, port, append(append([]string{}, ref...), extra...))
+	args, release := gated(t, append(append([]string{}, ref...), extra...), held)
+	rg := startRing(t, c, 3, port, args)
+	rg.release, rg.heldAt = release, held
 	for r := range rg.jobs {
 		rg.waitIteration(t, r, 1, 2*time.Minute)
 	}
 	return c, rg, want
+}
+
+// flagInt is the value of the last flag name in args.
+func flagInt(t *testing.T, args []string, name string) int {
+	t.Helper()
+	for i := len(args) - 2; i >= 0; i-- {
+		if args[i] == name {
+			n, err := strconv.Atoi(args[i+1])
+			if err != nil {
+				t.Fatalf("%s %q: %v", name, args[i+1], err)
+			}
+			return n
+		}
+	}
+	t.Fatalf("no %s in %q", name, args)
+	return 0
 }
 
 // lastIteration is the last iteration rank r reported on its stdout (ringstencil --progress), 0 before any.
@@ -69,9 +96,12 @@ func (rg *ring) lastIteration(r int) int {
 	return 0
 }
 
-// waitIteration waits until rank r has reported iteration n.
+// waitIteration waits until rank r has reported iteration n, or the iteration its gate holds it at.
 func (rg *ring) waitIteration(t *testing.T, r, n int, timeout time.Duration) {
 	t.Helper()
+	if rg.heldAt > 0 && n > rg.heldAt {
+		n = rg.heldAt
+	}
 	for deadline := time.Now().Add(timeout); rg.lastIteration(r) < n; time.Sleep(20 * time.Millisecond) {
 		if _, err := shim.ReadExit(rg.jobs[r].ExitPath()); err == nil {
 			t.Fatalf("rank %d ended before iteration %d: make the run longer", r, n)
@@ -428,6 +458,7 @@ func (rg *ring) requireNothingLeft(t *testing.T) {
 
 // waitRanks waits up to timeout for every rank's exit record and returns the outputs of those that ended.
 func (rg *ring) waitRanks(timeout time.Duration) (outs []string, ended []bool) {
+	rg.open()
 	outs, ended = make([]string, len(rg.jobs)), make([]bool, len(rg.jobs))
 	deadline := time.Now().Add(timeout)
 	for r, j := range rg.jobs {
@@ -576,9 +607,7 @@ func TestFaultProtectorCrashWhileReceiving(t *testing.T) {
 	// milliseconds, and the rest takes the transfer most of a second at least (on a loaded machine, longer
 	// than the run: gated, the run waits for the fault). Every rank carries it: 512 MiB made the recovery
 	// of node2's rank alone take a minute (ci90).
-	gate, release := gated(t, nil, 2990)
-	c, rg, want := startMatrix(t, 1, 7710, ref, nil, append(gate, "--progress", "10", "--ballast", "256")...)
-	rg.release = release
+	c, rg, want := startMatrix(t, 1, 7710, ref, nil, "--progress", "10", "--ballast", "256")
 	rg.checkpoint(t, "node2") // node2's rank is recoverable from node3
 	type shipResult struct {
 		reply agentapi.CheckpointReply
