@@ -58,6 +58,7 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 #include <bpf/bpf_core_read.h>
+#include "ringconsumer.h"
 
 #define AF_INET 2
 #define AF_INET6 10
@@ -72,10 +73,6 @@
 #define EAGAIN 11
 #define ERESTARTSYS 512
 #define ERESTART_RESTARTBLOCK 516
-// UAPI values (enum in linux/bpf.h, not in the trimmed vmlinux.h).
-#define BPF_RB_NO_WAKEUP 1
-#define BPF_RB_FORCE_WAKEUP 2
-#define BPF_RB_AVAIL_DATA 0
 
 // Deepest cgroup level the parent may be at (the kernel's limit is
 // cgroup.max.depth, unlimited by default; real hierarchies are shallow).
@@ -316,12 +313,7 @@ struct {
 // wake_flags returns the submit flags for a record of need ring bytes.
 static __always_inline __u64 wake_flags(__u64 need)
 {
-	if (wake_every || !consumer_polling)
-		return 0;
-	__u64 avail = bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA);
-	if (avail >= wake_bytes && avail < wake_bytes + need)
-		return BPF_RB_FORCE_WAKEUP;
-	return BPF_RB_NO_WAKEUP;
+	return ring_wake_flags(&events, !wake_every && consumer_polling, wake_bytes, need);
 }
 
 // find_job_level returns the level of the parent's children: the current

@@ -104,6 +104,7 @@
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
+#include "ringconsumer.h"
 
 #define ETH_HLEN 14
 #define VLAN_HLEN 4
@@ -114,11 +115,6 @@
 #define IP_OFFSET 0x1fff
 #define BPF_ANY 0
 #define BPF_NOEXIST 1
-// UAPI values (enum in linux/bpf.h, not in the trimmed vmlinux.h).
-#define BPF_RB_NO_WAKEUP 1
-#define BPF_RB_FORCE_WAKEUP 2
-#define BPF_RB_AVAIL_DATA 0
-#define BPF_RB_CONS_POS 2
 
 // TCP header flags (byte 13 of the header).
 #define TCP_FIN 0x01
@@ -217,9 +213,6 @@ struct counters {
 	__u64 park_full;          // the park held park_cap bytes: the segment was copied instead
 };
 
-// A consumer that took nothing from the full ring this long is gone.
-#define CONSUMER_GONE_NS 4000000000ULL
-
 // A flow whose segments have been dropped this long may use the ring's reserve.
 #define STALL_RESERVE_NS 2000000000ULL
 // The reserve is the last 1/2^RESERVE_SHIFT of the ring (ebpfprobes.reserveShift).
@@ -232,12 +225,9 @@ volatile const __u32 ring_size = 0;
 volatile const __u32 wake_bytes = 0;
 
 // Written by the consumer (mmapped .bss): nonzero while it is draining the
-// ring and polls it on a short timer by itself. A wakeup per record (the
-// kernel's default whenever the consumer had caught up) cost a self-IPI on
-// the sender's CPU and a context switch of the consumer for every segment;
-// while the consumer polls, records are submitted without a wakeup unless
-// the ring passes wake_bytes. When the consumer goes idle it clears the flag
-// and the kernel's default wakes it on the next record.
+// ring and polls it on a short timer by itself (ring_wake_flags). When the
+// consumer goes idle it clears the flag and the kernel's default wakes it on
+// the next record.
 volatile __u32 consumer_polling = 0;
 
 // Written by the consumer (mmapped .bss): nonzero while it is paused at the
@@ -249,9 +239,7 @@ volatile __u32 consumer_paused = 0;
 volatile __u64 paused_seen_ns = 0;
 
 // The consumer's position in the ring when a drop last found it moved, and
-// when: a consumer that has not moved for CONSUMER_GONE_NS is gone. Updated
-// by the drops of every CPU without a lock: a race moves the clock by one
-// segment's time at most.
+// when (ring_consumer_stuck).
 volatile __u64 cons_seen = 0;
 volatile __u64 cons_seen_ns = 0;
 
@@ -379,18 +367,10 @@ static __always_inline void note_seq(struct counters *c, struct flow_key *fk, __
 		*high = end;
 }
 
-// wake_flags returns the submit flags for a record of need ring bytes (see
-// consumer_polling). BPF_RB_AVAIL_DATA counts our reserved record already.
-// Records submitted concurrently on other CPUs may make us miss the exact
-// crossing; the consumer's poll timer bounds the delay then.
+// wake_flags returns the submit flags for a record of need ring bytes.
 static __always_inline __u64 wake_flags(__u64 need)
 {
-	if (!consumer_polling)
-		return 0;
-	__u64 avail = bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA);
-	if (avail >= wake_bytes && avail < wake_bytes + need)
-		return BPF_RB_FORCE_WAKEUP;
-	return BPF_RB_NO_WAKEUP;
+	return ring_wake_flags(&events, consumer_polling, wake_bytes, need);
 }
 
 // OPTBUF is the size of the options buffer: a power of two above 40 so that
@@ -602,15 +582,9 @@ static __always_inline int ring_room(struct flow_key *fk, __u64 need, __u64 now)
 // CONSUMER_GONE_NS while not paused at the cap (see cons_seen).
 static __always_inline int consumer_gone(__u64 now)
 {
-	__u64 cons = bpf_ringbuf_query(&events, BPF_RB_CONS_POS);
-	if (cons != cons_seen || !cons_seen_ns) {
-		cons_seen = cons;
-		cons_seen_ns = now;
+	if (!ring_consumer_stuck(&events, &cons_seen, &cons_seen_ns, now))
 		return 0;
-	}
-	if (consumer_paused && (__s64)(now - paused_seen_ns) < (__s64)CONSUMER_GONE_NS)
-		return 0;
-	return (__s64)(now - cons_seen_ns) >= (__s64)CONSUMER_GONE_NS;
+	return !consumer_paused || (__s64)(now - paused_seen_ns) >= (__s64)CONSUMER_GONE_NS;
 }
 
 // ring_full is the verdict on a segment that found no room in the ring: it

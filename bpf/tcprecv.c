@@ -88,16 +88,12 @@
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
+#include "ringconsumer.h"
 
 #define ETH_P_IP 0x0800
 #define IPPROTO_TCP 6
 #define BPF_ANY 0
 #define BPF_NOEXIST 1
-// UAPI values (enum in linux/bpf.h, not in the trimmed vmlinux.h).
-#define BPF_RB_NO_WAKEUP 1
-#define BPF_RB_FORCE_WAKEUP 2
-#define BPF_RB_AVAIL_DATA 0
-#define BPF_RB_CONS_POS 2
 
 // TCP header flags (byte 13 of the header).
 #define TCP_SYN 0x02
@@ -188,7 +184,8 @@ volatile __u32 consumer_polling = 0;
 // after its retries. The hole is seen by the consumer (a record past bytes it
 // never got) and makes a check of re-sent bytes over it fail, loudly; the
 // agent asks every member for a snapshot, which moves the checks past it.
-#define CONSUMER_GONE_NS 4000000000ULL
+// The consumer's position when a look at the full ring last found it moved,
+// and when (ring_consumer_stuck).
 volatile __u64 cons_seen = 0;
 volatile __u64 cons_seen_ns = 0;
 
@@ -267,29 +264,10 @@ static __always_inline int raise_to(__u32 *p, __u32 seen, __u32 v)
 	return 0;
 }
 
-// wake_flags returns the submit flags for a record of need ring bytes (see
-// consumer_polling and tcplog.c).
-// consumer_gone says whether the ring's consumer has taken nothing for
-// CONSUMER_GONE_NS, judged at drops (see cons_seen in tcplog.c).
-static __always_inline int consumer_gone(__u64 now)
-{
-	__u64 cons = bpf_ringbuf_query(&events, BPF_RB_CONS_POS);
-	if (cons != cons_seen || !cons_seen_ns) {
-		cons_seen = cons;
-		cons_seen_ns = now;
-		return 0;
-	}
-	return (__s64)(now - cons_seen_ns) >= (__s64)CONSUMER_GONE_NS;
-}
-
+// wake_flags returns the submit flags for a record of need ring bytes.
 static __always_inline __u64 wake_flags(__u64 need)
 {
-	if (!consumer_polling)
-		return 0;
-	__u64 avail = bpf_ringbuf_query(&events, BPF_RB_AVAIL_DATA);
-	if (avail >= wake_bytes && avail < wake_bytes + need)
-		return BPF_RB_FORCE_WAKEUP;
-	return BPF_RB_NO_WAKEUP;
+	return ring_wake_flags(&events, consumer_polling, wake_bytes, need);
 }
 
 // record_start writes the record without payload that starts a flow at seq
@@ -496,7 +474,7 @@ int tcprecv_ingress(struct __sk_buff *skb)
 	if (bpf_ringbuf_reserve_dynptr(&events, sizeof(hdr) + n, 0, &rec)) {
 		// The verifier wants the failed dynptr released too.
 		bpf_ringbuf_discard_dynptr(&rec, 0);
-		if (consumer_gone(hdr.ktime_ns)) {
+		if (ring_consumer_stuck(&events, &cons_seen, &cons_seen_ns, hdr.ktime_ns)) {
 			c->unrecorded_passed++; // rx_next stays: the next segment resyncs past the hole
 			return VERDICT_PASS;
 		}

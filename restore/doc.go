@@ -26,7 +26,10 @@
 //  4. CRIU restore (criu.Client.Restore, from a process in this namespace),
 //     then put the routes' MTU back, so the restored sockets resync their
 //     segment size to the snapshot's MSS instead of sending 524 bytes;
-//  5. Announce the address, so that peers' neighbour entries move here.
+//  5. Announce the address, so that peers' neighbour entries move here;
+//  6. once the restored jobs have replayed (their re-sent bytes are out),
+//     put the routes' initial windows back, so that the host's later
+//     connections do not start with the re-sent burst's window.
 //
 // If the restore fails: Unguard and Release (and put the MTU back).
 //

@@ -454,7 +454,8 @@ func TestRelocateJob(t *testing.T) {
 		if err := TakeOver("eth0", node1.Addr); err != nil {
 			return err
 		}
-		return SetInitCwnd("eth0", plan.InitCwnd)
+		_, err := SetInitCwnd("eth0", plan.InitCwnd)
+		return err
 	}); err != nil {
 		t.Fatal(err)
 	}

@@ -271,7 +271,7 @@ func TestInjectFromPeer(t *testing.T) {
 	defer cancel()
 	l := labtest.New(t, 2, 0)
 	// B's first flight fills A's initial window (64 KiB), all of which the test injects.
-	if err := l.Do("node2", func() error { return SetInitCwnd("eth0", 64) }); err != nil {
+	if err := l.Do("node2", func() error { _, err := SetInitCwnd("eth0", 64); return err }); err != nil {
 		t.Fatal(err)
 	}
 	ra, sb, conn := pair(t, l, "node1", "node2", 7300)

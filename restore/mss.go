@@ -97,22 +97,15 @@ func LowerPathMTU(iface string) (putBack func() error, err error) {
 		handled++
 	}
 	putBack = func() error {
-		routes, err := netlink.RouteList(link, netlink.FAMILY_ALL)
-		if err != nil {
-			return fmt.Errorf("put back path MTU: list routes of %s: %w", iface, err)
-		}
-		var errs []error
-		for _, r := range routes {
-			m, ok := orig[routeKey(r)]
-			if !ok || !mainUnicast(r) || r.MTU != m.lowered || r.AdvMSS != m.pinned {
-				continue // put back already, or changed since
+		err := putBackRoutes(link, "path MTU", func(r *netlink.Route) bool {
+			m, ok := orig[routeKey(*r)]
+			if !ok || r.MTU != m.lowered || r.AdvMSS != m.pinned {
+				return false // put back already, or changed since
 			}
 			r.MTU, r.AdvMSS = m.mtu, m.advMSS
-			if err := netlink.RouteReplace(&r); err != nil {
-				errs = append(errs, fmt.Errorf("put back the MTU of route %v of %s: %w", r.Dst, iface, err))
-			}
-		}
-		if err := errors.Join(errs...); err != nil {
+			return true
+		})
+		if err != nil {
 			return fmt.Errorf("put back path MTU (restored sockets may keep sending 524-byte segments): %w", err)
 		}
 		return nil

@@ -222,7 +222,7 @@ func TestRestoredSocketSegmentSize(t *testing.T) {
 		if err := TakeOver("eth0", node1.Addr); err != nil {
 			return err
 		}
-		if err := SetInitCwnd("eth0", MinInitCwnd); err != nil {
+		if _, err := SetInitCwnd("eth0", MinInitCwnd); err != nil {
 			return err
 		}
 		putBack, err = LowerPathMTU("eth0")

@@ -30,7 +30,7 @@ func TestLowerPathMTU(t *testing.T) {
 		if err := netlink.RouteAdd(&netlink.Route{LinkIndex: eth0.Attrs().Index, Dst: dst, Scope: netlink.SCOPE_LINK, MTU: 1400}); err != nil {
 			return err
 		}
-		if err := SetInitCwnd("eth0", 30); err != nil {
+		if _, err := SetInitCwnd("eth0", 30); err != nil {
 			return err
 		}
 		type want struct{ mtu, advMSS, initCwnd int }
@@ -78,7 +78,7 @@ func TestLowerPathMTU(t *testing.T) {
 		}
 		check("second put-back", map[string]want{subnet: {0, 0, 30}, "10.99.0.0/24": {1400, 0, 30}})
 		// The agent raises the window again while the routes are lowered.
-		if err := SetInitCwnd("eth0", 40); err != nil {
+		if _, err := SetInitCwnd("eth0", 40); err != nil {
 			return err
 		}
 		for range 2 { // idempotent

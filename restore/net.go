@@ -66,38 +66,80 @@ func linkAddr(iface string, addr netip.Prefix) (netlink.Link, *netlink.Addr, err
 // idempotent). The restored sockets read it when CRIU reconnects them, so
 // call it before the restore: Plan.InitCwnd segments must leave before the
 // peer's first ACK is accepted. It applies to every new connection over
-// these routes, not only the restored ones.
-func SetInitCwnd(iface string, segments int) error {
+// these routes, not only the restored ones, so call putBack once the
+// restored sockets have re-sent what they had to (a socket whose congestion
+// control restarts slow start after idle takes the route's window again):
+// it returns each route it raised to its own values, unless they changed
+// since (idempotent). Left raised, every later connection of the host
+// started with a burst of that many segments (tens of thousands after a
+// recovery under heavy traffic) into the site's network. A put-back while
+// another restore on the host still replays lowers its routes too; its
+// sockets keep the window they connected with.
+func SetInitCwnd(iface string, segments int) (putBack func() error, err error) {
 	if segments < 1 {
-		return fmt.Errorf("set initcwnd on %s: %d segments: give at least 1", iface, segments)
+		return nil, fmt.Errorf("set initcwnd on %s: %d segments: give at least 1", iface, segments)
 	}
 	link, err := netlink.LinkByName(iface)
 	if err != nil {
-		return fmt.Errorf("set initcwnd: find interface %s in this network namespace: %w", iface, err)
+		return nil, fmt.Errorf("set initcwnd: find interface %s in this network namespace: %w", iface, err)
 	}
 	routes, err := netlink.RouteList(link, netlink.FAMILY_ALL)
 	if err != nil {
-		return fmt.Errorf("set initcwnd: list routes of %s: %w", iface, err)
+		return nil, fmt.Errorf("set initcwnd: list routes of %s: %w", iface, err)
 	}
+	// What a raised route had, and what SetInitCwnd set.
+	type windows struct{ cwnd, rwnd, setCwnd, setRwnd int }
+	orig := make(map[string]windows)
 	n := 0
 	for _, r := range routes {
-		if r.Type != unix.RTN_UNICAST || (r.Table != 0 && r.Table != unix.RT_TABLE_MAIN) {
+		if !mainUnicast(r) {
 			continue
 		}
 		if r.InitCwnd >= segments && r.InitRwnd >= segments {
 			n++
 			continue
 		}
-		r.InitCwnd, r.InitRwnd = max(r.InitCwnd, segments), max(r.InitRwnd, segments)
+		w := windows{cwnd: r.InitCwnd, rwnd: r.InitRwnd, setCwnd: max(r.InitCwnd, segments), setRwnd: max(r.InitRwnd, segments)}
+		r.InitCwnd, r.InitRwnd = w.setCwnd, w.setRwnd
 		if err := netlink.RouteReplace(&r); err != nil {
-			return fmt.Errorf("set initcwnd %d on route %v of %s: %w", segments, r.Dst, iface, err)
+			return nil, fmt.Errorf("set initcwnd %d on route %v of %s: %w", segments, r.Dst, iface, err)
 		}
+		orig[routeKey(r)] = w
 		n++
 	}
 	if n == 0 {
-		return fmt.Errorf("set initcwnd: interface %s has no unicast route in the main table (is it up with an address?)", iface)
+		return nil, fmt.Errorf("set initcwnd: interface %s has no unicast route in the main table (is it up with an address?)", iface)
 	}
-	return nil
+	return func() error {
+		return putBackRoutes(link, "initcwnd", func(r *netlink.Route) bool {
+			w, ok := orig[routeKey(*r)]
+			if !ok || r.InitCwnd != w.setCwnd || r.InitRwnd != w.setRwnd {
+				return false // put back already, or changed since
+			}
+			r.InitCwnd, r.InitRwnd = w.cwnd, w.rwnd
+			return true
+		})
+	}, nil
+}
+
+// putBackRoutes lists link's routes again and replaces each main-table
+// unicast route that edit changes (it returns true).
+func putBackRoutes(link netlink.Link, what string, edit func(r *netlink.Route) bool) error {
+	iface := link.Attrs().Name
+	routes, err := netlink.RouteList(link, netlink.FAMILY_ALL)
+	if err != nil {
+		return fmt.Errorf("put back %s: list routes of %s: %w", what, iface, err)
+	}
+	var errs []error
+	for _, r := range routes {
+		if !mainUnicast(r) || !edit(&r) {
+			continue
+		}
+		if err := netlink.RouteReplace(&r); err != nil {
+			errs = append(errs, fmt.Errorf("put back the %s of route %v of %s: %w", what, r.Dst, iface, err))
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // Announce broadcasts gratuitous ARP for ip out of iface (an ARP request

@@ -149,7 +149,7 @@ func TestTakeOverAnnounce(t *testing.T) {
 		t.Errorf("connect to the taken-over address: %v", err)
 	}
 
-	// Initial window: raised, never lowered, and used by new connections.
+	// Initial window: raised, never lowered by a smaller raise, used by new connections, and put back.
 	var peerLn net.Listener
 	if err := l.Do("node1", func() (err error) {
 		peerLn, err = net.Listen("tcp4", netip.AddrPortFrom(peer.Addr.Addr(), 7301).String())
@@ -159,13 +159,69 @@ func TestTakeOverAnnounce(t *testing.T) {
 	}
 	defer peerLn.Close()
 	if err := l.Do("spare1", func() error {
-		if err := SetInitCwnd("eth0", 300); err != nil {
+		putBack, err := SetInitCwnd("eth0", 300)
+		if err != nil {
 			return err
 		}
-		if err := SetInitCwnd("eth0", 20); err != nil {
+		putBackSmaller, err := SetInitCwnd("eth0", 20)
+		if err != nil {
 			return err
 		}
 		eth0, err := netlink.LinkByName("eth0")
+		if err != nil {
+			return err
+		}
+		checkRoutes := func(when string, want int) {
+			t.Helper()
+			routes, err := netlink.RouteList(eth0, netlink.FAMILY_V4)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, r := range routes {
+				if r.Type == unix.RTN_UNICAST && (r.InitCwnd != want || r.InitRwnd != want) {
+					t.Errorf("%s: route %v: initcwnd %d initrwnd %d, want %d", when, r.Dst, r.InitCwnd, r.InitRwnd, want)
+				}
+			}
+		}
+		newCwnd := func() uint32 {
+			t.Helper()
+			c, err := net.Dial("tcp4", netip.AddrPortFrom(peer.Addr.Addr(), 7301).String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			rc, err := c.(*net.TCPConn).SyscallConn()
+			if err != nil {
+				t.Fatal(err)
+			}
+			var info *unix.TCPInfo
+			var ierr error
+			if err := rc.Control(func(fd uintptr) { info, ierr = unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO) }); err != nil || ierr != nil {
+				t.Fatalf("TCP_INFO of a new connection: %v %v", err, ierr)
+			}
+			return info.Snd_cwnd
+		}
+		checkRoutes("raised to 300, then to 20", 300)
+		if got := newCwnd(); got != 300 {
+			t.Errorf("a new connection from the spare starts with cwnd %d, want 300", got)
+		}
+		// The smaller raise changed nothing and puts nothing back; the first returns the routes to their
+		// own windows (none: the kernel's), however often it is called.
+		if err := putBackSmaller(); err != nil {
+			return err
+		}
+		checkRoutes("the smaller raise put back", 300)
+		for range 2 {
+			if err := putBack(); err != nil {
+				return err
+			}
+			checkRoutes("put back", 0)
+		}
+		if got := newCwnd(); got != MinInitCwnd {
+			t.Errorf("after the put-back a new connection from the spare starts with cwnd %d, want the kernel's %d", got, MinInitCwnd)
+		}
+		// A route changed since the raise (by an operator) is left as it is now.
+		putBack, err = SetInitCwnd("eth0", 50)
 		if err != nil {
 			return err
 		}
@@ -174,34 +230,21 @@ func TestTakeOverAnnounce(t *testing.T) {
 			return err
 		}
 		for _, r := range routes {
-			if r.Type == unix.RTN_UNICAST && (r.InitCwnd != 300 || r.InitRwnd != 300) {
-				t.Errorf("route %v: initcwnd %d initrwnd %d, want 300 (raised once, never lowered)", r.Dst, r.InitCwnd, r.InitRwnd)
+			if r.Type == unix.RTN_UNICAST {
+				r.InitCwnd, r.InitRwnd = 70, 70
+				if err := netlink.RouteReplace(&r); err != nil {
+					return err
+				}
 			}
 		}
-		c, err := net.Dial("tcp4", netip.AddrPortFrom(peer.Addr.Addr(), 7301).String())
-		if err != nil {
+		if err := putBack(); err != nil {
 			return err
 		}
-		defer c.Close()
-		rc, err := c.(*net.TCPConn).SyscallConn()
-		if err != nil {
-			return err
-		}
-		var info *unix.TCPInfo
-		var ierr error
-		if err := rc.Control(func(fd uintptr) { info, ierr = unix.GetsockoptTCPInfo(int(fd), unix.IPPROTO_TCP, unix.TCP_INFO) }); err != nil {
-			return err
-		}
-		if ierr != nil {
-			return ierr
-		}
-		if info.Snd_cwnd != 300 {
-			t.Errorf("a new connection from the spare starts with cwnd %d, want 300", info.Snd_cwnd)
-		}
-		if err := SetInitCwnd("eth0", 0); err == nil {
+		checkRoutes("changed after the raise, then put back", 70)
+		if _, err := SetInitCwnd("eth0", 0); err == nil {
 			t.Error("SetInitCwnd accepted 0 segments")
 		}
-		if err := SetInitCwnd("nonexistent0", 10); err == nil {
+		if _, err := SetInitCwnd("nonexistent0", 10); err == nil {
 			t.Error("SetInitCwnd accepted a missing interface")
 		}
 		if err := Announce(ctx, "eth0", netip.MustParseAddr("fd00::1")); err == nil {

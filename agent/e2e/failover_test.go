@@ -203,14 +203,21 @@ func (rg *ring) open() {
 	}
 }
 
-// wait waits for every rank's exit record and returns each rank's output.
+// wait waits for every rank's exit record and returns each rank's output. It fails when the ranks go
+// timeout without reporting progress: a run that ends slowly on a loaded machine is no failure (ci286:
+// the heavy-traffic row's ranks, sharing the 2 cores with three other labs and TestRecvOrderCost, did
+// 2800 iterations in the 2 minutes after their recovery, and were cut short), a hang is.
 func (rg *ring) wait(t *testing.T, timeout time.Duration) []string {
 	t.Helper()
 	rg.open()
-	deadline := time.Now().Add(timeout)
+	began, from := time.Now(), rg.progressAll()
+	done, moved := from, began
 	outs := make([]string, len(rg.jobs))
 	for r, j := range rg.jobs {
 		for {
+			if p := rg.progressAll(); p != done {
+				done, moved = p, time.Now()
+			}
 			st, err := shim.ReadExit(j.ExitPath())
 			if err == nil {
 				b, _ := os.ReadFile(j.StdoutPath())
@@ -221,16 +228,31 @@ func (rg *ring) wait(t *testing.T, timeout time.Duration) []string {
 				}
 				break
 			}
-			if time.Now().After(deadline) {
+			if time.Since(moved) > timeout {
 				b, _ := os.ReadFile(j.StdoutPath())
 				e, _ := os.ReadFile(j.StderrPath())
 				logSockets(t, rg.c)
-				t.Fatalf("rank %d (job %s) did not finish within %s; stdout %q stderr %q", r, j.ID, timeout, tail(string(b)), tail(string(e)))
+				t.Fatalf("rank %d (job %s) has not finished, and no rank reported progress for %s (%d iterations in all in the %s since the wait began); stdout %q stderr %q",
+					r, j.ID, timeout, done-from, time.Since(began).Round(time.Second), tail(string(b)), tail(string(e)))
 			}
 			time.Sleep(50 * time.Millisecond)
 		}
 	}
+	done = rg.progressAll()
+	if d := time.Since(began); d > time.Second {
+		t.Logf("the ranks ended %s after the wait began, %d iterations in all (%.0f per rank and second)", d.Round(time.Millisecond),
+			done-from, float64(done-from)/float64(len(rg.jobs))/d.Seconds())
+	}
 	return outs
+}
+
+// progressAll is the sum of the ranks' progress.
+func (rg *ring) progressAll() int {
+	n := 0
+	for r := range rg.jobs {
+		n += rg.progress(r)
+	}
+	return n
 }
 
 // requireLiftedACKs checks that on every connection of the rank restored on spare1 the ACK clamp lifted
@@ -448,6 +470,23 @@ func requireStages(t *testing.T, f *agent.Failure) {
 	}
 }
 
+// requireRoutesPutBack fails the test if a route of host still has the initial window or the lowered MTU
+// a recovery set for its restore: left, every later connection of the host starts with the re-sent
+// burst's window (before, the spare kept initcwnd 23399 after TestFailover's heavy-traffic row).
+func requireRoutesPutBack(t *testing.T, c *labcluster.Cluster, host string) {
+	t.Helper()
+	var out []byte
+	if err := c.Lab.Do(host, func() (err error) {
+		out, err = exec.Command("ip", "-d", "route", "show", "table", "main").CombinedOutput()
+		return err
+	}); err != nil {
+		t.Fatalf("routes of %s: %v: %s", host, err, out)
+	}
+	if strings.Contains(string(out), "initcwnd") || strings.Contains(string(out), "initrwnd") || strings.Contains(string(out), " mtu ") {
+		t.Errorf("%s's routes keep what its recovery set for the restore:\n%s", host, out)
+	}
+}
+
 // checkRanks compares every rank's checksum with the failure-free reference.
 func checkRanks(t *testing.T, outs []string, want string) {
 	t.Helper()
@@ -513,11 +552,13 @@ func TestFailover(t *testing.T) {
 			if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
 				t.Fatal(err)
 			}
+			t.Logf("node2 power-cut with rank 1 at iteration %d", rg.progress(1))
 			f := waitFailure(t, c, "node2", 5*time.Minute)
 			requireStages(t, f)
 			if f.Target != "spare1" || f.Basic {
 				t.Errorf("restored on %s (basic %v), want spare1", f.Target, f.Basic)
 			}
+			requireRoutesPutBack(t, c, "spare1")
 			outs := rg.wait(t, 2*time.Minute)
 			checkRanks(t, outs, want)
 			// The survivors never stopped: same process, never restored.

@@ -521,11 +521,11 @@ func TestHungAgentNotFailedOver(t *testing.T) {
 	if procs, _ := copies(t, c, rg.jobs[1]); procs != 1 {
 		t.Errorf("%d processes of rank 1 while node2's agent was stopped, want 1", procs)
 	}
-	// Each program takes its consumer for gone 4 s after its ring filled (CONSUMER_GONE_NS, bpf/tcplog.c and
-	// bpf/tcprecv.c); the segments dropped before are sent again on TCP's timers, and from then on they pass
-	// unlogged and unrecorded: the ranks run on. Before, the receive tap had no such escape and dropped rank
-	// 1's input for as long as the agent was stopped; the test only waited 12 s, and ci279's stalled ring
-	// sent too little for the log's program to pass anything in that time.
+	// Each program takes its consumer for gone 4 s after its ring filled (CONSUMER_GONE_NS in
+	// bpf/ringconsumer.h, for bpf/tcplog.c and bpf/tcprecv.c); the segments dropped before are sent again on
+	// TCP's timers, and from then on they pass unlogged and unrecorded: the ranks run on. Before, the receive
+	// tap had no such escape and dropped rank 1's input for as long as the agent was stopped; the test only
+	// waited 12 s, and ci279's stalled ring sent too little for the log's program to pass anything in that time.
 	for deadline := stoppedAt.Add(40 * time.Second); min(rg.progress(0), rg.progress(2)) < passedFrom; time.Sleep(20 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatalf("ranks 0 and 2 at iterations %d and %d after %s with node2's agent stopped, want %d: the ranks "+

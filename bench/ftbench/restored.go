@@ -199,7 +199,7 @@ func restoredRun(ctx context.Context, log *slog.Logger, criuBin string, bursts i
 		if err := restore.TakeOver("eth0", node1.Addr); err != nil {
 			return err
 		}
-		if err := restore.SetInitCwnd("eth0", restore.MinInitCwnd); err != nil {
+		if _, err := restore.SetInitCwnd("eth0", restore.MinInitCwnd); err != nil {
 			return err
 		}
 		if mtuFix {

@@ -153,7 +153,8 @@ type Network interface {
 	Unguard(ctx context.Context, runID string)
 	TakeOver(ip netip.Addr) error
 	Release(ip netip.Addr)
-	SetInitCwnd(segments int) error
+	// SetInitCwnd raises the routes' initial windows until putBack (restore.SetInitCwnd).
+	SetInitCwnd(segments int) (putBack func() error, err error)
 	// LowerPathMTU lowers the routes' MTU until putBack (restore.LowerPathMTU); putBack may be non-nil
 	// with an error, for the routes that were lowered.
 	LowerPathMTU() (putBack func() error, err error)

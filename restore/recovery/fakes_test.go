@@ -255,9 +255,9 @@ type fakeNet struct{ *fake }
 
 func (n fakeNet) Release(ip netip.Addr) { addTo(n.fake, &n.net, "release "+ip.String()) }
 
-func (f *fake) SetInitCwnd(segments int) error {
+func (f *fake) SetInitCwnd(segments int) (func() error, error) {
 	addTo(f, &f.net, fmt.Sprintf("initcwnd %d", segments))
-	return nil
+	return func() error { addTo(f, &f.net, "put back initcwnd"); return nil }, nil
 }
 
 func (f *fake) LowerPathMTU() (func() error, error) {

@@ -2,7 +2,9 @@ package recovery
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io/fs"
 	"net/netip"
 	"time"
 
@@ -32,7 +34,9 @@ func (n HostNetwork) TakeOver(ip netip.Addr) error {
 
 func (n HostNetwork) Release(ip netip.Addr) { restore.Release(n.Iface, netip.PrefixFrom(ip, n.Bits)) }
 
-func (n HostNetwork) SetInitCwnd(segments int) error { return restore.SetInitCwnd(n.Iface, segments) }
+func (n HostNetwork) SetInitCwnd(segments int) (func() error, error) {
+	return restore.SetInitCwnd(n.Iface, segments)
+}
 
 func (n HostNetwork) LowerPathMTU() (func() error, error) { return restore.LowerPathMTU(n.Iface) }
 
@@ -95,8 +99,24 @@ func (n JobNet) TakeOver(ip netip.Addr) error {
 
 func (n JobNet) Release(netip.Addr) {}
 
-func (n JobNet) SetInitCwnd(segments int) error {
-	return n.in(func() error { return restore.SetInitCwnd(n.iface(), segments) })
+func (n JobNet) SetInitCwnd(segments int) (func() error, error) {
+	var putBack func() error
+	err := n.in(func() (err error) { putBack, err = restore.SetInitCwnd(n.iface(), segments); return err })
+	if putBack == nil {
+		return nil, err
+	}
+	return n.putBackIn(putBack), err
+}
+
+// putBackIn runs putBack, a put-back of route metrics, inside the job's network: one deleted since (its
+// restore failed) has nothing left to put back.
+func (n JobNet) putBackIn(putBack func() error) func() error {
+	return func() error {
+		if err := n.in(putBack); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return err
+		}
+		return nil
+	}
 }
 
 func (n JobNet) LowerPathMTU() (func() error, error) {
@@ -105,7 +125,7 @@ func (n JobNet) LowerPathMTU() (func() error, error) {
 	if putBack == nil {
 		return nil, err
 	}
-	return func() error { return n.in(putBack) }, err
+	return n.putBackIn(putBack), err
 }
 
 func (n JobNet) ResetPeer(conn tcpflow.Tuple, seq uint32) error {

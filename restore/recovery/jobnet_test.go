@@ -49,9 +49,9 @@ func (n fakeJobNet) TakeOver(ip netip.Addr) error {
 	return errors.New("a job network holds only its job's address")
 }
 func (n fakeJobNet) Release(ip netip.Addr) { n.rec("release " + ip.String()) }
-func (n fakeJobNet) SetInitCwnd(segments int) error {
+func (n fakeJobNet) SetInitCwnd(segments int) (func() error, error) {
 	n.rec(fmt.Sprintf("initcwnd %d", segments))
-	return nil
+	return func() error { n.rec("put back initcwnd"); return nil }, nil
 }
 func (n fakeJobNet) LowerPathMTU() (func() error, error) {
 	n.rec("lower mtu")
@@ -87,14 +87,14 @@ func TestRunJobNetwork(t *testing.T) {
 		{
 			name: "restored inside its network, its address announced, no host address taken over",
 			wantNet: []string{"job: create", "job: guard run-rank1 holding [10.0.0.201]", "initcwnd 10", "job: initcwnd 10", "lower mtu", "job: lower mtu",
-				"put back mtu", "job: put back mtu", "job: announce 10.0.0.201"},
+				"put back mtu", "job: put back mtu", "job: announce 10.0.0.201", "put back initcwnd", "job: put back initcwnd"},
 		},
 		{
 			name:    "CRIU restore fails: unguarded and deleted",
 			setup:   func(f *fake) { f.restoreErr = errors.New("criu restore: exit 1") },
 			wantErr: "criu restore: exit 1",
 			wantNet: []string{"job: create", "job: guard run-rank1 holding [10.0.0.201]", "initcwnd 10", "job: initcwnd 10", "lower mtu", "job: lower mtu",
-				"job: unguard run-rank1", "job: delete", "put back mtu", "job: put back mtu"},
+				"job: unguard run-rank1", "job: delete", "put back mtu", "job: put back mtu", "put back initcwnd", "job: put back initcwnd"},
 		},
 		{
 			name:      "the job's network cannot be created: nothing guarded, incarnation given back",

@@ -63,7 +63,7 @@ func Run(ctx context.Context, req clusterapi.RecoverRequest, d Deps, emit func(S
 	if len(jobs) == 0 {
 		return errors.Join(append(errs, errors.New("no job could be prepared"))...)
 	}
-	putBackMTU, err := prepareNetwork(ctx, d, req, jobs)
+	putBackMTU, putBackCwnd, err := prepareNetwork(ctx, d, req, jobs)
 	if err != nil {
 		for _, j := range jobs {
 			discard(ctx, d, j)
@@ -110,6 +110,7 @@ func Run(ctx context.Context, req clusterapi.RecoverRequest, d Deps, emit func(S
 		d.Tracker.SetPhase(j.ID, PhaseReplayed, time.Time{})
 		verified = append(verified, j.ID)
 	}
+	putBackCwnd()
 	if len(verified) > 0 {
 		start := time.Now()
 		detail, err := d.Jobs.Reprotect(ctx, verified)
@@ -434,9 +435,9 @@ func PlanSummary(p restore.Plan) string {
 
 // prepareNetwork guards the jobs' connections, takes over the failed node's addresses, registers the
 // restored flows with the ACK clamp, raises the initial congestion window and lowers the path MTU; call
-// putBackMTU once the jobs are restored. On error it undoes what it did, so that the host is left as it
-// was (a peer must not find the address here without a socket).
-func prepareNetwork(ctx context.Context, d Deps, req clusterapi.RecoverRequest, jobs []*Job) (putBackMTU func(), err error) {
+// putBackMTU once the jobs are restored, and putBackCwnd once they have replayed. On error it undoes what
+// it did, so that the host is left as it was (a peer must not find the address here without a socket).
+func prepareNetwork(ctx context.Context, d Deps, req clusterapi.RecoverRequest, jobs []*Job) (putBackMTU, putBackCwnd func(), err error) {
 	var guarded, created []*Job
 	var taken []netip.Addr
 	var clamped []tcpflow.Tuple
@@ -466,7 +467,7 @@ func prepareNetwork(ctx context.Context, d Deps, req clusterapi.RecoverRequest, 
 	for _, j := range jobs {
 		if j.Net != nil {
 			if err := j.Net.Create(ctx); err != nil {
-				return nil, fmt.Errorf("create the network of job %s: %w", j.ID, err)
+				return nil, nil, fmt.Errorf("create the network of job %s: %w", j.ID, err)
 			}
 			created = append(created, j)
 		}
@@ -477,14 +478,14 @@ func prepareNetwork(ctx context.Context, d Deps, req clusterapi.RecoverRequest, 
 			addrs = []netip.Addr{j.Net.Addr()}
 		}
 		if err := netOf(d, j).Guard(ctx, j.RunID, j.Manifest.Conns, addrs); err != nil {
-			return nil, fmt.Errorf("guard connections of job %s: %w", j.ID, err)
+			return nil, nil, fmt.Errorf("guard connections of job %s: %w", j.ID, err)
 		}
 		guarded = append(guarded, j)
 		initCwnd = max(initCwnd, j.Plan.InitCwnd)
 	}
 	for _, ip := range req.Addrs {
 		if err := d.Network.TakeOver(ip); err != nil {
-			return nil, fmt.Errorf("take over address %s: %w", ip, err)
+			return nil, nil, fmt.Errorf("take over address %s: %w", ip, err)
 		}
 		taken = append(taken, ip)
 	}
@@ -498,13 +499,13 @@ func prepareNetwork(ctx context.Context, d Deps, req clusterapi.RecoverRequest, 
 				// rcv_nxt is beyond it (Resend > 0), has all of it.
 				f := c.Conn.Tuple
 				if err := d.Clamp.Clamp(f, c.Conn.OutqSeq); err != nil {
-					return nil, err
+					return nil, nil, err
 				}
 				clamped = append(clamped, f)
 				// A replayed receive order: the peer's own data segments wait until the gate is done.
 				if c.Deferred {
 					if err := d.Clamp.Hold(f, true); err != nil {
-						return nil, err
+						return nil, nil, err
 					}
 				}
 			}
@@ -515,9 +516,14 @@ func prepareNetwork(ctx context.Context, d Deps, req clusterapi.RecoverRequest, 
 	for _, j := range created {
 		nets = append(nets, j.Net)
 	}
+	var cwndPutBacks []func() error
 	for _, n := range nets {
-		if err := n.SetInitCwnd(initCwnd); err != nil {
+		putBack, err := n.SetInitCwnd(initCwnd)
+		if err != nil {
 			d.Logger.Warn("could not raise the initial congestion window; re-sent bytes may stall", "err", err)
+		}
+		if putBack != nil {
+			cwndPutBacks = append(cwndPutBacks, putBack)
 		}
 	}
 	// Last, so that nothing above fails with the routes lowered: the restored sockets connect under the
@@ -532,13 +538,21 @@ func prepareNetwork(ctx context.Context, d Deps, req clusterapi.RecoverRequest, 
 			putBacks = append(putBacks, putBack)
 		}
 	}
-	return func() {
+	putBackMTU = func() {
 		for _, putBack := range putBacks {
 			if err := putBack(); err != nil {
 				d.Logger.Warn("could not put the path MTU back; restored sockets may send 524-byte segments", "err", err)
 			}
 		}
-	}, nil
+	}
+	putBackCwnd = func() {
+		for _, putBack := range cwndPutBacks {
+			if err := putBack(); err != nil {
+				d.Logger.Warn("could not put the initial congestion window back; new connections of this host start with a large burst", "err", err)
+			}
+		}
+	}
+	return putBackMTU, putBackCwnd, nil
 }
 
 // netOf is the network job j's connections live in: its own, or the host's.

@@ -59,7 +59,7 @@ func TestRun(t *testing.T) {
 				if !reflect.DeepEqual(f.claimed, []uint64{4}) || !reflect.DeepEqual(f.reprotected, []string{"rank1"}) {
 					t.Errorf("claimed %v, re-protected %v; want incarnation 4 claimed and rank1 re-protected", f.claimed, f.reprotected)
 				}
-				wantNet := []string{"guard run-rank1 holding [10.0.0.2]", "take over 10.0.0.2", "initcwnd 10", "lower mtu", "put back mtu", "announce 10.0.0.2"}
+				wantNet := []string{"guard run-rank1 holding [10.0.0.2]", "take over 10.0.0.2", "initcwnd 10", "lower mtu", "put back mtu", "announce 10.0.0.2", "put back initcwnd"}
 				if !reflect.DeepEqual(f.net, wantNet) {
 					t.Errorf("network %v, want %v", f.net, wantNet)
 				}
@@ -174,7 +174,7 @@ func TestRun(t *testing.T) {
 			setup:  func(f *fake) { f.lowerMTUErr = errors.New("netlink: operation not permitted") },
 			stages: []string{StageFetched, StageRewritten, StageRestored, StageReplayed, StageProtected},
 			check: func(t *testing.T, f *fake, _ []Stage) {
-				wantNet := []string{"guard run-rank1 holding [10.0.0.2]", "take over 10.0.0.2", "initcwnd 10", "announce 10.0.0.2"}
+				wantNet := []string{"guard run-rank1 holding [10.0.0.2]", "take over 10.0.0.2", "initcwnd 10", "announce 10.0.0.2", "put back initcwnd"}
 				if !reflect.DeepEqual(f.net, wantNet) || !reflect.DeepEqual(f.reprotected, []string{"rank1"}) {
 					t.Errorf("network %v, re-protected %v; want %v and rank1 re-protected", f.net, f.reprotected, wantNet)
 				}
@@ -192,8 +192,8 @@ func TestRun(t *testing.T) {
 					t.Errorf("given back unless started %v, phases %q, re-protected %v, keeps open %d; want rank1 given back, dropped, not re-protected, nothing kept",
 						f.unlessSt, f.phases, f.reprotected, f.kept)
 				}
-				if want := []string{"unguard run-rank1", "put back mtu", "announce 10.0.0.2"}; !reflect.DeepEqual(f.net[len(f.net)-3:], want) {
-					t.Errorf("network %v; want the guard removed and the MTU put back before the announce", f.net)
+				if want := []string{"unguard run-rank1", "put back mtu", "announce 10.0.0.2", "put back initcwnd"}; !reflect.DeepEqual(f.net[len(f.net)-4:], want) {
+					t.Errorf("network %v; want the guard removed and the MTU put back before the announce, the initial window after it", f.net)
 				}
 			},
 		},
