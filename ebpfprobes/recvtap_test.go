@@ -1412,3 +1412,61 @@ func (h *halfStream) finish(t *testing.T) RecvCounters {
 	}
 	return cnt
 }
+
+// TestRecvTapConsumerGone: with a consumer that takes nothing (a stopped or hung agent), a tapped
+// receiver's stream stalls only until the tap takes the consumer for gone (CONSUMER_GONE_NS after the full
+// ring's first drop, bpf/ringconsumer.h); from then on its segments pass unrecorded and are counted, and
+// the stream completes. Once a consumer reads again, segments are recorded again. Before, the tap dropped
+// every segment for as long as its consumer took nothing, and the jobs' input stalled with it (ci279).
+func TestRecvTapConsumerGone(t *testing.T) {
+	requirePrivileges(t)
+	tn := newTestNet(t)
+	tapped := streamtest.NewCgroupT(t, "rx-gone")
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute) // a failure bound: the stall is about 4 s
+	defer cancel()
+	tap := newRecvTapT(t, 1<<20)
+	if err := tap.AttachCgroup(tapped.Dir); err != nil {
+		t.Fatal(err)
+	}
+	transfer := func(port, size int, seed uint64) (tcpflow.Tuple, uint32) {
+		t.Helper()
+		recv := streamtest.StartT(t, tn.lab, hostB, tapped, "recv", fmt.Sprintf("FTKIT_ADDR=%s:%d", tn.ipB, port))
+		if l := recv.LineT(ctx, t); l != "ready" {
+			t.Fatalf("receiver said %q", l)
+		}
+		send := streamtest.StartT(t, tn.lab, hostA, nil, "send",
+			fmt.Sprintf("FTKIT_ADDR=%s:%d", tn.ipB, port), fmt.Sprintf("FTKIT_SEED=%d", seed), fmt.Sprintf("FTKIT_SIZE=%d", size))
+		src, first, err := streamtest.ParseConnLine(send.LineT(ctx, t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got, want := recv.LineT(ctx, t), fmt.Sprintf("%d %x", size, sha256.Sum256(streamtest.Stream(seed, size))); got != want {
+			t.Fatalf("receiver got %q, want %q", got, want)
+		}
+		return tcpflow.Tuple{Local: src, Remote: netip.AddrPortFrom(tn.ipB, uint16(port))}, first
+	}
+
+	// Nobody reads the 1 MiB ring: 16 MiB cannot all be recorded.
+	start := time.Now()
+	transfer(5141, 16<<20, 21)
+	cnt, err := tap.Counters()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("16 MiB received in %v with no consumer; counters %+v", time.Since(start).Round(time.Millisecond), cnt)
+	if cnt.DropsBackpressure == 0 || cnt.UnrecordedPassed == 0 {
+		t.Fatalf("counters %+v: want drops while the ring was full, then segments passed unrecorded", cnt)
+	}
+
+	// A consumer again: it drains the ring, and a new stream is recorded whole.
+	col := collectRecv(ctx, tap, 0)
+	conn, first := transfer(5142, 4<<20, 22)
+	col.stop(t, cancel)
+	data, err := col.stream(conn, first)
+	if err != nil {
+		t.Fatalf("the stream after the consumer came back: %v", err)
+	}
+	if want := streamtest.Stream(22, 4<<20); !bytes.Equal(data, want) {
+		t.Fatalf("the stream after the consumer came back: rebuilt %d bytes, sent %d\n%s", len(data), len(want), col.explainMismatch(conn, first, data, want))
+	}
+}
