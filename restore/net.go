@@ -74,7 +74,8 @@ func linkAddr(iface string, addr netip.Prefix) (netlink.Link, *netlink.Addr, err
 // started with a burst of that many segments (tens of thousands after a
 // recovery under heavy traffic) into the site's network. A put-back while
 // another restore on the host still replays lowers its routes too; its
-// sockets keep the window they connected with.
+// sockets keep the window they connected with. putBack is non-nil with an
+// error for the routes that were raised.
 func SetInitCwnd(iface string, segments int) (putBack func() error, err error) {
 	if segments < 1 {
 		return nil, fmt.Errorf("set initcwnd on %s: %d segments: give at least 1", iface, segments)
@@ -90,6 +91,7 @@ func SetInitCwnd(iface string, segments int) (putBack func() error, err error) {
 	// What a raised route had, and what SetInitCwnd set.
 	type windows struct{ cwnd, rwnd, setCwnd, setRwnd int }
 	orig := make(map[string]windows)
+	var errs []error
 	n := 0
 	for _, r := range routes {
 		if !mainUnicast(r) {
@@ -102,15 +104,16 @@ func SetInitCwnd(iface string, segments int) (putBack func() error, err error) {
 		w := windows{cwnd: r.InitCwnd, rwnd: r.InitRwnd, setCwnd: max(r.InitCwnd, segments), setRwnd: max(r.InitRwnd, segments)}
 		r.InitCwnd, r.InitRwnd = w.setCwnd, w.setRwnd
 		if err := netlink.RouteReplace(&r); err != nil {
-			return nil, fmt.Errorf("set initcwnd %d on route %v of %s: %w", segments, r.Dst, iface, err)
+			errs = append(errs, fmt.Errorf("set initcwnd %d on route %v of %s: %w", segments, r.Dst, iface, err))
+			continue
 		}
 		orig[routeKey(r)] = w
 		n++
 	}
-	if n == 0 {
+	if n == 0 && len(errs) == 0 {
 		return nil, fmt.Errorf("set initcwnd: interface %s has no unicast route in the main table (is it up with an address?)", iface)
 	}
-	return func() error {
+	putBack = func() error {
 		return putBackRoutes(link, "initcwnd", func(r *netlink.Route) bool {
 			w, ok := orig[routeKey(*r)]
 			if !ok || r.InitCwnd != w.setCwnd || r.InitRwnd != w.setRwnd {
@@ -119,7 +122,9 @@ func SetInitCwnd(iface string, segments int) (putBack func() error, err error) {
 			r.InitCwnd, r.InitRwnd = w.cwnd, w.rwnd
 			return true
 		})
-	}, nil
+	}
+	// With a route that could not be raised, the others still are, and are put back.
+	return putBack, errors.Join(errs...)
 }
 
 // putBackRoutes lists link's routes again and replaces each main-table
