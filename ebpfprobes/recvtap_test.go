@@ -409,15 +409,7 @@ func TestRecvTapHandshakes(t *testing.T) {
 		t.Fatalf("handshakes before any connection: %d, %v", n, err)
 	}
 	const port, size = 5131, 1 << 20
-	recv := streamtest.StartT(t, tn.lab, hostB, nil, "recv", fmt.Sprintf("FTKIT_ADDR=%s:%d", tn.ipB, port))
-	if l := recv.LineT(ctx, t); l != "ready" {
-		t.Fatalf("receiver said %q", l)
-	}
-	send := streamtest.StartT(t, tn.lab, hostA, tapped, "send",
-		fmt.Sprintf("FTKIT_ADDR=%s:%d", tn.ipB, port), "FTKIT_SEED=3", fmt.Sprintf("FTKIT_SIZE=%d", size))
-	if _, _, err := streamtest.ParseConnLine(send.LineT(ctx, t)); err != nil {
-		t.Fatal(err)
-	}
+	recv, _, _, _ := startStream(ctx, t, tn, nil, tapped, port, 3, size)
 	if got, want := recv.LineT(ctx, t), fmt.Sprintf("%d %x", size, sha256.Sum256(streamtest.Stream(3, size))); got != want {
 		t.Fatalf("receiver got %q, want %q", got, want)
 	}
@@ -1155,17 +1147,7 @@ func TestRecvTapAttachWhileStreaming(t *testing.T) {
 	tap := newRecvTapT(t, 64<<20)
 
 	const size, seed, port, pauseAt = 96 << 20, 41, 5151, 1 << 20
-	recv := streamtest.StartT(t, tn.lab, hostB, cg, "recv",
-		fmt.Sprintf("FTKIT_ADDR=%s:%d", tn.ipB, port), fmt.Sprintf("FTKIT_PAUSE_AT=%d", pauseAt))
-	if l := recv.LineT(ctx, t); l != "ready" {
-		t.Fatalf("receiver said %q", l)
-	}
-	send := streamtest.StartT(t, tn.lab, hostA, nil, "send",
-		fmt.Sprintf("FTKIT_ADDR=%s:%d", tn.ipB, port), fmt.Sprintf("FTKIT_SEED=%d", seed), fmt.Sprintf("FTKIT_SIZE=%d", size))
-	src, firstSeq, err := streamtest.ParseConnLine(send.LineT(ctx, t))
-	if err != nil {
-		t.Fatal(err)
-	}
+	recv, _, src, firstSeq := startStream(ctx, t, tn, cg, nil, port, seed, size, fmt.Sprintf("FTKIT_PAUSE_AT=%d", pauseAt))
 	if l := recv.LineT(ctx, t); l != fmt.Sprintf("read %d", pauseAt) {
 		t.Fatalf("receiver said %q", l)
 	}
@@ -1413,6 +1395,25 @@ func (h *halfStream) finish(t *testing.T) RecvCounters {
 	return cnt
 }
 
+// startStream starts a receiver on host b, in recvCg with recvEnv, and once it is ready a sender on host
+// a, in sendCg, of size bytes of stream seed to it; it returns both, and the sender's address and first
+// sequence number.
+func startStream(ctx context.Context, t *testing.T, tn *testNet, recvCg, sendCg *streamtest.Cgroup, port int, seed uint64, size int,
+	recvEnv ...string) (recv, send *streamtest.Child, src netip.AddrPort, first uint32) {
+	t.Helper()
+	addr := fmt.Sprintf("FTKIT_ADDR=%s:%d", tn.ipB, port)
+	recv = streamtest.StartT(t, tn.lab, hostB, recvCg, "recv", append([]string{addr}, recvEnv...)...)
+	if l := recv.LineT(ctx, t); l != "ready" {
+		t.Fatalf("receiver said %q", l)
+	}
+	send = streamtest.StartT(t, tn.lab, hostA, sendCg, "send", addr, fmt.Sprintf("FTKIT_SEED=%d", seed), fmt.Sprintf("FTKIT_SIZE=%d", size))
+	src, first, err := streamtest.ParseConnLine(send.LineT(ctx, t))
+	if err != nil {
+		t.Fatalf("sender: %v", err)
+	}
+	return recv, send, src, first
+}
+
 // TestRecvTapConsumerGone: with a consumer that takes nothing (a stopped or hung agent), a tapped
 // receiver's stream stalls only until the tap takes the consumer for gone (CONSUMER_GONE_NS after the full
 // ring's first drop, bpf/ringconsumer.h); from then on its segments pass unrecorded and are counted, and
@@ -1430,16 +1431,7 @@ func TestRecvTapConsumerGone(t *testing.T) {
 	}
 	transfer := func(port, size int, seed uint64) (tcpflow.Tuple, uint32) {
 		t.Helper()
-		recv := streamtest.StartT(t, tn.lab, hostB, tapped, "recv", fmt.Sprintf("FTKIT_ADDR=%s:%d", tn.ipB, port))
-		if l := recv.LineT(ctx, t); l != "ready" {
-			t.Fatalf("receiver said %q", l)
-		}
-		send := streamtest.StartT(t, tn.lab, hostA, nil, "send",
-			fmt.Sprintf("FTKIT_ADDR=%s:%d", tn.ipB, port), fmt.Sprintf("FTKIT_SEED=%d", seed), fmt.Sprintf("FTKIT_SIZE=%d", size))
-		src, first, err := streamtest.ParseConnLine(send.LineT(ctx, t))
-		if err != nil {
-			t.Fatal(err)
-		}
+		recv, _, src, first := startStream(ctx, t, tn, tapped, nil, port, seed, size)
 		if got, want := recv.LineT(ctx, t), fmt.Sprintf("%d %x", size, sha256.Sum256(streamtest.Stream(seed, size))); got != want {
 			t.Fatalf("receiver got %q, want %q", got, want)
 		}
