@@ -298,7 +298,7 @@ func logSockets(t *testing.T, c *labcluster.Cluster) {
 			t.Logf("sockets of %s: %v", h.Name, err)
 			continue
 		}
-		out, err := exec.Command("nsenter", "--net="+ns, "ss", "-tanoie").CombinedOutput()
+		out, err := exec.Command("nsenter", "--net="+ns, "ss", "-tanoiem").CombinedOutput()
 		t.Logf("sockets of %s (%v):\n%s", h.Name, err, out)
 		// The host's TCP counters (window probes, local drops, TSQ): what a sender with notsent bytes and
 		// nothing in flight is waiting for.

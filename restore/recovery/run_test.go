@@ -300,7 +300,7 @@ func TestReplayAndVerify(t *testing.T) {
 			wantMsg: "then connection " + conn.String() + " failed the check"},
 		// The time is the gate's end (1.5 s after the restore in the fake), not when the wait for it began.
 		{name: "receive order replayed, every byte verified", gated: true,
-			wantMsg: "receive order replayed: 2 receive calls, 10 bytes delivered (done 1.5s after the restore); 3000 bytes re-sent"},
+			wantMsg: "receive order replayed: 2 receive calls, 10 bytes delivered, 4 of them sent during the replay (done 1.5s after the restore); 3000 bytes re-sent"},
 		{name: "a re-sent byte differs after the receive order was replayed", logged: other, gated: true,
 			wantErr: recvdigest.ErrNondeterministic, wantMsg: "its receive calls were replayed in the recorded order"},
 		{name: "the log lacks re-sent bytes", logged: stream[:100], wantErr: recvdigest.ErrUnverified},
@@ -336,7 +336,7 @@ func TestReplayAndVerify(t *testing.T) {
 			if tt.gated {
 				j.gateDone = make(chan gateResult, 1)
 				j.RestoredAt = time.Now()
-				j.gateDone <- gateResult{dets: 2, injected: 10, done: j.RestoredAt.Add(1500 * time.Millisecond)}
+				j.gateDone <- gateResult{dets: 2, injected: 10, held: 4, done: j.RestoredAt.Add(1500 * time.Millisecond)}
 			}
 			j.stopKeeping = f.Keep(j.Plan)
 			detail, err := ReplayAndVerify(t.Context(), d, j)
