@@ -50,6 +50,8 @@ type Agent struct {
 	raise func() (release func())
 	self  string // this executable, run as `shim` for each job
 	jobs  jobStore
+	// routeEdits keeps a recovery's route changes until they are put back (routeedits.go).
+	routeEdits *routeEdits
 
 	store       *ckpt.Store // this host's snapshots and the replicas it keeps for the nodes it protects
 	criuVersion criu.Version
@@ -134,8 +136,9 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 	}
 	a := &Agent{
 		cfg: cfg, log: log.With("node", cfg.Name), criu: criu.Client{Binary: bin}, self: self,
-		jobs: jobStore{dir: filepath.Join(cfg.StateDir, "jobs")},
-		byID: map[string]*Job{}, policies: map[string]*interval.Policy{}, changed: make(chan struct{}),
+		jobs:       jobStore{dir: filepath.Join(cfg.StateDir, "jobs")},
+		routeEdits: openRouteEdits(filepath.Join(cfg.StateDir, routeEditsFile), log.With("node", cfg.Name)),
+		byID:       map[string]*Job{}, policies: map[string]*interval.Policy{}, changed: make(chan struct{}),
 		replicaConns:  map[string]replicaConns{},
 		beatNow:       make(chan struct{}, 1),
 		serving:       make(chan struct{}),
@@ -603,6 +606,11 @@ func (a *Agent) Run(ctx context.Context, local LocalAPI) error {
 	adopted, err := a.adopt()
 	if err != nil {
 		a.log.Error("some job records could not be read", "err", err)
+	}
+	// Before any recovery runs, a resumed one included: one that changes the routes again finds them as
+	// they were.
+	if err := a.routeEdits.putBackLeft(); err != nil {
+		a.log.Error("could not put back the route changes a previous agent made for a restore: new connections over them start with a large burst", "err", err)
 	}
 	// Before any snapshot is scheduled: a job whose replay a previous agent left unverified is not dumped
 	// until its resumed recovery has verified it.

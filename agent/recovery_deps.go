@@ -88,7 +88,7 @@ func (r *recoveryActions) Fetch(ctx context.Context, job string, c clusterapi.Ca
 			criu.RemoveWorkDir(j.Work)
 			return nil, fmt.Errorf("job network of snapshot %s: %w", j.Manifest.ID, err)
 		}
-		rec.Net, j.Net = &n, recovery.JobNet{Spec: spec}
+		rec.Net, j.Net = &n, recovery.JobNet{Spec: spec, Routes: r.a.routeEdits}
 	}
 	r.mu.Lock()
 	r.records[j] = rec

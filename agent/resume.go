@@ -385,7 +385,7 @@ func (a *Agent) resumedRecoveryDeps(ctx context.Context, t *recoveryTracker, r *
 		if err != nil {
 			return recovery.Deps{}, nil, fmt.Errorf("job network of %s: %w", j.ID, err)
 		}
-		n := recovery.JobNet{Spec: spec}
+		n := recovery.JobNet{Spec: spec, Routes: a.routeEdits}
 		r.Net = n
 		return a.recoveryDeps(t, nil, ""), n, nil
 	}
@@ -393,7 +393,7 @@ func (a *Agent) resumedRecoveryDeps(ctx context.Context, t *recoveryTracker, r *
 	if err != nil {
 		return recovery.Deps{}, nil, err
 	}
-	n := recovery.HostNetwork{Iface: iface, Bits: own.Bits()}
+	n := recovery.HostNetwork{Iface: iface, Bits: own.Bits(), Routes: a.routeEdits}
 	return a.recoveryDeps(t, n, ""), n, nil
 }
 

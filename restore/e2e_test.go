@@ -459,13 +459,13 @@ func TestRelocateJob(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	var putBack func() error
-	if err := l.Do("spare1", func() (err error) { putBack, err = LowerPathMTU("eth0"); return err }); err != nil {
+	var lowered RouteEdit
+	if err := l.Do("spare1", func() (err error) { lowered, err = LowerPathMTU("eth0"); return err }); err != nil {
 		t.Fatal(err)
 	}
 	restorer := streamtest.StartT(t, l, "spare1", nil, "criu-restore", "FTKIT_DIR="+images)
 	line, err := restorer.Line(ctx)
-	if perr := l.Do("spare1", putBack); perr != nil {
+	if perr := l.Do("spare1", lowered.PutBack); perr != nil {
 		t.Error(perr)
 	}
 	if err != nil {

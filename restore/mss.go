@@ -32,10 +32,11 @@ const minMTU = 1280
 
 // LowerPathMTU lowers by one byte the MTU of every unicast route of the main
 // table that leaves through iface (the route's own MTU metric, or iface's
-// MTU), pinning its advertised MSS to what it was, and returns the function
-// that puts each route's MTU and advmss metrics back (idempotent; a route
-// whose MTU or advmss changed since, by an operator or anything else, is left
-// as it is now). A route already lowered by a LowerPathMTU whose put-back has
+// MTU), pinning its advertised MSS to what it was, and returns what it
+// lowered, whose PutBack puts each route's MTU and advmss metrics back
+// (idempotent; a route whose MTU or advmss changed since, by an operator or
+// anything else, is left as it is now; with an error, what was lowered is
+// returned too). A route already lowered by a LowerPathMTU whose put-back has
 // not run (an overlapping restore on this host, or an agent that died in
 // between) is not lowered again, and this put-back restores it too: the
 // first put-back resyncs the sockets both restores made, except those
@@ -45,19 +46,17 @@ const minMTU = 1280
 // 524 bytes (see above). New connections opened on the host in between get
 // the same one-byte-lower MTU and resync the same way. Like SetInitCwnd it
 // acts on the calling thread's network namespace.
-func LowerPathMTU(iface string) (putBack func() error, err error) {
+func LowerPathMTU(iface string) (RouteEdit, error) {
+	lowered := RouteEdit{Iface: iface}
 	link, err := netlink.LinkByName(iface)
 	if err != nil {
-		return nil, fmt.Errorf("lower path MTU: find interface %s in this network namespace: %w", iface, err)
+		return lowered, fmt.Errorf("lower path MTU: find interface %s in this network namespace: %w", iface, err)
 	}
 	linkMTU := link.Attrs().MTU
 	routes, err := netlink.RouteList(link, netlink.FAMILY_ALL)
 	if err != nil {
-		return nil, fmt.Errorf("lower path MTU: list routes of %s: %w", iface, err)
+		return lowered, fmt.Errorf("lower path MTU: list routes of %s: %w", iface, err)
 	}
-	// What a route had, and what LowerPathMTU set.
-	type metrics struct{ mtu, advMSS, lowered, pinned int }
-	orig := make(map[string]metrics)
 	var errs []error
 	handled := 0
 	for _, r := range routes {
@@ -68,11 +67,11 @@ func LowerPathMTU(iface string) (putBack func() error, err error) {
 			// Lowered already: by a restore still under way, or by one whose agent died before its
 			// put-back. Not lowered again; whichever put-back runs first restores it (the MTU it had
 			// is inferred: the link's means none of its own).
-			m := metrics{mtu: r.MTU + 1, lowered: r.MTU, pinned: r.AdvMSS}
-			if m.mtu == linkMTU {
-				m.mtu = 0
+			m := LoweredRoute{Route: routeKey(r), MTU: r.MTU + 1, SetMTU: r.MTU, SetAdvMSS: r.AdvMSS}
+			if m.MTU == linkMTU {
+				m.MTU = 0
 			}
-			orig[routeKey(r)] = m
+			lowered.MTU = append(lowered.MTU, m)
 			handled++
 			continue
 		}
@@ -87,36 +86,22 @@ func LowerPathMTU(iface string) (putBack func() error, err error) {
 		if advMSS == 0 {
 			advMSS = mtu - advMSSOverhead(r)
 		}
-		m := metrics{mtu: r.MTU, advMSS: r.AdvMSS, lowered: mtu - 1, pinned: advMSS}
+		m := LoweredRoute{Route: routeKey(r), MTU: r.MTU, AdvMSS: r.AdvMSS, SetMTU: mtu - 1, SetAdvMSS: advMSS}
 		r.MTU, r.AdvMSS = mtu-1, advMSS
 		if err := netlink.RouteReplace(&r); err != nil {
 			errs = append(errs, fmt.Errorf("lower the MTU of route %v of %s to %d: %w", r.Dst, iface, mtu-1, err))
 			continue
 		}
-		orig[routeKey(r)] = m
+		lowered.MTU = append(lowered.MTU, m)
 		handled++
 	}
-	putBack = func() error {
-		err := putBackRoutes(link, "path MTU", func(r *netlink.Route) bool {
-			m, ok := orig[routeKey(*r)]
-			if !ok || r.MTU != m.lowered || r.AdvMSS != m.pinned {
-				return false // put back already, or changed since
-			}
-			r.MTU, r.AdvMSS = m.mtu, m.advMSS
-			return true
-		})
-		if err != nil {
-			return fmt.Errorf("put back path MTU (restored sockets may keep sending 524-byte segments): %w", err)
-		}
-		return nil
-	}
 	if err := errors.Join(errs...); err != nil {
-		return putBack, fmt.Errorf("lower path MTU (restored sockets will send 524-byte segments): %w", err)
+		return lowered, fmt.Errorf("lower path MTU (restored sockets will send 524-byte segments): %w", err)
 	}
 	if handled == 0 {
-		return putBack, fmt.Errorf("lower path MTU: interface %s has no unicast route in the main table with an MTU above %d", iface, minMTU)
+		return lowered, fmt.Errorf("lower path MTU: interface %s has no unicast route in the main table with an MTU above %d", iface, minMTU)
 	}
-	return putBack, nil
+	return lowered, nil
 }
 
 func mainUnicast(r netlink.Route) bool {

@@ -214,7 +214,7 @@ func TestRestoredSocketSegmentSize(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var putBack func() error
+	var lowered RouteEdit
 	if err := l.Do("spare1", func() error {
 		if err := Guard(ctx, runID, conns, nil); err != nil {
 			return err
@@ -225,14 +225,14 @@ func TestRestoredSocketSegmentSize(t *testing.T) {
 		if _, err := SetInitCwnd("eth0", MinInitCwnd); err != nil {
 			return err
 		}
-		putBack, err = LowerPathMTU("eth0")
+		lowered, err = LowerPathMTU("eth0")
 		return err
 	}); err != nil {
 		t.Fatal(err)
 	}
 	restorer := streamtest.StartT(t, l, "spare1", nil, "criu-restore", "FTKIT_DIR="+images)
 	line, err := restorer.Line(ctx)
-	if perr := l.Do("spare1", putBack); perr != nil {
+	if perr := l.Do("spare1", lowered.PutBack); perr != nil {
 		t.Error(perr)
 	}
 	if err != nil {

@@ -66,31 +66,28 @@ func linkAddr(iface string, addr netip.Prefix) (netlink.Link, *netlink.Addr, err
 // idempotent). The restored sockets read it when CRIU reconnects them, so
 // call it before the restore: Plan.InitCwnd segments must leave before the
 // peer's first ACK is accepted. It applies to every new connection over
-// these routes, not only the restored ones, so call putBack once the
-// restored sockets have re-sent what they had to (a socket whose congestion
-// control restarts slow start after idle takes the route's window again):
-// it returns each route it raised to its own values, unless they changed
-// since (idempotent). Left raised, every later connection of the host
-// started with a burst of that many segments (tens of thousands after a
-// recovery under heavy traffic) into the site's network. A put-back while
-// another restore on the host still replays lowers its routes too; its
-// sockets keep the window they connected with. putBack is non-nil with an
-// error for the routes that were raised.
-func SetInitCwnd(iface string, segments int) (putBack func() error, err error) {
+// these routes, not only the restored ones, so put the routes back
+// (RouteEdit.PutBack) once the restored sockets have re-sent what they
+// had to (a socket whose congestion control restarts slow start after idle
+// takes the route's window again). Left raised, every later connection of
+// the host started with a burst of that many segments (tens of thousands
+// after a recovery under heavy traffic) into the site's network. A put-back
+// while another restore on the host still replays lowers its routes too;
+// its sockets keep the window they connected with. With an error, the
+// routes that were raised are returned too.
+func SetInitCwnd(iface string, segments int) (RouteEdit, error) {
+	raised := RouteEdit{Iface: iface}
 	if segments < 1 {
-		return nil, fmt.Errorf("set initcwnd on %s: %d segments: give at least 1", iface, segments)
+		return raised, fmt.Errorf("set initcwnd on %s: %d segments: give at least 1", iface, segments)
 	}
 	link, err := netlink.LinkByName(iface)
 	if err != nil {
-		return nil, fmt.Errorf("set initcwnd: find interface %s in this network namespace: %w", iface, err)
+		return raised, fmt.Errorf("set initcwnd: find interface %s in this network namespace: %w", iface, err)
 	}
 	routes, err := netlink.RouteList(link, netlink.FAMILY_ALL)
 	if err != nil {
-		return nil, fmt.Errorf("set initcwnd: list routes of %s: %w", iface, err)
+		return raised, fmt.Errorf("set initcwnd: list routes of %s: %w", iface, err)
 	}
-	// What a raised route had, and what SetInitCwnd set.
-	type windows struct{ cwnd, rwnd, setCwnd, setRwnd int }
-	orig := make(map[string]windows)
 	var errs []error
 	n := 0
 	for _, r := range routes {
@@ -101,30 +98,20 @@ func SetInitCwnd(iface string, segments int) (putBack func() error, err error) {
 			n++
 			continue
 		}
-		w := windows{cwnd: r.InitCwnd, rwnd: r.InitRwnd, setCwnd: max(r.InitCwnd, segments), setRwnd: max(r.InitRwnd, segments)}
-		r.InitCwnd, r.InitRwnd = w.setCwnd, w.setRwnd
+		w := RaisedRoute{Route: routeKey(r), Cwnd: r.InitCwnd, Rwnd: r.InitRwnd, SetCwnd: max(r.InitCwnd, segments), SetRwnd: max(r.InitRwnd, segments)}
+		r.InitCwnd, r.InitRwnd = w.SetCwnd, w.SetRwnd
 		if err := netlink.RouteReplace(&r); err != nil {
 			errs = append(errs, fmt.Errorf("set initcwnd %d on route %v of %s: %w", segments, r.Dst, iface, err))
 			continue
 		}
-		orig[routeKey(r)] = w
+		raised.InitCwnd = append(raised.InitCwnd, w)
 		n++
 	}
 	if n == 0 && len(errs) == 0 {
-		return nil, fmt.Errorf("set initcwnd: interface %s has no unicast route in the main table (is it up with an address?)", iface)
-	}
-	putBack = func() error {
-		return putBackRoutes(link, "initcwnd", func(r *netlink.Route) bool {
-			w, ok := orig[routeKey(*r)]
-			if !ok || r.InitCwnd != w.setCwnd || r.InitRwnd != w.setRwnd {
-				return false // put back already, or changed since
-			}
-			r.InitCwnd, r.InitRwnd = w.cwnd, w.rwnd
-			return true
-		})
+		return raised, fmt.Errorf("set initcwnd: interface %s has no unicast route in the main table (is it up with an address?)", iface)
 	}
 	// With a route that could not be raised, the others still are, and are put back.
-	return putBack, errors.Join(errs...)
+	return raised, errors.Join(errs...)
 }
 
 // putBackRoutes lists link's routes again and replaces each main-table

@@ -159,11 +159,11 @@ func TestTakeOverAnnounce(t *testing.T) {
 	}
 	defer peerLn.Close()
 	if err := l.Do("spare1", func() error {
-		putBack, err := SetInitCwnd("eth0", 300)
+		raised, err := SetInitCwnd("eth0", 300)
 		if err != nil {
 			return err
 		}
-		putBackSmaller, err := SetInitCwnd("eth0", 20)
+		raisedSmaller, err := SetInitCwnd("eth0", 20)
 		if err != nil {
 			return err
 		}
@@ -206,13 +206,14 @@ func TestTakeOverAnnounce(t *testing.T) {
 			t.Errorf("a new connection from the spare starts with cwnd %d, want 300", got)
 		}
 		// The smaller raise changed nothing and puts nothing back; the first returns the routes to their
-		// own windows (none: the kernel's), however often it is called.
-		if err := putBackSmaller(); err != nil {
+		// own windows (none: the kernel's), however often it is called, also as a daemon restarted after a
+		// crash does, from what its predecessor kept on disk.
+		if err := raisedSmaller.PutBack(); err != nil {
 			return err
 		}
 		checkRoutes("the smaller raise put back", 300)
-		for range 2 {
-			if err := putBack(); err != nil {
+		for _, w := range []RouteEdit{kept(t, raised), raised} {
+			if err := w.PutBack(); err != nil {
 				return err
 			}
 			checkRoutes("put back", 0)
@@ -221,7 +222,7 @@ func TestTakeOverAnnounce(t *testing.T) {
 			t.Errorf("after the put-back a new connection from the spare starts with cwnd %d, want the kernel's %d", got, MinInitCwnd)
 		}
 		// A route changed since the raise (by an operator) is left as it is now.
-		putBack, err = SetInitCwnd("eth0", 50)
+		raised, err = SetInitCwnd("eth0", 50)
 		if err != nil {
 			return err
 		}
@@ -237,7 +238,7 @@ func TestTakeOverAnnounce(t *testing.T) {
 				}
 			}
 		}
-		if err := putBack(); err != nil {
+		if err := raised.PutBack(); err != nil {
 			return err
 		}
 		checkRoutes("changed after the raise, then put back", 70)

@@ -669,7 +669,8 @@ func TestFaultProtectorCrashWhileReceiving(t *testing.T) {
 // Row 3: node2 crashes, spare1 restores its rank, and spare1's agent is SIGKILLed while the restored rank
 // re-sends what its peers already had. The rank runs under its shim and keeps running; the restarted agent
 // adopts it (one copy, never two); the run ends with the failure-free result, or the failure, naming the
-// job, is in the timeline; it never hangs.
+// job, is in the timeline; it never hangs. The routes the killed agent raised for the restore are put
+// back by the restarted one.
 func TestFaultAgentKilledDuringReplay(t *testing.T) {
 	t.Parallel() // each row has its own lab (labSlots)
 	const block = 64 << 10
@@ -702,6 +703,9 @@ func TestFaultAgentKilledDuringReplay(t *testing.T) {
 
 	f := waitFailure(t, c, "node2", 5*time.Minute)
 	logTimeline(t, f)
+	// The killed agent had raised spare1's initial windows for the restore; the restarted one put them back
+	// (before, they stayed raised for good).
+	requireRoutesPutBack(t, c, "spare1")
 	for _, s := range f.Stages {
 		if s.Name == agent.StageReplayed && s.End.Before(killed) {
 			t.Fatalf("the replay ended at %s, before the agent was killed: the fault missed the replay (make the re-sent gap larger)", s.End.Format(time.RFC3339Nano))

@@ -190,7 +190,7 @@ func restoredRun(ctx context.Context, log *slog.Logger, criuBin string, bursts i
 	if err != nil {
 		return nil, err
 	}
-	putBack := func() error { return nil }
+	var lowered restore.RouteEdit // nothing to put back without mtuFix
 	if err := l.Do("spare1", func() error {
 		if err := restore.Guard(ctx, runID, []ckpt.Conn{{Tuple: ic.Tuple, Inode: uint64(ic.Inode), InqSeq: ic.InqSeq, InqLen: ic.InqLen,
 			OutqSeq: ic.OutqSeq, OutqLen: ic.OutqLen, Timestamp: ic.Timestamp}}, []netip.Addr{node1.Addr.Addr()}); err != nil {
@@ -203,7 +203,7 @@ func restoredRun(ctx context.Context, log *slog.Logger, criuBin string, bursts i
 			return err
 		}
 		if mtuFix {
-			putBack, err = restore.LowerPathMTU("eth0")
+			lowered, err = restore.LowerPathMTU("eth0")
 		}
 		return err
 	}); err != nil {
@@ -215,7 +215,7 @@ func restoredRun(ctx context.Context, log *slog.Logger, criuBin string, bursts i
 	}
 	defer restorer.Stop()
 	line, err := restorer.Line(ctx)
-	if perr := l.Do("spare1", putBack); perr != nil {
+	if perr := l.Do("spare1", lowered.PutBack); perr != nil {
 		return nil, perr
 	}
 	if err != nil {

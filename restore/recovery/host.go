@@ -16,10 +16,40 @@ import (
 )
 
 // HostNetwork is Network on the calling thread's network namespace, on interface Iface whose addresses
-// have prefix length Bits.
+// have prefix length Bits. Routes, if set, keeps the route changes of SetInitCwnd and LowerPathMTU until
+// they are put back.
 type HostNetwork struct {
-	Iface string
-	Bits  int
+	Iface  string
+	Bits   int
+	Routes RouteKeeper
+}
+
+// RouteKeeper keeps on disk, until they are put back, the route changes a recovery made for its restore
+// (restore.SetInitCwnd, restore.LowerPathMTU), so that an agent restarted in between puts them back: left
+// as they are, every new connection over the routes starts with the restore's burst, and the routes keep
+// an MTU one byte low.
+type RouteKeeper interface {
+	// Keep records edit, in the job network netns ("" for the host's namespace), until done.
+	Keep(netns string, edit restore.RouteEdit) (done func())
+}
+
+// keptPutBack is the put-back of edit (putBack), which keep records until it succeeded; nil if nothing
+// was changed.
+func keptPutBack(keep RouteKeeper, netns string, edit restore.RouteEdit, putBack func() error) func() error {
+	if edit.Empty() {
+		return nil
+	}
+	done := func() {}
+	if keep != nil {
+		done = keep.Keep(netns, edit)
+	}
+	return func() error {
+		err := putBack()
+		if err == nil {
+			done()
+		}
+		return err
+	}
 }
 
 func (n HostNetwork) Guard(ctx context.Context, runID string, conns []ckpt.Conn, addrs []netip.Addr) error {
@@ -35,10 +65,14 @@ func (n HostNetwork) TakeOver(ip netip.Addr) error {
 func (n HostNetwork) Release(ip netip.Addr) { restore.Release(n.Iface, netip.PrefixFrom(ip, n.Bits)) }
 
 func (n HostNetwork) SetInitCwnd(segments int) (func() error, error) {
-	return restore.SetInitCwnd(n.Iface, segments)
+	raised, err := restore.SetInitCwnd(n.Iface, segments)
+	return keptPutBack(n.Routes, "", raised, raised.PutBack), err
 }
 
-func (n HostNetwork) LowerPathMTU() (func() error, error) { return restore.LowerPathMTU(n.Iface) }
+func (n HostNetwork) LowerPathMTU() (func() error, error) {
+	lowered, err := restore.LowerPathMTU(n.Iface)
+	return keptPutBack(n.Routes, "", lowered, lowered.PutBack), err
+}
 
 func (n HostNetwork) ResetPeer(conn tcpflow.Tuple, seq uint32) error {
 	return restore.ResetPeer(conn, seq)
@@ -67,7 +101,8 @@ func (n HostNetwork) Announce(ctx context.Context, ip netip.Addr) error {
 // JobNet is JobNetwork on a job network of package jobnet on this host: every operation runs on a thread
 // inside the job's namespace, on the job's interface.
 type JobNet struct {
-	Spec jobnet.Spec // validated
+	Spec   jobnet.Spec // validated
+	Routes RouteKeeper // as HostNetwork's
 }
 
 func (n JobNet) in(fn func() error) error { return jobnet.Do(n.Spec.Name, fn) }
@@ -100,12 +135,9 @@ func (n JobNet) TakeOver(ip netip.Addr) error {
 func (n JobNet) Release(netip.Addr) {}
 
 func (n JobNet) SetInitCwnd(segments int) (func() error, error) {
-	var putBack func() error
-	err := n.in(func() (err error) { putBack, err = restore.SetInitCwnd(n.iface(), segments); return err })
-	if putBack == nil {
-		return nil, err
-	}
-	return n.putBackIn(putBack), err
+	var raised restore.RouteEdit
+	err := n.in(func() (err error) { raised, err = restore.SetInitCwnd(n.iface(), segments); return err })
+	return keptPutBack(n.Routes, n.Spec.Name, raised, n.putBackIn(raised.PutBack)), err
 }
 
 // putBackIn runs putBack, a put-back of route metrics, inside the job's network: one deleted since (its
@@ -120,12 +152,9 @@ func (n JobNet) putBackIn(putBack func() error) func() error {
 }
 
 func (n JobNet) LowerPathMTU() (func() error, error) {
-	var putBack func() error
-	err := n.in(func() (err error) { putBack, err = restore.LowerPathMTU(n.iface()); return err })
-	if putBack == nil {
-		return nil, err
-	}
-	return n.putBackIn(putBack), err
+	var lowered restore.RouteEdit
+	err := n.in(func() (err error) { lowered, err = restore.LowerPathMTU(n.iface()); return err })
+	return keptPutBack(n.Routes, n.Spec.Name, lowered, n.putBackIn(lowered.PutBack)), err
 }
 
 func (n JobNet) ResetPeer(conn tcpflow.Tuple, seq uint32) error {

@@ -1,0 +1,81 @@
+//go:build linux
+
+package restore
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+
+	"github.com/vishvananda/netlink"
+)
+
+// RouteEdit is what SetInitCwnd or LowerPathMTU changed on the routes of an interface, with what each
+// route had: enough to put it back, in a form a daemon keeps on disk, so that one restarted after a crash
+// between the change and its put-back still puts it back.
+type RouteEdit struct {
+	Iface string `json:"iface"`
+	// InitCwnd are the routes whose initial windows SetInitCwnd raised.
+	InitCwnd []RaisedRoute `json:"initcwnd,omitempty"`
+	// MTU are the routes whose MTU LowerPathMTU lowered (or found lowered by another).
+	MTU []LoweredRoute `json:"mtu,omitempty"`
+}
+
+// RaisedRoute is a route whose initial windows were raised: its own (0: the kernel's) and those set.
+type RaisedRoute struct {
+	Route   string `json:"route"` // routeKey
+	Cwnd    int    `json:"cwnd"`
+	Rwnd    int    `json:"rwnd"`
+	SetCwnd int    `json:"set_cwnd"`
+	SetRwnd int    `json:"set_rwnd"`
+}
+
+// LoweredRoute is a route whose MTU was lowered with its advmss pinned: its own metrics (0: none) and
+// those set.
+type LoweredRoute struct {
+	Route     string `json:"route"` // routeKey
+	MTU       int    `json:"mtu"`
+	AdvMSS    int    `json:"advmss"`
+	SetMTU    int    `json:"set_mtu"`
+	SetAdvMSS int    `json:"set_advmss"`
+}
+
+// Empty says nothing was changed.
+func (e RouteEdit) Empty() bool { return len(e.InitCwnd) == 0 && len(e.MTU) == 0 }
+
+// PutBack returns each changed route to what it had, unless it changed since (put back already, or by an
+// operator). It is idempotent, and acts on the calling thread's network namespace.
+func (e RouteEdit) PutBack() error {
+	if e.Empty() {
+		return nil
+	}
+	link, err := netlink.LinkByName(e.Iface)
+	if err != nil {
+		return fmt.Errorf("put back route metrics: find interface %s in this network namespace: %w", e.Iface, err)
+	}
+	var errs []error
+	if len(e.InitCwnd) > 0 {
+		errs = append(errs, putBackRoutes(link, "initcwnd", func(r *netlink.Route) bool {
+			i := slices.IndexFunc(e.InitCwnd, func(w RaisedRoute) bool { return w.Route == routeKey(*r) })
+			if i < 0 || r.InitCwnd != e.InitCwnd[i].SetCwnd || r.InitRwnd != e.InitCwnd[i].SetRwnd {
+				return false // put back already, or changed since
+			}
+			r.InitCwnd, r.InitRwnd = e.InitCwnd[i].Cwnd, e.InitCwnd[i].Rwnd
+			return true
+		}))
+	}
+	if len(e.MTU) > 0 {
+		err := putBackRoutes(link, "path MTU", func(r *netlink.Route) bool {
+			i := slices.IndexFunc(e.MTU, func(m LoweredRoute) bool { return m.Route == routeKey(*r) })
+			if i < 0 || r.MTU != e.MTU[i].SetMTU || r.AdvMSS != e.MTU[i].SetAdvMSS {
+				return false // put back already, or changed since
+			}
+			r.MTU, r.AdvMSS = e.MTU[i].MTU, e.MTU[i].AdvMSS
+			return true
+		})
+		if err != nil {
+			errs = append(errs, fmt.Errorf("put back path MTU (restored sockets may keep sending 524-byte segments): %w", err))
+		}
+	}
+	return errors.Join(errs...)
+}
