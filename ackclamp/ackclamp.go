@@ -240,10 +240,13 @@ type ClampState struct {
 	Clamped uint64 // peer segments whose ACK was lowered
 	Quieted uint64 // the restored socket's pure ACKs held back: below what the peer acknowledged, and nothing new
 	Lifted  uint64 // the restored socket's pure ACKs below what the peer acknowledged, lifted to it: each acknowledged more
+	// PeerTSval is the highest TSval of the peer's own segments (0: none seen, or the peer uses no
+	// timestamps, or puts another option first): its TCP timestamp clock as last seen on the wire.
+	PeerTSval uint32
 }
 
 func stateOf(v ackclampClampState) ClampState {
-	return ClampState{SndNxt: v.SndNxt, Clamped: v.Clamped, Quieted: v.Quieted, Lifted: v.Lifted}
+	return ClampState{SndNxt: v.SndNxt, Clamped: v.Clamped, Quieted: v.Quieted, Lifted: v.Lifted, PeerTSval: v.PeerTsval}
 }
 
 // State reads a registered flow's state.

@@ -31,7 +31,7 @@ type ackclampClampState struct {
 	Quieted   uint64
 	Lifted    uint64
 	LiftAck   uint32
-	Pad       uint32
+	PeerTsval uint32
 }
 
 // Names of all BPF objects in the ELF.

@@ -216,3 +216,51 @@ func TestAckClampQuiet(t *testing.T) {
 		t.Errorf("State = %+v, %v; want 3 ACKs held back, 2 lifted", st, err)
 	}
 }
+
+// TestAckClampPeerTimestamp runs the ingress program on the peer's segments: the highest TSval of those
+// that carry the timestamp option first (as Linux sends it) is kept, across the wrap; segments the agent
+// injects as the peer's (TOS 0x04), segments without the option, or with another option first, do not
+// count.
+func TestAckClampPeerTimestamp(t *testing.T) {
+	c := loadT(t)
+	restored := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.9.0.12:7300"), Remote: netip.MustParseAddrPort("10.9.0.11:40000")}
+	peer := tcpflow.Tuple{Local: restored.Remote, Remote: restored.Local}
+	if err := c.Clamp(restored, 1000); err != nil {
+		t.Fatal(err)
+	}
+	ts := func(tsval uint32) []byte {
+		o := []byte{1, 1, 8, 10, 0, 0, 0, 0, 0, 0, 0, 7}
+		binary.BigEndian.PutUint32(o[4:], tsval)
+		return o
+	}
+	sackFirst := append([]byte{1, 1, 5, 10, 0, 0, 0, 1, 0, 0, 0, 2}, ts(0x7000000)...)
+	steps := []struct {
+		name string
+		opts []byte
+		tos  byte
+		want uint32
+	}{
+		{name: "no option yet", want: 0},
+		{name: "first", opts: ts(0xfffffff0), want: 0xfffffff0},
+		{name: "older: kept", opts: ts(0xffffff00), want: 0xfffffff0},
+		{name: "across the wrap", opts: ts(0x20), want: 0x20},
+		{name: "injected: not the peer's", opts: ts(0x1000), tos: 0x04, want: 0x20},
+		{name: "another option first", opts: sackFirst, want: 0x20},
+		{name: "later", opts: ts(0x30), want: 0x30},
+	}
+	for _, s := range steps {
+		fr := tcpframe.Segment{Seq: 7, Ack: 900, Flags: 0x10, Window: 100, Opts: s.opts, Payload: 10}.Frame(peer)
+		fr[15] = s.tos
+		tcpframe.Checksum(fr, true)
+		if _, err := c.objs.AckclampIngress.Run(&ebpf.RunOptions{Data: fr}); err != nil {
+			t.Fatal(err)
+		}
+		st, err := c.State(restored)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.PeerTSval != s.want {
+			t.Errorf("%s: peer TSval %#x, want %#x", s.name, st.PeerTSval, s.want)
+		}
+	}
+}

@@ -192,6 +192,11 @@ func (c recoveryClamp) Clamp(flow tcpflow.Tuple, sndNxt uint32) error { return c
 
 func (c recoveryClamp) Hold(flow tcpflow.Tuple, on bool) error { return c.c.Hold(flow, on) }
 
+func (c recoveryClamp) PeerTSval(flow tcpflow.Tuple) (uint32, bool) {
+	st, err := c.c.State(flow)
+	return st.PeerTSval, err == nil && st.PeerTSval != 0
+}
+
 func (c recoveryClamp) Release(flow tcpflow.Tuple) uint64 {
 	st, err := c.c.Release(flow)
 	if err == nil {

@@ -44,6 +44,9 @@
 // after a recovery, ci274, ci277 and ci278, had a peer in a long backoff; that
 // this was their cause is not shown: docs/receive-order.md.)
 //
+// Ingress also keeps the highest TSval of the peer's own segments (peer_timestamp), for the segments the
+// agent injects as the peer's.
+//
 // IPv4, Ethernet framing (one optional 802.1Q tag), like tcplog.c.
 
 #include "vmlinux.h"
@@ -82,7 +85,7 @@ struct clamp_state {
 	__u64 quieted;    // the restored socket's pure ACKs held back (below peer_ack, acknowledging nothing new)
 	__u64 lifted;     // the restored socket's pure ACKs lifted to peer_ack (acknowledging more than before)
 	__u32 lift_ack;   // the highest ACK number lifted (valid if lifted)
-	__u32 pad;
+	__u32 peer_tsval; // the highest TSval of the peer's own segments (0: none seen), see peer_timestamp
 };
 
 // INJECTED_TOS marks the segments the agent injects as the peer's (restore.InjectFromPeer): never held.
@@ -175,6 +178,29 @@ int ackclamp_egress(struct __sk_buff *skb)
 	return TCX_NEXT;
 }
 
+// TS_OPTION is NOP, NOP, kind 8, length 10: the first option word of every established segment Linux
+// sends with timestamps (tcp_options_write; an MD5 or AO option would come first).
+#define TS_OPTION 0x0101080a
+
+// peer_timestamp records the TSval of the peer's segment in st->peer_tsval if it is the highest yet.
+// The agent gives it to the segments it injects as the peer's (restore.PeerHeader): the restored socket
+// echoes their TSval, and the peer takes now minus that echo for a round trip. With the TSval the recovery
+// read at its start, a replay that took seconds made the peer's smoothed RTT 7.2 s and its retransmission
+// timeout 22.9 s (measured): its next lost segment waited that long.
+static __always_inline void peer_timestamp(struct __sk_buff *skb, __u32 tcpoff, struct tcphdr *tcp, struct clamp_state *st)
+{
+	if (tcp->doff < 8) // 20 bytes of header and 12 of NOP, NOP, timestamp
+		return;
+	__be32 opt[2];
+	if (bpf_skb_load_bytes(skb, tcpoff + sizeof(*tcp), opt, sizeof(opt)) || opt[0] != bpf_htonl(TS_OPTION))
+		return;
+	__u32 tsval = bpf_ntohl(opt[1]);
+	// Segments of one flow may arrive on several CPUs at once: a lost update leaves an older TSval, which
+	// is still the peer's.
+	if (!st->peer_tsval || after(tsval, st->peer_tsval))
+		st->peer_tsval = tsval;
+}
+
 SEC("tcx/ingress")
 int ackclamp_ingress(struct __sk_buff *skb)
 {
@@ -187,6 +213,7 @@ int ackclamp_ingress(struct __sk_buff *skb)
 	struct clamp_state *st = bpf_map_lookup_elem(&clamps, &k);
 	if (!st || ip.tos == INJECTED_TOS)
 		return TCX_NEXT;
+	peer_timestamp(skb, nh + ip.ihl * 4, &tcp, st);
 	if (tcp.ack) {
 		// Segments of one flow may arrive on several CPUs at once: a lost update leaves peer_ack lower,
 		// which only holds back fewer of the restored socket's ACKs.

@@ -143,6 +143,8 @@ type Clamp interface {
 	Hold(flow tcpflow.Tuple, on bool) error
 	// Release unregisters flow and says how many peer ACKs it clamped.
 	Release(flow tcpflow.Tuple) (clamped uint64)
+	// PeerTSval is the highest TSval the clamp saw on the peer's own segments of flow, if any.
+	PeerTSval(flow tcpflow.Tuple) (uint32, bool)
 }
 
 // Network is the host's network around CRIU's restore (HostNetwork; the restore package's mechanics).

@@ -49,6 +49,8 @@ type fake struct {
 	reprotected          []string
 	// Clamp.
 	clamped, released []tcpflow.Tuple
+	peerTSval         map[tcpflow.Tuple]uint32 // what the clamp saw of each peer's clock
+	injectedTS        []string                 // each DeliverFromPeer's timestamp option: "conn at seq: has tsval"
 	// Network.
 	takeOverErr error
 	lowerMTUErr error // LowerPathMTU fails, with nothing to put back
@@ -223,6 +225,13 @@ func (f *fake) Hold(flow tcpflow.Tuple, on bool) error {
 	return nil
 }
 
+func (f *fake) PeerTSval(flow tcpflow.Tuple) (uint32, bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	ts, ok := f.peerTSval[flow]
+	return ts, ok
+}
+
 func (f *fake) Release(flow tcpflow.Tuple) uint64 {
 	addTo(f, &f.released, flow)
 	return 2
@@ -288,6 +297,7 @@ func (f *fake) ResetPeer(conn tcpflow.Tuple, seq uint32) error {
 
 func (f *fake) DeliverFromPeer(_ context.Context, conn tcpflow.Tuple, h restore.PeerHeader, payload []byte, _ uint32) error {
 	addTo(f, &f.net, fmt.Sprintf("inject %s at %d: %d bytes", conn, h.Seq, len(payload)))
+	addTo(f, &f.injectedTS, fmt.Sprintf("%s at %d: %v %d", conn, h.Seq, h.TS, h.TSval))
 	return nil
 }
 

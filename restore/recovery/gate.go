@@ -217,7 +217,16 @@ func (g gateInjector) Inject(conn tcpflow.Tuple, seq uint32, data []byte) error 
 			break
 		}
 	}
-	h := peerHeader(g.d, g.j.gateLive[c.Conn.Tuple].Live, c.Conn.Tuple, c.Conn.OutqSeq)
+	live := g.j.gateLive[c.Conn.Tuple].Live
+	// The peer's clock as the ACK clamp last saw it, rather than at the recovery's start: the restored
+	// socket echoes this TSval, and the peer takes now minus the echo for a round trip (bpf/ackclamp.c,
+	// peer_timestamp). The peer's own, so never ahead of its later segments (PAWS).
+	if g.d.Clamp != nil && live.HasTS {
+		if ts, ok := g.d.Clamp.PeerTSval(c.Conn.Tuple); ok && int32(ts-live.TSval) > 0 {
+			live.TSval = ts
+		}
+	}
+	h := peerHeader(g.d, live, c.Conn.Tuple, c.Conn.OutqSeq)
 	h.Seq = seq
 	// The restored socket counts what it received from the snapshot's first unread byte on: CRIU sets
 	// rcv_nxt there and sends the restored queue (the preload) through it.

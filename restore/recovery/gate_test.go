@@ -21,7 +21,8 @@ import (
 // TestGateDeliversHeldBytes: once a gate has delivered a restored job's receive bytes, its peers' own
 // segments pass again, and what each peer sent during the replay (the hold dropped it) is delivered from
 // its log at once, after the gate's bytes. Before, a peer learned of those drops only by its
-// retransmission timer: 22.9 s after a slow replay, a 14 s stall of the heavy-traffic ring.
+// retransmission timer: 22.9 s after a slow replay, a 14 s stall of the heavy-traffic ring. The gate's
+// segments carry each peer's clock as the ACK clamp last saw it, when that is later than the recovery's.
 func TestGateDeliversHeldBytes(t *testing.T) {
 	connA := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.12:7302"), Remote: netip.MustParseAddrPort("10.0.0.11:40000")}
 	connB := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.12:41000"), Remote: netip.MustParseAddrPort("10.0.0.13:7303")}
@@ -65,8 +66,12 @@ func TestGateDeliversHeldBytes(t *testing.T) {
 				live := ebpfprobes.FlowState{SndNxt: req.From + uint32(tt.sentSince[conn]), Ack: 5000}
 				return clusterapi.LogRangeReply{From: req.From, Len: int64(n), Live: &live}, make([]byte, n), nil
 			}
+			// The recovery read both peers' clocks at 1000; since then the clamp saw A's at 5000, and B's
+			// only at an older 900 (its segments reordered).
+			f.peerTSval = map[tcpflow.Tuple]uint32{connA: 5000, connB: 900}
 			d := f.deps()
-			j := &Job{ID: "rank1", gateLive: map[tcpflow.Tuple]restore.Peer{}}
+			live := restore.Peer{Live: ebpfprobes.FlowState{HasTS: true, TSval: 1000, Ack: 9000}}
+			j := &Job{ID: "rank1", gateLive: map[tcpflow.Tuple]restore.Peer{connA: live, connB: live}}
 			sources := map[tcpflow.Tuple]intercept.Source{}
 			for _, c := range []tcpflow.Tuple{connA, connB} {
 				inject := make([]byte, planned[c])
@@ -114,6 +119,15 @@ func TestGateDeliversHeldBytes(t *testing.T) {
 			}
 			if lastHold < 0 || lastHold > firstLog {
 				t.Errorf("holds and log reads out of order: %q", f.net)
+			}
+			// The gate's segments carry each peer's latest clock: A's as the clamp saw it, B's as read.
+			for _, want := range []string{
+				fmt.Sprintf("%s at %d: true 5000", connA, inqSeq),
+				fmt.Sprintf("%s at %d: true 1000", connB, inqSeq),
+			} {
+				if !slices.Contains(f.injectedTS, want) {
+					t.Errorf("no injection %q in %q", want, f.injectedTS)
+				}
 			}
 			for _, c := range []tcpflow.Tuple{connA, connB} {
 				want := fmt.Sprintf("inject %s at %d: %d bytes", c, inqSeq+planned[c], tt.wantHeld[c])
