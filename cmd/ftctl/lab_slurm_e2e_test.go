@@ -125,8 +125,9 @@ func TestLabSlurm(t *testing.T) {
 		t.Errorf("srun -N 4 after reviving node1: %q", out)
 	}
 
-	// One task per node, each in its own host's namespace.
-	cmd := ftctlCmd("exec", "node1", "--", "srun", "--nodes=3", "--ntasks-per-node=1", self)
+	// One task per node, each in its own host's namespace. The nodes are named: with all four idle, Slurm
+	// may pick spare1 among any three (CI, ci295).
+	cmd := ftctlCmd("exec", "node1", "--", "srun", "--nodes=3", "--nodelist=node1,node2,node3", "--ntasks-per-node=1", self)
 	cmd.Env = append(os.Environ(), "FTKIT_E2E_ROLE=print-addrs")
 	out, err := cmd.Output()
 	if err != nil {
