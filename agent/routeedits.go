@@ -11,8 +11,8 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/internal/atomicfile"
-	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/restore"
+	"github.com/ftkit/ftkit/restore/recovery"
 )
 
 // The route changes a recovery makes for its restore (the initial windows raised, the MTU lowered a byte:
@@ -93,7 +93,7 @@ func (k *routeEdits) putBackLeft() error {
 	defer k.mu.Unlock()
 	var errs []error
 	for id, e := range left {
-		if err := e.putBack(); err != nil {
+		if err := recovery.PutBackEdit(e.Netns, e.RouteEdit); err != nil {
 			errs = append(errs, err)
 			k.left[id] = e // tried again at the next start
 			continue
@@ -103,14 +103,4 @@ func (k *routeEdits) putBackLeft() error {
 	}
 	k.saveLocked()
 	return errors.Join(errs...)
-}
-
-func (e routeEditEntry) putBack() error {
-	if e.Netns == "" {
-		return e.PutBack()
-	}
-	if err := jobnet.Do(e.Netns, e.PutBack); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("job network %s: %w", e.Netns, err)
-	}
-	return nil
 }

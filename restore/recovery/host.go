@@ -33,9 +33,9 @@ type RouteKeeper interface {
 	Keep(netns string, edit restore.RouteEdit) (done func())
 }
 
-// keptPutBack is the put-back of edit (putBack), which keep records until it succeeded; nil if nothing
-// was changed.
-func keptPutBack(keep RouteKeeper, netns string, edit restore.RouteEdit, putBack func() error) func() error {
+// keptPutBack is the put-back of edit, made in the job network netns ("" for the calling thread's
+// namespace), which keep records until it succeeded; nil if nothing was changed.
+func keptPutBack(keep RouteKeeper, netns string, edit restore.RouteEdit) func() error {
 	if edit.Empty() {
 		return nil
 	}
@@ -44,12 +44,24 @@ func keptPutBack(keep RouteKeeper, netns string, edit restore.RouteEdit, putBack
 		done = keep.Keep(netns, edit)
 	}
 	return func() error {
-		err := putBack()
+		err := PutBackEdit(netns, edit)
 		if err == nil {
 			done()
 		}
 		return err
 	}
+}
+
+// PutBackEdit puts edit back in the job network netns, or in the calling thread's namespace for "". A job
+// network deleted since (its restore failed) has nothing left to put back.
+func PutBackEdit(netns string, edit restore.RouteEdit) error {
+	if netns == "" {
+		return edit.PutBack()
+	}
+	if err := jobnet.Do(netns, edit.PutBack); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("job network %s: %w", netns, err)
+	}
+	return nil
 }
 
 func (n HostNetwork) Guard(ctx context.Context, runID string, conns []ckpt.Conn, addrs []netip.Addr) error {
@@ -66,12 +78,12 @@ func (n HostNetwork) Release(ip netip.Addr) { restore.Release(n.Iface, netip.Pre
 
 func (n HostNetwork) SetInitCwnd(segments int) (func() error, error) {
 	raised, err := restore.SetInitCwnd(n.Iface, segments)
-	return keptPutBack(n.Routes, "", raised, raised.PutBack), err
+	return keptPutBack(n.Routes, "", raised), err
 }
 
 func (n HostNetwork) LowerPathMTU() (func() error, error) {
 	lowered, err := restore.LowerPathMTU(n.Iface)
-	return keptPutBack(n.Routes, "", lowered, lowered.PutBack), err
+	return keptPutBack(n.Routes, "", lowered), err
 }
 
 func (n HostNetwork) ResetPeer(conn tcpflow.Tuple, seq uint32) error {
@@ -137,24 +149,13 @@ func (n JobNet) Release(netip.Addr) {}
 func (n JobNet) SetInitCwnd(segments int) (func() error, error) {
 	var raised restore.RouteEdit
 	err := n.in(func() (err error) { raised, err = restore.SetInitCwnd(n.iface(), segments); return err })
-	return keptPutBack(n.Routes, n.Spec.Name, raised, n.putBackIn(raised.PutBack)), err
-}
-
-// putBackIn runs putBack, a put-back of route metrics, inside the job's network: one deleted since (its
-// restore failed) has nothing left to put back.
-func (n JobNet) putBackIn(putBack func() error) func() error {
-	return func() error {
-		if err := n.in(putBack); err != nil && !errors.Is(err, fs.ErrNotExist) {
-			return err
-		}
-		return nil
-	}
+	return keptPutBack(n.Routes, n.Spec.Name, raised), err
 }
 
 func (n JobNet) LowerPathMTU() (func() error, error) {
 	var lowered restore.RouteEdit
 	err := n.in(func() (err error) { lowered, err = restore.LowerPathMTU(n.iface()); return err })
-	return keptPutBack(n.Routes, n.Spec.Name, lowered, n.putBackIn(lowered.PutBack)), err
+	return keptPutBack(n.Routes, n.Spec.Name, lowered), err
 }
 
 func (n JobNet) ResetPeer(conn tcpflow.Tuple, seq uint32) error {
