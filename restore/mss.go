@@ -3,7 +3,6 @@
 package restore
 
 import (
-	"errors"
 	"fmt"
 
 	"github.com/vishvananda/netlink"
@@ -47,18 +46,30 @@ const minMTU = 1280
 // the same one-byte-lower MTU and resync the same way. Like SetInitCwnd it
 // acts on the calling thread's network namespace.
 func LowerPathMTU(iface string) (RouteEdit, error) {
-	lowered := RouteEdit{Iface: iface}
+	edit, err := PlanLowerPathMTU(iface)
+	if err != nil {
+		return edit, err
+	}
+	if err := edit.Apply(); err != nil {
+		return edit, fmt.Errorf("lower path MTU (restored sockets will send 524-byte segments): %w", err)
+	}
+	return edit, nil
+}
+
+// PlanLowerPathMTU returns LowerPathMTU's edit without making it: the
+// routes of iface to lower, with their metrics and those to set, and those
+// found lowered already.
+func PlanLowerPathMTU(iface string) (RouteEdit, error) {
+	plan := RouteEdit{Iface: iface}
 	link, err := netlink.LinkByName(iface)
 	if err != nil {
-		return lowered, fmt.Errorf("lower path MTU: find interface %s in this network namespace: %w", iface, err)
+		return plan, fmt.Errorf("lower path MTU: find interface %s in this network namespace: %w", iface, err)
 	}
 	linkMTU := link.Attrs().MTU
 	routes, err := netlink.RouteList(link, netlink.FAMILY_ALL)
 	if err != nil {
-		return lowered, fmt.Errorf("lower path MTU: list routes of %s: %w", iface, err)
+		return plan, fmt.Errorf("lower path MTU: list routes of %s: %w", iface, err)
 	}
-	var errs []error
-	handled := 0
 	for _, r := range routes {
 		if !mainUnicast(r) {
 			continue
@@ -71,8 +82,7 @@ func LowerPathMTU(iface string) (RouteEdit, error) {
 			if m.MTU == linkMTU {
 				m.MTU = 0
 			}
-			lowered.MTU = append(lowered.MTU, m)
-			handled++
+			plan.MTU = append(plan.MTU, m)
 			continue
 		}
 		mtu := r.MTU
@@ -86,22 +96,12 @@ func LowerPathMTU(iface string) (RouteEdit, error) {
 		if advMSS == 0 {
 			advMSS = mtu - advMSSOverhead(r)
 		}
-		m := LoweredRoute{Route: routeKey(r), MTU: r.MTU, AdvMSS: r.AdvMSS, SetMTU: mtu - 1, SetAdvMSS: advMSS}
-		r.MTU, r.AdvMSS = mtu-1, advMSS
-		if err := netlink.RouteReplace(&r); err != nil {
-			errs = append(errs, fmt.Errorf("lower the MTU of route %v of %s to %d: %w", r.Dst, iface, mtu-1, err))
-			continue
-		}
-		lowered.MTU = append(lowered.MTU, m)
-		handled++
+		plan.MTU = append(plan.MTU, LoweredRoute{Route: routeKey(r), MTU: r.MTU, AdvMSS: r.AdvMSS, SetMTU: mtu - 1, SetAdvMSS: advMSS})
 	}
-	if err := errors.Join(errs...); err != nil {
-		return lowered, fmt.Errorf("lower path MTU (restored sockets will send 524-byte segments): %w", err)
+	if len(plan.MTU) == 0 {
+		return plan, fmt.Errorf("lower path MTU: interface %s has no unicast route in the main table with an MTU above %d", iface, minMTU)
 	}
-	if handled == 0 {
-		return lowered, fmt.Errorf("lower path MTU: interface %s has no unicast route in the main table with an MTU above %d", iface, minMTU)
-	}
-	return lowered, nil
+	return plan, nil
 }
 
 func mainUnicast(r netlink.Route) bool {

@@ -74,53 +74,58 @@ func linkAddr(iface string, addr netip.Prefix) (netlink.Link, *netlink.Addr, err
 // after a recovery under heavy traffic) into the site's network. A put-back
 // while another restore on the host still replays lowers its routes too;
 // its sockets keep the window they connected with. With an error, the
-// routes that were raised are returned too.
+// edit is returned too: its put-back puts back what was raised.
+// SetInitCwnd is PlanInitCwnd then Apply; a daemon that keeps the edit on
+// disk calls the two itself, keeping it in between.
 func SetInitCwnd(iface string, segments int) (RouteEdit, error) {
-	raised := RouteEdit{Iface: iface}
+	edit, err := PlanInitCwnd(iface, segments)
+	if err != nil {
+		return edit, err
+	}
+	return edit, edit.Apply()
+}
+
+// PlanInitCwnd returns SetInitCwnd's edit without making it: the routes
+// of iface whose initial windows are below segments, with what they have
+// and what they are to be set to.
+func PlanInitCwnd(iface string, segments int) (RouteEdit, error) {
+	plan := RouteEdit{Iface: iface}
 	if segments < 1 {
-		return raised, fmt.Errorf("set initcwnd on %s: %d segments: give at least 1", iface, segments)
+		return plan, fmt.Errorf("set initcwnd on %s: %d segments: give at least 1", iface, segments)
 	}
 	link, err := netlink.LinkByName(iface)
 	if err != nil {
-		return raised, fmt.Errorf("set initcwnd: find interface %s in this network namespace: %w", iface, err)
+		return plan, fmt.Errorf("set initcwnd: find interface %s in this network namespace: %w", iface, err)
 	}
 	routes, err := netlink.RouteList(link, netlink.FAMILY_ALL)
 	if err != nil {
-		return raised, fmt.Errorf("set initcwnd: list routes of %s: %w", iface, err)
+		return plan, fmt.Errorf("set initcwnd: list routes of %s: %w", iface, err)
 	}
-	var errs []error
 	n := 0
 	for _, r := range routes {
 		if !mainUnicast(r) {
 			continue
 		}
-		if r.InitCwnd >= segments && r.InitRwnd >= segments {
-			n++
-			continue
-		}
-		w := RaisedRoute{Route: routeKey(r), Cwnd: r.InitCwnd, Rwnd: r.InitRwnd, SetCwnd: max(r.InitCwnd, segments), SetRwnd: max(r.InitRwnd, segments)}
-		r.InitCwnd, r.InitRwnd = w.SetCwnd, w.SetRwnd
-		if err := netlink.RouteReplace(&r); err != nil {
-			errs = append(errs, fmt.Errorf("set initcwnd %d on route %v of %s: %w", segments, r.Dst, iface, err))
-			continue
-		}
-		raised.InitCwnd = append(raised.InitCwnd, w)
 		n++
+		if r.InitCwnd >= segments && r.InitRwnd >= segments {
+			continue
+		}
+		plan.InitCwnd = append(plan.InitCwnd, RaisedRoute{Route: routeKey(r), Cwnd: r.InitCwnd, Rwnd: r.InitRwnd,
+			SetCwnd: max(r.InitCwnd, segments), SetRwnd: max(r.InitRwnd, segments)})
 	}
-	if n == 0 && len(errs) == 0 {
-		return raised, fmt.Errorf("set initcwnd: interface %s has no unicast route in the main table (is it up with an address?)", iface)
+	if n == 0 {
+		return plan, fmt.Errorf("set initcwnd: interface %s has no unicast route in the main table (is it up with an address?)", iface)
 	}
-	// With a route that could not be raised, the others still are, and are put back.
-	return raised, errors.Join(errs...)
+	return plan, nil
 }
 
-// putBackRoutes lists link's routes again and replaces each main-table
-// unicast route that edit changes (it returns true).
-func putBackRoutes(link netlink.Link, what string, edit func(r *netlink.Route) bool) error {
+// editRoutes lists link's routes and replaces each main-table unicast
+// route that edit changes (it returns true); what names the change in errors.
+func editRoutes(link netlink.Link, what string, edit func(r *netlink.Route) bool) error {
 	iface := link.Attrs().Name
 	routes, err := netlink.RouteList(link, netlink.FAMILY_ALL)
 	if err != nil {
-		return fmt.Errorf("put back %s: list routes of %s: %w", what, iface, err)
+		return fmt.Errorf("%s: list routes of %s: %w", what, iface, err)
 	}
 	var errs []error
 	for _, r := range routes {
@@ -128,7 +133,7 @@ func putBackRoutes(link netlink.Link, what string, edit func(r *netlink.Route) b
 			continue
 		}
 		if err := netlink.RouteReplace(&r); err != nil {
-			errs = append(errs, fmt.Errorf("put back the %s of route %v of %s: %w", what, r.Dst, iface, err))
+			errs = append(errs, fmt.Errorf("%s on route %v of %s: %w", what, r.Dst, iface, err))
 		}
 	}
 	return errors.Join(errs...)

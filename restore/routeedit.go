@@ -43,6 +43,33 @@ type LoweredRoute struct {
 // Empty says nothing was changed.
 func (e RouteEdit) Empty() bool { return len(e.InitCwnd) == 0 && len(e.MTU) == 0 }
 
+// Apply sets on each route of the edit what the edit sets (PlanInitCwnd, PlanLowerPathMTU), in the
+// calling thread's network namespace; a route that has it already is left alone. With an error, the
+// routes that could be set are; PutBack puts back those, and leaves the others as they are.
+func (e RouteEdit) Apply() error {
+	if e.Empty() {
+		return nil
+	}
+	link, err := netlink.LinkByName(e.Iface)
+	if err != nil {
+		return fmt.Errorf("edit route metrics: find interface %s in this network namespace: %w", e.Iface, err)
+	}
+	return editRoutes(link, "set route metrics", func(r *netlink.Route) bool {
+		changed := false
+		if i := slices.IndexFunc(e.InitCwnd, func(w RaisedRoute) bool { return w.Route == routeKey(*r) }); i >= 0 {
+			w := e.InitCwnd[i]
+			changed = r.InitCwnd != w.SetCwnd || r.InitRwnd != w.SetRwnd
+			r.InitCwnd, r.InitRwnd = w.SetCwnd, w.SetRwnd
+		}
+		if i := slices.IndexFunc(e.MTU, func(m LoweredRoute) bool { return m.Route == routeKey(*r) }); i >= 0 {
+			m := e.MTU[i]
+			changed = changed || r.MTU != m.SetMTU || r.AdvMSS != m.SetAdvMSS
+			r.MTU, r.AdvMSS = m.SetMTU, m.SetAdvMSS
+		}
+		return changed
+	})
+}
+
 // PutBack returns each changed route to what it had, unless it changed since (put back already, or by an
 // operator). It is idempotent, and acts on the calling thread's network namespace.
 func (e RouteEdit) PutBack() error {
@@ -55,7 +82,7 @@ func (e RouteEdit) PutBack() error {
 	}
 	var errs []error
 	if len(e.InitCwnd) > 0 {
-		errs = append(errs, putBackRoutes(link, "initcwnd", func(r *netlink.Route) bool {
+		errs = append(errs, editRoutes(link, "put back initcwnd", func(r *netlink.Route) bool {
 			i := slices.IndexFunc(e.InitCwnd, func(w RaisedRoute) bool { return w.Route == routeKey(*r) })
 			if i < 0 || r.InitCwnd != e.InitCwnd[i].SetCwnd || r.InitRwnd != e.InitCwnd[i].SetRwnd {
 				return false // put back already, or changed since
@@ -65,7 +92,7 @@ func (e RouteEdit) PutBack() error {
 		}))
 	}
 	if len(e.MTU) > 0 {
-		err := putBackRoutes(link, "path MTU", func(r *netlink.Route) bool {
+		err := editRoutes(link, "put back path MTU", func(r *netlink.Route) bool {
 			i := slices.IndexFunc(e.MTU, func(m LoweredRoute) bool { return m.Route == routeKey(*r) })
 			if i < 0 || r.MTU != e.MTU[i].SetMTU || r.AdvMSS != e.MTU[i].SetAdvMSS {
 				return false // put back already, or changed since

@@ -33,35 +33,48 @@ type RouteKeeper interface {
 	Keep(netns string, edit restore.RouteEdit) (done func())
 }
 
-// keptPutBack is the put-back of edit, made in the job network netns ("" for the calling thread's
-// namespace), which keep records until it succeeded; nil if nothing was changed.
-func keptPutBack(keep RouteKeeper, netns string, edit restore.RouteEdit) func() error {
-	if edit.Empty() {
-		return nil
+// editRoutes makes the route edit that plan returns, in the job network netns ("" for the calling
+// thread's namespace), and returns its put-back (nil if plan changes nothing). keep records the edit from
+// before it is made until the put-back succeeded: an agent killed in between finds it at its start. With
+// an error from making it, the put-back is returned too, for the routes that were changed.
+func editRoutes(keep RouteKeeper, netns string, plan func() (restore.RouteEdit, error)) (func() error, error) {
+	var edit restore.RouteEdit
+	if err := inNetns(netns, func() (err error) { edit, err = plan(); return err }); err != nil || edit.Empty() {
+		return nil, err
 	}
 	done := func() {}
 	if keep != nil {
 		done = keep.Keep(netns, edit)
 	}
-	return func() error {
+	putBack := func() error {
 		err := PutBackEdit(netns, edit)
 		if err == nil {
 			done()
 		}
 		return err
 	}
+	return putBack, inNetns(netns, edit.Apply)
+}
+
+// inNetns runs fn on a thread in the job network netns, or on the calling thread for "".
+func inNetns(netns string, fn func() error) error {
+	if netns == "" {
+		return fn()
+	}
+	return jobnet.Do(netns, fn)
 }
 
 // PutBackEdit puts edit back in the job network netns, or in the calling thread's namespace for "". A job
 // network deleted since (its restore failed) has nothing left to put back.
 func PutBackEdit(netns string, edit restore.RouteEdit) error {
-	if netns == "" {
-		return edit.PutBack()
-	}
-	if err := jobnet.Do(netns, edit.PutBack); err != nil && !errors.Is(err, fs.ErrNotExist) {
+	switch err := inNetns(netns, edit.PutBack); {
+	case err == nil || netns == "":
+		return err
+	case errors.Is(err, fs.ErrNotExist):
+		return nil
+	default:
 		return fmt.Errorf("job network %s: %w", netns, err)
 	}
-	return nil
 }
 
 func (n HostNetwork) Guard(ctx context.Context, runID string, conns []ckpt.Conn, addrs []netip.Addr) error {
@@ -77,13 +90,11 @@ func (n HostNetwork) TakeOver(ip netip.Addr) error {
 func (n HostNetwork) Release(ip netip.Addr) { restore.Release(n.Iface, netip.PrefixFrom(ip, n.Bits)) }
 
 func (n HostNetwork) SetInitCwnd(segments int) (func() error, error) {
-	raised, err := restore.SetInitCwnd(n.Iface, segments)
-	return keptPutBack(n.Routes, "", raised), err
+	return editRoutes(n.Routes, "", func() (restore.RouteEdit, error) { return restore.PlanInitCwnd(n.Iface, segments) })
 }
 
 func (n HostNetwork) LowerPathMTU() (func() error, error) {
-	lowered, err := restore.LowerPathMTU(n.Iface)
-	return keptPutBack(n.Routes, "", lowered), err
+	return editRoutes(n.Routes, "", func() (restore.RouteEdit, error) { return restore.PlanLowerPathMTU(n.Iface) })
 }
 
 func (n HostNetwork) ResetPeer(conn tcpflow.Tuple, seq uint32) error {
@@ -147,15 +158,11 @@ func (n JobNet) TakeOver(ip netip.Addr) error {
 func (n JobNet) Release(netip.Addr) {}
 
 func (n JobNet) SetInitCwnd(segments int) (func() error, error) {
-	var raised restore.RouteEdit
-	err := n.in(func() (err error) { raised, err = restore.SetInitCwnd(n.iface(), segments); return err })
-	return keptPutBack(n.Routes, n.Spec.Name, raised), err
+	return editRoutes(n.Routes, n.Spec.Name, func() (restore.RouteEdit, error) { return restore.PlanInitCwnd(n.iface(), segments) })
 }
 
 func (n JobNet) LowerPathMTU() (func() error, error) {
-	var lowered restore.RouteEdit
-	err := n.in(func() (err error) { lowered, err = restore.LowerPathMTU(n.iface()); return err })
-	return keptPutBack(n.Routes, n.Spec.Name, lowered), err
+	return editRoutes(n.Routes, n.Spec.Name, func() (restore.RouteEdit, error) { return restore.PlanLowerPathMTU(n.iface()) })
 }
 
 func (n JobNet) ResetPeer(conn tcpflow.Tuple, seq uint32) error {
