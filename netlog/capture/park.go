@@ -37,8 +37,11 @@ type ParkOptions struct {
 
 // The park's defaults.
 const (
-	DefaultParkDevice        = "ftpark0"
-	DefaultParkCap           = 1 << 30
+	DefaultParkDevice = "ftpark0"
+	// DefaultParkCap is as much as the ring holds by default: a recovery's read of the log first takes
+	// every parked clone into it, so the park's cap bounds what a survivor does before it can send a
+	// restored job its bytes (602 MiB took a loaded CI host past the reader's 10 s bound, ci285).
+	DefaultParkCap           = 64 << 20
 	DefaultParkMinLen uint32 = 4096
 	DefaultParkMaxLen uint32 = 256 << 10
 	// maxParkQueueLen bounds each queue (the kernel allocates a pointer per slot and queue): a queue that

@@ -141,7 +141,7 @@ type StartConfig struct {
 	MemoryMiB int     // the log's memory cap; 0: a tenth of this host's memory
 	SpillDir  string  // "" for none
 	Park      bool    // park segments in the kernel (capture.ParkOptions)
-	ParkMiB   int     // the park's cap; 0: a quarter of the log's, at most 1024
+	ParkMiB   int     // the park's cap; 0: a quarter of the log's, at most capture.DefaultParkCap
 	High, Low float64 // the controller's thresholds, fractions of the cap
 	MaxRange  int64
 	Members   Members
@@ -169,11 +169,7 @@ func Start(sc StartConfig) (*Node, error) {
 	}
 	copts := capture.Options{Interface: sc.Interface, RingBufferSize: sc.RingMiB << 20, MaxFlows: sc.MaxFlows, Log: opts, Logger: sc.Logger, MemoryCap: capBytes}
 	if sc.Park {
-		park := int64(sc.ParkMiB) << 20
-		if park == 0 {
-			park = min(capBytes/4, 1<<30)
-		}
-		copts.Park = &capture.ParkOptions{Cap: park}
+		copts.Park = &capture.ParkOptions{Cap: parkCap(sc.ParkMiB, capBytes)}
 	}
 	c, err := capture.New(copts)
 	if err != nil && copts.Park != nil {
@@ -217,6 +213,15 @@ func (n *Node) Urge() (done func()) { return n.src.Urge() }
 
 // Wake makes the capture's consumer look at its ring now (capture.Capture.Wake).
 func (n *Node) Wake() { n.src.Wake() }
+
+// parkCap is the park's cap in bytes for log.park_mib parkMiB and the log's cap: 0 means a quarter of the
+// log's, at most capture.DefaultParkCap, which bounds what a recovery's read waits for (capture.ParkOptions).
+func parkCap(parkMiB int, logCap int64) int64 {
+	if parkMiB > 0 {
+		return int64(parkMiB) << 20
+	}
+	return min(logCap/4, capture.DefaultParkCap)
+}
 
 // TakeParked has the capture take every parked clone into the log, and waits until it has.
 func (n *Node) TakeParked(ctx context.Context) error { return n.src.TakeParked(ctx) }
