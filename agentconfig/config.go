@@ -204,7 +204,7 @@ type LogConfig struct {
 	// unread. Clones are copied into the log only for a recovery or once the park is three quarters
 	// full (docs/design.md). On by default. ParkMiB bounds the payload waiting in clones, kernel memory
 	// outside the log's cap; 0: a quarter of the log's cap, at most 64. A recovery's read of the log
-	// first takes every parked clone into it, so the cap also bounds that wait: with 1024 MiB it took a
+	// first takes every parked clone into it, so the cap also bounds that wait: with 602 MiB it took a
 	// loaded host past the reader's 10 s stall bound (ci285), and the recovery was refused.
 	Park    bool `toml:"park"`
 	ParkMiB int  `toml:"park_mib"`
