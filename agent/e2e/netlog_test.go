@@ -89,8 +89,11 @@ func TestLogTrimmedAtReceiverSnapshot(t *testing.T) {
 			continue
 		}
 		// Down to the start of the receive-digest block: node1's own snapshots need those bytes (sentPrefix).
-		if want := recvdigest.BlockStart(inq); !lc.Trimmed || lc.First != want {
-			t.Errorf("node1's log to node2 starts at %d (trimmed %v); node2's snapshot before the newest received up to %d, in the block from %d", lc.First, lc.Trimmed, inq, want)
+		// The bytes there may still be parked (log.park), so the lowest one retained may be later: ci300
+		// failed a check of First here.
+		if want := recvdigest.BlockStart(inq); !lc.Trimmed || lc.Floor != want || int32(lc.First-lc.Floor) < 0 {
+			t.Errorf("node1's log to node2 trimmed at %d, first byte retained %d (trimmed %v); node2's snapshot before the newest received up to %d, in the block from %d",
+				lc.Floor, lc.First, lc.Trimmed, inq, want)
 		}
 		if int32(lc.Contiguous-lc.First) < 0 {
 			t.Errorf("log to node2 has no contiguous range after the trim point: %+v", lc)

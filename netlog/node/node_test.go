@@ -557,3 +557,35 @@ func TestParkCap(t *testing.T) {
 		t.Errorf("capture.DefaultParkCap is %d MiB; docs/operations.md and agentconfig say 64", capture.DefaultParkCap>>20)
 	}
 }
+
+// TestConnsFloor checks the trim point a connection's status reports: none before a trim; after one,
+// Floor is the trim point even while the bytes just above it are still parked (log.park) and the lowest
+// byte retained is later (ci300: a check of First failed, the bytes at the bottom parked).
+func TestConnsFloor(t *testing.T) {
+	n, _, _ := newTestNode(t, 5000, &fakeMembers{owner: "n2"})
+	l := n.Log()
+	if cs := n.Conns(); len(cs) != 1 || cs[0].Trimmed || cs[0].Floor != 0 || cs[0].First != isn {
+		t.Fatalf("before a trim: %+v, want one connection from %d, no floor", cs, isn)
+	}
+	if _, err := l.Trim(connA, isn+5000); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.NoteParked(netlog.Record{Conn: connA, Seq: isn + 5000, Parked: 4000}); err != nil {
+		t.Fatal(err)
+	}
+	b, err := netlog.AppendRecord(nil, netlog.Record{Conn: connA, Seq: isn + 9000, Payload: make([]byte, 100)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := netlog.DecodeRecord(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Append(r); err != nil {
+		t.Fatal(err)
+	}
+	cs := n.Conns()
+	if len(cs) != 1 || !cs[0].Trimmed || cs[0].Floor != isn+5000 || cs[0].First != isn+9000 {
+		t.Errorf("trimmed at %d, [%d, %d) parked, [%d, %d) stored: %+v", isn+5000, isn+5000, isn+9000, isn+9000, isn+9100, cs)
+	}
+}

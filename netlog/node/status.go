@@ -33,8 +33,11 @@ type Conn struct {
 	First      uint32         `json:"first"`      // lowest retained byte
 	Contiguous uint32         `json:"contiguous"` // every byte of [first, contiguous) is retained
 	Retained   int64          `json:"retained"`
-	Trimmed    bool           `json:"trimmed"` // a receiver's snapshot released the bytes before first
+	Trimmed    bool           `json:"trimmed"` // a receiver's snapshot released the bytes before floor
 	Hole       bool           `json:"hole"`    // bytes are missing between contiguous and the last byte: still parked (log.park), else a hole (must never happen)
+	// Floor is the trim point when Trimmed: bytes before it were released. First is above it while the
+	// bytes at the bottom are still parked (log.park), taken into the log when a reader needs them.
+	Floor uint32 `json:"floor,omitempty"`
 	// Live is the sender's current state of the connection from its last egress segment.
 	Live *ebpfprobes.FlowState `json:"live,omitempty"`
 	// Release is where the connection stands on the way to being freed (release.Verdict): "open"
@@ -57,6 +60,9 @@ func (n *Node) Conns() []Conn {
 		out = append(out, Conn{Src: c.Local, Dst: c.Remote, DstNode: n.cfg.Members.Owner(c.Remote.Addr()),
 			First: netlog.Wire(b.First), Contiguous: netlog.Wire(b.Contiguous), Retained: b.Retained, Trimmed: b.Floor != 0,
 			Hole: b.Contiguous != b.Last})
+		if b.Floor != 0 {
+			out[len(out)-1].Floor = netlog.Wire(b.Floor)
+		}
 		if fs, ok, err := n.src.FlowState(c); err == nil && ok {
 			out[len(out)-1].Live = &fs
 		}
