@@ -204,9 +204,10 @@ type LogConfig struct {
 	// unread. Clones are copied into the log only for a recovery or once the park is three quarters
 	// full (docs/design.md). Off by default: with it on, ci300 failed a status check (fixed) and ci301 a
 	// short job that ended before a snapshot covered it (not understood yet). ParkMiB bounds the payload
-	// waiting in clones, kernel memory outside the log's cap; 0: a quarter of the log's cap, at most 64. A recovery's read of the log
-	// first takes every parked clone into it, so the cap also bounds that wait: with 602 MiB it took a
-	// loaded host past the reader's 10 s stall bound (ci285), and the recovery was refused.
+	// waiting in clones, kernel memory outside the log's cap; 0: a quarter of the log's cap, at most 64.
+	// A recovery's read of the log first takes every parked clone into it, so the cap also bounds that
+	// wait: with 602 MiB it took a loaded host past the reader's 10 s stall bound (ci285), and the
+	// recovery was refused.
 	Park    bool `toml:"park"`
 	ParkMiB int  `toml:"park_mib"`
 	// ReceiveOrder records the order in which jobs consume their connections (package intercept), so that

@@ -99,6 +99,22 @@ var (
 const isn = 1000
 
 // newTestNode is a node whose log holds n bytes of connA from sequence isn.
+// appendRecord appends rec to l as the capture would: encoded as the probe writes it, then decoded.
+func appendRecord(t *testing.T, l *netlog.Log, rec netlog.Record) {
+	t.Helper()
+	b, err := netlog.AppendRecord(nil, rec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := netlog.DecodeRecord(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Append(r); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func newTestNode(t *testing.T, n int, m *fakeMembers) (*Node, *fakeSource, []byte) {
 	t.Helper()
 	logger := slog.New(slog.NewTextHandler(io.Discard, nil))
@@ -112,17 +128,7 @@ func newTestNode(t *testing.T, n int, m *fakeMembers) (*Node, *fakeSource, []byt
 		payload[i] = byte(i * 7)
 	}
 	for off := 0; off < n; off += 1400 {
-		b, err := netlog.AppendRecord(nil, netlog.Record{Conn: connA, Seq: isn + uint32(off), CgroupID: 7, Payload: payload[off:min(off+1400, n)]})
-		if err != nil {
-			t.Fatal(err)
-		}
-		r, err := netlog.DecodeRecord(b)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := l.Append(r); err != nil {
-			t.Fatal(err)
-		}
+		appendRecord(t, l, netlog.Record{Conn: connA, Seq: isn + uint32(off), CgroupID: 7, Payload: payload[off:min(off+1400, n)]})
 	}
 	node, err := New(src, Config{Controller: controller.Config{Cap: 64 << 20, High: 0.8, Low: 0.5}, MaxRange: 1<<31 - 1, Members: m, Logger: logger})
 	if err != nil {
@@ -573,17 +579,7 @@ func TestConnsFloor(t *testing.T) {
 	if err := l.NoteParked(netlog.Record{Conn: connA, Seq: isn + 5000, Parked: 4000}); err != nil {
 		t.Fatal(err)
 	}
-	b, err := netlog.AppendRecord(nil, netlog.Record{Conn: connA, Seq: isn + 9000, Payload: make([]byte, 100)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	r, err := netlog.DecodeRecord(b)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := l.Append(r); err != nil {
-		t.Fatal(err)
-	}
+	appendRecord(t, l, netlog.Record{Conn: connA, Seq: isn + 9000, Payload: make([]byte, 100)})
 	cs := n.Conns()
 	if len(cs) != 1 || !cs[0].Trimmed || cs[0].Floor != isn+5000 || cs[0].First != isn+9000 {
 		t.Errorf("trimmed at %d, [%d, %d) parked, [%d, %d) stored: %+v", isn+5000, isn+5000, isn+9000, isn+9000, isn+9100, cs)
