@@ -39,18 +39,33 @@ func (s *fetchScript) count() int {
 	return s.fetches
 }
 
-// TestFetchOnce: a recovery that needs a snapshot whose prefetch is under way waits for that transfer
-// instead of starting a second one; when it fails, the recovery fetches the snapshot itself.
+// TestFetchOnce: a recovery (a failover's, or a coordinated rollback's or manual restore's fetch) that
+// needs a snapshot whose prefetch is under way waits for that transfer instead of starting a second one;
+// when it fails, the recovery fetches the snapshot itself. ci303's rollback fetched beside the prefetch,
+// and one writer refused the other.
 func TestFetchOnce(t *testing.T) {
+	const job, snap = "rank1-0123abcd", "20250101T000000.000Z-n2-000001"
+	for _, tc := range []struct {
+		name  string
+		fetch func(a *Agent, ctx context.Context) error
+	}{
+		{"failover", func(a *Agent, ctx context.Context) error { return a.fetchOnce(ctx, "n2", job, snap) }},
+		{"rollback", func(a *Agent, ctx context.Context) error { return a.fetch(ctx, job, snap, "n2", "n2") }},
+	} {
+		t.Run(tc.name, func(t *testing.T) { testFetchOnce(t, job, snap, tc.fetch) })
+	}
+}
+
+func testFetchOnce(t *testing.T, job, snap string, fetch func(a *Agent, ctx context.Context) error) {
 	pki := newTestPKI(t)
 	n2 := &fetchScript{started: make(chan struct{}), release: make(chan struct{})}
 	a, _ := clientAgent(t, pki, map[string]uint16{"n2": scriptedPeer(t, pki, "n2", n2)})
-	const job, snap = "rank1-0123abcd", "20250101T000000.000Z-n2-000001"
 	errs := make(chan error, 2)
 	go func() { errs <- a.fetchOnce(t.Context(), "n2", job, snap) }() // the prefetch
 	<-n2.started
-	go func() { errs <- a.fetchOnce(t.Context(), "n2", job, snap) }() // the recovery
-	for waiting := 0; waiting == 0; runtime.Gosched() {
+	go func() { errs <- fetch(a, t.Context()) }() // the recovery
+	// The recovery either waits for the prefetch or starts a second transfer (the failure).
+	for waiting := 0; waiting == 0 && n2.count() == 1; runtime.Gosched() {
 		a.fetching.mu.Lock()
 		if c := a.fetching.m[job+"/"+snap]; c != nil {
 			waiting = c.waiters

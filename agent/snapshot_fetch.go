@@ -106,13 +106,16 @@ func (a *Agent) remoteJobOfSnapshot(ctx context.Context, member, id string) loca
 
 // fetch copies a snapshot from the member that holds it: source if given, else prefer (the member that
 // said it holds it), the snapshot's node's protector (where replicas live), then any member that has it.
+// A transfer of the snapshot already under way (a claimed spare's prefetch) is waited for, not raced: two
+// writers of one snapshot refuse each other (ci303: a coordinated rollback's fetch on the spare met the
+// prefetch, and the rollback failed).
 func (a *Agent) fetch(ctx context.Context, job, id, source, prefer string) error {
 	if _, err := ckpt.ParseID(id); err != nil {
 		return err
 	}
 	var errs []error
 	for _, from := range a.fetchCandidates(id, source, prefer) {
-		err := a.fetchFrom(ctx, from, job, id)
+		err := a.fetchOnce(ctx, from, job, id)
 		if err == nil {
 			return nil
 		}
