@@ -11,6 +11,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/internal/heldconns"
+	"github.com/ftkit/ftkit/internal/threadcpu"
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
@@ -172,6 +173,30 @@ func TestConnCheckPace(t *testing.T) {
 			}
 			if got != tc.want {
 				t.Errorf("next check in %v, want %v", got, tc.want)
+			}
+		})
+	}
+}
+
+// A check's cost is its CPU time, on its thread and on those it reports, not the time it waited: on a busy
+// host, a cheap check that waited for a CPU must not space the next ones.
+func TestCheckCost(t *testing.T) {
+	spin := func(d time.Duration) {
+		for start := threadcpu.Now(); threadcpu.Now()-start < d; {
+		}
+	}
+	for _, tc := range []struct {
+		name     string
+		check    func(elsewhere *time.Duration)
+		min, max time.Duration
+	}{
+		{"waited", func(*time.Duration) { time.Sleep(50 * time.Millisecond) }, 0, 20 * time.Millisecond},
+		{"worked", func(*time.Duration) { spin(30 * time.Millisecond) }, 30 * time.Millisecond, time.Second},
+		{"worked elsewhere", func(e *time.Duration) { *e += 40 * time.Millisecond }, 40 * time.Millisecond, 60 * time.Millisecond},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if got := checkCost(tc.check); got < tc.min || got > tc.max {
+				t.Errorf("cost %v, want %v to %v", got, tc.min, tc.max)
 			}
 		})
 	}

@@ -19,11 +19,11 @@ import (
 	"time"
 
 	"github.com/vishvananda/netlink"
-	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/internal/cgroupv2"
 	"github.com/ftkit/ftkit/internal/sockdiag"
+	"github.com/ftkit/ftkit/internal/threadcpu"
 	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/netlog/park"
 	"github.com/ftkit/ftkit/tcpflow"
@@ -208,8 +208,8 @@ func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 	// every wait (CLOCK_THREAD_CPUTIME_ID, a fraction of a microsecond).
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	clock := startThreadClock()
-	account := func() { c.consumerCPU.Store(int64(clock.used())) }
+	clock := threadcpu.Start()
+	account := func() { c.consumerCPU.Store(int64(clock.Used())) }
 	defer account()
 	a := appender{log: c.netlog}
 	atCap := func() bool {
@@ -360,25 +360,6 @@ func (c *Capture) readBatch(ctx context.Context, fn func(raw []byte) error) (int
 		err = nil
 	}
 	return n, err
-}
-
-// threadClock measures the CPU time of the calling thread from its start. The runtime hands a thread
-// that was locked to a goroutine back to others when it unlocks, so a consumer may get one that already
-// ran earlier work, a previous Capture's consumer among them: its clock does not start at 0.
-type threadClock struct{ base time.Duration }
-
-// startThreadClock starts a clock on the calling thread; the caller must be locked to it.
-func startThreadClock() threadClock { return threadClock{base: threadCPU()} }
-
-// used is the CPU time the thread used since startThreadClock; call it on the same thread.
-func (t threadClock) used() time.Duration { return max(threadCPU()-t.base, 0) }
-
-func threadCPU() time.Duration {
-	var ts unix.Timespec
-	if err := unix.ClockGettime(unix.CLOCK_THREAD_CPUTIME_ID, &ts); err != nil {
-		return 0
-	}
-	return time.Duration(ts.Nano())
 }
 
 // Urge lets the consumer drain the ring past the memory cap, by up to the ring's size, until the returned
