@@ -202,12 +202,10 @@ type LogConfig struct {
 	// queue per CPU) instead of copying them into the log as they leave: a clone shares the segment's
 	// pages, so the sender pays no copy, and a clone whose bytes a receiver's snapshot covers is freed
 	// unread. Clones are copied into the log only for a recovery or once the park is three quarters
-	// full (docs/design.md). Off by default: with it on, ci300 failed a status check (fixed) and ci301 a
-	// short job that ended before a snapshot covered it (not understood yet). ParkMiB bounds the payload
-	// waiting in clones, kernel memory outside the log's cap; 0: a quarter of the log's cap, at most 64.
-	// A recovery's read of the log first takes every parked clone into it, so the cap also bounds that
-	// wait: with 602 MiB it took a loaded host past the reader's 10 s stall bound (ci285), and the
-	// recovery was refused.
+	// full (docs/design.md). On by default. ParkMiB bounds the payload waiting in clones, kernel memory
+	// outside the log's cap; 0: a quarter of the log's cap, at most 64. A recovery's read of the log
+	// first takes every parked clone into it, so the cap also bounds that wait: with 602 MiB it took a
+	// loaded host past the reader's 10 s stall bound (ci285), and the recovery was refused.
 	Park    bool `toml:"park"`
 	ParkMiB int  `toml:"park_mib"`
 	// ReceiveOrder records the order in which jobs consume their connections (package intercept), so that
@@ -258,7 +256,7 @@ func Defaults() Config {
 	c.Failover.FenceCommandTimeout = Duration{30 * time.Second}
 	c.Health = HealthConfig{Interval: Duration{30 * time.Second}, Timeout: Duration{10 * time.Second}, LeadTime: Duration{30 * time.Minute}}
 	c.Log = LogConfig{Enabled: true, RingMiB: 64, High: 0.8, Low: 0.6, ReceiveOrder: true, ReceiveOrderShipEvery: Duration{record.DefaultShipEvery},
-		MaxFlows: ebpfprobes.DefaultMaxFlows}
+		MaxFlows: ebpfprobes.DefaultMaxFlows, Park: true}
 	c.JobNetwork.Kind = jobnet.MACVlan
 	c.JobNetwork.Linger = Duration{30 * time.Second}
 	return c
