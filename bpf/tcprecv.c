@@ -46,6 +46,7 @@
 //   - recording fails (ring full, copy error, record larger than the ring):
 //     drop, leave rx_next, count. TCP retransmits (lossless by backpressure,
 //     as in tcplog.c).
+//
 // The live rcv_nxt of the socket never decides a drop: segments queued to the
 // socket backlog while the user holds the socket lock have passed us but not
 // advanced rcv_nxt yet, so it lags behind rx_next.
@@ -70,6 +71,7 @@
 //     resync is counted. Without it the flow would stall forever (every
 //     segment after rx_next dropped as out of order). A consumer sees a real
 //     hole as a record that starts after the bytes it has.
+//
 // The entry remembers the receiving socket's cookie, so an entry left by an
 // earlier connection on the same 4-tuple is never mistaken for this one's. A
 // listener's SYN leaves cookie 0: the accepted child adopts the entry.
