@@ -98,7 +98,6 @@ var (
 
 const isn = 1000
 
-// newTestNode is a node whose log holds n bytes of connA from sequence isn.
 // appendRecord appends rec to l as the capture would: encoded as the probe writes it, then decoded.
 func appendRecord(t *testing.T, l *netlog.Log, rec netlog.Record) {
 	t.Helper()
@@ -115,6 +114,7 @@ func appendRecord(t *testing.T, l *netlog.Log, rec netlog.Record) {
 	}
 }
 
+// newTestNode is a node whose log holds n bytes of connA from sequence isn.
 func newTestNode(t *testing.T, n int, m *fakeMembers) (*Node, *fakeSource, []byte) {
 	t.Helper()
 	logger := slog.New(slog.NewTextHandler(io.Discard, nil))

@@ -59,10 +59,7 @@ func (n *Node) Conns() []Conn {
 		}
 		out = append(out, Conn{Src: c.Local, Dst: c.Remote, DstNode: n.cfg.Members.Owner(c.Remote.Addr()),
 			First: netlog.Wire(b.First), Contiguous: netlog.Wire(b.Contiguous), Retained: b.Retained, Trimmed: b.Floor != 0,
-			Hole: b.Contiguous != b.Last})
-		if b.Floor != 0 {
-			out[len(out)-1].Floor = netlog.Wire(b.Floor)
-		}
+			Hole: b.Contiguous != b.Last, Floor: netlog.Wire(b.Floor)})
 		if fs, ok, err := n.src.FlowState(c); err == nil && ok {
 			out[len(out)-1].Live = &fs
 		}
