@@ -204,8 +204,8 @@ func (a *Agent) logOf(conn tcpflow.Tuple) (*netlog.Log, logConsumer, error) {
 // logConsumer is what a caller waiting for logged bytes asks of the log's capture.
 type logConsumer interface {
 	Urge() (done func())
-	Wake()
-	TakeParked(ctx context.Context) error
+	Want(conn tcpflow.Tuple)
+	TakeParked(ctx context.Context, conn tcpflow.Tuple) error
 }
 
 // keepResends makes sure the bytes a restored job re-sends stay readable until they are checked: those
@@ -373,11 +373,11 @@ func (a *Agent) waitLogged(ctx context.Context, conn tcpflow.Tuple, end uint32) 
 	ctx, cancel := context.WithTimeout(ctx, resentLogWait)
 	defer cancel()
 	if !l.Holds(conn, end) {
-		if err := consumer.TakeParked(ctx); err != nil {
+		if err := consumer.TakeParked(ctx, conn); err != nil {
 			a.log.Warn("reading logged bytes without those still parked", "conn", conn, "err", err)
 		}
 	}
-	l.WaitHolds(ctx, conn, end, 10*time.Millisecond, consumer.Wake)
+	l.WaitHolds(ctx, conn, end, 10*time.Millisecond, func() { consumer.Want(conn) })
 }
 
 // killJob stops a restored job that cannot continue (recovery.ReplayAndVerify decides); the shim records the signal and the agent marks the

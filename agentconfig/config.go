@@ -199,13 +199,14 @@ type LogConfig struct {
 	Low       float64 `toml:"low"`        // fraction of the cap the controller aims for
 	SpillDir  string  `toml:"spill_dir"`  // last resort when snapshots do not free enough; empty: never spill
 	// Park keeps sent segments of 4 KiB or more as clones in the kernel (a tap device, ftpark0, with a
-	// queue per CPU) instead of copying them into the log as they leave: a clone shares the segment's
-	// pages, so the sender pays no copy, and a clone whose bytes a receiver's snapshot covers is freed
-	// unread. Clones are copied into the log only for a recovery or once the park is three quarters
-	// full (docs/design.md). On by default. ParkMiB bounds the payload waiting in clones, kernel memory
-	// outside the log's cap; 0: a quarter of the log's cap, at most 64. A recovery's read of the log
-	// first takes every parked clone into it, so the cap also bounds that wait: with 602 MiB it took a
-	// loaded host past the reader's 10 s stall bound (ci285), and the recovery was refused.
+	// queue per CPU and bucket of destinations) instead of copying them into the log as they leave: a
+	// clone shares the segment's pages, so the sender pays no copy, and a clone whose bytes a receiver's
+	// snapshot covers is freed unread. Clones are copied into the log only for a recovery or once the
+	// park is three quarters full (docs/design.md). On by default. ParkMiB bounds the payload waiting in
+	// clones, kernel memory outside the log's cap; 0: a quarter of the log's cap, at most 256. A
+	// recovery's read of the log first takes the clones of its destination's bucket into it, so the cap
+	// also bounds that wait (until 2026-12-06 it took every clone: with 602 MiB that took a loaded host
+	// past the reader's 10 s stall bound, ci285).
 	Park    bool `toml:"park"`
 	ParkMiB int  `toml:"park_mib"`
 	// ReceiveOrder records the order in which jobs consume their connections (package intercept), so that

@@ -243,17 +243,21 @@ volatile __u64 paused_seen_ns = 0;
 volatile __u64 cons_seen = 0;
 volatile __u64 cons_seen_ns = 0;
 
-// The park (netlog/park, docs/design.md): a tap device with a queue per CPU,
-// which a steering program fills by the CPU that sends. A segment of
-// park_min..park_max payload bytes sent on a CPU below park_queues is cloned
-// into the park (bpf_clone_redirect: the clone shares the segment's pages, no
-// byte is copied) and only its header goes into the ring, naming the queue.
-// A queue's clones come out in the order this CPU parked them, which is the
-// order of its records in the ring: the consumer knows which clone is next
-// in each queue and reads either its headers only (its bytes are no longer
-// needed) or all of it (into the log). park_ifindex 0: nothing is parked.
+// The park (netlog/park, docs/design.md): a tap device with park_buckets
+// queues per CPU, one for each bucket of destination addresses
+// (park_bucket). A segment of park_min..park_max payload bytes is cloned into
+// queue cpu * park_buckets + its bucket, if below park_queues
+// (bpf_clone_redirect: the clone shares the segment's pages, no byte is
+// copied; the park's steering program takes the queue from the clone's mark),
+// and only its header goes into the ring, naming the queue. A queue's clones
+// come out in the order this CPU parked them, which is the order of its
+// records in the ring: the consumer knows which clone is next in each queue
+// and reads either its headers only (its bytes are no longer needed) or all
+// of it (into the log). A recovery that needs one destination's bytes reads
+// only that bucket's queues. park_ifindex 0: nothing is parked.
 volatile const __u32 park_ifindex = 0;
 volatile const __u32 park_queues = 0;
+volatile const __u32 park_buckets = 1; // a power of 2
 volatile const __u32 park_min = 0;
 volatile const __u32 park_max = 0;
 // Payload bytes parked so far (the program's, atomic) and freed or taken out
@@ -610,6 +614,16 @@ static __always_inline int ring_full(struct counters *c, struct flow_key *fk, st
 	return VERDICT_DROP;
 }
 
+// park_bucket is the bucket of destination address daddr: the XOR of its
+// four bytes, modulo park_buckets (netlog/park.Bucket, which must agree).
+static __always_inline __u32 park_bucket(__be32 daddr)
+{
+	__u32 a = daddr;
+	a ^= a >> 16;
+	a ^= a >> 8;
+	return a & 0xff & (park_buckets - 1);
+}
+
 // park_segment parks the segment hdr describes (see park_ifindex): 1 if it
 // did, 0 if the segment must be copied into the ring instead, -1 if the ring
 // has no room even for the header (the caller's ring_full decides then).
@@ -619,8 +633,8 @@ static __always_inline int park_segment(struct __sk_buff *skb, struct counters *
 	__u32 len = hdr->len;
 	if (!park_ifindex || len < park_min || len > park_max)
 		return 0;
-	__u32 cpu = bpf_get_smp_processor_id();
-	if (cpu >= park_queues)
+	__u32 queue = bpf_get_smp_processor_id() * park_buckets + park_bucket(fk->daddr);
+	if (queue >= park_queues)
 		return 0;
 	if (parked_total - parked_freed + len > park_cap) {
 		c->park_full++;
@@ -635,10 +649,15 @@ static __always_inline int park_segment(struct __sk_buff *skb, struct counters *
 		return -1;
 	__builtin_memcpy(&r->hdr, hdr, sizeof(*hdr));
 	r->hdr.len = len | PARKED_FLAG;
-	r->queue = cpu;
-	// The clone goes out of the park's egress into the queue steering picks
-	// for this CPU; with no qdisc on the park, a full queue fails the call.
-	if (bpf_clone_redirect(skb, park_ifindex, 0)) {
+	r->queue = queue;
+	// The clone goes out of the park's egress into the queue its mark names
+	// (the steering program's answer); with no qdisc on the park, a full
+	// queue fails the call. The segment itself keeps its own mark.
+	__u32 mark = skb->mark;
+	skb->mark = queue;
+	int err = bpf_clone_redirect(skb, park_ifindex, 0);
+	skb->mark = mark;
+	if (err) {
 		bpf_ringbuf_discard(r, 0);
 		c->park_failed++;
 		return 0;

@@ -74,6 +74,7 @@ const (
 	tcplogVarConsSeenNs       = "cons_seen_ns"
 	tcplogVarConsumerPaused   = "consumer_paused"
 	tcplogVarConsumerPolling  = "consumer_polling"
+	tcplogVarParkBuckets      = "park_buckets"
 	tcplogVarParkCap          = "park_cap"
 	tcplogVarParkIfindex      = "park_ifindex"
 	tcplogVarParkMax          = "park_max"
@@ -154,6 +155,7 @@ type tcplogVariableSpecs struct {
 	ConsSeenNs      *ebpf.VariableSpec `ebpf:"cons_seen_ns"`
 	ConsumerPaused  *ebpf.VariableSpec `ebpf:"consumer_paused"`
 	ConsumerPolling *ebpf.VariableSpec `ebpf:"consumer_polling"`
+	ParkBuckets     *ebpf.VariableSpec `ebpf:"park_buckets"`
 	ParkCap         *ebpf.VariableSpec `ebpf:"park_cap"`
 	ParkIfindex     *ebpf.VariableSpec `ebpf:"park_ifindex"`
 	ParkMax         *ebpf.VariableSpec `ebpf:"park_max"`
@@ -216,6 +218,7 @@ type tcplogVariables struct {
 	ConsSeenNs      *ebpf.Variable `ebpf:"cons_seen_ns"`
 	ConsumerPaused  *ebpf.Variable `ebpf:"consumer_paused"`
 	ConsumerPolling *ebpf.Variable `ebpf:"consumer_polling"`
+	ParkBuckets     *ebpf.Variable `ebpf:"park_buckets"`
 	ParkCap         *ebpf.Variable `ebpf:"park_cap"`
 	ParkIfindex     *ebpf.Variable `ebpf:"park_ifindex"`
 	ParkMax         *ebpf.Variable `ebpf:"park_max"`

@@ -61,14 +61,16 @@ type TCPLoggerOptions struct {
 	Park ParkOptions
 }
 
-// ParkOptions name the park a logger clones segments into: a tap device (netlog/park) with a queue per
-// CPU, which a steering program fills by the sending CPU. A segment of MinLen..MaxLen payload bytes sent
-// on a CPU below Queues is cloned into that CPU's queue (the clone shares the segment's pages: no byte is
-// copied) and only a header record goes into the ring (netlog.Record.Parked). A segment sent on another
-// CPU, of another size, or one the park refuses, is copied into the ring as always.
+// ParkOptions name the park a logger clones segments into: a tap device (netlog/park) with Buckets
+// queues per CPU, one per bucket of destination addresses (park.Bucket), whose steering program takes
+// the queue from the clone's mark. A segment of MinLen..MaxLen payload bytes is cloned into queue
+// cpu*Buckets + its destination's bucket, if below Queues (the clone shares the segment's pages: no byte
+// is copied), and only a header record goes into the ring (netlog.Record.Parked). A segment of another
+// size, one whose queue the park lacks, or one the park refuses, is copied into the ring as always.
 type ParkOptions struct {
 	Ifindex int
 	Queues  int
+	Buckets int // a power of 2 up to park.MaxBuckets; 0 means 1
 	MinLen  uint32
 	MaxLen  uint32
 }
@@ -572,12 +574,15 @@ func setPark(spec *ebpf.CollectionSpec, p ParkOptions, ring int) error {
 	switch {
 	case p.Ifindex < 0 || p.Queues <= 0:
 		return fmt.Errorf("tcplog: park on interface %d with %d queues: want a positive index and at least one queue", p.Ifindex, p.Queues)
+	case p.Buckets < 0 || p.Buckets > 256 || p.Buckets&(p.Buckets-1) != 0:
+		return fmt.Errorf("tcplog: park with %d buckets of destinations: want a power of 2 up to 256", p.Buckets)
 	case p.MinLen == 0 || p.MaxLen < p.MinLen:
 		return fmt.Errorf("tcplog: park segments of %d..%d bytes: want 0 < MinLen <= MaxLen", p.MinLen, p.MaxLen)
 	}
 	for name, v := range map[string]uint32{
 		tcplogVarParkIfindex: uint32(p.Ifindex),
 		tcplogVarParkQueues:  uint32(p.Queues),
+		tcplogVarParkBuckets: uint32(max(p.Buckets, 1)),
 		tcplogVarParkMin:     p.MinLen,
 		tcplogVarParkMax:     p.MaxLen,
 	} {

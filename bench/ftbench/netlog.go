@@ -14,6 +14,7 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -29,6 +30,7 @@ import (
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/netlog/capture"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // A re-executed ftbench runs one side of benchNetlog's traffic instead of the
@@ -145,6 +147,8 @@ type netlogLink struct {
 	Rate  uint64 `json:"rate_bit_s,omitempty"` // tbf rate on the sender's eth0; 0: unshaped veth
 	Bytes int64  `json:"bytes_per_run"`
 	Bound bool   `json:"copy_bound,omitempty"` // also run the copy modes (netlogbound.go)
+	// ParkTake also times, after each parked run, the take of parkTakeBytes parked clones into the log.
+	ParkTake bool `json:"park_take,omitempty"`
 }
 
 // netlogRun is what one transfer measured.
@@ -162,6 +166,8 @@ type netlogRun struct {
 	drops      uint64  // backpressure drops
 	parked     uint64  // payload bytes parked (modeParked)
 	freed      uint64  // parked bytes freed unread: trimmed while parked
+	taken      uint64  // parked bytes a timed take copied into the log (netlogLink.ParkTake)
+	takeNs     int64   // how long that take took
 }
 
 // benchNetlog measures what the sender-side TCP log costs a bulk transfer and a
@@ -170,7 +176,7 @@ type netlogRun struct {
 func benchNetlog(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 	const pairs = 5
 	links := []netlogLink{
-		{Name: "unshaped", Bytes: 8 << 30, Bound: true},
+		{Name: "unshaped", Bytes: 8 << 30, Bound: true, ParkTake: true},
 		// Issue 13's cluster rate: on a machine whose veth carries less, this is the unshaped link again.
 		{Name: "tbf_25gbit", Rate: 25e9, Bytes: 4 << 30, Bound: true},
 		{Name: "tbf_10gbit", Rate: 10e9, Bytes: 2 << 30},
@@ -240,7 +246,8 @@ func benchNetlog(ctx context.Context, log *slog.Logger) ([]Metric, any, error) {
 		"links":               links,
 		"messages":            map[string]any{"size": msgSize, "count": msgCount, "nodelay": true, "link": "unshaped"},
 		"topology":            "two lab hosts (network namespaces) on a bridge via veth pairs; sender in node1, receiver in node2, each a process of its own in a cgroup v2 child",
-		"parked":              "the same capture with capture.ParkOptions{} (defaults: segments of 4 KiB to 256 KiB cloned into a tap device with a queue per CPU, at most 1 GiB waiting, freed unread once trimmed, taken into the log past three quarters of that): parked_throughput_ratio against the run without logging, the consumer thread's CPU per GB logged or parked, and the fraction of the bytes freed unread (never copied)",
+		"park_cap_bytes":      capture.DefaultParkCap,
+		"parked":              "the same capture with capture.ParkOptions{} (defaults: segments of 4 KiB to 256 KiB cloned into a tap device with a queue per CPU and bucket of destinations, at most park_cap_bytes waiting, freed unread once trimmed, taken into the log past three quarters of that): parked_throughput_ratio against the run without logging, the consumer thread's CPU per GB logged or parked, and the fraction of the bytes freed unread (never copied); on links with park_take, after each parked run, half the default cap more is sent with nothing trimmed and the take a recovery's read starts with (capture.TakeParked) is timed: parked_take_ms_per_100MB",
 		"capture":             "capture.New on node1 eth0, 64 MiB ring, sender's cgroup protected; log trimmed to the end of what it has seen every 50 ms (receiver checkpoints; to its contiguous end until 2026-12-05), no compression or spill; before each measured transfer the capture logs a 256 MiB one, not measured, so that the log's pool holds the slab buffers its trims freed, as a running agent's log does (since 2026-12-01; before, the measured transfer paid for faulting in its log's memory)",
 		"cpu_job":             "cgroup v2 cpu.stat usage_usec of the sender and receiver cgroups: includes the probe's in-kernel work and the softirq work run in their context (no IRQ time accounting)",
 		"cpu_consumer":        "getrusage(RUSAGE_SELF) of ftbench during a run: the Capture's consumer, the trimmer, the Go runtime and the harness's own goroutines",
@@ -277,8 +284,9 @@ func (b *netlogBench) linkSetting(ctx context.Context, lk netlogLink, pairs int)
 	defer undo()
 	var gbWith, gbWithout, ratios, probeRatios, probeCPU, cpuWith, cpuWithout, consumer, thread, sysWith, sysWithout []float64
 	var senderRatios, besideRatios, besideCPU, parkRatios, parkProg, parkFree []float64
-	var parkedRatios, parkedThread, parkedFreed []float64
+	var parkedRatios, parkedThread, parkedFreed, parkedTake []float64
 	var drops uint64
+	b.parkTake = lk.ParkTake
 	modes := []netlogMode{modePlain, modeProbe, modeCapture, modeParked}
 	if lk.Bound {
 		modes = append(modes, modeCopySender, modeCopyBeside, modePark)
@@ -309,8 +317,13 @@ func (b *netlogBench) linkSetting(ctx context.Context, lk netlogLink, pairs int)
 		parkedRatios = append(parkedRatios, gbps(pd)/gbps(wo))
 		parkedThread = append(parkedThread, pd.threadCPU/(float64(pd.logged)/1e9))
 		parkedFreed = append(parkedFreed, float64(pd.freed)/float64(max(pd.logged, 1)))
+		takeMs := float64(pd.takeNs) / 1e6 / (float64(pd.taken) / 1e8)
+		if lk.ParkTake {
+			parkedTake = append(parkedTake, takeMs)
+		}
 		b.log.Info("netlog parked", "link", lk.Name, "pair", i, "gbit_s_without", round2(gbps(wo)), "gbit_s_parked", round2(gbps(pd)),
-			"thread_cpu_s_per_gb", round2(pd.threadCPU/(float64(pd.logged)/1e9)), "parked_mb", pd.parked>>20, "freed_unread_mb", pd.freed>>20, "drops", pd.drops)
+			"thread_cpu_s_per_gb", round2(pd.threadCPU/(float64(pd.logged)/1e9)), "parked_mb", pd.parked>>20, "freed_unread_mb", pd.freed>>20, "drops", pd.drops,
+			"taken_mb", pd.taken>>20, "take_ms_per_100mb", round2(takeMs))
 		if lk.Bound {
 			cs, cb, pk := set[modeCopySender], set[modeCopyBeside], set[modePark]
 			senderRatios, besideRatios = append(senderRatios, gbps(cs)/gbps(wo)), append(besideRatios, gbps(cb)/gbps(wo))
@@ -326,8 +339,11 @@ func (b *netlogBench) linkSetting(ctx context.Context, lk netlogLink, pairs int)
 	}
 	p := lk.Name + "_"
 	var bound []Metric
+	if lk.ParkTake {
+		bound = append(bound, Metric{Name: p + "parked_take_ms_per_100MB", Value: median(parkedTake), Unit: "ms"})
+	}
 	if lk.Bound {
-		bound = []Metric{
+		bound = append(bound, []Metric{
 			{Name: p + "copy_in_sender_throughput_ratio", Value: median(senderRatios), Unit: "x"},
 			{Name: p + "copy_beside_throughput_ratio", Value: median(besideRatios), Unit: "x"},
 			{Name: p + "copy_bound_throughput_ratio", Value: max(median(senderRatios), median(besideRatios)), Unit: "x"},
@@ -335,7 +351,7 @@ func (b *netlogBench) linkSetting(ctx context.Context, lk netlogLink, pairs int)
 			{Name: p + "park_throughput_ratio", Value: median(parkRatios), Unit: "x"},
 			{Name: p + "park_program_cpu_s_per_GB", Value: median(parkProg), Unit: "s/GB"},
 			{Name: p + "park_free_cpu_s_per_GB", Value: median(parkFree), Unit: "s/GB"},
-		}
+		}...)
 	}
 	return append([]Metric{
 		{Name: p + "gbit_s_without", Value: median(gbWithout), Unit: "Gbit/s"},
@@ -367,6 +383,7 @@ type netlogBench struct {
 	recvCg   *streamtest.Cgroup
 	recv     *streamtest.Child
 	cleanups []func()
+	parkTake bool // the link's ParkTake
 }
 
 func newNetlogBench(ctx context.Context, log *slog.Logger) (b *netlogBench, err error) {
@@ -563,7 +580,7 @@ func (b *netlogBench) run(ctx context.Context, mode netlogMode, total int64, wsi
 		if err := c.ProtectCgroup(b.sendCg.Dir); err != nil {
 			return r, err
 		}
-		stopTrim = trimLoop(c.Log(), 50*time.Millisecond)
+		stopTrim = sync.OnceFunc(trimLoop(c.Log(), 50*time.Millisecond))
 	}
 	defer stopTrim()
 	if c != nil {
@@ -574,7 +591,49 @@ func (b *netlogBench) run(ctx context.Context, mode netlogMode, total int64, wsi
 			return r, fmt.Errorf("warm-up transfer: %w", err)
 		}
 	}
-	return b.transfer(ctx, c, total, wsize)
+	if r, err = b.transfer(ctx, c, total, wsize); err != nil || mode != modeParked || !b.parkTake {
+		return r, err
+	}
+	stopTrim()
+	r.taken, r.takeNs, err = b.timeParkTake(ctx, c)
+	return r, err
+}
+
+// parkTakeBytes is what timeParkTake leaves parked: less than three quarters of the park's default cap,
+// past which the consumer would take clones into the log by itself.
+const parkTakeBytes = capture.DefaultParkCap / 2
+
+// timeParkTake sends parkTakeBytes more, nothing trimmed, so that their clones stay parked, and times
+// the take that a recovery's read of a survivor's log starts with (capture.TakeParked): what the
+// survivor does before it can send the restored job its bytes. It returns the bytes taken and the time.
+func (b *netlogBench) timeParkTake(ctx context.Context, c *capture.Capture) (uint64, int64, error) {
+	if _, err := b.transfer(ctx, c, parkTakeBytes, 256<<10); err != nil {
+		return 0, 0, fmt.Errorf("transfer to park: %w", err)
+	}
+	var conn tcpflow.Tuple
+	for _, cn := range c.Log().Conns() {
+		if cn.Remote == b.dst {
+			conn = cn
+		}
+	}
+	before, err := c.Counters()
+	if err != nil {
+		return 0, 0, err
+	}
+	begin := time.Now()
+	if err := c.TakeParked(ctx, conn); err != nil {
+		return 0, 0, err
+	}
+	took := time.Since(begin)
+	after, err := c.Counters()
+	if err != nil {
+		return 0, 0, err
+	}
+	if after.ParkWaitingBytes != 0 || after.ParkTakenBytes-before.ParkTakenBytes < uint64(parkTakeBytes)/2 {
+		return 0, 0, fmt.Errorf("the take left %d bytes parked and took %d of the %d parked", after.ParkWaitingBytes,
+			after.ParkTakenBytes-before.ParkTakenBytes, before.ParkWaitingBytes)
+	}
+	return after.ParkTakenBytes - before.ParkTakenBytes, took.Nanoseconds(), nil
 }
 
 // transfer runs one transfer of total bytes in writes of wsize, with c, if not nil, logging it, and

@@ -81,8 +81,8 @@ type Capture struct {
 
 	poll         time.Duration // Options.PollInterval
 	park         *parked       // nil without Options.Park
-	parkFlush    atomic.Bool   // a caller waits for bytes: take every parked clone into the log (Wake)
-	parkRounds   atomic.Uint64 // rounds of the consumer that took every parked clone it could (TakeParked)
+	parkWant     atomic.Uint64 // bucketMask: callers wait for the bytes of these buckets' parked clones (Want)
+	parkRounds   atomic.Uint64 // rounds of the consumer that took the clones of the buckets wanted (TakeParked)
 	memCap       int64         // Options.MemoryCap
 	headroom     int64         // the most one append can add to the log's memory
 	paused       atomic.Bool   // the consumer is waiting for memory under the cap
@@ -131,13 +131,14 @@ func New(opts Options) (*Capture, error) {
 	popts := ebpfprobes.TCPLoggerOptions{RingBufferSize: opts.RingBufferSize, PollInterval: poll, MaxFlows: opts.MaxFlows, Logger: log}
 	var pk *park.Park
 	var parkOpts ParkOptions
+	var buckets int
 	if opts.Park != nil {
 		parkOpts = opts.Park.withDefaults()
-		if pk, err = openPark(parkOpts); err != nil {
+		if pk, buckets, err = openPark(parkOpts); err != nil {
 			nl.Close()
 			return nil, err
 		}
-		popts.Park = ebpfprobes.ParkOptions{Ifindex: pk.Ifindex(), Queues: pk.Queues(), MinLen: parkOpts.MinLen, MaxLen: parkOpts.MaxLen}
+		popts.Park = ebpfprobes.ParkOptions{Ifindex: pk.Ifindex(), Queues: pk.Queues(), Buckets: buckets, MinLen: parkOpts.MinLen, MaxLen: parkOpts.MaxLen}
 	}
 	probe, err := ebpfprobes.NewTCPLogger(popts)
 	if err == nil && pk != nil {
@@ -174,7 +175,7 @@ func New(opts Options) (*Capture, error) {
 		poll:      poll,
 	}
 	if pk != nil {
-		c.park = newParked(c.log, pk, probe, parkOpts)
+		c.park = newParked(c.log, pk, buckets, probe, parkOpts)
 	}
 	// One append of a record of up to 64 KiB can open at most two new slabs (and use a pooled one).
 	slab := int64(opts.Log.SlabSize)
@@ -292,9 +293,9 @@ func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 		if c.park == nil {
 			return nil
 		}
-		takeAll := c.parkFlush.Swap(false) || c.urgent.Load() > 0
-		err := c.park.service(c.netlog, func(rec netlog.Record) error { return logged(a.append(rec)) }, takeAll, func() bool { return !atCap() })
-		if takeAll {
+		take := bucketMask(c.parkWant.Swap(0))
+		err := c.park.service(c.netlog, func(rec netlog.Record) error { return logged(a.append(rec)) }, take, func() bool { return !atCap() })
+		if take != 0 {
 			c.parkRounds.Add(1)
 		}
 		return err
@@ -334,9 +335,9 @@ func (c *Capture) consume(ctx context.Context, afterRecord func()) {
 	}
 }
 
-// readBatch is the probe's ReadBatch, which with a park also returns when Wake asks (TakeParked waits
-// for the consumer's rounds), and after the poll interval if a clone waits in the park (service frees
-// clones as receivers' snapshots trim the log, records or not).
+// readBatch is the probe's ReadBatch, which with a park also returns when Wake asks (Want does, and
+// TakeParked waits for the consumer's rounds), and after the poll interval if a clone waits in the park
+// (service frees clones as receivers' snapshots trim the log, records or not).
 func (c *Capture) readBatch(ctx context.Context, fn func(raw []byte) error) (int, error) {
 	if c.park == nil {
 		return c.probe.ReadBatch(ctx, 0, fn)
@@ -375,10 +376,9 @@ func (c *Capture) Urge() (done func()) {
 }
 
 // Wake makes the consumer look at the ring now instead of at its next poll (Options.PollInterval): for a
-// caller waiting for bytes that may be in it.
+// caller waiting for bytes that may be in it. Bytes parked stay there: Want asks for them.
 func (c *Capture) Wake() {
 	if c.park != nil {
-		c.parkFlush.Store(true)
 		c.mu.Lock()
 		if c.readCancel != nil {
 			c.readCancel()
@@ -390,19 +390,31 @@ func (c *Capture) Wake() {
 	}
 }
 
-// TakeParked has the consumer take every clone parked so far into the log, and returns once it has (or
-// ctx ends): once a round of the consumer that began after the call has taken every parked clone it
-// could (the log at its cap stops it; WaitHolds says whether the bytes are there). For a reader that
-// needs parked bytes now: a recovery's range read. Without a park it returns at once.
-func (c *Capture) TakeParked(ctx context.Context) error {
+// Want wakes the consumer (Wake) and has its next round take into the log every clone parked in the
+// queues that hold conn's (those of its destination's bucket): for a caller waiting for conn's bytes,
+// as the poke of netlog.Log.WaitHolds. The clones of other destinations' buckets stay parked.
+func (c *Capture) Want(conn tcpflow.Tuple) {
+	if c.park != nil {
+		c.parkWant.Or(uint64(c.park.maskOf(conn.Remote.Addr())))
+	}
+	c.Wake()
+}
+
+// TakeParked has the consumer take every clone parked so far in the queues that hold conn's into the
+// log, and returns once it has (or ctx ends): once a round of the consumer that began after the call has
+// taken every such clone it could (the log at its cap stops it; WaitHolds says whether the bytes are
+// there). For a reader that needs conn's parked bytes now: a recovery's range read, the check of re-sent
+// bytes. What it costs is the parked bytes of conn's bucket of destinations, not the whole park's.
+// Without a park it returns at once.
+func (c *Capture) TakeParked(ctx context.Context, conn tcpflow.Tuple) error {
 	if c.park == nil {
 		return nil
 	}
 	// The round under way when the call came may have begun before the records of the latest clones
-	// were read from the ring: the one after it reads them first.
+	// were read from the ring, or before the call asked for conn's bucket: the one after it does both.
 	want := c.parkRounds.Load() + 2
 	for c.parkRounds.Load() < want {
-		c.Wake()
+		c.Want(conn)
 		select {
 		case <-ctx.Done():
 			return fmt.Errorf("capture: take the parked clones into the log: %w", ctx.Err())

@@ -13,7 +13,6 @@ import (
 	"math/rand/v2"
 	"net/netip"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -25,6 +24,7 @@ import (
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labtest"
 	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/netlog/park"
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
@@ -35,6 +35,16 @@ func TestIsPow2(t *testing.T) {
 	}{{0, false}, {1, true}, {2, true}, {3, false}, {4, true}, {6, false}, {1 << 40, true}, {1<<40 + 1, false}} {
 		if got := isPow2(tc.n); got != tc.want {
 			t.Errorf("isPow2(%d) = %v, want %v", tc.n, got, tc.want)
+		}
+	}
+}
+
+// TestParkBuckets: 8 buckets of destinations on small hosts, fewer as CPUs grow so that the queues stay
+// within parkBucketQueues, and always at least one.
+func TestParkBuckets(t *testing.T) {
+	for _, tc := range []struct{ cpus, want int }{{1, 8}, {2, 8}, {8, 8}, {9, 4}, {16, 4}, {32, 2}, {33, 1}, {64, 1}, {512, 1}} {
+		if got := parkBuckets(tc.cpus); got != tc.want {
+			t.Errorf("parkBuckets(%d) = %d, want %d", tc.cpus, got, tc.want)
 		}
 	}
 }
@@ -88,13 +98,13 @@ func startSender(ctx context.Context, t *testing.T, l *lab.Lab, cg *streamtest.C
 	return s, tcpflow.Tuple{Local: src, Remote: dst}, seq
 }
 
-// waitLogged waits until c's log holds every byte of conn below abs end, waking its consumer as a
-// recovery that waits does (parked bytes are taken into the log then).
+// waitLogged waits until c's log holds every byte of conn below abs end, asking its consumer for them as
+// a recovery that waits does (conn's parked bytes are taken into the log then).
 func waitLogged(ctx context.Context, t *testing.T, c *Capture, conn tcpflow.Tuple, end uint64) netlog.Bounds {
 	t.Helper()
 	lg := c.Log()
 	for {
-		c.Wake()
+		c.Want(conn)
 		b, err := lg.Bounds(conn)
 		if err == nil && b.Contiguous >= end {
 			return b
@@ -163,6 +173,7 @@ func TestCaptureEndToEnd(t *testing.T) {
 	t.Run("trim", func(t *testing.T) { testTrim(t, l, protected) })
 	t.Run("park-trim", func(t *testing.T) { testParkTrim(t, l, protected) })
 	t.Run("park-stray", func(t *testing.T) { testParkStray(t, l, protected) })
+	t.Run("park-take-bucket", func(t *testing.T) { testParkTakeBucket(t, l, protected) })
 	t.Run("urge", func(t *testing.T) { testUrge(t, l, protected) })
 	t.Run("logs socket", func(t *testing.T) { testLogsSocket(t, l, protected, other) })
 }
@@ -458,8 +469,8 @@ func testParkStray(t *testing.T, l *lab.Lab, protected *streamtest.Cgroup) {
 	}
 }
 
-// sendStrays sends a TCP frame of no flow of the log out of the park on node1, from each of its queues'
-// CPUs, and returns how many it sent.
+// sendStrays sends a TCP frame of no flow of the log out of the park on node1 into each of its queues
+// (marked with the queue, as the program marks its clones), and returns how many it sent.
 func sendStrays(t *testing.T, l *lab.Lab, ifindex, queues int) int {
 	t.Helper()
 	var sock int
@@ -477,26 +488,96 @@ func sendStrays(t *testing.T, l *lab.Lab, ifindex, queues int) int {
 	ip[2], ip[3] = 0, 140
 	copy(ip[12:], []byte{10, 9, 9, 9, 10, 9, 9, 8})
 	ip[20+12] = 5 << 4
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	var old unix.CPUSet
-	if err := unix.SchedGetaffinity(0, &old); err != nil {
-		t.Fatal(err)
-	}
-	defer unix.SchedSetaffinity(0, &old)
-	sent := 0
-	for cpu := range min(queues, runtime.NumCPU()) {
-		var one unix.CPUSet
-		one.Set(cpu)
-		if err := unix.SchedSetaffinity(0, &one); err != nil {
+	for q := range queues {
+		if err := unix.SetsockoptInt(sock, unix.SOL_SOCKET, unix.SO_MARK, q); err != nil {
 			t.Fatal(err)
 		}
 		if err := unix.Sendto(sock, frame, 0, &unix.SockaddrLinklayer{Ifindex: ifindex, Protocol: 0x0008}); err != nil {
-			t.Fatalf("send a stray frame out of the park from CPU %d: %v", cpu, err)
+			t.Fatalf("send a stray frame into park queue %d: %v", q, err)
 		}
-		sent++
 	}
-	return sent
+	return queues
+}
+
+// testParkTakeBucket: a read of one destination's bytes takes the parked clones of its bucket's queues
+// only; another destination's stay parked until they are asked for. (Until 2026-12-06 a recovery's read
+// took every clone of the park first, so the park's cap bounded how long a survivor made a restored job
+// wait, whoever the parked bytes were for.) Two flows, to node2 and node3, whose buckets differ when the
+// park has more than one.
+func testParkTakeBucket(t *testing.T, l *lab.Lab, protected *streamtest.Cgroup) {
+	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute) // a failure bound only
+	defer cancel()
+	c := newCapture(t, l, Options{Interface: "eth0", RingBufferSize: 8 << 20, Logger: testLogger(t), Park: &ParkOptions{}})
+	if err := c.ProtectCgroup(protected.Dir); err != nil {
+		t.Fatal(err)
+	}
+	const size = 16 << 20
+	type flow struct {
+		conn tcpflow.Tuple
+		from uint64
+		data []byte
+	}
+	var flows []flow
+	for i, host := range []string{"node2", "node3"} {
+		dst := hostAddr(t, l, host, uint16(6036+i))
+		recv := streamtest.StartT(t, l, host, nil, "recv", "FTKIT_ADDR="+dst.String())
+		if got := recv.LineT(ctx, t); got != "ready" {
+			t.Fatalf("receiver on %s said %q", host, got)
+		}
+		seed := uint64(80 + i)
+		_, conn, seq0 := startSender(ctx, t, l, protected, dst, seed, size)
+		data := streamtest.Stream(seed, size)
+		expectReceived(ctx, t, recv, data)
+		// The connection's first record may still be in the ring: Wake reads it, and takes nothing parked.
+		from, err := c.Log().Unwrap(conn, seq0)
+		for errors.Is(err, netlog.ErrUnknownConn) {
+			c.Wake()
+			select {
+			case <-ctx.Done():
+				t.Fatalf("%v never in the log: %v", conn, err)
+			case <-time.After(5 * time.Millisecond):
+			}
+			from, err = c.Log().Unwrap(conn, seq0)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		flows = append(flows, flow{conn, from, data})
+	}
+	buckets := c.park.buckets
+	apart := park.Bucket(flows[0].conn.Remote.Addr(), buckets) != park.Bucket(flows[1].conn.Remote.Addr(), buckets)
+	holds := func(f flow) bool { return c.Log().Holds(f.conn, netlog.Wire(f.from+size)) }
+	for i, f := range flows {
+		begin := time.Now()
+		if err := c.TakeParked(ctx, f.conn); err != nil {
+			t.Fatal(err)
+		}
+		took := time.Since(begin)
+		waitLogged(ctx, t, c, f.conn, f.from+size)
+		cnt, err := c.Counters()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("%d buckets; the take for %v: %v, %d bytes still parked; counters %+v", buckets, f.conn.Remote, took, cnt.ParkWaitingBytes, cnt)
+		if i == 0 && apart && (holds(flows[1]) || cnt.ParkWaitingBytes == 0) {
+			t.Errorf("the take for %v took %v's parked bytes too (%d bytes still parked): want only its bucket's", f.conn.Remote, flows[1].conn.Remote, cnt.ParkWaitingBytes)
+		}
+		if i == 0 && cnt.BytesParked < size {
+			t.Errorf("%d bytes parked of the %d sent: the park is not used", cnt.BytesParked, 2*size)
+		}
+	}
+	if c.park.misfiled.Load() {
+		t.Error("records' queues and park.Bucket disagree on a destination's bucket")
+	}
+	for _, f := range flows {
+		h := sha256.New()
+		if n, err := c.Log().WriteRange(ctx, h, f.conn, f.from, f.from+size); err != nil || n != size || [32]byte(h.Sum(nil)) != sha256.Sum256(f.data) {
+			t.Errorf("the log of %v: %d bytes, %v, hash match %v", f.conn, n, err, [32]byte(h.Sum(nil)) == sha256.Sum256(f.data))
+		}
+	}
+	if cnt, err := c.Counters(); err != nil || cnt.ParkLost != 0 {
+		t.Errorf("%d clones lost (%v)", cnt.ParkLost, err)
+	}
 }
 
 // testParkTrim: trims while the flow runs, to every byte sent so far (receivers' snapshots, very

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/netip"
 	"sync/atomic"
 
 	"github.com/cilium/ebpf"
@@ -18,10 +19,11 @@ import (
 
 // ParkOptions make a capture park segments instead of copying them into its ring (package netlog/park,
 // docs/design.md): the program clones each segment of MinLen..MaxLen payload bytes into the park, a tap
-// device with a queue per CPU, where it waits, sharing the sender's pages, until a receiver's snapshot
-// covers its bytes (freed by reading its headers only) or they are needed (read into the log: a replay,
-// or the park at three quarters of Cap). Segments sent while the park holds Cap bytes, or by CPUs past
-// park.MaxQueues, go through the ring as before.
+// device with a queue per CPU and bucket of destinations, where it waits, sharing the sender's pages,
+// until a receiver's snapshot covers its bytes (freed by reading its headers only) or they are needed
+// (read into the log: a replay, which takes its destination's bucket only, or the park at three
+// quarters of Cap). Segments sent while the park holds Cap bytes, or by CPUs past park.MaxQueues, go
+// through the ring as before.
 type ParkOptions struct {
 	// Device is the tap device's name, in the capture's network namespace; "" means DefaultParkDevice.
 	Device string
@@ -38,16 +40,35 @@ type ParkOptions struct {
 // The park's defaults.
 const (
 	DefaultParkDevice = "ftpark0"
-	// DefaultParkCap is as much as the ring holds by default: a recovery's read of the log first takes
-	// every parked clone into it, so the park's cap bounds what a survivor does before it can send a
-	// restored job its bytes (602 MiB took a loaded CI host past the reader's 10 s bound, ci285).
-	DefaultParkCap           = 64 << 20
+	// DefaultParkCap bounds what a survivor does before it can send a restored job its bytes: a
+	// recovery's read of the log first takes the clones of its destination's bucket into it (those of
+	// the failed job are bytes it replays), up to the whole park if every clone is for that bucket. It
+	// holds what a 20 Gbit/s sender sends in 80 ms, so that receivers' snapshots, and the bench's trims
+	// every 50 ms, free the clones unread (at 64 MiB 40% were taken into the log first).
+	DefaultParkCap           = 256 << 20
 	DefaultParkMinLen uint32 = 4096
 	DefaultParkMaxLen uint32 = 256 << 10
 	// maxParkQueueLen bounds each queue (the kernel allocates a pointer per slot and queue): a queue that
 	// is full makes the program copy into the ring.
 	maxParkQueueLen = 1 << 16
+	// A recovery's read takes the queues of its destination's bucket only; more buckets leave more of
+	// the other destinations' clones parked, and cost queues. parkBucketQueues bounds the queues the
+	// buckets may take (each has maxParkQueueLen slots at most: 512 KiB of the kernel's pointers), and
+	// maxParkBuckets the buckets: 8 on up to 8 CPUs, 1 from 33 on.
+	maxParkBuckets   = 8
+	parkBucketQueues = 64
 )
+
+// parkBuckets is how many buckets of destinations a park gets on a host of cpus possible CPUs: a power
+// of 2, at most maxParkBuckets, and at most parkBucketQueues queues in all (but 1 bucket whatever the
+// CPUs).
+func parkBuckets(cpus int) int {
+	b := maxParkBuckets
+	for b > 1 && b*cpus > parkBucketQueues {
+		b /= 2
+	}
+	return b
+}
 
 func (o ParkOptions) withDefaults() ParkOptions {
 	if o.Device == "" {
@@ -66,43 +87,48 @@ func (o ParkOptions) withDefaults() ParkOptions {
 }
 
 // openPark opens the park opts describe, in the calling thread's network namespace, with a queue per
-// possible CPU (up to park.MaxQueues).
-func openPark(opts ParkOptions) (*park.Park, error) {
+// possible CPU and bucket (up to park.MaxQueues), and returns it with its buckets.
+func openPark(opts ParkOptions) (*park.Park, int, error) {
 	if opts.Cap < 0 || opts.MaxLen < opts.MinLen || opts.MaxLen > netlog.MaxPayload {
-		return nil, fmt.Errorf("capture: park cap %d bytes, segments of %d..%d bytes: want a cap of 0 or more and 0 < MinLen <= MaxLen <= %d",
+		return nil, 0, fmt.Errorf("capture: park cap %d bytes, segments of %d..%d bytes: want a cap of 0 or more and 0 < MinLen <= MaxLen <= %d",
 			opts.Cap, opts.MinLen, opts.MaxLen, netlog.MaxPayload)
 	}
 	cpus, err := ebpf.PossibleCPU()
 	if err != nil {
-		return nil, fmt.Errorf("capture: count the CPUs for the park's queues: %w", err)
+		return nil, 0, fmt.Errorf("capture: count the CPUs for the park's queues: %w", err)
 	}
+	buckets := parkBuckets(cpus)
 	qlen := int(min(max(opts.Cap/int64(opts.MinLen), 1), maxParkQueueLen))
-	p, err := park.Open(opts.Device, min(cpus, park.MaxQueues), qlen)
+	p, err := park.Open(opts.Device, min(cpus*buckets, park.MaxQueues), qlen)
 	if err != nil {
-		return nil, fmt.Errorf("capture: %w", err)
+		return nil, 0, fmt.Errorf("capture: %w", err)
 	}
-	return p, nil
+	return p, buckets, nil
 }
 
 // parked is the consumer's book of the park: the clones each queue holds, in order. Only the consumer's
 // goroutine touches it, but for the counters.
 type parked struct {
-	log   *slog.Logger
-	p     *park.Park
-	probe *ebpfprobes.TCPLogger
-	cap   int64
-	q     [][]parkEntry // per queue, oldest first, from head[i]
-	head  []int
-	bytes int64  // payload bytes waiting
-	left  uint64 // payload bytes that left the park so far (the program's parked_freed)
-	hdr   []byte // Free's buffer
-	buf   []byte // Take's
+	log     *slog.Logger
+	p       *park.Park
+	probe   *ebpfprobes.TCPLogger
+	cap     int64
+	buckets int           // queue i holds the clones of destinations in bucket i % buckets
+	q       [][]parkEntry // per queue, oldest first, from head[i]
+	head    []int
+	bytes   int64  // payload bytes waiting
+	left    uint64 // payload bytes that left the park so far (the program's parked_freed)
+	hdr     []byte // Free's buffer
+	buf     []byte // Take's
 
 	waiting atomic.Int64  // bytes, for Counters
 	freed   atomic.Uint64 // payload bytes freed unread: what parking saved
 	taken   atomic.Uint64 // payload bytes read into the log
 	lost    atomic.Uint64 // clones missing or not the one expected: their bytes are a hole
 	strays  atomic.Uint64 // frames in the park no record names, skipped
+	// misfiled is set once a record's queue is not of its destination's bucket (park.Bucket disagrees
+	// with the program's): from then on a take for one destination takes every queue.
+	misfiled atomic.Bool
 }
 
 type parkEntry struct {
@@ -112,9 +138,9 @@ type parkEntry struct {
 	ktime    uint64
 }
 
-func newParked(log *slog.Logger, p *park.Park, probe *ebpfprobes.TCPLogger, opts ParkOptions) *parked {
+func newParked(log *slog.Logger, p *park.Park, buckets int, probe *ebpfprobes.TCPLogger, opts ParkOptions) *parked {
 	return &parked{
-		log: log, p: p, probe: probe, cap: opts.Cap,
+		log: log, p: p, probe: probe, cap: opts.Cap, buckets: buckets,
 		q: make([][]parkEntry, p.Queues()), head: make([]int, p.Queues()),
 		hdr: make([]byte, park.HeaderRoom), buf: make([]byte, int(opts.MaxLen)+park.HeaderRoom+1),
 	}
@@ -127,20 +153,38 @@ func (k *parked) push(rec netlog.Record) {
 		k.lose(rec.Conn, rec.Seq, fmt.Errorf("a record names park queue %d of %d", rec.Queue, len(k.q)))
 		return
 	}
+	if int(rec.Queue)%k.buckets != park.Bucket(rec.Conn.Remote.Addr(), k.buckets) && !k.misfiled.Swap(true) {
+		k.log.Error("capture: a parked record's queue is not of its destination's bucket: recoveries take every parked clone",
+			"conn", rec.Conn, "queue", rec.Queue, "buckets", k.buckets)
+	}
 	k.q[rec.Queue] = append(k.q[rec.Queue], parkEntry{conn: rec.Conn, seq: rec.Seq, len: rec.Parked, cgroup: rec.CgroupID, ktime: rec.KtimeNs})
 	k.bytes += int64(rec.Parked)
 	k.waiting.Store(k.bytes)
 }
 
+// bucketMask is the set of buckets take asks service for, a bit per bucket.
+type bucketMask uint64
+
+// allBuckets asks for every bucket.
+const allBuckets = ^bucketMask(0)
+
+// maskOf is the set holding the bucket of destination dst.
+func (k *parked) maskOf(dst netip.Addr) bucketMask {
+	if k.misfiled.Load() {
+		return allBuckets
+	}
+	return 1 << park.Bucket(dst, k.buckets)
+}
+
 // service frees the clones at the queues' heads whose bytes the log has trimmed, and takes into the log
-// those it must keep while takeAll is set (a caller waits for them) or the park holds more than three
-// quarters of its cap; room says whether the log may grow by one more. A queue waits at the first clone
-// that is neither. Each clone read is checked against its record: a frame no record names is skipped, and
-// the clones a later one's turn shows missing count as lost.
-func (k *parked) service(log *netlog.Log, store func(netlog.Record) error, takeAll bool, room func() bool) error {
+// those it must keep while their bucket is in take (a caller waits for them) or the park holds more
+// than three quarters of its cap; room says whether the log may grow by one more. A queue waits at the
+// first clone that is neither. Each clone read is checked against its record: a frame no record names
+// is skipped, and the clones a later one's turn shows missing count as lost.
+func (k *parked) service(log *netlog.Log, store func(netlog.Record) error, take bucketMask, room func() bool) error {
 	var err error
 	for qi := range k.q {
-		if err = k.serviceQueue(qi, log, store, takeAll, room); err != nil {
+		if err = k.serviceQueue(qi, log, store, take&(1<<(qi%k.buckets)) != 0, room); err != nil {
 			break
 		}
 	}

@@ -36,7 +36,8 @@ type Source interface {
 	Counters() (capture.Counters, error)
 	Urge() (done func())
 	Wake()
-	TakeParked(ctx context.Context) error
+	Want(conn tcpflow.Tuple)
+	TakeParked(ctx context.Context, conn tcpflow.Tuple) error
 	Close() error
 }
 
@@ -214,6 +215,10 @@ func (n *Node) Urge() (done func()) { return n.src.Urge() }
 // Wake makes the capture's consumer look at its ring now (capture.Capture.Wake).
 func (n *Node) Wake() { n.src.Wake() }
 
+// Want wakes the capture's consumer and has it take the parked clones of conn's bucket of destinations
+// into the log (capture.Capture.Want).
+func (n *Node) Want(conn tcpflow.Tuple) { n.src.Want(conn) }
+
 // parkCap is the park's cap in bytes for log.park_mib parkMiB and the log's cap: 0 means a quarter of the
 // log's, at most capture.DefaultParkCap, which bounds what a recovery's read waits for (capture.ParkOptions).
 func parkCap(parkMiB int, logCap int64) int64 {
@@ -223,8 +228,11 @@ func parkCap(parkMiB int, logCap int64) int64 {
 	return min(logCap/4, capture.DefaultParkCap)
 }
 
-// TakeParked has the capture take every parked clone into the log, and waits until it has.
-func (n *Node) TakeParked(ctx context.Context) error { return n.src.TakeParked(ctx) }
+// TakeParked has the capture take the parked clones of conn's bucket of destinations into the log, and
+// waits until it has (capture.Capture.TakeParked).
+func (n *Node) TakeParked(ctx context.Context, conn tcpflow.Tuple) error {
+	return n.src.TakeParked(ctx, conn)
+}
 
 // Close detaches the capture.
 func (n *Node) Close() error { return n.src.Close() }

@@ -45,12 +45,13 @@ func (f *fakeSource) LogsSocket(c tcpflow.Tuple) (bool, error) {
 	}
 	return logs, nil
 }
-func (f *fakeSource) Protects(uint64) bool                { return f.protects }
-func (f *fakeSource) ProtectCgroup(string) error          { return nil }
-func (f *fakeSource) UnprotectCgroup(string) error        { return nil }
-func (f *fakeSource) Counters() (capture.Counters, error) { return f.counters, nil }
-func (f *fakeSource) Urge() func()                        { return func() {} }
-func (f *fakeSource) TakeParked(context.Context) error    { return nil }
+func (f *fakeSource) Protects(uint64) bool                            { return f.protects }
+func (f *fakeSource) ProtectCgroup(string) error                      { return nil }
+func (f *fakeSource) UnprotectCgroup(string) error                    { return nil }
+func (f *fakeSource) Counters() (capture.Counters, error)             { return f.counters, nil }
+func (f *fakeSource) Urge() func()                                    { return func() {} }
+func (f *fakeSource) TakeParked(context.Context, tcpflow.Tuple) error { return nil }
+func (f *fakeSource) Want(tcpflow.Tuple)                              { f.Wake() }
 
 func (f *fakeSource) Wake() {
 	if f.onWake != nil {
@@ -541,17 +542,17 @@ func TestHolesBeforeStartAreNotNew(t *testing.T) {
 }
 
 // TestParkCap checks the park's cap from log.park_mib and the log's cap: the agent's default (0) is a
-// quarter of the log's, at most capture.DefaultParkCap (64 MiB), since a recovery's read waits for the
-// whole park to be taken into the log; an explicit park_mib is kept as given.
+// quarter of the log's, at most capture.DefaultParkCap (256 MiB), since a recovery's read waits for its
+// destination's parked clones to be taken into the log; an explicit park_mib is kept as given.
 func TestParkCap(t *testing.T) {
 	for _, tc := range []struct {
 		parkMiB int
 		logCap  int64
 		want    int64
 	}{
-		{0, 2400 << 20, 64 << 20}, // a 24 GiB host's default log cap: the park's own cap
-		{0, 128 << 20, 32 << 20},  // a small log: a quarter of it
-		{0, 256 << 20, 64 << 20},
+		{0, 2400 << 20, 256 << 20}, // a 24 GiB host's default log cap: the park's own cap
+		{0, 128 << 20, 32 << 20},   // a small log: a quarter of it
+		{0, 1024 << 20, 256 << 20},
 		{1024, 2400 << 20, 1 << 30}, // the operator's choice
 		{16, 128 << 20, 16 << 20},
 	} {
@@ -559,8 +560,8 @@ func TestParkCap(t *testing.T) {
 			t.Errorf("parkCap(%d MiB, log cap %d MiB) = %d MiB, want %d MiB", tc.parkMiB, tc.logCap>>20, got>>20, tc.want>>20)
 		}
 	}
-	if capture.DefaultParkCap != 64<<20 {
-		t.Errorf("capture.DefaultParkCap is %d MiB; docs/operations.md and agentconfig say 64", capture.DefaultParkCap>>20)
+	if capture.DefaultParkCap != 256<<20 {
+		t.Errorf("capture.DefaultParkCap is %d MiB; docs/operations.md and agentconfig say 256", capture.DefaultParkCap>>20)
 	}
 }
 

@@ -186,16 +186,17 @@ func (n *Node) catchUp(ctx context.Context, conn tcpflow.Tuple, from uint32) {
 		return
 	}
 	if c, err := n.src.Counters(); err == nil && c.ParkWaitingBytes > 0 {
-		// Parked bytes are taken into the log first, all of them, in queue order: however long that takes.
+		// Parked bytes are taken into the log first, every clone of the queues conn's are in, in queue
+		// order: however long that takes.
 		tctx, cancel := context.WithTimeout(ctx, parkTakeWait)
-		if err := n.src.TakeParked(tctx); err != nil {
+		if err := n.src.TakeParked(tctx, conn); err != nil {
 			n.log.Warn("a range read goes on without the bytes still parked", "conn", conn, "err", err)
 		}
 		cancel()
 	}
 	ctx, cancel := context.WithTimeout(ctx, catchUpWait)
 	defer cancel()
-	n.Log().WaitHolds(ctx, conn, live.DataEnd(), 2*time.Millisecond, n.src.Wake)
+	n.Log().WaitHolds(ctx, conn, live.DataEnd(), 2*time.Millisecond, func() { n.src.Want(conn) })
 }
 
 // sentNothingSince says whether this host's log has no store of conn because the sender sent no payload

@@ -1,17 +1,20 @@
 //go:build linux
 
 // Package park keeps clones of logged TCP segments in the kernel instead of copies in the log: a tap
-// device whose queues, one per CPU, hold the clones the sender-side log's program makes
-// (bpf_clone_redirect: a clone shares the segment's pages, so nothing is copied while the job sends).
-// A steering program puts each clone in the queue of the CPU that sent it, so a queue gives its clones
-// back in the order that CPU's records reached the log's ring: the log knows which clone comes next in
-// each queue, and reads either its headers only, which frees it, once no recovery can need its bytes,
-// or all of it, into the log, when a recovery needs them or the park is full. See docs/design.md.
+// device whose queues hold the clones the sender-side log's program makes (bpf_clone_redirect: a clone
+// shares the segment's pages, so nothing is copied while the job sends). The program picks a queue per
+// sending CPU and bucket of destination addresses (Bucket) and marks the clone with it; a steering
+// program puts each clone in the queue its mark names. One CPU fills a queue, so a queue gives its
+// clones back in the order that CPU's records reached the log's ring: the log knows which clone comes
+// next in each queue, and reads either its headers only, which frees it, once no recovery can need its
+// bytes, or all of it, into the log, when a recovery needs them (only the queues of their destination's
+// bucket) or the park is full. See docs/design.md.
 package park
 
 import (
 	"errors"
 	"fmt"
+	"net/netip"
 	"os"
 	"path/filepath"
 
@@ -27,6 +30,23 @@ const MaxQueues = 256
 // HeaderRoom is what a frame holds besides its TCP payload, at most: Ethernet with a VLAN tag, and IPv4
 // and TCP headers with their options. A Take buffer must hold the payload and this.
 const HeaderRoom = 14 + 4 + 60 + 60
+
+// skbMarkOffset is the offset of mark in struct __sk_buff (after len and pkt_type).
+const skbMarkOffset = 8
+
+// MaxBuckets is the most buckets of destination addresses the log's program can tell apart (Bucket).
+const MaxBuckets = 256
+
+// Bucket is the bucket of destination address dst among buckets (a power of 2 up to MaxBuckets): the
+// XOR of its four bytes, modulo buckets. It must agree with park_bucket in bpf/tcplog.c, which picks
+// the queue of each clone; an address that is not IPv4 is in bucket 0 (the program parks IPv4 only).
+func Bucket(dst netip.Addr, buckets int) int {
+	if !dst.Is4() || buckets <= 1 {
+		return 0
+	}
+	a := dst.As4()
+	return int(a[0]^a[1]^a[2]^a[3]) & (buckets - 1)
+}
 
 // ErrEmpty is returned by Free and Take when the queue holds no clone.
 var ErrEmpty = errors.New("park: queue empty")
@@ -78,13 +98,14 @@ func Open(name string, queues, queueLen int) (p *Park, err error) {
 	if err := unix.IoctlSetInt(p.fds[0], unix.TUNSETOFFLOAD, unix.TUN_F_CSUM|unix.TUN_F_TSO4|unix.TUN_F_TSO6); err != nil {
 		return nil, fmt.Errorf("park %s: offloads: %w", name, err)
 	}
-	// The queue is the sending CPU: the program that parks runs on that CPU with bottom halves off, and
-	// so does the transmit its clone goes through.
+	// The queue is the frame's mark (modulo the queues), which the log's program sets on each clone: the
+	// program knows the sending CPU and the destination's bucket, and anything else sent out of the park
+	// (unmarked) goes to queue 0.
 	p.steer, err = ebpf.NewProgram(&ebpf.ProgramSpec{
 		Type:    ebpf.SocketFilter,
 		License: "Dual BSD/GPL",
 		Instructions: asm.Instructions{
-			asm.FnGetSmpProcessorId.Call(),
+			asm.LoadMem(asm.R0, asm.R1, skbMarkOffset, asm.Word),
 			asm.Return(),
 		},
 	})
@@ -137,7 +158,7 @@ func (p *Park) Name() string { return p.name }
 // Ifindex is the tap device's interface index, which the log's program clones into.
 func (p *Park) Ifindex() int { return p.ifindex }
 
-// Queues is how many queues the park has: the program parks only segments sent on CPUs below it.
+// Queues is how many queues the park has: the program parks only segments whose queue is below it.
 func (p *Park) Queues() int { return len(p.fds) }
 
 // Free reads the headers of queue q's next clone, which frees it, and returns them (Frame.Payload holds

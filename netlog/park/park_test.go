@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
-	"runtime"
 	"testing"
 
 	"github.com/vishvananda/netlink"
@@ -16,20 +15,19 @@ import (
 	"github.com/ftkit/ftkit/lab/labtest"
 )
 
-// TestParkQueuesByCPU sends frames out of the park from threads pinned to each CPU, as the log's program
-// clones segments on the CPU that sends them, and checks what the design rests on: each CPU's frames wait
-// in its own queue, in the order sent; Free and Take give them back, headers or whole; a full queue
-// refuses a frame at once (with no qdisc the sender learns it, so the program can copy the segment
-// instead); an empty one says so; Close removes the device.
-func TestParkQueuesByCPU(t *testing.T) {
+// TestParkQueuesByMark sends frames out of the park with marks, as the log's program marks each clone
+// with its queue, and checks what the design rests on: the frames of each mark wait in its queue, in the
+// order sent; Free and Take give them back, headers or whole; a full queue refuses a frame at once (with
+// no qdisc the sender learns it, so the program can copy the segment instead); an empty one says so;
+// Close removes the device.
+func TestParkQueuesByMark(t *testing.T) {
 	l := labtest.New(t, 1, 0)
-	cpus := min(runtime.NumCPU(), 4)
-	const qlen = 8
+	const queues, qlen = 4, 8
 	var p *Park
 	var sock int
 	err := l.Do("node1", func() error {
 		var err error
-		if p, err = Open("ftparktest0", cpus, qlen); err != nil {
+		if p, err = Open("ftparktest0", queues, qlen); err != nil {
 			return err
 		}
 		if _, err := Open("ftparktest0", 1, 1); err == nil {
@@ -43,63 +41,65 @@ func TestParkQueuesByCPU(t *testing.T) {
 	}
 	defer unix.Close(sock)
 	defer p.Close()
-	if p.Queues() != cpus {
-		t.Fatalf("%d queues, want %d", p.Queues(), cpus)
+	if p.Queues() != queues {
+		t.Fatalf("%d queues, want %d", p.Queues(), queues)
 	}
 	to := &unix.SockaddrLinklayer{Ifindex: p.Ifindex(), Protocol: 0x0008} // ETH_P_IP, network order
 	src, dst := netip.MustParseAddrPort("10.9.0.1:40000"), netip.MustParseAddrPort("10.9.0.2:5201")
-	payload := func(cpu, i int) []byte { return bytes.Repeat([]byte(fmt.Sprintf("cpu %d frame %d;", cpu, i)), 100) }
-	// sendOn sends frames i = 0..n-1 from a thread pinned to cpu; it returns the first error.
-	sendOn := func(cpu, n int) error {
-		runtime.LockOSThread()
-		defer runtime.UnlockOSThread()
-		var old, one unix.CPUSet
-		if err := unix.SchedGetaffinity(0, &old); err != nil {
+	payload := func(q, i int) []byte { return bytes.Repeat([]byte(fmt.Sprintf("q %d frame %d;", q, i)), 100) }
+	// send sends frame i marked q (the socket's mark is each frame's).
+	send := func(q, i int) error {
+		if err := unix.SetsockoptInt(sock, unix.SOL_SOCKET, unix.SO_MARK, q); err != nil {
 			return err
 		}
-		defer unix.SchedSetaffinity(0, &old)
-		one.Set(cpu)
-		if err := unix.SchedSetaffinity(0, &one); err != nil {
-			return err
+		if err := unix.Sendto(sock, frame(src, dst, uint32(q<<16|i), payload(q, i), false, 0, 0), 0, to); err != nil {
+			return fmt.Errorf("frame %d marked %d: %w", i, q, err)
 		}
+		return nil
+	}
+	// sendTo sends frames i = 0..n-1 marked q; it returns the first error.
+	sendTo := func(q, n int) error {
 		for i := range n {
-			if err := unix.Sendto(sock, frame(src, dst, uint32(cpu<<16|i), payload(cpu, i), false, 0, 0), 0, to); err != nil {
-				return fmt.Errorf("frame %d from CPU %d: %w", i, cpu, err)
+			if err := send(q, i); err != nil {
+				return err
 			}
 		}
 		return nil
 	}
-	for cpu := range cpus {
-		if err := sendOn(cpu, 5); err != nil {
-			t.Fatal(err)
+	// Interleaved, as CPUs and destinations send at once.
+	for i := range 5 {
+		for q := range queues {
+			if err := send(q, i); err != nil {
+				t.Fatal(err)
+			}
 		}
 	}
 	hdr, buf := make([]byte, HeaderRoom), make([]byte, 64<<10)
-	for cpu := range cpus {
+	for q := range queues {
 		for i := range 5 {
 			var f Frame
 			var err error
 			if i%2 == 0 {
-				f, err = p.Take(cpu, buf)
+				f, err = p.Take(q, buf)
 			} else {
-				f, err = p.Free(cpu, hdr)
+				f, err = p.Free(q, hdr)
 			}
 			if err != nil {
-				t.Fatalf("queue %d, frame %d: %v", cpu, i, err)
+				t.Fatalf("queue %d, frame %d: %v", q, i, err)
 			}
-			if f.Seq != uint32(cpu<<16|i) || f.Conn.Local != src || f.Conn.Remote != dst {
-				t.Fatalf("queue %d gave %v seq %#x as its frame %d, want seq %#x", cpu, f.Conn, f.Seq, i, cpu<<16|i)
+			if f.Seq != uint32(q<<16|i) || f.Conn.Local != src || f.Conn.Remote != dst {
+				t.Fatalf("queue %d gave %v seq %#x as its frame %d, want seq %#x", q, f.Conn, f.Seq, i, q<<16|i)
 			}
-			if i%2 == 0 && !bytes.Equal(f.Payload, payload(cpu, i)) {
-				t.Fatalf("queue %d, frame %d: payload differs (%d bytes)", cpu, i, len(f.Payload))
+			if i%2 == 0 && !bytes.Equal(f.Payload, payload(q, i)) {
+				t.Fatalf("queue %d, frame %d: payload differs (%d bytes)", q, i, len(f.Payload))
 			}
 		}
-		if _, err := p.Free(cpu, hdr); !errors.Is(err, ErrEmpty) {
-			t.Fatalf("queue %d after its frames: %v, want ErrEmpty", cpu, err)
+		if _, err := p.Free(q, hdr); !errors.Is(err, ErrEmpty) {
+			t.Fatalf("queue %d after its frames: %v, want ErrEmpty", q, err)
 		}
 	}
 	// A full queue refuses the next frame at once.
-	err = sendOn(0, qlen+1)
+	err = sendTo(0, qlen+1)
 	if !errors.Is(err, unix.ENOBUFS) {
 		t.Fatalf("sending %d frames into a queue of %d: %v, want ENOBUFS for the last", qlen+1, qlen, err)
 	}
@@ -109,10 +109,10 @@ func TestParkQueuesByCPU(t *testing.T) {
 		}
 	}
 	// A clone larger than Take's buffer is an error, not a silently short payload.
-	if err := sendOn(1%cpus, 1); err != nil {
+	if err := sendTo(1, 1); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := p.Take(1%cpus, buf[:200]); err == nil {
+	if _, err := p.Take(1, buf[:200]); err == nil {
 		t.Fatal("Take into a buffer shorter than the frame succeeded")
 	}
 	if err := p.Close(); err != nil {
@@ -126,5 +126,26 @@ func TestParkQueuesByCPU(t *testing.T) {
 		return nil
 	}); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestBucket: the buckets of destination addresses, which park_bucket in bpf/tcplog.c computes the same
+// way (the capture's tests check that the two agree on the records of real flows).
+func TestBucket(t *testing.T) {
+	for _, tt := range []struct {
+		addr    string
+		buckets int
+		want    int
+	}{
+		{"10.77.0.2", 8, 5}, // 10^77^0^2 = 69
+		{"10.77.0.3", 8, 4}, // 68
+		{"10.77.0.3", 1, 0},
+		{"10.77.0.3", 0, 0},
+		{"192.168.255.1", 256, 150},
+		{"::1", 8, 0},
+	} {
+		if got := Bucket(netip.MustParseAddr(tt.addr), tt.buckets); got != tt.want {
+			t.Errorf("Bucket(%s, %d) = %d, want %d", tt.addr, tt.buckets, got, tt.want)
+		}
 	}
 }
