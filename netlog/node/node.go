@@ -35,7 +35,6 @@ type Source interface {
 	UnprotectCgroup(dir string) error
 	Counters() (capture.Counters, error)
 	Urge() (done func())
-	Wake()
 	Want(conn tcpflow.Tuple)
 	TakeParked(ctx context.Context, conn tcpflow.Tuple) error
 	Close() error
@@ -211,9 +210,6 @@ func memTotalMiB() int64 {
 // Urge lets the capture's consumer drain the ring past the log's memory cap until done is called
 // (capture.Capture.Urge): for a caller waiting for bytes still in the ring.
 func (n *Node) Urge() (done func()) { return n.src.Urge() }
-
-// Wake makes the capture's consumer look at its ring now (capture.Capture.Wake).
-func (n *Node) Wake() { n.src.Wake() }
 
 // Want wakes the capture's consumer and has it take the parked clones of conn's bucket of destinations
 // into the log (capture.Capture.Want).

@@ -51,9 +51,8 @@ func (f *fakeSource) UnprotectCgroup(string) error                    { return n
 func (f *fakeSource) Counters() (capture.Counters, error)             { return f.counters, nil }
 func (f *fakeSource) Urge() func()                                    { return func() {} }
 func (f *fakeSource) TakeParked(context.Context, tcpflow.Tuple) error { return nil }
-func (f *fakeSource) Want(tcpflow.Tuple)                              { f.Wake() }
 
-func (f *fakeSource) Wake() {
+func (f *fakeSource) Want(tcpflow.Tuple) {
 	if f.onWake != nil {
 		f.onWake()
 	}
