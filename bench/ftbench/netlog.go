@@ -27,6 +27,7 @@ import (
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/internal/coldcopy"
 	"github.com/ftkit/ftkit/internal/streamtest"
+	"github.com/ftkit/ftkit/internal/threadcpu"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/netlog/capture"
@@ -992,12 +993,10 @@ func (f *ringFeeder) stop() {
 	}
 }
 
+// threadCPUSeconds is threadcpu.Read in seconds.
 func threadCPUSeconds() (float64, error) {
-	var ts unix.Timespec
-	if err := unix.ClockGettime(unix.CLOCK_THREAD_CPUTIME_ID, &ts); err != nil {
-		return 0, fmt.Errorf("thread CPU clock: %w", err)
-	}
-	return float64(ts.Nano()) / 1e9, nil
+	d, err := threadcpu.Read()
+	return d.Seconds(), err
 }
 
 // messages measures the stream of msgCount messages of msgSize bytes, with and without the capture.

@@ -6,19 +6,26 @@
 package threadcpu
 
 import (
+	"fmt"
 	"runtime"
 	"time"
 
 	"golang.org/x/sys/unix"
 )
 
-// Now is the CPU time the calling thread has used since it was made; 0 if the clock cannot be read.
-func Now() time.Duration {
+// Read is the CPU time the calling thread has used since it was made, or why the clock cannot be read.
+func Read() (time.Duration, error) {
 	var ts unix.Timespec
 	if err := unix.ClockGettime(unix.CLOCK_THREAD_CPUTIME_ID, &ts); err != nil {
-		return 0
+		return 0, fmt.Errorf("thread CPU clock: %w", err)
 	}
-	return time.Duration(ts.Nano())
+	return time.Duration(ts.Nano()), nil
+}
+
+// Now is Read for a caller that counts a clock it cannot read as 0 (an account, not a decision).
+func Now() time.Duration {
+	d, _ := Read()
+	return d
 }
 
 // Clock measures the CPU time of the calling thread from its start. The runtime hands a thread that was

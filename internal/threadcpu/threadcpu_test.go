@@ -41,3 +41,18 @@ func TestOfCountsWorkNotWaiting(t *testing.T) {
 		t.Errorf("20 ms of work cost %v of CPU", got)
 	}
 }
+
+// TestReadAdvances: Read reports no error on Linux and counts the thread's work.
+func TestReadAdvances(t *testing.T) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	before, err := Read()
+	if err != nil {
+		t.Fatal(err)
+	}
+	spin(10 * time.Millisecond)
+	after, err := Read()
+	if err != nil || after-before < 10*time.Millisecond {
+		t.Fatalf("10 ms of work read %v (%v)", after-before, err)
+	}
+}
