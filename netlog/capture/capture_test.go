@@ -39,12 +39,28 @@ func TestIsPow2(t *testing.T) {
 	}
 }
 
-// TestParkBuckets: 8 buckets of destinations on small hosts, fewer as CPUs grow so that the queues stay
-// within parkBucketQueues, and always at least one.
+// TestParkBuckets: 8 buckets of destinations on hosts of up to 32 CPUs, then as many as the tap's 256
+// queues allow, and always at least one; queues as long as the cap needs, within the slots' bound.
 func TestParkBuckets(t *testing.T) {
-	for _, tc := range []struct{ cpus, want int }{{1, 8}, {2, 8}, {8, 8}, {9, 4}, {16, 4}, {32, 2}, {33, 1}, {64, 1}, {512, 1}} {
+	for _, tc := range []struct{ cpus, want int }{{1, 8}, {2, 8}, {32, 8}, {33, 4}, {64, 4}, {65, 2}, {128, 2}, {129, 1}, {512, 1}} {
 		if got := parkBuckets(tc.cpus); got != tc.want {
 			t.Errorf("parkBuckets(%d) = %d, want %d", tc.cpus, got, tc.want)
+		}
+	}
+	for _, tc := range []struct {
+		cap    int64
+		minLen uint32
+		queues int
+		want   int
+	}{
+		{256 << 20, 4096, 16, 1 << 16},  // 2 CPUs: the cap's clones of the shortest segments
+		{64 << 20, 4096, 16, 1 << 14},   // a smaller cap
+		{256 << 20, 4096, 256, 1 << 13}, // 32 CPUs or more: the slots' bound
+		{1 << 30, 4096, 1, 1 << 16},     // the queue's own bound
+		{0, 4096, 16, 1},
+	} {
+		if got := parkQueueLen(tc.cap, tc.minLen, tc.queues); got != tc.want {
+			t.Errorf("parkQueueLen(%d, %d, %d) = %d, want %d", tc.cap, tc.minLen, tc.queues, got, tc.want)
 		}
 	}
 }

@@ -48,26 +48,33 @@ const (
 	DefaultParkCap           = 256 << 20
 	DefaultParkMinLen uint32 = 4096
 	DefaultParkMaxLen uint32 = 256 << 10
-	// maxParkQueueLen bounds each queue (the kernel allocates a pointer per slot and queue): a queue that
-	// is full makes the program copy into the ring.
+	// maxParkQueueLen bounds each queue: a queue that is full makes the program copy into the ring.
 	maxParkQueueLen = 1 << 16
+	// parkSlots bounds the slots of all queues together: the kernel allocates a pointer per slot and
+	// queue when the park opens (16 MiB for these), and a queue of 8192 slots (256 queues) still holds
+	// 512 MiB of 64 KiB segments.
+	parkSlots = 1 << 21
 	// A recovery's read takes the queues of its destination's bucket only; more buckets leave more of
-	// the other destinations' clones parked, and cost queues. parkBucketQueues bounds the queues the
-	// buckets may take (each has maxParkQueueLen slots at most: 512 KiB of the kernel's pointers), and
-	// maxParkBuckets the buckets: 8 on up to 8 CPUs, 1 from 33 on.
-	maxParkBuckets   = 8
-	parkBucketQueues = 64
+	// the other destinations' clones parked. maxParkBuckets bounds them: 8 on hosts of up to 32 CPUs,
+	// then as many as the tap's queues allow (4 up to 64 CPUs, 2 up to 128, 1 above).
+	maxParkBuckets = 8
 )
 
 // parkBuckets is how many buckets of destinations a park gets on a host of cpus possible CPUs: a power
-// of 2, at most maxParkBuckets, and at most parkBucketQueues queues in all (but 1 bucket whatever the
-// CPUs).
+// of 2, at most maxParkBuckets, with a queue per CPU and bucket within park.MaxQueues (but 1 bucket
+// whatever the CPUs).
 func parkBuckets(cpus int) int {
 	b := maxParkBuckets
-	for b > 1 && b*cpus > parkBucketQueues {
+	for b > 1 && b*cpus > park.MaxQueues {
 		b /= 2
 	}
 	return b
+}
+
+// parkQueueLen is each queue's length for a park of queues queues: the clones of cap bytes of segments
+// of minLen, within maxParkQueueLen and parkSlots.
+func parkQueueLen(cap int64, minLen uint32, queues int) int {
+	return int(min(max(cap/int64(minLen), 1), maxParkQueueLen, max(parkSlots/int64(queues), 1)))
 }
 
 func (o ParkOptions) withDefaults() ParkOptions {
@@ -98,8 +105,8 @@ func openPark(opts ParkOptions) (*park.Park, int, error) {
 		return nil, 0, fmt.Errorf("capture: count the CPUs for the park's queues: %w", err)
 	}
 	buckets := parkBuckets(cpus)
-	qlen := int(min(max(opts.Cap/int64(opts.MinLen), 1), maxParkQueueLen))
-	p, err := park.Open(opts.Device, min(cpus*buckets, park.MaxQueues), qlen)
+	queues := min(cpus*buckets, park.MaxQueues)
+	p, err := park.Open(opts.Device, queues, parkQueueLen(opts.Cap, opts.MinLen, queues))
 	if err != nil {
 		return nil, 0, fmt.Errorf("capture: %w", err)
 	}
