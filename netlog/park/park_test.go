@@ -149,3 +149,38 @@ func TestBucket(t *testing.T) {
 		}
 	}
 }
+
+// TestParkOpensMaxQueues: the largest park a capture opens, MaxQueues queues of 8192 slots (a host of 32
+// CPUs or more, netlog/capture's parkQueueLen), opens and reaches its last queue by mark.
+func TestParkOpensMaxQueues(t *testing.T) {
+	l := labtest.New(t, 1, 0)
+	var p *Park
+	var sock int
+	err := l.Do("node1", func() error {
+		var err error
+		if p, err = Open("ftparktest1", MaxQueues, 8192); err != nil {
+			return err
+		}
+		sock, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, 0)
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(sock)
+	defer p.Close()
+	if p.Queues() != MaxQueues {
+		t.Fatalf("%d queues, want %d", p.Queues(), MaxQueues)
+	}
+	src, dst := netip.MustParseAddrPort("10.9.0.1:40000"), netip.MustParseAddrPort("10.9.0.2:5201")
+	if err := unix.SetsockoptInt(sock, unix.SOL_SOCKET, unix.SO_MARK, MaxQueues-1); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Sendto(sock, frame(src, dst, 7, []byte("last queue"), false, 0, 0), 0,
+		&unix.SockaddrLinklayer{Ifindex: p.Ifindex(), Protocol: 0x0008}); err != nil {
+		t.Fatal(err)
+	}
+	if f, err := p.Free(MaxQueues-1, make([]byte, HeaderRoom)); err != nil || f.Seq != 7 {
+		t.Fatalf("the last queue gave seq %d, %v; want the frame marked for it", f.Seq, err)
+	}
+}
