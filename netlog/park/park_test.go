@@ -12,6 +12,7 @@ import (
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 
+	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labtest"
 )
 
@@ -23,36 +24,19 @@ import (
 func TestParkQueuesByMark(t *testing.T) {
 	l := labtest.New(t, 1, 0)
 	const queues, qlen = 4, 8
-	var p *Park
-	var sock int
-	err := l.Do("node1", func() error {
-		var err error
-		if p, err = Open("ftparktest0", queues, qlen); err != nil {
-			return err
-		}
+	p, sock := openTestPark(t, l, "ftparktest0", queues, qlen)
+	if err := l.Do("node1", func() error {
 		if _, err := Open("ftparktest0", 1, 1); err == nil {
 			return errors.New("a second park of the same name opened")
 		}
-		sock, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, 0)
-		return err
-	})
-	if err != nil {
+		return nil
+	}); err != nil {
 		t.Fatal(err)
 	}
-	defer unix.Close(sock)
-	defer p.Close()
-	if p.Queues() != queues {
-		t.Fatalf("%d queues, want %d", p.Queues(), queues)
-	}
-	to := &unix.SockaddrLinklayer{Ifindex: p.Ifindex(), Protocol: 0x0008} // ETH_P_IP, network order
-	src, dst := netip.MustParseAddrPort("10.9.0.1:40000"), netip.MustParseAddrPort("10.9.0.2:5201")
 	payload := func(q, i int) []byte { return bytes.Repeat([]byte(fmt.Sprintf("q %d frame %d;", q, i)), 100) }
-	// send sends frame i marked q (the socket's mark is each frame's).
+	// send sends frame i marked q.
 	send := func(q, i int) error {
-		if err := unix.SetsockoptInt(sock, unix.SOL_SOCKET, unix.SO_MARK, q); err != nil {
-			return err
-		}
-		if err := unix.Sendto(sock, frame(src, dst, uint32(q<<16|i), payload(q, i), false, 0, 0), 0, to); err != nil {
+		if err := sendMarked(sock, p, q, uint32(q<<16|i), payload(q, i)); err != nil {
 			return fmt.Errorf("frame %d marked %d: %w", i, q, err)
 		}
 		return nil
@@ -87,7 +71,7 @@ func TestParkQueuesByMark(t *testing.T) {
 			if err != nil {
 				t.Fatalf("queue %d, frame %d: %v", q, i, err)
 			}
-			if f.Seq != uint32(q<<16|i) || f.Conn.Local != src || f.Conn.Remote != dst {
+			if f.Seq != uint32(q<<16|i) || f.Conn.Local != testSrc || f.Conn.Remote != testDst {
 				t.Fatalf("queue %d gave %v seq %#x as its frame %d, want seq %#x", q, f.Conn, f.Seq, i, q<<16|i)
 			}
 			if i%2 == 0 && !bytes.Equal(f.Payload, payload(q, i)) {
@@ -99,7 +83,7 @@ func TestParkQueuesByMark(t *testing.T) {
 		}
 	}
 	// A full queue refuses the next frame at once.
-	err = sendTo(0, qlen+1)
+	err := sendTo(0, qlen+1)
 	if !errors.Is(err, unix.ENOBUFS) {
 		t.Fatalf("sending %d frames into a queue of %d: %v, want ENOBUFS for the last", qlen+1, qlen, err)
 	}
@@ -153,34 +137,51 @@ func TestBucket(t *testing.T) {
 // TestParkOpensMaxQueues: the largest park a capture opens, MaxQueues queues of 8192 slots (a host of 32
 // CPUs or more, netlog/capture's parkQueueLen), opens and reaches its last queue by mark.
 func TestParkOpensMaxQueues(t *testing.T) {
-	l := labtest.New(t, 1, 0)
-	var p *Park
-	var sock int
-	err := l.Do("node1", func() error {
-		var err error
-		if p, err = Open("ftparktest1", MaxQueues, 8192); err != nil {
-			return err
-		}
-		sock, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, 0)
-		return err
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Close(sock)
-	defer p.Close()
-	if p.Queues() != MaxQueues {
-		t.Fatalf("%d queues, want %d", p.Queues(), MaxQueues)
-	}
-	src, dst := netip.MustParseAddrPort("10.9.0.1:40000"), netip.MustParseAddrPort("10.9.0.2:5201")
-	if err := unix.SetsockoptInt(sock, unix.SOL_SOCKET, unix.SO_MARK, MaxQueues-1); err != nil {
-		t.Fatal(err)
-	}
-	if err := unix.Sendto(sock, frame(src, dst, 7, []byte("last queue"), false, 0, 0), 0,
-		&unix.SockaddrLinklayer{Ifindex: p.Ifindex(), Protocol: 0x0008}); err != nil {
+	p, sock := openTestPark(t, labtest.New(t, 1, 0), "ftparktest1", MaxQueues, 8192)
+	if err := sendMarked(sock, p, MaxQueues-1, 7, []byte("last queue")); err != nil {
 		t.Fatal(err)
 	}
 	if f, err := p.Free(MaxQueues-1, make([]byte, HeaderRoom)); err != nil || f.Seq != 7 {
 		t.Fatalf("the last queue gave seq %d, %v; want the frame marked for it", f.Seq, err)
 	}
+}
+
+// The flow of the tests' frames.
+var testSrc, testDst = netip.MustParseAddrPort("10.9.0.1:40000"), netip.MustParseAddrPort("10.9.0.2:5201")
+
+// openTestPark opens park name with queues queues of qlen slots on l's node1, and a packet socket there to
+// send frames out of it; both are closed when the test ends.
+func openTestPark(t *testing.T, l *lab.Lab, name string, queues, qlen int) (*Park, int) {
+	t.Helper()
+	var p *Park
+	var sock int
+	err := l.Do("node1", func() error {
+		var err error
+		if p, err = Open(name, queues, qlen); err != nil {
+			return err
+		}
+		t.Cleanup(func() { p.Close() })
+		if sock, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, 0); err != nil {
+			return err
+		}
+		t.Cleanup(func() { unix.Close(sock) })
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.Queues() != queues {
+		t.Fatalf("%d queues, want %d", p.Queues(), queues)
+	}
+	return p, sock
+}
+
+// sendMarked sends a frame of the tests' flow with seq and payload out of p, marked mark (the socket's
+// mark is the frame's), as the log's program marks each clone with its queue.
+func sendMarked(sock int, p *Park, mark int, seq uint32, payload []byte) error {
+	if err := unix.SetsockoptInt(sock, unix.SOL_SOCKET, unix.SO_MARK, mark); err != nil {
+		return err
+	}
+	to := &unix.SockaddrLinklayer{Ifindex: p.Ifindex(), Protocol: 0x0008} // ETH_P_IP, network order
+	return unix.Sendto(sock, frame(testSrc, testDst, seq, payload, false, 0, 0), 0, to)
 }
