@@ -318,13 +318,14 @@ func (b *netlogBench) linkSetting(ctx context.Context, lk netlogLink, pairs int)
 		parkedRatios = append(parkedRatios, gbps(pd)/gbps(wo))
 		parkedThread = append(parkedThread, pd.threadCPU/(float64(pd.logged)/1e9))
 		parkedFreed = append(parkedFreed, float64(pd.freed)/float64(max(pd.logged, 1)))
-		takeMs := float64(pd.takeNs) / 1e6 / (float64(pd.taken) / 1e8)
-		if lk.ParkTake {
+		attrs := []any{"link", lk.Name, "pair", i, "gbit_s_without", round2(gbps(wo)), "gbit_s_parked", round2(gbps(pd)),
+			"thread_cpu_s_per_gb", round2(pd.threadCPU / (float64(pd.logged) / 1e9)), "parked_mb", pd.parked >> 20, "freed_unread_mb", pd.freed >> 20, "drops", pd.drops}
+		if lk.ParkTake { // only these runs timed a take: the others have none to divide by
+			takeMs := float64(pd.takeNs) / 1e6 / (float64(pd.taken) / 1e8)
 			parkedTake = append(parkedTake, takeMs)
+			attrs = append(attrs, "taken_mb", pd.taken>>20, "take_ms_per_100mb", round2(takeMs))
 		}
-		b.log.Info("netlog parked", "link", lk.Name, "pair", i, "gbit_s_without", round2(gbps(wo)), "gbit_s_parked", round2(gbps(pd)),
-			"thread_cpu_s_per_gb", round2(pd.threadCPU/(float64(pd.logged)/1e9)), "parked_mb", pd.parked>>20, "freed_unread_mb", pd.freed>>20, "drops", pd.drops,
-			"taken_mb", pd.taken>>20, "take_ms_per_100mb", round2(takeMs))
+		b.log.Info("netlog parked", attrs...)
 		if lk.Bound {
 			cs, cb, pk := set[modeCopySender], set[modeCopyBeside], set[modePark]
 			senderRatios, besideRatios = append(senderRatios, gbps(cs)/gbps(wo)), append(besideRatios, gbps(cb)/gbps(wo))
