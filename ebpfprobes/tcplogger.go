@@ -22,6 +22,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/internal/netnsthread"
+	"github.com/ftkit/ftkit/netlog/park"
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
@@ -574,8 +575,8 @@ func setPark(spec *ebpf.CollectionSpec, p ParkOptions, ring int) error {
 	switch {
 	case p.Ifindex < 0 || p.Queues <= 0:
 		return fmt.Errorf("tcplog: park on interface %d with %d queues: want a positive index and at least one queue", p.Ifindex, p.Queues)
-	case p.Buckets < 0 || p.Buckets > 256 || p.Buckets&(p.Buckets-1) != 0:
-		return fmt.Errorf("tcplog: park with %d buckets of destinations: want a power of 2 up to 256", p.Buckets)
+	case p.Buckets < 0 || p.Buckets > park.MaxBuckets || p.Buckets&(p.Buckets-1) != 0:
+		return fmt.Errorf("tcplog: park with %d buckets of destinations: want a power of 2 up to %d", p.Buckets, park.MaxBuckets)
 	case p.MinLen == 0 || p.MaxLen < p.MinLen:
 		return fmt.Errorf("tcplog: park segments of %d..%d bytes: want 0 < MinLen <= MaxLen", p.MinLen, p.MaxLen)
 	}
