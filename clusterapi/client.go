@@ -172,20 +172,25 @@ func readRefusal(resp *http.Response, op Op, peer string) error {
 	return e
 }
 
+// postJSON posts req (nil: no body) encoded as JSON to peer's op.
+func (c *Client) postJSON(ctx context.Context, peer string, op Op, req any) (*http.Response, error) {
+	var body io.Reader = http.NoBody
+	if req != nil {
+		b, err := json.Marshal(req)
+		if err != nil {
+			return nil, fmt.Errorf("encode the %s request: %w", op, err)
+		}
+		body = bytes.NewReader(b)
+	}
+	return c.post(ctx, peer, op, body)
+}
+
 // call runs one request/reply exchange within the operation's bound d (or ctx's deadline if sooner).
 func call[Rep any](c *Client, ctx context.Context, peer string, op Op, d time.Duration, req any) (Rep, error) {
 	var rep Rep
 	ctx, cancel := within(ctx, d)
 	defer cancel()
-	var body io.Reader = http.NoBody
-	if req != nil {
-		b, err := json.Marshal(req)
-		if err != nil {
-			return rep, fmt.Errorf("encode the %s request: %w", op, err)
-		}
-		body = bytes.NewReader(b)
-	}
-	resp, err := c.post(ctx, peer, op, body)
+	resp, err := c.postJSON(ctx, peer, op, req)
 	if err != nil {
 		return rep, err
 	}

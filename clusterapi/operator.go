@@ -1,7 +1,6 @@
 package clusterapi
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -324,15 +323,7 @@ func handleOperator[Req audited, Rep any](s *Server, op Op, limit int, fn func(c
 // operatorCall is call with the operator reply bound.
 func operatorCall[Rep any](c *Client, ctx context.Context, peer string, op Op, req any) (Rep, error) {
 	var rep Rep
-	var body io.Reader = http.NoBody
-	if req != nil {
-		b, err := json.Marshal(req)
-		if err != nil {
-			return rep, fmt.Errorf("encode the %s request: %w", op, err)
-		}
-		body = bytes.NewReader(b)
-	}
-	resp, err := c.post(ctx, peer, op, body)
+	resp, err := c.postJSON(ctx, peer, op, req)
 	if err != nil {
 		return rep, err
 	}
