@@ -13,6 +13,7 @@ import (
 
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/internal/streamtest"
+	"github.com/ftkit/ftkit/internal/testenv"
 	"github.com/ftkit/ftkit/lab/labcluster"
 	"github.com/ftkit/ftkit/tcpflow"
 )
@@ -123,7 +124,7 @@ func TestFinishedConnLogFreed(t *testing.T) {
 
 // startRole runs a streamtest role as a protected job on host through ftwrap and returns ftwrap, its
 // output (the job's) and the job's id.
-func startRole(t *testing.T, c *labcluster.Cluster, host, name, role string, env ...string) (*exec.Cmd, *streamtest.SyncBuffer, string) {
+func startRole(t *testing.T, c *labcluster.Cluster, host, name, role string, env ...string) (*exec.Cmd, *testenv.SyncBuffer, string) {
 	t.Helper()
 	self, err := os.Executable()
 	if err != nil {
@@ -133,7 +134,7 @@ func startRole(t *testing.T, c *labcluster.Cluster, host, name, role string, env
 	// The receiver keeps its listener open while the log controller may have it snapshotted: the job's
 	// init turns Go's MPTCP listeners off (shim.withoutMPTCP), this test no longer does.
 	cmd.Env = append(append(cmd.Env, streamtest.RoleEnv+"="+role), env...)
-	out := &streamtest.SyncBuffer{}
+	out := &testenv.SyncBuffer{}
 	cmd.Stdout, cmd.Stderr = out, os.Stderr
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -151,7 +152,7 @@ func startRole(t *testing.T, c *labcluster.Cluster, host, name, role string, env
 	return nil, nil, ""
 }
 
-func waitOutput(t *testing.T, out *streamtest.SyncBuffer, want string, timeout time.Duration) {
+func waitOutput(t *testing.T, out *testenv.SyncBuffer, want string, timeout time.Duration) {
 	t.Helper()
 	for deadline := time.Now().Add(timeout); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
 		if strings.Contains(out.String(), want) {

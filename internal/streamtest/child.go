@@ -4,7 +4,6 @@ package streamtest
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -14,14 +13,15 @@ import (
 	"syscall"
 	"testing"
 
+	"github.com/ftkit/ftkit/internal/testenv"
 	"github.com/ftkit/ftkit/lab"
 )
 
 // Child is a running re-executed binary (see ChildMain).
 type Child struct {
 	Role   string
-	Stdin  io.WriteCloser // roles that wait for a go-ahead read lines from it
-	Stderr *SyncBuffer    // everything the child wrote to stderr
+	Stdin  io.WriteCloser      // roles that wait for a go-ahead read lines from it
+	Stderr *testenv.SyncBuffer // everything the child wrote to stderr
 
 	cmd      *exec.Cmd
 	lines    chan string
@@ -46,7 +46,7 @@ func Start(l *lab.Lab, host string, cg *Cgroup, role string, env ...string) (*Ch
 		// never be created in another one.
 		cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: cg.fd}
 	}
-	c := &Child{Role: role, Stderr: &SyncBuffer{}, cmd: cmd, lines: make(chan string, 16), done: make(chan struct{})}
+	c := &Child{Role: role, Stderr: &testenv.SyncBuffer{}, cmd: cmd, lines: make(chan string, 16), done: make(chan struct{})}
 	cmd.Stderr = c.Stderr
 	if c.Stdin, err = cmd.StdinPipe(); err != nil {
 		return nil, err
@@ -133,30 +133,4 @@ func (c *Child) LineT(ctx context.Context, t testing.TB) string {
 		t.Fatal(err)
 	}
 	return l
-}
-
-// SyncBuffer is a bytes.Buffer safe for concurrent use: a child's stderr is
-// written by os/exec's copying goroutine while the test reads it.
-type SyncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *SyncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *SyncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
-// Len is the number of bytes written.
-func (s *SyncBuffer) Len() int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Len()
 }

@@ -64,7 +64,8 @@ func ReturnsWithin(t *testing.T, limit time.Duration, fn func()) {
 	}
 }
 
-// SyncBuffer is a bytes.Buffer that a logger and the test may use at the same time.
+// SyncBuffer is a bytes.Buffer that a writer (a logger, a child's stderr copied by os/exec) and the test
+// may use at the same time.
 type SyncBuffer struct {
 	mu sync.Mutex
 	b  bytes.Buffer
@@ -80,4 +81,11 @@ func (s *SyncBuffer) String() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.b.String()
+}
+
+// Len is the number of bytes written.
+func (s *SyncBuffer) Len() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Len()
 }
