@@ -405,7 +405,17 @@ func fmtSecs(s float64) string {
 }
 
 func fmtDur(s float64) string {
-	d := time.Duration(s * float64(time.Second))
+	// A float beyond time.Duration's range converts to whatever the platform gives (the minimum on amd64:
+	// a peer's absurd stage read as -2562047h).
+	var d time.Duration
+	switch ns := s * float64(time.Second); {
+	case ns >= 0x1p63:
+		d = math.MaxInt64
+	case ns <= -0x1p63:
+		d = math.MinInt64
+	default:
+		d = time.Duration(ns)
+	}
 	switch {
 	case d == 0:
 		return "0 s"
