@@ -55,7 +55,7 @@ type Agent struct {
 
 	store       *ckpt.Store // this host's snapshots and the replicas it keeps for the nodes it protects
 	criuVersion criu.Version
-	diffs       ship.DiffHistory // whether diffing each job's scheduled snapshots against a base pays
+	diffs       ship.DiffHistory // whether diffing each job's snapshots against a base pays, and its last one's index
 
 	mu       sync.Mutex
 	byID     map[string]*Job
@@ -559,6 +559,7 @@ func (a *Agent) releaseJob(j *Job) {
 func (a *Agent) releaseResources(j *Job) {
 	a.unprotect(j)
 	a.det.Unwatch(j.ID)
+	a.diffs.Forget(j.ID)
 	// Only this agent's own cgroup for the job: a record restored from an older agent's snapshot may name
 	// any path.
 	if want := a.layout().cgroup(j.ID); !validJobID(j.ID) || j.Cgroup != want {

@@ -188,7 +188,8 @@ func (a *Agent) movable(ctx context.Context, req MigrateRequest) (Job, error) {
 }
 
 // migrationBase indexes, while job still runs, the newest snapshot of it taken here that target holds a
-// replica of: the base the dump will be sent as a diff against (the protector offers its newest). Nil if
+// replica of (or takes the index kept from that snapshot's transfer): the base the dump will be sent as a
+// diff against (the protector offers its newest). Nil if
 // there is none or it cannot be read: the transfer then indexes whatever base target offers, or sends
 // the dump whole.
 func (a *Agent) migrationBase(ctx context.Context, job, target string) *ship.BaseIndex {
@@ -200,6 +201,9 @@ func (a *Agent) migrationBase(ctx context.Context, job, target string) *ship.Bas
 		m, err := a.store.Manifest(job, id)
 		if err != nil || !slices.Contains(m.Replicas, target) {
 			continue
+		}
+		if b := a.diffs.Base(job); b != nil && b.ID() == id {
+			return b // kept from its transfer: nothing to read
 		}
 		b, err := ship.IndexBase(ctx, a.store, job, id, 0)
 		if err != nil {

@@ -160,7 +160,9 @@ func (a *Agent) shipToProtector(ctx context.Context, m *ckpt.Manifest, p *Placem
 		}
 	}
 	// A job that rewrote nearly all its memory since its last snapshot gains nothing from a diff.
-	opts := ship.SendOptions{JustCommitted: true, NoDelta: !a.diffs.Diff(m.Job)}
+	// Its last snapshot sent is the base the protector most likely offers: its index, kept from that
+	// transfer, spares this one a read of the base.
+	opts := ship.SendOptions{JustCommitted: true, NoDelta: !a.diffs.Diff(m.Job), Base: a.diffs.Base(m.Job), KeepIndex: true}
 	tried := map[string]bool{}
 	for prot := range candidates {
 		if tried[prot] || prot == a.cfg.Name {

@@ -26,7 +26,9 @@ import (
 	"fmt"
 	"hash"
 	"io"
+	"maps"
 	"os"
+	"slices"
 
 	"github.com/cespare/xxhash/v2"
 	"github.com/ftkit/ftkit/ckpt"
@@ -103,16 +105,75 @@ func deltaBlockFor(total int64, want int) int {
 	return bs
 }
 
-// indexBase hashes the blocks of the base's large files in dir.
-func indexBase(ctx context.Context, dir string, m *ckpt.Manifest, want int) (*baseIndex, error) {
+// newBaseIndex is an empty index of snapshot m as a base, with the block size its large files take
+// (deltaBlockFor) when want is asked for; its files are added by add, then located by locate.
+func newBaseIndex(m *ckpt.Manifest, want int) *baseIndex {
 	var total int64
 	for _, f := range m.Files {
 		if f.Size >= MinDeltaFile {
 			total += f.Size
 		}
 	}
-	idx := &baseIndex{id: m.ID, digest: filesDigest(m.Files), bs: deltaBlockFor(total, want),
-		hashes: map[uint32][]uint64{}, where: map[uint64]blockLoc{}, byName: map[string]uint32{}}
+	return &baseIndex{id: m.ID, digest: filesDigest(m.Files), bs: deltaBlockFor(total, want),
+		hashes: map[uint32][]uint64{}, byName: map[string]uint32{}}
+}
+
+// add records the block hashes of base file number i.
+func (idx *baseIndex) add(i uint32, name string, hs []uint64) {
+	idx.hashes[i], idx.byName[name] = hs, i
+}
+
+// locate returns idx with where filled in (one location per distinct hash, the first in file order),
+// sharing its hashes: an index kept for a later transfer (Sent.Index) holds only its hashes, a sixth of
+// its memory.
+func (idx *baseIndex) locate() *baseIndex {
+	out := *idx
+	out.where = map[uint64]blockLoc{}
+	files := slices.Sorted(maps.Keys(idx.hashes))
+	for _, i := range files {
+		for b, h := range idx.hashes[i] {
+			if _, ok := out.where[h]; !ok {
+				out.where[h] = blockLoc{i, uint64(b)}
+			}
+		}
+	}
+	return &out
+}
+
+// blockHashes collects the xxhash64 of every full block of a file whose bytes are written to it in
+// order, so that a snapshot being sent can be the next diff's base without being read again.
+type blockHashes struct {
+	bs   int
+	part []byte // the bytes of the block begun
+	hs   []uint64
+}
+
+func newBlockHashes(bs int, size int64) *blockHashes {
+	return &blockHashes{bs: bs, part: make([]byte, 0, bs), hs: make([]uint64, 0, size/int64(bs))}
+}
+
+func (b *blockHashes) Write(p []byte) (int, error) {
+	n := len(p)
+	if len(b.part) > 0 {
+		k := min(b.bs-len(b.part), len(p))
+		b.part = append(b.part, p[:k]...)
+		p = p[k:]
+		if len(b.part) < b.bs {
+			return n, nil
+		}
+		b.hs = append(b.hs, xxhash.Sum64(b.part))
+		b.part = b.part[:0]
+	}
+	for ; len(p) >= b.bs; p = p[b.bs:] {
+		b.hs = append(b.hs, xxhash.Sum64(p[:b.bs]))
+	}
+	b.part = append(b.part, p...)
+	return n, nil
+}
+
+// indexBase hashes the blocks of the base's large files in dir.
+func indexBase(ctx context.Context, dir string, m *ckpt.Manifest, want int) (*baseIndex, error) {
+	idx := newBaseIndex(m, want)
 	root, err := os.OpenRoot(dir)
 	if err != nil {
 		return nil, err
@@ -139,17 +200,12 @@ func indexBase(ctx context.Context, dir string, m *ckpt.Manifest, want int) (*ba
 				in.Close()
 				return nil, fmt.Errorf("index base file %s: %w", f.Name, err)
 			}
-			h := xxhash.Sum64(buf)
-			hs = append(hs, h)
-			if _, ok := idx.where[h]; !ok {
-				idx.where[h] = blockLoc{uint32(i), uint64(b)}
-			}
+			hs = append(hs, xxhash.Sum64(buf))
 		}
 		in.Close()
-		idx.hashes[uint32(i)] = hs
-		idx.byName[f.Name] = uint32(i)
+		idx.add(uint32(i), f.Name, hs)
 	}
-	return idx, nil
+	return idx.locate(), nil
 }
 
 // has reports whether block b of base file f hashes to h.

@@ -9,9 +9,11 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"testing"
 
+	"github.com/cespare/xxhash/v2"
 	"github.com/ftkit/ftkit/ckpt"
 )
 
@@ -285,12 +287,15 @@ func TestSendWithBaseIndexedAhead(t *testing.T) {
 		name     string
 		ahead    func(m0, m1 *ckpt.Manifest) (string, int)
 		block    int
+		kept     bool
 		wantDiff bool
 	}{
 		{name: "indexed ahead", ahead: func(_, m1 *ckpt.Manifest) (string, int) { return m1.ID, 0 }, wantDiff: true},
 		{name: "none", wantDiff: false},
 		{name: "another snapshot", ahead: func(m0, _ *ckpt.Manifest) (string, int) { return m0.ID, 0 }, wantDiff: false},
 		{name: "another block size", ahead: func(_, m1 *ckpt.Manifest) (string, int) { return m1.ID, 64 << 10 }, wantDiff: false},
+		// m1's own transfer (a diff against m0) kept its index (KeepIndex, Sent.Index), as the agent does.
+		{name: "kept from its transfer", kept: true, wantDiff: true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			origin := openStore(t, "node1")
@@ -299,8 +304,14 @@ func TestSendWithBaseIndexedAhead(t *testing.T) {
 			m0 := makeSnapshot(t, origin, "job", deltaFiles(memoryPages(4<<20, 9), p2)) // older, not offered first
 			shipPipe(t, origin, prot, m0.ID, SendOptions{})
 			m1 := makeSnapshot(t, origin, "job", deltaFiles(p1, p2))
-			shipPipe(t, origin, prot, m1.ID, SendOptions{})
+			sent1, _ := shipPipe(t, origin, prot, m1.ID, SendOptions{KeepIndex: c.kept})
 			var opts SendOptions
+			if c.kept {
+				if sent1.Index == nil || sent1.Index.ID() != m1.ID {
+					t.Fatalf("the transfer of %s kept the index %+v", m1.ID, sent1.Index)
+				}
+				opts.Base = sent1.Index
+			}
 			if c.ahead != nil {
 				id, bs := c.ahead(m0, m1)
 				b, err := IndexBase(context.Background(), origin, "job", id, bs)
@@ -324,6 +335,69 @@ func TestSendWithBaseIndexedAhead(t *testing.T) {
 				t.Fatal(err)
 			}
 		})
+	}
+}
+
+// The index a transfer keeps (KeepIndex) is the one IndexBase would read from the snapshot afterwards,
+// whether its large files went whole or as a diff, whatever their sizes; without KeepIndex there is none.
+func TestSentIndexIsIndexBase(t *testing.T) {
+	origin := openStore(t, "node1")
+	prot := openStore(t, "prot")
+	p1, p2 := memoryPages(5<<20+1234, 1), memoryPages(2<<20, 2) // one file's last block is short
+	m1 := makeSnapshot(t, origin, "job", deltaFiles(p1, p2))
+	m2 := makeSnapshot(t, origin, "job", deltaFiles(rewritePages(p1, 10, 3), p2[:1<<20+4095]))
+	for _, c := range []struct {
+		m        *ckpt.Manifest
+		opts     SendOptions
+		wantBase string
+	}{
+		{m1, SendOptions{KeepIndex: true}, ""},
+		{m2, SendOptions{KeepIndex: true, JustCommitted: true}, m1.ID},
+	} {
+		sent, _ := shipPipe(t, origin, prot, c.m.ID, c.opts)
+		if sent.BaseID != c.wantBase {
+			t.Fatalf("%s sent against %q, want %q", c.m.ID, sent.BaseID, c.wantBase)
+		}
+		want, err := IndexBase(context.Background(), origin, "job", c.m.ID, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if sent.Index == nil || sent.Index.idx.where != nil {
+			t.Fatalf("%s: kept index %+v, want one of hashes only", c.m.ID, sent.Index)
+		}
+		if got := sent.Index.idx.locate(); !reflect.DeepEqual(got, want.idx) || sent.Index.want != want.want {
+			t.Errorf("%s: kept index (block %d, %d files) differs from IndexBase's (block %d, %d files)",
+				c.m.ID, got.bs, len(got.hashes), want.idx.bs, len(want.idx.hashes))
+		}
+		if n := len(want.idx.hashes); n != 2 {
+			t.Errorf("%s: IndexBase indexed %d files, want the 2 pages files", c.m.ID, n)
+		}
+	}
+	if sent, _ := shipPipe(t, origin, openStore(t, "prot2"), m2.ID, SendOptions{}); sent.Index != nil {
+		t.Error("an index kept without KeepIndex")
+	}
+}
+
+// blockHashes hashes the same blocks however the bytes are cut into writes; a short last block is not
+// hashed.
+func TestBlockHashes(t *testing.T) {
+	data := memoryPages(64<<10+100, 7)
+	var want []uint64
+	for off := 0; off+4096 <= len(data); off += 4096 {
+		want = append(want, xxhash.Sum64(data[off:off+4096]))
+	}
+	for _, cut := range []int{1, 100, 4095, 4096, 4097, 10000, len(data)} {
+		bh := newBlockHashes(4096, int64(len(data)))
+		for p := data; len(p) > 0; {
+			k := min(cut, len(p))
+			if n, err := bh.Write(p[:k]); n != k || err != nil {
+				t.Fatalf("Write: %d, %v", n, err)
+			}
+			p = p[k:]
+		}
+		if !slices.Equal(bh.hs, want) {
+			t.Errorf("writes of %d bytes: %d hashes, want %d equal to the blocks'", cut, len(bh.hs), len(want))
+		}
 	}
 }
 

@@ -94,3 +94,50 @@ func TestDiffHistoryTransfers(t *testing.T) {
 		})
 	}
 }
+
+// The history keeps each job's last transfer's index as its next base: replaced by the next transfer's,
+// dropped by one without an index (a protector that had the snapshot), by Forget, and, past
+// maxBaseIndexes, all at once.
+func TestDiffHistoryBases(t *testing.T) {
+	index := func(id string, blocks int) *BaseIndex {
+		return &BaseIndex{idx: &baseIndex{id: id, bs: 4096, hashes: map[uint32][]uint64{0: make([]uint64, blocks)}}, want: 4096}
+	}
+	base := func(h *DiffHistory, job string) string {
+		if b := h.Base(job); b != nil {
+			return b.ID()
+		}
+		return ""
+	}
+	var h DiffHistory
+	if got := base(&h, "job"); got != "" {
+		t.Fatalf("a job never seen has base %q", got)
+	}
+	h.Record("job", &Sent{Index: index("s1", 10)})
+	h.Record("other", &Sent{Index: index("o1", 10)})
+	h.Record("job", &Sent{BaseID: "s1", Bytes: 1600, CopiedBytes: 1500, Index: index("s2", 10)})
+	if got := base(&h, "job"); got != "s2" {
+		t.Errorf("base %q after the transfer of s2, want s2", got)
+	}
+	if h.size != 2*80 {
+		t.Errorf("%d bytes of indexes counted, want %d", h.size, 2*80)
+	}
+	h.Record("job", &Sent{AlreadyPresent: true})
+	if got := base(&h, "job"); got != "" {
+		t.Errorf("base %q after a transfer without an index, want none", got)
+	}
+	h.Forget("other")
+	if got := base(&h, "other"); got != "" || h.size != 0 {
+		t.Errorf("base %q (%d bytes counted) after Forget, want none", got, h.size)
+	}
+	big := maxBaseIndexes / 8 / 2 // blocks of half the bound
+	h.Record("a", &Sent{Index: index("a1", big)})
+	h.Record("b", &Sent{Index: index("b1", big)})
+	h.Record("c", &Sent{Index: index("c1", big)})
+	if base(&h, "a") != "" || base(&h, "b") != "" || base(&h, "c") != "c1" || h.size != int64(big)*8 {
+		t.Errorf("past the bound: bases a %q b %q c %q, %d bytes counted; want only c's", base(&h, "a"), base(&h, "b"), base(&h, "c"), h.size)
+	}
+	h.Record("d", &Sent{Index: index("d1", maxBaseIndexes/8+1)})
+	if base(&h, "d") != "" || base(&h, "c") != "c1" {
+		t.Error("an index larger than the bound was kept, or dropped the others")
+	}
+}
