@@ -216,8 +216,9 @@ func (idx *baseIndex) has(f uint32, b uint64, h uint64) bool {
 
 // encodeDelta reads size bytes of the new file named name from r and writes
 // its operations to w. It returns the bytes described by COPY operations.
-// tick is called every few MiB (to notice a refusal early).
-func encodeDelta(name string, r io.Reader, w io.Writer, size int64, idx *baseIndex, tick func() error) (int64, error) {
+// tick is called every few MiB (to notice a refusal early). The hash of every
+// full block goes to keep too, unless it is nil (its block size must be idx's).
+func encodeDelta(name string, r io.Reader, w io.Writer, size int64, idx *baseIndex, keep *blockHashes, tick func() error) (int64, error) {
 	same, hasSame := idx.byName[name]
 	bs := idx.bs
 	bw := bufio.NewWriterSize(w, 256<<10)
@@ -271,6 +272,9 @@ func encodeDelta(name string, r io.Reader, w io.Writer, size int64, idx *baseInd
 		}
 		if n == bs {
 			h := xxhash.Sum64(buf)
+			if keep != nil {
+				keep.hs = append(keep.hs, h)
+			}
 			// Prefer extending the current run, then the same place in the
 			// base file of the same name, then any location: duplicate
 			// blocks (zero or repeated pages) would otherwise cut runs short.

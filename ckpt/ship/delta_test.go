@@ -89,7 +89,7 @@ func TestDeltaRoundTrip(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			idx := memIndex(t, c.base, c.bs)
 			var enc bytes.Buffer
-			sent, err := encodeDelta("pages-a.img", bytes.NewReader(c.data), &enc, int64(len(c.data)), idx, func() error { return nil })
+			sent, err := encodeDelta("pages-a.img", bytes.NewReader(c.data), &enc, int64(len(c.data)), idx, nil, func() error { return nil })
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -117,7 +117,7 @@ func TestDeltaRefusesWrongBase(t *testing.T) {
 	base := memoryPages(2<<20, 7)
 	idx := memIndex(t, memBase{base}, 4096)
 	var enc bytes.Buffer
-	if _, err := encodeDelta("pages-a.img", bytes.NewReader(base), &enc, int64(len(base)), idx, func() error { return nil }); err != nil {
+	if _, err := encodeDelta("pages-a.img", bytes.NewReader(base), &enc, int64(len(base)), idx, nil, func() error { return nil }); err != nil {
 		t.Fatal(err)
 	}
 	damaged := slices.Clone(base)
@@ -489,7 +489,7 @@ func BenchmarkDeltaBlock(b *testing.B) {
 				var enc int
 				for b.Loop() {
 					var w countWriter
-					if _, err := encodeDelta("pages-a.img", bytes.NewReader(pattern.data), &w, int64(len(pattern.data)), idx, func() error { return nil }); err != nil {
+					if _, err := encodeDelta("pages-a.img", bytes.NewReader(pattern.data), &w, int64(len(pattern.data)), idx, nil, func() error { return nil }); err != nil {
 						b.Fatal(err)
 					}
 					enc = int(w.n)

@@ -505,13 +505,14 @@ func sendDeltaFile(dir string, f ckpt.FileEntry, idx *baseIndex, bw *bufio.Write
 	zw.Reset(dw)
 	br := bufio.NewReaderSize(in, 1<<20)
 	hr := &hashingReader{r: br}
-	if bh != nil {
-		hr.r = io.TeeReader(br, bh)
+	keep := bh // the diff hashes the blocks anyway, if they are the size the next index wants
+	if bh != nil && bh.bs != idx.bs {
+		hr.r, keep = io.TeeReader(br, bh), nil
 	}
 	if verify {
 		hr.h = sha256.New()
 	}
-	copied, err := encodeDelta(f.Name, hr, zw, f.Size, idx, early)
+	copied, err := encodeDelta(f.Name, hr, zw, f.Size, idx, keep, early)
 	if errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) {
 		return hr.n, copied, &ckpt.VerifyError{File: f.Name, Err: ckpt.ErrTruncated, Detail: fmt.Sprintf("%d bytes, manifest says %d", hr.n, f.Size)}
 	}
