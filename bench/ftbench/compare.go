@@ -668,12 +668,26 @@ func (p *jobLauncher) run(ctx context.Context, c *labcluster.Cluster, variant, i
 		return nil, err
 	}
 	res := &variantRun{Variant: variant, Failure: crashAt > 0}
+	// The crashed rank must not end before a replica holds its connections, however slow the host: it
+	// waits for this file after its last iteration, which the crash creates once it has seen one.
+	var covered string
+	if crashAt > 0 {
+		dir, err := os.MkdirTemp("", "ftbench-covered-")
+		if err != nil {
+			return nil, err
+		}
+		defer os.RemoveAll(dir)
+		covered = filepath.Join(dir, "covered")
+	}
 	var jobs []agent.Job
 	start := time.Now()
 	for r, host := range hosts {
 		argv := append([]string{p.prog, "--rank", fmt.Sprint(r), "--peers", peers}, p.args...)
 		if crashAt == 0 {
 			argv = append(argv, p.sz.warmArgs()...)
+		}
+		if r == 1 && covered != "" {
+			argv = append(argv, "--end-after", covered)
 		}
 		// One run, as ftctl mpirun makes it: its ranks' snapshots share a grid (docs/design.md).
 		j, err := c.Client(host).StartJob(ctx, agent.JobSpec{Name: fmt.Sprintf("%s%d", variant, r), Argv: argv, Interval: interval, Run: "stencil2d-" + variant})
@@ -701,6 +715,9 @@ func (p *jobLauncher) run(ctx context.Context, c *labcluster.Cluster, variant, i
 		// Recovery needs a replica of the crashed rank holding its connections (opened after the snapshot
 		// taken as it started): the crash waits for one if it is not there yet.
 		if err := waitCovered(ctx, c, cmpCrashed, jobs[1].ID, 5*time.Minute); err != nil {
+			return nil, err
+		}
+		if err := os.WriteFile(covered, nil, 0o644); err != nil {
 			return nil, err
 		}
 		for r, j := range jobs {

@@ -47,6 +47,7 @@ type config struct {
 	ckptEvery  int
 	restart    bool
 	reportAt   int
+	endAfter   string
 	progress   *atomic.Int64 // iterations completed, read by the SIGTERM handler
 	stderr     io.Writer
 	stdout     io.Writer
@@ -64,6 +65,7 @@ func main() {
 	flag.IntVar(&cfg.ckptEvery, "ckpt-every", 0, "checkpoint every K iterations (needs --ckpt-dir)")
 	flag.BoolVar(&cfg.restart, "restart", false, "resume from the newest checkpoint all ranks completed")
 	flag.IntVar(&cfg.reportAt, "report-at", 0, "print when iteration I is done (how a benchmark times catching up)")
+	flag.StringVar(&cfg.endAfter, "end-after", "", "after the last iteration, wait until this file exists (a benchmark that crashes this rank's host keeps it running until it is protected)")
 	flag.Parse()
 	cfg.addrs = strings.Split(*peers, ",")
 	if err := cfg.validate(*peers); err != nil {
@@ -236,6 +238,13 @@ func run(c config) (string, error) {
 				return "", err
 			}
 		}
+	}
+
+	for c.endAfter != "" {
+		if _, err := os.Stat(c.endAfter); err == nil {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 
 	// Gather every rank's block hash; the checksum covers the whole grid.

@@ -11,6 +11,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ftkit/ftkit/internal/testenv"
 )
 
 // The test binary doubles as the program: with STENCIL2D_MAIN=1 it runs main, so the restart test kills
@@ -181,5 +183,59 @@ func TestKilledAndRestartedMatchesPlain(t *testing.T) {
 			}
 			t.Logf("resumed from iteration %d of %d (newest written %d)", from, iters, newest)
 		})
+	}
+}
+
+// --end-after holds every rank after its last iteration, its checksum not printed, until the file exists;
+// then the run ends with the checksum of a run without it.
+func TestEndAfterHoldsTheEnd(t *testing.T) {
+	const iters = 20
+	args := []string{"--grid", "32", "--iters", fmt.Sprint(iters)}
+	plain := checksums(t, startRanks(t, freePorts(t, 2), args...))
+
+	file := filepath.Join(t.TempDir(), "go")
+	addrs := freePorts(t, 2)
+	var outs []*testenv.SyncBuffer
+	var ended []chan error
+	for r := range addrs {
+		cmd := exec.Command(os.Args[0], append([]string{"--rank", fmt.Sprint(r), "--peers", strings.Join(addrs, ","),
+			"--report-at", fmt.Sprint(iters), "--end-after", file}, args...)...)
+		cmd.Env = append(os.Environ(), "STENCIL2D_MAIN=1")
+		out := &testenv.SyncBuffer{}
+		cmd.Stdout, cmd.Stderr = out, out
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		done := make(chan error, 1)
+		go func() { done <- cmd.Wait() }()
+		t.Cleanup(func() { cmd.Process.Kill(); <-done })
+		outs, ended = append(outs, out), append(ended, done)
+	}
+	for r, out := range outs {
+		for !strings.Contains(out.String(), fmt.Sprintf("reached iteration %d", iters)) {
+			select {
+			case err := <-ended[r]:
+				t.Fatalf("rank %d ended (%v) before its last iteration: %s", r, err, out)
+			case <-time.After(10 * time.Millisecond):
+			}
+		}
+	}
+	for r, out := range outs {
+		if strings.Contains(out.String(), "checksum") {
+			t.Fatalf("rank %d ended before the file existed: %s", r, out)
+		}
+	}
+	if err := os.WriteFile(file, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for r, done := range ended {
+		err := <-done
+		done <- err // for the cleanup
+		if err != nil {
+			t.Fatalf("rank %d: %v: %s", r, err, outs[r])
+		}
+		if want := fmt.Sprintf("rank %d checksum %s", r, plain); !strings.Contains(outs[r].String(), want) {
+			t.Errorf("rank %d printed %q, want %q", r, outs[r], want)
+		}
 	}
 }
