@@ -176,14 +176,15 @@ func (a *Agent) takeAskedSnapshots(ctx context.Context) {
 // serveSnapshot stores a snapshot a member ships to this host, its protector.
 func (a *Agent) serveSnapshot(ctx context.Context, peer string, c net.Conn) error {
 	got, err := ship.Receive(ctx, c, a.store, ship.ReceiveOptions{Peer: peer, Authorize: ship.FromNode(peer),
-		BeforeCommit: a.beforeReplicaCommit, Logger: a.log})
+		BeforeCommit: a.beforeReplicaCommit, ShareBlocks: a.cfg.Checkpoint.ShareBlocks, Logger: a.log})
 	if err != nil {
 		return err
 	}
 	a.noteReceived(got.Manifest.Job, got.Manifest.ID)
 	a.keepReplicas(ctx, got)
 	a.log.Info("replica stored", "peer", peer, "job", got.Manifest.Job, "snapshot", got.Manifest.ID,
-		"bytes", got.Bytes, "wire_bytes", got.WireBytes, "ms", got.Duration.Milliseconds())
+		"bytes", got.Bytes, "wire_bytes", got.WireBytes, "base", got.BaseID, "copied_bytes", got.CopiedBytes,
+		"shared_bytes", got.SharedBytes, "ms", got.Duration.Milliseconds())
 	return nil
 }
 

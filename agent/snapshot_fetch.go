@@ -264,7 +264,8 @@ func (a *Agent) fetchFrom(ctx context.Context, from, job, id string) error {
 // anything else is refused before a file moves. The transfer sets its own deadlines: ship's idle timeout
 // (a.wire.Idle only when a test shortens it), within ctx.
 func (a *Agent) receiveFetch(ctx context.Context, c io.ReadWriter, from, job, id string) error {
-	got, err := ship.Receive(ctx, c, a.store, ship.ReceiveOptions{Peer: from, Authorize: expectSnapshot(job, id), Logger: a.log, IdleTimeout: a.wire.Idle})
+	got, err := ship.Receive(ctx, c, a.store, ship.ReceiveOptions{Peer: from, Authorize: expectSnapshot(job, id), ShareBlocks: a.cfg.Checkpoint.ShareBlocks,
+		Logger: a.log, IdleTimeout: a.wire.Idle})
 	if err != nil {
 		return err
 	}

@@ -133,6 +133,12 @@ type Config struct {
 		// listen queues, which CRIU cannot dump. A coordinated snapshot waits with the run's jobs on the
 		// other hosts frozen, so it is bounded well below a frozen run's hold (a minute).
 		AcceptWait Duration `toml:"accept_wait"`
+		// ShareBlocks lets a replica rebuilt from a diff share the disk blocks it takes from its base where
+		// the store's file system can (XFS with reflink, btrfs), instead of writing them again
+		// (ship.ReceiveOptions.ShareBlocks). Off by default: a shared block is not in the page
+		// cache under the new replica's name (a recovery, and the next diff, read it from the disk), and it
+		// is one copy on disk for every replica that shares it.
+		ShareBlocks bool `toml:"share_blocks"`
 	} `toml:"checkpoint"`
 	Heartbeat struct {
 		Interval  Duration `toml:"interval"`

@@ -23,7 +23,8 @@ top=$(cd "$(dirname "$0")/.." && pwd)
 # munge for `ftctl lab up --slurm` (a slurmctld and one slurmd per lab host; docs/operations.md); socat for the
 # one-way relay chain test, and MPICH (libmpich-dev's mpicc.mpich) for `ftctl mpirun --impl mpich`: Open MPI
 # keeps the higher alternatives priority, so `mpirun` and `mpicc` stay Open MPI's; Debian's mpi4py (over Open
-# MPI) for the task farm of issue 11, a program that receives from MPI_ANY_SOURCE.
+# MPI) for the task farm of issue 11, a program that receives from MPI_ANY_SOURCE; xfsprogs for the test of
+# replicas that share their base's blocks on a loop-mounted XFS (ckpt/ship).
 PACKAGES=(
 	clang llvm libbpf-dev bpftool
 	nftables iproute2 iputils-arping util-linux procps psmisc ethtool
@@ -33,7 +34,7 @@ PACKAGES=(
 	uuid-dev python3-protobuf
 	openmpi-bin hpcc lammps lammps-examples
 	chromium fonts-dejavu-core
-	slurmctld slurmd slurm-client munge
+	slurmctld slurmd slurm-client munge xfsprogs
 	socat mpich libmpich-dev python3-mpi4py
 )
 

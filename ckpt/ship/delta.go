@@ -328,8 +328,17 @@ type baseFiles interface {
 	ReadAt(i uint32, p []byte, off int64) error
 }
 
+// blockSharer is a destination that can take bytes of a base file by sharing the base's disk blocks
+// instead of writing them (receive.go's rebuiltFile: FICLONERANGE, on XFS and btrfs).
+type blockSharer interface {
+	// share makes p, the bytes at off of base file i, the destination's next bytes; false, with nothing
+	// done, if it cannot, and the caller writes p.
+	share(i uint32, off int64, p []byte) (bool, error)
+}
+
 // applyDelta decodes the operations of a file of size bytes with block size
-// bs from r, which holds untrusted bytes, and writes the file to w. Every
+// bs from r, which holds untrusted bytes, and writes the file to w (base
+// blocks by sharing them where w is a blockSharer that can). Every
 // count and block number is checked against size and the base file before
 // anything is read or written. A base block that does not hash as the sender
 // said, or an unreadable base, is errDeltaRefused; a malformed stream is
@@ -342,6 +351,7 @@ func applyDelta(r io.Reader, w io.Writer, size int64, bs int, base baseFiles) (i
 		return 0, protoErr("negative file size")
 	}
 	br := bufio.NewReaderSize(r, 64<<10)
+	sharer, _ := w.(blockSharer)
 	buf := make([]byte, max(bs, copyChunk))
 	var hdr [copyOpLen]byte
 	var copied int64
@@ -379,8 +389,17 @@ func applyDelta(r io.Reader, w io.Writer, size int64, bs int, base baseFiles) (i
 					return copied, fmt.Errorf("%w: read base file %d: %v", errDeltaRefused, file, err)
 				}
 				h.Write(chunk)
-				if _, err := w.Write(chunk); err != nil {
-					return copied, err
+				shared := false
+				if sharer != nil {
+					var err error
+					if shared, err = sharer.share(file, off, chunk); err != nil {
+						return copied, err
+					}
+				}
+				if !shared {
+					if _, err := w.Write(chunk); err != nil {
+						return copied, err
+					}
 				}
 				off += int64(len(chunk))
 			}
@@ -451,16 +470,25 @@ func (b *rootBase) Size(i uint32) (int64, bool) {
 }
 
 func (b *rootBase) ReadAt(i uint32, p []byte, off int64) error {
+	f, err := b.file(i)
+	if err != nil {
+		return err
+	}
+	_, err = f.ReadAt(p, off)
+	return err
+}
+
+// file is base file i, opened once.
+func (b *rootBase) file(i uint32) (*os.File, error) {
 	f, ok := b.open[i]
 	if !ok {
 		var err error
 		if f, err = b.root.Open(b.files[i].Name); err != nil {
-			return err
+			return nil, err
 		}
 		b.open[i] = f
 	}
-	_, err := f.ReadAt(p, off)
-	return err
+	return f, nil
 }
 
 func (b *rootBase) Close() {

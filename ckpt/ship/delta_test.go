@@ -198,6 +198,13 @@ func (nopHash) BlockSize() int              { return 1 }
 // shipPipe sends snapshot id from origin to prot over a pipe.
 func shipPipe(t testing.TB, origin, prot *ckpt.Store, id string, sopts SendOptions) (*Sent, *Received) {
 	t.Helper()
+	return shipPipeTo(t, origin, prot, id, sopts, ReceiveOptions{})
+}
+
+// shipPipeTo is shipPipe with the receiver's options (its Peer and Authorize are set here).
+func shipPipeTo(t testing.TB, origin, prot *ckpt.Store, id string, sopts SendOptions, ropts ReceiveOptions) (*Sent, *Received) {
+	t.Helper()
+	ropts.Peer, ropts.Authorize = "node1", FromNode("node1")
 	c1, c2 := net.Pipe()
 	defer c1.Close()
 	type result struct {
@@ -207,7 +214,7 @@ func shipPipe(t testing.TB, origin, prot *ckpt.Store, id string, sopts SendOptio
 	got := make(chan result, 1)
 	go func() {
 		defer c2.Close()
-		r, err := Receive(context.Background(), c2, prot, ReceiveOptions{Peer: "node1", Authorize: FromNode("node1")})
+		r, err := Receive(context.Background(), c2, prot, ropts)
 		got <- result{r, err}
 	}()
 	sopts.Peer = "prot"
