@@ -2,9 +2,9 @@ package ship
 
 import "sync"
 
-// DiffHistory remembers, per job, whether diffing its snapshots against a base paid. A diff reads and
-// hashes the whole base, then every block of the new files, and the protector rebuilds the files from
-// both: for a job that rewrites all its memory between snapshots (a stencil's grids) that is more CPU than
+// DiffHistory remembers, per job, whether diffing its snapshots against a base paid. A diff hashes every
+// block of the new files (and reads and hashes the whole base, unless its index was kept), and the
+// protector rebuilds the files from both: for a job that rewrites all its memory between snapshots (a stencil's grids) that is more CPU than
 // the transfer itself, on both hosts, for not one byte less on the wire. After a diff that took less than
 // a sixteenth of the snapshot from its base (or that the protector refused), the job's next
 // skipAfterUselessDiff transfers go whole; then a diff is tried again, so a job whose writes slow down

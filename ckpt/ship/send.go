@@ -44,8 +44,8 @@ type SendOptions struct {
 	// first.
 	Base *BaseIndex
 	// KeepIndex asks for Sent.Index: the block hashes of the snapshot's large files, taken as they are read
-	// (one xxhash64 pass, about a twentieth of the compression's CPU), so that the job's next transfer can
-	// diff against this snapshot without reading it again.
+	// (one xxhash64 pass over a file sent whole; a diff hashes its blocks anyway), so that the job's next
+	// transfer can diff against this snapshot without reading it again.
 	KeepIndex bool
 	Logger    *slog.Logger
 }
