@@ -28,6 +28,12 @@ import (
 
 var bins labcluster.Binaries
 
+// selfCopy is a copy of this test binary in bins.Dir, which other users can enter (TestPeerCredentials
+// runs it as nobody). TestMain writes it before any test runs: an executable written while parallel tests
+// fork is held open for writing by children between their fork and exec, and exec'ing it then fails
+// with ETXTBSY (ci314: "fork/exec .../e2e-self: text file busy").
+var selfCopy string
+
 func TestMain(m *testing.M) {
 	if sock := os.Getenv("FTKIT_E2E_LIST_JOBS"); sock != "" {
 		// Re-executed as another user: list the jobs that user may see.
@@ -59,6 +65,9 @@ func TestMain(m *testing.M) {
 	}
 	os.Chmod(dir, 0o755) // tests run ftwrap as other users too
 	bins, err = labcluster.Build(context.Background(), dir)
+	if err == nil {
+		selfCopy, err = copySelf(bins.Dir)
+	}
 	code := 0
 	if err != nil {
 		println(err.Error())
@@ -68,6 +77,20 @@ func TestMain(m *testing.M) {
 	}
 	os.RemoveAll(dir)
 	os.Exit(code)
+}
+
+// copySelf copies this test binary into dir.
+func copySelf(dir string) (string, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return "", err
+	}
+	data, err := os.ReadFile(self)
+	if err != nil {
+		return "", err
+	}
+	path := filepath.Join(dir, "e2e-self")
+	return path, os.WriteFile(path, data, 0o755)
 }
 
 func newCluster(t *testing.T, nodes, spares int, opts labcluster.Options) *labcluster.Cluster {
@@ -305,15 +328,6 @@ func TestPeerCredentials(t *testing.T) {
 	}
 	// Ask the agent as nobody: only nobody's job is listed.
 	// The test binary lives in a directory other users cannot enter: run a copy from the shared bin dir.
-	self, _ := os.Executable()
-	data, err := os.ReadFile(self)
-	if err != nil {
-		t.Fatal(err)
-	}
-	selfCopy := filepath.Join(bins.Dir, "e2e-self")
-	if err := os.WriteFile(selfCopy, data, 0o755); err != nil {
-		t.Fatal(err)
-	}
 	list := exec.Command(selfCopy, "-test.run=^$")
 	list.Env = append(os.Environ(), "FTKIT_E2E_LIST_JOBS="+labcluster.Socket(c.Lab.State().ID, "node1"))
 	list.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: nobody, Gid: nobody}}
