@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"fmt"
 	"net"
 	"os"
@@ -25,9 +24,18 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
+// rankProc is a rank run as a child process; out may be read while it runs.
 type rankProc struct {
-	cmd *exec.Cmd
-	out *bytes.Buffer
+	cmd  *exec.Cmd
+	out  *testenv.SyncBuffer
+	done chan error // its Wait's result, put back by every reader (wait)
+}
+
+// wait waits for the rank to end and returns how it ended.
+func (p *rankProc) wait() error {
+	err := <-p.done
+	p.done <- err
+	return err
 }
 
 func freePorts(t *testing.T, n int) []string {
@@ -54,12 +62,13 @@ func startRanks(t *testing.T, addrs []string, args ...string) []*rankProc {
 	for r := range addrs {
 		cmd := exec.Command(os.Args[0], append([]string{"--rank", fmt.Sprint(r), "--peers", strings.Join(addrs, ",")}, args...)...)
 		cmd.Env = append(os.Environ(), "STENCIL2D_MAIN=1")
-		p := &rankProc{cmd: cmd, out: new(bytes.Buffer)}
+		p := &rankProc{cmd: cmd, out: &testenv.SyncBuffer{}, done: make(chan error, 1)}
 		cmd.Stdout, cmd.Stderr = p.out, p.out
 		if err := cmd.Start(); err != nil {
 			t.Fatal(err)
 		}
-		t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+		go func() { p.done <- cmd.Wait() }()
+		t.Cleanup(func() { cmd.Process.Kill(); p.wait() })
 		ps = append(ps, p)
 	}
 	return ps
@@ -70,7 +79,7 @@ func checksums(t *testing.T, ps []*rankProc) string {
 	t.Helper()
 	var sum string
 	for r, p := range ps {
-		if err := p.cmd.Wait(); err != nil {
+		if err := p.wait(); err != nil {
 			t.Fatalf("rank %d: %v\n%s", r, err, p.out)
 		}
 		var got string
@@ -145,7 +154,7 @@ func TestKilledAndRestartedMatchesPlain(t *testing.T) {
 			}
 			for _, p := range ps {
 				p.cmd.Process.Kill()
-				p.cmd.Wait()
+				p.wait()
 			}
 			line := completedCheckpoint(t, dir, ranks)
 			if line >= iters {
@@ -194,48 +203,26 @@ func TestEndAfterHoldsTheEnd(t *testing.T) {
 	plain := checksums(t, startRanks(t, freePorts(t, 2), args...))
 
 	file := filepath.Join(t.TempDir(), "go")
-	addrs := freePorts(t, 2)
-	var outs []*testenv.SyncBuffer
-	var ended []chan error
-	for r := range addrs {
-		cmd := exec.Command(os.Args[0], append([]string{"--rank", fmt.Sprint(r), "--peers", strings.Join(addrs, ","),
-			"--report-at", fmt.Sprint(iters), "--end-after", file}, args...)...)
-		cmd.Env = append(os.Environ(), "STENCIL2D_MAIN=1")
-		out := &testenv.SyncBuffer{}
-		cmd.Stdout, cmd.Stderr = out, out
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		done := make(chan error, 1)
-		go func() { done <- cmd.Wait() }()
-		t.Cleanup(func() { cmd.Process.Kill(); <-done })
-		outs, ended = append(outs, out), append(ended, done)
-	}
-	for r, out := range outs {
-		for !strings.Contains(out.String(), fmt.Sprintf("reached iteration %d", iters)) {
+	ps := startRanks(t, freePorts(t, 2), append(args, "--report-at", fmt.Sprint(iters), "--end-after", file)...)
+	for r, p := range ps {
+		for !strings.Contains(p.out.String(), fmt.Sprintf("reached iteration %d", iters)) {
 			select {
-			case err := <-ended[r]:
-				t.Fatalf("rank %d ended (%v) before its last iteration: %s", r, err, out)
+			case err := <-p.done:
+				p.done <- err // for the cleanup
+				t.Fatalf("rank %d ended (%v) before its last iteration: %s", r, err, p.out)
 			case <-time.After(10 * time.Millisecond):
 			}
 		}
 	}
-	for r, out := range outs {
-		if strings.Contains(out.String(), "checksum") {
-			t.Fatalf("rank %d ended before the file existed: %s", r, out)
+	for r, p := range ps {
+		if strings.Contains(p.out.String(), "checksum") {
+			t.Fatalf("rank %d ended before the file existed: %s", r, p.out)
 		}
 	}
 	if err := os.WriteFile(file, nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	for r, done := range ended {
-		err := <-done
-		done <- err // for the cleanup
-		if err != nil {
-			t.Fatalf("rank %d: %v: %s", r, err, outs[r])
-		}
-		if want := fmt.Sprintf("rank %d checksum %s", r, plain); !strings.Contains(outs[r].String(), want) {
-			t.Errorf("rank %d printed %q, want %q", r, outs[r], want)
-		}
+	if got := checksums(t, ps); got != plain {
+		t.Errorf("checksum %s after the hold, %s without it", got, plain)
 	}
 }
