@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strings"
 	"time"
@@ -136,7 +137,7 @@ type Manifest struct {
 // Replicated reports whether a verified copy lives on at least one other node.
 func (m *Manifest) Replicated() bool { return len(m.Replicas) > 0 }
 
-// TotalSize is the sum of the sizes of the snapshot's files.
+// TotalSize is the sum of the sizes of the snapshot's files (Validate refuses a sum beyond int64).
 func (m *Manifest) TotalSize() int64 {
 	var n int64
 	for _, f := range m.Files {
@@ -299,6 +300,7 @@ func (m *Manifest) Validate() error {
 	if len(m.Files) > MaxFiles {
 		return bad("%d files, more than the %d limit", len(m.Files), MaxFiles)
 	}
+	var total int64
 	for i, f := range m.Files {
 		if err := ValidFileName(f.Name); err != nil {
 			return bad("file %d: %v", i, err)
@@ -306,6 +308,11 @@ func (m *Manifest) Validate() error {
 		if f.Size < 0 {
 			return bad("file %q: negative size", f.Name)
 		}
+		// A sum that wraps would pass any bound on TotalSize (a receiver's MaxSnapshotBytes).
+		if f.Size > math.MaxInt64-total {
+			return bad("file %q: the files' sizes add up to more than %d bytes", f.Name, int64(math.MaxInt64))
+		}
+		total += f.Size
 		if len(f.SHA256) != 2*sha256.Size || strings.ToLower(f.SHA256) != f.SHA256 {
 			return bad("file %q: sha256 must be 64 lower-case hex digits", f.Name)
 		}
@@ -350,11 +357,14 @@ func (m *Manifest) Validate() error {
 	return nil
 }
 
-// ValidName checks a job or node name: 1..128 bytes of [A-Za-z0-9._-], not
+// MaxNameLen bounds a job or node name (ValidName).
+const MaxNameLen = 128
+
+// ValidName checks a job or node name: 1..MaxNameLen bytes of [A-Za-z0-9._-], not
 // starting with '.' (hidden names are the store's own temporaries).
 func ValidName(s string) error {
-	if s == "" || len(s) > 128 {
-		return fmt.Errorf("name %q must be 1..128 bytes", s)
+	if s == "" || len(s) > MaxNameLen {
+		return fmt.Errorf("name %q must be 1..%d bytes", s, MaxNameLen)
 	}
 	if s[0] == '.' {
 		return fmt.Errorf("name %q must not start with '.'", s)

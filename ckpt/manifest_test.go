@@ -70,6 +70,9 @@ func TestManifestRejects(t *testing.T) {
 		{"short sha", func(m *Manifest) { m.Files[0].SHA256 = "abcd" }},
 		{"upper-case sha", func(m *Manifest) { m.Files[0].SHA256 = strings.Repeat("AB", 32) }},
 		{"negative size", func(m *Manifest) { m.Files[0].Size = -1 }},
+		// Two sizes of 2^62 wrapped TotalSize to -2^63, under any receiver's bound (a peer could then fill the
+		// store with a few MB of compressed zeros).
+		{"sizes overflow", func(m *Manifest) { m.Files[0].Size = 1 << 62; m.Files[1].Size = 1 << 62 }},
 		{"bad mode", func(m *Manifest) { m.Mode = "coordinated" }},
 		{"id node mismatch", func(m *Manifest) { m.Node = "node9" }},
 		{"parent newer", func(m *Manifest) { m.Parent = "20991122T152000.000Z-node1-000001" }},
@@ -164,6 +167,9 @@ func check(t *testing.T, data []byte) {
 			if ValidFileName(fe.Name) != nil {
 				t.Fatalf("accepted unsafe file name %q", fe.Name)
 			}
+		}
+		if m.TotalSize() < 0 {
+			t.Fatalf("accepted files whose sizes add up to %d", m.TotalSize())
 		}
 		b1, err := m.Encode()
 		if err != nil {
