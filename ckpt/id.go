@@ -12,6 +12,9 @@ const idTimeLayout = "20060102T150405.000Z"
 
 const seqDigits = 6
 
+// MaxIDLen is the longest snapshot id: its time, a node name of MaxNameLen bytes and its sequence.
+const MaxIDLen = len(idTimeLayout) + 1 + MaxNameLen + 1 + seqDigits
+
 // SnapshotID is a parsed snapshot id: <UTC time to the ms>-<node>-<seq>,
 // e.g. 20261122T153000.123Z-node1-000042.
 type SnapshotID struct {

@@ -92,15 +92,15 @@ func maxPayload(t frameType) int {
 	case frameEnd, frameDone:
 		return 0
 	case frameAccept:
-		return 1 + maxOffers*(1+128)
+		return 1 + maxOffers*(1+ckpt.MaxIDLen)
 	case frameBase:
-		return 1 + 128 + 32 + 4
+		return 1 + ckpt.MaxIDLen + 32 + 4
 	case frameDFile:
 		return 2 + 4096 + 8
 	case frameAbort, frameNack, frameRetry:
 		return maxReasonLen
 	case frameHave, frameOK:
-		return 128
+		return ckpt.MaxNameLen
 	}
 	return -1
 }
