@@ -123,7 +123,7 @@ func Receive(ctx context.Context, conn io.ReadWriter, store *ckpt.Store, opts Re
 		return nil, fmt.Errorf("receive snapshot: %w", err)
 	}
 
-	rc := &receiver{ctx: ctx, fr: fr, store: store, opts: opts, log: log, version: version}
+	rc := &receiver{ctx: ctx, fr: fr, g: g, store: store, opts: opts, log: log, version: version}
 	res, err := rc.run(reply)
 	if err != nil {
 		if rc.pending != nil {
@@ -173,6 +173,7 @@ func wrapCtx(ctx context.Context, what string, err error) error {
 type receiver struct {
 	ctx         context.Context
 	fr          *frameReader
+	g           *guard
 	store       *ckpt.Store
 	opts        ReceiveOptions
 	log         *slog.Logger
@@ -317,7 +318,14 @@ func (rc *receiver) attempt(m *ckpt.Manifest, offers []string, reply func(frameT
 	}
 	rc.baseID = ""
 	if rc.version >= 2 {
-		if err := rc.readBase(m, offers); err != nil {
+		// A sender without the index of the base it picks reads and hashes the base first: up to a
+		// snapshot's size from its disk, far beyond the idle timeout for a large job.
+		if len(offers) > 0 {
+			rc.g.allow(hashAllowance(m.TotalSize()))
+		}
+		err := rc.readBase(m, offers)
+		rc.g.allow(0)
+		if err != nil {
 			return 0, err
 		}
 		if rc.base != nil {
