@@ -163,8 +163,9 @@ func (p *Pending) create() error {
 	}
 	p.lock, err = lockDir(p.dir, false)
 	if err != nil {
-		os.RemoveAll(p.dir)
-		return fmt.Errorf("begin snapshot %s/%s: lock %s: %w", p.job, p.id, p.dir, err)
+		// Not removed: between the Mkdir and the lock, another writer may have taken the directory for
+		// stale, made it again and locked it. A stale one is removed by the next writer that locks it.
+		return fmt.Errorf("begin snapshot %s/%s: lock %s (in use by another writer?): %w", p.job, p.id, p.dir, err)
 	}
 	return nil
 }
