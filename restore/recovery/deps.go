@@ -152,7 +152,7 @@ type Network interface {
 	// Guard drops the packets of conns and the connection requests to addrs until CRIU's restore of the
 	// dump runID unlocks the network (restore.Guard).
 	Guard(ctx context.Context, runID string, conns []ckpt.Conn, addrs []netip.Addr) error
-	Unguard(ctx context.Context, runID string)
+	Unguard(ctx context.Context, runID string) error
 	TakeOver(ip netip.Addr) error
 	Release(ip netip.Addr)
 	// SetInitCwnd raises the routes' initial windows until putBack (restore.SetInitCwnd).
@@ -176,7 +176,7 @@ type JobNetwork interface {
 	// Create makes the job's network here; idempotent.
 	Create(ctx context.Context) error
 	// Delete removes it, its address first (a restore that failed must not leave the address answering).
-	Delete(ctx context.Context)
+	Delete(ctx context.Context) error
 	// Addr is the job's address, announced once the job is restored.
 	Addr() netip.Addr
 }

@@ -248,7 +248,10 @@ func guardEntry(runID string, addrs []netip.Addr) string {
 	return fmt.Sprintf("guard %s holding %v", runID, addrs)
 }
 
-func (f *fake) Unguard(_ context.Context, runID string) { addTo(f, &f.net, "unguard "+runID) }
+func (f *fake) Unguard(_ context.Context, runID string) error {
+	addTo(f, &f.net, "unguard "+runID)
+	return nil
+}
 
 func (f *fake) TakeOver(ip netip.Addr) error {
 	if f.takeOverErr != nil {

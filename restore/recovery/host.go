@@ -81,7 +81,9 @@ func (n HostNetwork) Guard(ctx context.Context, runID string, conns []ckpt.Conn,
 	return restore.Guard(ctx, runID, conns, addrs)
 }
 
-func (n HostNetwork) Unguard(ctx context.Context, runID string) { restore.Unguard(ctx, runID) }
+func (n HostNetwork) Unguard(ctx context.Context, runID string) error {
+	return restore.Unguard(ctx, runID)
+}
 
 func (n HostNetwork) TakeOver(ip netip.Addr) error {
 	return restore.TakeOver(n.Iface, netip.PrefixFrom(ip, n.Bits))
@@ -139,7 +141,9 @@ func (n JobNet) iface() string {
 
 func (n JobNet) Create(ctx context.Context) error { return jobnet.Create(ctx, n.Spec) }
 
-func (n JobNet) Delete(ctx context.Context) { jobnet.Delete(ctx, n.Spec.Name, n.Spec.ParentNetns) }
+func (n JobNet) Delete(ctx context.Context) error {
+	return jobnet.Delete(ctx, n.Spec.Name, n.Spec.ParentNetns)
+}
 
 func (n JobNet) Addr() netip.Addr { return n.Spec.Addr.Addr() }
 
@@ -147,8 +151,8 @@ func (n JobNet) Guard(ctx context.Context, runID string, conns []ckpt.Conn, addr
 	return n.in(func() error { return restore.Guard(ctx, runID, conns, addrs) })
 }
 
-func (n JobNet) Unguard(ctx context.Context, runID string) {
-	n.in(func() error { return restore.Unguard(ctx, runID) })
+func (n JobNet) Unguard(ctx context.Context, runID string) error {
+	return n.in(func() error { return restore.Unguard(ctx, runID) })
 }
 
 func (n JobNet) TakeOver(ip netip.Addr) error {

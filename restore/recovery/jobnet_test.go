@@ -32,7 +32,7 @@ func (n fakeJobNet) Create(context.Context) error {
 	n.rec("create")
 	return nil
 }
-func (n fakeJobNet) Delete(context.Context) { n.rec("delete") }
+func (n fakeJobNet) Delete(context.Context) error { n.rec("delete"); return nil }
 func (n fakeJobNet) Addr() netip.Addr {
 	if n.addr.IsValid() {
 		return n.addr
@@ -43,7 +43,10 @@ func (n fakeJobNet) Guard(_ context.Context, runID string, _ []ckpt.Conn, addrs 
 	n.rec(guardEntry(runID, addrs))
 	return nil
 }
-func (n fakeJobNet) Unguard(_ context.Context, runID string) { n.rec("unguard " + runID) }
+func (n fakeJobNet) Unguard(_ context.Context, runID string) error {
+	n.rec("unguard " + runID)
+	return nil
+}
 func (n fakeJobNet) TakeOver(ip netip.Addr) error {
 	n.rec("take over " + ip.String())
 	return errors.New("a job network holds only its job's address")

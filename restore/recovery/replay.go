@@ -25,7 +25,8 @@ import (
 // send, or re-sent fewer bytes) or whose bytes fail the check is killed before anything re-protects it:
 // from there on its peers would get bytes of a different execution, or of one nobody can vouch for. The
 // recovery ends with a named failure, never a hang and never a job of unknown fidelity. It is the one
-// place that kills a restored job; a resumed recovery (the agent restarted) calls it too.
+// place that kills a restored job (with refuse, as Run does for one whose peer job could not be restored); a
+// resumed recovery (the agent restarted) calls it too.
 func ReplayAndVerify(ctx context.Context, d Deps, j *Job) (string, error) {
 	if j.stopKeeping != nil {
 		defer j.stopKeeping()
@@ -48,14 +49,19 @@ func ReplayAndVerify(ctx context.Context, d Deps, j *Job) (string, error) {
 		err = fmt.Errorf("%w (its receive calls were replayed in the recorded order: it decides from something else, such as which messages had arrived when it checked, as MPI_Waitany and MPI_ANY_SOURCE do, or the clock; or a crash took the determinants of its last receives: docs/receive-order.md)", err)
 	}
 	if err != nil {
-		rollsBack := d.Jobs.RollsBack(j.ID) // the whole run rolls back, the peers included: nobody to reset
-		short := abandon(d, j)
-		d.Jobs.Kill(j.ID, err)
-		if !rollsBack {
-			resetPeers(d, j, short)
-		}
+		refuse(d, j, err)
 	}
 	return detail, err
+}
+
+// refuse kills restored job j for err, and resets the peers it left short.
+func refuse(d Deps, j *Job, err error) {
+	rollsBack := d.Jobs.RollsBack(j.ID) // the whole run rolls back, the peers included: nobody to reset
+	short := abandon(d, j)
+	d.Jobs.Kill(j.ID, err)
+	if !rollsBack {
+		resetPeers(d, j, short)
+	}
 }
 
 // shortPeer is a peer that received more than an abandoned job re-sent: up to target on flow.

@@ -99,9 +99,17 @@ func Run(ctx context.Context, req clusterapi.RecoverRequest, d Deps, emit func(S
 			d.Logger.Warn("gratuitous ARP for a job address failed; peers find it when their neighbour entries expire", "job", j.ID, "addr", j.Net.Addr(), "err", err)
 		}
 	}
+	orphans := orphaned(restored, jobs, restoreErrs, local)
 	var verified []string
 	for _, j := range restored {
-		detail, err := ReplayAndVerify(ctx, d, j)
+		var detail string
+		err, orphan := orphans[j.ID]
+		if orphan {
+			refuse(d, j, err)
+			j.stopKeeping()
+		} else {
+			detail, err = ReplayAndVerify(ctx, d, j)
+		}
 		stage(StageReplayed, j.ID, j.RestoredAt, detail, err)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("job %s is not transparently recoverable (killed): %w", j.ID, err))
@@ -120,6 +128,45 @@ func Run(ctx context.Context, req clusterapi.RecoverRequest, d Deps, emit func(S
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// orphaned says which restored jobs lost the other end of a connection to another job of the failed node
+// (local) because that job's restore failed (restoreErrs, by index into jobs), directly or through another
+// such job, and why. Its guard gone, the restored job's segments meet no socket and this host resets the
+// connection: the job then runs on with a reset the failure-free run never had, and nothing checks that
+// connection's bytes (they crossed the failed node's own interface, which no log sees).
+func orphaned(restored, jobs []*Job, restoreErrs []error, local func(ckpt.Conn) bool) map[string]error {
+	gone := map[tcpflow.Tuple]string{} // the connections of the jobs that are not back, by job
+	for i, j := range jobs {
+		if restoreErrs[i] != nil {
+			for _, c := range j.Manifest.Conns {
+				gone[c.Tuple] = j.ID
+			}
+		}
+	}
+	orphans := map[string]error{}
+	for more := len(gone) > 0; more; {
+		more = false
+		for _, j := range restored {
+			if _, done := orphans[j.ID]; done {
+				continue
+			}
+			for _, c := range j.Manifest.Conns {
+				peer, ok := gone[c.Reverse()]
+				if !ok || peer == j.ID || !local(c) {
+					continue
+				}
+				orphans[j.ID] = fmt.Errorf("connection %s -> %s to job %s, which is not restored: the connection is reset here, as it never was in the failed node's run: %w",
+					c.Local, c.Remote, peer, restore.ErrNotRecoverable)
+				for _, c := range j.Manifest.Conns {
+					gone[c.Tuple] = j.ID
+				}
+				more = true
+				break
+			}
+		}
+	}
+	return orphans
 }
 
 // DefaultParallelJobs is how many jobs Run fetches and plans, and then restores, at once unless
@@ -283,18 +330,38 @@ func restoreJob(ctx context.Context, d Deps, j *Job, stage stageFunc) error {
 	if err != nil {
 		stopEvents()
 		endHold(d, j)
+		// No socket here re-sends anything: a peer's ACKs lowered on would also lower those of the RSTs
+		// this host sends it, which the peer ignores, and it would wait instead of failing.
+		if d.Clamp != nil {
+			for _, c := range j.Plan.Conns {
+				if c.Resend > 0 {
+					d.Clamp.Release(c.Conn.Tuple)
+				}
+			}
+		}
 		j.stopKeeping()
 		d.Tracker.SetPhase(j.ID, "", time.Time{})
-		netOf(d, j).Unguard(ctx, j.RunID)
-		if j.Net != nil {
-			j.Net.Delete(ctx)
+		// Undone even when the restore failed because ctx ended (the agent stops): a guard left up drops
+		// the job's flows and new connections to its address for good.
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
+		defer cancel()
+		if err := netOf(d, j).Unguard(cctx, j.RunID); err != nil {
+			d.Logger.Warn("could not remove the network guard of a job whose restore failed: its flows stay dropped", "job", j.ID, "err", err)
 		}
-		d.Jobs.GiveBackUnlessStarted(ctx, j, err)
+		if j.Net != nil {
+			if err := j.Net.Delete(cctx); err != nil {
+				d.Logger.Warn("could not delete the network of a job whose restore failed: its address stays on the wire", "job", j.ID, "err", err)
+			}
+		}
+		d.Jobs.GiveBackUnlessStarted(cctx, j, err)
 		return fmt.Errorf("job %s: %w", j.ID, err)
 	}
 	d.Tracker.SetPhase(j.ID, PhaseRestored, j.RestoredAt)
 	return nil
 }
+
+// cleanupTimeout bounds what undoes a failed restore once the recovery's context has ended.
+const cleanupTimeout = 10 * time.Second
 
 // stageFunc reports one step of a job's recovery (Run's stage).
 type stageFunc func(name, job string, start time.Time, detail string, err error)
@@ -448,11 +515,17 @@ func prepareNetwork(ctx context.Context, d Deps, req clusterapi.RecoverRequest, 
 		for _, ip := range taken {
 			d.Network.Release(ip)
 		}
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout) // as restoreJob's
+		defer cancel()
 		for _, j := range guarded {
-			netOf(d, j).Unguard(ctx, j.RunID)
+			if err := netOf(d, j).Unguard(cctx, j.RunID); err != nil {
+				d.Logger.Warn("could not remove a network guard after a failed recovery: its flows stay dropped", "job", j.ID, "err", err)
+			}
 		}
 		for _, j := range created {
-			j.Net.Delete(ctx)
+			if err := j.Net.Delete(cctx); err != nil {
+				d.Logger.Warn("could not delete a job network after a failed recovery: its address stays on the wire", "job", j.ID, "err", err)
+			}
 		}
 		for _, f := range clamped {
 			d.Clamp.Release(f)

@@ -720,3 +720,64 @@ func TestRunLocalPeers(t *testing.T) {
 		})
 	}
 }
+
+// A restored job whose connection's other end was a job of the failed node whose restore then failed is
+// killed, and so is a job connected to it in turn: before, rank2 was verified and re-protected while this
+// host reset its connection to rank1 (a reset the failed node's run never had, on bytes no log checks).
+func TestRunRefusesJobsOfAFailedLocalPeer(t *testing.T) {
+	a := netip.AddrPortFrom(failedAddr, 7000)
+	b := netip.AddrPortFrom(failedAddr, 41000)
+	c := netip.AddrPortFrom(failedAddr, 42000)
+	conn := func(local, remote netip.AddrPort, inq, outq uint32) ckpt.Conn {
+		return ckpt.Conn{Tuple: tcpflow.Tuple{Local: local, Remote: remote}, InqSeq: inq, OutqSeq: outq}
+	}
+	f := newFake(t)
+	f.connsOf = map[string][]ckpt.Conn{
+		"rank1": {conn(a, b, 5000, 1000)},
+		"rank2": {conn(b, a, 1000, 5000), conn(b, c, 1, 1)},
+		"rank3": {conn(c, b, 1, 1)},
+		"rank4": nil, // no connection to them: recovered
+	}
+	f.restoreHook = func(j *Job) error {
+		if j.ID == "rank1" {
+			return errors.New("criu restore failed")
+		}
+		return nil
+	}
+	req := request(snap1)
+	req.Jobs = nil
+	for _, id := range []string{"rank1", "rank2", "rank3", "rank4"} {
+		req.Jobs = append(req.Jobs, clusterapi.RecoverJob{Job: id, Candidates: []clusterapi.Candidate{{Snapshot: snap1, Source: "node3"}}})
+	}
+	err := Run(context.Background(), req, f.deps(), func(Stage) {})
+	for _, want := range []string{"criu restore failed", "job rank2 is not transparently recoverable (killed): connection 10.0.0.2:41000 -> 10.0.0.2:7000 to job rank1, which is not restored",
+		"job rank3 is not transparently recoverable (killed): connection 10.0.0.2:42000 -> 10.0.0.2:41000 to job rank2"} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("Run: %v; want it to say %q", err, want)
+		}
+	}
+	slices.Sort(f.killed)
+	if !slices.Equal(f.killed, []string{"rank2", "rank3"}) || !slices.Equal(f.reprotected, []string{"rank4"}) {
+		t.Errorf("killed %v, re-protected %v; want rank2 and rank3 killed, rank4 re-protected", f.killed, f.reprotected)
+	}
+}
+
+// A job whose restore failed leaves no flow in the ACK clamp: with its ACKs lowered, the peer would ignore
+// the resets this host sends it for the missing socket and wait instead of failing.
+func TestRestoreFailureReleasesClamp(t *testing.T) {
+	f := newFake(t)
+	f.restoreErr = errors.New("criu restore: exit 1")
+	flow := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("10.0.0.3:4000")}
+	j := &Job{ID: "rank1", RunID: "run-rank1", Work: t.TempDir(),
+		Plan: restore.Plan{Conns: []restore.ConnPlan{{Conn: ckpt.Conn{Tuple: flow, OutqSeq: 1000}, Resend: 10}}}}
+	d := f.deps()
+	if err := d.Clamp.Clamp(flow, 1000); err != nil { // as prepareNetwork does
+		t.Fatal(err)
+	}
+	if err := restoreJob(t.Context(), d, j, func(string, string, time.Time, string, error) {}); err == nil {
+		t.Fatal("restoreJob succeeded")
+	}
+	if !slices.Contains(f.released, flow) {
+		t.Errorf("the restore failed and the clamp released %v; want %v released", f.released, flow)
+	}
+}
