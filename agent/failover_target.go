@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/detect"
@@ -229,6 +230,11 @@ func (a *Agent) checkMigration(req RecoverRequest, peer string) error {
 		return fmt.Errorf("migration names %d jobs: 1 to %d", len(req.Jobs), maxRecoverJobs)
 	}
 	for _, rj := range req.Jobs {
+		if rj.TakenFrom != "" {
+			// Snapshots of another node, which restoring would take its job from: the job must run on
+			// the node that moves it (a member could otherwise copy a live job of a node it protects).
+			return fmt.Errorf("migration refused: job %s is to be restored from snapshots of %s, not of %s, which moves it", rj.Job, rj.TakenFrom, peer)
+		}
 		cands, err := rj.CandidateList(peer)
 		if err != nil {
 			return err
@@ -236,6 +242,9 @@ func (a *Agent) checkMigration(req RecoverRequest, peer string) error {
 		for _, c := range cands {
 			if c.Source != peer {
 				return fmt.Errorf("migration refused: job %s's snapshot %s is to come from %s, not from %s, which moves it", rj.Job, c.Snapshot, c.Source, peer)
+			}
+			if id, err := ckpt.ParseID(c.Snapshot); err != nil || id.Node != peer {
+				return fmt.Errorf("migration refused: job %s's snapshot %s was not taken by %s, which moves it (a migration dumps the job anew)", rj.Job, c.Snapshot, peer)
 			}
 		}
 	}

@@ -72,6 +72,17 @@ func TestCheckMigration(t *testing.T) {
 			r.Jobs = job("node1")
 			return r
 		}, "is to come from node1"},
+		// A live job of node1 (node2 protects it, so holds its snapshots) copied to node3.
+		{"another node's snapshots, taken from it", "node3", v, "node2", func(r RecoverRequest) RecoverRequest {
+			r.Jobs = job("node2") // a copy: ok's stays as it is
+			r.Jobs[0].TakenFrom = "node1"
+			return r
+		}, "restored from snapshots of node1"},
+		{"another node's snapshot, sent by the mover", "node3", v, "node2", func(r RecoverRequest) RecoverRequest {
+			const s = "20261126T120000.000Z-node1-000001"
+			r.Jobs = []RecoverJob{{Job: "j-1", Snapshot: s, Source: "node2", Candidates: []Candidate{{Snapshot: s, Source: "node2"}}}}
+			return r
+		}, "was not taken by node2"},
 		{"no job", "node3", v, "node2", func(r RecoverRequest) RecoverRequest {
 			r.Jobs = nil
 			return r
