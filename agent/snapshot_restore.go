@@ -16,6 +16,7 @@ import (
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/criu/image"
 	"github.com/ftkit/ftkit/internal/atomicfile"
+	"github.com/ftkit/ftkit/internal/jobfs"
 	"github.com/ftkit/ftkit/shim"
 )
 
@@ -139,12 +140,17 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 			return err
 		})
 	}
+	keepExit, dropExit := func() {}, func() {}
+	if err == nil {
+		keepExit, dropExit, err = a.setAsideExit(j)
+	}
 	if err == nil {
 		err = againIfMountGone(launch, func(err error) {
 			a.log.Warn("a mount went from this host while CRIU restored the job: restoring it again without that mount", "job", j.ID, "snapshot", m.ID, "err", err)
 		})
 	}
 	if err != nil {
+		keepExit()
 		if j.Net != nil && j.Net.Name == jobNetName(a.cfg.Name, j.ID) {
 			a.deleteJobNet(ctx, j.ID, j.Net) // its address must not stay on the wire without the job
 		}
@@ -152,6 +158,7 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 		keepWork, err = a.undoOutputs(journal, m, err)
 		return nil, err
 	}
+	dropExit()
 	journal.Close()
 	j.Node, j.PID, j.State, j.Exit, j.Restored, j.LazyWork = a.cfg.Name, pid, JobRunning, nil, m.ID, ""
 	if a.cfg.Failover.LazyRestore {
@@ -167,6 +174,44 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 	a.log.Info("job restored", "job", j.ID, "snapshot", m.ID, "from_node", m.Node, "pid", pid, "restore_ms", time.Since(start).Milliseconds(),
 		"lazy_pages", a.cfg.Failover.LazyRestore)
 	return &j, nil
+}
+
+// exitAside is the name an earlier copy's exit record has while its job is restored (setAsideExit).
+const exitAside = ".exit-earlier-copy"
+
+// setAsideExit moves the exit record an earlier copy of job j left in its directory out of the way of the
+// copy about to be restored: the agents, ftwrap and mpirun take a record there for the job's end (the agent
+// finished a job restored on the host its earlier copy had ended on within 200 ms, with that copy's
+// status). keep puts the record back (the restore failed: nothing runs), drop removes it (the job runs).
+func (a *Agent) setAsideExit(j Job) (keep, drop func(), err error) {
+	nothing := func() {}
+	dir, err := jobfs.OpenDir(j.Dir)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nothing, nothing, nil
+	}
+	if err != nil {
+		return nil, nil, fmt.Errorf("open the job directory to set its earlier copy's exit record aside: %w", err)
+	}
+	if err := dir.Rename(exitName, exitAside); err != nil {
+		dir.Close()
+		if errors.Is(err, fs.ErrNotExist) {
+			return nothing, nothing, nil
+		}
+		return nil, nil, fmt.Errorf("set aside the exit record of the job's earlier copy: %w", err)
+	}
+	keep = func() {
+		if err := dir.Rename(exitAside, exitName); err != nil {
+			a.log.Warn("could not put back the exit record of the job's earlier copy", "job", j.ID, "err", err)
+		}
+		dir.Close()
+	}
+	drop = func() {
+		if err := dir.Remove(exitAside); err != nil {
+			a.log.Warn("could not remove the exit record of the job's earlier copy", "job", j.ID, "err", err)
+		}
+		dir.Close()
+	}
+	return keep, drop, nil
 }
 
 // againIfMountGone runs launch, and once more if CRIU failed it on a mount point that went from this host

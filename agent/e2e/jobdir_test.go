@@ -355,3 +355,47 @@ func TestFailedRestoreLeavesOutputsAsTheyWere(t *testing.T) {
 		}
 	}
 }
+
+// TestRestoreWhereAnEarlierCopyEnded: a job restored on the host where its earlier copy ended runs until it
+// ends itself. Before, that copy's exit record in the job's directory made the agent finish the restored
+// copy at its next look (200 ms), with the old status, and leave it unprotected.
+func TestRestoreWhereAnEarlierCopyEnded(t *testing.T) {
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
+	c := newCluster(t, 2, 0, labcluster.Options{Interval: "1h", ManualFailover: true})
+	ctx := context.Background()
+	stop := filepath.Join(userDir(t), "stop")
+	j := startAs(t, c, "node1", "restorehere", 0, "sh", "-c", fmt.Sprintf(
+		`i=0; while [ ! -e %[1]s ]; do echo $i; i=$((i+1)); sleep 0.02; done; exit $(cat %[1]s)`, stop))
+	waitSize(t, map[string]int64{j.StdoutPath(): 20})
+	m := snapshotNow(t, c, "node1", j.ID)
+	if err := os.WriteFile(stop, []byte("3"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if first := waitExited(t, c, "node1", j.ID); first.Exit == nil || first.Exit.Code != 3 {
+		t.Fatalf("first copy ended %s %+v, want exit 3", first.State, first.Exit)
+	}
+	if err := os.Remove(stop); err != nil {
+		t.Fatal(err)
+	}
+
+	restored := time.Now()
+	if _, err := c.Client("node1").Restore(ctx, agent.RestoreRequest{Snapshot: m.ID, Job: j.ID}); err != nil {
+		t.Fatalf("restore on the host where the job ended: %v", err)
+	}
+	// The restored copy prints on from its snapshot: well past the agent's next look at the job.
+	st, err := os.Stat(j.StdoutPath())
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitSize(t, map[string]int64{j.StdoutPath(): st.Size() + 200})
+	if got, err := c.Client("node1").Job(ctx, j.ID); err != nil || got.State != agent.JobRunning {
+		t.Errorf("while the restored copy runs the agent has it as %s %+v (%v); want running", got.State, got.Exit, err)
+	}
+	if err := os.WriteFile(stop, []byte("0"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	end := waitExited(t, c, "node1", j.ID)
+	if end.Exit == nil || end.Exit.Code != 0 || end.Exit.Time.Before(restored) {
+		t.Errorf("restored copy ended %s %+v; want its own exit 0, after the restore at %s", end.State, end.Exit, restored.Format(time.RFC3339Nano))
+	}
+}

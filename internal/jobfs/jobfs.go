@@ -271,6 +271,31 @@ func (d *Dir) RemoveFile(name string, f *os.File) error {
 	return nil
 }
 
+// Rename renames oldName to newName (one component each) within d, replacing newName; a link is renamed
+// as itself, never followed.
+func (d *Dir) Rename(oldName, newName string) error {
+	for _, n := range []string{oldName, newName} {
+		if err := oneComponent(n); err != nil {
+			return err
+		}
+	}
+	if err := unix.Renameat(d.fd(), oldName, d.fd(), newName); err != nil {
+		return pathError("rename", d.join(oldName), err)
+	}
+	return nil
+}
+
+// Remove removes name (one component, not a directory) from d; a link is removed, never followed.
+func (d *Dir) Remove(name string) error {
+	if err := oneComponent(name); err != nil {
+		return err
+	}
+	if err := unix.Unlinkat(d.fd(), name, 0); err != nil {
+		return pathError("remove", d.join(name), err)
+	}
+	return nil
+}
+
 // RemoveDir removes the empty directory name (one component) from d.
 func (d *Dir) RemoveDir(name string) error {
 	if err := oneComponent(name); err != nil {

@@ -261,3 +261,28 @@ func TestRemoveFileOnlyIfStillOurs(t *testing.T) {
 		t.Errorf("remove the created file: %v", err)
 	}
 }
+
+// Rename and Remove act on a link as itself: the file it points to keeps its name and content.
+func TestRenameAndRemoveNeverFollow(t *testing.T) {
+	requireRoot(t)
+	dir, _ := layout(t)
+	target := filepath.Join(t.TempDir(), "roots")
+	must(t, os.WriteFile(target, []byte("root's"), 0o600))
+	must(t, os.Symlink(target, filepath.Join(dir, "exit")))
+	d, err := OpenDir(dir)
+	must(t, err)
+	defer d.Close()
+	must(t, d.Rename("exit", ".exit-prev"))
+	if fi, err := os.Lstat(filepath.Join(dir, ".exit-prev")); err != nil || fi.Mode()&os.ModeSymlink == 0 {
+		t.Errorf("after Rename, .exit-prev is %v, %v; want the link itself", fi, err)
+	}
+	must(t, d.Remove(".exit-prev"))
+	if b, err := os.ReadFile(target); err != nil || string(b) != "root's" {
+		t.Errorf("the link's target after Remove: %q, %v", b, err)
+	}
+	for _, bad := range []string{"../x", "a/b", "", ".."} {
+		if d.Rename("x", bad) == nil || d.Remove(bad) == nil {
+			t.Errorf("Rename or Remove accepted the name %q", bad)
+		}
+	}
+}
