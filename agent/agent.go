@@ -374,8 +374,7 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 		return err
 	})
 	if err != nil {
-		a.unprotect(j)
-		os.Remove(j.Cgroup)
+		a.releaseResources(j) // the receive order's watch too: each one left held a slot of a bounded map
 		a.deleteJobNet(ctx, id, j.Net)
 		return nil, err
 	}

@@ -111,7 +111,8 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 		j.Net = &n
 		err = a.createJobNet(ctx, j.Net)
 	}
-	if err == nil {
+	protected := err == nil
+	if protected {
 		a.protect(&j)
 		a.det.Watch(j.ID, j.Cgroup, true, m.ID)
 		if beforeRun != nil {
@@ -151,6 +152,9 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 	}
 	if err != nil {
 		keepExit()
+		if protected {
+			a.releaseResources(&j) // nothing of the job runs here: its cgroup, its log and receive-order watches go
+		}
 		if j.Net != nil && j.Net.Name == jobNetName(a.cfg.Name, j.ID) {
 			a.deleteJobNet(ctx, j.ID, j.Net) // its address must not stay on the wire without the job
 		}
