@@ -19,6 +19,7 @@ import (
 	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/internal/atomicfile"
 	"github.com/ftkit/ftkit/internal/clustertls"
+	"github.com/ftkit/ftkit/internal/rlimits"
 	"github.com/ftkit/ftkit/shim"
 )
 
@@ -53,6 +54,10 @@ type JobSpec struct {
 	// Recovery is how a failure of the job's host is recovered: RecoveryLogging (the default), or, for a
 	// job of a run with an address of its own, RecoveryCoordinated or RecoveryAuto.
 	Recovery string `json:"recovery,omitempty"`
+	// Limits are the resource limits the job starts with: those of the program that asked for it, which
+	// the agent reads from its process (a client's own "limits" are not taken); none known, a login
+	// session's (rlimits.Session).
+	Limits []rlimits.Limit `json:"limits,omitempty"`
 }
 
 // Recovery modes (JobSpec.Recovery).

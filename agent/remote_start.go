@@ -26,7 +26,7 @@ func (a *Agent) StartJobOn(ctx context.Context, host string, spec JobSpec, uid, 
 	}
 	req := clusterapi.StartJobRequest{
 		Name: spec.Name, Argv: spec.Argv, Env: spec.Env, Dir: spec.Dir, Interval: spec.Interval, UID: uid, GID: gid,
-		JobAddress: spec.JobAddress, Run: spec.Run, Recovery: spec.Recovery,
+		JobAddress: spec.JobAddress, Run: spec.Run, Recovery: spec.Recovery, Limits: spec.Limits,
 	}
 	if req.Dir == "" {
 		req.Dir = "/"
@@ -52,7 +52,7 @@ func (a *Agent) serveStartJob(ctx context.Context, peer string, req clusterapi.S
 	if err := req.Validate(); err != nil { // the server did; a direct caller (tests) may not have
 		return clusterapi.StartJobReply{}, &clusterapi.Error{Code: clusterapi.CodeBadRequest, Message: err.Error()}
 	}
-	spec := JobSpec{Name: req.Name, Argv: req.Argv, Env: req.Env, Dir: req.Dir, Interval: req.Interval, JobAddress: req.JobAddress, Run: req.Run, Recovery: req.Recovery}
+	spec := JobSpec{Name: req.Name, Argv: req.Argv, Env: req.Env, Dir: req.Dir, Interval: req.Interval, JobAddress: req.JobAddress, Run: req.Run, Recovery: req.Recovery, Limits: req.Limits}
 	if p := req.Placement; p != nil {
 		spec.Placement = &Placement{Hosts: p.Hosts, Spares: p.Spares}
 	}

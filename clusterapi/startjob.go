@@ -7,6 +7,7 @@ import (
 	"regexp"
 
 	"github.com/ftkit/ftkit/internal/clustertls"
+	"github.com/ftkit/ftkit/internal/rlimits"
 )
 
 // OpStartJob asks a member to start a protected job as a user, on behalf of a local caller of the asking
@@ -38,6 +39,8 @@ type StartJobRequest struct {
 	Run string `json:"run,omitempty"`
 	// Recovery is the job's recovery mode (agent.JobSpec.Recovery; the agent checks it).
 	Recovery string `json:"recovery,omitempty"`
+	// Limits are the resource limits of the program that asked the sending agent for the job.
+	Limits []rlimits.Limit `json:"limits,omitempty"`
 }
 
 // StartJobPlacement is the run's membership (agent.Placement on the wire).
@@ -87,6 +90,9 @@ func (r StartJobRequest) Validate() error {
 	}
 	if len(r.Interval) > 64 || len(r.Recovery) > 64 {
 		return errors.New("start-job: interval or recovery longer than 64 bytes")
+	}
+	if err := rlimits.Validate(r.Limits); err != nil {
+		return fmt.Errorf("start-job: %w", err)
 	}
 	return r.Placement.Validate()
 }

@@ -7,6 +7,8 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+
+	"github.com/ftkit/ftkit/internal/rlimits"
 )
 
 func testStartJob() StartJobRequest {
@@ -47,6 +49,8 @@ func TestStartJobRefusedBeforeService(t *testing.T) {
 		{"placement with a bad member name", with(func(r *StartJobRequest) { r.Placement.Hosts[1] = "../node2" }), "placement"},
 		{"placement with an IP address", with(func(r *StartJobRequest) { r.Placement.Hosts[1] = "10.0.0.2" }), "IP address"},
 		{"spare that runs a part", with(func(r *StartJobRequest) { r.Placement.Spares = []string{"node1"} }), "twice"},
+		{"unknown resource limit", with(func(r *StartJobRequest) { r.Limits = []rlimits.Limit{{Resource: 99}} }), "no such resource"},
+		{"soft limit above hard", with(func(r *StartJobRequest) { r.Limits = []rlimits.Limit{{Resource: 7, Cur: 9, Max: 8}} }), "above the hard limit"},
 		{"placement too long", with(func(r *StartJobRequest) {
 			r.Placement.Spares = make([]string, MaxStartJobPlacements)
 		}), "at most"},

@@ -6,6 +6,7 @@ import (
 	"os"
 	"runtime"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 
@@ -13,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/internal/netnsthread"
+	"github.com/ftkit/ftkit/internal/rlimits"
 )
 
 // The job's first process is `ftagent shim` in ModeInit mode, started by the shim as root in the job's new
@@ -69,9 +71,22 @@ func runJobInit(spec Spec) int {
 	if err != nil {
 		return rep.fail("%v", err)
 	}
-	path, err := lookPath(spec.Argv[0], spec.Env, spec.Dir)
+	env := spec.Env
+	if env == nil {
+		// Not the agent's own environment: that of a root daemon is nothing a user's job should see.
+		env = []string{"PATH=" + defaultPath}
+	}
+	path, err := lookPath(spec.Argv[0], env, spec.Dir)
 	if err != nil {
 		return rep.fail("%v", err)
+	}
+	// What the agent's service unit gave it is not the job's: its OOM score adjustment (the OOM killer would
+	// spare the job and kill other users' processes instead) and its raised limits.
+	if err := resetOOMScoreAdj(); err != nil {
+		return rep.fail("reset the OOM score adjustment: %v", err)
+	}
+	if err := rlimits.Apply(spec.Limits); err != nil {
+		return rep.fail("set the job's resource limits: %v", err)
 	}
 	// As exec.Cmd's Credential did: a job of root keeps root's groups, any other user gets none.
 	if spec.UID != 0 {
@@ -100,13 +115,30 @@ func runJobInit(spec Spec) int {
 	if err := unix.CloseRange(3, ^uint(0), unix.CLOSE_RANGE_CLOEXEC); err != nil {
 		return rep.fail("close inherited descriptors: %v", err)
 	}
-	env := spec.Env
-	if env == nil {
-		env = os.Environ()
-	}
 	err = unix.Exec(path, spec.Argv, withoutMPTCP(env))
 	return rep.fail("start %s: %v", spec.Argv[0], err)
 }
+
+// resetOOMScoreAdj raises the process's OOM score adjustment to 0 if it is below (the agent's unit lowers
+// the agent's); one above is kept: lowering it needs CAP_SYS_RESOURCE, which a container may not give.
+func resetOOMScoreAdj() error {
+	const path = "/proc/self/oom_score_adj"
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	adj, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil {
+		return fmt.Errorf("%s: %w", path, err)
+	}
+	if adj >= 0 {
+		return nil
+	}
+	return os.WriteFile(path, []byte("0"), 0)
+}
+
+// defaultPath is the PATH of a job started without an environment (login's and sudo's default).
+const defaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 // withoutMPTCP returns env with multipathtcp=0 added to GODEBUG, unless the job chose multipathtcp itself.
 // Why: Go >= 1.24 listens with MPTCP where the kernel has it, and CRIU cannot dump an MPTCP socket ("inet:

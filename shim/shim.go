@@ -22,6 +22,7 @@ import (
 
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/internal/jobfs"
+	"github.com/ftkit/ftkit/internal/rlimits"
 )
 
 // A shim is the parent of one job, like containerd's shim: the agent starts it detached (its own session),
@@ -67,6 +68,8 @@ type Spec struct {
 	// run on (a restore that could not reproduce the failure-free run): the exit record carries it as its
 	// Reason, so that ftwrap says why the job was killed. Beside Superseded.
 	Refusal string `json:"refusal,omitempty"`
+	// Limits are the resource limits the job starts with (ModeStart; rlimits.Session if none).
+	Limits []rlimits.Limit `json:"limits,omitempty"`
 }
 
 // Report is the shim's one line on standard output: the job's host PID, or why it could not start.

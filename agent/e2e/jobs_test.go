@@ -188,6 +188,39 @@ func ftwrap(c *labcluster.Cluster, host string, args ...string) *exec.Cmd {
 	return cmd
 }
 
+// TestJobGetsItsCallersLimits: a job starts with the resource limits of the program that asked for it, as
+// Slurm's tasks get their submitter's, not with the agent's (whose unit raises the open-files and
+// locked-memory limits); and one asked for without an environment gets a PATH, not the agent's environment.
+func TestJobGetsItsCallersLimits(t *testing.T) {
+	t.Parallel() // each test has its own lab
+	c := newCluster(t, 2, 0, labcluster.Options{})
+	cmd := ftwrap(c, "node1", "--name", "limits", "--", "sh", "-c", "ulimit -Sn; ulimit -Hn; ulimit -Sl; ulimit -Hl")
+	// The caller lowers its limits below the agent's (the lab's agents have this test's), then becomes
+	// ftwrap, whose Go runtime raises its own soft open-files limit to about the hard one.
+	cmd.Args = append([]string{"sh", "-c", `ulimit -n 600 && ulimit -l 1024 && exec "$0" "$@"`, cmd.Path}, cmd.Args[1:]...)
+	cmd.Path = "/bin/sh"
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("ftwrap: %v\n%s", err, stderr.String())
+	}
+	var soft, hard, lockSoft, lockHard int
+	if n, _ := fmt.Sscan(string(out), &soft, &hard, &lockSoft, &lockHard); n != 4 || soft > 600 || hard != 600 || lockSoft != 1024 || lockHard != 1024 {
+		t.Errorf("the job's limits (open files soft, hard; locked KiB soft, hard): %q; want its caller's: at most 600, 600, 1024, 1024", out)
+	}
+
+	j, err := c.Client("node1").StartJob(context.Background(), agent.JobSpec{Name: "noenv", Argv: []string{"/usr/bin/env"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	end := waitExited(t, c, "node1", j.ID)
+	env, _ := os.ReadFile(j.StdoutPath())
+	if want := "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\nGODEBUG=multipathtcp=0\n"; end.Exit == nil || end.Exit.Code != 0 || string(env) != want {
+		t.Errorf("a job without an environment ended %+v and saw %q; want %q", end.Exit, env, want)
+	}
+}
+
 func TestFtwrapOutputAndExitStatus(t *testing.T) {
 	t.Parallel() // each test has its own lab
 	c := newCluster(t, 2, 0, labcluster.Options{})
