@@ -37,8 +37,9 @@ const (
 )
 
 // holderOf is the alive member that holds ip now: a host address in the view, or the address of a job
-// running on a member (wait: within ctx, ask the members about an address the directory does not know).
-func (a *Agent) holderOf(ctx context.Context, ip netip.Addr, wait bool) string {
+// running on a member (wait: within ctx, ask the members about an address the directory does not know,
+// unless they were asked since asked).
+func (a *Agent) holderOf(ctx context.Context, ip netip.Addr, wait bool, asked time.Time) string {
 	ip = ip.Unmap()
 	v := a.View()
 	if name, ok := v.Owner(ip); ok {
@@ -50,7 +51,7 @@ func (a *Agent) holderOf(ctx context.Context, ip netip.Addr, wait bool) string {
 	if a.runsJobAddr(ip) {
 		return a.cfg.Name
 	}
-	return a.jobAddrs.owner(ctx, a, v.Epoch, ip, wait)
+	return a.jobAddrs.owner(ctx, a, v.Epoch, ip, wait, asked)
 }
 
 // mayBeJobAddr says whether ip could be a job address: an IPv4 address of the cluster network. Nothing else
@@ -117,9 +118,9 @@ func (a *Agent) runningJobAddrs() []netip.Addr {
 // owner looks ip up. The directory answers when it is of the current view and young enough; otherwise a
 // refresh runs (one at a time). A caller that waits for an unknown address wants a refresh that started
 // after it asked (a job started a moment ago is in no older answer); one that does not wait takes what the
-// directory knew, and starts a refresh at most once per jobAddrRetry for an address nobody claimed.
-func (d *jobAddrOwners) owner(ctx context.Context, a *Agent, epoch uint64, ip netip.Addr, wait bool) string {
-	asked := time.Now()
+// directory knew, and starts a refresh at most once per jobAddrRetry for an address nobody claimed. asked
+// is when the caller's question arose (ownerLookup: a batch's start, which one refresh answers).
+func (d *jobAddrOwners) owner(ctx context.Context, a *Agent, epoch uint64, ip netip.Addr, wait bool, asked time.Time) string {
 	for {
 		d.mu.Lock()
 		name, known := d.owners[ip]

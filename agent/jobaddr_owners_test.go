@@ -108,3 +108,30 @@ func TestHolderOfJobAddress(t *testing.T) {
 		}
 	}
 }
+
+// TestOwnerLookupAsksOncePerBatch: a batch of addresses nobody holds (a peer's trim, a snapshot's
+// connections) asks the members once, and an address seen twice in it is looked up once; a new batch asks
+// again. Each such address used to ask every member again (a trim of 300 pinged each member 300 times).
+func TestOwnerLookupAsksOncePerBatch(t *testing.T) {
+	pki := newTestPKI(t)
+	n2 := &pingScript{name: "n2"}
+	a, _ := clientAgent(t, pki, map[string]uint16{"n2": scriptedPeer(t, pki, "n2", n2)})
+	a.clusterNet.once.Do(func() { a.clusterNet.prefix = netip.MustParsePrefix("10.77.0.0/24") })
+	n2.set(netip.MustParseAddr("10.77.0.201"))
+	owner := a.ownerLookup(t.Context())
+	for i := range 50 {
+		addr := netip.AddrFrom4([4]byte{10, 77, 0, byte(100 + i%25)}) // nobody's, each twice
+		if got := owner(addr); got != "" {
+			t.Fatalf("holder of %s: %q, want none", addr, got)
+		}
+	}
+	if got := owner(netip.MustParseAddr("10.77.0.201")); got != "n2" {
+		t.Errorf("holder of 10.77.0.201 in the same batch: %q, want n2", got)
+	}
+	if n := n2.count(); n != 1 {
+		t.Errorf("n2 was pinged %d times for one batch of 51 lookups, want 1", n)
+	}
+	if got := a.ownerLookup(t.Context())(netip.MustParseAddr("10.77.0.100")); got != "" || n2.count() != 2 {
+		t.Errorf("a new batch: holder %q after %d pings in all, want none after 2 (the new batch asks again)", got, n2.count())
+	}
+}

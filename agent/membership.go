@@ -101,12 +101,35 @@ func (a *Agent) incarnationOf(name string) uint64 {
 // is known): it does not wait for the members' answer about a job address it does not know yet
 // (holderOf; memberByIPWait does).
 func (a *Agent) memberByIP(ip netip.Addr) string {
-	return a.holderOf(context.Background(), ip, false)
+	return a.holderOf(context.Background(), ip, false, time.Now())
 }
 
 // memberByIPWait is memberByIP, waiting (within ctx) for the members' answer about a job address.
 func (a *Agent) memberByIPWait(ctx context.Context, ip netip.Addr) string {
-	return a.holderOf(ctx, ip, true)
+	return a.holderOf(ctx, ip, true, time.Now())
+}
+
+// ownerLookup is memberByIPWait for one batch of addresses (a snapshot's connections, a peer's trim or
+// question): the members' answers from one refresh that started after the batch did serve every address
+// of it none claimed, and each address is looked up once. Each such address used to start a refresh of
+// its own, asking every member again: one trim of 300 unclaimed addresses pinged each member 300 times.
+func (a *Agent) ownerLookup(ctx context.Context) func(netip.Addr) string {
+	asked := time.Now()
+	var mu sync.Mutex
+	seen := map[netip.Addr]string{}
+	return func(ip netip.Addr) string {
+		mu.Lock()
+		name, ok := seen[ip]
+		mu.Unlock()
+		if ok {
+			return name
+		}
+		name = a.holderOf(ctx, ip, true, asked)
+		mu.Lock()
+		seen[ip] = name
+		mu.Unlock()
+		return name
+	}
 }
 
 // protector is this host's protector in the current view.

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
@@ -280,7 +279,7 @@ func (a *Agent) dumpFrozen(ctx context.Context, j Job) (m *ckpt.Manifest, frozen
 	// A peer on this host stays behind: moved alone, the job could not take up its connection to it. A peer
 	// whose sends no log keeps: what it sends while the job moves would be lost, and the target's restore
 	// refuses the job once it has left here (until 2026-12-02 the job was lost so).
-	bad := unrecoverableConns(m.Conns, func(ip netip.Addr) string { return a.memberByIPWait(ctx, ip) }, a.onThisHost)
+	bad := unrecoverableConns(m.Conns, a.ownerLookup(ctx), a.onThisHost)
 	if len(bad) == 0 {
 		bad = a.unloggedConns(ctx, m)
 	}

@@ -137,7 +137,7 @@ func (a *Agent) unprotect(j *Job) {
 // announceReceivePoints tells every sender of bytes to the snapshotted job where its new durable snapshot
 // starts receiving, so that each sender drops the log data before it (sender-based logging's GC).
 func (a *Agent) announceReceivePoints(ctx context.Context, m *ckpt.Manifest) {
-	owner := func(ip netip.Addr) string { return a.memberByIPWait(ctx, ip) }
+	owner := a.ownerLookup(ctx)
 	for peer, pts := range receivePoints(m.Conns, owner, a.cfg.Name) {
 		if err := a.sendTrim(ctx, peer, pts); err != nil {
 			// Not fatal: the peer keeps the data a little longer and trims at the next snapshot.
@@ -186,7 +186,7 @@ func (a *Agent) sendTrim(ctx context.Context, peer string, pts []TrimPoint) erro
 
 // serveTrim drops log data the caller's snapshot covers (the protocol bounds the points).
 func (a *Agent) serveTrim(ctx context.Context, peer string, pts []TrimPoint) clusterapi.TrimReply {
-	own, foreign := ownTrimPoints(pts, peer, func(ip netip.Addr) string { return a.memberByIPWait(ctx, ip) })
+	own, foreign := ownTrimPoints(pts, peer, a.ownerLookup(ctx))
 	if foreign > 0 {
 		a.log.Warn("trim refused for connections the peer does not hold: a member may only release data destined for itself",
 			"peer", peer, "refused", foreign, "accepted", len(own))
@@ -234,7 +234,7 @@ func (a *Agent) unloggedConns(ctx context.Context, m *ckpt.Manifest) []string {
 		wg  sync.WaitGroup
 	)
 	sem := make(chan struct{}, maxLoggedQuestions)
-	owner := func(ip netip.Addr) string { return a.memberByIPWait(ctx, ip) }
+	owner := a.ownerLookup(ctx)
 	for peer, pts := range receivePoints(m.Conns, owner, a.cfg.Name) {
 		wg.Go(func() {
 			sem <- struct{}{}
@@ -309,7 +309,7 @@ func unloggedReasons(peer string, rep clusterapi.LoggedReply) []string {
 // whose other end the caller holds are answered: a member may ask only about its own connections.
 func (a *Agent) serveLogged(ctx context.Context, peer string, flows []tcpflow.Tuple) clusterapi.LoggedReply {
 	rep := clusterapi.LoggedReply{LogOff: a.netlog == nil}
-	owner := func(ip netip.Addr) string { return a.memberByIPWait(ctx, ip) }
+	owner := a.ownerLookup(ctx)
 	for _, f := range flows {
 		if !destinedFor(f, peer, owner) {
 			continue

@@ -252,7 +252,7 @@ func needsFirstSnapshot(j Job) bool { return !j.Protected() && j.Restored == "" 
 // those the other snapshots of its freeze do not complete) say otherwise.
 func (a *Agent) recordReplica(ctx context.Context, m *ckpt.Manifest, strays []string) {
 	// Before a.mu: who holds a job address is asked of the members (and holderOf takes a.mu).
-	bad := append(unrecoverableConns(m.Conns, func(ip netip.Addr) string { return a.memberByIPWait(ctx, ip) }, a.dumpedApart()), strays...)
+	bad := append(unrecoverableConns(m.Conns, a.ownerLookup(ctx), a.dumpedApart()), strays...)
 	bad = append(bad, a.unloggedConns(ctx, m)...)
 	a.mu.Lock()
 	j, ok := a.byID[m.Job]

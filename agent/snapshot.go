@@ -58,12 +58,13 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen, hashWhileDumping bo
 		return nil, err
 	}
 	j.LazyWork = "" // every page is in: the record the snapshot carries names no images of this host
+	owners := a.ownerLookup(ctx) // the snapshot's connections: one batch
 	opts := dump.Options{
 		Job: j.ID, PID: j.PID, Record: j, Logger: a.log,
 		Info: ckpt.Info{CRIUVersion: a.criuVersion.String(), KernelRelease: version.KernelRelease(), Mode: a.cfg.Checkpoint.Mode},
 		SentPrefix: func(ctx context.Context, images string, c image.TCPConn) (*ckpt.SentPrefix, error) {
 			// Only a peer on another member survives this host and checks what a restore re-sends to it.
-			if owner := a.memberByIPWait(ctx, c.Remote.Addr()); owner != "" && owner != a.cfg.Name {
+			if owner := owners(c.Remote.Addr()); owner != "" && owner != a.cfg.Name {
 				return a.sentPrefix(ctx, j, images, c)
 			}
 			return nil, nil
