@@ -202,7 +202,7 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 			return nil, err
 		}
 	}
-	a.detStore = intercept.NewStore(0)
+	a.detStore = intercept.NewStore(0, 0)
 	a.det = record.New(record.Options{Logger: a.log, Record: cfg.Log.Enabled && cfg.Log.ReceiveOrder, Positions: cfg.Log.ReceivePositions,
 		Pessimistic: cfg.Log.Pessimistic, CgroupParent: cfg.CgroupParent, RingBytes: cfg.Log.RingMiB << 20, ShipEvery: cfg.Log.ReceiveOrderShipEvery.Duration,
 		Protector: a.detProtector, Peers: func() record.Peers { return a.peers() }, Metrics: a.metrics})

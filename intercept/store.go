@@ -30,13 +30,21 @@ type Batch struct {
 // snapshot is refused (Since), not wrong.
 const DefaultMaxPerJob = 1 << 20
 
+// DefaultMaxTotal bounds the determinants a Store keeps in all (256 MiB). Beyond it the records that
+// received nothing for longest go whole: those of jobs that ended (nothing tells a protector so, and a
+// member could otherwise fill its memory with records of made-up jobs). A job whose record went is
+// restored without its receive order replayed, which a recovery says (Since), never wrongly.
+const DefaultMaxTotal = 8 << 20
+
 // Store keeps, on a protector, the determinants of the jobs it protects: per job and host, those of the
 // newest stream from some index on. Its methods may be called from any goroutine.
 type Store struct {
-	maxPerJob int
+	maxPerJob, maxTotal int
 
-	mu   sync.Mutex
-	recs map[storeKey]*record
+	mu    sync.Mutex
+	recs  map[storeKey]*record
+	total int    // determinants kept in all records
+	adds  uint64 // counts Add calls: a record's used is the count at its last one
 }
 
 type storeKey struct{ job, node string }
@@ -61,6 +69,7 @@ type record struct {
 	head      int
 	conns     []tcpflow.Tuple          // the connections the kept name, by index
 	connIdx   map[tcpflow.Tuple]uint32 // and their indexes
+	used      uint64                   // Store.adds at the record's last Add
 }
 
 func (r *record) kept() []keptDet { return r.buf[r.head:] }
@@ -143,12 +152,16 @@ func (r *record) dropOldest(n int) {
 	r.fromStart = false
 }
 
-// NewStore is an empty Store keeping at most maxPerJob determinants per job and host (0: DefaultMaxPerJob).
-func NewStore(maxPerJob int) *Store {
+// NewStore is an empty Store keeping at most maxPerJob determinants per job and host (0: DefaultMaxPerJob)
+// and maxTotal in all (0: DefaultMaxTotal).
+func NewStore(maxPerJob, maxTotal int) *Store {
 	if maxPerJob <= 0 {
 		maxPerJob = DefaultMaxPerJob
 	}
-	return &Store{maxPerJob: maxPerJob, recs: map[storeKey]*record{}}
+	if maxTotal <= 0 {
+		maxTotal = DefaultMaxTotal
+	}
+	return &Store{maxPerJob: maxPerJob, maxTotal: maxTotal, recs: map[storeKey]*record{}}
 }
 
 // Add stores a batch node sent. A batch of another stream replaces the job's record from node; one that
@@ -160,6 +173,9 @@ func (s *Store) Add(node string, b Batch) {
 	defer s.mu.Unlock()
 	k := storeKey{b.Job, node}
 	r := s.recs[k]
+	if r != nil {
+		s.total -= len(r.kept())
+	}
 	dets := b.Dets
 	switch {
 	case r != nil && r.stream == b.Stream && b.First <= r.next():
@@ -174,14 +190,31 @@ func (s *Store) Add(node string, b Batch) {
 		// its snapshot to know it misses nothing (Since).
 		r.dropOldest(over)
 	}
+	s.adds++
+	r.used = s.adds
+	s.total += len(r.kept())
+	for s.total > s.maxTotal {
+		var oldest storeKey
+		for ok, or := range s.recs {
+			if ok != k && (oldest == (storeKey{}) || or.used < s.recs[oldest].used) {
+				oldest = ok
+			}
+		}
+		if oldest == (storeKey{}) {
+			break // the record just added is alone: maxPerJob bounds it
+		}
+		s.total -= len(s.recs[oldest].kept())
+		delete(s.recs, oldest)
+	}
 }
 
 // Drop forgets every record of job.
 func (s *Store) Drop(job string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for k := range s.recs {
+	for k, r := range s.recs {
 		if k.job == job {
+			s.total -= len(r.kept())
 			delete(s.recs, k)
 		}
 	}
@@ -209,6 +242,7 @@ func (s *Store) Trim(m *ckpt.Manifest) {
 	}
 	if anchor := r.lastBefore(consumedAt(m)) - 1; anchor > 0 {
 		r.dropOldest(anchor)
+		s.total -= anchor
 	}
 }
 

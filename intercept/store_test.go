@@ -58,7 +58,7 @@ func TestStoreSince(t *testing.T) {
 		{"found nothing at the dump's copied_seq", []Batch{{Job: "j", Stream: 1, FromStart: true, Dets: append(slices.Clone(stream[:4]), Det{Conn: connA, End: 20}, stream[4])}}, snap("s", 20, 10), []Det{stream[3], {Conn: connA, End: 20}, stream[4]}, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			s := NewStore(0)
+			s := NewStore(0, 0)
 			for _, b := range tc.batches {
 				s.Add("n1", b)
 			}
@@ -81,7 +81,7 @@ func TestStoreSince(t *testing.T) {
 }
 
 func TestStoreTrimKeepsAnchor(t *testing.T) {
-	s := NewStore(0)
+	s := NewStore(0, 0)
 	dets := []Det{{Conn: connA, End: 10, Len: 10}, {Conn: connA, End: 20, Len: 10}, {Conn: connA, End: 30, Len: 10}, {Conn: connA, End: 40, Len: 10}}
 	s.Add("n1", Batch{Job: "j", Stream: 1, FromStart: true, Dets: dets})
 	s.Trim(snap("s2", 30, 0))
@@ -104,7 +104,7 @@ func TestStoreTrimKeepsAnchor(t *testing.T) {
 }
 
 func TestStoreBounded(t *testing.T) {
-	s := NewStore(3)
+	s := NewStore(3, 0)
 	var dets []Det
 	for i := range 5 {
 		dets = append(dets, Det{Conn: connA, End: uint32(10 * (i + 1)), Len: 10})
@@ -121,12 +121,45 @@ func TestStoreBounded(t *testing.T) {
 	}
 }
 
+// TestStoreBoundedInAll: beyond its bound in all, a store forgets whole the records that received nothing
+// for longest (a member sending batches of made-up jobs grew a protector's memory without bound); a record
+// being added to is kept, and a trimmed or dropped record frees its share.
+func TestStoreBoundedInAll(t *testing.T) {
+	s := NewStore(0, 10)
+	add := func(job string, first uint64, n int) {
+		var dets []Det
+		for i := range n {
+			dets = append(dets, Det{Conn: connA, End: uint32(10 * (int(first) + i + 1)), Len: 10})
+		}
+		s.Add("n1", Batch{Job: job, Stream: 1, First: first, FromStart: first == 0, Dets: dets})
+	}
+	add("a", 0, 4)
+	add("b", 0, 4)
+	add("a", 4, 1) // a was added to after b
+	add("c", 0, 4) // 13 in all: b, untouched longest, goes
+	if a, b, c := s.Len("a", "n1"), s.Len("b", "n1"), s.Len("c", "n1"); a != 5 || b != 0 || c != 4 {
+		t.Fatalf("kept a %d, b %d, c %d; want 5, 0 (forgotten), 4", a, b, c)
+	}
+	if _, err := s.Since(&ckpt.Manifest{Job: "b", Node: "n1"}); err == nil {
+		t.Error("a forgotten record still answers")
+	}
+	s.Drop("a")
+	add("d", 0, 6) // 10 in all with a gone: nothing else goes
+	if c, d := s.Len("c", "n1"), s.Len("d", "n1"); c != 4 || d != 6 {
+		t.Errorf("after a was dropped: kept c %d, d %d; want 4 and 6", c, d)
+	}
+	add("e", 0, 12) // alone over the bound: kept (maxPerJob bounds it), every other record goes
+	if c, d, e := s.Len("c", "n1"), s.Len("d", "n1"), s.Len("e", "n1"); c != 0 || d != 0 || e != 12 {
+		t.Errorf("after a record larger than the bound: c %d, d %d, e %d; want 0, 0, 12", c, d, e)
+	}
+}
+
 // TestStoreAtBoundMovesLittle: a record at its bound drops its oldest determinants for every batch without
 // moving the ones it keeps, except now and then to the front of its array. The old code moved the whole
 // record for every batch (8.9 ms a batch of 100 at the default bound).
 func TestStoreAtBoundMovesLittle(t *testing.T) {
 	const bound, batch, adds = 1000, 10, 2000
-	s := NewStore(bound)
+	s := NewStore(bound, 0)
 	var first uint64
 	add := func() {
 		dets := make([]Det, batch)
@@ -166,7 +199,7 @@ func TestStoreAtBoundMovesLittle(t *testing.T) {
 // stays near the determinants kept instead of growing for good.
 func TestStoreConnTable(t *testing.T) {
 	const bound, conns = 100, 5000
-	s := NewStore(bound)
+	s := NewStore(bound, 0)
 	var want []Det
 	for i := range conns {
 		c := conn("10.9.0.1:5000", fmt.Sprintf("10.9.0.2:%d", 10000+i))

@@ -46,7 +46,7 @@ func (f *fakeStream) Close() error { return nil }
 // the protector's record stays whole: every determinant once, in order, from the job's start.
 func TestShipAsksForAnswersNowAndThen(t *testing.T) {
 	ctx := t.Context()
-	store := intercept.NewStore(0)
+	store := intercept.NewStore(0, 0)
 	var opened []*fakeStream
 	r := newTestRecorder()
 	r.answerEvery = time.Hour // only the test makes an answer due
