@@ -76,3 +76,33 @@ func DeliverFromPeer(ctx context.Context, conn tcpflow.Tuple, h PeerHeader, payl
 		}
 	}
 }
+
+// DeliverFIN delivers the peer's FIN at h.Seq (where its data ends) to conn's local socket as a segment of
+// its peer, and again after each retry until finReceived says the socket took it in (a socket whose
+// rcv_nxt has not reached h.Seq keeps it out of order meanwhile). A restored socket whose peer closed after
+// the snapshot gets its data from the log, but not the FIN: a peer whose FIN the failed host had
+// acknowledged never sends it again, and a program that reads to the end of the stream would wait forever.
+func DeliverFIN(ctx context.Context, conn tcpflow.Tuple, h PeerHeader, finReceived func() (bool, error), retry time.Duration) error {
+	h.Fin = true
+	var again time.Time // when to inject (again)
+	for {
+		ok, err := finReceived()
+		if err != nil {
+			return fmt.Errorf("deliver the peer's FIN to %s: %w", conn, err)
+		}
+		if ok {
+			return nil
+		}
+		if !time.Now().Before(again) {
+			if err := InjectFromPeer(conn, h, nil); err != nil {
+				return err
+			}
+			again = time.Now().Add(retry)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("deliver the peer's FIN to %s: %w", conn, context.Cause(ctx))
+		case <-time.After(time.Millisecond):
+		}
+	}
+}

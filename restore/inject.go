@@ -47,6 +47,9 @@ type PeerHeader struct {
 	TSval, TSecr uint32
 	// MaxPayload bounds each segment's payload; 0 means DefaultInjectPayload. Longer payloads are split.
 	MaxPayload int
+	// Fin sets FIN on the segment with the payload's last byte, or sends one segment of FIN alone if the
+	// payload is empty: the peer closed its side there (DeliverFIN).
+	Fin bool
 }
 
 // Segment payload limits. An IPv4 datagram is at most 65535 bytes, the headers with the timestamp option
@@ -114,9 +117,13 @@ func InjectFromPeer(conn tcpflow.Tuple, h PeerHeader, payload []byte) error {
 // forEachSegment calls fn for each piece of payload of at most max bytes, in order, with h's Seq advanced
 // to the piece's first byte (mod 2^32).
 func forEachSegment(h PeerHeader, payload []byte, max int, fn func(PeerHeader, []byte) error) error {
+	if len(payload) == 0 && h.Fin {
+		return fn(h, nil)
+	}
 	for off := 0; off < len(payload); off += max {
 		seg := h
 		seg.Seq = h.Seq + uint32(off)
+		seg.Fin = h.Fin && off+max >= len(payload)
 		if err := fn(seg, payload[off:min(off+max, len(payload))]); err != nil {
 			return err
 		}
@@ -144,7 +151,7 @@ func peerDatagram(conn tcpflow.Tuple, h PeerHeader, payload []byte) []byte {
 	return append(b, tcp...)
 }
 
-// peerSegment is the TCP segment (header, options, payload) from conn.Remote to conn.Local with ACK|PSH,
+// peerSegment is the TCP segment (header, options, payload) from conn.Remote to conn.Local with ACK|PSH (and FIN),
 // checksummed over the IPv4 pseudo-header.
 func peerSegment(conn tcpflow.Tuple, h PeerHeader, payload []byte) []byte {
 	hl := 20
@@ -158,6 +165,9 @@ func peerSegment(conn tcpflow.Tuple, h PeerHeader, payload []byte) []byte {
 	binary.BigEndian.PutUint32(b[8:], h.Ack)
 	b[12] = byte(hl/4) << 4
 	b[13] = 0x18 // ACK|PSH
+	if h.Fin {
+		b[13] |= 0x01
+	}
 	binary.BigEndian.PutUint16(b[14:], h.Window)
 	if h.TS {
 		b[20], b[21], b[22], b[23] = 1, 1, 8, 10

@@ -788,3 +788,33 @@ func TestDeliverFromPeer(t *testing.T) {
 		t.Fatalf("A read %d bytes, not the %d delivered in order", len(b), n)
 	}
 }
+
+// TestDeliverFIN: a FIN injected at a socket's rcv_nxt as its peer's ends the stream there: the socket
+// takes it (CLOSE_WAIT), and its reader, having read every byte before it, reads the end of the stream.
+func TestDeliverFIN(t *testing.T) {
+	labtest.RequireRoot(t)
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	l := labtest.New(t, 2, 0)
+	ra, sb, conn := pair(t, l, "node1", "node2", 7361)
+	readN(ctx, t, sb, writeAll(t, ra, []byte("hello")))
+	waitFor(ctx, t, "A's hello acknowledged", func() bool { return queued(t, ra, unix.SIOCOUTQ) == 0 })
+	writeAll(t, sb, []byte("from B"))
+	readN(ctx, t, ra, 6)
+	rcvNxt, sndNxt := seqs(t, ra)
+	dropRule(ctx, t, l, "node1", conn, true) // B never sent this FIN: it hears nothing of A's answer
+	err := l.Do("node1", func() error {
+		h := PeerHeader{Seq: rcvNxt, Ack: sndNxt, Window: 64, TS: true, TSval: tcpClock(t, sb)}
+		return DeliverFIN(ctx, conn, h, func() (bool, error) {
+			s, err := sockdiag.Lookup(conn)
+			return s.FinReceived(), err
+		}, 50*time.Millisecond)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ra.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if n, err := ra.Read(make([]byte, 16)); n != 0 || err != io.EOF {
+		t.Errorf("A's read after the FIN: %d bytes, %v; want the end of the stream", n, err)
+	}
+}

@@ -59,6 +59,30 @@ func TestPeerSegment(t *testing.T) {
 	if err := InjectFromPeer(conn, PeerHeader{MaxPayload: MaxInjectPayload + 1}, []byte("x")); err == nil {
 		t.Error("MaxPayload over an IPv4 datagram's limit accepted")
 	}
+	if b := peerSegment(conn, PeerHeader{Seq: 5, Fin: true}, nil); len(b) != 20 || b[13] != 0x19 || conn.Reverse().Checksum(b) != 0 {
+		t.Errorf("a FIN alone: segment % x, want 20 bytes with ACK|PSH|FIN (0x19), checksummed", b)
+	}
+}
+
+// TestForEachSegmentFin: the FIN rides the segment with the payload's last byte, or goes alone.
+func TestForEachSegmentFin(t *testing.T) {
+	for _, tc := range []struct {
+		n    int
+		want string // each piece's length and FIN
+	}{
+		{3000, "[1448 false 1448 false 104 true]"},
+		{1448, "[1448 true]"},
+		{0, "[0 true]"},
+	} {
+		var got []any
+		err := forEachSegment(PeerHeader{Seq: 1, Fin: true}, make([]byte, tc.n), 1448, func(h PeerHeader, part []byte) error {
+			got = append(got, len(part), h.Fin)
+			return nil
+		})
+		if err != nil || fmt.Sprint(got) != tc.want {
+			t.Errorf("%d bytes with a FIN: pieces %v (err %v), want %s", tc.n, got, err, tc.want)
+		}
+	}
 }
 
 // TestForEachSegment: a payload is cut into pieces of at most max bytes, in order, each with the sequence

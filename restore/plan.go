@@ -69,6 +69,9 @@ type ConnPlan struct {
 	// Logged[:Live.DataEnd()-InqSeq] (not a copy). They are appended to the
 	// restored receive queue, whose end then matches the peer's snd_nxt.
 	Inject []byte
+	// Fin says the peer closed its side after the snapshot: its FIN follows Inject, and is delivered
+	// after the restore (DeliverFIN; an image cannot hold it).
+	Fin bool
 	// Deferred says the connection's receive bytes are delivered after the restore, one receive call at
 	// a time (intercept.Gate): Rewrite empties the snapshot's receive queue and injects nothing, and the
 	// gate delivers the queue's bytes, then Inject, as the peer's segments.
@@ -162,7 +165,8 @@ func PlanConn(c ckpt.Conn, p Peer, segBytes int) (ConnPlan, error) {
 		resend = l.Ack - c.OutqSeq
 	}
 
-	cp := ConnPlan{Conn: c, Inject: p.Logged[:inject:inject], Resend: resend}
+	// The FIN is in the snapshot only if the socket had taken it in: rcv_nxt one past the data's end.
+	cp := ConnPlan{Conn: c, Inject: p.Logged[:inject:inject], Resend: resend, Fin: l.FinSent && l.SndNxt != c.InqSeq}
 
 	if l.HasTS {
 		if c.Timestamp&1 != 0 {

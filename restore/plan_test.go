@@ -51,6 +51,7 @@ func TestPlanConn(t *testing.T) {
 		wantInject int
 		wantResend uint32
 		wantTS     uint32 // 0: no timestamp edit
+		wantFin    bool   // the peer's FIN is delivered after the restore
 		wantErr    string // substring; the error must wrap ErrNotRecoverable
 	}{
 		{
@@ -93,10 +94,16 @@ func TestPlanConn(t *testing.T) {
 			wantInject: 0, wantTS: 8002,
 		},
 		{
-			name:       "FIN from the peer: inject up to the data end",
+			name:       "FIN from the peer: inject up to the data end, the FIN after the restore",
 			c:          conn(1, 1000, 5000, 0, 2),
 			p:          Peer{Live: withFIN(live(1041, 5000, 10)), Logged: logged(40)},
-			wantInject: 40, wantTS: 1010,
+			wantInject: 40, wantTS: 1010, wantFin: true,
+		},
+		{
+			name:       "FIN from the peer right after the snapshot's data",
+			c:          conn(1, 1040, 5000, 0, 2),
+			p:          Peer{Live: withFIN(live(1041, 5000, 10)), Logged: nil},
+			wantInject: 0, wantTS: 1010, wantFin: true,
 		},
 		{
 			name:       "FIN already in the snapshot",
@@ -185,6 +192,9 @@ func TestPlanConn(t *testing.T) {
 			}
 			if cp.Resend != tt.wantResend {
 				t.Errorf("resend %d, want %d", cp.Resend, tt.wantResend)
+			}
+			if cp.Fin != tt.wantFin {
+				t.Errorf("FIN to deliver %v, want %v", cp.Fin, tt.wantFin)
 			}
 			if cp.HasTimestamp != (tt.wantTS != 0) || cp.Timestamp != tt.wantTS {
 				t.Errorf("timestamp %v %d, want %d", cp.HasTimestamp, cp.Timestamp, tt.wantTS)

@@ -42,6 +42,25 @@ type Socket struct {
 	// UID is the socket's owner (the creator's file-system uid) and Inode its inode number, by which
 	// /proc/PID/fd names it (internal/sockowner finds the processes holding it).
 	UID, Inode uint32
+	// State is the socket's TCP state (TCP_ESTABLISHED, TCP_CLOSE_WAIT, ... as in include/net/tcp_states.h).
+	State uint8
+}
+
+// TCP states (include/net/tcp_states.h) that follow the peer's FIN.
+const (
+	stateTimeWait  = 6
+	stateCloseWait = 8
+	stateLastAck   = 9
+	stateClosing   = 11
+)
+
+// FinReceived says the socket has taken in its peer's FIN (Received does not count it).
+func (s Socket) FinReceived() bool {
+	switch s.State {
+	case stateCloseWait, stateLastAck, stateClosing, stateTimeWait:
+		return true
+	}
+	return false
 }
 
 // Lookup returns what sock_diag says of the IPv4 TCP socket conn (conn.Local its local end) in the calling
@@ -143,7 +162,7 @@ func parseDiagReply(b []byte, conn tcpflow.Tuple) (Socket, error) {
 	if !bytes.Equal(msg[4:4+sizeofSockIDAddrs], want[:]) {
 		return Socket{}, ErrNoSocket
 	}
-	s := Socket{Unread: int(ne.Uint32(msg[diagMsgRQueueAt:])), UID: ne.Uint32(msg[diagMsgUIDAt:]), Inode: ne.Uint32(msg[diagMsgInodeAt:])}
+	s := Socket{State: msg[1], Unread: int(ne.Uint32(msg[diagMsgRQueueAt:])), UID: ne.Uint32(msg[diagMsgUIDAt:]), Inode: ne.Uint32(msg[diagMsgInodeAt:])}
 	const at = int(unsafe.Offsetof(unix.TCPInfo{}.Bytes_received))
 	info := false
 	for a := msg[sizeofInetDiagMsg:]; len(a) >= 4; {

@@ -81,8 +81,12 @@ type Job struct {
 	// says why); gateDone reports its end.
 	gate     *intercept.Gate
 	gateWhy  string
-	gateLive map[tcpflow.Tuple]restore.Peer
 	gateDone chan gateResult
+	// peers is the live state of each connection's peer, as planned.
+	peers map[tcpflow.Tuple]restore.Peer
+	// finErr says why a peer's FIN could not be delivered after the restore (deliverFins): the job would
+	// wait for it forever, so ReplayAndVerify fails it.
+	finErr error
 }
 
 // Snapshots gives a job's snapshot to restore.
@@ -167,6 +171,8 @@ type Network interface {
 	// taken in every byte (restore.DeliverFromPeer: what lay beyond its window is injected again); base is
 	// the socket's rcv_nxt when it was restored.
 	DeliverFromPeer(ctx context.Context, conn tcpflow.Tuple, h restore.PeerHeader, payload []byte, base uint32) error
+	// DeliverFIN delivers conn's peer's FIN (at h.Seq) to its local socket (restore.DeliverFIN).
+	DeliverFIN(ctx context.Context, conn tcpflow.Tuple, h restore.PeerHeader) error
 }
 
 // JobNetwork is a job's own network on this host: Network inside the job's namespace (TakeOver is never

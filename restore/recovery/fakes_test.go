@@ -41,6 +41,7 @@ type fake struct {
 	kept   int // Keep calls not yet stopped
 	// Jobs.
 	claimErr, restoreErr error
+	finErr               error // DeliverFIN's
 	ended                bool // the restored job ended by itself
 	rollsBack            bool // RollsBack's answer
 	claimed              []uint64
@@ -302,6 +303,11 @@ func (f *fake) DeliverFromPeer(_ context.Context, conn tcpflow.Tuple, h restore.
 	addTo(f, &f.net, fmt.Sprintf("inject %s at %d: %d bytes", conn, h.Seq, len(payload)))
 	addTo(f, &f.injectedTS, fmt.Sprintf("%s at %d: %v %d", conn, h.Seq, h.TS, h.TSval))
 	return nil
+}
+
+func (f *fake) DeliverFIN(_ context.Context, conn tcpflow.Tuple, h restore.PeerHeader) error {
+	addTo(f, &f.net, fmt.Sprintf("fin %s at %d", conn, h.Seq))
+	return f.finErr
 }
 
 func (f *fake) Persist(jobs []*Job) {

@@ -92,7 +92,7 @@ func planGate(ctx context.Context, d Deps, j *Job, peers map[tcpflow.Tuple]resto
 		cp.Deferred = true
 		cp.Preload = sources[cp.Conn.Tuple].Data[:preload[cp.Conn.Tuple.Unmap()]]
 	}
-	j.gate, j.gateLive = g, peers
+	j.gate = g
 	if g.Positions() {
 		j.BeforeRun = func() error {
 			stops := d.Determinants.Stopper(j.ID)
@@ -217,7 +217,7 @@ func (g gateInjector) Inject(conn tcpflow.Tuple, seq uint32, data []byte) error 
 			break
 		}
 	}
-	live := g.j.gateLive[c.Conn.Tuple].Live
+	live := g.j.peers[c.Conn.Tuple].Live
 	// The peer's clock as the ACK clamp last saw it, rather than at the recovery's start: the restored
 	// socket echoes this TSval, and the peer takes now minus the echo for a round trip (bpf/ackclamp.c,
 	// peer_timestamp). The peer's own, so never ahead of its later segments (PAWS).

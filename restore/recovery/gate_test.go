@@ -71,7 +71,7 @@ func TestGateDeliversHeldBytes(t *testing.T) {
 			f.peerTSval = map[tcpflow.Tuple]uint32{connA: 5000, connB: 900}
 			d := f.deps()
 			live := restore.Peer{Live: ebpfprobes.FlowState{HasTS: true, TSval: 1000, Ack: 9000}}
-			j := &Job{ID: "rank1", gateLive: map[tcpflow.Tuple]restore.Peer{connA: live, connB: live}}
+			j := &Job{ID: "rank1", peers: map[tcpflow.Tuple]restore.Peer{connA: live, connB: live}}
 			sources := map[tcpflow.Tuple]intercept.Source{}
 			for _, c := range []tcpflow.Tuple{connA, connB} {
 				inject := make([]byte, planned[c])

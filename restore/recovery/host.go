@@ -116,6 +116,25 @@ func deliver(ctx context.Context, conn tcpflow.Tuple, h restore.PeerHeader, payl
 	}, deliverRetry)
 }
 
+func (n HostNetwork) DeliverFIN(ctx context.Context, conn tcpflow.Tuple, h restore.PeerHeader) error {
+	return deliverFIN(ctx, conn, h)
+}
+
+// deliverFIN is restore.DeliverFIN with the socket's state read by sock_diag. A socket that existed and is
+// gone took the FIN: its program read to the end and closed, and the socket went with the peer's ACK.
+func deliverFIN(ctx context.Context, conn tcpflow.Tuple, h restore.PeerHeader) error {
+	if _, err := sockdiag.Lookup(conn); err != nil {
+		return fmt.Errorf("deliver the peer's FIN to %s: %w", conn, err)
+	}
+	return restore.DeliverFIN(ctx, conn, h, func() (bool, error) {
+		s, err := sockdiag.Lookup(conn)
+		if errors.Is(err, sockdiag.ErrNoSocket) {
+			return true, nil
+		}
+		return s.FinReceived(), err
+	}, deliverRetry)
+}
+
 // deliverRetry is how long DeliverFromPeer waits for a socket that took in nothing before injecting again.
 const deliverRetry = 50 * time.Millisecond
 
@@ -175,6 +194,10 @@ func (n JobNet) ResetPeer(conn tcpflow.Tuple, seq uint32) error {
 
 func (n JobNet) DeliverFromPeer(ctx context.Context, conn tcpflow.Tuple, h restore.PeerHeader, payload []byte, base uint32) error {
 	return n.in(func() error { return deliver(ctx, conn, h, payload, base) })
+}
+
+func (n JobNet) DeliverFIN(ctx context.Context, conn tcpflow.Tuple, h restore.PeerHeader) error {
+	return n.in(func() error { return deliverFIN(ctx, conn, h) })
 }
 
 func (n JobNet) Announce(ctx context.Context, ip netip.Addr) error {

@@ -68,6 +68,11 @@ func (n fakeJobNet) DeliverFromPeer(_ context.Context, conn tcpflow.Tuple, h res
 	n.rec(fmt.Sprintf("inject %s at %d: %d bytes", conn, h.Seq, len(payload)))
 	return nil
 }
+func (n fakeJobNet) DeliverFIN(_ context.Context, conn tcpflow.Tuple, h restore.PeerHeader) error {
+	n.rec(fmt.Sprintf("fin %s at %d", conn, h.Seq))
+	return nil
+}
+
 func (n fakeJobNet) Announce(_ context.Context, ip netip.Addr) error {
 	n.rec("announce " + ip.String())
 	return nil

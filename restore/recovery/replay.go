@@ -33,6 +33,9 @@ func ReplayAndVerify(ctx context.Context, d Deps, j *Job) (string, error) {
 	}
 	gated := j.gateDone != nil
 	detail, err := waitGate(j)
+	if err == nil && j.finErr != nil {
+		err = j.finErr
+	}
 	if err == nil {
 		var rdetail string
 		rdetail, err = waitReplay(ctx, d, j)

@@ -326,6 +326,9 @@ func restoreJob(ctx context.Context, d Deps, j *Job, stage stageFunc) error {
 	if err == nil && j.gate != nil {
 		startGate(ctx, d, j, events, stopEvents)
 	}
+	if err == nil {
+		j.finErr = deliverFins(ctx, d, j)
+	}
 	stage(StageRestored, j.ID, start, "", err)
 	if err != nil {
 		stopEvents()
@@ -359,6 +362,29 @@ func restoreJob(ctx context.Context, d Deps, j *Job, stage stageFunc) error {
 	d.Tracker.SetPhase(j.ID, PhaseRestored, j.RestoredAt)
 	return nil
 }
+
+// deliverFins delivers to j's restored sockets the FINs their peers sent after the snapshot: the images
+// hold the peers' bytes up to them, never the FIN.
+func deliverFins(ctx context.Context, d Deps, j *Job) error {
+	var errs []error
+	for _, c := range j.Plan.Conns {
+		if !c.Fin {
+			continue
+		}
+		h := peerHeader(d, j.peers[c.Conn.Tuple].Live, c.Conn.Tuple, c.Conn.OutqSeq)
+		h.Seq = c.Conn.InqSeq + uint32(len(c.Inject)) // where the peer's data ends
+		fctx, cancel := context.WithTimeout(ctx, deliverFinWait)
+		if err := netOf(d, j).DeliverFIN(fctx, c.Conn.Tuple, h); err != nil {
+			errs = append(errs, fmt.Errorf("connection %s -> %s: the peer closed it after the snapshot, and its FIN could not be delivered: %w", c.Conn.Local, c.Conn.Remote, err))
+		}
+		cancel()
+	}
+	return errors.Join(errs...)
+}
+
+// deliverFinWait bounds deliverFins for one connection: the FIN follows the bytes the restored queue holds
+// already, so the socket takes it at once.
+const deliverFinWait = 10 * time.Second
 
 // cleanupTimeout bounds what undoes a failed restore once the recovery's context has ended.
 const cleanupTimeout = 10 * time.Second
@@ -428,7 +454,7 @@ func plan(ctx context.Context, d Deps, j *Job, local func(ckpt.Conn) bool) error
 		return errors.Join(errs...)
 	}
 	p, err := restore.NewPlan(conns, peers, restore.RestoredMSS)
-	j.Plan = p
+	j.Plan, j.peers = p, peers
 	if err == nil {
 		planGate(ctx, d, j, peers)
 	}

@@ -781,3 +781,35 @@ func TestRestoreFailureReleasesClamp(t *testing.T) {
 		t.Errorf("the restore failed and the clamp released %v; want %v released", f.released, flow)
 	}
 }
+
+// TestRestoreDeliversPeerFIN: a peer that closed after the snapshot has its FIN delivered once the job is
+// restored, after the bytes the images hold (before, the restored program read those and then waited
+// forever for the end of a stream whose FIN the failed host had acknowledged); one that cannot be
+// delivered fails the job's replay, which kills it.
+func TestRestoreDeliversPeerFIN(t *testing.T) {
+	flow := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("10.0.0.3:4000")}
+	other := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:7001"), Remote: netip.MustParseAddrPort("10.0.0.3:4001")}
+	for _, finErr := range []error{nil, errors.New("no socket")} {
+		f := newFake(t)
+		f.finErr = finErr
+		j := &Job{ID: "rank1", RunID: "run-rank1", Work: t.TempDir(),
+			Plan: restore.Plan{Conns: []restore.ConnPlan{
+				{Conn: ckpt.Conn{Tuple: flow, InqSeq: 1000, OutqSeq: 5000}, Inject: make([]byte, 40), Fin: true},
+				{Conn: ckpt.Conn{Tuple: other, InqSeq: 3000, OutqSeq: 6000}, Inject: make([]byte, 10)},
+			}},
+			peers: map[tcpflow.Tuple]restore.Peer{flow: {Live: ebpfprobes.FlowState{SndNxt: 1041, Ack: 5000, HasAck: true, FinSent: true}}}}
+		if err := restoreJob(t.Context(), f.deps(), j, func(string, string, time.Time, string, error) {}); err != nil {
+			t.Fatal(err)
+		}
+		if want := []string{"fin " + flow.String() + " at 1040"}; !slices.Equal(f.net, want) {
+			t.Errorf("network after the restore: %v, want %v (the FIN where the peer's data ends, only where the peer closed)", f.net, want)
+		}
+		_, err := ReplayAndVerify(t.Context(), f.deps(), j)
+		switch {
+		case finErr == nil && err != nil:
+			t.Errorf("ReplayAndVerify: %v", err)
+		case finErr != nil && (err == nil || !strings.Contains(err.Error(), "its FIN could not be delivered") || !slices.Contains(f.killed, "rank1")):
+			t.Errorf("FIN not delivered: ReplayAndVerify %v, killed %v; want rank1 killed, saying so", err, f.killed)
+		}
+	}
+}
