@@ -42,8 +42,8 @@ type fake struct {
 	// Jobs.
 	claimErr, restoreErr error
 	finErr               error // DeliverFIN's
-	ended                bool // the restored job ended by itself
-	rollsBack            bool // RollsBack's answer
+	ended                bool  // the restored job ended by itself
+	rollsBack            bool  // RollsBack's answer
 	claimed              []uint64
 	givenBack, unlessSt  []string
 	restored, killed     []string
