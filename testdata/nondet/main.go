@@ -44,30 +44,35 @@ func main() {
 	oneway := flag.Bool("oneway", false, "rank 0 sends no acknowledgements, rank 1 waits for none")
 	resync := flag.Duration("resync-after", 0, "rank 1: after a pause longer than this, ask rank 0 to resync (0: never)")
 	progress := flag.Int("progress", 0, "print a progress line every N blocks (0: never)")
-	gate := flag.String("gate", "", "rank 1 waits before block --gate-at until this file exists")
-	gateAt := flag.Int("gate-at", 0, "the block --gate holds rank 1 before")
+	gate := flag.String("gate", "", "rank 1 waits before sending block --gate-at, rank 0 before reading it, until this file exists")
+	gateAt := flag.Int("gate-at", 0, "the block --gate holds the rank before")
+	eof := flag.Bool("eof", false, "with --oneway: rank 1 closes its side after its last block and waits for rank 0 to close; rank 0 reads to the end of the stream, then closes")
 	flag.Parse()
 	if *peer == "" || *rank < 0 || *rank > 1 || *block < 8 || *block%8 != 0 {
 		fmt.Fprintln(os.Stderr, "nondet: need --peer, --rank 0 or 1, --block a multiple of 8")
 		os.Exit(2)
 	}
+	if *eof && !*oneway {
+		fmt.Fprintln(os.Stderr, "nondet: --eof needs --oneway")
+		os.Exit(2)
+	}
+	wait := func(int) {}
+	if *gate != "" {
+		wait = func(i int) {
+			for i == *gateAt {
+				if _, err := os.Stat(*gate); err == nil {
+					return
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+		}
+	}
 	var sum string
 	var err error
 	if *rank == 0 {
-		sum, err = receive(*peer, *iters, *block, *oneway, *progress)
+		sum, err = receive(*peer, *iters, *block, *oneway, *eof, *progress, wait)
 	} else {
-		wait := func(int) {}
-		if *gate != "" {
-			wait = func(i int) {
-				for i == *gateAt {
-					if _, err := os.Stat(*gate); err == nil {
-						return
-					}
-					time.Sleep(5 * time.Millisecond)
-				}
-			}
-		}
-		sum, err = send(*peer, *iters, *block, *delay, *clock, *oneway, *resync, *progress, wait)
+		sum, err = send(*peer, *iters, *block, *delay, *clock, *oneway, *eof, *resync, *progress, wait)
 	}
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "nondet rank %d: %v\n", *rank, err)
@@ -76,7 +81,7 @@ func main() {
 	fmt.Printf("rank %d checksum %s\n", *rank, sum)
 }
 
-func receive(addr string, iters, block int, oneway bool, progress int) (string, error) {
+func receive(addr string, iters, block int, oneway, eof bool, progress int, gate func(i int)) (string, error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return "", err
@@ -89,8 +94,17 @@ func receive(addr string, iters, block int, oneway bool, progress int) (string, 
 	h := sha256.New()
 	buf := make([]byte, block)
 	ack := make([]byte, 8)
-	for i := 0; i < iters; i++ {
-		if _, err := io.ReadFull(c, buf); err != nil {
+	for i := 0; eof || i < iters; i++ {
+		gate(i)
+		n, err := io.ReadFull(c, buf)
+		if eof && n == 0 && err == io.EOF {
+			if err := c.Close(); err != nil {
+				return "", err
+			}
+			fmt.Printf("rank 0 read the end of the stream after %d blocks\n", i)
+			break
+		}
+		if err != nil {
 			return "", fmt.Errorf("iteration %d: read block: %w", i, err)
 		}
 		if isResync(buf) {
@@ -126,7 +140,7 @@ func isResync(b []byte) bool {
 	return true
 }
 
-func send(addr string, iters, block int, delay time.Duration, clock, oneway bool, resync time.Duration, progress int, gate func(i int)) (string, error) {
+func send(addr string, iters, block int, delay time.Duration, clock, oneway, eof bool, resync time.Duration, progress int, gate func(i int)) (string, error) {
 	var c net.Conn
 	var err error
 	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(50 * time.Millisecond) {
@@ -188,6 +202,15 @@ func send(addr string, iters, block int, delay time.Duration, clock, oneway bool
 			return "", fmt.Errorf("iteration %d: acknowledgement for %d", i, got)
 		}
 		time.Sleep(delay)
+	}
+	if eof {
+		if err := c.(*net.TCPConn).CloseWrite(); err != nil {
+			return "", fmt.Errorf("close the sending side: %w", err)
+		}
+		fmt.Println("rank 1 closed its sending side")
+		if _, err := io.Copy(io.Discard, c); err != nil {
+			return "", fmt.Errorf("wait for rank 0 to close: %w", err)
+		}
 	}
 	return hex.EncodeToString(h.Sum(nil)), nil
 }

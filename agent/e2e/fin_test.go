@@ -1,0 +1,76 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/lab/labcluster"
+)
+
+// TestRestoredReaderGetsPeersFIN: a one-way stream whose sender closed its side after the receiver's
+// snapshot, its FIN acknowledged by the receiver's host before that host failed. The restored receiver
+// gets the last block from the sender's log and the FIN from the recovery, reads to the end of the stream
+// and ends with the sender's checksum. Before, the images held the block but not the FIN, which the sender
+// never sends again once acknowledged: the restored receiver read the block and waited forever.
+func TestRestoredReaderGetsPeersFIN(t *testing.T) {
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
+	const (
+		port   = 7730
+		block  = 64 << 10
+		blocks = 40
+	)
+	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
+	ctx := context.Background()
+	h2, err := c.Lab.Host("node2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	peer := netip.AddrPortFrom(h2.Addr.Addr(), port).String()
+	common := []string{"--peer", peer, "--iters", fmt.Sprint(blocks), "--block", fmt.Sprint(block), "--oneway", "--eof", "--progress", "1"}
+	// The sender holds before its last block, the receiver before reading it: the receiver's snapshot
+	// comes before the block and the FIN.
+	sendArgs, releaseSend := gated(t, append([]string{"--rank", "1", "--delay", "1ms"}, common...), blocks-1)
+	recvArgs, releaseRecv := gated(t, append([]string{"--rank", "0"}, common...), blocks-1)
+	ch := &chain{c: c}
+	ch.start(t, "node2", "reader", append([]string{bins.Nondet}, recvArgs...)...)
+	ch.start(t, "node1", "writer", append([]string{bins.Nondet}, sendArgs...)...)
+	recv, send := ch.jobs[0], ch.jobs[1]
+	waitProtected(t, c, "node1", send.ID, 2*time.Minute)
+	ch.waitReceived(t, recv, blocks-1, 2*time.Minute)
+	m := snapshotNow(t, c, "node2", recv.ID)
+	t.Logf("reader snapshotted (%s) after %d blocks", m.ID, blocks-1)
+
+	releaseSend()
+	ns, err := c.Lab.NetnsPath("node1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// FIN_WAIT2: node2's kernel acknowledged the writer's FIN (the reader, held, read none of it).
+	poll(t, time.Minute, "the writer's FIN acknowledged by node2", func() bool {
+		out, err := exec.Command("nsenter", "--net="+ns, "ss", "-Htn", "state", "fin-wait-2", "dst", peer).Output()
+		return err == nil && len(strings.TrimSpace(string(out))) > 0
+	})
+	if err := c.Lab.Crash(ctx, "node2"); err != nil {
+		t.Fatal(err)
+	}
+	releaseRecv() // the restored reader reads on
+	f := waitFailure(t, c, "node2", 5*time.Minute)
+	requireStages(t, f)
+	want := streamSum(blocks, block)
+	for _, j := range []agent.Job{recv, send} {
+		st, out := waitExit(t, j, 3*time.Minute)
+		if st.Code != 0 || st.Signal != "" {
+			t.Errorf("%s ended %+v on %s: %s", j.Spec.Name, st, st.Node, tail(out))
+			continue
+		}
+		if got := checksumOf(t, out); got != want {
+			t.Errorf("%s checksum %s, want the generator's %s", j.Spec.Name, got, want)
+		}
+	}
+}
