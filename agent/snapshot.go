@@ -58,7 +58,8 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen, hashWhileDumping bo
 		return nil, err
 	}
 	j.LazyWork = "" // every page is in: the record the snapshot carries names no images of this host
-	owners := a.ownerLookup(ctx) // the snapshot's connections: one batch
+	// The snapshot's connections are one batch of address lookups.
+	owners := a.ownerLookup(ctx)
 	opts := dump.Options{
 		Job: j.ID, PID: j.PID, Record: j, Logger: a.log,
 		Info: ckpt.Info{CRIUVersion: a.criuVersion.String(), KernelRelease: version.KernelRelease(), Mode: a.cfg.Checkpoint.Mode},
