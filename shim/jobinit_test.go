@@ -1,6 +1,9 @@
 package shim
 
 import (
+	"fmt"
+	"os"
+	"os/exec"
 	"reflect"
 	"strings"
 	"testing"
@@ -52,5 +55,41 @@ func TestWithoutMPTCP(t *testing.T) {
 				t.Fatalf("withoutMPTCP(%q) = %q, want %q", tt.in, got, tt.out)
 			}
 		})
+	}
+}
+
+// TestResetOOMScoreAdj: a negative OOM score adjustment (the agent's unit gives the agent -500, which its
+// jobs inherited) is raised to 0; a positive one is kept (lowering it needs CAP_SYS_RESOURCE). Run in a
+// child process: the adjustment is the process's.
+func TestResetOOMScoreAdj(t *testing.T) {
+	if v := os.Getenv("OOM_TEST_START"); v != "" {
+		if err := os.WriteFile("/proc/self/oom_score_adj", []byte(v), 0); err != nil {
+			t.Skipf("cannot set this process's adjustment to %s: %v", v, err) // -500 without CAP_SYS_RESOURCE
+		}
+		if err := resetOOMScoreAdj(); err != nil {
+			t.Fatal(err)
+		}
+		b, _ := os.ReadFile("/proc/self/oom_score_adj")
+		fmt.Print("OOM_ADJ=" + strings.TrimSpace(string(b)))
+		return
+	}
+	ran := 0
+	for _, tc := range []struct{ start, want string }{{"300", "300"}, {"-500", "0"}} {
+		cmd := exec.Command(os.Args[0], "-test.run=^TestResetOOMScoreAdj$", "-test.count=1", "-test.v")
+		cmd.Env = append(os.Environ(), "OOM_TEST_START="+tc.start)
+		out, err := cmd.CombinedOutput()
+		switch {
+		case err != nil:
+			t.Errorf("child starting at %s: %v\n%s", tc.start, err, out)
+		case strings.Contains(string(out), "SKIP"):
+			t.Logf("from %s: not run here (%s)", tc.start, strings.TrimSpace(string(out)))
+		case !strings.Contains(string(out), "OOM_ADJ="+tc.want):
+			t.Errorf("from %s: child says %q, want OOM_ADJ=%s", tc.start, out, tc.want)
+		default:
+			ran++
+		}
+	}
+	if ran == 0 {
+		t.Error("no case could run: this process cannot even raise its own OOM score adjustment")
 	}
 }
