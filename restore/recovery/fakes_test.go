@@ -249,7 +249,11 @@ func guardEntry(runID string, addrs []netip.Addr) string {
 	return fmt.Sprintf("guard %s holding %v", runID, addrs)
 }
 
-func (f *fake) Unguard(_ context.Context, runID string) error {
+func (f *fake) Unguard(ctx context.Context, runID string) error {
+	if ctx.Err() != nil { // as restore.Unguard: nothing done
+		addTo(f, &f.net, "unguard "+runID+" refused: "+ctx.Err().Error())
+		return ctx.Err()
+	}
 	addTo(f, &f.net, "unguard "+runID)
 	return nil
 }

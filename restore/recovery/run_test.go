@@ -813,3 +813,20 @@ func TestRestoreDeliversPeerFIN(t *testing.T) {
 		}
 	}
 }
+
+// TestFailedRestoreUndoneAfterCancel: a restore that failed because the recovery's context ended (the agent
+// stops) still takes its guard down: before, the undo ran on that ended context, which restore.Unguard
+// refuses, and the guard dropped the job's flows and new connections to its address for good.
+func TestFailedRestoreUndoneAfterCancel(t *testing.T) {
+	f := newFake(t)
+	f.restoreErr = context.Canceled
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel()
+	j := &Job{ID: "rank1", RunID: "run-rank1", Work: t.TempDir()}
+	if err := restoreJob(ctx, f.deps(), j, func(string, string, time.Time, string, error) {}); err == nil {
+		t.Fatal("restoreJob succeeded")
+	}
+	if want := []string{"unguard run-rank1"}; !slices.Equal(f.net, want) {
+		t.Errorf("network after the failed restore: %v, want %v", f.net, want)
+	}
+}
