@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 
 	"github.com/ftkit/ftkit/internal/atomicfile"
+	"github.com/ftkit/ftkit/internal/filecopy"
 	"github.com/ftkit/ftkit/internal/jobfs"
 )
 
@@ -70,7 +71,9 @@ func (jr *Journal) save(k kind, path string, f *os.File, off, size int64) error 
 	if err != nil {
 		return fmt.Errorf("journal %s before changing it: %w", path, err)
 	}
-	_, err = io.Copy(out, io.NewSectionReader(f, off, size-off))
+	// Only f's data: a user who made the file sparse (truncate -s 10T) before a restore costs root's disk
+	// only what the file holds.
+	err = filecopy.Range(out, f, off, size-off)
 	if err == nil {
 		err = out.Sync()
 	}
