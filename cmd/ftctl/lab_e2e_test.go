@@ -85,6 +85,30 @@ func buildFtctl(t *testing.T) string {
 	return bin
 }
 
+// labUp runs `ftctl lab up ARGS --subnet S` (ftctlCmd names the lab) on a subnet of the tests' range
+// (lab.RandomTestSubnet), drawn again while another lab holds it: the labs of the run's other tests draw
+// from the same range (ci320: TestLabSlurm's one draw met one, and `lab up` refused it). It returns the
+// command's standard output.
+func labUp(t *testing.T, ftctlCmd func(args ...string) *exec.Cmd, args ...string) []byte {
+	t.Helper()
+	for attempt := 1; ; attempt++ {
+		out, err := ftctlCmd(append(append([]string{"up"}, args...), "--subnet", lab.RandomTestSubnet().String())...).Output()
+		var ee *exec.ExitError
+		errors.As(err, &ee)
+		if ee != nil && strings.Contains(string(ee.Stderr), lab.ErrSubnetInUse.Error()) && attempt < 20 {
+			continue
+		}
+		if err != nil {
+			var stderr []byte
+			if ee != nil {
+				stderr = ee.Stderr
+			}
+			t.Fatalf("ftctl lab up %s: %v\n%s%s", strings.Join(args, " "), err, out, stderr)
+		}
+		return out
+	}
+}
+
 func TestLabEndToEnd(t *testing.T) {
 	labtest.RequireRoot(t)
 	ftctl := buildFtctl(t)
@@ -93,7 +117,6 @@ func TestLabEndToEnd(t *testing.T) {
 		t.Fatal(err)
 	}
 	id := fmt.Sprintf("e%05x", rand.Uint32()&0xfffff)
-	subnet := fmt.Sprintf("10.%d.%d.0/24", 210+rand.IntN(40), rand.IntN(256))
 	ftctlCmd := func(args ...string) *exec.Cmd {
 		return exec.Command(ftctl, append([]string{"lab", "--lab", id}, args...)...)
 	}
@@ -107,7 +130,7 @@ func TestLabEndToEnd(t *testing.T) {
 	}
 
 	var up lab.Status
-	if err := json.Unmarshal([]byte(run("up", "--no-agents", "--nodes", "3", "--spares", "1", "--subnet", subnet, "--json")), &up); err != nil {
+	if err := json.Unmarshal(labUp(t, ftctlCmd, "--no-agents", "--nodes", "3", "--spares", "1", "--json"), &up); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {

@@ -67,7 +67,6 @@ func TestLabSlurm(t *testing.T) {
 		t.Fatal(err)
 	}
 	id := fmt.Sprintf("s%05x", rand.Uint32()&0xfffff)
-	subnet := fmt.Sprintf("10.%d.%d.0/24", 210+rand.IntN(40), rand.IntN(256))
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute) // a failure bound only
 	defer cancel()
 	ftctlCmd := func(args ...string) *exec.Cmd {
@@ -86,8 +85,9 @@ func TestLabSlurm(t *testing.T) {
 		return string(out)
 	}
 
+	upOut := labUp(t, ftctlCmd, "--no-agents", "--slurm", "--nodes", "3", "--spares", "1", "--json")
 	var up lab.Status
-	if err := json.Unmarshal([]byte(run("up", "--no-agents", "--slurm", "--nodes", "3", "--spares", "1", "--subnet", subnet, "--json")), &up); err != nil {
+	if err := json.Unmarshal(upOut, &up); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
