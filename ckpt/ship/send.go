@@ -335,6 +335,11 @@ func sendAttempt(ctx context.Context, store *ckpt.Store, m *ckpt.Manifest, idx *
 			} else {
 				n, err = sendFile(dir, f, bw, zw, dw, buf, bh, early, !opts.JustCommitted)
 			}
+			if err != nil {
+				// End the file's compressing goroutines (CompressConcurrency > 1) before anything else is
+				// written: they would leak, and write DATA after an ABORT.
+				zw.Reset(nil)
+			}
 			if bh != nil && err == nil {
 				next.add(uint32(i), f.Name, bh.hs)
 			}

@@ -12,6 +12,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -1025,4 +1026,34 @@ func TestReceiveRefusesConcurrentWriter(t *testing.T) {
 // receiver still accepts; the hand-made streams of these tests speak it.
 func helloV1() []byte {
 	return binary.BigEndian.AppendUint16(append([]byte{}, helloMagic[:]...), 1)
+}
+
+// A send that ends inside a file stops that file's compressing goroutines: with CompressConcurrency above
+// one, S2's writer keeps a goroutine per file until it is closed or reset.
+func TestSendAbortEndsCompressors(t *testing.T) {
+	origin := openStore(t, "node1")
+	prot := openStore(t, "prot")
+	m := makeSnapshot(t, origin, "job", smallFiles())
+	// A file that grew after its commit is refused in the middle of its stream.
+	f, err := os.OpenFile(filepath.Join(origin.Path("job", m.ID), "pages-1.img"), os.O_WRONLY|os.O_APPEND, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.Write([]byte("more")); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	addr, results := serveTCP(t, prot, ReceiveOptions{})
+	conn := dial(t, addr)
+	if _, err := Send(context.Background(), conn, origin, "job", m.ID, SendOptions{Peer: "prot", CompressConcurrency: 2}); !errors.Is(err, ckpt.ErrCorrupt) {
+		t.Fatalf("Send: %v, want %v", err, ckpt.ErrCorrupt)
+	}
+	// Send has returned: a compressor it left running is still parked in the writer's loop.
+	stacks := make([]byte, 1<<20)
+	stacks = stacks[:runtime.Stack(stacks, true)]
+	if bytes.Contains(stacks, []byte("s2.(*Writer).Reset")) {
+		t.Errorf("a compressing goroutine outlived the aborted send:\n%s", stacks)
+	}
+	conn.Close()
+	<-results
 }
