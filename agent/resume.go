@@ -62,6 +62,8 @@ type recoveryJob struct {
 	Conns      []recoveryConn `json:"conns,omitempty"` // those with bytes to re-send
 	// Deferred are the connections whose receive bytes a gate delivers (its receive order replayed).
 	Deferred []recovery.DeferredConn `json:"deferred,omitempty"`
+	// Fins are the connections whose peers closed them after the snapshot: their FINs go to the job.
+	Fins []recovery.FinConn `json:"fins,omitempty"`
 }
 
 // recoveryConn is a restored connection's replay: from the snapshot's write_seq OutqSeq, Resend bytes the
@@ -175,7 +177,8 @@ func (t *recoveryTracker) Persist(jobs []*recovery.Job) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for _, r := range jobs {
-		rj := recoveryJob{Job: r.ID, Snapshot: r.Manifest.ID, Phase: phaseRestoring, Deferred: recovery.Deferred(r)}
+		rj := recoveryJob{Job: r.ID, Snapshot: r.Manifest.ID, Phase: phaseRestoring, Deferred: recovery.Deferred(r),
+			Fins: recovery.Fins(r)}
 		for _, c := range r.Plan.Conns {
 			if c.Resend == 0 {
 				continue
@@ -340,6 +343,11 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 			if cerr := record.ContinueStopped(a.layout().cgroup(j.ID)); cerr != nil {
 				a.log.Error("could not continue a restored job's stopped processes: its replay will time out", "job", j.ID, "err", cerr)
 			}
+		}
+		if err == nil && len(rj.Fins) > 0 {
+			// The previous agent may have died before it delivered them (ReplayAndVerify refuses the job
+			// if they cannot be).
+			recovery.ResumeFins(ctx, deps, net, r, rj.Fins)
 		}
 		var detail string
 		if err == nil {

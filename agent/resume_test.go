@@ -39,7 +39,7 @@ func connPlan(local, remote string, outq, resend uint32) restore.ConnPlan {
 
 // TestRecoveryRecordPersists is what a target agent killed during a replay leaves for its successor: the
 // jobs, their replays (only the connections with bytes to re-send) with the peers' records of what they
-// received and the snapshot's prefix CRCs, the phases and the stages, in a 0600 file of a 0700 directory;
+// received and the snapshot's prefix CRCs, the FINs their peers sent after the snapshot, the phases and the stages, in a 0600 file of a 0700 directory;
 // the outcome stays without the replays.
 func TestRecoveryRecordPersists(t *testing.T) {
 	a := resumeTestAgent(t)
@@ -50,8 +50,11 @@ func TestRecoveryRecordPersists(t *testing.T) {
 	emit(Stage{Name: StageFetched, Job: "rank1", Host: "spare1"})
 	r := testRecoveryJob("rank1",
 		connPlan("10.0.0.2:7000", "10.0.0.1:40000", 1000, 5000),
-		connPlan("10.0.0.2:7001", "10.0.0.3:40001", 9, 0), // nothing to re-send: nothing to wait for
+		connPlan("10.0.0.2:7001", "10.0.0.3:40001", 9, 0),  // nothing to re-send: nothing to wait for
+		connPlan("10.0.0.2:7002", "10.0.0.4:40002", 20, 0), // its peer closed it after the snapshot
 	)
+	r.Plan.Conns[2].Fin, r.Plan.Conns[2].Conn.InqSeq, r.Plan.Conns[2].Inject = true, 300, make([]byte, 10)
+	fin := recovery.FinConn{Tuple: r.Plan.Conns[2].Conn.Tuple, Seq: 310, OutqSeq: 20}
 	keep := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
 	prefix := &ckpt.SentPrefix{Len: 1000, CRC: 0xabcd}
 	r.Plan.Conns[0].Conn.SentPrefix = prefix
@@ -78,7 +81,8 @@ func TestRecoveryRecordPersists(t *testing.T) {
 	}
 	got := recs[0]
 	wantJobs := []recoveryJob{{Job: "rank1", Snapshot: r.Manifest.ID, Phase: phaseRestored, RestoredAt: at,
-		Conns: []recoveryConn{{Tuple: keep, OutqSeq: 1000, Resend: 5000, SentPrefix: prefix, Check: recovery.Check{Received: kept}}}}}
+		Conns: []recoveryConn{{Tuple: keep, OutqSeq: 1000, Resend: 5000, SentPrefix: prefix, Check: recovery.Check{Received: kept}}},
+		Fins:  []recovery.FinConn{fin}}}
 	if got.Failure != req.Failure || got.Coordinator != "node3" || got.Done || !reflect.DeepEqual(got.Jobs, wantJobs) {
 		t.Errorf("record %+v; want failure %s by node3, jobs %+v, not done", got, req.Failure, wantJobs)
 	}

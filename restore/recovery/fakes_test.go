@@ -311,6 +311,7 @@ func (f *fake) DeliverFromPeer(_ context.Context, conn tcpflow.Tuple, h restore.
 
 func (f *fake) DeliverFIN(_ context.Context, conn tcpflow.Tuple, h restore.PeerHeader) error {
 	addTo(f, &f.net, fmt.Sprintf("fin %s at %d", conn, h.Seq))
+	addTo(f, &f.injectedTS, fmt.Sprintf("fin %s at %d: %v %d", conn, h.Seq, h.TS, h.TSval))
 	return f.finErr
 }
 

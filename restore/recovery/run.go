@@ -14,6 +14,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/criu"
+	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/intercept"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/tcpflow"
@@ -363,23 +364,74 @@ func restoreJob(ctx context.Context, d Deps, j *Job, stage stageFunc) error {
 	return nil
 }
 
+// FinConn is a restored connection whose peer closed it after the snapshot: the peer's FIN goes to the
+// restored socket at Seq, where the peer's data ends (part of the agent's on-disk recovery record, for a
+// recovery resumed by a restarted agent).
+type FinConn struct {
+	tcpflow.Tuple
+	Seq     uint32 `json:"seq"`
+	OutqSeq uint32 `json:"outq_seq"`
+}
+
+// Fins lists j's connections whose peers closed them after the snapshot.
+func Fins(j *Job) []FinConn {
+	var fins []FinConn
+	for _, c := range j.Plan.Conns {
+		if c.Fin {
+			fins = append(fins, FinConn{Tuple: c.Conn.Tuple, Seq: c.Conn.InqSeq + uint32(len(c.Inject)), OutqSeq: c.Conn.OutqSeq})
+		}
+	}
+	return fins
+}
+
 // deliverFins delivers to j's restored sockets the FINs their peers sent after the snapshot: the images
 // hold the peers' bytes up to them, never the FIN.
 func deliverFins(ctx context.Context, d Deps, j *Job) error {
 	var errs []error
-	for _, c := range j.Plan.Conns {
-		if !c.Fin {
-			continue
-		}
-		h := peerHeader(d, j.peers[c.Conn.Tuple].Live, c.Conn.Tuple, c.Conn.OutqSeq)
-		h.Seq = c.Conn.InqSeq + uint32(len(c.Inject)) // where the peer's data ends
-		fctx, cancel := context.WithTimeout(ctx, deliverFinWait)
-		if err := netOf(d, j).DeliverFIN(fctx, c.Conn.Tuple, h); err != nil {
-			errs = append(errs, fmt.Errorf("connection %s -> %s: the peer closed it after the snapshot, and its FIN could not be delivered: %w", c.Conn.Local, c.Conn.Remote, err))
-		}
-		cancel()
+	for _, c := range Fins(j) {
+		errs = append(errs, deliverFin(ctx, d, netOf(d, j), c, j.peers[c.Tuple].Live))
 	}
 	return errors.Join(errs...)
+}
+
+// ResumeFins delivers the FINs of fins to restored job j, for a recovery resumed by a restarted agent,
+// which may have died before it delivered them: a socket that took its FIN already is left alone
+// (restore.DeliverFIN). The peers' live state is asked again. A FIN that cannot be delivered makes
+// ReplayAndVerify refuse the job, as in the recovery that restored it.
+func ResumeFins(ctx context.Context, d Deps, net Network, j *Job, fins []FinConn) {
+	var errs []error
+	for _, c := range fins {
+		owner := d.Peers.Owner(ctx, c.Remote.Addr())
+		if owner == "" {
+			errs = append(errs, fmt.Errorf("connection %s -> %s: the peer closed it after the snapshot, and no member holds the peer to deliver its FIN", c.Local, c.Remote))
+			continue
+		}
+		// From where its data ends: the peer's live state, and no bytes.
+		qctx, cancel := context.WithTimeout(ctx, time.Minute)
+		reply, _, err := d.Peers.LogRange(qctx, owner, clusterapi.LogRangeRequest{Tuple: c.Reverse(), From: c.Seq})
+		cancel()
+		if err == nil && reply.Live == nil {
+			err = fmt.Errorf("%s has no live state of it", owner)
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("connection %s -> %s: the peer closed it after the snapshot, and its FIN could not be delivered: %w", c.Local, c.Remote, err))
+			continue
+		}
+		errs = append(errs, deliverFin(ctx, d, net, c, *reply.Live))
+	}
+	j.finErr = errors.Join(errs...)
+}
+
+// deliverFin delivers c's peer's FIN, with the peer's live state live.
+func deliverFin(ctx context.Context, d Deps, net Network, c FinConn, live ebpfprobes.FlowState) error {
+	h := peerHeader(d, live, c.Tuple, c.OutqSeq)
+	h.Seq = c.Seq
+	ctx, cancel := context.WithTimeout(ctx, deliverFinWait)
+	defer cancel()
+	if err := net.DeliverFIN(ctx, c.Tuple, h); err != nil {
+		return fmt.Errorf("connection %s -> %s: the peer closed it after the snapshot, and its FIN could not be delivered: %w", c.Local, c.Remote, err)
+	}
+	return nil
 }
 
 // deliverFinWait bounds deliverFins for one connection: the FIN follows the bytes the restored queue holds

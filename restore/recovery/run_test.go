@@ -814,6 +814,69 @@ func TestRestoreDeliversPeerFIN(t *testing.T) {
 	}
 }
 
+// TestResumeFins: an agent restarted during a recovery delivers the FINs its predecessor may not have
+// delivered, with the peer's live state asked again (its latest TSval), and the job is refused if one
+// cannot be delivered. Before, a resumed recovery delivered none, and a restored reader waited for the end
+// of its stream until the connection timed out.
+func TestResumeFins(t *testing.T) {
+	flow := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("10.0.0.3:4000")}
+	plan := &Job{Plan: restore.Plan{Conns: []restore.ConnPlan{
+		{Conn: ckpt.Conn{Tuple: flow, InqSeq: 1000, OutqSeq: 5000}, Inject: make([]byte, 40), Fin: true},
+		{Conn: ckpt.Conn{Tuple: tcpflow.Tuple{Local: flow.Local, Remote: netip.MustParseAddrPort("10.0.0.4:4000")}, InqSeq: 3000}},
+	}}}
+	fins := Fins(plan)
+	if want := []FinConn{{Tuple: flow, Seq: 1040, OutqSeq: 5000}}; !slices.Equal(fins, want) {
+		t.Fatalf("Fins = %+v, want %+v", fins, want)
+	}
+	for _, tc := range []struct {
+		name     string
+		owner    string
+		rangeErr error
+		finErr   error
+		want     string // in ReplayAndVerify's error; "" for none
+	}{
+		{name: "delivered", owner: "node3"},
+		{name: "no member holds the peer", want: "no member holds the peer"},
+		{name: "log range fails", owner: "node3", rangeErr: errors.New("node3 is gone"), want: "node3 is gone"},
+		{name: "socket refuses", owner: "node3", finErr: errors.New("no socket"), want: "no socket"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFake(t)
+			f.finErr = tc.finErr
+			if tc.owner != "" {
+				f.owners[flow.Remote.Addr()] = tc.owner
+			}
+			var asked []clusterapi.LogRangeRequest
+			f.logRange = func(owner string, req clusterapi.LogRangeRequest) (clusterapi.LogRangeReply, []byte, error) {
+				asked = append(asked, req)
+				live := ebpfprobes.FlowState{SndNxt: 1041, Ack: 5000, HasAck: true, FinSent: true, HasTS: true, TSval: 777}
+				return clusterapi.LogRangeReply{From: req.From, Live: &live}, nil, tc.rangeErr
+			}
+			j := &Job{ID: "rank1", RunID: "run-rank1", Work: t.TempDir()}
+			ResumeFins(t.Context(), f.deps(), fakeNet{f}, j, fins)
+			if tc.owner != "" {
+				if want := []clusterapi.LogRangeRequest{{Tuple: flow.Reverse(), From: 1040}}; !slices.Equal(asked, want) {
+					t.Errorf("asked %+v, want %+v (the live state from where the data ends)", asked, want)
+				}
+			}
+			if tc.rangeErr == nil && tc.owner != "" {
+				if want := []string{"fin " + flow.String() + " at 1040: true 777"}; !slices.Equal(f.injectedTS, want) {
+					t.Errorf("delivered %v, want %v", f.injectedTS, want)
+				}
+			} else if len(f.injectedTS) != 0 {
+				t.Errorf("delivered %v without the peer's live state", f.injectedTS)
+			}
+			_, err := ReplayAndVerify(t.Context(), f.deps(), j)
+			switch {
+			case tc.want == "" && err != nil:
+				t.Errorf("ReplayAndVerify: %v", err)
+			case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want) || !slices.Contains(f.killed, "rank1")):
+				t.Errorf("ReplayAndVerify %v, killed %v; want rank1 killed, saying %q", err, f.killed, tc.want)
+			}
+		})
+	}
+}
+
 // TestFailedRestoreUndoneAfterCancel: a restore that failed because the recovery's context ended (the agent
 // stops) still takes its guard down: before, the undo ran on that ended context, which restore.Unguard
 // refuses, and the guard dropped the job's flows and new connections to its address for good.
