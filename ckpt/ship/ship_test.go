@@ -1057,3 +1057,52 @@ func TestSendAbortEndsCompressors(t *testing.T) {
 	conn.Close()
 	<-results
 }
+
+// TestShipKeepsHoles: a job's sparse output (a stdout it seeked far into) costs the protector's disk what
+// it holds: before, the receiver allocated and wrote every byte of it.
+func TestShipKeepsHoles(t *testing.T) {
+	const size = 256 << 20
+	origin := openStore(t, "node1")
+	prot := openStore(t, "prot")
+	p, err := origin.Begin("job")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, err := os.Create(filepath.Join(p.Dir(), "stdout"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, off := range []int64{0, size / 2, size - 5} {
+		if _, err := out.WriteAt([]byte("rank0"), off); err != nil {
+			t.Fatal(err)
+		}
+	}
+	out.Close()
+	m, err := p.Commit(context.Background(), testInfo())
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr, results := serveTCP(t, prot, ReceiveOptions{})
+	conn := dial(t, addr)
+	if _, err := Send(context.Background(), conn, origin, "job", m.ID, SendOptions{Peer: "prot"}); err != nil {
+		t.Fatal(err)
+	}
+	conn.Close()
+	if rr := <-results; rr.err != nil || len(rr.res) != 1 {
+		t.Fatalf("receiver: %d snapshots, %v", len(rr.res), rr.err)
+	}
+	copyPath := filepath.Join(prot.Path("job", m.ID), "stdout")
+	var st unix.Stat_t
+	if err := unix.Stat(copyPath, &st); err != nil {
+		t.Fatal(err)
+	}
+	if st.Size != size {
+		t.Errorf("the copy has %d bytes, want %d", st.Size, size)
+	}
+	if alloc := st.Blocks * 512; alloc > 1<<20 {
+		t.Errorf("the copy of a %d-byte file holding 15 bytes takes %d bytes of disk, want at most 1 MiB", int64(size), alloc)
+	}
+	if _, err := prot.Verify(context.Background(), "job", m.ID); err != nil {
+		t.Errorf("the copy does not verify: %v", err)
+	}
+}
