@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"path/filepath"
 
@@ -122,10 +121,12 @@ func (e *entry) undo(dir string) error {
 		return err
 	}
 	defer saved.Close()
-	if _, err := io.Copy(io.NewOffsetWriter(e.f, e.Offset), saved); err != nil {
+	// Cut first, then copy only the saved data: the file's holes come back as holes, never as zeros written
+	// into the user's file system.
+	if err := e.f.Truncate(e.Offset); err != nil {
 		return err
 	}
-	if err := e.f.Truncate(e.Size); err != nil {
+	if err := filecopy.RangeTo(e.f, e.Offset, saved, 0, e.Size-e.Offset); err != nil {
 		return err
 	}
 	return e.f.Sync()

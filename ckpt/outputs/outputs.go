@@ -12,7 +12,6 @@ package outputs
 import (
 	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"log/slog"
 	"os"
@@ -171,10 +170,14 @@ func restoreOwnOutput(jr *Journal, dir *jobfs.Dir, snapDir func() (*jobfs.Dir, e
 		return fmt.Errorf("rewrite %s from the snapshot: %w", f.Path, err)
 	}
 	defer src.Close()
-	if err := filecopy.Prefix(io.NewOffsetWriter(out, 0), src, f.Size); err != nil {
+	// Only the copy's data (the journal holds the file's bytes): a hole the job made stays a hole.
+	if err := out.Truncate(0); err != nil {
 		return fmt.Errorf("rewrite %s from the snapshot: %w", f.Path, err)
 	}
-	return out.Truncate(f.Size)
+	if err := filecopy.Range(out, src, 0, f.Size); err != nil {
+		return fmt.Errorf("rewrite %s from the snapshot: %w", f.Path, err)
+	}
+	return nil
 }
 
 // recreateOutput recreates a missing output of the job from the snapshot's copy, as the job's user's file.

@@ -396,3 +396,66 @@ func TestNilJournal(t *testing.T) {
 	}
 	jr.Close()
 }
+
+// TestSparseOutputsStaySparse: a user's output of 4 GiB that holds a few bytes (seeked into, or `truncate
+// -s`) costs a restore, and its undo, what it holds: before, the undo of a truncation, and the rewrite of a
+// file from the snapshot's copy, wrote every zero into the user's file system.
+func TestSparseOutputsStaySparse(t *testing.T) {
+	const size = 4 << 30
+	sparse := func(t *testing.T, p string, uid int) {
+		t.Helper()
+		f, err := os.OpenFile(p, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o644)
+		must(t, err)
+		defer f.Close()
+		_, err = f.WriteAt([]byte(lines(0, 10)), 0)
+		must(t, err)
+		_, err = f.WriteAt([]byte("tail"), size-4)
+		must(t, err)
+		must(t, os.Chown(p, uid, uid))
+	}
+	check := func(t *testing.T, when, p string, wantSize int64, wantTail bool) {
+		t.Helper()
+		f, err := os.Open(p)
+		must(t, err)
+		defer f.Close()
+		var st syscall.Stat_t
+		must(t, syscall.Fstat(int(f.Fd()), &st))
+		if st.Size != wantSize || st.Blocks*512 > 1<<20 {
+			t.Errorf("%s: %s has %d bytes, %d of them on disk; want %d, most of them holes", when, p, st.Size, st.Blocks*512, wantSize)
+		}
+		b := make([]byte, len(lines(0, 10)))
+		if _, err := f.ReadAt(b, 0); err != nil || string(b) != lines(0, 10) {
+			t.Errorf("%s: %s starts with %q, %v", when, p, head(string(b)), err)
+		}
+		if wantTail {
+			b := make([]byte, 4)
+			if _, err := f.ReadAt(b, size-4); err != nil || string(b) != "tail" {
+				t.Errorf("%s: %s ends with %q, %v; want \"tail\"", when, p, b, err)
+			}
+		}
+	}
+	t.Run("truncated, then undone", func(t *testing.T) {
+		f := newOutputsFixture(t)
+		stdout := filepath.Join(f.dir, "stdout")
+		sparse(t, stdout, testUID) // the job seeked far past its snapshot's 10 lines
+		jr, err := f.restore()
+		must(t, err)
+		check(t, "restored", stdout, int64(len(lines(0, 10))), false)
+		must(t, jr.Undo())
+		check(t, "undone", stdout, size, true)
+	})
+	t.Run("rewritten from the snapshot, then undone", func(t *testing.T) {
+		f := newOutputsFixture(t)
+		stdout := filepath.Join(f.dir, "stdout")
+		sparse(t, filepath.Join(f.t.Snapshot, "stdout"), 0) // the snapshot's copy keeps its holes
+		f.m.OpenFiles[0].Size = size
+		f.userFile(t, stdout, lines(0, 3)) // shorter than at the snapshot: rewritten from its copy
+		jr, err := f.restore()
+		must(t, err)
+		check(t, "restored", stdout, size, true)
+		must(t, jr.Undo())
+		if b, err := os.ReadFile(stdout); err != nil || string(b) != lines(0, 3) {
+			t.Errorf("undone: stdout %q, %v; want %q", head(string(b)), err, lines(0, 3))
+		}
+	})
+}

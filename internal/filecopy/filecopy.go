@@ -41,6 +41,12 @@ func PrefixToNew(dst string, src *os.File, n int64) error {
 // (SEEK_DATA, SEEK_HOLE; a file system without holes reports all of a file as data): dst, new or empty,
 // has holes where src has them. src shorter than off+n is an error.
 func Range(dst, src *os.File, off, n int64) error {
+	return RangeTo(dst, 0, src, off, n)
+}
+
+// RangeTo is Range to dst's [at, at+n), dst's size then at+n: dst, no longer than at, has holes where src
+// has them.
+func RangeTo(dst *os.File, at int64, src *os.File, off, n int64) error {
 	st, err := src.Stat()
 	if err != nil {
 		return err
@@ -66,10 +72,10 @@ func Range(dst, src *os.File, off, n int64) error {
 			return fmt.Errorf("find a hole from %d: %w", data, err)
 		}
 		hole = min(hole, end)
-		if err := Prefix(io.NewOffsetWriter(dst, data-off), io.NewSectionReader(src, data, hole-data), hole-data); err != nil {
+		if err := Prefix(io.NewOffsetWriter(dst, at+data-off), io.NewSectionReader(src, data, hole-data), hole-data); err != nil {
 			return err
 		}
 		pos = hole
 	}
-	return dst.Truncate(n)
+	return dst.Truncate(at + n)
 }
