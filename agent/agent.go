@@ -636,6 +636,7 @@ func (a *Agent) Run(ctx context.Context, local LocalAPI) error {
 	go a.watchJobs(ctx)
 	go a.schedule(ctx)
 	go a.scheduleCuts(ctx)
+	go a.forgetEnded(ctx)
 	go a.checkConns(ctx)
 	go a.controlLog(ctx)
 	go a.sendBeats(ctx)

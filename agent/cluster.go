@@ -284,6 +284,10 @@ func (s peerService) Replica(ctx context.Context, _ string, req clusterapi.Repli
 	return clusterapi.ReplicaReply{Manifest: m, RunSpares: s.a.runSpares(m)}, nil
 }
 
+func (s peerService) Forget(_ context.Context, peer string, req clusterapi.ForgetRequest) (clusterapi.ForgetReply, error) {
+	return s.a.serveForget(peer, req)
+}
+
 func (s peerService) Recover(ctx context.Context, peer string, req RecoverRequest, progress func(clusterapi.RecoverProgress) error) error {
 	return s.a.serveRecover(ctx, peer, req, progress)
 }

@@ -167,6 +167,12 @@ type Job struct {
 	NewConns []string `json:"new_conns,omitempty"`
 	// ConnsChecked is when the agent's last listing of the job's connections began.
 	ConnsChecked time.Time `json:"conns_checked,omitzero"`
+	// Ended is when an ended job's keep_ended began (its record's time when the agent first forgot its
+	// snapshots, forget.go); Forget lists the holders of its replicas still to be told to drop them, and
+	// Forgotten says its snapshots are gone and its record stays (its address may be in use).
+	Ended     time.Time `json:"ended,omitzero"`
+	Forget    []string  `json:"forget,omitempty"`
+	Forgotten bool      `json:"forgotten,omitempty"`
 }
 
 // Replica records a snapshot of a job that a protector verified and holds.

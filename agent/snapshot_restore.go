@@ -168,10 +168,12 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 	if a.cfg.Failover.LazyRestore {
 		j.LazyWork, keepWork = work, true // the shim removes it once every page is in
 	}
+	// Under a.mu: forgetJob removes an ended copy's record under it, never this one.
+	a.mu.Lock()
 	if err := a.jobs.save(&j); err != nil {
+		a.mu.Unlock()
 		return nil, err
 	}
-	a.mu.Lock()
 	a.byID[j.ID] = &j
 	a.notify()
 	a.mu.Unlock()

@@ -123,6 +123,10 @@ type Config struct {
 		MinInterval Duration `toml:"min_interval"`
 		MTBF        Duration `toml:"mtbf"`
 		Keep        int      `toml:"keep"`
+		// KeepEnded is how long a job that ended on this host (exited, lost, moved) keeps its snapshots,
+		// here and on the protectors that hold its replicas, and its record: then they go (agent forgetEnded).
+		// 0 keeps them for good.
+		KeepEnded Duration `toml:"keep_ended"`
 		// DumpNice is the nice value of the agent's autogroup while CRIU dumps a job, and while the agent
 		// keeps jobs frozen (a semi-coordinated snapshot, a migration's stop, a coordinated freeze): CRIU
 		// runs in the agent's session, and the job stays stopped until the work is done, so it goes before
@@ -252,6 +256,7 @@ func Defaults() Config {
 	c.Checkpoint.MinInterval = Duration{time.Second}
 	c.Checkpoint.MTBF = Duration{24 * time.Hour}
 	c.Checkpoint.Keep = 3
+	c.Checkpoint.KeepEnded = Duration{24 * time.Hour}
 	c.Checkpoint.DumpNice = -10
 	c.Checkpoint.AcceptWait = Duration{2 * time.Second}
 	c.Heartbeat.Interval = Duration{500 * time.Millisecond}
@@ -356,6 +361,9 @@ func (c Config) Validate() error {
 	}
 	if c.Checkpoint.Keep < 1 {
 		errs = append(errs, fmt.Errorf("checkpoint.keep %d: keep at least 1 snapshot", c.Checkpoint.Keep))
+	}
+	if c.Checkpoint.KeepEnded.Duration < 0 {
+		errs = append(errs, fmt.Errorf("checkpoint.keep_ended %s: use a duration, or 0 to keep an ended job's snapshots for good", c.Checkpoint.KeepEnded))
 	}
 	if d := c.Log.ReceiveOrderShipEvery.Duration; d < 0 || d > record.MaxShipEvery {
 		errs = append(errs, fmt.Errorf("log.receive_order_ship_every %s: must be between 0 (at once) and %s", c.Log.ReceiveOrderShipEvery, record.MaxShipEvery))

@@ -323,6 +323,11 @@ func (c *Client) Replica(ctx context.Context, peer string, req ReplicaRequest) (
 	return rep, err
 }
 
+// Forget tells peer that the caller's job req.Job ended: the replicas of it the caller took may go.
+func (c *Client) Forget(ctx context.Context, peer string, req ForgetRequest) (ForgetReply, error) {
+	return call[ForgetReply](c, ctx, peer, OpForget, c.msg(), req)
+}
+
 // RecoveryStatus asks the target of a recovery how it went.
 func (c *Client) RecoveryStatus(ctx context.Context, peer string, req RecoveryStatusRequest) (RecoveryStatusReply, error) {
 	if err := req.Validate(); err != nil {

@@ -261,6 +261,10 @@ func (f *fakeService) Replica(_ context.Context, peer string, req ReplicaRequest
 	return ReplicaReply{Manifest: testManifest(req.Job, req.Node)}, f.seen(peer, req)
 }
 
+func (f *fakeService) Forget(_ context.Context, peer string, req ForgetRequest) (ForgetReply, error) {
+	return ForgetReply{Deleted: 2, Kept: 1}, f.seen(peer, req)
+}
+
 func (f *fakeService) Recover(_ context.Context, peer string, req RecoverRequest, progress func(RecoverProgress) error) error {
 	if err := f.seen(peer, req); err != nil {
 		return err

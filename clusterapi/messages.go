@@ -2,6 +2,7 @@ package clusterapi
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/netip"
@@ -301,6 +302,31 @@ type ReplicaReply struct {
 	// RunSpares are the spares of the job's run as the replica's job record names them (its placement):
 	// where the coordinator claims a spare first. Empty for a job without one.
 	RunSpares []string `json:"run_spares,omitempty"`
+}
+
+// ForgetRequest tells a member that holds replicas of one of the caller's jobs that the job ended (at
+// Ended) more than checkpoint.keep_ended ago: the replicas of it the caller took before then may go.
+type ForgetRequest struct {
+	Job   string    `json:"job"`
+	Ended time.Time `json:"ended"`
+}
+
+// Validate checks the job name before the server uses it in a path.
+func (r ForgetRequest) Validate() error {
+	if err := ckpt.ValidName(r.Job); err != nil {
+		return fmt.Errorf("forget: job: %w", err)
+	}
+	if r.Ended.IsZero() {
+		return errors.New("forget: no end time")
+	}
+	return nil
+}
+
+// ForgetReply says how many replicas the server deleted, and how many it kept (a coordinated cut names
+// them, or the job runs on the server).
+type ForgetReply struct {
+	Deleted int `json:"deleted"`
+	Kept    int `json:"kept,omitempty"`
 }
 
 // Check validates an answer from the wire: it names the snapshot the target will ask for, so it must be

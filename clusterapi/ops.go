@@ -36,6 +36,7 @@ const (
 	OpClaim          Op = "claim"           // claim this spare for a failed node
 	OpRecover        Op = "recover"         // restore a failed node's jobs on the server
 	OpReplica        Op = "replica"         // the newest verified replica of a job from a node the server holds
+	OpForget         Op = "forget"          // the caller's job ended long ago: drop the replicas of it the caller took
 	OpRecoveryStatus Op = "recovery-status" // how a recovery the server was the target of went
 	OpGrant          Op = "grant"           // grant (or give back) the next incarnation of a job to a restore
 	OpRejoin         Op = "rejoin"          // the caller, a failed member, asks to come back as a spare
@@ -54,7 +55,7 @@ func (op Op) Path() string { return "/v1/" + string(op) }
 // Ops lists every operation.
 func Ops() []Op {
 	return []Op{OpPing, OpSnapshot, OpFetch, OpLocate, OpTrim, OpLogRange, OpCheckpointNow, OpReceived,
-		OpLogWatermark, OpLogged, OpDeterminants, OpDeterminantsSince, OpDeterminantStream, OpDeterminantStream2, OpDeterminantStream3, OpHeartbeat, OpProbe, OpView, OpClaim, OpRecover, OpReplica, OpRecoveryStatus, OpGrant, OpRejoin, OpVouch, OpStartJob, OpCoordinate}
+		OpLogWatermark, OpLogged, OpDeterminants, OpDeterminantsSince, OpDeterminantStream, OpDeterminantStream2, OpDeterminantStream3, OpHeartbeat, OpProbe, OpView, OpClaim, OpRecover, OpReplica, OpForget, OpRecoveryStatus, OpGrant, OpRejoin, OpVouch, OpStartJob, OpCoordinate}
 }
 
 // MaxHeader bounds a small request body; MaxMessage bounds the larger ones (views, trims), every reply

@@ -143,6 +143,11 @@ func TestEveryOperation(t *testing.T) {
 			r, err := c.Replica(ctx, "n2", req)
 			return req, r, err
 		}, ReplicaReply{Manifest: testManifest("job-1", "n3")}},
+		{OpForget, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
+			req := ForgetRequest{Job: "job-1", Ended: time.Date(2026, 5, 1, 0, 0, 0, 0, time.UTC)}
+			r, err := c.Forget(ctx, "n2", req)
+			return req, r, err
+		}, ForgetReply{Deleted: 2, Kept: 1}},
 		{OpRecoveryStatus, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
 			req := RecoveryStatusRequest{Failure: "n3-1", Jobs: []string{"job-1"}}
 			r, err := c.RecoveryStatus(ctx, "n2", req)
@@ -310,10 +315,14 @@ func TestRefusalsReadTheSame(t *testing.T) {
 			_, err := c.DeterminantsSince(ctx, "n2", "", "")
 			return err
 		},
-		OpProbe:          func() error { _, err := c.Probe(ctx, "n2", ProbeRequest{}); return err },
-		OpView:           func() error { _, err := c.View(ctx, "n2", ViewMessage{}); return err },
-		OpClaim:          func() error { return c.Claim(ctx, "n2", spare.Claim{}) },
-		OpReplica:        func() error { _, err := c.Replica(ctx, "n2", ReplicaRequest{}); return err },
+		OpProbe:   func() error { _, err := c.Probe(ctx, "n2", ProbeRequest{}); return err },
+		OpView:    func() error { _, err := c.View(ctx, "n2", ViewMessage{}); return err },
+		OpClaim:   func() error { return c.Claim(ctx, "n2", spare.Claim{}) },
+		OpReplica: func() error { _, err := c.Replica(ctx, "n2", ReplicaRequest{}); return err },
+		OpForget: func() error {
+			_, err := c.Forget(ctx, "n2", ForgetRequest{Job: "job-1", Ended: time.Unix(1, 0)})
+			return err
+		},
 		OpRecoveryStatus: func() error { _, err := c.RecoveryStatus(ctx, "n2", RecoveryStatusRequest{}); return err },
 		OpGrant:          func() error { _, err := c.Grant(ctx, "n2", GrantRequest{}); return err },
 		OpRejoin:         func() error { _, err := c.Rejoin(ctx, "n2", RejoinRequest{}); return err },

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/ftkit/ftkit/tcpflow"
 )
@@ -212,5 +213,27 @@ func TestConnectionRefusedShows(t *testing.T) {
 	c := clientOf(t, newTestPKI(t), "n1", map[string]string{"n2": addr}, testTimeouts)
 	if _, err := c.Ping(t.Context(), "n2"); !errors.Is(err, syscall.ECONNREFUSED) {
 		t.Errorf("ping of a closed port: %v; want ECONNREFUSED visible to errors.Is", err)
+	}
+}
+
+// TestForgetRefusesBadRequests: a forget names a job the server uses in a path: refused before the service.
+func TestForgetRefusesBadRequests(t *testing.T) {
+	f := &fakeService{}
+	c, _ := serve(t, f)
+	for name, req := range map[string]ForgetRequest{
+		"a job with a slash":   {Job: "../etc", Ended: time.Unix(1, 0)},
+		"no job":               {Ended: time.Unix(1, 0)},
+		"a job starting a dot": {Job: ".hidden", Ended: time.Unix(1, 0)},
+		"no end":               {Job: "job-1"},
+	} {
+		t.Run(name, func(t *testing.T) {
+			_, err := c.Forget(t.Context(), "n2", req)
+			if e := Refusal(err); e == nil || e.Code != CodeBadRequest {
+				t.Errorf("Forget(%+v): %v; want a bad request", req, err)
+			}
+		})
+	}
+	if n := f.calls(); n != 0 {
+		t.Errorf("the service saw %d requests; want none", n)
 	}
 }

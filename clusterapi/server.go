@@ -49,6 +49,8 @@ type Service interface {
 	View(ctx context.Context, peer string, req ViewMessage) (ViewMessage, error)
 	Claim(ctx context.Context, peer string, req spare.Claim) (ClaimReply, error)
 	Replica(ctx context.Context, peer string, req ReplicaRequest) (ReplicaReply, error)
+	// Forget drops the replicas of peer's ended job that peer took; req is validated.
+	Forget(ctx context.Context, peer string, req ForgetRequest) (ForgetReply, error)
 	// Recover runs a recovery and reports it through progress. An error before the first progress is a
 	// refusal; after it, the stream ends with it (Done).
 	Recover(ctx context.Context, peer string, req RecoverRequest, progress func(RecoverProgress) error) error
@@ -123,6 +125,12 @@ func NewServer(ctx context.Context, svc Service, opts ServerOptions) *Server {
 	handle(s, OpView, MaxMessage, svc.View)
 	handle(s, OpClaim, MaxClaim, svc.Claim)
 	handle(s, OpReplica, MaxHeader, svc.Replica)
+	handle(s, OpForget, MaxHeader, func(ctx context.Context, peer string, req ForgetRequest) (ForgetReply, error) {
+		if err := req.Validate(); err != nil {
+			return ForgetReply{}, &Error{Code: CodeBadRequest, Message: err.Error()}
+		}
+		return svc.Forget(ctx, peer, req)
+	})
 	handle(s, OpRecoveryStatus, MaxMessage, func(ctx context.Context, peer string, req RecoveryStatusRequest) (RecoveryStatusReply, error) {
 		if err := req.Validate(); err != nil {
 			return RecoveryStatusReply{}, err

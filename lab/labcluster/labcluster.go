@@ -91,6 +91,8 @@ type Options struct {
 	LazyRestore bool
 	// AcceptWait is every agent's checkpoint.accept_wait (0: the default).
 	AcceptWait time.Duration
+	// KeepEnded is every agent's checkpoint.keep_ended (0: the default).
+	KeepEnded time.Duration
 }
 
 // Job address pools of a lab: the hosts are .11 up and the spares .101 up in the lab's subnet; host i
@@ -309,6 +311,9 @@ func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
 	cfg.Log.Pessimistic = c.opts.Pessimistic
 	if c.opts.ReplayTimeout > 0 {
 		cfg.Failover.ReplayTimeout.Duration = c.opts.ReplayTimeout
+	}
+	if c.opts.KeepEnded > 0 {
+		cfg.Checkpoint.KeepEnded.Duration = c.opts.KeepEnded
 	}
 	if c.opts.AcceptWait > 0 {
 		cfg.Checkpoint.AcceptWait.Duration = c.opts.AcceptWait

@@ -1,0 +1,231 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/internal/tickgrid"
+)
+
+// Ended jobs. A job that ended on this host (exited, lost, moved elsewhere) keeps its snapshots, here and
+// as replicas on the hosts that protected it, and its record for checkpoint.keep_ended: an operator may
+// look at them, or restore one. Then this host deletes its own and tells the holders of its replicas to
+// delete theirs (clusterapi.OpForget), and the record goes. Without this a cluster's disks fill with the
+// snapshots of every job that ever ran.
+//
+// What stays: a snapshot a coordinated cut of the job's run still names (a rollback of the run restarts
+// the ended part from it); a snapshot taken after the job ended (a copy of it that came back here since);
+// and the record of a job whose address may still be in use (addressHeld), of one whose network lingers,
+// or of one whose holders could not all be told yet (Job.Forget, tried again at each pass).
+
+// forgetEnded runs forgetDue until ctx ends; keep_ended 0 keeps everything.
+func (a *Agent) forgetEnded(ctx context.Context) {
+	keep := a.cfg.Checkpoint.KeepEnded.Duration
+	if keep <= 0 {
+		return
+	}
+	tickgrid.Every(ctx, min(max(keep/4, time.Second), time.Hour), func() { a.forgetDue(ctx, time.Now()) })
+}
+
+// endedJob is an ended job's record due to be forgotten: ended is Job.Ended, or else when its record last
+// changed, which the end of the job did (finish, leave), or a later mark of its end (Fenced).
+type endedJob struct {
+	rec   *Job // a.byID's, to tell whether the record was replaced meanwhile
+	job   Job
+	ended time.Time
+}
+
+// forgetDue forgets the ended jobs whose keep_ended has passed at now.
+func (a *Agent) forgetDue(ctx context.Context, now time.Time) {
+	for _, e := range a.dueToForget(now) {
+		if ctx.Err() != nil {
+			return
+		}
+		a.forgetJob(ctx, e)
+	}
+}
+
+// dueToForget lists the ended jobs whose keep_ended has passed at now, but for those whose snapshots are
+// gone already and whose record stays (Forgotten).
+func (a *Agent) dueToForget(now time.Time) []endedJob {
+	keep := a.cfg.Checkpoint.KeepEnded.Duration
+	a.mu.Lock()
+	var cands []endedJob
+	for _, j := range a.byID {
+		if j.State != JobRunning && !j.Forgotten {
+			cands = append(cands, endedJob{rec: j, job: *j})
+		}
+	}
+	a.mu.Unlock()
+	var due []endedJob
+	for _, e := range cands {
+		e.ended = e.job.Ended
+		if e.ended.IsZero() {
+			st, err := os.Stat(a.jobs.path(e.job.ID))
+			if err != nil {
+				continue
+			}
+			e.ended = st.ModTime()
+		}
+		if now.Sub(e.ended) >= keep {
+			due = append(due, e)
+		}
+	}
+	slices.SortFunc(due, func(x, y endedJob) int { return x.ended.Compare(y.ended) })
+	return due
+}
+
+// stillEnded reports whether e's record is still this host's record of the job: a copy of the job that came
+// back here since (a restore, a migration) replaces it.
+func (a *Agent) stillEnded(e endedJob) bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	cur := a.byID[e.job.ID]
+	return cur == e.rec && cur.State != JobRunning
+}
+
+// whyAddress keeps an ended job's record for good (addressHeld).
+const whyAddress = "its address may be in use"
+
+// forgetJob deletes ended job e's snapshots taken here before it ended, tells the holders of their
+// replicas, and then deletes its record if nothing keeps it.
+func (a *Agent) forgetJob(ctx context.Context, e endedJob) {
+	id := e.job.ID
+	log := a.log.With("job", id, "ended", e.ended.UTC().Format(time.RFC3339))
+	if !a.stillEnded(e) {
+		return
+	}
+	holders := slices.Clone(e.job.Forget)
+	if e.job.Replica != nil {
+		holders = append(holders, e.job.Replica.Holders...)
+	}
+	deleted, kept, err := deleteSnapshotsBefore(a.store, id, a.cfg.Name, e.ended, a.cutRecords().Pinned(id), func(m *ckpt.Manifest) {
+		holders = append(holders, m.Replicas...)
+	})
+	if err != nil {
+		log.Warn("could not delete an ended job's snapshots; trying again later", "err", err)
+	}
+	slices.Sort(holders)
+	holders = slices.Compact(holders)
+	var untold []string
+	for _, h := range holders {
+		if h == a.cfg.Name {
+			continue
+		}
+		if _, ok := a.member(h); !ok {
+			continue // no longer a member: nobody to tell
+		}
+		rep, terr := a.peers().Forget(ctx, h, clusterapi.ForgetRequest{Job: id, Ended: e.ended})
+		if terr != nil {
+			log.Warn("could not tell a holder of an ended job's replicas to drop them; telling it again later", "holder", h, "err", terr)
+			untold = append(untold, h)
+			continue
+		}
+		log.Debug("holder dropped an ended job's replicas", "holder", h, "deleted", rep.Deleted, "kept", rep.Kept)
+	}
+	keepRecord := ""
+	switch {
+	case err != nil || kept > 0:
+		keepRecord = "snapshots kept"
+	case len(untold) > 0:
+		keepRecord = "holders to tell"
+	case addressHeld(&e.job):
+		keepRecord = whyAddress
+	case e.job.Net != nil && a.lingering.has(e.job.Net.Name):
+		keepRecord = "its network lingers"
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if cur := a.byID[id]; cur != e.rec || cur.State == JobRunning {
+		return
+	}
+	if keepRecord != "" {
+		// Forgotten for good only if nothing but the address keeps it: the rest is tried again at each pass.
+		e.rec.Ended, e.rec.Forget, e.rec.Forgotten = e.ended, untold, keepRecord == whyAddress
+		if serr := a.jobs.save(e.rec); serr != nil {
+			log.Warn("save job record", "err", serr)
+		}
+		log.Info("ended job's snapshots forgotten; its record stays", "deleted", deleted, "kept", kept, "why", keepRecord)
+		return
+	}
+	if rerr := a.removeRecord(id); rerr != nil {
+		log.Warn("could not remove an ended job's record", "err", rerr)
+		return
+	}
+	delete(a.byID, id)
+	a.notify()
+	log.Info("ended job forgotten: its snapshots, replicas and record are gone (checkpoint.keep_ended)", "deleted", deleted)
+}
+
+// removeRecord removes job id's record and the files beside it (its shims' log, its copies' marks); a.mu
+// held, under which a restore of the job saves its new record.
+func (a *Agent) removeRecord(id string) error {
+	marks, _ := filepath.Glob(filepath.Join(a.jobs.dir, id+".*.superseded"))
+	refused, _ := filepath.Glob(filepath.Join(a.jobs.dir, id+".*.refused"))
+	var errs []error
+	for _, p := range append(append(marks, refused...), a.shimLog(id), a.jobs.path(id)) {
+		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// deleteSnapshotsBefore deletes job's snapshots in store taken on node before ended, but the pinned ones
+// (a coordinated cut names them), calling seen with each one's manifest first. It returns how many it
+// deleted and kept.
+func deleteSnapshotsBefore(store *ckpt.Store, job, node string, ended time.Time, pinned []string, seen func(*ckpt.Manifest)) (deleted, kept int, err error) {
+	ids, err := store.List(job, node)
+	if err != nil {
+		return 0, 0, err
+	}
+	var errs []error
+	for _, sid := range ids {
+		parsed, perr := ckpt.ParseID(sid)
+		if perr != nil || !parsed.Time.Before(ended) || slices.Contains(pinned, sid) {
+			kept++
+			continue
+		}
+		if m, merr := store.Manifest(job, sid); merr == nil && seen != nil {
+			seen(m)
+		}
+		if derr := store.Delete(job, sid); derr != nil && !errors.Is(derr, ckpt.ErrNotFound) {
+			errs = append(errs, derr)
+			kept++
+			continue
+		}
+		deleted++
+	}
+	// The job's directory, if nothing is left in it (a replica of another node's snapshot of it may be).
+	os.Remove(filepath.Join(store.Root(), job))
+	return deleted, kept, errors.Join(errs...)
+}
+
+// serveForget deletes the replicas of peer's ended job that peer took before it ended (req, validated),
+// but those a coordinated cut names, and all of them if the job runs here: a copy restored here from them
+// may still need them until its own snapshot is replicated.
+func (a *Agent) serveForget(peer string, req clusterapi.ForgetRequest) (clusterapi.ForgetReply, error) {
+	a.mu.Lock()
+	j, ok := a.byID[req.Job]
+	runs := ok && j.State == JobRunning
+	a.mu.Unlock()
+	if runs {
+		ids, err := a.store.List(req.Job, peer)
+		return clusterapi.ForgetReply{Kept: len(ids)}, err
+	}
+	deleted, kept, err := deleteSnapshotsBefore(a.store, req.Job, peer, req.Ended, a.cutRecords().Pinned(req.Job), nil)
+	if err != nil {
+		return clusterapi.ForgetReply{}, fmt.Errorf("drop the replicas of %s's job %s: %w", peer, req.Job, err)
+	}
+	if deleted > 0 {
+		a.log.Info("ended job's replicas dropped at its host's request", "job", req.Job, "host", peer, "deleted", deleted, "kept", kept)
+	}
+	return clusterapi.ForgetReply{Deleted: deleted, Kept: kept}, nil
+}

@@ -1,0 +1,146 @@
+package agent
+
+import (
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/jobnet"
+)
+
+// TestForgetEndedJobs: once checkpoint.keep_ended has passed, an ended job's snapshots taken here before
+// it ended go, and its record with them unless something still needs it. Before, nothing ever deleted an
+// ended job's snapshots, here or on its protectors, nor its record: a cluster's disks filled with the
+// snapshots of every job that ever ran.
+func TestForgetEndedJobs(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.cfg.Checkpoint.KeepEnded = Duration{Duration: time.Hour}
+	t0 := time.Now()
+	const (
+		movedJob = "moved-00000001" // its address may be in use on the host it moved to
+		backJob  = "back-00000001"  // snapshotted after it ended here: a copy came back, say
+		toldJob  = "told-00000001"  // its replicas are on node2, which does not answer
+	)
+	ended := map[string]time.Time{doneJob: t0.Add(time.Minute), movedJob: t0.Add(time.Minute), backJob: t0.Add(-time.Minute), toldJob: t0.Add(time.Minute)}
+	ta.addJob(t, Job{ID: movedJob, State: JobMoved, MovedTo: "node2", Net: &JobNet{Kind: jobnet.MACVlan, Name: "n", Addr: netip.MustParsePrefix("10.9.0.5/24")}})
+	ta.addJob(t, Job{ID: backJob, State: JobExited})
+	ta.addJob(t, Job{ID: toldJob, State: JobLost, Replica: &Replica{Holders: []string{"node2"}}})
+	ta.mu.Lock()
+	ta.byID[doneJob].Replica = &Replica{Holders: []string{"node9"}} // no longer a member: nobody to tell
+	ta.mu.Unlock()
+	snaps := map[string][]string{}
+	for _, id := range []string{doneJob, movedJob, backJob, toldJob} {
+		for range 2 {
+			snaps[id] = append(snaps[id], ta.addSnapshot(t, Job{ID: id, Node: ta.cfg.Name}))
+		}
+		ta.mu.Lock()
+		j := ta.byID[id]
+		ta.mu.Unlock()
+		if err := ta.jobs.save(j); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chtimes(ta.jobs.path(id), ended[id], ended[id]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, p := range []string{ta.shimLog(doneJob), ta.supersededMark(doneJob, 0), ta.refusalMark(doneJob, 1)} {
+		if err := os.WriteFile(p, nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	ta.forgetDue(t.Context(), t0.Add(30*time.Minute)) // keep_ended has not passed for any
+	for id, want := range snaps {
+		if got, _ := ta.store.List(id, ""); len(got) != len(want) {
+			t.Errorf("before keep_ended: %s has snapshots %v, want %v", id, got, want)
+		}
+	}
+
+	ta.forgetDue(t.Context(), t0.Add(2*time.Hour))
+	record := func(id string) (*Job, bool) {
+		ta.mu.Lock()
+		defer ta.mu.Unlock()
+		j, ok := ta.byID[id]
+		if ok {
+			c := *j
+			return &c, true
+		}
+		return nil, false
+	}
+	for _, tc := range []struct {
+		id        string
+		snapshots int
+		record    bool
+		forgotten bool
+		forget    []string
+	}{
+		{id: doneJob},
+		{id: movedJob, record: true, forgotten: true},
+		{id: backJob, snapshots: 2, record: true},
+		{id: toldJob, record: true, forget: []string{"node2"}},
+	} {
+		if got, _ := ta.store.List(tc.id, ""); len(got) != tc.snapshots {
+			t.Errorf("%s: snapshots %v, want %d of them", tc.id, got, tc.snapshots)
+		}
+		j, ok := record(tc.id)
+		_, statErr := os.Stat(ta.jobs.path(tc.id))
+		if ok != tc.record || (statErr == nil) != tc.record {
+			t.Errorf("%s: record in memory %v, on disk %v; want %v", tc.id, ok, statErr == nil, tc.record)
+		}
+		if ok && (j.Forgotten != tc.forgotten || !slices.Equal(j.Forget, tc.forget) || !j.Ended.Equal(ended[tc.id])) {
+			t.Errorf("%s: forgotten %v, forget %v, ended %v; want %v, %v, %v", tc.id, j.Forgotten, j.Forget, j.Ended, tc.forgotten, tc.forget, ended[tc.id])
+		}
+	}
+	for _, p := range []string{ta.shimLog(doneJob), ta.supersededMark(doneJob, 0), ta.refusalMark(doneJob, 1), filepath.Join(ta.store.Root(), doneJob)} {
+		if _, err := os.Stat(p); !os.IsNotExist(err) {
+			t.Errorf("%s left: %v", p, err)
+		}
+	}
+	if got, _ := ta.store.List(ownersJob, ""); !slices.Equal(got, []string{ta.ownSnap}) {
+		t.Errorf("a running job's snapshots: %v, want [%s]", got, ta.ownSnap)
+	}
+	if got, _ := ta.store.List(goneJob, ""); !slices.Equal(got, []string{ta.goneSnap}) {
+		t.Errorf("a replica of another host's job: %v, want [%s]", got, ta.goneSnap)
+	}
+}
+
+// TestServeForget: a host drops the replicas of an ended job that the asking host took before the job
+// ended, and no others.
+func TestServeForget(t *testing.T) {
+	ta := newTestAgent(t)
+	const job = "far-00000001"
+	took := func(node string) string {
+		s, err := ckpt.Open(ta.store.Root(), ckpt.Options{Node: node})
+		if err != nil {
+			t.Fatal(err)
+		}
+		saved := ta.store
+		ta.store = s
+		defer func() { ta.store = saved }()
+		return ta.addSnapshot(t, Job{ID: job, Node: node})
+	}
+	node2a, node2b, node3 := took("node2"), took("node2"), took("node3")
+	after := time.Now().Add(time.Minute)
+
+	if rep, err := ta.serveForget("node2", clusterapi.ForgetRequest{Job: job, Ended: after.Add(-time.Hour)}); err != nil || rep.Deleted != 0 || rep.Kept != 2 {
+		t.Errorf("forget of snapshots taken after the end: %+v, %v; want none deleted, 2 kept", rep, err)
+	}
+	ta.addJob(t, Job{ID: job, State: JobRunning, PID: os.Getpid()})
+	if rep, err := ta.serveForget("node2", clusterapi.ForgetRequest{Job: job, Ended: after}); err != nil || rep.Deleted != 0 || rep.Kept != 2 {
+		t.Errorf("forget of a job that runs here: %+v, %v; want none deleted, 2 kept", rep, err)
+	}
+	ta.mu.Lock()
+	delete(ta.byID, job)
+	ta.mu.Unlock()
+	if rep, err := ta.serveForget("node2", clusterapi.ForgetRequest{Job: job, Ended: after}); err != nil || rep.Deleted != 2 || rep.Kept != 0 {
+		t.Errorf("forget: %+v, %v; want 2 deleted", rep, err)
+	}
+	if got, _ := ta.store.List(job, ""); !slices.Equal(got, []string{node3}) {
+		t.Errorf("left %v, want only node3's %s (not %s, %s)", got, node3, node2a, node2b)
+	}
+}
