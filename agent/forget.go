@@ -210,7 +210,8 @@ func deleteSnapshotsBefore(store *ckpt.Store, job, node string, ended time.Time,
 
 // serveForget deletes the replicas of peer's ended job that peer took before it ended (req, validated),
 // but those a coordinated cut names, and all of them if the job runs here: a copy restored here from them
-// may still need them until its own snapshot is replicated.
+// may still need them until its own snapshot is replicated. With none of them left, the job's
+// receive-order determinants from peer go too.
 func (a *Agent) serveForget(peer string, req clusterapi.ForgetRequest) (clusterapi.ForgetReply, error) {
 	a.mu.Lock()
 	j, ok := a.byID[req.Job]
@@ -223,6 +224,9 @@ func (a *Agent) serveForget(peer string, req clusterapi.ForgetRequest) (clustera
 	deleted, kept, err := deleteSnapshotsBefore(a.store, req.Job, peer, req.Ended, a.cutRecords().Pinned(req.Job), nil)
 	if err != nil {
 		return clusterapi.ForgetReply{}, fmt.Errorf("drop the replicas of %s's job %s: %w", peer, req.Job, err)
+	}
+	if kept == 0 && a.detStore != nil {
+		a.detStore.Drop(req.Job, peer) // its receive order: no replica of peer's is left to restore
 	}
 	if deleted > 0 {
 		a.log.Info("ended job's replicas dropped at its host's request", "job", req.Job, "host", peer, "deleted", deleted, "kept", kept)

@@ -10,6 +10,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/intercept"
 	"github.com/ftkit/ftkit/jobnet"
 )
 
@@ -125,10 +126,14 @@ func TestServeForget(t *testing.T) {
 		return ta.addSnapshot(t, Job{ID: job, Node: node})
 	}
 	node2a, node2b, node3 := took("node2"), took("node2"), took("node3")
+	ta.detStore = intercept.NewStore(0, 0)
+	for _, n := range []string{"node2", "node3"} {
+		ta.detStore.Add(n, intercept.Batch{Job: job, Stream: 1, FromStart: true, Dets: []intercept.Det{{End: 10, Len: 10}}})
+	}
 	after := time.Now().Add(time.Minute)
 
-	if rep, err := ta.serveForget("node2", clusterapi.ForgetRequest{Job: job, Ended: after.Add(-time.Hour)}); err != nil || rep.Deleted != 0 || rep.Kept != 2 {
-		t.Errorf("forget of snapshots taken after the end: %+v, %v; want none deleted, 2 kept", rep, err)
+	if rep, err := ta.serveForget("node2", clusterapi.ForgetRequest{Job: job, Ended: after.Add(-time.Hour)}); err != nil || rep.Deleted != 0 || rep.Kept != 2 || ta.detStore.Len(job, "node2") != 1 {
+		t.Errorf("forget of snapshots taken after the end: %+v, %v, %d determinants; want none deleted, 2 kept, the determinant kept", rep, err, ta.detStore.Len(job, "node2"))
 	}
 	ta.addJob(t, Job{ID: job, State: JobRunning, PID: os.Getpid()})
 	if rep, err := ta.serveForget("node2", clusterapi.ForgetRequest{Job: job, Ended: after}); err != nil || rep.Deleted != 0 || rep.Kept != 2 {
@@ -142,5 +147,8 @@ func TestServeForget(t *testing.T) {
 	}
 	if got, _ := ta.store.List(job, ""); !slices.Equal(got, []string{node3}) {
 		t.Errorf("left %v, want only node3's %s (not %s, %s)", got, node3, node2a, node2b)
+	}
+	if n2, n3 := ta.detStore.Len(job, "node2"), ta.detStore.Len(job, "node3"); n2 != 0 || n3 != 1 {
+		t.Errorf("determinants left: node2's %d, node3's %d; want 0 and 1", n2, n3)
 	}
 }

@@ -208,15 +208,14 @@ func (s *Store) Add(node string, b Batch) {
 	}
 }
 
-// Drop forgets every record of job.
-func (s *Store) Drop(job string) {
+// Drop forgets the record of job from node (the job ended there).
+func (s *Store) Drop(job, node string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for k, r := range s.recs {
-		if k.job == job {
-			s.total -= len(r.kept())
-			delete(s.recs, k)
-		}
+	k := storeKey{job, node}
+	if r := s.recs[k]; r != nil {
+		s.total -= len(r.kept())
+		delete(s.recs, k)
 	}
 }
 

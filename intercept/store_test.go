@@ -143,7 +143,11 @@ func TestStoreBoundedInAll(t *testing.T) {
 	if _, err := s.Since(&ckpt.Manifest{Job: "b", Node: "n1"}); err == nil {
 		t.Error("a forgotten record still answers")
 	}
-	s.Drop("a")
+	s.Drop("a", "n2") // another host's record of a: none
+	if a := s.Len("a", "n1"); a != 5 {
+		t.Fatalf("after dropping n2's record of a: kept %d of n1's, want 5", a)
+	}
+	s.Drop("a", "n1")
 	add("d", 0, 6) // 10 in all with a gone: nothing else goes
 	if c, d := s.Len("c", "n1"), s.Len("d", "n1"); c != 4 || d != 6 {
 		t.Errorf("after a was dropped: kept c %d, d %d; want 4 and 6", c, d)
