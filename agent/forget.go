@@ -20,6 +20,9 @@ import (
 // delete theirs (clusterapi.OpForget), and the record goes. Without this a cluster's disks fill with the
 // snapshots of every job that ever ran.
 //
+// A lost job (its process vanished) that this host does not know to have been restored elsewhere keeps
+// them 7 times as long: its owner may want to restore it.
+//
 // What stays: a snapshot a coordinated cut of the job's run still names (a rollback of the run restarts
 // the ended part from it); a snapshot taken after the job ended (a copy of it that came back here since);
 // and the record of a job whose address may still be in use (addressHeld), of one whose network lingers,
@@ -74,7 +77,7 @@ func (a *Agent) dueToForget(now time.Time) []endedJob {
 			}
 			e.ended = st.ModTime()
 		}
-		if now.Sub(e.ended) >= keep {
+		if now.Sub(e.ended) >= keep*lostFactor(e.job, a.restoredOn) {
 			due = append(due, e)
 		}
 	}
@@ -93,6 +96,16 @@ func (a *Agent) stillEnded(e endedJob) bool {
 
 // whyAddress keeps an ended job's record for good (addressHeld).
 const whyAddress = "its address may be in use"
+
+// lostFactor is how many times keep_ended a job's snapshots stay: a lost job not known to run elsewhere
+// (its process vanished, not moved by a failover this host knows of: killed with its shim, say) may be
+// waiting for its owner to restore it (ftctl restore), who gets a week at the default.
+func lostFactor(j Job, restoredOn func(string) string) time.Duration {
+	if j.State == JobLost && !(j.Fenced && restoredOn(j.ID) != "") {
+		return 7
+	}
+	return 1
+}
 
 // forgetJob deletes ended job e's snapshots taken here before it ended, tells the holders of their
 // replicas, and then deletes its record if nothing keeps it.

@@ -26,16 +26,19 @@ func TestForgetEndedJobs(t *testing.T) {
 		movedJob = "moved-00000001" // its address may be in use on the host it moved to
 		backJob  = "back-00000001"  // snapshotted after it ended here: a copy came back, say
 		toldJob  = "told-00000001"  // its replicas are on node2, which does not answer
+		lostJob  = "lost-00000001"  // its process vanished; not known to run elsewhere
 	)
-	ended := map[string]time.Time{doneJob: t0.Add(time.Minute), movedJob: t0.Add(time.Minute), backJob: t0.Add(-time.Minute), toldJob: t0.Add(time.Minute)}
+	ended := map[string]time.Time{doneJob: t0.Add(time.Minute), movedJob: t0.Add(time.Minute), backJob: t0.Add(-time.Minute), toldJob: t0.Add(time.Minute),
+		lostJob: t0.Add(time.Minute)}
 	ta.addJob(t, Job{ID: movedJob, State: JobMoved, MovedTo: "node2", Net: &JobNet{Kind: jobnet.MACVlan, Name: "n", Addr: netip.MustParsePrefix("10.9.0.5/24")}})
 	ta.addJob(t, Job{ID: backJob, State: JobExited})
-	ta.addJob(t, Job{ID: toldJob, State: JobLost, Replica: &Replica{Holders: []string{"node2"}}})
+	ta.addJob(t, Job{ID: toldJob, State: JobExited, Replica: &Replica{Holders: []string{"node2"}}})
+	ta.addJob(t, Job{ID: lostJob, State: JobLost}) // its owner may restore it: kept 7 times as long
 	ta.mu.Lock()
 	ta.byID[doneJob].Replica = &Replica{Holders: []string{"node9"}} // no longer a member: nobody to tell
 	ta.mu.Unlock()
 	snaps := map[string][]string{}
-	for _, id := range []string{doneJob, movedJob, backJob, toldJob} {
+	for _, id := range []string{doneJob, movedJob, backJob, toldJob, lostJob} {
 		for range 2 {
 			snaps[id] = append(snaps[id], ta.addSnapshot(t, Job{ID: id, Node: ta.cfg.Name}))
 		}
@@ -84,6 +87,7 @@ func TestForgetEndedJobs(t *testing.T) {
 		{id: movedJob, record: true, forgotten: true},
 		{id: backJob, snapshots: 2, record: true},
 		{id: toldJob, record: true, forget: []string{"node2"}},
+		{id: lostJob, snapshots: 2, record: true},
 	} {
 		if got, _ := ta.store.List(tc.id, ""); len(got) != tc.snapshots {
 			t.Errorf("%s: snapshots %v, want %d of them", tc.id, got, tc.snapshots)
@@ -93,9 +97,17 @@ func TestForgetEndedJobs(t *testing.T) {
 		if ok != tc.record || (statErr == nil) != tc.record {
 			t.Errorf("%s: record in memory %v, on disk %v; want %v", tc.id, ok, statErr == nil, tc.record)
 		}
-		if ok && (j.Forgotten != tc.forgotten || !slices.Equal(j.Forget, tc.forget) || !j.Ended.Equal(ended[tc.id])) {
+		if ok && (j.Forgotten != tc.forgotten || !slices.Equal(j.Forget, tc.forget) || (tc.id != lostJob && !j.Ended.Equal(ended[tc.id]))) {
 			t.Errorf("%s: forgotten %v, forget %v, ended %v; want %v, %v, %v", tc.id, j.Forgotten, j.Forget, j.Ended, tc.forgotten, tc.forget, ended[tc.id])
 		}
+	}
+	ta.forgetDue(t.Context(), t0.Add(8*time.Hour))
+	if got, _ := ta.store.List(lostJob, ""); len(got) != 0 {
+		t.Errorf("a lost job after 7 times keep_ended: snapshots %v, want none", got)
+	}
+	ta.forgetDue(t.Context(), t0.Add(8*time.Hour))
+	if got, _ := ta.store.List(lostJob, ""); len(got) != 0 {
+		t.Errorf("a lost job after 7 times keep_ended: snapshots %v, want none", got)
 	}
 	for _, p := range []string{ta.shimLog(doneJob), ta.supersededMark(doneJob, 0), ta.refusalMark(doneJob, 1), filepath.Join(ta.store.Root(), doneJob)} {
 		if _, err := os.Stat(p); !os.IsNotExist(err) {
