@@ -60,20 +60,7 @@ func TestEndedJobForgotten(t *testing.T) {
 	c := newCluster(t, 3, 0, labcluster.Options{Interval: "1h", KeepEnded: keep})
 	ctx := context.Background()
 	gate := filepath.Join(t.TempDir(), "end")
-	cmd := ftwrap(c, "node1", "--name", "ends", "--", "sh", "-c", `while [ ! -e "$0" ]; do sleep 0.05; done`, gate)
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
-	var jobID string
-	for deadline := time.Now().Add(5 * time.Second); jobID == "" && time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
-		if jobs, err := c.Client("node1").Jobs(ctx); err == nil && len(jobs) == 1 {
-			jobID = jobs[0].ID
-		}
-	}
-	if jobID == "" {
-		t.Fatal("job did not appear on node1")
-	}
+	cmd, _, jobID := startWrapped(t, c, "node1", "ends", "sh", "-c", `while [ ! -e "$0" ]; do sleep 0.05; done`, gate)
 	waitProtected(t, c, "node1", jobID, 2*time.Minute)
 	snapshots := func(host string) int {
 		ms, err := c.Client(host).Snapshots(ctx, jobID)
