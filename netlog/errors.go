@@ -15,6 +15,9 @@ var (
 	// ErrConflict means a segment carried bytes that differ from bytes already logged for
 	// the same sequence numbers. The log keeps the first version; see *ConflictError.
 	ErrConflict = errors.New("logged bytes conflict")
+	// ErrAmbiguous means a wire sequence names two positions the log may hold: it holds more than 2^32
+	// bytes of the connection, so which one a restorer means is unknowable (Bounds.Servable).
+	ErrAmbiguous = errors.New("wire sequence ambiguous: the log spans more than 2^32 bytes of the connection")
 	// ErrUnknownConn means the Log holds no store for the connection.
 	ErrUnknownConn = errors.New("connection not in log")
 	// ErrClosed means the Store or Log was closed.

@@ -37,7 +37,9 @@ type Store struct {
 	contig   uint64 // [first, contig) is retained
 	last     uint64 // one past the highest retained byte
 	low      uint64 // lowest byte offered (appended or parked) at or above the floor; 0: none
-	retained int64
+	// conflictEnd is one past the highest byte of a segment that differed from the logged bytes (0: none).
+	conflictEnd uint64
+	retained    int64
 	bulk     bool // has logged at least a slab: allocate whole slabs from now on
 	slab0    uint64
 	slabs    []*slab // slabs[i] covers window slab0+i; nil where nothing is held
@@ -198,6 +200,7 @@ func (s *Store) appendAbs(a uint64, p []byte) error {
 		if err := s.compare(a, p); err != nil {
 			if errors.Is(err, ErrConflict) {
 				s.add(cConflicts, 1)
+				s.conflictEnd = max(s.conflictEnd, b)
 			}
 			return err
 		}
@@ -760,6 +763,33 @@ type Bounds struct {
 	// Low is the lowest byte offered (appended or parked) at or above Floor, 0 if none: a First above
 	// it is a hole at the bottom, bytes still parked, say.
 	Low uint64
+	// ConflictEnd is one past the highest byte of an offered segment that differed from the logged
+	// bytes, 0 if none did: a new connection on the same 4-tuple whose sequence numbers overlap the old
+	// one's, or pages that changed after a sendfile. The log cannot vouch for what was sent below it.
+	ConflictEnd uint64
+}
+
+// Servable says whether a range from abs may be served to a restorer: the log must know that abs is the
+// position the restorer means (ErrAmbiguous), and that what it holds from abs on is what was sent
+// (ErrConflict). Either failure is a refusal, never bytes of another connection or of another wrap.
+func (b Bounds) Servable(abs uint64) error {
+	if abs < b.ConflictEnd {
+		return fmt.Errorf("%w: a segment offered below sequence %d (abs %d) differed from the logged bytes (a new connection on the same 4-tuple, or pages changed after a sendfile): the log cannot vouch for bytes from %d on",
+			ErrConflict, Wire(b.ConflictEnd), b.ConflictEnd, Wire(abs))
+	}
+	// The lowest position a restorer may mean: the trim point (its snapshot is no older), else the
+	// lowest byte offered. One 2^32 below abs at or above it is as valid a reading of abs's wire sequence.
+	lo := b.Floor
+	if lo == 0 {
+		lo = b.Low
+	}
+	if lo == 0 {
+		lo = b.First
+	}
+	if abs >= 1<<32 && abs-1<<32 >= lo {
+		return fmt.Errorf("%w: sequence %d is abs %d or %d", ErrAmbiguous, Wire(abs), abs-1<<32, abs)
+	}
+	return nil
 }
 
 // Bounds returns the store's live bounds. With nothing retained, First, Contiguous and
@@ -768,7 +798,8 @@ func (s *Store) Bounds() Bounds {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
 	return Bounds{Anchored: s.u.Anchored(), Base: s.base, Floor: s.floor,
-		First: s.first, Contiguous: s.contig, Last: s.last, Retained: s.retained, Seen: s.u.Ref(), Low: s.low}
+		First: s.first, Contiguous: s.contig, Last: s.last, Retained: s.retained, Seen: s.u.Ref(), Low: s.low,
+		ConflictEnd: s.conflictEnd}
 }
 
 // Stats returns the store's memory accounting and counters.

@@ -416,3 +416,65 @@ func TestStoreNoteParked(t *testing.T) {
 }
 
 func ptr[T any](v T) *T { return &v }
+
+// TestBoundsServable: a range is served only from a position the restorer can only mean one way, and
+// above every byte that differed from the log's.
+func TestBoundsServable(t *testing.T) {
+	const e = AnchorEpoch
+	tests := []struct {
+		name string
+		b    Bounds
+		abs  uint64
+		want error
+	}{
+		{name: "fresh", b: Bounds{Low: e + 1000, First: e + 1000}, abs: e + 5000},
+		{name: "trimmed", b: Bounds{Floor: e + 1000, Low: e + 1000, First: e + 1000}, abs: e + 1<<31},
+		{name: "below a conflict", b: Bounds{Low: e + 1000, First: e + 1000, ConflictEnd: e + 6000}, abs: e + 5000, want: ErrConflict},
+		{name: "at a conflict's end", b: Bounds{Low: e + 1000, First: e + 1000, ConflictEnd: e + 6000}, abs: e + 6000},
+		{name: "2^32 above the floor", b: Bounds{Floor: e + 1000, Low: e + 1000, First: e + 1000}, abs: e + 1<<32 + 1000, want: ErrAmbiguous},
+		{name: "just under 2^32 above the floor", b: Bounds{Floor: e + 1000, Low: e + 1000, First: e + 1000}, abs: e + 1<<32 + 999},
+		{name: "2^32 above the lowest byte offered, never trimmed", b: Bounds{Low: e + 1000, First: e + 1000}, abs: e + 1<<32 + 5000, want: ErrAmbiguous},
+		{name: "epoch-0 retransmission", b: Bounds{Low: e - 100, First: e - 100}, abs: e - 50},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if err := tc.b.Servable(tc.abs); !errors.Is(err, tc.want) || (tc.want == nil) != (err == nil) {
+				t.Errorf("Servable(%d) = %v, want %v", tc.abs, err, tc.want)
+			}
+		})
+	}
+}
+
+// TestServableAfter4GiB: a log holding more than 2^32 bytes of one connection above its trim point holds
+// two positions for one wire sequence. Before, Unwrap chose the newer one silently, and a restore was
+// served the bytes sent 2^32 later.
+func TestServableAfter4GiB(t *testing.T) {
+	l := newTestLog(t, Options{})
+	c := testConn(1)
+	const seq0 = 1000
+	if err := l.Append(decoded(t, c, seq0, bytes.Repeat([]byte{'A'}, 1000))); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := l.Trim(c, seq0); err != nil { // the receiver's previous snapshot
+		t.Fatal(err)
+	}
+	for k := uint32(1); k <= 3; k++ { // a byte every GiB stands for the stream
+		if err := l.Append(decoded(t, c, seq0+k<<30, []byte{'x'})); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := l.Append(decoded(t, c, seq0, bytes.Repeat([]byte{'B'}, 1000))); err != nil { // 2^32 bytes on
+		t.Fatal(err)
+	}
+	abs, err := l.Unwrap(c, seq0+10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := l.Bounds(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Servable(abs); !errors.Is(err, ErrAmbiguous) {
+		t.Errorf("wire sequence %d unwrapped to abs %d with the floor at %d: Servable %v, want %v", seq0+10, abs, b.Floor, err, ErrAmbiguous)
+	}
+}

@@ -585,3 +585,30 @@ func TestConnsFloor(t *testing.T) {
 		t.Errorf("trimmed at %d, [%d, %d) parked, [%d, %d) stored: %+v", isn+5000, isn+5000, isn+9000, isn+9000, isn+9100, cs)
 	}
 }
+
+// TestRangeRefusesAReusedTuple: a new connection on the same 4-tuple whose sequence numbers overlap the
+// old one's bytes still in the log (Linux's ISN for a reused tuple overtakes an old stream of more than
+// ~125 Mbit/s) has its segments refused as conflicts; a range for its receiver's restore is refused too.
+// Before, Range served the old connection's bytes, and the restorer injected them.
+func TestRangeRefusesAReusedTuple(t *testing.T) {
+	n, src, _ := newTestNode(t, 20_000, &fakeMembers{owner: "n2"}) // the old connection: [isn, isn+20000)
+	l := n.Log()
+	const newISN = 5000
+	fresh := bytes.Repeat([]byte{0xAA}, 3000)
+	for off := 0; off < len(fresh); off += 1000 {
+		err := l.Append(netlog.Record{Conn: connA, Seq: newISN + 1 + uint32(off), CgroupID: 7, Payload: fresh[off : off+1000]})
+		if !errors.Is(err, netlog.ErrConflict) {
+			t.Fatalf("the new connection's segment at %d: %v, want a conflict with the old bytes", newISN+1+off, err)
+		}
+	}
+	src.states[connA] = ebpfprobes.FlowState{SndNxt: newISN + 1 + 3000, HasISN: true, ISN: newISN, HasAck: true}
+	from := uint32(newISN + 1 + 1000) // the new receiver's snapshot, after 1000 bytes
+	r, err := n.Range(context.Background(), "n2", connA, from)
+	if !errors.Is(err, netlog.ErrConflict) {
+		var b bytes.Buffer
+		if err == nil && r.Write != nil {
+			r.Write(&b)
+		}
+		t.Fatalf("Range from %d: %d bytes (%x...), %v; want a refusal naming the conflict", from, r.Len, b.Bytes()[:min(8, b.Len())], err)
+	}
+}

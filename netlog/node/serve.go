@@ -138,6 +138,9 @@ func (n *Node) Range(ctx context.Context, peer string, conn tcpflow.Tuple, from 
 	if err == nil {
 		b, err = l.Bounds(conn)
 	}
+	if err == nil {
+		err = b.Servable(abs)
+	}
 	if err != nil {
 		return Range{}, err
 	}
