@@ -28,21 +28,21 @@ type Store struct {
 	own        meter
 	standalone bool // owns env (NewStore): report the pool in Stats, close the spill file
 
-	mu       sync.RWMutex
-	closed   bool
-	u        Unwrapper
-	base     uint64 // abs of the anchor
-	floor    uint64 // bytes below were trimmed or precede the base
-	first    uint64 // lowest retained byte, valid when retained > 0
-	contig   uint64 // [first, contig) is retained
-	last     uint64 // one past the highest retained byte
-	low      uint64 // lowest byte offered (appended or parked) at or above the floor; 0: none
+	mu     sync.RWMutex
+	closed bool
+	u      Unwrapper
+	base   uint64 // abs of the anchor
+	floor  uint64 // bytes below were trimmed or precede the base
+	first  uint64 // lowest retained byte, valid when retained > 0
+	contig uint64 // [first, contig) is retained
+	last   uint64 // one past the highest retained byte
+	low    uint64 // lowest byte offered (appended or parked) at or above the floor; 0: none
 	// conflictEnd is one past the highest byte of a segment that differed from the logged bytes (0: none).
 	conflictEnd uint64
 	retained    int64
-	bulk     bool // has logged at least a slab: allocate whole slabs from now on
-	slab0    uint64
-	slabs    []*slab // slabs[i] covers window slab0+i; nil where nothing is held
+	bulk        bool // has logged at least a slab: allocate whole slabs from now on
+	slab0       uint64
+	slabs       []*slab // slabs[i] covers window slab0+i; nil where nothing is held
 
 	// What the agent needs to tell a finished connection from a live one (Activity).
 	lastAppend time.Time // when a segment was last offered
