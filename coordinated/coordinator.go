@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"maps"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/ftkit/ftkit/clusterapi"
@@ -227,8 +228,9 @@ func (c *Coordinator) RollBack(ctx context.Context, cut *Cut, target string, hel
 // to its cut, the failed host's parts on target. It returns what is left unrecovered (nil if every job of
 // the failed host runs again).
 func (c *Coordinator) AfterFailure(ctx context.Context, failed, target string, jobs, coordinated []string, mlErr error, held func(clusterapi.CutPart) bool, stage func(Stage)) error {
-	runs := map[string]*Cut{}
-	var order []string
+	// A run is its name and its user's: two users may both call theirs "farm".
+	runs := map[Run]*Cut{}
+	var order []Run
 	rolled := map[string]bool{}
 	for _, j := range jobs {
 		cut, p := c.Records.With(j)
@@ -239,9 +241,10 @@ func (c *Coordinator) AfterFailure(ctx context.Context, failed, target string, j
 		default:
 			continue
 		}
-		if _, ok := runs[cut.Run]; !ok {
-			runs[cut.Run] = cut
-			order = append(order, cut.Run)
+		k := Run{Name: cut.Run, UID: cut.UID}
+		if _, ok := runs[k]; !ok {
+			runs[k] = cut
+			order = append(order, k)
 		}
 	}
 	if len(order) == 0 {
@@ -254,7 +257,7 @@ func (c *Coordinator) AfterFailure(ctx context.Context, failed, target string, j
 		if mlErr != nil {
 			why = "message logging failed: " + mlErr.Error()
 		}
-		c.Log.Warn("rolling a whole run back to its coordinated snapshot", "run", run, "cut", cut.ID, "failed", failed, "target", target, "why", why)
+		c.Log.Warn("rolling a whole run back to its coordinated snapshot", "run", run.Name, "uid", run.UID, "cut", cut.ID, "failed", failed, "target", target, "why", why)
 		if err := c.RollBack(ctx, cut, target, held, stage); err != nil {
 			errs = append(errs, err)
 			continue
@@ -263,11 +266,18 @@ func (c *Coordinator) AfterFailure(ctx context.Context, failed, target string, j
 			rolled[p.Job] = true
 		}
 	}
-	// A job neither message logging nor a rollback brought back keeps message logging's error.
+	// A job neither message logging nor a rollback brought back keeps message logging's error, or is named.
+	var left []string
 	for _, j := range jobs {
 		if !rolled[j] && (mlErr != nil || slices.Contains(coordinated, j)) {
-			return errors.Join(append(errs, mlErr)...)
+			left = append(left, j)
 		}
+	}
+	if len(left) > 0 {
+		if mlErr == nil {
+			mlErr = fmt.Errorf("job(s) %s of %s were not rolled back with their runs", strings.Join(left, ", "), failed)
+		}
+		return errors.Join(append(errs, mlErr)...)
 	}
 	return errors.Join(errs...)
 }
