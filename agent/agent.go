@@ -110,6 +110,9 @@ type Agent struct {
 	peerClient peerClient      // the agent-to-agent protocol's client (a.peers())
 	asked      atomic.Int32    // the snapshots peers asked for (clusterapi.OpCheckpointNow): askIdle, askRunning, askQueued
 	predicted  atomic.Bool     // the health command predicts a failure of this host (health.go)
+	// selfFenced: this host fenced itself and is still cut off from its ring neighbours (selfFence); it
+	// starts and restores no job meanwhile, since its protector counts every copy here as gone.
+	selfFenced atomic.Bool
 	grants     *grant.Registry // the job incarnations this member granted (exactly one live incarnation)
 
 	metrics *metrics.Metrics // served on metrics.listen; its recording methods accept nil
@@ -301,6 +304,9 @@ func (a *Agent) otherMembers() []string {
 func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*Job, error) {
 	if len(spec.Argv) == 0 {
 		return nil, errors.New("no program given")
+	}
+	if err := a.refuseWhileFenced(); err != nil {
+		return nil, err
 	}
 	if err := a.cfg.CheckJobInterval(spec.Interval); err != nil {
 		return nil, err

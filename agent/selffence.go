@@ -64,6 +64,7 @@ func (a *Agent) selfFence(ctx context.Context) {
 		protName, predName string
 		since              time.Time // when this pair of neighbours became ours
 		fenced             bool
+		tried              map[string]bool // the jobs the fence killed, or tried to
 	)
 	tickgrid.Every(ctx, t.Check(), func() {
 		now := time.Now()
@@ -75,6 +76,7 @@ func (a *Agent) selfFence(ctx context.Context) {
 			// No ring, or a ring of two nodes: losing the only neighbour cannot be told from its failure,
 			// and fencing there would kill the survivor's jobs too. A fence command covers such rings.
 			protName, predName = "", ""
+			a.selfFenced.Store(false)
 			return
 		}
 		if p.Name != protName || s.Name != predName {
@@ -91,6 +93,7 @@ func (a *Agent) selfFence(ctx context.Context) {
 		}
 		d := fence.Decide(now, since, c, t.Timeout)
 		if !d.Fence {
+			a.selfFenced.Store(false)
 			if fenced {
 				// Rejoin: learn at once whether this node was replaced while away (its neighbours do not
 				// push views to a failed member, and its own watchdog finds nothing to confirm).
@@ -101,6 +104,16 @@ func (a *Agent) selfFence(ctx context.Context) {
 			return
 		}
 		if fenced {
+			// Still cut off: a job that runs here since the fence (a restore or a start that began before
+			// it) goes too; the protector counts every copy here as gone.
+			var late []Job
+			for _, j := range a.runningJobs() {
+				if !tried[j.ID] {
+					tried[j.ID] = true
+					late = append(late, j)
+				}
+			}
+			a.fenceJobs(late, d.Silence, p.Name, s.Name, "; the jobs began to run after this host fenced itself")
 			return
 		}
 		// Only a host with jobs fences (and records it): a spare or an idle node has nothing to run twice.
@@ -124,7 +137,20 @@ func (a *Agent) selfFence(ctx context.Context) {
 			why = "; this agent stalled meanwhile, and " + reason
 		}
 		fenced = a.fenceJobs(running, d.Silence, p.Name, s.Name, why)
+		a.selfFenced.Store(fenced)
+		tried = map[string]bool{}
+		for _, j := range running {
+			tried[j.ID] = true
+		}
 	})
+}
+
+// refuseWhileFenced refuses to start or restore a job while this host is fenced (selfFenced).
+func (a *Agent) refuseWhileFenced() error {
+	if a.selfFenced.Load() {
+		return errors.New("this host fenced itself: it is cut off from its ring neighbours, whose protector restores its jobs elsewhere; nothing starts here until contact is back")
+	}
+	return nil
 }
 
 // runningJobs lists this host's running jobs.

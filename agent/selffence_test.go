@@ -296,3 +296,50 @@ func TestServeVouch(t *testing.T) {
 		})
 	}
 }
+
+// TestSelfFenceKillsLateJobs: a host that fenced itself and is still cut off kills a job that began to
+// run after the fence (a restore or a start under way when it fenced), and starts none meanwhile: its
+// protector counts every copy there as gone and restores the jobs elsewhere. Before, the fence was taken
+// once, and such a job ran on beside its copy restored elsewhere.
+func TestSelfFenceKillsLateJobs(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.members.view = testView(t, "node1", "node2", "node3")
+	ta.cfg.Heartbeat.Interval.Duration = 20 * time.Millisecond // checks every 10 ms
+	ta.cfg.Failover.FenceTimeout.Duration = 100 * time.Millisecond
+	ta.watchdog = detect.NewWatchdog(detect.Config{})
+	ta.stalls = detect.NewStalls(time.Second, time.Second)
+	kill := func(id string) string { return filepath.Join(ta.layout().cgroup(id), "cgroup.kill") }
+	for _, id := range []string{ownersJob, rootsJob} {
+		if err := os.WriteFile(kill(id), nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan struct{})
+	go func() { defer close(done); ta.selfFence(ctx) }()
+	defer func() { cancel(); <-done }()
+	waitFor := func(what string, cond func() bool) {
+		t.Helper()
+		for deadline := time.Now().Add(failAfter); !cond(); time.Sleep(5 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: not within %s", what, failAfter)
+			}
+		}
+	}
+	killed := func(id string) func() bool {
+		return func() bool { b, _ := os.ReadFile(kill(id)); return string(b) == "1" }
+	}
+	waitFor("the cut-off node fences its jobs", killed(ownersJob))
+	waitFor("the node counts itself fenced", ta.selfFenced.Load)
+	if _, err := ta.StartJob(t.Context(), JobSpec{Argv: []string{"/bin/true"}}, 0, 0); err == nil || !strings.Contains(err.Error(), "fenced itself") {
+		t.Errorf("StartJob on the fenced node: %v; want a refusal", err)
+	}
+	late := ta.addJob(t, Job{ID: "late-0000000a", State: JobRunning, PID: os.Getpid()})
+	if err := os.WriteFile(kill(late.ID), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	waitFor("the job that began to run after the fence is killed", killed(late.ID))
+	if j, _, _ := ta.Job(late.ID, 0); !j.Fenced {
+		t.Errorf("the late job's record %+v does not say it was fenced", j)
+	}
+}

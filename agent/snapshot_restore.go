@@ -81,6 +81,9 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 			}
 		}
 	}()
+	if err := a.refuseWhileFenced(); err != nil {
+		return nil, err
+	}
 	journal, err := a.restoreOutputs(m, j, filepath.Join(work, outputJournalDir))
 	var pid int
 	start := time.Now()
