@@ -106,10 +106,10 @@ type Agent struct {
 	// staleMounts remembers which mounts of each job's namespace are copies of host mounts (snapshot.go).
 	staleMounts stalemounts.Tracker
 
-	wire       wireTimeouts    // deadlines of the agent-to-agent protocol; zero fields take the defaults
-	peerClient peerClient      // the agent-to-agent protocol's client (a.peers())
-	asked      atomic.Int32    // the snapshots peers asked for (clusterapi.OpCheckpointNow): askIdle, askRunning, askQueued
-	predicted  atomic.Bool     // the health command predicts a failure of this host (health.go)
+	wire       wireTimeouts // deadlines of the agent-to-agent protocol; zero fields take the defaults
+	peerClient peerClient   // the agent-to-agent protocol's client (a.peers())
+	asked      atomic.Int32 // the snapshots peers asked for (clusterapi.OpCheckpointNow): askIdle, askRunning, askQueued
+	predicted  atomic.Bool  // the health command predicts a failure of this host (health.go)
 	// selfFenced: this host fenced itself and is still cut off from its ring neighbours (selfFence); it
 	// starts and restores no job meanwhile, since its protector counts every copy here as gone.
 	selfFenced atomic.Bool
