@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -14,6 +15,7 @@ import (
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/criu"
+	"github.com/ftkit/ftkit/internal/atomicfile"
 	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/ring"
@@ -126,6 +128,11 @@ func (a *Agent) serveCoordinate(ctx context.Context, peer string, req clusterapi
 	case clusterapi.CoordThaw, clusterapi.CoordAbort:
 		return a.coordThaw(ctx, req, req.Phase == clusterapi.CoordThaw)
 	case clusterapi.CoordCommit:
+		for _, p := range req.Parts {
+			if err := a.checkPart(req.Run, *req.UID, p, nil); err != nil {
+				return clusterapi.CoordinateReply{}, &clusterapi.Error{Code: clusterapi.CodeRefused, Message: "cut not recorded: " + err.Error()}
+			}
+		}
 		return clusterapi.CoordinateReply{}, a.cutRecords().Save(coordinated.Cut{Run: req.Run, UID: *req.UID, ID: req.Cut, Taken: time.Now().UTC(), Parts: req.Parts})
 	case clusterapi.CoordStop:
 		return clusterapi.CoordinateReply{}, a.rollbackStop(ctx, req.Run, *req.UID, req.Parts)
@@ -133,6 +140,33 @@ func (a *Agent) serveCoordinate(ctx context.Context, peer string, req clusterapi
 		return clusterapi.CoordinateReply{}, a.rollbackRestore(ctx, req.Run, *req.UID, req.Parts)
 	}
 	return clusterapi.CoordinateReply{}, fmt.Errorf("no phase %q", req.Phase)
+}
+
+// checkPart refuses cut part p of run of uid if its job is another run's or another user's by this host's
+// record of it, or else by the record in its snapshot m (nil: the part's snapshot, if this host holds it):
+// a member's cut must not make this host treat another user's job as a part of its run (roll it back, skip
+// its message logging, pin its snapshots). A part this host knows nothing of is not its to check.
+func (a *Agent) checkPart(run string, uid uint32, p clusterapi.CutPart, m *ckpt.Manifest) error {
+	j, _, err := a.Job(p.Job, 0)
+	if err != nil {
+		if m == nil {
+			if m, err = a.store.Manifest(p.Job, p.Snapshot); err != nil {
+				return nil
+			}
+		}
+		// The record as the snapshot holds it: whether it could be restored here is the restore's to say.
+		b, rerr := atomicfile.ReadBounded(filepath.Join(a.store.Path(m.Job, m.ID), snapJob), maxJobRecord)
+		if rerr == nil {
+			rerr = json.Unmarshal(b, &j)
+		}
+		if rerr != nil {
+			return fmt.Errorf("part %s of job %s has no usable job record: %w", p.Snapshot, p.Job, rerr)
+		}
+	}
+	if j.Spec.Run != run || j.UID != uid {
+		return fmt.Errorf("job %s is a job of run %q of uid %d, not of run %s of uid %d", p.Job, j.Spec.Run, j.UID, run, uid)
+	}
+	return nil
 }
 
 // runJobs are this host's running jobs of run of user owner (nil: of any user).
@@ -288,8 +322,8 @@ func (a *Agent) coordThaw(ctx context.Context, req clusterapi.CoordinateRequest,
 func (a *Agent) rollbackStop(ctx context.Context, run string, uid uint32, parts []clusterapi.CutPart) error {
 	var ms []*ckpt.Manifest
 	for _, p := range parts {
-		if j, _, err := a.Job(p.Job, 0); err == nil && (j.Spec.Run != run || j.UID != uid) {
-			return fmt.Errorf("nothing stopped: job %s here is not a job of run %s of uid %d", p.Job, run, uid)
+		if err := a.checkPart(run, uid, p, nil); err != nil {
+			return fmt.Errorf("nothing stopped: %w", err)
 		}
 		if _, err := a.store.Manifest(p.Job, p.Snapshot); err != nil && p.Target == a.cfg.Name && p.Target != p.Host {
 			// In place of a failed host: its part comes from a member that holds a copy.
@@ -298,6 +332,9 @@ func (a *Agent) rollbackStop(ctx context.Context, run string, uid uint32, parts 
 			}
 		}
 		m, err := a.store.Verify(ctx, p.Job, p.Snapshot)
+		if err == nil {
+			err = a.checkPart(run, uid, p, m) // the record in a snapshot just fetched, before anything is stopped
+		}
 		if err != nil {
 			return fmt.Errorf("nothing stopped: part %s of job %s: %w", p.Snapshot, p.Job, err)
 		}

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/coordinated"
 )
 
 // TestHoldEndsWhenCoordinatorFails: a host holds a run's jobs frozen, and its snapshot lock, from the
@@ -86,5 +87,32 @@ func TestRollbackStopEndsLingeringNet(t *testing.T) {
 	}
 	if !ta.lingering.has(jobNetName(ta.cfg.Name, other)) {
 		t.Errorf("the lingering network of %s, a job of no part, was ended by the rollback's stop", other)
+	}
+}
+
+// TestCommitOfAnotherUsersJob: a member commits a cut of its run "farm" of root whose part names goneJob,
+// a job of uid 1000 in no run, whose replica (with its record) this host holds. The commit is refused.
+// Before, it was saved, and this host then treated uid 1000's job as a part of root's run: after a
+// failure of its host it skipped message logging for it and rolled back root's run instead, a diverged
+// replay of it took it off with no exit record and no reset of its peers, and its snapshot was pinned.
+func TestCommitOfAnotherUsersJob(t *testing.T) {
+	for _, recovery := range []string{coordinated.RecoveryCoordinated, coordinated.RecoveryAuto} {
+		t.Run(recovery, func(t *testing.T) {
+			ta := newTestAgent(t)
+			root := uint32(0)
+			commit := clusterapi.CoordinateRequest{Run: "farm", UID: &root, Cut: "cut-20261203T100000.000", Phase: clusterapi.CoordCommit,
+				Parts: []clusterapi.CutPart{{Job: goneJob, Host: "node2", Snapshot: ta.goneSnap, Recovery: recovery}}}
+			if err := commit.Validate(); err != nil {
+				t.Fatal(err)
+			}
+			_, err := ta.serveCoordinate(t.Context(), "node2", commit)
+			_, rollback := ta.coordinatedJobs([]RecoverJob{{Job: goneJob, Snapshot: ta.goneSnap}})
+			rollsBack := ta.cutRecords().RollsBack(goneJob)
+			pinned := ta.cutRecords().Pinned(goneJob)
+			if err == nil || slices.Contains(rollback, goneJob) || rollsBack || len(pinned) > 0 {
+				t.Errorf("commit from node2 naming uid 1000's job %s in root's run: err %v; its recovery skips message logging %v, a diverged replay leaves it silently %v, snapshots pinned %v",
+					goneJob, err, slices.Contains(rollback, goneJob), rollsBack, pinned)
+			}
+		})
 	}
 }

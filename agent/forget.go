@@ -23,7 +23,8 @@ import (
 // A lost job (its process vanished) that this host does not know to have been restored elsewhere keeps
 // them 7 times as long: its owner may want to restore it.
 //
-// What stays: a snapshot a coordinated cut of the job's run still names (a rollback of the run restarts
+// What stays: a snapshot a coordinated cut of the job's run still names (a cut of a run that no longer
+// runs here goes once it is keep_ended old: forgetStaleCuts) (a rollback of the run restarts
 // the ended part from it); a snapshot taken after the job ended (a copy of it that came back here since);
 // and the record of a job whose address may still be in use (addressHeld), of one whose network lingers,
 // or of one whose holders could not all be told yet (Job.Forget, tried again at each pass).
@@ -45,13 +46,33 @@ type endedJob struct {
 	ended time.Time
 }
 
-// forgetDue forgets the ended jobs whose keep_ended has passed at now.
+// forgetDue forgets the ended jobs whose keep_ended has passed at now, and first the stale cuts that
+// would pin their snapshots.
 func (a *Agent) forgetDue(ctx context.Context, now time.Time) {
+	a.forgetStaleCuts(now)
 	for _, e := range a.dueToForget(now) {
 		if ctx.Err() != nil {
 			return
 		}
 		a.forgetJob(ctx, e)
+	}
+}
+
+// forgetStaleCuts forgets the cuts of runs that no longer run here and whose newest cut is keep_ended old:
+// a run that goes on elsewhere replaces its cut at its interval, and one that ended would otherwise pin its
+// last cut's snapshots (and their jobs' records) for good. A rollback of such a run fails here, loudly.
+func (a *Agent) forgetStaleCuts(now time.Time) {
+	keep := a.cfg.Checkpoint.KeepEnded.Duration
+	recs := a.cutRecords()
+	for _, c := range recs.All() {
+		if c.Taken.IsZero() || now.Sub(c.Taken) < keep || len(a.runJobs(c.Run, &c.UID)) > 0 {
+			continue
+		}
+		if err := recs.Remove(c.Run, c.UID); err != nil {
+			a.log.Warn("could not forget a stale cut", "run", c.Run, "uid", c.UID, "err", err)
+			continue
+		}
+		a.log.Info("forgot the cut of a run that ended here (checkpoint.keep_ended)", "run", c.Run, "uid", c.UID, "cut", c.ID, "taken", c.Taken)
 	}
 }
 

@@ -10,6 +10,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/intercept"
 	"github.com/ftkit/ftkit/jobnet"
 )
@@ -162,5 +163,52 @@ func TestServeForget(t *testing.T) {
 	}
 	if n2, n3 := ta.detStore.Len(job, "node2"), ta.detStore.Len(job, "node3"); n2 != 0 || n3 != 1 {
 		t.Errorf("determinants left: node2's %d, node3's %d; want 0 and 1", n2, n3)
+	}
+}
+
+// TestEndedRunsCutForgotten: every member keeps the newest cut of each coordinated run, and a run that goes
+// on replaces it at its interval; nothing replaced the last cut of a run that ended, which pinned its jobs'
+// snapshots (and kept their records) for good. Once the run runs here no more and its cut is keep_ended
+// old, the cut goes, and the ended jobs are forgotten as others are.
+func TestEndedRunsCutForgotten(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.cfg.Checkpoint.KeepEnded = Duration{Duration: time.Hour}
+	const run, job, other = "mpi-3f9a2c", "mpi-3f9a2c-node1-0a0b0c0d", "mpi-77aa00"
+	t0 := time.Now()
+	ta.addJob(t, Job{ID: job, State: JobExited, UID: 1000, Spec: JobSpec{Run: run, Recovery: coordinated.RecoveryCoordinated}})
+	ta.addJob(t, Job{ID: other + "-node1-00000001", State: JobRunning, PID: os.Getpid(), UID: 1000, Spec: JobSpec{Run: other, Recovery: coordinated.RecoveryCoordinated}})
+	snap := ta.addSnapshot(t, Job{ID: job, UID: 1000, Node: ta.cfg.Name, Spec: JobSpec{Run: run}})
+	ta.mu.Lock()
+	j := ta.byID[job]
+	ta.mu.Unlock()
+	if err := ta.jobs.save(j); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chtimes(ta.jobs.path(job), t0.Add(time.Minute), t0.Add(time.Minute)); err != nil { // it ended after its snapshot
+		t.Fatal(err)
+	}
+	for _, r := range []string{run, other} {
+		if err := ta.cutRecords().Save(coordinated.Cut{Run: r, UID: 1000, ID: "cut-20261203T100000.000", Taken: t0,
+			Parts: []clusterapi.CutPart{{Job: job, Host: ta.cfg.Name, Snapshot: snap, Recovery: coordinated.RecoveryCoordinated}}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ta.forgetDue(t.Context(), t0.Add(2*time.Hour))
+	if runs := ta.cutRecords().Runs(); !slices.Equal(runs, []coordinated.Run{{Name: other, UID: 1000}}) {
+		t.Errorf("cut records %v, want only that of %s, which runs here", runs, other)
+	}
+	// The cut of the run that goes on still pins (the test's cut names the ended job for it too).
+	if snaps, _ := ta.store.List(job, ""); len(snaps) != 1 {
+		t.Errorf("snapshots %v; want the one a cut of a running run names", snaps)
+	}
+	if err := ta.cutRecords().Remove(other, 1000); err != nil {
+		t.Fatal(err)
+	}
+	ta.forgetDue(t.Context(), t0.Add(3*time.Hour))
+	if snaps, _ := ta.store.List(job, ""); len(snaps) != 0 {
+		t.Errorf("snapshots %v; want none once no cut names them", snaps)
+	}
+	if _, err := os.Stat(ta.jobs.path(job)); !os.IsNotExist(err) {
+		t.Errorf("the ended job's record: %v; want it gone", err)
 	}
 }

@@ -52,6 +52,17 @@ func (r Records) Save(c Cut) error {
 	return nil
 }
 
+// Remove forgets the cut of run of user uid recorded here.
+func (r Records) Remove(run string, uid uint32) error {
+	if err := clusterapi.ValidRunName(run); err != nil {
+		return err
+	}
+	if err := os.Remove(r.path(run, uid)); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("forget the cut of run %s: %w", run, err)
+	}
+	return nil
+}
+
 // Load reads the newest cut of run of user owner recorded here (nil: of the one user with a cut of a run
 // of that name), and validates it as it came from another member.
 func (r Records) Load(run string, owner *uint32) (*Cut, error) {
