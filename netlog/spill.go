@@ -55,15 +55,19 @@ func openSpill(dir string) (*spillFile, error) {
 	return &spillFile{f: f}, nil
 }
 
-// write appends p and returns its offset. The data is not durable until sync.
+// spillAlign aligns every region of the spill file to a block: a region's punch then frees every block it
+// used, where one that shared a block with its neighbour left that block allocated until the file emptied.
+const spillAlign = 4096
+
+// write appends p at the next aligned offset and returns that offset. The data is not durable until sync.
 func (s *spillFile) write(p []byte) (int64, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	off := s.end
+	off := (s.end + spillAlign - 1) &^ (spillAlign - 1)
 	if _, err := s.f.WriteAt(p, off); err != nil {
 		return 0, fmt.Errorf("write %d bytes to netlog spill file at %d: %w", len(p), off, err)
 	}
-	s.end += int64(len(p))
+	s.end = off + int64(len(p))
 	s.live += int64(len(p))
 	return off, nil
 }
@@ -98,7 +102,8 @@ func (s *spillFile) release(off int64, n int) {
 		}
 		return
 	}
-	_ = unix.Fallocate(int(s.f.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, int64(n))
+	// To the end of its last block: the next region starts on the block after.
+	_ = unix.Fallocate(int(s.f.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, (int64(n)+spillAlign-1)&^(spillAlign-1))
 }
 
 func (s *spillFile) close() error { return s.f.Close() }
