@@ -511,6 +511,17 @@ func (s *Store) check(from, to uint64) error {
 	return nil
 }
 
+// RunEnd is one past the last byte of the run of retained bytes that starts at abs (abs itself if that
+// byte is not retained): what a range read from abs can serve, whatever holes lie below abs.
+func (s *Store) RunEnd(abs uint64) uint64 {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	if s.retained == 0 || abs < s.floor || abs < s.first || abs >= s.last {
+		return abs
+	}
+	return s.extend(abs)
+}
+
 // Check reports whether [from, to) can be served, without reading it.
 func (s *Store) Check(from, to uint64) error {
 	if from > to {

@@ -612,3 +612,53 @@ func TestRangeRefusesAReusedTuple(t *testing.T) {
 		t.Fatalf("Range from %d: %d bytes (%x...), %v; want a refusal naming the conflict", from, r.Len, b.Bytes()[:min(8, b.Len())], err)
 	}
 }
+
+// TestRangeHoleBelowFrom: a hole in the log below the restore point (a segment lost before the receiver's
+// newest snapshot) does not cut a range from that point short. Before, the range ended where the run from
+// the lowest retained byte did: 0 bytes, and the restore was refused as "log trimmed or lost".
+func TestRangeHoleBelowFrom(t *testing.T) {
+	n, src, _ := newTestNode(t, 0, &fakeMembers{owner: "n2"})
+	l := n.Log()
+	data := make([]byte, 30_000)
+	for i := range data {
+		data[i] = byte(i * 13)
+	}
+	app := func(lo, hi int) {
+		for off := lo; off < hi; off += 1000 {
+			appendRecord(t, l, netlog.Record{Conn: connA, Seq: isn + uint32(off), CgroupID: 7, Payload: data[off:min(off+1000, hi)]})
+		}
+	}
+	app(0, 10_000)
+	app(11_000, 30_000) // [10000, 11000) lost, below the restore point
+	src.states[connA] = ebpfprobes.FlowState{SndNxt: isn + 30_000}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	for _, tc := range []struct {
+		from    uint32
+		want    int64
+		wantErr error
+	}{
+		{from: isn + 20_000, want: 10_000},
+		{from: isn + 5_000, want: 5_000}, // to the hole: the restorer refuses, knowing the peer sent more
+		{from: isn + 10_500, wantErr: netlog.ErrHole},
+	} {
+		r, err := n.Range(ctx, "n2", connA, tc.from)
+		if !errors.Is(err, tc.wantErr) || (tc.wantErr == nil && err != nil) {
+			t.Errorf("Range from %d: %v, want %v", tc.from, err, tc.wantErr)
+			continue
+		}
+		if err != nil {
+			continue
+		}
+		var b bytes.Buffer
+		if r.Write != nil {
+			if err := r.Write(&b); err != nil {
+				t.Fatal(err)
+			}
+		}
+		off := int(tc.from - isn)
+		if r.Len != tc.want || !bytes.Equal(b.Bytes(), data[off:off+int(tc.want)]) {
+			t.Errorf("Range from %d: %d bytes (%d written), want %d of the logged ones", tc.from, r.Len, b.Len(), tc.want)
+		}
+	}
+}

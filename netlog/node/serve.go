@@ -144,18 +144,22 @@ func (n *Node) Range(ctx context.Context, peer string, conn tcpflow.Tuple, from 
 	if err != nil {
 		return Range{}, err
 	}
-	to := b.Contiguous
-	if to < abs {
-		to = abs
+	st, err := l.Store(conn)
+	if err != nil {
+		return Range{}, err
+	}
+	// To the end of the run from abs on: a hole below abs (a segment lost before the receiver's snapshot)
+	// is none of this range's business.
+	to := max(abs, st.RunEnd(abs))
+	if to == abs && abs < b.Last {
+		if err := st.Check(abs, abs+1); err != nil {
+			return Range{}, err // trimmed, or a hole at abs: named
+		}
 	}
 	if to-abs > uint64(n.cfg.MaxRange) {
 		return Range{}, fmt.Errorf("%d logged bytes of %s from sequence %d: more than the %d one range may carry", to-abs, conn, from, n.cfg.MaxRange)
 	}
-	st, err := l.Store(conn)
-	if err == nil {
-		err = st.Check(abs, to)
-	}
-	if err != nil {
+	if err := st.Check(abs, to); err != nil {
 		return Range{}, err
 	}
 	r := Range{From: from, Len: int64(to - abs)}
