@@ -386,7 +386,15 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 	}
 	j.PID = pid
 	if err := a.jobs.save(j); err != nil {
-		return nil, err
+		// The job runs, but no record holds it: nothing would watch, protect or end it, and its address
+		// would be handed out again. It goes, as the caller is told.
+		a.supersede(*j)
+		if kerr := a.killCgroup(id); kerr != nil {
+			a.log.Error("a job whose record could not be saved could not be killed either: it runs unwatched", "job", id, "pid", pid, "err", kerr)
+		}
+		a.releaseResources(j)
+		a.deleteJobNet(ctx, id, j.Net)
+		return nil, fmt.Errorf("record job %s: %w; the job was killed", id, err)
 	}
 	a.mu.Lock()
 	a.byID[id] = j

@@ -2,6 +2,8 @@ package agent
 
 import (
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -118,4 +120,42 @@ func manyHosts(n int) []string {
 		out[i] = fmt.Sprintf("node%d", i+1)
 	}
 	return out
+}
+
+// TestStartJobKillsWhatItCannotRecord: a job whose record cannot be saved once its shim runs (a full state
+// directory) is killed, and StartJob says so. Before, StartJob reported a failure and the job ran on, in
+// no record: unwatched, unprotected, its address handed out again.
+func TestStartJobKillsWhatItCannotRecord(t *testing.T) {
+	ta := newTestAgent(t)
+	stop := filepath.Join(ta.dir, "stop")
+	t.Cleanup(func() { os.WriteFile(stop, nil, 0o600) })
+	// The fake shim makes the record's path a directory, so that the save fails, gives the job's cgroup
+	// its cgroup.kill as the kernel does, reports a pid, and waits.
+	script := "#!/bin/sh\nid=$(sed -n 's/.*\"job_id\":\"\\([^\"]*\\)\".*/\\1/p')\n" +
+		"mkdir -p '" + ta.jobs.dir + "'/\"$id\".json/blocker\n: > '" + ta.cfg.CgroupParent + "'/\"$id\"/cgroup.kill\n" +
+		"echo '{\"pid\": 4242}'\n" +
+		"while [ ! -e '" + stop + "' ]; do sleep 0.05; done\n"
+	shimPath := filepath.Join(ta.dir, "fake-shim")
+	if err := os.WriteFile(shimPath, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	ta.self = shimPath
+	_, err := ta.StartJob(t.Context(), JobSpec{Name: "orphan", Argv: []string{"/bin/true"}}, 0, 0)
+	if err == nil || !strings.Contains(err.Error(), "the job was killed") {
+		t.Fatalf("StartJob: %v; want its record's failure, saying the job was killed", err)
+	}
+	cgs, _ := filepath.Glob(filepath.Join(ta.cfg.CgroupParent, "orphan-*"))
+	if len(cgs) != 1 {
+		t.Fatalf("job cgroups %v, want one", cgs)
+	}
+	id := filepath.Base(cgs[0])
+	if b, _ := os.ReadFile(filepath.Join(cgs[0], "cgroup.kill")); string(b) != "1" {
+		t.Errorf("cgroup.kill of %s holds %q, want 1: the job runs on in no record", id, b)
+	}
+	if _, err := os.Lstat(ta.supersededMark(id, 0)); err != nil {
+		t.Errorf("the killed copy was not marked superseded (its shim would record the kill as the job's end): %v", err)
+	}
+	if _, _, err := ta.Job(id, 0); err == nil {
+		t.Errorf("job %s is listed", id)
+	}
 }
