@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
 )
@@ -127,13 +128,26 @@ func manyHosts(n int) []string {
 // no record: unwatched, unprotected, its address handed out again.
 func TestStartJobKillsWhatItCannotRecord(t *testing.T) {
 	ta := newTestAgent(t)
-	stop := filepath.Join(ta.dir, "stop")
-	t.Cleanup(func() { os.WriteFile(stop, nil, 0o600) })
+	stop, pidFile := filepath.Join(ta.dir, "stop"), filepath.Join(ta.dir, "shim.pid")
+	t.Cleanup(func() {
+		// Until the fake shim has gone: the test's directory, and the stop file in it, go next.
+		os.WriteFile(stop, nil, 0o600)
+		b, _ := os.ReadFile(pidFile)
+		for deadline := time.Now().Add(failAfter); len(b) > 0; time.Sleep(20 * time.Millisecond) {
+			if _, err := os.Stat("/proc/" + strings.TrimSpace(string(b))); err != nil {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Errorf("fake shim %s did not stop", b)
+				break
+			}
+		}
+	})
 	// The fake shim makes the record's path a directory, so that the save fails, gives the job's cgroup
 	// its cgroup.kill as the kernel does, reports a pid, and waits.
 	script := "#!/bin/sh\nid=$(sed -n 's/.*\"job_id\":\"\\([^\"]*\\)\".*/\\1/p')\n" +
 		"mkdir -p '" + ta.jobs.dir + "'/\"$id\".json/blocker\n: > '" + ta.cfg.CgroupParent + "'/\"$id\"/cgroup.kill\n" +
-		"echo '{\"pid\": 4242}'\n" +
+		"echo $$ > '" + pidFile + "'\necho '{\"pid\": 4242}'\n" +
 		"while [ ! -e '" + stop + "' ]; do sleep 0.05; done\n"
 	shimPath := filepath.Join(ta.dir, "fake-shim")
 	if err := os.WriteFile(shimPath, []byte(script), 0o755); err != nil {
