@@ -94,6 +94,9 @@ func (a *Agent) Migrate(ctx context.Context, req MigrateRequest, uid uint32) (*M
 		a.endMigration(id, err)
 		return nil, err
 	}
+	// The job has left this host: its restore on the target, or here again, goes on if the caller goes
+	// (an interrupted `ftctl migrate`), or the job would run nowhere.
+	ctx = context.WithoutCancel(ctx)
 	rreq := RecoverRequest{Failure: id, Failed: a.cfg.Name, Source: a.cfg.Name, Migration: true,
 		Jobs: []RecoverJob{{Job: j.ID, Snapshot: m.ID, Source: a.cfg.Name, Candidates: []Candidate{{Snapshot: m.ID, Source: a.cfg.Name}}}}}
 	times := func(s Stage) {
@@ -242,7 +245,8 @@ func (a *Agent) stopForMigration(ctx context.Context, j Job, target string, base
 	}
 	stage(StageShipped, start, fmt.Sprintf("%d MB on the wire", sent.WireBytes>>20), nil)
 	start = time.Now()
-	deleteNet, err = a.leave(ctx, j, target)
+	// Not cancelled half-way: a job taken off this host goes on on the target.
+	deleteNet, err = a.leave(context.WithoutCancel(ctx), j, target)
 	stage(StageLeft, start, "", err)
 	return frozen, m, deleteNet, err
 }
@@ -339,14 +343,47 @@ func (a *Agent) leave(ctx context.Context, j Job, target string) (deleteNet func
 	a.withdrawJobNet(ctx, j.ID, net)
 	a.supersede(j)
 	if err := a.killCgroup(j.ID); err != nil {
-		return deleteNet, fmt.Errorf("job %s dumped but its processes could not be killed here, so it is not moved: %w", j.ID, err)
+		// Nothing was killed: the job runs on here, as it was.
+		if uerr := a.stayHere(ctx, j); uerr != nil {
+			err = errors.Join(err, uerr)
+		}
+		return func() {}, fmt.Errorf("job %s dumped but its processes could not be killed here, so it is not moved; it runs on here: %w", j.ID, err)
 	}
-	if err := waitEmpty(ctx, a.layout().cgroup(j.ID)); err != nil { // the cgroup killCgroup killed
-		return deleteNet, fmt.Errorf("job %s dumped and killed, but its processes did not go: not moved: %w", j.ID, err)
+	// Killed: the job goes on on the target from its dump whatever follows. Processes slow to go (in an
+	// uninterruptible sleep) send nothing: their address is off the wire.
+	if err := waitEmpty(context.WithoutCancel(ctx), a.layout().cgroup(j.ID)); err != nil { // the cgroup killCgroup killed
+		a.log.Warn("a migrated job's processes were killed but have not all gone yet", "job", j.ID, "err", err)
 	}
 	j.Net = nil // deleteNet's
 	a.releaseJob(&j)
 	return deleteNet, nil
+}
+
+// stayHere undoes leave for a job that could not be killed: recorded as running again, its copy no
+// longer marked superseded, its address back on its network, thawed.
+func (a *Agent) stayHere(ctx context.Context, j Job) error {
+	a.mu.Lock()
+	if cur, ok := a.byID[j.ID]; ok && cur.State == JobMoved {
+		cur.State, cur.MovedTo = JobRunning, ""
+		if err := a.jobs.save(cur); err != nil {
+			a.log.Error("save job record", "job", j.ID, "err", err)
+		}
+		a.notify()
+	}
+	a.mu.Unlock()
+	var errs []error
+	if err := os.Remove(a.supersededMark(j.ID, j.Incarnation)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		errs = append(errs, fmt.Errorf("unmark its copy superseded: %w", err))
+	}
+	if j.Net != nil {
+		if err := a.createJobNet(context.WithoutCancel(ctx), j.Net); err != nil { // puts the address back
+			errs = append(errs, fmt.Errorf("put its address back: %w", err))
+		}
+	}
+	if err := setFrozen(j.Cgroup, false); err != nil {
+		errs = append(errs, fmt.Errorf("thaw it: %w", err))
+	}
+	return errors.Join(errs...)
 }
 
 // waitEmpty waits until no process is left in cgroup (cgroup.events: populated 0).

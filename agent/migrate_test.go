@@ -281,3 +281,29 @@ func TestOwnRestoreDir(t *testing.T) {
 		}
 	}
 }
+
+// TestLeaveThatCannotKillStays: a migration whose dump was shipped but whose job could not be killed here
+// leaves the job running here as it was. Before, the job stayed frozen, recorded as moved, its address off
+// the wire and its copy marked superseded, while the migration reported it "not moved": it ran nowhere.
+func TestLeaveThatCannotKillStays(t *testing.T) {
+	ta := newTestAgent(t)
+	j := *ta.byID[rootsJob]
+	if err := os.WriteFile(filepath.Join(j.Cgroup, "cgroup.freeze"), []byte("1"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(filepath.Join(j.Cgroup, "cgroup.kill"), 0o755); err != nil { // the kill fails
+		t.Fatal(err)
+	}
+	deleteNet, err := ta.leave(t.Context(), j, "node2")
+	deleteNet()
+	if err == nil || !strings.Contains(err.Error(), "runs on here") {
+		t.Fatalf("leave: %v; want a failure saying the job runs on here", err)
+	}
+	cur, _, _ := ta.Job(rootsJob, 0)
+	frozen, _ := isFrozen(j.Cgroup)
+	_, markErr := os.Lstat(ta.supersededMark(rootsJob, j.Incarnation))
+	if cur.State != JobRunning || cur.MovedTo != "" || frozen || markErr == nil {
+		t.Errorf("after a leave that could not kill: record %q (moved to %q), frozen %v, marked superseded %v; want running, thawed, unmarked",
+			cur.State, cur.MovedTo, frozen, markErr == nil)
+	}
+}
