@@ -169,6 +169,28 @@ func (a *Agent) checkPart(run string, uid uint32, p clusterapi.CutPart, m *ckpt.
 	return nil
 }
 
+// lockForFreeze takes the host's snapshot lock for a cut's freeze, waiting at most freezeLockWait: two cuts
+// that share two hosts and freeze them in opposite orders (two coordinators, or an operator's cut beside the
+// scheduled one) would each hold one host and wait for the other until the holds expired (HoldMax, a
+// minute), both runs frozen meanwhile. The one that gives up has its coordinator try again (CodeRetry).
+func (a *Agent) lockForFreeze(ctx context.Context) error {
+	deadline := time.Now().Add(freezeLockWait)
+	for !a.ckptMu.TryLock() {
+		if time.Now().After(deadline) {
+			return &clusterapi.Error{Code: clusterapi.CodeRetry, Message: fmt.Sprintf("this host's snapshot lock stayed held for %s (a dump, a migration, or another cut's freeze): try again", freezeLockWait)}
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("wait for this host's snapshot lock: %w", ctx.Err())
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	return nil
+}
+
+// freezeLockWait bounds lockForFreeze: a dump of a large job holds the lock for seconds.
+const freezeLockWait = 5 * time.Second
+
 // runJobs are this host's running jobs of run of user owner (nil: of any user).
 func (a *Agent) runJobs(run string, owner *uint32) []Job {
 	var out []Job
@@ -202,7 +224,10 @@ func (a *Agent) coordFreeze(ctx context.Context, coordinator string, req cluster
 			return clusterapi.CoordinateReply{}, err
 		}
 	}
-	a.ckptMu.Lock() // no scheduled snapshot, migration or drain of these jobs until they thaw
+	// No scheduled snapshot, migration or drain of these jobs until they thaw.
+	if err := a.lockForFreeze(ctx); err != nil {
+		return clusterapi.CoordinateReply{}, err
+	}
 	lower := a.raised()
 	release := sync.OnceFunc(func() { a.ckptMu.Unlock(); lower() })
 	key := coordinated.HoldKey(req)

@@ -1,10 +1,14 @@
 package agent
 
 import (
+	"context"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"slices"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/coordinated"
@@ -114,5 +118,74 @@ func TestCommitOfAnotherUsersJob(t *testing.T) {
 					goneJob, err, slices.Contains(rollback, goneJob), rollsBack, pinned)
 			}
 		})
+	}
+}
+
+// gatedMembers routes a coordinator's phases to two test agents' serveCoordinate. A freeze on the
+// coordinator's own host goes at once; a freeze on the other host waits until both coordinators' own
+// freezes are done: one of the interleavings of onHosts' parallel requests.
+type gatedMembers struct {
+	self    string
+	agents  map[string]*testAgent
+	ownDone *sync.WaitGroup
+	once    *sync.Once
+}
+
+func (m gatedMembers) Alive() []string { return []string{"node1", "node2"} }
+
+func (m gatedMembers) Coordinate(ctx context.Context, host string, req clusterapi.CoordinateRequest) (clusterapi.CoordinateReply, error) {
+	if req.Phase == clusterapi.CoordFreeze {
+		if host == m.self {
+			defer m.once.Do(m.ownDone.Done)
+		} else {
+			m.ownDone.Wait()
+		}
+	}
+	return m.agents[host].serveCoordinate(ctx, m.self, req)
+}
+
+// TestConcurrentCutsDoNotDeadlock: two runs that share two hosts, with different coordinators, whose
+// freezes meet in opposite orders. Each host's freeze takes the host's snapshot lock until the thaw. The
+// second freeze on each host gives up within its bound (or its context) and asks its coordinator to try
+// again. Before, it waited on the lock regardless of its context, until the other hold expired
+// (coordinated.HoldMax, a minute), with run A's jobs frozen on node1 and run B's on node2.
+func TestConcurrentCutsDoNotDeadlock(t *testing.T) {
+	uid := uint32(0)
+	a1, a2 := newTestAgent(t), newTestAgent(t)
+	a2.cfg.Name = "node2"
+	agents := map[string]*testAgent{"node1": a1, "node2": a2}
+	for name, ta := range agents {
+		for _, run := range []string{"runa", "runb"} {
+			frozenJob(t, ta, Job{ID: run + "-" + name, UID: uid, Spec: JobSpec{Run: run}, Net: &JobNet{Name: "ftj-" + run}})
+		}
+	}
+	var ownDone sync.WaitGroup
+	ownDone.Add(2)
+	coord := func(self string) *coordinated.Coordinator {
+		return &coordinated.Coordinator{Self: self, Log: slog.New(slog.DiscardHandler),
+			Members: gatedMembers{self: self, agents: agents, ownDone: &ownDone, once: &sync.Once{}}}
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Second)
+	defer cancel()
+	done := make(chan string, 2)
+	go func() { coord("node1").Snapshot(ctx, "runa", &uid); done <- "runa" }()
+	go func() { coord("node2").Snapshot(ctx, "runb", &uid); done <- "runb" }()
+	deadline := time.After(failAfter)
+	for left := 2; left > 0; left-- {
+		select {
+		case <-done:
+		case <-deadline:
+			t.Errorf("two cuts that met on two hosts still blocked %s after they started (their context ended after 3 s); holds: node1 %d, node2 %d",
+				failAfter, a1.coord.Len(), a2.coord.Len())
+			a1.coord.EndOf(func(string) bool { return true }) // as HoldMax would, after a minute
+			a2.coord.EndOf(func(string) bool { return true })
+			for ; left > 0; left-- {
+				<-done
+			}
+			return
+		}
+	}
+	if n1, n2 := a1.coord.Len(), a2.coord.Len(); n1 != 0 || n2 != 0 {
+		t.Errorf("holds left: node1 %d, node2 %d; want none", n1, n2)
 	}
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"maps"
+	"math/rand/v2"
 	"slices"
 	"strings"
 	"time"
@@ -50,9 +51,18 @@ func (c *Coordinator) Snapshot(ctx context.Context, run string, owner *uint32) (
 		}
 		c.Log.Warn("coordinated snapshot not taken; taking it again", "run", run, "err", err)
 		errs = append(errs, err)
+		// After a random pause: two coordinators whose cuts met on two hosts must not meet again.
+		select {
+		case <-ctx.Done():
+			return nil, fmt.Errorf("run %s: %w", run, errors.Join(append(errs, ctx.Err())...))
+		case <-time.After(rand.N(retryJitter)):
+		}
 	}
 	return nil, fmt.Errorf("run %s: %d coordinated snapshots in a row were not taken: %w", run, attempts, errors.Join(errs...))
 }
+
+// retryJitter bounds the random pause before another attempt of a cut.
+const retryJitter = 500 * time.Millisecond
 
 // take is one attempt: list, freeze, dump, thaw (and replicate), check, commit.
 func (c *Coordinator) take(ctx context.Context, run string, owner *uint32) (*Cut, error) {
