@@ -134,6 +134,9 @@ func (a *Agent) serveCoordinate(ctx context.Context, peer string, req clusterapi
 			}
 		}
 		return clusterapi.CoordinateReply{}, a.cutRecords().Save(coordinated.Cut{Run: req.Run, UID: *req.UID, ID: req.Cut, Taken: time.Now().UTC(), Parts: req.Parts})
+	case clusterapi.CoordPrepare:
+		_, err := a.rollbackParts(ctx, req.Run, *req.UID, req.Parts)
+		return clusterapi.CoordinateReply{}, err
 	case clusterapi.CoordStop:
 		return clusterapi.CoordinateReply{}, a.rollbackStop(ctx, req.Run, *req.UID, req.Parts)
 	case clusterapi.CoordRestore:
@@ -340,20 +343,18 @@ func (a *Agent) coordThaw(ctx context.Context, req clusterapi.CoordinateRequest,
 	return rep, errors.Join(errs...)
 }
 
-// rollbackStop checks that this host holds every part's snapshot (fetching those of parts it restores in
-// place of a failed host), then takes each part's job off the host as a migration does (address first,
-// then shim and processes), and an ended copy's lingering network with it, and drops what the host logged
-// of the jobs' connections: after the rollback they send those sequence numbers again.
-func (a *Agent) rollbackStop(ctx context.Context, run string, uid uint32, parts []clusterapi.CutPart) error {
+// rollbackParts checks that this host holds every part's snapshot (fetching those of parts it restores in
+// place of a failed host), verified, and that each part's job is one of run's of uid; it stops nothing.
+func (a *Agent) rollbackParts(ctx context.Context, run string, uid uint32, parts []clusterapi.CutPart) ([]*ckpt.Manifest, error) {
 	var ms []*ckpt.Manifest
 	for _, p := range parts {
 		if err := a.checkPart(run, uid, p, nil); err != nil {
-			return fmt.Errorf("nothing stopped: %w", err)
+			return nil, fmt.Errorf("nothing stopped: %w", err)
 		}
 		if _, err := a.store.Manifest(p.Job, p.Snapshot); err != nil && p.Target == a.cfg.Name && p.Target != p.Host {
 			// In place of a failed host: its part comes from a member that holds a copy.
 			if err := a.fetch(ctx, p.Job, p.Snapshot, p.Source, p.Source); err != nil {
-				return fmt.Errorf("nothing stopped: part %s of job %s: %w", p.Snapshot, p.Job, err)
+				return nil, fmt.Errorf("nothing stopped: part %s of job %s: %w", p.Snapshot, p.Job, err)
 			}
 		}
 		m, err := a.store.Verify(ctx, p.Job, p.Snapshot)
@@ -361,9 +362,21 @@ func (a *Agent) rollbackStop(ctx context.Context, run string, uid uint32, parts 
 			err = a.checkPart(run, uid, p, m) // the record in a snapshot just fetched, before anything is stopped
 		}
 		if err != nil {
-			return fmt.Errorf("nothing stopped: part %s of job %s: %w", p.Snapshot, p.Job, err)
+			return nil, fmt.Errorf("nothing stopped: part %s of job %s: %w", p.Snapshot, p.Job, err)
 		}
 		ms = append(ms, m)
+	}
+	return ms, nil
+}
+
+// rollbackStop checks the parts again (rollbackParts; the prepare phase did on every host), then takes
+// each part's job off the host as a migration does (address first,
+// then shim and processes), and an ended copy's lingering network with it, and drops what the host logged
+// of the jobs' connections: after the rollback they send those sequence numbers again.
+func (a *Agent) rollbackStop(ctx context.Context, run string, uid uint32, parts []clusterapi.CutPart) error {
+	ms, err := a.rollbackParts(ctx, run, uid, parts)
+	if err != nil {
+		return err
 	}
 	a.ckptMu.Lock()
 	defer a.ckptMu.Unlock()

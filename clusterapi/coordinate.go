@@ -25,6 +25,7 @@ const (
 	CoordThaw    CoordPhase = "thaw"    // thaw them and replicate the dumps
 	CoordAbort   CoordPhase = "abort"   // thaw them, the cut is given up
 	CoordCommit  CoordPhase = "commit"  // record the complete, checked cut (Parts: all of it)
+	CoordPrepare CoordPhase = "prepare" // rollback: check the server holds and can verify its parts (Parts); stops nothing
 	CoordStop    CoordPhase = "stop"    // rollback: kill the server's parts (Parts) without a word on the wire
 	CoordRestore CoordPhase = "restore" // rollback: restore the server's parts (Parts) from their snapshots
 )
@@ -86,7 +87,7 @@ func (r CoordinateRequest) Validate() error {
 	}
 	switch r.Phase {
 	case CoordList:
-	case CoordFreeze, CoordDump, CoordThaw, CoordAbort, CoordCommit, CoordStop, CoordRestore:
+	case CoordFreeze, CoordDump, CoordThaw, CoordAbort, CoordCommit, CoordPrepare, CoordStop, CoordRestore:
 		if r.UID == nil {
 			return fmt.Errorf("coordinate: %s of run %s names no user", r.Phase, r.Run)
 		}
@@ -138,7 +139,7 @@ func (c *Client) Coordinate(ctx context.Context, peer string, req CoordinateRequ
 	}
 	d := 2 * c.msg()
 	switch req.Phase {
-	case CoordFreeze, CoordDump, CoordThaw, CoordStop, CoordRestore:
+	case CoordFreeze, CoordDump, CoordThaw, CoordPrepare, CoordStop, CoordRestore:
 		d = MaxCoordStep
 	}
 	return call[CoordinateReply](c, ctx, peer, OpCoordinate, d, req)

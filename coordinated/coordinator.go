@@ -217,8 +217,16 @@ func (c *Coordinator) RollBack(ctx context.Context, cut *Cut, target string, hel
 			return clusterapi.CoordinateRequest{Run: cut.Run, UID: &cut.UID, Cut: cut.ID, Phase: p, Parts: byHost[h]}
 		}
 	}
-	// Every job stops before any is restored: a restored job must never exchange with a live old one.
+	// Every host holds (fetching it if need be) and verifies its parts before any job stops: a rollback
+	// that could not restore a part would leave the whole run dead.
 	start := time.Now()
+	_, err = c.onHosts(ctx, hosts, phase(clusterapi.CoordPrepare))
+	done(StagePrepared, start, err)
+	if err != nil {
+		return fmt.Errorf("run %s not rolled back to cut %s, nothing stopped: %w", cut.Run, cut.ID, err)
+	}
+	// Every job stops before any is restored: a restored job must never exchange with a live old one.
+	start = time.Now()
 	_, err = c.onHosts(ctx, hosts, phase(clusterapi.CoordStop))
 	done(StageStopped, start, err)
 	if err == nil {

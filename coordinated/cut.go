@@ -17,6 +17,7 @@ const KindRollback = "rollback"
 
 // Stages of a rollback.
 const (
+	StagePrepared   = "parts checked"
 	StageStopped    = "stopped"
 	StageRolledBack = "restored from the cut"
 )
