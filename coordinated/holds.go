@@ -11,7 +11,8 @@ import (
 )
 
 // HoldMax is how long a host keeps a run's jobs frozen for a coordinator that does not come back
-// (crashed, cut off): then it thaws them by itself and the cut is given up.
+// (crashed, cut off) before the host's dump; then it thaws them by itself and the cut is given up. After the
+// dump it waits as long as the coordinator waits for the slowest host's (Pause).
 const HoldMax = time.Minute
 
 // Holds are the runs whose jobs this host holds frozen for a coordinator, by run (HoldKey); J is the
@@ -94,10 +95,13 @@ func (h *Hold[J]) Freeze(freeze func() error) error {
 }
 
 // Pause stops h's clock while the host works for its cut (a dump takes as long as it needs); the returned
-// function starts it again.
+// function starts it again, for as long as the coordinator waits for the other hosts' dumps
+// (clusterapi.MaxCoordStep): it thaws every host once the slowest one is done, and a host whose dump ended
+// first must not give the cut up meanwhile (a launcher's host beside one dumping eight 8 GiB ranks never
+// had its run cut). A coordinator declared failed ends the hold at once (EndOf).
 func (h *Hold[J]) Pause() (resume func()) {
 	h.timer.Stop()
-	return func() { h.timer.Reset(HoldMax) }
+	return func() { h.timer.Reset(max(HoldMax, clusterapi.MaxCoordStep)) }
 }
 
 // End ends key's hold for cut, if there is one: its end runs (the jobs thaw). It returns the hold, nil if
