@@ -108,8 +108,8 @@ func TestCoordinatedRollback(t *testing.T) {
 	}
 	f := findEvent(t, c, rb.Event)
 	logTimeline(t, f)
-	if f.Kind != coordinated.KindRollback || !f.Done || f.Error != "" || len(f.Stages) != 2 {
-		t.Errorf("event %s: %+v, want a completed rollback with its two stages", rb.Event, f)
+	if f.Kind != coordinated.KindRollback || !f.Done || f.Error != "" || len(f.Stages) != 3 {
+		t.Errorf("event %s: %+v, want a completed rollback with its three stages (parts checked, stopped, restored)", rb.Event, f)
 	}
 	rg.waitProgress(t, progressEvery, 2*time.Minute)
 	checkRanks(t, rg.wait(t, 3*time.Minute), want)
