@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"path/filepath"
+	"slices"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -129,10 +131,34 @@ func (a *Agent) ownCopyRuns(j Job) bool {
 	if j.Net != nil {
 		ns = jobnet.Path(jobNetName(a.cfg.Name, j.ID))
 	}
-	if unix.Stat(ns, &want) != nil || unix.Stat(fmt.Sprintf("/proc/%d/ns/net", j.PID), &got) != nil {
+	if unix.Stat(fmt.Sprintf("/proc/%d/ns/net", j.PID), &got) != nil {
+		return false
+	}
+	if err := unix.Stat(ns, &want); err != nil {
+		if j.Net != nil && errors.Is(err, unix.ENOENT) && inUnnamedNetns(got) {
+			// The network's name is gone (`ip netns del`, a cleanup script), not the network: the job's
+			// processes hold it, its address still on the wire. A live process in this agent's own cgroup
+			// for the job, in a network of no name, is this host's copy.
+			a.log.Warn("a job's network has lost its name; its processes, in the job's cgroup, still hold it", "job", j.ID, "net", jobNetName(a.cfg.Name, j.ID), "pid", j.PID)
+			return true
+		}
 		return false
 	}
 	return want.Dev == got.Dev && want.Ino == got.Ino
+}
+
+// inUnnamedNetns reports whether the network namespace ns is neither this host's nor one of those named in
+// /run/netns (another job's, another lab host's).
+func inUnnamedNetns(ns unix.Stat_t) bool {
+	same := func(p string) bool {
+		var st unix.Stat_t
+		return unix.Stat(p, &st) == nil && st.Dev == ns.Dev && st.Ino == ns.Ino
+	}
+	if same("/proc/self/ns/net") {
+		return false
+	}
+	named, _ := filepath.Glob(jobnet.Path("*"))
+	return !slices.ContainsFunc(named, same)
 }
 
 // finishRunning finishes job id if it is still running (watchJobs may have finished it meanwhile).

@@ -141,6 +141,12 @@ func TestDropFailedJobs(t *testing.T) {
 // (skipped without root or a cgroup v2 hierarchy).
 func jobProcess(t *testing.T) (string, *os.Process) {
 	t.Helper()
+	return jobProcessOf(t, "/bin/sleep", "sleep", "600")
+}
+
+// jobProcessOf is jobProcess for the program at path with argv.
+func jobProcessOf(t *testing.T, path string, argv ...string) (string, *os.Process) {
+	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("SKIP: needs root to create a cgroup")
 	}
@@ -158,7 +164,7 @@ func jobProcess(t *testing.T) (string, *os.Process) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	p, err := os.StartProcess("/bin/sleep", []string{"sleep", "600"}, &os.ProcAttr{})
+	p, err := os.StartProcess(path, argv, &os.ProcAttr{})
 	if err != nil {
 		os.Remove(cg)
 		t.Fatal(err)
@@ -184,6 +190,16 @@ func TestOwnCopyRuns(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	cgUnnamed, unnamed := jobProcessOf(t, "/usr/bin/unshare", "unshare", "--net", "sleep", "600")
+	for deadline := time.Now().Add(failAfter); ; time.Sleep(5 * time.Millisecond) {
+		a, _ := os.Readlink("/proc/self/ns/net")
+		if b, _ := os.Readlink(fmt.Sprintf("/proc/%d/ns/net", unnamed.Pid)); b != "" && b != a {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("unshare made no network namespace")
+		}
+	}
 	// The same path in another tree ends like the job's (a lab host's neighbour restored the job there).
 	elsewhere := filepath.Join(strings.TrimSuffix(cg, hp), "elsewhere", hp)
 	for _, tc := range []struct {
@@ -197,6 +213,8 @@ func TestOwnCopyRuns(t *testing.T) {
 		{"a process in another cgroup (a reused pid)", Job{ID: rootsJob, PID: os.Getpid(), Cgroup: cg}, false},
 		{"the process in another host's job network", Job{ID: rootsJob, PID: child.Pid, Cgroup: cg, Net: &JobNet{Name: "x"}}, false},
 		{"a pid that does not exist", Job{ID: rootsJob, PID: 1 << 30, Cgroup: cg}, false},
+		// Its network's name removed (`ip netns del`), the network held by the job's processes.
+		{"this host's copy in its network, whose name is gone", Job{ID: rootsJob, PID: unnamed.Pid, Cgroup: cgUnnamed, Net: &JobNet{Name: jobNetName("node1", rootsJob)}}, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			if got := ta.ownCopyRuns(tc.j); got != tc.want {
