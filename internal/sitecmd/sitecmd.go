@@ -16,6 +16,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
 )
@@ -85,13 +86,13 @@ func (c Command) Run(ctx context.Context) Result {
 }
 
 // CheckProgram checks that root alone can change what path runs: the program (after symbolic links) is a
-// regular executable file owned by root and writable by nobody else, and so is every directory on the way
-// to it and to the link, unless the directory is sticky and root's (like /tmp: others cannot replace
+// regular executable file owned by root and writable by nobody else, and so is every directory the path
+// passes through as the kernel resolves it (a link's anywhere on the way, and its target's), unless the directory is sticky and root's (like /tmp: others cannot replace
 // root's entries there). Otherwise any user who can write one of them could run code as root. The caller's
 // own user counts as root (an agent run by another user, in tests, runs the command as that user). name
 // says which command it is, for the error.
 func CheckProgram(name, path string) error {
-	real, err := filepath.EvalSymlinks(path)
+	real, dirs, err := resolve(path)
 	if err != nil {
 		return fmt.Errorf("%s %s: %w", name, path, err)
 	}
@@ -108,22 +109,73 @@ func CheckProgram(name, path string) error {
 	if err := rootOnly(real, fi); err != nil {
 		return fmt.Errorf("%s %s: %w", name, path, err)
 	}
-	seen := map[string]bool{}
-	for _, p := range []string{filepath.Dir(filepath.Clean(path)), filepath.Dir(real)} {
-		for d := p; !seen[d]; d = filepath.Dir(d) {
-			seen[d] = true
-			di, err := os.Stat(d)
-			if err != nil {
+	for _, d := range dirs {
+		di, err := os.Stat(d)
+		if err != nil {
+			return fmt.Errorf("%s %s: %w", name, path, err)
+		}
+		if di.Mode()&fs.ModeSticky == 0 || !trusted(ownerUID(di)) {
+			if err := rootOnly(d, di); err != nil {
 				return fmt.Errorf("%s %s: %w", name, path, err)
-			}
-			if di.Mode()&fs.ModeSticky == 0 || !trusted(ownerUID(di)) {
-				if err := rootOnly(d, di); err != nil {
-					return fmt.Errorf("%s %s: %w", name, path, err)
-				}
 			}
 		}
 	}
 	return nil
+}
+
+// maxLinks bounds the symbolic links resolve follows, as the kernel's ELOOP does.
+const maxLinks = 40
+
+// resolve follows path one component at a time, as the kernel does when it runs it, and returns the file it
+// names and every directory it passes through: those of the path, of each link on the way (a link in the
+// middle of the path too, whose directory's owner could point it elsewhere), and of their targets.
+func resolve(path string) (string, []string, error) {
+	abs := path // not cleaned: ".." after a link is the link's target's parent, as for the kernel
+	if !filepath.IsAbs(path) {
+		wd, err := os.Getwd()
+		if err != nil {
+			return "", nil, err
+		}
+		abs = wd + "/" + path
+	}
+	todo := strings.Split(abs, "/")
+	cur, dirs, seen, links := "/", []string{"/"}, map[string]bool{"/": true}, 0
+	for len(todo) > 0 {
+		c := todo[0]
+		todo = todo[1:]
+		switch c {
+		case "", ".":
+			continue
+		case "..":
+			cur = filepath.Dir(cur)
+			continue
+		}
+		next := filepath.Join(cur, c)
+		fi, err := os.Lstat(next)
+		if err != nil {
+			return "", nil, err
+		}
+		if fi.Mode()&fs.ModeSymlink != 0 {
+			if links++; links > maxLinks {
+				return "", nil, fmt.Errorf("%s: too many levels of symbolic links", path)
+			}
+			target, err := os.Readlink(next)
+			if err != nil {
+				return "", nil, err
+			}
+			if filepath.IsAbs(target) {
+				cur = "/"
+			}
+			todo = append(strings.Split(target, "/"), todo...)
+			continue
+		}
+		cur = next
+		if len(todo) > 0 && !seen[cur] { // a directory on the way
+			seen[cur] = true
+			dirs = append(dirs, cur)
+		}
+	}
+	return cur, dirs, nil
 }
 
 // rootOnly checks that fi (of path) is root's and writable by root alone.

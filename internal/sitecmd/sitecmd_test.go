@@ -78,3 +78,43 @@ func TestRunExit(t *testing.T) {
 		t.Errorf("no command: %+v", r)
 	}
 }
+
+// TestCheckProgramThroughALinkInAUsersDirectory: a program reached through a link in a directory another
+// user owns is refused, wherever the link is on the path. Before, only the directories of the path as
+// written and of the program's final location were checked: the user could point the link in the middle
+// elsewhere between the check and the run, and run a program of its own as root.
+func TestCheckProgramThroughALinkInAUsersDirectory(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("SKIP: needs root to chown a directory to another user")
+	}
+	base := t.TempDir()
+	trusted, user, bin := filepath.Join(base, "trusted"), filepath.Join(base, "user"), filepath.Join(base, "bin")
+	for _, d := range []string{trusted, user, bin} {
+		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.Chown(user, 1000, 1000); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(bin, "fence"), []byte("#!/bin/sh\nexit 0\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(bin, filepath.Join(user, "link")); err != nil { // the user's link to root's bin
+		t.Fatal(err)
+	}
+	if err := os.Symlink(filepath.Join(user, "link"), filepath.Join(trusted, "tools")); err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(trusted, "tools", "fence")
+	if err := CheckProgram("fence command", path); err == nil || !strings.Contains(err.Error(), user) {
+		t.Errorf("CheckProgram(%s) = %v; want a refusal naming %s, whose owner can point %s elsewhere", path, err, user, filepath.Join(user, "link"))
+	}
+	// The same program through root's directories only is fine.
+	if err := os.Symlink(bin, filepath.Join(trusted, "rootlink")); err != nil {
+		t.Fatal(err)
+	}
+	if err := CheckProgram("fence command", trusted+"/rootlink/../bin/fence"); err != nil {
+		t.Errorf("through root's link: %v", err)
+	}
+}
