@@ -662,3 +662,21 @@ func TestRangeHoleBelowFrom(t *testing.T) {
 		}
 	}
 }
+
+// TestOrphanFreedInTime: a finished flow to an address no member holds (a host outside the cluster, or a
+// failed node's address nobody took over) is freed OrphanKeep after its last segment. Before, it was kept
+// for good: such flows grew the log until its cap stopped every sender of the host.
+func TestOrphanFreedInTime(t *testing.T) {
+	n, src, payload := newTestNode(t, 300_000, &fakeMembers{owner: ""})
+	src.protects = false // the sending job ended
+	src.states[connA] = ebpfprobes.FlowState{SndNxt: isn + uint32(len(payload)) + 1, FinSent: true}
+	n.releaseFinished(context.Background(), n.Log(), time.Now())
+	if st := n.Log().Stats(); st.RetainedBytes == 0 {
+		t.Fatal("a flow to an address no member holds was freed at once: a restore of its receiver may follow")
+	}
+	later := time.Now().Add(release.OrphanKeep + time.Minute)
+	n.releaseFinished(context.Background(), n.Log(), later)
+	if st := n.Log().Stats(); st.RetainedBytes != 0 {
+		t.Errorf("%s after the sender ended, the log retains %d bytes of a flow to an address no member holds", release.OrphanKeep+time.Minute, st.RetainedBytes)
+	}
+}

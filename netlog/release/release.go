@@ -31,6 +31,12 @@ import (
 // margin only covers queueing, which is far below a second.
 const DefaultMargin = 3 * time.Second
 
+// OrphanKeep bounds how long a finished flow to an address no alive member holds is kept: a failed node's
+// jobs are restored within minutes of its failure (a restore after that finds the log gone and is refused,
+// loudly), and an address that is no member's (a host outside the cluster) would have its flows kept for
+// good, unbounded, each finished flow's bytes held until the log's cap stopped every sender of the host.
+const OrphanKeep = time.Hour
+
 // Flow is what the sender knows about one logged connection.
 type Flow struct {
 	// Node is the member that holds the destination address now ("" if no alive member does).
@@ -100,7 +106,8 @@ const (
 	// Open: the sender may still send; the receiver's trims release the log, as before.
 	Open Verdict = iota
 	// Orphan: finished, but no alive member holds the destination address (its node failed and
-	// a spare has not taken it over yet): kept for the restore that may follow.
+	// a spare has not taken it over yet, or it is no member's): kept for the restore that may follow,
+	// for OrphanKeep after its last segment.
 	Orphan
 	// Unknown: finished, but no watermark of the receiving node covers the destination yet.
 	Unknown
@@ -163,10 +170,13 @@ func decide(f Flow, marks map[string]Watermark, now time.Time, margin time.Durat
 	if !f.Finished() {
 		return Decision{Verdict: Open}
 	}
+	last := f.lastSent(now)
 	if f.Node == "" {
+		if !last.IsZero() && now.Sub(last) >= OrphanKeep {
+			return Decision{Verdict: Free}
+		}
 		return Decision{Verdict: Orphan}
 	}
-	last := f.lastSent(now)
 	if last.IsZero() {
 		return Decision{Verdict: Unknown} // nothing says when it last sent: never free it
 	}
