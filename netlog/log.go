@@ -354,6 +354,16 @@ func (l *Log) ConnStats(conn tcpflow.Tuple) (Stats, error) {
 // Options.PoolKeep. Run it periodically from a maintenance
 // goroutine.
 func (l *Log) Age(ctx context.Context, now time.Time) (AgeReport, error) {
+	return l.age(ctx, now, true)
+}
+
+// Compress is Age without the spill: for the periodic pass of a log whose spills its controller decides
+// (node.Node), which asks the receivers for snapshots first.
+func (l *Log) Compress(ctx context.Context, now time.Time) (AgeReport, error) {
+	return l.age(ctx, now, false)
+}
+
+func (l *Log) age(ctx context.Context, now time.Time, spill bool) (AgeReport, error) {
 	l.mu.RLock()
 	stores := make([]*Store, 0, len(l.stores))
 	for _, st := range l.stores {
@@ -371,7 +381,7 @@ func (l *Log) Age(ctx context.Context, now time.Time) (AgeReport, error) {
 			return r, err
 		}
 	}
-	if l.env.spillExcess(&l.env.meter) <= 0 {
+	if !spill || l.env.spillExcess(&l.env.meter) <= 0 {
 		return r, nil
 	}
 	l.env.pool.drain()

@@ -680,3 +680,32 @@ func TestOrphanFreedInTime(t *testing.T) {
 		t.Errorf("%s after the sender ended, the log retains %d bytes of a flow to an address no member holds", release.OrphanKeep+time.Minute, st.RetainedBytes)
 	}
 }
+
+// TestNoSpillBeforeSnapshotsAsked: a log with a spill directory between its low and high watermarks
+// spills nothing: its controller asks the receivers for snapshots first, and spills only if they do not
+// suffice. Before, the periodic pass spilled every sealed slab above the low watermark within 5 s.
+func TestNoSpillBeforeSnapshotsAsked(t *testing.T) {
+	const capBytes = 6 << 20
+	const high, low = 0.8, 0.5
+	logger := slog.New(slog.DiscardHandler)
+	// The log's options as Start builds them for a spill directory.
+	l, err := netlog.NewLog(netlog.Options{Logger: logger, SpillDir: t.TempDir(), SpillAboveRAM: int64(float64(capBytes) * low)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	src := &fakeSource{log: l, states: map[tcpflow.Tuple]ebpfprobes.FlowState{}, protects: true}
+	m := &fakeMembers{owner: "n2"}
+	n, err := New(src, Config{Controller: controller.Config{Cap: capBytes, High: high, Low: low}, CanSpill: true, MaxRange: 1 << 30, Members: m, Logger: logger})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Close()
+	payload := make([]byte, 3<<20+512<<10) // 3.5 MiB: under the high watermark
+	for off := 0; off < len(payload); off += 1400 {
+		appendRecord(t, l, netlog.Record{Conn: connA, Seq: isn + uint32(off), CgroupID: 7, Payload: payload[off:min(off+1400, len(payload))]})
+	}
+	n.step(context.Background(), time.Now())
+	if st := l.Stats(); st.SpilledBytes > 0 {
+		t.Errorf("below the high watermark, no snapshot asked for (%v), a step spilled %d bytes", m.requested(), st.SpilledRawBytes)
+	}
+}

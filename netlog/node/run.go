@@ -53,12 +53,19 @@ func (n *Node) step(ctx context.Context, now time.Time) {
 		go n.RequestSnapshot(ctx, node)
 	}
 	n.checkHoles(ctx, now)
-	// Age compresses old slabs, spills when the controller says so, and hands slab buffers that
-	// were not reused since the last call back to the heap.
-	if act.SpillBytes > 0 || now.Sub(n.aged) > 5*time.Second {
+	// Age compresses old slabs, spills when the controller says so (only then: the receivers' snapshots
+	// come first; the periodic pass spilled at the low watermark before any was asked for), and hands
+	// slab buffers that were not reused since the last call back to the heap.
+	switch {
+	case act.SpillBytes > 0:
 		n.aged = now
 		if _, err := l.Age(ctx, now); err != nil {
 			n.log.Error("age the log (compress, spill)", "err", err)
+		}
+	case now.Sub(n.aged) > 5*time.Second:
+		n.aged = now
+		if _, err := l.Compress(ctx, now); err != nil {
+			n.log.Error("age the log (compress)", "err", err)
 		}
 	}
 	if len(events) > 0 {
