@@ -113,11 +113,7 @@ func busyDoing(busy string) string {
 func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, declared time.Time, taken map[string]string) error {
 	if len(s.Jobs) == 0 {
 		// Nothing to restore: the node only leaves the ring.
-		nv, err := a.View().Fail(s.Name)
-		if err != nil {
-			return err
-		}
-		_, err = a.adoptView(nv)
+		_, err := a.updateView(func(cur ring.View) (ring.View, error) { return cur.Fail(s.Name) })
 		return err
 	}
 	var jobs []RecoverJob
@@ -182,26 +178,26 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 	if err := a.awaitFence(ctx, id, s, declared, failedMember.Address.String()); err != nil {
 		return errors.Join(append(errs, err)...)
 	}
-	var nv ring.View
-	var err error
-	switch {
-	case absorb:
-		// Basic mode (this host), or a node of the ring that was idle as a spare of the run: it keeps its
-		// ring position and takes the failed node's addresses (the view finds who stands for the failed
-		// node by them).
-		nv, err = v.Absorb(s.Name, target)
-	// A spare takes the failed node's place; jobs with addresses of their own leave the host's address
-	// with nobody, for the host to come back with it (ring.View.Rejoin).
-	case ownAddrs:
-		nv, err = v.ReplaceKeepingAddrs(s.Name, target)
-	default:
-		nv, err = v.Replace(s.Name, target)
-	}
+	// The change goes onto the view as it is now, not as it was before the fence wait (seconds): a view
+	// adopted meanwhile (a spare added, another failure) has an epoch at or above this one's, and a change
+	// made to the older one was dropped as stale while the fail-over went on, the failed node alive in it.
+	_, err := a.updateView(func(cur ring.View) (ring.View, error) {
+		switch {
+		case absorb:
+			// Basic mode (this host), or a node of the ring that was idle as a spare of the run: it keeps
+			// its ring position and takes the failed node's addresses (the view finds who stands for the
+			// failed node by them).
+			return cur.Absorb(s.Name, target)
+		// A spare takes the failed node's place; jobs with addresses of their own leave the host's address
+		// with nobody, for the host to come back with it (ring.View.Rejoin).
+		case ownAddrs:
+			return cur.ReplaceKeepingAddrs(s.Name, target)
+		default:
+			return cur.Replace(s.Name, target)
+		}
+	})
 	if err != nil {
 		return fmt.Errorf("new membership view: %w", err)
-	}
-	if _, err := a.adoptView(nv); err != nil {
-		return err
 	}
 	a.failures.Update(id, func(f *Failure) { f.Target, f.Basic = target, basic })
 	a.pushView(ctx) // peers must know who holds the failed node's addresses before replay starts

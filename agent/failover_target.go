@@ -131,6 +131,12 @@ func (a *Agent) remoteRecover(ctx context.Context, target string, req RecoverReq
 // serveRecover runs a recovery a member asked for and reports its stages through progress: a refusal
 // before the first, then the stages, keepalives in between, and the end.
 func (a *Agent) serveRecover(ctx context.Context, peer string, req RecoverRequest, progress func(clusterapi.RecoverProgress) error) error {
+	if m, ok := a.member(req.Failed); ok && !req.Migration && m.State != ring.StateFailed {
+		// The coordinator pushed its view before asking; one that has not arrived is fetched.
+		if err := a.exchangeView(ctx, peer); err != nil {
+			a.log.Warn("could not exchange views with a recovery's coordinator", "coordinator", peer, "err", err)
+		}
+	}
 	if err := a.checkRecoverRequest(req, peer); err != nil {
 		return err
 	}
@@ -186,6 +192,10 @@ func (a *Agent) checkRecoverRequest(req RecoverRequest, peer string) error {
 	failed, ok := a.member(req.Failed)
 	if !ok {
 		return fmt.Errorf("%q is not a cluster member", req.Failed)
+	}
+	if failed.State != ring.StateFailed {
+		// Its jobs run there: a restore here would be a second copy.
+		return fmt.Errorf("%s is %s in this host's view (epoch %d), not failed: its jobs are not restored here", req.Failed, failed.State, a.View().Epoch)
 	}
 	for _, ip := range req.Addrs {
 		if !slices.Contains(failed.Addrs, ip.Unmap()) {

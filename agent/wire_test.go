@@ -286,10 +286,18 @@ func TestServeRecoverRefuses(t *testing.T) {
 		{"too many jobs", "n2", "n2", RecoverRequest{Failure: "f", Failed: "n3", Jobs: make([]RecoverJob, maxRecoverJobs+1)}, "names 1025 jobs"},
 		{"an address the failed node does not hold", "n2", "n2", RecoverRequest{Failure: "f", Failed: "n3", Jobs: job, Addrs: []netip.Addr{addrN3, addrN1}},
 			"address 10.77.0.1 is not one of the failed node n3's addresses"},
+		// A claim comes before the view change, for any node of the ring; the restore only after it. Before,
+		// a spare claimed for an alive node restored its job from a replica: a second copy.
+		{"a node this host's view lists alive", "n2", "n2", RecoverRequest{Failure: "f", Failed: "n3", Jobs: job}, "n3 is alive in this host's view"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			a, _ := newWireAgent(t, "s1", testMembers(nil))
+			if !strings.Contains(tt.wantErr, "alive in this host's view") {
+				if _, err := a.updateView(func(cur ring.View) (ring.View, error) { return cur.Fail("n3") }); err != nil {
+					t.Fatal(err)
+				}
+			}
 			if tt.claimBy != "" {
 				if err := a.claims.Claim(spare.Claim{Failure: "f", By: tt.claimBy, Failed: "n3"}, 1<<40); err != nil {
 					t.Fatal(err)
