@@ -178,25 +178,7 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 	if err := a.awaitFence(ctx, id, s, declared, failedMember.Address.String()); err != nil {
 		return errors.Join(append(errs, err)...)
 	}
-	// The change goes onto the view as it is now, not as it was before the fence wait (seconds): a view
-	// adopted meanwhile (a spare added, another failure) has an epoch at or above this one's, and a change
-	// made to the older one was dropped as stale while the fail-over went on, the failed node alive in it.
-	_, err := a.updateView(func(cur ring.View) (ring.View, error) {
-		switch {
-		case absorb:
-			// Basic mode (this host), or a node of the ring that was idle as a spare of the run: it keeps
-			// its ring position and takes the failed node's addresses (the view finds who stands for the
-			// failed node by them).
-			return cur.Absorb(s.Name, target)
-		// A spare takes the failed node's place; jobs with addresses of their own leave the host's address
-		// with nobody, for the host to come back with it (ring.View.Rejoin).
-		case ownAddrs:
-			return cur.ReplaceKeepingAddrs(s.Name, target)
-		default:
-			return cur.Replace(s.Name, target)
-		}
-	})
-	if err != nil {
+	if err := a.replaceInView(s.Name, target, absorb, ownAddrs); err != nil {
 		return fmt.Errorf("new membership view: %w", err)
 	}
 	a.failures.Update(id, func(f *Failure) { f.Target, f.Basic = target, basic })
@@ -220,6 +202,7 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 	var coordinated []string
 	req.Jobs, coordinated = a.coordinatedJobs(jobs)
 	coordinated = append(coordinated, direct...)
+	var err error
 	if len(req.Jobs) > 0 {
 		if target == a.cfg.Name {
 			err = a.recoverJobs(ctx, req, emit)
@@ -239,6 +222,27 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 		err = a.rollbackAfterFailure(ctx, s.Name, target, ids, coordinated, err, emit)
 	}
 	return errors.Join(append(errs, err)...)
+}
+
+// replaceInView records in this host's view that target stands for failed node: absorbing it (basic mode,
+// or a node of the ring that was idle as a spare of the run: it keeps its ring position and takes the
+// failed node's addresses), or in its place, with its addresses or without (ownAddrs: the jobs move with
+// addresses of their own, and the host keeps its own to come back with, ring.View.Rejoin). The change
+// goes onto the view as it is now, not as it was before the fence wait (seconds): a view adopted meanwhile
+// (a spare added, another failure) has an epoch at or above the older one's, and a change made to that was
+// dropped as stale while the fail-over went on, the failed node alive in every view.
+func (a *Agent) replaceInView(failed, target string, absorb, ownAddrs bool) error {
+	_, err := a.updateView(func(cur ring.View) (ring.View, error) {
+		switch {
+		case absorb:
+			return cur.Absorb(failed, target)
+		case ownAddrs:
+			return cur.ReplaceKeepingAddrs(failed, target)
+		default:
+			return cur.Replace(failed, target)
+		}
+	})
+	return err
 }
 
 // takenOverBy is the failure whose recovery took failure id's jobs over ("" if none did).

@@ -1,9 +1,12 @@
 package agent
 
 import (
+	"net/netip"
 	"os"
 	"os/exec"
 	"testing"
+
+	"github.com/ftkit/ftkit/ring"
 )
 
 // TestAllEnded: re-protection is skipped only when every restored job has really ended: a job whose record
@@ -29,6 +32,44 @@ func TestAllEnded(t *testing.T) {
 	for _, tt := range tests {
 		if got := a.allEnded(tt.ids); got != tt.want {
 			t.Errorf("allEnded(%v) = %v, want %v", tt.ids, got, tt.want)
+		}
+	}
+}
+
+// TestReplaceInViewKeepsLaterChanges: a fail-over's view change goes onto the view as it is when it is
+// made, after the fence wait: spares added meanwhile stay, and the failed node is failed. Before, the
+// change was made to the view read before the wait, whose epoch the newer view had passed: it was dropped
+// as stale, and the fail-over went on with the failed node alive and its replacement a free spare.
+func TestReplaceInViewKeepsLaterChanges(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.members.view = testView(t, "node1", "node2", "node3")
+	v, err := ta.View().AddSpare(ring.Member{Name: "spare1", Address: netip.MustParseAddrPort("127.0.0.11:1"), Role: ring.RoleSpare})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ta.adoptView(v); err != nil {
+		t.Fatal(err)
+	}
+	// During the fence wait, two more spares register.
+	for i, name := range []string{"spare2", "spare3"} {
+		nv, err := ta.View().AddSpare(ring.Member{Name: name, Address: netip.AddrPortFrom(netip.AddrFrom4([4]byte{127, 0, 0, byte(12 + i)}), 1), Role: ring.RoleSpare})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := ta.adoptView(nv); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := ta.replaceInView("node2", "spare1", false, false); err != nil {
+		t.Fatal(err)
+	}
+	cur := ta.View()
+	if m, _ := cur.Member("node2"); m.State != ring.StateFailed {
+		t.Errorf("view %d: node2 is %s, want failed", cur.Epoch, m.State)
+	}
+	for _, name := range []string{"spare2", "spare3"} {
+		if _, ok := cur.Member(name); !ok {
+			t.Errorf("view %d lost %s, added during the fence wait", cur.Epoch, name)
 		}
 	}
 }
