@@ -74,7 +74,10 @@ func (a *Agent) sentPrefix(ctx context.Context, j Job, images string, c image.TC
 	start := recvdigest.BlockStart(c.OutqSeq)
 	isn := false
 	if a.netlog != nil {
-		if fs, ok, err := a.netlog.node.FlowState(conn); err == nil && ok && fs.HasISN && int32(fs.ISN+1-start) > 0 {
+		// Inside the block: fewer bytes back from write_seq than the block's start is. A signed difference
+		// took an ISN+1 2 to 4 GiB back (mod 4 GiB) for one inside: such connections' snapshots asked the log
+		// for gigabytes, waited 5 s, and went without a prefix, their re-sent bytes unverifiable.
+		if fs, ok, err := a.netlog.node.FlowState(conn); err == nil && ok && fs.HasISN && c.OutqSeq-(fs.ISN+1) < c.OutqSeq-start {
 			start, isn = fs.ISN+1, true
 		}
 	}

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"hash/crc32"
 	"log/slog"
 	"math/rand/v2"
@@ -11,6 +12,12 @@ import (
 	"testing"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/criu/image"
+	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/netlog"
+	"github.com/ftkit/ftkit/netlog/capture"
+	"github.com/ftkit/ftkit/netlog/controller"
+	"github.com/ftkit/ftkit/netlog/node"
 	"github.com/ftkit/ftkit/recvdigest"
 	"github.com/ftkit/ftkit/tcpflow"
 )
@@ -132,5 +139,49 @@ func TestPrefixBase(t *testing.T) {
 	snap(open("node4"), block+500, 0x500)
 	if b, ok := a.prefixBase(j, conn, block+600); !ok || b.From != block+300 {
 		t.Errorf("with another host's newer snapshot: base %+v %v, want snapshot %s's", b, ok, here.ID)
+	}
+}
+
+// isnSource is a node.Source whose only answer is a flow state with a known ISN.
+type isnSource struct{ fs ebpfprobes.FlowState }
+
+func (s isnSource) Log() *netlog.Log { return nil }
+func (s isnSource) FlowState(tcpflow.Tuple) (ebpfprobes.FlowState, bool, error) {
+	return s.fs, true, nil
+}
+func (isnSource) LogsSocket(tcpflow.Tuple) (bool, error)          { return true, nil }
+func (isnSource) Protects(uint64) bool                            { return true }
+func (isnSource) ProtectCgroup(string) error                      { return nil }
+func (isnSource) UnprotectCgroup(string) error                    { return nil }
+func (isnSource) Counters() (capture.Counters, error)             { return capture.Counters{}, errors.New("none") }
+func (isnSource) Urge() func()                                    { return func() {} }
+func (isnSource) Want(tcpflow.Tuple)                              {}
+func (isnSource) TakeParked(context.Context, tcpflow.Tuple) error { return nil }
+func (isnSource) Close() error                                    { return nil }
+
+// TestSentPrefixISNFarBack: a connection that sent 2 to 4 GiB (mod 4 GiB) before write_seq has its first
+// byte more than 2^31 bytes behind write_seq's block, not inside it. With write_seq at a block start the
+// prefix is empty. Before, a signed difference took ISN+1 for a byte inside the block: the prefix asked
+// for 3 GiB of sent bytes, the snapshot went without one, and its re-sent bytes were unverifiable.
+func TestSentPrefixISNFarBack(t *testing.T) {
+	const outq = 100 * recvdigest.BlockSize // write_seq at a block boundary
+	for _, back := range []uint32{3<<30 + 1, 1<<31 + 5} {
+		n, err := node.New(isnSource{fs: ebpfprobes.FlowState{HasISN: true, ISN: uint32(outq) - back}},
+			node.Config{Controller: controller.Config{Cap: 1 << 20}, Logger: slog.New(slog.DiscardHandler)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		store, err := ckpt.Open(t.TempDir(), ckpt.Options{Node: "node1"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		a := &Agent{store: store, log: slog.New(slog.DiscardHandler), netlog: &logState{node: n}}
+		a.cfg.Name = "node1"
+		c := image.TCPConn{Inode: 1, OutqSeq: outq}
+		c.Tuple = tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.1:5000"), Remote: netip.MustParseAddrPort("10.0.0.2:6000")}
+		p, err := a.sentPrefix(context.Background(), Job{ID: "j-1"}, t.TempDir(), c)
+		if err != nil || p.Len != 0 {
+			t.Errorf("ISN+1 %d bytes before write_seq at a block start: prefix %+v, %v; want an empty one", back-1, p, err)
+		}
 	}
 }
