@@ -68,6 +68,23 @@ func (a *Agent) adoptView(v ring.View) (bool, error) {
 	return true, nil
 }
 
+// adoptPeerView is adoptView for a view another member sent, if its epoch is one a cluster can have reached
+// from this host's: a member (buggy, or with an old cluster's state) must not push a view whose epoch is at
+// the top of the range, after which no membership change could ever be made again, nor one far ahead.
+func (a *Agent) adoptPeerView(peer string, v ring.View) (bool, error) {
+	cur := a.View().Epoch
+	if v.Epoch >= maxViewEpoch || v.Epoch > cur+maxEpochJump {
+		return false, fmt.Errorf("view %d from %s refused: this host's is %d, and a cluster makes one view per membership change (at most %d ahead, below %d)", v.Epoch, peer, cur, maxEpochJump, uint64(maxViewEpoch))
+	}
+	return a.adoptView(v)
+}
+
+// Bounds of a peer's view's epoch (adoptPeerView).
+const (
+	maxViewEpoch = 1 << 62
+	maxEpochJump = 1 << 20
+)
+
 // installView makes v, already saved, the current view (called with members.mu held), and ends the holds
 // of coordinators it declares failed and the waits on recoveries whose target it declares failed.
 func (a *Agent) installView(v ring.View) {
@@ -142,7 +159,7 @@ func (a *Agent) protector() (ring.Member, bool) {
 func (a *Agent) serveView(peer string, in viewMessage) viewMessage {
 	if v, err := ring.Decode(in.View); err != nil {
 		a.log.Warn("view from peer refused", "peer", peer, "err", err)
-	} else if _, err := a.adoptView(v); err != nil {
+	} else if _, err := a.adoptPeerView(peer, v); err != nil {
 		a.log.Error("adopt view", "err", err)
 	}
 	if err := a.mergeWireFailures(in.Failures); err != nil {
@@ -198,7 +215,7 @@ func (a *Agent) exchangeView(ctx context.Context, name string) error {
 	if err != nil {
 		return err
 	}
-	if _, err := a.adoptView(v); err != nil {
+	if _, err := a.adoptPeerView(name, v); err != nil {
 		return err
 	}
 	return a.mergeWireFailures(in.Failures)

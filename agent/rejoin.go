@@ -213,7 +213,7 @@ func (a *Agent) askRejoin(ctx context.Context, incarnation uint64) error {
 			errs = append(errs, fmt.Errorf("%s answered with view %d, in which this host did not rejoin", m.Name, v.Epoch))
 			continue
 		}
-		if _, err := a.adoptView(v); err != nil {
+		if _, err := a.adoptPeerView(m.Name, v); err != nil {
 			return err
 		}
 		if err := a.mergeWireFailures(in.Failures); err != nil {

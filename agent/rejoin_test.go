@@ -3,6 +3,7 @@ package agent
 import (
 	"encoding/json"
 	"fmt"
+	"math"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -251,6 +252,43 @@ func TestSettleGone(t *testing.T) {
 			ta.settleGone(j)
 			if got, _, _ := ta.Job(rootsJob, 0); got.State != tc.want {
 				t.Fatalf("state %q, want %q", got.State, tc.want)
+			}
+		})
+	}
+}
+
+// TestPeerViewEpochBounded: a view a member pushes is refused if its epoch is at the top of the range, after
+// which no membership change could be made again on any agent it reached, or far ahead of this host's.
+// Before, any higher epoch was adopted and saved.
+func TestPeerViewEpochBounded(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		epoch func(cur uint64) uint64
+		want  bool // adopted
+	}{
+		{"the next view", func(cur uint64) uint64 { return cur + 1 }, true},
+		{"at the top of the range", func(uint64) uint64 { return math.MaxUint64 }, false},
+		{"far ahead", func(cur uint64) uint64 { return cur + maxEpochJump + 1 }, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ta := newTestAgent(t)
+			ta.members.view = testView(t, "node1", "node2", "node3")
+			cur := ta.View()
+			v, err := cur.Fail("node2")
+			if err != nil {
+				t.Fatal(err)
+			}
+			v.Epoch = tc.epoch(cur.Epoch)
+			b, err := ring.Encode(v)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ta.serveView("node3", viewMessage{View: b})
+			if got := ta.View().Epoch == v.Epoch; got != tc.want {
+				t.Errorf("view %d pushed at epoch %d: adopted %v, want %v", v.Epoch, cur.Epoch, got, tc.want)
+			}
+			if _, err := ta.View().AddSpare(ring.Member{Name: "spare9", Address: netip.MustParseAddrPort("127.0.0.19:1"), Role: ring.RoleSpare}); err != nil {
+				t.Errorf("a membership change after it: %v", err)
 			}
 		})
 	}

@@ -48,11 +48,11 @@ func (a *Agent) AddSpare(ctx context.Context, req SpareRequest) (ring.View, erro
 	if len(r.Jobs) > 0 {
 		return ring.View{}, fmt.Errorf("%s runs jobs %v: a spare must be idle", req.Name, r.Jobs)
 	}
-	nv, err := a.View().AddSpare(ring.Member{Name: req.Name, Address: req.Address, Role: ring.RoleSpare, State: ring.StateAlive})
+	// Onto the view as it is now (a view adopted since it was read would make the change stale).
+	nv, err := a.updateView(func(cur ring.View) (ring.View, error) {
+		return cur.AddSpare(ring.Member{Name: req.Name, Address: req.Address, Role: ring.RoleSpare, State: ring.StateAlive})
+	})
 	if err != nil {
-		return ring.View{}, err
-	}
-	if _, err := a.adoptView(nv); err != nil {
 		return ring.View{}, err
 	}
 	a.log.Info("spare registered", "spare", req.Name, "address", req.Address, "epoch", nv.Epoch)
