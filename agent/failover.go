@@ -113,8 +113,15 @@ func busyDoing(busy string) string {
 func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, declared time.Time, taken map[string]string) error {
 	if len(s.Jobs) == 0 {
 		// Nothing to restore: the node only leaves the ring.
-		_, err := a.updateView(func(cur ring.View) (ring.View, error) { return cur.Fail(s.Name) })
-		return err
+		fail := func() error {
+			_, err := a.updateView(func(cur ring.View) (ring.View, error) { return cur.Fail(s.Name) })
+			return err
+		}
+		if err := fail(); err != nil {
+			return err
+		}
+		go a.keepFailedInView(ctx, s.Name, fail)
+		return nil
 	}
 	var jobs []RecoverJob
 	var direct []string // jobs only their run's rollback can recover
@@ -183,6 +190,7 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 	}
 	a.failures.Update(id, func(f *Failure) { f.Target, f.Basic = target, basic })
 	a.pushView(ctx) // peers must know who holds the failed node's addresses before replay starts
+	go a.keepFailedInView(ctx, s.Name, func() error { return a.replaceInView(s.Name, target, absorb, ownAddrs) })
 	failed, _ := v.Member(s.Name)
 	req := RecoverRequest{Failure: id, Failed: s.Name, Addrs: failed.Addrs, Jobs: jobs, Source: a.cfg.Name}
 	if ownAddrs {
@@ -223,6 +231,45 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 	}
 	return errors.Join(append(errs, err)...)
 }
+
+// keepFailedInView makes sure, for keepFailedFor, that the views keep failed node failed: two protectors
+// that handle two failures at once each make a view of the same epoch, and the one with the larger hash
+// wins everywhere, the other failure undone (its node alive again, its replacement a free spare). Each
+// protector finds its change lost once the views have converged, and applies it again (reapply) onto the
+// winner, at the next epoch, which every member adopts.
+func (a *Agent) keepFailedInView(ctx context.Context, failed string, reapply func() error) {
+	for end := time.Now().Add(keepFailedFor); time.Now().Before(end); {
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(keepFailedEvery):
+		}
+		if a.reassertFailed(ctx, failed, reapply) {
+			return
+		}
+	}
+}
+
+// reassertFailed applies a failure's view change again if the current view lists failed node alive
+// (reapply), and pushes it; it reports whether it had to and could.
+func (a *Agent) reassertFailed(ctx context.Context, failed string, reapply func() error) bool {
+	if m, ok := a.View().Member(failed); !ok || m.State == ring.StateFailed {
+		return false
+	}
+	if err := reapply(); err != nil {
+		a.log.Error("a failed node is alive again in the view (another failure's view of the same epoch won), and could not be failed again", "node", failed, "err", err)
+		return false
+	}
+	a.log.Warn("a failed node was alive again in the view (another failure's view of the same epoch won): failed again", "node", failed, "epoch", a.View().Epoch)
+	a.pushView(ctx)
+	return true
+}
+
+// How long, and how often, a protector checks that the views keep the node it failed over failed.
+const (
+	keepFailedFor   = time.Minute
+	keepFailedEvery = 2 * time.Second
+)
 
 // replaceInView records in this host's view that target stands for failed node: absorbing it (basic mode,
 // or a node of the ring that was idle as a spare of the run: it keeps its ring position and takes the

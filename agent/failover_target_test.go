@@ -73,3 +73,40 @@ func TestReplaceInViewKeepsLaterChanges(t *testing.T) {
 		}
 	}
 }
+
+// TestReassertFailed: two protectors that failed two nodes over at once each made a view of the same
+// epoch, and the one with the larger hash won everywhere: the other failed node was alive again, its
+// replacement a free spare, for good. Now its protector, finding the change lost, applies it again.
+func TestReassertFailed(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.members.view = testView(t, "node1", "node2", "node3", "node4")
+	v, err := ta.View().AddSpare(ring.Member{Name: "spare1", Address: netip.MustParseAddrPort("127.0.0.11:1"), Role: ring.RoleSpare})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ta.adoptView(v); err != nil {
+		t.Fatal(err)
+	}
+	applied := 0
+	reapply := func() error { applied++; return ta.replaceInView("node2", "spare1", false, false) }
+	// The view that won fails node4 only (the other protector's change): node2 is alive in it.
+	won, err := ta.View().Fail("node4")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ta.adoptView(won); err != nil {
+		t.Fatal(err)
+	}
+	if !ta.reassertFailed(t.Context(), "node2", reapply) || applied != 1 {
+		t.Fatalf("node2 alive in view %d: reasserted %d times, want once", ta.View().Epoch, applied)
+	}
+	cur := ta.View()
+	for _, n := range []string{"node2", "node4"} {
+		if m, _ := cur.Member(n); m.State != ring.StateFailed {
+			t.Errorf("view %d: %s is %s, want failed (both failures kept)", cur.Epoch, n, m.State)
+		}
+	}
+	if ta.reassertFailed(t.Context(), "node2", reapply) || applied != 1 {
+		t.Errorf("node2 failed in the view: applied again (%d)", applied)
+	}
+}
