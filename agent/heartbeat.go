@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"os"
 	"strconv"
 	"sync"
@@ -130,7 +131,7 @@ func (b *busyOps) current() string {
 // (beatNow) when a job's replica is found to lack connections, so that the protector learns it before a
 // failure could make it restore that replica, and when a long operation begins (setBusy).
 func (a *Agent) sendBeats(ctx context.Context) {
-	b := beatStream{shared: &a.beating}
+	b := beatStream{shared: &a.beating, run: rand.Uint64() | 1}
 	defer b.close()
 	// On the grid of the interval (tickgrid), with the agent's other loops.
 	interval := a.cfg.Heartbeat.Interval.Duration
@@ -167,6 +168,7 @@ func (a *Agent) sendBeats(ctx context.Context) {
 type beatStream struct {
 	c      *clusterapi.BeatStream
 	to     string
+	run    uint64 // this agent's run (detect.Beat.Run)
 	seq    uint64
 	shared *beatContact
 }
@@ -241,7 +243,7 @@ func (a *Agent) sendBeat(ctx context.Context, b *beatStream) {
 			}
 		}
 	}
-	err := b.c.Send(detect.Beat{From: a.cfg.Name, Seq: b.seq, Busy: busy, Jobs: jobs, Uncovered: uncovered, Sent: time.Now()})
+	err := b.c.Send(detect.Beat{From: a.cfg.Name, Seq: b.seq, Run: b.run, Busy: busy, Jobs: jobs, Uncovered: uncovered, Sent: time.Now()})
 	a.metrics.Heartbeat(err == nil)
 	if err != nil {
 		a.log.Debug("heartbeat lost", "protector", b.to, "err", err)

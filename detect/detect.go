@@ -31,6 +31,9 @@ type Beat struct {
 	Busy string    `json:"busy,omitempty"` // "", BusyCheckpoint or BusyRestore
 	Jobs []string  `json:"jobs,omitempty"` // jobs running on the sender: what to restore if it fails
 	Sent time.Time `json:"sent"`           // sender's clock; only compared with the same sender's beats
+	// Run tells the sender's runs apart (random, drawn at its start; 0 from an agent that sends none): a
+	// beat of a new run is recorded whatever its Seq and Sent, a restarted sender's clock may be behind.
+	Run uint64 `json:"run,omitempty"`
 	// Uncovered are the sender's jobs whose replica lacks connections they opened since, as its last
 	// check found: a restore from that replica, or an older one, could not rebuild them.
 	Uncovered []Uncovered `json:"uncovered,omitempty"`
@@ -150,8 +153,8 @@ func (g Gap) Sender() bool { return g.Sent >= g.Arrived/2 }
 
 // Beat records a heartbeat that arrived at now, from a watched member or not (a ring change may make
 // the sender watched later). A beat older than the last one recorded from the same sender (a lower or
-// equal Seq, not sent later) is a duplicate or arrived out of order and is ignored; a lower Seq sent later
-// is a restarted sender and is recorded. A recorded beat ends any suspicion of its sender. ok says that
+// equal Seq, not sent later) is a duplicate or arrived out of order and is ignored; a lower Seq sent later,
+// or a beat of another Run, is a restarted sender and is recorded. A recorded beat ends any suspicion of its sender. ok says that
 // gap is the one since the sender's previous beat (the beat is recorded and continues its sequence), so
 // that a long silence can be told apart: a late sender or late delivery.
 func (w *Watchdog) Beat(b Beat, now time.Time) (gap Gap, ok bool) {
@@ -162,14 +165,15 @@ func (w *Watchdog) Beat(b Beat, now time.Time) (gap Gap, ok bool) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	prev, heard := w.last[b.From]
-	if heard && b.Seq <= prev.b.Seq && !b.Sent.After(prev.b.Sent) {
+	restarted := heard && b.Run != prev.b.Run
+	if heard && !restarted && b.Seq <= prev.b.Seq && !b.Sent.After(prev.b.Sent) {
 		return Gap{}, false
 	}
 	w.last[b.From] = beat{b: b, at: now}
 	if wt := w.watched[b.From]; wt != nil {
 		wt.suspected = false
 	}
-	if !heard || b.Seq <= prev.b.Seq {
+	if !heard || restarted || b.Seq <= prev.b.Seq {
 		return Gap{}, false
 	}
 	return Gap{Arrived: now.Sub(prev.at), Sent: b.Sent.Sub(prev.b.Sent), Missing: b.Seq - prev.b.Seq - 1}, true

@@ -454,3 +454,32 @@ func TestBeatGap(t *testing.T) {
 		})
 	}
 }
+
+// TestRestartedSenderWithClockBehind: a sender that restarted (a new Run, its Seq from 1 again) with its
+// clock behind its previous run's (a reboot before NTP stepped it) is heard. Before, all its beats were
+// dropped as duplicates until its Seq passed the old run's (a day of beats at 500 ms), and it was suspected
+// after every timeout, its busy grace and job list ignored.
+func TestRestartedSenderWithClockBehind(t *testing.T) {
+	w := NewWatchdog(Config{Timeout: 3 * time.Second, BusyGrace: 10 * time.Second})
+	w.Watch("n1", at(0))
+	w.Beat(Beat{From: "n1", Run: 7, Seq: 172800, Sent: at(0), Jobs: []string{"old"}}, at(0))
+	var suspected []Suspect
+	for i := 1; i <= 20; i++ {
+		now := at(500 * i)
+		w.Beat(Beat{From: "n1", Run: 9, Seq: uint64(i), Sent: now.Add(-10 * time.Second), Busy: BusyCheckpoint, Jobs: []string{"new"}}, now)
+		suspected = append(suspected, w.Suspects(now)...)
+	}
+	if len(suspected) > 0 {
+		t.Errorf("n1 beat every 500 ms for 10 s but was suspected: %+v", suspected)
+	}
+	if b, _, _ := w.Last("n1"); b.Seq != 20 || !slices.Equal(b.Jobs, []string{"new"}) {
+		t.Errorf("last beat recorded: %+v, want the new run's 20th", b)
+	}
+	// Within one run, a beat of a lower Seq sent no later is still a duplicate.
+	if _, ok := w.Beat(Beat{From: "n1", Run: 9, Seq: 3, Sent: at(0)}, at(10_500)); ok {
+		t.Error("a duplicate of the same run counted as a new beat")
+	}
+	if b, _, _ := w.Last("n1"); b.Seq != 20 {
+		t.Errorf("a duplicate replaced the last beat: %+v", b)
+	}
+}
