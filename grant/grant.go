@@ -270,7 +270,10 @@ func (r *Registry) Len() int {
 }
 
 // with returns a copy of the registry with job set to rec and the bounds applied: jobs unseen for MaxAge
-// go, then the longest unseen until MaxJobs remain (never job itself).
+// go, then, until MaxJobs remain (never job itself): released grants first, then those of rec's host, then
+// the others, each the longest unseen first. A member that asks for grants of made-up jobs evicts its own
+// grants before another host's: before, it evicted the grants of running jobs, and a stale restore of one
+// of them could be granted an incarnation that runs.
 func (r *Registry) with(job string, rec Record, now time.Time) map[string]Record {
 	next := make(map[string]Record, len(r.jobs)+1)
 	for j, cur := range r.jobs {
@@ -288,10 +291,22 @@ func (r *Registry) with(job string, rec Record, now time.Time) map[string]Record
 			others = append(others, j)
 		}
 	}
+	rank := func(r Record) int {
+		switch {
+		case r.Released:
+			return 0
+		case r.Host == rec.Host:
+			return 1
+		}
+		return 2
+	}
 	sort.Slice(others, func(a, b int) bool {
-		sa, sb := next[others[a]].Seen, next[others[b]].Seen
-		if !sa.Equal(sb) {
-			return sa.Before(sb)
+		ra, rb := next[others[a]], next[others[b]]
+		if ka, kb := rank(ra), rank(rb); ka != kb {
+			return ka < kb
+		}
+		if !ra.Seen.Equal(rb.Seen) {
+			return ra.Seen.Before(rb.Seen)
 		}
 		return others[a] < others[b]
 	})

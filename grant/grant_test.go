@@ -400,3 +400,37 @@ func FuzzOpen(f *testing.F) {
 		}
 	})
 }
+
+// TestFloodEvictsTheFloodersGrants: a member that asks for grants of made-up jobs until the registry is
+// full evicts its own grants, not another host's: a running job's grant stays, and a stale restore of it
+// is refused. Before, the longest unseen went whoever held it.
+func TestFloodEvictsTheFloodersGrants(t *testing.T) {
+	r, err := Open(filepath.Join(t.TempDir(), "grants.json"), Options{MaxJobs: 8})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t0 := time.Date(2026, 12, 1, 12, 0, 0, 0, time.UTC)
+	if _, err := r.Grant(Request{Job: "real-job", Incarnation: 1, Holder: "failover:n3-1", Host: "spare1"}, t0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.Grant(Request{Job: "done-job", Incarnation: 1, Holder: "restore:x", Host: "n5"}, t0); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Release("done-job", 1, "restore:x", "n5", t0); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 20 {
+		if _, err := r.Grant(Request{Job: fmt.Sprintf("junk-%d", i), Incarnation: 1, Holder: "x", Host: "n2"}, t0.Add(time.Duration(i+1)*time.Second)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if r.Len() != 8 {
+		t.Errorf("%d jobs remembered, want the bound 8", r.Len())
+	}
+	if _, ok := r.Lookup("done-job"); ok {
+		t.Error("a released grant outlived the flooder's own")
+	}
+	if _, err := r.Grant(Request{Job: "real-job", Incarnation: 1, Holder: "restore:stale", Host: "n4"}, t0.Add(time.Minute)); err == nil {
+		t.Fatal("incarnation 1 of real-job granted a second time, to another host: its grant was evicted by another member's requests for made-up jobs")
+	}
+}
