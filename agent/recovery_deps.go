@@ -142,7 +142,9 @@ func (r *recoveryActions) SentUpTo(flow tcpflow.Tuple) (uint32, bool) {
 func (r *recoveryActions) Claim(ctx context.Context, j *recovery.Job, n uint64) (uint64, error) {
 	err := r.a.claimIncarnation(ctx, j.ID, n, j.Holder, j.Manifest.Node)
 	var refused *grant.RefusedError
-	if r.fenced != "" && errors.As(err, &refused) && refused.Record.Host == r.fenced {
+	// Every refusal must be such a restore's: one member's grant to a copy on an alive host (that missed the
+	// fenced restore's give-back, say) means the job runs there.
+	if r.fenced != "" && errors.As(err, &refused) && refused.OnlyOn(r.fenced) {
 		n = max(n, refused.Record.Incarnation) + 1
 		r.a.log.Warn("the job's incarnation was claimed by a restore on the failed node this recovery is for: claiming the next one",
 			"job", j.ID, "failed", r.fenced, "recorded", refused.Record, "incarnation", n)

@@ -434,3 +434,40 @@ func TestFloodEvictsTheFloodersGrants(t *testing.T) {
 		t.Fatal("incarnation 1 of real-job granted a second time, to another host: its grant was evicted by another member's requests for made-up jobs")
 	}
 }
+
+// TestRefusedOnlyOn: a recovery supersedes the incarnations members granted to restores on the host it
+// fenced only if every refusal not given back is one; one member's grant to a copy on another host means
+// the job runs there. Before, only the newest refusal was looked at.
+func TestRefusedOnlyOn(t *testing.T) {
+	t0 := time.Date(2026, 12, 1, 12, 0, 0, 0, time.UTC)
+	onN3 := Record{Incarnation: 1, Holder: "failover:n9-1", Host: "n3", Granted: t0.Add(10 * time.Second), Seen: t0}
+	onN2 := Record{Incarnation: 1, Holder: "restore:live", Host: "n2", Granted: t0, Seen: t0}
+	gaveBack := onN2
+	gaveBack.Released = true
+	for _, tc := range []struct {
+		name      string
+		conflicts []Record
+		want      bool
+	}{
+		{"every refusal a grant on the fenced host", []Record{onN3, onN3}, true},
+		{"one grant to a copy on an alive host, older", []Record{onN3, onN2}, false},
+		{"a grant on another host given back", []Record{onN3, gaveBack}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var answers []Answer
+			for i, c := range tc.conflicts {
+				answers = append(answers, Answer{Member: fmt.Sprintf("m%d", i), Conflict: &c})
+			}
+			var refused *RefusedError
+			if err := Count(5, answers).Err("j", 1); !errors.As(err, &refused) {
+				t.Fatalf("Err = %v, want a refusal", err)
+			}
+			if refused.Record.Host != "n3" && !tc.conflicts[0].Released {
+				t.Errorf("newest refusal %+v, want n3's", refused.Record)
+			}
+			if got := refused.OnlyOn("n3"); got != tc.want {
+				t.Errorf("OnlyOn(n3) = %v, want %v (refusals %+v)", got, tc.want, refused.All)
+			}
+		})
+	}
+}

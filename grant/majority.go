@@ -94,6 +94,18 @@ type RefusedError struct {
 	Asked  uint64
 	Record Record
 	By     []string // members that recorded Record
+	All    []Record // every refusing member's record, Record among them
+}
+
+// OnlyOn reports whether every refusal not given back is a grant to a restore on host: whether superseding
+// them (a restore that host's failure cut short) can make no copy that runs elsewhere a second one.
+func (e *RefusedError) OnlyOn(host string) bool {
+	for _, r := range e.All {
+		if !r.Released && r.Host != host {
+			return false
+		}
+	}
+	return len(e.All) > 0
 }
 
 func (e *RefusedError) Error() string {
@@ -123,7 +135,9 @@ func (t Tally) Err(job string, n uint64) error {
 		}
 		e := &RefusedError{Job: job, Asked: n, Record: best}
 		for _, a := range t.Conflicts {
-			if c := *a.Conflict; c.Incarnation == best.Incarnation && c.Holder == best.Holder && c.Host == best.Host {
+			c := *a.Conflict
+			e.All = append(e.All, c)
+			if c.Incarnation == best.Incarnation && c.Holder == best.Holder && c.Host == best.Host {
 				e.By = append(e.By, a.Member)
 			}
 		}
