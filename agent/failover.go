@@ -111,6 +111,7 @@ func busyDoing(busy string) string {
 // runFailover restores the jobs of failure id. taken are jobs of earlier failures that s was restoring
 // when it failed, each with the node whose replicas it comes back from if s has none.
 func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, declared time.Time, taken map[string]string) error {
+	inc := a.incarnationOf(s.Name) // the incarnation this fail-over fails (a rejoin makes the next one)
 	if len(s.Jobs) == 0 {
 		// Nothing to restore: the node only leaves the ring.
 		fail := func() error {
@@ -120,7 +121,7 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 		if err := fail(); err != nil {
 			return err
 		}
-		go a.keepFailedInView(ctx, s.Name, fail)
+		go a.keepFailedInView(ctx, s.Name, inc, fail)
 		return nil
 	}
 	var jobs []RecoverJob
@@ -190,7 +191,7 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 	}
 	a.failures.Update(id, func(f *Failure) { f.Target, f.Basic = target, basic })
 	a.pushView(ctx) // peers must know who holds the failed node's addresses before replay starts
-	go a.keepFailedInView(ctx, s.Name, func() error { return a.replaceInView(s.Name, target, absorb, ownAddrs) })
+	go a.keepFailedInView(ctx, s.Name, inc, func() error { return a.replaceInView(s.Name, target, absorb, ownAddrs) })
 	failed, _ := v.Member(s.Name)
 	req := RecoverRequest{Failure: id, Failed: s.Name, Addrs: failed.Addrs, Jobs: jobs, Source: a.cfg.Name}
 	if ownAddrs {
@@ -237,23 +238,24 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 // wins everywhere, the other failure undone (its node alive again, its replacement a free spare). Each
 // protector finds its change lost once the views have converged, and applies it again (reapply) onto the
 // winner, at the next epoch, which every member adopts.
-func (a *Agent) keepFailedInView(ctx context.Context, failed string, reapply func() error) {
+func (a *Agent) keepFailedInView(ctx context.Context, failed string, inc uint64, reapply func() error) {
 	for end := time.Now().Add(keepFailedFor); time.Now().Before(end); {
 		select {
 		case <-ctx.Done():
 			return
 		case <-time.After(keepFailedEvery):
 		}
-		if a.reassertFailed(ctx, failed, reapply) {
+		if a.reassertFailed(ctx, failed, inc, reapply) {
 			return
 		}
 	}
 }
 
-// reassertFailed applies a failure's view change again if the current view lists failed node alive
-// (reapply), and pushes it; it reports whether it had to and could.
-func (a *Agent) reassertFailed(ctx context.Context, failed string, reapply func() error) bool {
-	if m, ok := a.View().Member(failed); !ok || m.State == ring.StateFailed {
+// reassertFailed applies a failure's view change again if the current view lists failed node alive as
+// incarnation inc (reapply), and pushes it; it reports whether it had to and could. A node that rejoined
+// since is a later incarnation, alive rightly.
+func (a *Agent) reassertFailed(ctx context.Context, failed string, inc uint64, reapply func() error) bool {
+	if m, ok := a.View().Member(failed); !ok || m.State == ring.StateFailed || m.Incarnation != inc {
 		return false
 	}
 	if err := reapply(); err != nil {

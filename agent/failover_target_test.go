@@ -97,7 +97,11 @@ func TestReassertFailed(t *testing.T) {
 	if _, err := ta.adoptView(won); err != nil {
 		t.Fatal(err)
 	}
-	if !ta.reassertFailed(t.Context(), "node2", reapply) || applied != 1 {
+	inc := ta.incarnationOf("node2")
+	if ta.reassertFailed(t.Context(), "node2", inc+1, reapply) || applied != 0 {
+		t.Fatalf("node2 alive as a later incarnation (rejoined): reasserted %d times, want none", applied)
+	}
+	if !ta.reassertFailed(t.Context(), "node2", inc, reapply) || applied != 1 {
 		t.Fatalf("node2 alive in view %d: reasserted %d times, want once", ta.View().Epoch, applied)
 	}
 	cur := ta.View()
@@ -106,7 +110,7 @@ func TestReassertFailed(t *testing.T) {
 			t.Errorf("view %d: %s is %s, want failed (both failures kept)", cur.Epoch, n, m.State)
 		}
 	}
-	if ta.reassertFailed(t.Context(), "node2", reapply) || applied != 1 {
+	if ta.reassertFailed(t.Context(), "node2", inc, reapply) || applied != 1 {
 		t.Errorf("node2 failed in the view: applied again (%d)", applied)
 	}
 }
