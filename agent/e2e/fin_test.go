@@ -3,7 +3,6 @@ package e2e
 import (
 	"context"
 	"fmt"
-	"net/netip"
 	"os/exec"
 	"strings"
 	"testing"
@@ -27,11 +26,7 @@ func TestRestoredReaderGetsPeersFIN(t *testing.T) {
 	)
 	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
 	ctx := context.Background()
-	h2, err := c.Lab.Host("node2")
-	if err != nil {
-		t.Fatal(err)
-	}
-	peer := netip.AddrPortFrom(h2.Addr.Addr(), port).String()
+	peer := hostPort(t, c, "node2", port)
 	common := []string{"--peer", peer, "--iters", fmt.Sprint(blocks), "--block", fmt.Sprint(block), "--oneway", "--eof", "--progress", "1"}
 	// The sender holds before its last block, the receiver before reading it: the receiver's snapshot
 	// comes before the block and the FIN.

@@ -99,6 +99,16 @@ func requireInJobNet(t *testing.T, c *labcluster.Cluster, j agent.Job) {
 	}
 }
 
+// hostPort is lab host h's address with port, as a program's --peer takes it.
+func hostPort(t *testing.T, c *labcluster.Cluster, h string, port uint16) string {
+	t.Helper()
+	host, err := c.Lab.Host(h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return netip.AddrPortFrom(host.Addr.Addr(), port).String()
+}
+
 // hostAddrs are the IPv4 addresses in lab host h's namespace.
 func hostAddrs(t *testing.T, c *labcluster.Cluster, h string) []netip.Addr {
 	t.Helper()

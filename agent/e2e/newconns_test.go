@@ -148,11 +148,7 @@ func TestConnectCaughtBySnapshot(t *testing.T) {
 	)
 	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
 	ctx := context.Background()
-	h2, err := c.Lab.Host("node2")
-	if err != nil {
-		t.Fatal(err)
-	}
-	peer := netip.AddrPortFrom(h2.Addr.Addr(), port).String()
+	peer := hostPort(t, c, "node2", port)
 	// node2 drops the sender's SYNs until the sender's snapshot has its connect in SYN_SENT.
 	undo, err := c.Lab.Filter("node2", "ftkit_e2e_syn", fmt.Sprintf(`	chain in {
 		type filter hook input priority 0; policy accept;

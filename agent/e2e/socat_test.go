@@ -7,7 +7,6 @@ import (
 	"encoding/hex"
 	"fmt"
 	"math/rand/v2"
-	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -41,13 +40,7 @@ func TestSocatRelayChain(t *testing.T) {
 		every = 64
 	)
 	c := newCluster(t, 4, 1, labcluster.Options{Interval: "1h"})
-	addr := func(host string) string {
-		h, err := c.Lab.Host(host)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return netip.AddrPortFrom(h.Addr.Addr(), port).String()
-	}
+	addr := func(host string) string { return hostPort(t, c, host, port) }
 	// The source holds before its last 64 MiB until the crash is over: the stream cannot end before the
 	// fault, however slow the machine. It sleeps 2 ms a block (about 30 MiB/s): the log of what node2 sends
 	// node3 past the snapshot stays a few hundred MiB at most on a slow machine.

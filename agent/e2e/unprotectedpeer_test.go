@@ -2,7 +2,6 @@ package e2e
 
 import (
 	"context"
-	"net/netip"
 	"os"
 	"strconv"
 	"strings"
@@ -27,13 +26,9 @@ func TestUnprotectedPeerOnMember(t *testing.T) {
 // node1node2Ring is a lab with metrics whose ring stencil's rank 0 is on node1 and rank 1 on node2: the lab
 // and the ranks' addresses.
 func node1node2Ring(t *testing.T) (*labcluster.Cluster, string) {
-	c, h1 := node1Lab(t, labcluster.Options{Interval: "1h", MetricsListen: metricsAddr})
-	h2, err := c.Lab.Host("node2")
-	if err != nil {
-		t.Fatal(err)
-	}
+	c, _ := node1Lab(t, labcluster.Options{Interval: "1h", MetricsListen: metricsAddr})
 	const port = 7480
-	return c, netip.AddrPortFrom(h1.Addr.Addr(), port).String() + "," + netip.AddrPortFrom(h2.Addr.Addr(), port+1).String()
+	return c, hostPort(t, c, "node1", port) + "," + hostPort(t, c, "node2", port+1)
 }
 
 func testProtectedPeerOnMember(t *testing.T) {
