@@ -330,14 +330,7 @@ func (a *Agent) loggedRange(ctx context.Context, w io.Writer, conn tcpflow.Tuple
 	if err != nil {
 		return err
 	}
-	abs, err := l.Unwrap(conn, seq)
-	var b netlog.Bounds
-	if err == nil {
-		b, err = l.Bounds(conn)
-	}
-	if err == nil {
-		err = b.Servable(abs)
-	}
+	abs, _, err := l.UnwrapServable(conn, seq)
 	if err != nil {
 		return fmt.Errorf("bytes from sequence %d not in %s's log: %w", seq, a.cfg.Name, err)
 	}

@@ -128,6 +128,18 @@ func (l *Log) Unwrap(conn tcpflow.Tuple, seq uint32) (uint64, error) {
 	return st.Unwrap(seq), nil
 }
 
+// UnwrapServable is Unwrap for the start of a range a restorer asks for, with the store's bounds, refused
+// unless the restorer can only mean that position and what the log holds from there is what was sent
+// (Bounds.Servable).
+func (l *Log) UnwrapServable(conn tcpflow.Tuple, seq uint32) (uint64, Bounds, error) {
+	st, err := l.lookup(conn)
+	if err != nil {
+		return 0, Bounds{}, err
+	}
+	abs, b := st.Unwrap(seq), st.Bounds()
+	return abs, b, b.Servable(abs)
+}
+
 // Range returns a copy of the bytes conn sent in [from, to) (absolute sequence numbers).
 func (l *Log) Range(conn tcpflow.Tuple, from, to uint64) ([]byte, error) {
 	st, err := l.lookup(conn)

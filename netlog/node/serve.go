@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/ebpfprobes"
-	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/recvdigest"
 	"github.com/ftkit/ftkit/tcpflow"
 )
@@ -133,14 +132,7 @@ func (n *Node) Range(ctx context.Context, peer string, conn tcpflow.Tuple, from 
 		age, _ := live.Age()
 		return Range{From: from, Live: &live, LiveAge: age}, nil
 	}
-	abs, err := l.Unwrap(conn, from)
-	var b netlog.Bounds
-	if err == nil {
-		b, err = l.Bounds(conn)
-	}
-	if err == nil {
-		err = b.Servable(abs)
-	}
+	abs, b, err := l.UnwrapServable(conn, from)
 	if err != nil {
 		return Range{}, err
 	}
