@@ -2,7 +2,6 @@ package agent
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -15,7 +14,6 @@ import (
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/criu"
-	"github.com/ftkit/ftkit/internal/atomicfile"
 	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/ring"
@@ -158,12 +156,8 @@ func (a *Agent) checkPart(run string, uid uint32, p clusterapi.CutPart, m *ckpt.
 			}
 		}
 		// The record as the snapshot holds it: whether it could be restored here is the restore's to say.
-		b, rerr := atomicfile.ReadBounded(filepath.Join(a.store.Path(m.Job, m.ID), snapJob), maxJobRecord)
-		if rerr == nil {
-			rerr = json.Unmarshal(b, &j)
-		}
-		if rerr != nil {
-			return fmt.Errorf("part %s of job %s has no usable job record: %w", p.Snapshot, p.Job, rerr)
+		if j, err = a.snapshotRecord(m); err != nil {
+			return fmt.Errorf("part %s of job %s: %w", p.Snapshot, p.Job, err)
 		}
 	}
 	if j.Spec.Run != run || j.UID != uid {

@@ -23,9 +23,8 @@ import (
 // maxJobRecord bounds the job record a snapshot carries: a few hundred bytes plus the job's argv and env.
 const maxJobRecord = 4 << 20
 
-// snapshotJob reads the job record a snapshot carries and validates it, with the manifest's paths, against
-// this agent's layout: both come from whichever node took the snapshot.
-func (a *Agent) snapshotJob(m *ckpt.Manifest) (Job, error) {
+// snapshotRecord reads the job record a snapshot carries, as it is (snapshotJob validates it).
+func (a *Agent) snapshotRecord(m *ckpt.Manifest) (Job, error) {
 	var j Job
 	b, err := atomicfile.ReadBounded(filepath.Join(a.store.Path(m.Job, m.ID), snapJob), maxJobRecord)
 	if err == nil {
@@ -33,6 +32,16 @@ func (a *Agent) snapshotJob(m *ckpt.Manifest) (Job, error) {
 	}
 	if err != nil {
 		return Job{}, fmt.Errorf("snapshot %s has no usable job record: %w", m.ID, err)
+	}
+	return j, nil
+}
+
+// snapshotJob reads the job record a snapshot carries and validates it, with the manifest's paths, against
+// this agent's layout: both come from whichever node took the snapshot.
+func (a *Agent) snapshotJob(m *ckpt.Manifest) (Job, error) {
+	j, err := a.snapshotRecord(m)
+	if err != nil {
+		return Job{}, err
 	}
 	if err := checkPeerJob(a.layout(), m, &j); err != nil {
 		return Job{}, fmt.Errorf("%w; refusing to restore it", err)
