@@ -227,8 +227,10 @@ func deleteSnapshotsBefore(store *ckpt.Store, job, node string, ended time.Time,
 			kept++
 			continue
 		}
-		if m, merr := store.Manifest(job, sid); merr == nil && seen != nil {
-			seen(m)
+		if seen != nil {
+			if m, merr := store.Manifest(job, sid); merr == nil {
+				seen(m)
+			}
 		}
 		if derr := store.Delete(job, sid); derr != nil && !errors.Is(derr, ckpt.ErrNotFound) {
 			errs = append(errs, derr)
