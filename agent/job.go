@@ -155,8 +155,12 @@ type Job struct {
 	// protector restores it), or it was a copy of this host's failed incarnation (rejoin). This agent must
 	// not hand its address out again (addressHeld), and ftwrap follows the job on instead of ending.
 	Fenced bool `json:"fenced,omitempty"`
-	// MovedTo is the host the job was migrated to (state moved).
-	MovedTo string `json:"moved_to,omitempty"`
+	// MovedTo is the host the job was migrated to (state moved); Migration names that migration's event
+	// and MovedSnapshot the dump the job left with, for an agent restarted before the move ended to finish
+	// it (resumeMigrations).
+	MovedTo       string `json:"moved_to,omitempty"`
+	Migration     string `json:"migration,omitempty"`
+	MovedSnapshot string `json:"moved_snapshot,omitempty"`
 	// LazyWork is the images directory a lazily restored job's pages still come from (failover.lazy_restore);
 	// its shim removes it once every page is in. The job is not snapshotted before: its missing pages would
 	// be dumped as zeros.

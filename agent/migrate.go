@@ -75,17 +75,12 @@ func (a *Agent) Migrate(ctx context.Context, req MigrateRequest, uid uint32) (*M
 	a.failures.Update(id, func(f *Failure) {
 		f.Kind, f.Node, f.Protector, f.Target, f.LastBeat, f.Detected, f.Jobs = KindMigration, a.cfg.Name, a.cfg.Name, req.To, start, start, []string{j.ID}
 	})
-	emit := func(st Stage) {
-		a.failures.Update(id, func(f *Failure) { f.Stages = append(f.Stages, st) })
-		a.saveFailures()
-		a.log.Info("migration stage", "migration", id, "stage", st.Name, "job", st.Job, "host", st.Host,
-			"ms", st.Duration().Milliseconds(), "detail", st.Detail, "err", st.Error)
-	}
+	emit := a.migrationStages(id)
 	res := &Migration{Job: j.ID, From: a.cfg.Name, To: req.To, Event: id}
 	stage := func(name string, from time.Time, detail string, err error) {
 		emit(Stage{Name: name, Job: j.ID, Host: a.cfg.Name, Start: from, End: time.Now(), Detail: detail, Error: errString(err)})
 	}
-	frozen, m, deleteNet, err := a.stopForMigration(ctx, j, req.To, a.migrationBase(ctx, j.ID, req.To), stage)
+	frozen, m, deleteNet, err := a.stopForMigration(ctx, j, id, req.To, a.migrationBase(ctx, j.ID, req.To), stage)
 	if m != nil {
 		res.Snapshot = m.ID
 	}
@@ -97,8 +92,7 @@ func (a *Agent) Migrate(ctx context.Context, req MigrateRequest, uid uint32) (*M
 	// The job has left this host: its restore on the target, or here again, goes on if the caller goes
 	// (an interrupted `ftctl migrate`), or the job would run nowhere.
 	ctx = context.WithoutCancel(ctx)
-	rreq := RecoverRequest{Failure: id, Failed: a.cfg.Name, Source: a.cfg.Name, Migration: true,
-		Jobs: []RecoverJob{{Job: j.ID, Snapshot: m.ID, Source: a.cfg.Name, Candidates: []Candidate{{Snapshot: m.ID, Source: a.cfg.Name}}}}}
+	rreq := a.migrationRequest(id, j.ID, m.ID)
 	times := func(s Stage) {
 		switch s.Name {
 		case StageRestored:
@@ -113,23 +107,50 @@ func (a *Agent) Migrate(ctx context.Context, req MigrateRequest, uid uint32) (*M
 	// restored, the deletion slowed its network preparation in the lab, whose hosts share a kernel), and
 	// before the job could come back here (afterFailedMove makes it again).
 	deleteNet()
+	if err := a.endMove(ctx, res, rreq, times, err, j, m); err != nil {
+		return nil, err
+	}
+	return res, nil
+}
+
+// migrationStages records the stages of migration id in its event.
+func (a *Agent) migrationStages(id string) func(Stage) {
+	return func(st Stage) {
+		a.failures.Update(id, func(f *Failure) { f.Stages = append(f.Stages, st) })
+		a.saveFailures()
+		a.log.Info("migration stage", "migration", id, "stage", st.Name, "job", st.Job, "host", st.Host,
+			"ms", st.Duration().Milliseconds(), "detail", st.Detail, "err", st.Error)
+	}
+}
+
+// migrationRequest asks a migration's target to restore job from snapshot, the dump it left this host with.
+func (a *Agent) migrationRequest(id, job, snapshot string) RecoverRequest {
+	return RecoverRequest{Failure: id, Failed: a.cfg.Name, Source: a.cfg.Name, Migration: true,
+		Jobs: []RecoverJob{{Job: job, Snapshot: snapshot, Source: a.cfg.Name, Candidates: []Candidate{{Snapshot: snapshot, Source: a.cfg.Name}}}}}
+}
+
+// endMove ends the migration of job j, which left this host with dump m, once its restore on the target
+// returned err: the job is restored here again if that failed (res says where it runs). An error only if
+// the job runs nowhere.
+func (a *Agent) endMove(ctx context.Context, res *Migration, rreq RecoverRequest, emit func(Stage), err error, j Job, m *ckpt.Manifest) error {
+	target := res.To
 	if err != nil {
 		res.Error = err.Error()
-		if err := a.afterFailedMove(ctx, res, rreq, times); err != nil {
-			a.endMigration(id, err)
-			return nil, err
+		if err := a.afterFailedMove(ctx, res, rreq, emit); err != nil {
+			a.endMigration(res.Event, err)
+			return err
 		}
 	}
 	var outcome error
 	if res.Error != "" {
-		outcome = fmt.Errorf("not moved as asked: %s failed (%s); the job runs on %s", req.To, res.Error, res.To)
+		outcome = fmt.Errorf("not moved as asked: %s failed (%s); the job runs on %s", target, res.Error, res.To)
 	}
-	a.endMigration(id, outcome)
-	if res.To != a.cfg.Name {
+	a.endMigration(res.Event, outcome)
+	if res.To != a.cfg.Name && m != nil {
 		a.renewPeerSnapshots(ctx, j, m)
 	}
 	a.pushView(ctx) // the failure log travels with views: every member's `ftctl events` shows the move
-	return res, nil
+	return nil
 }
 
 // afterFailedMove brings the job back here from the snapshot it left with when its target failed (res.Error
@@ -218,10 +239,10 @@ func (a *Agent) migrationBase(ctx context.Context, job, target string) *ship.Bas
 }
 
 // stopForMigration freezes and dumps job j, ships the dump to target (as a diff against base if target
-// offers it), then takes the job off this host. Until the dump is on the target the job can still be
+// offers it), then takes the job off this host for migration id. Until the dump is on the target the job can still be
 // thawed, and runs on as before. It returns when the job was frozen, and the deletion of the job's network
 // (leave), which the caller must call.
-func (a *Agent) stopForMigration(ctx context.Context, j Job, target string, base *ship.BaseIndex, stage func(string, time.Time, string, error)) (frozen time.Time, m *ckpt.Manifest, deleteNet func(), err error) {
+func (a *Agent) stopForMigration(ctx context.Context, j Job, id, target string, base *ship.BaseIndex, stage func(string, time.Time, string, error)) (frozen time.Time, m *ckpt.Manifest, deleteNet func(), err error) {
 	a.ckptMu.Lock() // no scheduled snapshot of the job in between
 	defer a.ckptMu.Unlock()
 	defer a.raised()() // the job is frozen from the dump until it has left, or thawed
@@ -246,7 +267,7 @@ func (a *Agent) stopForMigration(ctx context.Context, j Job, target string, base
 	stage(StageShipped, start, fmt.Sprintf("%d MB on the wire", sent.WireBytes>>20), nil)
 	start = time.Now()
 	// Not cancelled half-way: a job taken off this host goes on on the target.
-	deleteNet, err = a.leave(context.WithoutCancel(ctx), j, target)
+	deleteNet, err = a.leave(context.WithoutCancel(ctx), j, target, id, m.ID)
 	stage(StageLeft, start, "", err)
 	return frozen, m, deleteNet, err
 }
@@ -318,7 +339,7 @@ func (a *Agent) thaw(j Job) {
 // that its shim writes no exit record saying it ended), then its processes killed, and what it held here
 // released as for an ended job.
 func (a *Agent) leaveHost(ctx context.Context, j Job, target string) error {
-	deleteNet, err := a.leave(ctx, j, target)
+	deleteNet, err := a.leave(ctx, j, target, "", "")
 	deleteNet()
 	return err
 }
@@ -326,12 +347,13 @@ func (a *Agent) leaveHost(ctx context.Context, j Job, target string) error {
 // leave is leaveHost but for the job network's deletion, which waits for the kernel to unregister its
 // interface (20-40 ms) and is left to the caller: deleteNet, which the caller must call, also when err is
 // set, and before anything may make the job's network here again. The job's address is off the wire
-// when leave returns.
-func (a *Agent) leave(ctx context.Context, j Job, target string) (deleteNet func(), err error) {
+// when leave returns. migration and snapshot name the migration that moves the job and the dump it leaves
+// with ("" for a rollback), for a restarted agent to finish the move (resumeMigrations).
+func (a *Agent) leave(ctx context.Context, j Job, target, migration, snapshot string) (deleteNet func(), err error) {
 	a.mu.Lock()
 	if cur, ok := a.byID[j.ID]; ok {
 		cur.State = JobMoved
-		cur.MovedTo = target
+		cur.MovedTo, cur.Migration, cur.MovedSnapshot = target, migration, snapshot
 		if err := a.jobs.save(cur); err != nil {
 			a.log.Error("save job record", "job", j.ID, "err", err)
 		}
@@ -364,7 +386,7 @@ func (a *Agent) leave(ctx context.Context, j Job, target string) (deleteNet func
 func (a *Agent) stayHere(ctx context.Context, j Job) error {
 	a.mu.Lock()
 	if cur, ok := a.byID[j.ID]; ok && cur.State == JobMoved {
-		cur.State, cur.MovedTo = JobRunning, ""
+		cur.State, cur.MovedTo, cur.Migration, cur.MovedSnapshot = JobRunning, "", "", ""
 		if err := a.jobs.save(cur); err != nil {
 			a.log.Error("save job record", "job", j.ID, "err", err)
 		}

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -294,7 +295,7 @@ func TestLeaveThatCannotKillStays(t *testing.T) {
 	if err := os.Mkdir(filepath.Join(j.Cgroup, "cgroup.kill"), 0o755); err != nil { // the kill fails
 		t.Fatal(err)
 	}
-	deleteNet, err := ta.leave(t.Context(), j, "node2")
+	deleteNet, err := ta.leave(t.Context(), j, "node2", "", "")
 	deleteNet()
 	if err == nil || !strings.Contains(err.Error(), "runs on here") {
 		t.Fatalf("leave: %v; want a failure saying the job runs on here", err)
@@ -305,5 +306,77 @@ func TestLeaveThatCannotKillStays(t *testing.T) {
 	if cur.State != JobRunning || cur.MovedTo != "" || frozen || markErr == nil {
 		t.Errorf("after a leave that could not kill: record %q (moved to %q), frozen %v, marked superseded %v; want running, thawed, unmarked",
 			cur.State, cur.MovedTo, frozen, markErr == nil)
+	}
+}
+
+// TestResumeMigrations: a restarted agent ends the migrations its predecessor left open. One whose job had
+// not left (adopted, running here) is closed as not moved; one whose job had left is taken up again: what
+// is left of the job here is killed without its shim recording an end, and the move finishes (here, with no
+// target answering and no CRIU, as a job lost with the snapshot to restore it from). Before, nothing ended
+// them: the events stayed open for good and a job that had left ran nowhere.
+func TestResumeMigrations(t *testing.T) {
+	ta := newTestAgent(t)
+	moved := ta.addJob(t, Job{ID: "moved-00000001", State: JobRunning, PID: os.Getpid()})
+	snap := ta.addSnapshot(t, *moved)
+	ta.mu.Lock()
+	moved.State, moved.MovedTo, moved.Migration, moved.MovedSnapshot = JobMoved, "node2", "moved-00000001-migrate-1", snap
+	ta.mu.Unlock()
+	unnamed := ta.addJob(t, Job{ID: "unnamed-00000001", State: JobMoved, MovedTo: "node2"})
+	if err := os.WriteFile(filepath.Join(moved.Cgroup, "cgroup.kill"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	open := map[string]string{ // event: job
+		"roots-00000001-migrate-1":   rootsJob,   // had not left: adopted
+		"moved-00000001-migrate-1":   moved.ID,   // had left
+		"unnamed-00000001-migrate-1": unnamed.ID, // left, by an agent that did not record its dump
+		"gone-00000001-migrate-1":    "gone-00000001",
+	}
+	for id, job := range open {
+		ta.failures.Update(id, func(f *Failure) { f.Kind, f.Node, f.Target, f.Jobs = KindMigration, "node1", "node2", []string{job} })
+	}
+	ta.failures.Update("done-migrate", func(f *Failure) { f.Kind, f.Node, f.Jobs, f.Done = KindMigration, "node1", []string{doneJob}, true })
+	ta.failures.Update("other-migrate", func(f *Failure) { f.Kind, f.Node, f.Jobs = KindMigration, "node2", []string{"x-00000001"} })
+
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel() // the target is not waited for
+	if n := ta.resumeMigrations(ctx); n != 1 {
+		t.Fatalf("resumed %d migrations, want 1 (the job that had left)", n)
+	}
+	event := func(id string) *Failure {
+		for _, f := range ta.failures.List() {
+			if f.ID == id {
+				return f
+			}
+		}
+		t.Fatalf("event %s is gone", id)
+		return nil
+	}
+	for deadline := time.Now().Add(time.Minute); !event("moved-00000001-migrate-1").Done; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the resumed migration did not end within a minute")
+		}
+	}
+	wants := map[string]string{
+		"roots-00000001-migrate-1":   "restarted before job roots-00000001 left this host",
+		"moved-00000001-migrate-1":   "ftctl restore --snapshot " + snap,
+		"unnamed-00000001-migrate-1": "does not name the dump",
+		"gone-00000001-migrate-1":    "no record of job gone-00000001",
+	}
+	for id, want := range wants {
+		if f := event(id); !f.Done || !strings.Contains(f.Error, want) {
+			t.Errorf("event %s: done %v, error %q; want it done, saying %q", id, f.Done, f.Error, want)
+		}
+	}
+	if f := event("other-migrate"); f.Done {
+		t.Errorf("another node's migration was ended here")
+	}
+	if b, err := os.ReadFile(filepath.Join(moved.Cgroup, "cgroup.kill")); err != nil || string(b) != "1" {
+		t.Errorf("cgroup.kill of the job that had left: %q, %v; want it killed", b, err)
+	}
+	if _, err := os.Lstat(ta.supersededMark(moved.ID, moved.Incarnation)); err != nil {
+		t.Errorf("the killed copy is not marked superseded (its shim would record its end): %v", err)
+	}
+	if j, _, _ := ta.Job(rootsJob, 0); j.State != JobRunning {
+		t.Errorf("the adopted job is %s, want it running on", j.State)
 	}
 }

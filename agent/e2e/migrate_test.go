@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -155,6 +156,82 @@ func TestMigrate(t *testing.T) {
 	after0 := rg.job(t, "node1", 0)
 	if after0.PID != before0.PID || after0.Restored != "" || after0.Incarnation != 0 {
 		t.Errorf("rank 0 was disturbed: pid %d -> %d, restored from %q, incarnation %d", before0.PID, after0.PID, after0.Restored, after0.Incarnation)
+	}
+}
+
+// TestMigrationResumedAfterAgentDies: node2's agent is SIGKILLed right after rank 1 of a ringstencil left
+// node2 for node3, and started again. The restarted agent finishes the move (from node3's record of the
+// restore, or by asking node3 again if the request never reached it): rank 1 runs on node3 from the dump
+// it left with, its event is closed, and the ranks finish with the failure-free output. Before, nothing
+// resumed a migration: its event stayed open for good, and a job killed before the request was sent ran
+// nowhere.
+func TestMigrationResumedAfterAgentDies(t *testing.T) {
+	t.Parallel() // each test has its own lab (labSlots: how many run at once)
+	const port = 7471
+	args := ringArgs(1500, 16<<10, 10*time.Millisecond)
+	ctx := context.Background()
+	want := reference(t, 2, args)
+	l := newLab(t, 3, 0, false)
+	c := startCluster(t, l, labcluster.Options{Interval: "1h", JobAddresses: true})
+	rg := startJobAddrRing(t, c, port, args, "")
+	rg.waitProgress(t, progressEvery, 2*time.Minute)
+	old := rg.job(t, "node2", 1)
+
+	moving := make(chan error, 1)
+	go func() {
+		_, err := c.Client("node2").Migrate(ctx, agent.MigrateRequest{Job: old.ID, To: "node3"})
+		moving <- err
+	}()
+	var event string
+	for deadline := time.Now().Add(2 * time.Minute); event == ""; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("rank 1 did not leave node2 within 2 minutes")
+		}
+		evs, _ := c.Client("node2").Events(ctx)
+		for _, f := range evs {
+			if f.Kind == agent.KindMigration && slices.Contains(f.Jobs, old.ID) &&
+				slices.ContainsFunc(f.Stages, func(s agent.Stage) bool { return s.Name == agent.StageLeft }) {
+				event = f.ID
+			}
+		}
+	}
+	if err := c.KillAgent("node2"); err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("node2's agent SIGKILLed once rank 1 had left it (migration %s); the request ended with: %v", event, <-moving)
+	if err := c.StartAgent(ctx, "node2"); err != nil {
+		t.Fatal(err)
+	}
+
+	var f *agent.Failure
+	poll(t, 3*time.Minute, "the migration's event closed on node2", func() bool {
+		evs, err := c.Client("node2").Events(ctx)
+		for _, e := range evs {
+			if e.ID == event && e.Done {
+				f = e
+			}
+		}
+		return err == nil && f != nil
+	})
+	logTimeline(t, f)
+	if f.Error != "" || f.Target != "node3" {
+		t.Fatalf("event %s: error %q, target %s; want the move to node3 finished", event, f.Error, f.Target)
+	}
+	moved := rg.job(t, "node3", 1)
+	if moved.State != agent.JobRunning || moved.Incarnation != old.Incarnation+1 || moved.Net == nil || moved.Net.Addr != old.Net.Addr {
+		t.Fatalf("rank 1 on node3: %+v, want it running, incarnation %d, with the address %s", moved, old.Incarnation+1, old.Net.Addr)
+	}
+	requireInJobNet(t, c, moved)
+	if left := rg.job(t, "node2", 1); left.State != agent.JobMoved || left.MovedTo != "node3" {
+		t.Errorf("rank 1's record on node2: state %s moved to %q, want moved to node3", left.State, left.MovedTo)
+	}
+	if _, err := os.Stat(old.ExitPath()); err == nil {
+		t.Errorf("rank 1's exit record exists after its move: its killed copy must leave none")
+	}
+	outs := rg.wait(t, 3*time.Minute)
+	checkRanks(t, outs, want)
+	if b, err := os.ReadFile(rg.jobs[1].ExitPath()); err != nil || !strings.Contains(string(b), `"node3"`) {
+		t.Errorf("rank 1 should have finished on node3: %s %v", b, err)
 	}
 }
 
