@@ -52,7 +52,8 @@ type Gate struct {
 // NewGate is the gate of a job restored with empty receive queues on the connections of sources, which
 // replays dets (the determinants since its snapshot, Store.Since) on those; determinants of other
 // connections (both ends restored, or made after the snapshot) are not gated. It fails if a determinant
-// consumed bytes its source does not hold, or consumed less than the one before on its connection.
+// consumed bytes its source does not hold, consumed less than the one before on its connection, or did not
+// start where that one ended (a call the record misses).
 func NewGate(dets []Det, sources map[tcpflow.Tuple]Source) (*Gate, error) {
 	g := &Gate{sources: make(map[tcpflow.Tuple]Source, len(sources))}
 	at := map[tcpflow.Tuple]uint32{}
@@ -73,6 +74,12 @@ func NewGate(dets []Det, sources map[tcpflow.Tuple]Source) (*Gate, error) {
 		}
 		if !seqAfter(d.End, at[c]) || seqAfter(d.End, s.end()) {
 			return nil, fmt.Errorf("determinant %d (%s): the peer's bytes run from %d to %d, and the connection's previous determinant ended at %d", i, d, s.Seq, s.end(), at[c])
+		}
+		if d.End-d.Len != at[c] {
+			// Bytes between the previous determinant and this call were consumed by a call the record does
+			// not hold (splice, TCP_ZEROCOPY_RECEIVE, two readers of the socket): replaying it would vouch
+			// for an order the original did not have.
+			return nil, fmt.Errorf("determinant %d (%s): it consumed from %d, and the connection's previous determinant ended at %d: the record misses a receive call", i, d, d.End-d.Len, at[c])
 		}
 		at[c] = d.End
 		g.dets = append(g.dets, d)

@@ -148,3 +148,28 @@ func TestGateRefusesBadDeterminants(t *testing.T) {
 		t.Fatalf("err %v, want the recorder's loss", err)
 	}
 }
+
+// TestGateRefusesRecordWithMissingCall: the original read A (10), B (3), A (5), B (4), but the record
+// lacks the read of B's first 3 bytes (a receive the recorder does not see: splice, TCP_ZEROCOPY_RECEIVE,
+// kTLS; or two readers of one socket). B's remaining determinant says it consumed [3, 7), yet the
+// connection's previous determinant ended at 0. A gate built from it replays an order the original never
+// had (all of B after both reads of A) and reports success.
+func TestGateRefusesRecordWithMissingCall(t *testing.T) {
+	srcA := Source{Seq: 0, Data: []byte("aaaaaaaaaaAAAAA")}
+	srcB := Source{Seq: 0, Data: []byte("bbbBBBB")}
+	sources := map[tcpflow.Tuple]Source{connA: srcA, connB: srcB}
+	dets := []Det{{Conn: connA, End: 10, Len: 10} /* missing: B [0,3) */, {Conn: connA, End: 15, Len: 5}, {Conn: connB, End: 7, Len: 4}}
+	g, err := NewGate(dets, sources)
+	if err != nil {
+		return // refused: the record provably misses a call
+	}
+	// It was accepted: show that the replay vouches for an order the original did not have.
+	f := &fakeSockets{queued: map[tcpflow.Tuple][]byte{}, next: map[tcpflow.Tuple]uint32{}, changed: make(chan struct{}, 1)}
+	events := make(chan Event, 16)
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	go f.program(ctx, []Det{{Conn: connA, Len: 100}, {Conn: connA, Len: 100}, {Conn: connB, Len: 100}}, events)
+	if _, err := g.Run(ctx, f, events, nil); err == nil {
+		t.Fatalf("a record missing B's read of [0, 3) was accepted, and the replay read A, A, then all of B at once: reported as the original's order")
+	}
+}
