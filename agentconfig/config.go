@@ -175,7 +175,8 @@ type Config struct {
 		LazyRestore bool `toml:"lazy_restore"`
 		// FenceTimeout is how long a node may hear from neither ring neighbour before it kills its protected
 		// jobs (self-fencing); the protector waits longer than that before a restored copy goes live. 0:
-		// 2 × heartbeat.timeout + 1s. The same value on every member.
+		// 2 × heartbeat.timeout + 1s (heartbeat.timeout + probe_timeout + 1s if longer). At least
+		// heartbeat.timeout + probe_timeout. The same value on every member.
 		FenceTimeout Duration `toml:"fence_timeout"`
 		// FenceCommand, if set, is run by the protector before a takeover ({host} and {address} substituted):
 		// exit status 0 confirms the failed host is off and the fence wait is skipped.
@@ -356,8 +357,9 @@ func (c Config) Validate() error {
 		errs = append(errs, fmt.Errorf("checkpoint.interval %s is below checkpoint.min_interval: use at least %s, or auto",
 			c.Checkpoint.Interval.Fixed, c.Checkpoint.MinInterval))
 	}
-	if c.Checkpoint.Interval.Auto && c.Checkpoint.MTBF.Duration <= 0 {
-		errs = append(errs, errors.New("checkpoint.mtbf must be positive when checkpoint.interval is auto"))
+	// Always: a job may ask for interval auto (CheckJobInterval) whatever the agent's own interval is.
+	if c.Checkpoint.MTBF.Duration <= 0 {
+		errs = append(errs, fmt.Errorf("checkpoint.mtbf %s must be positive (a job's interval auto is computed from it)", c.Checkpoint.MTBF))
 	}
 	if c.Checkpoint.Keep < 1 {
 		errs = append(errs, fmt.Errorf("checkpoint.keep %d: keep at least 1 snapshot", c.Checkpoint.Keep))
@@ -381,6 +383,12 @@ func (c Config) Validate() error {
 		errs = append(errs, fmt.Errorf("failover.fence_timeout %s must not be negative (0: 2 × heartbeat.timeout + 1s)", c.Failover.FenceTimeout))
 	} else if err := c.FenceTiming().Validate(c.Heartbeat.Timeout.Duration); err != nil {
 		errs = append(errs, fmt.Errorf("failover: %w", err))
+	} else if ft, declare := c.FenceTiming().Timeout, c.declareBound(); ft < declare {
+		// fence.Timing.Validate assumes the confirming probe takes at most heartbeat.timeout; a longer
+		// probe_timeout delays the declaration further, and a node that fenced itself meanwhile has killed
+		// jobs that nobody restores once the probe reaches it again.
+		errs = append(errs, fmt.Errorf("failover.fence_timeout %s is shorter than heartbeat.timeout + heartbeat.probe_timeout (%s): a node would kill its jobs before its protector could declare it failed; use at least %s",
+			ft, declare, declare))
 	}
 	if err := fence.CheckArgv(c.Failover.FenceCommand); err != nil {
 		errs = append(errs, fmt.Errorf("failover: %w", err))
@@ -441,9 +449,15 @@ func (c Config) ProbeTimeout() time.Duration {
 func (c Config) FenceTiming() fence.Timing {
 	t := fence.Timing{Interval: c.Heartbeat.Interval.Duration, Timeout: c.Failover.FenceTimeout.Duration}
 	if t.Timeout == 0 {
-		t.Timeout = 2*c.Heartbeat.Timeout.Duration + time.Second
+		t.Timeout = max(2*c.Heartbeat.Timeout.Duration, c.declareBound()) + time.Second
 	}
 	return t
+}
+
+// declareBound is the longest a protector takes to declare a silent predecessor failed: heartbeat.timeout
+// of silence, then the direct probe that confirms it (heartbeat.probe_timeout).
+func (c Config) declareBound() time.Duration {
+	return c.Heartbeat.Timeout.Duration + c.ProbeTimeout()
 }
 
 // CheckJobInterval validates the interval a job asks for ("" means the agent's own): a duration of at

@@ -783,12 +783,17 @@ target fails, the job is restored on its host again. The job's timeline is in ft
 			if err != nil {
 				return agentErr(err)
 			}
-			if asJSON {
-				return cli.PrintJSON(cmd.OutOrStdout(), m)
-			}
+			// A job that came back to its host was not moved: a failure, in JSON too (a script reads the status).
+			var failed error
 			if m.Error != "" {
+				failed = cli.WithCode(1, fmt.Errorf("migration of job %s to %s failed", m.Job, req.To))
+			}
+			if asJSON {
+				return errors.Join(cli.PrintJSON(cmd.OutOrStdout(), m), failed)
+			}
+			if failed != nil {
 				fmt.Fprintf(cmd.OutOrStdout(), "job %s NOT moved as asked: %s failed (%s); it runs on %s, restored from snapshot %s\n", m.Job, req.To, m.Error, m.To, m.Snapshot)
-				return cli.WithCode(1, fmt.Errorf("migration of job %s to %s failed", m.Job, req.To))
+				return failed
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "job %s moved from %s to %s (snapshot %s): stopped %s, replay done after %s (ftctl events --failure %s)\n",
 				m.Job, m.From, m.To, m.Snapshot, m.Frozen.Round(time.Millisecond), m.Replayed.Round(time.Millisecond), m.Event)

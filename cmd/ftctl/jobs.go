@@ -66,8 +66,11 @@ sees their own jobs, root every job. With a local lab up, every live host is ask
 			if len(errs) == len(cs) {
 				return agentErr(errs[0])
 			}
+			// The hosts that did not answer are named (one line each) and set the exit status, as in status:
+			// their jobs are missing from the list, not gone.
+			down := agentErr(errors.Join(errs...))
 			if asJSON {
-				return cli.PrintJSON(cmd.OutOrStdout(), rows)
+				return errors.Join(cli.PrintJSON(cmd.OutOrStdout(), rows), down)
 			}
 			w := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
 			fmt.Fprintln(w, "JOB\tSTATE\tHOST\tADDRESS\tUID\tPID\tLAST SNAPSHOT\tAGE")
@@ -82,7 +85,7 @@ sees their own jobs, root every job. With a local lab up, every live host is ask
 				}
 				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%d\t%d\t%s\t%s\n", r.ID, r.stateText(), r.Host, addr, r.UID, r.PID, dash(r.LastSnapshot), age)
 			}
-			return w.Flush()
+			return errors.Join(w.Flush(), down)
 		},
 	}
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
