@@ -380,8 +380,17 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 		return err
 	})
 	if err != nil {
+		// The shim may have started the job's init before its report failed to come (the client went away
+		// and Launch killed the shim, or the shim died): the init, in a PID namespace of its own, outlives
+		// the shim and would run the program in no record. Whatever runs in the job's cgroup goes with it.
+		a.supersede(*j)
+		if kerr := a.killCgroup(id); kerr != nil {
+			a.log.Error("a job whose shim gave no report could not be killed: anything it started runs unwatched", "job", id, "err", kerr)
+		}
 		a.releaseResources(j) // the receive order's watch too: each one left held a slot of a bounded map
-		a.deleteJobNet(ctx, id, j.Net)
+		// Not ctx, which has ended when the client went away: jobnet.Delete would leave the network, and
+		// its address, given back when StartJob returns, on the wire.
+		a.deleteJobNet(context.WithoutCancel(ctx), id, j.Net)
 		return nil, err
 	}
 	j.PID = pid

@@ -361,3 +361,29 @@ func TestAPIEvents(t *testing.T) {
 		}
 	}
 }
+
+// TestAPIRestoreOthersSnapshotRefusedFirst: a uid that names another user's job and a snapshot of it this
+// host holds is refused before the agent works on the snapshot: no verification of another user's images
+// on its behalf (reading and hashing them all), and nothing learnt from its answer (whether the snapshot
+// verifies, the job's other snapshots, its owner).
+func TestAPIRestoreOthersSnapshotRefusedFirst(t *testing.T) {
+	ta := agent.NewTestAgent(t)
+	h := agentapi.Handler(ta.Agent, agentapi.DefaultLimits())
+	snap := filepath.Join(ta.StoreRoot(), ownersJob, ta.OwnSnap())
+	if _, err := os.Stat(snap); err != nil {
+		t.Fatal(err)
+	}
+	// The owner's snapshot fails verification: a stray file.
+	if err := os.WriteFile(filepath.Join(snap, "stray"), []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, body := range []string{
+		`{"snapshot":"` + ta.OwnSnap() + `","job":"` + ownersJob + `"}`,
+		`{"snapshot":"` + ta.OwnSnap() + `"}`,
+	} {
+		w := call(t, h, asOther, "POST", "/v1/restore", body)
+		if w.Code != 404 || strings.Contains(w.Body.String(), "verif") || strings.Contains(w.Body.String(), "uid 1000") {
+			t.Errorf("restore %s as uid %d: %d %s; want 404, telling nothing of the snapshot or its owner", body, asOther.Uid, w.Code, w.Body.String())
+		}
+	}
+}

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -171,5 +172,46 @@ func TestStartJobKillsWhatItCannotRecord(t *testing.T) {
 	}
 	if _, _, err := ta.Job(id, 0); err == nil {
 		t.Errorf("job %s is listed", id)
+	}
+}
+
+// TestStartJobKillsWhatItCannotLaunch: when the shim's report does not come (the client went away, so the
+// request's context ended, or the shim died), the job's init may already run in the job's cgroup: the shim
+// starts it before it reports, and Launch kills only the shim, not the init that is its child in a PID
+// namespace of its own. StartJob then forgets the job, so whatever runs in its cgroup is killed: it would
+// run on in no record, unwatched and unprotected, its cgroup never removed.
+func TestStartJobKillsWhatItCannotLaunch(t *testing.T) {
+	ta := newTestAgent(t)
+	stop, pidFile := filepath.Join(ta.dir, "stop"), filepath.Join(ta.dir, "shim.pid")
+	t.Cleanup(func() { os.WriteFile(stop, nil, 0o600) })
+	// The fake shim has started the job (the cgroup has its cgroup.kill, as the kernel gives every cgroup),
+	// and dies or is killed before it reports.
+	script := "#!/bin/sh\nid=$(sed -n 's/.*\"job_id\":\"\\([^\"]*\\)\".*/\\1/p')\n" +
+		": > '" + ta.cfg.CgroupParent + "'/\"$id\"/cgroup.kill\n" +
+		"echo $$ > '" + pidFile + "'\n" +
+		"while [ ! -e '" + stop + "' ]; do sleep 0.05; done\n"
+	shimPath := filepath.Join(ta.dir, "fake-shim")
+	if err := os.WriteFile(shimPath, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	ta.self = shimPath
+	ctx, cancel := context.WithCancel(t.Context())
+	go func() { // the client goes away once the job runs
+		for deadline := time.Now().Add(failAfter); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+			if _, err := os.Stat(pidFile); err == nil {
+				break
+			}
+		}
+		cancel()
+	}()
+	if _, err := ta.StartJob(ctx, JobSpec{Name: "gone", Argv: []string{"/bin/true"}}, 1000, 1000); err == nil {
+		t.Fatal("StartJob succeeded without the shim's report")
+	}
+	cgs, _ := filepath.Glob(filepath.Join(ta.cfg.CgroupParent, "gone-*"))
+	if len(cgs) != 1 {
+		t.Fatalf("job cgroups %v, want one", cgs)
+	}
+	if b, _ := os.ReadFile(filepath.Join(cgs[0], "cgroup.kill")); string(b) != "1" {
+		t.Errorf("cgroup.kill of %s holds %q, want 1: the job runs on in no record", filepath.Base(cgs[0]), b)
 	}
 }

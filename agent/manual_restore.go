@@ -60,6 +60,12 @@ func (a *Agent) Restore(ctx context.Context, req RestoreRequest, uid uint32) (*J
 			}
 		}
 	}
+	// A snapshot this host held already skipped the owner check above: it is made here, from the job record
+	// in the snapshot, before the verification reads and hashes every image and its failure names the job's
+	// other snapshots. The verified record is checked again below.
+	if m, err := a.store.Manifest(req.Job, req.Snapshot); uid != 0 && err == nil && !a.ownsSnapshot(m, uid) {
+		return nil, fmt.Errorf("%w: snapshot %s is not of a job of uid %d", ErrNoJob, req.Snapshot, uid)
+	}
 	m, err := a.store.Verify(ctx, req.Job, req.Snapshot)
 	if err != nil {
 		return nil, a.corrupt(ctx, req, err)

@@ -10,10 +10,15 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"os"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/internal/rlimits"
 )
 
 // Callers are identified by SO_PEERCRED, read at accept, never by anything they send: root may do
@@ -45,6 +50,54 @@ func peerCred(c net.Conn) (*unix.Ucred, error) {
 		return nil, err
 	}
 	return cred, cerr
+}
+
+// callerLimits reads the resource limits of the caller's process, the one SO_PEERCRED named at connect.
+// By now that PID may name a process that is not wholly the caller's: the caller exec'd a set-uid program,
+// which may raise its own limits (sudo does, before it asks for a password), or it exited and the PID went
+// to another process. Root applies these limits to the job before it drops its privileges, so they count
+// only if the process read is still the caller's uid in every respect (real, effective, saved,
+// filesystem) with no capabilities (root aside), checked after the read, and a pidfd taken before it shows
+// the process lived throughout: the PID named the same process for both reads.
+func callerLimits(c *unix.Ucred) ([]rlimits.Limit, error) {
+	fd, err := unix.PidfdOpen(int(c.Pid), 0)
+	if err != nil {
+		return nil, fmt.Errorf("open a pidfd for the caller's process %d: %w", c.Pid, err)
+	}
+	defer unix.Close(fd)
+	ls, err := rlimits.Of(int(c.Pid))
+	if err != nil {
+		return nil, err
+	}
+	status, err := os.ReadFile("/proc/" + strconv.Itoa(int(c.Pid)) + "/status")
+	if err != nil {
+		return nil, fmt.Errorf("read the caller's process %d: %w", c.Pid, err)
+	}
+	if err := unix.PidfdSendSignal(fd, 0, nil, 0); err != nil {
+		return nil, fmt.Errorf("the caller's process %d is gone: %w", c.Pid, err)
+	}
+	uids, caps := "", ""
+	for line := range strings.Lines(string(status)) {
+		if v, ok := strings.CutPrefix(line, "Uid:"); ok {
+			uids = v
+		} else if v, ok := strings.CutPrefix(line, "CapEff:"); ok {
+			caps = strings.TrimSpace(v)
+		}
+	}
+	fields := strings.Fields(uids)
+	if len(fields) != 4 || caps == "" {
+		return nil, fmt.Errorf("process %d: no readable Uid and CapEff lines in its status", c.Pid)
+	}
+	for _, f := range fields {
+		if f != strconv.FormatUint(uint64(c.Uid), 10) {
+			return nil, fmt.Errorf("process %d is no longer wholly of uid %d (uids %s): its limits are not the caller's", c.Pid, c.Uid, strings.Join(fields, " "))
+		}
+	}
+	// A program with file capabilities (cap_sys_resource) raises its limits under the caller's uid.
+	if c.Uid != 0 && strings.Trim(caps, "0") != "" {
+		return nil, fmt.Errorf("process %d of uid %d holds capabilities %s: its limits are not the caller's", c.Pid, c.Uid, caps)
+	}
+	return ls, nil
 }
 
 func callerOf(r *http.Request) *unix.Ucred {

@@ -24,7 +24,6 @@ import (
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/coordinated"
-	"github.com/ftkit/ftkit/internal/rlimits"
 	"github.com/ftkit/ftkit/ring"
 	"github.com/ftkit/ftkit/shim"
 )
@@ -134,8 +133,8 @@ func Handler(a Backend, lim Limits) http.Handler {
 		// ?host=NAME: start it on that member (a run's launcher starting its part on another host).
 		c := callerOf(r)
 		// The job runs with its caller's resource limits, read from its process, never taken from what it
-		// sends; unknown (the caller is gone), a login session's.
-		spec.Limits, _ = rlimits.Of(int(c.Pid))
+		// sends; unknown (the caller is gone, or its PID names another user's process), a login session's.
+		spec.Limits, _ = callerLimits(c)
 		j, err := a.StartJobOn(r.Context(), r.URL.Query().Get("host"), spec, c.Uid, c.Gid)
 		if err != nil {
 			writeError(w, http.StatusUnprocessableEntity, err)

@@ -1,0 +1,87 @@
+package agentapi
+
+import (
+	"encoding/json"
+	"net/http"
+	"os"
+	"os/exec"
+	"strconv"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/internal/rlimits"
+)
+
+// TestAPIStartJobLimitsOnlyFromCallersProcess: a job gets the resource limits of the process that asked
+// for it, read through the PID SO_PEERCRED gave at connect. That PID may name a process of another user by
+// the time the request is served (the caller exec'd a set-uid program that raised its limits, as sudo
+// does before it asks for a password; or it exited and the PID was reused): the job must not get that
+// process's limits, which the user could never set itself.
+func TestAPIStartJobLimitsOnlyFromCallersProcess(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("SKIPPED: needs root (reads the limits of root's processes, as the agent does)")
+	}
+	start := func(t *testing.T, uid uint32, nofile uint64) *exec.Cmd {
+		t.Helper()
+		// Limits set by the process itself, then its program: prlimit(2) on another uid's process may
+		// need CAP_SYS_RESOURCE, which a container may not give.
+		cmd := exec.Command("sh", "-c", "ulimit -n "+strconv.FormatUint(nofile, 10)+" && exec sleep 60")
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uid, Gid: uid}}
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+		for range 200 { // until the limit is set
+			var got unix.Rlimit
+			if unix.Prlimit(cmd.Process.Pid, unix.RLIMIT_NOFILE, nil, &got) == nil && got.Max == nofile {
+				return cmd
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		t.Fatalf("process %d did not set its RLIMIT_NOFILE to %d", cmd.Process.Pid, nofile)
+		return nil
+	}
+	nofile := func(t *testing.T, j agent.Job) uint64 {
+		for _, l := range j.Spec.Limits {
+			if l.Resource == unix.RLIMIT_NOFILE {
+				return l.Max
+			}
+		}
+		return 0
+	}
+	h := Handler(newFakeBackend(t), DefaultLimits())
+	post := func(t *testing.T, cred *unix.Ucred) agent.Job {
+		t.Helper()
+		w := call(t, h, cred, "POST", "/v1/jobs?host=node2", `{"name":"lim","argv":["true"]}`)
+		if w.Code != http.StatusCreated {
+			t.Fatalf("status %d: %s", w.Code, w.Body)
+		}
+		var j agent.Job
+		if err := json.Unmarshal(w.Body.Bytes(), &j); err != nil {
+			t.Fatal(err)
+		}
+		return j
+	}
+	// The caller's own process: its limits go to the job. (Root's: reading the limits of another uid's
+	// process needs CAP_SYS_RESOURCE, which the agent has but a test's container may not.)
+	own := start(t, 0, 4321)
+	if got := nofile(t, post(t, &unix.Ucred{Uid: 0, Gid: 0, Pid: int32(own.Process.Pid)})); got != 4321 {
+		t.Errorf("job of the caller's own process: RLIMIT_NOFILE hard limit %d, want 4321", got)
+	}
+	// The PID names root's process, with limits far above a session's.
+	var mine unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &mine); err != nil || mine.Max <= 4321 {
+		t.Skipf("SKIPPED: this process's RLIMIT_NOFILE hard limit %d (%v) is not above the user's", mine.Max, err)
+	}
+	rootsMax := mine.Max
+	roots := start(t, 0, rootsMax)
+	j := post(t, &unix.Ucred{Uid: asOwner.Uid, Gid: asOwner.Gid, Pid: int32(roots.Process.Pid)})
+	if got := nofile(t, j); got == rootsMax {
+		t.Errorf("job of uid %d got the limits of uid 0's process %d (RLIMIT_NOFILE hard limit %d); want a session's %v",
+			asOwner.Uid, roots.Process.Pid, got, rlimits.Session)
+	}
+}
