@@ -76,10 +76,6 @@ func runJobInit(spec Spec) int {
 		// Not the agent's own environment: that of a root daemon is nothing a user's job should see.
 		env = []string{"PATH=" + defaultPath}
 	}
-	path, err := lookPath(spec.Argv[0], env, spec.Dir)
-	if err != nil {
-		return rep.fail("%v", err)
-	}
 	// What the agent's service unit gave it is not the job's: its OOM score adjustment (the OOM killer would
 	// spare the job and kill other users' processes instead) and its raised limits.
 	if err := resetOOMScoreAdj(); err != nil {
@@ -104,6 +100,12 @@ func runJobInit(spec Spec) int {
 		if err := unix.Chdir(spec.Dir); err != nil {
 			return rep.fail("chdir %s: %v", spec.Dir, err)
 		}
+	}
+	// With the job's credentials too: as root, the search would look into directories the user cannot
+	// (telling the user what they hold) and pick a program there the user cannot run over a later one.
+	path, err := lookPath(spec.Argv[0], env, spec.Dir)
+	if err != nil {
+		return rep.fail("%v", err)
 	}
 	for i, f := range []*os.File{null, stdout, stderr} {
 		if err := unix.Dup3(int(f.Fd()), i, 0); err != nil {
