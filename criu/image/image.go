@@ -67,6 +67,10 @@ func nextEntry(name string, b []byte, off int) (payload, rest []byte, err error)
 	return b[4 : 4+n], b[4+n:], nil
 }
 
+// maxEntries bounds the entries of an image decodeEntries decodes: 2^21 open files, far above the kernel's
+// default limit of 2^20 descriptors per process (fs.nr_open) for any job the agent can dump in time.
+const maxEntries = 1 << 21
+
 // decodeEntries decodes an image of kind magic made of size-prefixed protobuf entries of type what, each
 // into a message from newMsg; raw keeps every entry's bytes as written, for entries written back unchanged.
 func decodeEntries[M proto.Message](name string, b []byte, magic uint32, what string, newMsg func() M, opts proto.UnmarshalOptions) (raw [][]byte, msgs []M, err error) {
@@ -79,6 +83,11 @@ func decodeEntries[M proto.Message](name string, b []byte, magic uint32, what st
 		payload, rest, err = nextEntry(name, rest, off)
 		if err != nil {
 			return nil, nil, err
+		}
+		if len(msgs) == maxEntries {
+			// A crafted image of empty entries decodes into a message per 4 bytes, each some 90 bytes of the
+			// agent's memory: a snapshot from another node could have the root agent killed for memory.
+			return nil, nil, fmt.Errorf("image %s: more than %d %s entries (no process holds that many): %w", name, maxEntries, what, ErrFormat)
 		}
 		m := newMsg()
 		if err := opts.Unmarshal(payload, m); err != nil {

@@ -488,6 +488,8 @@ func TestFilesImageErrors(t *testing.T) {
 		{"wrong magic", appendHeader(nil, magicTCPStream), func(d string) error { _, err := RegularFiles(d); return err }, "magic"},
 		{"truncated entry", encodeFilesRaw(regNoBody)[:20], func(d string) error { _, err := RegularFiles(d); return err }, "entry claims"},
 		{"garbage entry", encodeFilesRaw([]byte{0x0a, 0xff}), func(d string) error { _, err := TCPConnections(d); return err }, "FileEntry #0 at offset 8"},
+		// 4 bytes an entry, some 90 bytes of memory each decoded: bounded before the agent runs out.
+		{"too many entries", append(appendHeader(nil, magicFiles), make([]byte, 4*(maxEntries+1))...), func(d string) error { _, err := TCPConnections(d); return err }, "more than 2097152 FileEntry entries"},
 		{"REG without reg", badReg, func(d string) error { _, err := RegularFiles(d); return err }, "type REG but no field reg"},
 		{"5-byte IPv4 address", encodeFilesRaw(marshal(t, badAddr)), func(d string) error {
 			writeImage(t, d, tcpStreamName(7), encodeStream(t, baseStream(1, 0, 0), nil, nil))
