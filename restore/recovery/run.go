@@ -308,8 +308,16 @@ func refuseTorn(ctx context.Context, d Deps, jobs []*Job, local func(ckpt.Conn) 
 
 // discard drops a prepared job that will not be restored: its working copy, and its claimed incarnation.
 func discard(ctx context.Context, d Deps, j *Job) {
-	criu.RemoveWorkDir(j.Work)
+	removeWork(d, j.Work)
 	d.Jobs.GiveBack(ctx, j)
+}
+
+// removeWork removes a restore's working copy of a snapshot, saying so if it stays: it holds the job's
+// memory, and nothing else removes it.
+func removeWork(d Deps, dir string) {
+	if err := criu.RemoveWorkDir(dir); err != nil {
+		d.Logger.Warn("could not remove a restore's working copy of a snapshot; remove it by hand", "dir", dir, "err", err)
+	}
 }
 
 // restoreJob restores one prepared job under its guard, or undoes what its preparation left (the guard,
@@ -458,7 +466,7 @@ func fetch(ctx context.Context, d Deps, req clusterapi.RecoverRequest, rj cluste
 		if err == nil && j.Manifest.Node != req.Failed && (rj.TakenFrom == "" || j.Manifest.Node != rj.TakenFrom) {
 			// A snapshot of the job taken on another host is not this recovery's to restore.
 			err = fmt.Errorf("snapshot %s was taken on %s, not on %s, whose jobs this recovery restores", c.Snapshot, j.Manifest.Node, req.Failed)
-			criu.RemoveWorkDir(j.Work)
+			removeWork(d, j.Work)
 		}
 		if err != nil {
 			d.Logger.Warn("candidate snapshot failed; trying the next", "job", rj.Job, "snapshot", c.Snapshot, "source", c.Source, "err", err)
@@ -468,7 +476,7 @@ func fetch(ctx context.Context, d Deps, req clusterapi.RecoverRequest, rj cluste
 		j.Holder = "failover:" + req.Failure
 		n, err := d.Jobs.Claim(ctx, j, j.Incarnation+1)
 		if err != nil {
-			criu.RemoveWorkDir(j.Work)
+			removeWork(d, j.Work)
 			return nil, failed, fmt.Errorf("snapshot %s verified, but the job may not run here: %w", c.Snapshot, err)
 		}
 		j.Incarnation = n
