@@ -8,6 +8,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/outputs"
+	"github.com/ftkit/ftkit/internal/atomicfile"
 )
 
 // restoreOutputs puts job j's output files back to their sizes at snapshot m (ckpt/outputs), journaling
@@ -36,6 +37,8 @@ func (a *Agent) undoOutputs(jr *outputs.Journal, m *ckpt.Manifest, err error) (k
 	kept := filepath.Join(a.cfg.StateDir, "restore", fmt.Sprintf("%s-%s.journal-%d", m.Job, m.ID, time.Now().Unix()))
 	if rerr := os.Rename(jr.Dir(), kept); rerr != nil {
 		kept, keepWork = jr.Dir(), true
+	} else if serr := atomicfile.SyncDir(filepath.Dir(kept)); serr != nil {
+		keepWork = true // the rename may not survive a crash: the work directory is not removed under it
 	}
 	a.log.Error("a failed restore could not put the job's files back", "job", m.Job, "snapshot", m.ID, "err", uerr, "journal", kept)
 	return keepWork, fmt.Errorf("%w; putting the job's files back as they were failed too (%v): what the restore cut off or overwrote is kept in %s (see %s there)", err, uerr, kept, outputs.IndexFile)

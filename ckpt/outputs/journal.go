@@ -31,8 +31,9 @@ const (
 	createdDir  kind = "created_directory" // undo removes it (empty by then)
 )
 
-// IndexFile is the file of a journal directory that Undo writes when it could not put everything back:
-// what each saved file holds and where its bytes belong, for an operator.
+// IndexFile is the file of a journal directory that says what each saved file holds and where its bytes
+// belong, for an operator: written before each change is made, so that it survives an agent killed
+// midway, and kept when Undo could not put everything back.
 const IndexFile = "index.json"
 
 // entry is one change; the exported fields are what an operator finds in IndexFile.
@@ -84,7 +85,23 @@ func (jr *Journal) save(k kind, path string, f *os.File, off, size int64) error 
 		return fmt.Errorf("journal %s before changing it: %w", path, err)
 	}
 	jr.add(e)
+	// An agent killed after the change leaves only what is on disk: the index says where the saved bytes
+	// belong, and its write fsyncs the directory, so the saved file's own entry is durable too.
+	if err := jr.writeIndex(); err != nil {
+		jr.entries = jr.entries[:len(jr.entries)-1]
+		os.Remove(p)
+		return fmt.Errorf("journal %s before changing it: %w", path, err)
+	}
 	return nil
+}
+
+// writeIndex replaces IndexFile with the journal's entries.
+func (jr *Journal) writeIndex() error {
+	b, err := json.MarshalIndent(jr.entries, "", "  ")
+	if err != nil {
+		return err
+	}
+	return atomicfile.WriteFile(filepath.Join(jr.dir, IndexFile), b, 0o600)
 }
 
 // Undo reverts every change, newest first, and closes the journal. It goes on past a failure and reports
@@ -101,9 +118,7 @@ func (jr *Journal) Undo() error {
 		}
 	}
 	if len(errs) > 0 {
-		if b, merr := json.MarshalIndent(jr.entries, "", "  "); merr == nil {
-			atomicfile.WriteFile(filepath.Join(jr.dir, IndexFile), b, 0o600)
-		}
+		jr.writeIndex()
 	}
 	jr.Close()
 	return errors.Join(errs...)

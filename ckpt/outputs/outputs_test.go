@@ -179,7 +179,7 @@ func TestRestoreOutputsAndUndo(t *testing.T) {
 	if st, err := os.Stat(jdir); err != nil || st.Mode().Perm() != 0o700 {
 		t.Errorf("journal directory %v, %v; want 0700", st, err)
 	}
-	saved, _ := filepath.Glob(filepath.Join(jdir, "*"))
+	saved, _ := filepath.Glob(filepath.Join(jdir, "*.bytes"))
 	if len(saved) != 2 { // the tails of stdout and out.log
 		t.Errorf("journal holds %v, want the two truncated tails", saved)
 	}
@@ -458,4 +458,26 @@ func TestSparseOutputsStaySparse(t *testing.T) {
 			t.Errorf("undone: stdout %q, %v; want %q", head(string(b)), err, lines(0, 3))
 		}
 	})
+}
+
+// An agent killed right after Restore cut a file (before the restore succeeded or was undone) leaves
+// the journal as it is on disk: it must say, durably, what each saved file holds and where its bytes
+// belong, or the bytes cut off the user's outputs are in a file no one can put back.
+func TestJournalIndexedBeforeChange(t *testing.T) {
+	f := newOutputsFixture(t)
+	jr, err := f.restore()
+	if err != nil {
+		t.Fatalf("Restore: %v", err)
+	}
+	// The agent is killed here: no Undo, no Close.
+	saved, _ := filepath.Glob(filepath.Join(jr.Dir(), "*.bytes"))
+	b, rerr := os.ReadFile(filepath.Join(jr.Dir(), IndexFile))
+	if rerr != nil {
+		t.Fatalf("journal after a kill holds %v and no %s (%v): nothing says which file's bytes they are", saved, IndexFile, rerr)
+	}
+	for _, p := range []string{filepath.Join(f.dir, "stdout"), filepath.Join(f.home, "out.log")} {
+		if !strings.Contains(string(b), p) {
+			t.Errorf("%s does not name %s, which Restore cut: %s", IndexFile, p, b)
+		}
+	}
 }
