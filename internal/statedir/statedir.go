@@ -171,7 +171,7 @@ func restrictEntries(dir string, public []string) error {
 	return errors.Join(errs...)
 }
 
-// restrictFile sets the mode of path, a root-owned file or directory, to perm unless it already is;
+// restrictFile sets the mode of path, a root-owned file (with one link) or directory, to perm unless it already is;
 // anything else (a link, another user's file) is left alone.
 func restrictFile(path string, perm fs.FileMode) error {
 	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
@@ -188,6 +188,12 @@ func restrictFile(path string, perm fs.FileMode) error {
 	}
 	kind := st.Mode & unix.S_IFMT
 	if st.Uid != 0 || (kind != unix.S_IFREG && kind != unix.S_IFDIR) || fs.FileMode(st.Mode&0o7777) == perm {
+		return nil
+	}
+	// O_NOFOLLOW stops a symbolic link, not a hard one: a user who can create entries in dir could link
+	// root's file from elsewhere (a world-writable one, or any with fs.protected_hardlinks off). Root's
+	// own state files have a single link.
+	if kind == unix.S_IFREG && st.Nlink != 1 {
 		return nil
 	}
 	if err := unix.Fchmod(fd, uint32(perm)); err != nil {

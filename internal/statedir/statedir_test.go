@@ -130,3 +130,31 @@ func TestPrepare(t *testing.T) {
 		})
 	}
 }
+
+// TestPrepareLeavesHardLinkAlone plants, in a world-writable jobs_dir (which is also the records directory,
+// the default layout), a hard link to a root-owned file elsewhere: O_NOFOLLOW stops a symbolic link, not a
+// hard one, and the file is root's, so only its link count tells it from a record root wrote there.
+func TestPrepareLeavesHardLinkAlone(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("SKIPPED: needs root")
+	}
+	base := t.TempDir()
+	stateDir := filepath.Join(base, "var/lib/ftkit")
+	records := filepath.Join(stateDir, "jobs")
+	if err := os.MkdirAll(records, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	os.Chmod(records, 0o1777) // "a jobs_dir made world-writable"
+	outside := filepath.Join(base, "etc-passwd")
+	writeOld(t, outside, 0o644)
+	// What the user does with ln(1); root does it here for the test.
+	if err := os.Link(outside, filepath.Join(records, "evil.json")); err != nil {
+		t.Fatal(err)
+	}
+	if err := Prepare([]string{stateDir, records}, []string{records, filepath.Join(base, "run/ftkit")}); err != nil {
+		t.Fatal(err)
+	}
+	if got := perm(t, outside); got != 0o644 {
+		t.Errorf("root's file outside the state directory: mode %v after Prepare, want 0644 (chmod through a planted hard link)", got)
+	}
+}
