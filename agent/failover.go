@@ -654,6 +654,7 @@ func (a *Agent) serveClaim(peer string, cl spare.Claim) error {
 		if !ok || self.State != ring.StateAlive || (self.Role != ring.RoleSpare && !runSpare) {
 			return fmt.Errorf("%w: %s is not a free spare (role %s)", spare.ErrBusy, a.cfg.Name, self.Role)
 		}
+		cl.SpareIncarnation = self.Incarnation
 		if by, ok := v.Member(peer); !ok || by.Role != ring.RoleNode || by.State != ring.StateAlive {
 			return fmt.Errorf("claim refused: %s is not an alive node of the ring (role %s, state %s); only a failed node's protector claims a spare", peer, by.Role, by.State)
 		}
@@ -684,10 +685,29 @@ func (a *Agent) serveClaim(peer string, cl spare.Claim) error {
 
 // releaseAbandonedClaim frees this node from a claim whose recovery ended before the view changed (the
 // failed node beat again, and its jobs ran on: beatsAgain): the failure's timeline, which the protector
-// pushes to every member, says done, and the node is an alive member still, so no job came here.
+// pushes to every member, says done, and the node is an alive member still, so no job came here. It also
+// frees it from a claim taken by an earlier incarnation of this host: that one failed, its jobs were
+// dropped before it rejoined, and no recovery request of that claim can come to the new one (a rejoined
+// spare kept it forever, busy for every later failure).
+//
+// Never while a job runs or is being restored here: the failed node may be alive in the view because its
+// replacement's view lost the same-epoch tie-break (until its protector applies it again) while its jobs,
+// restored, run here; freed, the spare took a second failure's jobs on top of the first's.
 func (a *Agent) releaseAbandonedClaim(v ring.View) {
 	cur, ok := a.claims.Current()
 	if !ok {
+		return
+	}
+	if len(a.runningJobIDs()) > 0 || a.busy.current() == detect.BusyRestore {
+		return
+	}
+	if self, ok := v.Member(a.cfg.Name); ok && cur.SpareIncarnation < self.Incarnation {
+		if err := a.claims.Release(cur.Failure); err != nil {
+			a.log.Error("release the claim of an earlier incarnation", "failure", cur.Failure, "err", err)
+			return
+		}
+		a.log.Info("claim released: it was taken by an earlier incarnation of this host", "failure", cur.Failure, "failed", cur.Failed,
+			"claimed_as", cur.SpareIncarnation, "incarnation", self.Incarnation)
 		return
 	}
 	if m, ok := v.Member(cur.Failed); !ok || m.State != ring.StateAlive {

@@ -50,6 +50,10 @@ type Claim struct {
 	// member holding it: the claimed spare fetches them while the protector waits for the failed node's
 	// fence, so that the transfer is done (or under way) when the recovery starts.
 	Prefetch []Prefetch `json:"prefetch,omitempty"`
+	// SpareIncarnation is the claimed member's own incarnation when it took the claim, set by the member
+	// itself (never taken from the requester): a claim taken by an earlier incarnation ended when that
+	// incarnation failed (the host dropped its jobs before it rejoined), and must not keep the spare busy.
+	SpareIncarnation uint64 `json:"spare_incarnation,omitempty"`
 }
 
 // Prefetch is one snapshot a claimed spare may fetch ahead of its recovery.
