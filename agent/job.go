@@ -192,8 +192,19 @@ type Replica struct {
 
 // Protected reports whether a failure of the job's host could be recovered from a replica: one taken
 // on the host the job runs on now (a restored job carries its old host's replica in its record until it
-// is snapshotted again).
-func (j *Job) Protected() bool { return j.Replica != nil && j.Replica.Node == j.Node }
+// is snapshotted again). A copy restored on the host its snapshot was taken on (a rollback, a manual
+// restore there) carries that host's replica from before the snapshot: one of an execution that is gone,
+// which protects it no more than another host's would.
+func (j *Job) Protected() bool {
+	if j.Replica == nil || j.Replica.Node != j.Node {
+		return false
+	}
+	// Ids of one node grow (ckpt.Store.Begin), so only this host's own are compared.
+	if from, err := ckpt.ParseID(j.Restored); err == nil && from.Node == j.Node && j.Replica.Snapshot <= j.Restored {
+		return false
+	}
+	return true
+}
 
 // Covered reports whether the job is protected and its replica holds every connection the agent's last
 // check found.

@@ -371,3 +371,31 @@ func TestSnapSchedulerSpreadsUnrelatedJobs(t *testing.T) {
 		}
 	}
 }
+
+// TestRestoredOnItsOwnHostNotProtectedByOldReplica: a copy restored on the host its snapshot was taken on (a
+// coordinated rollback restores each part there; a manual restore on the job's own host) carries, in the
+// record inside the snapshot, the replica taken before that snapshot: a snapshot of an execution that is
+// gone (a restore from it is refused: its incarnation was superseded). Until the copy's own snapshot is
+// replicated it is not protected, as a copy restored on another host is not.
+func TestRestoredOnItsOwnHostNotProtectedByOldReplica(t *testing.T) {
+	t0 := time.Date(2026, 11, 22, 10, 0, 0, 0, time.UTC)
+	id := func(at time.Time, seq uint64) string { return ckpt.SnapshotID{Time: at, Node: "node1", Seq: seq}.String() }
+	older, cut, newer := id(t0, 1), id(t0.Add(time.Minute), 2), id(t0.Add(2*time.Minute), 3)
+	// What restoreJob makes of the record in snapshot cut: its replica is the one before it.
+	j := Job{ID: "j", Node: "node1", State: JobRunning, Restored: cut,
+		Replica: &Replica{Snapshot: older, Time: t0, Node: "node1", Holders: []string{"node2"}}}
+	if j.Protected() {
+		t.Errorf("a copy restored from %s counts as protected by replica %s, taken before it", cut, older)
+	}
+	// Its own snapshot, replicated (recordReplica), protects it.
+	j.Replica = &Replica{Snapshot: newer, Time: t0.Add(2 * time.Minute), Node: "node1", Holders: []string{"node2"}}
+	if !j.Protected() {
+		t.Errorf("a copy restored from %s is not protected by its own replica %s", cut, newer)
+	}
+	// Restored on another host, its own replicas protect it whatever the two hosts' clocks.
+	moved := Job{ID: "j", Node: "node3", State: JobRunning, Restored: newer,
+		Replica: &Replica{Snapshot: ckpt.SnapshotID{Time: t0, Node: "node3", Seq: 1}.String(), Node: "node3"}}
+	if !moved.Protected() {
+		t.Error("a copy restored on another host is not protected by a replica of its own taken by a slower clock")
+	}
+}
