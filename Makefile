@@ -60,9 +60,10 @@ bench: build
 
 # The .deb (deploy/nfpm.yaml): the three binaries, the systemd unit, the example config, ftctl's shell
 # completion and the docs, written to $(PKGOUT). Debian versions start with a digit: a tag v1.2.3 gives
-# 1.2.3 (1.2.3+4+gabc after it), an untagged commit 0.0~git<describe>.
+# 1.2.3 (1.2.3+4+gabc after it), an untagged commit 0.0~git<commit count>.<describe>: the count makes a later
+# build the newer package (dpkg compares hashes as text, so half of them would be downgrades).
 PKGOUT ?= $(BIN)
-DEB_VERSION := $(shell echo '$(VERSION)' | sed -E 's/^v([0-9])/\1/; t; s/^/0.0~git/' | tr - '+')
+DEB_VERSION := $(shell echo '$(VERSION)' | sed -E 's/^v([0-9])/\1/; t; s/^/0.0~git$(shell git rev-list --count HEAD 2>/dev/null || echo 0)./' | tr - '+')
 
 # Built into its own staging directory, never into bin/: `make test` runs the package test while other
 # tests execute the binaries in bin/.

@@ -75,7 +75,8 @@ func TestPackageInstalls(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if stdout, stderr, err := run(t, repo, "dpkg", "--root="+root, "--admindir="+admin, "--log=/dev/null", "-i", debs[0]); err != nil {
+	// The maintainer scripts run outside the empty root (it has no shell), with DPKG_ROOT set: they do nothing.
+	if stdout, stderr, err := run(t, repo, "dpkg", "--root="+root, "--admindir="+admin, "--log=/dev/null", "--force-script-chrootless", "-i", debs[0]); err != nil {
 		t.Fatalf("dpkg -i into %s: %v\n%s%s", root, err, stdout, stderr)
 	}
 	for _, f := range []struct {
@@ -106,6 +107,12 @@ func TestPackageInstalls(t *testing.T) {
 	}
 	if b, _ := os.ReadFile(filepath.Join(root, "usr/share/bash-completion/completions/ftctl")); !bytes.Contains(b, []byte("__start_ftctl")) {
 		t.Error("the bash completion is not cobra's completion script for ftctl")
+	}
+	// An upgrade must restart the running agent on the new binary, a removal stop it: systemd does neither itself.
+	for _, script := range []string{"postinst", "prerm"} {
+		if _, err := os.Stat(filepath.Join(admin, "info", "ftkit."+script)); err != nil {
+			t.Errorf("the package has no %s: %v", script, err)
+		}
 	}
 	conffiles, _, err := run(t, repo, "dpkg-query", "--admindir="+admin, "-W", "-f=${Conffiles}", "ftkit")
 	if err != nil || !strings.Contains(conffiles, "/etc/ftkit/agent.toml") {
