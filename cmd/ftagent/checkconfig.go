@@ -194,16 +194,17 @@ func checkListen(cfg agent.Config) check {
 }
 
 // checkCRIU applies the agent's own CRIU version gate, and says whether the binary carries ftkit's patches
-// (the agent runs without them, and warns).
+// (the agent runs without them, and warns: so does this check).
 func checkCRIU(path string) []check {
 	bin, v, err := criu.Require(path)
 	if err != nil {
 		return []check{{"CRIU " + criu.MinVersion.String() + " or newer", err}}
 	}
-	return []check{
-		{fmt.Sprintf("CRIU %s or newer (%s is %s)", criu.MinVersion, bin, v), nil},
-		{fmt.Sprintf("CRIU built with ftkit's patches (version %s.%d)", v, criu.PatchLevel()), criu.CheckPatches(bin)},
+	patches := check{fmt.Sprintf("CRIU built with ftkit's patches (version %s.%d)", v, criu.PatchLevel()), nil}
+	if err := criu.CheckPatches(bin); err != nil {
+		patches.err = warning{err}
 	}
+	return []check{{fmt.Sprintf("CRIU %s or newer (%s is %s)", criu.MinVersion, bin, v), nil}, patches}
 }
 
 // kernelChecks checks the kernel version and the file systems the agent uses: BTF for CO-RE eBPF, cgroup

@@ -12,6 +12,7 @@ import (
 	"math/big"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -379,5 +380,30 @@ func TestSafeDirPath(t *testing.T) {
 				t.Errorf("safeDirPath(%s) = %v, want %q", dir, err, tc.want)
 			}
 		})
+	}
+}
+
+// TestCheckCRIUUnpatchedWarns: a CRIU 4.2 or newer without ftkit's patches (a site's own build, which
+// docs/deploy.md allows with `criu =`) is what the agent runs with, warning: --check-config warns too,
+// instead of failing the host.
+func TestCheckCRIUUnpatchedWarns(t *testing.T) {
+	real, err := exec.LookPath("/usr/local/sbin/criu")
+	if err != nil {
+		t.Skipf("SKIPPED: no CRIU at /usr/local/sbin/criu (scripts/setup.sh criu): %v", err)
+	}
+	// The real CRIU, but `criu --version` names no patch level, as an unpatched 4.2.1 does.
+	fake := filepath.Join(t.TempDir(), "criu")
+	script := "#!/bin/sh\n[ \"$1\" = --version ] && { echo 'Version: 4.2.1'; exit 0; }\nexec " + real + " \"$@\"\n"
+	if err := os.WriteFile(fake, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	checks := checkCRIU(fake)
+	var buf bytes.Buffer
+	printChecks(&buf, checks)
+	t.Logf("\n%s", buf.String())
+	for _, c := range checks {
+		if c.err != nil && !c.warns() {
+			t.Errorf("%s: FAIL (%v), want a warning: the agent runs with this CRIU", c.what, c.err)
+		}
 	}
 }
