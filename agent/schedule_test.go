@@ -379,7 +379,9 @@ func TestSnapSchedulerSpreadsUnrelatedJobs(t *testing.T) {
 // replicated it is not protected, as a copy restored on another host is not.
 func TestRestoredOnItsOwnHostNotProtectedByOldReplica(t *testing.T) {
 	t0 := time.Date(2026, 11, 22, 10, 0, 0, 0, time.UTC)
-	id := func(at time.Time, seq uint64) string { return ckpt.SnapshotID{Time: at, Node: "node1", Seq: seq}.String() }
+	id := func(at time.Time, seq uint64) string {
+		return ckpt.SnapshotID{Time: at, Node: "node1", Seq: seq}.String()
+	}
 	older, cut, newer := id(t0, 1), id(t0.Add(time.Minute), 2), id(t0.Add(2*time.Minute), 3)
 	// What restoreJob makes of the record in snapshot cut: its replica is the one before it.
 	j := Job{ID: "j", Node: "node1", State: JobRunning, Restored: cut,
