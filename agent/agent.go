@@ -65,8 +65,8 @@ type Agent struct {
 	replicaConns map[string]replicaConns
 	changed      chan struct{} // closed and replaced whenever a job changes, for long-polling clients
 	// reservedAddrs count the holds on job addresses that no running job's record shows: a job being
-	// started, not yet in byID; an ended job's lingering network (releaseEnded). Counted: a job that ends
-	// before its StartJob returns holds its address both ways.
+	// started, not yet in byID; an ended job's network until it is deleted, lingering or not (releaseEnded).
+	// Counted: a job that ends before its StartJob returns holds its address both ways.
 	reservedAddrs map[netip.Addr]int
 	// lingering are the networks of ended jobs that outlive them (releaseEnded).
 	lingering lingerNets
@@ -550,9 +550,11 @@ func (a *Agent) finish(j *Job, state JobState, st *shim.ExitStatus) {
 	a.mu.Lock()
 	j.State, j.Exit = state, st
 	lingers := a.netLingers(j, state)
-	if lingers {
+	reserved := j.Net != nil && !addressHeld(j)
+	if reserved {
 		// In the same step as the state that gives the address back (addressHeld): a job started by
-		// someone who saw this one end must not get the address its lingering network still holds.
+		// someone who saw this one end must not get the address its network still holds, lingering or
+		// not deleted yet (releaseEnded gives it back once the network is gone).
 		a.reservedAddrs[j.Net.Addr.Addr()]++
 	}
 	err := a.jobs.save(j)
@@ -561,7 +563,7 @@ func (a *Agent) finish(j *Job, state JobState, st *shim.ExitStatus) {
 	if err != nil {
 		a.log.Error("save job record", "job", j.ID, "err", err)
 	}
-	a.releaseEnded(j, lingers)
+	a.releaseEnded(j, lingers, reserved)
 	if st != nil {
 		a.log.Info("job ended", "job", j.ID, "code", st.Code, "signal", st.Signal, "reason", st.Reason)
 	} else {
@@ -571,10 +573,10 @@ func (a *Agent) finish(j *Job, state JobState, st *shim.ExitStatus) {
 
 // releaseJob gives back what job j held on this host once its processes are gone (it ended, or moved):
 // its log and receive-tap attachments, its cgroup, a lazy restore's images, its job network.
-func (a *Agent) releaseJob(j *Job) {
+func (a *Agent) releaseJob(j *Job) error {
 	a.releaseResources(j)
 	// The job's address leaves the wire with it (a job network lives on by its bind mount otherwise).
-	a.deleteJobNet(context.Background(), j.ID, j.Net)
+	return a.deleteJobNet(context.Background(), j.ID, j.Net)
 }
 
 // releaseResources gives back what releaseJob does but the job network.

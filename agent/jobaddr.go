@@ -105,6 +105,11 @@ func (a *Agent) allocJobAddr() (netip.Prefix, error) {
 	for _, ip := range members {
 		used[ip] = true
 	}
+	// The router the job networks route through may be inside the pool: a job with its address would take
+	// it from the router, and jobnet refuses such a network anyway (every later start would pick it again).
+	if gw := a.cfg.JobNetwork.Gateway; gw.IsValid() {
+		used[gw.Unmap()] = true
+	}
 	p, ok := pickJobAddr(pool, own, used)
 	if !ok {
 		return netip.Prefix{}, fmt.Errorf("job_network.pool %s is exhausted: every address is held by a running job, one being started, or an ended job's network until its closes are acknowledged (job_network.linger)", pool)
@@ -195,20 +200,22 @@ func (a *Agent) withdrawJobNet(ctx context.Context, id string, n *JobNet) {
 	a.deleteJobNet(ctx, id, n)
 }
 
-// deleteJobNet removes job id's network if it is this agent's (never a name from a record as such).
-func (a *Agent) deleteJobNet(ctx context.Context, id string, n *JobNet) {
+// deleteJobNet removes job id's network if it is this agent's (never a name from a record as such). The
+// error says the network may still hold its address on the wire.
+func (a *Agent) deleteJobNet(ctx context.Context, id string, n *JobNet) error {
 	if n == nil {
-		return
+		return nil
 	}
 	if want := jobNetName(a.cfg.Name, id); n.Name != want {
 		a.log.Warn("job record names a job network that is not this agent's for the job; not removing it", "job", id, "net", n.Name, "want", want)
-		return
+		return nil
 	}
 	if err := jobnet.Delete(ctx, n.Name, ""); err != nil {
 		a.log.Error("delete job network: its address may stay on the wire", "job", id, "net", n.Name, "err", err)
-		return
+		return fmt.Errorf("delete job network %s: %w", n.Name, err)
 	}
 	a.log.Info("job network deleted", "job", id, "net", n.Name, "addr", n.Addr)
+	return nil
 }
 
 // netLingers says whether the network of job j, ending in state, outlives the rest of the job
@@ -220,20 +227,27 @@ func (a *Agent) netLingers(j *Job, state JobState) bool {
 		j.Net.Name == jobNetName(a.cfg.Name, j.ID)
 }
 
-// releaseEnded gives back what job j held once it ended. A lingering network (netLingers), whose address
-// finish reserved, is deleted once its closes are acknowledged, and the address given back then.
-func (a *Agent) releaseEnded(j *Job, lingers bool) {
+// releaseEnded gives back what job j held once it ended. A lingering network (netLingers) is deleted once
+// its closes are acknowledged. The address finish reserved (reserved) is given back once the network is
+// gone: before, a job started meanwhile would get an address the old network still holds on the wire. A
+// network that could not be deleted keeps it reserved (the next agent's adopt deletes the network again).
+func (a *Agent) releaseEnded(j *Job, lingers, reserved bool) {
 	if !lingers {
-		a.releaseJob(j)
+		if err := a.releaseJob(j); err == nil && reserved {
+			a.releaseJobAddr(j.Net.Addr.Addr())
+		}
 		return
 	}
 	n := *j.Net
 	a.releaseResources(j)
 	a.lingering.add(n.Name, j.ID)
 	go func() {
-		defer a.releaseJobAddr(n.Addr.Addr())
 		a.awaitCloses(j.ID, n.Name, a.cfg.JobNetwork.Linger.Duration)
-		a.lingering.take(n.Name, func(string) { a.deleteJobNet(context.Background(), j.ID, &n) })
+		var err error
+		a.lingering.take(n.Name, func(string) { err = a.deleteJobNet(context.Background(), j.ID, &n) })
+		if err == nil { // else still on the wire
+			a.releaseJobAddr(n.Addr.Addr())
+		}
 	}()
 }
 

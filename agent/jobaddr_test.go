@@ -1,12 +1,16 @@
 package agent
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
+	"log/slog"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -269,5 +273,90 @@ func TestEndedJobAddressNotReused(t *testing.T) {
 	j, addr := start("quick-00000001")
 	if p := endThenStart(j, func() { a.releaseJobAddr(addr.Addr()) }); p.Addr() == addr.Addr() {
 		t.Errorf("a job started after %s ended before its StartJob returned got %s, which its lingering network holds", j.ID, p)
+	}
+}
+
+// hookHandler runs hook on each record it handles (a test's way into a moment of the agent's work).
+type hookHandler struct{ hook func(slog.Record) }
+
+func (h hookHandler) Enabled(context.Context, slog.Level) bool { return true }
+func (h hookHandler) Handle(_ context.Context, r slog.Record) error {
+	h.hook(r)
+	return nil
+}
+func (h hookHandler) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h hookHandler) WithGroup(string) slog.Handler      { return h }
+
+// TestEndedJobAddressHeldUntilNetworkDeleted: the address of a job that ended without a lingering network
+// (job_network.linger 0) is not handed out before its network is deleted: until then the old network still
+// holds it on the wire, and a job started meanwhile would have a second network on this host with it.
+func TestEndedJobAddressHeldUntilNetworkDeleted(t *testing.T) {
+	ta := newTestAgent(t)
+	a := ta.Agent
+	a.reservedAddrs = map[netip.Addr]int{}
+	a.cfg.Cluster.Listen = netip.MustParseAddrPort("127.0.0.1:1") // the pool's cluster network: lo's 127/8
+	a.cfg.JobNetwork.Pool = netip.MustParsePrefix("127.0.0.200/30")
+	a.cfg.JobNetwork.Linger = Duration{} // no lingering: the network goes as the job ends
+	addr, err := a.allocJobAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := "nolinger-00000001"
+	j := ta.addJob(t, Job{ID: id, State: JobRunning, PID: os.Getpid(), Net: &JobNet{Name: jobNetName(a.cfg.Name, id), Kind: jobnet.MACVlan, Addr: addr}})
+	a.releaseJobAddr(addr.Addr()) // StartJob returns
+	// A record whose cgroup is not this agent's (restored from an older agent's snapshot): releasing the
+	// job logs it, after the job is seen ended and before its network is deleted. A start comes then.
+	j.Cgroup = filepath.Join(t.TempDir(), "elsewhere")
+	var mu sync.Mutex
+	deleted, started := false, false
+	var got netip.Prefix
+	a.log = slog.New(hookHandler{func(r slog.Record) {
+		mu.Lock()
+		defer mu.Unlock()
+		switch {
+		case strings.HasPrefix(r.Message, "job network deleted"):
+			deleted = true
+		case strings.Contains(r.Message, "cgroup that is not this agent's") && !started:
+			started = true
+			if got, err = a.allocJobAddr(); err != nil {
+				t.Error(err)
+			}
+			if !deleted && got.Addr() == addr.Addr() {
+				t.Errorf("a job started after %s ended, before its network was deleted, got %s, which that network still holds", id, got)
+			}
+		}
+	}})
+	a.finish(j, JobExited, &shim.ExitStatus{})
+	if !started || !deleted {
+		t.Fatalf("the start ran: %v; the network was deleted: %v", started, deleted)
+	}
+	a.releaseJobAddr(got.Addr())
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if n := a.reservedAddrs[addr.Addr()]; n != 0 {
+		t.Errorf("%s is still reserved %d times once the ended job's network is deleted", addr, n)
+	}
+}
+
+// TestAllocJobAddrSkipsGateway: the job networks' gateway, a router of the cluster network, is never handed
+// out as a job address, though the pool holds it (the configuration allows it): a job given the router's
+// address cannot be started (jobnet.Spec.Validate refuses it), and every later start would get it again.
+func TestAllocJobAddrSkipsGateway(t *testing.T) {
+	ta := newTestAgent(t)
+	a := ta.Agent
+	a.reservedAddrs = map[netip.Addr]int{}
+	a.cfg.Cluster.Listen = netip.MustParseAddrPort("127.0.0.1:1") // the pool's cluster network: lo's 127/8
+	a.cfg.JobNetwork.Pool = netip.MustParsePrefix("127.0.0.200/30")
+	a.cfg.JobNetwork.Gateway = netip.MustParseAddr("127.0.0.200")
+	if err := a.cfg.CheckJobNetwork(); err != nil {
+		t.Fatalf("the configuration is refused (%v): nothing to allocate", err)
+	}
+	p, err := a.allocJobAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.releaseJobAddr(p.Addr())
+	if p.Addr() == a.cfg.JobNetwork.Gateway {
+		t.Errorf("allocJobAddr handed out the job networks' gateway %s", p)
 	}
 }
