@@ -129,6 +129,23 @@ func addressHeld(j *Job) bool {
 	return j.Net != nil && (j.State == JobRunning || j.State == JobLost || j.State == JobMoved || j.Fenced)
 }
 
+// otherHolder names a job of this host other than j whose record holds j's address (addressHeld), "" if
+// none: restoring j from an old snapshot (a job that ended, its address given out again) would put one
+// address on two jobs.
+func (a *Agent) otherHolder(j Job) string {
+	if j.Net == nil {
+		return ""
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for id, o := range a.byID {
+		if id != j.ID && addressHeld(o) && o.Net.Addr.Addr().Unmap() == j.Net.Addr.Addr().Unmap() {
+			return id
+		}
+	}
+	return ""
+}
+
 // pickJobAddr is the first address of pool that is not used and not the network or broadcast address of
 // the cluster network own is in, with own's prefix length.
 func pickJobAddr(pool, own netip.Prefix, used map[netip.Addr]bool) (netip.Prefix, bool) {

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/shim"
 )
@@ -358,5 +359,28 @@ func TestAllocJobAddrSkipsGateway(t *testing.T) {
 	defer a.releaseJobAddr(p.Addr())
 	if p.Addr() == a.cfg.JobNetwork.Gateway {
 		t.Errorf("allocJobAddr handed out the job networks' gateway %s", p)
+	}
+}
+
+// TestRestoreRefusesAnAddressHeldByAnotherJob: a job that ended gave its address back, and a new job got
+// it; a restore of the old job from one of its snapshots (`ftctl restore`) would put the address on two
+// jobs of this host. It is refused before anything of the user's changes; the new job runs on.
+func TestRestoreRefusesAnAddressHeldByAnotherJob(t *testing.T) {
+	ta := newTestAgent(t)
+	addr := netip.MustParsePrefix("10.9.0.5/24")
+	ta.addJob(t, Job{ID: "new-00000001", State: JobRunning, PID: os.Getpid(), Net: &JobNet{Name: jobNetName("node1", "new-00000001"), Addr: addr}})
+	old := Job{ID: "old-00000001", Net: &JobNet{Name: jobNetName("node1", "old-00000001"), Addr: addr}}
+	m := &ckpt.Manifest{Job: old.ID, ID: "20261206T120000.000Z-node1-000001"}
+	_, err := ta.restoreJob(t.Context(), m, old, filepath.Join(ta.dir, "restore", "work"), nil)
+	if err == nil || !strings.Contains(err.Error(), "held by job new-00000001") {
+		t.Fatalf("restore of a job whose address another running job holds: %v, want a refusal naming that job", err)
+	}
+	// The job's own record (moved or lost here) does not count against it.
+	ta.addJob(t, Job{ID: old.ID, State: JobMoved, Net: old.Net})
+	if got := ta.otherHolder(Job{ID: "new-00000001", Net: old.Net}); got != old.ID {
+		t.Errorf("otherHolder = %q, want %s (its moved record holds the address)", got, old.ID)
+	}
+	if got := ta.otherHolder(Job{ID: old.ID, Net: old.Net}); got != "new-00000001" {
+		t.Errorf("otherHolder of the job itself = %q, want only the other job", got)
 	}
 }

@@ -93,6 +93,10 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 	if err := a.refuseWhileFenced(); err != nil {
 		return nil, err
 	}
+	if other := a.otherHolder(j); other != "" {
+		return nil, fmt.Errorf("job %s cannot be restored from snapshot %s here: its address %s is held by job %s of this host now (the job's address was given out again after it ended)",
+			j.ID, m.ID, j.Net.Addr.Addr(), other)
+	}
 	journal, err := a.restoreOutputs(m, j, filepath.Join(work, outputJournalDir))
 	var pid int
 	start := time.Now()
