@@ -410,6 +410,11 @@ func (c Config) Validate() error {
 	}
 	if c.Heartbeat.ProbeTimeout.Duration < 0 {
 		errs = append(errs, fmt.Errorf("heartbeat.probe_timeout %s must not be negative (0: heartbeat.timeout)", c.Heartbeat.ProbeTimeout))
+	} else if p := c.ProbeTimeout(); p > MaxProbeTimeout {
+		// A confirmation runs in the loop that watches the predecessor, and takes up to 2 × probe_timeout
+		// (the other neighbour's probe, relayed): longer, and systemd's watchdog (WatchdogSec=60s, the loop
+		// stale after half) restarts the agent in the middle of a fail-over.
+		errs = append(errs, fmt.Errorf("heartbeat.probe_timeout %s (heartbeat.timeout when unset) must be at most %s: a confirmation takes up to twice as long, in the loop systemd's watchdog watches", p, MaxProbeTimeout))
 	}
 	if c.Heartbeat.BusyGrace.Duration < 0 {
 		errs = append(errs, fmt.Errorf("heartbeat.busy_grace %s must not be negative", c.Heartbeat.BusyGrace))
@@ -436,6 +441,9 @@ func (c Config) Validate() error {
 	}
 	return errors.Join(errs...)
 }
+
+// MaxProbeTimeout bounds heartbeat.probe_timeout (Validate says why).
+const MaxProbeTimeout = 10 * time.Second
 
 // ProbeTimeout is heartbeat.probe_timeout, its default filled in.
 func (c Config) ProbeTimeout() time.Duration {

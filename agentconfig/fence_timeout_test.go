@@ -17,6 +17,9 @@ func TestFenceTimeoutCoversProbeTimeout(t *testing.T) {
 		{"explicit fence timeout below timeout + probe_timeout", "[heartbeat]\nprobe_timeout = \"10s\"\n[failover]\nfence_timeout = \"7s\"\n", "probe_timeout"},
 		// Without fence_timeout, the default must cover the probe too (or the config be refused).
 		{"default fence timeout with a long probe", "[heartbeat]\nprobe_timeout = \"10s\"\n", ""},
+		// Confirmation takes up to 2 × probe_timeout in the loop systemd's watchdog checks every 30 s.
+		{"probe longer than the watchdog allows", "[heartbeat]\nprobe_timeout = \"11s\"\n", "must be at most 10s"},
+		{"heartbeat timeout taken as the probe's", "[heartbeat]\ntimeout = \"12s\"\n", "must be at most 10s"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			c, err := ParseConfig([]byte(minimal + tt.extra))
