@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -109,14 +110,31 @@ func TestPackageInstalls(t *testing.T) {
 		t.Error("the bash completion is not cobra's completion script for ftctl")
 	}
 	// An upgrade must restart the running agent on the new binary, a removal stop it: systemd does neither itself.
-	for _, script := range []string{"postinst", "prerm"} {
+	for _, script := range []string{"postinst", "prerm", "postrm"} {
 		if _, err := os.Stat(filepath.Join(admin, "info", "ftkit."+script)); err != nil {
 			t.Errorf("the package has no %s: %v", script, err)
 		}
 	}
+	// The host's configuration is no conffile: every change to the example would stop an unattended upgrade
+	// at dpkg's conffile prompt. The first install writes it; an upgrade keeps the host's edits.
 	conffiles, _, err := run(t, repo, "dpkg-query", "--admindir="+admin, "-W", "-f=${Conffiles}", "ftkit")
-	if err != nil || !strings.Contains(conffiles, "/etc/ftkit/agent.toml") {
-		t.Errorf("conffiles %q (%v): want /etc/ftkit/agent.toml, so an upgrade keeps the host's edits", conffiles, err)
+	if err != nil || strings.Contains(conffiles, "/etc/ftkit/agent.toml") {
+		t.Errorf("conffiles %q (%v): /etc/ftkit/agent.toml must not be one", conffiles, err)
+	}
+	conf := filepath.Join(root, "etc/ftkit/agent.toml")
+	shipped, _ := os.ReadFile(filepath.Join(root, "usr/share/doc/ftkit/agent.example.toml"))
+	if b, err := os.ReadFile(conf); err != nil || !bytes.Equal(b, shipped) {
+		t.Errorf("the first install's %s (%v) is not the documented example", conf, err)
+	}
+	edited := append(slices.Clone(shipped), "# edited on this host\n"...)
+	if err := os.WriteFile(conf, edited, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if stdout, stderr, err := run(t, repo, "dpkg", "--root="+root, "--admindir="+admin, "--log=/dev/null", "--force-script-chrootless", "-i", debs[0]); err != nil {
+		t.Fatalf("dpkg -i again (an upgrade) into %s: %v\n%s%s", root, err, stdout, stderr)
+	}
+	if b, err := os.ReadFile(conf); err != nil || !bytes.Equal(b, edited) {
+		t.Errorf("an upgrade did not keep the host's %s (%v)", conf, err)
 	}
 
 	ftagent, ftctl := filepath.Join(root, "usr/sbin/ftagent"), filepath.Join(root, "usr/bin/ftctl")
