@@ -239,9 +239,9 @@ func (a *Agent) migrationBase(ctx context.Context, job, target string) *ship.Bas
 }
 
 // stopForMigration freezes and dumps job j, ships the dump to target (as a diff against base if target
-// offers it), then takes the job off this host for migration id. Until the dump is on the target the job can still be
-// thawed, and runs on as before. It returns when the job was frozen, and the deletion of the job's network
-// (leave), which the caller must call.
+// offers it), then takes the job off this host for migration id. Until the dump is on the target the job
+// can still be thawed, and runs on as before. It returns when the job was frozen, and the deletion of the
+// job's network (leave), which the caller must call.
 func (a *Agent) stopForMigration(ctx context.Context, j Job, id, target string, base *ship.BaseIndex, stage func(string, time.Time, string, error)) (frozen time.Time, m *ckpt.Manifest, deleteNet func(), err error) {
 	a.ckptMu.Lock() // no scheduled snapshot of the job in between
 	defer a.ckptMu.Unlock()
