@@ -65,7 +65,6 @@ char __license[] SEC("license") = "Dual BSD/GPL";
 // TCX_NEXT hands the packet to the next program of the TCX chain (the sender-side log on egress);
 // TCX_PASS would end the chain and skip it.
 #define TCX_NEXT -1
-#define BPF_F_RECOMPUTE_CSUM (1ULL << 0)
 
 // clamp_key is the restored socket's flow as it sends: saddr/sport are the
 // restored (local) end, in network byte order as in the headers.
@@ -106,7 +105,8 @@ static __always_inline int after(__u32 a, __u32 b) { return (__s32)(a - b) > 0; 
 // headers finds the IPv4 TCP headers of an Ethernet frame; 0 on success.
 static __always_inline int headers(struct __sk_buff *skb, __u32 *nh, struct iphdr *ip, struct tcphdr *tcp)
 {
-	if (skb->protocol != bpf_htons(ETH_P_IP))
+	// An in-frame 802.1Q tag makes skb->protocol ETH_P_8021Q: the frame's type decides below.
+	if (skb->protocol != bpf_htons(ETH_P_IP) && skb->protocol != bpf_htons(ETH_P_8021Q))
 		return -1;
 	__be16 proto;
 	*nh = ETH_HLEN;
@@ -132,11 +132,15 @@ static __always_inline int headers(struct __sk_buff *skb, __u32 *nh, struct iphd
 
 // set_tcp32 replaces a 32-bit field of the TCP header at tcpoff (at offset
 // field, old its current value), keeping the checksum valid; 0 on success.
+// The field and the checksum change by opposite amounts, so the sum of the
+// packet's bytes, a CHECKSUM_COMPLETE skb's skb->csum, is unchanged: no
+// BPF_F_RECOMPUTE_CSUM, which would add the field's change alone to it (and
+// tcp_v4_rcv would then report "hw csum failure" and sum the segment again).
 static __always_inline int set_tcp32(struct __sk_buff *skb, __u32 tcpoff, __u32 field, __be32 old, __be32 new)
 {
 	if (bpf_l4_csum_replace(skb, tcpoff + offsetof(struct tcphdr, check), old, new, sizeof(new)))
 		return -1;
-	return bpf_skb_store_bytes(skb, tcpoff + field, &new, sizeof(new), BPF_F_RECOMPUTE_CSUM);
+	return bpf_skb_store_bytes(skb, tcpoff + field, &new, sizeof(new), 0);
 }
 
 SEC("tcx/egress")

@@ -520,9 +520,10 @@ static __always_inline void update_flow_state(struct flow_key *fk, struct tcphdr
 	if (!(flags & TCP_RST) && (__s32)(end - st->snd_nxt) > 0)
 		st->snd_nxt = end;
 	// The logged prefix grows only by a logged segment that starts inside it.
-	__u32 data_end = seq + len;
+	__u32 data_seq = seq + !!(flags & TCP_SYN); // a SYN's payload starts after it
+	__u32 data_end = data_seq + len;
 	__u8 seen = st->seen;
-	if (logged && len && (seen & SEEN_LOGGED) && (__s32)(seq - st->logged_next) <= 0 &&
+	if (logged && len && (seen & SEEN_LOGGED) && (__s32)(data_seq - st->logged_next) <= 0 &&
 	    (__s32)(data_end - st->logged_next) > 0) {
 		st->logged_next = data_end;
 		if ((__s32)(data_end - (st->isn + 1)) < 0)
@@ -676,7 +677,9 @@ static __always_inline int park_segment(struct __sk_buff *skb, struct counters *
 SEC("tcx/egress")
 int tcplog_egress(struct __sk_buff *skb)
 {
-	if (skb->protocol != bpf_htons(ETH_P_IP))
+	// An in-frame 802.1Q tag makes skb->protocol ETH_P_8021Q (a hardware
+	// accelerated one leaves it ETH_P_IP): the frame's own type decides below.
+	if (skb->protocol != bpf_htons(ETH_P_IP) && skb->protocol != bpf_htons(ETH_P_8021Q))
 		return VERDICT_PASS;
 
 	// Headers are read with bpf_skb_load_bytes, which works whether or not
@@ -761,7 +764,9 @@ int tcplog_egress(struct __sk_buff *skb)
 		.daddr = ip.daddr,
 		.sport = tcp.source,
 		.dport = tcp.dest,
-		.seq = bpf_ntohl(tcp.seq),
+		// A SYN occupies its own sequence number: the payload of a SYN
+		// (TCP Fast Open, tcp_send_syn_data) starts after it.
+		.seq = bpf_ntohl(tcp.seq) + !!(((__u8 *)&tcp)[13] & TCP_SYN),
 		.len = len,
 		.cgroup_id = cgid,
 		.ktime_ns = bpf_ktime_get_ns(),

@@ -397,6 +397,16 @@ int tcprecv_ingress(struct __sk_buff *skb)
 			return VERDICT_DROP; // the sender retransmits the SYN
 		}
 		if (record_start(skb, &ip, &tcp, seq)) {
+			if (ring_consumer_stuck(&events, &cons_seen, &cons_seen_ns, bpf_ktime_get_ns())) {
+				// Its consumer is gone: the connection is made unrecorded,
+				// as its data would pass, instead of every SYN being dropped
+				// until the peer's connect() times out. No entry: its data
+				// starts one from rcv_nxt, as for a connection that
+				// predates the attach.
+				bpf_map_delete_elem(&rx_flows, &key);
+				c->unrecorded_passed++;
+				return VERDICT_PASS;
+			}
 			c->drops_backpressure++;
 			return VERDICT_DROP; // likewise: the start must be in the ring
 		}
