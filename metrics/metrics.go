@@ -109,6 +109,7 @@ var (
 // without metrics): they do nothing.
 type Metrics struct {
 	reg *prometheus.Registry
+	own []prometheus.Collector // the ftkit_ metrics, all registered in reg
 
 	snapshots      prometheus.Counter
 	dumpSeconds    prometheus.Histogram
@@ -188,12 +189,11 @@ func New(src Source) *Metrics {
 	for _, o := range []string{"cleared", "agent_unresponsive", "confirmed"} {
 		m.suspicions.WithLabelValues(o)
 	}
-	m.reg.MustRegister(m.snapshots, m.dumpSeconds, m.frozenSeconds, m.snapshotBytes, m.shipped, m.shipFailures,
+	m.own = []prometheus.Collector{m.snapshots, m.dumpSeconds, m.frozenSeconds, m.snapshotBytes, m.shipped, m.shipFailures,
 		m.shipBytes, m.shipWireBytes, m.shipSeconds, m.shipThroughput, m.heartbeats, m.suspicions, m.busySilences, m.vouches, m.beatGaps, m.controller,
 		m.detShipped, m.detLag, m.detHoles,
-		newCollector(src),
-		collectors.NewGoCollector(),
-		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+		newCollector(src)}
+	m.reg.MustRegister(append(m.own, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))...)
 	return m
 }
 
