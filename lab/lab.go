@@ -88,11 +88,19 @@ func Up(ctx context.Context, cfg Config, opts Options) (*Lab, error) {
 		}
 		return nil, err
 	}
-	l.st.Phase = PhaseUp
-	if err := l.store.save(l.st); err != nil {
+	if err := l.markUp(); err != nil {
+		if derr := l.Down(context.WithoutCancel(ctx)); derr != nil {
+			err = errors.Join(err, fmt.Errorf("cleaning up the created lab: %w", derr))
+		}
 		return nil, err
 	}
 	return l, nil
+}
+
+// markUp records that Up is done. The state is reloaded under the lock, not saved from memory: another
+// lab's Down may have handed its munged over to this lab meanwhile (handOverMunged), and must not be lost.
+func (l *Lab) markUp() error {
+	return l.update(func(st *State) { st.Phase = PhaseUp })
 }
 
 // checkFree refuses a lab whose id, namespaces, links or subnet are taken. Called with the store locked.
@@ -413,7 +421,9 @@ func removeHost(ctx context.Context, h Host) error {
 		}
 	}
 	if err := killNetns(ctx, NetnsPath(h.Namespace), killTimeout); err != nil {
-		errs = append(errs, err)
+		// The namespace's name is the only handle on the processes left in it: deleted now, the next Down
+		// would find nothing to kill and they would outlive the lab (stopped, holding its cgroups).
+		return errors.Join(append(errs, err)...)
 	}
 	if err := deleteNamedNetns(h.Namespace); err != nil {
 		errs = append(errs, err)

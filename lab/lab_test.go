@@ -113,7 +113,11 @@ func TestLabDownRemovesEverything(t *testing.T) {
 		t.Fatal(err)
 	}
 	st := l.State()
-	t.Cleanup(func() { l.Down(ctx) })
+	t.Cleanup(func() {
+		if err := l.Down(ctx); err != nil {
+			t.Errorf("lab down: %v", err)
+		}
+	})
 	// A process left running inside a host must not keep anything alive.
 	if err := l.Do("node1", func() error { return startSleeper(t) }); err != nil {
 		t.Fatal(err)

@@ -138,11 +138,13 @@ func killNetns(ctx context.Context, path string, timeout time.Duration) error {
 		if len(pids) == 0 {
 			return nil
 		}
-		if ctx.Err() != nil || time.Now().After(deadline) {
-			return fmt.Errorf("processes %v in %s survive SIGKILL after %s (stuck in the kernel?); check `ps -o pid,stat,wchan -p ...`", pids, path, timeout)
-		}
+		// Killed before the bounds are checked: an ended ctx must not leave the processes without even a
+		// SIGKILL (stopNetns has SIGSTOPped them, so they would stay so).
 		for _, pid := range pids {
 			_ = unix.Kill(pid, unix.SIGKILL) // ESRCH: already gone
+		}
+		if ctx.Err() != nil || time.Now().After(deadline) {
+			return fmt.Errorf("processes %v in %s survive SIGKILL after %s (stuck in the kernel?); check `ps -o pid,stat,wchan -p ...`", pids, path, timeout)
 		}
 		time.Sleep(10 * time.Millisecond)
 	}

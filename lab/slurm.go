@@ -240,13 +240,22 @@ func (l *Lab) stopSlurm(ctx context.Context) error {
 	if s == nil {
 		return nil
 	}
+	// Every step is tried whatever failed before it: a slurmd that survives must not keep munged, which
+	// runs outside every host and so outlives the hosts' removal, running.
+	var errs []error
 	if err := slurm.StopAll(ctx, s.Daemons, slurmStopGrace); err != nil {
-		return err
+		errs = append(errs, err)
 	}
 	if s.Munged != nil {
 		if err := l.handOverMunged(ctx, *s.Munged); err != nil {
-			return err
+			errs = append(errs, err)
+		} else {
+			s.Munged = nil
 		}
+	}
+	if len(errs) > 0 {
+		// The daemons stay recorded for the next Down; munged no longer, if it is stopped or handed over.
+		return errors.Join(append(errs, l.store.save(l.st))...)
 	}
 	if err := removeTree(s.Dir); err != nil {
 		return err

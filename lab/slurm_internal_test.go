@@ -28,7 +28,11 @@ func upOneNodeLab(t *testing.T, stateDir string) *Lab {
 		if err != nil {
 			t.Fatal(err)
 		}
-		t.Cleanup(func() { l.Down(context.Background()) })
+		t.Cleanup(func() {
+			if err := l.Down(context.Background()); err != nil {
+				t.Errorf("lab down: %v", err)
+			}
+		})
 		return l
 	}
 	t.Fatal("no free lab id and subnet")
