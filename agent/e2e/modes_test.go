@@ -136,7 +136,17 @@ func TestSemiCoordinatedSnapshotIsConsistent(t *testing.T) {
 	c := newCluster(t, 2, 0, labcluster.Options{Interval: "1h", Mode: agent.SemiCoordinated})
 	ctx := context.Background()
 	jobs := startLocalRing(t, c, "node1")
-	time.Sleep(time.Second)
+	// requireBytesAgree needs both of the ranks' connections: they connect after the jobs appear.
+	poll(t, 2*time.Minute, "the two ranks on node1 connected", func() bool {
+		socks, err := c.Lab.TCPSockets("node1")
+		conns := 0
+		for tu := range socks {
+			if p := tu.Remote.Port(); p == 7301 || p == 7302 {
+				conns++
+			}
+		}
+		return err == nil && conns == 2
+	})
 	for round := 0; round < 3; round++ {
 		reply, err := c.Client("node1").Checkpoint(ctx)
 		if err != nil || reply.Error != "" || len(reply.Results) != 2 {

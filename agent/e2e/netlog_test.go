@@ -34,7 +34,15 @@ func TestLogTrimmedAtReceiverSnapshot(t *testing.T) {
 	for h, job := range jobOf {
 		waitProtected(t, c, h, job, 2*time.Minute)
 	}
-	time.Sleep(2 * time.Second)
+	// The ranks are connected and node1's agent logs what its rank sent to each peer: what follows checks.
+	poll(t, 2*time.Minute, "node1 logging its rank's bytes to node2 and node3", func() bool {
+		lcs, err := c.Client("node1").LoggedConns(ctx)
+		logged := map[string]bool{}
+		for _, lc := range lcs {
+			logged[lc.DstNode] = lc.Retained > 0 && lc.Live != nil
+		}
+		return err == nil && logged["node2"] && logged["node3"]
+	})
 
 	// node1 logs what its rank sends to node2 and node3, and nothing else.
 	before, err := c.Client("node1").LoggedConns(ctx)
