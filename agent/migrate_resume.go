@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 )
 
 // An agent that dies during a migration (SIGKILL, OOM, a crash) leaves the migration's event open. If the
@@ -19,9 +20,9 @@ import (
 var errRestartedMidMove = errors.New("this host's agent restarted during the migration")
 
 // resumeMigrations finishes the migrations of this host a previous agent left under way (at start, once
-// adopt has read the job records). It returns the resumed ones' goroutines' count, for tests.
-func (a *Agent) resumeMigrations(ctx context.Context) int {
-	n := 0
+// adopt has read the job records). It returns how many it resumed, and a wait for their end (tests).
+func (a *Agent) resumeMigrations(ctx context.Context) (n int, wait func()) {
+	var wg sync.WaitGroup
 	for _, f := range a.failures.List() {
 		if f.Kind != KindMigration || f.Node != a.cfg.Name || f.Done || len(f.Jobs) != 1 {
 			continue
@@ -30,7 +31,7 @@ func (a *Agent) resumeMigrations(ctx context.Context) int {
 		switch {
 		case err == nil && j.State == JobMoved && j.Migration == f.ID && j.MovedSnapshot != "":
 			n++
-			go a.resumeMigration(ctx, f.ID, j)
+			wg.Go(func() { a.resumeMigration(ctx, f.ID, j) })
 		case err == nil && j.State == JobMoved:
 			a.endMigration(f.ID, fmt.Errorf("ftagent restarted after job %s left this host for %s, and its record does not name the dump it left with: restore it with `ftctl restore`", j.ID, j.MovedTo))
 		case err == nil:
@@ -39,7 +40,7 @@ func (a *Agent) resumeMigrations(ctx context.Context) int {
 			a.endMigration(f.ID, fmt.Errorf("not moved: ftagent restarted during the migration and found no record of job %s: %w", f.Jobs[0], err))
 		}
 	}
-	return n
+	return n, wg.Wait
 }
 
 // resumeMigration finishes migration id of job j, which had left this host when the previous agent died.
