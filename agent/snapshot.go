@@ -40,6 +40,8 @@ type SnapshotResult struct {
 	ShipBytes    int64         `json:"ship_bytes,omitempty"`
 	ShipWire     int64         `json:"ship_wire_bytes,omitempty"`
 	ShipDuration time.Duration `json:"ship_duration_ns,omitempty"`
+	// ShipCopied is what of ShipBytes the protector took from its base (a diff) instead of the wire.
+	ShipCopied int64 `json:"ship_copied_bytes,omitempty"`
 }
 
 // snapshot dumps one running job and keeps it running (uncoordinated). If frozen, the caller froze the
@@ -452,7 +454,7 @@ func (a *Agent) replicate(ctx context.Context, manifests []*ckpt.Manifest, place
 			a.log.Warn("snapshot not replicated", "job", m.Job, "snapshot", m.ID, "err", err)
 		} else {
 			res.Manifest, res.Shipped = sent.Manifest, true
-			res.ShipBytes, res.ShipWire, res.ShipDuration = sent.Bytes, sent.WireBytes, sent.Duration
+			res.ShipBytes, res.ShipWire, res.ShipDuration, res.ShipCopied = sent.Bytes, sent.WireBytes, sent.Duration, sent.CopiedBytes
 			a.recordReplica(ctx, sent.Manifest, strays[m.ID]) // the job is protected from here on
 			// Durable on the protector: the senders may now drop what the snapshot before it had received
 			// (this one's, if a sender asked for it under log pressure).

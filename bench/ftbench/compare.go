@@ -131,8 +131,12 @@ const (
 	// at checkpoint.dump_nice. In four alternating pairs of b and c runs against 0 (docs/design.md), c's
 	// overhead was lower in each pair (by 0.4 to 4.1 points), b's moved within its spread.
 	cmpAgentNice = 19
-	cmpLabID     = "fbcmp"
-	cmpCrashed   = "node2" // rank 1
+	// cmpKeep is the agents' checkpoint.keep: every snapshot of a run stays listed, since c's snapshot count,
+	// mean size and frozen median and its crashed rank's redone iterations are read from the manifests the
+	// agents hold after the run (at the default 3, c_snapshots_taken was 3 per rank whatever the run took).
+	cmpKeep    = 100
+	cmpLabID   = "fbcmp"
+	cmpCrashed = "node2" // rank 1
 )
 
 var cmpSubnet = netip.MustParsePrefix("10.246.0.0/24")
@@ -359,7 +363,7 @@ func (s variantSet) has(v string) bool { return s == nil || s[v] }
 // cmpAgents is the comparison's agents: every job protected from its start (interval 1h), the heartbeat
 // every variant's detection is matched to, at size sz's heartbeat.nice.
 func cmpAgents(binDir string, sz compareSize) *labcluster.Options {
-	return &labcluster.Options{AgentBin: filepath.Join(binDir, "ftagent"), Interval: "1h",
+	return &labcluster.Options{AgentBin: filepath.Join(binDir, "ftagent"), Interval: "1h", Keep: cmpKeep,
 		LogLevel: "warn", Heartbeat: cmpHeartbeat, HeartbeatTimeout: cmpTimeout, Nice: sz.AgentNice}
 }
 

@@ -291,7 +291,7 @@ func lmParse(out []byte) (lmRun, error) {
 		}
 	}
 	slices.Sort(ms)
-	r.MeanMS, r.P50MS, r.P90MS, r.P99MS, r.MaxMS = sum/float64(len(ms)), quantile(ms, 0.5), quantile(ms, 0.9), quantile(ms, 0.99), ms[len(ms)-1]
+	r.MeanMS, r.P50MS, r.P90MS, r.P99MS, r.MaxMS = sum/float64(len(ms)), median(ms), quantile(ms, 0.9), quantile(ms, 0.99), ms[len(ms)-1]
 	return r, nil
 }
 
