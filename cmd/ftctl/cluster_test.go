@@ -152,20 +152,24 @@ func (f *fakeAgent) Drain(context.Context, string, clusterapi.OperatorDrainReque
 // noMembers serves no member operation (none of these tests calls one).
 type noMembers struct{ clusterapi.Service }
 
-// TestClusterMode runs ftctl --cluster against two agents served over real mutual TLS (the operator
-// service faked): status lists both hosts' jobs from the view the seed gives, events merges the replicated
-// log, checkpoint --host goes to that host only, a not-found refusal exits 3, and a member that does not
-// answer is named with exit 4 while the other's results are still printed.
-func TestClusterMode(t *testing.T) {
+// fakeCluster is a fakeAgent per name served over real mutual TLS (the operator service faked), all
+// listed in one view.
+type fakeCluster struct {
+	ca      *clustertls.CA
+	view    []ring.Member
+	agents  map[string]*fakeAgent
+	addrs   map[string]string
+	servers map[string]interface{ Close() error }
+}
+
+func startFakeCluster(t *testing.T, names ...string) *fakeCluster {
+	t.Helper()
 	ca, err := clustertls.NewCA("test", 24*time.Hour)
 	if err != nil {
 		t.Fatal(err)
 	}
-	var view []ring.Member
-	agents := map[string]*fakeAgent{}
-	addrs := map[string]string{}
-	servers := map[string]interface{ Close() error }{}
-	for _, name := range []string{"node1", "node2"} {
+	fc := &fakeCluster{ca: ca, agents: map[string]*fakeAgent{}, addrs: map[string]string{}, servers: map[string]interface{ Close() error }{}}
+	for _, name := range names {
 		cert, key, err := ca.Issue(name, nil, time.Hour)
 		if err != nil {
 			t.Fatal(err)
@@ -180,15 +184,25 @@ func TestClusterMode(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		f := &fakeAgent{name: name, view: &view, seen: make(chan string, 100), ckpts: make(chan []string, 10)}
+		f := &fakeAgent{name: name, view: &fc.view, seen: make(chan string, 100), ckpts: make(chan []string, 10)}
 		srv := clusterapi.NewServer(t.Context(), noMembers{}, clusterapi.ServerOptions{Operators: f}).HTTPServer()
 		go srv.Serve(ln)
 		t.Cleanup(func() { srv.Close() })
-		agents[name], addrs[name], servers[name] = f, ln.Addr().String(), srv
-		view = append(view, ring.Member{Name: name, Address: netip.MustParseAddrPort(ln.Addr().String()), Role: ring.RoleNode, State: ring.StateAlive})
+		fc.agents[name], fc.addrs[name], fc.servers[name] = f, ln.Addr().String(), srv
+		fc.view = append(fc.view, ring.Member{Name: name, Address: netip.MustParseAddrPort(ln.Addr().String()), Role: ring.RoleNode, State: ring.StateAlive})
 	}
+	return fc
+}
+
+// TestClusterMode runs ftctl --cluster against two agents served over real mutual TLS (the operator
+// service faked): status lists both hosts' jobs from the view the seed gives, events merges the replicated
+// log, checkpoint --host goes to that host only, a not-found refusal exits 3, and a member that does not
+// answer is named with exit 4 while the other's results are still printed.
+func TestClusterMode(t *testing.T) {
+	fc := startFakeCluster(t, "node1", "node2")
+	ca, agents, addrs, servers := fc.ca, fc.agents, fc.addrs, fc.servers
 	// A failed member is not asked.
-	view = append(view, ring.Member{Name: "node9", Address: netip.MustParseAddrPort("127.0.0.1:1"), Role: ring.RoleNode, State: ring.StateFailed})
+	fc.view = append(fc.view, ring.Member{Name: "node9", Address: netip.MustParseAddrPort("127.0.0.1:1"), Role: ring.RoleNode, State: ring.StateFailed})
 	// The file names node1 only: node2 comes from the view.
 	cfg := writeClusterConfig(t, ca, 0o600, fmt.Sprintf("[[agent]]\nname = \"node1\"\naddress = %q\n", addrs["node1"]))
 

@@ -4,19 +4,14 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/agentapi"
-	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/internal/cli"
-	"github.com/ftkit/ftkit/internal/clustertls"
-	"github.com/ftkit/ftkit/ring"
 )
 
 // bouncedBackend's migrations fail on the target: the job is restored on its own host again.
@@ -51,35 +46,8 @@ func TestMigrateJSONFailedExitsNonZero(t *testing.T) {
 // jobs, like status, snapshots and events, must fail (exit 4, naming the host) when an agent it asked did
 // not answer: the other hosts' jobs are still listed, but the missing host's are not "none".
 func TestJobsUnreachableAgentExitsNonZero(t *testing.T) {
-	ca, err := clustertls.NewCA("test", 24*time.Hour)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var view []ring.Member
-	addrs := map[string]string{}
-	servers := map[string]interface{ Close() error }{}
-	for _, name := range []string{"node1", "node2"} {
-		cert, key, err := ca.Issue(name, nil, time.Hour)
-		if err != nil {
-			t.Fatal(err)
-		}
-		tc, err := clustertls.WriteFiles(filepath.Join(t.TempDir(), name), name, ca.CertPEM(), cert, key)
-		if err != nil {
-			t.Fatal(err)
-		}
-		tc.Members = func(string) bool { return false }
-		tc.Operators = func(n string) bool { return n == "alice" }
-		ln, err := clustertls.Listen("127.0.0.1:0", tc)
-		if err != nil {
-			t.Fatal(err)
-		}
-		f := &fakeAgent{name: name, view: &view, seen: make(chan string, 100), ckpts: make(chan []string, 10)}
-		srv := clusterapi.NewServer(t.Context(), noMembers{}, clusterapi.ServerOptions{Operators: f}).HTTPServer()
-		go srv.Serve(ln)
-		t.Cleanup(func() { srv.Close() })
-		addrs[name], servers[name] = ln.Addr().String(), srv
-		view = append(view, ring.Member{Name: name, Address: netip.MustParseAddrPort(ln.Addr().String()), Role: ring.RoleNode, State: ring.StateAlive})
-	}
+	fc := startFakeCluster(t, "node1", "node2")
+	ca, addrs, servers := fc.ca, fc.addrs, fc.servers
 	cfg := writeClusterConfig(t, ca, 0o600, fmt.Sprintf("[[agent]]\nname = \"node1\"\naddress = %q\n", addrs["node1"]))
 	os.Unsetenv(clusterEnv)
 	servers["node2"].Close()
