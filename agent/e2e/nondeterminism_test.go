@@ -32,31 +32,22 @@ func TestResentBytesVerified(t *testing.T) {
 		name  string
 		clock bool
 		block int
-		// after is how long after the snapshot node2 crashes.
-		after time.Duration
+		// after is how many blocks rank 1 sends at least between the snapshot and node2's crash.
+		after int
 	}{
-		{name: "deterministic", block: 64 << 10, after: 1500 * time.Millisecond},
-		{name: "wall-clock bytes", clock: true, block: 64 << 10, after: 1500 * time.Millisecond},
-		{name: "wall-clock bytes, less than a block re-sent", clock: true, block: 128, after: 300 * time.Millisecond},
+		{name: "deterministic", block: 64 << 10, after: 150},
+		{name: "wall-clock bytes", clock: true, block: 64 << 10, after: 150},
+		{name: "wall-clock bytes, less than a block re-sent", clock: true, block: 128, after: 30},
 	}
 	for i, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel() // each row has its own lab
-			args := []string{"--iters", "600", "--block", fmt.Sprint(tt.block), "--delay", "10ms"}
+			args := []string{"--iters", "600", "--block", fmt.Sprint(tt.block), "--delay", "10ms", "--progress", "10"}
 			if tt.clock {
 				args = append(args, "--clock")
 			}
 			c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
-			rg := startNondet(t, c, 7600+i, args)
-			// The ranks' first snapshots, taken as they started, come before the one this test takes.
-			rg.waitProtected(t, 2*time.Minute)
-			time.Sleep(time.Second)
-			rg.checkpoint(t, "node2")
-			time.Sleep(tt.after) // the crash comes mid-run: how much is re-sent is the scenario
-
-			if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
-				t.Fatal(err)
-			}
+			rg := crashMidRun(t, c, 7600+i, args, tt.after)
 			f := waitFailure(t, c, "node2", 5*time.Minute)
 			logTimeline(t, f)
 			if f.Target != "spare1" {
@@ -130,6 +121,44 @@ func startNondet(t *testing.T, c *labcluster.Cluster, port int, args []string) *
 	return startRanks(t, c, 2, "nondet", func(r int) []string {
 		return append([]string{bins.Nondet, "--rank", fmt.Sprint(r), "--peer", peer}, args...)
 	})
+}
+
+// crashMidRun starts a nondet run of args (with --progress) whose rank 1 on node2 waits before block
+// nondetGate until the snapshot of it the test takes, lets it go on, and crashes node2 once rank 1 has sent
+// at least after blocks since: mid-run whatever the lab's load (sleeps there guessed how far the run had got,
+// and under load it had ended, nothing to re-send).
+func crashMidRun(t *testing.T, c *labcluster.Cluster, port int, args []string, after int) *ring {
+	t.Helper()
+	withGate, release := gated(t, args, nondetGate)
+	rg := startNondet(t, c, port, withGate)
+	// The ranks' first snapshots, taken as they started, come before the one this test takes.
+	rg.waitProtected(t, 2*time.Minute)
+	rg.checkpoint(t, "node2") // rank 1 is at block nondetGate at most: held there
+	release()
+	poll(t, 2*time.Minute, fmt.Sprintf("rank 1 past block %d", nondetGate+after), func() bool {
+		return sentBlocks(rg.jobs[1]) >= nondetGate+after
+	})
+	if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
+		t.Fatal(err)
+	}
+	return rg
+}
+
+// nondetGate is the block crashMidRun's rank 1 waits before until its snapshot is taken.
+const nondetGate = 100
+
+// sentBlocks is how many blocks rank 1 of a nondet run with --progress says it sent.
+func sentBlocks(j agent.Job) int {
+	b, _ := os.ReadFile(j.StdoutPath())
+	n := 0
+	for line := range strings.Lines(string(b)) {
+		if f := strings.Fields(line); len(f) == 5 && f[2] == "sent" {
+			if k, err := strconv.Atoi(f[3]); err == nil {
+				n = max(n, k)
+			}
+		}
+	}
+	return n
 }
 
 // waitExit waits for a job's exit record and returns it with the job's stdout and stderr.
@@ -209,15 +238,9 @@ func nondetReference(t *testing.T, args []string) string {
 // nothing to replay, and the stream ends with the failure-free checksum.
 func TestOneWayStreamSenderCrash(t *testing.T) {
 	t.Parallel() // each test has its own lab (labSlots: how many run at once)
-	args := []string{"--iters", "400", "--block", fmt.Sprint(16 << 10), "--delay", "10ms", "--oneway"}
+	args := []string{"--iters", "600", "--block", fmt.Sprint(16 << 10), "--delay", "10ms", "--oneway", "--progress", "10"}
 	c := newCluster(t, 3, 1, labcluster.Options{Interval: "1h"})
-	rg := startNondet(t, c, 7650, args)
-	rg.waitProtected(t, 2*time.Minute)
-	rg.checkpoint(t, "node2")
-	time.Sleep(time.Second) // mid-stream: bytes past the snapshot re-sent
-	if err := c.Lab.Crash(context.Background(), "node2"); err != nil {
-		t.Fatal(err)
-	}
+	rg := crashMidRun(t, c, 7650, args, 100) // mid-stream: bytes past the snapshot re-sent
 	f := waitFailure(t, c, "node2", 5*time.Minute)
 	logTimeline(t, f)
 	requireStages(t, f)
