@@ -52,6 +52,9 @@ type recoveryRecord struct {
 	Done        bool          `json:"done,omitempty"`
 	Error       string        `json:"error,omitempty"`
 	Updated     time.Time     `json:"updated"`
+	// Asked are the jobs the recovery was asked to restore: those Jobs no longer holds (their fetch, plan or
+	// restore failed, or the agent died before restoring them) do not run here.
+	Asked []string `json:"asked,omitempty"`
 }
 
 type recoveryJob struct {
@@ -150,7 +153,7 @@ type recoveryTracker struct {
 }
 
 func (a *Agent) trackRecovery(req RecoverRequest) *recoveryTracker {
-	return &recoveryTracker{a: a, rec: recoveryRecord{Failure: req.Failure, Coordinator: req.Source}}
+	return &recoveryTracker{a: a, rec: recoveryRecord{Failure: req.Failure, Coordinator: req.Source, Asked: recoverJobIDs(req)}}
 }
 
 // save writes the record; call with t.mu held. A record that cannot be written costs only the ability to
@@ -309,7 +312,7 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 	stage := t.wrap(func(s Stage) {
 		a.log.Info("recovery stage (resumed)", "failure", rec.Failure, "stage", s.Name, "job", s.Job, "detail", s.Detail, "err", s.Error)
 	})
-	var errs []error
+	errs := notRestored(rec)
 	var protect []string
 	for _, rj := range rec.Jobs {
 		j, _, jerr := a.Job(rj.Job, 0)
@@ -332,6 +335,16 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 		}
 		r := a.resumedRecoveryJob(rj, j)
 		deps, net, err := a.resumedRecoveryDeps(ctx, t, r, j)
+		if err != nil {
+			// Nothing can check its replay: refused as ReplayAndVerify refuses one, lest it run on unverified
+			// (and never re-protected) under a record that says it was killed.
+			if a.clamp != nil {
+				for _, c := range rj.Conns {
+					a.clamp.Release(c.Tuple)
+				}
+			}
+			a.killJob(rj.Job, err)
+		}
 		if err == nil && len(rj.Deferred) > 0 {
 			// The gate that delivered its receive bytes died with the previous agent: the rest at once.
 			images := filepath.Join(a.store.Path(j.ID, rj.Snapshot), snapImages)
@@ -353,7 +366,10 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 		if err == nil {
 			detail, err = recovery.ReplayAndVerify(ctx, deps, r)
 		}
-		if err != nil {
+		switch {
+		case err != nil && ctx.Err() != nil:
+			err = fmt.Errorf("job %s: %w", rj.Job, err) // left running, for the next agent
+		case err != nil:
 			err = fmt.Errorf("job %s is not transparently recoverable (killed): %w", rj.Job, err)
 		}
 		detail += " (resumed after the agent restarted)"
@@ -383,6 +399,33 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 		return
 	}
 	a.log.Info("resumed recovery complete", "failure", rec.Failure)
+}
+
+// notRestored names the jobs of rec that the previous agent did not restore: asked for (or with a failed
+// stage) but no longer in the record. The tracker drops a job whose restore failed, and never held one
+// that failed before or that the agent died before restoring; left out, the resumed recovery would report
+// success to the coordinator for jobs that run nowhere.
+func notRestored(rec *recoveryRecord) []error {
+	why := map[string]string{}
+	ids := slices.Clone(rec.Asked)
+	for _, s := range rec.Stages {
+		if s.Job != "" && s.Error != "" {
+			why[s.Job] = s.Error
+			ids = append(ids, s.Job) // a record of an agent that did not keep Asked
+		}
+	}
+	slices.Sort(ids)
+	var errs []error
+	for _, id := range slices.Compact(ids) {
+		if slices.ContainsFunc(rec.Jobs, func(rj recoveryJob) bool { return rj.Job == id }) {
+			continue
+		}
+		if why[id] == "" {
+			why[id] = "the previous agent of this host stopped before restoring it"
+		}
+		errs = append(errs, fmt.Errorf("job %s was not restored: %s", id, why[id]))
+	}
+	return errs
 }
 
 // resumedRecoveryDeps is what a resumed recovery of restored job j (r) needs: the network it runs in

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net/netip"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"reflect"
 	"strings"
@@ -160,5 +161,66 @@ func TestLoadRecoveryRejects(t *testing.T) {
 		if err := saveRecovery(a.cfg.StateDir, &recoveryRecord{Failure: id}); err == nil {
 			t.Errorf("saveRecovery accepted failure id %q", id)
 		}
+	}
+}
+
+// TestResumeRecoveryKeepsEarlierFailures: the previous agent died after a job's restore had failed (the
+// tracker drops a failed job from the record) or before it restored a job at all (after its fetch): the
+// resumed recovery must not report success for jobs that run nowhere, as the coordinator takes a finished
+// recovery without an error for all its jobs running.
+func TestResumeRecoveryKeepsEarlierFailures(t *testing.T) {
+	a := resumeTestAgent(t)
+	req := RecoverRequest{Failure: "node2-20250101T000001.000", Source: "node3",
+		Jobs: []RecoverJob{{Job: "rank1"}, {Job: "rank2"}}}
+	tr := a.trackRecovery(req)
+	emit := tr.wrap(func(Stage) {})
+	emit(Stage{Name: StageFetched, Job: "rank1", Host: "spare1"})
+	emit(Stage{Name: StageFetched, Job: "rank2", Host: "spare1"})
+	tr.Persist([]*recovery.Job{testRecoveryJob("rank2")})
+	emit(Stage{Name: StageRestored, Job: "rank2", Host: "spare1", Error: "criu restore failed"})
+	tr.SetPhase("rank2", "", time.Time{}) // restoreJob drops a failed job; rank1 never got that far
+	// The agent dies here.
+	a.resumeRecoveries(t.Context(), a.pendingRecoveries())
+	got, err := loadRecovery(recoveryPath(a.cfg.StateDir, req.Failure))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !got.Done || !strings.Contains(got.Error, "rank1") || !strings.Contains(got.Error, "rank2") {
+		t.Errorf("resumed record: done %v, error %q; want done, with an error naming rank1 and rank2, which do not run", got.Done, got.Error)
+	}
+}
+
+// TestResumeRecoveryRefusesUncheckable: a resumed recovery that cannot set up what checking a restored job
+// needs (here: no interface holds the cluster address) reports the job "not transparently recoverable
+// (killed)": it must then be killed, not left running unverified and never re-protected.
+func TestResumeRecoveryRefusesUncheckable(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.cfg.Cluster.Listen = netip.MustParseAddrPort("192.0.2.77:7946") // on no interface of this host
+	sleep := exec.Command("sleep", "60")
+	if err := sleep.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	go func() { sleep.Wait(); close(exited) }()
+	t.Cleanup(func() { sleep.Process.Kill(); <-exited })
+	job := ta.addJob(t, Job{ID: "rank1-00000001", State: JobRunning, PID: sleep.Process.Pid})
+	rec := &recoveryRecord{Failure: "node2-20250101T000001.000", Coordinator: "node3", Asked: []string{job.ID},
+		Jobs: []recoveryJob{{Job: job.ID, Snapshot: "s", Phase: phaseRestored,
+			Conns: []recoveryConn{{Tuple: tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("10.0.0.1:1")}, Resend: 10}}}}}
+	if err := saveRecovery(ta.cfg.StateDir, rec); err != nil {
+		t.Fatal(err)
+	}
+	ta.resumeRecoveries(t.Context(), ta.pendingRecoveries())
+	got, err := loadRecovery(recoveryPath(ta.cfg.StateDir, rec.Failure))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !got.Done || !strings.Contains(got.Error, "(killed)") {
+		t.Fatalf("resumed record: done %v, error %q; want the job refused", got.Done, got.Error)
+	}
+	select {
+	case <-exited:
+	case <-time.After(10 * time.Second):
+		t.Errorf("the record says job %s was killed (%q), but it still runs, unverified", job.ID, got.Error)
 	}
 }

@@ -51,6 +51,11 @@ func ReplayAndVerify(ctx context.Context, d Deps, j *Job) (string, error) {
 		// depends on, so that the operator does not look for a bug in the replay.
 		err = fmt.Errorf("%w (its receive calls were replayed in the recorded order: it decides from something else, such as which messages had arrived when it checked, as MPI_Waitany and MPI_ANY_SOURCE do, or the clock; or a crash took the determinants of its last receives: docs/receive-order.md)", err)
 	}
+	if err != nil && ctx.Err() != nil {
+		// The agent stops (its context ended), not the job: the job failed nothing yet. Killed, it would be
+		// gone for the next agent, which resumes the recovery from its record and checks every byte.
+		return detail, fmt.Errorf("replay not verified: the agent is stopping, the next one resumes it: %w", ctx.Err())
+	}
 	if err != nil {
 		refuse(d, j, err)
 	}

@@ -112,6 +112,10 @@ func Run(ctx context.Context, req clusterapi.RecoverRequest, d Deps, emit func(S
 			detail, err = ReplayAndVerify(ctx, d, j)
 		}
 		stage(StageReplayed, j.ID, j.RestoredAt, detail, err)
+		if err != nil && ctx.Err() != nil && !orphan {
+			errs = append(errs, fmt.Errorf("job %s: %w", j.ID, err)) // left running, for the next agent
+			continue
+		}
 		if err != nil {
 			errs = append(errs, fmt.Errorf("job %s is not transparently recoverable (killed): %w", j.ID, err))
 			continue

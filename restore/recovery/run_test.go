@@ -893,3 +893,26 @@ func TestFailedRestoreUndoneAfterCancel(t *testing.T) {
 		t.Errorf("network after the failed restore: %v, want %v", f.net, want)
 	}
 }
+
+// TestReplayAndVerifyAgentStopping: the agent stops (SIGTERM: the recovery's context ends) while a
+// restored job has not re-sent all its peer had. The job has failed nothing: it is left running, with its
+// peers untouched, for the next agent to resume from the record (the tracker leaves it unfinished), not
+// killed as diverged with its peers reset.
+func TestReplayAndVerifyAgentStopping(t *testing.T) {
+	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
+	f := newFake(t)
+	d := f.deps()
+	f.sent[conn] = 10 // of 3000: the replay goes on
+	cp := restore.ConnPlan{Resend: 3000}
+	cp.Conn.Tuple = conn
+	j := &Job{ID: "rank1", Plan: restore.Plan{Conns: []restore.ConnPlan{cp}}, RestoredAt: time.Now()}
+	ctx, stop := context.WithCancel(t.Context())
+	time.AfterFunc(20*time.Millisecond, stop)
+	_, err := ReplayAndVerify(ctx, d, j)
+	if err == nil {
+		t.Fatal("ReplayAndVerify = nil; want an error: the replay was not verified")
+	}
+	if len(f.killed) != 0 || slices.ContainsFunc(f.net, func(s string) bool { return strings.HasPrefix(s, "reset ") }) {
+		t.Errorf("agent stopping mid-replay: killed %v, network %v; want the job left running and its peer untouched, for the next agent to resume (err %v)", f.killed, f.net, err)
+	}
+}
