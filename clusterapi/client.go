@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net"
 	"net/http"
 	"strings"
@@ -590,11 +591,18 @@ func (c *Client) upgrade(ctx context.Context, peer string, op Op, body any) (net
 	if err := req.Write(conn); err != nil {
 		return nil, failed(err)
 	}
-	br := bufio.NewReader(conn)
+	// The response's head is bounded as the transport bounds every other (MaxResponseHeaderBytes); the
+	// stream after it is ship's.
+	head := &io.LimitedReader{R: conn, N: MaxHeader}
+	br := bufio.NewReader(head)
 	resp, err := http.ReadResponse(br, req)
 	if err != nil {
+		if head.N <= 0 {
+			err = fmt.Errorf("%w: a response head longer than %d bytes", ErrTooLong, MaxHeader)
+		}
 		return nil, failed(err)
 	}
+	head.N = math.MaxInt64
 	if resp.StatusCode != http.StatusSwitchingProtocols {
 		defer resp.Body.Close()
 		if resp.StatusCode == http.StatusOK {
