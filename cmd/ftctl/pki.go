@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"math"
 	"math/big"
 	"net/netip"
 	"os"
@@ -65,6 +66,9 @@ func parseValidity(s string) (time.Duration, error) {
 		n, err := strconv.ParseInt(days, 10, 32)
 		if err != nil {
 			return 0, fmt.Errorf("%q: use whole days (365d) or a Go duration (8760h)", s)
+		}
+		if n > int64(math.MaxInt64/(24*time.Hour)) {
+			return 0, fmt.Errorf("%q: at most %d days", s, int64(math.MaxInt64/(24*time.Hour)))
 		}
 		d = time.Duration(n) * 24 * time.Hour
 	} else {
@@ -248,6 +252,7 @@ that was stolen or retired, or an operator's whose key may be lost; re-issue the
 		Args: cli.Args(cobra.ArbitraryArgs),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			var revoke []*big.Int
+			certs := map[string]*x509.Certificate{} // by file, checked against the CA once it is loaded
 			for _, s := range serials {
 				n, ok := new(big.Int).SetString(strings.TrimPrefix(strings.ReplaceAll(strings.ToLower(s), ":", ""), "0x"), 16)
 				if !ok || n.Sign() <= 0 {
@@ -269,6 +274,7 @@ that was stolen or retired, or an operator's whose key may be lost; re-issue the
 					return cli.Usagef("%s: %v", p, err)
 				}
 				revoke = append(revoke, cert.SerialNumber)
+				certs[p] = cert
 			}
 			if len(revoke) == 0 {
 				return cli.Usagef("name the certificates to revoke: their files, or --serial")
@@ -276,6 +282,17 @@ that was stolen or retired, or an operator's whose key may be lost; re-issue the
 			ca, err := loadCA(dir)
 			if err != nil {
 				return err
+			}
+			// A list revokes its own CA's certificates only: one another CA issued would stay admitted.
+			caBlk, _ := pem.Decode(ca.CertPEM())
+			caCert, err := x509.ParseCertificate(caBlk.Bytes)
+			if err != nil {
+				return fmt.Errorf("pki revoke: %w", err)
+			}
+			for p, cert := range certs {
+				if err := cert.CheckSignatureFrom(caCert); err != nil {
+					return cli.Usagef("%s was not issued by the CA in %s (revoke it with its own CA's --dir): %v", p, dir, err)
+				}
 			}
 			path := filepath.Join(dir, crlName)
 			if err := noLink(path); err != nil {

@@ -26,6 +26,10 @@ func (ca *CA) IssueOperator(name string, validity time.Duration) (certPEM, keyPE
 	if err := ValidateMemberName(name); err != nil {
 		return nil, nil, fmt.Errorf("issue operator certificate: operator %w", err)
 	}
+	if len(OperatorPrefix+name) > maxMemberName {
+		return nil, nil, fmt.Errorf("issue operator certificate: operator name %q is longer than %d bytes (the common name %s%s is at most %d)",
+			name, maxMemberName-len(OperatorPrefix), OperatorPrefix, name, maxMemberName)
+	}
 	if validity <= 0 {
 		return nil, nil, fmt.Errorf("issue operator certificate for %q: validity %v must be positive", name, validity)
 	}
