@@ -284,13 +284,8 @@ that was stolen or retired, or an operator's whose key may be lost; re-issue the
 				return err
 			}
 			// A list revokes its own CA's certificates only: one another CA issued would stay admitted.
-			caBlk, _ := pem.Decode(ca.CertPEM())
-			caCert, err := x509.ParseCertificate(caBlk.Bytes)
-			if err != nil {
-				return fmt.Errorf("pki revoke: %w", err)
-			}
 			for p, cert := range certs {
-				if err := cert.CheckSignatureFrom(caCert); err != nil {
+				if err := ca.Signed(cert); err != nil {
 					return cli.Usagef("%s was not issued by the CA in %s (revoke it with its own CA's --dir): %v", p, dir, err)
 				}
 			}

@@ -144,6 +144,10 @@ func LoadCA(certPEM, keyPEM []byte) (*CA, error) {
 // CertPEM returns the CA certificate; distribute it to every member as the trust root.
 func (ca *CA) CertPEM() []byte { return bytes.Clone(ca.certPEM) }
 
+// Signed reports, by an error, whether cert was issued (signed) by this CA: only those does its
+// revocation list revoke.
+func (ca *CA) Signed(cert *x509.Certificate) error { return cert.CheckSignatureFrom(ca.cert) }
+
 // KeyPEM returns the CA private key (PKCS#8). Keep it off member hosts.
 func (ca *CA) KeyPEM() []byte { return bytes.Clone(ca.keyPEM) }
 
