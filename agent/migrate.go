@@ -363,22 +363,32 @@ func (a *Agent) leave(ctx context.Context, j Job, target, migration, snapshot st
 	net := j.Net
 	deleteNet = func() { a.deleteJobNet(context.Background(), j.ID, net) }
 	a.withdrawJobNet(ctx, j.ID, net)
-	a.supersede(j)
-	if err := a.killCgroup(j.ID); err != nil {
+	if err := a.killCopy(ctx, j); err != nil {
 		// Nothing was killed: the job runs on here, as it was.
 		if uerr := a.stayHere(ctx, j); uerr != nil {
 			err = errors.Join(err, uerr)
 		}
 		return func() {}, fmt.Errorf("job %s dumped but its processes could not be killed here, so it is not moved; it runs on here: %w", j.ID, err)
 	}
-	// Killed: the job goes on on the target from its dump whatever follows. Processes slow to go (in an
-	// uninterruptible sleep) send nothing: their address is off the wire.
+	// Killed: the job goes on on the target from its dump whatever follows.
+	return deleteNet, nil
+}
+
+// killCopy kills this host's copy of job j, which has left it, marked superseded first (its shim records
+// no end), and once its processes are gone gives back what it held here but its network (the caller's,
+// whose address is off the wire already). An error if it could not be killed: then nothing is given back.
+func (a *Agent) killCopy(ctx context.Context, j Job) error {
+	a.supersede(j)
+	if err := a.killCgroup(j.ID); err != nil {
+		return err
+	}
+	// Processes slow to go (in an uninterruptible sleep) send nothing: their address is off the wire.
 	if err := waitEmpty(context.WithoutCancel(ctx), a.layout().cgroup(j.ID)); err != nil { // the cgroup killCgroup killed
 		a.log.Warn("a migrated job's processes were killed but have not all gone yet", "job", j.ID, "err", err)
 	}
-	j.Net = nil // deleteNet's
+	j.Net = nil // the caller's
 	a.releaseJob(&j)
-	return deleteNet, nil
+	return nil
 }
 
 // stayHere undoes leave for a job that could not be killed: recorded as running again, its copy no

@@ -50,17 +50,11 @@ func (a *Agent) resumeMigration(ctx context.Context, id string, j Job) {
 	// The previous agent may have died before it killed the job: the job's address goes off the wire (adopt
 	// removed its network already if it still had a name), then its processes, as leave does.
 	a.removeOrphanJobNet(ctx, j.ID, "its migration left this host")
-	a.supersede(j)
-	if err := a.killCgroup(j.ID); err != nil {
+	if err := a.killCopy(ctx, j); err != nil {
 		a.endMigration(id, fmt.Errorf("job %s left this host for %s but what is left of it here could not be killed, so it is not restored anywhere: %w; kill it, then `ftctl restore --snapshot %s`",
 			j.ID, j.MovedTo, err, j.MovedSnapshot))
 		return
 	}
-	if err := waitEmpty(ctx, a.layout().cgroup(j.ID)); err != nil {
-		a.log.Warn("a migrated job's processes were killed but have not all gone yet", "job", j.ID, "err", err)
-	}
-	j.Net = nil // its network is gone (above)
-	a.releaseJob(&j)
 
 	rreq := a.migrationRequest(id, j.ID, j.MovedSnapshot)
 	res := &Migration{Job: j.ID, From: a.cfg.Name, To: j.MovedTo, Snapshot: j.MovedSnapshot, Event: id}
