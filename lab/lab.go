@@ -67,7 +67,7 @@ func Up(ctx context.Context, cfg Config, opts Options) (*Lab, error) {
 	if err != nil {
 		return nil, err
 	}
-	l := &Lab{store: opts.store(), log: opts.logger().With("lab", plan.ID), st: State{Plan: plan, Phase: PhaseCreating}}
+	l := &Lab{store: opts.store(), log: opts.logger().With("lab", plan.ID), st: State{Plan: plan, Phase: PhaseCreating, Owner: cfg.Owner}}
 	err = l.store.locked(func() error {
 		if err := l.checkFree(); err != nil {
 			return err

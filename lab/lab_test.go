@@ -6,16 +6,19 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labtest"
+	"github.com/ftkit/ftkit/lab/slurm"
 	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 )
@@ -108,7 +111,9 @@ func TestLabRefusesDuplicates(t *testing.T) {
 func TestLabDownRemovesEverything(t *testing.T) {
 	labtest.RequireRoot(t)
 	ctx := context.Background()
-	l, err := lab.Up(ctx, lab.Config{ID: "tdown", Nodes: 2, Spares: 1, Subnet: lab.DefaultSubnet}, lab.Options{StateDir: t.TempDir()})
+	// Its own id and subnet, as labtest.New draws them: two runs of this package at once must not share a lab.
+	id := fmt.Sprintf("d%06x", rand.Uint32()&0xffffff)
+	l, err := lab.Up(ctx, lab.Config{ID: id, Nodes: 2, Spares: 1, Subnet: lab.RandomTestSubnet()}, lab.Options{StateDir: t.TempDir()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -358,5 +363,73 @@ func TestCrashIsAtOnce(t *testing.T) {
 	}
 	if b, _ := os.ReadFile(seen); strings.Contains(string(b), "eth0") {
 		t.Errorf("a process of the crashed host acted on its network going:\n%s", b)
+	}
+}
+
+// TestSweepOrphans: a lab whose owner exited (a test binary killed by its -timeout, its cleanups never run)
+// is taken down by the next sweep, namespaces and all; a lab whose owner runs, one whose owner's PID now
+// names another process, and one without an owner (the operator's) are handled as they should be.
+func TestSweepOrphans(t *testing.T) {
+	labtest.RequireRoot(t)
+	ctx := context.Background()
+	opts := lab.Options{StateDir: t.TempDir()} // the sweep sees only this test's labs
+	self, err := lab.Self()
+	if err != nil {
+		t.Fatal(err)
+	}
+	exited := exec.Command("true")
+	if err := exited.Start(); err != nil {
+		t.Fatal(err)
+	}
+	dead, err := slurm.Identify("exited owner", "", exited.Process.Pid) // readable until reaped
+	if err != nil {
+		t.Fatal(err)
+	}
+	exited.Wait()
+	reused := *self
+	reused.Start++ // this PID, another start: the owner exited and its PID was given out again
+	up := func(owner *slurm.Proc) lab.State {
+		t.Helper()
+		for {
+			l, err := lab.Up(ctx, lab.Config{ID: fmt.Sprintf("s%06x", rand.Uint32()&0xffffff), Nodes: 1, Subnet: lab.RandomTestSubnet(), Owner: owner}, opts)
+			if errors.Is(err, lab.ErrSubnetInUse) || errors.Is(err, lab.ErrExists) {
+				continue
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() {
+				if err := l.Down(ctx); err != nil {
+					t.Errorf("lab down: %v", err)
+				}
+			})
+			return l.State()
+		}
+	}
+	orphan, reusedOrphan, live, unowned := up(&dead), up(&reused), up(self), up(nil)
+	swept, err := lab.SweepOrphans(ctx, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{orphan.ID, reusedOrphan.ID}; !slices.Equal(slices.Sorted(slices.Values(swept)), slices.Sorted(slices.Values(want))) {
+		t.Errorf("swept %v, want %v", swept, want)
+	}
+	labs, err := lab.List(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var left []string
+	for _, st := range labs {
+		left = append(left, st.ID)
+	}
+	if want := []string{live.ID, unowned.ID}; !slices.Equal(left, slices.Sorted(slices.Values(want))) {
+		t.Errorf("labs left %v, want %v", left, want)
+	}
+	for _, st := range []lab.State{orphan, reusedOrphan} {
+		for _, h := range append(st.Hosts, st.Router) {
+			if _, err := os.Stat(lab.NetnsPath(h.Namespace)); !errors.Is(err, fs.ErrNotExist) {
+				t.Errorf("namespace %s of swept lab %s left behind", h.Namespace, st.ID)
+			}
+		}
 	}
 }

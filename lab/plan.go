@@ -10,6 +10,8 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+
+	"github.com/ftkit/ftkit/lab/slurm"
 )
 
 // DefaultID names the operator's lab. Its namespaces carry the bare host names (node1, spare1); any other
@@ -43,6 +45,8 @@ type Config struct {
 	Subnet netip.Prefix // an IPv4 prefix of /24 or wider
 	// Slurm starts munged (unless one runs), a slurmctld in the first node and a slurmd in every host.
 	Slurm bool
+	// Owner, when set, is the process the lab belongs to: SweepOrphans takes the lab down once it exits.
+	Owner *slurm.Proc
 }
 
 // Host is one planned host of a lab.

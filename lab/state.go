@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/internal/atomicfile"
+	"github.com/ftkit/ftkit/lab/slurm"
 )
 
 // DefaultStateDir holds one JSON file per lab. It is on tmpfs on purpose: a reboot removes the namespaces,
@@ -36,6 +37,8 @@ type State struct {
 	Dirs []string `json:"dirs,omitempty"`
 	// Slurm is set when the lab runs Slurm (Config.Slurm): its daemons, recorded so Down stops them.
 	Slurm *SlurmState `json:"slurm,omitempty"`
+	// Owner is Config.Owner.
+	Owner *slurm.Proc `json:"owner,omitempty"`
 }
 
 // stateStore reads and writes lab state files under one directory, serialised by an flock so that two

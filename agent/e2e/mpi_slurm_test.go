@@ -2,9 +2,7 @@ package e2e
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"math/rand/v2"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -18,6 +16,7 @@ import (
 	"github.com/ftkit/ftkit/internal/lammps"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
+	"github.com/ftkit/ftkit/lab/labtest"
 	"github.com/ftkit/ftkit/lab/slurm"
 )
 
@@ -42,27 +41,7 @@ func newSlurmCluster(t *testing.T, nodes, spares int, opts labcluster.Options) *
 		t.Skipf("SKIPPED LOUDLY: %s not installed (scripts/setup.sh packages)", strings.Join(missing, ", "))
 	}
 	slots.take(t, true) // its labs run MPI programs
-	var l *lab.Lab
-	for try := 0; try < 20 && l == nil; try++ {
-		id := fmt.Sprintf("t%06x", rand.Uint32()&0xffffff)
-		subnet := lab.RandomTestSubnet()
-		var err error
-		l, err = lab.Up(context.Background(), lab.Config{ID: id, Nodes: nodes, Spares: spares, Subnet: subnet, Slurm: true}, lab.Options{})
-		if errors.Is(err, lab.ErrSubnetInUse) || errors.Is(err, lab.ErrExists) {
-			continue
-		}
-		if err != nil {
-			t.Fatalf("lab up --slurm: %v", err)
-		}
-		t.Cleanup(func() {
-			if err := l.Down(context.Background()); err != nil {
-				t.Errorf("lab down: %v", err)
-			}
-		})
-	}
-	if l == nil {
-		t.Fatal("no free lab id and subnet after 20 tries")
-	}
+	l := labtest.Up(t, lab.Config{Nodes: nodes, Spares: spares, Slurm: true})
 	opts.AgentBin = bins.Ftagent
 	c, err := labcluster.Start(context.Background(), l, opts)
 	if err != nil {

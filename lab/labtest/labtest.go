@@ -22,12 +22,30 @@ func RequireRoot(t testing.TB) {
 // New brings up a lab with a fresh id and a free subnet (lab.RandomTestSubnet) and registers its teardown.
 func New(t testing.TB, nodes, spares int) *lab.Lab {
 	t.Helper()
+	return Up(t, lab.Config{Nodes: nodes, Spares: spares})
+}
+
+// Up brings up the lab cfg describes under a fresh id and a free subnet (lab.RandomTestSubnet), owned by
+// this test binary, and registers its teardown. It first takes down the labs of test binaries that died
+// without their cleanups (lab.SweepOrphans: a -timeout panic).
+func Up(t testing.TB, cfg lab.Config) *lab.Lab {
+	t.Helper()
 	RequireRoot(t)
 	ctx := context.Background()
+	if swept, err := lab.SweepOrphans(ctx, lab.Options{}); err != nil {
+		t.Logf("labs of exited test binaries not all taken down: %v", err)
+	} else if len(swept) > 0 {
+		t.Logf("took down the labs of exited test binaries: %v", swept)
+	}
+	owner, err := lab.Self()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Owner = owner
 	for try := 0; try < 20; try++ {
-		id := fmt.Sprintf("t%06x", rand.Uint32()&0xffffff)
-		subnet := lab.RandomTestSubnet()
-		l, err := lab.Up(ctx, lab.Config{ID: id, Nodes: nodes, Spares: spares, Subnet: subnet}, lab.Options{})
+		cfg.ID = fmt.Sprintf("t%06x", rand.Uint32()&0xffffff)
+		cfg.Subnet = lab.RandomTestSubnet()
+		l, err := lab.Up(ctx, cfg, lab.Options{})
 		if errors.Is(err, lab.ErrSubnetInUse) || errors.Is(err, lab.ErrExists) {
 			continue
 		}
