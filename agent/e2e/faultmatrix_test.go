@@ -40,26 +40,19 @@ import (
 // not change the checksum: --ballast, --progress) on node1..node3 of a lab with the given spares and
 // waits until every rank reports progress. prepare, if set, runs on the lab before the agents start.
 //
-// The run is gated 100 iterations before its end (rg.wait releases it): on a loaded machine a row's
-// snapshots can take longer than the whole paced run (CI: rank 1 of TestFaultCrashDuringSnapshot ended
-// while the test's first snapshot of it was still being shipped), and a fault injected after the end tests
-// nothing.
+// The run is held 100 iterations before its end (startHeldRing; CI: rank 1 of TestFaultCrashDuringSnapshot
+// ended while the test's first snapshot of it was still being shipped, and a fault injected after the end
+// tests nothing).
 func startMatrix(t *testing.T, spares, port int, ref []string, prepare func(*lab.Lab), extra ...string) (*labcluster.Cluster, *ring, string) {
 	t.Helper()
 	want := reference(t, 3, ref)
-	held := flagInt(t, ref, "--iters") - 100
-	if p := flagInt(t, append(append([]string{}, ref...), extra...), "--progress"); held <= 0 || held%p != 0 {
-		t.Fatalf("a run of %d iterations reporting every %d cannot be held 100 before its end", held+100, p)
-	}
 	l := newLab(t, 3, spares, false)
 	if prepare != nil {
 		prepare(l)
 	}
 	c := startCluster(t, l, labcluster.Options{Interval: "1h"})
 	logEventsOnFailure(t, c)
-	args, release := gated(t, append(append([]string{}, ref...), extra...), held)
-	rg := startRing(t, c, 3, port, args)
-	rg.release, rg.heldAt = release, held
+	rg := startHeldRing(t, c, 3, port, append(append([]string{}, ref...), extra...))
 	for r := range rg.jobs {
 		rg.waitIteration(t, r, 1, 2*time.Minute)
 	}
