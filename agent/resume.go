@@ -299,6 +299,16 @@ func (a *Agent) releaseStaleClamps(pending []*recoveryRecord) {
 	}
 }
 
+// releaseClamps releases the ACK clamp of a restored job's connections that no replay will use.
+func (a *Agent) releaseClamps(conns []recoveryConn) {
+	if a.clamp == nil {
+		return
+	}
+	for _, c := range conns {
+		a.clamp.Release(c.Tuple)
+	}
+}
+
 // resumeRecovery finishes one recovery from its record: each adopted job waits for its replay, has its
 // re-sent bytes verified, and is re-protected; the outcome goes into the record.
 func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
@@ -324,6 +334,7 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 			if jerr != nil {
 				a.removeOrphanJobNet(ctx, rj.Job, "an interrupted recovery made it")
 			}
+			a.releaseClamps(rj.Conns) // nothing is left to replay on them
 			err := fmt.Errorf("job %s (%s when the agent restarted) does not run on %s: its state is %s", rj.Job, rj.Phase, a.cfg.Name, state)
 			stage(Stage{Name: StageReplayed, Job: rj.Job, Host: a.cfg.Name, Start: time.Now(), End: time.Now(), Error: err.Error()})
 			errs = append(errs, err)
@@ -338,11 +349,7 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 		if err != nil {
 			// Nothing can check its replay: refused as ReplayAndVerify refuses one, lest it run on unverified
 			// (and never re-protected) under a record that says it was killed.
-			if a.clamp != nil {
-				for _, c := range rj.Conns {
-					a.clamp.Release(c.Tuple)
-				}
-			}
+			a.releaseClamps(rj.Conns)
 			a.killJob(rj.Job, err)
 		}
 		if err == nil && len(rj.Deferred) > 0 {

@@ -13,7 +13,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ftkit/ftkit/ackclamp"
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/internal/testenv"
 	"github.com/ftkit/ftkit/recvdigest"
 	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/restore/recovery"
@@ -136,6 +138,37 @@ func TestResumeRecoveryJobGone(t *testing.T) {
 	}
 	if n := len(got.Stages); n != 1 || got.Stages[0].Job != "rank1-abc" || got.Stages[0].Error == "" {
 		t.Errorf("resumed stages %+v; want one failed stage of rank1-abc", got.Stages)
+	}
+}
+
+// TestResumeRecoveryJobGoneReleasesClamp: a restored job that the restarted agent finds gone has nothing
+// left to replay: the ACK clamp of its connections is released, else it lowers their ACKs for as long as
+// the host runs (releaseStaleClamps keeps the flows of every unfinished job, this one among them).
+func TestResumeRecoveryJobGoneReleasesClamp(t *testing.T) {
+	testenv.RequireKernel(t, "eBPF (the ACK clamp's maps)")
+	a := resumeTestAgent(t)
+	c, err := ackclamp.Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	a.clamp = c
+	flow := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("10.0.0.1:1")}
+	if err := c.Clamp(flow, 1000); err != nil {
+		t.Fatal(err)
+	}
+	rec := &recoveryRecord{Failure: "node2-20250101T000001.000", Coordinator: "node3",
+		Jobs: []recoveryJob{{Job: "rank1-abc", Snapshot: "s", Phase: phaseRestored, Conns: []recoveryConn{{Tuple: flow, Resend: 10}}}}}
+	if err := saveRecovery(a.cfg.StateDir, rec); err != nil {
+		t.Fatal(err)
+	}
+	a.resumeRecoveries(t.Context(), a.pendingRecoveries())
+	flows, err := c.Flows()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(flows) != 0 {
+		t.Errorf("the ACK clamp still holds %+v of a job that runs nowhere here", flows)
 	}
 }
 
