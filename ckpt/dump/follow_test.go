@@ -6,9 +6,11 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strconv"
 	"testing"
 	"time"
 
@@ -43,6 +45,11 @@ func (d *writingDumper) Dump(_ context.Context, opts criu.DumpOptions) (criu.Dum
 			time.Sleep(time.Millisecond)
 		}
 		if d.rewrite && name == "pages-1.img" {
+			// The follower must have hashed the first bytes before they change (CI, ci334: a follower that a
+			// loaded machine let fall behind read the changed bytes only, and its sum matched the file).
+			if err := waitReadPast(f, 0); err != nil {
+				return criu.DumpStats{}, err
+			}
 			if _, err := f.WriteAt([]byte("changed"), 0); err != nil {
 				return criu.DumpStats{}, err
 			}
@@ -50,6 +57,39 @@ func (d *writingDumper) Dump(_ context.Context, opts criu.DumpOptions) (criu.Dum
 		f.Close()
 	}
 	return criu.DumpStats{}, nil
+}
+
+// waitReadPast waits until another descriptor of this process open on w's file (the follower's) has read
+// past offset off.
+func waitReadPast(w *os.File, off int64) error {
+	path, err := filepath.EvalSymlinks(w.Name())
+	if err != nil {
+		return err
+	}
+	for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		fds, err := os.ReadDir("/proc/self/fd")
+		if err != nil {
+			return err
+		}
+		for _, e := range fds {
+			fd, err := strconv.Atoi(e.Name())
+			if err != nil || uintptr(fd) == w.Fd() {
+				continue
+			}
+			if target, err := os.Readlink(filepath.Join("/proc/self/fd", e.Name())); err != nil || target != path {
+				continue
+			}
+			info, err := os.ReadFile(fmt.Sprintf("/proc/self/fdinfo/%d", fd))
+			if err != nil {
+				continue
+			}
+			var pos int64
+			if _, err := fmt.Sscanf(string(info), "pos:\t%d", &pos); err == nil && pos > off {
+				return nil
+			}
+		}
+	}
+	return fmt.Errorf("nothing read %s past offset %d within a minute", path, off)
 }
 
 // With HashWhileDumping the memory images are hashed as they are written and the commit records those
