@@ -177,7 +177,8 @@ const struct recv_event *unused_recv_event __attribute__((unused));
 // restores. Calls that return EINTR or a restart code are not counted: they
 // report nothing, and a dump or a stop makes them (a blocking epoll_wait
 // returns EINTR when its process is stopped and continued); one that the
-// kernel restarts through restart_syscall is counted when the restart ends.
+// kernel restarts through restart_syscall is counted when the restart ends. An entry lives as long as its
+// thread (posexit), or its job (the loader's Forget).
 struct thread_key {
 	__u64 cgroup_id;
 	__u32 nstid;
@@ -245,7 +246,7 @@ struct order_counters {
 	__u64 lost_unattributed; // of those, lost with no room in the lost map either
 	__u64 not_in_job;        // calls of tasks in the parent cgroup itself, not in a job below it
 	__u64 non_ipv4;          // consuming calls on sockets of jobs that are not IPv4 TCP
-	__u64 untracked;         // readiness calls not counted: the positions map was full
+	__u64 untracked;         // readiness calls not counted: the positions map was full (of live threads: posexit frees the dead's)
 };
 
 // Set by the loader: the ring buffer size in bytes, the wakeup threshold
@@ -501,6 +502,30 @@ int pollexit(__u64 *ctx)
 	e->stopped = stop_result(sent);
 	e->polls = polls;
 	bpf_ringbuf_submit(e, BPF_RB_FORCE_WAKEUP);
+	return 0;
+}
+
+// posexit frees the position of a job's thread as it exits. An exited thread is in no snapshot, and a job
+// that churns threads (a pool, an MPI library's progress threads) would otherwise fill positions with the
+// dead and leave its new threads uncounted. sched_process_exit fires in do_exit, in the exiting thread,
+// after its last system call: it makes no readiness call (which would put the entry back) nor receive call
+// after it, so no live thread's entry is ever dropped.
+SEC("tp_btf/sched_process_exit")
+int posexit(__u64 *ctx)
+{
+	if (bpf_current_task_under_cgroup(&parent, 0) != 1)
+		return 0;
+	__u32 zero = 0;
+	struct order_counters *c = bpf_map_lookup_elem(&stats, &zero);
+	if (!c)
+		return 0;
+	__u64 cgid = job_cgroup(c, 0);
+	if (cgid == 0)
+		return 0;
+	struct thread_key k;
+	__u32 nspid;
+	current_key(&k, cgid, &nspid);
+	bpf_map_delete_elem(&positions, &k);
 	return 0;
 }
 

@@ -24,7 +24,7 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	streamtest.ChildMain(map[string]func() error{"sendwait": sendWait, "sink": sink, "blast": blast, "serve": serve, "fetch": fetch, "recvparts": recvParts, "recvscript": recvScript, "pingpong": pingPong}, 2*time.Minute)
+	streamtest.ChildMain(map[string]func() error{"sendwait": sendWait, "sink": sink, "blast": blast, "serve": serve, "fetch": fetch, "recvparts": recvParts, "recvscript": recvScript, "pingpong": pingPong, "threadchurn": threadChurn}, 2*time.Minute)
 	os.Exit(m.Run())
 }
 

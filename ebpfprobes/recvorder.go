@@ -141,6 +141,7 @@ type RecvOrderCounters struct {
 type recvorderLoaded struct {
 	Program         *ebpf.Program  `ebpf:"recvorder"`
 	PollExit        *ebpf.Program  `ebpf:"pollexit"`
+	PosExit         *ebpf.Program  `ebpf:"posexit"`
 	Positions       *ebpf.Map      `ebpf:"positions"`
 	Stops           *ebpf.Map      `ebpf:"stops"`
 	StopsArmed      *ebpf.Variable `ebpf:"stops_armed"`
@@ -170,6 +171,7 @@ type RecvOrder struct {
 	objs     recvorderLoaded
 	link     link.Link
 	pollLink link.Link // nil: readiness calls are not counted (Positions)
+	exitLink link.Link // frees an exiting thread's position; set when pollLink is
 	ring     *ringReader
 	consumer ringConsumer
 
@@ -259,8 +261,13 @@ func NewRecvOrder(opts RecvOrderOptions) (*RecvOrder, error) {
 	// Counting every thread's readiness calls puts every system call of the host on the kernel's traced
 	// exit path (tens of nanoseconds each): without it receive calls are recorded all the same, with no
 	// positions, and a replay keeps their order only.
+	// Positions are not counted without the program that frees an exited thread's: a job that churns
+	// threads would fill the map with the dead, and its new threads would go uncounted unnoticed.
 	if opts.Positions {
-		if r.pollLink, err = link.AttachTracing(link.TracingOptions{Program: r.objs.PollExit}); err != nil {
+		if r.exitLink, err = link.AttachTracing(link.TracingOptions{Program: r.objs.PosExit}); err != nil {
+			log.Warn("recvorder: exited threads' positions cannot be freed (tracepoint sched_process_exit): receive positions are not recorded", "err", err)
+			r.exitLink = nil
+		} else if r.pollLink, err = link.AttachTracing(link.TracingOptions{Program: r.objs.PollExit}); err != nil {
 			log.Warn("recvorder: readiness calls are not counted (tracepoint sys_exit): receive positions are not recorded", "err", err)
 			r.pollLink = nil
 		}
@@ -481,6 +488,7 @@ func (r *RecvOrder) Counters() (RecvOrderCounters, error) {
 		c.LostUnattributed += p.LostUnattributed
 		c.NotInJob += p.NotInJob
 		c.NonIPv4 += p.NonIpv4
+		c.Untracked += p.Untracked
 	}
 	return c, nil
 }
@@ -498,6 +506,11 @@ func (r *RecvOrder) Close() error {
 				errs = append(errs, fmt.Errorf("recvorder: detach from sys_exit: %w", err))
 			}
 		}
+		if r.exitLink != nil {
+			if err := r.exitLink.Close(); err != nil {
+				errs = append(errs, fmt.Errorf("recvorder: detach from sched_process_exit: %w", err))
+			}
+		}
 		if err := r.ring.close(); err != nil {
 			errs = append(errs, fmt.Errorf("recvorder: close ring buffer reader: %w", err))
 		}
@@ -511,7 +524,7 @@ func (r *RecvOrder) Close() error {
 
 func (r *RecvOrder) closeObjects() error {
 	var errs []error
-	for _, c := range []interface{ Close() error }{r.objs.Program, r.objs.PollExit, r.objs.Positions, r.objs.Stops, r.objs.Events, r.objs.Parent, r.objs.Lost, r.objs.Stats, r.objs.Bss} {
+	for _, c := range []interface{ Close() error }{r.objs.Program, r.objs.PollExit, r.objs.PosExit, r.objs.Positions, r.objs.Stops, r.objs.Events, r.objs.Parent, r.objs.Lost, r.objs.Stats, r.objs.Bss} {
 		if err := c.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("recvorder: close BPF object: %w", err))
 		}

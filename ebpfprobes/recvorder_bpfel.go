@@ -78,6 +78,7 @@ const (
 	recvorderMapStats           = "stats"
 	recvorderMapStops           = "stops"
 	recvorderProgPollexit       = "pollexit"
+	recvorderProgPosexit        = "posexit"
 	recvorderProgRecvorder      = "recvorder"
 	recvorderVarConsumerPolling = "consumer_polling"
 	recvorderVarJobLevel        = "job_level"
@@ -137,6 +138,7 @@ type recvorderSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type recvorderProgramSpecs struct {
 	Pollexit  *ebpf.ProgramSpec `ebpf:"pollexit"`
+	Posexit   *ebpf.ProgramSpec `ebpf:"posexit"`
 	Recvorder *ebpf.ProgramSpec `ebpf:"recvorder"`
 }
 
@@ -237,12 +239,14 @@ type recvorderVariables struct {
 // It can be passed to loadRecvorderObjects or ebpf.CollectionSpec.LoadAndAssign.
 type recvorderPrograms struct {
 	Pollexit  *ebpf.Program `ebpf:"pollexit"`
+	Posexit   *ebpf.Program `ebpf:"posexit"`
 	Recvorder *ebpf.Program `ebpf:"recvorder"`
 }
 
 func (p *recvorderPrograms) Close() error {
 	return _RecvorderClose(
 		p.Pollexit,
+		p.Posexit,
 		p.Recvorder,
 	)
 }
