@@ -688,7 +688,10 @@ func (a *Agent) serveClaim(peer string, cl spare.Claim) error {
 // pushes to every member, says done, and the node is an alive member still, so no job came here. It also
 // frees it from a claim taken by an earlier incarnation of this host: that one failed, its jobs were
 // dropped before it rejoined, and no recovery request of that claim can come to the new one (a rejoined
-// spare kept it forever, busy for every later failure).
+// spare kept it forever, busy for every later failure). And from a claim whose claimer failed or left
+// before its recovery came here: only the claimer may send its recovery request (checkRecoverRequest), and
+// the failed node's next protector claims with a failure id of its own; once that node is failed in the
+// view, the check below never frees the claim, and the spare stayed busy until it rejoined.
 //
 // Never while a job runs or is being restored here: the failed node may be alive in the view because its
 // replacement's view lost the same-epoch tie-break (until its protector applies it again) while its jobs,
@@ -708,6 +711,15 @@ func (a *Agent) releaseAbandonedClaim(v ring.View) {
 		}
 		a.log.Info("claim released: it was taken by an earlier incarnation of this host", "failure", cur.Failure, "failed", cur.Failed,
 			"claimed_as", cur.SpareIncarnation, "incarnation", self.Incarnation)
+		return
+	}
+	if by, ok := v.Member(cur.By); cur.By != a.cfg.Name && (!ok || by.State != ring.StateAlive) {
+		if err := a.claims.Release(cur.Failure); err != nil {
+			a.log.Error("release the claim of a failed claimer", "failure", cur.Failure, "by", cur.By, "err", err)
+			return
+		}
+		a.log.Info("claim released: its claimer failed or left before its recovery came here", "failure", cur.Failure,
+			"failed", cur.Failed, "by", cur.By, "by_state", by.State)
 		return
 	}
 	if m, ok := v.Member(cur.Failed); !ok || m.State != ring.StateAlive {

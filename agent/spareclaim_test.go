@@ -1,9 +1,11 @@
 package agent
 
 import (
+	"slices"
 	"testing"
 	"time"
 
+	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/ring"
 	"github.com/ftkit/ftkit/spare"
 )
@@ -52,4 +54,55 @@ func TestServeClaimAfterRejoin(t *testing.T) {
 	}
 	err := a.serveClaim("n2", spare.Claim{Failure: "n1-1", Failed: "n1", Need: spare.Need{Jobs: 1}})
 	requireClaimHeld(t, a, err, true, "n1-1", "n3-1")
+}
+
+// TestServeClaimReleasesFailedClaimers: a ring spare claimed by a protector that failed (or left) before
+// its recovery came here is free for the next claim: only that claimer could send the claim's recovery
+// request, and the failed node's next protector recovered it elsewhere under a failure id of its own (the
+// node is failed in the view, so the abandoned-recovery check never frees it). Never while a job runs or
+// is being restored here: the claimer may have failed after sending its request.
+func TestServeClaimReleasesFailedClaimers(t *testing.T) {
+	for _, tt := range []struct {
+		name     string
+		claimer  string // "failed", "alive" or "gone" (no member of the view)
+		here     string // "", "running" or "restoring": a job on this spare
+		accepted bool
+	}{
+		{"claimer failed, nothing here", "failed", "", true},
+		{"claimer no member, nothing here", "gone", "", true},
+		{"claimer failed, a job runs here", "failed", "running", false},
+		{"claimer failed, a restore is under way here", "failed", "restoring", false},
+		{"claimer alive", "alive", "", false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			members := testMembers(nil)
+			if tt.claimer == "gone" {
+				members = slices.DeleteFunc(members, func(m ring.Member) bool { return m.Name == "n2" })
+			}
+			a, _ := newWireAgent(t, "s1", members)
+			if err := a.claims.Claim(spare.Claim{Failure: "n3-1", By: "n2", Failed: "n3", At: time.Now()}, 1<<40); err != nil {
+				t.Fatal(err)
+			}
+			// n2 fails before changing the view; n3's next protector (n1) restores n3's jobs on s2.
+			changes := []func(ring.View) (ring.View, error){
+				func(v ring.View) (ring.View, error) { return v.ReplaceKeepingAddrs("n3", "s2") },
+			}
+			if tt.claimer == "failed" {
+				changes = append([]func(ring.View) (ring.View, error){func(v ring.View) (ring.View, error) { return v.Fail("n2") }}, changes...)
+			}
+			for _, change := range changes {
+				if _, err := a.updateView(change); err != nil {
+					t.Fatal(err)
+				}
+			}
+			switch tt.here {
+			case "running":
+				a.byID["job-of-n3"] = &Job{ID: "job-of-n3", State: JobRunning, Node: "s1"}
+			case "restoring":
+				defer a.setBusy(detect.BusyRestore)()
+			}
+			err := a.serveClaim("n1", spare.Claim{Failure: "s2-1", Failed: "s2", Need: spare.Need{Jobs: 1}})
+			requireClaimHeld(t, a, err, tt.accepted, "s2-1", "n3-1")
+		})
+	}
 }
