@@ -632,6 +632,7 @@ func (a *Agent) Run(ctx context.Context, local LocalAPI) error {
 	if err != nil {
 		a.log.Error("some job records could not be read", "err", err)
 	}
+	a.settleOutputJournals() // knowing which jobs run here; before any restore, a resumed one included
 	// Before any recovery runs, a resumed one included: one that changes the routes again finds them as
 	// they were.
 	if err := a.routeEdits.putBackLeft(); err != nil {
