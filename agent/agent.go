@@ -633,6 +633,8 @@ func (a *Agent) Run(ctx context.Context, local LocalAPI) error {
 		a.log.Error("some job records could not be read", "err", err)
 	}
 	a.settleOutputJournals() // knowing which jobs run here; before any restore, a resumed one included
+	// Knowing which jobs run here, and before anything here claims again (a resumed migration, the API).
+	a.giveBackOrphanClaims(ctx)
 	// Before any recovery runs, a resumed one included: one that changes the routes again finds them as
 	// they were.
 	if err := a.routeEdits.putBackLeft(); err != nil {

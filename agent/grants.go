@@ -194,6 +194,30 @@ func (a *Agent) giveBackUnlessStarted(ctx context.Context, j Job, n uint64, hold
 	a.giveBack(ctx, j.ID, n, holder, nil)
 }
 
+// giveBackOrphanClaims gives back, at start, the incarnations this host claimed for restores that left
+// nothing here: a previous agent killed between its claim and the restored job's record (or before the
+// recovery or migration that claimed could record it) never gave them back, and every later restore of
+// the job, a fail-over's included, was refused as if the job ran here. A claim is kept if a record of the
+// job here has its incarnation or a newer one (the restore ran), or if the job's cgroup here may have
+// processes (CRIU or the job may run without a record). It runs before anything can claim again: a resumed
+// migration or a repeated recovery request claims under the same holder, which a late give-back would
+// release under it. Best effort: a member that misses it keeps refusing, as before.
+func (a *Agent) giveBackOrphanClaims(ctx context.Context) {
+	for job, rec := range a.grants.HeldOn(a.cfg.Name) {
+		if cur, _, err := a.Job(job, 0); err == nil && cur.Incarnation >= rec.Incarnation {
+			continue
+		}
+		if populated(a.layout().cgroup(job)) {
+			a.log.Warn("an incarnation this host claimed has no record of its restore, but the job's cgroup has processes: it stays claimed",
+				"job", job, "incarnation", rec.Incarnation, "holder", rec.Holder)
+			continue
+		}
+		a.log.Warn("giving back an incarnation a previous agent claimed for a restore that left nothing here",
+			"job", job, "incarnation", rec.Incarnation, "holder", rec.Holder, "granted", rec.Granted)
+		a.giveBack(ctx, job, rec.Incarnation, rec.Holder, nil)
+	}
+}
+
 // populated reports whether a cgroup v2 directory (or its subtree) has processes; unknown counts as yes.
 func populated(cgroup string) bool {
 	if cgroup == "" {

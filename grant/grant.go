@@ -262,6 +262,19 @@ func (r *Registry) Lookup(job string) (Record, bool) {
 	return rec, ok
 }
 
+// HeldOn returns, per job, this member's grants not given back to restores on host.
+func (r *Registry) HeldOn(host string) map[string]Record {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := map[string]Record{}
+	for job, rec := range r.jobs {
+		if rec.Host == host && !rec.Released {
+			out[job] = rec
+		}
+	}
+	return out
+}
+
 // Len is the number of jobs remembered.
 func (r *Registry) Len() int {
 	r.mu.Lock()

@@ -471,3 +471,29 @@ func TestRefusedOnlyOn(t *testing.T) {
 		})
 	}
 }
+
+// TestGrantHeldUntilGivenBack: a grant whose holder died before it ran or gave it back is never
+// superseded by another holder of the same incarnation, on any host, nor does it age out while restores
+// keep asking; only a newer incarnation (a forced restore) is granted.
+func TestGrantHeldUntilGivenBack(t *testing.T) {
+	r, err := Open(filepath.Join(t.TempDir(), "grants.json"), Options{MaxAge: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	now := time.Now()
+	if _, err := r.Grant(Request{Job: "j-1", Incarnation: 2, Holder: "restore:dead", Host: "h1"}, now); err != nil {
+		t.Fatal(err)
+	}
+	for i, q := range []Request{
+		{Job: "j-1", Incarnation: 2, Holder: "restore:again", Host: "h1"},
+		{Job: "j-1", Incarnation: 2, Holder: "failover:x", Host: "h2"},
+	} {
+		now = now.Add(59 * time.Minute) // each refused request refreshes Seen: never older than MaxAge
+		if _, err := r.Grant(q, now); !errors.Is(err, ErrConflict) {
+			t.Fatalf("request %d: %v, want a refusal", i, err)
+		}
+	}
+	if _, err := r.Grant(Request{Job: "j-1", Incarnation: 3, Holder: "restore:force", Host: "h2"}, now); err != nil {
+		t.Fatalf("newer incarnation: %v", err)
+	}
+}

@@ -1,0 +1,61 @@
+package agent
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/grant"
+)
+
+// TestGiveBackOrphanClaims: an agent killed after its claim of a job's next incarnation and before the
+// restored job's record left the incarnation held by a restore that never ran; every later restore of
+// the job, here or elsewhere, was refused. The restarted agent gives such claims back, and only those.
+func TestGiveBackOrphanClaims(t *testing.T) {
+	ta := newTestAgent(t)
+	nv, err := ta.View().Fail("node2") // this agent alone grants
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ta.adoptView(nv); err != nil {
+		t.Fatal(err)
+	}
+	const (
+		orphan   = "orphan-00000001" // claimed, then the agent died: no record, empty cgroup
+		starting = "start-00000001"  // claimed, no record yet, but its cgroup has processes (CRIU ran)
+	)
+	ta.mu.Lock()
+	ta.byID[rootsJob].Incarnation = 1 // restored here as incarnation 1: the claim ran
+	ta.mu.Unlock()
+	cg := filepath.Join(ta.cfg.CgroupParent, starting)
+	if err := os.MkdirAll(cg, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(cg, "cgroup.events"), []byte("populated 1\nfrozen 0\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	held := map[string]string{orphan: "node1", starting: "node1", rootsJob: "node1", goneJob: "node2"}
+	for job, host := range held {
+		if _, err := ta.grants.Grant(grant.Request{Job: job, Incarnation: 1, Holder: "restore:dead", Host: host}, time.Now()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Before: a new restore of the orphaned incarnation is refused as if the job ran here.
+	if err := ta.claimIncarnation(t.Context(), orphan, 1, "restore:new", ""); !errors.Is(err, grant.ErrConflict) {
+		t.Fatalf("claim before the restart: %v, want a refusal", err)
+	}
+
+	ta.giveBackOrphanClaims(t.Context())
+
+	for job, host := range held {
+		rec, _ := ta.grants.Lookup(job)
+		if want := job == orphan; rec.Released != want {
+			t.Errorf("job %s (held on %s): released %v, want %v", job, host, rec.Released, want)
+		}
+	}
+	if err := ta.claimIncarnation(t.Context(), orphan, 1, "restore:new", ""); err != nil {
+		t.Fatalf("claim after the restart: %v, want the incarnation given back", err)
+	}
+}
