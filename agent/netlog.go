@@ -43,6 +43,8 @@ type logState struct {
 	// re-sends to them over loopback, to check it (received.go). It exists only while loUsers > 0.
 	lo      *capture.Capture
 	loUsers int
+	// socket reads a local socket's state where it lives (nil: sock_diag in its network namespace).
+	socket func(conn tcpflow.Tuple) (sockdiag.Socket, error)
 }
 
 // ReleaseCounters count the logs of finished connections freed since the agent started.
@@ -376,7 +378,7 @@ func (a *Agent) socketOwners(flows []tcpflow.Tuple) map[tcpflow.Tuple][]any {
 	for _, f := range flows {
 		var s sockdiag.Socket
 		err := a.inSocketNet(f, func() (err error) { s, err = sockdiag.Lookup(f); return err })
-		if err != nil {
+		if err != nil || s.TimeWait() { // a TIME_WAIT socket has neither owner nor inode any more
 			continue
 		}
 		attrs[f], inodes[f] = []any{"uid", s.UID}, s.Inode

@@ -15,6 +15,7 @@ import (
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/criu/image"
 	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/internal/sockdiag"
 	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/netlog/capture"
 	"github.com/ftkit/ftkit/recvdigest"
@@ -204,8 +205,10 @@ func (a *Agent) logOf(conn tcpflow.Tuple) (*netlog.Log, logConsumer, error) {
 	return a.netlog.node.Log(), a.netlog.node, nil
 }
 
-// logConsumer is what a caller waiting for logged bytes asks of the log's capture.
+// logConsumer is what a caller waiting for logged bytes, or for a flow's live state, asks of the log's
+// capture.
 type logConsumer interface {
+	FlowState(conn tcpflow.Tuple) (ebpfprobes.FlowState, bool, error)
 	Urge() (done func())
 	Want(conn tcpflow.Tuple)
 	TakeParked(ctx context.Context, conn tcpflow.Tuple) error
@@ -351,7 +354,46 @@ func (a *Agent) serveReceived(req clusterapi.ReceivedRequest) (clusterapi.Receiv
 	if !ok {
 		return clusterapi.ReceivedReply{}, fmt.Errorf("%s has no record of what it received on %s: the socket is not a protected job's, or the agent restarted since", a.cfg.Name, conn)
 	}
+	rec.Fin = a.finReceivedAt(rec)
 	return clusterapi.ReceivedReply{Received: &rec}, nil
+}
+
+// finAckWait is how long a socket that took in its peer's FIN may take to acknowledge it: Linux's
+// delayed-ACK maximum (200 ms), and some.
+const finAckWait = 250 * time.Millisecond
+
+// finReceivedAt is where the sender's FIN is in rec, a record of this host's: the tap records no FIN, but
+// the socket's state says it took one in (so its rcv_nxt is the FIN's sequence number plus one), and
+// this host's own ACK on the reverse flow says where, once it acknowledged it. It is set only right at the
+// end of the record: a FIN elsewhere, an ACK not yet sent, a socket gone or a state not known leave it
+// unknown, and a restored sender's FIN is then refused as an unverified byte, as without this.
+func (a *Agent) finReceivedAt(rec recvdigest.Received) *uint32 {
+	if len(rec.Pieces) == 0 {
+		return nil
+	}
+	own := rec.Conn.Reverse() // this host's socket: Local is the receiver
+	lookup := a.netlog.socket
+	if lookup == nil {
+		lookup = func(f tcpflow.Tuple) (s sockdiag.Socket, err error) {
+			err = a.inSocketNet(f, func() (err error) { s, err = sockdiag.Lookup(f); return err })
+			return s, err
+		}
+	}
+	if s, err := lookup(own); err != nil || !s.FinReceived() {
+		return nil
+	}
+	end := rec.Pieces[len(rec.Pieces)-1].End()
+	acked := func() bool {
+		fs, ok, err := a.netlog.node.FlowState(own)
+		return err == nil && ok && fs.HasAck && fs.Ack == end+1
+	}
+	if !acked() {
+		time.Sleep(finAckWait)
+		if !acked() {
+			return nil
+		}
+	}
+	return &end
 }
 
 // receivedOf fetches member peer's record of what it received on conn from sequence from on; the client

@@ -135,6 +135,20 @@ func (r *recoveryActions) SentUpTo(flow tcpflow.Tuple) (uint32, bool) {
 	return 0, false
 }
 
+// FinSentAt reads where a restored socket sent its FIN from the live state of the log that captured its
+// re-sent bytes (logOf: the loopback capture's for a peer on this host), which keeps it after the FIN.
+func (r *recoveryActions) FinSentAt(flow tcpflow.Tuple) (uint32, bool) {
+	_, c, err := r.a.logOf(flow)
+	if err != nil {
+		return 0, false
+	}
+	st, ok, err := c.FlowState(flow)
+	if err != nil || !ok || !st.FinSent {
+		return 0, false
+	}
+	return st.DataEnd(), true // the FIN takes the sequence number after the last byte
+}
+
 // Claim claims the incarnation cluster-wide; a refusal means the job runs elsewhere (ErrJobAlive). An
 // incarnation the members recorded for a restore on the fenced node is superseded: that restore was cut
 // short by the node's failure (a spare that died while restoring a failed node's jobs), and its

@@ -26,6 +26,7 @@ import (
 func messageSeeds() [][]byte {
 	now := time.Date(2026, 5, 1, 12, 0, 0, 0, time.UTC)
 	live := ebpfprobes.FlowState{}
+	fin := uint32(recvdigest.BlockSize + 9)
 	msgs := []any{
 		PingReply{Node: "n2", Jobs: []string{"job-1", "job-2"}},
 		FetchRequest{Job: "job-1", ID: "20260501T120000.000000000Z-n2-1"},
@@ -40,6 +41,7 @@ func messageSeeds() [][]byte {
 		LogRangeReply{From: 77, Len: 5, Live: &live},
 		ReceivedRequest{Tuple: tcpflow.Tuple{Local: testSrc, Remote: testDst}, From: 77},
 		ReceivedReply{Received: &recvdigest.Received{Conn: tcpflow.Tuple{Local: testSrc, Remote: testDst}, Pieces: []recvdigest.Piece{{Seq: 100, Len: recvdigest.BlockSize - 100, CRC: 5}, {Seq: recvdigest.BlockSize, Len: 9, CRC: 6}}}},
+		ReceivedReply{Received: &recvdigest.Received{Conn: tcpflow.Tuple{Local: testSrc, Remote: testDst}, Pieces: []recvdigest.Piece{{Seq: recvdigest.BlockSize, Len: 9, CRC: 6}}, Fin: &fin}},
 		LogWatermark{Age: time.Second, Held: true, Addrs: []netip.Addr{netip.MustParseAddr("10.77.0.2")}},
 		detect.Beat{From: "n2", Seq: 9, Busy: "checkpoint", Jobs: []string{"job-1"}, Sent: now},
 		ProbeRequest{Name: "n3"},
@@ -160,6 +162,9 @@ func FuzzClusterMessage(f *testing.F) {
 		if json.Unmarshal(body, &rec) == nil && rec.Check(ReceivedRequest{Tuple: tcpflow.Tuple{Local: testSrc, Remote: testDst}}) == nil {
 			if n := len(rec.Received.Pieces); n > recvdigest.MaxPieces {
 				t.Fatalf("a record of %d pieces validated", n)
+			}
+			if f := rec.Received.Fin; f != nil && *f != rec.Received.Pieces[len(rec.Received.Pieces)-1].End() {
+				t.Fatalf("a FIN at %d validated, not at the record's end", *f)
 			}
 		}
 		var rep ReplicaReply

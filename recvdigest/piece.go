@@ -60,18 +60,23 @@ func (p Piece) End() uint32 { return p.Seq + p.Len }
 // Conn.Local is the remote sender, Conn.Remote the local receiver. Pieces are in ascending serial order and do not
 // overlap; a gap between two pieces is a hole: bytes the receiver got but did not record.
 //
-// In JSON it is {"src": "ip:port", "dst": "ip:port", "pieces": "<base64>"}, where pieces holds 12 bytes
-// per piece (Seq, Len, CRC, each a big-endian uint32): MaxPieces pieces take 256 KiB of base64.
+// In JSON it is {"src": "ip:port", "dst": "ip:port", "pieces": "<base64>", "fin": seq}, where pieces holds
+// 12 bytes per piece (Seq, Len, CRC, each a big-endian uint32): MaxPieces pieces take 256 KiB of base64;
+// fin is omitted when Fin is nil (as a receiver from before Fin sends every record).
 // UnmarshalJSON refuses what Validate refuses; a Received absent from a message is the zero value, which
 // Validate also refuses, so validate data from another node before use (Verify does it itself).
 type Received struct {
 	Conn   tcpflow.Tuple
 	Pieces []Piece
+	// Fin, if set, is the sequence number of the sender's FIN, which the receiver took in: its receive tap
+	// records no FIN, so its host reads it from the socket's state and its own ACK. It is the end of the
+	// last piece (a FIN follows the last byte), so a record with a FIN ends where the stream ends.
+	Fin *uint32
 }
 
 // Validate checks a Received that came from another node: valid endpoints, at most MaxPieces pieces,
 // each of 1..BlockSize bytes inside one block, in ascending order without overlap, spanning at most
-// MaxSpan.
+// MaxSpan; a Fin right at the last piece's end.
 func (r Received) Validate() error {
 	if err := r.Conn.Validate(); err != nil {
 		return fmt.Errorf("receive digests (local is the sender, remote the receiver): %w", err)
@@ -99,6 +104,15 @@ func (r Received) Validate() error {
 			return fmt.Errorf("receive digests of %s: pieces span more than %d bytes of sequence space", r.Conn, MaxSpan)
 		}
 	}
+	if r.Fin != nil {
+		// A FIN elsewhere would have bytes after it, or a part of the stream the record does not cover.
+		if len(r.Pieces) == 0 {
+			return fmt.Errorf("receive digests of %s: a FIN at %d without a received byte before it", r.Conn, *r.Fin)
+		}
+		if end := r.Pieces[len(r.Pieces)-1].End(); *r.Fin != end {
+			return fmt.Errorf("receive digests of %s: a FIN at %d, not at the end of the last piece (%d)", r.Conn, *r.Fin, end)
+		}
+	}
 	return nil
 }
 
@@ -106,6 +120,7 @@ type receivedJSON struct {
 	Src    netip.AddrPort `json:"src"`
 	Dst    netip.AddrPort `json:"dst"`
 	Pieces string         `json:"pieces"`
+	Fin    *uint32        `json:"fin,omitempty"`
 }
 
 // MarshalJSON encodes r in the layout documented at Received.
@@ -116,7 +131,7 @@ func (r Received) MarshalJSON() ([]byte, error) {
 		b = binary.BigEndian.AppendUint32(b, p.Len)
 		b = binary.BigEndian.AppendUint32(b, p.CRC)
 	}
-	return json.Marshal(receivedJSON{Src: r.Conn.Local, Dst: r.Conn.Remote, Pieces: base64.StdEncoding.EncodeToString(b)})
+	return json.Marshal(receivedJSON{Src: r.Conn.Local, Dst: r.Conn.Remote, Pieces: base64.StdEncoding.EncodeToString(b), Fin: r.Fin})
 }
 
 // maxPiecesBase64 bounds the pieces string before it is decoded.
@@ -141,7 +156,7 @@ func (r *Received) UnmarshalJSON(b []byte) error {
 	if len(raw)%pieceWireLen != 0 {
 		return fmt.Errorf("receive digests of %s->%s: %d bytes of pieces, not a multiple of %d", j.Src, j.Dst, len(raw), pieceWireLen)
 	}
-	out := Received{Conn: tcpflow.Tuple{Local: j.Src, Remote: j.Dst}}
+	out := Received{Conn: tcpflow.Tuple{Local: j.Src, Remote: j.Dst}, Fin: j.Fin}
 	if len(raw) > 0 {
 		out.Pieces = make([]Piece, len(raw)/pieceWireLen)
 	}

@@ -137,7 +137,8 @@ func TestReceivedUnmarshalRefuses(t *testing.T) {
 }
 
 // FuzzReceivedDecode decodes receive digests as another node sends them: never a panic, never more than
-// MaxPieces pieces, what is accepted is valid, survives a round trip, and Verify can run on it.
+// MaxPieces pieces, what is accepted is valid, survives a round trip (its FIN too), and Verify and
+// VerifyFin can run on it.
 func FuzzReceivedDecode(f *testing.F) {
 	good, _ := json.Marshal(Received{Conn: testConn, Pieces: piecesOf(3*B+5, randomBytes(2, 2*B))})
 	f.Add(good, uint32(4*B), uint32(5*B))
@@ -146,6 +147,11 @@ func FuzzReceivedDecode(f *testing.F) {
 	f.Add([]byte(`{"src":"[::1]:1","dst":"10.0.0.3:2","pieces":"AAEAAAABAAAAAAAB"}`), uint32(1), uint32(2))
 	f.Add([]byte(`{"src":"10.0.0.2:1","dst":"10.0.0.3:2","pieces":"AAAAAAAAAAA="}`), uint32(0), uint32(0))
 	f.Add([]byte(`null`), uint32(0), uint32(1))
+	fin := uint32(5*B + 5)
+	withFin, _ := json.Marshal(Received{Conn: testConn, Pieces: piecesOf(3*B+5, randomBytes(2, 2*B)), Fin: &fin})
+	f.Add(withFin, uint32(4*B), fin+1)
+	f.Add([]byte(`{"src":"10.0.0.2:1","dst":"10.0.0.3:2","pieces":"//8AAAAAAAoAAAAB","fin":4}`), uint32(1<<32-10), uint32(5))
+	f.Add([]byte(`{"src":"10.0.0.2:1","dst":"10.0.0.3:2","pieces":"","fin":4294967295}`), uint32(0), uint32(0))
 	f.Fuzz(func(t *testing.T, b []byte, from, to uint32) {
 		var r Received
 		if json.Unmarshal(b, &r) != nil {
@@ -168,8 +174,12 @@ func FuzzReceivedDecode(f *testing.F) {
 			t.Fatal(err)
 		}
 		var back Received
-		if err := json.Unmarshal(again, &back); err != nil || back.Conn != r.Conn || !slices.Equal(back.Pieces, r.Pieces) {
+		if err := json.Unmarshal(again, &back); err != nil || back.Conn != r.Conn || !slices.Equal(back.Pieces, r.Pieces) ||
+			(back.Fin == nil) != (r.Fin == nil) || r.Fin != nil && *back.Fin != *r.Fin {
 			t.Fatalf("round trip: %+v, %v; want %+v", back, err, r)
+		}
+		if r.Fin != nil && *r.Fin != r.Pieces[len(r.Pieces)-1].End() {
+			t.Fatalf("a FIN at %d accepted, not at the record's end", *r.Fin)
 		}
 		zeros := func(w io.Writer, _, n uint32) error {
 			_, err := w.Write(make([]byte, min(n, 1<<17)))
@@ -178,6 +188,11 @@ func FuzzReceivedDecode(f *testing.F) {
 		n, err := Verify(r, from, to, Prefix{Known: true, Len: from - BlockStart(from)}, zeros)
 		if length := int64(int32(to - from)); err == nil && int64(n) != max(length, 0) {
 			t.Fatalf("Verify succeeded with %d of %d bytes verified", n, length)
+		}
+		// The restored sender's FIN where the record has it, to cover the FIN's path.
+		n, err = VerifyFin(r, from, to, to-1, true, Prefix{Known: true, Len: from - BlockStart(from)}, zeros)
+		if length := int64(int32(to - from)); err == nil && int64(n) != max(length, 0) && (r.Fin == nil || *r.Fin != to-1 || int64(n) != length-1) {
+			t.Fatalf("VerifyFin succeeded with %d of %d sequence numbers verified (FIN %v)", n, length, r.Fin)
 		}
 	})
 }

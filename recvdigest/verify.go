@@ -167,3 +167,29 @@ func (w *crcWriter) Write(b []byte) (int, error) {
 	w.n += uint64(len(b))
 	return len(b), nil
 }
+
+// VerifyFin is Verify for a sender whose FIN the receiver may have taken in: to, the receiver's rcv_nxt,
+// then counts the FIN, which takes one sequence number and which the receiver's tap never records, so
+// Verify alone would refuse the last one as unrecorded. ownFin is where the restored sender's FIN went
+// (ownFinOK false: it sent none).
+//
+// If the receiver's record has its FIN at to-1, the restored sender must have re-sent its own FIN there,
+// right after the same bytes: its bytes [from, to-1) are verified, and a FIN elsewhere or none is a
+// difference (ErrNondeterministic). Otherwise (no FIN recorded, as from a receiver that does not report
+// it, or one past to) it is Verify, which refuses a FIN it cannot see as unverified. The count is of bytes:
+// the FIN is not one.
+func VerifyFin(rec Received, from, to, ownFin uint32, ownFinOK bool, prefix Prefix, resent func(w io.Writer, seq, n uint32) error) (uint64, error) {
+	fin := to - 1
+	if rec.Fin == nil || *rec.Fin != fin || int32(fin-from) < 0 || rec.Validate() != nil {
+		return Verify(rec, from, to, prefix, resent)
+	}
+	if !ownFinOK || ownFin != fin {
+		sent := "sent no FIN"
+		if ownFinOK {
+			sent = fmt.Sprintf("sent its FIN at %d", ownFin)
+		}
+		return 0, fmt.Errorf("connection %s: the peer had received the sender's FIN at %d (TCP sequence number), and the restored sender %s: %w",
+			rec.Conn, fin, sent, ErrNondeterministic)
+	}
+	return Verify(rec, from, fin, prefix, resent)
+}

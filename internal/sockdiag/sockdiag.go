@@ -28,7 +28,8 @@ const (
 	diagReplyBufferLen = 4096
 )
 
-// Socket is what sock_diag says of one established TCP socket.
+// Socket is what sock_diag says of one established TCP socket. Of a socket in TIME_WAIT the kernel keeps
+// its addresses and state only: State is all there is (TimeWait).
 type Socket struct {
 	// Received is how many bytes the socket has received in order (tcpi_bytes_received: rcv_nxt minus
 	// its value when the socket was created or restored), Unread how many of them the application has not
@@ -53,6 +54,9 @@ const (
 	stateLastAck   = 9
 	stateClosing   = 11
 )
+
+// TimeWait says the socket is in TIME_WAIT, where sock_diag gives nothing but its state.
+func (s Socket) TimeWait() bool { return s.State == stateTimeWait }
 
 // FinReceived says the socket has taken in its peer's FIN (Received does not count it).
 func (s Socket) FinReceived() bool {
@@ -184,7 +188,8 @@ func parseDiagReply(b []byte, conn tcpflow.Tuple) (Socket, error) {
 		}
 		a = a[min(len(a), (alen+3)&^3):]
 	}
-	if !info {
+	if !info && !s.TimeWait() {
+		// The kernel answers for a TIME_WAIT socket without tcp_info (inet_twsk_diag_fill).
 		return Socket{}, errors.New("reply without tcp_info")
 	}
 	return s, nil

@@ -121,6 +121,11 @@ func FuzzParseDiagReply(f *testing.F) {
 	enoent := -int32(unix.ENOENT)
 	ne.PutUint32(e[16:], uint32(enoent))
 	f.Add(e)
+	timeWait := make([]byte, sizeofNlMsghdr+sizeofInetDiagMsg) // the kernel gives a TIME_WAIT socket no tcp_info
+	ne.PutUint32(timeWait[0:], uint32(len(timeWait)))
+	ne.PutUint16(timeWait[4:], unix.SOCK_DIAG_BY_FAMILY)
+	timeWait[sizeofNlMsghdr+1] = stateTimeWait
+	f.Add(timeWait)
 	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("0.0.0.0:0"), Remote: netip.MustParseAddrPort("0.0.0.0:0")}
 	f.Fuzz(func(t *testing.T, b []byte) {
 		parseDiagReply(b, conn)

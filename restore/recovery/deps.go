@@ -117,6 +117,8 @@ type Log interface {
 	ReadRange(ctx context.Context, w io.Writer, conn tcpflow.Tuple, seq, n uint32) error
 	// SentUpTo is how far a restored socket has sent on flow.
 	SentUpTo(flow tcpflow.Tuple) (uint32, bool)
+	// FinSentAt is the sequence number of the FIN a restored socket sent on flow; false if it sent none.
+	FinSentAt(flow tcpflow.Tuple) (uint32, bool)
 }
 
 // Jobs runs the restored jobs and owns their incarnations.

@@ -38,7 +38,8 @@ type fake struct {
 	// Log: what the log holds per flow (from sequence 0), and how far each restored socket sent.
 	logged map[tcpflow.Tuple][]byte
 	sent   map[tcpflow.Tuple]uint32
-	kept   int // Keep calls not yet stopped
+	finAt  map[tcpflow.Tuple]uint32 // where each restored socket sent its FIN, if it did
+	kept   int                      // Keep calls not yet stopped
 	// Jobs.
 	claimErr, restoreErr error
 	finErr               error // DeliverFIN's
@@ -165,6 +166,13 @@ func (f *fake) SentUpTo(flow tcpflow.Tuple) (uint32, bool) {
 		return 0, false
 	}
 	s, ok := f.sent[flow]
+	return s, ok
+}
+
+func (f *fake) FinSentAt(flow tcpflow.Tuple) (uint32, bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	s, ok := f.finAt[flow]
 	return s, ok
 }
 

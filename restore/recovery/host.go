@@ -112,6 +112,9 @@ func (n HostNetwork) DeliverFromPeer(ctx context.Context, conn tcpflow.Tuple, h 
 func deliver(ctx context.Context, conn tcpflow.Tuple, h restore.PeerHeader, payload []byte, base uint32) error {
 	return restore.DeliverFromPeer(ctx, conn, h, payload, func() (uint32, int, error) {
 		s, err := sockdiag.Lookup(conn)
+		if err == nil && s.TimeWait() {
+			err = errors.New("the socket is in TIME_WAIT, where sock_diag tells nothing of what it received")
+		}
 		return base + uint32(s.Received), s.Unread, err
 	}, deliverRetry)
 }

@@ -190,7 +190,10 @@ func verifyResent(ctx context.Context, d Deps, j *Job) (string, error) {
 			}
 			var v uint64
 			missing := false // once bytes failed to arrive in the log, do not wait again for each later piece
-			v, err = recvdigest.Verify(*chk.Received, from, to, prefix, func(w io.Writer, seq, n uint32) error {
+			// The peer's rcv_nxt counts the job's FIN if it had taken it in: the FIN is checked by where the
+			// job sent it again, since no record of the peer holds it as a byte.
+			fin, finOK := d.Log.FinSentAt(conn)
+			v, err = recvdigest.VerifyFin(*chk.Received, from, to, fin, finOK, prefix, func(w io.Writer, seq, n uint32) error {
 				if !missing {
 					d.Log.WaitLogged(ctx, conn, seq+n)
 				}
