@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -16,6 +17,7 @@ import (
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/ring"
+	"golang.org/x/sys/unix"
 )
 
 // A job has exactly one live incarnation in the cluster: every restore, manual or automatic, first claims
@@ -199,9 +201,9 @@ func (a *Agent) giveBackUnlessStarted(ctx context.Context, j Job, n uint64, hold
 // recovery or migration that claimed could record it) never gave them back, and every later restore of
 // the job, a fail-over's included, was refused as if the job ran here. A claim is kept if a record of the
 // job here has its incarnation or a newer one (the restore ran), or if the job's cgroup here may have
-// processes (CRIU or the job may run without a record). It runs before anything can claim again: a resumed
-// migration or a repeated recovery request claims under the same holder, which a late give-back would
-// release under it. Best effort: a member that misses it keeps refusing, as before.
+// processes or a shim of the job runs (CRIU or the job may run without a record). It runs before anything
+// can claim again: a resumed migration or a repeated recovery request claims under the same holder, which
+// a late give-back would release under it. Best effort: a member that misses it keeps refusing, as before.
 func (a *Agent) giveBackOrphanClaims(ctx context.Context) {
 	for job, rec := range a.grants.HeldOn(a.cfg.Name) {
 		if cur, _, err := a.Job(job, 0); err == nil && cur.Incarnation >= rec.Incarnation {
@@ -212,10 +214,47 @@ func (a *Agent) giveBackOrphanClaims(ctx context.Context) {
 				"job", job, "incarnation", rec.Incarnation, "holder", rec.Holder)
 			continue
 		}
+		if heldOpen(a.shimLog(job)) {
+			a.log.Warn("an incarnation this host claimed has no record of its restore, but a shim of the job runs (CRIU may still restore it): it stays claimed",
+				"job", job, "incarnation", rec.Incarnation, "holder", rec.Holder, "shim_log", a.shimLog(job))
+			continue
+		}
 		a.log.Warn("giving back an incarnation a previous agent claimed for a restore that left nothing here",
 			"job", job, "incarnation", rec.Incarnation, "holder", rec.Holder, "granted", rec.Granted)
 		a.giveBack(ctx, job, rec.Incarnation, rec.Holder, nil)
 	}
+}
+
+// heldOpen reports whether a process of this host has the file at path open (unknown counts as yes). A
+// shim holds its job's log open as its standard error for as long as it lives; one that an agent killed
+// mid-restore left has CRIU restore the job into a cgroup that stays empty until the tree is forked, and
+// the job runs without a record after.
+func heldOpen(path string) bool {
+	var want unix.Stat_t
+	if err := unix.Stat(path, &want); err != nil {
+		return !errors.Is(err, unix.ENOENT)
+	}
+	procs, err := os.ReadDir("/proc")
+	if err != nil {
+		return true
+	}
+	for _, p := range procs {
+		if _, err := strconv.Atoi(p.Name()); err != nil {
+			continue
+		}
+		dir := filepath.Join("/proc", p.Name(), "fd")
+		fds, err := os.ReadDir(dir) // a process gone meanwhile has none
+		if err != nil {
+			continue
+		}
+		for _, fd := range fds {
+			var st unix.Stat_t
+			if unix.Stat(filepath.Join(dir, fd.Name()), &st) == nil && st.Dev == want.Dev && st.Ino == want.Ino {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // populated reports whether a cgroup v2 directory (or its subtree) has processes; unknown counts as yes.

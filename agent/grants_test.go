@@ -59,3 +59,43 @@ func TestGiveBackOrphanClaims(t *testing.T) {
 		t.Fatalf("claim after the restart: %v, want the incarnation given back", err)
 	}
 }
+
+// TestGiveBackOrphanClaimsKeepsRunningShim: an agent killed while CRIU restored a job leaves the job's shim
+// (its own session) restoring, into a cgroup that stays empty until CRIU forks the tree; the job then runs
+// here without a record. The restarted agent must keep that incarnation claimed: given back, a fail-over
+// elsewhere could claim it and run a second copy.
+func TestGiveBackOrphanClaimsKeepsRunningShim(t *testing.T) {
+	ta := newTestAgent(t)
+	nv, err := ta.View().Fail("node2") // this agent alone grants
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ta.adoptView(nv); err != nil {
+		t.Fatal(err)
+	}
+	const job = "restoring-00000001" // claimed, no record, no cgroup yet: its shim's CRIU is still at work
+	if _, err := ta.grants.Grant(grant.Request{Job: job, Incarnation: 1, Holder: "failover:dead", Host: "node1"}, time.Now()); err != nil {
+		t.Fatal(err)
+	}
+	// The shim holds its log open as its standard error for as long as it lives; this test stands in for it.
+	shimLog, err := os.OpenFile(ta.shimLog(job), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer shimLog.Close()
+
+	ta.giveBackOrphanClaims(t.Context())
+
+	if rec, _ := ta.grants.Lookup(job); rec.Released {
+		t.Fatal("the incarnation of a restore whose shim runs was given back")
+	}
+	if err := ta.claimIncarnation(t.Context(), job, 1, "restore:new", ""); !errors.Is(err, grant.ErrConflict) {
+		t.Fatalf("claim while the shim restores: %v, want a refusal", err)
+	}
+
+	shimLog.Close() // the shim ended: what it restored has no record and no process here
+	ta.giveBackOrphanClaims(t.Context())
+	if rec, _ := ta.grants.Lookup(job); !rec.Released {
+		t.Fatal("the incarnation of a restore whose shim is gone was kept")
+	}
+}
