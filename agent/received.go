@@ -354,7 +354,7 @@ func (a *Agent) serveReceived(req clusterapi.ReceivedRequest) (clusterapi.Receiv
 	if !ok {
 		return clusterapi.ReceivedReply{}, fmt.Errorf("%s has no record of what it received on %s: the socket is not a protected job's, or the agent restarted since", a.cfg.Name, conn)
 	}
-	rec.Fin = a.finReceivedAt(rec)
+	rec.Fin = a.finReceivedAt(rec, req.From)
 	return clusterapi.ReceivedReply{Received: &rec}, nil
 }
 
@@ -366,11 +366,9 @@ const finAckWait = 250 * time.Millisecond
 // the socket's state says it took one in (so its rcv_nxt is the FIN's sequence number plus one), and
 // this host's own ACK on the reverse flow says where, once it acknowledged it. It is set only right at the
 // end of the record: a FIN elsewhere, an ACK not yet sent, a socket gone or a state not known leave it
-// unknown, and a restored sender's FIN is then refused as an unverified byte, as without this.
-func (a *Agent) finReceivedAt(rec recvdigest.Received) *uint32 {
-	if len(rec.Pieces) == 0 {
-		return nil
-	}
+// unknown, and a restored sender's FIN is then refused as an unverified byte, as without this. A record of
+// no byte from from on ends at from: a sender that sent nothing after its snapshot but its FIN.
+func (a *Agent) finReceivedAt(rec recvdigest.Received, from uint32) *uint32 {
 	own := rec.Conn.Reverse() // this host's socket: Local is the receiver
 	lookup := a.netlog.socket
 	if lookup == nil {
@@ -382,7 +380,10 @@ func (a *Agent) finReceivedAt(rec recvdigest.Received) *uint32 {
 	if s, err := lookup(own); err != nil || !s.FinReceived() {
 		return nil
 	}
-	end := rec.Pieces[len(rec.Pieces)-1].End()
+	end := from
+	if len(rec.Pieces) > 0 {
+		end = rec.Pieces[len(rec.Pieces)-1].End()
+	}
 	acked := func() bool {
 		fs, ok, err := a.netlog.node.FlowState(own)
 		return err == nil && ok && fs.HasAck && fs.Ack == end+1

@@ -42,6 +42,7 @@ func messageSeeds() [][]byte {
 		ReceivedRequest{Tuple: tcpflow.Tuple{Local: testSrc, Remote: testDst}, From: 77},
 		ReceivedReply{Received: &recvdigest.Received{Conn: tcpflow.Tuple{Local: testSrc, Remote: testDst}, Pieces: []recvdigest.Piece{{Seq: 100, Len: recvdigest.BlockSize - 100, CRC: 5}, {Seq: recvdigest.BlockSize, Len: 9, CRC: 6}}}},
 		ReceivedReply{Received: &recvdigest.Received{Conn: tcpflow.Tuple{Local: testSrc, Remote: testDst}, Pieces: []recvdigest.Piece{{Seq: recvdigest.BlockSize, Len: 9, CRC: 6}}, Fin: &fin}},
+		ReceivedReply{Received: &recvdigest.Received{Conn: tcpflow.Tuple{Local: testSrc, Remote: testDst}, Fin: &fin}},
 		LogWatermark{Age: time.Second, Held: true, Addrs: []netip.Addr{netip.MustParseAddr("10.77.0.2")}},
 		detect.Beat{From: "n2", Seq: 9, Busy: "checkpoint", Jobs: []string{"job-1"}, Sent: now},
 		ProbeRequest{Name: "n3"},
@@ -163,7 +164,7 @@ func FuzzClusterMessage(f *testing.F) {
 			if n := len(rec.Received.Pieces); n > recvdigest.MaxPieces {
 				t.Fatalf("a record of %d pieces validated", n)
 			}
-			if f := rec.Received.Fin; f != nil && *f != rec.Received.Pieces[len(rec.Received.Pieces)-1].End() {
+			if f, n := rec.Received.Fin, len(rec.Received.Pieces); f != nil && n > 0 && *f != rec.Received.Pieces[n-1].End() {
 				t.Fatalf("a FIN at %d validated, not at the record's end", *f)
 			}
 		}

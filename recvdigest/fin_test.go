@@ -2,6 +2,7 @@ package recvdigest
 
 import (
 	"errors"
+	"io"
 	"strings"
 	"testing"
 )
@@ -111,8 +112,39 @@ func TestReceivedFin(t *testing.T) {
 			}
 		})
 	}
+	// A record of no piece: the sender sent nothing after where it was asked for but its FIN.
 	empty := Received{Conn: testConn, Fin: at(5)}
-	if err := empty.Validate(); err == nil || !strings.Contains(err.Error(), "without a received byte") {
-		t.Errorf("a FIN with no piece: %v, want refused", err)
+	if err := empty.Validate(); err != nil {
+		t.Errorf("a FIN with no piece: %v, want it valid (VerifyFin places it)", err)
+	}
+}
+
+// TestVerifyFinAlone: a sender that sent nothing after its snapshot but its FIN, which the receiver took
+// in: the receiver's record from the snapshot on has no piece, and the FIN right where the check begins.
+// The restored sender must send its FIN there and nothing before it.
+func TestVerifyFinAlone(t *testing.T) {
+	const from = 4000
+	at := func(v uint32) *uint32 { return &v }
+	none := func(io.Writer, uint32, uint32) error { return errors.New("no byte was re-sent") }
+	for _, tt := range []struct {
+		name     string
+		fin      *uint32
+		ownFin   uint32
+		ownFinOK bool
+		want     error
+	}{
+		{"the FIN re-sent where the receiver took it", at(from), from, true, nil},
+		{"the receiver says nothing of a FIN", nil, from, true, ErrUnverified},
+		{"the receiver's FIN elsewhere", at(from + 7), from, true, ErrUnverified},
+		{"the restored sender sent no FIN", at(from), 0, false, ErrNondeterministic},
+		{"the restored sender sent a byte first", at(from), from + 1, true, ErrNondeterministic},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			rec := Received{Conn: testConn, Fin: tt.fin}
+			n, err := VerifyFin(rec, from, from+1, tt.ownFin, tt.ownFinOK, Prefix{}, none)
+			if n != 0 || tt.want == nil && err != nil || tt.want != nil && !errors.Is(err, tt.want) {
+				t.Fatalf("VerifyFin = %d, %v; want %v", n, err, tt.want)
+			}
+		})
 	}
 }

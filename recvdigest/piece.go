@@ -70,7 +70,8 @@ type Received struct {
 	Pieces []Piece
 	// Fin, if set, is the sequence number of the sender's FIN, which the receiver took in: its receive tap
 	// records no FIN, so its host reads it from the socket's state and its own ACK. It is the end of the
-	// last piece (a FIN follows the last byte), so a record with a FIN ends where the stream ends.
+	// last piece (a FIN follows the last byte), so a record with a FIN ends where the stream ends; of a
+	// record of no piece, where it was asked for from.
 	Fin *uint32
 }
 
@@ -104,12 +105,11 @@ func (r Received) Validate() error {
 			return fmt.Errorf("receive digests of %s: pieces span more than %d bytes of sequence space", r.Conn, MaxSpan)
 		}
 	}
-	if r.Fin != nil {
-		// A FIN elsewhere would have bytes after it, or a part of the stream the record does not cover.
-		if len(r.Pieces) == 0 {
-			return fmt.Errorf("receive digests of %s: a FIN at %d without a received byte before it", r.Conn, *r.Fin)
-		}
-		if end := r.Pieces[len(r.Pieces)-1].End(); *r.Fin != end {
+	// A FIN elsewhere than right after the last piece would have bytes after it, or a part of the stream
+	// the record does not cover. A record of no piece (nothing received from where it was asked for) can
+	// have its FIN anywhere: VerifyFin takes it only right where the check begins.
+	if n := len(r.Pieces); r.Fin != nil && n > 0 {
+		if end := r.Pieces[n-1].End(); *r.Fin != end {
 			return fmt.Errorf("receive digests of %s: a FIN at %d, not at the end of the last piece (%d)", r.Conn, *r.Fin, end)
 		}
 	}

@@ -44,7 +44,7 @@ func main() {
 	oneway := flag.Bool("oneway", false, "rank 0 sends no acknowledgements, rank 1 waits for none")
 	resync := flag.Duration("resync-after", 0, "rank 1: after a pause longer than this, ask rank 0 to resync (0: never)")
 	progress := flag.Int("progress", 0, "print a progress line every N blocks (0: never)")
-	gate := flag.String("gate", "", "rank 1 waits before sending block --gate-at, rank 0 before reading it, until this file exists")
+	gate := flag.String("gate", "", "rank 1 waits before sending block --gate-at (with --eof, before it closes when --gate-at is --iters), rank 0 before reading it, until this file exists")
 	gateAt := flag.Int("gate-at", 0, "the block --gate holds the rank before")
 	eof := flag.Bool("eof", false, "with --oneway: rank 1 closes its side after its last block and waits for rank 0 to close; rank 0 reads to the end of the stream, then closes")
 	flag.Parse()
@@ -204,6 +204,7 @@ func send(addr string, iters, block int, delay time.Duration, clock, oneway, eof
 		time.Sleep(delay)
 	}
 	if eof {
+		gate(iters) // --gate-at equal to --iters holds it before it closes
 		if err := c.(*net.TCPConn).CloseWrite(); err != nil {
 			return "", fmt.Errorf("close the sending side: %w", err)
 		}
