@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/ftkit/ftkit/clusterapi"
@@ -76,8 +77,18 @@ func (c *Coordinator) take(ctx context.Context, run string, owner *uint32) (*Cut
 	}
 	abort := func(why error) error {
 		c.onHosts(context.WithoutCancel(ctx), hosts, func(string) clusterapi.CoordinateRequest { return req(clusterapi.CoordAbort) })
+		if cause := context.Cause(ctx); cause != nil && !errors.Is(why, cause) {
+			why = fmt.Errorf("%w (%w)", why, cause)
+		}
 		return fmt.Errorf("coordinated snapshot of run %s given up, its jobs thawed: %w", run, why)
 	}
+	// A host of the run that fails never answers (a powered-off host sends no reset): its call would
+	// wait as long as a dump may take (clusterapi.MaxCoordStep), the other hosts holding the run frozen,
+	// and their snapshot lock, which the run's rollback after that failure needs.
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	stopWatch := c.cancelUnlessAlive(ctx, hosts, cancel)
+	defer stopWatch()
 	if _, err := c.onHosts(ctx, hosts, func(string) clusterapi.CoordinateRequest { return req(clusterapi.CoordFreeze) }); err != nil {
 		return nil, abort(err)
 	}
@@ -107,6 +118,7 @@ func (c *Coordinator) take(ctx context.Context, run string, owner *uint32) (*Cut
 		parts[i].Conns = nil // checked; the record names the snapshots, which hold them
 	}
 	cut.Parts = parts
+	stopWatch() // every part is replicated: the cut holds whatever fails now
 	// Every alive member keeps the record, so that any of them can roll the run back.
 	commit := req(clusterapi.CoordCommit)
 	commit.Parts = parts
@@ -115,6 +127,36 @@ func (c *Coordinator) take(ctx context.Context, run string, owner *uint32) (*Cut
 	}
 	c.Log.Info("coordinated snapshot of a run", "run", run, "cut", cut.ID, "jobs", len(parts), "hosts", len(hosts), "frozen_ms", cut.Frozen.Milliseconds())
 	return cut, nil
+}
+
+// aliveEvery is how often a coordinator looks whether the hosts of a cut under way are still alive.
+const aliveEvery = 250 * time.Millisecond
+
+// cancelUnlessAlive cancels ctx once one of hosts is no longer an alive member in this host's view, until
+// the returned function stops it.
+func (c *Coordinator) cancelUnlessAlive(ctx context.Context, hosts []string, cancel context.CancelCauseFunc) (stop func()) {
+	done := make(chan struct{})
+	go func() {
+		t := time.NewTicker(aliveEvery)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-ctx.Done():
+				return
+			case <-t.C:
+			}
+			alive := c.Members.Alive()
+			for _, h := range hosts {
+				if !slices.Contains(alive, h) {
+					cancel(fmt.Errorf("host %s of the run is no longer an alive member", h))
+					return
+				}
+			}
+		}
+	}()
+	return sync.OnceFunc(func() { close(done) })
 }
 
 // RunHosts asks every alive member which jobs of run (of user owner; nil: of the one user who has a run
