@@ -7,12 +7,14 @@ import (
 	"io/fs"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/fence"
+	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/ring"
 	"github.com/ftkit/ftkit/spare"
 )
@@ -118,6 +120,9 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 			_, err := a.updateView(func(cur ring.View) (ring.View, error) { return cur.Fail(s.Name) })
 			return err
 		}
+		if err := a.majorityReached(ctx, s.Name); err != nil {
+			return err
+		}
 		if err := fail(); err != nil {
 			return err
 		}
@@ -184,6 +189,9 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 	// Before the failed node's address and jobs come up elsewhere, its old copies must be gone.
 	failedMember, _ := v.Member(s.Name)
 	if err := a.awaitFence(ctx, id, s, declared, failedMember.Address.String()); err != nil {
+		return errors.Join(append(errs, err)...)
+	}
+	if err := a.majorityReached(ctx, s.Name); err != nil {
 		return errors.Join(append(errs, err)...)
 	}
 	if err := a.replaceInView(s.Name, target, absorb, ownAddrs); err != nil {
@@ -292,6 +300,49 @@ func (a *Agent) replaceInView(failed, target string, absorb, ownAddrs bool) erro
 		}
 	})
 	return err
+}
+
+// errNoMajorityReached: the protector does not reach a majority of the members, and does not declare.
+var errNoMajorityReached = errors.New("cannot reach a majority of the members")
+
+// majorityReached returns an error unless this host reaches (a ping answered within the probe timeout) a
+// majority of grantMembers(failed): those whose majority the restore's incarnation claim needs, this host
+// counted, the failed node not. A protector cut off in a minority would otherwise declare failed a node
+// that may run on (it still hears its other neighbour, so it did not fence itself), its restore would fail
+// for lack of a majority, and once the partition heals the view would reach the node, which then kills
+// jobs that run nowhere else. Refused, the suspicion is cleared so the node is suspected again after
+// another heartbeat timeout, and the fail-over retried.
+func (a *Agent) majorityReached(ctx context.Context, failed string) error {
+	members := a.grantMembers(failed)
+	errs := make([]error, len(members))
+	var wg sync.WaitGroup
+	for i, m := range members {
+		if m == a.cfg.Name {
+			continue
+		}
+		wg.Go(func() {
+			pctx, cancel := context.WithTimeout(ctx, a.cfg.ProbeTimeout())
+			defer cancel()
+			_, errs[i] = a.Ping(pctx, m)
+		})
+	}
+	wg.Wait()
+	var silent []string
+	for i, err := range errs {
+		if err != nil {
+			silent = append(silent, members[i]+": "+shorten(err.Error(), 200))
+		}
+	}
+	reached, need := len(members)-len(silent), grant.Majority(len(members))
+	if reached >= need {
+		return nil
+	}
+	a.log.Warn("cannot reach a majority of the members: not declaring the node failed; a partition?",
+		"node", failed, "reached", reached, "members", len(members), "need", need, "silent", silent)
+	a.watchdog.Clear(failed, time.Now())
+	return fmt.Errorf("%w (reached %d of %d, %d needed; silent: %s): %s was not declared failed; it is suspected again after a heartbeat timeout, "+
+		"and failed over once this host reaches a majority (check the network between the members)",
+		errNoMajorityReached, reached, len(members), need, strings.Join(silent, "; "), failed)
 }
 
 // takenOverBy is the failure whose recovery took failure id's jobs over ("" if none did).
