@@ -85,8 +85,9 @@ func TestLogTrimmedAtReceiverSnapshot(t *testing.T) {
 		return 0
 	}
 	// No snapshot but the test's from here on: every rank's connections are in its replica, so no agent
-	// takes one for connections its replica lacks (ci336: node1's, taken for that as the test's first one
-	// of node2 began, moved node1's log past the point this test expects).
+	// takes one for connections its replica lacks (ci336: node2's scheduler took one between the test's
+	// two, its replica of the test's first not yet recorded; released one behind the newest, node1's log
+	// then started at that snapshot's receive point, past the one this test expects).
 	for h, job := range jobOf {
 		waitCovered(t, c, h, job, 2*time.Minute)
 	}
