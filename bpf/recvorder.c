@@ -397,6 +397,24 @@ static __always_inline void current_key(struct thread_key *k, __u64 cgid, __u32 
 	*nspid = ns_nr(t->group_leader->thread_pid);
 }
 
+// current_job_thread fills k (and *nspid) for the current thread if it is a
+// task of a job, below the parent cgroup, and returns the counters; NULL if it
+// is not (nothing counted).
+static __always_inline struct order_counters *current_job_thread(struct thread_key *k, __u32 *nspid)
+{
+	if (bpf_current_task_under_cgroup(&parent, 0) != 1)
+		return 0;
+	__u32 zero = 0;
+	struct order_counters *c = bpf_map_lookup_elem(&stats, &zero);
+	if (!c)
+		return 0;
+	__u64 cgid = job_cgroup(c, 0);
+	if (cgid == 0)
+		return 0;
+	current_key(k, cgid, nspid);
+	return c;
+}
+
 // has_children reports whether the caller's process has children. Such a
 // process (a launcher, a daemon: mpirun, orted) is never held: the SIGCONT that
 // releases it would be forwarded to its children (Open MPI's mpirun and orted
@@ -442,18 +460,12 @@ int pollexit(__u64 *ctx)
 	// Cheapest tests first: every system call of the machine comes here.
 	if (!restart && !is_poll_nr(nr))
 		return 0;
-	if (bpf_current_task_under_cgroup(&parent, 0) != 1)
-		return 0;
-	__u32 zero = 0;
-	struct order_counters *c = bpf_map_lookup_elem(&stats, &zero);
-	if (!c)
-		return 0;
-	__u64 cgid = job_cgroup(c, 0);
-	if (cgid == 0)
-		return 0;
 	struct thread_key k;
 	__u32 nspid;
-	current_key(&k, cgid, &nspid);
+	struct order_counters *c = current_job_thread(&k, &nspid);
+	if (!c)
+		return 0;
+	__u64 cgid = k.cgroup_id;
 	struct position *p = bpf_map_lookup_elem(&positions, &k);
 	if (!p) {
 		if (restart)
@@ -513,19 +525,10 @@ int pollexit(__u64 *ctx)
 SEC("tp_btf/sched_process_exit")
 int posexit(__u64 *ctx)
 {
-	if (bpf_current_task_under_cgroup(&parent, 0) != 1)
-		return 0;
-	__u32 zero = 0;
-	struct order_counters *c = bpf_map_lookup_elem(&stats, &zero);
-	if (!c)
-		return 0;
-	__u64 cgid = job_cgroup(c, 0);
-	if (cgid == 0)
-		return 0;
 	struct thread_key k;
 	__u32 nspid;
-	current_key(&k, cgid, &nspid);
-	bpf_map_delete_elem(&positions, &k);
+	if (current_job_thread(&k, &nspid))
+		bpf_map_delete_elem(&positions, &k);
 	return 0;
 }
 
