@@ -17,25 +17,33 @@ import (
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
-// TestLookup looks up one end of a loopback connection (no privileges needed) before and after bytes
-// arrive and after the application read part of them; a socket that does not exist (the kernel answers
-// with the listener on its local port) and an IPv6 flow are errors. The socket's cgroup is the test's.
-func TestLookup(t *testing.T) {
+// loopbackPair connects two ends over IPv4 loopback; the test's end closes both (a test may close them
+// before) and the listener, which stays open until then: the kernel answers for it on the server's port.
+func loopbackPair(t *testing.T) (client, server net.Conn) {
+	t.Helper()
 	ln, err := net.Listen("tcp4", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
-	client, err := net.Dial("tcp4", ln.Addr().String())
+	t.Cleanup(func() { ln.Close() })
+	client, err = net.Dial("tcp4", ln.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer client.Close()
-	server, err := ln.Accept()
+	t.Cleanup(func() { client.Close() })
+	server, err = ln.Accept()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer server.Close()
+	t.Cleanup(func() { server.Close() })
+	return client, server
+}
+
+// TestLookup looks up one end of a loopback connection (no privileges needed) before and after bytes
+// arrive and after the application read part of them; a socket that does not exist (the kernel answers
+// with the listener on its local port) and an IPv6 flow are errors. The socket's cgroup is the test's.
+func TestLookup(t *testing.T) {
+	client, server := loopbackPair(t)
 	conn := tcpflow.Tuple{Local: server.LocalAddr().(*net.TCPAddr).AddrPort(), Remote: server.RemoteAddr().(*net.TCPAddr).AddrPort()}
 
 	s, err := Lookup(conn)

@@ -17,19 +17,7 @@ import (
 // TestLookupTimeWait: the end that closed first ends in TIME_WAIT once its peer's FIN arrived, and the
 // kernel answers for it without tcp_info: Lookup gives its state (it took in its peer's FIN), not an error.
 func TestLookupTimeWait(t *testing.T) {
-	ln, err := net.Listen("tcp4", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	client, err := net.Dial("tcp4", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	server, err := ln.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
+	client, server := loopbackPair(t)
 	conn := tcpflow.Tuple{Local: client.LocalAddr().(*net.TCPAddr).AddrPort(), Remote: client.RemoteAddr().(*net.TCPAddr).AddrPort()}
 	client.Close()
 	if _, err := io.ReadAll(server); err != nil {
