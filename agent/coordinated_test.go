@@ -43,22 +43,12 @@ func TestHoldEndsWhenCoordinatorFails(t *testing.T) {
 		t.Fatalf("after the freeze: cgroup.freeze %q, snapshot lock held %v, priority raised %d times; want 1, true, 1", frozen(), held(), r.held)
 	}
 
-	fail := func(name string) {
-		t.Helper()
-		v, err := ta.View().Fail(name)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := ta.adoptView(v); err != nil {
-			t.Fatal(err)
-		}
-	}
-	fail("node3")
+	ta.failMember(t, "node3")
 	if frozen() != "1" || !held() {
 		t.Fatalf("node3 failed, not the coordinator: cgroup.freeze %q, snapshot lock held %v; want 1, true", frozen(), held())
 	}
 
-	fail("node2")
+	ta.failMember(t, "node2")
 	if frozen() != "0" || held() || r.held != 0 {
 		t.Fatalf("coordinator node2 failed: cgroup.freeze %q, snapshot lock held %v, priority raised %d times; want 0 (thawed), false, 0", frozen(), held(), r.held)
 	}

@@ -51,6 +51,19 @@ type testAgent struct {
 	goneSnap string // snapshot of goneJob
 }
 
+// failMember has this agent adopt a view in which member name failed. Failing node2, the only other node,
+// leaves this agent the one member that grants incarnations.
+func (ta *testAgent) failMember(t *testing.T, name string) {
+	t.Helper()
+	v, err := ta.View().Fail(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ta.adoptView(v); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func newTestAgent(t *testing.T) *testAgent {
 	t.Helper()
 	dir := t.TempDir()

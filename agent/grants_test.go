@@ -15,13 +15,7 @@ import (
 // the job, here or elsewhere, was refused. The restarted agent gives such claims back, and only those.
 func TestGiveBackOrphanClaims(t *testing.T) {
 	ta := newTestAgent(t)
-	nv, err := ta.View().Fail("node2") // this agent alone grants
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := ta.adoptView(nv); err != nil {
-		t.Fatal(err)
-	}
+	ta.failMember(t, "node2") // this agent alone grants
 	const (
 		orphan   = "orphan-00000001" // claimed, then the agent died: no record, empty cgroup
 		starting = "start-00000001"  // claimed, no record yet, but its cgroup has processes (CRIU ran)
@@ -66,13 +60,8 @@ func TestGiveBackOrphanClaims(t *testing.T) {
 // elsewhere could claim it and run a second copy.
 func TestGiveBackOrphanClaimsKeepsRunningShim(t *testing.T) {
 	ta := newTestAgent(t)
-	nv, err := ta.View().Fail("node2") // this agent alone grants
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := ta.adoptView(nv); err != nil {
-		t.Fatal(err)
-	}
+	ta.failMember(t, "node2") // this agent alone grants
+
 	const job = "restoring-00000001" // claimed, no record, no cgroup yet: its shim's CRIU is still at work
 	if _, err := ta.grants.Grant(grant.Request{Job: job, Incarnation: 1, Holder: "failover:dead", Host: "node1"}, time.Now()); err != nil {
 		t.Fatal(err)

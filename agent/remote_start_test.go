@@ -46,13 +46,7 @@ func TestServeStartJobRefusals(t *testing.T) {
 		})
 	}
 	t.Run("a failed member", func(t *testing.T) {
-		v, err := ta.View().Fail("node2")
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := ta.adoptView(v); err != nil {
-			t.Fatal(err)
-		}
+		ta.failMember(t, "node2")
 		if _, err := ta.serveStartJob(t.Context(), "node2", valid); err == nil || !strings.Contains(err.Error(), "not an alive member") {
 			t.Fatalf("start-job from a failed member: %v", err)
 		}

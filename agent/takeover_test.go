@@ -77,13 +77,7 @@ func TestClaimSupersedesFencedHost(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ta := newTestAgent(t)
-			nv, err := ta.View().Fail("node2") // the only other member: this agent alone grants
-			if err != nil {
-				t.Fatal(err)
-			}
-			if _, err := ta.adoptView(nv); err != nil {
-				t.Fatal(err)
-			}
+			ta.failMember(t, "node2") // the only other member: this agent alone grants
 			if _, err := ta.grants.Grant(grant.Request{Job: goneJob, Incarnation: 1, Holder: "failover:node2-x", Host: tc.heldOn}, time.Now()); err != nil {
 				t.Fatal(err)
 			}
