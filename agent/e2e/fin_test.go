@@ -57,17 +57,7 @@ func TestRestoredReaderGetsPeersFIN(t *testing.T) {
 	releaseRecv() // the restored reader reads on
 	f := waitFailure(t, c, "node2", 5*time.Minute)
 	requireStages(t, f)
-	want := streamSum(blocks, block)
-	for _, j := range []agent.Job{recv, send} {
-		st, out := waitExit(t, j, 3*time.Minute)
-		if st.Code != 0 || st.Signal != "" {
-			t.Errorf("%s ended %+v on %s: %s", j.Spec.Name, st, st.Node, tail(out))
-			continue
-		}
-		if got := checksumOf(t, out); got != want {
-			t.Errorf("%s checksum %s, want the generator's %s", j.Spec.Name, got, want)
-		}
-	}
+	requireStream(t, []agent.Job{recv, send}, blocks, block)
 }
 
 // TestRestoredWriterResendsItsFIN: a one-way stream whose sender closed its side after its own snapshot,
@@ -128,17 +118,7 @@ func TestRestoredWriterResendsItsFIN(t *testing.T) {
 			f := waitFailure(t, c, "node1", 5*time.Minute)
 			requireStages(t, f)
 			releaseRecv() // the reader reads on, to the end of the stream, and closes
-			want := streamSum(blocks, block)
-			for _, j := range []agent.Job{recv, send} {
-				st, out := waitExit(t, j, 3*time.Minute)
-				if st.Code != 0 || st.Signal != "" {
-					t.Errorf("%s ended %+v on %s: %s", j.Spec.Name, st, st.Node, tail(out))
-					continue
-				}
-				if got := checksumOf(t, out); got != want {
-					t.Errorf("%s checksum %s, want the generator's %s", j.Spec.Name, got, want)
-				}
-			}
+			requireStream(t, []agent.Job{recv, send}, blocks, block)
 		})
 	}
 }

@@ -212,17 +212,7 @@ func TestConnectCaughtBySnapshot(t *testing.T) {
 		t.Errorf("re-sent %d bytes, verified %d: want all verified (%s)", resent, verified, replay.Detail)
 	}
 	release()
-	want := streamSum(blocks, block)
-	for _, j := range ch.jobs {
-		st, out := waitExit(t, j, 3*time.Minute)
-		if st.Code != 0 || st.Signal != "" {
-			t.Errorf("job %s ended %+v on %s: %s", j.Spec.Name, st, st.Node, tail(out))
-			continue
-		}
-		if got := checksumOf(t, out); got != want {
-			t.Errorf("%s checksum %s, want the generator's %s", j.Spec.Name, got, want)
-		}
-	}
+	requireStream(t, ch.jobs, blocks, block)
 	if a := ch.job(t, "node2", recv.ID); a.PID != before.PID || a.Restored != "" {
 		t.Errorf("the receiver on node2 was disturbed: pid %d -> %d, restored from %q", before.PID, a.PID, a.Restored)
 	}

@@ -223,6 +223,23 @@ func (ch *chain) waitReceived(t *testing.T, sink agent.Job, n int, timeout time.
 	poll(t, timeout, fmt.Sprintf("the sink to receive %d blocks", n), func() bool { return ch.received(sink) >= n })
 }
 
+// requireStream waits for each job's end and requires it to have ended well with the checksum of the
+// stream `nondet --oneway` sends (streamSum), as both its ends print it.
+func requireStream(t *testing.T, jobs []agent.Job, blocks, block int) {
+	t.Helper()
+	want := streamSum(blocks, block)
+	for _, j := range jobs {
+		st, out := waitExit(t, j, 3*time.Minute)
+		if st.Code != 0 || st.Signal != "" {
+			t.Errorf("job %s ended %+v on %s: %s", j.Spec.Name, st, st.Node, tail(out))
+			continue
+		}
+		if got := checksumOf(t, out); got != want {
+			t.Errorf("%s checksum %s, want the generator's %s", j.Spec.Name, got, want)
+		}
+	}
+}
+
 // streamSum is the SHA-256 of the stream `nondet --oneway` sends (rank 1, without --clock): block i is
 // drawn from a PCG seeded with i.
 func streamSum(blocks, block int) string {
