@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/netlog/capture"
@@ -669,15 +671,29 @@ func TestRangeHoleBelowFrom(t *testing.T) {
 func TestOrphanFreedInTime(t *testing.T) {
 	n, src, payload := newTestNode(t, 300_000, &fakeMembers{owner: ""})
 	src.protects = false // the sending job ended
-	src.states[connA] = ebpfprobes.FlowState{SndNxt: isn + uint32(len(payload)) + 1, FinSent: true}
+	// The sender's last state is stamped by the kernel's clock (CLOCK_MONOTONIC), which releaseFinished reads
+	// for its age: seen now, then, for the call an hour on, seen that long before the real clock. A zero stamp
+	// made it as old as the host's uptime: the test passed only on hosts up for more than OrphanKeep.
+	seen := func(ago time.Duration) uint64 {
+		var mono unix.Timespec
+		if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &mono); err != nil {
+			t.Fatal(err)
+		}
+		return uint64(mono.Nano() - ago.Nanoseconds()) // wraps on a host up for less than ago, as Age expects
+	}
+	ended := ebpfprobes.FlowState{SndNxt: isn + uint32(len(payload)) + 1, FinSent: true, KtimeNs: seen(0)}
+	src.states[connA] = ended
 	n.releaseFinished(context.Background(), n.Log(), time.Now())
 	if st := n.Log().Stats(); st.RetainedBytes == 0 {
 		t.Fatal("a flow to an address no member holds was freed at once: a restore of its receiver may follow")
 	}
-	later := time.Now().Add(release.OrphanKeep + time.Minute)
+	wait := release.OrphanKeep + time.Minute
+	later := time.Now().Add(wait)
+	ended.KtimeNs = seen(wait)
+	src.states[connA] = ended
 	n.releaseFinished(context.Background(), n.Log(), later)
 	if st := n.Log().Stats(); st.RetainedBytes != 0 {
-		t.Errorf("%s after the sender ended, the log retains %d bytes of a flow to an address no member holds", release.OrphanKeep+time.Minute, st.RetainedBytes)
+		t.Errorf("%s after the sender ended, the log retains %d bytes of a flow to an address no member holds", wait, st.RetainedBytes)
 	}
 }
 
