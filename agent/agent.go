@@ -83,6 +83,7 @@ type Agent struct {
 	fetching fetchCalls      // snapshot transfers to this host under way
 	replays  replayingJobs   // restored jobs whose recovery replays their peers' bytes: not snapshotted meanwhile
 	replicas replicaArrivals // when the newest replica of each job arrived, by node
+	shipping shippingDumps   // dumps being shipped, not yet recorded as replicas
 	received freshReceipts   // the snapshots received (and so verified) in the last freshFor
 	declared declaredFailed  // the peers this host declared failed: their snapshots are refused until their fail-over ends
 	targets  followedTargets // the hosts this agent follows a recovery on: a view declaring one failed ends the wait

@@ -79,20 +79,39 @@ func TestLacksConns(t *testing.T) {
 }
 
 // A snapshot the scheduler made due for connections a replica lacked is dropped when, by the time the
-// previous snapshot is done, the job's record no longer names any (that snapshot held them); one still due
-// is attempted (and fails here: the fixture has no CRIU).
+// previous snapshot is done, the job's record no longer names any (that snapshot held them), or when that
+// snapshot, dumped after the connections were listed, is still being shipped; one still due is attempted
+// (and fails here: the fixture has no CRIU). Before, a snapshot being shipped was taken again: the job
+// frozen and dumped twice for the same connections.
 func TestCheckpointStillDue(t *testing.T) {
 	a := newTestAgent(t)
 	ctx := context.Background()
-	res, err := a.checkpoint(ctx, []string{rootsJob}, 0, func(j Job) bool { return len(j.NewConns) > 0 })
+	res, err := a.checkpoint(ctx, []string{rootsJob}, 0, a.stillLacksConns)
 	if err != nil || res != nil {
 		t.Errorf("a snapshot no longer due: %+v, %v; want it skipped", res, err)
 	}
+	listed := time.Now()
 	a.mu.Lock()
 	a.byID[rootsJob].NewConns = []string{"10.0.0.1:5000 -> 10.0.0.2:7000: opened after snapshot s1"}
+	a.byID[rootsJob].ConnsChecked = listed
 	a.mu.Unlock()
-	if _, err := a.checkpoint(ctx, []string{rootsJob}, 0, func(j Job) bool { return len(j.NewConns) > 0 }); err == nil {
-		t.Error("a snapshot still due was not attempted (the fixture's dump fails)")
+
+	dumped := listed.Add(time.Millisecond)
+	a.shipping.begin(rootsJob, dumped)
+	res, err = a.checkpoint(ctx, []string{rootsJob}, 0, a.stillLacksConns)
+	if err != nil || res != nil {
+		t.Errorf("a snapshot whose connections a dump being shipped holds: %+v, %v; want it skipped", res, err)
+	}
+	a.shipping.end(rootsJob, dumped)
+
+	for name, began := range map[string]time.Time{"no dump shipping": {}, "a dump begun before the listing": listed.Add(-time.Millisecond)} {
+		if !began.IsZero() {
+			a.shipping.begin(rootsJob, began)
+		}
+		if _, err := a.checkpoint(ctx, []string{rootsJob}, 0, a.stillLacksConns); err == nil {
+			t.Errorf("%s: a snapshot still due was not attempted (the fixture's dump fails)", name)
+		}
+		a.shipping.end(rootsJob, began)
 	}
 }
 

@@ -75,11 +75,9 @@ func (a *Agent) schedule(ctx context.Context) {
 		if len(keys) == 0 {
 			return
 		}
-		// A snapshot due only for connections its replica lacked is dropped if another (an operator's, say)
-		// took them meanwhile.
 		var still func(Job) bool
 		if s.onlyForConns(keys) {
-			still = func(j Job) bool { return len(j.NewConns) > 0 }
+			still = a.stillLacksConns
 		}
 		if _, err := a.checkpoint(ctx, due, 0, still); err != nil {
 			a.log.Warn("scheduled snapshot failed; retrying later", "err", err)
@@ -243,6 +241,11 @@ func (s *snapScheduler) attempted(keys []string, jobs []Job, now time.Time) {
 		}
 	}
 }
+
+// stillLacksConns reports whether a snapshot due only for connections j's replica lacked is still due once
+// the previous snapshot is done: not if that one (an operator's, say) took them, nor if it holds them and is
+// being shipped.
+func (a *Agent) stillLacksConns(j Job) bool { return len(j.NewConns) > 0 && !a.shipping.covers(j) }
 
 // needsFirstSnapshot: the job has no replica and is not a restored job in the hands of its recovery.
 func needsFirstSnapshot(j Job) bool { return !j.Protected() && j.Restored == "" }

@@ -259,15 +259,21 @@ func (a *Agent) checkpoint(ctx context.Context, ids []string, uid uint32, still 
 	var errs []error
 	var strays map[string][]string
 	asked := jobs
+	began := map[string]time.Time{}
 	if a.cfg.Checkpoint.Mode == SemiCoordinated {
 		// Named jobs, or a user's, are not all of the host's: the jobs they talk to are dumped with them.
+		start := time.Now()
 		dumped, ms, err := a.semiCoordinated(ctx, jobs, len(ids) > 0 || uid != 0)
 		jobs, manifests, errs = dumped, ms, append(errs, a.peerErrorFor(uid, err))
 		strays = strayLocalConns(ms, a.onThisHost)
+		for _, m := range ms {
+			began[m.Job] = start
+		}
 	} else {
 		for _, j := range jobs {
 			// No other retry: the one transient failure seen (two parasites racing to mkdir "/proc.crtools",
 			// EEXIST) cannot happen since each job has a /proc of its own (shim/jobinit.go).
+			start := time.Now()
 			m, err := a.snapshotAccepted(ctx, j)
 			if err != nil {
 				errs = append(errs, fmt.Errorf("job %s: %w", j.ID, err))
@@ -275,7 +281,12 @@ func (a *Agent) checkpoint(ctx context.Context, ids []string, uid uint32, still 
 			}
 			a.policyFor(j.ID).Observe(time.Duration(m.DumpDuration))
 			manifests = append(manifests, m)
+			began[m.Job] = start
 		}
+	}
+	for job, at := range began {
+		a.shipping.begin(job, at)
+		defer a.shipping.end(job, at)
 	}
 	// The dumps are done: shipping them needs no lock, and must not hold up a migration, a rollback or the
 	// next snapshot while it waits on a protector that died (its connect timeout).
