@@ -279,6 +279,57 @@ func TestTrimBeyondSentIgnored(t *testing.T) {
 	}
 }
 
+// A trim point of a connection with no live state is placed by the log alone, within 2^31 of the
+// furthest byte it has seen. One further behind than that (a stale snapshot's point after the connection
+// sent on past 2^31 bytes) reads as one about 2^32 ahead, and trimming there would drop the bytes a
+// recovery from that snapshot needs; one whose block starts ahead of everything seen cannot be placed
+// either. Both are ignored: keeping bytes is safe, dropping them is not.
+func TestTrimUnplaceableIgnored(t *testing.T) {
+	const n = 300_000
+	far := uint32(isn + 3<<30) // the log has seen about 3 GiB of connA: more than 2^31 past the point
+	for _, tc := range []struct {
+		name     string
+		seen     uint32 // a wire sequence of a byte logged after the first n; 0: none
+		seq      uint32
+		trimmed  bool   // the connection counts as trimmed
+		wantFrom uint32 // bytes from here on are still logged, those before it are not
+	}{
+		{"within the log's position", 0, isn + 200_000, true, recvdigest.BlockStart(isn + 200_000)},
+		{"more than 2^31 behind the log's position", far, isn + 200_000, false, isn},
+		{"just past the last byte (the receiver has the FIN)", 0, isn + n + 1, true, recvdigest.BlockStart(isn + n + 1)},
+		{"ahead of what the log has seen", 0, isn + n + 1<<20, false, isn},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			node, src, _ := newTestNode(t, n, &fakeMembers{owner: "n2"})
+			l := src.Log()
+			if tc.seen != 0 {
+				// Reach far in two steps, each under 2^31, so that each unwraps ahead.
+				appendRecord(t, l, netlog.Record{Conn: connA, Seq: isn + 3<<29, Payload: []byte("mid")})
+				appendRecord(t, l, netlog.Record{Conn: connA, Seq: tc.seen, Payload: []byte("far")})
+			}
+			if got := node.Trim("n2", []Point{{Conn: connA, Seq: tc.seq}}); (got == 1) != tc.trimmed {
+				t.Errorf("Trim counted %d connections, want trimmed %v", got, tc.trimmed)
+			}
+			b, err := l.Bounds(connA)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if want := netlog.AnchorEpoch | uint64(tc.wantFrom); b.Floor > want {
+				t.Fatalf("log trimmed to abs %d (wire %d), past abs %d (wire %d): a recovery from the point has lost its bytes",
+					b.Floor, netlog.Wire(b.Floor), want, tc.wantFrom)
+			}
+			if _, err := l.Range(connA, netlog.AnchorEpoch|uint64(tc.wantFrom), netlog.AnchorEpoch|uint64(isn+n)); err != nil {
+				t.Errorf("bytes from %d on: %v, want them logged", tc.wantFrom, err)
+			}
+			if tc.wantFrom > isn {
+				if _, err := l.Range(connA, netlog.AnchorEpoch|isn, netlog.AnchorEpoch|isn+1); !errors.Is(err, netlog.ErrTrimmed) {
+					t.Errorf("the first byte after the trim: %v, want ErrTrimmed", err)
+				}
+			}
+		})
+	}
+}
+
 // A range asked for while the last segments the live state shows are still in the ring (the consumer
 // reads it at its poll interval) waits until the log holds them, waking the consumer: a range cut short
 // of the live state reads as bytes the log lost.

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/ebpfprobes"
+	"github.com/ftkit/ftkit/netlog"
 	"github.com/ftkit/ftkit/recvdigest"
 	"github.com/ftkit/ftkit/tcpflow"
 )
@@ -52,17 +53,40 @@ func (n *Node) Trim(peer string, pts []Point) int {
 // could let one displace a good point of its connection. The log, which places a sequence number within
 // 2^31 of its position, would take such a point for one ahead and drop everything sent up to it. A job
 // restored here that still re-sends what its peer already had is behind its peer's points for a moment;
-// otherwise no receiver holds bytes never sent, and the point is a bad one.
+// otherwise no receiver holds bytes never sent, and the point is a bad one. Without a live state, the
+// log's own position decides (unplaceable).
 func (n *Node) sentPoints(peer string, pts []Point) []Point {
 	return slices.DeleteFunc(slices.Clone(pts), func(p Point) bool {
 		fs, ok, err := n.src.FlowState(p.Conn)
-		if err != nil || !ok || int32(p.Seq-fs.SndNxt) <= 0 {
+		if err != nil || !ok {
+			return n.unplaceable(peer, p)
+		}
+		if int32(p.Seq-fs.SndNxt) <= 0 {
 			return false
 		}
 		n.log.Info("trim point ignored: beyond what this host has sent on the connection so far", "peer", peer, "conn", p.Conn,
 			"seq", p.Seq, "snd_nxt", fs.SndNxt)
 		return true
 	})
+}
+
+// unplaceable says whether p, of a connection with no live state, would trim (at its block's start,
+// unwrapped within 2^31 of the log's position as the log's Trim does) beyond every byte the log has seen
+// of it, and logs why it is ignored. Such a point is ahead of what was sent, or more than 2^31 behind the
+// log's position (a stale snapshot's), which reads as about 2^32 ahead: trimming there would drop bytes a
+// recovery from it needs. Keeping them is safe; the next good point, or the release, frees them. A point
+// just past the last byte (the receiver has the FIN) trims at its block's start, which the log has seen.
+func (n *Node) unplaceable(peer string, p Point) bool {
+	b, err := n.Log().Bounds(p.Conn)
+	if err != nil || !b.Anchored {
+		return false // nothing logged that the trim could drop
+	}
+	if netlog.UnwrapNear(b.Seen, recvdigest.BlockStart(p.Seq)) <= b.Seen {
+		return false
+	}
+	n.log.Info("trim point ignored: the connection has no live state, and the point is beyond all the log has seen of it (ahead of what was sent, or more than 2^31 behind)",
+		"peer", peer, "conn", p.Conn, "seq", p.Seq, "seen", netlog.Wire(b.Seen))
+	return true
 }
 
 // trim drops the log of conn before the receive-digest block of seq (a snapshot of ours taken meanwhile may
