@@ -116,7 +116,7 @@ func (a *Agent) sentBytes(ctx context.Context, w io.Writer, images string, c ima
 	}
 	// Acknowledged before the dump, so transmitted, but the log's consumer may lag the ring.
 	logged := n - uint32(len(q))
-	a.waitLogged(ctx, c.Tuple, from+logged)
+	a.waitLogged(ctx, c.Tuple, from, from+logged)
 	if err := a.loggedRange(ctx, w, c.Tuple, from, logged); err != nil {
 		return err
 	}
@@ -407,8 +407,9 @@ func (a *Agent) receivedOf(ctx context.Context, peer string, conn tcpflow.Tuple,
 	return r.Received, nil
 }
 
-// waitLogged waits (a little) until this host's log holds conn's bytes up to wire sequence end.
-func (a *Agent) waitLogged(ctx context.Context, conn tcpflow.Tuple, end uint32) {
+// waitLogged waits (a little) until this host's log holds conn's bytes from wire sequence from up to end:
+// a hole below from, which the reader does not read, is not waited on.
+func (a *Agent) waitLogged(ctx context.Context, conn tcpflow.Tuple, from, end uint32) {
 	l, consumer, err := a.logOf(conn)
 	if err != nil {
 		return
@@ -418,12 +419,12 @@ func (a *Agent) waitLogged(ctx context.Context, conn tcpflow.Tuple, end uint32) 
 	defer consumer.Urge()()
 	ctx, cancel := context.WithTimeout(ctx, resentLogWait)
 	defer cancel()
-	if !l.Holds(conn, end) {
+	if !l.Holds(conn, from, end) {
 		if err := consumer.TakeParked(ctx, conn); err != nil {
 			a.log.Warn("reading logged bytes without those still parked", "conn", conn, "err", err)
 		}
 	}
-	l.WaitHolds(ctx, conn, end, 10*time.Millisecond, func() { consumer.Want(conn) })
+	l.WaitHolds(ctx, conn, from, end, 10*time.Millisecond, func() { consumer.Want(conn) })
 }
 
 // killJob stops a restored job that cannot continue (recovery.ReplayAndVerify decides); the shim records the signal and the agent marks the

@@ -112,8 +112,8 @@ func (r *recoveryActions) Received(ctx context.Context, owner string, conn tcpfl
 
 func (r *recoveryActions) Keep(p restore.Plan) (stop func()) { return r.a.keepResends(p) }
 
-func (r *recoveryActions) WaitLogged(ctx context.Context, conn tcpflow.Tuple, end uint32) {
-	r.a.waitLogged(ctx, conn, end)
+func (r *recoveryActions) WaitLogged(ctx context.Context, conn tcpflow.Tuple, from, end uint32) {
+	r.a.waitLogged(ctx, conn, from, end)
 }
 
 func (r *recoveryActions) ReadRange(ctx context.Context, w io.Writer, conn tcpflow.Tuple, seq, n uint32) error {

@@ -236,24 +236,21 @@ func (l *Log) Bounds(conn tcpflow.Tuple) (Bounds, error) {
 	return st.Bounds(), nil
 }
 
-// Holds reports whether the log holds every byte conn sent before wire sequence end, with no hole below
-// it: from the lowest byte offered above the trim point on (Bounds.Low), not only from the lowest one
-// retained, since bytes offered first may come later (parked ones, taken into the log on Wake). A store
+// Holds reports whether the log holds every byte conn sent in [from, end), wire sequences: a byte there
+// still parked is a hole (it is taken into the log on Wake). Bytes below from are not asked about: a hole
+// there (a segment lost before the restore point) must not hold up a reader of the bytes from from on.
+// Bytes below the trim point will never come: they are not waited for (the read names them). A store
 // without a reference point holds nothing (and Unwrap, which would give it one, is not called).
-func (l *Log) Holds(conn tcpflow.Tuple, end uint32) bool {
-	b, err := l.Bounds(conn)
-	if err != nil || !b.Anchored {
-		return false
-	}
-	abs, err := l.Unwrap(conn, end)
-	return err == nil && b.Contiguous >= abs && (b.Low == 0 || b.First <= b.Low)
+func (l *Log) Holds(conn tcpflow.Tuple, from, end uint32) bool {
+	st, err := l.lookup(conn)
+	return err == nil && st.Holds(from, end)
 }
 
-// WaitHolds waits until the log holds conn's bytes before wire sequence end (Holds), looking every
-// period and calling poke before each wait (to wake whatever fills the log), until ctx ends. It reports
-// whether they are there.
-func (l *Log) WaitHolds(ctx context.Context, conn tcpflow.Tuple, end uint32, period time.Duration, poke func()) bool {
-	for !l.Holds(conn, end) {
+// WaitHolds waits until the log holds conn's bytes in [from, end) (Holds), looking every period and
+// calling poke before each wait (to wake whatever fills the log), until ctx ends. It reports whether they
+// are there.
+func (l *Log) WaitHolds(ctx context.Context, conn tcpflow.Tuple, from, end uint32, period time.Duration, poke func()) bool {
+	for !l.Holds(conn, from, end) {
 		poke()
 		select {
 		case <-ctx.Done():

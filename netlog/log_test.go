@@ -348,12 +348,14 @@ func TestLogHold(t *testing.T) {
 	}
 }
 
-// Holds: nothing for an unknown connection, up to the contiguous end for a known one (a hole stops it);
-// WaitHolds returns once what poke appends fills the gap, or false when its context ends first.
+// Holds: nothing for an unknown connection; for a known one, whether [from, end) is all there (a hole in it
+// says no, one below from does not: a reader from a restore point above a lost segment waited for it, 5 s
+// per connection); WaitHolds returns once what poke appends fills the gap, or false when its context ends
+// first.
 func TestLogHolds(t *testing.T) {
 	l := newTestLog(t, Options{SlabSize: 1024})
 	c := testConn(1)
-	if l.Holds(c, 100) {
+	if l.Holds(c, 100, 100) {
 		t.Error("an unknown connection holds bytes")
 	}
 	p := testStream(1, 3000)
@@ -363,12 +365,23 @@ func TestLogHolds(t *testing.T) {
 		}
 	}
 	for _, tt := range []struct {
-		end  uint32
-		want bool
-	}{{100, true}, {1100, true}, {1101, false}, {3100, false}} {
-		if got := l.Holds(c, tt.end); got != tt.want {
-			t.Errorf("Holds(up to %d) = %v, want %v", tt.end, got, tt.want)
+		from, end uint32
+		want      bool
+	}{
+		{100, 100, true}, {100, 1100, true}, {100, 1101, false}, {100, 3100, false},
+		{1099, 1101, false}, {1500, 2500, false}, {2099, 2101, false}, // a hole inside [from, end)
+		{2100, 2101, true}, {2100, 3100, true}, {2500, 3100, true}, // the hole below from
+		{2500, 3101, false},
+	} {
+		if got := l.Holds(c, tt.from, tt.end); got != tt.want {
+			t.Errorf("Holds([%d, %d)) = %v, want %v", tt.from, tt.end, got, tt.want)
 		}
+	}
+	// A reader whose context has ended gets Holds's answer: no wait, no poke, for bytes above the hole.
+	done, stop := context.WithCancel(t.Context())
+	stop()
+	if !l.WaitHolds(done, c, 2100, 3100, time.Millisecond, func() { t.Error("poked for bytes the log holds") }) {
+		t.Error("WaitHolds above the hole waited for the hole below it")
 	}
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute) // a failure bound only
 	defer cancel()
@@ -380,12 +393,10 @@ func TestLogHolds(t *testing.T) {
 			}
 		}
 	}
-	if !l.WaitHolds(ctx, c, 3100, time.Millisecond, fill) || pokes != 2 {
+	if !l.WaitHolds(ctx, c, 100, 3100, time.Millisecond, fill) || pokes != 2 {
 		t.Errorf("WaitHolds after the gap was filled on the second poke: %d pokes", pokes)
 	}
-	done, stop := context.WithCancel(t.Context())
-	stop()
-	if l.WaitHolds(done, c, 3101, time.Millisecond, func() {}) {
+	if l.WaitHolds(done, c, 100, 3101, time.Millisecond, func() {}) {
 		t.Error("WaitHolds reported a byte the log does not hold")
 	}
 }
@@ -408,20 +419,21 @@ func TestLogHoldsParkedBelow(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	check := func(when string, end int, want bool) {
+	check := func(when string, from, end int, want bool) {
 		t.Helper()
-		if got := l.Holds(c, 100+uint32(end)); got != want {
+		if got := l.Holds(c, 100+uint32(from), 100+uint32(end)); got != want {
 			b, _ := l.Bounds(c)
-			t.Errorf("%s: Holds(up to %d) = %v, want %v (bounds %+v)", when, end, got, want, b)
+			t.Errorf("%s: Holds([%d, %d)) = %v, want %v (bounds %+v)", when, from, end, got, want, b)
 		}
 	}
 	if err := l.NoteParked(parked(0, 2000)); err != nil {
 		t.Fatal(err)
 	}
 	store(2000, 2100) // a short segment, stored at once
-	check("[0, 2000) parked, [2000, 2100) stored", 2100, false)
+	check("[0, 2000) parked, [2000, 2100) stored", 0, 2100, false)
+	check("[0, 2000) parked below from, [2000, 2100) stored", 2000, 2100, true)
 	store(0, 2000) // taken
-	check("all stored", 2100, true)
+	check("all stored", 0, 2100, true)
 
 	// After a trim, the same within what is left.
 	if _, err := l.Trim(c, 100+2100); err != nil {
@@ -431,14 +443,15 @@ func TestLogHoldsParkedBelow(t *testing.T) {
 		t.Fatal(err)
 	}
 	store(4000, 4100)
-	check("trimmed, [2100, 4000) parked", 4100, false)
+	check("trimmed, [2100, 4000) parked", 2100, 4100, false)
 	store(2100, 4000)
-	check("trimmed, all stored", 4100, true)
+	check("trimmed, all stored", 2100, 4100, true)
+	check("trimmed, all stored, from below the trim point (never to come)", 0, 4100, true)
 	// A parked segment wholly below the trim point is no hole.
 	if err := l.NoteParked(parked(1000, 2000)); err != nil {
 		t.Fatal(err)
 	}
-	check("a parked retransmission of trimmed bytes", 4100, true)
+	check("a parked retransmission of trimmed bytes", 2100, 4100, true)
 }
 
 // TestSpillFileFreesBlocks: a spilled slab released while others stay spilled gives its blocks back.

@@ -154,12 +154,25 @@ func (s *Store) NoteParked(rec Record) error {
 	return nil
 }
 
-// offered notes that byte a, at or above the floor, was offered: Holds then wants every byte from the
-// lowest such one on. The caller holds s.mu for writing.
+// offered notes that byte a, at or above the floor, was offered: a First above the lowest such one is a
+// hole at the bottom (Bounds.Low). The caller holds s.mu for writing.
 func (s *Store) offered(a uint64) {
 	if s.low == 0 || a < s.low {
 		s.low = a
 	}
+}
+
+// Holds reports whether the store holds every byte of [from, end), wire sequences, that is above the trim
+// point (Log.Holds).
+func (s *Store) Holds(from, end uint32) bool {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	if !s.u.Anchored() {
+		return false
+	}
+	a := s.u.Peek(from)
+	b := a + uint64(end-from)
+	return s.check(min(max(a, s.floor), b), b) == nil
 }
 
 // Trimmed reports whether every byte before wire sequence end is below the trim point: no replay

@@ -562,7 +562,7 @@ func testParkTakeBucket(t *testing.T, l *lab.Lab, protected *streamtest.Cgroup) 
 	}
 	buckets := c.park.buckets
 	apart := park.Bucket(flows[0].conn.Remote.Addr(), buckets) != park.Bucket(flows[1].conn.Remote.Addr(), buckets)
-	holds := func(f flow) bool { return c.Log().Holds(f.conn, netlog.Wire(f.from+size)) }
+	holds := func(f flow) bool { return c.Log().Holds(f.conn, netlog.Wire(f.from), netlog.Wire(f.from+size)) }
 	for i, f := range flows {
 		begin := time.Now()
 		if err := c.TakeParked(ctx, f.conn); err != nil {

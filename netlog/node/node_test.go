@@ -668,7 +668,9 @@ func TestRangeRefusesAReusedTuple(t *testing.T) {
 
 // TestRangeHoleBelowFrom: a hole in the log below the restore point (a segment lost before the receiver's
 // newest snapshot) does not cut a range from that point short. Before, the range ended where the run from
-// the lowest retained byte did: 0 bytes, and the restore was refused as "log trimmed or lost".
+// the lowest retained byte did: 0 bytes, and the restore was refused as "log trimmed or lost". Nor does it
+// make the range wait for it: the catch-up asked the consumer for the hole's bytes (a wake) until its wait
+// ran out, every connection, as the check of re-sent bytes waited 5 s for each.
 func TestRangeHoleBelowFrom(t *testing.T) {
 	n, src, _ := newTestNode(t, 0, &fakeMembers{owner: "n2"})
 	l := n.Log()
@@ -690,12 +692,18 @@ func TestRangeHoleBelowFrom(t *testing.T) {
 		from    uint32
 		want    int64
 		wantErr error
+		waits   bool // for bytes the live state says were sent after from, missing from the log
 	}{
 		{from: isn + 20_000, want: 10_000},
-		{from: isn + 5_000, want: 5_000}, // to the hole: the restorer refuses, knowing the peer sent more
-		{from: isn + 10_500, wantErr: netlog.ErrHole},
+		{from: isn + 5_000, want: 5_000, waits: true}, // to the hole: the restorer refuses, knowing the peer sent more
+		{from: isn + 10_500, wantErr: netlog.ErrHole, waits: true},
 	} {
+		wakes := 0
+		src.onWake = func() { wakes++ }
 		r, err := n.Range(ctx, "n2", connA, tc.from)
+		if waited := wakes > 0; waited != tc.waits {
+			t.Errorf("Range from %d: waited for missing bytes %v (%d wakes), want %v", tc.from, waited, wakes, tc.waits)
+		}
 		if !errors.Is(err, tc.wantErr) || (tc.wantErr == nil && err != nil) {
 			t.Errorf("Range from %d: %v, want %v", tc.from, err, tc.wantErr)
 			continue

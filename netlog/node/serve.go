@@ -201,7 +201,7 @@ const (
 )
 
 // catchUp waits, briefly, until the log holds every byte the probe's live state says conn sent after
-// wire sequence from: the consumer reads the ring at its poll interval, and a range read between two polls
+// wire sequence from (a hole below from is not waited on: the range does not read it): the consumer reads the ring at its poll interval, and a range read between two polls
 // would end short of the live state, which the restorer takes for bytes the log lost.
 func (n *Node) catchUp(ctx context.Context, conn tcpflow.Tuple, from uint32) {
 	live, ok, err := n.src.FlowState(conn)
@@ -219,7 +219,7 @@ func (n *Node) catchUp(ctx context.Context, conn tcpflow.Tuple, from uint32) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, catchUpWait)
 	defer cancel()
-	n.Log().WaitHolds(ctx, conn, live.DataEnd(), 2*time.Millisecond, func() { n.src.Want(conn) })
+	n.Log().WaitHolds(ctx, conn, from, live.DataEnd(), 2*time.Millisecond, func() { n.src.Want(conn) })
 }
 
 // sentNothingSince says whether this host's log has no store of conn because the sender sent no payload

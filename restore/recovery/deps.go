@@ -111,8 +111,8 @@ type Peers interface {
 type Log interface {
 	// Keep makes the bytes the plan's connections re-send stay readable until stop is called.
 	Keep(p restore.Plan) (stop func())
-	// WaitLogged waits (a little) until the log holds conn's bytes up to wire sequence end.
-	WaitLogged(ctx context.Context, conn tcpflow.Tuple, end uint32)
+	// WaitLogged waits (a little) until the log holds conn's bytes from wire sequence from up to end.
+	WaitLogged(ctx context.Context, conn tcpflow.Tuple, from, end uint32)
 	// ReadRange writes the n bytes the log holds of conn from wire sequence seq on to w.
 	ReadRange(ctx context.Context, w io.Writer, conn tcpflow.Tuple, seq, n uint32) error
 	// SentUpTo is how far a restored socket has sent on flow.

@@ -147,7 +147,7 @@ func (f *fake) Keep(restore.Plan) func() {
 	return sync.OnceFunc(func() { f.mu.Lock(); f.kept--; f.mu.Unlock() })
 }
 
-func (f *fake) WaitLogged(context.Context, tcpflow.Tuple, uint32) {}
+func (f *fake) WaitLogged(context.Context, tcpflow.Tuple, uint32, uint32) {}
 
 func (f *fake) ReadRange(_ context.Context, w io.Writer, conn tcpflow.Tuple, seq, n uint32) error {
 	b := f.logged[conn]

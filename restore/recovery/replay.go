@@ -195,7 +195,7 @@ func verifyResent(ctx context.Context, d Deps, j *Job) (string, error) {
 			fin, finOK := d.Log.FinSentAt(conn)
 			v, err = recvdigest.VerifyFin(*chk.Received, from, to, fin, finOK, prefix, func(w io.Writer, seq, n uint32) error {
 				if !missing {
-					d.Log.WaitLogged(ctx, conn, seq+n)
+					d.Log.WaitLogged(ctx, conn, seq, seq+n)
 				}
 				err := d.Log.ReadRange(ctx, w, conn, seq, n)
 				missing = missing || err != nil
