@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
@@ -516,4 +517,37 @@ func rewriteRuns(data []byte, run, every int) []byte {
 		}
 	}
 	return out
+}
+
+// The sender diffs only against its snapshot's own lineage, as the receiver offers: a peer's snapshot
+// of the same job held here as a replica is never the base, whatever a protector offers, since the COPY
+// operations' positions and checks would tell that protector about the peer's memory.
+func TestPickBaseOnlyFromOwnLineage(t *testing.T) {
+	peer := openStore(t, "node1")
+	sender := openStore(t, "node2")
+	p1, p2 := memoryPages(2<<20, 1), memoryPages(2<<20, 2)
+	replica := makeSnapshot(t, peer, "job", deltaFiles(p1, p2))
+	shipPipe(t, peer, sender, replica.ID, SendOptions{}) // node2 protects node1
+	own := makeSnapshot(t, sender, "job", deltaFiles(memoryPages(2<<20, 3), p2))
+	m := makeSnapshot(t, sender, "job", deltaFiles(rewritePages(p1, 10, 3), p2))
+	for _, c := range []struct {
+		name   string
+		offers []string
+		want   string // "" sends whole
+	}{
+		{name: "peer's replica only", offers: []string{replica.ID}, want: ""},
+		{name: "peer's replica first", offers: []string{replica.ID, own.ID}, want: own.ID},
+		{name: "own", offers: []string{own.ID}, want: own.ID},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			idx := pickBase(context.Background(), sender, "job", m.ID, c.offers, 0, nil, slog.New(slog.DiscardHandler))
+			got := ""
+			if idx != nil {
+				got = idx.id
+			}
+			if got != c.want {
+				t.Errorf("picked base %q among %v, want %q", got, c.offers, c.want)
+			}
+		})
+	}
 }

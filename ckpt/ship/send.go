@@ -227,8 +227,9 @@ func Send(ctx context.Context, conn io.ReadWriter, store *ckpt.Store, job, id st
 	}
 }
 
-// pickBase indexes the newest offered snapshot that this store also holds;
-// nil (send whole) if none or it cannot be read.
+// pickBase indexes the newest offered snapshot that this store also holds
+// and that was taken on the node snapshot id was; nil (send whole) if none
+// or it cannot be read.
 // ahead, if it indexes the base picked with block size bs, is used instead
 // of indexing it again.
 func pickBase(ctx context.Context, store *ckpt.Store, job, id string, offers []string, bs int, ahead *BaseIndex, log *slog.Logger) *baseIndex {
@@ -237,8 +238,17 @@ func pickBase(ctx context.Context, store *ckpt.Store, job, id string, offers []s
 		log.Warn("delta block size out of range; sending whole files", "block", bs)
 		return nil
 	}
+	sid, err := ckpt.ParseID(id)
+	if err != nil {
+		return nil
+	}
 	for _, b := range offers {
 		if b == id {
+			continue
+		}
+		// Only id's lineage, as the receiver offers (receiver.offers): the COPY positions and checks of
+		// a diff against a peer's snapshot held here would tell the protector about the peer's memory.
+		if bid, err := ckpt.ParseID(b); err != nil || bid.Node != sid.Node {
 			continue
 		}
 		bm, err := store.Manifest(job, b)
