@@ -22,6 +22,7 @@ import (
 
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/agentapi"
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/lab"
 	"github.com/ftkit/ftkit/lab/labcluster"
@@ -128,6 +129,11 @@ func (f *mpiRunFlags) plan(ctx context.Context, labChosen bool) (*mpiPlan, error
 		rand.Read(b)
 		f.name = "mpi-" + hex.EncodeToString(b)
 	}
+	// The name becomes a path component of the run directory and the run of every job: check it before
+	// anything is looked up, created or launched, so that ../x cannot put the directory elsewhere.
+	if err := clusterapi.ValidRunName(f.name); err != nil {
+		return nil, cli.Usagef("--name: %v", err)
+	}
 	var hosts []string
 	switch {
 	case f.hostfile != "":
@@ -216,6 +222,18 @@ func (p *mpiPlan) startHere(self string) error {
 	return nil
 }
 
+// checkJobNames refuses a run whose jobs, NAME-HOST, the agents would refuse (too long), before its
+// directory is made: else the run fails after it, and a retry under the same name finds the name taken.
+func checkJobNames(run string, ranks []string) error {
+	for _, h := range ranks {
+		// A job's name follows the rule of a run's (clusterapi.ValidRunName).
+		if err := clusterapi.ValidRunName(run + "-" + h); err != nil {
+			return cli.Usagef("--name %s: job name %s-%s on host %s: use a shorter --name (up to 48 bytes with -HOST)", run, run, h, h)
+		}
+	}
+	return nil
+}
+
 // labPlan is a run on a lab's live nodes, each reached through its own agent socket.
 func (f *mpiRunFlags) labPlan() (*mpiPlan, error) {
 	if err := requireRoot(); err != nil {
@@ -258,6 +276,9 @@ func (f *mpiRunFlags) run(ctx context.Context, labChosen bool, stdout, stderr io
 	}
 	p, err := f.plan(ctx, labChosen)
 	if err != nil {
+		return err
+	}
+	if err := checkJobNames(f.name, p.ranks); err != nil {
 		return err
 	}
 	self, err := os.Executable()

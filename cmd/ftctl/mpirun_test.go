@@ -1,11 +1,15 @@
 package main
 
 import (
+	"errors"
+	"io"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/ftkit/ftkit/internal/cli"
 )
 
 // genv is hydra's -genv NAME VALUE pairs of an mpiexec.mpich command line.
@@ -125,6 +129,58 @@ func TestLabYield(t *testing.T) {
 	} {
 		if got := labYield(slices.Clone(tc.env)); !slices.Equal(got, tc.want) {
 			t.Errorf("%s: labYield(%q) = %q, want %q", tc.name, tc.env, got, tc.want)
+		}
+	}
+}
+
+// TestMPIRunBadName: a --name that is no run's is refused as a usage error before anything is looked up or
+// created, in a lab (no lab needed) as outside one (no agent needed): ../x must not become a run directory
+// outside .ftkit-mpi or the lab's mpi directory.
+func TestMPIRunBadName(t *testing.T) {
+	work := t.TempDir()
+	t.Chdir(work) // the default run directory is ./.ftkit-mpi/NAME
+	hostfile := filepath.Join(t.TempDir(), "hosts")
+	if err := os.WriteFile(hostfile, []byte("h1\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	sock := filepath.Join(t.TempDir(), "agent.sock") // nothing listens
+	for _, name := range []string{"../x", "a/b", "..", ".hidden", "-x", "a b", "x;id", strings.Repeat("a", 49)} {
+		for _, tt := range []struct {
+			where string
+			f     mpiRunFlags
+		}{
+			{"lab", mpiRunFlags{labID: "nosuchlab-mpiname", name: name, impl: "openmpi"}},
+			{"hostfile", mpiRunFlags{hostfile: hostfile, socket: sock, name: name, impl: "openmpi"}},
+		} {
+			t.Run(tt.where+"/"+name, func(t *testing.T) {
+				err := tt.f.run(t.Context(), true, io.Discard, io.Discard, []string{"--", "true"})
+				ee, ok := errors.AsType[*cli.ExitError](err)
+				if !ok || ee.Code != cli.ExitUsage || !strings.Contains(err.Error(), "--name") {
+					t.Errorf("--name %q: %v; want a usage error (exit %d) naming --name", name, err, cli.ExitUsage)
+				}
+			})
+		}
+	}
+	if ents, _ := os.ReadDir(work); len(ents) > 0 {
+		t.Errorf("created %v", ents)
+	}
+}
+
+// TestCheckJobNames: a valid run name whose jobs NAME-HOST would be too long for the agents is refused.
+func TestCheckJobNames(t *testing.T) {
+	for _, tt := range []struct {
+		run   string
+		ranks []string
+		ok    bool
+	}{
+		{"mpi-abc", []string{"node1", "node2"}, true},
+		{strings.Repeat("a", 42), []string{"node1"}, true}, // 48 bytes
+		{strings.Repeat("a", 43), []string{"node1"}, false},
+		{strings.Repeat("a", 40), []string{"n1", "node-long"}, false},
+	} {
+		err := checkJobNames(tt.run, tt.ranks)
+		if (err == nil) != tt.ok {
+			t.Errorf("checkJobNames(%q, %v) = %v, want ok %v", tt.run, tt.ranks, err, tt.ok)
 		}
 	}
 }
