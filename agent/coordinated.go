@@ -337,16 +337,17 @@ func (a *Agent) coordThaw(ctx context.Context, req clusterapi.CoordinateRequest,
 	return rep, errors.Join(errs...)
 }
 
-// rollbackParts checks that this host holds every part's snapshot (fetching those of parts it restores in
-// place of a failed host), verified, and that each part's job is one of run's of uid; it stops nothing.
+// rollbackParts checks that this host holds every part's snapshot (fetching those of parts it restores and
+// lacks), verified, and that each part's job is one of run's of uid; it stops nothing.
 func (a *Agent) rollbackParts(ctx context.Context, run string, uid uint32, parts []clusterapi.CutPart) ([]*ckpt.Manifest, error) {
 	var ms []*ckpt.Manifest
 	for _, p := range parts {
 		if err := a.checkPart(run, uid, p, nil); err != nil {
 			return nil, fmt.Errorf("nothing stopped: %w", err)
 		}
-		if _, err := a.store.Manifest(p.Job, p.Snapshot); err != nil && p.Target == a.cfg.Name && p.Target != p.Host {
-			// In place of a failed host: its part comes from a member that holds a copy.
+		if _, err := a.store.Manifest(p.Job, p.Snapshot); err != nil && p.Target == a.cfg.Name {
+			// In place of a failed host, or on the part's own host that failed and rejoined without its copy
+			// (a repaired disk): the part comes from a member that holds one (its protector's replica).
 			if err := a.fetch(ctx, p.Job, p.Snapshot, p.Source, p.Source); err != nil {
 				return nil, fmt.Errorf("nothing stopped: part %s of job %s: %w", p.Snapshot, p.Job, err)
 			}
