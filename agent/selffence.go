@@ -61,10 +61,9 @@ func (a *Agent) selfFence(ctx context.Context) {
 	t := a.cfg.FenceTiming()
 	var prot contactClock
 	var (
-		protName, predName string
-		since              time.Time // when this pair of neighbours became ours
-		fenced             bool
-		tried              map[string]bool // the jobs the fence killed, or tried to
+		silence neighbourSilence
+		fenced  bool
+		tried   map[string]bool // the jobs the fence killed, or tried to
 	)
 	tickgrid.Every(ctx, t.Check(), func() {
 		now := time.Now()
@@ -75,12 +74,9 @@ func (a *Agent) selfFence(ctx context.Context) {
 		if !okP || !okS || p.Name == s.Name {
 			// No ring, or a ring of two nodes: losing the only neighbour cannot be told from its failure,
 			// and fencing there would kill the survivor's jobs too. A fence command covers such rings.
-			protName, predName = "", ""
+			silence = neighbourSilence{}
 			a.selfFenced.Store(false)
 			return
-		}
-		if p.Name != protName || s.Name != predName {
-			protName, predName, since, fenced = p.Name, s.Name, now, false
 		}
 		// The contact counts from when the newest beat the protector's host acknowledged was sent: the link
 		// was up then or later, which is what the protector's wait (from the last beat it received) assumes.
@@ -91,7 +87,10 @@ func (a *Agent) selfFence(ctx context.Context) {
 		if _, at, ok := a.watchdog.Last(s.Name); ok {
 			c.Predecessor = at
 		}
-		d := fence.Decide(now, since, c, t.Timeout)
+		d, fresh := silence.check(now, p.Name, s.Name, c, t.Timeout)
+		if fresh {
+			fenced = false
+		}
 		if !d.Fence {
 			a.selfFenced.Store(false)
 			if fenced {
@@ -127,7 +126,7 @@ func (a *Agent) selfFence(ctx context.Context) {
 			// absence only, as when a whole machine or cluster pauses. Its protector knows whether it declared
 			// this node failed (and refuses to vouch then), and a stalled protector declared nobody.
 			sent := time.Now()
-			vouched, reason := a.askVouch(ctx, p.Name, t.VouchBy(sent, since, c.Protector))
+			vouched, reason := a.askVouch(ctx, p.Name, t.VouchBy(sent, silence.since, c.Protector))
 			if vouched {
 				a.log.Warn("heard from neither ring neighbour for fence_timeout, but this agent stalled meanwhile and its protector vouches for it: not fencing",
 					"protector", p.Name, "predecessor", s.Name, "silence_ms", d.Silence.Milliseconds(), "vouch_ms", time.Since(sent).Milliseconds())
@@ -143,6 +142,31 @@ func (a *Agent) selfFence(ctx context.Context) {
 			tried[j.ID] = true
 		}
 	})
+}
+
+// neighbourSilence measures how long this node has heard from neither ring neighbour, across changes of
+// neighbours: new ones are no contact yet, so the silence goes on from the last contact with the old ones.
+// The protector that declares this node waits from the last beat it received (fence.Timing.ReadyAt), and a
+// node cut off from its neighbours may still adopt a view, from a member it reaches, in which one of them
+// failed: restarting the silence there fenced it up to fence_timeout after its copies elsewhere went live.
+type neighbourSilence struct {
+	prot, pred string
+	since      time.Time // when watching began, or the last contact before the neighbours changed
+	heard      time.Time // the last contact with either neighbour (or since), as of the last check
+}
+
+// check decides at now, with neighbours prot and pred last heard at c; fresh: nothing was measured before
+// (the first check, or the first since the ring had no two neighbours), so the silence starts now.
+func (w *neighbourSilence) check(now time.Time, prot, pred string, c fence.Contact, timeout time.Duration) (d fence.Decision, fresh bool) {
+	if prot != w.prot || pred != w.pred {
+		w.prot, w.pred, w.since = prot, pred, w.heard
+		if w.since.IsZero() {
+			w.since, fresh = now, true
+		}
+	}
+	d = fence.Decide(now, w.since, c, timeout)
+	w.heard = now.Add(-d.Silence)
+	return d, fresh
 }
 
 // refuseWhileFenced refuses to start or restore a job while this host is fenced (selfFenced).

@@ -343,3 +343,65 @@ func TestSelfFenceKillsLateJobs(t *testing.T) {
 		t.Errorf("the late job's record %+v does not say it was fenced", j)
 	}
 }
+
+// TestNeighbourSilence: the self-fence's silence counts from the last contact with either ring neighbour,
+// and goes on when the neighbours change (new ones are no contact yet). Before, it restarted at the change:
+// a cut-off node that adopted a view in which its protector failed fenced up to fence_timeout after its
+// protector's replacement (waiting from the last beat it received) restored its jobs elsewhere.
+func TestNeighbourSilence(t *testing.T) {
+	const timeout = 400 * time.Millisecond
+	t0 := time.Date(2026, 12, 7, 1, 0, 0, 0, time.UTC)
+	at := func(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
+	type step struct {
+		ms         int // when the check runs, after t0
+		prot, pred string
+		c          fence.Contact
+		fence      bool
+		fresh      bool
+	}
+	tests := []struct {
+		name  string
+		steps []step
+	}{
+		{"no contact since watching began", []step{
+			{ms: 0, prot: "n2", pred: "n4", fresh: true},
+			{ms: 399, prot: "n2", pred: "n4"},
+			{ms: 400, prot: "n2", pred: "n4", fence: true},
+		}},
+		{"the protector changes without contact", []step{
+			{ms: 0, prot: "n2", pred: "n4", fresh: true},
+			{ms: 300, prot: "n3", pred: "n4"},
+			{ms: 400, prot: "n3", pred: "n4", fence: true}, // the old code: not before 700
+		}},
+		{"the silence goes on from the last contact with the old neighbours", []step{
+			{ms: 0, prot: "n2", pred: "n4", fresh: true},
+			{ms: 200, prot: "n2", pred: "n4", c: fence.Contact{Protector: at(150)}},
+			{ms: 300, prot: "n3", pred: "n4"},
+			{ms: 549, prot: "n3", pred: "n4"},
+			{ms: 550, prot: "n3", pred: "n4", fence: true},
+		}},
+		{"contact with the new protector", []step{
+			{ms: 0, prot: "n2", pred: "n4", fresh: true},
+			{ms: 300, prot: "n3", pred: "n4"},
+			{ms: 500, prot: "n3", pred: "n4", c: fence.Contact{Protector: at(350)}},
+			{ms: 750, prot: "n3", pred: "n4", c: fence.Contact{Protector: at(350)}, fence: true},
+		}},
+		{"the predecessor changes after its beats", []step{
+			{ms: 0, prot: "n2", pred: "n4", fresh: true},
+			{ms: 100, prot: "n2", pred: "n4", c: fence.Contact{Predecessor: at(100)}},
+			{ms: 200, prot: "n2", pred: "n5"},
+			{ms: 499, prot: "n2", pred: "n5"},
+			{ms: 500, prot: "n2", pred: "n5", fence: true},
+		}},
+	}
+	for _, tt := range tests {
+		var w neighbourSilence
+		for i, s := range tt.steps {
+			d, fresh := w.check(at(s.ms), s.prot, s.pred, s.c, timeout)
+			if d.Fence != s.fence || fresh != s.fresh {
+				t.Errorf("%s: step %d at +%dms (protector %s, predecessor %s): fence %v (silence %s), fresh %v; want fence %v, fresh %v",
+					tt.name, i, s.ms, s.prot, s.pred, d.Fence, d.Silence, fresh, s.fence, s.fresh)
+			}
+		}
+	}
+}
