@@ -314,6 +314,22 @@ var errNoMajorityReached = errors.New("cannot reach a majority of the members")
 // another heartbeat timeout, and the fail-over retried.
 func (a *Agent) majorityReached(ctx context.Context, failed string) error {
 	members := a.grantMembers(failed)
+	silent := a.silentMembers(ctx, members)
+	reached, need := len(members)-len(silent), grant.Majority(len(members))
+	if reached >= need {
+		return nil
+	}
+	a.log.Warn("cannot reach a majority of the members: not declaring the node failed; a partition?",
+		"node", failed, "reached", reached, "members", len(members), "need", need, "silent", silent)
+	a.watchdog.Clear(failed, time.Now())
+	return fmt.Errorf("%w (reached %d of %d, %d needed; silent: %s): %s was not declared failed; it is suspected again after a heartbeat timeout, "+
+		"and failed over once this host reaches a majority (check the network between the members)",
+		errNoMajorityReached, reached, len(members), need, strings.Join(silent, "; "), failed)
+}
+
+// silentMembers pings every member of members but this host at once and returns those that did not answer
+// within the probe timeout, each with why.
+func (a *Agent) silentMembers(ctx context.Context, members []string) []string {
 	errs := make([]error, len(members))
 	var wg sync.WaitGroup
 	for i, m := range members {
@@ -333,16 +349,7 @@ func (a *Agent) majorityReached(ctx context.Context, failed string) error {
 			silent = append(silent, members[i]+": "+shorten(err.Error(), 200))
 		}
 	}
-	reached, need := len(members)-len(silent), grant.Majority(len(members))
-	if reached >= need {
-		return nil
-	}
-	a.log.Warn("cannot reach a majority of the members: not declaring the node failed; a partition?",
-		"node", failed, "reached", reached, "members", len(members), "need", need, "silent", silent)
-	a.watchdog.Clear(failed, time.Now())
-	return fmt.Errorf("%w (reached %d of %d, %d needed; silent: %s): %s was not declared failed; it is suspected again after a heartbeat timeout, "+
-		"and failed over once this host reaches a majority (check the network between the members)",
-		errNoMajorityReached, reached, len(members), need, strings.Join(silent, "; "), failed)
+	return silent
 }
 
 // takenOverBy is the failure whose recovery took failure id's jobs over ("" if none did).

@@ -15,6 +15,7 @@ import (
 
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/fence"
+	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/internal/tickgrid"
 	"github.com/ftkit/ftkit/ring"
 )
@@ -62,6 +63,8 @@ func (a *Agent) selfFence(ctx context.Context) {
 	var prot contactClock
 	var (
 		silence neighbourSilence
+		members askedMembers
+		told    time.Time // the answer last logged as keeping this node's jobs
 		fenced  bool
 		tried   map[string]bool // the jobs the fence killed, or tried to
 	)
@@ -87,11 +90,29 @@ func (a *Agent) selfFence(ctx context.Context) {
 		if _, at, ok := a.watchdog.Last(s.Name); ok {
 			c.Predecessor = at
 		}
-		d, fresh := silence.check(now, p.Name, s.Name, c, t.Timeout)
+		d, protSilence, fresh := silence.check(now, p.Name, s.Name, c, t.Timeout)
 		if fresh {
 			fenced = false
 		}
-		if !d.Fence {
+		cut, quiet, from := d.Fence, d.Silence, silence.since
+		cause := fmt.Sprintf("no contact with %s and %s for %s", p.Name, s.Name, d.Silence.Round(time.Millisecond))
+		if !cut && d.Silence < protSilence && protSilence >= t.AskMembersAfter(a.cfg.ProbeTimeout()) {
+			// Only the protector is silent: a partition that cuts off two or more neighbours of the ring leaves
+			// each hearing one, and the protector's side declares this node if it holds a majority.
+			members.ask(ctx, a)
+			switch ans, ok := members.since(now.Add(-protSilence)); {
+			case !ok || protSilence < t.Timeout:
+			case ans.minority():
+				cut, quiet, from = true, protSilence, silence.protSince
+				cause = fmt.Sprintf("no contact with its protector %s for %s, and no answer from %d of the %d other members (%s): their side may declare this node failed",
+					p.Name, protSilence.Round(time.Millisecond), len(ans.silent), ans.others, strings.Join(ans.silent, "; "))
+			case !ans.at.Equal(told):
+				told = ans.at
+				a.log.Warn("no contact with the protector for fence_timeout, but this node reaches a majority of the other members: not fencing (the protector failed, or is the one cut off)",
+					"protector", p.Name, "predecessor", s.Name, "silence_ms", protSilence.Milliseconds(), "others", ans.others, "silent", ans.silent)
+			}
+		}
+		if !cut {
 			a.selfFenced.Store(false)
 			if fenced {
 				// Rejoin: learn at once whether this node was replaced while away (its neighbours do not
@@ -112,7 +133,7 @@ func (a *Agent) selfFence(ctx context.Context) {
 					late = append(late, j)
 				}
 			}
-			a.fenceJobs(late, d.Silence, p.Name, s.Name, "; the jobs began to run after this host fenced itself")
+			a.fenceJobs(late, quiet, cause+"; the jobs began to run after this host fenced itself")
 			return
 		}
 		// Only a host with jobs fences (and records it): a spare or an idle node has nothing to run twice.
@@ -120,22 +141,21 @@ func (a *Agent) selfFence(ctx context.Context) {
 		if len(running) == 0 {
 			return
 		}
-		why := ""
-		if a.stalls.Since(now.Add(-d.Silence), now) {
+		if a.stalls.Since(now.Add(-quiet), now) {
 			// This agent stalled within the silence (a starved or paused host): the silence may be its own
 			// absence only, as when a whole machine or cluster pauses. Its protector knows whether it declared
 			// this node failed (and refuses to vouch then), and a stalled protector declared nobody.
 			sent := time.Now()
-			vouched, reason := a.askVouch(ctx, p.Name, t.VouchBy(sent, silence.since, c.Protector))
+			vouched, reason := a.askVouch(ctx, p.Name, t.VouchBy(sent, from, c.Protector))
 			if vouched {
-				a.log.Warn("heard from neither ring neighbour for fence_timeout, but this agent stalled meanwhile and its protector vouches for it: not fencing",
-					"protector", p.Name, "predecessor", s.Name, "silence_ms", d.Silence.Milliseconds(), "vouch_ms", time.Since(sent).Milliseconds())
+				a.log.Warn("cut off for fence_timeout, but this agent stalled meanwhile and its protector vouches for it: not fencing",
+					"cause", cause, "vouch_ms", time.Since(sent).Milliseconds())
 				prot.set(p.Name, sent)
 				return
 			}
-			why = "; this agent stalled meanwhile, and " + reason
+			cause += "; this agent stalled meanwhile, and " + reason
 		}
-		fenced = a.fenceJobs(running, d.Silence, p.Name, s.Name, why)
+		fenced = a.fenceJobs(running, quiet, cause)
 		a.selfFenced.Store(fenced)
 		tried = map[string]bool{}
 		for _, j := range running {
@@ -144,29 +164,82 @@ func (a *Agent) selfFence(ctx context.Context) {
 	})
 }
 
-// neighbourSilence measures how long this node has heard from neither ring neighbour, across changes of
-// neighbours: new ones are no contact yet, so the silence goes on from the last contact with the old ones.
-// The protector that declares this node waits from the last beat it received (fence.Timing.ReadyAt), and a
-// node cut off from its neighbours may still adopt a view, from a member it reaches, in which one of them
-// failed: restarting the silence there fenced it up to fence_timeout after its copies elsewhere went live.
+// neighbourSilence measures how long this node has heard from neither ring neighbour, and from its
+// protector, across changes of neighbours: new ones are no contact yet, so the silence goes on from the last
+// contact with the old ones. The protector that declares this node waits from the last beat it received
+// (fence.Timing.ReadyAt), and a node cut off from its neighbours may still adopt a view, from a member it
+// reaches, in which one of them failed: restarting the silence there fenced it up to fence_timeout after its
+// copies elsewhere went live.
 type neighbourSilence struct {
 	prot, pred string
 	since      time.Time // when watching began, or the last contact before the neighbours changed
 	heard      time.Time // the last contact with either neighbour (or since), as of the last check
+	protSince  time.Time // as since, for the protector alone
+	protHeard  time.Time // as heard, for the protector alone
 }
 
-// check decides at now, with neighbours prot and pred last heard at c; fresh: nothing was measured before
-// (the first check, or the first since the ring had no two neighbours), so the silence starts now.
-func (w *neighbourSilence) check(now time.Time, prot, pred string, c fence.Contact, timeout time.Duration) (d fence.Decision, fresh bool) {
+// check decides at now, with neighbours prot and pred last heard at c, and returns how long the protector
+// alone has been silent; fresh: nothing was measured before (the first check, or the first since the ring
+// had no two neighbours), so the silences start now.
+func (w *neighbourSilence) check(now time.Time, prot, pred string, c fence.Contact, timeout time.Duration) (d fence.Decision, protSilence time.Duration, fresh bool) {
 	if prot != w.prot || pred != w.pred {
-		w.prot, w.pred, w.since = prot, pred, w.heard
+		w.prot, w.pred, w.since, w.protSince = prot, pred, w.heard, w.protHeard
 		if w.since.IsZero() {
-			w.since, fresh = now, true
+			w.since, w.protSince, fresh = now, now, true
 		}
 	}
 	d = fence.Decide(now, w.since, c, timeout)
 	w.heard = now.Add(-d.Silence)
-	return d, fresh
+	w.protHeard = w.protSince
+	if c.Protector.After(w.protHeard) {
+		w.protHeard = c.Protector
+	}
+	return d, now.Sub(w.protHeard), fresh
+}
+
+// askedMembers is what this node found when it last asked whether it reaches the other members, while its
+// protector was silent (a question at a time).
+type askedMembers struct {
+	mu     sync.Mutex
+	asking bool
+	last   membersAnswer
+}
+
+// membersAnswer is one such question's outcome.
+type membersAnswer struct {
+	at     time.Time // when the pings went out
+	others int       // the non-failed members but this node
+	silent []string  // those that did not answer, with why
+}
+
+// minority reports whether the members that did not answer are a majority of the others: on the far side of
+// a partition, they may declare this node failed (its protector's claim of the jobs' next incarnation needs
+// a majority of them) and restore its jobs.
+func (m membersAnswer) minority() bool { return len(m.silent) >= grant.Majority(m.others) }
+
+// ask pings the other members in the background, unless a question is out already.
+func (q *askedMembers) ask(ctx context.Context, a *Agent) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.asking {
+		return
+	}
+	q.asking = true
+	go func() {
+		others := a.grantMembers(a.cfg.Name)[1:]
+		at := time.Now()
+		silent := a.silentMembers(ctx, others)
+		q.mu.Lock()
+		defer q.mu.Unlock()
+		q.asking, q.last = false, membersAnswer{at: at, others: len(others), silent: silent}
+	}()
+}
+
+// since returns the newest answer to a question asked after t.
+func (q *askedMembers) since(t time.Time) (membersAnswer, bool) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.last, q.last.at.After(t)
 }
 
 // refuseWhileFenced refuses to start or restore a job while this host is fenced (selfFenced).
@@ -242,8 +315,8 @@ func (a *Agent) serveVouch(peer string, req clusterapi.VouchRequest) clusterapi.
 }
 
 // fenceJobs kills the running jobs of this host (their whole cgroups) and records the fence as an event,
-// why appended to its detail. It reports whether there was any job to kill.
-func (a *Agent) fenceJobs(running []Job, silence time.Duration, protector, predecessor, why string) bool {
+// cause (what cut the host off, for silence) its detail. It reports whether there was any job to kill.
+func (a *Agent) fenceJobs(running []Job, silence time.Duration, cause string) bool {
 	start := time.Now()
 	if len(running) == 0 {
 		return false
@@ -268,10 +341,9 @@ func (a *Agent) fenceJobs(running []Job, silence time.Duration, protector, prede
 			a.deleteJobNet(context.Background(), j.ID, j.Net)
 		}
 	}
-	detail := fmt.Sprintf("no contact with %s and %s for %s%s; killed jobs %s", protector, predecessor,
-		silence.Round(time.Millisecond), why, strings.Join(killed, " "))
-	a.log.Error("self-fenced: cut off from both ring neighbours; the protector restores the jobs elsewhere",
-		"protector", protector, "predecessor", predecessor, "silence_ms", silence.Milliseconds(), "killed", killed, "failed", failed)
+	detail := fmt.Sprintf("%s; killed jobs %s", cause, strings.Join(killed, " "))
+	a.log.Error("self-fenced: cut off from the ring; the protector restores the jobs elsewhere",
+		"cause", cause, "silence_ms", silence.Milliseconds(), "killed", killed, "failed", failed)
 	id := a.cfg.Name + "-fenced-" + start.UTC().Format("20060102T150405.000")
 	a.failures.Update(id, func(f *Failure) {
 		// LastBeat is the last contact with either neighbour: the timeline counts from it, as a recovery's

@@ -34,7 +34,7 @@ func TestFenceJobs(t *testing.T) {
 	if err := os.Symlink(target, kill(rootsJob)); err != nil {
 		t.Fatal(err)
 	}
-	if !ta.fenceJobs(ta.runningJobs(), 4*time.Second, "node2", "node3", "") {
+	if !ta.fenceJobs(ta.runningJobs(), 4*time.Second, "no contact with node2 and node3 for 4s") {
 		t.Fatal("fenceJobs found no job to kill")
 	}
 	if b, _ := os.ReadFile(kill(ownersJob)); string(b) != "1" {
@@ -74,7 +74,7 @@ func TestFenceJobsNothingRunning(t *testing.T) {
 	for _, id := range []string{ownersJob, rootsJob} {
 		ta.byID[id].State = JobExited
 	}
-	if ta.fenceJobs(ta.runningJobs(), 4*time.Second, "node2", "node3", "") {
+	if ta.fenceJobs(ta.runningJobs(), 4*time.Second, "no contact with node2 and node3 for 4s") {
 		t.Fatal("fenceJobs reported a fence with no job running")
 	}
 	if fs := ta.Failures(); len(fs) != 0 {
@@ -344,8 +344,9 @@ func TestSelfFenceKillsLateJobs(t *testing.T) {
 	}
 }
 
-// TestNeighbourSilence: the self-fence's silence counts from the last contact with either ring neighbour,
-// and goes on when the neighbours change (new ones are no contact yet). Before, it restarted at the change:
+// TestNeighbourSilence: the self-fence's silence counts from the last contact with either ring neighbour
+// (and the protector's alone, from the last contact with a protector), and goes on when the neighbours
+// change (new ones are no contact yet). Before, it restarted at the change:
 // a cut-off node that adopted a view in which its protector failed fenced up to fence_timeout after its
 // protector's replacement (waiting from the last beat it received) restored its jobs elsewhere.
 func TestNeighbourSilence(t *testing.T) {
@@ -358,6 +359,7 @@ func TestNeighbourSilence(t *testing.T) {
 		c          fence.Contact
 		fence      bool
 		fresh      bool
+		protMs     int // how long the protector alone has been silent
 	}
 	tests := []struct {
 		name  string
@@ -365,43 +367,66 @@ func TestNeighbourSilence(t *testing.T) {
 	}{
 		{"no contact since watching began", []step{
 			{ms: 0, prot: "n2", pred: "n4", fresh: true},
-			{ms: 399, prot: "n2", pred: "n4"},
-			{ms: 400, prot: "n2", pred: "n4", fence: true},
+			{ms: 399, prot: "n2", pred: "n4", protMs: 399},
+			{ms: 400, prot: "n2", pred: "n4", fence: true, protMs: 400},
 		}},
 		{"the protector changes without contact", []step{
 			{ms: 0, prot: "n2", pred: "n4", fresh: true},
-			{ms: 300, prot: "n3", pred: "n4"},
-			{ms: 400, prot: "n3", pred: "n4", fence: true}, // the old code: not before 700
+			{ms: 300, prot: "n3", pred: "n4", protMs: 300},
+			{ms: 400, prot: "n3", pred: "n4", fence: true, protMs: 400}, // the old code: not before 700
 		}},
 		{"the silence goes on from the last contact with the old neighbours", []step{
 			{ms: 0, prot: "n2", pred: "n4", fresh: true},
-			{ms: 200, prot: "n2", pred: "n4", c: fence.Contact{Protector: at(150)}},
-			{ms: 300, prot: "n3", pred: "n4"},
-			{ms: 549, prot: "n3", pred: "n4"},
-			{ms: 550, prot: "n3", pred: "n4", fence: true},
+			{ms: 200, prot: "n2", pred: "n4", c: fence.Contact{Protector: at(150)}, protMs: 50},
+			{ms: 300, prot: "n3", pred: "n4", protMs: 150},
+			{ms: 549, prot: "n3", pred: "n4", protMs: 399},
+			{ms: 550, prot: "n3", pred: "n4", fence: true, protMs: 400},
 		}},
 		{"contact with the new protector", []step{
 			{ms: 0, prot: "n2", pred: "n4", fresh: true},
-			{ms: 300, prot: "n3", pred: "n4"},
-			{ms: 500, prot: "n3", pred: "n4", c: fence.Contact{Protector: at(350)}},
-			{ms: 750, prot: "n3", pred: "n4", c: fence.Contact{Protector: at(350)}, fence: true},
+			{ms: 300, prot: "n3", pred: "n4", protMs: 300},
+			{ms: 500, prot: "n3", pred: "n4", c: fence.Contact{Protector: at(350)}, protMs: 150},
+			{ms: 750, prot: "n3", pred: "n4", c: fence.Contact{Protector: at(350)}, fence: true, protMs: 400},
 		}},
 		{"the predecessor changes after its beats", []step{
 			{ms: 0, prot: "n2", pred: "n4", fresh: true},
-			{ms: 100, prot: "n2", pred: "n4", c: fence.Contact{Predecessor: at(100)}},
-			{ms: 200, prot: "n2", pred: "n5"},
-			{ms: 499, prot: "n2", pred: "n5"},
-			{ms: 500, prot: "n2", pred: "n5", fence: true},
+			{ms: 100, prot: "n2", pred: "n4", c: fence.Contact{Predecessor: at(100)}, protMs: 100},
+			{ms: 200, prot: "n2", pred: "n5", protMs: 200},
+			{ms: 499, prot: "n2", pred: "n5", protMs: 499},
+			{ms: 500, prot: "n2", pred: "n5", fence: true, protMs: 500},
+		}},
+		{"the predecessor heard, the protector silent", []step{
+			{ms: 0, prot: "n2", pred: "n4", fresh: true},
+			{ms: 300, prot: "n2", pred: "n4", c: fence.Contact{Predecessor: at(300)}, protMs: 300},
+			{ms: 600, prot: "n2", pred: "n4", c: fence.Contact{Predecessor: at(590)}, protMs: 600},
 		}},
 	}
 	for _, tt := range tests {
 		var w neighbourSilence
 		for i, s := range tt.steps {
-			d, fresh := w.check(at(s.ms), s.prot, s.pred, s.c, timeout)
-			if d.Fence != s.fence || fresh != s.fresh {
-				t.Errorf("%s: step %d at +%dms (protector %s, predecessor %s): fence %v (silence %s), fresh %v; want fence %v, fresh %v",
-					tt.name, i, s.ms, s.prot, s.pred, d.Fence, d.Silence, fresh, s.fence, s.fresh)
+			d, prot, fresh := w.check(at(s.ms), s.prot, s.pred, s.c, timeout)
+			if want := time.Duration(s.protMs) * time.Millisecond; d.Fence != s.fence || fresh != s.fresh || prot != want {
+				t.Errorf("%s: step %d at +%dms (protector %s, predecessor %s): fence %v (silence %s), protector silent %s, fresh %v; want fence %v, %s, fresh %v",
+					tt.name, i, s.ms, s.prot, s.pred, d.Fence, d.Silence, prot, fresh, s.fence, want, s.fresh)
 			}
+		}
+	}
+}
+
+// The members a node does not reach may declare it failed when they are a majority of the others: its
+// protector's claim of the jobs' next incarnation needs that many of them.
+func TestMembersAnswerMinority(t *testing.T) {
+	for _, tt := range []struct {
+		others, silent int
+		minority       bool
+	}{
+		{2, 1, false}, {2, 2, true}, // a ring of three: the protector's side must hold both others
+		{4, 2, false}, {4, 3, true},
+		{5, 2, false}, {5, 3, true},
+	} {
+		ans := membersAnswer{others: tt.others, silent: make([]string, tt.silent)}
+		if got := ans.minority(); got != tt.minority {
+			t.Errorf("%d of %d others silent: minority %v, want %v", tt.silent, tt.others, got, tt.minority)
 		}
 	}
 }

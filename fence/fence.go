@@ -64,9 +64,9 @@ type Decision struct {
 }
 
 // Decide reports whether a node must fence itself now: it has heard from neither its protector nor its
-// predecessor for at least timeout. Losing only one is not isolation: that neighbour failed, and the
-// other side of the ring handles it. since is when the node started watching (contact before that does
-// not exist yet, so silence counts from it).
+// predecessor for at least timeout. Losing only one is not isolation by itself: that neighbour failed, and
+// the other side of the ring handles it (unless the node is in a minority: AskMembersAfter). since is when
+// the node started watching (contact before that does not exist yet, so silence counts from it).
 func Decide(now, since time.Time, c Contact, timeout time.Duration) Decision {
 	last := since
 	for _, t := range []time.Time{c.Protector, c.Predecessor} {
@@ -76,6 +76,13 @@ func Decide(now, since time.Time, c Contact, timeout time.Duration) Decision {
 	}
 	s := now.Sub(last)
 	return Decision{Fence: s >= timeout, Silence: s}
+}
+
+// AskMembersAfter is how long into its protector's silence a node that still hears its predecessor starts
+// asking whether it reaches the other members (a node in a minority fences itself on its protector's silence
+// alone): early enough that an answer bounded by probe is in when the silence reaches the fence timeout.
+func (t Timing) AskMembersAfter(probe time.Duration) time.Duration {
+	return max(t.Timeout-probe-2*t.Check(), 0)
 }
 
 // VouchBy is how long a node that finds itself cut off (Decide) after a stall of its own may wait for its

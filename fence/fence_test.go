@@ -104,6 +104,28 @@ func TestVouchBy(t *testing.T) {
 	}
 }
 
+// A node asks the members early enough that an answer bounded by the probe timeout is in when its
+// protector's silence reaches the fence timeout; never before the silence began.
+func TestAskMembersAfter(t *testing.T) {
+	for _, tt := range []struct {
+		timing Timing
+		probe  time.Duration
+		want   time.Duration
+	}{
+		{Timing{Interval: 500 * time.Millisecond, Timeout: 7 * time.Second}, 3 * time.Second, 3500 * time.Millisecond}, // the defaults
+		{Timing{Interval: 20 * time.Millisecond, Timeout: 300 * time.Millisecond}, 200 * time.Millisecond, 80 * time.Millisecond},
+		{Timing{Interval: time.Second, Timeout: 2 * time.Second}, 3 * time.Second, 0},
+	} {
+		got := tt.timing.AskMembersAfter(tt.probe)
+		if got != tt.want {
+			t.Errorf("%+v, probe %s: %s, want %s", tt.timing, tt.probe, got, tt.want)
+		}
+		if got > 0 && got+tt.probe+tt.timing.Check() > tt.timing.Timeout {
+			t.Errorf("%+v, probe %s: asked at %s, the answer may come after the timeout", tt.timing, tt.probe, got)
+		}
+	}
+}
+
 func TestValidate(t *testing.T) {
 	for _, tc := range []struct {
 		name string

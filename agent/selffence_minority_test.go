@@ -1,0 +1,98 @@
+package agent
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/detect"
+)
+
+// TestSelfFenceInMinority: a node that hears its predecessor but not its protector fences itself when the
+// members it does not reach are a majority of the others (a partition that cut it off with its predecessor:
+// each still hears one neighbour, and the protector's side declares it failed and restores its jobs), and
+// keeps its jobs when it reaches a majority (its protector failed, or is the one cut off: that side cannot
+// declare anyone). Before, hearing one neighbour was never isolation: the node in the minority ran on beside
+// the copies of its jobs restored on the other side.
+//
+// The ring is n1 (this node) -> n2 (its protector) -> n3 (its predecessor) -> n1, with spares s1 and s2.
+func TestSelfFenceInMinority(t *testing.T) {
+	pki := newTestPKI(t)
+	tests := []struct {
+		name   string
+		answer []string // the members that answer pings; the others' ports refuse
+		fence  bool
+	}{
+		{"cut off with its predecessor", []string{"n3"}, true},
+		{"the protector alone is cut off", []string{"n3", "s1", "s2"}, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ports := map[string]uint16{}
+			for _, m := range tt.answer {
+				ports[m] = scriptedPeer(t, pki, m, &pingScript{name: m})
+			}
+			a, logs := clientAgent(t, pki, ports)
+			if p, _ := a.View().Protector("n1"); p.Name != "n2" {
+				t.Fatalf("protector of n1: %q, want n2", p.Name)
+			}
+			a.cfg.Heartbeat.Interval.Duration = 20 * time.Millisecond // checks every 10 ms
+			a.cfg.Heartbeat.ProbeTimeout.Duration = 200 * time.Millisecond
+			a.cfg.Failover.FenceTimeout.Duration = 300 * time.Millisecond
+			a.cfg.CgroupParent, a.cfg.JobsDir = t.TempDir(), t.TempDir()
+			a.jobs = jobStore{dir: t.TempDir()}
+			a.stalls = detect.NewStalls(time.Second, time.Second)
+			const job = "work-0000000b"
+			a.byID[job] = &Job{ID: job, Node: "n1", State: JobRunning}
+			kill := filepath.Join(a.layout().cgroup(job), "cgroup.kill")
+			if err := os.MkdirAll(filepath.Dir(kill), 0o700); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.WriteFile(kill, nil, 0o600); err != nil {
+				t.Fatal(err)
+			}
+
+			// n3 beats all along; n2 never acknowledges a beat.
+			ctx, cancel := context.WithCancel(t.Context())
+			a.watchdog.Watch("n3", time.Now())
+			go func() {
+				for seq := uint64(1); ctx.Err() == nil; seq++ {
+					a.watchdog.Beat(detect.Beat{From: "n3", Seq: seq, Sent: time.Now()}, time.Now())
+					time.Sleep(5 * time.Millisecond)
+				}
+			}()
+			done := make(chan struct{})
+			go func() { defer close(done); a.selfFence(ctx) }()
+			defer func() { cancel(); <-done }()
+
+			killed := func() bool { b, _ := os.ReadFile(kill); return string(b) == "1" }
+			fenced := func() bool { return killed() && a.selfFenced.Load() }
+			kept := func() bool {
+				return strings.Contains(logs.String(), "reaches a majority of the other members: not fencing")
+			}
+			for deadline := time.Now().Add(failAfter); !fenced() && !kept(); time.Sleep(5 * time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatalf("neither fenced nor kept its jobs within %s; log:\n%s", failAfter, logs.String())
+				}
+			}
+			if killed() != tt.fence || a.selfFenced.Load() != tt.fence {
+				t.Fatalf("job killed %v, node fenced %v; want %v; log:\n%s", killed(), a.selfFenced.Load(), tt.fence, logs.String())
+			}
+			if !tt.fence {
+				return
+			}
+			i := slices.IndexFunc(a.failures.List(), func(f *Failure) bool { return f.Node == "n1" && len(f.Stages) > 0 })
+			if i < 0 {
+				t.Fatal("no self-fence event recorded")
+			}
+			st := a.failures.List()[i].Stages[0]
+			if st.Name != StageSelfFenced || !strings.Contains(st.Detail, "no contact with its protector n2") || !strings.Contains(st.Detail, "no answer from 3 of the 4 other members") {
+				t.Errorf("self-fence stage %+v does not say why", st)
+			}
+		})
+	}
+}
