@@ -610,26 +610,48 @@ func recoveryCandidates(held []heldReplica) []Candidate {
 }
 
 // remoteReplica asks the other alive members but skip for their newest verified replica of job from node;
-// the error says why none had one (nil if some did).
+// the error says why none had one (nil if some did). They are asked at once, each only once it answered a
+// ping within the probe timeout: a member a partition cut off cannot serve its replica anyway, and asked
+// in turn, each such member held the recovery for the whole bound of the question (30 s by default).
 func (a *Agent) remoteReplica(ctx context.Context, job, node string, skip ...string) ([]heldReplica, error) {
-	var held []heldReplica
-	var errs []error
+	var asked []string
 	for _, mb := range a.View().Members {
-		if mb.Name == a.cfg.Name || mb.Name == node || mb.State != ring.StateAlive || slices.Contains(skip, mb.Name) {
-			continue
+		if mb.Name != a.cfg.Name && mb.Name != node && mb.State == ring.StateAlive && !slices.Contains(skip, mb.Name) {
+			asked = append(asked, mb.Name)
 		}
-		// The answer names the snapshot the target will ask for: the client checks it is this job's, from node.
-		r, err := a.peers().Replica(ctx, mb.Name, clusterapi.ReplicaRequest{Job: job, Node: node})
-		if err != nil {
-			errs = append(errs, fmt.Errorf("%s: %w", mb.Name, err))
-			continue
-		}
-		held = append(held, heldReplica{holder: mb.Name, m: r.Manifest, spares: r.RunSpares})
 	}
-	if len(held) == 0 {
+	held := make([]*heldReplica, len(asked))
+	errs := make([]error, len(asked))
+	var wg sync.WaitGroup
+	for i, name := range asked {
+		wg.Go(func() {
+			pctx, cancel := context.WithTimeout(ctx, a.cfg.ProbeTimeout())
+			_, err := a.Ping(pctx, name)
+			cancel()
+			if err != nil {
+				errs[i] = fmt.Errorf("%s does not answer: %w", name, err)
+				return
+			}
+			// The answer names the snapshot the target will ask for: the client checks it is this job's, from node.
+			r, err := a.peers().Replica(ctx, name, clusterapi.ReplicaRequest{Job: job, Node: node})
+			if err != nil {
+				errs[i] = fmt.Errorf("%s: %w", name, err)
+				return
+			}
+			held[i] = &heldReplica{holder: name, m: r.Manifest, spares: r.RunSpares}
+		})
+	}
+	wg.Wait()
+	var out []heldReplica
+	for _, h := range held {
+		if h != nil {
+			out = append(out, *h)
+		}
+	}
+	if len(out) == 0 {
 		return nil, errors.Join(errs...)
 	}
-	return held, nil
+	return out, nil
 }
 
 // claimSpare claims the first free spare that can host the failed node's jobs: one of their run's spares
