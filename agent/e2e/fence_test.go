@@ -3,6 +3,7 @@ package e2e
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -552,5 +553,86 @@ func TestHungAgentNotFailedOver(t *testing.T) {
 	}
 	if f := failureOf(t, c, "node2"); f != nil {
 		t.Errorf("node2 has a failure record: %+v", f)
+	}
+}
+
+// TestMinorityPartitionSelfFence: a partition cuts node2 and node3 off together from node1, node4 and
+// spare1 (a rack whose uplink fails), in the ring node1 -> node2 -> node3 -> node4. node3 still hears its
+// predecessor node2, but its protector node4, with a majority, declares it failed and restores its job on
+// spare1: node3 must fence itself, although it hears one neighbour, since the members it does not reach are
+// a majority. node1, whose protector node2 is cut off too, reaches a majority and keeps its job (nobody can
+// declare it). Before, node3 never fenced: its job ran on beside its copy on spare1.
+func TestMinorityPartitionSelfFence(t *testing.T) {
+	t.Parallel()
+	c := newCluster(t, 4, 1, labcluster.Options{Interval: "1h", JobAddresses: true})
+	logEventsOnFailure(t, c)
+	cut := startCounter(t, c, "node3", "cut")
+	kept := startCounter(t, c, "node1", "kept")
+	replicate(t, c, "node3", "node4", cut)
+
+	var outside []string
+	for _, h := range []string{"node1", "node4", "spare1"} {
+		host, err := c.Lab.Host(h)
+		if err != nil {
+			t.Fatal(err)
+		}
+		outside = append(outside, host.Addr.Addr().String())
+	}
+	set := "{ " + strings.Join(outside, ", ") + " }"
+	for _, h := range []string{"node2", "node3"} {
+		undo, err := c.Lab.Filter(h, "ftkit_e2e_minority", fmt.Sprintf(`	chain in {
+		type filter hook input priority 0; policy accept;
+		ip saddr %s drop
+	}
+	chain out {
+		type filter hook output priority 0; policy accept;
+		ip daddr %s drop
+	}`, set, set))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			if err := undo(); err != nil {
+				t.Errorf("heal the partition on %s: %v", h, err)
+			}
+		})
+	}
+	start := time.Now()
+
+	fenced := selfFence(t, c, "node3", 2*time.Minute)
+	t.Logf("node3 self-fenced %s after the partition: %s", fenced.End.Sub(start).Round(time.Millisecond), fenced.Detail)
+	if !strings.Contains(fenced.Detail, "no contact with its protector node4") || !strings.Contains(fenced.Detail, cut.ID) {
+		t.Errorf("node3's self-fence %+v: want its job %s killed for its protector's silence in a minority", fenced, cut.ID)
+	}
+	f := waitRecovery(t, c, "node3", 2*time.Minute)
+	requireStages(t, f)
+	if f.Target != "spare1" {
+		t.Errorf("node3's job restored on %s, want spare1", f.Target)
+	}
+	for _, s := range f.Stages {
+		if s.Name == agent.StageRestored && !s.End.After(fenced.End) {
+			t.Errorf("the copy on spare1 was restored at %s, before node3 fenced itself at %s: two copies ran", s.End, fenced.End)
+		}
+	}
+	if j, err := c.Client("node3").Job(context.Background(), cut.ID); err != nil || j.State == agent.JobRunning || !j.Fenced {
+		t.Errorf("node3's record of its copy: %+v, %v; want it fenced, not running", j, err)
+	}
+	if !requireOwnCgroup(t, c, cut.ID) {
+		t.Errorf("no host runs %s after its recovery", cut.ID)
+	}
+	// node1 kept its job all along: it reaches a majority, and its protector, cut off, declares nobody.
+	if j, err := c.Client("node1").Job(context.Background(), kept.ID); err != nil || j.State != agent.JobRunning || j.Fenced {
+		t.Errorf("node1's job after the partition: %+v, %v; want it running", j, err)
+	}
+	fs, err := c.Client("node1").Events(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range fs {
+		for _, s := range f.Stages {
+			if s.Name == agent.StageSelfFenced {
+				t.Errorf("node1 fenced itself: %+v", s)
+			}
+		}
 	}
 }
