@@ -64,7 +64,7 @@ func (a *Agent) selfFence(ctx context.Context) {
 	var (
 		silence neighbourSilence
 		members askedMembers
-		told    time.Time // the answer last logged as keeping this node's jobs
+		told    time.Time // where the protector's silence last logged as keeping this node's jobs began
 		fenced  bool
 		tried   map[string]bool // the jobs the fence killed, or tried to
 	)
@@ -99,15 +99,20 @@ func (a *Agent) selfFence(ctx context.Context) {
 		if !cut && d.Silence < protSilence && protSilence >= t.AskMembersAfter(a.cfg.ProbeTimeout()) {
 			// Only the protector is silent: a partition that cuts off two or more neighbours of the ring leaves
 			// each hearing one, and the protector's side declares this node if it holds a majority.
-			members.ask(ctx, a)
+			members.ask(ctx, a, now.Add(-min(a.cfg.ProbeTimeout(), protSilence)))
 			switch ans, ok := members.since(now.Add(-protSilence)); {
+			case !ok && fenced && protSilence >= t.Timeout:
+				// Fenced on both silences, and the predecessor is back: no question went out while both were
+				// silent, so the fence holds until the members answer (unfenced, jobs could start here meanwhile).
+				cut, quiet, from = true, protSilence, silence.protSince
+				cause = fmt.Sprintf("no contact with its protector %s for %s, the other members not answered yet", p.Name, protSilence.Round(time.Millisecond))
 			case !ok || protSilence < t.Timeout:
 			case ans.minority():
 				cut, quiet, from = true, protSilence, silence.protSince
 				cause = fmt.Sprintf("no contact with its protector %s for %s, and no answer from %d of the %d other members (%s): their side may declare this node failed",
 					p.Name, protSilence.Round(time.Millisecond), len(ans.silent), ans.others, strings.Join(ans.silent, "; "))
-			case !ans.at.Equal(told):
-				told = ans.at
+			case !silence.protHeard.Equal(told):
+				told = silence.protHeard // once a silence: questions go out while it lasts
 				a.log.Warn("no contact with the protector for fence_timeout, but this node reaches a majority of the other members: not fencing (the protector failed, or is the one cut off)",
 					"protector", p.Name, "predecessor", s.Name, "silence_ms", protSilence.Milliseconds(), "others", ans.others, "silent", ans.silent)
 			}
@@ -217,11 +222,13 @@ type membersAnswer struct {
 // a majority of them) and restore its jobs.
 func (m membersAnswer) minority() bool { return len(m.silent) >= grant.Majority(m.others) }
 
-// ask pings the other members in the background, unless a question is out already.
-func (q *askedMembers) ask(ctx context.Context, a *Agent) {
+// ask pings the other members in the background, unless a question is out already or one went out after
+// since (the caller's: a probe timeout ago, or when the protector's silence began if later; so each member
+// is pinged at most once a probe timeout while the silence lasts).
+func (q *askedMembers) ask(ctx context.Context, a *Agent, since time.Time) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	if q.asking {
+	if q.asking || q.last.at.After(since) {
 		return
 	}
 	q.asking = true

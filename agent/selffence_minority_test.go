@@ -83,6 +83,11 @@ func TestSelfFenceInMinority(t *testing.T) {
 				t.Fatalf("job killed %v, node fenced %v; want %v; log:\n%s", killed(), a.selfFenced.Load(), tt.fence, logs.String())
 			}
 			if !tt.fence {
+				// Logged once a silence, not at each answer (a question goes out every check).
+				time.Sleep(2 * a.cfg.Failover.FenceTimeout.Duration)
+				if n := strings.Count(logs.String(), "reaches a majority of the other members: not fencing"); n != 1 {
+					t.Errorf("logged keeping the jobs %d times, want once; log:\n%s", n, logs.String())
+				}
 				return
 			}
 			i := slices.IndexFunc(a.failures.List(), func(f *Failure) bool { return f.Node == "n1" && len(f.Stages) > 0 })
@@ -94,5 +99,59 @@ func TestSelfFenceInMinority(t *testing.T) {
 				t.Errorf("self-fence stage %+v does not say why", st)
 			}
 		})
+	}
+}
+
+// TestSelfFenceHeldWhilePredecessorReturns: a node fenced on both neighbours' silence whose predecessor is
+// heard again while its protector stays silent keeps its fence until the members answer. Before, it
+// unfenced at once (no answer yet from this silence: none is asked while both are silent), pushed its view
+// as on a rejoin and let jobs start, then fenced again once the pings to the far side timed out.
+func TestSelfFenceHeldWhilePredecessorReturns(t *testing.T) {
+	pki := newTestPKI(t)
+	// n2 refuses; the spares accept and never answer, so the question takes the whole probe timeout.
+	ports := map[string]uint16{"s1": stalledPeer(t, pki, "s1"), "s2": stalledPeer(t, pki, "s2")}
+	a, logs := clientAgent(t, pki, ports)
+	a.cfg.Heartbeat.Interval.Duration = 20 * time.Millisecond // checks every 10 ms
+	a.cfg.Heartbeat.ProbeTimeout.Duration = 200 * time.Millisecond
+	a.cfg.Failover.FenceTimeout.Duration = 300 * time.Millisecond
+	a.cfg.CgroupParent, a.cfg.JobsDir = t.TempDir(), t.TempDir()
+	a.jobs = jobStore{dir: t.TempDir()}
+	a.stalls = detect.NewStalls(time.Second, time.Second)
+	const job = "work-0000000c"
+	a.byID[job] = &Job{ID: job, Node: "n1", State: JobRunning}
+	kill := filepath.Join(a.layout().cgroup(job), "cgroup.kill")
+	if err := os.MkdirAll(filepath.Dir(kill), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(kill, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+
+	// Neither neighbour is heard: the node fences on both silences.
+	ctx, cancel := context.WithCancel(t.Context())
+	a.watchdog.Watch("n3", time.Now())
+	done := make(chan struct{})
+	go func() { defer close(done); a.selfFence(ctx) }()
+	defer func() { cancel(); <-done }()
+	for deadline := time.Now().Add(failAfter); !a.selfFenced.Load(); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("not fenced within %s; log:\n%s", failAfter, logs.String())
+		}
+	}
+
+	// The predecessor beats again; the protector stays silent, and the members do not answer.
+	go func() {
+		for seq := uint64(1); ctx.Err() == nil; seq++ {
+			a.watchdog.Beat(detect.Beat{From: "n3", Seq: seq, Sent: time.Now()}, time.Now())
+			time.Sleep(5 * time.Millisecond)
+		}
+	}()
+	for end := time.Now().Add(2 * a.cfg.ProbeTimeout()); time.Now().Before(end); time.Sleep(2 * time.Millisecond) {
+		if !a.selfFenced.Load() {
+			t.Fatalf("unfenced while the protector is silent and no member answered; log:\n%s", logs.String())
+		}
+	}
+	if strings.Contains(logs.String(), "contact with the ring is back") {
+		t.Errorf("rejoined while the protector is silent; log:\n%s", logs.String())
 	}
 }
