@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/netip"
@@ -325,6 +326,58 @@ func TestTrimUnplaceableIgnored(t *testing.T) {
 				if _, err := l.Range(connA, netlog.AnchorEpoch|isn, netlog.AnchorEpoch|isn+1); !errors.Is(err, netlog.ErrTrimmed) {
 					t.Errorf("the first byte after the trim: %v, want ErrTrimmed", err)
 				}
+			}
+		})
+	}
+}
+
+// A point just past the last byte of a connection with no live state (the receiver has the FIN) trims it
+// all, also when the FIN's sequence number starts a receive-digest block: the trim's block start is then one
+// past everything the log has seen. Before, such a point was taken for one ahead of what was sent and
+// ignored, every time (the receiver's point stays there), and the connection's bytes were kept for good
+// while its sender ran (release frees only a connection known finished).
+func TestTrimPastFinAtBlockStart(t *testing.T) {
+	for _, n := range []int{300_000, 5*recvdigest.BlockSize - 1 - isn} { // the FIN inside a block, at a block's start
+		t.Run(fmt.Sprint(n), func(t *testing.T) {
+			node, src, _ := newTestNode(t, n, &fakeMembers{owner: "n2"})
+			fin := uint32(isn + n)
+			if got := node.Trim("n2", []Point{{Conn: connA, Seq: fin + 1}}); got != 1 {
+				t.Fatalf("Trim at the FIN's end %d counted %d connections, want 1", fin+1, got)
+			}
+			b, err := src.Log().Bounds(connA)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if want := netlog.AnchorEpoch | uint64(recvdigest.BlockStart(fin+1)); b.Floor != want {
+				t.Errorf("trimmed to abs %d, want %d (the FIN's block start): %d bytes kept", b.Floor, want, b.Retained)
+			}
+		})
+	}
+}
+
+// A range from past the sender's last byte (the receiver's snapshot holds the FIN; or a job restored here
+// is still re-sending what its peer had) has nothing to wait for. Before, [from, DataEnd) read as a range
+// of almost 4 GiB, which the log never holds: every such range waited catchUpWait, waking the consumer.
+func TestRangePastDataEndDoesNotWait(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		state ebpfprobes.FlowState
+		from  uint32
+	}{
+		{"the receiver has the FIN", ebpfprobes.FlowState{SndNxt: isn + 5001, FinSent: true}, isn + 5001},
+		{"the live state is behind from", ebpfprobes.FlowState{SndNxt: isn + 4000}, isn + 5000},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			n, src, _ := newTestNode(t, 5000, &fakeMembers{owner: "n2"})
+			src.states[connA] = tc.state
+			wakes := 0
+			src.onWake = func() { wakes++ }
+			r, err := n.Range(context.Background(), "n2", connA, tc.from)
+			if err != nil || r.Len != 0 {
+				t.Fatalf("Range from %d: %d bytes, %v; want none", tc.from, r.Len, err)
+			}
+			if wakes > 0 {
+				t.Errorf("Range from %d, past the live state's data end %d, waited for bytes (%d wakes)", tc.from, tc.state.DataEnd(), wakes)
 			}
 		})
 	}

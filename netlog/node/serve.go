@@ -75,13 +75,15 @@ func (n *Node) sentPoints(peer string, pts []Point) []Point {
 // of it, and logs why it is ignored. Such a point is ahead of what was sent, or more than 2^31 behind the
 // log's position (a stale snapshot's), which reads as about 2^32 ahead: trimming there would drop bytes a
 // recovery from it needs. Keeping them is safe; the next good point, or the release, frees them. A point
-// just past the last byte (the receiver has the FIN) trims at its block's start, which the log has seen.
+// just past the last byte (the receiver has the FIN) trims at its block's start, at most one past all the
+// log has seen: ignored, it would be ignored for good (the receiver's point stays there).
 func (n *Node) unplaceable(peer string, p Point) bool {
 	b, err := n.Log().Bounds(p.Conn)
 	if err != nil || !b.Anchored {
 		return false // nothing logged that the trim could drop
 	}
-	if netlog.UnwrapNear(b.Seen, recvdigest.BlockStart(p.Seq)) <= b.Seen {
+	// Seen+1: the FIN's end, a block start one time in BlockSize, is just past the last byte too.
+	if netlog.UnwrapNear(b.Seen, recvdigest.BlockStart(p.Seq)) <= b.Seen+1 {
 		return false
 	}
 	n.log.Info("trim point ignored: the connection has no live state, and the point is beyond all the log has seen of it (ahead of what was sent, or more than 2^31 behind)",
@@ -205,7 +207,9 @@ const (
 // would end short of the live state, which the restorer takes for bytes the log lost.
 func (n *Node) catchUp(ctx context.Context, conn tcpflow.Tuple, from uint32) {
 	live, ok, err := n.src.FlowState(conn)
-	if err != nil || !ok || live.DataEnd() == from {
+	// Nothing sent after from (the receiver has the FIN, or a job restored here re-sends what its peer had):
+	// [from, DataEnd) would read as a range of almost 4 GiB, waited on to the end.
+	if err != nil || !ok || int32(live.DataEnd()-from) <= 0 {
 		return
 	}
 	if c, err := n.src.Counters(); err == nil && c.ParkWaitingBytes > 0 {
