@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/detect"
+	"github.com/ftkit/ftkit/internal/testenv"
 )
 
 // TestSelfFenceInMinority: a node that hears its predecessor but not its protector fences itself when the
@@ -36,38 +37,10 @@ func TestSelfFenceInMinority(t *testing.T) {
 			for _, m := range tt.answer {
 				ports[m] = scriptedPeer(t, pki, m, &pingScript{name: m})
 			}
-			a, logs := clientAgent(t, pki, ports)
-			if p, _ := a.View().Protector("n1"); p.Name != "n2" {
-				t.Fatalf("protector of n1: %q, want n2", p.Name)
-			}
-			a.cfg.Heartbeat.Interval.Duration = 20 * time.Millisecond // checks every 10 ms
-			a.cfg.Heartbeat.ProbeTimeout.Duration = 200 * time.Millisecond
-			a.cfg.Failover.FenceTimeout.Duration = 300 * time.Millisecond
-			a.cfg.CgroupParent, a.cfg.JobsDir = t.TempDir(), t.TempDir()
-			a.jobs = jobStore{dir: t.TempDir()}
-			a.stalls = detect.NewStalls(time.Second, time.Second)
-			const job = "work-0000000b"
-			a.byID[job] = &Job{ID: job, Node: "n1", State: JobRunning}
-			kill := filepath.Join(a.layout().cgroup(job), "cgroup.kill")
-			if err := os.MkdirAll(filepath.Dir(kill), 0o700); err != nil {
-				t.Fatal(err)
-			}
-			if err := os.WriteFile(kill, nil, 0o600); err != nil {
-				t.Fatal(err)
-			}
-
+			a, logs, kill := fencingAgent(t, pki, ports)
 			// n3 beats all along; n2 never acknowledges a beat.
-			ctx, cancel := context.WithCancel(t.Context())
-			a.watchdog.Watch("n3", time.Now())
-			go func() {
-				for seq := uint64(1); ctx.Err() == nil; seq++ {
-					a.watchdog.Beat(detect.Beat{From: "n3", Seq: seq, Sent: time.Now()}, time.Now())
-					time.Sleep(5 * time.Millisecond)
-				}
-			}()
-			done := make(chan struct{})
-			go func() { defer close(done); a.selfFence(ctx) }()
-			defer func() { cancel(); <-done }()
+			ctx := runSelfFence(t, a)
+			go predecessorBeats(ctx, a)
 
 			killed := func() bool { b, _ := os.ReadFile(kill); return string(b) == "1" }
 			fenced := func() bool { return killed() && a.selfFenced.Load() }
@@ -110,14 +83,43 @@ func TestSelfFenceHeldWhilePredecessorReturns(t *testing.T) {
 	pki := newTestPKI(t)
 	// n2 refuses; the spares accept and never answer, so the question takes the whole probe timeout.
 	ports := map[string]uint16{"s1": stalledPeer(t, pki, "s1"), "s2": stalledPeer(t, pki, "s2")}
+	a, logs, _ := fencingAgent(t, pki, ports)
+	// Neither neighbour is heard: the node fences on both silences.
+	ctx := runSelfFence(t, a)
+	for deadline := time.Now().Add(failAfter); !a.selfFenced.Load(); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("not fenced within %s; log:\n%s", failAfter, logs.String())
+		}
+	}
+
+	// The predecessor beats again; the protector stays silent, and the members do not answer.
+	go predecessorBeats(ctx, a)
+	for end := time.Now().Add(2 * a.cfg.ProbeTimeout()); time.Now().Before(end); time.Sleep(2 * time.Millisecond) {
+		if !a.selfFenced.Load() {
+			t.Fatalf("unfenced while the protector is silent and no member answered; log:\n%s", logs.String())
+		}
+	}
+	if strings.Contains(logs.String(), "contact with the ring is back") {
+		t.Errorf("rejoined while the protector is silent; log:\n%s", logs.String())
+	}
+}
+
+// fencingAgent is member n1 of the ring n1 -> n2 (its protector) -> n3 (its predecessor), with spares s1
+// and s2, the members in ports listening there: a self-fence that checks every 10 ms and fences after
+// 300 ms, with one running job, whose cgroup.kill file it returns.
+func fencingAgent(t *testing.T, pki *testPKI, ports map[string]uint16) (*Agent, *testenv.SyncBuffer, string) {
+	t.Helper()
 	a, logs := clientAgent(t, pki, ports)
+	if p, _ := a.View().Protector("n1"); p.Name != "n2" {
+		t.Fatalf("protector of n1: %q, want n2", p.Name)
+	}
 	a.cfg.Heartbeat.Interval.Duration = 20 * time.Millisecond // checks every 10 ms
 	a.cfg.Heartbeat.ProbeTimeout.Duration = 200 * time.Millisecond
 	a.cfg.Failover.FenceTimeout.Duration = 300 * time.Millisecond
 	a.cfg.CgroupParent, a.cfg.JobsDir = t.TempDir(), t.TempDir()
 	a.jobs = jobStore{dir: t.TempDir()}
 	a.stalls = detect.NewStalls(time.Second, time.Second)
-	const job = "work-0000000c"
+	const job = "work-0000000b"
 	a.byID[job] = &Job{ID: job, Node: "n1", State: JobRunning}
 	kill := filepath.Join(a.layout().cgroup(job), "cgroup.kill")
 	if err := os.MkdirAll(filepath.Dir(kill), 0o700); err != nil {
@@ -126,32 +128,23 @@ func TestSelfFenceHeldWhilePredecessorReturns(t *testing.T) {
 	if err := os.WriteFile(kill, nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
-
-	// Neither neighbour is heard: the node fences on both silences.
-	ctx, cancel := context.WithCancel(t.Context())
 	a.watchdog.Watch("n3", time.Now())
+	return a, logs, kill
+}
+
+// runSelfFence runs a's self-fence until the test ends, and returns the context that ends with it.
+func runSelfFence(t *testing.T, a *Agent) context.Context {
+	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan struct{})
 	go func() { defer close(done); a.selfFence(ctx) }()
-	defer func() { cancel(); <-done }()
-	for deadline := time.Now().Add(failAfter); !a.selfFenced.Load(); time.Sleep(5 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("not fenced within %s; log:\n%s", failAfter, logs.String())
-		}
-	}
+	t.Cleanup(func() { cancel(); <-done })
+	return ctx
+}
 
-	// The predecessor beats again; the protector stays silent, and the members do not answer.
-	go func() {
-		for seq := uint64(1); ctx.Err() == nil; seq++ {
-			a.watchdog.Beat(detect.Beat{From: "n3", Seq: seq, Sent: time.Now()}, time.Now())
-			time.Sleep(5 * time.Millisecond)
-		}
-	}()
-	for end := time.Now().Add(2 * a.cfg.ProbeTimeout()); time.Now().Before(end); time.Sleep(2 * time.Millisecond) {
-		if !a.selfFenced.Load() {
-			t.Fatalf("unfenced while the protector is silent and no member answered; log:\n%s", logs.String())
-		}
-	}
-	if strings.Contains(logs.String(), "contact with the ring is back") {
-		t.Errorf("rejoined while the protector is silent; log:\n%s", logs.String())
+// predecessorBeats records a beat of n3 every 5 ms until ctx ends.
+func predecessorBeats(ctx context.Context, a *Agent) {
+	for seq := uint64(1); ctx.Err() == nil; seq++ {
+		a.watchdog.Beat(detect.Beat{From: "n3", Seq: seq, Sent: time.Now()}, time.Now())
+		time.Sleep(5 * time.Millisecond)
 	}
 }
