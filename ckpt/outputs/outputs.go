@@ -196,7 +196,9 @@ func recreateOutput(jr *Journal, dir *jobfs.Dir, snapDir func() (*jobfs.Dir, err
 		return fmt.Errorf("recreate %s from the snapshot: %w", f.Path, err)
 	}
 	jr.add(&entry{Kind: createdFile, Path: f.Path, f: out, parent: dir, name: name})
-	if err := filecopy.Prefix(out, src, f.Size); err != nil {
+	// Only the copy's data, as for a rewrite: a job that seeked far past its output's end must not have
+	// root write that many zeros into the job directory's file system.
+	if err := filecopy.Range(out, src, 0, f.Size); err != nil {
 		return fmt.Errorf("recreate %s from the snapshot: %w", f.Path, err)
 	}
 	return nil

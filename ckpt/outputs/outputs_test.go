@@ -481,3 +481,35 @@ func TestJournalIndexedBeforeChange(t *testing.T) {
 		}
 	}
 }
+
+// TestRecreatedOutputStaysSparse: an output missing on the restoring host (no shared file system) is
+// recreated from the snapshot's copy with its holes: before, the recreate copied every byte, so a job that
+// seeked far past its stdout's end had root write that many zeros into jobs_dir.
+func TestRecreatedOutputStaysSparse(t *testing.T) {
+	const size = 64 << 20
+	f := newOutputsFixture(t)
+	copyPath := filepath.Join(f.t.Snapshot, "stdout")
+	c, err := os.OpenFile(copyPath, os.O_WRONLY|os.O_TRUNC, 0o600)
+	must(t, err)
+	_, err = c.WriteAt([]byte("head\n"), 0)
+	must(t, err)
+	_, err = c.WriteAt([]byte("tail"), size-4)
+	must(t, err)
+	must(t, c.Close())
+	f.m.OpenFiles[0].Size = size
+	stdout := filepath.Join(f.dir, "stdout")
+	must(t, os.Remove(stdout)) // a host without the job's directory, or without this file
+	jr, err := f.restore()
+	must(t, err)
+	defer jr.Close()
+	b, err := os.ReadFile(stdout)
+	must(t, err)
+	var st syscall.Stat_t
+	must(t, syscall.Stat(stdout, &st))
+	if len(b) != size || string(b[:5]) != "head\n" || string(b[size-4:]) != "tail" {
+		t.Fatalf("recreated stdout: %d bytes, starting %q; want the snapshot's copy, %d bytes", len(b), head(string(b)), size)
+	}
+	if st.Blocks*512 > 1<<20 {
+		t.Errorf("recreated stdout takes %d bytes of disk for 9 of data; want its holes kept", st.Blocks*512)
+	}
+}
