@@ -395,10 +395,15 @@ func (a *Agent) awaitFence(ctx context.Context, id string, s detect.Suspect, dec
 	}
 	// The reference is the last beat that arrived, or this host's last vouch for s if later (s counts it as
 	// contact from when it asked); with neither since watching started (a ring change just made s our
-	// predecessor), when watching started, which is later and so waits longer.
+	// predecessor), when watching started, which is later and so waits longer. A beat from before watching
+	// started (s was our predecessor before a ring change, and is again) is no reference either: s may have
+	// had contact with its protector in between, and counts its silence from that.
 	ref := s.LastBeat
 	if v := a.declared.lastVouch(s.Name); v.After(ref) {
 		ref = v
+	}
+	if s.Watched.After(ref) {
+		ref = s.Watched
 	}
 	if from := declared.Add(-s.Silence); ref.IsZero() || from.Sub(ref) > a.cfg.Heartbeat.Timeout.Duration+t.Timeout {
 		ref = from

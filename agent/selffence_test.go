@@ -146,6 +146,7 @@ func TestAwaitFence(t *testing.T) {
 		timeout time.Duration
 		ago     time.Duration // how long before the call the last beat arrived
 		vouched time.Duration // how long before the call this host vouched for the node (0: never)
+		watched time.Duration // how long before the call watching the node last began (0: before its last beat)
 		beat    []string      // the jobs a beat of the node that arrived after the last one named (nil: none came)
 		refused time.Duration // how long before the call this host refused to vouch for it, declared (0: never)
 		cancel  bool
@@ -164,6 +165,9 @@ func TestAwaitFence(t *testing.T) {
 		{name: "no command, long past", timeout: 6 * time.Second, ago: time.Minute, detail: []string{"waited until"}},
 		// The node counts the vouch as contact: the wait counts from it, not from the older beat.
 		{name: "vouched after the last beat", timeout: 6 * time.Second, ago: 9 * time.Second, vouched: 6 * time.Second, detail: []string{"waited until"}},
+		// Its last beat came before a ring change made it this host's predecessor again: since then it may
+		// have reached another protector, and counts its silence from that; the wait counts from the change.
+		{name: "watching began after its last beat", timeout: 6 * time.Second, ago: 9 * time.Second, watched: 6 * time.Second, detail: []string{"waited until"}},
 		{name: "cancelled", timeout: time.Hour, cancel: true, wantErr: context.Canceled.Error(), detail: []string{"waited until"}},
 		// Back without the recovery's jobs (a restarted host): nothing runs twice.
 		{name: "beat again without its jobs", timeout: 6 * time.Second, ago: 9 * time.Second, beat: []string{"other"}, detail: []string{"waited until"}},
@@ -190,6 +194,9 @@ func TestAwaitFence(t *testing.T) {
 			}
 			now := time.Now()
 			s := detect.Suspect{Name: "node2", LastBeat: now.Add(-tc.ago), Silence: tc.ago, Jobs: []string{"j1"}}
+			if tc.watched > 0 {
+				s.Watched, s.Silence = now.Add(-tc.watched), tc.watched
+			}
 			ta.watchdog = detect.NewWatchdog(detect.Config{Timeout: time.Second})
 			ta.watchdog.Beat(detect.Beat{From: "node2", Seq: 1, Jobs: s.Jobs, Sent: s.LastBeat}, s.LastBeat)
 			if tc.beat != nil {
@@ -204,6 +211,9 @@ func TestAwaitFence(t *testing.T) {
 				}
 			}
 			ref := s.LastBeat
+			if tc.watched > 0 {
+				ref = s.Watched
+			}
 			if tc.vouched > 0 {
 				ref = now.Add(-tc.vouched)
 				if err := ta.declared.vouch("node2", 0, ref); err != nil {

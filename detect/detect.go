@@ -82,12 +82,15 @@ func (c Config) Validate() error {
 
 // Suspect is a watched member that has been silent too long.
 type Suspect struct {
-	Name      string
-	LastBeat  time.Time     // when its last beat arrived (zero if none ever did)
-	Silence   time.Duration // since its last beat, or since watching started if later
-	Since     time.Time     // when that silence began: the start of Silence, on this host's clock
-	Jobs      []string      // from its last beat
-	Uncovered []Uncovered   // from its last beat
+	Name     string
+	LastBeat time.Time     // when its last beat arrived (zero if none ever did)
+	Silence  time.Duration // since its last beat, or since watching started if later
+	Since    time.Time     // when that silence began: the start of Silence, on this host's clock
+	// Watched is when watching it last started (Watch; a Clear does not move it): a beat before it came while
+	// it was some other member's predecessor, or before a ring change made it ours again.
+	Watched   time.Time
+	Jobs      []string    // from its last beat
+	Uncovered []Uncovered // from its last beat
 	// Busy is what its last beat said it was doing ("" for nothing); InGrace, that this beat arrived at
 	// most Timeout+BusyGrace ago. A host that is checkpointing or restoring may starve its agent's beats,
 	// not its kernel: a suspect in grace whose host still completes a TCP handshake is left alone (and
@@ -103,6 +106,7 @@ type beat struct {
 
 type watch struct {
 	since     time.Time // silence counts from max(since, last beat's arrival)
+	watched   time.Time // when Watch started it
 	suspected bool
 }
 
@@ -128,7 +132,7 @@ func NewWatchdog(cfg Config) *Watchdog {
 func (w *Watchdog) Watch(name string, now time.Time) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	w.watched[name] = &watch{since: now}
+	w.watched[name] = &watch{since: now, watched: now}
 }
 
 // Unwatch stops watching name; its last beat is kept.
@@ -218,7 +222,7 @@ func (w *Watchdog) Suspects(now time.Time) []Suspect {
 			continue
 		}
 		wt.suspected = true
-		s := Suspect{Name: name, Silence: silence, Since: from}
+		s := Suspect{Name: name, Silence: silence, Since: from, Watched: wt.watched}
 		if l, heard := w.last[name]; heard {
 			b := l.b.clone()
 			s.LastBeat, s.Jobs, s.Uncovered, s.Busy = l.at, b.Jobs, b.Uncovered, b.Busy
@@ -268,7 +272,7 @@ func (w *Watchdog) Clear(name string, now time.Time) {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if wt := w.watched[name]; wt != nil {
-		*wt = watch{since: now}
+		*wt = watch{since: now, watched: wt.watched}
 	}
 }
 
