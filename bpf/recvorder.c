@@ -331,10 +331,8 @@ static __always_inline __u32 find_job_level(void)
 	return 0;
 }
 
-static __always_inline void count_lost(struct order_counters *c, __u64 cgid)
+static __always_inline void count_lost_of(struct order_counters *c, __u64 cgid)
 {
-	c->lost++;
-	__sync_fetch_and_add(&lost_total, 1);
 	__u64 one = 1;
 	__u64 *n = bpf_map_lookup_elem(&lost, &cgid);
 	if (n) {
@@ -350,6 +348,17 @@ static __always_inline void count_lost(struct order_counters *c, __u64 cgid)
 		return;
 	}
 	c->lost_unattributed++;
+}
+
+static __always_inline void count_lost(struct order_counters *c, __u64 cgid)
+{
+	c->lost++;
+	// The job's count first, the total last (a fetching atomic: fully ordered): the consumer reads the
+	// total after each drain and the jobs' counts only when it moved, so a total counted first could move
+	// while the job's count had not yet, and the hole in the job's record would go unnoticed for good.
+	count_lost_of(c, cgid);
+	__u64 total = __sync_fetch_and_add(&lost_total, 1);
+	barrier_var(total);
 }
 
 // ns_nr is a task's id in the innermost PID namespace it sees (a job's own).
