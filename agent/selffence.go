@@ -56,8 +56,8 @@ func (c *contactClock) get(name string) time.Time {
 }
 
 // selfFence checks, every fence.Timing.Check, whether this node is cut off: whether it heard from its
-// predecessor (its beats) and reached its protector (which acknowledged its own beats) within the fence
-// timeout.
+// predecessor (its beats) or reached its protector (which acknowledged its own beats) within the fence
+// timeout; and, if it heard only its predecessor, whether it reaches a majority of the other members.
 func (a *Agent) selfFence(ctx context.Context) {
 	t := a.cfg.FenceTiming()
 	var prot contactClock
