@@ -336,11 +336,7 @@ func (a *Agent) silentMembers(ctx context.Context, members []string) []string {
 		if m == a.cfg.Name {
 			continue
 		}
-		wg.Go(func() {
-			pctx, cancel := context.WithTimeout(ctx, a.cfg.ProbeTimeout())
-			defer cancel()
-			_, errs[i] = a.Ping(pctx, m)
-		})
+		wg.Go(func() { errs[i] = a.probePing(ctx, m) })
 	}
 	wg.Wait()
 	var silent []string
@@ -436,9 +432,7 @@ func (a *Agent) agentHungOnLiveHost(ctx context.Context, name string) error {
 	if a.hostAnswers(ctx, name) != nil {
 		return nil
 	}
-	pctx, cancel := context.WithTimeout(ctx, a.cfg.ProbeTimeout())
-	defer cancel()
-	if _, err := a.Ping(pctx, name); err != nil {
+	if err := a.probePing(ctx, name); err != nil {
 		return fmt.Errorf("its host answers while its agent does not (%v): its jobs may still run there, so they are not restored elsewhere; "+
 			"power the host off, then restore them with ftctl restore", err)
 	}
@@ -630,10 +624,7 @@ func (a *Agent) remoteReplica(ctx context.Context, job, node string, skip ...str
 	var wg sync.WaitGroup
 	for i, name := range asked {
 		wg.Go(func() {
-			pctx, cancel := context.WithTimeout(ctx, a.cfg.ProbeTimeout())
-			_, err := a.Ping(pctx, name)
-			cancel()
-			if err != nil {
+			if err := a.probePing(ctx, name); err != nil {
 				errs[i] = fmt.Errorf("%s does not answer: %w", name, err)
 				return
 			}

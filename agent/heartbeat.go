@@ -491,13 +491,20 @@ func (a *Agent) serveProbe(req clusterapi.ProbeRequest) (clusterapi.ProbeReply, 
 	return clusterapi.ProbeReply{Name: req.Name, Reachable: ok}, nil
 }
 
+// probePing pings member name's agent, bounded by the probe timeout: the one question of whether a member
+// answers, for confirmation, majority checks and fail-overs.
+func (a *Agent) probePing(ctx context.Context, name string) error {
+	ctx, cancel := context.WithTimeout(ctx, a.cfg.ProbeTimeout())
+	defer cancel()
+	_, err := a.Ping(ctx, name)
+	return err
+}
+
 // reaches reports whether member name's host is up: its agent answers a ping within the heartbeat timeout,
 // or its kernel refuses the connection. A refusal means the host runs but its agent does not (crashed or
 // restarting): its jobs run on under their shims, so restoring them elsewhere would run them twice.
 func (a *Agent) reaches(ctx context.Context, name string) (why string, ok bool) {
-	pctx, cancel := context.WithTimeout(ctx, a.cfg.ProbeTimeout())
-	defer cancel()
-	_, err := a.Ping(pctx, name)
+	err := a.probePing(ctx, name)
 	switch {
 	case err == nil:
 		return "its agent answered a direct probe", true

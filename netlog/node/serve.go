@@ -203,8 +203,9 @@ const (
 )
 
 // catchUp waits, briefly, until the log holds every byte the probe's live state says conn sent after
-// wire sequence from (a hole below from is not waited on: the range does not read it): the consumer reads the ring at its poll interval, and a range read between two polls
-// would end short of the live state, which the restorer takes for bytes the log lost.
+// wire sequence from (a hole below from is not waited on: the range does not read it): the consumer reads
+// the ring at its poll interval, and a range read between two polls would end short of the live state,
+// which the restorer takes for bytes the log lost.
 func (n *Node) catchUp(ctx context.Context, conn tcpflow.Tuple, from uint32) {
 	live, ok, err := n.src.FlowState(conn)
 	// Nothing sent after from (the receiver has the FIN, or a job restored here re-sends what its peer had):
