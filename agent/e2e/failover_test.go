@@ -331,9 +331,11 @@ func logSockets(t *testing.T, c *labcluster.Cluster) {
 	}
 }
 
+// tail is the end of s, for a failed test's log: kept short, as CI keeps only the start and the end of a
+// failed test's output.
 func tail(s string) string {
-	if len(s) > 3000 {
-		return "..." + s[len(s)-3000:]
+	if len(s) > 600 {
+		return "..." + s[len(s)-600:]
 	}
 	return s
 }

@@ -276,6 +276,10 @@ func waitStage(t *testing.T, c *labcluster.Cluster, node, stage, host string, ti
 			}
 		}
 	}
+	// The timeline first: a failed test's output is cut in the middle, after its first lines.
+	if f := failureOf(t, c, node); f != nil {
+		logTimeline(t, f)
+	}
 	t.Fatalf("no stage %q of the recovery of %s within %s", stage, node, timeout)
 	return nil
 }
