@@ -148,6 +148,9 @@ type RestoreOptions struct {
 	// sub-cgroups below it: the restoring host's cgroup for the job, whichever the dumping host used.
 	// Unset, CRIU restores into the dumped paths.
 	Cgroup string
+	// Verify, if set, is called with the restored root's PID once CRIU built the tree and before any of it
+	// runs (CRIU's post-restore notification): an error aborts the restore, and CRIU kills the tree.
+	Verify func(pid int) error
 }
 
 // Restore recreates the tree from opts.ImagesDir as a child of the calling process (CRIU's rst_sibling:
@@ -188,7 +191,7 @@ func (c Client) Restore(ctx context.Context, opts RestoreOptions) (int, error) {
 	if opts.LazyPages {
 		req.LazyPages = proto.Bool(true)
 	}
-	nfy := &pidNotify{Notify: opts.Notify}
+	nfy := &pidNotify{Notify: opts.Notify, verify: opts.Verify}
 	if nfy.Notify == nil {
 		nfy.Notify = gocriu.NoNotify{}
 	}
@@ -232,14 +235,21 @@ func (c Client) StartLazyPages(ctx context.Context, imagesDir string) (*exec.Cmd
 	}
 }
 
-// pidNotify learns the restored root's PID from CRIU's post-restore notification.
+// pidNotify learns the restored root's PID from CRIU's post-restore notification, and verifies the tree
+// there (RestoreOptions.Verify).
 type pidNotify struct {
 	gocriu.Notify
-	pid int32
+	verify func(pid int) error
+	pid    int32
 }
 
 func (n *pidNotify) PostRestore(pid int32) error {
 	n.pid = pid
+	if n.verify != nil {
+		if err := n.verify(int(pid)); err != nil {
+			return err
+		}
+	}
 	return n.Notify.PostRestore(pid)
 }
 

@@ -21,6 +21,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/criu"
+	"github.com/ftkit/ftkit/criu/image"
+	"github.com/ftkit/ftkit/internal/heldfiles"
 	"github.com/ftkit/ftkit/internal/jobfs"
 	"github.com/ftkit/ftkit/internal/rlimits"
 )
@@ -122,7 +124,10 @@ func Run(ctx context.Context, in io.Reader, out io.Writer) int {
 			lazy, err = c.StartLazyPages(ctx, spec.ImagesDir)
 		}
 		if err == nil {
-			pid, err = c.Restore(ctx, criu.RestoreOptions{ImagesDir: spec.ImagesDir, LazyPages: spec.LazyPages, Cgroup: spec.Cgroup})
+			// CRIU reopens the job's files by path as root: the job must hold only what its user could open.
+			restored := func(nsPID int) (map[int]bool, error) { return image.TaskFds(spec.ImagesDir, nsPID) }
+			verify := func(pid int) error { return heldfiles.Check(pid, spec.UID, spec.GID, restored) }
+			pid, err = c.Restore(ctx, criu.RestoreOptions{ImagesDir: spec.ImagesDir, LazyPages: spec.LazyPages, Cgroup: spec.Cgroup, Verify: verify})
 		}
 		if err != nil && lazy != nil {
 			lazy.Process.Kill()

@@ -3,10 +3,12 @@ package image
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"math"
 	"net/netip"
 	"testing"
 
+	"github.com/checkpoint-restore/go-criu/v7/crit/images/fdinfo"
 	"google.golang.org/protobuf/proto"
 )
 
@@ -70,4 +72,36 @@ func FuzzDecodeFiles(f *testing.F) {
 			newTCPConn(sk, &tcpStream{entry: baseStream(1, 0, 0)}) // errors fine, panics not
 		}
 	})
+}
+
+// FuzzDecodeFds: fdinfo images (shipped from other nodes) decode or fail, never panic; every number
+// decoded is one an entry carries.
+func FuzzDecodeFds(f *testing.F) {
+	entry := func(fd uint32) []byte {
+		return marshal(f, &fdinfo.FdinfoEntry{Id: proto.Uint32(1), Flags: proto.Uint32(0), Type: fdinfo.FdTypes_REG.Enum(), Fd: proto.Uint32(fd)})
+	}
+	f.Add(encodeEntries(magicFdinfo, [][]byte{entry(0), entry(3)}))
+	f.Add(appendHeader(nil, magicFdinfo))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		fds, err := decodeFds("fdinfo-1.img", b)
+		if err == nil && len(fds) > len(b) {
+			t.Fatalf("%d descriptors from %d bytes", len(fds), len(b))
+		}
+	})
+}
+
+// TestDecodeFds reads the numbers of an fdinfo image, an entry of a type go-criu does not know included,
+// and refuses an entry without a number.
+func TestDecodeFds(t *testing.T) {
+	known := marshal(t, &fdinfo.FdinfoEntry{Id: proto.Uint32(1), Flags: proto.Uint32(0), Type: fdinfo.FdTypes_REG.Enum(), Fd: proto.Uint32(7)})
+	// type 99 (field 3, varint), fd 4 (field 4): as a newer CRIU writes a type go-criu's enum lacks.
+	newer := []byte{0x08, 0x02, 0x10, 0x00, 0x18, 99, 0x20, 4}
+	fds, err := decodeFds("fdinfo-1.img", encodeEntries(magicFdinfo, [][]byte{known, newer}))
+	if err != nil || len(fds) != 2 || !fds[7] || !fds[4] {
+		t.Fatalf("decodeFds = %v, %v; want 4 and 7", fds, err)
+	}
+	noFd := []byte{0x08, 0x02, 0x10, 0x00, 0x18, 1}
+	if _, err := decodeFds("fdinfo-1.img", encodeEntries(magicFdinfo, [][]byte{noFd})); !errors.Is(err, ErrFormat) {
+		t.Fatalf("an entry without a number: %v, want ErrFormat", err)
+	}
 }

@@ -1,0 +1,356 @@
+// Package heldfiles checks that a process tree holds only files its user could have opened itself.
+//
+// CRIU restores a job as root: it reopens every file of the snapshot by path, following links, and maps
+// every mapped file the same way. A user who swapped one of the job's files for a link to another file
+// of the same size and mode (the only things CRIU compares), or for a path through a directory the user
+// cannot search, would have root open that file for the job. Checking the paths before CRIU runs leaves a
+// window to swap them in; Check instead looks at what the restored tree holds, once CRIU built it and
+// before any of it runs (CRIU's post-restore notification): every descriptor, file mapping and working
+// directory of every process. Each is looked up again from its path, as the user (its fsuid and fsgid, no
+// supplementary group, no capability) with no link followed, must lead to the same inode, and must grant
+// the user the access it is held with. A pass proves that the user could have opened the very inode;
+// a swap during the check can only make it fail.
+//
+// An inode with no name left (nlink 0: a file deleted while open, a memfd, shared anonymous memory) is
+// not looked up: CRIU recreates those from the snapshot's own copy, which the job held before.
+package heldfiles
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"os"
+	"runtime"
+	"strconv"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+// Held is one file a process holds, with the access it holds it with.
+type Held struct {
+	PID    int
+	What   string // "descriptor 3", "mapping 7f00-7f10", "working directory"
+	Path   string // as the kernel names it, from the process's root
+	Dev    uint64
+	Ino    uint64
+	Access uint32 // unix.R_OK, W_OK, X_OK bits; 0: only reaching it (an O_PATH descriptor)
+}
+
+// Restored returns the descriptors a restore gives a task, by its PID in its own PID namespace (as
+// dumped): at CRIU's post-restore notification, CRIU's own service descriptors are still open beside them.
+type Restored func(nsPID int) (map[int]bool, error)
+
+// Check verifies that every file the tree rooted at pid holds is one user uid (group gid, no supplementary
+// group: as the agent runs jobs) could open with the access it is held with; of the descriptors, only those
+// restored names (all, if nil). uid 0 holds anything.
+func Check(pid int, uid, gid uint32, restored Restored) error {
+	if uid == 0 {
+		return nil
+	}
+	pids, err := tree(pid)
+	if err != nil {
+		return err
+	}
+	for _, p := range pids {
+		var fds map[int]bool
+		if restored != nil {
+			ns, err := nsPID(p)
+			if err == nil {
+				fds, err = restored(ns)
+			}
+			if err != nil {
+				return fmt.Errorf("the descriptors restored to process %d: %w", p, err)
+			}
+		}
+		held, err := List(p, fds)
+		if err != nil {
+			return err
+		}
+		root, err := unix.Open(fmt.Sprintf("/proc/%d/root", p), unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return fmt.Errorf("open the root directory of process %d: %w", p, err)
+		}
+		err = asUser(uid, gid, func() error {
+			for _, h := range held {
+				if err := reach(root, h); err != nil {
+					return fmt.Errorf("process %d holds %s, %s, which its user (uid %d, gid %d) could not open itself: %w; "+
+						"a file of the job was replaced by a link, or its permissions changed, since the snapshot: put it back and retry",
+						h.PID, h.What, h.Path, uid, gid, err)
+				}
+			}
+			return nil
+		})
+		unix.Close(root)
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// tree lists pid and its descendants (every thread's children).
+func tree(pid int) ([]int, error) {
+	out := []int{pid}
+	for i := 0; i < len(out); i++ {
+		tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", out[i]))
+		if err != nil {
+			return nil, fmt.Errorf("list the threads of process %d: %w", out[i], err)
+		}
+		for _, t := range tasks {
+			b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/children", out[i], t.Name()))
+			if err != nil {
+				return nil, fmt.Errorf("list the children of thread %s of process %d: %w", t.Name(), out[i], err)
+			}
+			for _, f := range strings.Fields(string(b)) {
+				c, err := strconv.Atoi(f)
+				if err != nil {
+					return nil, fmt.Errorf("children of process %d: %q", out[i], f)
+				}
+				out = append(out, c)
+			}
+		}
+	}
+	return out, nil
+}
+
+// nsPID is process pid's PID in its own PID namespace, the innermost.
+func nsPID(pid int) (int, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0, err
+	}
+	for line := range strings.SplitSeq(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "NSpid:"); ok {
+			f := strings.Fields(v)
+			if len(f) == 0 {
+				break
+			}
+			return strconv.Atoi(f[len(f)-1])
+		}
+	}
+	return 0, fmt.Errorf("process %d: no NSpid in its status", pid)
+}
+
+// List returns the files process pid holds by name: descriptors (only those in fds, if not nil) and
+// mappings of files with a name left, and its working directory.
+func List(pid int, fds map[int]bool) ([]Held, error) {
+	var held []Held
+	add := func(what, link string, access uint32) error {
+		path, err := os.Readlink(link)
+		if err != nil {
+			return fmt.Errorf("process %d, %s: %w", pid, what, err)
+		}
+		if !strings.HasPrefix(path, "/") { // a pipe, socket or anonymous inode: no name to open it by
+			return nil
+		}
+		var st unix.Stat_t
+		if err := unix.Stat(link, &st); err != nil {
+			return fmt.Errorf("process %d, %s: %w", pid, what, err)
+		}
+		if st.Nlink == 0 || st.Mode&unix.S_IFMT == unix.S_IFSOCK {
+			return nil
+		}
+		held = append(held, Held{PID: pid, What: what, Path: path, Dev: st.Dev, Ino: st.Ino, Access: access})
+		return nil
+	}
+	proc := fmt.Sprintf("/proc/%d", pid)
+	if err := add("working directory", proc+"/cwd", unix.X_OK); err != nil {
+		return nil, err
+	}
+	ents, err := os.ReadDir(proc + "/fd")
+	if err != nil {
+		return nil, fmt.Errorf("list the descriptors of process %d: %w", pid, err)
+	}
+	for _, fd := range ents {
+		if n, err := strconv.Atoi(fd.Name()); err == nil && fds != nil && !fds[n] {
+			continue
+		}
+		flags, err := fdFlags(proc, fd.Name())
+		if err != nil {
+			return nil, err
+		}
+		if err := add("descriptor "+fd.Name(), proc+"/fd/"+fd.Name(), openAccess(flags)); err != nil {
+			if errors.Is(err, unix.ENOENT) { // closed meanwhile (not in a restored tree, which is held)
+				continue
+			}
+			return nil, err
+		}
+	}
+	maps, err := mappings(proc)
+	if err != nil {
+		return nil, err
+	}
+	for _, m := range maps {
+		if err := add("mapping "+m.addr, proc+"/map_files/"+m.addr, m.access); err != nil {
+			return nil, err
+		}
+	}
+	return held, nil
+}
+
+// fdFlags reads the open flags of descriptor fd from its fdinfo.
+func fdFlags(proc, fd string) (int, error) {
+	b, err := os.ReadFile(proc + "/fdinfo/" + fd)
+	if err != nil {
+		return 0, fmt.Errorf("%s, descriptor %s: %w", proc, fd, err)
+	}
+	for line := range strings.SplitSeq(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "flags:"); ok {
+			f, err := strconv.ParseInt(strings.TrimSpace(v), 8, 64)
+			if err != nil {
+				return 0, fmt.Errorf("%s, descriptor %s: flags %q: %w", proc, fd, v, err)
+			}
+			return int(f), nil
+		}
+	}
+	return 0, fmt.Errorf("%s, descriptor %s: no flags in its fdinfo", proc, fd)
+}
+
+// openAccess is the access open flags give.
+func openAccess(flags int) uint32 {
+	if flags&unix.O_PATH != 0 {
+		return 0
+	}
+	switch flags & unix.O_ACCMODE {
+	case unix.O_WRONLY:
+		return unix.W_OK
+	case unix.O_RDWR:
+		return unix.R_OK | unix.W_OK
+	}
+	return unix.R_OK
+}
+
+// mapping is a file mapping: its map_files name and the access it needs.
+type mapping struct {
+	addr   string
+	access uint32
+}
+
+// mappings lists the file mappings of a process from its smaps: every one needs its file open for reading;
+// a shared one that may be made writable (VmFlags "mw") for writing too.
+func mappings(proc string) ([]mapping, error) {
+	f, err := os.Open(proc + "/smaps")
+	if err != nil {
+		return nil, fmt.Errorf("read the mappings of %s: %w", proc, err)
+	}
+	defer f.Close()
+	var out []mapping
+	cur := -1 // index in out of the mapping whose lines follow, -1 if not a file's
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 0, 64<<10), 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		if flags, ok := strings.CutPrefix(line, "VmFlags:"); ok {
+			if cur >= 0 && mayWriteShared(flags) {
+				out[cur].access |= unix.W_OK
+			}
+			cur = -1
+			continue
+		}
+		fields := strings.Fields(line)
+		// A mapping's header: "start-end perms offset dev inode [path]"; other lines are "Key: value".
+		if len(fields) < 5 || strings.HasSuffix(fields[0], ":") || !strings.Contains(fields[0], "-") {
+			continue
+		}
+		cur = -1
+		if fields[4] == "0" { // anonymous
+			continue
+		}
+		// smaps pads addresses with zeros, map_files does not.
+		start, end, _ := strings.Cut(fields[0], "-")
+		s, err1 := strconv.ParseUint(start, 16, 64)
+		e, err2 := strconv.ParseUint(end, 16, 64)
+		if err1 != nil || err2 != nil {
+			return nil, fmt.Errorf("read the mappings of %s: a mapping %q", proc, fields[0])
+		}
+		out = append(out, mapping{addr: fmt.Sprintf("%x-%x", s, e), access: unix.R_OK})
+		cur = len(out) - 1
+	}
+	if err := sc.Err(); err != nil {
+		return nil, fmt.Errorf("read the mappings of %s: %w", proc, err)
+	}
+	return out, nil
+}
+
+// mayWriteShared reports whether VmFlags name a shared mapping that may be writable.
+func mayWriteShared(flags string) bool {
+	var sh, mw bool
+	for _, f := range strings.Fields(flags) {
+		sh = sh || f == "sh"
+		mw = mw || f == "mw"
+	}
+	return sh && mw
+}
+
+// reach opens h's path beneath root (the process's root directory) as the calling thread's user, with no
+// link followed, and checks it is h's inode and grants h's access.
+func reach(root int, h Held) error {
+	fd, err := unix.Openat2(root, h.Path, &unix.OpenHow{
+		Flags:   unix.O_PATH | unix.O_NOFOLLOW | unix.O_CLOEXEC,
+		Resolve: unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS,
+	})
+	if err != nil {
+		return fmt.Errorf("look it up: %w", err)
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return err
+	}
+	if st.Dev != h.Dev || st.Ino != h.Ino {
+		return fmt.Errorf("its path leads to another file (device %d inode %d, not %d %d)", st.Dev, st.Ino, h.Dev, h.Ino)
+	}
+	if h.Access == 0 {
+		return nil
+	}
+	if err := unix.Faccessat2(fd, "", h.Access, unix.AT_EMPTY_PATH|unix.AT_EACCESS); err != nil {
+		return fmt.Errorf("%s it: %w", accessName(h.Access), err)
+	}
+	return nil
+}
+
+func accessName(a uint32) string {
+	var s []string
+	for _, x := range []struct {
+		bit  uint32
+		name string
+	}{{unix.R_OK, "read"}, {unix.W_OK, "write"}, {unix.X_OK, "search"}} {
+		if a&x.bit != 0 {
+			s = append(s, x.name)
+		}
+	}
+	return strings.Join(s, " and ")
+}
+
+// asUser runs fn on an OS thread whose file-system identity is uid and gid, with no supplementary group
+// and no capability, and which the runtime discards afterwards (credentials are per thread in the kernel;
+// x/sys/unix changes them on the calling thread only, unlike package syscall).
+func asUser(uid, gid uint32, fn func() error) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread() // never unlocked: the thread ends with the goroutine
+		errc <- func() error {
+			if err := unix.Setgroups(nil); err != nil {
+				return fmt.Errorf("drop supplementary groups: %w", err)
+			}
+			if err := unix.Setfsgid(int(gid)); err != nil {
+				return fmt.Errorf("set fsgid %d: %w", gid, err)
+			}
+			if err := unix.Setfsuid(int(uid)); err != nil {
+				return fmt.Errorf("set fsuid %d: %w", uid, err)
+			}
+			// setfsuid reports no failure: the previous value a second call returns is the one in force.
+			if prev, _ := unix.SetfsuidRetUid(int(uid)); prev != int(uid) {
+				return fmt.Errorf("set fsuid %d: still %d", uid, prev)
+			}
+			hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+			var none [2]unix.CapUserData
+			if err := unix.Capset(&hdr, &none[0]); err != nil {
+				return fmt.Errorf("drop capabilities: %w", err)
+			}
+			return fn()
+		}()
+	}()
+	return <-errc
+}

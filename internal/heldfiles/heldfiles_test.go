@@ -1,0 +1,207 @@
+package heldfiles
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/internal/testenv"
+)
+
+// The helper holds what FTKIT_HELD names (";"-separated "how:path" items) and sleeps; with FTKIT_HELD_CHILD
+// set, it starts a copy of itself holding them instead and holds nothing itself.
+const (
+	heldEnv  = "FTKIT_HELD"
+	childEnv = "FTKIT_HELD_CHILD"
+)
+
+func TestMain(m *testing.M) {
+	if spec, ok := os.LookupEnv(heldEnv); ok {
+		os.Exit(runHelper(spec))
+	}
+	os.Exit(m.Run())
+}
+
+func runHelper(spec string) int {
+	if os.Getenv(childEnv) != "" {
+		cmd := exec.Command("/proc/self/exe")
+		cmd.Env = append(os.Environ(), childEnv+"=")
+		cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
+		if err := cmd.Start(); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		return waitForever()
+	}
+	var keep []any
+	for item := range strings.SplitSeq(spec, ";") {
+		how, path, _ := strings.Cut(item, ":")
+		var err error
+		switch how {
+		case "r", "w", "rw", "path":
+			flags := map[string]int{"r": unix.O_RDONLY, "w": unix.O_WRONLY, "rw": unix.O_RDWR, "path": unix.O_PATH}[how]
+			var fd int
+			fd, err = unix.Open(path, flags|unix.O_CLOEXEC, 0)
+			keep = append(keep, fd)
+		case "map", "mapshared", "mapsharedrw":
+			flags, prot, mode := unix.MAP_PRIVATE, unix.PROT_READ, unix.O_RDONLY
+			if how != "map" {
+				flags = unix.MAP_SHARED
+			}
+			if how == "mapsharedrw" {
+				prot, mode = unix.PROT_READ|unix.PROT_WRITE, unix.O_RDWR
+			}
+			var fd int
+			if fd, err = unix.Open(path, mode|unix.O_CLOEXEC, 0); err == nil {
+				var b []byte
+				b, err = unix.Mmap(fd, 0, 4096, prot, flags)
+				unix.Close(fd) // the mapping alone holds the file
+				keep = append(keep, b)
+			}
+		case "cwd":
+			err = unix.Chdir(path)
+		default:
+			err = fmt.Errorf("unknown item %q", item)
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+	}
+	fmt.Println("ready")
+	_ = keep
+	return waitForever()
+}
+
+func waitForever() int {
+	select {}
+}
+
+// fixture is a directory tree root made for a user (uid 65534): a directory the user can search holding
+// a copy of the test binary (the helper: its own mapping must be reachable), the user's own file "own",
+// root's world-readable "public" and root-only "secret", and a root-only directory "closed" holding a
+// world-readable "inside" and a searchable "sub".
+type fixture struct {
+	dir string
+	exe string
+}
+
+const user = 65534
+
+func newFixture(t *testing.T) fixture {
+	t.Helper()
+	testenv.RequireKernel(t, "root, to check files as another user")
+	dir, err := os.MkdirTemp("/tmp", "heldfiles-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(os.Chmod(dir, 0o755))
+	file := func(name string, mode os.FileMode, uid int) {
+		p := filepath.Join(dir, name)
+		must(os.WriteFile(p, make([]byte, 8192), mode))
+		must(os.Chmod(p, mode))
+		must(os.Chown(p, uid, uid))
+	}
+	file("own", 0o600, user)
+	file("public", 0o644, 0)
+	file("secret", 0o600, 0)
+	must(os.Mkdir(filepath.Join(dir, "closed"), 0o700))
+	must(os.Chmod(filepath.Join(dir, "closed"), 0o700))
+	file("closed/inside", 0o644, 0)
+	must(os.Mkdir(filepath.Join(dir, "closed", "sub"), 0o755))
+	self, err := os.Executable()
+	must(err)
+	b, err := os.ReadFile(self)
+	must(err)
+	exe := filepath.Join(dir, "helper")
+	must(os.WriteFile(exe, b, 0o755))
+	return fixture{dir: dir, exe: exe}
+}
+
+// start runs the helper holding spec (paths relative to the fixture) and returns its pid once it holds it.
+func (f fixture) start(t *testing.T, spec string, child bool) int {
+	t.Helper()
+	var items []string
+	for item := range strings.SplitSeq(spec, ";") {
+		how, path, _ := strings.Cut(item, ":")
+		items = append(items, how+":"+filepath.Join(f.dir, path))
+	}
+	cmd := exec.Command(f.exe)
+	cmd.Dir = f.dir
+	cmd.Env = append(os.Environ(), heldEnv+"="+strings.Join(items, ";"))
+	if child {
+		cmd.Env = append(cmd.Env, childEnv+"=1")
+	}
+	cmd.Stderr = os.Stderr
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+		cmd.Wait()
+	})
+	line, err := bufio.NewReader(out).ReadString('\n')
+	if err != nil || line != "ready\n" {
+		t.Fatalf("helper holding %q: %q %v", spec, line, err)
+	}
+	go io.Copy(io.Discard, out)
+	return cmd.Process.Pid
+}
+
+func TestCheck(t *testing.T) {
+	f := newFixture(t)
+	for _, tt := range []struct {
+		name  string
+		spec  string
+		child bool
+		want  string // in the error; "" for none
+	}{
+		{"the user's own file, read and written", "rw:own", false, ""},
+		{"root's world-readable file, read", "r:public", false, ""},
+		{"root's world-readable file, mapped shared from a read-only descriptor", "mapshared:public", false, ""},
+		{"the user's own file, mapped shared and writable", "mapsharedrw:own", false, ""},
+		{"root's world-readable file, written", "w:public", false, "could not open itself: write it"},
+		{"root's world-readable file, mapped shared and writable", "mapsharedrw:public", false, "read and write it"},
+		{"root's secret, read", "r:secret", false, "could not open itself: read it"},
+		{"root's secret, mapped", "map:secret", false, "mapping"},
+		{"a readable file in a directory the user cannot search", "r:closed/inside", false, "look it up"},
+		{"an O_PATH descriptor in a directory the user cannot search", "path:closed/inside", false, "look it up"},
+		{"a working directory below one the user cannot search", "cwd:closed/sub", false, "working directory"},
+		{"root's secret, held by a child", "r:secret", true, "read it"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			pid := f.start(t, tt.spec, tt.child)
+			if err := Check(pid, 0, 0, nil); err != nil {
+				t.Fatalf("as root: %v", err)
+			}
+			err := Check(pid, user, user, nil)
+			switch {
+			case tt.want == "" && err != nil:
+				t.Fatalf("Check = %v, want nil", err)
+			case tt.want != "" && (err == nil || !strings.Contains(err.Error(), tt.want)):
+				t.Fatalf("Check = %v, want an error with %q", err, tt.want)
+			}
+			t.Logf("%v", err)
+		})
+	}
+}
