@@ -309,6 +309,11 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 	if err := a.refuseWhileFenced(); err != nil {
 		return nil, err
 	}
+	// A local caller's spec gets the bounds a member's request gets (clusterapi): its record travels with
+	// every snapshot, and a peer restores it.
+	if err := startRequest(spec, uid, gid).Validate(); err != nil {
+		return nil, err
+	}
 	if err := a.cfg.CheckJobInterval(spec.Interval); err != nil {
 		return nil, err
 	}

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/clusterapi"
 )
 
 func TestCheckPeerJob(t *testing.T) {
@@ -213,5 +214,36 @@ func TestStartJobKillsWhatItCannotLaunch(t *testing.T) {
 	}
 	if b, _ := os.ReadFile(filepath.Join(cgs[0], "cgroup.kill")); string(b) != "1" {
 		t.Errorf("cgroup.kill of %s holds %q, want 1: the job runs on in no record", filepath.Base(cgs[0]), b)
+	}
+}
+
+// TestStartJobBoundsLocalSpec: a local caller's spec gets the bounds a member's start-job request gets,
+// before anything is created for it. The old code took a relative or unclean working directory and any
+// number of arguments up to the API's 1 MiB body from a local user, into a record every snapshot carries.
+func TestStartJobBoundsLocalSpec(t *testing.T) {
+	ta := newTestAgent(t)
+	many := make([]string, clusterapi.MaxStartJobArgs+1)
+	for i := range many {
+		many[i] = "x"
+	}
+	for _, tt := range []struct {
+		name string
+		spec JobSpec
+		want string
+	}{
+		{"relative working directory", JobSpec{Name: "rel", Argv: []string{"/bin/true"}, Dir: "work"}, "not an absolute, clean path"},
+		{"unclean working directory", JobSpec{Name: "unclean", Argv: []string{"/bin/true"}, Dir: "/tmp/../etc"}, "not an absolute, clean path"},
+		{"too many arguments", JobSpec{Name: "many", Argv: many}, "at most 4096"},
+		{"too many bytes", JobSpec{Name: "big", Argv: []string{"/bin/true"}, Env: []string{"A=" + strings.Repeat("a", clusterapi.MaxStartJobBytes)}}, "bytes of arguments and environment"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := ta.StartJob(t.Context(), tt.spec, 1000, 1000)
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("StartJob = %v, want an error with %q", err, tt.want)
+			}
+			if cgs, _ := filepath.Glob(filepath.Join(ta.cfg.CgroupParent, tt.spec.Name+"-*")); len(cgs) != 0 {
+				t.Errorf("job cgroups %v made for a refused spec", cgs)
+			}
+		})
 	}
 }

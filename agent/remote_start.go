@@ -24,6 +24,16 @@ func (a *Agent) StartJobOn(ctx context.Context, host string, spec JobSpec, uid, 
 	if !ok || m.State != ring.StateAlive {
 		return nil, fmt.Errorf("start a job on %s: not an alive member of this cluster (see ftctl status)", host)
 	}
+	rep, err := a.peers().StartJob(ctx, host, startRequest(spec, uid, gid))
+	if err != nil {
+		return nil, fmt.Errorf("start the job on %s through its agent: %w", host, err)
+	}
+	a.log.Info("job started on another member", "host", host, "job", rep.ID, "uid", uid)
+	return &Job{ID: rep.ID, Spec: spec, UID: uid, GID: gid, Node: rep.Node, PID: rep.PID, State: JobRunning, Dir: rep.Dir}, nil
+}
+
+// startRequest is spec as a start-job request, whose Validate bounds what any caller may ask for.
+func startRequest(spec JobSpec, uid, gid uint32) clusterapi.StartJobRequest {
 	req := clusterapi.StartJobRequest{
 		Name: spec.Name, Argv: spec.Argv, Env: spec.Env, Dir: spec.Dir, Interval: spec.Interval, UID: uid, GID: gid,
 		JobAddress: spec.JobAddress, Run: spec.Run, Recovery: spec.Recovery, Limits: spec.Limits,
@@ -34,12 +44,7 @@ func (a *Agent) StartJobOn(ctx context.Context, host string, spec JobSpec, uid, 
 	if p := spec.Placement; p != nil {
 		req.Placement = &clusterapi.StartJobPlacement{Hosts: p.Hosts, Spares: p.Spares}
 	}
-	rep, err := a.peers().StartJob(ctx, host, req)
-	if err != nil {
-		return nil, fmt.Errorf("start the job on %s through its agent: %w", host, err)
-	}
-	a.log.Info("job started on another member", "host", host, "job", rep.ID, "uid", uid)
-	return &Job{ID: rep.ID, Spec: spec, UID: uid, GID: gid, Node: rep.Node, PID: rep.PID, State: JobRunning, Dir: rep.Dir}, nil
+	return req
 }
 
 // serveStartJob starts a job a member forwards for one of its local callers. The request is validated
