@@ -7,6 +7,8 @@ import (
 	"os"
 	"path/filepath"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ftkit/ftkit/internal/atomicfile"
 	"github.com/ftkit/ftkit/internal/filecopy"
 	"github.com/ftkit/ftkit/internal/jobfs"
@@ -19,7 +21,9 @@ import (
 type Journal struct {
 	dir     string
 	entries []*entry
-	open    []*jobfs.Dir // directories to close with the journal
+	open    []*jobfs.Dir                               // directories to close with the journal
+	saved   int64                                      // bytes its saved files may take, counted against its bound (fits)
+	statfs  func(path string, st *unix.Statfs_t) error // the free space of dir's file system (tests fake it)
 }
 
 type kind string
@@ -53,7 +57,7 @@ func newJournal(dir string) (*Journal, error) {
 	if err := os.Mkdir(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("output journal: %w", err)
 	}
-	return &Journal{dir: dir}, nil
+	return &Journal{dir: dir, statfs: unix.Statfs}, nil
 }
 
 // Dir is the journal's directory.
@@ -66,6 +70,10 @@ func (jr *Journal) add(e *entry) { jr.entries = append(jr.entries, e) }
 // save keeps f's bytes [off, size) in the journal before they change; on success the journal owns f.
 func (jr *Journal) save(k kind, path string, f *os.File, off, size int64) error {
 	e := &entry{Kind: k, Path: path, Offset: off, Size: size, Saved: fmt.Sprintf("%03d.bytes", len(jr.entries)), f: f}
+	need, err := jr.fits(k, path, f, off, size)
+	if err != nil {
+		return err
+	}
 	p := filepath.Join(jr.dir, e.Saved)
 	out, err := os.OpenFile(p, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
 	if err != nil {
@@ -85,14 +93,48 @@ func (jr *Journal) save(k kind, path string, f *os.File, off, size int64) error 
 		return fmt.Errorf("journal %s before changing it: %w", path, err)
 	}
 	jr.add(e)
+	jr.saved += need
 	// An agent killed after the change leaves only what is on disk: the index says where the saved bytes
 	// belong, and its write fsyncs the directory, so the saved file's own entry is durable too.
 	if err := jr.writeIndex(); err != nil {
 		jr.entries = jr.entries[:len(jr.entries)-1]
+		jr.saved -= need
 		os.Remove(p)
 		return fmt.Errorf("journal %s before changing it: %w", path, err)
 	}
 	return nil
+}
+
+// fits returns how many bytes saving f's [off, size) may take in the journal, or refuses when that is more
+// than the journal may take: how much a job's user wrote is not root's to bound, and a full state
+// directory breaks the agent. The journal as a whole takes at most half of the space its file system had
+// free: each save is held to half of what is free now less what the journal already took.
+func (jr *Journal) fits(k kind, path string, f *os.File, off, size int64) (int64, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return 0, fmt.Errorf("journal %s before changing it: %w", path, err)
+	}
+	var sfs unix.Statfs_t
+	if err := jr.statfs(jr.dir, &sfs); err != nil {
+		return 0, fmt.Errorf("journal %s before changing it: free space of %s: %w", path, jr.dir, err)
+	}
+	// Holes are not copied: the file's allocated bytes bound the copy, whatever its apparent size.
+	need := min(size-off, st.Blocks*512)
+	free := int64(sfs.Bavail) * int64(sfs.Bsize)
+	limit := (free - jr.saved) / 2
+	if need <= limit {
+		return need, nil
+	}
+	what, fix := "cut off", fmt.Sprintf("truncate the file to its snapshot size, %d bytes, yourself (the restored job writes what follows again)", off)
+	if k == rewritten {
+		what, fix = "overwrite", "remove the file yourself (the restore then recreates it from the snapshot)"
+	}
+	held := ""
+	if jr.saved > 0 {
+		held = fmt.Sprintf(", less the %d bytes it holds already", jr.saved)
+	}
+	return 0, fmt.Errorf("journal %s before changing it: refused: the %d bytes the restore would %s, saved first so that a failed restore can put them back, are more than the %d bytes the journal may take (half of the %d bytes free in %s%s); %s, or free space there, and retry",
+		path, need, what, max(limit, 0), free, jr.dir, held, fix)
 }
 
 // writeIndex replaces IndexFile with the journal's entries.
