@@ -125,7 +125,7 @@ func Run(ctx context.Context, in io.Reader, out io.Writer) int {
 		}
 		if err == nil {
 			// CRIU reopens the job's files by path as root: the job must hold only what its user could open.
-			restored := func(nsPID int) (map[int]bool, error) { return image.TaskFds(spec.ImagesDir, nsPID) }
+			restored := func(nsPID int) (*image.Files, error) { return image.TaskFiles(spec.ImagesDir, nsPID) }
 			verify := func(pid int) error { return heldfiles.Check(pid, spec.UID, spec.GID, restored) }
 			pid, err = c.Restore(ctx, criu.RestoreOptions{ImagesDir: spec.ImagesDir, LazyPages: spec.LazyPages, Cgroup: spec.Cgroup, Verify: verify})
 		}

@@ -6,9 +6,13 @@ import (
 	"errors"
 	"math"
 	"net/netip"
+	"reflect"
 	"testing"
 
 	"github.com/checkpoint-restore/go-criu/v7/crit/images/fdinfo"
+	"github.com/checkpoint-restore/go-criu/v7/crit/images/mm"
+	remap "github.com/checkpoint-restore/go-criu/v7/crit/images/remap-file-path"
+	"github.com/checkpoint-restore/go-criu/v7/crit/images/vma"
 	"google.golang.org/protobuf/proto"
 )
 
@@ -74,34 +78,55 @@ func FuzzDecodeFiles(f *testing.F) {
 	})
 }
 
-// FuzzDecodeFds: fdinfo images (shipped from other nodes) decode or fail, never panic; every number
-// decoded is one an entry carries.
-func FuzzDecodeFds(f *testing.F) {
-	entry := func(fd uint32) []byte {
-		return marshal(f, &fdinfo.FdinfoEntry{Id: proto.Uint32(1), Flags: proto.Uint32(0), Type: fdinfo.FdTypes_REG.Enum(), Fd: proto.Uint32(fd)})
+// FuzzDecodeTaskFiles: a task's fdinfo and mm images and the dump's remap-fpath image (shipped from other
+// nodes) decode or fail, never panic; every descriptor decoded is one an entry carries.
+func FuzzDecodeTaskFiles(f *testing.F) {
+	fd := func(n uint32, typ fdinfo.FdTypes) []byte {
+		return marshal(f, &fdinfo.FdinfoEntry{Id: proto.Uint32(n), Flags: proto.Uint32(0), Type: typ.Enum(), Fd: proto.Uint32(n)})
 	}
-	f.Add(encodeEntries(magicFdinfo, [][]byte{entry(0), entry(3)}))
-	f.Add(appendHeader(nil, magicFdinfo))
-	f.Fuzz(func(t *testing.T, b []byte) {
-		fds, err := decodeFds("fdinfo-1.img", b)
-		if err == nil && len(fds) > len(b) {
-			t.Fatalf("%d descriptors from %d bytes", len(fds), len(b))
+	mmImg := encodeEntries(magicMm, [][]byte{marshalPartial(f, &mm.MmEntry{Vmas: []*vma.VmaEntry{{Start: proto.Uint64(0x1000), Status: proto.Uint32(vmaAnonShared)}}})})
+	f.Add(encodeEntries(magicFdinfo, [][]byte{fd(0, fdinfo.FdTypes_REG), fd(3, fdinfo.FdTypes_MEMFD)}), mmImg, encodeEntries(magicRemapFpath, nil))
+	f.Add(appendHeader(nil, magicFdinfo), appendHeader(nil, magicMm), []byte(nil))
+	f.Fuzz(func(t *testing.T, fds, mms, remaps []byte) {
+		got, err := decodeTaskFiles("fdinfo-1.img", fds, "mm-1.img", mms, remaps)
+		if err == nil && len(got.Fds) > len(fds) {
+			t.Fatalf("%d descriptors from %d bytes", len(got.Fds), len(fds))
 		}
 	})
 }
 
-// TestDecodeFds reads the numbers of an fdinfo image, an entry of a type go-criu does not know included,
-// and refuses an entry without a number.
-func TestDecodeFds(t *testing.T) {
-	known := marshal(t, &fdinfo.FdinfoEntry{Id: proto.Uint32(1), Flags: proto.Uint32(0), Type: fdinfo.FdTypes_REG.Enum(), Fd: proto.Uint32(7)})
+// TestDecodeTaskFiles reads the descriptors of an fdinfo image, an entry of a type go-criu does not know
+// included, tells the ones a restore makes from the snapshot (a memfd, a file the dump found deleted) and
+// the mappings, and refuses a descriptor without a number.
+func TestDecodeTaskFiles(t *testing.T) {
+	entry := func(id, n uint32, typ fdinfo.FdTypes) []byte {
+		return marshal(t, &fdinfo.FdinfoEntry{Id: proto.Uint32(id), Flags: proto.Uint32(0), Type: typ.Enum(), Fd: proto.Uint32(n)})
+	}
 	// type 99 (field 3, varint), fd 4 (field 4): as a newer CRIU writes a type go-criu's enum lacks.
 	newer := []byte{0x08, 0x02, 0x10, 0x00, 0x18, 99, 0x20, 4}
-	fds, err := decodeFds("fdinfo-1.img", encodeEntries(magicFdinfo, [][]byte{known, newer}))
-	if err != nil || len(fds) != 2 || !fds[7] || !fds[4] {
-		t.Fatalf("decodeFds = %v, %v; want 4 and 7", fds, err)
+	fds := encodeEntries(magicFdinfo, [][]byte{entry(1, 7, fdinfo.FdTypes_REG), newer, entry(5, 8, fdinfo.FdTypes_MEMFD), entry(6, 9, fdinfo.FdTypes_REG)})
+	vmas := []*vma.VmaEntry{
+		{Start: proto.Uint64(0x1000), Status: proto.Uint32(vmaFilePrivate), Shmid: proto.Uint64(1)},
+		{Start: proto.Uint64(0x2000), Status: proto.Uint32(vmaAnonShared)},
+		{Start: proto.Uint64(0x3000), Status: proto.Uint32(vmaFileShared), Shmid: proto.Uint64(6)},
+	}
+	mms := encodeEntries(magicMm, [][]byte{marshalPartial(t, &mm.MmEntry{Vmas: vmas})})
+	remaps := encodeEntries(magicRemapFpath, [][]byte{marshal(t, &remap.RemapFilePathEntry{OrigId: proto.Uint32(6), RemapId: proto.Uint32(60)})})
+	got, err := decodeTaskFiles("fdinfo-1.img", fds, "mm-1.img", mms, remaps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := &Files{
+		Fds:          map[int]bool{4: true, 7: true, 8: true, 9: true},
+		NamelessFds:  map[int]bool{8: true, 9: true},
+		NamelessMaps: map[uint64]bool{0x2000: true, 0x3000: true},
+		Maps:         map[uint64]bool{0x1000: true, 0x2000: true, 0x3000: true},
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("decodeTaskFiles = %+v, want %+v", got, want)
 	}
 	noFd := []byte{0x08, 0x02, 0x10, 0x00, 0x18, 1}
-	if _, err := decodeFds("fdinfo-1.img", encodeEntries(magicFdinfo, [][]byte{noFd})); !errors.Is(err, ErrFormat) {
+	if _, err := decodeTaskFiles("fdinfo-1.img", encodeEntries(magicFdinfo, [][]byte{noFd}), "mm-1.img", mms, nil); !errors.Is(err, ErrFormat) {
 		t.Fatalf("an entry without a number: %v, want ErrFormat", err)
 	}
 }

@@ -21,7 +21,7 @@ import (
 
 func TestMagicsMatchGoCRIU(t *testing.T) {
 	m := magic.LoadMagic()
-	for name, v := range map[string]uint32{"IMG_COMMON": magicImgCommon, "TCP_STREAM": magicTCPStream, "FILES": magicFiles, "MNTS": magicMounts, "IDS": magicIDs, "FDINFO": magicFdinfo} {
+	for name, v := range map[string]uint32{"IMG_COMMON": magicImgCommon, "TCP_STREAM": magicTCPStream, "FILES": magicFiles, "MNTS": magicMounts, "IDS": magicIDs, "FDINFO": magicFdinfo, "MM": magicMm, "REMAP_FPATH": magicRemapFpath} {
 		if m.ByName[name] != uint64(v) {
 			t.Errorf("%s: ours %#x, go-criu %#x", name, v, m.ByName[name])
 		}

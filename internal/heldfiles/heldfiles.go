@@ -12,7 +12,9 @@
 // a swap during the check can only make it fail.
 //
 // An inode with no name left (nlink 0: a file deleted while open, a memfd, shared anonymous memory) is
-// not looked up: CRIU recreates those from the snapshot's own copy, which the job held before.
+// not looked up: CRIU recreates those from the snapshot's own copy, which the job held before. Only those the
+// snapshot says it recreates (Restored): a link the user put in a file's place can lead CRIU to a root process's
+// deleted file or memfd (/proc/PID/fd/N), which has no name left either.
 package heldfiles
 
 import (
@@ -25,6 +27,8 @@ import (
 	"strings"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/criu/image"
 )
 
 // Held is one file a process holds, with the access it holds it with.
@@ -35,15 +39,21 @@ type Held struct {
 	Dev    uint64
 	Ino    uint64
 	Access uint32 // unix.R_OK, W_OK, X_OK bits; 0: only reaching it (an O_PATH descriptor)
+	// Nameless: an inode with no name left that the snapshot does not recreate: it cannot be the job's.
+	Nameless bool
 }
 
-// Restored returns the descriptors a restore gives a task, by its PID in its own PID namespace (as
-// dumped): at CRIU's post-restore notification, CRIU's own service descriptors are still open beside them.
-type Restored func(nsPID int) (map[int]bool, error)
+// Restored returns what a restore gives a task, by its PID in its own PID namespace (as dumped): its
+// descriptors (CRIU's own service descriptors sit beside them at the post-restore notification, and
+// CRIU's own shared anonymous mappings beside its mappings), and which of them the restore makes with no
+// name left, from the snapshot's own copy.
+type Restored func(nsPID int) (*image.Files, error)
 
 // Check verifies that every file the tree rooted at pid holds is one user uid (group gid, no supplementary
-// group: as the agent runs jobs) could open with the access it is held with; of the descriptors, only those
-// restored names (all, if nil). uid 0 holds anything.
+// group: as the agent runs jobs) could open with the access it is held with. With restored, only the
+// descriptors and mappings it names are the tree's, and an inode with no name left is taken only where it
+// says the restore made it; with restored nil, every descriptor is checked and every such inode taken.
+// uid 0 holds anything.
 func Check(pid int, uid, gid uint32, restored Restored) error {
 	if uid == 0 {
 		return nil
@@ -53,17 +63,20 @@ func Check(pid int, uid, gid uint32, restored Restored) error {
 		return err
 	}
 	for _, p := range pids {
-		var fds map[int]bool
+		if zombie(p) { // it holds nothing
+			continue
+		}
+		var task *image.Files
 		if restored != nil {
 			ns, err := nsPID(p)
 			if err == nil {
-				fds, err = restored(ns)
+				task, err = restored(ns)
 			}
 			if err != nil {
-				return fmt.Errorf("the descriptors restored to process %d: %w", p, err)
+				return fmt.Errorf("what the snapshot restores to process %d: %w", p, err)
 			}
 		}
-		held, err := List(p, fds)
+		held, err := List(p, task)
 		if err != nil {
 			return err
 		}
@@ -114,6 +127,17 @@ func tree(pid int) ([]int, error) {
 	return out, nil
 }
 
+// zombie reports whether process pid has exited, unreaped.
+func zombie(pid int) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return false
+	}
+	// "pid (comm) state ...": comm may hold spaces and parentheses.
+	i := strings.LastIndexByte(string(b), ')')
+	return i >= 0 && i+2 < len(b) && b[i+2] == 'Z'
+}
+
 // nsPID is process pid's PID in its own PID namespace, the innermost.
 func nsPID(pid int) (int, error) {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
@@ -132,11 +156,12 @@ func nsPID(pid int) (int, error) {
 	return 0, fmt.Errorf("process %d: no NSpid in its status", pid)
 }
 
-// List returns the files process pid holds by name: descriptors (only those in fds, if not nil) and
-// mappings of files with a name left, and its working directory.
-func List(pid int, fds map[int]bool) ([]Held, error) {
+// List returns the files process pid holds by name: descriptors (only task's, if task is not nil) and
+// mappings of files with a name left, and its working directory; and, if task is not nil, the inodes with
+// no name left it holds that task does not name as such (Held.Nameless).
+func List(pid int, task *image.Files) ([]Held, error) {
 	var held []Held
-	add := func(what, link string, access uint32) error {
+	add := func(what, link string, access uint32, nameless bool) error {
 		path, err := os.Readlink(link)
 		if err != nil {
 			return fmt.Errorf("process %d, %s: %w", pid, what, err)
@@ -148,14 +173,19 @@ func List(pid int, fds map[int]bool) ([]Held, error) {
 		if err := unix.Stat(link, &st); err != nil {
 			return fmt.Errorf("process %d, %s: %w", pid, what, err)
 		}
-		if st.Nlink == 0 || st.Mode&unix.S_IFMT == unix.S_IFSOCK {
+		if st.Mode&unix.S_IFMT == unix.S_IFSOCK || (st.Nlink == 0 && task == nil) {
 			return nil
 		}
-		held = append(held, Held{PID: pid, What: what, Path: path, Dev: st.Dev, Ino: st.Ino, Access: access})
+		// What the snapshot recreates with no name: at the post-restore notification, the name CRIU opened a
+		// file deleted before the dump by is gone, but its ghost copy (NAME.cr.ID.ghost) may still be linked.
+		if nameless && (st.Nlink == 0 || strings.HasSuffix(path, " (deleted)")) {
+			return nil
+		}
+		held = append(held, Held{PID: pid, What: what, Path: path, Dev: st.Dev, Ino: st.Ino, Access: access, Nameless: st.Nlink == 0})
 		return nil
 	}
 	proc := fmt.Sprintf("/proc/%d", pid)
-	if err := add("working directory", proc+"/cwd", unix.X_OK); err != nil {
+	if err := add("working directory", proc+"/cwd", unix.X_OK, false); err != nil {
 		return nil, err
 	}
 	ents, err := os.ReadDir(proc + "/fd")
@@ -163,14 +193,18 @@ func List(pid int, fds map[int]bool) ([]Held, error) {
 		return nil, fmt.Errorf("list the descriptors of process %d: %w", pid, err)
 	}
 	for _, fd := range ents {
-		if n, err := strconv.Atoi(fd.Name()); err == nil && fds != nil && !fds[n] {
+		n, err := strconv.Atoi(fd.Name())
+		if err != nil {
+			return nil, fmt.Errorf("process %d: descriptor %q", pid, fd.Name())
+		}
+		if task != nil && !task.Fds[n] {
 			continue
 		}
 		flags, err := fdFlags(proc, fd.Name())
 		if err != nil {
 			return nil, err
 		}
-		if err := add("descriptor "+fd.Name(), proc+"/fd/"+fd.Name(), openAccess(flags)); err != nil {
+		if err := add("descriptor "+fd.Name(), proc+"/fd/"+fd.Name(), openAccess(flags), task != nil && task.NamelessFds[n]); err != nil {
 			if errors.Is(err, unix.ENOENT) { // closed meanwhile (not in a restored tree, which is held)
 				continue
 			}
@@ -182,7 +216,7 @@ func List(pid int, fds map[int]bool) ([]Held, error) {
 		return nil, err
 	}
 	for _, m := range maps {
-		if err := add("mapping "+m.addr, proc+"/map_files/"+m.addr, m.access); err != nil {
+		if err := add("mapping "+m.addr, proc+"/map_files/"+m.addr, m.access, task != nil && (task.NamelessMaps[m.start] || !task.Maps[m.start])); err != nil {
 			return nil, err
 		}
 	}
@@ -224,6 +258,7 @@ func openAccess(flags int) uint32 {
 // mapping is a file mapping: its map_files name and the access it needs.
 type mapping struct {
 	addr   string
+	start  uint64
 	access uint32
 }
 
@@ -264,7 +299,7 @@ func mappings(proc string) ([]mapping, error) {
 		if err1 != nil || err2 != nil {
 			return nil, fmt.Errorf("read the mappings of %s: a mapping %q", proc, fields[0])
 		}
-		out = append(out, mapping{addr: fmt.Sprintf("%x-%x", s, e), access: unix.R_OK})
+		out = append(out, mapping{addr: fmt.Sprintf("%x-%x", s, e), start: s, access: unix.R_OK})
 		cur = len(out) - 1
 	}
 	if err := sc.Err(); err != nil {
@@ -286,6 +321,9 @@ func mayWriteShared(flags string) bool {
 // reach opens h's path beneath root (the process's root directory) as the calling thread's user, with no
 // link followed, and checks it is h's inode and grants h's access.
 func reach(root int, h Held) error {
+	if h.Nameless {
+		return errors.New("it has no name left, and the snapshot holds no copy of it: CRIU reached it through a link (to /proc/PID/fd/N?)")
+	}
 	fd, err := unix.Openat2(root, h.Path, &unix.OpenHow{
 		Flags:   unix.O_PATH | unix.O_NOFOLLOW | unix.O_CLOEXEC,
 		Resolve: unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS,

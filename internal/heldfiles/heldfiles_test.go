@@ -10,6 +10,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -68,6 +69,8 @@ func runHelper(spec string) int {
 			}
 		case "cwd":
 			err = unix.Chdir(path)
+		case "zombie": // a child that exited, never reaped
+			_, err = syscall.ForkExec("/bin/true", []string{"true"}, &syscall.ProcAttr{})
 		default:
 			err = fmt.Errorf("unknown item %q", item)
 		}
@@ -188,9 +191,13 @@ func TestCheck(t *testing.T) {
 		{"an O_PATH descriptor in a directory the user cannot search", "path:closed/inside", false, "look it up"},
 		{"a working directory below one the user cannot search", "cwd:closed/sub", false, "working directory"},
 		{"root's secret, held by a child", "r:secret", true, "read it"},
+		{"a zombie child", "zombie:", false, ""},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			pid := f.start(t, tt.spec, tt.child)
+			if strings.HasPrefix(tt.spec, "zombie:") {
+				waitZombie(t, pid)
+			}
 			if err := Check(pid, 0, 0, nil); err != nil {
 				t.Fatalf("as root: %v", err)
 			}
@@ -204,4 +211,21 @@ func TestCheck(t *testing.T) {
 			t.Logf("%v", err)
 		})
 	}
+}
+
+// waitZombie waits until process pid has a child that exited.
+func waitZombie(t *testing.T, pid int) {
+	t.Helper()
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		pids, err := tree(pid)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, p := range pids[1:] {
+			if zombie(p) {
+				return
+			}
+		}
+	}
+	t.Fatalf("no zombie child of %d within 30s", pid)
 }
