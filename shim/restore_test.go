@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -13,17 +14,21 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/internal/testenv"
 )
 
-// The test binary plays the shim (shimRole: Run on its standard input and output) and the job
-// (holderRole: holds the file holdEnv names open for reading, says so in readyEnv's file, sleeps).
+// The test binary plays the shim (shimRole: Run on its standard input and output) and the job (holderRole:
+// holds the file holdEnv names open for reading and listens on the unix socket listenEnv names, each if
+// set, says so in readyEnv's file, sleeps).
 const (
 	roleEnv    = "FTKIT_SHIM_TEST_ROLE"
 	shimRole   = "shim"
 	holderRole = "holder"
 	holdEnv    = "FTKIT_HOLD"
+	listenEnv  = "FTKIT_LISTEN"
 	readyEnv   = "FTKIT_READY"
 )
 
@@ -32,83 +37,108 @@ func TestMain(m *testing.M) {
 	case shimRole:
 		os.Exit(Run(context.Background(), os.Stdin, os.Stdout))
 	case holderRole:
-		f, err := os.Open(os.Getenv(holdEnv))
-		if err == nil {
-			err = os.WriteFile(os.Getenv(readyEnv), nil, 0o600)
-		}
+		var keep []any
+		err := func() error {
+			if p := os.Getenv(holdEnv); p != "" {
+				f, err := os.Open(p)
+				if err != nil {
+					return err
+				}
+				keep = append(keep, f)
+			}
+			if p := os.Getenv(listenEnv); p != "" {
+				l, err := net.Listen("unix", p)
+				if err != nil {
+					return err
+				}
+				keep = append(keep, l)
+			}
+			return os.WriteFile(os.Getenv(readyEnv), nil, 0o600)
+		}()
 		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
 			os.Exit(1)
 		}
-		defer f.Close()
+		_ = keep
 		select {}
 	}
 	os.Exit(m.Run())
 }
 
-// A job of uid 65534 that had its own file "data" open is dumped; its user then swaps "data" for a link to
-// root's secret of the same size and mode (all CRIU compares) in a directory the user cannot search.
-// CRIU, as root, follows the link: the old shim handed the restored job a descriptor of the secret. Now the
-// restore is refused, and the same snapshot restores once "data" is back.
-func TestRestoreRefusesSwappedFile(t *testing.T) {
+// user is the job's user in these tests.
+const user = 65534
+
+// dumped is a job of user's (run as root, as CRIU restores it, but holding only what user may) dumped by
+// CRIU, in a directory user may search.
+type dumped struct {
+	dir, criu, images string
+}
+
+// newDumped makes the directory, lets prepare put the job's files there and say what the job holds (its
+// environment: holdEnv, listenEnv), runs the job (holderRole), and dumps it once it holds them.
+func newDumped(t *testing.T, prepare func(dir string) (env []string), beforeDump ...func()) dumped {
+	t.Helper()
 	testenv.RequireKernel(t, "CRIU")
 	bin, _, err := criu.Require("")
 	if err != nil {
 		t.Fatal(err)
 	}
-	const user = 65534
 	dir, err := os.MkdirTemp("/tmp", "shimrestore-")
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
-	must := func(err error) {
-		t.Helper()
-		if err != nil {
-			t.Fatal(err)
-		}
-	}
-	must(os.Chmod(dir, 0o755))
-	data, secret := filepath.Join(dir, "data"), filepath.Join(dir, "closed", "secret")
-	must(os.Mkdir(filepath.Dir(secret), 0o700))
-	must(os.WriteFile(data, make([]byte, 8192), 0o600))
-	must(os.Chown(data, user, user))
-	must(os.WriteFile(secret, []byte(strings.Repeat("s", 8192)), 0o600))
+	must(t, os.Chmod(dir, 0o755))
+	env := prepare(dir)
 	// The job's program where its user can reach it: its mapping is checked like any file.
 	self, err := os.Executable()
-	must(err)
+	must(t, err)
 	b, err := os.ReadFile(self)
-	must(err)
+	must(t, err)
 	exe := filepath.Join(dir, "job")
-	must(os.WriteFile(exe, b, 0o755))
+	must(t, os.WriteFile(exe, b, 0o755))
 
 	ready := filepath.Join(dir, "ready")
 	job := exec.Command(exe)
 	job.Dir = dir
-	job.Env = append(os.Environ(), roleEnv+"="+holderRole, holdEnv+"="+data, readyEnv+"="+ready)
+	job.Env = append(append(os.Environ(), roleEnv+"="+holderRole, readyEnv+"="+ready), env...)
+	job.Stderr = os.Stderr
+	// Its own session and PID namespace, as the agent starts jobs.
 	job.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Cloneflags: syscall.CLONE_NEWPID}
-	must(job.Start())
+	must(t, job.Start())
 	t.Cleanup(func() { job.Process.Kill(); job.Wait() })
 	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
 		if _, err := os.Stat(ready); err == nil {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatal("the job did not open its file within 30s")
+			t.Fatal("the job did not hold its files within 30s")
 		}
 	}
-	images := filepath.Join(dir, "images")
-	must(os.Mkdir(images, 0o700))
+	for _, f := range beforeDump {
+		f()
+	}
+	d := dumped{dir: dir, criu: bin, images: filepath.Join(dir, "images")}
+	must(t, os.Mkdir(d.images, 0o700))
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 	defer cancel()
-	if _, err := (criu.Client{Binary: bin}).Dump(ctx, criu.DumpOptions{PID: job.Process.Pid, ImagesDir: images}); err != nil {
+	if _, err := (criu.Client{Binary: bin}).Dump(ctx, criu.DumpOptions{PID: job.Process.Pid, ImagesDir: d.images}); err != nil {
 		t.Fatal(err)
 	}
 	job.Wait() // killed by the dump
+	return d
+}
 
-	must(os.Rename(data, data+".orig"))
-	must(os.Symlink(secret, data))
-	rep := restoreWithShim(t, Spec{JobID: "j", Mode: ModeRestore, CRIU: bin, ImagesDir: images, UID: user, GID: user,
-		ExitFile: filepath.Join(dir, "exit"), Node: "n"})
+// restore restores the job as user's through the shim, and returns the shim's report.
+func (d dumped) restore(t *testing.T) Report {
+	t.Helper()
+	return restoreWithShim(t, Spec{JobID: "j", Mode: ModeRestore, CRIU: d.criu, ImagesDir: d.images, UID: user, GID: user,
+		ExitFile: filepath.Join(d.dir, "exit"), Node: "n"})
+}
+
+// refused fails the test unless rep is a refusal whose error holds every one of want.
+func refused(t *testing.T, rep Report, what string, want ...string) {
+	t.Helper()
 	if rep.PID != 0 {
 		var held []string
 		fds, _ := os.ReadDir(fmt.Sprintf("/proc/%d/fd", rep.PID))
@@ -116,19 +146,128 @@ func TestRestoreRefusesSwappedFile(t *testing.T) {
 			l, _ := os.Readlink(fmt.Sprintf("/proc/%d/fd/%s", rep.PID, fd.Name()))
 			held = append(held, fd.Name()+" "+l)
 		}
-		t.Fatalf("the restore of a job whose file was swapped for a link to root's secret succeeded (pid %d, descriptors: %s)", rep.PID, strings.Join(held, ", "))
+		t.Fatalf("the restore of a job whose %s succeeded (pid %d, descriptors: %s)", what, rep.PID, strings.Join(held, ", "))
 	}
-	if !strings.Contains(rep.Error, "could not open itself") || !strings.Contains(rep.Error, secret) {
-		t.Fatalf("the restore failed with %q, want the check's refusal naming %s", rep.Error, secret)
+	for _, w := range want {
+		if !strings.Contains(rep.Error, w) {
+			t.Fatalf("the restore failed with %q, want the check's refusal with %q", rep.Error, w)
+		}
 	}
 	t.Logf("refused: %s", rep.Error)
+}
 
-	must(os.Remove(data))
-	must(os.Rename(data+".orig", data))
-	rep = restoreWithShim(t, Spec{JobID: "j", Mode: ModeRestore, CRIU: bin, ImagesDir: images, UID: user, GID: user,
-		ExitFile: filepath.Join(dir, "exit"), Node: "n"})
-	if rep.PID == 0 {
+func must(t *testing.T, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A job of uid 65534 that had its own file "data" open is dumped; its user then swaps "data" for a link to
+// root's secret of the same size and mode (all CRIU compares) in a directory the user cannot search.
+// CRIU, as root, follows the link: the old shim handed the restored job a descriptor of the secret. Now the
+// restore is refused, and the same snapshot restores once "data" is back.
+func TestRestoreRefusesSwappedFile(t *testing.T) {
+	var data, secret string
+	d := newDumped(t, func(dir string) []string {
+		data, secret = filepath.Join(dir, "data"), filepath.Join(dir, "closed", "secret")
+		must(t, os.Mkdir(filepath.Dir(secret), 0o700))
+		must(t, os.WriteFile(data, make([]byte, 8192), 0o600))
+		must(t, os.Chown(data, user, user))
+		must(t, os.WriteFile(secret, []byte(strings.Repeat("s", 8192)), 0o600))
+		return []string{holdEnv + "=" + data}
+	})
+	must(t, os.Rename(data, data+".orig"))
+	must(t, os.Symlink(secret, data))
+	refused(t, d.restore(t), "file was swapped for a link to root's secret", "could not open itself", secret)
+
+	must(t, os.Remove(data))
+	must(t, os.Rename(data+".orig", data))
+	if rep := d.restore(t); rep.PID == 0 {
 		t.Fatalf("the restore with the job's file back failed: %s", rep.Error)
+	}
+}
+
+// A job's user swaps its file for a link to /proc/PID/fd/N of a root process holding a deleted root-only file
+// of the same size and mode: CRIU, as root, follows the link and the magic link behind it, and the restored
+// job would hold a file with no name left, which the check must not take for one CRIU made from the snapshot.
+func TestRestoreRefusesLinkToDeletedFile(t *testing.T) {
+	var data string
+	var secret *os.File
+	d := newDumped(t, func(dir string) []string {
+		data = filepath.Join(dir, "data")
+		must(t, os.WriteFile(data, make([]byte, 8192), 0o600))
+		must(t, os.Chown(data, user, user))
+		// Root's secret, held open by root (this test) and deleted: its only name left is /proc/PID/fd/N.
+		p := filepath.Join(dir, "secret")
+		must(t, os.WriteFile(p, []byte(strings.Repeat("s", 8192)), 0o600))
+		f, err := os.Open(p)
+		must(t, err)
+		t.Cleanup(func() { f.Close() })
+		must(t, os.Remove(p))
+		secret = f
+		return []string{holdEnv + "=" + data}
+	})
+	must(t, os.Rename(data, data+".orig"))
+	must(t, os.Symlink(fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), secret.Fd()), data))
+	refused(t, d.restore(t), "file was swapped for a link to root's deleted secret", "no name left")
+
+	must(t, os.Remove(data))
+	must(t, os.Rename(data+".orig", data))
+	if rep := d.restore(t); rep.PID == 0 {
+		t.Fatalf("the restore with the job's file back failed: %s", rep.Error)
+	}
+}
+
+// A job holding a file deleted before the dump restores: CRIU recreates it from the snapshot's copy, with
+// no name, and the snapshot says so.
+func TestRestoreTakesDeletedFile(t *testing.T) {
+	var data string
+	d := newDumped(t, func(dir string) []string {
+		data = filepath.Join(dir, "data")
+		must(t, os.WriteFile(data, make([]byte, 8192), 0o600))
+		must(t, os.Chown(data, user, user))
+		return []string{holdEnv + "=" + data}
+	}, func() { must(t, os.Remove(data)) })
+	rep := d.restore(t)
+	if rep.PID == 0 {
+		t.Fatalf("the restore of a job holding a deleted file failed: %s", rep.Error)
+	}
+}
+
+// A job listening on a unix socket in its user's directory "run" is dumped; its user then replaces "run"
+// with a link to a root directory holding root's socket of the same name (as /run/dbus holds the system
+// bus's). CRIU, as root, removed root's socket there and bound the job's in its place, chowned to the user.
+// Now the restore is refused before CRIU runs, root's socket untouched; with "run" back, it restores.
+func TestRestoreRefusesSocketThroughLink(t *testing.T) {
+	var run, rootDir string
+	d := newDumped(t, func(dir string) []string {
+		run, rootDir = filepath.Join(dir, "run"), filepath.Join(dir, "rootrun")
+		must(t, os.Mkdir(run, 0o755))
+		must(t, os.Chown(run, user, user))
+		must(t, os.Mkdir(rootDir, 0o755))
+		return []string{listenEnv + "=" + filepath.Join(run, "job.sock")}
+	}, func() { must(t, os.Lchown(filepath.Join(run, "job.sock"), user, user)) }) // as the user's job binds it
+	l, err := net.Listen("unix", filepath.Join(rootDir, "job.sock"))
+	must(t, err)
+	l.(*net.UnixListener).SetUnlinkOnClose(false)
+	l.Close()
+	var before unix.Stat_t
+	must(t, unix.Lstat(filepath.Join(rootDir, "job.sock"), &before))
+
+	must(t, os.Rename(run, run+".orig"))
+	must(t, os.Symlink(rootDir, run))
+	rep := d.restore(t)
+	var after unix.Stat_t
+	if err := unix.Lstat(filepath.Join(rootDir, "job.sock"), &after); err != nil || after.Ino != before.Ino || after.Uid != 0 {
+		t.Errorf("root's socket after the restore: %v, inode %d (was %d), owner %d: the restore, as root, replaced it with the job's socket and gave it to the user", err, after.Ino, before.Ino, after.Uid)
+	}
+	refused(t, rep, "socket directory was swapped for a link to a root directory", "could not restore itself", "look up its directory")
+
+	must(t, os.Remove(run))
+	must(t, os.Rename(run+".orig", run))
+	if rep := d.restore(t); rep.PID == 0 {
+		t.Fatalf("the restore with the job's directory back failed: %s", rep.Error)
 	}
 }
 
@@ -168,153 +307,4 @@ func restoreWithShim(t *testing.T, spec Spec) Report {
 		cmd.Wait() // the shim ends with its job
 	})
 	return rep
-}
-
-// A job's user swaps its file for a link to /proc/PID/fd/N of a root process holding a deleted root-only file
-// of the same size and mode: CRIU, as root, follows the link and the magic link behind it, and the restored
-// job would hold a file with no name left, which the check must not take for one CRIU made from the snapshot.
-func TestRestoreRefusesLinkToDeletedFile(t *testing.T) {
-	testenv.RequireKernel(t, "CRIU")
-	bin, _, err := criu.Require("")
-	if err != nil {
-		t.Fatal(err)
-	}
-	const user = 65534
-	dir, err := os.MkdirTemp("/tmp", "shimrestore-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	must := func(err error) {
-		t.Helper()
-		if err != nil {
-			t.Fatal(err)
-		}
-	}
-	must(os.Chmod(dir, 0o755))
-	data := filepath.Join(dir, "data")
-	must(os.WriteFile(data, make([]byte, 8192), 0o600))
-	must(os.Chown(data, user, user))
-	// Root's secret, held open by root (this test) and deleted: its only name left is /proc/PID/fd/N.
-	secretPath := filepath.Join(dir, "secret")
-	must(os.WriteFile(secretPath, []byte(strings.Repeat("s", 8192)), 0o600))
-	secret, err := os.Open(secretPath)
-	must(err)
-	t.Cleanup(func() { secret.Close() })
-	must(os.Remove(secretPath))
-	self, err := os.Executable()
-	must(err)
-	b, err := os.ReadFile(self)
-	must(err)
-	exe := filepath.Join(dir, "job")
-	must(os.WriteFile(exe, b, 0o755))
-
-	ready := filepath.Join(dir, "ready")
-	job := exec.Command(exe)
-	job.Dir = dir
-	job.Env = append(os.Environ(), roleEnv+"="+holderRole, holdEnv+"="+data, readyEnv+"="+ready)
-	job.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Cloneflags: syscall.CLONE_NEWPID}
-	must(job.Start())
-	t.Cleanup(func() { job.Process.Kill(); job.Wait() })
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		if _, err := os.Stat(ready); err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the job did not open its file within 30s")
-		}
-	}
-	images := filepath.Join(dir, "images")
-	must(os.Mkdir(images, 0o700))
-	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
-	defer cancel()
-	if _, err := (criu.Client{Binary: bin}).Dump(ctx, criu.DumpOptions{PID: job.Process.Pid, ImagesDir: images}); err != nil {
-		t.Fatal(err)
-	}
-	job.Wait()
-
-	must(os.Rename(data, data+".orig"))
-	must(os.Symlink(fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), secret.Fd()), data))
-	rep := restoreWithShim(t, Spec{JobID: "j", Mode: ModeRestore, CRIU: bin, ImagesDir: images, UID: user, GID: user,
-		ExitFile: filepath.Join(dir, "exit"), Node: "n"})
-	if rep.PID != 0 {
-		var held []string
-		fds, _ := os.ReadDir(fmt.Sprintf("/proc/%d/fd", rep.PID))
-		for _, fd := range fds {
-			l, _ := os.Readlink(fmt.Sprintf("/proc/%d/fd/%s", rep.PID, fd.Name()))
-			held = append(held, fd.Name()+" "+l)
-		}
-		t.Fatalf("the restore of a job whose file was swapped for a link to root's deleted secret succeeded (pid %d, descriptors: %s)", rep.PID, strings.Join(held, ", "))
-	}
-	t.Logf("refused: %s", rep.Error)
-
-	must(os.Remove(data))
-	must(os.Rename(data+".orig", data))
-	rep = restoreWithShim(t, Spec{JobID: "j", Mode: ModeRestore, CRIU: bin, ImagesDir: images, UID: user, GID: user,
-		ExitFile: filepath.Join(dir, "exit"), Node: "n"})
-	if rep.PID == 0 {
-		t.Fatalf("the restore with the job's file back failed: %s", rep.Error)
-	}
-}
-
-// A job holding a file deleted before the dump restores: CRIU recreates it from the snapshot's copy, with
-// no name, and the snapshot says so.
-func TestRestoreTakesDeletedFile(t *testing.T) {
-	testenv.RequireKernel(t, "CRIU")
-	bin, _, err := criu.Require("")
-	if err != nil {
-		t.Fatal(err)
-	}
-	dir, err := os.MkdirTemp("/tmp", "shimrestore-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	must := func(err error) {
-		t.Helper()
-		if err != nil {
-			t.Fatal(err)
-		}
-	}
-	must(os.Chmod(dir, 0o755))
-	data := filepath.Join(dir, "data")
-	must(os.WriteFile(data, make([]byte, 8192), 0o600))
-	must(os.Chown(data, 65534, 65534))
-	self, err := os.Executable()
-	must(err)
-	b, err := os.ReadFile(self)
-	must(err)
-	exe := filepath.Join(dir, "job")
-	must(os.WriteFile(exe, b, 0o755))
-	ready := filepath.Join(dir, "ready")
-	job := exec.Command(exe)
-	job.Dir = dir
-	job.Env = append(os.Environ(), roleEnv+"="+holderRole, holdEnv+"="+data, readyEnv+"="+ready)
-	job.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Cloneflags: syscall.CLONE_NEWPID}
-	must(job.Start())
-	t.Cleanup(func() { job.Process.Kill(); job.Wait() })
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		if _, err := os.Stat(ready); err == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the job did not open its file within 30s")
-		}
-	}
-	must(os.Remove(data))
-	images := filepath.Join(dir, "images")
-	must(os.Mkdir(images, 0o700))
-	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
-	defer cancel()
-	if _, err := (criu.Client{Binary: bin}).Dump(ctx, criu.DumpOptions{PID: job.Process.Pid, ImagesDir: images}); err != nil {
-		t.Fatal(err)
-	}
-	job.Wait()
-	rep := restoreWithShim(t, Spec{JobID: "j", Mode: ModeRestore, CRIU: bin, ImagesDir: images, UID: 65534, GID: 65534,
-		ExitFile: filepath.Join(dir, "exit"), Node: "n"})
-	if rep.PID == 0 {
-		t.Fatalf("the restore of a job holding a deleted file failed: %s", rep.Error)
-	}
-	l, _ := os.Readlink(fmt.Sprintf("/proc/%d/fd/5", rep.PID))
-	t.Logf("restored; descriptor 5: %s", l)
 }

@@ -120,7 +120,9 @@ func Run(ctx context.Context, in io.Reader, out io.Writer) int {
 		pid, err = startJob(spec)
 	case ModeRestore:
 		c := criu.Client{Binary: spec.CRIU}
-		if spec.LazyPages {
+		// CRIU binds the job's unix sockets and opens its FIFOs by path as root: first, the user must be able to.
+		err = checkNames(spec)
+		if err == nil && spec.LazyPages {
 			lazy, err = c.StartLazyPages(ctx, spec.ImagesDir)
 		}
 		if err == nil {
@@ -152,6 +154,22 @@ func Run(ctx context.Context, in io.Reader, out io.Writer) int {
 		return 1
 	}
 	return 0
+}
+
+// checkNames checks the paths at which the restore binds the job's unix sockets and opens its FIFOs
+// (heldfiles.CheckNames).
+func checkNames(spec Spec) error {
+	if spec.UID == 0 {
+		return nil
+	}
+	names, err := image.NamedPaths(spec.ImagesDir)
+	if err == nil {
+		err = heldfiles.CheckNames(spec.UID, spec.GID, names)
+	}
+	if err != nil {
+		return fmt.Errorf("restore from %s: %w", spec.ImagesDir, err)
+	}
+	return nil
 }
 
 // recordEnd writes the job's exit record, unless the agent superseded this copy (Spec.Superseded): ftwrap and

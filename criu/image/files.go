@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 
 	"github.com/checkpoint-restore/go-criu/v7/crit/images/fdinfo"
 	"google.golang.org/protobuf/proto"
@@ -122,6 +124,77 @@ func RegularFiles(dir string) ([]RegFile, error) {
 			Size: r.GetSize(), HasSize: r.Size != nil,
 			Flags: r.GetFlags(), Pos: r.GetPos(),
 		})
+	}
+	return out, nil
+}
+
+// NamedPath is a path at which a restore, as root, binds one of the dumped unix sockets (removing a stale
+// socket file there first) or opens a FIFO.
+type NamedPath struct {
+	Path    string // absolute and clean
+	Socket  bool   // a bound unix socket; else a FIFO
+	Deleted bool   // a socket whose file was gone at the dump: the restore binds it afresh, then removes it
+	Flags   uint32 // a FIFO's open(2) flags
+}
+
+// NamedPaths lists the bound unix sockets (abstract ones have no path) and the FIFOs of the dump in dir. A
+// name with a ".." element is refused: resolved from a directory that is a link, it leads elsewhere than
+// its clean form says.
+func NamedPaths(dir string) ([]NamedPath, error) {
+	f, err := readFiles(dir)
+	if err != nil {
+		return nil, err
+	}
+	return f.namedPaths()
+}
+
+func (f *filesImage) namedPaths() ([]NamedPath, error) {
+	regs := map[uint32]*fdinfo.FileEntry{}
+	for _, e := range f.entries {
+		if e.GetType() == fdinfo.FdTypes_REG && e.GetReg() != nil {
+			regs[e.GetReg().GetId()] = e
+		}
+	}
+	clean := func(i int, p string) (string, error) {
+		if !filepath.IsAbs(p) || filepath.Clean(p) != p || slices.Contains(strings.Split(p, "/"), "..") {
+			return "", fmt.Errorf("image %s: FileEntry #%d names %q, not an absolute, clean path: %w", filesName, i, p, ErrFormat)
+		}
+		return p, nil
+	}
+	var out []NamedPath
+	for i, e := range f.entries {
+		switch {
+		case e.GetType() == fdinfo.FdTypes_UNIXSK && e.GetUsk() != nil:
+			u := e.GetUsk()
+			name := string(u.GetName())
+			if name == "" || name[0] == 0 { // unbound, or abstract
+				continue
+			}
+			if i := strings.IndexByte(name, 0); i >= 0 { // a path ends at its NUL, which the image keeps
+				name = name[:i]
+			}
+			if !strings.HasPrefix(name, "/") { // relative to the directory it was bound from, which CRIU enters
+				if u.GetNameDir() == "" {
+					return nil, fmt.Errorf("image %s: FileEntry #%d names socket %q without its directory: %w", filesName, i, name, ErrFormat)
+				}
+				name = u.GetNameDir() + "/" + name
+			}
+			p, err := clean(i, name)
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, NamedPath{Path: p, Socket: true, Deleted: u.GetDeleted()})
+		case e.GetType() == fdinfo.FdTypes_FIFO && e.GetFifo() != nil:
+			r := regs[e.GetFifo().GetRegfId()]
+			if r == nil {
+				return nil, fmt.Errorf("image %s: FIFO #%d names regular-file entry %d, which it lacks: %w", filesName, i, e.GetFifo().GetRegfId(), ErrFormat)
+			}
+			p, err := clean(i, r.GetReg().GetName())
+			if err != nil {
+				return nil, err
+			}
+			out = append(out, NamedPath{Path: p, Flags: r.GetReg().GetFlags()})
+		}
 	}
 	return out, nil
 }

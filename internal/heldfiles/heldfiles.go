@@ -22,6 +22,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
@@ -324,10 +325,7 @@ func reach(root int, h Held) error {
 	if h.Nameless {
 		return errors.New("it has no name left, and the snapshot holds no copy of it: CRIU reached it through a link (to /proc/PID/fd/N?)")
 	}
-	fd, err := unix.Openat2(root, h.Path, &unix.OpenHow{
-		Flags:   unix.O_PATH | unix.O_NOFOLLOW | unix.O_CLOEXEC,
-		Resolve: unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS,
-	})
+	fd, err := lookup(root, h.Path, 0)
 	if err != nil {
 		return fmt.Errorf("look it up: %w", err)
 	}
@@ -391,4 +389,95 @@ func asUser(uid, gid uint32, fn func() error) error {
 		}()
 	}()
 	return <-errc
+}
+
+// CheckNames verifies, before CRIU runs, that user uid (group gid) could itself do what a restore does as
+// root at each of names: bind a unix socket in its directory (reached with no link, which the user may
+// write and search), replacing only a socket file of its own there (CRIU removes a stale one first), or
+// open a FIFO (reached with no link, with the access the job held it with). A user who made a directory on
+// the way a link would otherwise have root remove another's socket (say, the host's D-Bus socket) and
+// bind the job's in its place. uid 0 may do anything.
+//
+// It is a check of the paths before the restore uses them: a swap during the restore is not seen (CRIU
+// binds, removes and changes owners by path as root; see docs/deploy.md).
+func CheckNames(uid, gid uint32, names []image.NamedPath) error {
+	if uid == 0 || len(names) == 0 {
+		return nil
+	}
+	root, err := unix.Open("/", unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(root)
+	return asUser(uid, gid, func() error {
+		for _, n := range names {
+			what, err := "FIFO", checkFIFO(root, n)
+			if n.Socket {
+				what, err = "unix socket", checkSocket(root, n, uid)
+			}
+			if err != nil {
+				return fmt.Errorf("the snapshot has a %s at %s, which its user (uid %d, gid %d) could not restore itself: %w; "+
+					"a directory on its way was replaced by a link, or its owner or permissions changed, since the snapshot: put it back and retry",
+					what, n.Path, uid, gid, err)
+			}
+		}
+		return nil
+	})
+}
+
+// lookup opens path beneath root as the calling thread's user, with no link followed.
+func lookup(root int, path string, flags int) (int, error) {
+	return unix.Openat2(root, path, &unix.OpenHow{
+		Flags:   uint64(flags | unix.O_PATH | unix.O_NOFOLLOW | unix.O_CLOEXEC),
+		Resolve: unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS,
+	})
+}
+
+func checkSocket(root int, n image.NamedPath, uid uint32) error {
+	dir, err := lookup(root, filepath.Dir(n.Path), unix.O_DIRECTORY)
+	if err != nil {
+		return fmt.Errorf("look up its directory: %w", err)
+	}
+	defer unix.Close(dir)
+	if err := unix.Faccessat2(dir, "", unix.W_OK|unix.X_OK, unix.AT_EMPTY_PATH|unix.AT_EACCESS); err != nil {
+		return fmt.Errorf("write in its directory: %w", err)
+	}
+	var st unix.Stat_t
+	switch err := unix.Fstatat(dir, filepath.Base(n.Path), &st, unix.AT_SYMLINK_NOFOLLOW); {
+	case errors.Is(err, unix.ENOENT):
+		return nil
+	case err != nil:
+		return fmt.Errorf("look it up: %w", err)
+	case st.Mode&unix.S_IFMT == unix.S_IFLNK:
+		return errors.New("it is a symbolic link")
+	case st.Uid != uid && (n.Deleted || st.Mode&unix.S_IFMT == unix.S_IFSOCK):
+		// CRIU removes a stale socket file there, or moves whatever is there aside for a deleted socket.
+		return fmt.Errorf("the file there is owned by uid %d, which the restore would remove", st.Uid)
+	}
+	return nil
+}
+
+func checkFIFO(root int, n image.NamedPath) error {
+	fd, err := lookup(root, n.Path, 0)
+	if err != nil {
+		return fmt.Errorf("look it up: %w", err)
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return err
+	}
+	switch st.Mode & unix.S_IFMT {
+	case unix.S_IFIFO:
+	case unix.S_IFLNK: // O_PATH|O_NOFOLLOW opens a link itself
+		return errors.New("it is a symbolic link")
+	default:
+		return errors.New("it is not a FIFO")
+	}
+	if a := openAccess(int(n.Flags)); a != 0 {
+		if err := unix.Faccessat2(fd, "", a, unix.AT_EMPTY_PATH|unix.AT_EACCESS); err != nil {
+			return fmt.Errorf("%s it: %w", accessName(a), err)
+		}
+	}
+	return nil
 }

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -14,6 +15,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ftkit/ftkit/criu/image"
 	"github.com/ftkit/ftkit/internal/testenv"
 )
 
@@ -228,4 +230,67 @@ func waitZombie(t *testing.T, pid int) {
 		}
 	}
 	t.Fatalf("no zombie child of %d within 30s", pid)
+}
+
+// TestCheckNames: the user must be able to bind each socket (its directory reached with no link, writable
+// by the user; a socket file there only its own, as the restore removes it) and open each FIFO (reached
+// with no link, with the job's access) itself.
+func TestCheckNames(t *testing.T) {
+	f := newFixture(t)
+	at := func(p string) string { return filepath.Join(f.dir, p) }
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(os.Mkdir(at("udir"), 0o755))
+	must(os.Chown(at("udir"), user, user))
+	must(os.Symlink(at("closed"), at("udir/link")))
+	must(os.Symlink(at("closed/sub"), at("udir/sublink")))
+	sock := func(p string, uid int) {
+		l, err := net.Listen("unix", p)
+		must(err)
+		l.(*net.UnixListener).SetUnlinkOnClose(false)
+		l.Close()
+		must(os.Lchown(p, uid, uid))
+	}
+	sock(at("udir/own.sock"), user)
+	sock(at("udir/root.sock"), 0)
+	must(os.Chmod(at("closed/sub"), 0o777))
+	must(unix.Mkfifo(at("udir/own.fifo"), 0o600))
+	must(os.Chown(at("udir/own.fifo"), user, user))
+	must(unix.Mkfifo(at("root.fifo"), 0o600))
+	must(os.Symlink(at("udir/own.fifo"), at("udir/fifolink")))
+	for _, tt := range []struct {
+		name string
+		n    image.NamedPath
+		want string // in the error; "" for none
+	}{
+		{"a new socket in the user's directory", image.NamedPath{Path: at("udir/new.sock"), Socket: true}, ""},
+		{"the user's own stale socket", image.NamedPath{Path: at("udir/own.sock"), Socket: true}, ""},
+		{"root's socket in the user's directory", image.NamedPath{Path: at("udir/root.sock"), Socket: true}, "owned by uid 0"},
+		{"a socket in a directory the user cannot write", image.NamedPath{Path: at("x.sock"), Socket: true}, "write in its directory"},
+		{"a socket through a link to a directory", image.NamedPath{Path: at("udir/sublink/x.sock"), Socket: true}, "look up its directory"},
+		{"a socket that is a link", image.NamedPath{Path: at("udir/link"), Socket: true}, "symbolic link"},
+		{"a deleted socket where another's file is", image.NamedPath{Path: at("udir/link"), Socket: true, Deleted: true}, "symbolic link"},
+		{"the user's FIFO, read and written", image.NamedPath{Path: at("udir/own.fifo"), Flags: unix.O_RDWR}, ""},
+		{"root's FIFO", image.NamedPath{Path: at("root.fifo"), Flags: unix.O_RDONLY}, "read it"},
+		{"a FIFO that is a link", image.NamedPath{Path: at("udir/fifolink")}, "symbolic link"},
+		{"a FIFO through a link to a directory", image.NamedPath{Path: at("udir/sublink/x.fifo")}, "look it up"},
+		{"a regular file as a FIFO", image.NamedPath{Path: at("own")}, "not a FIFO"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			if err := CheckNames(0, 0, []image.NamedPath{tt.n}); err != nil {
+				t.Fatalf("as root: %v", err)
+			}
+			err := CheckNames(user, user, []image.NamedPath{tt.n})
+			switch {
+			case tt.want == "" && err != nil:
+				t.Fatalf("CheckNames = %v, want nil", err)
+			case tt.want != "" && (err == nil || !strings.Contains(err.Error(), tt.want)):
+				t.Fatalf("CheckNames = %v, want an error with %q", err, tt.want)
+			}
+		})
+	}
 }
