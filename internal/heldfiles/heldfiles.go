@@ -325,15 +325,11 @@ func reach(root int, h Held) error {
 	if h.Nameless {
 		return errors.New("it has no name left, and the snapshot holds no copy of it: CRIU reached it through a link (to /proc/PID/fd/N?)")
 	}
-	fd, err := lookup(root, h.Path, 0)
+	fd, st, err := lookupStat(root, h.Path)
 	if err != nil {
-		return fmt.Errorf("look it up: %w", err)
-	}
-	defer unix.Close(fd)
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
 		return err
 	}
+	defer unix.Close(fd)
 	if st.Dev != h.Dev || st.Ino != h.Ino {
 		return fmt.Errorf("its path leads to another file (device %d inode %d, not %d %d)", st.Dev, st.Ino, h.Dev, h.Ino)
 	}
@@ -433,6 +429,21 @@ func lookup(root int, path string, flags int) (int, error) {
 	})
 }
 
+// lookupStat is lookup of a file (O_PATH, which a link's own inode answers at the end of path) with its
+// status; the caller closes the descriptor.
+func lookupStat(root int, path string) (int, unix.Stat_t, error) {
+	var st unix.Stat_t
+	fd, err := lookup(root, path, 0)
+	if err != nil {
+		return -1, st, fmt.Errorf("look it up: %w", err)
+	}
+	if err := unix.Fstat(fd, &st); err != nil {
+		unix.Close(fd)
+		return -1, st, err
+	}
+	return fd, st, nil
+}
+
 func checkSocket(root int, n image.NamedPath, uid uint32) error {
 	dir, err := lookup(root, filepath.Dir(n.Path), unix.O_DIRECTORY)
 	if err != nil {
@@ -458,15 +469,11 @@ func checkSocket(root int, n image.NamedPath, uid uint32) error {
 }
 
 func checkFIFO(root int, n image.NamedPath) error {
-	fd, err := lookup(root, n.Path, 0)
+	fd, st, err := lookupStat(root, n.Path)
 	if err != nil {
-		return fmt.Errorf("look it up: %w", err)
-	}
-	defer unix.Close(fd)
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
 		return err
 	}
+	defer unix.Close(fd)
 	switch st.Mode & unix.S_IFMT {
 	case unix.S_IFIFO:
 	case unix.S_IFLNK: // O_PATH|O_NOFOLLOW opens a link itself
