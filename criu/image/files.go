@@ -131,24 +131,36 @@ func RegularFiles(dir string) ([]RegFile, error) {
 // NamedPath is a path at which a restore, as root, binds one of the dumped unix sockets (removing a stale
 // socket file there first) or opens a FIFO.
 type NamedPath struct {
-	Path    string // absolute and clean
-	Socket  bool   // a bound unix socket; else a FIFO
-	Deleted bool   // a socket whose file was gone at the dump: the restore binds it afresh, then removes it
+	Path   string // absolute and clean
+	Socket bool   // a bound unix socket; else a FIFO
+	// Deleted: its name was gone at the dump. The restore makes it afresh there (a socket bound, a FIFO
+	// from CRIU's ghost copy), with any missing directory on the way, then removes what it made.
+	Deleted bool
 	Flags   uint32 // a FIFO's open(2) flags
 }
 
 // NamedPaths lists the bound unix sockets (abstract ones have no path) and the FIFOs of the dump in dir. A
 // name with a ".." element is refused: resolved from a directory that is a link, it leads elsewhere than
-// its clean form says.
+// its clean form says; "//" and "." elements, which the kernel skips, are dropped.
 func NamedPaths(dir string) ([]NamedPath, error) {
 	f, err := readFiles(dir)
 	if err != nil {
 		return nil, err
 	}
-	return f.namedPaths()
+	b, err := os.ReadFile(filepath.Join(dir, remapName))
+	if err != nil && !os.IsNotExist(err) { // only a dump that found deleted files has it
+		return nil, fmt.Errorf("read CRIU image: %w", err)
+	}
+	remapped, err := remappedFiles(b)
+	if err != nil {
+		return nil, err
+	}
+	return f.namedPaths(remapped)
 }
 
-func (f *filesImage) namedPaths() ([]NamedPath, error) {
+// namedPaths lists the named paths; remapped holds the ids of the regular-file entries the dump found
+// deleted (remappedFiles).
+func (f *filesImage) namedPaths(remapped map[uint32]bool) ([]NamedPath, error) {
 	regs := map[uint32]*fdinfo.FileEntry{}
 	for _, e := range f.entries {
 		if e.GetType() == fdinfo.FdTypes_REG && e.GetReg() != nil {
@@ -156,10 +168,10 @@ func (f *filesImage) namedPaths() ([]NamedPath, error) {
 		}
 	}
 	clean := func(i int, p string) (string, error) {
-		if !filepath.IsAbs(p) || filepath.Clean(p) != p || slices.Contains(strings.Split(p, "/"), "..") {
-			return "", fmt.Errorf("image %s: FileEntry #%d names %q, not an absolute, clean path: %w", filesName, i, p, ErrFormat)
+		if !filepath.IsAbs(p) || slices.Contains(strings.Split(p, "/"), "..") {
+			return "", fmt.Errorf("image %s: FileEntry #%d names %q, not an absolute path without \"..\": %w", filesName, i, p, ErrFormat)
 		}
-		return p, nil
+		return filepath.Clean(p), nil
 	}
 	var out []NamedPath
 	for i, e := range f.entries {
@@ -193,7 +205,7 @@ func (f *filesImage) namedPaths() ([]NamedPath, error) {
 			if err != nil {
 				return nil, err
 			}
-			out = append(out, NamedPath{Path: p, Flags: r.GetReg().GetFlags()})
+			out = append(out, NamedPath{Path: p, Deleted: remapped[r.GetReg().GetId()], Flags: r.GetReg().GetFlags()})
 		}
 	}
 	return out, nil

@@ -71,7 +71,7 @@ func FuzzDecodeFiles(f *testing.F) {
 		if !bytes.Equal(fi.encode(), b) {
 			t.Fatal("files.img re-encode differs")
 		}
-		fi.namedPaths() // errors fine, panics not
+		fi.namedPaths(nil) // errors fine, panics not
 		for _, i := range fi.tcpSockets() {
 			sk := fi.entries[i].GetIsk()
 			newTCPConn(sk, &tcpStream{entry: baseStream(1, 0, 0)}) // errors fine, panics not

@@ -444,15 +444,15 @@ func lookupStat(root int, path string) (int, unix.Stat_t, error) {
 	return fd, st, nil
 }
 
+// checkSocket checks that the user could bind socket n itself: in a directory reached with no link that it
+// may write (for a deleted socket, the restore first makes any missing directory: the nearest one there
+// must be), replacing only a file of its own.
 func checkSocket(root int, n image.NamedPath, uid uint32) error {
-	dir, err := lookup(root, filepath.Dir(n.Path), unix.O_DIRECTORY)
-	if err != nil {
-		return fmt.Errorf("look up its directory: %w", err)
+	dir, err := creatableDir(root, filepath.Dir(n.Path), n.Deleted)
+	if err != nil || dir < 0 {
+		return err
 	}
 	defer unix.Close(dir)
-	if err := unix.Faccessat2(dir, "", unix.W_OK|unix.X_OK, unix.AT_EMPTY_PATH|unix.AT_EACCESS); err != nil {
-		return fmt.Errorf("write in its directory: %w", err)
-	}
 	var st unix.Stat_t
 	switch err := unix.Fstatat(dir, filepath.Base(n.Path), &st, unix.AT_SYMLINK_NOFOLLOW); {
 	case errors.Is(err, unix.ENOENT):
@@ -468,7 +468,44 @@ func checkSocket(root int, n image.NamedPath, uid uint32) error {
 	return nil
 }
 
+// creatableDir looks up directory dir with no link and checks the user may make a file in it, returning
+// it open (O_PATH). With missingOK, a dir that does not exist is taken if the nearest directory above it
+// that does is one the user may make a directory in (the restore makes the missing ones as root, then
+// removes them): it then returns -1, there being nothing in dir yet.
+func creatableDir(root int, dir string, missingOK bool) (int, error) {
+	d := dir
+	for {
+		fd, err := lookup(root, d, unix.O_DIRECTORY)
+		if errors.Is(err, unix.ENOENT) && missingOK && d != "/" {
+			d = filepath.Dir(d)
+			continue
+		}
+		if err != nil {
+			return -1, fmt.Errorf("look up its directory %s: %w", d, err)
+		}
+		if err := unix.Faccessat2(fd, "", unix.W_OK|unix.X_OK, unix.AT_EMPTY_PATH|unix.AT_EACCESS); err != nil {
+			unix.Close(fd)
+			return -1, fmt.Errorf("write in its directory %s: %w", d, err)
+		}
+		if d != dir {
+			unix.Close(fd)
+			return -1, nil
+		}
+		return fd, nil
+	}
+}
+
+// checkFIFO checks that the user could open FIFO n itself: reached with no link, with the job's access. A
+// FIFO the dump found deleted the restore makes afresh at its name from CRIU's ghost copy, then removes:
+// the user could, in its directory.
 func checkFIFO(root int, n image.NamedPath) error {
+	if n.Deleted {
+		dir, err := creatableDir(root, filepath.Dir(n.Path), true)
+		if dir >= 0 {
+			unix.Close(dir)
+		}
+		return err
+	}
 	fd, st, err := lookupStat(root, n.Path)
 	if err != nil {
 		return err

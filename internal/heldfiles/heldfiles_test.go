@@ -279,6 +279,15 @@ func TestCheckNames(t *testing.T) {
 		{"a FIFO that is a link", image.NamedPath{Path: at("udir/fifolink")}, "symbolic link"},
 		{"a FIFO through a link to a directory", image.NamedPath{Path: at("udir/sublink/x.fifo")}, "look it up"},
 		{"a regular file as a FIFO", image.NamedPath{Path: at("own")}, "not a FIFO"},
+		// The restore makes a deleted FIFO afresh at its name (CRIU's ghost), and a deleted socket's missing
+		// directories (then removes them): the user could, in a directory of its own.
+		{"a deleted FIFO in the user's directory", image.NamedPath{Path: at("udir/gone.fifo"), Deleted: true, Flags: unix.O_RDONLY}, ""},
+		{"a deleted FIFO in a directory the user cannot write", image.NamedPath{Path: at("gone.fifo"), Deleted: true}, "write in its directory"},
+		{"a deleted FIFO through a link to a directory", image.NamedPath{Path: at("udir/sublink/gone.fifo"), Deleted: true}, "look up its directory"},
+		{"a deleted socket in a directory gone", image.NamedPath{Path: at("udir/gone/deeper/x.sock"), Socket: true, Deleted: true}, ""},
+		{"a deleted socket in a directory gone, under root's", image.NamedPath{Path: at("gone/x.sock"), Socket: true, Deleted: true}, "write in its directory"},
+		{"a deleted socket in a directory gone, through a link", image.NamedPath{Path: at("udir/sublink/gone/x.sock"), Socket: true, Deleted: true}, "look up its directory"},
+		{"a socket in a directory gone", image.NamedPath{Path: at("udir/gone/x.sock"), Socket: true}, "look up its directory"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			if err := CheckNames(0, 0, []image.NamedPath{tt.n}); err != nil {
