@@ -37,11 +37,11 @@ func runListener(sock, work string) int {
 }
 
 // TestBindAsOwner (patches/0006): CRIU binds a dumped unix socket, removes the stale file at its name and
-// connects to it as the owner of the socket file at the dump, not as root. A dump of a listener whose
+// connects to it as the job's user (RestoreUIDEnv, RestoreGIDEnv), not as root. A dump of a listener whose
 // directory and socket file uid 65534 owns, after its directory was made a link to a root directory holding
 // root's socket of the same name: unpatched CRIU removed root's socket and bound the job's there, chowned to
 // uid 65534; patched, the restore fails and root's socket is untouched. With the directory back, the same
-// dump restores, its socket file uid 65534's.
+// dump restores (its pending connection connected again as the user), its socket file uid 65534's.
 func TestBindAsOwner(t *testing.T) {
 	bin := requireCRIU(t, "CRIU")
 	const user = 65534
@@ -100,6 +100,9 @@ func TestBindAsOwner(t *testing.T) {
 	must(unix.Lstat(rootSock, &before))
 	must(os.Rename(run, run+".orig"))
 	must(os.Symlink(rootDir, run))
+	// The job's user, as ftkit's shim names it to CRIU (CRIU inherits this process's environment).
+	t.Setenv(RestoreUIDEnv, fmt.Sprint(user))
+	t.Setenv(RestoreGIDEnv, fmt.Sprint(user))
 	pid, err := c.Restore(ctx, RestoreOptions{ImagesDir: images})
 	if err == nil {
 		reap(pid)

@@ -79,7 +79,7 @@ func BinaryPatchLevel(path string) (uint32, error) {
 // stopped while the kernel destroys the network lock's nftables table, about 10 ms
 // (patches/0003-net-free-unlock-nft-context-after-resume.patch); and a restore binds, removes and chowns a
 // job's named unix sockets as root, by paths in directories the job's user controls
-// (patches/0006-unix-sockets-bound-as-their-owner.patch).
+// (patches/0006-unix-sockets-bound-as-the-job-user.patch).
 func CheckPatches(path string) error {
 	level, err := BinaryPatchLevel(path)
 	if err != nil {

@@ -133,6 +133,14 @@ func (c Client) dump(ctx context.Context, opts DumpOptions, nfy gocriu.Notify) (
 	}, nil
 }
 
+// RestoreUIDEnv and RestoreGIDEnv, in the environment of a restore's caller (CRIU inherits it), name the
+// job's user to CRIU as built with ftkit's patches (patches/0006): it unlinks, binds, chowns and connects
+// the job's named unix sockets as that user, not as root. Unset, or uid 0: as root.
+const (
+	RestoreUIDEnv = "FTKIT_RESTORE_UID"
+	RestoreGIDEnv = "FTKIT_RESTORE_GID"
+)
+
 // RestoreOptions describe a restore.
 type RestoreOptions struct {
 	ImagesDir string

@@ -14,6 +14,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -122,6 +123,11 @@ func Run(ctx context.Context, in io.Reader, out io.Writer) int {
 		c := criu.Client{Binary: spec.CRIU}
 		// CRIU binds the job's unix sockets and opens its FIFOs by path as root: first, the user must be able to.
 		err = checkNames(spec)
+		if err == nil {
+			// And CRIU binds them as the job's user (patches/0006): this process restores this one job.
+			err = errors.Join(os.Setenv(criu.RestoreUIDEnv, strconv.FormatUint(uint64(spec.UID), 10)),
+				os.Setenv(criu.RestoreGIDEnv, strconv.FormatUint(uint64(spec.GID), 10)))
+		}
 		if err == nil && spec.LazyPages {
 			lazy, err = c.StartLazyPages(ctx, spec.ImagesDir)
 		}
