@@ -12,6 +12,9 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/internal/netnsthread"
+	"github.com/ftkit/ftkit/internal/testenv"
 )
 
 // listenerRole is the process TestBindAsOwner dumps: it listens on the unix socket FTKIT_SOCK names, connects
@@ -69,7 +72,8 @@ func TestBindAsOwner(t *testing.T) {
 	child.Env = append(os.Environ(), "FTKIT_CRIU_TEST_ROLE="+listenerRole, "FTKIT_DIR="+work, "FTKIT_SOCK="+sock)
 	child.Stderr = os.Stderr
 	child.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Cloneflags: syscall.CLONE_NEWPID}
-	must(child.Start())
+	ns := testenv.Netns(t, "ftbo") // CRIU's network lock table goes with it, whatever the test's end
+	must(netnsthread.In(ns, child.Start))
 	t.Cleanup(func() { child.Process.Kill(); child.Wait() })
 	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
 		if _, err := os.Stat(filepath.Join(work, "ready")); err == nil {
@@ -85,7 +89,7 @@ func TestBindAsOwner(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 	defer cancel()
 	c := Client{Binary: bin}
-	if _, err := c.Dump(ctx, DumpOptions{PID: child.Process.Pid, ImagesDir: images}); err != nil {
+	if _, err := c.Dump(ctx, DumpOptions{PID: child.Process.Pid, ImagesDir: images, Netns: ns}); err != nil {
 		t.Fatal(err)
 	}
 	child.Wait() // killed by the dump
@@ -103,7 +107,7 @@ func TestBindAsOwner(t *testing.T) {
 	// The job's user, as ftkit's shim names it to CRIU (CRIU inherits this process's environment).
 	t.Setenv(RestoreUIDEnv, fmt.Sprint(user))
 	t.Setenv(RestoreGIDEnv, fmt.Sprint(user))
-	pid, err := c.Restore(ctx, RestoreOptions{ImagesDir: images})
+	pid, err := restoreIn(ctx, ns, c, RestoreOptions{ImagesDir: images})
 	if err == nil {
 		reap(pid)
 	}
@@ -119,7 +123,7 @@ func TestBindAsOwner(t *testing.T) {
 
 	must(os.Remove(run))
 	must(os.Rename(run+".orig", run))
-	pid, err = c.Restore(ctx, RestoreOptions{ImagesDir: images})
+	pid, err = restoreIn(ctx, ns, c, RestoreOptions{ImagesDir: images})
 	if err != nil {
 		t.Fatalf("the restore with the directory back: %v", err)
 	}

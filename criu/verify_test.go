@@ -12,6 +12,9 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/internal/netnsthread"
+	"github.com/ftkit/ftkit/internal/testenv"
 )
 
 // A restore whose Verify fails is refused, and CRIU kills the tree it built before the tree ran; with
@@ -21,7 +24,8 @@ func TestRestoreVerify(t *testing.T) {
 	child := exec.Command("sleep", "1000")
 	// Its own session and PID namespace, as the agent starts jobs: CRIU restores its PID.
 	child.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Cloneflags: syscall.CLONE_NEWPID}
-	if err := child.Start(); err != nil {
+	ns := testenv.Netns(t, "ftcv") // CRIU's network lock table goes with it, whatever the test's end
+	if err := netnsthread.In(ns, child.Start); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = child.Process.Kill(); _ = child.Wait() })
@@ -29,14 +33,14 @@ func TestRestoreVerify(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 	defer cancel()
 	c := Client{Binary: bin}
-	if _, err := c.Dump(ctx, DumpOptions{PID: child.Process.Pid, ImagesDir: dir}); err != nil {
+	if _, err := c.Dump(ctx, DumpOptions{PID: child.Process.Pid, ImagesDir: dir, Netns: ns}); err != nil {
 		t.Fatal(err)
 	}
 	_ = child.Wait() // killed by the dump
 
 	var verified int
 	refused := errors.New("refused by the test")
-	_, err := c.Restore(ctx, RestoreOptions{ImagesDir: dir, Verify: func(pid int) error {
+	_, err := restoreIn(ctx, ns, c, RestoreOptions{ImagesDir: dir, Verify: func(pid int) error {
 		verified = pid
 		if st := procState(pid); st != "S" && st != "t" && st != "T" && st != "R" {
 			t.Errorf("restored root %d in state %q at Verify", pid, st)
@@ -59,7 +63,7 @@ func TestRestoreVerify(t *testing.T) {
 	}
 
 	verified = 0
-	pid, err := c.Restore(ctx, RestoreOptions{ImagesDir: dir, Verify: func(pid int) error { verified = pid; return nil }})
+	pid, err := restoreIn(ctx, ns, c, RestoreOptions{ImagesDir: dir, Verify: func(pid int) error { verified = pid; return nil }})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -73,6 +77,17 @@ func TestRestoreVerify(t *testing.T) {
 	if st := procState(pid); st != "S" && st != "R" {
 		t.Fatalf("restored tree %d in state %q, want running", pid, st)
 	}
+}
+
+// restoreIn restores with c inside network namespace ns (CRIU restores in its caller's).
+func restoreIn(ctx context.Context, ns string, c Client, opts RestoreOptions) (int, error) {
+	var pid int
+	err := netnsthread.In(ns, func() error {
+		var err error
+		pid, err = c.Restore(ctx, opts)
+		return err
+	})
+	return pid, err
 }
 
 // procState is the state letter of process pid, "" if it is gone.

@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/criu"
+	"github.com/ftkit/ftkit/internal/netnsthread"
 	"github.com/ftkit/ftkit/internal/testenv"
 )
 
@@ -72,6 +73,7 @@ const user = 65534
 // CRIU, in a directory user may search.
 type dumped struct {
 	dir, criu, images string
+	ns                string // the job's network namespace: CRIU's network lock table goes with it
 }
 
 // newDumped makes the directory, lets prepare put the job's files there and say what the job holds (its
@@ -105,7 +107,8 @@ func newDumped(t *testing.T, prepare func(dir string) (env []string), beforeDump
 	job.Stderr = os.Stderr
 	// Its own session and PID namespace, as the agent starts jobs.
 	job.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Cloneflags: syscall.CLONE_NEWPID}
-	must(t, job.Start())
+	ns := testenv.Netns(t, "ftshim")
+	must(t, netnsthread.In(ns, job.Start))
 	t.Cleanup(func() { job.Process.Kill(); job.Wait() })
 	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
 		if _, err := os.Stat(ready); err == nil {
@@ -118,11 +121,11 @@ func newDumped(t *testing.T, prepare func(dir string) (env []string), beforeDump
 	for _, f := range beforeDump {
 		f()
 	}
-	d := dumped{dir: dir, criu: bin, images: filepath.Join(dir, "images")}
+	d := dumped{dir: dir, criu: bin, images: filepath.Join(dir, "images"), ns: ns}
 	must(t, os.Mkdir(d.images, 0o700))
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
 	defer cancel()
-	if _, err := (criu.Client{Binary: bin}).Dump(ctx, criu.DumpOptions{PID: job.Process.Pid, ImagesDir: d.images}); err != nil {
+	if _, err := (criu.Client{Binary: bin}).Dump(ctx, criu.DumpOptions{PID: job.Process.Pid, ImagesDir: d.images, Netns: ns}); err != nil {
 		t.Fatal(err)
 	}
 	job.Wait() // killed by the dump
@@ -132,7 +135,7 @@ func newDumped(t *testing.T, prepare func(dir string) (env []string), beforeDump
 // restore restores the job as user's through the shim, and returns the shim's report.
 func (d dumped) restore(t *testing.T) Report {
 	t.Helper()
-	return restoreWithShim(t, Spec{JobID: "j", Mode: ModeRestore, CRIU: d.criu, ImagesDir: d.images, UID: user, GID: user,
+	return restoreWithShim(t, d.ns, Spec{JobID: "j", Mode: ModeRestore, CRIU: d.criu, ImagesDir: d.images, UID: user, GID: user,
 		ExitFile: filepath.Join(d.dir, "exit"), Node: "n"})
 }
 
@@ -271,8 +274,9 @@ func TestRestoreRefusesSocketThroughLink(t *testing.T) {
 	}
 }
 
-// restoreWithShim runs the shim on spec and returns its report; a restored job is killed when the test ends.
-func restoreWithShim(t *testing.T, spec Spec) Report {
+// restoreWithShim runs the shim on spec in network namespace ns and returns its report; a restored job is
+// killed when the test ends.
+func restoreWithShim(t *testing.T, ns string, spec Spec) Report {
 	t.Helper()
 	self, err := os.Executable()
 	if err != nil {
@@ -290,7 +294,7 @@ func restoreWithShim(t *testing.T, spec Spec) Report {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := cmd.Start(); err != nil {
+	if err := netnsthread.In(ns, cmd.Start); err != nil {
 		t.Fatal(err)
 	}
 	line, err := bufio.NewReader(out).ReadString('\n')
