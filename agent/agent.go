@@ -303,25 +303,17 @@ func (a *Agent) otherMembers() []string {
 
 // StartJob creates a job and starts its program under a shim.
 func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*Job, error) {
-	if len(spec.Argv) == 0 {
-		return nil, errors.New("no program given")
+	// Every caller's spec, a local one's too, gets the bounds of a member's start-job request (clusterapi:
+	// a program, sizes, the working directory, run name, placement): its record travels with every
+	// snapshot, and a peer restores it.
+	if err := startRequest(spec, uid, gid).Validate(); err != nil {
+		return nil, err
 	}
 	if err := a.refuseWhileFenced(); err != nil {
 		return nil, err
 	}
-	// A local caller's spec gets the bounds a member's request gets (clusterapi): its record travels with
-	// every snapshot, and a peer restores it.
-	if err := startRequest(spec, uid, gid).Validate(); err != nil {
-		return nil, err
-	}
 	if err := a.cfg.CheckJobInterval(spec.Interval); err != nil {
 		return nil, err
-	}
-	if err := spec.Placement.Validate(); err != nil {
-		return nil, err
-	}
-	if spec.Run != "" && !jobNameRE.MatchString(spec.Run) {
-		return nil, fmt.Errorf("run %q: use up to 48 letters, digits, '.', '_' or '-'", spec.Run)
 	}
 	if err := spec.checkRecovery(); err != nil {
 		return nil, err
