@@ -16,7 +16,8 @@ import (
 
 // TestMain lets the test binary play a CRIU of any version: go-criu runs `criu swrk FD` and asks for
 // the version over the inherited socket. It also plays the TCP sender that TestLiveDumpSelectsNoRepairQueue
-// dumps, the process TestSharedMappingRemappedWritable dumps and the listener TestBindAsOwner dumps.
+// dumps, the process TestSharedMappingRemappedWritable dumps, the listener TestBindAsOwner dumps and
+// the FIFO holder TestOpenAsOwner dumps.
 func TestMain(m *testing.M) {
 	switch os.Getenv("FTKIT_CRIU_TEST_ROLE") {
 	case senderRole:
@@ -25,6 +26,8 @@ func TestMain(m *testing.M) {
 		os.Exit(runRemap(os.Getenv("FTKIT_DIR")))
 	case listenerRole:
 		os.Exit(runListener(os.Getenv("FTKIT_SOCK"), os.Getenv("FTKIT_DIR")))
+	case fifoRole:
+		os.Exit(runFIFOHolder(os.Getenv("FTKIT_FIFO"), os.Getenv("FTKIT_DIR")))
 	}
 	if v := os.Getenv("FTKIT_FAKE_CRIU_VERSION"); v != "" && len(os.Args) == 3 && os.Args[1] == "swrk" {
 		os.Exit(fakeSwrk(v, os.Args[2]))

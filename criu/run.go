@@ -134,8 +134,9 @@ func (c Client) dump(ctx context.Context, opts DumpOptions, nfy gocriu.Notify) (
 }
 
 // RestoreUIDEnv and RestoreGIDEnv, in the environment of a restore's caller (CRIU inherits it), name the
-// job's user to CRIU as built with ftkit's patches (patches/0006): it unlinks, binds, chowns and connects
-// the job's named unix sockets as that user, not as root. Unset, or uid 0: as root.
+// job's user to CRIU as built with ftkit's patches: it unlinks, binds, chowns and connects the job's named
+// unix sockets (patches/0006), opens the job's files and makes, links and removes the copies of its
+// deleted ones (patches/0007) as that user, not as root. Unset, or uid 0: as root.
 const (
 	RestoreUIDEnv = "FTKIT_RESTORE_UID"
 	RestoreGIDEnv = "FTKIT_RESTORE_GID"

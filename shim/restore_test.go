@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -22,14 +23,16 @@ import (
 )
 
 // The test binary plays the shim (shimRole: Run on its standard input and output) and the job (holderRole:
-// holds the file holdEnv names open for reading and listens on the unix socket listenEnv names, each if
-// set, says so in readyEnv's file, sleeps).
+// in a mount namespace set up as the job's init does if mntnsEnv is set, holds the file holdEnv names open
+// for reading and listens on the unix socket listenEnv names, each if set, says so in readyEnv's file,
+// sleeps).
 const (
 	roleEnv    = "FTKIT_SHIM_TEST_ROLE"
 	shimRole   = "shim"
 	holderRole = "holder"
 	holdEnv    = "FTKIT_HOLD"
 	listenEnv  = "FTKIT_LISTEN"
+	mntnsEnv   = "FTKIT_MNTNS"
 	readyEnv   = "FTKIT_READY"
 )
 
@@ -40,6 +43,28 @@ func TestMain(m *testing.M) {
 	case holderRole:
 		var keep []any
 		err := func() error {
+			if os.Getenv(mntnsEnv) == "1" {
+				// As the job's init does: the mounts set up, then an exec with nothing opened before
+				// (the runtime's, a test harness's), which CRIU could not dump: the host namespace's
+				// mounts are not in the job's ("Can't lookup mount").
+				if err := setupMounts(); err != nil {
+					return err
+				}
+				null, err := os.OpenFile(os.DevNull, os.O_RDWR, 0)
+				if err != nil {
+					return err
+				}
+				for fd := range 3 {
+					if err := unix.Dup3(int(null.Fd()), fd, 0); err != nil {
+						return err
+					}
+				}
+				if err := unix.CloseRange(3, ^uint(0), unix.CLOSE_RANGE_CLOEXEC); err != nil {
+					return err
+				}
+				env := slices.DeleteFunc(os.Environ(), func(e string) bool { return strings.HasPrefix(e, mntnsEnv+"=") })
+				return unix.Exec("/proc/self/exe", os.Args, append(env, mntnsEnv+"=set up"))
+			}
 			if p := os.Getenv(holdEnv); p != "" {
 				f, err := os.Open(p)
 				if err != nil {
@@ -70,14 +95,15 @@ func TestMain(m *testing.M) {
 const user = 65534
 
 // dumped is a job of user's (run as root, as CRIU restores it, but holding only what user may) dumped by
-// CRIU, in a directory user may search.
+// CRIU, in a directory of user's.
 type dumped struct {
 	dir, criu, images string
 	ns                string // the job's network namespace: CRIU's network lock table goes with it
 }
 
 // newDumped makes the directory, lets prepare put the job's files there and say what the job holds (its
-// environment: holdEnv, listenEnv), runs the job (holderRole), and dumps it once it holds them.
+// environment: holdEnv, listenEnv; mntnsEnv for a mount namespace of its own, as the agent's jobs
+// have), runs the job (holderRole), and dumps it once it holds them.
 func newDumped(t *testing.T, prepare func(dir string) (env []string), beforeDump ...func()) dumped {
 	t.Helper()
 	testenv.RequireKernel(t, "CRIU")
@@ -91,6 +117,7 @@ func newDumped(t *testing.T, prepare func(dir string) (env []string), beforeDump
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	must(t, os.Chmod(dir, 0o755))
+	must(t, os.Chown(dir, user, user))
 	env := prepare(dir)
 	// The job's program where its user can reach it: its mapping is checked like any file.
 	self, err := os.Executable()
@@ -105,8 +132,13 @@ func newDumped(t *testing.T, prepare func(dir string) (env []string), beforeDump
 	job.Dir = dir
 	job.Env = append(append(os.Environ(), roleEnv+"="+holderRole, readyEnv+"="+ready), env...)
 	job.Stderr = os.Stderr
-	// Its own session and PID namespace, as the agent starts jobs.
+	// Its own session and PID namespace, as the agent starts jobs, and mount namespace if asked.
 	job.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Cloneflags: syscall.CLONE_NEWPID}
+	for _, e := range env {
+		if strings.HasPrefix(e, mntnsEnv+"=") {
+			job.SysProcAttr.Cloneflags |= syscall.CLONE_NEWNS
+		}
+	}
 	ns := testenv.Netns(t, "ftshim")
 	must(t, netnsthread.In(ns, job.Start))
 	t.Cleanup(func() { job.Process.Kill(); job.Wait() })
@@ -153,7 +185,7 @@ func refused(t *testing.T, rep Report, what string, want ...string) {
 	}
 	for _, w := range want {
 		if !strings.Contains(rep.Error, w) {
-			t.Fatalf("the restore failed with %q, want the check's refusal with %q", rep.Error, w)
+			t.Fatalf("the restore failed with %q, want a refusal with %q", rep.Error, w)
 		}
 	}
 	t.Logf("refused: %s", rep.Error)
@@ -168,8 +200,10 @@ func must(t *testing.T, err error) {
 
 // A job of uid 65534 that had its own file "data" open is dumped; its user then swaps "data" for a link to
 // root's secret of the same size and mode (all CRIU compares) in a directory the user cannot search.
-// CRIU, as root, follows the link: the old shim handed the restored job a descriptor of the secret. Now the
-// restore is refused, and the same snapshot restores once "data" is back.
+// CRIU, as root, followed the link: the old shim handed the restored job a descriptor of the secret. Now
+// CRIU opens it as the user (patches/0007) and the restore is refused (the shim's check of what the
+// restored job holds stands behind, for a CRIU without the patch), and the same snapshot restores once
+// "data" is back.
 func TestRestoreRefusesSwappedFile(t *testing.T) {
 	var data, secret string
 	d := newDumped(t, func(dir string) []string {
@@ -182,7 +216,7 @@ func TestRestoreRefusesSwappedFile(t *testing.T) {
 	})
 	must(t, os.Rename(data, data+".orig"))
 	must(t, os.Symlink(secret, data))
-	refused(t, d.restore(t), "file was swapped for a link to root's secret", "could not open itself", secret)
+	refused(t, d.restore(t), "file was swapped for a link to root's secret", "Can't open file", "/data", "Permission denied")
 
 	must(t, os.Remove(data))
 	must(t, os.Rename(data+".orig", data))
@@ -192,8 +226,9 @@ func TestRestoreRefusesSwappedFile(t *testing.T) {
 }
 
 // A job's user swaps its file for a link to /proc/PID/fd/N of a root process holding a deleted root-only file
-// of the same size and mode: CRIU, as root, follows the link and the magic link behind it, and the restored
-// job would hold a file with no name left, which the check must not take for one CRIU made from the snapshot.
+// of the same size and mode: CRIU, as root, followed the link and the magic link behind it, and the restored
+// job would hold a file with no name left, which the shim's check must not take for one CRIU made from the
+// snapshot. Now CRIU, as the user, may not follow the magic link of root's process.
 func TestRestoreRefusesLinkToDeletedFile(t *testing.T) {
 	var data string
 	var secret *os.File
@@ -213,7 +248,7 @@ func TestRestoreRefusesLinkToDeletedFile(t *testing.T) {
 	})
 	must(t, os.Rename(data, data+".orig"))
 	must(t, os.Symlink(fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), secret.Fd()), data))
-	refused(t, d.restore(t), "file was swapped for a link to root's deleted secret", "no name left")
+	refused(t, d.restore(t), "file was swapped for a link to root's deleted secret", "Can't open file", "/data", "Permission denied")
 
 	must(t, os.Remove(data))
 	must(t, os.Rename(data+".orig", data))
@@ -222,19 +257,48 @@ func TestRestoreRefusesLinkToDeletedFile(t *testing.T) {
 	}
 }
 
-// A job holding a file deleted before the dump restores: CRIU recreates it from the snapshot's copy, with
-// no name, and the snapshot says so.
+// A job holding a file deleted before the dump restores, in the host's mount namespace and in one of its
+// own as the agent's jobs run: CRIU recreates it from the snapshot's copy (its ghost, next to the old name),
+// with no name, and the snapshot says so. If its user has made the file's directory a link to a root
+// directory since, CRIU, as root, made the ghost there, linked it to the file's name there, and removed both
+// names (the restore passed): a link swapped in between had root remove a file of root's. Now it does all
+// that as the user (patches/0007): refused, nothing made in root's directory; the directory back, the same
+// snapshot restores.
 func TestRestoreTakesDeletedFile(t *testing.T) {
-	var data string
-	d := newDumped(t, func(dir string) []string {
-		data = filepath.Join(dir, "data")
-		must(t, os.WriteFile(data, make([]byte, 8192), 0o600))
-		must(t, os.Chown(data, user, user))
-		return []string{holdEnv + "=" + data}
-	}, func() { must(t, os.Remove(data)) })
-	rep := d.restore(t)
-	if rep.PID == 0 {
-		t.Fatalf("the restore of a job holding a deleted file failed: %s", rep.Error)
+	for _, tc := range []struct {
+		name string
+		env  []string
+	}{{"host namespace", nil}, {"own mount namespace", []string{mntnsEnv + "=1"}}} {
+		t.Run(tc.name, func(t *testing.T) {
+			var sub, rootDir, data string
+			d := newDumped(t, func(dir string) []string {
+				sub, rootDir = filepath.Join(dir, "sub"), filepath.Join(dir, "rootdir")
+				must(t, os.Mkdir(sub, 0o755))
+				must(t, os.Chown(sub, user, user))
+				must(t, os.Mkdir(rootDir, 0o755))
+				data = filepath.Join(sub, "data")
+				must(t, os.WriteFile(data, make([]byte, 8192), 0o600))
+				must(t, os.Chown(data, user, user))
+				return append([]string{holdEnv + "=" + data}, tc.env...)
+			}, func() { must(t, os.Remove(data)) })
+
+			must(t, os.Rename(sub, sub+".orig"))
+			must(t, os.Symlink(rootDir, sub))
+			refused(t, d.restore(t), "deleted file's directory was swapped for a link to a root directory", "ghost", "Permission denied")
+			if left, err := os.ReadDir(rootDir); err != nil || len(left) != 0 {
+				t.Errorf("root's directory after the refused restore: %v %v, want it empty", left, err)
+			}
+
+			must(t, os.Remove(sub))
+			must(t, os.Rename(sub+".orig", sub))
+			rep := d.restore(t)
+			if rep.PID == 0 {
+				t.Fatalf("the restore of a job holding a deleted file failed: %s", rep.Error)
+			}
+			if left, err := os.ReadDir(sub); err != nil || len(left) != 0 {
+				t.Errorf("the job's directory after the restore: %v %v, want the ghost gone", left, err)
+			}
+		})
 	}
 }
 

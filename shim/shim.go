@@ -124,7 +124,8 @@ func Run(ctx context.Context, in io.Reader, out io.Writer) int {
 		// CRIU binds the job's unix sockets and opens its FIFOs by path as root: first, the user must be able to.
 		err = checkNames(spec)
 		if err == nil {
-			// And CRIU binds them as the job's user (patches/0006): this process restores this one job.
+			// And CRIU binds them, and opens the job's files, as the job's user (patches/0006, 0007): this
+			// process restores this one job.
 			err = errors.Join(os.Setenv(criu.RestoreUIDEnv, strconv.FormatUint(uint64(spec.UID), 10)),
 				os.Setenv(criu.RestoreGIDEnv, strconv.FormatUint(uint64(spec.GID), 10)))
 		}
