@@ -242,6 +242,13 @@ func Handler(a Backend, lim Limits) http.Handler {
 			writeError(w, http.StatusBadRequest, fmt.Errorf("restore request needs a snapshot id: %v", err))
 			return
 		}
+		// Forcing overrides the members' record of where the job runs: only the operator can know it runs
+		// nowhere (its host powered off or fenced), and a second live incarnation corrupts its peers, which
+		// may be other users' jobs.
+		if req.Force && callerOf(r).Uid != 0 {
+			writeError(w, http.StatusForbidden, errors.New("a forced restore overrides the members' record of where the job runs: it is for root (the operator), who can make sure the job runs nowhere"))
+			return
+		}
 		j, err := a.Restore(r.Context(), req, callerOf(r).Uid)
 		switch {
 		case errors.Is(err, agent.ErrNoJob) || errors.Is(err, ckpt.ErrNotFound):

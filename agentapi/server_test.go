@@ -460,6 +460,30 @@ func TestAPIStartJobOnHost(t *testing.T) {
 	}
 }
 
+// TestAPIRestoreForceIsRoots: a job's owner may ask for a restore, but not force one past the members'
+// record of where the job runs; root may.
+func TestAPIRestoreForceIsRoots(t *testing.T) {
+	h := Handler(newFakeBackend(t), DefaultLimits())
+	for _, tt := range []struct {
+		name string
+		cred *unix.Ucred
+		body string
+		code int
+		want string
+	}{
+		{"forced by the owner", asOwner, `{"snapshot":"s1","force":true}`, 403, "for root"},
+		{"by the owner", asOwner, `{"snapshot":"s1"}`, 500, errFake.Error()},
+		{"forced by root", asRoot, `{"snapshot":"s1","force":true}`, 500, errFake.Error()},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			w := call(t, h, tt.cred, "POST", "/v1/restore", tt.body)
+			if w.Code != tt.code || !strings.Contains(w.Body.String(), tt.want) {
+				t.Fatalf("%d %s, want %d %q", w.Code, w.Body.String(), tt.code, tt.want)
+			}
+		})
+	}
+}
+
 // TestAPIRunOps: coordinated snapshots and rollbacks stop jobs of every user on every host: root only;
 // a request without a run is refused; a run without a cut is not found.
 func TestAPIRunOps(t *testing.T) {

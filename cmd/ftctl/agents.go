@@ -734,7 +734,7 @@ fail-over with log replay; this command restores the job's own state only.`,
 	cmd.Flags().StringVar(&req.Snapshot, "snapshot", "", "snapshot id")
 	cmd.Flags().StringVar(&req.Job, "job", "", "job id (found from the snapshot if omitted)")
 	cmd.Flags().StringVar(&req.Source, "from", "", "member to fetch the snapshot from (default: the snapshot's protector, then any member)")
-	cmd.Flags().BoolVar(&req.Force, "force", false, "restore even if the job's node answers and still runs it")
+	cmd.Flags().BoolVar(&req.Force, "force", false, "restore even if the job's node answers and still runs it (root only)")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	return cmd
 }
