@@ -68,6 +68,8 @@ type Agent struct {
 	// started, not yet in byID; an ended job's network until it is deleted, lingering or not (releaseEnded).
 	// Counted: a job that ends before its StartJob returns holds its address both ways.
 	reservedAddrs map[netip.Addr]int
+	// starting counts each non-root uid's starts in progress (admit), not yet in byID.
+	starting map[uint32]int
 	// lingering are the networks of ended jobs that outlive them (releaseEnded).
 	lingering lingerNets
 
@@ -312,6 +314,11 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 	if err := a.refuseWhileFenced(); err != nil {
 		return nil, err
 	}
+	release, err := a.admit(uid)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
 	if err := a.cfg.CheckJobInterval(spec.Interval); err != nil {
 		return nil, err
 	}
@@ -413,6 +420,37 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 		a.log.Info("job started", "job", id, "pid", pid, "argv", spec.Argv, "uid", uid)
 	}
 	return j, nil
+}
+
+// admit takes one of uid's job slots on this host for a start (checkpoint.max_jobs_per_user), counting its
+// running jobs and its starts in progress; release gives it back once the job is in byID, or failed.
+func (a *Agent) admit(uid uint32) (release func(), err error) {
+	most := a.cfg.Checkpoint.MaxJobsPerUser
+	if uid == 0 || most <= 0 {
+		return func() {}, nil
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	n := a.starting[uid]
+	for _, j := range a.byID {
+		if j.UID == uid && j.State == JobRunning {
+			n++
+		}
+	}
+	if n >= most {
+		return nil, fmt.Errorf("uid %d already runs %d jobs on %s, the most checkpoint.max_jobs_per_user allows a user: wait for one to end, or ask the operator", uid, n, a.cfg.Name)
+	}
+	if a.starting == nil {
+		a.starting = map[uint32]int{}
+	}
+	a.starting[uid]++
+	return func() {
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		if a.starting[uid]--; a.starting[uid] == 0 {
+			delete(a.starting, uid)
+		}
+	}, nil
 }
 
 // checkAdoptedJobNet looks for a running adopted job's network: a job whose network is gone (the host

@@ -247,3 +247,48 @@ func TestStartJobBoundsLocalSpec(t *testing.T) {
 		})
 	}
 }
+
+// TestStartJobBoundsJobsPerUser: a user other than root runs at most checkpoint.max_jobs_per_user jobs on a
+// host, counting its starts in progress; ended jobs, other users' and root's do not count, and root is never
+// bounded.
+func TestStartJobBoundsJobsPerUser(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.cfg.Checkpoint.MaxJobsPerUser = 3
+	ta.mu.Lock()
+	for i, st := range []JobState{JobRunning, JobRunning, JobExited} {
+		id := fmt.Sprintf("mine-%d", i)
+		ta.byID[id] = &Job{ID: id, UID: 3000, State: st}
+	}
+	ta.byID["other"] = &Job{ID: "other", UID: 4000, State: JobRunning}
+	ta.mu.Unlock()
+
+	release, err := ta.admit(3000) // the third: a start in progress
+	if err != nil {
+		t.Fatalf("uid 3000's third job refused: %v", err)
+	}
+	for _, tt := range []struct {
+		name string
+		uid  uint32
+		want string // in StartJob's error: the bound's, or a later failure's (this agent has no shim)
+	}{
+		{"a fourth job of uid 3000", 3000, "uid 3000 already runs 3 jobs on node1"},
+		{"a job of another user", 4000, "no-shim"},
+		{"a job of root", 0, "no-shim"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := ta.StartJob(t.Context(), JobSpec{Name: "bounded", Argv: []string{"/bin/true"}}, tt.uid, tt.uid)
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("StartJob = %v, want an error with %q", err, tt.want)
+			}
+		})
+	}
+	release()
+	if release, err := ta.admit(3000); err != nil {
+		t.Errorf("uid 3000's third job refused after the start in progress ended: %v", err)
+	} else {
+		release()
+	}
+	if len(ta.starting) != 0 {
+		t.Errorf("starts in progress left counted: %v", ta.starting)
+	}
+}

@@ -121,8 +121,12 @@ type Config struct {
 		// manual checkpoints of a non-root user: any local user can start a job, and every dump costs the
 		// host CPU, I/O and a transfer to the protector.
 		MinInterval Duration `toml:"min_interval"`
-		MTBF        Duration `toml:"mtbf"`
-		Keep        int      `toml:"keep"`
+		// MaxJobsPerUser is the most jobs a user other than root may run on this host at once (0: no
+		// bound): each one is snapshotted at its interval, so their number multiplies what one user costs
+		// the host and its protector, beside other users' jobs.
+		MaxJobsPerUser int      `toml:"max_jobs_per_user"`
+		MTBF           Duration `toml:"mtbf"`
+		Keep           int      `toml:"keep"`
 		// KeepEnded is how long a job that ended on this host (exited, lost, moved) keeps its snapshots,
 		// here and on the protectors that hold its replicas, and its record: then they go (agent forgetEnded).
 		// 0 keeps them for good.
@@ -255,6 +259,7 @@ func Defaults() Config {
 	c.Checkpoint.Mode = Uncoordinated
 	c.Checkpoint.Interval = Interval{Fixed: 60 * time.Second}
 	c.Checkpoint.MinInterval = Duration{time.Second}
+	c.Checkpoint.MaxJobsPerUser = 256
 	c.Checkpoint.MTBF = Duration{24 * time.Hour}
 	c.Checkpoint.Keep = 3
 	c.Checkpoint.KeepEnded = Duration{24 * time.Hour}
@@ -360,6 +365,9 @@ func (c Config) Validate() error {
 	// Always: a job may ask for interval auto (CheckJobInterval) whatever the agent's own interval is.
 	if c.Checkpoint.MTBF.Duration <= 0 {
 		errs = append(errs, fmt.Errorf("checkpoint.mtbf %s must be positive (a job's interval auto is computed from it)", c.Checkpoint.MTBF))
+	}
+	if c.Checkpoint.MaxJobsPerUser < 0 {
+		errs = append(errs, fmt.Errorf("checkpoint.max_jobs_per_user %d: use a number of jobs, or 0 for no bound", c.Checkpoint.MaxJobsPerUser))
 	}
 	if c.Checkpoint.Keep < 1 {
 		errs = append(errs, fmt.Errorf("checkpoint.keep %d: keep at least 1 snapshot", c.Checkpoint.Keep))
