@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -90,6 +91,7 @@ func startOwnersJob(t *testing.T, bin, work, role string, env ...string) ownersJ
 	j := ownersJob{cmd: exec.Command(exe), work: work, bin: bin, images: filepath.Join(work, "images")}
 	j.cmd.Env = append(append(os.Environ(), "FTKIT_CRIU_TEST_ROLE="+role, "FTKIT_DIR="+work), env...)
 	j.cmd.Stderr = os.Stderr
+	j.cmd.Dir = work // CRIU opens the working directory as the user too
 	j.cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Cloneflags: syscall.CLONE_NEWPID}
 	j.ns = testenv.Netns(t, "ftow") // CRIU's network lock table goes with it, whatever the test's end
 	if err := netnsthread.In(j.ns, j.cmd.Start); err != nil {
@@ -259,6 +261,10 @@ func TestOpenAsOwner(t *testing.T) {
 	if err == nil {
 		j.lacks(t, "the restore opened root's FIFO through a link", "0007")
 	}
+	// Refused for the open as the user, not for something else that would hide a missing patch.
+	if !strings.Contains(err.Error(), "Can't open fake fifo") || !strings.Contains(err.Error(), "Permission denied") {
+		t.Fatalf("the restore failed with %v, want the user's open of the FIFO refused (Permission denied)", err)
+	}
 	t.Logf("refused: %v", err)
 
 	must(os.Remove(fifo))
@@ -282,4 +288,43 @@ func reap(pid int) {
 	var ws unix.WaitStatus
 	unix.Kill(pid, unix.SIGKILL)
 	unix.Wait4(pid, &ws, 0, nil)
+}
+
+// TestRestoreUserNamedBadly (patches/0006): a job's user named to CRIU in a way it cannot take (a uid
+// without a gid; -1, which setresuid reads as "unchanged") fails the restore; CRIU took it for no user and
+// did everything as root.
+func TestRestoreUserNamedBadly(t *testing.T) {
+	bin := requireCRIU(t, "CRIU")
+	work := ownersWork(t, "badowner-")
+	fifo := filepath.Join(work, "fifo")
+	if err := unix.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(fifo, asUser, asUser); err != nil {
+		t.Fatal(err)
+	}
+	j := startOwnersJob(t, bin, work, fifoRole, "FTKIT_FIFO="+fifo)
+	j.dump(t)
+	for _, tt := range []struct {
+		name, uid, gid, want string
+	}{
+		{"a uid without a gid", "65534", "", "without FTKIT_RESTORE_GID"},
+		{"uid -1", "4294967295", "65534", "bad FTKIT_RESTORE_UID"},
+		{"gid -1", "65534", "4294967295", "bad FTKIT_RESTORE_GID"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Setenv(RestoreUIDEnv, tt.uid)
+			t.Setenv(RestoreGIDEnv, tt.gid)
+			ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)
+			defer cancel()
+			pid, err := restoreIn(ctx, j.ns, Client{Binary: bin}, RestoreOptions{ImagesDir: j.images})
+			if err == nil {
+				reap(pid)
+				j.lacks(t, "the restore went on as root", "0006")
+			}
+			if !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("the restore failed with %v, want %q", err, tt.want)
+			}
+		})
+	}
 }
