@@ -19,6 +19,7 @@ import (
 	"github.com/ftkit/ftkit/ackclamp"
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/interval"
+	"github.com/ftkit/ftkit/ckpt/outputs"
 	"github.com/ftkit/ftkit/ckpt/ship"
 	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/criu"
@@ -70,6 +71,8 @@ type Agent struct {
 	reservedAddrs map[netip.Addr]int
 	// starting counts each non-root uid's starts in progress (admit), not yet in byID.
 	starting map[uint32]int
+	// outputSpace is what the output journals of restores running at once take of the state directory.
+	outputSpace outputs.Space
 	// lingering are the networks of ended jobs that outlive them (releaseEnded).
 	lingering lingerNets
 

@@ -199,9 +199,10 @@ func TestAPIAuthorization(t *testing.T) {
 		{"restore root", "POST", "/v1/restore", restoreBody, asRoot, 409, wantErr("runs on this host")},
 		{"restore owner", "POST", "/v1/restore", restoreBody, asOwner, 409, wantErr("runs on this host")},
 		{"restore other", "POST", "/v1/restore", restoreBody, asOther, 404, wantErr("no such job")},
-		{"restore other forced", "POST", "/v1/restore", `{"snapshot":"` + ta.OwnSnap() + `","job":"` + ownersJob + `","force":true}`, asOther, 404, wantErr("no such job")},
+		{"restore other forced", "POST", "/v1/restore", `{"snapshot":"` + ta.OwnSnap() + `","job":"` + ownersJob + `","force":true}`, asOther, 403, wantErr("for root")},
+		{"restore owner forced", "POST", "/v1/restore", `{"snapshot":"` + ta.OwnSnap() + `","job":"` + ownersJob + `","force":true}`, asOwner, 403, wantErr("for root")},
 		{"restore owner job of another node", "POST", "/v1/restore", `{"snapshot":"` + ta.GoneSnap() + `"}`, asOwner, 500, wantErr("incarnation")}, // past authorization: claiming the next incarnation needs members this test lacks,
-		{"restore other job found from snapshot", "POST", "/v1/restore", `{"snapshot":"` + ta.GoneSnap() + `","force":true}`, asOther, 404, wantErr("no such job")},
+		{"restore other job found from snapshot", "POST", "/v1/restore", `{"snapshot":"` + ta.GoneSnap() + `"}`, asOther, 404, wantErr("no such job")},
 
 		// Allowed: the request itself is refused.
 		{"spares root", "POST", "/v1/spares", `{}`, asRoot, 409, wantErr("a spare needs a name")},

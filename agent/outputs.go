@@ -24,6 +24,7 @@ func (a *Agent) restoreOutputs(m *ckpt.Manifest, j Job, journalDir string) (*out
 		Name:     func(path string) (string, bool) { return l.outputName(j.ID, path) },
 		Snapshot: filepath.Join(a.store.Path(m.Job, m.ID), snapOutputs),
 		Log:      a.log,
+		Space:    &a.outputSpace,
 	}, journalDir)
 }
 

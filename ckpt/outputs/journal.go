@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sync"
 
 	"golang.org/x/sys/unix"
 
@@ -23,7 +24,33 @@ type Journal struct {
 	entries []*entry
 	open    []*jobfs.Dir                               // directories to close with the journal
 	saved   int64                                      // bytes its saved files may take, counted against its bound (fits)
+	space   *Space                                     // shared with the journals of restores running at once
 	statfs  func(path string, st *unix.Statfs_t) error // the free space of dir's file system (tests fake it)
+}
+
+// Space is shared by the journals of restores that run at once in one state directory: a save counts the
+// bytes the others are still writing, which the file system's free space does not show yet, so that
+// restores started together do not each take half of the same free space. The zero value is ready.
+type Space struct {
+	mu      sync.Mutex
+	writing int64 // bytes of saves checked against the free space and not written yet
+}
+
+// reserve takes need bytes of the free space that fit measures, if fit allows them; done gives them back
+// once they are written (or not).
+func (s *Space) reserve(fit func(writing int64) (need int64, err error)) (done func(), err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	need, err := fit(s.writing)
+	if err != nil {
+		return nil, err
+	}
+	s.writing += need
+	return func() {
+		s.mu.Lock()
+		s.writing -= need
+		s.mu.Unlock()
+	}, nil
 }
 
 type kind string
@@ -53,11 +80,14 @@ type entry struct {
 	name   string
 }
 
-func newJournal(dir string) (*Journal, error) {
+func newJournal(dir string, space *Space) (*Journal, error) {
 	if err := os.Mkdir(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("output journal: %w", err)
 	}
-	return &Journal{dir: dir, statfs: unix.Statfs}, nil
+	if space == nil {
+		space = &Space{}
+	}
+	return &Journal{dir: dir, space: space, statfs: unix.Statfs}, nil
 }
 
 // Dir is the journal's directory.
@@ -70,10 +100,15 @@ func (jr *Journal) add(e *entry) { jr.entries = append(jr.entries, e) }
 // save keeps f's bytes [off, size) in the journal before they change; on success the journal owns f.
 func (jr *Journal) save(k kind, path string, f *os.File, off, size int64) error {
 	e := &entry{Kind: k, Path: path, Offset: off, Size: size, Saved: fmt.Sprintf("%03d.bytes", len(jr.entries)), f: f}
-	need, err := jr.fits(k, path, f, off, size)
+	var need int64
+	done, err := jr.space.reserve(func(writing int64) (n int64, err error) {
+		need, err = jr.fits(k, path, f, off, size, writing)
+		return need, err
+	})
 	if err != nil {
 		return err
 	}
+	defer done()
 	p := filepath.Join(jr.dir, e.Saved)
 	out, err := os.OpenFile(p, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
 	if err != nil {
@@ -108,8 +143,9 @@ func (jr *Journal) save(k kind, path string, f *os.File, off, size int64) error 
 // fits returns how many bytes saving f's [off, size) may take in the journal, or refuses when that is more
 // than the journal may take: how much a job's user wrote is not root's to bound, and a full state
 // directory breaks the agent. The journal as a whole takes at most half of the space its file system had
-// free: each save is held to half of what is free now less what the journal already took.
-func (jr *Journal) fits(k kind, path string, f *os.File, off, size int64) (int64, error) {
+// free: each save is held to half of what is free now less what the journal already took and what other
+// journals are writing (Space).
+func (jr *Journal) fits(k kind, path string, f *os.File, off, size, writing int64) (int64, error) {
 	var st unix.Stat_t
 	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
 		return 0, fmt.Errorf("journal %s before changing it: %w", path, err)
@@ -121,7 +157,7 @@ func (jr *Journal) fits(k kind, path string, f *os.File, off, size int64) (int64
 	// Holes are not copied: the file's allocated bytes bound the copy, whatever its apparent size.
 	need := min(size-off, st.Blocks*512)
 	free := int64(sfs.Bavail) * int64(sfs.Bsize)
-	limit := (free - jr.saved) / 2
+	limit := (free - jr.saved - writing) / 2
 	if need <= limit {
 		return need, nil
 	}
@@ -132,6 +168,9 @@ func (jr *Journal) fits(k kind, path string, f *os.File, off, size int64) (int64
 	held := ""
 	if jr.saved > 0 {
 		held = fmt.Sprintf(", less the %d bytes it holds already", jr.saved)
+	}
+	if writing > 0 {
+		held += fmt.Sprintf(", less the %d bytes other restores are saving there", writing)
 	}
 	return 0, fmt.Errorf("journal %s before changing it: refused: the %d bytes the restore would %s, saved first so that a failed restore can put them back, are more than the %d bytes the journal may take (half of the %d bytes free in %s%s); %s, or free space there, and retry",
 		path, need, what, max(limit, 0), free, jr.dir, held, fix)

@@ -45,7 +45,7 @@ func TestJournalBoundsSavedBytes(t *testing.T) {
 			must(t, f.Sync()) // its blocks allocated, as a job's output long written
 			size := tc.at + tc.data
 
-			jr, err := newJournal(filepath.Join(dir, "journal"))
+			jr, err := newJournal(filepath.Join(dir, "journal"), nil)
 			must(t, err)
 			defer jr.Close()
 			jr.saved = tc.held
@@ -86,5 +86,57 @@ func TestJournalBoundsSavedBytes(t *testing.T) {
 				t.Errorf("a refused save changed %s: %v, %v", p, st, err)
 			}
 		})
+	}
+}
+
+// TestJournalSpaceSharedByRestores: restores running at once each journal their job's outputs in the same
+// state directory. Each measured the free space alone, so two saves checked before either wrote took half
+// of the same free space each: all of it. Now a save counts what the others sharing its Space are still
+// writing.
+func TestJournalSpaceSharedByRestores(t *testing.T) {
+	const free = 1 << 20
+	dir := t.TempDir()
+	var space Space
+	file := func(name string, n int) *os.File {
+		f, err := os.OpenFile(filepath.Join(dir, name), os.O_RDWR|os.O_CREATE, 0o600)
+		must(t, err)
+		t.Cleanup(func() { f.Close() })
+		_, err = f.Write(bytes.Repeat([]byte("x"), n))
+		must(t, err)
+		must(t, f.Sync())
+		return f
+	}
+	journal := func(name string) *Journal {
+		jr, err := newJournal(filepath.Join(dir, name), &space)
+		must(t, err)
+		t.Cleanup(jr.Close)
+		// The free space as the file system shows it before either save is written.
+		jr.statfs = func(_ string, st *unix.Statfs_t) error {
+			*st = unix.Statfs_t{Bavail: free / 4096, Bsize: 4096}
+			return nil
+		}
+		return jr
+	}
+	a, b := journal("a"), journal("b")
+	fa, fb := file("a.out", 400<<10), file("b.out", 400<<10)
+	// a's save checked and not written yet: b's must count it.
+	done, err := space.reserve(func(writing int64) (int64, error) {
+		return a.fits(truncated, fa.Name(), fa, 0, 400<<10, writing)
+	})
+	must(t, err)
+	errB := b.save(truncated, fb.Name(), fb, 0, 400<<10)
+	done()
+	if errB == nil {
+		t.Fatalf("b saved 400 KiB while a was saving 400 KiB, of %d bytes free: together more than half of it", free)
+	}
+	if !strings.Contains(errB.Error(), "less the 409600 bytes other restores are saving there") {
+		t.Errorf("error %q does not say what the other restores are saving", errB)
+	}
+	t.Log(errB)
+	if err := b.save(truncated, fb.Name(), fb, 0, 400<<10); err != nil {
+		t.Errorf("b's save once a's was written: %v", err)
+	}
+	if space.writing != 0 {
+		t.Errorf("Space still counts %d bytes being written", space.writing)
 	}
 }

@@ -34,6 +34,8 @@ type Target struct {
 	// for a file to rewrite or recreate.
 	Snapshot string
 	Log      *slog.Logger // nil: slog.Default()
+	// Space is shared by the journals of the restores that run at once (nil: this journal's alone).
+	Space *Space
 }
 
 func (t Target) dir() string { return filepath.Join(t.JobsDir, t.Job) }
@@ -49,7 +51,7 @@ func Restore(m *ckpt.Manifest, t Target, journalDir string) (*Journal, error) {
 	if t.Log == nil {
 		t.Log = slog.Default()
 	}
-	jr, err := newJournal(journalDir)
+	jr, err := newJournal(journalDir, t.Space)
 	if err != nil {
 		return nil, err
 	}
