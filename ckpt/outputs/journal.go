@@ -36,17 +36,17 @@ type Space struct {
 	writing int64 // bytes of saves checked against the free space and not written yet
 }
 
-// reserve takes need bytes of the free space that fit measures, if fit allows them; done gives them back
-// once they are written (or not).
-func (s *Space) reserve(fit func(writing int64) (need int64, err error)) (done func(), err error) {
+// reserve takes the bytes fit says a save needs, if fit allows them given what the others are writing;
+// done gives them back once they are written (or not).
+func (s *Space) reserve(fit func(writing int64) (need int64, err error)) (need int64, done func(), err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	need, err := fit(s.writing)
+	need, err = fit(s.writing)
 	if err != nil {
-		return nil, err
+		return 0, nil, err
 	}
 	s.writing += need
-	return func() {
+	return need, func() {
 		s.mu.Lock()
 		s.writing -= need
 		s.mu.Unlock()
@@ -100,10 +100,8 @@ func (jr *Journal) add(e *entry) { jr.entries = append(jr.entries, e) }
 // save keeps f's bytes [off, size) in the journal before they change; on success the journal owns f.
 func (jr *Journal) save(k kind, path string, f *os.File, off, size int64) error {
 	e := &entry{Kind: k, Path: path, Offset: off, Size: size, Saved: fmt.Sprintf("%03d.bytes", len(jr.entries)), f: f}
-	var need int64
-	done, err := jr.space.reserve(func(writing int64) (n int64, err error) {
-		need, err = jr.fits(k, path, f, off, size, writing)
-		return need, err
+	need, done, err := jr.space.reserve(func(writing int64) (int64, error) {
+		return jr.fits(k, path, f, off, size, writing)
 	})
 	if err != nil {
 		return err

@@ -120,7 +120,7 @@ func TestJournalSpaceSharedByRestores(t *testing.T) {
 	a, b := journal("a"), journal("b")
 	fa, fb := file("a.out", 400<<10), file("b.out", 400<<10)
 	// a's save checked and not written yet: b's must count it.
-	done, err := space.reserve(func(writing int64) (int64, error) {
+	_, done, err := space.reserve(func(writing int64) (int64, error) {
 		return a.fits(truncated, fa.Name(), fa, 0, 400<<10, writing)
 	})
 	must(t, err)
