@@ -80,14 +80,16 @@ func BinaryPatchLevel(path string) (uint32, error) {
 // (patches/0003-net-free-unlock-nft-context-after-resume.patch); and a restore binds, removes and chowns a
 // job's named unix sockets as root, by paths in directories the job's user controls
 // (patches/0006-unix-sockets-bound-as-the-job-user.patch), and opens the job's files and makes and
-// removes copies of its deleted ones there as root (patches/0007-files-opened-and-named-as-the-job-user.patch).
+// removes copies of its deleted ones there as root (patches/0007-files-opened-and-named-as-the-job-user.patch),
+// and rebuilds the job's mount namespace following links in the paths of its mounts
+// (patches/0008-mounts-followed-with-no-link.patch).
 func CheckPatches(path string) error {
 	level, err := BinaryPatchLevel(path)
 	if err != nil {
 		return err
 	}
 	if want := PatchLevel(); level != want {
-		return fmt.Errorf("%w: %s has patch level %d, not %d: a live snapshot can make TCP count unsent bytes as sent without transmitting them (the connection stalls until TCP retransmits them, and a recovery meanwhile is refused), where /run is not a tmpfs every dump and restore probes the kernel afresh (about 50 ms), every snapshot holds the job stopped about 10 ms longer, and a restore binds the job's named unix sockets and opens its files as root through any link its user planted; run `make setup` (scripts/setup.sh criu) to build CRIU with them",
+		return fmt.Errorf("%w: %s has patch level %d, not %d: a live snapshot can make TCP count unsent bytes as sent without transmitting them (the connection stalls until TCP retransmits them, and a recovery meanwhile is refused), where /run is not a tmpfs every dump and restore probes the kernel afresh (about 50 ms), every snapshot holds the job stopped about 10 ms longer, and a restore binds the job's named unix sockets, opens its files and binds its mounts as root through any link its user planted; run `make setup` (scripts/setup.sh criu) to build CRIU with them",
 			ErrUnpatched, path, level, want)
 	}
 	return nil

@@ -383,3 +383,96 @@ func restoreWithShim(t *testing.T, ns string, spec Spec) Report {
 	})
 	return rep
 }
+
+// A job of uid 65534 in a mount namespace of its own is dumped while a mount of its user's ("target", in the
+// user's directory "u/x"; a tmpfs here, where the user would use fusermount) is in it: CRIU records it as
+// external, to be bound again from the restoring host's path u/x/target. Its user then unmounts it and
+// replaces "x" with a relative link to a root directory "srv/a/deep" (../srv/a/deep), where root keeps a
+// read-only, noexec mount "target" (with a file hidden under a mount over its "hidden"). CRIU, as root,
+// resolved the recorded source (open_tree follows every link but the last) and the target (move_mount)
+// through the link: it cloned root's read-only mount, without the mounts below it, and bind-remounted it
+// with the flags the user's mount had (rw, exec) at srv/target in the restored job's namespace, where the
+// job could write to what the host holds read-only and read what the host hides. Now CRIU follows both
+// with no link (patches/0008): the restore is refused. Root's mounts made before the job started (in its
+// namespace and its images too) or after its dump.
+func TestRestoreMountThroughLink(t *testing.T) {
+	for _, early := range []bool{false, true} {
+		t.Run(fmt.Sprintf("root mounts before the job: %v", early), func(t *testing.T) {
+			var u, x, srv, target string
+			rootMounts := func() {
+				rootTarget := filepath.Join(srv, "target")
+				must(t, unix.Mount("rootmnt", rootTarget, "tmpfs", 0, "mode=0777"))
+				t.Cleanup(func() { unix.Unmount(rootTarget, unix.MNT_DETACH) })
+				must(t, os.WriteFile(filepath.Join(rootTarget, "data"), []byte("root's\n"), 0o666))
+				hidden := filepath.Join(rootTarget, "hidden")
+				must(t, os.Mkdir(hidden, 0o755))
+				must(t, os.WriteFile(filepath.Join(hidden, "shadowed"), []byte("hidden by a mount\n"), 0o644))
+				must(t, unix.Mount("cover", hidden, "tmpfs", 0, "mode=0755"))
+				t.Cleanup(func() { unix.Unmount(hidden, unix.MNT_DETACH) })
+				must(t, unix.Mount("", rootTarget, "", unix.MS_REMOUNT|unix.MS_BIND|unix.MS_RDONLY|unix.MS_NOEXEC|unix.MS_NOSUID|unix.MS_NODEV, ""))
+			}
+			d := newDumped(t, func(dir string) []string {
+				// Root's mount deeper than the user's (CRIU mounts the deeper siblings first: the user's then
+				// covers it) and on the same filesystem as the user's directory (CRIU stats the mount point
+				// through a clone of that filesystem's mount alone).
+				u, srv = filepath.Join(dir, "u"), filepath.Join(dir, "srv", "a", "deep")
+				x = filepath.Join(u, "x")
+				target = filepath.Join(x, "target")
+				for _, p := range []string{u, x, target} {
+					must(t, os.Mkdir(p, 0o755))
+					must(t, os.Chown(p, user, user))
+				}
+				must(t, os.MkdirAll(srv, 0o755))
+				must(t, os.Mkdir(filepath.Join(srv, "target"), 0o777))
+				// The user's own mount, as fusermount makes it (nosuid, nodev).
+				must(t, unix.Mount("usermnt", target, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "mode=0777"))
+				t.Cleanup(func() { unix.Unmount(target, unix.MNT_DETACH) })
+				if early {
+					rootMounts()
+				}
+				return []string{mntnsEnv + "=1"}
+			})
+
+			// The user: unmounts their mount, and puts a link where its directory was.
+			must(t, unix.Unmount(target, 0))
+			must(t, os.Rename(x, x+".orig"))
+			must(t, os.Symlink("../srv/a/deep", x))
+			must(t, unix.Lchown(x, user, user))
+			if !early {
+				rootMounts()
+			}
+			rootTarget := filepath.Join(srv, "target")
+			if err := os.WriteFile(filepath.Join(rootTarget, "written"), nil, 0o666); err == nil || !strings.Contains(err.Error(), "read-only") {
+				t.Fatalf("write into the host's read-only mount: %v, want EROFS", err)
+			}
+
+			rep := d.restore(t)
+			if rep.PID == 0 {
+				refused(t, rep, "mount's directory was swapped for a link to a root directory", "no link followed")
+				if _, err := os.Stat(filepath.Join(rootTarget, "written")); err == nil {
+					t.Error("root's read-only mount was written to during the refused restore")
+				}
+				return
+			}
+			t.Errorf("the restore of a job whose mount's directory was swapped for a link to a root directory succeeded (pid %d)", rep.PID)
+			mi, err := os.ReadFile(fmt.Sprintf("/proc/%d/mountinfo", rep.PID))
+			must(t, err)
+			for _, l := range strings.Split(string(mi), "\n") {
+				if strings.Contains(l, "/u/x") || strings.Contains(l, "/deep/target") {
+					t.Logf("restored job's mount: %s", l)
+				}
+			}
+			// Through the restored job's namespace: what the job sees at srv/target.
+			inJob := filepath.Join(fmt.Sprintf("/proc/%d/root", rep.PID), rootTarget)
+			if b, err := os.ReadFile(filepath.Join(inJob, "hidden", "shadowed")); err == nil {
+				t.Errorf("the restored job's namespace shows %q, hidden on the host by a mount: CRIU cloned root's mount without the mounts below it", b)
+			}
+			if err := os.WriteFile(filepath.Join(inJob, "written"), []byte("by the job\n"), 0o666); err == nil {
+				b, _ := os.ReadFile(filepath.Join(rootTarget, "written"))
+				t.Errorf("the restored job's namespace holds root's read-only mount %s writable (written through it; the host now reads %q): CRIU bound it there as root, through the user's link %s", rootTarget, b, x)
+			} else {
+				t.Logf("write through the job's namespace: %v", err)
+			}
+		})
+	}
+}
