@@ -396,6 +396,32 @@ func restoreWithShim(t *testing.T, ns string, spec Spec) Report {
 // with no link (patches/0008): the restore is refused. Root's mounts made before the job started (in its
 // namespace and its images too) or after its dump.
 func TestRestoreMountThroughLink(t *testing.T) {
+	// The same job, its user's directory left as it was: the restore (which follows the same paths with no
+	// link now) brings the user's mount back where it was, with what it held.
+	t.Run("no link", func(t *testing.T) {
+		var target string
+		d := newDumped(t, func(dir string) []string {
+			u := filepath.Join(dir, "u")
+			x := filepath.Join(u, "x")
+			target = filepath.Join(x, "target")
+			for _, p := range []string{u, x, target} {
+				must(t, os.Mkdir(p, 0o755))
+				must(t, os.Chown(p, user, user))
+			}
+			must(t, unix.Mount("usermnt", target, "tmpfs", unix.MS_NOSUID|unix.MS_NODEV, "mode=0777"))
+			t.Cleanup(func() { unix.Unmount(target, unix.MNT_DETACH) })
+			must(t, os.WriteFile(filepath.Join(target, "data"), []byte("the user's\n"), 0o644))
+			return []string{mntnsEnv + "=1"}
+		})
+		rep := d.restore(t)
+		if rep.PID == 0 {
+			t.Fatalf("the restore of a job with its user's mount below the user's directory failed: %s", rep.Error)
+		}
+		b, err := os.ReadFile(filepath.Join(fmt.Sprintf("/proc/%d/root", rep.PID), target, "data"))
+		if err != nil || string(b) != "the user's\n" {
+			t.Errorf("the restored job reads %q (%v) in its user's mount %s, want %q", b, err, target, "the user's\n")
+		}
+	})
 	for _, early := range []bool{false, true} {
 		t.Run(fmt.Sprintf("root mounts before the job: %v", early), func(t *testing.T) {
 			var u, x, srv, target string
