@@ -140,6 +140,26 @@ func (j ownersJob) lacks(t *testing.T, what, patch string) {
 	t.Fatalf("%s; %s (patch level %d, want %d) lacks patches/%s", what, j.bin, level, PatchLevel(), patch)
 }
 
+func must(t *testing.T, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// swapForLink does what a job's user may do between a dump and a restore: moves path aside and puts a link
+// to target in its place. putBack puts path back as it was.
+func swapForLink(t *testing.T, path, target string) (putBack func()) {
+	t.Helper()
+	must(t, os.Rename(path, path+".orig"))
+	must(t, os.Symlink(target, path))
+	return func() {
+		t.Helper()
+		must(t, os.Remove(path))
+		must(t, os.Rename(path+".orig", path))
+	}
+}
+
 // ownersWork is a directory of root's that asUser may search, removed when the test ends.
 func ownersWork(t *testing.T, prefix string) string {
 	t.Helper()
@@ -163,32 +183,25 @@ func ownersWork(t *testing.T, prefix string) string {
 func TestBindAsOwner(t *testing.T) {
 	bin := requireCRIU(t, "CRIU")
 	work := ownersWork(t, "bindowner-")
-	must := func(err error) {
-		t.Helper()
-		if err != nil {
-			t.Fatal(err)
-		}
-	}
 	run, rootDir := filepath.Join(work, "run"), filepath.Join(work, "rootrun")
-	must(os.Mkdir(run, 0o755))
-	must(os.Chown(run, asUser, asUser))
-	must(os.Mkdir(rootDir, 0o755))
+	must(t, os.Mkdir(run, 0o755))
+	must(t, os.Chown(run, asUser, asUser))
+	must(t, os.Mkdir(rootDir, 0o755))
 	sock := filepath.Join(run, "job.sock")
 
 	j := startOwnersJob(t, bin, work, listenerRole, "FTKIT_SOCK="+sock)
-	must(os.Lchown(sock, asUser, asUser)) // as the user's job binds it
+	must(t, os.Lchown(sock, asUser, asUser)) // as the user's job binds it
 	j.dump(t)
 
 	// Root's socket where the link leads.
 	rootSock := filepath.Join(rootDir, "job.sock")
 	l, err := net.Listen("unix", rootSock)
-	must(err)
+	must(t, err)
 	l.(*net.UnixListener).SetUnlinkOnClose(false)
 	l.Close()
 	var before unix.Stat_t
-	must(unix.Lstat(rootSock, &before))
-	must(os.Rename(run, run+".orig"))
-	must(os.Symlink(rootDir, run))
+	must(t, unix.Lstat(rootSock, &before))
+	putBack := swapForLink(t, run, rootDir)
 	pid, err := j.restore(t)
 	if err == nil {
 		reap(pid)
@@ -202,8 +215,7 @@ func TestBindAsOwner(t *testing.T) {
 	}
 	t.Logf("refused: %v", err)
 
-	must(os.Remove(run))
-	must(os.Rename(run+".orig", run))
+	putBack()
 	pid, err = j.restore(t)
 	if err != nil {
 		t.Fatalf("the restore with the directory back: %v", err)
@@ -223,30 +235,23 @@ func TestBindAsOwner(t *testing.T) {
 func TestOpenAsOwner(t *testing.T) {
 	bin := requireCRIU(t, "CRIU")
 	work := ownersWork(t, "openowner-")
-	must := func(err error) {
-		t.Helper()
-		if err != nil {
-			t.Fatal(err)
-		}
-	}
 	fifo, rootFIFO := filepath.Join(work, "run", "fifo"), filepath.Join(work, "rootrun", "fifo")
 	for _, d := range []string{filepath.Dir(fifo), filepath.Dir(rootFIFO)} {
-		must(os.Mkdir(d, 0o755))
+		must(t, os.Mkdir(d, 0o755))
 	}
-	must(os.Chown(filepath.Dir(fifo), asUser, asUser))
-	must(unix.Mkfifo(fifo, 0o600))
-	must(os.Chown(fifo, asUser, asUser))
-	must(unix.Mkfifo(rootFIFO, 0o600))
+	must(t, os.Chown(filepath.Dir(fifo), asUser, asUser))
+	must(t, unix.Mkfifo(fifo, 0o600))
+	must(t, os.Chown(fifo, asUser, asUser))
+	must(t, unix.Mkfifo(rootFIFO, 0o600))
 
 	j := startOwnersJob(t, bin, work, fifoRole, "FTKIT_FIFO="+fifo)
 	j.dump(t)
 
 	// Root's reader, as a daemon reading its FIFO would be.
 	r, err := os.OpenFile(rootFIFO, os.O_RDONLY|unix.O_NONBLOCK, 0)
-	must(err)
+	must(t, err)
 	defer r.Close()
-	must(os.Rename(fifo, fifo+".orig"))
-	must(os.Symlink(rootFIFO, fifo))
+	putBack := swapForLink(t, fifo, rootFIFO)
 	pid, err := j.restore(t)
 	if err == nil {
 		reap(pid)
@@ -267,15 +272,14 @@ func TestOpenAsOwner(t *testing.T) {
 	}
 	t.Logf("refused: %v", err)
 
-	must(os.Remove(fifo))
-	must(os.Rename(fifo+".orig", fifo))
+	putBack()
 	pid, err = j.restore(t)
 	if err != nil {
 		t.Fatalf("the restore with the job's FIFO back: %v", err)
 	}
 	defer reap(pid)
 	f, err := os.OpenFile(fifo, os.O_RDONLY|unix.O_NONBLOCK, 0)
-	must(err)
+	must(t, err)
 	defer f.Close()
 	n, err := f.Read(buf)
 	if got := string(buf[:max(n, 0)]); got != fifoBytes {
@@ -297,12 +301,8 @@ func TestRestoreUserNamedBadly(t *testing.T) {
 	bin := requireCRIU(t, "CRIU")
 	work := ownersWork(t, "badowner-")
 	fifo := filepath.Join(work, "fifo")
-	if err := unix.Mkfifo(fifo, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Chown(fifo, asUser, asUser); err != nil {
-		t.Fatal(err)
-	}
+	must(t, unix.Mkfifo(fifo, 0o600))
+	must(t, os.Chown(fifo, asUser, asUser))
 	j := startOwnersJob(t, bin, work, fifoRole, "FTKIT_FIFO="+fifo)
 	j.dump(t)
 	for _, tt := range []struct {

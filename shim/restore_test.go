@@ -198,62 +198,68 @@ func must(t *testing.T, err error) {
 	}
 }
 
-// A job of uid 65534 that had its own file "data" open is dumped; its user then swaps "data" for a link to
-// root's secret of the same size and mode (all CRIU compares) in a directory the user cannot search.
-// CRIU, as root, followed the link: the old shim handed the restored job a descriptor of the secret. Now
-// CRIU opens it as the user (patches/0007) and the restore is refused (the shim's check of what the
-// restored job holds stands behind, for a CRIU without the patch), and the same snapshot restores once
-// "data" is back.
-func TestRestoreRefusesSwappedFile(t *testing.T) {
-	var data, secret string
-	d := newDumped(t, func(dir string) []string {
-		data, secret = filepath.Join(dir, "data"), filepath.Join(dir, "closed", "secret")
-		must(t, os.Mkdir(filepath.Dir(secret), 0o700))
-		must(t, os.WriteFile(data, make([]byte, 8192), 0o600))
-		must(t, os.Chown(data, user, user))
-		must(t, os.WriteFile(secret, []byte(strings.Repeat("s", 8192)), 0o600))
-		return []string{holdEnv + "=" + data}
-	})
-	must(t, os.Rename(data, data+".orig"))
-	must(t, os.Symlink(secret, data))
-	refused(t, d.restore(t), "file was swapped for a link to root's secret", "Can't open file", "/data", "Permission denied")
-
-	must(t, os.Remove(data))
-	must(t, os.Rename(data+".orig", data))
-	if rep := d.restore(t); rep.PID == 0 {
-		t.Fatalf("the restore with the job's file back failed: %s", rep.Error)
+// swapForLink does what a job's user may do between a dump and a restore: moves path aside and puts a link
+// to target in its place. putBack puts path back as it was.
+func swapForLink(t *testing.T, path, target string) (putBack func()) {
+	t.Helper()
+	must(t, os.Rename(path, path+".orig"))
+	must(t, os.Symlink(target, path))
+	return func() {
+		t.Helper()
+		must(t, os.Remove(path))
+		must(t, os.Rename(path+".orig", path))
 	}
 }
 
-// A job's user swaps its file for a link to /proc/PID/fd/N of a root process holding a deleted root-only file
-// of the same size and mode: CRIU, as root, followed the link and the magic link behind it, and the restored
-// job would hold a file with no name left, which the shim's check must not take for one CRIU made from the
-// snapshot. Now CRIU, as the user, may not follow the magic link of root's process.
-func TestRestoreRefusesLinkToDeletedFile(t *testing.T) {
-	var data string
-	var secret *os.File
-	d := newDumped(t, func(dir string) []string {
-		data = filepath.Join(dir, "data")
-		must(t, os.WriteFile(data, make([]byte, 8192), 0o600))
-		must(t, os.Chown(data, user, user))
-		// Root's secret, held open by root (this test) and deleted: its only name left is /proc/PID/fd/N.
-		p := filepath.Join(dir, "secret")
-		must(t, os.WriteFile(p, []byte(strings.Repeat("s", 8192)), 0o600))
-		f, err := os.Open(p)
-		must(t, err)
-		t.Cleanup(func() { f.Close() })
-		must(t, os.Remove(p))
-		secret = f
-		return []string{holdEnv + "=" + data}
-	})
-	must(t, os.Rename(data, data+".orig"))
-	must(t, os.Symlink(fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), secret.Fd()), data))
-	refused(t, d.restore(t), "file was swapped for a link to root's deleted secret", "Can't open file", "/data", "Permission denied")
+// A job of uid 65534 that had its own file "data" open is dumped; its user then swaps "data" for a link to a
+// file of root's of the same size and mode (all CRIU compares):
+//   - root's secret in a directory the user cannot search;
+//   - /proc/PID/fd/N of a root process holding a deleted root-only file, which the restored job would hold
+//     with no name left, which the shim's check must not take for one CRIU made from the snapshot.
+//
+// CRIU, as root, followed the link (and the magic link behind it): the old shim handed the restored job a
+// descriptor of the secret. Now CRIU opens it as the user (patches/0007) and the restore is refused (the
+// shim's check of what the restored job holds stands behind, for a CRIU without the patch), and the same
+// snapshot restores once "data" is back.
+func TestRestoreRefusesSwappedFile(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		secret func(t *testing.T, dir string) (link string) // root's secret, where the link leads
+	}{
+		{"root's secret", func(t *testing.T, dir string) string {
+			secret := filepath.Join(dir, "closed", "secret")
+			must(t, os.Mkdir(filepath.Dir(secret), 0o700))
+			must(t, os.WriteFile(secret, []byte(strings.Repeat("s", 8192)), 0o600))
+			return secret
+		}},
+		{"root's deleted secret", func(t *testing.T, dir string) string {
+			// Held open by root (this test) and deleted: its only name left is /proc/PID/fd/N.
+			p := filepath.Join(dir, "secret")
+			must(t, os.WriteFile(p, []byte(strings.Repeat("s", 8192)), 0o600))
+			f, err := os.Open(p)
+			must(t, err)
+			t.Cleanup(func() { f.Close() })
+			must(t, os.Remove(p))
+			return fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), f.Fd())
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var data, link string
+			d := newDumped(t, func(dir string) []string {
+				data = filepath.Join(dir, "data")
+				must(t, os.WriteFile(data, make([]byte, 8192), 0o600))
+				must(t, os.Chown(data, user, user))
+				link = tc.secret(t, dir)
+				return []string{holdEnv + "=" + data}
+			})
+			putBack := swapForLink(t, data, link)
+			refused(t, d.restore(t), "file was swapped for a link to "+tc.name, "Can't open file", "/data", "Permission denied")
 
-	must(t, os.Remove(data))
-	must(t, os.Rename(data+".orig", data))
-	if rep := d.restore(t); rep.PID == 0 {
-		t.Fatalf("the restore with the job's file back failed: %s", rep.Error)
+			putBack()
+			if rep := d.restore(t); rep.PID == 0 {
+				t.Fatalf("the restore with the job's file back failed: %s", rep.Error)
+			}
+		})
 	}
 }
 
@@ -282,8 +288,7 @@ func TestRestoreTakesDeletedFile(t *testing.T) {
 				return append([]string{holdEnv + "=" + data}, tc.env...)
 			}, func() { must(t, os.Remove(data)) })
 
-			must(t, os.Rename(sub, sub+".orig"))
-			must(t, os.Symlink(rootDir, sub))
+			putBack := swapForLink(t, sub, rootDir)
 			// An unpatched CRIU removes what it made there too: only the directory's times tell.
 			var before, after unix.Stat_t
 			must(t, unix.Lstat(rootDir, &before))
@@ -296,8 +301,7 @@ func TestRestoreTakesDeletedFile(t *testing.T) {
 				t.Errorf("root's directory was modified during the refused restore (mtime %v, was %v)", after.Mtim, before.Mtim)
 			}
 
-			must(t, os.Remove(sub))
-			must(t, os.Rename(sub+".orig", sub))
+			putBack()
 			rep := d.restore(t)
 			if rep.PID == 0 {
 				t.Fatalf("the restore of a job holding a deleted file failed: %s", rep.Error)
@@ -329,8 +333,7 @@ func TestRestoreRefusesSocketThroughLink(t *testing.T) {
 	var before unix.Stat_t
 	must(t, unix.Lstat(filepath.Join(rootDir, "job.sock"), &before))
 
-	must(t, os.Rename(run, run+".orig"))
-	must(t, os.Symlink(rootDir, run))
+	putBack := swapForLink(t, run, rootDir)
 	rep := d.restore(t)
 	var after unix.Stat_t
 	if err := unix.Lstat(filepath.Join(rootDir, "job.sock"), &after); err != nil || after.Ino != before.Ino || after.Uid != 0 {
@@ -338,8 +341,7 @@ func TestRestoreRefusesSocketThroughLink(t *testing.T) {
 	}
 	refused(t, rep, "socket directory was swapped for a link to a root directory", "could not restore itself", "look up its directory")
 
-	must(t, os.Remove(run))
-	must(t, os.Rename(run+".orig", run))
+	putBack()
 	if rep := d.restore(t); rep.PID == 0 {
 		t.Fatalf("the restore with the job's directory back failed: %s", rep.Error)
 	}
@@ -461,8 +463,7 @@ func TestRestoreMountThroughLink(t *testing.T) {
 
 			// The user: unmounts their mount, and puts a link where its directory was.
 			must(t, unix.Unmount(target, 0))
-			must(t, os.Rename(x, x+".orig"))
-			must(t, os.Symlink("../srv/a/deep", x))
+			swapForLink(t, x, "../srv/a/deep")
 			must(t, unix.Lchown(x, user, user))
 			if !early {
 				rootMounts()
