@@ -173,8 +173,9 @@ type viewMessage = clusterapi.ViewMessage
 
 func (a *Agent) viewMessage() viewMessage {
 	b, _ := ring.Encode(a.View())
-	// The receiver reads at most maxMessage bytes: the newest failures that fit next to the view (which
-	// JSON carries in base64) go along.
+	// The newest failures that fit next to the view (which JSON carries in base64) within maxMessage go
+	// along: an agent of an earlier version reads no more. A view too large for that goes alone
+	// (clusterapi.MaxViewMessage).
 	budget := maxMessage - base64.StdEncoding.EncodedLen(len(b)) - viewMessageOverhead
 	fs := a.failures.Newest(budget)
 	fb, _ := json.Marshal(fs[max(0, len(fs)-failurelog.MaxFailures):]) // no more than a peer accepts

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"github.com/ftkit/ftkit/internal/testenv"
 	"net"
 	"net/netip"
@@ -17,6 +18,7 @@ import (
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/internal/clustertls"
+	"github.com/ftkit/ftkit/ring"
 	"github.com/ftkit/ftkit/spare"
 	"github.com/ftkit/ftkit/tcpflow"
 )
@@ -295,5 +297,42 @@ func TestRemoteRecoverFollowsKeepalives(t *testing.T) {
 	}
 	if !strings.Contains(logs.String(), "recovery stage from the target is not the expected JSON") {
 		t.Errorf("the malformed stage was not reported:\n%s", logs.String())
+	}
+}
+
+// TestPushViewOfManyMembers: a view of thousands of members is delivered. Until 2026-12-07 one of more than
+// about 786 KB (some 8,000 members of short names) was adopted by its maker and refused by every member
+// it pushed it to, as longer than a message.
+func TestPushViewOfManyMembers(t *testing.T) {
+	pki := newTestPKI(t)
+	n2, _ := newWireAgent(t, "n2", testMembers(nil))
+	cfg := pki.creds(t, "n2")
+	n2.cfg.Cluster.CA, n2.cfg.Cluster.Cert, n2.cfg.Cluster.Key = cfg.CAFile, cfg.CertFile, cfg.KeyFile
+	ln, port := listenAs(t, pki, "n2")
+	srv := n2.clusterServer(t.Context()).HTTPServer()
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+
+	ports := map[string]uint16{"n2": port}
+	members := testMembers(ports)
+	for i := range 20000 {
+		ip := netip.AddrFrom4([4]byte{10, 78, byte(i >> 8), byte(i)})
+		members = append(members, ring.Member{Name: fmt.Sprintf("spare-%05d", i), Address: netip.AddrPortFrom(ip, 7077), Role: ring.RoleSpare})
+	}
+	big, err := ring.New(members)
+	if err != nil {
+		t.Fatal(err)
+	}
+	big.Epoch = 2
+	n1, _ := clientAgent(t, pki, ports)
+	n1.members.view = big
+	if b, _ := ring.Encode(big); len(b) < clusterapi.MaxMessage {
+		t.Fatalf("the view takes %d bytes, not more than a message (%d): the test needs more members", len(b), clusterapi.MaxMessage)
+	}
+	if err := n1.exchangeView(t.Context(), "n2"); err != nil {
+		t.Fatalf("push of a view of %d members: %v", len(big.Members), err)
+	}
+	if got := n2.View(); got.Epoch != big.Epoch || len(got.Members) != len(big.Members) {
+		t.Errorf("n2's view: epoch %d with %d members; want epoch %d with %d", got.Epoch, len(got.Members), big.Epoch, len(big.Members))
 	}
 }

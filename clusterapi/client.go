@@ -188,6 +188,11 @@ func (c *Client) postJSON(ctx context.Context, peer string, op Op, req any) (*ht
 
 // call runs one request/reply exchange within the operation's bound d (or ctx's deadline if sooner).
 func call[Rep any](c *Client, ctx context.Context, peer string, op Op, d time.Duration, req any) (Rep, error) {
+	return callBounded[Rep](c, ctx, peer, op, d, MaxMessage, req)
+}
+
+// callBounded is call for a reply of up to limit bytes.
+func callBounded[Rep any](c *Client, ctx context.Context, peer string, op Op, d time.Duration, limit int, req any) (Rep, error) {
 	var rep Rep
 	ctx, cancel := within(ctx, d)
 	defer cancel()
@@ -196,12 +201,12 @@ func call[Rep any](c *Client, ctx context.Context, peer string, op Op, d time.Du
 		return rep, err
 	}
 	defer resp.Body.Close()
-	b, err := io.ReadAll(io.LimitReader(resp.Body, MaxMessage+2))
+	b, err := io.ReadAll(io.LimitReader(resp.Body, int64(limit)+2))
 	switch {
 	case err != nil:
 		return rep, fmt.Errorf("%s reply from %s: %w", op, peer, err)
-	case len(b) > MaxMessage+1:
-		return rep, fmt.Errorf("%s reply from %s: %w: longer than %d bytes", op, peer, ErrTooLong, MaxMessage)
+	case len(b) > limit+1:
+		return rep, fmt.Errorf("%s reply from %s: %w: longer than %d bytes", op, peer, ErrTooLong, limit)
 	}
 	if err := json.Unmarshal(b, &rep); err != nil {
 		return rep, fmt.Errorf("%s reply from %s is not the expected JSON: %w", op, peer, err)
@@ -304,7 +309,7 @@ func (c *Client) Probe(ctx context.Context, peer string, req ProbeRequest) (Prob
 
 // View sends the caller's view and failure timelines and returns peer's.
 func (c *Client) View(ctx context.Context, peer string, req ViewMessage) (ViewMessage, error) {
-	return call[ViewMessage](c, ctx, peer, OpView, c.cfg.Timeouts.LargeTimeout(MaxMessage), req)
+	return callBounded[ViewMessage](c, ctx, peer, OpView, c.cfg.Timeouts.LargeTimeout(MaxViewMessage), MaxViewMessage, req)
 }
 
 // Claim claims spare peer for a failed node.
@@ -362,7 +367,7 @@ func (c *Client) Vouch(ctx context.Context, peer string, req VouchRequest) (Vouc
 // answer is peer's view after it (the caller decodes and checks it like any view). The peer asks the
 // caller whether it is idle before it answers: two message timeouts.
 func (c *Client) Rejoin(ctx context.Context, peer string, req RejoinRequest) (ViewMessage, error) {
-	return call[ViewMessage](c, ctx, peer, OpRejoin, c.msg()+c.cfg.Timeouts.LargeTimeout(MaxMessage), req)
+	return callBounded[ViewMessage](c, ctx, peer, OpRejoin, c.msg()+c.cfg.Timeouts.LargeTimeout(MaxViewMessage), MaxViewMessage, req)
 }
 
 // StartJob asks peer to start a job for a local caller of this agent, and checks the answer is a job's

@@ -3,6 +3,7 @@ package clusterapi
 import (
 	"time"
 
+	"github.com/ftkit/ftkit/ring"
 	"github.com/ftkit/ftkit/spare"
 )
 
@@ -66,6 +67,11 @@ const (
 	// MaxClaim bounds a claim: it may name every spare of the failed node's run (spare.MaxRunSpares
 	// member names of at most 64 bytes, quoted, with commas).
 	MaxClaim = MaxHeader + spare.MaxRunSpares*(64+3)
+	// MaxViewMessage bounds a view message (OpView's request and reply, OpRejoin's reply): the largest
+	// view a member accepts (ring.MaxEncoded), which JSON carries in base64, next to failure timelines
+	// that fill MaxMessage at most. Under MaxMessage a view of a few thousand members could be adopted
+	// but never pushed: every member refused it as too long.
+	MaxViewMessage = (ring.MaxEncoded+2)/3*4 + MaxMessage
 )
 
 // upgradeProto is the protocol a snapshot transfer switches to (ckpt/ship framing).

@@ -122,7 +122,7 @@ func NewServer(ctx context.Context, svc Service, opts ServerOptions) *Server {
 	})
 	handle(s, OpDeterminantsSince, MaxHeader, svc.DeterminantsSince)
 	handle(s, OpProbe, MaxHeader, svc.Probe)
-	handle(s, OpView, MaxMessage, svc.View)
+	handle(s, OpView, MaxViewMessage, svc.View)
 	handle(s, OpClaim, MaxClaim, svc.Claim)
 	handle(s, OpReplica, MaxHeader, svc.Replica)
 	handle(s, OpForget, MaxHeader, func(ctx context.Context, peer string, req ForgetRequest) (ForgetReply, error) {

@@ -42,7 +42,8 @@ const (
 )
 
 // MaxEncoded bounds an encoded view that Decode accepts: a view comes from another agent and must not
-// make us allocate without bound. It holds thousands of members.
+// make us allocate without bound. It holds tens of thousands of members; no operation makes a view
+// longer (checked), since every peer would refuse it.
 const MaxEncoded = 4 << 20
 
 // Member is one host of the cluster.
@@ -89,6 +90,9 @@ func New(members []Member) (View, error) {
 		}
 	}
 	if err := v.validate(); err != nil {
+		return View{}, fmt.Errorf("new view: %w", err)
+	}
+	if err := v.fits(); err != nil {
 		return View{}, fmt.Errorf("new view: %w", err)
 	}
 	return v, nil
@@ -466,7 +470,19 @@ func (v View) checked(format string, args ...any) (View, error) {
 	if err := v.validate(); err != nil {
 		return View{}, fmt.Errorf(format+": result would be inconsistent: %w", append(args, err)...)
 	}
+	if err := v.fits(); err != nil {
+		return View{}, fmt.Errorf(format+": %w", append(args, err)...)
+	}
 	return v, nil
+}
+
+// fits refuses a view whose encoding is longer than Decode accepts.
+func (v View) fits() error {
+	b, _ := json.Marshal(v) // cannot fail: every field marshals
+	if len(b) > MaxEncoded {
+		return fmt.Errorf("the view of %d members would take %d bytes, more than the %d a member accepts", len(v.Members), len(b), MaxEncoded)
+	}
+	return nil
 }
 
 func mergeAddrs(own, taken []netip.Addr) []netip.Addr {

@@ -1,7 +1,9 @@
 package ring
 
 import (
+	"encoding/json"
 	"errors"
+	"fmt"
 	"io/fs"
 	"math"
 	"net/netip"
@@ -593,4 +595,51 @@ func FuzzDecode(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestViewFitsWhatMembersAccept: no operation makes a view longer than Decode accepts, since every peer
+// would refuse it while its maker went on with it.
+func TestViewFitsWhatMembersAccept(t *testing.T) {
+	v := cluster(t)
+	// Spares until one more would not fit (each with its host address, as New fills it in).
+	full := View{Epoch: v.Epoch, Members: slices.Clone(v.Members)}
+	size := len(must(t)(full, nil).encoded(t))
+	for i := 0; ; i++ {
+		m := spareM(fmt.Sprintf("x%d", i), fmt.Sprintf("10.%d.%d.%d:7000", 100+i>>16, i>>8&0xff, i&0xff))
+		m.State, m.Addrs = StateAlive, []netip.Addr{m.Address.Addr()}
+		b, _ := json.Marshal(m)
+		if size+len(b)+1 > MaxEncoded {
+			break
+		}
+		size += len(b) + 1
+		full.Members = append(full.Members, m)
+	}
+	if got := len(full.encoded(t)); got != size {
+		t.Fatalf("encoded %d bytes, counted %d", got, size)
+	}
+	if _, err := Decode(full.encoded(t)); err != nil {
+		t.Fatalf("a view of %d bytes (%d members) refused: %v", size, len(full.Members), err)
+	}
+	if _, err := New(full.Members); err != nil {
+		t.Fatalf("New of %d members that fit: %v", len(full.Members), err)
+	}
+	one := spareM("s99", "10.0.0.99:7000")
+	if _, err := full.AddSpare(one); err == nil || !strings.Contains(err.Error(), "more than the") {
+		t.Errorf("a spare past the bound (%d members): err %v, want a refusal", len(full.Members)+1, err)
+	}
+	if _, err := New(append(slices.Clone(full.Members), one)); err == nil || !strings.Contains(err.Error(), "more than the") {
+		t.Errorf("New past the bound: err %v, want a refusal", err)
+	}
+	if _, err := v.AddSpare(one); err != nil {
+		t.Errorf("a spare within the bound: %v", err)
+	}
+}
+
+func (v View) encoded(t testing.TB) []byte {
+	t.Helper()
+	b, err := json.Marshal(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
 }
