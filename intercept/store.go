@@ -36,10 +36,17 @@ const DefaultMaxPerJob = 1 << 20
 // restored without its receive order replayed, which a recovery says (Since), never wrongly.
 const DefaultMaxTotal = 8 << 20
 
+// DefaultMaxRecords bounds the records (jobs and hosts) a Store keeps, whatever they hold: a batch without a
+// determinant (a job that received nothing yet) makes a record that counts nothing against DefaultMaxTotal,
+// so a member sending empty batches of made-up jobs would otherwise grow the map by one record (a few
+// hundred bytes) a batch for good. Beyond it the records that received nothing for longest go, as above.
+const DefaultMaxRecords = 1 << 16
+
 // Store keeps, on a protector, the determinants of the jobs it protects: per job and host, those of the
 // newest stream from some index on. Its methods may be called from any goroutine.
 type Store struct {
 	maxPerJob, maxTotal int
+	maxRecords          int
 
 	mu    sync.Mutex
 	recs  map[storeKey]*record
@@ -161,7 +168,7 @@ func NewStore(maxPerJob, maxTotal int) *Store {
 	if maxTotal <= 0 {
 		maxTotal = DefaultMaxTotal
 	}
-	return &Store{maxPerJob: maxPerJob, maxTotal: maxTotal, recs: map[storeKey]*record{}}
+	return &Store{maxPerJob: maxPerJob, maxTotal: maxTotal, maxRecords: DefaultMaxRecords, recs: map[storeKey]*record{}}
 }
 
 // Add stores a batch node sent. A batch of another stream replaces the job's record from node; one that
@@ -193,7 +200,7 @@ func (s *Store) Add(node string, b Batch) {
 	s.adds++
 	r.used = s.adds
 	s.total += len(r.kept())
-	for s.total > s.maxTotal {
+	for s.total > s.maxTotal || len(s.recs) > s.maxRecords {
 		var oldest storeKey
 		for ok, or := range s.recs {
 			if ok != k && (oldest == (storeKey{}) || or.used < s.recs[oldest].used) {

@@ -229,3 +229,31 @@ func TestStoreConnTable(t *testing.T) {
 		t.Errorf("Since gave\n%v\nwant\n%v", got, want[len(want)-4:])
 	}
 }
+
+// TestStoreBoundsRecordsOfEmptyBatches: a member's batches of made-up jobs that carry no determinant each
+// made a record that counted nothing against the bound in all, so none was ever forgotten: the protector's
+// map grew by one record per batch (OpDeterminantStream3 takes a batch in about 100 bytes of the wire).
+func TestStoreBoundsRecordsOfEmptyBatches(t *testing.T) {
+	s := NewStore(0, 0)
+	empty, err := Pack(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range DefaultMaxRecords + 100 {
+		dets, err := Unpack(empty) // what the wire gives serveDeterminants
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.Add("n1", Batch{Job: fmt.Sprintf("made-up-%08x", i), Stream: 1, FromStart: true, Dets: dets})
+	}
+	s.mu.Lock()
+	n := len(s.recs)
+	s.mu.Unlock()
+	if n > DefaultMaxRecords {
+		t.Fatalf("%d records kept of batches without determinants, more than the %d a store keeps", n, DefaultMaxRecords)
+	}
+	// The newest record is the one kept: a job that just started may ship nothing yet.
+	if _, err := s.Since(&ckpt.Manifest{Job: fmt.Sprintf("made-up-%08x", DefaultMaxRecords+99), Node: "n1"}); err != nil {
+		t.Errorf("the newest record was forgotten: %v", err)
+	}
+}
