@@ -425,8 +425,17 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 	return j, nil
 }
 
+// maxEndedJobsPerUser bounds the records of a non-root user's ended jobs a host keeps (checkpoint.keep_ended)
+// before it refuses that user's starts. Ended jobs leave max_jobs_per_user free, and each record holds its
+// spec (up to clusterapi.MaxStartJobBytes of arguments and environment) in the agent's memory and its state
+// directory for a day at the default: a program that exits at once, started in a loop, would have root
+// keep them without bound. Records whose snapshots are forgotten already (Forgotten: kept while the job's
+// address may be in use) are not counted: they are few, and could keep their user out for good.
+const maxEndedJobsPerUser = 1024
+
 // admit takes one of uid's job slots on this host for a start (checkpoint.max_jobs_per_user), counting its
-// running jobs and its starts in progress; release gives it back once the job is in byID, or failed.
+// running jobs and its starts in progress, and refuses uid's start while this host keeps the records of
+// maxEndedJobsPerUser of its ended jobs; release gives the slot back once the job is in byID, or failed.
 func (a *Agent) admit(uid uint32) (release func(), err error) {
 	most := a.cfg.Checkpoint.MaxJobsPerUser
 	if uid == 0 || most <= 0 {
@@ -434,14 +443,21 @@ func (a *Agent) admit(uid uint32) (release func(), err error) {
 	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	n := a.starting[uid]
+	n, ended := a.starting[uid], 0
 	for _, j := range a.byID {
-		if j.UID == uid && j.State == JobRunning {
+		switch {
+		case j.UID != uid:
+		case j.State == JobRunning:
 			n++
+		case !j.Forgotten:
+			ended++
 		}
 	}
 	if n >= most {
 		return nil, fmt.Errorf("uid %d already runs %d jobs on %s, the most checkpoint.max_jobs_per_user allows a user: wait for one to end, or ask the operator", uid, n, a.cfg.Name)
+	}
+	if ended >= maxEndedJobsPerUser {
+		return nil, fmt.Errorf("%s keeps the records of %d ended jobs of uid %d (checkpoint.keep_ended), the most it keeps of a user: start fewer, longer jobs, wait for the oldest to be forgotten, or ask the operator", a.cfg.Name, ended, uid)
 	}
 	if a.starting == nil {
 		a.starting = map[uint32]int{}

@@ -292,3 +292,36 @@ func TestStartJobBoundsJobsPerUser(t *testing.T) {
 		t.Errorf("starts in progress left counted: %v", ta.starting)
 	}
 }
+
+// TestStartJobBoundsEndedJobsPerUser: the records of a user's ended jobs stay for checkpoint.keep_ended (a
+// day), each with its spec of up to clusterapi.MaxStartJobBytes of arguments and environment, in the
+// agent's memory and its state directory. Ended jobs leave max_jobs_per_user free, so a user starting a
+// program that exits at once in a loop would make root keep records without bound: past
+// maxEndedJobsPerUser ended records of its own, a user's start is refused; other users and root are not.
+func TestStartJobBoundsEndedJobsPerUser(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.cfg.Checkpoint.MaxJobsPerUser = 3
+	ta.mu.Lock()
+	for i := range maxEndedJobsPerUser {
+		id := fmt.Sprintf("ended-%d", i)
+		ta.byID[id] = &Job{ID: id, UID: 3000, State: []JobState{JobExited, JobLost}[i%2]}
+	}
+	ta.byID["forgotten"] = &Job{ID: "forgotten", UID: 4000, State: JobExited, Forgotten: true}
+	ta.mu.Unlock()
+	for _, tt := range []struct {
+		name string
+		uid  uint32
+		want string // in StartJob's error: the bound's, or a later failure's (this agent has no shim)
+	}{
+		{"uid 3000 past the bound", 3000, "keeps the records of 1024 ended jobs of uid 3000"},
+		{"a job of another user", 4000, "no-shim"},
+		{"a job of root", 0, "no-shim"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := ta.StartJob(t.Context(), JobSpec{Name: "bounded", Argv: []string{"/bin/true"}}, tt.uid, tt.uid)
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("StartJob = %v, want an error with %q", err, tt.want)
+			}
+		})
+	}
+}
