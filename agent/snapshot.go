@@ -2,12 +2,9 @@ package agent
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net/netip"
-	"os"
-	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -514,12 +511,11 @@ func (a *Agent) Snapshots(job string, uid uint32) ([]*ckpt.Manifest, error) {
 	return out, nil
 }
 
-// ownsSnapshot reports whether the job record inside the snapshot belongs to uid.
+// ownsSnapshot reports whether the job record inside the snapshot belongs to uid. The record may be a
+// peer's (a replica), read here for any user's listing before any verification: it is read as a restore
+// reads it (snapshotRecord), bounded and through no link, so that one of any size cannot exhaust the
+// agent's memory.
 func (a *Agent) ownsSnapshot(m *ckpt.Manifest, uid uint32) bool {
-	b, err := os.ReadFile(filepath.Join(a.store.Path(m.Job, m.ID), snapJob))
-	if err != nil {
-		return false
-	}
-	var j Job
-	return json.Unmarshal(b, &j) == nil && j.UID == uid
+	j, err := a.snapshotRecord(m)
+	return err == nil && j.UID == uid
 }
