@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"math"
 	"strings"
 	"time"
 
@@ -48,13 +49,19 @@ func (a *Agent) watchHealth(ctx context.Context) {
 }
 
 // unpredictedMTBF is the MTBF the automatic checkpoint interval is computed for: with a failure predictor,
-// only the failures it misses (checkpoint.mtbf / (1 - recall)).
+// only the failures it misses (checkpoint.mtbf / (1 - recall)), at most the longest time.Duration (some
+// 292 years): a host's MTBF of years and a recall near 1 go beyond it, and a float64 beyond it converts to
+// a negative duration, which the automatic policy refuses.
 func (a *Agent) unpredictedMTBF() time.Duration {
 	m := a.cfg.Checkpoint.MTBF.Duration
 	if len(a.cfg.Health.Command) == 0 {
 		return m
 	}
-	return time.Duration(float64(m) / (1 - a.cfg.Health.Recall))
+	u := float64(m) / (1 - a.cfg.Health.Recall)
+	if u >= math.MaxInt64 {
+		return math.MaxInt64
+	}
+	return time.Duration(u)
 }
 
 // jobInterval is the time between two snapshots of a job: its policy's, and while this host is predicted

@@ -4,8 +4,8 @@
 // The agent runs it as root, so Run trusts only a program that root alone can change (CheckProgram), runs
 // it directly (no shell: an argument is never parsed as shell syntax) with a clean environment (PATH only:
 // the daemon's secrets and settings are not the command's business), standard input from /dev/null, the
-// root directory as its working directory, and its own process group, which the timeout kills whole (an
-// ipmitool left behind by a shell script must not outlive it).
+// root directory as its working directory, and its own process group, which the timeout kills whole, and
+// so does the command's exit (an ipmitool left behind by a shell script must not outlive it).
 package sitecmd
 
 import (
@@ -19,6 +19,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Command is a site's command: argv as it runs, a timeout, and its name for messages ("fence command").
@@ -71,7 +73,16 @@ func (c Command) Run(ctx context.Context) Result {
 	cmd.Cancel = func() error { return syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL) }
 	// A child that keeps the output pipe open must not hold Run past the timeout.
 	cmd.WaitDelay = waitDelay
-	err := cmd.Run()
+	err := cmd.Start()
+	if err == nil {
+		// What the command left behind in its group when it exited (a script's `ipmitool ... &`) goes too:
+		// it would run on as root, one more at every run of a health check, and one that holds the output
+		// open would turn an exit status of 0 into exec.ErrWaitDelay. The group is killed while its leader
+		// is a zombie, not reaped yet, so that its pid (the group's id) is still its own.
+		awaitExit(cmd.Process.Pid)
+		syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+		err = cmd.Wait()
+	}
 	r := Result{Exit: -1, Took: time.Since(start), Output: out.String(), Err: err}
 	var exit *exec.ExitError
 	switch {
@@ -83,6 +94,17 @@ func (c Command) Run(ctx context.Context) Result {
 		r.Exit = exit.ExitCode()
 	}
 	return r
+}
+
+// awaitExit returns once process pid (a child of this process) has exited or cannot be waited for, without
+// reaping it: cmd.Wait does that, and reads its status.
+func awaitExit(pid int) {
+	for {
+		var info unix.Siginfo
+		if err := unix.Waitid(unix.P_PID, pid, &info, unix.WEXITED|unix.WNOWAIT, nil); err != unix.EINTR {
+			return
+		}
+	}
 }
 
 // CheckProgram checks that root alone can change what path runs: the program (after symbolic links) is a

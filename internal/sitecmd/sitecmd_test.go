@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -116,5 +117,44 @@ func TestCheckProgramThroughALinkInAUsersDirectory(t *testing.T) {
 	}
 	if err := CheckProgram("fence command", trusted+"/rootlink/../bin/fence"); err != nil {
 		t.Errorf("through root's link: %v", err)
+	}
+}
+
+// TestRunKillsWhatTheCommandLeftBehind: a command that exits while a child it started still runs (a
+// script's `ipmitool ... &`, a hung smartctl in a subshell) has its exit status reported as such, and the
+// child, in the command's process group, dies with it instead of running on as root, one more at every
+// run of a health check. Before, the group was killed on timeout only: the child ran on, and because it
+// held the output open, Run waited waitDelay and reported exit 0 as a failure (exec.ErrWaitDelay), so a
+// fence command that had powered the host off counted as failed.
+func TestRunKillsWhatTheCommandLeftBehind(t *testing.T) {
+	dir := t.TempDir()
+	pidFile := filepath.Join(dir, "child")
+	prog := filepath.Join(dir, "check")
+	body := "#!/bin/sh\nsleep 60 &\necho $! > " + pidFile + "\necho \"status $1\"\nexit $1\n"
+	if err := os.WriteFile(prog, []byte(body), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, exit := range []int{0, 1} {
+		r := Command{Name: "health command", Argv: []string{prog, strconv.Itoa(exit)}, Timeout: time.Minute}.Run(context.Background())
+		if r.Exit != exit || (exit == 0) != (r.Err == nil) || !strings.Contains(r.Output, "status "+strconv.Itoa(exit)) {
+			t.Errorf("exit %d with a child left behind: Run = exit %d err %v output %q", exit, r.Exit, r.Err, r.Output)
+		}
+		b, err := os.ReadFile(pidFile)
+		if err != nil {
+			t.Fatalf("the command did not record its child: %v", err)
+		}
+		stat := filepath.Join("/proc", strings.TrimSpace(string(b)), "stat")
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			s, err := os.ReadFile(stat)
+			// Gone, or a zombie waiting for its new parent to reap it.
+			if err != nil || strings.Contains(string(s), ") Z ") {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("exit %d: the command's child still runs after Run returned: %s", exit, s)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
 	}
 }
