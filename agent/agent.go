@@ -191,7 +191,7 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 	if err := a.loadView(); err != nil {
 		return nil, err
 	}
-	if a.failures, err = failurelog.Open(cfg.StateDir); err != nil {
+	if a.failures, err = failurelog.Open(cfg.StateDir, cfg.Name); err != nil {
 		return nil, fmt.Errorf("failure timelines in %s: %w", cfg.StateDir, err)
 	}
 	if a.claims, err = spare.OpenHolder(filepath.Join(cfg.StateDir, "claim.json")); err != nil {

@@ -802,7 +802,8 @@ func (a *Agent) releaseAbandonedClaim(v ring.View) {
 		return
 	}
 	for _, f := range a.failures.List() {
-		if f.ID == cur.Failure && f.Done {
+		// The claimer's own timeline, not one another member sent under the same id (failurelog.Log.Merge).
+		if f.ID == cur.Failure && f.Protector == cur.By && f.Done {
 			if err := a.claims.Release(cur.Failure); err != nil {
 				a.log.Error("release the claim of an abandoned recovery", "failure", cur.Failure, "err", err)
 				return

@@ -33,7 +33,7 @@ func TestViewMessageFitsWithManyFailures(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			l, err := failurelog.Open(t.TempDir())
+			l, err := failurelog.Open(t.TempDir(), "")
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -90,5 +90,47 @@ func TestViewMessageFitsWithManyFailures(t *testing.T) {
 			}
 			t.Logf("view message: %d bytes, %d failures", size, len(got.Failures))
 		})
+	}
+}
+
+// TestPeerTimelinesDoNotSteer: timelines a member sends in other members' names (buggy, restored from an
+// old disk, its clock far ahead, or malicious) change nothing this agent does: its own recovery under
+// way on spare1 is not marked done (the jobs would not be taken over when spare1 fails) and no made-up one
+// in its name feeds a take-over; another protector's recovery under way is not marked done (its failed
+// node would be admitted back mid-recovery); and made-up timelines by the hundred, dated after every real
+// one, do not push this agent's own out of its log.
+func TestPeerTimelinesDoNotSteer(t *testing.T) {
+	ta := newTestAgent(t) // node1
+	now := time.Now()
+	ta.failures.Update("node2-1", func(f *Failure) {
+		f.Node, f.Protector, f.Target, f.Detected, f.Jobs = "node2", "node1", "spare1", now, []string{"a"}
+	})
+	send := func(peer string, fs ...*Failure) {
+		ta.serveView(peer, viewMessage{Failures: mustJSON(fs)})
+	}
+	send("node3", &Failure{ID: "node4-1", Node: "node4", Protector: "node3", Target: "spare2", Detected: now, Updated: now})
+	if _, ok := ta.recoveryUnderWay("node4"); !ok {
+		t.Fatal("node3's timeline of its recovery of node4 was not merged from node3")
+	}
+
+	future := now.Add(24 * 365 * time.Hour) // wins every merge by its stamp
+	send("node5",
+		&Failure{ID: "node2-1", Node: "node2", Protector: "node1", Target: "spare1", Jobs: []string{"a"}, Done: true, Updated: future},
+		&Failure{ID: "node9-1", Node: "node9", Protector: "node1", Target: "spare1", Jobs: []string{"alien"}, Updated: future},
+		&Failure{ID: "node4-1", Node: "node4", Protector: "node3", Target: "spare2", Done: true, Updated: future})
+	for i := range 3 {
+		var fs []*Failure
+		for j := range failurelog.MaxFailures {
+			fs = append(fs, &Failure{ID: fmt.Sprintf("made-up-%d-%d", i, j), Node: "node7", Protector: "node5", Done: true,
+				Detected: future.Add(time.Duration(i*failurelog.MaxFailures+j) * time.Second), Updated: future})
+		}
+		send("node5", fs...)
+	}
+
+	if taken := ta.failures.TakeOver("node1", "spare1", "spare1-1"); len(taken) != 1 || taken["a"] != "node2" {
+		t.Errorf("spare1's failure takes over %v; want job a of node2, whose recovery this agent coordinates, only", taken)
+	}
+	if _, ok := ta.recoveryUnderWay("node4"); !ok {
+		t.Error("node4's recovery, which node3 coordinates, is over as node5 says it: node4 would be admitted back mid-recovery")
 	}
 }

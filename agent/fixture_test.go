@@ -93,7 +93,7 @@ func newTestAgent(t *testing.T) *testAgent {
 		t.Fatal(err)
 	}
 	var err error
-	if a.failures, err = failurelog.Open(dir); err != nil {
+	if a.failures, err = failurelog.Open(dir, cfg.Name); err != nil {
 		t.Fatal(err)
 	}
 	if a.store, err = ckpt.Open(filepath.Join(dir, "snapshots"), ckpt.Options{Node: cfg.Name}); err != nil {
@@ -250,6 +250,6 @@ func (ta *testAgent) SetCheckpointFloor(d time.Duration) {
 }
 func (ta *testAgent) AddFailures(fs []*Failure) {
 	for _, f := range fs {
-		ta.failures.Merge(f)
+		ta.failures.Update(f.ID, func(g *Failure) { *g = *f })
 	}
 }

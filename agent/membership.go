@@ -162,7 +162,7 @@ func (a *Agent) serveView(peer string, in viewMessage) viewMessage {
 	} else if _, err := a.adoptPeerView(peer, v); err != nil {
 		a.log.Error("adopt view", "err", err)
 	}
-	if err := a.mergeWireFailures(in.Failures); err != nil {
+	if err := a.mergeWireFailures(peer, in.Failures); err != nil {
 		a.log.Warn("failure timelines from peer refused", "peer", peer, "err", err)
 	}
 	return a.viewMessage()
@@ -219,17 +219,17 @@ func (a *Agent) exchangeView(ctx context.Context, name string) error {
 	if _, err := a.adoptPeerView(name, v); err != nil {
 		return err
 	}
-	return a.mergeWireFailures(in.Failures)
+	return a.mergeWireFailures(name, in.Failures)
 }
 
-// mergeWireFailures decodes the failure timelines a peer sent (JSON of []*Failure; the protocol bounds
+// mergeWireFailures decodes the failure timelines peer sent (JSON of []*Failure; the protocol bounds
 // its size) and merges them.
-func (a *Agent) mergeWireFailures(b json.RawMessage) error {
+func (a *Agent) mergeWireFailures(peer string, b json.RawMessage) error {
 	fs, err := decodeFailures(b)
 	if err != nil {
 		return err
 	}
-	return a.mergeFailures(fs)
+	return a.mergeFailures(peer, fs)
 }
 
 // decodeFailures decodes failure timelines from a peer (none if b is empty) and checks their bounds.
@@ -244,19 +244,20 @@ func decodeFailures(b json.RawMessage) ([]*Failure, error) {
 	return fs, checkFailures(fs)
 }
 
-// mergeFailures merges the failure timelines another agent sent, refusing the whole list if it is
-// longer than an agent keeps; the log clips each timeline to its bounds and keeps the newest failurelog.MaxFailures.
-func (a *Agent) mergeFailures(fs []*Failure) error {
+// mergeFailures merges the failure timelines peer sent, refusing the whole list if it is longer than an
+// agent keeps; the log keeps only those peer coordinates (failurelog.Log.Merge: the others it relays are
+// not its to vouch for), clips each to its bounds and keeps the newest failurelog.MaxFailures.
+func (a *Agent) mergeFailures(peer string, fs []*Failure) error {
 	if err := checkFailures(fs); err != nil {
 		return err
 	}
-	if len(fs) == 0 {
-		return nil
-	}
+	merged := false
 	for _, f := range fs {
-		a.failures.Merge(f)
+		merged = a.failures.Merge(peer, f) || merged
 	}
-	a.saveFailures()
+	if merged {
+		a.saveFailures()
+	}
 	return nil
 }
 

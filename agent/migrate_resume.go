@@ -24,7 +24,8 @@ var errRestartedMidMove = errors.New("this host's agent restarted during the mig
 func (a *Agent) resumeMigrations(ctx context.Context) (n int, wait func()) {
 	var wg sync.WaitGroup
 	for _, f := range a.failures.List() {
-		if f.Kind != KindMigration || f.Node != a.cfg.Name || f.Done || len(f.Jobs) != 1 {
+		// Only this host's own migrations: a timeline another member sent that names this host is not one.
+		if f.Kind != KindMigration || f.Node != a.cfg.Name || f.Protector != a.cfg.Name || f.Done || len(f.Jobs) != 1 {
 			continue
 		}
 		j, _, err := a.Job(f.Jobs[0], 0)

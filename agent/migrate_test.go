@@ -332,9 +332,13 @@ func TestResumeMigrations(t *testing.T) {
 		"gone-00000001-migrate-1":    "gone-00000001",
 	}
 	for id, job := range open {
-		ta.failures.Update(id, func(f *Failure) { f.Kind, f.Node, f.Target, f.Jobs = KindMigration, "node1", "node2", []string{job} })
+		ta.failures.Update(id, func(f *Failure) {
+			f.Kind, f.Node, f.Protector, f.Target, f.Jobs = KindMigration, "node1", "node1", "node2", []string{job}
+		})
 	}
-	ta.failures.Update("done-migrate", func(f *Failure) { f.Kind, f.Node, f.Jobs, f.Done = KindMigration, "node1", []string{doneJob}, true })
+	ta.failures.Update("done-migrate", func(f *Failure) {
+		f.Kind, f.Node, f.Protector, f.Jobs, f.Done = KindMigration, "node1", "node1", []string{doneJob}, true
+	})
 	ta.failures.Update("other-migrate", func(f *Failure) { f.Kind, f.Node, f.Jobs = KindMigration, "node2", []string{"x-00000001"} })
 
 	ctx, cancel := context.WithCancel(t.Context())

@@ -216,7 +216,7 @@ func (a *Agent) askRejoin(ctx context.Context, incarnation uint64) error {
 		if _, err := a.adoptPeerView(m.Name, v); err != nil {
 			return err
 		}
-		if err := a.mergeWireFailures(in.Failures); err != nil {
+		if err := a.mergeWireFailures(m.Name, in.Failures); err != nil {
 			a.log.Warn("failure timelines from peer refused", "peer", m.Name, "err", err)
 		}
 		a.log.Info("rejoined the cluster as a spare", "admitted_by", m.Name, "epoch", v.Epoch, "incarnation", incarnation+1)

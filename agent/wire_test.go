@@ -75,7 +75,7 @@ func newWireAgent(t *testing.T, name string, members []ring.Member) (*Agent, *te
 		t.Fatal(err)
 	}
 	a.members.view, a.members.path = v, filepath.Join(dir, viewFile)
-	if a.failures, err = failurelog.Open(dir); err != nil {
+	if a.failures, err = failurelog.Open(dir, name); err != nil {
 		t.Fatal(err)
 	}
 	if a.claims, err = spare.OpenHolder(filepath.Join(dir, "claim.json")); err != nil {
@@ -182,7 +182,7 @@ func TestServeViewBoundsFailures(t *testing.T) {
 	many := func(n, stages int) []*Failure {
 		fs := make([]*Failure, n)
 		for i := range fs {
-			fs[i] = &Failure{ID: fmt.Sprintf("f%d", i), Node: "n3", Updated: time.Now(), Stages: make([]Stage, stages)}
+			fs[i] = &Failure{ID: fmt.Sprintf("f%d", i), Node: "n3", Protector: "n2", Updated: time.Now(), Stages: make([]Stage, stages)}
 		}
 		return fs
 	}
@@ -202,7 +202,7 @@ func TestServeViewBoundsFailures(t *testing.T) {
 			a, logs := newWireAgent(t, "n1", testMembers(nil))
 			peer, _ := newWireAgent(t, "n2", testMembers(nil))
 			var err error
-			if peer.failures, err = failurelog.Open(t.TempDir()); err != nil { // none of its own
+			if peer.failures, err = failurelog.Open(t.TempDir(), "n2"); err != nil { // none of its own
 				t.Fatal(err)
 			}
 			msg := peer.viewMessage()

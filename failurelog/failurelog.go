@@ -75,12 +75,13 @@ const (
 type Log struct {
 	mu   sync.Mutex
 	path string
+	self string // the agent's member name: the protector of the timelines it writes
 	byID map[string]*Failure
 }
 
-// Open reads the log kept in dir (failures.json), or starts an empty one.
-func Open(dir string) (*Log, error) {
-	l := &Log{path: filepath.Join(dir, "failures.json"), byID: map[string]*Failure{}}
+// Open reads the log kept in dir (failures.json) of the agent of member self, or starts an empty one.
+func Open(dir, self string) (*Log, error) {
+	l := &Log{path: filepath.Join(dir, "failures.json"), self: self, byID: map[string]*Failure{}}
 	b, err := atomicfile.ReadBounded(l.path, maxFile)
 	if errors.Is(err, fs.ErrNotExist) {
 		return l, nil
@@ -156,7 +157,12 @@ func (f *Failure) when() time.Time {
 	return f.Detected
 }
 
-// trim drops the oldest failures beyond MaxFailures; call with l.mu held.
+// trim drops failures beyond MaxFailures; call with l.mu held. It drops the oldest timeline of the
+// protector that has the most in the log, this agent's own last. The agent acts on timelines (TakeOver and
+// a migration resumed at start read its own; a rejoin waits for another protector's recovery under way):
+// a member that sends made-up timelines by the hundred, dated after every real one (or its clock far
+// ahead), must push only its own out, not an unfinished recovery another protector or this agent
+// coordinates.
 func (l *Log) trim() {
 	if len(l.byID) <= MaxFailures {
 		return
@@ -166,12 +172,42 @@ func (l *Log) trim() {
 		all = append(all, f)
 	}
 	sortFailures(all)
-	for _, f := range all[:len(all)-MaxFailures] {
-		delete(l.byID, f.ID)
+	byProtector := map[string][]*Failure{} // each oldest first
+	for _, f := range all {
+		byProtector[f.Protector] = append(byProtector[f.Protector], f)
+	}
+	for excess := len(all) - MaxFailures; excess > 0; excess-- {
+		most := ""
+		for p, fs := range byProtector {
+			if len(fs) == 0 {
+				continue
+			}
+			if m := byProtector[most]; len(m) == 0 || l.larger(p, fs, most, m) {
+				most = p
+			}
+		}
+		delete(l.byID, byProtector[most][0].ID)
+		byProtector[most] = byProtector[most][1:]
 	}
 }
 
-// sortFailures orders oldest first (ties by id, so that every agent trims the same ones).
+// larger reports whether protector p's timelines fs leave the log before q's timelines gs (trim): this
+// agent's own last, then the protector with more first, ties to the one whose oldest is older (by name
+// then, so that agents trim the same ones of others).
+func (l *Log) larger(p string, fs []*Failure, q string, gs []*Failure) bool {
+	if po, qo := l.self != "" && p == l.self, l.self != "" && q == l.self; po != qo {
+		return qo
+	}
+	if len(fs) != len(gs) {
+		return len(fs) > len(gs)
+	}
+	if a, b := fs[0].when(), gs[0].when(); !a.Equal(b) {
+		return a.Before(b)
+	}
+	return p < q
+}
+
+// sortFailures orders oldest first (ties by id, so that agents trim the same ones of others).
 func sortFailures(fs []*Failure) {
 	sort.Slice(fs, func(i, j int) bool {
 		if wi, wj := fs[i].when(), fs[j].when(); !wi.Equal(wj) {
@@ -181,20 +217,33 @@ func sortFailures(fs []*Failure) {
 	})
 }
 
-// Merge keeps the most recently updated copy of a failure. The copy may come from another node: it is
-// clipped to the log's bounds, and the oldest failures leave the log when it is full.
-func (l *Log) Merge(f *Failure) {
-	if f == nil || !validID(f.ID) {
-		return
+// Merge keeps the most recently updated copy of a failure that member peer sent, and reports whether it
+// kept it. The copy is clipped to the log's bounds, and the oldest failures leave the log when it is full.
+//
+// Only a failure's protector writes its timeline, and agents act on what timelines say (a target's failure
+// takes over the unfinished recoveries its protector's log lists on it, a migration left unfinished is
+// resumed at start, a failed member is not admitted back while its recovery is under way, a spare frees
+// its claim once the recovery says done). So a copy is merged only from its protector, and only over a
+// timeline of the same protector: a member (buggy, restored from an old disk, its clock far ahead, or
+// malicious) cannot replace another's timeline, with a newer stamp that wins every merge, nor make one up
+// in another's name, and this agent's own are never replaced (peer is never this agent). Copies of other
+// members' timelines that a peer relays are left out: each protector sends its own to every member.
+func (l *Log) Merge(peer string, f *Failure) bool {
+	if f == nil || !validID(f.ID) || peer == "" || peer == l.self || f.Protector != peer {
+		return false
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if cur, ok := l.byID[f.ID]; !ok || f.Updated.After(cur.Updated) {
-		c := f.clone()
-		c.bound()
-		l.byID[f.ID] = c
-		l.trim()
+	cur, ok := l.byID[f.ID]
+	if ok && (cur.Protector != peer || !f.Updated.After(cur.Updated)) {
+		return false
 	}
+	c := f.clone()
+	c.bound()
+	l.byID[f.ID] = c
+	l.trim()
+	_, kept := l.byID[f.ID]
+	return kept
 }
 
 // Update changes a failure under the lock and stamps it.

@@ -18,19 +18,19 @@ import (
 
 func TestMergeKeepsNewest(t *testing.T) {
 	dir := t.TempDir()
-	l, err := Open(dir)
+	l, err := Open(dir, "node1")
 	if err != nil {
 		t.Fatal(err)
 	}
 	t0 := time.Date(2026, 11, 22, 10, 0, 0, 0, time.UTC)
 	l.Update("n2-1", func(f *Failure) {
-		f.Node, f.Detected = "node2", t0
+		f.Node, f.Protector, f.Detected = "node2", "node3", t0
 		f.Stages = append(f.Stages, Stage{Name: "detected", Start: t0.Add(-time.Second), End: t0})
 	})
-	older := &Failure{ID: "n2-1", Node: "node2", Detected: t0, Updated: t0.Add(-time.Hour)}
-	newer := &Failure{ID: "n2-1", Node: "node2", Detected: t0, Updated: time.Now().Add(time.Hour), Done: true,
+	older := &Failure{ID: "n2-1", Node: "node2", Protector: "node3", Detected: t0, Updated: t0.Add(-time.Hour)}
+	newer := &Failure{ID: "n2-1", Node: "node2", Protector: "node3", Detected: t0, Updated: time.Now().Add(time.Hour), Done: true,
 		Stages: []Stage{{Name: "detected"}, {Name: "restored"}}}
-	other := &Failure{ID: "n4-1", Node: "node4", Detected: t0.Add(time.Minute), Updated: t0}
+	other := &Failure{ID: "n4-1", Node: "node4", Protector: "node3", Detected: t0.Add(time.Minute), Updated: t0}
 	tests := []struct {
 		name       string
 		in         *Failure
@@ -42,19 +42,19 @@ func TestMergeKeepsNewest(t *testing.T) {
 		{"nil is ignored", nil, 2, true},
 	}
 	for _, tt := range tests {
-		l.Merge(tt.in)
+		l.Merge("node3", tt.in)
 		got := l.List()[0]
 		if len(got.Stages) != tt.wantStages || got.Done != tt.wantDone {
 			t.Errorf("%s: %d stages, done %v; want %d, %v", tt.name, len(got.Stages), got.Done, tt.wantStages, tt.wantDone)
 		}
 	}
-	l.Merge(other)
+	l.Merge("node3", other)
 	// A copy handed out is not the stored one.
 	l.List()[0].Stages[0].Name = "changed"
 	if err := l.Save(); err != nil {
 		t.Fatal(err)
 	}
-	back, err := Open(dir)
+	back, err := Open(dir, "node1")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -163,14 +163,14 @@ func names(ss []Stage) []string {
 // or merged from another node, and a reloaded log keeps the same.
 func TestKeepsNewest(t *testing.T) {
 	dir := t.TempDir()
-	l, err := Open(dir)
+	l, err := Open(dir, "node1")
 	if err != nil {
 		t.Fatal(err)
 	}
 	t0 := time.Date(2026, 11, 22, 10, 0, 0, 0, time.UTC)
 	at := func(i int) time.Time { return t0.Add(time.Duration(i) * time.Minute) }
 	for i := range 150 {
-		l.Update(fmt.Sprintf("f%03d", i), func(f *Failure) { f.Node, f.Detected = "node2", at(i) })
+		l.Update(fmt.Sprintf("f%03d", i), func(f *Failure) { f.Node, f.Protector, f.Detected = "node2", "node3", at(i) })
 	}
 	steps := []struct {
 		name        string
@@ -180,13 +180,13 @@ func TestKeepsNewest(t *testing.T) {
 		wantPresent bool // whether the merged failure is in the log after the step
 	}{
 		{"recorded here", nil, "f050", "f149", false},
-		{"a peer's older failure does not displace a newer one", &Failure{ID: "old", Detected: at(-5), Updated: time.Now()}, "f050", "f149", false},
-		{"a peer's newer failure displaces the oldest", &Failure{ID: "new", Detected: at(500), Updated: time.Now()}, "f051", "new", true},
-		{"a peer's failure with an overlong id is refused", &Failure{ID: strings.Repeat("x", 200), Detected: at(600), Updated: time.Now()}, "f051", "new", false},
+		{"a peer's older failure does not displace a newer one", &Failure{ID: "old", Protector: "node3", Detected: at(-5), Updated: time.Now()}, "f050", "f149", false},
+		{"a peer's newer failure displaces the oldest", &Failure{ID: "new", Protector: "node3", Detected: at(500), Updated: time.Now()}, "f051", "new", true},
+		{"a peer's failure with an overlong id is refused", &Failure{ID: strings.Repeat("x", 200), Protector: "node3", Detected: at(600), Updated: time.Now()}, "f051", "new", false},
 	}
 	for _, st := range steps {
 		if st.merge != nil {
-			l.Merge(st.merge)
+			l.Merge("node3", st.merge)
 		}
 		got := l.List()
 		if len(got) != 100 || got[0].ID != st.wantFirst || got[len(got)-1].ID != st.wantLast {
@@ -199,7 +199,7 @@ func TestKeepsNewest(t *testing.T) {
 	if err := l.Save(); err != nil {
 		t.Fatal(err)
 	}
-	back, err := Open(dir)
+	back, err := Open(dir, "node1")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -211,7 +211,7 @@ func TestKeepsNewest(t *testing.T) {
 // A spare that fails while it restores a failed node's jobs: its own failure's recovery takes them over.
 
 func TestTakeOver(t *testing.T) {
-	l, err := Open(t.TempDir())
+	l, err := Open(t.TempDir(), "node3")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -251,7 +251,87 @@ func TestOpenRefusesALink(t *testing.T) {
 	if err := os.Symlink(target, filepath.Join(dir, "failures.json")); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := Open(dir); err == nil || !strings.Contains(err.Error(), "move it away") {
+	if _, err := Open(dir, "node1"); err == nil || !strings.Contains(err.Error(), "move it away") {
 		t.Fatalf("Open over a link: %v, want a refusal that says what to do", err)
+	}
+}
+
+// TestMergeOnlyFromProtector: a member's copy of a timeline is merged only if the member coordinates it,
+// and only over a timeline of the same protector: no member replaces another's timeline (with a stamp
+// far ahead, which would win every merge) or this agent's own, nor makes one up in another's name.
+func TestMergeOnlyFromProtector(t *testing.T) {
+	l, err := Open(t.TempDir(), "node1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t0 := time.Now()
+	// This agent's own recovery, under way on spare1.
+	l.Update("node2-1", func(f *Failure) {
+		f.Node, f.Protector, f.Target, f.Detected, f.Jobs = "node2", "node1", "spare1", t0, []string{"a"}
+	})
+	// node3's recovery of node4, as node3 sent it.
+	if !l.Merge("node3", &Failure{ID: "node4-1", Node: "node4", Protector: "node3", Target: "spare2", Detected: t0, Updated: t0}) {
+		t.Fatal("the protector's own timeline was not merged")
+	}
+	future := t0.Add(24 * 365 * time.Hour)
+	for _, tc := range []struct {
+		name string
+		peer string
+		f    *Failure
+	}{
+		{"ours, marked done by another member", "node3",
+			&Failure{ID: "node2-1", Node: "node2", Protector: "node1", Target: "spare1", Done: true, Updated: future}},
+		{"ours, claimed by another member", "node3",
+			&Failure{ID: "node2-1", Node: "node2", Protector: "node3", Target: "spare1", Done: true, Updated: future}},
+		{"made up in our name", "node3",
+			&Failure{ID: "node5-1", Node: "node5", Protector: "node1", Target: "spare1", Jobs: []string{"alien"}, Updated: future}},
+		{"node3's, marked done by a relay", "node4",
+			&Failure{ID: "node4-1", Node: "node4", Protector: "node3", Done: true, Updated: future}},
+		{"node3's, taken by another member", "node4",
+			&Failure{ID: "node4-1", Node: "node4", Protector: "node4", Done: true, Updated: future}},
+	} {
+		if l.Merge(tc.peer, tc.f) {
+			t.Errorf("%s: merged", tc.name)
+		}
+	}
+	if got := l.TakeOver("node1", "spare1", "spare1-1"); !maps.Equal(got, map[string]string{"a": "node2"}) {
+		t.Errorf("taken over %v, want job a of node2 only", got)
+	}
+	for _, f := range l.List() {
+		if f.Done {
+			t.Errorf("failure %s (protector %s) done after others' copies", f.ID, f.Protector)
+		}
+	}
+	if !l.Merge("node3", &Failure{ID: "node4-1", Node: "node4", Protector: "node3", Done: true, Updated: t0.Add(time.Second)}) {
+		t.Error("the protector's newer copy was not merged")
+	}
+}
+
+// TestTrimKeepsOwn: timelines a member makes up by the hundred, dated after every real one, do not push
+// this agent's own out of its log, nor another protector's.
+func TestTrimKeepsOwn(t *testing.T) {
+	l, err := Open(t.TempDir(), "node1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t0 := time.Now()
+	l.Update("node2-1", func(f *Failure) {
+		f.Node, f.Protector, f.Target, f.Detected, f.Jobs = "node2", "node1", "spare1", t0, []string{"a"}
+	})
+	l.Merge("node4", &Failure{ID: "node5-1", Node: "node5", Protector: "node4", Detected: t0, Updated: t0})
+	for i := range 3 * MaxFailures {
+		l.Merge("node3", &Failure{ID: fmt.Sprintf("made-up-%d", i), Node: "node9", Protector: "node3",
+			Detected: t0.Add(time.Duration(i+1) * time.Hour), Updated: t0})
+	}
+	got := l.List()
+	if len(got) != MaxFailures || !slices.ContainsFunc(got, func(f *Failure) bool { return f.ID == "node2-1" }) {
+		t.Fatalf("%d failures kept, this agent's own among them: %v; want %d with it", len(got),
+			slices.ContainsFunc(got, func(f *Failure) bool { return f.ID == "node2-1" }), MaxFailures)
+	}
+	if !slices.ContainsFunc(got, func(f *Failure) bool { return f.ID == "node5-1" }) {
+		t.Error("node4's timeline was pushed out by node3's")
+	}
+	if taken := l.TakeOver("node1", "spare1", "spare1-1"); taken["a"] != "node2" {
+		t.Errorf("taken over %v, want job a", taken)
 	}
 }
