@@ -133,17 +133,53 @@ func addressHeld(j *Job) bool {
 // none: restoring j from an old snapshot (a job that ended, its address given out again) would put one
 // address on two jobs.
 func (a *Agent) otherHolder(j Job) string {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.otherHolderLocked(j)
+}
+
+// otherHolderLocked is otherHolder with a.mu held.
+func (a *Agent) otherHolderLocked(j Job) string {
 	if j.Net == nil {
 		return ""
 	}
-	a.mu.Lock()
-	defer a.mu.Unlock()
 	for id, o := range a.byID {
 		if id != j.ID && addressHeld(o) && o.Net.Addr.Addr().Unmap() == j.Net.Addr.Addr().Unmap() {
 			return id
 		}
 	}
 	return ""
+}
+
+// reserveRestoredAddr reserves job j's address for its restore on this host (releaseJobAddr gives it back
+// once the restored job is listed, or its network is deleted), or refuses the restore: another job of this
+// host holds the address (otherHolder), a job being started got it (allocJobAddr), or the network of
+// another job that ended here still holds it on the wire (finish). The check and the hold are one step
+// under a.mu: checked alone, a start during the restore (CRIU: seconds) or one whose network was being made
+// as the restore began handed out or kept the address, and two job networks of this host held it.
+func (a *Agent) reserveRestoredAddr(j Job) error {
+	if j.Net == nil {
+		return nil
+	}
+	ip := j.Net.Addr.Addr()
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if other := a.otherHolderLocked(j); other != "" {
+		return fmt.Errorf("job %s cannot be restored here: its address %s is held by job %s of this host now (the job's address was given out again after it ended)",
+			j.ID, ip, other)
+	}
+	// The one hold the job's own earlier copy may have here: finish reserved the address for its network
+	// until that is deleted, and a restore claims that network (claimJobNet).
+	own := 0
+	if o := a.byID[j.ID]; o != nil && o.Net != nil && !addressHeld(o) && o.Net.Addr.Addr() == ip {
+		own = 1
+	}
+	if a.reservedAddrs[ip] > own {
+		return fmt.Errorf("job %s cannot be restored here now: its address %s is being given to a job starting on this host, or is still held by the network of a job that ended here until its closed connections are acknowledged (job_network.linger): try again in a few seconds",
+			j.ID, ip)
+	}
+	a.reservedAddrs[ip]++
+	return nil
 }
 
 // pickJobAddr is the first address of pool that is not used and not the network or broadcast address of

@@ -384,3 +384,114 @@ func TestRestoreRefusesAnAddressHeldByAnotherJob(t *testing.T) {
 		t.Errorf("otherHolder of the job itself = %q, want only the other job", got)
 	}
 }
+
+// TestRestoreHoldsItsAddress: a restore checks and holds its job's address in one step. The old code only
+// looked at the other jobs' records (otherHolder) and held nothing: a job whose StartJob had been handed the
+// address (not listed yet), or another ended job's network still holding it (lingering until its closes are
+// acknowledged), did not stop the restore, and a job started while CRIU restored got the address the
+// restored job's network holds: two job networks of this host on one address, the second user's job
+// answering for (or stealing the connections of) the first.
+func TestRestoreHoldsItsAddress(t *testing.T) {
+	setup := func(t *testing.T) (*testAgent, netip.Prefix) {
+		ta := newTestAgent(t)
+		a := ta.Agent
+		a.reservedAddrs = map[netip.Addr]int{}
+		a.cfg.Cluster.Listen = netip.MustParseAddrPort("127.0.0.1:1") // the pool's cluster network: lo's 127/8
+		a.cfg.JobNetwork.Pool = netip.MustParsePrefix("127.0.0.200/30")
+		// No job network is ever made here: a restore that gets as far as making one fails on the parent's
+		// name before anything of the host is touched.
+		a.cfg.JobNetwork.Parent = "no/such/parent"
+		return ta, netip.MustParsePrefix("127.0.0.200/8") // the first address the pool hands out
+	}
+	restore := func(ta *testAgent, id string, addr netip.Prefix) error {
+		j := Job{ID: id, Net: &JobNet{Name: jobNetName("node2", id), Kind: jobnet.MACVlan, Addr: addr}}
+		m := &ckpt.Manifest{Job: id, ID: "20261206T120000.000Z-node2-000001"}
+		work := filepath.Join(ta.dir, "restore", id)
+		if err := os.MkdirAll(work, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		_, err := ta.restoreJob(context.Background(), m, j, work, nil)
+		return err
+	}
+	refused := func(err error) bool { return err != nil && strings.Contains(err.Error(), "cannot be restored here") }
+
+	t.Run("a start holds it", func(t *testing.T) {
+		ta, _ := setup(t)
+		addr, err := ta.allocJobAddr() // StartJob, making the new job's network; not listed yet
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ta.releaseJobAddr(addr.Addr())
+		if err := restore(ta, "old-00000001", addr); !refused(err) {
+			t.Errorf("restore of a job on %s while a starting job was handed it: %v, want a refusal", addr, err)
+		}
+	})
+
+	t.Run("another ended job's network holds it", func(t *testing.T) {
+		ta, _ := setup(t)
+		ta.cfg.JobNetwork.Linger = Duration{Duration: time.Minute}
+		addr, err := ta.allocJobAddr()
+		if err != nil {
+			t.Fatal(err)
+		}
+		id := "ended-00000001"
+		j := ta.addJob(t, Job{ID: id, State: JobRunning, PID: os.Getpid(), Net: &JobNet{Name: jobNetName(ta.cfg.Name, id), Kind: jobnet.MACVlan, Addr: addr}})
+		ta.releaseJobAddr(addr.Addr())
+		// Its network lingers (held by the test: the wait would end at once, no network being there).
+		ta.lingering.mu.Lock()
+		go ta.finish(j, JobExited, &shim.ExitStatus{})
+		for !func() bool { ta.mu.Lock(); defer ta.mu.Unlock(); return ta.reservedAddrs[addr.Addr()] > 0 }() {
+			time.Sleep(time.Millisecond)
+		}
+		err = restore(ta, "old-00000001", addr)
+		ta.lingering.mu.Unlock()
+		if !refused(err) {
+			t.Errorf("restore of a job on %s while an ended job's network still holds it: %v, want a refusal", addr, err)
+		}
+	})
+
+	t.Run("a start during the restore gets another", func(t *testing.T) {
+		ta, addr := setup(t)
+		var got netip.Prefix
+		var startErr error
+		started := false
+		// The restore fails at making the network and deletes it: the one moment of a restore a unit test
+		// sees without making a namespace. The address is still the restore's then.
+		ta.log = slog.New(hookHandler{func(r slog.Record) {
+			if strings.HasPrefix(r.Message, "job network deleted") && !started {
+				started = true
+				got, startErr = ta.allocJobAddr()
+			}
+		}})
+		err := restore(ta, "old-00000001", addr)
+		if err == nil || refused(err) {
+			t.Fatalf("restore: %v, want it to fail at making the job's network", err)
+		}
+		if !started || startErr != nil {
+			t.Fatalf("no start during the restore (%v; restore: %v)", startErr, err)
+		}
+		if got.Addr() == addr.Addr() {
+			t.Errorf("a job started while job old-00000001 was restored on %s got that address", addr)
+		}
+		ta.releaseJobAddr(got.Addr())
+		ta.mu.Lock()
+		defer ta.mu.Unlock()
+		if n := ta.reservedAddrs[addr.Addr()]; n != 0 {
+			t.Errorf("%s still reserved %d times after the failed restore deleted its network", addr, n)
+		}
+	})
+
+	t.Run("its own ended copy's hold does not count", func(t *testing.T) {
+		ta, _ := setup(t)
+		addr, err := ta.allocJobAddr()
+		if err != nil {
+			t.Fatal(err)
+		}
+		id := "self-00000001"
+		ta.addJob(t, Job{ID: id, State: JobExited, Net: &JobNet{Name: jobNetName(ta.cfg.Name, id), Kind: jobnet.MACVlan, Addr: addr}})
+		// finish's hold for the ended copy's network (allocJobAddr's stands in for it).
+		if err := restore(ta, id, addr); refused(err) {
+			t.Errorf("restore of job %s, whose own ended copy's network holds %s: %v", id, addr, err)
+		}
+	})
+}

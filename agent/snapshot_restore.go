@@ -93,10 +93,17 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 	if err := a.refuseWhileFenced(); err != nil {
 		return nil, err
 	}
-	if other := a.otherHolder(j); other != "" {
-		return nil, fmt.Errorf("job %s cannot be restored from snapshot %s here: its address %s is held by job %s of this host now (the job's address was given out again after it ended)",
-			j.ID, m.ID, j.Net.Addr.Addr(), other)
+	if err := a.reserveRestoredAddr(j); err != nil {
+		return nil, fmt.Errorf("snapshot %s: %w", m.ID, err)
 	}
+	// The address stays reserved until the restored job is listed (addressHeld), or its network is
+	// deleted; a network that could not be deleted keeps it, as releaseEnded does.
+	addrReserved := j.Net != nil
+	defer func() {
+		if addrReserved {
+			a.releaseJobAddr(j.Net.Addr.Addr())
+		}
+	}()
 	journal, err := a.restoreOutputs(m, j, filepath.Join(work, outputJournalDir))
 	var pid int
 	start := time.Now()
@@ -172,7 +179,10 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 			a.releaseResources(&j) // nothing of the job runs here: its cgroup, its log and receive-order watches go
 		}
 		if j.Net != nil && j.Net.Name == jobNetName(a.cfg.Name, j.ID) {
-			a.deleteJobNet(ctx, j.ID, j.Net) // its address must not stay on the wire without the job
+			// Its address must not stay on the wire without the job; while it may, nobody else gets it.
+			if a.deleteJobNet(ctx, j.ID, j.Net) != nil {
+				addrReserved = false
+			}
 		}
 		// Nothing runs: the next attempt, or an older snapshot, finds the files as they were.
 		keepWork, err = a.undoOutputs(journal, m, err)
@@ -188,6 +198,7 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 	a.mu.Lock()
 	if err := a.jobs.save(&j); err != nil {
 		a.mu.Unlock()
+		addrReserved = false // the job runs, unlisted: its address must not be handed out
 		return nil, err
 	}
 	a.byID[j.ID] = &j
