@@ -1,7 +1,6 @@
 package fence
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"os"
@@ -10,8 +9,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/ftkit/ftkit/internal/sitecmd"
 )
 
 func TestDecide(t *testing.T) {
@@ -180,6 +177,7 @@ func script(t *testing.T, body string) string {
 
 func TestCommandRun(t *testing.T) {
 	t.Setenv("FENCE_TEST_SECRET", "hunter2")
+	t.Setenv("PATH", "/usr/sbin:/usr/bin:/sbin:/bin") // root's directories: the command gets them all
 	long := strings.Repeat("x", 2*maxOutput) + "the end"
 	for _, tc := range []struct {
 		name     string
@@ -197,7 +195,7 @@ func TestCommandRun(t *testing.T) {
 		// Nothing of the agent's environment but PATH, no terminal or socket on stdin, and / as the
 		// working directory (not wherever the agent was started).
 		{"clean environment", `echo "secret=${FENCE_TEST_SECRET-unset} path=$PATH pwd=$(pwd)"; read line && echo "stdin=$line"; true`,
-			10 * time.Second, true, "secret=unset path=" + cmp.Or(os.Getenv("PATH"), sitecmd.DefaultPath) + " pwd=/", ""},
+			10 * time.Second, true, "secret=unset path=/usr/sbin:/usr/bin:/sbin:/bin pwd=/", ""},
 		{"host name is not shell syntax", `echo "arg=$1"`, 10 * time.Second, true, "arg=n2", ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -2,8 +2,9 @@
 // command that powers a host off, a health check that predicts a failure) run with a timeout.
 //
 // The agent runs it as root, so Run trusts only a program that root alone can change (CheckProgram), runs
-// it directly (no shell: an argument is never parsed as shell syntax) with a clean environment (PATH only:
-// the daemon's secrets and settings are not the command's business), standard input from /dev/null, the
+// it directly (no shell: an argument is never parsed as shell syntax) with a clean environment (PATH only,
+// and only its directories that root alone can change: the daemon's secrets and settings are not the
+// command's business, and a script finds its tools through PATH), standard input from /dev/null, the
 // root directory as its working directory, and its own process group, which the timeout kills whole, and
 // so does the command's exit (an ipmitool left behind by a shell script must not outlive it).
 package sitecmd
@@ -16,6 +17,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -33,7 +35,7 @@ type Command struct {
 // MaxOutput bounds what of the command's output is kept: its last bytes, where a failing command says why.
 const MaxOutput = 4 << 10
 
-// DefaultPath is the command's PATH when the agent has none (a unit file may clear it).
+// DefaultPath is the command's PATH when the agent has none (a unit file may clear it), or none of root's.
 const DefaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 // waitDelay is how long Run waits, after the command exited or was killed, for whatever it left holding
@@ -63,7 +65,7 @@ func (c Command) Run(ctx context.Context) Result {
 	ctx, cancel := context.WithTimeout(ctx, c.Timeout)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, c.Argv[0], c.Argv[1:]...)
-	cmd.Env = []string{"PATH=" + orDefault(os.Getenv("PATH"), DefaultPath)}
+	cmd.Env = []string{"PATH=" + orDefault(rootPath(os.Getenv("PATH")), rootPath(DefaultPath))}
 	cmd.Dir = "/"
 	var out tailBuffer
 	cmd.Stdout, cmd.Stderr = &out, &out
@@ -131,18 +133,62 @@ func CheckProgram(name, path string) error {
 	if err := rootOnly(real, fi); err != nil {
 		return fmt.Errorf("%s %s: %w", name, path, err)
 	}
+	if err := onTheWay(dirs); err != nil {
+		return fmt.Errorf("%s %s: %w", name, path, err)
+	}
+	return nil
+}
+
+// onTheWay checks the directories a path passes through: each root's and writable by root alone, but a
+// sticky one of root's (others cannot replace root's entries there).
+func onTheWay(dirs []string) error {
 	for _, d := range dirs {
 		di, err := os.Stat(d)
 		if err != nil {
-			return fmt.Errorf("%s %s: %w", name, path, err)
+			return err
 		}
 		if di.Mode()&fs.ModeSticky == 0 || !trusted(ownerUID(di)) {
 			if err := rootOnly(d, di); err != nil {
-				return fmt.Errorf("%s %s: %w", name, path, err)
+				return err
 			}
 		}
 	}
 	return nil
+}
+
+// rootPath keeps of PATH list the directories root alone can change, as CheckProgram requires of the
+// program's: a script run as root finds its tools (ipmitool) through PATH, and an agent started by hand
+// with a user's directory, a relative one or an empty entry (the working directory) in its PATH would have
+// run that user's ipmitool as root.
+func rootPath(list string) string {
+	var kept []string
+	for _, d := range filepath.SplitList(list) {
+		if filepath.IsAbs(d) && rootDir(d) == nil && !slices.Contains(kept, d) {
+			kept = append(kept, d)
+		}
+	}
+	return strings.Join(kept, ":")
+}
+
+// rootDir checks that root alone can change what directory d holds: d (after symbolic links) is root's
+// and writable by root alone, sticky or not (anyone may add a name to a sticky directory), and so is
+// every directory on the way but a sticky one of root's.
+func rootDir(d string) error {
+	real, dirs, err := resolve(d)
+	if err != nil {
+		return err
+	}
+	fi, err := os.Stat(real)
+	if err != nil {
+		return err
+	}
+	if !fi.IsDir() {
+		return fmt.Errorf("%s is not a directory", real)
+	}
+	if err := rootOnly(real, fi); err != nil {
+		return err
+	}
+	return onTheWay(dirs)
 }
 
 // maxLinks bounds the symbolic links resolve follows, as the kernel's ELOOP does.

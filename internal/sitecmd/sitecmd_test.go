@@ -158,3 +158,31 @@ func TestRunKillsWhatTheCommandLeftBehind(t *testing.T) {
 		}
 	}
 }
+
+// TestRunPathHoldsRootsDirectoriesOnly: a command finds its tools through PATH, so only the agent's PATH
+// directories that root alone can change reach it. Before, an agent started with a user's directory (or
+// the working directory: an empty entry, ".") in its PATH ran that user's tool of the script's as root.
+func TestRunPathHoldsRootsDirectoriesOnly(t *testing.T) {
+	open := t.TempDir() // anyone may add a tool here
+	if err := os.Chmod(open, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	tool := "ftkit-test-tool"
+	if err := os.WriteFile(filepath.Join(open, tool), []byte("#!/bin/sh\necho planted\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	rootOwn := t.TempDir() // root's alone, through /tmp (sticky, root's)
+	prog := filepath.Join(rootOwn, "check")
+	if err := os.WriteFile(prog, []byte("#!/bin/sh\necho \"PATH=$PATH\"\n"+tool+" || echo 'no tool'\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("PATH", strings.Join([]string{open, "", ".", "relative/bin", "/usr/bin", rootOwn, "/bin", "/usr/bin"}, ":"))
+	t.Chdir(open)
+	r := Command{Name: "health command", Argv: []string{prog}, Timeout: time.Minute}.Run(context.Background())
+	if r.Err != nil {
+		t.Fatalf("Run: %v; output %q", r.Err, r.Output)
+	}
+	if want := "PATH=/usr/bin:" + rootOwn + ":/bin\n"; !strings.HasPrefix(r.Output, want) || strings.Contains(r.Output, "planted") {
+		t.Errorf("output %q; want it to start with %q and the planted tool not found", r.Output, want)
+	}
+}
