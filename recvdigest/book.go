@@ -29,13 +29,14 @@ type BookOptions struct {
 	// MaxPiecesPerFlow bounds the pieces kept per flow (default and at most MaxPieces: 1 GiB of stream);
 	// the oldest go first.
 	MaxPiecesPerFlow int
-	// MaxFlows bounds the flows tracked (default 16384); the least recently updated is evicted.
+	// MaxFlows bounds the flows tracked (default 16384); the least recently updated flow of the job
+	// (receiving cgroup) tracking the most is evicted.
 	MaxFlows int
 	// MaxReorderBytes bounds the out-of-order bytes held per flow while a gap may still fill (default
 	// 1 MiB); past it the gap is accepted as a hole.
 	MaxReorderBytes int
 	// MaxTotalPieces bounds the pieces of all flows together (default 2^20, 12 MiB of pieces); past it the
-	// least recently updated flows are evicted.
+	// least recently updated flows of the job holding the most pieces are evicted.
 	MaxTotalPieces int
 	// MaxTotalReorderBytes bounds the out-of-order bytes held by all flows together (default 64 MiB); past
 	// it the flow being updated accepts its gaps as holes.
@@ -63,25 +64,40 @@ type BookStats struct {
 
 // Book holds, per flow, the pieces of what this host's protected sockets received. It is safe for
 // concurrent use.
+//
+// Its bounds are shared by every protected job of the host, so a flow is evicted from the job (the cgroup
+// of the receiving socket, Record.CgroupID) that holds the most: one job's many short connections, or its
+// large transfers, must not evict the idle flow of another, whose record a restored peer's check of
+// re-sent bytes then lacks (and the restored job is killed).
 type Book struct {
 	opts BookOptions
 
-	mu    sync.Mutex
-	flows map[tcpflow.Tuple]*flow
-	lru   *list.List // of *flow, most recently updated first
-	stats BookStats
+	mu     sync.Mutex
+	flows  map[tcpflow.Tuple]*flow
+	owners map[uint64]*owner // by cgroup id
+	tick   uint64            // counts updates, to order the flows of different owners
+	stats  BookStats
+}
+
+// owner is the flows of one cgroup.
+type owner struct {
+	cgroup uint64
+	lru    *list.List // of *flow, most recently updated first
+	pieces int
 }
 
 // flow is one flow's record: closed pieces, the open piece being extended, and records waiting for a gap
 // before them to fill.
 type flow struct {
-	conn   tcpflow.Tuple
-	elem   *list.Element
-	pieces []Piece // closed, ascending
-	cur    Piece   // the open piece, ending at next, when open
-	open   bool
-	next   uint32 // the next byte expected in order
-	first  uint32 // where the flow (or its last reset) started
+	conn    tcpflow.Tuple
+	owner   *owner
+	elem    *list.Element // in owner.lru
+	touched uint64        // Book.tick at the last update
+	pieces  []Piece       // closed, ascending
+	cur     Piece         // the open piece, ending at next, when open
+	open    bool
+	next    uint32 // the next byte expected in order
+	first   uint32 // where the flow (or its last reset) started
 	// held are copies of out-of-order bytes, all after next, ascending, not overlapping.
 	held      []heldBytes
 	heldBytes int
@@ -106,7 +122,7 @@ func NewBook(opts BookOptions) *Book {
 	def(&opts.MaxTotalReorderBytes, DefaultMaxTotalReorderBytes)
 	// A flow must fit what Validate accepts and what the Book may hold in all.
 	opts.MaxPiecesPerFlow = min(opts.MaxPiecesPerFlow, MaxPieces, opts.MaxTotalPieces)
-	return &Book{opts: opts, flows: map[tcpflow.Tuple]*flow{}, lru: list.New()}
+	return &Book{opts: opts, flows: map[tcpflow.Tuple]*flow{}, owners: map[uint64]*owner{}}
 }
 
 // Add records the payload of one received segment. rec.Payload may alias a ring buffer: only bytes that
@@ -125,14 +141,14 @@ func (b *Book) Add(rec netlog.Record) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if len(rec.Payload) == 0 {
-		b.begin(rec.Conn, rec.Seq)
+		b.begin(rec.Conn, rec.CgroupID, rec.Seq)
 		return
 	}
 	f := b.flows[rec.Conn]
 	if f == nil {
-		f = b.newFlow(rec.Conn, rec.Seq)
+		f = b.newFlow(rec.Conn, rec.CgroupID, rec.Seq)
 	} else {
-		b.lru.MoveToFront(f.elem)
+		b.touch(f, rec.CgroupID)
 	}
 	off := int32(rec.Seq - f.next)
 	if off < -maxWindow || off > maxWindow {
@@ -153,41 +169,115 @@ func (b *Book) Add(rec netlog.Record) {
 		b.overflow(f)
 	}
 	b.trim(f)
-	for b.stats.Pieces > b.opts.MaxTotalPieces && b.lru.Len() > 1 {
-		b.drop(b.lru.Back().Value.(*flow))
+	for b.stats.Pieces > b.opts.MaxTotalPieces {
+		o := b.largest(func(o *owner) int { return o.pieces })
+		v := o.lru.Back().Value.(*flow)
+		if v == f {
+			// f's job holds the most pieces in f alone: f keeps its newest pieces (one flow is never
+			// evicted for its own size), and the other jobs' flows stay.
+			n := min(b.stats.Pieces-b.opts.MaxTotalPieces, len(f.pieces))
+			if n == 0 {
+				break
+			}
+			f.pieces = slices.Delete(f.pieces, 0, n)
+			b.addPieces(f, -n)
+			b.stats.TrimmedPieces += uint64(n)
+			continue
+		}
+		b.drop(v)
 		b.stats.Evictions++
 	}
 }
 
 // begin starts conn's flow at seq. The same start again (a retransmitted SYN) changes nothing; another one
 // is a new connection on the same 4-tuple.
-func (b *Book) begin(conn tcpflow.Tuple, seq uint32) {
+func (b *Book) begin(conn tcpflow.Tuple, cgroup uint64, seq uint32) {
 	f := b.flows[conn]
 	switch {
 	case f == nil:
-		b.newFlow(conn, seq)
+		b.newFlow(conn, cgroup, seq)
 	case f.first != seq:
-		b.lru.MoveToFront(f.elem)
+		b.touch(f, cgroup)
 		b.reset(f, seq)
 	}
 }
 
-func (b *Book) newFlow(conn tcpflow.Tuple, seq uint32) *flow {
+func (b *Book) newFlow(conn tcpflow.Tuple, cgroup uint64, seq uint32) *flow {
 	for len(b.flows) >= b.opts.MaxFlows {
-		b.drop(b.lru.Back().Value.(*flow))
+		b.drop(b.largest(func(o *owner) int { return o.lru.Len() }).lru.Back().Value.(*flow))
 		b.stats.Evictions++
 	}
 	f := &flow{conn: conn, next: seq, first: seq}
-	f.elem = b.lru.PushFront(f)
+	b.join(f, cgroup)
 	b.flows[conn] = f
 	return f
+}
+
+// join makes f, holding no piece of another owner, the most recently updated flow of cgroup's owner.
+func (b *Book) join(f *flow, cgroup uint64) {
+	o := b.owners[cgroup]
+	if o == nil {
+		o = &owner{cgroup: cgroup, lru: list.New()}
+		b.owners[cgroup] = o
+	}
+	f.owner, f.elem = o, o.lru.PushFront(f)
+	o.pieces += f.count()
+	b.tick++
+	f.touched = b.tick
+}
+
+// leave takes f out of its owner, forgetting an owner left without flows.
+func (b *Book) leave(f *flow) {
+	o := f.owner
+	o.lru.Remove(f.elem)
+	o.pieces -= f.count()
+	if o.lru.Len() == 0 {
+		delete(b.owners, o.cgroup)
+	}
+	f.owner, f.elem = nil, nil
+}
+
+// touch makes f the most recently updated flow, of cgroup's owner: a record of another cgroup on f's
+// 4-tuple (a new connection on a reused one) counts f against the job that receives on it now.
+func (b *Book) touch(f *flow, cgroup uint64) {
+	if f.owner.cgroup != cgroup {
+		b.leave(f)
+		b.join(f, cgroup)
+		return
+	}
+	f.owner.lru.MoveToFront(f.elem)
+	b.tick++
+	f.touched = b.tick
+}
+
+// largest returns the owner with the most of size, of those equal the one whose least recently updated
+// flow was updated first. There is one: the Book holds a flow.
+func (b *Book) largest(size func(*owner) int) *owner {
+	var best *owner
+	for _, o := range b.owners {
+		if best == nil {
+			best = o
+			continue
+		}
+		n, m := size(o), size(best)
+		if n > m || n == m && o.lru.Back().Value.(*flow).touched < best.lru.Back().Value.(*flow).touched {
+			best = o
+		}
+	}
+	return best
+}
+
+// addPieces counts n more pieces (fewer if negative) of f, in all and in its owner's.
+func (b *Book) addPieces(f *flow, n int) {
+	b.stats.Pieces += n
+	f.owner.pieces += n
 }
 
 // drop forgets f and its counts.
 func (b *Book) drop(f *flow) {
 	b.stats.Pieces -= f.count()
 	b.stats.HeldBytes -= f.heldBytes
-	b.lru.Remove(f.elem)
+	b.leave(f)
 	delete(b.flows, f.conn)
 }
 
@@ -201,7 +291,7 @@ func (f *flow) count() int {
 
 // reset restarts f at seq with nothing recorded.
 func (b *Book) reset(f *flow, seq uint32) {
-	b.stats.Pieces -= f.count()
+	b.addPieces(f, -f.count())
 	b.stats.HeldBytes -= f.heldBytes
 	b.stats.Resets++
 	f.pieces, f.open, f.held, f.heldBytes = nil, false, nil, 0
@@ -213,7 +303,7 @@ func (b *Book) extend(f *flow, data []byte) {
 	for len(data) > 0 {
 		if !f.open {
 			f.cur, f.open = Piece{Seq: f.next}, true
-			b.stats.Pieces++
+			b.addPieces(f, 1)
 		}
 		n := min(BlockSize-int(f.next%BlockSize), len(data))
 		f.cur.CRC = crc32.Update(f.cur.CRC, castagnoli, data[:n])
@@ -306,7 +396,7 @@ func (b *Book) trim(f *flow) {
 		return
 	}
 	f.pieces = slices.Delete(f.pieces, 0, n)
-	b.stats.Pieces -= n
+	b.addPieces(f, -n)
 	b.stats.TrimmedPieces += uint64(n)
 }
 

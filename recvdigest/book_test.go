@@ -423,3 +423,56 @@ func TestBookConcurrent(t *testing.T) {
 		t.Errorf("stats %+v; want 4 flows, at least 2 evictions", st)
 	}
 }
+
+// TestBookBoundsAreSharedByJobs: the flows and pieces of the Book are shared by every protected job of the
+// host, so at a bound the job holding the most pays, not the one that waited longest: a job that opens many
+// short connections (or connects to itself) or receives a lot must not evict another job's idle flow, whose
+// record a restored peer's check of re-sent bytes then lacks (the restored job is killed).
+func TestBookBoundsAreSharedByJobs(t *testing.T) {
+	const victim, greedy = 2, 1
+	add := func(b *Book, c tcpflow.Tuple, cg uint64, seq uint32, p []byte) {
+		b.Add(netlog.Record{Conn: c, Seq: seq, CgroupID: cg, Payload: p})
+	}
+	t.Run("flows", func(t *testing.T) {
+		b := NewBook(BookOptions{MaxFlows: 4})
+		conns := testConns(20)
+		add(b, conns[0], victim, 0, []byte("data"))
+		for _, c := range conns[1:] {
+			b.Add(netlog.Record{Conn: c, Seq: 100, CgroupID: greedy}) // a SYN of one short connection after another
+		}
+		if _, ok := b.Received(conns[0], 0); !ok {
+			t.Fatal("another job's connections evicted the idle flow of a job holding one")
+		}
+		if st := b.Stats(); st.Flows != 4 || st.Evictions != 16 {
+			t.Errorf("stats %+v; want 4 flows, 16 evictions", st)
+		}
+		// The greedy job keeps its most recently updated flows.
+		for i, c := range conns[1:] {
+			if _, ok := b.Received(c, 0); ok != (i >= 16) {
+				t.Errorf("greedy flow %d kept = %v", i, ok)
+			}
+		}
+	})
+	t.Run("pieces", func(t *testing.T) {
+		b := NewBook(BookOptions{MaxTotalPieces: 10})
+		conns := testConns(4)
+		stream := randomBytes(42, 4*B)
+		add(b, conns[0], victim, 0, stream)
+		for _, c := range conns[1:] {
+			add(b, c, greedy, 0, stream) // 4 pieces each
+		}
+		equalPieces(t, received(t, b, conns[0], 0), piecesOf(0, stream))
+		if st := b.Stats(); st.Pieces > 10 {
+			t.Errorf("stats %+v: more pieces than the bound", st)
+		}
+		// One job with one flow over the bound keeps that flow's newest pieces, not another job's flow.
+		b = NewBook(BookOptions{MaxTotalPieces: 6})
+		add(b, conns[0], victim, 0, stream[:2*B])
+		add(b, conns[1], greedy, 0, stream)
+		add(b, conns[1], greedy, 4*B, stream)
+		equalPieces(t, received(t, b, conns[0], 0), piecesOf(0, stream[:2*B]))
+		if got := received(t, b, conns[1], 0); len(got) != 4 || got[3].End() != 8*B {
+			t.Errorf("greedy flow: %v; want its newest 4 pieces", got)
+		}
+	})
+}
