@@ -15,7 +15,6 @@ import (
 	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/internal/autogroup"
 	"github.com/ftkit/ftkit/internal/tickgrid"
-	"github.com/ftkit/ftkit/ring"
 	"golang.org/x/sys/unix"
 )
 
@@ -427,18 +426,7 @@ func (a *Agent) hostAnswers(ctx context.Context, name string) error {
 // refreshView exchanges views with every alive member but the suspect (which does not answer: waiting
 // for it would delay every fail-over by a request timeout), adopting any newer one.
 func (a *Agent) refreshView(ctx context.Context, suspect string) {
-	var wg sync.WaitGroup
-	for _, m := range a.View().Members {
-		if m.Name == a.cfg.Name || m.Name == suspect || m.State != ring.StateAlive {
-			continue
-		}
-		wg.Go(func() {
-			if err := a.exchangeView(ctx, m.Name); err != nil {
-				a.log.Debug("view not exchanged", "member", m.Name, "err", err)
-			}
-		})
-	}
-	wg.Wait()
+	a.exchangeViews(ctx, suspect, "view not exchanged")
 }
 
 // confirm checks a suspect before it is declared failed: it is alive if its host answers a direct probe

@@ -15,6 +15,7 @@ import (
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/failurelog"
 	"github.com/ftkit/ftkit/ring"
+	"golang.org/x/sync/errgroup"
 )
 
 // The membership view (who is a node, who is a spare, who failed, which host holds which address) starts
@@ -189,26 +190,43 @@ const viewMessageOverhead = 256
 // pushView sends the current view and failure timelines to every other alive member and adopts any newer
 // view they answer with. Members that do not answer learn it later (at their next push or when they ask).
 func (a *Agent) pushView(ctx context.Context) {
-	var wg sync.WaitGroup
-	for _, m := range a.View().Members {
-		if m.Name == a.cfg.Name || m.State != ring.StateAlive {
-			continue
-		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if err := a.exchangeView(ctx, m.Name); err != nil {
-				a.log.Debug("view not delivered", "member", m.Name, "err", err)
-			}
-		}()
-	}
-	wg.Wait()
+	a.exchangeViews(ctx, "", "view not delivered")
 }
 
+// viewFanout bounds the view exchanges an agent runs at once. Each holds the view encoded (up to
+// ring.MaxEncoded, in base64) and a peer's answer as large: one exchange per member at once had an agent of
+// a site of thousands of members hold gigabytes for one push.
+const viewFanout = 32
+
+// exchangeViews exchanges views with every alive member but skip, viewFanout at a time, logging why
+// (what) any exchange failed.
+func (a *Agent) exchangeViews(ctx context.Context, skip, what string) {
+	msg := a.viewMessage()
+	var g errgroup.Group
+	g.SetLimit(viewFanout)
+	for _, m := range a.View().Members {
+		if m.Name == a.cfg.Name || m.Name == skip || m.State != ring.StateAlive {
+			continue
+		}
+		g.Go(func() error {
+			if err := a.exchangeViewMessage(ctx, m.Name, msg); err != nil {
+				a.log.Debug(what, "member", m.Name, "err", err)
+			}
+			return nil
+		})
+	}
+	g.Wait()
+}
+
+// exchangeView sends member name the current view and adopts any newer one it answers with.
 func (a *Agent) exchangeView(ctx context.Context, name string) error {
+	return a.exchangeViewMessage(ctx, name, a.viewMessage())
+}
+
+func (a *Agent) exchangeViewMessage(ctx context.Context, name string, msg viewMessage) error {
 	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
-	in, err := a.peers().View(ctx, name, a.viewMessage())
+	in, err := a.peers().View(ctx, name, msg)
 	if err != nil {
 		return err
 	}

@@ -6,10 +6,12 @@ import (
 	"errors"
 	"fmt"
 	"github.com/ftkit/ftkit/internal/testenv"
+	"io"
 	"net"
 	"net/netip"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -334,5 +336,49 @@ func TestPushViewOfManyMembers(t *testing.T) {
 	}
 	if got := n2.View(); got.Epoch != big.Epoch || len(got.Members) != len(big.Members) {
 		t.Errorf("n2's view: epoch %d with %d members; want epoch %d with %d", got.Epoch, len(got.Members), big.Epoch, len(big.Members))
+	}
+}
+
+// TestPushViewBoundsExchangesAtOnce: a push runs at most viewFanout view exchanges at once, each holding the
+// encoded view and the peer's answer. Before, it ran one per member at once: an agent of a site of
+// thousands of members held gigabytes for one push.
+func TestPushViewBoundsExchangesAtOnce(t *testing.T) {
+	pki := newTestPKI(t)
+	var open, most atomic.Int32
+	ports := map[string]uint16{}
+	var members []ring.Member
+	for i := range viewFanout + 8 {
+		name := fmt.Sprintf("stalled%d", i)
+		ln, port := listenAs(t, pki, name)
+		go func() { // accepts, reads and never answers: each exchange holds its slot until it gives up
+			for {
+				c, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				n := open.Add(1)
+				for m := most.Load(); n > m && !most.CompareAndSwap(m, n); m = most.Load() {
+				}
+				go func() {
+					defer open.Add(-1)
+					defer c.Close()
+					io.Copy(io.Discard, c) // until the caller closes it
+				}()
+			}
+		}()
+		ports[name] = port
+		members = append(members, ring.Member{Name: name, Address: netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), port), Role: ring.RoleSpare,
+			Addrs: []netip.Addr{netip.AddrFrom4([4]byte{10, 79, 0, byte(i + 1)})}})
+	}
+	a, _ := clientAgent(t, pki, ports)
+	v, err := ring.New(append(testMembers(ports), members...))
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.members.view = v
+	a.pushView(t.Context())
+	// The members of testMembers refuse at once (closed ports).
+	if n := most.Load(); n > viewFanout || n == 0 {
+		t.Errorf("%d exchanges at once with stalled members; want at most %d", n, viewFanout)
 	}
 }
