@@ -224,7 +224,9 @@ func (a *Agent) exchangeView(ctx context.Context, name string) error {
 }
 
 func (a *Agent) exchangeViewMessage(ctx context.Context, name string, msg viewMessage) error {
-	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	// Seconds, and as many more as the protocol allows for a large message's size each way.
+	extra := a.wire.LargeTimeout(2*(base64.StdEncoding.EncodedLen(len(msg.View))+len(msg.Failures))) - a.wire.MessageTimeout()
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Second+extra)
 	defer cancel()
 	in, err := a.peers().View(ctx, name, msg)
 	if err != nil {
