@@ -158,6 +158,10 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 			superseded, refusal := a.copyMarks(j.ID, j.Incarnation)
 			pid, err = shim.Launch(ctx, a.self, shim.Spec{
 				JobID: j.ID, Mode: shim.ModeRestore, ImagesDir: work, CRIU: a.criu.Binary, ExitFile: j.ExitPath(), Node: a.cfg.Name,
+				// The job's user (checkPeerJob refused an id chown reads as "unchanged"): the shim checks the
+				// paths the images name against it and has CRIU bind and open them as that user. Without it
+				// the shim reads uid 0, and CRIU opens them all as root, unchecked.
+				UID: j.UID, GID: j.GID,
 				Cgroup:    j.Cgroup,
 				LazyPages: a.cfg.Failover.LazyRestore, Superseded: superseded, Refusal: refusal,
 			}, a.shimLog(j.ID))

@@ -6,7 +6,11 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
+
+	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/shim"
 )
 
 // TestAgainIfMountGone: a restore CRIU failed on a mount point gone from the host is launched once more
@@ -62,5 +66,42 @@ func TestOwnsSnapshotBoundsRecord(t *testing.T) {
 	}
 	if ta.ownsSnapshot(m, asOwner.Uid) {
 		t.Errorf("a job record of %d bytes, more than the %d a snapshot's may hold, was read whole", len(big), maxJobRecord)
+	}
+}
+
+// TestRestoreShimRunsAsTheJobsUser: the restore's shim is told the job's user, which it names to CRIU
+// (criu.RestoreUIDEnv): CRIU then binds the job's unix sockets and opens its files as that user, and the
+// shim checks those paths and what the restored processes hold (heldfiles) against the user. The shim was
+// given no uid: it read 0, and CRIU opened and bound every path the images name as root, every check skipped.
+func TestRestoreShimRunsAsTheJobsUser(t *testing.T) {
+	ta := newTestAgent(t)
+	spec := filepath.Join(ta.dir, "shim-spec.json")
+	fake := filepath.Join(ta.dir, "fake-shim")
+	// It keeps the spec it was given and fails, as a restore CRIU refused: nothing runs.
+	script := "#!/bin/sh\ncat >" + spec + "\necho '{\"error\": \"fake shim: not restored\"}'\n"
+	if err := os.WriteFile(fake, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	ta.SetShim(fake)
+	const id = "restored-00000001"
+	j := Job{ID: id, UID: asOwner.Uid, GID: asOwner.Gid, Dir: ta.layout().dir(id)}
+	m := &ckpt.Manifest{Job: id, ID: "20261206T120000.000Z-node2-000001"}
+	work := filepath.Join(ta.dir, "restore", id)
+	if err := os.MkdirAll(work, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ta.restoreJob(t.Context(), m, j, work, nil); err == nil || !strings.Contains(err.Error(), "fake shim") {
+		t.Fatalf("restore: %v, want the fake shim's refusal", err)
+	}
+	b, err := os.ReadFile(spec)
+	if err != nil {
+		t.Fatalf("the shim did not run: %v", err)
+	}
+	var got shim.Spec
+	if err := json.Unmarshal(b, &got); err != nil {
+		t.Fatal(err)
+	}
+	if got.Mode != shim.ModeRestore || got.UID != asOwner.Uid || got.GID != asOwner.Gid {
+		t.Errorf("restore shim of a job of uid %d gid %d: mode %q, uid %d, gid %d", asOwner.Uid, asOwner.Gid, got.Mode, got.UID, got.GID)
 	}
 }

@@ -38,27 +38,14 @@ func (m *mountsImage) encode() []byte { return encodeEntries(magicMounts, m.raw)
 // unless one of those is in use (a mount a file of the job was opened on: CRIU then refuses the restore,
 // naming it). used returns the IDs of the mounts in use, asked only once a mount point is missing; exists
 // reports whether a path exists on this host.
+//
+// The image comes from another node, with up to maxEntries mounts: the tree is walked a bounded number of
+// times, never from every mount up to every missing one (cubic in the mounts: a few thousand nested ones
+// held the restore for minutes).
 func (m *mountsImage) gone(root string, used func() (map[uint32]bool, error), exists func(string) (bool, error)) ([]int, error) {
-	byID := make(map[uint32]int, len(m.entries))
-	for i, e := range m.entries {
-		byID[e.GetMntId()] = i
-	}
-	// under reports whether mount i is candidate c or below it. Bounded by the number of mounts: a
-	// corrupt image's parent cycle ends there.
-	under := func(i, c int) bool {
-		for range len(m.entries) {
-			if i == c {
-				return true
-			}
-			p, ok := byID[m.entries[i].GetParentMntId()]
-			if !ok || p == i {
-				return false
-			}
-			i = p
-		}
-		return false
-	}
-	var drop []int
+	n := len(m.entries)
+	missing := make([]bool, n)
+	anyMissing := false
 	for c, e := range m.entries {
 		if e.GetExtKey() == "" && !e.GetExtMount() {
 			continue // the job's own (its /proc, its devpts): CRIU recreates it
@@ -67,27 +54,90 @@ func (m *mountsImage) gone(root string, used func() (map[uint32]bool, error), ex
 		if err != nil {
 			return nil, err
 		}
-		if ok {
-			continue
-		}
-		inUse, err := used()
-		if err != nil {
-			return nil, err
-		}
-		var subtree []int
-		busy := false
-		for i := range m.entries {
-			if under(i, c) {
-				subtree = append(subtree, i)
-				busy = busy || inUse[m.entries[i].GetMntId()]
-			}
-		}
-		if !busy {
-			drop = append(drop, subtree...)
+		if !ok {
+			missing[c], anyMissing = true, true
 		}
 	}
-	slices.Sort(drop)
-	return slices.Compact(drop), nil
+	if !anyMissing {
+		return nil, nil
+	}
+	inUse, err := used()
+	if err != nil {
+		return nil, err
+	}
+	byID := make(map[uint32]int, n)
+	for i, e := range m.entries {
+		byID[e.GetMntId()] = i
+	}
+	parent := make([]int, n) // -1: a mount whose parent is itself or not in the image
+	for i, e := range m.entries {
+		parent[i] = -1
+		if p, ok := byID[e.GetParentMntId()]; ok && p != i {
+			parent[i] = p
+		}
+	}
+	// A corrupt image's parents may form a cycle, every mount of which is below every other: a cycle counts as
+	// one mount, its group (the index of its first mount found), with no parent. Any other mount is its own
+	// group.
+	group := make([]int, n)
+	state := make([]byte, n) // 0 not seen yet, 1 on the walk under way, 2 done
+	var walk []int
+	for i := range n {
+		walk = walk[:0]
+		j := i
+		for j >= 0 && state[j] == 0 {
+			state[j] = 1
+			walk = append(walk, j)
+			j = parent[j]
+		}
+		for _, k := range walk {
+			group[k] = k
+		}
+		if j >= 0 && state[j] == 1 { // the walk came back to j: j and what follows it are a cycle
+			for _, k := range walk[slices.Index(walk, j):] {
+				group[k] = j
+				parent[k] = -1
+			}
+		}
+		for _, k := range walk {
+			state[k] = 2
+		}
+	}
+	missingG, busy := make([]bool, n), make([]bool, n) // by group: busy once for the group and what is below it
+	children := make([][]int, n)
+	var order []int // the groups, every one after its parent
+	for i := range n {
+		g := group[i]
+		missingG[g] = missingG[g] || missing[i]
+		busy[g] = busy[g] || inUse[m.entries[i].GetMntId()]
+		if g != i {
+			continue
+		}
+		if p := parent[i]; p >= 0 {
+			children[group[p]] = append(children[group[p]], i)
+		} else {
+			order = append(order, i)
+		}
+	}
+	for k := 0; k < len(order); k++ {
+		order = append(order, children[order[k]]...)
+	}
+	for _, g := range slices.Backward(order) {
+		if p := parent[g]; p >= 0 {
+			busy[group[p]] = busy[group[p]] || busy[g]
+		}
+	}
+	dropped := make([]bool, n)
+	for _, g := range order {
+		dropped[g] = missingG[g] && !busy[g] || parent[g] >= 0 && dropped[group[parent[g]]]
+	}
+	var drop []int
+	for i := range n {
+		if dropped[group[i]] {
+			drop = append(drop, i)
+		}
+	}
+	return drop, nil
 }
 
 // PruneGoneMounts drops from the mount images in dir the mounts that have gone from this host: a job's
