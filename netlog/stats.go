@@ -15,6 +15,9 @@ type Stats struct {
 	CompressedRawBytes int64 // what those blocks expand to
 	SpilledBytes       int64 // bytes in the spill file that are still referenced
 	SpilledRawBytes    int64 // what the spilled bytes expand to
+	// OverheadBytes is what the stores of a Log cost whatever they hold (storeOverhead each): a store
+	// trimmed to nothing, or holding only parked notes, is still a Store and a map entry.
+	OverheadBytes int64
 
 	RAMSlabs, CompressedSlabs, SpilledSlabs int64
 
@@ -24,17 +27,21 @@ type Stats struct {
 	Conflicts       int64 // segments rejected because their bytes differed from the log
 }
 
-// MemoryBytes is the RAM the log holds: raw slabs, pooled slabs and compressed blocks.
-func (s Stats) MemoryBytes() int64 { return s.RAMBytes + s.PooledBytes + s.CompressedBytes }
+// MemoryBytes is the RAM the log holds: raw slabs, pooled slabs, compressed blocks and the stores'
+// own overhead.
+func (s Stats) MemoryBytes() int64 {
+	return s.RAMBytes + s.PooledBytes + s.CompressedBytes + s.OverheadBytes
+}
 
 // LiveBytes is the RAM holding logged data: MemoryBytes less the pooled buffers, which new data fills
 // before anything is allocated. This is the number to compare with a memory cap: while it stays under
 // the cap, the log never holds more than the larger of the cap and its previous peak.
-func (s Stats) LiveBytes() int64 { return s.RAMBytes + s.CompressedBytes }
+func (s Stats) LiveBytes() int64 { return s.RAMBytes + s.CompressedBytes + s.OverheadBytes }
 
 // meter holds Stats as atomics so a Log's totals can be read without visiting every store.
 type meter struct {
 	retained, ram, pooled, comp, compRaw, spill, spillRaw atomic.Int64
+	overhead                                              atomic.Int64
 	ramSlabs, compSlabs, spillSlabs                       atomic.Int64
 	appended, dup, below, conflicts                       atomic.Int64
 }
@@ -48,6 +55,7 @@ func (m *meter) snapshot() Stats {
 		CompressedRawBytes: m.compRaw.Load(),
 		SpilledBytes:       m.spill.Load(),
 		SpilledRawBytes:    m.spillRaw.Load(),
+		OverheadBytes:      m.overhead.Load(),
 		RAMSlabs:           m.ramSlabs.Load(),
 		CompressedSlabs:    m.compSlabs.Load(),
 		SpilledSlabs:       m.spillSlabs.Load(),
@@ -75,6 +83,7 @@ const (
 	cDup
 	cBelow
 	cConflicts
+	cOverhead
 )
 
 func (m *meter) field(c counter) *atomic.Int64 {
@@ -103,6 +112,8 @@ func (m *meter) field(c counter) *atomic.Int64 {
 		return &m.dup
 	case cBelow:
 		return &m.below
+	case cOverhead:
+		return &m.overhead
 	default:
 		return &m.conflicts
 	}

@@ -60,7 +60,20 @@ func NewStore(opt Options) (*Store, error) {
 	return &Store{env: e, standalone: true}, nil
 }
 
-func newLogStore(e *env) *Store { return &Store{env: e} }
+// storeOverhead is what one store of a Log costs whatever it holds: the Store, its entry in the Log's
+// map, its slab table (about 450 bytes on amd64 for a store trimmed to nothing: TestLogMetersStoreOverhead).
+// It is metered (Stats.OverheadBytes) because a store outlives its bytes: the receivers' snapshots trim a
+// connection to nothing, and its store goes only when the connection is released (netlog/release). A job
+// that sent a byte on each of a million connections left a million stores the meter counted as nothing,
+// so the heap grew past log.memory_mib without the cap ever seeing it.
+const storeOverhead = 512
+
+// newLogStore returns a store of a Log, its overhead metered until dropAll.
+func newLogStore(e *env) *Store {
+	s := &Store{env: e}
+	s.add(cOverhead, storeOverhead)
+	return s
+}
 
 // add updates a counter in the store's meter and in the shared one (the Log's totals, or
 // for a standalone store its own totals plus the pool).
@@ -876,7 +889,8 @@ func (s *Store) Close() error {
 	return nil
 }
 
-// dropAll frees every slab. The caller holds s.mu for writing.
+// dropAll frees every slab and the store's overhead: it is called once, as the store closes. The caller
+// holds s.mu for writing.
 func (s *Store) dropAll() {
 	for _, sl := range s.slabs {
 		if sl != nil {
@@ -884,6 +898,9 @@ func (s *Store) dropAll() {
 		}
 	}
 	s.slabs = nil
+	if o := s.own.overhead.Load(); o != 0 {
+		s.add(cOverhead, -o)
+	}
 }
 
 var errInternal = errors.New("netlog internal error")
