@@ -28,6 +28,9 @@ type declaredFailed struct {
 	vmu     sync.Mutex
 	vouched map[string]time.Time // the last vouch for each member
 	failed  map[string]uint64    // the incarnation of each member this host declared failed, the last one
+	// viewed is the incarnation of each member that this host made a view of failed, the last one: that
+	// declaration is never withdrawn (undeclare).
+	viewed  map[string]uint64
 	refused map[string]time.Time // the last vouch refused because of such a declaration
 }
 
@@ -131,11 +134,29 @@ func (d *declaredFailed) refusedSince(node string, t time.Time) (time.Time, bool
 	return at, ok && at.After(t)
 }
 
+// inView records that this host made a view in which incarnation inc of node is failed: its jobs may be
+// restored elsewhere from then on, so the declaration stands even if the node is alive again in a later view
+// of this host's (that view lost the tie-break with another failure's view of the same epoch, until
+// keepFailedInView applies the failure again).
+func (d *declaredFailed) inView(node string, inc uint64) {
+	d.vmu.Lock()
+	defer d.vmu.Unlock()
+	if d.viewed == nil {
+		d.viewed = map[string]uint64{}
+	}
+	d.viewed[node] = inc
+}
+
 // undeclare withdraws this host's declaration of incarnation inc of node, whose fail-over ended with the
-// node still a member (nothing of it was restored): a vouch for it is no longer refused.
+// node still a member (nothing of it was restored): a vouch for it is no longer refused. A declaration whose
+// fail-over made a view of the node failed (inView) stands: vouched for, the node ran its jobs on next to
+// their restored copies (its protector's host acknowledges its beats, so it never fenced itself).
 func (d *declaredFailed) undeclare(node string, inc uint64) {
 	d.vmu.Lock()
 	defer d.vmu.Unlock()
+	if v, ok := d.viewed[node]; ok && v == inc {
+		return
+	}
 	if f, ok := d.failed[node]; ok && f == inc {
 		delete(d.failed, node)
 	}

@@ -35,7 +35,9 @@ func (a *Agent) failover(ctx context.Context, s detect.Suspect, declared time.Ti
 	defer forget()
 	defer func() {
 		// A fail-over that ended before the view changed restored nothing: the node, if it runs, is a member
-		// as before (awaitFence abandons a recovery of a node that beats again), and may be vouched for.
+		// as before (awaitFence abandons a recovery of a node that beats again), and may be vouched for. One
+		// that changed it keeps its declaration (declaredFailed.inView), though the node be alive in the view
+		// now: that view may have lost the tie-break with another failure's of the same epoch.
 		if m, ok := a.member(s.Name); ok && m.State == ring.StateAlive && m.Incarnation == inc {
 			a.declared.undeclare(s.Name, inc)
 		}
@@ -118,6 +120,9 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 		// Nothing to restore: the node only leaves the ring.
 		fail := func() error {
 			_, err := a.updateView(func(cur ring.View) (ring.View, error) { return cur.Fail(s.Name) })
+			if err == nil {
+				a.declared.inView(s.Name, inc)
+			}
 			return err
 		}
 		if err := a.majorityReached(ctx, s.Name); err != nil {
@@ -197,6 +202,8 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 	if err := a.replaceInView(s.Name, target, absorb, ownAddrs); err != nil {
 		return fmt.Errorf("new membership view: %w", err)
 	}
+	// From here the jobs may run elsewhere: the declaration stands whatever view wins (undeclare).
+	a.declared.inView(s.Name, inc)
 	a.failures.Update(id, func(f *Failure) { f.Target, f.Basic = target, basic })
 	a.pushView(ctx) // peers must know who holds the failed node's addresses before replay starts
 	go a.keepFailedInView(ctx, s.Name, inc, func() error { return a.replaceInView(s.Name, target, absorb, ownAddrs) })
