@@ -32,6 +32,37 @@ type declaredFailed struct {
 	// declaration is never withdrawn (undeclare).
 	viewed  map[string]uint64
 	refused map[string]time.Time // the last vouch refused because of such a declaration
+	retries map[string]retry     // the last fail-over of each member that changed nothing (retryAfter)
+}
+
+// retry is when a fail-over that changed nothing ended, and the wait before the next suspicion it set.
+type retry struct {
+	at   time.Time
+	wait time.Duration
+}
+
+// failoverRetryMax bounds the wait before a node whose fail-over changed nothing is suspected again.
+const failoverRetryMax = 10 * time.Minute
+
+// retryAfter is how long after now node, whose fail-over just ended with nothing changed, may be suspected
+// again: first after timeout; while its fail-overs keep changing nothing, twice the previous wait each time,
+// at most failoverRetryMax. A node heard from meanwhile (no fail-over for more than twice the last wait)
+// starts over.
+func (d *declaredFailed) retryAfter(node string, timeout time.Duration, now time.Time) time.Duration {
+	d.vmu.Lock()
+	defer d.vmu.Unlock()
+	if d.retries == nil {
+		d.retries = map[string]retry{}
+	}
+	r := d.retries[node]
+	if r.wait == 0 || now.Sub(r.at) > 2*r.wait+timeout {
+		r.wait = timeout
+	} else {
+		r.wait = min(2*r.wait, max(failoverRetryMax, timeout))
+	}
+	r.at = now
+	d.retries[node] = r
+	return r.wait
 }
 
 // errVouched refuses a declaration: the node was vouched for after its silence began.

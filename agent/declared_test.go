@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"context"
 	"errors"
 	"runtime"
 	"slices"
@@ -9,6 +10,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/ring"
 )
 
 // A declaration waits for the commits under way (the fail-over's choice of replicas then sees them), and
@@ -158,5 +160,69 @@ func TestVouchOrdersDeclarations(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestFailoverThatChangesNothingSuspectsAgain: a fail-over that ends before the view changes (here none of
+// the failed node's jobs can be restored: no member holds a replica) leaves the node alive in the view, as
+// before. Its suspicion must end with it: a suspicion is reported once, until a beat or Clear, so left
+// standing the node was never suspected again, and one that stays dead stayed in the ring for good, its
+// predecessor beating to it and nobody retrying.
+func TestFailoverThatChangesNothingSuspectsAgain(t *testing.T) {
+	pki := newTestPKI(t)
+	a, logs := clientAgent(t, pki, nil) // every other member refuses: nobody holds a replica
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	start := time.Now()
+	a.watchdog.Watch("n3", start.Add(-time.Second))
+	got := a.watchdog.Suspects(start)
+	if len(got) != 1 {
+		t.Fatalf("suspects = %+v, want n3", got)
+	}
+	s := got[0]
+	s.Jobs = []string{"job-00000001"}
+	a.failover(ctx, s, start)
+	if m, _ := a.View().Member("n3"); m.State != ring.StateAlive {
+		t.Fatalf("n3 is %s after a fail-over that restored nothing; log:\n%s", m.State, logs.String())
+	}
+	now := time.Now()
+	if got := a.watchdog.Suspects(now.Add(a.cfg.Heartbeat.Timeout.Duration + time.Millisecond)); len(got) != 1 || got[0].Name != "n3" {
+		t.Errorf("suspects a timeout after the fail-over ended = %+v, want n3 again; log:\n%s", got, logs.String())
+	}
+}
+
+// TestRetryAfter: a node whose fail-overs keep changing nothing is suspected again after a timeout, then
+// twice as long each time, at most failoverRetryMax (each try is a failure in the log, which keeps the
+// newest 100); one that was heard from meanwhile starts over.
+func TestRetryAfter(t *testing.T) {
+	const timeout = time.Second
+	t0 := time.Now()
+	var d declaredFailed
+	steps := []struct {
+		node string
+		at   time.Duration // after t0
+		want time.Duration
+	}{
+		{"n3", 0, timeout},
+		{"n3", 2 * time.Second, 2 * time.Second},
+		{"n4", 2 * time.Second, timeout}, // another node's retries are its own
+		{"n3", 5 * time.Second, 4 * time.Second},
+		{"n3", 10 * time.Second, 8 * time.Second},
+		{"n3", 19 * time.Second, 16 * time.Second},
+		{"n3", 19*time.Second + 50*time.Second, timeout}, // no fail-over for more than twice the wait: heard from
+	}
+	for _, s := range steps {
+		if got := d.retryAfter(s.node, timeout, t0.Add(s.at)); got != s.want {
+			t.Errorf("%s at +%s: wait %s, want %s", s.node, s.at, got, s.want)
+		}
+	}
+	at := t0.Add(time.Hour)
+	var got time.Duration
+	for i := range 20 {
+		got = d.retryAfter("n5", timeout, at)
+		at = at.Add(got + time.Duration(i)*time.Millisecond)
+	}
+	if got != failoverRetryMax {
+		t.Errorf("after 20 tries the wait is %s, want at most %s", got, failoverRetryMax)
 	}
 }
