@@ -105,3 +105,33 @@ func TestRestoreShimRunsAsTheJobsUser(t *testing.T) {
 		t.Errorf("restore shim of a job of uid %d gid %d: mode %q, uid %d, gid %d", asOwner.Uid, asOwner.Gid, got.Mode, got.UID, got.GID)
 	}
 }
+
+// TestRestoreRefusesBesideARunningCopy: a restore of a job that runs on this host already (a recovery
+// request repeated or resumed, a migration resumed) is refused before anything runs: nothing checked that
+// below the recovery's incarnation claim, which the same failure's repeated request wins again.
+func TestRestoreRefusesBesideARunningCopy(t *testing.T) {
+	ta := newTestAgent(t)
+	spec := filepath.Join(ta.dir, "shim-spec.json")
+	fake := filepath.Join(ta.dir, "fake-shim")
+	if err := os.WriteFile(fake, []byte("#!/bin/sh\ncat >"+spec+"\necho '{\"error\": \"fake shim: not restored\"}'\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	ta.SetShim(fake)
+	const id = "running-00000001"
+	ta.addJob(t, Job{ID: id, State: JobRunning, PID: os.Getpid()})
+	m := &ckpt.Manifest{Job: id, ID: "20261206T120000.000Z-node2-000001"}
+	work := filepath.Join(ta.dir, "restore", id)
+	if err := os.MkdirAll(work, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	_, err := ta.restoreJob(t.Context(), m, Job{ID: id, Dir: ta.layout().dir(id)}, work, nil)
+	if err == nil || !strings.Contains(err.Error(), "already runs on") {
+		t.Fatalf("restore beside the running copy: %v, want a refusal", err)
+	}
+	if _, err := os.Stat(spec); err == nil {
+		t.Error("the restore's shim ran")
+	}
+	if j, _, err := ta.Job(id, 0); err != nil || j.State != JobRunning || j.PID != os.Getpid() {
+		t.Errorf("the running copy's record after the refusal: %+v, %v", j, err)
+	}
+}
