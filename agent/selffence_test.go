@@ -349,9 +349,9 @@ func TestSelfFenceKillsLateJobs(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitFor("the job that began to run after the fence is killed", killed(late.ID))
-	if j, _, _ := ta.Job(late.ID, 0); !j.Fenced {
-		t.Errorf("the late job's record %+v does not say it was fenced", j)
-	}
+	// The record says so once the kill is written (markFenced follows killCgroup): waited for, not read
+	// at once (ci355 read it between the two).
+	waitFor("the late job's record says it was fenced", func() bool { j, _, _ := ta.Job(late.ID, 0); return j.Fenced })
 }
 
 // TestNeighbourSilence: the self-fence's silence counts from the last contact with either ring neighbour
