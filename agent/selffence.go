@@ -57,7 +57,8 @@ func (c *contactClock) get(name string) time.Time {
 
 // selfFence checks, every fence.Timing.Check, whether this node is cut off: whether it heard from its
 // predecessor (its beats) or reached its protector (which acknowledged its own beats) within the fence
-// timeout; and, if it heard only its predecessor, whether it reaches a majority of the other members.
+// timeout; and, if it heard only its predecessor (in a ring of two, if its protector is silent), whether it
+// reaches a majority of the other members.
 func (a *Agent) selfFence(ctx context.Context) {
 	t := a.cfg.FenceTiming()
 	var prot contactClock
@@ -74,9 +75,11 @@ func (a *Agent) selfFence(ctx context.Context) {
 		v := a.View()
 		p, okP := v.Protector(a.cfg.Name)
 		s, okS := v.Predecessor(a.cfg.Name)
-		if !okP || !okS || p.Name == s.Name {
-			// No ring, or a ring of two nodes: losing the only neighbour cannot be told from its failure,
-			// and fencing there would kill the survivor's jobs too. A fence command covers such rings.
+		// In a ring of two nodes, losing the only neighbour cannot be told from its failure by the ring alone:
+		// with other members (spares), they tell, as when only the protector is silent (below); with none,
+		// fencing would kill the survivor's jobs too, and a fence command covers such rings.
+		two := okP && okS && p.Name == s.Name
+		if !okP || !okS || two && len(a.grantMembers(a.cfg.Name)) <= 2 {
 			silence = neighbourSilence{}
 			a.selfFenced.Store(false)
 			return
@@ -94,11 +97,13 @@ func (a *Agent) selfFence(ctx context.Context) {
 		if fresh {
 			fenced = false
 		}
-		cut, quiet, from := d.Fence, d.Silence, silence.since
+		// In a ring of two, the protector is the predecessor too: its silence alone is no isolation.
+		cut, quiet, from := d.Fence && !two, d.Silence, silence.since
 		cause := fmt.Sprintf("no contact with %s and %s for %s", p.Name, s.Name, d.Silence.Round(time.Millisecond))
-		if !cut && d.Silence < protSilence && protSilence >= t.AskMembersAfter(a.cfg.ProbeTimeout()) {
+		if !cut && (two || d.Silence < protSilence) && protSilence >= t.AskMembersAfter(a.cfg.ProbeTimeout()) {
 			// Only the protector is silent: a partition that cuts off two or more neighbours of the ring leaves
-			// each hearing one, and the protector's side declares this node if it holds a majority.
+			// each hearing one, and the protector's side declares this node if it holds a majority. In a ring of
+			// two, the protector and the spares declare it if it reaches too few of them.
 			members.ask(ctx, a, now.Add(-min(a.cfg.ProbeTimeout(), protSilence)))
 			switch ans, ok := members.since(now.Add(-protSilence)); {
 			case !ok && fenced && protSilence >= t.Timeout:

@@ -11,6 +11,7 @@ import (
 
 	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/internal/testenv"
+	"github.com/ftkit/ftkit/ring"
 )
 
 // TestSelfFenceInMinority: a node that hears its predecessor but not its protector fences itself when the
@@ -75,6 +76,76 @@ func TestSelfFenceInMinority(t *testing.T) {
 	}
 }
 
+// TestSelfFenceRingOfTwo: in a ring of two nodes with a spare, a node that hears nothing from its only
+// neighbour for fence_timeout fences itself when it reaches no other member (the neighbour and the spare
+// are a majority: they declare it and restore its jobs on the spare), and keeps its jobs when it reaches
+// the spare (its neighbour failed, or is the one cut off). With no other member, nothing tells the two
+// apart, and it does not fence (a fence command covers such rings). Before, a ring of two never fenced:
+// the node cut off ran on beside the copies of its jobs restored on the spare.
+//
+// The ring is n1 (this node) -> n2 (its protector and predecessor) -> n1; n2 is silent and refuses pings.
+func TestSelfFenceRingOfTwo(t *testing.T) {
+	pki := newTestPKI(t)
+	tests := []struct {
+		name    string
+		members []string // the view's
+		answer  []string // the members that answer pings; the others' ports refuse
+		fence   bool
+	}{
+		{"cut off from its neighbour and the spare", []string{"n1", "n2", "s1"}, nil, true},
+		{"its neighbour failed, the spare answers", []string{"n1", "n2", "s1"}, []string{"s1"}, false},
+		{"no other member", []string{"n1", "n2"}, nil, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ports := map[string]uint16{}
+			for _, m := range tt.answer {
+				ports[m] = scriptedPeer(t, pki, m, &pingScript{name: m})
+			}
+			a, logs, kill := fencingAgent(t, pki, ports, tt.members...)
+			if p, _ := a.View().Predecessor("n1"); p.Name != "n2" {
+				t.Fatalf("predecessor of n1: %q, want n2", p.Name)
+			}
+			runSelfFence(t, a)
+
+			killed := func() bool { b, _ := os.ReadFile(kill); return string(b) == "1" }
+			const keeps = "reaches a majority of the other members: not fencing"
+			if len(tt.members) == 2 {
+				time.Sleep(3 * a.cfg.Failover.FenceTimeout.Duration)
+				if killed() || a.selfFenced.Load() || strings.Contains(logs.String(), keeps) {
+					t.Fatalf("job killed %v, node fenced %v with no other member; log:\n%s", killed(), a.selfFenced.Load(), logs.String())
+				}
+				return
+			}
+			fenced := func() bool { return killed() && a.selfFenced.Load() }
+			kept := func() bool { return strings.Contains(logs.String(), keeps) }
+			for deadline := time.Now().Add(failAfter); !fenced() && !kept(); time.Sleep(5 * time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatalf("neither fenced nor kept its jobs within %s; log:\n%s", failAfter, logs.String())
+				}
+			}
+			if killed() != tt.fence || a.selfFenced.Load() != tt.fence {
+				t.Fatalf("job killed %v, node fenced %v; want %v; log:\n%s", killed(), a.selfFenced.Load(), tt.fence, logs.String())
+			}
+			if !tt.fence {
+				time.Sleep(2 * a.cfg.Failover.FenceTimeout.Duration)
+				if n := strings.Count(logs.String(), keeps); n != 1 || killed() || a.selfFenced.Load() {
+					t.Errorf("logged keeping the jobs %d times (want once), job killed %v, node fenced %v; log:\n%s", n, killed(), a.selfFenced.Load(), logs.String())
+				}
+				return
+			}
+			i := slices.IndexFunc(a.failures.List(), func(f *Failure) bool { return f.Node == "n1" && len(f.Stages) > 0 })
+			if i < 0 {
+				t.Fatal("no self-fence event recorded")
+			}
+			st := a.failures.List()[i].Stages[0]
+			if st.Name != StageSelfFenced || !strings.Contains(st.Detail, "no contact with its protector n2") || !strings.Contains(st.Detail, "no answer from 2 of the 2 other members") {
+				t.Errorf("self-fence stage %+v does not say why", st)
+			}
+		})
+	}
+}
+
 // TestSelfFenceHeldWhilePredecessorReturns: a node fenced on both neighbours' silence whose predecessor is
 // heard again while its protector stays silent keeps its fence until the members answer. Before, it
 // unfenced at once (no answer yet from this silence: none is asked while both are silent), pushed its view
@@ -105,11 +176,19 @@ func TestSelfFenceHeldWhilePredecessorReturns(t *testing.T) {
 }
 
 // fencingAgent is member n1 of the ring n1 -> n2 (its protector) -> n3 (its predecessor), with spares s1
-// and s2, the members in ports listening there: a self-fence that checks every 10 ms and fences after
-// 300 ms, with one running job, whose cgroup.kill file it returns.
-func fencingAgent(t *testing.T, pki *testPKI, ports map[string]uint16) (*Agent, *testenv.SyncBuffer, string) {
+// and s2 (or of the view of those of them named in only), the members in ports listening there: a
+// self-fence that checks every 10 ms and fences after 300 ms, with one running job, whose cgroup.kill file
+// it returns.
+func fencingAgent(t *testing.T, pki *testPKI, ports map[string]uint16, only ...string) (*Agent, *testenv.SyncBuffer, string) {
 	t.Helper()
 	a, logs := clientAgent(t, pki, ports)
+	if len(only) > 0 {
+		v, err := ring.New(slices.DeleteFunc(testMembers(ports), func(m ring.Member) bool { return !slices.Contains(only, m.Name) }))
+		if err != nil {
+			t.Fatal(err)
+		}
+		a.members.view = v
+	}
 	if p, _ := a.View().Protector("n1"); p.Name != "n2" {
 		t.Fatalf("protector of n1: %q, want n2", p.Name)
 	}
@@ -128,7 +207,8 @@ func fencingAgent(t *testing.T, pki *testPKI, ports map[string]uint16) (*Agent, 
 	if err := os.WriteFile(kill, nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	a.watchdog.Watch("n3", time.Now())
+	pred, _ := a.View().Predecessor("n1")
+	a.watchdog.Watch(pred.Name, time.Now())
 	return a, logs, kill
 }
 
