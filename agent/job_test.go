@@ -266,22 +266,11 @@ func TestStartJobBoundsJobsPerUser(t *testing.T) {
 	if err != nil {
 		t.Fatalf("uid 3000's third job refused: %v", err)
 	}
-	for _, tt := range []struct {
-		name string
-		uid  uint32
-		want string // in StartJob's error: the bound's, or a later failure's (this agent has no shim)
-	}{
+	requireStarts(t, ta, []startRow{
 		{"a fourth job of uid 3000", 3000, "uid 3000 already runs 3 jobs on node1"},
 		{"a job of another user", 4000, "no-shim"},
 		{"a job of root", 0, "no-shim"},
-	} {
-		t.Run(tt.name, func(t *testing.T) {
-			_, err := ta.StartJob(t.Context(), JobSpec{Name: "bounded", Argv: []string{"/bin/true"}}, tt.uid, tt.uid)
-			if err == nil || !strings.Contains(err.Error(), tt.want) {
-				t.Fatalf("StartJob = %v, want an error with %q", err, tt.want)
-			}
-		})
-	}
+	})
 	release()
 	if release, err := ta.admit(3000); err != nil {
 		t.Errorf("uid 3000's third job refused after the start in progress ended: %v", err)
@@ -308,15 +297,24 @@ func TestStartJobBoundsEndedJobsPerUser(t *testing.T) {
 	}
 	ta.byID["forgotten"] = &Job{ID: "forgotten", UID: 4000, State: JobExited, Forgotten: true}
 	ta.mu.Unlock()
-	for _, tt := range []struct {
-		name string
-		uid  uint32
-		want string // in StartJob's error: the bound's, or a later failure's (this agent has no shim)
-	}{
+	requireStarts(t, ta, []startRow{
 		{"uid 3000 past the bound", 3000, "keeps the records of 1024 ended jobs of uid 3000"},
 		{"a job of another user", 4000, "no-shim"},
 		{"a job of root", 0, "no-shim"},
-	} {
+	})
+}
+
+// startRow is a start by uid and what its error says: the bound's, or a later failure's (the test agent
+// has no shim).
+type startRow struct {
+	name string
+	uid  uint32
+	want string
+}
+
+func requireStarts(t *testing.T, ta *testAgent, rows []startRow) {
+	t.Helper()
+	for _, tt := range rows {
 		t.Run(tt.name, func(t *testing.T) {
 			_, err := ta.StartJob(t.Context(), JobSpec{Name: "bounded", Argv: []string{"/bin/true"}}, tt.uid, tt.uid)
 			if err == nil || !strings.Contains(err.Error(), tt.want) {

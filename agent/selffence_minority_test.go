@@ -43,35 +43,7 @@ func TestSelfFenceInMinority(t *testing.T) {
 			ctx := runSelfFence(t, a)
 			go predecessorBeats(ctx, a)
 
-			killed := func() bool { b, _ := os.ReadFile(kill); return string(b) == "1" }
-			fenced := func() bool { return killed() && a.selfFenced.Load() }
-			kept := func() bool {
-				return strings.Contains(logs.String(), "reaches a majority of the other members: not fencing")
-			}
-			for deadline := time.Now().Add(failAfter); !fenced() && !kept(); time.Sleep(5 * time.Millisecond) {
-				if time.Now().After(deadline) {
-					t.Fatalf("neither fenced nor kept its jobs within %s; log:\n%s", failAfter, logs.String())
-				}
-			}
-			if killed() != tt.fence || a.selfFenced.Load() != tt.fence {
-				t.Fatalf("job killed %v, node fenced %v; want %v; log:\n%s", killed(), a.selfFenced.Load(), tt.fence, logs.String())
-			}
-			if !tt.fence {
-				// Logged once a silence, not at each answer (a question goes out every check).
-				time.Sleep(2 * a.cfg.Failover.FenceTimeout.Duration)
-				if n := strings.Count(logs.String(), "reaches a majority of the other members: not fencing"); n != 1 {
-					t.Errorf("logged keeping the jobs %d times, want once; log:\n%s", n, logs.String())
-				}
-				return
-			}
-			i := slices.IndexFunc(a.failures.List(), func(f *Failure) bool { return f.Node == "n1" && len(f.Stages) > 0 })
-			if i < 0 {
-				t.Fatal("no self-fence event recorded")
-			}
-			st := a.failures.List()[i].Stages[0]
-			if st.Name != StageSelfFenced || !strings.Contains(st.Detail, "no contact with its protector n2") || !strings.Contains(st.Detail, "no answer from 3 of the 4 other members") {
-				t.Errorf("self-fence stage %+v does not say why", st)
-			}
+			requireFenceDecision(t, a, logs, kill, tt.fence, "no answer from 3 of the 4 other members")
 		})
 	}
 }
@@ -108,40 +80,14 @@ func TestSelfFenceRingOfTwo(t *testing.T) {
 			}
 			runSelfFence(t, a)
 
-			killed := func() bool { b, _ := os.ReadFile(kill); return string(b) == "1" }
-			const keeps = "reaches a majority of the other members: not fencing"
 			if len(tt.members) == 2 {
 				time.Sleep(3 * a.cfg.Failover.FenceTimeout.Duration)
-				if killed() || a.selfFenced.Load() || strings.Contains(logs.String(), keeps) {
-					t.Fatalf("job killed %v, node fenced %v with no other member; log:\n%s", killed(), a.selfFenced.Load(), logs.String())
+				if b, _ := os.ReadFile(kill); string(b) == "1" || a.selfFenced.Load() || strings.Contains(logs.String(), keepsJobs) {
+					t.Fatalf("job killed %q, node fenced %v with no other member; log:\n%s", b, a.selfFenced.Load(), logs.String())
 				}
 				return
 			}
-			fenced := func() bool { return killed() && a.selfFenced.Load() }
-			kept := func() bool { return strings.Contains(logs.String(), keeps) }
-			for deadline := time.Now().Add(failAfter); !fenced() && !kept(); time.Sleep(5 * time.Millisecond) {
-				if time.Now().After(deadline) {
-					t.Fatalf("neither fenced nor kept its jobs within %s; log:\n%s", failAfter, logs.String())
-				}
-			}
-			if killed() != tt.fence || a.selfFenced.Load() != tt.fence {
-				t.Fatalf("job killed %v, node fenced %v; want %v; log:\n%s", killed(), a.selfFenced.Load(), tt.fence, logs.String())
-			}
-			if !tt.fence {
-				time.Sleep(2 * a.cfg.Failover.FenceTimeout.Duration)
-				if n := strings.Count(logs.String(), keeps); n != 1 || killed() || a.selfFenced.Load() {
-					t.Errorf("logged keeping the jobs %d times (want once), job killed %v, node fenced %v; log:\n%s", n, killed(), a.selfFenced.Load(), logs.String())
-				}
-				return
-			}
-			i := slices.IndexFunc(a.failures.List(), func(f *Failure) bool { return f.Node == "n1" && len(f.Stages) > 0 })
-			if i < 0 {
-				t.Fatal("no self-fence event recorded")
-			}
-			st := a.failures.List()[i].Stages[0]
-			if st.Name != StageSelfFenced || !strings.Contains(st.Detail, "no contact with its protector n2") || !strings.Contains(st.Detail, "no answer from 2 of the 2 other members") {
-				t.Errorf("self-fence stage %+v does not say why", st)
-			}
+			requireFenceDecision(t, a, logs, kill, tt.fence, "no answer from 2 of the 2 other members")
 		})
 	}
 }
@@ -226,5 +172,42 @@ func predecessorBeats(ctx context.Context, a *Agent) {
 	for seq := uint64(1); ctx.Err() == nil; seq++ {
 		a.watchdog.Beat(detect.Beat{From: "n3", Seq: seq, Sent: time.Now()}, time.Now())
 		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// keepsJobs is what a node that reaches a majority of the other members logs, once a silence.
+const keepsJobs = "reaches a majority of the other members: not fencing"
+
+// requireFenceDecision waits until self-fencing agent a (its job's cgroup.kill file kill) fences or keeps
+// its jobs, and checks that it did what fence says: logged keeping them once, or killed the job and
+// recorded why (its event's detail holds "no contact with its protector n2" and why).
+func requireFenceDecision(t *testing.T, a *Agent, logs *testenv.SyncBuffer, kill string, fence bool, why string) {
+	t.Helper()
+	killed := func() bool { b, _ := os.ReadFile(kill); return string(b) == "1" }
+	fenced := func() bool { return killed() && a.selfFenced.Load() }
+	kept := func() bool { return strings.Contains(logs.String(), keepsJobs) }
+	for deadline := time.Now().Add(failAfter); !fenced() && !kept(); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("neither fenced nor kept its jobs within %s; log:\n%s", failAfter, logs.String())
+		}
+	}
+	if killed() != fence || a.selfFenced.Load() != fence {
+		t.Fatalf("job killed %v, node fenced %v; want %v; log:\n%s", killed(), a.selfFenced.Load(), fence, logs.String())
+	}
+	if !fence {
+		// Logged once a silence, not at each answer (a question goes out every check).
+		time.Sleep(2 * a.cfg.Failover.FenceTimeout.Duration)
+		if n := strings.Count(logs.String(), keepsJobs); n != 1 || killed() || a.selfFenced.Load() {
+			t.Errorf("logged keeping the jobs %d times (want once), job killed %v, node fenced %v; log:\n%s", n, killed(), a.selfFenced.Load(), logs.String())
+		}
+		return
+	}
+	i := slices.IndexFunc(a.failures.List(), func(f *Failure) bool { return f.Node == "n1" && len(f.Stages) > 0 })
+	if i < 0 {
+		t.Fatal("no self-fence event recorded")
+	}
+	st := a.failures.List()[i].Stages[0]
+	if st.Name != StageSelfFenced || !strings.Contains(st.Detail, "no contact with its protector n2") || !strings.Contains(st.Detail, why) {
+		t.Errorf("self-fence stage %+v does not say why (%q)", st, why)
 	}
 }

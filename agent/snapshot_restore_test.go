@@ -75,22 +75,10 @@ func TestOwnsSnapshotBoundsRecord(t *testing.T) {
 // given no uid: it read 0, and CRIU opened and bound every path the images name as root, every check skipped.
 func TestRestoreShimRunsAsTheJobsUser(t *testing.T) {
 	ta := newTestAgent(t)
-	spec := filepath.Join(ta.dir, "shim-spec.json")
-	fake := filepath.Join(ta.dir, "fake-shim")
-	// It keeps the spec it was given and fails, as a restore CRIU refused: nothing runs.
-	script := "#!/bin/sh\ncat >" + spec + "\necho '{\"error\": \"fake shim: not restored\"}'\n"
-	if err := os.WriteFile(fake, []byte(script), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	ta.SetShim(fake)
+	spec := fakeRestoreShim(t, ta)
 	const id = "restored-00000001"
 	j := Job{ID: id, UID: asOwner.Uid, GID: asOwner.Gid, Dir: ta.layout().dir(id)}
-	m := &ckpt.Manifest{Job: id, ID: "20261206T120000.000Z-node2-000001"}
-	work := filepath.Join(ta.dir, "restore", id)
-	if err := os.MkdirAll(work, 0o700); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := ta.restoreJob(t.Context(), m, j, work, nil); err == nil || !strings.Contains(err.Error(), "fake shim") {
+	if err := restoreWithFakeShim(t, ta, j); err == nil || !strings.Contains(err.Error(), "fake shim") {
 		t.Fatalf("restore: %v, want the fake shim's refusal", err)
 	}
 	b, err := os.ReadFile(spec)
@@ -111,20 +99,10 @@ func TestRestoreShimRunsAsTheJobsUser(t *testing.T) {
 // below the recovery's incarnation claim, which the same failure's repeated request wins again.
 func TestRestoreRefusesBesideARunningCopy(t *testing.T) {
 	ta := newTestAgent(t)
-	spec := filepath.Join(ta.dir, "shim-spec.json")
-	fake := filepath.Join(ta.dir, "fake-shim")
-	if err := os.WriteFile(fake, []byte("#!/bin/sh\ncat >"+spec+"\necho '{\"error\": \"fake shim: not restored\"}'\n"), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	ta.SetShim(fake)
+	spec := fakeRestoreShim(t, ta)
 	const id = "running-00000001"
 	ta.addJob(t, Job{ID: id, State: JobRunning, PID: os.Getpid()})
-	m := &ckpt.Manifest{Job: id, ID: "20261206T120000.000Z-node2-000001"}
-	work := filepath.Join(ta.dir, "restore", id)
-	if err := os.MkdirAll(work, 0o700); err != nil {
-		t.Fatal(err)
-	}
-	_, err := ta.restoreJob(t.Context(), m, Job{ID: id, Dir: ta.layout().dir(id)}, work, nil)
+	err := restoreWithFakeShim(t, ta, Job{ID: id, Dir: ta.layout().dir(id)})
 	if err == nil || !strings.Contains(err.Error(), "already runs on") {
 		t.Fatalf("restore beside the running copy: %v, want a refusal", err)
 	}
@@ -134,4 +112,29 @@ func TestRestoreRefusesBesideARunningCopy(t *testing.T) {
 	if j, _, err := ta.Job(id, 0); err != nil || j.State != JobRunning || j.PID != os.Getpid() {
 		t.Errorf("the running copy's record after the refusal: %+v, %v", j, err)
 	}
+}
+
+// fakeRestoreShim makes ta's shim one that keeps the spec it was given (in the returned file) and fails, as
+// a restore CRIU refused: nothing runs.
+func fakeRestoreShim(t *testing.T, ta *testAgent) (spec string) {
+	t.Helper()
+	spec = filepath.Join(ta.dir, "shim-spec.json")
+	fake := filepath.Join(ta.dir, "fake-shim")
+	if err := os.WriteFile(fake, []byte("#!/bin/sh\ncat >"+spec+"\necho '{\"error\": \"fake shim: not restored\"}'\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	ta.SetShim(fake)
+	return spec
+}
+
+// restoreWithFakeShim restores j from a snapshot of no images in a work directory of its own.
+func restoreWithFakeShim(t *testing.T, ta *testAgent, j Job) error {
+	t.Helper()
+	m := &ckpt.Manifest{Job: j.ID, ID: "20261206T120000.000Z-node2-000001"}
+	work := filepath.Join(ta.dir, "restore", j.ID)
+	if err := os.MkdirAll(work, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	_, err := ta.restoreJob(t.Context(), m, j, work, nil)
+	return err
 }

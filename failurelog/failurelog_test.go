@@ -260,15 +260,7 @@ func TestOpenRefusesALink(t *testing.T) {
 // and only over a timeline of the same protector: no member replaces another's timeline (with a stamp
 // far ahead, which would win every merge) or this agent's own, nor makes one up in another's name.
 func TestMergeOnlyFromProtector(t *testing.T) {
-	l, err := Open(t.TempDir(), "node1")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t0 := time.Now()
-	// This agent's own recovery, under way on spare1.
-	l.Update("node2-1", func(f *Failure) {
-		f.Node, f.Protector, f.Target, f.Detected, f.Jobs = "node2", "node1", "spare1", t0, []string{"a"}
-	})
+	l, t0 := ownRecovery(t)
 	// node3's recovery of node4, as node3 sent it.
 	if !l.Merge("node3", &Failure{ID: "node4-1", Node: "node4", Protector: "node3", Target: "spare2", Detected: t0, Updated: t0}) {
 		t.Fatal("the protector's own timeline was not merged")
@@ -310,14 +302,7 @@ func TestMergeOnlyFromProtector(t *testing.T) {
 // TestTrimKeepsOwn: timelines a member makes up by the hundred, dated after every real one, do not push
 // this agent's own out of its log, nor another protector's.
 func TestTrimKeepsOwn(t *testing.T) {
-	l, err := Open(t.TempDir(), "node1")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t0 := time.Now()
-	l.Update("node2-1", func(f *Failure) {
-		f.Node, f.Protector, f.Target, f.Detected, f.Jobs = "node2", "node1", "spare1", t0, []string{"a"}
-	})
+	l, t0 := ownRecovery(t)
 	l.Merge("node4", &Failure{ID: "node5-1", Node: "node5", Protector: "node4", Detected: t0, Updated: t0})
 	for i := range 3 * MaxFailures {
 		l.Merge("node3", &Failure{ID: fmt.Sprintf("made-up-%d", i), Node: "node9", Protector: "node3",
@@ -334,4 +319,19 @@ func TestTrimKeepsOwn(t *testing.T) {
 	if taken := l.TakeOver("node1", "spare1", "spare1-1"); taken["a"] != "node2" {
 		t.Errorf("taken over %v, want job a", taken)
 	}
+}
+
+// ownRecovery is node1's log holding its own recovery of node2 (failure node2-1: job a, under way on
+// spare1, detected at t0).
+func ownRecovery(t *testing.T) (l *Log, t0 time.Time) {
+	t.Helper()
+	l, err := Open(t.TempDir(), "node1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t0 = time.Now()
+	l.Update("node2-1", func(f *Failure) {
+		f.Node, f.Protector, f.Target, f.Detected, f.Jobs = "node2", "node1", "spare1", t0, []string{"a"}
+	})
+	return l, t0
 }
