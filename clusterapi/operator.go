@@ -150,6 +150,10 @@ func (r OperatorRestoreRequest) target() string {
 	if r.Job != "" {
 		t += " job " + r.Job
 	}
+	if r.Source != "" {
+		// The agent fetches the snapshot from this member: the audit says which copy was restored.
+		t += " from " + r.Source
+	}
 	if r.Force {
 		t += " (forced)"
 	}

@@ -180,7 +180,7 @@ func TestOperatorOperations(t *testing.T) {
 		"op=operator/snapshots target=\"job job-1\"",
 		"op=operator/events target=host",
 		"op=operator/checkpoint target=\"jobs job-1,job-2\"",
-		"op=operator/restore target=\"snapshot " + snap + " job job-1\"",
+		"op=operator/restore target=\"snapshot " + snap + " job job-1 from n3\"",
 	} {
 		if !strings.Contains(logs.String(), "msg=\"operator request\" operator=alice "+want) {
 			t.Errorf("no audit line with %q in the log:\n%s", want, logs.String())
@@ -365,4 +365,20 @@ func FuzzOperatorRequest(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestOperatorAuditNamesRestoreSource: the audit line of a restore names the member the snapshot is to be
+// fetched from; the agent acts on it, so the audit must say which copy an operator chose.
+func TestOperatorAuditNamesRestoreSource(t *testing.T) {
+	ops := &fakeOperators{}
+	at, logs := operatorServer(t, &fakeService{}, ops)
+	c := clientWith(t, at.pki.operatorCreds(t, "alice"), at.addr)
+	snap := testManifest("job-1", "n2").ID
+	if _, err := c.OperatorRestore(t.Context(), "n2", OperatorRestoreRequest{Snapshot: snap, Job: "job-1", Source: "n3", Force: true}); err != nil {
+		t.Fatal(err)
+	}
+	want := "op=operator/restore target=\"snapshot " + snap + " job job-1 from n3 (forced)\""
+	if !strings.Contains(logs.String(), "msg=\"operator request\" operator=alice "+want) {
+		t.Errorf("no audit line with %q in the log:\n%s", want, logs.String())
+	}
 }

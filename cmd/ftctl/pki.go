@@ -213,6 +213,9 @@ It is a cluster-admin credential: issue it to a person, keep its key 0600 (ftctl
 					return err
 				}
 			}
+			if err := sameIdentity(filepath.Join(out, fileName+".crt"), certPEM); err != nil {
+				return err
+			}
 			files, err := clustertls.WriteFiles(out, fileName, ca.CertPEM(), certPEM, keyPEM)
 			if err != nil {
 				return fmt.Errorf("pki issue: %w", err)
@@ -341,6 +344,38 @@ func privateDir(dir string) error {
 		return fmt.Errorf("%s is not a directory", dir)
 	case fi.Mode().Perm()&0o077 != 0:
 		return fmt.Errorf("%s is accessible to other users (mode %04o) and would hold private keys: chmod 700 it", dir, fi.Mode().Perm())
+	}
+	return nil
+}
+
+// sameIdentity refuses to replace the certificate at path (and the key beside it) unless it names the
+// identity certPEM does: a renewal replaces its own files, but operator NAME's files (operator-NAME.crt) and
+// those of a member named operator-NAME are the same paths, and one must not silently take the other's place
+// (a member's cluster-root key handed out as an operator's, or an operator's installed on a host).
+func sameIdentity(path string, certPEM []byte) error {
+	old, err := readNoFollow(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("pki issue: %w", err)
+	}
+	blk, _ := pem.Decode(old)
+	if blk == nil || blk.Type != "CERTIFICATE" {
+		return fmt.Errorf("pki issue: %s exists and is not a PEM certificate: remove it or choose another --out", path)
+	}
+	prev, err := x509.ParseCertificate(blk.Bytes)
+	if err != nil {
+		return fmt.Errorf("pki issue: %s: %w", path, err)
+	}
+	blk, _ = pem.Decode(certPEM)
+	next, err := x509.ParseCertificate(blk.Bytes)
+	if err != nil {
+		return fmt.Errorf("pki issue: the new certificate: %w", err)
+	}
+	if prev.Subject.CommonName != next.Subject.CommonName {
+		return cli.WithCode(cli.ExitUnavailable, fmt.Errorf("pki issue: %s holds the certificate of %q, not %q: remove it or choose another --out",
+			path, prev.Subject.CommonName, next.Subject.CommonName))
 	}
 	return nil
 }

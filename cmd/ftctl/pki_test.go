@@ -370,3 +370,41 @@ func TestPKIRevoke(t *testing.T) {
 		})
 	}
 }
+
+// TestPKIIssueKeepsAnotherIdentitysFiles: an operator's files (DIR/operator-NAME/operator-NAME.*) and those
+// of a member named operator-NAME are the same paths; issuing one must not silently replace the other's
+// certificate and key (a member's credential handed out as an operator's, or the reverse). Renewing the
+// same identity still replaces its files.
+func TestPKIIssueKeepsAnotherIdentitysFiles(t *testing.T) {
+	dir := pkiCluster(t)
+	if out, code, err := runFtctl(t, "pki", "issue", "--dir", dir, "--operator", "alice"); code != 0 {
+		t.Fatalf("pki issue --operator alice: %v\n%s", err, out)
+	}
+	crt := filepath.Join(dir, "operator-alice", "operator-alice.crt")
+	before, err := os.ReadFile(crt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, code, err := runFtctl(t, "pki", "issue", "--dir", dir, "operator-alice"); code == 0 {
+		t.Errorf("a member operator-alice was issued over operator alice's files")
+	} else if !strings.Contains(err.Error(), "operator:alice") {
+		t.Errorf("refusal %v does not name the certificate it keeps", err)
+	}
+	if after, _ := os.ReadFile(crt); !bytes.Equal(after, before) {
+		t.Error("operator alice's certificate was replaced by a member's")
+	}
+	// Renewal of the same operator replaces its files.
+	if out, code, err := runFtctl(t, "pki", "issue", "--dir", dir, "--operator", "alice"); code != 0 {
+		t.Fatalf("renew operator alice: %v\n%s", err, out)
+	}
+	if after, _ := os.ReadFile(crt); bytes.Equal(after, before) {
+		t.Error("renewing operator alice kept the old certificate")
+	}
+	// And the reverse: an operator is not issued over a member's files.
+	if out, code, err := runFtctl(t, "pki", "issue", "--dir", dir, "operator-bob"); code != 0 {
+		t.Fatalf("pki issue operator-bob: %v\n%s", err, out)
+	}
+	if _, code, _ := runFtctl(t, "pki", "issue", "--dir", dir, "--operator", "bob"); code == 0 {
+		t.Error("operator bob was issued over member operator-bob's files")
+	}
+}
