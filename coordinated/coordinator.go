@@ -102,6 +102,10 @@ func (c *Coordinator) take(ctx context.Context, run string, owner *uint32) (*Cut
 		cut.Frozen = max(cut.Frozen, rep.Frozen)
 	}
 	if err != nil {
+		// A thaw that did not reach its host (a reset connection, ctx ended by another host's failure) left
+		// that host's hold, its jobs frozen and its snapshot lock taken, until the hold's bound after its
+		// dump (clusterapi.MaxCoordStep): the abort ends it now, and is a no-op where the thaw did.
+		c.onHosts(context.WithoutCancel(ctx), hosts, func(string) clusterapi.CoordinateRequest { return req(clusterapi.CoordAbort) })
 		return nil, fmt.Errorf("coordinated snapshot of run %s not recorded: %w", run, err)
 	}
 	var parts []clusterapi.CutPart
