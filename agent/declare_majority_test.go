@@ -73,6 +73,15 @@ func TestFailoverNeedsMajority(t *testing.T) {
 			if got := a.watchdog.Suspects(now.Add(a.cfg.Heartbeat.Timeout.Duration + time.Millisecond)); len(got) != 1 || got[0].Name != "n3" {
 				t.Errorf("suspects a timeout after the refusal = %+v, want n3", got)
 			}
+			// And after every timeout however often it is refused: the partition may heal at any time (the
+			// retries of a fail-over that changed nothing for another reason wait longer each time).
+			for range 3 {
+				a.failover(ctx, detect.Suspect{Name: "n3", Since: start.Add(-time.Second)}, time.Now())
+			}
+			now = time.Now()
+			if got := a.watchdog.Suspects(now.Add(a.cfg.Heartbeat.Timeout.Duration + time.Millisecond)); len(got) != 1 || got[0].Name != "n3" {
+				t.Errorf("suspects a timeout after the third refused fail-over = %+v, want n3", got)
+			}
 		})
 	}
 }

@@ -43,10 +43,14 @@ func (a *Agent) failover(ctx context.Context, s detect.Suspect, declared time.Ti
 			// And it is watched again: a suspicion is reported once, until a beat or Clear, so one left
 			// standing kept a node that stays silent (no replica of its jobs reachable, its fence command
 			// failed) from being suspected, and the fail-over tried, ever again. Tried again after a timeout,
-			// then twice as long each time (at most failoverRetryMax): each try is a failure in the log.
-			now := time.Now()
-			timeout := a.cfg.Heartbeat.Timeout.Duration
-			a.watchdog.Clear(s.Name, now.Add(a.declared.retryAfter(s.Name, timeout, now)-timeout))
+			// then twice as long each time (at most failoverRetryMax): each try is a failure in the log. A
+			// protector in a minority tries again after every timeout (majorityReached cleared it): the
+			// partition may heal at any time, and it declared nothing.
+			if !errors.Is(err, errNoMajorityReached) {
+				now := time.Now()
+				timeout := a.cfg.Heartbeat.Timeout.Duration
+				a.watchdog.Clear(s.Name, now.Add(a.declared.retryAfter(s.Name, timeout, now)-timeout))
+			}
 		}
 	}()
 	s.Jobs = a.replicas.since(s.Name, s.LastBeat, s.Jobs)
