@@ -73,7 +73,7 @@ func TestFetchRefusesOtherSnapshot(t *testing.T) {
 			}()
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
-			err := a.receiveFetch(ctx, cli, "node2", asked.Job, asked.ID)
+			err := a.receiveFetch(ctx, cli, "node2", asked.Job, asked.ID, 0)
 			cli.Close()
 			<-served
 			stored, _ := a.store.Jobs()

@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/spare"
 )
 
 // fetchScript is a member that answers every fetch after release is closed, by closing the connection
@@ -88,5 +89,45 @@ func testFetchOnce(t *testing.T, job, snap string, fetch func(a *Agent, ctx cont
 	defer a.fetching.mu.Unlock()
 	if len(a.fetching.m) != 0 {
 		t.Errorf("transfers left registered: %v", a.fetching.m)
+	}
+}
+
+// TestPrefetchOnlyTheFailedNodesSnapshots: a claim comes from another member, and its prefetch list is
+// only a hint of what the recovery of the failed node will restore. The spare fetches a snapshot taken on
+// the failed node (or on a failed member, whose jobs the failed node was restoring), at most one per job
+// and no more than the claim's need; a snapshot of an alive member's job, or a list longer than the
+// failed node's jobs, is not fetched: any claimer could have the spare pull others' snapshots, up to
+// MaxPrefetch of them.
+func TestPrefetchOnlyTheFailedNodesSnapshots(t *testing.T) {
+	pki := newTestPKI(t)
+	n2 := &fetchScript{started: make(chan struct{}), release: make(chan struct{})}
+	close(n2.release)
+	a, _ := clientAgent(t, pki, map[string]uint16{"n2": scriptedPeer(t, pki, "n2", n2)})
+	const failed = "20250101T000000.000Z-n3-000001"
+	for _, tc := range []struct {
+		name  string
+		need  int
+		list  []spare.Prefetch
+		fetch int
+	}{
+		{"failed node's", 1, []spare.Prefetch{{Job: "job-a", Snapshot: failed, Source: "n2"}}, 1},
+		{"alive member's", 1, []spare.Prefetch{{Job: "job-b", Snapshot: "20250101T000000.000Z-n2-000001", Source: "n2"}}, 0},
+		{"not an id", 1, []spare.Prefetch{{Job: "job-c", Snapshot: "n3", Source: "n2"}}, 0},
+		{"beyond the need", 1, []spare.Prefetch{
+			{Job: "job-d", Snapshot: failed, Source: "n2"},
+			{Job: "job-e", Snapshot: failed, Source: "n2"},
+		}, 1},
+		{"one per job", 2, []spare.Prefetch{
+			{Job: "job-f", Snapshot: failed, Source: "n2"},
+			{Job: "job-f", Snapshot: "20250101T000000.000Z-n3-000002", Source: "n2"},
+		}, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			before := n2.count()
+			a.prefetch(spare.Claim{Failure: "f1", By: "n1", Failed: "n3", Need: spare.Need{Jobs: tc.need, MemoryBytes: 1 << 30}, Prefetch: tc.list})
+			if got := n2.count() - before; got != tc.fetch {
+				t.Errorf("%d snapshots fetched, want %d", got, tc.fetch)
+			}
+		})
 	}
 }

@@ -182,6 +182,12 @@ type fetchCall struct {
 // under way (a claimed spare's prefetch, which the recovery then finds done or nearly so). If that one
 // failed, it fetches the snapshot itself.
 func (a *Agent) fetchOnce(ctx context.Context, from, job, id string) error {
+	return a.fetchOnceMax(ctx, from, job, id, 0)
+}
+
+// fetchOnceMax is fetchOnce with a bound on the snapshot's bytes, if maxBytes > 0, for a transfer it
+// starts: a larger snapshot is refused by its manifest, before any file (ship.ReceiveOptions).
+func (a *Agent) fetchOnceMax(ctx context.Context, from, job, id string, maxBytes int64) error {
 	key := job + "/" + id
 	for {
 		a.fetching.mu.Lock()
@@ -197,7 +203,7 @@ func (a *Agent) fetchOnce(ctx context.Context, from, job, id string) error {
 		}
 		a.fetching.mu.Unlock()
 		if !busy {
-			c.err = a.fetchFrom(ctx, from, job, id)
+			c.err = a.fetchFrom(ctx, from, job, id, maxBytes)
 			a.fetching.mu.Lock()
 			delete(a.fetching.m, key)
 			a.fetching.mu.Unlock()
@@ -224,18 +230,39 @@ func (a *Agent) prefetch(cl spare.Claim) {
 	defer cancel()
 	start := time.Now()
 	var fetched []string
+	// The list comes from the claimer, another member: only what the failed node's recovery can restore is
+	// fetched (a snapshot taken on the failed node, or on a failed member whose jobs it was restoring, as
+	// checkTakenFrom allows), one per job, for at most the jobs and bytes the claim says they need (the
+	// memory this host checked it has). Otherwise any claimer could have the spare pull up to MaxPrefetch
+	// snapshots of any member's jobs, each as large as a receiver takes.
+	v := a.View()
+	jobs := map[string]bool{}
+	budget := cl.Need.MemoryBytes
 	for _, p := range cl.Prefetch {
-		if ckpt.ValidName(p.Job) != nil || ckpt.ValidName(p.Snapshot) != nil || p.Source == a.cfg.Name {
+		if ckpt.ValidName(p.Job) != nil || p.Source == a.cfg.Name || jobs[p.Job] || len(jobs) >= cl.Need.Jobs || budget <= 0 {
 			continue
 		}
+		sid, err := ckpt.ParseID(p.Snapshot)
+		if err != nil {
+			continue
+		}
+		if m, ok := v.Member(sid.Node); sid.Node != cl.Failed && (!ok || m.State != ring.StateFailed) {
+			a.log.Warn("claim names a snapshot to prefetch of a node that has not failed: not fetched", "failure", cl.Failure, "by", cl.By,
+				"failed", cl.Failed, "job", p.Job, "snapshot", p.Snapshot)
+			continue
+		}
+		jobs[p.Job] = true
 		if _, err := a.store.Manifest(p.Job, p.Snapshot); err == nil {
 			continue // here already
 		}
-		if err := a.fetchOnce(ctx, p.Source, p.Job, p.Snapshot); err != nil {
+		if err := a.fetchOnceMax(ctx, p.Source, p.Job, p.Snapshot, budget); err != nil {
 			a.log.Warn("prefetch for a claimed recovery failed: the recovery fetches the snapshot itself", "failure", cl.Failure, "job", p.Job, "snapshot", p.Snapshot, "from", p.Source, "err", err)
 			continue
 		}
 		fetched = append(fetched, p.Snapshot)
+		if m, err := a.store.Manifest(p.Job, p.Snapshot); err == nil {
+			budget -= m.TotalSize()
+		}
 		a.fetching.mu.Lock()
 		if a.fetching.prefetched == nil {
 			a.fetching.prefetched = map[string]string{}
@@ -248,7 +275,8 @@ func (a *Agent) prefetch(cl spare.Claim) {
 	}
 }
 
-func (a *Agent) fetchFrom(ctx context.Context, from, job, id string) error {
+// fetchFrom fetches snapshot id of job from member from; maxBytes > 0 bounds its size.
+func (a *Agent) fetchFrom(ctx context.Context, from, job, id string, maxBytes int64) error {
 	fctx, cancel := context.WithTimeout(ctx, 10*time.Minute)
 	defer cancel()
 	c, err := a.peers().Fetch(fctx, from, clusterapi.FetchRequest{Job: job, ID: id})
@@ -256,16 +284,16 @@ func (a *Agent) fetchFrom(ctx context.Context, from, job, id string) error {
 		return err
 	}
 	defer c.Close()
-	return a.receiveFetch(fctx, c, from, job, id)
+	return a.receiveFetch(fctx, c, from, job, id, maxBytes)
 }
 
 // receiveFetch stores what arrives on a fetch connection to member from (the request for snapshot id of
 // job already sent) if it is that snapshot: a member sends whatever it has under the name asked for, so
 // anything else is refused before a file moves. The transfer sets its own deadlines: ship's idle timeout
-// (a.wire.Idle only when a test shortens it), within ctx.
-func (a *Agent) receiveFetch(ctx context.Context, c io.ReadWriter, from, job, id string) error {
+// (a.wire.Idle only when a test shortens it), within ctx. maxBytes > 0 bounds the snapshot's size (0: ship's default).
+func (a *Agent) receiveFetch(ctx context.Context, c io.ReadWriter, from, job, id string, maxBytes int64) error {
 	got, err := ship.Receive(ctx, c, a.store, ship.ReceiveOptions{Peer: from, Authorize: expectSnapshot(job, id), ShareBlocks: a.cfg.Checkpoint.ShareBlocks,
-		Logger: a.log, IdleTimeout: a.wire.Idle})
+		Logger: a.log, IdleTimeout: a.wire.Idle, MaxSnapshotBytes: maxBytes})
 	if err != nil {
 		return err
 	}

@@ -137,7 +137,7 @@ func TestCallersGiveUpOnAStalledPeer(t *testing.T) {
 			a.wire.Idle, a.cfg.Heartbeat.Timeout.Duration = testWire.Idle, testWire.Idle
 			return a.remoteRecover(bg, "n2", RecoverRequest{Jobs: []RecoverJob{{Job: "job-1"}}}, func(Stage) {})
 		}},
-		{"fetchFrom", func() error { return a.fetchFrom(bg, "n2", "job-1", "x") }},
+		{"fetchFrom", func() error { return a.fetchFrom(bg, "n2", "job-1", "x", 0) }},
 		{"shipTo", func() error {
 			_, err := a.shipTo(bg, "n2", &ckpt.Manifest{Job: "job-1", ID: "x"}, ship.SendOptions{})
 			return err
