@@ -147,19 +147,6 @@ func must(t *testing.T, err error) {
 	}
 }
 
-// swapForLink does what a job's user may do between a dump and a restore: moves path aside and puts a link
-// to target in its place. putBack puts path back as it was.
-func swapForLink(t *testing.T, path, target string) (putBack func()) {
-	t.Helper()
-	must(t, os.Rename(path, path+".orig"))
-	must(t, os.Symlink(target, path))
-	return func() {
-		t.Helper()
-		must(t, os.Remove(path))
-		must(t, os.Rename(path+".orig", path))
-	}
-}
-
 // ownersWork is a directory of root's that asUser may search, removed when the test ends.
 func ownersWork(t *testing.T, prefix string) string {
 	t.Helper()
@@ -201,7 +188,7 @@ func TestBindAsOwner(t *testing.T) {
 	l.Close()
 	var before unix.Stat_t
 	must(t, unix.Lstat(rootSock, &before))
-	putBack := swapForLink(t, run, rootDir)
+	putBack := testenv.SwapForLink(t, run, rootDir)
 	pid, err := j.restore(t)
 	if err == nil {
 		reap(pid)
@@ -251,7 +238,7 @@ func TestOpenAsOwner(t *testing.T) {
 	r, err := os.OpenFile(rootFIFO, os.O_RDONLY|unix.O_NONBLOCK, 0)
 	must(t, err)
 	defer r.Close()
-	putBack := swapForLink(t, fifo, rootFIFO)
+	putBack := testenv.SwapForLink(t, fifo, rootFIFO)
 	pid, err := j.restore(t)
 	if err == nil {
 		reap(pid)

@@ -198,19 +198,6 @@ func must(t *testing.T, err error) {
 	}
 }
 
-// swapForLink does what a job's user may do between a dump and a restore: moves path aside and puts a link
-// to target in its place. putBack puts path back as it was.
-func swapForLink(t *testing.T, path, target string) (putBack func()) {
-	t.Helper()
-	must(t, os.Rename(path, path+".orig"))
-	must(t, os.Symlink(target, path))
-	return func() {
-		t.Helper()
-		must(t, os.Remove(path))
-		must(t, os.Rename(path+".orig", path))
-	}
-}
-
 // A job of uid 65534 that had its own file "data" open is dumped; its user then swaps "data" for a link to a
 // file of root's of the same size and mode (all CRIU compares):
 //   - root's secret in a directory the user cannot search;
@@ -252,7 +239,7 @@ func TestRestoreRefusesSwappedFile(t *testing.T) {
 				link = tc.secret(t, dir)
 				return []string{holdEnv + "=" + data}
 			})
-			putBack := swapForLink(t, data, link)
+			putBack := testenv.SwapForLink(t, data, link)
 			refused(t, d.restore(t), "file was swapped for a link to "+tc.name, "Can't open file", "/data", "Permission denied")
 
 			putBack()
@@ -288,7 +275,7 @@ func TestRestoreTakesDeletedFile(t *testing.T) {
 				return append([]string{holdEnv + "=" + data}, tc.env...)
 			}, func() { must(t, os.Remove(data)) })
 
-			putBack := swapForLink(t, sub, rootDir)
+			putBack := testenv.SwapForLink(t, sub, rootDir)
 			// An unpatched CRIU removes what it made there too: only the directory's times tell.
 			var before, after unix.Stat_t
 			must(t, unix.Lstat(rootDir, &before))
@@ -333,7 +320,7 @@ func TestRestoreRefusesSocketThroughLink(t *testing.T) {
 	var before unix.Stat_t
 	must(t, unix.Lstat(filepath.Join(rootDir, "job.sock"), &before))
 
-	putBack := swapForLink(t, run, rootDir)
+	putBack := testenv.SwapForLink(t, run, rootDir)
 	rep := d.restore(t)
 	var after unix.Stat_t
 	if err := unix.Lstat(filepath.Join(rootDir, "job.sock"), &after); err != nil || after.Ino != before.Ino || after.Uid != 0 {
@@ -463,7 +450,7 @@ func TestRestoreMountThroughLink(t *testing.T) {
 
 			// The user: unmounts their mount, and puts a link where its directory was.
 			must(t, unix.Unmount(target, 0))
-			swapForLink(t, x, "../srv/a/deep")
+			testenv.SwapForLink(t, x, "../srv/a/deep")
 			must(t, unix.Lchown(x, user, user))
 			if !early {
 				rootMounts()
