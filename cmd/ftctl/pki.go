@@ -268,11 +268,7 @@ that was stolen or retired, or an operator's whose key may be lost; re-issue the
 				if err != nil {
 					return cli.Usagef("certificate %s: %v", p, err)
 				}
-				blk, _ := pem.Decode(b)
-				if blk == nil || blk.Type != "CERTIFICATE" {
-					return cli.Usagef("%s: not a PEM certificate", p)
-				}
-				cert, err := x509.ParseCertificate(blk.Bytes)
+				cert, err := parseCertPEM(b)
 				if err != nil {
 					return cli.Usagef("%s: %v", p, err)
 				}
@@ -360,16 +356,11 @@ func sameIdentity(path string, certPEM []byte) error {
 	if err != nil {
 		return fmt.Errorf("pki issue: %w", err)
 	}
-	blk, _ := pem.Decode(old)
-	if blk == nil || blk.Type != "CERTIFICATE" {
-		return fmt.Errorf("pki issue: %s exists and is not a PEM certificate: remove it or choose another --out", path)
-	}
-	prev, err := x509.ParseCertificate(blk.Bytes)
+	prev, err := parseCertPEM(old)
 	if err != nil {
-		return fmt.Errorf("pki issue: %s: %w", path, err)
+		return fmt.Errorf("pki issue: %s exists and is not a certificate (%w): remove it or choose another --out", path, err)
 	}
-	blk, _ = pem.Decode(certPEM)
-	next, err := x509.ParseCertificate(blk.Bytes)
+	next, err := parseCertPEM(certPEM)
 	if err != nil {
 		return fmt.Errorf("pki issue: the new certificate: %w", err)
 	}
@@ -378,6 +369,15 @@ func sameIdentity(path string, certPEM []byte) error {
 			path, prev.Subject.CommonName, next.Subject.CommonName))
 	}
 	return nil
+}
+
+// parseCertPEM parses the first PEM block of b, which must be a certificate.
+func parseCertPEM(b []byte) (*x509.Certificate, error) {
+	blk, _ := pem.Decode(b)
+	if blk == nil || blk.Type != "CERTIFICATE" {
+		return nil, errors.New("not a PEM certificate")
+	}
+	return x509.ParseCertificate(blk.Bytes)
 }
 
 // noLink refuses a target that is anything but a regular file: the files are replaced by rename, which
