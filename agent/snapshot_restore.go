@@ -96,14 +96,15 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 	// Whatever asked (a recovery request repeated or resumed, a migration resumed, a manual restore): a
 	// copy of the job running here already must not get a second one beside it.
 	a.mu.Lock()
-	var runs *Job
-	if cur := a.byID[j.ID]; cur != nil && cur.State == JobRunning {
-		c := *cur
-		runs = &c
+	cur := a.byID[j.ID]
+	runs := cur != nil && cur.State == JobRunning
+	runsPID := 0
+	if runs {
+		runsPID = cur.PID
 	}
 	a.mu.Unlock()
-	if runs != nil {
-		return nil, fmt.Errorf("job %s already runs on %s (pid %d): snapshot %s is not restored beside it", j.ID, a.cfg.Name, runs.PID, m.ID)
+	if runs {
+		return nil, fmt.Errorf("job %s already runs on %s (pid %d): snapshot %s is not restored beside it", j.ID, a.cfg.Name, runsPID, m.ID)
 	}
 	if err := a.reserveRestoredAddr(j); err != nil {
 		return nil, fmt.Errorf("snapshot %s: %w", m.ID, err)
