@@ -145,9 +145,15 @@ func (b *Book) Add(rec netlog.Record) {
 		return
 	}
 	f := b.flows[rec.Conn]
-	if f == nil {
+	switch {
+	case f == nil:
 		f = b.newFlow(rec.Conn, rec.CgroupID, rec.Seq)
-	} else {
+	case f.owner.cgroup != rec.CgroupID:
+		// Another cgroup's socket (a socket's cgroup is fixed when it is made): a new connection on the
+		// reused 4-tuple, whatever its sequence numbers say. Its bytes are not the old connection's.
+		b.touch(f, rec.CgroupID)
+		b.reset(f, rec.Seq)
+	default:
 		b.touch(f, rec.CgroupID)
 	}
 	off := int32(rec.Seq - f.next)
@@ -196,7 +202,7 @@ func (b *Book) begin(conn tcpflow.Tuple, cgroup uint64, seq uint32) {
 	switch {
 	case f == nil:
 		b.newFlow(conn, cgroup, seq)
-	case f.first != seq:
+	case f.first != seq || f.owner.cgroup != cgroup:
 		b.touch(f, cgroup)
 		b.reset(f, seq)
 	}
@@ -238,7 +244,8 @@ func (b *Book) leave(f *flow) {
 }
 
 // touch makes f the most recently updated flow, of cgroup's owner: a record of another cgroup on f's
-// 4-tuple (a new connection on a reused one) counts f against the job that receives on it now.
+// 4-tuple (a new connection on a reused one, which the caller resets) counts f against the job that
+// receives on it now.
 func (b *Book) touch(f *flow, cgroup uint64) {
 	if f.owner.cgroup != cgroup {
 		b.leave(f)

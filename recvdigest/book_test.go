@@ -476,3 +476,17 @@ func TestBookBoundsAreSharedByJobs(t *testing.T) {
 		}
 	})
 }
+
+// TestBookNewConnOfAnotherJob: a record of another cgroup on a flow's 4-tuple is another socket's (a
+// socket's cgroup is fixed when it is made): a new connection on a reused 4-tuple, whose bytes must not be
+// taken for duplicates of the old connection's, nor the old connection's pieces served as its record.
+func TestBookNewConnOfAnotherJob(t *testing.T) {
+	const first, second = 2, 1
+	old, reused := randomBytes(1, 2*B), randomBytes(2, B)
+	b := NewBook(BookOptions{})
+	b.Add(netlog.Record{Conn: testConn, Seq: 0, CgroupID: first, Payload: old})
+	// The other job's connection has no start record (the consumer was gone at its SYN): its bytes land
+	// within a window of the old connection's.
+	b.Add(netlog.Record{Conn: testConn, Seq: B, CgroupID: second, Payload: reused})
+	equalPieces(t, received(t, b, testConn, B), piecesOf(B, reused))
+}
