@@ -292,27 +292,33 @@ func TestRestoreNeverWritesThroughLinks(t *testing.T) {
 }
 
 // A restore that fails leaves the job's files exactly as it found them: the next attempt, or an older
-// snapshot, needs the bytes written since the snapshot (the next snapshot's outputs hold them).
+// snapshot, needs the bytes written since the snapshot (the next snapshot's outputs hold them). A file the
+// job appends to (`>>`) is cut back like any other: until 2026-12-07 CRIU recorded no size for it (patch
+// 0009), and the restored job wrote what it had appended since the snapshot a second time.
 func TestFailedRestoreLeavesOutputsAsTheyWere(t *testing.T) {
 	t.Parallel() // each test has its own lab (labSlots: how many run at once)
 	c := newCluster(t, 2, 0, labcluster.Options{Interval: "1h", ManualFailover: true})
 	ctx := context.Background()
 	dir := userDir(t)
-	input, outLog := filepath.Join(dir, "input"), filepath.Join(dir, "out.log")
+	input, outLog, appLog := filepath.Join(dir, "input"), filepath.Join(dir, "out.log"), filepath.Join(dir, "app.log")
 	if err := os.WriteFile(input, []byte("the job reads this\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	const earlier = "an earlier run appended this\n"
+	if err := os.WriteFile(appLog, []byte(earlier), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	const lines = 300
 	j := startAs(t, c, "node1", "restorefail", 0, "sh", "-c", fmt.Sprintf(
-		`exec 3<%s; exec 4>%s; i=0; while [ $i -lt %d ]; do echo $i; echo e$i >&2; echo o$i >&4; i=$((i+1)); sleep 0.03; done`, input, outLog, lines))
-	waitSize(t, map[string]int64{j.StdoutPath(): 50, j.StderrPath(): 50, outLog: 50})
+		`exec 3<%s; exec 4>%s; exec 5>>%s; i=0; while [ $i -lt %d ]; do echo $i; echo e$i >&2; echo o$i >&4; echo a$i >&5; i=$((i+1)); sleep 0.03; done`, input, outLog, appLog, lines))
+	waitSize(t, map[string]int64{j.StdoutPath(): 50, j.StderrPath(): 50, outLog: 50, appLog: int64(len(earlier)) + 50})
 	m := snapshotNow(t, c, "node1", j.ID)
 	sizes := map[string]int64{}
 	for _, f := range m.OpenFiles {
 		sizes[f.Path] = f.Size
 	}
-	if len(sizes) != 3 {
-		t.Fatalf("snapshot %s lists %+v; want stdout, stderr and %s", m.ID, m.OpenFiles, outLog)
+	if len(sizes) != 4 {
+		t.Fatalf("snapshot %s lists %+v; want stdout, stderr, %s and %s", m.ID, m.OpenFiles, outLog, appLog)
 	}
 	waitSize(t, sizes)
 	if err := c.Lab.Crash(ctx, "node1"); err != nil {
@@ -349,7 +355,9 @@ func TestFailedRestoreLeavesOutputsAsTheyWere(t *testing.T) {
 	if end.Exit == nil || end.Exit.Code != 0 {
 		t.Errorf("restored job ended %s %+v, want exit 0", end.State, end.Exit)
 	}
-	for p, want := range map[string]string{j.StdoutPath(): numbered("", lines), j.StderrPath(): numbered("e", lines), outLog: numbered("o", lines)} {
+	for p, want := range map[string]string{
+		j.StdoutPath(): numbered("", lines), j.StderrPath(): numbered("e", lines), outLog: numbered("o", lines), appLog: earlier + numbered("a", lines),
+	} {
 		if got := readOrEmpty(p); got != want {
 			t.Errorf("%s after the restore: %s", p, firstDiff(got, want))
 		}

@@ -138,6 +138,9 @@ func Take(ctx context.Context, store *ckpt.Store, d Dumper, opts Options) (m *ck
 			OutqSeq: c.OutqSeq, OutqLen: c.OutqLen, Timestamp: c.Timestamp, Connecting: c.Connecting(), SentPrefix: prefix,
 		})
 	}
+	if err := refuseUnsized(opts.Job, files); err != nil {
+		return nil, err
+	}
 	info.OpenFiles = WrittenFiles(files)
 	// The job's own output files travel with the snapshot: a host without the job directory (no shared
 	// file system) recreates them before restoring.
@@ -168,6 +171,26 @@ func WrittenFiles(files []image.RegFile) []ckpt.OpenFile {
 		}
 	}
 	return out
+}
+
+// refuseUnsized refuses a dump in which the job holds a regular file (or one of unknown type) open for
+// writing with no size in the images: WrittenFiles would leave it out, no restore could cut what the job
+// wrote to it after the snapshot, and the restored job would write those bytes a second time, silently.
+// CRIU 4.2.1 records no size for a file open write-only with O_APPEND (it takes it for a log); ftkit's
+// patch 0009 makes it record one, so only a CRIU without ftkit's patches gets here.
+func refuseUnsized(job string, files []image.RegFile) error {
+	for _, f := range files {
+		if f.HasSize || f.Flags&syscall.O_ACCMODE == syscall.O_RDONLY {
+			continue
+		}
+		if f.HasMode && f.Mode&syscall.S_IFMT != syscall.S_IFREG {
+			continue // a device (/dev/null) or the like: no bytes to repeat
+		}
+		return fmt.Errorf("job %s has %s open for writing (flags %#o) and CRIU recorded no size for it (a CRIU without ftkit's patch 0009 takes a write-only O_APPEND file for a log): "+
+			"a restore could not cut what the job writes to it after the snapshot, and the restored job would write that twice; install CRIU with `make setup`",
+			job, f.Path, f.Flags)
+	}
+	return nil
 }
 
 func us(v uint32) time.Duration { return time.Duration(v) * time.Microsecond }

@@ -102,6 +102,8 @@ type RegFile struct {
 	HasSize bool
 	Flags   uint32 // open(2) flags
 	Pos     uint64 // file offset
+	Mode    uint32 // st_mode at dump time (type and permissions); valid if HasMode
+	HasMode bool
 }
 
 // RegularFiles lists the regular files recorded in dir/files.img, in image order.
@@ -123,6 +125,7 @@ func RegularFiles(dir string) ([]RegFile, error) {
 			ID: r.GetId(), Path: r.GetName(),
 			Size: r.GetSize(), HasSize: r.Size != nil,
 			Flags: r.GetFlags(), Pos: r.GetPos(),
+			Mode: r.GetMode(), HasMode: r.Mode != nil,
 		})
 	}
 	return out, nil
