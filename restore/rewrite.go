@@ -76,6 +76,11 @@ func connEdits(cp ConnPlan, img image.TCPConn) ([]image.Edit, error) {
 	case len(cp.Inject) > 0:
 		edits = append(edits, image.InjectReceive(cp.Inject))
 	}
+	if img.HasTimestamp && !cp.HasTimestamp {
+		// Left as it is, the restored clock is the snapshot's, behind the TSvals the peer took from the
+		// original since: its PAWS check would drop every segment of the restored socket.
+		return nil, fmt.Errorf("connection %v: the snapshot's socket negotiated TCP timestamps but the peer's state has none, so the restored clock cannot be set past what the peer saw: wrong peer state: %w", cp.Conn.Tuple, ErrNotRecoverable)
+	}
 	if cp.HasTimestamp {
 		if !img.HasTimestamp {
 			return nil, fmt.Errorf("connection %v: the peer uses TCP timestamps but the snapshot's socket did not negotiate them: wrong peer state: %w", cp.Conn.Tuple, ErrNotRecoverable)

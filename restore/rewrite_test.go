@@ -263,6 +263,31 @@ func TestRewriteRefusesAnotherSnapshot(t *testing.T) {
 	}
 }
 
+// TestRewriteRefusesPeerWithoutTimestamps: a socket that negotiated TCP timestamps keeps, unedited, the
+// clock value of its snapshot, behind every TSval the peer took from the original since (its ts_recent):
+// the peer's PAWS check would drop every segment of the restored socket, a connection stalled for good
+// (and, with nothing to re-send, no replay that could time out). A peer state without timestamps for such a
+// socket is the state of another connection, as is the reverse (refused already): refused before anything is
+// written.
+func TestRewriteRefusesPeerWithoutTimestamps(t *testing.T) {
+	dir := t.TempDir()
+	c := synthImage{inode: 0x2a, inqSeq: 1000, outqSeq: 5000, sndWnd: 1 << 20, maxWnd: 1 << 20, sndbuf: 1 << 24, timestamp: 400}.write(t, dir)
+	before := onlyConn(t, dir)
+	noTS := live(1020, 5000, 0)
+	noTS.HasTS = false
+	p, err := NewPlan([]ckpt.Conn{c}, map[tcpflow.Tuple]Peer{c.Tuple: {Live: noTS, Logged: logged(20)}}, 1448)
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = Rewrite(dir, p)
+	if !errors.Is(err, ErrNotRecoverable) || !strings.Contains(err.Error(), "timestamps") {
+		t.Fatalf("Rewrite = %v; want ErrNotRecoverable naming the timestamps", err)
+	}
+	if after := onlyConn(t, dir); after != before {
+		t.Errorf("a refused rewrite changed the images: %+v -> %+v", before, after)
+	}
+}
+
 func netipPort(ap netip.AddrPort, d uint16) netip.AddrPort {
 	return netip.AddrPortFrom(ap.Addr(), ap.Port()+d)
 }

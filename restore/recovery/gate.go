@@ -8,7 +8,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/criu/image"
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/intercept"
@@ -324,7 +323,7 @@ func deliverLogged(ctx context.Context, d Deps, net Network, c DeferredConn, fro
 		return 0, fmt.Errorf("no member holds the peer %s", c.Remote.Addr())
 	}
 	qctx, cancel := context.WithTimeout(ctx, time.Minute)
-	reply, data, err := d.Peers.LogRange(qctx, owner, clusterapi.LogRangeRequest{Tuple: c.Reverse(), From: from})
+	reply, data, err := logRange(qctx, d.Peers, owner, c.Tuple, from)
 	cancel()
 	if err != nil {
 		return 0, fmt.Errorf("log of %s: %w", owner, err)

@@ -420,7 +420,7 @@ func ResumeFins(ctx context.Context, d Deps, net Network, j *Job, fins []FinConn
 		}
 		// From where its data ends: the peer's live state, and no bytes.
 		qctx, cancel := context.WithTimeout(ctx, time.Minute)
-		reply, _, err := d.Peers.LogRange(qctx, owner, clusterapi.LogRangeRequest{Tuple: c.Reverse(), From: c.Seq})
+		reply, _, err := logRange(qctx, d.Peers, owner, c.Tuple, c.Seq)
 		cancel()
 		if err == nil && reply.Live == nil {
 			err = fmt.Errorf("%s has no live state of it", owner)
@@ -550,7 +550,7 @@ func fetchConn(ctx context.Context, d Deps, c ckpt.Conn) fetchedConn {
 	}
 	qctx, cancel := context.WithTimeout(ctx, time.Minute)
 	asked := time.Now()
-	reply, data, err := d.Peers.LogRange(qctx, owner, clusterapi.LogRangeRequest{Tuple: c.Reverse(), From: c.InqSeq})
+	reply, data, err := logRange(qctx, d.Peers, owner, c.Tuple, c.InqSeq)
 	cancel()
 	if err != nil {
 		return fetchedConn{err: fmt.Errorf("connection %s -> %s: log of %s: %w", c.Local, c.Remote, owner, err)}
@@ -569,6 +569,23 @@ func fetchConn(ctx context.Context, d Deps, c ckpt.Conn) fetchedConn {
 	qctx, cancel = context.WithTimeout(ctx, time.Minute)
 	defer cancel()
 	return fetchedConn{peer: p, check: fetchCheck(qctx, d.Peers, owner, c.Tuple, c.OutqSeq)}
+}
+
+// logRange asks owner, the member that holds flow's peer (flow.Local is the restored end), for what the peer
+// logged of flow from sequence number from on, and its live state. The reply comes from another host: it must
+// be the range asked for, starting at from and holding exactly the bytes it announces, since its bytes are
+// placed in the restored stream from from on (a range from elsewhere would reach the restored program at the
+// wrong sequence numbers, a stream the failure-free run never had).
+func logRange(ctx context.Context, peers Peers, owner string, flow tcpflow.Tuple, from uint32) (clusterapi.LogRangeReply, []byte, error) {
+	reply, data, err := peers.LogRange(ctx, owner, clusterapi.LogRangeRequest{Tuple: flow.Reverse(), From: from})
+	if err != nil {
+		return reply, nil, err
+	}
+	if reply.From != from || reply.Len != int64(len(data)) {
+		return reply, nil, fmt.Errorf("%s answered the request for its log from sequence %d with %d bytes from sequence %d (%d announced): not the range asked for, its bytes cannot be placed in the stream; check that agent (its version, its log): %w",
+			owner, from, len(data), reply.From, reply.Len, restore.ErrNotRecoverable)
+	}
+	return reply, data, nil
 }
 
 // fetchCheck is the Check of conn from the member that holds its peer.
