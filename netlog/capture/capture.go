@@ -534,8 +534,27 @@ func (c *Capture) ProtectCgroup(dir string) error {
 	if c.closed {
 		return fmt.Errorf("capture: protect %s: %w", dir, netlog.ErrClosed)
 	}
-	if err := c.probe.Protect(id); err != nil {
+	return c.protectID(c.probe, dir, id)
+}
+
+// cgroupProbe is what protecting a cgroup takes of the probe (ebpfprobes.TCPLogger; a fake in tests).
+type cgroupProbe interface {
+	Protect(cgroupID uint64) error
+	Unprotect(cgroupID uint64) error
+}
+
+// protectID protects cgroup id, the one at dir now. c.mu is held.
+func (c *Capture) protectID(p cgroupProbe, dir string, id uint64) error {
+	if err := p.Protect(id); err != nil {
 		return fmt.Errorf("capture: protect %s: %w", dir, err)
+	}
+	// A directory protected before under another id was removed and made again: its old cgroup is gone
+	// as if UnprotectCgroup had been called, which would now find only the new id. Left in the probe's
+	// map, the old id took one of its entries for good.
+	if old, ok := c.protected[dir]; ok && old != id {
+		if err := p.Unprotect(old); err != nil {
+			c.log.Error("capture: the removed cgroup's id stays in the probe's map: its sockets are still logged", "cgroup", dir, "id", old, "err", err)
+		}
 	}
 	c.protected[dir] = id
 	c.log.Info("capture: protecting cgroup", "cgroup", dir, "id", id)
