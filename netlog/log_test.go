@@ -503,3 +503,26 @@ func TestSpillFileFreesBlocks(t *testing.T) {
 			st.SpilledBytes, st.SpilledSlabs, allocated, fs.Size, rounds)
 	}
 }
+
+// TestLogReusedTupleAfterConflicts: a new connection of the same cgroup on a reused 4-tuple, whose
+// segments conflicted with the old connection's bytes still logged (TestRangeRefusesAReusedTuple in
+// netlog/node). Its receiver, restored from a snapshot that holds every byte it was sent, asks from the
+// end of the last conflicting segment: the old connection's bytes lie there, and must not be served.
+func TestLogReusedTupleAfterConflicts(t *testing.T) {
+	l := newTestLog(t, Options{SlabSize: 1024})
+	c := testConn(1)
+	old, next := testStream(1, 20000), testStream(2, 3000)
+	if err := l.Append(Record{Conn: c, Seq: 1000, CgroupID: 7, Payload: old}); err != nil {
+		t.Fatal(err)
+	}
+	for off := 0; off < len(next); off += 1000 {
+		if err := l.Append(Record{Conn: c, Seq: 5000 + uint32(off), CgroupID: 7, Payload: next[off : off+1000]}); !errors.Is(err, ErrConflict) {
+			t.Fatalf("the new connection's segment at %d: %v, want a conflict", 5000+off, err)
+		}
+	}
+	if abs, _, err := l.UnwrapServable(c, 8000); !errors.Is(err, ErrConflict) {
+		got, rerr := l.Range(c, abs, abs+100)
+		t.Errorf("range from 8000 for the new connection's receiver: err %v, want ErrConflict; it reads the old connection's bytes: %v (%v)",
+			err, bytes.Equal(got, old[7000:7100]), rerr)
+	}
+}

@@ -131,12 +131,18 @@ func (s *Store) AppendRecord(rec Record) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if !s.closed {
-		if rec.CgroupID != 0 {
-			s.cgroup = rec.CgroupID
-		}
+		s.noteCgroup(rec.CgroupID)
 		s.lastKtime = max(s.lastKtime, rec.KtimeNs)
 	}
 	return s.appendLocked(rec.Seq, rec.Payload)
+}
+
+// noteCgroup notes the cgroup of a record's sending socket (0: none, a flow protected by port or tuple).
+// The caller holds s.mu for writing.
+func (s *Store) noteCgroup(id uint64) {
+	if id != 0 {
+		s.cgroup = id
+	}
 }
 
 // NoteParked notes a segment whose bytes wait elsewhere, in the park (Record.Parked), until they are
@@ -152,9 +158,7 @@ func (s *Store) NoteParked(rec Record) error {
 		return ErrClosed
 	}
 	s.lastAppend = time.Now()
-	if rec.CgroupID != 0 {
-		s.cgroup = rec.CgroupID
-	}
+	s.noteCgroup(rec.CgroupID)
 	s.lastKtime = max(s.lastKtime, rec.KtimeNs)
 	if !s.u.Anchored() {
 		s.base = s.u.Anchor(rec.Seq)
@@ -226,7 +230,10 @@ func (s *Store) appendAbs(a uint64, p []byte) error {
 		if err := s.compare(a, p); err != nil {
 			if errors.Is(err, ErrConflict) {
 				s.add(cConflicts, 1)
-				s.conflictEnd = max(s.conflictEnd, b)
+				// Up to the highest byte seen (and a FIN), too: the bytes logged past the segment may be
+				// another connection's, which a receiver of the new one, restored from the segment's end,
+				// would be served.
+				s.conflictEnd = max(s.conflictEnd, b, s.u.Ref()+2)
 			}
 			return err
 		}
@@ -800,9 +807,10 @@ type Bounds struct {
 	// Low is the lowest byte offered (appended or parked) at or above Floor, 0 if none: a First above
 	// it is a hole at the bottom, bytes still parked, say.
 	Low uint64
-	// ConflictEnd is one past the highest byte of an offered segment that differed from the logged
-	// bytes, 0 if none did: a new connection on the same 4-tuple whose sequence numbers overlap the old
-	// one's, or pages that changed after a sendfile. The log cannot vouch for what was sent below it.
+	// ConflictEnd is 0, or at least two past the highest byte seen (one past a FIN) once an offered segment
+	// differed from the logged bytes (a new connection on the same 4-tuple whose sequence numbers overlap
+	// the old one's, or pages that changed after a sendfile): the log cannot vouch for what was sent below
+	// it.
 	ConflictEnd uint64
 }
 
@@ -811,7 +819,7 @@ type Bounds struct {
 // (ErrConflict). Either failure is a refusal, never bytes of another connection or of another wrap.
 func (b Bounds) Servable(abs uint64) error {
 	if abs < b.ConflictEnd {
-		return fmt.Errorf("%w: a segment offered below sequence %d (abs %d) differed from the logged bytes (a new connection on the same 4-tuple, or pages changed after a sendfile): the log cannot vouch for bytes from %d on",
+		return fmt.Errorf("%w: below sequence %d (abs %d) a segment differed from the logged bytes (a new connection on the same 4-tuple, or pages changed after a sendfile): the log cannot vouch for bytes from %d on",
 			ErrConflict, Wire(b.ConflictEnd), b.ConflictEnd, Wire(abs))
 	}
 	// The lowest position a restorer may mean: the trim point (its snapshot is no older), else the
