@@ -76,6 +76,7 @@ func (a *Agent) startLog() error {
 			}
 			return c.UnrecordedPassed
 		},
+		SocketGone: a.sendingSocketGone,
 	})
 	if err != nil {
 		recorder.Close()
@@ -358,6 +359,19 @@ func (a *Agent) serveLogged(ctx context.Context, peer string, flows []tcpflow.Tu
 // running job of this host that holds f's local address, or else the agent's own.
 func (a *Agent) inSocketNet(f tcpflow.Tuple, fn func() error) error {
 	return inJobNet(a.runningJobNet(f.Local.Addr()), fn)
+}
+
+// sendingSocketGone reports whether f's local socket no longer exists where it would live (inSocketNet):
+// what finishes a logged connection whose live state the capture evicted (node.Config.SocketGone).
+func (a *Agent) sendingSocketGone(f tcpflow.Tuple) (bool, error) {
+	err := a.inSocketNet(f, func() error { _, err := sockdiag.Lookup(f); return err })
+	if errors.Is(err, sockdiag.ErrNoSocket) {
+		return true, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("look up the sending socket of %v (its log stays until a lookup answers): %w", f, err)
+	}
+	return false, nil
 }
 
 // lostState asks the log whether f's local socket, unknown to it, is a protected process's that lost its

@@ -68,6 +68,10 @@ type Config struct {
 	// fails until the sender's next snapshot, so they ask every member for snapshots as the log's holes
 	// do. nil: none.
 	ReceiveHoles func() uint64
+	// SocketGone reports whether conn's local (sending) socket no longer exists, looked up where it
+	// lives (a job network's namespace or the host's): the fact that finishes a flow whose live state
+	// the capture evicted. nil: never asked, and such a flow stays logged until its job ends.
+	SocketGone func(conn tcpflow.Tuple) (bool, error)
 }
 
 // Node is the sender-side log of one host.
@@ -93,6 +97,7 @@ type Node struct {
 	asking   map[string]bool                   // a question to that node is in flight
 	verdicts map[tcpflow.Tuple]release.Verdict // the last decision on each logged connection
 	released Released
+	gone     map[tcpflow.Tuple]goneCheck // the last lookup of each idle connection's socket without a flow state (Run only)
 
 	// Holes (checkHoles): the count of segments and records the log lost, as of the last request for
 	// snapshots it made, when it made it, and the least time to the next.
@@ -126,7 +131,8 @@ func New(src Source, cfg Config) (*Node, error) {
 	}
 	n := &Node{src: src, ctl: ctl, cfg: cfg, log: cfg.Logger, seen: map[string]time.Time{},
 		held: map[tcpflow.Tuple]uint32{}, heldFrom: map[string]bool{},
-		marks: map[string]release.Watermark{}, asked: map[string]time.Time{}, asking: map[string]bool{}, holeGap: holeAskEvery}
+		marks: map[string]release.Watermark{}, asked: map[string]time.Time{}, asking: map[string]bool{}, gone: map[tcpflow.Tuple]goneCheck{},
+		holeGap: holeAskEvery}
 	if c, err := src.Counters(); err == nil {
 		n.holes = holes(c) + cfg.ReceiveHoles()
 	}
@@ -149,6 +155,8 @@ type StartConfig struct {
 	Event     func(kind controller.EventKind)
 	// ReceiveHoles is Config.ReceiveHoles.
 	ReceiveHoles func() uint64
+	// SocketGone is Config.SocketGone.
+	SocketGone func(conn tcpflow.Tuple) (bool, error)
 }
 
 // Start attaches the probe to the cluster interface and returns the node over it. The caller logs that
@@ -184,7 +192,7 @@ func Start(sc StartConfig) (*Node, error) {
 	n, err := New(c, Config{
 		Controller: controller.Config{Cap: capBytes, High: sc.High, Low: sc.Low},
 		CanSpill:   sc.SpillDir != "", MaxRange: sc.MaxRange, Members: sc.Members, Logger: sc.Logger, Event: sc.Event,
-		ReceiveHoles: sc.ReceiveHoles,
+		ReceiveHoles: sc.ReceiveHoles, SocketGone: sc.SocketGone,
 	})
 	if err != nil {
 		c.Close()

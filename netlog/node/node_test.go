@@ -837,3 +837,93 @@ func TestNoSpillBeforeSnapshotsAsked(t *testing.T) {
 		t.Errorf("below the high watermark, no snapshot asked for (%v), a step spilled %d bytes", m.requested(), st.SpilledRawBytes)
 	}
 }
+
+// TestEvictedFinishedFlowReleased: a flow whose live state the capture evicted (more protected flows active
+// than it keeps), sent by a job that runs on, is finished once its sending socket is gone, and freed by its
+// receiver's watermark like any finished flow: never past a protected receiver's restore point. Before, it
+// stayed "open" until its job ended; flows to unprotected receivers, which no snapshot trims, grew the log
+// until its cap paused every job of the host.
+func TestEvictedFinishedFlowReleased(t *testing.T) {
+	dst := []netip.Addr{connA.Remote.Addr()}
+	// The test looks 10 s ahead, so that the last segment (now) is past the release margin.
+	now := time.Now().Add(10 * time.Second)
+	idle := release.Watermark{At: now, Addrs: dst} // the receiving node runs no job
+	tests := []struct {
+		name string
+		gone func() (bool, error)
+		mark release.Watermark
+		want string // the connection's release verdict; "" if freed
+	}{
+		{"socket gone, receiver runs no job: freed", func() (bool, error) { return true, nil }, idle, ""},
+		{"socket gone, receiver's restore point older: held", func() (bool, error) { return true, nil }, release.Watermark{At: now.Add(-time.Hour), Held: true, Addrs: dst}, "held-by-receiver-snapshot"},
+		{"socket still there: open", func() (bool, error) { return false, nil }, idle, "open"},
+		{"lookup failed: open", func() (bool, error) { return false, errors.New("sock_diag: no answer") }, idle, "open"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			m := &fakeMembers{owner: "n2", mark: tc.mark}
+			n, src, payload := newTestNode(t, 5000, m)
+			src.protects = true // the sending job runs on, and connA has no flow state (evicted)
+			lookups := 0
+			n.cfg.SocketGone = func(c tcpflow.Tuple) (bool, error) {
+				if c != connA {
+					t.Errorf("looked up %v, want %v", c, connA)
+				}
+				lookups++
+				return tc.gone()
+			}
+			ctx := context.Background()
+			n.releaseFinished(ctx, n.Log(), now)
+			// A question for the watermark, if the round asked one, runs in the background: wait for its
+			// answer (the bound is a failure timeout), then decide again.
+			for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+				n.mu.Lock()
+				busy := n.asking["n2"]
+				n.mu.Unlock()
+				if !busy {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("the receiver never answered the question for its watermark")
+				}
+			}
+			n.releaseFinished(ctx, n.Log(), now)
+			if lookups != 1 {
+				t.Errorf("the sending socket was looked up %d times in two rounds at once, want 1", lookups)
+			}
+			conns, rel := n.Conns(), n.ReleasedSoFar()
+			if tc.want == "" {
+				if len(conns) != 0 || rel.Conns != 1 || rel.Bytes != int64(len(payload)) {
+					t.Errorf("conns %+v, released %+v; want connA freed (%d bytes)", conns, rel, len(payload))
+				}
+				return
+			}
+			if len(conns) != 1 || conns[0].Release != tc.want || rel.Conns != 0 {
+				t.Errorf("conns %+v, released %+v; want connA kept as %q", conns, rel, tc.want)
+			}
+		})
+	}
+}
+
+// TestSocketLookupsTakeTurns: a round looks up at most goneLookups sending sockets, the longest unchecked
+// first, so that past the probe's live flows every idle one is looked up in turn: in the log's order, the
+// first would be looked up again each time they came due and the last never.
+func TestSocketLookupsTakeTurns(t *testing.T) {
+	n, src, _ := newTestNode(t, 1400, &fakeMembers{owner: "n2"})
+	src.protects = true
+	const flows = 3 * goneLookups
+	for i := 1; i < flows; i++ {
+		c := tcpflow.Tuple{Local: netip.AddrPortFrom(connA.Local.Addr(), uint16(41000+i)), Remote: connA.Remote}
+		appendRecord(t, n.Log(), netlog.Record{Conn: c, Seq: isn, CgroupID: 7, Payload: []byte("x")})
+	}
+	looked := map[tcpflow.Tuple]int{}
+	n.cfg.SocketGone = func(c tcpflow.Tuple) (bool, error) { looked[c]++; return false, nil }
+	now := time.Now().Add(10 * time.Second)
+	// Every round comes goneEvery after the last: each flow looked up before is due again.
+	for round := range flows / goneLookups {
+		n.releaseFinished(context.Background(), n.Log(), now.Add(time.Duration(round)*goneEvery))
+	}
+	if len(looked) != flows {
+		t.Errorf("%d of %d idle flows looked up in %d rounds of %d lookups", len(looked), flows, flows/goneLookups, goneLookups)
+	}
+}

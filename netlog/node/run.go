@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"maps"
+	"slices"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -153,7 +154,18 @@ const (
 	watermarkEvery = 2 * time.Second
 	// EventReleased is the log event of freed connections (shown by `ftctl status`).
 	EventReleased controller.EventKind = "finished-conns-freed"
+	// A connection without a flow state has its socket looked up (Config.SocketGone) at most every
+	// goneEvery, and a round looks up at most goneLookups: beyond the probe's 65,536 live flows there may
+	// be as many idle ones again, and a lookup in a job network enters its namespace.
+	goneEvery   = 10 * time.Second
+	goneLookups = 64
 )
+
+// goneCheck is a lookup of a connection's sending socket: when, and whether it was gone.
+type goneCheck struct {
+	at   time.Time
+	gone bool
+}
 
 // releaseFinished frees the logs no restore can need any more and returns the decision on every
 // connection it kept. It asks the receiving nodes for their watermarks when that could free something.
@@ -163,6 +175,12 @@ func (n *Node) releaseFinished(ctx context.Context, l *netlog.Log, now time.Time
 		acts  []netlog.Activity
 		flows []release.Flow
 	)
+	checks := make(map[tcpflow.Tuple]goneCheck, len(n.gone))
+	type dueCheck struct {
+		i  int       // in flows
+		at time.Time // the last lookup, zero if none
+	}
+	var due []dueCheck
 	for _, c := range l.Conns() {
 		act, err := l.Activity(c)
 		if err != nil {
@@ -178,8 +196,35 @@ func (n *Node) releaseFinished(ctx context.Context, l *netlog.Log, now time.Time
 				f.HasState, f.FinSent, f.RstSent, f.StateAge = true, fs.FinSent, fs.RstSent, age
 			}
 		}
+		if !f.HasState && !f.SenderGone && n.cfg.SocketGone != nil {
+			// The capture evicted its flow state: only the socket tells a finished flow from an idle one.
+			g, ok := n.gone[c]
+			if ok {
+				checks[c] = g
+				f.SocketGone = g.gone && !act.LastAppend.After(g.at)
+			}
+			// Within the margin of its last append no watermark could free it: not looked up yet.
+			if (!ok || now.Sub(g.at) >= goneEvery) && now.Sub(act.LastAppend) >= release.DefaultMargin {
+				due = append(due, dueCheck{i: len(flows), at: g.at})
+			}
+		}
 		conns, acts, flows = append(conns, c), append(acts, act), append(flows, f)
 	}
+	// The longest unchecked first: in Conns' order, the first 2,560 (goneLookups a round of 250 ms, over
+	// goneEvery) would take every lookup, and the others would never be looked up.
+	slices.SortStableFunc(due, func(a, b dueCheck) int { return a.at.Compare(b.at) })
+	for _, d := range due[:min(len(due), goneLookups)] {
+		c := conns[d.i]
+		gone, err := n.cfg.SocketGone(c)
+		if err != nil {
+			n.log.Debug("cannot tell whether a connection's sending socket is gone; its log stays until it is known", "conn", c, "err", err)
+		}
+		g := goneCheck{at: now, gone: err == nil && gone}
+		checks[c] = g
+		// A segment appended since the lookup came from a socket (one of the tuple's again).
+		flows[d.i].SocketGone = g.gone && !acts[d.i].LastAppend.After(g.at)
+	}
+	n.gone = checks // forgets the connections the log no longer holds
 	n.mu.Lock()
 	marks := maps.Clone(n.marks)
 	n.mu.Unlock()

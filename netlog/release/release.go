@@ -9,7 +9,7 @@
 // W_N is N's present moment if it runs no job. Any restore of a job on N then starts from a
 // snapshot taken at or after W_N, and such a snapshot already holds every byte that reached N
 // before it. So once sender P has finished sending on a connection to N (a FIN or a RST left,
-// or the sending job ended) and its last segment left more than a margin (the time a segment
+// the sending socket is gone, or the sending job ended) and its last segment left more than a margin (the time a segment
 // may spend in flight) before W_N, no restore can need the connection's log again: Decide
 // frees it. Clocks differ between hosts, so N reports W_N as an age and P places it on its own
 // clock, at the moment it sent the question (never later than W_N really was).
@@ -52,6 +52,11 @@ type Flow struct {
 	StateAge time.Duration
 	// SenderGone says the sending job ended: its sockets are closed, nothing more is logged.
 	SenderGone bool
+	// SocketGone says the flow's sending socket no longer exists (sock_diag found none where it lived)
+	// while its job runs on: nothing more is sent on it. Asked of flows without a flow state only: the
+	// state says FIN or RST sooner, and its eviction (more active flows than the probe keeps) left a
+	// finished flow open until its job ended.
+	SocketGone bool
 	// SentAge is how long ago the newest logged segment of the flow left (from its record's
 	// kernel timestamp); valid if HasSentAge.
 	SentAge    time.Duration
@@ -64,7 +69,7 @@ type Flow struct {
 
 // Finished reports whether the sender will log no new byte on the flow.
 func (f Flow) Finished() bool {
-	return f.HasState && (f.FinSent || f.RstSent) || f.SenderGone
+	return f.HasState && (f.FinSent || f.RstSent) || f.SenderGone || f.SocketGone
 }
 
 // lastSent is the latest moment the sender is known to have transmitted on the flow, by its

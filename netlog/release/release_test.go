@@ -37,6 +37,8 @@ func TestDecide(t *testing.T) {
 		{"sending job ended, FIN never seen", with(fin, func(f *Flow) { f.FinSent = false; f.SenderGone = true }), idle(now), Free, false},
 		{"sending job ended, flow state evicted", with(fin, func(f *Flow) { f.HasState, f.FinSent, f.SenderGone = false, false, true }), idle(now), Free, false},
 		{"FIN seen but flow state lost: unknown sender, kept", with(fin, func(f *Flow) { f.HasState = false }), idle(now), Open, false},
+		{"sending socket gone, flow state evicted, job runs on: freed", with(fin, func(f *Flow) { f.HasState, f.FinSent, f.SocketGone = false, false, true }), idle(now), Free, false},
+		{"sending socket gone, last data after the held watermark: kept", with(fin, func(f *Flow) { f.HasState, f.FinSent, f.SocketGone = false, false, true }), held(ago(8 * time.Second)), Held, true},
 		{"finished and older than a held watermark: freed", fin, held(ago(5 * time.Second)), Free, false},
 		{"FIN sent but last data after the held watermark: kept, a snapshot would help", fin, held(ago(8 * time.Second)), Held, true},
 		{"last data after the watermark, receiver idle: settling", fin, idle(ago(8 * time.Second)), Settling, true},
