@@ -289,19 +289,41 @@ func consumedAt(m *ckpt.Manifest) map[tcpflow.Tuple]uint32 {
 // lastBefore is the index in kept() after the last determinant that consumed bytes no further than at
 // says for its connection (it was recorded before the dump: consumption only grows), -1 if there is none. A
 // determinant of a connection the snapshot does not hold says nothing either way, nor does a call that
-// found nothing (it may have come just after the dump, at the same copied_seq).
+// found nothing (it may have come just after the dump, at the same copied_seq), nor one on a 4-tuple after
+// a call on it that consumed from before where an earlier one had ended: consumption on one connection only
+// grows, so from there on the 4-tuple is a new connection (the snapshot's closed after the dump), whose
+// sequence numbers say nothing of the dump. Taken for an anchor, such a call cut off the calls of other
+// connections between the dump and it, and the replay went without them.
 func (r *record) lastBefore(at map[tcpflow.Tuple]uint32) int {
 	type consumed struct {
 		seq uint32
 		ok  bool
+		// end is where the last call on the 4-tuple ended (set: one was seen), and broke the index of the
+		// first call that consumed from before it (-1: none).
+		end   uint32
+		set   bool
+		broke int
 	}
 	byIdx := make([]consumed, len(r.conns))
 	for i, c := range r.conns {
 		byIdx[i].seq, byIdx[i].ok = at[c.Unmap()]
+		byIdx[i].broke = -1
 	}
 	ks := r.kept()
+	for i, k := range ks {
+		c := &byIdx[k.conn]
+		if !c.ok || k.len == 0 || c.broke >= 0 {
+			continue
+		}
+		if c.set && seqAfter(c.end, k.end-k.len) {
+			c.broke = i
+			continue
+		}
+		c.end, c.set = k.end, true
+	}
 	for i := len(ks) - 1; i >= 0; i-- {
-		if c := byIdx[ks[i].conn]; c.ok && ks[i].len > 0 && !seqAfter(ks[i].end, c.seq) {
+		c := byIdx[ks[i].conn]
+		if c.ok && ks[i].len > 0 && (c.broke < 0 || i < c.broke) && !seqAfter(ks[i].end, c.seq) {
 			return i + 1
 		}
 	}
