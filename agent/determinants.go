@@ -58,10 +58,9 @@ func (a *Agent) serveDeterminantsSince(req clusterapi.DeterminantsSinceRequest) 
 		return clusterapi.DeterminantsSinceReply{}, fmt.Errorf("determinants of job %s since %s: page from %d of %d", req.Job, req.Snapshot, req.From, len(dets))
 	}
 	page := dets[req.From:]
-	more := len(page) > intercept.MaxBatch
-	if more {
-		page = page[:intercept.MaxBatch]
-	}
+	n := intercept.Fits(page) // a page of a job reading thousands of connections names at most MaxConns
+	more := n < len(page)
+	page = page[:n]
 	packed, err := intercept.Pack(page)
 	return clusterapi.DeterminantsSinceReply{Packed: packed, More: more}, err
 }

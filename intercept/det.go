@@ -52,6 +52,27 @@ const packVersion = 2
 // detSize is the size of one encoded determinant.
 const detSize = 26
 
+// Fits is how many of dets, from the first, one Pack holds: at most MaxBatch, naming at most MaxConns
+// connections. A member that reads thousands of connections (a server with as many clients) cuts its batches
+// there; one Pack of them all would fail, and fail again each time it is tried.
+func Fits(dets []Det) int {
+	if len(dets) <= MaxConns {
+		return len(dets) // they cannot name more connections than that: no table to build
+	}
+	seen := make(map[tcpflow.Tuple]struct{}, MaxConns)
+	for i, d := range dets[:min(len(dets), MaxBatch)] {
+		c := d.Conn.Unmap()
+		if _, ok := seen[c]; ok {
+			continue
+		}
+		if len(seen) == MaxConns {
+			return i
+		}
+		seen[c] = struct{}{}
+	}
+	return min(len(dets), MaxBatch)
+}
+
 // Pack encodes dets compactly: the version byte, a table of the IPv4 connections they name (u16 count, then
 // local address, local port, remote address, remote port: 12 bytes each), then the determinants (u32 count,
 // then the connection's index in the table, End, Len, Thread, Proc and Pos: detSize bytes each), all

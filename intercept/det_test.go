@@ -106,3 +106,38 @@ func FuzzUnpack(f *testing.F) {
 		}
 	})
 }
+
+// TestFits: a run of determinants is cut where one Pack can hold it, at MaxBatch determinants or where a
+// connection beyond MaxConns would be named, and what it keeps packs.
+func TestFits(t *testing.T) {
+	nth := func(i int) tcpflow.Tuple {
+		return tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:5001"), Remote: netip.AddrPortFrom(netip.MustParseAddr("10.0.0.1"), uint16(1+i%60000))}
+	}
+	many := func(n, conns int) []Det {
+		out := make([]Det, n)
+		for i := range out {
+			out[i] = Det{Conn: nth(i % conns), End: uint32(i + 1), Len: 1}
+		}
+		return out
+	}
+	for _, tc := range []struct {
+		name string
+		dets []Det
+		want int
+	}{
+		{"none", nil, 0},
+		{"few", many(10, 3), 10},
+		{"one connection, more than a batch", many(MaxBatch+5, 1), MaxBatch},
+		{"as many connections as a batch names", many(MaxConns, MaxConns), MaxConns},
+		{"more connections than a batch names", many(MaxConns+5, MaxConns+5), MaxConns},
+		{"connections named again after the bound", append(many(MaxConns, MaxConns), many(MaxConns+3, MaxConns+3)...), 2 * MaxConns},
+	} {
+		got := Fits(tc.dets)
+		if got != tc.want {
+			t.Errorf("%s: %d fit, want %d", tc.name, got, tc.want)
+		}
+		if _, err := Pack(tc.dets[:got]); err != nil {
+			t.Errorf("%s: the %d that fit do not pack: %v", tc.name, got, err)
+		}
+	}
+}

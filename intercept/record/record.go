@@ -115,6 +115,9 @@ type stream struct {
 	answeredAt time.Time
 	lost       uint64 // the recorder's count of this job's lost calls, when last read
 	watchers   map[chan intercept.Event]bool
+	// refusedBy is the protector that refused the job's last batch for good, "" once one was taken: only
+	// the first refusal of a run is logged as an error.
+	refusedBy string
 	// held are the job's processes the recorder stopped after a receive call (pessimistic), each until
 	// the determinants up to its call's are at the protector. holdMu orders their release with a
 	// snapshot, which must not dump a process stopped so (ReleaseForDump).

@@ -163,7 +163,7 @@ func (r *Recorder) shipStream(ctx context.Context, s *stream) time.Duration {
 		// protector did not answer (the store keeps what it has).
 		s.sent, s.sentOn, s.unsentAt = 0, on, s.readAt
 	}
-	n := min(len(s.pending)-s.sent, intercept.MaxBatch)
+	n := intercept.Fits(s.pending[s.sent:]) // what one batch can name: the rest goes in the next
 	ask := on == nil || len(s.held) > 0 || s.sent+n >= maxUnanswered || now.Sub(s.answeredAt) >= r.answerEvery
 	if n == 0 && !ask {
 		wait := r.answerEvery - now.Sub(s.answeredAt)
@@ -188,10 +188,15 @@ func (r *Recorder) shipStream(ctx context.Context, s *stream) time.Duration {
 		cancel()
 	}
 	if err != nil {
+		if refusedForGood(err) {
+			r.refused(s, prot, first, err)
+			return shipRetry
+		}
 		r.log.Debug("determinants not shipped; retrying", "job", s.job, "protector", prot, "err", err)
 		return shipRetry
 	}
 	r.mu.Lock()
+	s.refusedBy = ""
 	if s.first == first { // no hole was made meanwhile
 		s.sent += n
 		if ask { // answered: the protector stored every batch sent before on the stream
@@ -216,4 +221,35 @@ func (r *Recorder) shipStream(ctx context.Context, s *stream) time.Duration {
 		r.releaseHeld(s, false)
 	}
 	return again
+}
+
+// refusedForGood reports whether err is the protector's answer that it will not store a batch (another
+// version's encoding, a batch it cannot take): sent again, it is refused again.
+func refusedForGood(err error) bool {
+	e := clusterapi.Refusal(err)
+	return e != nil && (e.Code == clusterapi.CodeRefused || e.Code == clusterapi.CodeBadRequest || e.Code == clusterapi.CodeTooLarge)
+}
+
+// refused handles a batch of s that its protector prot refused for good (refusedForGood), sent when s's
+// oldest unanswered determinant had index first. Sending it again for good kept every later determinant of
+// the job behind it, and a process held for one of them stopped for good, with the refusal at debug level
+// only. The unanswered determinants go instead, leaving a hole (a replay from a snapshot before it is
+// refused, as for lost calls), the job's held processes go on (nothing it waits for will be stored), and
+// the first refusal of a run of them is an error in the log.
+func (r *Recorder) refused(s *stream, prot string, first uint64, err error) {
+	r.mu.Lock()
+	if s.first == first { // else a hole was made meanwhile, and those determinants are gone already
+		s.dropPending()
+		r.hole()
+	}
+	again := s.refusedBy == prot
+	s.refusedBy = prot
+	r.mu.Unlock()
+	if again {
+		r.log.Debug("determinants refused by the job's protector again; dropped", "job", s.job, "protector", prot, "err", err)
+	} else {
+		r.log.Error("the job's protector refused its determinants for good (agents of another version refuse each batch): they are dropped, and a recovery of the job from its current snapshot replays without its receive order",
+			"job", s.job, "protector", prot, "err", err)
+	}
+	r.releaseHeld(s, true)
 }

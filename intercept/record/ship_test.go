@@ -3,9 +3,11 @@ package record
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"net/netip"
 	"reflect"
 	"slices"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -170,5 +172,124 @@ func TestForgetSent(t *testing.T) {
 				t.Errorf("capacity %d, want at most %d", cap(s.pending), tc.wantCapAtMost)
 			}
 		})
+	}
+}
+
+// TestShipBatchOfManyConnections: a job that read more connections in one round than a batch may name (a
+// server with thousands of clients) still ships all its determinants, in batches that name at most
+// intercept.MaxConns connections each. A batch of them all could not be packed, and was tried again every
+// round for good: nothing more of the job reached its protector (and a held process was never released).
+func TestShipBatchOfManyConnections(t *testing.T) {
+	ctx := t.Context()
+	store := intercept.NewStore(0, 0)
+	r := newTestRecorder()
+	r.protector = func(string) (string, bool) { return "n2", true }
+	r.open = func(context.Context, string) (detStream, error) { return &fakeStream{store: store}, nil }
+	s := &stream{job: "j", cgroup: 7, id: 1, fromStart: true, watchers: map[chan intercept.Event]bool{}}
+	r.byJob["j"], r.byCgroup[7] = s, s
+	var all []intercept.Det
+	var conns []ckpt.Conn
+	for i := range intercept.MaxConns + 10 {
+		c := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:5001"), Remote: netip.AddrPortFrom(netip.MustParseAddr("10.0.0.1"), uint16(10000+i))}
+		conns = append(conns, ckpt.Conn{Tuple: c})
+		d := intercept.Det{Conn: c, End: 10, Len: 10, Thread: 1, Proc: 1}
+		all = append(all, d)
+		r.mu.Lock()
+		r.take(ebpfprobes.RecvEvent{Cgroup: 7, Conn: d.Conn, CopiedSeq: d.End, Len: d.Len, Thread: d.Thread, Proc: d.Proc, Pid: 100}, time.Now())
+		r.mu.Unlock()
+	}
+	for range 4 {
+		r.shipStream(ctx, s)
+	}
+	if got := store.Len("j", "n1"); got != len(all) {
+		t.Fatalf("the protector holds %d of the job's %d determinants", got, len(all))
+	}
+	got, err := store.Since(&ckpt.Manifest{ID: "s", Job: "j", Node: "n1", Info: ckpt.Info{Conns: conns}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !reflect.DeepEqual(got, all) {
+		t.Errorf("the protector's record differs from what the job read (%d determinants, want %d)", len(got), len(all))
+	}
+}
+
+// refusingStream is a protector's stream that refuses every batch holding a determinant of conn (as an
+// agent of another version refuses every batch, or one refused a batch it could not store): it stores
+// none of that batch and ends the stream.
+type refusingStream struct {
+	fakeStream
+	refuse tcpflow.Tuple
+}
+
+func (f *refusingStream) Send(ctx context.Context, req clusterapi.DeterminantsRequest) error {
+	b, err := req.Batch()
+	if err != nil {
+		return err
+	}
+	for _, d := range b.Dets {
+		if d.Conn == f.refuse {
+			return &clusterapi.Error{Code: clusterapi.CodeRefused, Op: clusterapi.OpDeterminantStream3, Peer: "n2", Message: "determinants of job j: refused"}
+		}
+	}
+	return f.fakeStream.Send(ctx, req)
+}
+
+// errorLogs counts the records logged at level Error or above.
+type errorLogs struct {
+	slog.Handler
+	n *atomic.Int64
+}
+
+func (h errorLogs) Enabled(context.Context, slog.Level) bool { return true }
+func (h errorLogs) Handle(_ context.Context, r slog.Record) error {
+	if r.Level >= slog.LevelError {
+		h.n.Add(1)
+	}
+	return nil
+}
+func (h errorLogs) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h errorLogs) WithGroup(string) slog.Handler      { return h }
+
+// TestShipRefusedBatch: a batch the protector refuses (it answers so, and would refuse it again) is not
+// sent again for good. It was: logged at debug level only, every round, while the job's later determinants
+// waited behind it (none reached the protector until a million had piled up) and a process held for one of
+// them stayed stopped for good. Now the refusal is an error in the log, the job's record has a hole there
+// (a replay from before it is refused, as for lost calls), the held processes go on, and what the job
+// reads next is shipped.
+func TestShipRefusedBatch(t *testing.T) {
+	ctx := t.Context()
+	store := intercept.NewStore(0, 0)
+	bad := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:5002"), Remote: netip.MustParseAddrPort("10.0.0.1:40001")}
+	good := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:5001"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
+	var errs atomic.Int64
+	r := newRecorder(Options{ShipEvery: DefaultShipEvery, Logger: slog.New(errorLogs{n: &errs})})
+	r.protector = func(string) (string, bool) { return "n2", true }
+	r.open = func(context.Context, string) (detStream, error) {
+		return &refusingStream{fakeStream: fakeStream{store: store}, refuse: bad}, nil
+	}
+	s := &stream{job: "j", cgroup: 7, id: 1, fromStart: true, watchers: map[chan intercept.Event]bool{}}
+	r.byJob["j"], r.byCgroup[7] = s, s
+	receive := func(c tcpflow.Tuple, end uint32, held bool) {
+		r.mu.Lock()
+		r.take(ebpfprobes.RecvEvent{Cgroup: 7, Conn: c, CopiedSeq: end, Len: 10, Thread: 1, Proc: 1, Pid: 1 << 30, Held: held}, time.Now())
+		r.mu.Unlock()
+	}
+	receive(good, 10, false)
+	receive(bad, 10, true) // no such process: continuing it is a no-op
+	for range 3 {
+		r.shipStream(ctx, s)
+	}
+	if len(s.held) != 0 {
+		t.Errorf("a process held for a determinant its protector refused is still held: %v", s.held)
+	}
+	if errs.Load() == 0 {
+		t.Error("the protector's refusal was not logged as an error")
+	}
+	receive(good, 20, false)
+	for range 3 {
+		r.shipStream(ctx, s)
+	}
+	if got := store.Len("j", "n1"); got != 1 {
+		t.Errorf("the protector holds %d determinants of the job, want the one read after the refused batch", got)
 	}
 }
