@@ -245,6 +245,12 @@ type LogConfig struct {
 	ReceiveOrderShipEvery Duration `toml:"receive_order_ship_every"`
 }
 
+// maxRingMiB bounds log.ring_mib: the eBPF ring buffers take at most 2 GiB (ebpfprobes).
+const maxRingMiB = 2048
+
+// maxMiB bounds log.memory_mib and log.park_mib (1 PiB): larger, their bytes overflow an int64.
+const maxMiB = 1 << 30
+
 // minMaxFlows is log.max_flows' least value: fewer would have idle connections of an ordinary host lose
 // their live state.
 const minMaxFlows = 1024
@@ -428,18 +434,26 @@ func (c Config) Validate() error {
 		errs = append(errs, fmt.Errorf("heartbeat.busy_grace %s must not be negative", c.Heartbeat.BusyGrace))
 	}
 	if c.Log.Enabled {
-		if c.Log.RingMiB <= 0 || c.Log.RingMiB&(c.Log.RingMiB-1) != 0 {
-			errs = append(errs, fmt.Errorf("log.ring_mib %d: use a power of two", c.Log.RingMiB))
+		if c.Log.RingMiB <= 0 || c.Log.RingMiB&(c.Log.RingMiB-1) != 0 || c.Log.RingMiB > maxRingMiB {
+			errs = append(errs, fmt.Errorf("log.ring_mib %d: use a power of two, at most %d", c.Log.RingMiB, maxRingMiB))
 		}
 		if c.Log.MaxFlows < minMaxFlows || c.Log.MaxFlows > ebpfprobes.MaxMaxFlows {
 			errs = append(errs, fmt.Errorf("log.max_flows %d: use %d..%d", c.Log.MaxFlows, minMaxFlows, ebpfprobes.MaxMaxFlows))
 		}
-		if c.Log.ParkMiB < 0 {
-			errs = append(errs, fmt.Errorf("log.park_mib %d: use 0 (a quarter of the log's cap) or more", c.Log.ParkMiB))
+		if c.Log.ParkMiB < 0 || c.Log.ParkMiB > maxMiB {
+			errs = append(errs, fmt.Errorf("log.park_mib %d: use 0 (a quarter of the log's cap) to %d", c.Log.ParkMiB, maxMiB))
+		}
+		if c.Log.MemoryMiB > maxMiB {
+			errs = append(errs, fmt.Errorf("log.memory_mib %d: use 0 (10%% of this host's memory) to %d", c.Log.MemoryMiB, maxMiB))
 		}
 		if c.Log.MemoryMiB < 0 || !(0 < c.Log.Low && c.Log.Low < c.Log.High && c.Log.High <= 1) {
 			errs = append(errs, fmt.Errorf("log: memory_mib must be >= 0 and 0 < low (%.2f) < high (%.2f) <= 1", c.Log.Low, c.Log.High))
 		}
+	}
+	// Both act on the recorded receive order only (agent: recording is log.enabled && log.receive_order).
+	if (c.Log.Pessimistic || c.Log.ReceivePositions) && !(c.Log.Enabled && c.Log.ReceiveOrder) {
+		errs = append(errs, fmt.Errorf("log.pessimistic (%t) and log.receive_positions (%t) need log.enabled and log.receive_order: without them nothing is recorded",
+			c.Log.Pessimistic, c.Log.ReceivePositions))
 	}
 	if err := c.JobNetwork.validate(); err != nil {
 		errs = append(errs, err)
