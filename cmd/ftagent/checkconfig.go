@@ -116,11 +116,10 @@ func checkJobNameservers(cfg agent.Config, resolv string) check {
 // credentialChecks checks the member's certificate, key and CA, and that the key is root's alone.
 func credentialChecks(cfg agent.Config, now time.Time) []check {
 	c := cfg.Cluster
-	if len(c.Members) == 0 && c.CA == "" && c.Cert == "" && c.Key == "" {
-		return []check{{"cluster: no members configured (a single host, no protection across hosts)", nil}}
-	}
+	// Required without members too: the agent serves the cluster protocol whatever its members, and its
+	// listener does not start without them.
 	if c.CA == "" || c.Cert == "" || c.Key == "" {
-		return []check{{"cluster credentials", errors.New("cluster.ca, cluster.cert and cluster.key are all required with cluster members: create them with ftctl pki (docs/deploy.md)")}}
+		return []check{{"cluster credentials", errors.New("cluster.ca, cluster.cert and cluster.key are all required (the agent serves the cluster protocol even alone): create them with ftctl pki (docs/deploy.md)")}}
 	}
 	tc := clustertls.Config{CAFile: c.CA, CertFile: c.Cert, KeyFile: c.Key, CRLFile: c.CRL}
 	var out []check
@@ -173,10 +172,7 @@ func checkListen(cfg agent.Config) check {
 	l := cfg.Cluster.Listen
 	what := "cluster.listen " + l.String() + " is an address of this host"
 	if !l.IsValid() {
-		if len(cfg.Cluster.Members) > 0 {
-			return check{"cluster.listen", errors.New("not set: give this host's ip:port in the cluster (its [[cluster.member]] address)")}
-		}
-		return check{"cluster.listen: not set (no cluster)", nil}
+		return check{"cluster.listen", errors.New("not set: give this host's ip:port in the cluster (its [[cluster.member]] address)")}
 	}
 	if l.Addr().IsUnspecified() {
 		return check{what, nil}

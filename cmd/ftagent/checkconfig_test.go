@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ftkit/ftkit/agentconfig"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/internal/clustertls"
 	"github.com/ftkit/ftkit/internal/testenv"
@@ -404,6 +405,29 @@ func TestCheckCRIUUnpatchedWarns(t *testing.T) {
 	for _, c := range checks {
 		if c.err != nil && !c.warns() {
 			t.Errorf("%s: FAIL (%v), want a warning: the agent runs with this CRIU", c.what, c.err)
+		}
+	}
+}
+
+// A host configured without [cluster] passes Validate, but the agent serves the cluster protocol whatever
+// its members (Run: serveCluster), and clustertls.Listen refuses to start without cluster.listen and the
+// CA, certificate and key: --check-config must not say ok to a configuration the agent exits on at start.
+func TestCheckConfigNoMembersStillNeedsTheClusterFiles(t *testing.T) {
+	cfg := agentconfig.Defaults()
+	cfg.Name = "node1"
+	if err := cfg.Validate(); err != nil {
+		t.Fatalf("test bug: %v", err)
+	}
+	// What the agent's Run does first with this configuration (agent.serveCluster, agent.tlsConfig).
+	_, err := clustertls.Listen(cfg.Cluster.Listen.String(), clustertls.Config{CAFile: cfg.Cluster.CA, CertFile: cfg.Cluster.Cert,
+		KeyFile: cfg.Cluster.Key, Members: func(string) bool { return true }})
+	if err == nil {
+		t.Fatal("the cluster listener started without credentials")
+	}
+	t.Logf("the agent would exit: %v", err)
+	for _, c := range append(credentialChecks(cfg, time.Now()), checkListen(cfg)) {
+		if c.err == nil {
+			t.Errorf("ok    %s", c.what)
 		}
 	}
 }
