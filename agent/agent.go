@@ -695,6 +695,9 @@ func (a *Agent) Run(ctx context.Context, local LocalAPI) error {
 	if err := a.routeEdits.putBackLeft(); err != nil {
 		a.log.Error("could not put back the route changes a previous agent made for a restore: new connections over them start with a large burst", "err", err)
 	}
+	// Before any restore, a resumed one included: a new restore of the same snapshot makes a guard of the
+	// same name, which this must not remove.
+	a.removeLeftGuards(ctx)
 	// Before any snapshot is scheduled: a job whose replay a previous agent left unverified is not dumped
 	// until its resumed recovery has verified it.
 	go a.resumeRecoveries(ctx, a.pendingRecoveries())
