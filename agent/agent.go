@@ -80,6 +80,8 @@ type Agent struct {
 
 	netlog *logState              // nil when the sender-side log is disabled
 	coord  coordinated.Holds[Job] // runs whose jobs this host holds frozen for a coordinated snapshot
+	// uncommitted pins the snapshots of cuts thawed here and not yet committed (coordinated.Uncommitted).
+	uncommitted coordinated.Uncommitted
 	// unloggedSeen are the connections of this host's unprotected processes members asked about (serveLogged).
 	unloggedSeen unloggedReports
 

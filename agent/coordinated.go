@@ -97,6 +97,12 @@ func cutStage(st coordinated.Stage) Stage {
 	return Stage{Name: st.Name, Host: strings.Join(st.Hosts, ","), Start: st.Start, End: st.End, Detail: st.Detail, Error: errString(st.Err)}
 }
 
+// pinnedSnapshots are job's snapshots that retention keeps whatever their age: those a recorded cut names,
+// and those of cuts dumped here and not yet committed.
+func (a *Agent) pinnedSnapshots(job string) []string {
+	return append(a.cutRecords().Pinned(job), a.uncommitted.Pinned(job)...)
+}
+
 // holdsCutPart reports whether this host holds p's snapshot.
 func (a *Agent) holdsCutPart(p clusterapi.CutPart) bool {
 	_, err := a.store.Manifest(p.Job, p.Snapshot)
@@ -131,8 +137,15 @@ func (a *Agent) serveCoordinate(ctx context.Context, peer string, req clusterapi
 				return clusterapi.CoordinateReply{}, &clusterapi.Error{Code: clusterapi.CodeRefused, Message: "cut not recorded: " + err.Error()}
 			}
 		}
-		return clusterapi.CoordinateReply{}, a.cutRecords().Save(coordinated.Cut{Run: req.Run, UID: *req.UID, ID: req.Cut, Taken: time.Now().UTC(), Parts: req.Parts})
+		if err := a.cutRecords().Save(coordinated.Cut{Run: req.Run, UID: *req.UID, ID: req.Cut, Taken: time.Now().UTC(), Parts: req.Parts}); err != nil {
+			return clusterapi.CoordinateReply{}, err
+		}
+		a.uncommitted.Done(coordinated.HoldKey(req), req.Cut) // the record pins them now
+		return clusterapi.CoordinateReply{}, nil
 	case clusterapi.CoordPrepare:
+		if err := a.refuseOlderCut(req); err != nil {
+			return clusterapi.CoordinateReply{}, err
+		}
 		_, err := a.rollbackParts(ctx, req.Run, *req.UID, req.Parts)
 		return clusterapi.CoordinateReply{}, err
 	case clusterapi.CoordStop:
@@ -141,6 +154,20 @@ func (a *Agent) serveCoordinate(ctx context.Context, peer string, req clusterapi
 		return clusterapi.CoordinateReply{}, a.rollbackRestore(ctx, req.Run, *req.UID, req.Parts)
 	}
 	return clusterapi.CoordinateReply{}, fmt.Errorf("no phase %q", req.Phase)
+}
+
+// refuseOlderCut refuses a rollback to a cut older than the one this host records for the run. A commit
+// that reached some members only leaves them disagreeing about the run's newest cut; a member that missed it
+// would roll the run back to the older one, and a later rollback from a member that has the newer would then
+// restore an execution already superseded (a rollback's restore is forced past any incarnation), silently.
+func (a *Agent) refuseOlderCut(req clusterapi.CoordinateRequest) error {
+	rec, err := a.cutRecords().Load(req.Run, req.UID)
+	if err != nil || rec.ID <= req.Cut { // ids begin with the time
+		return nil
+	}
+	return &clusterapi.Error{Code: clusterapi.CodeRefused, Message: fmt.Sprintf(
+		"run %s not rolled back to cut %s, nothing stopped: %s records a newer cut of it, %s (its commit missed the coordinator's host): roll back from %s (`ftctl rollback --run %s` there)",
+		req.Run, req.Cut, a.cfg.Name, rec.ID, a.cfg.Name, req.Run)}
 }
 
 // checkPart refuses cut part p of run of uid if its job is another run's or another user's by this host's
@@ -313,7 +340,15 @@ func (a *Agent) coordDump(ctx context.Context, req clusterapi.CoordinateRequest)
 // coordThaw ends the hold of the request's run for its cut, and with replicate ships the dumps to the
 // jobs' protectors (the reply names those that arrived).
 func (a *Agent) coordThaw(ctx context.Context, req clusterapi.CoordinateRequest, replicate bool) (clusterapi.CoordinateReply, error) {
-	hold := a.coord.End(coordinated.HoldKey(req), req.Cut)
+	key := coordinated.HoldKey(req)
+	if h := a.coord.Get(key, req.Cut); h != nil && replicate {
+		// Pinned before the end of the hold gives back the snapshot lock: a snapshot of the same job taken
+		// before the commit would otherwise prune the cut's (keep = 1), and the commit name a deleted one.
+		a.uncommitted.Add(key, req.Cut, h.Dumped)
+	} else if !replicate {
+		a.uncommitted.Done(key, req.Cut) // given up: never committed
+	}
+	hold := a.coord.End(key, req.Cut)
 	var rep clusterapi.CoordinateReply
 	switch {
 	case !replicate:

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/coordinated"
 )
@@ -177,5 +178,97 @@ func TestConcurrentCutsDoNotDeadlock(t *testing.T) {
 	}
 	if n1, n2 := a1.coord.Len(), a2.coord.Len(); n1 != 0 || n2 != 0 {
 		t.Errorf("holds left: node1 %d, node2 %d; want none", n1, n2)
+	}
+}
+
+// TestSnapshotBeforeCommitKeepsCutsSnapshot: with checkpoint.keep = 1, a job in auto mode is snapshotted
+// on its schedule after its cut's thaw (which gives back the snapshot lock) and before the cut's commit;
+// retention after that snapshot's replication must keep the cut's. Before, it deleted it, and the commit
+// then recorded a cut naming a snapshot this host no longer held (the run's previous cut unpinned with it).
+func TestSnapshotBeforeCommitKeepsCutsSnapshot(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.cfg.Checkpoint.Keep = 1
+	ta.members.view = testView(t, "node1", "node2")
+	uid := uint32(0)
+	spec := JobSpec{Run: "farm", Recovery: coordinated.RecoveryAuto}
+	j, _ := frozenJob(t, ta, Job{ID: "farm-node1-1", UID: uid, Spec: spec, Net: &JobNet{Name: "ftj-test"}})
+	replicated := func(id string) *ckpt.Manifest {
+		m, err := ta.store.AddReplica(j.ID, id, "node2")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	const cut = "cut-20261203T100000.000"
+	req := func(p clusterapi.CoordPhase) clusterapi.CoordinateRequest {
+		return clusterapi.CoordinateRequest{Run: "farm", UID: &uid, Cut: cut, Phase: p}
+	}
+	if _, err := ta.serveCoordinate(t.Context(), "node2", req(clusterapi.CoordFreeze)); err != nil {
+		t.Fatal(err)
+	}
+	// The dump phase, as coordDump leaves it (the test agent has no CRIU).
+	cutSnap := replicated(ta.addSnapshot(t, Job{ID: j.ID, UID: uid, Node: ta.cfg.Name, Spec: spec}))
+	hold := ta.coord.Get(coordinated.HoldKey(req(clusterapi.CoordFreeze)), cut)
+	hold.Dumped = append(hold.Dumped, cutSnap)
+	// The thaw; its shipping is cut short (no protector answers here), as if it were done.
+	done, cancel := context.WithCancel(t.Context())
+	cancel()
+	ta.serveCoordinate(done, "node2", req(clusterapi.CoordThaw))
+
+	// The schedule's snapshot, replicated, then pruned as replicate does.
+	later := replicated(ta.addSnapshot(t, Job{ID: j.ID, UID: uid, Node: ta.cfg.Name, Spec: spec}))
+	ta.pruneOwn(t.Context(), j.ID)
+
+	commit := req(clusterapi.CoordCommit)
+	commit.Parts = []clusterapi.CutPart{{Job: j.ID, Host: ta.cfg.Name, Snapshot: cutSnap.ID, Recovery: spec.Recovery}}
+	if _, err := ta.serveCoordinate(t.Context(), "node2", commit); err != nil {
+		t.Fatalf("commit: %v", err)
+	}
+	rec, err := ta.cutRecords().Load("farm", &uid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range rec.Parts {
+		if _, err := ta.store.Manifest(p.Job, p.Snapshot); err != nil {
+			left, _ := ta.store.List(j.ID, "")
+			t.Errorf("cut %s recorded naming snapshot %s of job %s, which retention deleted after snapshot %s (left: %v): %v", rec.ID, p.Snapshot, p.Job, later.ID, left, err)
+		}
+	}
+	// Once committed, the record pins it; the pin of the uncommitted cut is gone.
+	if pins := ta.uncommitted.Pinned(j.ID); len(pins) != 0 {
+		t.Errorf("snapshots %v still pinned as uncommitted after the commit", pins)
+	}
+}
+
+// TestRollbackToOlderCutRefused: a cut's commit reached this host but not the member that now coordinates
+// the run's rollback, which still records the cut before it. The prepare phase refuses the rollback to that
+// older cut, before anything stops. Before, it went ahead, and this host kept the newer record: a later
+// rollback coordinated here would restore that cut, of an execution the first rollback had superseded (the
+// restore's claim is forced), silently.
+func TestRollbackToOlderCutRefused(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.members.view = testView(t, "node1", "node2")
+	uid := uint32(0)
+	spec := JobSpec{Run: "farm", Recovery: coordinated.RecoveryCoordinated}
+	j := ta.addJob(t, Job{ID: "farm-node1-1", UID: uid, State: JobRunning, PID: os.Getpid(), Spec: spec, Net: &JobNet{Name: "ftj-test"}})
+	older := ta.addSnapshot(t, Job{ID: j.ID, UID: uid, Node: ta.cfg.Name, Spec: spec})
+	newer := ta.addSnapshot(t, Job{ID: j.ID, UID: uid, Node: ta.cfg.Name, Spec: spec})
+	const oldCut, newCut = "cut-20261203T100000.000", "cut-20261203T100500.000"
+	part := func(snap string) []clusterapi.CutPart {
+		return []clusterapi.CutPart{{Job: j.ID, Host: ta.cfg.Name, Snapshot: snap, Recovery: spec.Recovery}}
+	}
+	if err := ta.cutRecords().Save(coordinated.Cut{Run: "farm", UID: uid, ID: newCut, Parts: part(newer)}); err != nil {
+		t.Fatal(err)
+	}
+	prepare := clusterapi.CoordinateRequest{Run: "farm", UID: &uid, Cut: oldCut, Phase: clusterapi.CoordPrepare, Parts: part(older)}
+	for i := range prepare.Parts {
+		prepare.Parts[i].Target = ta.cfg.Name
+	}
+	if _, err := ta.serveCoordinate(t.Context(), "node2", prepare); err == nil {
+		t.Errorf("rollback to cut %s prepared on a host that records the newer cut %s of the run", oldCut, newCut)
+	}
+	prepare.Cut, prepare.Parts[0].Snapshot = newCut, newer
+	if _, err := ta.serveCoordinate(t.Context(), "node2", prepare); err != nil {
+		t.Errorf("rollback to the recorded cut %s refused: %v", newCut, err)
 	}
 }

@@ -19,7 +19,7 @@ func (a *Agent) keepReplicas(ctx context.Context, got *ship.Received) {
 	if a.detStore != nil {
 		a.detStore.Trim(m) // the determinants before it are no longer needed
 	}
-	deleted, err := a.store.PruneReceived(ctx, m.Job, m.Node, a.cfg.Checkpoint.Keep, m.ID, a.cutRecords().Pinned(m.Job)...)
+	deleted, err := a.store.PruneReceived(ctx, m.Job, m.Node, a.cfg.Checkpoint.Keep, m.ID, a.pinnedSnapshots(m.Job)...)
 	if err != nil {
 		a.log.Warn("prune replicas", "job", m.Job, "from", m.Node, "err", err)
 	}

@@ -469,11 +469,7 @@ func (a *Agent) replicate(ctx context.Context, manifests []*ckpt.Manifest, place
 			if base := a.releaseBase(sent.Manifest, a.asked.Load() != askIdle); base != nil {
 				a.announceReceivePoints(ctx, base)
 			}
-			if pruned, err := a.store.Prune(ctx, m.Job, a.cfg.Checkpoint.Keep, a.cutRecords().Pinned(m.Job)...); err != nil {
-				a.log.Warn("prune snapshots", "job", m.Job, "err", err)
-			} else if len(pruned) > 0 {
-				a.log.Debug("pruned snapshots", "job", m.Job, "ids", pruned)
-			}
+			a.pruneOwn(ctx, m.Job)
 		}
 		out = append(out, res)
 	}
@@ -518,4 +514,14 @@ func (a *Agent) Snapshots(job string, uid uint32) ([]*ckpt.Manifest, error) {
 func (a *Agent) ownsSnapshot(m *ckpt.Manifest, uid uint32) bool {
 	j, err := a.snapshotRecord(m)
 	return err == nil && j.UID == uid
+}
+
+// pruneOwn deletes job's snapshots past retention (checkpoint.keep), once a newer one is replicated; those
+// a cut pins, recorded or not yet committed, stay.
+func (a *Agent) pruneOwn(ctx context.Context, job string) {
+	if pruned, err := a.store.Prune(ctx, job, a.cfg.Checkpoint.Keep, a.pinnedSnapshots(job)...); err != nil {
+		a.log.Warn("prune snapshots", "job", job, "err", err)
+	} else if len(pruned) > 0 {
+		a.log.Debug("pruned snapshots", "job", job, "ids", pruned)
+	}
 }

@@ -150,3 +150,63 @@ func (hs *Holds[J]) Len() int {
 	defer hs.mu.Unlock()
 	return len(hs.m)
 }
+
+// Uncommitted are the snapshots a host dumped for cuts that are not yet committed there, by run
+// (HoldKey). Retention keeps them as it keeps a recorded cut's: from the thaw, which gives back the
+// snapshot lock, to the commit, a scheduled snapshot of the same job (auto mode, an operator's) may be
+// taken, replicated and pruned, and with keep = 1 it deleted the cut's snapshot; the commit then recorded a
+// cut naming a snapshot that no longer existed, and the run's previous cut, no longer pinned, went too.
+type Uncommitted struct {
+	mu sync.Mutex
+	m  map[string]uncommitted
+}
+
+type uncommitted struct {
+	cut   string
+	snaps map[string][]string // job -> snapshot ids
+	until time.Time
+}
+
+// uncommittedMax bounds how long a cut's snapshots stay pinned without its commit: the coordinator commits
+// once every host has replicated its dumps (each within clusterapi.MaxCoordStep), or gave the cut up.
+const uncommittedMax = clusterapi.MaxCoordStep + HoldMax
+
+// Add pins dumped, the snapshots of cut of key's run, until Done or uncommittedMax; they replace those of
+// an earlier cut of the run that was never committed (torn, or given up).
+func (u *Uncommitted) Add(key, cut string, dumped []*ckpt.Manifest) {
+	snaps := map[string][]string{}
+	for _, m := range dumped {
+		snaps[m.Job] = append(snaps[m.Job], m.ID)
+	}
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.m == nil {
+		u.m = map[string]uncommitted{}
+	}
+	u.m[key] = uncommitted{cut: cut, snaps: snaps, until: time.Now().Add(uncommittedMax)}
+}
+
+// Done unpins the snapshots of cut of key's run: the cut is recorded (the record pins them) or given up.
+func (u *Uncommitted) Done(key, cut string) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if p, ok := u.m[key]; ok && p.cut == cut {
+		delete(u.m, key)
+	}
+}
+
+// Pinned are job's snapshots of cuts not yet committed.
+func (u *Uncommitted) Pinned(job string) []string {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	var out []string
+	now := time.Now()
+	for key, p := range u.m {
+		if now.After(p.until) {
+			delete(u.m, key)
+			continue
+		}
+		out = append(out, p.snaps[job]...)
+	}
+	return out
+}
