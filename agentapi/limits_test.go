@@ -1,6 +1,7 @@
 package agentapi
 
 import (
+	"context"
 	"encoding/json"
 	"net/http"
 	"os"
@@ -13,7 +14,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/agent"
-	"github.com/ftkit/ftkit/internal/rlimits"
 )
 
 // TestAPIStartJobLimitsOnlyFromCallersProcess: a job gets the resource limits of the process that asked
@@ -79,9 +79,63 @@ func TestAPIStartJobLimitsOnlyFromCallersProcess(t *testing.T) {
 	}
 	rootsMax := mine.Max
 	roots := start(t, 0, rootsMax)
-	j := post(t, &unix.Ucred{Uid: asOwner.Uid, Gid: asOwner.Gid, Pid: int32(roots.Process.Pid)})
-	if got := nofile(t, j); got == rootsMax {
-		t.Errorf("job of uid %d got the limits of uid 0's process %d (RLIMIT_NOFILE hard limit %d); want a session's %v",
-			asOwner.Uid, roots.Process.Pid, got, rlimits.Session)
+	w := call(t, h, &unix.Ucred{Uid: asOwner.Uid, Gid: asOwner.Gid, Pid: int32(roots.Process.Pid)}, "POST", "/v1/jobs?host=node2", `{"name":"lim","argv":["true"]}`)
+	if w.Code == http.StatusCreated {
+		t.Errorf("job of uid %d started while its caller's PID names uid 0's process %d (RLIMIT_NOFILE hard limit %d): %s; want it refused",
+			asOwner.Uid, roots.Process.Pid, rootsMax, w.Body)
 	}
+}
+
+// liveCaller is the credentials of a live process of a user (not root), for a start its limits go with:
+// as root, a process of asOwner's uid; otherwise this test's own process.
+func liveCaller(t *testing.T) *unix.Ucred {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		return &unix.Ucred{Uid: uint32(os.Getuid()), Gid: uint32(os.Getgid()), Pid: int32(os.Getpid())}
+	}
+	cmd := exec.Command("sleep", "60")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: asOwner.Uid, Gid: asOwner.Gid}}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	// Until its uid is the user's in every respect: the exec of sleep follows the change of credentials.
+	for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		if b, err := os.ReadFile("/proc/" + strconv.Itoa(cmd.Process.Pid) + "/comm"); err == nil && string(b) == "sleep\n" {
+			return &unix.Ucred{Uid: asOwner.Uid, Gid: asOwner.Gid, Pid: int32(cmd.Process.Pid)}
+		}
+	}
+	t.Fatalf("process %d did not exec sleep", cmd.Process.Pid)
+	return nil
+}
+
+// TestAPIStartJobRefusedWithoutCallersLimits: a user's job whose caller's limits cannot be read (its
+// process is gone: the user connected, sent the request and exited, leaving the answer to a child holding
+// the socket) is refused. Started with a session's limits instead, it had a hard RLIMIT_NOFILE of 524288
+// and the agent's own limits on everything else (processes, CPU time, file size, address space), above
+// what the user's own could ever be raised to.
+func TestAPIStartJobRefusedWithoutCallersLimits(t *testing.T) {
+	gone := exec.Command("true")
+	if err := gone.Run(); err != nil {
+		t.Fatal(err)
+	}
+	var started []agent.JobSpec
+	fb := &startRecorder{fakeBackend: newFakeBackend(t), started: &started}
+	h := Handler(fb, DefaultLimits())
+	w := call(t, h, &unix.Ucred{Uid: asOwner.Uid, Gid: asOwner.Gid, Pid: int32(gone.Process.Pid)}, "POST", "/v1/jobs?host=node2", `{"name":"lim","argv":["true"]}`)
+	if w.Code == http.StatusCreated || len(started) != 0 {
+		t.Fatalf("job of uid %d whose process %d is gone: status %d %s, started with limits %v; want it refused",
+			asOwner.Uid, gone.Process.Pid, w.Code, w.Body, started)
+	}
+}
+
+// startRecorder is a fakeBackend that records the specs it is asked to start.
+type startRecorder struct {
+	*fakeBackend
+	started *[]agent.JobSpec
+}
+
+func (s *startRecorder) StartJobOn(ctx context.Context, host string, spec agent.JobSpec, uid, gid uint32) (*agent.Job, error) {
+	*s.started = append(*s.started, spec)
+	return s.fakeBackend.StartJobOn(ctx, host, spec, uid, gid)
 }

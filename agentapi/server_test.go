@@ -444,7 +444,8 @@ func TestBounded(t *testing.T) {
 // gid (from SO_PEERCRED, never from the request), and the answer is the target's record.
 func TestAPIStartJobOnHost(t *testing.T) {
 	h := Handler(newFakeBackend(t), DefaultLimits())
-	w := call(t, h, asOwner, "POST", "/v1/jobs?host=node2", `{"name":"run-node2","argv":["orted"],"dir":"/shared","uid":0}`)
+	owner := liveCaller(t)
+	w := call(t, h, owner, "POST", "/v1/jobs?host=node2", `{"name":"run-node2","argv":["orted"],"dir":"/shared","uid":0}`)
 	if w.Code != http.StatusCreated {
 		t.Fatalf("status %d: %s", w.Code, w.Body)
 	}
@@ -452,10 +453,10 @@ func TestAPIStartJobOnHost(t *testing.T) {
 	if err := json.Unmarshal(w.Body.Bytes(), &j); err != nil {
 		t.Fatal(err)
 	}
-	if j.Node != "node2" || j.UID != asOwner.Uid || j.GID != asOwner.Gid || j.Dir != "/jobs/run-node2-1" {
-		t.Errorf("job %+v; want node2's record of a job of uid %d", j, asOwner.Uid)
+	if j.Node != "node2" || j.UID != owner.Uid || j.GID != owner.Gid || j.Dir != "/jobs/run-node2-1" {
+		t.Errorf("job %+v; want node2's record of a job of uid %d", j, owner.Uid)
 	}
-	if w := call(t, h, asOwner, "POST", "/v1/jobs?host=node9", `{"argv":["orted"]}`); w.Code != http.StatusUnprocessableEntity {
+	if w := call(t, h, owner, "POST", "/v1/jobs?host=node9", `{"argv":["orted"]}`); w.Code != http.StatusUnprocessableEntity {
 		t.Errorf("start on an unknown host: status %d; want 422", w.Code)
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"unsafe"
 
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
@@ -107,6 +108,11 @@ func runJobInit(spec Spec) int {
 	if err != nil {
 		return rep.fail("%v", err)
 	}
+	// What the shim ignores (SIGHUP, SIGINT: cmd/ftagent) stays ignored across exec: the program starts with
+	// every signal at its default action, as it would from a login shell.
+	if err := defaultSignals(); err != nil {
+		return rep.fail("reset the job's signals to their default actions: %v", err)
+	}
 	for i, f := range []*os.File{null, stdout, stderr} {
 		if err := unix.Dup3(int(f.Fd()), i, 0); err != nil {
 			return rep.fail("set up descriptor %d: %v", i, err)
@@ -119,6 +125,40 @@ func runJobInit(spec Spec) int {
 	}
 	err = unix.Exec(path, spec.Argv, withoutMPTCP(env))
 	return rep.fail("start %s: %v", spec.Argv[0], err)
+}
+
+// defaultSignals sets every signal this process ignores (SigIgn in its status) back to its default action.
+// A handled signal needs nothing: exec resets it.
+func defaultSignals() error {
+	const path = "/proc/self/status"
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err
+	}
+	var ignored uint64
+	found := false
+	for line := range strings.Lines(string(b)) {
+		if v, ok := strings.CutPrefix(line, "SigIgn:"); ok {
+			if ignored, err = strconv.ParseUint(strings.TrimSpace(v), 16, 64); err != nil {
+				return fmt.Errorf("%s: SigIgn: %w", path, err)
+			}
+			found = true
+		}
+	}
+	if !found {
+		return fmt.Errorf("%s has no SigIgn line", path)
+	}
+	// struct sigaction all zero: SIG_DFL, no flags, an empty mask, whatever the architecture's field order.
+	var dfl [8]uint64
+	for sig := 1; sig <= 64; sig++ {
+		if ignored&(1<<(sig-1)) == 0 {
+			continue
+		}
+		if _, _, errno := unix.RawSyscall6(unix.SYS_RT_SIGACTION, uintptr(sig), uintptr(unsafe.Pointer(&dfl)), 0, 8, 0, 0); errno != 0 {
+			return fmt.Errorf("set %s to its default action: %w", unix.SignalName(unix.Signal(sig)), errno)
+		}
+	}
+	return nil
 }
 
 // resetOOMScoreAdj raises the process's OOM score adjustment to 0 if it is below (the agent's unit lowers

@@ -1,14 +1,21 @@
 package shim
 
 import (
+	"bytes"
+	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"reflect"
+	"strconv"
 	"strings"
 	"testing"
 
 	"github.com/moby/sys/mountinfo"
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/internal/cgroupv2"
 )
 
 func TestPrunedMount(t *testing.T) {
@@ -91,5 +98,68 @@ func TestResetOOMScoreAdj(t *testing.T) {
 	}
 	if ran == 0 {
 		t.Error("no case could run: this process cannot even raise its own OOM score adjustment")
+	}
+}
+
+// TestJobStartsWithDefaultSignals: the shim ignores SIGHUP and SIGINT (cmd/ftagent: it outlives the agent's
+// terminal), and an ignored signal stays ignored across fork and exec: the job's program must not start
+// with them ignored, or Ctrl-C forwarded by ftwrap and every SIGINT or SIGHUP inside the job go nowhere (a
+// shell cannot even trap a signal ignored on entry, and Python installs no KeyboardInterrupt). Run as the
+// shim is, with those two signals ignored, on a real job of uid 65534.
+func TestJobStartsWithDefaultSignals(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("SKIPPED: the shim starts a job in new PID and mount namespaces and drops to uid 65534: needs root")
+	}
+	parent, err := cgroupv2.ProcessDir(0)
+	if err != nil {
+		t.Skipf("SKIPPED: no cgroup v2 directory of this process to start the job in: %v", err)
+	}
+	cg, err := os.MkdirTemp(parent, "ftkit-shim-signals-")
+	if err != nil {
+		t.Skipf("SKIPPED: cannot make a cgroup for the job under %s: %v", parent, err)
+	}
+	t.Cleanup(func() { os.Remove(cg) })
+	jobDir := filepath.Join(t.TempDir(), "job")
+	if err := os.Mkdir(jobDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	spec := Spec{
+		JobID: "signals-00000001", Mode: ModeStart, Argv: []string{"/bin/grep", "^SigIgn:", "/proc/self/status"},
+		Dir: "/", UID: 65534, GID: 65534, Stdout: filepath.Join(jobDir, "stdout"), Stderr: filepath.Join(jobDir, "stderr"),
+		Cgroup: cg, ExitFile: filepath.Join(jobDir, "exit"), Node: "n",
+	}
+	in, err := json.Marshal(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The shim with SIGHUP and SIGINT ignored, as `ftagent shim` ignores them (signal.Ignore).
+	cmd := exec.Command("/bin/sh", "-c", `trap "" HUP INT; exec "$0"`, self)
+	cmd.Env = append(os.Environ(), roleEnv+"="+shimRole)
+	cmd.Stdin = bytes.NewReader(in)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, os.Stderr
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("shim: %v (report %q)", err, out.String())
+	}
+	if st, err := ReadExit(spec.ExitFile); err != nil || st.Code != 0 {
+		b, _ := os.ReadFile(spec.Stderr)
+		t.Fatalf("job ended with %+v, %v (report %q, stderr %q)", st, err, out.String(), b)
+	}
+	b, err := os.ReadFile(spec.Stdout)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mask, err := strconv.ParseUint(strings.TrimSpace(strings.TrimPrefix(string(b), "SigIgn:")), 16, 64)
+	if err != nil {
+		t.Fatalf("job's output %q: %v", b, err)
+	}
+	for _, sig := range []unix.Signal{unix.SIGHUP, unix.SIGINT} {
+		if mask&(1<<(sig-1)) != 0 {
+			t.Errorf("the job's program started with %s ignored (SigIgn %016x): the shim's own disposition leaked into the job", unix.SignalName(sig), mask)
+		}
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -105,5 +106,49 @@ func TestSignalJob(t *testing.T) {
 	}
 	if err := n2.Signal(ctx, moved.ID, syscall.SIGTERM); err == nil || errors.Is(err, agent.ErrNoJob) {
 		t.Fatalf("signal to the restored job after its end: %v", err)
+	}
+}
+
+// TestFtwrapCtrlCReachesTheJob: ftwrap forwards Ctrl-C (SIGINT) to the job, whose program starts with every
+// signal at its default action, so a shell can trap it. Until 2026-12-07 every job started with SIGINT and
+// SIGHUP ignored (the shim's own, kept across exec): `trap ... INT` did nothing, and Ctrl-C never reached
+// the job.
+func TestFtwrapCtrlCReachesTheJob(t *testing.T) {
+	t.Parallel() // each test has its own lab
+	c := newCluster(t, 2, 0, labcluster.Options{Interval: "1h", ManualFailover: true})
+	cmd := ftwrap(c, "node1", "--name", "ctrlc", "--", "/bin/sh", "-c", `trap 'exit 5' INT; echo ready; while :; do sleep 0.1; done`)
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	waited := make(chan error, 1)
+	go func() { waited <- cmd.Wait() }()
+	t.Cleanup(func() { cmd.Process.Kill() }) // reaped by the Wait above
+	var j agent.Job
+	for deadline := time.Now().Add(30 * time.Second); j.ID == ""; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("job ctrlc did not appear on node1")
+		}
+		jobs, _ := c.Client("node1").Jobs(context.Background())
+		for _, got := range jobs {
+			if got.Spec.Name == "ctrlc" {
+				j = got
+			}
+		}
+	}
+	waitReady(t, j)
+	if err := cmd.Process.Signal(os.Interrupt); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-waited:
+		var exit *exec.ExitError
+		if !errors.As(err, &exit) || exit.ExitCode() != 5 {
+			t.Fatalf("ftwrap after Ctrl-C: %v; want exit status 5, the job's trap of SIGINT", err)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("ftwrap and its job still run a minute after Ctrl-C; want the job's trap of SIGINT to end it with status 5")
+	}
+	if end := waitJobEnd(t, c.Client("node1"), j.ID); end.Exit == nil || end.Exit.Code != 5 {
+		t.Fatalf("the job ended %s %+v; want its trap's exit 5", end.State, end.Exit)
 	}
 }
