@@ -133,8 +133,15 @@ func Handler(a Backend, lim Limits) http.Handler {
 		// ?host=NAME: start it on that member (a run's launcher starting its part on another host).
 		c := callerOf(r)
 		// The job runs with its caller's resource limits, read from its process, never taken from what it
-		// sends; unknown (the caller is gone, or its PID names another user's process), a login session's.
-		spec.Limits, _ = callerLimits(c)
+		// sends. Unknown because the caller is gone or its PID names another user's process, a user's job is
+		// refused: a login session's limits, and the agent's own for the rest, may be far above the user's,
+		// who can make them unknown at will (by exiting once the request is sent). Unreadable to an agent
+		// without CAP_SYS_RESOURCE (EPERM for every caller, which no user chooses), and for root, a session's.
+		var err error
+		if spec.Limits, err = callerLimits(c); err != nil && c.Uid != 0 && !errors.Is(err, unix.EPERM) {
+			writeError(w, http.StatusForbidden, fmt.Errorf("a job runs with the resource limits of the process that asks for it, and those of process %d cannot be read: %w; ask from a process that waits for the answer (ftwrap does)", c.Pid, err))
+			return
+		}
 		j, err := a.StartJobOn(r.Context(), r.URL.Query().Get("host"), spec, c.Uid, c.Gid)
 		if err != nil {
 			writeError(w, http.StatusUnprocessableEntity, err)
