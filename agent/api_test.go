@@ -22,6 +22,7 @@ import (
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/agentapi"
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/internal/testenv"
 )
 
 const (
@@ -130,6 +131,7 @@ func TestAPIAuthorization(t *testing.T) {
 	}
 	ckptBody := `{"jobs":["` + ownersJob + `"]}`
 	restoreBody := `{"snapshot":"` + ta.OwnSnap() + `","job":"` + ownersJob + `"}`
+	liveOwner, liveOther := testenv.LiveCaller(t, asOwner.Uid, asOwner.Gid), testenv.LiveCaller(t, asOther.Uid, asOther.Gid)
 	tests := []struct {
 		name, method, path, body string
 		cred                     *unix.Ucred
@@ -156,12 +158,13 @@ func TestAPIAuthorization(t *testing.T) {
 		{"list owner", "GET", "/v1/jobs", "", asOwner, 200, wantJobs(doneJob, ownersJob)},
 		{"list other", "GET", "/v1/jobs", "", asOther, 200, wantJobs()},
 
-		// Starting a job needs no authorization (it runs as the caller); the interval floor applies to all,
-		// before any work. TestAPIStartJobRunsAsCaller covers the rest.
+		// Starting a job needs no authorization (it runs as the caller, from a live process of the caller's:
+		// the job gets its limits); the interval floor applies to all, before any work.
+		// TestAPIStartJobRunsAsCaller covers the rest.
 		{"start root below floor", "POST", "/v1/jobs", `{"argv":["true"],"interval":"1ms"}`, asRoot, 422, wantErr("below this agent's minimum of 1s (checkpoint.min_interval)")},
-		{"start owner below floor", "POST", "/v1/jobs", `{"argv":["true"],"interval":"999ms"}`, asOwner, 422, wantErr("below this agent's minimum of 1s")},
-		{"start other zero interval", "POST", "/v1/jobs", `{"argv":["true"],"interval":"0s"}`, asOther, 422, wantErr("positive duration")},
-		{"start other negative interval", "POST", "/v1/jobs", `{"argv":["true"],"interval":"-1m"}`, asOther, 422, wantErr("positive duration")},
+		{"start owner below floor", "POST", "/v1/jobs", `{"argv":["true"],"interval":"999ms"}`, liveOwner, 422, wantErr("below this agent's minimum of 1s")},
+		{"start other zero interval", "POST", "/v1/jobs", `{"argv":["true"],"interval":"0s"}`, liveOther, 422, wantErr("positive duration")},
+		{"start other negative interval", "POST", "/v1/jobs", `{"argv":["true"],"interval":"-1m"}`, liveOther, 422, wantErr("positive duration")},
 
 		{"get root", "GET", "/v1/jobs/" + ownersJob, "", asRoot, 200, nil},
 		{"get owner", "GET", "/v1/jobs/" + ownersJob, "", asOwner, 200, nil},
@@ -301,7 +304,8 @@ func TestAPIStartJobRunsAsCaller(t *testing.T) {
 	})
 	ta.SetShim(fakeShim)
 	h := agentapi.Handler(ta.Agent, agentapi.DefaultLimits())
-	for _, c := range []*unix.Ucred{asRoot, asOwner, asOther} {
+	// The users' calls come from live processes of theirs: a job runs with its caller's resource limits.
+	for _, c := range []*unix.Ucred{asRoot, testenv.LiveCaller(t, asOwner.Uid, asOwner.Gid), testenv.LiveCaller(t, asOther.Uid, asOther.Gid)} {
 		w := call(t, h, c, "POST", "/v1/jobs", `{"argv":["true"],"name":"started","interval":"2s","uid":0,"UID":0,"gid":0}`)
 		if w.Code != 201 {
 			t.Fatalf("start as uid %d: %d %s", c.Uid, w.Code, w.Body.String())

@@ -86,29 +86,6 @@ func TestAPIStartJobLimitsOnlyFromCallersProcess(t *testing.T) {
 	}
 }
 
-// liveCaller is the credentials of a live process of a user (not root), for a start its limits go with:
-// as root, a process of asOwner's uid; otherwise this test's own process.
-func liveCaller(t *testing.T) *unix.Ucred {
-	t.Helper()
-	if os.Geteuid() != 0 {
-		return &unix.Ucred{Uid: uint32(os.Getuid()), Gid: uint32(os.Getgid()), Pid: int32(os.Getpid())}
-	}
-	cmd := exec.Command("sleep", "60")
-	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: asOwner.Uid, Gid: asOwner.Gid}}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
-	// Until its uid is the user's in every respect: the exec of sleep follows the change of credentials.
-	for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-		if b, err := os.ReadFile("/proc/" + strconv.Itoa(cmd.Process.Pid) + "/comm"); err == nil && string(b) == "sleep\n" {
-			return &unix.Ucred{Uid: asOwner.Uid, Gid: asOwner.Gid, Pid: int32(cmd.Process.Pid)}
-		}
-	}
-	t.Fatalf("process %d did not exec sleep", cmd.Process.Pid)
-	return nil
-}
-
 // TestAPIStartJobRefusedWithoutCallersLimits: a user's job whose caller's limits cannot be read (its
 // process is gone: the user connected, sent the request and exited, leaving the answer to a child holding
 // the socket) is refused. Started with a session's limits instead, it had a hard RLIMIT_NOFILE of 524288

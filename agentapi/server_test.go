@@ -444,7 +444,7 @@ func TestBounded(t *testing.T) {
 // gid (from SO_PEERCRED, never from the request), and the answer is the target's record.
 func TestAPIStartJobOnHost(t *testing.T) {
 	h := Handler(newFakeBackend(t), DefaultLimits())
-	owner := liveCaller(t)
+	owner := testenv.LiveCaller(t, asOwner.Uid, asOwner.Gid)
 	w := call(t, h, owner, "POST", "/v1/jobs?host=node2", `{"name":"run-node2","argv":["orted"],"dir":"/shared","uid":0}`)
 	if w.Code != http.StatusCreated {
 		t.Fatalf("status %d: %s", w.Code, w.Body)

@@ -3,11 +3,15 @@ package testenv
 import (
 	"bytes"
 	"errors"
+	"os"
 	"os/exec"
+	"strconv"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/internal/procstate"
 )
@@ -88,4 +92,28 @@ func (s *SyncBuffer) Len() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.b.Len()
+}
+
+// LiveCaller is the credentials of a live process of a user, for a local API call whose resource limits go
+// with its caller's process: as root, a sleep of uid:gid, killed and reaped at the end; otherwise this test's
+// own process (its uid, whatever uid says).
+func LiveCaller(t *testing.T, uid, gid uint32) *unix.Ucred {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		return &unix.Ucred{Uid: uint32(os.Getuid()), Gid: uint32(os.Getgid()), Pid: int32(os.Getpid())}
+	}
+	cmd := exec.Command("sleep", "600")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uid, Gid: gid}}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	// Until its uid is the user's in every respect: the exec of sleep follows the change of credentials.
+	for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		if b, err := os.ReadFile("/proc/" + strconv.Itoa(cmd.Process.Pid) + "/comm"); err == nil && string(b) == "sleep\n" {
+			return &unix.Ucred{Uid: uid, Gid: gid, Pid: int32(cmd.Process.Pid)}
+		}
+	}
+	t.Fatalf("process %d did not exec sleep", cmd.Process.Pid)
+	return nil
 }
