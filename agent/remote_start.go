@@ -2,9 +2,14 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"strings"
+	"unicode"
 
+	"github.com/ftkit/ftkit/agentconfig"
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/internal/sitecmd"
 	"github.com/ftkit/ftkit/ring"
 )
 
@@ -12,7 +17,9 @@ import (
 // another host through its own host's agent, which forwards the job spec and its caller's identity (from
 // SO_PEERCRED) to the target's agent over the cluster protocol. The target believes the identity because
 // the request comes from an authenticated, alive member: a member certificate lets its holder start jobs
-// as any user on every member, as slurmctld does through slurmd (docs/deploy.md, security model).
+// as any user on every member, as slurmctld does through slurmd (docs/deploy.md, security model). Whether
+// the user may run anything on the target at all is the site's to say: the target runs its
+// cluster.start_job_command, if set, before it starts a job a member forwarded (admitForwardedStart).
 
 // StartJobOn starts spec as uid:gid on member host: here if host is this agent's own name, else through
 // host's agent. The job record returned is the target's (its ID, Node and the cluster-wide Dir).
@@ -62,11 +69,103 @@ func (a *Agent) serveStartJob(ctx context.Context, peer string, req clusterapi.S
 		spec.Placement = &Placement{Hosts: p.Hosts, Spares: p.Spares}
 	}
 	a.log.Info("job start asked by a member", "peer", peer, "name", req.Name, "uid", req.UID)
+	if err := a.admitForwardedStart(ctx, peer, req); err != nil {
+		return clusterapi.StartJobReply{}, err
+	}
 	j, err := a.StartJob(ctx, spec, req.UID, req.GID)
 	if err != nil {
 		return clusterapi.StartJobReply{}, fmt.Errorf("start job %q for %s: %w", req.Name, peer, err)
 	}
 	return clusterapi.StartJobReply{ID: j.ID, Node: j.Node, PID: j.PID, Dir: j.Dir}, nil
+}
+
+// maxRefusalReason bounds what of the start-job command's standard error goes back to the user.
+const maxRefusalReason = 256
+
+// admitForwardedStart runs cluster.start_job_command for a job member peer asks this host to start, and
+// refuses the start unless it exits 0. Only a forwarded start is asked about, never a local one (StartJobOn
+// with this host's name, ftwrap): a user on this host runs processes here anyway. Root's jobs are asked
+// about too: the command decides (the shipped Slurm script admits root only where root runs a Slurm job).
+// The job's SLURM_JOB_ID is the user's to set: it reaches the command only as a decimal number, as an
+// argument the command verifies.
+func (a *Agent) admitForwardedStart(ctx context.Context, peer string, req clusterapi.StartJobRequest) error {
+	argv := a.cfg.Cluster.StartJobCommand
+	if len(argv) == 0 {
+		return nil
+	}
+	refuse := func(why string) error {
+		a.log.Warn("job start asked by a member refused: not admitted on this host", "peer", peer, "name", req.Name, "uid", req.UID, "gid", req.GID, "why", why)
+		return &clusterapi.Error{Code: clusterapi.CodeRefused,
+			Message: fmt.Sprintf("start-job from %s: uid %d (gid %d) may not start jobs on %s: %s", peer, req.UID, req.GID, a.cfg.Name, why)}
+	}
+	slurmJob, ok := envValue(req.Env, "SLURM_JOB_ID")
+	if ok && !isSlurmJobID(slurmJob) {
+		return refuse(fmt.Sprintf("SLURM_JOB_ID %.32q in the job's environment is no Slurm job id (a decimal number)", slurmJob))
+	}
+	args := agentconfig.StartJobArgs{UID: req.UID, GID: req.GID, Host: a.cfg.Name, Peer: peer, SlurmJobID: slurmJob}
+	r := sitecmd.Command{Name: "start-job command", Argv: agentconfig.ExpandStartJobCommand(argv, args),
+		Timeout: a.cfg.Cluster.StartJobCommandTimeout.Duration, KeepStderr: true}.Run(ctx)
+	if r.Err == nil {
+		a.log.Info("start-job command admitted a member's job", "peer", peer, "name", req.Name, "uid", req.UID, "slurm_job", slurmJob, "took", r.Took)
+		return nil
+	}
+	why := "start_job_command " + argv[0]
+	switch {
+	case r.Exit > 0:
+		why += fmt.Sprintf(" exited with status %d", r.Exit)
+	case errors.Is(r.Err, context.DeadlineExceeded):
+		why += fmt.Sprintf(" failed: %v (start_job_command_timeout)", r.Err)
+	default:
+		why += fmt.Sprintf(" failed: %v", r.Err)
+	}
+	if line := firstLine(r.Stderr); line != "" {
+		why += ": " + line
+	}
+	return refuse(why)
+}
+
+// envValue returns the value of the first name= entry of env: what the job's getenv reads.
+func envValue(env []string, name string) (string, bool) {
+	for _, kv := range env {
+		if v, ok := strings.CutPrefix(kv, name+"="); ok {
+			return v, true
+		}
+	}
+	return "", false
+}
+
+// isSlurmJobID reports whether s is a Slurm job id: a decimal number (Slurm's are 32-bit).
+func isSlurmJobID(s string) bool {
+	if s == "" || len(s) > 10 {
+		return false
+	}
+	for _, c := range s {
+		if c < '0' || c > '9' {
+			return false
+		}
+	}
+	return true
+}
+
+// firstLine is the first non-blank line of s, its control characters replaced and its length bounded by
+// maxRefusalReason: it is shown to a user, in a cluster error's message.
+func firstLine(s string) string {
+	for _, l := range strings.Split(s, "\n") {
+		l = strings.TrimSpace(strings.Map(func(r rune) rune {
+			if unicode.IsControl(r) || r == unicode.ReplacementChar {
+				return ' '
+			}
+			return r
+		}, strings.ToValidUTF8(l, "?")))
+		if l == "" {
+			continue
+		}
+		if len(l) > maxRefusalReason {
+			l = strings.ToValidUTF8(l[:maxRefusalReason], "") + "..."
+		}
+		return l
+	}
+	return ""
 }
 
 func (s peerService) StartJob(ctx context.Context, peer string, req clusterapi.StartJobRequest) (clusterapi.StartJobReply, error) {

@@ -1,9 +1,14 @@
 package agent
 
 import (
+	"errors"
+	"io/fs"
 	"os"
+	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/ftkit/ftkit/clusterapi"
 )
@@ -54,5 +59,185 @@ func TestServeStartJobRefusals(t *testing.T) {
 	dirsAfter, _ := os.ReadDir(ta.cfg.JobsDir)
 	if n := len(ta.Jobs(0)); n != jobsBefore || len(dirsAfter) != len(dirsBefore) {
 		t.Errorf("refused requests created jobs: %d -> %d jobs, %d -> %d job directories", jobsBefore, n, len(dirsBefore), len(dirsAfter))
+	}
+}
+
+// admissionFixture is a test agent whose cluster.start_job_command is a fake site command: it records each
+// run's arguments (one line) in record and admits uid 1000 only; uid 3000 hangs (a squeue that gets no
+// answer). The agent's shim is a fake too, which records that it was launched in launched and reports
+// nothing (the start then fails, after the admission: what matters is whether it was reached).
+type admissionFixture struct {
+	*testAgent
+	record, launched string
+}
+
+func newAdmissionFixture(t *testing.T) admissionFixture {
+	t.Helper()
+	ta := newTestAgent(t)
+	f := admissionFixture{testAgent: ta, record: filepath.Join(ta.dir, "admission.record"), launched: filepath.Join(ta.dir, "shim.launched")}
+	cmd := filepath.Join(ta.dir, "ftkit-start-job-test")
+	script := "#!/bin/sh\necho \"$*\" >> '" + f.record + "'\n" +
+		"case \"$1\" in\n1000) exit 0 ;;\n3000) exec sleep 60 ;;\nesac\n" +
+		"echo \"uid $1 has no running Slurm job on $3\" >&2\necho 'a second line nobody is shown' >&2\nexit 1\n"
+	if err := os.WriteFile(cmd, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	shimPath := filepath.Join(ta.dir, "fake-shim")
+	if err := os.WriteFile(shimPath, []byte("#!/bin/sh\necho launched >> '"+f.launched+"'\nexit 1\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	ta.self = shimPath
+	ta.cfg.Cluster.StartJobCommand = []string{cmd, "{uid}", "{gid}", "{host}", "{peer}", "{slurm_job_id}"}
+	ta.cfg.Cluster.StartJobCommandTimeout.Duration = time.Minute
+	return f
+}
+
+// runs is the arguments of every run of the start-job command so far.
+func (f admissionFixture) runs(t *testing.T) []string {
+	t.Helper()
+	b, err := os.ReadFile(f.record)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return strings.Split(strings.TrimSuffix(string(b), "\n"), "\n")
+}
+
+// launches is how many times the agent launched a shim so far.
+func (f admissionFixture) launches() int {
+	b, _ := os.ReadFile(f.launched)
+	return strings.Count(string(b), "launched")
+}
+
+// created lists the job directories and cgroups the agent has made.
+func (f admissionFixture) created() []string {
+	dirs, _ := filepath.Glob(filepath.Join(f.cfg.JobsDir, "*"))
+	cgs, _ := filepath.Glob(filepath.Join(f.cfg.CgroupParent, "*"))
+	return append(dirs, cgs...)
+}
+
+// TestServeStartJobAdmission: with cluster.start_job_command set, a job another member forwards is started
+// only if the command, told who asks for what, exits 0. A refusal is a clean cluster error (refused) naming
+// the user, this host and the first line of the command's standard error, and starts nothing: no shim, no
+// job directory, no cgroup, no record. Root is asked about like anyone. A SLURM_JOB_ID that is no number
+// is refused before the command runs; the command sees the first one of the environment, as the job would.
+// Before, nothing asked: any user of one member started processes as themselves on every member.
+func TestServeStartJobAdmission(t *testing.T) {
+	valid := clusterapi.StartJobRequest{Name: "run-node1", Argv: []string{"/bin/true"}, Dir: "/", UID: 1000, GID: 1000,
+		Placement: &clusterapi.StartJobPlacement{Hosts: []string{"node1", "node2"}}}
+	tests := []struct {
+		name    string
+		uid     uint32
+		env     []string
+		timeout time.Duration // 0: a minute
+		unset   bool          // no start_job_command
+		open    bool          // the command's program writable by all
+		run     string        // the command's arguments; "": not run
+		refusal []string      // what the refusal says; nil: admitted
+	}{
+		{name: "admitted, no Slurm job id", uid: 1000, run: "1000 1000 node1 node2 "},
+		{name: "admitted with a Slurm job id", uid: 1000, env: []string{"HOME=/home/u", "SLURM_JOB_ID=4242"}, run: "1000 1000 node1 node2 4242"},
+		{name: "the first Slurm job id, as the job's getenv reads it", uid: 1000, env: []string{"SLURM_JOB_ID=17", "SLURM_JOB_ID=4242"}, run: "1000 1000 node1 node2 17"},
+		{name: "refused", uid: 2000, env: []string{"SLURM_JOB_ID=4242"}, run: "2000 2000 node1 node2 4242",
+			refusal: []string{"(refused)", "start-job from node2: uid 2000 (gid 2000) may not start jobs on node1", "exited with status 1", ": uid 2000 has no running Slurm job on node1"}},
+		{name: "root is asked too", uid: 0, run: "0 0 node1 node2 ",
+			refusal: []string{"uid 0 (gid 0) may not start jobs on node1", "uid 0 has no running Slurm job on node1"}},
+		{name: "a Slurm job id that is no number", uid: 1000, env: []string{"SLURM_JOB_ID=-x;/etc/passwd"},
+			refusal: []string{"uid 1000 (gid 1000) may not start jobs on node1", `SLURM_JOB_ID "-x;/etc/passwd" in the job's environment is no Slurm job id`}},
+		{name: "an empty Slurm job id", uid: 1000, env: []string{"SLURM_JOB_ID="}, refusal: []string{"is no Slurm job id"}},
+		{name: "the command times out", uid: 3000, timeout: 300 * time.Millisecond, run: "3000 3000 node1 node2 ",
+			refusal: []string{"uid 3000 (gid 3000) may not start jobs on node1", "failed: timed out after 300ms", "(start_job_command_timeout)"}},
+		{name: "no command: every forwarded start goes ahead", uid: 2000, unset: true},
+		{name: "a program others may change is not run", uid: 1000, open: true,
+			refusal: []string{"uid 1000 (gid 1000) may not start jobs on node1", "failed: not run: start-job command", "chmod go-w it"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := newAdmissionFixture(t)
+			if tt.unset {
+				f.cfg.Cluster.StartJobCommand = nil
+			}
+			if tt.timeout > 0 {
+				f.cfg.Cluster.StartJobCommandTimeout.Duration = tt.timeout
+			}
+			if tt.open {
+				if err := os.Chmod(f.cfg.Cluster.StartJobCommand[0], 0o777); err != nil {
+					t.Fatal(err)
+				}
+			}
+			req := valid
+			req.UID, req.GID, req.Env = tt.uid, tt.uid, tt.env
+			jobsBefore, createdBefore := len(f.Jobs(0)), f.created()
+			_, err := f.serveStartJob(t.Context(), "node2", req)
+			if runs := f.runs(t); tt.run == "" && len(runs) != 0 || tt.run != "" && (len(runs) != 1 || runs[0] != tt.run) {
+				t.Errorf("the start-job command ran with %q; want %q", runs, tt.run)
+			}
+			if tt.refusal == nil {
+				// Admitted: the start went on to the shim (whose failure is the fake's).
+				if e, ok := errors.AsType[*clusterapi.Error](err); ok && e.Code == clusterapi.CodeRefused {
+					t.Fatalf("refused: %v", err)
+				}
+				if n := f.launches(); n != 1 {
+					t.Errorf("the shim was launched %d times; want once", n)
+				}
+				return
+			}
+			e, ok := errors.AsType[*clusterapi.Error](err)
+			if !ok || e.Code != clusterapi.CodeRefused {
+				t.Fatalf("serveStartJob = %v; want a cluster error with code %s", err, clusterapi.CodeRefused)
+			}
+			for _, want := range tt.refusal {
+				if !strings.Contains(err.Error(), want) {
+					t.Errorf("refusal %q does not say %q", err, want)
+				}
+			}
+			if strings.Contains(err.Error(), "second line") {
+				t.Errorf("refusal %q holds more than the first line of the command's standard error", err)
+			}
+			if n, created := f.launches(), f.created(); n != 0 || !slices.Equal(created, createdBefore) || len(f.Jobs(0)) != jobsBefore {
+				t.Errorf("a refused start launched %d shims, made %v (before: %v), %d -> %d jobs", n, created, createdBefore, jobsBefore, len(f.Jobs(0)))
+			}
+		})
+	}
+}
+
+// TestStartJobOnHereSkipsAdmission: a job started on the agent's own host (StartJobOn with its name or
+// none, as ftctl mpirun does for the run's first host, and ftwrap) never runs the start-job command: its
+// user can run processes on this host anyway. A user it would refuse on a forwarded start still starts.
+func TestStartJobOnHereSkipsAdmission(t *testing.T) {
+	f := newAdmissionFixture(t)
+	for _, host := range []string{"", "node1"} {
+		_, err := f.StartJobOn(t.Context(), host, JobSpec{Name: "local", Argv: []string{"/bin/true"}, Env: []string{"SLURM_JOB_ID=x"}}, 2000, 2000)
+		if e, ok := errors.AsType[*clusterapi.Error](err); ok && e.Code == clusterapi.CodeRefused {
+			t.Fatalf("StartJobOn(%q) refused: %v", host, err)
+		}
+	}
+	if runs := f.runs(t); len(runs) != 0 {
+		t.Errorf("local starts ran the start-job command: %q", runs)
+	}
+	if n := f.launches(); n != 2 {
+		t.Errorf("the shim was launched %d times for 2 local starts", n)
+	}
+}
+
+// TestRefusalReasonLine: what of the command's standard error a user is shown is its first non-blank line,
+// bounded, with no control characters (a terminal escape, a carriage return).
+func TestRefusalReasonLine(t *testing.T) {
+	long := strings.Repeat("é", maxRefusalReason)
+	for _, tt := range []struct{ name, stderr, want string }{
+		{"none", "", ""},
+		{"first line", "no job here\nmore\n", "no job here"},
+		{"blank lines first", "\n  \n\tno job here  \n", "no job here"},
+		{"control characters", "no\x1b[31m job\r here\n", "no [31m job  here"},
+		{"bounded on a character", long, strings.Repeat("é", maxRefusalReason/2) + "..."},
+		{"invalid UTF-8", "no \xff job", "no ? job"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := firstLine(tt.stderr); got != tt.want {
+				t.Errorf("firstLine(%q) = %q, want %q", tt.stderr, got, tt.want)
+			}
+		})
 	}
 }

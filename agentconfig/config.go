@@ -111,8 +111,12 @@ type Config struct {
 		Cert   string         `toml:"cert"`
 		Key    string         `toml:"key"`
 		// CRL is optional: the CA's revocation list (ftctl pki revoke); a peer it lists is refused.
-		CRL     string   `toml:"crl"`
-		Members []Member `toml:"member"`
+		CRL string `toml:"crl"`
+		// StartJobCommand, if set, admits or refuses each job another member asks this host to start
+		// (startjob.go); StartJobCommandTimeout bounds it.
+		StartJobCommand        []string `toml:"start_job_command"`
+		StartJobCommandTimeout Duration `toml:"start_job_command_timeout"`
+		Members                []Member `toml:"member"`
 	} `toml:"cluster"`
 	Checkpoint struct {
 		Mode     Mode     `toml:"mode"`
@@ -278,6 +282,7 @@ func Defaults() Config {
 	c.Failover.ReplayTimeout = Duration{2 * time.Minute}
 	c.Failover.ParallelRestores = 4
 	c.Failover.FenceCommandTimeout = Duration{30 * time.Second}
+	c.Cluster.StartJobCommandTimeout = Duration{10 * time.Second}
 	c.Health = HealthConfig{Interval: Duration{30 * time.Second}, Timeout: Duration{10 * time.Second}, LeadTime: Duration{30 * time.Minute}}
 	c.Log = LogConfig{Enabled: true, RingMiB: 64, High: 0.8, Low: 0.6, ReceiveOrder: true, ReceiveOrderShipEvery: Duration{record.DefaultShipEvery},
 		MaxFlows: ebpfprobes.DefaultMaxFlows, Park: true}
@@ -403,6 +408,9 @@ func (c Config) Validate() error {
 		// jobs that nobody restores once the probe reaches it again.
 		errs = append(errs, fmt.Errorf("failover.fence_timeout %s is shorter than heartbeat.timeout + heartbeat.probe_timeout (%s): a node would kill its jobs before its protector could declare it failed; use at least %s",
 			ft, declare, declare))
+	}
+	if err := checkStartJobCommand(c.Cluster.StartJobCommand, c.Cluster.StartJobCommandTimeout.Duration); err != nil {
+		errs = append(errs, err)
 	}
 	if err := fence.CheckArgv(c.Failover.FenceCommand); err != nil {
 		errs = append(errs, fmt.Errorf("failover: %w", err))

@@ -137,12 +137,13 @@ func TestExampleShowsDefaults(t *testing.T) {
 // changes nothing.
 func TestExampleCommentedKeysShowDefaults(t *testing.T) {
 	noDefault := map[string]bool{
-		"cluster.crl":             true, // optional
-		"failover.fence_command":  true, // optional
-		"health.command":          true, // optional
-		"bpf_pin_dir":             true, // derived from name (agent pinDir)
-		"heartbeat.probe_timeout": true, // derived from heartbeat.timeout
-		"failover.fence_timeout":  true, // derived from the heartbeat timing
+		"cluster.crl":               true, // optional
+		"cluster.start_job_command": true, // optional
+		"failover.fence_command":    true, // optional
+		"health.command":            true, // optional
+		"bpf_pin_dir":               true, // derived from name (agent pinDir)
+		"heartbeat.probe_timeout":   true, // derived from heartbeat.timeout
+		"failover.fence_timeout":    true, // derived from the heartbeat timing
 	}
 	src, err := os.ReadFile("../docs/agent.example.toml")
 	if err != nil {

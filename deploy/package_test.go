@@ -1,5 +1,3 @@
-// Package deploy holds what installs ftkit on a host (the systemd unit, the .deb's nfpm configuration);
-// its test builds the .deb and installs it into a temporary root.
 package deploy
 
 import (
@@ -88,6 +86,7 @@ func TestPackageInstalls(t *testing.T) {
 		{"usr/bin/ftctl", 0o755},
 		{"usr/bin/ftwrap", 0o755},
 		{"usr/lib/ftkit/libftkit-mpich.so", 0o644},
+		{strings.TrimPrefix(SlurmStartJobPath, "/"), 0o755},
 		{"lib/systemd/system/ftagent.service", 0o644},
 		{"etc/ftkit/agent.toml", 0o644},
 		{"etc/ftkit/pki", 0o700 | os.ModeDir},

@@ -11,6 +11,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/ftkit/ftkit/deploy"
 	"github.com/ftkit/ftkit/lab/slurm"
 )
 
@@ -112,6 +113,18 @@ func (l *Lab) startSlurm(ctx context.Context) error {
 	}
 	if err := os.WriteFile(slurm.TaskPrologPath(dir), []byte(prolog), 0o755); err != nil {
 		return fmt.Errorf("write the Slurm task prolog: %w", err)
+	}
+	// The agents' cluster.start_job_command (lab/labcluster): the script the package ships for Slurm sites,
+	// asking this lab's Slurm, so that every start a member forwards in a lab with Slurm goes through it.
+	if err := os.WriteFile(slurm.StartJobScriptPath(dir), deploy.SlurmStartJobScript, 0o755); err != nil {
+		return fmt.Errorf("write the start-job command: %w", err)
+	}
+	wrapper, err := slurm.StartJobWrapper(slurm.ConfPath(dir), slurm.StartJobScriptPath(dir))
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(slurm.StartJobCommandPath(dir), []byte(wrapper), 0o755); err != nil {
+		return fmt.Errorf("write the start-job command: %w", err)
 	}
 	// Under the store's lock, so that two labs coming up together do not both start a munged.
 	err = l.store.locked(func() error {

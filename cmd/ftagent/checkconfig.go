@@ -69,7 +69,7 @@ func checkConfig(w io.Writer, path, resolv string, now time.Time) error {
 	checks = append(checks, check{"nftables in the kernel (a restore's connection guard)", restore.CheckGuards()})
 	checks = append(checks, kernelChecks(cfg)...)
 	checks = append(checks, dirChecks(cfg)...)
-	checks = append(checks, checkFenceCommand(cfg), checkHealthCommand(cfg))
+	checks = append(checks, checkFenceCommand(cfg), checkHealthCommand(cfg), checkStartJobCommand(cfg))
 	if cfg.JobNetwork.Pool.IsValid() {
 		checks = append(checks, check{"job_network.pool " + cfg.JobNetwork.Pool.String() + " on this host's cluster network", cfg.CheckJobNetwork()})
 		checks = append(checks, checkJobNameservers(cfg, resolv))
@@ -165,6 +165,17 @@ func checkHealthCommand(cfg agent.Config) check {
 		return check{"health.command: none (no failure is predicted: jobs move only when an operator drains a host)", nil}
 	}
 	return check{"health.command " + argv[0] + " is root's alone", sitecmd.CheckProgram("health command", argv[0])}
+}
+
+// checkStartJobCommand checks that the start-job command, which the agent runs as root before it starts a
+// job another member forwards, is root's alone (the agent refuses to run it otherwise, and so refuses every
+// forwarded start).
+func checkStartJobCommand(cfg agent.Config) check {
+	argv := cfg.Cluster.StartJobCommand
+	if len(argv) == 0 {
+		return check{"cluster.start_job_command: none (every job another member forwards starts: any user of a member may run processes on every member)", nil}
+	}
+	return check{"cluster.start_job_command " + argv[0] + " is root's alone", sitecmd.CheckProgram("start-job command", argv[0])}
 }
 
 // checkListen checks that cluster.listen is an address of this host, without binding it.

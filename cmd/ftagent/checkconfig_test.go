@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/agentconfig"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/internal/clustertls"
@@ -213,6 +214,14 @@ func TestCheckConfigNamesTheProblem(t *testing.T) {
 			b, _ := os.ReadFile(s.config)
 			os.WriteFile(s.config, append(b, fmt.Sprintf("[failover]\nfence_command = [%q, \"{host}\"]\n", prog)...), 0o600)
 		}, "failover.fence_command", "chmod go-w"},
+		{"start-job command writable by others", func(t *testing.T, s *checkSetup) {
+			prog := filepath.Join(s.dir, "admit")
+			os.WriteFile(prog, []byte("#!/bin/sh\n"), 0o755)
+			os.Chmod(prog, 0o775)
+			b, _ := os.ReadFile(s.config)
+			line := fmt.Sprintf("start_job_command = [%q, \"{uid}\", \"{host}\"]\n[[cluster.member]]", prog)
+			os.WriteFile(s.config, bytes.Replace(b, []byte("[[cluster.member]]"), []byte(line), 1), 0o600)
+		}, "cluster.start_job_command", "chmod go-w"},
 		{"job address pool outside the cluster network", func(t *testing.T, s *checkSetup) {
 			b, _ := os.ReadFile(s.config)
 			os.WriteFile(s.config, append(b, "[job_network]\npool = \"10.9.0.200/29\"\n"...), 0o600)
@@ -429,5 +438,42 @@ func TestCheckConfigNoMembersStillNeedsTheClusterFiles(t *testing.T) {
 		if c.err == nil {
 			t.Errorf("ok    %s", c.what)
 		}
+	}
+}
+
+// TestCheckStartJobCommand: --check-config says whether the start-job command is set, and refuses a program
+// root alone cannot change (the agent would refuse to run it, and so every job another member forwards).
+func TestCheckStartJobCommand(t *testing.T) {
+	dir := t.TempDir()
+	prog := func(name string, mode os.FileMode) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte("#!/bin/sh\nexit 0\n"), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chmod(p, mode); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	for _, tc := range []struct {
+		name string
+		argv []string
+		what string // the line's check
+		err  string // "": it passes
+	}{
+		{"none", nil, "cluster.start_job_command: none", ""},
+		{"root's alone", []string{prog("good", 0o755), "{uid}"}, "cluster.start_job_command " + filepath.Join(dir, "good") + " is root's alone", ""},
+		{"writable by the group", []string{prog("group", 0o775)}, "cluster.start_job_command", "chmod go-w"},
+		{"not executable", []string{prog("plain", 0o644)}, "cluster.start_job_command", "not executable"},
+		{"missing", []string{filepath.Join(dir, "missing")}, "cluster.start_job_command", "no such file"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var cfg agent.Config
+			cfg.Cluster.StartJobCommand = tc.argv
+			c := checkStartJobCommand(cfg)
+			if !strings.HasPrefix(c.what, tc.what) || (tc.err == "") != (c.err == nil) || c.err != nil && !strings.Contains(c.err.Error(), tc.err) {
+				t.Errorf("check %q: %v; want %q, error with %q", c.what, c.err, tc.what, tc.err)
+			}
+		})
 	}
 }

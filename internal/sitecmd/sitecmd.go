@@ -13,12 +13,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -30,6 +32,10 @@ type Command struct {
 	Name    string
 	Argv    []string
 	Timeout time.Duration
+	// KeepStderr also keeps the start of the command's standard error apart (Result.Stderr), where a
+	// command whose refusal is shown to a user says why. Its standard output and error then reach the
+	// combined Output through two pipes, interleaved as they are read rather than exactly as written.
+	KeepStderr bool
 }
 
 // MaxOutput bounds what of the command's output is kept: its last bytes, where a failing command says why.
@@ -50,6 +56,7 @@ type Result struct {
 	Exit   int           // its exit status; -1 if it did not exit on its own (not run, killed, timed out)
 	Took   time.Duration // how long it ran
 	Output string        // the last MaxOutput bytes of its combined output
+	Stderr string        // with KeepStderr, the first MaxOutput bytes of its standard error
 	Err    error         // nil for exit status 0; else why: non-zero exit, timeout, an untrusted program, not started
 }
 
@@ -68,7 +75,14 @@ func (c Command) Run(ctx context.Context) Result {
 	cmd.Env = []string{"PATH=" + orDefault(rootPath(os.Getenv("PATH")), rootPath(DefaultPath))}
 	cmd.Dir = "/"
 	var out tailBuffer
+	var errOut headBuffer
 	cmd.Stdout, cmd.Stderr = &out, &out
+	if c.KeepStderr {
+		// Two pipes, each copied by a goroutine of its own: the combined buffer takes them one at a time.
+		var mu sync.Mutex
+		cmd.Stdout = lockedWriter{&mu, &out}
+		cmd.Stderr = lockedWriter{&mu, io.MultiWriter(&out, &errOut)}
+	}
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	// On timeout the whole group goes: the leader is not reaped yet, so its pid (the group's id) cannot
 	// have been reused.
@@ -85,7 +99,7 @@ func (c Command) Run(ctx context.Context) Result {
 		syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
 		err = cmd.Wait()
 	}
-	r := Result{Exit: -1, Took: time.Since(start), Output: out.String(), Err: err}
+	r := Result{Exit: -1, Took: time.Since(start), Output: out.String(), Stderr: string(errOut.b), Err: err}
 	var exit *exec.ExitError
 	switch {
 	case ctx.Err() != nil && errors.Is(ctx.Err(), context.DeadlineExceeded):
@@ -291,3 +305,25 @@ func (w *tailBuffer) Write(p []byte) (int, error) {
 }
 
 func (w *tailBuffer) String() string { return string(w.b) }
+
+// headBuffer keeps the first MaxOutput bytes written to it.
+type headBuffer struct{ b []byte }
+
+func (w *headBuffer) Write(p []byte) (int, error) {
+	if room := MaxOutput - len(w.b); room > 0 {
+		w.b = append(w.b, p[:min(len(p), room)]...)
+	}
+	return len(p), nil
+}
+
+// lockedWriter serializes the writes of two goroutines (a command's two pipes) to one writer.
+type lockedWriter struct {
+	mu *sync.Mutex
+	w  io.Writer
+}
+
+func (l lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
+}

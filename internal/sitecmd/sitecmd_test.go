@@ -186,3 +186,40 @@ func TestRunPathHoldsRootsDirectoriesOnly(t *testing.T) {
 		t.Errorf("output %q; want it to start with %q and the planted tool not found", r.Output, want)
 	}
 }
+
+// TestRunKeepStderr: with KeepStderr the start of the command's standard error is kept apart (where a
+// refusal shown to a user says why), bounded, and the combined output still holds both streams; without
+// it nothing is kept apart.
+func TestRunKeepStderr(t *testing.T) {
+	dir := t.TempDir()
+	prog := filepath.Join(dir, "check")
+	body := "#!/bin/sh\necho 'on stdout'\necho 'why: uid 1000 has no job here' >&2\necho 'second line' >&2\n" +
+		"if [ \"$1\" = big ]; then head -c 10000 /dev/zero | tr '\\0' x >&2; fi\nexit 1\n"
+	if err := os.WriteFile(prog, []byte(body), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name      string
+		keep      bool
+		arg       string
+		stderr    string // its start
+		stderrLen int    // -1: any
+	}{
+		{"kept", true, "", "why: uid 1000 has no job here\nsecond line\n", -1},
+		{"kept, bounded", true, "big", "why: uid 1000 has no job here\nsecond line\nxxx", MaxOutput},
+		{"not kept", false, "", "", 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := Command{Name: "start-job command", Argv: []string{prog, tc.arg}, Timeout: time.Minute, KeepStderr: tc.keep}.Run(context.Background())
+			if r.Exit != 1 {
+				t.Fatalf("exit %d err %v, want 1", r.Exit, r.Err)
+			}
+			if !strings.HasPrefix(r.Stderr, tc.stderr) || tc.stderrLen >= 0 && len(r.Stderr) != tc.stderrLen {
+				t.Errorf("Stderr %q (%d bytes), want it to start with %q (%d bytes)", r.Stderr[:min(len(r.Stderr), 80)], len(r.Stderr), tc.stderr, tc.stderrLen)
+			}
+			if tc.arg == "" && (!strings.Contains(r.Output, "on stdout\n") || !strings.Contains(r.Output, "why: uid 1000")) {
+				t.Errorf("combined output %q lacks a stream", r.Output)
+			}
+		})
+	}
+}

@@ -22,6 +22,7 @@ import (
 	"github.com/ftkit/ftkit/internal/clustertls"
 	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/lab"
+	"github.com/ftkit/ftkit/lab/slurm"
 )
 
 // AgentPort is the cluster port of every lab agent.
@@ -322,6 +323,11 @@ func (c *Cluster) config(st lab.State, h lab.Host) agent.Config {
 		cfg.Failover.ParallelRestores = c.opts.ParallelRestores
 	}
 	cfg.Failover.LazyRestore = c.opts.LazyRestore
+	// A lab with Slurm admits the starts members forward as a Slurm site does (docs/deploy.md, Slurm): only
+	// for a user with a running Slurm job on the target host (lab.startSlurm writes the command).
+	if st.Slurm != nil {
+		cfg.Cluster.StartJobCommand = slurm.StartJobCommand(st.Slurm.Dir)
+	}
 	cfg.Health.Command = c.opts.HealthCommand
 	if c.opts.HealthInterval > 0 {
 		cfg.Health.Interval.Duration, cfg.Health.Timeout.Duration = c.opts.HealthInterval, c.opts.HealthInterval

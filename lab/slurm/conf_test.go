@@ -132,3 +132,36 @@ func TestTaskPrologScript(t *testing.T) {
 		t.Errorf("Render with a task prolog: %v\n%s", err, out)
 	}
 }
+
+// TestStartJobWrapper: the lab's start-job command runs the given script with every argument as it came
+// (an empty Slurm job id too) and SLURM_CONF set to the lab's slurm.conf, from PATH alone (as the agent
+// runs it); paths a shell would misread are refused.
+func TestStartJobWrapper(t *testing.T) {
+	dir := t.TempDir()
+	script := filepath.Join(dir, "ftkit-start-job-slurm")
+	if err := os.WriteFile(script, []byte("#!/bin/sh\necho \"conf=$SLURM_CONF n=$#\"\nfor a; do echo \"[$a]\"; done\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	wrapper, err := StartJobWrapper("/run/ftkit/labs/t1.slurm/slurm.conf", script)
+	if err != nil {
+		t.Fatal(err)
+	}
+	path := StartJobCommandPath(dir)
+	if err := os.WriteFile(path, []byte(wrapper), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(path, "1000", "100", "node2", "node1", "")
+	cmd.Env = []string{"PATH=/usr/bin:/bin"}
+	out, err := cmd.Output()
+	if want := "conf=/run/ftkit/labs/t1.slurm/slurm.conf n=5\n[1000]\n[100]\n[node2]\n[node1]\n[]\n"; err != nil || string(out) != want {
+		t.Errorf("wrapper: %q, %v; want %q", out, err, want)
+	}
+	for _, bad := range [][2]string{{"relative/slurm.conf", script}, {"/run/a b/slurm.conf", script}, {"/run/slurm.conf", "/run/$(x)/script"}} {
+		if _, err := StartJobWrapper(bad[0], bad[1]); err == nil {
+			t.Errorf("paths %q accepted", bad)
+		}
+	}
+	if got := StartJobCommand(dir); got[0] != path || len(got) != 6 {
+		t.Errorf("StartJobCommand(%s) = %q", dir, got)
+	}
+}
