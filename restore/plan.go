@@ -27,6 +27,13 @@ const (
 	// the age of that reading, to cover clock-rate and measurement error:
 	// the restored clock must not be behind what the peer saw (PAWS).
 	TimestampMargin = time.Second
+	// MaxLiveAge bounds the age of the peer's live state (Peer.LiveAge): Linux's TCP_PAWS_24DAYS, a
+	// little below the 2^31 ms (24.8 days) past which TSecr plus the age wraps behind TSecr in the
+	// timestamps' serial arithmetic, where the peer's PAWS check drops every segment of the restored
+	// socket for good. The peer's host measures the age on its monotonic clock from its last segment on
+	// the connection: an honest peer reports more only for a connection it left silent 24 days, whose
+	// restore is refused too (the failed node's clock may have moved anywhere since).
+	MaxLiveAge = 24 * 24 * time.Hour
 	// CwndMargin segments are added to what the re-sent range needs.
 	CwndMargin = 10
 	// MinInitCwnd is Linux's own initial window (RFC 6928).
@@ -54,7 +61,9 @@ type Peer struct {
 	// it accepted). Read it once the peer is quiet toward the failed node.
 	Live ebpfprobes.FlowState
 	// LiveAge is how old Live was when read (by the peer's monotonic
-	// clock, FlowState.Age) plus the time it took to get here.
+	// clock, FlowState.Age) plus the time it took to get here. PlanConn
+	// refuses a connection with timestamps whose age is outside 0 to
+	// MaxLiveAge.
 	LiveAge time.Duration
 	// Logged are the peer's logged bytes of this connection from the
 	// snapshot's InqSeq on: what the peer sent after the snapshot's
@@ -122,7 +131,8 @@ func seqBefore(a, b uint32) bool { return int32(a-b) < 0 }
 // It is pure; all sequence arithmetic is modulo 2^32. Errors wrap
 // ErrNotRecoverable: the peer reset the connection, never acknowledged
 // anything, acknowledges less than the snapshot knows was acknowledged, sent
-// less than the snapshot received, or the log holds less than the peer sent.
+// less than the snapshot received, the log holds less than the peer sent, or
+// the peer's live state is older than MaxLiveAge (or younger than 0).
 func PlanConn(c ckpt.Conn, p Peer, segBytes int) (ConnPlan, error) {
 	k := c.Tuple
 	fail := func(format string, args ...any) (ConnPlan, error) {
@@ -171,6 +181,11 @@ func PlanConn(c ckpt.Conn, p Peer, segBytes int) (ConnPlan, error) {
 	if l.HasTS {
 		if c.Timestamp&1 != 0 {
 			return fail("the snapshot's TCP timestamp %#x has the low bit set: the connection uses microsecond timestamps, which this restorer does not adjust", c.Timestamp)
+		}
+		if p.LiveAge < 0 || p.LiveAge > MaxLiveAge {
+			// The restored clock starts at TSecr plus the age: past 2^31 ms it wraps behind TSecr, and the
+			// peer's PAWS check would drop the restored socket's segments for good.
+			return fail("the peer's host says its live state is %v old, not within 0 to %v: no timestamp can be trusted to be past what the peer saw (check that agent's version and clock)", p.LiveAge, MaxLiveAge)
 		}
 		ts := l.MinRestoredTimestamp(p.LiveAge + TimestampMargin)
 		if seqBefore(ts, c.Timestamp) {

@@ -251,6 +251,38 @@ func TestPlanConnTimestampAge(t *testing.T) {
 	}
 }
 
+// TestPlanConnRefusesImpossibleLiveAge: the peer's host says how old its live state is. The restored clock
+// starts at the peer's last echo plus that age; an age of 2^31 ms or more (24.8 days) wraps it to behind
+// what the peer saw, where the peer's PAWS check drops every segment of the restored socket for good. No
+// honest peer reports such an age, nor a negative one (its own monotonic clock measured it): refused.
+func TestPlanConnRefusesImpossibleLiveAge(t *testing.T) {
+	const tsecr = 7000
+	c := conn(1, 1000, 5000, 0, 2)
+	for _, age := range []time.Duration{
+		-time.Millisecond,
+		MaxLiveAge + time.Millisecond,
+		1<<31*time.Millisecond - TimestampMargin, // plus the margin: exactly half the timestamp space
+		1 << 31 * time.Millisecond,
+		30 * 24 * time.Hour,
+		1 << 32 * time.Millisecond, // the clock wraps back to the echo itself
+		math.MaxInt64,
+	} {
+		cp, err := PlanConn(c, Peer{Live: live(1000, 5000, tsecr), LiveAge: age}, 1448)
+		if !errors.Is(err, ErrNotRecoverable) || !strings.Contains(err.Error(), "old") {
+			t.Errorf("live state %v old: planned timestamp %d (the peer last saw %d), error %v; want ErrNotRecoverable about the age",
+				age, cp.Timestamp, tsecr, err)
+		}
+	}
+	// The oldest age an honest peer may report still starts the clock after the peer's echo.
+	cp, err := PlanConn(c, Peer{Live: live(1000, 5000, tsecr), LiveAge: MaxLiveAge}, 1448)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := live(0, 0, tsecr).MinRestoredTimestamp(MaxLiveAge + TimestampMargin); cp.Timestamp != want || !seqBefore(tsecr, cp.Timestamp) {
+		t.Errorf("age %v: timestamp %d, want %d, after the peer's echo %d", MaxLiveAge, cp.Timestamp, want, tsecr)
+	}
+}
+
 func TestNewPlan(t *testing.T) {
 	other := netip.MustParseAddrPort("10.0.0.13:7000")
 	c1 := conn(7, 1000, 5000, 100, 2)

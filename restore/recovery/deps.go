@@ -103,7 +103,8 @@ type Peers interface {
 	Owner(ctx context.Context, addr netip.Addr) string
 	// LogRange is what owner logged of a connection since a sequence number, and its live state.
 	LogRange(ctx context.Context, owner string, req clusterapi.LogRangeRequest) (clusterapi.LogRangeReply, []byte, error)
-	// Received is owner's record of what it received on conn (Local: owner's end) from sequence from on.
+	// Received is owner's record of what it received on conn (Local: the restored end, the sender; Remote:
+	// owner's socket) from sequence from on, checked to be of conn and well formed.
 	Received(ctx context.Context, owner string, conn tcpflow.Tuple, from uint32) (*recvdigest.Received, error)
 }
 

@@ -3,15 +3,18 @@ package recovery
 import (
 	"context"
 	"errors"
+	"math"
 	"net/netip"
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/recvdigest"
+	"github.com/ftkit/ftkit/restore"
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
@@ -104,5 +107,25 @@ func TestDeliverLoggedRefusesMisplacedRange(t *testing.T) {
 				t.Errorf("injected %q from a misplaced reply", f.net[i])
 			}
 		})
+	}
+}
+
+// TestPlanRefusesImpossibleLiveAge: the age of the peer's live state comes from the peer's host. The
+// restored TCP clock starts at the peer's last echo plus that age, so an age no honest peer reports (24
+// days or more, where the clock wraps behind the echo and the peer's PAWS check stalls the connection for
+// good; or so large that adding the time the answer took overflows) refuses the job.
+func TestPlanRefusesImpossibleLiveAge(t *testing.T) {
+	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
+	c := ckpt.Conn{Tuple: conn, InqSeq: 1000, OutqSeq: 5000, Timestamp: 2}
+	for _, age := range []time.Duration{1 << 31 * time.Millisecond, 30 * 24 * time.Hour, math.MaxInt64} {
+		peers := rangePeer{func(req clusterapi.LogRangeRequest) (clusterapi.LogRangeReply, []byte) {
+			l := ebpfprobes.FlowState{HasAck: true, Ack: 5000, SndNxt: 1000, HasTS: true, TSecr: 7000}
+			return clusterapi.LogRangeReply{From: req.From, Live: &l, LiveAge: age}, nil
+		}}
+		j := &Job{ID: "rank1", Manifest: &ckpt.Manifest{Info: ckpt.Info{Conns: []ckpt.Conn{c}}}}
+		err := plan(t.Context(), Deps{Peers: peers}, j, func(ckpt.Conn) bool { return false })
+		if !errors.Is(err, restore.ErrNotRecoverable) {
+			t.Errorf("live state %v old: plan = %v (timestamps %+v); want ErrNotRecoverable", age, err, j.Plan.Conns)
+		}
 	}
 }
