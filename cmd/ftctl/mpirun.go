@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
+	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/agentapi"
@@ -369,12 +370,22 @@ func (f *mpiRunFlags) run(ctx context.Context, labChosen bool, stdout, stderr io
 	}
 	// The signal goes to the job through ftwrap (same process group), not by killing ftwrap.
 	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
-	err = cmd.Run()
+	return wrapExit(f.name, cmd.Run())
+}
+
+// wrapExit is the outcome of MPI run name from that of its ftwrap (err, from exec.Cmd.Run). An ftwrap
+// killed by signal N (the OOM killer, a kill by PID) is 128+N, as a shell reports it: its ExitCode is -1,
+// which would exit 255, ftwrap's "lost without an exit status".
+func wrapExit(name string, err error) error {
 	var ee *exec.ExitError
-	if errors.As(err, &ee) {
-		return cli.WithCode(ee.ExitCode(), fmt.Errorf("MPI run %s: mpirun exited with status %d", f.name, ee.ExitCode()))
+	if !errors.As(err, &ee) {
+		return err
 	}
-	return err
+	if ws, ok := ee.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+		return cli.WithCode(128+int(ws.Signal()), fmt.Errorf("MPI run %s: ftwrap, which follows mpirun, was killed by %s: the run's outcome is unknown; see `ftctl jobs` for its jobs",
+			name, unix.SignalName(ws.Signal())))
+	}
+	return cli.WithCode(ee.ExitCode(), fmt.Errorf("MPI run %s: mpirun exited with status %d", name, ee.ExitCode()))
 }
 
 // launcherArgv is the MPI launcher's command line: ranks one per host in order, TCP only on the lab subnet,

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -182,5 +183,24 @@ func TestCheckJobNames(t *testing.T) {
 		if (err == nil) != tt.ok {
 			t.Errorf("checkJobNames(%q, %v) = %v, want ok %v", tt.run, tt.ranks, err, tt.ok)
 		}
+	}
+}
+
+// An ftwrap killed by a signal (the OOM killer, a kill by PID) ends the run with 128+N, as a shell reports
+// it, and the message names the signal: not -1, which the exit turns into 255, ftwrap's "lost without an
+// exit status".
+func TestWrapExitSignal(t *testing.T) {
+	err := exec.Command("/bin/sh", "-c", "kill -KILL $$").Run()
+	got := wrapExit("run1", err)
+	var ee *cli.ExitError
+	if !errors.As(got, &ee) || ee.Code != 128+9 || !strings.Contains(got.Error(), "SIGKILL") {
+		t.Fatalf("wrapExit(ftwrap killed by SIGKILL) = %v (code %v), want code 137 naming SIGKILL", got, ee)
+	}
+	got = wrapExit("run1", exec.Command("/bin/sh", "-c", "exit 3").Run())
+	if !errors.As(got, &ee) || ee.Code != 3 {
+		t.Fatalf("wrapExit(ftwrap exit 3) = %v, want code 3", got)
+	}
+	if got := wrapExit("run1", nil); got != nil {
+		t.Fatalf("wrapExit(nil) = %v", got)
 	}
 }

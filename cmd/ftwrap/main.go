@@ -142,12 +142,27 @@ func waitExit(ctx context.Context, log *slog.Logger, c *agentapi.Client, job age
 	agentDown, elsewhere := false, false
 	lastPoll := time.Time{}
 	signals := 0
+	var superseded *shim.ExitStatus // the last record found to be a superseded copy's, not asked about again
 	for {
-		if st, err := shim.ReadExit(exitPath); err == nil {
-			if st.Node != job.Node {
-				log.Info("job ended on another host", "job", job.ID, "node", st.Node)
+		if st, err := shim.ReadExit(exitPath); err == nil && !sameRecord(st, superseded) {
+			var local agent.Job
+			var localErr error
+			if st.Node == job.Node {
+				actx, cancel := context.WithTimeout(ctx, 5*time.Second)
+				local, localErr = c.Job(actx, job.ID)
+				cancel()
 			}
-			return st, nil
+			switch recordIs(st, job, local, localErr) {
+			case recordEnd:
+				if st.Node != job.Node {
+					log.Info("job ended on another host", "job", job.ID, "node", st.Node)
+				}
+				return st, nil
+			case recordSuperseded:
+				superseded = st
+				log.Warn("the job's directory holds the exit record of this host's copy, which was killed because the job goes on elsewhere (its shim recorded the kill): following the job on",
+					"job", job.ID, "node", st.Node, "code", st.Code, "signal", st.Signal, "state", local.State, "fenced", local.Fenced)
+			}
 		}
 		select {
 		case <-ctx.Done():
@@ -186,6 +201,40 @@ func waitExit(ctx context.Context, log *slog.Logger, c *agentapi.Client, job age
 			agentDown = false
 		}
 	}
+}
+
+// Verdicts on an exit record found in the job's directory (recordIs).
+type recordVerdict int
+
+const (
+	recordEnd        recordVerdict = iota // the job's end
+	recordSuperseded                      // a killed copy's, not the job's: the job goes on elsewhere
+	recordUnsettled                       // the agent has not read it yet: ask again
+)
+
+// recordIs says what exit record st is for job, started on job.Node, given what the agent of that host
+// says of the job (local, or localErr if it could not be asked; asked only for a record of its host). A
+// record of another host is the end of the job's restored copy. One of job.Node may be that of a copy its
+// agent killed because the job goes on elsewhere (fenced, or migrated away): the agent marks such a copy
+// superseded before the kill, but a shim of an older agent, or one whose mark could not be written,
+// records the kill anyway. The agent takes only its own host's records, and not that one (the job is
+// fenced or moved there), so it decides; if it cannot be asked, the record is the job's end.
+func recordIs(st *shim.ExitStatus, job, local agent.Job, localErr error) recordVerdict {
+	switch {
+	case st.Node != job.Node || localErr != nil:
+		return recordEnd
+	case local.Fenced || local.State == agent.JobMoved:
+		return recordSuperseded
+	case local.State == agent.JobRunning:
+		return recordUnsettled
+	default:
+		return recordEnd
+	}
+}
+
+// sameRecord reports whether a and b are the same exit record (b may be nil).
+func sameRecord(a, b *shim.ExitStatus) bool {
+	return b != nil && a.Node == b.Node && a.Code == b.Code && a.Signal == b.Signal && a.Time.Equal(b.Time) && a.Reason == b.Reason
 }
 
 // follow copies a growing file to w until ctx ends and the file has been read to its end. A restore

@@ -1,0 +1,160 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/agent"
+	"github.com/ftkit/ftkit/agentapi"
+	"github.com/ftkit/ftkit/shim"
+)
+
+// jobBackend is a local agent that knows one job; only Job is served (the rest of Backend is never called).
+type jobBackend struct {
+	agentapi.Backend
+	mu  sync.Mutex
+	job agent.Job
+}
+
+func (b *jobBackend) CheckpointFloor() time.Duration { return time.Hour }
+
+func (b *jobBackend) set(j agent.Job) { b.mu.Lock(); defer b.mu.Unlock(); b.job = j }
+
+func (b *jobBackend) Job(id string, _ uint32) (agent.Job, <-chan struct{}, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.job.ID != id {
+		return agent.Job{}, nil, fmt.Errorf("%w: %s", agent.ErrNoJob, id)
+	}
+	return b.job, make(chan struct{}), nil
+}
+
+func serveAgent(t *testing.T, b agentapi.Backend) *agentapi.Client {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "agent.sock")
+	srv, err := agentapi.Listen(t.Context(), sock, b, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	return agentapi.NewClient(sock)
+}
+
+// writeRecord writes an exit record as a shim does (root's, renamed into place).
+func writeRecord(t *testing.T, dir string, st shim.ExitStatus) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("exit records are root's: run as root")
+	}
+	b, err := json.Marshal(st)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmp := filepath.Join(dir, ".exit.tmp")
+	if err := os.WriteFile(tmp, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, filepath.Join(dir, "exit")); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// The copy on ftwrap's host was fenced and killed, but its shim (an older agent's, or one whose superseded
+// mark could not be written) recorded the kill: the job runs on on node2. ftwrap must not end with that
+// kill's status, as the agents do not (watchJobs takes only its own host's records), but follow the job on
+// to the end its restored copy records.
+func TestWaitExitIgnoresSupersededCopysRecord(t *testing.T) {
+	dir := t.TempDir()
+	job := agent.Job{ID: "sim-00000001", Node: "node1", State: agent.JobRunning, Dir: dir}
+	b := &jobBackend{}
+	fenced := job
+	fenced.State, fenced.Fenced = agent.JobLost, true
+	b.set(fenced)
+	c := serveAgent(t, b)
+	writeRecord(t, dir, shim.ExitStatus{Code: 137, Signal: "SIGKILL", Node: "node1", Time: time.Now()})
+	go func() {
+		time.Sleep(500 * time.Millisecond)
+		writeRecord(t, dir, shim.ExitStatus{Code: 0, Node: "node2", Time: time.Now()})
+	}()
+	st, err := waitExit(t.Context(), slog.New(slog.DiscardHandler), c, job, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Node != "node2" || st.Code != 0 {
+		t.Fatalf("waitExit = status %d (%s) from %s: the fenced copy's kill, while the job ran on on node2; want node2's 0", st.Code, st.Signal, st.Node)
+	}
+}
+
+// A migrated job's copy left behind is killed the same way (state moved): its kill is not the job's end.
+func TestWaitExitIgnoresMovedCopysRecord(t *testing.T) {
+	dir := t.TempDir()
+	job := agent.Job{ID: "sim-00000001", Node: "node1", State: agent.JobRunning, Dir: dir}
+	b := &jobBackend{}
+	moved := job
+	moved.State, moved.MovedTo = agent.JobMoved, "node2"
+	b.set(moved)
+	c := serveAgent(t, b)
+	writeRecord(t, dir, shim.ExitStatus{Code: 137, Signal: "SIGKILL", Node: "node1", Time: time.Now()})
+	go func() {
+		time.Sleep(500 * time.Millisecond)
+		writeRecord(t, dir, shim.ExitStatus{Code: 3, Node: "node2", Time: time.Now()})
+	}()
+	st, err := waitExit(t.Context(), slog.New(slog.DiscardHandler), c, job, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Node != "node2" || st.Code != 3 {
+		t.Fatalf("waitExit = status %d from %s: the moved copy's kill; want node2's 3", st.Code, st.Node)
+	}
+}
+
+// The job's own end on ftwrap's host is taken, once its agent agrees (or cannot be asked).
+func TestWaitExitTakesOwnHostsEnd(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		agent func(j agent.Job) *agent.Job // nil: no agent answers
+	}{
+		{"exited", func(j agent.Job) *agent.Job { j.State = agent.JobExited; return &j }},
+		{"agent not noticed yet", func(j agent.Job) *agent.Job { return &j }},
+		{"agent unreachable", func(agent.Job) *agent.Job { return nil }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			job := agent.Job{ID: "sim-00000001", Node: "node1", State: agent.JobRunning, Dir: dir}
+			var c *agentapi.Client
+			b := &jobBackend{}
+			if j := tc.agent(job); j != nil {
+				b.set(*j)
+				c = serveAgent(t, b)
+				if j.State == agent.JobRunning {
+					go func() { // the agent's watchJobs notices the record a moment later
+						time.Sleep(300 * time.Millisecond)
+						j.State = agent.JobExited
+						b.set(*j)
+					}()
+				}
+			} else {
+				c = agentapi.NewClient(filepath.Join(t.TempDir(), "none.sock"))
+			}
+			writeRecord(t, dir, shim.ExitStatus{Code: 7, Node: "node1", Time: time.Now()})
+			done := make(chan struct{})
+			var st *shim.ExitStatus
+			var err error
+			go func() { st, err = waitExit(t.Context(), slog.New(slog.DiscardHandler), c, job, nil); close(done) }()
+			select {
+			case <-done:
+			case <-time.After(10 * time.Second):
+				t.Fatal("waitExit did not take the job's own end")
+			}
+			if err != nil || st.Code != 7 {
+				t.Fatalf("waitExit = %+v, %v; want status 7", st, err)
+			}
+		})
+	}
+}
