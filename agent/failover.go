@@ -737,7 +737,9 @@ func (a *Agent) requestClaim(ctx context.Context, name string, cl spare.Claim) e
 // claim; an alive node of the ring accepts only a claim for a run that names it among its spares, and only
 // while it runs no job (in a Slurm cluster every host is a node: a run's spares are its idle hosts).
 func (a *Agent) serveClaim(peer string, cl spare.Claim) error {
-	cl.By = peer
+	// Who claims and when are this host's to say: the claim's age (idleForRun) is read on this host's clock,
+	// and a claimer's clock that lags freed the claim before its recovery request came.
+	cl.By, cl.At = peer, time.Now()
 	err := func() error {
 		if err := cl.Validate(); err != nil {
 			return err

@@ -42,7 +42,7 @@ type Claim struct {
 	By      string    `json:"by"`      // requesting member
 	Failed  string    `json:"failed"`  // failed node
 	Need    Need      `json:"need"`
-	At      time.Time `json:"at"`
+	At      time.Time `json:"at"` // when the spare took it, by the spare's own clock (never the requester's)
 	// Spares are the spares of the failed node's run (its jobs' placement), when the claim is for them: an
 	// alive node of the ring that runs no job accepts only a claim naming it here. Empty: a ring spare's claim.
 	Spares []string `json:"spares,omitempty"`
