@@ -7,6 +7,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -360,7 +361,9 @@ func (a *Agent) fenceJobs(running []Job, silence time.Duration, cause string) bo
 	a.failures.Update(id, func(f *Failure) {
 		// LastBeat is the last contact with either neighbour: the timeline counts from it, as a recovery's
 		// counts from the failed node's last heartbeat.
-		f.Node, f.Protector, f.LastBeat, f.Detected, f.Jobs, f.Done = a.cfg.Name, a.cfg.Name, start.Add(-silence), start, killed, true
+		// Jobs lists the ones not killed too: the error names them, and a user sees the error only of an
+		// event all of whose jobs are theirs (failuresFor).
+		f.Node, f.Protector, f.LastBeat, f.Detected, f.Jobs, f.Done = a.cfg.Name, a.cfg.Name, start.Add(-silence), start, slices.Concat(killed, failed), true
 		st := Stage{Name: StageSelfFenced, Host: a.cfg.Name, Start: start.Add(-silence), End: time.Now(), Detail: detail}
 		if len(failed) > 0 {
 			st.Error = "could not kill " + strings.Join(failed, " ")

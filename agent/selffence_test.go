@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"net"
 	"net/netip"
@@ -438,5 +439,33 @@ func TestMembersAnswerMinority(t *testing.T) {
 		if got := ans.minority(); got != tt.minority {
 			t.Errorf("%d of %d others silent: minority %v, want %v", tt.silent, tt.others, got, tt.minority)
 		}
+	}
+}
+
+// TestFenceEventHidesOthersJobs: the self-fence event a user sees (GET /v1/events) names no job of another
+// user, not even one the fence could not kill (the event's error names those).
+func TestFenceEventHidesOthersJobs(t *testing.T) {
+	ta := newTestAgent(t)
+	kill := func(id string) string { return filepath.Join(ta.layout().cgroup(id), "cgroup.kill") }
+	if err := os.WriteFile(kill(ownersJob), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	// rootsJob cannot be killed: its cgroup.kill is a directory.
+	if err := os.MkdirAll(kill(rootsJob), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if !ta.fenceJobs(ta.runningJobs(), 4*time.Second, "no contact with node2 and node3 for 4s") {
+		t.Fatal("fenceJobs found no job to kill")
+	}
+	fs := ta.Events(asOwner.Uid)
+	if len(fs) != 1 {
+		t.Fatalf("the owner sees %d events, want its job's self-fence", len(fs))
+	}
+	b, err := json.Marshal(fs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(string(b), rootsJob) {
+		t.Errorf("uid %d sees another user's job %s: %s", asOwner.Uid, rootsJob, b)
 	}
 }
