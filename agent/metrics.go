@@ -24,6 +24,9 @@ func (s metricsSource) MetricsState() metrics.State {
 	var st metrics.State
 	for _, j := range a.Jobs(0) {
 		mj := metrics.Job{ID: j.ID, State: string(j.State)}
+		if j.Fenced && j.State == JobLost {
+			mj.State = "fenced" // killed here because it runs elsewhere (ftctl jobs: "lost here (runs elsewhere)")
+		}
 		if j.Protected() {
 			mj.Replicated, mj.ReplicaAge, mj.Uncovered = true, max(now.Sub(j.Replica.Time), 0), len(j.NewConns) > 0
 			mj.Unrecoverable = len(j.Replica.Unrecoverable) > 0

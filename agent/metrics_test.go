@@ -62,3 +62,21 @@ func TestMetricsFailures(t *testing.T) {
 		})
 	}
 }
+
+// TestMetricsFencedNotLost: a copy this host killed because the job goes on elsewhere (self-fenced, or a copy
+// of this host's failed incarnation dropped at rejoin) is not a lost job: ftkit_jobs{state="lost"} rising is
+// the alert for a job that vanished, and every recovered job would fire it on the host it left.
+func TestMetricsFencedNotLost(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.mu.Lock()
+	ta.byID[ownersJob].State, ta.byID[ownersJob].Fenced = JobLost, true
+	ta.byID[rootsJob].State = JobLost
+	ta.mu.Unlock()
+	byState := map[string]int{}
+	for _, j := range (metricsSource{ta.Agent}).MetricsState().Jobs {
+		byState[j.State]++
+	}
+	if byState["lost"] != 1 || byState["fenced"] != 1 {
+		t.Errorf("jobs by state %v, want 1 lost (the one that vanished) and 1 fenced (it runs elsewhere)", byState)
+	}
+}
