@@ -66,8 +66,10 @@ type Options struct {
 // not be loaded (or Options.Record was false): the jobs of this host then have no determinants, and their
 // recoveries replay without them (checked all the same).
 type Recorder struct {
-	log       *slog.Logger
-	rec       *ebpfprobes.RecvOrder
+	log *slog.Logger
+	rec *ebpfprobes.RecvOrder
+	// lostOf is the recorder's count of a job cgroup's lost calls (rec.Lost; a test's stands in).
+	lostOf    func(cgroup uint64) (uint64, error)
 	shipEvery time.Duration
 	protector func(job string) (string, bool)
 	peers     func() Peers
@@ -152,7 +154,7 @@ func New(o Options) *Recorder {
 		r.log.Error("the receive-order recorder could not be loaded: restored jobs re-read their sockets in any order (a program that reads the first socket with data then fails its recovery, loudly)", "err", err)
 		return r
 	}
-	r.rec, r.setWake = rec, rec.SetWakeEveryEvent
+	r.rec, r.setWake, r.lostOf = rec, rec.SetWakeEveryEvent, rec.Lost
 	r.waking, r.alwaysWake, r.pessimistic = alwaysWake, alwaysWake, o.Pessimistic
 	return r
 }
@@ -244,9 +246,21 @@ func (r *Recorder) Watch(job, cgroupDir string, fromStart bool, base string) {
 			}
 		}
 	}
+	r.startStream(job, id, fromStart, base)
+}
+
+// startStream starts job's stream for its cgroup id (Watch). Its count of lost calls starts at the recorder's
+// count now (the host's unattributed losses included): a count it has already, of losses before the
+// stream began, is no hole in it. Started at 0, every stream took any earlier loss of the host for its own
+// at the next loss anywhere, and a recovery from its snapshots was refused.
+func (r *Recorder) startStream(job string, id uint64, fromStart bool, base string) {
+	lost, err := r.lostOf(id)
+	if err != nil {
+		r.log.Warn("the receive-order recorder's count of the job's lost calls cannot be read: the next loss on the host is taken for one of its own", "job", job, "err", err)
+	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	s := &stream{job: job, cgroup: id, id: rand.Uint64(), fromStart: fromStart, base: base, watchers: map[chan intercept.Event]bool{}}
+	s := &stream{job: job, cgroup: id, id: rand.Uint64(), fromStart: fromStart, base: base, lost: lost, watchers: map[chan intercept.Event]bool{}}
 	if old := r.byJob[job]; old != nil {
 		delete(r.byCgroup, old.cgroup)
 		s.watchers = old.watchers // a recovery watching the job it restores
@@ -350,17 +364,8 @@ func (r *Recorder) record(ctx context.Context) {
 		if lerr == nil {
 			lostTotal = lost
 		}
-		for _, s := range r.byJob {
-			if s.cgroup == 0 || !lostMoved {
-				continue
-			}
-			if lost, err := r.rec.Lost(s.cgroup); err == nil && lost != s.lost {
-				s.lost = lost
-				s.dropPending()
-				s.dropWatchers()
-				r.hole()
-				r.log.Warn("the receive-order recorder lost calls of a job (its ring was full): a recovery from its current snapshot replays without determinants", "job", s.job, "lost_total", lost)
-			}
+		if lostMoved {
+			r.noticeLost()
 		}
 		r.wakeForWatchers() // a watcher that fell behind or lost calls is gone
 		waking := r.waking
@@ -435,6 +440,22 @@ func (r *Recorder) take(e ebpfprobes.RecvEvent, now time.Time) (release uint32) 
 		s.held = append(s.held, heldProc{pid: e.Pid, upTo: s.first + uint64(len(s.pending))})
 	}
 	return 0
+}
+
+// noticeLost makes a hole in the stream of each job whose count of lost calls moved; r.mu is held.
+func (r *Recorder) noticeLost() {
+	for _, s := range r.byJob {
+		if s.cgroup == 0 {
+			continue
+		}
+		if lost, err := r.lostOf(s.cgroup); err == nil && lost != s.lost {
+			s.lost = lost
+			s.dropPending()
+			s.dropWatchers()
+			r.hole()
+			r.log.Warn("the receive-order recorder lost calls of a job (its ring was full): a recovery from its current snapshot replays without determinants", "job", s.job, "lost_total", lost)
+		}
+	}
 }
 
 // dropPending forgets s's pending determinants and leaves a hole after them: its protector's record starts

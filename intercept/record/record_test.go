@@ -287,3 +287,38 @@ func TestRecordPause(t *testing.T) {
 		}
 	}
 }
+
+// TestLostBeforeStreamIsNoHole: a job's stream starts at the recorder's count of its lost calls, the host's
+// unattributed losses included (ebpfprobes.RecvOrder.Lost adds them to every job's). Started at 0, a job
+// started or adopted after any loss on the host took it for its own at the next loss anywhere: its pending
+// determinants went, its record started over, and a recovery from its snapshot was refused for nothing.
+// A loss that moves its own count still makes a hole.
+func TestLostBeforeStreamIsNoHole(t *testing.T) {
+	r := newTestRecorder()
+	unattributed := uint64(3) // lost on this host before the job came
+	perJob := map[uint64]uint64{}
+	r.lostOf = func(cg uint64) (uint64, error) { return perJob[cg] + unattributed, nil }
+	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:5001"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
+
+	r.startStream("j", 7, true, "")
+	r.startStream("k", 9, true, "")
+	r.take(ebpfprobes.RecvEvent{Cgroup: 7, Conn: conn, CopiedSeq: 10, Len: 10, Pid: 100}, time.Now())
+	s := r.byJob["j"]
+	perJob[9]++ // another job loses a call: the total moves
+	r.mu.Lock()
+	r.noticeLost()
+	r.mu.Unlock()
+	if len(s.pending) != 1 || s.first != 0 || !s.fromStart {
+		t.Fatalf("job j: %d pending from %d, fromStart %v after a loss of job k: a hole it does not have", len(s.pending), s.first, s.fromStart)
+	}
+	if k := r.byJob["k"]; k.first == 0 || k.fromStart {
+		t.Fatalf("job k lost a call and its stream has no hole (first %d, fromStart %v)", k.first, k.fromStart)
+	}
+	unattributed++ // a loss no job is known for: any job's may have been lost
+	r.mu.Lock()
+	r.noticeLost()
+	r.mu.Unlock()
+	if s.first == 0 || s.fromStart {
+		t.Fatalf("job j kept its stream (first %d) across a loss that may have been its own", s.first)
+	}
+}
