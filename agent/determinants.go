@@ -50,7 +50,7 @@ func (a *Agent) serveDeterminants(peer string, req clusterapi.DeterminantsReques
 
 // serveDeterminantsSince answers what a job consumed after a snapshot this host holds, a page at a time.
 func (a *Agent) serveDeterminantsSince(req clusterapi.DeterminantsSinceRequest) (clusterapi.DeterminantsSinceReply, error) {
-	dets, err := a.determinantsSince(req.Job, req.Snapshot)
+	dets, err := a.determinantsSince(req.Job, req.Snapshot, req.Ran)
 	if err != nil {
 		return clusterapi.DeterminantsSinceReply{}, err
 	}
@@ -65,9 +65,9 @@ func (a *Agent) serveDeterminantsSince(req clusterapi.DeterminantsSinceRequest) 
 	return clusterapi.DeterminantsSinceReply{Packed: packed, More: more}, err
 }
 
-// determinantsSince is what job consumed after its snapshot id (which this host holds), from this host's
-// store.
-func (a *Agent) determinantsSince(job, id string) ([]intercept.Det, error) {
+// determinantsSince is what job consumed after its snapshot id (which this host holds) when it last ran
+// from it on host ran ("": the snapshot's own), from this host's store (intercept.Store.SinceOn).
+func (a *Agent) determinantsSince(job, id, ran string) ([]intercept.Det, error) {
 	if a.detStore == nil {
 		return nil, errors.New("this agent keeps no determinants")
 	}
@@ -75,16 +75,17 @@ func (a *Agent) determinantsSince(job, id string) ([]intercept.Det, error) {
 	if err != nil {
 		return nil, fmt.Errorf("determinants since snapshot %s of job %s: %w", id, job, err)
 	}
-	return a.detStore.Since(m)
+	return a.detStore.SinceOn(m, ran)
 }
 
-// DeterminantsSince is what job consumed after snapshot m, asked of source (the member the snapshot came
-// from, which protects the job), or read here.
-func (a *Agent) DeterminantsSince(ctx context.Context, source string, m *ckpt.Manifest) ([]intercept.Det, error) {
+// DeterminantsSince is what job consumed after snapshot m when it last ran from m on host ran (the failed
+// node: m's own, or a spare restored from m that failed before a snapshot of its own), asked of source
+// (the member the snapshot came from, which protects the job), or read here.
+func (a *Agent) DeterminantsSince(ctx context.Context, source string, m *ckpt.Manifest, ran string) ([]intercept.Det, error) {
 	if source == "" || source == a.cfg.Name {
-		return a.determinantsSince(m.Job, m.ID)
+		return a.determinantsSince(m.Job, m.ID, ran)
 	}
-	dets, err := a.peers().DeterminantsSince(ctx, source, m.Job, m.ID)
+	dets, err := a.peers().DeterminantsSince(ctx, source, m.Job, m.ID, ran)
 	if err != nil {
 		var refused *clusterapi.Error
 		if errors.As(err, &refused) {

@@ -59,8 +59,8 @@ func (a *Agent) recoveryDeps(track recovery.Tracker, net recovery.Network, fence
 // recoveryDeterminants gives a recovery the restored jobs' receive order (intercept/record, determinants.go).
 type recoveryDeterminants struct{ a *Agent }
 
-func (r recoveryDeterminants) Since(ctx context.Context, source string, m *ckpt.Manifest) ([]intercept.Det, error) {
-	return r.a.DeterminantsSince(ctx, source, m)
+func (r recoveryDeterminants) Since(ctx context.Context, source string, m *ckpt.Manifest, ran string) ([]intercept.Det, error) {
+	return r.a.DeterminantsSince(ctx, source, m, ran)
 }
 
 func (r recoveryDeterminants) Watch(job string) (<-chan intercept.Event, func()) {

@@ -261,13 +261,13 @@ func (c *Client) Determinants(ctx context.Context, peer string, req Determinants
 // maxDeterminantsSince bounds what DeterminantsSince collects: what a Store keeps of a job, and a page.
 const maxDeterminantsSince = intercept.DefaultMaxPerJob + intercept.MaxBatch
 
-// DeterminantsSince asks peer, the holder of a snapshot, for what its job consumed after the dump: every
-// page, decoded and checked.
-func (c *Client) DeterminantsSince(ctx context.Context, peer string, job, snapshot string) ([]intercept.Det, error) {
+// DeterminantsSince asks peer, the holder of a snapshot, for what its job consumed after the dump, when it
+// last ran from the snapshot on host ran ("": the snapshot's): every page, decoded and checked.
+func (c *Client) DeterminantsSince(ctx context.Context, peer string, job, snapshot, ran string) ([]intercept.Det, error) {
 	var all []intercept.Det
 	for {
 		rep, err := call[DeterminantsSinceReply](c, ctx, peer, OpDeterminantsSince, c.cfg.Timeouts.LargeTimeout(MaxMessage),
-			DeterminantsSinceRequest{Job: job, Snapshot: snapshot, From: uint64(len(all))})
+			DeterminantsSinceRequest{Job: job, Snapshot: snapshot, From: uint64(len(all)), Ran: ran})
 		if err != nil {
 			return nil, err
 		}

@@ -38,11 +38,14 @@ func (r DeterminantsRequest) Batch() (intercept.Batch, error) {
 }
 
 // DeterminantsSinceRequest asks the holder of a snapshot for what its job consumed after the dump, from
-// the From-th determinant on (a page at a time).
+// the From-th determinant on (a page at a time). Ran is the host the job last ran on from the snapshot
+// (intercept.Store.SinceOn), "" for the one it was taken on; a server of an earlier version ignores it
+// and answers with the record of the snapshot's host.
 type DeterminantsSinceRequest struct {
 	Job      string `json:"job"`
 	Snapshot string `json:"snapshot"`
 	From     uint64 `json:"from"`
+	Ran      string `json:"ran,omitempty"`
 }
 
 // DeterminantsSinceReply is one page: at most intercept.MaxBatch determinants, More if others follow.

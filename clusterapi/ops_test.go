@@ -117,7 +117,7 @@ func TestEveryOperation(t *testing.T) {
 			return req, "", err
 		}, ""},
 		{OpDeterminantsSince, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
-			dets, err := c.DeterminantsSince(ctx, "n2", "j1", "s1")
+			dets, err := c.DeterminantsSince(ctx, "n2", "j1", "s1", "")
 			return DeterminantsSinceRequest{Job: "j1", Snapshot: "s1"}, len(dets), err
 		}, 1},
 		{OpLogWatermark, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
@@ -312,7 +312,7 @@ func TestRefusalsReadTheSame(t *testing.T) {
 			return st.Send(ctx, DeterminantsRequest{Ack: true})
 		},
 		OpDeterminantsSince: func() error {
-			_, err := c.DeterminantsSince(ctx, "n2", "", "")
+			_, err := c.DeterminantsSince(ctx, "n2", "", "", "")
 			return err
 		},
 		OpProbe:   func() error { _, err := c.Probe(ctx, "n2", ProbeRequest{}); return err },

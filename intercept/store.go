@@ -273,6 +273,64 @@ func (s *Store) Since(m *ckpt.Manifest) ([]Det, error) {
 	return r.dets(cut), nil
 }
 
+// SinceOn is what m's job consumed after m was dumped when it last ran from m on host ran: restored there
+// from m, it failed before a snapshot of its own was replicated, and m is restored again. ran's copy
+// first replayed m's host's record (Since), then read on by itself, sending what its peers took in; its own
+// record starts at m. Once that record has gone past the end of the other on each connection, it holds the
+// order of both and it is the one to replay; while it has not, the copy was still replaying, and the other
+// holds all it did and more. Since(m) alone replayed the original's order and let the job read on freely
+// where ran's copy had read in an order its peers depended on. It fails, saying why, when it cannot tell
+// which holds the order: ran's record not from the start of a copy restored from m, or the two gone apart.
+// With no record from ran here (its copy shipped nothing here), and with ran "" or m.Node, it is Since.
+func (s *Store) SinceOn(m *ckpt.Manifest, ran string) ([]Det, error) {
+	orig, err := s.Since(m)
+	if ran == "" || ran == m.Node {
+		return orig, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r := s.recs[storeKey{m.Job, ran}]
+	switch {
+	case r == nil:
+		return orig, err
+	case r.base != m.ID || !r.fromStart:
+		return nil, fmt.Errorf("job %s last ran on %s, restored from snapshot %s, and the determinants of it from there are not of that copy from its start (restored from %q, from number %d): some may be missing", m.Job, ran, m.ID, r.base, r.first)
+	case err != nil:
+		return nil, fmt.Errorf("job %s last ran on %s from snapshot %s, whose copy replayed the determinants of %s first: %w", m.Job, ran, m.ID, m.Node, err)
+	}
+	own := r.dets(0)
+	origEnd, ownEnd := lastEnds(orig), lastEnds(own)
+	var ahead, behind bool
+	for c, e := range origEnd {
+		if o, ok := ownEnd[c]; !ok || seqAfter(e, o) {
+			behind = true
+		}
+	}
+	for c, o := range ownEnd {
+		if e, ok := origEnd[c]; !ok || seqAfter(o, e) {
+			ahead = true
+		}
+	}
+	switch {
+	case !behind:
+		return own, nil
+	case !ahead:
+		return orig, nil
+	}
+	return nil, fmt.Errorf("job %s last ran on %s from snapshot %s, and its receive calls there went apart from those of %s after the snapshot (ahead on one connection, behind on another): which order its peers depend on is unknown", m.Job, ran, m.ID, m.Node)
+}
+
+// lastEnds is where the last call of dets that consumed bytes ended, per connection.
+func lastEnds(dets []Det) map[tcpflow.Tuple]uint32 {
+	out := map[tcpflow.Tuple]uint32{}
+	for _, d := range dets {
+		if d.Len > 0 {
+			out[d.Conn.Unmap()] = d.End
+		}
+	}
+	return out
+}
+
 // consumedAt is, per connection of m, the socket's copied_seq at the dump: every byte before the receive
 // queue's.
 func consumedAt(m *ckpt.Manifest) map[tcpflow.Tuple]uint32 {

@@ -288,3 +288,52 @@ func TestStoreSinceReusedFourTuple(t *testing.T) {
 		t.Fatalf("the determinants since the snapshot:\n%v\nwant every one after the dump:\n%v", got, dets[1:])
 	}
 }
+
+// TestStoreSinceOnSpareThatFailed: job j, snapshotted on n1 (s), was restored from s on spare n2, which
+// replayed n1's determinants and read on, then failed before a snapshot of its own: s is restored again.
+// n2's record, which starts at s, is the order to replay once it has gone past n1's; Since(s) read only
+// n1's, and n2's reads after it were never replayed (the peers had taken in what n2 sent after them).
+func TestStoreSinceOnSpareThatFailed(t *testing.T) {
+	a := func(end uint32) Det { return Det{Conn: connA, End: end, Len: 1} }
+	b := func(end uint32) Det { return Det{Conn: connB, End: end, Len: 1} }
+	n1 := []Det{a(10), b(10), a(20), b(20)} // s was dumped after a(10): n1's since s are n1[1:]
+	for _, tc := range []struct {
+		name string
+		n2   *Batch // nil: n2 shipped nothing here
+		want []Det
+		err  string
+	}{
+		{"went past n1's", &Batch{Job: "j", Stream: 5, FromStart: true, Base: "s", Dets: []Det{b(10), a(20), b(20), a(30), b(30)}},
+			[]Det{b(10), a(20), b(20), a(30), b(30)}, ""},
+		{"still replaying n1's", &Batch{Job: "j", Stream: 5, FromStart: true, Base: "s", Dets: []Det{b(10), a(20)}}, n1[1:], ""},
+		{"shipped nothing here", nil, n1[1:], ""},
+		{"gone apart", &Batch{Job: "j", Stream: 5, FromStart: true, Base: "s", Dets: []Det{b(10), b(20), b(30)}}, nil, "went apart"},
+		{"restored from another snapshot", &Batch{Job: "j", Stream: 5, FromStart: true, Base: "other", Dets: []Det{b(10)}}, nil, "not of that copy"},
+		{"attached mid-stream", &Batch{Job: "j", Stream: 5, Base: "s", Dets: []Det{b(10)}}, nil, "not of that copy"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := NewStore(0, 0)
+			s.Add("n1", Batch{Job: "j", Stream: 1, FromStart: true, Dets: n1})
+			if tc.n2 != nil {
+				s.Add("n2", *tc.n2)
+			}
+			m := snap("s", 10, 0)
+			got, err := s.SinceOn(m, "n2")
+			if tc.err != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.err) {
+					t.Fatalf("err %v, want %q", err, tc.err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !reflect.DeepEqual(got, tc.want) {
+				t.Fatalf("got %v, want %v", got, tc.want)
+			}
+			if own, err := s.SinceOn(m, "n1"); err != nil || !reflect.DeepEqual(own, n1[1:]) {
+				t.Fatalf("on the snapshot's own host: %v, %v; want %v", own, err, n1[1:])
+			}
+		})
+	}
+}

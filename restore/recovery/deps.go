@@ -60,7 +60,10 @@ type Job struct {
 	// Source is the member the snapshot came from; Holder is the restore attempt that claims the job's
 	// incarnation, to give it back if the job never runs.
 	Source, Holder string
-	Plan           restore.Plan
+	// Ran is the host the job last ran on from Manifest: the failed node (the snapshot's own, or a spare
+	// that failed while restoring it from the snapshot); its receive order is the one to replay.
+	Ran  string
+	Plan restore.Plan
 	// RestoredAt is when CRIU's restore returned: the replay is measured from there.
 	RestoredAt time.Time
 	// Checks are the peers' records of what they received, per connection (Local: the restored end).
@@ -192,8 +195,10 @@ type JobNetwork interface {
 
 // Determinants gives a recovery the receive order of the jobs it restores (package intercept).
 type Determinants interface {
-	// Since is what m's job consumed after m was dumped, asked of source (the member m came from).
-	Since(ctx context.Context, source string, m *ckpt.Manifest) ([]intercept.Det, error)
+	// Since is what m's job consumed after m was dumped, asked of source (the member m came from), when it
+	// last ran from m on host ran (the failed node: m's own, or a spare restored from m that failed before
+	// a snapshot of its own, whose record then holds the order: intercept.Store.SinceOn).
+	Since(ctx context.Context, source string, m *ckpt.Manifest, ran string) ([]intercept.Det, error)
 	// Watch delivers the job's receive calls on this host, and its threads' stops, from now until stop;
 	// the channel is closed if some were lost.
 	Watch(job string) (events <-chan intercept.Event, stop func())

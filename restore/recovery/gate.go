@@ -38,7 +38,7 @@ func planGate(ctx context.Context, d Deps, j *Job, peers map[tcpflow.Tuple]resto
 		j.gateWhy = "this host records no receive order"
 		return
 	}
-	dets, err := d.Determinants.Since(ctx, j.Source, j.Manifest)
+	dets, err := d.Determinants.Since(ctx, j.Source, j.Manifest, j.Ran)
 	switch {
 	case err != nil:
 		j.gateWhy = err.Error()

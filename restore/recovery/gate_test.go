@@ -138,3 +138,39 @@ func TestGateDeliversHeldBytes(t *testing.T) {
 		})
 	}
 }
+
+// sinceAsks records what a recovery asks its Determinants for, and refuses (planGate then stops).
+type sinceAsks struct {
+	Determinants
+	source, ran string
+	m           *ckpt.Manifest
+}
+
+func (s *sinceAsks) Since(_ context.Context, source string, m *ckpt.Manifest, ran string) ([]intercept.Det, error) {
+	s.source, s.m, s.ran = source, m, ran
+	return nil, errors.New("refused")
+}
+
+// TestGateAsksForTheFailedHostsOrder: a spare that failed while restoring a job from node4's snapshot is
+// where the job last ran from it: its record, not node4's, holds the order the peers depend on once it has
+// read past node4's (intercept.Store.SinceOn). The recovery names it when it asks for the determinants.
+func TestGateAsksForTheFailedHostsOrder(t *testing.T) {
+	f := newFake(t)
+	f.takenOn = map[string]string{snap1: "node4"}
+	d := f.deps()
+	asks := &sinceAsks{}
+	d.Determinants = asks
+	req := clusterapi.RecoverRequest{Failure: "node2-1", Failed: "node2", Source: "node3"}
+	rj := clusterapi.RecoverJob{Job: "j1", TakenFrom: "node4", Candidates: []clusterapi.Candidate{{Snapshot: snap1, Source: "node3"}}}
+	j, _, err := fetch(context.Background(), d, req, rj)
+	if err != nil {
+		t.Fatal(err)
+	}
+	planGate(context.Background(), d, j, nil)
+	if asks.m != j.Manifest || asks.source != "node3" || asks.ran != "node2" {
+		t.Fatalf("asked %s for %v with the job last run on %q; want node3, snapshot %s, node2", asks.source, asks.m, asks.ran, snap1)
+	}
+	if j.gate != nil || !strings.Contains(j.gateWhy, "refused") {
+		t.Fatalf("gate %v, why %q: want none, refused", j.gate, j.gateWhy)
+	}
+}

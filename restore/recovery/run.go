@@ -478,6 +478,7 @@ func fetch(ctx context.Context, d Deps, req clusterapi.RecoverRequest, rj cluste
 			continue
 		}
 		j.Holder = "failover:" + req.Failure
+		j.Ran = req.Failed
 		n, err := d.Jobs.Claim(ctx, j, j.Incarnation+1)
 		if err != nil {
 			removeWork(d, j.Work)
