@@ -1,12 +1,14 @@
 package criu
 
 import (
+	"context"
 	"errors"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/checkpoint-restore/go-criu/v7/rpc"
 	"google.golang.org/protobuf/proto"
@@ -34,6 +36,9 @@ func TestMain(m *testing.M) {
 	}
 	if d := os.Getenv("FTKIT_FAKE_CRIU_DUMP"); d != "" && len(os.Args) == 3 && os.Args[1] == "swrk" {
 		os.Exit(fakeDumpSwrk(d, os.Args[2]))
+	}
+	if d := os.Getenv("FTKIT_FAKE_CRIU_SLOW"); d != "" && len(os.Args) == 3 && os.Args[1] == "swrk" {
+		os.Exit(fakeSlowSwrk(d, os.Args[2]))
 	}
 	os.Exit(m.Run())
 }
@@ -190,5 +195,84 @@ func TestDumpRaisesWhileCRIURuns(t *testing.T) {
 	}
 	if raised != 1 || lowered != 1 {
 		t.Errorf("raised %d and lowered %d times, want 1 and 1", raised, lowered)
+	}
+}
+
+// fakeSlowSwrk answers one request, a dump, with a failure once a file named stop exists in dir; it leaves a
+// file named ran there as it starts, and one named done as it answers.
+func fakeSlowSwrk(dir, fdArg string) int {
+	sk, err := fakeRequest(fdArg)
+	if err != nil {
+		return 3
+	}
+	if err := os.WriteFile(filepath.Join(dir, "ran"), nil, 0o600); err != nil {
+		return 4
+	}
+	for {
+		if _, err := os.Stat(filepath.Join(dir, "stop")); err == nil {
+			break
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "done"), nil, 0o600); err != nil {
+		return 4
+	}
+	resp, _ := proto.Marshal(&rpc.CriuResp{Type: rpc.CriuReqType_DUMP.Enum(), Success: proto.Bool(false)})
+	if _, err := sk.Write(resp); err != nil {
+		return 5
+	}
+	return 0
+}
+
+// TestDumpCancelledKeepsCRIUAccounted: a dump whose context ends while CRIU runs returns at once, but CRIU
+// runs on, bounded by its own timeout: the priority raised for it (and the cgroup yard it reads) must stay
+// held until it is done. The old code lowered the priority (and released the yard, which another dump
+// could then remove and make again under this CRIU) as soon as the context ended.
+func TestDumpCancelledKeepsCRIUAccounted(t *testing.T) {
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	work := t.TempDir()
+	t.Setenv("FTKIT_FAKE_CRIU_SLOW", work)
+	t.Cleanup(func() { os.WriteFile(filepath.Join(work, "stop"), nil, 0o600) })
+	ran, done := filepath.Join(work, "ran"), filepath.Join(work, "done")
+	lowered := make(chan bool, 1) // whether CRIU was done when the priority was lowered
+	c := Client{Binary: self, Raise: func() func() {
+		return func() {
+			_, err := os.Stat(done)
+			lowered <- err == nil
+		}
+	}}
+	ctx, cancel := context.WithCancel(t.Context())
+	go func() {
+		for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+			if _, err := os.Stat(ran); err == nil {
+				break
+			}
+		}
+		cancel()
+	}()
+	if _, err := c.Dump(ctx, DumpOptions{PID: os.Getpid(), ImagesDir: t.TempDir(), LeaveRunning: true}); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Dump with its context cancelled while CRIU runs = %v, want context.Canceled", err)
+	}
+	select {
+	case wasDone := <-lowered:
+		if !wasDone {
+			t.Fatal("the priority raised for CRIU was lowered while CRIU still ran")
+		}
+		t.Fatal("the priority was lowered before the dump's CRIU was told to end")
+	case <-time.After(200 * time.Millisecond):
+	}
+	if err := os.WriteFile(filepath.Join(work, "stop"), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case wasDone := <-lowered:
+		if !wasDone {
+			t.Fatal("the priority raised for CRIU was lowered while CRIU still ran")
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the priority raised for CRIU was never lowered once CRIU ended")
 	}
 }

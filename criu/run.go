@@ -103,7 +103,6 @@ func (c Client) dump(ctx context.Context, opts DumpOptions, nfy gocriu.Notify) (
 		req.FreezeCgroup = proto.String(opts.FreezeCgroup)
 	}
 	yard, release := c.CgroupYard.forDump()
-	defer release()
 	if yard != "" {
 		req.CgroupYard = proto.String(yard)
 	}
@@ -117,8 +116,14 @@ func (c Client) dump(ctx context.Context, opts DumpOptions, nfy gocriu.Notify) (
 	if c.Raise != nil {
 		lower = c.Raise()
 	}
-	err = run(ctx, inNetns(opts.Netns, func() error { return cr.Dump(req, nfy) }))
-	lower()
+	call := inNetns(opts.Netns, func() error { return cr.Dump(req, nfy) })
+	err = run(ctx, func() error {
+		// The yard and the raised priority are CRIU's until it ends, also when ctx ends first and this
+		// dump returns without it: another dump must not make the yard again under it.
+		defer release()
+		defer lower()
+		return call()
+	})
 	if err != nil {
 		return DumpStats{}, dumpError(opts.PID, err, filepath.Join(opts.ImagesDir, dumpLog))
 	}
