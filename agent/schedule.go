@@ -38,7 +38,9 @@ func (a *Agent) policyFor(jobID string) *interval.Policy {
 			iv.UnmarshalText([]byte(j.Spec.Interval))
 		}
 	}
-	cfg := interval.Config{Fixed: iv.Fixed, MTBF: a.unpredictedMTBF(), InitialCost: time.Second}
+	// The automatic period keeps checkpoint.min_interval too: a job with a tiny dump would otherwise be
+	// snapshotted every few seconds whatever floor the site set for what one user costs the host.
+	cfg := interval.Config{Fixed: iv.Fixed, MTBF: a.unpredictedMTBF(), InitialCost: time.Second, Min: a.cfg.Checkpoint.MinInterval.Duration}
 	p, err := interval.New(cfg)
 	if err != nil { // the configuration was validated; fall back to a safe fixed period
 		a.log.Error("interval policy", "err", err)
