@@ -28,15 +28,25 @@ func (a *Agent) watchHealth(ctx context.Context) {
 		argv[i] = strings.ReplaceAll(s, "{host}", a.cfg.Name)
 	}
 	cmd := sitecmd.Command{Name: "health command", Argv: argv, Timeout: h.Timeout.Duration}
+	// A prediction covers lead_time: an exit 0 within it of the last exit 1 does not clear it. A command
+	// flapping at its threshold otherwise drained the host again at every other run (drains running at
+	// once), and put the jobs that stayed back on their long interval inside the predicted window.
+	var lastFailing time.Time
 	tickgrid.Every(ctx, h.Interval.Duration, func() {
 		r := cmd.Run(ctx)
 		why := strings.Join(strings.Fields(r.Output), " ")
 		switch r.Exit {
 		case healthOK:
+			if a.predicted.Load() && time.Since(lastFailing) < h.LeadTime.Duration {
+				a.log.Debug("health command says healthy within the lead time of its last prediction: it still holds", "output", why,
+					"predicted_at", lastFailing, "lead_time", h.LeadTime)
+				return
+			}
 			if a.predicted.Swap(false) {
 				a.log.Info("health command says this host is healthy again: snapshots back on their interval", "output", why)
 			}
 		case healthFailing:
+			lastFailing = time.Now()
 			if a.predicted.Swap(true) {
 				return // drained already; the jobs that stayed are snapshotted on the shorter interval
 			}
