@@ -113,11 +113,20 @@ func openPark(opts ParkOptions) (*park.Park, int, error) {
 	return p, buckets, nil
 }
 
+// parkQueues is what the consumer reads the park through: a *park.Park.
+type parkQueues interface {
+	Ifindex() int
+	Queues() int
+	Free(q int, hdr []byte) (park.Frame, error)
+	Take(q int, buf []byte) (park.Frame, error)
+	Close() error
+}
+
 // parked is the consumer's book of the park: the clones each queue holds, in order. Only the consumer's
 // goroutine touches it, but for the counters.
 type parked struct {
 	log     *slog.Logger
-	p       *park.Park
+	p       parkQueues
 	probe   *ebpfprobes.TCPLogger
 	cap     int64
 	buckets int           // queue i holds the clones of destinations in bucket i % buckets
@@ -145,7 +154,7 @@ type parkEntry struct {
 	ktime    uint64
 }
 
-func newParked(log *slog.Logger, p *park.Park, buckets int, probe *ebpfprobes.TCPLogger, opts ParkOptions) *parked {
+func newParked(log *slog.Logger, p parkQueues, buckets int, probe *ebpfprobes.TCPLogger, opts ParkOptions) *parked {
 	return &parked{
 		log: log, p: p, probe: probe, cap: opts.Cap, buckets: buckets,
 		q: make([][]parkEntry, p.Queues()), head: make([]int, p.Queues()),
@@ -231,6 +240,14 @@ func (k *parked) serviceQueue(qi int, log *netlog.Log, store func(netlog.Record)
 			f, err = k.p.Take(qi, k.buf)
 		default:
 			return nil
+		}
+		if errors.Is(err, park.ErrNotTCP) {
+			// Read, and no clone: the program parks IPv4 TCP segments only, and anyone may send out of the
+			// park (a socket bound to the device). A stray like any frame no record names: e is still queued.
+			if n := k.strays.Add(1); isPow2(n) {
+				k.log.Warn("capture: a frame in the park that is not a TCP segment, skipped", "queue", qi, "err", err, "count", n)
+			}
+			continue
 		}
 		if err != nil {
 			// Empty: the program queues the clone before it submits the record, so it cannot be missing.
