@@ -243,6 +243,9 @@ func TestSpillFileIsPrivate(t *testing.T) {
 	defer unix.Umask(old)
 	const slab = 4096
 	dir := t.TempDir()
+	if err := os.Chmod(dir, 0o700); err != nil { // made 0777 under umask 0: no spill directory
+		t.Fatal(err)
+	}
 	s := newTestStore(t, Options{SlabSize: slab, CompressAfter: time.Nanosecond, SpillDir: dir, SpillAboveRAM: slab})
 	appendAll(t, s, 0, textStream(8*slab), 1448)
 	r, err := s.Age(context.Background(), time.Now().Add(time.Second))
@@ -261,5 +264,56 @@ func TestSpillFileIsPrivate(t *testing.T) {
 	}
 	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
 		t.Errorf("spill file has a name in %s: %v", dir, entries)
+	}
+}
+
+// TestSpillDirMustBePrivate: logged bytes go only into a spill directory that is a real directory of this
+// user's that no one else may write to, opened as it is (as ftagent --check-config wants log.spill_dir):
+// not one whose entries others could rename or replace, and not a link another user could have put there
+// (or point elsewhere: a file system of theirs). Before, the spill file was created wherever the path led.
+// Nothing is lost on refusal.
+func TestSpillDirMustBePrivate(t *testing.T) {
+	const slab = 4096
+	private := t.TempDir()
+	for _, tc := range []struct {
+		name string
+		dir  func(t *testing.T) string
+		ok   bool
+	}{
+		{"private", func(t *testing.T) string { return t.TempDir() }, true},
+		{"world-writable", func(t *testing.T) string {
+			d := t.TempDir()
+			if err := os.Chmod(d, 0o777); err != nil {
+				t.Fatal(err)
+			}
+			return d
+		}, false},
+		{"writable by its group", func(t *testing.T) string {
+			d := t.TempDir()
+			if err := os.Chmod(d, 0o770); err != nil {
+				t.Fatal(err)
+			}
+			return d
+		}, false},
+		{"a link", func(t *testing.T) string {
+			l := t.TempDir() + "/spill"
+			if err := os.Symlink(private, l); err != nil {
+				t.Fatal(err)
+			}
+			return l
+		}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := newTestStore(t, Options{SlabSize: slab, SpillDir: tc.dir(t), SpillAboveRAM: slab})
+			stream := textStream(8 * slab)
+			appendAll(t, s, 0, stream, 1448)
+			r, err := s.Age(context.Background(), time.Now())
+			if tc.ok != (err == nil && r.Spilled > 0) {
+				t.Errorf("spilled %d slabs, err %v; want spilled %v", r.Spilled, err, tc.ok)
+			}
+			if got := mustBytes(t, s, AnchorEpoch, AnchorEpoch+uint64(len(stream))); !bytes.Equal(got, stream) {
+				t.Error("bytes differ after the spill")
+			}
+		})
 	}
 }

@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"hash/crc32"
+	"io/fs"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"sync"
@@ -34,9 +36,14 @@ type spillFile struct {
 }
 
 func openSpill(dir string) (*spillFile, error) {
+	dfd, err := openSpillDir(dir)
+	if err != nil {
+		return nil, err
+	}
+	defer unix.Close(dfd)
 	// Logged bytes are other programs' traffic: 0600, and with O_TMPFILE the file never has a name
 	// at all, so no crash leaves one behind and nobody can open it by name.
-	fd, err := unix.Open(dir, unix.O_TMPFILE|unix.O_RDWR|unix.O_CLOEXEC, 0o600)
+	fd, err := unix.Openat(dfd, ".", unix.O_TMPFILE|unix.O_RDWR|unix.O_CLOEXEC, 0o600)
 	if err == nil {
 		return &spillFile{f: os.NewFile(uintptr(fd), filepath.Join(dir, "(netlog spill, unlinked)"))}, nil
 	}
@@ -44,15 +51,46 @@ func openSpill(dir string) (*spillFile, error) {
 		return nil, fmt.Errorf("open netlog spill file in %q: %w (set Options.SpillDir to a writable local directory)", dir, err)
 	}
 	// A file system without O_TMPFILE: create (0600, never through a link) and unlink at once.
-	f, err := os.CreateTemp(dir, "netlog-spill-*")
+	for range 100 {
+		name := fmt.Sprintf("netlog-spill-%d", rand.Uint64())
+		fd, err = unix.Openat(dfd, name, unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_RDWR|unix.O_CLOEXEC, 0o600)
+		if errors.Is(err, unix.EEXIST) {
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("open netlog spill file in %q: %w (set Options.SpillDir to a writable local directory)", dir, err)
+		}
+		f := os.NewFile(uintptr(fd), filepath.Join(dir, name))
+		if err := unix.Unlinkat(dfd, name, 0); err != nil {
+			f.Close()
+			return nil, fmt.Errorf("unlink netlog spill file %q: %w", f.Name(), err)
+		}
+		return &spillFile{f: f}, nil
+	}
+	return nil, fmt.Errorf("open netlog spill file in %q: %w", dir, unix.EEXIST)
+}
+
+// openSpillDir opens dir, which must be a directory of this user's that no one else may write to, and not a
+// link (as ftagent --check-config wants log.spill_dir): the spill file is created through the descriptor,
+// so what was checked is where the logged bytes go. In a directory others may write to they could rename
+// or replace its entries; through a link of theirs, or in a directory of theirs, put the file where they
+// choose (a file system they serve).
+func openSpillDir(dir string) (int, error) {
+	dfd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return nil, fmt.Errorf("open netlog spill file in %q: %w (set Options.SpillDir to a writable local directory)", dir, err)
+		return -1, fmt.Errorf("open netlog spill directory %q: %w (set Options.SpillDir to a local directory of this user's, not a link: mkdir -m 700)", dir, err)
 	}
-	if err := os.Remove(f.Name()); err != nil {
-		f.Close()
-		return nil, fmt.Errorf("unlink netlog spill file %q: %w", f.Name(), err)
+	var st unix.Stat_t
+	if err := unix.Fstat(dfd, &st); err != nil {
+		unix.Close(dfd)
+		return -1, fmt.Errorf("stat netlog spill directory %q: %w", dir, err)
 	}
-	return &spillFile{f: f}, nil
+	if int(st.Uid) != os.Geteuid() || st.Mode&0o022 != 0 {
+		unix.Close(dfd)
+		return -1, fmt.Errorf("netlog spill directory %q is owned by uid %d with mode %04o: %w (it holds other programs' traffic: chown it to uid %d and chmod go-w it, or 700)",
+			dir, st.Uid, st.Mode&0o7777, fs.ErrPermission, os.Geteuid())
+	}
+	return dfd, nil
 }
 
 // spillAlign aligns every region of the spill file to a block: a region's punch then frees every block it
