@@ -13,10 +13,16 @@ import (
 //     recovery records and views: 0700, or 0711 when jobs_dir or the socket lies below them (the default
 //     jobs_dir is <state_dir>/jobs, the records directory itself);
 //   - jobs_dir and the socket's directory are public: users must reach their job's output and the socket;
+//   - log.spill_dir, if the log may spill, holds the jobs' traffic: 0700 (the log spills into it only if
+//     it is a directory of root's that no one else may write to, never through a link);
 //   - the agent's own files directly in the private ones (records, shim logs, views, failures) become
 //     0600, and its subdirectories of state_dir (recoveries, restore, snapshots) 0700.
 //
 // The snapshot store restricts its own tree when it opens.
 func prepareDirs(cfg Config, recordsDir string) error {
-	return statedir.Prepare([]string{cfg.StateDir, recordsDir}, []string{cfg.JobsDir, filepath.Dir(cfg.Socket)})
+	private := []string{cfg.StateDir, recordsDir}
+	if cfg.Log.Enabled && cfg.Log.SpillDir != "" {
+		private = append(private, cfg.Log.SpillDir)
+	}
+	return statedir.Prepare(private, []string{cfg.JobsDir, filepath.Dir(cfg.Socket)})
 }
