@@ -110,7 +110,10 @@ type Controller struct {
 	cfg           Config
 	lastRequest   map[string]time.Time
 	pressureSince time.Time // zero when not above High
-	paused        bool
+	// highSince is when memory last rose above High (zero below it): the spill grace counts from there, not
+	// from pressureSince, which a dip between the watermarks keeps.
+	highSince time.Time
+	paused    bool
 }
 
 // New returns a controller for cfg.
@@ -152,6 +155,7 @@ func (c *Controller) Step(s State) (Action, []Event) {
 	a.Pause = c.paused
 
 	if s.Memory < high {
+		c.highSince = time.Time{}
 		if !c.pressureSince.IsZero() && s.Memory <= low {
 			c.pressureSince = time.Time{}
 			emit(EventRelieved, "", 0)
@@ -161,6 +165,9 @@ func (c *Controller) Step(s State) (Action, []Event) {
 	if c.pressureSince.IsZero() {
 		c.pressureSince = s.Now
 		emit(EventHigh, "", 0)
+	}
+	if c.highSince.IsZero() {
+		c.highSince = s.Now
 	}
 
 	// Ask the nodes holding the oldest bytes to snapshot, until what they hold covers the excess over Low.
@@ -186,7 +193,7 @@ func (c *Controller) Step(s State) (Action, []Event) {
 	}
 
 	// Still high after the grace period: spill down to Low.
-	if s.CanSpill && s.Now.Sub(c.pressureSince) >= c.cfg.SpillGrace {
+	if s.CanSpill && s.Now.Sub(c.highSince) >= c.cfg.SpillGrace {
 		a.SpillBytes = s.Memory - low
 		emit(EventSpill, "", a.SpillBytes)
 	}

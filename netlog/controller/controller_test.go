@@ -140,3 +140,29 @@ func TestPausedRetry(t *testing.T) {
 		}
 	}
 }
+
+// TestSpillGraceAfterDip: the spill grace counts from when memory last rose above High. A log that dipped
+// between the watermarks (its receivers' snapshots trimmed it there, not below Low) and rose above High an
+// hour later is given the grace again before it spills: its receivers are asked first. Before, the
+// pressure's start stayed at the first crossing, and the step that asked for snapshots spilled too.
+func TestSpillGraceAfterDip(t *testing.T) {
+	c, _ := New(Config{Cap: 1000})
+	dests := []Destination{{Node: "node2", Bytes: 500, Oldest: t0}}
+	for _, st := range []struct {
+		at     float64
+		memory int64
+		spill  bool
+	}{
+		{0, 850, false},    // above High: asked, no spill yet
+		{5, 700, false},    // the snapshot trimmed the log between the watermarks
+		{3600, 700, false}, // an hour there: a log's ordinary level
+		{3601, 850, false}, // above High again: ask first
+		{3605, 850, false},
+		{3611, 850, true}, // still high after the grace: spill
+	} {
+		a, _ := c.Step(State{Now: at(st.at), Memory: st.memory, Destinations: dests, CanSpill: true})
+		if spilled := a.SpillBytes > 0; spilled != st.spill {
+			t.Errorf("at %vs, memory %d: spill %d (asked %v), want spill %v", st.at, st.memory, a.SpillBytes, a.RequestSnapshots, st.spill)
+		}
+	}
+}
