@@ -404,11 +404,18 @@ func Launch(ctx context.Context, self string, spec Spec, logPath string) (int, e
 	cmd.Stdin = bytes.NewReader(in)
 	cmd.Stderr = logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true} // survives the agent's process group being killed
-	stdout, err := cmd.StdoutPipe()
+	// A pipe of our own, not StdoutPipe: Wait, which runs at once to reap the shim, closes a StdoutPipe
+	// when the shim exits, and a shim that reports and exits at once (a refused restore) had its report
+	// lost: "gave no report: read |0: file already closed".
+	stdout, w, err := os.Pipe()
 	if err != nil {
 		return 0, err
 	}
-	if err := cmd.Start(); err != nil {
+	defer stdout.Close()
+	cmd.Stdout = w
+	err = cmd.Start()
+	w.Close()
+	if err != nil {
 		return 0, fmt.Errorf("start shim: %w", err)
 	}
 	go cmd.Wait() // reap the shim when it ends while this agent lives; after a restart, init does
