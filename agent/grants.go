@@ -147,9 +147,17 @@ func (a *Agent) claimIncarnation(ctx context.Context, job string, n uint64, hold
 				"granted_by", t.Granted, "members", len(members), "silent", len(t.Silent))
 			return nil
 		}
-		a.giveBack(ctx, job, n, holder, t.Granted)
+		answered := a.giveBack(ctx, job, n, holder, t.Granted)
 		err := t.Err(job, n)
 		if !t.Contended(n) || attempt == grantAttempts {
+			return err
+		}
+		// A give-back whose answer did not come may still be applied, after the next attempt's grant under
+		// the same holder: that member would record the winning grant as given back and grant the
+		// incarnation to a rival whose majority meets this one only there.
+		if !answered {
+			a.log.Warn("incarnation contended, but a give-back went unanswered: not trying again under the same holder",
+				"job", job, "incarnation", n, "holder", holder, "err", err)
 			return err
 		}
 		// Two restores split the members and neither won: both give back and try again at random times.
@@ -164,21 +172,27 @@ func (a *Agent) claimIncarnation(ctx context.Context, job string, n uint64, hold
 }
 
 // giveBack releases incarnation n of job held by holder at members (every non-failed member if nil),
-// best effort: a member that misses it keeps refusing others that incarnation, which is safe.
-func (a *Agent) giveBack(ctx context.Context, job string, n uint64, holder string, members []string) {
+// best effort: a member that misses it keeps refusing others that incarnation, which is safe. It reports
+// whether every member answered: a member that did not may still apply the give-back later (it serves
+// each request to its end, whether the asker still waits or not), and then releases whatever grant it
+// holds for holder.
+func (a *Agent) giveBack(ctx context.Context, job string, n uint64, holder string, members []string) (answered bool) {
 	if members == nil {
 		members = a.grantMembers("")
 	}
 	if len(members) == 0 {
-		return
+		return true
 	}
+	answered = true
 	ctx = context.WithoutCancel(ctx) // giving back must not be cut short by the failed restore's context
 	for _, ans := range a.askAll(ctx, members, grantMessage{Job: job, Incarnation: n, Holder: holder, Release: true}) {
 		if ans.Err != nil {
+			answered = false
 			a.log.Warn("could not give an incarnation back; that member keeps refusing it to other restores", "job", job,
 				"incarnation", n, "member", ans.Member, "err", ans.Err)
 		}
 	}
+	return answered
 }
 
 // giveBackUnlessStarted gives incarnation n of j back after a failed restore, unless a process of the job

@@ -1,12 +1,16 @@
 package agent
 
 import (
+	"context"
 	"errors"
 	"os"
 	"path/filepath"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/grant"
 )
 
@@ -86,5 +90,93 @@ func TestGiveBackOrphanClaimsKeepsRunningShim(t *testing.T) {
 	ta.giveBackOrphanClaims(t.Context())
 	if rec, _ := ta.grants.Lookup(job); !rec.Released {
 		t.Fatal("the incarnation of a restore whose shim is gone was kept")
+	}
+}
+
+// lateRelease serves the grants of an agent whose answer to a give-back comes after the asker stopped
+// waiting for it (a slow disk, a lost segment): the give-back is applied after the next grant request,
+// or after 2 s if none comes.
+type lateRelease struct {
+	peerService
+	grants    atomic.Int32
+	regranted chan struct{} // closed when a grant request after the first was answered
+	applied   chan struct{} // closed when the give-back was applied
+}
+
+func (s *lateRelease) Grant(ctx context.Context, peer string, req clusterapi.GrantRequest) (clusterapi.GrantReply, error) {
+	if req.Release {
+		select {
+		case <-s.regranted:
+		case <-time.After(2 * time.Second):
+		}
+		defer close(s.applied)
+		return s.peerService.Grant(ctx, peer, req)
+	}
+	rep, err := s.peerService.Grant(ctx, peer, req)
+	if s.grants.Add(1) == 2 {
+		close(s.regranted)
+	}
+	return rep, err
+}
+
+// givesWay refuses the first request with a rival's grant, which the rival then gives back: a contended
+// first attempt, a free second one.
+type givesWay struct {
+	peerService
+	once              sync.Once
+	job, rival, rhost string
+}
+
+func (s *givesWay) Grant(ctx context.Context, peer string, req clusterapi.GrantRequest) (clusterapi.GrantReply, error) {
+	rep, err := s.peerService.Grant(ctx, peer, req)
+	s.once.Do(func() {
+		err = errors.Join(err, s.a.grants.Release(s.job, req.Incarnation, s.rival, s.rhost, time.Now()))
+	})
+	return rep, err
+}
+
+// TestLateGiveBackKeepsWinningGrant: a claim of n1 contended in its first attempt gives its grants back and
+// tries again under the same holder. Member n2 applied the give-back only after it granted the second
+// attempt (the asker had stopped waiting for its answer, and a member serves requests concurrently, each
+// to its end), and recorded the winning grant as given back. A restore on s1, cut off from n1 and n3 that
+// hold n1's grant, then got a majority from s1, n2 and s2, overlapping n1's only at n2: both ran the job.
+func TestLateGiveBackKeepsWinningGrant(t *testing.T) {
+	const job = "late-00000001"
+	pki := newTestPKI(t)
+	member := func(name string, ports map[string]uint16) *Agent {
+		a, _ := newWireAgent(t, name, testMembers(ports))
+		cfg := pki.creds(t, name)
+		a.cfg.Cluster.CA, a.cfg.Cluster.Cert, a.cfg.Cluster.Key = cfg.CAFile, cfg.CertFile, cfg.KeyFile
+		var err error
+		if a.grants, err = grant.Open(filepath.Join(t.TempDir(), "grants.json"), grant.Options{}); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { a.peers().Close() })
+		return a
+	}
+	n2 := &lateRelease{peerService: peerService{member("n2", nil)}, regranted: make(chan struct{}), applied: make(chan struct{})}
+	n3 := &givesWay{peerService: peerService{member("n3", nil)}, job: job, rival: "restore:rival", rhost: "s2"}
+	if _, err := n3.a.grants.Grant(grant.Request{Job: job, Incarnation: 1, Holder: n3.rival, Host: n3.rhost}, time.Now()); err != nil {
+		t.Fatal(err)
+	}
+	s2 := peerService{member("s2", nil)}
+	p2, p3, ps2 := scriptedPeer(t, pki, "n2", n2), scriptedPeer(t, pki, "n3", n3), scriptedPeer(t, pki, "s2", s2)
+
+	// n1 reaches n2 and n3, not the spares.
+	n1 := member("n1", map[string]uint16{"n2": p2, "n3": p3})
+	err1 := n1.claimIncarnation(t.Context(), job, 1, "restore:n1", "")
+	select {
+	case <-n2.applied:
+	case <-time.After(failAfter):
+		t.Fatal("n2 never applied the give-back")
+	}
+	rec, _ := n2.a.grants.Lookup(job)
+	t.Logf("n1's claim: %v; n2's grant: %+v", err1, rec)
+
+	// The partition moves: s1 reaches n2 and s2, not n1 and n3.
+	s1 := member("s1", map[string]uint16{"n2": p2, "s2": ps2})
+	err2 := s1.claimIncarnation(t.Context(), job, 1, "restore:s1", "")
+	if err1 == nil && err2 == nil {
+		t.Fatalf("incarnation 1 of %s claimed by n1 and by s1: n2 recorded n1's winning grant as given back (%+v)", job, rec)
 	}
 }
