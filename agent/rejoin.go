@@ -272,10 +272,13 @@ func (a *Agent) serveRejoin(ctx context.Context, peer string, req clusterapi.Rej
 }
 
 // recoveryUnderWay names a failure of member whose recovery is not over, as this host knows of it; one
-// older than a recovery may take is over, whatever its record says (its coordinator is gone).
+// this host learned of longer ago than a recovery may take is over, whatever its record says (its
+// coordinator is gone). The age is measured on this host's clock from when the timeline reached it
+// (Received), not from its Detected: that is the protector's wall clock, and a protector half an hour
+// behind had the member admitted back while its jobs were being restored.
 func (a *Agent) recoveryUnderWay(member string) (string, bool) {
 	for _, f := range a.failures.List() {
-		if f.Node == member && !f.Done && time.Since(f.Detected) < recoverLimit {
+		if f.Node == member && !f.Done && time.Since(f.Received) < recoverLimit {
 			return f.ID, true
 		}
 	}

@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"io/fs"
 	"path/filepath"
+	"slices"
 	"sort"
 	"sync"
 	"time"
@@ -42,6 +43,10 @@ type Failure struct {
 	// TakenOver is the failure of this one's target, whose recovery took its jobs over: the target
 	// failed during this recovery.
 	TakenOver string `json:"taken_over,omitempty"`
+	// Received is when this agent first learned of the failure (wrote it, merged a copy of it, or read it
+	// from disk at start), on its own clock; it goes neither on the wire nor to disk. Detected and Updated
+	// are the protector's wall clock: an age measured here is measured from Received, never from them.
+	Received time.Time `json:"-"`
 }
 
 // A Stage is one step of a recovery.
@@ -93,9 +98,11 @@ func Open(dir, self string) (*Log, error) {
 	if err := json.Unmarshal(b, &fs); err != nil {
 		return nil, fmt.Errorf("%s is corrupt (move it away to start with an empty failure history): %w", l.path, err)
 	}
+	now := time.Now() // when this agent learned of them, as far as it can tell: at the latest now
 	for _, f := range fs {
 		if f != nil && validID(f.ID) {
 			f.bound()
+			f.Received = now
 			l.byID[f.ID] = f
 		}
 	}
@@ -240,6 +247,12 @@ func (l *Log) Merge(peer string, f *Failure) bool {
 	}
 	c := f.clone()
 	c.bound()
+	// Stamped here, on this host's clock, when the failure first arrived: the protector's Detected is its
+	// wall clock, which may be far behind or ahead of this host's.
+	c.Received = time.Now()
+	if ok {
+		c.Received = cur.Received
+	}
 	l.byID[f.ID] = c
 	l.trim()
 	_, kept := l.byID[f.ID]
@@ -252,7 +265,7 @@ func (l *Log) Update(id string, fn func(*Failure)) {
 	defer l.mu.Unlock()
 	f, ok := l.byID[id]
 	if !ok {
-		f = &Failure{ID: id}
+		f = &Failure{ID: id, Received: time.Now()}
 		l.byID[id] = f
 	}
 	fn(f)
@@ -293,10 +306,16 @@ func (l *Log) List() []*Failure {
 	return out
 }
 
-// Newest returns the most recent failures whose JSON encoding, as a list, takes at most budget bytes,
-// oldest first: what fits in a view message next to the view.
+// Newest returns the most recent failures this agent coordinates whose JSON encoding, as a list, takes at
+// most budget bytes, oldest first: what fits in a view message next to the view. Others' timelines stay
+// out: a member keeps a copy only from its protector (Merge), and ordered by their protectors' clocks
+// among this agent's own, those of a protector whose clock is ahead filled the budget and left out this
+// agent's recovery under way, which the other members then did not know of (a rejoin mid-recovery).
 func (l *Log) Newest(budget int) []*Failure {
 	all := l.List()
+	if l.self != "" {
+		all = slices.DeleteFunc(all, func(f *Failure) bool { return f.Protector != l.self })
+	}
 	used := len("[]")
 	i := len(all)
 	for i > 0 {

@@ -1,6 +1,7 @@
 package failurelog
 
 import (
+	"encoding/json"
 	"fmt"
 	"maps"
 	"net/netip"
@@ -334,4 +335,86 @@ func ownRecovery(t *testing.T) (l *Log, t0 time.Time) {
 		f.Node, f.Protector, f.Target, f.Detected, f.Jobs = "node2", "node1", "spare1", t0, []string{"a"}
 	})
 	return l, t0
+}
+
+// TestMergeStampsReceived: a merged timeline carries when it first reached this agent, on this agent's
+// clock, whatever the protector's clock says; a newer copy keeps it (the failure is no younger for being
+// updated), and neither the wire nor the file carries it.
+func TestMergeStampsReceived(t *testing.T) {
+	dir := t.TempDir()
+	l, err := Open(dir, "node1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lagging := time.Now().Add(-time.Hour) // node3's wall clock
+	before := time.Now()
+	if !l.Merge("node3", &Failure{ID: "n2-1", Node: "node2", Protector: "node3", Detected: lagging, Updated: lagging, Received: lagging}) {
+		t.Fatal("not merged")
+	}
+	first := l.List()[0].Received
+	if first.Before(before) || time.Since(first) > time.Minute {
+		t.Fatalf("received %v, want this host's time of the merge (after %v)", first, before)
+	}
+	if !l.Merge("node3", &Failure{ID: "n2-1", Node: "node2", Protector: "node3", Detected: lagging, Updated: lagging.Add(time.Second), Done: true}) {
+		t.Fatal("newer copy not merged")
+	}
+	if got := l.List()[0]; !got.Done || !got.Received.Equal(first) {
+		t.Errorf("after a newer copy: done %v, received %v; want done, received %v", got.Done, got.Received, first)
+	}
+	l.Update("n4-1", func(f *Failure) { f.Node, f.Protector, f.Detected = "node4", "node1", time.Now() })
+	for _, f := range l.List() {
+		if f.Received.IsZero() {
+			t.Errorf("%s: no receipt time", f.ID)
+		}
+	}
+	b, err := json.Marshal(l.List())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(string(b), "received") {
+		t.Errorf("the receipt time goes on the wire: %s", b)
+	}
+	if err := l.Save(); err != nil {
+		t.Fatal(err)
+	}
+	reopened := time.Now()
+	back, err := Open(dir, "node1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range back.List() {
+		if f.Received.Before(reopened) {
+			t.Errorf("%s read back from disk received at %v, before the agent started (%v)", f.ID, f.Received, reopened)
+		}
+	}
+}
+
+// TestNewestSendsOwnTimelines: what goes along with a view is this agent's own timelines, newest first
+// within the budget, however far ahead another protector's clock dates its own: ordered among them, a
+// protector's timelines dated an hour ahead filled the budget and this agent's recovery under way stayed
+// home, so that the other members admitted its failed node back mid-recovery.
+func TestNewestSendsOwnTimelines(t *testing.T) {
+	l, err := Open(t.TempDir(), "node1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ahead := time.Now().Add(time.Hour) // node3's wall clock
+	for i := range 20 {
+		l.Merge("node3", &Failure{ID: fmt.Sprintf("n3-%02d", i), Node: "node4", Protector: "node3", Detected: ahead.Add(time.Duration(i) * time.Second),
+			Updated: ahead, Error: strings.Repeat("e", 900)})
+	}
+	l.Update("node2-1", func(f *Failure) { f.Node, f.Protector, f.Detected = "node2", "node1", time.Now() })
+	all := l.List()
+	one, err := json.Marshal(all[len(all)-1]) // one of node3's
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := l.Newest(5 * len(one)) // room for a few timelines, not all
+	if len(got) != 1 || got[0].ID != "node2-1" {
+		var ids []string
+		for _, f := range got {
+			ids = append(ids, f.ID)
+		}
+		t.Fatalf("sent %v; want this agent's own timeline node2-1 (only its own: the others' are not kept from it)", ids)
+	}
 }
