@@ -82,6 +82,11 @@ func (a *Agent) determinantsSince(job, id, ran string) ([]intercept.Det, error) 
 // node: m's own, or a spare restored from m that failed before a snapshot of its own), asked of source
 // (the member the snapshot came from, which protects the job), or read here.
 func (a *Agent) DeterminantsSince(ctx context.Context, source string, m *ckpt.Manifest, ran string) ([]intercept.Det, error) {
+	if ran == m.Node {
+		// Said only when it is another host: a member of the previous version decodes requests strictly
+		// and would refuse every request that names one.
+		ran = ""
+	}
 	if source == "" || source == a.cfg.Name {
 		return a.determinantsSince(m.Job, m.ID, ran)
 	}
