@@ -48,12 +48,16 @@ func Load() (*Clamp, error) {
 }
 
 // OpenPinned loads the programs with their map pinned in dir (on a bpffs, created 0700 if
-// missing), re-using the map a previous process pinned there together with the flows it holds. Attach
-// then re-uses the links pinned there. A pinned map without flows is stale: it and its links are unpinned
+// missing; it and every directory above it must be root's alone, checkPinDir), re-using the map a
+// previous process pinned there together with the flows it holds. Attach then re-uses the links
+// pinned there. A pinned map without flows is stale: it and its links are unpinned
 // and the clamp starts afresh.
 func OpenPinned(dir string) (*Clamp, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("ackclamp: create pin directory: %w", err)
+	}
+	if err := checkPinDir(dir); err != nil {
+		return nil, fmt.Errorf("ackclamp: pin directory %s is not root's alone: %w", dir, err)
 	}
 	if ok, err := IsBPFFS(dir); err != nil || !ok {
 		return nil, fmt.Errorf("ackclamp: pin directory %s is not on a BPF file system (mount one with `mount -t bpf bpf %s`): %v", dir, DefaultBPFFS, err)

@@ -2,7 +2,10 @@ package ackclamp
 
 import (
 	"fmt"
+	"io/fs"
 	"os"
+	"path/filepath"
+	"syscall"
 
 	"golang.org/x/sys/unix"
 )
@@ -30,6 +33,43 @@ func MountBPFFS(dir string) error {
 	}
 	if err := unix.Mount("bpf", dir, "bpf", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "mode=0700"); err != nil {
 		return fmt.Errorf("mount the BPF file system on %s: %w", dir, err)
+	}
+	return nil
+}
+
+// checkPinDir checks that root alone can rename, remove or pre-create what the existing directory dir
+// holds: every directory from / down to dir is a real directory (no symbolic link) of root's (or of this
+// process's user), writable by its owner alone, but for one that is sticky and not dir itself (like a bpffs
+// mounted without a mode, 1777: others cannot touch root's entries there, and the next one is checked).
+// A user who could write one of them could move the agent's pins aside, and the next agent would find
+// no flow while the moved links go on clamping.
+func checkPinDir(dir string) error {
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return err
+	}
+	comps := []string{abs}
+	for p := abs; filepath.Dir(p) != p; p = filepath.Dir(p) {
+		comps = append([]string{filepath.Dir(p)}, comps...)
+	}
+	for i, p := range comps {
+		fi, err := os.Lstat(p)
+		if err != nil {
+			return err
+		}
+		if !fi.IsDir() {
+			return fmt.Errorf("%s is not a directory (mode %v)", p, fi.Mode())
+		}
+		st, ok := fi.Sys().(*syscall.Stat_t)
+		if !ok {
+			return fmt.Errorf("stat %s: no owner information", p)
+		}
+		if st.Uid != 0 && int64(st.Uid) != int64(os.Geteuid()) {
+			return fmt.Errorf("%s is owned by uid %d, who could move the pins aside: chown root it or choose a path of root's", p, st.Uid)
+		}
+		if fi.Mode().Perm()&0o022 != 0 && (fi.Mode()&fs.ModeSticky == 0 || i == len(comps)-1) {
+			return fmt.Errorf("%s has mode %04o, so others could move the pins aside: chmod go-w it or choose another path", p, fi.Mode().Perm())
+		}
 	}
 	return nil
 }
