@@ -13,6 +13,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ftkit/ftkit/ackclamp"
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/intercept/record"
@@ -275,6 +276,19 @@ func (a *Agent) releaseStaleClamps(pending []*recoveryRecord) {
 	if a.clamp == nil {
 		return
 	}
+	flows, err := a.clamp.Flows()
+	if err != nil {
+		a.log.Warn("could not list the ACK clamp's flows", "err", err)
+		return
+	}
+	for _, f := range staleClamps(pending, flows) {
+		a.log.Warn("releasing a clamped flow no recovery waits for", "local", f.Local, "remote", f.Remote)
+		a.clamp.Release(f)
+	}
+}
+
+// staleClamps is releaseStaleClamps' choice: the clamped flows that no unfinished job of pending waits for.
+func staleClamps(pending []*recoveryRecord, flows []ackclamp.ClampedFlow) []tcpflow.Tuple {
 	keep := map[tcpflow.Tuple]bool{}
 	for _, rec := range pending {
 		for _, j := range rec.Jobs {
@@ -282,21 +296,17 @@ func (a *Agent) releaseStaleClamps(pending []*recoveryRecord) {
 				continue
 			}
 			for _, c := range j.Conns {
-				keep[c.Tuple] = true
+				keep[c.Tuple.Unmap()] = true // the clamp lists a dual-stack socket's flow in its IPv4 form
 			}
 		}
 	}
-	flows, err := a.clamp.Flows()
-	if err != nil {
-		a.log.Warn("could not list the ACK clamp's flows", "err", err)
-		return
-	}
+	var stale []tcpflow.Tuple
 	for _, f := range flows {
 		if !keep[f.Flow] {
-			a.log.Warn("releasing a clamped flow no recovery waits for", "local", f.Flow.Local, "remote", f.Flow.Remote)
-			a.clamp.Release(f.Flow)
+			stale = append(stale, f.Flow)
 		}
 	}
+	return stale
 }
 
 // releaseClamps releases the ACK clamp of a restored job's connections that no replay will use.
@@ -459,21 +469,32 @@ func (a *Agent) resumedRecoveryDeps(ctx context.Context, t *recoveryTracker, r *
 // clamp no longer holds was released by the previous agent, which releases a flow only once its replay is
 // complete: it is not waited for again, but its bytes are still checked.
 func (a *Agent) resumedRecoveryJob(rj recoveryJob, j Job) *recovery.Job {
+	var flows []ackclamp.ClampedFlow
+	listed := false
+	if a.clamp != nil {
+		var err error
+		flows, err = a.clamp.Flows()
+		listed = err == nil
+	}
+	return resumedJob(rj, j, flows, listed)
+}
+
+// resumedJob is resumedRecoveryJob with the clamp's flows (listed: the clamp could list them; otherwise
+// every connection is waited for).
+func resumedJob(rj recoveryJob, j Job, flows []ackclamp.ClampedFlow, listed bool) *recovery.Job {
 	r := &recovery.Job{ID: j.ID, Incarnation: j.Incarnation, RestoredAt: rj.RestoredAt, Checks: map[tcpflow.Tuple]recovery.Check{}}
 	if r.RestoredAt.IsZero() {
 		r.RestoredAt = time.Now()
 	}
 	var clamped map[tcpflow.Tuple]bool
-	if a.clamp != nil {
-		if flows, err := a.clamp.Flows(); err == nil {
-			clamped = map[tcpflow.Tuple]bool{}
-			for _, f := range flows {
-				clamped[f.Flow] = true
-			}
+	if listed {
+		clamped = map[tcpflow.Tuple]bool{}
+		for _, f := range flows {
+			clamped[f.Flow] = true
 		}
 	}
 	for _, c := range rj.Conns {
-		if clamped != nil && !clamped[c.Tuple] {
+		if clamped != nil && !clamped[c.Tuple.Unmap()] { // listed in the IPv4 form, as staleClamps keeps them
 			r.Replayed = append(r.Replayed, c.Tuple)
 		}
 		cp := restore.ConnPlan{Resend: c.Resend}

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"log/slog"
 	"net/netip"
@@ -255,5 +256,33 @@ func TestResumeRecoveryRefusesUncheckable(t *testing.T) {
 	case <-exited:
 	case <-time.After(10 * time.Second):
 		t.Errorf("the record says job %s was killed (%q), but it still runs, unverified", job.ID, got.Error)
+	}
+}
+
+// TestResumeKeepsClampOfDualStackSocket: a restored socket of a dual-stack listener (AF_INET6, an IPv4
+// peer) has IPv4-mapped addresses in its snapshot, hence in the recovery record; the clamp keys every flow
+// by its IPv4 form and lists it so. A restarted agent must still find that flow unfinished: neither
+// release its clamp (the socket would drop every ACK of its peer as beyond what it sent, and stall) nor
+// take its replay for complete.
+func TestResumeKeepsClampOfDualStackSocket(t *testing.T) {
+	mapped := tcpflow.Tuple{Local: netip.MustParseAddrPort("[::ffff:10.0.0.2]:7000"), Remote: netip.MustParseAddrPort("[::ffff:10.0.0.1]:40000")}
+	rec := &recoveryRecord{Failure: "node2-20250101T000001.000", Coordinator: "node3",
+		Jobs: []recoveryJob{{Job: "rank1-abc", Snapshot: "s", Phase: phaseRestored, Conns: []recoveryConn{{Tuple: mapped, Resend: 10}}}}}
+	// As the agent keeps it: through its JSON record.
+	b, err := json.Marshal(rec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got recoveryRecord
+	if err := json.Unmarshal(b, &got); err != nil {
+		t.Fatal(err)
+	}
+	flows := []ackclamp.ClampedFlow{{Flow: mapped.Unmap(), State: ackclamp.ClampState{SndNxt: 1000}}}
+	if stale := staleClamps([]*recoveryRecord{&got}, flows); len(stale) != 0 {
+		t.Errorf("a restarted agent releases the clamp of %v, whose replay is not done", stale)
+	}
+	r := resumedJob(got.Jobs[0], Job{ID: "rank1-abc"}, flows, true)
+	if len(r.Replayed) != 0 {
+		t.Errorf("the resumed replay takes %v for complete while the clamp still holds it", r.Replayed)
 	}
 }
