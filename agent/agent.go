@@ -385,7 +385,7 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 		pid, err = shim.Launch(ctx, a.self, shim.Spec{
 			JobID: id, Mode: shim.ModeStart, Argv: spec.Argv, Env: spec.Env, Dir: spec.Dir, UID: uid, GID: gid, Limits: spec.Limits,
 			Stdout: j.StdoutPath(), Stderr: j.StderrPath(), Cgroup: j.Cgroup, ExitFile: j.ExitPath(), Node: a.cfg.Name,
-			Superseded: superseded, Refusal: refusal,
+			Superseded: superseded, Refusal: refusal, Incarnation: &j.Incarnation,
 		}, a.shimLog(id))
 		return err
 	})
@@ -567,6 +567,7 @@ func (a *Agent) Job(id string, uid uint32) (Job, <-chan struct{}, error) {
 // one is lost (its shim was killed too).
 func (a *Agent) watchJobs(ctx context.Context) {
 	gone := map[string]time.Time{}
+	older := map[string]bool{} // jobs whose older copy's record was warned of
 	tickgrid.Every(ctx, 200*time.Millisecond, func() {
 		a.mu.Lock()
 		var running []*Job
@@ -584,10 +585,21 @@ func (a *Agent) watchJobs(ctx context.Context) {
 				// the copy restored here.
 				err = fs.ErrNotExist
 			}
+			if err == nil && st.Older(j.Incarnation) {
+				// This host's own, of an older copy than the one it runs now (the job came back here): its
+				// kill, recorded after the restore had set earlier records aside.
+				if !older[j.ID] {
+					older[j.ID] = true
+					a.log.Warn("the job's directory holds the exit record of an older copy of the job, superseded, whose shim recorded its kill: not the end of the copy running here",
+						"job", j.ID, "incarnation", j.Incarnation, "record_incarnation", *st.Incarnation, "node", st.Node, "code", st.Code)
+				}
+				err = fs.ErrNotExist
+			}
 			switch {
 			case err == nil:
 				a.finish(j, JobExited, st)
 				delete(gone, j.ID)
+				delete(older, j.ID)
 			case !errors.Is(err, fs.ErrNotExist):
 				a.log.Warn("unreadable exit record", "job", j.ID, "err", err)
 			case !alive(j.PID):
@@ -597,6 +609,7 @@ func (a *Agent) watchJobs(ctx context.Context) {
 				} else if time.Since(first) > 2*time.Second {
 					a.finish(j, JobLost, nil)
 					delete(gone, j.ID)
+					delete(older, j.ID)
 				}
 			}
 		}

@@ -1,11 +1,13 @@
 package agent
 
 import (
+	"context"
 	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/ftkit/ftkit/shim"
 )
@@ -45,5 +47,53 @@ func TestFinishLeavesForeignCgroup(t *testing.T) {
 	a.finish(&own, JobExited, &shim.ExitStatus{})
 	if _, err := os.Stat(own.Cgroup); err == nil {
 		t.Errorf("finish left the job's own cgroup %s", own.Cgroup)
+	}
+}
+
+// TestWatchJobsIgnoresOlderCopysRecord: the job came back to this host as incarnation 2, and the kill of an
+// older copy of it here (incarnation 1: its shim, an older agent's, or one whose superseded mark could not
+// be written, recorded it after the restore had set earlier records aside) is not the end of the copy
+// that runs now: the agent finished it with that kill's status. Its own end, and a record naming no
+// incarnation (an older shim's), are taken as before.
+func TestWatchJobsIgnoresOlderCopysRecord(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("SKIPPED: exit records are root's: needs root (as the agent runs)")
+	}
+	for _, tc := range []struct {
+		name   string
+		record string
+		ends   bool
+	}{
+		{"an older copy's kill", `{"code": 137, "signal": "SIGKILL", "node": "node1", "incarnation": 1}`, false},
+		{"the running copy's end", `{"code": 3, "node": "node1", "incarnation": 2}`, true},
+		{"a record of an older shim", `{"code": 3, "node": "node1"}`, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ta := newTestAgent(t)
+			ta.mu.Lock()
+			j := ta.byID[rootsJob]
+			j.Incarnation = 2
+			ta.mu.Unlock()
+			must(t, os.MkdirAll(j.Dir, 0o755))
+			must(t, os.WriteFile(j.ExitPath(), []byte(tc.record), 0o644))
+			ctx, cancel := context.WithCancel(t.Context())
+			done := make(chan struct{})
+			go func() { ta.watchJobs(ctx); close(done) }()
+			defer func() { cancel(); <-done }()
+			deadline := time.Now().Add(time.Second)
+			for time.Now().Before(deadline) {
+				if got, _, _ := ta.Job(rootsJob, 0); got.State != JobRunning {
+					break
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+			got, _, _ := ta.Job(rootsJob, 0)
+			if ended := got.State == JobExited; ended != tc.ends {
+				t.Fatalf("record %s with the job at incarnation 2: state %s (exit %+v), want ended %v", tc.record, got.State, got.Exit, tc.ends)
+			}
+			if tc.ends && got.Exit.Code != 3 {
+				t.Fatalf("exit %+v, want the record's code 3", got.Exit)
+			}
+		})
 	}
 }

@@ -177,13 +177,17 @@ func (a *Agent) finishRunning(id string, state JobState, st *shim.ExitStatus) {
 // wrote one here; otherwise it is lost. Adopting it instead would let a reused PID pass for the job.
 func (a *Agent) settleGone(j *Job) {
 	st, err := shim.ReadExit(j.ExitPath())
-	if err == nil && (st.Node == "" || st.Node == a.cfg.Name) {
+	if err == nil && (st.Node == "" || st.Node == a.cfg.Name) && !st.Older(j.Incarnation) {
 		a.log.Info("a job ended while no agent ran", "job", j.ID)
 		a.finish(j, JobExited, st)
 		return
 	}
 	if err != nil && !errors.Is(err, fs.ErrNotExist) {
 		a.log.Warn("unreadable exit record", "job", j.ID, "err", err)
+	}
+	if err == nil && st.Older(j.Incarnation) {
+		a.log.Warn("the job's directory holds the exit record of an older copy of the job, superseded, whose shim recorded its kill: not this copy's end",
+			"job", j.ID, "incarnation", j.Incarnation, "record_incarnation", *st.Incarnation, "node", st.Node, "code", st.Code)
 	}
 	a.log.Warn("a job's processes are gone since the previous agent stopped (the host restarted, or they were killed); not adopting it", "job", j.ID)
 	a.finish(j, JobLost, nil)

@@ -226,7 +226,7 @@ func TestOwnCopyRuns(t *testing.T) {
 }
 
 // TestSettleGone: a record left running whose processes are gone is never adopted: it ended with its exit
-// record if this host's shim wrote one, else it is lost.
+// record if this host's shim wrote one for this copy (not for an older copy of the job here), else it is lost.
 func TestSettleGone(t *testing.T) {
 	for _, tc := range []struct {
 		name string
@@ -236,10 +236,13 @@ func TestSettleGone(t *testing.T) {
 		{"no exit record", nil, JobLost},
 		{"an exit record of this host", &shim.ExitStatus{Code: 3, Node: "node1"}, JobExited},
 		{"an exit record of another host's copy", &shim.ExitStatus{Code: 0, Node: "s1"}, JobLost},
+		{"this copy's exit record", &shim.ExitStatus{Code: 3, Node: "node1", Incarnation: new(uint64(2))}, JobExited},
+		{"an exit record of an older copy of this host", &shim.ExitStatus{Code: 137, Node: "node1", Incarnation: new(uint64(1))}, JobLost},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			ta := newTestAgent(t)
 			j := ta.byID[rootsJob]
+			j.Incarnation = 2
 			if tc.exit != nil {
 				b, _ := json.Marshal(tc.exit)
 				if err := os.MkdirAll(filepath.Dir(j.ExitPath()), 0o755); err != nil {

@@ -176,7 +176,7 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 				// the shim reads uid 0, and CRIU opens them all as root, unchecked.
 				UID: j.UID, GID: j.GID,
 				Cgroup:    j.Cgroup,
-				LazyPages: a.cfg.Failover.LazyRestore, Superseded: superseded, Refusal: refusal,
+				LazyPages: a.cfg.Failover.LazyRestore, Superseded: superseded, Refusal: refusal, Incarnation: &j.Incarnation,
 			}, a.shimLog(j.ID))
 			return err
 		})

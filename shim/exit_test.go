@@ -223,3 +223,62 @@ func TestRecordEnd(t *testing.T) {
 		})
 	}
 }
+
+// TestRecordEndCarriesIncarnation: the record names the job's incarnation the copy was, for its readers to
+// tell a superseded copy's kill from the job's end; a spec without one (an older agent's) gives a record
+// without one, as an older shim wrote, which no reader takes for an older copy's.
+func TestRecordEndCarriesIncarnation(t *testing.T) {
+	two := uint64(2)
+	for _, tc := range []struct {
+		name string
+		inc  *uint64
+	}{{"incarnation given", &two}, {"none given", nil}} {
+		t.Run(tc.name, func(t *testing.T) {
+			exit := filepath.Join(t.TempDir(), "exit")
+			spec := Spec{JobID: "job-00000001", ExitFile: exit, Incarnation: tc.inc}
+			if err := recordEnd(spec, ExitStatus{Code: 137, Signal: "SIGKILL", Node: "node2"}); err != nil {
+				t.Fatal(err)
+			}
+			st, err := ReadExit(exit)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if (st.Incarnation == nil) != (tc.inc == nil) || (tc.inc != nil && *st.Incarnation != *tc.inc) {
+				t.Fatalf("record's incarnation %v, want %v", st.Incarnation, tc.inc)
+			}
+			b, _ := os.ReadFile(exit)
+			if got := strings.Contains(string(b), `"incarnation"`); got != (tc.inc != nil) {
+				t.Fatalf("record %s names an incarnation: %v, want %v", b, got, tc.inc != nil)
+			}
+		})
+	}
+}
+
+// TestExitStatusOlder: only a record naming an incarnation below the current one is an older copy's; one
+// without (an older shim's) keeps being taken as it was. A record of incarnation 0 names it.
+func TestExitStatusOlder(t *testing.T) {
+	dir := t.TempDir()
+	for _, tc := range []struct {
+		record string
+		cur    uint64
+		want   bool
+	}{
+		{`{"code": 137, "node": "n1", "incarnation": 0}`, 1, true},
+		{`{"code": 137, "node": "n1", "incarnation": 1}`, 3, true},
+		{`{"code": 0, "node": "n1", "incarnation": 3}`, 3, false},
+		{`{"code": 0, "node": "n1", "incarnation": 4}`, 3, false},
+		{`{"code": 137, "node": "n1"}`, 3, false},
+	} {
+		p := filepath.Join(dir, "exit")
+		if err := os.WriteFile(p, []byte(tc.record), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		st, err := ReadExit(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := st.Older(tc.cur); got != tc.want {
+			t.Errorf("%s at incarnation %d: older %v, want %v", tc.record, tc.cur, got, tc.want)
+		}
+	}
+}

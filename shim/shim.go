@@ -73,6 +73,9 @@ type Spec struct {
 	Refusal string `json:"refusal,omitempty"`
 	// Limits are the resource limits the job starts with (ModeStart; rlimits.Session if none).
 	Limits []rlimits.Limit `json:"limits,omitempty"`
+	// Incarnation is the job's incarnation this copy is (agent.Job.Incarnation), which its exit record
+	// carries; nil: not given, and the record carries none.
+	Incarnation *uint64 `json:"incarnation,omitempty"`
 }
 
 // Report is the shim's one line on standard output: the job's host PID, or why it could not start.
@@ -89,7 +92,15 @@ type ExitStatus struct {
 	Node   string    `json:"node"`
 	// Reason is why ftkit killed the job, when it did (Spec.Refusal): its recovery was refused.
 	Reason string `json:"reason,omitempty"`
+	// Incarnation is the job's incarnation the copy that ended was (Spec.Incarnation); nil in a record of a
+	// shim of an older agent. Readers decode records leniently, so an older one ignores it.
+	Incarnation *uint64 `json:"incarnation,omitempty"`
 }
+
+// Older reports whether st is the record of a copy older than incarnation cur of the job: a superseded
+// copy's (fenced, moved, a failed host's) whose shim recorded its kill, not the job's end. A record
+// without an incarnation is not known to be older.
+func (st *ExitStatus) Older(cur uint64) bool { return st.Incarnation != nil && *st.Incarnation < cur }
 
 // Run is the body of `ftagent shim`: read the spec, start or restore the job, report its PID, wait for
 // it and record how it ended. It returns the shim's exit code.
@@ -181,7 +192,8 @@ func checkNames(spec Spec) error {
 
 // recordEnd writes the job's exit record, unless the agent superseded this copy (Spec.Superseded): ftwrap and
 // the agents follow the job through its directory, and a record there says the job is over. A job the agent
-// killed carries the agent's reason (Spec.Refusal).
+// killed carries the agent's reason (Spec.Refusal); every record, the copy's incarnation (Spec.Incarnation),
+// for its readers to tell a superseded copy's record from the job's end.
 func recordEnd(spec Spec, st ExitStatus) error {
 	if spec.Superseded != "" {
 		if _, err := os.Lstat(spec.Superseded); err == nil {
@@ -193,6 +205,7 @@ func recordEnd(spec Spec, st ExitStatus) error {
 	if spec.Refusal != "" && st.Signal == "SIGKILL" { // a job that ended by itself first ended so
 		st.Reason = readRefusal(spec.Refusal)
 	}
+	st.Incarnation = spec.Incarnation
 	return writeExit(spec.ExitFile, st)
 }
 

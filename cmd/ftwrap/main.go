@@ -147,7 +147,7 @@ func waitExit(ctx context.Context, log *slog.Logger, c *agentapi.Client, job age
 		if st, err := shim.ReadExit(exitPath); err == nil && !sameRecord(st, superseded) {
 			var local agent.Job
 			var localErr error
-			if st.Node == job.Node {
+			if st.Node == job.Node || st.Incarnation != nil {
 				actx, cancel := context.WithTimeout(ctx, 5*time.Second)
 				local, localErr = c.Job(actx, job.ID)
 				cancel()
@@ -160,6 +160,11 @@ func waitExit(ctx context.Context, log *slog.Logger, c *agentapi.Client, job age
 				return st, nil
 			case recordSuperseded:
 				superseded = st
+				if st.Older(local.Incarnation) {
+					log.Warn("the job's directory holds the exit record of an older copy of the job than this host's, superseded (its shim recorded its kill): following the job on",
+						"job", job.ID, "node", st.Node, "code", st.Code, "signal", st.Signal, "record_incarnation", *st.Incarnation, "incarnation", local.Incarnation)
+					break
+				}
 				log.Warn("the job's directory holds the exit record of this host's copy, which was killed because the job goes on elsewhere (its shim recorded the kill): following the job on",
 					"job", job.ID, "node", st.Node, "code", st.Code, "signal", st.Signal, "state", local.State, "fenced", local.Fenced)
 			}
@@ -213,14 +218,19 @@ const (
 )
 
 // recordIs says what exit record st is for job, started on job.Node, given what the agent of that host
-// says of the job (local, or localErr if it could not be asked; asked only for a record of its host). A
-// record of another host is the end of the job's restored copy. One of job.Node may be that of a copy its
-// agent killed because the job goes on elsewhere (fenced, or migrated away): the agent marks such a copy
-// superseded before the kill, but a shim of an older agent, or one whose mark could not be written,
-// records the kill anyway. The agent takes only its own host's records, and not that one (the job is
-// fenced or moved there), so it decides; if it cannot be asked, the record is the job's end.
+// says of the job (local, or localErr if it could not be asked; asked for a record of its host, and for
+// one that names its copy's incarnation). A record of an incarnation older than the copy that host has
+// run last is a superseded copy's (the job came back to the host after a copy elsewhere was fenced,
+// moved or failed, and that copy's shim recorded its kill). Otherwise a record of another host is the end
+// of the job's restored copy. One of job.Node may be that of a copy its agent killed because the job goes
+// on elsewhere (fenced, or migrated away): the agent marks such a copy superseded before the kill, but a
+// shim of an older agent, or one whose mark could not be written, records the kill anyway. The agent
+// takes only its own host's records, and not that one (the job is fenced or moved there), so it decides;
+// if it cannot be asked, the record is the job's end.
 func recordIs(st *shim.ExitStatus, job, local agent.Job, localErr error) recordVerdict {
 	switch {
+	case localErr == nil && st.Older(local.Incarnation):
+		return recordSuperseded
 	case st.Node != job.Node || localErr != nil:
 		return recordEnd
 	case local.Fenced || local.State == agent.JobMoved:
@@ -234,7 +244,8 @@ func recordIs(st *shim.ExitStatus, job, local agent.Job, localErr error) recordV
 
 // sameRecord reports whether a and b are the same exit record (b may be nil).
 func sameRecord(a, b *shim.ExitStatus) bool {
-	return b != nil && a.Node == b.Node && a.Code == b.Code && a.Signal == b.Signal && a.Time.Equal(b.Time) && a.Reason == b.Reason
+	return b != nil && a.Node == b.Node && a.Code == b.Code && a.Signal == b.Signal && a.Time.Equal(b.Time) && a.Reason == b.Reason &&
+		(a.Incarnation == nil) == (b.Incarnation == nil) && (a.Incarnation == nil || *a.Incarnation == *b.Incarnation)
 }
 
 // follow copies a growing file to w until ctx ends and the file has been read to its end. A restore

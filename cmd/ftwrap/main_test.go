@@ -158,3 +158,79 @@ func TestWaitExitTakesOwnHostsEnd(t *testing.T) {
 		})
 	}
 }
+
+// writeRaw writes an exit record's JSON as a shim does (root's, renamed into place): a record of this
+// version's shim, with the copy's incarnation, written as such to run against any version of ExitStatus.
+func writeRaw(t *testing.T, dir, record string) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("exit records are root's: run as root")
+	}
+	tmp := filepath.Join(dir, ".exit.tmp")
+	if err := os.WriteFile(tmp, []byte(record), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, filepath.Join(dir, "exit")); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// The job left ftwrap's host, ran on node2 as incarnation 1, and came back here as incarnation 2 when
+// node2 failed; node2's copy, killed once node2 rejoined, recorded its kill (an older agent's shim, or a
+// superseded mark that could not be written). That record names another host, which ftwrap took for the
+// end of the job's restored copy and exited 137 with while the job ran on here: an older incarnation than
+// the one its agent runs is a superseded copy's, and ftwrap follows the job on to its end.
+func TestWaitExitIgnoresOlderIncarnationsRecord(t *testing.T) {
+	dir := t.TempDir()
+	job := agent.Job{ID: "sim-00000001", Node: "node1", State: agent.JobRunning, Dir: dir}
+	b := &jobBackend{}
+	back := job
+	back.Incarnation = 2
+	b.set(back)
+	c := serveAgent(t, b)
+	writeRaw(t, dir, `{"code": 137, "signal": "SIGKILL", "node": "node2", "time": "2026-12-07T12:00:00Z", "incarnation": 1}`)
+	go func() {
+		time.Sleep(500 * time.Millisecond)
+		ended := back
+		ended.State = agent.JobExited
+		b.set(ended)
+		writeRaw(t, dir, `{"code": 0, "node": "node1", "time": "2026-12-07T12:01:00Z", "incarnation": 2}`)
+	}()
+	done := make(chan struct{})
+	var st *shim.ExitStatus
+	var err error
+	go func() { st, err = waitExit(t.Context(), slog.New(slog.DiscardHandler), c, job, nil); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("waitExit did not take the job's end")
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Node != "node1" || st.Code != 0 {
+		t.Fatalf("waitExit = status %d (%s) from %s: the kill of node2's older copy, while the job ran on here as incarnation 2; want node1's 0", st.Code, st.Signal, st.Node)
+	}
+}
+
+// A record naming an incarnation no older than the agent's copy, or none (an older shim's), keeps being
+// taken as the end of a copy elsewhere.
+func TestWaitExitTakesRecordOfNewerOrNoIncarnation(t *testing.T) {
+	for _, record := range []string{
+		`{"code": 5, "node": "node2", "time": "2026-12-07T12:00:00Z", "incarnation": 1}`,
+		`{"code": 5, "node": "node2", "time": "2026-12-07T12:00:00Z"}`,
+	} {
+		dir := t.TempDir()
+		job := agent.Job{ID: "sim-00000001", Node: "node1", State: agent.JobRunning, Dir: dir}
+		b := &jobBackend{}
+		fenced := job
+		fenced.State, fenced.Fenced = agent.JobLost, true
+		b.set(fenced)
+		c := serveAgent(t, b)
+		writeRaw(t, dir, record)
+		st, err := waitExit(t.Context(), slog.New(slog.DiscardHandler), c, job, nil)
+		if err != nil || st.Code != 5 {
+			t.Fatalf("record %s: waitExit = %+v, %v; want status 5", record, st, err)
+		}
+	}
+}
