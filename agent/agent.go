@@ -118,6 +118,9 @@ type Agent struct {
 	peerClient peerClient   // the agent-to-agent protocol's client (a.peers())
 	asked      atomic.Int32 // the snapshots peers asked for (clusterapi.OpCheckpointNow): askIdle, askRunning, askQueued
 	predicted  atomic.Bool  // the health command predicts a failure of this host (health.go)
+	// answering: the health command answered (exit 0 or 1) at one of its last healthMisses runs, so interval
+	// auto counts only the failures it misses (unpredictedMTBF); false until its first answer.
+	answering atomic.Bool
 	// selfFenced: this host fenced itself and is still cut off from its ring neighbours (selfFence); it
 	// starts and restores no job meanwhile, since its protector counts every copy here as gone.
 	selfFenced atomic.Bool

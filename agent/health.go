@@ -32,9 +32,16 @@ func (a *Agent) watchHealth(ctx context.Context) {
 	// flapping at its threshold otherwise drained the host again at every other run (drains running at
 	// once), and put the jobs that stayed back on their long interval inside the predicted window.
 	var lastFailing time.Time
+	misses := 0 // runs in a row that did not answer
 	tickgrid.Every(ctx, h.Interval.Duration, func() {
 		r := cmd.Run(ctx)
 		why := strings.Join(strings.Fields(r.Output), " ")
+		if r.Exit == healthOK || r.Exit == healthFailing {
+			misses = 0
+			a.setAnswering(true)
+		} else if misses++; misses >= healthMisses {
+			a.setAnswering(false)
+		}
 		switch r.Exit {
 		case healthOK:
 			if a.predicted.Load() && time.Since(lastFailing) < h.LeadTime.Duration {
@@ -53,18 +60,45 @@ func (a *Agent) watchHealth(ctx context.Context) {
 			a.log.Error("health command predicts a failure of this host: draining it", "output", why, "lead_time", h.LeadTime)
 			go a.drain(context.WithoutCancel(ctx), nil, "health command predicts a failure: "+why)
 		default:
-			a.log.Warn("health command failed; nothing changes", "exit", r.Exit, "err", r.Err, "output", why)
+			a.log.Warn("health command failed; nothing changes", "exit", r.Exit, "err", r.Err, "output", why, "in_a_row", misses)
 		}
 	})
 }
 
-// unpredictedMTBF is the MTBF the automatic checkpoint interval is computed for: with a failure predictor,
-// only the failures it misses (checkpoint.mtbf / (1 - recall)), at most the longest time.Duration (some
-// 292 years): a host's MTBF of years and a recall near 1 go beyond it, and a float64 beyond it converts to
-// a negative duration, which the automatic policy refuses.
+// healthMisses is how many runs of the health command in a row may fail to answer (any exit but 0 and 1, a
+// timeout, a program refused or not found) before interval auto stops counting on its predictions: one
+// failed run is no reason to snapshot more often, a command that no longer answers predicts nothing.
+const healthMisses = 3
+
+// setAnswering records whether the health command answers, and when that changes, logs it and puts the
+// interval policies on the MTBF that follows (unpredictedMTBF).
+func (a *Agent) setAnswering(ok bool) {
+	if a.answering.Swap(ok) == ok {
+		return
+	}
+	m := a.unpredictedMTBF()
+	if ok {
+		a.log.Info("health command answers: interval auto counts only the failures it does not predict",
+			"mtbf", m, "checkpoint_mtbf", a.cfg.Checkpoint.MTBF, "recall", a.cfg.Health.Recall)
+	} else {
+		a.log.Warn("health command no longer answers: interval auto counts every failure",
+			"mtbf", m, "failed_runs_in_a_row", healthMisses)
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	for _, p := range a.policies {
+		p.SetMTBF(m)
+	}
+}
+
+// unpredictedMTBF is the MTBF the automatic checkpoint interval is computed for: with a failure predictor
+// that answers (a.answering), only the failures it misses (checkpoint.mtbf / (1 - recall)), at most the
+// longest time.Duration (some 292 years): a host's MTBF of years and a recall near 1 go beyond it, and a
+// float64 beyond it converts to a negative duration, which the automatic policy refuses. A predictor that
+// has not answered yet, or no longer does, catches nothing: then checkpoint.mtbf itself.
 func (a *Agent) unpredictedMTBF() time.Duration {
 	m := a.cfg.Checkpoint.MTBF.Duration
-	if len(a.cfg.Health.Command) == 0 {
+	if len(a.cfg.Health.Command) == 0 || !a.answering.Load() {
 		return m
 	}
 	u := float64(m) / (1 - a.cfg.Health.Recall)

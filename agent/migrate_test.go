@@ -247,6 +247,10 @@ func TestHealthInterval(t *testing.T) {
 	a.cfg.Checkpoint.MTBF.Duration = 10 * time.Hour
 	a.cfg.Checkpoint.MinInterval.Duration = time.Second
 	a.cfg.Health = HealthConfig{Command: []string{"/bin/true"}, Recall: 0.75, LeadTime: Duration{Duration: 10 * time.Minute}}
+	if got := a.unpredictedMTBF(); got != 10*time.Hour {
+		t.Errorf("MTBF for the checkpoint interval before the health command answered: %s, want checkpoint.mtbf", got)
+	}
+	a.answering.Store(true)
 	if got := a.unpredictedMTBF(); got != 40*time.Hour {
 		t.Errorf("MTBF for the checkpoint interval with recall 0.75: %s, want 40h", got)
 	}

@@ -16,15 +16,18 @@ import (
 
 // Status is what GET /v1/status returns.
 type Status struct {
-	Node      string        `json:"node"`
-	Role      Role          `json:"role"`
-	Protector string        `json:"protector,omitempty"`
-	Mode      Mode          `json:"mode"`
-	Interval  string        `json:"interval"`
-	Epoch     uint64        `json:"epoch"` // of the membership view
-	Members   []ring.Member `json:"members"`
-	Busy      string        `json:"busy,omitempty"` // checkpoint or restore in progress
-	Jobs      []Job         `json:"jobs"`
+	Node      string `json:"node"`
+	Role      Role   `json:"role"`
+	Protector string `json:"protector,omitempty"`
+	Mode      Mode   `json:"mode"`
+	Interval  string `json:"interval"`
+	// AutoMTBF is the MTBF interval auto is computed for now: checkpoint.mtbf, or checkpoint.mtbf / (1 -
+	// recall) while the health command answers (unpredictedMTBF).
+	AutoMTBF string        `json:"auto_mtbf,omitempty"`
+	Epoch    uint64        `json:"epoch"` // of the membership view
+	Members  []ring.Member `json:"members"`
+	Busy     string        `json:"busy,omitempty"` // checkpoint or restore in progress
+	Jobs     []Job         `json:"jobs"`
 	// JobProtectors names, for each running job, the member its snapshots go to now: its run's next host
 	// (through the view) for a job with a placement, else this node's ring protector.
 	JobProtectors map[string]string `json:"job_protectors,omitempty"`
@@ -47,7 +50,7 @@ func (a *Agent) Status(uid uint32) Status {
 	s := Status{
 		Node: a.cfg.Name, Role: Role(self.Role), Mode: a.cfg.Checkpoint.Mode, Interval: a.cfg.Checkpoint.Interval.String(),
 		Epoch: v.Epoch, Members: v.Members, Busy: busy, Jobs: a.Jobs(uid), Version: version.Ftkit(), CRIU: a.criu.Binary,
-		Log: a.logStatus(), FailurePredicted: a.predicted.Load(),
+		Log: a.logStatus(), FailurePredicted: a.predicted.Load(), AutoMTBF: a.unpredictedMTBF().String(),
 	}
 	if p, ok := v.Protector(a.cfg.Name); ok {
 		s.Protector = p.Name

@@ -17,7 +17,8 @@ import (
 // another node of the ring, and the others are snapshotted at once and then at Daly's interval for a
 // failure LeadTime away, until the command says healthy again. With a predictor, the failures left to
 // the checkpoint interval are the ones it misses: the automatic interval uses checkpoint.mtbf /
-// (1 - Recall), as the thesis does for its precautionary checkpoints.
+// (1 - Recall), as the thesis does for its precautionary checkpoints, while the command answers (exit 0
+// or 1; the agent falls back to checkpoint.mtbf when it does not).
 type HealthConfig struct {
 	Command  []string `toml:"command"` // absolute path first; {host} is this host's member name
 	Interval Duration `toml:"interval"`

@@ -126,6 +126,18 @@ func (p *Policy) Observe(cost time.Duration) {
 	p.n++
 }
 
+// SetMTBF changes the MTBF an automatic policy computes the interval for (a failure predictor that started
+// or stopped answering changes which failures are left to checkpoints). A non-positive one, which New
+// refuses, is ignored.
+func (p *Policy) SetMTBF(mtbf time.Duration) {
+	if mtbf <= 0 {
+		return
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.cfg.MTBF = mtbf
+}
+
 // Cost is the smoothed dump cost currently used.
 func (p *Policy) Cost() time.Duration {
 	p.mu.Lock()
@@ -138,12 +150,14 @@ func (p *Policy) Interval() time.Duration {
 	if p.cfg.Fixed > 0 {
 		return p.cfg.Fixed
 	}
-	cost := p.Cost()
+	p.mu.Lock()
+	cost, mtbf := p.cost, p.cfg.MTBF
+	p.mu.Unlock()
 	var tau time.Duration
 	if p.cfg.Formula == FormulaYoung {
-		tau = Young(cost, p.cfg.MTBF)
+		tau = Young(cost, mtbf)
 	} else {
-		tau = Daly(cost, p.cfg.MTBF)
+		tau = Daly(cost, mtbf)
 	}
 	tau = max(tau, p.cfg.Min)
 	if p.cfg.Max > 0 {

@@ -130,3 +130,20 @@ func TestPolicyConcurrent(t *testing.T) {
 		t.Errorf("Cost = %v", p.Cost())
 	}
 }
+
+// TestSetMTBF: the interval follows the MTBF set after New (a failure predictor that starts or stops
+// answering); a non-positive one is ignored.
+func TestSetMTBF(t *testing.T) {
+	p, err := New(Config{MTBF: time.Hour, InitialCost: s})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.SetMTBF(10 * time.Hour)
+	if got, want := p.Interval(), Daly(s, 10*time.Hour); got != want {
+		t.Errorf("Interval after SetMTBF(10h) = %v, want %v", got, want)
+	}
+	p.SetMTBF(0)
+	if got, want := p.Interval(), Daly(s, 10*time.Hour); got != want {
+		t.Errorf("Interval after SetMTBF(0) = %v, want %v (unchanged)", got, want)
+	}
+}

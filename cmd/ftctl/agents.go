@@ -233,7 +233,11 @@ coordinator takes within seconds. With a local lab up, every live host is shown.
 				if h.FailurePredicted {
 					health = "ok, FAILURE PREDICTED (health command): drained"
 				}
-				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%d running\t%s\n", h.Node, h.Role, dash(h.Protector), h.Mode, h.Interval, running, health)
+				iv := h.Interval
+				if iv == "auto" && h.AutoMTBF != "" {
+					iv += " (mtbf " + h.AutoMTBF + ")"
+				}
+				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%d running\t%s\n", h.Node, h.Role, dash(h.Protector), h.Mode, iv, running, health)
 			}
 			w.Flush()
 			fmt.Fprintln(cmd.OutOrStdout())
