@@ -39,8 +39,8 @@ func (r DeterminantsRequest) Batch() (intercept.Batch, error) {
 
 // DeterminantsSinceRequest asks the holder of a snapshot for what its job consumed after the dump, from
 // the From-th determinant on (a page at a time). Ran is the host the job last ran on from the snapshot
-// (intercept.Store.SinceOn), "" for the one it was taken on; a server of an earlier version ignores it
-// and answers with the record of the snapshot's host.
+// (intercept.Store.SinceOn), "" for the one it was taken on. Set it only when it is another host: a server
+// of an earlier version decodes requests strictly and refuses one that names it (bad-request).
 type DeterminantsSinceRequest struct {
 	Job      string `json:"job"`
 	Snapshot string `json:"snapshot"`
