@@ -28,10 +28,10 @@ func (a *Agent) watchHealth(ctx context.Context) {
 		argv[i] = strings.ReplaceAll(s, "{host}", a.cfg.Name)
 	}
 	cmd := sitecmd.Command{Name: "health command", Argv: argv, Timeout: h.Timeout.Duration}
-	// A prediction covers lead_time: an exit 0 within it of the last exit 1 does not clear it. A command
-	// flapping at its threshold otherwise drained the host again at every other run (drains running at
-	// once), and put the jobs that stayed back on their long interval inside the predicted window.
-	var lastFailing time.Time
+	// A prediction that comes back within lead_time of the drain it started drains nothing again: a
+	// command flapping at its threshold otherwise drained the host at every other run, drains running at
+	// once. An exit 0 still ends the prediction at once (the operator fixed the host).
+	var lastDrain time.Time
 	misses := 0 // runs in a row that did not answer
 	tickgrid.Every(ctx, h.Interval.Duration, func() {
 		r := cmd.Run(ctx)
@@ -44,19 +44,19 @@ func (a *Agent) watchHealth(ctx context.Context) {
 		}
 		switch r.Exit {
 		case healthOK:
-			if a.predicted.Load() && time.Since(lastFailing) < h.LeadTime.Duration {
-				a.log.Debug("health command says healthy within the lead time of its last prediction: it still holds", "output", why,
-					"predicted_at", lastFailing, "lead_time", h.LeadTime)
-				return
-			}
 			if a.predicted.Swap(false) {
 				a.log.Info("health command says this host is healthy again: snapshots back on their interval", "output", why)
 			}
 		case healthFailing:
-			lastFailing = time.Now()
 			if a.predicted.Swap(true) {
 				return // drained already; the jobs that stayed are snapshotted on the shorter interval
 			}
+			if !lastDrain.IsZero() && time.Since(lastDrain) < h.LeadTime.Duration {
+				a.log.Warn("health command predicts a failure of this host again, within the lead time of the drain it started: not drained again; the jobs that stayed are snapshotted on the shorter interval",
+					"output", why, "drained_at", lastDrain, "lead_time", h.LeadTime)
+				return
+			}
+			lastDrain = time.Now()
 			a.log.Error("health command predicts a failure of this host: draining it", "output", why, "lead_time", h.LeadTime)
 			go a.drain(context.WithoutCancel(ctx), nil, "health command predicts a failure: "+why)
 		default:
