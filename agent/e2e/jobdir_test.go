@@ -376,9 +376,16 @@ func TestRestoreWhereAnEarlierCopyEnded(t *testing.T) {
 		`i=0; while [ ! -e %[1]s ]; do echo $i; i=$((i+1)); sleep 0.02; done; exit $(cat %[1]s)`, stop))
 	waitSize(t, map[string]int64{j.StdoutPath(): 20})
 	m := snapshotNow(t, c, "node1", j.ID)
-	if err := os.WriteFile(stop, []byte("3"), 0o644); err != nil {
-		t.Fatal(err)
+	say := func(code string) { // whole, at once: the job reads the file as soon as it exists
+		t.Helper()
+		if err := os.WriteFile(stop+".new", []byte(code), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(stop+".new", stop); err != nil {
+			t.Fatal(err)
+		}
 	}
+	say("3")
 	if first := waitExited(t, c, "node1", j.ID); first.Exit == nil || first.Exit.Code != 3 {
 		t.Fatalf("first copy ended %s %+v, want exit 3", first.State, first.Exit)
 	}
@@ -399,9 +406,7 @@ func TestRestoreWhereAnEarlierCopyEnded(t *testing.T) {
 	if got, err := c.Client("node1").Job(ctx, j.ID); err != nil || got.State != agent.JobRunning {
 		t.Errorf("while the restored copy runs the agent has it as %s %+v (%v); want running", got.State, got.Exit, err)
 	}
-	if err := os.WriteFile(stop, []byte("0"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	say("0")
 	end := waitExited(t, c, "node1", j.ID)
 	if end.Exit == nil || end.Exit.Code != 0 || end.Exit.Time.Before(restored) {
 		t.Errorf("restored copy ended %s %+v; want its own exit 0, after the restore at %s", end.State, end.Exit, restored.Format(time.RFC3339Nano))
