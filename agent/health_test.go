@@ -107,8 +107,11 @@ func TestAutoIntervalCountsOnAPredictorOnlyWhileItAnswers(t *testing.T) {
 	if err := os.WriteFile(prog, []byte(script), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	setExit := func(n string) {
-		if err := os.WriteFile(exit, []byte(n+"\n"), 0o644); err != nil {
+	setExit := func(n string) { // whole, at once: a run reading it empty would exit 1 (read fails), a prediction
+		if err := os.WriteFile(exit+".new", []byte(n+"\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(exit+".new", exit); err != nil {
 			t.Fatal(err)
 		}
 	}
