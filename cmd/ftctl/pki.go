@@ -14,6 +14,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -317,8 +318,9 @@ that was stolen or retired, or an operator's whose key may be lost; re-issue the
 	return cmd
 }
 
-// privateDir makes sure dir is a directory only its owner can access, creating it 0700 if missing. A
-// symbolic link is refused rather than followed: keys written through one would land where its author chose.
+// privateDir makes sure dir is a directory of this user's only this user can access, creating it 0700 if
+// missing. A symbolic link is refused rather than followed: keys written through one would land where its
+// author chose; so is a directory of another user's, who would read the keys root writes there.
 func privateDir(dir string) error {
 	fi, err := os.Lstat(dir)
 	if errors.Is(err, fs.ErrNotExist) {
@@ -340,6 +342,9 @@ func privateDir(dir string) error {
 		return fmt.Errorf("%s is not a directory", dir)
 	case fi.Mode().Perm()&0o077 != 0:
 		return fmt.Errorf("%s is accessible to other users (mode %04o) and would hold private keys: chmod 700 it", dir, fi.Mode().Perm())
+	}
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok && int(st.Uid) != os.Geteuid() {
+		return fmt.Errorf("%s is owned by uid %d, who would read the private keys written there: give a directory of uid %d's (chown it, or another path)", dir, st.Uid, os.Geteuid())
 	}
 	return nil
 }
