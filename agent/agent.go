@@ -569,54 +569,62 @@ func (a *Agent) Job(id string, uid uint32) (Job, <-chan struct{}, error) {
 // watchJobs notices jobs that end: the shim writes the exit record; a job whose process is gone without
 // one is lost (its shim was killed too).
 func (a *Agent) watchJobs(ctx context.Context) {
-	gone := map[string]time.Time{}
-	older := map[string]bool{} // jobs whose older copy's record was warned of
-	tickgrid.Every(ctx, 200*time.Millisecond, func() {
-		a.mu.Lock()
-		var running []*Job
-		for _, j := range a.byID {
-			if j.State == JobRunning {
-				running = append(running, j)
+	w := jobWatch{gone: map[string]time.Time{}, older: map[string]bool{}}
+	tickgrid.Every(ctx, 200*time.Millisecond, func() { a.lookAtJobs(w) })
+}
+
+// jobWatch is what watchJobs keeps from one look at the running jobs to the next.
+type jobWatch struct {
+	gone  map[string]time.Time // when a job's process was first seen gone with no exit record
+	older map[string]bool      // jobs whose older copy's record was warned of
+}
+
+// lookAtJobs is one look of watchJobs at the running jobs.
+func (a *Agent) lookAtJobs(w jobWatch) {
+	a.mu.Lock()
+	var running []*Job
+	for _, j := range a.byID {
+		if j.State == JobRunning {
+			running = append(running, j)
+		}
+	}
+	a.mu.Unlock()
+	for _, j := range running {
+		st, err := shim.ReadExit(j.ExitPath())
+		if err == nil && st.Node != "" && st.Node != a.cfg.Name {
+			// An older copy's record in the cluster-wide job directory (a fenced host marks its copy
+			// superseded first, but a shim of an older agent records the kill): it says nothing about
+			// the copy restored here.
+			err = fs.ErrNotExist
+		}
+		if err == nil && st.Older(j.Incarnation) {
+			// This host's own, of an older copy than the one it runs now (the job came back here): its
+			// kill, recorded after the restore had set earlier records aside.
+			if !w.older[j.ID] {
+				w.older[j.ID] = true
+				a.log.Warn("the job's directory holds the exit record of an older copy of the job, superseded, whose shim recorded its kill: not the end of the copy running here",
+					"job", j.ID, "incarnation", j.Incarnation, "record_incarnation", *st.Incarnation, "node", st.Node, "code", st.Code)
+			}
+			err = fs.ErrNotExist
+		}
+		switch {
+		case err == nil:
+			a.finish(j, JobExited, st)
+			delete(w.gone, j.ID)
+			delete(w.older, j.ID)
+		case !errors.Is(err, fs.ErrNotExist):
+			a.log.Warn("unreadable exit record", "job", j.ID, "err", err)
+		case !alive(j.PID):
+			// The shim writes the record right after the job exits; give it a moment.
+			if first, seen := w.gone[j.ID]; !seen {
+				w.gone[j.ID] = time.Now()
+			} else if time.Since(first) > 2*time.Second {
+				a.finish(j, JobLost, nil)
+				delete(w.gone, j.ID)
+				delete(w.older, j.ID)
 			}
 		}
-		a.mu.Unlock()
-		for _, j := range running {
-			st, err := shim.ReadExit(j.ExitPath())
-			if err == nil && st.Node != "" && st.Node != a.cfg.Name {
-				// An older copy's record in the cluster-wide job directory (a fenced host marks its copy
-				// superseded first, but a shim of an older agent records the kill): it says nothing about
-				// the copy restored here.
-				err = fs.ErrNotExist
-			}
-			if err == nil && st.Older(j.Incarnation) {
-				// This host's own, of an older copy than the one it runs now (the job came back here): its
-				// kill, recorded after the restore had set earlier records aside.
-				if !older[j.ID] {
-					older[j.ID] = true
-					a.log.Warn("the job's directory holds the exit record of an older copy of the job, superseded, whose shim recorded its kill: not the end of the copy running here",
-						"job", j.ID, "incarnation", j.Incarnation, "record_incarnation", *st.Incarnation, "node", st.Node, "code", st.Code)
-				}
-				err = fs.ErrNotExist
-			}
-			switch {
-			case err == nil:
-				a.finish(j, JobExited, st)
-				delete(gone, j.ID)
-				delete(older, j.ID)
-			case !errors.Is(err, fs.ErrNotExist):
-				a.log.Warn("unreadable exit record", "job", j.ID, "err", err)
-			case !alive(j.PID):
-				// The shim writes the record right after the job exits; give it a moment.
-				if first, seen := gone[j.ID]; !seen {
-					gone[j.ID] = time.Now()
-				} else if time.Since(first) > 2*time.Second {
-					a.finish(j, JobLost, nil)
-					delete(gone, j.ID)
-					delete(older, j.ID)
-				}
-			}
-		}
-	})
+	}
 }
 
 func (a *Agent) finish(j *Job, state JobState, st *shim.ExitStatus) {

@@ -1,7 +1,6 @@
 package agent
 
 import (
-	"context"
 	"io"
 	"log/slog"
 	"os"
@@ -76,17 +75,7 @@ func TestWatchJobsIgnoresOlderCopysRecord(t *testing.T) {
 			ta.mu.Unlock()
 			must(t, os.MkdirAll(j.Dir, 0o755))
 			must(t, os.WriteFile(j.ExitPath(), []byte(tc.record), 0o644))
-			ctx, cancel := context.WithCancel(t.Context())
-			done := make(chan struct{})
-			go func() { ta.watchJobs(ctx); close(done) }()
-			defer func() { cancel(); <-done }()
-			deadline := time.Now().Add(time.Second)
-			for time.Now().Before(deadline) {
-				if got, _, _ := ta.Job(rootsJob, 0); got.State != JobRunning {
-					break
-				}
-				time.Sleep(20 * time.Millisecond)
-			}
+			ta.lookAtJobs(jobWatch{gone: map[string]time.Time{}, older: map[string]bool{}}) // one look of watchJobs
 			got, _, _ := ta.Job(rootsJob, 0)
 			if ended := got.State == JobExited; ended != tc.ends {
 				t.Fatalf("record %s with the job at incarnation 2: state %s (exit %+v), want ended %v", tc.record, got.State, got.Exit, tc.ends)
