@@ -1,7 +1,6 @@
 package main
 
 import (
-	"encoding/json"
 	"fmt"
 	"log/slog"
 	"os"
@@ -18,15 +17,20 @@ import (
 // jobBackend is a local agent that knows one job; only Job is served (the rest of Backend is never called).
 type jobBackend struct {
 	agentapi.Backend
-	mu  sync.Mutex
-	job agent.Job
+	mu    sync.Mutex
+	job   agent.Job
+	asked chan struct{} // closed when the job is first asked about (newJobBackend)
+	once  sync.Once
 }
+
+func newJobBackend(j agent.Job) *jobBackend { return &jobBackend{job: j, asked: make(chan struct{})} }
 
 func (b *jobBackend) CheckpointFloor() time.Duration { return time.Hour }
 
 func (b *jobBackend) set(j agent.Job) { b.mu.Lock(); defer b.mu.Unlock(); b.job = j }
 
 func (b *jobBackend) Job(id string, _ uint32) (agent.Job, <-chan struct{}, error) {
+	b.once.Do(func() { close(b.asked) })
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.job.ID != id {
@@ -46,14 +50,34 @@ func serveAgent(t *testing.T, b agentapi.Backend) *agentapi.Client {
 	return agentapi.NewClient(sock)
 }
 
-// writeRecord writes an exit record as a shim does (root's, renamed into place).
-func writeRecord(t *testing.T, dir string, st shim.ExitStatus) {
+// followPastStale has ftwrap's waitExit for job meet stale, a superseded copy's exit record, while its agent
+// says agentSays of the job; once waitExit has asked the agent about it, the agent says ended, and end (the
+// job's end) goes in. It returns what waitExit took for the end.
+func followPastStale(t *testing.T, job, agentSays agent.Job, stale, end string) *shim.ExitStatus {
 	t.Helper()
-	b, err := json.Marshal(st)
+	b := newJobBackend(agentSays)
+	c := serveAgent(t, b)
+	writeRaw(t, job.Dir, stale)
+	go func() {
+		<-b.asked
+		ended := agentSays
+		ended.State = agent.JobExited
+		b.set(ended)
+		writeRaw(t, job.Dir, end)
+	}()
+	done := make(chan struct{})
+	var st *shim.ExitStatus
+	var err error
+	go func() { st, err = waitExit(t.Context(), slog.New(slog.DiscardHandler), c, job, nil); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(time.Minute):
+		t.Fatal("waitExit did not take the job's end")
+	}
 	if err != nil {
 		t.Fatal(err)
 	}
-	writeRaw(t, dir, string(b))
+	return st
 }
 
 // The copy on ftwrap's host was fenced and killed, but its shim (an older agent's, or one whose superseded
@@ -61,22 +85,11 @@ func writeRecord(t *testing.T, dir string, st shim.ExitStatus) {
 // kill's status, as the agents do not (watchJobs takes only its own host's records), but follow the job on
 // to the end its restored copy records.
 func TestWaitExitIgnoresSupersededCopysRecord(t *testing.T) {
-	dir := t.TempDir()
-	job := agent.Job{ID: "sim-00000001", Node: "node1", State: agent.JobRunning, Dir: dir}
-	b := &jobBackend{}
+	job := agent.Job{ID: "sim-00000001", Node: "node1", State: agent.JobRunning, Dir: t.TempDir()}
 	fenced := job
 	fenced.State, fenced.Fenced = agent.JobLost, true
-	b.set(fenced)
-	c := serveAgent(t, b)
-	writeRecord(t, dir, shim.ExitStatus{Code: 137, Signal: "SIGKILL", Node: "node1", Time: time.Now()})
-	go func() {
-		time.Sleep(500 * time.Millisecond)
-		writeRecord(t, dir, shim.ExitStatus{Code: 0, Node: "node2", Time: time.Now()})
-	}()
-	st, err := waitExit(t.Context(), slog.New(slog.DiscardHandler), c, job, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	st := followPastStale(t, job, fenced, `{"code": 137, "signal": "SIGKILL", "node": "node1", "time": "2026-12-07T12:00:00Z"}`,
+		`{"code": 0, "node": "node2", "time": "2026-12-07T12:01:00Z"}`)
 	if st.Node != "node2" || st.Code != 0 {
 		t.Fatalf("waitExit = status %d (%s) from %s: the fenced copy's kill, while the job ran on on node2; want node2's 0", st.Code, st.Signal, st.Node)
 	}
@@ -84,22 +97,11 @@ func TestWaitExitIgnoresSupersededCopysRecord(t *testing.T) {
 
 // A migrated job's copy left behind is killed the same way (state moved): its kill is not the job's end.
 func TestWaitExitIgnoresMovedCopysRecord(t *testing.T) {
-	dir := t.TempDir()
-	job := agent.Job{ID: "sim-00000001", Node: "node1", State: agent.JobRunning, Dir: dir}
-	b := &jobBackend{}
+	job := agent.Job{ID: "sim-00000001", Node: "node1", State: agent.JobRunning, Dir: t.TempDir()}
 	moved := job
 	moved.State, moved.MovedTo = agent.JobMoved, "node2"
-	b.set(moved)
-	c := serveAgent(t, b)
-	writeRecord(t, dir, shim.ExitStatus{Code: 137, Signal: "SIGKILL", Node: "node1", Time: time.Now()})
-	go func() {
-		time.Sleep(500 * time.Millisecond)
-		writeRecord(t, dir, shim.ExitStatus{Code: 3, Node: "node2", Time: time.Now()})
-	}()
-	st, err := waitExit(t.Context(), slog.New(slog.DiscardHandler), c, job, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	st := followPastStale(t, job, moved, `{"code": 137, "signal": "SIGKILL", "node": "node1", "time": "2026-12-07T12:00:00Z"}`,
+		`{"code": 3, "node": "node2", "time": "2026-12-07T12:01:00Z"}`)
 	if st.Node != "node2" || st.Code != 3 {
 		t.Fatalf("waitExit = status %d from %s: the moved copy's kill; want node2's 3", st.Code, st.Node)
 	}
@@ -119,13 +121,12 @@ func TestWaitExitTakesOwnHostsEnd(t *testing.T) {
 			dir := t.TempDir()
 			job := agent.Job{ID: "sim-00000001", Node: "node1", State: agent.JobRunning, Dir: dir}
 			var c *agentapi.Client
-			b := &jobBackend{}
 			if j := tc.agent(job); j != nil {
-				b.set(*j)
+				b := newJobBackend(*j)
 				c = serveAgent(t, b)
 				if j.State == agent.JobRunning {
-					go func() { // the agent's watchJobs notices the record a moment later
-						time.Sleep(300 * time.Millisecond)
+					go func() { // the agent's watchJobs notices the record after ftwrap first asked
+						<-b.asked
 						j.State = agent.JobExited
 						b.set(*j)
 					}()
@@ -133,7 +134,7 @@ func TestWaitExitTakesOwnHostsEnd(t *testing.T) {
 			} else {
 				c = agentapi.NewClient(filepath.Join(t.TempDir(), "none.sock"))
 			}
-			writeRecord(t, dir, shim.ExitStatus{Code: 7, Node: "node1", Time: time.Now()})
+			writeRaw(t, dir, `{"code": 7, "node": "node1", "time": "2026-12-07T12:00:00Z"}`)
 			done := make(chan struct{})
 			var st *shim.ExitStatus
 			var err error
@@ -172,33 +173,11 @@ func writeRaw(t *testing.T, dir, record string) {
 // end of the job's restored copy and exited 137 with while the job ran on here: an older incarnation than
 // the one its agent runs is a superseded copy's, and ftwrap follows the job on to its end.
 func TestWaitExitIgnoresOlderIncarnationsRecord(t *testing.T) {
-	dir := t.TempDir()
-	job := agent.Job{ID: "sim-00000001", Node: "node1", State: agent.JobRunning, Dir: dir}
-	b := &jobBackend{}
+	job := agent.Job{ID: "sim-00000001", Node: "node1", State: agent.JobRunning, Dir: t.TempDir()}
 	back := job
 	back.Incarnation = 2
-	b.set(back)
-	c := serveAgent(t, b)
-	writeRaw(t, dir, `{"code": 137, "signal": "SIGKILL", "node": "node2", "time": "2026-12-07T12:00:00Z", "incarnation": 1}`)
-	go func() {
-		time.Sleep(500 * time.Millisecond)
-		ended := back
-		ended.State = agent.JobExited
-		b.set(ended)
-		writeRaw(t, dir, `{"code": 0, "node": "node1", "time": "2026-12-07T12:01:00Z", "incarnation": 2}`)
-	}()
-	done := make(chan struct{})
-	var st *shim.ExitStatus
-	var err error
-	go func() { st, err = waitExit(t.Context(), slog.New(slog.DiscardHandler), c, job, nil); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(10 * time.Second):
-		t.Fatal("waitExit did not take the job's end")
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
+	st := followPastStale(t, job, back, `{"code": 137, "signal": "SIGKILL", "node": "node2", "time": "2026-12-07T12:00:00Z", "incarnation": 1}`,
+		`{"code": 0, "node": "node1", "time": "2026-12-07T12:01:00Z", "incarnation": 2}`)
 	if st.Node != "node1" || st.Code != 0 {
 		t.Fatalf("waitExit = status %d (%s) from %s: the kill of node2's older copy, while the job ran on here as incarnation 2; want node1's 0", st.Code, st.Signal, st.Node)
 	}
@@ -213,11 +192,9 @@ func TestWaitExitTakesRecordOfNewerOrNoIncarnation(t *testing.T) {
 	} {
 		dir := t.TempDir()
 		job := agent.Job{ID: "sim-00000001", Node: "node1", State: agent.JobRunning, Dir: dir}
-		b := &jobBackend{}
 		fenced := job
 		fenced.State, fenced.Fenced = agent.JobLost, true
-		b.set(fenced)
-		c := serveAgent(t, b)
+		c := serveAgent(t, newJobBackend(fenced))
 		writeRaw(t, dir, record)
 		st, err := waitExit(t.Context(), slog.New(slog.DiscardHandler), c, job, nil)
 		if err != nil || st.Code != 5 {
