@@ -53,10 +53,15 @@ func Load() (*Clamp, error) {
 // pinned there. A pinned map without flows is stale: it and its links are unpinned
 // and the clamp starts afresh.
 func OpenPinned(dir string) (*Clamp, error) {
+	// The part that exists is checked before root makes anything in it (MkdirAll would follow a user's
+	// link there), and the whole once made.
+	if err := checkPinDir(existingPart(dir), false); err != nil {
+		return nil, fmt.Errorf("ackclamp: pin directory %s is not root's alone: %w", dir, err)
+	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("ackclamp: create pin directory: %w", err)
 	}
-	if err := checkPinDir(dir); err != nil {
+	if err := checkPinDir(dir, true); err != nil {
 		return nil, fmt.Errorf("ackclamp: pin directory %s is not root's alone: %w", dir, err)
 	}
 	if ok, err := IsBPFFS(dir); err != nil || !ok {

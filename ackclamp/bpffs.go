@@ -39,11 +39,11 @@ func MountBPFFS(dir string) error {
 
 // checkPinDir checks that root alone can rename, remove or pre-create what the existing directory dir
 // holds: every directory from / down to dir is a real directory (no symbolic link) of root's (or of this
-// process's user), writable by its owner alone, but for one that is sticky and not dir itself (like a bpffs
-// mounted without a mode, 1777: others cannot touch root's entries there, and the next one is checked).
-// A user who could write one of them could move the agent's pins aside, and the next agent would find
-// no flow while the moved links go on clamping.
-func checkPinDir(dir string) error {
+// process's user), writable by its owner alone, but for one that is sticky and not the pin directory itself
+// (pins: dir is; like a bpffs mounted without a mode, 1777: others cannot touch root's entries there, and
+// the next one is checked). A user who could write one of them could move the agent's pins aside, and the
+// next agent would find no flow while the moved links go on clamping.
+func checkPinDir(dir string, pins bool) error {
 	abs, err := filepath.Abs(dir)
 	if err != nil {
 		return err
@@ -67,9 +67,18 @@ func checkPinDir(dir string) error {
 		if st.Uid != 0 && int64(st.Uid) != int64(os.Geteuid()) {
 			return fmt.Errorf("%s is owned by uid %d, who could move the pins aside: chown root it or choose a path of root's", p, st.Uid)
 		}
-		if fi.Mode().Perm()&0o022 != 0 && (fi.Mode()&fs.ModeSticky == 0 || i == len(comps)-1) {
+		if fi.Mode().Perm()&0o022 != 0 && (fi.Mode()&fs.ModeSticky == 0 || pins && i == len(comps)-1) {
 			return fmt.Errorf("%s has mode %04o, so others could move the pins aside: chmod go-w it or choose another path", p, fi.Mode().Perm())
 		}
 	}
 	return nil
+}
+
+// existingPart is dir, or its deepest ancestor that exists (a link counts: checkPinDir refuses it).
+func existingPart(dir string) string {
+	for p := filepath.Clean(dir); ; p = filepath.Dir(p) {
+		if _, err := os.Lstat(p); err == nil || filepath.Dir(p) == p {
+			return p
+		}
+	}
 }

@@ -69,6 +69,10 @@ func TestOpenPinnedRefusesUnsafeDir(t *testing.T) {
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Errorf("OpenPinned(%s) = %v, want an error saying %q", dir, err, tc.want)
 			}
+			// Refused before root made anything in the unsafe directory (MkdirAll would follow a link).
+			if _, err := os.Lstat(filepath.Dir(dir)); err == nil {
+				t.Errorf("OpenPinned made %s before it refused the directory", filepath.Dir(dir))
+			}
 		})
 	}
 }
