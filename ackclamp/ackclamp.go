@@ -19,6 +19,7 @@ import (
 	"github.com/cilium/ebpf/link"
 	"github.com/vishvananda/netlink"
 
+	"github.com/ftkit/ftkit/internal/rootpath"
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
@@ -55,7 +56,7 @@ func Load() (*Clamp, error) {
 func OpenPinned(dir string) (*Clamp, error) {
 	// The part that exists is checked before root makes anything in it (MkdirAll would follow a user's
 	// link there), and the whole once made.
-	if err := checkPinDir(existingPart(dir), false); err != nil {
+	if err := checkPinDir(rootpath.ExistingPart(dir), false); err != nil {
 		return nil, fmt.Errorf("ackclamp: pin directory %s is not root's alone: %w", dir, err)
 	}
 	if err := os.MkdirAll(dir, 0o700); err != nil {

@@ -5,9 +5,10 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
-	"syscall"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/internal/rootpath"
 )
 
 // DefaultBPFFS is where Linux distributions mount the BPF file system that pins live in.
@@ -60,25 +61,12 @@ func checkPinDir(dir string, pins bool) error {
 		if !fi.IsDir() {
 			return fmt.Errorf("%s is not a directory (mode %v)", p, fi.Mode())
 		}
-		st, ok := fi.Sys().(*syscall.Stat_t)
-		if !ok {
-			return fmt.Errorf("stat %s: no owner information", p)
-		}
-		if st.Uid != 0 && int64(st.Uid) != int64(os.Geteuid()) {
-			return fmt.Errorf("%s is owned by uid %d, who could move the pins aside: chown root it or choose a path of root's", p, st.Uid)
+		if uid := rootpath.Owner(fi); !rootpath.Trusted(uid) {
+			return fmt.Errorf("%s is owned by uid %d, who could move the pins aside: chown root it or choose a path of root's", p, uid)
 		}
 		if fi.Mode().Perm()&0o022 != 0 && (fi.Mode()&fs.ModeSticky == 0 || pins && i == len(comps)-1) {
 			return fmt.Errorf("%s has mode %04o, so others could move the pins aside: chmod go-w it or choose another path", p, fi.Mode().Perm())
 		}
 	}
 	return nil
-}
-
-// existingPart is dir, or its deepest ancestor that exists (a link counts: checkPinDir refuses it).
-func existingPart(dir string) string {
-	for p := filepath.Clean(dir); ; p = filepath.Dir(p) {
-		if _, err := os.Lstat(p); err == nil || filepath.Dir(p) == p {
-			return p
-		}
-	}
 }

@@ -21,6 +21,7 @@ import (
 	"github.com/ftkit/ftkit/fence"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/internal/clustertls"
+	"github.com/ftkit/ftkit/internal/rootpath"
 	"github.com/ftkit/ftkit/internal/sitecmd"
 	"github.com/ftkit/ftkit/internal/version"
 	"github.com/ftkit/ftkit/restore"
@@ -305,10 +306,11 @@ func dirChecks(cfg agent.Config) []check {
 }
 
 // safeDirPath checks that no user but root can replace or pre-create dir or anything on its way: every
-// existing component is root's, and none is writable by others unless it is sticky and the next
-// component already exists as root's (others cannot rename root's entries there). dir itself, if it
-// exists, must be a real directory, not a link (the agent opens it as it is). Missing components are
-// created by the agent with the modes their contents need.
+// existing directory the path passes through, as the kernel resolves it (a symbolic link's directory and
+// its target's too), is root's and writable by root alone, unless it is sticky and the path goes on in it
+// through an entry that exists (others cannot rename root's entries there). dir itself, if it exists, must be
+// a real directory, not a link (the agent opens it as it is). Missing components are created by the agent
+// with the modes their contents need, so the deepest existing one must be root's alone.
 // A shared directory (jobs_dir) may itself be sticky and writable by others.
 func safeDirPath(dir string, shared bool) error {
 	abs, err := filepath.Abs(dir)
@@ -318,42 +320,33 @@ func safeDirPath(dir string, shared bool) error {
 	if fi, err := os.Lstat(abs); err == nil && !fi.IsDir() {
 		return fmt.Errorf("is not a directory (mode %v): remove it or change the configuration", fi.Mode())
 	}
-	comps := []string{abs}
-	for p := abs; filepath.Dir(p) != p; p = filepath.Dir(p) {
-		comps = append([]string{filepath.Dir(p)}, comps...)
+	have := rootpath.ExistingPart(abs)
+	real, dirs, err := rootpath.Resolve(have)
+	if err != nil {
+		return err
 	}
-	for i, p := range comps {
-		fi, err := os.Stat(p)
-		if errors.Is(err, fs.ErrNotExist) {
-			return nil // the agent creates the rest below a checked parent
-		}
-		if err != nil {
-			return err
-		}
-		st, ok := fi.Sys().(*syscall.Stat_t)
-		if !ok {
-			return fmt.Errorf("stat %s: no owner information", p)
-		}
-		if st.Uid != 0 {
-			return fmt.Errorf("%s is owned by uid %d: another user could swap what root writes there; chown root it or choose a path of root's", p, st.Uid)
-		}
-		if fi.Mode().Perm()&0o022 == 0 {
-			continue
-		}
-		if fi.Mode()&fs.ModeSticky == 0 {
-			return fmt.Errorf("%s is writable by group or others (mode %04o) and not sticky: chmod go-w it or choose another path", p, fi.Mode().Perm())
-		}
-		if i == len(comps)-1 {
-			if shared {
-				return nil // a sticky jobs_dir: users may add entries, not touch root's
-			}
-			return fmt.Errorf("%s is writable by others (mode %04o): the agent's directory must be root's alone", p, fi.Mode().Perm())
-		}
-		// Sticky: safe only if the next component already exists and is root's (checked next round).
-		if _, err := os.Lstat(comps[i+1]); err != nil {
-			return fmt.Errorf("%s does not exist yet in %s, which anyone may write to (mode %04o): another user could create it first; create it as root (mkdir -m 700) or choose another path",
-				comps[i+1], p, fi.Mode().Perm())
-		}
+	const risk = "swap what root writes there"
+	if err := rootpath.OnTheWay(dirs, risk); err != nil {
+		return err
 	}
-	return nil
+	fi, err := os.Stat(real)
+	if err != nil {
+		return err
+	}
+	switch {
+	case !fi.IsDir():
+		return fmt.Errorf("%s is not a directory (mode %v)", real, fi.Mode())
+	case !rootpath.Trusted(rootpath.Owner(fi)):
+		return fmt.Errorf("%s is owned by uid %d: another user could %s; chown root it or choose a path of root's", real, rootpath.Owner(fi), risk)
+	case fi.Mode().Perm()&0o022 == 0:
+		return nil
+	case fi.Mode()&fs.ModeSticky == 0:
+		return fmt.Errorf("%s is writable by group or others (mode %04o) and not sticky: chmod go-w it or choose another path", real, fi.Mode().Perm())
+	case have != abs:
+		return fmt.Errorf("%s does not exist yet in %s, which anyone may write to (mode %04o): another user could create it first; create it as root (mkdir -m 700) or choose another path",
+			abs, real, fi.Mode().Perm())
+	case !shared:
+		return fmt.Errorf("%s is writable by others (mode %04o): the agent's directory must be root's alone", real, fi.Mode().Perm())
+	}
+	return nil // a sticky jobs_dir: users may add entries, not touch root's
 }

@@ -376,6 +376,21 @@ func TestSafeDirPath(t *testing.T) {
 			os.Chmod(filepath.Join(b, "jobs"), 0o777|os.ModeSticky)
 			return filepath.Join(b, "jobs")
 		}, true, ""},
+		// A link on the way is followed as the agent's open follows it: a root's directory inside a user's
+		// one can be renamed by that user and replaced by theirs.
+		{"link into a user's dir", func(t *testing.T, b string) string {
+			os.Mkdir(filepath.Join(b, "home"), 0o755)
+			os.Chown(filepath.Join(b, "home"), 65534, 65534)
+			os.Mkdir(filepath.Join(b, "home", "st"), 0o700)
+			os.Symlink(filepath.Join(b, "home", "st"), filepath.Join(b, "state"))
+			return filepath.Join(b, "state", "sub")
+		}, false, "uid 65534"},
+		{"link to a root's dir", func(t *testing.T, b string) string {
+			os.Mkdir(filepath.Join(b, "data"), 0o755)
+			os.Mkdir(filepath.Join(b, "data", "st"), 0o700)
+			os.Symlink(filepath.Join(b, "data", "st"), filepath.Join(b, "state"))
+			return filepath.Join(b, "state", "sub")
+		}, false, ""},
 		{"sticky state dir", func(t *testing.T, b string) string {
 			os.Mkdir(filepath.Join(b, "st"), 0o777)
 			os.Chmod(filepath.Join(b, "st"), 0o777|os.ModeSticky)

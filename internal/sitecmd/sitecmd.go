@@ -14,7 +14,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -25,6 +24,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/internal/rootpath"
 )
 
 // Command is a site's command: argv as it runs, a timeout, and its name for messages ("fence command").
@@ -130,7 +131,7 @@ func awaitExit(pid int) {
 // own user counts as root (an agent run by another user, in tests, runs the command as that user). name
 // says which command it is, for the error.
 func CheckProgram(name, path string) error {
-	real, dirs, err := resolve(path)
+	real, dirs, err := rootpath.Resolve(path)
 	if err != nil {
 		return fmt.Errorf("%s %s: %w", name, path, err)
 	}
@@ -144,28 +145,11 @@ func CheckProgram(name, path string) error {
 	case fi.Mode().Perm()&0o111 == 0:
 		return fmt.Errorf("%s %s is not executable: chmod 755 it", name, real)
 	}
-	if err := rootOnly(real, fi); err != nil {
+	if err := rootpath.RootOnly(real, fi, risk); err != nil {
 		return fmt.Errorf("%s %s: %w", name, path, err)
 	}
-	if err := onTheWay(dirs); err != nil {
+	if err := rootpath.OnTheWay(dirs, risk); err != nil {
 		return fmt.Errorf("%s %s: %w", name, path, err)
-	}
-	return nil
-}
-
-// onTheWay checks the directories a path passes through: each root's and writable by root alone, but a
-// sticky one of root's (others cannot replace root's entries there).
-func onTheWay(dirs []string) error {
-	for _, d := range dirs {
-		di, err := os.Stat(d)
-		if err != nil {
-			return err
-		}
-		if di.Mode()&fs.ModeSticky == 0 || !trusted(ownerUID(di)) {
-			if err := rootOnly(d, di); err != nil {
-				return err
-			}
-		}
 	}
 	return nil
 }
@@ -188,7 +172,7 @@ func rootPath(list string) string {
 // and writable by root alone, sticky or not (anyone may add a name to a sticky directory), and so is
 // every directory on the way but a sticky one of root's.
 func rootDir(d string) error {
-	real, dirs, err := resolve(d)
+	real, dirs, err := rootpath.Resolve(d)
 	if err != nil {
 		return err
 	}
@@ -199,87 +183,14 @@ func rootDir(d string) error {
 	if !fi.IsDir() {
 		return fmt.Errorf("%s is not a directory", real)
 	}
-	if err := rootOnly(real, fi); err != nil {
+	if err := rootpath.RootOnly(real, fi, risk); err != nil {
 		return err
 	}
-	return onTheWay(dirs)
+	return rootpath.OnTheWay(dirs, risk)
 }
 
-// maxLinks bounds the symbolic links resolve follows, as the kernel's ELOOP does.
-const maxLinks = 40
-
-// resolve follows path one component at a time, as the kernel does when it runs it, and returns the file it
-// names and every directory it passes through: those of the path, of each link on the way (a link in the
-// middle of the path too, whose directory's owner could point it elsewhere), and of their targets.
-func resolve(path string) (string, []string, error) {
-	abs := path // not cleaned: ".." after a link is the link's target's parent, as for the kernel
-	if !filepath.IsAbs(path) {
-		wd, err := os.Getwd()
-		if err != nil {
-			return "", nil, err
-		}
-		abs = wd + "/" + path
-	}
-	todo := strings.Split(abs, "/")
-	cur, dirs, seen, links := "/", []string{"/"}, map[string]bool{"/": true}, 0
-	for len(todo) > 0 {
-		c := todo[0]
-		todo = todo[1:]
-		switch c {
-		case "", ".":
-			continue
-		case "..":
-			cur = filepath.Dir(cur)
-			continue
-		}
-		next := filepath.Join(cur, c)
-		fi, err := os.Lstat(next)
-		if err != nil {
-			return "", nil, err
-		}
-		if fi.Mode()&fs.ModeSymlink != 0 {
-			if links++; links > maxLinks {
-				return "", nil, fmt.Errorf("%s: too many levels of symbolic links", path)
-			}
-			target, err := os.Readlink(next)
-			if err != nil {
-				return "", nil, err
-			}
-			if filepath.IsAbs(target) {
-				cur = "/"
-			}
-			todo = append(strings.Split(target, "/"), todo...)
-			continue
-		}
-		cur = next
-		if len(todo) > 0 && !seen[cur] { // a directory on the way
-			seen[cur] = true
-			dirs = append(dirs, cur)
-		}
-	}
-	return cur, dirs, nil
-}
-
-// rootOnly checks that fi (of path) is root's and writable by root alone.
-func rootOnly(path string, fi fs.FileInfo) error {
-	if uid := ownerUID(fi); !trusted(uid) {
-		return fmt.Errorf("%s is owned by uid %d, who could change what runs as root: chown root:root it", path, uid)
-	}
-	if fi.Mode().Perm()&0o022 != 0 {
-		return fmt.Errorf("%s has mode %04o, so others could change what runs as root: chmod go-w it", path, fi.Mode().Perm())
-	}
-	return nil
-}
-
-// trusted reports whether files of uid may decide what this process runs: root's and its own.
-func trusted(uid uint32) bool { return uid == 0 || int64(uid) == int64(os.Geteuid()) }
-
-func ownerUID(fi fs.FileInfo) uint32 {
-	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
-		return st.Uid
-	}
-	return ^uint32(0)
-}
+// risk is what another user could do with a file root's command depends on, for errors.
+const risk = "change what runs as root"
 
 // orDefault returns s, or def when s is empty.
 func orDefault(s, def string) string {
