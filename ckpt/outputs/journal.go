@@ -84,6 +84,12 @@ func newJournal(dir string, space *Space) (*Journal, error) {
 	if err := os.Mkdir(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("output journal: %w", err)
 	}
+	// The index's write fsyncs the journal directory, not its entry in the parent: without this, a host
+	// that lost power mid-restore could come back without the directory, and the saved bytes with it.
+	if err := atomicfile.SyncDir(filepath.Dir(dir)); err != nil {
+		os.Remove(dir)
+		return nil, fmt.Errorf("output journal: %w", err)
+	}
 	if space == nil {
 		space = &Space{}
 	}
