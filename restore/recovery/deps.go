@@ -187,7 +187,8 @@ type JobNetwork interface {
 	Network
 	// Create makes the job's network here; idempotent.
 	Create(ctx context.Context) error
-	// Delete removes it, its address first (a restore that failed must not leave the address answering).
+	// Delete removes it, its address first (a restore that failed must not leave the address answering),
+	// or what a failed Create left of it; a network that is not there is no error.
 	Delete(ctx context.Context) error
 	// Addr is the job's address, announced once the job is restored.
 	Addr() netip.Addr

@@ -42,9 +42,10 @@ type fake struct {
 	kept   int                      // Keep calls not yet stopped
 	// Jobs.
 	claimErr, restoreErr error
-	finErr               error // DeliverFIN's
-	ended                bool  // the restored job ended by itself
-	rollsBack            bool  // RollsBack's answer
+	finErr               error  // DeliverFIN's
+	ended                bool   // the restored job ended by itself
+	stateHook            func() // runs first in State when set
+	rollsBack            bool   // RollsBack's answer
 	claimed              []uint64
 	givenBack, unlessSt  []string
 	restored, killed     []string
@@ -203,6 +204,9 @@ func (f *fake) Restore(_ context.Context, j *Job) error {
 }
 
 func (f *fake) State(id string) (string, bool) {
+	if f.stateHook != nil {
+		f.stateHook()
+	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.ended || slices.Contains(f.killed, id) {

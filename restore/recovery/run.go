@@ -43,6 +43,16 @@ func Run(ctx context.Context, req clusterapi.RecoverRequest, d Deps, emit func(S
 	if parallel <= 0 {
 		parallel = DefaultParallelJobs
 	}
+	// A job named twice would be fetched, claimed (a holder's claim of the same incarnation succeeds again,
+	// as a retried request's) and restored twice at once here: two copies of it, or one whose failed twin
+	// then takes down the guard, the network and the record of the copy that runs.
+	named := make(map[string]bool, len(req.Jobs))
+	for _, rj := range req.Jobs {
+		if named[rj.Job] {
+			return fmt.Errorf("the recovery request names job %s twice: refused, nothing restored (a job restored twice runs twice); check the coordinator's version and its records", rj.Job)
+		}
+		named[rj.Job] = true
+	}
 	// Errors are kept per job and joined in the request's order, whatever order the jobs finish in.
 	// Every snapshot first, then the plans: a connection to another job of the failed node (on its host's
 	// address, or on that job's own) is known as one only once that job's snapshot is in.
@@ -647,10 +657,13 @@ func prepareNetwork(ctx context.Context, d Deps, req clusterapi.RecoverRequest, 
 	initCwnd := restore.MinInitCwnd
 	for _, j := range jobs {
 		if j.Net != nil {
+			// Deleted on error even if its Create fails: a Create that fails half-way leaves the namespace,
+			// and its interface with the job's address, up (jobnet.Create completes such a network later,
+			// but only if asked again here); Delete of a network that is not there is no error.
+			created = append(created, j)
 			if err := j.Net.Create(ctx); err != nil {
 				return nil, nil, fmt.Errorf("create the network of job %s: %w", j.ID, err)
 			}
-			created = append(created, j)
 		}
 		// New connections to the job wait too (a peer's SYN is dropped, and sent again) until CRIU has
 		// rebuilt its listening sockets: the job's own address, or the addresses taken over for it.

@@ -270,6 +270,7 @@ type replayCase struct {
 	sentUpTo  uint32 // how far the restored socket got; 0: resend
 	replayed  bool   // a previous agent saw this flow's replay complete
 	ended     bool   // the job ended by itself
+	lastLook  bool   // the job re-sends the rest and ends right after the first look at how far it sent
 	rollsBack bool   // the job is set aside for its run's rollback (auto mode)
 	gated     bool   // its receive order was replayed (a gate ran)
 	wantErr   error  // errors.Is target, or nil
@@ -306,6 +307,9 @@ func TestReplayAndVerify(t *testing.T) {
 		{name: "the log lacks re-sent bytes", logged: stream[:100], wantErr: recvdigest.ErrUnverified},
 		{name: "replay times out", sentUpTo: resend - 1, wantMsg: "failover.replay_timeout"},
 		{name: "the job ends before its replay", sentUpTo: 1, ended: true, wantMsg: "job rank1 ended (ended) before it re-sent"},
+		// Its end is seen before its last bytes are: it re-sent all its peer had, and is checked, not killed.
+		{name: "the job re-sends the rest and ends between two looks", sentUpTo: 1, lastLook: true,
+			wantMsg: "re-sent bytes verified: all 3000 on 1 connection(s)"},
 		// Auto mode: the run rolls back; its peers are restored by the rollback, never reset.
 		{name: "replay times out, the run rolls back", sentUpTo: resend - 1, rollsBack: true, wantMsg: "failover.replay_timeout"},
 	}
@@ -322,6 +326,13 @@ func TestReplayAndVerify(t *testing.T) {
 			f.sent[conn] = resend
 			if tt.sentUpTo != 0 {
 				f.sent[conn] = tt.sentUpTo
+			}
+			if tt.lastLook {
+				f.stateHook = func() {
+					f.mu.Lock()
+					defer f.mu.Unlock()
+					f.sent[conn], f.ended = resend, true
+				}
 			}
 			chk := Check{Received: record}
 			if tt.check != nil {
@@ -914,5 +925,21 @@ func TestReplayAndVerifyAgentStopping(t *testing.T) {
 	}
 	if len(f.killed) != 0 || slices.ContainsFunc(f.net, func(s string) bool { return strings.HasPrefix(s, "reset ") }) {
 		t.Errorf("agent stopping mid-replay: killed %v, network %v; want the job left running and its peer untouched, for the next agent to resume (err %v)", f.killed, f.net, err)
+	}
+}
+
+// TestRunRefusesAJobNamedTwice: a recovery request that names a job twice is refused before anything is
+// fetched, claimed or restored. Before, both entries were fetched and claimed (the same holder's claim of
+// the same incarnation succeeds again, as a retried request's) and the job was restored twice here.
+func TestRunRefusesAJobNamedTwice(t *testing.T) {
+	f := newFake(t)
+	req := request(snap1)
+	req.Jobs = append(req.Jobs, req.Jobs[0])
+	err := Run(t.Context(), req, f.deps(), func(Stage) {})
+	if err == nil || !strings.Contains(err.Error(), "names job rank1 twice") {
+		t.Errorf("Run = %v; want the request refused, naming rank1 twice", err)
+	}
+	if len(f.fetched) != 0 || len(f.claimed) != 0 || len(f.restored) != 0 || len(f.net) != 0 {
+		t.Errorf("fetched %v, claimed %v, restored %v, network %v; want nothing done", f.fetched, f.claimed, f.restored, f.net)
 	}
 }
