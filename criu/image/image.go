@@ -21,7 +21,9 @@ import (
 	"os"
 	"path/filepath"
 
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
 )
 
 // Image magics from CRIU's criu/include/magic.h (go-criu's magic package has
@@ -71,6 +73,45 @@ func nextEntry(name string, b []byte, off int) (payload, rest []byte, err error)
 // default limit of 2^20 descriptors per process (fs.nr_open) for any job the agent can dump in time.
 const maxEntries = 1 << 21
 
+// maxMessages bounds the messages, nested ones included, that decodeEntries decodes from one image: an
+// empty message in a repeated field (a VMA of mm-<pid>.img, an epoll target of a files.img entry) is 2
+// bytes of image and some 100 bytes of memory, inside one entry, which maxEntries does not bound. An
+// honest image of maxEntries entries has a few messages in each.
+const maxMessages = 4 * maxEntries
+
+// countMessages returns how many messages decoding b as a message of descriptor md makes, md's own
+// included; past limit it stops counting and returns more than limit. Malformed bytes end the count
+// (Unmarshal then reports them), and so does nesting deeper than Unmarshal accepts.
+func countMessages(b []byte, md protoreflect.MessageDescriptor, limit, depth int) int {
+	n := 1
+	if depth > protowire.DefaultRecursionLimit {
+		return n
+	}
+	fields := md.Fields()
+	for len(b) > 0 && n <= limit {
+		num, typ, l := protowire.ConsumeTag(b)
+		if l < 0 {
+			return n
+		}
+		b = b[l:]
+		if f := fields.ByNumber(num); f != nil && typ == protowire.BytesType && f.Message() != nil {
+			v, m := protowire.ConsumeBytes(b)
+			if m < 0 {
+				return n
+			}
+			n += countMessages(v, f.Message(), limit-n, depth+1)
+			b = b[m:]
+			continue
+		}
+		m := protowire.ConsumeFieldValue(num, typ, b)
+		if m < 0 {
+			return n
+		}
+		b = b[m:]
+	}
+	return n
+}
+
 // decodeEntries decodes an image of kind magic made of size-prefixed protobuf entries of type what, each
 // into a message from newMsg; raw keeps every entry's bytes as written, for entries written back unchanged.
 func decodeEntries[M proto.Message](name string, b []byte, magic uint32, what string, newMsg func() M, opts proto.UnmarshalOptions) (raw [][]byte, msgs []M, err error) {
@@ -78,6 +119,8 @@ func decodeEntries[M proto.Message](name string, b []byte, magic uint32, what st
 	if err != nil {
 		return nil, nil, err
 	}
+	md := newMsg().ProtoReflect().Descriptor()
+	nmsgs := 0
 	for off := 8; len(rest) > 0; {
 		var payload []byte
 		payload, rest, err = nextEntry(name, rest, off)
@@ -88,6 +131,12 @@ func decodeEntries[M proto.Message](name string, b []byte, magic uint32, what st
 			// A crafted image of empty entries decodes into a message per 4 bytes, each some 90 bytes of the
 			// agent's memory: a snapshot from another node could have the root agent killed for memory.
 			return nil, nil, fmt.Errorf("image %s: more than %d %s entries (no process holds that many): %w", name, maxEntries, what, ErrFormat)
+		}
+		if nmsgs += countMessages(payload, md, maxMessages-nmsgs, 0); nmsgs > maxMessages {
+			// Counted on the wire before anything is decoded: an entry of a million empty repeated messages
+			// took the agent's memory within the bound on entries.
+			return nil, nil, fmt.Errorf("image %s: %s #%d at offset %d brings the image's messages over %d (no process holds that many): %w",
+				name, what, len(msgs), off, maxMessages, ErrFormat)
 		}
 		m := newMsg()
 		if err := opts.Unmarshal(payload, m); err != nil {

@@ -16,6 +16,7 @@ import (
 	"github.com/checkpoint-restore/go-criu/v7/crit/images/fdinfo"
 	tcp_stream "github.com/checkpoint-restore/go-criu/v7/crit/images/tcp-stream"
 	"github.com/checkpoint-restore/go-criu/v7/magic"
+	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 )
 
@@ -473,6 +474,12 @@ func TestRegularFiles(t *testing.T) {
 	}
 }
 
+// manyEpollTargets is a FileEntry of an epoll descriptor with n empty targets (field 9 epfd, its field 4 tfd).
+func manyEpollTargets(n int) []byte {
+	epfd := bytes.Repeat(protowire.AppendBytes(protowire.AppendTag(nil, 4, protowire.BytesType), nil), n)
+	return protowire.AppendBytes(protowire.AppendTag(nil, 9, protowire.BytesType), epfd)
+}
+
 func TestFilesImageErrors(t *testing.T) {
 	regNoBody := marshal(t, regFileEntry(1, "/x", 1))
 	badReg := encodeFilesRaw(marshal(t, &fdinfo.FileEntry{Type: fdinfo.FdTypes_REG.Enum(), Id: proto.Uint32(1)}))
@@ -490,6 +497,9 @@ func TestFilesImageErrors(t *testing.T) {
 		{"garbage entry", encodeFilesRaw([]byte{0x0a, 0xff}), func(d string) error { _, err := TCPConnections(d); return err }, "FileEntry #0 at offset 8"},
 		// 4 bytes an entry, some 90 bytes of memory each decoded: bounded before the agent runs out.
 		{"too many entries", append(appendHeader(nil, magicFiles), make([]byte, 4*(maxEntries+1))...), func(d string) error { _, err := TCPConnections(d); return err }, "more than 2097152 FileEntry entries"},
+		// 2 bytes an empty epoll target inside one entry, some 100 bytes of memory each decoded: bounded too.
+		{"too many nested messages", encodeFilesRaw(manyEpollTargets(maxMessages)), func(d string) error { _, err := TCPConnections(d); return err },
+			"FileEntry #0 at offset 8 brings the image's messages over 8388608"},
 		{"REG without reg", badReg, func(d string) error { _, err := RegularFiles(d); return err }, "type REG but no field reg"},
 		{"5-byte IPv4 address", encodeFilesRaw(marshal(t, badAddr)), func(d string) error {
 			writeImage(t, d, tcpStreamName(7), encodeStream(t, baseStream(1, 0, 0), nil, nil))
