@@ -1,11 +1,14 @@
 package criu
 
 import (
+	"context"
 	"errors"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 // TestLogTail: a failed CRIU run's error carries the log's last error lines and, for a mapping the
@@ -104,5 +107,50 @@ criu swrk failed: exit status 1
 		if got := MountpointGone(tc.err); got != tc.want {
 			t.Errorf("%s: MountpointGone = %v, want %v", tc.name, got, tc.want)
 		}
+	}
+}
+
+// TestStartLazyPagesWaitsForItsDaemon: the socket a killed daemon of an earlier restore from the same
+// directory left (the agent restores again once a mount went) is not taken for the new daemon's, and a
+// daemon that ends before it listens fails the start at once, not after the deadline.
+func TestStartLazyPagesWaitsForItsDaemon(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		script string // the daemon; $3 is the images directory
+		stale  bool   // an earlier daemon's socket is there
+		want   string // "" if it starts
+	}{
+		{"listens", "touch \"$3/lazy-pages.socket\"\nexec sleep 600\n", true, ""},
+		{"fails, an earlier socket there", "echo 'Error (criu/uffd.c:1): no images' >\"$3/lazy-pages.log\"\nexit 1\n", true, "ended (exit status 1) before it listened"},
+		{"fails", "exit 1\n", false, "ended (exit status 1) before it listened"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			fake := filepath.Join(t.TempDir(), "criu")
+			if err := os.WriteFile(fake, []byte("#!/bin/sh\n"+tc.script), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			if tc.stale {
+				l, err := net.ListenUnix("unix", &net.UnixAddr{Name: filepath.Join(dir, lazyPagesSocket), Net: "unix"})
+				if err != nil {
+					t.Fatal(err)
+				}
+				l.SetUnlinkOnClose(false) // as a killed daemon leaves it
+				l.Close()
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second) // below the 10 s deadline
+			defer cancel()
+			cmd, err := Client{Binary: fake}.StartLazyPages(ctx, dir)
+			if cmd != nil {
+				cmd.Process.Kill()
+				cmd.Wait()
+			}
+			switch {
+			case tc.want == "" && err != nil:
+				t.Fatalf("StartLazyPages: %v", err)
+			case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+				t.Fatalf("StartLazyPages = %v, want an error saying %q", err, tc.want)
+			}
+		})
 	}
 }

@@ -15,6 +15,7 @@ import (
 	gocriu "github.com/checkpoint-restore/go-criu/v7"
 	"github.com/checkpoint-restore/go-criu/v7/crit"
 	"github.com/checkpoint-restore/go-criu/v7/rpc"
+	"golang.org/x/sys/unix"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/ftkit/ftkit/internal/netnsthread"
@@ -231,14 +232,27 @@ const LazyPagesLog = "lazy-pages.log"
 // in the background; it exits 0 once every page is in, non-zero if it failed, which leaves the tree with
 // pages that read as zeros: the caller must kill the tree then. The caller reaps the command.
 func (c Client) StartLazyPages(ctx context.Context, imagesDir string) (*exec.Cmd, error) {
+	sock := filepath.Join(imagesDir, lazyPagesSocket)
+	// A daemon of an earlier restore from this directory (the restore tried again once a mount went, whose
+	// daemon was killed) left its socket: seen, it said this daemon listened before it did, and the restore
+	// connected to a socket nobody listened on, or to none while the daemon made it afresh.
+	if err := os.Remove(sock); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("remove the socket an earlier criu lazy-pages left: %w", err)
+	}
 	cmd := exec.Command(c.Binary, "lazy-pages", "--images-dir", imagesDir, "--work-dir", imagesDir, "--log-file", LazyPagesLog)
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("start criu lazy-pages: %w", err)
 	}
-	sock := filepath.Join(imagesDir, lazyPagesSocket)
 	for deadline := time.Now().Add(10 * time.Second); ; {
 		if _, err := os.Stat(sock); err == nil {
 			return cmd, nil
+		}
+		// A daemon that failed before it listened says so now, not after the deadline (WNOWAIT: the caller
+		// of a daemon that runs reaps it).
+		var info unix.Siginfo
+		if err := unix.Waitid(unix.P_PID, cmd.Process.Pid, &info, unix.WEXITED|unix.WNOHANG|unix.WNOWAIT, nil); err == nil && info.Signo != 0 {
+			cmd.Wait() // its status is in ProcessState
+			return nil, fmt.Errorf("criu lazy-pages ended (%v) before it listened on %s%s", cmd.ProcessState, sock, logTail(filepath.Join(imagesDir, LazyPagesLog)))
 		}
 		if time.Now().After(deadline) || ctx.Err() != nil {
 			cmd.Process.Kill()
