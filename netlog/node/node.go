@@ -98,6 +98,7 @@ type Node struct {
 	verdicts map[tcpflow.Tuple]release.Verdict // the last decision on each logged connection
 	released Released
 	gone     map[tcpflow.Tuple]goneCheck // the last lookup of each idle connection's socket without a flow state (Run only)
+	orphans  map[tcpflow.Tuple]time.Time // connection -> since when no alive member holds its destination (Run only)
 
 	// Holes (checkHoles): the count of segments and records the log lost, as of the last request for
 	// snapshots it made, when it made it, and the least time to the next.
@@ -132,7 +133,7 @@ func New(src Source, cfg Config) (*Node, error) {
 	n := &Node{src: src, ctl: ctl, cfg: cfg, log: cfg.Logger, seen: map[string]time.Time{},
 		held: map[tcpflow.Tuple]uint32{}, heldFrom: map[string]bool{},
 		marks: map[string]release.Watermark{}, asked: map[string]time.Time{}, asking: map[string]bool{}, gone: map[tcpflow.Tuple]goneCheck{},
-		holeGap: holeAskEvery}
+		orphans: map[tcpflow.Tuple]time.Time{}, holeGap: holeAskEvery}
 	if c, err := src.Counters(); err == nil {
 		n.holes = holes(c) + cfg.ReceiveHoles()
 	}

@@ -927,3 +927,36 @@ func TestSocketLookupsTakeTurns(t *testing.T) {
 		t.Errorf("%d of %d idle flows looked up in %d rounds of %d lookups", len(looked), flows, flows/goneLookups, goneLookups)
 	}
 }
+
+// TestOrphanKeptAfterItsReceiverFails: a finished flow held for its receiver (whose restore point is older
+// than the flow's last segment, more than OrphanKeep ago: an interval auto of hours) becomes an orphan when
+// the receiver fails, and is kept OrphanKeep from then for the restore that follows. Before, OrphanKeep
+// counted from the last segment alone, so the log went at the failure and the restore was refused.
+func TestOrphanKeptAfterItsReceiverFails(t *testing.T) {
+	n, src, _ := newTestNode(t, 300_000, &fakeMembers{owner: ""}) // the receiver's node just failed
+	src.protects = false                                          // the sending job ended
+	// The sender's last state, stamped by the kernel's clock: lastSent ago as of the call at the given moment.
+	stamp := func(ago time.Duration) uint64 {
+		var mono unix.Timespec
+		if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &mono); err != nil {
+			t.Fatal(err)
+		}
+		return uint64(mono.Nano() - ago.Nanoseconds())
+	}
+	const lastSent = 2 * time.Hour
+	failed := time.Now().Add(lastSent) // the receiver fails two hours after the flow's last segment
+	src.states[connA] = ebpfprobes.FlowState{SndNxt: isn + 300_001, FinSent: true, KtimeNs: stamp(lastSent)}
+	n.releaseFinished(context.Background(), n.Log(), failed)
+	if st := n.Log().Stats(); st.RetainedBytes == 0 {
+		t.Fatal("a finished flow's log went the moment its receiver failed: the restore that follows needs it")
+	}
+	if c := n.Conns(); len(c) != 1 || c[0].Release != "orphan" {
+		t.Fatalf("conns %+v, want connA kept as an orphan", c)
+	}
+	later := failed.Add(release.OrphanKeep + time.Minute)
+	src.states[connA] = ebpfprobes.FlowState{SndNxt: isn + 300_001, FinSent: true, KtimeNs: stamp(time.Until(later))}
+	n.releaseFinished(context.Background(), n.Log(), later)
+	if st := n.Log().Stats(); st.RetainedBytes != 0 {
+		t.Errorf("%s after its receiver failed, the log retains %d bytes of an orphaned flow", release.OrphanKeep+time.Minute, st.RetainedBytes)
+	}
+}

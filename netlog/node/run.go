@@ -176,6 +176,7 @@ func (n *Node) releaseFinished(ctx context.Context, l *netlog.Log, now time.Time
 		flows []release.Flow
 	)
 	checks := make(map[tcpflow.Tuple]goneCheck, len(n.gone))
+	orphans := make(map[tcpflow.Tuple]time.Time, len(n.orphans))
 	type dueCheck struct {
 		i  int       // in flows
 		at time.Time // the last lookup, zero if none
@@ -190,6 +191,14 @@ func (n *Node) releaseFinished(ctx context.Context, l *netlog.Log, now time.Time
 			SenderGone: act.CgroupID != 0 && !n.src.Protects(act.CgroupID)}
 		if act.LastKtimeNs != 0 {
 			f.SentAge, f.HasSentAge = sinceKtime(act.LastKtimeNs)
+		}
+		if f.Node == "" {
+			// OrphanKeep counts from here too: its receiver's node may have failed just now.
+			since, ok := n.orphans[c]
+			if !ok {
+				since = now
+			}
+			orphans[c], f.OrphanSince = since, since
 		}
 		if fs, ok, err := n.src.FlowState(c); err == nil && ok {
 			if age, err := fs.Age(); err == nil {
@@ -224,7 +233,8 @@ func (n *Node) releaseFinished(ctx context.Context, l *netlog.Log, now time.Time
 		// A segment appended since the lookup came from a socket (one of the tuple's again).
 		flows[d.i].SocketGone = g.gone && !acts[d.i].LastAppend.After(g.at)
 	}
-	n.gone = checks // forgets the connections the log no longer holds
+	n.gone = checks     // forgets the connections the log no longer holds
+	n.orphans = orphans // and those whose destination a member holds again
 	n.mu.Lock()
 	marks := maps.Clone(n.marks)
 	n.mu.Unlock()

@@ -35,6 +35,9 @@ const DefaultMargin = 3 * time.Second
 // jobs are restored within minutes of its failure (a restore after that finds the log gone and is refused,
 // loudly), and an address that is no member's (a host outside the cluster) would have its flows kept for
 // good, unbounded, each finished flow's bytes held until the log's cap stopped every sender of the host.
+// It counts from when the flow became an orphan (Flow.OrphanSince) as well as from its last segment: a
+// flow held for a receiver whose restore point is older than an hour (interval auto, or snapshots that
+// kept failing) must survive its receiver's failure until the restore that follows it.
 const OrphanKeep = time.Hour
 
 // Flow is what the sender knows about one logged connection.
@@ -65,6 +68,9 @@ type Flow struct {
 	// than the segment left, by the time its record waited in the ring buffer. Used when the
 	// records carry no timestamp.
 	LastAppend time.Time
+	// OrphanSince is when the sender first found no alive member holding the destination (Node "") in
+	// the run of decisions that still finds none; zero: now.
+	OrphanSince time.Time
 }
 
 // Finished reports whether the sender will log no new byte on the flow.
@@ -177,7 +183,13 @@ func decide(f Flow, marks map[string]Watermark, now time.Time, margin time.Durat
 	}
 	last := f.lastSent(now)
 	if f.Node == "" {
-		if !last.IsZero() && now.Sub(last) >= OrphanKeep {
+		// From the orphaning too, not the last segment alone: a flow whose receiver's restore point was
+		// older than OrphanKeep (Held) was freed the moment its receiver failed, and the restore refused.
+		since := f.OrphanSince
+		if since.IsZero() {
+			since = now
+		}
+		if !last.IsZero() && now.Sub(last) >= OrphanKeep && now.Sub(since) >= OrphanKeep {
 			return Decision{Verdict: Free}
 		}
 		return Decision{Verdict: Orphan}

@@ -47,8 +47,16 @@ func TestDecide(t *testing.T) {
 		{"watermark does not cover the destination address: kept", with(fin, func(f *Flow) { f.Conn = to(n2b) }), idle(now), Unknown, true},
 		{"IPv4-mapped destination is covered", with(fin, func(f *Flow) { f.Conn = to(netip.AddrFrom16(n2.As16())) }), idle(now), Free, false},
 		{"no alive member holds the destination: kept, nobody to ask", with(fin, func(f *Flow) { f.Node = "" }), idle(now), Orphan, false},
-		{"no alive member holds the destination, an hour after its last segment: freed",
-			with(fin, func(f *Flow) { f.Node, f.StateAge, f.LastAppend = "", OrphanKeep, ago(OrphanKeep) }), nil, Free, false},
+		{"no alive member holds the destination, an hour after its last segment and its orphaning: freed",
+			with(fin, func(f *Flow) {
+				f.Node, f.StateAge, f.LastAppend, f.OrphanSince = "", OrphanKeep, ago(OrphanKeep), ago(OrphanKeep)
+			}), nil, Free, false},
+		{"receiver failed a minute ago, two hours after the last segment: kept for its restore",
+			with(fin, func(f *Flow) {
+				f.Node, f.StateAge, f.LastAppend, f.OrphanSince = "", 2*time.Hour, ago(2*time.Hour), ago(time.Minute)
+			}), nil, Orphan, false},
+		{"orphaned since an unknown time (zero: now): kept",
+			with(fin, func(f *Flow) { f.Node, f.StateAge, f.LastAppend = "", 2*time.Hour, ago(2*time.Hour) }), nil, Orphan, false},
 		{"margin: last segment exactly margin before the watermark: freed",
 			with(fin, func(f *Flow) { f.StateAge, f.LastAppend = 5*time.Second, ago(5*time.Second) }), idle(ago(2 * time.Second)), Free, false},
 		{"margin: one ms short: kept",
