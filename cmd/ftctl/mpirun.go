@@ -19,7 +19,6 @@ import (
 	"time"
 
 	"github.com/spf13/cobra"
-	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/agentapi"
@@ -91,7 +90,7 @@ cluster addresses (or --net): no shared memory, no RDMA. MPICH's ranks are each 
 Output and exit status are mpirun's, as with ftwrap.`,
 		Args: cli.Args(cobra.MinimumNArgs(1)),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return f.run(cmd.Context(), cmd.Flags().Changed("lab"), cmd.OutOrStdout(), cmd.ErrOrStderr(), args)
+			return f.run(cmd.Context(), cmd.Flags().Changed("lab"), args)
 		},
 	}
 	cmd.Flags().StringVar(&f.labID, "lab", lab.DefaultID, "lab id (the default lab only without --hostfile and outside Slurm)")
@@ -267,8 +266,9 @@ func (f *mpiRunFlags) labPlan() (*mpiPlan, error) {
 	return p, nil
 }
 
-// run starts mpirun under ftwrap on the first host and waits for it.
-func (f *mpiRunFlags) run(ctx context.Context, labChosen bool, stdout, stderr io.Writer, prog []string) error {
+// run starts mpirun under ftwrap on the first host: this process becomes that ftwrap (exec), so it returns
+// only if the run could not start, and leaves nothing of it behind then.
+func (f *mpiRunFlags) run(ctx context.Context, labChosen bool, prog []string) (err error) {
 	if prog[0] == "--" {
 		prog = prog[1:]
 	}
@@ -305,10 +305,17 @@ func (f *mpiRunFlags) run(ctx context.Context, labChosen bool, stdout, stderr io
 	}
 	// Made here, not found: everything in it is this run's.
 	if err := os.Mkdir(dir, 0o755); errors.Is(err, fs.ErrExist) {
-		return cli.Usagef("--name %s: a run of that name exists (%s)", f.name, dir)
+		return cli.Usagef("--name %s: a run of that name exists (%s): give another --name, or remove that directory if its run is over", f.name, dir)
 	} else if err != nil {
 		return fmt.Errorf("create the run directory: %w", err)
 	}
+	// A return from here on is a run that never started (no MPI launcher, no libftkit-mpich.so, exec
+	// failed): its directory goes, else the retry once the cause is fixed finds the name taken.
+	defer func() {
+		if rmErr := os.RemoveAll(dir); rmErr != nil {
+			err = errors.Join(err, fmt.Errorf("remove the directory %s of the run that did not start: %w; remove it before reusing --name %s", dir, rmErr, f.name))
+		}
+	}()
 	for _, h := range p.ranks {
 		if err := os.MkdirAll(filepath.Join(dir, "tmp", h), 0o755); err != nil {
 			return fmt.Errorf("create the run directory: %w", err)
@@ -338,54 +345,44 @@ func (f *mpiRunFlags) run(ctx context.Context, labChosen bool, stdout, stderr io
 			return err
 		}
 	}
-	cmd := exec.CommandContext(ctx, ftwrap, append(append(wrap, "--"), argv...)...)
-	cmd.Stdout, cmd.Stderr = stdout, stderr
-	cmd.Env = append(withoutEnv(os.Environ(), "TMPDIR", envMPILab, envMPISocket, envMPIRun, envMPIDir, envMPIInterval, envMPIPlacement, envMPIJobAddrs, envMPIRecovery),
+	env := append(withoutEnv(os.Environ(), "TMPDIR", envMPILab, envMPISocket, envMPIRun, envMPIDir, envMPIInterval, envMPIPlacement, envMPIJobAddrs, envMPIRecovery),
 		"TMPDIR="+filepath.Join(dir, "tmp", p.ranks[0]), envMPIRun+"="+f.name,
 		envMPIDir+"="+dir, envMPIInterval+"="+f.interval, envMPIPlacement+"="+string(placement), envMPIRecovery+"="+f.recovery)
 	if f.impl == "mpich" {
 		// The whole run, not only the ranks (-genv): the hydra proxies need it (scripts/mpi/ftkit-mpich-finalize.c,
 		// 2). Node1's proxy inherits mpiexec's environment, the others launch-daemon's, which is mpiexec's.
-		cmd.Env = withPreload(cmd.Env, filepath.Join(dir, mpichLibName))
+		env = withPreload(env, filepath.Join(dir, mpichLibName))
 	}
 	if f.jobAddrs {
-		cmd.Env = append(cmd.Env, envMPIJobAddrs+"=1")
+		env = append(env, envMPIJobAddrs+"=1")
 	}
 	if p.labID != "" {
-		cmd.Env = append(cmd.Env, envMPILab+"="+p.labID)
+		env = append(env, envMPILab+"="+p.labID)
 	} else {
-		cmd.Env = append(cmd.Env, envMPISocket+"="+p.socket)
+		env = append(env, envMPISocket+"="+p.socket)
 	}
 	if os.Geteuid() == 0 { // the lab needs root, and so the ranks run as root
-		cmd.Env = append(cmd.Env, "OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1")
+		env = append(env, "OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1")
 	}
 	if f.impl == "openmpi" && p.labID != "" {
-		cmd.Env = labYield(cmd.Env)
+		env = labYield(env)
 	}
 	if f.impl == "openmpi" {
 		// PMIx (rank <-> its host's daemon) listens on loopback TCP by default. A loopback connection's peer
 		// address names no host, so a restorer cannot tell it stays inside the job; on the host's cluster
 		// address it is plainly a connection whose both ends are on the failed host, restored together.
-		cmd.Env = append(cmd.Env, "PMIX_MCA_ptl_tcp_if_include="+p.cidrs)
+		env = append(env, "PMIX_MCA_ptl_tcp_if_include="+p.cidrs)
 	}
-	// The signal goes to the job through ftwrap (same process group), not by killing ftwrap.
-	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
-	return wrapExit(f.name, cmd.Run())
-}
-
-// wrapExit is the outcome of MPI run name from that of its ftwrap (err, from exec.Cmd.Run). An ftwrap
-// killed by signal N (the OOM killer, a kill by PID) is 128+N, as a shell reports it: its ExitCode is -1,
-// which would exit 255, ftwrap's "lost without an exit status".
-func wrapExit(name string, err error) error {
-	var ee *exec.ExitError
-	if !errors.As(err, &ee) {
-		return err
+	// This process becomes ftwrap, which follows mpirun's job and exits with its status: a Ctrl-C or a kill of
+	// ftctl reaches ftwrap, once, which passes it to the job (a second one kills the job), and a shell sees
+	// 128+N if ftwrap itself is killed by signal N. Run as a child, ftwrap got a Ctrl-C together with ftctl,
+	// which died of it at once while the job ran on, its output and status no one's; a kill of ftctl alone
+	// never reached the job at all.
+	args := append(append([]string{ftwrap}, wrap...), "--")
+	if err := syscall.Exec(ftwrap, append(args, argv...), env); err != nil {
+		return cli.WithCode(cli.ExitUnavailable, fmt.Errorf("run %s, which follows mpirun: %w", ftwrap, err))
 	}
-	if ws, ok := ee.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
-		return cli.WithCode(128+int(ws.Signal()), fmt.Errorf("MPI run %s: ftwrap, which follows mpirun, was killed by %s: the run's outcome is unknown; see `ftctl jobs` for its jobs",
-			name, unix.SignalName(ws.Signal())))
-	}
-	return cli.WithCode(ee.ExitCode(), fmt.Errorf("MPI run %s: mpirun exited with status %d", name, ee.ExitCode()))
+	return nil
 }
 
 // launcherArgv is the MPI launcher's command line: ranks one per host in order, TCP only on the lab subnet,

@@ -2,9 +2,7 @@ package main
 
 import (
 	"errors"
-	"io"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -154,7 +152,7 @@ func TestMPIRunBadName(t *testing.T) {
 			{"hostfile", mpiRunFlags{hostfile: hostfile, socket: sock, name: name, impl: "openmpi"}},
 		} {
 			t.Run(tt.where+"/"+name, func(t *testing.T) {
-				err := tt.f.run(t.Context(), true, io.Discard, io.Discard, []string{"--", "true"})
+				err := tt.f.run(t.Context(), true, []string{"--", "true"})
 				ee, ok := errors.AsType[*cli.ExitError](err)
 				if !ok || ee.Code != cli.ExitUsage || !strings.Contains(err.Error(), "--name") {
 					t.Errorf("--name %q: %v; want a usage error (exit %d) naming --name", name, err, cli.ExitUsage)
@@ -183,24 +181,5 @@ func TestCheckJobNames(t *testing.T) {
 		if (err == nil) != tt.ok {
 			t.Errorf("checkJobNames(%q, %v) = %v, want ok %v", tt.run, tt.ranks, err, tt.ok)
 		}
-	}
-}
-
-// An ftwrap killed by a signal (the OOM killer, a kill by PID) ends the run with 128+N, as a shell reports
-// it, and the message names the signal: not -1, which the exit turns into 255, ftwrap's "lost without an
-// exit status".
-func TestWrapExitSignal(t *testing.T) {
-	err := exec.Command("/bin/sh", "-c", "kill -KILL $$").Run()
-	got := wrapExit("run1", err)
-	var ee *cli.ExitError
-	if !errors.As(got, &ee) || ee.Code != 128+9 || !strings.Contains(got.Error(), "SIGKILL") {
-		t.Fatalf("wrapExit(ftwrap killed by SIGKILL) = %v (code %v), want code 137 naming SIGKILL", got, ee)
-	}
-	got = wrapExit("run1", exec.Command("/bin/sh", "-c", "exit 3").Run())
-	if !errors.As(got, &ee) || ee.Code != 3 {
-		t.Fatalf("wrapExit(ftwrap exit 3) = %v, want code 3", got)
-	}
-	if got := wrapExit("run1", nil); got != nil {
-		t.Fatalf("wrapExit(nil) = %v", got)
 	}
 }
