@@ -77,7 +77,17 @@ type record struct {
 	conns     []tcpflow.Tuple          // the connections the kept name, by index
 	connIdx   map[tcpflow.Tuple]uint32 // and their indexes
 	used      uint64                   // Store.adds at the record's last Add
+	// ends is, per 4-tuple whose calls were dropped (dropOldest), where the last of them that consumed
+	// bytes ended: the proof lastBefore needs that a later call on the 4-tuple consuming from before it is
+	// of a new connection. Without it a Trim took that proof away, and the next Since took the new
+	// connection's call for the anchor. endsLost: more than maxEnds were needed, and some went.
+	ends     map[tcpflow.Tuple]uint32
+	endsLost bool
 }
+
+// maxEnds bounds record.ends (a few MiB): a record that would need more vouches for no snapshot any more
+// (lastBefore), refused rather than guessed.
+const maxEnds = 1 << 16
 
 func (r *record) kept() []keptDet { return r.buf[r.head:] }
 func (r *record) next() uint64    { return r.first + uint64(len(r.buf)-r.head) }
@@ -152,8 +162,20 @@ func (r *record) shrinkConns() {
 	}
 }
 
-// dropOldest forgets the record's n oldest determinants.
+// dropOldest forgets the record's n oldest determinants, keeping where each 4-tuple's last one that
+// consumed bytes ended (ends).
 func (r *record) dropOldest(n int) {
+	if r.ends == nil && !r.endsLost {
+		r.ends = map[tcpflow.Tuple]uint32{}
+	}
+	ks := r.kept()[:n]
+	for i, k := range ks {
+		// Only the last call of a run on one connection (batches are mostly such runs) updates the map.
+		if k.len > 0 && !r.endsLost && (i+1 == len(ks) || ks[i+1].conn != k.conn || ks[i+1].len == 0) {
+			r.ends[r.conns[k.conn]] = k.end
+		}
+	}
+	r.boundEnds()
 	r.head += n
 	r.first += uint64(n)
 	r.fromStart = false
@@ -246,9 +268,25 @@ func (s *Store) Trim(m *ckpt.Manifest) {
 	if r == nil {
 		return
 	}
-	if anchor := r.lastBefore(consumedAt(m)) - 1; anchor > 0 {
+	at := consumedAt(m)
+	if anchor := r.lastBefore(at) - 1; anchor > 0 {
 		r.dropOldest(anchor)
 		s.total -= anchor
+		// Only the 4-tuples m holds keep their proof: a connection of a later snapshot that m does not hold
+		// began after m's dump, after every call dropped here, and another's calls would say nothing of it.
+		for c := range r.ends {
+			if _, ok := at[c.Unmap()]; !ok {
+				delete(r.ends, c)
+			}
+		}
+	}
+}
+
+// boundEnds gives up ends once it holds more than maxEnds 4-tuples (a job that opened that many
+// connections since its last snapshot): lastBefore then vouches for no snapshot.
+func (r *record) boundEnds() {
+	if len(r.ends) > maxEnds {
+		r.ends, r.endsLost = nil, true
 	}
 }
 
@@ -362,10 +400,14 @@ func (r *record) lastBefore(at map[tcpflow.Tuple]uint32) int {
 		set   bool
 		broke int
 	}
+	if r.endsLost {
+		return -1 // a call of a new connection on a 4-tuple can no longer be told from the snapshot's
+	}
 	byIdx := make([]consumed, len(r.conns))
 	for i, c := range r.conns {
 		byIdx[i].seq, byIdx[i].ok = at[c.Unmap()]
 		byIdx[i].broke = -1
+		byIdx[i].end, byIdx[i].set = r.ends[c] // where its dropped calls ended, if any were
 	}
 	ks := r.kept()
 	for i, k := range ks {

@@ -448,13 +448,20 @@ func (r *Recorder) noticeLost() {
 		if s.cgroup == 0 {
 			continue
 		}
-		if lost, err := r.lostOf(s.cgroup); err == nil && lost != s.lost {
-			s.lost = lost
-			s.dropPending()
-			s.dropWatchers()
-			r.hole()
-			r.log.Warn("the receive-order recorder lost calls of a job (its ring was full): a recovery from its current snapshot replays without determinants", "job", s.job, "lost_total", lost)
+		lost, err := r.lostOf(s.cgroup)
+		if err == nil && lost == s.lost {
+			continue
 		}
+		// A count that cannot be read may hide a loss of the job's own: a hole, never a record that bridges
+		// it (the total, already taken, would not call for another look). s.lost stays: the next read that
+		// works may make one more hole, refused for nothing at worst.
+		if err == nil {
+			s.lost = lost
+		}
+		s.dropPending()
+		s.dropWatchers()
+		r.hole()
+		r.log.Warn("the receive-order recorder lost calls of a job (its ring was full), or its count of them cannot be read: a recovery from its current snapshot replays without determinants", "job", s.job, "lost_total", lost, "err", err)
 	}
 }
 

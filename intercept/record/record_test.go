@@ -322,3 +322,28 @@ func TestLostBeforeStreamIsNoHole(t *testing.T) {
 		t.Fatalf("job j kept its stream (first %d) across a loss that may have been its own", s.first)
 	}
 }
+
+// TestLostUnreadableMakesHole: the recorder's total of lost calls moved, and a job's own count cannot be
+// read. The loss may be the job's: its record must start over. It went on as if nothing was lost, and the
+// total, already taken, never called for a look again: the protector's record bridged the lost call.
+func TestLostUnreadableMakesHole(t *testing.T) {
+	r := newTestRecorder()
+	readable := true
+	r.lostOf = func(cg uint64) (uint64, error) {
+		if !readable {
+			return 0, fmt.Errorf("lookup of cgroup %d: no such device", cg)
+		}
+		return 0, nil
+	}
+	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:5001"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
+	r.startStream("j", 7, true, "")
+	r.take(ebpfprobes.RecvEvent{Cgroup: 7, Conn: conn, CopiedSeq: 10, Len: 10, Pid: 100}, time.Now())
+	s := r.byJob["j"]
+	readable = false
+	r.mu.Lock()
+	r.noticeLost()
+	r.mu.Unlock()
+	if s.first == 0 || s.fromStart || len(s.pending) != 0 {
+		t.Fatalf("job j: %d pending from %d, fromStart %v after a loss its count could not rule out: no hole", len(s.pending), s.first, s.fromStart)
+	}
+}
