@@ -46,11 +46,12 @@ func (a *Agent) Restore(ctx context.Context, req RestoreRequest, uid uint32) (*J
 			switch {
 			case loc.Job == "":
 				return nil, fmt.Errorf("%w: snapshot %s is not held by %s or any member that answers; name the job with --job", ckpt.ErrNotFound, req.Snapshot, a.cfg.Name)
-			case req.Job != "" && loc.Job != req.Job:
-				return nil, fmt.Errorf("%w: snapshot %s is of job %s, not %s", ckpt.ErrNotFound, req.Snapshot, loc.Job, req.Job)
 			case uid != 0 && (loc.UID == nil || *loc.UID != uid):
 				// Before the fetch: another user's snapshot never reaches this host on this caller's behalf.
+				// Before the job is named too: another user's job id is not the caller's to learn.
 				return nil, fmt.Errorf("%w: snapshot %s (held by %s) is not of a job of uid %d", ErrNoJob, req.Snapshot, holder, uid)
+			case req.Job != "" && loc.Job != req.Job:
+				return nil, fmt.Errorf("%w: snapshot %s is of job %s, not %s", ckpt.ErrNotFound, req.Snapshot, loc.Job, req.Job)
 			}
 			req.Job, prefer = loc.Job, holder
 		}
