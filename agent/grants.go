@@ -47,7 +47,9 @@ func (a *Agent) localGrant(m grantMessage, host string) (grantReply, error) {
 			return grantReply{}, err
 		}
 		a.log.Info("incarnation given back", "job", m.Job, "incarnation", m.Incarnation, "holder", m.Holder, "host", host)
-		return grantReply{}, nil
+		// Granted says given back (clusterapi.GrantReply): an empty reply is no answer to the asker
+		// (answerOf), whose contended claim then never tried again.
+		return grantReply{Granted: true}, nil
 	}
 	_, err := a.grants.Grant(grant.Request{Job: m.Job, Incarnation: m.Incarnation, Holder: m.Holder, Host: host}, now)
 	var ce *grant.ConflictError

@@ -180,3 +180,42 @@ func TestLateGiveBackKeepsWinningGrant(t *testing.T) {
 		t.Fatalf("incarnation 1 of %s claimed by n1 and by s1: n2 recorded n1's winning grant as given back (%+v)", job, rec)
 	}
 }
+
+// TestContendedClaimTriesAgain: a claim refused in its first attempt by a rival restore's grant, which the
+// rival then gives back, gives its own grants back and, every give-back answered, tries again and wins. A
+// member's answer to a give-back was taken for no answer ("empty answer": GrantReply.Granted is documented
+// as "granted, or given back", but a give-back answered without it), so a contended claim never tried
+// again and both restores of the job failed.
+func TestContendedClaimTriesAgain(t *testing.T) {
+	const job = "contend-00000001"
+	pki := newTestPKI(t)
+	member := func(name string, ports map[string]uint16) *Agent {
+		a, _ := newWireAgent(t, name, testMembers(ports))
+		cfg := pki.creds(t, name)
+		a.cfg.Cluster.CA, a.cfg.Cluster.Cert, a.cfg.Cluster.Key = cfg.CAFile, cfg.CertFile, cfg.KeyFile
+		var err error
+		if a.grants, err = grant.Open(filepath.Join(t.TempDir(), "grants.json"), grant.Options{}); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { a.peers().Close() })
+		return a
+	}
+	n2 := peerService{member("n2", nil)}
+	n3 := &givesWay{peerService: peerService{member("n3", nil)}, job: job, rival: "restore:rival", rhost: "s2"}
+	if _, err := n3.a.grants.Grant(grant.Request{Job: job, Incarnation: 1, Holder: n3.rival, Host: n3.rhost}, time.Now()); err != nil {
+		t.Fatal(err)
+	}
+	n1 := member("n1", map[string]uint16{"n2": scriptedPeer(t, pki, "n2", n2), "n3": scriptedPeer(t, pki, "n3", n3)})
+
+	if answered := n1.giveBack(t.Context(), "other-00000001", 1, "restore:n1", []string{"n1", "n2"}); !answered {
+		t.Errorf("a give-back of a grant nobody holds, answered by n1 itself and by n2: reported unanswered")
+	}
+	if err := n1.claimIncarnation(t.Context(), job, 1, "restore:n1", ""); err != nil {
+		t.Fatalf("claim contended by a rival that gave way: %v, want it won on a later attempt", err)
+	}
+	for _, a := range []*Agent{n1, n2.a, n3.a} {
+		if rec, _ := a.grants.Lookup(job); rec.Holder != "restore:n1" || rec.Released {
+			t.Errorf("%s's grant of %s: %+v, want held by restore:n1", a.cfg.Name, job, rec)
+		}
+	}
+}
