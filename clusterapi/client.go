@@ -320,9 +320,9 @@ func (c *Client) Claim(ctx context.Context, peer string, req spare.Claim) error 
 
 // Replica asks peer for its newest verified replica of a job from a node, and checks the answer is one.
 // The holder verifies its replicas (reads and hashes them) before it answers: more than one message
-// timeout.
+// timeout, and the answer carries the whole manifest (up to MaxReplicaReply).
 func (c *Client) Replica(ctx context.Context, peer string, req ReplicaRequest) (ReplicaReply, error) {
-	rep, err := call[ReplicaReply](c, ctx, peer, OpReplica, 3*c.msg(), req)
+	rep, err := callBounded[ReplicaReply](c, ctx, peer, OpReplica, 2*c.msg()+c.cfg.Timeouts.LargeTimeout(MaxReplicaReply), MaxReplicaReply, req)
 	if err == nil {
 		err = rep.Check(req)
 	}

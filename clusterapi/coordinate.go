@@ -132,15 +132,21 @@ func (p CutPart) validate() error {
 // memory needs (a GiB dumps in about 1.5 s here, and ships in 3).
 const MaxCoordStep = 10 * time.Minute
 
+// MaxDumpReply bounds a dump's reply: its parts carry their snapshots' connections, which a job with
+// thousands of them (a server with as many clients) has past MaxMessage, as its manifest does.
+const MaxDumpReply = MaxOperatorReply
+
 // Coordinate runs one phase of a coordinated snapshot or rollback on peer.
 func (c *Client) Coordinate(ctx context.Context, peer string, req CoordinateRequest) (CoordinateReply, error) {
 	if err := req.Validate(); err != nil {
 		return CoordinateReply{}, err
 	}
-	d := 2 * c.msg()
+	d, limit := 2*c.msg(), MaxMessage
 	switch req.Phase {
-	case CoordFreeze, CoordDump, CoordThaw, CoordPrepare, CoordStop, CoordRestore:
+	case CoordDump:
+		d, limit = MaxCoordStep, MaxDumpReply
+	case CoordFreeze, CoordThaw, CoordPrepare, CoordStop, CoordRestore:
 		d = MaxCoordStep
 	}
-	return call[CoordinateReply](c, ctx, peer, OpCoordinate, d, req)
+	return callBounded[CoordinateReply](c, ctx, peer, OpCoordinate, d, limit, req)
 }

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"github.com/ftkit/ftkit/internal/testenv"
 	"io"
@@ -13,6 +14,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/recvdigest"
@@ -318,5 +320,66 @@ func TestReadLogBytesOneBuffer(t *testing.T) {
 	})
 	if allocs > 1 {
 		t.Errorf("%v allocations to read %d bytes; want 1", allocs, n)
+	}
+}
+
+// TestAnswersOfManyConnections: a replica is answered with its whole manifest, which ckpt accepts up to
+// ckpt.MaxManifestBytes, and a dump of a run's jobs with their snapshots' connections: a job with
+// thousands of connections (a server with as many clients) has both past a member message. Such answers
+// were refused as too long: a failure of the job's node found no replica on its holder although the holder
+// had verified one, and every coordinated snapshot of its run was given up.
+func TestAnswersOfManyConnections(t *testing.T) {
+	m := testManifest("job-1", "n3")
+	m.Created, m.Mode = time.Now().UTC(), ckpt.ModeUncoordinated
+	for i := range 8000 {
+		m.Conns = append(m.Conns, ckpt.Conn{
+			Tuple: tcpflow.Tuple{Local: netip.AddrPortFrom(netip.MustParseAddr("10.77.0.3"), 6000),
+				Remote: netip.AddrPortFrom(netip.AddrFrom4([4]byte{10, 78, byte(i >> 8), byte(i)}), uint16(40000+i))},
+			Inode: uint64(1_000_000 + i), InqSeq: 3_000_000_000, OutqSeq: 4_000_000_000, Timestamp: 2_000_000_000,
+			SentPrefix: &ckpt.SentPrefix{Len: 65536, CRC: 4_000_000_000},
+		})
+	}
+	enc, err := m.Encode() // the manifest as its holder keeps and ships it
+	if err != nil {
+		t.Fatal(err)
+	}
+	uid := uint32(1000)
+	tests := []struct {
+		name  string
+		reply any
+		call  func(c *Client) (conns int, err error)
+	}{
+		{"replica", ReplicaReply{Manifest: m}, func(c *Client) (int, error) {
+			rep, err := c.Replica(t.Context(), "n2", ReplicaRequest{Job: "job-1", Node: "n3"})
+			if err != nil {
+				return 0, err
+			}
+			return len(rep.Manifest.Conns), nil
+		}},
+		{"dump", CoordinateReply{Parts: []CutPart{{Job: "job-1", Host: "n3", Snapshot: m.ID, Conns: m.Conns}}}, func(c *Client) (int, error) {
+			rep, err := c.Coordinate(t.Context(), "n2", CoordinateRequest{Run: "r", UID: &uid, Cut: "cut-1", Phase: CoordDump})
+			if err != nil || len(rep.Parts) != 1 {
+				return 0, err
+			}
+			return len(rep.Parts[0].Conns), nil
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			b, _ := json.Marshal(tt.reply)
+			if len(b) <= MaxMessage {
+				t.Fatalf("the answer is %d bytes: not past a message (%d), the test proves nothing", len(b), MaxMessage)
+			}
+			pki := newTestPKI(t)
+			addr := serveHandler(t, pki, "n2", answering(tt.reply))
+			c := clientOf(t, pki, "n1", map[string]string{"n2": addr}, testTimeouts)
+			conns, err := tt.call(c)
+			if err != nil {
+				t.Fatalf("an answer of %d bytes naming %d connections (the manifest file: %d bytes, which ckpt accepts): %v", len(b), len(m.Conns), len(enc), err)
+			}
+			if conns != len(m.Conns) {
+				t.Errorf("the answer names %d connections, want %d", conns, len(m.Conns))
+			}
+		})
 	}
 }

@@ -296,6 +296,10 @@ type ReplicaRequest struct {
 	Node string `json:"node"`
 }
 
+// MaxReplicaReply bounds a ReplicaReply: a manifest of up to ckpt.MaxManifestBytes (a job with thousands of
+// connections has one past MaxMessage) and the spares of its run, bounded as a claim's.
+const MaxReplicaReply = ckpt.MaxManifestBytes + MaxClaim
+
 // ReplicaReply carries it.
 type ReplicaReply struct {
 	Manifest *ckpt.Manifest `json:"manifest"`

@@ -59,7 +59,8 @@ func Ops() []Op {
 		OpLogWatermark, OpLogged, OpDeterminants, OpDeterminantsSince, OpDeterminantStream, OpDeterminantStream2, OpDeterminantStream3, OpHeartbeat, OpProbe, OpView, OpClaim, OpRecover, OpReplica, OpForget, OpRecoveryStatus, OpGrant, OpRejoin, OpVouch, OpStartJob, OpCoordinate}
 }
 
-// MaxHeader bounds a small request body; MaxMessage bounds the larger ones (views, trims), every reply
+// MaxHeader bounds a small request body; MaxMessage bounds the larger ones (trims), every reply but those
+// that carry a view, a manifest or a dump's connections (MaxViewMessage, MaxReplicaReply, MaxDumpReply),
 // and every line of a stream.
 const (
 	MaxHeader  = 4096

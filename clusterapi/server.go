@@ -250,8 +250,8 @@ func (s *Server) readRequest(w http.ResponseWriter, r *http.Request, op Op, limi
 	return nil
 }
 
-// reply writes v within the message timeout. A peer that does not read it is only logged: the operation's
-// own work is done.
+// reply writes v within the deadline for its size (a replica's manifest may be many MiB). A peer that does
+// not read it is only logged: the operation's own work is done.
 func (s *Server) reply(w http.ResponseWriter, r *http.Request, op Op, peer string, v any) {
 	b, err := json.Marshal(v)
 	if err != nil {
@@ -259,7 +259,7 @@ func (s *Server) reply(w http.ResponseWriter, r *http.Request, op Op, peer strin
 		return
 	}
 	rc := http.NewResponseController(w)
-	rc.SetWriteDeadline(time.Now().Add(s.opts.Timeouts.MessageTimeout())) // an error here shows at the write
+	rc.SetWriteDeadline(time.Now().Add(s.opts.Timeouts.LargeTimeout(len(b)))) // an error here shows at the write
 	w.Header().Set("Content-Type", "application/json")
 	if _, err := w.Write(append(b, '\n')); err != nil {
 		s.log.Warn("cluster reply not delivered", "peer", peer, "op", op, "err", err)
