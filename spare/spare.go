@@ -69,10 +69,39 @@ const MaxRunSpares = 4096
 // MaxPrefetch bounds Claim.Prefetch (one per job of the failed node, as a recovery request).
 const MaxPrefetch = 1024
 
+// maxFailure bounds a claim's failure id: a protector's is its failed node's name (at most 128 bytes, as
+// any name in a snapshot id), '-' and the time it declared it (23 bytes); the spare's record of it,
+// <id>.json, stays within a file name's 255 bytes.
+const maxFailure = 200
+
+// checkFailureID accepts a failure id the spare's agent can name its recovery record after
+// (recoveries/<id>.json in its state directory, read when a later claim comes): printable ASCII without a
+// path separator, not hidden, bounded. A claimer's id led the root agent to read a file of its choosing,
+// and one no record can be saved under had the spare claimed for a recovery that could never run.
+func checkFailureID(id string) error {
+	if len(id) > maxFailure {
+		return fmt.Errorf("claim with a failure id of %d bytes, at most %d", len(id), maxFailure)
+	}
+	bad := strings.HasPrefix(id, ".")
+	for i := 0; i < len(id); i++ {
+		if id[i] < 0x21 || id[i] > 0x7e || id[i] == '/' || id[i] == '\\' {
+			bad = true
+		}
+	}
+	if bad {
+		return fmt.Errorf("claim with failure id %q: not usable as a file name (printable ASCII without '/', '\\' or a leading '.')", id)
+	}
+	return nil
+}
+
 func (c Claim) validate() error {
-	switch {
-	case c.Failure == "":
+	if c.Failure == "" {
 		return errors.New("claim without a failure id")
+	}
+	if err := checkFailureID(c.Failure); err != nil {
+		return err
+	}
+	switch {
 	case c.By == "":
 		return fmt.Errorf("claim for failure %s without a requesting member", c.Failure)
 	case c.Failed == "":

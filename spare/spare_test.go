@@ -68,6 +68,17 @@ func TestClaim(t *testing.T) {
 		{name: "same failure id, other node", held: &first, c: claim("f1", "n1", "n4", 1), avail: 2 * gib, busy: true,
 			err: []string{"claimed here for node n2, not n4"}, current: first},
 		{name: "no failure id", c: claim("", "n3", "n2", 1), avail: gib, err: []string{"without a failure id"}},
+		// The failure id names the spare's recovery record (recoveries/<id>.json under the root agent's state
+		// directory), read when a later claim comes: a claimer's id must not lead out of it, nor be one no
+		// recovery record can be saved under.
+		{name: "a failure id that leads out of the state directory", c: claim("../../../etc/x", "n3", "n2", 1), avail: gib,
+			err: []string{"failure id", "not usable as a file name"}},
+		{name: "a failure id with a slash", c: claim("n2/x", "n3", "n2", 1), avail: gib, err: []string{"not usable as a file name"}},
+		{name: "a hidden failure id", c: claim(".n2", "n3", "n2", 1), avail: gib, err: []string{"not usable as a file name"}},
+		{name: "a failure id with a control byte", c: claim("n2-\n20260301", "n3", "n2", 1), avail: gib, err: []string{"not usable as a file name"}},
+		{name: "an over-long failure id", c: claim(strings.Repeat("f", maxFailure+1), "n3", "n2", 1), avail: gib, err: []string{"failure id of 201 bytes"}},
+		{name: "the failure id a protector makes", c: claim("node-2.rack1-20260301T120000.000", "n3", "n2", 1), avail: gib,
+			current: claim("node-2.rack1-20260301T120000.000", "n3", "n2", 1)},
 		{name: "no requester", c: claim("f1", "", "n2", 1), avail: gib, err: []string{"without a requesting member"}},
 		{name: "no failed node", c: claim("f1", "n3", "", 1), avail: gib, err: []string{"without a failed node"}},
 		{name: "negative need", c: claim("f1", "n3", "n2", -1), avail: gib, err: []string{"negative need"}},
