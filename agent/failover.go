@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -163,6 +164,8 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 		held, err := a.heldReplicas(ctx, job, s.Name)
 		if from, ok := taken[job]; ok {
 			earlier, ferr := a.heldReplicas(ctx, job, from, s.Name)
+			// The failed node's replicas stay first: its copy of the job began from one of from's snapshots,
+			// so each of them is newer, whatever the two hosts' clocks say (sortHeld).
 			if held = append(held, earlier...); len(held) > 0 {
 				sortHeld(held)
 				err = nil
@@ -611,10 +614,21 @@ func (a *Agent) heldReplicas(ctx context.Context, job, node string, skip ...stri
 	return held, nil
 }
 
-// sortHeld orders replicas newest first (ids start with the UTC time of the dump), keeping the given order
-// among equals.
+// sortHeld orders replicas newest first, keeping the given order among equals. Ids start with the UTC time
+// of the dump by their host's clock, so only those of one host are compared: replicas of different hosts
+// (a job taken over from a node that was restoring it, runFailover) keep the order of their hosts' first
+// replicas in held, which the caller gives newest copy first. Ordered by the ids, the earlier host's stale
+// snapshots came first whenever its clock was ahead of the failed node's.
 func sortHeld(held []heldReplica) {
-	slices.SortStableFunc(held, func(x, y heldReplica) int { return strings.Compare(y.m.ID, x.m.ID) })
+	rank := map[string]int{}
+	for _, h := range held {
+		if _, ok := rank[h.m.Node]; !ok {
+			rank[h.m.Node] = len(rank)
+		}
+	}
+	slices.SortStableFunc(held, func(x, y heldReplica) int {
+		return cmp.Or(cmp.Compare(rank[x.m.Node], rank[y.m.Node]), strings.Compare(y.m.ID, x.m.ID))
+	})
 }
 
 // recoveryCandidates is the ordered list a recovery request carries for one job.

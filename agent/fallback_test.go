@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/interval"
 )
 
@@ -72,5 +73,72 @@ func TestPolicyAppliesIntervalFloor(t *testing.T) {
 	}
 	if got := a.policyFor("slow-00000001").Interval(); got != 5*time.Second {
 		t.Errorf("a job asking for 5s runs every %s", got)
+	}
+}
+
+// TestRestoreFloorIgnoresOtherHostsClock: a job restored here from another host's snapshot runs on with
+// that host's snapshots of it still in the store (copies received as its protector, or fetched for the
+// restore). A restore after this host fails starts from this host's own snapshots only, so those alone
+// make the floor: the other host's, dated by its clock, must not pass for newer than this host's own
+// because that clock is ahead (the floor then named a stale snapshot dated in this host's future, the log
+// watermark became "now", and peers freed bytes a restore from this host's own snapshot needs).
+func TestRestoreFloorIgnoresOtherHostsClock(t *testing.T) {
+	const job = "counter-1a2b3c4d"
+	start := time.Date(2026, 3, 1, 12, 0, 0, 0, time.UTC)
+	tests := []struct {
+		name    string
+		skew    time.Duration // of the job's earlier host's clock
+		own     int           // snapshots this host took of the job since its restore, all replicated
+		wantOwn int           // index into them of the floor; -1 for none
+	}{
+		{"earlier host's clock an hour ahead", time.Hour, 2, 0},
+		{"earlier host's clock an hour behind", -time.Hour, 2, 0},
+		{"clocks agree", 0, 2, 0},
+		{"one own snapshot is the floor", time.Hour, 1, 0},
+		{"none replicated here yet: the job counts from its start", time.Hour, 0, -1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := t.TempDir()
+			var now time.Time
+			open := func(node string) *ckpt.Store {
+				s, err := ckpt.Open(dir, ckpt.Options{Node: node, Now: func() time.Time { return now }})
+				if err != nil {
+					t.Fatal(err)
+				}
+				return s
+			}
+			earlier, here := open("node1"), open("spare1")
+			// node1 ran the job and shipped its snapshots here; it failed, and the job was restored here.
+			for i := range 2 {
+				now = start.Add(time.Duration(i) * time.Minute).Add(tt.skew)
+				m := testSnapshot(t, earlier, job, "node1")
+				if _, err := here.AddReplica(job, m.ID, "node1"); err != nil {
+					t.Fatal(err)
+				}
+			}
+			var own []string
+			for i := range tt.own {
+				now = start.Add(time.Duration(5+i) * time.Minute)
+				m := testSnapshot(t, here, job, "spare1")
+				if _, err := here.AddReplica(job, m.ID, "node3"); err != nil {
+					t.Fatal(err)
+				}
+				own = append(own, m.ID)
+			}
+			a := &Agent{store: here, log: slog.New(slog.DiscardHandler)}
+			a.cfg.Name = "spare1"
+			got := ""
+			if f := a.restoreFloor(job); f != nil {
+				got = f.ID
+			}
+			want := ""
+			if tt.wantOwn >= 0 {
+				want = own[tt.wantOwn]
+			}
+			if got != want {
+				t.Errorf("restore floor = %q, want %q (this host's own replicated snapshot before its newest; none if it has none)", got, want)
+			}
+		})
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -233,4 +234,50 @@ func (g grantReplyForTest) reply() (grantReply, error) {
 		return r, errors.New(g.err)
 	}
 	return r, nil
+}
+
+// TestSortHeldAcrossHosts: a recovery that takes over a job the failed node was restoring (taken) holds
+// replicas of two hosts: the failed node's, of the copy it restored and snapshotted, and those of the
+// job's earlier host. The failed node's come first whatever the two clocks say: its copy began from one
+// of the earlier host's snapshots, so each of its snapshots is newer. Ids are compared only within one
+// host; with the earlier host's clock ahead, its stale snapshot was tried first.
+func TestSortHeldAcrossHosts(t *testing.T) {
+	m := func(id string) *ckpt.Manifest {
+		sid, err := ckpt.ParseID(id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return &ckpt.Manifest{ID: id, Node: sid.Node}
+	}
+	const (
+		spare1 = "20260301T120500.000Z-spare1-000001" // the failed node's, after its restore
+		spare2 = "20260301T120600.000Z-spare1-000002"
+		ahead  = "20260301T130000.000Z-node1-000009" // the earlier host's, its clock an hour ahead
+		ahead2 = "20260301T125900.000Z-node1-000008"
+		behind = "20260301T110000.000Z-node1-000009" // its clock an hour behind
+	)
+	tests := []struct {
+		name string
+		held []heldReplica // the failed node's first, as runFailover appends them
+		want []Candidate
+	}{
+		{"earlier host's clock ahead",
+			[]heldReplica{{holder: "node2", m: m(spare2)}, {holder: "node3", m: m(ahead)}},
+			[]Candidate{{Snapshot: spare2, Source: "node2"}, {Snapshot: ahead, Source: "node3"}}},
+		{"earlier host's clock behind",
+			[]heldReplica{{holder: "node2", m: m(spare2)}, {holder: "node3", m: m(behind)}},
+			[]Candidate{{Snapshot: spare2, Source: "node2"}, {Snapshot: behind, Source: "node3"}}},
+		{"each host's newest first, hosts in the given order",
+			[]heldReplica{{holder: "node2", m: m(spare1)}, {holder: "node4", m: m(spare2)}, {holder: "node3", m: m(ahead2)}, {holder: "node5", m: m(ahead)}},
+			[]Candidate{{Snapshot: spare2, Source: "node4"}, {Snapshot: spare1, Source: "node2"}, {Snapshot: ahead, Source: "node5"}, {Snapshot: ahead2, Source: "node3"}}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			held := append([]heldReplica(nil), tt.held...)
+			sortHeld(held)
+			if got := recoveryCandidates(held); !slices.Equal(got, tt.want) {
+				t.Fatalf("candidates %v, want %v", got, tt.want)
+			}
+		})
+	}
 }

@@ -629,11 +629,15 @@ func (a *Agent) logWatermark() (LogWatermark, error) {
 	return LogWatermark{Age: now.Sub(w), Held: held, Addrs: addrs}, nil
 }
 
-// newestReplicated returns the newest snapshot of job in this host's store that another node holds too:
+// newestReplicated returns the newest snapshot of job taken on this host that another node holds too:
 // the one a restore of the job would start from. A snapshot whose manifest is unreadable here is passed
-// over (an older restore point only frees less).
+// over (an older restore point only frees less). Only this host's own count: a restore after its failure
+// starts from those (heldReplicas), and the copies it keeps of another host's snapshots of the job (it
+// was restored here from them) are dated by that host's clock, which, ahead of this one, made a stale
+// copy pass for the newest: the watermark became this host's present, and peers freed bytes a restore
+// from this host's own snapshot needs.
 func (a *Agent) newestReplicated(job string) *ckpt.Manifest {
-	ids, err := a.store.List(job, "")
+	ids, err := a.store.List(job, a.cfg.Name)
 	if err != nil {
 		return nil
 	}
