@@ -15,7 +15,9 @@ var ErrNotTCP = errors.New("park: not an IPv4 TCP frame")
 // Frame is what a clone's headers say, and its payload.
 type Frame struct {
 	Conn tcpflow.Tuple // Local sent it
-	Seq  uint32
+	// Seq is the sequence number of the payload's first byte: a SYN's own number is before it, as in the
+	// log's records (bpf/tcplog.c), which the clones are matched with.
+	Seq uint32
 	// Payload is the TCP payload, or what of it the read held (Free).
 	Payload []byte
 }
@@ -63,6 +65,9 @@ func ParseFrame(b []byte, whole bool) (Frame, error) {
 		},
 		Seq:     binary.BigEndian.Uint32(tcp[4:8]),
 		Payload: tcp[doff:],
+	}
+	if tcp[13]&0x02 != 0 { // SYN: the payload of a SYN (TCP Fast Open) starts after the SYN's number
+		f.Seq++
 	}
 	total := int(binary.BigEndian.Uint16(ip[2:4]))
 	if total == 0 { // BIG TCP: the frame's length is the segment's

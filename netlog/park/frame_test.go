@@ -56,6 +56,7 @@ func TestParseFrame(t *testing.T) {
 		{"headers only, no payload bytes", frame(src, dst, 9, payload, false, 12, 0)[:14+20+32], false, []byte{}, 9},
 		{"padding after the payload", padded, true, []byte("ab"), 1},
 		{"BIG TCP: IP length 0", frame(src, dst, 10, payload, false, 0, 0x10000), true, payload, 10},
+		{"SYN with data (Fast Open): the payload after the SYN's number", frame(src, dst, 0xffffffff, payload, false, 12, 0), true, payload, 0},
 		{"cut short", frame(src, dst, 11, payload, false, 0, 0)[:100], true, nil, 0},
 		{"IP length below the headers", frame(src, dst, 12, payload, false, 0, 30), true, nil, 0},
 		{"TCP header cut", frame(src, dst, 13, nil, false, 0, 0)[:14+20+10], false, nil, 0},
@@ -66,6 +67,9 @@ func TestParseFrame(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			if tc.name == "BIG TCP: IP length 0" {
 				binary.BigEndian.PutUint16(tc.b[14+2:], 0)
+			}
+			if tc.name == "SYN with data (Fast Open): the payload after the SYN's number" {
+				tc.b[14+20+13] |= 0x02
 			}
 			f, err := ParseFrame(tc.b, tc.whole)
 			if tc.want == nil {

@@ -39,8 +39,11 @@ const MaxBuckets = 256
 
 // Bucket is the bucket of destination address dst among buckets (a power of 2 up to MaxBuckets): the
 // XOR of its four bytes, modulo buckets. It must agree with park_bucket in bpf/tcplog.c, which picks
-// the queue of each clone; an address that is not IPv4 is in bucket 0 (the program parks IPv4 only).
+// the queue of each clone; an address that is not IPv4 is in bucket 0 (the program parks IPv4 only). An
+// IPv4-mapped IPv6 address is its IPv4 address: a dual-stack socket's tuple (in CRIU's images, a peer's
+// range request) names the same destination as the program's IPv4 headers.
 func Bucket(dst netip.Addr, buckets int) int {
+	dst = dst.Unmap()
 	if !dst.Is4() || buckets <= 1 {
 		return 0
 	}

@@ -127,6 +127,8 @@ func TestBucket(t *testing.T) {
 		{"10.77.0.3", 0, 0},
 		{"192.168.255.1", 256, 150},
 		{"::1", 8, 0},
+		// A dual-stack socket's view of the same destination: its clones are in 10.77.0.2's bucket.
+		{"::ffff:10.77.0.2", 8, 5},
 	} {
 		if got := Bucket(netip.MustParseAddr(tt.addr), tt.buckets); got != tt.want {
 			t.Errorf("Bucket(%s, %d) = %d, want %d", tt.addr, tt.buckets, got, tt.want)
