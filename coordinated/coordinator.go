@@ -108,14 +108,21 @@ func (c *Coordinator) take(ctx context.Context, run string, owner *uint32) (*Cut
 		c.onHosts(context.WithoutCancel(ctx), hosts, func(string) clusterapi.CoordinateRequest { return req(clusterapi.CoordAbort) })
 		return nil, fmt.Errorf("coordinated snapshot of run %s not recorded: %w", run, err)
 	}
+	// A cut not recorded is given up on every host (the abort, after the thaw, only unpins its snapshots
+	// there, Uncommitted): another cut of the run no longer replaces its pins.
+	giveUp := func() {
+		c.onHosts(context.WithoutCancel(ctx), hosts, func(string) clusterapi.CoordinateRequest { return req(clusterapi.CoordAbort) })
+	}
 	var parts []clusterapi.CutPart
 	for _, h := range hosts {
 		parts = append(parts, dumped[h].Parts...)
 		if len(replicated[h].Parts) != len(dumped[h].Parts) {
+			giveUp()
 			return nil, fmt.Errorf("coordinated snapshot of run %s not recorded: %s replicated %d of its %d parts", run, h, len(replicated[h].Parts), len(dumped[h].Parts))
 		}
 	}
 	if err := Check(parts); err != nil {
+		giveUp()
 		return nil, err
 	}
 	for i := range parts {
@@ -126,6 +133,13 @@ func (c *Coordinator) take(ctx context.Context, run string, owner *uint32) (*Cut
 	// Every alive member keeps the record, so that any of them can roll the run back.
 	commit := req(clusterapi.CoordCommit)
 	commit.Parts = parts
+	// As every peer's client would: a cut its members cannot record (jobs started since the list took it past
+	// MaxCutParts, a host's dump reply naming no snapshot) is refused here, not recorded on this host alone,
+	// whose own commit no client validates.
+	if err := commit.Validate(); err != nil {
+		giveUp()
+		return nil, fmt.Errorf("%w: coordinated snapshot of run %s not recorded: %w", ErrRefused, run, err)
+	}
 	if _, err := c.onHosts(ctx, c.Members.Alive(), func(string) clusterapi.CoordinateRequest { return commit }); err != nil {
 		c.Log.Warn("coordinated snapshot recorded on some members only", "run", run, "cut", cut.ID, "err", err)
 	}
@@ -173,10 +187,12 @@ func (c *Coordinator) RunHosts(ctx context.Context, run string, owner *uint32) (
 	}
 	users := map[uint32]bool{}
 	var hosts []string
+	jobs := 0
 	for _, h := range alive {
 		if len(listed[h].Jobs) > 0 {
 			hosts = append(hosts, h)
 		}
+		jobs += len(listed[h].Jobs)
 		for _, u := range listed[h].Owners {
 			users[u] = true
 		}
@@ -186,6 +202,8 @@ func (c *Coordinator) RunHosts(ctx context.Context, run string, owner *uint32) (
 		return nil, 0, fmt.Errorf("%w: run %s has no running job on an alive member (a job joins a run with its spec's run, `ftctl mpirun` sets it)", ErrNoRun, run)
 	case len(users) > 1:
 		return nil, 0, fmt.Errorf("%w: runs named %s of users %v: name the user (--uid)", ErrRefused, run, slices.Sorted(maps.Keys(users)))
+	case jobs > clusterapi.MaxCutParts:
+		return nil, 0, fmt.Errorf("%w: run %s has %d jobs, a coordinated snapshot holds at most %d (use message logging: recovery \"message-logging\")", ErrRefused, run, jobs, clusterapi.MaxCutParts)
 	}
 	var uid uint32
 	for u := range users {

@@ -158,11 +158,14 @@ func (hs *Holds[J]) Len() int {
 // cut naming a snapshot that no longer existed, and the run's previous cut, no longer pinned, went too.
 type Uncommitted struct {
 	mu sync.Mutex
-	m  map[string]uncommitted
+	m  map[uncommittedKey]uncommitted
 }
 
+// uncommittedKey is a cut of a run (HoldKey): two cuts of one run may both be thawed and uncommitted here
+// (an operator's beside the scheduled one, the first's thaw giving the snapshot lock to the second's freeze).
+type uncommittedKey struct{ run, cut string }
+
 type uncommitted struct {
-	cut   string
 	snaps map[string][]string // job -> snapshot ids
 	until time.Time
 }
@@ -171,8 +174,9 @@ type uncommitted struct {
 // once every host has replicated its dumps (each within clusterapi.MaxCoordStep), or gave the cut up.
 const uncommittedMax = clusterapi.MaxCoordStep + HoldMax
 
-// Add pins dumped, the snapshots of cut of key's run, until Done or uncommittedMax; they replace those of
-// an earlier cut of the run that was never committed (torn, or given up).
+// Add pins dumped, the snapshots of cut of key's run, until Done or uncommittedMax. Those of another cut of
+// the run stay pinned: replacing them let this cut's replication prune a cut still to commit (keep = 1),
+// which was then recorded naming a deleted snapshot. A torn cut's coordinator gives it up (Done).
 func (u *Uncommitted) Add(key, cut string, dumped []*ckpt.Manifest) {
 	snaps := map[string][]string{}
 	for _, m := range dumped {
@@ -181,18 +185,16 @@ func (u *Uncommitted) Add(key, cut string, dumped []*ckpt.Manifest) {
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	if u.m == nil {
-		u.m = map[string]uncommitted{}
+		u.m = map[uncommittedKey]uncommitted{}
 	}
-	u.m[key] = uncommitted{cut: cut, snaps: snaps, until: time.Now().Add(uncommittedMax)}
+	u.m[uncommittedKey{key, cut}] = uncommitted{snaps: snaps, until: time.Now().Add(uncommittedMax)}
 }
 
 // Done unpins the snapshots of cut of key's run: the cut is recorded (the record pins them) or given up.
 func (u *Uncommitted) Done(key, cut string) {
 	u.mu.Lock()
 	defer u.mu.Unlock()
-	if p, ok := u.m[key]; ok && p.cut == cut {
-		delete(u.m, key)
-	}
+	delete(u.m, uncommittedKey{key, cut})
 }
 
 // Pinned are job's snapshots of cuts not yet committed.

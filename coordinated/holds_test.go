@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
 )
 
@@ -120,4 +121,39 @@ func TestHoldFreeze(t *testing.T) {
 			}
 		}
 	})
+}
+
+// TestUncommittedConcurrentCuts: two cuts of one run thaw on this host before either commits (the
+// scheduled cut and an operator's from another coordinator: the first thaw gives the snapshot lock back,
+// and the second freezes and dumps then). Each cut's snapshots stay pinned until that cut's commit or
+// give-up. Before, the second thaw's pins replaced the first's: the second's replication pruned the first
+// cut's snapshot (keep = 1) here and on the protector, its commit then recorded a cut naming a snapshot
+// that no longer existed, and the run's previous cut, unpinned by that record, went too.
+func TestUncommittedConcurrentCuts(t *testing.T) {
+	uid := uint32(1000)
+	key := HoldKey(clusterapi.CoordinateRequest{Run: "farm", UID: &uid})
+	dump := func(id string) []*ckpt.Manifest { return []*ckpt.Manifest{{Job: "farm-1", ID: id}} }
+	const s1, s2 = "20261203T100000.000Z-node1-000001", "20261203T100001.000Z-node1-000002"
+	for _, tc := range []struct {
+		name  string
+		steps func(u *Uncommitted)
+		want  []string
+	}{
+		{"both thawed", func(u *Uncommitted) {}, []string{s1, s2}},
+		{"the second committed", func(u *Uncommitted) { u.Done(key, "cut-2") }, []string{s1}},
+		{"the first committed", func(u *Uncommitted) { u.Done(key, "cut-1") }, []string{s2}},
+		{"both committed", func(u *Uncommitted) { u.Done(key, "cut-2"); u.Done(key, "cut-1") }, nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var u Uncommitted
+			u.Add(key, "cut-1", dump(s1))
+			u.Add(key, "cut-2", dump(s2))
+			tc.steps(&u)
+			got := u.Pinned("farm-1")
+			slices.Sort(got)
+			if !slices.Equal(got, tc.want) {
+				t.Errorf("pinned %v, want %v", got, tc.want)
+			}
+		})
+	}
 }

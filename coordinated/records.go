@@ -12,6 +12,8 @@ import (
 	"strconv"
 	"strings"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/internal/atomicfile"
 )
@@ -35,16 +37,28 @@ func (r Records) path(run string, uid uint32) string {
 	return filepath.Join(r.Dir, fmt.Sprintf("%s.%d.json", run, uid))
 }
 
-// Save records c, unless a newer cut of its run is recorded (a commit that arrives late).
+// Save records c, unless a newer cut of its run is recorded (a commit that arrives late). A cut that Load
+// would refuse is refused here: written, it would replace the run's previous record with none.
 func (r Records) Save(c Cut) error {
-	if err := clusterapi.ValidRunName(c.Run); err != nil {
-		return err
-	}
-	if old, err := r.Load(c.Run, &c.UID); err == nil && old.ID >= c.ID {
-		return nil // a newer cut's record arrived first (ids begin with the time)
+	if err := (clusterapi.CoordinateRequest{Run: c.Run, UID: &c.UID, Cut: c.ID, Phase: clusterapi.CoordCommit, Parts: c.Parts}).Validate(); err != nil {
+		return fmt.Errorf("record cut %s of run %s: %w", c.ID, c.Run, err)
 	}
 	if err := os.MkdirAll(r.Dir, 0o700); err != nil {
 		return fmt.Errorf("record cut %s of run %s: %w", c.ID, c.Run, err)
+	}
+	// The look at the recorded cut and the write are one step: two commits at once (two coordinators' cuts)
+	// both read the old record, and the older's write could replace the newer's. A lock on the directory
+	// (a Records is a value, made anew for each use).
+	d, err := os.Open(r.Dir)
+	if err != nil {
+		return fmt.Errorf("record cut %s of run %s: %w", c.ID, c.Run, err)
+	}
+	defer d.Close() // and the lock with it
+	if err := unix.Flock(int(d.Fd()), unix.LOCK_EX); err != nil {
+		return fmt.Errorf("record cut %s of run %s: lock %s: %w", c.ID, c.Run, r.Dir, err)
+	}
+	if old, err := r.Load(c.Run, &c.UID); err == nil && old.ID >= c.ID {
+		return nil // a newer cut's record arrived first (ids begin with the time)
 	}
 	if err := atomicfile.WriteJSON(r.path(c.Run, c.UID), c); err != nil {
 		return fmt.Errorf("record cut %s of run %s: %w", c.ID, c.Run, err)

@@ -2,10 +2,12 @@ package coordinated
 
 import (
 	"errors"
+	"fmt"
 	"log/slog"
 	"os"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/ftkit/ftkit/clusterapi"
@@ -75,5 +77,31 @@ func TestCutRecords(t *testing.T) {
 	}
 	if got := r.Pinned("a-00000001"); len(got) != 0 {
 		t.Errorf("pinned from a refused record: %v", got)
+	}
+}
+
+// TestCutRecordsConcurrentCommits: two cuts' commits of one run arrive at once (an operator's cut beside
+// the scheduled one, each from its coordinator). The newer stays recorded, whichever writes last. Before,
+// both read the record before either wrote it, and the older's write could replace the newer's: the run
+// went back to a cut its other members had superseded, and the newer cut's snapshots lost their pin.
+func TestCutRecordsConcurrentCommits(t *testing.T) {
+	r := Records{Dir: t.TempDir(), Host: "node1", Log: slog.New(slog.DiscardHandler)}
+	part := []clusterapi.CutPart{{Job: "a-00000001", Host: "node1", Snapshot: "20260501T120000.000Z-node1-000001"}}
+	for i := range 50 {
+		older := Cut{Run: "r1", UID: 1000, ID: fmt.Sprintf("cut-%03d-0", i), Parts: part}
+		newer := older
+		newer.ID = fmt.Sprintf("cut-%03d-1", i)
+		var wg sync.WaitGroup
+		for _, c := range []Cut{newer, older} {
+			wg.Go(func() {
+				if err := r.Save(c); err != nil {
+					t.Error(err)
+				}
+			})
+		}
+		wg.Wait()
+		if c, err := r.Load("r1", nil); err != nil || c.ID != newer.ID {
+			t.Fatalf("round %d: recorded %+v %v after the commits of %s and %s at once; want %s", i, c, err, newer.ID, older.ID, newer.ID)
+		}
 	}
 }

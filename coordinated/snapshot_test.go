@@ -2,6 +2,8 @@ package coordinated
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"log/slog"
 	"strings"
 	"sync"
@@ -86,4 +88,91 @@ func btoi(b bool) int {
 		return 1
 	}
 	return 0
+}
+
+// bigRun is a run of n jobs on host b and one on host a. Each host records the commit as the agent does:
+// a peer's through the client, which validates the request, the coordinator's own directly.
+type bigRun struct {
+	n       int
+	late    bool // b's jobs but one started after the list
+	records map[string]Records
+}
+
+func (f *bigRun) Alive() []string { return []string{"a", "b"} }
+
+func (f *bigRun) Coordinate(_ context.Context, host string, req clusterapi.CoordinateRequest) (clusterapi.CoordinateReply, error) {
+	var parts []clusterapi.CutPart
+	var jobs []string
+	owners := map[string]uint32{}
+	for i := range f.n {
+		if host == "a" && i > 0 {
+			break
+		}
+		job := fmt.Sprintf("job%s-%08d", host, i)
+		jobs = append(jobs, job)
+		owners[job] = 0
+		parts = append(parts, clusterapi.CutPart{Job: job, Host: host, Snapshot: fmt.Sprintf("20261203T100000.000Z-%s-%06d", host, i+1)})
+	}
+	switch req.Phase {
+	case clusterapi.CoordList:
+		if f.late {
+			jobs = jobs[:1]
+		}
+		return clusterapi.CoordinateReply{Jobs: jobs, Owners: owners}, nil
+	case clusterapi.CoordDump, clusterapi.CoordThaw:
+		return clusterapi.CoordinateReply{Parts: parts}, nil
+	case clusterapi.CoordCommit:
+		if host != "a" {
+			if err := req.Validate(); err != nil {
+				return clusterapi.CoordinateReply{}, err
+			}
+		}
+		return clusterapi.CoordinateReply{}, f.records[host].Save(Cut{Run: req.Run, UID: *req.UID, ID: req.Cut, Parts: req.Parts})
+	}
+	return clusterapi.CoordinateReply{}, nil
+}
+
+// TestSnapshotOfTooManyJobs: a run of more jobs than a cut holds (clusterapi.MaxCutParts) gets no cut, and
+// says so, before its freeze if its list shows them; every host keeps the run's previous cut. Before, the coordinator reported the cut taken: its own
+// commit, which no client validates, wrote a record that every later read refuses over its previous cut's
+// (unpinning that cut's snapshots), and every peer refused the commit.
+func TestSnapshotOfTooManyJobs(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		jobs int // on host b
+		late bool
+		ok   bool
+	}{
+		{"as many as a cut holds", clusterapi.MaxCutParts - 1, false, true},
+		{"one more", clusterapi.MaxCutParts, false, false},
+		{"one more, started after the list", clusterapi.MaxCutParts, true, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := &bigRun{n: tc.jobs, late: tc.late, records: map[string]Records{}}
+			uid := uint32(0)
+			prev := Cut{Run: "r", UID: uid, ID: "cut-20261203T090000.000",
+				Parts: []clusterapi.CutPart{{Job: "joba-00000000", Host: "a", Snapshot: "20261203T090000.000Z-a-000001"}}}
+			for _, h := range f.Alive() {
+				f.records[h] = Records{Dir: t.TempDir(), Host: h, Log: slog.New(slog.DiscardHandler)}
+				if err := f.records[h].Save(prev); err != nil {
+					t.Fatal(err)
+				}
+			}
+			c := &Coordinator{Self: "a", Members: f, Records: f.records["a"], Log: slog.New(slog.DiscardHandler)}
+			cut, err := c.Snapshot(t.Context(), "r", &uid)
+			if tc.ok {
+				if err != nil || len(cut.Parts) != tc.jobs+1 {
+					t.Fatalf("cut of %d jobs: %v", tc.jobs+1, err)
+				}
+				prev = *cut
+			} else if err == nil || !errors.Is(err, ErrRefused) {
+				t.Errorf("cut of %d jobs, more than a cut holds: %v, want it refused", tc.jobs+1, err)
+			}
+			for _, h := range f.Alive() {
+				if rec, err := f.records[h].Load("r", &uid); err != nil || rec.ID != prev.ID {
+					t.Errorf("record on %s: %v, want cut %s", h, err, prev.ID)
+				}
+			}
+		})
+	}
 }
