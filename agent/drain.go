@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"fmt"
+	"math"
 	"slices"
 	"time"
 
@@ -70,10 +71,14 @@ func (a *Agent) drain(ctx context.Context, to []string, why string) *DrainResult
 		})
 		a.saveFailures()
 	}
+	// Twice replay_timeout (waitReplayed says why), at most the longest duration: the configuration takes any
+	// up to it, and twice one past half of it wrapped negative, which gave up on a replaying job at once.
+	replayWait := a.cfg.Failover.ReplayTimeout.Duration
+	replayWait += min(replayWait, math.MaxInt64-replayWait)
 	next := 0
 	for _, id := range ids {
 		t0 := time.Now()
-		if err := a.waitReplayed(ctx, id, 2*a.cfg.Failover.ReplayTimeout.Duration); err != nil {
+		if err := a.waitReplayed(ctx, id, replayWait); err != nil {
 			stage(StageMoved, id, t0, "", err)
 			res.Failed = append(res.Failed, fmt.Sprintf("%s: %v", id, err))
 			continue

@@ -385,3 +385,38 @@ func TestResumeMigrations(t *testing.T) {
 		t.Errorf("the adopted job is %s, want it running on", j.State)
 	}
 }
+
+// TestDrainWaitsForReplayWithLongReplayTimeout: a drain waits for a job's replay up to twice
+// failover.replay_timeout, which the configuration accepts up to the longest duration. Before,
+// twice a replay_timeout of 1281024h or more wrapped negative, and the drain gave up on a replaying job at
+// once ("still replaying after -…"), leaving it on a host predicted to fail; now it waits (here until its
+// caller goes, which the test does at once).
+func TestDrainWaitsForReplayWithLongReplayTimeout(t *testing.T) {
+	for _, rt := range []string{"2m", "1281024h", "2562047h"} {
+		t.Run(rt, func(t *testing.T) {
+			ta := newTestAgent(t)
+			cfg := ta.cfg
+			if err := cfg.Failover.ReplayTimeout.UnmarshalText([]byte(rt)); err != nil {
+				t.Fatal(err)
+			}
+			if err := cfg.Validate(); err != nil {
+				t.Fatalf("replay_timeout %s refused: %v (the test assumes it is accepted)", rt, err)
+			}
+			ta.cfg = cfg
+			for _, id := range ta.runningJobIDs() {
+				ta.replays.set(id, true)
+			}
+			ctx, cancel := context.WithCancel(t.Context())
+			cancel() // the drain's caller is gone: the wait for a replay ends with it, not before
+			res := ta.drain(ctx, nil, "test")
+			if len(res.Failed) == 0 {
+				t.Fatalf("drain of replaying jobs: %+v; want them not moved", res)
+			}
+			for _, f := range res.Failed {
+				if !strings.Contains(f, "waiting for its replay") {
+					t.Errorf("drain with replay_timeout %s: %q; want it still waiting for the replay when its caller went", rt, f)
+				}
+			}
+		})
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"hash/fnv"
+	"math"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -206,7 +207,16 @@ func onGrid(last time.Time, iv time.Duration, phase uint64) time.Time {
 	}
 	p := int64(phase % uint64(iv))
 	earliest := last.Add(iv / 2).UnixNano()
-	k := (earliest - p + int64(iv) - 1) / int64(iv) // ceiling; UnixNano is positive for any real clock
+	// The first p + k·iv at or after earliest, without wrapping int64: a job may ask for an interval of a
+	// century or more, and (earliest - p + iv - 1) wrapped into the past, which made it due at every tick.
+	d := earliest - p // both in [0, MaxInt64]: no wrap
+	k := d / int64(iv)
+	if k*int64(iv) < d {
+		k++ // ceiling (for d < 0 the truncation toward zero is one)
+	}
+	if k > 0 && k > (math.MaxInt64-p)/int64(iv) {
+		return last.Add(iv) // past what UnixNano holds (year 2262): an interval after last will do
+	}
 	return time.Unix(0, p+k*int64(iv))
 }
 

@@ -401,3 +401,36 @@ func TestRestoredOnItsOwnHostNotProtectedByOldReplica(t *testing.T) {
 		t.Error("a copy restored on another host is not protected by a replica of its own taken by a slower clock")
 	}
 }
+
+// TestSnapSchedulerHugeInterval: a job may ask for any interval of at least checkpoint.min_interval (any
+// local user can start one); one of a century or more is "as good as never", not "at every tick". Before,
+// the grid's arithmetic wrapped past int64 nanoseconds for such an interval and the job was
+// dumped back to back, every 100 ms tick, whatever floor the site set.
+func TestSnapSchedulerHugeInterval(t *testing.T) {
+	t0 := time.Date(2026, 11, 27, 10, 0, 0, 0, time.UTC)
+	for _, spec := range []string{"100000h", "1400000h", "2000000h", "2562047h"} {
+		t.Run(spec, func(t *testing.T) {
+			if err := (Config{}).CheckJobInterval(spec); err != nil {
+				t.Fatalf("CheckJobInterval(%q): %v (the test assumes it is accepted)", spec, err)
+			}
+			iv, err := time.ParseDuration(spec)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, run := range []string{"", "lammps-42", "wrf-7"} {
+				j := Job{ID: "big-" + run, Node: "node1", State: JobRunning, Replica: &Replica{Snapshot: "s", Time: t0, Node: "node1"}}
+				j.Spec.Run = run
+				s := newSnapScheduler(false)
+				for at := 100 * time.Millisecond; at < time.Minute; at += 100 * time.Millisecond {
+					now := t0.Add(at)
+					due, keys, _ := s.due([]Job{j}, now, func(string) time.Duration { return iv })
+					if len(due) > 0 {
+						t.Fatalf("run %q: job with interval %s due %s after its replica (next on its grid: %s)",
+							run, spec, at, onGrid(t0, iv, s.phaseOf(j)))
+					}
+					s.attempted(keys, []Job{j}, now)
+				}
+			}
+		})
+	}
+}
