@@ -271,8 +271,9 @@ const noID = ^uint32(0)
 // cgroup_parent may differ): CRIU restores the job into it (criu.RestoreOptions.Cgroup), and it is removed
 // when the job ends.
 //
-// The uid is not compared with the credentials in the images (nothing here parses them): a peer able to
-// forge a job record can forge images, which CRIU restores as root with whatever credentials they say.
+// The uid is compared with the credentials in the images before a restore (checkImageCreds), which refuses
+// a thread of other credentials; a peer able to forge a job record can still forge the rest of the images,
+// which CRIU restores as root.
 func checkPeerJob(l jobLayout, m *ckpt.Manifest, j *Job) error {
 	bad := func(field, got, want string) error {
 		return fmt.Errorf("snapshot %s: job record field %q is %q, want %s", m.ID, field, got, want)

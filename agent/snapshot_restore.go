@@ -106,6 +106,10 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 	if runs {
 		return nil, fmt.Errorf("job %s already runs on %s (pid %d): snapshot %s is not restored beside it", j.ID, a.cfg.Name, runsPID, m.ID)
 	}
+	// Before anything of the job's is touched (its outputs cut back): a refused snapshot changes nothing.
+	if err := checkImageCreds(work, j.UID, j.GID); err != nil {
+		return nil, fmt.Errorf("restore from snapshot %s: %w", m.ID, err)
+	}
 	if err := a.reserveRestoredAddr(j); err != nil {
 		return nil, fmt.Errorf("snapshot %s: %w", m.ID, err)
 	}

@@ -18,6 +18,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/criu"
+	"github.com/ftkit/ftkit/criu/image"
 	"github.com/ftkit/ftkit/internal/netnsthread"
 	"github.com/ftkit/ftkit/internal/testenv"
 )
@@ -161,6 +162,18 @@ func newDumped(t *testing.T, prepare func(dir string) (env []string), beforeDump
 		t.Fatal(err)
 	}
 	job.Wait() // killed by the dump
+	// A restore reads every thread's credentials from CRIU's own images (agent.checkImageCreds): the dump's
+	// are read, and they are those the job ran with here (root's: CRIU in this sandbox cannot dump a task of
+	// another user without CAP_SYS_RESOURCE).
+	threads, err := image.Credentials(d.images)
+	if err != nil || len(threads) == 0 {
+		t.Fatalf("the credentials of the dump's threads: %v (%d threads)", err, len(threads))
+	}
+	for _, c := range threads {
+		if c.UID != 0 || c.EUID != 0 || c.FSGID != 0 {
+			t.Fatalf("thread %d of the dump has uids %d/%d, fsgid %d; the job ran as root", c.TID, c.UID, c.EUID, c.FSGID)
+		}
+	}
 	return d
 }
 

@@ -9,6 +9,8 @@ import (
 	"reflect"
 	"testing"
 
+	"github.com/checkpoint-restore/go-criu/v7/crit/images/creds"
+	criucore "github.com/checkpoint-restore/go-criu/v7/crit/images/criu-core"
 	"github.com/checkpoint-restore/go-criu/v7/crit/images/fdinfo"
 	"github.com/checkpoint-restore/go-criu/v7/crit/images/mm"
 	remap "github.com/checkpoint-restore/go-criu/v7/crit/images/remap-file-path"
@@ -130,4 +132,20 @@ func TestDecodeTaskFiles(t *testing.T) {
 	if _, err := decodeTaskFiles("fdinfo-1.img", encodeEntries(magicFdinfo, [][]byte{noFd}), "mm-1.img", mms, nil); !errors.Is(err, ErrFormat) {
 		t.Fatalf("an entry without a number: %v, want ErrFormat", err)
 	}
+}
+
+// FuzzDecodeCreds: a thread's core image (shipped from other nodes), read for its credentials before a
+// restore, decodes or fails, never panics.
+func FuzzDecodeCreds(f *testing.F) {
+	core := &criucore.CoreEntry{Mtype: criucore.CoreEntry_X86_64.Enum(), ThreadCore: &criucore.ThreadCoreEntry{
+		Creds: &creds.CredsEntry{Uid: proto.Uint32(1000), Gid: proto.Uint32(1000), CapPrm: []uint32{0, 0}, Groups: []uint32{4}}}}
+	f.Add(encodeEntries(magicCore, [][]byte{marshalPartial(f, core)}))
+	f.Add(encodeEntries(magicCore, [][]byte{marshalPartial(f, &criucore.CoreEntry{Tc: &criucore.TaskCoreEntry{TaskState: proto.Uint32(taskDead)}})}))
+	f.Add(appendHeader(nil, magicCore))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		c, live, err := decodeCreds("core-1.img", 1, b)
+		if err == nil && live && len(c.CapPrm)+len(c.CapEff)+len(c.Groups) > len(b) {
+			t.Fatalf("%d capability words and groups from a %d-byte image", len(c.CapPrm)+len(c.CapEff)+len(c.Groups), len(b))
+		}
+	})
 }
