@@ -375,6 +375,9 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 	// see only its loopback and its interface.
 	if j.Net != nil {
 		if err := a.createJobNet(ctx, j.Net); err != nil {
+			// What Create made of it goes before its address goes back to the pool (its namespace, perhaps
+			// its interface with the address up). Not ctx, which may be why Create stopped.
+			a.deleteJobNet(context.WithoutCancel(ctx), id, j.Net)
 			os.Remove(j.Cgroup)
 			return nil, err
 		}

@@ -3,8 +3,11 @@ package agent
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
+	"net"
 	"net/netip"
 	"os"
 	"path/filepath"
@@ -14,7 +17,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/vishvananda/netlink"
+
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/internal/netnsthread"
+	"github.com/ftkit/ftkit/internal/testenv"
 	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/shim"
 )
@@ -494,4 +501,67 @@ func TestRestoreHoldsItsAddress(t *testing.T) {
 			t.Errorf("restore of job %s, whose own ended copy's network holds %s: %v", id, addr, err)
 		}
 	})
+}
+
+// TestStartJobNetworkCreateFailsHalfWay: a start whose job network is made only in part (here its
+// namespace: the client went away, and Create stopped there) deletes what was made before the address goes
+// back to the pool. It was left: a namespace per failed start, and one that got its interface up held the
+// address the next job was then given.
+func TestStartJobNetworkCreateFailsHalfWay(t *testing.T) {
+	testenv.RequireKernel(t, "network namespaces")
+	// The host: a namespace of the test's whose interface holds the cluster network.
+	host := testenv.Netns(t, "ftstart")
+	if err := netnsthread.In(host, func() error {
+		d := &netlink.Veth{LinkAttrs: netlink.LinkAttrs{Name: "clu0"}, PeerName: "clu1"} // no dummy module here
+		if err := netlink.LinkAdd(d); err != nil {
+			return err
+		}
+		if err := netlink.AddrAdd(d, &netlink.Addr{IPNet: &net.IPNet{IP: net.ParseIP("10.98.0.1"), Mask: net.CIDRMask(24, 32)}}); err != nil {
+			return err
+		}
+		return netlink.LinkSetUp(d)
+	}); err != nil {
+		t.Fatal(err)
+	}
+	a := newTestAgent(t)
+	a.reservedAddrs = map[netip.Addr]int{}
+	a.cfg.Cluster.Listen = netip.MustParseAddrPort("10.98.0.1:1")
+	a.cfg.JobNetwork.Pool = netip.MustParsePrefix("10.98.0.200/30")
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel() // the client is gone: jobnet.Create stops after it made the namespace
+	before := jobNets(t)
+	t.Cleanup(func() {
+		for _, n := range jobNets(t) {
+			if !slices.Contains(before, n) && strings.HasPrefix(n, "ftj-") {
+				jobnet.Delete(context.Background(), n, "")
+			}
+		}
+	})
+	var err error
+	netnsthread.In(host, func() error {
+		_, err = a.StartJob(ctx, JobSpec{Name: "srv", Argv: []string{"/bin/true"}, JobAddress: true}, 1000, 1000)
+		return nil
+	})
+	if err == nil || !errors.Is(err, context.Canceled) {
+		t.Fatalf("StartJob with its client gone: %v, want it to fail creating the job's network", err)
+	}
+	for _, n := range jobNets(t) {
+		if !slices.Contains(before, n) && strings.HasPrefix(n, "ftj-") {
+			t.Errorf("the failed start (%v) left job network %s", err, n)
+		}
+	}
+}
+
+// jobNets lists the named network namespaces of this host.
+func jobNets(t *testing.T) []string {
+	t.Helper()
+	des, err := os.ReadDir(filepath.Dir(jobnet.Path("x")))
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, de := range des {
+		out = append(out, de.Name())
+	}
+	return out
 }
