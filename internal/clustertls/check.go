@@ -53,6 +53,7 @@ func (c Config) CheckMember(member string, now time.Time) []CredentialCheck {
 	}
 	checks = append(checks, CredentialCheck{"certificate is valid now (until " + leaf.NotAfter.UTC().Format(time.RFC3339) + ")", validErr})
 	var signErr error
+	var chains [][]*x509.Certificate // the verified chains, for the CRL check
 	if caErr != nil {
 		signErr = fmt.Errorf("not checked: fix the CA file first")
 	} else {
@@ -68,7 +69,8 @@ func (c Config) CheckMember(member string, now time.Time) []CredentialCheck {
 			}
 		}
 		for _, usage := range []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth} {
-			_, err := leaf.Verify(x509.VerifyOptions{Roots: pool, Intermediates: inter, CurrentTime: at, KeyUsages: []x509.ExtKeyUsage{usage}})
+			verified, err := leaf.Verify(x509.VerifyOptions{Roots: pool, Intermediates: inter, CurrentTime: at, KeyUsages: []x509.ExtKeyUsage{usage}})
+			chains = verified
 			if err != nil {
 				signErr = fmt.Errorf("%w: the certificate must come from the CA in %s (ftctl pki issue with that CA's --dir)", err, c.CAFile)
 				break
@@ -83,7 +85,11 @@ func (c Config) CheckMember(member string, now time.Time) []CredentialCheck {
 	if caErr == nil {
 		var revoked revocations
 		if _, revoked, crlErr = c.loadTrust(); crlErr == nil {
-			crlErr = revoked.check(leaf)
+			if len(chains) > 0 {
+				crlErr = revoked.checkChains(chains) // a sub-CA of the chain may be the one revoked
+			} else {
+				crlErr = revoked.check(leaf)
+			}
 		}
 	} else {
 		crlErr = fmt.Errorf("not checked: fix the CA file first")

@@ -26,7 +26,8 @@ type Config struct {
 	CertFile string // PEM, this member's certificate (followed by any intermediates)
 	KeyFile  string // PEM, this member's private key, PKCS#8 or SEC 1
 	// CRLFile is optional: PEM X.509 CRLs signed by a CA of CAFile (ftctl pki revoke). A peer whose
-	// certificate it lists is refused, member or operator; re-read on every handshake like CAFile.
+	// certificate, or a sub-CA of whose chain, it lists is refused, member or operator; re-read on every
+	// handshake like CAFile.
 	CRLFile string
 	// Members reports whether a verified peer name belongs to the cluster.
 	// It is consulted on every inbound handshake, so membership changes

@@ -45,7 +45,10 @@ func (ca *CA) Revoke(prev []byte, serials []*big.Int, now time.Time) ([]byte, er
 			return nil, fmt.Errorf("revoke: the existing list holds %d CRLs, expected 1", len(lists))
 		}
 		entries = lists[0].RevokedCertificateEntries
-		number.Add(lists[0].Number, big.NewInt(1))
+		// A list made elsewhere (openssl ca -gencrl without a crlnumber file) may have no number: ours is 1.
+		if lists[0].Number != nil {
+			number.Add(lists[0].Number, big.NewInt(1))
+		}
 	}
 	for _, s := range serials {
 		if s == nil || s.Sign() <= 0 {
@@ -129,7 +132,35 @@ func (r revocations) checkPeer(cs *tls.ConnectionState) error {
 	if len(cs.VerifiedChains) == 0 || len(cs.VerifiedChains[0]) == 0 {
 		return errors.New("clustertls: peer has no verified certificate chain")
 	}
-	return r.check(cs.VerifiedChains[0][0])
+	return r.checkChains(cs.VerifiedChains)
+}
+
+// checkChains refuses a certificate whose every verified chain (leaf first, a CA of the CA file last)
+// holds a revoked certificate: the leaf, or a sub-CA between it and the CA file's CA, which the CA's list
+// revokes. Checking the leaf alone admitted every certificate of a revoked sub-CA.
+func (r revocations) checkChains(chains [][]*x509.Certificate) error {
+	var first error
+	for _, chain := range chains {
+		err := r.checkChain(chain)
+		if err == nil {
+			return nil
+		}
+		if first == nil {
+			first = err
+		}
+	}
+	return first
+}
+
+// checkChain refuses chain if a list revokes one of its certificates but the trust anchor (the last,
+// which only the CA file withdraws).
+func (r revocations) checkChain(chain []*x509.Certificate) error {
+	for _, cert := range chain[:max(len(chain)-1, 1)] {
+		if err := r.check(cert); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // loadRevocations reads c.CRLFile (none: nothing is revoked), checked against the trusted CAs.
