@@ -35,18 +35,27 @@ func Match(parts []Part, want func(Conn) bool) []Mismatch {
 		c   Conn
 	}
 	ends := map[tcpflow.Tuple]end{}
-	for _, p := range parts {
+	// A job in a network namespace of its own holds its loopback connections whole, and another job's may
+	// have the same 4-tuple (the same program, the same ephemeral port): an end is looked for in its own
+	// job's snapshot first, which holds the other end if any snapshot does (a tuple is unique in a namespace).
+	own := make([]map[tcpflow.Tuple]Conn, len(parts))
+	for i, p := range parts {
+		own[i] = make(map[tcpflow.Tuple]Conn, len(p.Conns))
 		for _, c := range p.Conns {
 			ends[c.Tuple] = end{p.Job, c}
+			own[i][c.Tuple] = c
 		}
 	}
 	var out []Mismatch
-	for _, p := range parts {
+	for i, p := range parts {
 		for _, s := range p.Conns {
 			if want != nil && !want(s) {
 				continue
 			}
 			r, ok := ends[s.Reverse()]
+			if c, mine := own[i][s.Reverse()]; mine {
+				r, ok = end{p.Job, c}, true
+			}
 			switch {
 			case s.Connecting && ok && !r.c.Connecting:
 				out = append(out, Mismatch{Job: p.Job, Peer: r.job, Conn: s, Why: fmt.Sprintf("still connecting in job %s's snapshot, accepted in job %s's", p.Job, r.job)})

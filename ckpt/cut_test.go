@@ -28,3 +28,39 @@ func TestMatchSelects(t *testing.T) {
 		t.Fatalf("Match of every connection: %+v; want the torn one and the one whose other end is in no part", all)
 	}
 }
+
+// TestMatchPrefersOwnLoopback: two jobs, each in a network namespace of its own, may each hold a loopback
+// connection of the same 4-tuple (two copies of one program, whose client got the same ephemeral port). Each
+// is whole in its own job's snapshot; paired with the other job's copy (the last one Match had seen), it was
+// reported torn, and a recovery of their node refused both jobs.
+func TestMatchPrefersOwnLoopback(t *testing.T) {
+	srv, cli := netip.MustParseAddrPort("127.0.0.1:9000"), netip.MustParseAddrPort("127.0.0.1:41000")
+	conn := func(local, remote netip.AddrPort, inq, outq uint32) Conn {
+		return Conn{Tuple: tcpflow.Tuple{Local: local, Remote: remote}, InqSeq: inq, OutqSeq: outq}
+	}
+	tests := []struct {
+		name  string
+		parts []Part
+		torn  int
+	}{
+		{"each whole in its own job", []Part{
+			{Job: "j1", Conns: []Conn{conn(srv, cli, 1000, 5000), conn(cli, srv, 5000, 1000)}},
+			{Job: "j2", Conns: []Conn{conn(srv, cli, 3_000_000_000, 7_000_000), conn(cli, srv, 7_000_000, 3_000_000_000)}},
+		}, 0},
+		{"torn in its own job", []Part{
+			{Job: "j1", Conns: []Conn{conn(srv, cli, 900, 5000), conn(cli, srv, 5000, 1000)}},
+			{Job: "j2", Conns: []Conn{conn(srv, cli, 1000, 5000), conn(cli, srv, 5000, 1000)}},
+		}, 1},
+		{"ends in two jobs (one network namespace)", []Part{
+			{Job: "j1", Conns: []Conn{conn(srv, cli, 1000, 5000)}},
+			{Job: "j2", Conns: []Conn{conn(cli, srv, 5000, 1000)}},
+		}, 0},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			if ms := Match(tc.parts, nil); len(ms) != tc.torn {
+				t.Fatalf("Match: %+v; want %d torn connections", ms, tc.torn)
+			}
+		})
+	}
+}

@@ -63,7 +63,8 @@ type Config struct {
 	MTBF time.Duration
 	// InitialCost is the dump cost assumed before the first Observe.
 	InitialCost time.Duration
-	// Alpha is the EWMA weight of a new observation, in (0,1]; 0 means 0.3.
+	// Alpha is the EWMA weight of a new observation, in (0,1]; 0 means 0.3. A fixed period smooths the
+	// cost too (Cost).
 	Alpha float64
 	// Min and Max clamp the automatic period; 0 means 1 s and no maximum.
 	// A floor matters because a tiny cost would otherwise ask for
@@ -85,18 +86,20 @@ func New(cfg Config) (*Policy, error) {
 	if cfg.Fixed < 0 {
 		return nil, errors.New("checkpoint interval: fixed period must not be negative")
 	}
+	// A fixed period smooths the dump cost too: Cost still serves its caller (the agent's interval for a
+	// predicted failure), and an alpha of 0 would keep the first dump's cost for ever.
+	if cfg.Alpha == 0 {
+		cfg.Alpha = 0.3
+	}
+	if !(cfg.Alpha > 0 && cfg.Alpha <= 1) {
+		return nil, fmt.Errorf("checkpoint interval: alpha %v must be in (0,1]", cfg.Alpha)
+	}
 	if cfg.Fixed == 0 {
 		if cfg.MTBF <= 0 {
 			return nil, errors.New("checkpoint interval: set either a fixed period or an MTBF for the automatic one")
 		}
 		if cfg.InitialCost <= 0 {
 			return nil, errors.New("checkpoint interval: automatic mode needs a positive initial dump cost estimate")
-		}
-		if cfg.Alpha == 0 {
-			cfg.Alpha = 0.3
-		}
-		if !(cfg.Alpha > 0 && cfg.Alpha <= 1) {
-			return nil, fmt.Errorf("checkpoint interval: alpha %v must be in (0,1]", cfg.Alpha)
 		}
 		if cfg.Min == 0 {
 			cfg.Min = time.Second

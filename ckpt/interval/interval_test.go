@@ -147,3 +147,38 @@ func TestSetMTBF(t *testing.T) {
 		t.Errorf("Interval after SetMTBF(0) = %v, want %v (unchanged)", got, want)
 	}
 }
+
+// TestFixedPolicyTracksCost: a fixed period ignores the dump cost, but the cost is still smoothed over every
+// dump (the agent caps a fixed period by Daly's interval for a predicted failure, computed from Cost): with
+// every observation after the first ignored, a job whose first dump was a young process's 20 ms was
+// snapshotted, while a failure was predicted, as if every later dump cost 20 ms.
+func TestFixedPolicyTracksCost(t *testing.T) {
+	tests := []struct {
+		name    string
+		cfg     Config
+		observe []time.Duration
+		cost    time.Duration
+	}{
+		// 0.02 → 0.3·10 + 0.7·0.02 = 3.014 → 0.3·10 + 0.7·3.014 = 5.1098.
+		{"default alpha", Config{Fixed: time.Minute, InitialCost: s}, []time.Duration{20 * time.Millisecond, 10 * s, 10 * s}, 5109800 * time.Microsecond},
+		// 40 → 0.5·60 + 0.5·40 = 50.
+		{"alpha 0.5", Config{Fixed: time.Minute, Alpha: 0.5}, []time.Duration{40 * s, 60 * s}, 50 * s},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			p, err := New(tc.cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, o := range tc.observe {
+				p.Observe(o)
+			}
+			if got := p.Cost(); !near(got, tc.cost) {
+				t.Errorf("Cost = %v, want %v", got, tc.cost)
+			}
+			if got := p.Interval(); got != tc.cfg.Fixed {
+				t.Errorf("Interval = %v, want the fixed %v", got, tc.cfg.Fixed)
+			}
+		})
+	}
+}
