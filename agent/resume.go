@@ -336,16 +336,27 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 	var protect []string
 	for _, rj := range rec.Jobs {
 		j, _, jerr := a.Job(rj.Job, 0)
+		if jerr == nil && j.State == JobExited && rj.Phase == phaseReplayed {
+			// Its replay was verified and it ended since: nothing is left to re-protect, as reprotect finds
+			// of a job that ends right after its replay. Not a failure for the coordinator to act on.
+			stage(Stage{Name: StageProtected, Job: rj.Job, Host: a.cfg.Name, Start: time.Now(), End: time.Now(),
+				Detail: "not needed: the job ended after its replay was verified (resumed after the agent restarted)"})
+			continue
+		}
 		if jerr != nil || j.State != JobRunning {
 			state := "unknown here"
 			if jerr == nil {
 				state = string(j.State)
 			}
-			if jerr != nil {
+			unrecorded := a.restoreOutlivedAgent(rj.Job)
+			if jerr != nil || unrecorded {
 				a.removeOrphanJobNet(ctx, rj.Job, "an interrupted recovery made it")
 			}
 			a.releaseClamps(rj.Conns) // nothing is left to replay on them
 			err := fmt.Errorf("job %s (%s when the agent restarted) does not run on %s: its state is %s", rj.Job, rj.Phase, a.cfg.Name, state)
+			if unrecorded {
+				err = a.killUnrecordedRestore(ctx, rj.Job, rj.Phase)
+			}
 			stage(Stage{Name: StageReplayed, Job: rj.Job, Host: a.cfg.Name, Start: time.Now(), End: time.Now(), Error: err.Error()})
 			errs = append(errs, err)
 			continue
@@ -416,6 +427,46 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 		return
 	}
 	a.log.Info("resumed recovery complete", "failure", rec.Failure)
+}
+
+// restoreOutlivedAgent reports whether a copy of job id, which has no running record here, may run on
+// this host all the same: its cgroup has processes, or a shim of it runs (CRIU may still be restoring it).
+// A previous agent killed between CRIU's restore, which the shim runs and which outlives it, and the
+// restored job's record left that copy running with nothing to watch it.
+func (a *Agent) restoreOutlivedAgent(id string) bool {
+	return validJobID(id) && (populated(a.layout().cgroup(id)) || heldOpen(a.shimLog(id)))
+}
+
+// unrecordedKillWait bounds how long a resumed recovery waits for an unrecorded copy's CRIU restore to end
+// (its shim may still be forking the job's tree into the cgroup) and its processes to go.
+const unrecordedKillWait = time.Minute
+
+// killUnrecordedRestore kills the copy of job id that a restore interrupted by the previous agent left
+// running without a record (restoreOutlivedAgent): nothing would check its replay, re-protect it or notice
+// its end, and its claimed incarnation keeps any other restore of it away. Its shim records the refusal
+// in the exit record. It returns the error the recovery reports for the job.
+func (a *Agent) killUnrecordedRestore(ctx context.Context, id, phase string) error {
+	why := fmt.Errorf("job %s (%s when the agent restarted) was restored on %s by the previous agent, which was killed before it recorded the job: nothing can check its replay", id, phase, a.cfg.Name)
+	if held, ok := a.grants.HeldOn(a.cfg.Name)[id]; ok { // the restore's claim: the copy's incarnation
+		reason := fmt.Sprintf("killed by ftkit on %s: the job's restore could not reproduce the failure-free run: %v", a.cfg.Name, why)
+		if err := writeMark(a.refusalMark(id, held.Incarnation), reason); err != nil {
+			a.log.Warn("could not record why the job is killed: its exit record will not say", "job", id, "err", err)
+		}
+	}
+	a.log.Error("killing a restored job the previous agent left running without a record", "job", id, "err", why)
+	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), unrecordedKillWait)
+	defer cancel()
+	for {
+		kerr := a.killCgroup(id)
+		if kerr == nil && !a.restoreOutlivedAgent(id) {
+			return fmt.Errorf("%w: killed; the incarnation stays claimed here, restore it with `ftctl restore --force`", why)
+		}
+		select {
+		case <-wctx.Done():
+			return fmt.Errorf("%w: it could not be killed (%v) within %s: it may run here unwatched; kill its cgroup %s and its shim by hand", why, kerr, unrecordedKillWait, a.layout().cgroup(id))
+		case <-time.After(100 * time.Millisecond): // heldOpen looks through every process's files
+		}
+	}
 }
 
 // notRestored names the jobs of rec that the previous agent did not restore: asked for (or with a failed

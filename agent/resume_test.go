@@ -16,6 +16,7 @@ import (
 
 	"github.com/ftkit/ftkit/ackclamp"
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/internal/testenv"
 	"github.com/ftkit/ftkit/recvdigest"
 	"github.com/ftkit/ftkit/restore"
@@ -284,5 +285,107 @@ func TestResumeKeepsClampOfDualStackSocket(t *testing.T) {
 	r := resumedJob(got.Jobs[0], Job{ID: "rank1-abc"}, flows, true)
 	if len(r.Replayed) != 0 {
 		t.Errorf("the resumed replay takes %v for complete while the clamp still holds it", r.Replayed)
+	}
+}
+
+// TestResumeRecoveryReplayedJobEnded: the previous agent verified a restored job's replay and died before
+// re-protecting it; the job then ended (its shim recorded the exit). Its recovery is complete, as the live
+// recovery counts a job that ends right after its replay (reprotect): reported failed, the coordinator
+// would take the job for not recovered, and roll its run back (auto mode) after it had ended.
+func TestResumeRecoveryReplayedJobEnded(t *testing.T) {
+	a := resumeTestAgent(t)
+	a.byID["rank1-abc"] = &Job{ID: "rank1-abc", State: JobExited}
+	rec := &recoveryRecord{Failure: "node2-20250101T000001.000", Coordinator: "node3", Asked: []string{"rank1-abc"},
+		Jobs: []recoveryJob{{Job: "rank1-abc", Snapshot: "s", Phase: phaseReplayed}}}
+	if err := saveRecovery(a.cfg.StateDir, rec); err != nil {
+		t.Fatal(err)
+	}
+	a.resumeRecoveries(t.Context(), a.pendingRecoveries())
+	got, err := loadRecovery(recoveryPath(a.cfg.StateDir, rec.Failure))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !got.Done || got.Error != "" {
+		t.Errorf("resumed record: done %v, error %q; want done without an error (the job's replay was verified, and it ended)", got.Done, got.Error)
+	}
+}
+
+// TestResumeRecoveryKillsUnrecordedRestore: the previous agent died while CRIU restored a job (in its
+// shim, which outlives the agent), before it recorded the restored job: the job runs here with no record,
+// so nothing watches it, checks its replay or re-protects it, and the incarnation stays claimed here. The
+// resumed recovery must not report it as running nowhere and leave it so: it kills it, its refusal in its
+// exit record, and says so.
+func TestResumeRecoveryKillsUnrecordedRestore(t *testing.T) {
+	cases := []struct {
+		name   string
+		record *Job // the job's record here, if any (an earlier copy's)
+	}{
+		{"no record", nil},
+		{"earlier copy's record", &Job{State: JobExited}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			ta := newTestAgent(t)
+			const id = "rank1-00000001"
+			cg := ta.layout().cgroup(id)
+			if err := os.MkdirAll(cg, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			if tc.record != nil {
+				j := *tc.record
+				j.ID, j.Cgroup = id, cg
+				ta.byID[id] = &j
+			}
+			// As the kernel shows a populated cgroup; cgroup.kill empties it.
+			events, kill := filepath.Join(cg, "cgroup.events"), filepath.Join(cg, "cgroup.kill")
+			if err := os.WriteFile(events, []byte("populated 1\nfrozen 0\n"), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.WriteFile(kill, nil, 0o644); err != nil {
+				t.Fatal(err)
+			}
+			killed := make(chan struct{})
+			stop := make(chan struct{})
+			defer close(stop)
+			go func() {
+				for {
+					if b, _ := os.ReadFile(kill); string(b) == "1" {
+						close(killed) // before the cgroup shows empty, which the resume waits for
+						os.WriteFile(events, []byte("populated 0\nfrozen 0\n"), 0o644)
+						return
+					}
+					select {
+					case <-stop:
+						return
+					case <-time.After(5 * time.Millisecond):
+					}
+				}
+			}()
+			rec := &recoveryRecord{Failure: "node2-20250101T000001.000", Coordinator: "node3", Asked: []string{id},
+				Jobs: []recoveryJob{{Job: id, Snapshot: "s", Phase: phaseRestoring}}}
+			// The restore's claim of the copy's incarnation, which this host granted itself.
+			if _, err := ta.grants.Grant(grant.Request{Job: id, Incarnation: 3, Holder: "failover:" + rec.Failure, Host: ta.cfg.Name}, time.Now()); err != nil {
+				t.Fatal(err)
+			}
+			if err := saveRecovery(ta.cfg.StateDir, rec); err != nil {
+				t.Fatal(err)
+			}
+			ta.resumeRecoveries(t.Context(), ta.pendingRecoveries())
+			select {
+			case <-killed:
+			default:
+				t.Fatalf("the job's cgroup still runs the copy the interrupted restore left (%s not written): it runs unwatched", kill)
+			}
+			got, err := loadRecovery(recoveryPath(ta.cfg.StateDir, rec.Failure))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !got.Done || !strings.Contains(got.Error, id) || !strings.Contains(got.Error, "killed") {
+				t.Errorf("resumed record: done %v, error %q; want done, with an error saying %s was killed", got.Done, got.Error, id)
+			}
+			if b, err := os.ReadFile(ta.refusalMark(id, 3)); err != nil || !strings.Contains(string(b), "killed by ftkit") {
+				t.Errorf("refusal mark of incarnation 3: %q, %v; want why ftkit killed the copy, for its exit record", b, err)
+			}
+		})
 	}
 }
