@@ -111,9 +111,16 @@ func (a *Agent) Ping(ctx context.Context, name string) (PingReply, error) {
 	return a.peers().Ping(ctx, name)
 }
 
-// servePing answers with this host's name, its running jobs and their job addresses.
+// servePing answers with this host's name, its running jobs and their job addresses, and its available
+// memory (for a migration's source to check the job fits here).
 func (a *Agent) servePing() PingReply {
-	return PingReply{Node: a.cfg.Name, Jobs: a.runningJobIDs(), JobAddrs: a.runningJobAddrs(), JobPool: a.cfg.JobNetwork.Pool}
+	rep := PingReply{Node: a.cfg.Name, Jobs: a.runningJobIDs(), JobAddrs: a.runningJobAddrs(), JobPool: a.cfg.JobNetwork.Pool}
+	if n, err := spare.MemAvailable(); err == nil {
+		rep.MemAvailable = &n
+	} else {
+		a.log.Debug("ping answered without the available memory", "err", err)
+	}
+	return rep
 }
 
 // The snapshots senders ask for (clusterapi.OpCheckpointNow: a log under pressure, or one that lost bytes):

@@ -13,6 +13,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/ship"
 	"github.com/ftkit/ftkit/ring"
+	"github.com/ftkit/ftkit/spare"
 )
 
 // A planned migration moves one running job to another node of the ring (seed 001's proactive
@@ -66,7 +67,7 @@ func (a *Agent) Migrate(ctx context.Context, req MigrateRequest, uid uint32) (*M
 	if uid != 0 {
 		return nil, fmt.Errorf("%w: moving a job between hosts is for root (the operator)", ErrNotMovable)
 	}
-	j, err := a.movable(ctx, req)
+	j, avail, err := a.movable(ctx, req)
 	if err != nil {
 		return nil, err
 	}
@@ -80,7 +81,7 @@ func (a *Agent) Migrate(ctx context.Context, req MigrateRequest, uid uint32) (*M
 	stage := func(name string, from time.Time, detail string, err error) {
 		emit(Stage{Name: name, Job: j.ID, Host: a.cfg.Name, Start: from, End: time.Now(), Detail: detail, Error: errString(err)})
 	}
-	frozen, m, deleteNet, err := a.stopForMigration(ctx, j, id, req.To, a.migrationBase(ctx, j.ID, req.To), stage)
+	frozen, m, deleteNet, err := a.stopForMigration(ctx, j, id, req.To, avail, a.migrationBase(ctx, j.ID, req.To), stage)
 	if m != nil {
 		res.Snapshot = m.ID
 	}
@@ -182,33 +183,73 @@ func (a *Agent) endMigration(id string, err error) {
 	a.saveFailures()
 }
 
-// movable returns the job req names if it can move to req.To now, or why not.
-func (a *Agent) movable(ctx context.Context, req MigrateRequest) (Job, error) {
+// movable returns the job req names if it can move to req.To now, or why not, and the memory req.To
+// reports available (nil: not reported). A target that cannot hold the job's newest snapshot here is
+// refused before the job is frozen; the dump itself is checked again before it is shipped.
+func (a *Agent) movable(ctx context.Context, req MigrateRequest) (Job, *int64, error) {
 	j, _, err := a.Job(req.Job, 0)
 	if err != nil {
-		return Job{}, err
+		return Job{}, nil, err
 	}
 	switch {
 	case j.State != JobRunning:
-		return Job{}, fmt.Errorf("%w: job %s is %s, not running", ErrNotMovable, j.ID, j.State)
+		return Job{}, nil, fmt.Errorf("%w: job %s is %s, not running", ErrNotMovable, j.ID, j.State)
 	case j.Net == nil:
-		return Job{}, fmt.Errorf("%w: job %s uses %s's host address, which cannot move without the host; start it with an address of its own (job_address, `ftctl mpirun --job-addresses`)",
+		return Job{}, nil, fmt.Errorf("%w: job %s uses %s's host address, which cannot move without the host; start it with an address of its own (job_address, `ftctl mpirun --job-addresses`)",
 			ErrNotMovable, j.ID, a.cfg.Name)
 	case req.To == a.cfg.Name:
-		return Job{}, fmt.Errorf("%w: job %s already runs on %s", ErrNotMovable, j.ID, req.To)
+		return Job{}, nil, fmt.Errorf("%w: job %s already runs on %s", ErrNotMovable, j.ID, req.To)
 	}
 	t, ok := a.member(req.To)
 	if !ok || t.Role != ring.RoleNode || t.State != ring.StateAlive {
-		return Job{}, fmt.Errorf("%w: %q is not an alive node of the ring (role %q, state %q): a job moves only to a node that is watched (add a spare to the ring first)",
+		return Job{}, nil, fmt.Errorf("%w: %q is not an alive node of the ring (role %q, state %q): a job moves only to a node that is watched (add a spare to the ring first)",
 			ErrNotMovable, req.To, t.Role, t.State)
 	}
 	pctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
-	if _, err := a.Ping(pctx, req.To); err != nil {
-		return Job{}, fmt.Errorf("%w: %s does not answer: %w", ErrNotMovable, req.To, err)
+	rep, err := a.Ping(pctx, req.To)
+	if err != nil {
+		return Job{}, nil, fmt.Errorf("%w: %s does not answer: %w", ErrNotMovable, req.To, err)
 	}
-	return j, nil
+	if rep.MemAvailable == nil {
+		a.log.Info("the migration's target does not report its available memory (an older agent): the job's size is not checked against it",
+			"job", j.ID, "target", req.To)
+		return j, nil, nil
+	}
+	if err := targetHolds(j.ID, req.To, rep.MemAvailable, 0, "nothing"); err != nil { // a negative answer
+		return Job{}, nil, err
+	}
+	// The job's size before it is frozen: its newest snapshot here (none yet: the dump's is checked).
+	if ids, err := a.store.List(j.ID, a.cfg.Name); err == nil && len(ids) > 0 { // newest first
+		if m, err := a.store.Manifest(j.ID, ids[0]); err == nil {
+			if err := targetHolds(j.ID, req.To, rep.MemAvailable, m.TotalSize(), "its newest snapshot, "+m.ID); err != nil {
+				return Job{}, nil, fmt.Errorf("%w (if it has shrunk since, snapshot it first: `ftctl checkpoint --job %s`)", err, j.ID)
+			}
+		}
+	}
+	return j, rep.MemAvailable, nil
 }
+
+// targetHolds checks that target, which reported avail bytes of available memory (nil: not reported), can
+// hold need bytes of job (what says which) with the headroom a spare's claim asks for. Restored on a node
+// without the memory, the job gets the OOM killer to kill processes there (another user's job, maybe), or
+// its restore fails and it is restored here again, stopped twice as long.
+func targetHolds(job, target string, avail *int64, need int64, what string) error {
+	switch {
+	case avail == nil:
+		return nil
+	case *avail < 0:
+		return fmt.Errorf("%w: %s reports %d bytes of available memory, not an amount; check its agent", ErrNotMovable, target, *avail)
+	}
+	if required, ok := spare.Holds(*avail, need); !ok {
+		return fmt.Errorf("%w: %s has %s of memory available, job %s needs %s (%s) plus 10%% headroom (%s): move it to a node with more free memory",
+			ErrNotMovable, target, mib(*avail), job, mib(need), what, mib(required))
+	}
+	return nil
+}
+
+// mib formats n bytes for an operator.
+func mib(n int64) string { return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20)) }
 
 // migrationBase indexes, while job still runs, the newest snapshot of it taken here that target holds a
 // replica of (or takes the index kept from that snapshot's transfer): the base the dump will be sent as a
@@ -239,10 +280,11 @@ func (a *Agent) migrationBase(ctx context.Context, job, target string) *ship.Bas
 }
 
 // stopForMigration freezes and dumps job j, ships the dump to target (as a diff against base if target
-// offers it), then takes the job off this host for migration id. Until the dump is on the target the job
-// can still be thawed, and runs on as before. It returns when the job was frozen, and the deletion of the
-// job's network (leave), which the caller must call.
-func (a *Agent) stopForMigration(ctx context.Context, j Job, id, target string, base *ship.BaseIndex, stage func(string, time.Time, string, error)) (frozen time.Time, m *ckpt.Manifest, deleteNet func(), err error) {
+// offers it) if target's available memory (avail, nil: not reported) holds it, then takes the job off this
+// host for migration id. Until the dump is on the target the job can still be thawed, and runs on as
+// before. It returns when the job was frozen, and the deletion of the job's network (leave), which the
+// caller must call.
+func (a *Agent) stopForMigration(ctx context.Context, j Job, id, target string, avail *int64, base *ship.BaseIndex, stage func(string, time.Time, string, error)) (frozen time.Time, m *ckpt.Manifest, deleteNet func(), err error) {
 	a.ckptMu.Lock() // no scheduled snapshot of the job in between
 	defer a.ckptMu.Unlock()
 	defer a.raised()() // the job is frozen from the dump until it has left, or thawed
@@ -257,6 +299,13 @@ func (a *Agent) stopForMigration(ctx context.Context, j Job, id, target string, 
 		return frozen, m, deleteNet, err
 	}
 	start := time.Now()
+	// The dump's size is known now, the job still frozen here: a target that cannot hold it is not sent it.
+	if err := targetHolds(j.ID, target, avail, m.TotalSize(), "its dump, "+m.ID); err != nil {
+		a.thaw(j)
+		err = fmt.Errorf("job %s not moved, it runs on here: %w", j.ID, err)
+		stage(StageShipped, start, "", err)
+		return frozen, m, deleteNet, err
+	}
 	sent, err := a.shipTo(ctx, target, m, ship.SendOptions{JustCommitted: true, Base: base}) // dumped and committed just above
 	if err != nil {
 		a.thaw(j)

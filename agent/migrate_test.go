@@ -16,6 +16,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/interval"
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/ring"
 )
 
@@ -418,5 +419,91 @@ func TestDrainWaitsForReplayWithLongReplayTimeout(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// memScript is a member whose ping answer reports the available memory the test sets (nil: none, as an
+// agent before the field answers).
+type memScript struct {
+	clusterapi.Service
+	name  string
+	avail *int64
+}
+
+func (s *memScript) Ping(context.Context, string) (clusterapi.PingReply, error) {
+	return clusterapi.PingReply{Node: s.name, MemAvailable: s.avail}, nil
+}
+
+// TestMigrateChecksTargetMemory: a migration is refused before the job is frozen when the target reports
+// less available memory than the job's newest snapshot here needs (with a spare claim's 10% headroom), and
+// the job runs on untouched; a target with the memory, or one that does not report it (an older agent), is
+// moved to (here the dump then fails: no CRIU). Before, the job was frozen, dumped, shipped and killed here
+// whatever the target held: restored there, the OOM killer killed processes on it (another user's job,
+// maybe), or its restore failed and the job was restored here again, stopped twice as long.
+func TestMigrateChecksTargetMemory(t *testing.T) {
+	n := func(v int64) *int64 { return &v }
+	tests := []struct {
+		name    string
+		avail   *int64
+		refusal string // "" the job is frozen for its dump
+	}{
+		{"the target cannot hold the job", n(100), "needs"},
+		{"the target holds it but for the headroom", nil, "headroom"}, // avail set below: the snapshot's size
+		{"the target reports a negative amount", n(-1), "not an amount"},
+		{"the target holds it", n(1 << 40), ""},
+		{"an older target reports nothing", nil, ""},
+	}
+	for i, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			pki := newTestPKI(t)
+			ta := newTestAgent(t)
+			script := &memScript{name: "node2", avail: tt.avail}
+			port := scriptedPeer(t, pki, "node2", script)
+			creds := pki.creds(t, "node1")
+			ta.cfg.Cluster.CA, ta.cfg.Cluster.Cert, ta.cfg.Cluster.Key = creds.CAFile, creds.CertFile, creds.KeyFile
+			ta.wire = testWire
+			v, err := ring.New([]ring.Member{
+				{Name: "node1", Address: netip.MustParseAddrPort("127.0.0.1:1"), Role: ring.RoleNode, Addrs: []netip.Addr{addrN1}},
+				{Name: "node2", Address: netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), port), Role: ring.RoleNode, Addrs: []netip.Addr{addrN2}},
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			ta.members.view = v
+			t.Cleanup(func() { ta.peers().Close() })
+			j := ta.addJob(t, Job{ID: "big-00000001", State: JobRunning, PID: os.Getpid(),
+				Net: &JobNet{Name: "big", Addr: netip.MustParsePrefix(fmt.Sprintf("10.77.0.%d/24", 100+i))}})
+			snap := ta.addSnapshot(t, *j)
+			if tt.name == "the target holds it but for the headroom" {
+				m, err := ta.store.Manifest(j.ID, snap)
+				if err != nil {
+					t.Fatal(err)
+				}
+				script.avail = n(m.TotalSize()) // all of it, not the 10% more a restore needs
+			}
+			_, err = ta.Migrate(t.Context(), MigrateRequest{Job: j.ID, To: "node2"}, 0)
+			_, freezeErr := os.Lstat(filepath.Join(j.Cgroup, "cgroup.freeze"))
+			frozen := freezeErr == nil
+			if tt.refusal != "" {
+				if err == nil || !errors.Is(err, ErrNotMovable) || !strings.Contains(err.Error(), tt.refusal) || frozen {
+					t.Fatalf("Migrate: %v, job frozen %v; want it refused saying %q before any freeze", err, frozen, tt.refusal)
+				}
+				if cur, _, _ := ta.Job(j.ID, 0); cur.State != JobRunning {
+					t.Errorf("refused migration left the job %s, want it running", cur.State)
+				}
+				return
+			}
+			if err == nil || strings.Contains(err.Error(), "memory") || !frozen {
+				t.Errorf("Migrate: %v, job frozen %v; want it frozen for its dump (which fails without CRIU), not refused for memory", err, frozen)
+			}
+		})
+	}
+}
+
+// TestPingReportsMemory: a ping's answer carries this host's available memory, for a migration's source.
+func TestPingReportsMemory(t *testing.T) {
+	ta := newTestAgent(t)
+	if rep := ta.servePing(); rep.MemAvailable == nil || *rep.MemAvailable <= 0 {
+		t.Errorf("ping answer %+v; want this host's available memory", rep)
 	}
 }

@@ -67,7 +67,7 @@ func TestFrozenWindowsAreRaised(t *testing.T) {
 	t.Run("migration", func(t *testing.T) {
 		ta := newTestAgent(t)
 		j, r := frozenJob(t, ta, Job{ID: "move-00000001"})
-		_, _, deleteNet, err := ta.stopForMigration(t.Context(), *j, "move-00000001-migrate-x", "node2", nil, func(string, time.Time, string, error) {})
+		_, _, deleteNet, err := ta.stopForMigration(t.Context(), *j, "move-00000001-migrate-x", "node2", nil, nil, func(string, time.Time, string, error) {})
 		deleteNet()
 		if err == nil {
 			t.Fatal("a migration without CRIU succeeded")

@@ -31,6 +31,10 @@ type PingReply struct {
 	JobAddrs []netip.Addr `json:"job_addrs,omitempty"`
 	// JobPool is the member's job_network.pool (zero: none), so that overlapping pools are found.
 	JobPool netip.Prefix `json:"job_pool,omitzero"`
+	// MemAvailable is the member's available memory in bytes (MemAvailable in /proc/meminfo), which a
+	// migration's source compares with the job's size before it stops the job. Nil: not reported (an agent
+	// before this field, or one that could not read it); the receiver checks it is not negative.
+	MemAvailable *int64 `json:"mem_available,omitempty"`
 }
 
 // FetchRequest asks for a snapshot the server holds (OpFetch).

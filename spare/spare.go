@@ -200,6 +200,13 @@ func (h *Holder) Claim(c Claim, availableMemory int64) error {
 	return nil
 }
 
+// Holds reports whether availableMemory covers need plus the 10% headroom a claim asks for, and what that
+// is: a migration's target is held to what a spare is.
+func Holds(availableMemory, need int64) (required int64, ok bool) {
+	required, ok = withHeadroom(need)
+	return required, ok && availableMemory >= required
+}
+
 // withHeadroom is need*1.1 rounded up; false if it does not fit in an int64.
 func withHeadroom(need int64) (int64, bool) {
 	extra := need / 10
