@@ -8,6 +8,7 @@ package record
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"math/rand/v2"
 	"sync"
@@ -68,8 +69,14 @@ type Options struct {
 type Recorder struct {
 	log *slog.Logger
 	rec *ebpfprobes.RecvOrder
-	// lostOf is the recorder's count of a job cgroup's lost calls (rec.Lost; a test's stands in).
+	// lostOf is the recorder's count of a job cgroup's lost calls (rec.Lost; a test's stands in), and
+	// read, lostTotal, unhold and forget are rec.ReadBatch, rec.LostTotal, rec.SetPessimistic(cgroup, false)
+	// and rec.Forget.
 	lostOf    func(cgroup uint64) (uint64, error)
+	forget    func(cgroup uint64) error
+	read      func(ctx context.Context, dst []ebpfprobes.RecvEvent) ([]ebpfprobes.RecvEvent, error)
+	lostTotal func() (uint64, error)
+	unhold    func(cgroup uint64) error
 	shipEvery time.Duration
 	protector func(job string) (string, bool)
 	peers     func() Peers
@@ -154,7 +161,8 @@ func New(o Options) *Recorder {
 		r.log.Error("the receive-order recorder could not be loaded: restored jobs re-read their sockets in any order (a program that reads the first socket with data then fails its recovery, loudly)", "err", err)
 		return r
 	}
-	r.rec, r.setWake, r.lostOf = rec, rec.SetWakeEveryEvent, rec.Lost
+	r.rec, r.setWake, r.lostOf, r.read, r.lostTotal = rec, rec.SetWakeEveryEvent, rec.Lost, rec.ReadBatch, rec.LostTotal
+	r.unhold, r.forget = func(cgroup uint64) error { return rec.SetPessimistic(cgroup, false) }, rec.Forget
 	r.waking, r.alwaysWake, r.pessimistic = alwaysWake, alwaysWake, o.Pessimistic
 	return r
 }
@@ -234,7 +242,7 @@ func (r *Recorder) Watch(job, cgroupDir string, fromStart bool, base string) {
 			r.log.Error("the job's receive positions cannot be reset: a replay of them would stop its threads at the wrong calls", "job", job, "err", err)
 		}
 	}
-	if r.pessimistic {
+	if r.Pessimistic() {
 		if err := r.rec.SetPessimistic(id, true); err != nil {
 			r.log.Error("the job is not held after its receive calls: a crash can take determinants its sends depended on", "job", job, "err", err)
 		}
@@ -259,14 +267,35 @@ func (r *Recorder) startStream(job string, id uint64, fromStart bool, base strin
 		r.log.Warn("the receive-order recorder's count of the job's lost calls cannot be read: the next loss on the host is taken for one of its own", "job", job, "err", err)
 	}
 	r.mu.Lock()
-	defer r.mu.Unlock()
 	s := &stream{job: job, cgroup: id, id: rand.Uint64(), fromStart: fromStart, base: base, lost: lost, watchers: map[chan intercept.Event]bool{}}
-	if old := r.byJob[job]; old != nil {
+	old := r.byJob[job]
+	if old != nil {
 		delete(r.byCgroup, old.cgroup)
 		s.watchers = old.watchers // a recovery watching the job it restores
 	}
 	r.byCgroup[id] = s
 	r.byJob[job] = s
+	held := r.pessimistic
+	r.mu.Unlock()
+	if old == nil || old.cgroup == 0 {
+		return
+	}
+	// The job's earlier stream here is gone with nothing to ship or answer it: a process it held would stay
+	// stopped for good, and an earlier cgroup's holds and counts would stay in the recorder's maps (as
+	// Unwatch drops them).
+	r.releaseHeld(old, true)
+	if old.cgroup != id {
+		if r.unhold != nil && held {
+			if err := r.unhold(old.cgroup); err != nil {
+				r.log.Warn("the job's earlier cgroup is still held after receive calls", "job", job, "cgroup", old.cgroup, "err", err)
+			}
+		}
+		if r.forget != nil {
+			if err := r.forget(old.cgroup); err != nil {
+				r.log.Warn("the recorder's counts of the job's earlier cgroup are not dropped", "job", job, "cgroup", old.cgroup, "err", err)
+			}
+		}
+	}
 }
 
 // Unwatch stops recording job (it ended here).
@@ -276,7 +305,7 @@ func (r *Recorder) Unwatch(job string) {
 	}
 	if s := r.unwatch(job); s != nil {
 		r.rec.Forget(s.cgroup)
-		if r.pessimistic {
+		if r.Pessimistic() {
 			r.rec.SetPessimistic(s.cgroup, false)
 		}
 		r.releaseHeld(s, true)
@@ -342,13 +371,15 @@ func (r *Recorder) record(ctx context.Context) {
 	buf := make([]ebpfprobes.RecvEvent, 0, 4096)
 	var lostTotal uint64 // the recorder's count of lost calls, all jobs, when last read
 	for {
-		evs, err := r.rec.ReadBatch(ctx, buf[:0])
-		if err != nil {
-			if ctx.Err() == nil {
-				r.log.Error("the receive-order recorder stopped: jobs' receive order is no longer recorded", "err", err)
-			}
+		evs, err := r.read(ctx, buf[:0])
+		if err != nil && ctx.Err() != nil {
 			return
 		}
+		// A call that could not be read (an undecodable event: ReadBatch returns the others of its batch with
+		// the error) may have been any job's: every job's record has a hole after this batch, as for a lost
+		// call. Quitting on it threw the batch's calls away with their held processes, stopped for good, and
+		// left every stream without a hole: protectors' records looked complete, the lost calls bridged.
+		undecodable := errors.Is(err, ebpfprobes.ErrBadRecvEvent)
 		now := time.Now()
 		r.mu.Lock()
 		var release []uint32
@@ -359,7 +390,7 @@ func (r *Recorder) record(ctx context.Context) {
 		}
 		// After the drain: a count that moved means that job's record has a hole here. The recorder's total
 		// is a read of memory; each job's a lookup, only when it moved.
-		lost, lerr := r.rec.LostTotal()
+		lost, lerr := r.lostTotal()
 		lostMoved := lerr != nil || lost != lostTotal
 		if lerr == nil {
 			lostTotal = lost
@@ -367,13 +398,27 @@ func (r *Recorder) record(ctx context.Context) {
 		if lostMoved {
 			r.noticeLost()
 		}
+		if err != nil {
+			r.holeAll()
+		}
+		stopped := err != nil && !undecodable
+		if stopped {
+			r.pessimistic = false // nothing reads the holds any more: a job held now would stay stopped for good
+		}
 		r.wakeForWatchers() // a watcher that fell behind or lost calls is gone
 		waking := r.waking
 		r.mu.Unlock()
 		r.continueHeld("", release) // no job, or no determinant: nothing to wait for
 		select {
-		case r.wake <- struct{}{}:
+		case r.wake <- struct{}{}: // the shipper releases the processes held for determinants now in a hole
 		default:
+		}
+		if undecodable {
+			r.log.Error("the receive-order recorder gave a call that cannot be read: every job's record starts over, and a recovery from its current snapshot replays without determinants", "err", err)
+		} else if stopped {
+			r.log.Error("the receive-order recorder stopped: jobs' receive order is no longer recorded, and their processes are no longer held after receive calls", "err", err)
+			r.stopHolding()
+			return
 		}
 		if !waking && len(evs) < cap(buf) {
 			// Polled: let calls gather for a while, so that a job receiving all the time costs a batch (a
@@ -465,6 +510,39 @@ func (r *Recorder) noticeLost() {
 	}
 }
 
+// holeAll makes a hole in the stream of every job (a call of any of them may be gone); r.mu is held.
+func (r *Recorder) holeAll() {
+	for _, s := range r.byJob {
+		if s.cgroup == 0 {
+			continue
+		}
+		s.dropPending()
+		s.dropWatchers()
+		r.hole()
+	}
+}
+
+// stopHolding has the recorder hold no job's processes after their receive calls any more, and continues
+// those it holds: nothing reads its calls once record stops.
+func (r *Recorder) stopHolding() {
+	r.mu.Lock()
+	var all []*stream
+	for _, s := range r.byJob {
+		if s.cgroup != 0 {
+			all = append(all, s)
+		}
+	}
+	r.mu.Unlock()
+	for _, s := range all {
+		if r.unhold != nil {
+			if err := r.unhold(s.cgroup); err != nil {
+				r.log.Error("the job's processes are still held after their receive calls, with nothing to release them: they stop for good at their next receive call", "job", s.job, "err", err)
+			}
+		}
+		r.releaseHeld(s, true)
+	}
+}
+
 // dropPending forgets s's pending determinants and leaves a hole after them: its protector's record starts
 // over with the next.
 func (s *stream) dropPending() {
@@ -501,7 +579,14 @@ func (r *Recorder) Positions() bool { return r.Recording() && r.rec.Positions() 
 
 // Pessimistic reports whether this host holds its jobs' processes after their receive calls
 // (log.pessimistic).
-func (r *Recorder) Pessimistic() bool { return r.Recording() && r.pessimistic }
+func (r *Recorder) Pessimistic() bool {
+	if !r.Recording() {
+		return false
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.pessimistic
+}
 
 // PollsAtDump reads the readiness-call counts of the threads of the job whose cgroup is cgroupDir, for its
 // snapshot; the cgroup must be frozen (the counts are then those at the dump). ok is false if this host

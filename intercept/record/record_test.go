@@ -2,12 +2,15 @@ package record
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io"
 	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -345,5 +348,205 @@ func TestLostUnreadableMakesHole(t *testing.T) {
 	r.mu.Unlock()
 	if s.first == 0 || s.fromStart || len(s.pending) != 0 {
 		t.Fatalf("job j: %d pending from %d, fromStart %v after a loss its count could not rule out: no hole", len(s.pending), s.first, s.fromStart)
+	}
+}
+
+// stoppedSleep starts a process and stops it, as the recorder's hold does to a pessimistic job's process.
+func stoppedSleep(ctx context.Context, t *testing.T) int {
+	t.Helper()
+	cmd := exec.Command("sleep", "60") // killed by the cleanup only: a kill at ctx's end would look like a continue
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	pid := cmd.Process.Pid
+	if err := unix.Kill(pid, unix.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	if err := (jobStops{}).WaitStopped(ctx, uint32(pid)); err != nil {
+		t.Fatal(err)
+	}
+	return pid
+}
+
+// waitContinued waits until process pid runs again, failing with what once ctx ends.
+func waitContinued(ctx context.Context, t *testing.T, pid int, what string) {
+	t.Helper()
+	for {
+		if r, err := procstate.RunningThreads(pid); err == nil && len(r) > 0 {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatal(what)
+		case <-time.After(time.Millisecond):
+		}
+	}
+}
+
+// unreachable has r's protector never answer: only a hole can release a held process.
+func unreachable(r *Recorder) {
+	r.protector = func(string) (string, bool) { return "n2", true }
+	r.open = func(context.Context, string) (detStream, error) { return nil, errors.New("connection refused") }
+}
+
+// TestRecordUnreadableCallMakesHole: the recorder returns a batch with an error, an undecodable event in it
+// (ebpfprobes.RecvOrder.ReadBatch returns the batch's other events with it) or a broken ring. record quit on
+// any error: the batch's calls were thrown away, a pessimistic job's process held at one of them stayed
+// stopped for good, and no stream got a hole, so that the protectors' records bridged the lost call. Now an
+// undecodable call makes a hole in every job's record (it may have been any job's) and the recorder goes
+// on; a broken ring does the same, then stops holding the jobs and continues the held.
+func TestRecordUnreadableCallMakesHole(t *testing.T) {
+	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:5001"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
+	for _, tc := range []struct {
+		name   string
+		err    error
+		goesOn bool
+	}{
+		{"undecodable", fmt.Errorf("recvorder: %w: kind 7", ebpfprobes.ErrBadRecvEvent), true},
+		{"broken ring", fmt.Errorf("recvorder: read ring buffer record of 64 bytes: %w", io.ErrUnexpectedEOF), false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+			defer cancel()
+			pid := stoppedSleep(ctx, t)
+			r := newTestRecorder()
+			unreachable(r)
+			r.pessimistic = true
+			r.lostOf = func(uint64) (uint64, error) { return 0, nil }
+			r.lostTotal = func() (uint64, error) { return 0, nil }
+			var unheld []uint64
+			r.unhold = func(cg uint64) error { unheld = append(unheld, cg); return nil }
+			r.startStream("j", 7, true, "")
+			r.startStream("k", 9, true, "")
+			r.mu.Lock()
+			r.take(ebpfprobes.RecvEvent{Cgroup: 9, Conn: conn, CopiedSeq: 10, Len: 10, Pid: 1}, time.Now()) // read before
+			r.mu.Unlock()
+			watcher, stopWatch := r.watch("j")
+			defer stopWatch()
+			readAgain := make(chan struct{})
+			reads := 0
+			r.read = func(ctx context.Context, dst []ebpfprobes.RecvEvent) ([]ebpfprobes.RecvEvent, error) {
+				if reads++; reads == 1 {
+					return append(dst,
+						ebpfprobes.RecvEvent{Cgroup: 7, Conn: conn, CopiedSeq: 10, Len: 10, Pid: uint32(pid), Held: true},
+						ebpfprobes.RecvEvent{Cgroup: 9, Conn: conn, CopiedSeq: 20, Len: 10, Pid: 1}), tc.err
+				}
+				if reads == 2 {
+					close(readAgain)
+				}
+				<-ctx.Done()
+				return dst, ctx.Err()
+			}
+			recorded := make(chan struct{})
+			shipCtx, stopShip := context.WithCancel(ctx)
+			shipped := make(chan struct{})
+			go func() { defer close(recorded); r.record(ctx) }()
+			go func() { defer close(shipped); r.ship(shipCtx) }()
+			defer func() { stopShip(); <-shipped }()
+			select {
+			case <-readAgain:
+				if !tc.goesOn {
+					t.Fatal("the recorder read on past a broken ring")
+				}
+			case <-recorded:
+				if tc.goesOn {
+					t.Fatalf("the recorder stopped at one undecodable call (%v): the jobs' receive order is no longer recorded", tc.err)
+				}
+			}
+			r.mu.Lock()
+			for _, job := range []string{"j", "k"} {
+				if s := r.byJob[job]; s.first == 0 || s.fromStart || len(s.pending) != 0 {
+					t.Errorf("job %s: %d determinants pending from %d, fromStart %v after a call that could not be read: no hole", job, len(s.pending), s.first, s.fromStart)
+				}
+			}
+			r.mu.Unlock()
+		drain:
+			for {
+				select {
+				case _, open := <-watcher:
+					if !open {
+						break drain
+					}
+				default:
+					t.Error("the watcher of job j is still open after a call that could not be read: it must not go on")
+					break drain
+				}
+			}
+			waitContinued(ctx, t, pid, "the process held at a call of the batch stays stopped")
+			if !tc.goesOn {
+				slices.Sort(unheld)
+				r.mu.Lock()
+				pessimistic := r.pessimistic
+				r.mu.Unlock()
+				if !slices.Equal(unheld, []uint64{7, 9}) || pessimistic {
+					t.Errorf("the recorder stopped and holds jobs still: unheld %v, pessimistic %v; want jobs 7 and 9 no longer held", unheld, pessimistic)
+				}
+			}
+			cancel()
+			<-recorded
+		})
+	}
+}
+
+// TestHeldInHoleReleased: a pessimistic job's process is held until its call's determinant is stored.
+// When the recorder loses calls (its ring was full), the job's pending determinants go in a hole: nothing
+// the process waits for will be stored. Only an answer of the protector released it, and the job had
+// nothing left to send, so none came: the process stayed stopped for good (and with it the job).
+func TestHeldInHoleReleased(t *testing.T) {
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	pid := stoppedSleep(ctx, t)
+	r := newTestRecorder()
+	unreachable(r)
+	lost := uint64(0)
+	r.lostOf = func(uint64) (uint64, error) { return lost, nil }
+	r.startStream("j", 7, true, "")
+	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:5001"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
+	shipped := make(chan struct{})
+	go func() { defer close(shipped); r.ship(ctx) }()
+	defer func() { cancel(); <-shipped }()
+	r.mu.Lock()
+	r.take(ebpfprobes.RecvEvent{Cgroup: 7, Conn: conn, CopiedSeq: 10, Len: 10, Pid: uint32(pid), Held: true}, time.Now())
+	lost++ // read in the same batch: the job lost a call
+	r.noticeLost()
+	r.mu.Unlock()
+	r.wake <- struct{}{} // as record does after each batch
+	waitContinued(ctx, t, pid, "the process held for a determinant that went in a hole stays stopped")
+}
+
+// TestStreamReplacedReleasesHeld: a job registered again on this host (Watch) while its earlier stream
+// here held a process: that stream is gone, with nothing to ship its determinants or release the process,
+// which stayed stopped for good; an earlier cgroup stayed held and counted in the recorder's maps.
+func TestStreamReplacedReleasesHeld(t *testing.T) {
+	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:5001"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
+	for _, tc := range []struct {
+		name      string
+		newCgroup uint64
+		dropped   []uint64 // cgroups whose holds and counts must go
+	}{
+		{"same cgroup", 7, nil},
+		{"new cgroup", 8, []uint64{7}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+			defer cancel()
+			pid := stoppedSleep(ctx, t)
+			r := newTestRecorder()
+			r.pessimistic = true
+			r.lostOf = func(uint64) (uint64, error) { return 0, nil }
+			var unheld, forgot []uint64
+			r.unhold = func(cg uint64) error { unheld = append(unheld, cg); return nil }
+			r.forget = func(cg uint64) error { forgot = append(forgot, cg); return nil }
+			r.startStream("j", 7, true, "")
+			r.mu.Lock()
+			r.take(ebpfprobes.RecvEvent{Cgroup: 7, Conn: conn, CopiedSeq: 10, Len: 10, Pid: uint32(pid), Held: true}, time.Now())
+			r.mu.Unlock()
+			r.startStream("j", tc.newCgroup, true, "")
+			waitContinued(ctx, t, pid, "the process held by the job's replaced stream stays stopped")
+			if !slices.Equal(unheld, tc.dropped) || !slices.Equal(forgot, tc.dropped) {
+				t.Errorf("recorder maps: unheld %v, forgot %v; want %v", unheld, forgot, tc.dropped)
+			}
+		})
 	}
 }

@@ -50,13 +50,22 @@ func (r *Recorder) ship(ctx context.Context) {
 		}
 		last = time.Now()
 		r.mu.Lock()
-		var todo []*stream
+		var todo, free []*stream
 		for _, s := range r.byJob {
 			if len(s.pending) > 0 && s.cgroup != 0 {
 				todo = append(todo, s)
 			}
+			if len(s.held) > 0 && s.held[0].upTo <= s.first {
+				// Its determinant went in a hole (lost calls, an unreadable one): nothing it waits for will be
+				// stored. Only an answer released a held process, and a job with nothing left to send got none:
+				// it stayed stopped for good.
+				free = append(free, s)
+			}
 		}
 		r.mu.Unlock()
+		for _, s := range free {
+			r.releaseHeld(s, false)
+		}
 		var next time.Duration
 		for _, s := range todo {
 			if d := r.shipStream(ctx, s); d > 0 && (next == 0 || d < next) {
