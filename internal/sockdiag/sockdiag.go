@@ -163,6 +163,14 @@ func parseDiagReply(b []byte, conn tcpflow.Tuple) (Socket, error) {
 	}
 	var want [sizeofSockIDAddrs]byte
 	putSockID(want[:], conn)
+	if msg[0] == unix.AF_INET6 {
+		// A dual-stack socket of an IPv4 connection (one a listener on :: accepted): the kernel finds it by
+		// the IPv4 addresses asked for and names it by their IPv4-mapped form, ::ffff:a.b.c.d. Compared
+		// with the IPv4 form, such a live socket read as gone.
+		src, dst := conn.Local.Addr().As16(), conn.Remote.Addr().As16()
+		copy(want[4:], src[:])
+		copy(want[20:], dst[:])
+	}
 	if !bytes.Equal(msg[4:4+sizeofSockIDAddrs], want[:]) {
 		return Socket{}, ErrNoSocket
 	}
