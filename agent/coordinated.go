@@ -319,20 +319,31 @@ func (a *Agent) coordDump(ctx context.Context, req clusterapi.CoordinateRequest)
 	}
 	defer hold.Pause()() // a dump takes as long as it needs; the wait for the thaw starts again after it
 	var rep clusterapi.CoordinateReply
-	for _, j := range hold.Jobs {
-		m, err := a.snapshot(ctx, j, true, false)
-		if err != nil {
-			err = fmt.Errorf("dump job %s: %w", j.ID, err)
-			if errors.Is(err, criu.ErrInFlight) {
-				// A connection reached the frozen job's listen queue after the freeze looked (a job of the run
-				// on another host, thawed there to accept, connected to it): the cut's next attempt freezes
-				// again and waits there for the job to accept it.
-				err = &clusterapi.Error{Code: clusterapi.CodeRetry, Message: err.Error()}
+	// The jobs stay frozen for the cut, and the snapshot lock taken, until the dump returns: a hold that ends
+	// meanwhile (its coordinator declared failed) stops it, and no job is dumped after the hold's end.
+	err := hold.Dump(ctx, func(ctx context.Context) error {
+		for _, j := range hold.Jobs {
+			m, err := a.snapshot(ctx, j, true, false)
+			if err != nil {
+				err = fmt.Errorf("dump job %s: %w", j.ID, err)
+				if errors.Is(err, criu.ErrInFlight) {
+					// A connection reached the frozen job's listen queue after the freeze looked (a job of the run
+					// on another host, thawed there to accept, connected to it): the cut's next attempt freezes
+					// again and waits there for the job to accept it.
+					err = &clusterapi.Error{Code: clusterapi.CodeRetry, Message: err.Error()}
+				}
+				return err
 			}
-			return clusterapi.CoordinateReply{}, err
+			hold.Dumped = append(hold.Dumped, m)
+			rep.Parts = append(rep.Parts, clusterapi.CutPart{Job: j.ID, Host: a.cfg.Name, Snapshot: m.ID, Recovery: j.Spec.Recovery, Conns: m.Conns})
 		}
-		hold.Dumped = append(hold.Dumped, m)
-		rep.Parts = append(rep.Parts, clusterapi.CutPart{Job: j.ID, Host: a.cfg.Name, Snapshot: m.ID, Recovery: j.Spec.Recovery, Conns: m.Conns})
+		return nil
+	})
+	if errors.Is(err, coordinated.ErrEnded) {
+		return clusterapi.CoordinateReply{}, fmt.Errorf("run %s, cut %s: not dumped: %w", req.Run, req.Cut, err)
+	}
+	if err != nil {
+		return clusterapi.CoordinateReply{}, err
 	}
 	return rep, nil
 }

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -13,6 +14,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/coordinated"
+	"github.com/ftkit/ftkit/detect"
 )
 
 // TestHoldEndsWhenCoordinatorFails: a host holds a run's jobs frozen, and its snapshot lock, from the
@@ -270,5 +272,66 @@ func TestRollbackToOlderCutRefused(t *testing.T) {
 	prepare.Cut, prepare.Parts[0].Snapshot = newCut, newer
 	if _, err := ta.serveCoordinate(t.Context(), "node2", prepare); err != nil {
 		t.Errorf("rollback to the recorded cut %s refused: %v", newCut, err)
+	}
+}
+
+// TestDumpStopsWhenItsHoldEnds: the coordinator of a cut is declared failed while this host dumps the run's
+// jobs for it. The dump stops, and the jobs thaw and the snapshot lock is given back once it has: no job is
+// dumped after the hold's end. Before, the end thawed the jobs and gave the lock back under the dump, which
+// went on dumping jobs no longer frozen for the cut, beside the run's rollback (whose stop takes that lock).
+func TestDumpStopsWhenItsHoldEnds(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.members.view = testView(t, "node1", "node2", "node3")
+	uid := uint32(0)
+	j, _ := frozenJob(t, ta, Job{ID: "farm-node1-1", UID: uid, Spec: JobSpec{Run: "farm"}, Net: &JobNet{Name: "ftj-test"}})
+	req := func(p clusterapi.CoordPhase) clusterapi.CoordinateRequest {
+		return clusterapi.CoordinateRequest{Run: "farm", UID: &uid, Cut: "cut-1", Phase: p}
+	}
+	if _, err := ta.serveCoordinate(t.Context(), "node2", req(clusterapi.CoordFreeze)); err != nil {
+		t.Fatal(err)
+	}
+	held := func() bool {
+		if ta.ckptMu.TryLock() {
+			ta.ckptMu.Unlock()
+			return false
+		}
+		return true
+	}
+	// The dump waits for the job's pages, still coming in (a lazy restore's images): it is under way.
+	lazy := filepath.Join(ta.cfg.StateDir, "restore", "lazy-1")
+	if err := os.MkdirAll(lazy, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	ta.mu.Lock()
+	ta.byID[j.ID].LazyWork = lazy
+	ta.mu.Unlock()
+	done := make(chan error, 1)
+	go func() {
+		_, err := ta.serveCoordinate(t.Context(), "node2", req(clusterapi.CoordDump))
+		done <- err
+	}()
+	for deadline := time.Now().Add(failAfter); ta.busy.current() != detect.BusyCheckpoint; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the dump did not begin within %s", failAfter)
+		}
+	}
+
+	ta.failMember(t, "node2")
+	// The pages are in: a dump that went on would dump the job now.
+	if err := os.Remove(lazy); err != nil {
+		t.Fatal(err)
+	}
+	var err error
+	select {
+	case err = <-done:
+	case <-time.After(failAfter):
+		t.Fatalf("the dump did not return within %s of its coordinator's failure", failAfter)
+	}
+	if !errors.Is(err, coordinated.ErrEnded) {
+		t.Errorf("dump after its coordinator was declared failed: %v; want it stopped (%v)", err, coordinated.ErrEnded)
+	}
+	b, _ := os.ReadFile(filepath.Join(j.Cgroup, "cgroup.freeze"))
+	if string(b) != "0" || held() || ta.coord.Len() != 0 {
+		t.Errorf("after the dump returned: cgroup.freeze %q, snapshot lock held %v, %d holds; want 0, false, 0", b, held(), ta.coord.Len())
 	}
 }

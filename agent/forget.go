@@ -68,8 +68,13 @@ func (a *Agent) forgetStaleCuts(now time.Time) {
 		if c.Taken.IsZero() || now.Sub(c.Taken) < keep || len(a.runJobs(c.Run, &c.UID)) > 0 {
 			continue
 		}
-		if err := recs.Remove(c.Run, c.UID); err != nil {
+		// Only the cut looked at: a commit of a newer one since (the run goes on elsewhere) stays.
+		removed, err := recs.Remove(c.Run, c.UID, c.ID)
+		if err != nil {
 			a.log.Warn("could not forget a stale cut", "run", c.Run, "uid", c.UID, "err", err)
+			continue
+		}
+		if !removed {
 			continue
 		}
 		a.log.Info("forgot the cut of a run that ended here (checkpoint.keep_ended)", "run", c.Run, "uid", c.UID, "cut", c.ID, "taken", c.Taken)

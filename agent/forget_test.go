@@ -201,7 +201,7 @@ func TestEndedRunsCutForgotten(t *testing.T) {
 	if snaps, _ := ta.store.List(job, ""); len(snaps) != 1 {
 		t.Errorf("snapshots %v; want the one a cut of a running run names", snaps)
 	}
-	if err := ta.cutRecords().Remove(other, 1000); err != nil {
+	if _, err := ta.cutRecords().Remove(other, 1000, "cut-20261203T100000.000"); err != nil {
 		t.Fatal(err)
 	}
 	ta.forgetDue(t.Context(), t0.Add(3*time.Hour))

@@ -8,6 +8,8 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -169,5 +171,103 @@ func TestShipToProtectorSkipsUselessDiffs(t *testing.T) {
 		if !slices.Equal(got, tt.want) {
 			t.Errorf("%s: diffed %v, want %v", tt.job, got, tt.want)
 		}
+	}
+}
+
+// pruningProtector stores the snapshots it is sent and prunes the sender's replicas of the job as a
+// protector does with checkpoint.keep = 1 (keepReplicas), keeping those pinned says a cut it recorded names.
+type pruningProtector struct {
+	clusterapi.Service
+	store  *ckpt.Store
+	pinned func() []string
+}
+
+func (s pruningProtector) ReceiveSnapshot(ctx context.Context, peer string, c net.Conn) error {
+	got, err := ship.Receive(ctx, c, s.store, ship.ReceiveOptions{Peer: peer, Authorize: ship.FromNode(peer)})
+	if err != nil {
+		return err
+	}
+	_, err = s.store.PruneReceived(ctx, got.Manifest.Job, got.Manifest.Node, 1, got.Manifest.ID, s.pinned()...)
+	return err
+}
+
+// TestCutSnapshotKeptOnProtectorUntilCommit: with checkpoint.keep = 1, a job's cut snapshot is replicated at
+// the cut's thaw, and a later snapshot of the job (its schedule, an operator's) is shipped before the cut's
+// commit has reached the protector, which pins nothing of the cut until it records it. The later snapshot's
+// replication waits for the commit, and the protector keeps the cut's replica. Before, the protector pruned
+// it at once: the cut was committed with its part's only copy on the part's host, and that host's failure,
+// which the cut is there to outlive, left the run no cut to roll back to.
+func TestCutSnapshotKeptOnProtectorUntilCommit(t *testing.T) {
+	pki := newTestPKI(t)
+	prot, err := ckpt.Open(filepath.Join(t.TempDir(), "prot"), ckpt.Options{Node: "n2"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var committed atomic.Bool
+	var cutSnap string
+	svc := pruningProtector{store: prot, pinned: func() []string {
+		if committed.Load() { // the protector's record of the cut, from its commit on
+			return []string{cutSnap}
+		}
+		return nil
+	}}
+	a, logs := clientAgent(t, pki, map[string]uint16{"n2": scriptedPeer(t, pki, "n2", svc)})
+	const job, key, cut = "farm-00000001", "0/farm", "cut-20261203T100000.000"
+	snapshot := func(b byte) *ckpt.Manifest {
+		pend, err := a.store.Begin(job)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(pend.Dir(), "pages-1.img"), []byte{b}, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		m, err := pend.Commit(t.Context(), ckpt.Info{CRIUVersion: "4.2.1", Mode: ckpt.ModeUncoordinated})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	// The cut's dump, pinned here and replicated at its thaw (coordThaw).
+	x := snapshot(1)
+	cutSnap = x.ID
+	a.uncommitted.Add(key, cut, []*ckpt.Manifest{x})
+	if _, err := a.shipToProtector(t.Context(), x, nil); err != nil {
+		t.Fatalf("the cut's replication: %v", err)
+	}
+	// The next snapshot of the job, before the commit.
+	y := snapshot(2)
+	done := make(chan error, 1)
+	go func() {
+		_, err := a.shipToProtector(t.Context(), y, nil)
+		done <- err
+	}()
+	var shipErr error
+	shipped := false
+	for deadline := time.Now().Add(failAfter); !shipped && !strings.Contains(logs.String(), "waits for the commit"); time.Sleep(time.Millisecond) {
+		select {
+		case shipErr = <-done:
+			shipped = true
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("snapshot %s neither shipped nor waiting after %s", y.ID, failAfter)
+		}
+	}
+	// The commit: the protector records the cut (its record pins the cut's snapshot), then this host does.
+	committed.Store(true)
+	a.uncommitted.Done(key, cut)
+	if !shipped {
+		select {
+		case shipErr = <-done:
+		case <-time.After(failAfter):
+			t.Fatalf("snapshot %s still not shipped %s after the cut's commit", y.ID, failAfter)
+		}
+	}
+	if shipErr != nil {
+		t.Fatalf("replication of %s: %v", y.ID, shipErr)
+	}
+	left, _ := prot.List(job, "n1")
+	if !slices.Contains(left, x.ID) || !slices.Contains(left, y.ID) {
+		t.Errorf("protector holds %v of job %s; want the cut's %s (committed) and the newer %s", left, job, x.ID, y.ID)
 	}
 }

@@ -145,6 +145,13 @@ func (a *Agent) protectorOf(v ring.View, p *Placement) (ring.Member, bool) {
 // they are sent (ship.SendOptions.JustCommitted: the commit hashed them, the protector checks every byte):
 // a second sha256 pass over every snapshot was 0.65% of all CPU while compare's c ran (perf, 2026-11-27).
 func (a *Agent) shipToProtector(ctx context.Context, m *ckpt.Manifest, p *Placement) (*ship.Sent, error) {
+	// Not before the job's cut still to commit is recorded (or given up): its arrival would have the
+	// protector prune the cut's replica, which nothing pins there yet (coordinated.Uncommitted.Settle).
+	if err := a.uncommitted.Settle(ctx, m.Job, m.ID, func() {
+		a.log.Info("snapshot's replication waits for the commit of the job's coordinated snapshot", "job", m.Job, "snapshot", m.ID)
+	}); err != nil {
+		return nil, fmt.Errorf("ship %s: %w", m.ID, err)
+	}
 	var errs []error
 	v := a.View()
 	candidates := func(yield func(string) bool) {

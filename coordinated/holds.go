@@ -1,8 +1,10 @@
 package coordinated
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -34,8 +36,14 @@ type Hold[J any] struct {
 	timer     *time.Timer
 	end       func() // thaws the jobs and gives back what the freeze took, once
 
-	mu    sync.Mutex // orders Freeze and the end
+	mu    sync.Mutex // orders Freeze, Dump and the end
 	ended bool
+	// dumps counts the Dump calls under way, stopDumps cancels them; an end meanwhile is left to the last
+	// of them (endAfterDumps), release being the end the caller gave Begin.
+	dumps         int
+	stopDumps     map[*int]context.CancelFunc
+	endAfterDumps bool
+	release       func()
 }
 
 // ErrEnded is a Freeze of a hold that has ended.
@@ -48,9 +56,20 @@ func HoldKey(req clusterapi.CoordinateRequest) string { return fmt.Sprintf("%d/%
 // coordinator the hold ends by itself after HoldMax, and expired is called. A run already held is refused,
 // and end is not called: the jobs are the other hold's.
 func (hs *Holds[J]) Begin(key string, h *Hold[J], end func(), expired func()) error {
+	h.release = end
 	h.end = sync.OnceFunc(func() {
 		h.mu.Lock()
 		h.ended = true
+		if h.dumps > 0 {
+			// A dump under way: it is stopped, and the last one to return thaws the jobs and gives back
+			// what the freeze took (Dump), never before.
+			for _, stop := range h.stopDumps {
+				stop()
+			}
+			h.endAfterDumps = true
+			h.mu.Unlock()
+			return
+		}
 		h.mu.Unlock()
 		end()
 	})
@@ -92,6 +111,44 @@ func (h *Hold[J]) Freeze(freeze func() error) error {
 	}
 	h.Frozen = time.Now()
 	return freeze()
+}
+
+// Dump runs dump, the dump of h's jobs, unless h has ended (ErrEnded), with a context that ends when h
+// does. The end (its coordinator declared failed, an abort, HoldMax) does not thaw the jobs or give back
+// what the freeze took while dump runs: it cancels it, and the jobs thaw once it has returned (ErrEnded
+// then). Before, the end thawed them and gave back the snapshot lock under a dump that went on: it dumped
+// jobs no longer frozen for the cut, beside the run's rollback, which takes that lock to stop them.
+func (h *Hold[J]) Dump(ctx context.Context, dump func(context.Context) error) error {
+	h.mu.Lock()
+	if h.ended {
+		h.mu.Unlock()
+		return ErrEnded
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	key := new(int)
+	if h.stopDumps == nil {
+		h.stopDumps = map[*int]context.CancelFunc{}
+	}
+	h.dumps++
+	h.stopDumps[key] = cancel
+	h.mu.Unlock()
+
+	err := dump(ctx)
+
+	h.mu.Lock()
+	h.dumps--
+	delete(h.stopDumps, key)
+	last := h.dumps == 0 && h.endAfterDumps
+	ended := h.ended
+	h.mu.Unlock()
+	if last {
+		h.release()
+	}
+	if ended {
+		return errors.Join(ErrEnded, err)
+	}
+	return err
 }
 
 // Pause stops h's clock while the host works for its cut (a dump takes as long as it needs); the returned
@@ -157,8 +214,9 @@ func (hs *Holds[J]) Len() int {
 // taken, replicated and pruned, and with keep = 1 it deleted the cut's snapshot; the commit then recorded a
 // cut naming a snapshot that no longer existed, and the run's previous cut, no longer pinned, went too.
 type Uncommitted struct {
-	mu sync.Mutex
-	m  map[uncommittedKey]uncommitted
+	mu      sync.Mutex
+	m       map[uncommittedKey]uncommitted
+	changed chan struct{} // closed by Done (Settle)
 }
 
 // uncommittedKey is a cut of a run (HoldKey): two cuts of one run may both be thawed and uncommitted here
@@ -195,6 +253,55 @@ func (u *Uncommitted) Done(key, cut string) {
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	delete(u.m, uncommittedKey{key, cut})
+	if u.changed != nil {
+		close(u.changed)
+		u.changed = nil
+	}
+}
+
+// Settle waits until no snapshot of job but except is pinned by a cut not yet committed here (its commit
+// or abort, Done, or uncommittedMax), or ctx ends; waiting is called once if it has to wait. A snapshot
+// shipped to the job's protector meanwhile has the protector prune its older replicas (keep = 1) with
+// the cut's among them: its pin is this host's, and the protector pins it only once it records the cut,
+// at the commit. The cut was then recorded with its part's only copy on the host whose failure it is to
+// outlive.
+func (u *Uncommitted) Settle(ctx context.Context, job, except string, waiting func()) error {
+	for first := true; ; first = false {
+		u.mu.Lock()
+		now := time.Now()
+		var until time.Time
+		for key, p := range u.m {
+			if now.After(p.until) {
+				delete(u.m, key)
+				continue
+			}
+			other := slices.ContainsFunc(p.snaps[job], func(id string) bool { return id != except })
+			if other && (until.IsZero() || p.until.Before(until)) {
+				until = p.until
+			}
+		}
+		if until.IsZero() {
+			u.mu.Unlock()
+			return nil
+		}
+		if u.changed == nil {
+			u.changed = make(chan struct{})
+		}
+		changed := u.changed
+		u.mu.Unlock()
+		if first && waiting != nil {
+			waiting()
+		}
+		t := time.NewTimer(time.Until(until))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return fmt.Errorf("wait for the commit of the cut that holds an earlier snapshot of job %s: %w", job, ctx.Err())
+		case <-changed:
+		case <-t.C:
+		}
+		t.Stop()
+	}
 }
 
 // Pinned are job's snapshots of cuts not yet committed.

@@ -47,16 +47,12 @@ func (r Records) Save(c Cut) error {
 		return fmt.Errorf("record cut %s of run %s: %w", c.ID, c.Run, err)
 	}
 	// The look at the recorded cut and the write are one step: two commits at once (two coordinators' cuts)
-	// both read the old record, and the older's write could replace the newer's. A lock on the directory
-	// (a Records is a value, made anew for each use).
-	d, err := os.Open(r.Dir)
+	// both read the old record, and the older's write could replace the newer's.
+	unlock, err := r.lock()
 	if err != nil {
 		return fmt.Errorf("record cut %s of run %s: %w", c.ID, c.Run, err)
 	}
-	defer d.Close() // and the lock with it
-	if err := unix.Flock(int(d.Fd()), unix.LOCK_EX); err != nil {
-		return fmt.Errorf("record cut %s of run %s: lock %s: %w", c.ID, c.Run, r.Dir, err)
-	}
+	defer unlock()
 	if old, err := r.Load(c.Run, &c.UID); err == nil && old.ID >= c.ID {
 		return nil // a newer cut's record arrived first (ids begin with the time)
 	}
@@ -66,15 +62,43 @@ func (r Records) Save(c Cut) error {
 	return nil
 }
 
-// Remove forgets the cut of run of user uid recorded here.
-func (r Records) Remove(run string, uid uint32) error {
+// lock locks the records' directory until unlock: a look at a record and its write or removal are one
+// step (a Records is a value, made anew for each use).
+func (r Records) lock() (unlock func(), err error) {
+	d, err := os.Open(r.Dir)
+	if err != nil {
+		return nil, err
+	}
+	if err := unix.Flock(int(d.Fd()), unix.LOCK_EX); err != nil {
+		d.Close()
+		return nil, fmt.Errorf("lock %s: %w", r.Dir, err)
+	}
+	return func() { d.Close() }, nil // and the lock with it
+}
+
+// Remove forgets cut, the cut of run of user uid recorded here, and reports whether it did: a newer cut
+// of the run recorded since the caller looked (its commit came in between) stays, as it is the run's
+// newest, and only, usable cut.
+func (r Records) Remove(run string, uid uint32, cut string) (bool, error) {
 	if err := clusterapi.ValidRunName(run); err != nil {
-		return err
+		return false, err
+	}
+	unlock, err := r.lock()
+	if errors.Is(err, fs.ErrNotExist) {
+		return false, nil // no record at all
+	}
+	if err != nil {
+		return false, fmt.Errorf("forget cut %s of run %s: %w", cut, run, err)
+	}
+	defer unlock()
+	// An unreadable record is not the one the caller looked at either (All leaves it out): it stays.
+	if cur, err := r.Load(run, &uid); err != nil || cur.ID != cut {
+		return false, nil
 	}
 	if err := os.Remove(r.path(run, uid)); err != nil && !errors.Is(err, fs.ErrNotExist) {
-		return fmt.Errorf("forget the cut of run %s: %w", run, err)
+		return false, fmt.Errorf("forget cut %s of run %s: %w", cut, run, err)
 	}
-	return nil
+	return true, nil
 }
 
 // Load reads the newest cut of run of user owner recorded here (nil: of the one user with a cut of a run

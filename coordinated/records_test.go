@@ -105,3 +105,55 @@ func TestCutRecordsConcurrentCommits(t *testing.T) {
 		}
 	}
 }
+
+// TestRemoveOnlyTheCutLookedAt: forgetting a run's stale cut removes the cut its caller looked at, not a
+// newer one whose commit came in between (the run goes on on other hosts, and this host, which runs none of
+// its jobs, records each cut). Before, Remove took whatever was recorded: the run's newest cut, which it
+// may need for a rollback, was gone from this member.
+func TestRemoveOnlyTheCutLookedAt(t *testing.T) {
+	part := []clusterapi.CutPart{{Job: "a-00000001", Host: "node1", Snapshot: "20260501T120000.000Z-node1-000001"}}
+	stale := Cut{Run: "r1", UID: 1000, ID: "cut-20261203T100000.000", Parts: part}
+	newer := stale
+	newer.ID = "cut-20261203T110000.000"
+	for _, tc := range []struct {
+		name     string
+		recorded []Cut // saved after the caller looked at stale
+		removed  bool
+		left     string // the cut recorded after the removal, "" for none
+	}{
+		{"unchanged", nil, true, ""},
+		{"newer committed since", []Cut{newer}, false, newer.ID},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := Records{Dir: t.TempDir(), Host: "node1", Log: slog.New(slog.DiscardHandler)}
+			if err := r.Save(stale); err != nil {
+				t.Fatal(err)
+			}
+			looked := r.All()
+			if len(looked) != 1 || looked[0].ID != stale.ID {
+				t.Fatalf("recorded %+v, want %s", looked, stale.ID)
+			}
+			for _, c := range tc.recorded {
+				if err := r.Save(c); err != nil {
+					t.Fatal(err)
+				}
+			}
+			removed, err := r.Remove(looked[0].Run, looked[0].UID, looked[0].ID)
+			if err != nil || removed != tc.removed {
+				t.Errorf("Remove of %s: %v, %v; want %v, nil", looked[0].ID, removed, err, tc.removed)
+			}
+			c, err := r.Load("r1", &stale.UID)
+			switch {
+			case tc.left == "" && !errors.Is(err, ErrNoCut):
+				t.Errorf("after the removal: %+v, %v; want no cut", c, err)
+			case tc.left != "" && (err != nil || c.ID != tc.left):
+				t.Errorf("after the removal of %s: recorded %+v, %v; want %s kept", stale.ID, c, err, tc.left)
+			}
+		})
+	}
+	// No record at all (nothing was ever committed here): nothing to remove, no error.
+	r := Records{Dir: t.TempDir() + "/cuts", Host: "node1", Log: slog.New(slog.DiscardHandler)}
+	if removed, err := r.Remove("r1", 1000, stale.ID); removed || err != nil {
+		t.Errorf("Remove without a records directory: %v, %v; want false, nil", removed, err)
+	}
+}
