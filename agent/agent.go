@@ -730,7 +730,8 @@ func (a *Agent) Run(ctx context.Context, local LocalAPI) error {
 	// Before any snapshot is scheduled: a job whose replay a previous agent left unverified is not dumped
 	// until its resumed recovery has verified it.
 	go a.resumeRecoveries(ctx, a.pendingRecoveries())
-	a.resumeMigrations(ctx) // the resumed ones run on
+	a.resumeMigrations(ctx)   // the resumed ones run on
+	a.closeLeftFailovers(ctx) // the followed ones run on
 	srv, err := local(ctx, a)
 	if err != nil {
 		return err

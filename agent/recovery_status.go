@@ -3,9 +3,11 @@ package agent
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/ftkit/ftkit/clusterapi"
@@ -165,4 +167,53 @@ func runningSummary(jobs, running []string) string {
 		parts = append(parts, "job(s) "+strings.Join(no, ", ")+" do NOT run there")
 	}
 	return strings.Join(parts, "; ")
+}
+
+// errRestartedMidRecovery is the cause given for the progress stream a coordinator's restart lost.
+var errRestartedMidRecovery = errors.New("this host's agent restarted during the recovery")
+
+// closeLeftFailovers finds out what became of the recoveries of node failures this host coordinated that a
+// previous agent left under way (at start): nothing else ends their timelines, which stayed "recovering" in
+// ftctl events and ftkit_recoveries{state="running"} for good, and a recovery that never reached a target
+// (jobs restored nowhere) was never reported as failed. One with a target asks it, as a broken progress
+// stream does; one without was never asked of anyone. It returns how many it follows, and a wait for their
+// end (tests).
+func (a *Agent) closeLeftFailovers(ctx context.Context) (n int, wait func()) {
+	var wg sync.WaitGroup
+	for _, f := range a.failures.List() {
+		// Only this host's own failure recoveries: migrations are resumed apart (resumeMigrations), and
+		// another member's timeline is its own to end.
+		if f.Kind != "" || f.Protector != a.cfg.Name || f.Done {
+			continue
+		}
+		end := func(err error) {
+			a.failures.Update(f.ID, func(f *Failure) {
+				f.Done = true
+				if err != nil {
+					f.Error = err.Error()
+				}
+			})
+			a.saveFailures()
+			if err != nil {
+				a.log.Error("a recovery a previous agent left under way failed or is incomplete: the error says which jobs do not run", "failure", f.ID, "node", f.Node, "err", err)
+			}
+		}
+		if f.Target == "" {
+			end(fmt.Errorf("not recovered: ftagent on %s restarted before the recovery reached a target: job(s) %s of %s were NOT restored; restore them with `ftctl restore`",
+				a.cfg.Name, strings.Join(f.Jobs, ", "), f.Node))
+			continue
+		}
+		req := RecoverRequest{Failure: f.ID, Failed: f.Node, Source: a.cfg.Name}
+		for _, j := range f.Jobs {
+			req.Jobs = append(req.Jobs, RecoverJob{Job: j})
+		}
+		emit := func(st Stage) {
+			a.failures.Update(f.ID, func(f *Failure) { f.Stages = append(f.Stages, st) })
+			a.saveFailures()
+		}
+		a.log.Warn("a recovery a previous agent left under way: asking its target what became of it", "failure", f.ID, "node", f.Node, "target", f.Target)
+		n++
+		wg.Go(func() { end(a.afterBrokenStream(ctx, f.Target, req, emit, errRestartedMidRecovery)) })
+	}
+	return n, wg.Wait
 }

@@ -1,6 +1,10 @@
 package agent
 
-import "testing"
+import (
+	"context"
+	"strings"
+	"testing"
+)
 
 func TestRunningSummary(t *testing.T) {
 	tests := []struct {
@@ -14,6 +18,63 @@ func TestRunningSummary(t *testing.T) {
 	for _, tt := range tests {
 		if got := runningSummary(tt.jobs, tt.running); got != tt.want {
 			t.Errorf("runningSummary(%v, %v) = %q, want %q", tt.jobs, tt.running, got, tt.want)
+		}
+	}
+}
+
+// TestCloseLeftFailovers: a restarted agent ends the timelines of the node-failure recoveries its
+// predecessor coordinated and left under way. One that had reached no target restored nothing and says so;
+// one whose target does not answer (here: the caller goes at once) says whether its jobs run is unknown.
+// Before, nothing ended them: `ftctl events` showed them recovering and ftkit_recoveries{state="running"}
+// counted them for good, and jobs restored nowhere were never reported.
+func TestCloseLeftFailovers(t *testing.T) {
+	ta := newTestAgent(t)
+	open := func(id string, fn func(*Failure)) {
+		ta.failures.Update(id, func(f *Failure) {
+			f.Node, f.Protector, f.Jobs = "node3", "node1", []string{"j-00000001"}
+			f.Stages = append(f.Stages, Stage{Name: StageDetected, Host: "node1"})
+			fn(f)
+		})
+	}
+	open("no-target", func(f *Failure) {})
+	open("on-node2", func(f *Failure) { f.Target = "node2" })
+	open("others", func(f *Failure) { f.Protector, f.Target = "node2", "node2" })
+	open("ended", func(f *Failure) { f.Target, f.Done = "node2", true })
+	open("migration", func(f *Failure) { f.Kind, f.Node, f.Target = KindMigration, "node1", "node2" })
+
+	ctx, cancel := context.WithCancel(t.Context())
+	cancel() // the target is not waited for
+	n, wait := ta.closeLeftFailovers(ctx)
+	wait()
+	if n != 1 {
+		t.Errorf("followed %d recoveries on their targets, want 1", n)
+	}
+	byID := map[string]*Failure{}
+	for _, f := range ta.failures.List() {
+		byID[f.ID] = f
+	}
+	for _, tt := range []struct {
+		id   string
+		done bool
+		want string // in the error
+	}{
+		{"no-target", true, "j-00000001 of node3 were NOT restored"},
+		{"on-node2", true, "whether job(s) j-00000001 run there is unknown"},
+		{"others", false, ""},    // another protector's: its to end
+		{"ended", true, ""},      // untouched
+		{"migration", false, ""}, // resumeMigrations' to end
+	} {
+		f := byID[tt.id]
+		if f == nil {
+			t.Fatalf("timeline %s is gone", tt.id)
+		}
+		if f.Done != tt.done || (tt.want == "") != (f.Error == "") || !strings.Contains(f.Error, tt.want) {
+			t.Errorf("timeline %s: done %v, error %q; want done %v, error saying %q", tt.id, f.Done, f.Error, tt.done, tt.want)
+		}
+	}
+	for _, mf := range metricsFailures([]*Failure{byID["no-target"], byID["on-node2"]}) {
+		if !mf.Done || !mf.Failed {
+			t.Errorf("metrics report a left recovery as done %v, failed %v; want it failed", mf.Done, mf.Failed)
 		}
 	}
 }
