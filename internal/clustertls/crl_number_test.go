@@ -12,23 +12,44 @@ import (
 	"time"
 )
 
+// tbsCertList, revokedCert and certList are RFC 5280's TBSCertList, its revoked entries and CertificateList,
+// for a list x509.CreateRevocationList cannot make (the pkix types of them are deprecated).
+type tbsCertList struct {
+	Raw                 asn1.RawContent
+	Version             int `asn1:"optional,default:0"`
+	Signature           pkix.AlgorithmIdentifier
+	Issuer              asn1.RawValue
+	ThisUpdate          time.Time
+	NextUpdate          time.Time     `asn1:"optional"`
+	RevokedCertificates []revokedCert `asn1:"optional"`
+}
+
+type revokedCert struct {
+	SerialNumber   *big.Int
+	RevocationTime time.Time
+}
+
+type certList struct {
+	TBSCertList        asn1.RawValue
+	SignatureAlgorithm pkix.AlgorithmIdentifier
+	SignatureValue     asn1.BitString
+}
+
 // crlWithoutNumber signs, with ca, a CRL revoking serials that has no CRL number extension, as
 // `openssl ca -gencrl` writes without a crlnumber file (x509.CreateRevocationList always adds one).
 func crlWithoutNumber(t *testing.T, ca *CA, serials ...int64) []byte {
 	t.Helper()
 	now := time.Now().UTC().Truncate(time.Second)
 	sigAlg := pkix.AlgorithmIdentifier{Algorithm: asn1.ObjectIdentifier{1, 2, 840, 10045, 4, 3, 2}} // ecdsa-with-SHA256
-	tbs := pkix.TBSCertificateList{
+	tbs := tbsCertList{
 		Version:    1,
 		Signature:  sigAlg,
+		Issuer:     asn1.RawValue{FullBytes: ca.cert.RawSubject},
 		ThisUpdate: now.Add(-time.Minute),
 		NextUpdate: now.Add(time.Hour),
 	}
-	if _, err := asn1.Unmarshal(ca.cert.RawSubject, &tbs.Issuer); err != nil {
-		t.Fatal(err)
-	}
 	for _, s := range serials {
-		tbs.RevokedCertificates = append(tbs.RevokedCertificates, pkix.RevokedCertificate{SerialNumber: big.NewInt(s), RevocationTime: now})
+		tbs.RevokedCertificates = append(tbs.RevokedCertificates, revokedCert{SerialNumber: big.NewInt(s), RevocationTime: now})
 	}
 	tbsDER, err := asn1.Marshal(tbs)
 	if err != nil {
@@ -39,7 +60,7 @@ func crlWithoutNumber(t *testing.T, ca *CA, serials ...int64) []byte {
 	if err != nil {
 		t.Fatal(err)
 	}
-	der, err := asn1.Marshal(pkix.CertificateList{TBSCertList: pkix.TBSCertificateList{Raw: tbsDER}, SignatureAlgorithm: sigAlg,
+	der, err := asn1.Marshal(certList{TBSCertList: asn1.RawValue{FullBytes: tbsDER}, SignatureAlgorithm: sigAlg,
 		SignatureValue: asn1.BitString{Bytes: sig, BitLength: 8 * len(sig)}})
 	if err != nil {
 		t.Fatal(err)
