@@ -9,11 +9,13 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"path/filepath"
 	"time"
 
 	"github.com/pelletier/go-toml/v2"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/fence"
 	"github.com/ftkit/ftkit/intercept/record"
@@ -44,6 +46,16 @@ const maxParallelRestores = 16
 // maxAcceptWait bounds checkpoint.accept_wait: half of the minute a host holds a run's jobs frozen for a
 // coordinated snapshot without word from its coordinator (coordinated.HoldMax).
 const maxAcceptWait = 30 * time.Second
+
+// maxKeepEnded bounds checkpoint.keep_ended: a lost job keeps its snapshots 7 times as long (agent
+// lostFactor), which must not overflow a time.Duration (some 41 years) and wrap to a negative age that
+// forgets them at once. 0 keeps them for good.
+const maxKeepEnded = 10 * 365 * 24 * time.Hour
+
+// minHeartbeatInterval bounds heartbeat.interval: the agent's watchdog, self-fence and stall loops tick
+// every half interval and a beat goes every interval, so a few nanoseconds (a typo for "500ms") make them
+// busy loops and flood the protector with beats. The lab's fastest detection beats every 75 ms.
+const minHeartbeatInterval = 10 * time.Millisecond
 
 // Duration is a time.Duration written as "500ms" in TOML.
 type Duration struct{ time.Duration }
@@ -334,6 +346,10 @@ func (c Config) Validate() error {
 	if c.StateDir == "" || c.JobsDir == "" || c.Socket == "" || c.CgroupParent == "" {
 		errs = append(errs, errors.New("state_dir, jobs_dir, socket and cgroup_parent must not be empty"))
 	}
+	if c.CRIU != "" && !filepath.IsAbs(c.CRIU) {
+		// Run as root: not looked up relative to wherever the agent was started.
+		errs = append(errs, fmt.Errorf("criu %q: give the binary by absolute path (empty: %s, then PATH)", c.CRIU, criu.DefaultBinary))
+	}
 	seenName, seenAddr := map[string]bool{}, map[netip.AddrPort]bool{}
 	self := false
 	nodes := 0
@@ -383,8 +399,9 @@ func (c Config) Validate() error {
 	if c.Checkpoint.Keep < 1 {
 		errs = append(errs, fmt.Errorf("checkpoint.keep %d: keep at least 1 snapshot", c.Checkpoint.Keep))
 	}
-	if c.Checkpoint.KeepEnded.Duration < 0 {
-		errs = append(errs, fmt.Errorf("checkpoint.keep_ended %s: use a duration, or 0 to keep an ended job's snapshots for good", c.Checkpoint.KeepEnded))
+	if k := c.Checkpoint.KeepEnded.Duration; k < 0 || k > maxKeepEnded {
+		errs = append(errs, fmt.Errorf("checkpoint.keep_ended %s: use a duration of at most %s (ten years; a lost job keeps its snapshots 7 times as long), or 0 to keep an ended job's snapshots for good",
+			c.Checkpoint.KeepEnded, maxKeepEnded))
 	}
 	if d := c.Log.ReceiveOrderShipEvery.Duration; d < 0 || d > record.MaxShipEvery {
 		errs = append(errs, fmt.Errorf("log.receive_order_ship_every %s: must be between 0 (at once) and %s", c.Log.ReceiveOrderShipEvery, record.MaxShipEvery))
@@ -397,6 +414,8 @@ func (c Config) Validate() error {
 	}
 	if c.Heartbeat.Interval.Duration <= 0 || c.Heartbeat.Timeout.Duration <= c.Heartbeat.Interval.Duration {
 		errs = append(errs, fmt.Errorf("heartbeat: timeout (%s) must be longer than a positive interval (%s)", c.Heartbeat.Timeout, c.Heartbeat.Interval))
+	} else if c.Heartbeat.Interval.Duration < minHeartbeatInterval {
+		errs = append(errs, fmt.Errorf("heartbeat.interval %s: use at least %s (the agent's loops tick every half interval; did you mean ms?)", c.Heartbeat.Interval, minHeartbeatInterval))
 	}
 	if c.Failover.FenceTimeout.Duration < 0 {
 		errs = append(errs, fmt.Errorf("failover.fence_timeout %s must not be negative (0: 2 × heartbeat.timeout + 1s)", c.Failover.FenceTimeout))

@@ -53,6 +53,8 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "minimal is valid"},
 		{name: "auto interval", extra: "[checkpoint]\ninterval = \"auto\"\n"},
 		{name: "unknown key", extra: "colour = \"red\"\n", wantErr: "colour"},
+		{name: "criu absolute", extra: "criu = \"/opt/criu/sbin/criu\"\n"},
+		{name: "criu relative", extra: "criu = \"criu\"\n", wantErr: `criu "criu": give the binary by absolute path`},
 		{name: "bad interval", extra: "[checkpoint]\ninterval = \"often\"\n", wantErr: "use a duration like 60s, or auto"},
 		{name: "short interval", extra: "[checkpoint]\ninterval = \"10ms\"\n", wantErr: "at least 1s"},
 		{name: "min_interval zero", extra: "[checkpoint]\nmin_interval = \"0s\"\n", wantErr: "checkpoint.min_interval 0s: must be positive"},

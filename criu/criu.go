@@ -9,6 +9,8 @@ import (
 	"os/exec"
 
 	gocriu "github.com/checkpoint-restore/go-criu/v7"
+
+	"github.com/ftkit/ftkit/internal/sitecmd"
 )
 
 // Version is CRIU's version as major*10000 + minor*100 + sublevel, as CRIU's RPC reports it.
@@ -63,6 +65,12 @@ func Require(path string) (string, Version, error) {
 	bin, err := FindBinary(path)
 	if err != nil {
 		return "", 0, err
+	}
+	// The agent runs it as root at every dump and restore, and asking its version runs it already: a
+	// binary another user could change (an operator's own build under a home directory, a user's directory
+	// on the agent's PATH) would run that user's code as root.
+	if err := sitecmd.CheckProgram("criu binary", bin); err != nil {
+		return bin, 0, fmt.Errorf("%w: the agent runs CRIU as root", err)
 	}
 	v, err := BinaryVersion(bin)
 	if err != nil {

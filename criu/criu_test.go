@@ -276,3 +276,54 @@ func TestDumpCancelledKeepsCRIUAccounted(t *testing.T) {
 		t.Fatal("the priority raised for CRIU was never lowered once CRIU ended")
 	}
 }
+
+// The agent runs CRIU as root at every dump and restore (and --check-config asks it for its version): a
+// binary another user can change (`criu =` pointing at an operator's own build, a directory of a user's on
+// the agent's PATH) would run that user's code as root. Require refuses it, as sitecmd.CheckProgram refuses
+// a site's command, before running it at all.
+func TestRequireRefusesACRIUOthersCanChange(t *testing.T) {
+	for _, tt := range []struct {
+		name    string
+		setup   func(t *testing.T, dir, bin string)
+		wantErr string
+	}{
+		{"writable by others", func(t *testing.T, dir, bin string) {
+			if err := os.Chmod(bin, 0o777); err != nil {
+				t.Fatal(err)
+			}
+		}, "chmod go-w"},
+		{"in a directory others can write", func(t *testing.T, dir, bin string) {
+			if err := os.Chmod(dir, 0o777); err != nil {
+				t.Fatal(err)
+			}
+		}, "chmod go-w"},
+		{"owned by another user", func(t *testing.T, dir, bin string) {
+			if os.Geteuid() != 0 {
+				t.Skip("SKIPPED: giving a file to another user needs root")
+			}
+			if err := os.Chown(bin, 65534, 65534); err != nil {
+				t.Fatal(err)
+			}
+		}, "owned by uid 65534"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := filepath.Join(t.TempDir(), "criu")
+			if err := os.Mkdir(dir, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			ran := filepath.Join(t.TempDir(), "ran")
+			bin := filepath.Join(dir, "criu")
+			if err := os.WriteFile(bin, []byte("#!/bin/sh\ntouch "+ran+"\nexit 1\n"), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			tt.setup(t, dir, bin)
+			_, _, err := Require(bin)
+			if _, statErr := os.Stat(ran); statErr == nil {
+				t.Errorf("Require ran %s, which others can change, as this process (root in the agent)", bin)
+			}
+			if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+				t.Fatalf("err = %v, want a refusal saying %q", err, tt.wantErr)
+			}
+		})
+	}
+}
