@@ -13,6 +13,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/dump"
 	"github.com/ftkit/ftkit/ckpt/ship"
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/criu/image"
 	"github.com/ftkit/ftkit/detect"
@@ -110,8 +111,16 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen, hashWhileDumping bo
 		opts.Info.Positions, opts.Info.Polls = ok, polls
 	}
 	opts.HashWhileDumping = hashWhileDumping
-	m, err := dump.Take(ctx, a.store, a.dumperFor(j), opts)
+	// A dump is bounded (checkpoint.dump_timeout): its CRIU is killed at the deadline, before the job is
+	// thawed. Unbounded, a CRIU that hung kept the job frozen and ckptMu held, every later snapshot, migration
+	// and rollback of the host waiting behind it.
+	dctx, cancel := context.WithTimeout(ctx, a.dumpTimeout())
+	defer cancel()
+	m, err := dump.Take(dctx, a.store, a.dumperFor(j), opts)
 	if err != nil {
+		if errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil {
+			return nil, fmt.Errorf("snapshot of job %s: not done in checkpoint.dump_timeout (%s): CRIU killed and the snapshot dropped: %w", j.ID, a.dumpTimeout(), err)
+		}
 		return nil, err
 	}
 	a.metrics.SnapshotTaken(m.DumpDuration, m.Stats.FrozenTime, m.TotalSize())
@@ -312,6 +321,15 @@ func (a *Agent) checkpoint(ctx context.Context, ids []string, uid uint32, still 
 // library accepts only when the program calls it): the snapshot then fails, naming the cause, and a
 // scheduled one is taken later.
 func (a *Agent) acceptWait() time.Duration { return a.cfg.Checkpoint.AcceptWait.Duration }
+
+// dumpTimeout bounds one dump of a job (checkpoint.dump_timeout; unset in an agent built without Defaults:
+// the largest it may be).
+func (a *Agent) dumpTimeout() time.Duration {
+	if d := a.cfg.Checkpoint.DumpTimeout.Duration; d > 0 {
+		return d
+	}
+	return clusterapi.MaxCoordStep
+}
 
 // snapshotAccepted is snapshot of running job j, taken again once j has accepted the connections that failed
 // its dump (whenAccepted).

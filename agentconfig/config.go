@@ -15,6 +15,7 @@ import (
 	"github.com/pelletier/go-toml/v2"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/fence"
@@ -56,6 +57,14 @@ const maxKeepEnded = 10 * 365 * 24 * time.Hour
 // every half interval and a beat goes every interval, so a few nanoseconds (a typo for "500ms") make them
 // busy loops and flood the protector with beats. The lab's fastest detection beats every 75 ms.
 const minHeartbeatInterval = 10 * time.Millisecond
+
+// minDumpTimeout and maxDumpTimeout bound checkpoint.dump_timeout: no less than CRIU's own bound on the
+// freeze of a job's tasks (its --timeout, 10 s), no more than a coordinator waits for a host's dumps
+// (clusterapi.MaxCoordStep, which holds the run's jobs on the other hosts frozen meanwhile).
+const (
+	minDumpTimeout = 10 * time.Second
+	maxDumpTimeout = clusterapi.MaxCoordStep
+)
 
 // Duration is a time.Duration written as "500ms" in TOML.
 type Duration struct{ time.Duration }
@@ -157,6 +166,11 @@ type Config struct {
 		// listen queues, which CRIU cannot dump. A coordinated snapshot waits with the run's jobs on the
 		// other hosts frozen, so it is bounded well below a frozen run's hold (a minute).
 		AcceptWait Duration `toml:"accept_wait"`
+		// DumpTimeout bounds one snapshot's dump, from CRIU's start to the snapshot's commit: past it CRIU
+		// is killed and the snapshot dropped, with an error. A CRIU that hangs (a task it cannot freeze or
+		// seize, a file system that does not answer) otherwise kept the job stopped, and the host's snapshot
+		// lock held, for good.
+		DumpTimeout Duration `toml:"dump_timeout"`
 		// ShareBlocks lets a replica rebuilt from a diff share the disk blocks it takes from its base where
 		// the store's file system can (XFS with reflink, btrfs), instead of writing them again
 		// (ship.ReceiveOptions.ShareBlocks). Off by default: a shared block is not in the page
@@ -287,6 +301,7 @@ func Defaults() Config {
 	c.Checkpoint.KeepEnded = Duration{24 * time.Hour}
 	c.Checkpoint.DumpNice = -10
 	c.Checkpoint.AcceptWait = Duration{2 * time.Second}
+	c.Checkpoint.DumpTimeout = Duration{maxDumpTimeout}
 	c.Heartbeat.Interval = Duration{500 * time.Millisecond}
 	c.Heartbeat.Timeout = Duration{3 * time.Second}
 	c.Heartbeat.BusyGrace = Duration{60 * time.Second}
@@ -445,6 +460,9 @@ func (c Config) Validate() error {
 	}
 	if w := c.Checkpoint.AcceptWait.Duration; w <= 0 || w > maxAcceptWait {
 		errs = append(errs, fmt.Errorf("checkpoint.accept_wait %s must be positive and at most %s", c.Checkpoint.AcceptWait, maxAcceptWait))
+	}
+	if d := c.Checkpoint.DumpTimeout.Duration; d < minDumpTimeout || d > maxDumpTimeout {
+		errs = append(errs, fmt.Errorf("checkpoint.dump_timeout %s must be between %s and %s", c.Checkpoint.DumpTimeout, minDumpTimeout, maxDumpTimeout))
 	}
 	if c.Heartbeat.Nice < -20 || c.Heartbeat.Nice > 19 {
 		errs = append(errs, fmt.Errorf("heartbeat.nice %d must be between -20 and 19 (0: unchanged)", c.Heartbeat.Nice))

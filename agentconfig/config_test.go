@@ -78,6 +78,8 @@ func TestParseConfigErrors(t *testing.T) {
 		{name: "nice positive: the jobs first", extra: "[heartbeat]\nnice = 19\n"},
 		{name: "accept_wait zero", extra: "[checkpoint]\naccept_wait = \"0s\"\n", wantErr: "checkpoint.accept_wait 0s must be positive and at most 30s"},
 		{name: "accept_wait over half a hold", extra: "[checkpoint]\naccept_wait = \"31s\"\n", wantErr: "checkpoint.accept_wait 31s"},
+		{name: "dump_timeout below CRIU's freeze bound", extra: "[checkpoint]\ndump_timeout = \"5s\"\n", wantErr: "checkpoint.dump_timeout 5s must be between 10s and 10m0s"},
+		{name: "dump_timeout past a coordinated step", extra: "[checkpoint]\ndump_timeout = \"11m\"\n", wantErr: "checkpoint.dump_timeout 11m0s"},
 		{name: "nice too high", extra: "[heartbeat]\nnice = 20\n", wantErr: "heartbeat.nice 20 must be between -20 and 19"},
 		{name: "nice too low", extra: "[heartbeat]\nnice = -21\n", wantErr: "heartbeat.nice -21"},
 		{name: "fence timeout", extra: "[failover]\nfence_timeout = \"10s\"\n"},

@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -199,13 +200,13 @@ func TestDumpRaisesWhileCRIURuns(t *testing.T) {
 }
 
 // fakeSlowSwrk answers one request, a dump, with a failure once a file named stop exists in dir; it leaves a
-// file named ran there as it starts, and one named done as it answers.
+// file named ran there as it starts (holding its pid), and one named done as it answers.
 func fakeSlowSwrk(dir, fdArg string) int {
 	sk, err := fakeRequest(fdArg)
 	if err != nil {
 		return 3
 	}
-	if err := os.WriteFile(filepath.Join(dir, "ran"), nil, 0o600); err != nil {
+	if err := os.WriteFile(filepath.Join(dir, "ran"), []byte(strconv.Itoa(os.Getpid())), 0o600); err != nil {
 		return 4
 	}
 	for {
@@ -224,11 +225,11 @@ func fakeSlowSwrk(dir, fdArg string) int {
 	return 0
 }
 
-// TestDumpCancelledKeepsCRIUAccounted: a dump whose context ends while CRIU runs returns at once, but CRIU
-// runs on, bounded by its own timeout: the priority raised for it (and the cgroup yard it reads) must stay
-// held until it is done. The old code lowered the priority (and released the yard, which another dump
-// could then remove and make again under this CRIU) as soon as the context ended.
-func TestDumpCancelledKeepsCRIUAccounted(t *testing.T) {
+// TestDumpCancelledKillsCRIU: a dump whose context ends while CRIU runs kills CRIU and returns only once it
+// is gone, and the priority raised for it (and the cgroup yard it reads) is held until then. The old code
+// returned at once and left CRIU running in the background: its caller (dump.Take) then thawed the job and
+// removed the images directory under a CRIU that went on dumping, and could freeze the job again.
+func TestDumpCancelledKillsCRIU(t *testing.T) {
 	self, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)
@@ -237,43 +238,65 @@ func TestDumpCancelledKeepsCRIUAccounted(t *testing.T) {
 	t.Setenv("FTKIT_FAKE_CRIU_SLOW", work)
 	t.Cleanup(func() { os.WriteFile(filepath.Join(work, "stop"), nil, 0o600) })
 	ran, done := filepath.Join(work, "ran"), filepath.Join(work, "done")
-	lowered := make(chan bool, 1) // whether CRIU was done when the priority was lowered
-	c := Client{Binary: self, Raise: func() func() {
-		return func() {
-			_, err := os.Stat(done)
-			lowered <- err == nil
+	criuPID := func() int {
+		b, err := os.ReadFile(ran)
+		if err != nil {
+			return 0
 		}
+		pid, _ := strconv.Atoi(string(b))
+		return pid
+	}
+	alive := func(pid int) bool { return pid > 0 && syscall.Kill(pid, 0) == nil }
+	lowered := make(chan bool, 1) // whether CRIU still ran when the priority was lowered
+	c := Client{Binary: self, Raise: func() func() {
+		return func() { lowered <- alive(criuPID()) }
 	}}
 	ctx, cancel := context.WithCancel(t.Context())
 	go func() {
-		for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-			if _, err := os.Stat(ran); err == nil {
-				break
-			}
+		for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline) && criuPID() == 0; time.Sleep(5 * time.Millisecond) {
 		}
 		cancel()
 	}()
 	if _, err := c.Dump(ctx, DumpOptions{PID: os.Getpid(), ImagesDir: t.TempDir(), LeaveRunning: true}); !errors.Is(err, context.Canceled) {
 		t.Fatalf("Dump with its context cancelled while CRIU runs = %v, want context.Canceled", err)
 	}
+	pid := criuPID()
+	if pid == 0 {
+		t.Fatal("the fake CRIU never ran")
+	}
+	if alive(pid) {
+		t.Fatalf("the dump returned on its cancelled context with its CRIU (pid %d) still running", pid)
+	}
+	if _, err := os.Stat(done); err == nil {
+		t.Error("the fake CRIU finished its dump: it was not killed")
+	}
 	select {
-	case wasDone := <-lowered:
-		if !wasDone {
+	case running := <-lowered:
+		if running {
 			t.Fatal("the priority raised for CRIU was lowered while CRIU still ran")
 		}
-		t.Fatal("the priority was lowered before the dump's CRIU was told to end")
-	case <-time.After(200 * time.Millisecond):
+	default:
+		t.Fatal("the dump returned before the priority raised for its CRIU was lowered")
 	}
-	if err := os.WriteFile(filepath.Join(work, "stop"), nil, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case wasDone := <-lowered:
-		if !wasDone {
-			t.Fatal("the priority raised for CRIU was lowered while CRIU still ran")
+}
+
+// TestTimeoutSeconds: CRIU's Timeout option bounds only its freeze of the tasks: a dump's deadline minutes
+// away (checkpoint.dump_timeout) leaves it at CRIU's default 10 s, where the old code raised it to the whole
+// deadline and a freeze that hung kept the job half stopped that long.
+func TestTimeoutSeconds(t *testing.T) {
+	for _, tc := range []struct {
+		in   time.Duration // 0: no deadline
+		want uint32
+	}{{0, 0}, {10 * time.Minute, 0}, {11 * time.Second, 0}, {5 * time.Second, 4}, {100 * time.Millisecond, 1}} {
+		ctx := t.Context()
+		if tc.in > 0 {
+			var cancel context.CancelFunc
+			ctx, cancel = context.WithTimeout(ctx, tc.in)
+			defer cancel()
 		}
-	case <-time.After(30 * time.Second):
-		t.Fatal("the priority raised for CRIU was never lowered once CRIU ended")
+		if got := timeoutSeconds(ctx); got != tc.want {
+			t.Errorf("timeoutSeconds with a deadline in %s = %d, want %d", tc.in, got, tc.want)
+		}
 	}
 }
 

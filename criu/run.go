@@ -111,20 +111,21 @@ func (c Client) dump(ctx context.Context, opts DumpOptions, nfy gocriu.Notify) (
 	if t := timeoutSeconds(ctx); t > 0 {
 		req.Timeout = proto.Uint32(t)
 	}
-	cr := gocriu.MakeCriu()
-	cr.SetCriuPath(c.Binary)
 	lower := func() {}
 	if c.Raise != nil {
 		lower = c.Raise()
 	}
-	call := inNetns(opts.Netns, func() error { return cr.Dump(req, nfy) })
-	err = run(ctx, func() error {
-		// The yard and the raised priority are CRIU's until it ends, also when ctx ends first and this
-		// dump returns without it: another dump must not make the yard again under it.
-		defer release()
-		defer lower()
-		return call()
-	})
+	// The yard and the raised priority are CRIU's until it ends: another dump must not make the yard again
+	// under it.
+	defer release()
+	defer lower()
+	var cr *swrk
+	if err := inNetns(opts.Netns, func() (err error) { cr, err = startSwrk(c.Binary); return err })(); err != nil {
+		return DumpStats{}, fmt.Errorf("criu dump of pid %d: %w", opts.PID, err)
+	}
+	// A dump whose ctx ends kills CRIU and returns once it is gone: its caller then thaws the job and
+	// removes the images directory, which a CRIU left running went on freezing and writing.
+	err = cr.do(ctx, func() error { return cr.call(rpc.CriuReqType_DUMP, req, nfy) })
 	if err != nil {
 		return DumpStats{}, dumpError(opts.PID, err, filepath.Join(opts.ImagesDir, dumpLog))
 	}
@@ -290,8 +291,8 @@ func inNetns(path string, call func() error) func() error {
 	return func() error { return netnsthread.In(path, call) }
 }
 
-// run executes a blocking go-criu call, returning early with ctx's error if ctx ends first. CRIU itself is
-// bounded by the Timeout option; the call is left to finish in the background.
+// run executes a blocking go-criu call, returning early with ctx's error if ctx ends first; the call is left
+// to finish in the background (a restore's; a dump's CRIU is killed instead, swrk.do).
 func run(ctx context.Context, call func() error) error {
 	done := make(chan error, 1)
 	go func() { done <- call() }()
@@ -303,13 +304,23 @@ func run(ctx context.Context, call func() error) error {
 	}
 }
 
+// criuTimeout is CRIU's own default for its --timeout (DEFAULT_TIMEOUT), in seconds.
+const criuTimeout = 10
+
+// timeoutSeconds is CRIU's Timeout option for a request under ctx: ctx's deadline when it is nearer than
+// CRIU's default, 0 (the default) otherwise. The option bounds only CRIU's collection of the tasks (their
+// freeze), not the request: a deadline minutes away must not let a freeze that hangs keep the job half
+// stopped that long (a dump's whole bound is ctx, at which its CRIU is killed).
 func timeoutSeconds(ctx context.Context) uint32 {
 	dl, ok := ctx.Deadline()
 	if !ok {
 		return 0
 	}
 	s := time.Until(dl).Seconds()
-	if s < 1 {
+	switch {
+	case s >= criuTimeout:
+		return 0
+	case s < 1:
 		return 1
 	}
 	return uint32(s)
