@@ -54,6 +54,11 @@ func (r *Recorder) run(ctx context.Context, src Source) {
 	handle := func(raw []byte) error {
 		r.records.Add(1)
 		rec, err := netlog.DecodeRecord(raw)
+		if err == nil && rec.Parked != 0 {
+			// The receive tap never parks a segment: a parked record (no payload) is not one of its records,
+			// and taken as the record that starts a flow it would wipe the flow's record.
+			err = fmt.Errorf("%w: a parked record (%d bytes) of %s, which the receive tap never writes", netlog.ErrBadRecord, rec.Parked, rec.Conn)
+		}
 		if err != nil {
 			// One bad record must not stop the digests of every flow; a few are logged.
 			if n := r.bad.Add(1); n&(n-1) == 0 {

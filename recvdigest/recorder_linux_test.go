@@ -109,3 +109,37 @@ func TestRecorderStopsWhenTheSourceFails(t *testing.T) {
 		t.Fatalf("Err = %v, want the source's error", err)
 	}
 }
+
+// TestRecorderRefusesParkedRecords: the receive tap never parks a segment, so a record with netlog's
+// parked flag is not one of its records (tap and netlog disagree on the layout). It carries no payload,
+// and the Book took it for the record that starts a flow: the flow's record was wiped and restarted at the
+// parked record's sequence number, and a restored peer's re-sent bytes were refused as unverified.
+func TestRecorderRefusesParkedRecords(t *testing.T) {
+	const base = 4*B + 99
+	stream := randomBytes(71, B+500)
+	first, err := netlog.AppendRecord(nil, netlog.Record{Conn: testConn, Seq: base, Payload: stream[:B]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	parked, err := netlog.AppendRecord(nil, netlog.Record{Conn: testConn, Seq: base + 3*B, Parked: 1448, Queue: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rest, err := netlog.AppendRecord(nil, netlog.Record{Conn: testConn, Seq: base + B, Payload: stream[B:]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	src := newFakeSource()
+	book := NewBook(BookOptions{})
+	rec := NewRecorder(src, book, nil)
+	defer rec.Close()
+	src.batches <- [][]byte{first, parked, rest}
+	waitFor(t, "every record read", func() bool { return rec.Stats().Records == 3 })
+	if st := rec.Stats(); st.BadRecords != 1 {
+		t.Errorf("stats %+v, want the parked record counted as bad", st)
+	}
+	if st := book.Stats(); st.Resets != 0 {
+		t.Errorf("book stats %+v: the parked record restarted the flow", st)
+	}
+	equalPieces(t, received(t, book, testConn, base), piecesOf(base, stream))
+}
