@@ -2,7 +2,9 @@ package ship
 
 import (
 	"context"
+	"errors"
 	"io"
+	"os"
 	"sync"
 	"time"
 )
@@ -25,6 +27,10 @@ type guard struct {
 	cancelled bool
 	allowance time.Duration // extra wait while the peer does heavy work
 	stop      func() bool
+	// until, if set, bounds every read however steadily the peer trickles (limit): a receive ends by
+	// then. Writes are not bounded by it, so that a refusal still reaches the peer.
+	until    time.Time
+	untilErr error // what a read past until returns
 }
 
 func newGuard(ctx context.Context, rw io.ReadWriter, idle time.Duration) *guard {
@@ -56,6 +62,40 @@ func (g *guard) arm() {
 	defer g.mu.Unlock()
 	if !g.cancelled {
 		g.d.SetDeadline(time.Now().Add(g.idle + g.allowance))
+	}
+}
+
+// limit bounds every read from now on to end by until (the zero time: no bound); a read past it fails
+// with err.
+func (g *guard) limit(until time.Time, err error) {
+	g.mu.Lock()
+	g.until, g.untilErr = until, err
+	g.mu.Unlock()
+}
+
+// expired is the error of limit once its time has passed, or nil.
+func (g *guard) expired() error {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if !g.until.IsZero() && !time.Now().Before(g.until) {
+		return g.untilErr
+	}
+	return nil
+}
+
+// armRead is arm for a read: the deadline is also no later than until.
+func (g *guard) armRead() {
+	if g.d == nil {
+		return
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if !g.cancelled {
+		d := time.Now().Add(g.idle + g.allowance)
+		if !g.until.IsZero() && g.until.Before(d) {
+			d = g.until
+		}
+		g.d.SetDeadline(d)
 	}
 }
 
@@ -100,13 +140,23 @@ func (a *armedWriter) Write(p []byte) (int, error) {
 	return n, err
 }
 
-// armedReader re-arms the deadline before every read.
+// armedReader re-arms the deadline before every read, and fails every read once the guard's limit has
+// passed (also on a connection without deadlines, as soon as the peer sends anything).
 type armedReader struct {
 	r io.Reader
 	g *guard
 }
 
 func (a *armedReader) Read(p []byte) (int, error) {
-	a.g.arm()
-	return a.r.Read(p)
+	if err := a.g.expired(); err != nil {
+		return 0, err
+	}
+	a.g.armRead()
+	n, err := a.r.Read(p)
+	if err != nil && errors.Is(err, os.ErrDeadlineExceeded) {
+		if lerr := a.g.expired(); lerr != nil {
+			return n, lerr
+		}
+	}
+	return n, err
 }

@@ -130,6 +130,10 @@ type frameReader struct {
 	r   io.Reader
 	buf []byte // reused for small and DATA payloads
 	n   int64  // bytes consumed, for throughput accounting
+	// max, if not 0, bounds n (a receive's wire budget): a frame that would take the stream past it fails
+	// with maxErr, so frames that carry nothing (empty DATA) cannot go on without end.
+	max    int64
+	maxErr error
 }
 
 func newFrameReader(r io.Reader) *frameReader {
@@ -154,6 +158,9 @@ func (fr *frameReader) next() (frameType, []byte, error) {
 	}
 	if int64(n) > int64(limit) {
 		return 0, nil, protoErr("%v frame of %d bytes exceeds the %d limit", t, n, limit)
+	}
+	if fr.max > 0 && fr.n+int64(n) > fr.max {
+		return 0, nil, fr.maxErr
 	}
 	if t == frameManifest {
 		// Grow with the data actually received, not the claimed length.

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"os"
 	"path"
 	"slices"
@@ -20,6 +21,14 @@ import (
 
 // DefaultMaxSnapshotBytes bounds the uncompressed size of one received snapshot.
 const DefaultMaxSnapshotBytes int64 = 256 << 30
+
+// DefaultPerMiB is how long a receive may take per MiB of the snapshot beyond its idle timeout: the
+// slowest link allowed for carries 1 MiB/s (as clusterapi.DefaultPerMiB).
+const DefaultPerMiB = time.Second
+
+// ErrTransferLimit marks a transfer refused for taking longer, or more bytes on the wire, than an honest
+// sender of its snapshot can.
+var ErrTransferLimit = errors.New("snapshot transfer over its limit")
 
 // ReceiveOptions configure Receive.
 type ReceiveOptions struct {
@@ -41,6 +50,12 @@ type ReceiveOptions struct {
 	// IdleTimeout bounds waiting for the sender (connections with deadlines
 	// only); 0 means DefaultIdleTimeout.
 	IdleTimeout time.Duration
+	// PerMiB bounds the whole transfer, from its MANIFEST on, to the idle timeout plus PerMiB per MiB of the
+	// snapshot (twice: a refused diff and its resend in full; plus the sender's hashing of a base), and its
+	// bytes on the wire to what the snapshot can take: a sender that trickles just inside the idle timeout,
+	// or sends frames that carry nothing, is refused instead of holding the pending copy, its lock and a
+	// goroutine without end. 0 means DefaultPerMiB.
+	PerMiB time.Duration
 	// NoDelta offers no base snapshot, so every file comes whole.
 	NoDelta bool
 	// ShareBlocks has a file rebuilt from a base share the blocks the diff takes from the base instead of
@@ -95,6 +110,9 @@ func Receive(ctx context.Context, conn io.ReadWriter, store *ckpt.Store, opts Re
 	if opts.MaxSnapshotBytes <= 0 {
 		opts.MaxSnapshotBytes = DefaultMaxSnapshotBytes
 	}
+	if opts.PerMiB <= 0 {
+		opts.PerMiB = DefaultPerMiB
+	}
 	g := newGuard(ctx, conn, opts.IdleTimeout)
 	defer g.release()
 	fr := newFrameReader(&armedReader{r: conn, g: g})
@@ -123,6 +141,10 @@ func Receive(ctx context.Context, conn io.ReadWriter, store *ckpt.Store, opts Re
 		reply(frameNack, reason(err))
 		return nil, fmt.Errorf("receive snapshot: %w", err)
 	}
+	// The transfer has begun: the manifest may take as long as one of the largest (run then bounds the
+	// rest by the manifest's size).
+	d := transferTime(ckpt.MaxManifestBytes, g.idle, opts.PerMiB, false)
+	g.limit(time.Now().Add(d), fmt.Errorf("%w: no manifest within %v of HELLO: the sender stalls or trickles; check its link and agent", ErrTransferLimit, d))
 
 	rc := &receiver{ctx: ctx, fr: fr, g: g, store: store, opts: opts, log: log, version: version}
 	res, err := rc.run(reply)
@@ -223,6 +245,7 @@ func (rc *receiver) run(reply func(frameType, []byte) error) (*Received, error) 
 	if rc.version >= 2 && !rc.opts.NoDelta {
 		offers = rc.offers(m)
 	}
+	rc.bound(m, len(offers) > 0)
 	res := &Received{}
 	for attempt := 0; ; attempt++ {
 		n, err := rc.attempt(m, offers, reply)
@@ -270,6 +293,47 @@ func (rc *receiver) run(reply func(frameType, []byte) error) (*Received, error) 
 	}
 	res.Manifest, res.CopiedBytes, res.BaseID, res.SharedBytes = got, rc.copied, rc.baseID, rc.shared
 	return res, nil
+}
+
+// bound limits the rest of the transfer of m, from now on, to the time (transferTime) and the bytes on the
+// wire (wireBudget) an honest sender of m can take; delta says a diff may come.
+func (rc *receiver) bound(m *ckpt.Manifest, delta bool) {
+	total := m.TotalSize()
+	d := transferTime(total, rc.g.idle, rc.opts.PerMiB, delta)
+	rc.g.limit(time.Now().Add(d), fmt.Errorf("%w: snapshot %s/%s of %d bytes not received within %v (%v per MiB after an idle timeout of %v): the sender stalls or trickles; check its link and agent",
+		ErrTransferLimit, m.Job, m.ID, total, d, rc.opts.PerMiB, rc.g.idle))
+	w := wireBudget(m)
+	rc.fr.max = rc.fr.n + w
+	rc.fr.maxErr = fmt.Errorf("%w: the sender of snapshot %s/%s of %d bytes sent more than the %d bytes it can take on the wire (frames that carry nothing?)",
+		ErrTransferLimit, m.Job, m.ID, total, w)
+}
+
+// transferTime is how long a transfer of a snapshot of size bytes may take: the idle timeout, plus size at
+// perMiB per MiB twice (a refused diff and its resend in full), plus, if delta, the sender's hashing of a
+// base first (hashAllowance).
+func transferTime(size int64, idle, perMiB time.Duration, delta bool) time.Duration {
+	const most = time.Duration(math.MaxInt64 / 4) // decades: no bound
+	mib := size>>20 + 1
+	if mib > int64(most/(2*perMiB)) {
+		return most
+	}
+	d := idle + time.Duration(2*mib)*perMiB
+	if delta {
+		d += hashAllowance(size)
+	}
+	return d
+}
+
+// wireBudget is the most an honest sender of m sends after its MANIFEST: every file compressed (which
+// grows incompressible data by well under half, with the framing of S2, LZ4 and diffs) with its FILE,
+// DATA and END frames, twice (a refused diff and its resend in full).
+func wireBudget(m *ckpt.Manifest) int64 {
+	total := m.TotalSize()
+	if total > math.MaxInt64/8 {
+		return math.MaxInt64
+	}
+	perFile := int64(2*headerLen + maxPayload(frameFile) + 1<<10)
+	return 2 * (total + total/2 + int64(len(m.Files))*perFile + 1<<20)
 }
 
 // offers lists the committed snapshots of the same job taken on the same

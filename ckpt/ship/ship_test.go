@@ -1106,3 +1106,104 @@ func TestShipKeepsHoles(t *testing.T) {
 		t.Errorf("the copy does not verify: %v", err)
 	}
 }
+
+// TestReceiveBoundsTransfer: a sender that keeps a transfer open without making progress, with frames
+// that carry nothing or by trickling a byte at a time just inside the idle timeout, is refused once past
+// what its snapshot can take (in bytes on the wire, or in time), with a NACK, and nothing of it stays.
+// Before, it held the pending copy, its lock and the receiving goroutine for as long as it went on.
+func TestReceiveBoundsTransfer(t *testing.T) {
+	m, _ := hostileManifest(t)
+	mb, err := m.Encode()
+	if err != nil {
+		t.Fatal(err)
+	}
+	opening := slices.Concat(frame(frameHello, helloV1()), frame(frameManifest, mb), frame(frameFile, filePayload("a.img", 17)))
+	empty := frame(frameData, nil)
+	tests := []struct {
+		name  string
+		chunk []byte        // what the sender writes again and again after the opening
+		every time.Duration // between two chunks
+		most  int64         // the sender gives up after this many bytes
+		opts  ReceiveOptions
+		want  string
+	}{
+		// As fast as it goes, with time to spare: the bytes on the wire refuse it.
+		{"empty DATA frames", bytes.Repeat(empty, 1000), 0, 16 << 20, ReceiveOptions{IdleTimeout: time.Second, PerMiB: time.Hour}, "on the wire"},
+		// One byte of an empty DATA frame every 20 ms, ten times as often as the idle timeout wants, for up
+		// to 4 s: the snapshot (10 KB) may take 220 ms.
+		{"trickle inside the idle timeout", empty[:1], 20 * time.Millisecond, 200,
+			ReceiveOptions{IdleTimeout: 200 * time.Millisecond, PerMiB: 10 * time.Millisecond}, "not received within"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			prot := openStore(t, "prot")
+			c1, c2 := net.Pipe()
+			nacked := make(chan struct{}) // closed once the sender has read what the receiver answers
+			var nack string
+			go func() {
+				defer close(nacked)
+				fr := newFrameReader(c1)
+				for {
+					typ, p, err := fr.next()
+					if err != nil {
+						return
+					}
+					if typ == frameNack {
+						nack = string(p)
+						return
+					}
+				}
+			}()
+			sent := make(chan int64, 1)
+			go func() {
+				defer c1.Close()
+				var n int64
+				if _, err := c1.Write(opening); err != nil {
+					sent <- n
+					return
+				}
+				tick := time.NewTicker(max(tc.every, time.Millisecond))
+				defer tick.Stop()
+				for i := 0; n < tc.most; i++ {
+					select {
+					case <-nacked:
+						sent <- n
+						return
+					default:
+					}
+					if tc.every > 0 {
+						<-tick.C
+					}
+					// The trickle sends the bytes of empty DATA frames one at a time.
+					b := tc.chunk
+					if len(b) == 1 {
+						b = empty[i%len(empty) : i%len(empty)+1]
+					}
+					k, err := c1.Write(b)
+					n += int64(k)
+					if err != nil {
+						break
+					}
+				}
+				sent <- n
+			}()
+			_, err := Receive(context.Background(), c2, prot, tc.opts)
+			c2.Close()
+			n := <-sent
+			if !errors.Is(err, ErrTransferLimit) || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("Receive = %v (after the sender sent %d bytes), want a refusal containing %q", err, n, tc.want)
+			}
+			if n >= tc.most {
+				t.Errorf("refused only once the sender gave up, after %d bytes", n)
+			}
+			<-nacked
+			if !strings.Contains(nack, tc.want) {
+				t.Errorf("the sender got NACK %q, want the reason", nack)
+			}
+			if ids, _ := prot.List("job", ""); len(ids) != 0 {
+				t.Errorf("snapshot visible after refusal: %v", ids)
+			}
+			noLeftovers(t, prot, "job")
+		})
+	}
+}
