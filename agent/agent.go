@@ -75,6 +75,8 @@ type Agent struct {
 	outputSpace outputs.Space
 	// lingering are the networks of ended jobs that outlive them (releaseEnded).
 	lingering lingerNets
+	// restoring names, by job id, the restore of the job under way on this host (lockRestore).
+	restoring map[string]string
 
 	ckptMu sync.Mutex // one checkpoint (or host-wide freeze) at a time
 

@@ -278,7 +278,9 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 	if req.Migration {
 		fenced = "" // the jobs' node is alive: it froze them and moves them
 	}
-	return recovery.Run(ctx, req, a.recoveryDeps(track, recovery.HostNetwork{Iface: iface, Bits: own.Bits(), Routes: a.routeEdits}, fenced), func(s recovery.Stage) {
+	deps := a.recoveryDeps(track, recovery.HostNetwork{Iface: iface, Bits: own.Bits(), Routes: a.routeEdits}, fenced)
+	defer deps.Jobs.(*recoveryActions).endRestores() // the jobs it claimed are restored, or undone
+	return recovery.Run(ctx, req, deps, func(s recovery.Stage) {
 		emit(Stage{Name: s.Name, Job: s.Job, Host: a.cfg.Name, Start: s.Start, End: s.End, Detail: s.Detail, Error: errString(s.Err)})
 	})
 }

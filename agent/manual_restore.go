@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io/fs"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
@@ -25,6 +26,9 @@ type RestoreRequest struct {
 // ErrCorruptSnapshot means the snapshot failed verification; the error names the file and the next older
 // snapshot that verifies.
 var ErrCorruptSnapshot = errors.New("snapshot failed verification")
+
+// ErrRestoreUnderWay means another restore of the job runs on this host: one at a time (lockRestore).
+var ErrRestoreUnderWay = errors.New("a restore of the job is under way on this host")
 
 // ErrJobAlive means the job still runs on its node, so restoring it would run it twice.
 var ErrJobAlive = errors.New("job still running")
@@ -93,6 +97,11 @@ func (a *Agent) Restore(ctx context.Context, req RestoreRequest, uid uint32) (*J
 // under it on this host; prepare, if set, runs on the images' working copy before the restore. The claim
 // is given back if nothing ran.
 func (a *Agent) claimAndRestore(ctx context.Context, kind string, m *ckpt.Manifest, j Job, force bool, prepare func(work string) error) (*Job, error) {
+	unlock, err := a.lockRestore(j.ID, kind)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
 	holder := newHolder(kind)
 	n, err := a.claimForRestore(ctx, j, m, holder, force)
 	if err != nil {
@@ -177,4 +186,34 @@ func (a *Agent) refuseIfAlive(ctx context.Context, j Job) error {
 		return fmt.Errorf("%w: job %s still runs on %s, which answers; stop it first, or force", ErrJobAlive, j.ID, j.Node)
 	}
 	return nil
+}
+
+// lockRestore reserves job id for one restore on this host (what names it), until unlock; a second, or one of
+// a job that runs here already, is refused before it claims anything. Two at once (a forced restore beside a fail-over, a recovery request repeated
+// while the first still restores: its claim under the same holder succeeds again) both pass the incarnation
+// claim and the "already runs" check, which sees the job only once restored, and the loser's cleanup goes by
+// the job's id and its cgroup's, network's and guard's names, the winner's too: it would remove the cgroup
+// the winner's CRIU restores into, stop its log protection and receive-order watch, delete its network and
+// guard, and give back the incarnation the winner holds under the shared holder.
+func (a *Agent) lockRestore(id, what string) (unlock func(), err error) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if other, ok := a.restoring[id]; ok {
+		return nil, fmt.Errorf("%w: job %s is being restored on %s already (%s); refused, nothing touched: wait for that restore to end (`ftctl events`, `ftctl jobs`)",
+			ErrRestoreUnderWay, id, a.cfg.Name, other)
+	}
+	// restoreJob refuses it too, but only after the claim: a recovery's failed restore then deletes the
+	// running copy's network and guard, and a forced restore's claim stays held by a copy that never runs.
+	if cur := a.byID[id]; cur != nil && cur.State == JobRunning {
+		return nil, fmt.Errorf("%w: job %s runs on %s already (pid %d): not restored beside it", ErrJobAlive, id, a.cfg.Name, cur.PID)
+	}
+	if a.restoring == nil {
+		a.restoring = map[string]string{}
+	}
+	a.restoring[id] = what
+	return sync.OnceFunc(func() {
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		delete(a.restoring, id)
+	}), nil
 }

@@ -32,6 +32,37 @@ type recoveryActions struct {
 	// fenced is the failed node this recovery restores the jobs of: its coordinator made sure it was off
 	// before it asked for the recovery, so an incarnation claimed by a restore there runs nowhere.
 	fenced string
+	// unlocks end this recovery's hold on the jobs it claims (lockRestore), once it has ended (endRestores).
+	unlocks map[string]func()
+}
+
+// lockRestore holds job id for this recovery (Agent.lockRestore), once per job.
+func (r *recoveryActions) lockRestore(id string) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if _, ok := r.unlocks[id]; ok {
+		return nil
+	}
+	unlock, err := r.a.lockRestore(id, "a recovery")
+	if err != nil {
+		return err
+	}
+	if r.unlocks == nil {
+		r.unlocks = map[string]func(){}
+	}
+	r.unlocks[id] = unlock
+	return nil
+}
+
+// endRestores lets the jobs this recovery held be restored here again: call it once recovery.Run has
+// returned, what a failed restore undoes (its guard, its network, its claim) undone.
+func (r *recoveryActions) endRestores() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for id, unlock := range r.unlocks {
+		unlock()
+		delete(r.unlocks, id)
+	}
 }
 
 func (r *recoveryActions) record(j *recovery.Job) Job {
@@ -154,6 +185,11 @@ func (r *recoveryActions) FinSentAt(flow tcpflow.Tuple) (uint32, bool) {
 // short by the node's failure (a spare that died while restoring a failed node's jobs), and its
 // coordinator, which asks for this recovery, took the jobs over.
 func (r *recoveryActions) Claim(ctx context.Context, j *recovery.Job, n uint64) (uint64, error) {
+	// Before the claim, which a repeated request of the same failure wins again under the same holder: its
+	// failed restore would then give back the claim, and take down the guard and network, of the first.
+	if err := r.lockRestore(j.ID); err != nil {
+		return n, err
+	}
 	err := r.a.claimIncarnation(ctx, j.ID, n, j.Holder, j.Manifest.Node)
 	var refused *grant.RefusedError
 	// Every refusal must be such a restore's: one member's grant to a copy on an alive host (that missed the

@@ -260,7 +260,7 @@ func Handler(a Backend, lim Limits) http.Handler {
 		switch {
 		case errors.Is(err, agent.ErrNoJob) || errors.Is(err, ckpt.ErrNotFound):
 			writeError(w, http.StatusNotFound, err)
-		case errors.Is(err, agent.ErrCorruptSnapshot) || errors.Is(err, agent.ErrJobAlive):
+		case errors.Is(err, agent.ErrCorruptSnapshot) || errors.Is(err, agent.ErrJobAlive) || errors.Is(err, agent.ErrRestoreUnderWay):
 			writeError(w, http.StatusConflict, err)
 		case err != nil:
 			writeError(w, http.StatusInternalServerError, err)
