@@ -169,14 +169,20 @@ func (l *Log) WriteRange(ctx context.Context, w io.Writer, conn tcpflow.Tuple, f
 // Trim drops the bytes conn sent before wire sequence seq (the receiver's snapshot inq_seq)
 // and returns the absolute trim point.
 func (l *Log) Trim(conn tcpflow.Tuple, seq uint32) (uint64, error) {
-	st, err := l.lookup(conn)
-	if err != nil {
-		return 0, err
-	}
+	k := key(conn)
+	// The log's lock is held until the store is trimmed (lock order Log then Store, as in RemoveIdle): a
+	// Hold granted between reading the holds and trimming was trimmed past, its bytes still there when
+	// the holder took it, and the check it was taken for then found them gone.
 	l.mu.RLock()
-	held, ok := l.heldFrom(key(conn))
-	l.mu.RUnlock()
-	if ok && seqAfter(seq, held) {
+	defer l.mu.RUnlock()
+	if l.closed {
+		return 0, ErrClosed
+	}
+	st := l.stores[k]
+	if st == nil {
+		return 0, fmt.Errorf("netlog %v: %w", conn, ErrUnknownConn)
+	}
+	if held, ok := l.heldFrom(k); ok && seqAfter(seq, held) {
 		seq = held
 	}
 	return st.Trim(seq)

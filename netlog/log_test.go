@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net/netip"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -291,6 +292,63 @@ func TestLogConcurrent(t *testing.T) {
 	}
 	if st := l.Stats(); st.RetainedBytes != 0 || st.RAMBytes != 0 || st.CompressedBytes != 0 || st.SpilledBytes != 0 {
 		t.Fatalf("after removing everything: %+v", st)
+	}
+}
+
+// TestLogHoldDuringTrim: a Hold granted while a Trim is under way is either seen by it or taken after it
+// (the holder then finds the bytes gone at once). Before, Trim read the holds, let go of the log's lock and
+// only then trimmed the store: a Hold granted in between, with its bytes still there, was trimmed past, and
+// the recovery's later check of the re-sent bytes found them trimmed and refused a good recovery. The test
+// stops the Trim at the store's lock (held for reading) and takes the Hold there if the log lets it.
+func TestLogHoldDuringTrim(t *testing.T) {
+	l := newTestLog(t, Options{SlabSize: 1024})
+	c := testConn(1)
+	const base, hold, trimTo = 100, 1000, 2500
+	if err := l.Append(decoded(t, c, base, testStream(1, 4000))); err != nil {
+		t.Fatal(err)
+	}
+	first, _ := l.Unwrap(c, base)
+	st, err := l.Store(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st.mu.RLock()
+	trimmed := make(chan error, 1)
+	go func() {
+		_, err := l.Trim(c, base+trimTo)
+		trimmed <- err
+	}()
+	// Wait for the Trim to wait for the store's lock: a writer waiting makes TryRLock fail.
+	for st.mu.TryRLock() {
+		st.mu.RUnlock()
+		runtime.Gosched()
+	}
+	var release func()
+	heldFirst := l.mu.TryLock() // the Trim holds the log's lock no more: a Hold would be granted now
+	if heldFirst {
+		l.mu.Unlock()
+		release = l.Hold(c, base+hold)
+		if st.floor > first+hold {
+			t.Fatalf("the store was trimmed to offset %d before the Trim was let go", st.floor-first)
+		}
+	}
+	st.mu.RUnlock()
+	if err := <-trimmed; err != nil {
+		t.Fatal(err)
+	}
+	if !heldFirst {
+		release = l.Hold(c, base+hold) // after the Trim: the holder finds the bytes gone, and knows
+	}
+	defer release()
+	b, err := l.Bounds(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if heldFirst && b.Floor > first+hold {
+		t.Errorf("a Hold at offset %d, granted with its bytes still logged, was trimmed past: the trim point is offset %d", hold, b.Floor-first)
+	}
+	if !heldFirst && b.Floor != first+trimTo {
+		t.Errorf("trimmed to offset %d, want %d", b.Floor-first, trimTo)
 	}
 }
 
