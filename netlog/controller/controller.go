@@ -75,6 +75,9 @@ type State struct {
 	Memory       int64 // bytes of RAM the log holds
 	Destinations []Destination
 	CanSpill     bool // a spill directory with room is configured
+	// Paused says the log's consumer holds back at the cap (capture.Counters.ConsumerPaused). It stops one
+	// append's worst case short of Cap, so Memory alone never reaches Cap while the jobs' segments wait.
+	Paused bool
 }
 
 // Action is what the agent must do now.
@@ -145,16 +148,17 @@ func (c *Controller) Step(s State) (Action, []Event) {
 
 	// Pause at the cap, resume once back under the high watermark (hysteresis avoids flapping).
 	switch {
-	case !c.paused && s.Memory >= c.cfg.Cap:
+	case !c.paused && (s.Memory >= c.cfg.Cap || s.Paused):
 		c.paused = true
 		emit(EventPause, "", 0)
-	case c.paused && s.Memory < high:
+	case c.paused && !s.Paused && s.Memory < high:
 		c.paused = false
 		emit(EventResume, "", 0)
 	}
 	a.Pause = c.paused
 
-	if s.Memory < high {
+	// A paused consumer is pressure whatever the watermarks: with High near 1 it pauses below High.
+	if s.Memory < high && !s.Paused {
 		c.highSince = time.Time{}
 		if !c.pressureSince.IsZero() && s.Memory <= low {
 			c.pressureSince = time.Time{}
@@ -173,7 +177,7 @@ func (c *Controller) Step(s State) (Action, []Event) {
 	// Ask the nodes holding the oldest bytes to snapshot, until what they hold covers the excess over Low.
 	dests := append([]Destination(nil), s.Destinations...)
 	sort.SliceStable(dests, func(i, j int) bool { return dests[i].Oldest.Before(dests[j].Oldest) })
-	need := s.Memory - low
+	need := max(s.Memory-low, 1) // paused below Low: ask for the oldest bytes all the same
 	var covered int64
 	cooldown := c.cfg.Cooldown
 	if c.paused {
@@ -193,7 +197,7 @@ func (c *Controller) Step(s State) (Action, []Event) {
 	}
 
 	// Still high after the grace period: spill down to Low.
-	if s.CanSpill && s.Now.Sub(c.highSince) >= c.cfg.SpillGrace {
+	if s.CanSpill && s.Now.Sub(c.highSince) >= c.cfg.SpillGrace && s.Memory > low {
 		a.SpillBytes = s.Memory - low
 		emit(EventSpill, "", a.SpillBytes)
 	}

@@ -960,3 +960,56 @@ func TestOrphanKeptAfterItsReceiverFails(t *testing.T) {
 		t.Errorf("%s after its receiver failed, the log retains %d bytes of an orphaned flow", release.OrphanKeep+time.Minute, st.RetainedBytes)
 	}
 }
+
+// TestPausedConsumerIsAtCap: the capture's consumer pauses one append's worst case (two slabs and a
+// segment) short of the cap, so the log's memory never reaches the cap while the jobs' segments are held
+// back. The controller must take the consumer's pause for the cap: repeat an unanswered snapshot request
+// after PausedRetry (2 s), not the 30 s cooldown (TCP gives up on held-back connections within seconds),
+// and ask even if the memory is below the high watermark (log.high = 1, allowed, is above where the
+// consumer stops). Before, it saw a log below its cap, never paused, asked again only after 30 s, and with
+// a high watermark above the pause point never asked at all: the jobs stayed held back until the next
+// scheduled snapshots.
+func TestPausedConsumerIsAtCap(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		high float64
+		// requests wanted: above the high watermark, consumer running; then 2.5 s later, consumer paused
+		first, then int
+	}{
+		{"above high: retried after PausedRetry", 0.8, 1, 2},
+		{"high watermark at the cap: asked when the consumer pauses", 1, 0, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			m := &fakeMembers{owner: "n2"}
+			n, src, _ := newTestNode(t, 300_000, m)
+			live := n.Log().Stats().LiveBytes()
+			var err error
+			// The memory sits where the consumer stops, short of the cap.
+			if n.ctl, err = controller.New(controller.Config{Cap: live + live/8, High: tc.high, Low: 0.5}); err != nil {
+				t.Fatal(err)
+			}
+			requests := func() (asked int, paused bool) {
+				for _, e := range n.Status().Events {
+					switch e.Kind {
+					case controller.EventRequest:
+						asked++
+					case controller.EventPause:
+						paused = true
+					}
+				}
+				return asked, paused
+			}
+			t0 := time.Now()
+			n.step(context.Background(), t0)
+			if asked, _ := requests(); asked != tc.first {
+				t.Fatalf("consumer running, memory %d of %d: %d snapshot requests, want %d", live, n.CapBytes(), asked, tc.first)
+			}
+			src.counters.ConsumerPaused = true // the consumer holds back at the cap
+			n.step(context.Background(), t0.Add(2500*time.Millisecond))
+			if asked, paused := requests(); asked != tc.then || !paused {
+				t.Errorf("consumer paused at the cap, memory %d of %d: %d snapshot requests (want %d), controller paused %v (want true)",
+					live, n.CapBytes(), asked, tc.then, paused)
+			}
+		})
+	}
+}

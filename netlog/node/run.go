@@ -40,6 +40,9 @@ func (n *Node) step(ctx context.Context, now time.Time) {
 			bytesBy[node] += st.MemoryBytes()
 		}
 	}
+	// The consumer's pause is the cap: it stops short of it by one append's worst case.
+	cnt, err := n.src.Counters()
+	paused := err == nil && cnt.ConsumerPaused
 	n.mu.Lock()
 	var dests []controller.Destination
 	for node, b := range bytesBy {
@@ -48,7 +51,7 @@ func (n *Node) step(ctx context.Context, now time.Time) {
 		}
 		dests = append(dests, controller.Destination{Node: node, Bytes: b, Oldest: n.seen[node]})
 	}
-	act, events := n.ctl.Step(controller.State{Now: now, Memory: l.Stats().LiveBytes(), Destinations: dests, CanSpill: n.cfg.CanSpill})
+	act, events := n.ctl.Step(controller.State{Now: now, Memory: l.Stats().LiveBytes(), Destinations: dests, CanSpill: n.cfg.CanSpill, Paused: paused})
 	n.mu.Unlock()
 	for _, node := range act.RequestSnapshots {
 		go n.RequestSnapshot(ctx, node)
