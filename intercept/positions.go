@@ -266,11 +266,15 @@ func (g *Gate) runPositions(ctx context.Context, events <-chan Event, stops Stop
 					return fmt.Errorf("the restored job's thread %d made a receive call the original did not (%s): %w", e.Thread, e.Det, ErrDiverged)
 				}
 				d := &t.reads[t.read]
+				// Only this thread's calls are matched, in order: one that began before the recorded one
+				// consumed bytes another process of the job read in the original (a socket read by two),
+				// and ending where the recorded one ends does not make it that call.
+				from := e.Conn == d.Conn && e.End-e.Len == d.End-d.Len
 				switch {
-				case e.Conn == d.Conn && e.End == d.End:
+				case from && e.End == d.End:
 					t.read++
 					left--
-				case e.Conn == d.Conn && seqAfter(d.End, e.End) && seqAfter(e.End, d.End-d.Len):
+				case from && seqAfter(d.End, e.End) && seqAfter(e.End, d.End-d.Len):
 					// Part of the bytes: a read woke between two injected segments. The rest follows.
 					d.Len = d.End - e.End
 				default:

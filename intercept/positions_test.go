@@ -330,3 +330,39 @@ func TestGatePositionsDivergence(t *testing.T) {
 		t.Fatalf("a failed replay left a stop armed: %+v", w.armed)
 	}
 }
+
+// TestGatePositionsReadOfAnothersBytes: two processes read one connection (a socket shared across a fork):
+// thread 1 read [0, 10), thread 2 then [10, 20). Restored, thread 2's bytes are in the queue before the job
+// runs, and so are thread 1's before them: thread 2 read all 20. Its call ended where the recorded one did,
+// and was taken for it although it consumed thread 1's bytes too; thread 2 ran on with them, and the replay
+// failed only at its timeout, thread 1 waiting for bytes no longer there.
+func TestGatePositionsReadOfAnothersBytes(t *testing.T) {
+	sources := map[tcpflow.Tuple]Source{connA: {Seq: 0, Data: make([]byte, 20)}}
+	w := newPollWorld(map[tcpflow.Tuple]uint32{})
+	for _, tc := range []struct {
+		name string
+		e    Det
+	}{
+		{"all at once", Det{Conn: connA, End: 20, Len: 20, Thread: 2, Proc: 2}},
+		{"a part", Det{Conn: connA, End: 15, Len: 15, Thread: 2, Proc: 2}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g, err := NewGate([]Det{{Conn: connA, End: 10, Len: 10, Thread: 1, Proc: 1, Pos: 3}, {Conn: connA, End: 20, Len: 10, Thread: 2, Proc: 2, Pos: 0}}, sources)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := g.UsePositions(nil); err != nil {
+				t.Fatal(err)
+			}
+			if err := g.ArmFirst(w); err != nil {
+				t.Fatal(err)
+			}
+			events := make(chan Event, 1)
+			events <- Event{Det: tc.e, Pid: 2002}
+			close(events)
+			if _, err := g.Run(t.Context(), w, events, w); !errors.Is(err, ErrDiverged) {
+				t.Fatalf("thread 2 consumed [%d, %d), the original [10, 20): err %v, want ErrDiverged", tc.e.End-tc.e.Len, tc.e.End, err)
+			}
+		})
+	}
+}

@@ -443,6 +443,13 @@ func (r *Recorder) take(e ebpfprobes.RecvEvent, now time.Time) (release uint32) 
 		release = e.Pid
 	}
 	if e.Flags&(unix.MSG_PEEK|unix.MSG_ERRQUEUE|unix.MSG_OOB) != 0 {
+		if e.Stopped {
+			// A replay's stop after a call that found nothing is met by such a call at the same copied_seq
+			// too (the recorder does not look at the flags). No determinant, so no stop, is ever one: the
+			// gate waits for the call the stop was armed for, which stops the thread again. Kept stopped,
+			// the thread waited for nobody until the replay timed out and the job was killed.
+			release = e.Pid
+		}
 		return release // consumed nothing of the stream; the read after a peek is the determinant
 	}
 	if !e.PollStop && e.Conn.Validate() != nil {

@@ -277,6 +277,40 @@ func TestTakeDeterminant(t *testing.T) {
 	}
 }
 
+// TestTakeStoppedNonConsumingCall: a stop a replay of receive positions armed after a call that found
+// nothing (Stop.Len 0) is also met by a call that consumes nothing of the stream (MSG_PEEK, MSG_ERRQUEUE,
+// MSG_OOB) at the same copied_seq: the recorder sends the thread SIGSTOP there too (bpf/recvorder.c does
+// not look at the flags). No determinant is ever such a call, so the stop was not the gate's; the event
+// went to no watcher, and the thread stayed stopped until the replay timed out and the job was killed.
+// Its process is released at once; the stop stays armed for the call it was meant for.
+func TestTakeStoppedNonConsumingCall(t *testing.T) {
+	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:5001"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
+	for _, tc := range []struct {
+		name    string
+		e       ebpfprobes.RecvEvent
+		release uint32
+	}{
+		{"peek found nothing, stopped", ebpfprobes.RecvEvent{Cgroup: 7, Conn: conn, CopiedSeq: 10, Flags: unix.MSG_PEEK, Pid: 100, Stopped: true}, 100},
+		{"error queue empty, stopped", ebpfprobes.RecvEvent{Cgroup: 7, Conn: conn, CopiedSeq: 10, Flags: unix.MSG_ERRQUEUE, Pid: 100, Stopped: true}, 100},
+		{"peek, not stopped", ebpfprobes.RecvEvent{Cgroup: 7, Conn: conn, CopiedSeq: 10, Flags: unix.MSG_PEEK, Pid: 100}, 0},
+		{"peek, its stop failed", ebpfprobes.RecvEvent{Cgroup: 7, Conn: conn, CopiedSeq: 10, Flags: unix.MSG_PEEK, Pid: 100, StopErr: unix.ESRCH}, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			a := newTestRecorder()
+			s := &stream{job: "j", cgroup: 7, watchers: map[chan intercept.Event]bool{}}
+			a.byJob["j"], a.byCgroup[7] = s, s
+			w := make(chan intercept.Event, 1)
+			s.watchers[w] = true
+			if got := a.take(tc.e, time.Now()); got != tc.release {
+				t.Fatalf("release %d, want %d (a process stopped where no gate waits stays stopped)", got, tc.release)
+			}
+			if len(s.pending) != 0 || len(w) != 0 {
+				t.Fatalf("%d determinants, %d events to the gate: a call that consumed nothing is neither", len(s.pending), len(w))
+			}
+		})
+	}
+}
+
 func TestRecordPause(t *testing.T) {
 	for _, c := range []struct{ ship, want time.Duration }{
 		{DefaultShipEvery, DefaultShipEvery}, // reads on the shipping grid
