@@ -70,6 +70,9 @@ func Match(parts []Part, want func(Conn) bool) []Mismatch {
 			}
 			// s sends to r: s has written up to OutqSeq, of which the last OutqLen bytes are not acknowledged.
 			una, written, rcvd := s.OutqSeq-s.OutqLen, s.OutqSeq, r.c.InqSeq
+			if s.FinUnacked {
+				una-- // OutqSeq counts the FIN the job queued, OutqLen does not (Conn.FinUnacked)
+			}
 			switch {
 			case int32(rcvd-una) < 0:
 				out = append(out, Mismatch{Job: p.Job, Peer: r.job, Conn: s,

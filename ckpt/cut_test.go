@@ -64,3 +64,32 @@ func TestMatchPrefersOwnLoopback(t *testing.T) {
 		})
 	}
 }
+
+// TestMatchUnackedFIN: a snapshot that caught a socket in FIN_WAIT1 (its FIN and last bytes not acknowledged)
+// and the peer's, which acknowledged nothing more, are one cut: CRIU's OutqSeq counts the FIN, OutqLen does
+// not, and the check took the first unacknowledged byte for one after the peer's receive point (torn).
+func TestMatchUnackedFIN(t *testing.T) {
+	a, b := netip.MustParseAddrPort("10.0.0.2:7000"), netip.MustParseAddrPort("10.0.0.3:41000")
+	tests := []struct {
+		name string
+		rcvd uint32 // the peer's InqSeq
+		torn int
+	}{
+		{"peer received nothing of the last 100 bytes", 4900, 0},
+		{"peer received them, not the FIN", 5000, 0},
+		{"peer received the FIN", 5001, 0},
+		{"peer short of what was acknowledged", 4899, 1},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			parts := []Part{
+				// 100 bytes and the FIN (write_seq 5001) queued, unacknowledged: snd_una is 4900.
+				{Job: "j1", Conns: []Conn{{Tuple: tcpflow.Tuple{Local: a, Remote: b}, InqSeq: 1, OutqSeq: 5001, OutqLen: 100, FinUnacked: true}}},
+				{Job: "j2", Conns: []Conn{{Tuple: tcpflow.Tuple{Local: b, Remote: a}, InqSeq: tc.rcvd, OutqSeq: 1}}},
+			}
+			if ms := Match(parts, nil); len(ms) != tc.torn {
+				t.Fatalf("Match: %+v; want %d torn connections", ms, tc.torn)
+			}
+		})
+	}
+}

@@ -60,6 +60,11 @@ type Conn struct {
 	// Connecting says the socket was still connecting (SYN_SENT) at the dump: InqSeq is no sequence number
 	// of the peer's stream (the kernel's 0), so no receive point or replay may be based on it.
 	Connecting bool `json:"connecting,omitempty"`
+	// FinUnacked says the socket had sent its FIN (queued it, at least) and the peer had not acknowledged it
+	// at the dump (FIN_WAIT1, CLOSING, LAST_ACK): CRIU's OutqSeq (write_seq) then counts the FIN's sequence
+	// number and its OutqLen does not, so the bytes not acknowledged start at OutqSeq-OutqLen-1, not at
+	// OutqSeq-OutqLen. Absent in manifests written before 2026-12.
+	FinUnacked bool `json:"fin_unacked,omitempty"`
 	// SentPrefix is what the job had written before the dump in the 64 KiB receive-digest block holding
 	// OutqSeq (recvdigest): the check of the bytes a restore re-sends begins mid-block with it. Nil if the
 	// sender could not read them: the re-sent bytes of that block are then unverifiable.

@@ -166,6 +166,11 @@ func PlanConn(c ckpt.Conn, p Peer, segBytes int) (ConnPlan, error) {
 
 	// Send side: the peer may hold bytes past the snapshot's write_seq.
 	sndUna := c.OutqSeq - c.OutqLen
+	if c.FinUnacked {
+		// CRIU's outq_seq counts the FIN the program queued, its outq_len does not: the peer may still
+		// stand at the first unacknowledged byte, one before.
+		sndUna--
+	}
 	if seqBefore(l.Ack, sndUna) {
 		return fail("the peer acknowledges up to sequence %d, %d bytes before what the snapshot knows it acknowledged (%d): inconsistent (wrong peer state or wrong snapshot)",
 			l.Ack, sndUna-l.Ack, sndUna)

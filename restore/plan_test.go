@@ -333,3 +333,46 @@ func TestNewPlan(t *testing.T) {
 		}
 	})
 }
+
+// TestPlanConnUnackedFIN: a socket dumped after its program shut its sending side down, the FIN not yet
+// acknowledged (FIN_WAIT1, CLOSING, LAST_ACK: a peer that does not read keeps it and the last bytes
+// queued), has the FIN in CRIU's outq_seq but not in its outq_len, so its snd_una is outq_seq-outq_len-1.
+// A peer that acknowledged nothing since is consistent with it and must be planned, not refused as
+// acknowledging less than the snapshot knows; one that acknowledges less than snd_una is still refused.
+func TestPlanConnUnackedFIN(t *testing.T) {
+	finUnacked := func(c ckpt.Conn) ckpt.Conn { c.FinUnacked = true; return c }
+	tests := []struct {
+		name    string
+		c       ckpt.Conn
+		ack     uint32
+		wantErr string
+	}{
+		// Data 4900..5000 unacknowledged, the FIN at 5000: outq_seq 5001, outq_len 100.
+		{name: "nothing acknowledged since", c: finUnacked(conn(1, 1000, 5001, 100, 2)), ack: 4900},
+		{name: "data acknowledged, not the FIN", c: finUnacked(conn(1, 1000, 5001, 100, 2)), ack: 5000},
+		{name: "FIN acknowledged", c: finUnacked(conn(1, 1000, 5001, 100, 2)), ack: 5001},
+		{name: "only the FIN unacknowledged", c: finUnacked(conn(1, 1000, 5001, 0, 2)), ack: 5000},
+		{name: "across the wrap", c: finUnacked(conn(1, 1000, 50, 100, 2)), ack: math.MaxUint32 - 50},
+		{name: "ack behind snd_una", c: finUnacked(conn(1, 1000, 5001, 100, 2)), ack: 4899,
+			wantErr: "acknowledges up to sequence 4899, 1 bytes before what the snapshot knows it acknowledged (4900)"},
+		{name: "established: the FIN is not in outq_seq", c: conn(1, 1000, 5001, 100, 2), ack: 4900,
+			wantErr: "acknowledges up to sequence 4900, 1 bytes before what the snapshot knows it acknowledged (4901)"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cp, err := PlanConn(tt.c, Peer{Live: live(1000, tt.ack, 10)}, 100)
+			if tt.wantErr != "" {
+				if !errors.Is(err, ErrNotRecoverable) || !strings.Contains(err.Error(), tt.wantErr) {
+					t.Fatalf("error %v, want ErrNotRecoverable containing %q", err, tt.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("peer acknowledging %d refused: %v", tt.ack, err)
+			}
+			if cp.Resend != 0 {
+				t.Errorf("resend %d, want 0: the program had written nothing past its FIN", cp.Resend)
+			}
+		})
+	}
+}

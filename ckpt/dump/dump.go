@@ -135,7 +135,8 @@ func Take(ctx context.Context, store *ckpt.Store, d Dumper, opts Options) (m *ck
 		}
 		info.Conns = append(info.Conns, ckpt.Conn{
 			Tuple: c.Tuple, Inode: uint64(c.Inode), InqSeq: c.InqSeq, InqLen: c.InqLen,
-			OutqSeq: c.OutqSeq, OutqLen: c.OutqLen, Timestamp: c.Timestamp, Connecting: c.Connecting(), SentPrefix: prefix,
+			OutqSeq: c.OutqSeq, OutqLen: c.OutqLen, Timestamp: c.Timestamp, Connecting: c.Connecting(), FinUnacked: c.FinUnacked(),
+			SentPrefix: prefix,
 		})
 	}
 	if err := refuseUnsized(opts.Job, files); err != nil {

@@ -53,6 +53,13 @@ type TCPConn struct {
 // sequence number of the peer's stream.
 func (c TCPConn) Connecting() bool { return c.State == tcpSynSent }
 
+// FinUnacked says the socket had sent (or queued) its FIN and the peer had not acknowledged it when it was
+// dumped (FIN_WAIT1, CLOSING, LAST_ACK). CRIU (libsoccr) leaves the FIN in OutqSeq, the kernel's write_seq,
+// but takes it out of OutqLen: the socket's snd_una is OutqSeq-OutqLen-1.
+func (c TCPConn) FinUnacked() bool {
+	return c.State == tcpFinWait1 || c.State == tcpClosing || c.State == tcpLastAck
+}
+
 // TCPConnections lists every connected TCP socket in the dump at dir (those
 // CRIU wrote a tcp-stream image for; filter on State for ESTABLISHED only),
 // sorted by inode. An established socket without its tcp-stream image is an

@@ -22,6 +22,8 @@ const (
 	tcpSynSent    = 2
 	tcpFinWait1   = 4
 	tcpFinWait2   = 5
+	tcpLastAck    = 9
+	tcpClosing    = 11
 	sockStreamTyp = 1
 )
 

@@ -618,3 +618,17 @@ func TestConnecting(t *testing.T) {
 		}
 	}
 }
+
+// TestFinUnacked: a socket dumped with its FIN sent but not acknowledged (FIN_WAIT1, CLOSING, LAST_ACK)
+// says so: CRIU's outq_seq counts that FIN and its outq_len does not.
+func TestFinUnacked(t *testing.T) {
+	for _, tc := range []struct {
+		state uint32
+		want  bool
+	}{{tcpEstablish, false}, {tcpSynSent, false}, {tcpFinWait1, true}, {tcpFinWait2, false}, {8 /* CLOSE_WAIT */, false}, {tcpLastAck, true}, {tcpClosing, true}} {
+		dir := synthDump(t, baseStream(1000, 0, 0), tc.state, nil, nil)
+		if got := onlyConn(t, dir).FinUnacked(); got != tc.want {
+			t.Errorf("state %d: FinUnacked() = %v, want %v", tc.state, got, tc.want)
+		}
+	}
+}
