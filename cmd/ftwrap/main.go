@@ -111,10 +111,19 @@ func wrap(ctx context.Context, log *slog.Logger, c *agentapi.Client, spec agent.
 	st, err := waitExit(ctx, log, c, job, sigs)
 	// Let the followers copy what the job wrote before it exited, then stop them.
 	stop()
-	<-outDone
-	<-errDone
+	outErr, errErr := <-outDone, <-errDone
 	if err != nil {
 		return err
+	}
+	if lost := errors.Join(outErr, errErr); lost != nil {
+		// Output that could not be written (a full disk, a quota) is not the job's output: a script must not
+		// take ftwrap's success for it. The job's status, if it failed, still says so first.
+		code := st.Code
+		if code == 0 {
+			code = cli.ExitFailure
+		}
+		return cli.WithCode(code, fmt.Errorf("job %s exited with status %d%s, but its output was not all copied: %w; the whole output is in %s and %s",
+			job.ID, st.Code, sigSuffix(st), lost, job.StdoutPath(), job.StderrPath()))
 	}
 	if st.Reason != "" { // ftkit killed it, and says why
 		return cli.WithCode(st.Code, fmt.Errorf("job %s exited with status %d%s: %s", job.ID, st.Code, sigSuffix(st), st.Reason))
@@ -148,9 +157,7 @@ func waitExit(ctx context.Context, log *slog.Logger, c *agentapi.Client, job age
 			var local agent.Job
 			var localErr error
 			if st.Node == job.Node || st.Incarnation != nil {
-				actx, cancel := context.WithTimeout(ctx, 5*time.Second)
-				local, localErr = c.Job(actx, job.ID)
-				cancel()
+				local, localErr = askJob(ctx, c, job.ID)
 			}
 			switch recordIs(st, job, local, localErr) {
 			case recordEnd:
@@ -178,7 +185,10 @@ func waitExit(ctx context.Context, log *slog.Logger, c *agentapi.Client, job age
 			if signals > 1 {
 				sig = syscall.SIGKILL
 			}
-			if err := c.Signal(ctx, job.ID, sig); err != nil {
+			actx, cancel := context.WithTimeout(ctx, agentTimeout)
+			err := c.Signal(actx, job.ID, sig)
+			cancel()
+			if err != nil {
 				log.Warn("could not signal the job", "job", job.ID, "err", err)
 			}
 		case <-tick.C:
@@ -187,7 +197,7 @@ func waitExit(ctx context.Context, log *slog.Logger, c *agentapi.Client, job age
 			continue
 		}
 		lastPoll = time.Now()
-		j, err := c.Job(ctx, job.ID)
+		j, err := askJob(ctx, c, job.ID)
 		switch {
 		case err != nil && !agentDown:
 			agentDown = true
@@ -206,6 +216,19 @@ func waitExit(ctx context.Context, log *slog.Logger, c *agentapi.Client, job age
 			agentDown = false
 		}
 	}
+}
+
+// agentTimeout bounds each request of waitExit to the local agent. An agent that takes the request and
+// never answers (stopped, deadlocked, its host failing while the job is restored elsewhere) must not hold
+// ftwrap away from the job's exit record, which the job's copy writes wherever it runs, nor from the
+// Ctrl-C the user sends next: unanswered, the agent counts as unreachable.
+const agentTimeout = 5 * time.Second
+
+// askJob asks the local agent about job id, waiting at most agentTimeout.
+func askJob(ctx context.Context, c *agentapi.Client, id string) (agent.Job, error) {
+	ctx, cancel := context.WithTimeout(ctx, agentTimeout)
+	defer cancel()
+	return c.Job(ctx, id)
 }
 
 // Verdicts on an exit record found in the job's directory (recordIs).
@@ -250,22 +273,28 @@ func sameRecord(a, b *shim.ExitStatus) bool {
 
 // follow copies a growing file to w until ctx ends and the file has been read to its end. A restore
 // truncates the file back to its size at the snapshot and the job writes those bytes again; they were
-// printed already, so follow resumes at the first byte it has not printed.
-func follow(ctx context.Context, path string, w io.Writer) <-chan struct{} {
-	done := make(chan struct{})
+// printed already, so follow resumes at the first byte it has not printed. The channel gives the error of
+// a write to w that failed (nil if none) once follow is done: it stops at that write, as what it would
+// print after it would lack the bytes lost in it.
+func follow(ctx context.Context, path string, w io.Writer) <-chan error {
+	done := make(chan error, 1)
 	go func() {
-		defer close(done)
 		var printed int64
 		buf := make([]byte, 64<<10)
 		for {
-			n := copyFrom(path, printed, buf, w)
+			n, err := copyFrom(path, printed, buf, w)
 			printed += n
+			if err != nil {
+				done <- err
+				return
+			}
 			if n > 0 {
 				continue
 			}
 			select {
 			case <-ctx.Done():
-				printed += copyFrom(path, printed, buf, w) // what was written just before the end
+				_, err := copyFrom(path, printed, buf, w) // what was written just before the end
+				done <- err
 				return
 			case <-time.After(50 * time.Millisecond):
 			}
@@ -274,22 +303,26 @@ func follow(ctx context.Context, path string, w io.Writer) <-chan struct{} {
 	return done
 }
 
-// copyFrom copies path's bytes from offset on to w and returns how many it copied.
-func copyFrom(path string, offset int64, buf []byte, w io.Writer) int64 {
+// copyFrom copies path's bytes from offset on to w and returns how many it copied, and the error of a
+// write to w that failed (a file that cannot be read yet is not one: it is read again later).
+func copyFrom(path string, offset int64, buf []byte, w io.Writer) (int64, error) {
 	f, err := os.Open(path)
 	if err != nil {
-		return 0
+		return 0, nil
 	}
 	defer f.Close()
 	var total int64
 	for {
 		n, err := f.ReadAt(buf, offset+total)
 		if n > 0 {
-			w.Write(buf[:n])
-			total += int64(n)
+			m, werr := w.Write(buf[:n])
+			total += int64(m)
+			if werr != nil {
+				return total, fmt.Errorf("copy %s: %w", path, werr)
+			}
 		}
 		if err != nil {
-			return total
+			return total, nil
 		}
 	}
 }

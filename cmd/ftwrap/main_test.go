@@ -1,16 +1,23 @@
 package main
 
 import (
+	"bufio"
+	"context"
+	"errors"
 	"fmt"
 	"log/slog"
+	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/agentapi"
+	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/shim"
 )
 
@@ -37,6 +44,14 @@ func (b *jobBackend) Job(id string, _ uint32) (agent.Job, <-chan struct{}, error
 		return agent.Job{}, nil, fmt.Errorf("%w: %s", agent.ErrNoJob, id)
 	}
 	return b.job, make(chan struct{}), nil
+}
+
+// StartJobOn "starts" the backend's job: ftwrap's wrap follows it from there.
+func (b *jobBackend) StartJobOn(context.Context, string, agent.JobSpec, uint32, uint32) (*agent.Job, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	j := b.job
+	return &j, nil
 }
 
 func serveAgent(t *testing.T, b agentapi.Backend) *agentapi.Client {
@@ -200,5 +215,136 @@ func TestWaitExitTakesRecordOfNewerOrNoIncarnation(t *testing.T) {
 		if err != nil || st.Code != 5 {
 			t.Fatalf("record %s: waitExit = %+v, %v; want status 5", record, st, err)
 		}
+	}
+}
+
+// The job's output that ftwrap could not write (its stdout or stderr on a full disk, or over a quota) is
+// lost to the user: ftwrap must not exit 0 as if it had printed the job's output, and a failed job keeps
+// its own status. It exited 0 and printed nothing.
+func TestWrapFailsWhenOutputIsLost(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		stream   string // the file ftwrap cannot write the job's output of
+		code     int    // the job's
+		wantCode int
+	}{
+		{"stdout, job succeeded", "stdout", 0, cli.ExitFailure},
+		{"stderr, job succeeded", "stderr", 0, cli.ExitFailure},
+		{"stdout, job failed", "stdout", 3, 3},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			job := agent.Job{ID: "sim-00000001", Node: "node1", State: agent.JobExited, Dir: dir}
+			for _, f := range []string{"stdout", "stderr"} {
+				if err := os.WriteFile(filepath.Join(dir, f), []byte("the job's "+f+"\n"), 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			writeRaw(t, dir, fmt.Sprintf(`{"code": %d, "node": "node1", "time": "2026-12-07T12:00:00Z"}`, tc.code))
+			c := serveAgent(t, newJobBackend(job))
+			full, err := os.OpenFile("/dev/full", os.O_WRONLY, 0) // every write fails with ENOSPC
+			if err != nil {
+				t.Skipf("SKIPPED: no /dev/full: %v", err)
+			}
+			defer full.Close()
+			null, err := os.OpenFile(os.DevNull, os.O_WRONLY, 0) // the other stream's output is not looked at
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer null.Close()
+			stdout, stderr := os.Stdout, os.Stderr
+			os.Stdout, os.Stderr = full, null
+			if tc.stream == "stderr" {
+				os.Stdout, os.Stderr = null, full
+			}
+			err = wrap(t.Context(), slog.New(slog.DiscardHandler), c, agent.JobSpec{Argv: []string{"prog"}})
+			os.Stdout, os.Stderr = stdout, stderr
+			var ee *cli.ExitError
+			if !errors.As(err, &ee) || ee.Code != tc.wantCode {
+				t.Fatalf("wrap = %v: the job's %s was lost (ENOSPC) and the job exited %d; want exit status %d", err, tc.stream, tc.code, tc.wantCode)
+			}
+			if !errors.Is(err, syscall.ENOSPC) {
+				t.Errorf("wrap = %v: want the write's error (ENOSPC)", err)
+			}
+		})
+	}
+}
+
+// hungAgent listens on a socket like an agent and takes requests, but never answers (a stopped or
+// deadlocked agent, one whose host is failing). The channel is closed when the first request has come.
+func hungAgent(t *testing.T) (*agentapi.Client, <-chan struct{}) {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "agent.sock")
+	ln, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var conns []net.Conn
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range conns {
+			c.Close()
+		}
+	})
+	asked := make(chan struct{})
+	var once sync.Once
+	go func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, conn)
+			mu.Unlock()
+			go func() {
+				if _, err := http.ReadRequest(bufio.NewReader(conn)); err == nil {
+					once.Do(func() { close(asked) })
+				}
+			}()
+		}
+	}()
+	return agentapi.NewClient(sock), asked
+}
+
+// ftwrap's agent stops answering (it takes requests but never answers) while the job, restored on node2,
+// ends there. ftwrap must take that end from the job's directory, as it does when its agent is gone, and
+// not wait for the agent's answer forever: it hung in its poll of the agent, and in passing on a Ctrl-C.
+func TestWaitExitNotHeldByHungAgent(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		signal bool // a Ctrl-C comes first, which ftwrap passes to the job through the agent
+	}{
+		{"poll", false},
+		{"signal", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			job := agent.Job{ID: "sim-00000001", Node: "node1", State: agent.JobRunning, Dir: dir}
+			c, asked := hungAgent(t)
+			sigs := make(chan os.Signal, 2)
+			if tc.signal {
+				sigs <- syscall.SIGINT
+			}
+			go func() {
+				<-asked
+				writeRaw(t, dir, `{"code": 4, "node": "node2", "time": "2026-12-07T12:01:00Z"}`)
+			}()
+			done := make(chan struct{})
+			var st *shim.ExitStatus
+			var err error
+			go func() { st, err = waitExit(t.Context(), slog.New(slog.DiscardHandler), c, job, sigs); close(done) }()
+			select {
+			case <-done:
+			case <-time.After(time.Minute):
+				t.Fatal("waitExit did not take the job's end on node2 while its agent did not answer")
+			}
+			if err != nil || st.Code != 4 || st.Node != "node2" {
+				t.Fatalf("waitExit = %+v, %v; want node2's status 4", st, err)
+			}
+		})
 	}
 }
