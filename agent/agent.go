@@ -254,6 +254,9 @@ func (a *Agent) adopt() (int, error) {
 			if j.Net != nil { // a previous agent may have stopped while its closed connections lingered
 				a.removeOrphanJobNet(context.Background(), j.ID, "the job ended before this agent started")
 			}
+			if j.State == JobExited || j.State == JobLost {
+				a.releaseLeftByEnd(j)
+			}
 			continue
 		}
 		a.thawLeftFrozen(j)
@@ -267,6 +270,22 @@ func (a *Agent) adopt() (int, error) {
 		return n, fmt.Errorf("adopt jobs: %w", err)
 	}
 	return n, nil
+}
+
+// releaseLeftByEnd gives back what ended job j held here if a previous agent stopped between finish's save of
+// its end and releaseEnded: its cgroup, a lazy restore's images (the job's memory) stayed for good. A cgroup
+// something runs in is left: where hosts share a kernel (the lab), it is a copy's restored on another.
+func (a *Agent) releaseLeftByEnd(j *Job) {
+	own := a.layout().cgroup(j.ID)
+	if _, err := os.Lstat(own); err != nil && j.LazyWork == "" {
+		return // nothing left: the usual case
+	}
+	if populated(own) {
+		return
+	}
+	a.log.Warn("giving back what a job that ended before this agent started still held here (the previous agent stopped as it ended)",
+		"job", j.ID, "state", j.State, "cgroup", j.Cgroup, "lazy_work", j.LazyWork)
+	a.releaseResources(j)
 }
 
 // thawLeftFrozen thaws a job's cgroup if it is frozen. Only the agent freezes job cgroups, and only for
@@ -588,12 +607,27 @@ type jobWatch struct {
 func (a *Agent) lookAtJobs(w jobWatch) {
 	a.mu.Lock()
 	var running []*Job
+	listed := map[string]bool{}
 	for _, j := range a.byID {
 		if j.State == JobRunning {
 			running = append(running, j)
+			listed[j.ID] = true
 		}
 	}
 	a.mu.Unlock()
+	// What was seen of a copy that ended otherwise (moved, dropped as a failed host's) goes with it: a copy of
+	// the job restored here later gets its own moment for its exit record, not a lost verdict from the old
+	// copy's sighting.
+	for id := range w.gone {
+		if !listed[id] {
+			delete(w.gone, id)
+		}
+	}
+	for id := range w.older {
+		if !listed[id] {
+			delete(w.older, id)
+		}
+	}
 	for _, j := range running {
 		st, err := shim.ReadExit(j.ExitPath())
 		if err == nil && st.Node != "" && st.Node != a.cfg.Name {

@@ -4,6 +4,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"testing"
 	"time"
@@ -84,5 +85,96 @@ func TestWatchJobsIgnoresOlderCopysRecord(t *testing.T) {
 				t.Fatalf("exit %+v, want the record's code 3", got.Exit)
 			}
 		})
+	}
+}
+
+// deadPID is the PID of a process that has exited and been reaped.
+func deadPID(t *testing.T) int {
+	t.Helper()
+	cmd := exec.Command("true")
+	must(t, cmd.Run())
+	return cmd.Process.Pid
+}
+
+// TestWatchJobsGraceForEachCopy: a job whose copy here was seen gone by one look and then ended another way
+// (moved by a migration or a rollback, dropped as this failed host's: its shim, marked superseded, writes no
+// record) left its first sighting in the watch. When a copy of the job came back to this host (a rollback
+// restores a run's jobs where they ran) and ended, a look that came between its process's end and its
+// shim's exit record declared it lost at once, from the old copy's sighting, instead of giving the shim its
+// moment: the job's record said lost, not exited, and its address was held for good.
+func TestWatchJobsGraceForEachCopy(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("SKIPPED: needs root (as the agent runs)")
+	}
+	ta := newTestAgent(t)
+	w := jobWatch{gone: map[string]time.Time{}, older: map[string]bool{}}
+	ta.mu.Lock()
+	old := ta.byID[rootsJob]
+	old.PID = deadPID(t) // the copy here killed, its shim marked superseded: no exit record
+	ta.mu.Unlock()
+	must(t, os.MkdirAll(old.Dir, 0o755))
+	ta.lookAtJobs(w)
+	if got, _, _ := ta.Job(rootsJob, 0); got.State != JobRunning {
+		t.Fatalf("first look at a copy gone without a record: state %s, want running (the shim gets a moment)", got.State)
+	}
+	// The job left this host meanwhile (a migration or rollback recorded it moved), long ago.
+	ta.mu.Lock()
+	old.State = JobMoved
+	for id := range w.gone {
+		w.gone[id] = time.Now().Add(-time.Hour)
+	}
+	ta.mu.Unlock()
+	ta.lookAtJobs(w)
+	// A new copy restored here, whose process has just ended; its shim is writing its exit record.
+	back := *old
+	back.State, back.PID, back.Incarnation = JobRunning, deadPID(t), old.Incarnation+1
+	ta.mu.Lock()
+	ta.byID[rootsJob] = &back
+	ta.mu.Unlock()
+	ta.lookAtJobs(w)
+	if got, _, _ := ta.Job(rootsJob, 0); got.State != JobRunning {
+		t.Fatalf("first look at the returned copy, gone with its exit record not written yet: state %s, want running (its shim gets its moment, as every copy's)", got.State)
+	}
+}
+
+// TestAdoptReleasesWhatEndedJobsLeft: finish saves a job's end before it gives back what the job held; an
+// agent stopped in between (killed, restarted by systemd, the host's power) left the job's cgroup and a
+// lazily restored job's images, its process memory, for good: the next agent's adopt looked only for the
+// ended job's network. It gives the rest back too, but a cgroup something runs in (a restored copy of the
+// job, where hosts share a kernel).
+func TestAdoptReleasesWhatEndedJobsLeft(t *testing.T) {
+	ta := newTestAgent(t)
+	l := ta.layout()
+	work := filepath.Join(ta.cfg.StateDir, "restore", "lazy-0000000a-snap-00000000")
+	must(t, os.MkdirAll(work, 0o700))
+	must(t, os.WriteFile(filepath.Join(work, "pages-1.img"), []byte("the job's memory"), 0o600))
+	ended := []*Job{
+		{ID: "exited-0000000a", State: JobExited, Exit: &shim.ExitStatus{Code: 0}},
+		{ID: "lazy-0000000a", State: JobLost, LazyWork: work},
+	}
+	for _, j := range ended {
+		j.Node, j.Cgroup, j.Dir, j.Created = ta.cfg.Name, l.cgroup(j.ID), l.dir(j.ID), time.Now().UTC()
+		must(t, os.Mkdir(j.Cgroup, 0o755))
+		must(t, ta.jobs.save(j))
+	}
+	// Where hosts share a kernel, the job's cgroup is that of a copy restored on another: it stays.
+	busy := &Job{ID: "busy-0000000a", State: JobLost, Node: ta.cfg.Name, Cgroup: l.cgroup("busy-0000000a"), Dir: l.dir("busy-0000000a")}
+	must(t, os.Mkdir(busy.Cgroup, 0o755))
+	must(t, os.WriteFile(filepath.Join(busy.Cgroup, "cgroup.events"), []byte("populated 1\nfrozen 0\n"), 0o644))
+	must(t, ta.jobs.save(busy))
+
+	if n, err := ta.adopt(); err != nil || n != 0 {
+		t.Fatalf("adopt: %d running, %v; want 0, nil", n, err)
+	}
+	for _, j := range ended {
+		if _, err := os.Stat(j.Cgroup); err == nil {
+			t.Errorf("job %s, %s before this agent started: its cgroup %s is left", j.ID, j.State, j.Cgroup)
+		}
+	}
+	if _, err := os.Stat(work); err == nil {
+		t.Errorf("a lazily restored job lost before this agent started: its images %s are left", work)
+	}
+	if _, err := os.Stat(busy.Cgroup); err != nil {
+		t.Errorf("adopt removed the cgroup %s something runs in: %v", busy.Cgroup, err)
 	}
 }
