@@ -320,6 +320,7 @@ func (s *Store) Since(m *ckpt.Manifest) ([]Det, error) {
 // where ran's copy had read in an order its peers depended on. It fails, saying why, when it cannot tell
 // which holds the order: ran's record not from the start of a copy restored from m, or the two gone apart.
 // With no record from ran here (its copy shipped nothing here), and with ran "" or m.Node, it is Since.
+// Either way their Pos count as on m's host, from which m.Polls are taken off (onSnapshotCount).
 func (s *Store) SinceOn(m *ckpt.Manifest, ran string) ([]Det, error) {
 	orig, err := s.Since(m)
 	if ran == "" || ran == m.Node {
@@ -351,11 +352,28 @@ func (s *Store) SinceOn(m *ckpt.Manifest, ran string) ([]Det, error) {
 	}
 	switch {
 	case !behind:
-		return own, nil
+		return onSnapshotCount(m, own), nil
 	case !ahead:
 		return orig, nil
 	}
 	return nil, fmt.Errorf("job %s last ran on %s from snapshot %s, and its receive calls there went apart from those of %s after the snapshot (ahead on one connection, behind on another): which order its peers depend on is unknown", m.Job, ran, m.ID, m.Node)
+}
+
+// onSnapshotCount puts the Pos of dets, those of a copy restored from m on another host, on the count of
+// m's host. The copy's recorder counted each thread's readiness calls from 0 at its restore (record.Watch
+// forgets the cgroup's counts), so its Pos are already counted from the dump; a gate takes m.Polls off
+// every Pos (Gate.UsePositions), as it must off those of m's host. Returned as they were, they had the
+// counts at m's dump taken off them too: a gate refused positions ("fewer than ... at the dump") or, with
+// few readiness calls before the dump, stopped the restored threads at the wrong calls, silently. A sum
+// that overflows wraps below m.Polls, and the gate refuses positions.
+func onSnapshotCount(m *ckpt.Manifest, dets []Det) []Det {
+	if !m.Positions {
+		return dets
+	}
+	for i := range dets {
+		dets[i].Pos += m.Polls[dets[i].Thread]
+	}
+	return dets
 }
 
 // lastEnds is where the last call of dets that consumed bytes ended, per connection.

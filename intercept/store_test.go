@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/tcpflow"
 )
 
 // snap is a snapshot of job "j" on node "n1" whose connections A and B had consumed up to a and b.
@@ -379,5 +380,62 @@ func TestStoreSinceOnSpareThatFailed(t *testing.T) {
 				t.Fatalf("on the snapshot's own host: %v, %v; want %v", own, err, n1[1:])
 			}
 		})
+	}
+}
+
+// TestStoreSinceOnSparePositions: job j, snapshotted on n1 (s) after its thread had made polls readiness
+// calls, was restored from s on spare n2, whose recorder counted the thread's readiness calls from 0 at the
+// restore; n2 read past n1's record and failed before a snapshot of its own: s is restored again with
+// receive positions, from n2's record. The gate takes s's count at the dump off every Pos: n2's returned
+// as recorded had it taken off too, and positions were refused (polls 100) or, worse, the reads were
+// delivered at the wrong readiness calls with no error (polls 1).
+func TestStoreSinceOnSparePositions(t *testing.T) {
+	d := func(c tcpflow.Tuple, end uint32, pos uint64) Det {
+		return Det{Conn: c, End: end, Len: 10, Thread: 1, Proc: 1, Pos: pos}
+	}
+	for _, polls := range []uint64{100, 1} {
+		for _, tc := range []struct {
+			name string
+			n2   []Det    // Pos counted from n2's restore
+			want []string // each read at the exit of the readiness call before the one that found it, from the dump
+		}{
+			// n2's thread read B after its first readiness call since the restore, A after its second...
+			{"went past n1's", []Det{d(connB, 10, 1), d(connA, 20, 2), d(connB, 20, 3), d(connA, 30, 4)},
+				[]string{"0/-1 B10", "1/-1 A20", "2/-1 B20", "3/-1 A30"}},
+			{"still replaying n1's", []Det{d(connB, 10, 1)}, []string{"0/-1 B10", "1/-1 A20"}},
+		} {
+			t.Run(fmt.Sprintf("%s, %d readiness calls at the dump", tc.name, polls), func(t *testing.T) {
+				s := NewStore(0, 0)
+				// n1: A up to 10 before the dump, then B and A one readiness call apart, as n2 replayed them.
+				s.Add("n1", Batch{Job: "j", Stream: 1, FromStart: true, Dets: []Det{d(connA, 10, polls), d(connB, 10, polls+1), d(connA, 20, polls+2)}})
+				s.Add("n2", Batch{Job: "j", Stream: 5, FromStart: true, Base: "s", Dets: tc.n2})
+				m := snap("s", 10, 0)
+				m.Positions, m.Polls = true, map[uint32]uint64{1: polls}
+				dets, err := s.SinceOn(m, "n2")
+				if err != nil {
+					t.Fatal(err)
+				}
+				g, err := NewGate(dets, map[tcpflow.Tuple]Source{connA: {Seq: 10, Data: make([]byte, 30)}, connB: {Seq: 0, Data: make([]byte, 30)}})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := g.UsePositions(m.Polls); err != nil {
+					t.Fatalf("positions refused: %v", err)
+				}
+				var got []string
+				for _, p := range g.plans {
+					for _, pt := range p.points {
+						s := fmt.Sprintf("%d/%d", pt.polls, pt.after)
+						for _, in := range pt.inject {
+							s += fmt.Sprintf(" %s%d", map[tcpflow.Tuple]string{connA: "A", connB: "B"}[in.conn], in.end)
+						}
+						got = append(got, s)
+					}
+				}
+				if !slices.Equal(got, tc.want) {
+					t.Fatalf("stops %q, want %q", got, tc.want)
+				}
+			})
+		}
 	}
 }
