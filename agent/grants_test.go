@@ -143,17 +143,7 @@ func (s *givesWay) Grant(ctx context.Context, peer string, req clusterapi.GrantR
 func TestLateGiveBackKeepsWinningGrant(t *testing.T) {
 	const job = "late-00000001"
 	pki := newTestPKI(t)
-	member := func(name string, ports map[string]uint16) *Agent {
-		a, _ := newWireAgent(t, name, testMembers(ports))
-		cfg := pki.creds(t, name)
-		a.cfg.Cluster.CA, a.cfg.Cluster.Cert, a.cfg.Cluster.Key = cfg.CAFile, cfg.CertFile, cfg.KeyFile
-		var err error
-		if a.grants, err = grant.Open(filepath.Join(t.TempDir(), "grants.json"), grant.Options{}); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { a.peers().Close() })
-		return a
-	}
+	member := func(name string, ports map[string]uint16) *Agent { return grantMember(t, pki, name, ports) }
 	n2 := &lateRelease{peerService: peerService{member("n2", nil)}, regranted: make(chan struct{}), applied: make(chan struct{})}
 	n3 := &givesWay{peerService: peerService{member("n3", nil)}, job: job, rival: "restore:rival", rhost: "s2"}
 	if _, err := n3.a.grants.Grant(grant.Request{Job: job, Incarnation: 1, Holder: n3.rival, Host: n3.rhost}, time.Now()); err != nil {
@@ -189,17 +179,7 @@ func TestLateGiveBackKeepsWinningGrant(t *testing.T) {
 func TestContendedClaimTriesAgain(t *testing.T) {
 	const job = "contend-00000001"
 	pki := newTestPKI(t)
-	member := func(name string, ports map[string]uint16) *Agent {
-		a, _ := newWireAgent(t, name, testMembers(ports))
-		cfg := pki.creds(t, name)
-		a.cfg.Cluster.CA, a.cfg.Cluster.Cert, a.cfg.Cluster.Key = cfg.CAFile, cfg.CertFile, cfg.KeyFile
-		var err error
-		if a.grants, err = grant.Open(filepath.Join(t.TempDir(), "grants.json"), grant.Options{}); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { a.peers().Close() })
-		return a
-	}
+	member := func(name string, ports map[string]uint16) *Agent { return grantMember(t, pki, name, ports) }
 	n2 := peerService{member("n2", nil)}
 	n3 := &givesWay{peerService: peerService{member("n3", nil)}, job: job, rival: "restore:rival", rhost: "s2"}
 	if _, err := n3.a.grants.Grant(grant.Request{Job: job, Incarnation: 1, Holder: n3.rival, Host: n3.rhost}, time.Now()); err != nil {
@@ -219,3 +199,19 @@ func TestContendedClaimTriesAgain(t *testing.T) {
 		}
 	}
 }
+
+// grantMember is member name of a cluster whose other members listen on ports, with credentials of pki and
+// a grant registry of its own.
+func grantMember(t *testing.T, pki *testPKI, name string, ports map[string]uint16) *Agent {
+	t.Helper()
+	a, _ := newWireAgent(t, name, testMembers(ports))
+	cfg := pki.creds(t, name)
+	a.cfg.Cluster.CA, a.cfg.Cluster.Cert, a.cfg.Cluster.Key = cfg.CAFile, cfg.CertFile, cfg.KeyFile
+	var err error
+	if a.grants, err = grant.Open(filepath.Join(t.TempDir(), "grants.json"), grant.Options{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { a.peers().Close() })
+	return a
+}
+
