@@ -205,7 +205,8 @@ func (a *Agent) lockRestore(id, what string) (unlock func(), err error) {
 	// restoreJob refuses it too, but only after the claim: a recovery's failed restore then deletes the
 	// running copy's network and guard, and a forced restore's claim stays held by a copy that never runs.
 	if cur := a.byID[id]; cur != nil && cur.State == JobRunning {
-		return nil, fmt.Errorf("%w: job %s runs on %s already (pid %d): not restored beside it", ErrJobAlive, id, a.cfg.Name, cur.PID)
+		// Worded as the incarnation grants word it (grant.RefusedError), which it stands in for here.
+		return nil, fmt.Errorf("%w: job %s already runs as incarnation %d on %s (pid %d): no second copy is started beside it", ErrJobAlive, id, cur.Incarnation, a.cfg.Name, cur.PID)
 	}
 	if a.restoring == nil {
 		a.restoring = map[string]string{}

@@ -219,7 +219,7 @@ func TestManualRestoreDuringFailover(t *testing.T) {
 				if want := "already runs as incarnation 1 on spare1"; !strings.Contains(text, want) || f.Error == "" {
 					t.Errorf("the fail-over's timeline does not say %q:\n%s", want, text)
 				}
-				if strings.Contains(text, agent.StageRestored) {
+				if slices.ContainsFunc(f.Stages, func(s agent.Stage) bool { return s.Name == agent.StageRestored }) {
 					t.Errorf("the fail-over restored the job a second time:\n%s", text)
 				}
 			case rerr != nil && tt.first != "manual":
