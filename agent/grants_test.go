@@ -214,4 +214,3 @@ func grantMember(t *testing.T, pki *testPKI, name string, ports map[string]uint1
 	t.Cleanup(func() { a.peers().Close() })
 	return a
 }
-
