@@ -128,8 +128,14 @@ func (a *Agent) serveCoordinate(ctx context.Context, peer string, req clusterapi
 	case clusterapi.CoordFreeze:
 		return a.coordFreeze(ctx, peer, req)
 	case clusterapi.CoordDump:
+		if err := a.checkCoordinator(peer, req); err != nil {
+			return clusterapi.CoordinateReply{}, err
+		}
 		return a.coordDump(ctx, req)
 	case clusterapi.CoordThaw, clusterapi.CoordAbort:
+		if err := a.checkCoordinator(peer, req); err != nil {
+			return clusterapi.CoordinateReply{}, err
+		}
 		return a.coordThaw(ctx, req, req.Phase == clusterapi.CoordThaw)
 	case clusterapi.CoordCommit:
 		for _, p := range req.Parts {
@@ -154,6 +160,20 @@ func (a *Agent) serveCoordinate(ctx context.Context, peer string, req clusterapi
 		return clusterapi.CoordinateReply{}, a.rollbackRestore(ctx, req.Run, *req.UID, req.Parts)
 	}
 	return clusterapi.CoordinateReply{}, fmt.Errorf("no phase %q", req.Phase)
+}
+
+// checkCoordinator refuses a cut's dump, thaw or abort from any member but the one whose freeze holds the
+// run's jobs here for that cut: another member (its own cut of the run given the same id, or a member
+// acting for a cut it does not coordinate) would otherwise thaw the jobs mid-cut and give back the
+// snapshot lock under the coordinator, or dump and replicate for it.
+func (a *Agent) checkCoordinator(peer string, req clusterapi.CoordinateRequest) error {
+	h := a.coord.Get(coordinated.HoldKey(req), req.Cut)
+	if h == nil || h.Coordinator == peer {
+		return nil
+	}
+	return &clusterapi.Error{Code: clusterapi.CodeRefused, Message: fmt.Sprintf(
+		"%s of cut %s of run %s from %s refused: %s froze the run's jobs on %s for that cut and alone coordinates it",
+		req.Phase, req.Cut, req.Run, peer, h.Coordinator, a.cfg.Name)}
 }
 
 // refuseOlderCut refuses a rollback to a cut older than the one this host records for the run. A commit

@@ -335,3 +335,41 @@ func TestDumpStopsWhenItsHoldEnds(t *testing.T) {
 		t.Errorf("after the dump returned: cgroup.freeze %q, snapshot lock held %v, %d holds; want 0, false, 0", b, held(), ta.coord.Len())
 	}
 }
+
+// TestCutPhasesOnlyFromItsCoordinator: a hold belongs to the member that froze the run's jobs for its cut.
+// Another alive member's dump, thaw or abort of that cut is refused and leaves the hold as it was: the old
+// code ended the hold (jobs thawed mid-cut, the snapshot lock given back), dumped or replicated for it at any
+// member's word. The coordinator's own thaw still ends it.
+func TestCutPhasesOnlyFromItsCoordinator(t *testing.T) {
+	uid := uint32(0)
+	req := func(p clusterapi.CoordPhase) clusterapi.CoordinateRequest {
+		return clusterapi.CoordinateRequest{Run: "farm", UID: &uid, Cut: "cut-1", Phase: p}
+	}
+	for _, phase := range []clusterapi.CoordPhase{clusterapi.CoordDump, clusterapi.CoordThaw, clusterapi.CoordAbort} {
+		t.Run(string(phase), func(t *testing.T) {
+			ta := newTestAgent(t)
+			ta.members.view = testView(t, "node1", "node2", "node3")
+			j, _ := frozenJob(t, ta, Job{ID: "farm-node1-1", UID: uid, Spec: JobSpec{Run: "farm"}, Net: &JobNet{Name: "ftj-test"}})
+			if _, err := ta.serveCoordinate(t.Context(), "node2", req(clusterapi.CoordFreeze)); err != nil {
+				t.Fatal(err)
+			}
+			frozen := func() string {
+				b, _ := os.ReadFile(filepath.Join(j.Cgroup, "cgroup.freeze"))
+				return string(b)
+			}
+			_, err := ta.serveCoordinate(t.Context(), "node3", req(phase))
+			if e := clusterapi.Refusal(err); e == nil || e.Code != clusterapi.CodeRefused {
+				t.Errorf("%s of node2's cut from node3: %v; want a refusal", phase, err)
+			}
+			if frozen() != "1" || ta.coord.Len() != 1 || ta.coord.Get(coordinated.HoldKey(req(phase)), "cut-1") == nil {
+				t.Fatalf("after node3's %s: cgroup.freeze %q, %d holds; want node2's hold kept, its job frozen", phase, frozen(), ta.coord.Len())
+			}
+			if _, err := ta.serveCoordinate(t.Context(), "node2", req(clusterapi.CoordAbort)); err != nil {
+				t.Fatalf("the coordinator's abort: %v", err)
+			}
+			if frozen() != "0" || ta.coord.Len() != 0 {
+				t.Errorf("after node2's abort: cgroup.freeze %q, %d holds; want 0, 0", frozen(), ta.coord.Len())
+			}
+		})
+	}
+}
