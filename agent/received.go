@@ -124,30 +124,51 @@ func (a *Agent) sentBytes(ctx context.Context, w io.Writer, images string, c ima
 	return err
 }
 
-// prefixBase finds, among the snapshots of this copy of job j (the one it was restored from, and those
-// taken on this host since), the newest whose record of conn has a prefix that the dump at write_seq
-// outq extends (prefixExtends).
+// prefixBase finds, among the snapshots of this copy of job j (those taken on this host since it was
+// restored here, newest first, then the one it was restored from), the newest whose record of conn has a
+// prefix that the dump at write_seq outq extends (prefixExtends).
+//
+// This host's snapshots of this copy are told by the job record each carries (the copy's restored snapshot
+// and incarnation), not by comparing ids with j.Restored: ids carry their host's clock, and the restored
+// snapshot may be another host's, whose clock behind this one's made an earlier copy's snapshots here pass
+// for this copy's (as did, whatever the clocks, those newer than an older snapshot of this host the job was
+// restored from): the prefix then extended bytes this copy never sent.
 func (a *Agent) prefixBase(j Job, conn tcpflow.Tuple, outq uint32) (prefixBase, bool) {
-	ids, err := a.store.List(j.ID, "")
+	ids, err := a.store.List(j.ID, a.cfg.Name)
 	if err != nil {
 		return prefixBase{}, false
 	}
 	for _, id := range ids {
-		if j.Restored != "" && id < j.Restored {
-			break // older than the copy's start: another copy's (IDs sort by time)
-		}
-		if parsed, err := ckpt.ParseID(id); err != nil || (id != j.Restored && parsed.Node != a.cfg.Name) {
-			continue // a snapshot this host holds for another, or a stray
+		if id == j.Restored {
+			continue // looked at last: the copy's oldest
 		}
 		m, err := a.store.Manifest(j.ID, id)
 		if err != nil {
 			continue
 		}
-		for _, bc := range m.Conns {
-			if bc.Tuple == conn {
-				if b, ok := prefixExtends(bc, outq); ok {
-					return b, true
-				}
+		if rec, err := a.snapshotRecord(m); err != nil || rec.Restored != j.Restored || rec.Incarnation != j.Incarnation {
+			continue // another copy's (or one whose record is unreadable)
+		}
+		if b, ok := connPrefixBase(m, conn, outq); ok {
+			return b, true
+		}
+	}
+	if j.Restored == "" {
+		return prefixBase{}, false
+	}
+	m, err := a.store.Manifest(j.ID, j.Restored)
+	if err != nil {
+		return prefixBase{}, false
+	}
+	return connPrefixBase(m, conn, outq)
+}
+
+// connPrefixBase is snapshot m's base for conn's dump at write_seq outq (prefixExtends).
+func connPrefixBase(m *ckpt.Manifest, conn tcpflow.Tuple, outq uint32) (prefixBase, bool) {
+	for _, bc := range m.Conns {
+		if bc.Tuple == conn {
+			if b, ok := prefixExtends(bc, outq); ok {
+				return b, true
 			}
 		}
 	}
@@ -350,11 +371,15 @@ func (a *Agent) serveReceived(req clusterapi.ReceivedRequest) (clusterapi.Receiv
 	if a.netlog == nil || a.netlog.book == nil {
 		return clusterapi.ReceivedReply{}, errors.New("the receive tap is disabled on " + a.cfg.Name)
 	}
-	rec, ok := a.netlog.book.Received(conn, req.From)
+	// The tap records IPv4 headers; the asker names a dual-stack socket's IPv4 connection as its images do,
+	// by IPv4-mapped addresses. The record is looked up in the tap's form and named as asked (the asker
+	// checks it is the connection it asked about).
+	rec, ok := a.netlog.book.Received(conn.Unmap(), req.From)
 	if !ok {
 		return clusterapi.ReceivedReply{}, fmt.Errorf("%s has no record of what it received on %s: the socket is not a protected job's, or the agent restarted since", a.cfg.Name, conn)
 	}
-	rec.Fin = a.finReceivedAt(rec, req.From)
+	rec.Fin = a.finReceivedAt(rec, req.From) // by the tap's form, as sock_diag and the flow states know it
+	rec.Conn = conn
 	return clusterapi.ReceivedReply{Received: &rec}, nil
 }
 

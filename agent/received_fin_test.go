@@ -81,3 +81,38 @@ func TestServeReceivedFIN(t *testing.T) {
 		})
 	}
 }
+
+// TestServeReceivedMapped: a record is found whichever form the asker names the connection in. The tap
+// records IPv4 headers, but the restored end's images name a dual-stack socket's IPv4 connection by
+// IPv4-mapped addresses (::ffff:a.b.c.d), and the recovery asks in that form: the record is served, named
+// as asked so that the asker's check passes. Before, such a connection had "no record", and every re-sent
+// byte on it was refused as unverifiable.
+func TestServeReceivedMapped(t *testing.T) {
+	plain := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
+	mapped := tcpflow.Tuple{Local: netip.MustParseAddrPort("[::ffff:10.0.0.2]:7000"), Remote: netip.MustParseAddrPort("[::ffff:10.0.0.1]:40000")}
+	const start, n = 1000, 5000
+	for _, ask := range []tcpflow.Tuple{plain, mapped} {
+		t.Run(ask.String(), func(t *testing.T) {
+			nd, err := node.New(isnSource{}, node.Config{Controller: controller.Config{Cap: 1 << 20}, Logger: slog.New(slog.DiscardHandler)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			book := recvdigest.NewBook(recvdigest.BookOptions{})
+			book.Add(netlog.Record{Conn: plain, Seq: start}) // the tap's IPv4 form
+			book.Add(netlog.Record{Conn: plain, Seq: start, Payload: make([]byte, n)})
+			socket := func(tcpflow.Tuple) (sockdiag.Socket, error) { return sockdiag.Socket{State: 1}, nil }
+			a := &Agent{log: slog.New(slog.DiscardHandler), netlog: &logState{node: nd, book: book, socket: socket}}
+			req := clusterapi.ReceivedRequest{Tuple: ask, From: start + 10}
+			rep, err := a.serveReceived(req)
+			if err != nil {
+				t.Fatalf("record of %s: %v", ask, err)
+			}
+			if err := rep.Check(req); err != nil {
+				t.Fatalf("the reply fails the asker's check: %v", err)
+			}
+			if got := len(rep.Received.Pieces); got == 0 {
+				t.Errorf("record of %s has no piece, want the %d bytes received", ask, n)
+			}
+		})
+	}
+}

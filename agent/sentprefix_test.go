@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"hash/crc32"
 	"log/slog"
@@ -10,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/criu/image"
@@ -95,6 +97,7 @@ func TestPrefixBase(t *testing.T) {
 	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.13:7700"), Remote: netip.MustParseAddrPort("10.0.0.12:50930")}
 	other := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.13:40000"), Remote: netip.MustParseAddrPort("10.0.0.14:7700")}
 	const block = 5 * recvdigest.BlockSize
+	var rec Job // the job record the next snapshot carries
 	snap := func(s *ckpt.Store, outq, crc uint32) *ckpt.Manifest {
 		t.Helper()
 		p, err := s.Begin(job)
@@ -102,6 +105,13 @@ func TestPrefixBase(t *testing.T) {
 			t.Fatal(err)
 		}
 		if err := os.WriteFile(filepath.Join(p.Dir(), "pages-1.img"), []byte("x"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		b, err := json.Marshal(rec)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(p.Dir(), snapJob), b, 0o600); err != nil {
 			t.Fatal(err)
 		}
 		m, err := p.Commit(context.Background(), ckpt.Info{CRIUVersion: "4.2.1", KernelRelease: "6.18.0", Mode: ckpt.ModeUncoordinated,
@@ -131,6 +141,7 @@ func TestPrefixBase(t *testing.T) {
 	if _, ok := a.prefixBase(Job{ID: job, Restored: restoredFrom.ID}, tcpflow.Tuple{Local: conn.Local, Remote: netip.MustParseAddrPort("10.0.0.12:50931")}, block+200); ok {
 		t.Errorf("another connection found a base")
 	}
+	rec = j // taken by this copy
 	here := snap(spare1, block+300, 0x300)
 	if b, ok := a.prefixBase(j, conn, block+400); !ok || b.From != block+300 || b.CRC != 0x300 {
 		t.Errorf("after a snapshot here: base %+v %v, want snapshot %s's", b, ok, here.ID)
@@ -183,5 +194,82 @@ func TestSentPrefixISNFarBack(t *testing.T) {
 		if err != nil || p.Len != 0 {
 			t.Errorf("ISN+1 %d bytes before write_seq at a block start: prefix %+v, %v; want an empty one", back-1, p, err)
 		}
+	}
+}
+
+// TestPrefixBaseOtherCopy: the snapshots this host took of an earlier copy of the job are not this copy's,
+// whatever the clocks say. Snapshot ids carry their host's clock: with this host's ahead of the one the job
+// was restored from, or with a restore here from an older snapshot of this host (a manual restore past a
+// corrupt newest one, a rollback), an earlier copy's snapshot sorts after the restored one and used to pass
+// for this copy's: the new prefix extended bytes this copy never sent (another execution's, or bytes
+// this host's log cannot have: a 5 s wait and no prefix), and the next recovery refused the job.
+func TestPrefixBaseOtherCopy(t *testing.T) {
+	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.13:7700"), Remote: netip.MustParseAddrPort("10.0.0.12:50930")}
+	const job = "relay-1a2b3c4d"
+	const block = 5 * recvdigest.BlockSize
+	t0 := time.Date(2025, 3, 1, 12, 0, 0, 0, time.UTC)
+	tests := []struct {
+		name string
+		// restoredNode took the snapshot the job was restored here from, at restoredAt by its clock;
+		// spare1 took the earlier copy's snapshot at earlierAt, and this copy's at hereAt, by its own.
+		restoredNode                  string
+		restoredAt, earlierAt, hereAt time.Time
+		earlierInc                    uint64 // the incarnation of the earlier copy
+	}{
+		// The job ran here (incarnation 0), then on node3 (1), and came back (2).
+		{name: "this host's clock 10 min ahead", restoredNode: "node3", restoredAt: t0,
+			earlierAt: t0.Add(-5 * time.Minute).Add(10 * time.Minute), hereAt: t0.Add(2 * time.Minute).Add(10 * time.Minute)},
+		{name: "this host's clock 30 min behind", restoredNode: "node3", restoredAt: t0,
+			earlierAt: t0.Add(-5 * time.Minute).Add(-30 * time.Minute), hereAt: t0.Add(2 * time.Minute).Add(-30 * time.Minute)},
+		// Incarnation 1 ran here and took the restored snapshot, then a newer one; incarnation 2 was restored
+		// here from the older.
+		{name: "restored here from an older snapshot of this host", restoredNode: "spare1", restoredAt: t0,
+			earlierAt: t0.Add(time.Minute), hereAt: t0.Add(5 * time.Minute), earlierInc: 1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := t.TempDir()
+			snap := func(node string, at time.Time, rec Job, outq, crc uint32) *ckpt.Manifest {
+				t.Helper()
+				s, err := ckpt.Open(dir, ckpt.Options{Node: node, Now: func() time.Time { return at }})
+				if err != nil {
+					t.Fatal(err)
+				}
+				p, err := s.Begin(job)
+				if err != nil {
+					t.Fatal(err)
+				}
+				b, err := json.Marshal(rec)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := os.WriteFile(filepath.Join(p.Dir(), snapJob), b, 0o600); err != nil {
+					t.Fatal(err)
+				}
+				m, err := p.Commit(context.Background(), ckpt.Info{CRIUVersion: "4.2.1", KernelRelease: "6.18.0", Mode: ckpt.ModeUncoordinated,
+					Conns: []ckpt.Conn{{Tuple: conn, OutqSeq: outq, SentPrefix: &ckpt.SentPrefix{Len: outq - block, CRC: crc}}}})
+				if err != nil {
+					t.Fatal(err)
+				}
+				return m
+			}
+			restoredFrom := snap(tt.restoredNode, tt.restoredAt, Job{ID: job, Incarnation: 1}, block+200, 0x200)
+			earlier := snap("spare1", tt.earlierAt, Job{ID: job, Incarnation: tt.earlierInc}, block+300, 0x300)
+			store, err := ckpt.Open(dir, ckpt.Options{Node: "spare1"})
+			if err != nil {
+				t.Fatal(err)
+			}
+			a := &Agent{store: store, log: slog.New(slog.DiscardHandler)}
+			a.cfg.Name = "spare1"
+			j := Job{ID: job, Restored: restoredFrom.ID, Incarnation: 2}
+			if b, ok := a.prefixBase(j, conn, block+400); !ok || b.From != block+200 || b.CRC != 0x200 {
+				t.Fatalf("base %+v %v, want the restored snapshot %s's, not the earlier copy's %s", b, ok, restoredFrom.ID, earlier.ID)
+			}
+			// This copy's own snapshot here is taken, whatever the other host's clock said.
+			here := snap("spare1", tt.hereAt, j, block+350, 0x350)
+			if b, ok := a.prefixBase(j, conn, block+400); !ok || b.From != block+350 || b.CRC != 0x350 {
+				t.Errorf("after a snapshot of this copy here: base %+v %v, want snapshot %s's", b, ok, here.ID)
+			}
+		})
 	}
 }
