@@ -176,6 +176,12 @@ func (w *Watchdog) Beat(b Beat, now time.Time) (gap Gap, ok bool) {
 	w.last[b.From] = beat{b: b, at: now}
 	if wt := w.watched[b.From]; wt != nil {
 		wt.suspected = false
+		// A Clear ahead of time (a caller backing off from a member that stayed silent) holds only while it
+		// stays silent: from a beat on, its silence counts from the beat, or a crash soon after it would be
+		// suspected only when that wait ran out.
+		if wt.since.After(now) {
+			wt.since = now
+		}
 	}
 	if !heard || restarted || b.Seq <= prev.b.Seq {
 		return Gap{}, false
@@ -266,8 +272,9 @@ func (w *Watchdog) Due() (due time.Time, ok bool) {
 }
 
 // Clear ends a suspicion that confirmation refuted (the suspect answered): its silence counts from now,
-// and it will be suspected again only after another full timeout. Clearing a name not watched does
-// nothing.
+// and it will be suspected again only after another full timeout. now may be ahead of the clock (a caller
+// backing off from a member that stays silent); a beat from the member ends that wait. Clearing a name not
+// watched does nothing.
 func (w *Watchdog) Clear(name string, now time.Time) {
 	w.mu.Lock()
 	defer w.mu.Unlock()

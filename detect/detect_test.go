@@ -483,3 +483,31 @@ func TestRestartedSenderWithClockBehind(t *testing.T) {
 		t.Errorf("a duplicate replaced the last beat: %+v", b)
 	}
 }
+
+// TestBeatEndsAClearAhead: a protector whose fail-over of a silent member changed nothing clears its
+// suspicion with a time ahead of now (the agent's retry wait, up to 10 minutes), so that it is not failed
+// over again at every timeout. A member that beats again meanwhile is not silent: once it stops again, it
+// is suspected a timeout after its last beat. Before, the silence still counted from the time ahead, and a
+// member back from a flap that then crashed was declared only once that wait had run out.
+func TestBeatEndsAClearAhead(t *testing.T) {
+	w := NewWatchdog(Config{Timeout: 3 * time.Second})
+	w.Watch("n1", at(0))
+	if got := w.Suspects(at(3001)); len(got) != 1 {
+		t.Fatalf("suspects at 3001: %+v, want n1", got)
+	}
+	w.Clear("n1", at(3001).Add(10*time.Minute-3*time.Second)) // the retry wait after a fail-over that changed nothing
+	if got := w.Suspects(at(10_000)); len(got) != 0 {
+		t.Fatalf("suspects within the retry wait: %+v, want none", got)
+	}
+	w.Beat(Beat{From: "n1", Seq: 1, Sent: at(20_000)}, at(20_000)) // back, then silent again (crashed)
+	if got := w.Suspects(at(23_000)); len(got) != 0 {
+		t.Fatalf("suspects a timeout after its beat, not past it: %+v", got)
+	}
+	got := w.Suspects(at(23_001))
+	if len(got) != 1 || got[0].Name != "n1" || got[0].Silence != 3001*time.Millisecond {
+		t.Fatalf("suspects just past a timeout after its last beat: %+v, want n1 silent 3001ms", got)
+	}
+	if due, ok := w.Due(); ok {
+		t.Errorf("Due %s after the only member was suspected", due.Sub(t0))
+	}
+}
