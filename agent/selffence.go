@@ -68,7 +68,9 @@ func (a *Agent) selfFence(ctx context.Context) {
 		members askedMembers
 		told    time.Time // where the protector's silence last logged as keeping this node's jobs began
 		fenced  bool
-		tried   map[string]bool // the jobs the fence killed, or tried to
+		// tried holds the jobs the fence killed (zero), and those whose kill failed with when to try again:
+		// the protector restores them elsewhere whatever happened here.
+		tried map[string]time.Time
 	)
 	tickgrid.Every(ctx, t.Check(), func() {
 		now := time.Now()
@@ -139,12 +141,12 @@ func (a *Agent) selfFence(ctx context.Context) {
 			// it) goes too; the protector counts every copy here as gone.
 			var late []Job
 			for _, j := range a.runningJobs() {
-				if !tried[j.ID] {
-					tried[j.ID] = true
+				if at, ok := tried[j.ID]; !ok || !at.IsZero() && !now.Before(at) {
 					late = append(late, j)
 				}
 			}
-			a.fenceJobs(late, quiet, cause+"; the jobs began to run after this host fenced itself")
+			_, failed := a.fenceJobs(late, quiet, cause+"; the jobs began to run after this host fenced itself, or their kill failed before")
+			tried = triedJobs(tried, late, failed, now)
 			return
 		}
 		// Only a host with jobs fences (and records it): a spare or an idle node has nothing to run twice.
@@ -166,13 +168,23 @@ func (a *Agent) selfFence(ctx context.Context) {
 			}
 			cause += "; this agent stalled meanwhile, and " + reason
 		}
-		fenced = a.fenceJobs(running, quiet, cause)
+		var failed []string
+		fenced, failed = a.fenceJobs(running, quiet, cause)
 		a.selfFenced.Store(fenced)
-		tried = map[string]bool{}
-		for _, j := range running {
-			tried[j.ID] = true
-		}
+		tried = triedJobs(map[string]time.Time{}, running, failed, now)
 	})
+}
+
+// triedJobs records in tried the jobs a fence just went through: killed (zero), or, those in failed, to be
+// tried again a kill bound later (each try is an event: not at every check).
+func triedJobs(tried map[string]time.Time, jobs []Job, failed []string, now time.Time) map[string]time.Time {
+	for _, j := range jobs {
+		tried[j.ID] = time.Time{}
+	}
+	for _, id := range failed {
+		tried[id] = now.Add(fence.KillBound)
+	}
+	return tried
 }
 
 // neighbourSilence measures how long this node has heard from neither ring neighbour, and from its
@@ -328,11 +340,12 @@ func (a *Agent) serveVouch(peer string, req clusterapi.VouchRequest) clusterapi.
 }
 
 // fenceJobs kills the running jobs of this host (their whole cgroups) and records the fence as an event,
-// cause (what cut the host off, for silence) its detail. It reports whether there was any job to kill.
-func (a *Agent) fenceJobs(running []Job, silence time.Duration, cause string) bool {
+// cause (what cut the host off, for silence) its detail. It reports whether there was any job to kill, and
+// which of them it could not kill.
+func (a *Agent) fenceJobs(running []Job, silence time.Duration, cause string) (fenced bool, failed []string) {
 	start := time.Now()
 	if len(running) == 0 {
-		return false
+		return false, nil
 	}
 	// Every job address off the wire first: the killed jobs' sockets then send nothing (no FIN, no reset) to
 	// peers this host may still reach (cut off from the agents only), whose connections the jobs' copies
@@ -340,7 +353,7 @@ func (a *Agent) fenceJobs(running []Job, silence time.Duration, cause string) bo
 	for _, j := range running {
 		a.withdrawJobNet(context.Background(), j.ID, j.Net)
 	}
-	var killed, failed []string
+	var killed []string
 	for _, j := range running {
 		a.supersede(j) // the job goes on elsewhere: this kill is not its end
 		if err := a.killCgroup(j.ID); err != nil {
@@ -372,7 +385,7 @@ func (a *Agent) fenceJobs(running []Job, silence time.Duration, cause string) bo
 		f.Stages = append(f.Stages, st)
 	})
 	a.saveFailures()
-	return true
+	return true, failed
 }
 
 // markFenced records in job id's record that its copy here was killed because it goes on elsewhere (Job.Fenced).

@@ -35,7 +35,7 @@ func TestFenceJobs(t *testing.T) {
 	if err := os.Symlink(target, kill(rootsJob)); err != nil {
 		t.Fatal(err)
 	}
-	if !ta.fenceJobs(ta.runningJobs(), 4*time.Second, "no contact with node2 and node3 for 4s") {
+	if ok, _ := ta.fenceJobs(ta.runningJobs(), 4*time.Second, "no contact with node2 and node3 for 4s"); !ok {
 		t.Fatal("fenceJobs found no job to kill")
 	}
 	if b, _ := os.ReadFile(kill(ownersJob)); string(b) != "1" {
@@ -75,7 +75,7 @@ func TestFenceJobsNothingRunning(t *testing.T) {
 	for _, id := range []string{ownersJob, rootsJob} {
 		ta.byID[id].State = JobExited
 	}
-	if ta.fenceJobs(ta.runningJobs(), 4*time.Second, "no contact with node2 and node3 for 4s") {
+	if ok, _ := ta.fenceJobs(ta.runningJobs(), 4*time.Second, "no contact with node2 and node3 for 4s"); ok {
 		t.Fatal("fenceJobs reported a fence with no job running")
 	}
 	if fs := ta.Failures(); len(fs) != 0 {
@@ -454,7 +454,7 @@ func TestFenceEventHidesOthersJobs(t *testing.T) {
 	if err := os.MkdirAll(kill(rootsJob), 0o700); err != nil {
 		t.Fatal(err)
 	}
-	if !ta.fenceJobs(ta.runningJobs(), 4*time.Second, "no contact with node2 and node3 for 4s") {
+	if ok, _ := ta.fenceJobs(ta.runningJobs(), 4*time.Second, "no contact with node2 and node3 for 4s"); !ok {
 		t.Fatal("fenceJobs found no job to kill")
 	}
 	fs := ta.Events(asOwner.Uid)
@@ -468,4 +468,57 @@ func TestFenceEventHidesOthersJobs(t *testing.T) {
 	if strings.Contains(string(b), rootsJob) {
 		t.Errorf("uid %d sees another user's job %s: %s", asOwner.Uid, rootsJob, b)
 	}
+}
+
+// TestSelfFenceRetriesAFailedKill: a job whose kill failed when its host fenced itself (cgroup.kill could
+// not be opened: here a directory stands in its place) is killed once the kill can be done, while the host
+// is still cut off: its protector restores it elsewhere after the fence wait whatever happened here. Before,
+// it counted as tried with the killed ones and ran on beside its restored copy for as long as the cut lasted.
+func TestSelfFenceRetriesAFailedKill(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.members.view = testView(t, "node1", "node2", "node3")
+	ta.cfg.Heartbeat.Interval.Duration = 20 * time.Millisecond // checks every 10 ms
+	ta.cfg.Failover.FenceTimeout.Duration = 100 * time.Millisecond
+	ta.watchdog = detect.NewWatchdog(detect.Config{})
+	ta.stalls = detect.NewStalls(time.Second, time.Second)
+	kill := func(id string) string { return filepath.Join(ta.layout().cgroup(id), "cgroup.kill") }
+	if err := os.WriteFile(kill(ownersJob), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(kill(rootsJob), 0o700); err != nil { // its kill fails (EISDIR)
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan struct{})
+	go func() { defer close(done); ta.selfFence(ctx) }()
+	defer func() { cancel(); <-done }()
+	waitFor := func(what string, cond func() bool) {
+		t.Helper()
+		for deadline := time.Now().Add(failAfter); !cond(); time.Sleep(5 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: not within %s", what, failAfter)
+			}
+		}
+	}
+	killed := func(id string) func() bool {
+		return func() bool { b, _ := os.ReadFile(kill(id)); return string(b) == "1" }
+	}
+	waitFor("the cut-off node fences its jobs", killed(ownersJob))
+	waitFor("the node counts itself fenced", ta.selfFenced.Load)
+	waitFor("the failed kill is recorded", func() bool {
+		for _, f := range ta.Failures() {
+			if len(f.Stages) == 1 && strings.Contains(f.Stages[0].Error, rootsJob) {
+				return true
+			}
+		}
+		return false
+	})
+	if err := os.Remove(kill(rootsJob)); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(kill(rootsJob), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	waitFor("the job whose kill failed is killed once it can be", killed(rootsJob))
+	waitFor("its record says it was fenced", func() bool { j, _, _ := ta.Job(rootsJob, 0); return j.Fenced })
 }
