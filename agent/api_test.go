@@ -273,6 +273,42 @@ func TestAPICheckpointRateLimit(t *testing.T) {
 	}
 }
 
+// A checkpoint refused before any dump does not use up the user's one per checkpoint.min_interval, and a job
+// named twice is one job, not a job that is not running.
+func TestAPICheckpointRefusalsDoNotCount(t *testing.T) {
+	type req struct {
+		body string
+		code int
+		err  string // in the answer
+	}
+	for _, tt := range []struct {
+		name string
+		reqs []req
+	}{
+		{"job named twice", []req{
+			{`{"jobs":["` + ownersJob + `","` + ownersJob + `"]}`, 500, "criu"}, // allowed: the dump fails without CRIU
+			{`{"jobs":["` + ownersJob + `"]}`, 429, "checkpoint.min_interval"},
+		}},
+		{"ended job first", []req{
+			{`{"jobs":["` + doneJob + `"]}`, 404, "not running"},
+			{`{"jobs":["` + ownersJob + `"]}`, 500, "criu"},
+			{`{"jobs":["` + ownersJob + `"]}`, 429, "checkpoint.min_interval"},
+		}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			ta := agent.NewTestAgent(t)
+			ta.SetCheckpointFloor(time.Hour) // every later request comes within it
+			h := agentapi.Handler(ta.Agent, agentapi.DefaultLimits())
+			for i, r := range tt.reqs {
+				w := call(t, h, asOwner, "POST", "/v1/checkpoint", r.body)
+				if w.Code != r.code || !strings.Contains(w.Body.String(), r.err) {
+					t.Fatalf("request %d %s: %d %s, want %d mentioning %q", i, r.body, w.Code, w.Body.String(), r.code, r.err)
+				}
+			}
+		})
+	}
+}
+
 // Starting a job: it belongs to the caller's uid and gid, whatever the body says. Runs a fake shim that
 // reports a pid; chown of the job directory to the test uids needs root.
 func TestAPIStartJobRunsAsCaller(t *testing.T) {

@@ -219,6 +219,23 @@ func TestFailuresFor(t *testing.T) {
 	}
 }
 
+// failuresFor asks whether the caller owns a job once per job, however many failures and stages name it:
+// for a job not running here the answer is read from disk (ownerOf).
+func TestFailuresForAsksOncePerJob(t *testing.T) {
+	all := testFailures()
+	all = append(all, all[0], all[2]) // the same jobs again, as in a log of many failures
+	asked := map[string]int{}
+	failuresFor(all, func(job string) bool {
+		asked[job]++
+		return job == goneJob || job == ownersJob
+	})
+	for job, n := range asked {
+		if n != 1 {
+			t.Errorf("asked %d times whether the caller owns %s, want once", n, job)
+		}
+	}
+}
+
 // What the tests of the local API (package agent_test, which serve agentapi over a test agent) may
 // reach of the test agent.
 

@@ -238,6 +238,8 @@ func (a *Agent) Checkpoint(ctx context.Context, ids []string, uid uint32) ([]Sna
 // them are snapshotted then) or for each job (otherwise). A snapshot of every job (no ids) leaves out
 // the jobs being replayed (ErrReplaying); one of named jobs is refused if a named job is.
 func (a *Agent) checkpoint(ctx context.Context, ids []string, uid uint32, still func(Job) bool) ([]SnapshotResult, error) {
+	// A job named twice is one job: counted twice, the check below took it for a job that is not running.
+	ids = slices.Compact(slices.Sorted(slices.Values(ids)))
 	var replaying []string
 	running := func() []Job {
 		var jobs []Job

@@ -98,6 +98,17 @@ func sortJobs(js []Job) {
 // them are left out; node-level stages keep where and when (who failed, who detected it, where its jobs
 // went: the membership view every user can read says as much) without their details.
 func failuresFor(all []*Failure, owns func(job string) bool) []*Failure {
+	// Asked once per job: for a job not running here, owns reads the newest snapshot's record from disk, and
+	// a job comes back in many failures and stages (up to MaxFailures*(MaxJobs+MaxStages) times a request).
+	known, ask := map[string]bool{}, owns
+	owns = func(job string) bool {
+		v, ok := known[job]
+		if !ok {
+			v = ask(job)
+			known[job] = v
+		}
+		return v
+	}
 	out := []*Failure{}
 	for _, f := range all {
 		var jobs []string

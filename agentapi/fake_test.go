@@ -39,6 +39,9 @@ type fakeBackend struct {
 	mu      sync.Mutex
 	jobs    map[string]*agent.Job
 	changed chan struct{}
+	// floor is CheckpointFloor (an hour if 0); checkpoint, if set, answers Checkpoint.
+	floor      time.Duration
+	checkpoint func(ctx context.Context, jobs []string, uid uint32) ([]agent.SnapshotResult, error)
 }
 
 func newFakeBackend(t *testing.T) *fakeBackend {
@@ -127,11 +130,19 @@ func (fb *fakeBackend) StartJobOn(_ context.Context, host string, spec agent.Job
 	return &agent.Job{ID: spec.Name + "-1", Spec: spec, UID: uid, GID: gid, Node: host, Dir: "/jobs/" + spec.Name + "-1"}, nil
 }
 
-func (fb *fakeBackend) Checkpoint(context.Context, []string, uint32) ([]agent.SnapshotResult, error) {
+func (fb *fakeBackend) Checkpoint(ctx context.Context, jobs []string, uid uint32) ([]agent.SnapshotResult, error) {
+	if fb.checkpoint != nil {
+		return fb.checkpoint(ctx, jobs, uid)
+	}
 	return nil, errFake
 }
 
-func (fb *fakeBackend) CheckpointFloor() time.Duration { return time.Hour }
+func (fb *fakeBackend) CheckpointFloor() time.Duration {
+	if fb.floor > 0 {
+		return fb.floor
+	}
+	return time.Hour
+}
 
 func (fb *fakeBackend) Snapshots(string, uint32) ([]*ckpt.Manifest, error) { return nil, nil }
 

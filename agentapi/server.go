@@ -206,14 +206,27 @@ func Handler(a Backend, lim Limits) http.Handler {
 				return
 			}
 		}
+		// One at a time per user: another would wait for the host's snapshot lock, and queued ones would hold
+		// it back to back, whatever the floor below.
+		end, ok := gate.start(uid)
+		if !ok {
+			writeError(w, http.StatusTooManyRequests, fmt.Errorf("uid %d already has a checkpoint under way on this host: wait for its answer, then ask again", uid))
+			return
+		}
+		defer end()
 		// Any user may ask for snapshots; like a job's interval, they may not come faster than the floor.
-		if wait, ok := gate.allow(uid, time.Now()); !ok {
+		asked := time.Now()
+		if wait, ok := gate.allow(uid, asked); !ok {
 			w.Header().Set("Retry-After", strconv.Itoa(int(wait.Round(time.Second)/time.Second)+1))
 			writeError(w, http.StatusTooManyRequests, fmt.Errorf("uid %d may ask for a checkpoint once every %s (checkpoint.min_interval): retry in %s",
 				uid, a.CheckpointFloor(), wait.Round(time.Millisecond)))
 			return
 		}
 		res, err := a.Checkpoint(r.Context(), req.Jobs, uid)
+		if len(res) == 0 && (errors.Is(err, agent.ErrNoJob) || errors.Is(err, agent.ErrReplaying)) {
+			// Refused before any dump (a named job ended, or is being replayed): nothing to space.
+			gate.giveBack(uid, asked)
+		}
 		switch {
 		case errors.Is(err, agent.ErrNoJob):
 			writeError(w, http.StatusNotFound, err)

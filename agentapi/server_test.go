@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"runtime"
 	"strconv"
@@ -507,5 +508,65 @@ func TestAPIRunOps(t *testing.T) {
 				t.Fatalf("%d %s, want %d %q", w.Code, w.Body.String(), tt.code, tt.want)
 			}
 		})
+	}
+}
+
+// A user has one checkpoint under way at a time, however short the floor: the next waits for the host's
+// snapshot lock, and a user's queued requests would hold it back to back, before other users' scheduled
+// snapshots. Root is not limited; another user is not held up by the first.
+func TestAPICheckpointOneAtATimePerUser(t *testing.T) {
+	fb := newFakeBackend(t)
+	fb.floor = time.Nanosecond // spacing alone lets every request below through
+	for _, j := range []agent.Job{{ID: "mine-1", UID: asOwner.Uid, State: agent.JobRunning}, {ID: "theirs-1", UID: asOther.Uid, State: agent.JobRunning}} {
+		fb.addJob(t, j)
+	}
+	entered, release := make(chan string, 8), make(chan struct{})
+	fb.checkpoint = func(ctx context.Context, jobs []string, uid uint32) ([]agent.SnapshotResult, error) {
+		entered <- strconv.Itoa(int(uid))
+		select {
+		case <-release: // the dump, done
+		case <-ctx.Done():
+		}
+		return nil, errFake
+	}
+	h := Handler(fb, DefaultLimits())
+	first := make(chan int, 1)
+	go func() { first <- call(t, h, asOwner, "POST", "/v1/checkpoint", `{"jobs":["mine-1"]}`).Code }()
+	select {
+	case <-entered:
+	case <-time.After(failAfter):
+		t.Fatal("the first checkpoint did not reach the agent")
+	}
+	second := make(chan *httptest.ResponseRecorder, 1)
+	go func() { second <- call(t, h, asOwner, "POST", "/v1/checkpoint", `{"jobs":["mine-1"]}`) }()
+	select {
+	case w := <-second:
+		if w.Code != http.StatusTooManyRequests || !strings.Contains(w.Body.String(), "under way") {
+			t.Errorf("a second checkpoint of uid %d while its first is under way: %d %s, want 429", asOwner.Uid, w.Code, w.Body.String())
+		}
+	case <-entered:
+		close(release)
+		<-second
+		<-first
+		t.Fatalf("a second checkpoint of uid %d reached the agent while its first was under way: it waits for the snapshot lock", asOwner.Uid)
+	}
+	// Root, and another user, are not held up by it.
+	for _, c := range []*unix.Ucred{asRoot, asOther} {
+		done := make(chan int, 1)
+		go func() { done <- call(t, h, c, "POST", "/v1/checkpoint", `{}`).Code }()
+		select {
+		case <-entered:
+		case <-time.After(failAfter):
+			t.Fatalf("a checkpoint of uid %d did not reach the agent", c.Uid)
+		}
+		defer func() { <-done }()
+	}
+	close(release)
+	if code := <-first; code != http.StatusInternalServerError {
+		t.Errorf("the first checkpoint: %d, want the fake's 500", code)
+	}
+	// Its answer given, the user may ask again (the floor has passed).
+	if w := call(t, h, asOwner, "POST", "/v1/checkpoint", `{"jobs":["mine-1"]}`); w.Code != http.StatusInternalServerError {
+		t.Errorf("a checkpoint after the first ended: %d %s, want the fake's 500", w.Code, w.Body.String())
 	}
 }
