@@ -27,7 +27,8 @@ import (
 // runs here goes once it is keep_ended old: forgetStaleCuts) (a rollback of the run restarts
 // the ended part from it); a snapshot taken after the job ended (a copy of it that came back here since);
 // and the record of a job whose address may still be in use (addressHeld), of one whose network lingers,
-// or of one whose holders could not all be told yet (Job.Forget, tried again at each pass).
+// or of one whose holders could not all be told yet or kept some (one the job runs on now keeps them
+// until it ends there) (Job.Forget, tried again at each pass).
 
 // forgetEnded runs forgetDue until ctx ends; keep_ended 0 keeps everything.
 func (a *Agent) forgetEnded(ctx context.Context) {
@@ -153,7 +154,7 @@ func (a *Agent) forgetJob(ctx context.Context, e endedJob) {
 	}
 	slices.Sort(holders)
 	holders = slices.Compact(holders)
-	var untold []string
+	var untold, keeping []string
 	for _, h := range holders {
 		if h == a.cfg.Name {
 			continue
@@ -168,6 +169,11 @@ func (a *Agent) forgetJob(ctx context.Context, e endedJob) {
 			continue
 		}
 		log.Debug("holder dropped an ended job's replicas", "holder", h, "deleted", rep.Deleted, "kept", rep.Kept)
+		if rep.Kept > 0 {
+			// It keeps some (the job runs there now, restored from them, say): it drops them only when asked
+			// once they are no longer needed, and nobody else ever asks, so they would stay on its disk for good.
+			keeping = append(keeping, h)
+		}
 	}
 	keepRecord := ""
 	switch {
@@ -175,6 +181,8 @@ func (a *Agent) forgetJob(ctx context.Context, e endedJob) {
 		keepRecord = "snapshots kept"
 	case len(untold) > 0:
 		keepRecord = "holders to tell"
+	case len(keeping) > 0:
+		keepRecord = "holders keep replicas"
 	case addressHeld(&e.job):
 		keepRecord = whyAddress
 	case e.job.Net != nil && a.lingering.has(e.job.Net.Name):
@@ -187,7 +195,7 @@ func (a *Agent) forgetJob(ctx context.Context, e endedJob) {
 	}
 	if keepRecord != "" {
 		// Forgotten for good only if nothing but the address keeps it: the rest is tried again at each pass.
-		e.rec.Ended, e.rec.Forget, e.rec.Forgotten = e.ended, untold, keepRecord == whyAddress
+		e.rec.Ended, e.rec.Forget, e.rec.Forgotten = e.ended, slices.Concat(untold, keeping), keepRecord == whyAddress
 		if serr := a.jobs.save(e.rec); serr != nil {
 			log.Warn("save job record", "err", serr)
 		}

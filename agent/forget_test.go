@@ -212,3 +212,78 @@ func TestEndedRunsCutForgotten(t *testing.T) {
 		t.Errorf("the ended job's record: %v; want it gone", err)
 	}
 }
+
+// TestForgetAsksAgainWhileTheHolderKeeps: a job failed over from n1 to n2, its protector, which restored it
+// from n1's replicas and runs it. Once keep_ended passed on n1, n1 told n2 to drop them; n2 kept them (the
+// job runs there) and n1 removed its record anyway, so nobody asked again and n1's replicas stayed on n2's
+// disk for good, even after the job ended there. n1 now asks at each pass until n2 keeps none.
+func TestForgetAsksAgainWhileTheHolderKeeps(t *testing.T) {
+	pki := newTestPKI(t)
+	const job = "moved-0000000a"
+	n2, _ := newWireAgent(t, "n2", testMembers(nil))
+	cfg := pki.creds(t, "n2")
+	n2.cfg.Cluster.CA, n2.cfg.Cluster.Cert, n2.cfg.Cluster.Key = cfg.CAFile, cfg.CertFile, cfg.KeyFile
+	ln, port := listenAs(t, pki, "n2")
+	srv := n2.clusterServer(t.Context()).HTTPServer()
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	// n1's replicas on n2, from which n2 restored the job it now runs.
+	fromN1, err := ckpt.Open(n2.store.Root(), ckpt.Options{Node: "n1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h2 := &testAgent{Agent: &Agent{store: fromN1}}
+	for range 2 {
+		h2.addSnapshot(t, Job{ID: job, Node: "n1"})
+	}
+	n2.mu.Lock()
+	n2.byID[job] = &Job{ID: job, Node: "n2", State: JobRunning}
+	n2.mu.Unlock()
+
+	n1, _ := clientAgent(t, pki, map[string]uint16{"n2": port})
+	n1.cfg.Checkpoint.KeepEnded = Duration{Duration: time.Hour}
+	n1.jobs = jobStore{dir: filepath.Join(n1.cfg.StateDir, "jobs")}
+	if err := os.MkdirAll(n1.jobs.dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	ended := time.Now().Add(time.Minute)
+	rec := &Job{ID: job, Node: "n1", State: JobMoved, MovedTo: "n2", Ended: ended, Replica: &Replica{Holders: []string{"n2"}}}
+	if err := n1.jobs.save(rec); err != nil {
+		t.Fatal(err)
+	}
+	n1.mu.Lock()
+	n1.byID[job] = rec
+	n1.mu.Unlock()
+	n1Record := func() (*Job, bool) {
+		n1.mu.Lock()
+		defer n1.mu.Unlock()
+		j, ok := n1.byID[job]
+		if !ok {
+			return nil, false
+		}
+		c := *j
+		return &c, true
+	}
+
+	n1.forgetDue(t.Context(), ended.Add(2*time.Hour))
+	if got, _ := n2.store.List(job, "n1"); len(got) != 2 {
+		t.Errorf("n1's replicas on n2, which runs the job: %v; want both kept", got)
+	}
+	if j, ok := n1Record(); !ok || !slices.Equal(j.Forget, []string{"n2"}) || j.Forgotten {
+		t.Errorf("n1's record after n2 kept its replicas: %+v, %v; want it kept, n2 to ask again", j, ok)
+	}
+
+	n2.mu.Lock()
+	n2.byID[job].State = JobExited // the job ended on n2 too
+	n2.mu.Unlock()
+	n1.forgetDue(t.Context(), ended.Add(3*time.Hour))
+	if got, _ := n2.store.List(job, "n1"); len(got) != 0 {
+		t.Errorf("n1's replicas on n2 after the job ended there: %v; want none", got)
+	}
+	if j, ok := n1Record(); ok {
+		t.Errorf("n1's record once n2 kept nothing: %+v; want it gone", j)
+	}
+	if _, err := os.Stat(n1.jobs.path(job)); !os.IsNotExist(err) {
+		t.Errorf("n1's record on disk: %v; want it gone", err)
+	}
+}

@@ -172,8 +172,8 @@ type Job struct {
 	// ConnsChecked is when the agent's last listing of the job's connections began.
 	ConnsChecked time.Time `json:"conns_checked,omitzero"`
 	// Ended is when an ended job's keep_ended began (its record's time when the agent first forgot its
-	// snapshots, forget.go); Forget lists the holders of its replicas still to be told to drop them, and
-	// Forgotten says its snapshots are gone and its record stays (its address may be in use).
+	// snapshots, forget.go); Forget lists the holders of its replicas still to be told to drop them (or that
+	// kept some), and Forgotten says its snapshots are gone and its record stays (its address may be in use).
 	Ended     time.Time `json:"ended,omitzero"`
 	Forget    []string  `json:"forget,omitempty"`
 	Forgotten bool      `json:"forgotten,omitempty"`
