@@ -72,6 +72,17 @@ func (a *Agent) selfFence(ctx context.Context) {
 		// the protector restores them elsewhere whatever happened here.
 		tried map[string]time.Time
 	)
+	// A restarted agent goes on with the silence its previous process measured (this boot's only): the
+	// protector waits from the last beat it received, not from this process's start. The time it was away
+	// counts as a stall of its own (the vouch below): it heard nobody then, and nobody may have declared it.
+	contact := newContactStore(filepath.Join(a.cfg.StateDir, fenceContactFile))
+	var restarted time.Time
+	if w, err := contact.load(time.Now()); err != nil {
+		a.log.Warn("self-fence: the silence counts from this agent's start", "err", err)
+	} else if !w.heard.IsZero() {
+		silence, restarted = w, time.Now()
+		a.log.Info("self-fence: going on with the silence the previous agent measured", "since_ms", time.Since(w.heard).Milliseconds())
+	}
 	tickgrid.Every(ctx, t.Check(), func() {
 		now := time.Now()
 		a.loops.Mark(loopSelfFence, now)
@@ -99,6 +110,9 @@ func (a *Agent) selfFence(ctx context.Context) {
 		d, protSilence, fresh := silence.check(now, p.Name, s.Name, c, t.Timeout)
 		if fresh {
 			fenced = false
+		}
+		if err := contact.save(now, silence); err != nil {
+			a.log.Warn("self-fence", "err", err)
 		}
 		// In a ring of two, the protector is the predecessor too: its silence alone is no isolation.
 		cut, quiet, from := d.Fence && !two, d.Silence, silence.since
@@ -154,10 +168,11 @@ func (a *Agent) selfFence(ctx context.Context) {
 		if len(running) == 0 {
 			return
 		}
-		if a.stalls.Since(now.Add(-quiet), now) {
-			// This agent stalled within the silence (a starved or paused host): the silence may be its own
-			// absence only, as when a whole machine or cluster pauses. Its protector knows whether it declared
-			// this node failed (and refuses to vouch then), and a stalled protector declared nobody.
+		if a.stalls.Since(now.Add(-quiet), now) || restarted.After(now.Add(-quiet)) {
+			// This agent stalled within the silence (a starved or paused host, or it was restarted within it):
+			// the silence may be its own absence only, as when a whole machine or cluster pauses. Its protector
+			// knows whether it declared this node failed (and refuses to vouch then), and a stalled protector
+			// declared nobody.
 			sent := time.Now()
 			vouched, reason := a.askVouch(ctx, p.Name, t.VouchBy(sent, from, c.Protector))
 			if vouched {
