@@ -136,8 +136,11 @@ func (a *Agent) serveCoordinate(ctx context.Context, peer string, req clusterapi
 		if err := a.checkCoordinator(peer, req); err != nil {
 			return clusterapi.CoordinateReply{}, err
 		}
-		return a.coordThaw(ctx, req, req.Phase == clusterapi.CoordThaw)
+		return a.coordThaw(ctx, peer, req, req.Phase == clusterapi.CoordThaw)
 	case clusterapi.CoordCommit:
+		if err := a.checkCoordinator(peer, req); err != nil {
+			return clusterapi.CoordinateReply{}, err
+		}
 		for _, p := range req.Parts {
 			if err := a.checkPart(req.Run, *req.UID, p, nil); err != nil {
 				return clusterapi.CoordinateReply{}, &clusterapi.Error{Code: clusterapi.CodeRefused, Message: "cut not recorded: " + err.Error()}
@@ -146,7 +149,7 @@ func (a *Agent) serveCoordinate(ctx context.Context, peer string, req clusterapi
 		if err := a.cutRecords().Save(coordinated.Cut{Run: req.Run, UID: *req.UID, ID: req.Cut, Taken: time.Now().UTC(), Parts: req.Parts}); err != nil {
 			return clusterapi.CoordinateReply{}, err
 		}
-		a.uncommitted.Done(coordinated.HoldKey(req), req.Cut) // the record pins them now
+		a.uncommitted.Done(coordinated.HoldKey(req), req.Cut, peer) // the record pins them now
 		return clusterapi.CoordinateReply{}, nil
 	case clusterapi.CoordPrepare:
 		if err := a.refuseOlderCut(req); err != nil {
@@ -162,18 +165,23 @@ func (a *Agent) serveCoordinate(ctx context.Context, peer string, req clusterapi
 	return clusterapi.CoordinateReply{}, fmt.Errorf("no phase %q", req.Phase)
 }
 
-// checkCoordinator refuses a cut's dump, thaw or abort from any member but the one whose freeze holds the
-// run's jobs here for that cut: another member (its own cut of the run given the same id, or a member
-// acting for a cut it does not coordinate) would otherwise thaw the jobs mid-cut and give back the
-// snapshot lock under the coordinator, or dump and replicate for it.
+// checkCoordinator refuses a cut's dump, thaw, abort or commit from any member but the one whose freeze holds
+// the run's jobs here for that cut, or, after the thaw, whose cut's snapshots are pinned here until its
+// commit: another member (its own cut of the run given the same id, or a member acting for a cut it does not
+// coordinate) would otherwise thaw the jobs mid-cut and give back the snapshot lock under the coordinator,
+// dump and replicate for it, or unpin the cut's snapshots before the coordinator's commit names them.
 func (a *Agent) checkCoordinator(peer string, req clusterapi.CoordinateRequest) error {
-	h := a.coord.Get(coordinated.HoldKey(req), req.Cut)
-	if h == nil || h.Coordinator == peer {
+	key := coordinated.HoldKey(req)
+	coordinator := a.uncommitted.Coordinator(key, req.Cut)
+	if h := a.coord.Get(key, req.Cut); h != nil {
+		coordinator = h.Coordinator
+	}
+	if coordinator == "" || coordinator == peer {
 		return nil
 	}
 	return &clusterapi.Error{Code: clusterapi.CodeRefused, Message: fmt.Sprintf(
 		"%s of cut %s of run %s from %s refused: %s froze the run's jobs on %s for that cut and alone coordinates it",
-		req.Phase, req.Cut, req.Run, peer, h.Coordinator, a.cfg.Name)}
+		req.Phase, req.Cut, req.Run, peer, coordinator, a.cfg.Name)}
 }
 
 // refuseOlderCut refuses a rollback to a cut older than the one this host records for the run. A commit
@@ -370,14 +378,14 @@ func (a *Agent) coordDump(ctx context.Context, req clusterapi.CoordinateRequest)
 
 // coordThaw ends the hold of the request's run for its cut, and with replicate ships the dumps to the
 // jobs' protectors (the reply names those that arrived).
-func (a *Agent) coordThaw(ctx context.Context, req clusterapi.CoordinateRequest, replicate bool) (clusterapi.CoordinateReply, error) {
+func (a *Agent) coordThaw(ctx context.Context, peer string, req clusterapi.CoordinateRequest, replicate bool) (clusterapi.CoordinateReply, error) {
 	key := coordinated.HoldKey(req)
 	if h := a.coord.Get(key, req.Cut); h != nil && replicate {
 		// Pinned before the end of the hold gives back the snapshot lock: a snapshot of the same job taken
 		// before the commit would otherwise prune the cut's (keep = 1), and the commit name a deleted one.
-		a.uncommitted.Add(key, req.Cut, h.Dumped)
+		a.uncommitted.Add(key, req.Cut, h.Coordinator, h.Dumped)
 	} else if !replicate {
-		a.uncommitted.Done(key, req.Cut) // given up: never committed
+		a.uncommitted.Done(key, req.Cut, peer) // given up: never committed
 	}
 	hold := a.coord.End(key, req.Cut)
 	var rep clusterapi.CoordinateReply

@@ -373,3 +373,60 @@ func TestCutPhasesOnlyFromItsCoordinator(t *testing.T) {
 		})
 	}
 }
+
+// TestUncommittedPinsOnlyFromItsCoordinator: after a cut's thaw (its hold ended, its snapshots pinned until
+// the commit) another alive member sends an abort, or a commit, of that cut. Its coordinator alone commits
+// or gives it up: the pins stay, and the other member is refused. Before, checkCoordinator applied only while
+// the hold existed, and any member's abort unpinned the cut's snapshots: a scheduled snapshot's retention
+// (keep = 1) then deleted the cut's, and the coordinator's commit recorded a cut naming a deleted snapshot.
+func TestUncommittedPinsOnlyFromItsCoordinator(t *testing.T) {
+	uid := uint32(0)
+	const cut = "cut-20261203T100000.000"
+	req := func(p clusterapi.CoordPhase) clusterapi.CoordinateRequest {
+		return clusterapi.CoordinateRequest{Run: "farm", UID: &uid, Cut: cut, Phase: p}
+	}
+	for _, phase := range []clusterapi.CoordPhase{clusterapi.CoordAbort, clusterapi.CoordCommit} {
+		t.Run(string(phase), func(t *testing.T) {
+			ta := newTestAgent(t)
+			ta.members.view = testView(t, "node1", "node2", "node3")
+			spec := JobSpec{Run: "farm"}
+			j, _ := frozenJob(t, ta, Job{ID: "farm-node1-1", UID: uid, Spec: spec, Net: &JobNet{Name: "ftj-test"}})
+			if _, err := ta.serveCoordinate(t.Context(), "node2", req(clusterapi.CoordFreeze)); err != nil {
+				t.Fatal(err)
+			}
+			// The dump phase, as coordDump leaves it (the test agent has no CRIU).
+			snap := ta.addSnapshot(t, Job{ID: j.ID, UID: uid, Node: ta.cfg.Name, Spec: spec})
+			m, err := ta.store.Manifest(j.ID, snap)
+			if err != nil {
+				t.Fatal(err)
+			}
+			hold := ta.coord.Get(coordinated.HoldKey(req(clusterapi.CoordFreeze)), cut)
+			hold.Dumped = append(hold.Dumped, m)
+			// The thaw; its shipping is cut short (no protector answers here), as if it were done.
+			done, cancel := context.WithCancel(t.Context())
+			cancel()
+			ta.serveCoordinate(done, "node2", req(clusterapi.CoordThaw))
+			if pins := ta.uncommitted.Pinned(j.ID); !slices.Equal(pins, []string{snap}) {
+				t.Fatalf("after the thaw: pinned %v, want [%s]", pins, snap)
+			}
+
+			other := req(phase)
+			if phase == clusterapi.CoordCommit {
+				other.Parts = []clusterapi.CutPart{{Job: "farm-node3-1", Host: "node3", Snapshot: "20261203T100000.000Z-node3-000001"}}
+			}
+			_, err = ta.serveCoordinate(t.Context(), "node3", other)
+			if e := clusterapi.Refusal(err); e == nil || e.Code != clusterapi.CodeRefused {
+				t.Errorf("%s of node2's cut from node3 after its thaw: %v; want a refusal", phase, err)
+			}
+			if pins := ta.uncommitted.Pinned(j.ID); !slices.Equal(pins, []string{snap}) {
+				t.Fatalf("after node3's %s: pinned %v, want node2's cut's [%s] kept", phase, pins, snap)
+			}
+			if _, err := ta.serveCoordinate(t.Context(), "node2", req(clusterapi.CoordAbort)); err != nil {
+				t.Fatalf("the coordinator's abort: %v", err)
+			}
+			if pins := ta.uncommitted.Pinned(j.ID); len(pins) != 0 {
+				t.Errorf("after node2's abort: pinned %v, want none", pins)
+			}
+		})
+	}
+}

@@ -230,7 +230,7 @@ func TestCutSnapshotKeptOnProtectorUntilCommit(t *testing.T) {
 	// The cut's dump, pinned here and replicated at its thaw (coordThaw).
 	x := snapshot(1)
 	cutSnap = x.ID
-	a.uncommitted.Add(key, cut, []*ckpt.Manifest{x})
+	a.uncommitted.Add(key, cut, "node2", []*ckpt.Manifest{x})
 	if _, err := a.shipToProtector(t.Context(), x, nil); err != nil {
 		t.Fatalf("the cut's replication: %v", err)
 	}
@@ -255,7 +255,7 @@ func TestCutSnapshotKeptOnProtectorUntilCommit(t *testing.T) {
 	}
 	// The commit: the protector records the cut (its record pins the cut's snapshot), then this host does.
 	committed.Store(true)
-	a.uncommitted.Done(key, cut)
+	a.uncommitted.Done(key, cut, "node2")
 	if !shipped {
 		select {
 		case shipErr = <-done:

@@ -226,16 +226,20 @@ type uncommittedKey struct{ run, cut string }
 type uncommitted struct {
 	snaps map[string][]string // job -> snapshot ids
 	until time.Time
+	// coordinator is the member whose cut it is: it alone commits or gives it up (Done). The hold, which
+	// names it too, ends at the thaw; another member's abort afterwards unpinned the cut's snapshots.
+	coordinator string
 }
 
 // uncommittedMax bounds how long a cut's snapshots stay pinned without its commit: the coordinator commits
 // once every host has replicated its dumps (each within clusterapi.MaxCoordStep), or gave the cut up.
 const uncommittedMax = clusterapi.MaxCoordStep + HoldMax
 
-// Add pins dumped, the snapshots of cut of key's run, until Done or uncommittedMax. Those of another cut of
-// the run stay pinned: replacing them let this cut's replication prune a cut still to commit (keep = 1),
-// which was then recorded naming a deleted snapshot. A torn cut's coordinator gives it up (Done).
-func (u *Uncommitted) Add(key, cut string, dumped []*ckpt.Manifest) {
+// Add pins dumped, the snapshots of cut of key's run, which coordinator coordinates, until Done or
+// uncommittedMax. Those of another cut of the run stay pinned: replacing them let this cut's replication
+// prune a cut still to commit (keep = 1), which was then recorded naming a deleted snapshot. A torn cut's
+// coordinator gives it up (Done).
+func (u *Uncommitted) Add(key, cut, coordinator string, dumped []*ckpt.Manifest) {
 	snaps := map[string][]string{}
 	for _, m := range dumped {
 		snaps[m.Job] = append(snaps[m.Job], m.ID)
@@ -245,14 +249,33 @@ func (u *Uncommitted) Add(key, cut string, dumped []*ckpt.Manifest) {
 	if u.m == nil {
 		u.m = map[uncommittedKey]uncommitted{}
 	}
-	u.m[uncommittedKey{key, cut}] = uncommitted{snaps: snaps, until: time.Now().Add(uncommittedMax)}
+	u.m[uncommittedKey{key, cut}] = uncommitted{snaps: snaps, until: time.Now().Add(uncommittedMax), coordinator: coordinator}
 }
 
-// Done unpins the snapshots of cut of key's run: the cut is recorded (the record pins them) or given up.
-func (u *Uncommitted) Done(key, cut string) {
+// Coordinator is the member that coordinates cut of key's run, whose snapshots are pinned here, or "" if
+// none are.
+func (u *Uncommitted) Coordinator(key, cut string) string {
 	u.mu.Lock()
 	defer u.mu.Unlock()
-	delete(u.m, uncommittedKey{key, cut})
+	p, ok := u.m[uncommittedKey{key, cut}]
+	if !ok || time.Now().After(p.until) {
+		return ""
+	}
+	return p.coordinator
+}
+
+// Done unpins the snapshots of cut of key's run, as coordinator says: the cut is recorded (the record pins
+// them) or given up. Another member's word leaves them pinned: it does not coordinate the cut (its own cut
+// given the same id, or one acting for a cut it does not coordinate), and retention would prune them before
+// the coordinator's commit names them.
+func (u *Uncommitted) Done(key, cut, coordinator string) {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	k := uncommittedKey{key, cut}
+	if p, ok := u.m[k]; !ok || p.coordinator != coordinator {
+		return
+	}
+	delete(u.m, k)
 	if u.changed != nil {
 		close(u.changed)
 		u.changed = nil

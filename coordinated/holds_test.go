@@ -140,19 +140,50 @@ func TestUncommittedConcurrentCuts(t *testing.T) {
 		want  []string
 	}{
 		{"both thawed", func(u *Uncommitted) {}, []string{s1, s2}},
-		{"the second committed", func(u *Uncommitted) { u.Done(key, "cut-2") }, []string{s1}},
-		{"the first committed", func(u *Uncommitted) { u.Done(key, "cut-1") }, []string{s2}},
-		{"both committed", func(u *Uncommitted) { u.Done(key, "cut-2"); u.Done(key, "cut-1") }, nil},
+		{"the second committed", func(u *Uncommitted) { u.Done(key, "cut-2", "node2") }, []string{s1}},
+		{"the first committed", func(u *Uncommitted) { u.Done(key, "cut-1", "node2") }, []string{s2}},
+		{"both committed", func(u *Uncommitted) { u.Done(key, "cut-2", "node2"); u.Done(key, "cut-1", "node2") }, nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var u Uncommitted
-			u.Add(key, "cut-1", dump(s1))
-			u.Add(key, "cut-2", dump(s2))
+			u.Add(key, "cut-1", "node2", dump(s1))
+			u.Add(key, "cut-2", "node2", dump(s2))
 			tc.steps(&u)
 			got := u.Pinned("farm-1")
 			slices.Sort(got)
 			if !slices.Equal(got, tc.want) {
 				t.Errorf("pinned %v, want %v", got, tc.want)
+			}
+		})
+	}
+}
+
+// TestUncommittedDoneOnlyByCoordinator: a cut's snapshots stay pinned from its thaw (its hold ended) to its
+// commit or give-up, which its coordinator alone sends. Before, the pin did not record the coordinator, and
+// any member's abort after the thaw unpinned them: retention (keep = 1) then deleted the cut's snapshot, and
+// the coordinator's commit recorded a cut naming it.
+func TestUncommittedDoneOnlyByCoordinator(t *testing.T) {
+	uid := uint32(1000)
+	key := HoldKey(clusterapi.CoordinateRequest{Run: "farm", UID: &uid})
+	const s1 = "20261203T100000.000Z-node1-000001"
+	for _, tc := range []struct {
+		name        string
+		by          string
+		want        []string
+		coordinator string
+	}{
+		{"another member", "node3", []string{s1}, "node2"},
+		{"the coordinator", "node2", nil, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var u Uncommitted
+			u.Add(key, "cut-1", "node2", []*ckpt.Manifest{{Job: "farm-1", ID: s1}})
+			u.Done(key, "cut-1", tc.by)
+			if got := u.Pinned("farm-1"); !slices.Equal(got, tc.want) {
+				t.Errorf("after Done from %s: pinned %v, want %v", tc.by, got, tc.want)
+			}
+			if got := u.Coordinator(key, "cut-1"); got != tc.coordinator {
+				t.Errorf("after Done from %s: coordinator %q, want %q", tc.by, got, tc.coordinator)
 			}
 		})
 	}
