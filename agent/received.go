@@ -70,7 +70,7 @@ func (a *Agent) startReceiveDigests() (*ebpfprobes.RecvTap, *recvdigest.Book, *r
 // block of an earlier snapshot's of this copy of the job, that snapshot's prefix is extended by the bytes
 // sent since (often none: a receiver's side of a one-way stream), instead of asking the log for bytes it
 // cannot have (which made every such snapshot wait resentLogWait, 5 s, and then go without a prefix).
-func (a *Agent) sentPrefix(ctx context.Context, j Job, images string, c image.TCPConn) (*ckpt.SentPrefix, error) {
+func (a *Agent) sentPrefix(ctx context.Context, images string, c image.TCPConn, copySnaps func() []*ckpt.Manifest) (*ckpt.SentPrefix, error) {
 	conn := c.Tuple
 	start := recvdigest.BlockStart(c.OutqSeq)
 	isn := false
@@ -83,7 +83,7 @@ func (a *Agent) sentPrefix(ctx context.Context, j Job, images string, c image.TC
 		}
 	}
 	if !isn {
-		if base, ok := a.prefixBase(j, conn, c.OutqSeq); ok {
+		if base, ok := prefixBaseOf(copySnaps(), conn, c.OutqSeq); ok {
 			h := crc32New(base.CRC)
 			if err := a.sentBytes(ctx, h, images, c, base.From, c.OutqSeq-base.From); err != nil {
 				return nil, err
@@ -124,23 +124,24 @@ func (a *Agent) sentBytes(ctx context.Context, w io.Writer, images string, c ima
 	return err
 }
 
-// prefixBase finds, among the snapshots of this copy of job j (those taken on this host since it was
-// restored here, newest first, then the one it was restored from), the newest whose record of conn has a
-// prefix that the dump at write_seq outq extends (prefixExtends).
+// copySnapshots are the snapshots of this copy of job j that a dump's sent prefixes may extend (prefixBaseOf):
+// those taken on this host since it was restored here, newest first, then the one it was restored from. Read
+// once per dump (sentPrefix asks for each connection).
 //
 // This host's snapshots of this copy are told by the job record each carries (the copy's restored snapshot
 // and incarnation), not by comparing ids with j.Restored: ids carry their host's clock, and the restored
 // snapshot may be another host's, whose clock behind this one's made an earlier copy's snapshots here pass
 // for this copy's (as did, whatever the clocks, those newer than an older snapshot of this host the job was
 // restored from): the prefix then extended bytes this copy never sent.
-func (a *Agent) prefixBase(j Job, conn tcpflow.Tuple, outq uint32) (prefixBase, bool) {
+func (a *Agent) copySnapshots(j Job) []*ckpt.Manifest {
 	ids, err := a.store.List(j.ID, a.cfg.Name)
 	if err != nil {
-		return prefixBase{}, false
+		return nil
 	}
+	var out []*ckpt.Manifest
 	for _, id := range ids {
 		if id == j.Restored {
-			continue // looked at last: the copy's oldest
+			continue // last: the copy's oldest
 		}
 		m, err := a.store.Manifest(j.ID, id)
 		if err != nil {
@@ -149,18 +150,25 @@ func (a *Agent) prefixBase(j Job, conn tcpflow.Tuple, outq uint32) (prefixBase, 
 		if rec, err := a.snapshotRecord(m); err != nil || rec.Restored != j.Restored || rec.Incarnation != j.Incarnation {
 			continue // another copy's (or one whose record is unreadable)
 		}
+		out = append(out, m)
+	}
+	if j.Restored != "" {
+		if m, err := a.store.Manifest(j.ID, j.Restored); err == nil {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+// prefixBaseOf finds, among snaps (copySnapshots, in order), the first whose record of conn has a prefix that
+// the dump at write_seq outq extends (prefixExtends).
+func prefixBaseOf(snaps []*ckpt.Manifest, conn tcpflow.Tuple, outq uint32) (prefixBase, bool) {
+	for _, m := range snaps {
 		if b, ok := connPrefixBase(m, conn, outq); ok {
 			return b, true
 		}
 	}
-	if j.Restored == "" {
-		return prefixBase{}, false
-	}
-	m, err := a.store.Manifest(j.ID, j.Restored)
-	if err != nil {
-		return prefixBase{}, false
-	}
-	return connPrefixBase(m, conn, outq)
+	return prefixBase{}, false
 }
 
 // connPrefixBase is snapshot m's base for conn's dump at write_seq outq (prefixExtends).

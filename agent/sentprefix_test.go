@@ -132,23 +132,23 @@ func TestPrefixBase(t *testing.T) {
 	a.cfg.Name = "spare1"
 	j := Job{ID: job, Restored: restoredFrom.ID}
 
-	if b, ok := a.prefixBase(j, conn, block+200); !ok || b != (prefixBase{From: block + 200, Len: 200, CRC: 0x200}) {
+	if b, ok := prefixBaseOf(a.copySnapshots(j), conn, block+200); !ok || b != (prefixBase{From: block + 200, Len: 200, CRC: 0x200}) {
 		t.Errorf("right after the restore: base %+v %v, want the restored snapshot's prefix", b, ok)
 	}
-	if _, ok := a.prefixBase(j, conn, block+150); ok {
+	if _, ok := prefixBaseOf(a.copySnapshots(j), conn, block+150); ok {
 		t.Errorf("a dump before the restored snapshot's write_seq found a base (%s, another copy's?)", older.ID)
 	}
-	if _, ok := a.prefixBase(Job{ID: job, Restored: restoredFrom.ID}, tcpflow.Tuple{Local: conn.Local, Remote: netip.MustParseAddrPort("10.0.0.12:50931")}, block+200); ok {
+	if _, ok := prefixBaseOf(a.copySnapshots(Job{ID: job, Restored: restoredFrom.ID}), tcpflow.Tuple{Local: conn.Local, Remote: netip.MustParseAddrPort("10.0.0.12:50931")}, block+200); ok {
 		t.Errorf("another connection found a base")
 	}
 	rec = j // taken by this copy
 	here := snap(spare1, block+300, 0x300)
-	if b, ok := a.prefixBase(j, conn, block+400); !ok || b.From != block+300 || b.CRC != 0x300 {
+	if b, ok := prefixBaseOf(a.copySnapshots(j), conn, block+400); !ok || b.From != block+300 || b.CRC != 0x300 {
 		t.Errorf("after a snapshot here: base %+v %v, want snapshot %s's", b, ok, here.ID)
 	}
 	// A newer snapshot another host took (this host protects a later copy) is not this copy's.
 	snap(open("node4"), block+500, 0x500)
-	if b, ok := a.prefixBase(j, conn, block+600); !ok || b.From != block+300 {
+	if b, ok := prefixBaseOf(a.copySnapshots(j), conn, block+600); !ok || b.From != block+300 {
 		t.Errorf("with another host's newer snapshot: base %+v %v, want snapshot %s's", b, ok, here.ID)
 	}
 }
@@ -190,7 +190,7 @@ func TestSentPrefixISNFarBack(t *testing.T) {
 		a.cfg.Name = "node1"
 		c := image.TCPConn{Inode: 1, OutqSeq: outq}
 		c.Tuple = tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.1:5000"), Remote: netip.MustParseAddrPort("10.0.0.2:6000")}
-		p, err := a.sentPrefix(context.Background(), Job{ID: "j-1"}, t.TempDir(), c)
+		p, err := a.sentPrefix(context.Background(), t.TempDir(), c, func() []*ckpt.Manifest { return a.copySnapshots(Job{ID: "j-1"}) })
 		if err != nil || p.Len != 0 {
 			t.Errorf("ISN+1 %d bytes before write_seq at a block start: prefix %+v, %v; want an empty one", back-1, p, err)
 		}
@@ -262,12 +262,12 @@ func TestPrefixBaseOtherCopy(t *testing.T) {
 			a := &Agent{store: store, log: slog.New(slog.DiscardHandler)}
 			a.cfg.Name = "spare1"
 			j := Job{ID: job, Restored: restoredFrom.ID, Incarnation: 2}
-			if b, ok := a.prefixBase(j, conn, block+400); !ok || b.From != block+200 || b.CRC != 0x200 {
+			if b, ok := prefixBaseOf(a.copySnapshots(j), conn, block+400); !ok || b.From != block+200 || b.CRC != 0x200 {
 				t.Fatalf("base %+v %v, want the restored snapshot %s's, not the earlier copy's %s", b, ok, restoredFrom.ID, earlier.ID)
 			}
 			// This copy's own snapshot here is taken, whatever the other host's clock said.
 			here := snap("spare1", tt.hereAt, j, block+350, 0x350)
-			if b, ok := a.prefixBase(j, conn, block+400); !ok || b.From != block+350 || b.CRC != 0x350 {
+			if b, ok := prefixBaseOf(a.copySnapshots(j), conn, block+400); !ok || b.From != block+350 || b.CRC != 0x350 {
 				t.Errorf("after a snapshot of this copy here: base %+v %v, want snapshot %s's", b, ok, here.ID)
 			}
 		})

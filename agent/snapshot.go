@@ -60,13 +60,14 @@ func (a *Agent) snapshot(ctx context.Context, j Job, frozen, hashWhileDumping bo
 	j.LazyWork = "" // every page is in: the record the snapshot carries names no images of this host
 	// The snapshot's connections are one batch of address lookups.
 	owners := a.ownerLookup(ctx)
+	copySnaps := sync.OnceValue(func() []*ckpt.Manifest { return a.copySnapshots(j) })
 	opts := dump.Options{
 		Job: j.ID, PID: j.PID, Record: j, Logger: a.log,
 		Info: ckpt.Info{CRIUVersion: a.criuVersion.String(), KernelRelease: version.KernelRelease(), Mode: a.cfg.Checkpoint.Mode},
 		SentPrefix: func(ctx context.Context, images string, c image.TCPConn) (*ckpt.SentPrefix, error) {
 			// Only a peer on another member survives this host and checks what a restore re-sends to it.
 			if owner := owners(c.Remote.Addr()); owner != "" && owner != a.cfg.Name {
-				return a.sentPrefix(ctx, j, images, c)
+				return a.sentPrefix(ctx, images, c, copySnaps)
 			}
 			return nil, nil
 		},
