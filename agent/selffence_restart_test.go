@@ -14,10 +14,11 @@ import (
 // TestSelfFenceGoesOnAfterRestart: an agent restarted on a node that is cut off from its ring neighbours
 // fences by fence_timeout after the last contact its previous process had, which is what its protector
 // waits from (fence.Timing.ReadyAt from the last beat it received). Before, the restarted agent counted
-// the silence from its own start: restarted 1.5 s into a 2 s silence, it killed its jobs 2 s later, about
-// 1.5 s after the restored copies elsewhere went live.
+// the silence from its own start: restarted 3 s into a 4 s silence, it killed its jobs 4 s later, about
+// 3 s after the restored copies elsewhere went live.
 func TestSelfFenceGoesOnAfterRestart(t *testing.T) {
-	const timeout = 2 * time.Second
+	// Long enough that the old and the new fence time lie seconds apart: a loaded machine tells them apart.
+	const timeout = 4 * time.Second
 	setup := func(ta *testAgent) {
 		ta.members.view = testView(t, "node1", "node2", "node3")
 		ta.cfg.Heartbeat.Interval.Duration = 20 * time.Millisecond // checks every 10 ms
@@ -26,7 +27,7 @@ func TestSelfFenceGoesOnAfterRestart(t *testing.T) {
 		ta.stalls = detect.NewStalls(time.Second, time.Second)
 		ta.loops = liveness.New(time.Time{}, loopSelfFence)
 	}
-	// The previous agent hears its predecessor, then nobody for 1.5 s (its checks go on), and stops.
+	// The previous agent hears its predecessor, then nobody for 3 s (its checks go on), and stops.
 	prev := newTestAgent(t)
 	setup(prev)
 	pred, ok := prev.View().Predecessor("node1")
@@ -42,7 +43,7 @@ func TestSelfFenceGoesOnAfterRestart(t *testing.T) {
 	awaitCond(t, "the previous agent checks", checked(time.Now()))
 	lastContact := time.Now()
 	prev.watchdog.Beat(detect.Beat{From: pred.Name, Seq: 1, Run: 1, Sent: lastContact}, lastContact)
-	for time.Since(lastContact) < 1500*time.Millisecond {
+	for time.Since(lastContact) < 3*time.Second {
 		awaitCond(t, "the previous agent checks", checked(time.Now()))
 	}
 	awaitCond(t, "the previous agent checks again (one full check done)", checked(time.Now()))
@@ -61,9 +62,9 @@ func TestSelfFenceGoesOnAfterRestart(t *testing.T) {
 	done = make(chan struct{})
 	go func() { defer close(done); ta.selfFence(ctx) }()
 	defer func() { cancel(); <-done }()
-	// Due at lastContact + timeout (0.5 s after the restart); a margin for the refused vouch and a slow
-	// machine. The old code fenced only at start + timeout.
-	by := start.Add(timeout - 500*time.Millisecond)
+	// Due at lastContact + timeout (1 s after the restart); 2 s more for the refused vouch and a slow
+	// machine. The old code fenced only at start + timeout, 1 s later still.
+	by := start.Add(timeout - time.Second)
 	for b, _ := os.ReadFile(kill); string(b) != "1"; b, _ = os.ReadFile(kill) {
 		if time.Now().After(by) {
 			t.Fatalf("the restarted agent has not fenced %s after its start, %s after the last contact its previous process had (fence_timeout %s): it counts the silence from its own start",
