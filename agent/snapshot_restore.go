@@ -197,6 +197,14 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 	if err != nil {
 		keepExit()
 		if protected {
+			// A restore cut short (its shim killed at the restore's deadline, and its CRIU with it) leaves the
+			// part of the job's tree CRIU had made in the job's cgroup, stopped where CRIU left it: killed
+			// here, so that nothing of the job stays on this host to hold its network and its files.
+			if kerr := a.killCgroup(j.ID); kerr != nil {
+				a.log.Warn("could not kill what the failed restore left of the job", "job", j.ID, "err", kerr)
+			} else if werr := waitEmpty(context.WithoutCancel(ctx), j.Cgroup); werr != nil {
+				a.log.Warn("what the failed restore left of the job was killed but has not all gone yet", "job", j.ID, "err", werr)
+			}
 			a.releaseResources(&j) // nothing of the job runs here: its cgroup, its log and receive-order watches go
 		}
 		if j.Net != nil && j.Net.Name == jobNetName(a.cfg.Name, j.ID) {

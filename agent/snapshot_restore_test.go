@@ -138,3 +138,27 @@ func restoreWithFakeShim(t *testing.T, ta *testAgent, j Job) error {
 	_, err := ta.restoreJob(t.Context(), m, j, work, nil)
 	return err
 }
+
+// TestFailedRestoreKillsWhatItLeft: a restore whose shim failed (killed at the restore's deadline, its CRIU
+// with it) may leave part of the job's tree in the job's cgroup, stopped where CRIU left it; the agent kills
+// the cgroup before giving it back. The old code only removed the cgroup's directory, which fails while
+// processes are in it, and left them there.
+func TestFailedRestoreKillsWhatItLeft(t *testing.T) {
+	ta := newTestAgent(t)
+	const id = "cutshort-00000001"
+	cg := ta.layout().cgroup(id)
+	// The fake shim plays the kernel's cgroup files too: CRIU had made part of the tree in the cgroup.
+	fake := filepath.Join(ta.dir, "fake-shim")
+	script := "#!/bin/sh\ncat >/dev/null\n: >" + cg + "/cgroup.kill\necho 'populated 0' >" + cg + "/cgroup.events\n" +
+		"echo '{\"error\": \"fake shim: restore cut short\"}'\n"
+	if err := os.WriteFile(fake, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	ta.SetShim(fake)
+	if err := restoreWithFakeShim(t, ta, Job{ID: id, Dir: ta.layout().dir(id)}); err == nil || !strings.Contains(err.Error(), "restore cut short") {
+		t.Fatalf("restore whose shim failed: %v, want its error", err)
+	}
+	if b, err := os.ReadFile(filepath.Join(cg, "cgroup.kill")); err != nil || string(b) != "1" {
+		t.Errorf("the job's cgroup.kill after the failed restore: %q, %v; want \"1\" (what the restore left killed)", b, err)
+	}
+}

@@ -31,6 +31,8 @@ func TestMain(m *testing.M) {
 		os.Exit(runListener(os.Getenv("FTKIT_SOCK"), os.Getenv("FTKIT_DIR")))
 	case fifoRole:
 		os.Exit(runFIFOHolder(os.Getenv("FTKIT_FIFO"), os.Getenv("FTKIT_DIR")))
+	case restorerRole:
+		os.Exit(runRestorer(os.Getenv("FTKIT_DIR")))
 	}
 	if v := os.Getenv("FTKIT_FAKE_CRIU_VERSION"); v != "" && len(os.Args) == 3 && os.Args[1] == "swrk" {
 		os.Exit(fakeSwrk(v, os.Args[2]))

@@ -120,7 +120,7 @@ func (c Client) dump(ctx context.Context, opts DumpOptions, nfy gocriu.Notify) (
 	defer release()
 	defer lower()
 	var cr *swrk
-	if err := inNetns(opts.Netns, func() (err error) { cr, err = startSwrk(c.Binary); return err })(); err != nil {
+	if err := inNetns(opts.Netns, func() (err error) { cr, err = startSwrk(c.Binary, false); return err })(); err != nil {
 		return DumpStats{}, fmt.Errorf("criu dump of pid %d: %w", opts.PID, err)
 	}
 	// A dump whose ctx ends kills CRIU and returns once it is gone: its caller then thaws the job and
@@ -211,9 +211,14 @@ func (c Client) Restore(ctx context.Context, opts RestoreOptions) (int, error) {
 	if nfy.Notify == nil {
 		nfy.Notify = gocriu.NoNotify{}
 	}
-	cr := gocriu.MakeCriu()
-	cr.SetCriuPath(c.Binary)
-	if err := run(ctx, func() error { return cr.Restore(req, nfy) }); err != nil {
+	// CRIU is killed when ctx ends, or when the caller's thread dies (the agent kills a restore's shim at
+	// the restore's deadline): left running, it went on building the job's tree, which nothing then
+	// watched, in the cgroup and network its caller was giving back.
+	cr, err := startSwrk(c.Binary, true)
+	if err != nil {
+		return 0, fmt.Errorf("criu restore from %s: %w", opts.ImagesDir, err)
+	}
+	if err := cr.do(ctx, func() error { return cr.call(rpc.CriuReqType_RESTORE, req, nfy) }); err != nil {
 		return 0, fmt.Errorf("criu restore from %s: %w%s", opts.ImagesDir, err, logTail(filepath.Join(opts.ImagesDir, restoreLog)))
 	}
 	if nfy.pid <= 0 {
@@ -289,19 +294,6 @@ func inNetns(path string, call func() error) func() error {
 		return call
 	}
 	return func() error { return netnsthread.In(path, call) }
-}
-
-// run executes a blocking go-criu call, returning early with ctx's error if ctx ends first; the call is left
-// to finish in the background (a restore's; a dump's CRIU is killed instead, swrk.do).
-func run(ctx context.Context, call func() error) error {
-	done := make(chan error, 1)
-	go func() { done <- call() }()
-	select {
-	case err := <-done:
-		return err
-	case <-ctx.Done():
-		return ctx.Err()
-	}
 }
 
 // criuTimeout is CRIU's own default for its --timeout (DEFAULT_TIMEOUT), in seconds.

@@ -27,8 +27,10 @@ type swrk struct {
 const swrkFD = 3
 
 // startSwrk starts `binary swrk` from the calling thread (CRIU works in the thread's network namespace), in
-// a process group of its own, so that kill reaches the helpers it forks too.
-func startSwrk(binary string) (*swrk, error) {
+// a process group of its own, so that kill reaches the helpers it forks too. withCaller also has the kernel
+// kill CRIU when the thread that started it ends (PR_SET_PDEATHSIG): only for a caller on a thread that
+// lives as long as its process (not one netnsthread.In discards), whose own death must end CRIU.
+func startSwrk(binary string, withCaller bool) (*swrk, error) {
 	fds, err := unix.Socketpair(unix.AF_LOCAL, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, fmt.Errorf("criu swrk socket: %w", err)
@@ -38,6 +40,9 @@ func startSwrk(binary string) (*swrk, error) {
 	cmd := exec.Command(binary, "swrk", fmt.Sprint(swrkFD)) // #nosec G204: the configured CRIU
 	cmd.ExtraFiles = []*os.File{srv}
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if withCaller {
+		cmd.SysProcAttr.Pdeathsig = syscall.SIGKILL
+	}
 	if err := cmd.Start(); err != nil {
 		cln.Close()
 		return nil, fmt.Errorf("start criu swrk: %w", err)
@@ -129,8 +134,8 @@ func (s *swrk) wait() error {
 }
 
 // do runs call, a request on s, until it returns or ctx ends: then CRIU is killed, and do returns ctx's
-// error only once CRIU is gone (reaped), so that the caller may thaw the job and remove the images
-// directory without a CRIU still at work on them.
+// error only once CRIU is gone (reaped), so that the caller may thaw the job (a dump), or kill what CRIU
+// restored so far (a restore), and remove the images directory without a CRIU still at work on them.
 func (s *swrk) do(ctx context.Context, call func() error) error {
 	done := make(chan error, 1)
 	go func() { done <- call() }()
