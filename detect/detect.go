@@ -157,8 +157,9 @@ func (g Gap) Sender() bool { return g.Sent >= g.Arrived/2 }
 
 // Beat records a heartbeat that arrived at now, from a watched member or not (a ring change may make
 // the sender watched later). A beat older than the last one recorded from the same sender (a lower or
-// equal Seq, not sent later) is a duplicate or arrived out of order and is ignored; a lower Seq sent later,
-// or a beat of another Run, is a restarted sender and is recorded. A recorded beat ends any suspicion of its sender. ok says that
+// equal Seq of the same Run, or from a sender without Run one not sent later) is a duplicate or arrived out of
+// order and is ignored; a beat of another Run, or from a sender without Run a lower Seq sent later, is a
+// restarted sender and is recorded. A recorded beat ends any suspicion of its sender. ok says that
 // gap is the one since the sender's previous beat (the beat is recorded and continues its sequence), so
 // that a long silence can be told apart: a late sender or late delivery.
 func (w *Watchdog) Beat(b Beat, now time.Time) (gap Gap, ok bool) {
@@ -170,7 +171,9 @@ func (w *Watchdog) Beat(b Beat, now time.Time) (gap Gap, ok bool) {
 	defer w.mu.Unlock()
 	prev, heard := w.last[b.From]
 	restarted := heard && b.Run != prev.b.Run
-	if heard && !restarted && b.Seq <= prev.b.Seq && !b.Sent.After(prev.b.Sent) {
+	// Within one Run the Seq only grows: a lower one came late, even if the sender's wall clock, stepped
+	// back since, says it was sent later. Sent tells a restart only from an agent that sends no Run.
+	if heard && !restarted && b.Seq <= prev.b.Seq && (b.Run != 0 || !b.Sent.After(prev.b.Sent)) {
 		return Gap{}, false
 	}
 	w.last[b.From] = beat{b: b, at: now}

@@ -511,3 +511,27 @@ func TestBeatEndsAClearAhead(t *testing.T) {
 		t.Errorf("Due %s after the only member was suspected", due.Sub(t0))
 	}
 }
+
+// TestStaleBeatOfSameRunAfterClockStep: within one run a sender's Seq only grows, so a lower Seq of that
+// run is a beat that came late (buffered on a stream the sender had replaced), whatever its Sent says: the
+// sender's wall clock may have been stepped back between the two (NTP). Before, such a beat was taken for a
+// restart and replaced the newer one: its older job list would be what a fail-over restores.
+func TestStaleBeatOfSameRunAfterClockStep(t *testing.T) {
+	w := NewWatchdog(Config{Timeout: 3 * time.Second})
+	w.Watch("n1", at(0))
+	w.Beat(Beat{From: "n1", Run: 9, Seq: 5, Sent: at(10_000), Jobs: []string{"a"}}, at(500))
+	// The clock stepped back 10 s; the new beat names a job started since.
+	w.Beat(Beat{From: "n1", Run: 9, Seq: 6, Sent: at(1_000), Jobs: []string{"a", "b"}}, at(1_000))
+	if _, ok := w.Beat(Beat{From: "n1", Run: 9, Seq: 5, Sent: at(10_000), Jobs: []string{"a"}}, at(1_100)); ok {
+		t.Error("a stale beat of the same run counted as continuing the sequence")
+	}
+	if b, _, _ := w.Last("n1"); b.Seq != 6 || !slices.Equal(b.Jobs, []string{"a", "b"}) {
+		t.Errorf("last beat recorded: %+v, want seq 6 naming a and b", b)
+	}
+	// An agent that sends no Run (an older one) is still heard after a restart whose clock went on.
+	w.Beat(Beat{From: "n2", Seq: 7, Sent: at(0)}, at(0))
+	w.Beat(Beat{From: "n2", Seq: 1, Sent: at(400)}, at(400))
+	if b, _, _ := w.Last("n2"); b.Seq != 1 {
+		t.Errorf("an older agent's restart was not recorded: %+v", b)
+	}
+}
