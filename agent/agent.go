@@ -77,6 +77,10 @@ type Agent struct {
 	lingering lingerNets
 	// restoring names, by job id, the restore of the job under way on this host (lockRestore).
 	restoring map[string]string
+	// ending holds, by job id, the end of a copy of the job whose release is under way (finish): it goes by the
+	// job's id and its cgroup's and network's names, which a restore of the job here makes again, so
+	// lockRestore waits for it (the channel is closed once it is done).
+	ending map[string]chan struct{}
 
 	ckptMu sync.Mutex // one checkpoint (or host-wide freeze) at a time
 
@@ -668,7 +672,27 @@ func (a *Agent) lookAtJobs(w jobWatch) {
 
 func (a *Agent) finish(j *Job, state JobState, st *shim.ExitStatus) {
 	a.mu.Lock()
+	if a.byID[j.ID] != j || j.State != JobRunning {
+		// The caller took j before a.mu was last free (a look of watchJobs, dropFailedJobs): the copy ended
+		// another way meanwhile, and may have been restored here since under a new record. Ending it again
+		// would save its old record over the new copy's and give back what that copy holds under the same names.
+		a.mu.Unlock()
+		return
+	}
 	j.State, j.Exit = state, st
+	// Until what the copy held is given back, a restore of the job here waits (lockRestore): it would make the
+	// cgroup, network and watches that this release removes by the job's id.
+	ended := make(chan struct{})
+	if a.ending == nil {
+		a.ending = map[string]chan struct{}{}
+	}
+	a.ending[j.ID] = ended
+	defer func() {
+		a.mu.Lock()
+		delete(a.ending, j.ID)
+		a.mu.Unlock()
+		close(ended)
+	}()
 	lingers := a.netLingers(j, state)
 	reserved := j.Net != nil && !addressHeld(j)
 	if reserved {

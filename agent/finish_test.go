@@ -6,6 +6,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -33,17 +35,19 @@ func TestFinishLeavesForeignCgroup(t *testing.T) {
 	must(t, os.MkdirAll(a.jobs.dir, 0o755))
 	l := a.layout()
 	id := "job-0123abcd"
-	job := Job{ID: id, UID: 65534, GID: 65534, Dir: l.dir(id), Cgroup: l.cgroup(id), Node: "n0"}
+	job := Job{ID: id, UID: 65534, GID: 65534, Dir: l.dir(id), Cgroup: l.cgroup(id), Node: "n0", State: JobRunning}
 	victim := filepath.Join(base, "victim")
 	must(t, os.Mkdir(victim, 0o755))
 	j := job
 	j.Cgroup = victim
+	a.byID[id] = &j // finish ends the listed copy only
 	a.finish(&j, JobExited, &shim.ExitStatus{})
 	if _, err := os.Stat(victim); err != nil {
 		t.Errorf("finish removed %s, which is not the job's cgroup here: %v", victim, err)
 	}
 	own := job
 	must(t, os.MkdirAll(own.Cgroup, 0o755))
+	a.byID[id] = &own
 	a.finish(&own, JobExited, &shim.ExitStatus{})
 	if _, err := os.Stat(own.Cgroup); err == nil {
 		t.Errorf("finish left the job's own cgroup %s", own.Cgroup)
@@ -176,5 +180,87 @@ func TestAdoptReleasesWhatEndedJobsLeft(t *testing.T) {
 	}
 	if _, err := os.Stat(busy.Cgroup); err != nil {
 		t.Errorf("adopt removed the cgroup %s something runs in: %v", busy.Cgroup, err)
+	}
+}
+
+// TestStaleEndLeavesRestoredCopy: watchJobs and dropFailedJobs take the running jobs under a.mu and end them
+// after it, and finish ended whatever it was given. A copy that had ended another way meanwhile (dropped
+// as this failed host's, then restored here again by a rollback or a restore) was ended a second time: its old
+// record (incarnation 1, ended) was saved over the restored copy's, so that the next agent to start dropped
+// the running copy unwatched (and deleted its network), and what the old copy held was given back by the job's
+// id and names, the restored copy's cgroup, network, log protection and receive-order watch with it.
+func TestStaleEndLeavesRestoredCopy(t *testing.T) {
+	ta := newTestAgent(t)
+	const id = "ends-00000001"
+	old := ta.addJob(t, Job{ID: id, State: JobRunning, PID: os.Getpid(), Incarnation: 1})
+	ta.finishRunning(id, JobLost, nil) // dropped as this failed host's
+	// Restored here again, as restoreJob records it.
+	restored := ta.addJob(t, Job{ID: id, State: JobRunning, PID: os.Getpid(), Incarnation: 2})
+	must(t, ta.jobs.save(restored))
+	// A look of watchJobs that took the old copy before it was dropped reads its exit record now.
+	ta.finish(old, JobExited, &shim.ExitStatus{Code: 0})
+	rec, err := ta.jobs.load(id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rec.State != JobRunning || rec.Incarnation != 2 {
+		t.Errorf("the record of the copy restored here, after a late end of the old one: %s, incarnation %d; want running, incarnation 2", rec.State, rec.Incarnation)
+	}
+	if got, _, _ := ta.Job(id, 0); got.State != JobRunning || got.Incarnation != 2 {
+		t.Errorf("the listed copy: %s, incarnation %d; want running, incarnation 2", got.State, got.Incarnation)
+	}
+}
+
+// TestRestoreWaitsForAnEndsRelease: finish gives back what an ended copy held (log protection, receive-order
+// watch, cgroup, lazy images, network) by the job's id and names after a.mu is free and the job no longer
+// runs, so a restore of the job here (a rollback of its run, an operator's restore) got the restore lock
+// meanwhile and made its cgroup, network and watches under the same names, for the old copy's release to
+// take them down. The restore waits until the release is done.
+func TestRestoreWaitsForAnEndsRelease(t *testing.T) {
+	ta := newTestAgent(t)
+	const id = "ends-00000001"
+	// Its record names a cgroup not this agent's: releaseResources says so, the one moment inside the release a
+	// unit test can stop at.
+	j := ta.addJob(t, Job{ID: id, State: JobRunning, PID: os.Getpid(), Incarnation: 1})
+	j.Cgroup = filepath.Join(ta.dir, "elsewhere")
+	granted := make(chan error, 1)
+	waiting := make(chan struct{})
+	var once, waitOnce sync.Once
+	var inRelease bool
+	ta.log = slog.New(hookHandler{func(r slog.Record) {
+		switch {
+		case strings.HasPrefix(r.Message, "waiting for the earlier copy"):
+			waitOnce.Do(func() { close(waiting) })
+		case strings.Contains(r.Message, "cgroup that is not this agent's"):
+			once.Do(func() {
+				go func() {
+					unlock, err := ta.lockRestore(t.Context(), id, "restore")
+					if err == nil {
+						t.Cleanup(unlock)
+					}
+					granted <- err
+				}()
+				select {
+				case err := <-granted:
+					inRelease = true
+					granted <- err
+				case <-waiting:
+				case <-time.After(failAfter):
+					t.Error("the restore neither got the job nor waited for it")
+				}
+			})
+		}
+	}})
+	ta.finish(j, JobExited, &shim.ExitStatus{Code: 0})
+	if inRelease {
+		t.Error("a restore of the job got it while its ended copy's release, by the job's id and names, was under way")
+	}
+	select {
+	case err := <-granted:
+		if err != nil {
+			t.Errorf("a restore once the ended copy's release was done: %v", err)
+		}
+	case <-time.After(failAfter):
+		t.Fatal("a restore waiting for the ended copy's release did not go on once it was done")
 	}
 }

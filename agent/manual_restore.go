@@ -97,7 +97,7 @@ func (a *Agent) Restore(ctx context.Context, req RestoreRequest, uid uint32) (*J
 // under it on this host; prepare, if set, runs on the images' working copy before the restore. The claim
 // is given back if nothing ran.
 func (a *Agent) claimAndRestore(ctx context.Context, kind string, m *ckpt.Manifest, j Job, force bool, prepare func(work string) error) (*Job, error) {
-	unlock, err := a.lockRestore(j.ID, kind)
+	unlock, err := a.lockRestore(ctx, j.ID, kind)
 	if err != nil {
 		return nil, err
 	}
@@ -195,8 +195,20 @@ func (a *Agent) refuseIfAlive(ctx context.Context, j Job) error {
 // the job's id and its cgroup's, network's and guard's names, the winner's too: it would remove the cgroup
 // the winner's CRIU restores into, stop its log protection and receive-order watch, delete its network and
 // guard, and give back the incarnation the winner holds under the shared holder.
-func (a *Agent) lockRestore(id, what string) (unlock func(), err error) {
+func (a *Agent) lockRestore(ctx context.Context, id, what string) (unlock func(), err error) {
 	a.mu.Lock()
+	for ended := a.ending[id]; ended != nil; ended = a.ending[id] {
+		// An earlier copy of the job has just ended here and what it held is being given back by the job's
+		// id: a restore let in now would have its new cgroup, network and watches taken down with the old.
+		a.mu.Unlock()
+		a.log.Info("waiting for the earlier copy of the job that ended here to give back what it held before restoring it", "job", id, "restore", what)
+		select {
+		case <-ended:
+		case <-ctx.Done():
+			return nil, fmt.Errorf("restore of job %s: waiting for its earlier copy's end here to give back what it held: %w", id, context.Cause(ctx))
+		}
+		a.mu.Lock()
+	}
 	defer a.mu.Unlock()
 	if other, ok := a.restoring[id]; ok {
 		return nil, fmt.Errorf("%w: job %s is being restored on %s already (%s); refused, nothing touched: wait for that restore to end (`ftctl events`, `ftctl jobs`)",

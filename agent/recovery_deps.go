@@ -37,13 +37,13 @@ type recoveryActions struct {
 }
 
 // lockRestore holds job id for this recovery (Agent.lockRestore), once per job.
-func (r *recoveryActions) lockRestore(id string) error {
+func (r *recoveryActions) lockRestore(ctx context.Context, id string) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if _, ok := r.unlocks[id]; ok {
 		return nil
 	}
-	unlock, err := r.a.lockRestore(id, "a recovery")
+	unlock, err := r.a.lockRestore(ctx, id, "a recovery")
 	if err != nil {
 		return err
 	}
@@ -187,7 +187,7 @@ func (r *recoveryActions) FinSentAt(flow tcpflow.Tuple) (uint32, bool) {
 func (r *recoveryActions) Claim(ctx context.Context, j *recovery.Job, n uint64) (uint64, error) {
 	// Before the claim, which a repeated request of the same failure wins again under the same holder: its
 	// failed restore would then give back the claim, and take down the guard and network, of the first.
-	if err := r.lockRestore(j.ID); err != nil {
+	if err := r.lockRestore(ctx, j.ID); err != nil {
 		return n, err
 	}
 	err := r.a.claimIncarnation(ctx, j.ID, n, j.Holder, j.Manifest.Node)
