@@ -165,8 +165,15 @@ func (a *Agent) reserveRestoredAddr(j Job) error {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if other := a.otherHolderLocked(j); other != "" {
-		return fmt.Errorf("job %s cannot be restored here: its address %s is held by job %s of this host now (the job's address was given out again after it ended)",
-			j.ID, ip, other)
+		// The refusal reaches the user who asked for the restore (and the job's failure timeline): another
+		// user's job is named in the log only.
+		holder := "job " + other
+		if a.byID[other].UID != j.UID {
+			a.log.Warn("restore refused: another user's job of this host holds the job's address", "job", j.ID, "address", ip, "holder", other)
+			holder = "another user's job"
+		}
+		return fmt.Errorf("job %s cannot be restored here: its address %s is held by %s of this host now (the job's address was given out again after it ended)",
+			j.ID, ip, holder)
 	}
 	// The one hold the job's own earlier copy may have here: finish reserved the address for its network
 	// until that is deleted, and a restore claims that network (claimJobNet).

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"hash/fnv"
 	"math"
@@ -14,6 +15,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/interval"
+	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/internal/tickgrid"
 	"github.com/ftkit/ftkit/tcpflow"
 )
@@ -356,6 +358,9 @@ func (a *Agent) semiCoordinated(ctx context.Context, jobs []Job, withPeers bool)
 	// Nor can the frozen jobs accept (freezeAccepted); a connection that comes in after the last look still
 	// fails the dump, and the error says so.
 	if err := freezeAccepted(ctx, a.acceptWait(), freezeAll, thaw, func() ([]netip.AddrPort, error) { return waiting() }); err != nil {
+		if len(jobs) > named && errors.Is(err, criu.ErrInFlight) {
+			err = &peerError{err} // the listeners it names may be another user's jobs'
+		}
 		return nil, nil, err
 	}
 	if err := a.awaitInFlight(ctx, jobs); err != nil {

@@ -521,12 +521,14 @@ func (a *Agent) Snapshots(job string, uid uint32) ([]*ckpt.Manifest, error) {
 			return nil, err
 		}
 		for _, id := range ids {
+			// A user's listing, which any user may repeat at will, reads the manifests (up to 16 MiB each) of
+			// its own snapshots only: the bounded job record says whose a snapshot is.
+			if uid != 0 && !a.ownsSnapshotAt(jid, id, uid) {
+				continue
+			}
 			m, err := a.store.Manifest(jid, id)
 			if err != nil {
 				a.log.Warn("unreadable snapshot manifest", "job", jid, "snapshot", id, "err", err)
-				continue
-			}
-			if uid != 0 && !a.ownsSnapshot(m, uid) {
 				continue
 			}
 			out = append(out, m)
@@ -540,7 +542,12 @@ func (a *Agent) Snapshots(job string, uid uint32) ([]*ckpt.Manifest, error) {
 // reads it (snapshotRecord), bounded and through no link, so that one of any size cannot exhaust the
 // agent's memory.
 func (a *Agent) ownsSnapshot(m *ckpt.Manifest, uid uint32) bool {
-	j, err := a.snapshotRecord(m)
+	return a.ownsSnapshotAt(m.Job, m.ID, uid)
+}
+
+// ownsSnapshotAt is ownsSnapshot for snapshot id of job, before its manifest is read (job and id valid).
+func (a *Agent) ownsSnapshotAt(job, id string, uid uint32) bool {
+	j, err := a.recordAt(job, id)
 	return err == nil && j.UID == uid
 }
 

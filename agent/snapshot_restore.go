@@ -25,13 +25,18 @@ const maxJobRecord = 4 << 20
 
 // snapshotRecord reads the job record a snapshot carries, as it is (snapshotJob validates it).
 func (a *Agent) snapshotRecord(m *ckpt.Manifest) (Job, error) {
+	return a.recordAt(m.Job, m.ID)
+}
+
+// recordAt is snapshotRecord for snapshot id of job, whose manifest need not have been read.
+func (a *Agent) recordAt(job, id string) (Job, error) {
 	var j Job
-	b, err := atomicfile.ReadBounded(filepath.Join(a.store.Path(m.Job, m.ID), snapJob), maxJobRecord)
+	b, err := atomicfile.ReadBounded(filepath.Join(a.store.Path(job, id), snapJob), maxJobRecord)
 	if err == nil {
 		err = json.Unmarshal(b, &j)
 	}
 	if err != nil {
-		return Job{}, fmt.Errorf("snapshot %s has no usable job record: %w", m.ID, err)
+		return Job{}, fmt.Errorf("snapshot %s has no usable job record: %w", id, err)
 	}
 	return j, nil
 }
