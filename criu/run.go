@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"time"
 
@@ -214,6 +215,11 @@ func (c Client) Restore(ctx context.Context, opts RestoreOptions) (int, error) {
 	// CRIU is killed when ctx ends, or when the caller's thread dies (the agent kills a restore's shim at
 	// the restore's deadline): left running, it went on building the job's tree, which nothing then
 	// watched, in the cgroup and network its caller was giving back.
+	// PR_SET_PDEATHSIG follows the thread that started CRIU, not the process: this goroutine keeps that
+	// thread to itself until CRIU is reaped. Unlocked, the runtime ran other goroutines on it, and one that
+	// ended locked to it (a check run as the job's user, heldfiles) ended the thread and killed CRIU.
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
 	cr, err := startSwrk(c.Binary, true)
 	if err != nil {
 		return 0, fmt.Errorf("criu restore from %s: %w", opts.ImagesDir, err)

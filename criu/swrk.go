@@ -28,8 +28,8 @@ const swrkFD = 3
 
 // startSwrk starts `binary swrk` from the calling thread (CRIU works in the thread's network namespace), in
 // a process group of its own, so that kill reaches the helpers it forks too. withCaller also has the kernel
-// kill CRIU when the thread that started it ends (PR_SET_PDEATHSIG): only for a caller on a thread that
-// lives as long as its process (not one netnsthread.In discards), whose own death must end CRIU.
+// kill CRIU when the thread that started it ends (PR_SET_PDEATHSIG): only for a caller locked to its thread
+// until CRIU is reaped (runtime.LockOSThread), whose own death must end CRIU.
 func startSwrk(binary string, withCaller bool) (*swrk, error) {
 	fds, err := unix.Socketpair(unix.AF_LOCAL, unix.SOCK_SEQPACKET|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
