@@ -78,10 +78,13 @@ const (
 
 // Log holds the failures an agent knows of, on disk so that a restarted agent still shows them.
 type Log struct {
-	mu   sync.Mutex
-	path string
-	self string // the agent's member name: the protector of the timelines it writes
-	byID map[string]*Failure
+	mu sync.Mutex
+	// saveMu orders the saves: each lists the log and writes it as one step, so that a save that listed
+	// an older log cannot rename its file over a newer one's.
+	saveMu sync.Mutex
+	path   string
+	self   string // the agent's member name: the protector of the timelines it writes
+	byID   map[string]*Failure
 }
 
 // Open reads the log kept in dir (failures.json) of the agent of member self, or starts an empty one.
@@ -331,5 +334,7 @@ func (l *Log) Newest(budget int) []*Failure {
 
 // Save writes the log to its file (write, fsync, rename).
 func (l *Log) Save() error {
+	l.saveMu.Lock()
+	defer l.saveMu.Unlock()
 	return atomicfile.WriteJSON(l.path, l.List())
 }

@@ -418,3 +418,47 @@ func TestNewestSendsOwnTimelines(t *testing.T) {
 		t.Fatalf("sent %v; want this agent's own timeline node2-1 (only its own: the others' are not kept from it)", ids)
 	}
 }
+
+// Save is called from every goroutine that changed the log (each recovery's stages, its end): the file
+// must end up with the newest log, not with the older copy of a save that listed it before another's
+// change and renamed its file after. An agent that stops then would read back a recovery that never
+// ended, or lose its stages.
+func TestConcurrentSavesKeepTheNewest(t *testing.T) {
+	dir := t.TempDir()
+	l, err := Open(dir, "node1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const writers = 8
+	for round := range 10 {
+		start := make(chan struct{})
+		done := make(chan error, writers)
+		for w := range writers {
+			go func() {
+				<-start
+				l.Update(fmt.Sprintf("node%d-%d", w+2, round), func(f *Failure) { f.Protector, f.Done = "node1", true })
+				done <- l.Save()
+			}()
+		}
+		close(start)
+		for range writers {
+			if err := <-done; err != nil {
+				t.Fatal(err)
+			}
+		}
+		back, err := Open(dir, "node1")
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids := func(fs []*Failure) []string {
+			var out []string
+			for _, f := range fs {
+				out = append(out, f.ID)
+			}
+			return out
+		}
+		if got, want := ids(back.List()), ids(l.List()); !slices.Equal(got, want) {
+			t.Fatalf("round %d: the file holds %v after every save returned, the log %v", round, got, want)
+		}
+	}
+}
