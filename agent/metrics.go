@@ -54,9 +54,9 @@ func metricsFailures(fs []*Failure) []metrics.Failure {
 		if f.Kind != "" {
 			continue // a planned move or drain is no failure
 		}
-		mf := metrics.Failure{Done: f.Done, Failed: f.Error != ""}
+		mf := metrics.Failure{ID: f.ID, Done: f.Done, Failed: f.Error != ""}
 		var last time.Time
-		for _, st := range f.Stages {
+		for i, st := range f.Stages {
 			if st.Start.IsZero() || st.End.Before(st.Start) {
 				continue // not finished (or a clock that went backwards): no duration to report
 			}
@@ -64,7 +64,13 @@ func metricsFailures(fs []*Failure) []metrics.Failure {
 			if !recoveryStages[name] {
 				name = "other"
 			}
-			mf.Stages = append(mf.Stages, metrics.Stage{Name: name, Duration: st.Duration()})
+			// The log keeps the first stage and drops the ones after it (failurelog.MaxStages): a stage's
+			// place counts those, so that it keeps its Seq as the log drops more.
+			seq := i
+			if i > 0 {
+				seq += f.StagesDropped
+			}
+			mf.Stages = append(mf.Stages, metrics.Stage{Name: name, Duration: st.Duration(), Seq: seq})
 			if st.End.After(last) {
 				last = st.End
 			}

@@ -25,7 +25,7 @@ func TestMetricsFailures(t *testing.T) {
 				{Name: StageProtected, Start: at(3), End: at(4.5)},
 			}},
 			want: metrics.Failure{Done: true, Duration: 4500 * time.Millisecond, Stages: []metrics.Stage{
-				{Name: StageDetected}, {Name: StageFetched, Duration: 2 * time.Second}, {Name: StageProtected, Duration: 1500 * time.Millisecond},
+				{Name: StageDetected}, {Name: StageFetched, Duration: 2 * time.Second, Seq: 1}, {Name: StageProtected, Duration: 1500 * time.Millisecond, Seq: 2},
 			}},
 		},
 		{
@@ -42,6 +42,16 @@ func TestMetricsFailures(t *testing.T) {
 				{Name: "weird\nname", Start: t0, End: at(1)},
 			}},
 			want: metrics.Failure{Done: true, Failed: true, Duration: time.Second, Stages: []metrics.Stage{{Name: "other", Duration: time.Second}}},
+		},
+		{
+			// The bounded log dropped 5 stages after the first: the newer ones keep their place in the
+			// timeline, so that the histograms do not count them again (metrics: Stage.Seq).
+			name: "stages dropped by the bounded log",
+			f: Failure{Detected: t0, StagesDropped: 5, Stages: []Stage{
+				{Name: StageDetected, Start: t0, End: t0},
+				{Name: StageRestored, Start: at(1), End: at(2)},
+			}},
+			want: metrics.Failure{Stages: []metrics.Stage{{Name: StageDetected}, {Name: StageRestored, Duration: time.Second, Seq: 6}}},
 		},
 	}
 	for _, tt := range tests {

@@ -1,7 +1,9 @@
 package metrics
 
 import (
+	"maps"
 	"sort"
+	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -24,6 +26,22 @@ type collector struct {
 	receivedBytes, receiveDrops                                                       *prometheus.Desc
 	beatAge, busy                                                                     *prometheus.Desc
 	recoveries, stageSeconds, recoverySeconds                                         *prometheus.Desc
+
+	// The recovery histograms accumulate here, each failure's stages and duration counted once: they are
+	// built from the failure log, which is bounded (old failures, and the middle stages of a long one,
+	// leave it), and a histogram rebuilt from what it holds at each scrape would go down, which Prometheus
+	// reads as a reset. mu also orders the scrapes, so that an older state read by one never undoes what
+	// a newer one counted.
+	mu              sync.Mutex
+	recoveryTotal   *hist
+	stageTotals     map[string]*hist
+	countedFailures map[string]*countedFailure // by failure id: those the log holds now
+}
+
+// countedFailure is what the histograms have counted of one failure.
+type countedFailure struct {
+	nextStage int  // the stages with a smaller Seq are counted
+	done      bool // its end is counted (its duration, if it succeeded)
 }
 
 func newCollector(src Source) *collector {
@@ -63,8 +81,12 @@ func newCollector(src Source) *collector {
 		busy:    d("ftkit_predecessor_busy", "1 if the last heartbeat of the ring predecessor this agent watches said it was checkpointing or restoring (absent before the first).", []string{"node"}, nil),
 
 		recoveries:      d("ftkit_recoveries", "Recoveries in the failure log, by state: running, done, failed. The log holds the newest failures and every member holds the same one: aggregate across agents with max, not sum.", []string{"state"}, nil),
-		stageSeconds:    d("ftkit_recovery_stage_seconds", "Durations of the finished stages of the recoveries in the failure log (the same on every member), by stage.", []string{"stage"}, nil),
-		recoverySeconds: d("ftkit_recovery_seconds", "Durations of the finished recoveries in the failure log, from detection to the end of the last stage.", nil, nil),
+		stageSeconds:    d("ftkit_recovery_stage_seconds", "Durations of the finished stages of the recoveries in the failure log (the same on every member), by stage; each counted once, kept when the bounded log drops it.", []string{"stage"}, nil),
+		recoverySeconds: d("ftkit_recovery_seconds", "Durations of the finished recoveries in the failure log, from detection to the end of the last stage; each counted once, kept when the bounded log drops it.", nil, nil),
+
+		recoveryTotal:   newHist(stageBuckets),
+		stageTotals:     map[string]*hist{},
+		countedFailures: map[string]*countedFailure{},
 	}
 }
 
@@ -77,6 +99,8 @@ func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c *collector) Collect(ch chan<- prometheus.Metric) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
 	s := c.src.MetricsState()
 	c.collectJobs(ch, s.Jobs)
 	if l := s.Log; l != nil {
@@ -165,12 +189,12 @@ func (c *collector) collectLog(ch chan<- prometheus.Metric, l *Log) {
 	counter(c.receiveDrops, float64(l.ReceiveUnrecordedPassed), "consumer_gone")
 }
 
-// collectRecoveries summarizes the failure log. The log is bounded (old failures leave it), so the
-// histograms describe the failures it holds now rather than counting since the agent started.
+// collectRecoveries summarizes the failure log: the gauge counts the failures it holds now; the histograms
+// add what is new since the last scrape (a stage, a recovery's end), so that they only grow while the
+// bounded log drops old failures. Call with c.mu held.
 func (c *collector) collectRecoveries(ch chan<- prometheus.Metric, fs []Failure) {
 	states := map[string]int{"running": 0, "done": 0, "failed": 0}
-	total := newHist(stageBuckets)
-	stages := map[string]*hist{}
+	present := make(map[string]bool, len(fs))
 	for _, f := range fs {
 		switch {
 		case f.Failed:
@@ -180,30 +204,54 @@ func (c *collector) collectRecoveries(ch chan<- prometheus.Metric, fs []Failure)
 		default:
 			states["running"]++
 		}
-		if f.Done && !f.Failed {
-			total.observe(f.Duration.Seconds())
+		present[f.ID] = true
+		cf := c.countedFailures[f.ID]
+		if cf == nil {
+			cf = &countedFailure{}
+			c.countedFailures[f.ID] = cf
 		}
+		next := cf.nextStage
 		for _, st := range f.Stages {
-			h := stages[st.Name]
+			if st.Seq < cf.nextStage {
+				continue
+			}
+			h := c.stageTotals[st.Name]
 			if h == nil {
 				h = newHist(stageBuckets)
-				stages[st.Name] = h
+				c.stageTotals[st.Name] = h
 			}
 			h.observe(st.Duration.Seconds())
+			next = max(next, st.Seq+1)
+		}
+		cf.nextStage = next
+		if f.Done && !cf.done {
+			cf.done = true
+			if !f.Failed {
+				c.recoveryTotal.observe(f.Duration.Seconds())
+			}
+		}
+	}
+	// What the log no longer holds is not counted again (its totals stay): the memory stays bounded by
+	// the log's.
+	for id := range c.countedFailures {
+		if !present[id] {
+			delete(c.countedFailures, id)
 		}
 	}
 	for state, n := range states {
 		ch <- prometheus.MustNewConstMetric(c.recoveries, prometheus.GaugeValue, float64(n), state)
 	}
-	ch <- prometheus.MustNewConstHistogram(c.recoverySeconds, total.count, total.sum, total.buckets)
-	names := make([]string, 0, len(stages))
-	for n := range stages {
+	total := c.recoveryTotal
+	ch <- prometheus.MustNewConstHistogram(c.recoverySeconds, total.count, total.sum, maps.Clone(total.buckets))
+	names := make([]string, 0, len(c.stageTotals))
+	for n := range c.stageTotals {
 		names = append(names, n)
 	}
 	sort.Strings(names)
 	for _, n := range names {
-		h := stages[n]
-		ch <- prometheus.MustNewConstHistogram(c.stageSeconds, h.count, h.sum, h.buckets, n)
+		h := c.stageTotals[n]
+		// A copy: the metric reads its buckets after Collect returns, when the next scrape may add to them.
+		ch <- prometheus.MustNewConstHistogram(c.stageSeconds, h.count, h.sum, maps.Clone(h.buckets), n)
 	}
 }
 

@@ -82,6 +82,8 @@ type Predecessor struct {
 
 // Failure is one recovery of the failure log.
 type Failure struct {
+	// ID names the failure: the histograms count each of its stages, and its whole duration, once.
+	ID     string
 	Done   bool
 	Failed bool // it ended, or stopped, with an error
 	// Duration is from detection to the end of the last stage; valid when Done.
@@ -94,6 +96,9 @@ type Failure struct {
 type Stage struct {
 	Name     string
 	Duration time.Duration
+	// Seq is the stage's place in its failure's timeline, counting the stages the bounded log dropped:
+	// it stays the same from scrape to scrape, and a stage whose Seq was counted is not counted again.
+	Seq int
 }
 
 // Buckets of the duration histograms, in seconds: a freeze or a stage takes milliseconds to minutes.

@@ -165,9 +165,9 @@ ftkit_predecessor_heartbeat_age_seconds{node="node1"} 0.25
 		{
 			name: "recoveries by state, stage durations, whole recoveries",
 			state: State{Failures: []Failure{
-				{Done: true, Duration: 4 * time.Second, Stages: []Stage{{"detected", 0}, {"restored", 2 * time.Second}}},
-				{Done: true, Failed: true, Stages: []Stage{{"restored", 200 * time.Second}}},
-				{Stages: []Stage{{"detected", 0}}},
+				{ID: "a", Done: true, Duration: 4 * time.Second, Stages: []Stage{{Name: "detected"}, {Name: "restored", Duration: 2 * time.Second, Seq: 1}}},
+				{ID: "b", Done: true, Failed: true, Stages: []Stage{{Name: "restored", Duration: 200 * time.Second}}},
+				{ID: "c", Stages: []Stage{{Name: "detected"}}},
 			}},
 			names: []string{"ftkit_recoveries", "ftkit_recovery_stage_seconds", "ftkit_recovery_seconds"},
 			want: `
@@ -176,7 +176,7 @@ ftkit_predecessor_heartbeat_age_seconds{node="node1"} 0.25
 ftkit_recoveries{state="done"} 1
 ftkit_recoveries{state="failed"} 1
 ftkit_recoveries{state="running"} 1
-# HELP ftkit_recovery_seconds Durations of the finished recoveries in the failure log, from detection to the end of the last stage.
+# HELP ftkit_recovery_seconds Durations of the finished recoveries in the failure log, from detection to the end of the last stage; each counted once, kept when the bounded log drops it.
 # TYPE ftkit_recovery_seconds histogram
 ftkit_recovery_seconds_bucket{le="0.01"} 0
 ftkit_recovery_seconds_bucket{le="0.05"} 0
@@ -195,7 +195,7 @@ ftkit_recovery_seconds_bucket{le="600"} 1
 ftkit_recovery_seconds_bucket{le="+Inf"} 1
 ftkit_recovery_seconds_sum 4
 ftkit_recovery_seconds_count 1
-# HELP ftkit_recovery_stage_seconds Durations of the finished stages of the recoveries in the failure log (the same on every member), by stage.
+# HELP ftkit_recovery_stage_seconds Durations of the finished stages of the recoveries in the failure log (the same on every member), by stage; each counted once, kept when the bounded log drops it.
 # TYPE ftkit_recovery_stage_seconds histogram
 ftkit_recovery_stage_seconds_bucket{stage="detected",le="0.01"} 2
 ftkit_recovery_stage_seconds_bucket{stage="detected",le="0.05"} 2
@@ -439,4 +439,62 @@ func TestServe(t *testing.T) {
 			t.Fatal("the endpoint still accepts connections after its context ended")
 		}
 	}
+}
+
+// The recovery histograms are built from the failure log, which is bounded: a failure that leaves it, or a
+// long recovery's middle stages that leave its timeline, must not take their counts along (a histogram
+// that goes down is a reset to Prometheus), and one seen again at the next scrape is not counted twice.
+func TestRecoveryHistogramsNeverDecrease(t *testing.T) {
+	src := &fakeSource{State{Failures: []Failure{
+		{ID: "n1-a", Done: true, Duration: 3 * time.Second, Stages: []Stage{{Name: "detected", Duration: time.Second}, {Name: "restored", Duration: 2 * time.Second, Seq: 1}}},
+		{ID: "n2-b", Stages: []Stage{{Name: "detected", Duration: time.Second}}},
+	}}}
+	m := New(src)
+	check := func(when string, recoveries, detected, restored uint64) {
+		t.Helper()
+		got := histogramCounts(t, m)
+		want := map[string]uint64{"recovery": recoveries, "detected": detected, "restored": restored}
+		for k, w := range want {
+			if got[k] != w {
+				t.Errorf("%s: %s count %d, want %d (all: %v)", when, k, got[k], w, got)
+			}
+		}
+	}
+	check("first scrape", 1, 2, 1)
+	check("same log again", 1, 2, 1)
+
+	// n1-a left the bounded log; n2-b went on, its middle stages dropped (the log keeps the first and the
+	// newest), and finished.
+	src.st.Failures = []Failure{
+		{ID: "n2-b", Done: true, Duration: 9 * time.Second, Stages: []Stage{{Name: "detected", Duration: time.Second},
+			{Name: "restored", Duration: time.Second, Seq: 5}}},
+	}
+	check("after the log dropped a failure", 2, 2, 2)
+	check("same log again", 2, 2, 2)
+}
+
+// histogramCounts reads the sample counts of ftkit_recovery_seconds ("recovery") and of
+// ftkit_recovery_stage_seconds by stage.
+func histogramCounts(t *testing.T, m *Metrics) map[string]uint64 {
+	t.Helper()
+	mfs, err := m.Registry().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]uint64{}
+	for _, mf := range mfs {
+		for _, mt := range mf.GetMetric() {
+			switch mf.GetName() {
+			case "ftkit_recovery_seconds":
+				out["recovery"] = mt.GetHistogram().GetSampleCount()
+			case "ftkit_recovery_stage_seconds":
+				for _, l := range mt.GetLabel() {
+					if l.GetName() == "stage" {
+						out[l.GetValue()] = mt.GetHistogram().GetSampleCount()
+					}
+				}
+			}
+		}
+	}
+	return out
 }
