@@ -177,6 +177,9 @@ func (a *Agent) serveRecover(ctx context.Context, peer string, req RecoverReques
 // checkRecoverRequest refuses a recovery request unless this host was claimed for its failure by the
 // member that sends it, and it names only the failed node's addresses (which this host then takes over).
 func (a *Agent) checkRecoverRequest(req RecoverRequest, peer string) error {
+	if err := a.checkRecordFree(req.Failure, peer); err != nil {
+		return err
+	}
 	if req.Migration {
 		return a.checkMigration(req, peer)
 	}

@@ -507,3 +507,43 @@ func TestPingReportsMemory(t *testing.T) {
 		t.Errorf("ping answer %+v; want this host's available memory", rep)
 	}
 }
+
+// TestRecoverRequestKeepsOtherRecords: a recovery request whose failure id names a recovery this host keeps
+// the record of, under way or another coordinator's, is refused: its tracker would start that record anew,
+// and the recovery it describes could no longer be resumed after an agent restart nor answered for.
+func TestRecoverRequestKeepsOtherRecords(t *testing.T) {
+	const s = "20261126T120000.000Z-node2-000001"
+	req := RecoverRequest{Failure: "node1-20261126T120000.000", Failed: "node2", Source: "node2", Migration: true,
+		Jobs: []RecoverJob{{Job: "j-1", Snapshot: s, Source: "node2", Candidates: []Candidate{{Snapshot: s, Source: "node2"}}}}}
+	tests := []struct {
+		name    string
+		rec     *recoveryRecord // nil: none
+		refusal string          // "" accepted
+	}{
+		{"no record", nil, ""},
+		{"another coordinator's recovery under way", &recoveryRecord{Coordinator: "node3", Asked: []string{"j-9"}}, "under way"},
+		{"another coordinator's finished recovery", &recoveryRecord{Coordinator: "node3", Done: true}, "finished"},
+		{"the same coordinator's recovery under way", &recoveryRecord{Coordinator: "node2"}, "under way"},
+		{"the same coordinator's finished recovery", &recoveryRecord{Coordinator: "node2", Done: true}, ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			a := resumeTestAgent(t)
+			a.cfg.Name = "node3"
+			a.members.view = testView(t, "node1", "node2", "node3")
+			if tt.rec != nil {
+				tt.rec.Failure = req.Failure
+				if err := saveRecovery(a.cfg.StateDir, tt.rec); err != nil {
+					t.Fatal(err)
+				}
+			}
+			err := a.checkRecoverRequest(req, "node2")
+			switch {
+			case tt.refusal == "" && err != nil:
+				t.Errorf("refused: %v", err)
+			case tt.refusal != "" && (err == nil || !strings.Contains(err.Error(), tt.refusal)):
+				t.Errorf("got %v, want a refusal saying %q", err, tt.refusal)
+			}
+		})
+	}
+}

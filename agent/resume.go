@@ -119,6 +119,27 @@ func loadRecovery(path string) (*recoveryRecord, error) {
 	return &rec, nil
 }
 
+// checkRecordFree refuses a recovery request for a failure whose record this host keeps for a recovery
+// under way here, or for another coordinator: the request's tracker would start that record anew, and
+// the recovery it describes could then neither be resumed after an agent restart nor answered for
+// (serveRecoveryStatus). The failure ids of a migration are the mover's to choose. A finished recovery of
+// the same coordinator may be asked again.
+func (a *Agent) checkRecordFree(failure, peer string) error {
+	if !validRecoveryID(failure) {
+		return nil // no record is kept (saveRecovery)
+	}
+	rec, err := loadRecovery(recoveryPath(a.cfg.StateDir, failure))
+	if err != nil || (rec.Done && rec.Coordinator == peer) {
+		return nil
+	}
+	state := "under way"
+	if rec.Done {
+		state = "finished"
+	}
+	return fmt.Errorf("%s keeps the record of recovery %s of %s, %s: a second request for it is refused (a migration needs a new id)",
+		a.cfg.Name, failure, rec.Coordinator, state)
+}
+
 // loadRecoveries reads every recovery record of the state directory; an unreadable one is reported and
 // skipped (and kept, for the operator to look at).
 func loadRecoveries(stateDir string) ([]*recoveryRecord, error) {
