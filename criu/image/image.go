@@ -66,7 +66,8 @@ func nextEntry(name string, b []byte, off int) (payload, rest []byte, err error)
 	if uint64(n) > uint64(len(b)-4) {
 		return nil, nil, fmt.Errorf("image %s: offset %d: entry claims %d bytes, only %d follow: %w", name, off, n, len(b)-4, ErrFormat)
 	}
-	return b[4 : 4+n], b[4+n:], nil
+	b = b[4:] // not b[4:4+n]: 4+n is 32-bit and wraps for an entry of nearly 4 GiB
+	return b[:n], b[n:], nil
 }
 
 // maxEntries bounds the entries of an image decodeEntries decodes: 2^21 open files, far above the kernel's
