@@ -70,8 +70,15 @@ func TCPConnections(dir string) ([]TCPConn, error) {
 		return nil, err
 	}
 	var out []TCPConn
+	seen := map[uint32]int{}
 	for _, i := range f.tcpSockets() {
 		sk := f.entries[i].GetIsk()
+		// A socket has one entry (Apply refuses two as well): each copy of it had its stream read again, and
+		// an image from another node with 2^21 copies of one large stream would hold the restore for hours.
+		if j, ok := seen[sk.GetIno()]; ok {
+			return nil, fmt.Errorf("image %s: two TCP sockets with inode %d (entries #%d and #%d): %w", filesName, sk.GetIno(), j, i, ErrFormat)
+		}
+		seen[sk.GetIno()] = i
 		path := tcpStreamPath(dir, sk.GetIno())
 		b, err := os.ReadFile(path)
 		if errors.Is(err, fs.ErrNotExist) {

@@ -632,3 +632,20 @@ func TestFinUnacked(t *testing.T) {
 		}
 	}
 }
+
+// TestTCPConnectionsRefusesDuplicateInode: a files.img (from another node) that holds the same TCP socket
+// twice is refused, as Apply refuses it, before any stream is read: each copy had its tcp-stream image read
+// and decoded again (2^21 copies of one large stream would hold the restoring agent for hours) and the
+// connection was listed twice.
+func TestTCPConnectionsRefusesDuplicateInode(t *testing.T) {
+	dir := t.TempDir()
+	sk := synthSock{inode: 300, state: tcpEstablish, sndbuf: 1000,
+		src: netip.MustParseAddrPort("192.168.7.1:40000"), dst: netip.MustParseAddrPort("192.168.7.2:22")}
+	e := marshal(t, inetFileEntry(sk))
+	writeImage(t, dir, "files.img", encodeFilesRaw(e, marshal(t, regFileEntry(9, "/data/x", 4096)), e))
+	writeImage(t, dir, tcpStreamName(300), encodeStream(t, baseStream(77, 1, 0), []byte("z"), nil))
+	conns, err := TCPConnections(dir)
+	if !errors.Is(err, ErrFormat) || !strings.Contains(err.Error(), "two TCP sockets with inode 300 (entries #0 and #2)") {
+		t.Fatalf("TCPConnections = %+v, %v; want ErrFormat naming both entries of inode 300", conns, err)
+	}
+}
