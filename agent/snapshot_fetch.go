@@ -275,22 +275,25 @@ func (a *Agent) prefetch(cl spare.Claim) {
 	}
 }
 
-// fetchFrom fetches snapshot id of job from member from; maxBytes > 0 bounds its size.
+// fetchFrom fetches snapshot id of job from member from; maxBytes > 0 bounds its size. It sets no deadline
+// of its own: the request is bounded by the message timeout (clusterapi), and the transfer as a protector's
+// receive is, by its manifest (receiveFetch). A fixed 10 minutes cut off every snapshot larger than a link
+// carries in that time (60 GB at 100 MB/s), from every holder in turn, and the job could not be restored.
 func (a *Agent) fetchFrom(ctx context.Context, from, job, id string, maxBytes int64) error {
-	fctx, cancel := context.WithTimeout(ctx, 10*time.Minute)
-	defer cancel()
-	c, err := a.peers().Fetch(fctx, from, clusterapi.FetchRequest{Job: job, ID: id})
+	c, err := a.peers().Fetch(ctx, from, clusterapi.FetchRequest{Job: job, ID: id})
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	return a.receiveFetch(fctx, c, from, job, id, maxBytes)
+	return a.receiveFetch(ctx, c, from, job, id, maxBytes)
 }
 
 // receiveFetch stores what arrives on a fetch connection to member from (the request for snapshot id of
 // job already sent) if it is that snapshot: a member sends whatever it has under the name asked for, so
 // anything else is refused before a file moves. The transfer sets its own deadlines: ship's idle timeout
-// (a.wire.Idle only when a test shortens it), within ctx. maxBytes > 0 bounds the snapshot's size (0: ship's default).
+// (a.wire.Idle only when a test shortens it) until the manifest, which the holder sends before reading any
+// file, then the bound the manifest's size gives (ship.ReceiveOptions.PerMiB), within ctx. maxBytes > 0
+// bounds the snapshot's size (0: ship's default).
 func (a *Agent) receiveFetch(ctx context.Context, c io.ReadWriter, from, job, id string, maxBytes int64) error {
 	got, err := ship.Receive(ctx, c, a.store, ship.ReceiveOptions{Peer: from, Authorize: expectSnapshot(job, id), ShareBlocks: a.cfg.Checkpoint.ShareBlocks,
 		Logger: a.log, IdleTimeout: a.wire.Idle, MaxSnapshotBytes: maxBytes})
