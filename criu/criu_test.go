@@ -43,6 +43,9 @@ func TestMain(m *testing.M) {
 	if d := os.Getenv("FTKIT_FAKE_CRIU_SLOW"); d != "" && len(os.Args) == 3 && os.Args[1] == "swrk" {
 		os.Exit(fakeSlowSwrk(d, os.Args[2]))
 	}
+	if d := os.Getenv("FTKIT_FAKE_CRIU_LOCKED"); d != "" && len(os.Args) == 3 && os.Args[1] == "swrk" {
+		os.Exit(fakeLockedSwrk(d, os.Args[2]))
+	}
 	os.Exit(m.Run())
 }
 

@@ -33,6 +33,9 @@ type Client struct {
 	// Raise, if set, is called as a dump begins, and what it returns once CRIU is done: the job is stopped
 	// meanwhile, and the agent raises the CPU priority of its session, CRIU's, with it (package autogroup).
 	Raise func() (release func())
+	// UnlockNetwork, if set, deletes the nftables table (family inet) of CRIU's network lock that a dump
+	// killed before its end left, in the calling thread's network namespace; nil: over netlink. Tests fake it.
+	UnlockNetwork func(table string) error
 }
 
 // DumpOptions are the knobs ftkit uses; everything else is fixed by the design (TCP established
@@ -128,7 +131,12 @@ func (c Client) dump(ctx context.Context, opts DumpOptions, nfy gocriu.Notify) (
 	// removes the images directory, which a CRIU left running went on freezing and writing.
 	err = cr.do(ctx, func() error { return cr.call(rpc.CriuReqType_DUMP, req, nfy) })
 	if err != nil {
-		return DumpStats{}, dumpError(opts.PID, err, filepath.Join(opts.ImagesDir, dumpLog))
+		log := filepath.Join(opts.ImagesDir, dumpLog)
+		if !errors.Is(err, errOpFailed) {
+			// CRIU gave no answer (killed at ctx's end, or it died): it did not unlock the network.
+			err = errors.Join(err, c.unlockLeft(opts, log))
+		}
+		return DumpStats{}, dumpError(opts.PID, err, log)
 	}
 	st, err := crit.GetDumpStats(opts.ImagesDir)
 	if err != nil {

@@ -23,6 +23,9 @@ type swrk struct {
 	sk  *os.File
 }
 
+// errOpFailed is CRIU's answer that a request failed: CRIU then undid what it did (its network lock too).
+var errOpFailed = errors.New("operation failed")
+
 // swrkFD is the socket's descriptor number in CRIU (exec.Cmd.ExtraFiles start at 3).
 const swrkFD = 3
 
@@ -75,7 +78,7 @@ func (s *swrk) call(typ rpc.CriuReqType, opts *rpc.CriuOpts, nfy gocriu.Notify) 
 			return err
 		}
 		if !resp.GetSuccess() {
-			return fmt.Errorf("operation failed (msg:%s err:%d)", resp.GetCrErrmsg(), resp.GetCrErrno())
+			return fmt.Errorf("%w (msg:%s err:%d)", errOpFailed, resp.GetCrErrmsg(), resp.GetCrErrno())
 		}
 		rt := resp.GetType()
 		if rt != rpc.CriuReqType_NOTIFY {
