@@ -7,7 +7,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -239,42 +238,15 @@ func TestDumpCancelledKillsCRIU(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	work := t.TempDir()
-	t.Setenv("FTKIT_FAKE_CRIU_SLOW", work)
-	t.Cleanup(func() { os.WriteFile(filepath.Join(work, "stop"), nil, 0o600) })
-	ran, done := filepath.Join(work, "ran"), filepath.Join(work, "done")
-	criuPID := func() int {
-		b, err := os.ReadFile(ran)
-		if err != nil {
-			return 0
-		}
-		pid, _ := strconv.Atoi(string(b))
-		return pid
-	}
-	alive := func(pid int) bool { return pid > 0 && syscall.Kill(pid, 0) == nil }
+	fake := newSlowCRIU(t)
 	lowered := make(chan bool, 1) // whether CRIU still ran when the priority was lowered
 	c := Client{Binary: self, Raise: func() func() {
-		return func() { lowered <- alive(criuPID()) }
+		return func() { lowered <- running(fake.pid()) }
 	}}
-	ctx, cancel := context.WithCancel(t.Context())
-	go func() {
-		for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline) && criuPID() == 0; time.Sleep(5 * time.Millisecond) {
-		}
-		cancel()
-	}()
-	if _, err := c.Dump(ctx, DumpOptions{PID: os.Getpid(), ImagesDir: t.TempDir(), LeaveRunning: true}); !errors.Is(err, context.Canceled) {
+	if _, err := c.Dump(fake.cancelOnceStarted(t), DumpOptions{PID: os.Getpid(), ImagesDir: t.TempDir(), LeaveRunning: true}); !errors.Is(err, context.Canceled) {
 		t.Fatalf("Dump with its context cancelled while CRIU runs = %v, want context.Canceled", err)
 	}
-	pid := criuPID()
-	if pid == 0 {
-		t.Fatal("the fake CRIU never ran")
-	}
-	if alive(pid) {
-		t.Fatalf("the dump returned on its cancelled context with its CRIU (pid %d) still running", pid)
-	}
-	if _, err := os.Stat(done); err == nil {
-		t.Error("the fake CRIU finished its dump: it was not killed")
-	}
+	fake.checkKilled(t, "dump")
 	select {
 	case running := <-lowered:
 		if running {

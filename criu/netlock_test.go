@@ -34,6 +34,21 @@ func fakeLockedSwrk(dir, fdArg string) int {
 	return 5
 }
 
+// cancelOnceLocked returns a context cancelled once the fake CRIU of FTKIT_FAKE_CRIU_LOCKED wrote its log of
+// locked connections into images (at most 30 s on).
+func cancelOnceLocked(t *testing.T, images string) context.Context {
+	ctx, cancel := context.WithCancel(t.Context())
+	go func() {
+		for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+			if b, _ := os.ReadFile(filepath.Join(images, dumpLog)); len(b) == len(lockedLog) {
+				break
+			}
+		}
+		cancel()
+	}()
+	return ctx
+}
+
 // TestKilledDumpRemovesNetworkLock: a dump killed at its deadline (checkpoint.dump_timeout) after CRIU took
 // its network lock removes that lock, in CRIU's namespace, before it returns. CRIU removes it itself at the
 // end of a dump that fails, but a killed one cannot: the old code left the table, whose rules drop every
@@ -47,15 +62,7 @@ func TestKilledDumpRemovesNetworkLock(t *testing.T) {
 	t.Setenv("FTKIT_FAKE_CRIU_LOCKED", images)
 	var unlocked []string
 	c := Client{Binary: self, UnlockNetwork: func(table string) error { unlocked = append(unlocked, table); return nil }}
-	ctx, cancel := context.WithCancel(t.Context())
-	go func() {
-		for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-			if b, _ := os.ReadFile(filepath.Join(images, dumpLog)); len(b) == len(lockedLog) {
-				break
-			}
-		}
-		cancel()
-	}()
+	ctx := cancelOnceLocked(t, images)
 	if _, err := c.Dump(ctx, DumpOptions{PID: os.Getpid(), ImagesDir: images, LeaveRunning: true}); !errors.Is(err, context.Canceled) {
 		t.Fatalf("Dump with its context cancelled while CRIU runs = %v, want context.Canceled", err)
 	}
@@ -74,15 +81,7 @@ func TestKilledDumpUnlockFailureIsLoud(t *testing.T) {
 	images := t.TempDir()
 	t.Setenv("FTKIT_FAKE_CRIU_LOCKED", images)
 	c := Client{Binary: self, UnlockNetwork: func(string) error { return errors.New("netlink: operation not permitted") }}
-	ctx, cancel := context.WithCancel(t.Context())
-	go func() {
-		for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-			if b, _ := os.ReadFile(filepath.Join(images, dumpLog)); len(b) == len(lockedLog) {
-				break
-			}
-		}
-		cancel()
-	}()
+	ctx := cancelOnceLocked(t, images)
 	_, err = c.Dump(ctx, DumpOptions{PID: os.Getpid(), ImagesDir: images, LeaveRunning: true})
 	if !errors.Is(err, context.Canceled) || !strings.Contains(err.Error(), "nft delete table inet "+testLockTable) {
 		t.Fatalf("Dump = %v, want context.Canceled saying how to delete %s", err, testLockTable)

@@ -64,6 +64,32 @@ func (c slowCRIU) finished() bool {
 	return err == nil
 }
 
+// cancelOnceStarted returns a context cancelled once the fake CRIU has its request (at most 30 s on).
+func (c slowCRIU) cancelOnceStarted(t *testing.T) context.Context {
+	ctx, cancel := context.WithCancel(t.Context())
+	go func() {
+		for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline) && c.pid() == 0; time.Sleep(5 * time.Millisecond) {
+		}
+		cancel()
+	}()
+	return ctx
+}
+
+// checkKilled checks that the fake CRIU ran, is gone, and did not finish its request (what).
+func (c slowCRIU) checkKilled(t *testing.T, what string) {
+	t.Helper()
+	pid := c.pid()
+	if pid == 0 {
+		t.Fatal("the fake CRIU never ran")
+	}
+	if running(pid) {
+		t.Fatalf("the %s returned on its cancelled context with its CRIU (pid %d) still running", what, pid)
+	}
+	if c.finished() {
+		t.Errorf("the fake CRIU finished its %s: it was not killed", what)
+	}
+}
+
 // running reports whether pid runs (a zombie does not: it waits for whichever process reaps it).
 func running(pid int) bool {
 	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
@@ -83,25 +109,10 @@ func TestRestoreCancelledKillsCRIU(t *testing.T) {
 		t.Fatal(err)
 	}
 	fake := newSlowCRIU(t)
-	ctx, cancel := context.WithCancel(t.Context())
-	go func() {
-		for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline) && fake.pid() == 0; time.Sleep(5 * time.Millisecond) {
-		}
-		cancel()
-	}()
-	if _, err := (Client{Binary: self}).Restore(ctx, RestoreOptions{ImagesDir: t.TempDir()}); !errors.Is(err, context.Canceled) {
+	if _, err := (Client{Binary: self}).Restore(fake.cancelOnceStarted(t), RestoreOptions{ImagesDir: t.TempDir()}); !errors.Is(err, context.Canceled) {
 		t.Fatalf("Restore with its context cancelled while CRIU runs = %v, want context.Canceled", err)
 	}
-	pid := fake.pid()
-	if pid == 0 {
-		t.Fatal("the fake CRIU never ran")
-	}
-	if running(pid) {
-		t.Fatalf("the restore returned on its cancelled context with its CRIU (pid %d) still running", pid)
-	}
-	if fake.finished() {
-		t.Error("the fake CRIU finished its restore: it was not killed")
-	}
+	fake.checkKilled(t, "restore")
 }
 
 // TestRestoreCRIUDiesWithItsCaller: the agent kills a restore's shim at the restore's deadline; the CRIU the
