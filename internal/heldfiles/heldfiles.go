@@ -30,6 +30,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/criu/image"
+	"github.com/ftkit/ftkit/internal/procstate"
 )
 
 // Held is one file a process holds, with the access it holds it with.
@@ -59,7 +60,7 @@ func Check(pid int, uid, gid uint32, restored Restored) error {
 	if uid == 0 {
 		return nil
 	}
-	pids, err := tree(pid)
+	pids, err := procstate.Tree(pid)
 	if err != nil {
 		return err
 	}
@@ -101,31 +102,6 @@ func Check(pid int, uid, gid uint32, restored Restored) error {
 		}
 	}
 	return nil
-}
-
-// tree lists pid and its descendants (every thread's children).
-func tree(pid int) ([]int, error) {
-	out := []int{pid}
-	for i := 0; i < len(out); i++ {
-		tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", out[i]))
-		if err != nil {
-			return nil, fmt.Errorf("list the threads of process %d: %w", out[i], err)
-		}
-		for _, t := range tasks {
-			b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/children", out[i], t.Name()))
-			if err != nil {
-				return nil, fmt.Errorf("list the children of thread %s of process %d: %w", t.Name(), out[i], err)
-			}
-			for _, f := range strings.Fields(string(b)) {
-				c, err := strconv.Atoi(f)
-				if err != nil {
-					return nil, fmt.Errorf("children of process %d: %q", out[i], f)
-				}
-				out = append(out, c)
-			}
-		}
-	}
-	return out, nil
 }
 
 // zombie reports whether process pid has exited, unreaped.

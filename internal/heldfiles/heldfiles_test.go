@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/criu/image"
+	"github.com/ftkit/ftkit/internal/procstate"
 	"github.com/ftkit/ftkit/internal/testenv"
 )
 
@@ -219,7 +220,7 @@ func TestCheck(t *testing.T) {
 func waitZombie(t *testing.T, pid int) {
 	t.Helper()
 	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
-		pids, err := tree(pid)
+		pids, err := procstate.Tree(pid)
 		if err != nil {
 			t.Fatal(err)
 		}

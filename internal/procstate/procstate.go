@@ -7,6 +7,9 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"os"
+	"strconv"
+	"strings"
 
 	"github.com/prometheus/procfs"
 	"golang.org/x/sys/unix"
@@ -56,4 +59,29 @@ func RunningThreads(pid int) ([]int, error) {
 		}
 	}
 	return running, nil
+}
+
+// Tree lists pid and its descendants (every thread's children).
+func Tree(pid int) ([]int, error) {
+	out := []int{pid}
+	for i := 0; i < len(out); i++ {
+		tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", out[i]))
+		if err != nil {
+			return nil, fmt.Errorf("list the threads of process %d: %w", out[i], err)
+		}
+		for _, t := range tasks {
+			b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/children", out[i], t.Name()))
+			if err != nil {
+				return nil, fmt.Errorf("list the children of thread %s of process %d: %w", t.Name(), out[i], err)
+			}
+			for _, f := range strings.Fields(string(b)) {
+				c, err := strconv.Atoi(f)
+				if err != nil {
+					return nil, fmt.Errorf("children of process %d: %q", out[i], f)
+				}
+				out = append(out, c)
+			}
+		}
+	}
+	return out, nil
 }
