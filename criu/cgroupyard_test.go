@@ -112,7 +112,7 @@ func TestYardLinks(t *testing.T) {
 // (Until 2026-11-30 such a yard went unused, and unrepaired, for the rest of the agent's life.)
 func TestDumpWithCgroupYard(t *testing.T) {
 	bin := requireCRIU(t, "CRIU, a network namespace and the host's cgroup mounts")
-	child, ns := startSender(t)
+	child, ns, _ := startSender(t)
 	y, err := NewCgroupYard(filepath.Join(t.TempDir(), "yard"), nil)
 	if err != nil {
 		t.Fatal(err)

@@ -6,9 +6,13 @@ import (
 	"fmt"
 	"os"
 	"regexp"
+	"strconv"
 	"strings"
 
 	"github.com/google/nftables"
+	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/internal/procstate"
 )
 
 // lockLine is how CRIU's dump log (log level 4) shows each connection it adds to its network lock
@@ -86,4 +90,65 @@ func (c Client) unlockLeft(opts DumpOptions, logPath string) error {
 		return fmt.Errorf("remove the network lock CRIU left: %w: the job's connections stay blocked; delete it by hand (nft delete table inet %s, in the job network if it has one)", err, table)
 	}
 	return nil
+}
+
+// releaseRepair turns TCP repair mode off on every socket of the tree rooted at pid that has it on, as
+// CRIU does at the end of every dump it finishes, failed or not (libsoccr_resume): one killed before its
+// end left the sockets of the tree it dumped in repair mode, where they transmit nothing, and the job,
+// thawed, hung on its connections for good without a word. The kernel resets SO_REUSEADDR with repair
+// mode; the value CRIU kept to put back died with it (it matters only to a bind, which a connected socket
+// does not make again).
+func releaseRepair(pid int) error {
+	pids, err := procstate.Tree(pid)
+	if err != nil {
+		return fmt.Errorf("turn TCP repair mode off on the sockets of the dumped tree: %w", err)
+	}
+	seen := map[string]bool{} // sockets by /proc's name for them: one may be held by many processes
+	var errs []error
+	for _, p := range pids {
+		if err := releaseRepairOf(p, seen); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("turn TCP repair mode off on the sockets of the dumped tree: %w: its connections stay stalled; kill the job and restore it from its last snapshot", err)
+	}
+	return nil
+}
+
+// releaseRepairOf is releaseRepair for the sockets of process pid; a process that is gone holds none.
+func releaseRepairOf(pid int, seen map[string]bool) error {
+	pidfd, err := unix.PidfdOpen(pid, 0)
+	if errors.Is(err, unix.ESRCH) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("process %d: %w", pid, err)
+	}
+	defer unix.Close(pidfd)
+	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	if err != nil {
+		return fmt.Errorf("process %d: %w", pid, err)
+	}
+	var errs []error
+	for _, e := range ents {
+		link, err := os.Readlink(fmt.Sprintf("/proc/%d/fd/%s", pid, e.Name()))
+		n, nerr := strconv.Atoi(e.Name())
+		if err != nil || nerr != nil || !strings.HasPrefix(link, "socket:") || seen[link] {
+			continue // closed since, or no socket
+		}
+		seen[link] = true
+		fd, err := unix.PidfdGetfd(pidfd, n, 0)
+		if err != nil {
+			continue // closed since
+		}
+		// Any other socket refuses the option: only TCP's may be in repair mode.
+		if on, err := unix.GetsockoptInt(fd, unix.SOL_TCP, unix.TCP_REPAIR); err == nil && on == 1 {
+			if err := unix.SetsockoptInt(fd, unix.SOL_TCP, unix.TCP_REPAIR, unix.TCP_REPAIR_OFF); err != nil {
+				errs = append(errs, fmt.Errorf("%s of process %d: %w", link, pid, err))
+			}
+		}
+		unix.Close(fd)
+	}
+	return errors.Join(errs...)
 }

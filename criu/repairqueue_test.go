@@ -131,7 +131,7 @@ func TestRepairSendQueueSkipsTransmission(t *testing.T) {
 // patch leaves TCP_SEND_QUEUE selected.
 func TestLiveDumpSelectsNoRepairQueue(t *testing.T) {
 	bin := requireCRIU(t, "CRIU and a network namespace")
-	child, ns := startSender(t)
+	child, ns, _ := startSender(t)
 
 	pidfd, err := unix.PidfdOpen(child.Process.Pid, 0)
 	if err != nil {
@@ -266,9 +266,9 @@ func childTCPSocket(t *testing.T, pid, pidfd int) int {
 
 // startSender starts a child of role senderRole in a network namespace of the test's own, in a session of
 // its own (CRIU dumps it as a tree of its own), writing over TCP to a listener in that namespace that
-// accepts its connection and reads nothing. It returns the child and the namespace; the test's cleanup
-// kills the child.
-func startSender(t *testing.T) (*exec.Cmd, string) {
+// accepts its connection. It returns the child, the namespace and the accepted end, which reads nothing
+// unless the test reads it; the test's cleanup kills the child.
+func startSender(t *testing.T) (*exec.Cmd, string, net.Conn) {
 	t.Helper()
 	ns := testenv.Netns(t, "ftkit-criu-test")
 	var ln net.Listener
@@ -296,7 +296,7 @@ func startSender(t *testing.T) (*exec.Cmd, string) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { rcv.Close() })
-	return child, ns
+	return child, ns, rcv
 }
 
 // requireCRIU is the CRIU binary for a test that runs it: the test needs root (needs says what for) and

@@ -133,8 +133,9 @@ func (c Client) dump(ctx context.Context, opts DumpOptions, nfy gocriu.Notify) (
 	if err != nil {
 		log := filepath.Join(opts.ImagesDir, dumpLog)
 		if !errors.Is(err, errOpFailed) {
-			// CRIU gave no answer (killed at ctx's end, or it died): it did not unlock the network.
-			err = errors.Join(err, c.unlockLeft(opts, log))
+			// CRIU gave no answer (killed at ctx's end, or it died): it did not unlock the network, nor
+			// take the job's sockets out of repair mode.
+			err = errors.Join(err, c.unlockLeft(opts, log), releaseRepair(opts.PID))
 		}
 		return DumpStats{}, dumpError(opts.PID, err, log)
 	}
