@@ -71,10 +71,19 @@ func (a *Agent) watchRejoin(ctx context.Context) {
 // returns how many jobs it could not end.
 func (a *Agent) dropFailedJobs(self ring.Member) int {
 	left := 0
+	var running []Job
 	for _, j := range a.Jobs(0) {
-		if j.State != JobRunning {
-			continue
+		if j.State == JobRunning {
+			running = append(running, j)
 		}
+	}
+	// Every job address off the wire first, as a self-fence does: this host reaches its peers again (it
+	// learnt the view from one), and a killed copy's sockets would send their FIN or reset to peers whose
+	// connections the restored copies go on with.
+	for _, j := range running {
+		a.withdrawJobNet(context.Background(), j.ID, j.Net)
+	}
+	for _, j := range running {
 		if a.ownCopyRuns(j) {
 			// Its root is the init of the job's PID namespace: the kernel kills the whole namespace with it.
 			// Not the cgroup: on hosts that share a kernel (the lab) it is the restored copy's too.

@@ -3,16 +3,19 @@ package agent
 import (
 	"encoding/json"
 	"fmt"
+	"log/slog"
 	"math"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/internal/cgroupv2"
+	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/ring"
 	"github.com/ftkit/ftkit/shim"
 )
@@ -135,6 +138,50 @@ func TestDropFailedJobs(t *testing.T) {
 	}
 	if j, _, _ := ta.Job(doneJob, 0); j.State != JobExited || j.Fenced {
 		t.Errorf("a job that had ended changed: %q (fenced %v)", j.State, j.Fenced)
+	}
+}
+
+// TestDropFailedJobsWithdrawsFirst: a host that learns it was declared failed reaches its peers again, so
+// every job address of its failed incarnation leaves the wire before any copy is killed (as a self-fence
+// does): a killed copy's sockets would otherwise send their FIN or reset to peers whose connections the
+// restored copies go on with. The old code killed first and took the addresses away with the records' end.
+// The withdrawal is seen through a job whose record names a network not this agent's (no namespace is made
+// here): withdrawing it logs that it is left alone.
+func TestDropFailedJobsWithdrawsFirst(t *testing.T) {
+	ta := newTestAgent(t)
+	base, _, _ := rejoinViews(t)
+	v, err := base.ReplaceKeepingAddrs("node1", "s1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ta.members.view = v
+	cg, child := jobProcess(t)
+	ta.byID[rootsJob].PID, ta.byID[rootsJob].Cgroup = child.Pid, cg
+	const netJob = "srv-00000001" // listed after rootsJob (created later)
+	ta.addJob(t, Job{ID: netJob, State: JobRunning, Net: &JobNet{Name: "ftj-other", Kind: jobnet.MACVlan, Addr: netip.MustParsePrefix("127.0.0.200/8")}})
+	var mu sync.Mutex
+	seen, killedBefore := false, false
+	ta.log = slog.New(hookHandler{func(r slog.Record) {
+		mu.Lock()
+		defer mu.Unlock()
+		if seen || !strings.Contains(r.Message, "not this agent's for the job") {
+			return
+		}
+		seen = true
+		_, err := os.Lstat(ta.supersededMark(rootsJob, 0))
+		killedBefore = err == nil
+	}})
+	self, _ := v.Member("node1")
+	if left := ta.dropFailedJobs(self); left != 0 {
+		t.Fatalf("%d jobs left running", left)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if !seen {
+		t.Fatal("the job network of the failed incarnation's job was never taken off the wire")
+	}
+	if killedBefore {
+		t.Error("a copy was killed before every job address of the failed incarnation was off the wire")
 	}
 }
 
