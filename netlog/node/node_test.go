@@ -1013,3 +1013,42 @@ func TestPausedConsumerIsAtCap(t *testing.T) {
 		})
 	}
 }
+
+// TestRangeAfterReleaseOfFinishedFlow: once a connection the sender finished (its FIN sent) is freed
+// because its receiver's restore point passed its last segment, a restore of the receiver starts from a
+// snapshot that holds every byte and the FIN. The range from there (one past the data's end) has nothing
+// to replay, which the live state shows; before, it was refused as a connection not in the log, and with
+// it the receiver's recovery, which only needs the live state.
+func TestRangeAfterReleaseOfFinishedFlow(t *testing.T) {
+	now := time.Now().Add(10 * time.Second) // past the release margin of the last segment
+	m := &fakeMembers{owner: "n2", mark: release.Watermark{At: now, Addrs: []netip.Addr{connA.Remote.Addr()}}}
+	n, src, payload := newTestNode(t, 5000, m)
+	var mono unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &mono); err != nil {
+		t.Fatal(err)
+	}
+	// The FIN left as the payload was logged: now by the kernel's clock, 10 s before the test's now.
+	fin := ebpfprobes.FlowState{SndNxt: isn + uint32(len(payload)) + 1, FinSent: true, HasAck: true, KtimeNs: uint64(mono.Nano() - (10 * time.Second).Nanoseconds())}
+	src.states[connA] = fin
+	ctx := context.Background()
+	n.releaseFinished(ctx, n.Log(), now)
+	deadline := time.Now().Add(10 * time.Second) // a failure bound: the question runs in the background
+	for n.ReleasedSoFar().Conns == 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the finished connection was never freed: %+v", n.Conns())
+		}
+		time.Sleep(5 * time.Millisecond)
+		n.releaseFinished(ctx, n.Log(), now)
+	}
+	r, err := n.Range(ctx, "n2", connA, fin.SndNxt)
+	if err != nil {
+		t.Fatalf("Range from the FIN's end of a freed finished connection: %v; want no bytes and the live state", err)
+	}
+	if r.Len != 0 || r.Live == nil || r.Live.SndNxt != fin.SndNxt {
+		t.Errorf("Range: %d bytes, live %+v; want none and the live state", r.Len, r.Live)
+	}
+	// A receiver restored from before the last bytes needs them: still refused, by name.
+	if _, err := n.Range(ctx, "n2", connA, isn+4000); !errors.Is(err, netlog.ErrUnknownConn) {
+		t.Errorf("Range of freed bytes: %v; want %v", err, netlog.ErrUnknownConn)
+	}
+}

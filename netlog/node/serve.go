@@ -228,14 +228,16 @@ func (n *Node) catchUp(ctx context.Context, conn tcpflow.Tuple, from uint32) {
 }
 
 // sentNothingSince says whether this host's log has no store of conn because the sender sent no payload
-// on it after wire sequence from: the live state's data end is exactly there. A store that exists, or a
-// live state that went further, are for the log to answer (bytes, or a hole it names).
+// on it after wire sequence from: the live state's data end is there, or before it (the receiver has the
+// FIN: a finished connection's log is freed once its receiver's restore point holds it, and a restore from
+// there needs the live state only; the restorer judges a live state behind its snapshot). A store that
+// exists, or a live state that went further, are for the log to answer (bytes, or a hole it names).
 func (n *Node) sentNothingSince(conn tcpflow.Tuple, from uint32) (ebpfprobes.FlowState, bool) {
 	if n.logHolds(conn) {
 		return ebpfprobes.FlowState{}, false
 	}
 	live, ok, err := n.src.FlowState(conn)
-	if err != nil || !ok || live.DataEnd() != from {
+	if err != nil || !ok || int32(live.DataEnd()-from) > 0 {
 		return ebpfprobes.FlowState{}, false
 	}
 	return live, true
