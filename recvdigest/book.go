@@ -98,6 +98,9 @@ type flow struct {
 	open    bool
 	next    uint32 // the next byte expected in order
 	first   uint32 // where the flow (or its last reset) started
+	// synced says first is the connection's first byte, from a start record (its SYN): no byte of the
+	// connection lies before it. Cleared once next is 2^31 past it, where serial order no longer tells.
+	synced bool
 	// held are copies of out-of-order bytes, all after next, ascending, not overlapping.
 	held      []heldBytes
 	heldBytes int
@@ -157,7 +160,13 @@ func (b *Book) Add(rec netlog.Record) {
 		b.touch(f, rec.CgroupID)
 	}
 	off := int32(rec.Seq - f.next)
-	if off < -maxWindow || off > maxWindow {
+	// A record before the connection's first byte (its SYN recorded) is not a retransmission: it is a new
+	// connection on the reused 4-tuple whose SYN the tap missed (the consumer was gone), with an ISN behind
+	// the old one's. Taken for duplicates, its bytes were dropped and the old connection's pieces served
+	// as its record, so the check of its restored sender's re-sent bytes called the program nondeterministic.
+	// The byte just before the first is a keepalive's (some stacks send one garbage byte at snd_una-1).
+	before := off < 0 && f.synced && uint32(-off) > f.next-f.first+1
+	if off < -maxWindow || off > maxWindow || before {
 		b.reset(f, rec.Seq)
 		off = 0
 	}
@@ -173,6 +182,9 @@ func (b *Book) Add(rec netlog.Record) {
 	} else {
 		b.hold(f, rec.Seq, rec.Payload)
 		b.overflow(f)
+	}
+	if f.next-f.first >= 1<<31 {
+		f.synced = false
 	}
 	b.trim(f)
 	for b.stats.Pieces > b.opts.MaxTotalPieces {
@@ -201,11 +213,14 @@ func (b *Book) begin(conn tcpflow.Tuple, cgroup uint64, seq uint32) {
 	f := b.flows[conn]
 	switch {
 	case f == nil:
-		b.newFlow(conn, cgroup, seq)
+		f = b.newFlow(conn, cgroup, seq)
 	case f.first != seq || f.owner.cgroup != cgroup:
 		b.touch(f, cgroup)
 		b.reset(f, seq)
+	default:
+		return // a retransmitted SYN of a flow whose first is already its start (or past 2^31 of it)
 	}
+	f.synced = true
 }
 
 func (b *Book) newFlow(conn tcpflow.Tuple, cgroup uint64, seq uint32) *flow {
@@ -302,7 +317,7 @@ func (b *Book) reset(f *flow, seq uint32) {
 	b.stats.HeldBytes -= f.heldBytes
 	b.stats.Resets++
 	f.pieces, f.open, f.held, f.heldBytes = nil, false, nil, 0
-	f.next, f.first = seq, seq
+	f.next, f.first, f.synced = seq, seq, false
 }
 
 // extend digests data, the bytes starting at f.next, closing a piece at each block boundary.

@@ -490,3 +490,35 @@ func TestBookNewConnOfAnotherJob(t *testing.T) {
 	b.Add(netlog.Record{Conn: testConn, Seq: B, CgroupID: second, Payload: reused})
 	equalPieces(t, received(t, b, testConn, B), piecesOf(B, reused))
 }
+
+// TestBookNewConnBeforeTheRecordedStart: a new connection on a reused 4-tuple of the same job, whose SYN
+// the tap missed (its consumer was gone), with an ISN a little behind the old connection's recorded first
+// byte. Its bytes are no retransmission of the old one's (nothing of a connection precedes its SYN): they
+// must not be dropped as duplicates, nor the old connection's pieces served as its record, which made the
+// check of its restored sender's re-sent bytes call the program nondeterministic.
+func TestBookNewConnBeforeTheRecordedStart(t *testing.T) {
+	const start, newStart = 100*B + 7, 100*B + 7 - 10000
+	old, reused := randomBytes(3, 3*B), randomBytes(4, 2*B)
+	b := NewBook(BookOptions{})
+	b.Add(netlog.Record{Conn: testConn, Seq: start}) // the old connection's SYN
+	addAll(b, testConn, start, old, []segment{{0, len(old)}})
+	addAll(b, testConn, newStart, reused, []segment{{0, 5000}, {5000, len(reused) - 5000}})
+	equalPieces(t, received(t, b, testConn, newStart), piecesOf(newStart, reused))
+	from := uint32(newStart + B + 100)
+	n, err := Verify(Received{Conn: testConn, Pieces: received(t, b, testConn, from)}, from, newStart+uint32(len(reused)),
+		Prefix{Known: true, Len: from - BlockStart(from), CRC: crcOf(newStart, reused, BlockStart(from), from)}, resentOf(newStart, reused))
+	if err != nil || n != uint64(newStart+uint32(len(reused))-from) {
+		t.Errorf("Verify of the new connection's re-sent bytes: %d, %v", n, err)
+	}
+
+	// Retransmissions of the old connection's bytes after its start stay duplicates, and so does a
+	// keepalive's garbage byte just before the first (sent at snd_una-1 before any data).
+	b = NewBook(BookOptions{})
+	b.Add(netlog.Record{Conn: testConn, Seq: start})
+	b.Add(netlog.Record{Conn: testConn, Seq: start - 1, Payload: []byte{0}})
+	addAll(b, testConn, start, old, []segment{{0, len(old)}, {0, 3000}, {B, 100}})
+	equalPieces(t, received(t, b, testConn, start), piecesOf(start, old))
+	if st := b.Stats(); st.Resets != 0 || st.DuplicateBytes != 3101 {
+		t.Errorf("stats %+v", st)
+	}
+}
