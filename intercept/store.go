@@ -308,6 +308,11 @@ func (s *Store) Since(m *ckpt.Manifest) ([]Det, error) {
 		}
 		cut = 0
 	}
+	if r.base == m.ID {
+		// A copy restored from m on node: its Pos count from that restore, as those of a copy on another host
+		// (SinceOn). Returned as recorded, the gate took m.Polls off them once too many.
+		return onSnapshotCount(m, r.dets(cut)), nil
+	}
 	return r.dets(cut), nil
 }
 
@@ -320,7 +325,8 @@ func (s *Store) Since(m *ckpt.Manifest) ([]Det, error) {
 // where ran's copy had read in an order its peers depended on. It fails, saying why, when it cannot tell
 // which holds the order: ran's record not from the start of a copy restored from m, or the two gone apart.
 // With no record from ran here (its copy shipped nothing here), and with ran "" or m.Node, it is Since.
-// Either way their Pos count as on m's host, from which m.Polls are taken off (onSnapshotCount).
+// Either way their Pos count as on m's host, from which the gate takes m.Polls off: a copy's, counted from
+// its restore (Since's too, for a copy restored from m on m's host), are put on that count (onSnapshotCount).
 func (s *Store) SinceOn(m *ckpt.Manifest, ran string) ([]Det, error) {
 	orig, err := s.Since(m)
 	if ran == "" || ran == m.Node {
@@ -371,7 +377,9 @@ func onSnapshotCount(m *ckpt.Manifest, dets []Det) []Det {
 		return dets
 	}
 	for i := range dets {
-		dets[i].Pos += m.Polls[dets[i].Thread]
+		if dets[i].Pos != NoPos { // the copy's host counted nothing: the gate refuses positions
+			dets[i].Pos += m.Polls[dets[i].Thread]
+		}
 	}
 	return dets
 }

@@ -439,3 +439,51 @@ func TestStoreSinceOnSparePositions(t *testing.T) {
 		}
 	}
 }
+
+// TestStoreSinceRestoredHerePositions: job j, snapshotted on n1 (s) after its thread had made polls
+// readiness calls, was restored from s on n1 itself (a rollback, a manual restore), whose recorder counted
+// the thread's readiness calls from 0 at that restore; the copy read on and n1 failed before a snapshot of
+// its own: s is restored on a spare with receive positions, from n1's record, the copy's (Since: it began
+// with the copy, restored from s). The gate takes s's count at the dump off every Pos, as it must off those
+// of s's own run: the copy's, returned as recorded, had it taken off too, and positions were refused
+// (polls 100) or the reads were delivered at the wrong readiness calls with no error (polls 1).
+func TestStoreSinceRestoredHerePositions(t *testing.T) {
+	d := func(c tcpflow.Tuple, end uint32, pos uint64) Det {
+		return Det{Conn: c, End: end, Len: 10, Thread: 1, Proc: 1, Pos: pos}
+	}
+	for _, polls := range []uint64{100, 1} {
+		t.Run(fmt.Sprintf("%d readiness calls at the dump", polls), func(t *testing.T) {
+			s := NewStore(0, 0)
+			// The copy's thread read B after its first readiness call since the restore, A after its second...
+			s.Add("n1", Batch{Job: "j", Stream: 5, FromStart: true, Base: "s", Dets: []Det{d(connB, 10, 1), d(connA, 20, 2), d(connB, 20, 3), d(connA, 30, 4)}})
+			m := snap("s", 10, 0)
+			m.Positions, m.Polls = true, map[uint32]uint64{1: polls}
+			for _, ran := range []string{"", "n1"} {
+				dets, err := s.SinceOn(m, ran)
+				if err != nil {
+					t.Fatal(err)
+				}
+				g, err := NewGate(dets, map[tcpflow.Tuple]Source{connA: {Seq: 10, Data: make([]byte, 30)}, connB: {Seq: 0, Data: make([]byte, 30)}})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := g.UsePositions(m.Polls); err != nil {
+					t.Fatalf("positions refused: %v", err)
+				}
+				var got []string
+				for _, p := range g.plans {
+					for _, pt := range p.points {
+						s := fmt.Sprintf("%d/%d", pt.polls, pt.after)
+						for _, in := range pt.inject {
+							s += fmt.Sprintf(" %s%d", map[tcpflow.Tuple]string{connA: "A", connB: "B"}[in.conn], in.end)
+						}
+						got = append(got, s)
+					}
+				}
+				if want := []string{"0/-1 B10", "1/-1 A20", "2/-1 B20", "3/-1 A30"}; !slices.Equal(got, want) {
+					t.Fatalf("ran %q: stops %q, want %q", ran, got, want)
+				}
+			}
+		})
+	}
+}
