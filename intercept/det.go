@@ -22,11 +22,22 @@ type Det struct {
 	// keeps.
 	Thread, Proc uint32
 	// Pos is how many readiness calls (epoll_wait, poll, select...) the thread had made before this call,
-	// counted since the thread's job was started or restored on its host; 0 if the host counts none.
+	// counted since the thread's job was started or restored on its host; NoPos if the host counts none (0
+	// from an agent of an earlier version).
 	Pos uint64
 }
 
+// NoPos is the Pos of a call recorded on a host that counts no readiness calls (log.receive_positions
+// off). A 0 there passed for a count: a copy restored from a snapshot with positions on such a host, then
+// restored again, had its reads replayed at made-up positions (Store.SinceOn). Older agents, which read
+// it as a count, add a snapshot's count to it: that wraps below the count, and their gate refuses positions,
+// or, for a thread without one, leaves a stop that is never reached, and their replay times out.
+const NoPos = ^uint64(0)
+
 func (d Det) String() string {
+	if d.Pos == NoPos {
+		return fmt.Sprintf("%s consumed %d bytes up to %d (thread %d, readiness calls not counted)", d.Conn, d.Len, d.End, d.Thread)
+	}
 	return fmt.Sprintf("%s consumed %d bytes up to %d (thread %d after %d readiness calls)", d.Conn, d.Len, d.End, d.Thread, d.Pos)
 }
 

@@ -113,7 +113,8 @@ func (t *threadPlan) stop(p *point) Stop {
 // planPositions builds the plans of threads from events (the gated connections' receive calls since the
 // snapshot, in order) and base (each thread's readiness calls at the dump). It fails if positions cannot
 // be replayed: two threads of one process receive (a stop of one stops both, and continuing one would
-// cancel the other's pending stop), or a call's count is below its thread's count at the dump.
+// cancel the other's pending stop), a call's count is below its thread's count at the dump, or a call was
+// recorded where readiness calls are not counted (NoPos).
 func planPositions(events []Det, base map[uint32]uint64) ([]*threadPlan, error) {
 	byThread := map[uint32]*threadPlan{}
 	readerOf := map[uint32]uint32{} // process -> its receiving thread
@@ -130,6 +131,11 @@ func planPositions(events []Det, base map[uint32]uint64) ([]*threadPlan, error) 
 		}
 		if t.proc != d.Proc {
 			return nil, fmt.Errorf("thread %d is in processes %d and %d", d.Thread, t.proc, d.Proc)
+		}
+		if d.Pos == NoPos {
+			// Recorded where readiness calls are not counted (a copy restored on a host with
+			// log.receive_positions off, Store.SinceOn): there are no positions to replay.
+			return nil, fmt.Errorf("thread %d's receive call %s was recorded on a host that counts no readiness calls (log.receive_positions off there)", d.Thread, d)
 		}
 		b := base[d.Thread]
 		if d.Len == 0 && d.Pos <= b && len(t.events) == 0 {

@@ -92,6 +92,8 @@ type Recorder struct {
 	waking     bool
 	alwaysWake bool
 	pause      time.Duration // recordPause: how long calls gather between two reads while polled
+	// counts: the recorder counts readiness calls (rec.Positions()), so a call's Polls is its position.
+	counts bool
 	// pessimistic: each job's processes are held after each consuming receive call until its determinant
 	// is at the protector (log.pessimistic).
 	pessimistic bool
@@ -163,7 +165,7 @@ func New(o Options) *Recorder {
 	}
 	r.rec, r.setWake, r.lostOf, r.read, r.lostTotal = rec, rec.SetWakeEveryEvent, rec.Lost, rec.ReadBatch, rec.LostTotal
 	r.unhold, r.forget = func(cgroup uint64) error { return rec.SetPessimistic(cgroup, false) }, rec.Forget
-	r.waking, r.alwaysWake, r.pessimistic = alwaysWake, alwaysWake, o.Pessimistic
+	r.waking, r.alwaysWake, r.pessimistic, r.counts = alwaysWake, alwaysWake, o.Pessimistic, rec.Positions()
 	return r
 }
 
@@ -462,6 +464,9 @@ func (r *Recorder) take(e ebpfprobes.RecvEvent, now time.Time) (release uint32) 
 		return release
 	}
 	det := intercept.Det{Conn: e.Conn, End: e.CopiedSeq, Len: e.Len, Thread: e.Thread, Proc: e.Proc, Pos: e.Polls}
+	if !r.counts {
+		det.Pos = intercept.NoPos // not a count: a replay from this host's record must not take it for one
+	}
 	ev := intercept.Event{Det: det, AtPoll: e.PollStop, Stopped: e.Stopped, Pid: e.Pid}
 	if e.StopErr != 0 && !e.Held {
 		ev.StopErr = e.StopErr

@@ -17,6 +17,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ebpfprobes"
 	"github.com/ftkit/ftkit/intercept"
 	"github.com/ftkit/ftkit/internal/procstate"
@@ -582,5 +583,52 @@ func TestStreamReplacedReleasesHeld(t *testing.T) {
 				t.Errorf("recorder maps: unheld %v, forgot %v; want %v", unheld, forgot, tc.dropped)
 			}
 		})
+	}
+}
+
+// TestSpareWithoutPositionsPlansNone: job j, snapshotted with receive positions on n1 (its thread had made
+// 5 readiness calls at the dump), was restored on n2, whose agent counts no readiness calls
+// (log.receive_positions off), read its two connections there and failed before a snapshot of its own; it
+// is restored from the snapshot again, on a spare that counts. n2's record is the order to replay
+// (intercept.Store.SinceOn), and it holds no positions: each call's Pos was a 0 that passed for a count, the
+// snapshot's count was added to it, and the gate replayed every read at made-up positions (the first of
+// each connection before the job ran), saying "receive order and positions replayed". It must replay the
+// order alone.
+func TestSpareWithoutPositionsPlansNone(t *testing.T) {
+	connA := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:5001"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
+	connB := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:5001"), Remote: netip.MustParseAddrPort("10.0.0.3:40001")}
+	n2 := newTestRecorder() // its recorder counts no readiness calls
+	s := &stream{job: "j", cgroup: 7, fromStart: true, base: "s", watchers: map[chan intercept.Event]bool{}}
+	n2.byJob["j"], n2.byCgroup[7] = s, s
+	for _, e := range []ebpfprobes.RecvEvent{
+		{Cgroup: 7, Conn: connA, CopiedSeq: 15, Len: 10, Thread: 1, Proc: 1, Pid: 100},
+		{Cgroup: 7, Conn: connB, CopiedSeq: 10, Len: 10, Thread: 1, Proc: 1, Pid: 100},
+		{Cgroup: 7, Conn: connA, CopiedSeq: 25, Len: 10, Thread: 1, Proc: 1, Pid: 100},
+		{Cgroup: 7, Conn: connB, CopiedSeq: 20, Len: 10, Thread: 1, Proc: 1, Pid: 100},
+	} {
+		n2.take(e, time.Now())
+	}
+	st := intercept.NewStore(0, 0)
+	// n1's record: A up to 5 before the dump, then nothing (it failed right after).
+	st.Add("n1", intercept.Batch{Job: "j", Stream: 1, FromStart: true, Dets: []intercept.Det{{Conn: connA, End: 5, Len: 5, Thread: 1, Proc: 1, Pos: 5}}})
+	st.Add("n2", intercept.Batch{Job: "j", Stream: s.id, FromStart: s.fromStart, Base: s.base, Dets: s.pending})
+	m := &ckpt.Manifest{ID: "s", Job: "j", Node: "n1", Info: ckpt.Info{Positions: true, Polls: map[uint32]uint64{1: 5},
+		Conns: []ckpt.Conn{{Tuple: connA, InqSeq: 5}, {Tuple: connB, InqSeq: 0}}}}
+	dets, err := st.SinceOn(m, "n2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(dets) != 4 {
+		t.Fatalf("%d determinants since the snapshot, want n2's 4: %v", len(dets), dets)
+	}
+	g, err := intercept.NewGate(dets, map[tcpflow.Tuple]intercept.Source{connA: {Seq: 5, Data: make([]byte, 20)}, connB: {Seq: 0, Data: make([]byte, 20)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := g.UsePositions(m.Polls); err == nil {
+		t.Fatalf("positions replayed from a record of a host that counts none (preload %v)", g.Preload())
+	}
+	if g.Positions() {
+		t.Fatal("the gate is in positions mode after refusing them")
 	}
 }

@@ -64,7 +64,7 @@ func TestShipAsksForAnswersNowAndThen(t *testing.T) {
 	var all []intercept.Det
 	receive := func(n int) {
 		for range n {
-			d := intercept.Det{Conn: conn, End: uint32(len(all)+1) * 10, Len: 10, Thread: 1, Proc: 1}
+			d := intercept.Det{Conn: conn, End: uint32(len(all)+1) * 10, Len: 10, Thread: 1, Proc: 1, Pos: intercept.NoPos} // the test's recorder counts no readiness calls
 			all = append(all, d)
 			r.mu.Lock()
 			r.take(ebpfprobes.RecvEvent{Cgroup: 7, Conn: d.Conn, CopiedSeq: d.End, Len: d.Len, Thread: d.Thread, Proc: d.Proc, Pid: 100}, time.Now())
@@ -192,7 +192,7 @@ func TestShipBatchOfManyConnections(t *testing.T) {
 	for i := range intercept.MaxConns + 10 {
 		c := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:5001"), Remote: netip.AddrPortFrom(netip.MustParseAddr("10.0.0.1"), uint16(10000+i))}
 		conns = append(conns, ckpt.Conn{Tuple: c})
-		d := intercept.Det{Conn: c, End: 10, Len: 10, Thread: 1, Proc: 1}
+		d := intercept.Det{Conn: c, End: 10, Len: 10, Thread: 1, Proc: 1, Pos: intercept.NoPos} // the test's recorder counts no readiness calls
 		all = append(all, d)
 		r.mu.Lock()
 		r.take(ebpfprobes.RecvEvent{Cgroup: 7, Conn: d.Conn, CopiedSeq: d.End, Len: d.Len, Thread: d.Thread, Proc: d.Proc, Pid: 100}, time.Now())
