@@ -328,14 +328,18 @@ func (a *Agent) coordFreeze(ctx context.Context, coordinator string, req cluster
 	return rep, nil
 }
 
-// endHoldsOfFailed ends the holds whose coordinator v declares failed.
+// endHoldsOfFailed ends the holds whose coordinator v declares failed, and stops replication waiting for
+// the commits of that coordinator's thawed cuts (coordinated.Uncommitted.Orphan).
 func (a *Agent) endHoldsOfFailed(v ring.View) {
-	ended := a.coord.EndOf(func(coordinator string) bool {
+	failed := func(coordinator string) bool {
 		m, ok := v.Member(coordinator)
 		return ok && m.State == ring.StateFailed
-	})
-	for _, h := range ended {
+	}
+	for _, h := range a.coord.EndOf(failed) {
 		a.log.Warn("coordinator of a coordinated snapshot failed: the run's jobs thawed here", "coordinator", h.Coordinator, "cut", h.Cut, "frozen_for", h.FrozenFor.Round(time.Millisecond))
+	}
+	if n := a.uncommitted.Orphan(failed); n > 0 {
+		a.log.Warn("coordinator of thawed coordinated snapshots failed before committing them here: replication no longer waits for their commits", "cuts", n)
 	}
 }
 

@@ -430,3 +430,88 @@ func TestUncommittedPinsOnlyFromItsCoordinator(t *testing.T) {
 		})
 	}
 }
+
+// TestReplicationStopsWaitingForFailedCoordinatorsCommit: a cut's coordinator fails between the thaw and
+// the commit. This host refuses whatever a member it does not see alive sends, so the commit never comes,
+// and a replication of the cut's jobs that waits for it (Uncommitted.Settle) must stop waiting once a view
+// declares the coordinator failed. Before, it waited out the pin's bound, 11 minutes, the run's next
+// snapshots unreplicated meanwhile. The cut's snapshot stays pinned here: its commit may have reached
+// other members, and a rollback to it, right after the failure, needs it.
+func TestReplicationStopsWaitingForFailedCoordinatorsCommit(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.members.view = testView(t, "node1", "node2", "node3")
+	uid := uint32(0)
+	key := coordinated.HoldKey(clusterapi.CoordinateRequest{Run: "farm", UID: &uid})
+	const cutSnap, later = "20261203T100000.000Z-node1-000001", "20261203T100001.000Z-node1-000002"
+	ta.uncommitted.Add(key, "cut-20261203T100000.000", "node2", []*ckpt.Manifest{{Job: "farm-node1-1", ID: cutSnap}})
+
+	waiting := make(chan struct{})
+	settled := make(chan error, 1)
+	go func() {
+		settled <- ta.uncommitted.Settle(t.Context(), "farm-node1-1", later, func() { close(waiting) })
+	}()
+	select {
+	case <-waiting:
+	case err := <-settled:
+		t.Fatalf("replication did not wait for the commit of a cut whose coordinator is alive: %v", err)
+	}
+	ta.failMember(t, "node3") // not the coordinator: the wait goes on
+	ta.failMember(t, "node2")
+	select {
+	case err := <-settled:
+		if err != nil {
+			t.Fatalf("replication after the coordinator's failure: %v", err)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("replication still waits for the commit of a cut whose coordinator was declared failed")
+	}
+	if pins := ta.uncommitted.Pinned("farm-node1-1"); !slices.Equal(pins, []string{cutSnap}) {
+		t.Errorf("pinned %v after the coordinator's failure, want %v (kept until the pin's bound)", pins, []string{cutSnap})
+	}
+}
+
+// TestMigrationWaitsForCutsCommit: a job of a run is migrated between its cut's thaw and the cut's commit.
+// The migration ships its dump to the target, which may be the job's protector: receiving it, the
+// protector prunes its older replicas of the job (keep = 1), the cut's among them, which nothing pins there
+// before the commit. Like a scheduled snapshot's replication (Uncommitted.Settle), the migration waits for
+// the commit, before it freezes the job. Before, it froze, dumped and shipped at once, and the cut was
+// recorded with its part's only copy on the job's old host.
+func TestMigrationWaitsForCutsCommit(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.members.view = testView(t, "node1", "node2", "node3")
+	uid := uint32(0)
+	j, r := frozenJob(t, ta, Job{ID: "farm-node1-1", UID: uid, Spec: JobSpec{Run: "farm"}, Net: &JobNet{Name: "ftj-test"}})
+	key := coordinated.HoldKey(clusterapi.CoordinateRequest{Run: "farm", UID: &uid})
+	const cut = "cut-20261203T100000.000"
+	ta.uncommitted.Add(key, cut, "node2", []*ckpt.Manifest{{Job: j.ID, ID: "20261203T100000.000Z-node1-000001"}})
+	waiting := make(chan struct{})
+	once := sync.OnceFunc(func() { close(waiting) })
+	ta.log = slog.New(hookHandler{func(rec slog.Record) {
+		if rec.Message == "migration waits for the commit of the job's coordinated snapshot" {
+			once()
+		}
+	}})
+	stopped := make(chan error, 1)
+	go func() {
+		_, _, deleteNet, err := ta.stopForMigration(t.Context(), *j, j.ID+"-migrate-x", "node2", nil, nil, func(string, time.Time, string, error) {})
+		deleteNet()
+		stopped <- err
+	}()
+	select {
+	case <-waiting:
+	case err := <-stopped:
+		t.Fatalf("migration went ahead while the job's cut %s was not committed (priority changes %q): %v", cut, r.events, err)
+	}
+	if len(r.events) != 0 {
+		t.Errorf("the job was readied for its dump while the migration waited for the commit: %q", r.events)
+	}
+	ta.uncommitted.Done(key, cut, "node2") // the commit
+	select {
+	case err := <-stopped:
+		if err == nil {
+			t.Fatal("a migration without CRIU succeeded")
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("migration still waits after the cut's commit")
+	}
+}

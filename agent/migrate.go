@@ -287,8 +287,17 @@ func (a *Agent) migrationBase(ctx context.Context, job, target string) *ship.Bas
 func (a *Agent) stopForMigration(ctx context.Context, j Job, id, target string, avail *int64, base *ship.BaseIndex, stage func(string, time.Time, string, error)) (frozen time.Time, m *ckpt.Manifest, deleteNet func(), err error) {
 	a.ckptMu.Lock() // no scheduled snapshot of the job in between
 	defer a.ckptMu.Unlock()
-	defer a.raised()() // the job is frozen from the dump until it has left, or thawed
 	deleteNet = func() {}
+	// Not before the job's cut still to commit is recorded (or given up), as shipToProtector waits: a target
+	// that is the job's protector prunes its older replicas of the job when the dump arrives, the cut's among
+	// them, which nothing pins there before the commit. Waited for under the snapshot lock (no other cut of
+	// the job thaws in between) and before the freeze: the job runs on meanwhile.
+	if err := a.uncommitted.Settle(ctx, j.ID, "", func() {
+		a.log.Info("migration waits for the commit of the job's coordinated snapshot", "job", j.ID, "target", target)
+	}); err != nil {
+		return frozen, nil, deleteNet, fmt.Errorf("job %s not moved, it runs on here: %w", j.ID, err)
+	}
+	defer a.raised()() // the job is frozen from the dump until it has left, or thawed
 	m, frozen, err = a.dumpFrozen(ctx, j)
 	detail := ""
 	if m != nil {

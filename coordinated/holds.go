@@ -229,6 +229,8 @@ type uncommitted struct {
 	// coordinator is the member whose cut it is: it alone commits or gives it up (Done). The hold, which
 	// names it too, ends at the thaw; another member's abort afterwards unpinned the cut's snapshots.
 	coordinator string
+	// orphaned: a view declared the coordinator failed, and its commit never comes here (Orphan).
+	orphaned bool
 }
 
 // uncommittedMax bounds how long a cut's snapshots stay pinned without its commit: the coordinator commits
@@ -282,8 +284,32 @@ func (u *Uncommitted) Done(key, cut, coordinator string) {
 	}
 }
 
+// Orphan marks the cuts whose coordinator failed says failed, and returns how many it marked. A member
+// not alive in this host's view is refused, so such a cut is never committed here, and Settle no longer
+// waits for it: the next replication of its jobs waited out uncommittedMax, 11 minutes, for a commit that
+// could not come. Its snapshots stay pinned until then: its commit may have reached other members before
+// the coordinator failed, and a rollback to it, right after that failure, needs this host's parts.
+func (u *Uncommitted) Orphan(failed func(coordinator string) bool) int {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	n := 0
+	for k, p := range u.m {
+		if !p.orphaned && failed(p.coordinator) {
+			p.orphaned = true
+			u.m[k] = p
+			n++
+		}
+	}
+	if n > 0 && u.changed != nil {
+		close(u.changed)
+		u.changed = nil
+	}
+	return n
+}
+
 // Settle waits until no snapshot of job but except is pinned by a cut not yet committed here (its commit
-// or abort, Done, or uncommittedMax), or ctx ends; waiting is called once if it has to wait. A snapshot
+// or abort, Done, its coordinator's failure, Orphan, or uncommittedMax), or ctx ends; waiting is called
+// once if it has to wait. A snapshot
 // shipped to the job's protector meanwhile has the protector prune its older replicas (keep = 1) with
 // the cut's among them: its pin is this host's, and the protector pins it only once it records the cut,
 // at the commit. The cut was then recorded with its part's only copy on the host whose failure it is to
@@ -299,7 +325,7 @@ func (u *Uncommitted) Settle(ctx context.Context, job, except string, waiting fu
 				continue
 			}
 			other := slices.ContainsFunc(p.snaps[job], func(id string) bool { return id != except })
-			if other && (until.IsZero() || p.until.Before(until)) {
+			if other && !p.orphaned && (until.IsZero() || p.until.Before(until)) {
 				until = p.until
 			}
 		}
