@@ -801,7 +801,9 @@ func (a *Agent) serveClaim(peer string, cl spare.Claim) error {
 // spare kept it forever, busy for every later failure). And from a claim whose claimer failed or left
 // before its recovery came here: only the claimer may send its recovery request (checkRecoverRequest), and
 // the failed node's next protector claims with a failure id of its own; once that node is failed in the
-// view, the check below never frees the claim, and the spare stayed busy until it rejoined.
+// view, the check below never frees the claim, and the spare stayed busy until it rejoined. And from a
+// claim whose claimer's timeline names another target: the claimer did not get this host's answer (it
+// timed out after the claim was persisted here) and took the next spare, so no request comes here.
 //
 // Never while a job runs or is being restored here: the failed node may be alive in the view because its
 // replacement's view lost the same-epoch tie-break (until its protector applies it again) while its jobs,
@@ -831,6 +833,19 @@ func (a *Agent) releaseAbandonedClaim(v ring.View) {
 		a.log.Info("claim released: its claimer failed or left before its recovery came here", "failure", cur.Failure,
 			"failed", cur.Failed, "by", cur.By, "by_state", by.State)
 		return
+	}
+	for _, f := range a.failures.List() {
+		// The claimer chose another target (this host's answer to its claim was lost): its recovery
+		// request goes there only, and the claim, kept, had this spare refuse every later failure.
+		if f.ID == cur.Failure && f.Protector == cur.By && f.Target != "" && f.Target != a.cfg.Name {
+			if err := a.claims.Release(cur.Failure); err != nil {
+				a.log.Error("release the claim of a recovery that went elsewhere", "failure", cur.Failure, "err", err)
+				return
+			}
+			a.log.Info("claim released: its claimer recovers the failed node elsewhere", "failure", cur.Failure,
+				"failed", cur.Failed, "by", cur.By, "target", f.Target)
+			return
+		}
 	}
 	if m, ok := v.Member(cur.Failed); !ok || m.State != ring.StateAlive {
 		return

@@ -106,3 +106,38 @@ func TestServeClaimReleasesFailedClaimers(t *testing.T) {
 		})
 	}
 }
+
+// TestServeClaimReleasesClaimRecoveredElsewhere: a ring spare whose answer to a claim was lost (the claimer
+// timed out after the spare had persisted it) is free for the next claim once the claimer's timeline names
+// another target: the claimer took the next spare, the failed node is failed in the view, and no recovery
+// request of that claim will come here. The old code kept such a claim for as long as the claimer lived:
+// the spare refused every later failure. A claim whose timeline names this host, or a timeline that is not
+// the claimer's, keeps it (the recovery request may be on its way).
+func TestServeClaimReleasesClaimRecoveredElsewhere(t *testing.T) {
+	for _, tt := range []struct {
+		name      string
+		protector string // whose timeline of the claimed failure this host holds
+		target    string
+		accepted  bool
+	}{
+		{"claimer recovered on another spare", "n2", "s2", true},
+		{"claimer recovers here", "n2", "s1", false},
+		{"no target yet", "n2", "", false},
+		{"another member's timeline", "n1", "s2", false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			a, _ := newWireAgent(t, "s1", testMembers(nil))
+			if err := a.claims.Claim(spare.Claim{Failure: "n3-1", By: "n2", Failed: "n3", At: time.Now()}, 1<<40); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := a.updateView(func(v ring.View) (ring.View, error) { return v.ReplaceKeepingAddrs("n3", "s2") }); err != nil {
+				t.Fatal(err)
+			}
+			a.failures.Update("n3-1", func(f *Failure) {
+				f.Node, f.Protector, f.Target, f.Detected = "n3", tt.protector, tt.target, time.Now()
+			})
+			err := a.serveClaim("n1", spare.Claim{Failure: "n2-1", Failed: "n2", Need: spare.Need{Jobs: 1}})
+			requireClaimHeld(t, a, err, tt.accepted, "n2-1", "n3-1")
+		})
+	}
+}
