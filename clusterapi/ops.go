@@ -3,6 +3,7 @@ package clusterapi
 import (
 	"time"
 
+	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ring"
 	"github.com/ftkit/ftkit/spare"
 )
@@ -66,8 +67,12 @@ const (
 	MaxHeader  = 4096
 	MaxMessage = 1 << 20
 	// MaxClaim bounds a claim: it may name every spare of the failed node's run (spare.MaxRunSpares
-	// member names of at most 64 bytes, quoted, with commas).
-	MaxClaim = MaxHeader + spare.MaxRunSpares*(64+3)
+	// member names of at most 64 bytes, quoted, with commas), and a snapshot to prefetch for each job a
+	// recovery request may name (spare.MaxPrefetch): counting only the spares, every spare refused the
+	// claim of a node with many long-named jobs as too long, and they were restored in basic mode.
+	MaxClaim = MaxHeader + spare.MaxRunSpares*(64+3) + spare.MaxPrefetch*maxPrefetchJSON
+	// maxPrefetchJSON bounds one spare.Prefetch as JSON: a job's name, a snapshot id, a member's name.
+	maxPrefetchJSON = len(`{"job":"","snapshot":"","source":""},`) + ckpt.MaxNameLen + ckpt.MaxIDLen + 64
 	// MaxViewMessage bounds a view message (OpView's request and reply, OpRejoin's reply): the largest
 	// view a member accepts (ring.MaxEncoded), which JSON carries in base64, next to failure timelines
 	// that fill MaxMessage at most. Under MaxMessage a view of a few thousand members could be adopted
