@@ -88,6 +88,30 @@ started, 255 the job was lost without an exit status.`,
 }
 
 func wrap(ctx context.Context, log *slog.Logger, c *agentapi.Client, spec agent.JobSpec) error {
+	// Ctrl-C, SIGTERM and a hangup go to the job; a second Ctrl-C or SIGTERM kills it. Caught before the job
+	// is asked for: one that came while the agent started it killed ftwrap, and the job ran on unfollowed.
+	sigs := make(chan os.Signal, 2)
+	if fwd := forwarded(); len(fwd) > 0 { // Notify without signals would catch them all
+		signal.Notify(sigs, fwd...)
+	}
+	defer signal.Stop(sigs)
+	// A write of the job's output to a pipe whose reader has gone (ftwrap -- PROG | head) raises SIGPIPE,
+	// which killed ftwrap while the job ran on, unfollowed, to its end. Caught (and dropped), it leaves the
+	// write's EPIPE to follow, which passes SIGPIPE to the job: PROG alone would die of it at its next write.
+	// Not if ignored when ftwrap started: PROG alone would have ignored it too.
+	brokenPipe := func() {}
+	if !signal.Ignored(syscall.SIGPIPE) {
+		pipe := make(chan os.Signal, 1)
+		signal.Notify(pipe, syscall.SIGPIPE)
+		defer signal.Stop(pipe)
+		brokenPipe = func() {
+			select {
+			case sigs <- syscall.SIGPIPE:
+			default: // two signals wait already: the job is being stopped
+			}
+		}
+	}
+
 	job, err := c.StartJob(ctx, spec)
 	if errors.Is(err, agentapi.ErrAgentUnavailable) {
 		return cli.WithCode(cli.ExitUnavailable, err)
@@ -99,15 +123,10 @@ func wrap(ctx context.Context, log *slog.Logger, c *agentapi.Client, spec agent.
 	// One line, on stderr and before the job's own output, so that its stdout stays the program's alone.
 	fmt.Fprintf(os.Stderr, "ftwrap: job %s on %s\n", job.ID, job.Node)
 
-	// Ctrl-C and SIGTERM go to the job; a second one kills it.
-	sigs := make(chan os.Signal, 2)
-	signal.Notify(sigs, os.Interrupt, syscall.SIGTERM)
-	defer signal.Stop(sigs)
-
 	ctx, stop := context.WithCancel(ctx)
 	defer stop()
-	outDone := follow(ctx, job.StdoutPath(), os.Stdout)
-	errDone := follow(ctx, job.StderrPath(), os.Stderr)
+	outDone := follow(ctx, job.StdoutPath(), os.Stdout, brokenPipe)
+	errDone := follow(ctx, job.StderrPath(), os.Stderr, brokenPipe)
 	st, err := waitExit(ctx, log, c, job, sigs)
 	// Let the followers copy what the job wrote before it exited, then stop them.
 	stop()
@@ -132,6 +151,19 @@ func wrap(ctx context.Context, log *slog.Logger, c *agentapi.Client, spec agent.
 		return cli.WithCode(st.Code, fmt.Errorf("job %s exited with status %d%s", job.ID, st.Code, sigSuffix(st)))
 	}
 	return nil
+}
+
+// forwarded are the signals ftwrap passes to its job: those that stop a program run from a terminal, a
+// script or a batch system, less any ignored when ftwrap started (a script's background job, nohup), which
+// PROG run alone would not see either; catching one would undo that.
+func forwarded() []os.Signal {
+	var sigs []os.Signal
+	for _, s := range []os.Signal{os.Interrupt, syscall.SIGTERM, syscall.SIGHUP} {
+		if !signal.Ignored(s) {
+			sigs = append(sigs, s)
+		}
+	}
+	return sigs
 }
 
 func sigSuffix(st *shim.ExitStatus) string {
@@ -180,10 +212,14 @@ func waitExit(ctx context.Context, log *slog.Logger, c *agentapi.Client, job age
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		case s := <-sigs:
-			signals++
 			sig := s.(syscall.Signal)
-			if signals > 1 {
-				sig = syscall.SIGKILL
+			// A hangup or a broken pipe passes as it is, also twice (the terminal's and its shell's; stdout's
+			// and stderr's), as PROG would get it; a second Ctrl-C or SIGTERM is a user's who wants the job gone.
+			if sig != syscall.SIGHUP && sig != syscall.SIGPIPE {
+				signals++
+				if signals > 1 {
+					sig = syscall.SIGKILL
+				}
 			}
 			actx, cancel := context.WithTimeout(ctx, agentTimeout)
 			err := c.Signal(actx, job.ID, sig)
@@ -275,8 +311,8 @@ func sameRecord(a, b *shim.ExitStatus) bool {
 // truncates the file back to its size at the snapshot and the job writes those bytes again; they were
 // printed already, so follow resumes at the first byte it has not printed. The channel gives the error of
 // a write to w that failed (nil if none) once follow is done: it stops at that write, as what it would
-// print after it would lack the bytes lost in it.
-func follow(ctx context.Context, path string, w io.Writer) <-chan error {
+// print after it would lack the bytes lost in it. A write to a pipe whose reader has gone calls broken.
+func follow(ctx context.Context, path string, w io.Writer, broken func()) <-chan error {
 	done := make(chan error, 1)
 	go func() {
 		var printed int64
@@ -284,6 +320,9 @@ func follow(ctx context.Context, path string, w io.Writer) <-chan error {
 		for {
 			n, err := copyFrom(path, printed, buf, w)
 			printed += n
+			if errors.Is(err, syscall.EPIPE) {
+				broken()
+			}
 			if err != nil {
 				done <- err
 				return
