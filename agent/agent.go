@@ -211,6 +211,7 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 	if a.grants, err = grant.Open(filepath.Join(cfg.StateDir, "grants.json"), grant.Options{}); err != nil {
 		return nil, err
 	}
+	a.openUncommitted() // before any snapshot: retention keeps what they pin
 	a.watchdog = detect.NewWatchdog(watchdogConfig(cfg))
 	a.stalls = detect.NewStalls(stallTick(cfg), stallLimit(cfg))
 	a.store, err = ckpt.Open(filepath.Join(cfg.StateDir, "snapshots"), ckpt.Options{Node: cfg.Name, Logger: a.log})

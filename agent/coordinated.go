@@ -103,6 +103,17 @@ func (a *Agent) pinnedSnapshots(job string) []string {
 	return append(a.cutRecords().Pinned(job), a.uncommitted.Pinned(job)...)
 }
 
+// openUncommitted reads back the pins of the cuts this host dumped that a previous agent thawed and that were
+// not committed when it stopped, and keeps them in the state directory from now on.
+func (a *Agent) openUncommitted() {
+	if err := a.uncommitted.Open(filepath.Join(a.cfg.StateDir, uncommittedFile)); err != nil {
+		a.log.Error("the snapshots of coordinated snapshots a previous agent thawed are not pinned: retention may delete them before their commit names them", "err", err)
+	}
+}
+
+// uncommittedFile, in the state directory, keeps the pins of coordinated.Uncommitted.
+const uncommittedFile = "uncommitted-cuts.json"
+
 // holdsCutPart reports whether this host holds p's snapshot.
 func (a *Agent) holdsCutPart(p clusterapi.CutPart) bool {
 	_, err := a.store.Manifest(p.Job, p.Snapshot)
@@ -387,7 +398,12 @@ func (a *Agent) coordThaw(ctx context.Context, peer string, req clusterapi.Coord
 	if h := a.coord.Get(key, req.Cut); h != nil && replicate {
 		// Pinned before the end of the hold gives back the snapshot lock: a snapshot of the same job taken
 		// before the commit would otherwise prune the cut's (keep = 1), and the commit name a deleted one.
-		a.uncommitted.Add(key, req.Cut, h.Coordinator, h.Dumped)
+		if err := a.uncommitted.Add(key, req.Cut, h.Coordinator, h.Dumped); err != nil {
+			// Pinned in memory only: an agent restarted before the commit would let retention delete them.
+			// The coordinator gives the cut up (its abort unpins them), and takes the next.
+			a.coord.End(key, req.Cut)
+			return clusterapi.CoordinateReply{}, fmt.Errorf("run %s, cut %s: not replicated: %w", req.Run, req.Cut, err)
+		}
 	} else if !replicate {
 		a.uncommitted.Done(key, req.Cut, peer) // given up: never committed
 	}

@@ -515,3 +515,68 @@ func TestMigrationWaitsForCutsCommit(t *testing.T) {
 		t.Fatal("migration still waits after the cut's commit")
 	}
 }
+
+// TestCutPinsSurviveAgentRestart: this host's agent restarts between a cut's thaw and its commit. The
+// restarted agent snapshots the adopted jobs at once; with checkpoint.keep = 1 that snapshot's retention
+// must still keep the cut's, and the replication wait for the commit. Before, the pins lived in memory only:
+// the restart lost them, retention deleted the cut's snapshot, and the commit recorded a cut naming it.
+func TestCutPinsSurviveAgentRestart(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.openUncommitted() // as New does
+	ta.cfg.Checkpoint.Keep = 1
+	ta.members.view = testView(t, "node1", "node2")
+	uid := uint32(0)
+	spec := JobSpec{Run: "farm", Recovery: coordinated.RecoveryAuto}
+	j, _ := frozenJob(t, ta, Job{ID: "farm-node1-1", UID: uid, Spec: spec, Net: &JobNet{Name: "ftj-test"}})
+	replicated := func(id string) *ckpt.Manifest {
+		m, err := ta.store.AddReplica(j.ID, id, "node2")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m
+	}
+	const cut = "cut-20261203T100000.000"
+	req := func(p clusterapi.CoordPhase) clusterapi.CoordinateRequest {
+		return clusterapi.CoordinateRequest{Run: "farm", UID: &uid, Cut: cut, Phase: p}
+	}
+	if _, err := ta.serveCoordinate(t.Context(), "node2", req(clusterapi.CoordFreeze)); err != nil {
+		t.Fatal(err)
+	}
+	cutSnap := replicated(ta.addSnapshot(t, Job{ID: j.ID, UID: uid, Node: ta.cfg.Name, Spec: spec}))
+	hold := ta.coord.Get(coordinated.HoldKey(req(clusterapi.CoordFreeze)), cut)
+	hold.Dumped = append(hold.Dumped, cutSnap)
+	done, cancel := context.WithCancel(t.Context())
+	cancel()
+	ta.serveCoordinate(done, "node2", req(clusterapi.CoordThaw))
+
+	// The restart: what the agent kept in memory is gone; a new one opens the state directory.
+	ta.uncommitted = coordinated.Uncommitted{}
+	ta.openUncommitted()
+	if pins := ta.uncommitted.Pinned(j.ID); !slices.Equal(pins, []string{cutSnap.ID}) {
+		t.Errorf("after the restart: pinned %v, want the uncommitted cut's [%s]", pins, cutSnap.ID)
+	}
+	waited := false
+	ctx, stop := context.WithCancel(t.Context())
+	stop() // only whether it waits
+	ta.uncommitted.Settle(ctx, j.ID, "later", func() { waited = true })
+	if !waited {
+		t.Error("after the restart, the replication of the job's next snapshot did not wait for the cut's commit (its protector would prune the cut's replica)")
+	}
+
+	later := replicated(ta.addSnapshot(t, Job{ID: j.ID, UID: uid, Node: ta.cfg.Name, Spec: spec}))
+	ta.pruneOwn(t.Context(), j.ID)
+	commit := req(clusterapi.CoordCommit)
+	commit.Parts = []clusterapi.CutPart{{Job: j.ID, Host: ta.cfg.Name, Snapshot: cutSnap.ID, Recovery: spec.Recovery}}
+	if _, err := ta.serveCoordinate(t.Context(), "node2", commit); err != nil {
+		t.Fatalf("commit: %v", err)
+	}
+	if _, err := ta.store.Manifest(j.ID, cutSnap.ID); err != nil {
+		t.Errorf("cut %s recorded naming snapshot %s, which retention deleted after the restart's snapshot %s: %v", cut, cutSnap.ID, later.ID, err)
+	}
+	// The commit unpins it in the file too: a second restart does not pin it again.
+	ta.uncommitted = coordinated.Uncommitted{}
+	ta.openUncommitted()
+	if pins := ta.uncommitted.Pinned(j.ID); len(pins) != 0 {
+		t.Errorf("after the commit and another restart: pinned %v, want none", pins)
+	}
+}

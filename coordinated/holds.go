@@ -2,14 +2,17 @@ package coordinated
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"slices"
 	"sync"
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/internal/atomicfile"
 )
 
 // HoldMax is how long a host keeps a run's jobs frozen for a coordinator that does not come back
@@ -213,10 +216,69 @@ func (hs *Holds[J]) Len() int {
 // snapshot lock, to the commit, a scheduled snapshot of the same job (auto mode, an operator's) may be
 // taken, replicated and pruned, and with keep = 1 it deleted the cut's snapshot; the commit then recorded a
 // cut naming a snapshot that no longer existed, and the run's previous cut, no longer pinned, went too.
+// With a file (Open) the pins outlive the agent: a restart between the thaw and the commit lost them, and
+// the restarted agent's first snapshots of the jobs (taken at once) pruned the cut's, here and on the
+// protector, before the commit recorded it.
 type Uncommitted struct {
 	mu      sync.Mutex
+	path    string // "": in memory only
 	m       map[uncommittedKey]uncommitted
 	changed chan struct{} // closed by Done (Settle)
+}
+
+// uncommittedRecord is a pin as its file keeps it.
+type uncommittedRecord struct {
+	Run         string              `json:"run"`
+	Cut         string              `json:"cut"`
+	Coordinator string              `json:"coordinator"`
+	Until       time.Time           `json:"until"`
+	Orphaned    bool                `json:"orphaned,omitempty"`
+	Snaps       map[string][]string `json:"snaps"`
+}
+
+// Open keeps u's pins in path from now on, and pins again those it holds that have not reached their bound
+// (a previous agent's). A missing file is no pins.
+func (u *Uncommitted) Open(path string) error {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	u.path = path
+	b, err := atomicfile.ReadBounded(path, clusterapi.MaxMessage*16)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	var recs []uncommittedRecord
+	if err == nil {
+		err = json.Unmarshal(b, &recs)
+	}
+	if err != nil {
+		return fmt.Errorf("read the pins of uncommitted cuts: %w", err)
+	}
+	now := time.Now()
+	for _, r := range recs {
+		if now.After(r.Until) || r.Until.After(now.Add(uncommittedMax)) {
+			continue // past its bound, or not a bound this host set (a clock set back): never waited for forever
+		}
+		if u.m == nil {
+			u.m = map[uncommittedKey]uncommitted{}
+		}
+		u.m[uncommittedKey{r.Run, r.Cut}] = uncommitted{snaps: r.Snaps, until: r.Until, coordinator: r.Coordinator, orphaned: r.Orphaned}
+	}
+	return nil
+}
+
+// save writes u's pins to its file (Open), if it has one; u.mu held.
+func (u *Uncommitted) save() error {
+	if u.path == "" {
+		return nil
+	}
+	recs := []uncommittedRecord{}
+	for k, p := range u.m {
+		recs = append(recs, uncommittedRecord{Run: k.run, Cut: k.cut, Coordinator: p.coordinator, Until: p.until, Orphaned: p.orphaned, Snaps: p.snaps})
+	}
+	if err := atomicfile.WriteJSON(u.path, recs); err != nil {
+		return fmt.Errorf("keep the pins of uncommitted cuts: %w", err)
+	}
+	return nil
 }
 
 // uncommittedKey is a cut of a run (HoldKey): two cuts of one run may both be thawed and uncommitted here
@@ -240,8 +302,8 @@ const uncommittedMax = clusterapi.MaxCoordStep + HoldMax
 // Add pins dumped, the snapshots of cut of key's run, which coordinator coordinates, until Done or
 // uncommittedMax. Those of another cut of the run stay pinned: replacing them let this cut's replication
 // prune a cut still to commit (keep = 1), which was then recorded naming a deleted snapshot. A torn cut's
-// coordinator gives it up (Done).
-func (u *Uncommitted) Add(key, cut, coordinator string, dumped []*ckpt.Manifest) {
+// coordinator gives it up (Done). An error says the pin is not in the file (Open): it holds in memory only.
+func (u *Uncommitted) Add(key, cut, coordinator string, dumped []*ckpt.Manifest) error {
 	snaps := map[string][]string{}
 	for _, m := range dumped {
 		snaps[m.Job] = append(snaps[m.Job], m.ID)
@@ -252,6 +314,7 @@ func (u *Uncommitted) Add(key, cut, coordinator string, dumped []*ckpt.Manifest)
 		u.m = map[uncommittedKey]uncommitted{}
 	}
 	u.m[uncommittedKey{key, cut}] = uncommitted{snaps: snaps, until: time.Now().Add(uncommittedMax), coordinator: coordinator}
+	return u.save()
 }
 
 // Coordinator is the member that coordinates cut of key's run, whose snapshots are pinned here, or "" if
@@ -278,6 +341,9 @@ func (u *Uncommitted) Done(key, cut, coordinator string) {
 		return
 	}
 	delete(u.m, k)
+	// Not written, the pin stays in the file: a restarted agent keeps it until its bound, as it would one
+	// whose commit never came.
+	_ = u.save()
 	if u.changed != nil {
 		close(u.changed)
 		u.changed = nil
@@ -299,6 +365,9 @@ func (u *Uncommitted) Orphan(failed func(coordinator string) bool) int {
 			u.m[k] = p
 			n++
 		}
+	}
+	if n > 0 {
+		_ = u.save() // not written: a restarted agent waits for the commit until the pin's bound, as before
 	}
 	if n > 0 && u.changed != nil {
 		close(u.changed)
