@@ -168,7 +168,18 @@ func (l *Log) WriteRange(ctx context.Context, w io.Writer, conn tcpflow.Tuple, f
 
 // Trim drops the bytes conn sent before wire sequence seq (the receiver's snapshot inq_seq)
 // and returns the absolute trim point.
-func (l *Log) Trim(conn tcpflow.Tuple, seq uint32) (uint64, error) {
+func (l *Log) Trim(conn tcpflow.Tuple, seq uint32) (uint64, error) { return l.trim(conn, nil, seq) }
+
+// TrimStore is Trim of st only: while st is no longer conn's store (the connection was freed, and a new one
+// on the same 4-tuple may have started a store of its own) it trims nothing and returns ErrUnknownConn. A
+// point checked against one connection, and applied later, must not be placed in the next one's sequence
+// space, where it could land ahead of everything that connection sent and drop it.
+func (l *Log) TrimStore(conn tcpflow.Tuple, st *Store, seq uint32) (uint64, error) {
+	return l.trim(conn, st, seq)
+}
+
+// trim is Trim of conn's store, if it is want (any store if want is nil).
+func (l *Log) trim(conn tcpflow.Tuple, want *Store, seq uint32) (uint64, error) {
 	k := key(conn)
 	// The log's lock is held until the store is trimmed (lock order Log then Store, as in RemoveIdle): a
 	// Hold granted between reading the holds and trimming was trimmed past, its bytes still there when
@@ -179,7 +190,7 @@ func (l *Log) Trim(conn tcpflow.Tuple, seq uint32) (uint64, error) {
 		return 0, ErrClosed
 	}
 	st := l.stores[k]
-	if st == nil {
+	if st == nil || want != nil && st != want {
 		return 0, fmt.Errorf("netlog %v: %w", conn, ErrUnknownConn)
 	}
 	if held, ok := l.heldFrom(k); ok && seqAfter(seq, held) {

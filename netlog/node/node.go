@@ -88,8 +88,8 @@ type Node struct {
 
 	// Trims held back while a snapshot of this host reads its connections' last blocks (HoldTrims).
 	holds    int
-	held     map[tcpflow.Tuple]uint32 // connection -> the furthest trim point asked meanwhile
-	heldFrom map[string]bool          // the receiving nodes that asked
+	held     map[tcpflow.Tuple]heldPoint // connection -> the furthest trim point asked meanwhile
+	heldFrom map[string]bool             // the receiving nodes that asked
 
 	// Freeing finished connections (releaseFinished).
 	marks    map[string]release.Watermark      // receiving node -> its latest watermark, on our clock
@@ -105,6 +105,12 @@ type Node struct {
 	holes      uint64
 	holesAsked time.Time
 	holeGap    time.Duration
+}
+
+// heldPoint is a trim point held back (HoldTrims), with the store of its connection it was checked against.
+type heldPoint struct {
+	st  *netlog.Store
+	seq uint32
 }
 
 // Released counts the logs of finished connections freed since the node started.
@@ -131,7 +137,7 @@ func New(src Source, cfg Config) (*Node, error) {
 		cfg.ReceiveHoles = func() uint64 { return 0 }
 	}
 	n := &Node{src: src, ctl: ctl, cfg: cfg, log: cfg.Logger, seen: map[string]time.Time{},
-		held: map[tcpflow.Tuple]uint32{}, heldFrom: map[string]bool{},
+		held: map[tcpflow.Tuple]heldPoint{}, heldFrom: map[string]bool{},
 		marks: map[string]release.Watermark{}, asked: map[string]time.Time{}, asking: map[string]bool{}, gone: map[tcpflow.Tuple]goneCheck{},
 		orphans: map[tcpflow.Tuple]time.Time{}, holeGap: holeAskEvery}
 	if c, err := src.Counters(); err == nil {

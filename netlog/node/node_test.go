@@ -238,6 +238,37 @@ func TestHoldTrims(t *testing.T) {
 	}
 }
 
+// TestHeldTrimSparesANewConnection: a point held back while a snapshot reads its sent prefixes applies to
+// the connection it was checked against only. Freed meanwhile (it finished, its receiver's watermark passed
+// it) and followed by a new connection on the same 4-tuple, whose store starts at its own ISN, the old point
+// was placed in the new connection's sequence space at the release: ahead of all it had sent, it dropped its
+// bytes, and those it sent next, for a recovery that needs them.
+func TestHeldTrimSparesANewConnection(t *testing.T) {
+	n, src, _ := newTestNode(t, 300_000, &fakeMembers{owner: "n2"})
+	release := n.HoldTrims()
+	if got := n.Trim("n2", []Point{{Conn: connA, Seq: isn + 200_000}}); got != 1 {
+		t.Fatalf("held Trim counted %d connections, want 1", got)
+	}
+	if err := n.Log().Remove(connA); err != nil { // the old connection freed
+		t.Fatal(err)
+	}
+	const isn2, sent = isn + 50_000, 100_000 // the new connection's ISN: the old point is ahead of its bytes
+	payload := make([]byte, 2*sent)
+	for i := range payload {
+		payload[i] = byte(i * 13)
+	}
+	for off := 0; off < sent; off += 1400 {
+		appendRecord(t, src.log, netlog.Record{Conn: connA, Seq: isn2 + uint32(off), CgroupID: 7, Payload: payload[off:min(off+1400, sent)]})
+	}
+	release()
+	for off := sent; off < len(payload); off += 1400 { // what the new connection sends after the release
+		appendRecord(t, src.log, netlog.Record{Conn: connA, Seq: isn2 + uint32(off), CgroupID: 7, Payload: payload[off:min(off+1400, len(payload))]})
+	}
+	if b, err := readConnA(n, isn2); err != nil || !bytes.Equal(b, payload) {
+		t.Fatalf("the new connection on the 4-tuple after the release: %d bytes from its ISN, %v; want all %d it sent", len(b), err, len(payload))
+	}
+}
+
 // readConnA reads what n's log holds of connA from wire sequence from on, as a restore asks for it.
 func readConnA(n *Node, from uint32) ([]byte, error) {
 	r, err := n.Range(context.Background(), "n2", connA, from)

@@ -26,16 +26,28 @@ type Point struct {
 // The caller checked that peer holds each point's receiving end.
 func (n *Node) Trim(peer string, pts []Point) int {
 	pts = n.sentPoints(peer, pts)
+	// A held point is kept with the store it was checked against: the release applies it to that store only,
+	// not to a new connection on the same 4-tuple that started one meanwhile (a connection with no store
+	// has nothing to trim now, as without the hold).
+	stores := make([]*netlog.Store, len(pts))
+	for i, p := range pts {
+		stores[i], _ = n.Log().Store(p.Conn)
+	}
 	n.mu.Lock()
 	if n.holds > 0 {
-		for _, p := range pts {
-			if old, ok := n.held[p.Conn]; !ok || int32(p.Seq-old) > 0 {
-				n.held[p.Conn] = p.Seq
+		held := 0
+		for i, p := range pts {
+			if stores[i] == nil {
+				continue
 			}
+			if old, ok := n.held[p.Conn]; !ok || old.st != stores[i] || int32(p.Seq-old.seq) > 0 {
+				n.held[p.Conn] = heldPoint{st: stores[i], seq: p.Seq}
+			}
+			held++
 		}
 		n.heldFrom[peer] = true
 		n.mu.Unlock()
-		return len(pts)
+		return held
 	}
 	n.mu.Unlock()
 	trimmed := 0
@@ -123,10 +135,11 @@ func (n *Node) HoldTrims() (release func()) {
 			return
 		}
 		held, peers := n.held, n.heldFrom
-		n.held, n.heldFrom = map[tcpflow.Tuple]uint32{}, map[string]bool{}
+		n.held, n.heldFrom = map[tcpflow.Tuple]heldPoint{}, map[string]bool{}
 		n.mu.Unlock()
-		for conn, seq := range held {
-			n.trim(conn, seq) // a connection gone meanwhile has nothing to trim
+		for conn, h := range held {
+			// A connection gone meanwhile has nothing to trim, and a new one on its 4-tuple is not trimmed.
+			n.Log().TrimStore(conn, h.st, recvdigest.BlockStart(h.seq))
 		}
 		for peer := range peers {
 			n.relieved(peer)
