@@ -142,6 +142,9 @@ type Job struct {
 	Cgroup   string           `json:"cgroup"`
 	Dir      string           `json:"dir"` // cluster-wide job directory: stdout, stderr, exit
 	Restored string           `json:"restored_from,omitempty"`
+	// RestoredAt is when this host began the restore of the job, by its own clock (zero: never restored, or
+	// a record written before it was kept).
+	RestoredAt time.Time `json:"restored_at,omitzero"`
 	// Replica is the job's newest snapshot that reached a protector; nil until the first one has.
 	Replica *Replica `json:"replica,omitempty"`
 	// Incarnation counts the job's restores: 0 as started, k+1 once restored from a snapshot of incarnation
@@ -177,6 +180,18 @@ type Job struct {
 	Ended     time.Time `json:"ended,omitzero"`
 	Forget    []string  `json:"forget,omitempty"`
 	Forgotten bool      `json:"forgotten,omitempty"`
+}
+
+// startedHere bounds, on this host's clock, when j's oldest restore point may have been taken (the log
+// watermark's count for a job without a replicated snapshot of this host's): its creation, or, if earlier,
+// its restore here. A restored job carries the creation time of the host that started it, by that host's
+// clock: one far ahead of this one made the watermark this host's present, and senders freed what a
+// second restore from the same snapshot needs.
+func (j *Job) startedHere() time.Time {
+	if !j.RestoredAt.IsZero() && j.RestoredAt.Before(j.Created) {
+		return j.RestoredAt
+	}
+	return j.Created
 }
 
 // Replica records a snapshot of a job that a protector verified and holds.

@@ -619,7 +619,7 @@ func (a *Agent) logWatermark() (LogWatermark, error) {
 		if j.State != JobRunning {
 			continue
 		}
-		rj := release.Job{Running: true, Started: j.Created}
+		rj := release.Job{Running: true, Started: j.startedHere()}
 		if m := a.restoreFloor(j.ID); m != nil {
 			rj.Replicated = m.Created
 		}

@@ -225,6 +225,7 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 	dropExit()
 	journal.Close()
 	j.Node, j.PID, j.State, j.Exit, j.Restored, j.LazyWork = a.cfg.Name, pid, JobRunning, nil, m.ID, ""
+	j.RestoredAt = start.UTC() // this host's clock, unlike j.Created once the job came from another host
 	if a.cfg.Failover.LazyRestore {
 		j.LazyWork, keepWork = work, true // the shim removes it once every page is in
 	}
