@@ -58,6 +58,12 @@ func NewGate(dets []Det, sources map[tcpflow.Tuple]Source) (*Gate, error) {
 	g := &Gate{sources: make(map[tcpflow.Tuple]Source, len(sources))}
 	at := map[tcpflow.Tuple]uint32{}
 	for c, s := range sources {
+		if len(s.Data) >= 1<<31 {
+			// 32-bit sequence numbers place nothing 2 GiB or more past the snapshot's copied_seq: neither
+			// this gate's checks nor Store.Since, which may then have taken a call after the dump for the last
+			// one before it and cut the calls of other connections before that off what it gave.
+			return nil, fmt.Errorf("the peer of %s sent %d bytes since the snapshot, 2 GiB or more: sequence numbers cannot place the receive calls on it", c, len(s.Data))
+		}
 		g.sources[c.Unmap()] = s
 		at[c.Unmap()] = s.Seq
 	}
@@ -135,6 +141,13 @@ func (g *Gate) Run(ctx context.Context, inj Injector, events <-chan Event, stops
 	for c, s := range g.sources {
 		prev[c] = s.Seq
 	}
+	// The threads that read in the original: a restore keeps their ids. Another of them making a call is
+	// a socket read by two that handed the bytes to the wrong one; a thread the original did not have (made
+	// after the restore, its id the kernel's choice) is matched on the connection and end alone.
+	readers := map[uint32]bool{}
+	for _, d := range g.dets {
+		readers[d.Thread] = true
+	}
 	for i, d := range g.dets {
 		if err := inject(d.Conn, d.End); err != nil {
 			return injected, err
@@ -153,6 +166,8 @@ func (g *Gate) Run(ctx context.Context, inj Injector, events <-chan Event, stops
 					continue
 				}
 				switch {
+				case e.Thread != d.Thread && readers[e.Thread]:
+					return injected, fmt.Errorf("determinant %d of %d: the original %s, the restored job %s (another thread): %w", i+1, len(g.dets), d, e, ErrDiverged)
 				case e.Conn == d.Conn && e.End == d.End:
 					matched = true
 				case e.Conn == d.Conn && seqAfter(d.End, e.End) && seqAfter(e.End, prev[d.Conn]):

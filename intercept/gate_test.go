@@ -173,3 +173,28 @@ func TestGateRefusesRecordWithMissingCall(t *testing.T) {
 		t.Fatalf("a record missing B's read of [0, 3) was accepted, and the replay read A, A, then all of B at once: reported as the original's order")
 	}
 }
+
+// TestGateTwoReadersOfOneSocket: threads 1 and 2 of the job both read A; the original's thread 1 got A's
+// first 10 bytes and thread 2 the next 10. The gate matched each restored call on its connection and end
+// only: thread 2 took the first 10 bytes, thread 1 the next, and the replay reported the original's order,
+// each thread having handled the other's message.
+func TestGateTwoReadersOfOneSocket(t *testing.T) {
+	sources := map[tcpflow.Tuple]Source{connA: {Seq: 0, Data: make([]byte, 20)}, connB: {Seq: 0, Data: make([]byte, 5)}}
+	dets := []Det{
+		{Conn: connA, End: 10, Len: 10, Thread: 1, Proc: 1},
+		{Conn: connA, End: 20, Len: 10, Thread: 2, Proc: 2},
+		{Conn: connB, End: 5, Len: 5, Thread: 1, Proc: 1},
+	}
+	g, err := NewGate(dets, sources)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f := &fakeSockets{queued: map[tcpflow.Tuple][]byte{}, next: map[tcpflow.Tuple]uint32{}, changed: make(chan struct{}, 1)}
+	events := make(chan Event, 3)
+	events <- Event{Det: Det{Conn: connA, End: 10, Len: 10, Thread: 2, Proc: 2}} // the other reader won
+	events <- Event{Det: Det{Conn: connA, End: 20, Len: 10, Thread: 1, Proc: 1}}
+	events <- Event{Det: Det{Conn: connB, End: 5, Len: 5, Thread: 1, Proc: 1}}
+	if _, err := g.Run(t.Context(), f, events, nil); !errors.Is(err, ErrDiverged) || !strings.Contains(err.Error(), "determinant 1 of 3") {
+		t.Fatalf("err %v, want ErrDiverged at determinant 1", err)
+	}
+}

@@ -412,9 +412,10 @@ func consumedAt(m *ckpt.Manifest) map[tcpflow.Tuple]uint32 {
 // says for its connection (it was recorded before the dump: consumption only grows), -1 if there is none. A
 // determinant of a connection the snapshot does not hold says nothing either way, nor does a call that
 // found nothing (it may have come just after the dump, at the same copied_seq), nor one on a 4-tuple after
-// a call on it that consumed from before where an earlier one had ended: consumption on one connection only
-// grows, so from there on the 4-tuple is a new connection (the snapshot's closed after the dump), whose
-// sequence numbers say nothing of the dump. Taken for an anchor, such a call cut off the calls of other
+// a call on it that consumed from before where an earlier one had ended, or that jumped ahead of it back to
+// no further than at after a call went past at: consumption on one connection only grows, call by call, so
+// from there on the 4-tuple is a new connection (the snapshot's closed after the dump), whose sequence
+// numbers say nothing of the dump. Taken for an anchor, such a call cut off the calls of other
 // connections between the dump and it, and the replay went without them.
 func (r *record) lastBefore(at map[tcpflow.Tuple]uint32) int {
 	type consumed struct {
@@ -425,6 +426,12 @@ func (r *record) lastBefore(at map[tcpflow.Tuple]uint32) int {
 		end   uint32
 		set   bool
 		broke int
+		// crossed: a call consumed from no further than seq to past it, the first after the dump. A later
+		// call that jumps ahead of where the last ended and ends no further than seq again is of a new
+		// connection whose sequence numbers start ahead (less than 2^31 after the old end, 2^31 or more
+		// after seq): consumption that grows call by call gets there only 2 GiB after the dump, never by a
+		// jump.
+		crossed bool
 	}
 	if r.endsLost {
 		return -1 // a call of a new connection on a 4-tuple can no longer be told from the snapshot's
@@ -441,9 +448,13 @@ func (r *record) lastBefore(at map[tcpflow.Tuple]uint32) int {
 		if !c.ok || k.len == 0 || c.broke >= 0 {
 			continue
 		}
-		if c.set && seqAfter(c.end, k.end-k.len) {
+		start := k.end - k.len
+		if c.set && (seqAfter(c.end, start) || start != c.end && c.crossed && !seqAfter(k.end, c.seq)) {
 			c.broke = i
 			continue
+		}
+		if !seqAfter(start, c.seq) && seqAfter(k.end, c.seq) {
+			c.crossed = true
 		}
 		c.end, c.set = k.end, true
 	}

@@ -334,6 +334,106 @@ func TestStoreTrimKeepsReusedFourTupleEvidence(t *testing.T) {
 	}
 }
 
+// TestStoreSinceReusedFourTupleAhead: as TestStoreSinceReusedFourTuple, but the new connection's sequence
+// numbers start ahead of where the old one's last call ended (its ISN is unrelated to the old stream), so
+// no call on it consumed from before that end. Its first call ended less than 2^31 after that end, yet
+// "no further" than the dump's copied_seq (serial numbers: the old one consumed past it after the dump,
+// here 20 bytes, and the new one lands within that of the old end plus 2^31): it was taken for the last call
+// before the dump. B's call and A's after the dump were cut off, and the gate accepted what was left (C's and
+// D's calls) with no error, delivering B's and A's bytes last where the original read them first.
+func TestStoreSinceReusedFourTupleAhead(t *testing.T) {
+	connC := conn("10.9.0.1:5000", "10.9.0.4:40002")
+	connD := conn("10.9.0.1:5000", "10.9.0.5:40003")
+	m := &ckpt.Manifest{ID: "s", Job: "j", Node: "n1", Info: ckpt.Info{Conns: []ckpt.Conn{
+		{Tuple: connA, InqSeq: 1000}, {Tuple: connB, InqSeq: 500}, {Tuple: connC, InqSeq: 300}, {Tuple: connD, InqSeq: 700},
+	}}}
+	const isn = 1020 + 1<<31 - 5 // ahead of A's last end (1020) by less than 2^31
+	dets := []Det{
+		{Conn: connA, End: 1000, Len: 10},
+		{Conn: connB, End: 500, Len: 10}, // the last call before the dump: the anchor Trim keeps
+		// The dump. Then:
+		{Conn: connB, End: 510, Len: 10},
+		{Conn: connA, End: 1010, Len: 10},
+		{Conn: connA, End: 1020, Len: 10},
+		{Conn: connA, End: isn + 10, Len: 10}, // a new connection on A's 4-tuple (A closed after the dump)
+		{Conn: connC, End: 310, Len: 10},
+		{Conn: connD, End: 710, Len: 10},
+	}
+	for _, tc := range []struct {
+		name  string
+		trims []*ckpt.Manifest
+	}{
+		{"untrimmed", nil},
+		{"trimmed by the snapshot", []*ckpt.Manifest{m}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := NewStore(0, 0)
+			s.Add("n1", Batch{Job: "j", Stream: 1, FromStart: true, Dets: dets})
+			for _, tm := range tc.trims {
+				s.Trim(tm)
+			}
+			got, err := s.Since(m)
+			if err != nil {
+				t.Logf("refused: %v", err)
+				return // refused: never wrong
+			}
+			if !reflect.DeepEqual(got, dets[2:]) {
+				sources := map[tcpflow.Tuple]Source{}
+				for _, c := range m.Conns {
+					sources[c.Tuple] = Source{Seq: c.InqSeq, Data: make([]byte, 100)}
+				}
+				_, gerr := NewGate(got, sources)
+				t.Fatalf("the determinants since the snapshot:\n%v\nwant every one after the dump:\n%v\n(a gate of them: %v)", got, dets[2:], gerr)
+			}
+		})
+	}
+}
+
+// TestGateConsumedPastHalfTheSpace: a connection of the snapshot consumed 2^31 bytes or more after the dump.
+// Its later calls end "no further" than the dump's copied_seq in serial numbers, though consumption only
+// grows, and nothing in a record tells them from calls 2 GiB before the dump: Since took the first of them
+// for the last call before the dump, and cut A's calls and B's off what it gave. The gate accepted what was
+// left (C's and D's calls) with no error, and delivered A's and B's bytes last, where the original read them
+// first. Only the gate knows how much its sources hold: it refuses.
+func TestGateConsumedPastHalfTheSpace(t *testing.T) {
+	if testing.Short() {
+		t.Skip("maps 2 GiB of address space (never touched)")
+	}
+	connC := conn("10.9.0.1:5000", "10.9.0.4:40002")
+	connD := conn("10.9.0.1:5000", "10.9.0.5:40003")
+	m := &ckpt.Manifest{ID: "s", Job: "j", Node: "n1", Info: ckpt.Info{Conns: []ckpt.Conn{
+		{Tuple: connA, InqSeq: 1000}, {Tuple: connB, InqSeq: 500}, {Tuple: connC, InqSeq: 300}, {Tuple: connD, InqSeq: 700},
+	}}}
+	dets := []Det{
+		{Conn: connA, End: 1000, Len: 10}, // before the dump: the anchor
+		// The dump. Then:
+		{Conn: connB, End: 510, Len: 10},
+		{Conn: connA, End: 1000 + 1<<30, Len: 1 << 30},
+		{Conn: connA, End: 1000 + 1<<31, Len: 1 << 30},
+		{Conn: connA, End: 1000 + 1<<31 + 10, Len: 10},
+		{Conn: connC, End: 310, Len: 10},
+		{Conn: connD, End: 710, Len: 10},
+	}
+	s := NewStore(0, 0)
+	s.Add("n1", Batch{Job: "j", Stream: 1, FromStart: true, Dets: dets})
+	got, err := s.Since(m)
+	if err != nil {
+		return // refused: never wrong
+	}
+	if reflect.DeepEqual(got, dets[1:]) {
+		return
+	}
+	sources := map[tcpflow.Tuple]Source{
+		connA: {Seq: 1000, Data: make([]byte, 1<<31+100)}, // never touched: only address space
+		connB: {Seq: 500, Data: make([]byte, 100)},
+		connC: {Seq: 300, Data: make([]byte, 100)},
+		connD: {Seq: 700, Data: make([]byte, 100)},
+	}
+	if _, err := NewGate(got, sources); err == nil || !strings.Contains(err.Error(), "2 GiB or more") {
+		t.Fatalf("a gate of the determinants Since gave\n%v\n(want every one after the dump:\n%v)\nerr %v, want a refusal", got, dets[1:], err)
+	}
+}
+
 // TestStoreSinceOnSpareThatFailed: job j, snapshotted on n1 (s), was restored from s on spare n2, which
 // replayed n1's determinants and read on, then failed before a snapshot of its own: s is restored again.
 // n2's record, which starts at s, is the order to replay once it has gone past n1's; Since(s) read only
