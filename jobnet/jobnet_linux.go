@@ -220,15 +220,15 @@ func parentHandle(path string) (*netlink.Handle, error) {
 // in, as before, the move cost 10-25 ms of every restore's network preparation: the kernel waits for RCU
 // grace periods to take an interface out of a namespace.
 func ensureLink(s Spec, ph, jh *netlink.Handle, job netns.NsHandle) (netlink.Link, error) {
-	if lk, err := jh.LinkByName(s.IfName); err == nil {
-		if lk.Type() != string(s.Kind) {
-			return nil, fmt.Errorf("interface %s in the namespace is a %s, want %s: delete the job network first", s.IfName, lk.Type(), s.Kind)
-		}
-		return lk, nil
-	}
 	parent, err := ph.LinkByName(s.Parent)
 	if err != nil {
 		return nil, fmt.Errorf("find parent interface %s: %w", s.Parent, err)
+	}
+	if lk, err := jh.LinkByName(s.IfName); err == nil {
+		if err := checkLink(s, lk, parent); err != nil {
+			return nil, err
+		}
+		return lk, nil
 	}
 	// An earlier agent made the interface on the parent under a temporary name and crashed before it
 	// moved it in.
@@ -249,6 +249,20 @@ func ensureLink(s Spec, ph, jh *netlink.Handle, job netns.NsHandle) (netlink.Lin
 		return nil, fmt.Errorf("create %s interface %s on %s inside the namespace: %w", s.Kind, s.IfName, s.Parent, err)
 	}
 	return jh.LinkByName(s.IfName)
+}
+
+// checkLink refuses an interface an earlier Create left in the namespace that is not the one s asks for:
+// another kind, or on another parent (job_network.parent changed since): the job's address would be on
+// another network than the one the agent's configuration names.
+func checkLink(s Spec, lk, parent netlink.Link) error {
+	if lk.Type() != string(s.Kind) {
+		return fmt.Errorf("interface %s in the namespace is a %s, want %s: delete the job network first", s.IfName, lk.Type(), s.Kind)
+	}
+	// IFLA_LINK: the parent's index in its own namespace, where parent was looked up.
+	if got, want := lk.Attrs().ParentIndex, parent.Attrs().Index; got != want {
+		return fmt.Errorf("interface %s in the namespace is on the interface of index %d, want %s (index %d): delete the job network first", s.IfName, got, s.Parent, want)
+	}
+	return nil
 }
 
 // ensureAddr leaves exactly addr as the interface's IPv4 address.
