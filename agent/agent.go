@@ -75,6 +75,8 @@ type Agent struct {
 	outputSpace outputs.Space
 	// lingering are the networks of ended jobs that outlive them (releaseEnded).
 	lingering lingerNets
+	// nets stands in for package jobnet where its fields are set (tests).
+	nets jobNetOps
 	// restoring names, by job id, the restore of the job under way on this host (lockRestore).
 	restoring map[string]string
 	// ending holds, by job id, the end of a copy of the job whose release is under way (finish): it goes by the
@@ -374,12 +376,19 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 		ID: id, Spec: spec, UID: uid, GID: gid, Node: a.cfg.Name, State: JobRunning,
 		Created: time.Now().UTC(), Cgroup: l.cgroup(id), Dir: l.dir(id),
 	}
+	// netLeft: the job did not start and its network could not be deleted, so it may hold the address on
+	// the wire: the address stays reserved (as releaseEnded keeps it), or the next job here would get it.
+	netLeft := false
 	if spec.JobAddress {
 		addr, err := a.allocJobAddr()
 		if err != nil {
 			return nil, err
 		}
-		defer a.releaseJobAddr(addr.Addr()) // in byID (or not started) once StartJob returns
+		defer func() { // in byID (or not started) once StartJob returns
+			if !netLeft {
+				a.releaseJobAddr(addr.Addr())
+			}
+		}()
 		j.Net = &JobNet{Name: jobNetName(a.cfg.Name, id), Kind: a.cfg.JobNetwork.Kind, Addr: addr}
 	}
 	// Root keeps the job directory (0755): were it the user's, the user could plant links there for the
@@ -403,7 +412,7 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 		if err := a.createJobNet(ctx, j.Net); err != nil {
 			// What Create made of it goes before its address goes back to the pool (its namespace, perhaps
 			// its interface with the address up). Not ctx, which may be why Create stopped.
-			a.deleteJobNet(context.WithoutCancel(ctx), id, j.Net)
+			netLeft = a.deleteJobNet(context.WithoutCancel(ctx), id, j.Net) != nil
 			os.Remove(j.Cgroup)
 			return nil, err
 		}
@@ -432,7 +441,7 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 		a.releaseResources(j) // the receive order's watch too: each one left held a slot of a bounded map
 		// Not ctx, which has ended when the client went away: jobnet.Delete would leave the network, and
 		// its address, given back when StartJob returns, on the wire.
-		a.deleteJobNet(context.WithoutCancel(ctx), id, j.Net)
+		netLeft = a.deleteJobNet(context.WithoutCancel(ctx), id, j.Net) != nil
 		return nil, err
 	}
 	j.PID = pid
@@ -444,7 +453,7 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 			a.log.Error("a job whose record could not be saved could not be killed either: it runs unwatched", "job", id, "pid", pid, "err", kerr)
 		}
 		a.releaseResources(j)
-		a.deleteJobNet(ctx, id, j.Net)
+		netLeft = a.deleteJobNet(context.WithoutCancel(ctx), id, j.Net) != nil
 		return nil, fmt.Errorf("record job %s: %w; the job was killed", id, err)
 	}
 	a.mu.Lock()

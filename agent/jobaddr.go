@@ -231,8 +231,18 @@ func (a *Agent) jobNetSpec(n *JobNet) (jobnet.Spec, error) {
 	return jobnet.Spec{Name: n.Name, Parent: parent, Kind: n.Kind, Addr: n.Addr, Gateway: a.cfg.JobNetwork.Gateway}.Validate()
 }
 
+// jobNetOps stand in for package jobnet where set (tests: a job network made, or one that cannot be
+// deleted, without the kernel's namespaces).
+type jobNetOps struct {
+	create func(ctx context.Context, n *JobNet) error   // all of createJobNet
+	delete func(ctx context.Context, name string) error // jobnet.Delete
+}
+
 // createJobNet creates job j's network on this host (idempotent).
 func (a *Agent) createJobNet(ctx context.Context, n *JobNet) error {
+	if a.nets.create != nil {
+		return a.nets.create(ctx, n)
+	}
 	s, err := a.jobNetSpec(n)
 	if err != nil {
 		return err
@@ -270,7 +280,11 @@ func (a *Agent) deleteJobNet(ctx context.Context, id string, n *JobNet) error {
 		a.log.Warn("job record names a job network that is not this agent's for the job; not removing it", "job", id, "net", n.Name, "want", want)
 		return nil
 	}
-	if err := jobnet.Delete(ctx, n.Name, ""); err != nil {
+	del := func(ctx context.Context, name string) error { return jobnet.Delete(ctx, name, "") }
+	if a.nets.delete != nil {
+		del = a.nets.delete
+	}
+	if err := del(ctx, n.Name); err != nil {
 		a.log.Error("delete job network: its address may stay on the wire", "job", id, "net", n.Name, "err", err)
 		return fmt.Errorf("delete job network %s: %w", n.Name, err)
 	}

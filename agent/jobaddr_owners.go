@@ -200,13 +200,24 @@ func (d *jobAddrOwners) refresh(a *Agent, done chan struct{}) {
 func (a *Agent) validJobAddrs(member string, addrs []netip.Addr) []netip.Addr {
 	hosts := a.memberAddrs()
 	var out []netip.Addr
+	ignored := 0
+	var first netip.Addr
 	for _, ip := range addrs {
 		ip = ip.Unmap()
 		if !a.mayBeJobAddr(ip) || slices.Contains(hosts, ip) || len(out) == maxJobAddrsPerMember {
-			a.log.Warn("a member claims a job address it cannot hold; ignored", "member", member, "addr", ip)
+			if ignored == 0 {
+				first = ip
+			}
+			ignored++
 			continue
 		}
 		out = append(out, ip)
+	}
+	// Once per reply, not per address: a reply holds up to some 100 000 of them (clusterapi.MaxMessage),
+	// and the directory is refreshed every few seconds.
+	if ignored > 0 {
+		a.log.Warn("a member claims job addresses it cannot hold (not of the cluster network, a host's, or beyond the most a member may hold); ignored",
+			"member", member, "ignored", ignored, "first", first, "max", maxJobAddrsPerMember)
 	}
 	return out
 }

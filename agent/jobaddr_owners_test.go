@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"log/slog"
 	"net/netip"
 	"strings"
 	"sync"
@@ -133,5 +134,52 @@ func TestOwnerLookupAsksOncePerBatch(t *testing.T) {
 	}
 	if got := a.ownerLookup(t.Context())(netip.MustParseAddr("10.77.0.100")); got != "" || n2.count() != 2 {
 		t.Errorf("a new batch: holder %q after %d pings in all, want none after 2 (the new batch asks again)", got, n2.count())
+	}
+}
+
+// TestValidJobAddrsLogsOncePerReply: a member's claims this host ignores (not job addresses, or beyond
+// maxJobAddrsPerMember) are logged once per reply, with their count. A warning per address let a member's
+// ping reply (up to clusterapi.MaxMessage, some 100 000 addresses) have the root daemon write that many log
+// lines at every refresh of the directory.
+func TestValidJobAddrsLogsOncePerReply(t *testing.T) {
+	ta := newTestAgent(t)
+	a := ta.Agent
+	a.clusterNet.once.Do(func() { a.clusterNet.prefix = netip.MustParsePrefix("10.77.0.0/16") })
+	var mu sync.Mutex
+	var warnings []slog.Record
+	a.log = slog.New(hookHandler{func(r slog.Record) {
+		mu.Lock()
+		defer mu.Unlock()
+		if r.Level >= slog.LevelWarn {
+			warnings = append(warnings, r)
+		}
+	}})
+	var claims []netip.Addr
+	for i := range 1000 { // outside the cluster network
+		claims = append(claims, netip.AddrFrom4([4]byte{10, 9, byte(i >> 8), byte(i)}))
+	}
+	for i := range maxJobAddrsPerMember + 1000 { // inside, 1000 beyond the bound
+		claims = append(claims, netip.AddrFrom4([4]byte{10, 77, byte(1 + i>>8), byte(i)}))
+	}
+	got := a.validJobAddrs("n2", claims)
+	if len(got) != maxJobAddrsPerMember {
+		t.Errorf("kept %d addresses, want %d", len(got), maxJobAddrsPerMember)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(warnings) == 0 || len(warnings) > 2 {
+		t.Fatalf("%d warnings for one reply's 2000 ignored claims, want one or two (each with a count)", len(warnings))
+	}
+	ignored := int64(0)
+	for _, r := range warnings {
+		r.Attrs(func(at slog.Attr) bool {
+			if at.Key == "ignored" {
+				ignored += at.Value.Int64()
+			}
+			return true
+		})
+	}
+	if ignored != 2000 {
+		t.Errorf("the warnings count %d ignored claims, want 2000", ignored)
 	}
 }

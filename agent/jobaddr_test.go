@@ -565,3 +565,45 @@ func jobNets(t *testing.T) []string {
 	}
 	return out
 }
+
+// TestStartJobKeepsAddressOfUndeletedNetwork: a start that fails after its job network was made, or made
+// in part, and whose network then cannot be deleted keeps its address reserved: that network may still
+// hold it on the wire. The old code gave it back as StartJob returned, and the next job of this host got
+// it: two job networks with one address.
+func TestStartJobKeepsAddressOfUndeletedNetwork(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		create func(context.Context, *JobNet) error
+	}{
+		{"its network is made in part", func(context.Context, *JobNet) error { return errors.New("bring up eth0: injected") }},
+		// Made: the launch then fails, the stand-in's namespace being nowhere.
+		{"its launch fails", func(context.Context, *JobNet) error { return nil }},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			ta := newTestAgent(t)
+			a := ta.Agent
+			a.reservedAddrs = map[netip.Addr]int{}
+			a.cfg.Cluster.Listen = netip.MustParseAddrPort("127.0.0.1:1") // the pool's cluster network: lo's 127/8
+			a.cfg.JobNetwork.Pool = netip.MustParsePrefix("127.0.0.200/30")
+			a.cfg.JobNetwork.Kind = jobnet.MACVlan
+			var made string
+			a.nets = jobNetOps{
+				create: func(ctx context.Context, n *JobNet) error { made = n.Addr.Addr().String(); return tt.create(ctx, n) },
+				delete: func(context.Context, string) error { return errors.New("delete eth0: injected") },
+			}
+			if _, err := a.StartJob(t.Context(), JobSpec{Name: "srv", Argv: []string{"/bin/true"}, JobAddress: true}, 1000, 1000); err == nil {
+				t.Fatal("StartJob succeeded")
+			}
+			if made == "" {
+				t.Fatal("StartJob failed before it made the job's network")
+			}
+			next, err := a.allocJobAddr()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if next.Addr().String() == made {
+				t.Errorf("the next job got %s, which the failed start's undeleted network may still hold", made)
+			}
+		})
+	}
+}
