@@ -7,7 +7,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"slices"
 	"sync"
 	"time"
 
@@ -263,11 +262,40 @@ func (s peerService) Beat(_ string, b detect.Beat) {
 				"sent_after", gap.Sent.Round(time.Millisecond), "missing", gap.Missing, "late", where)
 		}
 	}
-	for _, u := range b.Uncovered {
-		if !slices.Contains(prev.Uncovered, u) {
-			s.a.log.Info("a job of the member has connections its replica lacks: a failure of the member now would not restore it",
-				"member", b.From, "job", u.Job, "replica", u.Replica)
+	s.a.logUncovered(b.From, prev.Uncovered, b.Uncovered)
+}
+
+// maxUncoveredLogged bounds the lines one beat logs for the jobs it newly names uncovered; the rest are
+// counted in one more. A member runs a handful of jobs, but a beat may list tens of thousands of entries.
+const maxUncoveredLogged = 8
+
+// logUncovered says which of a member's jobs its beat newly names uncovered (not in its previous beat).
+// A set of the previous list keeps this linear in what the member sent: comparing every entry with every
+// previous one cost ~10^9 comparisons for one 1 MiB beat, and a line per entry as many log lines.
+func (a *Agent) logUncovered(member string, prev, cur []detect.Uncovered) {
+	if len(cur) == 0 {
+		return
+	}
+	before := make(map[detect.Uncovered]struct{}, len(prev))
+	for _, u := range prev {
+		before[u] = struct{}{}
+	}
+	logged, more := 0, 0
+	for _, u := range cur {
+		if _, ok := before[u]; ok {
+			continue
 		}
+		if logged == maxUncoveredLogged {
+			more++
+			continue
+		}
+		logged++
+		a.log.Info("a job of the member has connections its replica lacks: a failure of the member now would not restore it",
+			"member", member, "job", u.Job, "replica", u.Replica)
+	}
+	if more > 0 {
+		a.log.Info("more jobs of the member have connections their replica lacks than are logged one by one",
+			"member", member, "not_logged", more)
 	}
 }
 

@@ -1,6 +1,15 @@
 package agent
 
-import "testing"
+import (
+	"bytes"
+	"fmt"
+	"log/slog"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/detect"
+)
 
 func TestJudge(t *testing.T) {
 	for _, tt := range []struct {
@@ -29,5 +38,47 @@ func TestJudge(t *testing.T) {
 				t.Errorf("judge(%+v) = %d, %q; want %d, %q", tt.p, got, why, tt.want, tt.why)
 			}
 		})
+	}
+}
+
+// A member's beat may list tens of thousands of uncovered jobs (a 1 MiB line): the protector logs the new
+// ones it can tell apart, a bounded number of lines, not one per entry, and stays quiet on a repeat.
+func TestBeatUncoveredLogBounded(t *testing.T) {
+	ta := newTestAgent(t)
+	var logs bytes.Buffer
+	ta.log = slog.New(slog.NewTextHandler(&logs, nil))
+	ta.watchdog = detect.NewWatchdog(detect.Config{Timeout: time.Hour})
+	svc := peerService{ta.Agent}
+	lines := func() []string {
+		out := strings.Split(strings.TrimSpace(logs.String()), "\n")
+		logs.Reset()
+		if len(out) == 1 && out[0] == "" {
+			return nil
+		}
+		return out
+	}
+
+	honest := []detect.Uncovered{{Job: "j-1", Replica: "s1"}, {Job: "j-2", Replica: "s2"}}
+	svc.Beat("node2", detect.Beat{From: "node2", Seq: 1, Run: 1, Sent: time.Now(), Uncovered: honest})
+	if got := lines(); len(got) != len(honest) || !strings.Contains(got[0], "a job of the member has connections its replica lacks") {
+		t.Fatalf("an honest beat with %d uncovered jobs logged %q, want a line each", len(honest), got)
+	}
+	svc.Beat("node2", detect.Beat{From: "node2", Seq: 2, Run: 1, Sent: time.Now(), Uncovered: honest})
+	if got := lines(); len(got) != 0 {
+		t.Fatalf("the same uncovered jobs again logged %q, want nothing", got)
+	}
+
+	const n = 38000
+	many := make([]detect.Uncovered, n)
+	for i := range many {
+		many[i] = detect.Uncovered{Job: fmt.Sprintf("job-%08d", i), Replica: "snap"}
+	}
+	svc.Beat("node2", detect.Beat{From: "node2", Seq: 3, Run: 1, Sent: time.Now(), Uncovered: many})
+	got := lines()
+	if len(got) > maxUncoveredLogged+1 {
+		t.Fatalf("a beat of %d new uncovered jobs logged %d lines, want at most %d", n, len(got), maxUncoveredLogged+1)
+	}
+	if want := fmt.Sprintf("not_logged=%d", n-maxUncoveredLogged); !strings.Contains(got[len(got)-1], want) {
+		t.Fatalf("last line %q does not count the jobs not logged (%s)", got[len(got)-1], want)
 	}
 }

@@ -3,7 +3,6 @@ package agent
 import (
 	"context"
 	"net/netip"
-	"slices"
 	"sync"
 	"time"
 
@@ -34,6 +33,8 @@ const (
 	jobAddrAskTimeout = 2 * time.Second
 	// maxJobAddrsPerMember bounds what one member may claim (a /20 pool plus the jobs it took over).
 	maxJobAddrsPerMember = 8192
+	// maxAmbiguousLogged bounds the addresses claimed by two members that one refresh logs one by one.
+	maxAmbiguousLogged = 8
 )
 
 // holderOf is the alive member that holds ip now: a host address in the view, or the address of a job
@@ -184,10 +185,20 @@ func (d *jobAddrOwners) refresh(a *Agent, done chan struct{}) {
 			owners[ip] = v.Members[i].Name
 		}
 	}
+	logged := 0
 	for ip, who := range ambiguous {
 		// Two copies of one job (a host cut off that has not fenced itself yet): nobody's, until one is gone.
 		delete(owners, ip)
-		a.log.Warn("a job address is claimed by two members: neither is used for it until one copy is gone", "addr", ip, "members", who)
+		// A line each for the first few only: a member claiming thousands of other members' addresses
+		// would otherwise log thousands of lines at every refresh, which any member's trim can start.
+		if logged < maxAmbiguousLogged {
+			logged++
+			a.log.Warn("a job address is claimed by two members: neither is used for it until one copy is gone", "addr", ip, "members", who)
+		}
+	}
+	if more := len(ambiguous) - logged; more > 0 {
+		a.log.Warn("more job addresses are claimed by two members than are logged one by one: neither is used for them until one copy is gone",
+			"not_logged", more)
 	}
 	d.mu.Lock()
 	d.owners, d.epoch, d.at, d.pending = owners, v.Epoch, start, nil
@@ -196,15 +207,20 @@ func (d *jobAddrOwners) refresh(a *Agent, done chan struct{}) {
 }
 
 // validJobAddrs keeps the addresses member claims that could be job addresses: IPv4 addresses of the
-// cluster network that are no member's host address, at most maxJobAddrsPerMember of them.
+// cluster network that are no member's host address, at most maxJobAddrsPerMember of them. What it ignores
+// is logged in one line, naming the first: a ping answer may list ~10^5 addresses, and a line each (with a
+// scan of every member's addresses each) let one member flood this agent's log at every refresh.
 func (a *Agent) validJobAddrs(member string, addrs []netip.Addr) []netip.Addr {
-	hosts := a.memberAddrs()
+	hosts := map[netip.Addr]bool{}
+	for _, h := range a.memberAddrs() {
+		hosts[h] = true
+	}
 	var out []netip.Addr
-	ignored := 0
 	var first netip.Addr
+	ignored := 0
 	for _, ip := range addrs {
 		ip = ip.Unmap()
-		if !a.mayBeJobAddr(ip) || slices.Contains(hosts, ip) || len(out) == maxJobAddrsPerMember {
+		if !a.mayBeJobAddr(ip) || hosts[ip] || len(out) == maxJobAddrsPerMember {
 			if ignored == 0 {
 				first = ip
 			}

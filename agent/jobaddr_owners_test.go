@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"net/netip"
 	"strings"
@@ -181,5 +182,32 @@ func TestValidJobAddrsLogsOncePerReply(t *testing.T) {
 	}
 	if ignored != 2000 {
 		t.Errorf("the warnings count %d ignored claims, want 2000", ignored)
+	}
+}
+
+// A member that claims thousands of the addresses another member's jobs hold makes them nobody's (two
+// copies of a job), but each refresh, which any member's trim may start, logs a bounded number of lines
+// about them, not one per address.
+func TestAmbiguousJobAddrsLogBounded(t *testing.T) {
+	pki := newTestPKI(t)
+	n2 := &pingScript{name: "n2"}
+	n3 := &pingScript{name: "n3"}
+	a, logs := clientAgent(t, pki, map[string]uint16{"n2": scriptedPeer(t, pki, "n2", n2), "n3": scriptedPeer(t, pki, "n3", n3)})
+	a.clusterNet.once.Do(func() { a.clusterNet.prefix = netip.MustParsePrefix("10.77.0.0/16") })
+	var addrs []netip.Addr
+	for i := range 1000 {
+		addrs = append(addrs, netip.AddrFrom4([4]byte{10, 77, byte(1 + i/250), byte(1 + i%250)}))
+	}
+	n2.set(addrs...)
+	n3.set(addrs...)
+	if got := a.memberByIPWait(t.Context(), addrs[0]); got != "" {
+		t.Fatalf("holder of %s, claimed by both n2 and n3: %q, want none", addrs[0], got)
+	}
+	out := logs.String()
+	if n := strings.Count(out, "claimed by two members"); n > maxAmbiguousLogged+1 {
+		t.Fatalf("%d addresses claimed by two members logged %d lines, want at most %d", len(addrs), n, maxAmbiguousLogged+1)
+	}
+	if want := fmt.Sprintf("not_logged=%d", len(addrs)-maxAmbiguousLogged); !strings.Contains(out, want) {
+		t.Fatalf("no line counts the addresses not logged (%s):\n%s", want, out)
 	}
 }
