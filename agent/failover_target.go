@@ -117,9 +117,14 @@ func (a *Agent) remoteRecover(ctx context.Context, target string, req RecoverReq
 	case err != nil && errors.Is(cause, errTargetFailed):
 		return fmt.Errorf("recovery on %s: %w: job(s) %s do NOT run there", target, cause, strings.Join(recoverJobIDs(req), ", "))
 	case errors.As(err, &broken):
-		return a.afterBrokenStream(ctx, target, req, emit, broken.Err)
+		return a.afterBrokenStream(ctx, target, req, emit, fmt.Errorf("recovery on %s: progress stream ended: %w", target, broken.Err))
 	case clusterapi.Refusal(err) != nil:
 		return fmt.Errorf("recovery on %s: %w", target, err)
+	case err != nil && ctx.Err() == nil:
+		// No answer: the target may have died after its claim (during the fence wait), long before this
+		// host declares it failed, or have the request and run it. Ended now, the recovery was done before
+		// the target's own failure could take it over (failurelog.Log.TakeOver), and its jobs ran nowhere.
+		return a.afterBrokenStream(ctx, target, req, emit, fmt.Errorf("ask %s to recover: %w", target, err))
 	case err != nil:
 		return fmt.Errorf("ask %s to recover: %w", target, err)
 	case end.Error != "":

@@ -82,7 +82,6 @@ func (a *Agent) brokenSilenceWait() time.Duration {
 // it asks the target (until it answers again and the recovery ends, bounded) and relays the stages it had
 // not seen. The error names the jobs that do not run.
 func (a *Agent) afterBrokenStream(ctx context.Context, target string, req RecoverRequest, emit func(Stage), broke error) error {
-	broke = fmt.Errorf("recovery on %s: progress stream ended: %w", target, broke)
 	jobs := recoverJobIDs(req)
 	a.log.Warn("the progress stream of a recovery broke; asking the target what became of it", "target", target, "failure", req.Failure, "jobs", jobs, "err", broke)
 	seen := map[string]bool{}
@@ -108,14 +107,23 @@ func (a *Agent) afterBrokenStream(ctx context.Context, target string, req Recove
 	defer cancel()
 	var last *recoveryStatusMessage
 	silentSince := time.Now()
-	for {
-		// A target declared failed is not waited for: its jobs died with it, and the next recovery needs
-		// this one's outcome now.
+	targetFailed := func() error {
 		if m, ok := a.member(target); ok && m.State != ring.StateAlive {
 			return fmt.Errorf("%w; %w: %s was declared failed: job(s) %s do NOT run there", broke, errTargetFailed, target, strings.Join(jobs, ", "))
 		}
+		return nil
+	}
+	for {
+		// A target declared failed is not waited for: its jobs died with it, and the next recovery needs
+		// this one's outcome now.
+		if err := targetFailed(); err != nil {
+			return err
+		}
 		st, err := a.recoveryStatus(ctx, target, req.Failure, jobs)
-		if err != nil && last == nil && time.Since(silentSince) > a.brokenSilenceWait() {
+		// A silent target whose own failure this host has declared, and which took this recovery over, is
+		// waited for until the view says it failed (or the bound): given up on, this recovery reported its
+		// jobs lost while that failure's restored them, or rolled their runs back as well.
+		if err != nil && last == nil && time.Since(silentSince) > a.brokenSilenceWait() && a.takenOverBy(req.Failure) == "" {
 			return fmt.Errorf("%w; %s did not answer within %s: whether job(s) %s run there is unknown", broke, target, a.brokenSilenceWait(), strings.Join(jobs, ", "))
 		}
 		if err == nil {
@@ -133,6 +141,10 @@ func (a *Agent) afterBrokenStream(ctx context.Context, target string, req Recove
 		}
 		select {
 		case <-ctx.Done():
+			// The view declaring the target failed ends the wait too (followedTargets).
+			if err := targetFailed(); err != nil {
+				return err
+			}
 			if last == nil {
 				return fmt.Errorf("%w; %s did not answer within %s: whether job(s) %s run there is unknown", broke, target, a.brokenRecoveryWait(), strings.Join(jobs, ", "))
 			}
@@ -213,7 +225,8 @@ func (a *Agent) closeLeftFailovers(ctx context.Context) (n int, wait func()) {
 		}
 		a.log.Warn("a recovery a previous agent left under way: asking its target what became of it", "failure", f.ID, "node", f.Node, "target", f.Target)
 		n++
-		wg.Go(func() { end(a.afterBrokenStream(ctx, f.Target, req, emit, errRestartedMidRecovery)) })
+		broke := fmt.Errorf("recovery on %s: progress stream ended: %w", f.Target, errRestartedMidRecovery)
+		wg.Go(func() { end(a.afterBrokenStream(ctx, f.Target, req, emit, broke)) })
 	}
 	return n, wg.Wait
 }

@@ -1,0 +1,118 @@
+package agent
+
+import (
+	"errors"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ftkit/ftkit/internal/testenv"
+	"github.com/ftkit/ftkit/ring"
+)
+
+// TestRecoveryOnTargetDeadBeforeTheRequestIsTakenOver: the claimed spare s1 dies during the fence wait,
+// after the claim and before the recovery request (its port is closed), so the request fails at once,
+// long before this host, its protector now, declares it failed. The recovery must stay unfinished until
+// then: s1's own failure takes over only unfinished recoveries (failurelog.Log.TakeOver), and the wait
+// must end as errTargetFailed once the view declares s1 failed, which leaves the jobs to that takeover.
+// Until 2026-12-07 the request's error ended the recovery (done, with an error): s1's failure found
+// nothing to take over, and n3's jobs were restored nowhere.
+func TestRecoveryOnTargetDeadBeforeTheRequestIsTakenOver(t *testing.T) {
+	pki := newTestPKI(t)
+	a, logs := clientAgent(t, pki, nil) // every other member's port is closed: s1 is dead
+	a.wire.Idle = failAfter             // no giving up on s1's silence within the test
+	v, err := a.View().Replace("n3", "s1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.adoptView(v); err != nil {
+		t.Fatal(err)
+	}
+	const id = "n3-20261207T000000.000"
+	a.failures.Update(id, func(f *Failure) {
+		f.Node, f.Protector, f.Target, f.Jobs = "n3", "n1", "s1", []string{"job-1"}
+	})
+	done := make(chan error, 1)
+	go func() {
+		err := a.remoteRecover(t.Context(), "s1", RecoverRequest{Failure: id, Failed: "n3", Jobs: []RecoverJob{{Job: "job-1"}}}, func(Stage) {})
+		a.failures.Update(id, func(f *Failure) { f.Done, f.Error = true, errString(err) }) // as failover does
+		done <- err
+	}()
+	var ended error
+	for deadline := time.Now().Add(failAfter); ended == nil && !strings.Contains(logs.String(), "asking the target what became of it"); time.Sleep(5 * time.Millisecond) {
+		select {
+		case ended = <-done:
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the request to the dead s1 neither ended nor was followed up; log:\n%s", logs.String())
+		}
+	}
+	// This host, s1's protector, declares it failed: its fail-over takes the unfinished recoveries on it.
+	taken := a.failures.TakeOver("n1", "s1", "s1-20261207T000010.000")
+	if taken["job-1"] != "n3" {
+		t.Fatalf("s1's failure took over %v, want job-1 of n3: the recovery ended with %v before s1 was declared failed, and n3's jobs run nowhere", taken, ended)
+	}
+	failed, err := a.View().Fail("s1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.adoptView(failed); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case ended = <-done:
+	case <-time.After(failAfter):
+		t.Fatalf("the recovery on s1 did not end once s1 was declared failed; log:\n%s", logs.String())
+	}
+	if !errors.Is(ended, errTargetFailed) || a.takenOverBy(id) == "" {
+		t.Fatalf("the recovery ended with %v (taken over by %q): want errTargetFailed, which leaves the jobs to s1's failure", ended, a.takenOverBy(id))
+	}
+	if m, _ := a.View().Member("s1"); m.State != ring.StateFailed {
+		t.Fatalf("s1 is %s", m.State)
+	}
+}
+
+// TestSilentTargetTakenOverIsWaitedFor: a target that falls silent is given up on after brokenSilenceWait,
+// but not once this host has declared it failed and its failure took the recovery over: the view that
+// fails it comes only after its fence wait, and a recovery given up on before reported its jobs lost (or
+// rolled their runs back) while the takeover restored them.
+func TestSilentTargetTakenOverIsWaitedFor(t *testing.T) {
+	pki := newTestPKI(t)
+	a, logs := clientAgent(t, pki, nil) // s1's port is closed
+	v, err := a.View().Replace("n3", "s1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.adoptView(v); err != nil {
+		t.Fatal(err)
+	}
+	const id = "n3-20261207T000000.000"
+	a.failures.Update(id, func(f *Failure) {
+		f.Node, f.Protector, f.Target, f.Jobs = "n3", "n1", "s1", []string{"job-1"}
+	})
+	if taken := a.failures.TakeOver("n1", "s1", "s1-20261207T000010.000"); taken["job-1"] != "n3" {
+		t.Fatalf("took over %v", taken)
+	}
+	viewed := make(chan struct{})
+	go func() {
+		defer close(viewed)
+		// Past the silence bound and the 2 s between questions, as a fence wait may be: then the view fails s1.
+		time.Sleep(3*a.brokenSilenceWait() + 2*time.Second)
+		failed, err := a.View().Fail("s1")
+		if err == nil {
+			_, err = a.adoptView(failed)
+		}
+		if err != nil {
+			t.Error(err)
+		}
+	}()
+	var ended error
+	testenv.ReturnsWithin(t, failAfter, func() {
+		ended = a.remoteRecover(t.Context(), "s1", RecoverRequest{Failure: id, Failed: "n3", Jobs: []RecoverJob{{Job: "job-1"}}}, func(Stage) {})
+	})
+	<-viewed
+	if !errors.Is(ended, errTargetFailed) {
+		t.Fatalf("the recovery ended with %v: want errTargetFailed, which leaves the jobs to s1's failure; log:\n%s", ended, logs.String())
+	}
+}
