@@ -12,6 +12,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/internal/tickgrid"
+	"github.com/ftkit/ftkit/ring"
 )
 
 // Ended jobs. A job that ended on this host (exited, lost, moved elsewhere) keeps its snapshots, here and
@@ -145,6 +146,13 @@ func (a *Agent) forgetJob(ctx context.Context, e endedJob) {
 	holders := slices.Clone(e.job.Forget)
 	if e.job.Replica != nil {
 		holders = append(holders, e.job.Replica.Holders...)
+	}
+	target, _ := a.recoveredTo(id)
+	if m, ok := a.member(target); ok && m.State == ring.StateAlive {
+		// A failure of this host restored the job there (or tried), from a copy of this host's snapshot that
+		// it fetched (a spare) or held: none of this host's snapshots names it, and nothing else would tell
+		// it. Not one that failed since: it may never answer, and would keep the record for good.
+		holders = append(holders, m.Name)
 	}
 	deleted, kept, err := deleteSnapshotsBefore(a.store, id, a.cfg.Name, e.ended, a.cutRecords().Pinned(id), func(m *ckpt.Manifest) {
 		holders = append(holders, m.Replicas...)

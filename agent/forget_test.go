@@ -287,3 +287,142 @@ func TestForgetAsksAgainWhileTheHolderKeeps(t *testing.T) {
 		t.Errorf("n1's record on disk: %v; want it gone", err)
 	}
 }
+
+// TestForgetTellsFormerProtectors: n1's job was protected by n2, then by n3 (the ring changed, or n2 did not
+// answer once). Retention deleted n1's snapshots that n2 held copies of, and with them the only record that
+// n2 held any: once the job ended, n1 told n3 alone, and n2 kept its copies for good. Each protector change
+// left a job's last replicas on the old protector's disk. The holders a newer replica replaces are now told too.
+func TestForgetTellsFormerProtectors(t *testing.T) {
+	pki := newTestPKI(t)
+	const job = "churn-0000000b"
+	n2, _ := newWireAgent(t, "n2", testMembers(nil))
+	cfg := pki.creds(t, "n2")
+	n2.cfg.Cluster.CA, n2.cfg.Cluster.Cert, n2.cfg.Cluster.Key = cfg.CAFile, cfg.CertFile, cfg.KeyFile
+	ln, port := listenAs(t, pki, "n2")
+	srv := n2.clusterServer(t.Context()).HTTPServer()
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	fromN1, err := ckpt.Open(n2.store.Root(), ckpt.Options{Node: "n1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	(&testAgent{Agent: &Agent{store: fromN1}}).addSnapshot(t, Job{ID: job, Node: "n1"}) // n1's replica on n2
+
+	n1, _ := clientAgent(t, pki, map[string]uint16{"n2": port})
+	n1.cfg.Checkpoint.KeepEnded = Duration{Duration: time.Hour}
+	n1.cfg.Checkpoint.Keep = 1
+	n1.replicaConns = map[string]replicaConns{}
+	n1.jobs = jobStore{dir: filepath.Join(n1.cfg.StateDir, "jobs")}
+	if err := os.MkdirAll(n1.jobs.dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	rec := &Job{ID: job, Node: "n1", State: JobRunning, PID: os.Getpid()}
+	n1.mu.Lock()
+	n1.byID[job] = rec
+	n1.mu.Unlock()
+	h1 := &testAgent{Agent: n1}
+	for _, holder := range []string{"n2", "n3"} { // the protector changed from n2 to n3
+		id := h1.addSnapshot(t, Job{ID: job, Node: "n1"})
+		m, err := n1.store.AddReplica(job, id, holder)
+		if err != nil {
+			t.Fatal(err)
+		}
+		n1.recordReplica(t.Context(), m, nil)
+		n1.pruneOwn(t.Context(), job)
+	}
+	if got, _ := n1.store.List(job, "n1"); len(got) != 1 {
+		t.Fatalf("n1's snapshots after retention: %v; want only the newest", got)
+	}
+	ended := time.Now().Add(time.Minute)
+	n1.mu.Lock()
+	rec.State, rec.Ended = JobExited, ended
+	n1.mu.Unlock()
+	if err := n1.jobs.save(rec); err != nil {
+		t.Fatal(err)
+	}
+	n1.forgetDue(t.Context(), ended.Add(2*time.Hour))
+	if got, _ := n2.store.List(job, "n1"); len(got) != 0 {
+		t.Errorf("n1's replicas on n2, its former protector, after the job was forgotten: %v; want none", got)
+	}
+}
+
+// TestForgetTellsTheHostItWasRestoredOn: n1 failed, its job was restored on n2 (a spare, say), which
+// fetched n1's snapshot from n1's protector to restore it, and n1 came back. Once keep_ended passed, n1
+// told the protector alone: n2 is named by none of n1's snapshots, so the copy it fetched stayed on its disk
+// for good, even after the job ended there. The host a failure of n1 restored the job on is told too.
+func TestForgetTellsTheHostItWasRestoredOn(t *testing.T) {
+	pki := newTestPKI(t)
+	const job = "moved-0000000c"
+	n2, _ := newWireAgent(t, "n2", testMembers(nil))
+	cfg := pki.creds(t, "n2")
+	n2.cfg.Cluster.CA, n2.cfg.Cluster.Cert, n2.cfg.Cluster.Key = cfg.CAFile, cfg.CertFile, cfg.KeyFile
+	ln, port := listenAs(t, pki, "n2")
+	srv := n2.clusterServer(t.Context()).HTTPServer()
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	fromN1, err := ckpt.Open(n2.store.Root(), ckpt.Options{Node: "n1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	(&testAgent{Agent: &Agent{store: fromN1}}).addSnapshot(t, Job{ID: job, Node: "n1"}) // fetched to restore it
+	n2.mu.Lock()
+	n2.byID[job] = &Job{ID: job, Node: "n2", State: JobExited} // it ended on n2 since
+	n2.mu.Unlock()
+
+	n1, _ := clientAgent(t, pki, map[string]uint16{"n2": port})
+	n1.cfg.Checkpoint.KeepEnded = Duration{Duration: time.Hour}
+	n1.jobs = jobStore{dir: filepath.Join(n1.cfg.StateDir, "jobs")}
+	if err := os.MkdirAll(n1.jobs.dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	t0 := time.Now()
+	n1.failures.Update("n1-1", func(f *Failure) {
+		*f = Failure{ID: "n1-1", Node: "n1", Protector: "n3", Target: "n2", Detected: t0, Updated: t0, Jobs: []string{job}}
+	})
+	ended := t0.Add(time.Minute)
+	rec := &Job{ID: job, Node: "n1", State: JobLost, Fenced: true, Ended: ended, Replica: &Replica{Node: "n1", Holders: []string{"n3"}}}
+	if err := n1.jobs.save(rec); err != nil {
+		t.Fatal(err)
+	}
+	n1.mu.Lock()
+	n1.byID[job] = rec
+	n1.mu.Unlock()
+	n1.forgetDue(t.Context(), ended.Add(2*time.Hour))
+	if got, _ := n2.store.List(job, "n1"); len(got) != 0 {
+		t.Errorf("the copy of n1's snapshot on n2, where a failure of n1 restored the job: %v; want none", got)
+	}
+}
+
+// TestFailedRestoreKeepsTheLostJobsSnapshots: node1 failed and came back; the recovery of its job on node2
+// failed (CRIU refused it), so the job runs nowhere and its owner may restore it from its snapshots. The
+// failure named node2 as its target, which was taken for "restored elsewhere": the snapshots and replicas
+// went after keep_ended instead of 7 times that. Only a job whose restore did not fail counts as restored.
+func TestFailedRestoreKeepsTheLostJobsSnapshots(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.cfg.Checkpoint.KeepEnded = Duration{Duration: time.Hour}
+	const job = "failed-0000000e"
+	t0 := time.Now()
+	ended := t0.Add(time.Minute)
+	ta.addJob(t, Job{ID: job, State: JobLost, Fenced: true, Ended: ended})
+	snap := ta.addSnapshot(t, Job{ID: job, Node: ta.cfg.Name})
+	for _, tc := range []struct {
+		stages []Stage
+		kept   bool
+	}{
+		{stages: []Stage{{Name: StageRestored, Job: job, Host: "node2", Error: "criu: no"}}, kept: true},
+		{stages: []Stage{{Name: StageFetched, Job: job, Host: "node2", Error: "no verified replica"}}, kept: true},
+		{stages: []Stage{{Name: StageRestored, Job: "other-0000000e", Host: "node2", Error: "criu: no"}, {Name: StageRestored, Job: job, Host: "node2"}}},
+	} {
+		ta.failures.Update("node1-1", func(f *Failure) {
+			*f = Failure{ID: "node1-1", Node: "node1", Protector: "node2", Target: "node2", Detected: t0, Updated: t0,
+				Jobs: []string{job, "other-0000000e"}, Stages: tc.stages}
+		})
+		due := ta.dueToForget(ended.Add(2 * time.Hour))
+		if got := slices.ContainsFunc(due, func(e endedJob) bool { return e.job.ID == job }); got == tc.kept {
+			t.Errorf("stages %+v: due to be forgotten %v after twice keep_ended, want %v", tc.stages, got, !tc.kept)
+		}
+	}
+	if got, _ := ta.store.List(job, ""); !slices.Equal(got, []string{snap}) {
+		t.Errorf("snapshots %v, want %s", got, snap)
+	}
+}

@@ -176,7 +176,7 @@ type Job struct {
 	ConnsChecked time.Time `json:"conns_checked,omitzero"`
 	// Ended is when an ended job's keep_ended began (its record's time when the agent first forgot its
 	// snapshots, forget.go); Forget lists the holders of its replicas still to be told to drop them (or that
-	// kept some), and Forgotten says its snapshots are gone and its record stays (its address may be in use).
+	// kept some; while it runs, the former holders of this host's replicas, recordReplica), and Forgotten says its snapshots are gone and its record stays (its address may be in use).
 	Ended     time.Time `json:"ended,omitzero"`
 	Forget    []string  `json:"forget,omitempty"`
 	Forgotten bool      `json:"forgotten,omitempty"`
@@ -203,6 +203,20 @@ type Replica struct {
 	// Unrecoverable names the snapshot's connections a restore could not rebuild, each with why: a
 	// failure of the host would end in a refusal naming them (`ftctl status` shows them).
 	Unrecoverable []string `json:"unrecoverable,omitempty"`
+}
+
+// holdersHere lists the members that may hold copies of the snapshots node took of j, as its record knows
+// them: those still to tell (Forget), its replica's holders, and the host it moved to.
+func (j *Job) holdersHere(node string) []string {
+	out := slices.Clone(j.Forget)
+	if j.Replica != nil && j.Replica.Node == node {
+		out = append(out, j.Replica.Holders...)
+	}
+	if j.MovedTo != "" {
+		out = append(out, j.MovedTo)
+	}
+	slices.Sort(out)
+	return slices.DeleteFunc(slices.Compact(out), func(h string) bool { return h == node })
 }
 
 // Protected reports whether a failure of the job's host could be recovered from a replica: one taken

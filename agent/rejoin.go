@@ -102,8 +102,21 @@ func (a *Agent) dropFailedJobs(self ring.Member) int {
 	return left
 }
 
-// restoredOn is the host that the newest known failure of this host restored job on ("" if unknown).
+// restoredOn is the host that the newest known failure of this host restored job on ("" if unknown, or if
+// that recovery says it failed to restore the job: then it runs nowhere, and its owner may restore it).
 func (a *Agent) restoredOn(job string) string {
+	target, failed := a.recoveredTo(job)
+	if failed {
+		return ""
+	}
+	return target
+}
+
+// recoveredTo is the target of the newest known failure of this host that was to restore job ("" if none),
+// and whether that recovery's stages say the job was not restored there (its fetch, rewrite or restore
+// failed). A recovery of many jobs keeps only its newest stages (failurelog.MaxStages): one whose stages
+// say nothing of the job counts as restored, as before.
+func (a *Agent) recoveredTo(job string) (target string, failed bool) {
 	var best *Failure
 	for _, f := range a.failures.List() {
 		if f.Node != a.cfg.Name || f.Target == "" {
@@ -116,9 +129,12 @@ func (a *Agent) restoredOn(job string) string {
 		}
 	}
 	if best == nil {
-		return ""
+		return "", false
 	}
-	return best.Target
+	failed = slices.ContainsFunc(best.Stages, func(s Stage) bool {
+		return s.Job == job && s.Error != "" && (s.Name == StageFetched || s.Name == StageRewritten || s.Name == StageRestored)
+	})
+	return best.Target, failed
 }
 
 // ownCopyRuns reports whether this host's copy of job j runs: its root process (j.PID) is alive, in the

@@ -17,6 +17,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt/interval"
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/internal/tickgrid"
+	"github.com/ftkit/ftkit/ring"
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
@@ -271,6 +272,7 @@ func (a *Agent) recordReplica(ctx context.Context, m *ckpt.Manifest, strays []st
 	// Before a.mu: who holds a job address is asked of the members (and holderOf takes a.mu).
 	bad := append(unrecoverableConns(m.Conns, a.ownerLookup(ctx), a.dumpedApart()), strays...)
 	bad = append(bad, a.unloggedConns(ctx, m)...)
+	v := a.View()
 	a.mu.Lock()
 	j, ok := a.byID[m.Job]
 	if !ok || j.Node != a.cfg.Name || (j.Protected() && j.Replica.Snapshot >= m.ID) {
@@ -278,6 +280,18 @@ func (a *Agent) recordReplica(ctx context.Context, m *ckpt.Manifest, strays []st
 		return
 	}
 	first := !j.Protected()
+	if j.Replica != nil && j.Replica.Node == a.cfg.Name {
+		// The holders of this host's replicas that the new one's do not include (the protector changed: the
+		// ring or the run's hosts did, or it did not answer) stay to be told when the job is forgotten: once
+		// retention deletes the snapshots naming them, nothing else does, and their copies stayed for good.
+		// Not one that failed: it may never answer again, and would keep the ended job's record (counted
+		// against its user's, maxEndedJobsPerUser) for good.
+		for _, h := range j.Replica.Holders {
+			if mem, ok := v.Member(h); ok && mem.State == ring.StateAlive && !slices.Contains(m.Replicas, h) && !slices.Contains(j.Forget, h) {
+				j.Forget = append(j.Forget, h)
+			}
+		}
+	}
 	j.Replica = &Replica{Snapshot: m.ID, Time: time.Now().UTC(), Node: a.cfg.Name, Holders: append([]string(nil), m.Replicas...), Unrecoverable: bad}
 	// The snapshot holds the connections the job had when it was dumped; the next check lists any opened
 	// since against it.

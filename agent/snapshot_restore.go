@@ -10,6 +10,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
@@ -226,11 +227,23 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 	journal.Close()
 	j.Node, j.PID, j.State, j.Exit, j.Restored, j.LazyWork = a.cfg.Name, pid, JobRunning, nil, m.ID, ""
 	j.RestoredAt = start.UTC() // this host's clock, unlike j.Created once the job came from another host
+	if m.Node != a.cfg.Name {
+		j.Forget = nil // the former holders of another host's replicas (recordReplica) are that host's to tell
+	}
 	if a.cfg.Failover.LazyRestore {
 		j.LazyWork, keepWork = work, true // the shim removes it once every page is in
 	}
 	// Under a.mu: forgetJob removes an ended copy's record under it, never this one.
 	a.mu.Lock()
+	if cur := a.byID[j.ID]; cur != nil && cur.State != JobRunning && !cur.Forgotten {
+		// The ended copy this record replaces is never forgotten (forgetJob leaves a replaced record alone):
+		// the holders of this host's snapshots it had yet to tell are this copy's to tell.
+		for _, h := range cur.holdersHere(a.cfg.Name) {
+			if !slices.Contains(j.Forget, h) {
+				j.Forget = append(j.Forget, h)
+			}
+		}
+	}
 	if err := a.jobs.save(&j); err != nil {
 		a.mu.Unlock()
 		addrReserved = false // the job runs, unlisted: its address must not be handed out

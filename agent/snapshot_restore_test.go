@@ -6,6 +6,8 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -160,5 +162,35 @@ func TestFailedRestoreKillsWhatItLeft(t *testing.T) {
 	}
 	if b, err := os.ReadFile(filepath.Join(cg, "cgroup.kill")); err != nil || string(b) != "1" {
 		t.Errorf("the job's cgroup.kill after the failed restore: %q, %v; want \"1\" (what the restore left killed)", b, err)
+	}
+}
+
+// TestRestoreKeepsTheHoldersStillToTell: a job moved from node1 to node2 and back. node2 holds the snapshot
+// node1 moved it with, node3 node1's replicas, node4 some node1 still had to tell. The copy restored on node1
+// replaced the ended copy's record, which forgetJob then never forgot, and with it the only record of those
+// holders: once the job ended on node1 for good, they were not told, and kept node1's snapshots for good.
+func TestRestoreKeepsTheHoldersStillToTell(t *testing.T) {
+	ta := newTestAgent(t)
+	fake := filepath.Join(ta.dir, "fake-shim")
+	if err := os.WriteFile(fake, []byte("#!/bin/sh\ncat >/dev/null\necho '{\"pid\": "+strconv.Itoa(os.Getpid())+"}'\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	ta.SetShim(fake)
+	const id = "back-0000000d"
+	ta.addJob(t, Job{ID: id, State: JobMoved, MovedTo: "node2", Forget: []string{"node4"},
+		Replica: &Replica{Node: "node1", Holders: []string{"node3"}}})
+	// The record the snapshot carries is node2's: its holders are node2's to tell.
+	j := Job{ID: id, Dir: ta.layout().dir(id), Forget: []string{"node5"}, Replica: &Replica{Node: "node2", Holders: []string{"node6"}}}
+	m := &ckpt.Manifest{Job: id, ID: "20261206T120000.000Z-node2-000001"}
+	work := filepath.Join(ta.dir, "restore", id)
+	if err := os.MkdirAll(work, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	restored, err := ta.restoreJob(t.Context(), m, j, work, nil)
+	if err != nil {
+		t.Fatalf("restore: %v", err)
+	}
+	if want := []string{"node2", "node3", "node4"}; !slices.Equal(slices.Sorted(slices.Values(restored.Forget)), want) {
+		t.Errorf("the restored copy's holders to tell at its end: %v, want %v", restored.Forget, want)
 	}
 }
