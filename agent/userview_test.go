@@ -12,6 +12,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -167,5 +168,40 @@ func TestSemiCoordinatedRefusalNamesNoOtherUsersListener(t *testing.T) {
 	_, err = ta.Checkpoint(t.Context(), []string{mine}, asRoot.Uid)
 	if err == nil || !strings.Contains(err.Error(), ":"+port) {
 		t.Errorf("root's refusal = %v, want it to name the listener (port %s)", err, port)
+	}
+}
+
+// TestEventsReadNoManifest: a user's listing of the failure timelines, which any user may repeat at will,
+// asks whose each job held here as snapshots is from the snapshot's bounded job record. The old code read
+// the newest manifest (up to 16 MiB) of every job of the failure log not running here, other users' too,
+// at every user's request: here a manifest that blocks whoever opens it held the user's answer.
+func TestEventsReadNoManifest(t *testing.T) {
+	ta := newTestAgent(t)
+	theirs := ta.addSnapshot(t, Job{ID: theirJob, UID: asOther.Uid, GID: asOther.Gid, Node: "node2"})
+	manifest := filepath.Join(ta.store.Path(theirJob, theirs), ckpt.ManifestName)
+	if err := os.Remove(manifest); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Mkfifo(manifest, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		// Lets a reader blocked in its open go (the old code's).
+		if f, err := os.OpenFile(manifest, os.O_WRONLY|syscall.O_NONBLOCK, 0); err == nil {
+			f.Close()
+		}
+	})
+	ta.failures.Update("node2-1", func(f *Failure) {
+		f.ID, f.Node, f.Protector, f.Jobs = "node2-1", "node2", "node1", []string{theirJob, goneJob}
+	})
+	done := make(chan []*Failure, 1)
+	go func() { done <- ta.Events(asOwner.Uid) }()
+	select {
+	case fs := <-done:
+		if len(fs) != 1 || !slices.Equal(fs[0].Jobs, []string{goneJob}) {
+			t.Errorf("the owner sees %v, want the failure with its job %s alone", fs, goneJob)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("the owner's listing of the failures opened another user's manifest, and waits on it")
 	}
 }
