@@ -89,7 +89,21 @@ func (c *Client) send(ctx context.Context, method, path string, in any) (*http.R
 	return resp, nil
 }
 
-func (c *Client) do(ctx context.Context, method, path string, in, out any) error {
+// Bounds of the agent's successful answers, read into the client's memory: each is well above the largest
+// honest answer of its kind, so that a wrong or hostile socket cannot have ftctl or ftwrap read without end.
+const (
+	// maxRecordReply bounds one job's record (or a migration's, a view's): its spec is at most
+	// clusterapi.MaxStartJobBytes of arguments and environment (up to six times that as JSON), and its replica
+	// names the connections no restore could rebuild, at most as many as a manifest (ckpt.MaxManifestBytes).
+	maxRecordReply = 64 << 20
+	// maxListReply bounds the lists: a host's jobs (each user's running and up to 1024 ended, each with its
+	// spec), its snapshots' manifests (up to ckpt.MaxManifestBytes each), a checkpoint's or a cut's, the
+	// failure log (about 11 MB at its bounds, 70 MB if every byte of its texts is escaped).
+	maxListReply = 256 << 20
+)
+
+// do sends a request and decodes the agent's successful answer into out, reading at most limit bytes.
+func (c *Client) do(ctx context.Context, method, path string, in, out any, limit int64) error {
 	resp, err := c.send(ctx, method, path, in)
 	if err != nil {
 		return err
@@ -98,11 +112,19 @@ func (c *Client) do(ctx context.Context, method, path string, in, out any) error
 	if out == nil {
 		return nil
 	}
-	return json.NewDecoder(resp.Body).Decode(out)
+	body := &io.LimitedReader{R: resp.Body, N: limit + 1}
+	err = json.NewDecoder(body).Decode(out)
+	if err != nil && body.N <= 0 {
+		return fmt.Errorf("agent at %s: %s %s: the answer is larger than %d MiB, more than any agent sends: is the socket an ftkit agent's?",
+			c.socket, method, path, limit>>20)
+	}
+	return err
 }
 
 // Output copies the job's standard output (stream "stdout") or error ("stderr") to w. With follow it goes
-// on until the job stops running, or ctx ends.
+// on until the job stops running on the agent's host, or ctx ends; if it stopped there because the job
+// goes on elsewhere (migrated away, or this host's copy fenced and the job restored on another host), the
+// error says so, and where if the agent knows: the output is not all there yet.
 func (c *Client) Output(ctx context.Context, id, stream string, follow bool, w io.Writer) error {
 	q := url.Values{"stream": {stream}}
 	if follow {
@@ -116,107 +138,123 @@ func (c *Client) Output(ctx context.Context, id, stream string, follow bool, w i
 	if _, err := io.Copy(w, resp.Body); err != nil {
 		return fmt.Errorf("read the output of job %s from the agent at %s: %w", id, c.socket, err)
 	}
+	if !follow {
+		return nil
+	}
+	// The agent ends a followed output when its own record of the job stops running, which a move or a
+	// fence does too; ended without a word, the follow looked like the job's end.
+	j, err := c.Job(ctx, id)
+	switch {
+	case err != nil:
+		return nil // forgotten since (it ended long ago): nothing to add
+	case j.State == agent.JobMoved:
+		return fmt.Errorf("job %s moved to %s while its output was followed: it runs on there, writing on to the same files; follow it there (ftctl logs --follow %s on %s)",
+			id, j.MovedTo, id, j.MovedTo)
+	case j.State == agent.JobLost && j.Fenced:
+		return fmt.Errorf("job %s: the copy on %s was stopped while its output was followed (the host was cut off or declared failed) and the job is restored on another host: follow it there (ftctl events names it)",
+			id, j.Node)
+	}
 	return nil
 }
 
 // Status returns the agent's view of its host and jobs.
 func (c *Client) Status(ctx context.Context) (agent.Status, error) {
 	var s agent.Status
-	return s, c.do(ctx, http.MethodGet, "/v1/status", nil, &s)
+	return s, c.do(ctx, http.MethodGet, "/v1/status", nil, &s, maxListReply)
 }
 
 // StartJob asks the agent to start and protect a program.
 func (c *Client) StartJob(ctx context.Context, spec agent.JobSpec) (agent.Job, error) {
 	var j agent.Job
-	return j, c.do(ctx, http.MethodPost, "/v1/jobs", spec, &j)
+	return j, c.do(ctx, http.MethodPost, "/v1/jobs", spec, &j, maxRecordReply)
 }
 
 // StartJobOn asks the agent to start a program on member host, through host's agent, as the caller. The
 // job record is host's: follow the job through its (cluster-wide) Dir.
 func (c *Client) StartJobOn(ctx context.Context, host string, spec agent.JobSpec) (agent.Job, error) {
 	var j agent.Job
-	return j, c.do(ctx, http.MethodPost, "/v1/jobs?host="+url.QueryEscape(host), spec, &j)
+	return j, c.do(ctx, http.MethodPost, "/v1/jobs?host="+url.QueryEscape(host), spec, &j, maxRecordReply)
 }
 
 // Jobs lists the jobs the caller may see.
 func (c *Client) Jobs(ctx context.Context) ([]agent.Job, error) {
 	var js []agent.Job
-	return js, c.do(ctx, http.MethodGet, "/v1/jobs", nil, &js)
+	return js, c.do(ctx, http.MethodGet, "/v1/jobs", nil, &js, maxListReply)
 }
 
 // Job returns one job.
 func (c *Client) Job(ctx context.Context, id string) (agent.Job, error) {
 	var j agent.Job
-	return j, c.do(ctx, http.MethodGet, "/v1/jobs/"+url.PathEscape(id), nil, &j)
+	return j, c.do(ctx, http.MethodGet, "/v1/jobs/"+url.PathEscape(id), nil, &j, maxRecordReply)
 }
 
 // Wait returns when the job stops running, or after timeout with its current state.
 func (c *Client) Wait(ctx context.Context, id string, timeout time.Duration) (agent.Job, error) {
 	var j agent.Job
-	return j, c.do(ctx, http.MethodGet, "/v1/jobs/"+url.PathEscape(id)+"/wait?timeout="+timeout.String(), nil, &j)
+	return j, c.do(ctx, http.MethodGet, "/v1/jobs/"+url.PathEscape(id)+"/wait?timeout="+timeout.String(), nil, &j, maxRecordReply)
 }
 
 // Signal sends a signal to the job's root process.
 func (c *Client) Signal(ctx context.Context, id string, sig syscall.Signal) error {
-	return c.do(ctx, http.MethodPost, "/v1/jobs/"+url.PathEscape(id)+"/signal", map[string]int{"signal": int(sig)}, nil)
+	return c.do(ctx, http.MethodPost, "/v1/jobs/"+url.PathEscape(id)+"/signal", map[string]int{"signal": int(sig)}, nil, maxRecordReply)
 }
 
 // Checkpoint snapshots jobs now (all of the host's if none are named).
 func (c *Client) Checkpoint(ctx context.Context, jobs ...string) (CheckpointReply, error) {
 	var r CheckpointReply
-	return r, c.do(ctx, http.MethodPost, "/v1/checkpoint", CheckpointRequest{Jobs: jobs}, &r)
+	return r, c.do(ctx, http.MethodPost, "/v1/checkpoint", CheckpointRequest{Jobs: jobs}, &r, maxListReply)
 }
 
 // Snapshots lists the snapshots this host holds (its own and the replicas it keeps), newest first.
 func (c *Client) Snapshots(ctx context.Context, job string) ([]*ckpt.Manifest, error) {
 	var ms []*ckpt.Manifest
-	return ms, c.do(ctx, http.MethodGet, "/v1/snapshots?job="+url.QueryEscape(job), nil, &ms)
+	return ms, c.do(ctx, http.MethodGet, "/v1/snapshots?job="+url.QueryEscape(job), nil, &ms, maxListReply)
 }
 
 // Restore restores a job on this agent's host from a snapshot.
 func (c *Client) Restore(ctx context.Context, req agent.RestoreRequest) (agent.Job, error) {
 	var j agent.Job
-	return j, c.do(ctx, http.MethodPost, "/v1/restore", req, &j)
+	return j, c.do(ctx, http.MethodPost, "/v1/restore", req, &j, maxRecordReply)
 }
 
 // Migrate moves a job of the host to another node of the ring (root only).
 func (c *Client) Migrate(ctx context.Context, req agent.MigrateRequest) (agent.Migration, error) {
 	var m agent.Migration
-	return m, c.do(ctx, http.MethodPost, "/v1/migrate", req, &m)
+	return m, c.do(ctx, http.MethodPost, "/v1/migrate", req, &m, maxRecordReply)
 }
 
 // Cut takes a coordinated snapshot of a run, coordinated by this agent (root only).
 func (c *Client) Cut(ctx context.Context, req coordinated.RunRequest) (coordinated.Cut, error) {
 	var cut coordinated.Cut
-	return cut, c.do(ctx, http.MethodPost, "/v1/cut", req, &cut)
+	return cut, c.do(ctx, http.MethodPost, "/v1/cut", req, &cut, maxListReply)
 }
 
 // Rollback rolls a run back to its newest coordinated snapshot, coordinated by this agent (root only).
 func (c *Client) Rollback(ctx context.Context, req coordinated.RunRequest) (coordinated.Rollback, error) {
 	var r coordinated.Rollback
-	return r, c.do(ctx, http.MethodPost, "/v1/rollback", req, &r)
+	return r, c.do(ctx, http.MethodPost, "/v1/rollback", req, &r, maxListReply)
 }
 
 // Drain moves every job off the host (root only).
 func (c *Client) Drain(ctx context.Context, req agent.DrainRequest) (agent.DrainResult, error) {
 	var r agent.DrainResult
-	return r, c.do(ctx, http.MethodPost, "/v1/drain", req, &r)
+	return r, c.do(ctx, http.MethodPost, "/v1/drain", req, &r, maxListReply)
 }
 
 // LoggedConns lists the connections in the host's sender-side log (root only).
 func (c *Client) LoggedConns(ctx context.Context) ([]agent.LoggedConn, error) {
 	var cs []agent.LoggedConn
-	return cs, c.do(ctx, http.MethodGet, "/v1/log/conns", nil, &cs)
+	return cs, c.do(ctx, http.MethodGet, "/v1/log/conns", nil, &cs, maxListReply)
 }
 
 // Events returns the failure timelines the agent knows of, oldest first.
 func (c *Client) Events(ctx context.Context) ([]*agent.Failure, error) {
 	var out []*agent.Failure
-	return out, c.do(ctx, http.MethodGet, "/v1/events", nil, &out)
+	return out, c.do(ctx, http.MethodGet, "/v1/events", nil, &out, maxListReply)
 }
 
 // AddSpare registers a spare host with the cluster through this agent and returns the new view.
 func (c *Client) AddSpare(ctx context.Context, req agent.SpareRequest) (ring.View, error) {
 	var v ring.View
-	return v, c.do(ctx, http.MethodPost, "/v1/spares", req, &v)
+	return v, c.do(ctx, http.MethodPost, "/v1/spares", req, &v, maxRecordReply)
 }

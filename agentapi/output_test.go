@@ -3,8 +3,12 @@ package agentapi
 import (
 	"bytes"
 	"context"
+	"io"
+	"net"
+	"net/http"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -174,4 +178,80 @@ type chanWriter struct{ ch chan string }
 func (w *chanWriter) Write(b []byte) (int, error) {
 	w.ch <- string(b)
 	return len(b), nil
+}
+
+// TestClientOutputFollowSaysWhereTheJobWent: a followed output ends when the agent's record of the job stops
+// running, which a migration away (or a fence of this host's copy, the job restored elsewhere) does too. The
+// old client ended without a word, as at the job's end, while the job ran on and wrote on elsewhere; the
+// follow now ends with an error that says the job goes on, and where.
+func TestClientOutputFollowSaysWhereTheJobWent(t *testing.T) {
+	for _, tt := range []struct {
+		name string
+		away func(*agent.Job)
+		want string
+	}{
+		{"moved", func(j *agent.Job) { j.State, j.MovedTo = agent.JobMoved, "node2" }, "moved to node2"},
+		{"fenced", func(j *agent.Job) { j.State, j.Fenced = agent.JobLost, true }, "restored on another host"},
+		{"exited", func(j *agent.Job) { j.State = agent.JobExited }, ""},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			fb := newFakeBackend(t)
+			addr := serveTest(t, fb, DefaultLimits())
+			j := fb.addJob(t, agent.Job{ID: "away-00000001", UID: uint32(os.Getuid()), GID: uint32(os.Getgid()), State: agent.JobRunning, PID: os.Getpid()})
+			writeOutput(t, j, "stdout", "first\n")
+			w := &chanWriter{ch: make(chan string, 16)}
+			done := make(chan error, 1)
+			go func() { done <- NewClient(addr).Output(context.Background(), j.ID, "stdout", true, w) }()
+			select {
+			case <-w.ch: // the follow is under way
+			case <-time.After(failAfter):
+				t.Fatal("nothing followed")
+			}
+			fb.update(j.ID, tt.away)
+			var err error
+			select {
+			case err = <-done:
+			case <-time.After(failAfter):
+				t.Fatal("the follow did not end")
+			}
+			switch {
+			case tt.want == "" && err != nil:
+				t.Errorf("follow of a job that ended: %v, want no error", err)
+			case tt.want != "" && (err == nil || !strings.Contains(err.Error(), tt.want)):
+				t.Errorf("follow of a job that went on elsewhere ended with %v, want an error saying %q", err, tt.want)
+			}
+		})
+	}
+}
+
+// TestClientReplyBounded: a successful answer is read up to a bound of its kind, far above any honest one;
+// the old client read it whole, whatever its size (only error answers were bounded).
+func TestClientReplyBounded(t *testing.T) {
+	addr := "@ftkit-api-test-big-" + strconv.Itoa(os.Getpid()) + "-" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	ln, err := net.Listen("unix", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		// A job record whose id goes on past the bound, written a chunk at a time.
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, `{"id":"`)
+		chunk := strings.Repeat("a", 1<<20)
+		for range maxRecordReply>>20 + 1 {
+			if _, err := io.WriteString(w, chunk); err != nil {
+				return // the client stopped reading
+			}
+		}
+		io.WriteString(w, `"}`)
+	})}
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(ln) }()
+	t.Cleanup(func() {
+		srv.Close()
+		<-done
+	})
+	j, err := NewClient(addr).Job(context.Background(), "big-00000001")
+	if err == nil || !strings.Contains(err.Error(), "larger than") {
+		t.Fatalf("answer of more than %d bytes: job id of %d bytes, error %v; want it refused", maxRecordReply, len(j.ID), err)
+	}
 }
