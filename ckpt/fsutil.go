@@ -114,9 +114,10 @@ func exchange(a, b string) error {
 
 // tightenTree gives dir and everything in it the store's modes: dirPerm for
 // directories, filePerm for regular files. Symbolic links are left alone
-// (chmod would follow them); nothing else is expected in a store.
-func tightenTree(dir string) error {
-	return filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
+// (chmod would follow them); nothing else is expected in a store. changed says
+// whether any mode was not already the store's.
+func tightenTree(dir string) (changed bool, err error) {
+	err = filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return err
 		}
@@ -129,21 +130,25 @@ func tightenTree(dir string) error {
 		default:
 			return nil
 		}
-		return tighten(path, d, want)
+		c, err := tighten(path, d, want)
+		changed = changed || c
+		return err
 	})
+	return changed, err
 }
 
-// tighten sets path's permission bits to want unless they already are.
-func tighten(path string, d fs.DirEntry, want fs.FileMode) error {
+// tighten sets path's permission bits to want unless they already are, and
+// says whether it changed them.
+func tighten(path string, d fs.DirEntry, want fs.FileMode) (bool, error) {
 	info, err := d.Info()
 	if err != nil {
-		return err
+		return false, err
 	}
 	if info.Mode().Perm() == want {
-		return nil
+		return false, nil
 	}
 	if err := os.Chmod(path, want); err != nil {
-		return fmt.Errorf("restrict %s to %v: %w", path, want, err)
+		return false, fmt.Errorf("restrict %s to %v: %w", path, want, err)
 	}
-	return nil
+	return true, nil
 }

@@ -109,7 +109,7 @@ func (s *Store) collectGarbage() error {
 			continue
 		}
 		jobDir := filepath.Join(s.root, j.Name())
-		if err := tighten(jobDir, j, dirPerm); err != nil {
+		if _, err := tighten(jobDir, j, dirPerm); err != nil {
 			return fmt.Errorf("open snapshot store: %w", err)
 		}
 		ents, err := os.ReadDir(jobDir)
@@ -120,16 +120,14 @@ func (s *Store) collectGarbage() error {
 			p := filepath.Join(jobDir, e.Name())
 			switch {
 			case e.IsDir() && !strings.HasPrefix(e.Name(), "."):
-				// A snapshot directory: one committed by this version is
-				// already dirPerm, so only an old one is walked.
-				info, err := e.Info()
+				// A snapshot directory. Its files are checked even when it is
+				// already dirPerm: the walk tightens a directory before its
+				// contents, so an interrupted pass left 0700 over 0644 files.
+				changed, err := tightenTree(p)
 				if err != nil {
-					return fmt.Errorf("open snapshot store: %w", err)
+					return fmt.Errorf("open snapshot store: restrict %s to root: %w", p, err)
 				}
-				if info.Mode().Perm() != dirPerm {
-					if err := tightenTree(p); err != nil {
-						return fmt.Errorf("open snapshot store: restrict %s to root: %w", p, err)
-					}
+				if changed {
 					s.log.Info("restricted snapshot directory of an older version to root", "dir", p)
 				}
 			case strings.HasPrefix(e.Name(), tmpPrefix):
@@ -284,6 +282,8 @@ func (s *Store) LatestVerified(ctx context.Context, job, node string) (*Manifest
 
 // Delete removes a committed snapshot. It first renames the directory to a
 // hidden name, so a crash mid-way never leaves a visible partial snapshot.
+// The name is unique: a fixed one still held by an unfinished earlier removal
+// of the same id failed every delete with "file exists" until Open cleaned it.
 func (s *Store) Delete(job, id string) error {
 	if err := ValidName(job); err != nil {
 		return fmt.Errorf("delete snapshot: job: %w", err)
@@ -291,7 +291,7 @@ func (s *Store) Delete(job, id string) error {
 	if _, err := ParseID(id); err != nil {
 		return fmt.Errorf("delete snapshot: %w", err)
 	}
-	err := removeHidden(s.Path(job, id), delPrefix+id)
+	err := removeHidden(s.Path(job, id), uniqueDelName(id))
 	if errors.Is(err, fs.ErrNotExist) {
 		return fmt.Errorf("delete %s/%s: %w", job, id, ErrNotFound)
 	}
@@ -309,6 +309,14 @@ func (s *Store) AddReplica(job, id, node string) (*Manifest, error) {
 	}
 	if node == s.node {
 		return nil, fmt.Errorf("add replica to %s/%s: %q is this node; a replica must live elsewhere", job, id, node)
+	}
+	// Checked before the path is opened and waited on: a job of ".." or an
+	// id with a '/' named a directory outside the store.
+	if err := ValidName(job); err != nil {
+		return nil, fmt.Errorf("add replica: job: %w", err)
+	}
+	if _, err := ParseID(id); err != nil {
+		return nil, fmt.Errorf("add replica to %s: %w", job, err)
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()

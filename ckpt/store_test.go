@@ -1028,3 +1028,80 @@ func TestPruneKeepsNewestVerifiedReceivedCopy(t *testing.T) {
 		t.Errorf("latest verified %s, want %s", m.ID, ids[0])
 	}
 }
+
+// TestDeleteWithUnfinishedEarlierRemoval: a snapshot whose earlier removal
+// stopped half-way (its hidden directory still holds files) is deleted again
+// once it is back under its name (a replica received anew). The old code
+// renamed it to the fixed name .del-<id> and failed with "file exists" until
+// the agent restarted; Open removes the leftover either way.
+func TestDeleteWithUnfinishedEarlierRemoval(t *testing.T) {
+	root := t.TempDir()
+	s := openStore(t, root, "node1")
+	m := snapshot(t, s, "job", dumpFiles())
+	jobDir := filepath.Join(root, "job")
+	writeFiles(t, filepath.Join(jobDir, delPrefix+m.ID), map[string][]byte{"pages-1.img": []byte("left over")})
+	if err := s.Delete("job", m.ID); err != nil {
+		t.Fatalf("Delete: %v", err)
+	}
+	if _, err := s.Manifest("job", m.ID); !errors.Is(err, ErrNotFound) {
+		t.Errorf("snapshot still there after Delete: %v", err)
+	}
+	openStore(t, root, "node1")
+	if left := hiddenEntries(t, jobDir); len(left) != 0 {
+		t.Errorf("Open left %v", left)
+	}
+}
+
+// TestAddReplicaValidatesBeforeLocking: AddReplica checks the job and id
+// before it opens and waits for a lock on the directory they name: the old
+// code opened ../<name> outside the store and waited for as long as someone
+// else held a lock on it.
+func TestAddReplicaValidatesBeforeLocking(t *testing.T) {
+	base := t.TempDir()
+	s := openStore(t, filepath.Join(base, "store"), "node1")
+	outside := filepath.Join(base, "outside")
+	if err := os.Mkdir(outside, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	lk, err := lockDir(outside, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lk.Close()
+	done := make(chan error, 1)
+	go func() {
+		_, err := s.AddReplica("..", "outside", "node2")
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		if err == nil {
+			t.Fatal("AddReplica accepted job \"..\"")
+		}
+	case <-time.After(30 * time.Second):
+		lk.Close() // let the blocked call end
+		<-done
+		t.Fatal("AddReplica waited for a lock on a directory outside the store")
+	}
+}
+
+// TestOpenFinishesInterruptedRestrict: a pass that restricted a snapshot
+// directory of an older version, then stopped before its files, is finished
+// by the next Open. The old code walked only directories not yet 0700, so
+// the files stayed world-readable for good.
+func TestOpenFinishesInterruptedRestrict(t *testing.T) {
+	root := t.TempDir()
+	s := openStore(t, root, "node1")
+	m := snapshot(t, s, "job", dumpFiles())
+	dir := s.Path("job", m.ID)
+	for _, name := range []string{"pages-1.img", "extra/out.txt"} {
+		if err := os.Chmod(filepath.Join(dir, filepath.FromSlash(name)), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.Chmod(filepath.Join(dir, "extra"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	openStore(t, root, "node1")
+	assertPrivate(t, root)
+}
