@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -847,6 +848,15 @@ func (a *Agent) releaseAbandonedClaim(v ring.View) {
 			return
 		}
 	}
+	if a.claimUnnamed(cur) {
+		if err := a.claims.Release(cur.Failure); err != nil {
+			a.log.Error("release a claim no timeline of its claimer names", "failure", cur.Failure, "err", err)
+			return
+		}
+		a.log.Warn("claim released: its claimer never named the failure in a timeline nor sent its recovery here", "failure", cur.Failure,
+			"failed", cur.Failed, "by", cur.By, "claimed", cur.At)
+		return
+	}
 	if m, ok := v.Member(cur.Failed); !ok || m.State != ring.StateAlive {
 		return
 	}
@@ -861,6 +871,24 @@ func (a *Agent) releaseAbandonedClaim(v ring.View) {
 			return
 		}
 	}
+}
+
+// claimUnnamed says whether cur is older than a recovery may take while no timeline of its claimer names
+// its failure and no recovery request of it came here. A protector records its timeline before it claims
+// and pushes it to every member with its view change, before its recovery request; a claim still unnamed
+// after recoverLimit (by this host's clock) is not a fail-over's, and kept, an alive member could hold every
+// ring spare with claims for failures it never declared.
+func (a *Agent) claimUnnamed(cur spare.Claim) bool {
+	if cur.By == a.cfg.Name || time.Since(cur.At) <= recoverLimit {
+		return false
+	}
+	for _, f := range a.failures.List() {
+		if f.ID == cur.Failure && f.Protector == cur.By {
+			return false
+		}
+	}
+	_, err := os.Stat(recoveryPath(a.cfg.StateDir, cur.Failure))
+	return errors.Is(err, fs.ErrNotExist)
 }
 
 // prefetchOf names the snapshot each job will be restored from first, and its holder, for the claimed

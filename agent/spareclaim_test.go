@@ -1,6 +1,8 @@
 package agent
 
 import (
+	"os"
+	"path/filepath"
 	"slices"
 	"testing"
 	"time"
@@ -136,6 +138,47 @@ func TestServeClaimReleasesClaimRecoveredElsewhere(t *testing.T) {
 			a.failures.Update("n3-1", func(f *Failure) {
 				f.Node, f.Protector, f.Target, f.Detected = "n3", tt.protector, tt.target, time.Now()
 			})
+			err := a.serveClaim("n1", spare.Claim{Failure: "n2-1", Failed: "n2", Need: spare.Need{Jobs: 1}})
+			requireClaimHeld(t, a, err, tt.accepted, "n2-1", "n3-1")
+		})
+	}
+}
+
+// TestServeClaimReleasesUnnamedClaim: a ring spare claimed by an alive member for a failure no timeline of
+// that member names, and whose recovery never came here, is free again once the claim is older than a
+// recovery may take: the claimer's fail-over would have pushed its timeline long before. The old code kept
+// such a claim for as long as the claimer lived, so a misbehaving member could hold every ring spare. A
+// younger claim, one the claimer's timeline names, or one whose recovery came here, is kept.
+func TestServeClaimReleasesUnnamedClaim(t *testing.T) {
+	for _, tt := range []struct {
+		name     string
+		age      time.Duration
+		timeline bool // the claimer's timeline names the failure
+		record   bool // its recovery request came here
+		accepted bool
+	}{
+		{"unnamed, older than a recovery", 2 * recoverLimit, false, false, true},
+		{"unnamed, young", time.Minute, false, false, false},
+		{"named by the claimer's timeline", 2 * recoverLimit, true, false, false},
+		{"its recovery came here", 2 * recoverLimit, false, true, false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			a, _ := newWireAgent(t, "s1", testMembers(nil))
+			if err := a.claims.Claim(spare.Claim{Failure: "n3-1", By: "n2", Failed: "n3", At: time.Now().Add(-tt.age)}, 1<<40); err != nil {
+				t.Fatal(err)
+			}
+			if tt.timeline {
+				a.failures.Update("n3-1", func(f *Failure) { f.Node, f.Protector, f.Detected = "n3", "n2", time.Now() })
+			}
+			if tt.record {
+				p := recoveryPath(a.cfg.StateDir, "n3-1")
+				if err := os.MkdirAll(filepath.Dir(p), 0o700); err != nil {
+					t.Fatal(err)
+				}
+				if err := os.WriteFile(p, []byte(`{"failure":"n3-1"}`), 0o600); err != nil {
+					t.Fatal(err)
+				}
+			}
 			err := a.serveClaim("n1", spare.Claim{Failure: "n2-1", Failed: "n2", Need: spare.Need{Jobs: 1}})
 			requireClaimHeld(t, a, err, tt.accepted, "n2-1", "n3-1")
 		})
