@@ -181,14 +181,16 @@ func (d *declaredFailed) inView(node string, inc uint64) {
 // undeclare withdraws this host's declaration of incarnation inc of node, whose fail-over ended with the
 // node still a member (nothing of it was restored): a vouch for it is no longer refused. A declaration whose
 // fail-over made a view of the node failed (inView) stands: vouched for, the node ran its jobs on next to
-// their restored copies (its protector's host acknowledges its beats, so it never fenced itself).
-func (d *declaredFailed) undeclare(node string, inc uint64) {
+// their restored copies (its protector's host acknowledges its beats, so it never fenced itself). It
+// reports whether the declaration stands so.
+func (d *declaredFailed) undeclare(node string, inc uint64) (viewed bool) {
 	d.vmu.Lock()
 	defer d.vmu.Unlock()
 	if v, ok := d.viewed[node]; ok && v == inc {
-		return
+		return true
 	}
 	if f, ok := d.failed[node]; ok && f == inc {
 		delete(d.failed, node)
 	}
+	return false
 }

@@ -35,13 +35,18 @@ func (a *Agent) failover(ctx context.Context, s detect.Suspect, declared time.Ti
 		return
 	}
 	defer forget()
+	id := failureID(s.Name, declared)
 	defer func() {
 		// A fail-over that ended before the view changed restored nothing: the node, if it runs, is a member
 		// as before (awaitFence abandons a recovery of a node that beats again), and may be vouched for. One
 		// that changed it keeps its declaration (declaredFailed.inView), though the node be alive in the view
 		// now: that view may have lost the tie-break with another failure's of the same epoch.
 		if m, ok := a.member(s.Name); ok && m.State == ring.StateAlive && m.Incarnation == inc {
-			a.declared.undeclare(s.Name, inc)
+			if !a.declared.undeclare(s.Name, inc) && a.failures.GiveBack(id) {
+				// Nothing was restored: the recoveries it took over go with the node's next fail-over.
+				a.log.Warn("the fail-over ended before the view changed: the recoveries it took over are left to the node's next fail-over", "node", s.Name, "failure", id)
+				a.saveFailures()
+			}
 			// And it is watched again: a suspicion is reported once, until a beat or Clear, so one left
 			// standing kept a node that stays silent (no replica of its jobs reachable, its fence command
 			// failed) from being suspected, and the fail-over tried, ever again. Tried again after a timeout,
@@ -56,7 +61,6 @@ func (a *Agent) failover(ctx context.Context, s detect.Suspect, declared time.Ti
 		}
 	}()
 	s.Jobs = a.replicas.since(s.Name, s.LastBeat, s.Jobs)
-	id := failureID(s.Name, declared)
 	// A node that fails while it restores the jobs of an earlier failure this host coordinates (a spare
 	// that died mid-restore) takes those jobs down with it, whether or not its beats named them yet.
 	taken := a.failures.TakeOver(a.cfg.Name, s.Name, id)

@@ -1,11 +1,14 @@
 package agent
 
 import (
+	"context"
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/internal/testenv"
 	"github.com/ftkit/ftkit/ring"
 )
@@ -115,4 +118,50 @@ func TestSilentTargetTakenOverIsWaitedFor(t *testing.T) {
 	if !errors.Is(ended, errTargetFailed) {
 		t.Fatalf("the recovery ended with %v: want errTargetFailed, which leaves the jobs to s1's failure; log:\n%s", ended, logs.String())
 	}
+}
+
+// TestAbandonedTakeOverIsTakenAgain: the spare s1 fails while it restores n3's jobs, and this host, its
+// protector, takes n3's recovery over in s1's fail-over; that fail-over ends before the view changes (here
+// no replica of the taken job is reachable; a protector in a minority, or s1 beating again, ends it so
+// too), and s1 stays a member, to be suspected and failed over again. The retry must take n3's jobs again:
+// until the fix the first try's mark stayed on n3's recovery, the retry took nothing (TakeOver skips a
+// marked recovery), and n3's recovery, once s1 was failed, ended saying a failure that restored nothing
+// took its jobs over, which then ran nowhere.
+func TestAbandonedTakeOverIsTakenAgain(t *testing.T) {
+	pki := newTestPKI(t)
+	a, logs := clientAgent(t, pki, nil) // every other member's port is closed: no replica is reachable
+	v, err := a.View().Replace("n3", "s1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.adoptView(v); err != nil {
+		t.Fatal(err)
+	}
+	const id = "n3-20261207T000000.000"
+	a.failures.Update(id, func(f *Failure) {
+		f.Node, f.Protector, f.Target, f.Jobs = "n3", "n1", "s1", []string{"job-1"}
+	})
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	first := time.Now()
+	a.failover(ctx, detect.Suspect{Name: "s1", Since: first.Add(-time.Second)}, first)
+	if m, _ := a.View().Member("s1"); m.State != ring.StateAlive {
+		t.Fatalf("s1 is %s after a fail-over that could restore nothing; log:\n%s", m.State, logs.String())
+	}
+	if by := a.takenOverBy(id); by != "" {
+		t.Errorf("n3's recovery is still marked taken over by %s, whose fail-over was abandoned", by)
+	}
+	second := first.Add(time.Second)
+	a.failover(ctx, detect.Suspect{Name: "s1", Since: second.Add(-time.Second)}, second)
+	retry := failureID("s1", second)
+	for _, f := range a.failures.List() {
+		if f.ID == retry {
+			// The retry took job-1 (and, abandoned as well, gave it back again).
+			if !slices.Contains(f.Jobs, "job-1") {
+				t.Fatalf("the retried fail-over of s1 has jobs %v: want job-1, taken over again; log:\n%s", f.Jobs, logs.String())
+			}
+			return
+		}
+	}
+	t.Fatalf("no timeline for the retried fail-over %s; log:\n%s", retry, logs.String())
 }

@@ -297,6 +297,23 @@ func (l *Log) TakeOver(protector, target, by string) map[string]string {
 	return jobs
 }
 
+// GiveBack clears the marks TakeOver set for failure by, whose recovery ended before it changed the view
+// (its node beat again, no majority, nothing restorable): the node stays a member and is failed over
+// again later, and that retry must take the recoveries over anew; kept, the mark made TakeOver skip them,
+// and the earlier recoveries counted on a failure that restored nothing. It reports whether it cleared any.
+func (l *Log) GiveBack(by string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	cleared := false
+	for _, f := range l.byID {
+		if f.TakenOver == by && !f.Done {
+			f.TakenOver, f.Updated = "", time.Now()
+			cleared = true
+		}
+	}
+	return cleared
+}
+
 // List returns copies, oldest first.
 func (l *Log) List() []*Failure {
 	l.mu.Lock()
