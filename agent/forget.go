@@ -11,6 +11,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/internal/tickgrid"
 	"github.com/ftkit/ftkit/ring"
 )
@@ -25,8 +26,9 @@ import (
 // them 7 times as long: its owner may want to restore it.
 //
 // What stays: a snapshot a coordinated cut of the job's run still names (a cut of a run that no longer
-// runs here goes once it is keep_ended old: forgetStaleCuts) (a rollback of the run restarts
-// the ended part from it); a snapshot taken after the job ended (a copy of it that came back here since);
+// runs on any alive member goes once it is keep_ended old: forgetStaleCuts) (a rollback of the run restarts
+// the ended part from it), and every snapshot of a job a cut not yet committed dumped, until the commit;
+// a snapshot taken after the job ended (a copy of it that came back here since);
 // and the record of a job whose address may still be in use (addressHeld), of one whose network lingers,
 // or of one whose holders could not all be told yet or kept some (one the job runs on now keeps them
 // until it ends there) (Job.Forget, tried again at each pass).
@@ -51,7 +53,7 @@ type endedJob struct {
 // forgetDue forgets the ended jobs whose keep_ended has passed at now, and first the stale cuts that
 // would pin their snapshots.
 func (a *Agent) forgetDue(ctx context.Context, now time.Time) {
-	a.forgetStaleCuts(now)
+	a.forgetStaleCuts(ctx, now)
 	for _, e := range a.dueToForget(now) {
 		if ctx.Err() != nil {
 			return
@@ -60,14 +62,22 @@ func (a *Agent) forgetDue(ctx context.Context, now time.Time) {
 	}
 }
 
-// forgetStaleCuts forgets the cuts of runs that no longer run here and whose newest cut is keep_ended old:
-// a run that goes on elsewhere replaces its cut at its interval, and one that ended would otherwise pin its
-// last cut's snapshots (and their jobs' records) for good. A rollback of such a run fails here, loudly.
-func (a *Agent) forgetStaleCuts(now time.Time) {
+// forgetStaleCuts forgets the cuts of runs that no longer run on any alive member and whose newest cut is
+// keep_ended old: one that ended would otherwise pin its last cut's snapshots (and their jobs' records) for
+// good. A run that goes on elsewhere keeps its cut whatever its age: its interval may be longer than
+// keep_ended, or its cuts keep failing, and a rollback of it needs the snapshots and replicas the cut pins
+// here. So does a run that a member could not be asked about; the next pass asks again.
+func (a *Agent) forgetStaleCuts(ctx context.Context, now time.Time) {
 	keep := a.cfg.Checkpoint.KeepEnded.Duration
 	recs := a.cutRecords()
 	for _, c := range recs.All() {
 		if c.Taken.IsZero() || now.Sub(c.Taken) < keep || len(a.runJobs(c.Run, &c.UID)) > 0 {
+			continue
+		}
+		if _, _, err := a.coordinator().RunHosts(ctx, c.Run, &c.UID); !errors.Is(err, coordinated.ErrNoRun) {
+			if err != nil {
+				a.log.Debug("kept a stale cut: whether its run still runs is not known", "run", c.Run, "uid", c.UID, "cut", c.ID, "err", err)
+			}
 			continue
 		}
 		// Only the cut looked at: a commit of a newer one since (the run goes on elsewhere) stays.
@@ -141,6 +151,13 @@ func (a *Agent) forgetJob(ctx context.Context, e endedJob) {
 	id := e.job.ID
 	log := a.log.With("job", id, "ended", e.ended.UTC().Format(time.RFC3339))
 	if !a.stillEnded(e) {
+		return
+	}
+	if pins := a.uncommitted.Pinned(id); len(pins) > 0 {
+		// A cut dumped the job before it ended and is not committed yet: its snapshots here are pinned until
+		// the commit, and the protectors' copies only from it on, so a forget now would delete them before the
+		// cut names them. The next pass after the commit (or its bound) forgets the job.
+		log.Debug("ended job not forgotten yet: a coordinated snapshot of it awaits its commit", "snapshots", pins)
 		return
 	}
 	holders := slices.Clone(e.job.Forget)

@@ -173,6 +173,7 @@ func TestServeForget(t *testing.T) {
 func TestEndedRunsCutForgotten(t *testing.T) {
 	ta := newTestAgent(t)
 	ta.cfg.Checkpoint.KeepEnded = Duration{Duration: time.Hour}
+	ta.failMember(t, "node2") // nobody else to ask whether the run goes on
 	const run, job, other = "mpi-3f9a2c", "mpi-3f9a2c-node1-0a0b0c0d", "mpi-77aa00"
 	t0 := time.Now()
 	ta.addJob(t, Job{ID: job, State: JobExited, UID: 1000, Spec: JobSpec{Run: run, Recovery: coordinated.RecoveryCoordinated}})
@@ -424,5 +425,111 @@ func TestFailedRestoreKeepsTheLostJobsSnapshots(t *testing.T) {
 	}
 	if got, _ := ta.store.List(job, ""); !slices.Equal(got, []string{snap}) {
 		t.Errorf("snapshots %v, want %s", got, snap)
+	}
+}
+
+// TestStaleCutKeptWhileItsRunRunsElsewhere: n1 runs no job of a run that goes on on n2, and keeps its
+// newest cut (n1 is the protector of n2's part, say, or a job of the run moved away from it). The run's
+// interval is longer than keep_ended (a job's interval has no upper bound), or its cuts keep failing: the
+// old code forgot the cut once it was keep_ended old, unpinning the snapshots and replicas a rollback of
+// the running run needs, and leaving n1 unable to roll it back. The cut now stays while any alive member
+// runs the run, or cannot be asked, and goes once the run runs nowhere.
+func TestStaleCutKeptWhileItsRunRunsElsewhere(t *testing.T) {
+	pki := newTestPKI(t)
+	const run, job = "mpi-5e1d00", "mpi-5e1d00-n2-0a0b0c0d"
+	n2, _ := newWireAgent(t, "n2", testMembers(nil))
+	cfg := pki.creds(t, "n2")
+	n2.cfg.Cluster.CA, n2.cfg.Cluster.Cert, n2.cfg.Cluster.Key = cfg.CAFile, cfg.CertFile, cfg.KeyFile
+	ln, port := listenAs(t, pki, "n2")
+	srv := n2.clusterServer(t.Context()).HTTPServer()
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	n2.mu.Lock()
+	n2.byID[job] = &Job{ID: job, Node: "n2", State: JobRunning, UID: 1000, Spec: JobSpec{Run: run, Recovery: coordinated.RecoveryCoordinated},
+		Net: &JobNet{Kind: jobnet.MACVlan, Name: "n", Addr: netip.MustParsePrefix("10.9.0.7/24")}}
+	n2.mu.Unlock()
+
+	n1 := &testAgent{}
+	n1.Agent, _ = clientAgent(t, pki, map[string]uint16{"n2": port})
+	n1.cfg.Checkpoint.KeepEnded = Duration{Duration: time.Hour}
+	t0 := time.Now()
+	const cutID = "cut-20261203T100000.000"
+	if err := n1.cutRecords().Save(coordinated.Cut{Run: run, UID: 1000, ID: cutID, Taken: t0,
+		Parts: []clusterapi.CutPart{{Job: job, Host: "n2", Snapshot: "20261203T100000.000Z-n2-000001", Recovery: coordinated.RecoveryCoordinated}}}); err != nil {
+		t.Fatal(err)
+	}
+	kept := func(when string) {
+		t.Helper()
+		uid := uint32(1000)
+		if c, err := n1.cutRecords().Load(run, &uid); err != nil || c.ID != cutID {
+			t.Fatalf("%s: n1's cut of the run: %+v, %v; want %s kept", when, c, err, cutID)
+		}
+		if pinned := n1.cutRecords().Pinned(job); !slices.Equal(pinned, []string{"20261203T100000.000Z-n2-000001"}) {
+			t.Fatalf("%s: pinned %v; want the cut's part", when, pinned)
+		}
+	}
+
+	// n3 and the spares do not answer: whether they run the run is not known.
+	n1.forgetDue(t.Context(), t0.Add(2*time.Hour))
+	kept("the run runs on n2, the other members cannot be asked")
+	for _, m := range []string{"n3", "s1", "s2"} {
+		n1.failMember(t, m)
+	}
+	n1.forgetDue(t.Context(), t0.Add(3*time.Hour))
+	kept("the run runs on n2")
+
+	n2.mu.Lock()
+	n2.byID[job].State = JobExited // the run ended
+	n2.mu.Unlock()
+	n1.forgetDue(t.Context(), t0.Add(4*time.Hour))
+	if runs := n1.cutRecords().Runs(); len(runs) != 0 {
+		t.Errorf("cut records %v once the run runs nowhere; want none", runs)
+	}
+}
+
+// TestForgetWaitsForCutsCommit: a cut dumped a job, which ended before the cut's commit (keep_ended shorter
+// than the wait for the commit, or a coordinator that failed after the thaw, whose cut stays pinned for a
+// rollback should its commit have reached other members). The old code's forget honoured only recorded cuts:
+// it deleted the cut's snapshot here and told its protector to delete its copy, which nothing pins before
+// the commit, and the cut was then recorded naming snapshots that no longer existed anywhere. The forget
+// now waits for the commit.
+func TestForgetWaitsForCutsCommit(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.cfg.Checkpoint.KeepEnded = Duration{Duration: time.Hour}
+	const run, job, cut = "mpi-6a2b00", "mpi-6a2b00-node1-0a0b0c0d", "cut-20261203T100000.000"
+	uid := uint32(1000)
+	t0 := time.Now()
+	ta.addJob(t, Job{ID: job, State: JobExited, UID: uid, Spec: JobSpec{Run: run, Recovery: coordinated.RecoveryCoordinated}})
+	snap := ta.addSnapshot(t, Job{ID: job, UID: uid, Node: ta.cfg.Name, Spec: JobSpec{Run: run}})
+	m, err := ta.store.Manifest(job, snap)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key := coordinated.HoldKey(clusterapi.CoordinateRequest{Run: run, UID: &uid, Cut: cut})
+	if err := ta.uncommitted.Add(key, cut, "node2", []*ckpt.Manifest{m}); err != nil {
+		t.Fatal(err)
+	}
+	ta.mu.Lock()
+	j := ta.byID[job]
+	ta.mu.Unlock()
+	if err := ta.jobs.save(j); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chtimes(ta.jobs.path(job), t0.Add(time.Minute), t0.Add(time.Minute)); err != nil { // it ended after the dump
+		t.Fatal(err)
+	}
+
+	ta.forgetDue(t.Context(), t0.Add(2*time.Hour))
+	if snaps, _ := ta.store.List(job, ""); !slices.Equal(snaps, []string{snap}) {
+		t.Fatalf("snapshots %v before the cut's commit; want the cut's %s kept", snaps, snap)
+	}
+	if _, err := os.Stat(ta.jobs.path(job)); err != nil {
+		t.Fatalf("the ended job's record before the cut's commit: %v; want it kept", err)
+	}
+
+	ta.uncommitted.Done(key, cut, "node2") // given up by its coordinator
+	ta.forgetDue(t.Context(), t0.Add(3*time.Hour))
+	if snaps, _ := ta.store.List(job, ""); len(snaps) != 0 {
+		t.Errorf("snapshots %v once the cut was given up; want none", snaps)
 	}
 }
