@@ -10,6 +10,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/ship"
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/detect"
@@ -248,6 +249,7 @@ func (s peerService) DeterminantsSince(_ context.Context, _ string, req clustera
 }
 
 func (s peerService) Beat(_ string, b detect.Beat) {
+	b = boundBeatJobs(b)
 	prev, _, _ := s.a.watchdog.Last(b.From)
 	// A gap past half the timeout is a near miss or a suspicion: say where it was spent, the sender's
 	// scheduling or the way here, which is what an operator tunes against (docs/detection.md).
@@ -263,6 +265,35 @@ func (s peerService) Beat(_ string, b detect.Beat) {
 		}
 	}
 	s.a.logUncovered(b.From, prev.Uncovered, b.Uncovered)
+}
+
+// maxBeatJobs is the most jobs of a beat a protector keeps: as many as one recovery restores
+// (clusterapi.MaxRecoverJobs), so a node with more could not have them all restored anyway.
+const maxBeatJobs = clusterapi.MaxRecoverJobs
+
+// boundBeatJobs keeps of the jobs a beat names the valid names (ckpt.ValidName: a job without one has no
+// replica anywhere), once each, at most maxBeatJobs, and counts the rest in Unlisted for the fail-over to
+// report. A 1 MiB beat names up to ~250,000 short names: the fail-over asked every alive member about each
+// of them, and beatsAgain compared them with the next beat's.
+func boundBeatJobs(b detect.Beat) detect.Beat {
+	if len(b.Jobs) == 0 {
+		return b
+	}
+	seen := make(map[string]struct{}, min(len(b.Jobs), maxBeatJobs))
+	var jobs []string
+	for _, j := range b.Jobs {
+		if _, dup := seen[j]; dup || ckpt.ValidName(j) != nil {
+			continue
+		}
+		seen[j] = struct{}{}
+		if len(jobs) == maxBeatJobs {
+			b.Unlisted++
+			continue
+		}
+		jobs = append(jobs, j)
+	}
+	b.Jobs = jobs
+	return b
 }
 
 // maxUncoveredLogged bounds the lines one beat logs for the jobs it newly names uncovered; the rest are

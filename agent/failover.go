@@ -156,6 +156,11 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 	var runs []jobRun
 	var need spare.Need
 	var errs []error
+	if s.Unlisted > 0 {
+		// Past what one recovery restores: they were never to be restored, and must not go unnoticed.
+		errs = append(errs, fmt.Errorf("the beats of %s named %d more jobs than one recovery restores (%d): they are not restored; restore them with ftctl restore",
+			s.Name, s.Unlisted, maxBeatJobs))
+	}
 	ownAddrs := true // every job has an address of its own: the failed host's stays where it is
 	uncovered := map[string]string{}
 	for _, u := range s.Uncovered {
@@ -475,6 +480,11 @@ func (a *Agent) agentHungOnLiveHost(ctx context.Context, name string) error {
 func (a *Agent) beatsAgain(ctx context.Context, s detect.Suspect) error {
 	t := a.cfg.FenceTiming()
 	ref := s.LastBeat
+	// A set: both lists may be long (maxBeatJobs), and compared entry by entry they cost their product.
+	recovering := make(map[string]struct{}, len(s.Jobs))
+	for _, j := range s.Jobs {
+		recovering[j] = struct{}{}
+	}
 	for {
 		b, at, ok := a.watchdog.Last(s.Name)
 		if !ok || !at.After(ref) {
@@ -482,7 +492,7 @@ func (a *Agent) beatsAgain(ctx context.Context, s detect.Suspect) error {
 		}
 		var running []string
 		for _, j := range b.Jobs {
-			if slices.Contains(s.Jobs, j) {
+			if _, ok := recovering[j]; ok {
 				running = append(running, j)
 			}
 		}

@@ -353,7 +353,8 @@ func (a *Agent) watchPredecessor(ctx context.Context) {
 					a.log.Warn("not declaring it failed: the node answered after its silence began", "node", s.Name, "err", err)
 					continue
 				}
-				a.log.Error("node failed; automatic fail-over is off: restore its jobs with `ftctl restore`", "node", s.Name, "jobs", s.Jobs)
+				a.log.Error("node failed; automatic fail-over is off: restore its jobs with `ftctl restore`", "node", s.Name, "jobs", s.Jobs,
+					"jobs_not_listed", s.Unlisted)
 				a.recordFailure(s, time.Now())
 				continue
 			}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -80,5 +81,38 @@ func TestBeatUncoveredLogBounded(t *testing.T) {
 	}
 	if want := fmt.Sprintf("not_logged=%d", n-maxUncoveredLogged); !strings.Contains(got[len(got)-1], want) {
 		t.Fatalf("last line %q does not count the jobs not logged (%s)", got[len(got)-1], want)
+	}
+}
+
+// A member's beat may name ~250,000 jobs in a 1 MiB line, the same one many times, or names no job has: the
+// protector keeps each valid name once, at most maxBeatJobs (what one recovery restores), and counts the
+// rest for the fail-over to report. Every listed job cost the fail-over a question to every alive member.
+func TestBeatJobsBoundedAtReceipt(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.watchdog = detect.NewWatchdog(detect.Config{Timeout: time.Hour})
+	svc := peerService{ta.Agent}
+
+	honest := []string{"j-1", "j-2", "j-3"}
+	svc.Beat("node2", detect.Beat{From: "node2", Seq: 1, Run: 1, Sent: time.Now(), Jobs: honest})
+	if b, _, _ := ta.watchdog.Last("node2"); !slices.Equal(b.Jobs, honest) || b.Unlisted != 0 {
+		t.Fatalf("an honest beat's jobs kept as %q (%d not listed), want %q", b.Jobs, b.Unlisted, honest)
+	}
+
+	const extra = 5
+	var many, want []string
+	for i := range maxBeatJobs + extra {
+		j := fmt.Sprintf("job-%06d", i)
+		many = append(many, j, j, "../"+j, "") // each once more, and names no job has
+		if i < maxBeatJobs {
+			want = append(want, j)
+		}
+	}
+	svc.Beat("node2", detect.Beat{From: "node2", Seq: 2, Run: 1, Sent: time.Now(), Jobs: many})
+	b, _, _ := ta.watchdog.Last("node2")
+	if !slices.Equal(b.Jobs, want) {
+		t.Fatalf("a beat of %d entries kept %d jobs, want the first %d valid names once each", len(many), len(b.Jobs), len(want))
+	}
+	if b.Unlisted != extra {
+		t.Fatalf("a beat naming %d jobs past the bound counted %d not listed", extra, b.Unlisted)
 	}
 }

@@ -37,6 +37,9 @@ type Beat struct {
 	// Uncovered are the sender's jobs whose replica lacks connections they opened since, as its last
 	// check found: a restore from that replica, or an older one, could not rebuild them.
 	Uncovered []Uncovered `json:"uncovered,omitempty"`
+	// Unlisted counts the jobs the receiver left out of Jobs, past the most it keeps of a beat; never on
+	// the wire.
+	Unlisted int `json:"-"`
 }
 
 // Uncovered names a job and the replica that lacks some of its connections.
@@ -91,6 +94,7 @@ type Suspect struct {
 	Watched   time.Time
 	Jobs      []string    // from its last beat
 	Uncovered []Uncovered // from its last beat
+	Unlisted  int         // jobs its last beat named past those kept in Jobs (Beat.Unlisted)
 	// Busy is what its last beat said it was doing ("" for nothing); InGrace, that this beat arrived at
 	// most Timeout+BusyGrace ago. A host that is checkpointing or restoring may starve its agent's beats,
 	// not its kernel: a suspect in grace whose host still completes a TCP handshake is left alone (and
@@ -234,7 +238,7 @@ func (w *Watchdog) Suspects(now time.Time) []Suspect {
 		s := Suspect{Name: name, Silence: silence, Since: from, Watched: wt.watched}
 		if l, heard := w.last[name]; heard {
 			b := l.b.clone()
-			s.LastBeat, s.Jobs, s.Uncovered, s.Busy = l.at, b.Jobs, b.Uncovered, b.Busy
+			s.LastBeat, s.Jobs, s.Uncovered, s.Unlisted, s.Busy = l.at, b.Jobs, b.Uncovered, b.Unlisted, b.Busy
 			s.InGrace = b.Busy != "" && now.Sub(l.at) <= w.cfg.Timeout+w.cfg.BusyGrace
 		}
 		out = append(out, s)

@@ -535,3 +535,15 @@ func TestStaleBeatOfSameRunAfterClockStep(t *testing.T) {
 		t.Errorf("an older agent's restart was not recorded: %+v", b)
 	}
 }
+
+// The count of jobs a receiver left out of a beat reaches the suspicion, for the fail-over to report them
+// rather than leave them unrestored unsaid.
+func TestSuspectUnlisted(t *testing.T) {
+	w := NewWatchdog(Config{Timeout: time.Second})
+	w.Watch("n1", at(0))
+	w.Beat(Beat{From: "n1", Seq: 1, Jobs: []string{"j1"}, Unlisted: 3, Sent: at(10)}, at(10))
+	s := w.Suspects(at(2000))
+	if len(s) != 1 || s[0].Unlisted != 3 || !slices.Equal(s[0].Jobs, []string{"j1"}) {
+		t.Fatalf("Suspects = %+v, want n1 with jobs [j1] and 3 not listed", s)
+	}
+}
