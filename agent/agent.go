@@ -834,6 +834,9 @@ func (a *Agent) Run(ctx context.Context, local LocalAPI) error {
 	go a.watchHealth(ctx)
 	go a.pushView(ctx)    // a restarted agent learns what changed while it was away
 	go a.watchRejoin(ctx) // and, if it was declared failed, drops its old jobs and comes back as a spare
+	merged := make(chan struct{})
+	go func() { a.saveMergedFailures(ctx); close(merged) }()
+	defer func() { <-merged }() // the last timelines merged from peers are on disk before Run returns
 	if adopted > 0 && a.netlog != nil {
 		go a.renewReceiverSnapshots(ctx)
 	}

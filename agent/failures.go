@@ -1,6 +1,9 @@
 package agent
 
 import (
+	"context"
+	"time"
+
 	"github.com/ftkit/ftkit/failurelog"
 	"github.com/ftkit/ftkit/restore/recovery"
 )
@@ -26,6 +29,32 @@ const (
 func (a *Agent) saveFailures() {
 	if err := a.failures.Save(); err != nil {
 		a.log.Warn("save failure timelines", "err", err)
+	}
+}
+
+// failureSaveEvery is how often timelines merged from peers are written at most (mergeFailures).
+const failureSaveEvery = 5 * time.Second
+
+// saveMergedFailures writes the timelines merged from peers but not yet on disk, every failureSaveEvery
+// and once more as ctx ends.
+func (a *Agent) saveMergedFailures(ctx context.Context) {
+	t := time.NewTicker(failureSaveEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			a.flushMergedFailures()
+			return
+		case <-t.C:
+			a.flushMergedFailures()
+		}
+	}
+}
+
+// flushMergedFailures writes the failure log if a timeline merged from a peer is not on disk yet.
+func (a *Agent) flushMergedFailures() {
+	if a.failures.Unsaved() {
+		a.saveFailures()
 	}
 }
 

@@ -267,15 +267,25 @@ func decodeFailures(b json.RawMessage) ([]*Failure, error) {
 // mergeFailures merges the failure timelines peer sent, refusing the whole list if it is longer than an
 // agent keeps; the log keeps only those peer coordinates (failurelog.Log.Merge: the others it relays are
 // not its to vouch for), clips each to its bounds and keeps the newest failurelog.MaxFailures.
+//
+// A recovery under way that this host did not know of is on disk before the reply: after a crash here, it
+// still keeps its failed node from being admitted back mid-recovery (recoveryUnderWay). Any other merged
+// update is written by saveMergedFailures, at most once every failureSaveEvery: each write is the whole log
+// (up to ~11 MB, fsynced), and a member could send an update with every small message. Such an update lost
+// to a crash is conservative (a timeline left unfinished is only waited on longer) and its protector sends
+// it again with its next view.
 func (a *Agent) mergeFailures(peer string, fs []*Failure) error {
 	if err := checkFailures(fs); err != nil {
 		return err
 	}
-	merged := false
+	durable := false
 	for _, f := range fs {
-		merged = a.failures.Merge(peer, f) || merged
+		added := f != nil && !f.Done && !a.failures.Known(f.ID)
+		if a.failures.Merge(peer, f) && added {
+			durable = true
+		}
 	}
-	if merged {
+	if durable {
 		a.saveFailures()
 	}
 	return nil

@@ -85,6 +85,8 @@ type Log struct {
 	path   string
 	self   string // the agent's member name: the protector of the timelines it writes
 	byID   map[string]*Failure
+	// unsaved: a copy merged from a peer is not on disk yet (Merge does not write; Save clears it).
+	unsaved bool
 }
 
 // Open reads the log kept in dir (failures.json) of the agent of member self, or starts an empty one.
@@ -259,7 +261,24 @@ func (l *Log) Merge(peer string, f *Failure) bool {
 	l.byID[f.ID] = c
 	l.trim()
 	_, kept := l.byID[f.ID]
+	l.unsaved = l.unsaved || kept
 	return kept
+}
+
+// Known reports whether the log holds failure id.
+func (l *Log) Known(id string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	_, ok := l.byID[id]
+	return ok
+}
+
+// Unsaved reports whether a copy merged from a peer is not on disk yet: the caller Saves when it chooses
+// (a peer may send an update with every small message, and each Save writes the whole log).
+func (l *Log) Unsaved() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.unsaved
 }
 
 // Update changes a failure under the lock and stamps it.
@@ -353,5 +372,15 @@ func (l *Log) Newest(budget int) []*Failure {
 func (l *Log) Save() error {
 	l.saveMu.Lock()
 	defer l.saveMu.Unlock()
-	return atomicfile.WriteJSON(l.path, l.List())
+	// Cleared before the listing: a copy merged after it is marked again, for the next Save.
+	l.mu.Lock()
+	l.unsaved = false
+	l.mu.Unlock()
+	if err := atomicfile.WriteJSON(l.path, l.List()); err != nil {
+		l.mu.Lock()
+		l.unsaved = true
+		l.mu.Unlock()
+		return err
+	}
+	return nil
 }
