@@ -822,7 +822,12 @@ func (a *Agent) Run(ctx context.Context, local LocalAPI) error {
 	a.loops = liveness.New(time.Now(), loopBeats, loopWatchdog, loopSelfFence)
 	go a.watchJobs(ctx)
 	go a.schedule(ctx)
-	go a.scheduleCuts(ctx)
+	go func() {
+		// The cuts a previous agent left under way are given up first: their holds would refuse the
+		// schedule's freezes of the same runs (the snapshot lock taken).
+		a.abortLeftCuts(ctx)
+		a.scheduleCuts(ctx)
+	}()
 	go a.forgetEnded(ctx)
 	go a.checkConns(ctx)
 	go a.controlLog(ctx)

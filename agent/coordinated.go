@@ -31,7 +31,8 @@ func (a *Agent) cutRecords() coordinated.Records {
 
 // coordinator coordinates the cuts and rollbacks this host drives.
 func (a *Agent) coordinator() *coordinated.Coordinator {
-	return &coordinated.Coordinator{Self: a.cfg.Name, Members: coordMembers{a}, Records: a.cutRecords(), Log: a.log}
+	return &coordinated.Coordinator{Self: a.cfg.Name, Members: coordMembers{a}, Records: a.cutRecords(),
+		Underway: coordinated.Underway{Dir: filepath.Join(a.cfg.StateDir, "cuts-under-way")}, Log: a.log}
 }
 
 // coordMembers is the cluster as a coordinator sees it.
@@ -573,6 +574,13 @@ func (a *Agent) coordinatedJobs(jobs []RecoverJob) (logging []RecoverJob, rollba
 func (a *Agent) rollbackAfterFailure(ctx context.Context, failed, target string, jobs, rollback []string, mlErr error, emit func(Stage)) error {
 	stage := func(st coordinated.Stage) { emit(cutStage(st)) }
 	return a.coordinator().AfterFailure(ctx, failed, target, jobs, rollback, mlErr, a.holdsCutPart, stage)
+}
+
+// abortLeftCuts gives up the cuts a previous agent coordinated and left under way
+// (coordinated.Coordinator.AbortLeft): their hosts hold them, a run's jobs frozen or its snapshots pinned,
+// until their bounds otherwise.
+func (a *Agent) abortLeftCuts(ctx context.Context) {
+	a.coordinator().AbortLeft(ctx)
 }
 
 // scheduleCuts takes the coordinated snapshots of the runs of this host's jobs in coordinated or auto

@@ -580,3 +580,139 @@ func TestCutPinsSurviveAgentRestart(t *testing.T) {
 		t.Errorf("after the commit and another restart: pinned %v, want none", pins)
 	}
 }
+
+// stoppingMembers serves a coordinator's phases on the test agents until the phase stopAt, where the
+// coordinator's agent stops (a restart, not a failure: it keeps its member incarnation, no view declares it
+// failed): with after, that phase reached the hosts first. From then on nothing it sends reaches any host
+// (it is gone), and its calls return only when gone closes, at the test's end.
+type stoppingMembers struct {
+	self    string
+	agents  map[string]*testAgent
+	stopAt  clusterapi.CoordPhase
+	after   bool
+	stopped chan struct{}
+	once    *sync.Once
+	gone    chan struct{}
+	// dump stands for the dump phase on a host (the test agents have no CRIU).
+	dump func(host string, req clusterapi.CoordinateRequest) (clusterapi.CoordinateReply, error)
+}
+
+func (m stoppingMembers) Alive() []string { return []string{"node1", "node2"} }
+
+func (m stoppingMembers) Coordinate(ctx context.Context, host string, req clusterapi.CoordinateRequest) (clusterapi.CoordinateReply, error) {
+	select {
+	case <-m.stopped:
+		<-m.gone
+		return clusterapi.CoordinateReply{}, errors.New("the coordinator's agent stopped")
+	default:
+	}
+	serve := func() (clusterapi.CoordinateReply, error) {
+		if req.Phase == clusterapi.CoordDump {
+			return m.dump(host, req)
+		}
+		return m.agents[host].serveCoordinate(ctx, m.self, req)
+	}
+	if req.Phase != m.stopAt {
+		return serve()
+	}
+	if m.after {
+		done, cancel := context.WithCancel(ctx)
+		cancel() // the thaw's shipping cut short (no protector answers here)
+		m.agents[host].serveCoordinate(done, m.self, req)
+	}
+	m.once.Do(func() { close(m.stopped) })
+	<-m.gone
+	return clusterapi.CoordinateReply{}, errors.New("the coordinator's agent stopped")
+}
+
+// TestRestartedCoordinatorGivesUpItsCut: the agent coordinating a cut restarts mid-cut. It keeps its member
+// incarnation, so no view declares it failed, and the cut lived only in the memory of its Snapshot call:
+// before, a host of the run stopped after its dump and before the thaw kept the run's jobs frozen, and its
+// snapshot lock taken, until its hold's bound (10 minutes), and one stopped after the thaw kept the cut's
+// snapshots pinned, its replications waiting for the commit, for 11. The restarted agent gives the cut up
+// on its hosts (AbortLeft) from the record the coordinator keeps in its state directory until the commit.
+func TestRestartedCoordinatorGivesUpItsCut(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		at    clusterapi.CoordPhase
+		after bool
+	}{
+		{"after the dump", clusterapi.CoordThaw, false},
+		{"after the thaw", clusterapi.CoordThaw, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			uid := uint32(0)
+			a1, a2 := newTestAgent(t), newTestAgent(t)
+			a2.cfg.Name = "node2"
+			a2.openUncommitted()
+			for _, ta := range []*testAgent{a1, a2} {
+				ta.members.view = testView(t, "node1", "node2")
+			}
+			agents := map[string]*testAgent{"node1": a1, "node2": a2}
+			spec := JobSpec{Run: "farm"}
+			j, _ := frozenJob(t, a2, Job{ID: "farm-node2-1", UID: uid, Spec: spec, Net: &JobNet{Name: "ftj-test"}})
+			var snap string
+			m := stoppingMembers{self: "node1", agents: agents, stopAt: tc.at, after: tc.after,
+				stopped: make(chan struct{}), once: &sync.Once{}, gone: make(chan struct{}),
+				dump: func(host string, req clusterapi.CoordinateRequest) (clusterapi.CoordinateReply, error) {
+					// As coordDump leaves the hold: the dump added, its clock paused and started again.
+					ta := agents[host]
+					hold := ta.coord.Get(coordinated.HoldKey(req), req.Cut)
+					if hold == nil {
+						return clusterapi.CoordinateReply{}, errors.New("not held")
+					}
+					hold.Pause()()
+					snap = ta.addSnapshot(t, Job{ID: j.ID, UID: uid, Node: host, Spec: spec})
+					man, err := ta.store.Manifest(j.ID, snap)
+					if err != nil {
+						return clusterapi.CoordinateReply{}, err
+					}
+					hold.Dumped = append(hold.Dumped, man)
+					return clusterapi.CoordinateReply{Parts: []clusterapi.CutPart{{Job: j.ID, Host: host, Snapshot: snap}}}, nil
+				}}
+			c := a1.coordinator()
+			c.Members = m
+			taken := make(chan struct{})
+			go func() {
+				defer close(taken)
+				c.Snapshot(t.Context(), "farm", &uid)
+			}()
+			t.Cleanup(func() { close(m.gone); <-taken })
+			select {
+			case <-m.stopped:
+			case <-time.After(failAfter):
+				t.Fatalf("the cut did not reach its %s phase", tc.at)
+			}
+			frozen := func() string {
+				b, _ := os.ReadFile(filepath.Join(j.Cgroup, "cgroup.freeze"))
+				return string(b)
+			}
+			if tc.after {
+				if pins := a2.uncommitted.Pinned(j.ID); !slices.Equal(pins, []string{snap}) {
+					t.Fatalf("after the thaw: pinned on node2 %v, want [%s]", pins, snap)
+				}
+			} else if frozen() != "1" || a2.coord.Len() != 1 {
+				t.Fatalf("after the dump: cgroup.freeze %q, %d holds on node2; want 1, 1", frozen(), a2.coord.Len())
+			}
+
+			// The restarted agent: a new coordinator on the same state directory, whose calls reach the hosts.
+			restarted := a1.coordinator()
+			restarted.Members = stoppingMembers{self: "node1", agents: agents, stopped: make(chan struct{})}
+			restarted.AbortLeft(t.Context())
+
+			if frozen() != "0" || a2.coord.Len() != 0 || !a2.ckptMu.TryLock() {
+				t.Errorf("node2 after the coordinator's restart: cgroup.freeze %q, %d holds; want its jobs thawed, no hold, its snapshot lock free (the old code held them until the hold's bound, %s)",
+					frozen(), a2.coord.Len(), clusterapi.MaxCoordStep)
+			} else {
+				a2.ckptMu.Unlock()
+			}
+			if pins := a2.uncommitted.Pinned(j.ID); len(pins) != 0 {
+				t.Errorf("node2 after the coordinator's restart: pinned %v; want none (the old code pinned them, its replications waiting, for 11 minutes)", pins)
+			}
+			// Given up once: a second restart sends nothing.
+			again := a1.coordinator()
+			again.Members = stoppingMembers{self: "node1", stopped: make(chan struct{})} // no agents: a call would panic
+			again.AbortLeft(t.Context())
+		})
+	}
+}

@@ -34,7 +34,10 @@ type Coordinator struct {
 	Self    string // this host's name
 	Members Members
 	Records Records
-	Log     *slog.Logger
+	// Underway keeps the cuts under way here until they are committed or given up: an agent restarted
+	// meanwhile gives them up (AbortLeft).
+	Underway Underway
+	Log      *slog.Logger
 }
 
 // Snapshot takes a cut of run (of user owner; nil: of the one user with a run of that name) across the
@@ -75,6 +78,17 @@ func (c *Coordinator) take(ctx context.Context, run string, owner *uint32) (*Cut
 	req := func(phase clusterapi.CoordPhase) clusterapi.CoordinateRequest {
 		return clusterapi.CoordinateRequest{Run: run, UID: &uid, Cut: cut.ID, Phase: phase}
 	}
+	// Recorded before any host freezes, forgotten once every host was told the cut's end: a restarted
+	// coordinator keeps its incarnation, no view declares it failed, and without the record its hosts would
+	// hold the cut until their bounds (AbortLeft).
+	if err := c.Underway.begin(run, uid, cut.ID, hosts); err != nil {
+		return nil, fmt.Errorf("coordinated snapshot of run %s not taken, nothing frozen: %w", run, err)
+	}
+	defer func() {
+		if err := c.Underway.end(run, uid, cut.ID); err != nil {
+			c.Log.Warn("a coordinated snapshot that ended is still recorded as under way: the next agent sends its hosts its abort again (a no-op)", "run", run, "cut", cut.ID, "err", err)
+		}
+	}()
 	abort := func(why error) error {
 		c.onHosts(context.WithoutCancel(ctx), hosts, func(string) clusterapi.CoordinateRequest { return req(clusterapi.CoordAbort) })
 		if cause := context.Cause(ctx); cause != nil && !errors.Is(why, cause) {
@@ -139,6 +153,12 @@ func (c *Coordinator) take(ctx context.Context, run string, owner *uint32) (*Cut
 	if err := commit.Validate(); err != nil {
 		giveUp()
 		return nil, fmt.Errorf("%w: coordinated snapshot of run %s not recorded: %w", ErrRefused, run, err)
+	}
+	// Forgotten before the commit is sent, not after: a commit that reached some members only must not be
+	// given up on the others by a restarted agent, whose abort would unpin the snapshots those records name.
+	if err := c.Underway.end(run, uid, cut.ID); err != nil {
+		giveUp()
+		return nil, fmt.Errorf("coordinated snapshot of run %s not recorded: %w", run, err)
 	}
 	if _, err := c.onHosts(ctx, c.Members.Alive(), func(string) clusterapi.CoordinateRequest { return commit }); err != nil {
 		c.Log.Warn("coordinated snapshot recorded on some members only", "run", run, "cut", cut.ID, "err", err)
