@@ -6,6 +6,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 
 	"golang.org/x/sys/unix"
@@ -13,27 +14,20 @@ import (
 
 // checkRunDirParents refuses, for root, a run directory that another user could redirect or whose files
 // another user could replace: mpirun (as root) executes the run directory's launcher script and every rank
-// preloads its library. Each existing ancestor of dir (links resolved) must be owned by root and writable
-// by no one else, unless sticky (as /tmp: others cannot replace root's entries there). Run as another
-// user, ftctl only writes with that user's rights, and nothing is checked.
+// preloads its library. Every directory the lookup of dir's existing part walks through (links resolved,
+// lookupDirs) must be owned by root and writable by no one else, unless sticky (as /tmp: others cannot
+// replace root's entries there): a link in another user's directory is theirs to point elsewhere later, even
+// where it now leads to root's own directories. Run as another user, ftctl only writes with that user's
+// rights, and nothing is checked.
 func checkRunDirParents(dir string, euid int) error {
 	if euid != 0 {
 		return nil
 	}
-	p := filepath.Dir(dir)
-	for {
-		if _, err := os.Lstat(p); err == nil {
-			break
-		} else if !errors.Is(err, fs.ErrNotExist) {
-			return err
-		}
-		p = filepath.Dir(p)
-	}
-	real, err := filepath.EvalSymlinks(p)
+	dirs, links, err := lookupDirs(filepath.Dir(dir))
 	if err != nil {
-		return fmt.Errorf("resolve the run directory's parent %s: %w", p, err)
+		return fmt.Errorf("resolve the run directory's parent %s: %w", filepath.Dir(dir), err)
 	}
-	for d := real; ; d = filepath.Dir(d) {
+	for _, d := range dirs {
 		fi, err := os.Stat(d)
 		if err != nil {
 			return err
@@ -47,10 +41,82 @@ func checkRunDirParents(dir string, euid int) error {
 		case fi.Mode().Perm()&0o022 != 0 && fi.Mode()&fs.ModeSticky == 0:
 			return fmt.Errorf("run directory %s: %s is writable by group or others (%s): they could replace what mpirun runs as root; give a --dir under directories only root can write", dir, d, fi.Mode().Perm())
 		}
-		if d == "/" || d == "." {
-			return nil
+	}
+	// A sticky directory keeps others from replacing root's entries, not their own: another user's link
+	// there is theirs to point elsewhere.
+	for _, l := range links {
+		fi, err := os.Lstat(l)
+		if err != nil {
+			return err
+		}
+		pfi, err := os.Stat(filepath.Dir(l))
+		if err != nil {
+			return err
+		}
+		if st, ok := fi.Sys().(*syscall.Stat_t); ok && st.Uid != 0 && pfi.Mode().Perm()&0o022 != 0 {
+			return fmt.Errorf("run directory %s: link %s is owned by uid %d in a directory others can write: that user could point it elsewhere; give a --dir under directories only root can write", dir, l, st.Uid)
 		}
 	}
+	return nil
+}
+
+// maxLinks is how many links a lookup follows, as Linux's (ELOOP past it).
+const maxLinks = 40
+
+// lookupDirs returns the directories, links resolved, in which the lookup of the absolute path p looks up a
+// name, as the kernel walks it, up to p's first missing component (MkdirAll creates the rest there): each
+// one's owner can change what the lookup finds. Every ancestor of each is among them. links are the links
+// the lookup follows.
+func lookupDirs(p string) (dirs, links []string, err error) {
+	if p, err = filepath.Abs(p); err != nil {
+		return nil, nil, err
+	}
+	seen := map[string]bool{}
+	add := func(d string) {
+		if !seen[d] {
+			seen[d] = true
+			dirs = append(dirs, d)
+		}
+	}
+	cur := "/"
+	rest := strings.Split(p, "/")
+	for len(rest) > 0 {
+		name := rest[0]
+		rest = rest[1:]
+		switch name {
+		case "", ".":
+			continue
+		case "..":
+			cur = filepath.Dir(cur)
+			continue
+		}
+		add(cur)
+		next := filepath.Join(cur, name)
+		fi, err := os.Lstat(next)
+		if errors.Is(err, fs.ErrNotExist) {
+			return dirs, links, nil
+		}
+		if err != nil {
+			return nil, nil, err
+		}
+		if fi.Mode()&fs.ModeSymlink == 0 {
+			cur = next
+			continue
+		}
+		if links = append(links, next); len(links) > maxLinks {
+			return nil, nil, fmt.Errorf("%s: %w", p, syscall.ELOOP)
+		}
+		target, err := os.Readlink(next)
+		if err != nil {
+			return nil, nil, err
+		}
+		if filepath.IsAbs(target) {
+			cur = "/"
+		}
+		rest = append(strings.Split(target, "/"), rest...)
+	}
+	add(cur)
+	return dirs, links, nil
 }
 
 // writeNewFile creates name with data, refusing an existing file or link: the run directory is new, so

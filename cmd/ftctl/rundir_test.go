@@ -78,3 +78,67 @@ func TestWriteNewFile(t *testing.T) {
 		t.Fatalf("hostfile holds %q", b)
 	}
 }
+
+// TestCheckRunDirParentsLinkInUsersDir: a link to root's own directory that sits in a directory another user
+// owns is that user's to point elsewhere once the check has passed (to their own directory, where they
+// could swap the launcher script mpirun runs as root): refused, as is a link inside a link's target and
+// another user's link in a sticky directory.
+func TestCheckRunDirParentsLinkInUsersDir(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("SKIPPED: the ownership checks are root's (and chown needs root); CI runs as root")
+	}
+	base := t.TempDir()
+	mk := func(d string, uid int) string {
+		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Chown(d, uid, 0); err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	good := mk(filepath.Join(base, "good"), 0)
+	users := mk(filepath.Join(base, "users"), 65534)
+	// users/toGood -> good: the resolved path is root's alone, the link is the user's.
+	if err := os.Symlink(good, filepath.Join(users, "toGood")); err != nil {
+		t.Fatal(err)
+	}
+	// rootlink -> users/toGood/sub: a root-owned link whose target goes through the user's link.
+	mk(filepath.Join(good, "sub"), 0)
+	if err := os.Symlink(filepath.Join(users, "toGood", "sub"), filepath.Join(base, "rootlink")); err != nil {
+		t.Fatal(err)
+	}
+	// A relative link in root's directory that stays in root's directories is fine.
+	if err := os.Symlink("good/sub", filepath.Join(base, "rel")); err != nil {
+		t.Fatal(err)
+	}
+	// sticky/theirs -> good: a link another user made in a sticky directory (as /tmp) is theirs to replace.
+	sticky := filepath.Join(base, "sticky")
+	mk(sticky, 0)
+	if err := os.Chmod(sticky, 0o777|os.ModeSticky); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(good, filepath.Join(sticky, "theirs")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Lchown(filepath.Join(sticky, "theirs"), 65534, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(good, filepath.Join(sticky, "roots")); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct{ dir, err string }{
+		{dir: filepath.Join(sticky, "theirs", "run"), err: "owned by uid 65534"},
+		{dir: filepath.Join(sticky, "roots", "run")},
+		{dir: filepath.Join(users, "toGood", "run"), err: "owned by uid 65534"},
+		{dir: filepath.Join(users, "toGood", "not", "yet", "run"), err: "owned by uid 65534"},
+		{dir: filepath.Join(base, "rootlink", "run"), err: "owned by uid 65534"},
+		{dir: filepath.Join(base, "rel", "run")},
+		{dir: filepath.Join(base, "rel", "..", "good", "run")},
+	} {
+		err := checkRunDirParents(tc.dir, 0)
+		if (tc.err == "") != (err == nil) || (err != nil && !strings.Contains(err.Error(), tc.err)) {
+			t.Errorf("%s: %v, want %q", tc.dir, err, tc.err)
+		}
+	}
+}
