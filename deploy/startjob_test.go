@@ -42,18 +42,18 @@ func TestSlurmStartJobScript(t *testing.T) {
 		asked  string // squeue's arguments; "": not run
 		stderr string // the start of the script's standard error
 	}{
-		{"a running job here", []string{"1000", "100", "node2", "node1", ""}, "echo 101", 0, "-h -t R -u 1000 -w node2 -o %A", ""},
-		{"no Slurm job id given", []string{"1000", "100", "node2", "node1"}, "echo 101", 0, "-h -t R -u 1000 -w node2 -o %A", ""},
-		{"the given job among them", []string{"1000", "100", "node2", "node1", "102"}, "printf '101\\n102\\n'", 0, "-h -t R -u 1000 -w node2 -o %A", ""},
-		{"root with a job here", []string{"0", "0", "node3", "node1", "7"}, "echo 7", 0, "-h -t R -u 0 -w node3 -o %A", ""},
-		{"no running job here", []string{"1000", "100", "node2", "node1", "101"}, "true", 1, "-h -t R -u 1000 -w node2 -o %A",
+		{"a running job here", []string{"1000", "100", "node2", "node1", ""}, "echo '101 1000'", 0, "-h -t R -w node2 -o %A %U", ""},
+		{"no Slurm job id given", []string{"1000", "100", "node2", "node1"}, "echo '101 1000'", 0, "-h -t R -w node2 -o %A %U", ""},
+		{"the given job among them", []string{"1000", "100", "node2", "node1", "102"}, "printf '101 1000\\n102 1000\\n'", 0, "-h -t R -w node2 -o %A %U", ""},
+		{"root with a job here", []string{"0", "0", "node3", "node1", "7"}, "echo '7 0'", 0, "-h -t R -w node3 -o %A %U", ""},
+		{"no running job here", []string{"1000", "100", "node2", "node1", "101"}, "true", 1, "-h -t R -w node2 -o %A %U",
 			"uid 1000 has no running Slurm job on node2\n"},
-		{"root without a job here", []string{"0", "0", "node2", "node1", ""}, "true", 1, "-h -t R -u 0 -w node2 -o %A",
+		{"root without a job here", []string{"0", "0", "node2", "node1", ""}, "echo '101 1000'", 1, "-h -t R -w node2 -o %A %U",
 			"uid 0 has no running Slurm job on node2\n"},
-		{"another job of the user's", []string{"1000", "100", "node2", "node1", "103"}, "printf '101\\n102\\n'", 1, "-h -t R -u 1000 -w node2 -o %A",
+		{"another job of the user's", []string{"1000", "100", "node2", "node1", "103"}, "printf '101 1000\\n102 1000\\n103 1001\\n'", 1, "-h -t R -w node2 -o %A %U",
 			"Slurm job 103 is not a running job of uid 1000 on node2 (its jobs there: 101 102)\n"},
 		{"squeue fails", []string{"1000", "100", "node2", "node1", "101"}, "echo 'squeue: error: Unable to contact slurm controller' >&2; exit 1", 3,
-			"-h -t R -u 1000 -w node2 -o %A", "squeue: error: Unable to contact slurm controller\nsqueue could not list uid 1000's running jobs on node2: refused\n"},
+			"-h -t R -w node2 -o %A %U", "squeue: error: Unable to contact slurm controller\nsqueue could not list uid 1000's running jobs on node2: refused\n"},
 		{"a uid that is no number", []string{"-1", "100", "node2", "node1"}, "echo 101", 2, "", "uid '-1' is not a number\n"},
 		{"a host that is an option", []string{"1000", "100", "-wnode9", "node1"}, "echo 101", 2, "", "host '-wnode9' is not a Slurm node name\n"},
 		{"a job id that is no number", []string{"1000", "100", "node2", "node1", "101,102"}, "echo 101", 2, "", "SLURM_JOB_ID '101,102' is not a Slurm job id\n"},
@@ -95,5 +95,68 @@ func TestPackageShipsSlurmStartJobScript(t *testing.T) {
 		if b, err := os.ReadFile(doc); err != nil || !bytes.Contains(b, []byte(SlurmStartJobPath)) {
 			t.Errorf("%s does not name %s (%v)", doc, SlurmStartJobPath, err)
 		}
+	}
+}
+
+// TestSlurmStartJobScriptNumericUserName: Slurm reads squeue's -u as a user name first and as a uid only if no
+// user has that name (uid_from_string), and sites with directories of numeric login names (student ids)
+// have users named like another user's uid. The uid the agent passes must pick the user's own jobs, never
+// those of a user whose name is that number: here user "1001" has uid 5000, and uid 1001 is someone else.
+func TestSlurmStartJobScriptNumericUserName(t *testing.T) {
+	dir := t.TempDir()
+	script := filepath.Join(dir, "ftkit-start-job-slurm")
+	if err := os.WriteFile(script, SlurmStartJobScript, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	bin := filepath.Join(dir, "bin")
+	if err := os.Mkdir(bin, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	// A squeue over one table of running jobs (id, uid, node), with -u, -w and -o %A / "%A %U" as Slurm has them.
+	fake := `#!/bin/sh
+user= host= fmt=
+while [ $# -gt 0 ]; do
+	case $1 in
+	-u) user=$2; shift ;;
+	-w) host=$2; shift ;;
+	-o) fmt=$2; shift ;;
+	esac
+	shift
+done
+uid=$user
+[ "$user" = 1001 ] && uid=5000 # the user named "1001"
+while read -r id juid jhost; do
+	[ "$jhost" = "$host" ] || continue
+	[ -z "$user" ] || [ "$juid" = "$uid" ] || continue
+	case $fmt in
+	%A) echo "$id" ;;
+	"%A %U") echo "$id $juid" ;;
+	*) echo "fake squeue: format $fmt" >&2; exit 1 ;;
+	esac
+done <<END
+101 5000 node2
+102 1001 node3
+END
+`
+	if err := os.WriteFile(filepath.Join(bin, "squeue"), []byte(fake), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("PATH", bin+":/usr/bin:/bin")
+	for _, tc := range []struct {
+		name string
+		args []string
+		exit int
+	}{
+		{"uid 1001 where only user 1001 (uid 5000) runs", []string{"1001", "100", "node2", "node1", ""}, 1},
+		{"uid 1001 naming user 1001's job", []string{"1001", "100", "node2", "node1", "101"}, 1},
+		{"uid 1001 on its own job's host", []string{"1001", "100", "node3", "node1", "102"}, 0},
+		{"user 1001 (uid 5000) on its job's host", []string{"5000", "100", "node2", "node1", "101"}, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := sitecmd.Command{Name: "start-job command", Argv: append([]string{script}, tc.args...), Timeout: time.Minute, KeepStderr: true}.Run(context.Background())
+			if r.Exit != tc.exit {
+				t.Errorf("exit %d (%v), want %d; stderr %q", r.Exit, r.Err, tc.exit, r.Stderr)
+			}
+		})
 	}
 }
