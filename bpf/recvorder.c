@@ -623,10 +623,12 @@ int recvorder(__u64 *ctx)
 	e->stopped = 0;
 	e->polls = p ? p->polls : 0;
 	__u64 wake = wake_flags(sizeof(*e) + 8);
+	// A thread with no readiness call yet has no positions entry and counts 0:
+	// a stop armed at 0 (two reads before its first poll) must fire there too.
 	if (positions_on && stops_armed) {
 		struct stop *s = bpf_map_lookup_elem(&stops, &k);
 		if (s && s->lport != 0 && s->lport == e->lport && s->rport == e->rport && s->end == e->copied_seq &&
-		    s->len == e->len && p && s->polls == p->polls) {
+		    s->len == e->len && s->polls == e->polls) {
 			e->stopped = stop_result(bpf_send_signal_thread(SIGSTOP));
 			wake = BPF_RB_FORCE_WAKEUP;
 		}

@@ -649,6 +649,90 @@ func TestRecvOrderPositions(t *testing.T) {
 	}
 }
 
+// TestRecvOrderStopBeforeFirstPoll: a stop armed at a receive call of a thread that has made no readiness
+// call yet (0: a blocking recv of a header, then of the body) stops it there. The program compared the stop
+// with the thread's positions entry, which only a readiness call makes: with none the stop never fired, and
+// a replay waiting for the thread's stop stalled until its deadline.
+func TestRecvOrderStopBeforeFirstPoll(t *testing.T) {
+	requirePrivileges(t)
+	tn := newTestNet(t)
+	parent := streamtest.NewCgroupT(t, "ro-parent")
+	job := parent.SubT(t, "job1")
+	rec := newRecvOrderT(t, parent.Dir, 64<<10)
+	if !rec.Positions() {
+		t.Skip("SKIPPED LOUDLY: this kernel cannot attach a BTF program to sys_exit: receive positions are not recorded")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cctx, stop := context.WithCancel(ctx)
+	col := collectOrder(cctx, rec)
+	defer func() { stop(); <-col.done }()
+
+	ops := []recvOp{{0, 0, "wait"}, {0, 10, "recv"}, {0, 10, "recv"}}
+	srv := netip.AddrPortFrom(tn.ipB, 7303)
+	child := streamtest.StartT(t, tn.lab, hostB, job, "recvscript",
+		"FTKIT_ADDR="+srv.String(), "FTKIT_EXPECT=20", "FTKIT_SCRIPT="+formatScript(ops))
+	if l := child.LineT(ctx, t); l != "ready" {
+		t.Fatalf("server said %q, want ready", l)
+	}
+	client := dialFrom(t, tn, hostA, srv)
+	if l := child.LineT(ctx, t); l != "conn 0" {
+		t.Fatalf("server said %q, want conn 0", l)
+	}
+	base, err := streamtest.WriteSeq(client)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := client.Write(streamtest.Stream(0, 20)); err != nil {
+		t.Fatal(err)
+	}
+	var pid, tid uint32
+	if l := child.LineT(ctx, t); func() error { _, err := fmt.Sscanf(l, "pid %d %d", &pid, &tid); return err }() != nil {
+		t.Fatalf("server said %q, want pid <tgid> <tid>", l)
+	}
+	conn := tcpflow.Tuple{Local: addrPort(client.RemoteAddr()), Remote: addrPort(client.LocalAddr())}
+	if err := rec.Arm(job.ID, tid, Stop{Polls: 0, Conn: conn, End: base + 10, Len: 10}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := fmt.Fprintln(child.Stdin); err != nil { // the "wait" op
+		t.Fatal(err)
+	}
+	for {
+		st, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/stat", pid, tid))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if f := strings.Fields(string(st[bytes.LastIndexByte(st, ')')+1:])); f[0] == "T" {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatal("the thread did not stop after its first receive call, armed at 0 readiness calls")
+		case <-time.After(time.Millisecond):
+		}
+	}
+	got := col.waitEvents(ctx, t, 1)
+	if len(got) != 1 || !got[0].Stopped || got[0].Polls != 0 || got[0].CopiedSeq != base+10 {
+		t.Fatalf("events at the stop: %+v; want the first receive call, ending at %d, stopped", got, base+10)
+	}
+	if err := rec.Disarm(job.ID, tid); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Kill(int(pid), unix.SIGCONT); err != nil {
+		t.Fatal(err)
+	}
+	if l := child.LineT(ctx, t); !strings.HasPrefix(l, "done ") {
+		t.Fatalf("server said %q, want done", l)
+	}
+	if _, err := fmt.Fprintln(child.Stdin); err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, client)
+	if err := child.Wait(); err != nil {
+		t.Fatalf("server: %v", err)
+	}
+}
+
 // TestRecvOrderLostWhenRingFull fills a one-page ring with nobody reading:
 // the events that did not fit are counted against the job, the ones in the
 // ring are the first ones, in order.
