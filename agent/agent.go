@@ -258,7 +258,9 @@ func (a *Agent) adopt() (int, error) {
 			continue
 		}
 		if j.State != JobRunning {
-			// Its network, if a previous agent stopped while its closed connections lingered: sweepJobNets.
+			if j.Net != nil { // a previous agent may have stopped while its closed connections lingered
+				a.removeOrphanJobNet(context.Background(), j.ID, "the job ended before this agent started")
+			}
 			if j.State == JobExited || j.State == JobLost {
 				a.releaseLeftByEnd(j)
 			}
@@ -271,7 +273,6 @@ func (a *Agent) adopt() (int, error) {
 		n++
 		a.log.Info("adopted job", "job", j.ID, "pid", j.PID, "protected", j.Protected())
 	}
-	a.sweepJobNets(context.Background())
 	if err != nil {
 		return n, fmt.Errorf("adopt jobs: %w", err)
 	}

@@ -83,8 +83,6 @@ func newTestAgent(t *testing.T) *testAgent {
 		jobs: jobStore{dir: filepath.Join(dir, "jobs")},
 		byID: map[string]*Job{}, policies: map[string]*interval.Policy{}, changed: make(chan struct{}),
 		replicaConns: map[string]replicaConns{}, beatNow: make(chan struct{}, 1),
-		// adopt's sweep never lists (and deletes from) this machine's /run/netns: a lab may use it.
-		nets: jobNetOps{list: func(string) ([]string, error) { return nil, nil }},
 	}
 	for _, d := range []string{a.jobs.dir, cfg.JobsDir, cfg.CgroupParent} {
 		if err := os.MkdirAll(d, 0o755); err != nil {

@@ -384,24 +384,6 @@ func (s jobStore) load(id string) (*Job, error) {
 	return &j, nil
 }
 
-// ids names the job of every record file, read or not (nil if the directory cannot be read).
-func (s jobStore) ids() ([]string, error) {
-	entries, err := os.ReadDir(s.dir)
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, err
-	}
-	var ids []string
-	for _, e := range entries {
-		if id, ok := strings.CutSuffix(e.Name(), ".json"); ok && !strings.HasPrefix(e.Name(), ".") {
-			ids = append(ids, id)
-		}
-	}
-	return ids, nil
-}
-
 // all loads every record, oldest first. A corrupt record is reported, not silently dropped.
 func (s jobStore) all() ([]*Job, error) {
 	entries, err := os.ReadDir(s.dir)

@@ -30,18 +30,13 @@ type JobNet struct {
 // jobNetName is the name of job id's network namespace on node. It names the host too: on one machine
 // (the lab) several hosts share /run/netns, and a restored job must not meet its old copy's namespace.
 func jobNetName(node, id string) string {
+	h := fnv.New32a()
+	h.Write([]byte(node))
 	const prefix = 4 + 8 + 1 // "ftj-", the hash, "-"
 	if max := 64 - prefix; len(id) > max {
 		id = id[len(id)-max:] // keeps the id's random suffix
 	}
-	return jobNetPrefix(node) + id
-}
-
-// jobNetPrefix begins the name of every job network node makes (jobNetName).
-func jobNetPrefix(node string) string {
-	h := fnv.New32a()
-	h.Write([]byte(node))
-	return fmt.Sprintf("ftj-%08x-", h.Sum32())
+	return fmt.Sprintf("ftj-%08x-%s", h.Sum32(), id)
 }
 
 // checkPeerJobNet validates the job network of a job record from another node (a replica's, restored
@@ -241,8 +236,6 @@ func (a *Agent) jobNetSpec(n *JobNet) (jobnet.Spec, error) {
 type jobNetOps struct {
 	create func(ctx context.Context, n *JobNet) error   // all of createJobNet
 	delete func(ctx context.Context, name string) error // jobnet.Delete
-	list   func(prefix string) ([]string, error)        // jobnet.List
-	addrs  func(name string) ([]netip.Addr, error)      // jobnet.Addrs
 }
 
 // createJobNet creates job j's network on this host (idempotent).
@@ -287,127 +280,16 @@ func (a *Agent) deleteJobNet(ctx context.Context, id string, n *JobNet) error {
 		a.log.Warn("job record names a job network that is not this agent's for the job; not removing it", "job", id, "net", n.Name, "want", want)
 		return nil
 	}
-	if err := a.deleteNetNamed(ctx, n.Name); err != nil {
+	del := func(ctx context.Context, name string) error { return jobnet.Delete(ctx, name, "") }
+	if a.nets.delete != nil {
+		del = a.nets.delete
+	}
+	if err := del(ctx, n.Name); err != nil {
 		a.log.Error("delete job network: its address may stay on the wire", "job", id, "net", n.Name, "err", err)
 		return fmt.Errorf("delete job network %s: %w", n.Name, err)
 	}
 	a.log.Info("job network deleted", "job", id, "net", n.Name, "addr", n.Addr)
 	return nil
-}
-
-// deleteNetNamed is jobnet.Delete (or its stand-in): callers check that name is this agent's.
-func (a *Agent) deleteNetNamed(ctx context.Context, name string) error {
-	if a.nets.delete != nil {
-		return a.nets.delete(ctx, name)
-	}
-	return jobnet.Delete(ctx, name, "")
-}
-
-// sweepJobNets deletes, at start, once adopt has read the job records and before anything here makes a
-// job network, every network of this host (jobNetPrefix: in the lab, other hosts' share /run/netns) that
-// no adopted running job runs in and that does not linger for a job that ended as adopt settled it: a
-// start or restore whose network could not be deleted left it, without a record or under an ended one,
-// and its address, held only in the previous agent's memory, would be handed out again (two namespaces
-// with one address on the wire). One that cannot be deleted keeps its address reserved.
-func (a *Agent) sweepJobNets(ctx context.Context) {
-	prefix := jobNetPrefix(a.cfg.Name)
-	for _, m := range a.memberNames() {
-		if m != a.cfg.Name && jobNetPrefix(m) == prefix {
-			// Names of one hash: in the lab, the other's networks would look like this host's.
-			a.log.Warn("not removing job networks left by a previous agent: another member's job networks have names of this host's form", "member", m, "prefix", prefix)
-			return
-		}
-	}
-	list := jobnet.List
-	if a.nets.list != nil {
-		list = a.nets.list
-	}
-	names, err := list(prefix)
-	if err != nil {
-		a.log.Error("cannot list the job networks a previous agent may have left: their addresses may be handed out again", "err", err)
-		return
-	}
-	if len(names) == 0 {
-		return
-	}
-	// A record adopt could not read, or that names another host, may be of a job that runs here: its
-	// network stays.
-	ids, err := a.jobs.ids()
-	if err != nil {
-		a.log.Error("cannot list the job records to find the job networks a previous agent left: their addresses may be handed out again", "err", err)
-		return
-	}
-	a.mu.Lock()
-	keep := map[string]bool{}
-	for _, id := range ids {
-		if a.byID[id] == nil {
-			keep[jobNetName(a.cfg.Name, id)] = true
-		}
-	}
-	ended := map[string]*Job{} // an ended record's network: its address is known
-	for _, j := range a.byID {
-		if j.Net == nil {
-			continue
-		}
-		own := jobNetName(a.cfg.Name, j.ID)
-		if j.State == JobRunning {
-			keep[own], keep[j.Net.Name] = true, true
-		} else if j.Net.Name == own {
-			ended[own] = j
-		}
-	}
-	a.mu.Unlock()
-	for _, name := range names {
-		if keep[name] || a.lingering.has(name) {
-			continue
-		}
-		a.log.Warn("removing a job network no running job of this host has (a failed start or restore, or an ended job's, left by a previous agent)", "net", name)
-		derr := a.deleteNetNamed(ctx, name)
-		if derr == nil {
-			continue
-		}
-		a.reserveLeftNet(name, ended[name], derr)
-	}
-}
-
-// reserveLeftNet keeps the address of left job network name, which could not be deleted (derr), from being
-// handed out: j's, if an ended record of this host names the network; else what the network holds.
-func (a *Agent) reserveLeftNet(name string, j *Job, derr error) {
-	var ips []netip.Addr
-	if j != nil {
-		ips = []netip.Addr{j.Net.Addr.Addr()}
-	} else {
-		addrs := jobnet.Addrs
-		if a.nets.addrs != nil {
-			addrs = a.nets.addrs
-		}
-		var err error
-		if ips, err = addrs(name); err != nil {
-			a.log.Error("a left job network could not be deleted nor its address read: that address may be handed out again; delete the network by hand (ip netns del)", "net", name, "err", err, "delete_err", derr)
-			return
-		}
-	}
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	for _, ip := range ips {
-		if j != nil && addressHeld(j) {
-			continue // the record holds it
-		}
-		a.reservedAddrs[ip.Unmap()]++
-	}
-	a.log.Error("a left job network could not be deleted: its addresses stay reserved until an agent deletes it", "net", name, "addrs", ips, "err", derr)
-}
-
-// memberNames names every member this agent knows of: configured and in the view.
-func (a *Agent) memberNames() []string {
-	var out []string
-	for _, m := range a.cfg.Cluster.Members {
-		out = append(out, m.Name)
-	}
-	for _, m := range a.View().Members {
-		out = append(out, m.Name)
-	}
-	return out
 }
 
 // netLingers says whether the network of job j, ending in state, outlives the rest of the job

@@ -148,31 +148,6 @@ func Withdraw(name string) error {
 	})
 }
 
-// Addrs are the IPv4 addresses on the job's interfaces (an agent that could not delete a network it no
-// longer knows the job of: the address it must not hand out again). A missing network has none.
-func Addrs(name string) ([]netip.Addr, error) {
-	if err := ValidName(name); err != nil {
-		return nil, err
-	}
-	if ok, err := isNetns(Path(name)); err != nil || !ok {
-		return nil, err
-	}
-	var out []netip.Addr
-	err := eachLink(name, func(jh *netlink.Handle, lk netlink.Link) error {
-		addrs, err := jh.AddrList(lk, netlink.FAMILY_V4)
-		if err != nil {
-			return fmt.Errorf("list addresses of %s: %w", lk.Attrs().Name, err)
-		}
-		for _, a := range addrs {
-			if ip, ok := netip.AddrFromSlice(a.IP); ok {
-				out = append(out, ip.Unmap())
-			}
-		}
-		return nil
-	})
-	return out, err
-}
-
 // Exists reports whether the job's namespace is there (an agent after a restart: is this job's network up?).
 func Exists(name string) (bool, error) {
 	if err := ValidName(name); err != nil {

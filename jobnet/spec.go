@@ -9,14 +9,10 @@
 package jobnet
 
 import (
-	"errors"
 	"fmt"
 	"hash/fnv"
-	"io/fs"
 	"net/netip"
-	"os"
 	"path/filepath"
-	"strings"
 )
 
 // NetnsDir is where named namespaces are bind-mounted (vishvananda/netns and `ip netns` use it).
@@ -130,26 +126,6 @@ func broadcast(p netip.Prefix) netip.Addr {
 
 // Path is the bind-mount path of the namespace name; name must be valid.
 func Path(name string) string { return filepath.Join(NetnsDir, name) }
-
-// List names the entries of NetnsDir that begin with prefix and are valid names (an agent at start: the
-// job networks it made and may have left behind); a missing NetnsDir has none. Plain files an interrupted
-// Create left are listed too: Delete removes them.
-func List(prefix string) ([]string, error) {
-	des, err := os.ReadDir(NetnsDir)
-	if errors.Is(err, fs.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("list job networks in %s: %w", NetnsDir, err)
-	}
-	var out []string
-	for _, de := range des {
-		if n := de.Name(); strings.HasPrefix(n, prefix) && ValidName(n) == nil {
-			out = append(out, n)
-		}
-	}
-	return out, nil
-}
 
 // tempLinkName is the name agents before 2026-11-29 gave the interface in the parent's namespace between
 // its creation and its move into the job's (derived from the job's name): Create and Delete remove one
