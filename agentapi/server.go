@@ -402,7 +402,7 @@ func Handler(a Backend, lim Limits) http.Handler {
 			return
 		}
 		err = shim.Signal(j.PID, j.Cgroup, unix.Signal(req.Signal))
-		if errors.Is(err, shim.ErrJobGone) {
+		if errors.Is(err, shim.ErrJobGone) || errors.Is(err, shim.ErrNotDelivered) {
 			writeError(w, http.StatusConflict, fmt.Errorf("job %s: %w", j.ID, err))
 			return
 		}

@@ -97,10 +97,53 @@ func Signal(pid int, cgroup string, sig unix.Signal) error {
 	if !pidListed(procs, pid) {
 		return fmt.Errorf("%w: pid %d is no longer in the job's cgroup %s", ErrJobGone, pid, cgroup)
 	}
+	if err := delivered(pid, sig); err != nil {
+		return err
+	}
 	if err := unix.PidfdSendSignal(fd, sig, nil, 0); errors.Is(err, unix.ESRCH) {
 		return fmt.Errorf("%w: pid %d has exited", ErrJobGone, pid)
 	} else if err != nil {
 		return fmt.Errorf("send %s to pid %d: %w", unix.SignalName(sig), pid, err)
+	}
+	return nil
+}
+
+// ErrNotDelivered means the kernel would drop the signal: the job's root is the init of its PID namespace,
+// which gets a signal from outside only if it has a handler for it (or SIGKILL, SIGSTOP).
+var ErrNotDelivered = errors.New("the job's root would not get the signal")
+
+// delivered refuses a signal the kernel would silently drop: one whose default action would stop or end
+// PROG run alone, sent to a root that is the init of its PID namespace (every job this shim starts or
+// restores) and neither handles nor ignores it. Sent, it would vanish, and the caller would take the job
+// for signalled. A root whose status cannot be read is signalled as before.
+func delivered(pid int, sig unix.Signal) error {
+	switch sig {
+	case unix.SIGKILL, unix.SIGSTOP, unix.SIGCHLD, unix.SIGURG, unix.SIGWINCH, unix.SIGCONT:
+		return nil // forced from outside the namespace, or ignored (SIGCONT resumes anyway) by default
+	}
+	if sig < 1 || sig > 64 {
+		return nil
+	}
+	b, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "status"))
+	if err != nil {
+		return nil
+	}
+	var nsInit, caught bool
+	for line := range strings.Lines(string(b)) {
+		k, v, _ := strings.Cut(strings.TrimSpace(line), ":")
+		switch k {
+		case "NSpid":
+			f := strings.Fields(v)
+			nsInit = len(f) > 1 && f[len(f)-1] == "1"
+		case "SigCgt", "SigIgn":
+			if m, err := strconv.ParseUint(strings.TrimSpace(v), 16, 64); err != nil || m&(1<<(sig-1)) != 0 {
+				caught = true // or ignored, as by PROG alone; unreadable: send it as before
+			}
+		}
+	}
+	if nsInit && !caught {
+		return fmt.Errorf("%w: pid %d is the init of the job's PID namespace and has no handler for %s, so the kernel would drop it; SIGKILL ends the job",
+			ErrNotDelivered, pid, unix.SignalName(sig))
 	}
 	return nil
 }

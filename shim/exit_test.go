@@ -1,10 +1,13 @@
 package shim
 
 import (
+	"bufio"
 	"errors"
+	"fmt"
 	"github.com/ftkit/ftkit/internal/testenv"
 	"io/fs"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -184,6 +187,8 @@ func TestRecordEnd(t *testing.T) {
 		{"ended by itself before the agent's kill", mark, false, "killed by ftkit", ExitStatus{Code: 0, Node: "node2"}, true, ""},
 		{"a link as the refusal is not followed", mark, false, "->", killed, true, ""},
 		{"a long reason is cut", mark, false, strings.Repeat("x", 10<<10), killed, true, strings.Repeat("x", maxRefusal)},
+		// The shim's own kill (its lazy-pages daemon failed) says why, though the agent wrote no refusal.
+		{"killed by the shim, no refusal written", mark, false, "", ExitStatus{Code: 137, Signal: "SIGKILL", Node: "node2", Reason: "killed by ftkit: lazy"}, true, "killed by ftkit: lazy"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			exit := filepath.Join(t.TempDir(), "exit.json")
@@ -281,4 +286,54 @@ func TestExitStatusOlder(t *testing.T) {
 			t.Errorf("%s at incarnation %d: older %v, want %v", tc.record, tc.cur, got, tc.want)
 		}
 	}
+}
+
+// TestSignalRefusesWhatTheNamespaceInitDrops: a job's root is the init of its PID namespace, and the kernel
+// drops a signal sent to it from outside unless it handles it (SIGKILL and SIGSTOP excepted). Signal
+// reported such a SIGTERM (ftwrap's, ftctl's) as sent while the job never got it: now it says so, and a
+// root that handles the signal still gets it.
+func TestSignalRefusesWhatTheNamespaceInitDrops(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("SKIPPED: a new PID namespace needs root")
+	}
+	start := func(script string) *exec.Cmd {
+		cmd := exec.Command("/bin/sh", "-c", script)
+		cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWPID}
+		out, err := cmd.StdoutPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			cmd.Process.Kill()
+			cmd.Wait()
+		})
+		if _, err := bufio.NewReader(out).ReadString('\n'); err != nil { // its trap is in place
+			t.Fatalf("%s: %v", script, err)
+		}
+		return cmd
+	}
+	cg := t.TempDir()
+	plain := start(`echo ready; while :; do sleep 1; done`)
+	trapped := start(`trap 'exit 7' TERM; echo ready; while :; do sleep 1; done`)
+	procs := fmt.Sprintf("%d\n%d\n", plain.Process.Pid, trapped.Process.Pid)
+	if err := os.WriteFile(filepath.Join(cg, "cgroup.procs"), []byte(procs), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := Signal(plain.Process.Pid, cg, unix.SIGTERM); !errors.Is(err, ErrNotDelivered) {
+		t.Fatalf("SIGTERM to a namespace init without a handler: %v, want ErrNotDelivered (the kernel drops it)", err)
+	}
+	testenv.StillRuns(t, plain)
+	if err := Signal(trapped.Process.Pid, cg, unix.SIGTERM); err != nil {
+		t.Fatalf("SIGTERM to a namespace init that handles it: %v", err)
+	}
+	if err := trapped.Wait(); trapped.ProcessState.ExitCode() != 7 {
+		t.Fatalf("the init that traps SIGTERM ended with %v, want its exit 7", err)
+	}
+	if err := Signal(plain.Process.Pid, cg, unix.SIGKILL); err != nil {
+		t.Fatalf("SIGKILL to a namespace init: %v", err)
+	}
+	testenv.WaitSignalled(t, plain, syscall.SIGKILL)
 }

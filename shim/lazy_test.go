@@ -44,7 +44,12 @@ func TestLazyDone(t *testing.T) {
 			if !tc.daemon {
 				got = daemon + 1
 			}
-			lazyDone(Spec{JobID: "j", ImagesDir: images}, job.Process.Pid, daemon)(got, tc.ws)
+			var reason string
+			lazyDone(Spec{JobID: "j", ImagesDir: images}, job.Process.Pid, daemon, &reason)(got, tc.ws)
+			// A job killed so says why in its exit record: a bare SIGKILL looks like the OOM killer's.
+			if (reason != "") != tc.jobKilled {
+				t.Errorf("reason for the kill %q, want one %v", reason, tc.jobKilled)
+			}
 			// lazyDone signals synchronously: a job it did not kill is running now; one it killed ends, as
 			// soon as the machine gets to it, by SIGKILL.
 			if tc.jobKilled {

@@ -162,11 +162,15 @@ func Run(ctx context.Context, in io.Reader, out io.Writer) int {
 	}
 	report(Report{PID: pid})
 	var other func(int, unix.WaitStatus)
+	var killedFor string // why the shim killed the job, if it did
 	if lazy != nil {
-		other = lazyDone(spec, pid, lazy.Process.Pid)
+		other = lazyDone(spec, pid, lazy.Process.Pid, &killedFor)
 	}
 	st := waitJob(pid, other)
 	st.Node = spec.Node
+	if killedFor != "" && st.Signal == "SIGKILL" { // else it ended by itself first
+		st.Reason = killedFor
+	}
 	if err := recordEnd(spec, st); err != nil {
 		fmt.Fprintf(os.Stderr, "shim: record exit status of job %s: %v\n", spec.JobID, err)
 		return 1
@@ -203,7 +207,9 @@ func recordEnd(spec Spec, st ExitStatus) error {
 		}
 	}
 	if spec.Refusal != "" && st.Signal == "SIGKILL" { // a job that ended by itself first ended so
-		st.Reason = readRefusal(spec.Refusal)
+		if r := readRefusal(spec.Refusal); r != "" { // none written: the shim's own reason, if any, stays
+			st.Reason = r
+		}
 	}
 	st.Incarnation = spec.Incarnation
 	return writeExit(spec.ExitFile, st)
@@ -349,8 +355,9 @@ func lookPath(name string, env []string, dir string) (string, error) {
 // lazyDone is what the shim does when the lazy-pages daemon (pid daemon) of the job whose root is pid
 // ends: once it has put every page in, the images are no longer needed, and their removal tells the agent
 // the job's memory is complete (it snapshots the job only then); if it failed, the pages it did not put in
-// would read as zeros, so the job is killed: a loud failure, never a silently wrong run.
-func lazyDone(spec Spec, pid, daemon int) func(int, unix.WaitStatus) {
+// would read as zeros, so the job is killed: a loud failure, never a silently wrong run. The kill's reason
+// goes to *killedFor, for the exit record to say it: a bare SIGKILL looks like the OOM killer's or a user's.
+func lazyDone(spec Spec, pid, daemon int, killedFor *string) func(int, unix.WaitStatus) {
 	return func(got int, ws unix.WaitStatus) {
 		if got != daemon {
 			return
@@ -366,6 +373,7 @@ func lazyDone(spec Spec, pid, daemon int) func(int, unix.WaitStatus) {
 		logTail = logTail[max(0, len(logTail)-2048):]
 		fmt.Fprintf(os.Stderr, "shim: the lazy-pages daemon of job %s failed (status %#x): killing the job, whose missing pages would read as zeros; the daemon's log ends:\n%s\n",
 			spec.JobID, uint32(ws), logTail)
+		*killedFor = fmt.Sprintf("killed by ftkit: its memory could not be restored (the lazy-pages daemon failed with status %#x; see the shim's log)", uint32(ws))
 		unix.Kill(pid, unix.SIGKILL)
 	}
 }
