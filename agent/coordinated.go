@@ -76,6 +76,7 @@ func (a *Agent) Rollback(ctx context.Context, req coordinated.RunRequest, uid ui
 	a.failures.Update(id, func(f *Failure) {
 		f.Kind, f.Node, f.Protector, f.LastBeat, f.Detected, f.Jobs = coordinated.KindRollback, a.cfg.Name, a.cfg.Name, start, start, jobs
 	})
+	a.saveFailures() // on disk before any job stops: a restarted agent ends it, saying how far it went (closeLeftFailovers)
 	emit := func(st coordinated.Stage) {
 		a.failures.Update(id, func(f *Failure) { f.Stages = append(f.Stages, cutStage(st)) })
 		a.saveFailures()

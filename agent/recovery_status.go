@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/ring"
 )
 
@@ -193,12 +194,16 @@ var errRestartedMidRecovery = errors.New("this host's agent restarted during the
 func (a *Agent) closeLeftFailovers(ctx context.Context) (n int, wait func()) {
 	var wg sync.WaitGroup
 	for _, f := range a.failures.List() {
-		// Only this host's own failure recoveries: migrations are resumed apart (resumeMigrations), and
-		// another member's timeline is its own to end.
-		if f.Kind != "" || f.Protector != a.cfg.Name || f.Done {
+		// Only this host's own failure recoveries and rollbacks: migrations are resumed apart
+		// (resumeMigrations), and another member's timeline is its own to end.
+		if (f.Kind != "" && f.Kind != coordinated.KindRollback) || f.Protector != a.cfg.Name || f.Done {
 			continue
 		}
 		end := func(err error) {
+			// A whole-run rollback the previous agent left mid-way (of this failure's runs, or the
+			// operator's) may have stopped jobs of the run on every host and restored none: nothing else
+			// says so.
+			err = errors.Join(err, leftRollbacks(f, a.cfg.Name))
 			a.failures.Update(f.ID, func(f *Failure) {
 				f.Done = true
 				if err != nil {
@@ -209,6 +214,10 @@ func (a *Agent) closeLeftFailovers(ctx context.Context) (n int, wait func()) {
 			if err != nil {
 				a.log.Error("a recovery a previous agent left under way failed or is incomplete: the error says which jobs do not run", "failure", f.ID, "node", f.Node, "err", err)
 			}
+		}
+		if f.Kind == coordinated.KindRollback {
+			end(nil) // an operator's rollback has no target to ask: its stages say how far it went
+			continue
 		}
 		if f.Target == "" {
 			end(fmt.Errorf("not recovered: ftagent on %s restarted before the recovery reached a target: job(s) %s of %s were NOT restored; restore them with `ftctl restore`",
@@ -229,4 +238,40 @@ func (a *Agent) closeLeftFailovers(ctx context.Context) (n int, wait func()) {
 		wg.Go(func() { end(a.afterBrokenStream(ctx, f.Target, req, emit, broke)) })
 	}
 	return n, wg.Wait
+}
+
+// leftRollbacks names the whole-run rollbacks in f's stages that a previous agent on self left unfinished:
+// past their prepare phase (the stop phase follows it at once, so any job of the run may have been killed)
+// with no restore that succeeded. An operator's rollback (KindRollback) with no prepare phase that succeeded
+// stopped nothing. nil: none.
+func leftRollbacks(f *Failure, self string) error {
+	var runs []string // the stages' details: "run R, cut C"
+	prepared, restored := false, false
+	for _, s := range f.Stages {
+		switch {
+		case s.Name == coordinated.StagePrepared && s.Error == "":
+			prepared = true
+			if !slices.Contains(runs, s.Detail) {
+				runs = append(runs, s.Detail)
+			}
+		case s.Name == coordinated.StageRolledBack && s.Error == "":
+			restored = true
+			runs = slices.DeleteFunc(runs, func(d string) bool { return d == s.Detail })
+		}
+	}
+	jobs := "job(s) " + strings.Join(f.Jobs, ", ")
+	if f.Kind != coordinated.KindRollback {
+		jobs += " of " + f.Node + " and the run's jobs on its other hosts"
+	}
+	if f.Kind == coordinated.KindRollback && !prepared && !restored {
+		run := f.ID[:max(strings.LastIndex(f.ID, "-rollback-"), 0)] // Agent.Rollback's id: RUN-rollback-TIME
+		return fmt.Errorf("not rolled back: ftagent on %s restarted before any job of the run stopped: %s run on as before; roll the run back again with `ftctl rollback --run %s`", self, jobs, run)
+	}
+	var errs []error
+	for _, d := range runs {
+		run, _, _ := strings.Cut(strings.TrimPrefix(d, "run "), ", cut ")
+		errs = append(errs, fmt.Errorf("NOT rolled back (%s): ftagent on %s restarted after the rollback's stop phase began and before its restore ended: %s may run nowhere; `ftctl status` on its hosts shows which run; `ftctl rollback --run %s` stops those and restores every job of the run from the cut again (a job whose host is not alive: `ftctl restore`)",
+			d, self, jobs, run))
+	}
+	return errors.Join(errs...)
 }
