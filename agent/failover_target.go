@@ -287,15 +287,20 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 		fenced = "" // the jobs' node is alive: it froze them and moves them
 	}
 	deps := a.recoveryDeps(track, recovery.HostNetwork{Iface: iface, Bits: own.Bits(), Routes: a.routeEdits}, fenced)
-	defer deps.Jobs.(*recoveryActions).endRestores() // the jobs it claimed are restored, or undone
+	act := deps.Jobs.(*recoveryActions)
+	if !req.Migration {
+		act.by = req.Source // a restore where the job's placement sends it is admitted first
+	}
+	defer act.endRestores() // the jobs it claimed are restored, or undone
 	return recovery.Run(ctx, req, deps, func(s recovery.Stage) {
 		emit(Stage{Name: s.Name, Job: s.Job, Host: a.cfg.Name, Start: s.Start, End: s.End, Detail: s.Detail, Error: errString(s.Err)})
 	})
 }
 
 // prepareCandidate fetches (unless this host has it) and verifies one snapshot and lays out a working copy
-// of its images; it returns the job record the snapshot carries too.
-func (a *Agent) prepareCandidate(ctx context.Context, job string, c Candidate) (*recovery.Job, Job, error) {
+// of its images; it returns the job record the snapshot carries too. by is the member that asked for the
+// fail-over ("" for a migration): a job whose placement names this host is admitted here first.
+func (a *Agent) prepareCandidate(ctx context.Context, job string, c Candidate, by string) (*recovery.Job, Job, error) {
 	source := a.cfg.Name
 	if from, ok := a.takePrefetched(job, c.Snapshot); ok {
 		source = from // here already: fetched while the protector awaited the fence
@@ -318,6 +323,11 @@ func (a *Agent) prepareCandidate(ctx context.Context, job string, c Candidate) (
 	}
 	if j.ID != job {
 		return nil, Job{}, fmt.Errorf("snapshot %s of job %s carries the job record of %q", m.ID, job, j.ID)
+	}
+	if by != "" {
+		if err := a.admitPlacedRestore(ctx, by, j); err != nil {
+			return nil, Job{}, err
+		}
 	}
 	work, err := a.workCopy(m)
 	if err != nil {

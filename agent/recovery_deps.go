@@ -32,6 +32,9 @@ type recoveryActions struct {
 	// fenced is the failed node this recovery restores the jobs of: its coordinator made sure it was off
 	// before it asked for the recovery, so an incarnation claimed by a restore there runs nowhere.
 	fenced string
+	// by is the member that asked for this fail-over (the claimer), told to the start-job command when a
+	// job's placement names this host (admitPlacedRestore); "" for a migration (root's) or a resume.
+	by string
 	// unlocks end this recovery's hold on the jobs it claims (lockRestore), once it has ended (endRestores).
 	unlocks map[string]func()
 }
@@ -105,7 +108,7 @@ func (r recoveryDeterminants) Stopper(job string) intercept.Stopper {
 }
 
 func (r *recoveryActions) Fetch(ctx context.Context, job string, c clusterapi.Candidate) (*recovery.Job, error) {
-	j, rec, err := r.a.prepareCandidate(ctx, job, c)
+	j, rec, err := r.a.prepareCandidate(ctx, job, c, r.by)
 	if err != nil {
 		return nil, err
 	}

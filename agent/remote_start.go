@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"unicode"
 
@@ -86,30 +87,58 @@ const maxRefusalReason = 256
 // refuses the start unless it exits 0. Only a forwarded start is asked about, never a local one (StartJobOn
 // with this host's name, ftwrap): a user on this host runs processes here anyway. Root's jobs are asked
 // about too: the command decides (the shipped Slurm script admits root only where root runs a Slurm job).
-// The job's SLURM_JOB_ID is the user's to set: it reaches the command only as a decimal number, as an
-// argument the command verifies.
 func (a *Agent) admitForwardedStart(ctx context.Context, peer string, req clusterapi.StartJobRequest) error {
-	argv := a.cfg.Cluster.StartJobCommand
-	if len(argv) == 0 {
+	why, slurmJob := a.startJobCommand(ctx, peer, req.UID, req.GID, req.Env)
+	if why == "" {
+		if len(a.cfg.Cluster.StartJobCommand) > 0 {
+			a.log.Info("start-job command admitted a member's job", "peer", peer, "name", req.Name, "uid", req.UID, "slurm_job", slurmJob)
+		}
 		return nil
 	}
-	refuse := func(why string) error {
-		a.log.Warn("job start asked by a member refused: not admitted on this host", "peer", peer, "name", req.Name, "uid", req.UID, "gid", req.GID, "why", why)
-		return &clusterapi.Error{Code: clusterapi.CodeRefused,
-			Message: fmt.Sprintf("start-job from %s: uid %d (gid %d) may not start jobs on %s: %s", peer, req.UID, req.GID, a.cfg.Name, why)}
+	a.log.Warn("job start asked by a member refused: not admitted on this host", "peer", peer, "name", req.Name, "uid", req.UID, "gid", req.GID, "why", why)
+	return &clusterapi.Error{Code: clusterapi.CodeRefused,
+		Message: fmt.Sprintf("start-job from %s: uid %d (gid %d) may not start jobs on %s: %s", peer, req.UID, req.GID, a.cfg.Name, why)}
+}
+
+// admitPlacedRestore runs cluster.start_job_command before a fail-over that member peer asked for restores
+// job j here, if j's placement names this host and j did not run here: the placement is the user's (ftctl
+// mpirun, a hostfile), and a host it names was admitted only if a part of the run was started there. Else
+// any user could name other users' (or unallocated) idle nodes as their run's spares or hosts and have
+// their job restored there, next to other users' jobs, with no admission. Hosts the ring chose (a ring
+// spare, a protector outside the placement) are the site's, as for jobs without a placement.
+func (a *Agent) admitPlacedRestore(ctx context.Context, peer string, j Job) error {
+	p := j.Spec.Placement
+	if p == nil || j.Node == a.cfg.Name || !slices.Contains(p.Hosts, a.cfg.Name) && !slices.Contains(p.Spares, a.cfg.Name) {
+		return nil
 	}
-	slurmJob, ok := envValue(req.Env, "SLURM_JOB_ID")
+	why, _ := a.startJobCommand(ctx, peer, j.UID, j.GID, j.Spec.Env)
+	if why == "" {
+		return nil
+	}
+	a.log.Warn("restore of a job whose placement names this host refused: its user is not admitted here", "peer", peer, "job", j.ID, "uid", j.UID, "gid", j.GID, "why", why)
+	return fmt.Errorf("job %s not restored: its placement names %s, where uid %d (gid %d) may not start jobs: %s", j.ID, a.cfg.Name, j.UID, j.GID, why)
+}
+
+// startJobCommand runs cluster.start_job_command for uid:gid with env, a job's environment, on behalf of
+// member peer; it returns why it refused ("": admitted, or no command set) and the Slurm job id it passed.
+// The job's SLURM_JOB_ID is the user's to set: it reaches the command only as a decimal number, as an
+// argument the command verifies.
+func (a *Agent) startJobCommand(ctx context.Context, peer string, uid, gid uint32, env []string) (why, slurmJob string) {
+	argv := a.cfg.Cluster.StartJobCommand
+	if len(argv) == 0 {
+		return "", ""
+	}
+	slurmJob, ok := envValue(env, "SLURM_JOB_ID")
 	if ok && !isSlurmJobID(slurmJob) {
-		return refuse(fmt.Sprintf("SLURM_JOB_ID %.32q in the job's environment is no Slurm job id (a decimal number)", slurmJob))
+		return fmt.Sprintf("SLURM_JOB_ID %.32q in the job's environment is no Slurm job id (a decimal number)", slurmJob), slurmJob
 	}
-	args := agentconfig.StartJobArgs{UID: req.UID, GID: req.GID, Host: a.cfg.Name, Peer: peer, SlurmJobID: slurmJob}
+	args := agentconfig.StartJobArgs{UID: uid, GID: gid, Host: a.cfg.Name, Peer: peer, SlurmJobID: slurmJob}
 	r := sitecmd.Command{Name: "start-job command", Argv: agentconfig.ExpandStartJobCommand(argv, args),
 		Timeout: a.cfg.Cluster.StartJobCommandTimeout.Duration, KeepStderr: true}.Run(ctx)
 	if r.Err == nil {
-		a.log.Info("start-job command admitted a member's job", "peer", peer, "name", req.Name, "uid", req.UID, "slurm_job", slurmJob, "took", r.Took)
-		return nil
+		return "", slurmJob
 	}
-	why := "start_job_command " + argv[0]
+	why = "start_job_command " + argv[0]
 	switch {
 	case r.Exit > 0:
 		why += fmt.Sprintf(" exited with status %d", r.Exit)
@@ -121,7 +150,7 @@ func (a *Agent) admitForwardedStart(ctx context.Context, peer string, req cluste
 	if line := firstLine(r.Stderr); line != "" {
 		why += ": " + line
 	}
-	return refuse(why)
+	return why, slurmJob
 }
 
 // envValue returns the value of the first name= entry of env: what the job's getenv reads.

@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/criu"
+	"github.com/ftkit/ftkit/restore/recovery"
 )
 
 // TestServeStartJobRefusals: a start-job request is refused before anything is created when its sender is
@@ -237,6 +239,56 @@ func TestRefusalReasonLine(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			if got := firstLine(tt.stderr); got != tt.want {
 				t.Errorf("firstLine(%q) = %q, want %q", tt.stderr, got, tt.want)
+			}
+		})
+	}
+}
+
+// TestRestoreAdmitsPlacedHost: a fail-over restores a job on a host its placement names (a run's spare, a
+// host its run's protector stands on) only if the start-job command admits the job's user there, as a
+// forwarded start would be: the placement is the user's, and a user who named other users' idle nodes as
+// their run's spares had their job restored there with no admission. A host the placement does not name
+// (a ring spare, the ring's protector) restores as before, as does a migration (root's).
+func TestRestoreAdmitsPlacedHost(t *testing.T) {
+	placed := &Placement{Hosts: []string{"node2", "node3"}, Spares: []string{"node1"}}
+	tests := []struct {
+		name      string
+		uid       uint32
+		placement *Placement
+		by        string // "": a migration
+		run       string // the command's arguments; "": not run
+		refused   bool
+	}{
+		{name: "a run's spare, user not admitted", uid: 2000, placement: placed, by: "node3", run: "2000 2000 node1 node3 4242", refused: true},
+		{name: "a run's spare, user admitted", uid: 1000, placement: placed, by: "node3", run: "1000 1000 node1 node3 4242"},
+		{name: "a host of the run", uid: 2000, placement: &Placement{Hosts: []string{"node2", "node1"}}, by: "node3", run: "2000 2000 node1 node3 4242", refused: true},
+		{name: "a host the placement does not name", uid: 2000, placement: &Placement{Hosts: []string{"node2", "node3"}}, by: "node3"},
+		{name: "no placement", uid: 2000, by: "node3"},
+		{name: "a migration", uid: 2000, placement: placed},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := newAdmissionFixture(t)
+			const id = "placed-00000001"
+			snap := f.addSnapshot(t, Job{ID: id, UID: tt.uid, GID: tt.uid, Node: "node2",
+				Spec: JobSpec{Argv: []string{"x"}, Env: []string{"SLURM_JOB_ID=4242"}, Placement: tt.placement}})
+			act := &recoveryActions{a: f.Agent, records: map[*recovery.Job]Job{}, fenced: "node2", by: tt.by}
+			j, err := act.Fetch(t.Context(), id, clusterapi.Candidate{Snapshot: snap})
+			if err == nil {
+				criu.RemoveWorkDir(j.Work)
+			}
+			if runs := f.runs(t); tt.run == "" && len(runs) != 0 || tt.run != "" && (len(runs) != 1 || runs[0] != tt.run) {
+				t.Errorf("the start-job command ran with %q; want %q", runs, tt.run)
+			}
+			if tt.refused {
+				if err == nil || !strings.Contains(err.Error(), "may not start jobs") || !strings.Contains(err.Error(), "has no running Slurm job on node1") {
+					t.Fatalf("Fetch = %v; want a refusal naming the start-job command's reason", err)
+				}
+				return
+			}
+			// Admitted: the fetch went on to the images (the fixture's are no CRIU dump's).
+			if err != nil && strings.Contains(err.Error(), "may not start jobs") {
+				t.Fatalf("Fetch refused the restore: %v", err)
 			}
 		})
 	}
