@@ -138,6 +138,10 @@ func TestCallersGiveUpOnAStalledPeer(t *testing.T) {
 			return a.remoteRecover(bg, "n2", RecoverRequest{Jobs: []RecoverJob{{Job: "job-1"}}}, func(Stage) {})
 		}},
 		{"fetchFrom", func() error { return a.fetchFrom(bg, "n2", "job-1", "x", 0) }},
+		{"SignalElsewhere", func() error {
+			_, err := a.SignalElsewhere(bg, Job{ID: "job-1", State: JobMoved, MovedTo: "n2"}, 1000, 2)
+			return err
+		}},
 		{"shipTo", func() error {
 			_, err := a.shipTo(bg, "n2", &ckpt.Manifest{Job: "job-1", ID: "x"}, ship.SendOptions{})
 			return err

@@ -42,6 +42,8 @@ type fakeBackend struct {
 	// floor is CheckpointFloor (an hour if 0); checkpoint, if set, answers Checkpoint.
 	floor      time.Duration
 	checkpoint func(ctx context.Context, jobs []string, uid uint32) ([]agent.SnapshotResult, error)
+	// passed lists the signals SignalElsewhere passed on, as "job uid signal host".
+	passed []string
 }
 
 func newFakeBackend(t *testing.T) *fakeBackend {
@@ -173,6 +175,17 @@ func (fb *fakeBackend) AddSpare(context.Context, agent.SpareRequest) (ring.View,
 func (fb *fakeBackend) Events(uint32) []*agent.Failure { return []*agent.Failure{} }
 
 func (fb *fakeBackend) LoggedConns() []agent.LoggedConn { return nil }
+
+// SignalElsewhere passes a moved job's signal to its MovedTo, as the agent does (without the wire).
+func (fb *fakeBackend) SignalElsewhere(_ context.Context, j agent.Job, uid uint32, sig int) (string, error) {
+	if j.State != agent.JobMoved || j.MovedTo == "" {
+		return "", nil
+	}
+	fb.mu.Lock()
+	defer fb.mu.Unlock()
+	fb.passed = append(fb.passed, fmt.Sprintf("%s %d %d %s", j.ID, uid, sig, j.MovedTo))
+	return j.MovedTo, nil
+}
 
 // call sends one request to the API's handler as cred (nil: a connection whose credentials are unknown).
 func call(t *testing.T, h http.Handler, cred *unix.Ucred, method, path, body string) *httptest.ResponseRecorder {

@@ -50,6 +50,9 @@ type Backend interface {
 	AddSpare(ctx context.Context, req agent.SpareRequest) (ring.View, error)
 	Events(uid uint32) []*agent.Failure
 	LoggedConns() []agent.LoggedConn
+	// SignalElsewhere passes a signal from uid for job j, which left this host, to the host it went to
+	// ("" if none is known).
+	SignalElsewhere(ctx context.Context, j agent.Job, uid uint32, sig int) (string, error)
 }
 
 var _ Backend = (*agent.Agent)(nil)
@@ -398,7 +401,17 @@ func Handler(a Backend, lim Limits) http.Handler {
 			return
 		}
 		if j.State != agent.JobRunning {
-			writeError(w, http.StatusConflict, fmt.Errorf("job %s is %s", j.ID, j.State))
+			// A job migrated or restored elsewhere is reached through its new host's agent: this one is its
+			// user's only handle on it (ftwrap's Ctrl-C).
+			host, err := a.SignalElsewhere(r.Context(), j, callerOf(r).Uid, req.Signal)
+			switch {
+			case host == "":
+				writeError(w, http.StatusConflict, fmt.Errorf("job %s is %s", j.ID, j.State))
+			case err != nil:
+				writeError(w, http.StatusBadGateway, fmt.Errorf("job %s is %s here: %w", j.ID, j.State, err))
+			default:
+				w.WriteHeader(http.StatusNoContent)
+			}
 			return
 		}
 		err = shim.Signal(j.PID, j.Cgroup, unix.Signal(req.Signal))

@@ -13,6 +13,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -76,6 +77,31 @@ func TestAPISignal(t *testing.T) {
 				testenv.StillRuns(t, cmd)
 			}
 		})
+	}
+}
+
+// TestAPISignalMovedJob: a signal for a job that left this host (migrated: MovedTo) is passed to the
+// backend for the host it went to, with the caller's uid, and answered as delivered; another uid still
+// finds no job, and a job that went nowhere known is refused as before. Until then every signal for a
+// moved job was refused ("job ID is moved"): ftwrap's Ctrl-C, and the second that kills, never reached it.
+func TestAPISignalMovedJob(t *testing.T) {
+	fb := newFakeBackend(t)
+	h := Handler(fb, DefaultLimits())
+	moved := fb.addJob(t, agent.Job{ID: "moved-1", UID: asOwner.Uid, GID: asOwner.Gid, State: agent.JobMoved, MovedTo: "node2"})
+	lost := fb.addJob(t, agent.Job{ID: "lost-1", UID: asOwner.Uid, GID: asOwner.Gid, State: agent.JobLost})
+	if w := call(t, h, asOther, "POST", "/v1/jobs/"+moved.ID+"/signal", `{"signal":2}`); w.Code != 404 {
+		t.Fatalf("another uid: %d %s, want 404", w.Code, w.Body.String())
+	}
+	if w := call(t, h, asOwner, "POST", "/v1/jobs/"+lost.ID+"/signal", `{"signal":2}`); w.Code != 409 || !strings.Contains(w.Body.String(), "is lost") {
+		t.Fatalf("a job gone nowhere known: %d %s, want 409 is lost", w.Code, w.Body.String())
+	}
+	if w := call(t, h, asOwner, "POST", "/v1/jobs/"+moved.ID+"/signal", `{"signal":2}`); w.Code != 204 {
+		t.Fatalf("the owner's signal to a moved job: %d %s, want 204", w.Code, w.Body.String())
+	}
+	fb.mu.Lock()
+	defer fb.mu.Unlock()
+	if want := []string{"moved-1 1000 2 node2"}; !slices.Equal(fb.passed, want) {
+		t.Errorf("passed on %q, want %q", fb.passed, want)
 	}
 }
 

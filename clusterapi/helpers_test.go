@@ -297,6 +297,10 @@ func (f *fakeService) StartJob(_ context.Context, peer string, req StartJobReque
 	return StartJobReply{ID: req.Name + "-0a0b0c0d", Node: "n2", PID: 42, Dir: "/jobs/" + req.Name + "-0a0b0c0d"}, f.seen(peer, req)
 }
 
+func (f *fakeService) Signal(_ context.Context, peer string, req SignalRequest) error {
+	return f.seen(peer, req)
+}
+
 func (f *fakeService) Coordinate(_ context.Context, peer string, req CoordinateRequest) (CoordinateReply, error) {
 	return CoordinateReply{Jobs: []string{req.Run + "-0a0b0c0d"}}, f.seen(peer, req)
 }

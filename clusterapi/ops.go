@@ -47,6 +47,7 @@ const (
 	OpVouch Op = "vouch"
 	// Runs.
 	OpStartJob Op = "start-job" // start a protected job on the server for a caller of the asking member
+	OpSignal   Op = "signal"    // signal the server's copy of a job that left the asking member (signal.go)
 	// OpCoordinate: one phase of a coordinated snapshot of a run, or of its rollback (coordinate.go).
 	OpCoordinate Op = "coordinate"
 )
@@ -57,7 +58,7 @@ func (op Op) Path() string { return "/v1/" + string(op) }
 // Ops lists every operation.
 func Ops() []Op {
 	return []Op{OpPing, OpSnapshot, OpFetch, OpLocate, OpTrim, OpLogRange, OpCheckpointNow, OpReceived,
-		OpLogWatermark, OpLogged, OpDeterminants, OpDeterminantsSince, OpDeterminantStream, OpDeterminantStream2, OpDeterminantStream3, OpHeartbeat, OpProbe, OpView, OpClaim, OpRecover, OpReplica, OpForget, OpRecoveryStatus, OpGrant, OpRejoin, OpVouch, OpStartJob, OpCoordinate}
+		OpLogWatermark, OpLogged, OpDeterminants, OpDeterminantsSince, OpDeterminantStream, OpDeterminantStream2, OpDeterminantStream3, OpHeartbeat, OpProbe, OpView, OpClaim, OpRecover, OpReplica, OpForget, OpRecoveryStatus, OpGrant, OpRejoin, OpVouch, OpStartJob, OpSignal, OpCoordinate}
 }
 
 // MaxHeader bounds a small request body; MaxMessage bounds the larger ones (trims), every reply but those

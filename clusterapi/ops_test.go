@@ -212,6 +212,10 @@ func TestEveryOperation(t *testing.T) {
 			r, err := c.StartJob(ctx, "n2", req)
 			return req, r, err
 		}, StartJobReply{ID: "run-node2-0a0b0c0d", Node: "n2", PID: 42, Dir: "/jobs/run-node2-0a0b0c0d"}},
+		{OpSignal, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
+			req := SignalRequest{Job: "run-node2-0a0b0c0d", UID: 1000, Signal: 2}
+			return req, nil, c.Signal(ctx, "n2", req)
+		}, nil},
 		{OpCoordinate, func(ctx context.Context, c *Client, f *fakeService) (any, any, error) {
 			req := testCoordinate()
 			r, err := c.Coordinate(ctx, "n2", req)

@@ -62,6 +62,8 @@ type Service interface {
 	Vouch(ctx context.Context, peer string, req VouchRequest) (VouchReply, error)
 	// StartJob starts a job as req.UID for a caller of peer; req is validated.
 	StartJob(ctx context.Context, peer string, req StartJobRequest) (StartJobReply, error)
+	// Signal signals the server's copy of a job for a caller of peer; req is validated.
+	Signal(ctx context.Context, peer string, req SignalRequest) error
 	// Coordinate runs one phase of a coordinated snapshot or rollback of a run; req is validated.
 	Coordinate(ctx context.Context, peer string, req CoordinateRequest) (CoordinateReply, error)
 }
@@ -145,6 +147,12 @@ func NewServer(ctx context.Context, svc Service, opts ServerOptions) *Server {
 			return StartJobReply{}, &Error{Code: CodeBadRequest, Message: err.Error()}
 		}
 		return svc.StartJob(ctx, peer, req)
+	})
+	handle(s, OpSignal, MaxHeader, func(ctx context.Context, peer string, req SignalRequest) (struct{}, error) {
+		if err := req.Validate(); err != nil {
+			return struct{}{}, &Error{Code: CodeBadRequest, Message: err.Error()}
+		}
+		return struct{}{}, svc.Signal(ctx, peer, req)
 	})
 	handle(s, OpCoordinate, MaxMessage, func(ctx context.Context, peer string, req CoordinateRequest) (CoordinateReply, error) {
 		if err := req.Validate(); err != nil {

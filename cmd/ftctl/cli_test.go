@@ -177,6 +177,9 @@ func (b *testBackend) AddSpare(context.Context, agent.SpareRequest) (ring.View, 
 }
 func (b *testBackend) Events(uint32) []*agent.Failure  { return nil }
 func (b *testBackend) LoggedConns() []agent.LoggedConn { return nil }
+func (b *testBackend) SignalElsewhere(context.Context, agent.Job, uint32, int) (string, error) {
+	return "", nil
+}
 
 // jobs, logs and kill against the local API over one running job (a real process in a fake cgroup).
 func TestJobCommands(t *testing.T) {
