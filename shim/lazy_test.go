@@ -74,3 +74,58 @@ func TestLazyDone(t *testing.T) {
 		})
 	}
 }
+
+// TestWaitRestoredEndsDaemon: a lazily restored job that ends before its lazy-pages daemon leaves no daemon
+// behind (running as root, reading the images the agent removes on the job's end); a daemon that failed
+// first gets the job killed, with the reason in its record, and is not waited for twice.
+func TestWaitRestoredEndsDaemon(t *testing.T) {
+	start := func(name string, args ...string) *exec.Cmd {
+		t.Helper()
+		cmd := exec.Command(name, args...)
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		// waitRestored reaps by wait4(-1): a process still our child (neither it nor Wait reaped it) is
+		// ended and reaped here.
+		t.Cleanup(func() {
+			var info unix.Siginfo
+			if unix.Waitid(unix.P_PID, cmd.Process.Pid, &info, unix.WEXITED|unix.WNOHANG|unix.WNOWAIT, nil) == nil {
+				cmd.Process.Kill()
+				cmd.Wait()
+			}
+		})
+		return cmd
+	}
+	images := filepath.Join(t.TempDir(), "work")
+	if err := os.MkdirAll(images, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	spec := Spec{JobID: "j", ImagesDir: images}
+
+	t.Run("job ends first", func(t *testing.T) {
+		daemon := start("sleep", "60")
+		job := start("sh", "-c", "exit 3")
+		st := waitRestored(spec, job.Process.Pid, daemon)
+		if st.Code != 3 || st.Reason != "" {
+			t.Errorf("exit status %+v, want code 3 and no reason", st)
+		}
+		if daemon.ProcessState == nil {
+			t.Fatal("the lazy-pages daemon was left running after the job ended")
+		}
+		if ws, ok := daemon.ProcessState.Sys().(syscall.WaitStatus); !ok || ws.Signal() != syscall.SIGKILL {
+			t.Errorf("the daemon ended with %v, want SIGKILL", daemon.ProcessState)
+		}
+	})
+
+	t.Run("daemon fails first", func(t *testing.T) {
+		daemon := start("sh", "-c", "exit 1")
+		job := start("sleep", "60")
+		st := waitRestored(spec, job.Process.Pid, daemon)
+		if st.Signal != "SIGKILL" || st.Reason == "" {
+			t.Errorf("exit status %+v, want SIGKILL with a reason", st)
+		}
+		if daemon.ProcessState != nil {
+			t.Errorf("the daemon, reaped by waitJob, was waited for again: %v", daemon.ProcessState)
+		}
+	})
+}

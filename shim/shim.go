@@ -161,16 +161,8 @@ func Run(ctx context.Context, in io.Reader, out io.Writer) int {
 		return 1
 	}
 	report(Report{PID: pid})
-	var other func(int, unix.WaitStatus)
-	var killedFor string // why the shim killed the job, if it did
-	if lazy != nil {
-		other = lazyDone(spec, pid, lazy.Process.Pid, &killedFor)
-	}
-	st := waitJob(pid, other)
+	st := waitRestored(spec, pid, lazy)
 	st.Node = spec.Node
-	if killedFor != "" && st.Signal == "SIGKILL" { // else it ended by itself first
-		st.Reason = killedFor
-	}
 	if err := recordEnd(spec, st); err != nil {
 		fmt.Fprintf(os.Stderr, "shim: record exit status of job %s: %v\n", spec.JobID, err)
 		return 1
@@ -376,6 +368,34 @@ func lazyDone(spec Spec, pid, daemon int, killedFor *string) func(int, unix.Wait
 		*killedFor = fmt.Sprintf("killed by ftkit: its memory could not be restored (the lazy-pages daemon failed with status %#x; see the shim's log)", uint32(ws))
 		unix.Kill(pid, unix.SIGKILL)
 	}
+}
+
+// waitRestored waits for the job whose root is pid (waitJob) and, if lazy is its lazy-pages daemon, acts on
+// the daemon's end (lazyDone). A job that ends before all its pages are in leaves its daemon waiting for a
+// tree that is gone: the shim ends it before it records the job's end, on which the agent removes the images
+// the daemon reads, and so that no root process outlives the job.
+func waitRestored(spec Spec, pid int, lazy *exec.Cmd) ExitStatus {
+	if lazy == nil {
+		return waitJob(pid, nil)
+	}
+	var killedFor string // why the shim killed the job, if it did
+	done := lazyDone(spec, pid, lazy.Process.Pid, &killedFor)
+	daemonReaped := false
+	st := waitJob(pid, func(got int, ws unix.WaitStatus) {
+		if got == lazy.Process.Pid {
+			daemonReaped = true
+		}
+		done(got, ws)
+	})
+	// Not once waitJob reaped it: its PID may be another process's by now.
+	if !daemonReaped {
+		lazy.Process.Kill()
+		lazy.Wait()
+	}
+	if killedFor != "" && st.Signal == "SIGKILL" { // else it ended by itself first
+		st.Reason = killedFor
+	}
+	return st
 }
 
 // waitJob reaps children until the job's root exits. As a subreaper the shim may also inherit other
