@@ -77,6 +77,8 @@ type Agent struct {
 	lingering lingerNets
 	// nets stands in for package jobnet where its fields are set (tests).
 	nets jobNetOps
+	// leftNetsMu serializes the updates of the record of the job networks that could not be deleted (leftnets.go).
+	leftNetsMu sync.Mutex
 	// restoring names, by job id, the restore of the job under way on this host (lockRestore).
 	restoring map[string]string
 	// ending holds, by job id, the end of a copy of the job whose release is under way (finish): it goes by the
@@ -273,6 +275,7 @@ func (a *Agent) adopt() (int, error) {
 		n++
 		a.log.Info("adopted job", "job", j.ID, "pid", j.PID, "protected", j.Protected())
 	}
+	a.retryLeftNets(context.Background()) // knowing which jobs run here
 	if err != nil {
 		return n, fmt.Errorf("adopt jobs: %w", err)
 	}

@@ -286,8 +286,10 @@ func (a *Agent) deleteJobNet(ctx context.Context, id string, n *JobNet) error {
 	}
 	if err := del(ctx, n.Name); err != nil {
 		a.log.Error("delete job network: its address may stay on the wire", "job", id, "net", n.Name, "err", err)
+		a.noteLeftNet(n.Name, leftNet{Job: id, Addr: n.Addr}, true) // the next agent deletes it again (retryLeftNets)
 		return fmt.Errorf("delete job network %s: %w", n.Name, err)
 	}
+	a.noteLeftNet(n.Name, leftNet{}, false)
 	a.log.Info("job network deleted", "job", id, "net", n.Name, "addr", n.Addr)
 	return nil
 }
