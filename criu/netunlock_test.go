@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -15,6 +16,7 @@ import (
 	gocriu "github.com/checkpoint-restore/go-criu/v7"
 	"github.com/google/nftables"
 
+	"github.com/ftkit/ftkit/internal/cgroupv2"
 	"github.com/ftkit/ftkit/internal/netnsthread"
 	"github.com/ftkit/ftkit/internal/procstate"
 )
@@ -55,13 +57,31 @@ func TestDumpResumesBeforeUnlockCloses(t *testing.T) {
 // hung on its connection for good.
 func TestKilledDumpReleasesConnections(t *testing.T) {
 	bin := requireCRIU(t, "CRIU and a network namespace")
+	// Frozen by its cgroup, as the agent's jobs are: the dump ends with the job still frozen, and the job
+	// runs again only when thawed, after the dump returned (else it could meet its socket in repair mode
+	// between CRIU's death and the dump's return, and exit on EINVAL).
+	root, err := cgroupv2.Dir("/")
+	if err != nil {
+		t.Skipf("SKIPPED LOUDLY: no cgroup v2 hierarchy to freeze the job in: %v", err)
+	}
+	cg := filepath.Join(root, fmt.Sprintf("ftkit-criu-killed-dump-%d", os.Getpid()))
+	if err := os.Mkdir(cg, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.Remove(cg) }) // after the child's kill, a cleanup of startSender's
 	child, ns, rcv := startSender(t)
+	if err := os.WriteFile(filepath.Join(cg, "cgroup.procs"), []byte(strconv.Itoa(child.Process.Pid)), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
 	nfy := &killAtPostDump{cancel: cancel, criu: bin}
-	_, err := (Client{Binary: bin}).dump(ctx, DumpOptions{PID: child.Process.Pid, ImagesDir: t.TempDir(), LeaveRunning: true, Netns: ns}, nfy)
+	_, err = (Client{Binary: bin}).dump(ctx, DumpOptions{PID: child.Process.Pid, ImagesDir: t.TempDir(), LeaveRunning: true, Netns: ns, FreezeCgroup: cg}, nfy)
 	if !errors.Is(err, context.Canceled) {
 		t.Fatalf("dump killed at its post-dump notification: %v (notification: %v), want context.Canceled", err, nfy.err)
+	}
+	if err := os.WriteFile(filepath.Join(cg, "cgroup.freeze"), []byte("0"), 0o644); err != nil { // the agent's thaw
+		t.Fatal(err)
 	}
 	if err := netnsthread.In(ns, func() error {
 		c, err := nftables.New()
