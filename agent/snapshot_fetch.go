@@ -158,7 +158,13 @@ func (a *Agent) fetchCandidates(id, source, prefer string) []string {
 type fetchCalls struct {
 	mu         sync.Mutex
 	m          map[string]*fetchCall // by job/snapshot
-	prefetched map[string]string     // job/snapshot prefetched for a claimed recovery -> the member it came from
+	prefetched map[string]prefetched // by job/snapshot: prefetched for a claimed recovery no recovery used yet
+}
+
+// prefetched records where a snapshot prefetched for a claim came from.
+type prefetched struct {
+	from    string // the member it came from
+	failure string // the claim's failure
 }
 
 // takePrefetched is the member a snapshot was prefetched from, if it was, and forgets it: the recovery
@@ -166,10 +172,29 @@ type fetchCalls struct {
 func (a *Agent) takePrefetched(job, id string) (string, bool) {
 	a.fetching.mu.Lock()
 	defer a.fetching.mu.Unlock()
+	a.forgetPrefetchesOfOtherClaims()
 	key := job + "/" + id
-	from, ok := a.fetching.prefetched[key]
+	p, ok := a.fetching.prefetched[key]
 	delete(a.fetching.prefetched, key)
-	return from, ok
+	return p.from, ok
+}
+
+// forgetPrefetchesOfOtherClaims drops the record of prefetches for claims this host no longer holds (under
+// fetching.mu): no recovery of theirs can come (checkRecoverRequest), and kept, every abandoned claim's
+// prefetches stayed recorded for good.
+func (a *Agent) forgetPrefetchesOfOtherClaims() {
+	cur, held := a.claims.Current()
+	for key, p := range a.fetching.prefetched {
+		if !held || p.failure != cur.Failure {
+			delete(a.fetching.prefetched, key)
+		}
+	}
+}
+
+// holdsClaim reports whether this host is claimed for failure.
+func (a *Agent) holdsClaim(failure string) bool {
+	cur, ok := a.claims.Current()
+	return ok && cur.Failure == failure
 }
 
 type fetchCall struct {
@@ -224,10 +249,12 @@ func (a *Agent) fetchOnceMax(ctx context.Context, from, job, id string, maxBytes
 // prefetch fetches the snapshots a claim for a failure names (this host is the claimed spare), one after
 // another, unless this host holds them already: the protector waits for the failed node's fence
 // meanwhile, and the recovery finds them here, or waits for the transfer under way (fetchOnce) instead of
-// starting another. A snapshot that cannot be fetched now is left to the recovery.
+// starting another. A snapshot that cannot be fetched now is left to the recovery. It stops once the claim
+// is no longer held. It has no deadline of its own: each transfer is bounded by its manifest
+// (receiveFetch), and there are at most as many as the claim's jobs; a fixed 30 minutes cut off the
+// prefetch of every snapshot larger than a link carries in that time, and the recovery fetched it again.
 func (a *Agent) prefetch(cl spare.Claim) {
-	ctx, cancel := context.WithTimeout(context.Background(), recoverLimit)
-	defer cancel()
+	ctx := context.Background()
 	start := time.Now()
 	var fetched []string
 	// The list comes from the claimer, another member: only what the failed node's recovery can restore is
@@ -239,6 +266,11 @@ func (a *Agent) prefetch(cl spare.Claim) {
 	jobs := map[string]bool{}
 	budget := cl.Need.MemoryBytes
 	for _, p := range cl.Prefetch {
+		if !a.holdsClaim(cl.Failure) {
+			// Its recovery will not come: the next claim's prefetch and recovery get the link and the disk.
+			a.log.Info("claim no longer held: its prefetch stops", "failure", cl.Failure, "by", cl.By)
+			break
+		}
 		if ckpt.ValidName(p.Job) != nil || p.Source == a.cfg.Name || jobs[p.Job] || len(jobs) >= cl.Need.Jobs || budget <= 0 {
 			continue
 		}
@@ -264,10 +296,13 @@ func (a *Agent) prefetch(cl spare.Claim) {
 			budget -= m.TotalSize()
 		}
 		a.fetching.mu.Lock()
-		if a.fetching.prefetched == nil {
-			a.fetching.prefetched = map[string]string{}
+		a.forgetPrefetchesOfOtherClaims()
+		if a.holdsClaim(cl.Failure) {
+			if a.fetching.prefetched == nil {
+				a.fetching.prefetched = map[string]prefetched{}
+			}
+			a.fetching.prefetched[p.Job+"/"+p.Snapshot] = prefetched{from: p.Source, failure: cl.Failure}
 		}
-		a.fetching.prefetched[p.Job+"/"+p.Snapshot] = p.Source
 		a.fetching.mu.Unlock()
 	}
 	if len(fetched) > 0 {
