@@ -221,18 +221,9 @@ func TestEndedRunsCutForgotten(t *testing.T) {
 func TestForgetAsksAgainWhileTheHolderKeeps(t *testing.T) {
 	pki := newTestPKI(t)
 	const job = "moved-0000000a"
-	n2, _ := newWireAgent(t, "n2", testMembers(nil))
-	cfg := pki.creds(t, "n2")
-	n2.cfg.Cluster.CA, n2.cfg.Cluster.Cert, n2.cfg.Cluster.Key = cfg.CAFile, cfg.CertFile, cfg.KeyFile
-	ln, port := listenAs(t, pki, "n2")
-	srv := n2.clusterServer(t.Context()).HTTPServer()
-	go srv.Serve(ln)
-	t.Cleanup(func() { srv.Close() })
+	n2, port := servedAgent(t, pki, "n2")
 	// n1's replicas on n2, from which n2 restored the job it now runs.
-	fromN1, err := ckpt.Open(n2.store.Root(), ckpt.Options{Node: "n1"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	fromN1 := storeOf(t, n2, "n1")
 	h2 := &testAgent{Agent: &Agent{store: fromN1}}
 	for range 2 {
 		h2.addSnapshot(t, Job{ID: job, Node: "n1"})
@@ -296,17 +287,8 @@ func TestForgetAsksAgainWhileTheHolderKeeps(t *testing.T) {
 func TestForgetTellsFormerProtectors(t *testing.T) {
 	pki := newTestPKI(t)
 	const job = "churn-0000000b"
-	n2, _ := newWireAgent(t, "n2", testMembers(nil))
-	cfg := pki.creds(t, "n2")
-	n2.cfg.Cluster.CA, n2.cfg.Cluster.Cert, n2.cfg.Cluster.Key = cfg.CAFile, cfg.CertFile, cfg.KeyFile
-	ln, port := listenAs(t, pki, "n2")
-	srv := n2.clusterServer(t.Context()).HTTPServer()
-	go srv.Serve(ln)
-	t.Cleanup(func() { srv.Close() })
-	fromN1, err := ckpt.Open(n2.store.Root(), ckpt.Options{Node: "n1"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	n2, port := servedAgent(t, pki, "n2")
+	fromN1 := storeOf(t, n2, "n1")
 	(&testAgent{Agent: &Agent{store: fromN1}}).addSnapshot(t, Job{ID: job, Node: "n1"}) // n1's replica on n2
 
 	n1, _ := clientAgent(t, pki, map[string]uint16{"n2": port})
@@ -354,17 +336,8 @@ func TestForgetTellsFormerProtectors(t *testing.T) {
 func TestForgetTellsTheHostItWasRestoredOn(t *testing.T) {
 	pki := newTestPKI(t)
 	const job = "moved-0000000c"
-	n2, _ := newWireAgent(t, "n2", testMembers(nil))
-	cfg := pki.creds(t, "n2")
-	n2.cfg.Cluster.CA, n2.cfg.Cluster.Cert, n2.cfg.Cluster.Key = cfg.CAFile, cfg.CertFile, cfg.KeyFile
-	ln, port := listenAs(t, pki, "n2")
-	srv := n2.clusterServer(t.Context()).HTTPServer()
-	go srv.Serve(ln)
-	t.Cleanup(func() { srv.Close() })
-	fromN1, err := ckpt.Open(n2.store.Root(), ckpt.Options{Node: "n1"})
-	if err != nil {
-		t.Fatal(err)
-	}
+	n2, port := servedAgent(t, pki, "n2")
+	fromN1 := storeOf(t, n2, "n1")
 	(&testAgent{Agent: &Agent{store: fromN1}}).addSnapshot(t, Job{ID: job, Node: "n1"}) // fetched to restore it
 	n2.mu.Lock()
 	n2.byID[job] = &Job{ID: job, Node: "n2", State: JobExited} // it ended on n2 since
@@ -437,13 +410,7 @@ func TestFailedRestoreKeepsTheLostJobsSnapshots(t *testing.T) {
 func TestStaleCutKeptWhileItsRunRunsElsewhere(t *testing.T) {
 	pki := newTestPKI(t)
 	const run, job = "mpi-5e1d00", "mpi-5e1d00-n2-0a0b0c0d"
-	n2, _ := newWireAgent(t, "n2", testMembers(nil))
-	cfg := pki.creds(t, "n2")
-	n2.cfg.Cluster.CA, n2.cfg.Cluster.Cert, n2.cfg.Cluster.Key = cfg.CAFile, cfg.CertFile, cfg.KeyFile
-	ln, port := listenAs(t, pki, "n2")
-	srv := n2.clusterServer(t.Context()).HTTPServer()
-	go srv.Serve(ln)
-	t.Cleanup(func() { srv.Close() })
+	n2, port := servedAgent(t, pki, "n2")
 	n2.mu.Lock()
 	n2.byID[job] = &Job{ID: job, Node: "n2", State: JobRunning, UID: 1000, Spec: JobSpec{Run: run, Recovery: coordinated.RecoveryCoordinated},
 		Net: &JobNet{Kind: jobnet.MACVlan, Name: "n", Addr: netip.MustParsePrefix("10.9.0.7/24")}}

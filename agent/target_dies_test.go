@@ -24,17 +24,7 @@ func TestRecoveryOnTargetDeadBeforeTheRequestIsTakenOver(t *testing.T) {
 	pki := newTestPKI(t)
 	a, logs := clientAgent(t, pki, nil) // every other member's port is closed: s1 is dead
 	a.wire.Idle = failAfter             // no giving up on s1's silence within the test
-	v, err := a.View().Replace("n3", "s1")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := a.adoptView(v); err != nil {
-		t.Fatal(err)
-	}
-	const id = "n3-20261207T000000.000"
-	a.failures.Update(id, func(f *Failure) {
-		f.Node, f.Protector, f.Target, f.Jobs = "n3", "n1", "s1", []string{"job-1"}
-	})
+	id := recoveryOnSpare(t, a)
 	done := make(chan error, 1)
 	go func() {
 		err := a.remoteRecover(t.Context(), "s1", RecoverRequest{Failure: id, Failed: "n3", Jobs: []RecoverJob{{Job: "job-1"}}}, func(Stage) {})
@@ -83,17 +73,7 @@ func TestRecoveryOnTargetDeadBeforeTheRequestIsTakenOver(t *testing.T) {
 func TestSilentTargetTakenOverIsWaitedFor(t *testing.T) {
 	pki := newTestPKI(t)
 	a, logs := clientAgent(t, pki, nil) // s1's port is closed
-	v, err := a.View().Replace("n3", "s1")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := a.adoptView(v); err != nil {
-		t.Fatal(err)
-	}
-	const id = "n3-20261207T000000.000"
-	a.failures.Update(id, func(f *Failure) {
-		f.Node, f.Protector, f.Target, f.Jobs = "n3", "n1", "s1", []string{"job-1"}
-	})
+	id := recoveryOnSpare(t, a)
 	if taken := a.failures.TakeOver("n1", "s1", "s1-20261207T000010.000"); taken["job-1"] != "n3" {
 		t.Fatalf("took over %v", taken)
 	}
@@ -130,17 +110,7 @@ func TestSilentTargetTakenOverIsWaitedFor(t *testing.T) {
 func TestAbandonedTakeOverIsTakenAgain(t *testing.T) {
 	pki := newTestPKI(t)
 	a, logs := clientAgent(t, pki, nil) // every other member's port is closed: no replica is reachable
-	v, err := a.View().Replace("n3", "s1")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := a.adoptView(v); err != nil {
-		t.Fatal(err)
-	}
-	const id = "n3-20261207T000000.000"
-	a.failures.Update(id, func(f *Failure) {
-		f.Node, f.Protector, f.Target, f.Jobs = "n3", "n1", "s1", []string{"job-1"}
-	})
+	id := recoveryOnSpare(t, a)
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
 	first := time.Now()
@@ -164,4 +134,22 @@ func TestAbandonedTakeOverIsTakenAgain(t *testing.T) {
 		}
 	}
 	t.Fatalf("no timeline for the retried fail-over %s; log:\n%s", retry, logs.String())
+}
+
+// recoveryOnSpare has a (n1) see spare s1 replace n3 and records n1's recovery of n3's job-1 on s1, still
+// under way, whose failure id it returns.
+func recoveryOnSpare(t *testing.T, a *Agent) string {
+	t.Helper()
+	v, err := a.View().Replace("n3", "s1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.adoptView(v); err != nil {
+		t.Fatal(err)
+	}
+	const id = "n3-20261207T000000.000"
+	a.failures.Update(id, func(f *Failure) {
+		f.Node, f.Protector, f.Target, f.Jobs = "n3", "n1", "s1", []string{"job-1"}
+	})
+	return id
 }

@@ -312,13 +312,7 @@ func TestRemoteRecoverFollowsKeepalives(t *testing.T) {
 // every member it pushed it to, as longer than a message.
 func TestPushViewOfManyMembers(t *testing.T) {
 	pki := newTestPKI(t)
-	n2, _ := newWireAgent(t, "n2", testMembers(nil))
-	cfg := pki.creds(t, "n2")
-	n2.cfg.Cluster.CA, n2.cfg.Cluster.Cert, n2.cfg.Cluster.Key = cfg.CAFile, cfg.CertFile, cfg.KeyFile
-	ln, port := listenAs(t, pki, "n2")
-	srv := n2.clusterServer(t.Context()).HTTPServer()
-	go srv.Serve(ln)
-	t.Cleanup(func() { srv.Close() })
+	n2, port := servedAgent(t, pki, "n2")
 
 	ports := map[string]uint16{"n2": port}
 	members := testMembers(ports)
@@ -393,4 +387,28 @@ func TestPushViewBoundsExchangesAtOnce(t *testing.T) {
 	if n := most.Load(); n > viewFanout || n == 0 {
 		t.Errorf("%d exchanges at once with stalled members; want at most %d", n, viewFanout)
 	}
+}
+
+// servedAgent is a wire agent named name that serves the cluster API over TLS (pki's credentials), and its
+// port, until the test ends.
+func servedAgent(t *testing.T, pki *testPKI, name string) (*Agent, uint16) {
+	t.Helper()
+	a, _ := newWireAgent(t, name, testMembers(nil))
+	cfg := pki.creds(t, name)
+	a.cfg.Cluster.CA, a.cfg.Cluster.Cert, a.cfg.Cluster.Key = cfg.CAFile, cfg.CertFile, cfg.KeyFile
+	ln, port := listenAs(t, pki, name)
+	srv := a.clusterServer(t.Context()).HTTPServer()
+	go srv.Serve(ln)
+	t.Cleanup(func() { srv.Close() })
+	return a, port
+}
+
+// storeOf is a's snapshot store as node's snapshots are kept in it (the replicas a holds of node's).
+func storeOf(t *testing.T, a *Agent, node string) *ckpt.Store {
+	t.Helper()
+	st, err := ckpt.Open(a.store.Root(), ckpt.Options{Node: node})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st
 }
