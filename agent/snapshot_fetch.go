@@ -183,6 +183,9 @@ func (a *Agent) takePrefetched(job, id string) (string, bool) {
 // fetching.mu): no recovery of theirs can come (checkRecoverRequest), and kept, every abandoned claim's
 // prefetches stayed recorded for good.
 func (a *Agent) forgetPrefetchesOfOtherClaims() {
+	if len(a.fetching.prefetched) == 0 {
+		return // nothing to forget (and no claim to ask of a host that never prefetched)
+	}
 	cur, held := a.claims.Current()
 	for key, p := range a.fetching.prefetched {
 		if !held || p.failure != cur.Failure {
