@@ -297,11 +297,8 @@ func (f *mpiRunFlags) run(ctx context.Context, labChosen bool, prog []string) (e
 	// are named after hostname and PID, every job's root is PID 1 in its PID namespace, and all lab hosts
 	// share one hostname.
 	dir := p.dir
-	if err := checkRunDirParents(dir, os.Geteuid()); err != nil {
-		return cli.Usagef("%v", err)
-	}
-	if err := os.MkdirAll(filepath.Dir(dir), 0o755); err != nil {
-		return fmt.Errorf("create the run directory's parent: %w", err)
+	if err := makeRunDirParent(dir, os.Geteuid(), os.MkdirAll); err != nil {
+		return err
 	}
 	// Made here, not found: everything in it is this run's.
 	if err := os.Mkdir(dir, 0o755); errors.Is(err, fs.ErrExist) {

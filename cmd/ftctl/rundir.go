@@ -10,6 +10,8 @@ import (
 	"syscall"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ftkit/ftkit/internal/cli"
 )
 
 // checkRunDirParents refuses, for root, a run directory that another user could redirect or whose files
@@ -56,6 +58,24 @@ func checkRunDirParents(dir string, euid int) error {
 		if st, ok := fi.Sys().(*syscall.Stat_t); ok && st.Uid != 0 && pfi.Mode().Perm()&0o022 != 0 {
 			return fmt.Errorf("run directory %s: link %s is owned by uid %d in a directory others can write: that user could point it elsewhere; give a --dir under directories only root can write", dir, l, st.Uid)
 		}
+	}
+	return nil
+}
+
+// makeRunDirParent creates the missing parents of the run directory dir with mkdirAll (os.MkdirAll), once
+// checkRunDirParents accepts them, and checks again once they all exist: the first check looks only up to
+// the first missing component, and in a sticky directory (/tmp) another user may create that one, or a link
+// by its name, before mkdirAll does, which then puts the run directory inside their directory. Once every
+// component exists and passes, only root can change what the lookup finds.
+func makeRunDirParent(dir string, euid int, mkdirAll func(string, fs.FileMode) error) error {
+	if err := checkRunDirParents(dir, euid); err != nil {
+		return cli.Usagef("%v", err)
+	}
+	if err := mkdirAll(filepath.Dir(dir), 0o755); err != nil {
+		return fmt.Errorf("create the run directory's parent: %w", err)
+	}
+	if err := checkRunDirParents(dir, euid); err != nil {
+		return cli.Usagef("%v", err)
 	}
 	return nil
 }

@@ -142,3 +142,66 @@ func TestCheckRunDirParentsLinkInUsersDir(t *testing.T) {
 		}
 	}
 }
+
+// TestMakeRunDirParentRace: root's check of the run directory's parents looks only up to the first missing
+// one; another user who creates that one in a sticky directory (/tmp), as a directory or a link to theirs,
+// before MkdirAll does, must not get root's run directory inside their directory.
+func TestMakeRunDirParentRace(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("SKIPPED: the ownership checks are root's (and chown needs root); CI runs as root")
+	}
+	base := t.TempDir()
+	sticky := filepath.Join(base, "sticky")
+	if err := os.Mkdir(sticky, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(sticky, 0o777|os.ModeSticky); err != nil {
+		t.Fatal(err)
+	}
+	theirs := filepath.Join(base, "theirs")
+	if err := os.Mkdir(theirs, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(theirs, 65534, 65534); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name  string
+		plant func(p string) error // what the other user creates between the check and MkdirAll
+	}{
+		{"dir", func(p string) error {
+			if err := os.Mkdir(p, 0o755); err != nil {
+				return err
+			}
+			return os.Chown(p, 65534, 65534)
+		}},
+		{"link", func(p string) error {
+			if err := os.Symlink(theirs, p); err != nil {
+				return err
+			}
+			return os.Lchown(p, 65534, 65534)
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			planted := filepath.Join(sticky, tc.name)
+			dir := filepath.Join(planted, "runs", "run")
+			mkdirAll := func(p string, perm os.FileMode) error {
+				if err := tc.plant(planted); err != nil {
+					t.Fatal(err)
+				}
+				return os.MkdirAll(p, perm)
+			}
+			err := makeRunDirParent(dir, 0, mkdirAll)
+			if err == nil || !strings.Contains(err.Error(), "uid 65534") {
+				t.Fatalf("run directory %s inside another user's directory: %v, want a refusal naming uid 65534", dir, err)
+			}
+		})
+	}
+	// Honest parents, missing or not, still pass.
+	if err := makeRunDirParent(filepath.Join(sticky, "mine", "runs", "run"), 0, os.MkdirAll); err != nil {
+		t.Fatal(err)
+	}
+	if err := makeRunDirParent(filepath.Join(sticky, "mine", "runs", "run2"), 0, os.MkdirAll); err != nil {
+		t.Fatal(err)
+	}
+}
