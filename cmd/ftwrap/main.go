@@ -22,6 +22,7 @@ import (
 
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/agentapi"
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/internal/cli"
 	"github.com/ftkit/ftkit/internal/version"
 	"github.com/ftkit/ftkit/shim"
@@ -221,7 +222,7 @@ func waitExit(ctx context.Context, log *slog.Logger, c *agentapi.Client, job age
 					sig = syscall.SIGKILL
 				}
 			}
-			actx, cancel := context.WithTimeout(ctx, agentTimeout)
+			actx, cancel := context.WithTimeout(ctx, signalTimeout)
 			err := c.Signal(actx, job.ID, sig)
 			cancel()
 			if err != nil {
@@ -254,11 +255,17 @@ func waitExit(ctx context.Context, log *slog.Logger, c *agentapi.Client, job age
 	}
 }
 
-// agentTimeout bounds each request of waitExit to the local agent. An agent that takes the request and
-// never answers (stopped, deadlocked, its host failing while the job is restored elsewhere) must not hold
-// ftwrap away from the job's exit record, which the job's copy writes wherever it runs, nor from the
-// Ctrl-C the user sends next: unanswered, the agent counts as unreachable.
+// agentTimeout bounds each request of waitExit to the local agent but a signal (signalTimeout). An agent
+// that takes the request and never answers (stopped, deadlocked, its host failing while the job is
+// restored elsewhere) must not hold ftwrap away from the job's exit record, which the job's copy writes
+// wherever it runs, nor from the Ctrl-C the user sends next: unanswered, the agent counts as unreachable.
 const agentTimeout = 5 * time.Second
+
+// signalTimeout bounds a signal request to the local agent. For a job that moved or was restored
+// elsewhere, the agent passes the signal on to the job's new host, which may take the cluster protocol's
+// message timeout (a loaded host): cut off at agentTimeout, a pass that would have succeeded was cancelled
+// (the agent stops when its caller goes) and a failed one came back without its error.
+const signalTimeout = clusterapi.DefaultMessageTimeout + agentTimeout
 
 // askJob asks the local agent about job id, waiting at most agentTimeout.
 func askJob(ctx context.Context, c *agentapi.Client, id string) (agent.Job, error) {

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -10,6 +11,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -17,7 +19,9 @@ import (
 
 	"github.com/ftkit/ftkit/agent"
 	"github.com/ftkit/ftkit/agentapi"
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/internal/cli"
+	"github.com/ftkit/ftkit/shim"
 )
 
 // signalAgent is a local agent that starts one job (after onStart, if set) and takes signals for it: each
@@ -225,4 +229,34 @@ func TestWrapPassesBrokenPipe(t *testing.T) {
 		t.Fatalf("the job got signal %d, want SIGPIPE", s)
 	}
 	wantExit(t, done, 128+int(syscall.SIGPIPE))
+}
+
+// A Ctrl-C for a job that moved is passed by the agent to the job's new host, which may answer within the
+// cluster protocol's message timeout. ftwrap gave up on the agent after agentTimeout, which cancelled the
+// pass of a signal the new host was about to deliver, and warned that the job could not be signalled.
+func TestWrapWaitsForSignalPassedOn(t *testing.T) {
+	const passTakes = agentTimeout + time.Second // the new host answers late, inside the pass's bound
+	if passTakes >= clusterapi.DefaultMessageTimeout {
+		t.Fatalf("the new host's answer after %v is not inside the pass's bound %v", passTakes, clusterapi.DefaultMessageTimeout)
+	}
+	a, c := newSignalAgent(t, func(int) bool { time.Sleep(passTakes); return true })
+	var logged bytes.Buffer // written by waitExit only, read once it returned
+	log := slog.New(slog.NewTextHandler(&logged, nil))
+	sigs := make(chan os.Signal, 1)
+	sigs <- syscall.SIGINT
+	done := make(chan struct{})
+	var st *shim.ExitStatus
+	var err error
+	go func() { st, err = waitExit(t.Context(), log, c, a.job, sigs); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(time.Minute):
+		t.Fatal("waitExit did not return after the job ended")
+	}
+	if err != nil || st.Code != 128+int(syscall.SIGINT) {
+		t.Fatalf("waitExit = %+v, %v; want status %d", st, err, 128+int(syscall.SIGINT))
+	}
+	if strings.Contains(logged.String(), "could not signal") {
+		t.Errorf("ftwrap gave up on a signal the job's new host took:\n%s", logged.String())
+	}
 }
