@@ -261,7 +261,8 @@ func (a *Agent) adopt() (int, error) {
 		}
 		if j.State != JobRunning {
 			if j.Net != nil { // a previous agent may have stopped while its closed connections lingered
-				a.removeOrphanJobNet(context.Background(), j.ID, "the job ended before this agent started")
+				// One that cannot be deleted is recorded with its address, which retryLeftNets holds below.
+				a.removeOrphanJobNet(context.Background(), j.ID, j.netAddr(), "the job ended before this agent started")
 			}
 			if j.State == JobExited || j.State == JobLost {
 				a.releaseLeftByEnd(j)

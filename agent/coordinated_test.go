@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
@@ -72,8 +73,8 @@ func TestRollbackStopEndsLingeringNet(t *testing.T) {
 	name := jobNetName(ta.cfg.Name, id)
 	ta.addJob(t, Job{ID: id, UID: uid, State: JobExited, Spec: JobSpec{Run: "farm"}, Net: &JobNet{Name: name}})
 	snap := ta.addSnapshot(t, Job{ID: id, UID: uid, Node: ta.cfg.Name, Spec: JobSpec{Run: "farm"}})
-	ta.lingering.add(name, id)
-	ta.lingering.add(jobNetName(ta.cfg.Name, other), other)
+	ta.lingering.add(name, id, netip.Prefix{})
+	ta.lingering.add(jobNetName(ta.cfg.Name, other), other, netip.Prefix{})
 
 	parts := []clusterapi.CutPart{{Job: id, Host: ta.cfg.Name, Snapshot: snap}}
 	if err := ta.rollbackStop(t.Context(), "farm", uid, parts); err != nil {

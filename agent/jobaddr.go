@@ -27,6 +27,14 @@ type JobNet struct {
 	Addr netip.Prefix `json:"addr"`
 }
 
+// netAddr is the address of job j's network, none for a job without one.
+func (j *Job) netAddr() netip.Prefix {
+	if j.Net == nil {
+		return netip.Prefix{}
+	}
+	return j.Net.Addr
+}
+
 // jobNetName is the name of job id's network namespace on node. It names the host too: on one machine
 // (the lab) several hosts share /run/netns, and a restored job must not meet its old copy's namespace.
 func jobNetName(node, id string) string {
@@ -236,6 +244,7 @@ func (a *Agent) jobNetSpec(n *JobNet) (jobnet.Spec, error) {
 type jobNetOps struct {
 	create func(ctx context.Context, n *JobNet) error   // all of createJobNet
 	delete func(ctx context.Context, name string) error // jobnet.Delete
+	exists func(name string) (bool, error)              // jobnet.Exists, for removeOrphanJobNet
 }
 
 // createJobNet creates job j's network on this host (idempotent).
@@ -316,11 +325,13 @@ func (a *Agent) releaseEnded(j *Job, lingers, reserved bool) {
 	}
 	n := *j.Net
 	a.releaseResources(j)
-	a.lingering.add(n.Name, j.ID)
+	a.lingering.add(n.Name, j.ID, n.Addr)
 	go func() {
 		a.awaitCloses(j.ID, n.Name, a.cfg.JobNetwork.Linger.Duration)
 		var err error
-		a.lingering.take(n.Name, func(string) { err = a.deleteJobNet(context.Background(), j.ID, &n) })
+		if !a.lingering.take(n.Name, func(string, netip.Prefix) { err = a.deleteJobNet(context.Background(), j.ID, &n) }) {
+			return // a claim took it: endLingering gives the address back once it deleted the network
+		}
 		if err == nil { // else still on the wire
 			a.releaseJobAddr(n.Addr.Addr())
 		}
@@ -357,16 +368,23 @@ const closePoll = 50 * time.Millisecond
 // new one.
 type lingerNets struct {
 	mu sync.Mutex
-	m  map[string]string
+	m  map[string]lingerNet
 }
 
-func (l *lingerNets) add(name, id string) {
+// lingerNet is a lingering network's ended job and the address the network holds: a claim that cannot
+// delete it records and keeps that address (endLingering).
+type lingerNet struct {
+	id   string
+	addr netip.Prefix
+}
+
+func (l *lingerNets) add(name, id string, addr netip.Prefix) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.m == nil {
-		l.m = map[string]string{}
+		l.m = map[string]lingerNet{}
 	}
-	l.m[name] = id
+	l.m[name] = lingerNet{id, addr}
 }
 
 func (l *lingerNets) has(name string) bool {
@@ -376,15 +394,15 @@ func (l *lingerNets) has(name string) bool {
 	return ok
 }
 
-// take runs remove with the ended job's id if name lingers, and forgets the name; it reports whether it
-// did. The lingering's own end and a new copy's claim both take it: whichever comes first deletes the old
-// network, the other finds nothing.
-func (l *lingerNets) take(name string, remove func(id string)) bool {
+// take runs remove with the ended job's id and its network's address if name lingers, and forgets the
+// name; it reports whether it did. The lingering's own end and a new copy's claim both take it: whichever
+// comes first deletes the old network, the other finds nothing.
+func (l *lingerNets) take(name string, remove func(id string, addr netip.Prefix)) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	id, ok := l.m[name]
+	n, ok := l.m[name]
 	if ok {
-		remove(id)
+		remove(n.id, n.addr)
 		delete(l.m, name)
 	}
 	return ok
@@ -398,25 +416,48 @@ func (a *Agent) claimJobNet(ctx context.Context, name string) {
 
 // endLingering deletes the network an ended copy of a job left lingering under name, if any, saying why.
 func (a *Agent) endLingering(ctx context.Context, name, why string) {
-	a.lingering.take(name, func(id string) {
+	a.lingering.take(name, func(id string, addr netip.Prefix) {
 		a.log.Warn(why, "job", id, "net", name)
-		a.deleteJobNet(ctx, id, &JobNet{Name: name})
+		// The hold finish made on the address is this claim's to give back (the lingering's end finds the
+		// network taken), and only once the network is gone; the record of a network that cannot be deleted
+		// keeps the address for the next agent.
+		if a.deleteJobNet(ctx, id, &JobNet{Name: name, Addr: addr}) == nil && addr.IsValid() {
+			a.releaseJobAddr(addr.Addr())
+		}
 	})
 }
 
 // removeOrphanJobNet deletes the job network this agent would have made for job id, if there is one (why
 // says how it was left): a recovery interrupted after creating it and before the job ran, or an agent that
 // stopped while an ended job's network lingered, leaves it, its address answering with nothing behind it.
-func (a *Agent) removeOrphanJobNet(ctx context.Context, id, why string) {
+// addr is the job's address where the caller knows it: the record of a network that cannot be deleted
+// keeps it, for the next agent to reserve (retryLeftNets); the error says the caller must hold it now
+// (holdLeftAddr) unless retryLeftNets runs next.
+func (a *Agent) removeOrphanJobNet(ctx context.Context, id string, addr netip.Prefix, why string) error {
 	if !validJobID(id) {
-		return
+		return nil
 	}
 	name := jobNetName(a.cfg.Name, id)
-	if ok, err := jobnet.Exists(name); err != nil || !ok {
-		return
+	exists := jobnet.Exists
+	if a.nets.exists != nil {
+		exists = a.nets.exists
+	}
+	if ok, err := exists(name); err != nil || !ok {
+		return nil
 	}
 	a.log.Warn("removing the job network of a job that does not run here", "job", id, "net", name, "why", why)
-	a.deleteJobNet(ctx, id, &JobNet{Name: name})
+	return a.deleteJobNet(ctx, id, &JobNet{Name: name, Addr: addr})
+}
+
+// holdLeftAddr keeps addr, held by a job network that could not be deleted, from the next job for as long
+// as this agent runs (the left-networks record keeps it after a restart). An unknown address holds nothing.
+func (a *Agent) holdLeftAddr(addr netip.Prefix) {
+	if !addr.IsValid() {
+		return
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	a.reservedAddrs[addr.Addr()]++
 }
 
 // inJobNet runs fn inside job network n (fn's forks inherit it), or as is for a job without one.

@@ -187,22 +187,22 @@ func TestAddressHeld(t *testing.T) {
 func TestLingerNets(t *testing.T) {
 	var l lingerNets
 	var removed []string
-	l.add("ftj-a", "job-a")
-	l.add("ftj-b", "job-b")
+	l.add("ftj-a", "job-a", netip.Prefix{})
+	l.add("ftj-b", "job-b", netip.Prefix{})
 	if !l.has("ftj-a") || l.has("ftj-c") {
 		t.Fatal("has: want ftj-a only among ftj-a and ftj-c")
 	}
-	l.take("ftj-a", func(id string) { removed = append(removed, "end "+id) })
+	l.take("ftj-a", func(id string, _ netip.Prefix) { removed = append(removed, "end "+id) })
 	if l.has("ftj-a") {
 		t.Error("ftj-a still lingers after its end")
 	}
-	if !l.take("ftj-b", func(id string) { removed = append(removed, "claim "+id) }) {
+	if !l.take("ftj-b", func(id string, _ netip.Prefix) { removed = append(removed, "claim "+id) }) {
 		t.Error("a claim of the lingering ftj-b = false")
 	}
-	if l.take("ftj-b", func(string) { removed = append(removed, "claim again") }) {
+	if l.take("ftj-b", func(string, netip.Prefix) { removed = append(removed, "claim again") }) {
 		t.Error("a second claim of ftj-b = true")
 	}
-	l.take("ftj-b", func(string) { removed = append(removed, "end ftj-b") })
+	l.take("ftj-b", func(string, netip.Prefix) { removed = append(removed, "end ftj-b") })
 	if want := []string{"end job-a", "claim job-b"}; !slices.Equal(removed, want) {
 		t.Errorf("removals %q, want %q", removed, want)
 	}

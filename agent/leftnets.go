@@ -120,11 +120,7 @@ func (a *Agent) retryLeftNets(ctx context.Context) {
 		if a.deleteJobNet(ctx, l.Job, &JobNet{Name: name, Addr: l.Addr}) == nil {
 			continue // deleteJobNet dropped it from the record
 		}
-		if l.Addr.IsValid() {
-			a.mu.Lock()
-			a.reservedAddrs[l.Addr.Addr()]++
-			a.mu.Unlock()
-		}
+		a.holdLeftAddr(l.Addr)
 		a.log.Error("a job network a previous agent could not delete still cannot be: its address stays reserved until an agent deletes it at its start; delete it by hand (ip netns del) and restart the agent",
 			"job", l.Job, "net", name, "addr", l.Addr)
 	}

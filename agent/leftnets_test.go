@@ -9,8 +9,10 @@ import (
 	"slices"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/ftkit/ftkit/jobnet"
+	"github.com/ftkit/ftkit/shim"
 )
 
 // TestLeftJobNetSurvivesRestart: a job network that could not be deleted (here a failed start's) kept its
@@ -107,4 +109,92 @@ func TestLeftJobNetSurvivesRestart(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(a.cfg.StateDir, leftNetsFile)); err != nil {
 		t.Error(err)
 	}
+}
+
+// leftAddrAgent is a test agent with a pool of job addresses whose job networks exist and cannot be
+// deleted (a.nets), and a restart that forgets what it held in memory.
+func leftAddrAgent(t *testing.T) (ta *testAgent, restart func()) {
+	ta = newTestAgent(t)
+	ta.reservedAddrs = map[netip.Addr]int{}
+	ta.cfg.Cluster.Listen = netip.MustParseAddrPort("127.0.0.1:1") // the pool's cluster network: lo's 127/8
+	ta.cfg.JobNetwork.Pool = netip.MustParsePrefix("127.0.0.200/30")
+	ta.cfg.JobNetwork.Kind = jobnet.MACVlan
+	ta.nets = jobNetOps{
+		exists: func(string) (bool, error) { return true, nil },
+		delete: func(context.Context, string) error { return errors.New("delete eth0: injected") },
+	}
+	return ta, func() {
+		ta.mu.Lock()
+		ta.reservedAddrs = map[netip.Addr]int{}
+		ta.mu.Unlock()
+		if _, err := ta.adopt(); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestOrphanJobNetAddrSurvivesRestart: an agent that stopped while an ended job's network lingered finds it
+// at its start (removeOrphanJobNet) and cannot delete it. That deletion passed no address: the record of
+// left networks had none, and neither that agent nor the next one kept the address the network still
+// holds on the wire from the next job.
+func TestOrphanJobNetAddrSurvivesRestart(t *testing.T) {
+	ta, restart := leftAddrAgent(t)
+	const id = "ended-0000000a"
+	addr := netip.MustParsePrefix("127.0.0.200/8") // the pool's first
+	must(t, ta.jobs.save(ta.addJob(t, Job{ID: id, State: JobExited, Net: &JobNet{Name: jobNetName(ta.cfg.Name, id), Kind: jobnet.MACVlan, Addr: addr}})))
+	for i := range 2 {
+		restart()
+		got, err := ta.allocJobAddr()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got.Addr() == addr.Addr() {
+			t.Fatalf("start %d: the next job got %s, which the ended job's undeleted network still holds", i+1, got)
+		}
+		ta.releaseJobAddr(got.Addr())
+	}
+}
+
+// TestClaimedLingeringNetAddrStaysReserved: a rollback's stop (or a new copy's claim) that cannot delete an
+// ended copy's lingering network leaves it on the wire. That deletion passed no address: the record of left
+// networks had none, and the next agent gave the address the network still holds to the next job. (The
+// lingering's own end, finding the network taken, also gave back the hold finish made, whether the claim
+// deleted it or not.)
+func TestClaimedLingeringNetAddrStaysReserved(t *testing.T) {
+	ta, restart := leftAddrAgent(t)
+	ta.cfg.JobNetwork.Linger = Duration{Duration: time.Minute}
+	addr, err := ta.allocJobAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	const id = "ended-0000000b"
+	name := jobNetName(ta.cfg.Name, id)
+	j := ta.addJob(t, Job{ID: id, State: JobRunning, PID: os.Getpid(), Net: &JobNet{Name: name, Kind: jobnet.MACVlan, Addr: addr}})
+	ta.releaseJobAddr(addr.Addr()) // StartJob returns
+	ta.finish(j, JobExited, &shim.ExitStatus{})
+	if !ta.lingering.has(name) {
+		t.Fatalf("the ended job's network %s does not linger", name)
+	}
+	ta.endLingering(t.Context(), name, "test: a rollback's stop")
+	left, err := ta.readLeftNets()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l, ok := left[name]; !ok || l.Addr != addr {
+		t.Errorf("the record of left networks has %s as %+v (recorded: %v), want it with address %s", name, l, ok, addr)
+	}
+	check := func(when string) {
+		t.Helper()
+		got, err := ta.allocJobAddr()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got.Addr() == addr.Addr() {
+			t.Errorf("%s: the next job got %s, which the ended job's undeleted network still holds", when, got)
+		}
+		ta.releaseJobAddr(got.Addr())
+	}
+	check("the claim failed")
+	restart()
+	check("after a restart")
 }

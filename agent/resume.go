@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
@@ -371,7 +372,9 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 			}
 			unrecorded := a.restoreOutlivedAgent(rj.Job)
 			if jerr != nil || unrecorded {
-				a.removeOrphanJobNet(ctx, rj.Job, "an interrupted recovery made it")
+				if addr := a.recoveredAddr(rj, j, jerr); a.removeOrphanJobNet(ctx, rj.Job, addr, "an interrupted recovery made it") != nil {
+					a.holdLeftAddr(addr)
+				}
 			}
 			a.releaseClamps(rj.Conns) // nothing is left to replay on them
 			err := fmt.Errorf("job %s (%s when the agent restarted) does not run on %s: its state is %s", rj.Job, rj.Phase, a.cfg.Name, state)
@@ -448,6 +451,24 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 		return
 	}
 	a.log.Info("resumed recovery complete", "failure", rec.Failure)
+}
+
+// recoveredAddr is the address an interrupted recovery gave job rj's network on this host: its record's
+// here (j, if jerr is nil), else its snapshot's (a failed host's job has no record here); none if neither
+// says.
+func (a *Agent) recoveredAddr(rj recoveryJob, j Job, jerr error) netip.Prefix {
+	if jerr == nil && j.Net != nil {
+		return j.Net.Addr
+	}
+	m, err := a.store.Manifest(rj.Job, rj.Snapshot)
+	if err != nil {
+		return netip.Prefix{}
+	}
+	sj, err := a.snapshotJob(m)
+	if err != nil {
+		return netip.Prefix{}
+	}
+	return sj.netAddr()
 }
 
 // restoreOutlivedAgent reports whether a copy of job id, which has no running record here, may run on
