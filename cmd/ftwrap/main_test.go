@@ -66,8 +66,9 @@ func serveAgent(t *testing.T, b agentapi.Backend) *agentapi.Client {
 }
 
 // followPastStale has ftwrap's waitExit for job meet stale, a superseded copy's exit record, while its agent
-// says agentSays of the job; once waitExit has asked the agent about it, the agent says ended, and end (the
-// job's end) goes in. It returns what waitExit took for the end.
+// says agentSays of the job; once waitExit has asked the agent about it, end (the job's end) goes in, and then
+// the agent says ended: in the other order, a look between the two met the stale record with the agent saying
+// ended, and took it (a flake of ci375 under load). It returns what waitExit took for the end.
 func followPastStale(t *testing.T, job, agentSays agent.Job, stale, end string) *shim.ExitStatus {
 	t.Helper()
 	b := newJobBackend(agentSays)
@@ -75,10 +76,10 @@ func followPastStale(t *testing.T, job, agentSays agent.Job, stale, end string) 
 	writeRaw(t, job.Dir, stale)
 	go func() {
 		<-b.asked
+		writeRaw(t, job.Dir, end)
 		ended := agentSays
 		ended.State = agent.JobExited
 		b.set(ended)
-		writeRaw(t, job.Dir, end)
 	}()
 	done := make(chan struct{})
 	var st *shim.ExitStatus
