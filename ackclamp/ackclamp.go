@@ -221,7 +221,7 @@ func (c *Clamp) Clamp(f tcpflow.Tuple, sndNxt uint32) error {
 }
 
 // Hold makes the clamp drop (on) or pass (off) the payload segments the peer sends on a registered flow,
-// all but those marked as injected (restore.InjectedTOS): while a replay delivers the peer's logged bytes
+// all but those marked as injected (restore.InjectedMark): while a replay delivers the peer's logged bytes
 // itself, the peer's retransmissions of them must not overtake it. The peer's ACKs always pass. The egress
 // program may raise the flow's snd_nxt between this read and write; the write then lowers it until the
 // socket's next segment, which only clamps a few ACKs more than needed.

@@ -36,6 +36,15 @@ func loadT(t *testing.T) *Clamp {
 	return c
 }
 
+// injectedMark is restore.InjectedMark (not imported: restore's tests import this package's clamp).
+const injectedMark = 0x66746b69
+
+// skbContext is the head of struct __sk_buff up to its mark, what BPF_PROG_TEST_RUN takes as a segment's
+// context (the fields before the mark must be 0).
+type skbContext struct {
+	Len, PktType, Mark uint32
+}
+
 // TestAckClamp runs the real programs (BPF_PROG_TEST_RUN) on crafted segments: the restored end's
 // segments raise its snd_nxt, the peer's ACKs beyond it are lowered to it with a valid checksum, and
 // other flows and ACKs below snd_nxt are left alone.
@@ -100,8 +109,9 @@ func TestAckClamp(t *testing.T) {
 }
 
 // TestAckClampHold runs the ingress program on the peer's segments of a held flow: those with payload are
-// dropped, pure ACKs pass (and are still clamped), segments marked as injected (TOS 0x04, as
-// restore.InjectFromPeer sends them) pass; released from the hold, everything passes again.
+// dropped, pure ACKs pass (and are still clamped), segments marked as injected (the skb mark
+// restore.InjectFromPeer gives them) pass, the peer's own with the TOS injected ones carry do not; released
+// from the hold, everything passes again.
 func TestAckClampHold(t *testing.T) {
 	c := loadT(t)
 	restored := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.9.0.12:7300"), Remote: netip.MustParseAddrPort("10.9.0.11:40000")}
@@ -116,26 +126,34 @@ func TestAckClampHold(t *testing.T) {
 		t.Fatal(err)
 	}
 	const tcxDrop = 2
-	run := func(payload int, tos byte, ack uint32) (ret uint32, gotAck uint32) {
+	run := func(payload int, tos byte, mark uint32, ack uint32) (ret uint32, gotAck uint32) {
 		t.Helper()
 		fr := tcpframe.Segment{Seq: 7, Ack: ack, Flags: 0x10, Window: 100, Payload: payload}.Frame(peer)
 		fr[15] = tos
 		tcpframe.Checksum(fr, true)
 		out := make([]byte, len(fr))
-		ret, err := c.objs.AckclampIngress.Run(&ebpf.RunOptions{Data: fr, DataOut: out})
+		ret, err := c.objs.AckclampIngress.Run(&ebpf.RunOptions{Data: fr, DataOut: out, Context: skbContext{Mark: mark}})
 		if err != nil {
 			t.Fatal(err)
 		}
 		return ret, binary.BigEndian.Uint32(out[14+20+8:])
 	}
-	if ret, _ := run(100, 0, 900); ret != tcxDrop {
+	if ret, _ := run(100, 0, 0, 900); ret != tcxDrop {
 		t.Errorf("held flow: a peer segment with payload returned %d, want drop (%d)", ret, tcxDrop)
 	}
-	if ret, ack := run(0, 0, 5000); ret == tcxDrop || ack != 1000 {
+	if ret, ack := run(0, 0, 0, 5000); ret == tcxDrop || ack != 1000 {
 		t.Errorf("held flow: a pure ACK returned %d with ack %d, want it passed and clamped to 1000", ret, ack)
 	}
-	if ret, _ := run(100, 0x04, 900); ret == tcxDrop {
-		t.Errorf("held flow: an injected segment (TOS 0x04) was dropped")
+	if ret, _ := run(100, 0x04, injectedMark, 900); ret == tcxDrop {
+		t.Errorf("held flow: an injected segment (marked) was dropped")
+	}
+	// The peer's own IP_TOS, an ECN retransmission or a DSCP re-mark may give its segments the TOS
+	// injected ones carry.
+	if ret, _ := run(100, 0x04, 0, 900); ret != tcxDrop {
+		t.Errorf("held flow: a peer segment with payload and TOS 0x04 returned %d, want drop (%d)", ret, tcxDrop)
+	}
+	if ret, ack := run(0, 0x04, 0, 5000); ret == tcxDrop || ack != 1000 {
+		t.Errorf("held flow: a pure ACK with TOS 0x04 returned %d with ack %d, want it passed and clamped to 1000", ret, ack)
 	}
 	if st, err := c.State(restored); err != nil || st.SndNxt != 1000 {
 		t.Errorf("hold changed the flow's state: %+v %v", st, err)
@@ -143,7 +161,7 @@ func TestAckClampHold(t *testing.T) {
 	if err := c.Hold(restored, false); err != nil {
 		t.Fatal(err)
 	}
-	if ret, _ := run(100, 0, 900); ret == tcxDrop {
+	if ret, _ := run(100, 0, 0, 900); ret == tcxDrop {
 		t.Errorf("released flow: a peer segment with payload was dropped")
 	}
 }
@@ -219,7 +237,7 @@ func TestAckClampQuiet(t *testing.T) {
 
 // TestAckClampPeerTimestamp runs the ingress program on the peer's segments: the highest TSval of those
 // that carry the timestamp option first (as Linux sends it) is kept, across the wrap; segments the agent
-// injects as the peer's (TOS 0x04), segments without the option, or with another option first, do not
+// injects as the peer's (marked), segments without the option, or with another option first, do not
 // count.
 func TestAckClampPeerTimestamp(t *testing.T) {
 	c := loadT(t)
@@ -238,21 +256,23 @@ func TestAckClampPeerTimestamp(t *testing.T) {
 		name string
 		opts []byte
 		tos  byte
+		mark uint32
 		want uint32
 	}{
 		{name: "no option yet", want: 0},
 		{name: "first", opts: ts(0xfffffff0), want: 0xfffffff0},
 		{name: "older: kept", opts: ts(0xffffff00), want: 0xfffffff0},
 		{name: "across the wrap", opts: ts(0x20), want: 0x20},
-		{name: "injected: not the peer's", opts: ts(0x1000), tos: 0x04, want: 0x20},
-		{name: "another option first", opts: sackFirst, want: 0x20},
+		{name: "injected: not the peer's", opts: ts(0x1000), tos: 0x04, mark: injectedMark, want: 0x20},
+		{name: "the peer's with TOS 0x04", opts: ts(0x28), tos: 0x04, want: 0x28},
+		{name: "another option first", opts: sackFirst, want: 0x28},
 		{name: "later", opts: ts(0x30), want: 0x30},
 	}
 	for _, s := range steps {
 		fr := tcpframe.Segment{Seq: 7, Ack: 900, Flags: 0x10, Window: 100, Opts: s.opts, Payload: 10}.Frame(peer)
 		fr[15] = s.tos
 		tcpframe.Checksum(fr, true)
-		if _, err := c.objs.AckclampIngress.Run(&ebpf.RunOptions{Data: fr}); err != nil {
+		if _, err := c.objs.AckclampIngress.Run(&ebpf.RunOptions{Data: fr, Context: skbContext{Mark: s.mark}}); err != nil {
 			t.Fatal(err)
 		}
 		st, err := c.State(restored)

@@ -87,8 +87,10 @@ struct clamp_state {
 	__u32 peer_tsval; // the highest TSval of the peer's own segments (0: none seen), see peer_timestamp
 };
 
-// INJECTED_TOS marks the segments the agent injects as the peer's (restore.InjectFromPeer): never held.
-#define INJECTED_TOS 0x04
+// INJECTED_MARK is the skb mark of the segments the agent injects as the peer's (restore.InjectedMark, set
+// with SO_MARK on its raw socket): never held. A mark, not a header field: the peer's own segments can carry
+// any TOS (its IP_TOS, a DSCP re-mark), but reach TCX ingress from the wire with mark 0.
+#define INJECTED_MARK 0x66746b69
 #define TCX_DROP 2
 
 _Static_assert(sizeof(struct clamp_state) == 48, "clamp_state must have no padding");
@@ -215,7 +217,7 @@ int ackclamp_ingress(struct __sk_buff *skb)
 		return TCX_NEXT;
 	struct clamp_key k = {.saddr = ip.daddr, .daddr = ip.saddr, .sport = tcp.dest, .dport = tcp.source};
 	struct clamp_state *st = bpf_map_lookup_elem(&clamps, &k);
-	if (!st || ip.tos == INJECTED_TOS)
+	if (!st || skb->mark == INJECTED_MARK)
 		return TCX_NEXT;
 	peer_timestamp(skb, nh + ip.ihl * 4, &tcp, st);
 	if (tcp.ack) {

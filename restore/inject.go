@@ -103,6 +103,9 @@ func InjectFromPeer(conn tcpflow.Tuple, h PeerHeader, payload []byte) error {
 		return fmt.Errorf("inject into %s: raw socket: %w", conn, err)
 	}
 	defer unix.Close(fd)
+	if err := unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_MARK, InjectedMark); err != nil {
+		return fmt.Errorf("inject into %s: mark the raw socket's datagrams (SO_MARK needs CAP_NET_ADMIN): %w", conn, err)
+	}
 	// IPPROTO_RAW implies IP_HDRINCL: the source must be the peer's address, which is not one of this
 	// namespace's, so the IP header is ours (the kernel fills in its length, id and checksum).
 	to := &unix.SockaddrInet4{Addr: conn.Local.Addr().As4()}
@@ -131,8 +134,13 @@ func forEachSegment(h PeerHeader, payload []byte, max int, fn func(PeerHeader, [
 	return nil
 }
 
-// InjectedTOS is the TOS byte of every injected datagram (DSCP 1, no ECN): the ACK clamp passes such
-// segments on a flow it holds (ackclamp.Clamp.Hold), and drops the peer's own payload segments.
+// InjectedMark is the mark (SO_MARK) of every injected datagram: the ACK clamp passes such segments on a
+// flow it holds (ackclamp.Clamp.Hold), and drops the peer's own payload segments, whatever their TOS.
+const InjectedMark = 0x66746b69
+
+// InjectedTOS is the TOS byte of every injected datagram (DSCP 1, no ECN). The clamp tells injected
+// segments by their mark; a clamp an older agent pinned, still attached while its flows replay, tells
+// them by this byte.
 const InjectedTOS = 0x04
 
 // peerDatagram is an IPv4 datagram from conn.Remote to conn.Local holding peerSegment.
