@@ -148,6 +148,14 @@ func coveringPrefix(addrs []netip.Addr) (netip.Prefix, error) {
 	if len(addrs) == 0 {
 		return netip.Prefix{}, errors.New("no addresses")
 	}
+	// A member's cluster address may be IPv4-mapped (the ring takes ::ffff:a.b.c.d for a.b.c.d), but the
+	// hosts' interfaces hold the IPv4 address: an IPv6 prefix of mapped addresses matches none of them, and
+	// escapes the loopback check below (::ffff:127.0.0.1 is not 127.0.0.1).
+	unmapped := make([]netip.Addr, len(addrs))
+	for i, a := range addrs {
+		unmapped[i] = a.Unmap()
+	}
+	addrs = unmapped
 	bits := addrs[0].BitLen()
 	for _, a := range addrs[1:] {
 		if a.BitLen() != addrs[0].BitLen() {

@@ -140,6 +140,11 @@ func TestCoveringPrefix(t *testing.T) {
 		{"IPv6", addrs("fd00::1", "fd00::2"), "fd00::/126", ""},
 		{"would hold loopback", addrs("10.1.2.3", "100.1.2.3"), "", "loopback"},
 		{"mixed families", addrs("10.1.2.3", "fd00::1"), "", "families"},
+		// A member's cluster address may be IPv4-mapped (the ring takes ::ffff:a.b.c.d for a.b.c.d): MPI's
+		// interfaces have the IPv4 one.
+		{"IPv4-mapped next to IPv4", addrs("::ffff:10.0.0.1", "10.0.0.2"), "10.0.0.0/30", ""},
+		{"IPv4-mapped only", addrs("::ffff:10.0.0.1", "::ffff:10.0.0.2"), "10.0.0.0/30", ""},
+		{"IPv4-mapped would hold loopback", addrs("::ffff:10.1.2.3", "::ffff:100.1.2.3"), "", "loopback"},
 		{"none", nil, "", "no addresses"},
 	}
 	for _, tt := range tests {
