@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"log/slog"
 	"net/netip"
 	"os"
 	"os/exec"
@@ -654,17 +655,27 @@ func newMPILaunchDaemonCmd(logs *cli.LogFlags) *cobra.Command {
 				return cli.WithCode(125, fmt.Errorf("start the MPI daemon on %s: %w", host, err))
 			}
 			log.Debug("MPI daemon started", "host", host, "job", job.ID, "pid", job.PID)
-			// This process lives inside node1's job (a child of mpirun) and is snapshotted with it. A unix
-			// connection to an agent outside the job cannot be dumped by CRIU, so re-exec: the exec closes the
-			// client's kept-alive connection, and the follower only reads files.
-			self, err := os.Executable()
-			if err != nil {
-				return err
-			}
-			return syscall.Exec(self, []string{self, "mpirun", "follow-job", job.Dir}, os.Environ())
+			return followDaemon(cmd.Context(), log, job.Dir, cmd.OutOrStdout(), cmd.ErrOrStderr(), syscall.Exec)
 		},
 	}
 	return cmd
+}
+
+// followDaemon follows the started MPI daemon's job in dir: this process becomes `ftctl mpirun follow-job
+// dir` through execve (syscall.Exec), else follows it itself.
+func followDaemon(ctx context.Context, log *slog.Logger, dir string, stdout, stderr io.Writer, execve func(string, []string, []string) error) error {
+	// This process lives inside node1's job (a child of mpirun) and is snapshotted with it. A unix
+	// connection to an agent outside the job cannot be dumped by CRIU, so re-exec: the exec closes the
+	// client's kept-alive connection, and the follower only reads files.
+	self, err := os.Executable()
+	if err == nil {
+		err = execve(self, []string{self, "mpirun", "follow-job", dir}, os.Environ())
+	}
+	// The daemon's job runs already: returning the error would tell MPI that it never started, while it ran
+	// on unfollowed, its output and status no one's. The client closes its idle connection within its idle
+	// timeout (agentapi), after which node1's job can be snapshotted again.
+	log.Warn("could not re-exec as the MPI daemon's follower; following its job in this process", "dir", dir, "err", err)
+	return followJob(ctx, dir, stdout, stderr)
 }
 
 // newMPIFollowCmd copies a job's output to stdout and stderr until the job's exit record appears, wherever
@@ -676,28 +687,34 @@ func newMPIFollowCmd() *cobra.Command {
 		Hidden: true,
 		Args:   cli.Args(cobra.ExactArgs(1)),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			j := agent.Job{Dir: args[0]}
-			var outAt, errAt int64
-			for {
-				st, exitErr := shim.ReadExit(j.ExitPath())
-				outAt += copyTail(j.StdoutPath(), outAt, cmd.OutOrStdout())
-				errAt += copyTail(j.StderrPath(), errAt, cmd.ErrOrStderr())
-				if exitErr == nil {
-					if st.Reason != "" {
-						return cli.WithCode(st.Code, fmt.Errorf("MPI daemon job in %s exited with status %d: %s", args[0], st.Code, st.Reason))
-					}
-					if st.Code != 0 {
-						return cli.WithCode(st.Code, fmt.Errorf("MPI daemon job in %s exited with status %d", args[0], st.Code))
-					}
-					return nil
-				}
-				select {
-				case <-cmd.Context().Done():
-					return cmd.Context().Err()
-				case <-time.After(200 * time.Millisecond):
-				}
-			}
+			return followJob(cmd.Context(), args[0], cmd.OutOrStdout(), cmd.ErrOrStderr())
 		},
+	}
+}
+
+// followJob copies the output of the job whose directory is dir to stdout and stderr until its exit record
+// appears, and returns its status as an error.
+func followJob(ctx context.Context, dir string, stdout, stderr io.Writer) error {
+	j := agent.Job{Dir: dir}
+	var outAt, errAt int64
+	for {
+		st, exitErr := shim.ReadExit(j.ExitPath())
+		outAt += copyTail(j.StdoutPath(), outAt, stdout)
+		errAt += copyTail(j.StderrPath(), errAt, stderr)
+		if exitErr == nil {
+			if st.Reason != "" {
+				return cli.WithCode(st.Code, fmt.Errorf("MPI daemon job in %s exited with status %d: %s", dir, st.Code, st.Reason))
+			}
+			if st.Code != 0 {
+				return cli.WithCode(st.Code, fmt.Errorf("MPI daemon job in %s exited with status %d", dir, st.Code))
+			}
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(200 * time.Millisecond):
+		}
 	}
 }
 

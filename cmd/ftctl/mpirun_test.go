@@ -2,10 +2,12 @@ package main
 
 import (
 	"errors"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/ftkit/ftkit/internal/cli"
@@ -181,5 +183,31 @@ func TestCheckJobNames(t *testing.T) {
 		if (err == nil) != tt.ok {
 			t.Errorf("checkJobNames(%q, %v) = %v, want ok %v", tt.run, tt.ranks, err, tt.ok)
 		}
+	}
+}
+
+// TestFollowDaemonExecFails: launch-daemon has started the MPI daemon's job when it re-execs itself as its
+// follower; if that exec fails, the job runs on all the same, so it is followed in this process: its output
+// is copied and its status is the launcher's, not the exec's error (which told MPI the daemon never started
+// while it ran unfollowed).
+func TestFollowDaemonExecFails(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("an exit record is read only if root wrote it")
+	}
+	dir := t.TempDir()
+	for name, b := range map[string]string{"stdout": "out\n", "stderr": "err\n", "exit": `{"code":3,"node":"node2"}`} {
+		if err := os.WriteFile(filepath.Join(dir, name), []byte(b), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var out, errOut strings.Builder
+	execve := func(string, []string, []string) error { return syscall.ENOMEM }
+	err := followDaemon(t.Context(), slog.New(slog.DiscardHandler), dir, &out, &errOut, execve)
+	var ee *cli.ExitError
+	if !errors.As(err, &ee) || ee.Code != 3 || !strings.Contains(err.Error(), "exited with status 3") {
+		t.Fatalf("followDaemon with a failing exec: %v; want the job's status 3", err)
+	}
+	if out.String() != "out\n" || errOut.String() != "err\n" {
+		t.Errorf("followDaemon copied stdout %q, stderr %q; want the job's %q, %q", out.String(), errOut.String(), "out\n", "err\n")
 	}
 }
