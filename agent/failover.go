@@ -818,7 +818,8 @@ func (a *Agent) serveClaim(peer string, cl spare.Claim) error {
 // the failed node's next protector claims with a failure id of its own; once that node is failed in the
 // view, the check below never frees the claim, and the spare stayed busy until it rejoined. And from a
 // claim whose claimer's timeline names another target: the claimer did not get this host's answer (it
-// timed out after the claim was persisted here) and took the next spare, so no request comes here.
+// timed out after the claim was persisted here) and took the next spare, so no request comes here. And
+// from a claim whose recovery request did not come within the time a recovery may take (claimUnnamed).
 //
 // Never while a job runs or is being restored here: the failed node may be alive in the view because its
 // replacement's view lost the same-epoch tie-break (until its protector applies it again) while its jobs,
@@ -864,10 +865,10 @@ func (a *Agent) releaseAbandonedClaim(v ring.View) {
 	}
 	if a.claimUnnamed(cur) {
 		if err := a.claims.Release(cur.Failure); err != nil {
-			a.log.Error("release a claim no timeline of its claimer names", "failure", cur.Failure, "err", err)
+			a.log.Error("release a claim whose recovery never came", "failure", cur.Failure, "err", err)
 			return
 		}
-		a.log.Warn("claim released: its claimer never named the failure in a timeline nor sent its recovery here", "failure", cur.Failure,
+		a.log.Warn("claim released: its claimer never sent its recovery here within the time a recovery may take", "failure", cur.Failure,
 			"failed", cur.Failed, "by", cur.By, "claimed", cur.At)
 		return
 	}
@@ -887,19 +888,15 @@ func (a *Agent) releaseAbandonedClaim(v ring.View) {
 	}
 }
 
-// claimUnnamed says whether cur is older than a recovery may take while no timeline of its claimer names
-// its failure and no recovery request of it came here. A protector records its timeline before it claims
-// and pushes it to every member with its view change, before its recovery request; a claim still unnamed
-// after recoverLimit (by this host's clock) is not a fail-over's, and kept, an alive member could hold every
-// ring spare with claims for failures it never declared.
+// claimUnnamed says whether cur is older than a recovery may take while no recovery request of it came
+// here. A protector sends its recovery request right after its view change, which follows the claim by the
+// fence wait; a claim still without one after recoverLimit (by this host's clock) is not a fail-over's, and
+// kept, an alive member could hold every ring spare with claims for failures it never declared. Whatever
+// the claimer's timeline of it says: one it never finishes (or one that ended before its view change, the
+// node failed over by another protector since) kept the spare busy for as long as the claimer lived.
 func (a *Agent) claimUnnamed(cur spare.Claim) bool {
 	if cur.By == a.cfg.Name || time.Since(cur.At) <= recoverLimit {
 		return false
-	}
-	for _, f := range a.failures.List() {
-		if f.ID == cur.Failure && f.Protector == cur.By {
-			return false
-		}
 	}
 	_, err := os.Stat(recoveryPath(a.cfg.StateDir, cur.Failure))
 	return errors.Is(err, fs.ErrNotExist)

@@ -144,11 +144,13 @@ func TestServeClaimReleasesClaimRecoveredElsewhere(t *testing.T) {
 	}
 }
 
-// TestServeClaimReleasesUnnamedClaim: a ring spare claimed by an alive member for a failure no timeline of
-// that member names, and whose recovery never came here, is free again once the claim is older than a
-// recovery may take: the claimer's fail-over would have pushed its timeline long before. The old code kept
-// such a claim for as long as the claimer lived, so a misbehaving member could hold every ring spare. A
-// younger claim, one the claimer's timeline names, or one whose recovery came here, is kept.
+// TestServeClaimReleasesUnnamedClaim: a ring spare claimed by an alive member for a failure whose recovery
+// never came here is free again once the claim is older than a recovery may take, whether or not a
+// timeline of the claimer names the failure: the claimer's fail-over would have sent its request long
+// before. The old code kept such a claim for as long as the claimer lived, so a misbehaving member could
+// hold every ring spare; and it kept one the claimer's timeline names for good, so a member could hold a
+// spare with a timeline it never finishes, or one that ended before its view change (the node failed over
+// by another protector since). A younger claim, or one whose recovery came here, is kept.
 func TestServeClaimReleasesUnnamedClaim(t *testing.T) {
 	for _, tt := range []struct {
 		name     string
@@ -156,11 +158,17 @@ func TestServeClaimReleasesUnnamedClaim(t *testing.T) {
 		timeline bool // the claimer's timeline names the failure
 		record   bool // its recovery request came here
 		accepted bool
+		done     bool // the claimer's timeline says done, without a target
+		failed   bool // the failed node is failed in the view (another protector's failure of it)
 	}{
-		{"unnamed, older than a recovery", 2 * recoverLimit, false, false, true},
-		{"unnamed, young", time.Minute, false, false, false},
-		{"named by the claimer's timeline", 2 * recoverLimit, true, false, false},
-		{"its recovery came here", 2 * recoverLimit, false, true, false},
+		{"unnamed, older than a recovery", 2 * recoverLimit, false, false, true, false, false},
+		{"unnamed, young", time.Minute, false, false, false, false, false},
+		{"named by the claimer's timeline, young", time.Minute, true, false, false, false, false},
+		{"named by a timeline the claimer never finishes", 2 * recoverLimit, true, false, true, false, false},
+		{"named by a timeline the claimer never finishes, its node failed", 2 * recoverLimit, true, false, true, false, true},
+		{"named by a timeline that ended before the view changed, its node failed since", 2 * recoverLimit, true, false, true, true, true},
+		{"its recovery came here", 2 * recoverLimit, false, true, false, false, false},
+		{"its recovery came here, named", 2 * recoverLimit, true, true, false, false, false},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			a, _ := newWireAgent(t, "s1", testMembers(nil))
@@ -168,7 +176,12 @@ func TestServeClaimReleasesUnnamedClaim(t *testing.T) {
 				t.Fatal(err)
 			}
 			if tt.timeline {
-				a.failures.Update("n3-1", func(f *Failure) { f.Node, f.Protector, f.Detected = "n3", "n2", time.Now() })
+				a.failures.Update("n3-1", func(f *Failure) { f.Node, f.Protector, f.Detected, f.Done = "n3", "n2", time.Now(), tt.done })
+			}
+			if tt.failed {
+				if _, err := a.updateView(func(v ring.View) (ring.View, error) { return v.Fail("n3") }); err != nil {
+					t.Fatal(err)
+				}
 			}
 			if tt.record {
 				p := recoveryPath(a.cfg.StateDir, "n3-1")
