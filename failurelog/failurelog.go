@@ -292,8 +292,19 @@ func (l *Log) Update(id string, fn func(*Failure)) {
 	}
 	fn(f)
 	f.bound()
-	f.Updated = time.Now()
+	f.stamp()
 	l.trim()
+}
+
+// stamp sets f.Updated to now, or just after its previous stamp if this host's clock went back since (NTP
+// stepping a clock that ran ahead): a member keeps only a copy stamped after the one it holds (Merge), and
+// would ignore every change until the clock caught up, the recovery's end among them.
+func (f *Failure) stamp() {
+	now := time.Now()
+	if !now.After(f.Updated) {
+		now = f.Updated.Add(time.Nanosecond)
+	}
+	f.Updated = now
 }
 
 // TakeOver marks the unfinished recoveries that protector coordinates on target as taken over by the
@@ -308,7 +319,8 @@ func (l *Log) TakeOver(protector, target, by string) map[string]string {
 		if f.Done || f.Kind != "" || f.Protector != protector || f.Target != target || f.ID == by || f.TakenOver != "" {
 			continue
 		}
-		f.TakenOver, f.Updated = by, time.Now()
+		f.TakenOver = by
+		f.stamp()
 		for _, j := range f.Jobs {
 			jobs[j] = f.Node
 		}
@@ -326,7 +338,8 @@ func (l *Log) GiveBack(by string) bool {
 	cleared := false
 	for _, f := range l.byID {
 		if f.TakenOver == by && !f.Done {
-			f.TakenOver, f.Updated = "", time.Now()
+			f.TakenOver = ""
+			f.stamp()
 			cleared = true
 		}
 	}

@@ -462,3 +462,46 @@ func TestConcurrentSavesKeepTheNewest(t *testing.T) {
 		}
 	}
 }
+
+// TestUpdateStampsAfterPrevious: a protector whose clock went back (NTP stepping a clock that ran ahead)
+// stamps each change of its timeline after the previous stamp anyway: a member keeps only a copy stamped
+// after the one it holds, and would ignore every change, the recovery's end among them, until the clock
+// caught up.
+func TestUpdateStampsAfterPrevious(t *testing.T) {
+	ahead := time.Now().Add(time.Hour) // the stamp written before the clock was stepped back
+	for _, tc := range []struct {
+		name      string
+		takenOver string // the timeline's mark before the change
+		change    func(l *Log)
+	}{
+		{"update", "", func(l *Log) { l.Update("node2-1", func(f *Failure) { f.Done = true }) }},
+		{"take over", "", func(l *Log) { l.TakeOver("node1", "spare1", "spare1-1") }},
+		{"give back", "spare0-1", func(l *Log) { l.GiveBack("spare0-1") }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			was := []*Failure{{ID: "node2-1", Node: "node2", Protector: "node1", Target: "spare1", Detected: ahead, Updated: ahead,
+				TakenOver: tc.takenOver}}
+			b, err := json.Marshal(was)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := os.WriteFile(filepath.Join(dir, "failures.json"), b, 0o600); err != nil {
+				t.Fatal(err)
+			}
+			l, err := Open(dir, "node1")
+			if err != nil {
+				t.Fatal(err)
+			}
+			peer, err := Open(t.TempDir(), "node3")
+			if err != nil {
+				t.Fatal(err)
+			}
+			peer.Merge("node1", l.List()[0])
+			tc.change(l)
+			if got := l.List()[0]; !peer.Merge("node1", got) {
+				t.Errorf("the peer refused the changed timeline: stamped %v, the one it holds %v", got.Updated, ahead)
+			}
+		})
+	}
+}
