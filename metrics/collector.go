@@ -36,6 +36,18 @@ type collector struct {
 	recoveryTotal   *hist
 	stageTotals     map[string]*hist
 	countedFailures map[string]*countedFailure // by failure id: those the log holds now
+	// forgotten are the counts of failures the log dropped, oldest drop first, at most maxForgotten: a
+	// dropped failure may come back (a newer copy from its protector, ordered by its update when it has no
+	// detection time), and what was counted of it must not be counted again.
+	forgotten []forgottenFailure
+}
+
+// maxForgotten bounds what the collector keeps of failures the log dropped: ids come from other members.
+const maxForgotten = 1024
+
+type forgottenFailure struct {
+	id string
+	cf *countedFailure
 }
 
 // countedFailure is what the histograms have counted of one failure.
@@ -207,7 +219,7 @@ func (c *collector) collectRecoveries(ch chan<- prometheus.Metric, fs []Failure)
 		present[f.ID] = true
 		cf := c.countedFailures[f.ID]
 		if cf == nil {
-			cf = &countedFailure{}
+			cf = c.remembered(f.ID)
 			c.countedFailures[f.ID] = cf
 		}
 		next := cf.nextStage
@@ -232,11 +244,15 @@ func (c *collector) collectRecoveries(ch chan<- prometheus.Metric, fs []Failure)
 		}
 	}
 	// What the log no longer holds is not counted again (its totals stay): the memory stays bounded by
-	// the log's.
-	for id := range c.countedFailures {
+	// the log's, plus maxForgotten.
+	for id, cf := range c.countedFailures {
 		if !present[id] {
 			delete(c.countedFailures, id)
+			c.forgotten = append(c.forgotten, forgottenFailure{id, cf})
 		}
+	}
+	if n := len(c.forgotten) - maxForgotten; n > 0 {
+		c.forgotten = append(c.forgotten[:0:0], c.forgotten[n:]...)
 	}
 	for state, n := range states {
 		ch <- prometheus.MustNewConstMetric(c.recoveries, prometheus.GaugeValue, float64(n), state)
@@ -253,6 +269,18 @@ func (c *collector) collectRecoveries(ch chan<- prometheus.Metric, fs []Failure)
 		// A copy: the metric reads its buckets after Collect returns, when the next scrape may add to them.
 		ch <- prometheus.MustNewConstHistogram(c.stageSeconds, h.count, h.sum, maps.Clone(h.buckets), n)
 	}
+}
+
+// remembered takes what was counted of failure id out of the forgotten ones (the log dropped it and it came
+// back), or starts it anew. Call with c.mu held.
+func (c *collector) remembered(id string) *countedFailure {
+	for i, f := range c.forgotten {
+		if f.id == id {
+			c.forgotten = append(c.forgotten[:i], c.forgotten[i+1:]...)
+			return f.cf
+		}
+	}
+	return &countedFailure{}
 }
 
 // hist accumulates a constant histogram: cumulative counts per upper bound.

@@ -498,3 +498,35 @@ func histogramCounts(t *testing.T, m *Metrics) map[string]uint64 {
 	}
 	return out
 }
+
+// A failure the bounded log dropped may come back into it (a newer copy from its protector, ordered by its
+// update when it has no detection time): what was counted of it is not counted again, only what is new.
+func TestRecoveryHistogramsFailureReenters(t *testing.T) {
+	done := Failure{ID: "n1-a", Done: true, Duration: 3 * time.Second, Stages: []Stage{{Name: "detected", Duration: time.Second}, {Name: "restored", Duration: 2 * time.Second, Seq: 1}}}
+	running := Failure{ID: "n1-a", Stages: []Stage{{Name: "detected", Duration: time.Second}}}
+	other := Failure{ID: "n2-b", Stages: []Stage{{Name: "detected", Duration: time.Second}}}
+	for _, tc := range []struct {
+		name                           string
+		first, again                   Failure
+		recoveries, detected, restored uint64
+	}{
+		{"done, back the same", done, done, 1, 2, 1},
+		{"running, back done", running, done, 1, 2, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			src := &fakeSource{State{Failures: []Failure{tc.first}}}
+			m := New(src)
+			histogramCounts(t, m)
+			src.st.Failures = []Failure{other} // tc.first left the bounded log
+			histogramCounts(t, m)
+			src.st.Failures = []Failure{tc.again, other} // and came back
+			got := histogramCounts(t, m)
+			want := map[string]uint64{"recovery": tc.recoveries, "detected": tc.detected, "restored": tc.restored}
+			for k, w := range want {
+				if got[k] != w {
+					t.Errorf("%s count %d, want %d (all: %v)", k, got[k], w, got)
+				}
+			}
+		})
+	}
+}
