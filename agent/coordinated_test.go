@@ -195,31 +195,11 @@ func TestSnapshotBeforeCommitKeepsCutsSnapshot(t *testing.T) {
 	uid := uint32(0)
 	spec := JobSpec{Run: "farm", Recovery: coordinated.RecoveryAuto}
 	j, _ := frozenJob(t, ta, Job{ID: "farm-node1-1", UID: uid, Spec: spec, Net: &JobNet{Name: "ftj-test"}})
-	replicated := func(id string) *ckpt.Manifest {
-		m, err := ta.store.AddReplica(j.ID, id, "node2")
-		if err != nil {
-			t.Fatal(err)
-		}
-		return m
-	}
 	const cut = "cut-20261203T100000.000"
-	req := func(p clusterapi.CoordPhase) clusterapi.CoordinateRequest {
-		return clusterapi.CoordinateRequest{Run: "farm", UID: &uid, Cut: cut, Phase: p}
-	}
-	if _, err := ta.serveCoordinate(t.Context(), "node2", req(clusterapi.CoordFreeze)); err != nil {
-		t.Fatal(err)
-	}
-	// The dump phase, as coordDump leaves it (the test agent has no CRIU).
-	cutSnap := replicated(ta.addSnapshot(t, Job{ID: j.ID, UID: uid, Node: ta.cfg.Name, Spec: spec}))
-	hold := ta.coord.Get(coordinated.HoldKey(req(clusterapi.CoordFreeze)), cut)
-	hold.Dumped = append(hold.Dumped, cutSnap)
-	// The thaw; its shipping is cut short (no protector answers here), as if it were done.
-	done, cancel := context.WithCancel(t.Context())
-	cancel()
-	ta.serveCoordinate(done, "node2", req(clusterapi.CoordThaw))
+	cutSnap, req := thawedCut(t, ta, j.ID, spec, cut)
 
 	// The schedule's snapshot, replicated, then pruned as replicate does.
-	later := replicated(ta.addSnapshot(t, Job{ID: j.ID, UID: uid, Node: ta.cfg.Name, Spec: spec}))
+	later := replicatedSnapshot(t, ta, j.ID, spec)
 	ta.pruneOwn(t.Context(), j.ID)
 
 	commit := req(clusterapi.CoordCommit)
@@ -241,6 +221,38 @@ func TestSnapshotBeforeCommitKeepsCutsSnapshot(t *testing.T) {
 	if pins := ta.uncommitted.Pinned(j.ID); len(pins) != 0 {
 		t.Errorf("snapshots %v still pinned as uncommitted after the commit", pins)
 	}
+}
+
+// replicatedSnapshot commits a snapshot of ta's job id (uid 0, spec) and records its replica on node2.
+func replicatedSnapshot(t *testing.T, ta *testAgent, id string, spec JobSpec) *ckpt.Manifest {
+	t.Helper()
+	m, err := ta.store.AddReplica(id, ta.addSnapshot(t, Job{ID: id, UID: 0, Node: ta.cfg.Name, Spec: spec}), "node2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+// thawedCut takes ta through the freeze, dump and thaw of cut, coordinated by node2, of run "farm" (uid 0)
+// whose part here is job id (spec). The dump phase is as coordDump leaves it (the test agent has no CRIU):
+// a snapshot, replicated, in the cut's hold. The thaw's shipping is cut short (no protector answers here),
+// as if it were done. It returns the cut's snapshot and the cut's request of a phase.
+func thawedCut(t *testing.T, ta *testAgent, id string, spec JobSpec, cut string) (*ckpt.Manifest, func(clusterapi.CoordPhase) clusterapi.CoordinateRequest) {
+	t.Helper()
+	uid := uint32(0)
+	req := func(p clusterapi.CoordPhase) clusterapi.CoordinateRequest {
+		return clusterapi.CoordinateRequest{Run: "farm", UID: &uid, Cut: cut, Phase: p}
+	}
+	if _, err := ta.serveCoordinate(t.Context(), "node2", req(clusterapi.CoordFreeze)); err != nil {
+		t.Fatal(err)
+	}
+	cutSnap := replicatedSnapshot(t, ta, id, spec)
+	hold := ta.coord.Get(coordinated.HoldKey(req(clusterapi.CoordFreeze)), cut)
+	hold.Dumped = append(hold.Dumped, cutSnap)
+	done, cancel := context.WithCancel(t.Context())
+	cancel()
+	ta.serveCoordinate(done, "node2", req(clusterapi.CoordThaw))
+	return cutSnap, req
 }
 
 // TestRollbackToOlderCutRefused: a cut's commit reached this host but not the member that now coordinates
@@ -529,26 +541,8 @@ func TestCutPinsSurviveAgentRestart(t *testing.T) {
 	uid := uint32(0)
 	spec := JobSpec{Run: "farm", Recovery: coordinated.RecoveryAuto}
 	j, _ := frozenJob(t, ta, Job{ID: "farm-node1-1", UID: uid, Spec: spec, Net: &JobNet{Name: "ftj-test"}})
-	replicated := func(id string) *ckpt.Manifest {
-		m, err := ta.store.AddReplica(j.ID, id, "node2")
-		if err != nil {
-			t.Fatal(err)
-		}
-		return m
-	}
 	const cut = "cut-20261203T100000.000"
-	req := func(p clusterapi.CoordPhase) clusterapi.CoordinateRequest {
-		return clusterapi.CoordinateRequest{Run: "farm", UID: &uid, Cut: cut, Phase: p}
-	}
-	if _, err := ta.serveCoordinate(t.Context(), "node2", req(clusterapi.CoordFreeze)); err != nil {
-		t.Fatal(err)
-	}
-	cutSnap := replicated(ta.addSnapshot(t, Job{ID: j.ID, UID: uid, Node: ta.cfg.Name, Spec: spec}))
-	hold := ta.coord.Get(coordinated.HoldKey(req(clusterapi.CoordFreeze)), cut)
-	hold.Dumped = append(hold.Dumped, cutSnap)
-	done, cancel := context.WithCancel(t.Context())
-	cancel()
-	ta.serveCoordinate(done, "node2", req(clusterapi.CoordThaw))
+	cutSnap, req := thawedCut(t, ta, j.ID, spec, cut)
 
 	// The restart: what the agent kept in memory is gone; a new one opens the state directory.
 	ta.uncommitted = coordinated.Uncommitted{}
@@ -564,7 +558,7 @@ func TestCutPinsSurviveAgentRestart(t *testing.T) {
 		t.Error("after the restart, the replication of the job's next snapshot did not wait for the cut's commit (its protector would prune the cut's replica)")
 	}
 
-	later := replicated(ta.addSnapshot(t, Job{ID: j.ID, UID: uid, Node: ta.cfg.Name, Spec: spec}))
+	later := replicatedSnapshot(t, ta, j.ID, spec)
 	ta.pruneOwn(t.Context(), j.ID)
 	commit := req(clusterapi.CoordCommit)
 	commit.Parts = []clusterapi.CutPart{{Job: j.ID, Host: ta.cfg.Name, Snapshot: cutSnap.ID, Recovery: spec.Recovery}}

@@ -15,6 +15,54 @@ import (
 	"github.com/ftkit/ftkit/jobnet"
 )
 
+// saveEndedAt saves the record of ta's job id as that of a job that ended at ended: a record without its
+// end (Ended), written then (its file's modification time).
+func (ta *testAgent) saveEndedAt(t *testing.T, id string, ended time.Time) {
+	t.Helper()
+	ta.mu.Lock()
+	j := ta.byID[id]
+	ta.mu.Unlock()
+	if err := ta.jobs.save(j); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chtimes(ta.jobs.path(id), ended, ended); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// forgettingN1 is member n1 (clientAgent) in a cluster where n2 listens on port, with a store of job
+// records and checkpoint.keep_ended an hour.
+func forgettingN1(t *testing.T, pki *testPKI, port uint16) *Agent {
+	t.Helper()
+	n1, _ := clientAgent(t, pki, map[string]uint16{"n2": port})
+	n1.cfg.Checkpoint.KeepEnded = Duration{Duration: time.Hour}
+	n1.jobs = jobStore{dir: filepath.Join(n1.cfg.StateDir, "jobs")}
+	if err := os.MkdirAll(n1.jobs.dir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	return n1
+}
+
+// keepRecord saves rec, a's record of its job, and keeps it in memory as a's record.
+func keepRecord(t *testing.T, a *Agent, rec *Job) {
+	t.Helper()
+	if err := a.jobs.save(rec); err != nil {
+		t.Fatal(err)
+	}
+	a.mu.Lock()
+	a.byID[rec.ID] = rec
+	a.mu.Unlock()
+}
+
+// addN1Snapshots adds n snapshots of n1's job to a's store, as the replicas a holds of n1's.
+func addN1Snapshots(t *testing.T, a *Agent, job string, n int) {
+	t.Helper()
+	h := &testAgent{Agent: &Agent{store: storeOf(t, a, "n1")}}
+	for range n {
+		h.addSnapshot(t, Job{ID: job, Node: "n1"})
+	}
+}
+
 // TestForgetEndedJobs: once checkpoint.keep_ended has passed, an ended job's snapshots taken here before
 // it ended go, and its record with them unless something still needs it. Before, nothing ever deleted an
 // ended job's snapshots, here or on its protectors, nor its record: a cluster's disks filled with the
@@ -43,15 +91,7 @@ func TestForgetEndedJobs(t *testing.T) {
 		for range 2 {
 			snaps[id] = append(snaps[id], ta.addSnapshot(t, Job{ID: id, Node: ta.cfg.Name}))
 		}
-		ta.mu.Lock()
-		j := ta.byID[id]
-		ta.mu.Unlock()
-		if err := ta.jobs.save(j); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.Chtimes(ta.jobs.path(id), ended[id], ended[id]); err != nil {
-			t.Fatal(err)
-		}
+		ta.saveEndedAt(t, id, ended[id])
 	}
 	for _, p := range []string{ta.shimLog(doneJob), ta.supersededMark(doneJob, 0), ta.refusalMark(doneJob, 1)} {
 		if err := os.WriteFile(p, nil, 0o600); err != nil {
@@ -179,15 +219,7 @@ func TestEndedRunsCutForgotten(t *testing.T) {
 	ta.addJob(t, Job{ID: job, State: JobExited, UID: 1000, Spec: JobSpec{Run: run, Recovery: coordinated.RecoveryCoordinated}})
 	ta.addJob(t, Job{ID: other + "-node1-00000001", State: JobRunning, PID: os.Getpid(), UID: 1000, Spec: JobSpec{Run: other, Recovery: coordinated.RecoveryCoordinated}})
 	snap := ta.addSnapshot(t, Job{ID: job, UID: 1000, Node: ta.cfg.Name, Spec: JobSpec{Run: run}})
-	ta.mu.Lock()
-	j := ta.byID[job]
-	ta.mu.Unlock()
-	if err := ta.jobs.save(j); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Chtimes(ta.jobs.path(job), t0.Add(time.Minute), t0.Add(time.Minute)); err != nil { // it ended after its snapshot
-		t.Fatal(err)
-	}
+	ta.saveEndedAt(t, job, t0.Add(time.Minute)) // it ended after its snapshot
 	for _, r := range []string{run, other} {
 		if err := ta.cutRecords().Save(coordinated.Cut{Run: r, UID: 1000, ID: "cut-20261203T100000.000", Taken: t0,
 			Parts: []clusterapi.CutPart{{Job: job, Host: ta.cfg.Name, Snapshot: snap, Recovery: coordinated.RecoveryCoordinated}}}); err != nil {
@@ -222,30 +254,15 @@ func TestForgetAsksAgainWhileTheHolderKeeps(t *testing.T) {
 	pki := newTestPKI(t)
 	const job = "moved-0000000a"
 	n2, port := servedAgent(t, pki, "n2")
-	// n1's replicas on n2, from which n2 restored the job it now runs.
-	fromN1 := storeOf(t, n2, "n1")
-	h2 := &testAgent{Agent: &Agent{store: fromN1}}
-	for range 2 {
-		h2.addSnapshot(t, Job{ID: job, Node: "n1"})
-	}
+	addN1Snapshots(t, n2, job, 2) // n1's replicas on n2, from which n2 restored the job it now runs
 	n2.mu.Lock()
 	n2.byID[job] = &Job{ID: job, Node: "n2", State: JobRunning}
 	n2.mu.Unlock()
 
-	n1, _ := clientAgent(t, pki, map[string]uint16{"n2": port})
-	n1.cfg.Checkpoint.KeepEnded = Duration{Duration: time.Hour}
-	n1.jobs = jobStore{dir: filepath.Join(n1.cfg.StateDir, "jobs")}
-	if err := os.MkdirAll(n1.jobs.dir, 0o700); err != nil {
-		t.Fatal(err)
-	}
+	n1 := forgettingN1(t, pki, port)
 	ended := time.Now().Add(time.Minute)
 	rec := &Job{ID: job, Node: "n1", State: JobMoved, MovedTo: "n2", Ended: ended, Replica: &Replica{Holders: []string{"n2"}}}
-	if err := n1.jobs.save(rec); err != nil {
-		t.Fatal(err)
-	}
-	n1.mu.Lock()
-	n1.byID[job] = rec
-	n1.mu.Unlock()
+	keepRecord(t, n1, rec)
 	n1Record := func() (*Job, bool) {
 		n1.mu.Lock()
 		defer n1.mu.Unlock()
@@ -288,17 +305,11 @@ func TestForgetTellsFormerProtectors(t *testing.T) {
 	pki := newTestPKI(t)
 	const job = "churn-0000000b"
 	n2, port := servedAgent(t, pki, "n2")
-	fromN1 := storeOf(t, n2, "n1")
-	(&testAgent{Agent: &Agent{store: fromN1}}).addSnapshot(t, Job{ID: job, Node: "n1"}) // n1's replica on n2
+	addN1Snapshots(t, n2, job, 1) // n1's replica on n2
 
-	n1, _ := clientAgent(t, pki, map[string]uint16{"n2": port})
-	n1.cfg.Checkpoint.KeepEnded = Duration{Duration: time.Hour}
+	n1 := forgettingN1(t, pki, port)
 	n1.cfg.Checkpoint.Keep = 1
 	n1.replicaConns = map[string]replicaConns{}
-	n1.jobs = jobStore{dir: filepath.Join(n1.cfg.StateDir, "jobs")}
-	if err := os.MkdirAll(n1.jobs.dir, 0o700); err != nil {
-		t.Fatal(err)
-	}
 	rec := &Job{ID: job, Node: "n1", State: JobRunning, PID: os.Getpid()}
 	n1.mu.Lock()
 	n1.byID[job] = rec
@@ -337,30 +348,19 @@ func TestForgetTellsTheHostItWasRestoredOn(t *testing.T) {
 	pki := newTestPKI(t)
 	const job = "moved-0000000c"
 	n2, port := servedAgent(t, pki, "n2")
-	fromN1 := storeOf(t, n2, "n1")
-	(&testAgent{Agent: &Agent{store: fromN1}}).addSnapshot(t, Job{ID: job, Node: "n1"}) // fetched to restore it
+	addN1Snapshots(t, n2, job, 1) // fetched to restore it
 	n2.mu.Lock()
 	n2.byID[job] = &Job{ID: job, Node: "n2", State: JobExited} // it ended on n2 since
 	n2.mu.Unlock()
 
-	n1, _ := clientAgent(t, pki, map[string]uint16{"n2": port})
-	n1.cfg.Checkpoint.KeepEnded = Duration{Duration: time.Hour}
-	n1.jobs = jobStore{dir: filepath.Join(n1.cfg.StateDir, "jobs")}
-	if err := os.MkdirAll(n1.jobs.dir, 0o700); err != nil {
-		t.Fatal(err)
-	}
+	n1 := forgettingN1(t, pki, port)
 	t0 := time.Now()
 	n1.failures.Update("n1-1", func(f *Failure) {
 		*f = Failure{ID: "n1-1", Node: "n1", Protector: "n3", Target: "n2", Detected: t0, Updated: t0, Jobs: []string{job}}
 	})
 	ended := t0.Add(time.Minute)
 	rec := &Job{ID: job, Node: "n1", State: JobLost, Fenced: true, Ended: ended, Replica: &Replica{Node: "n1", Holders: []string{"n3"}}}
-	if err := n1.jobs.save(rec); err != nil {
-		t.Fatal(err)
-	}
-	n1.mu.Lock()
-	n1.byID[job] = rec
-	n1.mu.Unlock()
+	keepRecord(t, n1, rec)
 	n1.forgetDue(t.Context(), ended.Add(2*time.Hour))
 	if got, _ := n2.store.List(job, "n1"); len(got) != 0 {
 		t.Errorf("the copy of n1's snapshot on n2, where a failure of n1 restored the job: %v; want none", got)
@@ -476,15 +476,7 @@ func TestForgetWaitsForCutsCommit(t *testing.T) {
 	if err := ta.uncommitted.Add(key, cut, "node2", []*ckpt.Manifest{m}); err != nil {
 		t.Fatal(err)
 	}
-	ta.mu.Lock()
-	j := ta.byID[job]
-	ta.mu.Unlock()
-	if err := ta.jobs.save(j); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Chtimes(ta.jobs.path(job), t0.Add(time.Minute), t0.Add(time.Minute)); err != nil { // it ended after the dump
-		t.Fatal(err)
-	}
+	ta.saveEndedAt(t, job, t0.Add(time.Minute)) // it ended after the dump
 
 	ta.forgetDue(t.Context(), t0.Add(2*time.Hour))
 	if snaps, _ := ta.store.List(job, ""); !slices.Equal(snaps, []string{snap}) {

@@ -422,6 +422,26 @@ func TestDrainWaitsForReplayWithLongReplayTimeout(t *testing.T) {
 	}
 }
 
+// withScriptedNode2 makes ta node1, with its credentials, of a view of node1 and node2, where node2 is a
+// member that serves the protocol over svc.
+func withScriptedNode2(t *testing.T, ta *testAgent, svc clusterapi.Service) {
+	t.Helper()
+	pki := newTestPKI(t)
+	port := scriptedPeer(t, pki, "node2", svc)
+	creds := pki.creds(t, "node1")
+	ta.cfg.Cluster.CA, ta.cfg.Cluster.Cert, ta.cfg.Cluster.Key = creds.CAFile, creds.CertFile, creds.KeyFile
+	ta.wire = testWire
+	v, err := ring.New([]ring.Member{
+		{Name: "node1", Address: netip.MustParseAddrPort("127.0.0.1:1"), Role: ring.RoleNode, Addrs: []netip.Addr{addrN1}},
+		{Name: "node2", Address: netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), port), Role: ring.RoleNode, Addrs: []netip.Addr{addrN2}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ta.members.view = v
+	t.Cleanup(func() { ta.peers().Close() })
+}
+
 // memScript is a member whose ping answer reports the available memory the test sets (nil: none, as an
 // agent before the field answers).
 type memScript struct {
@@ -455,22 +475,9 @@ func TestMigrateChecksTargetMemory(t *testing.T) {
 	}
 	for i, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			pki := newTestPKI(t)
 			ta := newTestAgent(t)
 			script := &memScript{name: "node2", avail: tt.avail}
-			port := scriptedPeer(t, pki, "node2", script)
-			creds := pki.creds(t, "node1")
-			ta.cfg.Cluster.CA, ta.cfg.Cluster.Cert, ta.cfg.Cluster.Key = creds.CAFile, creds.CertFile, creds.KeyFile
-			ta.wire = testWire
-			v, err := ring.New([]ring.Member{
-				{Name: "node1", Address: netip.MustParseAddrPort("127.0.0.1:1"), Role: ring.RoleNode, Addrs: []netip.Addr{addrN1}},
-				{Name: "node2", Address: netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), port), Role: ring.RoleNode, Addrs: []netip.Addr{addrN2}},
-			})
-			if err != nil {
-				t.Fatal(err)
-			}
-			ta.members.view = v
-			t.Cleanup(func() { ta.peers().Close() })
+			withScriptedNode2(t, ta, script)
 			j := ta.addJob(t, Job{ID: "big-00000001", State: JobRunning, PID: os.Getpid(),
 				Net: &JobNet{Name: "big", Addr: netip.MustParsePrefix(fmt.Sprintf("10.77.0.%d/24", 100+i))}})
 			snap := ta.addSnapshot(t, *j)
@@ -481,7 +488,7 @@ func TestMigrateChecksTargetMemory(t *testing.T) {
 				}
 				script.avail = n(m.TotalSize()) // all of it, not the 10% more a restore needs
 			}
-			_, err = ta.Migrate(t.Context(), MigrateRequest{Job: j.ID, To: "node2"}, 0)
+			_, err := ta.Migrate(t.Context(), MigrateRequest{Job: j.ID, To: "node2"}, 0)
 			_, freezeErr := os.Lstat(filepath.Join(j.Cgroup, "cgroup.freeze"))
 			frozen := freezeErr == nil
 			if tt.refusal != "" {

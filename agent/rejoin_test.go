@@ -94,10 +94,11 @@ func TestServeRejoin(t *testing.T) {
 	}
 }
 
-// TestDropFailedJobs: an agent whose view lists it as failed ends the jobs it still has as running: its
-// copy still running is killed (the job's root process: its PID namespace), every record says lost (its
-// job address stays held), none is left running, and a job that had ended stays as it was.
-func TestDropFailedJobs(t *testing.T) {
+// failedHere is a test agent (node1) whose view lists it as failed (s1 took its place), its member in that
+// view, and the copy of rootsJob it still runs (a cut-off host that did not fence itself): a real process in
+// a real cgroup (jobProcess).
+func failedHere(t *testing.T) (*testAgent, ring.Member, *os.Process) {
+	t.Helper()
 	ta := newTestAgent(t)
 	base, _, _ := rejoinViews(t)
 	v, err := base.ReplaceKeepingAddrs("node1", "s1")
@@ -105,11 +106,18 @@ func TestDropFailedJobs(t *testing.T) {
 		t.Fatal(err)
 	}
 	ta.members.view = v
-	// rootsJob still runs here (a cut-off host that did not fence itself): a real process in a real
-	// cgroup. ownersJob's record names this test's own process, which is in no job cgroup: not killed.
 	cg, child := jobProcess(t)
 	ta.byID[rootsJob].PID, ta.byID[rootsJob].Cgroup = child.Pid, cg
 	self, _ := v.Member("node1")
+	return ta, self, child
+}
+
+// TestDropFailedJobs: an agent whose view lists it as failed ends the jobs it still has as running: its
+// copy still running is killed (the job's root process: its PID namespace), every record says lost (its
+// job address stays held), none is left running, and a job that had ended stays as it was.
+func TestDropFailedJobs(t *testing.T) {
+	// ownersJob's record names this test's own process, which is in no job cgroup: not killed.
+	ta, self, child := failedHere(t)
 	if left := ta.dropFailedJobs(self); left != 0 {
 		t.Fatalf("%d jobs left running", left)
 	}
@@ -148,15 +156,7 @@ func TestDropFailedJobs(t *testing.T) {
 // The withdrawal is seen through a job whose record names a network not this agent's (no namespace is made
 // here): withdrawing it logs that it is left alone.
 func TestDropFailedJobsWithdrawsFirst(t *testing.T) {
-	ta := newTestAgent(t)
-	base, _, _ := rejoinViews(t)
-	v, err := base.ReplaceKeepingAddrs("node1", "s1")
-	if err != nil {
-		t.Fatal(err)
-	}
-	ta.members.view = v
-	cg, child := jobProcess(t)
-	ta.byID[rootsJob].PID, ta.byID[rootsJob].Cgroup = child.Pid, cg
+	ta, self, _ := failedHere(t)
 	const netJob = "srv-00000001" // listed after rootsJob (created later)
 	ta.addJob(t, Job{ID: netJob, State: JobRunning, Net: &JobNet{Name: "ftj-other", Kind: jobnet.MACVlan, Addr: netip.MustParsePrefix("127.0.0.200/8")}})
 	var mu sync.Mutex
@@ -171,7 +171,6 @@ func TestDropFailedJobsWithdrawsFirst(t *testing.T) {
 		_, err := os.Lstat(ta.supersededMark(rootsJob, 0))
 		killedBefore = err == nil
 	}})
-	self, _ := v.Member("node1")
 	if left := ta.dropFailedJobs(self); left != 0 {
 		t.Fatalf("%d jobs left running", left)
 	}

@@ -2,7 +2,6 @@ package agent
 
 import (
 	"context"
-	"net/netip"
 	"slices"
 	"strings"
 	"sync"
@@ -12,7 +11,6 @@ import (
 
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/internal/testenv"
-	"github.com/ftkit/ftkit/ring"
 )
 
 // sigScript is a member that records the signals passed to it.
@@ -36,22 +34,9 @@ func (s *sigScript) Signal(_ context.Context, peer string, req clusterapi.Signal
 // without a recovery of it goes nowhere (refused as before). Until then ftwrap's Ctrl-C for a job that left
 // its host was refused ("job ID is moved"), and nothing stopped the job through ftwrap.
 func TestSignalPassedToWhereTheJobWent(t *testing.T) {
-	pki := newTestPKI(t)
 	ta := newTestAgent(t)
 	script := &sigScript{}
-	port := scriptedPeer(t, pki, "node2", script)
-	creds := pki.creds(t, "node1")
-	ta.cfg.Cluster.CA, ta.cfg.Cluster.Cert, ta.cfg.Cluster.Key = creds.CAFile, creds.CertFile, creds.KeyFile
-	ta.wire = testWire
-	v, err := ring.New([]ring.Member{
-		{Name: "node1", Address: netip.MustParseAddrPort("127.0.0.1:1"), Role: ring.RoleNode, Addrs: []netip.Addr{addrN1}},
-		{Name: "node2", Address: netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), port), Role: ring.RoleNode, Addrs: []netip.Addr{addrN2}},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ta.members.view = v
-	t.Cleanup(func() { ta.peers().Close() })
+	withScriptedNode2(t, ta, script)
 
 	moved := ta.addJob(t, Job{ID: "moved-00000001", UID: asOwner.Uid, GID: asOwner.Gid, State: JobMoved, MovedTo: "node2"})
 	failed := ta.addJob(t, Job{ID: "failed-00000001", UID: asOwner.Uid, GID: asOwner.Gid, State: JobLost, Fenced: true})

@@ -259,6 +259,17 @@ func TestStoreBoundsRecordsOfEmptyBatches(t *testing.T) {
 	}
 }
 
+// fourConnSnap is snapshot "s" of job j on n1 whose connections A, B, C and D (returned) had consumed up
+// to 1000, 500, 300 and 700 at its dump.
+func fourConnSnap() (connC, connD tcpflow.Tuple, m *ckpt.Manifest) {
+	connC = conn("10.9.0.1:5000", "10.9.0.4:40002")
+	connD = conn("10.9.0.1:5000", "10.9.0.5:40003")
+	m = &ckpt.Manifest{ID: "s", Job: "j", Node: "n1", Info: ckpt.Info{Conns: []ckpt.Conn{
+		{Tuple: connA, InqSeq: 1000}, {Tuple: connB, InqSeq: 500}, {Tuple: connC, InqSeq: 300}, {Tuple: connD, InqSeq: 700},
+	}}}
+	return connC, connD, m
+}
+
 // TestStoreSinceReusedFourTuple: a connection the snapshot holds closes after the dump and a new one takes
 // its 4-tuple. The new one's sequence numbers have nothing to do with the snapshot's, and a call on it that
 // consumed "no further" than the dump's copied_seq of the old one is no proof of coming before the dump.
@@ -266,11 +277,7 @@ func TestStoreBoundsRecordsOfEmptyBatches(t *testing.T) {
 // dump and it went missing from what the replay was given, with no error (here B's, which the gate would
 // then have delivered last, after C's and D's, where the original read it first).
 func TestStoreSinceReusedFourTuple(t *testing.T) {
-	connC := conn("10.9.0.1:5000", "10.9.0.4:40002")
-	connD := conn("10.9.0.1:5000", "10.9.0.5:40003")
-	m := &ckpt.Manifest{ID: "s", Job: "j", Node: "n1", Info: ckpt.Info{Conns: []ckpt.Conn{
-		{Tuple: connA, InqSeq: 1000}, {Tuple: connB, InqSeq: 500}, {Tuple: connC, InqSeq: 300}, {Tuple: connD, InqSeq: 700},
-	}}}
+	connC, connD, m := fourConnSnap()
 	dets := []Det{
 		{Conn: connA, End: 990, Len: 10}, // before the dump: an anchor
 		// The dump. Then:
@@ -296,11 +303,7 @@ func TestStoreSinceReusedFourTuple(t *testing.T) {
 // call for its anchor and cut B's call after the dump off the replay, with no error. A Trim from a
 // snapshot that holds no A drops the proof too, and a later one that does hold A must not be fooled.
 func TestStoreTrimKeepsReusedFourTupleEvidence(t *testing.T) {
-	connC := conn("10.9.0.1:5000", "10.9.0.4:40002")
-	connD := conn("10.9.0.1:5000", "10.9.0.5:40003")
-	m := &ckpt.Manifest{ID: "s", Job: "j", Node: "n1", Info: ckpt.Info{Conns: []ckpt.Conn{
-		{Tuple: connA, InqSeq: 1000}, {Tuple: connB, InqSeq: 500}, {Tuple: connC, InqSeq: 300}, {Tuple: connD, InqSeq: 700},
-	}}}
+	connC, connD, m := fourConnSnap()
 	dets := []Det{
 		{Conn: connA, End: 990, Len: 10},
 		{Conn: connB, End: 490, Len: 10}, // the last call before the dump: the anchor Trim keeps
@@ -342,11 +345,7 @@ func TestStoreTrimKeepsReusedFourTupleEvidence(t *testing.T) {
 // before the dump. B's call and A's after the dump were cut off, and the gate accepted what was left (C's and
 // D's calls) with no error, delivering B's and A's bytes last where the original read them first.
 func TestStoreSinceReusedFourTupleAhead(t *testing.T) {
-	connC := conn("10.9.0.1:5000", "10.9.0.4:40002")
-	connD := conn("10.9.0.1:5000", "10.9.0.5:40003")
-	m := &ckpt.Manifest{ID: "s", Job: "j", Node: "n1", Info: ckpt.Info{Conns: []ckpt.Conn{
-		{Tuple: connA, InqSeq: 1000}, {Tuple: connB, InqSeq: 500}, {Tuple: connC, InqSeq: 300}, {Tuple: connD, InqSeq: 700},
-	}}}
+	connC, connD, m := fourConnSnap()
 	const isn = 1020 + 1<<31 - 5 // ahead of A's last end (1020) by less than 2^31
 	dets := []Det{
 		{Conn: connA, End: 1000, Len: 10},
@@ -399,11 +398,7 @@ func TestGateConsumedPastHalfTheSpace(t *testing.T) {
 	if testing.Short() {
 		t.Skip("maps 2 GiB of address space (never touched)")
 	}
-	connC := conn("10.9.0.1:5000", "10.9.0.4:40002")
-	connD := conn("10.9.0.1:5000", "10.9.0.5:40003")
-	m := &ckpt.Manifest{ID: "s", Job: "j", Node: "n1", Info: ckpt.Info{Conns: []ckpt.Conn{
-		{Tuple: connA, InqSeq: 1000}, {Tuple: connB, InqSeq: 500}, {Tuple: connC, InqSeq: 300}, {Tuple: connD, InqSeq: 700},
-	}}}
+	connC, connD, m := fourConnSnap()
 	dets := []Det{
 		{Conn: connA, End: 1000, Len: 10}, // before the dump: the anchor
 		// The dump. Then:
@@ -483,6 +478,35 @@ func TestStoreSinceOnSpareThatFailed(t *testing.T) {
 	}
 }
 
+// posDet is a read of thread 1 of process 1 on c, consumed up to end, after its pos-th readiness call.
+func posDet(c tcpflow.Tuple, end uint32, pos uint64) Det {
+	return Det{Conn: c, End: end, Len: 10, Thread: 1, Proc: 1, Pos: pos}
+}
+
+// gateStops is where a gate of dets with positions (polls: the dump's counts) delivers A's bytes from 10 and
+// B's from 0: each stop as "polls/after" and the reads delivered there ("A20": A's up to 20).
+func gateStops(t *testing.T, dets []Det, polls map[uint32]uint64) []string {
+	t.Helper()
+	g, err := NewGate(dets, map[tcpflow.Tuple]Source{connA: {Seq: 10, Data: make([]byte, 30)}, connB: {Seq: 0, Data: make([]byte, 30)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := g.UsePositions(polls); err != nil {
+		t.Fatalf("positions refused: %v", err)
+	}
+	var got []string
+	for _, p := range g.plans {
+		for _, pt := range p.points {
+			s := fmt.Sprintf("%d/%d", pt.polls, pt.after)
+			for _, in := range pt.inject {
+				s += fmt.Sprintf(" %s%d", map[tcpflow.Tuple]string{connA: "A", connB: "B"}[in.conn], in.end)
+			}
+			got = append(got, s)
+		}
+	}
+	return got
+}
+
 // TestStoreSinceOnSparePositions: job j, snapshotted on n1 (s) after its thread had made polls readiness
 // calls, was restored from s on spare n2, whose recorder counted the thread's readiness calls from 0 at the
 // restore; n2 read past n1's record and failed before a snapshot of its own: s is restored again with
@@ -490,9 +514,6 @@ func TestStoreSinceOnSpareThatFailed(t *testing.T) {
 // as recorded had it taken off too, and positions were refused (polls 100) or, worse, the reads were
 // delivered at the wrong readiness calls with no error (polls 1).
 func TestStoreSinceOnSparePositions(t *testing.T) {
-	d := func(c tcpflow.Tuple, end uint32, pos uint64) Det {
-		return Det{Conn: c, End: end, Len: 10, Thread: 1, Proc: 1, Pos: pos}
-	}
 	for _, polls := range []uint64{100, 1} {
 		for _, tc := range []struct {
 			name string
@@ -500,14 +521,14 @@ func TestStoreSinceOnSparePositions(t *testing.T) {
 			want []string // each read at the exit of the readiness call before the one that found it, from the dump
 		}{
 			// n2's thread read B after its first readiness call since the restore, A after its second...
-			{"went past n1's", []Det{d(connB, 10, 1), d(connA, 20, 2), d(connB, 20, 3), d(connA, 30, 4)},
+			{"went past n1's", []Det{posDet(connB, 10, 1), posDet(connA, 20, 2), posDet(connB, 20, 3), posDet(connA, 30, 4)},
 				[]string{"0/-1 B10", "1/-1 A20", "2/-1 B20", "3/-1 A30"}},
-			{"still replaying n1's", []Det{d(connB, 10, 1)}, []string{"0/-1 B10", "1/-1 A20"}},
+			{"still replaying n1's", []Det{posDet(connB, 10, 1)}, []string{"0/-1 B10", "1/-1 A20"}},
 		} {
 			t.Run(fmt.Sprintf("%s, %d readiness calls at the dump", tc.name, polls), func(t *testing.T) {
 				s := NewStore(0, 0)
 				// n1: A up to 10 before the dump, then B and A one readiness call apart, as n2 replayed them.
-				s.Add("n1", Batch{Job: "j", Stream: 1, FromStart: true, Dets: []Det{d(connA, 10, polls), d(connB, 10, polls+1), d(connA, 20, polls+2)}})
+				s.Add("n1", Batch{Job: "j", Stream: 1, FromStart: true, Dets: []Det{posDet(connA, 10, polls), posDet(connB, 10, polls+1), posDet(connA, 20, polls+2)}})
 				s.Add("n2", Batch{Job: "j", Stream: 5, FromStart: true, Base: "s", Dets: tc.n2})
 				m := snap("s", 10, 0)
 				m.Positions, m.Polls = true, map[uint32]uint64{1: polls}
@@ -515,24 +536,7 @@ func TestStoreSinceOnSparePositions(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				g, err := NewGate(dets, map[tcpflow.Tuple]Source{connA: {Seq: 10, Data: make([]byte, 30)}, connB: {Seq: 0, Data: make([]byte, 30)}})
-				if err != nil {
-					t.Fatal(err)
-				}
-				if err := g.UsePositions(m.Polls); err != nil {
-					t.Fatalf("positions refused: %v", err)
-				}
-				var got []string
-				for _, p := range g.plans {
-					for _, pt := range p.points {
-						s := fmt.Sprintf("%d/%d", pt.polls, pt.after)
-						for _, in := range pt.inject {
-							s += fmt.Sprintf(" %s%d", map[tcpflow.Tuple]string{connA: "A", connB: "B"}[in.conn], in.end)
-						}
-						got = append(got, s)
-					}
-				}
-				if !slices.Equal(got, tc.want) {
+				if got := gateStops(t, dets, m.Polls); !slices.Equal(got, tc.want) {
 					t.Fatalf("stops %q, want %q", got, tc.want)
 				}
 			})
@@ -548,14 +552,11 @@ func TestStoreSinceOnSparePositions(t *testing.T) {
 // of s's own run: the copy's, returned as recorded, had it taken off too, and positions were refused
 // (polls 100) or the reads were delivered at the wrong readiness calls with no error (polls 1).
 func TestStoreSinceRestoredHerePositions(t *testing.T) {
-	d := func(c tcpflow.Tuple, end uint32, pos uint64) Det {
-		return Det{Conn: c, End: end, Len: 10, Thread: 1, Proc: 1, Pos: pos}
-	}
 	for _, polls := range []uint64{100, 1} {
 		t.Run(fmt.Sprintf("%d readiness calls at the dump", polls), func(t *testing.T) {
 			s := NewStore(0, 0)
 			// The copy's thread read B after its first readiness call since the restore, A after its second...
-			s.Add("n1", Batch{Job: "j", Stream: 5, FromStart: true, Base: "s", Dets: []Det{d(connB, 10, 1), d(connA, 20, 2), d(connB, 20, 3), d(connA, 30, 4)}})
+			s.Add("n1", Batch{Job: "j", Stream: 5, FromStart: true, Base: "s", Dets: []Det{posDet(connB, 10, 1), posDet(connA, 20, 2), posDet(connB, 20, 3), posDet(connA, 30, 4)}})
 			m := snap("s", 10, 0)
 			m.Positions, m.Polls = true, map[uint32]uint64{1: polls}
 			for _, ran := range []string{"", "n1"} {
@@ -563,23 +564,7 @@ func TestStoreSinceRestoredHerePositions(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				g, err := NewGate(dets, map[tcpflow.Tuple]Source{connA: {Seq: 10, Data: make([]byte, 30)}, connB: {Seq: 0, Data: make([]byte, 30)}})
-				if err != nil {
-					t.Fatal(err)
-				}
-				if err := g.UsePositions(m.Polls); err != nil {
-					t.Fatalf("positions refused: %v", err)
-				}
-				var got []string
-				for _, p := range g.plans {
-					for _, pt := range p.points {
-						s := fmt.Sprintf("%d/%d", pt.polls, pt.after)
-						for _, in := range pt.inject {
-							s += fmt.Sprintf(" %s%d", map[tcpflow.Tuple]string{connA: "A", connB: "B"}[in.conn], in.end)
-						}
-						got = append(got, s)
-					}
-				}
+				got := gateStops(t, dets, m.Polls)
 				if want := []string{"0/-1 B10", "1/-1 A20", "2/-1 B20", "3/-1 A30"}; !slices.Equal(got, want) {
 					t.Fatalf("ran %q: stops %q, want %q", ran, got, want)
 				}
