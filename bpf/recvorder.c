@@ -246,7 +246,7 @@ struct order_counters {
 	__u64 lost_unattributed; // of those, lost with no room in the lost map either
 	__u64 not_in_job;        // calls of tasks in the parent cgroup itself, not in a job below it
 	__u64 non_ipv4;          // consuming calls on sockets of jobs that are not IPv4 TCP
-	__u64 untracked;         // readiness calls not counted: the positions map was full (of live threads: posexit frees the dead's)
+	__u64 untracked;         // readiness calls not counted: the positions map was full (of live threads: posexit frees the dead's); each also lost
 };
 
 // Set by the loader: the ring buffer size in bytes, the wakeup threshold
@@ -481,7 +481,12 @@ int pollexit(__u64 *ctx)
 			return 0; // restarts something else than a readiness call
 		struct position fresh = {};
 		if (bpf_map_update_elem(&positions, &k, &fresh, BPF_NOEXIST) != 0 && bpf_map_lookup_elem(&positions, &k) == 0) {
+			// Uncounted, the thread's later calls would carry counts that pass for
+			// positions and are not: a replay would stop it at the wrong calls,
+			// silently. Lost instead, it is a hole in its job's record: a replay
+			// across it is refused.
 			c->untracked++;
+			count_lost(c, cgid);
 			return 0;
 		}
 		p = bpf_map_lookup_elem(&positions, &k);

@@ -134,7 +134,7 @@ type RecvOrderCounters struct {
 	LostUnattributed uint64 // of those, lost without knowing the job: every job's record is incomplete
 	NotInJob         uint64 // consuming calls of tasks in the parent cgroup itself, not recorded
 	NonIPv4          uint64 // consuming calls of jobs on sockets that are not IPv4 TCP, not recorded
-	Untracked        uint64 // readiness calls not counted (the positions map was full): positions are wrong
+	Untracked        uint64 // readiness calls not counted (the positions map was full), each also counted lost to its job
 }
 
 // recvorderLoaded holds the objects the recorder uses.

@@ -101,6 +101,25 @@ func threadChurn() error {
 	return nil
 }
 
+// threadChurnIn is the threadchurn child of threads threads, to start in the cgroup dir. Started here rather
+// than by streamtest.Start: the tests need no lab, the host's loopback will do.
+func threadChurnIn(ctx context.Context, t *testing.T, dir string, threads int) *exec.Cmd {
+	t.Helper()
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cgfd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Close(cgfd) })
+	cmd := exec.CommandContext(ctx, exe)
+	cmd.Env = append(os.Environ(), streamtest.RoleEnv+"=threadchurn", fmt.Sprintf("FTKIT_THREADS=%d", threads))
+	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: cgfd}
+	return cmd
+}
+
 // TestRecvOrderFreesExitedThreads: a job whose threads come and go (a pool, an MPI library's progress
 // threads) leaves no position behind for the threads that ended, so the map (65536 entries, shared by the
 // host's jobs) never fills with the dead and leaves new threads uncounted; a thread that comes after them is
@@ -117,19 +136,7 @@ func TestRecvOrderFreesExitedThreads(t *testing.T) {
 	defer cancel()
 
 	const threads = 300
-	exe, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cgfd, err := unix.Open(job.Dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Close(cgfd)
-	// Started here rather than by streamtest.Start: the test needs no lab, the host's loopback will do.
-	cmd := exec.CommandContext(ctx, exe)
-	cmd.Env = append(os.Environ(), streamtest.RoleEnv+"=threadchurn", fmt.Sprintf("FTKIT_THREADS=%d", threads))
-	cmd.SysProcAttr = &syscall.SysProcAttr{UseCgroupFD: true, CgroupFD: cgfd}
+	cmd := threadChurnIn(ctx, t, job.Dir, threads)
 	var stderr strings.Builder
 	cmd.Stderr = &stderr
 	stdin, err := cmd.StdinPipe()
@@ -197,5 +204,54 @@ func TestRecvOrderFreesExitedThreads(t *testing.T) {
 	}
 	if c.Untracked != 0 {
 		t.Errorf("%d readiness calls untracked, want 0", c.Untracked)
+	}
+}
+
+// TestRecvOrderFullPositionsIsAHole: a thread whose readiness call finds the positions map full (65536
+// live threads of the host's jobs) is not counted; its later receive calls would carry counts that pass for
+// positions (a replay would stop it at the wrong calls, silently). Its job's record gets a hole instead: the
+// call is counted lost to the job, so a replay across it is refused.
+func TestRecvOrderFullPositionsIsAHole(t *testing.T) {
+	requirePrivileges(t)
+	parent := streamtest.NewCgroupT(t, "ro-parent")
+	job := parent.SubT(t, "job1")
+	rec := newRecvOrderT(t, parent.Dir, 64<<10)
+	if !rec.Positions() {
+		t.Skip("SKIPPED LOUDLY: this kernel cannot attach the positions' programs: receive positions are not recorded")
+	}
+	// Filled with the threads of a job that does not exist.
+	n := int(rec.objs.Positions.MaxEntries())
+	keys, values := make([]recvorderThreadKey, n), make([]recvorderPosition, n)
+	for i := range keys {
+		keys[i] = recvorderThreadKey{CgroupId: ^uint64(0), Nstid: uint32(i + 1)}
+	}
+	if got, err := rec.objs.Positions.BatchUpdate(keys, values, nil); err != nil || got != n {
+		t.Fatalf("fill the positions map: %d of %d, %v", got, n, err)
+	}
+	lost0, err := rec.Lost(job.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cmd := threadChurnIn(ctx, t, job.Dir, 0)
+	cmd.Stdin = strings.NewReader("") // the child ends once its live thread has polled and received
+	out, err := cmd.CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "live ") {
+		t.Fatalf("threadchurn child: %v: %s", err, out)
+	}
+	c, err := rec.Counters()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Untracked == 0 {
+		t.Fatalf("no readiness call untracked with the positions map full (%+v)", c)
+	}
+	lost, err := rec.Lost(job.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lost == lost0 {
+		t.Errorf("%d readiness calls untracked, the job's lost calls still %d: its record has no hole", c.Untracked, lost)
 	}
 }
