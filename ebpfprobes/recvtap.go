@@ -186,8 +186,36 @@ func (t *RecvTap) DetachCgroup(dir string) error {
 	for _, id := range cgroupIDs(dir) {
 		_ = t.objs.Handshakes.Delete(id) // absent if no socket of it ever completed a handshake
 	}
+	t.sweepHandshakes()
 	t.log.Info("recvtap: detached", "cgroup", dir)
 	return nil
+}
+
+// sweepHandshakes deletes the counts of cgroups under no attached directory any more: sub-cgroups removed
+// while their job ran are not found by the walk of its directory, and their entries filled the map (8192,
+// shared by the host's jobs), after which new jobs' handshakes went uncounted. Call with t.mu held.
+func (t *RecvTap) sweepHandshakes() {
+	live := map[uint64]bool{}
+	for d := range t.links {
+		for _, id := range cgroupIDs(d) {
+			live[id] = true
+		}
+	}
+	var gone []uint64
+	var id, n uint64
+	it := t.objs.Handshakes.Iterate()
+	for it.Next(&id, &n) {
+		if !live[id] {
+			gone = append(gone, id)
+		}
+	}
+	if err := it.Err(); err != nil {
+		t.log.Warn("recvtap: list handshake counts", "err", err)
+	}
+	// Collected first: deleting while iterating a hash map restarts the walk.
+	for _, id := range gone {
+		_ = t.objs.Handshakes.Delete(id)
+	}
 }
 
 // ReadBatch calls fn with each record waiting in the ring buffer, exactly as

@@ -424,6 +424,41 @@ func TestRecvTapHandshakes(t *testing.T) {
 	}
 }
 
+// TestRecvTapHandshakesOfRemovedSubCgroups: the count of a tapped job's sub-cgroup removed while the job ran
+// is not left in the map when a job detaches (the walk of the job's directory no longer finds it); kept,
+// such entries filled the map and new jobs' handshakes went uncounted. Another attached job's count stays.
+func TestRecvTapHandshakesOfRemovedSubCgroups(t *testing.T) {
+	requirePrivileges(t)
+	job := streamtest.NewCgroupT(t, "rx-hs-job")
+	other := streamtest.NewCgroupT(t, "rx-hs-other")
+	tap := newRecvTapT(t, 1<<20)
+	for _, d := range []string{job.Dir, other.Dir} {
+		if err := tap.AttachCgroup(d); err != nil {
+			t.Fatal(err)
+		}
+	}
+	sub := job.SubT(t, "sub")
+	// What count_handshake writes for a connection of the sub-cgroup's and of the other job's.
+	for _, id := range []uint64{sub.ID, other.ID} {
+		if err := tap.objs.Handshakes.Put(id, uint64(1)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.Remove(sub.Dir); err != nil {
+		t.Fatal(err)
+	}
+	if err := tap.DetachCgroup(job.Dir); err != nil {
+		t.Fatal(err)
+	}
+	var n uint64
+	if err := tap.objs.Handshakes.Lookup(sub.ID, &n); !errors.Is(err, ebpf.ErrKeyNotExist) {
+		t.Errorf("the removed sub-cgroup's handshake count is still in the map (%d, %v)", n, err)
+	}
+	if n, err := tap.Handshakes(other.Dir); err != nil || n != 1 {
+		t.Errorf("the other attached job's handshakes: %d, %v; want 1", n, err)
+	}
+}
+
 func runRecvScenario(t *testing.T, tn *testNet, tapped, other *streamtest.Cgroup, sc recvScenario) {
 	ctx, cancel := context.WithTimeout(t.Context(), sc.timeout)
 	defer cancel()
