@@ -311,6 +311,53 @@ func TestTrimBeyondSentIgnored(t *testing.T) {
 	}
 }
 
+// TestTrimBlockStartBeyondHalfSpaceIgnored: a trim point within 2^31 behind the live state's snd_nxt whose
+// receive-digest block starts more than 2^31 behind it (a receiver's snapshot about 2 GiB behind a fast
+// sender) is ignored: the log places the block start within 2^31 of its position, so it read as one about
+// 2 GiB ahead, and the trim dropped every byte logged, and everything the sender sent next up to there,
+// which a recovery from the receiver's snapshot needs.
+func TestTrimBlockStartBeyondHalfSpaceIgnored(t *testing.T) {
+	const n = 300_000
+	mid, far := uint32(isn+3<<29), uint32(isn+3<<30) // the log has seen about 3 GiB of connA
+	sndNxt := far + 3
+	for _, tc := range []struct {
+		name    string
+		seq     uint32
+		trimmed bool // the connection counts as trimmed
+	}{
+		{"block start within 2^31 behind snd_nxt", sndNxt - 1<<31 + recvdigest.BlockSize + 10, true},
+		{"point within 2^31, its block start beyond", sndNxt - 1<<31 + 10, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if recvdigest.BlockStart(sndNxt-1<<31+10) >= sndNxt-1<<31 {
+				t.Fatal("the test's point does not start its block more than 2^31 behind snd_nxt")
+			}
+			node, src, _ := newTestNode(t, n, &fakeMembers{owner: "n2"})
+			l := src.Log()
+			// Reach far in two steps, each under 2^31, so that each unwraps ahead.
+			appendRecord(t, l, netlog.Record{Conn: connA, Seq: mid, Payload: []byte("mid")})
+			appendRecord(t, l, netlog.Record{Conn: connA, Seq: far, Payload: []byte("far")})
+			src.states[connA] = ebpfprobes.FlowState{SndNxt: sndNxt}
+			if got := node.Trim("n2", []Point{{Conn: connA, Seq: tc.seq}}); (got == 1) != tc.trimmed {
+				t.Errorf("Trim at %d (snd_nxt %d) counted %d connections, want trimmed %v", tc.seq, sndNxt, got, tc.trimmed)
+			}
+			b, err := l.Bounds(connA)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if want := netlog.AnchorEpoch | uint64(recvdigest.BlockStart(tc.seq)); b.Floor > want {
+				t.Fatalf("log trimmed to abs %d (wire %d), past the point's block at abs %d (wire %d): a recovery from the point has lost its bytes",
+					b.Floor, netlog.Wire(b.Floor), want, netlog.Wire(want))
+			}
+			for _, seq := range []uint32{mid, far} {
+				if _, err := l.Range(connA, netlog.AnchorEpoch|uint64(seq), netlog.AnchorEpoch|uint64(seq+3)); err != nil {
+					t.Errorf("bytes at %d, after the point: %v, want them logged", seq, err)
+				}
+			}
+		})
+	}
+}
+
 // A trim point of a connection with no live state is placed by the log alone, within 2^31 of the
 // furthest byte it has seen. One further behind than that (a stale snapshot's point after the connection
 // sent on past 2^31 bytes) reads as one about 2^32 ahead, and trimming there would drop the bytes a

@@ -73,12 +73,19 @@ func (n *Node) sentPoints(peer string, pts []Point) []Point {
 		if err != nil || !ok {
 			return n.unplaceable(peer, p)
 		}
-		if int32(p.Seq-fs.SndNxt) <= 0 {
-			return false
+		if int32(p.Seq-fs.SndNxt) > 0 {
+			n.log.Info("trim point ignored: beyond what this host has sent on the connection so far", "peer", peer, "conn", p.Conn,
+				"seq", p.Seq, "snd_nxt", fs.SndNxt)
+			return true
 		}
-		n.log.Info("trim point ignored: beyond what this host has sent on the connection so far", "peer", peer, "conn", p.Conn,
-			"seq", p.Seq, "snd_nxt", fs.SndNxt)
-		return true
+		// The trim applies at the point's block start: one more than 2^31 behind snd_nxt (a point just
+		// within it) would be placed about 2^31 ahead of the log's position, and drop all it holds.
+		if bs := recvdigest.BlockStart(p.Seq); int32(bs-fs.SndNxt) > 0 {
+			n.log.Info("trim point ignored: its receive-digest block starts more than 2^31 behind what this host has sent on the connection",
+				"peer", peer, "conn", p.Conn, "seq", p.Seq, "block_start", bs, "snd_nxt", fs.SndNxt)
+			return true
+		}
+		return false
 	})
 }
 
