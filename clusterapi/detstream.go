@@ -196,6 +196,7 @@ func (s *Server) serveDeterminants(op Op, peer string, c net.Conn) error {
 			}
 			ack.Error.Op = op
 			s.log.Warn("cluster request refused", "peer", peer, "op", op, "code", ack.Error.Code, "err", ack.Error.Message)
+			ack.Error = ack.Error.wire() // the member reads an answer of up to MaxHeader bytes
 		} else if !answerAll && !req.Ack {
 			continue
 		}

@@ -1,9 +1,11 @@
 package clusterapi
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
+	"strings"
 )
 
 // Error is a refusal as it travels: the HTTP status and this JSON body, the same on every operation.
@@ -56,6 +58,22 @@ func (e *Error) Error() string {
 		who = "the peer"
 	}
 	return fmt.Sprintf("%s refused by %s (%s): %s", e.Op, who, e.Code, e.Message)
+}
+
+// wire is e as a server sends it: its message cut so that its JSON fits what the client reads of a refusal
+// body (readRefusal) or of a determinant stream's answer line, MaxHeader bytes. A longer refusal went out
+// whole, and the client, unable to decode it, lost its code (a refusal to retry taken for one for good, a
+// stream's refusal for a broken stream) and its message. The server's log has the whole message.
+func (e *Error) wire() *Error {
+	c := *e
+	for n := len(e.Message); ; n = min(n/2, MaxHeader/2) {
+		if n < len(e.Message) {
+			c.Message = strings.ToValidUTF8(e.Message[:n], "") + "..."
+		}
+		if b, err := json.Marshal(&c); err != nil || len(b) < MaxHeader || n == 0 {
+			return &c
+		}
+	}
 }
 
 // Refusal returns err's refusal if it is one (nil otherwise).

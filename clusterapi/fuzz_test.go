@@ -205,6 +205,10 @@ func FuzzClusterMessage(f *testing.F) {
 		if e := Refusal(refusal); e == nil || len(e.Message) > MaxHeader {
 			t.Fatalf("refusal %v", refusal)
 		}
+		// A refusal as the server sends it fits what the client reads of one.
+		if b, _ := json.Marshal((&Error{Op: OpPing, Code: CodeRetry, Message: string(data)}).wire()); len(b) >= MaxHeader {
+			t.Fatalf("a refusal of %d bytes sent for a message of %d", len(b), len(data))
+		}
 
 		// Stream lines.
 		line := func(v any, limit int) (*bufio.Reader, bool) {
@@ -237,6 +241,51 @@ func FuzzClusterMessage(f *testing.F) {
 			}
 			if int64(cap(b)) > max(2*left, 1<<20) {
 				t.Fatalf("buffer of %d bytes for at most %d sent", cap(b), left)
+			}
+		}
+	})
+}
+
+// FuzzDeterminantBatch feeds arbitrary bytes to the server's reader of a determinant stream's batches, of
+// every kind (on OpDeterminantStream3 a line, then the packed bytes it announces): nothing may panic, read
+// a line past its bound, or take a batch with more packed bytes than the bound or than it announced.
+func FuzzDeterminantBatch(f *testing.F) {
+	packed, _ := intercept.Pack([]intercept.Det{{Conn: tcpflow.Tuple{Local: testSrc, Remote: testDst}, End: 9, Len: 9}})
+	line := func(req DeterminantsRequest) []byte {
+		b, _ := json.Marshal(req)
+		return append(b, '\n')
+	}
+	for _, seed := range [][]byte{
+		line(DeterminantsRequest{Job: "j1", Stream: 3, First: 7, Packed: packed, Ack: true}),
+		append(line(DeterminantsRequest{Job: "j1", First: 7, PackedLen: len(packed)}), packed...),
+		append(line(DeterminantsRequest{Job: "j1", PackedLen: len(packed)}), packed[:3]...), // fewer than announced
+		append(line(DeterminantsRequest{Job: "j1", PackedLen: 2 * len(packed)}), append(packed, packed...)...),
+		line(DeterminantsRequest{Job: "j1", PackedLen: MaxMessage + 1}),
+		line(DeterminantsRequest{Job: "j1", PackedLen: -1}),
+		[]byte(`{"job":"j1","packed":"AAAA","packed_len":3}` + "\nAAA"),
+	} {
+		f.Add(seed)
+	}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		for _, op := range []Op{OpDeterminantStream, OpDeterminantStream2, OpDeterminantStream3} {
+			src := bytes.NewReader(data)
+			in := bufio.NewReaderSize(src, 64)
+			req, err := readBatch(in, op)
+			if err != nil {
+				continue
+			}
+			if op == OpDeterminantStream3 {
+				if req.PackedLen != len(req.Packed) || len(req.Packed) > MaxMessage {
+					t.Fatalf("%s: a batch of %d packed bytes taken for %d announced", op, len(req.Packed), req.PackedLen)
+				}
+				if consumed := len(data) - src.Len(); consumed > MaxHeader+1+len(req.Packed)+64 {
+					t.Fatalf("%s: read %d bytes for a line of at most %d and %d packed bytes", op, consumed, MaxHeader, len(req.Packed))
+				}
+			} else if req.PackedLen != 0 {
+				t.Fatalf("%s: a batch announcing %d packed bytes after its line taken", op, req.PackedLen)
+			}
+			if b, err := req.Batch(); err == nil && len(b.Dets) > intercept.MaxBatch {
+				t.Fatalf("%s: a batch of %d determinants accepted", op, len(b.Dets))
 			}
 		}
 	})

@@ -237,3 +237,39 @@ func TestForgetRefusesBadRequests(t *testing.T) {
 		t.Errorf("the service saw %d requests; want none", n)
 	}
 }
+
+// TestLongRefusalsKeepTheirCode: a refusal whose message is longer than a refusal body the client reads
+// (MaxHeader) still reaches it with its code and the start of its message, as an answer to a request and
+// on a determinant stream. The server sent it whole: the client could decode none of it, and took a
+// refusal to retry for one for good (HTTP status only), and a stream's refusal for a broken stream.
+func TestLongRefusalsKeepTheirCode(t *testing.T) {
+	for _, tt := range []struct {
+		name string
+		msg  string
+	}{
+		{"long", "frozen job's listen queue " + strings.Repeat("x", 2*MaxHeader)},
+		{"long once quoted", "frozen job's listen queue " + strings.Repeat("<\x01", MaxHeader/2)},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			f := &fakeService{err: &Error{Code: CodeRetry, Message: tt.msg}}
+			c, logs := serve(t, f)
+			_, err := c.Ping(t.Context(), "n2")
+			if e := Refusal(err); e == nil || !Retry(err) || !strings.HasPrefix(e.Message, "frozen job's listen queue") {
+				t.Errorf("ping: %v; want the retry refusal", err)
+			}
+			st, err := c.DeterminantStream(t.Context(), "n2")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer st.Close()
+			err = st.Send(t.Context(), DeterminantsRequest{Job: "j1", Ack: true})
+			if e := Refusal(err); e == nil || e.Code != CodeRetry || !strings.HasPrefix(e.Message, "frozen job's listen queue") {
+				t.Errorf("determinant stream: %v; want the retry refusal", err)
+			}
+			// The server's log keeps the whole message.
+			if !strings.Contains(logs.String(), strings.Repeat("x", 2*MaxHeader)) && tt.name == "long" {
+				t.Errorf("the server's log lost the refusal's message")
+			}
+		})
+	}
+}

@@ -282,7 +282,7 @@ func (s *Server) refuse(w http.ResponseWriter, op Op, peer string, err error) {
 	}
 	e.Op = op
 	s.log.Warn("cluster request refused", "peer", peer, "op", op, "code", e.Code, "err", e.Message)
-	b, _ := json.Marshal(e)
+	b, _ := json.Marshal(e.wire())
 	// An error arming the deadline shows at the write.
 	http.NewResponseController(w).SetWriteDeadline(time.Now().Add(s.opts.Timeouts.MessageTimeout()))
 	w.Header().Set("Content-Type", "application/json")

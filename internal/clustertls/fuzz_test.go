@@ -2,6 +2,8 @@ package clustertls
 
 import (
 	"bytes"
+	"crypto/x509"
+	"math/big"
 	"testing"
 	"time"
 )
@@ -61,6 +63,45 @@ func FuzzLoadCA(f *testing.F) {
 		}
 		if !bytes.Equal(again.CertPEM(), ca.CertPEM()) {
 			t.Fatal("CA certificate changed on reload")
+		}
+	})
+}
+
+// FuzzParseCRLs feeds arbitrary bytes to the reader of the CRL file (re-read on every handshake): it must
+// never panic, and a file it accepts holds only lists the trusted CA signed, which Revoke extends.
+func FuzzParseCRLs(f *testing.F) {
+	ca := mustCA(f, "cluster")
+	other := mustCA(f, "other")
+	now := time.Date(2026, 5, 1, 12, 0, 0, 0, time.UTC)
+	crl, err := ca.Revoke(nil, []*big.Int{big.NewInt(10), big.NewInt(11)}, now)
+	if err != nil {
+		f.Fatal(err)
+	}
+	foreign, err := other.Revoke(nil, []*big.Int{big.NewInt(10)}, now)
+	if err != nil {
+		f.Fatal(err)
+	}
+	for _, s := range [][]byte{crl, foreign, append(bytes.Clone(crl), crl...), append(bytes.Clone(crl), foreign...), crl[:len(crl)/2], ca.CertPEM(), nil} {
+		f.Add(s)
+	}
+	cas := []*x509.Certificate{ca.cert}
+	f.Fuzz(func(t *testing.T, data []byte) {
+		lists, err := parseCRLs(data, cas)
+		if err != nil {
+			return
+		}
+		if len(lists) == 0 {
+			t.Fatal("parseCRLs accepted a file without a list")
+		}
+		for _, rl := range lists {
+			if rl.CheckSignatureFrom(ca.cert) != nil {
+				t.Fatal("parseCRLs accepted a list the CA did not sign")
+			}
+		}
+		if len(lists) == 1 {
+			if _, err := ca.Revoke(data, []*big.Int{big.NewInt(12)}, now); err != nil {
+				t.Fatalf("a list parseCRLs accepts cannot be extended: %v", err)
+			}
 		}
 	})
 }
