@@ -304,7 +304,12 @@ func (c *Client) LogWatermark(ctx context.Context, peer string) (LogWatermark, e
 
 // Probe asks peer whether it reaches member req.Name.
 func (c *Client) Probe(ctx context.Context, peer string, req ProbeRequest) (ProbeReply, error) {
-	return call[ProbeReply](c, ctx, peer, OpProbe, c.msg(), req)
+	rep, err := call[ProbeReply](c, ctx, peer, OpProbe, c.msg(), req)
+	if err == nil && rep.Name != req.Name {
+		// "Reachable" about another member would keep the suspect asked about from being failed over.
+		err = fmt.Errorf("%s answered about %q, not %q", peer, rep.Name, req.Name)
+	}
+	return rep, err
 }
 
 // View sends the caller's view and failure timelines and returns peer's.

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"github.com/ftkit/ftkit/internal/testenv"
 	"io"
+	"math"
 	"net/http"
 	"net/netip"
 	"runtime"
@@ -117,6 +118,36 @@ func TestReceivedChecksTheRecord(t *testing.T) {
 	}
 }
 
+// TestProbeChecksTheAnswer: a member's answer whether it reaches a suspect counts only if it is about the
+// member asked about: "reachable" about another one kept a failed suspect from being failed over.
+func TestProbeChecksTheAnswer(t *testing.T) {
+	for _, tt := range []struct {
+		name    string
+		reply   ProbeReply
+		wantErr string
+	}{
+		{"as asked", ProbeReply{Name: "n3", Reachable: true}, ""},
+		{"about another member", ProbeReply{Name: "n4", Reachable: true}, `answered about "n4"`},
+		{"about nobody", ProbeReply{Reachable: true}, `answered about ""`},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			pki := newTestPKI(t)
+			addr := serveHandler(t, pki, "n2", answering(tt.reply))
+			c := clientOf(t, pki, "n1", map[string]string{"n2": addr}, testTimeouts)
+			got, err := c.Probe(t.Context(), "n2", ProbeRequest{Name: "n3"})
+			if tt.wantErr == "" {
+				if err != nil || !got.Reachable {
+					t.Fatalf("Probe = %+v, %v; want the answer", got, err)
+				}
+				return
+			}
+			if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+				t.Errorf("Probe = %+v, %v; want an error saying %q", got, err, tt.wantErr)
+			}
+		})
+	}
+}
+
 // TestLoggedChecksTheAnswer: a peer may name only flows it was asked about as unlogged, and say of only
 // those that they lost their live state.
 func TestLoggedChecksTheAnswer(t *testing.T) {
@@ -172,6 +203,10 @@ func TestReplicaChecksTheAnswer(t *testing.T) {
 		{"a bad id", &ckpt.Manifest{Job: "job-1", Node: "n3", ID: "../../etc"}, nil, "snapshot id"},
 		{"a run's spare that is no member name", testManifest("job-1", "n3"), []string{"n5", "../x"}, "a spare of its run"},
 		{"more spares than a run has", testManifest("job-1", "n3"), slices.Repeat([]string{"n5"}, spare.MaxRunSpares+1), "4097 spares of its run"},
+		// The target sizes the spare it claims by the manifest's files, and fetches the id it names.
+		{"a file of negative size", withFiles(testManifest("job-1", "n3"), ckpt.FileEntry{Name: "pages-1.img", Size: -1 << 40, SHA256: strings.Repeat("0", 64)}), nil, "negative size"},
+		{"sizes that wrap", withFiles(testManifest("job-1", "n3"), ckpt.FileEntry{Name: "a.img", Size: math.MaxInt64, SHA256: strings.Repeat("0", 64)}, ckpt.FileEntry{Name: "b.img", Size: 2, SHA256: strings.Repeat("0", 64)}), nil, "add up to more"},
+		{"an id of another node", &ckpt.Manifest{Job: "job-1", Node: "n3", ID: "20260301T120304.000Z-n9-000007", Created: time.Unix(1, 0), Info: ckpt.Info{Mode: ckpt.ModeUncoordinated}}, nil, `names node "n9"`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -184,6 +219,12 @@ func TestReplicaChecksTheAnswer(t *testing.T) {
 			}
 		})
 	}
+}
+
+// withFiles is m listing files.
+func withFiles(m *ckpt.Manifest, files ...ckpt.FileEntry) *ckpt.Manifest {
+	m.Files = files
+	return m
 }
 
 // TestRepliesUpToAMessage: a member running many jobs answers a ping with more than a request header's

@@ -349,6 +349,11 @@ func (r ReplicaReply) Check(req ReplicaRequest) error {
 	if _, err := ckpt.ParseID(r.Manifest.ID); err != nil {
 		return fmt.Errorf("asked for a replica of job %s from %s, got %q: %w", req.Job, req.Node, r.Manifest.ID, err)
 	}
+	// The target claims a spare by the sizes of its files and fetches the id: a manifest its holder's store
+	// would not take (negative or wrapping sizes, an id of another node's) is refused here too.
+	if err := r.Manifest.Validate(); err != nil {
+		return fmt.Errorf("replica %s of job %s from %s: %w", r.Manifest.ID, req.Job, req.Node, err)
+	}
 	if len(r.RunSpares) > spare.MaxRunSpares {
 		return fmt.Errorf("replica %s names %d spares of its run, at most %d", r.Manifest.ID, len(r.RunSpares), spare.MaxRunSpares)
 	}

@@ -21,7 +21,8 @@ import (
 )
 
 func testManifest(job, node string) *ckpt.Manifest {
-	return &ckpt.Manifest{Job: job, Node: node, ID: "20260301T120304.000Z-" + node + "-000007"}
+	return &ckpt.Manifest{Job: job, Node: node, ID: "20260301T120304.000Z-" + node + "-000007",
+		Created: time.Date(2026, 3, 1, 12, 3, 4, 0, time.UTC), Info: ckpt.Info{Mode: ckpt.ModeUncoordinated}}
 }
 
 var (
