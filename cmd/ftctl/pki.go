@@ -283,6 +283,17 @@ that was stolen or retired, or an operator's whose key may be lost; re-issue the
 			if err != nil {
 				return err
 			}
+			// Nor its CA: agents check a chain against the lists but for its trust anchor, which only the CA
+			// file withdraws. Listed, the CA's serial was reported revoked while all it issued stayed admitted.
+			caCert, err := parseCertPEM(ca.CertPEM())
+			if err != nil {
+				return fmt.Errorf("pki revoke: the CA's certificate: %w", err)
+			}
+			for _, n := range revoke {
+				if n.Cmp(caCert.SerialNumber) == 0 {
+					return cli.Usagef("serial %X is the CA's own certificate, which its revocation list cannot revoke: withdraw the CA by taking it out of every host's CA file", n)
+				}
+			}
 			// A list revokes its own CA's certificates only: one another CA issued would stay admitted.
 			for p, cert := range certs {
 				if err := ca.Signed(cert); err != nil {

@@ -3,7 +3,10 @@ package main
 import (
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
+
+	"github.com/ftkit/ftkit/internal/cli"
 )
 
 // TestPKIRevokeOtherCAsCertificate: during a CA rotation the members trust the old and the new CA
@@ -37,5 +40,38 @@ func TestPKIRevokeOtherCAsCertificate(t *testing.T) {
 	t.Logf("exchange: %q, %v", name, err)
 	if err == nil {
 		t.Errorf("pki revoke reported node2's certificate revoked, but an agent with the list still admits it (as %q)", name)
+	}
+}
+
+// TestPKIRevokeTheCAItself: a CA's revocation list cannot withdraw the CA (agents check every certificate
+// of a chain against the lists but its trust anchor, which only the CA file withdraws). `pki revoke` of
+// the CA's own certificate, by file or by serial, must refuse rather than report it revoked while every
+// certificate it issued is still admitted.
+func TestPKIRevokeTheCAItself(t *testing.T) {
+	dir := pkiCluster(t, "node1", "node2")
+	caPEM, err := os.ReadFile(filepath.Join(dir, caCertName))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ca, err := parseCertPEM(caPEM)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name string
+		args []string
+	}{
+		{"by file", []string{filepath.Join(dir, caCertName)}},
+		{"by serial", []string{"--serial", ca.SerialNumber.Text(16)}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			out, code, err := runFtctl(t, append([]string{"pki", "revoke", "--dir", dir}, tc.args...)...)
+			if code != cli.ExitUsage || err == nil || !strings.Contains(err.Error(), "CA file") {
+				t.Errorf("exit %d, %v (%s); want a refusal saying to take the CA out of the CA files", code, err, out)
+			}
+			if _, err := os.Stat(filepath.Join(dir, crlName)); err == nil {
+				t.Errorf("a revocation list was written")
+			}
+		})
 	}
 }
