@@ -2,6 +2,7 @@ package coordinated
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -152,6 +153,16 @@ func (c *Coordinator) take(ctx context.Context, run string, owner *uint32) (*Cut
 	// whose own commit no client validates.
 	if err := commit.Validate(); err != nil {
 		giveUp()
+		return nil, fmt.Errorf("%w: coordinated snapshot of run %s not recorded: %w", ErrRefused, run, err)
+	}
+	// Nor one longer than a peer's server reads (thousands of jobs with long names): every peer refused it,
+	// the cut was recorded on this host alone, and the peers' pins of its snapshots, never committed, held
+	// their jobs' replication until the pins' bound.
+	if b, err := json.Marshal(commit); err != nil || len(b) > clusterapi.MaxMessage {
+		giveUp()
+		if err == nil {
+			err = fmt.Errorf("its commit of %d parts is %d bytes, a member reads at most %d (use message logging: recovery \"message-logging\")", len(parts), len(b), clusterapi.MaxMessage)
+		}
 		return nil, fmt.Errorf("%w: coordinated snapshot of run %s not recorded: %w", ErrRefused, run, err)
 	}
 	// Forgotten before the commit is sent, not after: a commit that reached some members only must not be

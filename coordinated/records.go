@@ -56,11 +56,23 @@ func (r Records) Save(c Cut) error {
 	if old, err := r.Load(c.Run, &c.UID); err == nil && old.ID >= c.ID {
 		return nil // a newer cut's record arrived first (ids begin with the time)
 	}
-	if err := atomicfile.WriteJSON(r.path(c.Run, c.UID), c); err != nil {
+	b, err := json.MarshalIndent(c, "", "  ")
+	if err == nil && len(b)+1 > maxRecord {
+		err = fmt.Errorf("the record is %d bytes, a member reads at most %d", len(b)+1, maxRecord)
+	}
+	if err == nil {
+		err = atomicfile.WriteFile(r.path(c.Run, c.UID), append(b, '\n'), 0o600)
+	}
+	if err != nil {
 		return fmt.Errorf("record cut %s of run %s: %w", c.ID, c.Run, err)
 	}
 	return nil
 }
+
+// maxRecord bounds a cut record. A commit is at most clusterapi.MaxMessage on the wire, and its record,
+// indented, is larger (some 60 bytes a part more): a bound of MaxMessage made the record of a large run's
+// commit unreadable, the run left with no cut on that member.
+const maxRecord = 2 * clusterapi.MaxMessage
 
 // lock locks the records' directory until unlock: a look at a record and its write or removal are one
 // step (a Records is a value, made anew for each use).
@@ -124,7 +136,7 @@ func (r Records) Load(run string, owner *uint32) (*Cut, error) {
 			return nil, fmt.Errorf("%w: runs named %s of users %v have coordinated snapshots: name the user (--uid)", ErrRefused, run, users)
 		}
 	}
-	b, err := atomicfile.ReadBounded(r.path(run, *owner), clusterapi.MaxMessage)
+	b, err := atomicfile.ReadBounded(r.path(run, *owner), maxRecord)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, fmt.Errorf("%w of run %s of uid %d is recorded on %s: take one with `ftctl checkpoint --run %s`", ErrNoCut, run, *owner, r.Host, run)
 	}

@@ -1,6 +1,7 @@
 package coordinated
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -10,6 +11,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/internal/atomicfile"
 )
@@ -155,5 +157,59 @@ func TestRemoveOnlyTheCutLookedAt(t *testing.T) {
 	r := Records{Dir: t.TempDir() + "/cuts", Host: "node1", Log: slog.New(slog.DiscardHandler)}
 	if removed, err := r.Remove("r1", 1000, stale.ID); removed || err != nil {
 		t.Errorf("Remove without a records directory: %v, %v; want false, nil", removed, err)
+	}
+}
+
+// TestRecordOfLargeCut: a cut whose commit a member accepts (at most clusterapi.MaxMessage on the wire) is
+// recorded so that it reads back, though the record, indented, is larger than the commit; a record past
+// what Load reads is refused by Save, and the run's previous record stays. Before, a commit of 4096 parts
+// with long names was written as a record larger than Load's bound: the run had no readable cut on that
+// member, its previous record replaced, and neither cut's snapshots pinned.
+func TestRecordOfLargeCut(t *testing.T) {
+	host := strings.Repeat("h", 40)
+	large := func(id string, parts int, conns int) Cut {
+		c := Cut{Run: "r1", UID: 1000, ID: id}
+		for i := range parts {
+			p := clusterapi.CutPart{Job: fmt.Sprintf("%s-%08x", strings.Repeat("j", 48), i), Host: host,
+				Snapshot: fmt.Sprintf("20260501T120000.000Z-%s-%06d", host, i+1), Recovery: RecoveryCoordinated}
+			for range conns {
+				p.Conns = append(p.Conns, ckpt.Conn{})
+			}
+			c.Parts = append(c.Parts, p)
+		}
+		return c
+	}
+	prev := large("cut-0", 1, 0)
+	for _, tc := range []struct {
+		name string
+		cut  Cut
+		ok   bool
+	}{
+		{"a commit a member accepts", large("cut-1", clusterapi.MaxCutParts, 0), true},
+		{"past what Load reads", large("cut-2", 64, 1000), false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := Records{Dir: t.TempDir(), Host: "node1", Log: slog.New(slog.DiscardHandler)}
+			if err := r.Save(prev); err != nil {
+				t.Fatal(err)
+			}
+			commit := clusterapi.CoordinateRequest{Run: tc.cut.Run, UID: &tc.cut.UID, Cut: tc.cut.ID, Phase: clusterapi.CoordCommit, Parts: tc.cut.Parts}
+			if b, err := json.Marshal(commit); tc.ok && (err != nil || len(b) > clusterapi.MaxMessage) {
+				t.Fatalf("the commit is %d bytes (%v), want one a member accepts", len(b), err)
+			}
+			err := r.Save(tc.cut)
+			want := prev.ID
+			if tc.ok {
+				want = tc.cut.ID
+				if err != nil {
+					t.Fatalf("Save: %v", err)
+				}
+			} else if err == nil {
+				t.Errorf("Save of a record Load refuses succeeded")
+			}
+			if c, err := r.Load("r1", nil); err != nil || c.ID != want {
+				t.Errorf("recorded: %v, want cut %s readable", err, want)
+			}
+		})
 	}
 }

@@ -2,6 +2,7 @@ package coordinated
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -94,11 +95,17 @@ func btoi(b bool) int {
 // a peer's through the client, which validates the request, the coordinator's own directly.
 type bigRun struct {
 	n       int
-	late    bool // b's jobs but one started after the list
+	late    bool   // b's jobs but one started after the list
+	peer    string // host b's name ("": "b")
 	records map[string]Records
 }
 
-func (f *bigRun) Alive() []string { return []string{"a", "b"} }
+func (f *bigRun) Alive() []string {
+	if f.peer != "" {
+		return []string{"a", f.peer}
+	}
+	return []string{"a", "b"}
+}
 
 func (f *bigRun) Coordinate(_ context.Context, host string, req clusterapi.CoordinateRequest) (clusterapi.CoordinateReply, error) {
 	var parts []clusterapi.CutPart
@@ -126,6 +133,10 @@ func (f *bigRun) Coordinate(_ context.Context, host string, req clusterapi.Coord
 			if err := req.Validate(); err != nil {
 				return clusterapi.CoordinateReply{}, err
 			}
+			// As a peer's server reads it.
+			if b, err := json.Marshal(req); err != nil || len(b) > clusterapi.MaxMessage {
+				return clusterapi.CoordinateReply{}, &clusterapi.Error{Code: clusterapi.CodeTooLarge, Message: fmt.Sprintf("the commit request is longer than %d bytes", clusterapi.MaxMessage)}
+			}
 		}
 		return clusterapi.CoordinateReply{}, f.records[host].Save(Cut{Run: req.Run, UID: *req.UID, ID: req.Cut, Parts: req.Parts})
 	}
@@ -141,14 +152,18 @@ func TestSnapshotOfTooManyJobs(t *testing.T) {
 		name string
 		jobs int // on host b
 		late bool
+		peer string
 		ok   bool
 	}{
-		{"as many as a cut holds", clusterapi.MaxCutParts - 1, false, true},
-		{"one more", clusterapi.MaxCutParts, false, false},
-		{"one more, started after the list", clusterapi.MaxCutParts, true, false},
+		{"as many as a cut holds", clusterapi.MaxCutParts - 1, false, "", true},
+		{"one more", clusterapi.MaxCutParts, false, "", false},
+		{"one more, started after the list", clusterapi.MaxCutParts, true, "", false},
+		// A commit longer than a member reads (long names): before, every peer refused it, the coordinator
+		// alone recorded the cut, and the peers' pins of its snapshots held their replication until their bound.
+		{"a commit longer than a member reads", clusterapi.MaxCutParts - 1, false, strings.Repeat("b", 63), false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			f := &bigRun{n: tc.jobs, late: tc.late, records: map[string]Records{}}
+			f := &bigRun{n: tc.jobs, late: tc.late, peer: tc.peer, records: map[string]Records{}}
 			uid := uint32(0)
 			prev := Cut{Run: "r", UID: uid, ID: "cut-20261203T090000.000",
 				Parts: []clusterapi.CutPart{{Job: "joba-00000000", Host: "a", Snapshot: "20261203T090000.000Z-a-000001"}}}
@@ -166,7 +181,7 @@ func TestSnapshotOfTooManyJobs(t *testing.T) {
 				}
 				prev = *cut
 			} else if err == nil || !errors.Is(err, ErrRefused) {
-				t.Errorf("cut of %d jobs, more than a cut holds: %v, want it refused", tc.jobs+1, err)
+				t.Errorf("cut of %d jobs, more than a member records: %v, want it refused", tc.jobs+1, err)
 			}
 			for _, h := range f.Alive() {
 				if rec, err := f.records[h].Load("r", &uid); err != nil || rec.ID != prev.ID {
