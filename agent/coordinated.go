@@ -409,7 +409,12 @@ func (a *Agent) coordThaw(ctx context.Context, peer string, req clusterapi.Coord
 	} else if !replicate {
 		a.uncommitted.Done(key, req.Cut, peer) // given up: never committed
 	}
-	hold := a.coord.End(key, req.Cut)
+	var hold *coordinated.Hold[Job]
+	if replicate {
+		hold = a.coord.End(key, req.Cut)
+	} else {
+		hold = a.coord.Abort(key, req.Cut, peer) // an abort that overtook its freeze: the freeze holds nothing
+	}
 	var rep clusterapi.CoordinateReply
 	switch {
 	case !replicate:

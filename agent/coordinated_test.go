@@ -711,3 +711,46 @@ func TestRestartedCoordinatorGivesUpItsCut(t *testing.T) {
 		})
 	}
 }
+
+// TestAbortBeforeItsFreezeArrives: a coordinator gives a cut up (a host of the run failed) while this
+// host's freeze of it is still under way (waiting for the snapshot lock, for pages); its abort arrives
+// first. The freeze that follows must not hold the run: nothing would end the hold before
+// coordinated.HoldMax. Before, the abort found no hold and was lost, and the freeze then kept the run's jobs
+// frozen, and the snapshot lock the rollback after that failure needs, for a minute. Another coordinator's
+// freeze of a cut of that name, and a later cut, still hold it.
+func TestAbortBeforeItsFreezeArrives(t *testing.T) {
+	uid := uint32(0)
+	req := func(cut string, p clusterapi.CoordPhase) clusterapi.CoordinateRequest {
+		return clusterapi.CoordinateRequest{Run: "farm", UID: &uid, Cut: cut, Phase: p}
+	}
+	for _, tc := range []struct {
+		name, from, cut string
+		held            bool
+	}{
+		{"the aborted cut", "node2", "cut-1", false},
+		{"another coordinator's", "node3", "cut-1", true},
+		{"the next cut", "node2", "cut-2", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ta := newTestAgent(t)
+			ta.members.view = testView(t, "node1", "node2", "node3")
+			j, _ := frozenJob(t, ta, Job{ID: "farm-node1-1", UID: uid, Spec: JobSpec{Run: "farm"}, Net: &JobNet{Name: "ftj-test"}})
+			if _, err := ta.serveCoordinate(t.Context(), "node2", req("cut-1", clusterapi.CoordAbort)); err != nil {
+				t.Fatalf("abort: %v", err)
+			}
+			_, err := ta.serveCoordinate(t.Context(), tc.from, req(tc.cut, clusterapi.CoordFreeze))
+			b, _ := os.ReadFile(filepath.Join(j.Cgroup, "cgroup.freeze"))
+			held := ta.coord.Len() == 1
+			if held != tc.held || (string(b) == "1") != tc.held || (err == nil) != tc.held {
+				t.Errorf("freeze of %s from %s after node2's abort of cut-1: %v, cgroup.freeze %q, %d holds; want held %v", tc.cut, tc.from, err, b, ta.coord.Len(), tc.held)
+			}
+			if held {
+				ta.coord.End(coordinated.HoldKey(req(tc.cut, clusterapi.CoordFreeze)), tc.cut)
+			}
+			if !ta.ckptMu.TryLock() {
+				t.Fatal("the snapshot lock stays taken")
+			}
+			ta.ckptMu.Unlock()
+		})
+	}
+}

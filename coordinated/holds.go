@@ -25,7 +25,20 @@ const HoldMax = time.Minute
 type Holds[J any] struct {
 	mu sync.Mutex
 	m  map[string]*Hold[J]
+	// aborted are the cuts given up here before their freeze began a hold (Abort), which Begin refuses.
+	aborted map[abortedKey]abortedCut
 }
+
+// abortedKey is a cut of a run (HoldKey) given up before its freeze held the run here.
+type abortedKey struct{ run, cut string }
+
+type abortedCut struct {
+	coordinator string
+	until       time.Time
+}
+
+// maxAborted bounds the cuts Abort remembers: every alive member may send aborts.
+const maxAborted = 1024
 
 // Hold is one run's jobs held frozen for one cut.
 type Hold[J any] struct {
@@ -80,6 +93,9 @@ func (hs *Holds[J]) Begin(key string, h *Hold[J], end func(), expired func()) er
 	defer hs.mu.Unlock()
 	if old, ok := hs.m[key]; ok {
 		return fmt.Errorf("a coordinated snapshot of the run is under way here (%s)", old.Cut)
+	}
+	if a, ok := hs.aborted[abortedKey{key, h.Cut}]; ok && a.coordinator == h.Coordinator && time.Now().Before(a.until) {
+		return fmt.Errorf("cut %s was given up by its coordinator before its freeze here: %w", h.Cut, ErrEnded)
 	}
 	if hs.m == nil {
 		hs.m = map[string]*Hold[J]{}
@@ -181,6 +197,32 @@ func (hs *Holds[J]) End(key, cut string) *Hold[J] {
 	h.FrozenFor = time.Since(h.Frozen)
 	h.mu.Unlock()
 	return h
+}
+
+// Abort ends key's hold for cut, as End does, for coordinator's abort of the cut. Without one, the freeze of
+// cut may still be under way here (waiting for the snapshot lock, or for pages): it is refused when it comes
+// (Begin), until its own bound (clusterapi.MaxCoordStep). Before, such an abort was lost, and the freeze that
+// came after it held the run's jobs frozen, and the snapshot lock, until HoldMax.
+func (hs *Holds[J]) Abort(key, cut, coordinator string) *Hold[J] {
+	hs.mu.Lock()
+	if h := hs.m[key]; h != nil && h.Cut == cut {
+		hs.mu.Unlock()
+		return hs.End(key, cut)
+	}
+	defer hs.mu.Unlock()
+	now := time.Now()
+	for k, a := range hs.aborted {
+		if now.After(a.until) {
+			delete(hs.aborted, k)
+		}
+	}
+	if hs.aborted == nil {
+		hs.aborted = map[abortedKey]abortedCut{}
+	}
+	if len(hs.aborted) < maxAborted {
+		hs.aborted[abortedKey{key, cut}] = abortedCut{coordinator: coordinator, until: now.Add(clusterapi.MaxCoordStep)}
+	}
+	return nil
 }
 
 // EndOf ends the holds whose coordinator failed says failed, and returns them. Such a cut never
