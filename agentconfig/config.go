@@ -361,6 +361,16 @@ func (c Config) Validate() error {
 	if c.StateDir == "" || c.JobsDir == "" || c.Socket == "" || c.CgroupParent == "" {
 		errs = append(errs, errors.New("state_dir, jobs_dir, socket and cgroup_parent must not be empty"))
 	}
+	// Relative, they would name whatever lies below the agent's working directory (/ under systemd, elsewhere
+	// when started by hand or checked by --check-config), and jobs_dir must be the same path on every host.
+	for _, p := range []struct{ key, path string }{
+		{"state_dir", c.StateDir}, {"jobs_dir", c.JobsDir}, {"socket", c.Socket}, {"cgroup_parent", c.CgroupParent},
+		{"bpf_pin_dir", c.BPFPinDir}, {"log.spill_dir", c.Log.SpillDir},
+	} {
+		if p.path != "" && !filepath.IsAbs(p.path) {
+			errs = append(errs, fmt.Errorf("%s %q: give an absolute path (a relative one depends on the agent's working directory)", p.key, p.path))
+		}
+	}
 	if c.CRIU != "" && !filepath.IsAbs(c.CRIU) {
 		// Run as root: not looked up relative to wherever the agent was started.
 		errs = append(errs, fmt.Errorf("criu %q: give the binary by absolute path (empty: %s, then PATH)", c.CRIU, criu.DefaultBinary))

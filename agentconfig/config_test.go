@@ -192,3 +192,32 @@ func errorsUnwrapAll(err error) error {
 		err = u.Unwrap()
 	}
 }
+
+// The agent's directories and socket are opened relative to its working directory when relative: / under
+// systemd, wherever root stood when started by hand, and whatever directory ftagent --check-config ran in
+// when checked. A restored process reopens its output by the path under jobs_dir, the same on every host, and
+// cgroup_parent must be absolute for the receive-order probe: a relative path must be refused, not resolved.
+func TestRelativeDirsRefused(t *testing.T) {
+	for _, tt := range []struct{ extra, wantErr string }{
+		{"state_dir = \"/srv/ftkit\"\njobs_dir = \"/srv/ftkit/jobs\"\nsocket = \"/run/ftkit/a.sock\"\n", ""},
+		{"state_dir = \"var/lib/ftkit\"\n", `state_dir "var/lib/ftkit": give an absolute path`},
+		{"jobs_dir = \"jobs\"\n", `jobs_dir "jobs": give an absolute path`},
+		{"socket = \"agent.sock\"\n", `socket "agent.sock": give an absolute path`},
+		{"cgroup_parent = \"ftkit\"\n", `cgroup_parent "ftkit": give an absolute path`},
+		{"bpf_pin_dir = \"ftkit/node1\"\n", `bpf_pin_dir "ftkit/node1": give an absolute path`},
+		{"[log]\nspill_dir = \"spill\"\n", `log.spill_dir "spill": give an absolute path`},
+		{"[log]\nspill_dir = \"/var/spool/ftkit\"\n", ""},
+	} {
+		src := minimal + tt.extra
+		if !strings.HasPrefix(tt.extra, "[") {
+			src = tt.extra + minimal
+		}
+		_, err := ParseConfig([]byte(src))
+		if tt.wantErr == "" && err != nil {
+			t.Errorf("%q: %v", tt.extra, err)
+		}
+		if tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr)) {
+			t.Errorf("%q: err = %v, want it to mention %q", tt.extra, err, tt.wantErr)
+		}
+	}
+}
