@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"path/filepath"
 	"strings"
+	"time"
 )
 
 // HealthConfig is the site's failure predictor (seed 001): a command the agent runs every Interval whose
@@ -27,6 +28,11 @@ type HealthConfig struct {
 	Recall   float64  `toml:"recall"` // the predictor's recall, in [0, 1)
 }
 
+// minHealthInterval bounds health.interval: the agent runs the command, as root, every interval, each run
+// bounded by a timeout of at most the interval, so a few microseconds (a typo for "30s") fork it back to back
+// and kill every run before it answers. The e2e tests' fastest predictor runs every 200 ms.
+const minHealthInterval = 100 * time.Millisecond
+
 func (h HealthConfig) validate() error {
 	if len(h.Command) == 0 {
 		return nil
@@ -42,6 +48,8 @@ func (h HealthConfig) validate() error {
 	}
 	if h.Interval.Duration <= 0 || h.Timeout.Duration <= 0 || h.Timeout.Duration > h.Interval.Duration {
 		errs = append(errs, fmt.Errorf("timeout (%s) must be positive and at most the interval (%s)", h.Timeout, h.Interval))
+	} else if h.Interval.Duration < minHealthInterval {
+		errs = append(errs, fmt.Errorf("interval %s: use at least %s (the agent runs the command as root every interval; did you mean s?)", h.Interval, minHealthInterval))
 	}
 	if h.LeadTime.Duration <= 0 {
 		errs = append(errs, fmt.Errorf("lead_time %s must be positive", h.LeadTime))

@@ -35,3 +35,33 @@ func TestHealthConfigValidate(t *testing.T) {
 		})
 	}
 }
+
+// The agent runs the health command, as root, every health.interval (tickgrid), and its timeout is at most
+// the interval: a few nanoseconds or microseconds (a typo for "30s" or "500ms") made the agent fork the
+// command back to back, each run killed before it could answer, so nothing was ever predicted. Refused.
+func TestHealthIntervalNotABusyLoop(t *testing.T) {
+	for _, tt := range []struct{ interval, wantErr string }{
+		{"30s", ""},
+		{"200ms", ""}, // the e2e test's
+		{"100ms", ""},
+		{"30ms", "health: interval 30ms"},
+		{"30us", "health: interval 30µs"},
+		{"1ns", "health: interval 1ns"},
+	} {
+		src := minimal + "[health]\ncommand = [\"/usr/local/sbin/ftkit-health\", \"{host}\"]\ninterval = \"" + tt.interval + "\"\ntimeout = \"" + tt.interval + "\"\n"
+		c, err := ParseConfig([]byte(src))
+		if tt.wantErr == "" {
+			if err != nil {
+				t.Errorf("interval %s: %v", tt.interval, err)
+			}
+			continue
+		}
+		if err == nil {
+			t.Errorf("health.interval %s accepted: the agent would run the health command as root every %s", tt.interval, c.Health.Interval)
+			continue
+		}
+		if !strings.Contains(err.Error(), tt.wantErr) {
+			t.Errorf("interval %s: err = %v, want it to mention %q", tt.interval, err, tt.wantErr)
+		}
+	}
+}
