@@ -127,7 +127,32 @@ func credentialChecks(cfg agent.Config, now time.Time) []check {
 	for _, r := range tc.CheckMember(cfg.Name, now) {
 		out = append(out, check{r.What, r.Err})
 	}
-	return append(out, check{"key " + c.Key + " is root's alone", privateFile(c.Key)})
+	out = append(out, check{"key " + c.Key + " is root's alone", privateFile(c.Key)})
+	// The CA decides which certificates are members, the CRL which are no longer: a user who can replace
+	// either can have a certificate of their own admitted, or a revoked one admitted again.
+	out = append(out, check{"CA file " + c.CA + " is root's alone", trustFile(c.CA)})
+	if c.CRL != "" {
+		out = append(out, check{"CRL file " + c.CRL + " is root's alone", trustFile(c.CRL)})
+	}
+	return out
+}
+
+// trustFile checks that only root can change what path leads to: the file and every directory on the way
+// (rootpath), as sitecmd checks a program root runs.
+func trustFile(path string) error {
+	real, dirs, err := rootpath.Resolve(path)
+	if err != nil {
+		return err
+	}
+	fi, err := os.Stat(real)
+	if err != nil {
+		return err
+	}
+	const risk = "replace whom the cluster trusts"
+	if err := rootpath.RootOnly(real, fi, risk); err != nil {
+		return err
+	}
+	return rootpath.OnTheWay(dirs, risk)
 }
 
 // privateFile checks that path is a regular file (not a link) of root's that nobody else can read.

@@ -189,6 +189,21 @@ func TestCheckConfigNamesTheProblem(t *testing.T) {
 			"certificate ", "read key file"},
 		{"key readable by others", func(t *testing.T, s *checkSetup) { os.Chmod(s.tls.KeyFile, 0o644) },
 			"key ", "chmod 600"},
+		{"CA file writable by others", func(t *testing.T, s *checkSetup) { os.Chmod(s.tls.CAFile, 0o666) },
+			"CA file", "chmod go-w"},
+		{"CA file in a directory others may write", func(t *testing.T, s *checkSetup) { os.Chmod(filepath.Dir(s.tls.CAFile), 0o777) },
+			"CA file", "chmod go-w"},
+		{"CRL writable by others", func(t *testing.T, s *checkSetup) {
+			pem, err := s.ca.Revoke(nil, []*big.Int{big.NewInt(99)}, time.Now())
+			if err != nil {
+				t.Fatal(err)
+			}
+			crl := filepath.Join(s.dir, "ca.crl")
+			os.WriteFile(crl, pem, 0o666)
+			os.Chmod(crl, 0o666)
+			b, _ := os.ReadFile(s.config)
+			os.WriteFile(s.config, bytes.Replace(b, []byte("[[cluster.member]]"), []byte(fmt.Sprintf("crl = %q\n[[cluster.member]]", crl)), 1), 0o600)
+		}, "CRL file", "chmod go-w"},
 		{"certificate from another CA", func(t *testing.T, s *checkSetup) {
 			other, err := clustertls.NewCA("other", time.Hour*24)
 			if err != nil {
@@ -200,7 +215,7 @@ func TestCheckConfigNamesTheProblem(t *testing.T) {
 			"CA file", "no such file"},
 		{"listen address not on this host", func(t *testing.T, s *checkSetup) {
 			b, _ := os.ReadFile(s.config)
-			os.WriteFile(s.config, bytes.Replace(b, []byte(`listen = "127.0.0.1:7420"`), []byte(`listen = "192.0.2.1:7420"`), 1), 0o600)
+			os.WriteFile(s.config, bytes.ReplaceAll(b, []byte(`"127.0.0.1:7420"`), []byte(`"192.0.2.1:7420"`)), 0o600) // listen and member
 		}, "cluster.listen", "no interface"},
 		{"state_dir open to others", func(t *testing.T, s *checkSetup) {
 			os.Mkdir(filepath.Join(s.dir, "state"), 0o777)

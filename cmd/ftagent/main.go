@@ -41,7 +41,7 @@ its jobs keep running and the next agent adopts them.
 
 --check-config checks the configuration and this host without starting the agent or changing anything
 (no directory created, no eBPF loaded, no socket bound): the file is valid, the certificate, key and CA
-load, the certificate names this member, is valid now and is signed by the CA, the key is root's alone,
+load, the certificate names this member, is valid now and is signed by the CA, the key, the CA file and the CRL are root's alone,
 cluster.listen is an address of this host, CRIU is root's alone and new enough, the kernel answers for nftables, is new enough
 and has BTF, cgroup_parent is on cgroup v2, bpffs is there, and no other user can swap the state directories. One
 line per check: "ok" or "FAIL" with what to do.
