@@ -69,6 +69,9 @@ type Agent struct {
 	// started, not yet in byID; an ended job's network until it is deleted, lingering or not (releaseEnded).
 	// Counted: a job that ends before its StartJob returns holds its address both ways.
 	reservedAddrs map[netip.Addr]int
+	// leftHeld are the addresses of the job networks that could not be deleted, by name: each holds one
+	// count of reservedAddrs until a deletion of the network succeeds (holdLeftAddr, releaseLeftAddr).
+	leftHeld map[string]netip.Addr
 	// starting counts each non-root uid's starts in progress (admit), not yet in byID.
 	starting map[uint32]int
 	// outputSpace is what the output journals of restores running at once take of the state directory.
@@ -79,6 +82,9 @@ type Agent struct {
 	nets jobNetOps
 	// leftNetsMu serializes the updates of the record of the job networks that could not be deleted (leftnets.go).
 	leftNetsMu sync.Mutex
+	// leftRetryMu is held over a running agent's retry of a left job network (retryLeftNet), which a new
+	// network of the same name waits for (claimJobNet).
+	leftRetryMu sync.Mutex
 	// restoring names, by job id, the restore of the job under way on this host (lockRestore).
 	restoring map[string]string
 	// ending holds, by job id, the end of a copy of the job whose release is under way (finish): it goes by the
@@ -261,7 +267,7 @@ func (a *Agent) adopt() (int, error) {
 		}
 		if j.State != JobRunning {
 			if j.Net != nil { // a previous agent may have stopped while its closed connections lingered
-				// One that cannot be deleted is recorded with its address, which retryLeftNets holds below.
+				// One that cannot be deleted is recorded with its address, which stays held (deleteJobNet).
 				a.removeOrphanJobNet(context.Background(), j.ID, j.netAddr(), "the job ended before this agent started")
 			}
 			if j.State == JobExited || j.State == JobLost {
@@ -380,19 +386,14 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 		ID: id, Spec: spec, UID: uid, GID: gid, Node: a.cfg.Name, State: JobRunning,
 		Created: time.Now().UTC(), Cgroup: l.cgroup(id), Dir: l.dir(id),
 	}
-	// netLeft: the job did not start and its network could not be deleted, so it may hold the address on
-	// the wire: the address stays reserved (as releaseEnded keeps it), or the next job here would get it.
-	netLeft := false
 	if spec.JobAddress {
 		addr, err := a.allocJobAddr()
 		if err != nil {
 			return nil, err
 		}
-		defer func() { // in byID (or not started) once StartJob returns
-			if !netLeft {
-				a.releaseJobAddr(addr.Addr())
-			}
-		}()
+		// In byID (or not started) once StartJob returns. A network of a job that did not start that could
+		// not be deleted keeps the address held by its name (deleteJobNet) until it is.
+		defer a.releaseJobAddr(addr.Addr())
 		j.Net = &JobNet{Name: jobNetName(a.cfg.Name, id), Kind: a.cfg.JobNetwork.Kind, Addr: addr}
 	}
 	// Root keeps the job directory (0755): were it the user's, the user could plant links there for the
@@ -416,7 +417,7 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 		if err := a.createJobNet(ctx, j.Net); err != nil {
 			// What Create made of it goes before its address goes back to the pool (its namespace, perhaps
 			// its interface with the address up). Not ctx, which may be why Create stopped.
-			netLeft = a.deleteJobNet(context.WithoutCancel(ctx), id, j.Net) != nil
+			a.deleteJobNet(context.WithoutCancel(ctx), id, j.Net)
 			os.Remove(j.Cgroup)
 			return nil, err
 		}
@@ -445,7 +446,7 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 		a.releaseResources(j) // the receive order's watch too: each one left held a slot of a bounded map
 		// Not ctx, which has ended when the client went away: jobnet.Delete would leave the network, and
 		// its address, given back when StartJob returns, on the wire.
-		netLeft = a.deleteJobNet(context.WithoutCancel(ctx), id, j.Net) != nil
+		a.deleteJobNet(context.WithoutCancel(ctx), id, j.Net)
 		return nil, err
 	}
 	j.PID = pid
@@ -457,7 +458,7 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 			a.log.Error("a job whose record could not be saved could not be killed either: it runs unwatched", "job", id, "pid", pid, "err", kerr)
 		}
 		a.releaseResources(j)
-		netLeft = a.deleteJobNet(context.WithoutCancel(ctx), id, j.Net) != nil
+		a.deleteJobNet(context.WithoutCancel(ctx), id, j.Net)
 		return nil, fmt.Errorf("record job %s: %w; the job was killed", id, err)
 	}
 	a.mu.Lock()
@@ -833,6 +834,7 @@ func (a *Agent) Run(ctx context.Context, local LocalAPI) error {
 		a.scheduleCuts(ctx)
 	}()
 	go a.forgetEnded(ctx)
+	go a.retryLeftNetsEvery(ctx) // adopt tried them once
 	go a.checkConns(ctx)
 	go a.controlLog(ctx)
 	go a.sendBeats(ctx)

@@ -184,9 +184,10 @@ func (a *Agent) reserveRestoredAddr(j Job) error {
 			j.ID, ip, holder)
 	}
 	// The one hold the job's own earlier copy may have here: finish reserved the address for its network
-	// until that is deleted, and a restore claims that network (claimJobNet).
+	// until that is deleted, and a restore claims that network (claimJobNet); one that could not be deleted
+	// holds it by its name (holdLeftAddr) instead.
 	own := 0
-	if o := a.byID[j.ID]; o != nil && o.Net != nil && !addressHeld(o) && o.Net.Addr.Addr() == ip {
+	if o := a.byID[j.ID]; o != nil && o.Net != nil && !addressHeld(o) && o.Net.Addr.Addr() == ip || a.leftHeld[jobNetName(a.cfg.Name, j.ID)] == ip {
 		own = 1
 	}
 	if a.reservedAddrs[ip] > own {
@@ -280,7 +281,8 @@ func (a *Agent) withdrawJobNet(ctx context.Context, id string, n *JobNet) {
 }
 
 // deleteJobNet removes job id's network if it is this agent's (never a name from a record as such). The
-// error says the network may still hold its address on the wire.
+// error says the network may still hold its address on the wire: the address stays held by the network's
+// name (holdLeftAddr) until a deletion of it succeeds, whatever hold the caller gives back.
 func (a *Agent) deleteJobNet(ctx context.Context, id string, n *JobNet) error {
 	if n == nil {
 		return nil
@@ -296,9 +298,11 @@ func (a *Agent) deleteJobNet(ctx context.Context, id string, n *JobNet) error {
 	if err := del(ctx, n.Name); err != nil {
 		a.log.Error("delete job network: its address may stay on the wire", "job", id, "net", n.Name, "err", err)
 		a.noteLeftNet(n.Name, leftNet{Job: id, Addr: n.Addr}, true) // the next agent deletes it again (retryLeftNets)
+		a.holdLeftAddr(n.Name, n.Addr)
 		return fmt.Errorf("delete job network %s: %w", n.Name, err)
 	}
 	a.noteLeftNet(n.Name, leftNet{}, false)
+	a.releaseLeftAddr(n.Name)
 	a.log.Info("job network deleted", "job", id, "net", n.Name, "addr", n.Addr)
 	return nil
 }
@@ -315,10 +319,11 @@ func (a *Agent) netLingers(j *Job, state JobState) bool {
 // releaseEnded gives back what job j held once it ended. A lingering network (netLingers) is deleted once
 // its closes are acknowledged. The address finish reserved (reserved) is given back once the network is
 // gone: before, a job started meanwhile would get an address the old network still holds on the wire. A
-// network that could not be deleted keeps it reserved (the next agent's adopt deletes the network again).
+// network that could not be deleted keeps it reserved by its name (deleteJobNet) until it is deleted.
 func (a *Agent) releaseEnded(j *Job, lingers, reserved bool) {
 	if !lingers {
-		if err := a.releaseJob(j); err == nil && reserved {
+		a.releaseJob(j)
+		if reserved {
 			a.releaseJobAddr(j.Net.Addr.Addr())
 		}
 		return
@@ -328,13 +333,10 @@ func (a *Agent) releaseEnded(j *Job, lingers, reserved bool) {
 	a.lingering.add(n.Name, j.ID, n.Addr)
 	go func() {
 		a.awaitCloses(j.ID, n.Name, a.cfg.JobNetwork.Linger.Duration)
-		var err error
-		if !a.lingering.take(n.Name, func(string, netip.Prefix) { err = a.deleteJobNet(context.Background(), j.ID, &n) }) {
-			return // a claim took it: endLingering gives the address back once it deleted the network
+		if !a.lingering.take(n.Name, func(string, netip.Prefix) { a.deleteJobNet(context.Background(), j.ID, &n) }) {
+			return // a claim took it: endLingering gives the address back once it tried to delete the network
 		}
-		if err == nil { // else still on the wire
-			a.releaseJobAddr(n.Addr.Addr())
-		}
+		a.releaseJobAddr(n.Addr.Addr()) // one still on the wire holds it by its name (deleteJobNet)
 	}()
 }
 
@@ -411,6 +413,9 @@ func (l *lingerNets) take(name string, remove func(id string, addr netip.Prefix)
 // claimJobNet ends the lingering of a network an ended copy of a job left under name, deleting it, before
 // a new copy's network is made with that name.
 func (a *Agent) claimJobNet(ctx context.Context, name string) {
+	// A running agent's retry of a network left undeleted under this name (retryLeftNet) ends first: its
+	// deletion would take down the network made next.
+	a.waitLeftNetRetry()
 	a.endLingering(ctx, name, "a new copy of an ended job comes to this host while the old one's network lingers: deleting that first")
 }
 
@@ -419,9 +424,10 @@ func (a *Agent) endLingering(ctx context.Context, name, why string) {
 	a.lingering.take(name, func(id string, addr netip.Prefix) {
 		a.log.Warn(why, "job", id, "net", name)
 		// The hold finish made on the address is this claim's to give back (the lingering's end finds the
-		// network taken), and only once the network is gone; the record of a network that cannot be deleted
-		// keeps the address for the next agent.
-		if a.deleteJobNet(ctx, id, &JobNet{Name: name, Addr: addr}) == nil && addr.IsValid() {
+		// network taken), once the deletion was tried: a network that cannot be deleted holds the address by
+		// its name (deleteJobNet), and its record keeps it for the next agent.
+		a.deleteJobNet(ctx, id, &JobNet{Name: name, Addr: addr})
+		if addr.IsValid() {
 			a.releaseJobAddr(addr.Addr())
 		}
 	})
@@ -430,9 +436,8 @@ func (a *Agent) endLingering(ctx context.Context, name, why string) {
 // removeOrphanJobNet deletes the job network this agent would have made for job id, if there is one (why
 // says how it was left): a recovery interrupted after creating it and before the job ran, or an agent that
 // stopped while an ended job's network lingered, leaves it, its address answering with nothing behind it.
-// addr is the job's address where the caller knows it: the record of a network that cannot be deleted
-// keeps it, for the next agent to reserve (retryLeftNets); the error says the caller must hold it now
-// (holdLeftAddr) unless retryLeftNets runs next.
+// addr is the job's address where the caller knows it: a network that cannot be deleted holds it
+// (deleteJobNet), and its record keeps it for the next agent to reserve (retryLeftNets).
 func (a *Agent) removeOrphanJobNet(ctx context.Context, id string, addr netip.Prefix, why string) error {
 	if !validJobID(id) {
 		return nil
@@ -449,15 +454,38 @@ func (a *Agent) removeOrphanJobNet(ctx context.Context, id string, addr netip.Pr
 	return a.deleteJobNet(ctx, id, &JobNet{Name: name, Addr: addr})
 }
 
-// holdLeftAddr keeps addr, held by a job network that could not be deleted, from the next job for as long
-// as this agent runs (the left-networks record keeps it after a restart). An unknown address holds nothing.
-func (a *Agent) holdLeftAddr(addr netip.Prefix) {
+// holdLeftAddr keeps addr, held on the wire by job network name that could not be deleted, from the next
+// job until a deletion of the network succeeds (releaseLeftAddr; the left-networks record keeps it after a
+// restart). One hold per network: every failed try comes here. An unknown address holds nothing.
+func (a *Agent) holdLeftAddr(name string, addr netip.Prefix) {
 	if !addr.IsValid() {
 		return
 	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	if _, ok := a.leftHeld[name]; ok {
+		return
+	}
+	if a.leftHeld == nil {
+		a.leftHeld = map[string]netip.Addr{}
+	}
+	if a.reservedAddrs == nil {
+		a.reservedAddrs = map[netip.Addr]int{}
+	}
+	a.leftHeld[name] = addr.Addr()
 	a.reservedAddrs[addr.Addr()]++
+}
+
+// releaseLeftAddr ends the hold holdLeftAddr made for job network name, deleted now, if any: before, the
+// address stayed out of the pool until the agent restarted.
+func (a *Agent) releaseLeftAddr(name string) {
+	a.mu.Lock()
+	ip, ok := a.leftHeld[name]
+	delete(a.leftHeld, name)
+	a.mu.Unlock()
+	if ok {
+		a.releaseJobAddr(ip)
+	}
 }
 
 // inJobNet runs fn inside job network n (fn's forks inherit it), or as is for a job without one.

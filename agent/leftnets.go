@@ -8,8 +8,10 @@ import (
 	"io/fs"
 	"net/netip"
 	"path/filepath"
+	"time"
 
 	"github.com/ftkit/ftkit/internal/atomicfile"
+	"github.com/ftkit/ftkit/internal/tickgrid"
 	"github.com/ftkit/ftkit/jobnet"
 )
 
@@ -120,10 +122,106 @@ func (a *Agent) retryLeftNets(ctx context.Context) {
 		if a.deleteJobNet(ctx, l.Job, &JobNet{Name: name, Addr: l.Addr}) == nil {
 			continue // deleteJobNet dropped it from the record
 		}
-		a.holdLeftAddr(l.Addr)
+		// deleteJobNet keeps its address held.
 		a.log.Error("a job network a previous agent could not delete still cannot be: its address stays reserved until an agent deletes it at its start; delete it by hand (ip netns del) and restart the agent",
 			"job", l.Job, "net", name, "addr", l.Addr)
 	}
+}
+
+// leftNetsEvery is how often a running agent tries again to delete the job networks it could not
+// (retryLeftNetsNow); leftNetTry bounds each try, and leftNetsPerPass the tries of one pass.
+const (
+	leftNetsEvery   = time.Minute
+	leftNetTry      = 10 * time.Second
+	leftNetsPerPass = 16
+)
+
+// retryLeftNetsEvery runs retryLeftNetsNow each leftNetsEvery until ctx ends. Tried at start only, a
+// network whose deletion failed for a while stayed on the wire with its address, and the address out of
+// the pool, for as long as the agent ran.
+func (a *Agent) retryLeftNetsEvery(ctx context.Context) {
+	tickgrid.Every(ctx, leftNetsEvery, func() { a.retryLeftNetsNow(ctx) })
+}
+
+// retryLeftNetsNow tries once more to delete the recorded job networks, up to leftNetsPerPass of them, while
+// this agent runs. A network a running job's record names is that job's, as at start; one a job may be
+// using (being restored or ending here, lingering, processes in its cgroup) waits for a later pass. A
+// deleted network gives its address back (releaseLeftAddr). A failure was logged by the deletion that
+// first failed: not again here at each pass.
+func (a *Agent) retryLeftNetsNow(ctx context.Context) {
+	a.leftNetsMu.Lock()
+	nets, err := a.readLeftNets()
+	a.leftNetsMu.Unlock()
+	if err != nil {
+		a.log.Debug("cannot read the job networks this agent could not delete", "err", err) // logged where it was written
+		return
+	}
+	tries := 0
+	for name := range nets {
+		if ctx.Err() != nil || tries >= leftNetsPerPass {
+			return
+		}
+		if a.retryLeftNet(ctx, name) {
+			tries++
+		}
+	}
+}
+
+// retryLeftNet tries again to delete recorded job network name, and reports whether it tried.
+// a.leftRetryMu is held from the checks to the end of the deletion: a restore of the job that begins
+// meanwhile waits in claimJobNet before it makes the network again, and is not cut short by this deletion.
+func (a *Agent) retryLeftNet(ctx context.Context, name string) bool {
+	a.leftRetryMu.Lock()
+	defer a.leftRetryMu.Unlock()
+	a.leftNetsMu.Lock()
+	nets, err := a.readLeftNets()
+	a.leftNetsMu.Unlock()
+	if err != nil {
+		return false
+	}
+	l, ok := nets[name]
+	if !ok {
+		return false // deleted meanwhile
+	}
+	if a.runsInJobNet(name) || name != jobNetName(a.cfg.Name, l.Job) {
+		a.noteLeftNet(name, leftNet{}, false)
+		return false
+	}
+	if a.mayUseJobNet(l.Job, name) {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(ctx, leftNetTry)
+	defer cancel()
+	del := func(ctx context.Context, name string) error { return jobnet.Delete(ctx, name, "") }
+	if a.nets.delete != nil {
+		del = a.nets.delete
+	}
+	if err := del(ctx, name); err != nil {
+		a.holdLeftAddr(name, l.Addr) // once per network
+		a.log.Debug("a job network this agent could not delete still cannot be", "job", l.Job, "net", name, "addr", l.Addr, "err", err)
+		return true
+	}
+	a.noteLeftNet(name, leftNet{}, false)
+	a.releaseLeftAddr(name)
+	a.log.Info("deleted a job network this agent could not delete before: its address goes back to the pool", "job", l.Job, "net", name, "addr", l.Addr)
+	return true
+}
+
+// waitLeftNetRetry waits until a retry of a left job network under way (retryLeftNet) has ended.
+func (a *Agent) waitLeftNetRetry() {
+	a.leftRetryMu.Lock()
+	defer a.leftRetryMu.Unlock()
+}
+
+// mayUseJobNet says whether something of job id here may be using its network name: a restore of the job
+// under way (it may have made the network already), the end of a copy being given back, a lingering
+// network, or processes in the job's cgroup (a copy leaving this host, not killed yet).
+func (a *Agent) mayUseJobNet(id, name string) bool {
+	a.mu.Lock()
+	_, restoring := a.restoring[id]
+	ending := a.ending[id] != nil
+	a.mu.Unlock()
+	return restoring || ending || a.lingering.has(name) || populated(a.layout().cgroup(id))
 }
 
 // runsInJobNet says whether a running job's record of this agent names job network name.

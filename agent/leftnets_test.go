@@ -1,12 +1,15 @@
 package agent
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"log/slog"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -61,7 +64,7 @@ func TestLeftJobNetSurvivesRestart(t *testing.T) {
 	// The agent restarts: what it held in memory is gone. Its network still cannot be deleted.
 	restart := func() {
 		a.mu.Lock()
-		a.reservedAddrs = map[netip.Addr]int{}
+		a.reservedAddrs, a.leftHeld = map[netip.Addr]int{}, nil
 		a.mu.Unlock()
 		if _, err := a.adopt(); err != nil {
 			t.Fatal(err)
@@ -125,7 +128,7 @@ func leftAddrAgent(t *testing.T) (ta *testAgent, restart func()) {
 	}
 	return ta, func() {
 		ta.mu.Lock()
-		ta.reservedAddrs = map[netip.Addr]int{}
+		ta.reservedAddrs, ta.leftHeld = map[netip.Addr]int{}, nil
 		ta.mu.Unlock()
 		if _, err := ta.adopt(); err != nil {
 			t.Fatal(err)
@@ -197,4 +200,158 @@ func TestClaimedLingeringNetAddrStaysReserved(t *testing.T) {
 	check("the claim failed")
 	restart()
 	check("after a restart")
+}
+
+// TestLeftNetHoldEndsOnceDeleted: the address of a job network that could not be deleted stays reserved
+// while the network may hold it on the wire, and no longer: a later deletion of the same network (a copy of
+// the job restored here since, which ended) took it off the wire, but the hold the failed deletion kept
+// stayed until the agent restarted, and the pool lost the address meanwhile.
+func TestLeftNetHoldEndsOnceDeleted(t *testing.T) {
+	ta, _ := leftAddrAgent(t)
+	ta.cfg.JobNetwork.Linger = Duration{} // deleted as the job ends
+	var mu sync.Mutex
+	stuck := true
+	ta.nets.delete = func(context.Context, string) error {
+		mu.Lock()
+		defer mu.Unlock()
+		if stuck {
+			return errors.New("delete eth0: injected")
+		}
+		return nil
+	}
+	addr, err := ta.allocJobAddr()
+	if err != nil {
+		t.Fatal(err)
+	}
+	const id = "ended-0000000c"
+	net := &JobNet{Name: jobNetName(ta.cfg.Name, id), Kind: jobnet.MACVlan, Addr: addr}
+	j := ta.addJob(t, Job{ID: id, State: JobRunning, PID: os.Getpid(), Net: net})
+	ta.releaseJobAddr(addr.Addr()) // StartJob returns
+	ta.finish(j, JobExited, &shim.ExitStatus{})
+	if got, err := ta.allocJobAddr(); err != nil || got.Addr() == addr.Addr() {
+		t.Fatalf("the next job got %s, %v while the ended job's undeleted network still holds %s", got, err, addr)
+	} else {
+		ta.releaseJobAddr(got.Addr())
+	}
+
+	// A copy of the job restored here since runs in it, ends, and its network is deleted.
+	mu.Lock()
+	stuck = false
+	mu.Unlock()
+	n := *net
+	j = ta.addJob(t, Job{ID: id, State: JobRunning, PID: os.Getpid(), Net: &n})
+	ta.finish(j, JobExited, &shim.ExitStatus{})
+	left, err := ta.readLeftNets()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(left) != 0 {
+		t.Errorf("the record still names %v once the network is deleted", left)
+	}
+	if got, err := ta.allocJobAddr(); err != nil || got.Addr() != addr.Addr() {
+		t.Errorf("once the job's network is deleted the next job got %s, %v; want %s: the address stays reserved until the agent restarts", got, err, addr)
+	}
+}
+
+// TestLeftNetsRetriedWhileRunning: a job network that could not be deleted was tried again only at the
+// next agent's start: one whose deletion failed for a while stayed on the wire with its address, and the
+// address out of the pool, for as long as the agent ran. A running agent tries again now and then
+// (retryLeftNetsNow): a network it deletes gives its address back; one that still cannot be deleted keeps
+// it held once, and is not logged again; one a job of this host may be using is not touched.
+func TestLeftNetsRetriedWhileRunning(t *testing.T) {
+	for _, tt := range []struct {
+		name    string
+		stuck   bool                                // the network still cannot be deleted
+		busy    func(ta *testAgent, id, net string) // what of the job is under way here
+		deleted bool                                // the pass deletes the network
+	}{
+		{name: "deletable now", deleted: true},
+		{name: "still stuck", stuck: true},
+		{name: "its job runs in it again", busy: func(ta *testAgent, id, net string) {
+			ta.addJob(t, Job{ID: id, State: JobRunning, PID: os.Getpid(), Net: &JobNet{Name: net, Kind: jobnet.MACVlan}})
+		}},
+		{name: "its job is being restored here", busy: func(ta *testAgent, id, _ string) {
+			ta.mu.Lock()
+			ta.restoring = map[string]string{id: "a recovery"}
+			ta.mu.Unlock()
+		}},
+		{name: "an ended copy's network lingers under its name", busy: func(ta *testAgent, id, net string) {
+			ta.lingering.add(net, id, netip.Prefix{})
+		}},
+		{name: "processes of the job are in its cgroup", busy: func(ta *testAgent, id, _ string) {
+			cg := ta.layout().cgroup(id)
+			must(t, os.MkdirAll(cg, 0o755))
+			must(t, os.WriteFile(filepath.Join(cg, "cgroup.events"), []byte("populated 1\nfrozen 0\n"), 0o644))
+		}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			ta, _ := leftAddrAgent(t)
+			var logs bytes.Buffer
+			ta.log = slog.New(slog.NewTextHandler(&logs, nil))
+			var mu sync.Mutex
+			stuck := true
+			var deleted []string
+			ta.nets.delete = func(_ context.Context, name string) error {
+				mu.Lock()
+				defer mu.Unlock()
+				if stuck {
+					return errors.New("delete eth0: injected")
+				}
+				deleted = append(deleted, name)
+				return nil
+			}
+			ta.nets.create = func(context.Context, *JobNet) error { return errors.New("bring up eth0: injected") }
+			if _, err := ta.StartJob(t.Context(), JobSpec{Name: "srv", Argv: []string{"/bin/true"}, JobAddress: true}, 1000, 1000); err == nil {
+				t.Fatal("StartJob succeeded")
+			}
+			left, err := ta.readLeftNets()
+			if err != nil || len(left) != 1 {
+				t.Fatalf("the record names %v, %v: want the failed start's network", left, err)
+			}
+			var net string
+			var l leftNet
+			for net, l = range left {
+			}
+			if tt.busy != nil {
+				tt.busy(ta, l.Job, net)
+			}
+			mu.Lock()
+			stuck = tt.stuck
+			mu.Unlock()
+			logged := logs.String()
+			for range 2 {
+				ta.retryLeftNetsNow(t.Context())
+			}
+			if got := len(deleted) > 0; got != tt.deleted {
+				t.Errorf("the running agent's retries deleted %v, want the left network %s deleted: %v", deleted, net, tt.deleted)
+			}
+			left, err = ta.readLeftNets()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, ok := left[net]; ok == tt.deleted && tt.busy == nil {
+				t.Errorf("after the retries the record names %v", left)
+			}
+			if tt.stuck && strings.Contains(strings.TrimPrefix(logs.String(), logged), "level=ERROR") {
+				t.Errorf("a network that still cannot be deleted is logged again at each retry:\n%s", strings.TrimPrefix(logs.String(), logged))
+			}
+			got, err := ta.allocJobAddr()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if (got.Addr() == l.Addr.Addr()) != tt.deleted {
+				t.Errorf("after the retries the next job got %s (the left network's address %s); want it given back: %v", got, l.Addr, tt.deleted)
+			}
+			ta.releaseJobAddr(got.Addr())
+			if tt.stuck { // held once: deleted now, the address is back
+				mu.Lock()
+				stuck = false
+				mu.Unlock()
+				ta.retryLeftNetsNow(t.Context())
+				if got, err := ta.allocJobAddr(); err != nil || got.Addr() != l.Addr.Addr() {
+					t.Errorf("once the left network is deleted the next job got %s, %v; want %s", got, err, l.Addr)
+				}
+			}
+		})
+	}
 }

@@ -50,9 +50,7 @@ func (a *Agent) resumeMigration(ctx context.Context, id string, j Job) {
 	emit := a.migrationStages(id)
 	// The previous agent may have died before it killed the job: the job's address goes off the wire (adopt
 	// removed its network already if it still had a name), then its processes, as leave does.
-	if err := a.removeOrphanJobNet(ctx, j.ID, j.netAddr(), "its migration left this host"); err != nil {
-		a.holdLeftAddr(j.netAddr())
-	}
+	a.removeOrphanJobNet(ctx, j.ID, j.netAddr(), "its migration left this host") // one left holds its address
 	if err := a.killCopy(ctx, j); err != nil {
 		a.endMigration(id, fmt.Errorf("job %s left this host for %s but what is left of it here could not be killed, so it is not restored anywhere: %w; kill it, then `ftctl restore --snapshot %s`",
 			j.ID, j.MovedTo, err, j.MovedSnapshot))

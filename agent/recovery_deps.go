@@ -50,6 +50,10 @@ func (r *recoveryActions) lockRestore(ctx context.Context, id string) error {
 	if err != nil {
 		return err
 	}
+	// Fetch claimed the job's network name before this lock; the recovery makes the network after it
+	// (recovery.JobNet), not through claimJobNet: a retry of a left network of that name begun meanwhile
+	// ends first.
+	r.a.waitLeftNetRetry()
 	if r.unlocks == nil {
 		r.unlocks = map[string]func(){}
 	}

@@ -372,9 +372,7 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 			}
 			unrecorded := a.restoreOutlivedAgent(rj.Job)
 			if jerr != nil || unrecorded {
-				if addr := a.recoveredAddr(rj, j, jerr); a.removeOrphanJobNet(ctx, rj.Job, addr, "an interrupted recovery made it") != nil {
-					a.holdLeftAddr(addr)
-				}
+				a.removeOrphanJobNet(ctx, rj.Job, a.recoveredAddr(rj, j, jerr), "an interrupted recovery made it") // one left holds its address
 			}
 			a.releaseClamps(rj.Conns) // nothing is left to replay on them
 			err := fmt.Errorf("job %s (%s when the agent restarted) does not run on %s: its state is %s", rj.Job, rj.Phase, a.cfg.Name, state)

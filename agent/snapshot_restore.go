@@ -120,7 +120,7 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 		return nil, fmt.Errorf("snapshot %s: %w", m.ID, err)
 	}
 	// The address stays reserved until the restored job is listed (addressHeld), or its network is
-	// deleted; a network that could not be deleted keeps it, as releaseEnded does.
+	// deleted; a network that could not be deleted holds it by its name (deleteJobNet) until it is.
 	addrReserved := j.Net != nil
 	defer func() {
 		if addrReserved {
@@ -214,10 +214,9 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 			a.releaseResources(&j) // nothing of the job runs here: its cgroup, its log and receive-order watches go
 		}
 		if j.Net != nil && j.Net.Name == jobNetName(a.cfg.Name, j.ID) {
-			// Its address must not stay on the wire without the job; while it may, nobody else gets it.
-			if a.deleteJobNet(ctx, j.ID, j.Net) != nil {
-				addrReserved = false
-			}
+			// Its address must not stay on the wire without the job; while it may, nobody else gets it (a
+			// network that could not be deleted holds it by its name: deleteJobNet).
+			a.deleteJobNet(ctx, j.ID, j.Net)
 		}
 		// Nothing runs: the next attempt, or an older snapshot, finds the files as they were.
 		keepWork, err = a.undoOutputs(journal, m, err)
