@@ -143,7 +143,7 @@ func Receive(ctx context.Context, conn io.ReadWriter, store *ckpt.Store, opts Re
 	}
 	// The transfer has begun: the manifest may take as long as one of the largest (run then bounds the
 	// rest by the manifest's size).
-	d := transferTime(ckpt.MaxManifestBytes, g.idle, opts.PerMiB, false)
+	d := transferTime(ckpt.MaxManifestBytes, g.idle, opts.PerMiB, 0)
 	g.limit(time.Now().Add(d), fmt.Errorf("%w: no manifest within %v of HELLO: the sender stalls or trickles; check its link and agent", ErrTransferLimit, d))
 
 	rc := &receiver{ctx: ctx, fr: fr, g: g, store: store, opts: opts, log: log, version: version}
@@ -210,6 +210,9 @@ type receiver struct {
 	shared      int64 // of copied, the bytes that share the base's blocks
 	noShare     bool  // the file system refused to share blocks: write them
 	copyBuf     []byte
+	// baseBytes is the size of the largest base offered, which the sender may read and hash whole before
+	// BASE: a job whose memory shrank has bases far larger than its new snapshot.
+	baseBytes int64
 }
 
 func (rc *receiver) run(reply func(frameType, []byte) error) (*Received, error) {
@@ -299,7 +302,11 @@ func (rc *receiver) run(reply func(frameType, []byte) error) (*Received, error) 
 // wire (wireBudget) an honest sender of m can take; delta says a diff may come.
 func (rc *receiver) bound(m *ckpt.Manifest, delta bool) {
 	total := m.TotalSize()
-	d := transferTime(total, rc.g.idle, rc.opts.PerMiB, delta)
+	var hash int64
+	if delta {
+		hash = rc.hashBytes(m)
+	}
+	d := transferTime(total, rc.g.idle, rc.opts.PerMiB, hash)
 	rc.g.limit(time.Now().Add(d), fmt.Errorf("%w: snapshot %s/%s of %d bytes not received within %v (%v per MiB after an idle timeout of %v): the sender stalls or trickles; check its link and agent",
 		ErrTransferLimit, m.Job, m.ID, total, d, rc.opts.PerMiB, rc.g.idle))
 	w := wireBudget(m)
@@ -308,18 +315,24 @@ func (rc *receiver) bound(m *ckpt.Manifest, delta bool) {
 		ErrTransferLimit, m.Job, m.ID, total, w)
 }
 
+// hashBytes is what the sender of m may read and hash before BASE: the largest base offered, or m's size
+// if larger.
+func (rc *receiver) hashBytes(m *ckpt.Manifest) int64 {
+	return max(m.TotalSize(), rc.baseBytes)
+}
+
 // transferTime is how long a transfer of a snapshot of size bytes may take: the idle timeout, plus size at
-// perMiB per MiB twice (a refused diff and its resend in full), plus, if delta, the sender's hashing of a
-// base first (hashAllowance).
-func transferTime(size int64, idle, perMiB time.Duration, delta bool) time.Duration {
+// perMiB per MiB twice (a refused diff and its resend in full), plus, if hash > 0, the sender's hashing of
+// a base of hash bytes first (hashAllowance).
+func transferTime(size int64, idle, perMiB time.Duration, hash int64) time.Duration {
 	const most = time.Duration(math.MaxInt64 / 4) // decades: no bound
 	mib := size>>20 + 1
 	if mib > int64(most/(2*perMiB)) {
 		return most
 	}
 	d := idle + time.Duration(2*mib)*perMiB
-	if delta {
-		d += hashAllowance(size)
+	if hash > 0 {
+		d += hashAllowance(hash)
 	}
 	return d
 }
@@ -350,6 +363,10 @@ func (rc *receiver) offers(m *ckpt.Manifest) []string {
 	for _, id := range ids {
 		if id != m.ID && len(out) < maxOffers {
 			out = append(out, id)
+			// The sender hashes its copy of the base it picks, which readBase requires to list these files.
+			if bm, err := rc.store.Manifest(m.Job, id); err == nil {
+				rc.baseBytes = max(rc.baseBytes, bm.TotalSize())
+			}
 		}
 	}
 	return out
@@ -384,10 +401,10 @@ func (rc *receiver) attempt(m *ckpt.Manifest, offers []string, reply func(frameT
 	}
 	rc.baseID = ""
 	if rc.version >= 2 {
-		// A sender without the index of the base it picks reads and hashes the base first: up to a
-		// snapshot's size from its disk, far beyond the idle timeout for a large job.
+		// A sender without the index of the base it picks reads and hashes the base first: up to the
+		// largest offered base's size from its disk (hashBytes), far beyond the idle timeout for a large job.
 		if len(offers) > 0 {
-			rc.g.allow(hashAllowance(m.TotalSize()))
+			rc.g.allow(hashAllowance(rc.hashBytes(m)))
 		}
 		err := rc.readBase(m, offers)
 		rc.g.allow(0)
