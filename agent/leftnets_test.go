@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/ftkit/ftkit/jobnet"
+	"github.com/ftkit/ftkit/restore/recovery"
 	"github.com/ftkit/ftkit/shim"
 )
 
@@ -354,4 +355,39 @@ func TestLeftNetsRetriedWhileRunning(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestRecoveryNetLeft: a job network a failed recovery made and could not delete (restore/recovery.Run)
+// was only logged: not recorded as left, its address not held, so nothing deleted it again and the next
+// job got the address the network still held on the wire.
+func TestRecoveryNetLeft(t *testing.T) {
+	ta, restart := leftAddrAgent(t)
+	const id = "moved-0000000d"
+	addr := netip.MustParsePrefix("127.0.0.200/8") // the pool's first
+	name := jobNetName(ta.cfg.Name, id)
+	act := ta.recoveryDeps(nil, nil, "node2").Jobs.(*recoveryActions)
+	j := &recovery.Job{ID: id}
+	act.records[j] = Job{ID: id, Net: &JobNet{Name: name, Kind: jobnet.MACVlan, Addr: addr}}
+	act.NetLeft(j, errors.New("delete eth0: injected"))
+	left, err := ta.readLeftNets()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l, ok := left[name]; !ok || l != (leftNet{Job: id, Addr: addr}) {
+		t.Errorf("the record of left networks has %s as %+v (recorded: %v), want job %s with address %s", name, l, ok, id, addr)
+	}
+	check := func(when string) {
+		t.Helper()
+		got, err := ta.allocJobAddr()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got.Addr() == addr.Addr() {
+			t.Errorf("%s: the next job got %s, which the failed recovery's undeleted network %s still holds", when, got, name)
+		}
+		ta.releaseJobAddr(got.Addr())
+	}
+	check("the recovery failed")
+	restart()
+	check("after a restart")
 }

@@ -235,6 +235,18 @@ func (r *recoveryActions) State(id string) (string, bool) {
 
 func (r *recoveryActions) Kill(id string, why error) { r.a.killJob(id, why) }
 
+// NetLeft records the job network a failed recovery could not delete as deleteJobNet does: the agent
+// deletes it again (retryLeftNetsNow, and the next agent at its start), and its address stays held by its
+// name until a deletion succeeds.
+func (r *recoveryActions) NetLeft(j *recovery.Job, err error) {
+	n := r.record(j).Net
+	if n == nil {
+		return
+	}
+	r.a.noteLeftNet(n.Name, leftNet{Job: j.ID, Addr: n.Addr}, true)
+	r.a.holdLeftAddr(n.Name, n.Addr)
+}
+
 func (r *recoveryActions) RollsBack(id string) bool { return r.a.cutRecords().RollsBack(id) }
 
 func (r *recoveryActions) Reprotect(ctx context.Context, ids []string) (string, error) {

@@ -142,6 +142,10 @@ type Jobs interface {
 	// RollsBack reports whether a job that cannot continue is set aside for its whole run's rollback
 	// (auto mode): then its peers are left as they are, for the rollback to restore, never reset.
 	RollsBack(id string) bool
+	// NetLeft records that j's network, which a failed recovery made, could not be deleted (err): it may
+	// still hold the job's address on the wire, so the address stays out of the pool and the network is
+	// deleted again later, until a deletion succeeds.
+	NetLeft(j *Job, err error)
 	// Reprotect snapshots the jobs and ships the snapshot to this host's protector.
 	Reprotect(ctx context.Context, ids []string) (string, error)
 }

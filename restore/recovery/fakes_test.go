@@ -63,6 +63,9 @@ type fake struct {
 	jobNet    bool
 	jobAddrOf map[string]netip.Addr // a job's address, if not jobAddr
 	createErr error
+	// deleteErr fails its Delete; netLeft are the jobs whose network Run reported left (Jobs.NetLeft).
+	deleteErr error
+	netLeft   []string
 	// fetchHook and restoreHook run first in Fetch and Restore when set; an error from restoreHook fails
 	// the restore.
 	fetchHook   func(job string)
@@ -216,6 +219,8 @@ func (f *fake) State(id string) (string, bool) {
 }
 
 func (f *fake) RollsBack(string) bool { return f.rollsBack }
+
+func (f *fake) NetLeft(j *Job, _ error) { addTo(f, &f.netLeft, j.ID) }
 
 func (f *fake) Kill(id string, _ error) {
 	f.mu.Lock()

@@ -32,7 +32,10 @@ func (n fakeJobNet) Create(context.Context) error {
 	n.rec("create")
 	return nil
 }
-func (n fakeJobNet) Delete(context.Context) error { n.rec("delete"); return nil }
+func (n fakeJobNet) Delete(context.Context) error {
+	n.rec("delete")
+	return n.f.deleteErr
+}
 func (n fakeJobNet) Addr() netip.Addr {
 	if n.addr.IsValid() {
 		return n.addr
@@ -132,6 +135,49 @@ func TestRunJobNetwork(t *testing.T) {
 			}
 			if tt.givenBack && !reflect.DeepEqual(f.givenBack, []string{"rank1"}) {
 				t.Errorf("given back %v, want rank1", f.givenBack)
+			}
+		})
+	}
+}
+
+// TestRunJobNetworkLeft: a job network a failed recovery cannot delete may stay on the wire with the job's
+// address. Only logged, it was neither recorded as left nor held its address: nothing deleted it again, and
+// the address went to the next job while the left namespace still answered for it. Run hands it to the
+// agent (Jobs.NetLeft), which records it and keeps its address until a deletion succeeds.
+func TestRunJobNetworkLeft(t *testing.T) {
+	cannotDelete := errors.New("delete eth0: device or resource busy")
+	tests := []struct {
+		name     string
+		setup    func(f *fake)
+		wantLeft []string
+	}{
+		{
+			name:     "preparing fails and the half-made network cannot be deleted",
+			setup:    func(f *fake) { f.createErr = errors.New("operation not supported"); f.deleteErr = cannotDelete },
+			wantLeft: []string{"rank1"},
+		},
+		{
+			name:     "CRIU restore fails and the network cannot be deleted",
+			setup:    func(f *fake) { f.restoreErr = errors.New("criu restore: exit 1"); f.deleteErr = cannotDelete },
+			wantLeft: []string{"rank1"},
+		},
+		{
+			name:  "CRIU restore fails and the network is deleted: nothing left",
+			setup: func(f *fake) { f.restoreErr = errors.New("criu restore: exit 1") },
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := newFake(t)
+			f.jobNet = true
+			tt.setup(f)
+			req := request(snap1)
+			req.Addrs = nil
+			if err := Run(t.Context(), req, f.deps(), func(Stage) {}); err == nil {
+				t.Fatal("Run succeeded")
+			}
+			if !reflect.DeepEqual(f.netLeft, tt.wantLeft) {
+				t.Errorf("networks reported left %q, want %q", f.netLeft, tt.wantLeft)
 			}
 		})
 	}

@@ -377,6 +377,7 @@ func restoreJob(ctx context.Context, d Deps, j *Job, stage stageFunc) error {
 		if j.Net != nil {
 			if err := j.Net.Delete(cctx); err != nil {
 				d.Logger.Warn("could not delete the network of a job whose restore failed: its address stays on the wire", "job", j.ID, "err", err)
+				d.Jobs.NetLeft(j, err) // logged only, it was never deleted again, and its address went to the next job
 			}
 		}
 		d.Jobs.GiveBackUnlessStarted(cctx, j, err)
@@ -643,6 +644,7 @@ func prepareNetwork(ctx context.Context, d Deps, req clusterapi.RecoverRequest, 
 		for _, j := range created {
 			if err := j.Net.Delete(cctx); err != nil {
 				d.Logger.Warn("could not delete a job network after a failed recovery: its address stays on the wire", "job", j.ID, "err", err)
+				d.Jobs.NetLeft(j, err) // as restoreJob's
 			}
 		}
 		for _, f := range clamped {
