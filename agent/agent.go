@@ -429,7 +429,7 @@ func (a *Agent) StartJob(ctx context.Context, spec JobSpec, uid, gid uint32) (*J
 	err = inJobNet(j.Net, func() (err error) {
 		superseded, refusal := a.copyMarks(id, j.Incarnation)
 		pid, err = shim.Launch(ctx, a.self, shim.Spec{
-			JobID: id, Mode: shim.ModeStart, Argv: spec.Argv, Env: spec.Env, Dir: spec.Dir, UID: uid, GID: gid, Limits: spec.Limits,
+			JobID: id, Mode: shim.ModeStart, Argv: spec.Argv, Env: spec.Env, Dir: spec.Dir, UID: uid, GID: gid, Limits: spec.Limits, Umask: spec.Umask,
 			Stdout: j.StdoutPath(), Stderr: j.StderrPath(), Cgroup: j.Cgroup, ExitFile: j.ExitPath(), Node: a.cfg.Name,
 			Superseded: superseded, Refusal: refusal, Incarnation: &j.Incarnation,
 		}, a.shimLog(id))

@@ -58,6 +58,10 @@ type JobSpec struct {
 	// the agent reads from its process (a client's own "limits" are not taken); none known, a login
 	// session's (rlimits.Session).
 	Limits []rlimits.Limit `json:"limits,omitempty"`
+	// Umask is the file mode creation mask the job starts with: that of the program that asked for it,
+	// which the agent reads from its process (as Limits); nil (unreadable, or a job recorded by an older
+	// agent): 022, login's default. Never the agent's own, which its unit sets to 0077.
+	Umask *uint32 `json:"umask,omitempty"`
 }
 
 // Recovery modes (JobSpec.Recovery).

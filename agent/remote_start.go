@@ -44,7 +44,7 @@ func (a *Agent) StartJobOn(ctx context.Context, host string, spec JobSpec, uid, 
 func startRequest(spec JobSpec, uid, gid uint32) clusterapi.StartJobRequest {
 	req := clusterapi.StartJobRequest{
 		Name: spec.Name, Argv: spec.Argv, Env: spec.Env, Dir: spec.Dir, Interval: spec.Interval, UID: uid, GID: gid,
-		JobAddress: spec.JobAddress, Run: spec.Run, Recovery: spec.Recovery, Limits: spec.Limits,
+		JobAddress: spec.JobAddress, Run: spec.Run, Recovery: spec.Recovery, Limits: spec.Limits, Umask: spec.Umask,
 	}
 	if req.Dir == "" {
 		req.Dir = "/"
@@ -65,7 +65,7 @@ func (a *Agent) serveStartJob(ctx context.Context, peer string, req clusterapi.S
 	if err := req.Validate(); err != nil { // the server did; a direct caller (tests) may not have
 		return clusterapi.StartJobReply{}, &clusterapi.Error{Code: clusterapi.CodeBadRequest, Message: err.Error()}
 	}
-	spec := JobSpec{Name: req.Name, Argv: req.Argv, Env: req.Env, Dir: req.Dir, Interval: req.Interval, JobAddress: req.JobAddress, Run: req.Run, Recovery: req.Recovery, Limits: req.Limits}
+	spec := JobSpec{Name: req.Name, Argv: req.Argv, Env: req.Env, Dir: req.Dir, Interval: req.Interval, JobAddress: req.JobAddress, Run: req.Run, Recovery: req.Recovery, Limits: req.Limits, Umask: req.Umask}
 	if p := req.Placement; p != nil {
 		spec.Placement = &Placement{Hosts: p.Hosts, Spares: p.Spares}
 	}

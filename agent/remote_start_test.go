@@ -1,10 +1,13 @@
 package agent
 
 import (
+	"encoding/json"
 	"errors"
+	"fmt"
 	"io/fs"
 	"os"
 	"path/filepath"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -13,6 +16,7 @@ import (
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/criu"
 	"github.com/ftkit/ftkit/restore/recovery"
+	"github.com/ftkit/ftkit/shim"
 )
 
 // TestServeStartJobRefusals: a start-job request is refused before anything is created when its sender is
@@ -292,4 +296,59 @@ func TestRestoreAdmitsPlacedHost(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestJobSpecUmaskReachesTheShim: the umask of the program that asked for a job reaches the job's shim,
+// on this host (StartJobOn) and on another member (a forwarded start-job request); nil stays nil (the shim
+// then gives 022). Dropped on the way, the job ran with the agent's own UMask=0077.
+func TestJobSpecUmaskReachesTheShim(t *testing.T) {
+	umask := func(m uint32) *uint32 { return &m }
+	for _, tc := range []struct {
+		name  string
+		umask *uint32
+	}{{"the caller's", umask(0o027)}, {"none masked", umask(0)}, {"none read", nil}} {
+		for _, forwarded := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/forwarded=%v", tc.name, forwarded), func(t *testing.T) {
+				ta := newTestAgent(t)
+				spec := filepath.Join(ta.dir, "shim.spec")
+				shimPath := filepath.Join(ta.dir, "fake-shim")
+				if err := os.WriteFile(shimPath, []byte("#!/bin/sh\ncat > '"+spec+"'\nexit 1\n"), 0o755); err != nil {
+					t.Fatal(err)
+				}
+				ta.self = shimPath
+				if forwarded {
+					req := startRequest(JobSpec{Name: "fwd", Argv: []string{"/bin/true"}, Umask: tc.umask}, 1000, 1000)
+					b, err := json.Marshal(req) // over the wire
+					if err != nil {
+						t.Fatal(err)
+					}
+					var got clusterapi.StartJobRequest
+					if err := json.Unmarshal(b, &got); err != nil {
+						t.Fatal(err)
+					}
+					ta.serveStartJob(t.Context(), "node2", got) // the fake shim reports nothing: the start fails
+				} else {
+					ta.StartJobOn(t.Context(), "", JobSpec{Name: "local", Argv: []string{"/bin/true"}, Umask: tc.umask}, 1000, 1000)
+				}
+				b, err := os.ReadFile(spec)
+				if err != nil {
+					t.Fatalf("the shim was not launched: %v", err)
+				}
+				var s shim.Spec
+				if err := json.Unmarshal(b, &s); err != nil {
+					t.Fatal(err)
+				}
+				if !reflect.DeepEqual(s.Umask, tc.umask) {
+					t.Errorf("the shim got umask %s, want %s", fmtUmask(s.Umask), fmtUmask(tc.umask))
+				}
+			})
+		}
+	}
+}
+
+func fmtUmask(m *uint32) string {
+	if m == nil {
+		return "none"
+	}
+	return fmt.Sprintf("%04o", *m)
 }

@@ -100,6 +100,39 @@ func callerLimits(c *unix.Ucred) ([]rlimits.Limit, error) {
 	return ls, nil
 }
 
+// callerUmask reads the umask of the caller's process (the Umask line of its status), nil if it cannot be
+// read or the process is no longer the caller's: gone (a pidfd taken before the read shows it lived
+// throughout), or its PID went to a process of another real uid. A umask grants nothing, so a set-uid
+// program the caller exec'd may give its own: the job gets no more than its user could set.
+func callerUmask(c *unix.Ucred) *uint32 {
+	fd, err := unix.PidfdOpen(int(c.Pid), 0)
+	if err != nil {
+		return nil
+	}
+	defer unix.Close(fd)
+	status, err := os.ReadFile("/proc/" + strconv.Itoa(int(c.Pid)) + "/status")
+	if err != nil || unix.PidfdSendSignal(fd, 0, nil, 0) != nil {
+		return nil
+	}
+	var umask *uint32
+	uidOK := false
+	for line := range strings.Lines(string(status)) {
+		if v, ok := strings.CutPrefix(line, "Umask:"); ok {
+			if m, err := strconv.ParseUint(strings.TrimSpace(v), 8, 32); err == nil && m <= 0o777 {
+				u := uint32(m)
+				umask = &u
+			}
+		} else if v, ok := strings.CutPrefix(line, "Uid:"); ok {
+			f := strings.Fields(v)
+			uidOK = len(f) > 0 && f[0] == strconv.FormatUint(uint64(c.Uid), 10)
+		}
+	}
+	if !uidOK {
+		return nil
+	}
+	return umask
+}
+
 func callerOf(r *http.Request) *unix.Ucred {
 	c, _ := r.Context().Value(credKey{}).(*unix.Ucred)
 	return c

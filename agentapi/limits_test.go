@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -115,4 +116,46 @@ type startRecorder struct {
 func (s *startRecorder) StartJobOn(ctx context.Context, host string, spec agent.JobSpec, uid, gid uint32) (*agent.Job, error) {
 	*s.started = append(*s.started, spec)
 	return s.fakeBackend.StartJobOn(ctx, host, spec, uid, gid)
+}
+
+// TestAPIStartJobUmaskFromCallersProcess: a job gets the umask of the process that asked for it, read from
+// that process, whatever the client sends: the shim gave the job none, and it ran with the agent's unit's
+// UMask=0077 (every file it made 0600, every directory 0700, where its user's shell makes 0644 and 0755).
+func TestAPIStartJobUmaskFromCallersProcess(t *testing.T) {
+	for _, tc := range []struct {
+		umask string
+		want  uint32
+	}{{"027", 0o027}, {"000", 0}, {"077", 0o077}} {
+		t.Run(tc.umask, func(t *testing.T) {
+			cmd := exec.Command("sh", "-c", "umask "+tc.umask+" && exec sleep 60")
+			if err := cmd.Start(); err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+			for deadline := time.Now().Add(time.Minute); ; { // until sh has set it (a loaded host starts sh late)
+				b, _ := os.ReadFile("/proc/" + strconv.Itoa(cmd.Process.Pid) + "/status")
+				if strings.Contains(string(b), "\nUmask:\t0"+tc.umask+"\n") && strings.Contains(string(b), "sleep") {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("process %d did not set its umask to %s: %s", cmd.Process.Pid, tc.umask, b)
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+			var started []agent.JobSpec
+			fb := &startRecorder{fakeBackend: newFakeBackend(t), started: &started}
+			h := Handler(fb, DefaultLimits())
+			uid, gid := uint32(os.Getuid()), uint32(os.Getgid())
+			// The client's own umask is not taken.
+			w := call(t, h, &unix.Ucred{Uid: uid, Gid: gid, Pid: int32(cmd.Process.Pid)}, "POST", "/v1/jobs?host=node2", `{"name":"um","argv":["true"],"umask":511}`)
+			if w.Code != http.StatusCreated || len(started) != 1 {
+				t.Fatalf("status %d: %s", w.Code, w.Body)
+			}
+			if got := started[0].Umask; got == nil {
+				t.Errorf("job of a caller with umask %s: no umask, want %04o", tc.umask, tc.want)
+			} else if *got != tc.want {
+				t.Errorf("job of a caller with umask %s: umask %04o, want %04o", tc.umask, *got, tc.want)
+			}
+		})
+	}
 }

@@ -145,6 +145,9 @@ func Handler(a Backend, lim Limits) http.Handler {
 			writeError(w, http.StatusForbidden, fmt.Errorf("a job runs with the resource limits of the process that asks for it, and those of process %d cannot be read: %w; ask from a process that waits for the answer (ftwrap does)", c.Pid, err))
 			return
 		}
+		// And with its umask, not the agent's (its unit's UMask=0077); unknown (only if the process went since
+		// its limits were read, or for root's), the shim gives login's 022.
+		spec.Umask = callerUmask(c)
 		j, err := a.StartJobOn(r.Context(), r.URL.Query().Get("host"), spec, c.Uid, c.Gid)
 		if err != nil {
 			writeError(w, http.StatusUnprocessableEntity, err)

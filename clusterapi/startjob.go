@@ -41,6 +41,8 @@ type StartJobRequest struct {
 	Recovery string `json:"recovery,omitempty"`
 	// Limits are the resource limits of the program that asked the sending agent for the job.
 	Limits []rlimits.Limit `json:"limits,omitempty"`
+	// Umask is the umask of the program that asked the sending agent for the job (agent.JobSpec.Umask).
+	Umask *uint32 `json:"umask,omitempty"`
 }
 
 // StartJobPlacement is the run's membership (agent.Placement on the wire).
@@ -93,6 +95,9 @@ func (r StartJobRequest) Validate() error {
 	}
 	if err := rlimits.Validate(r.Limits); err != nil {
 		return fmt.Errorf("start-job: %w", err)
+	}
+	if r.Umask != nil && *r.Umask > 0o777 {
+		return fmt.Errorf("start-job: umask %#o has bits beyond 0777", *r.Umask)
 	}
 	return r.Placement.Validate()
 }

@@ -51,6 +51,7 @@ func TestStartJobRefusedBeforeService(t *testing.T) {
 		{"spare that runs a part", with(func(r *StartJobRequest) { r.Placement.Spares = []string{"node1"} }), "twice"},
 		{"unknown resource limit", with(func(r *StartJobRequest) { r.Limits = []rlimits.Limit{{Resource: 99}} }), "no such resource"},
 		{"soft limit above hard", with(func(r *StartJobRequest) { r.Limits = []rlimits.Limit{{Resource: 7, Cur: 9, Max: 8}} }), "above the hard limit"},
+		{"umask beyond 0777", with(func(r *StartJobRequest) { m := uint32(0o1022); r.Umask = &m }), "umask"},
 		{"placement too long", with(func(r *StartJobRequest) {
 			r.Placement.Spares = make([]string, MaxStartJobPlacements)
 		}), "at most"},

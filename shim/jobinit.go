@@ -85,6 +85,13 @@ func runJobInit(spec Spec) int {
 	if err := rlimits.Apply(spec.Limits); err != nil {
 		return rep.fail("set the job's resource limits: %v", err)
 	}
+	// And its umask (UMask=0077): the job's files and directories were 0600 and 0700 where the user's shell
+	// makes them 0644 and 0755. Set after the job's output files, which are created with their own mode.
+	umask := uint32(defaultUmask)
+	if spec.Umask != nil {
+		umask = *spec.Umask & 0o777
+	}
+	unix.Umask(int(umask))
 	// As exec.Cmd's Credential did: a job of root keeps root's groups, any other user gets none.
 	if spec.UID != 0 {
 		if err := syscall.Setgroups(nil); err != nil {
@@ -178,6 +185,9 @@ func resetOOMScoreAdj() error {
 	}
 	return os.WriteFile(path, []byte("0"), 0)
 }
+
+// defaultUmask is the umask of a job started without one (Spec.Umask): login's default.
+const defaultUmask = 0o022
 
 // defaultPath is the PATH of a job started without an environment (login's and sudo's default).
 const defaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

@@ -163,3 +163,73 @@ func TestJobStartsWithDefaultSignals(t *testing.T) {
 		}
 	}
 }
+
+// TestJobStartsWithTheCallersUmask: the job's program starts with the umask of the program that asked for
+// it (Spec.Umask), 022 if none is given, never the shim's: the agent's unit sets UMask=0077, which the job
+// inherited, so every file and directory it made was 0600 or 0700 where the user's shell makes them 0644
+// and 0755 (results other users of the group or the next stage of a pipeline could not read). Run as the
+// shim is, with umask 0077, on a real job of uid 65534.
+func TestJobStartsWithTheCallersUmask(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("SKIPPED: the shim starts a job in new PID and mount namespaces and drops to uid 65534: needs root")
+	}
+	parent, err := cgroupv2.ProcessDir(0)
+	if err != nil {
+		t.Skipf("SKIPPED: no cgroup v2 directory of this process to start the job in: %v", err)
+	}
+	umask := func(m uint32) *uint32 { return &m }
+	for _, tc := range []struct {
+		name  string
+		umask *uint32
+		want  string
+	}{
+		{"the caller's", umask(0o027), "0027"},
+		{"the caller's, none masked", umask(0), "0000"},
+		{"none given: login's default", nil, "0022"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cg, err := os.MkdirTemp(parent, "ftkit-shim-umask-")
+			if err != nil {
+				t.Skipf("SKIPPED: cannot make a cgroup for the job under %s: %v", parent, err)
+			}
+			t.Cleanup(func() { os.Remove(cg) })
+			jobDir := filepath.Join(t.TempDir(), "job")
+			if err := os.Mkdir(jobDir, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			spec := Spec{
+				JobID: "umask-00000001", Mode: ModeStart, Argv: []string{"/bin/grep", "^Umask:", "/proc/self/status"},
+				Dir: "/", UID: 65534, GID: 65534, Stdout: filepath.Join(jobDir, "stdout"), Stderr: filepath.Join(jobDir, "stderr"),
+				Cgroup: cg, ExitFile: filepath.Join(jobDir, "exit"), Node: "n", Umask: tc.umask,
+			}
+			in, err := json.Marshal(spec)
+			if err != nil {
+				t.Fatal(err)
+			}
+			self, err := os.Executable()
+			if err != nil {
+				t.Fatal(err)
+			}
+			// The shim with the agent's umask (its unit's UMask=0077).
+			cmd := exec.Command("/bin/sh", "-c", `umask 077; exec "$0"`, self)
+			cmd.Env = append(os.Environ(), roleEnv+"="+shimRole)
+			cmd.Stdin = bytes.NewReader(in)
+			var out bytes.Buffer
+			cmd.Stdout, cmd.Stderr = &out, os.Stderr
+			if err := cmd.Run(); err != nil {
+				t.Fatalf("shim: %v (report %q)", err, out.String())
+			}
+			if st, err := ReadExit(spec.ExitFile); err != nil || st.Code != 0 {
+				b, _ := os.ReadFile(spec.Stderr)
+				t.Fatalf("job ended with %+v, %v (report %q, stderr %q)", st, err, out.String(), b)
+			}
+			b, err := os.ReadFile(spec.Stdout)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := strings.TrimSpace(strings.TrimPrefix(string(b), "Umask:")); got != tc.want {
+				t.Errorf("the job's program started with umask %s, want %s", got, tc.want)
+			}
+		})
+	}
+}

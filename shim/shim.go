@@ -73,6 +73,9 @@ type Spec struct {
 	Refusal string `json:"refusal,omitempty"`
 	// Limits are the resource limits the job starts with (ModeStart; rlimits.Session if none).
 	Limits []rlimits.Limit `json:"limits,omitempty"`
+	// Umask is the file mode creation mask the job starts with (ModeStart): that of the program that
+	// asked for it; nil: 022, login's default. Not the shim's own: the agent's unit sets UMask=0077.
+	Umask *uint32 `json:"umask,omitempty"`
 	// Incarnation is the job's incarnation this copy is (agent.Job.Incarnation), which its exit record
 	// carries; nil: not given, and the record carries none.
 	Incarnation *uint64 `json:"incarnation,omitempty"`
