@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strings"
 
+	"github.com/ftkit/ftkit/internal/rootpath"
 	"golang.org/x/sys/unix"
 )
 
@@ -101,7 +102,21 @@ func makePrivateDir(dir string, public []string) error {
 	if err := os.Mkdir(dir, privateDir); err != nil && !errors.Is(err, fs.ErrExist) {
 		return fmt.Errorf("create %s: %w", dir, err)
 	}
-	if err := os.Chmod(dir, perm); err != nil {
+	// One that existed may not be root's: a link (root would chmod its target, and restrict the files of
+	// root's in it) or another user's directory (who could read and change what root keeps there).
+	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("open %s without following a link: %w: it must be a directory, not a link; remove it or change the configuration", dir, err)
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return fmt.Errorf("restrict %s: %w", dir, err)
+	}
+	if !rootpath.Trusted(st.Uid) {
+		return fmt.Errorf("%s is owned by uid %d, who could read and change what root keeps there: chown root it or choose a path of root's", dir, st.Uid)
+	}
+	if err := unix.Fchmod(fd, uint32(perm)); err != nil {
 		return fmt.Errorf("restrict %s to %v: %w", dir, perm, err)
 	}
 	return nil

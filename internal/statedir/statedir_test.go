@@ -158,3 +158,57 @@ func TestPrepareLeavesHardLinkAlone(t *testing.T) {
 		t.Errorf("root's file outside the state directory: mode %v after Prepare, want 0644 (chmod through a planted hard link)", got)
 	}
 }
+
+// TestPrepareRefusesDirRootDidNotMake: a private directory that already exists as a link, or as another
+// user's directory, is refused and left as it is. Before, root chmod-ed what the link pointed to (state_dir
+// /tmp/ftkit, a link a user made to /etc: /etc 0711, every file of root's in it 0600, every directory 0700)
+// and kept its memory images and records in a directory its owner could read and change.
+func TestPrepareRefusesDirRootDidNotMake(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("SKIPPED: needs root (chown to a user)")
+	}
+	tests := []struct {
+		name  string
+		setup func(t *testing.T, base, state string) (victims map[string]fs.FileMode)
+		want  string
+	}{
+		{"state_dir a link to root's directory", func(t *testing.T, base, state string) map[string]fs.FileMode {
+			etc := filepath.Join(base, "etc")
+			writeOld(t, filepath.Join(etc, "passwd"), 0o644)
+			if err := os.Mkdir(filepath.Join(etc, "ssh"), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			os.Chmod(etc, 0o755)
+			if err := os.Symlink(etc, state); err != nil {
+				t.Fatal(err)
+			}
+			return map[string]fs.FileMode{etc: 0o755, filepath.Join(etc, "passwd"): 0o644, filepath.Join(etc, "ssh"): 0o755}
+		}, "link"},
+		{"state_dir a user's directory", func(t *testing.T, base, state string) map[string]fs.FileMode {
+			if err := os.Mkdir(state, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			os.Chmod(state, 0o755)
+			if err := os.Chown(state, 1000, 1000); err != nil {
+				t.Fatal(err)
+			}
+			return map[string]fs.FileMode{state: 0o755}
+		}, "uid 1000"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			base := t.TempDir()
+			state := filepath.Join(base, "state")
+			victims := tc.setup(t, base, state)
+			err := Prepare([]string{state, filepath.Join(state, "jobs")}, []string{filepath.Join(base, "jobs"), filepath.Join(base, "run")})
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("Prepare = %v, want an error saying %q", err, tc.want)
+			}
+			for p, m := range victims {
+				if got := perm(t, p); got != m {
+					t.Errorf("%s: mode %v after Prepare, want %v untouched", strings.TrimPrefix(p, base), got, m)
+				}
+			}
+		})
+	}
+}
