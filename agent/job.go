@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -15,11 +16,14 @@ import (
 	"strings"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/coordinated"
 	"github.com/ftkit/ftkit/internal/atomicfile"
 	"github.com/ftkit/ftkit/internal/clustertls"
 	"github.com/ftkit/ftkit/internal/rlimits"
+	"github.com/ftkit/ftkit/internal/rootpath"
 	"github.com/ftkit/ftkit/shim"
 )
 
@@ -377,7 +381,22 @@ func (s jobStore) path(id string) string { return filepath.Join(s.dir, id+".json
 func (s jobStore) save(j *Job) error { return atomicfile.WriteJSON(s.path(j.ID), j) }
 
 func (s jobStore) load(id string) (*Job, error) {
-	b, err := os.ReadFile(s.path(id))
+	// The directory is jobs_dir in the default layout, which users may be let write to (sticky): only a
+	// file of root's, not a link, is a record root wrote.
+	fd, err := unix.Open(s.path(id), unix.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("open job record %s without following a link: %w", s.path(id), err)
+	}
+	f := os.NewFile(uintptr(fd), s.path(id))
+	defer f.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return nil, fmt.Errorf("job record %s: %w", s.path(id), err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || !rootpath.Trusted(st.Uid) {
+		return nil, fmt.Errorf("job record %s is not a file of root's (uid %d, mode %#o), so not one this agent wrote: skipped; remove it", s.path(id), st.Uid, st.Mode)
+	}
+	b, err := io.ReadAll(f)
 	if err != nil {
 		return nil, err
 	}

@@ -323,3 +323,47 @@ func requireStarts(t *testing.T, ta *testAgent, rows []startRow) {
 		})
 	}
 }
+
+// TestJobStoreSkipsRecordsRootDidNotWrite: in the default layout the records directory is jobs_dir, which
+// may be sticky and writable by users (--check-config accepts it). A record a user put there, or a link
+// to a file of root's elsewhere, must not be adopted as root's: before, all loaded both, and adopt took a
+// user's record naming any cgroup and PID (a root daemon's) for a job of theirs.
+func TestJobStoreSkipsRecordsRootDidNotWrite(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("SKIPPED: needs root (chown to a user)")
+	}
+	base := t.TempDir()
+	s := jobStore{dir: filepath.Join(base, "jobs")}
+	if err := os.Mkdir(s.dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	os.Chmod(s.dir, 0o777|os.ModeSticky)
+	if err := s.save(&Job{ID: "real-0000000a", Node: "n1", State: JobRunning}); err != nil {
+		t.Fatal(err)
+	}
+	forged := []byte(`{"id":"forged-0000000b","node":"n1","state":"running","pid":1,"cgroup":"/sys/fs/cgroup/init.scope","uid":1000}`)
+	if err := os.WriteFile(s.path("forged-0000000b"), forged, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(s.path("forged-0000000b"), 1000, 1000); err != nil {
+		t.Fatal(err)
+	}
+	elsewhere := filepath.Join(base, "root-owned.json")
+	if err := os.WriteFile(elsewhere, []byte(`{"id":"linked-0000000c","node":"n1","state":"running"}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(elsewhere, s.path("linked-0000000c")); err != nil {
+		t.Fatal(err)
+	}
+	jobs, err := s.all()
+	var ids []string
+	for _, j := range jobs {
+		ids = append(ids, j.ID)
+	}
+	if len(ids) != 1 || ids[0] != "real-0000000a" {
+		t.Errorf("all() loaded %v, want only real-0000000a (root's own record)", ids)
+	}
+	if err == nil || !strings.Contains(err.Error(), "forged-0000000b") || !strings.Contains(err.Error(), "linked-0000000c") {
+		t.Errorf("all() error = %v, want one naming the records it skipped", err)
+	}
+}
