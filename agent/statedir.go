@@ -1,8 +1,10 @@
 package agent
 
 import (
+	"fmt"
 	"path/filepath"
 
+	"github.com/ftkit/ftkit/internal/rootpath"
 	"github.com/ftkit/ftkit/internal/statedir"
 )
 
@@ -20,9 +22,22 @@ import (
 //
 // The snapshot store restricts its own tree when it opens.
 func prepareDirs(cfg Config, recordsDir string) error {
+	// What --check-config checks first (rootpath.SafeDir): root creates, chmods and writes these by path,
+	// so a user able to swap one, or a directory on its way, would have it do so wherever a link points.
+	type dir struct {
+		key, path string
+		shared    bool // jobs_dir may be sticky and writable by others
+	}
+	dirs := []dir{{"state_dir", cfg.StateDir, false}, {"jobs_dir", cfg.JobsDir, true}, {"socket directory", filepath.Dir(cfg.Socket), false}}
 	private := []string{cfg.StateDir, recordsDir}
 	if cfg.Log.Enabled && cfg.Log.SpillDir != "" {
 		private = append(private, cfg.Log.SpillDir)
+		dirs = append(dirs, dir{"log.spill_dir", cfg.Log.SpillDir, false})
+	}
+	for _, d := range dirs {
+		if err := rootpath.SafeDir(d.path, d.shared); err != nil {
+			return fmt.Errorf("%s %s is not safe for root (ftagent --check-config): %w", d.key, d.path, err)
+		}
 	}
 	return statedir.Prepare(private, []string{cfg.JobsDir, filepath.Dir(cfg.Socket)})
 }

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"io/fs"
 	"net"
 	"os"
 	"path/filepath"
@@ -330,48 +329,6 @@ func dirChecks(cfg agent.Config) []check {
 	return out
 }
 
-// safeDirPath checks that no user but root can replace or pre-create dir or anything on its way: every
-// existing directory the path passes through, as the kernel resolves it (a symbolic link's directory and
-// its target's too), is root's and writable by root alone, unless it is sticky and the path goes on in it
-// through an entry that exists (others cannot rename root's entries there). dir itself, if it exists, must be
-// a real directory, not a link (the agent opens it as it is). Missing components are created by the agent
-// with the modes their contents need, so the deepest existing one must be root's alone.
-// A shared directory (jobs_dir) may itself be sticky and writable by others.
-func safeDirPath(dir string, shared bool) error {
-	abs, err := filepath.Abs(dir)
-	if err != nil {
-		return err
-	}
-	if fi, err := os.Lstat(abs); err == nil && !fi.IsDir() {
-		return fmt.Errorf("is not a directory (mode %v): remove it or change the configuration", fi.Mode())
-	}
-	have := rootpath.ExistingPart(abs)
-	real, dirs, err := rootpath.Resolve(have)
-	if err != nil {
-		return err
-	}
-	const risk = "swap what root writes there"
-	if err := rootpath.OnTheWay(dirs, risk); err != nil {
-		return err
-	}
-	fi, err := os.Stat(real)
-	if err != nil {
-		return err
-	}
-	switch {
-	case !fi.IsDir():
-		return fmt.Errorf("%s is not a directory (mode %v)", real, fi.Mode())
-	case !rootpath.Trusted(rootpath.Owner(fi)):
-		return fmt.Errorf("%s is owned by uid %d: another user could %s; chown root it or choose a path of root's", real, rootpath.Owner(fi), risk)
-	case fi.Mode().Perm()&0o022 == 0:
-		return nil
-	case fi.Mode()&fs.ModeSticky == 0:
-		return fmt.Errorf("%s is writable by group or others (mode %04o) and not sticky: chmod go-w it or choose another path", real, fi.Mode().Perm())
-	case have != abs:
-		return fmt.Errorf("%s does not exist yet in %s, which anyone may write to (mode %04o): another user could create it first; create it as root (mkdir -m 700) or choose another path",
-			abs, real, fi.Mode().Perm())
-	case !shared:
-		return fmt.Errorf("%s is writable by others (mode %04o): the agent's directory must be root's alone", real, fi.Mode().Perm())
-	}
-	return nil // a sticky jobs_dir: users may add entries, not touch root's
-}
+// safeDirPath checks that no user but root can replace or pre-create dir or anything on its way
+// (rootpath.SafeDir, which the agent checks at start too).
+func safeDirPath(dir string, shared bool) error { return rootpath.SafeDir(dir, shared) }
