@@ -22,8 +22,10 @@ import (
 // declaration does, and the vouch is refused (the node kills its jobs, which go on elsewhere). vmu, not mu,
 // orders the two: a declaration holds mu while commits finish, which a vouch must not wait for.
 type declaredFailed struct {
-	mu    sync.RWMutex
-	nodes map[string]bool
+	mu sync.RWMutex
+	// nodes counts the fail-overs under way of each node: two may overlap (it beat again during the first
+	// one's fence wait, then fell silent again), and the first to end must not lift the second one's mark.
+	nodes map[string]int
 
 	vmu     sync.Mutex
 	vouched map[string]time.Time // the last vouch for each member
@@ -93,14 +95,16 @@ func (d *declaredFailed) declare(node string, inc uint64, silentSince time.Time)
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.nodes == nil {
-		d.nodes = map[string]bool{}
+		d.nodes = map[string]int{}
 	}
-	d.nodes[node] = true
-	return func() {
+	d.nodes[node]++
+	return sync.OnceFunc(func() {
 		d.mu.Lock()
 		defer d.mu.Unlock()
-		delete(d.nodes, node)
-	}, nil
+		if d.nodes[node]--; d.nodes[node] <= 0 {
+			delete(d.nodes, node)
+		}
+	}), nil
 }
 
 // vouch records, at now, that incarnation inc of node answered after any silence so far, unless this host
@@ -126,7 +130,7 @@ func (d *declaredFailed) vouch(node string, inc uint64, now time.Time) error {
 // until release is called.
 func (d *declaredFailed) enter(node string) (release func(), err error) {
 	d.mu.RLock()
-	if d.nodes[node] {
+	if d.nodes[node] > 0 {
 		d.mu.RUnlock()
 		return nil, fmt.Errorf("this protector declared %s failed and is restoring its jobs from the replicas it chose: a snapshot of it arriving now is not kept", node)
 	}

@@ -60,6 +60,33 @@ func TestDeclaredFailedOrdersCommits(t *testing.T) {
 	rel()
 }
 
+// Two fail-overs of one node may overlap (it beat again during the first one's fence wait, and fell silent
+// again): the first one's end must not lift the second one's refusal of the node's snapshots, whose replicas
+// it chose. Before, the first forget let a snapshot commit while the second fail-over restored.
+func TestDeclaredFailedOverlappingFailovers(t *testing.T) {
+	var d declaredFailed
+	forget1, err := d.declare("node2", 0, time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	forget2, err := d.declare("node2", 0, time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	forget1()
+	forget1() // a forget called twice counts once
+	if rel, err := d.enter("node2"); err == nil {
+		rel()
+		t.Fatal("a snapshot of node2 committed after the first of two fail-overs ended, while the second restores")
+	}
+	forget2()
+	rel, err := d.enter("node2")
+	if err != nil {
+		t.Fatalf("a snapshot of node2 after both fail-overs: %v, want kept", err)
+	}
+	rel()
+}
+
 // A replica that commits is an arrival before the commit's lock is released, so that a declaration that
 // follows counts its job among the failed node's; one refused or failed is not.
 func TestBeforeReplicaCommit(t *testing.T) {
