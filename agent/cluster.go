@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"strings"
 	"sync"
 	"time"
 
@@ -250,6 +251,7 @@ func (s peerService) DeterminantsSince(_ context.Context, _ string, req clustera
 
 func (s peerService) Beat(_ string, b detect.Beat) {
 	b = boundBeatJobs(b)
+	b.Busy = boundBusy(b.Busy)
 	prev, _, _ := s.a.watchdog.Last(b.From)
 	// A gap past half the timeout is a near miss or a suspicion: say where it was spent, the sender's
 	// scheduling or the way here, which is what an operator tunes against (docs/detection.md).
@@ -294,6 +296,19 @@ func boundBeatJobs(b detect.Beat) detect.Beat {
 	}
 	b.Jobs = jobs
 	return b
+}
+
+// maxBusy bounds what a protector keeps of a beat's Busy: it is logged at every suspicion of a busy member.
+const maxBusy = 32
+
+// boundBusy cuts a beat's Busy to maxBusy bytes (detect.BusyCheckpoint and BusyRestore are shorter): a
+// longer one still says the member is busy, but up to a 1 MiB line of it went into a log line every
+// heartbeat timeout while the member stayed silent.
+func boundBusy(busy string) string {
+	if len(busy) <= maxBusy {
+		return busy
+	}
+	return strings.ToValidUTF8(busy[:maxBusy], "")
 }
 
 // maxUncoveredLogged bounds the lines one beat logs for the jobs it newly names uncovered; the rest are

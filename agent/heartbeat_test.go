@@ -116,3 +116,25 @@ func TestBeatJobsBoundedAtReceipt(t *testing.T) {
 		t.Fatalf("a beat naming %d jobs past the bound counted %d not listed", extra, b.Unlisted)
 	}
 }
+
+// A member's beat may say it is busy with a 1 MiB string, which a busy suspicion logs every heartbeat
+// timeout: the protector keeps a bounded prefix (still busy, so its grace holds), and the known values whole.
+func TestBeatBusyBoundedAtReceipt(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.watchdog = detect.NewWatchdog(detect.Config{Timeout: time.Hour})
+	svc := peerService{ta.Agent}
+	for i, tc := range []struct {
+		busy, want string
+	}{
+		{detect.BusyCheckpoint, detect.BusyCheckpoint},
+		{detect.BusyRestore, detect.BusyRestore},
+		{"", ""},
+		{strings.Repeat("x", 1<<19), strings.Repeat("x", maxBusy)},
+		{strings.Repeat("x", maxBusy-1) + "é", strings.Repeat("x", maxBusy-1)}, // not cut inside a character
+	} {
+		svc.Beat("node2", detect.Beat{From: "node2", Seq: uint64(i + 1), Run: 1, Sent: time.Now(), Busy: tc.busy})
+		if b, _, _ := ta.watchdog.Last("node2"); b.Busy != tc.want {
+			t.Errorf("a beat busy with %d bytes kept %d bytes (%.40q), want %q", len(tc.busy), len(b.Busy), b.Busy, tc.want)
+		}
+	}
+}
