@@ -77,7 +77,7 @@ func (a *Agent) selfFence(ctx context.Context) {
 	// counts as a stall of its own (the vouch below): it heard nobody then, and nobody may have declared it.
 	contact := newContactStore(filepath.Join(a.cfg.StateDir, fenceContactFile))
 	var restarted time.Time
-	if w, err := contact.load(time.Now()); err != nil {
+	if w, err := contact.load(); err != nil {
 		a.log.Warn("self-fence: the silence counts from this agent's start", "err", err)
 	} else if !w.heard.IsZero() {
 		silence, restarted = w, time.Now()
@@ -114,8 +114,11 @@ func (a *Agent) selfFence(ctx context.Context) {
 		if err := contact.save(now, silence); err != nil {
 			a.log.Warn("self-fence", "err", err)
 		}
-		// In a ring of two, the protector is the predecessor too: its silence alone is no isolation.
-		cut, quiet, from := d.Fence && !two, d.Silence, silence.since
+		// In a ring of two, the protector is the predecessor too: its silence alone is no isolation. A vouch
+		// is awaited from the last contact with the protector (from, or c.Protector if later), which is what
+		// its ReadyAt counts from: not from a later one with the predecessor (silence.since after a change of
+		// neighbours or a restart), which held the kill past it.
+		cut, quiet, from := d.Fence && !two, d.Silence, silence.protSince
 		cause := fmt.Sprintf("no contact with %s and %s for %s", p.Name, s.Name, d.Silence.Round(time.Millisecond))
 		if !cut && (two || d.Silence < protSilence) && protSilence >= t.AskMembersAfter(a.cfg.ProbeTimeout()) {
 			// Only the protector is silent: a partition that cuts off two or more neighbours of the ring leaves
@@ -143,9 +146,11 @@ func (a *Agent) selfFence(ctx context.Context) {
 			a.selfFenced.Store(false)
 			if fenced {
 				// Rejoin: learn at once whether this node was replaced while away (its neighbours do not
-				// push views to a failed member, and its own watchdog finds nothing to confirm).
+				// push views to a failed member, and its own watchdog finds nothing to confirm). In the background:
+				// an exchange with a member that does not answer takes its timeout (3 s and more), and cut off
+				// again meanwhile, this node must still fence by fence_timeout.
 				a.log.Info("contact with the ring is back after self-fencing; exchanging views", "protector", p.Name, "predecessor", s.Name)
-				a.pushView(ctx)
+				go a.pushView(ctx)
 			}
 			fenced = false
 			return

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
 	"slices"
@@ -9,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/internal/testenv"
 	"github.com/ftkit/ftkit/ring"
@@ -210,4 +212,58 @@ func requireFenceDecision(t *testing.T, a *Agent, logs *testenv.SyncBuffer, kill
 	if st.Name != StageSelfFenced || !strings.Contains(st.Detail, "no contact with its protector n2") || !strings.Contains(st.Detail, why) {
 		t.Errorf("self-fence stage %+v does not say why (%q)", st, why)
 	}
+}
+
+// hangingViews is a member that answers pings and holds every view exchange until the test ends: a member
+// the rejoining node's push of its view waits on (a blackholed host costs each exchange its timeout).
+type hangingViews struct {
+	*pingScript
+	done <-chan struct{}
+}
+
+func (h hangingViews) View(ctx context.Context, _ string, _ clusterapi.ViewMessage) (clusterapi.ViewMessage, error) {
+	select {
+	case <-ctx.Done():
+	case <-h.done:
+	}
+	return clusterapi.ViewMessage{}, errors.New("view exchange held")
+}
+
+// TestSelfFenceChecksWhileRejoinPushesView: a node whose contact came back after it fenced itself pushes its
+// view to the members, and goes on checking meanwhile: cut off again, it fences again within fence_timeout
+// (its protector's restored copies may go live from fence_timeout + margin after its last beat). Before, the
+// check waited for the push, which takes a view exchange's timeout (3 s and more) per member that does not
+// answer, and the node ran its jobs that long past its cut.
+func TestSelfFenceChecksWhileRejoinPushesView(t *testing.T) {
+	pki := newTestPKI(t)
+	ports := map[string]uint16{}
+	for _, m := range []string{"n3", "s1", "s2"} {
+		ports[m] = scriptedPeer(t, pki, m, hangingViews{pingScript: &pingScript{name: m}, done: t.Context().Done()})
+	}
+	a, logs, _ := fencingAgent(t, pki, ports)
+	a.wire.Message = 5 * time.Second // a view exchange's own bound, as in production: its 3 s
+	ctx := runSelfFence(t, a)
+	waitFenced := func(want bool, within time.Duration, what string) {
+		t.Helper()
+		for deadline := time.Now().Add(within); a.selfFenced.Load() != want; time.Sleep(2 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: fenced %v after %s, want %v; log:\n%s", what, a.selfFenced.Load(), within, want, logs.String())
+			}
+		}
+	}
+	// Neither neighbour is heard: fenced.
+	waitFenced(true, failAfter, "both neighbours silent")
+
+	// The predecessor is back, and the members but the protector answer: unfenced, the view pushed.
+	beats, stop := context.WithCancel(ctx)
+	go predecessorBeats(beats, a)
+	waitFenced(false, failAfter, "the predecessor back, a majority reached")
+	if !strings.Contains(logs.String(), "contact with the ring is back after self-fencing") {
+		t.Fatalf("unfenced without pushing its view; log:\n%s", logs.String())
+	}
+
+	// Cut off again while the push waits on the members: fenced again once the silence reaches the timeout.
+	stop()
+	_, last, _ := a.watchdog.Last("n3")
+	waitFenced(true, time.Until(a.cfg.FenceTiming().ReadyAt(last)), "cut off again while the view is pushed")
 }

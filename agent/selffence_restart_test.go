@@ -118,8 +118,9 @@ func TestContactStore(t *testing.T) {
 			}
 			bt += tt.elapsed
 			later := now.Add(tt.elapsed)
-			r := &contactStore{path: path, boot: func() (string, error) { return tt.boot, nil }, boottime: func() (time.Duration, error) { return bt, nil }}
-			w, err := r.load(later)
+			r := &contactStore{path: path, boot: func() (string, error) { return tt.boot, nil }, boottime: func() (time.Duration, error) { return bt, nil },
+				clock: func() time.Time { return later }}
+			w, err := r.load()
 			if (err != nil) != tt.wantErr {
 				t.Fatalf("load: %v, want an error %v", err, tt.wantErr)
 			}
@@ -133,5 +134,40 @@ func TestContactStore(t *testing.T) {
 				t.Errorf("mode %v, want 0600", st.Mode().Perm())
 			}
 		})
+	}
+}
+
+// TestSelfFenceVouchWaitsFromProtectorContact: a restarted agent that finds its node cut off asks its
+// protector to vouch for it until the kill must begin for its jobs to be gone by the protector's ReadyAt,
+// which counts from the last beat the protector received: the node's last contact with its protector, not
+// with its predecessor, heard later. Before, the wait counted from the last contact with either neighbour
+// (the predecessor's, 2.7 s later here), and an unanswered vouch held the kill past the protector's ReadyAt.
+func TestSelfFenceVouchWaitsFromProtectorContact(t *testing.T) {
+	pki := newTestPKI(t)
+	// The protector accepts the connection and never answers: the vouch waits for its whole deadline.
+	a, logs, kill := fencingAgent(t, pki, map[string]uint16{"n2": stalledPeer(t, pki, "n2")})
+	timeout := a.cfg.Failover.FenceTimeout.Duration
+	// The previous agent last reached its protector 3 s ago, and heard its predecessor until just over
+	// fence_timeout ago.
+	now := time.Now()
+	protHeard, heard := now.Add(-3*time.Second), now.Add(-timeout-20*time.Millisecond)
+	if err := newContactStore(filepath.Join(a.cfg.StateDir, fenceContactFile)).save(now, neighbourSilence{heard: heard, protHeard: protHeard}); err != nil {
+		t.Fatal(err)
+	}
+	t0 := a.cfg.FenceTiming()
+	// The protector received its last beat no later than an interval after protHeard: ReadyAt is past, the
+	// kill is due at once (a vouch is asked for one check at most).
+	if ready := t0.ReadyAt(protHeard.Add(t0.Interval)); ready.After(now) {
+		t.Fatalf("test setup: the protector's ReadyAt %s is not past", ready.Sub(now))
+	}
+	start := time.Now()
+	runSelfFence(t, a)
+	by := start.Add(250 * time.Millisecond)
+	for b, _ := os.ReadFile(kill); string(b) != "1"; b, _ = os.ReadFile(kill) {
+		if time.Now().After(by) {
+			t.Fatalf("not fenced %s after the restart, %s after the last contact with the protector (fence_timeout %s, the protector's ReadyAt past); log:\n%s",
+				time.Since(start).Round(time.Millisecond), time.Since(protHeard).Round(time.Millisecond), timeout, logs.String())
+		}
+		time.Sleep(2 * time.Millisecond)
 	}
 }
