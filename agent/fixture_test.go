@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -233,6 +234,47 @@ func TestFailuresForAsksOncePerJob(t *testing.T) {
 		if n != 1 {
 			t.Errorf("asked %d times whether the caller owns %s, want once", n, job)
 		}
+	}
+}
+
+// TestFailuresForClippedJobs: the failure log keeps at most failurelog.MaxJobs job ids per failure (and
+// max_jobs_per_user is as many by default), so a list the caller owns whole may stand for a recovery of more
+// jobs, other users' among them, which its error names. The old filter showed that error as it was to a
+// user owning every listed job: other users' job ids, and why their recoveries failed.
+func TestFailuresForClippedJobs(t *testing.T) {
+	var mine []string
+	for i := range failurelog.MaxJobs + 10 {
+		mine = append(mine, "mine-"+strconv.Itoa(i))
+	}
+	for _, tt := range []struct {
+		name      string
+		jobs      []string // of the failure as recorded (clipped to MaxJobs)
+		wantError bool     // the error shown as it is
+	}{
+		{"every job listed", mine[:3], true},
+		{"list clipped", append(slices.Clone(mine[:failurelog.MaxJobs]), theirJob), false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			log, err := failurelog.Open(t.TempDir(), "node3")
+			if err != nil {
+				t.Fatal(err)
+			}
+			log.Update("node2-1", func(f *Failure) {
+				f.Node, f.Protector, f.Jobs, f.Done = "node2", "node3", tt.jobs, true
+				f.Error = "job " + tt.jobs[len(tt.jobs)-1] + ": no replica on node3"
+			})
+			owns := func(job string) bool { return strings.HasPrefix(job, "mine-") }
+			got := failuresFor(log.List(), owns)
+			if len(got) != 1 {
+				t.Fatalf("failures %v, want the one", got)
+			}
+			if shown := got[0].Error == log.List()[0].Error; shown != tt.wantError {
+				t.Errorf("error %q shown to a user owning the %d jobs listed of %d: %v, want %v", got[0].Error, len(got[0].Jobs), len(tt.jobs), shown, tt.wantError)
+			}
+			if b, _ := json.Marshal(got); strings.Contains(string(b), theirJob) {
+				t.Errorf("a user sees another user's job %s", theirJob)
+			}
+		})
 	}
 }
 

@@ -7,6 +7,7 @@ import (
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/coordinated"
+	"github.com/ftkit/ftkit/failurelog"
 	"github.com/ftkit/ftkit/internal/version"
 	"github.com/ftkit/ftkit/ring"
 )
@@ -131,7 +132,8 @@ func failuresFor(all []*Failure, owns func(job string) bool) []*Failure {
 				c.Stages = append(c.Stages, st)
 			}
 		}
-		if c.Error != "" && len(jobs) < len(f.Jobs) {
+		// A list at the log's bound may have lost jobs, other users' among them, which the error names.
+		if c.Error != "" && (len(jobs) < len(f.Jobs) || len(f.Jobs) >= failurelog.MaxJobs) {
 			c.Error = "the recovery of some jobs failed or is incomplete; ask the administrator for details"
 		}
 		out = append(out, &c)
