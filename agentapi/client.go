@@ -145,8 +145,16 @@ func (c *Client) Output(ctx context.Context, id, stream string, follow bool, w i
 	// fence does too; ended without a word, the follow looked like the job's end.
 	j, err := c.Job(ctx, id)
 	switch {
-	case err != nil:
+	case errors.Is(err, agent.ErrNoJob):
 		return nil // forgotten since (it ended long ago): nothing to add
+	case err != nil:
+		// The agent stopping ends a follow too (its handlers' context), cleanly: the job, which outlives it,
+		// may run on.
+		return fmt.Errorf("job %s: the agent at %s ended the follow of its output and cannot say whether the job ended: %w; follow it again once the agent answers",
+			id, c.socket, err)
+	case j.State == agent.JobRunning:
+		return fmt.Errorf("job %s still runs, but the agent at %s ended the follow of its output (it is stopping or restarting): follow it again",
+			id, c.socket)
 	case j.State == agent.JobMoved:
 		return fmt.Errorf("job %s moved to %s while its output was followed: it runs on there, writing on to the same files; follow it there (ftctl logs --follow %s on %s)",
 			id, j.MovedTo, id, j.MovedTo)

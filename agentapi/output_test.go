@@ -3,7 +3,10 @@ package agentapi
 import (
 	"bytes"
 	"context"
+	"errors"
+	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"os"
@@ -253,5 +256,100 @@ func TestClientReplyBounded(t *testing.T) {
 	j, err := NewClient(addr).Job(context.Background(), "big-00000001")
 	if err == nil || !strings.Contains(err.Error(), "larger than") {
 		t.Fatalf("answer of more than %d bytes: job id of %d bytes, error %v; want it refused", maxRecordReply, len(j.ID), err)
+	}
+}
+
+// TestClientOutputFollowEndedByAgent: a followed output the agent ends while the job runs on (the agent
+// stops or restarts: its handlers' context ends, the answer ends cleanly, the shims and the job outlive it)
+// is not the job's end. The old client asked for the job afterwards and returned nil both when the agent
+// still said "running" and when it could not be asked at all, so `ftctl logs --follow` exited 0 as if the
+// job had ended.
+func TestClientOutputFollowEndedByAgent(t *testing.T) {
+	const id = "agent-00000001"
+	for _, tt := range []struct {
+		name string
+		job  func(w http.ResponseWriter) // the agent's answer to GET /v1/jobs/{id} once the follow ended
+		want string                      // in the error; "" for none
+	}{
+		{"job still running", func(w http.ResponseWriter) {
+			writeJSON(w, http.StatusOK, agent.Job{ID: id, State: agent.JobRunning})
+		}, "still runs"},
+		{"agent cannot say", func(w http.ResponseWriter) {
+			writeError(w, http.StatusServiceUnavailable, errors.New("the agent is stopping"))
+		}, "the agent is stopping"},
+		{"job exited", func(w http.ResponseWriter) { writeJSON(w, http.StatusOK, agent.Job{ID: id, State: agent.JobExited}) }, ""},
+		{"job forgotten", func(w http.ResponseWriter) {
+			writeError(w, http.StatusNotFound, fmt.Errorf("%w: %s on node1", agent.ErrNoJob, id))
+		}, ""},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			addr := "@ftkit-api-test-ended-" + strconv.Itoa(os.Getpid()) + "-" + strconv.FormatInt(time.Now().UnixNano(), 36)
+			ln, err := net.Listen("unix", addr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			mux := http.NewServeMux()
+			mux.HandleFunc("GET /v1/jobs/{id}/output", func(w http.ResponseWriter, r *http.Request) {
+				io.WriteString(w, "first\n") // then the handler returns, as on the end of its context
+			})
+			mux.HandleFunc("GET /v1/jobs/{id}", func(w http.ResponseWriter, r *http.Request) { tt.job(w) })
+			srv := &http.Server{Handler: mux}
+			done := make(chan error, 1)
+			go func() { done <- srv.Serve(ln) }()
+			t.Cleanup(func() {
+				srv.Close()
+				<-done
+			})
+			var out bytes.Buffer
+			err = NewClient(addr).Output(context.Background(), id, "stdout", true, &out)
+			switch {
+			case out.String() != "first\n":
+				t.Errorf("followed %q", out.String())
+			case tt.want == "" && err != nil:
+				t.Errorf("follow of a job that ended: %v, want no error", err)
+			case tt.want != "" && (err == nil || !strings.Contains(err.Error(), tt.want)):
+				t.Errorf("follow the agent ended while the job may run on: %v, want an error saying %q", err, tt.want)
+			}
+		})
+	}
+}
+
+// TestClientOutputFollowAgentStops: the same on the agent's own server: its context ends (SIGTERM) while
+// the job runs.
+func TestClientOutputFollowAgentStops(t *testing.T) {
+	fb := newFakeBackend(t)
+	addr := "@ftkit-api-test-stops-" + strconv.Itoa(os.Getpid()) + "-" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	ln, err := net.Listen("unix", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	defer stop()
+	lim := DefaultLimits()
+	srv := newServer(ctx, fb, lim, slog.New(slog.DiscardHandler))
+	done := make(chan error, 1)
+	go func() { done <- srv.Serve(newCredListener(ln, lim, slog.New(slog.DiscardHandler))) }()
+	t.Cleanup(func() {
+		srv.Close()
+		<-done
+	})
+	j := fb.addJob(t, agent.Job{ID: "stops-00000001", UID: uint32(os.Getuid()), GID: uint32(os.Getgid()), State: agent.JobRunning, PID: os.Getpid()})
+	writeOutput(t, j, "stdout", "first\n")
+	w := &chanWriter{ch: make(chan string, 16)}
+	followed := make(chan error, 1)
+	go func() { followed <- NewClient(addr).Output(context.Background(), j.ID, "stdout", true, w) }()
+	select {
+	case <-w.ch: // the follow is under way
+	case <-time.After(failAfter):
+		t.Fatal("nothing followed")
+	}
+	stop() // the agent stops; the job runs on
+	select {
+	case err := <-followed:
+		if err == nil || !strings.Contains(err.Error(), "still runs") {
+			t.Errorf("follow ended by the agent's stop while the job runs: %v, want an error saying it still runs", err)
+		}
+	case <-time.After(failAfter):
+		t.Fatal("the follow did not end with the agent")
 	}
 }
