@@ -72,6 +72,10 @@ type Agent struct {
 	// leftHeld are the addresses of the job networks that could not be deleted, by name: each holds one
 	// count of reservedAddrs until a deletion of the network succeeds (holdLeftAddr, releaseLeftAddr).
 	leftHeld map[string]netip.Addr
+	// endedHeld count, by job network name, the holds finish made on the addresses of ended jobs' networks
+	// not given back yet (releaseEndedAddr): a restore of the job counts its earlier copy's as its own
+	// (reserveRestoredAddr), and only while it is there.
+	endedHeld map[string]int
 	// starting counts each non-root uid's starts in progress (admit), not yet in byID.
 	starting map[uint32]int
 	// outputSpace is what the output journals of restores running at once take of the state directory.
@@ -715,6 +719,10 @@ func (a *Agent) finish(j *Job, state JobState, st *shim.ExitStatus) {
 		// someone who saw this one end must not get the address its network still holds, lingering or
 		// not deleted yet (releaseEnded gives it back once the network is gone).
 		a.reservedAddrs[j.Net.Addr.Addr()]++
+		if a.endedHeld == nil {
+			a.endedHeld = map[string]int{}
+		}
+		a.endedHeld[j.Net.Name]++
 	}
 	err := a.jobs.save(j)
 	a.notify()

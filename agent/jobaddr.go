@@ -169,9 +169,31 @@ func (a *Agent) reserveRestoredAddr(j Job) error {
 	if j.Net == nil {
 		return nil
 	}
-	ip := j.Net.Addr.Addr()
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	if err := a.restoredAddrFreeLocked(j); err != nil {
+		return err
+	}
+	a.reservedAddrs[j.Net.Addr.Addr()]++
+	return nil
+}
+
+// checkRestoredAddr refuses what reserveRestoredAddr refuses, holding nothing: a restore that makes the
+// job's network before restoreJob (a rollback's guard) must not put on the wire an address another job of
+// this host holds. restoreJob's refusal comes too late then: it returns before anything it would delete
+// is its own, and the network stayed, answering for the other job's address.
+func (a *Agent) checkRestoredAddr(j Job) error {
+	if j.Net == nil {
+		return nil
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.restoredAddrFreeLocked(j)
+}
+
+// restoredAddrFreeLocked is reserveRestoredAddr's check, with a.mu held; j.Net is set.
+func (a *Agent) restoredAddrFreeLocked(j Job) error {
+	ip := j.Net.Addr.Addr()
 	if other := a.otherHolderLocked(j); other != "" {
 		// The refusal reaches the user who asked for the restore (and the job's failure timeline): another
 		// user's job is named in the log only.
@@ -183,18 +205,21 @@ func (a *Agent) reserveRestoredAddr(j Job) error {
 		return fmt.Errorf("job %s cannot be restored here: its address %s is held by %s of this host now (the job's address was given out again after it ended)",
 			j.ID, ip, holder)
 	}
-	// The one hold the job's own earlier copy may have here: finish reserved the address for its network
-	// until that is deleted, and a restore claims that network (claimJobNet); one that could not be deleted
-	// holds it by its name (holdLeftAddr) instead.
+	// The holds the job's own earlier copy may have here: finish reserved the address for its network
+	// until that is deleted (endedHeld), and a restore claims that network (claimJobNet); one that could not
+	// be deleted holds it by its name (holdLeftAddr). Counted only while they are there: once the ended
+	// copy's network is gone and the address given back, a hold on it is a starting job's.
 	own := 0
-	if o := a.byID[j.ID]; o != nil && o.Net != nil && !addressHeld(o) && o.Net.Addr.Addr() == ip || a.leftHeld[jobNetName(a.cfg.Name, j.ID)] == ip {
-		own = 1
+	if o := a.byID[j.ID]; o != nil && o.Net != nil && !addressHeld(o) && o.Net.Addr.Addr() == ip {
+		own += a.endedHeld[o.Net.Name]
+	}
+	if a.leftHeld[jobNetName(a.cfg.Name, j.ID)] == ip {
+		own++
 	}
 	if a.reservedAddrs[ip] > own {
 		return fmt.Errorf("job %s cannot be restored here now: its address %s is being given to a job starting on this host, or is still held by the network of a job that ended here until its closed connections are acknowledged (job_network.linger): try again in a few seconds",
 			j.ID, ip)
 	}
-	a.reservedAddrs[ip]++
 	return nil
 }
 
@@ -211,13 +236,28 @@ func pickJobAddr(pool, own netip.Prefix, used map[netip.Addr]bool) (netip.Prefix
 	return netip.Prefix{}, false
 }
 
-// releaseJobAddr ends one hold on ip (allocJobAddr, finish).
+// releaseJobAddr ends one hold on ip (allocJobAddr, reserveRestoredAddr).
 func (a *Agent) releaseJobAddr(ip netip.Addr) {
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	a.releaseJobAddrLocked(ip)
+}
+
+// releaseJobAddrLocked is releaseJobAddr with a.mu held.
+func (a *Agent) releaseJobAddrLocked(ip netip.Addr) {
 	if a.reservedAddrs[ip]--; a.reservedAddrs[ip] <= 0 {
 		delete(a.reservedAddrs, ip)
 	}
+}
+
+// releaseEndedAddr ends the hold finish made on ip for the network name of an ended job (endedHeld).
+func (a *Agent) releaseEndedAddr(name string, ip netip.Addr) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.endedHeld[name]--; a.endedHeld[name] <= 0 {
+		delete(a.endedHeld, name)
+	}
+	a.releaseJobAddrLocked(ip)
 }
 
 // lastAddr is the broadcast address of an IPv4 prefix.
@@ -324,7 +364,7 @@ func (a *Agent) releaseEnded(j *Job, lingers, reserved bool) {
 	if !lingers {
 		a.releaseJob(j)
 		if reserved {
-			a.releaseJobAddr(j.Net.Addr.Addr())
+			a.releaseEndedAddr(j.Net.Name, j.Net.Addr.Addr())
 		}
 		return
 	}
@@ -336,7 +376,7 @@ func (a *Agent) releaseEnded(j *Job, lingers, reserved bool) {
 		if !a.lingering.take(n.Name, func(string, netip.Prefix) { a.deleteJobNet(context.Background(), j.ID, &n) }) {
 			return // a claim took it: endLingering gives the address back once it tried to delete the network
 		}
-		a.releaseJobAddr(n.Addr.Addr()) // one still on the wire holds it by its name (deleteJobNet)
+		a.releaseEndedAddr(n.Name, n.Addr.Addr()) // one still on the wire holds it by its name (deleteJobNet)
 	}()
 }
 
@@ -428,7 +468,7 @@ func (a *Agent) endLingering(ctx context.Context, name, why string) {
 		// its name (deleteJobNet), and its record keeps it for the next agent.
 		a.deleteJobNet(ctx, id, &JobNet{Name: name, Addr: addr})
 		if addr.IsValid() {
-			a.releaseJobAddr(addr.Addr())
+			a.releaseEndedAddr(name, addr.Addr())
 		}
 	})
 }

@@ -490,15 +490,41 @@ func TestRestoreHoldsItsAddress(t *testing.T) {
 
 	t.Run("its own ended copy's hold does not count", func(t *testing.T) {
 		ta, _ := setup(t)
+		ta.cfg.JobNetwork.Linger = Duration{Duration: time.Minute}
 		addr, err := ta.allocJobAddr()
 		if err != nil {
 			t.Fatal(err)
 		}
 		id := "self-00000001"
-		ta.addJob(t, Job{ID: id, State: JobExited, Net: &JobNet{Name: jobNetName(ta.cfg.Name, id), Kind: jobnet.MACVlan, Addr: addr}})
-		// finish's hold for the ended copy's network (allocJobAddr's stands in for it).
-		if err := restore(ta, id, addr); refused(err) {
+		j := ta.addJob(t, Job{ID: id, State: JobRunning, PID: os.Getpid(), Net: &JobNet{Name: jobNetName(ta.cfg.Name, id), Kind: jobnet.MACVlan, Addr: addr}})
+		ta.releaseJobAddr(addr.Addr())
+		// finish's hold for the ended copy's lingering network (held by the test: the wait would end at once).
+		ta.lingering.mu.Lock()
+		go ta.finish(j, JobExited, &shim.ExitStatus{})
+		for !func() bool { ta.mu.Lock(); defer ta.mu.Unlock(); return ta.reservedAddrs[addr.Addr()] > 0 }() {
+			time.Sleep(time.Millisecond)
+		}
+		err = restore(ta, id, addr)
+		ta.lingering.mu.Unlock()
+		if refused(err) {
 			t.Errorf("restore of job %s, whose own ended copy's network holds %s: %v", id, addr, err)
+		}
+	})
+
+	// The ended copy's network is gone and its hold given back; a start then got the address, and is not
+	// listed yet (making its network, launching its shim). Its hold was taken for the ended copy's, and the
+	// restore let through: two job networks of this host on one address.
+	t.Run("a start's hold after its own ended copy's network is gone", func(t *testing.T) {
+		ta, _ := setup(t)
+		addr, err := ta.allocJobAddr() // StartJob of another job, handed the address the ended copy gave back
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ta.releaseJobAddr(addr.Addr())
+		id := "self-00000001"
+		ta.addJob(t, Job{ID: id, State: JobExited, Net: &JobNet{Name: jobNetName(ta.cfg.Name, id), Kind: jobnet.MACVlan, Addr: addr}})
+		if err := restore(ta, id, addr); !refused(err) {
+			t.Errorf("restore of job %s on %s while a starting job was handed it: %v, want a refusal", id, addr, err)
 		}
 	})
 }
@@ -605,5 +631,42 @@ func TestStartJobKeepsAddressOfUndeletedNetwork(t *testing.T) {
 				t.Errorf("the next job got %s, which the failed start's undeleted network may still hold", made)
 			}
 		})
+	}
+}
+
+// TestRestoredJobNetIsThisHostsKind: a job restored here (a fail-over, a manual restore, a rollback) gets
+// the kind of interface this host's job_network.kind names, as it gets this host's parent: the record's
+// kind is the host's it came from. A site sets ipvlan where a switch port allows one MAC; a macvlan made
+// there from another host's record put a MAC of its own on that port.
+func TestRestoredJobNetIsThisHostsKind(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.reservedAddrs = map[netip.Addr]int{}
+	ta.cfg.JobNetwork.Kind = jobnet.IPVlan
+	var kinds []jobnet.Kind
+	ta.nets = jobNetOps{
+		create: func(_ context.Context, n *JobNet) error {
+			kinds = append(kinds, n.Kind)
+			return errors.New("make the job's network: stopped by the test")
+		},
+		delete: func(context.Context, string) error { return nil },
+	}
+	id := "moved-00000001"
+	j := Job{ID: id, Net: &JobNet{Name: jobNetName("node2", id), Kind: jobnet.MACVlan, Addr: netip.MustParsePrefix("10.9.0.5/24")}}
+	m := &ckpt.Manifest{Job: id, ID: "20261206T120000.000Z-node2-000001"}
+	work := filepath.Join(ta.dir, "restore", id)
+	if err := os.MkdirAll(work, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ta.restoreJob(t.Context(), m, j, work, nil); err == nil || !strings.Contains(err.Error(), "stopped by the test") {
+		t.Fatalf("restore: %v, want it to stop at making the job's network", err)
+	}
+	ta.guardJobNet(t.Context(), j, m, dumpWithRunID(t)) // a rollback's
+	if len(kinds) != 2 {
+		t.Fatalf("%d job networks made, want the restore's and the rollback's", len(kinds))
+	}
+	for _, k := range kinds {
+		if k != jobnet.IPVlan {
+			t.Errorf("a restore made a %s job network on a host configured for %s", k, jobnet.IPVlan)
+		}
 	}
 }
