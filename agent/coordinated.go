@@ -544,12 +544,17 @@ func (a *Agent) rollbackJob(ctx context.Context, run string, uid uint32, p clust
 // snapshot's connections in it, and every connection request to the job's address, until CRIU's restore of
 // the dump in work has rebuilt them and removes the guard (restore.Guard).
 func (a *Agent) guardJobNet(ctx context.Context, j Job, m *ckpt.Manifest, work string) error {
+	// Before the network is made: restoreJob's own check refuses the restore only after, and leaves it.
+	if err := a.checkRestoredAddr(j); err != nil {
+		return err
+	}
 	runID, err := restore.RunID(work)
 	if err != nil {
 		return err
 	}
 	n := *j.Net
 	n.Name = jobNetName(a.cfg.Name, j.ID)
+	n.Kind = a.cfg.JobNetwork.Kind // as restoreJob makes it
 	if err := a.createJobNet(ctx, &n); err != nil {
 		return err
 	}

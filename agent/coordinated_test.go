@@ -2,12 +2,14 @@ package agent
 
 import (
 	"context"
+	"encoding/hex"
 	"errors"
 	"log/slog"
 	"net/netip"
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -753,4 +755,44 @@ func TestAbortBeforeItsFreezeArrives(t *testing.T) {
 			ta.ckptMu.Unlock()
 		})
 	}
+}
+
+// TestRollbackGuardRefusesAnAddressHeldByAnotherJob: a rollback makes the part's job network (its guard)
+// before restoreJob, whose check of the address refuses the restore only after, and then returns without
+// deleting what it did not make. A part whose address another job of this host holds now (it ended here
+// after the cut, and the address went to a new job) left its network on the wire with that job's address.
+func TestRollbackGuardRefusesAnAddressHeldByAnotherJob(t *testing.T) {
+	ta := newTestAgent(t)
+	addr := netip.MustParsePrefix("10.9.0.5/24")
+	ta.addJob(t, Job{ID: "new-00000001", State: JobRunning, PID: os.Getpid(), Net: &JobNet{Name: jobNetName(ta.cfg.Name, "new-00000001"), Addr: addr}})
+	var made []string
+	ta.nets = jobNetOps{
+		create: func(_ context.Context, n *JobNet) error { made = append(made, n.Name); return nil },
+		delete: func(context.Context, string) error { return nil },
+	}
+	part := Job{ID: "farm-00000001", Spec: JobSpec{Run: "farm"}, Net: &JobNet{Name: jobNetName("node2", "farm-00000001"), Addr: addr}}
+	m := &ckpt.Manifest{Job: part.ID, ID: "20261206T120000.000Z-node2-000001"}
+	err := ta.guardJobNet(t.Context(), part, m, dumpWithRunID(t))
+	if err == nil || !strings.Contains(err.Error(), "held by job new-00000001") {
+		t.Errorf("guard of a part whose address another running job holds: %v, want a refusal naming that job", err)
+	}
+	if len(made) > 0 {
+		t.Errorf("the refused part's network %v was made, with the address job new-00000001 holds", made)
+	}
+}
+
+// dumpWithRunID is a dump directory whose inventory.img is as CRIU 4.2.1 writes it (nftables lock, a run
+// id): guardJobNet gets as far as making the network.
+func dumpWithRunID(t *testing.T) string {
+	t.Helper()
+	work := t.TempDir()
+	inv, err := hex.DecodeString("163131584e000000080210011a18080110011801200128013002380340044806500758086005200128013000580162006a24" +
+		"37663035613163352d656235632d343031302d383739342d633762343435396136333533")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(work, "inventory.img"), inv, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return work
 }

@@ -120,6 +120,8 @@ func (r *recoveryActions) Fetch(ctx context.Context, job string, c clusterapi.Ca
 		// The same address (and so the same 4-tuples for the peers), in a namespace of this host's.
 		n := *rec.Net
 		n.Name = jobNetName(r.a.cfg.Name, rec.ID)
+		// This host's kind, as its parent: the record's is the old host's.
+		n.Kind = r.a.cfg.JobNetwork.Kind
 		r.a.claimJobNet(ctx, n.Name) // recovery.JobNet creates it, not createJobNet
 		spec, err := r.a.jobNetSpec(&n)
 		if err != nil {

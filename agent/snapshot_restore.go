@@ -154,6 +154,7 @@ func (a *Agent) restoreJob(ctx context.Context, m *ckpt.Manifest, j Job, work st
 		// address (a recovery has created it already, under its guard; Create is idempotent).
 		n := *j.Net
 		n.Name = jobNetName(a.cfg.Name, j.ID)
+		n.Kind = a.cfg.JobNetwork.Kind // this host's, as its parent: the record's is the old host's
 		j.Net = &n
 		err = a.createJobNet(ctx, j.Net)
 	}
