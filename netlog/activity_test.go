@@ -220,3 +220,36 @@ func TestRemoveIdleRacesAppender(t *testing.T) {
 	}
 	t.Logf("%d removals during %d appends", removals, conns*rounds)
 }
+
+// TestLogNoteParkedRacesRemoval: a parked record whose store is removed (RemoveIdle, Remove) between the
+// log's lookup and the note goes to a fresh store, as an appended segment does. Before, Log.NoteParked
+// returned ErrClosed from the removed store, which the capture consumer takes for a closed log: it
+// stopped logging every connection of the node.
+func TestLogNoteParkedRacesRemoval(t *testing.T) {
+	l := newTestLog(t, Options{})
+	c := testConn(1)
+	if err := l.NoteParked(Record{Conn: c, Seq: 1000, Parked: 100, CgroupID: 3}); err != nil {
+		t.Fatal(err)
+	}
+	st, err := l.Store(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st.mu.Lock() // the note below finds st in the log and waits for it
+	errc := make(chan error, 1)
+	go func() { errc <- l.NoteParked(Record{Conn: c, Seq: 1100, Parked: 100, CgroupID: 3}) }()
+	time.Sleep(20 * time.Millisecond)
+	// What RemoveIdle does under the store's lock.
+	l.mu.Lock()
+	st.closed = true
+	delete(l.stores, key(c))
+	l.mu.Unlock()
+	st.dropAll()
+	st.mu.Unlock()
+	if err := <-errc; err != nil {
+		t.Fatalf("NoteParked raced with a removal: %v, want the note in a fresh store", err)
+	}
+	if b, err := l.Bounds(c); err != nil || !b.Anchored || b.Seen != AnchorEpoch|1200 {
+		t.Errorf("the fresh store: bounds %+v, %v; want anchored, seen up to wire 1200", b, err)
+	}
+}

@@ -99,11 +99,17 @@ func (l *Log) Append(rec Record) error {
 
 // NoteParked notes a parked segment of rec.Conn (Store.NoteParked), creating its store if needed.
 func (l *Log) NoteParked(rec Record) error {
-	st, err := l.lookupOrCreate(rec.Conn)
-	if err != nil {
-		return err
+	for {
+		st, err := l.lookupOrCreate(rec.Conn)
+		if err != nil {
+			return err
+		}
+		// As in Append: a store removed since the lookup is not a closed log (which the consumer
+		// stops for); the next lookup makes a fresh store, or sees the Log closed.
+		if err = st.NoteParked(rec); !errors.Is(err, ErrClosed) {
+			return err
+		}
 	}
-	return st.NoteParked(rec)
 }
 
 // SetBase anchors conn's store at seq (see Store.SetBase), creating the store if needed.
