@@ -124,12 +124,14 @@ func (a *Agent) dueToForget(now time.Time) []endedJob {
 }
 
 // stillEnded reports whether e's record is still this host's record of the job: a copy of the job that came
-// back here since (a restore, a migration) replaces it.
+// back here since (a restore, a migration) replaces it. One being restored here is not ended either: its
+// record is replaced only once it runs, and the restore reads a snapshot the forget would delete.
 func (a *Agent) stillEnded(e endedJob) bool {
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	cur := a.byID[e.job.ID]
-	return cur == e.rec && cur.State != JobRunning
+	_, restoring := a.restoring[e.job.ID]
+	return cur == e.rec && cur.State != JobRunning && !restoring
 }
 
 // whyAddress keeps an ended job's record for good (addressHeld).
@@ -283,13 +285,14 @@ func deleteSnapshotsBefore(store *ckpt.Store, job, node string, ended time.Time,
 }
 
 // serveForget deletes the replicas of peer's ended job that peer took before it ended (req, validated),
-// but those a coordinated cut names, and all of them if the job runs here: a copy restored here from them
-// may still need them until its own snapshot is replicated. With none of them left, the job's
-// receive-order determinants from peer go too.
+// but those a coordinated cut names, and all of them if the job runs here, or is being restored here: a
+// copy restored here from them may still need them until its own snapshot is replicated. With none of them
+// left, the job's receive-order determinants from peer go too.
 func (a *Agent) serveForget(peer string, req clusterapi.ForgetRequest) (clusterapi.ForgetReply, error) {
 	a.mu.Lock()
 	j, ok := a.byID[req.Job]
-	runs := ok && j.State == JobRunning
+	_, restoring := a.restoring[req.Job] // from them, maybe: the job runs here once restored
+	runs := ok && j.State == JobRunning || restoring
 	a.mu.Unlock()
 	if runs {
 		ids, err := a.store.List(req.Job, peer)

@@ -492,3 +492,60 @@ func TestForgetWaitsForCutsCommit(t *testing.T) {
 		t.Errorf("snapshots %v once the cut was given up; want none", snaps)
 	}
 }
+
+// TestForgetSparesARestoreUnderWay: a restore of an ended job is under way on this host (its owner
+// restores the lost job, a recovery restores it here), from a snapshot of it this host holds. The job is
+// not running yet (its record is replaced once it is restored), and the old code took it for ended: the
+// forget deleted the snapshot the restore reads, here and on its holders, and a restore that failed
+// could not be tried again; one that succeeded ran with no replica left. The forget waits for the restore.
+func TestForgetSparesARestoreUnderWay(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		serve bool // the holder's side (serveForget), else the host's own (forgetDue)
+	}{
+		{name: "own snapshots"},
+		{name: "a host's replicas", serve: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ta := newTestAgent(t)
+			ta.cfg.Checkpoint.KeepEnded = Duration{Duration: time.Hour}
+			const job = "lost-0000000f"
+			t0 := time.Now()
+			ended := t0.Add(time.Minute)
+			var snap string
+			if tc.serve {
+				addN1Snapshots(t, ta.Agent, job, 1)
+				got, _ := ta.store.List(job, "n1")
+				snap = got[0]
+			} else {
+				ta.addJob(t, Job{ID: job, State: JobExited, Ended: ended})
+				snap = ta.addSnapshot(t, Job{ID: job, Node: ta.cfg.Name})
+			}
+			unlock, err := ta.lockRestore(t.Context(), job, "restore")
+			if err != nil {
+				t.Fatal(err)
+			}
+			forget := func() {
+				if !tc.serve {
+					ta.forgetDue(t.Context(), ended.Add(2*time.Hour))
+					return
+				}
+				if rep, err := ta.serveForget("n1", clusterapi.ForgetRequest{Job: job, Ended: time.Now().Add(time.Hour)}); err != nil {
+					t.Fatal(err)
+				} else if unlock != nil && (rep.Deleted != 0 || rep.Kept != 1) {
+					t.Errorf("forget during a restore: %+v; want none deleted, 1 kept", rep)
+				}
+			}
+			forget()
+			if got, _ := ta.store.List(job, ""); !slices.Equal(got, []string{snap}) {
+				t.Errorf("snapshots while the job is being restored here: %v; want [%s]", got, snap)
+			}
+			unlock()
+			unlock = nil
+			forget()
+			if got, _ := ta.store.List(job, ""); len(got) != 0 {
+				t.Errorf("snapshots once the restore ended: %v; want none", got)
+			}
+		})
+	}
+}
