@@ -127,6 +127,9 @@ func (s *snapScheduler) key(j Job) string {
 // due returns the jobs to snapshot now (nil in semi-coordinated mode: all of them), the keys that
 // attempt covers (none: nothing is due), and the jobs first seen without a replica.
 func (s *snapScheduler) due(jobs []Job, now time.Time, interval func(id string) time.Duration) (due, keys, fresh []string) {
+	// Keys due for more than new connections: in semi-coordinated mode one job due on its interval makes the
+	// host's snapshot one the scheduler must not skip, whatever another job of it opened.
+	other := map[string]bool{}
 	for _, j := range jobs {
 		if j.State != JobRunning {
 			delete(s.last, j.ID)
@@ -167,12 +170,16 @@ func (s *snapScheduler) due(jobs []Job, now time.Time, interval func(id string) 
 		switch {
 		case !now.Before(next) || needsFirstSnapshot(j) && s.tries[key] == 0:
 			due = append(due, j.ID)
+			other[key] = true
 		case len(j.NewConns) > 0 && s.tries[key] == 0 && now.Sub(last) >= gap:
 			due = append(due, j.ID)
 			s.forConn[key] = true
 		case !uncovered && now.Sub(last) >= 2*gap:
 			delete(s.streak, key) // quiet for a while: the next new connection is snapshotted soon again
 		}
+	}
+	for k := range other {
+		delete(s.forConn, k)
 	}
 	if len(due) == 0 {
 		return nil, nil, fresh

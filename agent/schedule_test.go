@@ -434,3 +434,50 @@ func TestSnapSchedulerHugeInterval(t *testing.T) {
 		})
 	}
 }
+
+// TestSnapSchedulerConnsOnlyUnlessAnotherIsDue: in semi-coordinated mode one snapshot covers the host's
+// jobs, and it is due only for new connections (the scheduler then skips it if an earlier snapshot took
+// them) only when no job is due for its interval. The old code marked the host's snapshot due for
+// connections alone whenever one job had opened some, even with another job due on its interval at the
+// same tick: skipped, that job's snapshot waited another interval.
+func TestSnapSchedulerConnsOnlyUnlessAnotherIsDue(t *testing.T) {
+	t0 := time.Date(2026, 11, 22, 10, 0, 0, 0, time.UTC)
+	protected := func(id string, at time.Time, conns bool) Job {
+		j := Job{ID: id, Node: "node1", State: JobRunning, Replica: &Replica{Snapshot: "s", Time: at, Node: "node1"}}
+		if conns {
+			j.NewConns = []string{"10.0.0.1:5000 -> 10.0.0.2:7000: opened after snapshot s"}
+		}
+		return j
+	}
+	iv := func(string) time.Duration { return time.Minute }
+	for _, tc := range []struct {
+		name      string
+		jobs      []Job // at +60 s, the host's last attempt at +10 s (off its grid: due again at +60 s)
+		connsOnly bool
+	}{
+		{name: "one job due on its interval, another for connections",
+			jobs: []Job{protected("a", t0, false), protected("b", t0.Add(10*time.Second), true)}},
+		{name: "only for connections", connsOnly: true,
+			jobs: []Job{protected("b", t0.Add(10*time.Second), true)}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := newSnapScheduler(true)
+			s.phaseOf = func(Job) uint64 { return 0 }
+			first := []Job{protected("b", t0, true)}
+			if len(tc.jobs) > 1 {
+				first = append([]Job{protected("a", t0, false)}, first...)
+			}
+			if _, keys, _ := s.due(first, t0.Add(10*time.Second), iv); !slices.Equal(keys, []string{""}) || !s.onlyForConns(keys) {
+				t.Fatalf("at +10 s: due %v, only for connections %v; want the host, for connections", keys, s.onlyForConns(keys))
+			}
+			s.attempted([]string{""}, []Job{protected("a", t0, false), protected("b", t0.Add(10*time.Second), false)}, t0.Add(10*time.Second))
+			_, keys, _ := s.due(tc.jobs, t0.Add(60*time.Second), iv)
+			if !slices.Equal(keys, []string{""}) {
+				t.Fatalf("at +60 s: due %v, want the host", keys)
+			}
+			if got := s.onlyForConns(keys); got != tc.connsOnly {
+				t.Errorf("at +60 s: only for connections %v, want %v", got, tc.connsOnly)
+			}
+		})
+	}
+}
