@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"slices"
@@ -122,6 +123,9 @@ func (a *Agent) drain(ctx context.Context, to []string, why string) *DrainResult
 			if cur, _, jerr := a.Job(id, 0); jerr != nil || cur.State != JobRunning {
 				break // it left this host: the migration's own error says where it is
 			}
+			if stays := (jobStaysError{}); errors.As(err, &stays) {
+				break // failed here, whatever the target: another would freeze and dump it again for nothing
+			}
 		}
 		if errs != nil {
 			err := fmt.Errorf("not moved: %v", errs)
@@ -146,13 +150,19 @@ func (a *Agent) drain(ctx context.Context, to []string, why string) *DrainResult
 // there is none, or to names a host that is not an alive node of the ring.
 func drainTargets(v ring.View, self string, to []string) ([]string, error) {
 	if len(to) > 0 {
+		var out []string
 		for _, t := range to {
 			m, ok := v.Member(t)
 			if !ok || m.Role != ring.RoleNode || m.State != ring.StateAlive || t == self {
 				return nil, fmt.Errorf("%w: %q is not another alive node of the ring", ErrNotMovable, t)
 			}
+			// Each once, wherever repeated: slices.Compact kept a node named twice apart, which a job it
+			// failed was frozen and dumped for again, and which got twice the share of the jobs.
+			if !slices.Contains(out, t) {
+				out = append(out, t)
+			}
 		}
-		return slices.Compact(slices.Clone(to)), nil
+		return out, nil
 	}
 	var out []string
 	for p, ok := v.Protector(self); ok && p.Name != self && !slices.Contains(out, p.Name); p, ok = v.Protector(p.Name) {

@@ -305,7 +305,7 @@ func (a *Agent) stopForMigration(ctx context.Context, j Job, id, target string, 
 	}
 	stage(StageDumped, frozen, detail, err)
 	if err != nil {
-		return frozen, m, deleteNet, err
+		return frozen, m, deleteNet, jobStaysError{err}
 	}
 	start := time.Now()
 	// The dump's size is known now, the job still frozen here: a target that cannot hold it is not sent it.
@@ -327,8 +327,18 @@ func (a *Agent) stopForMigration(ctx context.Context, j Job, id, target string, 
 	// Not cancelled half-way: a job taken off this host goes on on the target.
 	deleteNet, err = a.leave(context.WithoutCancel(ctx), j, target, id, m.ID)
 	stage(StageLeft, start, "", err)
+	if err != nil {
+		err = jobStaysError{err}
+	}
 	return frozen, m, deleteNet, err
 }
+
+// jobStaysError is a migration's failure that any target would meet (the job's dump, the kill of its copy
+// here), its message unchanged: a drain tries no other target for the job, each try freezing and dumping it
+// again for nothing.
+type jobStaysError struct{ error }
+
+func (e jobStaysError) Unwrap() error { return e.error }
 
 // dumpFrozen freezes job j and dumps it, leaving it frozen; on an error it thaws it. A dump CRIU refused for a
 // connection waiting in a listen queue is taken again once the thawed job has accepted it (whenAccepted).

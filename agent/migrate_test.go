@@ -210,6 +210,9 @@ func TestDrainTargets(t *testing.T) {
 		{"the ring from the protector on", v, "node2", nil, []string{"node3", "node4", "node1"}, ""},
 		{"a failed node is skipped", failed, "node3", nil, []string{"node1", "node2"}, ""},
 		{"as given", v, "node2", []string{"node4", "node1"}, []string{"node4", "node1"}, ""},
+		// A node named twice, apart (`--to node4,node1,node4`), is tried once per job: not a second freeze and
+		// dump of a job it failed, nor twice the share of the jobs.
+		{"a node named twice is tried once", v, "node2", []string{"node4", "node1", "node4"}, []string{"node4", "node1"}, ""},
 		{"not to itself", v, "node2", []string{"node2"}, nil, `"node2" is not another alive node`},
 		{"not to a spare", v, "node2", []string{"spare1"}, nil, `"spare1" is not another alive node`},
 		{"not to a failed node", failed, "node2", []string{"node4"}, nil, `"node4" is not another alive node`},
@@ -552,5 +555,61 @@ func TestRecoverRequestKeepsOtherRecords(t *testing.T) {
 				t.Errorf("got %v, want a refusal saying %q", err, tt.refusal)
 			}
 		})
+	}
+}
+
+// viewlessScript is memScript refusing view exchanges (a drain pushes its view when it ends).
+type viewlessScript struct{ memScript }
+
+func (s *viewlessScript) View(context.Context, string, clusterapi.ViewMessage) (clusterapi.ViewMessage, error) {
+	return clusterapi.ViewMessage{}, errors.New("not in this test")
+}
+
+// TestDrainDumpsAFailingJobOnce: a drain whose move of a job fails in its dump, which any target would
+// meet, does not freeze and dump the job again for every other node of the ring; a target that answers
+// and has the memory is not to blame. Before, each alive node was tried in turn, each try freezing and
+// dumping the job anew (a job with a peer on its host, refused after every dump, was stopped once per
+// node of the ring), on a host predicted to fail within its lead time.
+func TestDrainDumpsAFailingJobOnce(t *testing.T) {
+	ta := newTestAgent(t)
+	pki := newTestPKI(t)
+	creds := pki.creds(t, "node1")
+	ta.cfg.Cluster.CA, ta.cfg.Cluster.Cert, ta.cfg.Cluster.Key = creds.CAFile, creds.CertFile, creds.KeyFile
+	ta.wire = testWire
+	ms := []ring.Member{{Name: "node1", Address: netip.MustParseAddrPort("127.0.0.1:1"), Role: ring.RoleNode, Addrs: []netip.Addr{addrN1}}}
+	for i, name := range []string{"node2", "node3"} {
+		port := scriptedPeer(t, pki, name, &viewlessScript{memScript{name: name}})
+		ms = append(ms, ring.Member{Name: name, Address: netip.AddrPortFrom(netip.MustParseAddr("127.0.0.1"), port), Role: ring.RoleNode,
+			Addrs: []netip.Addr{[]netip.Addr{addrN2, addrN3}[i]}})
+	}
+	v, err := ring.New(ms)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ta.members.view = v
+	t.Cleanup(func() { ta.peers().Close() })
+	ta.mu.Lock()
+	for _, j := range ta.byID { // only the job that can move is drained
+		j.State = JobExited
+	}
+	ta.mu.Unlock()
+	j := ta.addJob(t, Job{ID: "moving-00000001", State: JobRunning, PID: os.Getpid(),
+		Net: &JobNet{Name: "moving", Addr: netip.MustParsePrefix("10.77.0.150/24")}})
+
+	res := ta.drain(t.Context(), nil, "test")
+	if len(res.Failed) != 1 || len(res.Moved) != 0 {
+		t.Fatalf("drain: %+v; want the job not moved (no CRIU: its dump fails)", res)
+	}
+	var tries []string
+	for _, f := range ta.failures.List() {
+		if f.Kind == KindMigration && slices.Contains(f.Jobs, j.ID) {
+			tries = append(tries, f.Target)
+		}
+	}
+	if len(tries) != 1 {
+		t.Errorf("the job's dump failed, and the drain froze and dumped it again for each node: migrations to %v; want one", tries)
+	}
+	if cur, _, _ := ta.Job(j.ID, 0); cur.State != JobRunning {
+		t.Errorf("job %s after the drain; want it running here", cur.State)
 	}
 }
