@@ -71,6 +71,19 @@ func (a *Agent) Restore(ctx context.Context, req RestoreRequest, uid uint32) (*J
 	if m, err := a.store.Manifest(req.Job, req.Snapshot); uid != 0 && err == nil && !a.ownsSnapshot(m, uid) {
 		return nil, fmt.Errorf("%w: snapshot %s is not of a job of uid %d", ErrNoJob, req.Snapshot, uid)
 	}
+	if !req.Force {
+		// Before the lock, which refuses a job running here in its own words.
+		if err := a.refuseIfRunsHere(req.Job); err != nil {
+			return nil, err
+		}
+	}
+	// Held from before the verification (seconds for a large snapshot): a forget pass spares only a job
+	// being restored (stillEnded), and would delete the snapshot under verification of an ended one.
+	unlock, err := a.lockRestore(ctx, req.Job, "restore")
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
 	m, err := a.store.Verify(ctx, req.Job, req.Snapshot)
 	if err != nil {
 		return nil, a.corrupt(ctx, req, err)
@@ -90,7 +103,7 @@ func (a *Agent) Restore(ctx context.Context, req RestoreRequest, uid uint32) (*J
 			return nil, err
 		}
 	}
-	return a.claimAndRestore(ctx, "restore", m, j, req.Force, nil)
+	return a.claimAndRestoreLocked(ctx, "restore", m, j, req.Force, nil)
 }
 
 // claimAndRestore claims job j's next incarnation (claimForRestore, as holder kind) and restores snapshot m
@@ -102,6 +115,11 @@ func (a *Agent) claimAndRestore(ctx context.Context, kind string, m *ckpt.Manife
 		return nil, err
 	}
 	defer unlock()
+	return a.claimAndRestoreLocked(ctx, kind, m, j, force, prepare)
+}
+
+// claimAndRestoreLocked is claimAndRestore with job j's restore lock held by the caller.
+func (a *Agent) claimAndRestoreLocked(ctx context.Context, kind string, m *ckpt.Manifest, j Job, force bool, prepare func(work string) error) (*Job, error) {
 	holder := newHolder(kind)
 	n, err := a.claimForRestore(ctx, j, m, holder, force)
 	if err != nil {
@@ -171,10 +189,7 @@ func (a *Agent) corrupt(ctx context.Context, req RestoreRequest, verr error) err
 // refuseIfAlive asks the job's node whether it still runs the job.
 func (a *Agent) refuseIfAlive(ctx context.Context, j Job) error {
 	if j.Node == a.cfg.Name {
-		if cur, _, err := a.Job(j.ID, 0); err == nil && cur.State == JobRunning {
-			return fmt.Errorf("%w: job %s runs on this host (pid %d)", ErrJobAlive, j.ID, cur.PID)
-		}
-		return nil
+		return a.refuseIfRunsHere(j.ID)
 	}
 	pctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 	defer cancel()
@@ -184,6 +199,14 @@ func (a *Agent) refuseIfAlive(ctx context.Context, j Job) error {
 	}
 	if slices.Contains(r.Jobs, j.ID) {
 		return fmt.Errorf("%w: job %s still runs on %s, which answers; stop it first, or force", ErrJobAlive, j.ID, j.Node)
+	}
+	return nil
+}
+
+// refuseIfRunsHere refuses a restore of job id while a copy of it runs on this host.
+func (a *Agent) refuseIfRunsHere(id string) error {
+	if cur, _, err := a.Job(id, 0); err == nil && cur.State == JobRunning {
+		return fmt.Errorf("%w: job %s runs on this host (pid %d)", ErrJobAlive, id, cur.PID)
 	}
 	return nil
 }

@@ -1,9 +1,11 @@
 package agent
 
 import (
+	"context"
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -148,5 +150,42 @@ func TestRepeatedRecoveryKeepsTheFirstsClaim(t *testing.T) {
 	defer late.endRestores()
 	if _, err := late.Claim(t.Context(), lj, 1); !errors.Is(err, ErrJobAlive) {
 		t.Errorf("a repeated request's claim of a job that runs here: %v, want %v", err, ErrJobAlive)
+	}
+}
+
+// errHookCtx runs hook at its first Err: hashing a snapshot's file (ckpt.Store.Verify) asks it before each
+// read, so the hook runs while the snapshot is being verified.
+type errHookCtx struct {
+	context.Context
+	hook func()
+}
+
+func (c errHookCtx) Err() error {
+	c.hook()
+	return c.Context.Err()
+}
+
+// TestManualRestoreHoldsTheJobWhileVerifying: a manual restore of an ended job verifies its snapshot (seconds
+// for a large one, every image hashed) before it restores it. The old code took the job's restore lock only
+// after the verification, so a forget pass during it (stillEnded spares only a job in a.restoring) took the
+// job for ended and deleted the snapshot being verified: the restore failed, and the snapshot was gone. The
+// lock is taken before the verification.
+func TestManualRestoreHoldsTheJobWhileVerifying(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.failMember(t, "node2") // this agent alone grants
+	ta.cfg.Checkpoint.KeepEnded = Duration{Duration: time.Hour}
+	const id = "ended-0000000a"
+	snap := ta.addSnapshot(t, Job{ID: id, Node: ta.cfg.Name})
+	ended := time.Now().Add(time.Minute)
+	ta.addJob(t, Job{ID: id, State: JobExited, Ended: ended})
+	ctx := errHookCtx{Context: t.Context(), hook: sync.OnceFunc(func() {
+		ta.forgetDue(t.Context(), ended.Add(2*time.Hour)) // keep_ended passed while the snapshot is verified
+	})}
+	_, err := ta.Restore(ctx, RestoreRequest{Snapshot: snap, Job: id}, 0)
+	if errors.Is(err, ErrCorruptSnapshot) {
+		t.Errorf("restore with a forget pass during its verification: %v", err)
+	}
+	if got, _ := ta.store.List(id, ""); !slices.Equal(got, []string{snap}) {
+		t.Errorf("snapshots after a forget pass during the restore's verification: %v; want [%s]", got, snap)
 	}
 }
