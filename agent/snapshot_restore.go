@@ -74,6 +74,10 @@ func (a *Agent) workCopy(m *ckpt.Manifest) (string, error) {
 	}
 	work := filepath.Join(a.cfg.StateDir, "restore", m.Job+"-"+m.ID+"-"+hex.EncodeToString(rnd[:]))
 	if err := linkTree(filepath.Join(a.store.Path(m.Job, m.ID), snapImages), work); err != nil {
+		// Nobody else removes a copy never handed out: its links, or its partial copies (a full disk), stay.
+		if rerr := criu.RemoveWorkDir(work); rerr != nil {
+			a.log.Warn("restore's partial work directory not removed", "dir", work, "err", rerr)
+		}
 		return "", fmt.Errorf("prepare images for restore: %w", err)
 	}
 	return work, nil

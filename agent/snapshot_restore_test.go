@@ -194,3 +194,27 @@ func TestRestoreKeepsTheHoldersStillToTell(t *testing.T) {
 		t.Errorf("the restored copy's holders to tell at its end: %v, want %v", restored.Forget, want)
 	}
 }
+
+// TestWorkCopyLeavesNothingWhenItFails: a working copy of a snapshot's images that fails part way (a file it
+// can neither link nor copy) was left in the state directory's restore/ for good: no restore removes a copy
+// it was never given, settleOutputJournals looks only at those with an output journal, and the images
+// already linked kept their bytes on disk after the snapshot itself was deleted.
+func TestWorkCopyLeavesNothingWhenItFails(t *testing.T) {
+	ta := newTestAgent(t)
+	const id = "partial-0000000b"
+	snap := ta.addSnapshot(t, Job{ID: id, Node: ta.cfg.Name})
+	m, err := ta.store.Manifest(id, snap)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// After core-1.img in the walk's order: that one is linked first.
+	if err := os.Symlink("core-1.img", filepath.Join(ta.store.Path(id, snap), snapImages, "z-not-regular")); err != nil {
+		t.Fatal(err)
+	}
+	if work, err := ta.workCopy(m); err == nil {
+		t.Fatalf("working copy of images with a symbolic link among them: %s, want an error", work)
+	}
+	if ents, err := os.ReadDir(filepath.Join(ta.cfg.StateDir, "restore")); err == nil && len(ents) > 0 {
+		t.Errorf("restore/ after a failed working copy: %s; want nothing left", ents[0].Name())
+	}
+}
