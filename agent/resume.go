@@ -37,6 +37,12 @@ const recoveriesDir = "recoveries"
 // doneRecoveryKeep is how long the record of a finished recovery is kept for its coordinator to ask.
 const doneRecoveryKeep = 24 * time.Hour
 
+// maxRecoveryRecord bounds a recovery record read back. It keeps every re-sent connection's peer record
+// (up to recvdigest.MaxPieces pieces, 256 KiB of JSON each), so it outgrows a recovery request (4 MiB) once
+// a recovery re-sends some 16 GiB: bounded by that, the record was unreadable, and the recovery neither
+// resumed after an agent restart nor answered for to its coordinator. This admits 4096 full connections.
+const maxRecoveryRecord = 1 << 30
+
 // Phases of a job in a recovery record.
 const (
 	phaseRestoring = recovery.PhaseRestoring
@@ -106,7 +112,7 @@ func saveRecovery(stateDir string, rec *recoveryRecord) error {
 }
 
 func loadRecovery(path string) (*recoveryRecord, error) {
-	b, err := atomicfile.ReadBounded(path, maxRecoverRequest)
+	b, err := atomicfile.ReadBounded(path, maxRecoveryRecord)
 	if err != nil {
 		return nil, err
 	}

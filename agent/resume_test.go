@@ -16,6 +16,7 @@ import (
 
 	"github.com/ftkit/ftkit/ackclamp"
 	"github.com/ftkit/ftkit/ckpt"
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/internal/testenv"
 	"github.com/ftkit/ftkit/recvdigest"
@@ -387,5 +388,45 @@ func TestResumeRecoveryKillsUnrecordedRestore(t *testing.T) {
 				t.Errorf("refusal mark of incarnation 3: %q, %v; want why ftkit killed the copy, for its exit record", b, err)
 			}
 		})
+	}
+}
+
+// TestRecoveryRecordOfLargeReplays: a recovery record keeps, for every re-sent connection, its peer's
+// record of what it received: up to recvdigest.MaxPieces pieces (256 KiB of base64) each. A recovery whose
+// peers received much since the snapshot on a few dozen connections has a record larger than a recovery
+// request, and a restarted agent must still read it: unread, the recovery is not resumed (its jobs run on
+// unverified and never re-protected) and its coordinator is told the target has no record of it.
+func TestRecoveryRecordOfLargeReplays(t *testing.T) {
+	a := resumeTestAgent(t)
+	full := make([]recvdigest.Piece, recvdigest.MaxPieces)
+	for i := range full {
+		full[i] = recvdigest.Piece{Seq: uint32(i) * recvdigest.BlockSize, Len: recvdigest.BlockSize, CRC: uint32(i)}
+	}
+	rj := recoveryJob{Job: "rank1-abc", Snapshot: "s", Phase: phaseRestored}
+	for i := range 24 {
+		flow := tcpflow.Tuple{Local: netip.AddrPortFrom(netip.MustParseAddr("10.0.0.2"), uint16(7000+i)), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
+		rj.Conns = append(rj.Conns, recoveryConn{Tuple: flow, Resend: 1 << 30,
+			Check: recovery.Check{Received: &recvdigest.Received{Conn: flow, Pieces: full}}})
+	}
+	rec := &recoveryRecord{Failure: "node2-20250101T000001.000", Coordinator: "node3", Asked: []string{rj.Job}, Jobs: []recoveryJob{rj}}
+	if err := saveRecovery(a.cfg.StateDir, rec); err != nil {
+		t.Fatal(err)
+	}
+	path := recoveryPath(a.cfg.StateDir, rec.Failure)
+	if st, err := os.Stat(path); err != nil || st.Size() <= maxRecoverRequest {
+		t.Fatalf("record of %v bytes (%v); the test wants one larger than a recovery request", st.Size(), err)
+	}
+	got, err := loadRecovery(path)
+	if err != nil {
+		t.Fatalf("loadRecovery of a recovery re-sending 24 GiB: %v; want the record", err)
+	}
+	if len(got.Jobs) != 1 || len(got.Jobs[0].Conns) != len(rj.Conns) || len(got.Jobs[0].Conns[0].Received.Pieces) != recvdigest.MaxPieces {
+		t.Errorf("record read back with jobs %d; want the job and every connection's record", len(got.Jobs))
+	}
+	if st := a.serveRecoveryStatus("node3", clusterapi.RecoveryStatusRequest{Failure: rec.Failure}); !st.Known {
+		t.Errorf("status answered to the coordinator %+v; want the recovery known", st)
+	}
+	if pending := a.pendingRecoveries(); len(pending) != 1 {
+		t.Errorf("pending recoveries %d; want the unfinished one resumed", len(pending))
 	}
 }
