@@ -3,12 +3,13 @@
 package criu
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 
-	gocriu "github.com/checkpoint-restore/go-criu/v7"
+	"github.com/checkpoint-restore/go-criu/v7/rpc"
 
 	"github.com/ftkit/ftkit/internal/sitecmd"
 )
@@ -49,15 +50,19 @@ func FindBinary(path string) (string, error) {
 	return p, nil
 }
 
-// BinaryVersion asks the CRIU binary at path for its version over RPC (criu swrk; needs root).
+// BinaryVersion asks the CRIU binary at path for its version over RPC (criu swrk; needs root). A CRIU built
+// from a git tree also reports its git id: it is the release it names, not the next minor one, as go-criu
+// takes it (a CRIU 4.1.1 built from its tag passed for 4.2.0, and every dump of a TCP socket aborted).
 func BinaryVersion(path string) (Version, error) {
-	c := gocriu.MakeCriu()
-	c.SetCriuPath(path)
-	v, err := c.GetCriuVersion()
+	cr, err := startSwrk(path, false)
 	if err != nil {
 		return 0, fmt.Errorf("ask %s for its version: %w", path, err)
 	}
-	return Version(v), nil
+	var v *rpc.CriuVersion
+	if err := cr.do(context.Background(), func() (err error) { v, err = cr.version(); return err }); err != nil {
+		return 0, fmt.Errorf("ask %s for its version: %w", path, err)
+	}
+	return Version(v.GetMajorNumber()*10000 + v.GetMinorNumber()*100 + v.GetSublevel()), nil
 }
 
 // Require finds CRIU and checks that it is at least MinVersion, with an error that says what to do.

@@ -71,6 +71,13 @@ func fakeSwrk(version, fdArg string) int {
 		Success: proto.Bool(true),
 		Version: &rpc.CriuVersion{MajorNumber: num(0), MinorNumber: num(1), Sublevel: num(2)},
 	})
+	if g := os.Getenv("FTKIT_FAKE_CRIU_GITID"); g != "" { // a CRIU built from a git tree
+		resp, _ = proto.Marshal(&rpc.CriuResp{
+			Type:    rpc.CriuReqType_VERSION.Enum(),
+			Success: proto.Bool(true),
+			Version: &rpc.CriuVersion{MajorNumber: num(0), MinorNumber: num(1), Sublevel: num(2), Gitid: proto.String(g)},
+		})
+	}
 	if _, err := sk.Write(resp); err != nil {
 		return 4
 	}
@@ -114,6 +121,37 @@ func TestRequireVersions(t *testing.T) {
 			}
 			if !errors.Is(err, ErrTooOld) || !strings.Contains(err.Error(), tt.wantErr) {
 				t.Fatalf("err = %v, want ErrTooOld saying %q", err, tt.wantErr)
+			}
+		})
+	}
+}
+
+// TestRequireVersionOfAGitBuild: a CRIU built from a git tree reports its release and a git id (`git
+// describe`, "v4.1.1" for the release's tag). go-criu took such a build for the next minor release, and
+// Require accepted a CRIU 4.1.1 built from its tag as 4.2.0: every dump of a TCP socket then aborted on
+// Linux 6.16+.
+func TestRequireVersionOfAGitBuild(t *testing.T) {
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tt := range []struct {
+		fake, gitid string
+		tooOld      bool
+	}{
+		{"4.1.1", "v4.1.1", true},
+		{"4.1.1", "v4.1.1-12-g0123abc", true},
+		{"4.2.1", "v4.2.1", false},
+	} {
+		t.Run(tt.gitid, func(t *testing.T) {
+			t.Setenv("FTKIT_FAKE_CRIU_VERSION", tt.fake)
+			t.Setenv("FTKIT_FAKE_CRIU_GITID", tt.gitid)
+			_, v, err := Require(self)
+			if v.String() != tt.fake {
+				t.Errorf("CRIU %s built from git (%s) is taken for %s", tt.fake, tt.gitid, v)
+			}
+			if errors.Is(err, ErrTooOld) != tt.tooOld {
+				t.Fatalf("Require of CRIU %s built from git (%s) = %v, want ErrTooOld: %v", tt.fake, tt.gitid, err, tt.tooOld)
 			}
 		})
 	}

@@ -1,11 +1,13 @@
 package criu
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"net"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -150,6 +152,56 @@ func TestStartLazyPagesWaitsForItsDaemon(t *testing.T) {
 				t.Fatalf("StartLazyPages: %v", err)
 			case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
 				t.Fatalf("StartLazyPages = %v, want an error saying %q", err, tc.want)
+			}
+		})
+	}
+}
+
+// TestLogTailHoldsNotTheLog: reading a failed run's log for its error holds what the error carries, not
+// the log. At log level 4 CRIU logs each file of the job by its name, and a job holding many files with long
+// names makes a log of gigabytes (which a job's user can make fail at will, an unaccepted connection): the
+// old code held every line of it (logTail) or the whole file (dumpError) in the root daemon's memory.
+func TestLogTailHoldsNotTheLog(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "dump.log")
+	f, err := os.Create(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	line := "(00.010001) fdinfo: Dumping path for 5 fd via self 17 [/home/u/" + strings.Repeat("x", 200) + "]\n"
+	w := bufio.NewWriter(f)
+	w.WriteString("(00.000100) pie: 7: Error (criu/pie/restorer.c:1883): Can't restore 0x7f90ec427000 mapping with 0xfffffffffffffff3\n")
+	for n := 0; n < 32<<20; n += len(line) {
+		w.WriteString(line)
+	}
+	w.WriteString("(00.065527) Error (criu/sk-inet.c:185): inet: In-flight connection (l) for 1f5505\n")
+	w.WriteString("(00.077372) Error (criu/cr-dump.c:1976): Dumping FAILED.\n")
+	if err := errors.Join(w.Flush(), f.Close()); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name string
+		read func() string
+		want string
+	}{
+		{"logTail", func() string { return logTail(path) }, "Dumping FAILED"},
+		{"dumpError", func() string {
+			err := dumpError(1, errors.New("criu swrk failed"), path)
+			if !errors.Is(err, ErrInFlight) {
+				t.Errorf("dumpError of a log naming an in-flight connection = %v, want ErrInFlight", err)
+			}
+			return err.Error()
+		}, "Dumping FAILED"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var before, after runtime.MemStats
+			runtime.ReadMemStats(&before)
+			got := tc.read()
+			runtime.ReadMemStats(&after)
+			if !strings.Contains(got, tc.want) {
+				t.Errorf("%s lacks %q:\n%s", tc.name, tc.want, got)
+			}
+			if n := after.TotalAlloc - before.TotalAlloc; n > 4<<20 {
+				t.Errorf("%s of a 32 MiB log allocated %d MiB: it holds the log, not what it says", tc.name, n>>20)
 			}
 		})
 	}

@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -357,7 +358,7 @@ func MountpointGone(err error) bool {
 // dumpError is the error of a failed dump of pid: err, what CRIU's log at path says of it, and
 // ErrInFlight when that is the cause.
 func dumpError(pid int, err error, path string) error {
-	if b, rerr := os.ReadFile(path); rerr == nil && bytes.Contains(b, []byte(inFlightLine)) {
+	if logHas(path, inFlightLine) {
 		err = fmt.Errorf("%w: %w", ErrInFlight, err)
 	}
 	return fmt.Errorf("criu dump of pid %d: %w%s", pid, err, logTail(path))
@@ -368,24 +369,49 @@ func dumpError(pid int, err error, path string) error {
 // and was taken for the cause (ci140).
 const benignRlimit = "rlimit: Can't setup RLIMIT_NOFILE for self"
 
-// logTail returns the last error lines of a CRIU log, for error messages.
+// logScanner scans the log f line by line, holding one line at a time: at log level 4 CRIU logs each file
+// of the job by its name, and a job holding many files makes a log of gigabytes, which the root daemon
+// must not hold whole (a job's user can fail a dump at will).
+func logScanner(f *os.File) *bufio.Scanner {
+	sc := bufio.NewScanner(f)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	return sc
+}
+
+// logHas reports whether a line of the log at path holds s.
+func logHas(path, s string) bool {
+	f, err := os.Open(path)
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	for sc := logScanner(f); sc.Scan(); {
+		if bytes.Contains(sc.Bytes(), []byte(s)) {
+			return true
+		}
+	}
+	return false
+}
+
+// logTail returns the last error lines of a CRIU log, for error messages. It holds only what it returns
+// (logScanner).
 func logTail(path string) string {
 	f, err := os.Open(path)
 	if err != nil {
 		return ""
 	}
 	defer f.Close()
-	var lines, all []string
-	sc := bufio.NewScanner(f)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		l := sc.Text()
-		all = append(all, l)
-		if strings.Contains(l, benignRlimit) {
+	var lines []string
+	var last [3][]byte // the last lines, reused: most lines of a log are not kept
+	n := 0
+	for sc := logScanner(f); sc.Scan(); n++ {
+		l := sc.Bytes()
+		last[n%len(last)] = append(last[n%len(last)][:0], l...)
+		if bytes.Contains(l, []byte(benignRlimit)) {
 			continue
 		}
-		if strings.Contains(l, "Error") || strings.Contains(l, "error") {
-			lines = append(lines, l)
+		if bytes.Contains(l, []byte("Error")) || bytes.Contains(l, []byte("error")) {
+			lines = append(lines, string(l))
 			if len(lines) > 6 {
 				lines = lines[1:]
 			}
@@ -393,7 +419,9 @@ func logTail(path string) string {
 	}
 	if len(lines) == 0 {
 		// No error logged (CRIU killed, or a failure it reports otherwise): where it stopped.
-		lines = all[max(len(all)-3, 0):]
+		for i := max(n-len(last), 0); i < n; i++ {
+			lines = append(lines, string(last[i%len(last)]))
+		}
 		if len(lines) == 0 {
 			return " (see " + path + ")"
 		}
@@ -402,11 +430,13 @@ func logTail(path string) string {
 	// may not be able to read later (a lab's directory is gone with it).
 	for _, l := range lines {
 		if _, rest, ok := strings.Cut(l, "Can't restore "); ok && len(strings.Fields(rest)) > 0 {
-			addr := strings.TrimPrefix(strings.Fields(rest)[0], "0x")
+			addr := []byte(strings.TrimPrefix(strings.Fields(rest)[0], "0x"))
 			var about []string
-			for _, a := range all {
-				if strings.Contains(a, addr) && !strings.Contains(a, "Can't restore") && len(about) < 8 {
-					about = append(about, a)
+			if _, err := f.Seek(0, io.SeekStart); err == nil {
+				for sc := logScanner(f); sc.Scan() && len(about) < 8; {
+					if a := sc.Bytes(); bytes.Contains(a, addr) && !bytes.Contains(a, []byte("Can't restore")) {
+						about = append(about, string(a))
+					}
 				}
 			}
 			lines = append(lines, about...)

@@ -97,6 +97,34 @@ func (s *swrk) call(typ rpc.CriuReqType, opts *rpc.CriuOpts, nfy gocriu.Notify) 
 	}
 }
 
+// version asks CRIU for its version (a VERSION request).
+func (s *swrk) version() (*rpc.CriuVersion, error) {
+	typ := rpc.CriuReqType_VERSION
+	b, err := proto.Marshal(&rpc.CriuReq{Type: &typ})
+	if err != nil {
+		return nil, err
+	}
+	if _, err := s.sk.Write(b); err != nil {
+		return nil, err
+	}
+	buf := make([]byte, 2*4096)
+	n, err := s.sk.Read(buf)
+	if err != nil {
+		return nil, err
+	}
+	resp := &rpc.CriuResp{}
+	if err := proto.Unmarshal(buf[:n], resp); err != nil {
+		return nil, err
+	}
+	if !resp.GetSuccess() {
+		return nil, fmt.Errorf("%w (msg:%s err:%d)", errOpFailed, resp.GetCrErrmsg(), resp.GetCrErrno())
+	}
+	if resp.GetType() != typ || resp.GetVersion() == nil {
+		return nil, errors.New("unexpected CRIU RPC response")
+	}
+	return resp.GetVersion(), nil
+}
+
 // notify hands one of CRIU's notifications to nfy, as go-criu does.
 func notify(nfy gocriu.Notify, n *rpc.CriuNotify) error {
 	switch n.GetScript() {
