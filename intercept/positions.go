@@ -99,6 +99,7 @@ type threadPlan struct {
 	reads        []Det // events with bytes, in order: what the restored thread must consume
 	next         int   // index of the next point to reach
 	read         int   // index of the next read to match
+	part         bool  // a part of reads[read] was consumed already (a read woke between two segments)
 }
 
 // stop is the Stop of point p of t.
@@ -275,14 +276,19 @@ func (g *Gate) runPositions(ctx context.Context, events <-chan Event, stops Stop
 				// Only this thread's calls are matched, in order: one that began before the recorded one
 				// consumed bytes another process of the job read in the original (a socket read by two),
 				// and ending where the recorded one ends does not make it that call.
-				from := e.Conn == d.Conn && e.End-e.Len == d.End-d.Len
+				// And it must come after as many readiness calls as the recorded one (its first part: the rest
+				// of a split read may follow another): matched on its bytes alone, a read at another call,
+				// bytes a preload exposed early or read late, passed for the original's.
+				from := e.Conn == d.Conn && e.End-e.Len == d.End-d.Len && (t.part || e.Pos == d.Pos)
 				switch {
 				case from && e.End == d.End:
 					t.read++
+					t.part = false
 					left--
 				case from && seqAfter(d.End, e.End) && seqAfter(e.End, d.End-d.Len):
 					// Part of the bytes: a read woke between two injected segments. The rest follows.
 					d.Len = d.End - e.End
+					t.part = true
 				default:
 					return fmt.Errorf("thread %d's receive call %d of %d: the original %s, the restored job %s: %w", t.thread, t.read+1, len(t.reads), d, e.Det, ErrDiverged)
 				}

@@ -366,3 +366,69 @@ func TestGatePositionsReadOfAnothersBytes(t *testing.T) {
 		})
 	}
 }
+
+// TestGatePositionsReadAtAnotherCall: a restored thread that consumes a recorded call's bytes after another
+// number of readiness calls than the original is not re-executing it. The run's stops matched, and its
+// reads were matched on their bytes alone: the replay passed with reads at other readiness calls than
+// recorded, without an error.
+func TestGatePositionsReadAtAnotherCall(t *testing.T) {
+	sources := map[tcpflow.Tuple]Source{connA: {Seq: 0, Data: make([]byte, 20)}, connB: {Seq: 0, Data: make([]byte, 10)}}
+	for _, tc := range []struct {
+		name   string
+		dets   []Det
+		events []Event
+	}{
+		{
+			// Thread 1 read A at call 3, B at call 5; restored, it read A only at call 4.
+			name: "one thread reads later than recorded",
+			dets: []Det{{Conn: connA, End: 10, Len: 10, Thread: 1, Proc: 1, Pos: 3}, {Conn: connB, End: 5, Len: 5, Thread: 1, Proc: 1, Pos: 5}},
+			events: []Event{
+				{Det: Det{Thread: 1, Proc: 1, Pos: 2}, AtPoll: true, Stopped: true, Pid: 1001},
+				{Det: Det{Conn: connA, End: 10, Len: 10, Thread: 1, Proc: 1, Pos: 4}, Pid: 1001},
+				{Det: Det{Thread: 1, Proc: 1, Pos: 4}, AtPoll: true, Stopped: true, Pid: 1001},
+				{Det: Det{Conn: connB, End: 5, Len: 5, Thread: 1, Proc: 1, Pos: 5}, Pid: 1001},
+			},
+		},
+		{
+			// A socket shared by two processes: thread 2's bytes are in the restored queue before the job
+			// runs, thread 1's before them, and thread 1 read its own at call 1 instead of 3.
+			name: "bytes another thread's preload exposed, read earlier than recorded",
+			dets: []Det{{Conn: connA, End: 10, Len: 10, Thread: 1, Proc: 1, Pos: 3}, {Conn: connA, End: 20, Len: 10, Thread: 2, Proc: 2, Pos: 0}},
+			events: []Event{
+				{Det: Det{Conn: connA, End: 10, Len: 10, Thread: 1, Proc: 1, Pos: 1}, Pid: 1001},
+				{Det: Det{Thread: 1, Proc: 1, Pos: 2}, AtPoll: true, Stopped: true, Pid: 1001},
+				{Det: Det{Conn: connA, End: 20, Len: 10, Thread: 2, Proc: 2, Pos: 0}, Pid: 2002},
+			},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			g, err := NewGate(tc.dets, sources)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := g.UsePositions(nil); err != nil {
+				t.Fatal(err)
+			}
+			w := newPollWorld(map[tcpflow.Tuple]uint32{connA: 0, connB: 0})
+			for c, n := range g.Preload() {
+				w.queued[c] = sources[c].Data[:n]
+			}
+			if err := g.ArmFirst(w); err != nil {
+				t.Fatal(err)
+			}
+			events := make(chan Event, len(tc.events))
+			for _, e := range tc.events {
+				events <- e
+			}
+			close(events)
+			go func() { // the stopped thread's continues
+				for range w.cont {
+				}
+			}()
+			defer close(w.cont)
+			if _, err := g.Run(t.Context(), w, events, w); !errors.Is(err, ErrDiverged) {
+				t.Fatalf("err %v, want ErrDiverged", err)
+			}
+		})
+	}
+}
