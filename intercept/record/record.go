@@ -125,6 +125,9 @@ type stream struct {
 	unsentAt   time.Time
 	answeredAt time.Time
 	lost       uint64 // the recorder's count of this job's lost calls, when last read
+	// lostUnread: a loss of the job was seen while calls recorded before it may still be in the ring (the
+	// read before did not drain it): once a read has drained them, the record starts over again after them.
+	lostUnread bool
 	watchers   map[chan intercept.Event]bool
 	// refusedBy is the protector that refused the job's last batch for good, "" once one was taken: only
 	// the first refusal of a run is logged as an error.
@@ -390,8 +393,14 @@ func (r *Recorder) record(ctx context.Context) {
 				release = append(release, pid)
 			}
 		}
-		// After the drain: a count that moved means that job's record has a hole here. The recorder's total
-		// is a read of memory; each job's a lookup, only when it moved.
+		if len(evs) < cap(buf) {
+			// This read drained the ring up to where it stood when it began, after the last losses were
+			// seen: every call recorded before them is taken now.
+			r.holeAfterUnread()
+		}
+		// After the drain: a count that moved means that job's record has a hole here, and after the calls
+		// still in the ring (holeAfterUnread). The recorder's total is a read of memory; each job's a lookup,
+		// only when it moved.
 		lost, lerr := r.lostTotal()
 		lostMoved := lerr != nil || lost != lostTotal
 		if lerr == nil {
@@ -518,7 +527,23 @@ func (r *Recorder) noticeLost() {
 		s.dropPending()
 		s.dropWatchers()
 		r.hole()
+		// Calls still in the ring may have been recorded before the lost one: those go too, once read
+		// (holeAfterUnread). Kept, they began the new record with the lost call inside it, and the
+		// protector's record bridged it.
+		s.lostUnread = true
 		r.log.Warn("the receive-order recorder lost calls of a job (its ring was full), or its count of them cannot be read: a recovery from its current snapshot replays without determinants", "job", s.job, "lost_total", lost, "err", err)
+	}
+}
+
+// holeAfterUnread makes a hole again in the stream of each job that lost calls while calls recorded before
+// them were still in the ring (noticeLost), once a read has drained those; r.mu is held.
+func (r *Recorder) holeAfterUnread() {
+	for _, s := range r.byJob {
+		if s.lostUnread {
+			s.lostUnread = false
+			s.dropPending()
+			s.dropWatchers()
+		}
 	}
 }
 

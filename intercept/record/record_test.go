@@ -12,6 +12,7 @@ import (
 	"runtime"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -630,5 +631,62 @@ func TestSpareWithoutPositionsPlansNone(t *testing.T) {
 	}
 	if g.Positions() {
 		t.Fatal("the gate is in positions mode after refusing them")
+	}
+}
+
+// TestLostAfterUnreadCallsMakesHoleAfterThem: the ring overflowed, and the read after which the agent saw
+// the loss did not drain it (a full batch: a 64 MiB ring holds hundreds of thousands of calls, a read takes
+// 4096). The calls still in the ring were recorded before the lost one. The hole went after the calls read,
+// and the ring's rest, read next, began the new record with the lost call inside it: the protector's record
+// bridged it, taken for complete.
+func TestLostAfterUnreadCallsMakesHoleAfterThem(t *testing.T) {
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:5001"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
+	r := newTestRecorder()
+	var lost atomic.Uint64
+	r.lostOf = func(uint64) (uint64, error) { return lost.Load(), nil }
+	r.lostTotal = func() (uint64, error) { return lost.Load(), nil }
+	r.startStream("j", 7, true, "")
+	call := func(end uint32) ebpfprobes.RecvEvent {
+		return ebpfprobes.RecvEvent{Cgroup: 7, Conn: conn, CopiedSeq: end, Len: 1, Pid: 100}
+	}
+	const beforeLoss = 5000 // the ring's rest at the loss: the calls after the first read's, then the lost one
+	readAgain := make(chan struct{})
+	reads := 0
+	r.read = func(ctx context.Context, dst []ebpfprobes.RecvEvent) ([]ebpfprobes.RecvEvent, error) {
+		switch reads++; reads {
+		case 1: // a full batch; the ring overflows meanwhile, after the calls it still holds
+			for n := cap(dst); len(dst) < n; {
+				dst = append(dst, call(uint32(len(dst)+1)))
+			}
+			lost.Store(1)
+			return dst, nil
+		case 2: // the rest recorded before the loss, then a call after it
+			for end := uint32(cap(dst) + 1); end <= beforeLoss; end++ {
+				dst = append(dst, call(end))
+			}
+			return append(dst, call(beforeLoss+2)), nil // beforeLoss+1 was lost
+		case 3:
+			close(readAgain)
+		}
+		<-ctx.Done()
+		return dst, ctx.Err()
+	}
+	recorded := make(chan struct{})
+	go func() { defer close(recorded); r.record(ctx) }()
+	defer func() { cancel(); <-recorded }()
+	select {
+	case <-readAgain:
+	case <-ctx.Done():
+		t.Fatal("the recorder did not read three times")
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	s := r.byJob["j"]
+	for i, d := range s.pending {
+		if d.End <= beforeLoss && i+1 < len(s.pending) && s.pending[i+1].End > beforeLoss+1 {
+			t.Fatalf("the job's record holds the call that ended at %d and then the one at %d, from %d, without the lost call between them: a hole bridged", d.End, s.pending[i+1].End, s.first)
+		}
 	}
 }

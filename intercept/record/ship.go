@@ -167,6 +167,12 @@ func (r *Recorder) shipStream(ctx context.Context, s *stream) time.Duration {
 		r.mu.Unlock()
 		return 0
 	}
+	if s.lostUnread {
+		// Taken after a loss while calls recorded before it were still in the ring: they may hold calls from
+		// both sides of the lost one, and go in a hole once those are read (holeAfterUnread).
+		r.mu.Unlock()
+		return shipRetry
+	}
 	if s.sentOn != on {
 		// Sent on a stream that is gone, to this protector or another: sent again, from the oldest the
 		// protector did not answer (the store keeps what it has).

@@ -293,3 +293,27 @@ func TestShipRefusedBatch(t *testing.T) {
 		t.Errorf("the protector holds %d determinants of the job, want the one read after the refused batch", got)
 	}
 }
+
+// TestLostUnreadNotShipped: a job lost calls while calls recorded before them were still in the ring
+// (TestLostAfterUnreadCallsMakesHoleAfterThem). What it takes until a read has drained them may hold calls
+// from both sides of the lost one: shipped, the protector's record bridged the loss until the next batch
+// started it over, and a recovery in between replayed it as complete.
+func TestLostUnreadNotShipped(t *testing.T) {
+	store := intercept.NewStore(0, 0)
+	r := newTestRecorder()
+	r.protector = func(string) (string, bool) { return "n2", true }
+	r.open = func(context.Context, string) (detStream, error) { return &fakeStream{store: store}, nil }
+	r.lostOf = func(uint64) (uint64, error) { return 1, nil }
+	s := &stream{job: "j", cgroup: 7, id: 1, fromStart: true, watchers: map[chan intercept.Event]bool{}}
+	r.byJob["j"], r.byCgroup[7] = s, s
+	conn := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:5001"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
+	r.mu.Lock()
+	r.noticeLost()                                                                                    // the loss, seen after a read that left calls in the ring
+	r.take(ebpfprobes.RecvEvent{Cgroup: 7, Conn: conn, CopiedSeq: 10, Len: 10, Pid: 100}, time.Now()) // recorded before the loss
+	r.take(ebpfprobes.RecvEvent{Cgroup: 7, Conn: conn, CopiedSeq: 30, Len: 10, Pid: 100}, time.Now()) // after it
+	r.mu.Unlock()
+	r.shipStream(t.Context(), s)
+	if n := store.Len("j", "n1"); n != 0 {
+		t.Fatalf("the protector holds %d determinants taken before the ring's calls from before the loss were read", n)
+	}
+}
