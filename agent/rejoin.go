@@ -296,8 +296,46 @@ func (a *Agent) serveRejoin(ctx context.Context, peer string, req clusterapi.Rej
 		return refuse("%v", err)
 	}
 	a.log.Info("member rejoined as a spare", "member", peer, "incarnation", req.Incarnation+1, "epoch", nv.Epoch)
-	go a.pushView(ctx)
+	go func() {
+		a.pushView(ctx)
+		// A view of the same epoch made elsewhere meanwhile may win the tie-break, peer failed in it again:
+		// nobody pushes views to a failed member, and peer, an alive spare in the view it was answered with,
+		// never asks again. Admitted again onto the winner, as a protector keeps a failure (keepFailedInView).
+		a.keepRejoinedInView(ctx, peer, req.Incarnation)
+	}()
 	return a.viewMessage(), nil
+}
+
+// keepRejoinedInView makes sure, for keepFailedFor, that the views keep peer, admitted back here after it
+// failed as incarnation inc, rejoined: at once (the push of its rejoin may have brought back a view that
+// won the tie-break), then every keepFailedEvery.
+func (a *Agent) keepRejoinedInView(ctx context.Context, peer string, inc uint64) {
+	for end := time.Now().Add(keepFailedFor); time.Now().Before(end); {
+		if a.reassertRejoined(ctx, peer, inc) {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(keepFailedEvery):
+		}
+	}
+}
+
+// reassertRejoined admits peer back again if the current view lists it failed as incarnation inc (its
+// rejoin's view lost a tie-break), and pushes the result; it reports whether it had to and could.
+func (a *Agent) reassertRejoined(ctx context.Context, peer string, inc uint64) bool {
+	if m, ok := a.View().Member(peer); !ok || m.State != ring.StateFailed || m.Incarnation != inc {
+		return false
+	}
+	nv, err := a.updateView(func(cur ring.View) (ring.View, error) { return cur.Rejoin(peer, inc) })
+	if err != nil {
+		a.log.Error("a member admitted back here is failed again in the view (another view of the same epoch won), and could not be admitted again", "member", peer, "err", err)
+		return false
+	}
+	a.log.Warn("a member admitted back here was failed again in the view (another view of the same epoch won): admitted again", "member", peer, "epoch", nv.Epoch)
+	a.pushView(ctx)
+	return true
 }
 
 // recoveryUnderWay names a failure of member whose recovery is not over, as this host knows of it; one

@@ -49,13 +49,49 @@ func (a *Agent) AddSpare(ctx context.Context, req SpareRequest) (ring.View, erro
 		return ring.View{}, fmt.Errorf("%s runs jobs %v: a spare must be idle", req.Name, r.Jobs)
 	}
 	// Onto the view as it is now (a view adopted since it was read would make the change stale).
-	nv, err := a.updateView(func(cur ring.View) (ring.View, error) {
-		return cur.AddSpare(ring.Member{Name: req.Name, Address: req.Address, Role: ring.RoleSpare, State: ring.StateAlive})
-	})
+	m := ring.Member{Name: req.Name, Address: req.Address, Role: ring.RoleSpare, State: ring.StateAlive}
+	nv, err := a.updateView(func(cur ring.View) (ring.View, error) { return cur.AddSpare(m) })
 	if err != nil {
 		return ring.View{}, err
 	}
 	a.log.Info("spare registered", "spare", req.Name, "address", req.Address, "epoch", nv.Epoch)
 	a.pushView(ctx)
+	// The push may have brought back a view of the same epoch made elsewhere meanwhile (another failure,
+	// another spare registered through another member) that won the tie-break without this spare: no
+	// operation removes a member, so nothing else would ever add it back. Added again onto the winner now,
+	// and for a while as a protector keeps a failure (keepFailedInView).
+	a.reassertSpare(ctx, m)
+	go a.keepSpareInView(context.WithoutCancel(ctx), m)
 	return a.View(), nil
+}
+
+// keepSpareInView makes sure, for keepFailedFor, that the views keep spare m, registered here: a view of
+// the same epoch that won the tie-break against its registration's is one without it.
+func (a *Agent) keepSpareInView(ctx context.Context, m ring.Member) {
+	for end := time.Now().Add(keepFailedFor); time.Now().Before(end); {
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(keepFailedEvery):
+		}
+		if a.reassertSpare(ctx, m) {
+			return
+		}
+	}
+}
+
+// reassertSpare adds spare m again if the current view has no member of its name (its registration's view
+// lost a tie-break), and pushes the result; it reports whether it had to and could.
+func (a *Agent) reassertSpare(ctx context.Context, m ring.Member) bool {
+	if _, ok := a.View().Member(m.Name); ok {
+		return false
+	}
+	nv, err := a.updateView(func(cur ring.View) (ring.View, error) { return cur.AddSpare(m) })
+	if err != nil {
+		a.log.Error("a spare registered here is gone from the view (another view of the same epoch won), and could not be added again", "spare", m.Name, "err", err)
+		return false
+	}
+	a.log.Warn("a spare registered here was gone from the view (another view of the same epoch won): added again", "spare", m.Name, "epoch", nv.Epoch)
+	a.pushView(ctx)
+	return true
 }
