@@ -54,6 +54,9 @@ func TestFailoverKeepsItsDeclarationAfterATieBreak(t *testing.T) {
 	s1 := &tieBreakScript{pingScript: pingScript{name: "s1"}, base: base}
 	a, logs := clientAgent(t, pki, map[string]uint16{"n2": scriptedPeer(t, pki, "n2", n2), "s1": scriptedPeer(t, pki, "s1", s1)})
 	a.cfg.Failover.Automatic = true
+	// The scripted members answer every ping: a probe timeout of the heartbeat's 50 ms, on a machine loaded
+	// by other tests (CI), made them silent, and n3 was not declared at all (ci378).
+	a.cfg.Heartbeat.ProbeTimeout.Duration = failAfter
 	n2.base, s1.base = a.View(), a.View()
 	inc := a.incarnationOf("n3")
 
