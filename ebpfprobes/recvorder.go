@@ -524,7 +524,7 @@ func (r *RecvOrder) Close() error {
 
 func (r *RecvOrder) closeObjects() error {
 	var errs []error
-	for _, c := range []interface{ Close() error }{r.objs.Program, r.objs.PollExit, r.objs.PosExit, r.objs.Positions, r.objs.Stops, r.objs.Events, r.objs.Parent, r.objs.Lost, r.objs.Stats, r.objs.Bss} {
+	for _, c := range []interface{ Close() error }{r.objs.Program, r.objs.PollExit, r.objs.PosExit, r.objs.Positions, r.objs.Stops, r.objs.Pessimistic, r.objs.Events, r.objs.Parent, r.objs.Lost, r.objs.Stats, r.objs.Bss} {
 		if err := c.Close(); err != nil {
 			errs = append(errs, fmt.Errorf("recvorder: close BPF object: %w", err))
 		}

@@ -3,12 +3,18 @@
 package ebpfprobes
 
 import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"io"
 	"os"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
@@ -187,4 +193,153 @@ func TestRingWaitTimeoutAndClose(t *testing.T) {
 	if err := <-done; err != nil {
 		t.Fatalf("wait interrupted by close: %v", err)
 	}
+}
+
+// fakeRing is a ring reader over plain memory laid out as the kernel's mapping is: the data mapped twice
+// in a row (put writes a record into both copies). No BPF: for drain's decoding.
+type fakeRing struct {
+	*ringReader
+	size uint64
+	prod uint64 // the producer position put advances
+}
+
+func newFakeRing(size int) *fakeRing {
+	page := os.Getpagesize()
+	words := func(n int) []byte { return unsafe.Slice((*byte)(unsafe.Pointer(&make([]uint64, n/8)[0])), n) }
+	prod := words(page + 2*size)
+	r := &ringReader{name: "fake", cons: words(page), prod: prod, data: prod[page:], mask: uint64(size - 1)}
+	return &fakeRing{ringReader: r, size: uint64(size)}
+}
+
+// put writes a record header (hdr: its length and flag bits) and payload at the producer position, in
+// both copies of the data, and advances the producer position by the record's aligned length (or by
+// adv when it is not 0).
+func (f *fakeRing) put(hdr uint32, payload []byte, adv uint64) {
+	at := f.prod & f.mask
+	for _, off := range []uint64{at, at + f.size} {
+		if off+ringHdrLen+uint64(len(payload)) > 2*f.size {
+			continue // the second copy's tail falls past the mapping: the first copy holds it
+		}
+		binary.NativeEndian.PutUint32(f.data[off:], hdr)
+		copy(f.data[off+ringHdrLen:], payload)
+	}
+	if adv == 0 {
+		adv = ringHdrLen + (uint64(len(payload))+7)&^7
+	}
+	f.prod += adv
+	binary.NativeEndian.PutUint64(f.ringReader.prod, f.prod)
+}
+
+func (f *fakeRing) cons() uint64 { return binary.NativeEndian.Uint64(f.ringReader.cons) }
+
+// TestRingDrainDecodes: drain hands out committed records in order, skips discarded ones, leaves a refused
+// record first, stops at max, follows a record across the ring's end, and refuses a header or a record the
+// producer position does not cover, consuming nothing of it.
+func TestRingDrainDecodes(t *testing.T) {
+	page := os.Getpagesize()
+	errRefused := errors.New("refused")
+	drainAll := func(f *fakeRing, max int, refuse string) ([]string, error) {
+		var got []string
+		f.life.RLock()
+		defer f.life.RUnlock()
+		_, err := f.drain(max, func(raw []byte) error {
+			if string(raw) == refuse {
+				return errRefused
+			}
+			got = append(got, string(raw))
+			return nil
+		})
+		return got, err
+	}
+	t.Run("order, discard, refusal, max", func(t *testing.T) {
+		f := newFakeRing(page)
+		f.put(3, []byte("one"), 0)
+		f.put(ringDiscardBit|7, []byte("discard"), 0)
+		f.put(3, []byte("two"), 0)
+		f.put(5, []byte("three"), 0)
+		got, err := drainAll(f, 1, "")
+		if err != nil || !slices.Equal(got, []string{"one"}) {
+			t.Fatalf("max 1: %q, %v", got, err)
+		}
+		got, err = drainAll(f, 0x7fffffff, "three")
+		if !errors.Is(err, errRefused) || !slices.Equal(got, []string{"two"}) {
+			t.Fatalf("refusing the third: %q, %v; want [two] and the refusal", got, err)
+		}
+		got, err = drainAll(f, 0x7fffffff, "")
+		if err != nil || !slices.Equal(got, []string{"three"}) {
+			t.Fatalf("after the refusal: %q, %v; want the refused record first", got, err)
+		}
+		if f.cons() != f.prod {
+			t.Fatalf("consumer at %d, producer at %d", f.cons(), f.prod)
+		}
+	})
+	t.Run("across the end", func(t *testing.T) {
+		f := newFakeRing(page)
+		big := bytes.Repeat([]byte{'x'}, page-32)
+		f.put(uint32(len(big)), big, 0)
+		if got, err := drainAll(f, 0x7fffffff, ""); err != nil || len(got) != 1 {
+			t.Fatalf("%d records, %v", len(got), err)
+		}
+		wrap := bytes.Repeat([]byte("wrap"), 16) // starts 24 bytes before the end
+		f.put(uint32(len(wrap)), wrap, 0)
+		if got, err := drainAll(f, 0x7fffffff, ""); err != nil || !slices.Equal(got, []string{string(wrap)}) {
+			t.Fatalf("across the end: %q, %v", got, err)
+		}
+	})
+	for _, c := range []struct {
+		name string
+		hdr  uint32
+		adv  uint64
+	}{
+		{"header cut short", 0, 4},
+		{"record longer than committed", 64, ringHdrLen + 8},
+		{"length past the ring", ringDiscardBit - 1, ringHdrLen + 8},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			f := newFakeRing(page)
+			f.put(c.hdr, make([]byte, 8), c.adv)
+			got, err := drainAll(f, 0x7fffffff, "")
+			if !errors.Is(err, io.ErrUnexpectedEOF) || len(got) != 0 || f.cons() != 0 {
+				t.Fatalf("%q, %v, consumer at %d; want io.ErrUnexpectedEOF and nothing consumed", got, err, f.cons())
+			}
+		})
+	}
+}
+
+// FuzzRingDrain: whatever the records' headers say, drain hands out only bytes the producer position
+// covers, never past them, and consumes only what it handed out or skipped.
+func FuzzRingDrain(f *testing.F) {
+	f.Add([]byte{3, 0, 0, 0, 0, 0, 0, 0, 'o', 'n', 'e'}, uint16(16), uint16(0))
+	f.Add([]byte{0xff, 0xff, 0xff, 0x3f}, uint16(16), uint16(4090))
+	f.Add([]byte{8, 0, 0, 0x40, 0, 0, 0, 0}, uint16(4), uint16(7))
+	f.Fuzz(func(t *testing.T, ring []byte, filled, start uint16) {
+		page := os.Getpagesize()
+		fr := newFakeRing(page)
+		for i := range fr.data {
+			if len(ring) > 0 {
+				fr.data[i] = ring[i%page%len(ring)]
+			}
+		}
+		// No busy bit (drain waits for such a record to be committed), and positions 8-aligned as the
+		// kernel's are.
+		for off := 0; off+4 <= len(fr.data); off += 8 {
+			fr.data[off+3] &^= 0x80
+		}
+		cons := uint64(start) &^ 7
+		binary.NativeEndian.PutUint64(fr.ringReader.cons, cons)
+		binary.NativeEndian.PutUint64(fr.ringReader.prod, cons+uint64(filled)%uint64(page+1))
+		fr.life.RLock()
+		defer fr.life.RUnlock()
+		taken := uint64(0)
+		_, _ = fr.drain(0x7fffffff, func(raw []byte) error {
+			taken += uint64(len(raw))
+			return nil
+		})
+		if fr.cons() < cons || fr.cons()-cons > uint64(filled)%uint64(page+1) {
+			t.Fatalf("consumer moved from %d to %d, past the producer", cons, fr.cons())
+		}
+		if taken > fr.cons()-cons {
+			t.Fatalf("handed out %d bytes, consumed %d", taken, fr.cons()-cons)
+		}
+	})
 }
