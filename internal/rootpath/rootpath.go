@@ -18,7 +18,8 @@ const maxLinks = 40
 
 // Resolve follows path one component at a time, as the kernel does when it opens it, and returns the file
 // it names and every directory it passes through: those of the path, of each link on the way (a link in the
-// middle of the path too, whose directory's owner could point it elsewhere), and of their targets.
+// middle of the path too, whose directory's owner could point it elsewhere), and of their targets. Each
+// link on the way is listed too, after its directory: in a sticky one its own owner can point it elsewhere.
 func Resolve(path string) (string, []string, error) {
 	abs := path // not cleaned: ".." after a link is the link's target's parent, as for the kernel
 	if !filepath.IsAbs(path) {
@@ -48,6 +49,10 @@ func Resolve(path string) (string, []string, error) {
 		if fi.Mode()&fs.ModeSymlink != 0 {
 			if links++; links > maxLinks {
 				return "", nil, fmt.Errorf("%s: too many levels of symbolic links", path)
+			}
+			if !seen[next] {
+				seen[next] = true
+				dirs = append(dirs, next)
 			}
 			target, err := os.Readlink(next)
 			if err != nil {
@@ -103,12 +108,23 @@ func RootOnly(path string, fi fs.FileInfo, risk string) error {
 
 // OnTheWay checks directories a path passes through (of Resolve): each root's and writable by root alone,
 // but a sticky one of root's (others cannot rename or remove root's entries there, and the next directory
-// on the way, which exists, is checked too).
+// on the way, which exists, is checked too). A link on the way (of Resolve too) must be root's where others
+// may write its directory: a sticky directory keeps them from replacing root's entries, not their own.
 func OnTheWay(dirs []string, risk string) error {
 	for _, d := range dirs {
-		di, err := os.Stat(d)
+		di, err := os.Lstat(d)
 		if err != nil {
 			return err
+		}
+		if di.Mode()&fs.ModeSymlink != 0 {
+			pi, err := os.Stat(filepath.Dir(d))
+			if err != nil {
+				return err
+			}
+			if uid := Owner(di); !Trusted(uid) && pi.Mode().Perm()&0o022 != 0 {
+				return fmt.Errorf("link %s is owned by uid %d in a directory others can write, who could point it elsewhere and %s: replace it with root's own link or choose a path of root's", d, uid, risk)
+			}
+			continue
 		}
 		if di.Mode()&fs.ModeSticky != 0 && Trusted(Owner(di)) {
 			continue

@@ -90,3 +90,44 @@ func TestOnTheWay(t *testing.T) {
 		}
 	}
 }
+
+// TestSafeDirUsersLinkInStickyDir: a sticky directory keeps others from replacing root's entries, not
+// their own: another user's link there, though it leads to root's directory, is theirs to point elsewhere.
+func TestSafeDirUsersLinkInStickyDir(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("SKIPPED: needs root to chown a link to another user")
+	}
+	b := t.TempDir()
+	tmp, real := filepath.Join(b, "tmp"), filepath.Join(b, "real")
+	for _, d := range []string{tmp, real} {
+		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.Chmod(tmp, 0o777|os.ModeSticky); err != nil {
+		t.Fatal(err)
+	}
+	for name, uid := range map[string]int{"rootlink": 0, "userlink": 65534} {
+		l := filepath.Join(tmp, name)
+		if err := os.Symlink(real, l); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Lchown(l, uid, uid); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tests := []struct {
+		dir  string
+		want string // "" means accepted
+	}{
+		{filepath.Join(tmp, "rootlink", "state"), ""},
+		{filepath.Join(tmp, "userlink", "state"), "uid 65534"},
+		{filepath.Join(tmp, "userlink"), "is not a directory"}, // a link as dir itself, as before
+	}
+	for _, tc := range tests {
+		err := SafeDir(tc.dir, false)
+		if tc.want == "" && err != nil || tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)) {
+			t.Errorf("SafeDir(%s) = %v, want %q", tc.dir, err, tc.want)
+		}
+	}
+}
