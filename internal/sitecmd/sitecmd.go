@@ -67,6 +67,11 @@ func (c Command) Run(ctx context.Context) Result {
 		return Result{Exit: -1, Err: ErrNoCommand}
 	}
 	start := time.Now()
+	// CheckProgram resolves a relative path from the working directory, but exec looks a bare name up in
+	// the agent's PATH and runs a relative path from cmd.Dir: what ran would not be what was checked.
+	if !filepath.IsAbs(c.Argv[0]) {
+		return Result{Exit: -1, Err: fmt.Errorf("not run: %s %q: give the program by absolute path", c.Name, c.Argv[0])}
+	}
 	if err := CheckProgram(c.Name, c.Argv[0]); err != nil {
 		return Result{Exit: -1, Err: fmt.Errorf("not run: %w", err)}
 	}

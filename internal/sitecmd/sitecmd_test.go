@@ -223,3 +223,37 @@ func TestRunKeepStderr(t *testing.T) {
 		})
 	}
 }
+
+// TestRunRelativeProgram: a program not given by absolute path is not run. CheckProgram resolves it from
+// the agent's working directory, but exec looks a bare name up in the agent's PATH (unfiltered) and runs
+// a relative path from "/": the file checked was not the one run, and a user's directory on the agent's
+// PATH ran that user's program as root.
+func TestRunRelativeProgram(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("SKIP: needs root to chown a directory to another user")
+	}
+	base := t.TempDir()
+	cwd, user := filepath.Join(base, "cwd"), filepath.Join(base, "user")
+	for _, d := range []string{cwd, user} {
+		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.Chown(user, 1000, 1000); err != nil {
+		t.Fatal(err)
+	}
+	// Root's program in the working directory passes CheckProgram; the user's, by the same name, is first
+	// on the agent's PATH.
+	if err := os.WriteFile(filepath.Join(cwd, "health"), []byte("#!/bin/sh\necho root\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(user, "health"), []byte("#!/bin/sh\necho user\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Chdir(cwd)
+	t.Setenv("PATH", user+":"+DefaultPath)
+	r := Command{Name: "health command", Argv: []string{"health"}, Timeout: time.Minute}.Run(context.Background())
+	if r.Err == nil || strings.Contains(r.Output, "user") || !strings.Contains(r.Err.Error(), "absolute path") {
+		t.Errorf("Run(health) = exit %d, output %q, err %v; want it not run, for want of an absolute path", r.Exit, r.Output, r.Err)
+	}
+}
