@@ -182,7 +182,16 @@ type recoveryTracker struct {
 }
 
 func (a *Agent) trackRecovery(req RecoverRequest) *recoveryTracker {
-	return &recoveryTracker{a: a, rec: recoveryRecord{Failure: req.Failure, Coordinator: req.Source, Asked: recoverJobIDs(req)}}
+	t := &recoveryTracker{a: a, rec: recoveryRecord{Failure: req.Failure, Coordinator: req.Source, Asked: recoverJobIDs(req)}}
+	// On record at once, not from the first stage (a fetch may take minutes): a coordinator whose stream
+	// broke meanwhile was told "no record" and took the jobs for lost while they were being restored here,
+	// and a second request for the failure was accepted.
+	if validRecoveryID(req.Failure) {
+		t.mu.Lock()
+		t.save()
+		t.mu.Unlock()
+	}
+	return t
 }
 
 // save writes the record; call with t.mu held. A record that cannot be written costs only the ability to

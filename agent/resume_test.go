@@ -430,3 +430,29 @@ func TestRecoveryRecordOfLargeReplays(t *testing.T) {
 		t.Errorf("pending recoveries %d; want the unfinished one resumed", len(pending))
 	}
 }
+
+// TestRecoveryKnownBeforeItsFirstStage: a target's recovery is on record from the moment it is accepted,
+// not from its first stage (the fetch of a large snapshot may take minutes before it). A coordinator whose
+// progress stream broke meanwhile (a network blip, or its request that timed out while the target ran it)
+// asks the target; answered "no record", it reported the jobs as not running (and rolled their runs back,
+// or gave up on them) while the target went on and restored them. A second request for the same failure
+// is refused as one under way; an agent restarted before the first stage reports the jobs not restored.
+func TestRecoveryKnownBeforeItsFirstStage(t *testing.T) {
+	a := resumeTestAgent(t)
+	req := RecoverRequest{Failure: "node2-20250101T000001.000", Source: "node3", Jobs: []RecoverJob{{Job: "rank1"}}}
+	a.trackRecovery(req) // as recoverJobs does on accepting the request; the fetch goes on
+	st := a.serveRecoveryStatus("node3", clusterapi.RecoveryStatusRequest{Failure: req.Failure, Jobs: []string{"rank1"}})
+	if !st.Known || st.Done {
+		t.Fatalf("status of a recovery under way before its first stage: known %v, done %v; want known and not done (the coordinator took its jobs for lost)", st.Known, st.Done)
+	}
+	if err := a.checkRecordFree(req.Failure, "node3"); err == nil {
+		t.Error("a second request for a recovery under way was accepted: it would restore the jobs twice")
+	}
+	pending := a.pendingRecoveries()
+	if len(pending) != 1 {
+		t.Fatalf("pending recoveries %d after a restart before the first stage; want 1", len(pending))
+	}
+	if errs := notRestored(pending[0]); len(errs) != 1 || !strings.Contains(errs[0].Error(), "job rank1 was not restored") {
+		t.Errorf("a resumed recovery that restored nothing reports %v; want rank1 not restored", errs)
+	}
+}
