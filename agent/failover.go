@@ -200,7 +200,7 @@ func (a *Agent) runFailover(ctx context.Context, id string, s detect.Suspect, de
 			errs = append(errs, err)
 			continue
 		}
-		cands := recoveryCandidates(held)
+		cands := recoveryCandidates(coveringReplicas(job, held, uncovered)) // the target falls back to the next ones
 		if held[0].holder != a.cfg.Name {
 			a.log.Warn("the newest replica is on another member", "job", job, "snapshot", cands[0].Snapshot, "holder", cands[0].Source)
 		}
@@ -951,4 +951,17 @@ func lacksConns(job, newest string, uncovered map[string]string) error {
 	return fmt.Errorf("job %s not restored: its newest replica %s lacks connections the job opened after it "+
 		"(its node's last heartbeat said so; the snapshot that would have held them was not replicated before "+
 		"the failure): a restore would reset them under its peers; start the job again", job, newest)
+}
+
+// coveringReplicas drops from held (newest first, its first passed lacksConns) the replicas of job that lack
+// the connections the failed node's last heartbeat named: the replica it named, and those older. The target
+// tries the candidates in order, so one that failed there (a damaged copy, a holder that did not answer)
+// had it restore an older replica, which resets connections under its peers, the recovery reported done.
+func coveringReplicas(job string, held []heldReplica, uncovered map[string]string) []heldReplica {
+	lacking, ok := uncovered[job]
+	if !ok {
+		return held
+	}
+	// Compared as lacksConns compares the newest: the ids start with the UTC time of the dump.
+	return slices.DeleteFunc(slices.Clone(held), func(h heldReplica) bool { return h.m.ID <= lacking })
 }

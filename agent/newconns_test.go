@@ -220,3 +220,47 @@ func TestCheckCost(t *testing.T) {
 		})
 	}
 }
+
+// TestCoveringReplicas: the candidates a recovery request lists for a job its node's last heartbeat named
+// uncovered hold only replicas newer than the one named: the target falls back to the next candidate when
+// one fails there, and the named replica, or an older one, lacks connections the job opened after it.
+func TestCoveringReplicas(t *testing.T) {
+	const (
+		s1 = "20261126T154301.000Z-node2-000001"
+		s2 = "20261126T154304.404Z-node2-000002" // the replica node2's last beat said lacks connections
+		s3 = "20261126T154305.100Z-node2-000003"
+		s4 = "20261126T154306.100Z-node2-000004"
+	)
+	uncovered := map[string]string{"j1": s2}
+	m := func(id string) *ckpt.Manifest { return &ckpt.Manifest{ID: id, Node: "node2"} }
+	tests := []struct {
+		name string
+		job  string
+		held []heldReplica
+		want []Candidate
+	}{
+		{"older replicas dropped", "j1",
+			[]heldReplica{{holder: "node3", m: m(s3)}, {holder: "node4", m: m(s2)}, {holder: "node5", m: m(s1)}},
+			[]Candidate{{Snapshot: s3, Source: "node3"}}},
+		{"every newer one kept", "j1",
+			[]heldReplica{{holder: "node3", m: m(s4)}, {holder: "node4", m: m(s3)}, {holder: "node5", m: m(s3)}, {holder: "node6", m: m(s2)}},
+			[]Candidate{{Snapshot: s4, Source: "node3"}, {Snapshot: s3, Source: "node4"}, {Snapshot: s3, Source: "node5"}}},
+		{"nothing said of the job", "j2",
+			[]heldReplica{{holder: "node3", m: m(s3)}, {holder: "node4", m: m(s1)}},
+			[]Candidate{{Snapshot: s3, Source: "node3"}, {Snapshot: s1, Source: "node4"}}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			held := slices.Clone(tt.held)
+			if err := lacksConns(tt.job, held[0].m.ID, uncovered); err != nil {
+				t.Fatalf("the newest replica is refused: %v", err)
+			}
+			if got := recoveryCandidates(coveringReplicas(tt.job, held, uncovered)); !slices.Equal(got, tt.want) {
+				t.Errorf("candidates %v, want %v: the target would fall back to a replica lacking the job's connections", got, tt.want)
+			}
+			if !slices.Equal(recoveryCandidates(held), recoveryCandidates(tt.held)) {
+				t.Errorf("the caller's replicas were changed: %v", held)
+			}
+		})
+	}
+}
