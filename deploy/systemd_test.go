@@ -67,7 +67,7 @@ func TestUnitRestartsACrashedAgent(t *testing.T) {
 	}
 	for _, mode := range []string{"hang", "panic"} {
 		t.Run(mode, func(t *testing.T) {
-			cmd := exec.Command(os.Args[0], "-test.run=^TestCrashingAgentHelper$")
+			cmd := exec.Command(os.Args[0])
 			cmd.Env = append(env, "FTKIT_DEPLOY_CRASH="+mode)
 			var out bytes.Buffer
 			cmd.Stderr = &out
@@ -107,12 +107,17 @@ func TestUnitRestartsACrashedAgent(t *testing.T) {
 	}
 }
 
-// TestCrashingAgentHelper is the Go program of TestUnitRestartsACrashedAgent, run only by it.
-func TestCrashingAgentHelper(t *testing.T) {
-	mode := os.Getenv("FTKIT_DEPLOY_CRASH")
-	if mode == "" {
-		t.Skip("run by TestUnitRestartsACrashedAgent")
+// TestMain runs the Go program of TestUnitRestartsACrashedAgent when it is asked to (FTKIT_DEPLOY_CRASH), the
+// tests otherwise.
+func TestMain(m *testing.M) {
+	if mode := os.Getenv("FTKIT_DEPLOY_CRASH"); mode != "" {
+		crashingAgent(mode)
 	}
+	os.Exit(m.Run())
+}
+
+// crashingAgent is the Go program of TestUnitRestartsACrashedAgent: it says it is ready, then panics or hangs.
+func crashingAgent(mode string) {
 	// No core file, whatever the unit's environment makes of the crash.
 	unix.Setrlimit(unix.RLIMIT_CORE, &unix.Rlimit{})
 	os.Stdout.WriteString("ready\n")
