@@ -43,7 +43,6 @@ type contactStore struct {
 	path     string
 	boot     func() (string, error)        // the boot id
 	boottime func() (time.Duration, error) // CLOCK_BOOTTIME
-	clock    func() time.Time              // time.Now (nil), read by load right after boottime
 	written  neighbourSilence              // what was written last (heard, protHeard)
 	at       time.Time                     // when
 }
@@ -75,9 +74,9 @@ func boottimeNow() (time.Duration, error) {
 }
 
 // load returns the silence a previous agent of this boot measured, its times on this process's monotonic
-// clock (zero neighbourSilence: none, or from another boot). A file it cannot use is logged by the caller,
-// and the silence starts now as before.
-func (s *contactStore) load() (neighbourSilence, error) {
+// clock as of now (zero neighbourSilence: none, or from another boot). A file it cannot use is logged by
+// the caller, and the silence starts now as before.
+func (s *contactStore) load(now time.Time) (neighbourSilence, error) {
 	b, err := atomicfile.ReadBounded(s.path, maxFenceContactFile)
 	if errors.Is(err, fs.ErrNotExist) {
 		return neighbourSilence{}, nil
@@ -96,17 +95,9 @@ func (s *contactStore) load() (neighbourSilence, error) {
 	if c.BootID != boot {
 		return neighbourSilence{}, nil // rebooted since: its jobs are gone
 	}
-	// The monotonic clock is read after CLOCK_BOOTTIME: the contact placed on it is then at or after the
-	// recorded one, never before. A now taken before the file and the boot id were read placed it up to
-	// that long early (4 ms measured on a loaded machine), and the restarted agent fenced that much before
-	// fence_timeout.
 	bt, err := s.boottime()
 	if err != nil {
 		return neighbourSilence{}, err
-	}
-	now := time.Now()
-	if s.clock != nil {
-		now = s.clock()
 	}
 	if c.Heard <= 0 || c.ProtHeard < 0 || c.ProtHeard > c.Heard || time.Duration(c.Heard) > bt {
 		return neighbourSilence{}, fmt.Errorf("last contact a previous agent recorded, in %s: boottime %d (protector %d) is not before now (%d)", s.path, c.Heard, c.ProtHeard, bt)

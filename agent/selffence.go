@@ -77,7 +77,7 @@ func (a *Agent) selfFence(ctx context.Context) {
 	// counts as a stall of its own (the vouch below): it heard nobody then, and nobody may have declared it.
 	contact := newContactStore(filepath.Join(a.cfg.StateDir, fenceContactFile))
 	var restarted time.Time
-	if w, err := contact.load(); err != nil {
+	if w, err := contact.load(time.Now()); err != nil {
 		a.log.Warn("self-fence: the silence counts from this agent's start", "err", err)
 	} else if !w.heard.IsZero() {
 		silence, restarted = w, time.Now()
