@@ -139,19 +139,7 @@ func credentialChecks(cfg agent.Config, now time.Time) []check {
 // trustFile checks that only root can change what path leads to: the file and every directory on the way
 // (rootpath), as sitecmd checks a program root runs.
 func trustFile(path string) error {
-	real, dirs, err := rootpath.Resolve(path)
-	if err != nil {
-		return err
-	}
-	fi, err := os.Stat(real)
-	if err != nil {
-		return err
-	}
-	const risk = "replace whom the cluster trusts"
-	if err := rootpath.RootOnly(real, fi, risk); err != nil {
-		return err
-	}
-	return rootpath.OnTheWay(dirs, risk)
+	return rootpath.CheckOnlyRoot(path, "replace whom the cluster trusts", nil)
 }
 
 // privateFile checks that path is a regular file (not a link) of root's that nobody else can read.

@@ -106,6 +106,29 @@ func RootOnly(path string, fi fs.FileInfo, risk string) error {
 	return nil
 }
 
+// CheckOnlyRoot checks that only root can change what path leads to: the file it resolves to, which kind
+// (if set) accepts first, is root's and writable by root alone (RootOnly), and so is every directory on the
+// way (OnTheWay). risk says what another user could do otherwise, for the errors.
+func CheckOnlyRoot(path, risk string, kind func(real string, fi fs.FileInfo) error) error {
+	real, dirs, err := Resolve(path)
+	if err != nil {
+		return err
+	}
+	fi, err := os.Stat(real)
+	if err != nil {
+		return err
+	}
+	if kind != nil {
+		if err := kind(real, fi); err != nil {
+			return err
+		}
+	}
+	if err := RootOnly(real, fi, risk); err != nil {
+		return err
+	}
+	return OnTheWay(dirs, risk)
+}
+
 // OnTheWay checks directories a path passes through (of Resolve): each root's and writable by root alone,
 // but a sticky one of root's (others cannot rename or remove root's entries there, and the next directory
 // on the way, which exists, is checked too). A link on the way (of Resolve too) must be root's where others

@@ -14,6 +14,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -177,21 +178,12 @@ func rootPath(list string) string {
 // and writable by root alone, sticky or not (anyone may add a name to a sticky directory), and so is
 // every directory on the way but a sticky one of root's.
 func rootDir(d string) error {
-	real, dirs, err := rootpath.Resolve(d)
-	if err != nil {
-		return err
-	}
-	fi, err := os.Stat(real)
-	if err != nil {
-		return err
-	}
-	if !fi.IsDir() {
-		return fmt.Errorf("%s is not a directory", real)
-	}
-	if err := rootpath.RootOnly(real, fi, risk); err != nil {
-		return err
-	}
-	return rootpath.OnTheWay(dirs, risk)
+	return rootpath.CheckOnlyRoot(d, risk, func(real string, fi fs.FileInfo) error {
+		if !fi.IsDir() {
+			return fmt.Errorf("%s is not a directory", real)
+		}
+		return nil
+	})
 }
 
 // risk is what another user could do with a file root's command depends on, for errors.
