@@ -320,6 +320,15 @@ func (a *Agent) withdrawJobNet(ctx context.Context, id string, n *JobNet) {
 	a.deleteJobNet(ctx, id, n)
 }
 
+// removeJobNetNamed deletes the job network name (jobnet.Delete, or a test's), nothing more: deleteJobNet
+// and the retry of a left network (retryLeftNet) keep the records and the address holds.
+func (a *Agent) removeJobNetNamed(ctx context.Context, name string) error {
+	if a.nets.delete != nil {
+		return a.nets.delete(ctx, name)
+	}
+	return jobnet.Delete(ctx, name, "")
+}
+
 // deleteJobNet removes job id's network if it is this agent's (never a name from a record as such). The
 // error says the network may still hold its address on the wire: the address stays held by the network's
 // name (holdLeftAddr) until a deletion of it succeeds, whatever hold the caller gives back.
@@ -331,11 +340,7 @@ func (a *Agent) deleteJobNet(ctx context.Context, id string, n *JobNet) error {
 		a.log.Warn("job record names a job network that is not this agent's for the job; not removing it", "job", id, "net", n.Name, "want", want)
 		return nil
 	}
-	del := func(ctx context.Context, name string) error { return jobnet.Delete(ctx, name, "") }
-	if a.nets.delete != nil {
-		del = a.nets.delete
-	}
-	if err := del(ctx, n.Name); err != nil {
+	if err := a.removeJobNetNamed(ctx, n.Name); err != nil {
 		a.log.Error("delete job network: its address may stay on the wire", "job", id, "net", n.Name, "err", err)
 		a.noteLeftNet(n.Name, leftNet{Job: id, Addr: n.Addr}, true) // the next agent deletes it again (retryLeftNets)
 		a.holdLeftAddr(n.Name, n.Addr)

@@ -192,11 +192,7 @@ func (a *Agent) retryLeftNet(ctx context.Context, name string) bool {
 	}
 	ctx, cancel := context.WithTimeout(ctx, leftNetTry)
 	defer cancel()
-	del := func(ctx context.Context, name string) error { return jobnet.Delete(ctx, name, "") }
-	if a.nets.delete != nil {
-		del = a.nets.delete
-	}
-	if err := del(ctx, name); err != nil {
+	if err := a.removeJobNetNamed(ctx, name); err != nil {
 		a.holdLeftAddr(name, l.Addr) // once per network
 		a.log.Debug("a job network this agent could not delete still cannot be", "job", l.Job, "net", name, "addr", l.Addr, "err", err)
 		return true
