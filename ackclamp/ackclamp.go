@@ -23,7 +23,7 @@ import (
 	"github.com/ftkit/ftkit/tcpflow"
 )
 
-//go:generate go tool bpf2go -tags linux -target bpfel -type clamp_key -type clamp_state ackclamp ../bpf/ackclamp.c -- -Wall -Werror
+//go:generate go tool bpf2go -tags linux -target bpfel -type clamp_key -type clamp_state -type hold_args ackclamp ../bpf/ackclamp.c -- -Wall -Werror
 
 // Clamp lets restored sockets re-send bytes their peers already have: for each registered flow it lowers
 // the ACK number of the peer's segments to what the restored socket has sent so far, so that the socket's
@@ -222,23 +222,22 @@ func (c *Clamp) Clamp(f tcpflow.Tuple, sndNxt uint32) error {
 
 // Hold makes the clamp drop (on) or pass (off) the payload segments the peer sends on a registered flow,
 // all but those marked as injected (restore.InjectedMark): while a replay delivers the peer's logged bytes
-// itself, the peer's retransmissions of them must not overtake it. The peer's ACKs always pass. The egress
-// program may raise the flow's snd_nxt between this read and write; the write then lowers it until the
-// socket's next segment, which only clamps a few ACKs more than needed.
+// itself, the peer's retransmissions of them must not overtake it. The peer's ACKs always pass. The flag is
+// set in the kernel (ackclamp_hold), leaving what the TCX programs update meanwhile as they made it.
 func (c *Clamp) Hold(f tcpflow.Tuple, on bool) error {
 	k, err := clampKey(f)
 	if err != nil {
 		return err
 	}
-	var v ackclampClampState
-	if err := c.objs.Clamps.Lookup(k, &v); err != nil {
-		return fmt.Errorf("ackclamp: hold flow %v->%v: %w", f.Local, f.Remote, err)
-	}
-	v.Hold = 0
+	args := ackclampHoldArgs{Key: k}
 	if on {
-		v.Hold = 1
+		args.On = 1
 	}
-	if err := c.objs.Clamps.Update(k, v, ebpf.UpdateExist); err != nil {
+	ret, err := c.objs.AckclampHold.Run(&ebpf.RunOptions{Context: args})
+	if err == nil && ret != 0 {
+		err = ebpf.ErrKeyNotExist
+	}
+	if err != nil {
 		return fmt.Errorf("ackclamp: hold flow %v->%v: %w", f.Local, f.Remote, err)
 	}
 	return nil

@@ -34,12 +34,19 @@ type ackclampClampState struct {
 	PeerTsval uint32
 }
 
+type ackclampHoldArgs struct {
+	_   structs.HostLayout
+	Key ackclampClampKey
+	On  uint32
+}
+
 // Names of all BPF objects in the ELF.
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
 	ackclampMapClamps           = "clamps"
 	ackclampProgAckclampEgress  = "ackclamp_egress"
+	ackclampProgAckclampHold    = "ackclamp_hold"
 	ackclampProgAckclampIngress = "ackclamp_ingress"
 )
 
@@ -86,6 +93,7 @@ type ackclampSpecs struct {
 // It can be passed ebpf.CollectionSpec.Assign.
 type ackclampProgramSpecs struct {
 	AckclampEgress  *ebpf.ProgramSpec `ebpf:"ackclamp_egress"`
+	AckclampHold    *ebpf.ProgramSpec `ebpf:"ackclamp_hold"`
 	AckclampIngress *ebpf.ProgramSpec `ebpf:"ackclamp_ingress"`
 }
 
@@ -142,12 +150,14 @@ type ackclampVariables struct {
 // It can be passed to loadAckclampObjects or ebpf.CollectionSpec.LoadAndAssign.
 type ackclampPrograms struct {
 	AckclampEgress  *ebpf.Program `ebpf:"ackclamp_egress"`
+	AckclampHold    *ebpf.Program `ebpf:"ackclamp_hold"`
 	AckclampIngress *ebpf.Program `ebpf:"ackclamp_ingress"`
 }
 
 func (p *ackclampPrograms) Close() error {
 	return _AckclampClose(
 		p.AckclampEgress,
+		p.AckclampHold,
 		p.AckclampIngress,
 	)
 }

@@ -166,6 +166,49 @@ func TestAckClampHold(t *testing.T) {
 	}
 }
 
+// TestAckClampHoldKeepsTheProgramsCounts toggles a flow's hold while the ingress program clamps the peer's
+// ACKs: every clamp is counted. A hold written as the whole state read a moment before put back the
+// counters (and snd_nxt, the peer's ACK) the programs had raised in between.
+func TestAckClampHoldKeepsTheProgramsCounts(t *testing.T) {
+	c := loadT(t)
+	restored := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.9.0.12:7300"), Remote: netip.MustParseAddrPort("10.9.0.11:40000")}
+	peer := tcpflow.Tuple{Local: restored.Remote, Remote: restored.Local}
+	if err := c.Clamp(restored, 1000); err != nil {
+		t.Fatal(err)
+	}
+	fr := tcpframe.Segment{Seq: 7, Ack: 5000, Flags: 0x10, Window: 100}.Frame(peer)
+	tcpframe.Checksum(fr, true)
+	const acks = 20000
+	done := make(chan struct{})
+	holdErr := make(chan error, 1)
+	go func() {
+		var err error
+		for on := true; err == nil; on = !on {
+			select {
+			case <-done:
+				holdErr <- c.Hold(restored, false)
+				return
+			default:
+			}
+			err = c.Hold(restored, on)
+		}
+		holdErr <- err
+	}()
+	for range acks {
+		if _, err := c.objs.AckclampIngress.Run(&ebpf.RunOptions{Data: fr}); err != nil {
+			close(done)
+			t.Fatal(err)
+		}
+	}
+	close(done)
+	if err := <-holdErr; err != nil {
+		t.Fatal(err)
+	}
+	if st, err := c.State(restored); err != nil || st.Clamped != acks || st.SndNxt != 1000 {
+		t.Errorf("after %d clamped ACKs with the hold toggled meanwhile: %+v %v, want %d clamped, snd_nxt 1000", acks, st, err, acks)
+	}
+}
+
 // TestAckClampQuiet runs the egress program on the restored end's segments once the peer has acknowledged
 // beyond them: a pure ACK below the peer's (unclamped) ACK number that acknowledges more than any before it
 // is lifted to that number (the peer takes it, and learns what the replay delivered of its bytes); one that

@@ -251,3 +251,23 @@ int ackclamp_ingress(struct __sk_buff *skb)
 	__sync_fetch_and_add(&st->clamped, 1);
 	return TCX_NEXT;
 }
+
+// hold_args is ackclamp_hold's context (the agent runs it with BPF_PROG_TEST_RUN).
+struct hold_args {
+	struct clamp_key key;
+	__u32 on; // what clamp_state.hold becomes
+};
+
+// ackclamp_hold sets a registered flow's hold (returns 0; 1: no such flow) with one store in place.
+// User space can only write a map value whole: a read, change and write-back put back what the TCX
+// programs had raised in between (snd_nxt, the peer's ACK, the counters).
+SEC("syscall")
+int ackclamp_hold(struct hold_args *args)
+{
+	struct clamp_key k = args->key;
+	struct clamp_state *st = bpf_map_lookup_elem(&clamps, &k);
+	if (!st)
+		return 1;
+	st->hold = args->on;
+	return 0;
+}
