@@ -97,6 +97,7 @@ type threadPlan struct {
 	events       []Det // its receive calls on gated connections, Pos relative to the restore
 	points       []*point
 	reads        []Det // events with bytes, in order: what the restored thread must consume
+	readAt       []int // the index in events of each of reads
 	next         int   // index of the next point to reach
 	read         int   // index of the next read to match
 	part         bool  // a part of reads[read] was consumed already (a read woke between two segments)
@@ -157,6 +158,7 @@ func planPositions(events []Det, base map[uint32]uint64) ([]*threadPlan, error) 
 				continue
 			}
 			t.reads = append(t.reads, d)
+			t.readAt = append(t.readAt, k)
 			key := [2]int{int(max(d.Pos, 1) - 1), -1}
 			for j := k - 1; j >= 0; j-- {
 				if e := t.events[j]; e.Conn == d.Conn {
@@ -289,6 +291,14 @@ func (g *Gate) runPositions(ctx context.Context, events <-chan Event, stops Stop
 					// Part of the bytes: a read woke between two injected segments. The rest follows.
 					d.Len = d.End - e.End
 					t.part = true
+					// A stop armed right after this read waits for a call that returns all of it, which now
+					// never comes: re-armed for the call that takes the rest, at this one's count.
+					if k := t.readAt[t.read]; t.next < len(t.points) && t.points[t.next].after == k {
+						t.events[k].Len, t.events[k].Pos = d.Len, e.Pos
+						if err := armNext(stops, t); err != nil {
+							return err
+						}
+					}
 				default:
 					return fmt.Errorf("thread %d's receive call %d of %d: the original %s, the restored job %s: %w", t.thread, t.read+1, len(t.reads), d, e.Det, ErrDiverged)
 				}

@@ -432,3 +432,67 @@ func TestGatePositionsReadAtAnotherCall(t *testing.T) {
 		})
 	}
 }
+
+// TestGatePositionsSplitReadStop: the thread's stop right after a read (to deliver the next read's bytes
+// there) is armed with the recorded call's Len. Restored, that read woke between two injected segments and
+// came as two calls, the second returning the rest: the recorder stops a thread only at a call of exactly
+// the armed Len, so the stop never fired, the next bytes were never injected, and the replay failed (at its
+// timeout; here when the recorder ends) although the thread re-executed the original.
+func TestGatePositionsSplitReadStop(t *testing.T) {
+	sources := map[tcpflow.Tuple]Source{connA: {Seq: 0, Data: make([]byte, 15)}}
+	// Read [0, 10) and [10, 15) after readiness call 2: the first delivered at the exit of call 1, the
+	// second right after the first read.
+	g, err := NewGate([]Det{{Conn: connA, End: 10, Len: 10, Thread: 7, Proc: 1, Pos: 2}, {Conn: connA, End: 15, Len: 5, Thread: 7, Proc: 1, Pos: 2}}, sources)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := g.UsePositions(nil); err != nil {
+		t.Fatal(err)
+	}
+	w := newPollWorld(map[tcpflow.Tuple]uint32{connA: 0})
+	if err := g.ArmFirst(w); err != nil {
+		t.Fatal(err)
+	}
+	events := make(chan Event) // unbuffered: a send returns once the gate took the call before it in
+	// The restored thread, as the recorder reports it: a call is stopped if it is where the stop is armed.
+	call := func(e Event) {
+		e.Thread, e.Proc, e.Pid = 7, 1, 1001
+		s := Stop{Polls: e.Pos}
+		if !e.AtPoll {
+			s = Stop{Polls: e.Pos, Conn: e.Conn, End: e.End, Len: e.Len}
+		}
+		e.Stopped = w.stopped(s)
+		if e.AtPoll && !e.Stopped {
+			return
+		}
+		events <- e
+		if e.Stopped {
+			<-w.cont
+		}
+	}
+	read := func(max int) {
+		w.mu.Lock()
+		n := min(max, len(w.queued[connA]))
+		w.queued[connA] = w.queued[connA][n:]
+		w.next[connA] += uint32(n)
+		end := w.next[connA]
+		w.mu.Unlock()
+		call(Event{Det: Det{Conn: connA, End: end, Len: uint32(n), Pos: 2}})
+	}
+	go func() {
+		defer close(events)
+		call(Event{Det: Det{Pos: 1}, AtPoll: true})
+		// Call 2 found A; its read woke after the first of two segments (6 bytes), the next read took the rest.
+		read(6)
+		// While the rest is on its way the thread reads a connection the gate does not gate: the gate has
+		// seen the first part by the time the rest comes.
+		call(Event{Det: Det{Conn: connB, End: 1, Len: 1, Pos: 2}})
+		read(64)
+		read(64) // the bytes delivered at the stop
+	}()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	if _, err := g.Run(ctx, w, events, w); err != nil {
+		t.Fatalf("a read split in two, its second call stopping where the whole one did: %v", err)
+	}
+}
