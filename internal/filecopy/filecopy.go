@@ -47,6 +47,11 @@ func Range(dst, src *os.File, off, n int64) error {
 // RangeTo is Range to dst's [at, at+n), dst's size then at+n: dst, no longer than at, has holes where src
 // has them.
 func RangeTo(dst *os.File, at int64, src *os.File, off, n int64) error {
+	return rangeTo(dst, at, src, off, n, nil)
+}
+
+// rangeTo is RangeTo; afterData, if set (tests), runs after each piece of data copied.
+func rangeTo(dst *os.File, at int64, src *os.File, off, n int64, afterData func()) error {
 	st, err := src.Stat()
 	if err != nil {
 		return err
@@ -76,6 +81,17 @@ func RangeTo(dst *os.File, at int64, src *os.File, off, n int64) error {
 			return err
 		}
 		pos = hole
+		if afterData != nil {
+			afterData()
+		}
+	}
+	// A source truncated during the copy reads as a hole to its new end (SEEK_DATA answers ENXIO): the
+	// copy would hold zeros where the recorded bytes were, and pass.
+	if st, err = src.Stat(); err != nil {
+		return err
+	}
+	if st.Size() < end {
+		return fmt.Errorf("file shorter than its size at the dump (%d bytes, now %d): truncated during the copy: %w", end, st.Size(), io.ErrUnexpectedEOF)
 	}
 	return dst.Truncate(at + n)
 }

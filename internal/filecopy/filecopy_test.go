@@ -152,3 +152,49 @@ func TestSparseSource(t *testing.T) {
 		t.Errorf("a copy past the source's end: %v, want io.ErrUnexpectedEOF", err)
 	}
 }
+
+// A source truncated during the copy fails it: its bytes past the new end would otherwise come out as a
+// hole, and the copy hold zeros where the recorded bytes were.
+func TestRangeSourceTruncatedDuringCopy(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		to     int64 // the source's size after the first piece of data is copied
+		failed bool
+	}{
+		{"truncated into the hole", 4096, true},
+		{"truncated to nothing", 0, true},
+		{"not truncated", 1<<20 + 4096, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := filepath.Join(t.TempDir(), "src")
+			src, err := os.Create(p)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer src.Close()
+			for _, off := range []int64{0, 1 << 20} {
+				if _, err := src.WriteAt(bytes.Repeat([]byte{'x'}, 4096), off); err != nil {
+					t.Fatal(err)
+				}
+			}
+			truncated := false
+			afterData := func() {
+				if !truncated {
+					truncated = true
+					if err := src.Truncate(tc.to); err != nil {
+						t.Error(err)
+					}
+				}
+			}
+			out, err := os.Create(filepath.Join(t.TempDir(), "out"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer out.Close()
+			err = rangeTo(out, 0, src, 0, 1<<20+4096, afterData)
+			if tc.failed != errors.Is(err, io.ErrUnexpectedEOF) {
+				t.Errorf("Range of a source truncated to %d bytes during the copy: %v, want io.ErrUnexpectedEOF %v", tc.to, err, tc.failed)
+			}
+		})
+	}
+}
