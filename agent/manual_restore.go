@@ -44,6 +44,12 @@ func (a *Agent) Restore(ctx context.Context, req RestoreRequest, uid uint32) (*J
 		req.Job = a.localJobOfSnapshot(req.Snapshot)
 	}
 	prefer := ""
+	var unlock func()
+	defer func() {
+		if unlock != nil {
+			unlock()
+		}
+	}()
 	if req.Job == "" || !a.holdsSnapshot(req.Job, req.Snapshot) {
 		if req.Job == "" || uid != 0 {
 			loc, holder := a.findJobOfSnapshot(ctx, req.Snapshot, req.Source)
@@ -60,6 +66,16 @@ func (a *Agent) Restore(ctx context.Context, req RestoreRequest, uid uint32) (*J
 			req.Job, prefer = loc.Job, holder
 		}
 		if _, err := a.store.Manifest(req.Job, req.Snapshot); errors.Is(err, ckpt.ErrNotFound) || errors.Is(err, fs.ErrNotExist) {
+			if !req.Force {
+				if err := a.refuseIfRunsHere(req.Job); err != nil {
+					return nil, err
+				}
+			}
+			// Held from before the fetch too: a forget pass of an ended job meanwhile told the holder to drop
+			// the snapshot it was sending, and deleted the one fetched before the lock below.
+			if unlock, err = a.lockRestore(ctx, req.Job, "restore"); err != nil {
+				return nil, err
+			}
 			if err := a.fetch(ctx, req.Job, req.Snapshot, req.Source, prefer); err != nil {
 				return nil, err
 			}
@@ -71,19 +87,20 @@ func (a *Agent) Restore(ctx context.Context, req RestoreRequest, uid uint32) (*J
 	if m, err := a.store.Manifest(req.Job, req.Snapshot); uid != 0 && err == nil && !a.ownsSnapshot(m, uid) {
 		return nil, fmt.Errorf("%w: snapshot %s is not of a job of uid %d", ErrNoJob, req.Snapshot, uid)
 	}
-	if !req.Force {
-		// Before the lock, which refuses a job running here in its own words.
-		if err := a.refuseIfRunsHere(req.Job); err != nil {
+	if unlock == nil {
+		if !req.Force {
+			// Before the lock, which refuses a job running here in its own words.
+			if err := a.refuseIfRunsHere(req.Job); err != nil {
+				return nil, err
+			}
+		}
+		// Held from before the verification (seconds for a large snapshot): a forget pass spares only a job
+		// being restored (stillEnded), and would delete the snapshot under verification of an ended one.
+		var err error
+		if unlock, err = a.lockRestore(ctx, req.Job, "restore"); err != nil {
 			return nil, err
 		}
 	}
-	// Held from before the verification (seconds for a large snapshot): a forget pass spares only a job
-	// being restored (stillEnded), and would delete the snapshot under verification of an ended one.
-	unlock, err := a.lockRestore(ctx, req.Job, "restore")
-	if err != nil {
-		return nil, err
-	}
-	defer unlock()
 	m, err := a.store.Verify(ctx, req.Job, req.Snapshot)
 	if err != nil {
 		return nil, a.corrupt(ctx, req, err)

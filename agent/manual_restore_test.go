@@ -3,8 +3,10 @@ package agent
 import (
 	"context"
 	"errors"
+	"net"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/clusterapi"
@@ -54,5 +56,56 @@ func TestRestoreOthersRemoteSnapshotTellsNothing(t *testing.T) {
 				t.Errorf("uid %d: %v; naming job %s: %v, want %v", tt.uid, err, theirs, !tt.told, tt.told)
 			}
 		})
+	}
+}
+
+// forgetDuringFetch is a member that holds a snapshot: asked for it, it runs during (on the restoring host, while
+// the transfer is under way) and then fails the transfer; it counts the Forget requests it gets.
+type forgetDuringFetch struct {
+	clusterapi.Service
+	during  func()
+	forgets chan clusterapi.ForgetRequest
+}
+
+func (s forgetDuringFetch) Fetch(context.Context, string, clusterapi.FetchRequest, net.Conn) error {
+	s.during()
+	return errors.New("scripted holder: transfer failed")
+}
+
+func (s forgetDuringFetch) Forget(_ context.Context, _ string, req clusterapi.ForgetRequest) (clusterapi.ForgetReply, error) {
+	s.forgets <- req
+	return clusterapi.ForgetReply{Deleted: 1}, nil
+}
+
+// TestRestoreFetchHeldFromAForgetPass: the owner of an ended job whose keep_ended has passed restores it
+// from a snapshot another member holds. The restore's lock, which a forget pass spares (stillEnded), was
+// taken only after the fetch: a forget pass during the transfer told the holder to delete the very snapshot
+// it was sending (and removed the job's record), and one right after it deleted the snapshot fetched.
+func TestRestoreFetchHeldFromAForgetPass(t *testing.T) {
+	pki := newTestPKI(t)
+	const job, snap = "ended-0000000a", "20261122T153000.123Z-n1-000042"
+	ended := time.Now().Add(-2 * time.Hour)
+	var a *Agent
+	script := forgetDuringFetch{forgets: make(chan clusterapi.ForgetRequest, 4)}
+	script.during = func() { a.forgetDue(context.Background(), time.Now()) }
+	a, _ = clientAgent(t, pki, map[string]uint16{"n2": scriptedPeer(t, pki, "n2", script)})
+	a.jobs = jobStore{dir: t.TempDir()}
+	a.cfg.Checkpoint.KeepEnded = Duration{Duration: time.Hour}
+	a.mu.Lock()
+	a.byID[job] = &Job{ID: job, Node: "n1", State: JobExited, Ended: ended, Forget: []string{"n2"}}
+	a.mu.Unlock()
+
+	if _, err := a.Restore(t.Context(), RestoreRequest{Snapshot: snap, Job: job, Source: "n2"}, 0); err == nil {
+		t.Fatal("restore succeeded from a holder whose transfer fails")
+	}
+	select {
+	case req := <-script.forgets:
+		t.Errorf("the holder was told to forget job %s (%+v) while it sent the snapshot a restore fetched", job, req)
+	default:
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.byID[job] == nil {
+		t.Errorf("job %s's record was forgotten while a restore of it fetched its snapshot", job)
 	}
 }
