@@ -33,12 +33,11 @@ type recoveryStatusMessage struct {
 // knows only those peer coordinated) and the failure's jobs (the protocol bounds the list).
 func (a *Agent) serveRecoveryStatus(peer string, q clusterapi.RecoveryStatusRequest) clusterapi.RecoveryStatusReply {
 	reply := clusterapi.RecoveryStatusReply{Failure: q.Failure}
+	var stages []Stage
 	if validRecoveryID(q.Failure) {
 		if rec, err := loadRecovery(recoveryPath(a.cfg.StateDir, q.Failure)); err == nil && rec.Coordinator == peer {
-			reply.Known, reply.Done, reply.Resumed, reply.Error = true, rec.Done, rec.Resumed, rec.Error
-			if b, err := json.Marshal(rec.Stages); err == nil {
-				reply.Stages = b
-			}
+			reply.Known, reply.Done, reply.Resumed, reply.Error = true, rec.Done, rec.Resumed, shorten(rec.Error, maxStatusError)
+			stages = rec.Stages
 		}
 	}
 	for _, id := range q.Jobs {
@@ -46,7 +45,45 @@ func (a *Agent) serveRecoveryStatus(peer string, q clusterapi.RecoveryStatusRequ
 			reply.Running = append(reply.Running, id)
 		}
 	}
+	reply.Stages = fitStages(stages, statusBudget(reply))
 	return reply
+}
+
+// maxStatusError bounds the error a status answer carries: that of a recovery of many jobs that failed
+// names each of them, and with the stages it outgrew what the coordinator reads (clusterapi.MaxMessage).
+const maxStatusError = clusterapi.MaxMessage / 4
+
+// statusBudget is how many bytes of stages reply may carry and still fit clusterapi.MaxMessage.
+func statusBudget(reply clusterapi.RecoveryStatusReply) int {
+	b, err := json.Marshal(reply)
+	if err != nil {
+		return 0
+	}
+	return clusterapi.MaxMessage - len(b) - len(`,"stages":`) - 1 // and the line's newline
+}
+
+// fitStages encodes the newest of stages that fit in budget bytes: a recovery of a full request's jobs has
+// thousands, and an answer with all of them was refused by the coordinator as too long (it then took the
+// target for silent). The coordinator already has the older ones from its progress stream, up to where it
+// broke.
+func fitStages(stages []Stage, budget int) json.RawMessage {
+	size, from := len("[]"), len(stages)
+	for from > 0 {
+		b, err := json.Marshal(stages[from-1])
+		if err != nil || size+len(b)+1 > budget {
+			break
+		}
+		size += len(b) + 1 // and its comma
+		from--
+	}
+	if from == len(stages) {
+		return nil
+	}
+	b, err := json.Marshal(stages[from:])
+	if err != nil {
+		return nil
+	}
+	return b
 }
 
 // recoveryStatus asks target about a recovery of failure and its jobs.
@@ -67,8 +104,8 @@ func (a *Agent) recoveryStatus(ctx context.Context, target, failure string, jobs
 }
 
 // brokenRecoveryWait bounds how long a coordinator whose progress stream broke waits for the target to
-// answer again and finish: a restarted agent resumes the replay (failover.replay_timeout, the same on
-// every member) and re-protects.
+// answer again and finish, from the break or from the target's last answer that the recovery goes on: a
+// restarted agent resumes the replay (failover.replay_timeout, the same on every member) and re-protects.
 func (a *Agent) brokenRecoveryWait() time.Duration {
 	return a.cfg.Failover.ReplayTimeout.Duration + 3*time.Minute
 }
@@ -104,8 +141,14 @@ func (a *Agent) afterBrokenStream(ctx context.Context, target string, req Recove
 			}
 		}
 	}
-	ctx, cancel := context.WithTimeout(ctx, a.brokenRecoveryWait())
+	// The wait follows the target: each answer that the recovery goes on there gives it brokenRecoveryWait
+	// more, within what the stream itself had (recoverLimit). A stream that broke on a network blip leaves
+	// the target fetching and restoring, which may take longer than a resumed replay: given up on at a
+	// fixed bound, the recovery was reported failed (its runs rolled back) while its jobs were restored.
+	wait := a.brokenRecoveryWait()
+	ctx, cancel := context.WithTimeout(ctx, max(recoverLimit, wait))
 	defer cancel()
+	deadline := time.Now().Add(wait)
 	var last *recoveryStatusMessage
 	silentSince := time.Now()
 	targetFailed := func() error {
@@ -139,19 +182,23 @@ func (a *Agent) afterBrokenStream(ctx context.Context, target string, req Recove
 			case !st.Known:
 				return fmt.Errorf("%w; %s answers again but has no record of the recovery: %s", broke, target, runningSummary(jobs, st.Running))
 			}
+			deadline = time.Now().Add(wait)
 		}
 		select {
 		case <-ctx.Done():
-			// The view declaring the target failed ends the wait too (followedTargets).
-			if err := targetFailed(); err != nil {
-				return err
+		case <-time.After(min(2*time.Second, time.Until(deadline))):
+			if time.Now().Before(deadline) {
+				continue
 			}
-			if last == nil {
-				return fmt.Errorf("%w; %s did not answer within %s: whether job(s) %s run there is unknown", broke, target, a.brokenRecoveryWait(), strings.Join(jobs, ", "))
-			}
-			return fmt.Errorf("%w; %s did not finish it within %s: %s", broke, target, a.brokenRecoveryWait(), runningSummary(jobs, last.Running))
-		case <-time.After(2 * time.Second):
 		}
+		// The view declaring the target failed ends the wait too (followedTargets).
+		if err := targetFailed(); err != nil {
+			return err
+		}
+		if last == nil {
+			return fmt.Errorf("%w; %s did not answer within %s: whether job(s) %s run there is unknown", broke, target, wait, strings.Join(jobs, ", "))
+		}
+		return fmt.Errorf("%w; %s did not finish it within %s: %s", broke, target, wait, runningSummary(jobs, last.Running))
 	}
 }
 

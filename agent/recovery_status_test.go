@@ -2,9 +2,13 @@ package agent
 
 import (
 	"context"
+	"encoding/json"
+	"fmt"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/coordinated"
 )
 
@@ -143,5 +147,57 @@ func TestCloseLeftRollbacks(t *testing.T) {
 				t.Errorf("timeline %s: error %q does not say %q", tt.id, f.Error, w)
 			}
 		}
+	}
+}
+
+// TestRecoveryStatusFitsItsReader: the target's answer about a recovery of as many jobs as one request
+// names (four stages each: fetched, rewritten, restored, replayed) must fit the bound its reader sets
+// (clusterapi.MaxMessage), and keep the outcome and the newest stages. Until the fix it carried every stage:
+// the coordinator refused the answer as too long, took the target for silent, and reported the jobs' fate
+// unknown (rolling their runs back in auto mode) while the target had restored them.
+func TestRecoveryStatusFitsItsReader(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		jobs   int
+		errLen int
+	}{
+		{"few jobs", 3, 0},
+		{"a full request", clusterapi.MaxRecoverJobs, 0},
+		{"a full request that failed", clusterapi.MaxRecoverJobs, 600 << 10}, // some 600 bytes of error per job
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			a := resumeTestAgent(t)
+			rec := &recoveryRecord{Failure: "node2-20250101T000001.000", Coordinator: "node3", Done: true,
+				Error: strings.Repeat("e", tt.errLen)}
+			at := time.Date(2025, 1, 1, 0, 0, 1, 123456789, time.UTC)
+			for i := range tt.jobs {
+				job := fmt.Sprintf("rank%d-%08x", i, i)
+				for _, name := range []string{"fetched", "rewritten", "restored", "replayed"} {
+					rec.Stages = append(rec.Stages, Stage{Name: name, Job: job, Host: "spare1", Start: at, End: at,
+						Detail: fmt.Sprintf("512 MB from node2 (snapshot 20250101T000000.000-node2-%08x, incarnation 2); 3 connection(s): 0 bytes injected, 123456 bytes to re-send", i)})
+				}
+			}
+			if err := saveRecovery(a.cfg.StateDir, rec); err != nil {
+				t.Fatal(err)
+			}
+			st := a.serveRecoveryStatus("node3", clusterapi.RecoveryStatusRequest{Failure: rec.Failure})
+			b, err := json.Marshal(st)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(b) > clusterapi.MaxMessage {
+				t.Fatalf("status of a recovery of %d jobs is %d bytes: more than the %d its reader takes", tt.jobs, len(b), clusterapi.MaxMessage)
+			}
+			var stages []Stage
+			if err := json.Unmarshal(st.Stages, &stages); err != nil {
+				t.Fatalf("stages: %v", err)
+			}
+			if !st.Known || !st.Done || (tt.errLen > 0) != (st.Error != "") || len(stages) == 0 || stages[len(stages)-1].Job != rec.Stages[len(rec.Stages)-1].Job {
+				t.Errorf("status known %v, done %v, error of %d bytes, %d stages; want the outcome and the newest stages", st.Known, st.Done, len(st.Error), len(stages))
+			}
+			if tt.jobs < 10 && len(stages) != len(rec.Stages) {
+				t.Errorf("%d of %d stages answered; want all", len(stages), len(rec.Stages))
+			}
+		})
 	}
 }

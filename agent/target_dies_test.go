@@ -2,12 +2,16 @@ package agent
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/detect"
 	"github.com/ftkit/ftkit/internal/testenv"
 	"github.com/ftkit/ftkit/ring"
@@ -152,4 +156,59 @@ func recoveryOnSpare(t *testing.T, a *Agent) string {
 		f.Node, f.Protector, f.Target, f.Jobs = "n3", "n1", "s1", []string{"job-1"}
 	})
 	return id
+}
+
+// statusScript is a recovery's target that answers, to every status question, that the recovery is under
+// way with one more stage, until its answers run out: then that it is done.
+type statusScript struct {
+	clusterapi.Service
+	mu       sync.Mutex
+	underWay int // answers left that say under way
+	asked    int
+}
+
+func (s *statusScript) RecoveryStatus(_ context.Context, _ string, q clusterapi.RecoveryStatusRequest) (clusterapi.RecoveryStatusReply, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.asked++
+	var stages []Stage
+	for i := range s.asked {
+		stages = append(stages, Stage{Name: "fetched", Job: fmt.Sprintf("job-%d", i), Host: "s1"})
+	}
+	b, err := json.Marshal(stages)
+	if err != nil {
+		return clusterapi.RecoveryStatusReply{}, err
+	}
+	done := s.underWay == 0
+	s.underWay = max(s.underWay-1, 0)
+	return clusterapi.RecoveryStatusReply{Failure: q.Failure, Known: true, Done: done, Stages: b, Running: q.Jobs}, nil
+}
+
+// TestBrokenStreamFollowsTheTarget: after its progress stream broke, the coordinator waits for as long as
+// the target says the recovery goes on (the stream broke on a network blip: the target fetches and
+// restores on, which may take longer than a resumed replay), not a fixed replay_timeout + 3 min from the
+// break. Until the fix it gave up at that bound while the target went on: the recovery was reported failed
+// (its runs rolled back in auto mode) while its jobs were being restored.
+func TestBrokenStreamFollowsTheTarget(t *testing.T) {
+	pki := newTestPKI(t)
+	target := &statusScript{underWay: 3}
+	port := scriptedPeer(t, pki, "s1", target)
+	a, logs := clientAgent(t, pki, map[string]uint16{"s1": port})
+	// A short bound between answers (3 s; the questions come every 2 s): the target answers under way
+	// for about 6 s.
+	a.cfg.Failover.ReplayTimeout.Duration = 3*time.Second - 3*time.Minute
+	req := RecoverRequest{Failure: "n3-20261207T000000.000", Failed: "n3", Jobs: []RecoverJob{{Job: "job-1"}}}
+	var emitted int
+	var err error
+	testenv.ReturnsWithin(t, failAfter, func() {
+		err = a.afterBrokenStream(t.Context(), "s1", req, func(Stage) { emitted++ }, errors.New("progress stream ended: a network blip"))
+	})
+	target.mu.Lock()
+	defer target.mu.Unlock()
+	if err != nil {
+		t.Fatalf("the recovery ended with %v after %d answers, while the target said it went on; log:\n%s", err, target.asked, logs.String())
+	}
+	if emitted != target.asked {
+		t.Errorf("%d stages relayed; want the %d the target answered", emitted, target.asked)
+	}
 }
