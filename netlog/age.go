@@ -63,12 +63,14 @@ func (s *Store) Age(ctx context.Context, now time.Time) (AgeReport, error) {
 	return r, nil
 }
 
-// spillExcess returns how many bytes of memory are above the spill threshold (<= 0: none).
+// spillExcess returns how many bytes of memory are above the spill threshold (<= 0: none). The stores'
+// overhead counts, as in the memory the controller measures (Stats.LiveBytes) and asks to spill down to
+// the threshold: without it a log of many small stores stayed above its low watermark, up to its cap.
 func (e *env) spillExcess(m *meter) int64 {
 	if e.opt.SpillAboveRAM <= 0 {
 		return 0
 	}
-	return m.ram.Load() + m.comp.Load() + m.pooled.Load() - e.opt.SpillAboveRAM
+	return m.ram.Load() + m.comp.Load() + m.pooled.Load() + m.overhead.Load() - e.opt.SpillAboveRAM
 }
 
 type candidate struct {

@@ -47,8 +47,9 @@ type Options struct {
 
 	// SpillDir is where Age spills slabs as a last resort. Empty disables spilling.
 	SpillDir string
-	// SpillAboveRAM: when raw plus compressed memory exceeds this many bytes, Age writes the
-	// oldest sealed slabs to a file in SpillDir, fsyncs it, then frees their memory.
+	// SpillAboveRAM: when raw plus compressed memory, with the stores' overhead (Stats.OverheadBytes),
+	// exceeds this many bytes, Age writes the oldest sealed slabs to a file in SpillDir, fsyncs it,
+	// then frees their memory.
 	// 0 disables spilling.
 	SpillAboveRAM int64
 

@@ -1,6 +1,8 @@
 package netlog
 
 import (
+	"context"
+	"log/slog"
 	"net/netip"
 	"runtime"
 	"testing"
@@ -67,5 +69,60 @@ func TestLogMetersStoreOverhead(t *testing.T) {
 	}
 	if st := l.Stats(); st.LiveBytes() != 0 || st.MemoryBytes() != st.PooledBytes {
 		t.Fatalf("after removing every store the log still meters %d live bytes (%+v)", st.LiveBytes(), st)
+	}
+}
+
+// TestSpillCountsStoreOverhead: the controller measures the log's memory with every store's overhead
+// (Stats.LiveBytes) and asks Age to spill down to the low watermark (Options.SpillAboveRAM); Age measured
+// only the slabs. With many small stores the log stayed above the watermark, up to its cap, which pauses
+// the consumer, while sealed slabs that could go to disk stayed in memory.
+func TestSpillCountsStoreOverhead(t *testing.T) {
+	const slab = 4096
+	tests := []struct {
+		name      string
+		small     int   // stores trimmed to nothing: their overhead only
+		threshold int64 // SpillAboveRAM
+		spill     bool
+	}{
+		{name: "slabs and overhead under the threshold", small: 8, threshold: 64 * slab},
+		{name: "slabs under the threshold, overhead puts the log above it", small: 200, threshold: 16 * slab, spill: true},
+		{name: "overhead alone above the threshold", small: 200, threshold: 4 * slab, spill: true},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			l := newTestLog(t, Options{SlabSize: slab, PoolSlabs: -1, SpillDir: fastSpillDir(t), SpillAboveRAM: tc.threshold,
+				Logger: slog.New(slog.DiscardHandler)})
+			stream := textStream(12*slab + 100) // 12 sealed slabs, one partial
+			for off := 0; off < len(stream); off += 1448 {
+				if err := l.Append(decoded(t, testConn(0), uint32(off), stream[off:min(off+1448, len(stream))])); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for i := 1; i <= tc.small; i++ {
+				if err := l.Append(decoded(t, testConn(i), 1000, []byte{1})); err != nil {
+					t.Fatal(err)
+				}
+				if _, err := l.Trim(testConn(i), 1001); err != nil {
+					t.Fatal(err)
+				}
+			}
+			before := l.Stats()
+			r, err := l.Age(context.Background(), time.Now())
+			if err != nil {
+				t.Fatal(err)
+			}
+			after := l.Stats()
+			if !tc.spill {
+				if r.Spilled != 0 {
+					t.Errorf("live memory %d under the threshold %d: %d slabs spilled, want none", before.LiveBytes(), tc.threshold, r.Spilled)
+				}
+				return
+			}
+			// What spilling can free is the sealed slabs: the log must end at the threshold or with them all on disk.
+			if after.LiveBytes() > tc.threshold && r.Spilled < 12 {
+				t.Errorf("live memory %d (%d in stores' overhead) above the spill threshold %d after Age: %d of 12 sealed slabs spilled",
+					after.LiveBytes(), after.OverheadBytes, tc.threshold, r.Spilled)
+			}
+		})
 	}
 }
