@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"log/slog"
 	"os"
 	"strings"
 	"testing"
@@ -313,6 +314,70 @@ func TestSpillDirMustBePrivate(t *testing.T) {
 			}
 			if got := mustBytes(t, s, AnchorEpoch, AnchorEpoch+uint64(len(stream))); !bytes.Equal(got, stream) {
 				t.Error("bytes differ after the spill")
+			}
+		})
+	}
+}
+
+// TestAppendOverUnreadableSpill: a segment that overlaps a spilled slab the store cannot read back (a
+// corrupted or failing spill disk) cannot be compared there. Before, the read error rejected the whole
+// segment: its bytes past the log's end were lost (a hole), and a conflict in a readable part of it (a new
+// connection on the same 4-tuple) went unnoticed, so ranges from below it were served the old bytes.
+func TestAppendOverUnreadableSpill(t *testing.T) {
+	const slab = 4096
+	tests := []struct {
+		name     string
+		from, to int // the segment, stream offsets
+		flip     int // a byte of the segment changed (a stream offset), -1 for none
+		conflict bool
+	}{
+		{name: "retransmission running into new bytes", from: 7*slab + 10, to: 8*slab + 600, flip: -1},
+		{name: "conflict in a readable slab after the unreadable one", from: 7*slab + 10, to: 8*slab + 50, flip: 8*slab + 20, conflict: true},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			s := newTestStore(t, Options{SlabSize: slab, SpillDir: t.TempDir(), SpillAboveRAM: 1, Logger: slog.New(slog.DiscardHandler)})
+			stream := textStream(10 * slab)
+			isn := uint32(12345 * slab)
+			base := AnchorEpoch | uint64(isn)
+			appendAll(t, s, isn, stream[:8*slab+100], 1448)
+			if _, err := s.Age(context.Background(), time.Now()); err != nil {
+				t.Fatal(err)
+			}
+			// Corrupt spilled slab 7 on disk.
+			s.mu.RLock()
+			sl := s.slabAt(base>>12 + 7)
+			if sl == nil || sl.spill == nil {
+				s.mu.RUnlock()
+				t.Fatalf("slab 7 not spilled: %+v", s.Stats())
+			}
+			ref := *sl.spill
+			s.mu.RUnlock()
+			if _, err := s.env.spill.f.WriteAt([]byte{0xFF, 0x00, 0xFF}, ref.off+int64(ref.n)/2); err != nil {
+				t.Fatal(err)
+			}
+
+			p := bytes.Clone(stream[tc.from:tc.to])
+			if tc.flip >= 0 {
+				p[tc.flip-tc.from] ^= 0xA5
+			}
+			err := s.Append(isn+uint32(tc.from), p)
+			b := s.Bounds()
+			if tc.conflict {
+				if !errors.Is(err, ErrConflict) || b.ConflictEnd == 0 {
+					t.Fatalf("append with a changed byte at %d: %v, conflict end %d: want a conflict", tc.flip, err, b.ConflictEnd)
+				}
+				return
+			}
+			if err == nil || errors.Is(err, ErrConflict) {
+				t.Fatalf("append over the unreadable slab: %v, want the read error", err)
+			}
+			got, rerr := s.Bytes(base+8*slab+100, base+uint64(tc.to))
+			if rerr != nil || !bytes.Equal(got, stream[8*slab+100:tc.to]) {
+				t.Fatalf("append over the unreadable slab (%v) lost the segment's new bytes: %v", err, rerr)
+			}
+			if _, rerr := s.Bytes(base+7*slab, base+7*slab+10); rerr == nil {
+				t.Fatal("the unreadable slab was read")
 			}
 		})
 	}

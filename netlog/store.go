@@ -111,7 +111,8 @@ func (s *Store) Unwrap(seq uint32) uint64 {
 
 // Append logs payload p whose first byte has TCP sequence seq. Bytes already logged are
 // compared, not stored again; bytes below the trim point are dropped. If any offered byte
-// differs from a logged one, nothing of p is stored and a *ConflictError is returned.
+// differs from a logged one, nothing of p is stored and a *ConflictError is returned. Where the logged
+// bytes cannot be read back (a spilled slab), p's new bytes are stored and the read error returned.
 // p is copied; the caller may reuse it.
 func (s *Store) Append(seq uint32, p []byte) error {
 	if len(p) == 0 {
@@ -226,25 +227,33 @@ func (s *Store) appendAbs(a uint64, p []byte) error {
 		a = s.floor
 	}
 	s.offered(a)
+	var unread error
 	if s.retained > 0 && a < s.last {
-		if err := s.compare(a, p); err != nil {
-			if errors.Is(err, ErrConflict) {
-				s.add(cConflicts, 1)
-				// Up to the highest byte seen (and a FIN), too: the bytes logged past the segment may be
-				// another connection's, which a receiver of the new one, restored from the segment's end,
-				// would be served.
-				s.conflictEnd = max(s.conflictEnd, b, s.u.Ref()+2)
-			}
+		if err := s.compare(a, p); errors.Is(err, ErrConflict) {
+			s.add(cConflicts, 1)
+			// Up to the highest byte seen (and a FIN), too: the bytes logged past the segment may be
+			// another connection's, which a receiver of the new one, restored from the segment's end,
+			// would be served.
+			s.conflictEnd = max(s.conflictEnd, b, s.u.Ref()+2)
 			return err
+		} else if err != nil {
+			// A logged slab that cannot be read back (the spill disk) was not compared; its own reads
+			// fail. The segment's bytes the log lacks are stored all the same: rejected, they were a hole.
+			unread = fmt.Errorf("log segment [%d, %d): its new bytes are stored, its overlap with the log is unchecked: %w", a, b, err)
 		}
 	}
 	s.u.Observe(b)
-	return s.write(a, p)
+	if err := s.write(a, p); err != nil {
+		return err
+	}
+	return unread
 }
 
-// compare checks p against the bytes already logged over [a, a+len(p)).
+// compare checks p against the bytes already logged over [a, a+len(p)). A conflict anywhere is reported
+// before a logged slab that could not be read, which is skipped: it must not hide a conflict elsewhere.
 func (s *Store) compare(a uint64, p []byte) error {
 	var cerr *ConflictError
+	var rerr error
 	var scratch *[]byte
 	defer func() {
 		if scratch != nil {
@@ -262,11 +271,11 @@ func (s *Store) compare(a uint64, p []byte) error {
 					scratch = s.env.scratch.Get().(*[]byte)
 				}
 				var err error
-				if data, err = s.env.decode(sl.comp, sl.spill, sl.rawLen, sl.crc, *scratch); err != nil {
-					return fmt.Errorf("compare retransmitted bytes at abs %d with the log: %w", pos, err)
+				if data, err = s.env.decode(sl.comp, sl.spill, sl.rawLen, sl.crc, *scratch); err != nil && rerr == nil {
+					rerr = fmt.Errorf("compare retransmitted bytes at abs %d with the log: %w", pos, err)
 				}
 			}
-			for i := sl.firstSpanAfter(off); i < len(sl.spans) && sl.spans[i].lo < off+n; i++ {
+			for i := sl.firstSpanAfter(off); data != nil && i < len(sl.spans) && sl.spans[i].lo < off+n; i++ {
 				lo, hi := max(off, sl.spans[i].lo), min(off+n, sl.spans[i].hi)
 				have, offered := data[lo-sl.bufLo:hi-sl.bufLo], rest[lo-off:hi-off]
 				if bytes.Equal(have, offered) {
@@ -287,7 +296,7 @@ func (s *Store) compare(a uint64, p []byte) error {
 	if cerr != nil {
 		return cerr
 	}
-	return nil
+	return rerr
 }
 
 func firstDiff(a, b []byte) int {
