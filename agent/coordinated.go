@@ -446,6 +446,9 @@ func (a *Agent) rollbackParts(ctx context.Context, run string, uid uint32, parts
 		if err := a.checkPart(run, uid, p, nil); err != nil {
 			return nil, fmt.Errorf("nothing stopped: %w", err)
 		}
+		if err := a.refuseMovingAway(p.Job); err != nil {
+			return nil, fmt.Errorf("nothing stopped: %w", err)
+		}
 		if _, err := a.store.Manifest(p.Job, p.Snapshot); err != nil && p.Target == a.cfg.Name {
 			// In place of a failed host, or on the part's own host that failed and rejoined without its copy
 			// (a repaired disk): the part comes from a member that holds one (its protector's replica).
@@ -465,6 +468,24 @@ func (a *Agent) rollbackParts(ctx context.Context, run string, uid uint32, parts
 	return ms, nil
 }
 
+// refuseMovingAway refuses a rollback's part of job id while a migration moves the job off this host
+// (recorded moved, the migration's event open): the coordinator listed it here before it left, or nowhere
+// while the target restores it, and the part's restore here would claim past the target's incarnation (a
+// rollback's claim is forced) while the target's copy runs: two copies.
+func (a *Agent) refuseMovingAway(id string) error {
+	j, _, err := a.Job(id, 0)
+	if err != nil || j.State != JobMoved || j.Migration == "" || j.MovedTo == a.cfg.Name {
+		return nil
+	}
+	for _, f := range a.failures.List() {
+		if f.ID == j.Migration && !f.Done {
+			return fmt.Errorf("job %s is moving to %s (migration %s): its copy there is not stopped, and a restore here would be a second one; roll the run back again once the migration has ended (`ftctl events`)",
+				j.ID, j.MovedTo, j.Migration)
+		}
+	}
+	return nil
+}
+
 // rollbackStop checks the parts again (rollbackParts; the prepare phase did on every host), then takes
 // each part's job off the host as a migration does (address first,
 // then shim and processes), and an ended copy's lingering network with it, and drops what the host logged
@@ -478,6 +499,11 @@ func (a *Agent) rollbackStop(ctx context.Context, run string, uid uint32, parts 
 	defer a.ckptMu.Unlock()
 	var errs []error
 	for i, p := range parts {
+		// Again under the snapshot lock, which a migration holds until its job has left.
+		if err := a.refuseMovingAway(p.Job); err != nil {
+			errs = append(errs, err)
+			continue
+		}
 		j, _, err := a.Job(p.Job, 0)
 		if err == nil && j.State == JobRunning {
 			if err := a.leaveHost(ctx, j, a.cfg.Name); err != nil {

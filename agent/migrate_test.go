@@ -613,3 +613,42 @@ func TestDrainDumpsAFailingJobOnce(t *testing.T) {
 		t.Errorf("job %s after the drain; want it running here", cur.State)
 	}
 }
+
+// TestRollbackOfJobMovingAway: a rollback whose part of a job is to be restored on this host, while the job
+// is moving off it (recorded moved, its migration under way), is refused before anything stops and at its
+// stop: the coordinator listed the job here before it left (or nowhere, while the target restores it), and
+// the target's copy runs on. Before, the stop skipped the job (not running here) and the restore claimed
+// past the target's incarnation (forced: "none runs"): two copies of the job. A job that moved by a
+// migration that has ended, and runs nowhere now (the coordinator found it nowhere), is restored here.
+func TestRollbackOfJobMovingAway(t *testing.T) {
+	for _, tt := range []struct {
+		name    string
+		ended   bool // the migration's event
+		refusal string
+	}{
+		{"migration under way", false, "is moving to node2"},
+		{"migration ended", true, ""},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			ta := newTestAgent(t)
+			const id, mig = "farm-node1-1", "farm-node1-1-migrate-x"
+			uid := uint32(0)
+			snap := ta.addSnapshot(t, Job{ID: id, UID: uid, Node: ta.cfg.Name, Spec: JobSpec{Run: "farm"}})
+			ta.addJob(t, Job{ID: id, UID: uid, State: JobMoved, MovedTo: "node2", Migration: mig, MovedSnapshot: snap, Spec: JobSpec{Run: "farm"}})
+			ta.failures.Update(mig, func(f *Failure) {
+				f.Kind, f.Node, f.Protector, f.Target, f.Jobs, f.Done = KindMigration, "node1", "node1", "node2", []string{id}, tt.ended
+			})
+			parts := []clusterapi.CutPart{{Job: id, Host: ta.cfg.Name, Target: ta.cfg.Name, Snapshot: snap}}
+			_, perr := ta.rollbackParts(t.Context(), "farm", uid, parts)
+			serr := ta.rollbackStop(t.Context(), "farm", uid, parts)
+			for phase, err := range map[string]error{"prepare": perr, "stop": serr} {
+				switch {
+				case tt.refusal == "" && err != nil:
+					t.Errorf("%s: %v; want the part accepted", phase, err)
+				case tt.refusal != "" && (err == nil || !strings.Contains(err.Error(), tt.refusal)):
+					t.Errorf("%s of a rollback of a job moving to node2: %v; want a refusal saying %q (its restore here would be a second copy)", phase, err, tt.refusal)
+				}
+			}
+		})
+	}
+}
