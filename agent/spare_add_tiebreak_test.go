@@ -117,7 +117,7 @@ func TestRejoinSurvivesATieBreak(t *testing.T) {
 		t.Fatalf("rejoin refused: %v", err)
 	}
 	lost := false
-	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+	for deadline := time.Now().Add(failAfter); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
 		v := a.View()
 		m, _ := v.Member("n3")
 		if v.Epoch > mine.Epoch && m.State == ring.StateAlive && m.Incarnation == 1 {

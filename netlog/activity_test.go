@@ -3,6 +3,8 @@ package netlog
 import (
 	"context"
 	"errors"
+	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -238,7 +240,14 @@ func TestLogNoteParkedRacesRemoval(t *testing.T) {
 	st.mu.Lock() // the note below finds st in the log and waits for it
 	errc := make(chan error, 1)
 	go func() { errc <- l.NoteParked(Record{Conn: c, Seq: 1100, Parked: 100, CgroupID: 3}) }()
-	time.Sleep(20 * time.Millisecond)
+	// The removal must come after the note's lookup: once the note waits on st's lock.
+	for !waitsInStoreNoteParked() {
+		select {
+		case err := <-errc:
+			t.Fatalf("NoteParked returned %v without waiting for the store's lock", err)
+		case <-time.After(time.Millisecond):
+		}
+	}
 	// What RemoveIdle does under the store's lock.
 	l.mu.Lock()
 	st.closed = true
@@ -252,4 +261,16 @@ func TestLogNoteParkedRacesRemoval(t *testing.T) {
 	if b, err := l.Bounds(c); err != nil || !b.Anchored || b.Seen != AnchorEpoch|1200 {
 		t.Errorf("the fresh store: bounds %+v, %v; want anchored, seen up to wire 1200", b, err)
 	}
+}
+
+// waitsInStoreNoteParked reports whether a goroutine waits for a lock in Store.NoteParked.
+func waitsInStoreNoteParked() bool {
+	buf := make([]byte, 1<<20)
+	buf = buf[:runtime.Stack(buf, true)]
+	for g := range strings.SplitSeq(string(buf), "\n\n") {
+		if strings.Contains(g, "[sync.Mutex.Lock") && strings.Contains(g, "netlog.(*Store).NoteParked(") {
+			return true
+		}
+	}
+	return false
 }
