@@ -102,8 +102,14 @@ func (s *contactStore) load(now time.Time) (neighbourSilence, error) {
 	if c.Heard <= 0 || c.ProtHeard < 0 || c.ProtHeard > c.Heard || time.Duration(c.Heard) > bt {
 		return neighbourSilence{}, fmt.Errorf("last contact a previous agent recorded, in %s: boottime %d (protector %d) is not before now (%d)", s.path, c.Heard, c.ProtHeard, bt)
 	}
-	// No contact with the protector alone (0) counts from the boot, as the oldest time there is.
-	return neighbourSilence{heard: now.Add(time.Duration(c.Heard) - bt), protHeard: now.Add(time.Duration(c.ProtHeard) - bt)}, nil
+	// No contact with the protector alone (0) counts from the boot, as the oldest time there is. The file
+	// keeps no contact with the predecessor alone: it is the last contact if the protector's was earlier, and
+	// counts from the boot otherwise.
+	w := neighbourSilence{heard: now.Add(time.Duration(c.Heard) - bt), protHeard: now.Add(time.Duration(c.ProtHeard) - bt), predHeard: now.Add(-bt)}
+	if c.ProtHeard < c.Heard {
+		w.predHeard = w.heard
+	}
+	return w, nil
 }
 
 // save records w's last contact as of now, at most every fenceContactEvery, and only when it changed.

@@ -58,7 +58,7 @@ func (c *contactClock) get(name string) time.Time {
 
 // selfFence checks, every fence.Timing.Check, whether this node is cut off: whether it heard from its
 // predecessor (its beats) or reached its protector (which acknowledged its own beats) within the fence
-// timeout; and, if it heard only its predecessor (in a ring of two, if its protector is silent), whether it
+// timeout; and, if it heard only one of them (in a ring of two, if its protector is silent), whether it
 // reaches a majority of the other members.
 func (a *Agent) selfFence(ctx context.Context) {
 	t := a.cfg.FenceTiming()
@@ -107,7 +107,7 @@ func (a *Agent) selfFence(ctx context.Context) {
 		if _, at, ok := a.watchdog.Last(s.Name); ok {
 			c.Predecessor = at
 		}
-		d, protSilence, fresh := silence.check(now, p.Name, s.Name, c, t.Timeout)
+		d, protSilence, predSilence, fresh := silence.check(now, p.Name, s.Name, c, t.Timeout)
 		if fresh {
 			fenced = false
 		}
@@ -120,26 +120,36 @@ func (a *Agent) selfFence(ctx context.Context) {
 		// neighbours or a restart), which held the kill past it.
 		cut, quiet, from := d.Fence && !two, d.Silence, silence.protSince
 		cause := fmt.Sprintf("no contact with %s and %s for %s", p.Name, s.Name, d.Silence.Round(time.Millisecond))
-		if !cut && (two || d.Silence < protSilence) && protSilence >= t.AskMembersAfter(a.cfg.ProbeTimeout()) {
-			// Only the protector is silent: a partition that cuts off two or more neighbours of the ring leaves
-			// each hearing one, and the protector's side declares this node if it holds a majority. In a ring of
-			// two, the protector and the spares declare it if it reaches too few of them.
-			members.ask(ctx, a, now.Add(-min(a.cfg.ProbeTimeout(), protSilence)))
-			switch ans, ok := members.since(now.Add(-protSilence)); {
-			case !ok && fenced && protSilence >= t.Timeout:
-				// Fenced on both silences, and the predecessor is back: no question went out while both were
+		// The one neighbour silent while the other is heard: the protector, or the predecessor. The first node
+		// of a segment cut off hears its protector (the segment's next node) and not its predecessor: the far
+		// side replaces that protector, which fenced, and the new one there declares this node.
+		lone, role, loneName, loneHeard := protSilence, "protector", p.Name, silence.protHeard
+		if !two && predSilence > protSilence {
+			lone, role, loneName, loneHeard = predSilence, "predecessor", s.Name, silence.predHeard
+		}
+		if !cut && (two || d.Silence < lone) && lone >= t.AskMembersAfter(a.cfg.ProbeTimeout()) {
+			// Only one neighbour is silent: a partition that cuts off two or more neighbours of the ring leaves
+			// each hearing one, and the far side declares this node if it holds a majority. In a ring of two,
+			// the protector and the spares declare it if it reaches too few of them.
+			members.ask(ctx, a, now.Add(-min(a.cfg.ProbeTimeout(), lone)))
+			switch ans, ok := members.since(now.Add(-lone)); {
+			case !ok && fenced && lone >= t.Timeout:
+				// Fenced on both silences, and one neighbour is back: no question went out while both were
 				// silent, so the fence holds until the members answer (unfenced, jobs could start here meanwhile).
-				cut, quiet, from = true, protSilence, silence.protSince
-				cause = fmt.Sprintf("no contact with its protector %s for %s, the other members not answered yet", p.Name, protSilence.Round(time.Millisecond))
-			case !ok || protSilence < t.Timeout:
+				cut, quiet, from = true, lone, silence.protSince
+				cause = fmt.Sprintf("no contact with its %s %s for %s, the other members not answered yet", role, loneName, lone.Round(time.Millisecond))
+			case !ok || lone < t.Timeout:
 			case ans.minority():
-				cut, quiet, from = true, protSilence, silence.protSince
-				cause = fmt.Sprintf("no contact with its protector %s for %s, and no answer from %d of the %d other members (%s): their side may declare this node failed",
-					p.Name, protSilence.Round(time.Millisecond), len(ans.silent), ans.others, strings.Join(ans.silent, "; "))
-			case !silence.protHeard.Equal(told):
-				told = silence.protHeard // once a silence: questions go out while it lasts
-				a.log.Warn("no contact with the protector for fence_timeout, but this node reaches a majority of the other members: not fencing (the protector failed, or is the one cut off)",
-					"protector", p.Name, "predecessor", s.Name, "silence_ms", protSilence.Milliseconds(), "others", ans.others, "silent", ans.silent)
+				cut, quiet, from = true, lone, silence.protSince
+				cause = fmt.Sprintf("no contact with its %s %s for %s, and no answer from %d of the %d other members (%s): their side may declare this node failed",
+					role, loneName, lone.Round(time.Millisecond), len(ans.silent), ans.others, strings.Join(ans.silent, "; "))
+			case !loneHeard.Equal(told):
+				told = loneHeard // once a silence: questions go out while it lasts
+				msg := "no contact with the protector for fence_timeout, but this node reaches a majority of the other members: not fencing (the protector failed, or is the one cut off)"
+				if role == "predecessor" {
+					msg = "no contact with the predecessor for fence_timeout, but this node reaches a majority of the other members: not fencing (the predecessor failed, or is the one cut off)"
+				}
+				a.log.Warn(msg, "protector", p.Name, "predecessor", s.Name, "silence_ms", lone.Milliseconds(), "others", ans.others, "silent", ans.silent)
 			}
 		}
 		if !cut {
@@ -219,16 +229,21 @@ type neighbourSilence struct {
 	heard      time.Time // the last contact with either neighbour (or since), as of the last check
 	protSince  time.Time // as since, for the protector alone
 	protHeard  time.Time // as heard, for the protector alone
+	predSince  time.Time // as since, for the predecessor alone
+	predHeard  time.Time // as heard, for the predecessor alone
 }
 
 // check decides at now, with neighbours prot and pred last heard at c, and returns how long the protector
-// alone has been silent; fresh: nothing was measured before (the first check, or the first since the ring
-// had no two neighbours), so the silences start now.
-func (w *neighbourSilence) check(now time.Time, prot, pred string, c fence.Contact, timeout time.Duration) (d fence.Decision, protSilence time.Duration, fresh bool) {
+// alone, and the predecessor alone, have been silent; fresh: nothing was measured before (the first check,
+// or the first since the ring had no two neighbours), so the silences start now.
+func (w *neighbourSilence) check(now time.Time, prot, pred string, c fence.Contact, timeout time.Duration) (d fence.Decision, protSilence, predSilence time.Duration, fresh bool) {
 	if prot != w.prot || pred != w.pred {
-		w.prot, w.pred, w.since, w.protSince = prot, pred, w.heard, w.protHeard
+		w.prot, w.pred, w.since, w.protSince, w.predSince = prot, pred, w.heard, w.protHeard, w.predHeard
 		if w.since.IsZero() {
-			w.since, w.protSince, fresh = now, now, true
+			w.since, w.protSince, w.predSince, fresh = now, now, now, true
+		}
+		if w.predSince.IsZero() {
+			w.predSince = w.since
 		}
 	}
 	d = fence.Decide(now, w.since, c, timeout)
@@ -237,7 +252,11 @@ func (w *neighbourSilence) check(now time.Time, prot, pred string, c fence.Conta
 	if c.Protector.After(w.protHeard) {
 		w.protHeard = c.Protector
 	}
-	return d, now.Sub(w.protHeard), fresh
+	w.predHeard = w.predSince
+	if c.Predecessor.After(w.predHeard) {
+		w.predHeard = c.Predecessor
+	}
+	return d, now.Sub(w.protHeard), now.Sub(w.predHeard), fresh
 }
 
 // askedMembers is what this node found when it last asked whether it reaches the other members, while its

@@ -133,6 +133,9 @@ func TestContactStore(t *testing.T) {
 				t.Errorf("heard %s ago, want no contact", later.Sub(w.heard))
 			case tt.wantAgo != 0 && (later.Sub(w.heard) != tt.wantAgo || later.Sub(w.protHeard) != tt.wantAgo+1500*time.Millisecond):
 				t.Errorf("heard %s ago, the protector %s ago; want %s and %s", later.Sub(w.heard), later.Sub(w.protHeard), tt.wantAgo, tt.wantAgo+1500*time.Millisecond)
+			case tt.wantAgo != 0 && later.Sub(w.predHeard) != tt.wantAgo:
+				// The protector was heard before the last contact: that one was the predecessor's.
+				t.Errorf("the predecessor heard %s ago, want %s", later.Sub(w.predHeard), tt.wantAgo)
 			}
 			if st, err := os.Stat(path); err == nil && tt.file == "" && st.Mode().Perm() != 0o600 {
 				t.Errorf("mode %v, want 0600", st.Mode().Perm())

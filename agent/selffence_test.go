@@ -415,11 +415,37 @@ func TestNeighbourSilence(t *testing.T) {
 	for _, tt := range tests {
 		var w neighbourSilence
 		for i, s := range tt.steps {
-			d, prot, fresh := w.check(at(s.ms), s.prot, s.pred, s.c, timeout)
+			d, prot, _, fresh := w.check(at(s.ms), s.prot, s.pred, s.c, timeout)
 			if want := time.Duration(s.protMs) * time.Millisecond; d.Fence != s.fence || fresh != s.fresh || prot != want {
 				t.Errorf("%s: step %d at +%dms (protector %s, predecessor %s): fence %v (silence %s), protector silent %s, fresh %v; want fence %v, %s, fresh %v",
 					tt.name, i, s.ms, s.prot, s.pred, d.Fence, d.Silence, prot, fresh, s.fence, want, s.fresh)
 			}
+		}
+	}
+}
+
+// TestPredecessorSilence: the predecessor's silence alone (the first node of a segment cut off hears its
+// protector) counts from its last beat, and goes on when the predecessor changes.
+func TestPredecessorSilence(t *testing.T) {
+	const timeout = 400 * time.Millisecond
+	t0 := time.Date(2026, 12, 7, 1, 0, 0, 0, time.UTC)
+	at := func(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
+	var w neighbourSilence
+	for i, s := range []struct {
+		ms     int
+		pred   string
+		c      fence.Contact
+		predMs int
+	}{
+		{ms: 0, pred: "n4", predMs: 0},
+		{ms: 100, pred: "n4", c: fence.Contact{Protector: at(100), Predecessor: at(50)}, predMs: 50},
+		{ms: 300, pred: "n5", c: fence.Contact{Protector: at(300)}, predMs: 250},
+		{ms: 600, pred: "n5", c: fence.Contact{Protector: at(600)}, predMs: 550},
+		{ms: 700, pred: "n5", c: fence.Contact{Protector: at(700), Predecessor: at(690)}, predMs: 10},
+	} {
+		d, _, pred, _ := w.check(at(s.ms), "n2", s.pred, s.c, timeout)
+		if want := time.Duration(s.predMs) * time.Millisecond; pred != want || d.Fence {
+			t.Errorf("step %d at +%dms (predecessor %s): predecessor silent %s, fence %v; want %s, no fence", i, s.ms, s.pred, pred, d.Fence, want)
 		}
 	}
 }
