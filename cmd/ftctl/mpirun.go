@@ -390,7 +390,8 @@ func (f *mpiRunFlags) launcherArgv(p *mpiPlan, self string, prog []string) ([]st
 	// MPICH's -launcher-exec takes one executable, not a command line: a one-line script in the run
 	// directory (same as scripts/mpi/ftkit-rsh, with this ftctl's path).
 	agentCmd := filepath.Join(dir, "rsh")
-	script := fmt.Sprintf("#!/bin/sh\nexec '%s' mpirun launch-daemon \"$@\"\n", self)
+	// Quoted for the shell whatever ftctl's path holds: a quote in it ended the string early.
+	script := fmt.Sprintf("#!/bin/sh\nexec %s mpirun launch-daemon \"$@\"\n", shellQuote(self))
 	if err := writeNewFile(agentCmd, []byte(script), 0o755); err != nil {
 		return nil, fmt.Errorf("write the MPI launcher script: %w", err)
 	}
@@ -460,6 +461,12 @@ func (f *mpiRunFlags) launcherArgv(p *mpiPlan, self string, prog []string) ([]st
 	default:
 		return nil, cli.Usagef("--impl %q: want openmpi or mpich", f.impl)
 	}
+}
+
+// shellQuote is s as one word of a POSIX shell command line: single-quoted, each quote in it closed, escaped
+// and reopened.
+func shellQuote(s string) string {
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }
 
 // mpichEnv is the environment every MPICH rank gets (hydra's -genv), name and value. Debian's MPICH 4.0 is
