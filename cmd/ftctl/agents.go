@@ -83,6 +83,14 @@ func (t *target) clients() ([]hostClient, error) {
 		}
 		return t.clusterClients(cluster)
 	}
+	// One socket is one agent, which acts on its own host: a --lab or --host beside it was dropped, and drain,
+	// restore or checkpoint acted on the socket's host instead of the one named.
+	if t.socket != "" && t.labID != "" {
+		return nil, cli.Usagef("--socket and --lab pick different agents: give one")
+	}
+	if t.socket != "" && t.host != "" {
+		return nil, cli.Usagef("--socket names one agent, which acts on its own host: --host %s picks a host of a lab (--lab) or of a cluster (--cluster); give one of them", t.host)
+	}
 	sock := t.socket
 	if sock == "" && t.labID == "" && t.host == "" {
 		sock = os.Getenv("FTKIT_AGENT_SOCKET")
@@ -563,6 +571,9 @@ It fails if a snapshot could not be taken or did not reach the protector.`,
 				}
 				return cutCmd(cmd, t, coordinated.RunRequest{Run: run, UID: runUID.ptr()}, asJSON)
 			}
+			if runUID.set { // it picks whose run: alone it was dropped, and every job snapshotted
+				return cli.Usagef("--uid picks whose run --run names: give --run, or leave out --uid")
+			}
 			cs, err := t.clients()
 			if err != nil {
 				return err
@@ -570,6 +581,7 @@ It fails if a snapshot could not be taken or did not reach the protector.`,
 			progress := cli.NewProgress(cmd.ErrOrStderr(), asJSON)
 			var all []agent.SnapshotResult
 			var errs []error
+			running := map[string]bool{} // the named jobs found running on a host
 			for _, c := range cs {
 				mine := jobs
 				if len(jobs) > 0 && len(cs) > 1 {
@@ -584,6 +596,7 @@ It fails if a snapshot could not be taken or did not reach the protector.`,
 						for _, want := range jobs {
 							if j.ID == want && j.State == agent.JobRunning {
 								mine = append(mine, want)
+								running[want] = true
 							}
 						}
 					}
@@ -601,6 +614,15 @@ It fails if a snapshot could not be taken or did not reach the protector.`,
 					errs = append(errs, fmt.Errorf("%s: %s", c.host, reply.Error))
 				}
 				all = append(all, reply.Results...)
+			}
+			// A named job no host runs was asked of none: a single agent refuses it (not found), and so must
+			// several, else a typo or an ended job passed for snapshotted.
+			if len(jobs) > 0 && len(cs) > 1 {
+				for _, want := range jobs {
+					if !running[want] {
+						errs = append(errs, fmt.Errorf("%w: job %s runs on none of the hosts that answered (see ftctl jobs)", agent.ErrNoJob, want))
+					}
+				}
 			}
 			// A snapshot that did not reach the protector protects nothing: say so in the exit status.
 			for _, r := range all {
@@ -774,7 +796,8 @@ target fails, the job is restored on its host again. The job's timeline is in ft
 					from = &cs[i]
 					break
 				}
-				if err != nil && len(cs) == 1 {
+				// A host that does not know the job says nothing; one that did not answer may be the job's.
+				if err != nil && (len(cs) == 1 || !errors.Is(err, agent.ErrNoJob)) {
 					errs = append(errs, onHost(c.host, err))
 				}
 			}
