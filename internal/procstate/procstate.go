@@ -61,27 +61,46 @@ func RunningThreads(pid int) ([]int, error) {
 	return running, nil
 }
 
-// Tree lists pid and its descendants (every thread's children).
-func Tree(pid int) ([]int, error) {
-	out := []int{pid}
-	for i := 0; i < len(out); i++ {
-		tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", out[i]))
-		if err != nil {
-			return nil, fmt.Errorf("list the threads of process %d: %w", out[i], err)
+// Tree lists pid and its descendants (every thread's children). A descendant or thread that exits while
+// they are read is left out: the tree is read while it runs (a dump CRIU left unfinished), and one short-
+// lived child must not cost the caller every other process.
+func Tree(pid int) ([]int, error) { return tree("/proc", pid) }
+
+// tree is Tree on the procfs mounted at proc.
+func tree(proc string, pid int) ([]int, error) {
+	var out []int
+	for next := []int{pid}; len(next) > 0; {
+		p := next[0]
+		next = next[1:]
+		tasks, err := os.ReadDir(fmt.Sprintf("%s/%d/task", proc, p))
+		if err != nil && p != pid && exited(err) {
+			continue
 		}
+		if err != nil {
+			return nil, fmt.Errorf("list the threads of process %d: %w", p, err)
+		}
+		out = append(out, p)
 		for _, t := range tasks {
-			b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/children", out[i], t.Name()))
+			b, err := os.ReadFile(fmt.Sprintf("%s/%d/task/%s/children", proc, p, t.Name()))
+			if exited(err) {
+				continue
+			}
 			if err != nil {
-				return nil, fmt.Errorf("list the children of thread %s of process %d: %w", t.Name(), out[i], err)
+				return nil, fmt.Errorf("list the children of thread %s of process %d: %w", t.Name(), p, err)
 			}
 			for _, f := range strings.Fields(string(b)) {
 				c, err := strconv.Atoi(f)
 				if err != nil {
-					return nil, fmt.Errorf("children of process %d: %q", out[i], f)
+					return nil, fmt.Errorf("children of process %d: %q", p, f)
 				}
-				out = append(out, c)
+				next = append(next, c)
 			}
 		}
 	}
 	return out, nil
+}
+
+// exited reports whether err is what /proc answers for a process or thread that is gone.
+func exited(err error) bool {
+	return errors.Is(err, fs.ErrNotExist) || errors.Is(err, unix.ESRCH)
 }
