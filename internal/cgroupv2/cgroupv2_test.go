@@ -173,3 +173,24 @@ func TestID(t *testing.T) {
 		})
 	}
 }
+
+// FuzzParse: /proc/PID/cgroup names cgroups a user may have made (a delegated sub-tree). Whatever it holds,
+// parse gives the absolute path of one of its "0::" lines, and no part of another line.
+func FuzzParse(f *testing.F) {
+	f.Add("0::/user.slice/a\n")
+	f.Add("12:memory:/x\n1:name=systemd:/y\n0::/ftkit/job\n")
+	f.Add("0::/ftkit/job (deleted)\n")
+	f.Add("0:cpu:/x\n0::\n")
+	f.Fuzz(func(t *testing.T, file string) {
+		p, ok := parse(file)
+		if !ok {
+			return
+		}
+		if !strings.HasPrefix(p, "/") || strings.Contains(p, "\n") {
+			t.Fatalf("parse(%q) = %q: not an absolute path on one line", file, p)
+		}
+		if line := "0::" + p; !strings.HasPrefix(file, line+"\n") && file != line && !strings.Contains(file, "\n"+line+"\n") && !strings.HasSuffix(file, "\n"+line) {
+			t.Fatalf("parse(%q) = %q: no line %q", file, p, line)
+		}
+	})
+}

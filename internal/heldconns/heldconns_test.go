@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -230,4 +231,25 @@ func TestFlowsOwnProcess(t *testing.T) {
 	if s.Sent != 0 || s.Received != n {
 		t.Errorf("server end %+v: want none sent, %d received (its kernel holds them, unread)", s, n)
 	}
+}
+
+// FuzzSocketInode: a descriptor's link names what it holds, a path a user chose included. Only the
+// kernel's own "socket:[N]" gives an inode, the one it names.
+func FuzzSocketInode(f *testing.F) {
+	for _, s := range []string{"socket:[12345]", "socket:[0]", "pipe:[1]", "/tmp/socket:[1]", "socket:[1] (deleted)", "socket:[18446744073709551616]"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, link string) {
+		n, ok := socketInode(link)
+		if !ok {
+			return
+		}
+		digits := strings.TrimSuffix(strings.TrimPrefix(link, "socket:["), "]")
+		if !strings.HasPrefix(link, "socket:[") || !strings.HasSuffix(link, "]") || strings.TrimLeft(digits, "0123456789") != "" {
+			t.Fatalf("socketInode(%q) = %d: not a socket's link", link, n)
+		}
+		if m, err := strconv.ParseUint(digits, 10, 64); err != nil || m != n {
+			t.Fatalf("socketInode(%q) = %d, want %d", link, n, m)
+		}
+	})
 }
