@@ -272,7 +272,17 @@ func (a *Agent) checkMigration(req RecoverRequest, peer string) error {
 // recoverJobs is the target's part of a fail-over (restore/recovery.Run): it restores a failed node's jobs
 // on this host, keeping the recovery on disk as it goes so that an agent restarted mid-way resumes it
 // (resume.go).
-func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(Stage)) (err error) {
+func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(Stage)) error {
+	fenced := req.Failed
+	if req.Migration {
+		fenced = "" // the jobs' node is alive: it froze them and moves them
+	}
+	return a.recoverJobsFenced(ctx, req, fenced, emit)
+}
+
+// recoverJobsFenced is recoverJobs superseding the incarnations claimed by restores on fenced, a member
+// declared failed ("" none): recoveryActions.Claim.
+func (a *Agent) recoverJobsFenced(ctx context.Context, req RecoverRequest, fenced string, emit func(Stage)) (err error) {
 	defer a.setBusy(detect.BusyRestore)()
 	track := a.trackRecovery(req)
 	emit = track.wrap(emit)
@@ -282,10 +292,6 @@ func (a *Agent) recoverJobs(ctx context.Context, req RecoverRequest, emit func(S
 		return err
 	}
 	defer a.warmLocalLog(req)()
-	fenced := req.Failed
-	if req.Migration {
-		fenced = "" // the jobs' node is alive: it froze them and moves them
-	}
 	deps := a.recoveryDeps(track, recovery.HostNetwork{Iface: iface, Bits: own.Bits(), Routes: a.routeEdits}, fenced)
 	act := deps.Jobs.(*recoveryActions)
 	if !req.Migration {

@@ -160,7 +160,19 @@ func (a *Agent) endMove(ctx context.Context, res *Migration, rreq RecoverRequest
 // An error only if the job runs nowhere.
 func (a *Agent) afterFailedMove(ctx context.Context, res *Migration, rreq RecoverRequest, emit func(Stage)) error {
 	a.log.Error("migration target failed: restoring the job here again", "job", res.Job, "target", res.To, "err", res.Error)
-	err := a.recoverJobs(ctx, rreq, emit)
+	// A claim of the job by a target the view declares failed is superseded once the target has surely
+	// fenced itself (declared before now: fence_timeout and its margin from now), or the job would be left
+	// to a dead host: a migration is no failure the target's fail-over takes over.
+	fenced := ""
+	if m, ok := a.member(res.To); ok && m.State == ring.StateFailed {
+		ready := a.cfg.FenceTiming().ReadyAt(time.Now())
+		a.log.Warn("the migration's target was declared failed: restoring the job here once the target has surely fenced itself",
+			"job", res.Job, "target", res.To, "wait_ms", time.Until(ready).Milliseconds())
+		if sleepUntil(ctx, ready) == nil {
+			fenced = res.To
+		}
+	}
+	err := a.recoverJobsFenced(ctx, rreq, fenced, emit)
 	if cur, _, jerr := a.Job(res.Job, 0); jerr == nil && cur.State == JobRunning {
 		res.To = a.cfg.Name // back here (an error after the restore, at its re-protection, leaves it running)
 		return nil

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -17,6 +18,7 @@ import (
 	"github.com/ftkit/ftkit/ckpt"
 	"github.com/ftkit/ftkit/ckpt/interval"
 	"github.com/ftkit/ftkit/clusterapi"
+	"github.com/ftkit/ftkit/grant"
 	"github.com/ftkit/ftkit/ring"
 )
 
@@ -651,4 +653,80 @@ func TestRollbackOfJobMovingAway(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestFailedMoveToFailedTarget: a migration whose target claimed the job's next incarnation and then failed
+// (declared failed in the view) restores the job here again from the dump it left with once the target
+// has surely fenced itself, its claim superseding the failed target's; a claim held on another host still
+// means the job runs there. Before, the restore here was refused by the dead target's claim (ErrJobAlive), the migration
+// reported the job running on the failed target, and nobody restored it: a migration is no failure a
+// target's fail-over takes over (failurelog.Log.TakeOver).
+func TestFailedMoveToFailedTarget(t *testing.T) {
+	for _, tt := range []struct {
+		name, heldOn string
+		restoredHere bool // the job's restore here went past the claim (here it then fails: the images are no real dump)
+	}{
+		{"the failed target's claim", "node2", true},
+		{"another host's claim", "node3", false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			ta := newTestAgent(t)
+			ta.cfg.Cluster.Listen = netip.MustParseAddrPort("127.0.0.1:1") // loopback: the host interface a restore looks up
+			ta.failMember(t, "node2")                                      // the target, declared failed; this agent alone grants
+			const job = "moving-00000001"
+			snap := ta.addSnapshotWithRunID(t, Job{ID: job, Node: "node1"})
+			id := job + "-migrate-x"
+			rreq := ta.migrationRequest(id, job, snap)
+			if _, err := ta.grants.Grant(grant.Request{Job: job, Incarnation: 1, Holder: "failover:" + id, Host: tt.heldOn}, time.Now()); err != nil {
+				t.Fatal(err)
+			}
+			ta.cfg.Failover.FenceTimeout.Duration = 100 * time.Millisecond
+			res := &Migration{Job: job, From: "node1", To: "node2", Snapshot: snap, Event: id, Error: "recovery on node2: the recovery's target failed"}
+			start := time.Now()
+			err := ta.afterFailedMove(t.Context(), res, rreq, func(Stage) {})
+			if tt.restoredHere {
+				if err == nil || !strings.Contains(err.Error(), "restore it with `ftctl restore --snapshot "+snap) {
+					t.Fatalf("afterFailedMove: %v, job runs on %s; want it restored here (which fails on these images: lost, with its snapshot named), not left to the failed target", err, res.To)
+				}
+				// The target was declared failed before the call: it fenced itself by then, not before.
+				if ready := ta.cfg.FenceTiming().ReadyAt(start); time.Now().Before(ready) {
+					t.Errorf("the target's claim superseded %s after the call, before the target surely fenced itself (%s)", time.Since(start), ready.Sub(start))
+				}
+				return
+			}
+			if err != nil || res.To != "node2" {
+				t.Fatalf("afterFailedMove: %v, job runs on %s; want it left to the copy another host claimed", err, res.To)
+			}
+		})
+	}
+}
+
+// addSnapshotWithRunID is addSnapshot with the dump's inventory as CRIU writes it (dumpWithRunID): a restore
+// of it gets past its preparation to the incarnation's claim (and then fails: it holds no other image).
+func (ta *testAgent) addSnapshotWithRunID(t *testing.T, j Job) string {
+	t.Helper()
+	p, err := ta.store.Begin(j.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	inv, err := os.ReadFile(filepath.Join(dumpWithRunID(t), "inventory.img"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(filepath.Join(p.Dir(), snapImages), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(p.Dir(), snapImages, "inventory.img"), inv, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	j.Dir, j.Cgroup = filepath.Join(ta.cfg.JobsDir, j.ID), filepath.Join(ta.cfg.CgroupParent, j.ID)
+	b, _ := json.Marshal(j)
+	if err := os.WriteFile(filepath.Join(p.Dir(), snapJob), b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	m, err := p.Commit(context.Background(), ckpt.Info{Mode: Uncoordinated})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m.ID
 }
