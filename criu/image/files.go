@@ -202,9 +202,15 @@ func (f *filesImage) namedPaths(remapped map[uint32]bool) ([]NamedPath, error) {
 			}
 			out = append(out, NamedPath{Path: p, Socket: true, Deleted: u.GetDeleted()})
 		case e.GetType() == fdinfo.FdTypes_FIFO && e.GetFifo() != nil:
-			r := regs[e.GetFifo().GetRegfId()]
+			// Without regf_id (CRIU before it wrote one), CRIU opens the regular-file entry of the FIFO's own
+			// id (fifo.c, open_fifo_fd): entry 0's path would be checked in place of the one opened.
+			regf := e.GetFifo().GetRegfId()
+			if e.GetFifo().RegfId == nil {
+				regf = e.GetFifo().GetId()
+			}
+			r := regs[regf]
 			if r == nil {
-				return nil, fmt.Errorf("image %s: FIFO #%d names regular-file entry %d, which it lacks: %w", filesName, i, e.GetFifo().GetRegfId(), ErrFormat)
+				return nil, fmt.Errorf("image %s: FIFO #%d names regular-file entry %d, which it lacks: %w", filesName, i, regf, ErrFormat)
 			}
 			p, err := clean(i, r.GetReg().GetName())
 			if err != nil {

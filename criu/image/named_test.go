@@ -95,3 +95,22 @@ func TestNamedPaths(t *testing.T) {
 		}
 	}
 }
+
+// TestNamedPathsFifoWithoutRegfID: a FIFO entry without regf_id (as CRIU before regf_id wrote them) is
+// opened by CRIU by the regular-file entry of the FIFO's own id (fifo.c, open_fifo_fd), not of id 0.
+func TestNamedPathsFifoWithoutRegfID(t *testing.T) {
+	old := fifoFileEntry(6, 0)
+	old.Fifo.RegfId = nil
+	b := encodeFilesRaw(marshal(t, regFileEntry(0, "/home/u/decoy", 0)), marshal(t, regFileEntry(6, "/home/u/old.fifo", 0)), marshal(t, old))
+	f, err := decodeFiles(filesName, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := f.namedPaths(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []NamedPath{{Path: "/home/u/old.fifo", Flags: 0o2}}; !reflect.DeepEqual(got, want) {
+		t.Fatalf("namedPaths = %+v, want %+v", got, want)
+	}
+}
