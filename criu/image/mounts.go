@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"syscall"
 
@@ -148,9 +149,20 @@ func (m *mountsImage) gone(root string, used func() (map[uint32]bool, error), ex
 // the job then sees what every process of this host sees at that path: nothing. root is the restore's
 // root. It returns the mount points dropped.
 func PruneGoneMounts(dir, root string) ([]string, error) {
-	paths, err := filepath.Glob(filepath.Join(dir, "mountpoints-*.img"))
-	if err != nil || len(paths) == 0 {
-		return nil, err // no mount namespace of the job's own in the images: nothing to rebuild
+	// Listed, not globbed: dir is a path, and a state directory named with "[" or "*" made it a pattern
+	// that missed the job's images and matched other directories', which were rewritten.
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, fmt.Errorf("read CRIU images: %w", err)
+	}
+	var paths []string
+	for _, e := range ents {
+		if n := e.Name(); strings.HasPrefix(n, "mountpoints-") && strings.HasSuffix(n, ".img") {
+			paths = append(paths, filepath.Join(dir, n))
+		}
+	}
+	if len(paths) == 0 {
+		return nil, nil // no mount namespace of the job's own in the images: nothing to rebuild
 	}
 	// The job's files name the mounts in use; read only if a mount point is missing, which is rare.
 	used := sync.OnceValues(func() (map[uint32]bool, error) {

@@ -240,3 +240,26 @@ func TestPruneGoneMountsIsNotCubic(t *testing.T) {
 		t.Fatalf("pruning %d nested missing mounts took more than 10 s", n)
 	}
 }
+
+// TestPruneGoneMountsDirWithPatternChars: the images directory is a path, not a pattern: under a state
+// directory named with "[", the job's own mount image is pruned and a sibling directory's, which the
+// pattern would match, is left alone.
+func TestPruneGoneMountsDirWithPatternChars(t *testing.T) {
+	base, root := t.TempDir(), t.TempDir()
+	mounts := encodeMountsOf(t, mntEntry(1, 1, "/", true), mntEntry(2, 1, "/gone", true))
+	dir, sibling := filepath.Join(base, "snap[1]"), filepath.Join(base, "snap1")
+	for _, d := range []string{dir, sibling} {
+		if err := os.Mkdir(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		writeImage(t, d, "mountpoints-13.img", mounts)
+		writeImage(t, d, filesName, encodeFilesRaw())
+	}
+	got, err := PruneGoneMounts(dir, root)
+	if err != nil || !slices.Equal(got, []string{"/gone"}) {
+		t.Fatalf("PruneGoneMounts(%s) = %q, %v; want [/gone]", dir, got, err)
+	}
+	if b, err := os.ReadFile(filepath.Join(sibling, "mountpoints-13.img")); err != nil || !bytes.Equal(b, mounts) {
+		t.Fatalf("the sibling directory's image was rewritten (%v)", err)
+	}
+}
