@@ -163,11 +163,13 @@ func Take(ctx context.Context, store *ckpt.Store, d Dumper, opts Options) (m *ck
 
 // WrittenFiles is the recovery contract's part of a dump's regular files: those the job opened for
 // writing (restore truncates them back). Read-only files, the job's binaries and libraries among them,
-// must never be touched: CRIU checks their sizes itself.
+// must never be touched: CRIU checks their sizes itself. So are files deleted before the dump: CRIU restores
+// them from its ghost copy or through a link it made, never by their old name, which may name another of the
+// user's files by then.
 func WrittenFiles(files []image.RegFile) []ckpt.OpenFile {
 	var out []ckpt.OpenFile
 	for _, f := range files {
-		if f.HasSize && f.Flags&syscall.O_ACCMODE != syscall.O_RDONLY {
+		if f.HasSize && f.Flags&syscall.O_ACCMODE != syscall.O_RDONLY && !f.Deleted {
 			out = append(out, ckpt.OpenFile{Path: f.Path, Size: int64(f.Size)})
 		}
 	}

@@ -106,11 +106,22 @@ type RegFile struct {
 	Pos     uint64 // file offset
 	Mode    uint32 // st_mode at dump time (type and permissions); valid if HasMode
 	HasMode bool
+	// Deleted: its name was gone at the dump (remap-fpath.img). A restore recreates it from CRIU's ghost
+	// copy, or reopens it through a link CRIU made, never at Path, which may name another file by then.
+	Deleted bool
 }
 
 // RegularFiles lists the regular files recorded in dir/files.img, in image order.
 func RegularFiles(dir string) ([]RegFile, error) {
 	f, err := readFiles(dir)
+	if err != nil {
+		return nil, err
+	}
+	b, err := os.ReadFile(filepath.Join(dir, remapName))
+	if err != nil && !os.IsNotExist(err) { // only a dump that found deleted files has it
+		return nil, fmt.Errorf("read CRIU image: %w", err)
+	}
+	remapped, err := remappedFiles(b)
 	if err != nil {
 		return nil, err
 	}
@@ -128,6 +139,7 @@ func RegularFiles(dir string) ([]RegFile, error) {
 			Size: r.GetSize(), HasSize: r.Size != nil,
 			Flags: r.GetFlags(), Pos: r.GetPos(),
 			Mode: r.GetMode(), HasMode: r.Mode != nil,
+			Deleted: remapped[r.GetId()],
 		})
 	}
 	return out, nil
