@@ -179,16 +179,21 @@ func TestRecordEnd(t *testing.T) {
 		st         ExitStatus
 		want       bool
 		reason     string
+		planted    bool // the mark and the refusal are another user's (a sticky jobs_dir holds them)
 	}{
-		{"no mark given (a shim of an older agent)", "", false, "", killed, true, ""},
-		{"mark given, not made: the job ended", mark, false, "", killed, true, ""},
-		{"mark made: the copy was superseded", mark, true, "", killed, false, ""},
-		{"killed by the agent, which says why", mark, false, "killed by ftkit: re-sent bytes differ\n", killed, true, "killed by ftkit: re-sent bytes differ"},
-		{"ended by itself before the agent's kill", mark, false, "killed by ftkit", ExitStatus{Code: 0, Node: "node2"}, true, ""},
-		{"a link as the refusal is not followed", mark, false, "->", killed, true, ""},
-		{"a long reason is cut", mark, false, strings.Repeat("x", 10<<10), killed, true, strings.Repeat("x", maxRefusal)},
+		{"no mark given (a shim of an older agent)", "", false, "", killed, true, "", false},
+		{"mark given, not made: the job ended", mark, false, "", killed, true, "", false},
+		{"mark made: the copy was superseded", mark, true, "", killed, false, "", false},
+		{"killed by the agent, which says why", mark, false, "killed by ftkit: re-sent bytes differ\n", killed, true, "killed by ftkit: re-sent bytes differ", false},
+		{"ended by itself before the agent's kill", mark, false, "killed by ftkit", ExitStatus{Code: 0, Node: "node2"}, true, "", false},
+		{"a link as the refusal is not followed", mark, false, "->", killed, true, "", false},
+		{"a long reason is cut", mark, false, strings.Repeat("x", 10<<10), killed, true, strings.Repeat("x", maxRefusal), false},
 		// The shim's own kill (its lazy-pages daemon failed) says why, though the agent wrote no refusal.
-		{"killed by the shim, no refusal written", mark, false, "", ExitStatus{Code: 137, Signal: "SIGKILL", Node: "node2", Reason: "killed by ftkit: lazy"}, true, "killed by ftkit: lazy"},
+		{"killed by the shim, no refusal written", mark, false, "", ExitStatus{Code: 137, Signal: "SIGKILL", Node: "node2", Reason: "killed by ftkit: lazy"}, true, "killed by ftkit: lazy", false},
+		// The records' directory is jobs_dir in the default layout, which users may write to (sticky): a user
+		// who plants another user's job's mark must not have its end go unrecorded, nor its kill explained.
+		{"a mark another user made is not the agent's", mark, true, "", killed, true, "", true},
+		{"a refusal another user wrote is not the agent's", mark, false, "killed by ftkit: made up", killed, true, "", true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			exit := filepath.Join(t.TempDir(), "exit.json")
@@ -197,6 +202,9 @@ func TestRecordEnd(t *testing.T) {
 					t.Fatal(err)
 				}
 				defer os.Remove(mark)
+				if tc.planted {
+					chownOther(t, mark)
+				}
 			}
 			switch tc.refused {
 			case "":
@@ -210,6 +218,9 @@ func TestRecordEnd(t *testing.T) {
 					t.Fatal(err)
 				}
 				defer os.Remove(refusal)
+				if tc.planted {
+					chownOther(t, refusal)
+				}
 			}
 			spec := Spec{JobID: "job-00000001", ExitFile: exit, Superseded: tc.superseded, Refusal: refusal}
 			if err := recordEnd(spec, tc.st); err != nil {
@@ -226,6 +237,17 @@ func TestRecordEnd(t *testing.T) {
 				t.Errorf("exit record %+v, want code %d and reason %q", st, tc.st.Code, tc.reason)
 			}
 		})
+	}
+}
+
+// chownOther gives path to a user other than root and this process (skipped where that is not allowed).
+func chownOther(t *testing.T, path string) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to give a file to another user")
+	}
+	if err := os.Chown(path, 1000, 1000); err != nil {
+		t.Fatal(err)
 	}
 }
 

@@ -26,6 +26,7 @@ import (
 	"github.com/ftkit/ftkit/internal/heldfiles"
 	"github.com/ftkit/ftkit/internal/jobfs"
 	"github.com/ftkit/ftkit/internal/rlimits"
+	"github.com/ftkit/ftkit/internal/rootpath"
 )
 
 // A shim is the parent of one job, like containerd's shim: the agent starts it detached (its own session),
@@ -195,7 +196,10 @@ func checkNames(spec Spec) error {
 // for its readers to tell a superseded copy's record from the job's end.
 func recordEnd(spec Spec, st ExitStatus) error {
 	if spec.Superseded != "" {
-		if _, err := os.Lstat(spec.Superseded); err == nil {
+		// Only the agent's mark counts: the marks lie beside the job records, in jobs_dir in the default
+		// layout, which users may write to (sticky), and one planted there by a user who reads another user's
+		// job id in it would have that job's end go unrecorded.
+		if fi, err := os.Lstat(spec.Superseded); err == nil && fi.Mode().IsRegular() && rootpath.Trusted(rootpath.Owner(fi)) {
 			fmt.Fprintf(os.Stderr, "shim: job %s: this copy was superseded (%s): its end (%d) is not the job's, not recorded\n",
 				spec.JobID, spec.Superseded, st.Code)
 			return nil
@@ -215,8 +219,12 @@ const maxRefusal = 4 << 10
 
 // readRefusal returns the agent's reason for killing the job, "" if it wrote none.
 func readRefusal(path string) string {
-	f, _, err := openRegular(path, "refusal")
+	f, fi, err := openRegular(path, "refusal")
 	if err != nil {
+		return ""
+	}
+	if !rootpath.Trusted(rootpath.Owner(fi)) { // another user's, planted as the mark could be (recordEnd)
+		f.Close()
 		return ""
 	}
 	defer f.Close()
@@ -433,13 +441,41 @@ func waitJob(pid int, other func(int, unix.WaitStatus)) ExitStatus {
 	}
 }
 
+// openLog opens the shim's log at path for appending, never through a link. The log lies beside the job
+// records, in jobs_dir in the default layout, which users may write to (sticky): a file there that is not
+// root's (a user's, or a link) was planted for a job whose id the directory shows, and would get CRIU's
+// messages about another user's job, or be held open to make the agent believe a shim runs (heldOpen); it
+// is replaced by root's own.
+func openLog(path string) (*os.File, error) {
+	for range 3 {
+		// O_NONBLOCK: a planted FIFO without a reader does not hold the open (ENXIO); a regular file ignores it.
+		f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_APPEND|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0o600)
+		if err == nil {
+			fi, serr := f.Stat()
+			if serr == nil && fi.Mode().IsRegular() && rootpath.Trusted(rootpath.Owner(fi)) {
+				return f, nil
+			}
+			f.Close()
+			if serr != nil {
+				return nil, serr
+			}
+		} else if !errors.Is(err, syscall.ELOOP) && !errors.Is(err, syscall.ENXIO) {
+			return nil, err
+		}
+		if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return nil, fmt.Errorf("remove %s, another user's file in place of the log: %w", path, err)
+		}
+	}
+	return nil, fmt.Errorf("%s: another user's file keeps taking its place; remove it", path)
+}
+
 // Launch launches `SELF shim` detached from the agent and waits for its report.
 func Launch(ctx context.Context, self string, spec Spec, logPath string) (int, error) {
 	in, err := json.Marshal(spec)
 	if err != nil {
 		return 0, err
 	}
-	logf, err := os.OpenFile(logPath, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+	logf, err := openLog(logPath)
 	if err != nil {
 		return 0, fmt.Errorf("open shim log: %w", err)
 	}
