@@ -33,6 +33,7 @@ import (
 	"github.com/ftkit/ftkit/internal/jobfs"
 	"github.com/ftkit/ftkit/internal/liveness"
 	"github.com/ftkit/ftkit/internal/netnsthread"
+	"github.com/ftkit/ftkit/internal/rootpath"
 	"github.com/ftkit/ftkit/internal/tickgrid"
 	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/metrics"
@@ -566,14 +567,35 @@ func (a *Agent) copyMarks(id string, inc uint64) (superseded, refusal string) {
 	return superseded, refusal
 }
 
-// writeMark writes one of a copy's marks (copyMarks), never through a link.
+// writeMark writes one of a copy's marks (copyMarks), never through a link. The marks lie beside the job
+// records, in jobs_dir in the default layout, which users may write to (sticky): a file there that is not
+// root's was planted by a user, whose owner may change or remove it at will and which the shim does not
+// believe; it is replaced by root's own. Root's own, once there, no user can replace.
 func writeMark(path, content string) error {
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC|unix.O_NOFOLLOW, 0o600)
-	if err != nil {
-		return err
+	for range 3 {
+		f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL|unix.O_NOFOLLOW, 0o600)
+		if errors.Is(err, fs.ErrExist) {
+			fi, lerr := os.Lstat(path)
+			switch {
+			case errors.Is(lerr, fs.ErrNotExist):
+				continue
+			case lerr != nil:
+				return lerr
+			case !fi.Mode().IsRegular() || !rootpath.Trusted(rootpath.Owner(fi)):
+				if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+					return fmt.Errorf("remove %s, another user's file in place of the mark: %w", path, err)
+				}
+				continue
+			}
+			f, err = os.OpenFile(path, os.O_WRONLY|os.O_TRUNC|unix.O_NOFOLLOW, 0)
+		}
+		if err != nil {
+			return err
+		}
+		_, err = f.WriteString(content)
+		return errors.Join(err, f.Close())
 	}
-	_, err = f.WriteString(content)
-	return errors.Join(err, f.Close())
+	return fmt.Errorf("write %s: another user's file keeps taking its place; remove it", path)
 }
 
 // supersede tells job j's shim that the copy it runs is not the job any more (it moved, was fenced, or

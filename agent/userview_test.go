@@ -205,3 +205,50 @@ func TestEventsReadNoManifest(t *testing.T) {
 		t.Fatal("the owner's listing of the failures opened another user's manifest, and waits on it")
 	}
 }
+
+// TestMarksAreRootsOnly: the marks that tell a job's shim its copy was superseded, or why the agent killed
+// it, lie beside the job records: in jobs_dir in the default layout, which users may write to (sticky). A
+// mark another user planted there for a job (its id is in the directory's listing) is not written into: it
+// is replaced by one of root's, which the shim alone believes. The old code wrote into the planted file,
+// which its owner may change or remove at will.
+func TestMarksAreRootsOnly(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to give a file to another user")
+	}
+	ta := newTestAgent(t)
+	j := Job{ID: ownersJob, UID: asOwner.Uid, GID: asOwner.Gid, Incarnation: 2}
+	for _, tt := range []struct {
+		name  string
+		path  string
+		write func() error
+	}{
+		{"superseded", ta.supersededMark(j.ID, j.Incarnation), func() error { ta.supersede(j); return nil }},
+		{"refused", ta.refusalMark(j.ID, j.Incarnation), func() error { return writeMark(ta.refusalMark(j.ID, j.Incarnation), "killed by ftkit") }},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			if err := os.WriteFile(tt.path, []byte("planted"), 0o666); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.Chown(tt.path, int(asOther.Uid), int(asOther.Gid)); err != nil {
+				t.Fatal(err)
+			}
+			if err := tt.write(); err != nil {
+				t.Fatal(err)
+			}
+			fi, err := os.Lstat(tt.path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st := fi.Sys().(*syscall.Stat_t); st.Uid != 0 || !fi.Mode().IsRegular() || fi.Mode().Perm() != 0o600 {
+				t.Errorf("the %s mark is uid %d's, mode %v: want a file of root's, 0600, in place of the one uid %d planted", tt.name, st.Uid, fi.Mode(), asOther.Uid)
+			}
+			// A mark of root's already there (the copy superseded twice) stays.
+			if err := tt.write(); err != nil {
+				t.Fatal(err)
+			}
+			if fi2, err := os.Lstat(tt.path); err != nil || !os.SameFile(fi, fi2) {
+				t.Errorf("root's %s mark was replaced (%v)", tt.name, err)
+			}
+		})
+	}
+}
