@@ -97,6 +97,12 @@ func runJobInit(spec Spec) int {
 		if err := syscall.Setgroups(nil); err != nil {
 			return rep.fail("drop supplementary groups: %v", err)
 		}
+		// The set-uid below drops root's permitted, effective and ambient capabilities, not its inheritable
+		// ones: the job would keep the agent's, and gain them by running a program with those file
+		// capabilities (and a restore refuses a job whose images hold any: agent/creds.go).
+		if err := dropInheritable(); err != nil {
+			return rep.fail("drop inheritable capabilities: %v", err)
+		}
 	}
 	if err := syscall.Setresgid(int(spec.GID), int(spec.GID), int(spec.GID)); err != nil {
 		return rep.fail("set gid %d: %v", spec.GID, err)
@@ -300,4 +306,15 @@ func privateDevpts(mounts []*mountinfo.Info) error {
 // yard and mount-namespace roots of a restore running at that instant, named ".criu.*").
 func prunedMount(m *mountinfo.Info) bool {
 	return m.FSType == "nsfs" || strings.Contains(m.Mountpoint, "/.criu.")
+}
+
+// dropInheritable empties the calling thread's inheritable capability set, keeping the others.
+func dropInheritable() error {
+	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+	var data [2]unix.CapUserData
+	if err := unix.Capget(&hdr, &data[0]); err != nil {
+		return err
+	}
+	data[0].Inheritable, data[1].Inheritable = 0, 0
+	return unix.Capset(&hdr, &data[0])
 }

@@ -101,12 +101,11 @@ func TestResetOOMScoreAdj(t *testing.T) {
 	}
 }
 
-// TestJobStartsWithDefaultSignals: the shim ignores SIGHUP and SIGINT (cmd/ftagent: it outlives the agent's
-// terminal), and an ignored signal stays ignored across fork and exec: the job's program must not start
-// with them ignored, or Ctrl-C forwarded by ftwrap and every SIGINT or SIGHUP inside the job go nowhere (a
-// shell cannot even trap a signal ignored on entry, and Python installs no KeyboardInterrupt). Run as the
-// shim is, with those two signals ignored, on a real job of uid 65534.
-func TestJobStartsWithDefaultSignals(t *testing.T) {
+// jobStatus runs the shim as the agent would, through wrap (a command that execs its last argument, the
+// shim, as the agent's unit does: with what the unit gives it), on a job of uid 65534 with umask umask that
+// prints its /proc/self/status line field; it returns the line's value. It skips where the shim cannot run.
+func jobStatus(t *testing.T, wrap []string, field string, umask *uint32) string {
+	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("SKIPPED: the shim starts a job in new PID and mount namespaces and drops to uid 65534: needs root")
 	}
@@ -114,7 +113,7 @@ func TestJobStartsWithDefaultSignals(t *testing.T) {
 	if err != nil {
 		t.Skipf("SKIPPED: no cgroup v2 directory of this process to start the job in: %v", err)
 	}
-	cg, err := os.MkdirTemp(parent, "ftkit-shim-signals-")
+	cg, err := os.MkdirTemp(parent, "ftkit-shim-status-")
 	if err != nil {
 		t.Skipf("SKIPPED: cannot make a cgroup for the job under %s: %v", parent, err)
 	}
@@ -124,9 +123,9 @@ func TestJobStartsWithDefaultSignals(t *testing.T) {
 		t.Fatal(err)
 	}
 	spec := Spec{
-		JobID: "signals-00000001", Mode: ModeStart, Argv: []string{"/bin/grep", "^SigIgn:", "/proc/self/status"},
+		JobID: "status-00000001", Mode: ModeStart, Argv: []string{"/bin/grep", "^" + field + ":", "/proc/self/status"},
 		Dir: "/", UID: 65534, GID: 65534, Stdout: filepath.Join(jobDir, "stdout"), Stderr: filepath.Join(jobDir, "stderr"),
-		Cgroup: cg, ExitFile: filepath.Join(jobDir, "exit"), Node: "n",
+		Cgroup: cg, ExitFile: filepath.Join(jobDir, "exit"), Node: "n", Umask: umask,
 	}
 	in, err := json.Marshal(spec)
 	if err != nil {
@@ -136,8 +135,7 @@ func TestJobStartsWithDefaultSignals(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The shim with SIGHUP and SIGINT ignored, as `ftagent shim` ignores them (signal.Ignore).
-	cmd := exec.Command("/bin/sh", "-c", `trap "" HUP INT; exec "$0"`, self)
+	cmd := exec.Command(wrap[0], append(wrap[1:], self)...)
 	cmd.Env = append(os.Environ(), roleEnv+"="+shimRole)
 	cmd.Stdin = bytes.NewReader(in)
 	var out bytes.Buffer
@@ -153,9 +151,20 @@ func TestJobStartsWithDefaultSignals(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	mask, err := strconv.ParseUint(strings.TrimSpace(strings.TrimPrefix(string(b), "SigIgn:")), 16, 64)
+	return strings.TrimSpace(strings.TrimPrefix(string(b), field+":"))
+}
+
+// TestJobStartsWithDefaultSignals: the shim ignores SIGHUP and SIGINT (cmd/ftagent: it outlives the agent's
+// terminal), and an ignored signal stays ignored across fork and exec: the job's program must not start
+// with them ignored, or Ctrl-C forwarded by ftwrap and every SIGINT or SIGHUP inside the job go nowhere (a
+// shell cannot even trap a signal ignored on entry, and Python installs no KeyboardInterrupt). Run as the
+// shim is, with those two signals ignored, on a real job of uid 65534.
+func TestJobStartsWithDefaultSignals(t *testing.T) {
+	// The shim with SIGHUP and SIGINT ignored, as `ftagent shim` ignores them (signal.Ignore).
+	got := jobStatus(t, []string{"/bin/sh", "-c", `trap "" HUP INT; exec "$0"`}, "SigIgn", nil)
+	mask, err := strconv.ParseUint(got, 16, 64)
 	if err != nil {
-		t.Fatalf("job's output %q: %v", b, err)
+		t.Fatalf("job's SigIgn %q: %v", got, err)
 	}
 	for _, sig := range []unix.Signal{unix.SIGHUP, unix.SIGINT} {
 		if mask&(1<<(sig-1)) != 0 {
@@ -170,13 +179,6 @@ func TestJobStartsWithDefaultSignals(t *testing.T) {
 // and 0755 (results other users of the group or the next stage of a pipeline could not read). Run as the
 // shim is, with umask 0077, on a real job of uid 65534.
 func TestJobStartsWithTheCallersUmask(t *testing.T) {
-	if os.Geteuid() != 0 {
-		t.Skip("SKIPPED: the shim starts a job in new PID and mount namespaces and drops to uid 65534: needs root")
-	}
-	parent, err := cgroupv2.ProcessDir(0)
-	if err != nil {
-		t.Skipf("SKIPPED: no cgroup v2 directory of this process to start the job in: %v", err)
-	}
 	umask := func(m uint32) *uint32 { return &m }
 	for _, tc := range []struct {
 		name  string
@@ -188,48 +190,24 @@ func TestJobStartsWithTheCallersUmask(t *testing.T) {
 		{"none given: login's default", nil, "0022"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			cg, err := os.MkdirTemp(parent, "ftkit-shim-umask-")
-			if err != nil {
-				t.Skipf("SKIPPED: cannot make a cgroup for the job under %s: %v", parent, err)
-			}
-			t.Cleanup(func() { os.Remove(cg) })
-			jobDir := filepath.Join(t.TempDir(), "job")
-			if err := os.Mkdir(jobDir, 0o755); err != nil {
-				t.Fatal(err)
-			}
-			spec := Spec{
-				JobID: "umask-00000001", Mode: ModeStart, Argv: []string{"/bin/grep", "^Umask:", "/proc/self/status"},
-				Dir: "/", UID: 65534, GID: 65534, Stdout: filepath.Join(jobDir, "stdout"), Stderr: filepath.Join(jobDir, "stderr"),
-				Cgroup: cg, ExitFile: filepath.Join(jobDir, "exit"), Node: "n", Umask: tc.umask,
-			}
-			in, err := json.Marshal(spec)
-			if err != nil {
-				t.Fatal(err)
-			}
-			self, err := os.Executable()
-			if err != nil {
-				t.Fatal(err)
-			}
 			// The shim with the agent's umask (its unit's UMask=0077).
-			cmd := exec.Command("/bin/sh", "-c", `umask 077; exec "$0"`, self)
-			cmd.Env = append(os.Environ(), roleEnv+"="+shimRole)
-			cmd.Stdin = bytes.NewReader(in)
-			var out bytes.Buffer
-			cmd.Stdout, cmd.Stderr = &out, os.Stderr
-			if err := cmd.Run(); err != nil {
-				t.Fatalf("shim: %v (report %q)", err, out.String())
-			}
-			if st, err := ReadExit(spec.ExitFile); err != nil || st.Code != 0 {
-				b, _ := os.ReadFile(spec.Stderr)
-				t.Fatalf("job ended with %+v, %v (report %q, stderr %q)", st, err, out.String(), b)
-			}
-			b, err := os.ReadFile(spec.Stdout)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if got := strings.TrimSpace(strings.TrimPrefix(string(b), "Umask:")); got != tc.want {
+			if got := jobStatus(t, []string{"/bin/sh", "-c", `umask 077; exec "$0"`}, "Umask", tc.umask); got != tc.want {
 				t.Errorf("the job's program started with umask %s, want %s", got, tc.want)
 			}
 		})
+	}
+}
+
+// TestJobStartsWithNoInheritableCapability: a set-uid to the job's user clears root's permitted, effective
+// and ambient capabilities, not its inheritable ones: a job of an agent that has some (its unit, or the
+// session that started it) kept them, and gained them in full by running a program with those file
+// capabilities; and a restore refuses a job whose images hold any (checkImageCreds). Run as the shim is,
+// with CAP_NET_RAW inheritable, on a real job of uid 65534.
+func TestJobStartsWithNoInheritableCapability(t *testing.T) {
+	if _, err := exec.LookPath("setpriv"); err != nil {
+		t.Skipf("SKIPPED: no setpriv (util-linux) to give the shim an inheritable capability: %v", err)
+	}
+	if got := jobStatus(t, []string{"setpriv", "--inh-caps", "+net_raw", "--"}, "CapInh", nil); got != "0000000000000000" {
+		t.Errorf("the job's program started with inheritable capabilities %s: root's leaked into the job", got)
 	}
 }
