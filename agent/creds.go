@@ -46,10 +46,12 @@ func foreignCreds(c image.ThreadCreds, uid, gid uint32) string {
 	if len(c.Groups) > 0 {
 		return fmt.Sprintf("has supplementary groups %v", c.Groups)
 	}
-	for _, set := range [][]uint32{c.CapPrm, c.CapEff} {
+	// Inheritable ones too: a program with those file capabilities gains them (the job starts with none,
+	// shim/jobinit.go).
+	for _, set := range [][]uint32{c.CapPrm, c.CapEff, c.CapInh} {
 		for _, w := range set {
 			if w != 0 {
-				return fmt.Sprintf("holds capabilities (permitted %x, effective %x)", c.CapPrm, c.CapEff)
+				return fmt.Sprintf("holds capabilities (permitted %x, effective %x, inheritable %x)", c.CapPrm, c.CapEff, c.CapInh)
 			}
 		}
 	}

@@ -58,6 +58,8 @@ func TestCheckCredsRefusesForeign(t *testing.T) {
 		}, "gids 1000/42/42/42"},
 		{"a file capability", func(c *creds.CredsEntry) { c.CapPrm, c.CapEff = []uint32{1 << 13, 0}, []uint32{1 << 13, 0} }, "capabilities"},
 		{"supplementary groups", func(c *creds.CredsEntry) { c.Groups = []uint32{0, 6} }, "supplementary groups"},
+		// A program with that file capability would gain it in full (inheritable in both).
+		{"an inheritable capability", func(c *creds.CredsEntry) { c.CapInh = []uint32{1 << 13, 0} }, "inheritable [2000 0]"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			dir := t.TempDir()

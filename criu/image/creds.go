@@ -23,10 +23,10 @@ type ThreadCreds struct {
 	TID                    int // in the dump's PID namespace
 	UID, EUID, SUID, FSUID uint32
 	GID, EGID, SGID, FSGID uint32
-	// CapPrm and CapEff are as the image has them (a set is empty when every word is 0); an ambient
-	// capability is also a permitted one.
-	CapPrm, CapEff []uint32
-	Groups         []uint32
+	// CapPrm, CapEff and CapInh are as the image has them (a set is empty when every word is 0); an
+	// ambient capability is also a permitted one.
+	CapPrm, CapEff, CapInh []uint32
+	Groups                 []uint32
 }
 
 // Credentials reads the credentials of every live thread of the dump in dir, from its core images: CRIU
@@ -80,6 +80,6 @@ func decodeCreds(name string, tid int, b []byte) (c ThreadCreds, live bool, err 
 	return ThreadCreds{TID: tid,
 		UID: cr.GetUid(), EUID: cr.GetEuid(), SUID: cr.GetSuid(), FSUID: cr.GetFsuid(),
 		GID: cr.GetGid(), EGID: cr.GetEgid(), SGID: cr.GetSgid(), FSGID: cr.GetFsgid(),
-		CapPrm: cr.GetCapPrm(), CapEff: cr.GetCapEff(),
+		CapPrm: cr.GetCapPrm(), CapEff: cr.GetCapEff(), CapInh: cr.GetCapInh(),
 		Groups: cr.GetGroups()}, true, nil
 }

@@ -144,8 +144,8 @@ func FuzzDecodeCreds(f *testing.F) {
 	f.Add(appendHeader(nil, magicCore))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		c, live, err := decodeCreds("core-1.img", 1, b)
-		if err == nil && live && len(c.CapPrm)+len(c.CapEff)+len(c.Groups) > len(b) {
-			t.Fatalf("%d capability words and groups from a %d-byte image", len(c.CapPrm)+len(c.CapEff)+len(c.Groups), len(b))
+		if err == nil && live && len(c.CapPrm)+len(c.CapEff)+len(c.CapInh)+len(c.Groups) > len(b) {
+			t.Fatalf("%d capability words and groups from a %d-byte image", len(c.CapPrm)+len(c.CapEff)+len(c.CapInh)+len(c.Groups), len(b))
 		}
 	})
 }
