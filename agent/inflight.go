@@ -23,9 +23,10 @@ type flowIn struct {
 
 // inFlight names the directions of the connections between two of ends whose receiver has not received all
 // that the sender sent. A direction has nothing in flight when the sender's bytes are all acknowledged, or
-// when the receiver received as many bytes as the sender sent. The second spares a wait for a delayed
-// acknowledgment; the first decides where an end was restored, since its counts start at its restore
-// (heldconns.Flow).
+// when the receiver received as many bytes as the sender sent, and the sender's FIN if it sent one (a FIN
+// counts in no byte count: one lost on loopback and acknowledged between the two dumps tore them). The
+// second spares a wait for a delayed acknowledgment; the first decides where an end was restored, since its
+// counts start at its restore (heldconns.Flow).
 func inFlight(ends []flowIn) []string {
 	by := make(map[connEnd]heldconns.Flow, len(ends))
 	for _, e := range ends {
@@ -34,7 +35,7 @@ func inFlight(ends []flowIn) []string {
 	var out []string
 	for _, e := range ends {
 		r, ok := by[endIn(e.netns, e.Conn.Reverse())]
-		if !ok || e.Unacked == 0 || e.Sent == r.Received {
+		if !ok || e.Unacked == 0 || e.Sent == r.Received && (!e.FinSent || r.FinReceived) {
 			continue
 		}
 		out = append(out, fmt.Sprintf("%s -> %s: %d segment(s) unacknowledged", e.Conn.Local, e.Conn.Remote, e.Unacked))

@@ -20,6 +20,10 @@ func TestInFlight(t *testing.T) {
 			Sent: sent, Received: received, Unacked: unacked,
 		}}
 	}
+	fin := func(e flowIn, sent, received bool) flowIn {
+		e.FinSent, e.FinReceived = sent, received
+		return e
+	}
 	const a, b = "127.0.0.1:7301", "127.0.0.1:40000"
 	tests := []struct {
 		name string
@@ -37,6 +41,11 @@ func TestInFlight(t *testing.T) {
 		{"restored sender, unacknowledged", []flowIn{end("", a, b, 10, 0, 1), end("", b, a, 0, 9000, 0)},
 			[]string{a + " -> " + b + ": 1 segment(s) unacknowledged"}},
 		{"other end in no frozen job", []flowIn{end("", a, b, 4196, 50, 1)}, nil},
+		// A FIN moves no byte count: all the bytes arrived, the FIN not yet. Dumped after its acknowledgment,
+		// the sender's snapshot holds it sent, the receiver's lacks it, and Match refuses the two.
+		{"FIN in flight", []flowIn{fin(end("", a, b, 100, 50, 1), true, false), end("", b, a, 50, 100, 0)},
+			[]string{a + " -> " + b + ": 1 segment(s) unacknowledged"}},
+		{"FIN arrived, acknowledgment on its way", []flowIn{fin(end("", a, b, 100, 50, 1), true, false), fin(end("", b, a, 50, 100, 0), false, true)}, nil},
 		// A loopback connection is private to its network namespace: the same tuple in another is another
 		// connection.
 		{"loopback ends in two namespaces", []flowIn{end("job1", a, b, 4196, 50, 1), end("job2", b, a, 50, 100, 0)}, nil},

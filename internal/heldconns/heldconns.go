@@ -123,8 +123,12 @@ type Flow struct {
 	// the bytes it received in order (tcpi_bytes_received). Both count from the socket's creation, or from
 	// its restore: the counts of the two ends of a connection restored at one end do not compare.
 	Sent, Received uint64
-	// Unacked counts the segments this end sent that its peer has not acknowledged (tcpi_unacked).
+	// Unacked counts the segments this end sent that its peer has not acknowledged (tcpi_unacked), its FIN
+	// included.
 	Unacked uint32
+	// FinSent says this end sent its FIN, FinReceived that it received its peer's (the socket's state): a FIN
+	// moves no byte count.
+	FinSent, FinReceived bool
 }
 
 // Flows returns the flows of the connections of each cgroup's sockets (the connections List puts in
@@ -151,6 +155,7 @@ func Flows(socks Sockets) (map[string][]Flow, error) {
 				Sent:     info.Bytes_sent - min(info.Bytes_retrans, info.Bytes_sent),
 				Received: info.Bytes_received,
 				Unacked:  info.Unacked,
+				FinSent:  finSent(s.State), FinReceived: finReceived(s.State),
 			})
 		}
 	}
@@ -165,6 +170,24 @@ func isConn(state uint8) bool {
 		return false
 	}
 	return true
+}
+
+// finSent says whether a socket in state sent its FIN.
+func finSent(state uint8) bool {
+	switch state {
+	case unix.BPF_TCP_FIN_WAIT1, unix.BPF_TCP_FIN_WAIT2, unix.BPF_TCP_CLOSING, unix.BPF_TCP_LAST_ACK:
+		return true
+	}
+	return false
+}
+
+// finReceived says whether a socket in state received its peer's FIN.
+func finReceived(state uint8) bool {
+	switch state {
+	case unix.BPF_TCP_CLOSE_WAIT, unix.BPF_TCP_CLOSING, unix.BPF_TCP_LAST_ACK:
+		return true
+	}
+	return false
 }
 
 // connOf is s's connection, seen from s (addresses unmapped).

@@ -231,6 +231,34 @@ func TestFlowsOwnProcess(t *testing.T) {
 	if s.Sent != 0 || s.Received != n {
 		t.Errorf("server end %+v: want none sent, %d received (its kernel holds them, unread)", s, n)
 	}
+	if c.FinSent || c.FinReceived || s.FinSent || s.FinReceived {
+		t.Errorf("ends %+v, %+v: want no FIN either way before a close", c, s)
+	}
+	// The client's FIN moves no byte count: the ends' states say it was sent and received.
+	if err := client.(*net.TCPConn).CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		socks, err := Inodes(cg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		flows, err := Flows(socks)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, f := range flows[cg] {
+			ends[f.Conn] = f
+		}
+		c, s = ends[tupleOf(client)], ends[tupleOf(server)]
+		if c.FinSent && s.FinReceived && !c.FinReceived && !s.FinSent {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after the client's close: client end %+v, server end %+v; want the FIN sent by the client, received by the server", c, s)
+		}
+		time.Sleep(time.Millisecond)
+	}
 }
 
 // FuzzSocketInode: a descriptor's link names what it holds, a path a user chose included. Only the
