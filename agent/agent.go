@@ -85,6 +85,8 @@ type Agent struct {
 	lingering lingerNets
 	// nets stands in for package jobnet where its fields are set (tests).
 	nets jobNetOps
+	// drainMove stands in for Migrate in a drain where set (tests).
+	drainMove func(context.Context, MigrateRequest, uint32) (*Migration, error)
 	// leftNetsMu serializes the updates of the record of the job networks that could not be deleted (leftnets.go).
 	leftNetsMu sync.Mutex
 	// leftRetryMu is held over a running agent's retry of a left job network (retryLeftNet), which a new

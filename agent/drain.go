@@ -105,13 +105,23 @@ func (a *Agent) drain(ctx context.Context, to []string, why string) *DrainResult
 			continue
 		}
 		// In turn over the targets; one that fails the move is skipped for this job, the next is tried.
+		move := a.Migrate
+		if a.drainMove != nil {
+			move = a.drainMove
+		}
 		var errs []error
 		for range targets {
 			target := targets[next%len(targets)]
 			next++
-			m, err := a.Migrate(ctx, MigrateRequest{Job: id, To: target}, 0)
-			if err == nil && m.Error == "" {
-				stage(StageMoved, id, t0, fmt.Sprintf("to %s, stopped %s (%s)", target, m.Frozen.Round(time.Millisecond), m.Event), nil)
+			m, err := move(ctx, MigrateRequest{Job: id, To: target}, 0)
+			// A move whose target failed after its copy started (its re-protection, say) leaves the job
+			// running there (m.To), off this host: moved, with m.Error saying what failed.
+			if err == nil && (m.Error == "" || m.To != a.cfg.Name) {
+				detail := fmt.Sprintf("to %s, stopped %s (%s)", m.To, m.Frozen.Round(time.Millisecond), m.Event)
+				if m.Error != "" {
+					detail += "; it runs there, but: " + m.Error
+				}
+				stage(StageMoved, id, t0, detail, nil)
 				res.Moved = append(res.Moved, *m)
 				errs = nil
 				break

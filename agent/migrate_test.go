@@ -730,3 +730,38 @@ func (ta *testAgent) addSnapshotWithRunID(t *testing.T, j Job) string {
 	}
 	return m.ID
 }
+
+// TestDrainCountsAJobRunningOnItsTarget: a move whose target failed after the job's copy started there
+// (its re-protection, say: the claim of the job's next incarnation refused the restore here) leaves the job
+// running on the target, and Migrate says so (To the target, Error what failed). The drain counts the job
+// as moved. Before, it reported it "not moved" and the drain's event "1 job(s) still here", while the host
+// ran nothing of it.
+func TestDrainCountsAJobRunningOnItsTarget(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.members.view = testView(t, "node1", "node2")
+	ta.mu.Lock()
+	for _, j := range ta.byID { // only the job that can move is drained
+		j.State = JobExited
+	}
+	ta.mu.Unlock()
+	j := ta.addJob(t, Job{ID: "moving-00000001", State: JobRunning, PID: os.Getpid(),
+		Net: &JobNet{Name: "moving", Addr: netip.MustParsePrefix("10.77.0.151/24")}})
+	ta.drainMove = func(_ context.Context, req MigrateRequest, _ uint32) (*Migration, error) {
+		ta.mu.Lock()
+		ta.byID[req.Job].State, ta.byID[req.Job].MovedTo = JobMoved, req.To
+		ta.mu.Unlock()
+		return &Migration{Job: req.Job, From: "node1", To: req.To, Event: req.Job + "-migrate-x", Error: "re-protection: no protector answers"}, nil
+	}
+	res := ta.drain(t.Context(), nil, "test")
+	if len(res.Moved) != 1 || res.Moved[0].To != "node2" || len(res.Failed) != 0 {
+		t.Fatalf("drain of a job that runs on node2 after its move: moved %+v, failed %q; want it moved to node2", res.Moved, res.Failed)
+	}
+	for _, f := range ta.failures.List() {
+		if f.Kind == KindDrain && f.Error != "" {
+			t.Errorf("drain event says %q; the job runs on node2", f.Error)
+		}
+	}
+	if cur, _, _ := ta.Job(j.ID, 0); cur.State != JobMoved {
+		t.Errorf("job %s after the drain; want it moved", cur.State)
+	}
+}
