@@ -234,6 +234,7 @@ func (a *Agent) forgetJob(ctx context.Context, e endedJob) {
 		return
 	}
 	delete(a.byID, id)
+	delete(a.policies, id) // else one stayed for every job that ever ran here
 	a.notify()
 	log.Info("ended job forgotten: its snapshots, replicas and record are gone (checkpoint.keep_ended)", "deleted", deleted)
 }

@@ -549,3 +549,21 @@ func TestForgetSparesARestoreUnderWay(t *testing.T) {
 		})
 	}
 }
+
+// TestForgetDropsTheIntervalPolicy: a job forgotten here (its record gone) takes its checkpoint interval
+// policy with it. Before, the agent kept one for every job that ever ran on the host, for as long as it ran.
+func TestForgetDropsTheIntervalPolicy(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.cfg.Checkpoint.KeepEnded = Duration{Duration: time.Hour}
+	t0 := time.Now()
+	ta.policyFor(doneJob) // its snapshots were scheduled while it ran
+	ta.saveEndedAt(t, doneJob, t0)
+	ta.forgetDue(t.Context(), t0.Add(2*time.Hour))
+	ta.mu.Lock()
+	_, record := ta.byID[doneJob]
+	_, policy := ta.policies[doneJob]
+	ta.mu.Unlock()
+	if record || policy {
+		t.Errorf("job forgotten: record kept %v, interval policy kept %v; want neither", record, policy)
+	}
+}
