@@ -43,7 +43,13 @@ func Daly(cost, mtbf time.Duration) time.Duration {
 }
 
 func seconds(s float64) time.Duration {
-	return time.Duration(math.Round(s * float64(time.Second)))
+	ns := math.Round(s * float64(time.Second))
+	if ns >= math.MaxInt64 {
+		// Beyond the longest duration (some 292 years): converted, it wrapped negative, and Interval's floor
+		// made the longest period the shortest.
+		return math.MaxInt64
+	}
+	return time.Duration(ns)
 }
 
 // Formula selects the model an automatic policy uses.

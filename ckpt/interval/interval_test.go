@@ -182,3 +182,20 @@ func TestFixedPolicyTracksCost(t *testing.T) {
 		})
 	}
 }
+
+// TestHugeValuesDoNotWrap: a formula whose optimum is beyond the longest time.Duration (some 292 years)
+// gives that longest one. Before, the float64 converted to a negative duration, which Interval clamped to
+// its floor: the longest intervals asked for became the shortest.
+func TestHugeValuesDoNotWrap(t *testing.T) {
+	const longest = time.Duration(1<<63 - 1)
+	if got := Young(longest, longest); got != longest {
+		t.Errorf("Young(longest, longest) = %v, want %v", got, longest)
+	}
+	p, err := New(Config{MTBF: longest, InitialCost: longest / 2, Formula: FormulaYoung})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := p.Interval(); got != longest {
+		t.Errorf("Interval of Young's policy for huge cost and MTBF = %v, want %v", got, longest)
+	}
+}
