@@ -147,6 +147,12 @@ func (ta *testAgent) setProcs(t *testing.T, j *Job, pids ...int) {
 // addSnapshot commits a snapshot carrying j's record, as the agent does after a dump.
 func (ta *testAgent) addSnapshot(t *testing.T, j Job) string {
 	t.Helper()
+	return ta.addSnapshotImages(t, j, map[string][]byte{"core-1.img": []byte("not really an image")})
+}
+
+// addSnapshotImages is addSnapshot with these files as its CRIU images.
+func (ta *testAgent) addSnapshotImages(t *testing.T, j Job, images map[string][]byte) string {
+	t.Helper()
 	p, err := ta.store.Begin(j.ID)
 	if err != nil {
 		t.Fatal(err)
@@ -154,8 +160,10 @@ func (ta *testAgent) addSnapshot(t *testing.T, j Job) string {
 	if err := os.Mkdir(filepath.Join(p.Dir(), snapImages), 0o700); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.WriteFile(filepath.Join(p.Dir(), snapImages, "core-1.img"), []byte("not really an image"), 0o600); err != nil {
-		t.Fatal(err)
+	for name, b := range images {
+		if err := os.WriteFile(filepath.Join(p.Dir(), snapImages, name), b, 0o600); err != nil {
+			t.Fatal(err)
+		}
 	}
 	// The layout a receiving agent checks (checkPeerJob): the same on every host.
 	j.Dir = filepath.Join(ta.cfg.JobsDir, j.ID)

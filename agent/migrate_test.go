@@ -2,7 +2,6 @@ package agent
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -705,30 +704,11 @@ func TestFailedMoveToFailedTarget(t *testing.T) {
 // of it gets past its preparation to the incarnation's claim (and then fails: it holds no other image).
 func (ta *testAgent) addSnapshotWithRunID(t *testing.T, j Job) string {
 	t.Helper()
-	p, err := ta.store.Begin(j.ID)
-	if err != nil {
-		t.Fatal(err)
-	}
 	inv, err := os.ReadFile(filepath.Join(dumpWithRunID(t), "inventory.img"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := os.Mkdir(filepath.Join(p.Dir(), snapImages), 0o700); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(p.Dir(), snapImages, "inventory.img"), inv, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	j.Dir, j.Cgroup = filepath.Join(ta.cfg.JobsDir, j.ID), filepath.Join(ta.cfg.CgroupParent, j.ID)
-	b, _ := json.Marshal(j)
-	if err := os.WriteFile(filepath.Join(p.Dir(), snapJob), b, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	m, err := p.Commit(context.Background(), ckpt.Info{Mode: Uncoordinated})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return m.ID
+	return ta.addSnapshotImages(t, j, map[string][]byte{"inventory.img": inv})
 }
 
 // TestDrainCountsAJobRunningOnItsTarget: a move whose target failed after the job's copy started there
