@@ -117,11 +117,7 @@ func RegularFiles(dir string) ([]RegFile, error) {
 	if err != nil {
 		return nil, err
 	}
-	b, err := os.ReadFile(filepath.Join(dir, remapName))
-	if err != nil && !os.IsNotExist(err) { // only a dump that found deleted files has it
-		return nil, fmt.Errorf("read CRIU image: %w", err)
-	}
-	remapped, err := remappedFiles(b)
+	remapped, err := readRemapped(dir)
 	if err != nil {
 		return nil, err
 	}
@@ -164,11 +160,7 @@ func NamedPaths(dir string) ([]NamedPath, error) {
 	if err != nil {
 		return nil, err
 	}
-	b, err := os.ReadFile(filepath.Join(dir, remapName))
-	if err != nil && !os.IsNotExist(err) { // only a dump that found deleted files has it
-		return nil, fmt.Errorf("read CRIU image: %w", err)
-	}
-	remapped, err := remappedFiles(b)
+	remapped, err := readRemapped(dir)
 	if err != nil {
 		return nil, err
 	}
@@ -232,4 +224,13 @@ func (f *filesImage) namedPaths(remapped map[uint32]bool) ([]NamedPath, error) {
 		}
 	}
 	return out, nil
+}
+
+// readRemapped reads dir's remap-fpath.img (remappedFiles); only a dump that found deleted files has one.
+func readRemapped(dir string) (map[uint32]bool, error) {
+	b, err := os.ReadFile(filepath.Join(dir, remapName))
+	if err != nil && !os.IsNotExist(err) {
+		return nil, fmt.Errorf("read CRIU image: %w", err)
+	}
+	return remappedFiles(b)
 }
