@@ -204,27 +204,30 @@ func TestFlowsOwnProcess(t *testing.T) {
 	if _, err := client.Write(make([]byte, n)); err != nil {
 		t.Fatal(err)
 	}
-	ends := map[tcpflow.Tuple]Flow{}
-	for deadline := time.Now().Add(10 * time.Second); ; {
-		socks, err := Inodes(cg)
-		if err != nil {
-			t.Fatal(err)
+	// ends lists the flows of the cgroup's sockets until cond holds of the client's and the server's ends, or
+	// 10 s have passed, and returns those of the last listing.
+	ends := func(cond func(c, s Flow) bool) (Flow, Flow) {
+		t.Helper()
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+			socks, err := Inodes(cg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			flows, err := Flows(socks)
+			if err != nil {
+				t.Fatal(err)
+			}
+			by := map[tcpflow.Tuple]Flow{}
+			for _, f := range flows[cg] {
+				by[f.Conn] = f
+			}
+			c, s := by[tupleOf(client)], by[tupleOf(server)]
+			if cond(c, s) || time.Now().After(deadline) {
+				return c, s
+			}
 		}
-		flows, err := Flows(socks)
-		if err != nil {
-			t.Fatal(err)
-		}
-		clear(ends)
-		for _, f := range flows[cg] {
-			ends[f.Conn] = f
-		}
-		s := ends[tupleOf(server)]
-		if (s.Received == n && ends[tupleOf(client)].Unacked == 0) || time.Now().After(deadline) {
-			break
-		}
-		time.Sleep(time.Millisecond)
 	}
-	c, s := ends[tupleOf(client)], ends[tupleOf(server)]
+	c, s := ends(func(c, s Flow) bool { return s.Received == n && c.Unacked == 0 })
 	if c.Sent != n || c.Received != 0 || c.Unacked != 0 {
 		t.Errorf("client end %+v: want %d bytes sent, none received, none unacknowledged", c, n)
 	}
@@ -238,26 +241,9 @@ func TestFlowsOwnProcess(t *testing.T) {
 	if err := client.(*net.TCPConn).CloseWrite(); err != nil {
 		t.Fatal(err)
 	}
-	for deadline := time.Now().Add(10 * time.Second); ; {
-		socks, err := Inodes(cg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		flows, err := Flows(socks)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, f := range flows[cg] {
-			ends[f.Conn] = f
-		}
-		c, s = ends[tupleOf(client)], ends[tupleOf(server)]
-		if c.FinSent && s.FinReceived && !c.FinReceived && !s.FinSent {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("after the client's close: client end %+v, server end %+v; want the FIN sent by the client, received by the server", c, s)
-		}
-		time.Sleep(time.Millisecond)
+	finned := func(c, s Flow) bool { return c.FinSent && s.FinReceived && !c.FinReceived && !s.FinSent }
+	if c, s = ends(finned); !finned(c, s) {
+		t.Fatalf("after the client's close: client end %+v, server end %+v; want the FIN sent by the client, received by the server", c, s)
 	}
 }
 
