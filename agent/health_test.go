@@ -66,8 +66,10 @@ func TestHealthFlapDrainsOnce(t *testing.T) {
 	if err := os.WriteFile(prog, []byte(script), 0o755); err != nil {
 		t.Fatal(err)
 	}
+	// A timeout far above a run's time: a run cut short answers nothing (no prediction, no drain), and a
+	// loaded host (a CI beside other work) took the script past 40 ms.
 	ta.cfg.Health = HealthConfig{Command: []string{prog}, Interval: Duration{Duration: 40 * time.Millisecond},
-		Timeout: Duration{Duration: 40 * time.Millisecond}, LeadTime: Duration{Duration: time.Hour}}
+		Timeout: Duration{Duration: 5 * time.Second}, LeadTime: Duration{Duration: time.Hour}}
 	logs := &testenv.SyncBuffer{}
 	ta.log = slog.New(slog.NewTextHandler(logs, nil))
 	ctx, cancel := context.WithCancel(t.Context())
