@@ -162,9 +162,10 @@ func (a *Agent) afterFailedMove(ctx context.Context, res *Migration, rreq Recove
 	a.log.Error("migration target failed: restoring the job here again", "job", res.Job, "target", res.To, "err", res.Error)
 	// A claim of the job by a target the view declares failed is superseded once the target has surely
 	// fenced itself (declared before now: fence_timeout and its margin from now), or the job would be left
-	// to a dead host: a migration is no failure the target's fail-over takes over.
+	// to a dead host: a migration is no failure the target's fail-over takes over. Unless the target
+	// re-protected the job: its protector's fail-over of the target restores it from that newer replica.
 	fenced := ""
-	if m, ok := a.member(res.To); ok && m.State == ring.StateFailed {
+	if m, ok := a.member(res.To); ok && m.State == ring.StateFailed && !a.protectedOn(res.Event, res.To) {
 		ready := a.cfg.FenceTiming().ReadyAt(time.Now())
 		a.log.Warn("the migration's target was declared failed: restoring the job here once the target has surely fenced itself",
 			"job", res.Job, "target", res.To, "wait_ms", time.Until(ready).Milliseconds())
@@ -535,4 +536,14 @@ func (a *Agent) renewPeerSnapshots(ctx context.Context, j Job, m *ckpt.Manifest)
 	if len(asked) > 0 {
 		a.log.Info("moved job's peers asked to snapshot: the log of what it sent before the move stays here", "job", j.ID, "nodes", asked)
 	}
+}
+
+// protectedOn reports whether event's timeline has a re-protection on host that succeeded.
+func (a *Agent) protectedOn(event, host string) bool {
+	for _, f := range a.failures.List() {
+		if f.ID == event {
+			return slices.ContainsFunc(f.Stages, func(s Stage) bool { return s.Name == StageProtected && s.Host == host && s.Error == "" })
+		}
+	}
+	return false
 }

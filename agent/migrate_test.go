@@ -663,10 +663,12 @@ func TestRollbackOfJobMovingAway(t *testing.T) {
 func TestFailedMoveToFailedTarget(t *testing.T) {
 	for _, tt := range []struct {
 		name, heldOn string
+		protected    bool // the target re-protected the job: its protector holds a newer replica
 		restoredHere bool // the job's restore here went past the claim (here it then fails: the images are no real dump)
 	}{
-		{"the failed target's claim", "node2", true},
-		{"another host's claim", "node3", false},
+		{"the failed target's claim", "node2", false, true},
+		{"another host's claim", "node3", false, false},
+		{"the failed target's claim, the job re-protected there", "node2", true, false},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			ta := newTestAgent(t)
@@ -681,6 +683,11 @@ func TestFailedMoveToFailedTarget(t *testing.T) {
 			}
 			ta.cfg.Failover.FenceTimeout.Duration = 100 * time.Millisecond
 			res := &Migration{Job: job, From: "node1", To: "node2", Snapshot: snap, Event: id, Error: "recovery on node2: the recovery's target failed"}
+			if tt.protected {
+				ta.failures.Update(id, func(f *Failure) {
+					f.Kind, f.Stages = KindMigration, []Stage{{Name: StageProtected, Host: "node2", Detail: "shipped to node3"}}
+				})
+			}
 			start := time.Now()
 			err := ta.afterFailedMove(t.Context(), res, rreq, func(Stage) {})
 			if tt.restoredHere {
@@ -694,7 +701,7 @@ func TestFailedMoveToFailedTarget(t *testing.T) {
 				return
 			}
 			if err != nil || res.To != "node2" {
-				t.Fatalf("afterFailedMove: %v, job runs on %s; want it left to the copy another host claimed", err, res.To)
+				t.Fatalf("afterFailedMove: %v, job runs on %s; want it left to the copy node2 claimed (re-protected there), or another host claimed", err, res.To)
 			}
 		})
 	}
