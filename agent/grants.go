@@ -149,7 +149,9 @@ func (a *Agent) claimIncarnation(ctx context.Context, job string, n uint64, hold
 				"granted_by", t.Granted, "members", len(members), "silent", len(t.Silent))
 			return nil
 		}
-		answered := a.giveBack(ctx, job, n, holder, t.Granted)
+		// Only those that granted hold anything to give back: with none, nil would ask every member, the
+		// replaced node among them, whose silence would count as a give-back unanswered and stop the retry.
+		answered := len(t.Granted) == 0 || a.giveBack(ctx, job, n, holder, t.Granted)
 		err := t.Err(job, n)
 		if !t.Contended(n) || attempt == grantAttempts {
 			return err

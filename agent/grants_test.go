@@ -214,3 +214,59 @@ func grantMember(t *testing.T, pki *testPKI, name string, ports map[string]uint1
 	t.Cleanup(func() { a.peers().Close() })
 	return a
 }
+
+// yields answers like its member, and after its first answer runs then (a rival giving way).
+type yields struct {
+	peerService
+	once sync.Once
+	then func() error
+}
+
+func (s *yields) Grant(ctx context.Context, peer string, req clusterapi.GrantRequest) (clusterapi.GrantReply, error) {
+	rep, err := s.peerService.Grant(ctx, peer, req)
+	s.once.Do(func() { err = errors.Join(err, s.then()) })
+	return rep, err
+}
+
+// TestContendedClaimWithoutGrantsTriesAgain: a claim that every member refused, each for another rival
+// restore of the same incarnation, got no grant to give back. It gave back to "every member" instead (nil),
+// the node it replaces among them, which does not answer: the give-back counted as unanswered, and the
+// claim never tried again once the rivals gave way.
+func TestContendedClaimWithoutGrantsTriesAgain(t *testing.T) {
+	const job = "nogrant-00000001"
+	pki := newTestPKI(t)
+	member := func(name string, ports map[string]uint16) *Agent { return grantMember(t, pki, name, ports) }
+	var n1 *Agent
+	rivals := map[string]string{"n1": "restore:r1", "n2": "restore:r2", "n3": "restore:r3"}
+	n2 := &yields{peerService: peerService{member("n2", nil)}}
+	n3 := &givesWay{peerService: peerService{member("n3", nil)}, job: job, rival: rivals["n3"], rhost: "s2"}
+	// n2 gives way once n1 refused its own claim, and has n1's rival give way too.
+	n2.then = func() error {
+		deadline := time.Now().Add(failAfter)
+		for rec, _ := n1.grants.Lookup(job); !rec.Seen.After(rec.Granted); rec, _ = n1.grants.Lookup(job) {
+			if time.Now().After(deadline) {
+				return errors.New("n1 never answered its own claim")
+			}
+			time.Sleep(time.Millisecond)
+		}
+		return errors.Join(n2.a.grants.Release(job, 1, rivals["n2"], "s2", time.Now()),
+			n1.grants.Release(job, 1, rivals["n1"], "s2", time.Now()))
+	}
+	n1 = member("n1", map[string]uint16{"n2": scriptedPeer(t, pki, "n2", n2), "n3": scriptedPeer(t, pki, "n3", n3)})
+	granted := time.Now().Add(-time.Hour)
+	for _, a := range []*Agent{n1, n2.a, n3.a} {
+		if _, err := a.grants.Grant(grant.Request{Job: job, Incarnation: 1, Holder: rivals[a.cfg.Name], Host: "s2"}, granted); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	// n1 restores s1's job: s1 (gone, unreachable) is not asked; s2 is unreachable too.
+	if err := n1.claimIncarnation(t.Context(), job, 1, "restore:n1", "s1"); err != nil {
+		t.Fatalf("claim refused by three rivals that then gave way: %v, want it won on a later attempt", err)
+	}
+	for _, a := range []*Agent{n1, n2.a, n3.a} {
+		if rec, _ := a.grants.Lookup(job); rec.Holder != "restore:n1" || rec.Released {
+			t.Errorf("%s's grant of %s: %+v, want held by restore:n1", a.cfg.Name, job, rec)
+		}
+	}
+}
