@@ -218,12 +218,14 @@ func (r *Registry) Grant(q Request, now time.Time) (Record, error) {
 	cur, ok := r.jobs[q.Job]
 	if ok {
 		cur.Seen = now
-		r.jobs[q.Job] = cur // remembered as seen; written with the next change
+		r.jobs[q.Job] = cur
 		switch {
 		case q.Incarnation < cur.Incarnation,
 			q.Incarnation == cur.Incarnation && (cur.Holder != q.Holder || cur.Host != q.Host) && !cur.Released:
+			r.saveSeen()
 			return Record{}, &ConflictError{Job: q.Job, Asked: q.Incarnation, Record: cur}
 		case q.Incarnation == cur.Incarnation && !cur.Released:
+			r.saveSeen()
 			return cur, nil // the same request again
 		}
 	}
@@ -328,6 +330,12 @@ func (r *Registry) with(job string, rec Record, now time.Time) map[string]Record
 	}
 	return next
 }
+
+// saveSeen persists a refreshed Seen: kept in memory only, a grant that restores keep asking about aged
+// out from its older time after a restart, and a stale restore got an older incarnation. Best effort: the
+// answer stands either way (a refusal turned into an error would let a majority without this member win),
+// and the next change writes Seen again.
+func (r *Registry) saveSeen() { _ = r.save(r.jobs) }
 
 func (r *Registry) save(jobs map[string]Record) error {
 	b, err := json.MarshalIndent(fileFormat{Version: formatVersion, Jobs: jobs}, "", "  ")

@@ -497,3 +497,37 @@ func TestGrantHeldUntilGivenBack(t *testing.T) {
 		t.Fatalf("newer incarnation: %v", err)
 	}
 }
+
+// TestSeenSurvivesRestart: a refused request refreshes a grant's last-seen time, which keeps it from aging
+// out while restores keep asking (TestGrantHeldUntilGivenBack). The refresh was kept in memory only, until
+// the next change: after a restart the grant aged out from its older time, and an older incarnation, a
+// stale restore's, was granted while the newer one ran.
+func TestSeenSurvivesRestart(t *testing.T) {
+	tests := []struct {
+		name  string
+		again Request // the request that refreshes the grant before the restart
+	}{
+		{"refused request", req("j", 2, "restore:again", "h2")},
+		{"same request again", req("j", 2, "restore:a", "h1")},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "grants.json")
+			opts := Options{MaxAge: time.Hour}
+			r := open(t, path, opts)
+			if _, err := r.Grant(req("j", 2, "restore:a", "h1"), t0); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := r.Grant(tt.again, t0.Add(59*time.Minute)); err != nil && !errors.Is(err, ErrConflict) {
+				t.Fatal(err)
+			}
+			r = open(t, path, opts) // the agent restarts
+			if _, err := r.Grant(req("k", 1, "restore:b", "h2"), t0.Add(90*time.Minute)); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := r.Grant(req("j", 1, "restore:stale", "h3"), t0.Add(91*time.Minute)); !errors.Is(err, ErrConflict) {
+				t.Fatalf("stale restore of j, 32 min after the last request about it: %v, want a refusal (incarnation 2 runs)", err)
+			}
+		})
+	}
+}
