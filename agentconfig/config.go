@@ -10,6 +10,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/pelletier/go-toml/v2"
@@ -22,6 +23,7 @@ import (
 	"github.com/ftkit/ftkit/intercept/record"
 	"github.com/ftkit/ftkit/jobnet"
 	"github.com/ftkit/ftkit/metrics"
+	"github.com/ftkit/ftkit/ring"
 )
 
 // Role is what a cluster member is for.
@@ -371,10 +373,18 @@ func (c Config) Validate() error {
 			errs = append(errs, fmt.Errorf("%s %q: give an absolute path (a relative one depends on the agent's working directory)", p.key, p.path))
 		}
 	}
+	// jobs_dir is the same path on every host, usually one shared file system, and users' (public): a state_dir
+	// there would be every such host's at once, each agent overwriting the others' records, grants and claims.
+	if filepath.IsAbs(c.StateDir) && filepath.IsAbs(c.JobsDir) {
+		if rel, err := filepath.Rel(c.JobsDir, c.StateDir); err == nil && rel != ".." && !strings.HasPrefix(rel, "../") {
+			errs = append(errs, fmt.Errorf("state_dir %q is jobs_dir or lies inside it: give it a directory of this host's own (jobs_dir may lie inside state_dir)", c.StateDir))
+		}
+	}
 	if c.CRIU != "" && !filepath.IsAbs(c.CRIU) {
 		// Run as root: not looked up relative to wherever the agent was started.
 		errs = append(errs, fmt.Errorf("criu %q: give the binary by absolute path (empty: %s, then PATH)", c.CRIU, criu.DefaultBinary))
 	}
+	memberErrs := len(errs)
 	seenName, seenAddr := map[string]bool{}, map[netip.AddrPort]bool{}
 	self := false
 	nodes := 0
@@ -402,6 +412,17 @@ func (c Config) Validate() error {
 	}
 	if len(c.Cluster.Members) > 0 && nodes < 2 {
 		errs = append(errs, errors.New("cluster: a protection ring needs at least 2 members with role node"))
+	} else if len(errs) == memberErrs {
+		// The agent's first view is made of these members (agent loadView), and the view refuses more than
+		// the checks above: names that cannot be a certificate's (upper case, '_'), port 0, and two members
+		// on one host address. Refused here, not by an agent that will not start.
+		ms := make([]ring.Member, 0, len(c.Cluster.Members))
+		for _, m := range c.Cluster.Members {
+			ms = append(ms, ring.Member{Name: m.Name, Address: m.Address, Role: ring.Role(m.Role), State: ring.StateAlive})
+		}
+		if _, err := ring.New(ms); err != nil && len(ms) > 0 {
+			errs = append(errs, fmt.Errorf("cluster.member: %w", err))
+		}
 	}
 	switch c.Checkpoint.Mode {
 	case Uncoordinated, SemiCoordinated:

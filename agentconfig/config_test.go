@@ -221,3 +221,51 @@ func TestRelativeDirsRefused(t *testing.T) {
 		}
 	}
 }
+
+// The agent builds its first membership view from cluster.member (agent loadView: ring.New), which refuses
+// members the view could not hold: a configuration that passes Validate (and so --check-config) must not
+// stop the agent at its start with "membership view ...: remove it to start again from the configuration".
+func TestMembersTheViewRefuses(t *testing.T) {
+	for _, tt := range []struct{ name, from, to, wantErr string }{
+		{"upper-case name", `name = "b"`, `name = "B"`, `may only contain a-z, 0-9`},
+		{"underscore in a name", `name = "b"`, `name = "node_b"`, `may only contain a-z, 0-9`},
+		{"name an IP address", `name = "b"`, `name = "10.0.0.9"`, `is an IP address`},
+		{"port 0", "10.0.0.2:1", "10.0.0.2:0", `cluster address "10.0.0.2:0" must be ip:port`},
+		{"unspecified address", "10.0.0.2:1", "0.0.0.0:1", `host address "0.0.0.0" is not a usable IP address`},
+		{"two members on one host", "10.0.0.2:1", "10.0.0.1:2", `host address 10.0.0.1 is held by both "a" and "b"`},
+		{"the same address, IPv4-mapped", "10.0.0.2:1", "[::ffff:10.0.0.1]:1", `held by both "a" and "b"`},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			if !strings.Contains(minimal, tt.from) {
+				t.Fatalf("test bug: %q not in the config", tt.from)
+			}
+			_, err := ParseConfig([]byte(strings.Replace(minimal, tt.from, tt.to, 1)))
+			if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+				t.Fatalf("err = %v, want it to mention %q", err, tt.wantErr)
+			}
+		})
+	}
+}
+
+// jobs_dir is the cluster's, the same path on every host and, where ftwrap follows moved jobs, one shared
+// file system: a state_dir in it (or the same directory) would be shared by every host configured alike, each
+// agent reading and overwriting the others' job records, grants, claims and views, and a users' directory
+// besides. jobs_dir inside state_dir is the default layout.
+func TestStateDirInsideJobsDirRefused(t *testing.T) {
+	for _, tt := range []struct{ extra, wantErr string }{
+		{"state_dir = \"/var/lib/ftkit\"\njobs_dir = \"/var/lib/ftkit/jobs\"\n", ""},
+		{"state_dir = \"/var/lib/ftkit\"\njobs_dir = \"/shared/ftkit/jobs\"\n", ""},
+		{"state_dir = \"/shared/ftkit-state\"\njobs_dir = \"/shared/ftkit\"\n", ""},
+		{"state_dir = \"/shared/ftkit/jobs\"\njobs_dir = \"/shared/ftkit/jobs\"\n", `state_dir "/shared/ftkit/jobs" is jobs_dir or lies inside it`},
+		{"state_dir = \"/shared/ftkit/jobs/state\"\njobs_dir = \"/shared/ftkit/jobs\"\n", `state_dir "/shared/ftkit/jobs/state" is jobs_dir or lies inside it`},
+		{"state_dir = \"/shared/ftkit/jobs/\"\njobs_dir = \"/shared/ftkit/jobs\"\n", `is jobs_dir or lies inside it`},
+	} {
+		_, err := ParseConfig([]byte(tt.extra + minimal))
+		if tt.wantErr == "" && err != nil {
+			t.Errorf("%q: %v", tt.extra, err)
+		}
+		if tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tt.wantErr)) {
+			t.Errorf("%q: err = %v, want it to mention %q", tt.extra, err, tt.wantErr)
+		}
+	}
+}
