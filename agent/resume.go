@@ -413,13 +413,18 @@ func (a *Agent) resumeRecovery(ctx context.Context, rec *recoveryRecord) {
 		if err == nil && len(rj.Deferred) > 0 {
 			// The gate that delivered its receive bytes died with the previous agent: the rest at once.
 			images := filepath.Join(a.store.Path(j.ID, rj.Snapshot), snapImages)
+			// Its peers sent those bytes before the failure and never send them again: a job that lacks them
+			// (or stays stopped) waits forever, and one that re-sends nothing has no replay to time out.
 			if derr := recovery.DeliverRest(ctx, deps, net, images, rj.Deferred); derr != nil {
-				a.log.Error("could not deliver the rest of a restored job's receive bytes: its replay will time out", "job", j.ID, "err", derr)
+				err = fmt.Errorf("the rest of its receive bytes, which the gate of the previous agent had not delivered, could not be delivered: %w", derr)
 			}
 			// A gate replaying receive positions may have left a thread stopped at one of its stops; with the
 			// order given up, nothing is gained by keeping it there.
 			if cerr := record.ContinueStopped(a.layout().cgroup(j.ID)); cerr != nil {
-				a.log.Error("could not continue a restored job's stopped processes: its replay will time out", "job", j.ID, "err", cerr)
+				err = errors.Join(err, fmt.Errorf("its processes a gate stopped could not be continued: %w", cerr))
+			}
+			if err != nil && ctx.Err() == nil {
+				recovery.Refuse(deps, r, err)
 			}
 		}
 		if err == nil && len(rj.Fins) > 0 {

@@ -456,3 +456,42 @@ func TestRecoveryKnownBeforeItsFirstStage(t *testing.T) {
 		t.Errorf("a resumed recovery that restored nothing reports %v; want rank1 not restored", errs)
 	}
 }
+
+// TestResumeRecoveryRefusesUndeliveredRest: a restored job whose receive order a gate replayed when the
+// previous agent died gets the rest of its receive bytes from the resumed recovery (recovery.DeliverRest):
+// its peers sent them before the failure, so nobody sends them again. When they cannot be delivered (here:
+// the snapshot's images are gone), the job waits for them forever; one that re-sends nothing on any
+// connection has no replay to time out, and its recovery reported success. It must be refused (killed)
+// instead.
+func TestResumeRecoveryRefusesUndeliveredRest(t *testing.T) {
+	ta := newTestAgent(t)
+	ta.cfg.Cluster.Listen = netip.MustParseAddrPort("127.0.0.1:7946") // on loopback: the checks can be set up
+	sleep := exec.Command("sleep", "60")
+	if err := sleep.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	go func() { sleep.Wait(); close(exited) }()
+	t.Cleanup(func() { sleep.Process.Kill(); <-exited })
+	job := ta.addJob(t, Job{ID: "rank1-00000001", State: JobRunning, PID: sleep.Process.Pid})
+	flow := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
+	rec := &recoveryRecord{Failure: "node2-20250101T000001.000", Coordinator: "node3", Asked: []string{job.ID},
+		Jobs: []recoveryJob{{Job: job.ID, Snapshot: "20250101T000000.000-node2-1", Phase: phaseRestored,
+			Deferred: []recovery.DeferredConn{{Tuple: flow, Inode: 7, InqSeq: 5000, InqLen: 100, OutqSeq: 900}}}}}
+	if err := saveRecovery(ta.cfg.StateDir, rec); err != nil {
+		t.Fatal(err)
+	}
+	ta.resumeRecoveries(t.Context(), ta.pendingRecoveries())
+	got, err := loadRecovery(recoveryPath(ta.cfg.StateDir, rec.Failure))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !got.Done || !strings.Contains(got.Error, "(killed)") || !strings.Contains(got.Error, "receive bytes") {
+		t.Errorf("resumed record: done %v, error %q; want the job refused for the receive bytes it lacks", got.Done, got.Error)
+	}
+	select {
+	case <-exited:
+	case <-time.After(10 * time.Second):
+		t.Errorf("job %s lacks receive bytes its peers never send again, and still runs: its recovery says %q", job.ID, got.Error)
+	}
+}

@@ -62,6 +62,10 @@ func ReplayAndVerify(ctx context.Context, d Deps, j *Job) (string, error) {
 	return detail, err
 }
 
+// Refuse kills restored job j for err, as ReplayAndVerify does, for a resumed recovery that finds before the
+// replay that the job cannot go on (the rest of its receive bytes could not be delivered).
+func Refuse(d Deps, j *Job, err error) { refuse(d, j, err) }
+
 // refuse kills restored job j for err, and resets the peers it left short.
 func refuse(d Deps, j *Job, err error) {
 	rollsBack := d.Jobs.RollsBack(j.ID) // the whole run rolls back, the peers included: nobody to reset
