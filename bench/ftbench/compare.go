@@ -1107,8 +1107,9 @@ func (o *compareOutcome) svg() string {
 			fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="middle" font-size="12">%.1f</text>`+"\n", x+barW/2, y(r.Seconds)-4, r.Seconds)
 		}
 		fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="middle">%s</text>`+"\n", x0+barW, h-bottom+20, v.label)
+		// The metrics' overhead (rounds paired), not the median run's over a's, which may be another round's.
 		if base, r := o.run("a", false), o.run(v.key, false); v.key != "a" && base != nil && r != nil {
-			fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="middle" fill="#444" font-size="11">%+.1f%% vs a</text>`+"\n", x0+barW, h-bottom+36, (r.Seconds/base.Seconds-1)*100)
+			fmt.Fprintf(&b, `<text x="%.1f" y="%.1f" text-anchor="middle" fill="#444" font-size="11">%+.1f%% vs a</text>`+"\n", x0+barW, h-bottom+36, (o.ratioToPlain(v.key, runTime)-1)*100)
 		}
 	}
 	if base := o.run("a", false); base != nil {

@@ -216,3 +216,64 @@ func TestSteadySeconds(t *testing.T) {
 		t.Fatal("steadySeconds accepted a rank that never said it reached the iteration")
 	}
 }
+
+// The plot's "vs a" label under each variant is the overhead the metrics report (ratioToPlain: the median
+// of the rounds' paired ratios), not the median run's over a's median run, which may come from another
+// round: bench/results/compare.svg said b +2.6% and c +1.5% where compare.json's b_overhead and c_overhead
+// were 1.7% each.
+func TestComparePlotOverheadIsTheMetric(t *testing.T) {
+	run := func(v string, round int, s float64) variantRun {
+		return variantRun{Variant: v, Round: round, Seconds: s, Identical: true}
+	}
+	o := &compareOutcome{Size: compareSizes["small"], Runs: []variantRun{
+		run("a", 0, 20), run("c", 0, 21), run("a", 1, 30), run("c", 1, 31.5), run("a", 2, 25), run("c", 2, 27.5),
+	}} // paired ratios 1.05, 1.05, 1.10: +5.0%; the median runs' 27.5/25: +10.0%
+	var overhead float64
+	for _, m := range o.metrics() {
+		if m.Name == "c_overhead" {
+			overhead = m.Value
+		}
+	}
+	if math.Abs(overhead-5) > 1e-9 {
+		t.Fatalf("c_overhead %.4f%%, want 5", overhead)
+	}
+	if svg := o.svg(); !strings.Contains(svg, ">+5.0% vs a<") {
+		t.Errorf("the plot does not label c with its overhead +5.0%% vs a: %s", svgLabels(svg))
+	}
+}
+
+// svgLabels is the plot's "vs a" labels, for a failure message.
+func svgLabels(svg string) []string {
+	var out []string
+	for line := range strings.Lines(svg) {
+		if strings.Contains(line, "vs a<") {
+			out = append(out, strings.TrimSpace(line))
+		}
+	}
+	return out
+}
+
+// The reference checksum is what every run's ranks are checked against: a reference run that printed none
+// ("") made every run whose ranks printed none too "identical" (checksumLine's "" equals it), so a stencil
+// that never reached its checksum line, or printed it in another form, passed every check unseen.
+func TestLoopbackChecksumRefusesNoChecksum(t *testing.T) {
+	dir := t.TempDir()
+	for _, tc := range []struct {
+		name, script, want string
+	}{
+		{"prints its checksum", "#!/bin/sh\necho \"rank 0 checksum 00ff\"\n", "00ff"},
+		{"prints none", "#!/bin/sh\necho \"rank 0 done\"\n", ""},
+	} {
+		prog := filepath.Join(dir, strings.ReplaceAll(tc.name, " ", "-"))
+		if err := os.WriteFile(prog, []byte(tc.script), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		ref, err := loopbackChecksum(context.Background(), prog, 2, nil)
+		switch {
+		case tc.want != "" && (err != nil || ref != tc.want):
+			t.Errorf("%s: reference %q, %v; want %q", tc.name, ref, err, tc.want)
+		case tc.want == "" && err == nil:
+			t.Errorf("%s: reference %q accepted, want an error (no checksum to check the runs against)", tc.name, ref)
+		}
+	}
+}

@@ -271,5 +271,10 @@ func loopbackChecksum(ctx context.Context, stencil string, ranks int, args []str
 	if err := errors.Join(errs...); err != nil {
 		return "", fmt.Errorf("reference run: %w", err)
 	}
-	return checksumLine(outs[0]), nil
+	// "" would check nothing: a run's rank that printed no checksum line equals it too.
+	ref := checksumLine(outs[0])
+	if ref == "" {
+		return "", fmt.Errorf("reference run: rank 0 of %s printed no \"rank R checksum HEX\" line, so no run could be checked (run make build): %s", stencil, tailOf(outs[0]))
+	}
+	return ref, nil
 }
