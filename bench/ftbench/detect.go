@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -448,17 +449,14 @@ func (d *detectBench) soakRun(ctx context.Context, log *slog.Logger, binDir stri
 	stop()
 	res.BulkBytes = <-bulk
 	res.Checkpoints = <-dumps
+	logs := map[string][]byte{}
 	for _, h := range l.State().Hosts {
 		b, err := os.ReadFile(c.LogPath(h.Name))
 		if err != nil {
 			return nil, err
 		}
 		b = b[min(logStart[h.Name], int64(len(b))):]
-		// A copy outlives the lab, for reading what was suspected and why.
-		keep := filepath.Join(os.TempDir(), "ftbench-detect-soak-"+h.Name+".log")
-		if err := os.WriteFile(keep, b, 0o644); err != nil {
-			log.Warn("detect soak: keep a copy of the agent log", "host", h.Name, "err", err)
-		}
+		logs[h.Name] = b
 		res.Suspicions += strings.Count(string(b), "predecessor suspected")
 		res.Cleared += strings.Count(string(b), "suspicion cleared")
 		res.BusySilences += strings.Count(string(b), "predecessor silent while busy")
@@ -467,8 +465,35 @@ func (d *detectBench) soakRun(ctx context.Context, log *slog.Logger, binDir stri
 		fs, _ := c.Client(h.Name).Events(ctx)
 		res.Failures += len(fs)
 	}
+	// A copy outlives the lab, for reading what was suspected and why.
+	if kept, err := keepSoakLogs(logs); err != nil {
+		log.Warn("detect soak: keep a copy of the agent log", "err", err)
+	} else {
+		log.Info("detect soak: agent logs kept", "files", kept)
+	}
 	log.Info("detect soak", "result", res)
 	return res, nil
+}
+
+// keepSoakLogs writes each host's agent log of the soak to HOST.log in a new directory under os.TempDir()
+// and returns their paths. The directory is made by MkdirTemp (a fresh name, 0700), as keepLogsOnError's:
+// ftbench runs as root, and the fixed names in the shared /tmp these copies had could be a user's links.
+func keepSoakLogs(logs map[string][]byte) (map[string]string, error) {
+	dir, err := os.MkdirTemp("", "ftbench-detect-soak-")
+	if err != nil {
+		return nil, fmt.Errorf("create a directory for the soak's agent logs: %w", err)
+	}
+	kept := map[string]string{}
+	var errs []error
+	for host, b := range logs {
+		path := filepath.Join(dir, host+".log")
+		if err := os.WriteFile(path, b, 0o644); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		kept[host] = path
+	}
+	return kept, errors.Join(errs...)
 }
 
 // gapStats sums the "heartbeat gap" lines of agents' logs (agent/cluster.go).

@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -102,5 +103,37 @@ time=2026-12-01T15:08:45.197Z level=INFO msg="heartbeat gap" node=node4 member=n
 	g.add(log)
 	if want := (gapStats{Count: 2, OnSender: 1, Longest: 1250}); g != want {
 		t.Errorf("gapStats %+v, want %+v", g, want)
+	}
+}
+
+// The soak's copies of the agents' logs are written by ftbench, as root, into a directory of their own:
+// under fixed names in the shared /tmp (ftbench-detect-soak-HOST.log) a user's link planted there ahead of
+// the soak had root write the logs through it, over whatever file it named.
+func TestKeepSoakLogsFollowsNoPlantedLink(t *testing.T) {
+	tmp := t.TempDir()
+	t.Setenv("TMPDIR", tmp)
+	victim := filepath.Join(t.TempDir(), "victim")
+	if err := os.WriteFile(victim, []byte("precious\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, host := range []string{"node1", "node2"} {
+		if err := os.Symlink(victim, filepath.Join(tmp, "ftbench-detect-soak-"+host+".log")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	kept, err := keepSoakLogs(map[string][]byte{"node1": []byte("node1's log\n"), "node2": []byte("node2's log\n")})
+	if err != nil {
+		t.Fatalf("keepSoakLogs: %v", err)
+	}
+	if b, _ := os.ReadFile(victim); string(b) != "precious\n" {
+		t.Errorf("the file a planted link named now holds %q", b)
+	}
+	for _, host := range []string{"node1", "node2"} {
+		if b, err := os.ReadFile(kept[host]); err != nil || string(b) != host+"'s log\n" {
+			t.Errorf("%s's copy %s: %q, %v", host, kept[host], b, err)
+		}
+		if fi, err := os.Lstat(kept[host]); err != nil || !fi.Mode().IsRegular() {
+			t.Errorf("%s's copy %s is not a regular file of its own: %v", host, kept[host], err)
+		}
 	}
 }
