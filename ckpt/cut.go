@@ -2,6 +2,7 @@ package ckpt
 
 import (
 	"fmt"
+	"slices"
 
 	"github.com/ftkit/ftkit/tcpflow"
 )
@@ -31,10 +32,11 @@ type Mismatch struct {
 // again once restored: it fits an other end that had not accepted it yet, and no other.
 func Match(parts []Part, want func(Conn) bool) []Mismatch {
 	type end struct {
-		job string
-		c   Conn
+		job  string
+		part int
+		c    Conn
 	}
-	ends := map[tcpflow.Tuple]end{}
+	ends := map[tcpflow.Tuple][]end{}
 	// A job in a network namespace of its own holds its loopback connections whole, and another job's may
 	// have the same 4-tuple (the same program, the same ephemeral port): an end is looked for in its own
 	// job's snapshot first, which holds the other end if any snapshot does (a tuple is unique in a namespace).
@@ -42,7 +44,7 @@ func Match(parts []Part, want func(Conn) bool) []Mismatch {
 	for i, p := range parts {
 		own[i] = make(map[tcpflow.Tuple]Conn, len(p.Conns))
 		for _, c := range p.Conns {
-			ends[c.Tuple] = end{p.Job, c}
+			ends[c.Tuple] = append(ends[c.Tuple], end{p.Job, i, c})
 			own[i][c.Tuple] = c
 		}
 	}
@@ -52,9 +54,19 @@ func Match(parts []Part, want func(Conn) bool) []Mismatch {
 			if want != nil && !want(s) {
 				continue
 			}
-			r, ok := ends[s.Reverse()]
+			var r end
+			ok := false
 			if c, mine := own[i][s.Reverse()]; mine {
-				r, ok = end{p.Job, c}, true
+				r, ok = end{p.Job, i, c}, true
+			} else {
+				// Not in another job that holds s's own 4-tuple too: that job is in a namespace of its
+				// own, and its end pairs with its own copy of s (taken for s's, both were reported torn).
+				for _, e := range slices.Backward(ends[s.Reverse()]) {
+					if _, twin := own[e.part][s.Tuple]; !twin {
+						r, ok = e, true
+						break
+					}
+				}
 			}
 			switch {
 			case s.Connecting && ok && !r.c.Connecting:

@@ -55,6 +55,19 @@ func TestMatchPrefersOwnLoopback(t *testing.T) {
 			{Job: "j1", Conns: []Conn{conn(srv, cli, 1000, 5000)}},
 			{Job: "j2", Conns: []Conn{conn(cli, srv, 5000, 1000)}},
 		}, 0},
+		// j3 runs in a namespace of its own and holds both ends of its copy: j1's end is j2's, whatever
+		// order the parts come in (a 4-tuple is unique in a namespace, so j3's copy of j1's own tuple
+		// pairs with j3's, not with j1's).
+		{"ends in two jobs, a whole copy in a third", []Part{
+			{Job: "j1", Conns: []Conn{conn(srv, cli, 1000, 5000)}},
+			{Job: "j2", Conns: []Conn{conn(cli, srv, 5000, 1000)}},
+			{Job: "j3", Conns: []Conn{conn(srv, cli, 3_000_000_000, 7_000_000), conn(cli, srv, 7_000_000, 3_000_000_000)}},
+		}, 0},
+		{"a whole copy first, then ends in two jobs", []Part{
+			{Job: "j3", Conns: []Conn{conn(srv, cli, 3_000_000_000, 7_000_000), conn(cli, srv, 7_000_000, 3_000_000_000)}},
+			{Job: "j1", Conns: []Conn{conn(srv, cli, 1000, 5000)}},
+			{Job: "j2", Conns: []Conn{conn(cli, srv, 5000, 1000)}},
+		}, 0},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
