@@ -126,15 +126,25 @@ func (a *Agent) afterBrokenStream(ctx context.Context, target string, req Recove
 	key := func(s Stage) string {
 		return s.Name + "\x00" + s.Job + "\x00" + s.Host + "\x00" + s.Start.UTC().String()
 	}
+	// The bounded log keeps a timeline's first stage and its newest ones: kept are the latter, if it dropped
+	// any between them.
+	kept := map[string]bool{}
 	for _, f := range a.failures.List() {
 		if f.ID == req.Failure {
-			for _, s := range f.Stages {
+			for i, s := range f.Stages {
 				seen[key(s)] = true
+				if i > 0 && f.StagesDropped > 0 {
+					kept[key(s)] = true
+				}
 			}
 		}
 	}
 	relay := func(st recoveryStatusMessage) {
-		for _, s := range st.Stages {
+		// The stream brought the target's stages in its order: those the answer lists before the oldest
+		// one the log kept were seen too, and dropped. Relayed again, each was shown twice by ftctl events
+		// and counted twice in ftkit_recovery_stage_seconds.
+		from := max(slices.IndexFunc(st.Stages, func(s Stage) bool { return kept[key(s)] }), 0)
+		for _, s := range st.Stages[from:] {
 			if k := key(s); !seen[k] {
 				seen[k] = true
 				emit(s)

@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strings"
 	"testing"
@@ -10,6 +11,8 @@ import (
 
 	"github.com/ftkit/ftkit/clusterapi"
 	"github.com/ftkit/ftkit/coordinated"
+	"github.com/ftkit/ftkit/failurelog"
+	"github.com/ftkit/ftkit/internal/testenv"
 )
 
 func TestRunningSummary(t *testing.T) {
@@ -199,5 +202,53 @@ func TestRecoveryStatusFitsItsReader(t *testing.T) {
 				t.Errorf("%d of %d stages answered; want all", len(stages), len(rec.Stages))
 			}
 		})
+	}
+}
+
+// doneScript is a recovery's target that answers that the recovery is done, with stages.
+type doneScript struct {
+	clusterapi.Service
+	stages []Stage
+}
+
+func (s *doneScript) RecoveryStatus(_ context.Context, _ string, q clusterapi.RecoveryStatusRequest) (clusterapi.RecoveryStatusReply, error) {
+	b, err := json.Marshal(s.stages)
+	if err != nil {
+		return clusterapi.RecoveryStatusReply{}, err
+	}
+	return clusterapi.RecoveryStatusReply{Failure: q.Failure, Known: true, Done: true, Stages: b, Running: q.Jobs}, nil
+}
+
+// TestBrokenStreamRelaysNoStageTwice: the stages a coordinator had from the progress stream before it broke
+// are not relayed again from the target's answer, though its bounded failure log dropped the older ones
+// (it keeps the first and the newest failurelog.MaxStages-1). They were appended again, out of order:
+// `ftctl events` showed them twice and ftkit_recovery_stage_seconds counted them twice.
+func TestBrokenStreamRelaysNoStageTwice(t *testing.T) {
+	at := time.Date(2026, 12, 7, 0, 0, 0, 0, time.UTC)
+	const jobs = failurelog.MaxStages + 8
+	var onTarget []Stage // what the stream brought, all of it, and what the target answers
+	for i := range jobs {
+		onTarget = append(onTarget, Stage{Name: StageFetched, Job: fmt.Sprintf("job-%d", i), Host: "s1",
+			Start: at.Add(time.Duration(i) * time.Second), End: at.Add(time.Duration(i+1) * time.Second)})
+	}
+	onTarget = append(onTarget, Stage{Name: StageRestored, Job: "job-0", Host: "s1", Start: at.Add(time.Hour), End: at.Add(time.Hour + time.Second)})
+	pki := newTestPKI(t)
+	port := scriptedPeer(t, pki, "s1", &doneScript{stages: onTarget})
+	a, logs := clientAgent(t, pki, map[string]uint16{"s1": port})
+	req := RecoverRequest{Failure: "n3-20261207T000000.000", Failed: "n3", Jobs: []RecoverJob{{Job: "job-0"}}}
+	a.failures.Update(req.Failure, func(f *Failure) {
+		f.Node, f.Protector, f.Target, f.Jobs = "n3", "n1", "s1", []string{"job-0"}
+		f.Stages = append([]Stage{{Name: StageDetected, Host: "n1", Start: at, End: at}}, onTarget[:jobs]...)
+	})
+	var emitted []Stage
+	var err error
+	testenv.ReturnsWithin(t, failAfter, func() {
+		err = a.afterBrokenStream(t.Context(), "s1", req, func(s Stage) { emitted = append(emitted, s) }, errors.New("progress stream ended: a network blip"))
+	})
+	if err != nil {
+		t.Fatalf("the recovery the target finished ended with %v; log:\n%s", err, logs.String())
+	}
+	if len(emitted) != 1 || emitted[0] != onTarget[jobs] {
+		t.Errorf("relayed %d stages (%+v); want only the one the stream had not brought, %+v", len(emitted), emitted[:min(len(emitted), 2)], onTarget[jobs])
 	}
 }
