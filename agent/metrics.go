@@ -3,9 +3,11 @@ package agent
 import (
 	"context"
 	"io"
+	"slices"
 	"time"
 
 	"github.com/ftkit/ftkit/metrics"
+	"github.com/ftkit/ftkit/ring"
 )
 
 // metricsSource gives the metrics collector the agent's state at scrape time.
@@ -22,12 +24,15 @@ func (s metricsSource) MetricsState() metrics.State {
 	a := s.a
 	now := time.Now()
 	var st metrics.State
+	v := a.View()
 	for _, j := range a.Jobs(0) {
 		mj := metrics.Job{ID: j.ID, State: string(j.State)}
 		if j.Fenced && j.State == JobLost {
 			mj.State = "fenced" // killed here because it runs elsewhere (ftctl jobs: "lost here (runs elsewhere)")
 		}
-		if j.Protected() {
+		// A replica whose every holder failed is gone, as `ftctl status` says (UNPROTECTED (replica holders
+		// ... failed)): a failure of this host now loses the job, which counts as unreplicated.
+		if j.Protected() && replicaHeld(v, j.Replica) {
 			mj.Replicated, mj.ReplicaAge, mj.Uncovered = true, max(now.Sub(j.Replica.Time), 0), len(j.NewConns) > 0
 			mj.Unrecoverable = len(j.Replica.Unrecoverable) > 0
 		}
@@ -47,6 +52,14 @@ func (s metricsSource) MetricsState() metrics.State {
 	return st
 }
 
+// replicaHeld reports whether a member alive in v holds a copy of r.
+func replicaHeld(v ring.View, r *Replica) bool {
+	return slices.ContainsFunc(r.Holders, func(h string) bool {
+		m, ok := v.Member(h)
+		return ok && m.State == ring.StateAlive
+	})
+}
+
 // metricsFailures summarizes failure timelines: finished stages only, names outside the known set as "other".
 func metricsFailures(fs []*Failure) []metrics.Failure {
 	out := make([]metrics.Failure, 0, len(fs))
@@ -54,7 +67,8 @@ func metricsFailures(fs []*Failure) []metrics.Failure {
 		if f.Kind != "" {
 			continue // a planned move or drain is no failure
 		}
-		mf := metrics.Failure{ID: f.ID, Done: f.Done, Failed: f.Error != ""}
+		// A node never coordinates the recovery of its own failure: such a timeline is its self-fence.
+		mf := metrics.Failure{ID: f.ID, Done: f.Done, Failed: f.Error != "", Fence: f.Node == f.Protector}
 		var last time.Time
 		for i, st := range f.Stages {
 			if st.Start.IsZero() || st.End.Before(st.Start) {

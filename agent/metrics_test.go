@@ -1,10 +1,15 @@
 package agent
 
 import (
+	"net/netip"
+	"os"
+	"path/filepath"
+	"slices"
 	"testing"
 	"time"
 
 	"github.com/ftkit/ftkit/metrics"
+	"github.com/ftkit/ftkit/ring"
 )
 
 // The failure log comes from other members too: stage names outside the known set become "other" (labels
@@ -88,5 +93,82 @@ func TestMetricsFencedNotLost(t *testing.T) {
 	}
 	if byState["lost"] != 1 || byState["fenced"] != 1 {
 		t.Errorf("jobs by state %v, want 1 lost (the one that vanished) and 1 fenced (it runs elsewhere)", byState)
+	}
+}
+
+// TestMetricsReplicaHoldersFailed: a job whose every replica holder has failed is not replicated, as
+// `ftctl status` says (UNPROTECTED (replica holders ... failed)): a failure of this host now loses it.
+// It was counted as replicated, with its replica's age, and ftkit_jobs_unreplicated stayed 0.
+func TestMetricsReplicaHoldersFailed(t *testing.T) {
+	tests := []struct {
+		name       string
+		holders    []string
+		replicated bool
+	}{
+		{"held by a live member", []string{"node2"}, true},
+		{"every holder failed", []string{"node3"}, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ta := newTestAgent(t)
+			v := ta.View()
+			v.Members = append(slices.Clone(v.Members), ring.Member{Name: "node3", Address: netip.MustParseAddrPort("127.0.0.3:1"), Role: ring.RoleNode, State: ring.StateFailed})
+			v.Epoch++
+			if _, err := ta.adoptView(v); err != nil {
+				t.Fatal(err)
+			}
+			ta.mu.Lock()
+			ta.byID[ownersJob].Replica = &Replica{Snapshot: ta.ownSnap, Time: time.Now(), Node: ta.cfg.Name, Holders: tt.holders}
+			ta.mu.Unlock()
+			for _, j := range (metricsSource{ta.Agent}).MetricsState().Jobs {
+				if j.ID == ownersJob && j.Replicated != tt.replicated {
+					t.Errorf("job replicated on %v: Replicated %v, want %v", tt.holders, j.Replicated, tt.replicated)
+				}
+			}
+		})
+	}
+}
+
+// TestMetricsSelfFenceIsNoRecovery: a node's record of fencing itself (its jobs killed, to be restored by
+// its protector's recovery, a timeline of its own) is no recovery: counted, one node failure was two done
+// recoveries in ftkit_recoveries, and ftkit_recovery_seconds took the milliseconds of the kill for the
+// duration of one. Its stage still counts, under self-fenced.
+func TestMetricsSelfFenceIsNoRecovery(t *testing.T) {
+	ta := newTestAgent(t)
+	for _, id := range []string{ownersJob, rootsJob} {
+		if err := os.WriteFile(filepath.Join(ta.layout().cgroup(id), "cgroup.kill"), nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if ok, _ := ta.fenceJobs(ta.runningJobs(), 4*time.Second, "no contact with node2 for 4s"); !ok {
+		t.Fatal("fenceJobs found no job to kill")
+	}
+	mfs, err := metrics.New(metricsSource{ta.Agent}).Registry().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := map[string]float64{}
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			key := mf.GetName()
+			for _, l := range m.GetLabel() {
+				key += "{" + l.GetValue() + "}"
+			}
+			if h := m.GetHistogram(); h != nil {
+				got[key] = float64(h.GetSampleCount())
+			} else {
+				got[key] = m.GetGauge().GetValue()
+			}
+		}
+	}
+	for key, want := range map[string]float64{
+		"ftkit_recoveries{done}":                                0,
+		"ftkit_recoveries{running}":                             0,
+		"ftkit_recovery_seconds":                                0,
+		"ftkit_recovery_stage_seconds{" + StageSelfFenced + "}": 1,
+	} {
+		if got[key] != want {
+			t.Errorf("%s = %v, want %v", key, got[key], want)
+		}
 	}
 }

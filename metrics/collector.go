@@ -211,6 +211,7 @@ func (c *collector) collectRecoveries(ch chan<- prometheus.Metric, fs []Failure)
 		switch {
 		case f.Failed:
 			states["failed"]++
+		case f.Fence: // a self-fence that killed its jobs is no recovery
 		case f.Done:
 			states["done"]++
 		default:
@@ -238,7 +239,7 @@ func (c *collector) collectRecoveries(ch chan<- prometheus.Metric, fs []Failure)
 		cf.nextStage = next
 		if f.Done && !cf.done {
 			cf.done = true
-			if !f.Failed {
+			if !f.Failed && !f.Fence {
 				c.recoveryTotal.observe(f.Duration.Seconds())
 			}
 		}

@@ -86,6 +86,10 @@ type Failure struct {
 	ID     string
 	Done   bool
 	Failed bool // it ended, or stopped, with an error
+	// Fence: a node's record of fencing itself, no recovery (its protector's recovery restores the jobs):
+	// its stages count, but not in ftkit_recoveries, unless it failed (a job it could not kill may run
+	// twice), nor ever in ftkit_recovery_seconds.
+	Fence bool
 	// Duration is from detection to the end of the last stage; valid when Done.
 	Duration time.Duration
 	Stages   []Stage
