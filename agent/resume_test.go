@@ -226,38 +226,57 @@ func TestResumeRecoveryKeepsEarlierFailures(t *testing.T) {
 	}
 }
 
-// TestResumeRecoveryRefusesUncheckable: a resumed recovery that cannot set up what checking a restored job
-// needs (here: no interface holds the cluster address) reports the job "not transparently recoverable
-// (killed)": it must then be killed, not left running unverified and never re-protected.
-func TestResumeRecoveryRefusesUncheckable(t *testing.T) {
-	ta := newTestAgent(t)
-	ta.cfg.Cluster.Listen = netip.MustParseAddrPort("192.0.2.77:7946") // on no interface of this host
-	sleep := exec.Command("sleep", "60")
-	if err := sleep.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan struct{})
-	go func() { sleep.Wait(); close(exited) }()
-	t.Cleanup(func() { sleep.Process.Kill(); <-exited })
-	job := ta.addJob(t, Job{ID: "rank1-00000001", State: JobRunning, PID: sleep.Process.Pid})
-	rec := &recoveryRecord{Failure: "node2-20250101T000001.000", Coordinator: "node3", Asked: []string{job.ID},
-		Jobs: []recoveryJob{{Job: job.ID, Snapshot: "s", Phase: phaseRestored,
-			Conns: []recoveryConn{{Tuple: tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("10.0.0.1:1")}, Resend: 10}}}}}
-	if err := saveRecovery(ta.cfg.StateDir, rec); err != nil {
-		t.Fatal(err)
-	}
-	ta.resumeRecoveries(t.Context(), ta.pendingRecoveries())
-	got, err := loadRecovery(recoveryPath(ta.cfg.StateDir, rec.Failure))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !got.Done || !strings.Contains(got.Error, "(killed)") {
-		t.Fatalf("resumed record: done %v, error %q; want the job refused", got.Done, got.Error)
-	}
-	select {
-	case <-exited:
-	case <-time.After(10 * time.Second):
-		t.Errorf("the record says job %s was killed (%q), but it still runs, unverified", job.ID, got.Error)
+// TestResumeRecoveryRefuses: a resumed recovery that cannot go on with a restored job reports it "not
+// transparently recoverable (killed)", and kills it: left running, it ran unverified and was never
+// re-protected, or waited for ever.
+func TestResumeRecoveryRefuses(t *testing.T) {
+	flow := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
+	for _, tt := range []struct {
+		name   string
+		listen string      // the cluster address
+		job    recoveryJob // its Job set by the test
+		why    string      // in the record's error
+	}{
+		// What checking the job needs cannot be set up: no interface holds the cluster address.
+		{"uncheckable", "192.0.2.77:7946", recoveryJob{Snapshot: "s", Phase: phaseRestored,
+			Conns: []recoveryConn{{Tuple: flow, Resend: 10}}}, "(killed)"},
+		// The rest of its receive bytes, which the previous agent's gate had not delivered, cannot be (the
+		// snapshot's images are gone): its peers sent them before the failure and never send them again,
+		// and a job that re-sends nothing had no replay to time out: its recovery reported success.
+		{"receive bytes undelivered", "127.0.0.1:7946", recoveryJob{Snapshot: "20250101T000000.000-node2-1", Phase: phaseRestored,
+			Deferred: []recovery.DeferredConn{{Tuple: flow, Inode: 7, InqSeq: 5000, InqLen: 100, OutqSeq: 900}}}, "receive bytes"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			ta := newTestAgent(t)
+			ta.cfg.Cluster.Listen = netip.MustParseAddrPort(tt.listen)
+			sleep := exec.Command("sleep", "60")
+			if err := sleep.Start(); err != nil {
+				t.Fatal(err)
+			}
+			exited := make(chan struct{})
+			go func() { sleep.Wait(); close(exited) }()
+			t.Cleanup(func() { sleep.Process.Kill(); <-exited })
+			job := ta.addJob(t, Job{ID: "rank1-00000001", State: JobRunning, PID: sleep.Process.Pid})
+			rj := tt.job
+			rj.Job = job.ID
+			rec := &recoveryRecord{Failure: "node2-20250101T000001.000", Coordinator: "node3", Asked: []string{job.ID}, Jobs: []recoveryJob{rj}}
+			if err := saveRecovery(ta.cfg.StateDir, rec); err != nil {
+				t.Fatal(err)
+			}
+			ta.resumeRecoveries(t.Context(), ta.pendingRecoveries())
+			got, err := loadRecovery(recoveryPath(ta.cfg.StateDir, rec.Failure))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !got.Done || !strings.Contains(got.Error, "(killed)") || !strings.Contains(got.Error, tt.why) {
+				t.Fatalf("resumed record: done %v, error %q; want the job refused (%s)", got.Done, got.Error, tt.why)
+			}
+			select {
+			case <-exited:
+			case <-time.After(10 * time.Second):
+				t.Errorf("the record says job %s was killed (%q), but it still runs", job.ID, got.Error)
+			}
+		})
 	}
 }
 
@@ -454,44 +473,5 @@ func TestRecoveryKnownBeforeItsFirstStage(t *testing.T) {
 	}
 	if errs := notRestored(pending[0]); len(errs) != 1 || !strings.Contains(errs[0].Error(), "job rank1 was not restored") {
 		t.Errorf("a resumed recovery that restored nothing reports %v; want rank1 not restored", errs)
-	}
-}
-
-// TestResumeRecoveryRefusesUndeliveredRest: a restored job whose receive order a gate replayed when the
-// previous agent died gets the rest of its receive bytes from the resumed recovery (recovery.DeliverRest):
-// its peers sent them before the failure, so nobody sends them again. When they cannot be delivered (here:
-// the snapshot's images are gone), the job waits for them forever; one that re-sends nothing on any
-// connection has no replay to time out, and its recovery reported success. It must be refused (killed)
-// instead.
-func TestResumeRecoveryRefusesUndeliveredRest(t *testing.T) {
-	ta := newTestAgent(t)
-	ta.cfg.Cluster.Listen = netip.MustParseAddrPort("127.0.0.1:7946") // on loopback: the checks can be set up
-	sleep := exec.Command("sleep", "60")
-	if err := sleep.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan struct{})
-	go func() { sleep.Wait(); close(exited) }()
-	t.Cleanup(func() { sleep.Process.Kill(); <-exited })
-	job := ta.addJob(t, Job{ID: "rank1-00000001", State: JobRunning, PID: sleep.Process.Pid})
-	flow := tcpflow.Tuple{Local: netip.MustParseAddrPort("10.0.0.2:7000"), Remote: netip.MustParseAddrPort("10.0.0.1:40000")}
-	rec := &recoveryRecord{Failure: "node2-20250101T000001.000", Coordinator: "node3", Asked: []string{job.ID},
-		Jobs: []recoveryJob{{Job: job.ID, Snapshot: "20250101T000000.000-node2-1", Phase: phaseRestored,
-			Deferred: []recovery.DeferredConn{{Tuple: flow, Inode: 7, InqSeq: 5000, InqLen: 100, OutqSeq: 900}}}}}
-	if err := saveRecovery(ta.cfg.StateDir, rec); err != nil {
-		t.Fatal(err)
-	}
-	ta.resumeRecoveries(t.Context(), ta.pendingRecoveries())
-	got, err := loadRecovery(recoveryPath(ta.cfg.StateDir, rec.Failure))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !got.Done || !strings.Contains(got.Error, "(killed)") || !strings.Contains(got.Error, "receive bytes") {
-		t.Errorf("resumed record: done %v, error %q; want the job refused for the receive bytes it lacks", got.Done, got.Error)
-	}
-	select {
-	case <-exited:
-	case <-time.After(10 * time.Second):
-		t.Errorf("job %s lacks receive bytes its peers never send again, and still runs: its recovery says %q", job.ID, got.Error)
 	}
 }
