@@ -85,6 +85,8 @@ type Agent struct {
 	lingering lingerNets
 	// nets stands in for package jobnet where its fields are set (tests).
 	nets jobNetOps
+	// stateLock holds state_dir for this agent while it runs (lockStateDir).
+	stateLock *os.File
 	// drainMove stands in for Migrate in a drain where set (tests).
 	drainMove func(context.Context, MigrateRequest, uint32) (*Migration, error)
 	// leftNetsMu serializes the updates of the record of the job networks that could not be deleted (leftnets.go).
@@ -197,6 +199,10 @@ func New(cfg Config, log *slog.Logger) (*Agent, error) {
 	}
 	// The state directory is root's; jobs_dir and the socket's directory stay reachable by users.
 	if err := prepareDirs(cfg, a.jobs.dir); err != nil {
+		return nil, err
+	}
+	// Before anything here touches the jobs, networks, pins or records another agent on state_dir uses.
+	if a.stateLock, err = lockStateDir(cfg.StateDir); err != nil {
 		return nil, err
 	}
 	if yard, err := criu.NewCgroupYard(filepath.Join(cfg.StateDir, "criu-cgroup-yard"), a.log); err != nil {

@@ -1,8 +1,15 @@
 package agent
 
 import (
+	"errors"
 	"fmt"
+	"io"
+	"os"
 	"path/filepath"
+	"strconv"
+	"strings"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/ftkit/ftkit/internal/rootpath"
 	"github.com/ftkit/ftkit/internal/statedir"
@@ -40,4 +47,30 @@ func prepareDirs(cfg Config, recordsDir string) error {
 		}
 	}
 	return statedir.Prepare(private, []string{cfg.JobsDir, filepath.Dir(cfg.Socket)})
+}
+
+// stateLockFile, in state_dir, is locked (flock) by the agent that uses the directory, for as long as it runs.
+const stateLockFile = "agent.lock"
+
+// lockStateDir takes state directory dir for this agent, or says which agent holds it. A second agent on it
+// (started by hand beside the service's) adopted the first's jobs, deleted their job networks and guards, put
+// back its route edits and resumed its recoveries before its local API found the socket taken. The lock
+// goes with the process (and with the returned file); the file, root's, names the holder's pid.
+func lockStateDir(dir string) (*os.File, error) {
+	f, err := os.OpenFile(filepath.Join(dir, stateLockFile), os.O_RDWR|os.O_CREATE|unix.O_NOFOLLOW, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("lock state_dir %s: %w", dir, err)
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		holder, _ := io.ReadAll(io.LimitReader(f, 32))
+		f.Close()
+		if errors.Is(err, unix.EWOULDBLOCK) {
+			return nil, fmt.Errorf("another ftagent (pid %s) runs with state_dir %s: stop it first", strings.TrimSpace(string(holder)), dir)
+		}
+		return nil, fmt.Errorf("lock state_dir %s: %w", dir, err)
+	}
+	if err := f.Truncate(0); err == nil {
+		f.WriteAt([]byte(strconv.Itoa(os.Getpid())+"\n"), 0) // for the message above; the lock is what counts
+	}
+	return f, nil
 }

@@ -3,6 +3,7 @@ package agent
 import (
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 )
@@ -103,4 +104,31 @@ func TestPrepareDirsRefusesUnsafePath(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestStateDirTakenOnce: a second agent on a state_dir (one started by hand beside the service's) is
+// refused before it touches anything, with the first's pid; once the first is gone, another may start.
+// Before, it adopted the first's jobs, deleted their networks and resumed its recoveries, and stopped only
+// when its local API found the socket taken.
+func TestStateDirTakenOnce(t *testing.T) {
+	dir := t.TempDir()
+	first, err := lockStateDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if second, err := lockStateDir(dir); err == nil || !strings.Contains(err.Error(), "pid "+strconv.Itoa(os.Getpid())) {
+		if second != nil {
+			second.Close()
+		}
+		t.Fatalf("a second agent on a state_dir held by pid %d: %v; want it refused, naming that pid", os.Getpid(), err)
+	}
+	if fi, err := os.Stat(filepath.Join(dir, stateLockFile)); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Errorf("lock file: %v, %v; want 0600", fi, err)
+	}
+	first.Close()
+	again, err := lockStateDir(dir)
+	if err != nil {
+		t.Fatalf("state_dir held by an agent that ended: %v", err)
+	}
+	again.Close()
 }
