@@ -580,30 +580,15 @@ func (a *Agent) copyMarks(id string, inc uint64) (superseded, refusal string) {
 // root's was planted by a user, whose owner may change or remove it at will and which the shim does not
 // believe; it is replaced by root's own. Root's own, once there, no user can replace.
 func writeMark(path, content string) error {
-	for range 3 {
-		f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL|unix.O_NOFOLLOW, 0o600)
-		if errors.Is(err, fs.ErrExist) {
-			fi, lerr := os.Lstat(path)
-			switch {
-			case errors.Is(lerr, fs.ErrNotExist):
-				continue
-			case lerr != nil:
-				return lerr
-			case !fi.Mode().IsRegular() || !rootpath.Trusted(rootpath.Owner(fi)):
-				if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
-					return fmt.Errorf("remove %s, another user's file in place of the mark: %w", path, err)
-				}
-				continue
-			}
-			f, err = os.OpenFile(path, os.O_WRONLY|os.O_TRUNC|unix.O_NOFOLLOW, 0)
-		}
-		if err != nil {
-			return err
-		}
-		_, err = f.WriteString(content)
-		return errors.Join(err, f.Close())
+	f, err := rootpath.OpenOwnFile(path, 0)
+	if err != nil {
+		return err
 	}
-	return fmt.Errorf("write %s: another user's file keeps taking its place; remove it", path)
+	err = f.Truncate(0)
+	if err == nil {
+		_, err = f.WriteString(content)
+	}
+	return errors.Join(err, f.Close())
 }
 
 // supersede tells job j's shim that the copy it runs is not the job any more (it moved, was fenced, or

@@ -446,28 +446,7 @@ func waitJob(pid int, other func(int, unix.WaitStatus)) ExitStatus {
 // root's (a user's, or a link) was planted for a job whose id the directory shows, and would get CRIU's
 // messages about another user's job, or be held open to make the agent believe a shim runs (heldOpen); it
 // is replaced by root's own.
-func openLog(path string) (*os.File, error) {
-	for range 3 {
-		// O_NONBLOCK: a planted FIFO without a reader does not hold the open (ENXIO); a regular file ignores it.
-		f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_APPEND|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0o600)
-		if err == nil {
-			fi, serr := f.Stat()
-			if serr == nil && fi.Mode().IsRegular() && rootpath.Trusted(rootpath.Owner(fi)) {
-				return f, nil
-			}
-			f.Close()
-			if serr != nil {
-				return nil, serr
-			}
-		} else if !errors.Is(err, syscall.ELOOP) && !errors.Is(err, syscall.ENXIO) {
-			return nil, err
-		}
-		if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return nil, fmt.Errorf("remove %s, another user's file in place of the log: %w", path, err)
-		}
-	}
-	return nil, fmt.Errorf("%s: another user's file keeps taking its place; remove it", path)
-}
+func openLog(path string) (*os.File, error) { return rootpath.OpenOwnFile(path, os.O_APPEND) }
 
 // Launch launches `SELF shim` detached from the agent and waits for its report.
 func Launch(ctx context.Context, self string, spec Spec, logPath string) (int, error) {
